@@ -1,0 +1,93 @@
+// Backend: the compute primitives the optimizer math in kernels/optim/ is written against.
+//
+// A backend owns a compute device (the host CPU through OpenBLAS, or a CUDA GPU) and hands out
+// fp32 buffers living in that device's memory. Every pointer passed to a primitive is a pointer into
+// such a buffer (a "device pointer"), except arguments documented as host values. Matrices are
+// row-major. Primitives are enqueued in order; results read back to the host (CopyToHost, SumSquares,
+// AllFinite) are complete when the call returns.
+//
+// Ownership: buffers are owned by whoever holds the unique_ptr; a buffer must not outlive its backend.
+// Thread-safety: a backend may be shared by sessions; every primitive is safe to call concurrently on
+// distinct buffers.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/elementwise.h"
+
+namespace muond::kernels {
+
+// fp32 storage in a backend's memory.
+class DeviceBuffer {
+ public:
+  virtual ~DeviceBuffer() = default;
+  virtual float* data() = 0;
+  virtual const float* data() const = 0;
+  virtual size_t size() const = 0;  // in elements
+};
+
+enum class Transpose { kNo, kYes };
+
+// Precision of the matrix products in Newton–Schulz. The CPU backend always computes in fp32.
+enum class MatmulPrecision { kFp32, kTf32, kBf16 };
+
+// Shape of a strided batch of row-major GEMMs: C_i = alpha·op(A_i)·op(B_i) + beta·C_i, i < batch,
+// with op(A_i) m×k, op(B_i) k×n, C_i m×n, and X_i = X + i·stride_x.
+struct GemmShape {
+  Transpose trans_a = Transpose::kNo;
+  Transpose trans_b = Transpose::kNo;
+  int64_t m = 0, n = 0, k = 0;
+  int64_t lda = 0, ldb = 0, ldc = 0;
+  int64_t stride_a = 0, stride_b = 0, stride_c = 0;
+  int64_t batch = 1;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  virtual std::string Name() const = 0;    // "cpu", "cuda"
+  virtual std::string Detail() const = 0;  // library versions, device name, threads
+
+  // Memory.
+  virtual absl::StatusOr<std::unique_ptr<DeviceBuffer>> Allocate(size_t count) = 0;
+  virtual absl::Status CopyToDevice(const float* host, float* device, size_t count) = 0;
+  virtual absl::Status CopyToHost(const float* device, float* host, size_t count) = 0;
+  virtual absl::Status CopyOnDevice(const float* src, float* dst, size_t count) = 0;
+  virtual absl::Status Fill(float* x, size_t count, float value) = 0;
+
+  // Linear algebra.
+  virtual absl::Status Gemm(const GemmShape& shape, float alpha, const float* a, const float* b,
+                            float beta, float* c, MatmulPrecision precision) = 0;
+  // out_i = in_iᵀ for a batch of rows×cols matrices stored back to back.
+  virtual absl::Status Transpose2D(const float* in, float* out, int64_t rows, int64_t cols,
+                                   int64_t batch) = 0;
+
+  // Reductions, accumulated in fp64 and returned to the host.
+  // sums[i] = Σ x[i·count + j]², j < count, for i < batch. `sums` is a host array of `batch` values.
+  virtual absl::Status SumSquares(const float* x, size_t count, size_t batch, double* sums) = 0;
+  virtual absl::StatusOr<bool> AllFinite(const float* x, size_t count) = 0;
+
+  // Element-wise. x_i *= scales[i] over a batch of `count`-sized slices; `scales` is a host array.
+  virtual absl::Status ScaleBatched(float* x, size_t count, size_t batch, const float* scales) = 0;
+  // y = alpha·x + beta·y
+  virtual absl::Status Axpby(float alpha, const float* x, float beta, float* y, size_t count) = 0;
+
+  // Optimizer element-wise steps; the formulas live in kernels/elementwise.h and are shared with
+  // the CUDA kernels.
+  virtual absl::Status Momentum(const MomentumArgs& args, float* momentum, const float* grad,
+                                float* update, size_t count) = 0;
+  virtual absl::Status AdamW(const AdamWArgs& args, float* param, const float* grad, float* exp_avg,
+                             float* exp_avg_sq, size_t count) = 0;
+  virtual absl::Status Lion(const LionArgs& args, float* param, const float* grad, float* exp_avg,
+                            size_t count) = 0;
+  virtual absl::Status Sgd(const SgdArgs& args, float* param, const float* grad,
+                           float* momentum_buffer, size_t count) = 0;
+};
+
+}  // namespace muond::kernels

@@ -1,0 +1,92 @@
+// Element-wise optimizer formulas, written once and compiled for both the CPU loops and the CUDA
+// kernels (MUOND_HD expands to __host__ __device__ under nvcc). Each function updates one element.
+//
+// The formulas follow DESIGN.md and torch.optim's order of operations so that results agree with
+// torch to fp32 rounding. Scalars that do not depend on the element (bias corrections) are computed
+// once on the host and passed in the argument structs.
+#pragma once
+
+#include <cmath>
+
+#if defined(__CUDACC__)
+#define MUOND_HD __host__ __device__ __forceinline__
+#else
+#define MUOND_HD inline
+#endif
+
+namespace muond::kernels {
+
+enum class MomentumStyle { kEma, kSum };
+
+// Muon momentum: ema  M ← β·M + (1−β)·G;  U ← nesterov ? (1−β)·G + β·M : M
+//                sum  M ← β·M + G;        U ← nesterov ? G + β·M : M
+struct MomentumArgs {
+  float beta = 0.95f;
+  MomentumStyle style = MomentumStyle::kEma;
+  bool nesterov = true;
+};
+
+MUOND_HD void MomentumElement(const MomentumArgs& a, float& m, float g, float& u) {
+  if (a.style == MomentumStyle::kEma) {
+    m = m + (1.0f - a.beta) * (g - m);       // torch lerp_(g, 1−β)
+    u = a.nesterov ? g + a.beta * (m - g) : m;  // torch g.lerp_(m, β)
+  } else {
+    m = a.beta * m + g;
+    u = a.nesterov ? g + a.beta * m : m;
+  }
+}
+
+// torch.optim.AdamW. bias_correction1 = 1 − β1ᵗ, bias_correction2_sqrt = √(1 − β2ᵗ).
+struct AdamWArgs {
+  float lr = 1e-3f;
+  float beta1 = 0.9f, beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0.01f;
+  float bias_correction1 = 1.0f;
+  float bias_correction2_sqrt = 1.0f;
+};
+
+MUOND_HD void AdamWElement(const AdamWArgs& a, float& p, float g, float& m, float& v) {
+  p = p * (1.0f - a.lr * a.weight_decay);
+  m = m + (1.0f - a.beta1) * (g - m);
+  v = a.beta2 * v + (1.0f - a.beta2) * g * g;
+  const float step_size = a.lr / a.bias_correction1;
+  const float denom = sqrtf(v) / a.bias_correction2_sqrt + a.eps;
+  p = p - step_size * (m / denom);
+}
+
+// Lion: u = sign(β1·m + (1−β1)·g); p ← p·(1−η·λ) − η·u; m ← β2·m + (1−β2)·g.
+struct LionArgs {
+  float lr = 1e-4f;
+  float beta1 = 0.9f, beta2 = 0.99f;
+  float weight_decay = 0.0f;
+};
+
+MUOND_HD void LionElement(const LionArgs& a, float& p, float g, float& m) {
+  const float c = a.beta1 * m + (1.0f - a.beta1) * g;
+  const float u = (c > 0.0f) ? 1.0f : ((c < 0.0f) ? -1.0f : 0.0f);
+  p = p * (1.0f - a.lr * a.weight_decay) - a.lr * u;
+  m = a.beta2 * m + (1.0f - a.beta2) * g;
+}
+
+// torch.optim.SGD (dampening 0): g ← g + λ·p; b ← μ·b + g (b = g on the first step);
+// d = nesterov ? g + μ·b : b (μ = 0: d = g); p ← p − η·d.
+struct SgdArgs {
+  float lr = 1e-2f;
+  float momentum = 0.0f;
+  float weight_decay = 0.0f;
+  bool nesterov = false;
+  bool first_step = true;
+};
+
+MUOND_HD void SgdElement(const SgdArgs& a, float& p, float g, float& b) {
+  g = g + a.weight_decay * p;
+  float d = g;
+  if (a.momentum != 0.0f) {
+    b = a.first_step ? g : a.momentum * b + g;
+    d = a.nesterov ? g + a.momentum * b : b;
+  }
+  p = p - a.lr * d;
+}
+
+}  // namespace muond::kernels

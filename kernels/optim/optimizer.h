@@ -1,0 +1,60 @@
+// Optimizer: one parameter group's update rule (Muon, AdamW, Lion, SGD), written once against the
+// Backend primitives so every backend runs the same math.
+//
+// An Optimizer is created per group from validated GroupOptions. It may keep scratch workspace
+// between steps (Newton–Schulz buffers), so it is not thread-safe: the owning session serializes
+// InitState and Step.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/backend.h"
+#include "kernels/optim/options.h"
+#include "kernels/optim/param_state.h"
+
+namespace muond::optim {
+
+// Per-step hyperparameters: the group's values unless the client overrode them for this step.
+struct StepHyper {
+  double lr = 0;
+  double momentum = 0;
+  double weight_decay = 0;
+};
+
+class Optimizer {
+ public:
+  virtual ~Optimizer() = default;
+
+  // options must have passed ValidateOptions.
+  static absl::StatusOr<std::unique_ptr<Optimizer>> Create(const GroupOptions& options);
+
+  const GroupOptions& options() const { return options_; }
+  StepHyper DefaultHyper() const;
+
+  // INVALID_ARGUMENT when this optimizer cannot handle the parameter's shape (Muon needs ≥ 2 dims,
+  // a QKV split must add up to the rows); the message names the problem, the caller names the field.
+  virtual absl::Status CheckParameter(const ParamState& param) const = 0;
+
+  // Names of the state slots (each the size of the parameter), e.g. {"momentum"}.
+  virtual std::vector<std::string> SlotNames() const = 0;
+
+  // Allocates the parameter's slots and zeroes them.
+  absl::Status InitState(kernels::Backend& backend, ParamState& param) const;
+
+  // One step over every parameter of the group whose has_grad is set: reads grad (which it may
+  // overwrite as scratch), updates master and slots, increments step_count.
+  virtual absl::Status Step(kernels::Backend& backend, const StepHyper& hyper,
+                            std::span<ParamState* const> params) = 0;
+
+ protected:
+  explicit Optimizer(GroupOptions options) : options_(std::move(options)) {}
+  GroupOptions options_;
+};
+
+}  // namespace muond::optim

@@ -1,0 +1,69 @@
+// Options of one parameter group, in the vocabulary of DESIGN.md's option table, and their
+// validation. A plain value type: copy freely; no shared state.
+#pragma once
+
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/backend.h"
+
+namespace muond::optim {
+
+enum class OptimizerKind { kMuon, kAdamW, kLion, kSgd };
+enum class WeightDecayMode { kDecoupled, kIndependent, kL2 };
+enum class ScaleMode { kShapeScaling, kSpectral, kUnitRmsNorm };
+enum class CoefficientsAfter { kCycle, kRepeatLast };
+
+struct NsCoefficient {
+  double a = 0, b = 0, c = 0;
+};
+
+// A Newton–Schulz coefficient schedule: coefficients(t) for step t.
+struct NsSchedule {
+  std::string name;  // "simple", "quintic", "polar_express", "cans", "aol" or "custom"
+  std::vector<NsCoefficient> tuples;
+  CoefficientsAfter after = CoefficientsAfter::kCycle;
+
+  NsCoefficient At(int step) const;
+};
+
+// The named sets of DESIGN.md; NOT_FOUND-free: an unknown name is INVALID_ARGUMENT naming
+// `ns_coefficients`.
+absl::StatusOr<NsSchedule> NamedSchedule(std::string_view name);
+std::vector<std::string> NamedScheduleNames();
+
+struct GroupOptions {
+  OptimizerKind optimizer = OptimizerKind::kMuon;
+  double lr = 0.02;
+  double weight_decay = 0.0;
+  WeightDecayMode weight_decay_mode = WeightDecayMode::kDecoupled;
+  double momentum = 0.95;
+  bool nesterov = true;
+  kernels::MomentumStyle momentum_style = kernels::MomentumStyle::kEma;
+  int ns_steps = 5;
+  NsSchedule ns_schedule;  // default: simple
+  double ns_eps = 1e-7;
+  double ns_norm_safety = 1.0;
+  ScaleMode scale_mode = ScaleMode::kShapeScaling;
+  double extra_scale_factor = 1.0;
+  kernels::MatmulPrecision matmul_precision = kernels::MatmulPrecision::kFp32;
+  double qk_clip_threshold = 100.0;
+  double qk_clip_alpha = 0.5;
+  double beta1 = 0.9, beta2 = 0.999;
+  double eps = 1e-8;
+};
+
+// The defaults of DESIGN.md for `kind` (lr, weight decay, momentum, nesterov, betas differ).
+GroupOptions DefaultOptions(OptimizerKind kind);
+
+// Checks ranges (lr ≥ 0, 0 ≤ momentum < 1, ns_steps ≥ 1, …). The message names the option, e.g.
+// "ns_steps must be >= 1, got 0"; callers prefix the path of the group.
+absl::Status ValidateOptions(const GroupOptions& options);
+
+// Names used on the wire and in logs.
+std::string_view OptimizerName(OptimizerKind kind);
+
+}  // namespace muond::optim

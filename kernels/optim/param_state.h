@@ -1,0 +1,46 @@
+// The daemon-side state of one parameter: its fp32 master, this step's gradient, and the optimizer's
+// state slots, all in backend memory.
+//
+// Owned by the session that holds the parameter; the optimizer mutates it during Step. Not
+// thread-safe: the owning session serializes steps.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kernels/backend.h"
+
+namespace muond::optim {
+
+// How a fused QKV weight is split: per query group, rows [0,q) are queries, [q,q+k) keys, the rest
+// values. Empty when the parameter is not fused QKV.
+struct QkvSplit {
+  int64_t q = 0, k = 0, v = 0;
+  int64_t num_query_groups = 1;
+  bool enabled() const { return q + k + v > 0; }
+};
+
+struct StateSlot {
+  std::string name;  // "momentum", "exp_avg", "exp_avg_sq", "momentum_buffer"
+  std::unique_ptr<kernels::DeviceBuffer> buffer;
+};
+
+struct ParamState {
+  std::string name;
+  std::vector<int64_t> shape;
+  int64_t numel = 0;
+  QkvSplit qkv;
+
+  std::unique_ptr<kernels::DeviceBuffer> master;
+  std::unique_ptr<kernels::DeviceBuffer> grad;  // filled by the caller before Step
+  bool has_grad = false;                        // false: skipped this step (torch's grad=None)
+  std::vector<StateSlot> slots;                 // created by Optimizer::InitState
+  int64_t step_count = 0;                       // steps that updated this parameter
+
+  kernels::DeviceBuffer* Slot(const std::string& slot_name);
+};
+
+}  // namespace muond::optim
