@@ -1,0 +1,33 @@
+"""muond: the Python client of the muond optimizer daemon.
+
+``RemoteOptimizer`` is a ``torch.optim.Optimizer`` whose ``step()`` runs Muon / AdamW / Lion / SGD
+on a muond daemon that holds the fp32 master parameters and the optimizer state::
+
+    import muond
+    groups = muond.default_param_groups(model, adamw={"lr": 3e-4})
+    with muond.RemoteOptimizer(groups, endpoint="127.0.0.1:50051") as opt:
+        for batch in data:
+            loss = model(batch).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+``LocalOptimizer`` runs the same optimizers in-process; ``MuondError`` is what a failed daemon
+call raises (``.code`` is a ``grpc.StatusCode``, ``.details`` the daemon's message).
+"""
+
+# The generated stubs (muond._proto) may live in another folder on sys.path than this file, e.g.
+# build/python when running from a CMake build tree; let the package span both.
+from pkgutil import extend_path
+
+__path__ = extend_path(__path__, __name__)
+
+from .errors import MuondError  # noqa: E402
+from .local import LocalOptimizer  # noqa: E402
+from .optimizer import RemoteOptimizer, StepInfo  # noqa: E402
+from .param_groups import default_param_groups  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = ["LocalOptimizer", "MuondError", "RemoteOptimizer", "StepInfo", "default_param_groups",
+           "__version__"]

@@ -1,0 +1,118 @@
+"""Generates the Python gRPC stubs of the muond API from ``proto/``.
+
+The stubs are never checked in: ``setup.py`` runs this at install time and CMake at build time
+(``python3 python/muond/_codegen.py --proto-root proto --out build/python``). The result is the
+subpackage ``muond._proto`` written under ``OUT/muond/_proto/``:
+
+    muond_pb2.py       messages (from protoc --python_out)
+    muond_pb2_grpc.py  the service stub (from the gRPC Python plugin), importing muond_pb2
+                       relatively so it works wherever the package is installed
+
+Two toolchains are tried in order, the first that succeeds wins:
+
+1. ``grpc_tools.protoc`` (the grpcio-tools package), when its bundled protoc understands the
+   proto3 ``optional`` fields the API uses (protoc >= 3.15);
+2. ``protoc`` plus ``grpc_python_plugin`` from PATH (Debian: protobuf-compiler and
+   protobuf-compiler-grpc).
+
+This file imports nothing from the ``muond`` package, so it runs before the package exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+PROTO_FILE = "muond/v1/muond.proto"
+PACKAGE_DIR = Path("muond") / "_proto"
+
+_INIT = '"""Generated gRPC stubs of the muond.v1 API (made at build or install time)."""\n'
+
+
+class CodegenError(RuntimeError):
+    """No usable protoc toolchain, or protoc rejected the API."""
+
+
+def _run(cmd: list[str]) -> tuple[bool, str]:
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    except OSError as err:
+        return False, f"{cmd[0]}: {err}"
+    return proc.returncode == 0, (proc.stdout + proc.stderr).strip()
+
+
+def _toolchains(proto_root: Path, out: Path) -> list[tuple[str, list[str]]]:
+    common = [f"-I{proto_root}", f"--python_out={out}", f"--grpc_python_out={out}",
+              str(proto_root / PROTO_FILE)]
+    chains = [("grpc_tools.protoc", [sys.executable, "-m", "grpc_tools.protoc"] + common)]
+    protoc = shutil.which("protoc")
+    plugin = shutil.which("grpc_python_plugin")
+    if protoc and plugin:
+        chains.append((f"{protoc} + {plugin}",
+                       [protoc, f"--plugin=protoc-gen-grpc_python={plugin}"] + common))
+    return chains
+
+
+def _fix_imports(grpc_module: str) -> str:
+    # protoc writes `from muond.v1 import muond_pb2 as ...`, which would resolve against the muond
+    # package itself; the two modules live side by side, so import relatively instead.
+    fixed, count = re.subn(r"^from muond\.v1 import muond_pb2 as", "from . import muond_pb2 as",
+                           grpc_module, flags=re.MULTILINE)
+    if count != 1:
+        raise CodegenError("unexpected import layout in the generated muond_pb2_grpc.py")
+    return fixed
+
+
+def generate(proto_root: os.PathLike | str, out: os.PathLike | str) -> Path:
+    """Writes ``OUT/muond/_proto/`` from ``PROTO_ROOT/muond/v1/muond.proto``; returns that folder.
+
+    Raises CodegenError naming every toolchain tried and why it failed.
+    """
+    proto_root = Path(proto_root).resolve()
+    if not (proto_root / PROTO_FILE).is_file():
+        raise CodegenError(f"{proto_root / PROTO_FILE} not found")
+    target = Path(out).resolve() / PACKAGE_DIR
+    failures = []
+    with tempfile.TemporaryDirectory(prefix="muond-codegen-") as tmp:
+        tmp_out = Path(tmp)
+        for name, cmd in _toolchains(proto_root, tmp_out):
+            ok, log = _run(cmd)
+            generated = tmp_out / "muond" / "v1"
+            if ok and (generated / "muond_pb2.py").is_file():
+                break
+            failures.append(f"{name}: {log.splitlines()[-1] if log else 'failed'}")
+            shutil.rmtree(tmp_out / "muond", ignore_errors=True)
+        else:
+            raise CodegenError("could not generate the muond stubs; tried:\n  " + "\n  ".join(failures)
+                               + "\ninstall grpcio-tools (pip) or protobuf-compiler and "
+                                 "protobuf-compiler-grpc (apt)")
+        target.mkdir(parents=True, exist_ok=True)
+        (target / "__init__.py").write_text(_INIT)
+        shutil.copyfile(generated / "muond_pb2.py", target / "muond_pb2.py")
+        grpc_module = (generated / "muond_pb2_grpc.py").read_text()
+        (target / "muond_pb2_grpc.py").write_text(_fix_imports(grpc_module))
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--proto-root", required=True, help="folder holding muond/v1/muond.proto")
+    parser.add_argument("--out", required=True, help="folder to receive muond/_proto/")
+    args = parser.parse_args(argv)
+    try:
+        target = generate(args.proto_root, args.out)
+    except CodegenError as err:
+        print(f"muond codegen: {err}", file=sys.stderr)
+        return 1
+    print(f"muond codegen: wrote {target}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""``LocalOptimizer``: the daemon's optimizers (Muon, AdamW, Lion, SGD), in-process, in torch.
+
+Same constructor options and param groups as ``RemoteOptimizer``, same math as the daemon's CPU
+backend (DESIGN.md's algorithms, Newton–Schulz in fp32), but the state lives in this process. It
+is the baseline for side-by-side comparisons (``examples/train_gpt.py --compare-local``) and a
+drop-in fallback when no daemon is running. Masters are the parameter tensors themselves, so keep
+parameters in fp32 for results comparable with the daemon.
+
+Thread-safety: like every torch optimizer, one instance is used from one thread at a time.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import options as opts
+from .naming import named_groups
+
+
+def newton_schulz(u: torch.Tensor, steps: int, coefficients: Sequence[Tuple[float, float, float]],
+                  after: str, eps: float, norm_safety: float) -> torch.Tensor:
+    """Orthogonalizes the last two dims of ``u`` (fp32): X ← U (wide), X ← X/(s‖X‖_F + ε), then
+    ``steps`` times X ← aX + (bA + cA²)X with A = XXᵀ, (a, b, c) from ``coefficients``."""
+    x = u.to(torch.float32)
+    tall = x.size(-2) > x.size(-1)
+    if tall:
+        x = x.transpose(-2, -1)
+    norm = torch.linalg.norm(x, dim=(-2, -1), keepdim=True) if x.dim() > 2 else torch.linalg.norm(x)
+    x = x / (norm_safety * norm + eps)
+    for t in range(steps):
+        if t < len(coefficients):
+            a, b, c = coefficients[t]
+        elif after == "cycle":
+            a, b, c = coefficients[t % len(coefficients)]
+        else:
+            a, b, c = coefficients[-1]
+        gram = x @ x.transpose(-2, -1)
+        poly = b * gram + c * (gram @ gram)
+        x = a * x + poly @ x
+    if tall:
+        x = x.transpose(-2, -1)
+    return x
+
+
+def muon_scale(mode: str, factor: float, rows: int, cols: int) -> float:
+    """The update scale of an (rows × cols) matrix under ``scale_mode``, times ``factor``."""
+    if mode == "shape_scaling":
+        return factor * math.sqrt(max(1.0, rows / cols))
+    if mode == "spectral":
+        return factor * math.sqrt(max(rows, cols))
+    return factor * math.sqrt(rows / cols)  # unit_rms_norm
+
+
+def _orthogonalize_scaled(u: torch.Tensor, group: Dict[str, Any]) -> torch.Tensor:
+    """NS(U) times its scale, for the parameter shapes DESIGN.md lists (2-D, 4-D conv as
+    (O, I·kh·kw), 3-D experts one by one, fused QKV block by block)."""
+    coefficients, after = opts.coefficient_schedule(group)
+
+    def ortho(m: torch.Tensor) -> torch.Tensor:
+        out = newton_schulz(m, group["ns_steps"], coefficients, after, group["ns_eps"],
+                            group["ns_norm_safety"])
+        return out * muon_scale(group["scale_mode"], group["extra_scale_factor"],
+                                m.size(-2), m.size(-1))
+
+    shape = u.shape
+    if group.get("qkv_split") is not None:
+        q, k, v = group["qkv_split"]
+        groups = group.get("num_query_groups") or 1
+        blocks = u.reshape(groups, q + k + v, -1)
+        parts = torch.split(blocks, [q, k, v], dim=1)
+        return torch.cat([ortho(part) for part in parts], dim=1).reshape(shape)
+    if u.dim() == 4:
+        return ortho(u.reshape(shape[0], -1)).reshape(shape)
+    return ortho(u)  # 2-D, or 3-D expert stacks batched over the first dim
+
+
+class LocalOptimizer(torch.optim.Optimizer):
+    """In-process Muon / AdamW / Lion / SGD with the daemon's options and semantics.
+
+    Args:
+        params: tensors, ``(name, tensor)`` pairs or group dicts, as for ``RemoteOptimizer``.
+        **defaults: options for every group that leaves them unset (see ``muond.options``).
+    """
+
+    def __init__(self, params: Iterable[Any], **defaults: Any):
+        opts.check_defaults(defaults)
+        self._user_defaults = dict(defaults)
+        groups, _ = named_groups(params)
+        super().__init__(groups, {})
+        self.defaults = dict(defaults)
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        resolved = opts.resolve_group(param_group, self._user_defaults)
+        if resolved["optimizer"] == "muon":
+            for p in resolved["params"]:
+                if p.dim() < 2:
+                    raise ValueError(f"Muon needs matrices; a parameter of shape "
+                                     f"{tuple(p.shape)} must go to an AdamW group")
+        super().add_param_group(resolved)
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            kind = group["optimizer"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                state["step"] = state.get("step", 0) + 1
+                g = p.grad.detach().to(torch.float32)
+                if kind == "muon":
+                    self._muon(p, g, state, group)
+                elif kind == "adamw":
+                    self._adamw(p, g, state, group)
+                elif kind == "lion":
+                    self._lion(p, g, state, group)
+                else:
+                    self._sgd(p, g, state, group)
+        return loss
+
+    @staticmethod
+    def _muon(p: torch.Tensor, g: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any]):
+        lr, beta, wd = group["lr"], group["momentum"], group["weight_decay"]
+        mode = group["weight_decay_mode"]
+        if mode == "l2" and wd:
+            g = g + wd * p.float()
+        m = state.get("momentum")
+        if m is None:
+            m = state["momentum"] = torch.zeros_like(g)
+        if group["momentum_style"] == "ema":
+            m.mul_(beta).add_(g, alpha=1 - beta)
+            u = (1 - beta) * g + beta * m if group["nesterov"] else m
+        else:
+            m.mul_(beta).add_(g)
+            u = g + beta * m if group["nesterov"] else m
+        update = _orthogonalize_scaled(u, group)
+        if mode == "decoupled":
+            p.mul_(1 - lr * wd)
+        elif mode == "independent":
+            p.mul_(1 - wd)
+        p.add_(update.to(p.dtype), alpha=-lr)
+
+    @staticmethod
+    def _adamw(p: torch.Tensor, g: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any]):
+        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+        beta1, beta2 = group["betas"]
+        if "exp_avg" not in state:
+            state["exp_avg"] = torch.zeros_like(g)
+            state["exp_avg_sq"] = torch.zeros_like(g)
+        m, v, t = state["exp_avg"], state["exp_avg_sq"], state["step"]
+        m.mul_(beta1).add_(g, alpha=1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        denom = (v / (1 - beta2 ** t)).sqrt_().add_(eps)
+        p.mul_(1 - lr * wd)
+        p.add_((m / (1 - beta1 ** t) / denom).to(p.dtype), alpha=-lr)
+
+    @staticmethod
+    def _lion(p: torch.Tensor, g: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any]):
+        lr, wd = group["lr"], group["weight_decay"]
+        beta1, beta2 = group["betas"]
+        m = state.get("exp_avg")
+        if m is None:
+            m = state["exp_avg"] = torch.zeros_like(g)
+        u = torch.sign(beta1 * m + (1 - beta1) * g)
+        p.mul_(1 - lr * wd)
+        p.add_(u.to(p.dtype), alpha=-lr)
+        m.mul_(beta2).add_(g, alpha=1 - beta2)
+
+    @staticmethod
+    def _sgd(p: torch.Tensor, g: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any]):
+        lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+        d = g + wd * p.float() if wd else g
+        if mu:
+            buf = state.get("momentum_buffer")
+            if buf is None:
+                buf = state["momentum_buffer"] = d.clone()
+            else:
+                buf.mul_(mu).add_(d)
+            d = d + mu * buf if group["nesterov"] else buf
+        p.add_(d.to(p.dtype), alpha=-lr)

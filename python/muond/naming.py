@@ -1,0 +1,69 @@
+"""Names for the parameters of a RemoteOptimizer.
+
+The daemon addresses every tensor by name. Parameters given as ``(name, tensor)`` pairs (as from
+``model.named_parameters()``) or with a group's ``param_names`` keep their names; the rest are
+called ``p<i>`` by their position across all groups. Pure functions.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, List, Tuple
+
+import torch
+
+
+def _group_dicts(params: Iterable[Any]) -> List[Dict[str, Any]]:
+    if isinstance(params, torch.Tensor):
+        raise TypeError("params argument given to the optimizer should be an iterable of Tensors "
+                        f"or dicts, but got {torch.typename(params)}")
+    if isinstance(params, dict):
+        raise TypeError("params must be an iterable of tensors, (name, tensor) pairs or dicts; "
+                        "wrap a single group dict in a list")
+    items = list(params)
+    if not items:
+        raise ValueError("optimizer got an empty parameter list")
+    if not isinstance(items[0], dict):
+        return [{"params": items}]
+    return [dict(g) for g in items]
+
+
+def named_groups(params: Iterable[Any]) -> Tuple[List[Dict[str, Any]], List[str]]:
+    """Group dicts whose ``params`` are tensors and whose ``param_names`` are filled in, and the
+    flat list of names in parameter order."""
+    groups = _group_dicts(params)
+    all_names: List[str] = []
+    for gi, group in enumerate(groups):
+        raw = group["params"]
+        if isinstance(raw, torch.Tensor):
+            raw = [raw]
+        elif isinstance(raw, set):
+            raise TypeError("optimizer parameters need to be organized in ordered collections, "
+                            "but the ordering of tensors in sets will change between runs")
+        tensors, names = [], []
+        for p in raw:
+            if isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str):
+                names.append(p[0])
+                tensors.append(p[1])
+            else:
+                names.append(None)
+                tensors.append(p)
+        given = group.get("param_names")
+        if given is not None:
+            given = list(given)
+            if len(given) != len(tensors):
+                raise ValueError(f"group {gi}: {len(given)} param_names for {len(tensors)} params")
+            names = [g if g else n for g, n in zip(given, names)]
+        for i, name in enumerate(names):
+            if not name:
+                names[i] = f"p{len(all_names) + i}"
+            elif not isinstance(name, str):
+                raise TypeError(f"parameter names must be strings, got {name!r}")
+        group["params"] = tensors
+        group["param_names"] = names
+        all_names.extend(names)
+    seen = set()
+    for name in all_names:
+        if name in seen:
+            raise ValueError(f"parameter name '{name}' is used twice")
+        seen.add(name)
+    return groups, all_names

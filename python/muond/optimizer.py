@@ -1,0 +1,360 @@
+"""``RemoteOptimizer``: a ``torch.optim.Optimizer`` whose step runs on a muond daemon.
+
+The daemon keeps the fp32 master parameters and the optimizer state (Muon momentum, Adam moments);
+this object keeps only the session id and the step counter. ``step()`` streams every parameter's
+``.grad`` to the daemon in the wire dtype, receives the updated parameters (fp32 by default, so the
+local tensors equal the masters) and copies them into the parameter tensors in place, on whatever
+device they live. Each step sends every group's current ``lr`` (and momentum or weight decay when
+they were changed), so ``torch.optim.lr_scheduler`` works unchanged.
+
+Sessions: construction creates the session, or attaches to an existing one with an identical spec
+and resumes after its last applied step, refreshing the local tensors from the daemon's masters.
+A session outlives this object unless ``close()`` ends it.
+
+Thread-safety: like every torch optimizer, one instance is used from one thread at a time.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
+
+import grpc
+import torch
+
+from . import options as opts
+from . import wire
+from ._stubs import pb
+from .client import Connection, DEFAULT_MAX_MESSAGE_BYTES
+from .errors import MuondError
+from .naming import named_groups
+
+DEFAULT_ENDPOINT = "127.0.0.1:50051"
+_STATE_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What the daemon reported about the last step."""
+    step: int
+    applied: bool          # False when skipped (non-finite gradient)
+    replayed: bool         # the step had been applied before; no second update happened
+    skip_reason: str
+    grad_norm: float       # global L2 norm of the gradients, before clipping
+    compute_seconds: float  # time the optimizer step took on the daemon
+    round_trip_seconds: float  # wall time of the whole exchange, seen from here
+
+
+class RemoteOptimizer(torch.optim.Optimizer):
+    """A torch optimizer backed by a muond session.
+
+    Args:
+        params: tensors, ``(name, tensor)`` pairs (e.g. ``model.named_parameters()``), or param
+            group dicts. A group picks its optimizer with ``optimizer="muon"|"adamw"|"lion"|"sgd"``
+            or ``use_muon=True|False`` (MuonWithAuxAdam style) and may set any option of the
+            table in ``muond.options`` (``lr``, ``momentum``, ``betas``, ``ns_steps``, ...).
+            ``muond.default_param_groups(model)`` builds the usual Muon + AdamW split.
+        endpoint: the daemon's "host:port"; default ``$MUOND_ENDPOINT`` or 127.0.0.1:50051.
+        session: session id to create or attach to; None makes a fresh random one.
+        wire_dtype: dtype of gradients on the wire: "fp32" (default) or "bf16" (or "fp16").
+        return_dtype: dtype of the returned parameters: "fp32" (default) or "bf16"/"fp16".
+        max_grad_norm: clip the global gradient norm on the daemon before each step.
+        chunk_bytes: size of the tensor chunks sent and asked for.
+        timeout: deadline in seconds of each call (None: none).
+        connect_timeout: seconds to wait for the daemon at construction.
+        max_retries: times a step that failed with UNAVAILABLE is resent (the daemon applies each
+            step exactly once, so a resend after a lost answer does not update twice).
+        credentials: ``grpc.ChannelCredentials`` for TLS; None for a plaintext channel.
+        **defaults: options applied to every group that leaves them unset and whose optimizer
+            they apply to (e.g. ``lr=0.02, weight_decay=0.1``).
+
+    Raises:
+        MuondError: the daemon rejected a call (``.code`` is the ``grpc.StatusCode``).
+        ValueError / TypeError: bad options or parameters, found before anything is sent.
+    """
+
+    def __init__(self, params: Iterable[Any], endpoint: Optional[str] = None,
+                 session: Optional[str] = None, wire_dtype: wire.DTypeLike = "fp32", *,
+                 return_dtype: wire.DTypeLike = "fp32", max_grad_norm: Optional[float] = None,
+                 chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES, timeout: Optional[float] = None,
+                 connect_timeout: float = 10.0, max_retries: int = 2,
+                 credentials: Optional[grpc.ChannelCredentials] = None, **defaults: Any):
+        opts.check_defaults(defaults)
+        self._user_defaults = dict(defaults)
+        self._sealed = False
+        self._closed = True
+        self._conn: Optional[Connection] = None
+        groups, names = named_groups(params)
+        super().__init__(groups, {})
+        self.defaults = dict(defaults)
+
+        self.wire_dtype = wire.dtype_name(wire_dtype)
+        self.return_dtype = wire.dtype_name(return_dtype)
+        self.max_grad_norm = max_grad_norm
+        self.chunk_bytes = int(chunk_bytes)
+        self.max_retries = int(max_retries)
+        self.session_id = session or f"torch-{uuid.uuid4().hex[:16]}"
+        self.last_step = 0
+        self.last_info: Optional[StepInfo] = None
+
+        self._params: List[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
+        self._names: List[str] = names
+        self._by_name: Dict[str, torch.Tensor] = dict(zip(names, self._params))
+        self._sizes: Dict[str, int] = {n: p.numel() for n, p in zip(names, self._params)}
+        self._group_names = self._assign_group_names()
+        self._created = [dict(g) for g in self.param_groups]  # option values in the spec
+        self._sealed = True
+
+        endpoint = endpoint or _env_endpoint()
+        self._conn = Connection(endpoint, max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES,
+                                timeout=timeout, credentials=credentials)
+        self._closed = False
+        try:
+            self._conn.wait_ready(connect_timeout)
+            self._open_session()
+        except BaseException:
+            self._conn.close()
+            self._closed = True
+            raise
+
+    # -- construction helpers ------------------------------------------------------------------
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        if getattr(self, "_sealed", False):
+            raise RuntimeError("RemoteOptimizer: the daemon session is fixed at construction; "
+                               "create a new RemoteOptimizer to add parameters")
+        resolved = opts.resolve_group(param_group, self._user_defaults)
+        params = resolved["params"]
+        for p in params:
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"parameters must be tensors, got {type(p).__name__}")
+            if not p.is_leaf:
+                raise ValueError("can't optimize a non-leaf tensor")
+            if resolved["optimizer"] == "muon" and p.dim() < 2:
+                raise ValueError(
+                    f"Muon needs matrices; a parameter of shape {tuple(p.shape)} must go to an "
+                    f"AdamW group (see muond.default_param_groups)")
+        super().add_param_group(resolved)
+
+    def _assign_group_names(self) -> List[str]:
+        names = [g.get("name") or f"g{i}" for i, g in enumerate(self.param_groups)]
+        if len(set(names)) != len(names):
+            raise ValueError(f"parameter group names must be unique, got {names}")
+        return names
+
+    def _spec(self) -> pb.SessionSpec:
+        spec = pb.SessionSpec(world_size=1, return_dtype=wire.dtype_enum(self.return_dtype))
+        for group, gname in zip(self.param_groups, self._group_names):
+            spec.groups.add(name=gname, options=opts.group_options_proto(group))
+            for p, pname in zip(group["params"], group["param_names"]):
+                ps = spec.parameters.add(name=pname, shape=list(p.shape), group=gname,
+                                         wire_dtype=wire.dtype_enum(self.wire_dtype))
+                if group.get("qkv_split") is not None:
+                    ps.qkv_split.extend(group["qkv_split"])
+                    ps.num_query_groups = group.get("num_query_groups") or 1
+        return spec
+
+    def _open_session(self) -> None:
+        reply = self._conn.create_session(self.session_id, self._spec())
+        if reply.attached and reply.initialized:
+            self.last_step = self._refresh_from_daemon()
+        else:
+            self._conn.upload(self.session_id, self._param_chunks(self._names, "fp32"))
+            self.last_step = 0
+        self.attached = bool(reply.attached)
+
+    def _param_chunks(self, names: Iterable[str], dtype: str) -> Iterator[pb.TensorChunk]:
+        for name in names:
+            yield from wire.encode(name, self._by_name[name], dtype,
+                                   max_chunk_bytes=self.chunk_bytes)
+
+    def _refresh_from_daemon(self) -> int:
+        into = wire.ChunkAssembler(self._sizes)
+        last_step = self._conn.get_parameters(self.session_id, into, dtype=pb.DTYPE_FP32,
+                                              max_chunk_bytes=self.chunk_bytes)
+        self._copy_in({name: t for (name, _), t in into.tensors().items()})
+        return last_step
+
+    @torch.no_grad()
+    def _copy_in(self, values: Dict[str, torch.Tensor]) -> None:
+        for name, value in values.items():
+            param = self._by_name[name]
+            param.copy_(value.view(param.shape), non_blocking=False)
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"RemoteOptimizer for session '{self.session_id}' is closed")
+
+    def _header(self, step: int) -> pb.StepHeader:
+        header = pb.StepHeader(session_id=self.session_id, step=step, rank=0,
+                               return_dtype=wire.dtype_enum(self.return_dtype),
+                               max_chunk_bytes=self.chunk_bytes)
+        for group, created, gname in zip(self.param_groups, self._created, self._group_names):
+            header.overrides.add(group=gname, **opts.overrides_of(group, created))
+        if self.max_grad_norm is not None:
+            header.max_grad_norm = float(self.max_grad_norm)
+        return header
+
+    def _grads(self) -> List[Tuple[str, torch.Tensor]]:
+        grads = []
+        for name, p in zip(self._names, self._params):
+            g = p.grad
+            if g is None:
+                continue
+            if g.is_sparse:
+                raise RuntimeError(f"parameter '{name}': sparse gradients are not supported")
+            if g.shape != p.shape:
+                raise ValueError(f"parameter '{name}': gradient shape {tuple(g.shape)} differs "
+                                 f"from the parameter's {tuple(p.shape)}")
+            grads.append((name, g))
+        return grads
+
+    def _grad_chunks(self, grads: List[Tuple[str, torch.Tensor]]) -> Iterator[pb.TensorChunk]:
+        for name, g in grads:
+            yield from wire.encode(name, g, self.wire_dtype, max_chunk_bytes=self.chunk_bytes)
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """Sends the gradients, applies the daemon's update to the parameters in place and
+        returns the closure's loss (None without a closure)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_open()
+        grads = self._grads()
+        header = self._header(self.last_step + 1)
+        started = time.perf_counter()
+        for attempt in range(self.max_retries + 1):
+            into = wire.ChunkAssembler(self._sizes, self.return_dtype)
+            try:
+                result = self._conn.step(header, self._grad_chunks(grads), into)
+                break
+            except MuondError as err:
+                if err.code != grpc.StatusCode.UNAVAILABLE or attempt == self.max_retries:
+                    raise
+                time.sleep(0.2 * 2 ** attempt)
+        self._copy_in({name: t for (name, _), t in into.tensors().items()})
+        self.last_step = result.step
+        self.last_info = StepInfo(result.step, result.applied, result.replayed, result.skip_reason,
+                                  result.grad_norm, result.compute_seconds,
+                                  time.perf_counter() - started)
+        return loss
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The daemon's whole state in torch's layout: ``state[i]`` holds parameter i's fp32
+        ``master`` and optimizer slots (e.g. ``momentum``, ``exp_avg``) and its ``step`` count;
+        ``param_groups`` the group options; ``muond`` the session's last step and names."""
+        self._check_open()
+        into = wire.ChunkAssembler(self._sizes)
+        header = self._conn.get_state(self.session_id, into, max_chunk_bytes=self.chunk_bytes)
+        counts = {c.name: int(c.count) for c in header.step_counts}
+        index = {name: i for i, name in enumerate(self._names)}
+        state: Dict[int, Dict[str, Any]] = {}
+        for (name, slot), tensor in into.tensors().items():
+            entry = state.setdefault(index[name], {})
+            entry[slot or "master"] = tensor.view(self._by_name[name].shape)
+        for name, i in index.items():
+            state.setdefault(i, {})["step"] = counts.get(name, 0)
+        groups, start = [], 0
+        for group in self.param_groups:
+            saved = {k: v for k, v in group.items() if k != "params"}
+            saved["params"] = list(range(start, start + len(group["params"])))
+            start += len(group["params"])
+            groups.append(saved)
+        return {"state": state, "param_groups": groups,
+                "muond": {"format": _STATE_FORMAT, "last_step": int(header.last_step),
+                          "names": list(self._names), "session": self.session_id}}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Replaces the daemon's state (masters, slots, step counters) with ``state_dict`` from
+        ``state_dict()``, copies the masters into the parameters, and restores the groups' lr,
+        momentum and weight decay. The session's other options must match the saved ones."""
+        self._check_open()
+        meta = state_dict.get("muond")
+        if not meta or meta.get("format") != _STATE_FORMAT:
+            raise ValueError("not a RemoteOptimizer state dict (no 'muond' section of format 1)")
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"the state dict has {len(saved_groups)} parameter groups, this "
+                             f"optimizer {len(self.param_groups)}")
+        for i, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(f"group {i}: the state dict has {len(saved['params'])} "
+                                 f"parameters, this optimizer {len(group['params'])}")
+            mine, theirs = opts.spec_options(group), opts.spec_options(saved)
+            diff = [k for k in mine if mine[k] != theirs.get(k)]
+            if diff:
+                raise ValueError(f"group {i}: options {diff} differ from the state dict's; they "
+                                 f"are fixed by the session")
+        state = state_dict["state"]
+        header = pb.StateHeader(last_step=int(meta["last_step"]))
+        for i, name in enumerate(self._names):
+            header.step_counts.add(name=name, count=int(state.get(i, {}).get("step", 0)))
+
+        def chunks():
+            for i, name in enumerate(self._names):
+                for slot, value in state.get(i, {}).items():
+                    if isinstance(value, torch.Tensor) and slot != "step":
+                        if value.shape != self._by_name[name].shape:
+                            raise ValueError(f"state of '{name}' slot '{slot}' has shape "
+                                             f"{tuple(value.shape)}, expected "
+                                             f"{tuple(self._by_name[name].shape)}")
+                        yield from wire.encode(name, value, "fp32",
+                                               slot="master" if slot == "master" else slot,
+                                               max_chunk_bytes=self.chunk_bytes)
+
+        self.last_step = self._conn.set_state(self.session_id, header, chunks())
+        self._copy_in({name: state[i]["master"] for i, name in enumerate(self._names)
+                       if "master" in state.get(i, {})})
+        for group, saved in zip(self.param_groups, saved_groups):
+            for key in opts.OVERRIDABLE + ("initial_lr",):
+                if key in saved:
+                    group[key] = saved[key]
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def close(self, keep_session: bool = False) -> None:
+        """Ends the daemon session (unless ``keep_session``, to attach to it later) and closes
+        the channel. Idempotent."""
+        if self._closed:
+            return
+        try:
+            if not keep_session:
+                try:
+                    self._conn.close_session(self.session_id)
+                except MuondError as err:
+                    if err.code != grpc.StatusCode.NOT_FOUND:
+                        raise
+        finally:
+            self._conn.close()
+            self._closed = True
+
+    def __enter__(self) -> "RemoteOptimizer":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # Closes the channel only: a session is ended explicitly, never by garbage collection.
+        conn = getattr(self, "_conn", None)
+        if conn is not None and not getattr(self, "_closed", True):
+            try:
+                conn.close()
+            except Exception:  # noqa: BLE001 - interpreter shutdown
+                pass
+
+    def __getstate__(self):
+        raise TypeError("a RemoteOptimizer holds a live connection and can't be pickled; "
+                        "save state_dict() instead")
+
+
+def _env_endpoint() -> str:
+    import os
+    return os.environ.get("MUOND_ENDPOINT") or DEFAULT_ENDPOINT
