@@ -1,0 +1,264 @@
+#include "client/muond_client.h"
+
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "grpcpp/grpcpp.h"
+#include "proto/wire/dtype_codec.h"
+
+namespace muond::client {
+namespace {
+
+bool IsTransient(absl::StatusCode code) {
+  return code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kDeadlineExceeded;
+}
+
+// Calls write(TensorChunk&&) for each chunk of `tensor` encoded as `dtype`; the first chunk carries
+// the shape so the daemon can refuse a transposed tensor.
+template <typename Write>
+bool WriteChunks(const TensorView& tensor, v1::DType dtype, size_t chunk_bytes, Write&& write) {
+  const size_t per_chunk = std::max<size_t>(1, chunk_bytes / wire::ElementSize(dtype));
+  size_t offset = 0;
+  do {
+    const size_t count = std::min(per_chunk, tensor.values.size() - offset);
+    v1::TensorChunk chunk;
+    chunk.set_name(tensor.name);
+    chunk.set_offset(offset);
+    chunk.set_dtype(dtype);
+    if (offset == 0) {
+      for (int64_t d : tensor.shape) chunk.add_shape(d);
+    }
+    wire::Encode(dtype, tensor.values.subspan(offset, count), chunk.mutable_data());
+    if (!write(std::move(chunk))) return false;
+    offset += count;
+  } while (offset < tensor.values.size());
+  return true;
+}
+
+// Decodes one answer chunk into `out`, sizing the tensor from the spec on its first chunk.
+absl::Status ReadChunk(const v1::TensorChunk& chunk, const std::map<std::string, int64_t>& numel, ParameterMap* out) {
+  auto size = numel.find(chunk.name());
+  const size_t element = wire::ElementSize(chunk.dtype());
+  if (size == numel.end() || element == 0 || chunk.data().size() % element != 0) {
+    return absl::InternalError(absl::StrCat("malformed chunk from the daemon for '", chunk.name(), "'"));
+  }
+  std::vector<float>& values = (*out)[chunk.name()];
+  values.resize(size->second);
+  const size_t count = chunk.data().size() / element;
+  if (chunk.offset() + count > values.size()) {
+    return absl::InternalError(absl::StrCat("chunk for '", chunk.name(), "' runs past its end"));
+  }
+  wire::Decode(chunk.dtype(), chunk.data(), std::span<float>(values.data() + chunk.offset(), count));
+  return absl::OkStatus();
+}
+
+std::map<std::string, int64_t> ElementCounts(const v1::SessionSpec& spec) {
+  std::map<std::string, int64_t> counts;
+  for (const auto& p : spec.parameters()) {
+    int64_t n = 1;
+    for (int64_t d : p.shape()) n *= d;
+    counts[p.name()] = n;
+  }
+  return counts;
+}
+
+}  // namespace
+
+absl::Status FromGrpcStatus(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+Client::Client(ClientOptions options, std::shared_ptr<grpc::Channel> channel)
+    : options_(std::move(options)), channel_(std::move(channel)), stub_(v1::Muond::NewStub(channel_)) {}
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(options.max_message_bytes);
+  args.SetMaxSendMessageSize(options.max_message_bytes);
+  auto channel = grpc::CreateCustomChannel(options.endpoint, grpc::InsecureChannelCredentials(), args);
+  if (!channel->WaitForConnected(std::chrono::system_clock::now() + options.connect_timeout)) {
+    return absl::UnavailableError(absl::StrCat("cannot reach muond at ", options.endpoint, " within ",
+                                               options.connect_timeout.count(), " ms"));
+  }
+  return std::unique_ptr<Client>(new Client(std::move(options), std::move(channel)));
+}
+
+void Client::PrepareContext(grpc::ClientContext& context) const {
+  context.set_deadline(std::chrono::system_clock::now() + options_.rpc_timeout);
+}
+
+absl::StatusOr<v1::ServerInfo> Client::GetServerInfo() {
+  grpc::ClientContext context;
+  PrepareContext(context);
+  v1::ServerInfo info;
+  grpc::Status status = stub_->GetServerInfo(&context, v1::GetServerInfoRequest(), &info);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return info;
+}
+
+absl::StatusOr<std::unique_ptr<Session>> Client::CreateSession(const std::string& session_id,
+                                                               const v1::SessionSpec& spec) {
+  grpc::ClientContext context;
+  PrepareContext(context);
+  v1::CreateSessionRequest request;
+  request.set_session_id(session_id);
+  *request.mutable_spec() = spec;
+  v1::CreateSessionResponse response;
+  grpc::Status status = stub_->CreateSession(&context, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return std::make_unique<Session>(this, session_id, spec, response);
+}
+
+absl::Status Client::CloseSession(const std::string& session_id) {
+  grpc::ClientContext context;
+  PrepareContext(context);
+  v1::CloseSessionRequest request;
+  request.set_session_id(session_id);
+  v1::CloseSessionResponse response;
+  return FromGrpcStatus(stub_->CloseSession(&context, request, &response));
+}
+
+absl::StatusOr<std::vector<v1::SessionSummary>> Client::ListSessions() {
+  grpc::ClientContext context;
+  PrepareContext(context);
+  v1::ListSessionsResponse response;
+  grpc::Status status = stub_->ListSessions(&context, v1::ListSessionsRequest(), &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return std::vector<v1::SessionSummary>(response.sessions().begin(), response.sessions().end());
+}
+
+Session::Session(Client* client, std::string id, v1::SessionSpec spec, const v1::CreateSessionResponse& created)
+    : client_(client), id_(std::move(id)), spec_(std::move(spec)) {
+  for (const auto& p : spec_.parameters()) {
+    wire_dtypes_[p.name()] = p.wire_dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_FP32 : p.wire_dtype();
+  }
+  attached_ = created.attached();
+  initialized_ = created.initialized();
+  last_step_ = created.last_step();
+}
+
+v1::DType Session::WireDType(const std::string& name) const {
+  auto it = wire_dtypes_.find(name);
+  return it == wire_dtypes_.end() ? v1::DTYPE_FP32 : it->second;
+}
+
+absl::Status Session::UploadParameters(std::span<const TensorView> parameters) {
+  grpc::ClientContext context;
+  client_->PrepareContext(context);
+  v1::UploadParametersResponse response;
+  auto writer = client_->stub().UploadParameters(&context, &response);
+  v1::UploadParametersRequest request;
+  request.set_session_id(id_);
+  bool ok = writer->Write(request);
+  for (const TensorView& tensor : parameters) {
+    if (!ok) break;
+    ok = WriteChunks(tensor, WireDType(tensor.name), client_->options().chunk_bytes, [&](v1::TensorChunk&& chunk) {
+      request.Clear();
+      *request.mutable_chunk() = std::move(chunk);
+      return writer->Write(request);
+    });
+  }
+  writer->WritesDone();
+  absl::Status status = FromGrpcStatus(writer->Finish());
+  if (status.ok()) initialized_ = true;
+  return status;
+}
+
+absl::StatusOr<StepReply> Session::Step(int64_t step, std::span<const TensorView> gradients,
+                                        const StepOptions& options) {
+  std::chrono::milliseconds backoff = client_->options().retry_backoff;
+  for (int attempt = 1;; ++attempt) {
+    absl::StatusOr<StepReply> reply = StepOnce(step, gradients, options);
+    if (reply.ok()) {
+      reply->attempts = attempt;
+      last_step_ = step;
+      return reply;
+    }
+    if (!IsTransient(reply.status().code()) || attempt >= client_->options().max_step_attempts) return reply;
+    std::this_thread::sleep_for(backoff);
+    backoff *= 2;
+  }
+}
+
+absl::StatusOr<StepReply> Session::StepOnce(int64_t step, std::span<const TensorView> gradients,
+                                            const StepOptions& options) {
+  grpc::ClientContext context;
+  client_->PrepareContext(context);
+  auto stream = client_->stub().Step(&context);
+  v1::StepRequest request;
+  v1::StepHeader* header = request.mutable_header();
+  header->set_session_id(id_);
+  header->set_step(step);
+  header->set_return_dtype(options.return_dtype);
+  header->set_max_chunk_bytes(static_cast<uint32_t>(client_->options().chunk_bytes));
+  if (options.max_grad_norm) header->set_max_grad_norm(*options.max_grad_norm);
+  for (const auto& [group, lr] : options.lr) {
+    v1::GroupOverride* o = header->add_overrides();
+    o->set_group(group);
+    o->set_lr(lr);
+  }
+  bool ok = stream->Write(request);
+  for (const TensorView& tensor : gradients) {
+    if (!ok) break;
+    ok = WriteChunks(tensor, WireDType(tensor.name), client_->options().chunk_bytes, [&](v1::TensorChunk&& chunk) {
+      request.Clear();
+      *request.mutable_chunk() = std::move(chunk);
+      return stream->Write(request);
+    });
+  }
+  stream->WritesDone();
+
+  StepReply reply;
+  const std::map<std::string, int64_t> numel = ElementCounts(spec_);
+  v1::StepResponse response;
+  absl::Status decode = absl::OkStatus();
+  bool have_result = false;
+  while (stream->Read(&response)) {
+    if (response.has_result()) {
+      const v1::StepResult& r = response.result();
+      reply.step = r.step();
+      reply.applied = r.applied();
+      reply.replayed = r.replayed();
+      reply.skip_reason = r.skip_reason();
+      reply.grad_norm = r.grad_norm();
+      reply.compute_seconds = r.compute_seconds();
+      have_result = true;
+    } else if (response.has_chunk() && decode.ok()) {
+      decode = ReadChunk(response.chunk(), numel, &reply.parameters);
+    }
+  }
+  absl::Status status = FromGrpcStatus(stream->Finish());
+  if (!status.ok()) return status;
+  if (!decode.ok()) return decode;
+  if (!have_result) return absl::InternalError("the daemon's step answer had no result");
+  return reply;
+}
+
+absl::StatusOr<ParameterMap> Session::GetParameters(int64_t* last_step, const std::vector<std::string>& names) {
+  grpc::ClientContext context;
+  client_->PrepareContext(context);
+  v1::GetParametersRequest request;
+  request.set_session_id(id_);
+  request.set_max_chunk_bytes(static_cast<uint32_t>(client_->options().chunk_bytes));
+  for (const std::string& name : names) request.add_names(name);
+  auto reader = client_->stub().GetParameters(&context, request);
+  const std::map<std::string, int64_t> numel = ElementCounts(spec_);
+  ParameterMap parameters;
+  absl::Status decode = absl::OkStatus();
+  v1::GetParametersResponse response;
+  bool first = true;
+  while (reader->Read(&response)) {
+    if (first && last_step != nullptr) *last_step = response.last_step();
+    first = false;
+    if (decode.ok()) decode = ReadChunk(response.chunk(), numel, &parameters);
+  }
+  absl::Status status = FromGrpcStatus(reader->Finish());
+  if (!status.ok()) return status;
+  if (!decode.ok()) return decode;
+  return parameters;
+}
+
+absl::Status Session::Close() { return client_->CloseSession(id_); }
+
+}  // namespace muond::client

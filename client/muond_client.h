@@ -1,0 +1,127 @@
+// libmuond_client: the C++ trainer's side of muond. A Client is a connection to one daemon; a
+// Session is one optimizer on it. Tensors are plain fp32 spans owned by the caller; chunking, dtype
+// encoding, message limits and retrying a step whose answer was lost are handled here.
+//
+// A retried step is safe: the daemon applies step k once and answers a repeat of k with the same
+// parameters, so Step() retries transient failures (UNAVAILABLE, DEADLINE_EXCEEDED) with the same
+// step number.
+//
+// Errors are absl::Status values carrying the daemon's gRPC code and message unchanged.
+// Thread-safety: a Client may be shared by threads; a Session must be used by one thread at a time.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "muond/v1/muond.grpc.pb.h"
+
+namespace muond::client {
+
+struct ClientOptions {
+  std::string endpoint = "127.0.0.1:50051";
+  size_t chunk_bytes = 1u << 20;           // payload per chunk sent; the daemon's limit is 4 MiB by default
+  int max_message_bytes = 64 << 20;        // gRPC message limits, set explicitly on the channel
+  std::chrono::milliseconds rpc_timeout{std::chrono::minutes(10)};
+  int max_step_attempts = 4;               // tries of one step on transient failures
+  std::chrono::milliseconds retry_backoff{100};  // doubled after each failed try
+  std::chrono::milliseconds connect_timeout{std::chrono::seconds(10)};
+};
+
+// A named tensor owned by the caller.
+struct TensorView {
+  std::string name;
+  std::vector<int64_t> shape;
+  std::span<const float> values;
+};
+
+struct StepOptions {
+  std::map<std::string, double> lr;  // per group, this step only (schedulers)
+  std::optional<double> max_grad_norm;
+  v1::DType return_dtype = v1::DTYPE_UNSPECIFIED;  // session default
+};
+
+using ParameterMap = std::map<std::string, std::vector<float>>;
+
+struct StepReply {
+  int64_t step = 0;
+  bool applied = false;   // false: skipped (non-finite gradients)
+  bool replayed = false;  // the daemon had applied this step already
+  std::string skip_reason;
+  double grad_norm = 0;
+  double compute_seconds = 0;
+  int attempts = 1;
+  ParameterMap parameters;  // every parameter after the step
+};
+
+class Session;
+
+class Client {
+ public:
+  // Connects and waits until the daemon answers (up to connect_timeout).
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(ClientOptions options);
+
+  absl::StatusOr<v1::ServerInfo> GetServerInfo();
+  // Creates the session, or attaches when one with this id and an identical spec exists.
+  absl::StatusOr<std::unique_ptr<Session>> CreateSession(const std::string& session_id, const v1::SessionSpec& spec);
+  absl::Status CloseSession(const std::string& session_id);
+  absl::StatusOr<std::vector<v1::SessionSummary>> ListSessions();
+
+  v1::Muond::Stub& stub() { return *stub_; }
+  const ClientOptions& options() const { return options_; }
+  void PrepareContext(grpc::ClientContext& context) const;
+
+ private:
+  Client(ClientOptions options, std::shared_ptr<grpc::Channel> channel);
+  ClientOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Muond::Stub> stub_;
+};
+
+class Session {
+ public:
+  Session(Client* client, std::string id, v1::SessionSpec spec, const v1::CreateSessionResponse& created);
+
+  const std::string& id() const { return id_; }
+  bool attached() const { return attached_; }
+  bool initialized() const { return initialized_; }
+  int64_t last_step() const { return last_step_; }  // as of creation or the last Step
+
+  // Uploads every parameter's initial value (each in its wire dtype).
+  absl::Status UploadParameters(std::span<const TensorView> parameters);
+
+  // Sends the gradients of step `step` (a parameter left out has no gradient this step) and returns
+  // the parameters after it.
+  absl::StatusOr<StepReply> Step(int64_t step, std::span<const TensorView> gradients,
+                                 const StepOptions& options = {});
+
+  // The daemon's current parameters (all, or the named ones) and the step they belong to.
+  absl::StatusOr<ParameterMap> GetParameters(int64_t* last_step = nullptr,
+                                             const std::vector<std::string>& names = {});
+
+  absl::Status Close();
+
+ private:
+  absl::StatusOr<StepReply> StepOnce(int64_t step, std::span<const TensorView> gradients, const StepOptions& options);
+  v1::DType WireDType(const std::string& name) const;
+
+  Client* const client_;
+  const std::string id_;
+  const v1::SessionSpec spec_;
+  std::map<std::string, v1::DType> wire_dtypes_;
+  bool attached_ = false;
+  bool initialized_ = false;
+  int64_t last_step_ = 0;
+};
+
+// grpc::Status → absl::Status, keeping the code and the daemon's message.
+absl::Status FromGrpcStatus(const grpc::Status& status);
+
+}  // namespace muond::client

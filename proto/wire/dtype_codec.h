@@ -1,0 +1,34 @@
+// Conversions between the wire dtypes of the muond API (raw little-endian fp32, bf16, fp16 bytes)
+// and fp32 values. Shared by the daemon and the C++ client. Stateless functions; thread-safe.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include "absl/strings/string_view.h"
+
+#include "muond/v1/muond.pb.h"
+
+namespace muond::wire {
+
+// Bytes per element of a concrete dtype; 0 for DTYPE_UNSPECIFIED or a value outside the enum.
+size_t ElementSize(v1::DType dtype);
+bool IsConcrete(v1::DType dtype);
+absl::string_view DTypeName(v1::DType dtype);  // "fp32", "bf16", "fp16", "unspecified"
+
+// Round to nearest even, as torch's .to(torch.bfloat16) / .half() do; NaN stays NaN, overflow to fp16
+// gives ±inf.
+uint16_t FloatToBf16(float value);
+float Bf16ToFloat(uint16_t bits);
+uint16_t FloatToFp16(float value);
+float Fp16ToFloat(uint16_t bits);
+
+// Decodes `bytes` (a whole number of elements of `dtype`, which must be concrete) into `out`,
+// whose size is bytes.size() / ElementSize(dtype).
+void Decode(v1::DType dtype, absl::string_view bytes, std::span<float> out);
+
+// Appends values encoded as `dtype` (concrete) to `out`.
+void Encode(v1::DType dtype, std::span<const float> values, std::string* out);
+
+}  // namespace muond::wire

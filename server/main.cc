@@ -1,0 +1,111 @@
+// The muond daemon: parses flags, picks the compute backend, serves muond.v1.Muond and
+// grpc.health.v1.Health, and on SIGINT/SIGTERM lets in-flight requests finish before exiting 0.
+#include <csignal>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "kernels/backend_factory.h"
+#include "server/flags.h"
+#include "server/logging.h"
+#include "server/muond_service.h"
+#include "server/session_registry.h"
+
+namespace muond::server {
+namespace {
+
+// Writes the port next to the target and renames it into place, so a reader never sees half a file.
+bool WritePortFile(const std::string& path, int port) {
+  const std::string temp = path + ".tmp";
+  {
+    std::ofstream out(temp, std::ios::trunc);
+    out << port << "\n";
+    if (!out.good()) return false;
+  }
+  std::error_code error;
+  std::filesystem::rename(temp, path, error);
+  return !error;
+}
+
+std::string HostOf(const std::string& listen) {
+  const size_t colon = listen.rfind(':');
+  return colon == std::string::npos ? listen : listen.substr(0, colon);
+}
+
+int Run(int argc, char** argv) {
+  // Block the stop signals before any thread exists, so every thread inherits the mask and the main
+  // thread alone receives them through sigwait.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+
+  int exit_code = 0;
+  std::optional<DaemonFlags> flags = ParseFlags(argc, argv, &exit_code);
+  if (!flags) return exit_code;
+  if (absl::Status s = ConfigureLogging(flags->log_level); !s.ok()) {
+    std::fprintf(stderr, "muond: %s\n", std::string(s.message()).c_str());
+    return 2;
+  }
+
+  absl::StatusOr<kernels::BackendSelection> selection =
+      kernels::CreateBackend(flags->backend, flags->device, flags->threads);
+  if (!selection.ok()) {
+    MUOND_LOG(error, "cannot start the {} backend: {}", flags->backend, selection.status().message());
+    return 1;
+  }
+  kernels::Backend* backend = selection->backend.get();
+  if (!selection->note.empty()) MUOND_LOG(info, "{}", selection->note);
+
+  SessionRegistry registry(backend, SpecLimits{}, flags->max_sessions);
+  ServiceOptions service_options;
+  service_options.max_chunk_bytes = flags->max_chunk_bytes;
+  service_options.default_chunk_bytes = std::min<size_t>(flags->max_chunk_bytes, 1u << 20);
+  // Room for the chunk plus its name and framing.
+  service_options.max_message_bytes = flags->max_chunk_bytes + (1u << 20);
+  MuondService service(&registry, backend, service_options);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(flags->listen, grpc::InsecureServerCredentials(), &port);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(service_options.max_message_bytes));
+  builder.SetMaxSendMessageSize(static_cast<int>(service_options.max_message_bytes));
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (!server || port == 0) {
+    MUOND_LOG(error, "cannot listen on {} (address in use or not valid)", flags->listen);
+    return 1;
+  }
+  server->GetHealthCheckService()->SetServingStatus(true);
+  MUOND_LOG(info, "muond listening on {}:{} with the {} backend ({})", HostOf(flags->listen), port,
+            backend->Name(), backend->Detail());
+  if (!flags->port_file.empty() && !WritePortFile(flags->port_file, port)) {
+    MUOND_LOG(error, "cannot write --port-file {}", flags->port_file);
+    server->Shutdown();
+    return 1;
+  }
+
+  int signal_number = 0;
+  sigwait(&stop_signals, &signal_number);
+  MUOND_LOG(info, "{} received: draining in-flight requests (up to {} s)", strsignal(signal_number),
+            flags->shutdown_grace_seconds);
+  server->GetHealthCheckService()->SetServingStatus(false);
+  const auto deadline = std::chrono::system_clock::now() +
+                        std::chrono::milliseconds(static_cast<int64_t>(flags->shutdown_grace_seconds * 1000));
+  server->Shutdown(deadline);
+  server->Wait();
+  MUOND_LOG(info, "muond stopped; {} sessions were open", registry.size());
+  return 0;
+}
+
+}  // namespace
+}  // namespace muond::server
+
+int main(int argc, char** argv) { return muond::server::Run(argc, argv); }

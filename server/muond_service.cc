@@ -1,0 +1,71 @@
+// MuondService: session management and server information. The tensor-streaming handlers live in
+// service_step.cc and service_state.cc.
+#include "server/muond_service.h"
+
+#include "absl/strings/str_cat.h"
+#include "kernels/optim/options.h"
+#include "kernels/status_macros.h"
+#include "server/grpc_status.h"
+#include "server/logging.h"
+
+#ifndef MUOND_VERSION
+#define MUOND_VERSION "unknown"
+#endif
+
+namespace muond::server {
+
+size_t MuondService::AnswerChunkBytes(uint32_t requested) const {
+  if (requested == 0) return options_.default_chunk_bytes;
+  return std::min<size_t>(requested, options_.max_chunk_bytes);
+}
+
+grpc::Status MuondService::GetServerInfo(grpc::ServerContext*, const v1::GetServerInfoRequest*,
+                                         v1::ServerInfo* info) {
+  info->set_version(MUOND_VERSION);
+  info->set_backend(backend_->Name());
+  info->set_backend_detail(backend_->Detail());
+  info->set_max_chunk_bytes(options_.max_chunk_bytes);
+  info->set_max_message_bytes(options_.max_message_bytes);
+  for (const char* name : {"muon", "adamw", "lion", "sgd"}) info->add_optimizers(name);
+  for (const std::string& name : optim::NamedScheduleNames()) info->add_ns_coefficient_sets(name);
+  info->set_num_sessions(static_cast<int32_t>(registry_->size()));
+  return grpc::Status::OK;
+}
+
+grpc::Status MuondService::CreateSession(grpc::ServerContext*, const v1::CreateSessionRequest* request,
+                                         v1::CreateSessionResponse* response) {
+  absl::StatusOr<CreateResult> created = registry_->CreateOrAttach(request->session_id(), request->spec());
+  if (!created.ok()) {
+    MUOND_LOG(info, "create session '{}' refused: {}", request->session_id().substr(0, 140),
+              created.status().ToString());
+    return ToGrpcStatus(created.status());
+  }
+  const Session& session = *created->session;
+  response->set_session_id(session.id());
+  response->set_attached(created->attached);
+  response->set_last_step(session.last_step());
+  response->set_initialized(session.initialized());
+  response->set_num_parameters(session.config().total_elements);
+  return grpc::Status::OK;
+}
+
+grpc::Status MuondService::CloseSession(grpc::ServerContext*, const v1::CloseSessionRequest* request,
+                                        v1::CloseSessionResponse*) {
+  return ToGrpcStatus(registry_->Close(request->session_id()));
+}
+
+grpc::Status MuondService::ListSessions(grpc::ServerContext*, const v1::ListSessionsRequest*,
+                                        v1::ListSessionsResponse* response) {
+  for (const auto& session : registry_->List()) {
+    v1::SessionSummary* summary = response->add_sessions();
+    summary->set_session_id(session->id());
+    summary->set_last_step(session->last_step());
+    summary->set_num_tensors(static_cast<int32_t>(session->config().parameters.size()));
+    summary->set_num_parameters(session->config().total_elements);
+    summary->set_initialized(session->initialized());
+    summary->set_world_size(session->config().world_size);
+  }
+  return grpc::Status::OK;
+}
+
+}  // namespace muond::server

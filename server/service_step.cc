@@ -1,0 +1,153 @@
+// MuondService's tensor streams: UploadParameters, Step and GetParameters.
+#include "absl/strings/str_cat.h"
+#include "kernels/status_macros.h"
+#include "proto/wire/dtype_codec.h"
+#include "server/chunk_stream.h"
+#include "server/grpc_status.h"
+#include "server/logging.h"
+#include "server/muond_service.h"
+#include "server/tensor_assembler.h"
+
+namespace muond::server {
+namespace {
+
+absl::StatusOr<v1::DType> AnswerDType(v1::DType requested, v1::DType session_default, absl::string_view field) {
+  if (requested == v1::DTYPE_UNSPECIFIED) return session_default;
+  if (!wire::IsConcrete(requested)) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": unknown dtype ", static_cast<int>(requested)));
+  }
+  return requested;
+}
+
+}  // namespace
+
+grpc::Status MuondService::UploadParameters(grpc::ServerContext*,
+                                            grpc::ServerReader<v1::UploadParametersRequest>* reader,
+                                            v1::UploadParametersResponse* response) {
+  absl::Status status = DoUpload(reader, response);
+  if (!status.ok()) MUOND_LOG(info, "upload refused: {}", status.ToString());
+  return ToGrpcStatus(status);
+}
+
+absl::Status MuondService::DoUpload(grpc::ServerReader<v1::UploadParametersRequest>* reader,
+                                    v1::UploadParametersResponse* response) {
+  v1::UploadParametersRequest request;
+  if (!reader->Read(&request) || request.kind_case() != v1::UploadParametersRequest::kSessionId) {
+    return absl::InvalidArgumentError("session_id: the first message of an upload must name the session");
+  }
+  MUOND_RETURN_IF_ERROR(CheckSessionId(request.session_id()));
+  MUOND_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, registry_->Find(request.session_id()));
+  TensorAssembler assembler(session->config(), options_.max_chunk_bytes);
+  while (reader->Read(&request)) {
+    if (request.kind_case() != v1::UploadParametersRequest::kChunk) {
+      return absl::InvalidArgumentError("chunk: every message after the first must carry a chunk");
+    }
+    MUOND_RETURN_IF_ERROR(assembler.Add(request.chunk()));
+  }
+  MUOND_RETURN_IF_ERROR(assembler.Finish(/*require_all=*/true));
+  MUOND_RETURN_IF_ERROR(session->Upload(std::move(assembler.tensors())));
+  response->set_num_tensors(static_cast<int32_t>(session->config().parameters.size()));
+  response->set_num_parameters(session->config().total_elements);
+  MUOND_LOG(info, "session {} parameters uploaded ({} elements)", session->id(), session->config().total_elements);
+  return absl::OkStatus();
+}
+
+grpc::Status MuondService::Step(grpc::ServerContext* context,
+                                grpc::ServerReaderWriter<v1::StepResponse, v1::StepRequest>* stream) {
+  absl::Status status = DoStep(context, stream);
+  if (!status.ok()) MUOND_LOG(debug, "step refused: {}", status.ToString());
+  return ToGrpcStatus(status);
+}
+
+absl::Status MuondService::DoStep(grpc::ServerContext* context,
+                                  grpc::ServerReaderWriter<v1::StepResponse, v1::StepRequest>* stream) {
+  v1::StepRequest request;
+  if (!stream->Read(&request) || request.kind_case() != v1::StepRequest::kHeader) {
+    return absl::InvalidArgumentError("header: the first message of a step must be its header");
+  }
+  const v1::StepHeader header = request.header();
+  MUOND_RETURN_IF_ERROR(CheckSessionId(header.session_id(), "header.session_id"));
+  MUOND_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, registry_->Find(header.session_id()));
+  MUOND_ASSIGN_OR_RETURN(v1::DType dtype,
+                         AnswerDType(header.return_dtype(), session->config().return_dtype, "header.return_dtype"));
+  // Refuse a step out of order before reading its gradients.
+  MUOND_RETURN_IF_ERROR(session->CheckStepNumber(header.step()));
+
+  TensorAssembler assembler(session->config(), options_.max_chunk_bytes);
+  const bool replay = header.step() == session->last_step();
+  while (stream->Read(&request)) {
+    if (request.kind_case() != v1::StepRequest::kChunk) {
+      return absl::InvalidArgumentError("chunk: every message after the header must carry a chunk");
+    }
+    if (replay) continue;  // the step was applied already: its gradients are not needed again
+    MUOND_RETURN_IF_ERROR(assembler.Add(request.chunk()));
+  }
+  if (context->IsCancelled()) return absl::CancelledError("the client cancelled the step");
+  MUOND_RETURN_IF_ERROR(assembler.Finish(/*require_all=*/false));
+  MUOND_ASSIGN_OR_RETURN(StepOutcome outcome, session->Step(header, std::move(assembler.tensors())));
+  if (!outcome.result.applied()) {
+    MUOND_LOG(warn, "session {} step {} skipped: {}", session->id(), header.step(), outcome.result.skip_reason());
+  }
+
+  v1::StepResponse response;
+  *response.mutable_result() = outcome.result;
+  if (!stream->Write(response)) return absl::CancelledError("the client went away");
+  const size_t chunk_bytes = AnswerChunkBytes(header.max_chunk_bytes());
+  const SessionConfig& config = session->config();
+  for (size_t i = 0; i < config.parameters.size(); ++i) {
+    const bool sent = EmitChunks(config.parameters[i].name, "", outcome.parameters->values[i], dtype, chunk_bytes,
+                                 [&](v1::TensorChunk&& chunk) {
+                                   response.Clear();
+                                   *response.mutable_chunk() = std::move(chunk);
+                                   return stream->Write(response);
+                                 });
+    if (!sent) return absl::CancelledError("the client went away");
+  }
+  return absl::OkStatus();
+}
+
+grpc::Status MuondService::GetParameters(grpc::ServerContext* context, const v1::GetParametersRequest* request,
+                                         grpc::ServerWriter<v1::GetParametersResponse>* writer) {
+  return ToGrpcStatus(DoGetParameters(context, *request, writer));
+}
+
+absl::Status MuondService::DoGetParameters(grpc::ServerContext* context, const v1::GetParametersRequest& request,
+                                           grpc::ServerWriter<v1::GetParametersResponse>* writer) {
+  MUOND_RETURN_IF_ERROR(CheckSessionId(request.session_id()));
+  MUOND_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, registry_->Find(request.session_id()));
+  if (!session->initialized()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("session '", session->id(), "' has no parameters yet: upload them first"));
+  }
+  const SessionConfig& config = session->config();
+  MUOND_ASSIGN_OR_RETURN(v1::DType dtype, AnswerDType(request.dtype(), config.return_dtype, "dtype"));
+  std::vector<size_t> wanted;
+  for (int i = 0; i < request.names_size(); ++i) {
+    auto it = config.parameter_index.find(request.names(i));
+    if (it == config.parameter_index.end()) {
+      return absl::NotFoundError(absl::StrCat("names[", i, "]: unknown parameter '", request.names(i), "'"));
+    }
+    wanted.push_back(it->second);
+  }
+  if (wanted.empty()) {
+    for (size_t i = 0; i < config.parameters.size(); ++i) wanted.push_back(i);
+  }
+  int64_t last_step = 0;
+  std::shared_ptr<const ParameterSnapshot> snapshot = session->Parameters(&last_step);
+  const size_t chunk_bytes = AnswerChunkBytes(request.max_chunk_bytes());
+  bool first = true;
+  for (size_t index : wanted) {
+    const bool sent = EmitChunks(config.parameters[index].name, "", snapshot->values[index], dtype, chunk_bytes,
+                                 [&](v1::TensorChunk&& chunk) {
+                                   v1::GetParametersResponse response;
+                                   if (first) response.set_last_step(last_step);
+                                   first = false;
+                                   *response.mutable_chunk() = std::move(chunk);
+                                   return writer->Write(response);
+                                 });
+    if (!sent || context->IsCancelled()) return absl::CancelledError("the client went away");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace muond::server

@@ -1,0 +1,111 @@
+// Session: one trainer's optimizer — the fp32 masters and optimizer state of its parameters in
+// backend memory, the per-group optimizers, and the step counter that makes every step apply once.
+//
+// Step k is applied exactly once: k must be last_step + 1; a request for k == last_step (a retry
+// after a lost answer) returns the parameters as they were after k without touching any state; any
+// other k is FAILED_PRECONDITION naming the expected step. Requests are checked completely before
+// any state changes, so a rejected request changes nothing. Non-finite gradients skip the update but
+// advance the counter (as torch's GradScaler skips optimizer.step()).
+//
+// Thread-safety: all methods are safe to call concurrently; one mutex serializes the operations of a
+// session (different sessions run in parallel). Results hand out immutable snapshots, so responses
+// are streamed without holding the lock.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "kernels/backend.h"
+#include "kernels/optim/optimizer.h"
+#include "muond/v1/muond.pb.h"
+#include "server/session_config.h"
+#include "server/tensor_assembler.h"
+
+namespace muond::server {
+
+// Host copy of every parameter after some step; never modified once published.
+struct ParameterSnapshot {
+  int64_t step = 0;
+  std::vector<std::vector<float>> values;  // indexed like config.parameters
+};
+
+struct StepOutcome {
+  v1::StepResult result;
+  std::shared_ptr<const ParameterSnapshot> parameters;
+};
+
+// A slot of the exported state: "master" or an optimizer slot, with its fp32 values.
+struct StateTensor {
+  size_t parameter = 0;
+  std::string slot;
+  std::vector<float> values;
+};
+
+struct SessionState {
+  int64_t last_step = 0;
+  std::vector<int64_t> step_counts;  // per parameter
+  std::vector<StateTensor> tensors;
+};
+
+class Session {
+ public:
+  static absl::StatusOr<std::unique_ptr<Session>> Create(std::string id, v1::SessionSpec spec,
+                                                         SessionConfig config, kernels::Backend* backend);
+
+  const std::string& id() const { return id_; }
+  const v1::SessionSpec& spec() const { return spec_; }
+  const SessionConfig& config() const { return config_; }
+
+  int64_t last_step() const;
+  bool initialized() const;
+
+  // Replaces the masters with `tensors` (every one complete) and resets the optimizer state. Refused
+  // with FAILED_PRECONDITION once a step has been applied.
+  absl::Status Upload(std::vector<AssembledTensor> tensors);
+
+  // Early check of the step number, so a stream can be refused before its gradients are read.
+  // Step() checks again under the lock.
+  absl::Status CheckStepNumber(int64_t step) const;
+
+  // Applies (or replays) one step; `gradients` come from a finished TensorAssembler.
+  absl::StatusOr<StepOutcome> Step(const v1::StepHeader& header, std::vector<AssembledTensor> gradients);
+
+  // The current parameters and, through `last_step`, the step they belong to (read atomically).
+  std::shared_ptr<const ParameterSnapshot> Parameters(int64_t* last_step) const;
+
+  absl::StatusOr<SessionState> ExportState() const;
+  // Replaces masters, slots and counters at once after checking that `state` is complete.
+  absl::Status ImportState(SessionState state);
+
+ private:
+  Session(std::string id, v1::SessionSpec spec, SessionConfig config, kernels::Backend* backend);
+
+  absl::Status CheckStepNumberLocked(int64_t step) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<std::vector<optim::StepHyper>> ResolveHyper(const v1::StepHeader& header) const;
+  absl::Status ApplyGradients(const std::vector<optim::StepHyper>& hyper,
+                              std::vector<AssembledTensor>& gradients, double clip_coefficient)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<std::shared_ptr<const ParameterSnapshot>> ReadBack(int64_t step) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+
+  const std::string id_;
+  const v1::SessionSpec spec_;
+  const SessionConfig config_;
+  kernels::Backend* const backend_;
+
+  mutable absl::Mutex mu_;
+  std::vector<std::unique_ptr<optim::Optimizer>> optimizers_ ABSL_GUARDED_BY(mu_);  // per group
+  std::vector<optim::ParamState> params_ ABSL_GUARDED_BY(mu_);
+  bool initialized_ ABSL_GUARDED_BY(mu_) = false;
+  int64_t last_step_ ABSL_GUARDED_BY(mu_) = 0;
+  v1::StepResult last_result_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<const ParameterSnapshot> snapshot_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace muond::server

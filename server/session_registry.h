@@ -1,0 +1,53 @@
+// SessionRegistry: the daemon's sessions by id — create-or-attach, look-up, close, list.
+//
+// Owns the sessions through shared_ptr so an RPC that looked a session up keeps it alive even if it
+// is closed meanwhile. Thread-safe: one mutex guards the map; session work happens outside it.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "kernels/backend.h"
+#include "server/session.h"
+#include "server/session_config.h"
+
+namespace muond::server {
+
+struct CreateResult {
+  std::shared_ptr<Session> session;
+  bool attached = false;
+};
+
+class SessionRegistry {
+ public:
+  SessionRegistry(kernels::Backend* backend, SpecLimits limits, int max_sessions)
+      : backend_(backend), limits_(limits), max_sessions_(max_sessions) {}
+
+  // A new id creates the session; an existing id with an identical spec attaches to it; a different
+  // spec is ALREADY_EXISTS naming the difference.
+  absl::StatusOr<CreateResult> CreateOrAttach(const std::string& id, const v1::SessionSpec& spec);
+
+  // NOT_FOUND naming the session id when there is none.
+  absl::StatusOr<std::shared_ptr<Session>> Find(const std::string& id) const;
+
+  absl::Status Close(const std::string& id);
+  std::vector<std::shared_ptr<Session>> List() const;
+  size_t size() const;
+
+ private:
+  kernels::Backend* const backend_;
+  const SpecLimits limits_;
+  const int max_sessions_;
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
+};
+
+// OK when `id` is a valid session id ([A-Za-z0-9._-]{1,128}); INVALID_ARGUMENT naming `field`.
+absl::Status CheckSessionId(const std::string& id, absl::string_view field = "session_id");
+
+}  // namespace muond::server
