@@ -44,12 +44,16 @@ struct AdamWArgs {
   float weight_decay = 0.01f;
   float bias_correction1 = 1.0f;
   float bias_correction2_sqrt = 1.0f;
+  // 1 − β1 and 1 − β2 rounded from fp64 as torch does (it computes them in Python floats): in fp32,
+  // 1.0f − 0.999f is off by 1.3e-5 relative, far more than rounding. Must match beta1 / beta2.
+  float one_minus_beta1 = 0.1f;
+  float one_minus_beta2 = 0.001f;
 };
 
 MUOND_HD void AdamWElement(const AdamWArgs& a, float& p, float g, float& m, float& v) {
   p = p * (1.0f - a.lr * a.weight_decay);
-  m = m + (1.0f - a.beta1) * (g - m);
-  v = a.beta2 * v + (1.0f - a.beta2) * g * g;
+  m = m + a.one_minus_beta1 * (g - m);              // torch lerp_(g, 1−β1)
+  v = a.beta2 * v + a.one_minus_beta2 * g * g;       // torch mul_(β2).addcmul_(g, g, 1−β2)
   const float step_size = a.lr / a.bias_correction1;
   const float denom = sqrtf(v) / a.bias_correction2_sqrt + a.eps;
   p = p - step_size * (m / denom);

@@ -23,8 +23,9 @@ struct NsCoefficient {
 
 // A Newton–Schulz coefficient schedule: coefficients(t) for step t.
 struct NsSchedule {
-  std::string name;  // "simple", "quintic", "polar_express", "cans", "aol" or "custom"
-  std::vector<NsCoefficient> tuples;
+  // Defaults to the `simple` set so a default-constructed GroupOptions is valid as it stands.
+  std::string name = "simple";  // "simple", "quintic", "polar_express", "cans", "aol" or "custom"
+  std::vector<NsCoefficient> tuples = {{3.4445, -4.7750, 2.0315}};
   CoefficientsAfter after = CoefficientsAfter::kCycle;
 
   NsCoefficient At(int step) const;

@@ -1,0 +1,44 @@
+// Lion (Chen et al. 2023): sign of an interpolated momentum; formula in kernels::LionElement.
+#include <utility>
+
+#include "kernels/optim/optimizer_impls.h"
+#include "kernels/status_macros.h"
+
+namespace muond::optim {
+namespace {
+
+class Lion final : public Optimizer {
+ public:
+  explicit Lion(GroupOptions options) : Optimizer(std::move(options)) {}
+
+  std::vector<std::string> SlotNames() const override { return {"exp_avg"}; }
+
+  absl::Status CheckParameter(const ParamState& param) const override { return absl::OkStatus(); }
+
+  absl::Status Step(kernels::Backend& backend, const StepHyper& hyper,
+                    std::span<ParamState* const> params) override {
+    const std::string slots[] = {"exp_avg"};
+    for (ParamState* p : params) {
+      if (p->has_grad) MUOND_RETURN_IF_ERROR(CheckStepInputs(*p, slots));
+    }
+    const kernels::LionArgs args{.lr = static_cast<float>(hyper.lr),
+                                 .beta1 = static_cast<float>(options_.beta1),
+                                 .beta2 = static_cast<float>(options_.beta2),
+                                 .weight_decay = static_cast<float>(hyper.weight_decay)};
+    for (ParamState* p : params) {
+      if (!p->has_grad) continue;
+      MUOND_RETURN_IF_ERROR(backend.Lion(args, p->master->data(), p->grad->data(),
+                                         p->Slot("exp_avg")->data(), static_cast<size_t>(p->numel)));
+      ++p->step_count;
+    }
+    return absl::OkStatus();
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<Optimizer> NewLion(const GroupOptions& options) {
+  return std::make_unique<Lion>(options);
+}
+
+}  // namespace muond::optim

@@ -1,0 +1,213 @@
+// Muon (DESIGN.md "Algorithms"): momentum → Newton–Schulz → scale → weight decay → update, for every
+// parameter of a step, with same-shape matrices orthogonalized together.
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "kernels/optim/newton_schulz.h"
+#include "kernels/optim/optimizer_impls.h"
+#include "kernels/status_macros.h"
+
+namespace muond::optim {
+namespace {
+
+using kernels::Backend;
+
+// One matrix Newton–Schulz sees: a view into a parameter's update (the gradient buffer, which holds
+// U after momentum) and the matching region of its master.
+struct MatrixJob {
+  float* update;
+  float* master;
+  int64_t rows, cols;
+  float alpha;  // −η·scale, scale computed on this matrix's own shape
+  float beta;   // the weight decay factor applied to the master region
+};
+
+// Caps the floats gathered for one batched Newton–Schulz call (256 MiB of fp32) so that many large
+// same-shape parameters do not double the memory footprint at once; always at least one matrix.
+// (The gather buffer and Newton–Schulz's two iterates each hold this much: 768 MiB at most.)
+constexpr size_t kMaxBatchFloats = size_t{1} << 26;
+
+const std::string kMomentumSlot = "momentum";
+
+class Muon final : public Optimizer {
+ public:
+  explicit Muon(GroupOptions options) : Optimizer(std::move(options)) {}
+
+  std::vector<std::string> SlotNames() const override { return {kMomentumSlot}; }
+
+  absl::Status CheckParameter(const ParamState& param) const override {
+    if (param.shape.size() < 2) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("muon needs a parameter with at least 2 dimensions, got shape [",
+                       absl::StrJoin(param.shape, ", "), "]"));
+    }
+    const QkvSplit& s = param.qkv;
+    if (!s.enabled()) return absl::OkStatus();
+    if (param.shape.size() != 2) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "qkv_split needs a 2-D parameter, got shape [", absl::StrJoin(param.shape, ", "), "]"));
+    }
+    if (s.q < 1 || s.k < 1 || s.v < 1 || s.num_query_groups < 1) {
+      return absl::InvalidArgumentError(absl::StrCat("qkv_split (", s.q, ", ", s.k, ", ", s.v,
+                                                     ") and num_query_groups ", s.num_query_groups,
+                                                     " must all be >= 1"));
+    }
+    if (s.num_query_groups * (s.q + s.k + s.v) != param.shape[0]) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "qkv_split (", s.q, ", ", s.k, ", ", s.v, ") times num_query_groups ", s.num_query_groups,
+          " gives ", s.num_query_groups * (s.q + s.k + s.v), " rows, but the parameter has ",
+          param.shape[0]));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Step(Backend& backend, const StepHyper& hyper,
+                    std::span<ParamState* const> params) override;
+
+ private:
+  double Scale(int64_t rows, int64_t cols) const;
+  float DecayFactor(const StepHyper& hyper) const;
+  void AppendMatrices(ParamState& p, const StepHyper& hyper, std::vector<MatrixJob>& jobs) const;
+  absl::Status Orthogonalize(Backend& backend, std::span<const MatrixJob> jobs);
+
+  NsWorkspace ws_;
+};
+
+double Muon::Scale(int64_t rows, int64_t cols) const {
+  const double m = static_cast<double>(rows), n = static_cast<double>(cols);
+  const double k = options_.extra_scale_factor;
+  switch (options_.scale_mode) {
+    case ScaleMode::kShapeScaling:
+      return k * std::sqrt(std::max(1.0, m / n));
+    case ScaleMode::kSpectral:
+      return k * std::sqrt(std::max(m, n));
+    case ScaleMode::kUnitRmsNorm:
+      return k * std::sqrt(m / n);
+  }
+  return k;
+}
+
+float Muon::DecayFactor(const StepHyper& hyper) const {
+  switch (options_.weight_decay_mode) {
+    case WeightDecayMode::kDecoupled:
+      return static_cast<float>(1.0 - hyper.lr * hyper.weight_decay);  // the unscaled η
+    case WeightDecayMode::kIndependent:
+      return static_cast<float>(1.0 - hyper.weight_decay);
+    case WeightDecayMode::kL2:
+      return 1.0f;  // folded into the gradient before momentum
+  }
+  return 1.0f;
+}
+
+// Splits a parameter into the matrices Newton–Schulz orthogonalizes. Together they cover the whole
+// parameter exactly once, so the decay factor folded into each matrix's update decays all of W once.
+void Muon::AppendMatrices(ParamState& p, const StepHyper& hyper, std::vector<MatrixJob>& jobs) const {
+  float* u = p.grad->data();
+  float* w = p.master->data();
+  const float beta = DecayFactor(hyper);
+  auto add = [&](int64_t offset, int64_t rows, int64_t cols) {
+    const float alpha = static_cast<float>(-hyper.lr * Scale(rows, cols));
+    jobs.push_back(MatrixJob{u + offset, w + offset, rows, cols, alpha, beta});
+  };
+  const std::vector<int64_t>& s = p.shape;
+  if (p.numel == 0) return;
+  if (s.size() == 2 && p.qkv.enabled()) {
+    // (groups, q+k+v, n): each block of a group is contiguous rows of the row-major parameter.
+    const int64_t n = s[1];
+    int64_t row = 0;
+    for (int64_t g = 0; g < p.qkv.num_query_groups; ++g) {
+      for (int64_t block : {p.qkv.q, p.qkv.k, p.qkv.v}) {
+        add(row * n, block, n);
+        row += block;
+      }
+    }
+  } else if (s.size() == 3) {
+    // Experts (E, m, n): one matrix per expert.
+    for (int64_t e = 0; e < s[0]; ++e) add(e * s[1] * s[2], s[1], s[2]);
+  } else {
+    // 2-D as is; 4-D convolution (O, I, kh, kw) and higher ranks flattened to (O, I·kh·kw), scaled
+    // by the flattened shape.
+    add(0, s[0], p.numel / s[0]);
+  }
+}
+
+// Orthogonalizes same-shape jobs in place of their update views (or of a gathered copy) and applies
+// W ← β·W − η·scale·O to each.
+absl::Status Muon::Orthogonalize(Backend& backend, std::span<const MatrixJob> jobs) {
+  const int64_t rows = jobs[0].rows, cols = jobs[0].cols;
+  const size_t mat = static_cast<size_t>(rows * cols);
+  const size_t batch = jobs.size();
+  // Matrices already back to back (the experts of one parameter, a lone matrix) need no gather.
+  bool contiguous = true;
+  for (size_t i = 1; i < batch; ++i) contiguous &= jobs[i].update == jobs[0].update + i * mat;
+  float* work = jobs[0].update;
+  if (!contiguous) {
+    MUOND_ASSIGN_OR_RETURN(work, ws_.Get(backend, NsWorkspace::kFirstFreeSlot, mat * batch));
+    for (size_t i = 0; i < batch; ++i) {
+      MUOND_RETURN_IF_ERROR(backend.CopyOnDevice(jobs[i].update, work + i * mat, mat));
+    }
+  }
+  MUOND_RETURN_IF_ERROR(NewtonSchulz(backend, options_.ns_schedule, options_.ns_steps,
+                                     options_.ns_eps, options_.ns_norm_safety,
+                                     options_.matmul_precision, work, work, rows, cols,
+                                     static_cast<int64_t>(batch), ws_));
+  for (size_t i = 0; i < batch; ++i) {
+    MUOND_RETURN_IF_ERROR(
+        backend.Axpby(jobs[i].alpha, work + i * mat, jobs[i].beta, jobs[i].master, mat));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Muon::Step(Backend& backend, const StepHyper& hyper,
+                        std::span<ParamState* const> params) {
+  const std::string slots[] = {kMomentumSlot};
+  // Check everything first so that a rejected step leaves every parameter untouched.
+  for (ParamState* p : params) {
+    if (!p->has_grad) continue;
+    MUOND_RETURN_IF_ERROR(CheckParameter(*p));
+    MUOND_RETURN_IF_ERROR(CheckStepInputs(*p, slots));
+  }
+  const kernels::MomentumArgs momentum{.beta = static_cast<float>(hyper.momentum),
+                                       .style = options_.momentum_style,
+                                       .nesterov = options_.nesterov};
+  // Same-shape matrices across parameters, keyed by (rows, cols); std::map keeps the order stable.
+  std::map<std::pair<int64_t, int64_t>, std::vector<MatrixJob>> by_shape;
+  for (ParamState* p : params) {
+    if (!p->has_grad) continue;
+    const size_t n = static_cast<size_t>(p->numel);
+    float* g = p->grad->data();
+    if (options_.weight_decay_mode == WeightDecayMode::kL2 && hyper.weight_decay != 0) {
+      MUOND_RETURN_IF_ERROR(
+          backend.Axpby(static_cast<float>(hyper.weight_decay), p->master->data(), 1.0f, g, n));
+    }
+    // U overwrites the gradient: it is scratch from here on.
+    MUOND_RETURN_IF_ERROR(backend.Momentum(momentum, p->Slot(kMomentumSlot)->data(), g, g, n));
+    std::vector<MatrixJob> jobs;
+    AppendMatrices(*p, hyper, jobs);
+    for (const MatrixJob& job : jobs) by_shape[{job.rows, job.cols}].push_back(job);
+  }
+  for (const auto& [shape, jobs] : by_shape) {
+    const size_t mat = static_cast<size_t>(shape.first * shape.second);
+    const size_t per_batch = std::max<size_t>(1, kMaxBatchFloats / std::max<size_t>(mat, 1));
+    for (size_t start = 0; start < jobs.size(); start += per_batch) {
+      const size_t count = std::min(per_batch, jobs.size() - start);
+      MUOND_RETURN_IF_ERROR(Orthogonalize(backend, std::span(jobs).subspan(start, count)));
+    }
+  }
+  for (ParamState* p : params) {
+    if (p->has_grad) ++p->step_count;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::unique_ptr<Optimizer> NewMuon(const GroupOptions& options) {
+  return std::make_unique<Muon>(options);
+}
+
+}  // namespace muond::optim

@@ -1,0 +1,197 @@
+#include "kernels/optim/options.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/status_macros.h"
+
+namespace muond::optim {
+namespace {
+
+// DESIGN.md's coefficient table, tuple for tuple.
+struct NamedSet {
+  const char* name;
+  std::vector<NsCoefficient> tuples;
+  CoefficientsAfter after;
+};
+
+const std::vector<NamedSet>& NamedSets() {
+  static const auto* sets = new std::vector<NamedSet>{
+      {"simple", {{3.4445, -4.7750, 2.0315}}, CoefficientsAfter::kCycle},
+      {"quintic",
+       {{4.0848, -6.8946, 2.9270},
+        {3.9505, -6.3029, 2.6377},
+        {3.7418, -5.5913, 2.3037},
+        {2.8769, -3.1427, 1.2046},
+        {2.8366, -3.0525, 1.2012}},
+       CoefficientsAfter::kCycle},
+      {"polar_express",
+       {{8.2051, -22.9019, 16.4607},
+        {4.0664, -2.8612, 0.5184},
+        {3.9096, -2.8234, 0.5250},
+        {3.2856, -2.4153, 0.4853},
+        {2.2779, -1.6198, 0.3985},
+        {1.8726, -1.2307, 0.3585},
+        {1.8564, -1.2132, 0.3568},
+        {1.8750, -1.2500, 0.3750}},
+       CoefficientsAfter::kRepeatLast},
+      {"cans",
+       {{8.4703, -25.1081, 18.6293},
+        {4.1828, -3.1087, 0.5806},
+        {3.9619, -2.9541, 0.5630},
+        {3.2866, -2.4647, 0.5074},
+        {2.2737, -1.6447, 0.4162}},
+       CoefficientsAfter::kRepeatLast},
+      {"aol",
+       {{4.0098, -7.0585, 2.4635},
+        {3.4585, -5.5479, 2.5959},
+        {2.7573, -3.2939, 1.4254},
+        {2.7215, -3.0494, 1.3169}},
+       CoefficientsAfter::kCycle},
+  };
+  return *sets;
+}
+
+bool Finite(double x) { return std::isfinite(x); }
+
+absl::Status CheckAtLeast(std::string_view option, double value, double min) {
+  if (!Finite(value) || value < min) {
+    return absl::InvalidArgumentError(absl::StrCat(std::string(option), " must be >= ", min, ", got ", value));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckPositive(std::string_view option, double value) {
+  if (!Finite(value) || value <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(std::string(option), " must be > 0, got ", value));
+  }
+  return absl::OkStatus();
+}
+
+// [0, 1): a factor of 1 would never forget, and beyond it state grows without bound.
+absl::Status CheckUnitInterval(std::string_view option, double value) {
+  if (!Finite(value) || value < 0 || value >= 1) {
+    return absl::InvalidArgumentError(absl::StrCat(std::string(option), " must be in [0, 1), got ", value));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+NsCoefficient NsSchedule::At(int step) const {
+  if (tuples.empty()) return {};
+  const size_t n = tuples.size();
+  const size_t t = static_cast<size_t>(std::max(step, 0));
+  return after == CoefficientsAfter::kCycle ? tuples[t % n] : tuples[std::min(t, n - 1)];
+}
+
+absl::StatusOr<NsSchedule> NamedSchedule(std::string_view name) {
+  for (const NamedSet& set : NamedSets()) {
+    if (name == set.name) return NsSchedule{set.name, set.tuples, set.after};
+  }
+  std::string known;
+  for (const std::string& n : NamedScheduleNames()) absl::StrAppend(&known, known.empty() ? "" : ", ", n);
+  return absl::InvalidArgumentError(absl::StrCat("ns_coefficients: unknown coefficient set \"", std::string(name),
+                                                 "\"; known sets are ", known,
+                                                 ", or a list of (a, b, c) tuples"));
+}
+
+std::vector<std::string> NamedScheduleNames() {
+  std::vector<std::string> names;
+  for (const NamedSet& set : NamedSets()) names.emplace_back(set.name);
+  return names;
+}
+
+GroupOptions DefaultOptions(OptimizerKind kind) {
+  GroupOptions o;
+  o.optimizer = kind;
+  switch (kind) {
+    case OptimizerKind::kMuon:
+      o.lr = 0.02;
+      o.weight_decay = 0.0;
+      o.momentum = 0.95;
+      o.nesterov = true;
+      break;
+    case OptimizerKind::kAdamW:
+      o.lr = 1e-3;
+      o.weight_decay = 0.01;
+      o.momentum = 0.0;
+      o.nesterov = false;
+      o.beta1 = 0.9;
+      o.beta2 = 0.999;
+      o.eps = 1e-8;
+      break;
+    case OptimizerKind::kLion:
+      o.lr = 1e-4;
+      o.weight_decay = 0.0;
+      o.momentum = 0.0;
+      o.nesterov = false;
+      o.beta1 = 0.9;
+      o.beta2 = 0.99;
+      break;
+    case OptimizerKind::kSgd:
+      o.lr = 1e-2;
+      o.weight_decay = 0.0;
+      o.momentum = 0.0;
+      o.nesterov = false;
+      break;
+  }
+  return o;
+}
+
+absl::Status ValidateOptions(const GroupOptions& o) {
+  MUOND_RETURN_IF_ERROR(CheckAtLeast("lr", o.lr, 0));
+  MUOND_RETURN_IF_ERROR(CheckAtLeast("weight_decay", o.weight_decay, 0));
+  MUOND_RETURN_IF_ERROR(CheckUnitInterval("momentum", o.momentum));
+  if (o.optimizer == OptimizerKind::kSgd && o.nesterov && o.momentum <= 0) {
+    return absl::InvalidArgumentError("nesterov needs momentum > 0 (torch.optim.SGD semantics)");
+  }
+  if (o.ns_steps < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("ns_steps must be >= 1, got ", o.ns_steps));
+  }
+  // Each step costs a few GEMMs per matrix; a bound keeps a client from stalling the daemon.
+  constexpr int kMaxNsSteps = 100;
+  if (o.ns_steps > kMaxNsSteps) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ns_steps must be <= ", kMaxNsSteps, ", got ", o.ns_steps));
+  }
+  if (o.ns_schedule.tuples.empty()) {
+    return absl::InvalidArgumentError("ns_coefficients must hold at least one (a, b, c) tuple");
+  }
+  for (size_t i = 0; i < o.ns_schedule.tuples.size(); ++i) {
+    const NsCoefficient& t = o.ns_schedule.tuples[i];
+    if (!Finite(t.a) || !Finite(t.b) || !Finite(t.c)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("ns_coefficients[", i, "] must be finite, got (", t.a, ", ", t.b, ", ", t.c, ")"));
+    }
+  }
+  MUOND_RETURN_IF_ERROR(CheckAtLeast("ns_eps", o.ns_eps, 0));
+  MUOND_RETURN_IF_ERROR(CheckPositive("ns_norm_safety", o.ns_norm_safety));
+  MUOND_RETURN_IF_ERROR(CheckPositive("extra_scale_factor", o.extra_scale_factor));
+  MUOND_RETURN_IF_ERROR(CheckPositive("qk_clip_threshold", o.qk_clip_threshold));
+  if (!Finite(o.qk_clip_alpha) || o.qk_clip_alpha < 0 || o.qk_clip_alpha > 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("qk_clip_alpha must be in [0, 1], got ", o.qk_clip_alpha));
+  }
+  MUOND_RETURN_IF_ERROR(CheckUnitInterval("betas[0]", o.beta1));
+  MUOND_RETURN_IF_ERROR(CheckUnitInterval("betas[1]", o.beta2));
+  MUOND_RETURN_IF_ERROR(CheckAtLeast("eps", o.eps, 0));
+  return absl::OkStatus();
+}
+
+std::string_view OptimizerName(OptimizerKind kind) {
+  switch (kind) {
+    case OptimizerKind::kMuon:
+      return "muon";
+    case OptimizerKind::kAdamW:
+      return "adamw";
+    case OptimizerKind::kLion:
+      return "lion";
+    case OptimizerKind::kSgd:
+      return "sgd";
+  }
+  return "unknown";
+}
+
+}  // namespace muond::optim

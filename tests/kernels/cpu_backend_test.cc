@@ -1,0 +1,180 @@
+#include "kernels/cpu/cpu_backend.h"
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/backend_factory.h"
+#include "tests/kernels/reference.h"
+#include "tests/testing/status_matchers.h"
+
+namespace muond::kernels {
+namespace {
+
+using ::muond::testing::Download;
+using ::muond::testing::StatusIs;
+using ::muond::testing::Upload;
+
+class CpuBackendTest : public ::testing::Test {
+ protected:
+  std::vector<float> Random(size_t n) {
+    std::normal_distribution<float> dist(0.0f, 1.0f);
+    std::vector<float> v(n);
+    for (float& x : v) x = dist(rng_);
+    return v;
+  }
+  std::unique_ptr<Backend> backend_ = NewCpuBackend(2);
+  std::mt19937 rng_{99};
+};
+
+TEST_F(CpuBackendTest, NameAndDetail) {
+  EXPECT_EQ(backend_->Name(), "cpu");
+  EXPECT_NE(backend_->Detail().find("OpenBLAS"), std::string::npos) << backend_->Detail();
+  EXPECT_NE(backend_->Detail().find("threads"), std::string::npos) << backend_->Detail();
+}
+
+TEST_F(CpuBackendTest, AllocateZeroedAlignedAndCopies) {
+  ASSERT_OK_AND_ASSIGN(auto buf, backend_->Allocate(37));
+  EXPECT_EQ(buf->size(), 37u);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(buf->data()) % 64, 0u);
+  for (float x : Download(*backend_, buf->data(), 37)) EXPECT_EQ(x, 0.0f);
+  ASSERT_OK(backend_->Fill(buf->data(), 37, 2.5f));
+  for (float x : Download(*backend_, buf->data(), 37)) EXPECT_EQ(x, 2.5f);
+  ASSERT_OK_AND_ASSIGN(auto empty, backend_->Allocate(0));
+  EXPECT_EQ(empty->size(), 0u);
+  EXPECT_THAT(backend_->Allocate(std::numeric_limits<size_t>::max()),
+              StatusIs(absl::StatusCode::kResourceExhausted, "allocate"));
+  const std::vector<float> src = Random(10);
+  auto a = Upload(*backend_, src);
+  ASSERT_OK(backend_->CopyOnDevice(a->data(), buf->data(), 10));
+  EXPECT_EQ(Download(*backend_, buf->data(), 10), src);
+}
+
+// Every transpose combination, a strided batch, alpha and beta, against a fp64 triple loop.
+TEST_F(CpuBackendTest, GemmMatchesNaiveProduct) {
+  const int64_t m = 5, n = 7, k = 3, batch = 3;
+  for (Transpose ta : {Transpose::kNo, Transpose::kYes}) {
+    for (Transpose tb : {Transpose::kNo, Transpose::kYes}) {
+      GemmShape s{.trans_a = ta, .trans_b = tb, .m = m, .n = n, .k = k,
+                  .lda = ta == Transpose::kNo ? k : m, .ldb = tb == Transpose::kNo ? n : k, .ldc = n,
+                  .stride_a = m * k + 2, .stride_b = k * n + 1, .stride_c = m * n, .batch = batch};
+      const std::vector<float> a = Random(s.stride_a * batch), b = Random(s.stride_b * batch);
+      const std::vector<float> c0 = Random(m * n * batch);
+      auto da = Upload(*backend_, a), db = Upload(*backend_, b), dc = Upload(*backend_, c0);
+      ASSERT_OK(backend_->Gemm(s, 1.5f, da->data(), db->data(), -0.5f, dc->data(), MatmulPrecision::kBf16));
+      const std::vector<float> c = Download(*backend_, dc->data(), c0.size());
+      for (int64_t bi = 0; bi < batch; ++bi) {
+        for (int64_t i = 0; i < m; ++i) {
+          for (int64_t j = 0; j < n; ++j) {
+            double acc = 0;
+            for (int64_t p = 0; p < k; ++p) {
+              const double av = ta == Transpose::kNo ? a[bi * s.stride_a + i * s.lda + p]
+                                                     : a[bi * s.stride_a + p * s.lda + i];
+              const double bv = tb == Transpose::kNo ? b[bi * s.stride_b + p * s.ldb + j]
+                                                     : b[bi * s.stride_b + j * s.ldb + p];
+              acc += av * bv;
+            }
+            const double expected = 1.5 * acc - 0.5 * c0[bi * m * n + i * n + j];
+            // fp32 products of O(1) values over k = 3: a few ulps.
+            EXPECT_NEAR(c[bi * m * n + i * n + j], expected, 1e-5) << bi << " " << i << " " << j;
+          }
+        }
+      }
+    }
+  }
+  GemmShape bad{.m = -1, .n = 1, .k = 1};
+  float x = 0;
+  EXPECT_THAT(backend_->Gemm(bad, 1, &x, &x, 0, &x, MatmulPrecision::kFp32),
+              StatusIs(absl::StatusCode::kInvalidArgument, "Gemm"));
+}
+
+TEST_F(CpuBackendTest, GemmWithEmptyInnerDimensionScalesC) {
+  std::vector<float> c = {1, 2, 3, 4};
+  auto dc = Upload(*backend_, c);
+  float dummy = 0;
+  GemmShape s{.m = 2, .n = 2, .k = 0, .lda = 1, .ldb = 2, .ldc = 2};
+  ASSERT_OK(backend_->Gemm(s, 1, &dummy, &dummy, 2, dc->data(), MatmulPrecision::kFp32));
+  EXPECT_EQ(Download(*backend_, dc->data(), 4), (std::vector<float>{2, 4, 6, 8}));
+}
+
+TEST_F(CpuBackendTest, Transpose2DBatched) {
+  const int64_t rows = 37, cols = 45, batch = 2;  // not multiples of the tile size
+  const std::vector<float> in = Random(rows * cols * batch);
+  auto din = Upload(*backend_, in);
+  ASSERT_OK_AND_ASSIGN(auto dout, backend_->Allocate(in.size()));
+  ASSERT_OK(backend_->Transpose2D(din->data(), dout->data(), rows, cols, batch));
+  const std::vector<float> out = Download(*backend_, dout->data(), in.size());
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c)
+        ASSERT_EQ(out[b * rows * cols + c * rows + r], in[b * rows * cols + r * cols + c]);
+}
+
+TEST_F(CpuBackendTest, ReductionsAndElementwise) {
+  // 0.1f² summed 1e6 times per slice: an fp32 accumulator drifts by ~1e-3 relative here, an fp64
+  // one stays within n·2⁻⁵³ ≈ 1e-10.
+  std::vector<float> x(2'000'000, 0.1f);
+  for (size_t i = 1'000'000; i < x.size(); ++i) x[i] = 0.3f;
+  auto dx = Upload(*backend_, x);
+  double sums[2];
+  ASSERT_OK(backend_->SumSquares(dx->data(), 1'000'000, 2, sums));
+  const double e0 = 1e6 * double{0.1f} * double{0.1f}, e1 = 1e6 * double{0.3f} * double{0.3f};
+  EXPECT_NEAR(sums[0], e0, 1e-9 * e0);
+  EXPECT_NEAR(sums[1], e1, 1e-9 * e1);
+
+  ASSERT_OK_AND_ASSIGN(bool finite, backend_->AllFinite(dx->data(), x.size()));
+  EXPECT_TRUE(finite);
+  for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+    x[12345] = bad;
+    auto dbad = Upload(*backend_, x);
+    ASSERT_OK_AND_ASSIGN(finite, backend_->AllFinite(dbad->data(), x.size()));
+    EXPECT_FALSE(finite);
+  }
+
+  std::vector<float> y = {1, 2, 3, 4, 5, 6};
+  auto dy = Upload(*backend_, y);
+  const float scales[] = {2.0f, -1.0f};
+  ASSERT_OK(backend_->ScaleBatched(dy->data(), 3, 2, scales));
+  EXPECT_EQ(Download(*backend_, dy->data(), 6), (std::vector<float>{2, 4, 6, -4, -5, -6}));
+  auto dz = Upload(*backend_, {1, 1, 1, 1, 1, 1});
+  ASSERT_OK(backend_->Axpby(0.5f, dy->data(), 3.0f, dz->data(), 6));
+  EXPECT_EQ(Download(*backend_, dz->data(), 6), (std::vector<float>{4, 5, 6, 1, 0.5f, 0}));
+}
+
+TEST_F(CpuBackendTest, MomentumMatchesDesignFormulas) {
+  const std::vector<float> g = Random(64), m0 = Random(64);
+  for (MomentumStyle style : {MomentumStyle::kEma, MomentumStyle::kSum}) {
+    for (bool nesterov : {false, true}) {
+      const MomentumArgs args{.beta = 0.9f, .style = style, .nesterov = nesterov};
+      auto dm = Upload(*backend_, m0), dg = Upload(*backend_, g);
+      // The update written over the gradient, as Muon does.
+      ASSERT_OK(backend_->Momentum(args, dm->data(), dg->data(), dg->data(), g.size()));
+      const auto m = Download(*backend_, dm->data(), g.size()), u = Download(*backend_, dg->data(), g.size());
+      for (size_t i = 0; i < g.size(); ++i) {
+        const double b = 0.9;
+        const double em = style == MomentumStyle::kEma ? b * m0[i] + (1 - b) * g[i] : b * m0[i] + g[i];
+        const double eu = !nesterov ? em : (style == MomentumStyle::kEma ? (1 - b) * g[i] + b * em : g[i] + b * em);
+        EXPECT_NEAR(m[i], em, 1e-6 * (1 + std::abs(em)));
+        EXPECT_NEAR(u[i], eu, 1e-6 * (1 + std::abs(eu)));
+      }
+    }
+  }
+}
+
+TEST(BackendFactoryTest, Kinds) {
+  ASSERT_OK_AND_ASSIGN(BackendSelection cpu, CreateBackend("cpu", 0, 1));
+  EXPECT_EQ(cpu.backend->Name(), "cpu");
+  EXPECT_TRUE(cpu.note.empty());
+  ASSERT_OK_AND_ASSIGN(BackendSelection autosel, CreateBackend("auto", 0, 0));
+  EXPECT_EQ(autosel.backend->Name(), "cpu");
+  EXPECT_EQ(autosel.note, "CUDA backend not built; using CPU");
+  EXPECT_THAT(CreateBackend("cuda", 0, 0),
+              StatusIs(absl::StatusCode::kFailedPrecondition, "built without the CUDA backend"));
+  EXPECT_THAT(CreateBackend("tpu", 0, 0), StatusIs(absl::StatusCode::kInvalidArgument, "--backend"));
+}
+
+}  // namespace
+}  // namespace muond::kernels

@@ -1,0 +1,175 @@
+#include "kernels/optim/options.h"
+
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/optim/optimizer.h"
+#include "tests/testing/status_matchers.h"
+
+namespace muond::optim {
+namespace {
+
+using ::muond::testing::StatusIs;
+using ::testing::ElementsAre;
+
+void ExpectTuple(const NsCoefficient& t, double a, double b, double c) {
+  EXPECT_EQ(t.a, a);
+  EXPECT_EQ(t.b, b);
+  EXPECT_EQ(t.c, c);
+}
+
+TEST(NamedScheduleTest, TablesMatchDesign) {
+  EXPECT_THAT(NamedScheduleNames(), ElementsAre("simple", "quintic", "polar_express", "cans", "aol"));
+  ASSERT_OK_AND_ASSIGN(NsSchedule simple, NamedSchedule("simple"));
+  ASSERT_EQ(simple.tuples.size(), 1u);
+  ExpectTuple(simple.tuples[0], 3.4445, -4.7750, 2.0315);
+  EXPECT_EQ(simple.after, CoefficientsAfter::kCycle);
+
+  ASSERT_OK_AND_ASSIGN(NsSchedule quintic, NamedSchedule("quintic"));
+  ASSERT_EQ(quintic.tuples.size(), 5u);
+  ExpectTuple(quintic.tuples[0], 4.0848, -6.8946, 2.9270);
+  ExpectTuple(quintic.tuples[2], 3.7418, -5.5913, 2.3037);
+  ExpectTuple(quintic.tuples[4], 2.8366, -3.0525, 1.2012);
+  EXPECT_EQ(quintic.after, CoefficientsAfter::kCycle);
+
+  ASSERT_OK_AND_ASSIGN(NsSchedule pe, NamedSchedule("polar_express"));
+  ASSERT_EQ(pe.tuples.size(), 8u);
+  ExpectTuple(pe.tuples[0], 8.2051, -22.9019, 16.4607);
+  ExpectTuple(pe.tuples[4], 2.2779, -1.6198, 0.3985);
+  ExpectTuple(pe.tuples[7], 1.8750, -1.2500, 0.3750);
+  EXPECT_EQ(pe.after, CoefficientsAfter::kRepeatLast);
+
+  ASSERT_OK_AND_ASSIGN(NsSchedule cans, NamedSchedule("cans"));
+  ASSERT_EQ(cans.tuples.size(), 5u);
+  ExpectTuple(cans.tuples[0], 8.4703, -25.1081, 18.6293);
+  ExpectTuple(cans.tuples[4], 2.2737, -1.6447, 0.4162);
+  EXPECT_EQ(cans.after, CoefficientsAfter::kRepeatLast);
+
+  ASSERT_OK_AND_ASSIGN(NsSchedule aol, NamedSchedule("aol"));
+  ASSERT_EQ(aol.tuples.size(), 4u);
+  ExpectTuple(aol.tuples[0], 4.0098, -7.0585, 2.4635);
+  ExpectTuple(aol.tuples[3], 2.7215, -3.0494, 1.3169);
+  EXPECT_EQ(aol.after, CoefficientsAfter::kCycle);
+
+  // The default-constructed schedule is `simple`.
+  GroupOptions defaults;
+  EXPECT_EQ(defaults.ns_schedule.name, "simple");
+  ASSERT_EQ(defaults.ns_schedule.tuples.size(), 1u);
+  ExpectTuple(defaults.ns_schedule.tuples[0], 3.4445, -4.7750, 2.0315);
+}
+
+TEST(NamedScheduleTest, UnknownNameIsInvalidArgument) {
+  EXPECT_THAT(NamedSchedule("jordan"), StatusIs(absl::StatusCode::kInvalidArgument, "ns_coefficients"));
+  // "custom" is not a named set: its tuples come from the client.
+  EXPECT_THAT(NamedSchedule("custom"), StatusIs(absl::StatusCode::kInvalidArgument, "custom"));
+}
+
+TEST(NsScheduleTest, CycleAndRepeatLast) {
+  NsSchedule s{"custom", {{1, 0, 0}, {2, 0, 0}, {3, 0, 0}}, CoefficientsAfter::kCycle};
+  std::vector<double> cycle, repeat;
+  for (int t = 0; t < 7; ++t) cycle.push_back(s.At(t).a);
+  s.after = CoefficientsAfter::kRepeatLast;
+  for (int t = 0; t < 7; ++t) repeat.push_back(s.At(t).a);
+  EXPECT_THAT(cycle, ElementsAre(1, 2, 3, 1, 2, 3, 1));
+  EXPECT_THAT(repeat, ElementsAre(1, 2, 3, 3, 3, 3, 3));
+}
+
+TEST(DefaultOptionsTest, MatchDesignTable) {
+  const GroupOptions muon = DefaultOptions(OptimizerKind::kMuon);
+  EXPECT_EQ(muon.optimizer, OptimizerKind::kMuon);
+  EXPECT_EQ(muon.lr, 0.02);
+  EXPECT_EQ(muon.weight_decay, 0.0);
+  EXPECT_EQ(muon.momentum, 0.95);
+  EXPECT_TRUE(muon.nesterov);
+  EXPECT_EQ(muon.weight_decay_mode, WeightDecayMode::kDecoupled);
+  EXPECT_EQ(muon.momentum_style, kernels::MomentumStyle::kEma);
+  EXPECT_EQ(muon.ns_steps, 5);
+  EXPECT_EQ(muon.ns_schedule.name, "simple");
+  EXPECT_EQ(muon.ns_eps, 1e-7);
+  EXPECT_EQ(muon.ns_norm_safety, 1.0);
+  EXPECT_EQ(muon.scale_mode, ScaleMode::kShapeScaling);
+  EXPECT_EQ(muon.extra_scale_factor, 1.0);
+  EXPECT_EQ(muon.qk_clip_threshold, 100.0);
+  EXPECT_EQ(muon.qk_clip_alpha, 0.5);
+
+  const GroupOptions adamw = DefaultOptions(OptimizerKind::kAdamW);
+  EXPECT_EQ(adamw.lr, 1e-3);
+  EXPECT_EQ(adamw.weight_decay, 0.01);
+  EXPECT_EQ(adamw.beta1, 0.9);
+  EXPECT_EQ(adamw.beta2, 0.999);
+  EXPECT_EQ(adamw.eps, 1e-8);
+
+  const GroupOptions lion = DefaultOptions(OptimizerKind::kLion);
+  EXPECT_EQ(lion.lr, 1e-4);
+  EXPECT_EQ(lion.weight_decay, 0.0);
+  EXPECT_EQ(lion.beta1, 0.9);
+  EXPECT_EQ(lion.beta2, 0.99);
+
+  const GroupOptions sgd = DefaultOptions(OptimizerKind::kSgd);
+  EXPECT_EQ(sgd.lr, 1e-2);
+  EXPECT_EQ(sgd.momentum, 0.0);
+  EXPECT_FALSE(sgd.nesterov);
+  EXPECT_EQ(sgd.weight_decay, 0.0);
+
+  for (OptimizerKind kind : {OptimizerKind::kMuon, OptimizerKind::kAdamW, OptimizerKind::kLion,
+                             OptimizerKind::kSgd}) {
+    EXPECT_OK(ValidateOptions(DefaultOptions(kind))) << OptimizerName(kind);
+    EXPECT_EQ(DefaultOptions(kind).optimizer, kind);
+  }
+  EXPECT_EQ(OptimizerName(OptimizerKind::kLion), "lion");
+}
+
+struct BadOption {
+  std::string option;  // expected in the message
+  void (*mutate)(GroupOptions&);
+};
+
+TEST(ValidateOptionsTest, RejectsOutOfRangeNamingTheOption) {
+  const std::vector<BadOption> cases = {
+      {"lr", [](GroupOptions& o) { o.lr = -1; }},
+      {"lr", [](GroupOptions& o) { o.lr = std::nan(""); }},
+      {"weight_decay", [](GroupOptions& o) { o.weight_decay = -0.1; }},
+      {"momentum", [](GroupOptions& o) { o.momentum = 1.0; }},
+      {"momentum", [](GroupOptions& o) { o.momentum = -0.5; }},
+      {"ns_steps must be >= 1, got 0", [](GroupOptions& o) { o.ns_steps = 0; }},
+      {"ns_steps", [](GroupOptions& o) { o.ns_steps = 1000; }},
+      {"ns_coefficients", [](GroupOptions& o) { o.ns_schedule = {"custom", {}, CoefficientsAfter::kCycle}; }},
+      {"ns_coefficients[0]", [](GroupOptions& o) { o.ns_schedule.tuples[0].b = INFINITY; }},
+      {"ns_eps", [](GroupOptions& o) { o.ns_eps = -1e-7; }},
+      {"ns_norm_safety", [](GroupOptions& o) { o.ns_norm_safety = 0; }},
+      {"extra_scale_factor", [](GroupOptions& o) { o.extra_scale_factor = -1; }},
+      {"qk_clip_threshold", [](GroupOptions& o) { o.qk_clip_threshold = 0; }},
+      {"qk_clip_alpha", [](GroupOptions& o) { o.qk_clip_alpha = 1.5; }},
+      {"betas[0]", [](GroupOptions& o) { o.beta1 = 1.0; }},
+      {"betas[1]", [](GroupOptions& o) { o.beta2 = -0.1; }},
+      {"eps", [](GroupOptions& o) { o.eps = -1; }},
+      {"nesterov", [](GroupOptions& o) {
+         o.optimizer = OptimizerKind::kSgd;
+         o.momentum = 0;
+         o.nesterov = true;
+       }},
+  };
+  for (const BadOption& c : cases) {
+    GroupOptions o = DefaultOptions(OptimizerKind::kMuon);
+    c.mutate(o);
+    EXPECT_THAT(ValidateOptions(o), StatusIs(absl::StatusCode::kInvalidArgument, c.option)) << c.option;
+    // Optimizer::Create refuses what ValidateOptions refuses.
+    EXPECT_THAT(Optimizer::Create(o), StatusIs(absl::StatusCode::kInvalidArgument, c.option)) << c.option;
+  }
+}
+
+TEST(OptimizerTest, CreateAndDefaultHyper) {
+  GroupOptions o = DefaultOptions(OptimizerKind::kSgd);
+  o.momentum = 0.9;
+  o.weight_decay = 0.5;
+  ASSERT_OK_AND_ASSIGN(auto opt, Optimizer::Create(o));
+  const StepHyper h = opt->DefaultHyper();
+  EXPECT_EQ(h.lr, 1e-2);
+  EXPECT_EQ(h.momentum, 0.9);
+  EXPECT_EQ(h.weight_decay, 0.5);
+  EXPECT_EQ(opt->options().optimizer, OptimizerKind::kSgd);
+}
+
+}  // namespace
+}  // namespace muond::optim
