@@ -30,11 +30,16 @@ MATCHER_P2(StatusIs, code, substring,
 #define MUOND_TESTING_CONCAT_INNER(a, b) a##b
 #define MUOND_TESTING_CONCAT(a, b) MUOND_TESTING_CONCAT_INNER(a, b)
 
-#define EXPECT_OK(expr) EXPECT_TRUE(::muond::testing::ToStatus(expr).ok()) << ::muond::testing::ToStatus(expr)
-#define ASSERT_OK(expr)                                                  \
-  do {                                                                   \
-    const absl::Status& muond_status_ = ::muond::testing::ToStatus(expr); \
-    ASSERT_TRUE(muond_status_.ok()) << muond_status_;                    \
+// The status is copied out of `expr` at once: `expr` may be a temporary StatusOr.
+#define EXPECT_OK(expr)                                                 \
+  do {                                                                  \
+    const absl::Status muond_status_ = ::muond::testing::ToStatus(expr); \
+    EXPECT_TRUE(muond_status_.ok()) << muond_status_;                   \
+  } while (0)
+#define ASSERT_OK(expr)                                                 \
+  do {                                                                  \
+    const absl::Status muond_status_ = ::muond::testing::ToStatus(expr); \
+    ASSERT_TRUE(muond_status_.ok()) << muond_status_;                   \
   } while (0)
 
 #define ASSERT_OK_AND_ASSIGN(lhs, rexpr) \
