@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The main job, end to end: installs dependencies, builds muond, starts the daemon on 127.0.0.1 with
+# the embedded CPU backend, trains through it, and stops it.
+#   1. examples/mlp_trainer (C++): a two-layer MLP, forward and backward written out;
+#   2. examples/train_gpt.py (PyTorch): a small character-level transformer with muond.RemoteOptimizer.
+# Environment: DEMO_STEPS (transformer steps, default 200).
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+build=${MUOND_BUILD_DIR:-$root/build}
+"$root/scripts/build.sh"
+
+port_file=$(mktemp)
+rm -f "$port_file"
+"$build/muond" --listen 127.0.0.1:0 --port-file "$port_file" --backend cpu --log-level info &
+daemon=$!
+trap 'kill -TERM $daemon 2>/dev/null; wait $daemon 2>/dev/null || true; rm -f "$port_file"' EXIT
+for _ in $(seq 200); do [ -s "$port_file" ] && break; sleep 0.05; done
+[ -s "$port_file" ] || { echo "demo: muond did not start" >&2; exit 1; }
+endpoint=127.0.0.1:$(cat "$port_file")
+
+echo "== C++ trainer: two-layer MLP through muond at $endpoint"
+"$build/mlp_trainer" --endpoint "$endpoint" --steps 150 | awk 'NR <= 3 || /^step/ && ($2 % 25 == 0) || /->/'
+
+echo
+echo "== PyTorch trainer: character-level transformer through muond at $endpoint"
+PYTHONPATH="$build/python:$root/python${PYTHONPATH:+:$PYTHONPATH}" \
+  /usr/bin/python3 "$root/examples/train_gpt.py" --endpoint "$endpoint" --steps "${DEMO_STEPS:-200}"
