@@ -135,17 +135,23 @@ void Muon::AppendMatrices(ParamState& p, const StepHyper& hyper, std::vector<Mat
   }
 }
 
-// Orthogonalizes same-shape jobs in place of their update views (or of a gathered copy) and applies
-// W ← β·W − η·scale·O to each.
+// Matrices already back to back in memory (the experts of one parameter, a lone matrix) are
+// orthogonalized where they lie; others are gathered into workspace first.
+bool Contiguous(std::span<const MatrixJob> jobs) {
+  const size_t mat = static_cast<size_t>(jobs[0].rows * jobs[0].cols);
+  for (size_t i = 1; i < jobs.size(); ++i) {
+    if (jobs[i].update != jobs[0].update + i * mat) return false;
+  }
+  return true;
+}
+
+// Orthogonalizes one batch of same-shape jobs and applies W ← β·W − η·scale·O to each.
 absl::Status Muon::Orthogonalize(Backend& backend, std::span<const MatrixJob> jobs) {
   const int64_t rows = jobs[0].rows, cols = jobs[0].cols;
   const size_t mat = static_cast<size_t>(rows * cols);
   const size_t batch = jobs.size();
-  // Matrices already back to back (the experts of one parameter, a lone matrix) need no gather.
-  bool contiguous = true;
-  for (size_t i = 1; i < batch; ++i) contiguous &= jobs[i].update == jobs[0].update + i * mat;
   float* work = jobs[0].update;
-  if (!contiguous) {
+  if (!Contiguous(jobs)) {
     MUOND_ASSIGN_OR_RETURN(work, ws_.Get(backend, NsWorkspace::kFirstFreeSlot, mat * batch));
     for (size_t i = 0; i < batch; ++i) {
       MUOND_RETURN_IF_ERROR(backend.CopyOnDevice(jobs[i].update, work + i * mat, mat));
@@ -171,11 +177,38 @@ absl::Status Muon::Step(Backend& backend, const StepHyper& hyper,
     MUOND_RETURN_IF_ERROR(CheckParameter(*p));
     MUOND_RETURN_IF_ERROR(CheckStepInputs(*p, slots));
   }
+  // Plan: same-shape matrices across parameters, keyed by (rows, cols) (std::map keeps the order
+  // stable), cut into batches of at most kMaxBatchFloats.
+  std::map<std::pair<int64_t, int64_t>, std::vector<MatrixJob>> by_shape;
+  for (ParamState* p : params) {
+    if (!p->has_grad) continue;
+    std::vector<MatrixJob> jobs;
+    AppendMatrices(*p, hyper, jobs);
+    for (const MatrixJob& job : jobs) by_shape[{job.rows, job.cols}].push_back(job);
+  }
+  std::vector<std::span<const MatrixJob>> batches;
+  size_t need_gather = 0;
+  for (const auto& [shape, jobs] : by_shape) {
+    const size_t mat = static_cast<size_t>(shape.first * shape.second);
+    const size_t per_batch = std::max<size_t>(1, kMaxBatchFloats / std::max<size_t>(mat, 1));
+    for (size_t start = 0; start < jobs.size(); start += per_batch) {
+      batches.push_back(std::span(jobs).subspan(start, std::min(per_batch, jobs.size() - start)));
+      if (!Contiguous(batches.back())) need_gather = std::max(need_gather, batches.back().size() * mat);
+    }
+  }
+  // Allocate all scratch before touching any state, so running out of memory rejects the step
+  // cleanly instead of leaving momentum advanced and weights not.
+  for (std::span<const MatrixJob> batch : batches) {
+    MUOND_RETURN_IF_ERROR(ws_.ReserveFor(backend, batch[0].rows, batch[0].cols,
+                                         static_cast<int64_t>(batch.size())));
+  }
+  if (need_gather > 0) {
+    MUOND_RETURN_IF_ERROR(ws_.Get(backend, NsWorkspace::kFirstFreeSlot, need_gather).status());
+  }
+
   const kernels::MomentumArgs momentum{.beta = static_cast<float>(hyper.momentum),
                                        .style = options_.momentum_style,
                                        .nesterov = options_.nesterov};
-  // Same-shape matrices across parameters, keyed by (rows, cols); std::map keeps the order stable.
-  std::map<std::pair<int64_t, int64_t>, std::vector<MatrixJob>> by_shape;
   for (ParamState* p : params) {
     if (!p->has_grad) continue;
     const size_t n = static_cast<size_t>(p->numel);
@@ -186,17 +219,9 @@ absl::Status Muon::Step(Backend& backend, const StepHyper& hyper,
     }
     // U overwrites the gradient: it is scratch from here on.
     MUOND_RETURN_IF_ERROR(backend.Momentum(momentum, p->Slot(kMomentumSlot)->data(), g, g, n));
-    std::vector<MatrixJob> jobs;
-    AppendMatrices(*p, hyper, jobs);
-    for (const MatrixJob& job : jobs) by_shape[{job.rows, job.cols}].push_back(job);
   }
-  for (const auto& [shape, jobs] : by_shape) {
-    const size_t mat = static_cast<size_t>(shape.first * shape.second);
-    const size_t per_batch = std::max<size_t>(1, kMaxBatchFloats / std::max<size_t>(mat, 1));
-    for (size_t start = 0; start < jobs.size(); start += per_batch) {
-      const size_t count = std::min(per_batch, jobs.size() - start);
-      MUOND_RETURN_IF_ERROR(Orthogonalize(backend, std::span(jobs).subspan(start, count)));
-    }
+  for (std::span<const MatrixJob> batch : batches) {
+    MUOND_RETURN_IF_ERROR(Orthogonalize(backend, batch));
   }
   for (ParamState* p : params) {
     if (p->has_grad) ++p->step_count;

@@ -28,6 +28,17 @@ absl::StatusOr<float*> NsWorkspace::Get(Backend& backend, int slot, size_t count
   return buf->data();
 }
 
+// Slots 0 and 1 hold the iterate X and the next one (batch·rows·cols each), 2 and 3 the Gram matrix
+// A and the polynomial B (batch·m² each, m = min(rows, cols)).
+absl::Status NsWorkspace::ReserveFor(Backend& backend, int64_t rows, int64_t cols, int64_t batch) {
+  const size_t mat = static_cast<size_t>(rows * cols * batch);
+  const size_t m = static_cast<size_t>(std::min(rows, cols));
+  const size_t gram = m * m * static_cast<size_t>(batch);
+  for (int slot : {0, 1}) MUOND_RETURN_IF_ERROR(Get(backend, slot, mat).status());
+  for (int slot : {2, 3}) MUOND_RETURN_IF_ERROR(Get(backend, slot, gram).status());
+  return absl::OkStatus();
+}
+
 size_t NsWorkspace::held() const {
   size_t total = 0;
   for (const auto& buf : buffers_) total += buf ? buf->size() : 0;
@@ -57,6 +68,7 @@ absl::Status NewtonSchulz(Backend& backend, const NsSchedule& schedule, int step
   const int64_t m = std::min(rows, cols), n = std::max(rows, cols);
   const size_t mat = static_cast<size_t>(m * n), gram = static_cast<size_t>(m * m);
   const size_t total = mat * static_cast<size_t>(batch);
+  MUOND_RETURN_IF_ERROR(ws.ReserveFor(backend, rows, cols, batch));
   MUOND_ASSIGN_OR_RETURN(float* x, ws.Get(backend, 0, total));
   MUOND_ASSIGN_OR_RETURN(float* x_next, ws.Get(backend, 1, total));
   MUOND_ASSIGN_OR_RETURN(float* a_mat, ws.Get(backend, 2, gram * batch));

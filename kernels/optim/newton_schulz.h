@@ -37,6 +37,10 @@ class NsWorkspace {
   // Buffers from another backend are dropped first, so one workspace never mixes devices.
   absl::StatusOr<float*> Get(kernels::Backend& backend, int slot, size_t count);
 
+  // Grows NewtonSchulz's slots to what a call with this shape and batch needs, so a caller can fail
+  // for lack of memory before it changes any state.
+  absl::Status ReserveFor(kernels::Backend& backend, int64_t rows, int64_t cols, int64_t batch);
+
   // Floats currently held across all slots.
   size_t held() const;
   void Release();

@@ -107,6 +107,8 @@ struct SgdCase {
   double momentum, weight_decay;
   bool nesterov;
 };
+// Readable test names in ctest instead of a byte dump.
+void PrintTo(const SgdCase& c, std::ostream* os) { *os << c.name; }
 
 class SgdTest : public ::testing::TestWithParam<SgdCase> {};
 

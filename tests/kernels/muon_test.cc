@@ -96,6 +96,8 @@ struct MuonCase {
   GroupOptions options;
   std::vector<ParamSpec> params;
 };
+// Readable test names in ctest instead of a byte dump.
+void PrintTo(const MuonCase& c, std::ostream* os) { *os << c.name; }
 
 GroupOptions Opts(kernels::MomentumStyle style, bool nesterov, WeightDecayMode wd_mode,
                   ScaleMode scale_mode, double weight_decay = 0.1, double k = 1.0) {
@@ -250,6 +252,29 @@ TEST_F(MuonTest, SlotsAndZeroGradient) {
   // A zero gradient orthogonalizes to zero (no NaN), so with wd = 0 the weights stay put.
   for (float x : testing::Download(*backend, p.master->data(), 96)) ASSERT_EQ(x, 0.5f);
   EXPECT_EQ(p.step_count, 1);
+}
+
+TEST_F(MuonTest, ParameterWithoutGradientIsLeftAlone) {
+  auto opt = Muon();
+  auto backend = kernels::NewCpuBackend(1);
+  std::mt19937 rng(5);
+  ParamState with, without;
+  for (ParamState* p : {&with, &without}) {
+    p->shape = {6, 6};
+    p->numel = 36;
+    p->master = testing::Upload(*backend, std::vector<float>(36, 1.0f));
+    p->grad = testing::Upload(*backend, testing::ToFloat(testing::RandomMat(rng, 6, 6).v));
+    ASSERT_OK(opt->InitState(*backend, *p));
+  }
+  with.has_grad = true;
+  without.has_grad = false;  // torch's grad = None: no momentum update, no decay, no step
+  std::vector<ParamState*> ptrs = {&with, &without};
+  ASSERT_OK(opt->Step(*backend, StepHyper{.lr = 0.1, .momentum = 0.9, .weight_decay = 0.1}, ptrs));
+  EXPECT_EQ(with.step_count, 1);
+  EXPECT_EQ(without.step_count, 0);
+  for (float x : testing::Download(*backend, without.master->data(), 36)) ASSERT_EQ(x, 1.0f);
+  for (float x : testing::Download(*backend, without.Slot("momentum")->data(), 36)) ASSERT_EQ(x, 0.0f);
+  EXPECT_NE(testing::Download(*backend, with.master->data(), 36), std::vector<float>(36, 1.0f));
 }
 
 TEST_F(MuonTest, StepWithoutStateIsRejectedAndChangesNothing) {

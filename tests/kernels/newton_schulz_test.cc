@@ -60,6 +60,8 @@ std::vector<double> Decade(int64_t k) {
 struct Shape {
   int64_t rows, cols;
 };
+// Readable test names in ctest instead of a byte dump.
+void PrintTo(const Shape& s, std::ostream* os) { *os << s.rows << "x" << s.cols; }
 
 class NewtonSchulzShapeTest : public NewtonSchulzTest, public ::testing::WithParamInterface<Shape> {};
 
