@@ -1,0 +1,74 @@
+// The wire dtype codec: bf16 and fp16 conversions round to nearest even like torch, and keep the
+// special values.
+#include "proto/wire/dtype_codec.h"
+
+#include <cmath>
+#include <limits>
+
+#include "gtest/gtest.h"
+
+namespace muond::wire {
+namespace {
+
+TEST(DTypeCodecTest, ElementSizes) {
+  EXPECT_EQ(ElementSize(v1::DTYPE_FP32), 4u);
+  EXPECT_EQ(ElementSize(v1::DTYPE_BF16), 2u);
+  EXPECT_EQ(ElementSize(v1::DTYPE_FP16), 2u);
+  EXPECT_EQ(ElementSize(v1::DTYPE_UNSPECIFIED), 0u);
+  EXPECT_EQ(ElementSize(static_cast<v1::DType>(42)), 0u);
+}
+
+TEST(DTypeCodecTest, Bf16RoundsToNearestEven) {
+  EXPECT_EQ(FloatToBf16(1.0f), 0x3f80);
+  EXPECT_EQ(FloatToBf16(-2.0f), 0xc000);
+  // 1 + 2^-8 lies halfway between bf16 1.0 and 1.0078125: ties go to the even mantissa (1.0).
+  EXPECT_EQ(FloatToBf16(1.00390625f), 0x3f80);
+  // 1 + 3·2^-8 is halfway between 1.0078125 (odd) and 1.015625 (even): rounds up.
+  EXPECT_EQ(FloatToBf16(1.01171875f), 0x3f82);
+  EXPECT_EQ(Bf16ToFloat(0x3f82), 1.015625f);
+  EXPECT_TRUE(std::isnan(Bf16ToFloat(FloatToBf16(std::numeric_limits<float>::quiet_NaN()))));
+  EXPECT_EQ(Bf16ToFloat(FloatToBf16(std::numeric_limits<float>::infinity())), std::numeric_limits<float>::infinity());
+  EXPECT_EQ(FloatToBf16(3.4e38f), 0x7f80) << "the largest floats round up to infinity in bf16";
+}
+
+TEST(DTypeCodecTest, Fp16CoversNormalsSubnormalsAndOverflow) {
+  EXPECT_EQ(FloatToFp16(1.0f), 0x3c00);
+  EXPECT_EQ(FloatToFp16(-2.5f), 0xc100);
+  EXPECT_EQ(FloatToFp16(65504.0f), 0x7bff);
+  EXPECT_EQ(FloatToFp16(65520.0f), 0x7c00) << "65520 is the first value that rounds to infinity";
+  EXPECT_EQ(FloatToFp16(65519.0f), 0x7bff);
+  EXPECT_EQ(FloatToFp16(std::ldexp(1.0f, -24)), 0x0001) << "smallest subnormal";
+  EXPECT_EQ(FloatToFp16(std::ldexp(1.0f, -25)), 0x0000) << "half of it ties to even (zero)";
+  EXPECT_EQ(FloatToFp16(std::ldexp(3.0f, -25)), 0x0002) << "1.5 ulp ties to even (2)";
+  EXPECT_EQ(FloatToFp16(std::ldexp(1.0f, -14)), 0x0400) << "smallest normal";
+  EXPECT_EQ(FloatToFp16(1.0f + std::ldexp(1.0f, -11)), 0x3c00) << "a tie rounds to the even 1.0";
+  EXPECT_EQ(FloatToFp16(1.0f + std::ldexp(3.0f, -11)), 0x3c02);
+  EXPECT_TRUE(std::isnan(Fp16ToFloat(FloatToFp16(std::nanf("")))));
+  EXPECT_EQ(Fp16ToFloat(0x0001), std::ldexp(1.0f, -24));
+  EXPECT_EQ(Fp16ToFloat(0xfc00), -std::numeric_limits<float>::infinity());
+}
+
+TEST(DTypeCodecTest, EveryHalfValueSurvivesARoundTrip) {
+  for (uint32_t bits = 0; bits <= 0xffff; ++bits) {
+    const uint16_t h = static_cast<uint16_t>(bits);
+    const float f = Fp16ToFloat(h);
+    if (std::isnan(f)) continue;
+    ASSERT_EQ(FloatToFp16(f), h) << "fp16 bits " << bits;
+    ASSERT_EQ(FloatToBf16(Bf16ToFloat(h)), h) << "bf16 bits " << bits;
+  }
+}
+
+TEST(DTypeCodecTest, EncodeAndDecodeRoundTrip) {
+  const std::vector<float> values = {0.0f, -1.5f, 3.25f, 1e-3f, 1000.0f};
+  for (v1::DType dtype : {v1::DTYPE_FP32, v1::DTYPE_BF16, v1::DTYPE_FP16}) {
+    std::string bytes;
+    Encode(dtype, values, &bytes);
+    ASSERT_EQ(bytes.size(), values.size() * ElementSize(dtype));
+    std::vector<float> decoded(values.size());
+    Decode(dtype, bytes, std::span<float>(decoded));
+    for (size_t i = 0; i < values.size(); ++i) EXPECT_NEAR(decoded[i], values[i], std::fabs(values[i]) * 4e-3);
+  }
+}
+
+}  // namespace
+}  // namespace muond::wire
