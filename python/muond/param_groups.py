@@ -29,8 +29,8 @@ def default_param_groups(model: nn.Module, *, muon: Optional[Mapping[str, Any]] 
     2. The output head goes to **AdamW**: the parameters of the modules named in ``head``
        (dotted names from ``named_modules()``, or the modules themselves); when ``head`` is None,
        those of modules whose last name component is one of ``HEAD_NAMES`` (``lm_head``,
-       ``head``, ``output``, ``classifier``, ...) and of the last ``nn.Linear`` whose output width
-       equals an embedding's vocabulary size (an untied language-model head).
+       ``head``, ``output``, ``classifier``, ...) and of the last ``nn.Linear`` (in registration
+       order) whose output width equals an embedding's vocabulary size (an untied LM head).
     3. Parameters with fewer than 2 dimensions (biases, norm gains, scalars) go to **AdamW**.
     4. Every other parameter (hidden matrices: linear, attention, convolution weights, and 3-D
        expert stacks) goes to **Muon**.
@@ -88,7 +88,8 @@ def _head_modules(modules: Dict[str, nn.Module],
         return found
     found = [m for name, m in modules.items() if name and name.rsplit(".", 1)[-1] in HEAD_NAMES]
     vocab_sizes = {m.num_embeddings for m in modules.values() if isinstance(m, _EMBEDDINGS)}
-    linears = [m for m in modules.values() if isinstance(m, nn.Linear)]
-    if vocab_sizes and linears and linears[-1].out_features in vocab_sizes:
-        found.append(linears[-1])
+    vocab_linears = [m for m in modules.values()
+                     if isinstance(m, nn.Linear) and m.out_features in vocab_sizes]
+    if vocab_linears:
+        found.append(vocab_linears[-1])
     return found

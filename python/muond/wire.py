@@ -30,6 +30,9 @@ _TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _ENUM = {"fp32": pb.DTYPE_FP32, "bf16": pb.DTYPE_BF16, "fp16": pb.DTYPE_FP16}
 _FROM_ENUM = {v: k for k, v in _ENUM.items()}
 _ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
+# TensorChunk.shape (the sender's shape, checked by the daemon) is newer than the first API
+# version; stubs generated from an older proto simply don't send it.
+_CHUNK_HAS_SHAPE = "shape" in pb.TensorChunk.DESCRIPTOR.fields_by_name
 
 DTypeLike = Union[str, torch.dtype]
 ChunkKey = Tuple[str, str]  # (tensor name, state slot or "")
@@ -79,7 +82,7 @@ def encode(name: str, tensor: torch.Tensor, dtype: str, *, slot: str = "",
         piece = data[start:start + per_chunk]
         chunk = pb.TensorChunk(name=name, offset=start // itemsize, dtype=enum, data=bytes(piece),
                                slot=slot)
-        if start == 0:
+        if start == 0 and _CHUNK_HAS_SHAPE:
             chunk.shape.extend(tensor.shape)
         yield chunk
         start += per_chunk

@@ -1,0 +1,169 @@
+"""The daemon's Muon and AdamW against the pure-torch reference of DESIGN.md, on identical
+gradients from a small model: parameters must agree to a relative error below 1e-4."""
+
+import pytest
+import torch
+
+import muond
+from helpers import Pair, TinyNet, remote_factory
+from reference import POLAR_EXPRESS, QUINTIC
+
+TOLERANCE = 1e-4
+
+
+def run(pair: Pair, steps: int):
+    for step in range(1, steps + 1):
+        pair.step(step)
+    errors = pair.errors()
+    pair.opt.close()
+    return errors
+
+
+def test_defaults_match_reference_over_20_steps(endpoint):
+    # Muon: fp32 Newton–Schulz, simple coefficients, 5 steps, ema momentum with Nesterov,
+    # shape scaling, decoupled weight decay. AdamW: torch semantics.
+    pair = Pair(remote_factory(endpoint, muon={"weight_decay": 0.05}),
+                TinyNet(seed=1), ref_muon={"weight_decay": 0.05})
+    assert [g["optimizer"] for g in pair.opt.param_groups] == ["muon", "adamw"]
+    assert pair.opt.param_groups[0]["param_names"] == ["up.weight", "down.weight"]
+    errors = run(pair, 20)
+    print("max relative error over 20 steps:", max(errors.values()), errors)
+    assert max(errors.values()) < TOLERANCE, errors
+
+
+def test_parameters_moved(endpoint):
+    model = TinyNet(seed=2)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    pair = Pair(remote_factory(endpoint), model)
+    run(pair, 3)
+    for name, p in model.named_parameters():
+        assert not torch.equal(p.detach(), before[name]), f"{name} was not updated"
+
+
+def test_bf16_wire_matches_reference_on_rounded_gradients(endpoint):
+    pair = Pair(remote_factory(endpoint, wire_dtype="bf16"), TinyNet(seed=3),
+                round_grads_to=torch.bfloat16)
+    errors = run(pair, 20)
+    print("bf16 wire, max relative error:", max(errors.values()))
+    assert max(errors.values()) < TOLERANCE, errors
+
+
+def test_bf16_gradients_differ_from_fp32():
+    # Guards the test above: bf16 rounding is visible, so matching the rounded reference means
+    # the daemon really received bf16.
+    g = torch.randn(1000)
+    assert (g.to(torch.bfloat16).float() - g).abs().max() > 1e-4
+
+
+MUON_VARIANTS = [
+    ({"momentum_style": "sum", "nesterov": False, "momentum": 0.9},
+     {"momentum_style": "sum", "nesterov": False, "momentum": 0.9}),
+    ({"momentum_style": "sum", "nesterov": True}, {"momentum_style": "sum", "nesterov": True}),
+    ({"ns_coefficients": "quintic"}, {"coefficients": QUINTIC}),
+    ({"ns_coefficients": "polar_express", "ns_steps": 10},
+     {"coefficients": POLAR_EXPRESS, "after": "repeat_last", "ns_steps": 10}),
+    ({"ns_coefficients": [(3.0, -3.2, 1.2), (3.4445, -4.775, 2.0315)], "ns_steps": 5,
+      "ns_coefficients_after": "repeat_last"},
+     {"coefficients": [(3.0, -3.2, 1.2), (3.4445, -4.775, 2.0315)], "after": "repeat_last"}),
+    ({"ns_coefficients": (3.4445, -4.775, 2.0315), "ns_steps": 3},
+     {"coefficients": [(3.4445, -4.775, 2.0315)], "ns_steps": 3}),
+    ({"scale_mode": "spectral", "extra_scale_factor": 0.2, "weight_decay": 0.01,
+      "weight_decay_mode": "independent"},
+     {"scale_mode": "spectral", "extra_scale_factor": 0.2, "weight_decay": 0.01,
+      "weight_decay_mode": "independent"}),
+    ({"scale_mode": "unit_rms_norm", "weight_decay": 0.05, "weight_decay_mode": "l2",
+      "ns_eps": 1e-6, "ns_norm_safety": 1.02},
+     {"scale_mode": "unit_rms_norm", "weight_decay": 0.05, "weight_decay_mode": "l2",
+      "ns_eps": 1e-6, "ns_norm_safety": 1.02}),
+]
+
+
+@pytest.mark.parametrize("options,reference", MUON_VARIANTS,
+                         ids=["sum", "sum-nesterov", "quintic", "polar_express", "custom",
+                              "torch-style-tuple", "spectral-independent", "unit_rms-l2"])
+def test_muon_options_map_through(endpoint, options, reference):
+    pair = Pair(remote_factory(endpoint, muon=dict(options, lr=0.05)), TinyNet(seed=4),
+                ref_muon=dict(reference, lr=0.05))
+    errors = run(pair, 6)
+    assert max(errors.values()) < TOLERANCE, errors
+
+
+def test_adamw_options_map_through(endpoint):
+    adamw = {"lr": 3e-3, "betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.1}
+    pair = Pair(remote_factory(endpoint, adamw=adamw), TinyNet(seed=5), ref_adamw=adamw)
+    errors = run(pair, 8)
+    assert max(errors.values()) < TOLERANCE, errors
+
+
+def test_muon_with_aux_adam_style_groups(endpoint):
+    # Keller Jordan's MuonWithAuxAdam group layout, keys and all.
+    model = TinyNet(seed=6)
+    hidden = [model.up.weight, model.down.weight]
+    others = [p for n, p in model.named_parameters() if n not in ("up.weight", "down.weight")]
+    groups = [dict(params=hidden, use_muon=True, lr=0.02, momentum=0.95, weight_decay=0.0),
+              dict(params=others, use_muon=False, lr=3e-4, betas=(0.9, 0.95), eps=1e-10,
+                   weight_decay=0.0)]
+    with muond.RemoteOptimizer(groups, endpoint=endpoint) as opt:
+        assert [g["optimizer"] for g in opt.param_groups] == ["muon", "adamw"]
+        assert opt.param_groups[1]["betas"] == (0.9, 0.95)
+        model(torch.arange(8)).sum().backward()
+        opt.step()
+        assert opt.last_step == 1
+
+
+def test_local_optimizer_matches_daemon(endpoint):
+    # The example's --compare-local baseline is the same optimizer as the daemon's.
+    remote_model, local_model = TinyNet(seed=7), TinyNet(seed=7)
+    make = lambda m: muond.default_param_groups(m, muon={"weight_decay": 0.02})  # noqa: E731
+    remote = muond.RemoteOptimizer(make(remote_model), endpoint=endpoint)
+    local = muond.LocalOptimizer(make(local_model))
+    from helpers import loss_of, rel_err
+    for step in range(1, 21):
+        for model, opt in ((remote_model, remote), (local_model, local)):
+            loss_of(model, step).backward()
+            opt.step()
+            opt.zero_grad()
+    remote.close()
+    errors = {n: rel_err(p.detach(), dict(local_model.named_parameters())[n].detach())
+              for n, p in remote_model.named_parameters()}
+    assert max(errors.values()) < 1e-3, errors
+
+
+def test_sgd_group_matches_torch_sgd(endpoint):
+    model = TinyNet(seed=8)
+    twin = TinyNet(seed=8)
+    opt = muond.RemoteOptimizer(model.parameters(), endpoint=endpoint, optimizer="sgd", lr=0.1,
+                                momentum=0.9, nesterov=True, weight_decay=0.01)
+    ref = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9, nesterov=True,
+                          weight_decay=0.01)
+    from helpers import loss_of, rel_err
+    for step in range(1, 9):
+        for m, o in ((model, opt), (twin, ref)):
+            loss_of(m, step).backward()
+            o.step()
+            o.zero_grad()
+    opt.close()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert rel_err(p.detach(), q.detach()) < TOLERANCE, name
+
+
+def test_lion_group_matches_design(endpoint):
+    model = TinyNet(seed=9)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    exp_avg = {n: torch.zeros_like(p) for n, p in params.items()}
+    lr, wd, (b1, b2) = 1e-3, 0.1, (0.9, 0.99)
+    opt = muond.RemoteOptimizer(model.named_parameters(), endpoint=endpoint, optimizer="lion",
+                                lr=lr, weight_decay=wd, betas=(b1, b2))
+    from helpers import loss_of, rel_err
+    for step in range(1, 6):
+        loss_of(model, step).backward()
+        for n, p in model.named_parameters():
+            g = p.grad.detach()
+            u = torch.sign(b1 * exp_avg[n] + (1 - b1) * g)
+            params[n] = params[n] * (1 - lr * wd) - lr * u
+            exp_avg[n] = b2 * exp_avg[n] + (1 - b2) * g
+        opt.step()
+        opt.zero_grad()
+    opt.close()
+    for n, p in model.named_parameters():
+        assert rel_err(p.detach(), params[n]) < TOLERANCE, n

@@ -1,0 +1,107 @@
+"""Rejections surface as muond.MuondError carrying the gRPC status code and the daemon's message;
+client-side misuse is a ValueError/TypeError before anything is sent."""
+
+import pickle
+import socket
+
+import grpc
+import pytest
+import torch
+
+import muond
+from muond._stubs import pb
+from muond.client import Connection
+from helpers import TinyNet, loss_of
+
+
+def spec_of(shape):
+    spec = pb.SessionSpec()
+    spec.groups.add(name="g0", options=pb.GroupOptions(optimizer=pb.OPTIMIZER_ADAMW))
+    spec.parameters.add(name="w", shape=list(shape), group="g0", wire_dtype=pb.DTYPE_FP32)
+    return spec
+
+
+def test_unknown_session_is_not_found(endpoint):
+    model = TinyNet(seed=30)
+    opt = muond.RemoteOptimizer(muond.default_param_groups(model), endpoint=endpoint)
+    Connection(endpoint).close_session(opt.session_id)  # ended behind the optimizer's back
+    loss_of(model, 1).backward()
+    with pytest.raises(muond.MuondError) as info:
+        opt.step()
+    err = info.value
+    assert err.code == grpc.StatusCode.NOT_FOUND
+    assert opt.session_id in err.details
+    assert err.rpc == "Step" and "NOT_FOUND" in str(err)
+    opt.close()  # ending an already ended session is fine
+
+
+def test_wrong_size_upload_is_invalid_argument(endpoint):
+    conn = Connection(endpoint)
+    conn.create_session("bad-shape", spec_of((3, 4)))
+    chunk = pb.TensorChunk(name="w", offset=0, dtype=pb.DTYPE_FP32, data=bytes(4 * 5))
+    with pytest.raises(muond.MuondError) as info:
+        conn.upload("bad-shape", [chunk])
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "w" in info.value.details
+    conn.close_session("bad-shape")
+
+
+def test_out_of_order_step_is_failed_precondition(endpoint):
+    model = TinyNet(seed=31)
+    with muond.RemoteOptimizer(muond.default_param_groups(model), endpoint=endpoint) as opt:
+        loss_of(model, 1).backward()
+        opt.last_step = 5  # as if the client skipped ahead
+        with pytest.raises(muond.MuondError) as info:
+            opt.step()
+        assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "1" in info.value.details  # names the expected step
+        opt.last_step = 0
+        opt.step()  # a rejected request changed nothing: step 1 still works
+        assert opt.last_step == 1
+
+
+def test_invalid_option_value_is_invalid_argument(endpoint):
+    model = TinyNet(seed=32)
+    with pytest.raises(muond.MuondError) as info:
+        muond.RemoteOptimizer(muond.default_param_groups(model, muon={"ns_steps": 0}),
+                              endpoint=endpoint)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "ns_steps" in info.value.details
+
+
+def test_unreachable_daemon_is_unavailable():
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(muond.MuondError) as info:
+        muond.RemoteOptimizer([torch.nn.Parameter(torch.zeros(2, 2))],
+                              endpoint=f"127.0.0.1:{port}", connect_timeout=0.5)
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_client_side_misuse_raises_before_sending():
+    w = torch.nn.Parameter(torch.zeros(4, 4))
+    b = torch.nn.Parameter(torch.zeros(4))
+    unused = "127.0.0.1:1"  # never contacted: every case fails before connecting
+    with pytest.raises(TypeError, match="ns_step"):
+        muond.RemoteOptimizer([w], endpoint=unused, ns_step=3)
+    with pytest.raises(ValueError, match="momentum"):
+        muond.RemoteOptimizer([{"params": [b], "optimizer": "adamw", "momentum": 0.9}],
+                              endpoint=unused)
+    with pytest.raises(ValueError, match="Muon needs matrices"):
+        muond.RemoteOptimizer([b], endpoint=unused)
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        muond.RemoteOptimizer([w], endpoint=unused, optimizer="adam")
+    with pytest.raises(ValueError, match="contradicts"):
+        muond.RemoteOptimizer([{"params": [w], "optimizer": "adamw", "use_muon": True}],
+                              endpoint=unused)
+    with pytest.raises(ValueError, match="scale_mode"):
+        muond.RemoteOptimizer([w], endpoint=unused, scale_mode="rms")
+    with pytest.raises(ValueError, match="wire dtype"):
+        muond.RemoteOptimizer([w], endpoint=unused, wire_dtype="int8")
+
+
+def test_muond_error_pickles():
+    err = muond.MuondError(grpc.StatusCode.NOT_FOUND, "session 'x' not found", "Step")
+    copy = pickle.loads(pickle.dumps(err))
+    assert copy.code == err.code and copy.details == err.details and str(copy) == str(err)

@@ -1,0 +1,37 @@
+"""examples/train_gpt.py trains through the daemon: a short run of a small configuration must
+bring the loss clearly down, and --compare-local must track the daemon's loss curve."""
+
+import json
+import os
+import subprocess
+import sys
+
+from conftest import REPO_ROOT
+
+
+def run_example(endpoint, tmp_path, *extra):
+    metrics = tmp_path / "metrics.json"
+    cmd = [sys.executable, str(REPO_ROOT / "examples" / "train_gpt.py"), "--endpoint", endpoint,
+           "--steps", "60", "--d-model", "64", "--n-layer", "2", "--n-head", "2",
+           "--context", "32", "--batch-size", "16", "--corpus-chars", "60000", "--warmup", "5",
+           "--eval-every", "0", "--eval-batches", "2", "--sample", "40", "--no-progress",
+           "--metrics-out", str(metrics), *extra]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(metrics.read_text()), proc.stdout
+
+
+def test_example_trains_and_matches_local_torch(endpoint, tmp_path):
+    metrics, stdout = run_example(endpoint, tmp_path, "--compare-local")
+    losses = metrics["muond"]["losses"]
+    start, end = losses[0], sum(losses[-5:]) / 5
+    print(f"example: loss {start:.3f} -> {end:.3f}")
+    assert len(losses) == 60
+    assert end < 0.75 * start, (start, end)
+    assert metrics["muond"]["val_loss"] < 0.8 * start
+    local = metrics["local"]["losses"]
+    worst = max(abs(a - b) for a, b in zip(losses, local))
+    print(f"example: largest muond/local loss difference {worst:.2e}")
+    assert worst < 1e-3
+    assert "muond loss" in stdout and "local loss" in stdout and "sample:" in stdout

@@ -1,0 +1,123 @@
+"""state_dict()/load_state_dict() round trips through GetState/SetState, and resuming a session
+by attaching to it."""
+
+import io
+import uuid
+
+import grpc
+import pytest
+import torch
+
+import muond
+from helpers import TinyNet, loss_of, params_of
+
+
+def groups(model):
+    return muond.default_param_groups(model, muon={"weight_decay": 0.01})
+
+
+def train(model, opt, steps):
+    for step in steps:
+        loss_of(model, step).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_state_dict_round_trip(endpoint):
+    model = TinyNet(seed=20)
+    opt = muond.RemoteOptimizer(groups(model), endpoint=endpoint)
+    train(model, opt, range(1, 5))
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    at_step_4 = params_of(model)
+    train(model, opt, range(5, 8))
+    expected = params_of(model)
+    opt.close()
+
+    buffer.seek(0)
+    saved = torch.load(buffer)
+    assert saved["muond"]["last_step"] == 4
+    first = saved["state"][0]
+    assert set(first) == {"master", "momentum", "step"} and first["step"] == 4
+    assert {"master", "exp_avg", "exp_avg_sq", "step"} <= set(saved["state"][2])
+
+    other = TinyNet(seed=99)  # different weights: load_state_dict must bring the masters back
+    opt2 = muond.RemoteOptimizer(groups(other), endpoint=endpoint)
+    opt2.load_state_dict(saved)
+    assert opt2.last_step == 4
+    for name, p in other.named_parameters():
+        assert torch.equal(p.detach(), at_step_4[name]), name
+    train(other, opt2, range(5, 8))
+    assert opt2.last_step == 7
+    for name, p in other.named_parameters():
+        assert torch.allclose(p.detach(), expected[name], rtol=1e-6, atol=1e-7), name
+    opt2.close()
+
+
+def test_load_state_dict_restores_group_lr(endpoint):
+    model = TinyNet(seed=21)
+    with muond.RemoteOptimizer(groups(model), endpoint=endpoint) as opt:
+        opt.param_groups[0]["lr"] = 0.005
+        saved = opt.state_dict()
+        opt.param_groups[0]["lr"] = 0.1
+        opt.load_state_dict(saved)
+        assert opt.param_groups[0]["lr"] == 0.005
+
+
+def test_state_dict_with_different_fixed_options_is_refused(endpoint):
+    model = TinyNet(seed=22)
+    with muond.RemoteOptimizer(groups(model), endpoint=endpoint) as opt:
+        saved = opt.state_dict()
+    other = muond.default_param_groups(TinyNet(seed=22), muon={"ns_steps": 3})
+    with muond.RemoteOptimizer(other, endpoint=endpoint) as opt2:
+        with pytest.raises(ValueError, match="ns_steps"):
+            opt2.load_state_dict(saved)
+
+
+def test_resume_by_attaching_to_the_session(endpoint):
+    session = f"resume-{uuid.uuid4().hex[:8]}"
+    model = TinyNet(seed=23)
+    opt = muond.RemoteOptimizer(groups(model), endpoint=endpoint, session=session)
+    assert not opt.attached
+    train(model, opt, range(1, 4))
+    at_step_3 = params_of(model)
+    opt.close(keep_session=True)  # the trainer goes away; the session stays on the daemon
+
+    restarted = TinyNet(seed=24)  # a restarted trainer with freshly initialized weights
+    opt = muond.RemoteOptimizer(groups(restarted), endpoint=endpoint, session=session)
+    assert opt.attached and opt.last_step == 3
+    for name, p in restarted.named_parameters():
+        assert torch.equal(p.detach(), at_step_3[name]), name
+    train(restarted, opt, range(4, 7))
+    assert opt.last_step == 6
+    opt.close()
+
+    straight = TinyNet(seed=23)  # the same six steps without the interruption
+    with muond.RemoteOptimizer(groups(straight), endpoint=endpoint) as ref:
+        train(straight, ref, range(1, 7))
+    for (name, p), q in zip(restarted.named_parameters(), straight.parameters()):
+        assert torch.allclose(p.detach(), q.detach(), rtol=1e-6, atol=1e-7), name
+
+
+def test_attaching_with_a_different_spec_is_refused(endpoint):
+    session = f"conflict-{uuid.uuid4().hex[:8]}"
+    model = TinyNet(seed=25)
+    with muond.RemoteOptimizer(groups(model), endpoint=endpoint, session=session):
+        with pytest.raises(muond.MuondError) as info:
+            muond.RemoteOptimizer(muond.default_param_groups(model, muon={"momentum": 0.9}),
+                                  endpoint=endpoint, session=session)
+    assert info.value.code == grpc.StatusCode.ALREADY_EXISTS
+    assert info.value.details
+
+
+def test_close_ends_the_session(endpoint):
+    model = TinyNet(seed=26)
+    opt = muond.RemoteOptimizer(groups(model), endpoint=endpoint)
+    conn = muond.client.Connection(endpoint)
+    assert opt.session_id in {s.session_id for s in conn.list_sessions()}
+    opt.close()
+    opt.close()  # idempotent
+    assert opt.session_id not in {s.session_id for s in conn.list_sessions()}
+    conn.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        opt.step()
