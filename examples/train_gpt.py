@@ -37,11 +37,39 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-try:
+
+
+def _import_muond():
+    """The installed muond package, else the one of this source checkout: python/ beside
+    examples/, with the gRPC stubs of a CMake build (build/python), or generated on the spot."""
+    try:
+        import muond
+        return muond
+    except ImportError:
+        pass
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "python"))
+    sys.path.extend(str(p) for p in [root / "build" / "python", *sorted(root.glob("build*/python"))]
+                    if (p / "muond" / "_proto").is_dir())
+    for name in [n for n in sys.modules if n == "muond" or n.startswith("muond.")]:
+        del sys.modules[name]  # a half-imported package from the first attempt
+    if not any((Path(p) / "muond" / "_proto").is_dir() for p in sys.path[1:]):
+        import atexit
+        import importlib.util
+        import shutil
+        spec = importlib.util.spec_from_file_location("muond_codegen",
+                                                      root / "python" / "muond" / "_codegen.py")
+        codegen = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(codegen)
+        out = tempfile.mkdtemp(prefix="muond-stubs-")
+        atexit.register(shutil.rmtree, out, ignore_errors=True)
+        codegen.generate(root / "proto", out)
+        sys.path.append(out)
     import muond
-except ImportError:  # running from a source checkout: python/ beside examples/
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
-    import muond
+    return muond
+
+
+muond = _import_muond()
 
 try:
     from tqdm import tqdm
@@ -420,7 +448,7 @@ def main(argv=None) -> int:
         print(f"muond daemon at {endpoint}, gradients as {args.wire_dtype} on the wire")
         model, results = train("muond", data, args, remote)
     except muond.MuondError as err:
-        print(f"error: the muond daemon refused: {err}", file=sys.stderr)
+        print(f"error: {err}", file=sys.stderr)
         return 1
     finally:
         if daemon:

@@ -32,6 +32,9 @@ from .errors import MuondError
 from .naming import named_groups
 
 DEFAULT_ENDPOINT = "127.0.0.1:50051"
+# A step that failed with these may have been applied or not; the daemon answers a resend of the
+# same step number without a second update, so resending is safe.
+_RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 _STATE_FORMAT = 1
 
 
@@ -64,8 +67,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
         chunk_bytes: size of the tensor chunks sent and asked for.
         timeout: deadline in seconds of each call (None: none).
         connect_timeout: seconds to wait for the daemon at construction.
-        max_retries: times a step that failed with UNAVAILABLE is resent (the daemon applies each
-            step exactly once, so a resend after a lost answer does not update twice).
+        max_retries: times a step that failed with UNAVAILABLE or DEADLINE_EXCEEDED is resent
+            (the daemon applies each step exactly once, so a resend after a lost answer does not
+            update twice).
         credentials: ``grpc.ChannelCredentials`` for TLS; None for a plaintext channel.
         **defaults: options applied to every group that leaves them unset and whose optimizer
             they apply to (e.g. ``lr=0.02, weight_decay=0.1``).
@@ -234,7 +238,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
                 result = self._conn.step(header, self._grad_chunks(grads), into)
                 break
             except MuondError as err:
-                if err.code != grpc.StatusCode.UNAVAILABLE or attempt == self.max_retries:
+                if err.code not in _RETRIED or attempt == self.max_retries:
                     raise
                 time.sleep(0.2 * 2 ** attempt)
         self._copy_in({name: t for (name, _), t in into.tensors().items()})

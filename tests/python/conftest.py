@@ -6,11 +6,13 @@ tests skip, saying so; a $MUOND_BINARY that does not exist is an error. The gRPC
 PYTHONPATH (the build tree) when present, else they are generated into a temporary folder.
 """
 
+import atexit
 import importlib.util
 import os
 import signal
 import subprocess
 import sys
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -31,6 +33,7 @@ def _make_muond_importable():
     codegen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(codegen)
     out = tempfile.mkdtemp(prefix="muond-test-stubs-")
+    atexit.register(shutil.rmtree, out, ignore_errors=True)
     codegen.generate(REPO_ROOT / "proto", out)
     sys.path.append(out)
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import muond
-from helpers import TinyNet, loss_of, rel_err
+from helpers import TinyNet, batch, loss_of, rel_err
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="no CUDA device visible to torch")
@@ -22,7 +22,7 @@ def test_cuda_parameters_are_updated_in_place(endpoint, wire_dtype):
                                 wire_dtype=wire_dtype)
     for step in range(1, 6):
         loss_of(cpu_model, step).backward()
-        x, y = [t.cuda() for t in __import__("helpers").batch(step)]
+        x, y = [t.cuda() for t in batch(step)]
         torch.nn.functional.cross_entropy(gpu_model(x), y).backward()
         for opt in (cpu, gpu):
             opt.step()

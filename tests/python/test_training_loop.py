@@ -120,3 +120,17 @@ def test_bf16_model_gets_fp32_masters_rounded(endpoint):
             param = dict(model.named_parameters())[name]
             assert param.dtype == torch.bfloat16
             assert torch.equal(param.detach(), masters[i]["master"].to(torch.bfloat16)), name
+
+
+def test_resent_step_is_replayed_not_applied_twice(endpoint):
+    # What a retry after a lost answer looks like: the same step number again.
+    model = TinyNet(seed=17)
+    with muond.RemoteOptimizer(muond.default_param_groups(model), endpoint=endpoint) as opt:
+        loss_of(model, 1).backward()
+        opt.step()
+        after_one = params_of(model)
+        opt.last_step = 0
+        opt.step()  # same gradients, same step number
+        assert opt.last_info.replayed and opt.last_step == 1
+        for name, p in model.named_parameters():
+            assert torch.equal(p.detach(), after_one[name]), name
