@@ -11,7 +11,7 @@ each method call is independent.
 from __future__ import annotations
 
 import threading
-from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import grpc
 

@@ -12,7 +12,7 @@ Thread-safety: like every torch optimizer, one instance is used from one thread 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple
 
 import torch
 

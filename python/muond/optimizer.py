@@ -16,6 +16,7 @@ Thread-safety: like every torch optimizer, one instance is used from one thread 
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -360,5 +361,4 @@ class RemoteOptimizer(torch.optim.Optimizer):
 
 
 def _env_endpoint() -> str:
-    import os
     return os.environ.get("MUOND_ENDPOINT") or DEFAULT_ENDPOINT

@@ -32,7 +32,7 @@ Pure functions; no shared state.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Mapping, Tuple
 
 from ._stubs import pb
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Set, Union
 
-import torch
 from torch import nn
 
 # Final module names that mark an output head (Hugging Face, timm, nanoGPT, torchvision use these).

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import muond
-from helpers import Pair, TinyNet, remote_factory
+from helpers import Pair, TinyNet, loss_of, rel_err, remote_factory
 from reference import POLAR_EXPRESS, QUINTIC
 
 TOLERANCE = 1e-4
@@ -117,7 +117,6 @@ def test_local_optimizer_matches_daemon(endpoint):
     make = lambda m: muond.default_param_groups(m, muon={"weight_decay": 0.02})  # noqa: E731
     remote = muond.RemoteOptimizer(make(remote_model), endpoint=endpoint)
     local = muond.LocalOptimizer(make(local_model))
-    from helpers import loss_of, rel_err
     for step in range(1, 21):
         for model, opt in ((remote_model, remote), (local_model, local)):
             loss_of(model, step).backward()
@@ -136,7 +135,6 @@ def test_sgd_group_matches_torch_sgd(endpoint):
                                 momentum=0.9, nesterov=True, weight_decay=0.01)
     ref = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9, nesterov=True,
                           weight_decay=0.01)
-    from helpers import loss_of, rel_err
     for step in range(1, 9):
         for m, o in ((model, opt), (twin, ref)):
             loss_of(m, step).backward()
@@ -154,7 +152,6 @@ def test_lion_group_matches_design(endpoint):
     lr, wd, (b1, b2) = 1e-3, 0.1, (0.9, 0.99)
     opt = muond.RemoteOptimizer(model.named_parameters(), endpoint=endpoint, optimizer="lion",
                                 lr=lr, weight_decay=wd, betas=(b1, b2))
-    from helpers import loss_of, rel_err
     for step in range(1, 6):
         loss_of(model, step).backward()
         for n, p in model.named_parameters():
@@ -167,3 +164,33 @@ def test_lion_group_matches_design(endpoint):
     opt.close()
     for n, p in model.named_parameters():
         assert rel_err(p.detach(), params[n]) < TOLERANCE, n
+
+
+@pytest.mark.parametrize("split,query_groups", [((8, 4, 4), 2), ((16, 16, 16), 1)])
+def test_fused_qkv_experts_and_conv_match_local(endpoint, split, query_groups):
+    # DESIGN.md's other shapes: fused QKV orthogonalized block by block, 3-D experts one by one,
+    # 4-D convolution filters as (out, in·kh·kw). LocalOptimizer is checked against the
+    # reference for matrices above; here it stands in for the reference.
+    gen = torch.Generator().manual_seed(60)
+    rows = sum(split) * query_groups
+    shapes = {"qkv": (rows, 16), "experts": (3, 8, 12), "conv": (8, 3, 3, 3)}
+    remote_params = {n: torch.nn.Parameter(0.1 * torch.randn(*s, generator=gen))
+                     for n, s in shapes.items()}
+    local_params = {n: torch.nn.Parameter(p.detach().clone()) for n, p in remote_params.items()}
+
+    def groups(params):
+        return [{"params": [("qkv", params["qkv"])], "qkv_split": split,
+                 "num_query_groups": query_groups},
+                {"params": [("experts", params["experts"]), ("conv", params["conv"])]}]
+
+    remote = muond.RemoteOptimizer(groups(remote_params), endpoint=endpoint)
+    local = muond.LocalOptimizer(groups(local_params))
+    for _ in range(4):
+        for name, shape in shapes.items():
+            g = torch.randn(*shape, generator=gen)
+            remote_params[name].grad, local_params[name].grad = g.clone(), g.clone()
+        remote.step()
+        local.step()
+    remote.close()
+    for name in shapes:
+        assert rel_err(remote_params[name].detach(), local_params[name].detach()) < TOLERANCE, name

@@ -1,6 +1,7 @@
 """RemoteOptimizer in an ordinary torch training loop: closures, lr schedulers, per-step
-overrides, parameters without gradients, zero_grad."""
+overrides, parameters without gradients, zero_grad, replayed and skipped steps, clipping."""
 
+import pytest
 import torch
 
 import muond
@@ -134,3 +135,40 @@ def test_resent_step_is_replayed_not_applied_twice(endpoint):
         assert opt.last_info.replayed and opt.last_step == 1
         for name, p in model.named_parameters():
             assert torch.equal(p.detach(), after_one[name]), name
+
+
+def test_non_finite_gradient_skips_the_step(endpoint):
+    model = TinyNet(seed=18)
+    with muond.RemoteOptimizer(muond.default_param_groups(model), endpoint=endpoint) as opt:
+        loss_of(model, 1).backward()
+        model.up.weight.grad[0, 0] = float("nan")
+        before = params_of(model)
+        opt.step()
+        info = opt.last_info
+        assert not info.applied and info.skip_reason and opt.last_step == 1
+        for name, p in model.named_parameters():
+            assert torch.equal(p.detach(), before[name]), name
+        opt.zero_grad()
+        loss_of(model, 2).backward()
+        opt.step()  # the counter advanced: step 2 is next, and it applies
+        assert opt.last_info.applied and opt.last_step == 2
+
+
+def test_max_grad_norm_clips_like_torch(endpoint):
+    max_norm = 0.05
+    pair = Pair(remote_factory(endpoint, max_grad_norm=max_norm), TinyNet(seed=19))
+    for step in range(1, 6):
+        loss = loss_of(pair.model, step)
+        loss.backward()
+        grads = [p.grad for p in pair.model.parameters()]
+        total = torch.norm(torch.stack([g.norm() for g in grads])).item()
+        clipped = {id(pair.ref_params[n]): p.grad.clone() * min(1.0, max_norm / (total + 1e-6))
+                   for n, p in pair.model.named_parameters()}
+        pair.opt.step()
+        pair.ref.step(clipped)
+        pair.opt.zero_grad()
+        assert pair.opt.last_info.grad_norm == pytest.approx(total, rel=1e-5)
+        assert total > max_norm  # the clip really engaged
+    errors = pair.errors()
+    pair.opt.close()
+    assert max(errors.values()) < 1e-4, errors
