@@ -7,6 +7,7 @@ protobuf-compiler and protobuf-compiler-grpc); see muond/_codegen.py.
 """
 
 import importlib.util
+import os
 import re
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from setuptools.command.build_py import build_py
 from setuptools.command.sdist import sdist
 
 HERE = Path(__file__).resolve().parent
+os.chdir(HERE)  # package discovery is relative to the working directory
 
 
 def _proto_root() -> Path:
