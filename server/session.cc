@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/optim/qk_clip.h"
 #include "kernels/status_macros.h"
 
 namespace muond::server {
@@ -134,6 +135,7 @@ absl::StatusOr<std::vector<optim::StepHyper>> Session::ResolveHyper(const v1::St
 absl::StatusOr<StepOutcome> Session::Step(const v1::StepHeader& header, std::vector<AssembledTensor> gradients) {
   // Everything that can refuse the request is checked before any state changes.
   MUOND_ASSIGN_OR_RETURN(std::vector<optim::StepHyper> hyper, ResolveHyper(header));
+  MUOND_ASSIGN_OR_RETURN(auto qk_logits, ResolveQkLogits(header));
   if (header.has_max_grad_norm() && !(std::isfinite(header.max_grad_norm()) && header.max_grad_norm() > 0)) {
     return absl::InvalidArgumentError(
         absl::StrCat("header.max_grad_norm: must be finite and > 0, got ", header.max_grad_norm()));
@@ -176,6 +178,7 @@ absl::StatusOr<StepOutcome> Session::Step(const v1::StepHeader& header, std::vec
     double clip = 1.0;
     if (header.has_max_grad_norm()) clip = std::min(1.0, header.max_grad_norm() / (norm + 1e-6));
     MUOND_RETURN_IF_ERROR(ApplyGradients(hyper, gradients, clip));
+    MUOND_RETURN_IF_ERROR(ApplyQkClip(qk_logits));
     MUOND_ASSIGN_OR_RETURN(snapshot_, ReadBack(header.step()));
     result.set_applied(true);
   }
@@ -203,6 +206,47 @@ absl::Status Session::ApplyGradients(const std::vector<optim::StepHyper>& hyper,
   for (size_t g = 0; g < optimizers_.size(); ++g) {
     if (by_group[g].empty()) continue;
     MUOND_RETURN_IF_ERROR(optimizers_[g]->Step(*backend_, hyper[g], by_group[g]));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<std::pair<size_t, std::vector<double>>>> Session::ResolveQkLogits(
+    const v1::StepHeader& header) const {
+  std::vector<std::pair<size_t, std::vector<double>>> resolved;
+  for (int i = 0; i < header.qk_logits_size(); ++i) {
+    const v1::QkClipLogits& logits = header.qk_logits(i);
+    const std::string field = absl::StrCat("header.qk_logits[", i, "]");
+    size_t pair = config_.qk_clip.size();
+    for (size_t p = 0; p < config_.qk_clip.size(); ++p) {
+      if (config_.parameters[config_.qk_clip[p].query].name == logits.query()) pair = p;
+    }
+    if (pair == config_.qk_clip.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".query: '", logits.query(), "' is not the query of a spec.qk_clip pair"));
+    }
+    for (const auto& [seen, unused] : resolved) {
+      if (seen == pair) {
+        return absl::InvalidArgumentError(absl::StrCat(field, ".query: '", logits.query(), "' given twice"));
+      }
+    }
+    if (logits.max_logits_size() != config_.qk_clip[pair].num_heads) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ".max_logits: expected ", config_.qk_clip[pair].num_heads,
+                                                     " values (one per head), got ", logits.max_logits_size()));
+    }
+    resolved.emplace_back(pair, std::vector<double>(logits.max_logits().begin(), logits.max_logits().end()));
+  }
+  return resolved;
+}
+
+absl::Status Session::ApplyQkClip(const std::vector<std::pair<size_t, std::vector<double>>>& logits) {
+  for (const auto& [pair, max_logits] : logits) {
+    const QkClipConfig& clip = config_.qk_clip[pair];
+    const optim::GroupOptions& options = config_.groups[config_.parameters[clip.query].group].options;
+    optim::ParamState& query = params_[clip.query];
+    optim::ParamState& key = params_[clip.key];
+    MUOND_RETURN_IF_ERROR(optim::ApplyQkClip(*backend_, query.master->data(), query.numel, key.master->data(),
+                                             key.numel, max_logits, options.qk_clip_threshold,
+                                             options.qk_clip_alpha));
   }
   return absl::OkStatus();
 }

@@ -88,6 +88,11 @@ class Session {
 
   absl::Status CheckStepNumberLocked(int64_t step) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   absl::StatusOr<std::vector<optim::StepHyper>> ResolveHyper(const v1::StepHeader& header) const;
+  // header.qk_logits → (pair index, logits); checks names and head counts.
+  absl::StatusOr<std::vector<std::pair<size_t, std::vector<double>>>> ResolveQkLogits(
+      const v1::StepHeader& header) const;
+  absl::Status ApplyQkClip(const std::vector<std::pair<size_t, std::vector<double>>>& logits)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status ApplyGradients(const std::vector<optim::StepHyper>& hyper,
                               std::vector<AssembledTensor>& gradients, double clip_coefficient)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

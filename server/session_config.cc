@@ -1,6 +1,7 @@
 #include "server/session_config.h"
 
 #include <cmath>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -82,6 +83,44 @@ bool Applies(OptimizerKind kind, absl::string_view option) {
 
 absl::Status CheckFinite(double value, const std::string& field) {
   if (!std::isfinite(value)) return Invalid(field, "must be finite");
+  return absl::OkStatus();
+}
+
+// spec.qk_clip: both weights exist, are matrices in Muon groups, and split evenly into the heads.
+absl::Status ParseQkClip(const v1::SessionSpec& spec, SessionConfig& config) {
+  absl::flat_hash_map<size_t, int> used;  // parameter → pair index, to refuse reuse
+  for (int i = 0; i < spec.qk_clip_size(); ++i) {
+    const v1::QkClipPair& pair = spec.qk_clip(i);
+    const std::string field = absl::StrCat("spec.qk_clip[", i, "]");
+    if (pair.num_heads() < 1) {
+      return Invalid(field + ".num_heads", absl::StrCat("must be >= 1, got ", pair.num_heads(),
+                                                        " (QK-clip needs the attention heads)"));
+    }
+    QkClipConfig clip;
+    clip.num_heads = pair.num_heads();
+    for (const auto& [role, name, index] :
+         {std::tuple<const char*, const std::string&, size_t*>{"query", pair.query(), &clip.query},
+          {"key", pair.key(), &clip.key}}) {
+      auto it = config.parameter_index.find(name);
+      if (it == config.parameter_index.end()) {
+        return Invalid(absl::StrCat(field, ".", role), absl::StrCat("unknown parameter '", name, "'"));
+      }
+      const ParameterConfig& param = config.parameters[it->second];
+      if (config.groups[param.group].options.optimizer != OptimizerKind::kMuon || param.shape.size() != 2) {
+        return Invalid(absl::StrCat(field, ".", role),
+                       absl::StrCat("'", name, "' must be a matrix in a Muon group"));
+      }
+      if (param.shape[0] % clip.num_heads != 0) {
+        return Invalid(field + ".num_heads", absl::StrCat("'", name, "' has ", param.shape[0],
+                                                          " rows, not a multiple of ", clip.num_heads, " heads"));
+      }
+      if (!used.emplace(it->second, i).second) {
+        return Invalid(absl::StrCat(field, ".", role), absl::StrCat("'", name, "' is already in a qk_clip pair"));
+      }
+      *index = it->second;
+    }
+    config.qk_clip.push_back(clip);
+  }
   return absl::OkStatus();
 }
 
@@ -273,6 +312,7 @@ absl::StatusOr<SessionConfig> ParseSessionSpec(const v1::SessionSpec& spec, cons
     config.parameter_index.emplace(param.name, config.parameters.size());
     config.parameters.push_back(std::move(param));
   }
+  MUOND_RETURN_IF_ERROR(ParseQkClip(spec, config));
   return config;
 }
 

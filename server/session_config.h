@@ -37,11 +37,19 @@ struct GroupConfig {
   optim::GroupOptions options;
 };
 
+// A query/key pair of spec.qk_clip, by parameter index.
+struct QkClipConfig {
+  size_t query = 0;
+  size_t key = 0;
+  int num_heads = 0;
+};
+
 struct SessionConfig {
   std::vector<ParameterConfig> parameters;
   std::vector<GroupConfig> groups;
   int world_size = 1;
   v1::DType return_dtype = v1::DTYPE_FP32;
+  std::vector<QkClipConfig> qk_clip;
   int64_t total_elements = 0;
   absl::flat_hash_map<std::string, size_t> parameter_index;
   absl::flat_hash_map<std::string, size_t> group_index;

@@ -17,6 +17,11 @@ const absl::Status& ToStatus(const absl::StatusOr<T>& s) {
   return s.status();
 }
 
+inline ::testing::AssertionResult IsOkFormat(const char* expression, const absl::Status& status) {
+  if (status.ok()) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << expression << " is " << status;
+}
+
 MATCHER_P2(StatusIs, code, substring,
            std::string("has status code ") + absl::StatusCodeToString(code) + " and a message containing \"" +
                std::string(substring) + "\"") {
@@ -30,17 +35,10 @@ MATCHER_P2(StatusIs, code, substring,
 #define MUOND_TESTING_CONCAT_INNER(a, b) a##b
 #define MUOND_TESTING_CONCAT(a, b) MUOND_TESTING_CONCAT_INNER(a, b)
 
-// The status is copied out of `expr` at once: `expr` may be a temporary StatusOr.
-#define EXPECT_OK(expr)                                                 \
-  do {                                                                  \
-    const absl::Status muond_status_ = ::muond::testing::ToStatus(expr); \
-    EXPECT_TRUE(muond_status_.ok()) << muond_status_;                   \
-  } while (0)
-#define ASSERT_OK(expr)                                                 \
-  do {                                                                  \
-    const absl::Status muond_status_ = ::muond::testing::ToStatus(expr); \
-    ASSERT_TRUE(muond_status_.ok()) << muond_status_;                   \
-  } while (0)
+// Predicate-format assertions: `expr` (a Status or a possibly temporary StatusOr) lives until the
+// assertion result is built, and extra context can be streamed with <<.
+#define EXPECT_OK(expr) EXPECT_PRED_FORMAT1(::muond::testing::IsOkFormat, ::muond::testing::ToStatus(expr))
+#define ASSERT_OK(expr) ASSERT_PRED_FORMAT1(::muond::testing::IsOkFormat, ::muond::testing::ToStatus(expr))
 
 #define ASSERT_OK_AND_ASSIGN(lhs, rexpr) \
   ASSERT_OK_AND_ASSIGN_IMPL(MUOND_TESTING_CONCAT(muond_statusor_, __LINE__), lhs, rexpr)
