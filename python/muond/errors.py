@@ -5,6 +5,8 @@ and the daemon's message, which names the offending field (e.g. ``INVALID_ARGUME
 'w1': shape [4, 3] does not match the spec [3, 4]``). Client-side misuse that never reaches the
 daemon (an unknown option name, a parameter in two groups) raises ``ValueError``/``TypeError``
 as torch optimizers do.
+
+Exceptions are plain values, safe to pass between threads.
 """
 
 from __future__ import annotations
