@@ -6,21 +6,46 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/cpu_backend.h"
 
+#if MUOND_HAVE_CUDA
+#include "kernels/cuda/cuda_backend_factory.h"
+#endif
+
 namespace muond::kernels {
 
+bool CudaBackendBuilt() {
+#if MUOND_HAVE_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
 absl::StatusOr<BackendSelection> CreateBackend(std::string_view kind, int device, int threads) {
+  if (kind != "cpu" && kind != "cuda" && kind != "auto") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--backend must be one of auto, cpu, cuda; got \"", std::string(kind), "\""));
+  }
   if (kind == "cpu") {
     return BackendSelection{NewCpuBackend(threads), ""};
   }
+#if MUOND_HAVE_CUDA
+  absl::StatusOr<std::unique_ptr<Backend>> cuda = NewCudaBackend(device);
+  if (cuda.ok()) return BackendSelection{std::move(*cuda), ""};
   if (kind == "cuda") {
-    // The CUDA backend lives under kernels/cuda/ and is not part of this build yet.
+    // Whatever went wrong (no driver, no device, out of memory for cuBLAS), the daemon cannot run
+    // as asked: one code, the library's reason in the message.
+    return absl::FailedPreconditionError(cuda.status().message());
+  }
+  return BackendSelection{NewCpuBackend(threads),
+                          absl::StrCat("CUDA not usable (", cuda.status().message(),
+                                       "); using the CPU backend")};
+#else
+  (void)device;
+  if (kind == "cuda") {
     return absl::FailedPreconditionError("this muond was built without the CUDA backend");
   }
-  if (kind == "auto") {
-    return BackendSelection{NewCpuBackend(threads), "CUDA backend not built; using CPU"};
-  }
-  return absl::InvalidArgumentError(
-      absl::StrCat("--backend must be one of auto, cpu, cuda; got \"", std::string(kind), "\""));
+  return BackendSelection{NewCpuBackend(threads), "CUDA backend not built; using CPU"};
+#endif
 }
 
 }  // namespace muond::kernels

@@ -19,10 +19,14 @@ struct BackendSelection {
   std::string note;
 };
 
+// Whether this build contains the CUDA backend (MUOND_ENABLE_CUDA found nvcc).
+bool CudaBackendBuilt();
+
 // kind: "auto" (CUDA when usable, else CPU), "cpu" or "cuda". device: the CUDA device ordinal.
 // threads: CPU threads for OpenBLAS, <= 0 for its default.
+// "auto" falls back to the CPU when CUDA is not built or not usable, and says why in `note`.
 // Errors: INVALID_ARGUMENT for an unknown kind (naming `--backend`); FAILED_PRECONDITION when "cuda"
-// is asked for and cannot be had.
+// is asked for and cannot be had (not built, no usable device, setup failed), with the reason.
 absl::StatusOr<BackendSelection> CreateBackend(std::string_view kind, int device, int threads);
 
 }  // namespace muond::kernels

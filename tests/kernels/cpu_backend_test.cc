@@ -7,7 +7,6 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "kernels/backend_factory.h"
 #include "tests/kernels/reference.h"
 #include "tests/testing/status_matchers.h"
 
@@ -162,18 +161,6 @@ TEST_F(CpuBackendTest, MomentumMatchesDesignFormulas) {
       }
     }
   }
-}
-
-TEST(BackendFactoryTest, Kinds) {
-  ASSERT_OK_AND_ASSIGN(BackendSelection cpu, CreateBackend("cpu", 0, 1));
-  EXPECT_EQ(cpu.backend->Name(), "cpu");
-  EXPECT_TRUE(cpu.note.empty());
-  ASSERT_OK_AND_ASSIGN(BackendSelection autosel, CreateBackend("auto", 0, 0));
-  EXPECT_EQ(autosel.backend->Name(), "cpu");
-  EXPECT_EQ(autosel.note, "CUDA backend not built; using CPU");
-  EXPECT_THAT(CreateBackend("cuda", 0, 0),
-              StatusIs(absl::StatusCode::kFailedPrecondition, "built without the CUDA backend"));
-  EXPECT_THAT(CreateBackend("tpu", 0, 0), StatusIs(absl::StatusCode::kInvalidArgument, "--backend"));
 }
 
 }  // namespace

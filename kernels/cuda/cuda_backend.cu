@@ -1,0 +1,266 @@
+#include "kernels/cuda/cuda_backend.h"
+
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <limits>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cuda/cuda_kernels.cuh"
+#include "kernels/cuda/cuda_status.h"
+#include "kernels/status_macros.h"
+
+namespace muond::kernels::cuda {
+namespace {
+
+// cuBLAS's recommended workspace on Hopper; also enough for Ampere (which asks for 4 MiB).
+constexpr size_t kCublasWorkspaceBytes = size_t{32} << 20;
+
+// A view of pool memory; gives its block back to the pool when destroyed.
+class CudaBuffer final : public DeviceBuffer {
+ public:
+  CudaBuffer(CudaMemoryPool* pool, float* data, size_t size) : pool_(pool), data_(data), size_(size) {}
+  ~CudaBuffer() override { pool_->Release(data_); }
+  CudaBuffer(const CudaBuffer&) = delete;
+  CudaBuffer& operator=(const CudaBuffer&) = delete;
+
+  float* data() override { return data_; }
+  const float* data() const override { return data_; }
+  size_t size() const override { return size_; }
+
+ private:
+  CudaMemoryPool* pool_;
+  float* data_;
+  size_t size_;
+};
+
+// Elements spanned by a strided batch of row-major rows×cols matrices with leading dimension ld.
+int64_t Extent(int64_t rows, int64_t cols, int64_t ld, int64_t stride, int64_t batch) {
+  if (rows == 0 || cols == 0 || batch == 0) return 0;
+  return (batch - 1) * stride + (rows - 1) * ld + cols;
+}
+
+absl::Status CheckGemmShape(const GemmShape& s) {
+  if (s.m < 0 || s.n < 0 || s.k < 0 || s.batch < 0 || s.lda < 0 || s.ldb < 0 || s.ldc < 0 ||
+      s.stride_a < 0 || s.stride_b < 0 || s.stride_c < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("Gemm: negative size or stride, m=", s.m,
+                                                   " n=", s.n, " k=", s.k, " batch=", s.batch));
+  }
+  // cuBLAS takes int dimensions, leading dimensions and batch count.
+  constexpr int64_t kMax = std::numeric_limits<int>::max();
+  if (s.m > kMax || s.n > kMax || s.k > kMax || s.lda > kMax || s.ldb > kMax || s.ldc > kMax ||
+      s.batch > kMax) {
+    return absl::InvalidArgumentError("Gemm: a dimension exceeds the cuBLAS int range");
+  }
+  return absl::OkStatus();
+}
+
+cublasOperation_t ToCublas(Transpose t) { return t == Transpose::kYes ? CUBLAS_OP_T : CUBLAS_OP_N; }
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device) {
+  int count = 0;
+  if (const cudaError_t error = cudaGetDeviceCount(&count); error != cudaSuccess) {
+    cudaGetLastError();  // clear it, so it does not resurface in an unrelated later call
+    std::string hint;
+    if (error == cudaErrorInsufficientDriver) {
+      // The runtime's text reads as a version problem even when there is no driver at all.
+      int runtime = 0;
+      cudaRuntimeGetVersion(&runtime);
+      hint = absl::StrCat(" (no NVIDIA driver is loaded, or it is older than CUDA runtime ",
+                          runtime / 1000, ".", runtime % 1000 / 10, " needs)");
+    }
+    return absl::FailedPreconditionError(absl::StrCat("cudaGetDeviceCount failed: ",
+                                                      cudaGetErrorName(error), ": ",
+                                                      cudaGetErrorString(error), hint));
+  }
+  if (count == 0) return absl::FailedPreconditionError("the CUDA runtime sees no device");
+  if (device < 0 || device >= count) {
+    return absl::FailedPreconditionError(absl::StrCat("CUDA device ", device, " is out of range: ",
+                                                      count, " device(s) visible"));
+  }
+  cudaDeviceProp prop{};
+  MUOND_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device));
+  if (prop.major < 8) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "CUDA device ", device, " (", prop.name, ") has compute capability ", prop.major, ".",
+        prop.minor, "; this build needs 8.0 or newer"));
+  }
+
+  // From here on the destructor cleans up whatever was created before a failure.
+  std::unique_ptr<CudaBackend> backend(new CudaBackend(device));
+  MUOND_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+  MUOND_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&backend->stream_, cudaStreamNonBlocking));
+  MUOND_CUBLAS_RETURN_IF_ERROR(cublasCreate(&backend->cublas_));
+  // cublasSetStream resets the workspace to cuBLAS's default pool, so the workspace comes after.
+  MUOND_CUBLAS_RETURN_IF_ERROR(cublasSetStream(backend->cublas_, backend->stream_));
+  MUOND_ASSIGN_OR_RETURN(backend->cublas_workspace_, backend->pool_.Acquire(kCublasWorkspaceBytes));
+  MUOND_CUBLAS_RETURN_IF_ERROR(
+      cublasSetWorkspace(backend->cublas_, backend->cublas_workspace_, kCublasWorkspaceBytes));
+
+  int runtime = 0, driver = 0, cublas = 0;
+  cudaRuntimeGetVersion(&runtime);
+  cudaDriverGetVersion(&driver);
+  cublasGetVersion(backend->cublas_, &cublas);
+  backend->detail_ = absl::StrCat(
+      "device ", device, ": ", prop.name, " (sm_", prop.major, prop.minor, ", ",
+      prop.totalGlobalMem >> 20, " MiB), CUDA runtime ", runtime / 1000, ".", runtime % 1000 / 10,
+      ", driver ", driver / 1000, ".", driver % 1000 / 10, ", cuBLAS ", cublas);
+  return backend;
+}
+
+CudaBackend::~CudaBackend() {
+  // Errors cannot be reported from here; pending work must finish before its memory goes away.
+  cudaSetDevice(device_);
+  if (stream_ != nullptr) cudaStreamSynchronize(stream_);
+  if (cublas_ != nullptr) cublasDestroy(cublas_);
+  for (ScratchBlock& block : scratch_) pool_.Release(block.ptr);
+  pool_.Release(cublas_workspace_);
+  if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  // pool_ frees the device memory after this body.
+}
+
+absl::Status CudaBackend::Activate() {
+  MUOND_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<void*> CudaBackend::GetScratch(Scratch slot, size_t bytes) {
+  ScratchBlock& block = scratch_[slot];
+  if (block.ptr == nullptr || block.bytes < bytes) {
+    // Released first so a larger block of the same class can be served from the old one's memory
+    // after an EmptyCache; pending work on the old block is ordered before any new owner's.
+    pool_.Release(block.ptr);
+    block = ScratchBlock{};
+    MUOND_ASSIGN_OR_RETURN(void* ptr, pool_.Acquire(bytes));
+    block = ScratchBlock{ptr, bytes};
+  }
+  return block.ptr;
+}
+
+absl::Status CudaBackend::SyncLocked() {
+  MUOND_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<DeviceBuffer>> CudaBackend::Allocate(size_t count) {
+  if (count > std::numeric_limits<size_t>::max() / sizeof(float) / 2) {
+    return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", count, " floats"));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  MUOND_RETURN_IF_ERROR(Activate());
+  MUOND_ASSIGN_OR_RETURN(void* block, pool_.Acquire(count * sizeof(float)));
+  // Zeroed like the CPU backend's buffers, so a reused block never shows its previous owner's data.
+  if (const cudaError_t error = cudaMemsetAsync(block, 0, count * sizeof(float), stream_);
+      error != cudaSuccess) {
+    pool_.Release(block);
+    return CudaStatus(error, "cudaMemsetAsync");
+  }
+  return std::unique_ptr<DeviceBuffer>(new CudaBuffer(&pool_, static_cast<float*>(block), count));
+}
+
+absl::Status CudaBackend::CopyToDevice(const float* host, float* device, size_t count) {
+  if (count == 0) return absl::OkStatus();
+  std::lock_guard<std::mutex> lock(mu_);
+  MUOND_RETURN_IF_ERROR(Activate());
+  MUOND_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(device, host, count * sizeof(float), cudaMemcpyHostToDevice, stream_));
+  return SyncLocked();
+}
+
+absl::Status CudaBackend::CopyToHost(const float* device, float* host, size_t count) {
+  if (count == 0) return absl::OkStatus();
+  std::lock_guard<std::mutex> lock(mu_);
+  MUOND_RETURN_IF_ERROR(Activate());
+  MUOND_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(host, device, count * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+  return SyncLocked();
+}
+
+absl::Status CudaBackend::CopyOnDevice(const float* src, float* dst, size_t count) {
+  if (count == 0 || src == dst) return absl::OkStatus();
+  const size_t bytes = count * sizeof(float);
+  std::lock_guard<std::mutex> lock(mu_);
+  MUOND_RETURN_IF_ERROR(Activate());
+  const bool overlap = src < dst + count && dst < src + count;
+  if (!overlap) {
+    MUOND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
+    return absl::OkStatus();
+  }
+  // cudaMemcpy leaves overlapping ranges undefined; the CPU backend has memmove semantics, so go
+  // through a staging block.
+  MUOND_ASSIGN_OR_RETURN(void* staging, GetScratch(kStaging, bytes));
+  MUOND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(staging, src, bytes, cudaMemcpyDeviceToDevice, stream_));
+  MUOND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, staging, bytes, cudaMemcpyDeviceToDevice, stream_));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::Fill(float* x, size_t count, float value) {
+  std::lock_guard<std::mutex> lock(mu_);
+  MUOND_RETURN_IF_ERROR(Activate());
+  return CudaStatus(LaunchFill(x, static_cast<int64_t>(count), value, stream_), "Fill kernel");
+}
+
+absl::Status CudaBackend::Gemm(const GemmShape& s, float alpha, const float* a, const float* b,
+                               float beta, float* c, MatmulPrecision precision) {
+  MUOND_RETURN_IF_ERROR(CheckGemmShape(s));
+  if (s.m == 0 || s.n == 0 || s.batch == 0) return absl::OkStatus();
+  std::lock_guard<std::mutex> lock(mu_);
+  MUOND_RETURN_IF_ERROR(Activate());
+  return GemmLocked(s, alpha, a, b, beta, c, precision);
+}
+
+absl::Status CudaBackend::GemmLocked(const GemmShape& s, float alpha, const float* a, const float* b,
+                                     float beta, float* c, MatmulPrecision precision) {
+  if (s.k == 0) {
+    // An empty product: C ← beta·C, spelled out rather than trusting every BLAS to do it.
+    return CudaStatus(LaunchScaleMatrices(c, s.m, s.n, s.ldc, s.stride_c, s.batch, beta, stream_),
+                      "ScaleMatrices kernel");
+  }
+  const void* a_op = a;
+  const void* b_op = b;
+  cudaDataType input_type = CUDA_R_32F;
+  cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
+  switch (precision) {
+    case MatmulPrecision::kFp32:
+      break;
+    case MatmulPrecision::kTf32:
+      compute = CUBLAS_COMPUTE_32F_FAST_TF32;
+      break;
+    case MatmulPrecision::kBf16: {
+      // Round the stored range of each operand (gaps between rows included) into bf16 scratch at
+      // the same offsets, so leading dimensions and strides carry over unchanged.
+      const bool ta = s.trans_a == Transpose::kYes, tb = s.trans_b == Transpose::kYes;
+      const int64_t extent_a = Extent(ta ? s.k : s.m, ta ? s.m : s.k, s.lda, s.stride_a, s.batch);
+      const int64_t extent_b = Extent(tb ? s.n : s.k, tb ? s.k : s.n, s.ldb, s.stride_b, s.batch);
+      // Newton–Schulz multiplies a matrix by itself (X·Xᵀ, A·A): convert it once.
+      const int64_t extent_shared = a == b ? std::max(extent_a, extent_b) : extent_a;
+      MUOND_ASSIGN_OR_RETURN(void* a16, GetScratch(kBf16A, extent_shared * sizeof(__nv_bfloat16)));
+      MUOND_RETURN_IF_ERROR(CudaStatus(
+          LaunchToBf16(a, static_cast<__nv_bfloat16*>(a16), extent_shared, stream_), "ToBf16 kernel"));
+      a_op = b_op = a16;
+      if (a != b) {
+        MUOND_ASSIGN_OR_RETURN(void* b16, GetScratch(kBf16B, extent_b * sizeof(__nv_bfloat16)));
+        MUOND_RETURN_IF_ERROR(CudaStatus(
+            LaunchToBf16(b, static_cast<__nv_bfloat16*>(b16), extent_b, stream_), "ToBf16 kernel"));
+        b_op = b16;
+      }
+      input_type = CUDA_R_16BF;  // with CUBLAS_COMPUTE_32F and fp32 C: fp32 accumulation
+      break;
+    }
+  }
+  // cuBLAS is column-major, and a row-major matrix read column-major is its transpose. So the
+  // row-major C = op(A)·op(B) is computed as the column-major Cᵀ = op(B)ᵀ·op(A)ᵀ: B goes first and
+  // A second, m and n swap, and each operand keeps its own transpose flag.
+  MUOND_CUBLAS_RETURN_IF_ERROR(cublasGemmStridedBatchedEx(
+      cublas_, ToCublas(s.trans_b), ToCublas(s.trans_a), static_cast<int>(s.n), static_cast<int>(s.m),
+      static_cast<int>(s.k), &alpha, b_op, input_type, static_cast<int>(s.ldb), s.stride_b, a_op,
+      input_type, static_cast<int>(s.lda), s.stride_a, &beta, c, CUDA_R_32F, static_cast<int>(s.ldc),
+      s.stride_c, static_cast<int>(s.batch), compute, CUBLAS_GEMM_DEFAULT));
+  return absl::OkStatus();
+}
+
+}  // namespace muond::kernels::cuda

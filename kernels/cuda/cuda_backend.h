@@ -1,0 +1,112 @@
+// CudaBackend: the Backend on one CUDA GPU.
+//
+// Memory comes from a per-backend caching pool (CudaMemoryPool), so a steady-state training step
+// never calls cudaMalloc or cudaFree. All work is enqueued on one stream; GEMMs go to cuBLAS
+// (cublasGemmStridedBatchedEx on that stream, with its own workspace), everything else to the
+// kernels of cuda_kernels.cu. Primitives that return data to the host (CopyToHost, SumSquares,
+// AllFinite) and CopyToDevice synchronize the stream before they return, which is also where
+// asynchronous faults of earlier kernels are reported.
+//
+// Matmul precision per call: kFp32 → CUBLAS_COMPUTE_32F (true fp32); kTf32 →
+// CUBLAS_COMPUTE_32F_FAST_TF32 (tensor cores, inputs rounded to tf32); kBf16 → both inputs are
+// first converted (round to nearest) into bf16 scratch, and cuBLAS multiplies CUDA_R_16BF inputs
+// with CUBLAS_COMPUTE_32F, writing fp32 C. So the iterate of Newton–Schulz stays fp32 between GEMMs
+// and only the GEMM operands are rounded to bf16 — slightly more accurate than the seeds' all-bf16
+// loop, at the cost of the conversion passes.
+//
+// Ownership: the backend owns its stream, cuBLAS handle, workspace, scratch and pool; buffers it
+// hands out borrow pool memory and must be destroyed before the backend.
+// Thread-safety: every primitive takes the backend's mutex, so concurrent calls are safe and run
+// one after another on the single stream (the stream, the cuBLAS handle and the scratch are shared).
+// Each call also makes the backend's device current on the calling thread.
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/backend.h"
+#include "kernels/cuda/cuda_memory_pool.h"
+
+namespace muond::kernels::cuda {
+
+class CudaBackend final : public Backend {
+ public:
+  // Checks the device (see NewCudaBackend for the errors), then creates the stream, the cuBLAS
+  // handle and its workspace.
+  static absl::StatusOr<std::unique_ptr<CudaBackend>> Create(int device);
+  ~CudaBackend() override;
+  CudaBackend(const CudaBackend&) = delete;
+  CudaBackend& operator=(const CudaBackend&) = delete;
+
+  std::string Name() const override { return "cuda"; }
+  std::string Detail() const override { return detail_; }
+
+  absl::StatusOr<std::unique_ptr<DeviceBuffer>> Allocate(size_t count) override;
+  absl::Status CopyToDevice(const float* host, float* device, size_t count) override;
+  absl::Status CopyToHost(const float* device, float* host, size_t count) override;
+  absl::Status CopyOnDevice(const float* src, float* dst, size_t count) override;
+  absl::Status Fill(float* x, size_t count, float value) override;
+
+  absl::Status Gemm(const GemmShape& shape, float alpha, const float* a, const float* b, float beta,
+                    float* c, MatmulPrecision precision) override;
+  absl::Status Transpose2D(const float* in, float* out, int64_t rows, int64_t cols,
+                           int64_t batch) override;
+
+  absl::Status SumSquares(const float* x, size_t count, size_t batch, double* sums) override;
+  absl::StatusOr<bool> AllFinite(const float* x, size_t count) override;
+
+  absl::Status ScaleBatched(float* x, size_t count, size_t batch, const float* scales) override;
+  absl::Status Axpby(float alpha, const float* x, float beta, float* y, size_t count) override;
+
+  absl::Status Momentum(const MomentumArgs& args, float* momentum, const float* grad, float* update,
+                        size_t count) override;
+  absl::Status AdamW(const AdamWArgs& args, float* param, const float* grad, float* exp_avg,
+                     float* exp_avg_sq, size_t count) override;
+  absl::Status Lion(const LionArgs& args, float* param, const float* grad, float* exp_avg,
+                    size_t count) override;
+  absl::Status Sgd(const SgdArgs& args, float* param, const float* grad, float* momentum_buffer,
+                   size_t count) override;
+
+  // Pool statistics, for tests and benchmarks that check the steady state allocates nothing.
+  const CudaMemoryPool& pool() const { return pool_; }
+
+ private:
+  // Scratch blocks kept between calls, grown on demand from the pool.
+  enum Scratch { kBf16A, kBf16B, kPartials, kSums, kScales, kFlag, kStaging, kNumScratch };
+
+  explicit CudaBackend(int device) : device_(device), pool_(device) {}
+
+  // Makes device_ current on the calling thread (CUDA's current device is per thread, and gRPC
+  // handlers run on many). Requires mu_ held.
+  absl::Status Activate();
+  // At least `bytes` bytes of scratch `slot`; contents unspecified. Requires mu_ held.
+  absl::StatusOr<void*> GetScratch(Scratch slot, size_t bytes);
+  // Waits for the stream and reports any fault of the work enqueued so far. Requires mu_ held.
+  absl::Status SyncLocked();
+  // Gemm with the checks done. Requires mu_ held.
+  absl::Status GemmLocked(const GemmShape& s, float alpha, const float* a, const float* b,
+                          float beta, float* c, MatmulPrecision precision);
+
+  const int device_;
+  std::string detail_;
+  mutable std::mutex mu_;
+  // Declared before everything that borrows from it, so it is destroyed last.
+  CudaMemoryPool pool_;
+  cudaStream_t stream_ = nullptr;
+  cublasHandle_t cublas_ = nullptr;
+  void* cublas_workspace_ = nullptr;
+  struct ScratchBlock {
+    void* ptr = nullptr;
+    size_t bytes = 0;
+  };
+  ScratchBlock scratch_[kNumScratch];
+};
+
+}  // namespace muond::kernels::cuda

@@ -1,0 +1,131 @@
+// CudaBackend's transpose, reduction and element-wise primitives (cuda_backend.cu holds creation,
+// memory and GEMM), plus NewCudaBackend. Each one takes the backend's lock, makes the device
+// current and enqueues kernels from cuda_kernels.cu on the backend's stream.
+#include <limits>
+#include <memory>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cuda/cuda_backend.h"
+#include "kernels/cuda/cuda_backend_factory.h"
+#include "kernels/cuda/cuda_kernels.cuh"
+#include "kernels/cuda/cuda_status.h"
+#include "kernels/status_macros.h"
+
+namespace muond::kernels {
+
+absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(int device) {
+  MUOND_ASSIGN_OR_RETURN(std::unique_ptr<cuda::CudaBackend> backend, cuda::CudaBackend::Create(device));
+  return std::unique_ptr<Backend>(std::move(backend));
+}
+
+namespace cuda {
+
+absl::Status CudaBackend::Transpose2D(const float* in, float* out, int64_t rows, int64_t cols,
+                                      int64_t batch) {
+  if (rows < 0 || cols < 0 || batch < 0) {
+    return absl::InvalidArgumentError("Transpose2D: negative size");
+  }
+  if (rows > kTransposeMaxRows) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Transpose2D: ", rows, " rows exceed the CUDA grid limit of ", kTransposeMaxRows));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  MUOND_RETURN_IF_ERROR(Activate());
+  return CudaStatus(LaunchTranspose(in, out, rows, cols, batch, stream_), "Transpose kernel");
+}
+
+absl::Status CudaBackend::SumSquares(const float* x, size_t count, size_t batch, double* sums) {
+  if (batch == 0) return absl::OkStatus();
+  const int chunks = SumSquaresChunks(static_cast<int64_t>(count));
+  // The first pass launches batch·chunks blocks on a one-dimensional grid.
+  if (batch > static_cast<size_t>(std::numeric_limits<int>::max() / chunks)) {
+    return absl::InvalidArgumentError(absl::StrCat("SumSquares: batch ", batch, " is too large"));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  MUOND_RETURN_IF_ERROR(Activate());
+  MUOND_ASSIGN_OR_RETURN(void* partials, GetScratch(kPartials, batch * chunks * sizeof(double)));
+  MUOND_ASSIGN_OR_RETURN(void* device_sums, GetScratch(kSums, batch * sizeof(double)));
+  MUOND_RETURN_IF_ERROR(CudaStatus(
+      LaunchSumSquares(x, static_cast<int64_t>(count), static_cast<int64_t>(batch), chunks,
+                       static_cast<double*>(partials), static_cast<double*>(device_sums), stream_),
+      "SumSquares kernels"));
+  MUOND_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(sums, device_sums, batch * sizeof(double), cudaMemcpyDeviceToHost, stream_));
+  return SyncLocked();
+}
+
+absl::StatusOr<bool> CudaBackend::AllFinite(const float* x, size_t count) {
+  if (count == 0) return true;
+  std::lock_guard<std::mutex> lock(mu_);
+  MUOND_RETURN_IF_ERROR(Activate());
+  MUOND_ASSIGN_OR_RETURN(void* flag, GetScratch(kFlag, sizeof(int)));
+  MUOND_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(flag, 0, sizeof(int), stream_));
+  MUOND_RETURN_IF_ERROR(CudaStatus(
+      LaunchFlagNonFinite(x, static_cast<int64_t>(count), static_cast<int*>(flag), stream_),
+      "FlagNonFinite kernel"));
+  int host_flag = 1;
+  MUOND_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(&host_flag, flag, sizeof(int), cudaMemcpyDeviceToHost, stream_));
+  MUOND_RETURN_IF_ERROR(SyncLocked());
+  return host_flag == 0;
+}
+
+absl::Status CudaBackend::ScaleBatched(float* x, size_t count, size_t batch, const float* scales) {
+  if (count == 0 || batch == 0) return absl::OkStatus();
+  std::lock_guard<std::mutex> lock(mu_);
+  MUOND_RETURN_IF_ERROR(Activate());
+  MUOND_ASSIGN_OR_RETURN(void* device_scales, GetScratch(kScales, batch * sizeof(float)));
+  // From pageable host memory cudaMemcpyAsync returns only once `scales` has been staged, so the
+  // caller may reuse its array as soon as this returns.
+  MUOND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(device_scales, scales, batch * sizeof(float),
+                                             cudaMemcpyHostToDevice, stream_));
+  return CudaStatus(LaunchScaleBatched(x, static_cast<int64_t>(count), static_cast<int64_t>(batch),
+                                       static_cast<const float*>(device_scales), stream_),
+                    "ScaleBatched kernel");
+}
+
+absl::Status CudaBackend::Axpby(float alpha, const float* x, float beta, float* y, size_t count) {
+  std::lock_guard<std::mutex> lock(mu_);
+  MUOND_RETURN_IF_ERROR(Activate());
+  return CudaStatus(LaunchAxpby(alpha, x, beta, y, static_cast<int64_t>(count), stream_),
+                    "Axpby kernel");
+}
+
+absl::Status CudaBackend::Momentum(const MomentumArgs& args, float* momentum, const float* grad,
+                                   float* update, size_t count) {
+  std::lock_guard<std::mutex> lock(mu_);
+  MUOND_RETURN_IF_ERROR(Activate());
+  return CudaStatus(
+      LaunchMomentum(args, momentum, grad, update, static_cast<int64_t>(count), stream_),
+      "Momentum kernel");
+}
+
+absl::Status CudaBackend::AdamW(const AdamWArgs& args, float* param, const float* grad,
+                                float* exp_avg, float* exp_avg_sq, size_t count) {
+  std::lock_guard<std::mutex> lock(mu_);
+  MUOND_RETURN_IF_ERROR(Activate());
+  return CudaStatus(
+      LaunchAdamW(args, param, grad, exp_avg, exp_avg_sq, static_cast<int64_t>(count), stream_),
+      "AdamW kernel");
+}
+
+absl::Status CudaBackend::Lion(const LionArgs& args, float* param, const float* grad,
+                               float* exp_avg, size_t count) {
+  std::lock_guard<std::mutex> lock(mu_);
+  MUOND_RETURN_IF_ERROR(Activate());
+  return CudaStatus(LaunchLion(args, param, grad, exp_avg, static_cast<int64_t>(count), stream_),
+                    "Lion kernel");
+}
+
+absl::Status CudaBackend::Sgd(const SgdArgs& args, float* param, const float* grad,
+                              float* momentum_buffer, size_t count) {
+  std::lock_guard<std::mutex> lock(mu_);
+  MUOND_RETURN_IF_ERROR(Activate());
+  return CudaStatus(
+      LaunchSgd(args, param, grad, momentum_buffer, static_cast<int64_t>(count), stream_),
+      "Sgd kernel");
+}
+
+}  // namespace cuda
+}  // namespace muond::kernels

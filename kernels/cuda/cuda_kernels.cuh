@@ -1,0 +1,65 @@
+// The CUDA kernels of the CUDA backend, behind plain launcher functions.
+//
+// Each launcher enqueues its kernel on `stream` and returns the launch error (cudaGetLastError), so
+// a bad launch configuration is reported at once; faults while the kernel runs surface at the next
+// synchronizing call of the backend. Sizes are element counts; an empty range launches nothing.
+// All pointers are device pointers unless named *_host. Element-wise kernels evaluate the shared
+// formulas of kernels/elementwise.h, so they compute exactly what the CPU loops compute (the library
+// is compiled with -fmad=false, see kernels/CMakeLists.txt).
+//
+// Stateless; thread-safe in the sense that launchers share nothing (the caller serializes use of a
+// stream if it needs ordering).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "kernels/elementwise.h"
+
+namespace muond::kernels::cuda {
+
+// x[i] = value
+cudaError_t LaunchFill(float* x, int64_t n, float value, cudaStream_t stream);
+// y[i] = alpha·x[i] + beta·y[i]
+cudaError_t LaunchAxpby(float alpha, const float* x, float beta, float* y, int64_t n,
+                        cudaStream_t stream);
+// x[b·count + i] *= scales[b] (scales in device memory)
+cudaError_t LaunchScaleBatched(float* x, int64_t count, int64_t batch, const float* scales,
+                               cudaStream_t stream);
+// The k = 0 GEMM: C_b ← beta·C_b for row-major m×n matrices with leading dimension ldc, C_b at
+// c + b·stride; beta = 0 writes zeros without reading C (BLAS semantics: NaN in C does not survive).
+cudaError_t LaunchScaleMatrices(float* c, int64_t m, int64_t n, int64_t ldc, int64_t stride,
+                                int64_t batch, float beta, cudaStream_t stream);
+// out[i] = bf16(in[i]), rounded to nearest even.
+cudaError_t LaunchToBf16(const float* in, __nv_bfloat16* out, int64_t n, cudaStream_t stream);
+
+// out_b = in_bᵀ for `batch` row-major rows×cols matrices stored back to back. `in` and `out` must
+// not overlap. Needs ceil(rows / 32) ≤ 65535 (rows ≤ 2,097,120); the caller checks.
+constexpr int64_t kTransposeMaxRows = int64_t{65535} * 32;
+cudaError_t LaunchTranspose(const float* in, float* out, int64_t rows, int64_t cols, int64_t batch,
+                            cudaStream_t stream);
+
+// sums[b] = Σ_i x[b·count + i]² in fp64, b < batch, in two passes: `chunks` blocks per batch item
+// write partial sums to `partials` (batch·chunks doubles), then one block per item adds them up.
+// Deterministic: the same input gives the same bits on the same device.
+int SumSquaresChunks(int64_t count);
+cudaError_t LaunchSumSquares(const float* x, int64_t count, int64_t batch, int chunks,
+                             double* partials, double* sums, cudaStream_t stream);
+
+// Sets *flag = 1 when some x[i] is NaN or ±inf; never writes 0 (the caller zeroes the flag).
+cudaError_t LaunchFlagNonFinite(const float* x, int64_t n, int* flag, cudaStream_t stream);
+
+// The optimizer steps; one thread per element evaluates the matching *Element function.
+// `update` may alias `grad` in LaunchMomentum.
+cudaError_t LaunchMomentum(const MomentumArgs& args, float* momentum, const float* grad,
+                           float* update, int64_t n, cudaStream_t stream);
+cudaError_t LaunchAdamW(const AdamWArgs& args, float* param, const float* grad, float* exp_avg,
+                        float* exp_avg_sq, int64_t n, cudaStream_t stream);
+cudaError_t LaunchLion(const LionArgs& args, float* param, const float* grad, float* exp_avg,
+                       int64_t n, cudaStream_t stream);
+cudaError_t LaunchSgd(const SgdArgs& args, float* param, const float* grad, float* momentum_buffer,
+                      int64_t n, cudaStream_t stream);
+
+}  // namespace muond::kernels::cuda

@@ -1,0 +1,305 @@
+// Backend conformance, primitives: memory, element-wise optimizer steps (bitwise), GEMM (within
+// rounding bounds derived below), SumSquares, AllFinite and Transpose2D, each compared with the CPU
+// backend. Newton–Schulz and whole optimizer steps are in backend_conformance_optim_test.cc.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <vector>
+
+#include "kernels/status_macros.h"
+#include "tests/kernels/backend_conformance.h"
+#include "tests/kernels/reference.h"
+#include "tests/testing/status_matchers.h"
+
+namespace muond::kernels {
+namespace {
+
+using ::muond::testing::Download;
+using ::muond::testing::Upload;
+
+// Uploads `inputs` to `backend`, runs `op` on the device copies, downloads them all again.
+using DeviceOp = std::function<absl::Status(Backend&, const std::vector<float*>&)>;
+std::vector<std::vector<float>> RunOn(Backend& backend, const std::vector<std::vector<float>>& inputs,
+                                      const DeviceOp& op) {
+  std::vector<std::unique_ptr<DeviceBuffer>> buffers;
+  std::vector<float*> ptrs;
+  for (const auto& in : inputs) {
+    buffers.push_back(Upload(backend, in));
+    ptrs.push_back(buffers.back()->data());
+  }
+  EXPECT_OK(op(backend, ptrs));
+  std::vector<std::vector<float>> out;
+  for (size_t i = 0; i < inputs.size(); ++i) out.push_back(Download(backend, ptrs[i], inputs[i].size()));
+  return out;
+}
+
+TEST_P(BackendConformanceTest, MemoryZeroesCopiesAndFills) {
+  ASSERT_OK_AND_ASSIGN(auto empty, backend_->Allocate(0));
+  EXPECT_EQ(empty->size(), 0u);
+  {
+    // A freed and reallocated buffer (the CUDA pool reuses the block) must come back zeroed too.
+    ASSERT_OK_AND_ASSIGN(auto dirty, backend_->Allocate(1000));
+    ASSERT_OK(backend_->Fill(dirty->data(), 1000, 7.0f));
+  }
+  ASSERT_OK_AND_ASSIGN(auto buf, backend_->Allocate(1000));
+  EXPECT_TRUE(BitwiseEqual(Download(*backend_, buf->data(), 1000), std::vector<float>(1000, 0.0f)));
+
+  const std::vector<float> src = Random(1000);
+  auto a = Upload(*backend_, src);
+  EXPECT_TRUE(BitwiseEqual(Download(*backend_, a->data(), 1000), src));
+  ASSERT_OK(backend_->CopyOnDevice(a->data(), buf->data(), 1000));
+  EXPECT_TRUE(BitwiseEqual(Download(*backend_, buf->data(), 1000), src));
+
+  // Overlapping copies in both directions have memmove semantics.
+  std::vector<float> want = src;
+  std::memmove(want.data() + 100, want.data(), 500 * sizeof(float));
+  ASSERT_OK(backend_->CopyOnDevice(a->data(), a->data() + 100, 500));
+  EXPECT_TRUE(BitwiseEqual(Download(*backend_, a->data(), 1000), want));
+  std::memmove(want.data(), want.data() + 300, 600 * sizeof(float));
+  ASSERT_OK(backend_->CopyOnDevice(a->data() + 300, a->data(), 600));
+  EXPECT_TRUE(BitwiseEqual(Download(*backend_, a->data(), 1000), want));
+
+  ASSERT_OK(backend_->Fill(a->data() + 3, 10, 2.5f));
+  std::fill(want.begin() + 3, want.begin() + 13, 2.5f);
+  EXPECT_TRUE(BitwiseEqual(Download(*backend_, a->data(), 1000), want));
+}
+
+// Runs `op` on `backend` and on `cpu` with the same inputs; every buffer afterwards must be
+// bit-identical (see BitwiseEqual for why no ulp of slack is allowed).
+void ExpectSameAsCpu(const char* label, Backend& backend, Backend& cpu,
+                     const std::vector<std::vector<float>>& inputs, const DeviceOp& op) {
+  const auto got = RunOn(backend, inputs, op);
+  const auto want = RunOn(cpu, inputs, op);
+  for (size_t b = 0; b < got.size(); ++b) {
+    EXPECT_TRUE(BitwiseEqual(got[b], want[b])) << label << ", buffer " << b;
+  }
+}
+
+TEST_P(BackendConformanceTest, ElementwiseStepsMatchCpuBitwise) {
+  const size_t n = 4099;  // not a multiple of any block size
+  std::vector<float> p = Random(n), g = Random(n, 0.1f), m = Random(n, 0.05f), v = Random(n, 0.01f);
+  for (float& x : v) x = x * x;  // second moments are non-negative
+  for (size_t i = 0; i < n; i += 97) g[i] = 0.0f;  // Lion's sign(0) and SGD's zero gradient
+  const std::vector<std::vector<float>> pgm = {p, g, m}, pgmv = {p, g, m, v};
+
+  for (MomentumStyle style : {MomentumStyle::kEma, MomentumStyle::kSum}) {
+    for (bool nesterov : {false, true}) {
+      const MomentumArgs args{.beta = 0.95f, .style = style, .nesterov = nesterov};
+      ExpectSameAsCpu("momentum", *backend_, *cpu_, {m, g, p},
+                         [&](Backend& b, const std::vector<float*>& d) {
+                           for (int step = 0; step < 3; ++step) {
+                             MUOND_RETURN_IF_ERROR(b.Momentum(args, d[0], d[1], d[2], n));
+                           }
+                           return b.Momentum(args, d[0], d[1], d[1], n);  // update over the gradient
+                         });
+    }
+  }
+  ExpectSameAsCpu("adamw", *backend_, *cpu_, pgmv, [&](Backend& b, const std::vector<float*>& d) {
+    for (int t = 1; t <= 3; ++t) {
+      const AdamWArgs args{.lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f,
+                           .weight_decay = 0.1f,
+                           .bias_correction1 = static_cast<float>(1 - std::pow(0.9, t)),
+                           .bias_correction2_sqrt = static_cast<float>(std::sqrt(1 - std::pow(0.999, t))),
+                           .one_minus_beta1 = static_cast<float>(1 - 0.9),
+                           .one_minus_beta2 = static_cast<float>(1 - 0.999)};
+      MUOND_RETURN_IF_ERROR(b.AdamW(args, d[0], d[1], d[2], d[3], n));
+    }
+    return absl::OkStatus();
+  });
+  ExpectSameAsCpu("lion", *backend_, *cpu_, pgm, [&](Backend& b, const std::vector<float*>& d) {
+    const LionArgs args{.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.99f, .weight_decay = 0.1f};
+    for (int t = 0; t < 3; ++t) MUOND_RETURN_IF_ERROR(b.Lion(args, d[0], d[1], d[2], n));
+    return absl::OkStatus();
+  });
+  for (float momentum : {0.0f, 0.9f}) {
+    for (bool nesterov : {false, true}) {
+      ExpectSameAsCpu("sgd", *backend_, *cpu_, pgm, [&](Backend& b, const std::vector<float*>& d) {
+        for (int t = 0; t < 3; ++t) {
+          const SgdArgs args{.lr = 1e-2f, .momentum = momentum, .weight_decay = 0.01f,
+                             .nesterov = nesterov, .first_step = t == 0};
+          MUOND_RETURN_IF_ERROR(b.Sgd(args, d[0], d[1], d[2], n));
+        }
+        return absl::OkStatus();
+      });
+    }
+  }
+  ExpectSameAsCpu("axpby", *backend_, *cpu_, pgm, [&](Backend& b, const std::vector<float*>& d) {
+    MUOND_RETURN_IF_ERROR(b.Axpby(-0.37f, d[1], 0.999f, d[0], n));
+    return b.Axpby(1.5f, d[2], 0.0f, d[1], n);
+  });
+  ExpectSameAsCpu("scale_batched", *backend_, *cpu_, {Random(3 * 1001)},
+                     [&](Backend& b, const std::vector<float*>& d) {
+                       const float scales[] = {0.5f, -3.25f, 1e-3f};
+                       return b.ScaleBatched(d[0], 1001, 3, scales);
+                     });
+}
+
+// The bound on |computed − exact| for one entry of C = α·op(A)·op(B) + β·C, relative to
+// mag = |α|·Σ|a||b| + |β|·|c|: summing k products in fp32 in any order errs by at most
+// γ = (k+2)·2⁻²⁴ (Higham's γ_k, +2 for the α and β terms), doubled for headroom. tf32 rounds each
+// operand to 11 significant bits first (cuBLAS may truncate: ≤ 2⁻¹⁰ each, ≤ 2⁻⁹ for a product);
+// bf16 rounds each to 8 bits, to nearest in our conversion kernel (≤ 2⁻⁸ each, ≤ 2⁻⁷ a product).
+double GemmTolerance(MatmulPrecision precision, int64_t k) {
+  const double fp32 = 2.0 * static_cast<double>(k + 2) * std::ldexp(1.0, -24);
+  switch (precision) {
+    case MatmulPrecision::kFp32:
+      return fp32;
+    case MatmulPrecision::kTf32:
+      return std::ldexp(1.0, -9) + fp32;
+    case MatmulPrecision::kBf16:
+      return std::ldexp(1.0, -7) + fp32;
+  }
+  return 0;
+}
+
+const char* PrecisionName(MatmulPrecision p) {
+  return p == MatmulPrecision::kFp32 ? "fp32" : p == MatmulPrecision::kTf32 ? "tf32" : "bf16";
+}
+
+// Every transpose combination, padded leading dimensions and strides, α, β (β = 0 ignoring NaN in
+// C), k = 0, and A = B (the shared bf16 conversion), against fp64 and against the CPU backend.
+TEST_P(BackendConformanceTest, GemmWithinRoundingBounds) {
+  struct Case {
+    Transpose ta, tb;
+    int64_t m, n, k, batch;
+    float alpha, beta;
+    bool same_ab;
+  };
+  std::vector<Case> cases;
+  for (Transpose ta : {Transpose::kNo, Transpose::kYes}) {
+    for (Transpose tb : {Transpose::kNo, Transpose::kYes}) {
+      cases.push_back({ta, tb, 37, 29, 53, 3, 0.75f, -0.5f, false});
+      cases.push_back({ta, tb, 8, 16, 300, 2, 1.0f, 0.0f, false});
+    }
+  }
+  cases.push_back({Transpose::kNo, Transpose::kNo, 5, 7, 0, 2, 1.0f, 0.5f, false});   // k = 0
+  cases.push_back({Transpose::kNo, Transpose::kYes, 40, 40, 72, 2, 1.0f, 0.0f, true});  // X·Xᵀ
+  for (MatmulPrecision precision : {MatmulPrecision::kFp32, MatmulPrecision::kTf32,
+                                    MatmulPrecision::kBf16}) {
+    for (const Case& c : cases) {
+      SCOPED_TRACE(::testing::Message() << PrecisionName(precision) << " m=" << c.m << " n=" << c.n
+                                        << " k=" << c.k << " ta=" << (c.ta == Transpose::kYes)
+                                        << " tb=" << (c.tb == Transpose::kYes));
+      // Stored shapes of A and B (row-major), each row padded by 3 and each matrix by 5.
+      const int64_t a_rows = c.ta == Transpose::kNo ? c.m : c.k, a_cols = c.ta == Transpose::kNo ? c.k : c.m;
+      const int64_t b_rows = c.tb == Transpose::kNo ? c.k : c.n, b_cols = c.tb == Transpose::kNo ? c.n : c.k;
+      GemmShape s{.trans_a = c.ta, .trans_b = c.tb, .m = c.m, .n = c.n, .k = c.k,
+                  .lda = a_cols + 3, .ldb = b_cols + 3, .ldc = c.n + 3};
+      s.stride_a = a_rows * s.lda + 5;
+      s.stride_b = b_rows * s.ldb + 5;
+      s.stride_c = c.m * s.ldc + 5;
+      s.batch = c.batch;
+      if (c.same_ab) {  // B is A's storage
+        s.ldb = s.lda;
+        s.stride_b = s.stride_a;
+      }
+      std::vector<float> a = Random(s.stride_a * c.batch);
+      std::vector<float> b = c.same_ab ? a : Random(s.stride_b * c.batch);
+      std::vector<float> c0 = Random(s.stride_c * c.batch);
+      if (c.beta == 0.0f) c0[0] = std::numeric_limits<float>::quiet_NaN();
+      const DeviceOp op = [&](Backend& be, const std::vector<float*>& d) {
+        return be.Gemm(s, c.alpha, d[0], c.same_ab ? d[0] : d[1], c.beta, d[2], precision);
+      };
+      const std::vector<float> got = RunOn(*backend_, {a, b, c0}, op)[2];
+      const std::vector<float> cpu = RunOn(*cpu_, {a, b, c0}, op)[2];
+      const double tol = GemmTolerance(precision, c.k);
+      for (int64_t bi = 0; bi < c.batch; ++bi) {
+        for (int64_t i = 0; i < c.m; ++i) {
+          for (int64_t j = 0; j < c.n; ++j) {
+            double exact = 0, mag = 0;
+            for (int64_t l = 0; l < c.k; ++l) {
+              const double av = c.ta == Transpose::kNo ? a[bi * s.stride_a + i * s.lda + l]
+                                                       : a[bi * s.stride_a + l * s.lda + i];
+              const double bv = c.tb == Transpose::kNo ? b[bi * s.stride_b + l * s.ldb + j]
+                                                       : b[bi * s.stride_b + j * s.ldb + l];
+              exact += av * bv;
+              mag += std::abs(av * bv);
+            }
+            const size_t ci = bi * s.stride_c + i * s.ldc + j;
+            exact *= c.alpha;
+            mag *= std::abs(c.alpha);
+            if (c.beta != 0.0f) {
+              exact += c.beta * static_cast<double>(c0[ci]);
+              mag += std::abs(c.beta * static_cast<double>(c0[ci]));
+            }
+            ASSERT_LE(std::abs(got[ci] - exact), tol * mag + 1e-30) << "C" << bi << "(" << i << "," << j << ")";
+            ASSERT_LE(std::abs(got[ci] - cpu[ci]), (tol + GemmTolerance(MatmulPrecision::kFp32, c.k)) * mag + 1e-30);
+          }
+          // The padding after each row of C is not part of C and must be left alone.
+          for (int64_t j = c.n; j < s.ldc; ++j) {
+            const size_t ci = bi * s.stride_c + i * s.ldc + j;
+            ASSERT_EQ(Bits(got[ci]), Bits(c0[ci])) << "padding of C" << bi << " row " << i;
+          }
+        }
+      }
+    }
+  }
+}
+
+// fp64 sums of squares of floats: every square is exact in fp64, so the sums differ from the exact
+// value only by summation rounding, at most count·2⁻⁵³ relative (all terms are positive).
+TEST_P(BackendConformanceTest, SumSquaresMatchesCpu) {
+  for (const auto& [count, batch] : std::vector<std::pair<size_t, size_t>>{
+           {100003, 3}, {1, 1}, {4096, 2}, {0, 2}, {5000, 0}}) {
+    const std::vector<float> x = Random(std::max<size_t>(count * batch, 1));
+    std::vector<double> got(batch, -1.0), cpu(batch, -1.0);
+    auto dx = Upload(*backend_, x);
+    auto cx = Upload(*cpu_, x);
+    ASSERT_OK(backend_->SumSquares(dx->data(), count, batch, got.data()));
+    ASSERT_OK(cpu_->SumSquares(cx->data(), count, batch, cpu.data()));
+    for (size_t b = 0; b < batch; ++b) {
+      const double tol = 2.0 * static_cast<double>(count) * std::ldexp(1.0, -53) * cpu[b];
+      EXPECT_NEAR(got[b], cpu[b], tol) << "count " << count << " item " << b;
+      if (count == 0) {
+        EXPECT_EQ(got[b], 0.0);
+      }
+    }
+  }
+}
+
+TEST_P(BackendConformanceTest, AllFiniteFindsNanAndInf) {
+  std::vector<float> x = Random(10000);
+  auto d = Upload(*backend_, x);
+  ASSERT_OK_AND_ASSIGN(bool all, backend_->AllFinite(d->data(), x.size()));
+  EXPECT_TRUE(all);
+  ASSERT_OK_AND_ASSIGN(bool none, backend_->AllFinite(d->data(), 0));
+  EXPECT_TRUE(none);
+  for (size_t at : {size_t{0}, size_t{5000}, x.size() - 1}) {
+    for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                      -std::numeric_limits<float>::infinity()}) {
+      std::vector<float> y = x;
+      y[at] = bad;
+      auto dy = Upload(*backend_, y);
+      ASSERT_OK_AND_ASSIGN(bool finite, backend_->AllFinite(dy->data(), y.size()));
+      EXPECT_FALSE(finite) << bad << " at " << at;
+      // Only the given range counts: the bad value just past it is not seen.
+      ASSERT_OK_AND_ASSIGN(bool prefix, backend_->AllFinite(dy->data(), at));
+      EXPECT_TRUE(prefix) << bad << " at " << at;
+    }
+  }
+}
+
+TEST_P(BackendConformanceTest, Transpose2DIsExact) {
+  struct Shape {
+    int64_t rows, cols, batch;
+  };
+  for (const Shape& sh : std::vector<Shape>{{67, 45, 3}, {1, 100, 1}, {100, 1, 2}, {32, 64, 1},
+                                            {33, 31, 70}, {0, 5, 1}}) {
+    const size_t total = static_cast<size_t>(sh.rows * sh.cols * sh.batch);
+    const std::vector<float> x = Random(std::max<size_t>(total, 1));
+    const DeviceOp op = [&](Backend& b, const std::vector<float*>& d) {
+      return b.Transpose2D(d[0], d[1], sh.rows, sh.cols, sh.batch);
+    };
+    const std::vector<float> out0(x.size(), -1.0f);
+    EXPECT_TRUE(BitwiseEqual(RunOn(*backend_, {x, out0}, op)[1], RunOn(*cpu_, {x, out0}, op)[1]))
+        << sh.rows << "x" << sh.cols << " batch " << sh.batch;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, BackendConformanceTest, ::testing::Values("cpu", "cuda"),
+                         [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
+
+}  // namespace
+}  // namespace muond::kernels
