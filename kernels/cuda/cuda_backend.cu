@@ -131,8 +131,8 @@ absl::Status CudaBackend::Activate() {
 absl::StatusOr<void*> CudaBackend::GetScratch(Scratch slot, size_t bytes) {
   ScratchBlock& block = scratch_[slot];
   if (block.ptr == nullptr || block.bytes < bytes) {
-    // Released first so a larger block of the same class can be served from the old one's memory
-    // after an EmptyCache; pending work on the old block is ordered before any new owner's.
+    // Given back first so that, if the device is short of memory, the pool can free it before
+    // retrying; work still pending on it is ordered before any new owner's (one stream).
     pool_.Release(block.ptr);
     block = ScratchBlock{};
     MUOND_ASSIGN_OR_RETURN(void* ptr, pool_.Acquire(bytes));

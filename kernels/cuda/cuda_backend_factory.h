@@ -3,7 +3,9 @@
 // with the host compiler alone. Only linked when the build has the CUDA backend (MUOND_HAVE_CUDA).
 #pragma once
 
+#include <cstddef>
 #include <memory>
+#include <optional>
 
 #include "absl/status/statusor.h"
 #include "kernels/backend.h"
@@ -17,5 +19,14 @@ namespace muond::kernels {
 // 8.0 (this build's kernels and bf16 GEMMs need sm_80). Other CUDA or cuBLAS failures while setting
 // up (out of memory for the cuBLAS workspace, …) come back with their own codes.
 absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(int device);
+
+// The device-memory pool of a CUDA backend, for tests and benchmarks that check that a steady-state
+// step allocates nothing (device_allocations stays flat). nullopt for a backend that is not CUDA.
+struct CudaPoolStats {
+  size_t bytes_reserved = 0;      // obtained from cudaMalloc, borrowed or cached
+  size_t bytes_in_use = 0;        // borrowed (buffers, scratch, cuBLAS workspace)
+  size_t device_allocations = 0;  // cudaMalloc calls so far
+};
+std::optional<CudaPoolStats> GetCudaPoolStats(const Backend& backend);
 
 }  // namespace muond::kernels

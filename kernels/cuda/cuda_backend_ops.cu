@@ -19,6 +19,13 @@ absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(int device) {
   return std::unique_ptr<Backend>(std::move(backend));
 }
 
+std::optional<CudaPoolStats> GetCudaPoolStats(const Backend& backend) {
+  const auto* cuda = dynamic_cast<const cuda::CudaBackend*>(&backend);
+  if (cuda == nullptr) return std::nullopt;
+  return CudaPoolStats{cuda->pool().bytes_reserved(), cuda->pool().bytes_in_use(),
+                       cuda->pool().device_allocations()};
+}
+
 namespace cuda {
 
 absl::Status CudaBackend::Transpose2D(const float* in, float* out, int64_t rows, int64_t cols,

@@ -10,14 +10,12 @@
 namespace muond::kernels::cuda {
 
 namespace {
-constexpr size_t kSmallGranule = 512;
-constexpr size_t kLargeGranule = size_t{2} << 20;
-constexpr size_t kLargeThreshold = size_t{1} << 20;
+constexpr size_t kMiB = size_t{1} << 20;
 }  // namespace
 
 size_t CudaMemoryPool::RoundUp(size_t bytes) {
-  const size_t granule = bytes > kLargeThreshold ? kLargeGranule : kSmallGranule;
-  if (bytes == 0) return kSmallGranule;
+  const size_t granule = bytes <= kMiB ? 512 : bytes <= 64 * kMiB ? 64 * 1024 : 2 * kMiB;
+  if (bytes == 0) return granule;
   return (bytes + granule - 1) / granule * granule;
 }
 
@@ -32,7 +30,7 @@ CudaMemoryPool::~CudaMemoryPool() {
 
 absl::StatusOr<void*> CudaMemoryPool::Acquire(size_t bytes) {
   // Leave room for the rounding so it cannot wrap around.
-  if (bytes > std::numeric_limits<size_t>::max() - kLargeGranule) {
+  if (bytes > std::numeric_limits<size_t>::max() - 2 * kMiB) {
     return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", bytes, " bytes"));
   }
   const size_t size = RoundUp(bytes);
@@ -76,6 +74,10 @@ void CudaMemoryPool::Release(void* block) {
 }
 
 void CudaMemoryPool::EmptyCacheLocked() {
+  if (free_.empty()) return;
+  // A cached block may still be read or written by work pending on the owner's stream; wait for
+  // it explicitly rather than relying on cudaFree's implicit synchronization.
+  cudaDeviceSynchronize();
   for (auto& [size, blocks] : free_) {
     for (void* block : blocks) {
       cudaFree(block);

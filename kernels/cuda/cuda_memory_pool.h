@@ -48,9 +48,9 @@ class CudaMemoryPool {
   // How many times Acquire had to call cudaMalloc; flat in a steady-state loop.
   size_t device_allocations() const;
 
-  // The size class of a request: multiples of 512 bytes up to 1 MiB, multiples of 2 MiB above, so
-  // that nearly equal requests (a tensor and its neighbour of one more row) share blocks without
-  // wasting more than a few percent of a large block.
+  // The size class of a request: multiples of 512 bytes up to 1 MiB, of 64 KiB up to 64 MiB, of
+  // 2 MiB above, so that nearly equal requests (a tensor and its neighbour with one more row) share
+  // blocks while a block wastes at most ~6% of its size (beyond the 512-byte minimum).
   static size_t RoundUp(size_t bytes);
 
  private:
