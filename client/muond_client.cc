@@ -1,5 +1,7 @@
 #include "client/muond_client.h"
 
+#include <fstream>
+#include <sstream>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -62,6 +64,55 @@ std::map<std::string, int64_t> ElementCounts(const v1::SessionSpec& spec) {
   return counts;
 }
 
+absl::StatusOr<std::string> ReadFile(const std::string& path, const char* option) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::InvalidArgumentError(absl::StrCat("ClientOptions.", option, ": cannot read '", path, "'"));
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+bool UsesTls(const ClientOptions& options) {
+  return options.use_tls || !options.tls_ca_file.empty() || !options.tls_client_cert_file.empty() ||
+         !options.tls_client_key_file.empty();
+}
+
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentials(const ClientOptions& options) {
+  if (!UsesTls(options)) return grpc::InsecureChannelCredentials();
+  if (options.tls_client_cert_file.empty() != options.tls_client_key_file.empty()) {
+    return absl::InvalidArgumentError(
+        "ClientOptions.tls_client_cert_file and tls_client_key_file go together: set both or neither");
+  }
+  grpc::SslCredentialsOptions ssl;
+  if (!options.tls_ca_file.empty()) {
+    absl::StatusOr<std::string> roots = ReadFile(options.tls_ca_file, "tls_ca_file");
+    if (!roots.ok()) return roots.status();
+    ssl.pem_root_certs = *std::move(roots);
+  }
+  if (!options.tls_client_cert_file.empty()) {
+    absl::StatusOr<std::string> cert = ReadFile(options.tls_client_cert_file, "tls_client_cert_file");
+    if (!cert.ok()) return cert.status();
+    absl::StatusOr<std::string> key = ReadFile(options.tls_client_key_file, "tls_client_key_file");
+    if (!key.ok()) return key.status();
+    ssl.pem_cert_chain = *std::move(cert);
+    ssl.pem_private_key = *std::move(key);
+  }
+  return grpc::SslCredentials(ssl);
+}
+
+// Unary calls that are safe to repeat are retried on UNAVAILABLE: the daemon may be restarting, or
+// the connection may have died with the previous daemon process. `call` builds its own context.
+template <typename Call>
+grpc::Status RetryWhileUnavailable(const ClientOptions& options, Call&& call) {
+  std::chrono::milliseconds backoff = options.retry_backoff;
+  for (int attempt = 1;; ++attempt) {
+    grpc::Status status = call();
+    if (status.error_code() != grpc::StatusCode::UNAVAILABLE || attempt >= options.max_step_attempts) return status;
+    std::this_thread::sleep_for(backoff);
+    backoff *= 2;
+  }
+}
+
 }  // namespace
 
 absl::Status FromGrpcStatus(const grpc::Status& status) {
@@ -76,36 +127,55 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(options.max_message_bytes);
   args.SetMaxSendMessageSize(options.max_message_bytes);
-  auto channel = grpc::CreateCustomChannel(options.endpoint, grpc::InsecureChannelCredentials(), args);
+  // Reconnect quickly after a daemon restart (gRPC's default backoff grows to two minutes).
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, static_cast<int>(options.max_reconnect_backoff.count()));
+  if (!options.tls_server_name_override.empty()) args.SetSslTargetNameOverride(options.tls_server_name_override);
+  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials = ChannelCredentials(options);
+  if (!credentials.ok()) return credentials.status();
+  auto channel = grpc::CreateCustomChannel(options.endpoint, *credentials, args);
   if (!channel->WaitForConnected(std::chrono::system_clock::now() + options.connect_timeout)) {
-    return absl::UnavailableError(absl::StrCat("cannot reach muond at ", options.endpoint, " within ",
-                                               options.connect_timeout.count(), " ms"));
+    // A TLS mismatch looks like an unreachable daemon from here, so say what to check.
+    return absl::UnavailableError(absl::StrCat(
+        "cannot reach muond at ", options.endpoint, " within ", options.connect_timeout.count(), " ms",
+        UsesTls(options) ? " (TLS: check tls_ca_file, the name in the daemon's certificate and, for mutual "
+                           "TLS, the client certificate)"
+                         : " (if the daemon serves TLS, set tls_ca_file or use_tls)"));
   }
   return std::unique_ptr<Client>(new Client(std::move(options), std::move(channel)));
 }
 
 void Client::PrepareContext(grpc::ClientContext& context) const {
   context.set_deadline(std::chrono::system_clock::now() + options_.rpc_timeout);
+  // Per-call metadata rather than call credentials, so a token also works over a plaintext
+  // loopback channel (gRPC only attaches call credentials to secure channels).
+  if (!options_.auth_token.empty()) context.AddMetadata("authorization", "Bearer " + options_.auth_token);
 }
 
 absl::StatusOr<v1::ServerInfo> Client::GetServerInfo() {
-  grpc::ClientContext context;
-  PrepareContext(context);
   v1::ServerInfo info;
-  grpc::Status status = stub_->GetServerInfo(&context, v1::GetServerInfoRequest(), &info);
+  grpc::Status status = RetryWhileUnavailable(options_, [&] {
+    grpc::ClientContext context;
+    PrepareContext(context);
+    return stub_->GetServerInfo(&context, v1::GetServerInfoRequest(), &info);
+  });
   if (!status.ok()) return FromGrpcStatus(status);
   return info;
 }
 
 absl::StatusOr<std::unique_ptr<Session>> Client::CreateSession(const std::string& session_id,
                                                                const v1::SessionSpec& spec) {
-  grpc::ClientContext context;
-  PrepareContext(context);
   v1::CreateSessionRequest request;
   request.set_session_id(session_id);
   *request.mutable_spec() = spec;
   v1::CreateSessionResponse response;
-  grpc::Status status = stub_->CreateSession(&context, request, &response);
+  // Create-or-attach is idempotent, so a retry is safe.
+  grpc::Status status = RetryWhileUnavailable(options_, [&] {
+    grpc::ClientContext context;
+    PrepareContext(context);
+    return stub_->CreateSession(&context, request, &response);
+  });
   if (!status.ok()) return FromGrpcStatus(status);
   return std::make_unique<Session>(this, session_id, spec, response);
 }
@@ -120,10 +190,12 @@ absl::Status Client::CloseSession(const std::string& session_id) {
 }
 
 absl::StatusOr<std::vector<v1::SessionSummary>> Client::ListSessions() {
-  grpc::ClientContext context;
-  PrepareContext(context);
   v1::ListSessionsResponse response;
-  grpc::Status status = stub_->ListSessions(&context, v1::ListSessionsRequest(), &response);
+  grpc::Status status = RetryWhileUnavailable(options_, [&] {
+    grpc::ClientContext context;
+    PrepareContext(context);
+    return stub_->ListSessions(&context, v1::ListSessionsRequest(), &response);
+  });
   if (!status.ok()) return FromGrpcStatus(status);
   return std::vector<v1::SessionSummary>(response.sessions().begin(), response.sessions().end());
 }
@@ -236,6 +308,19 @@ absl::StatusOr<StepReply> Session::StepOnce(int64_t step, std::span<const Tensor
 }
 
 absl::StatusOr<ParameterMap> Session::GetParameters(int64_t* last_step, const std::vector<std::string>& names) {
+  std::chrono::milliseconds backoff = client_->options().retry_backoff;
+  for (int attempt = 1;; ++attempt) {
+    absl::StatusOr<ParameterMap> parameters = GetParametersOnce(last_step, names);
+    if (parameters.ok() || parameters.status().code() != absl::StatusCode::kUnavailable ||
+        attempt >= client_->options().max_step_attempts) {
+      return parameters;
+    }
+    std::this_thread::sleep_for(backoff);
+    backoff *= 2;
+  }
+}
+
+absl::StatusOr<ParameterMap> Session::GetParametersOnce(int64_t* last_step, const std::vector<std::string>& names) {
   grpc::ClientContext context;
   client_->PrepareContext(context);
   v1::GetParametersRequest request;
@@ -257,6 +342,19 @@ absl::StatusOr<ParameterMap> Session::GetParameters(int64_t* last_step, const st
   if (!status.ok()) return status;
   if (!decode.ok()) return decode;
   return parameters;
+}
+
+absl::StatusOr<int64_t> Session::Checkpoint() {
+  v1::CheckpointRequest request;
+  request.set_session_id(id_);
+  v1::CheckpointResponse response;
+  grpc::Status status = RetryWhileUnavailable(client_->options(), [&] {
+    grpc::ClientContext context;
+    client_->PrepareContext(context);
+    return client_->stub().Checkpoint(&context, request, &response);
+  });
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response.step();
 }
 
 absl::Status Session::Close() { return client_->CloseSession(id_); }

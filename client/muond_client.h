@@ -30,9 +30,21 @@ struct ClientOptions {
   size_t chunk_bytes = 1u << 20;           // payload per chunk sent; the daemon's limit is 4 MiB by default
   int max_message_bytes = 64 << 20;        // gRPC message limits, set explicitly on the channel
   std::chrono::milliseconds rpc_timeout{std::chrono::minutes(10)};
-  int max_step_attempts = 4;               // tries of one step on transient failures
+  int max_step_attempts = 4;               // tries of a step (or an idempotent call) on transient failures
   std::chrono::milliseconds retry_backoff{100};  // doubled after each failed try
   std::chrono::milliseconds connect_timeout{std::chrono::seconds(10)};
+  std::chrono::milliseconds max_reconnect_backoff{std::chrono::seconds(2)};  // between reconnection tries
+
+  // Transport security. TLS is used when use_tls is set or any TLS file is given; otherwise the
+  // channel is plaintext.
+  bool use_tls = false;
+  std::string tls_ca_file;            // PEM roots to verify the daemon with; empty: the system's roots
+  std::string tls_client_cert_file;   // PEM certificate chain for mutual TLS (with tls_client_key_file)
+  std::string tls_client_key_file;    // PEM private key of tls_client_cert_file
+  std::string tls_server_name_override;  // name to verify the daemon's certificate against (tests)
+  // Sent as 'authorization: Bearer <auth_token>' with every call when not empty. Over plaintext the
+  // token is readable by anyone on the path; use TLS beyond loopback.
+  std::string auth_token;
 };
 
 // A named tensor owned by the caller.
@@ -65,7 +77,8 @@ class Session;
 
 class Client {
  public:
-  // Connects and waits until the daemon answers (up to connect_timeout).
+  // Connects and waits until the daemon answers (up to connect_timeout). INVALID_ARGUMENT naming
+  // the option when a TLS file cannot be read.
   static absl::StatusOr<std::unique_ptr<Client>> Connect(ClientOptions options);
 
   absl::StatusOr<v1::ServerInfo> GetServerInfo();
@@ -106,9 +119,13 @@ class Session {
   absl::StatusOr<ParameterMap> GetParameters(int64_t* last_step = nullptr,
                                              const std::vector<std::string>& names = {});
 
+  // Asks the daemon to write a checkpoint now (it needs --state-dir); returns the step it holds.
+  absl::StatusOr<int64_t> Checkpoint();
+
   absl::Status Close();
 
  private:
+  absl::StatusOr<ParameterMap> GetParametersOnce(int64_t* last_step, const std::vector<std::string>& names);
   absl::StatusOr<StepReply> StepOnce(int64_t step, std::span<const TensorView> gradients, const StepOptions& options);
   v1::DType WireDType(const std::string& name) const;
 

@@ -6,6 +6,8 @@ find_package(gRPC CONFIG REQUIRED)
 find_package(spdlog REQUIRED)
 find_package(CLI11 CONFIG REQUIRED)
 find_package(nlohmann_json 3 REQUIRED)
+find_package(OpenSSL REQUIRED)
+find_package(ZLIB REQUIRED)
 
 set(BLA_VENDOR OpenBLAS)
 find_package(BLAS REQUIRED)

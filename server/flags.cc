@@ -1,5 +1,7 @@
 #include "server/flags.h"
 
+#include <cstdio>
+
 #include "CLI/CLI.hpp"
 
 #ifndef MUOND_VERSION
@@ -34,15 +36,59 @@ std::optional<DaemonFlags> ParseFlags(int argc, char** argv, int* exit_code) {
   app.add_option("--max-sessions", flags.max_sessions, "Most sessions held at once")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  app.add_option("--max-session-bytes", flags.max_session_bytes,
+                 "Most optimizer memory one session may take (masters, gradients, optimizer state); "
+                 "units such as 512MiB or 2GiB are accepted; 0: no limit")
+      ->transform(CLI::AsSizeValue(false))
+      ->capture_default_str();
+  app.add_option("--max-total-bytes", flags.max_total_bytes,
+                 "Most optimizer memory all sessions together may take (same units); 0: no limit")
+      ->transform(CLI::AsSizeValue(false))
+      ->capture_default_str();
+  app.add_option("--max-tensor-rank", flags.max_tensor_rank, "Most dimensions a parameter may have")
+      ->check(CLI::Range(1, 64))
+      ->capture_default_str();
+  app.add_option("--max-tensor-elements", flags.max_tensor_elements, "Most elements one parameter may have")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--rpc-timeout", flags.rpc_timeout_seconds,
+                 "Seconds any one call may take, whatever deadline the client set; a call still running "
+                 "then is ended with DEADLINE_EXCEEDED (0: no limit)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--tls-cert", flags.tls_cert, "PEM certificate chain of the server: serve TLS (with --tls-key)")
+      ->check(CLI::ExistingFile);
+  app.add_option("--tls-key", flags.tls_key, "PEM private key of --tls-cert")->check(CLI::ExistingFile);
+  app.add_option("--tls-client-ca", flags.tls_client_ca,
+                 "PEM roots: require every client to present a certificate they signed (mutual TLS)")
+      ->check(CLI::ExistingFile);
+  app.add_option("--auth-token-file", flags.auth_token_file,
+                 "File of bearer tokens, one a line ('name:token' or 'token'); every call must send "
+                 "'authorization: Bearer <token>', and sessions belong to the token that created them")
+      ->check(CLI::ExistingFile);
   app.add_option("--port-file", flags.port_file, "Write the bound port to this file once serving");
   app.add_option("--shutdown-grace", flags.shutdown_grace_seconds,
                  "Seconds in-flight requests get to finish on SIGINT/SIGTERM")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--state-dir", flags.state_dir,
+                 "Folder for checkpoints (and journals); sessions found there are restored at start");
+  app.add_option("--durability", flags.durability,
+                 "snapshot: checkpoints only; journal: also fsync every step before acknowledging it")
+      ->check(CLI::IsMember({"snapshot", "journal"}))
+      ->capture_default_str();
+  app.add_option("--checkpoint-every", flags.checkpoint_every, "Checkpoint each session every N steps (0: never)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     *exit_code = app.exit(e);
+    return std::nullopt;
+  }
+  if (flags.durability == "journal" && flags.state_dir.empty()) {
+    std::fprintf(stderr, "--durability journal needs --state-dir\n");
+    *exit_code = 2;
     return std::nullopt;
   }
   return flags;

@@ -3,6 +3,7 @@
 
 #include <cstddef>
 #include <optional>
+#include <cstdint>
 #include <string>
 
 namespace muond::server {
@@ -15,8 +16,20 @@ struct DaemonFlags {
   std::string log_level = "info";
   size_t max_chunk_bytes = 4u << 20;
   int max_sessions = 64;
+  int64_t max_session_bytes = 0;  // optimizer memory of one session; 0: no limit
+  int64_t max_total_bytes = 0;    // optimizer memory of all sessions together; 0: no limit
+  int max_tensor_rank = 8;
+  int64_t max_tensor_elements = int64_t{1} << 32;
+  double rpc_timeout_seconds = 600;  // the daemon's limit on any call; 0: none
+  std::string tls_cert;              // PEM files; TLS when --tls-cert and --tls-key are given
+  std::string tls_key;
+  std::string tls_client_ca;         // require client certificates signed by these roots
+  std::string auth_token_file;       // bearer tokens, one a line; empty: no authentication
   std::string port_file;  // written with the bound port once serving (useful with --listen host:0)
   double shutdown_grace_seconds = 30;
+  std::string state_dir;              // empty: nothing is persisted
+  std::string durability = "snapshot";  // snapshot | journal
+  int64_t checkpoint_every = 0;       // steps between periodic checkpoints; 0: none
 };
 
 // Parses argv. Returns the flags, or std::nullopt with *exit_code set when the process should exit

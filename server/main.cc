@@ -11,10 +11,12 @@
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "kernels/backend_factory.h"
+#include "server/auth.h"
 #include "server/flags.h"
 #include "server/logging.h"
 #include "server/muond_service.h"
 #include "server/session_registry.h"
+#include "server/tls_config.h"
 
 namespace muond::server {
 namespace {
@@ -63,18 +65,59 @@ int Run(int argc, char** argv) {
   kernels::Backend* backend = selection->backend.get();
   if (!selection->note.empty()) MUOND_LOG(info, "{}", selection->note);
 
-  SessionRegistry registry(backend, SpecLimits{}, flags->max_sessions);
+  // Security settings are checked before any session is restored, so a typo fails fast.
+  std::optional<TokenTable> tokens;
+  if (!flags->auth_token_file.empty()) {
+    absl::StatusOr<TokenTable> loaded = TokenTable::Load(flags->auth_token_file);
+    if (!loaded.ok()) {
+      MUOND_LOG(error, "{}", loaded.status().message());
+      return 2;
+    }
+    tokens = *std::move(loaded);
+    const auto permissions = std::filesystem::status(flags->auth_token_file).permissions();
+    if ((permissions & (std::filesystem::perms::group_read | std::filesystem::perms::others_read)) !=
+        std::filesystem::perms::none) {
+      MUOND_LOG(warn, "--auth-token-file {} is readable by other users (chmod 600 it)", flags->auth_token_file);
+    }
+  }
+  const TlsFiles tls{flags->tls_cert, flags->tls_key, flags->tls_client_ca};
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials = MakeServerCredentials(tls);
+  if (!credentials.ok()) {
+    MUOND_LOG(error, "{}", credentials.status().message());
+    return 2;
+  }
+
+  SpecLimits spec_limits;
+  spec_limits.max_rank = flags->max_tensor_rank;
+  spec_limits.max_tensor_elements = flags->max_tensor_elements;
+  const MemoryLimits memory_limits{flags->max_session_bytes, flags->max_total_bytes};
+  SessionRegistry registry(backend, spec_limits, flags->max_sessions, memory_limits);
+  if (!flags->state_dir.empty()) {
+    StateDirOptions state;
+    state.state_dir = flags->state_dir;
+    state.durability = flags->durability == "journal" ? Durability::kJournal : Durability::kSnapshot;
+    state.checkpoint_every = flags->checkpoint_every;
+    state.backend_name = backend->Name();
+    if (absl::Status restored = registry.EnablePersistence(state); !restored.ok()) {
+      MUOND_LOG(error, "cannot restore the sessions in --state-dir {}: {}", flags->state_dir, restored.message());
+      return 1;
+    }
+    MUOND_LOG(info, "state directory {} ({} durability): {} sessions restored", flags->state_dir, flags->durability,
+              registry.size());
+  }
   ServiceOptions service_options;
   service_options.max_chunk_bytes = flags->max_chunk_bytes;
   service_options.default_chunk_bytes = std::min<size_t>(flags->max_chunk_bytes, 1u << 20);
   // Room for the chunk plus its name and framing.
   service_options.max_message_bytes = flags->max_chunk_bytes + (1u << 20);
+  service_options.tokens = tokens ? &*tokens : nullptr;
+  service_options.rpc_timeout = absl::Seconds(flags->rpc_timeout_seconds);
   MuondService service(&registry, backend, service_options);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(flags->listen, grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(flags->listen, *credentials, &port);
   builder.SetMaxReceiveMessageSize(static_cast<int>(service_options.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(service_options.max_message_bytes));
   builder.RegisterService(&service);
@@ -86,6 +129,13 @@ int Run(int argc, char** argv) {
   server->GetHealthCheckService()->SetServingStatus(true);
   MUOND_LOG(info, "muond listening on {}:{} with the {} backend ({})", HostOf(flags->listen), port,
             backend->Name(), backend->Detail());
+  MUOND_LOG(info, "transport: {}; authentication: {}",
+            tls.enabled() ? (tls.client_ca.empty() ? "TLS" : "mutual TLS") : "plaintext",
+            tokens ? absl::StrCat(tokens->size(), " bearer tokens") : std::string("none"));
+  for (const std::string& line :
+       ExposureWarnings(flags->listen, tls.enabled(), !tls.client_ca.empty(), tokens.has_value())) {
+    MUOND_LOG(warn, "{}", line);
+  }
   if (!flags->port_file.empty() && !WritePortFile(flags->port_file, port)) {
     MUOND_LOG(error, "cannot write --port-file {}", flags->port_file);
     server->Shutdown();
@@ -101,6 +151,9 @@ int Run(int argc, char** argv) {
                         std::chrono::milliseconds(static_cast<int64_t>(flags->shutdown_grace_seconds * 1000));
   server->Shutdown(deadline);
   server->Wait();
+  if (!flags->state_dir.empty()) {
+    MUOND_LOG(info, "checkpointed {} sessions into {}", registry.CheckpointAll(), flags->state_dir);
+  }
   MUOND_LOG(info, "muond stopped; {} sessions were open", registry.size());
   return 0;
 }

@@ -19,8 +19,9 @@ size_t MuondService::AnswerChunkBytes(uint32_t requested) const {
   return std::min<size_t>(requested, options_.max_chunk_bytes);
 }
 
-grpc::Status MuondService::GetServerInfo(grpc::ServerContext*, const v1::GetServerInfoRequest*,
+grpc::Status MuondService::GetServerInfo(grpc::ServerContext* context, const v1::GetServerInfoRequest*,
                                          v1::ServerInfo* info) {
+  if (absl::StatusOr<std::string> caller = Caller(*context); !caller.ok()) return ToGrpcStatus(caller.status());
   info->set_version(MUOND_VERSION);
   info->set_backend(backend_->Name());
   info->set_backend_detail(backend_->Detail());
@@ -32,9 +33,13 @@ grpc::Status MuondService::GetServerInfo(grpc::ServerContext*, const v1::GetServ
   return grpc::Status::OK;
 }
 
-grpc::Status MuondService::CreateSession(grpc::ServerContext*, const v1::CreateSessionRequest* request,
+grpc::Status MuondService::CreateSession(grpc::ServerContext* context, const v1::CreateSessionRequest* request,
                                          v1::CreateSessionResponse* response) {
-  absl::StatusOr<CreateResult> created = registry_->CreateOrAttach(request->session_id(), request->spec());
+  RpcDeadlines::Scope deadline = deadlines_.Watch(context);
+  absl::StatusOr<std::string> caller = Caller(*context);
+  if (!caller.ok()) return ToGrpcStatus(caller.status());
+  absl::StatusOr<CreateResult> created =
+      registry_->CreateOrAttach(request->session_id(), request->spec(), *caller);
   if (!created.ok()) {
     MUOND_LOG(info, "create session '{}' refused: {}", request->session_id().substr(0, 140),
               created.status().ToString());
@@ -49,14 +54,18 @@ grpc::Status MuondService::CreateSession(grpc::ServerContext*, const v1::CreateS
   return grpc::Status::OK;
 }
 
-grpc::Status MuondService::CloseSession(grpc::ServerContext*, const v1::CloseSessionRequest* request,
+grpc::Status MuondService::CloseSession(grpc::ServerContext* context, const v1::CloseSessionRequest* request,
                                         v1::CloseSessionResponse*) {
-  return ToGrpcStatus(registry_->Close(request->session_id()));
+  absl::StatusOr<std::string> caller = Caller(*context);
+  if (!caller.ok()) return ToGrpcStatus(caller.status());
+  return ToGrpcStatus(registry_->Close(request->session_id(), *caller));
 }
 
-grpc::Status MuondService::ListSessions(grpc::ServerContext*, const v1::ListSessionsRequest*,
+grpc::Status MuondService::ListSessions(grpc::ServerContext* context, const v1::ListSessionsRequest*,
                                         v1::ListSessionsResponse* response) {
-  for (const auto& session : registry_->List()) {
+  absl::StatusOr<std::string> caller = Caller(*context);
+  if (!caller.ok()) return ToGrpcStatus(caller.status());
+  for (const auto& session : registry_->ListOwnedBy(*caller)) {
     v1::SessionSummary* summary = response->add_sessions();
     summary->set_session_id(session->id());
     summary->set_last_step(session->last_step());
@@ -65,6 +74,20 @@ grpc::Status MuondService::ListSessions(grpc::ServerContext*, const v1::ListSess
     summary->set_initialized(session->initialized());
     summary->set_world_size(session->config().world_size);
   }
+  return grpc::Status::OK;
+}
+
+grpc::Status MuondService::Checkpoint(grpc::ServerContext* context, const v1::CheckpointRequest* request,
+                                      v1::CheckpointResponse* response) {
+  RpcDeadlines::Scope deadline = deadlines_.Watch(context);
+  absl::StatusOr<std::string> caller = Caller(*context);
+  if (!caller.ok()) return ToGrpcStatus(caller.status());
+  absl::StatusOr<std::shared_ptr<Session>> session = registry_->Find(request->session_id(), *caller);
+  if (!session.ok()) return ToGrpcStatus(session.status());
+  absl::StatusOr<int64_t> step = (*session)->Checkpoint();
+  if (!step.ok()) return ToGrpcStatus(step.status());
+  response->set_step(*step);
+  MUOND_LOG(info, "session {} checkpointed at step {}", request->session_id(), *step);
   return grpc::Status::OK;
 }
 

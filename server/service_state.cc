@@ -12,15 +12,18 @@
 
 namespace muond::server {
 
-grpc::Status MuondService::GetState(grpc::ServerContext*, const v1::GetStateRequest* request,
+grpc::Status MuondService::GetState(grpc::ServerContext* context, const v1::GetStateRequest* request,
                                     grpc::ServerWriter<v1::GetStateResponse>* writer) {
-  return ToGrpcStatus(DoGetState(*request, writer));
+  RpcDeadlines::Scope deadline = deadlines_.Watch(context);
+  absl::StatusOr<std::string> caller = Caller(*context);
+  if (!caller.ok()) return ToGrpcStatus(caller.status());
+  return ToGrpcStatus(DoGetState(*caller, *request, writer));
 }
 
-absl::Status MuondService::DoGetState(const v1::GetStateRequest& request,
+absl::Status MuondService::DoGetState(const std::string& caller, const v1::GetStateRequest& request,
                                       grpc::ServerWriter<v1::GetStateResponse>* writer) {
   MUOND_RETURN_IF_ERROR(CheckSessionId(request.session_id()));
-  MUOND_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, registry_->Find(request.session_id()));
+  MUOND_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, registry_->Find(request.session_id(), caller));
   MUOND_ASSIGN_OR_RETURN(SessionState state, session->ExportState());
   const SessionConfig& config = session->config();
   v1::GetStateResponse response;
@@ -45,21 +48,24 @@ absl::Status MuondService::DoGetState(const v1::GetStateRequest& request,
   return absl::OkStatus();
 }
 
-grpc::Status MuondService::SetState(grpc::ServerContext*, grpc::ServerReader<v1::SetStateRequest>* reader,
+grpc::Status MuondService::SetState(grpc::ServerContext* context, grpc::ServerReader<v1::SetStateRequest>* reader,
                                     v1::SetStateResponse* response) {
-  absl::Status status = DoSetState(reader, response);
+  RpcDeadlines::Scope deadline = deadlines_.Watch(context);
+  absl::StatusOr<std::string> caller = Caller(*context);
+  if (!caller.ok()) return ToGrpcStatus(caller.status());
+  absl::Status status = DoSetState(*caller, reader, response);
   if (!status.ok()) MUOND_LOG(info, "set state refused: {}", status.ToString());
   return ToGrpcStatus(status);
 }
 
-absl::Status MuondService::DoSetState(grpc::ServerReader<v1::SetStateRequest>* reader,
+absl::Status MuondService::DoSetState(const std::string& caller, grpc::ServerReader<v1::SetStateRequest>* reader,
                                       v1::SetStateResponse* response) {
   v1::SetStateRequest request;
   if (!reader->Read(&request) || request.kind_case() != v1::SetStateRequest::kSessionId) {
     return absl::InvalidArgumentError("session_id: the first message of a state upload must name the session");
   }
   MUOND_RETURN_IF_ERROR(CheckSessionId(request.session_id()));
-  MUOND_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, registry_->Find(request.session_id()));
+  MUOND_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, registry_->Find(request.session_id(), caller));
   const SessionConfig& config = session->config();
   if (!reader->Read(&request) || request.kind_case() != v1::SetStateRequest::kHeader) {
     return absl::InvalidArgumentError("header: the second message of a state upload must be its header");

@@ -21,22 +21,26 @@ absl::StatusOr<v1::DType> AnswerDType(v1::DType requested, v1::DType session_def
 
 }  // namespace
 
-grpc::Status MuondService::UploadParameters(grpc::ServerContext*,
+grpc::Status MuondService::UploadParameters(grpc::ServerContext* context,
                                             grpc::ServerReader<v1::UploadParametersRequest>* reader,
                                             v1::UploadParametersResponse* response) {
-  absl::Status status = DoUpload(reader, response);
+  RpcDeadlines::Scope deadline = deadlines_.Watch(context);
+  absl::StatusOr<std::string> caller = Caller(*context);
+  if (!caller.ok()) return ToGrpcStatus(caller.status());
+  absl::Status status = DoUpload(*caller, reader, response);
   if (!status.ok()) MUOND_LOG(info, "upload refused: {}", status.ToString());
   return ToGrpcStatus(status);
 }
 
-absl::Status MuondService::DoUpload(grpc::ServerReader<v1::UploadParametersRequest>* reader,
+absl::Status MuondService::DoUpload(const std::string& caller,
+                                    grpc::ServerReader<v1::UploadParametersRequest>* reader,
                                     v1::UploadParametersResponse* response) {
   v1::UploadParametersRequest request;
   if (!reader->Read(&request) || request.kind_case() != v1::UploadParametersRequest::kSessionId) {
     return absl::InvalidArgumentError("session_id: the first message of an upload must name the session");
   }
   MUOND_RETURN_IF_ERROR(CheckSessionId(request.session_id()));
-  MUOND_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, registry_->Find(request.session_id()));
+  MUOND_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, registry_->Find(request.session_id(), caller));
   TensorAssembler assembler(session->config(), options_.max_chunk_bytes);
   while (reader->Read(&request)) {
     if (request.kind_case() != v1::UploadParametersRequest::kChunk) {
@@ -54,12 +58,15 @@ absl::Status MuondService::DoUpload(grpc::ServerReader<v1::UploadParametersReque
 
 grpc::Status MuondService::Step(grpc::ServerContext* context,
                                 grpc::ServerReaderWriter<v1::StepResponse, v1::StepRequest>* stream) {
-  absl::Status status = DoStep(context, stream);
+  RpcDeadlines::Scope deadline = deadlines_.Watch(context);
+  absl::StatusOr<std::string> caller = Caller(*context);
+  if (!caller.ok()) return ToGrpcStatus(caller.status());
+  absl::Status status = DoStep(*caller, context, stream);
   if (!status.ok()) MUOND_LOG(debug, "step refused: {}", status.ToString());
   return ToGrpcStatus(status);
 }
 
-absl::Status MuondService::DoStep(grpc::ServerContext* context,
+absl::Status MuondService::DoStep(const std::string& caller, grpc::ServerContext* context,
                                   grpc::ServerReaderWriter<v1::StepResponse, v1::StepRequest>* stream) {
   v1::StepRequest request;
   if (!stream->Read(&request) || request.kind_case() != v1::StepRequest::kHeader) {
@@ -67,7 +74,7 @@ absl::Status MuondService::DoStep(grpc::ServerContext* context,
   }
   const v1::StepHeader header = request.header();
   MUOND_RETURN_IF_ERROR(CheckSessionId(header.session_id(), "header.session_id"));
-  MUOND_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, registry_->Find(header.session_id()));
+  MUOND_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, registry_->Find(header.session_id(), caller));
   MUOND_ASSIGN_OR_RETURN(v1::DType dtype,
                          AnswerDType(header.return_dtype(), session->config().return_dtype, "header.return_dtype"));
   // Refuse a step out of order before reading its gradients.
@@ -108,13 +115,17 @@ absl::Status MuondService::DoStep(grpc::ServerContext* context,
 
 grpc::Status MuondService::GetParameters(grpc::ServerContext* context, const v1::GetParametersRequest* request,
                                          grpc::ServerWriter<v1::GetParametersResponse>* writer) {
-  return ToGrpcStatus(DoGetParameters(context, *request, writer));
+  RpcDeadlines::Scope deadline = deadlines_.Watch(context);
+  absl::StatusOr<std::string> caller = Caller(*context);
+  if (!caller.ok()) return ToGrpcStatus(caller.status());
+  return ToGrpcStatus(DoGetParameters(*caller, context, *request, writer));
 }
 
-absl::Status MuondService::DoGetParameters(grpc::ServerContext* context, const v1::GetParametersRequest& request,
+absl::Status MuondService::DoGetParameters(const std::string& caller, grpc::ServerContext* context,
+                                           const v1::GetParametersRequest& request,
                                            grpc::ServerWriter<v1::GetParametersResponse>* writer) {
   MUOND_RETURN_IF_ERROR(CheckSessionId(request.session_id()));
-  MUOND_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, registry_->Find(request.session_id()));
+  MUOND_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, registry_->Find(request.session_id(), caller));
   if (!session->initialized()) {
     return absl::FailedPreconditionError(
         absl::StrCat("session '", session->id(), "' has no parameters yet: upload them first"));

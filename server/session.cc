@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/optim/qk_clip.h"
 #include "kernels/status_macros.h"
+#include "server/logging.h"
 
 namespace muond::server {
 
@@ -14,8 +15,10 @@ Session::Session(std::string id, v1::SessionSpec spec, SessionConfig config, ker
     : id_(std::move(id)), spec_(std::move(spec)), config_(std::move(config)), backend_(backend) {}
 
 absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::string id, v1::SessionSpec spec,
-                                                         SessionConfig config, kernels::Backend* backend) {
+                                                         SessionConfig config, kernels::Backend* backend,
+                                                         std::string owner) {
   std::unique_ptr<Session> session(new Session(std::move(id), std::move(spec), std::move(config), backend));
+  session->owner_ = std::move(owner);
   absl::MutexLock lock(&session->mu_);
   const SessionConfig& cfg = session->config_;
   for (const GroupConfig& group : cfg.groups) {
@@ -75,6 +78,7 @@ absl::Status Session::Upload(std::vector<AssembledTensor> tensors) {
   }
   snapshot_ = std::move(snapshot);
   initialized_ = true;
+  if (persistence_) MUOND_RETURN_IF_ERROR(CheckpointLocked());
   return absl::OkStatus();
 }
 
@@ -156,6 +160,8 @@ absl::StatusOr<StepOutcome> Session::Step(const v1::StepHeader& header, std::vec
     return replay;
   }
   MUOND_RETURN_IF_ERROR(CheckStepNumberLocked(header.step()));
+  // The step is durable (journal mode) before it changes anything.
+  if (persistence_) MUOND_RETURN_IF_ERROR(persistence_->RecordStep(header, gradients));
 
   const auto start = std::chrono::steady_clock::now();
   v1::StepResult result;
@@ -185,6 +191,13 @@ absl::StatusOr<StepOutcome> Session::Step(const v1::StepHeader& header, std::vec
   result.set_compute_seconds(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   last_step_ = header.step();
   last_result_ = result;
+  if (persistence_ && persistence_->checkpoint_every() > 0 && last_step_ % persistence_->checkpoint_every() == 0) {
+    // The step stands either way (the journal, if any, holds it); a failed periodic checkpoint is
+    // reported and retried at the next period.
+    if (absl::Status saved = CheckpointLocked(); !saved.ok()) {
+      MUOND_LOG(warn, "session {}: checkpoint at step {} failed: {}", id_, last_step_, saved.message());
+    }
+  }
   return StepOutcome{result, snapshot_};
 }
 

@@ -53,12 +53,27 @@ struct SessionState {
   std::vector<StateTensor> tensors;
 };
 
+// Where a session's durable state goes (its folder of --state-dir). Called under the session's lock.
+class SessionPersistence {
+ public:
+  virtual ~SessionPersistence() = default;
+  // Before step k changes any state: an error refuses the step (journal mode makes it durable here).
+  virtual absl::Status RecordStep(const v1::StepHeader& header, const std::vector<AssembledTensor>& gradients) = 0;
+  // Writes a checkpoint of `state`; steps recorded before it are no longer needed.
+  virtual absl::Status SaveCheckpoint(const SessionState& state) = 0;
+  virtual int64_t checkpoint_every() const = 0;  // 0: never by step count
+  virtual void Discard() = 0;                    // the session was closed: remove its files
+};
+
 class Session {
  public:
+  // `owner` is the identity of the caller that created the session ("" without authentication).
   static absl::StatusOr<std::unique_ptr<Session>> Create(std::string id, v1::SessionSpec spec,
-                                                         SessionConfig config, kernels::Backend* backend);
+                                                         SessionConfig config, kernels::Backend* backend,
+                                                         std::string owner = "");
 
   const std::string& id() const { return id_; }
+  const std::string& owner() const { return owner_; }
   const v1::SessionSpec& spec() const { return spec_; }
   const SessionConfig& config() const { return config_; }
 
@@ -80,6 +95,13 @@ class Session {
   std::shared_ptr<const ParameterSnapshot> Parameters(int64_t* last_step) const;
 
   absl::StatusOr<SessionState> ExportState() const;
+
+  // Makes the session durable from now on; restored sessions attach it after their replay.
+  void AttachPersistence(std::unique_ptr<SessionPersistence> persistence);
+  // Writes a checkpoint now and returns its step; FAILED_PRECONDITION without a state directory.
+  absl::StatusOr<int64_t> Checkpoint();
+  // Closing: removes the session's files (the session must not be used afterwards).
+  void DiscardPersistence();
   // Replaces masters, slots and counters at once after checking that `state` is complete.
   absl::Status ImportState(SessionState state);
 
@@ -98,8 +120,11 @@ class Session {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<std::shared_ptr<const ParameterSnapshot>> ReadBack(int64_t step) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<SessionState> ExportStateLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  absl::Status CheckpointLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::string id_;
+  std::string owner_;  // set by Create, immutable afterwards
   const v1::SessionSpec spec_;
   const SessionConfig config_;
   kernels::Backend* const backend_;
@@ -111,6 +136,7 @@ class Session {
   int64_t last_step_ ABSL_GUARDED_BY(mu_) = 0;
   v1::StepResult last_result_ ABSL_GUARDED_BY(mu_);
   std::shared_ptr<const ParameterSnapshot> snapshot_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<SessionPersistence> persistence_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace muond::server

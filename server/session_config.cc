@@ -274,7 +274,8 @@ absl::StatusOr<SessionConfig> ParseSessionSpec(const v1::SessionSpec& spec, cons
       return Invalid(field + ".name", absl::StrCat("duplicate parameter '", p.name(), "'"));
     }
     if (p.shape_size() > limits.max_rank) {
-      return Invalid(field + ".shape", absl::StrCat("rank ", p.shape_size(), " exceeds the limit of ", limits.max_rank));
+      return Invalid(field + ".shape", absl::StrCat("rank ", p.shape_size(), " exceeds the limit of ", limits.max_rank,
+                                                    " (--max-tensor-rank)"));
     }
     param.numel = 1;
     for (int d = 0; d < p.shape_size(); ++d) {
@@ -282,7 +283,8 @@ absl::StatusOr<SessionConfig> ParseSessionSpec(const v1::SessionSpec& spec, cons
         return Invalid(field + ".shape", absl::StrCat("dimension ", d, " is ", p.shape(d), "; must be positive"));
       }
       if (param.numel > limits.max_tensor_elements / p.shape(d)) {
-        return Invalid(field + ".shape", absl::StrCat("more than ", limits.max_tensor_elements, " elements"));
+        return Invalid(field + ".shape", absl::StrCat("more than ", limits.max_tensor_elements,
+                                                      " elements (--max-tensor-elements)"));
       }
       param.numel *= p.shape(d);
       param.shape.push_back(p.shape(d));

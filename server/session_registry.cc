@@ -8,9 +8,19 @@
 #include "server/logging.h"
 
 namespace muond::server {
+namespace {
+
+// The one ownership check of the daemon. Without authentication every caller and owner is "".
+absl::Status CheckSessionOwner(const Session& session, const std::string& caller) {
+  if (session.owner() == caller) return absl::OkStatus();
+  return absl::PermissionDeniedError(
+      absl::StrCat("session_id: session '", session.id(), "' belongs to another client; this token may not use it"));
+}
+
+}  // namespace
 
 absl::Status CheckSessionId(const std::string& id, absl::string_view field) {
-  const bool valid = !id.empty() && id.size() <= 128 && std::all_of(id.begin(), id.end(), [](char c) {
+  const bool valid = !id.empty() && id.size() <= 128 && id != "." && id != ".." && std::all_of(id.begin(), id.end(), [](char c) {
     return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-';
   });
   if (valid) return absl::OkStatus();
@@ -18,10 +28,12 @@ absl::Status CheckSessionId(const std::string& id, absl::string_view field) {
       absl::StrCat(field, ": '", id.substr(0, 140), "' is not a session id (1 to 128 of [A-Za-z0-9._-])"));
 }
 
-absl::StatusOr<CreateResult> SessionRegistry::CreateOrAttach(const std::string& id, const v1::SessionSpec& spec) {
+absl::StatusOr<CreateResult> SessionRegistry::CreateOrAttach(const std::string& id, const v1::SessionSpec& spec,
+                                                             const std::string& caller) {
   MUOND_RETURN_IF_ERROR(CheckSessionId(id));
   absl::MutexLock lock(&mu_);
   if (auto it = sessions_.find(id); it != sessions_.end()) {
+    MUOND_RETURN_IF_ERROR(CheckSessionOwner(*it->second, caller));
     absl::Status same = CheckSameSpec(it->second->spec(), spec);
     if (!same.ok()) return absl::AlreadyExistsError(absl::StrCat("session_id '", id, "': ", same.message()));
     MUOND_LOG(info, "session {} attached at step {}", id, it->second->last_step());
@@ -33,34 +45,70 @@ absl::StatusOr<CreateResult> SessionRegistry::CreateOrAttach(const std::string& 
                      " sessions (--max-sessions ", max_sessions_, "); close one first"));
   }
   MUOND_ASSIGN_OR_RETURN(SessionConfig config, ParseSessionSpec(spec, limits_));
+  MUOND_RETURN_IF_ERROR(CheckMemoryQuota(id, EstimateSessionBytes(config), HeldBytesLocked(), memory_));
   const int64_t elements = config.total_elements;
   const size_t tensors = config.parameters.size();
-  MUOND_ASSIGN_OR_RETURN(std::unique_ptr<Session> session, Session::Create(id, spec, std::move(config), backend_));
+  MUOND_ASSIGN_OR_RETURN(std::unique_ptr<Session> session,
+                         Session::Create(id, spec, std::move(config), backend_, caller));
   std::shared_ptr<Session> shared = std::move(session);
+  if (persistence_) {
+    MUOND_ASSIGN_OR_RETURN(std::unique_ptr<FileSessionPersistence> files,
+                           FileSessionPersistence::Open(*persistence_, *shared, shared->owner()));
+    shared->AttachPersistence(std::move(files));
+  }
   sessions_.emplace(id, shared);
   MUOND_LOG(info, "session {} created: {} tensors, {} parameters, {} groups", id, tensors, elements,
             spec.groups_size());
   return CreateResult{std::move(shared), false};
 }
 
-absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Find(const std::string& id) const {
+absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Find(const std::string& id,
+                                                                const std::string& caller) const {
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(id);
   if (it == sessions_.end()) {
     return absl::NotFoundError(absl::StrCat("session_id: no session '", id.substr(0, 140), "'"));
   }
+  MUOND_RETURN_IF_ERROR(CheckSessionOwner(*it->second, caller));
   return it->second;
 }
 
-absl::Status SessionRegistry::Close(const std::string& id) {
+absl::Status SessionRegistry::Close(const std::string& id, const std::string& caller) {
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(id);
   if (it == sessions_.end()) {
     return absl::NotFoundError(absl::StrCat("session_id: no session '", id.substr(0, 140), "'"));
   }
+  MUOND_RETURN_IF_ERROR(CheckSessionOwner(*it->second, caller));
   MUOND_LOG(info, "session {} closed at step {}", id, it->second->last_step());
+  it->second->DiscardPersistence();
   sessions_.erase(it);
   return absl::OkStatus();
+}
+
+absl::Status SessionRegistry::EnablePersistence(const StateDirOptions& options) {
+  MUOND_ASSIGN_OR_RETURN(std::vector<RestoredSession> restored, RestoreSessions(options, backend_, limits_));
+  absl::MutexLock lock(&mu_);
+  persistence_ = options;
+  for (RestoredSession& r : restored) {
+    const std::string id = r.session->id();
+    sessions_.emplace(id, std::move(r.session));
+  }
+  return absl::OkStatus();
+}
+
+int SessionRegistry::CheckpointAll() {
+  int written = 0;
+  for (const std::shared_ptr<Session>& session : List()) {
+    if (!session->initialized()) continue;
+    absl::StatusOr<int64_t> step = session->Checkpoint();
+    if (step.ok()) {
+      ++written;
+    } else if (step.status().code() != absl::StatusCode::kFailedPrecondition) {
+      MUOND_LOG(error, "session {}: final checkpoint failed: {}", session->id(), step.status().message());
+    }
+  }
+  return written;
 }
 
 std::vector<std::shared_ptr<Session>> SessionRegistry::List() const {
@@ -74,6 +122,25 @@ std::vector<std::shared_ptr<Session>> SessionRegistry::List() const {
 size_t SessionRegistry::size() const {
   absl::MutexLock lock(&mu_);
   return sessions_.size();
+}
+
+std::vector<std::shared_ptr<Session>> SessionRegistry::ListOwnedBy(const std::string& caller) const {
+  std::vector<std::shared_ptr<Session>> out = List();
+  std::erase_if(out, [&](const std::shared_ptr<Session>& session) { return session->owner() != caller; });
+  return out;
+}
+
+int64_t SessionRegistry::held_bytes() const {
+  absl::MutexLock lock(&mu_);
+  return HeldBytesLocked();
+}
+
+int64_t SessionRegistry::HeldBytesLocked() const {
+  // Summed afresh (at most --max-sessions terms), so a closed session stops counting the moment it
+  // leaves the map, whichever path removed it.
+  int64_t bytes = 0;
+  for (const auto& [id, session] : sessions_) bytes += EstimateSessionBytes(session->config());
+  return bytes;
 }
 
 }  // namespace muond::server

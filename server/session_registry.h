@@ -5,6 +5,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -13,8 +14,10 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "kernels/backend.h"
+#include "server/memory_quota.h"
 #include "server/session.h"
 #include "server/session_config.h"
+#include "server/session_store.h"
 
 namespace muond::server {
 
@@ -25,26 +28,48 @@ struct CreateResult {
 
 class SessionRegistry {
  public:
-  SessionRegistry(kernels::Backend* backend, SpecLimits limits, int max_sessions)
-      : backend_(backend), limits_(limits), max_sessions_(max_sessions) {}
+  SessionRegistry(kernels::Backend* backend, SpecLimits limits, int max_sessions, MemoryLimits memory = {})
+      : backend_(backend), limits_(limits), max_sessions_(max_sessions), memory_(memory) {}
 
-  // A new id creates the session; an existing id with an identical spec attaches to it; a different
-  // spec is ALREADY_EXISTS naming the difference.
-  absl::StatusOr<CreateResult> CreateOrAttach(const std::string& id, const v1::SessionSpec& spec);
+  // `caller` is the authenticated identity of the request ("" for everyone when authentication is
+  // off). A session belongs to the caller that created it; every other caller gets
+  // PERMISSION_DENIED naming the session from CreateOrAttach, Find and Close.
+
+  // A new id creates the session owned by `caller`, if the memory quotas allow (checked before
+  // anything is allocated); an existing id with an identical spec attaches to it; a different spec
+  // is ALREADY_EXISTS naming the difference.
+  absl::StatusOr<CreateResult> CreateOrAttach(const std::string& id, const v1::SessionSpec& spec,
+                                              const std::string& caller = "");
 
   // NOT_FOUND naming the session id when there is none.
-  absl::StatusOr<std::shared_ptr<Session>> Find(const std::string& id) const;
+  absl::StatusOr<std::shared_ptr<Session>> Find(const std::string& id, const std::string& caller = "") const;
 
-  absl::Status Close(const std::string& id);
+  // Drops the session; its memory no longer counts against --max-total-bytes.
+  absl::Status Close(const std::string& id, const std::string& caller = "");
+
+  // The sessions `caller` owns, by id.
+  std::vector<std::shared_ptr<Session>> ListOwnedBy(const std::string& caller) const;
+  // Bytes the held sessions take by EstimateSessionBytes.
+  int64_t held_bytes() const;
+
+  // Makes new sessions durable under `options` (a --state-dir) and takes in the sessions restored
+  // from it. Call before serving.
+  absl::Status EnablePersistence(const StateDirOptions& options);
+  // Checkpoints every durable session (at shutdown); returns how many were written.
+  int CheckpointAll();
   std::vector<std::shared_ptr<Session>> List() const;
   size_t size() const;
 
  private:
+  int64_t HeldBytesLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   kernels::Backend* const backend_;
   const SpecLimits limits_;
   const int max_sessions_;
+  const MemoryLimits memory_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
+  std::optional<StateDirOptions> persistence_ ABSL_GUARDED_BY(mu_);
 };
 
 // OK when `id` is a valid session id ([A-Za-z0-9._-]{1,128}); INVALID_ARGUMENT naming `field`.

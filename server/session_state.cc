@@ -15,6 +15,10 @@ constexpr char kMasterSlot[] = "master";
 
 absl::StatusOr<SessionState> Session::ExportState() const {
   absl::ReaderMutexLock lock(&mu_);
+  return ExportStateLocked();
+}
+
+absl::StatusOr<SessionState> Session::ExportStateLocked() const {
   if (!initialized_) {
     return absl::FailedPreconditionError(absl::StrCat("session '", id_, "' has no parameters yet"));
   }
@@ -86,7 +90,37 @@ absl::Status Session::ImportState(SessionState state) {
   last_result_.set_step(last_step_);
   last_result_.set_applied(true);
   MUOND_ASSIGN_OR_RETURN(snapshot_, ReadBack(last_step_));
+  if (persistence_) MUOND_RETURN_IF_ERROR(CheckpointLocked());
   return absl::OkStatus();
+}
+
+void Session::AttachPersistence(std::unique_ptr<SessionPersistence> persistence) {
+  absl::MutexLock lock(&mu_);
+  persistence_ = std::move(persistence);
+}
+
+absl::Status Session::CheckpointLocked() {
+  MUOND_ASSIGN_OR_RETURN(SessionState state, ExportStateLocked());
+  return persistence_->SaveCheckpoint(state);
+}
+
+absl::StatusOr<int64_t> Session::Checkpoint() {
+  // Exclusive: no step may be journaled between the export and the journal being emptied.
+  absl::MutexLock lock(&mu_);
+  if (!persistence_) {
+    return absl::FailedPreconditionError("checkpoints need a state directory: start muond with --state-dir");
+  }
+  if (!initialized_) {
+    return absl::FailedPreconditionError(absl::StrCat("session '", id_, "' has no parameters yet"));
+  }
+  MUOND_RETURN_IF_ERROR(CheckpointLocked());
+  return last_step_;
+}
+
+void Session::DiscardPersistence() {
+  absl::MutexLock lock(&mu_);
+  if (persistence_) persistence_->Discard();
+  persistence_.reset();
 }
 
 }  // namespace muond::server

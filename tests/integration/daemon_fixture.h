@@ -14,19 +14,21 @@
 namespace muond::testing {
 
 class DaemonTest : public ::testing::Test {
+ public:
+  // "w" [8, 4] in a Muon group "matrices"; "b" [4] in an AdamW group "vectors".
+  static v1::SessionSpec SmallSpec(v1::DType wire_dtype = v1::DTYPE_FP32);
+  static std::vector<float> Initial(const std::string& name, size_t count);
+
  protected:
   static void SetUpTestSuite();
   static void TearDownTestSuite();
   void SetUp() override;
 
-  // "w" [8, 4] in a Muon group "matrices"; "b" [4] in an AdamW group "vectors".
-  static v1::SessionSpec SmallSpec(v1::DType wire_dtype = v1::DTYPE_FP32);
   // Creates the session and uploads deterministic initial values.
   std::unique_ptr<client::Session> NewSession(const std::string& id, v1::DType wire_dtype = v1::DTYPE_FP32);
   // Gradients for step `step` (deterministic, different per step).
   static std::vector<float> Gradient(const std::string& name, int step, size_t count);
   std::vector<client::TensorView> Gradients(int step);
-  static std::vector<float> Initial(const std::string& name, size_t count);
 
   // Sends a hand-built step stream; fills *result when the daemon answered.
   grpc::Status RawStep(const v1::StepHeader& header, const std::vector<v1::TensorChunk>& chunks,

@@ -1,5 +1,6 @@
 #include "tests/integration/daemon_process.h"
 
+#include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -9,6 +10,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <thread>
 
 extern char** environ;
@@ -23,21 +25,34 @@ DaemonProcess::~DaemonProcess() {
   if (!dir_.empty()) std::filesystem::remove_all(dir_);
 }
 
-bool DaemonProcess::Start(const std::vector<std::string>& extra_flags, std::string* error) {
-  char pattern[] = "/tmp/muond-test-XXXXXX";
-  if (mkdtemp(pattern) == nullptr) {
+const std::string& DaemonProcess::dir() {
+  if (dir_.empty()) {
+    char pattern[] = "/tmp/muond-test-XXXXXX";
+    if (mkdtemp(pattern) != nullptr) dir_ = pattern;
+  }
+  return dir_;
+}
+
+bool DaemonProcess::Start(const std::vector<std::string>& extra_flags, std::string* error, int port) {
+  if (dir().empty()) {
     *error = "mkdtemp failed";
     return false;
   }
-  dir_ = pattern;
   const std::string port_file = dir_ + "/port";
-  std::vector<std::string> args = {MUOND_BINARY, "--listen", "127.0.0.1:0", "--port-file", port_file,
-                                   "--log-level", "warn", "--threads", "1"};
+  std::filesystem::remove(port_file);
+  port_ = 0;
+  std::vector<std::string> args = {MUOND_BINARY, "--listen", listen_host_ + ":" + std::to_string(port), "--port-file",
+                                   port_file, "--log-level", "info", "--threads", "1"};
   args.insert(args.end(), extra_flags.begin(), extra_flags.end());
   std::vector<char*> argv;
   for (std::string& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
-  if (posix_spawn(&pid_, MUOND_BINARY, nullptr, nullptr, argv.data(), environ) != 0) {
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, 2, stderr_path().c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+  const int spawned = posix_spawn(&pid_, MUOND_BINARY, &actions, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  if (spawned != 0) {
     *error = std::string("cannot start ") + MUOND_BINARY;
     pid_ = -1;
     return false;
@@ -47,7 +62,7 @@ bool DaemonProcess::Start(const std::vector<std::string>& extra_flags, std::stri
     std::ifstream in(port_file);
     if (in >> port_) return true;
     if (Exited()) {
-      *error = "muond exited during start-up";
+      *error = "muond exited during start-up: " + ReadStderr();
       return false;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
@@ -61,9 +76,22 @@ bool DaemonProcess::Exited() {
   int status = 0;
   if (waitpid(pid_, &status, WNOHANG) == pid_) {
     pid_ = -1;
+    exit_status_ = status;
     return true;
   }
   return false;
+}
+
+void DaemonProcess::Kill() {
+  if (pid_ <= 0) return;
+  kill(pid_, SIGKILL);
+  waitpid(pid_, nullptr, 0);
+  pid_ = -1;
+}
+
+std::string DaemonProcess::ReadStderr() const {
+  std::ifstream in(stderr_path());
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
 }
 
 int DaemonProcess::Stop() {

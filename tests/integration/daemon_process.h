@@ -15,15 +15,30 @@ class DaemonProcess {
   DaemonProcess& operator=(const DaemonProcess&) = delete;
   ~DaemonProcess();
 
-  // Starts muond with --listen 127.0.0.1:0 plus `extra_flags` and waits (up to 20 s) for its port.
-  // Returns false with *error set when it did not come up.
-  bool Start(const std::vector<std::string>& extra_flags, std::string* error);
+  // Starts muond with --listen 127.0.0.1:<port> (0: a free one) plus `extra_flags` and waits (up to
+  // 20 s) for its port. Returns false with *error set when it did not come up. The daemon's stderr
+  // goes to stderr_path(). A stopped or killed daemon may be started again (same folder).
+  bool Start(const std::vector<std::string>& extra_flags, std::string* error, int port = 0);
+
+  // The host part of --listen for the next Start (127.0.0.1 unless set; endpoint() stays loopback).
+  void set_listen_host(std::string host) { listen_host_ = std::move(host); }
+
+  // SIGKILL, as a crash would; returns once the process is gone.
+  void Kill();
+  // The daemon's log so far.
+  std::string ReadStderr() const;
+  std::string stderr_path() const { return dir_ + "/stderr.log"; }
+  // A folder private to this daemon (for --state-dir and the like), created on first use and
+  // removed with the DaemonProcess.
+  const std::string& dir();
 
   // SIGTERM, then waits; returns the exit status as waitpid reports it (-1 when not running).
   int Stop();
   bool running() const { return pid_ > 0; }
   // Whether the child has exited on its own (a crash, say) without being stopped.
   bool Exited();
+  // The waitpid status of a daemon that exited on its own (valid once Exited() returned true).
+  int exit_status() const { return exit_status_; }
 
   int port() const { return port_; }
   std::string endpoint() const { return "127.0.0.1:" + std::to_string(port_); }
@@ -31,7 +46,9 @@ class DaemonProcess {
  private:
   int pid_ = -1;
   int port_ = 0;
+  int exit_status_ = -1;
   std::string dir_;
+  std::string listen_host_ = "127.0.0.1";
 };
 
 }  // namespace muond::testing

@@ -1,0 +1,264 @@
+// Durability through the real daemon: checkpoints and restore, the two durability modes across
+// kill -9, refusal of damaged files, and a training run whose daemon is killed at random moments
+// ending bit-identical to an uninterrupted run.
+#include <sys/wait.h>
+
+#include <atomic>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include "gmock/gmock.h"
+#include "tests/integration/daemon_fixture.h"
+#include "tests/testing/status_matchers.h"
+
+namespace muond::testing {
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::HasSubstr;
+
+std::string ReadWholeFileForTest(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+void WriteFileForTest(const std::string& path, const std::string& contents) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << contents;
+}
+
+// A daemon with a state directory, restartable on the same port with the same folder.
+class DurableDaemon {
+ public:
+  explicit DurableDaemon(std::vector<std::string> flags) : flags_(std::move(flags)) {}
+
+  bool Start(std::string* error) {
+    flags_.insert(flags_.end(), {"--backend", "cpu", "--state-dir", state_dir()});
+    return Restart(error);
+  }
+  bool Restart(std::string* error) {
+    if (!process_.Start(flags_, error, port_)) return false;
+    port_ = process_.port();
+    return true;
+  }
+  std::string state_dir() { return process_.dir() + "/state"; }
+  DaemonProcess& process() { return process_; }
+
+  std::unique_ptr<client::Client> Connect(int attempts = 6) {
+    client::ClientOptions options;
+    options.endpoint = process_.endpoint();
+    options.max_step_attempts = attempts;
+    options.retry_backoff = std::chrono::milliseconds(20);
+    options.connect_timeout = std::chrono::seconds(5);
+    auto client = client::Client::Connect(options);
+    EXPECT_TRUE(client.ok()) << client.status();
+    return client.ok() ? std::move(*client) : nullptr;
+  }
+
+ private:
+  std::vector<std::string> flags_;
+  DaemonProcess process_;
+  int port_ = 0;
+};
+
+// A small model trained by a rule that depends on the parameters the daemon returns, so a lost or
+// doubled step changes everything after it.
+struct Trainer {
+  client::ParameterMap params;
+  std::vector<float> w_grad, b_grad;
+
+  std::vector<client::TensorView> Gradients(int step) {
+    w_grad.resize(32);
+    b_grad.resize(4);
+    for (int i = 0; i < 32; ++i) w_grad[i] = params["w"][i] - std::sin(0.3f * i) + 0.1f * std::cos(0.9f * step + i);
+    for (int i = 0; i < 4; ++i) b_grad[i] = params["b"][i] - 0.5f + 0.05f * std::sin(step * 1.7f + i);
+    return {{"w", {8, 4}, w_grad}, {"b", {4}, b_grad}};
+  }
+};
+
+std::unique_ptr<client::Session> UploadedSession(client::Client& client, const std::string& id, Trainer* trainer) {
+  auto session = client.CreateSession(id, DaemonTest::SmallSpec());
+  EXPECT_TRUE(session.ok()) << session.status();
+  if (!session.ok()) return nullptr;
+  trainer->params["w"] = DaemonTest::Initial("w", 32);
+  trainer->params["b"] = DaemonTest::Initial("b", 4);
+  const std::vector<client::TensorView> initial = {{"w", {8, 4}, trainer->params["w"]},
+                                                   {"b", {4}, trainer->params["b"]}};
+  EXPECT_OK((*session)->UploadParameters(initial));
+  return std::move(*session);
+}
+
+TEST(DurabilityTest, CheckpointsRestoreTheSessionAfterARestart) {
+  DurableDaemon daemon({"--durability", "snapshot"});
+  std::string error;
+  ASSERT_TRUE(daemon.Start(&error)) << error;
+  auto client = daemon.Connect();
+  Trainer trainer;
+  auto session = UploadedSession(*client, "restored", &trainer);
+  ASSERT_NE(session, nullptr);
+  for (int step = 1; step <= 4; ++step) {
+    ASSERT_OK_AND_ASSIGN(client::StepReply reply, session->Step(step, trainer.Gradients(step)));
+    trainer.params = reply.parameters;
+  }
+  ASSERT_OK_AND_ASSIGN(int64_t checkpointed, session->Checkpoint());
+  EXPECT_EQ(checkpointed, 4);
+  EXPECT_TRUE(fs::exists(daemon.state_dir() + "/restored/checkpoint.json"));
+  EXPECT_TRUE(fs::exists(daemon.state_dir() + "/restored/checkpoint-000000000004.safetensors"));
+
+  // Graceful stop, restart: the session is there, at step 4, with its optimizer state — step 5
+  // matches a session that never stopped.
+  ASSERT_EQ(daemon.process().Stop(), 0);
+  ASSERT_TRUE(daemon.Restart(&error)) << error;
+  EXPECT_THAT(daemon.process().ReadStderr(), HasSubstr("session restored restored at step 4"));
+  client = daemon.Connect();
+  ASSERT_OK_AND_ASSIGN(auto attached, client->CreateSession("restored", DaemonTest::SmallSpec()));
+  EXPECT_TRUE(attached->attached());
+  EXPECT_EQ(attached->last_step(), 4);
+  int64_t last_step = 0;
+  ASSERT_OK_AND_ASSIGN(client::ParameterMap fetched, attached->GetParameters(&last_step));
+  EXPECT_EQ(fetched, trainer.params);
+  ASSERT_OK_AND_ASSIGN(client::StepReply after_restart, attached->Step(5, trainer.Gradients(5)));
+
+  Trainer reference_trainer;
+  auto reference = UploadedSession(*client, "never-stopped", &reference_trainer);
+  for (int step = 1; step <= 5; ++step) {
+    ASSERT_OK_AND_ASSIGN(client::StepReply reply, reference->Step(step, reference_trainer.Gradients(step)));
+    reference_trainer.params = reply.parameters;
+  }
+  EXPECT_EQ(after_restart.parameters, reference_trainer.params);
+
+  // Closing a session removes its files.
+  ASSERT_OK(attached->Close());
+  EXPECT_FALSE(fs::exists(daemon.state_dir() + "/restored"));
+}
+
+TEST(DurabilityTest, CheckpointWithoutAStateDirIsFailedPrecondition) {
+  DaemonProcess daemon;
+  std::string error;
+  ASSERT_TRUE(daemon.Start({"--backend", "cpu"}, &error)) << error;
+  client::ClientOptions options;
+  options.endpoint = daemon.endpoint();
+  ASSERT_OK_AND_ASSIGN(auto client, client::Client::Connect(options));
+  Trainer trainer;
+  auto session = UploadedSession(*client, "volatile", &trainer);
+  EXPECT_THAT(session->Checkpoint(), StatusIs(absl::StatusCode::kFailedPrecondition, "--state-dir"));
+}
+
+TEST(DurabilityTest, SnapshotModeKeepsTheLastCheckpointAcrossKill9) {
+  DurableDaemon daemon({"--durability", "snapshot", "--checkpoint-every", "2"});
+  std::string error;
+  ASSERT_TRUE(daemon.Start(&error)) << error;
+  auto client = daemon.Connect();
+  Trainer trainer;
+  auto session = UploadedSession(*client, "snap", &trainer);
+  for (int step = 1; step <= 3; ++step) ASSERT_OK(session->Step(step, trainer.Gradients(step)).status());
+  daemon.process().Kill();
+  ASSERT_TRUE(daemon.Restart(&error)) << error;
+  client = daemon.Connect();
+  ASSERT_OK_AND_ASSIGN(auto attached, client->CreateSession("snap", DaemonTest::SmallSpec()));
+  EXPECT_EQ(attached->last_step(), 2) << "snapshot mode keeps the checkpoint at step 2; step 3 is lost";
+}
+
+TEST(DurabilityTest, JournalModeKeepsEveryAcknowledgedStepAcrossKill9) {
+  DurableDaemon daemon({"--durability", "journal"});
+  std::string error;
+  ASSERT_TRUE(daemon.Start(&error)) << error;
+  auto client = daemon.Connect();
+  Trainer trainer;
+  auto session = UploadedSession(*client, "journaled", &trainer);
+  client::ParameterMap after_5;
+  for (int step = 1; step <= 5; ++step) {
+    ASSERT_OK_AND_ASSIGN(client::StepReply reply, session->Step(step, trainer.Gradients(step)));
+    trainer.params = after_5 = reply.parameters;
+  }
+  daemon.process().Kill();
+  ASSERT_TRUE(daemon.Restart(&error)) << error;
+  EXPECT_THAT(daemon.process().ReadStderr(), HasSubstr("(checkpoint at step 0 + 5 journaled steps)"));
+  client = daemon.Connect();
+  ASSERT_OK_AND_ASSIGN(auto attached, client->CreateSession("journaled", DaemonTest::SmallSpec()));
+  EXPECT_EQ(attached->last_step(), 5);
+  // A retry of step 5 after the crash is answered, not applied again.
+  ASSERT_OK_AND_ASSIGN(client::StepReply retried, attached->Step(5, trainer.Gradients(5)));
+  EXPECT_TRUE(retried.replayed);
+  EXPECT_EQ(retried.parameters, after_5);
+}
+
+// Starts the daemon over a damaged state directory and expects a refusal naming `file`.
+void ExpectRefusal(DurableDaemon& daemon, const std::string& file) {
+  std::string error;
+  EXPECT_FALSE(daemon.Restart(&error));
+  EXPECT_TRUE(WIFEXITED(daemon.process().exit_status()) && WEXITSTATUS(daemon.process().exit_status()) == 1);
+  EXPECT_THAT(daemon.process().ReadStderr(), HasSubstr(file));
+}
+
+TEST(DurabilityTest, DamagedCheckpointsAndJournalsAreRefusedNamingTheFile) {
+  DurableDaemon daemon({"--durability", "journal"});
+  std::string error;
+  ASSERT_TRUE(daemon.Start(&error)) << error;
+  auto client = daemon.Connect();
+  Trainer trainer;
+  auto session = UploadedSession(*client, "damaged", &trainer);
+  for (int step = 1; step <= 3; ++step) ASSERT_OK(session->Step(step, trainer.Gradients(step)).status());
+  daemon.process().Kill();
+  const std::string dir = daemon.state_dir() + "/damaged";
+  const std::string tensors = dir + "/checkpoint-000000000000.safetensors";
+  const std::string journal = dir + "/journal.log";
+  ASSERT_TRUE(fs::exists(tensors));
+  ASSERT_GT(fs::file_size(journal), 100u);
+  const std::string saved_tensors = ReadWholeFileForTest(tensors);
+  const std::string saved_journal = ReadWholeFileForTest(journal);
+
+  // A truncated tensor file.
+  fs::resize_file(tensors, fs::file_size(tensors) - 7);
+  ExpectRefusal(daemon, tensors);
+  WriteFileForTest(tensors, saved_tensors);
+  // One altered byte in the tensor data.
+  std::string altered = saved_tensors;
+  altered[altered.size() - 3] ^= 0x40;
+  WriteFileForTest(tensors, altered);
+  ExpectRefusal(daemon, tensors);
+  WriteFileForTest(tensors, saved_tensors);
+  // One altered byte inside the journal's first record.
+  altered = saved_journal;
+  altered[40] ^= 0x01;
+  WriteFileForTest(journal, altered);
+  ExpectRefusal(daemon, journal);
+  // A truncated checkpoint.json.
+  WriteFileForTest(journal, saved_journal);
+  const std::string metadata = dir + "/checkpoint.json";
+  const std::string saved_metadata = ReadWholeFileForTest(metadata);
+  WriteFileForTest(metadata, saved_metadata.substr(0, saved_metadata.size() / 2));
+  ExpectRefusal(daemon, metadata);
+
+  // Repaired, it starts, with every step.
+  WriteFileForTest(metadata, saved_metadata);
+  ASSERT_TRUE(daemon.Restart(&error)) << error;
+  client = daemon.Connect();
+  ASSERT_OK_AND_ASSIGN(auto attached, client->CreateSession("damaged", DaemonTest::SmallSpec()));
+  EXPECT_EQ(attached->last_step(), 3);
+}
+
+TEST(DurabilityTest, ATornJournalTailIsAnUnacknowledgedStepAndIsDropped) {
+  DurableDaemon daemon({"--durability", "journal"});
+  std::string error;
+  ASSERT_TRUE(daemon.Start(&error)) << error;
+  auto client = daemon.Connect();
+  Trainer trainer;
+  auto session = UploadedSession(*client, "torn", &trainer);
+  for (int step = 1; step <= 2; ++step) ASSERT_OK(session->Step(step, trainer.Gradients(step)).status());
+  daemon.process().Kill();
+  const std::string journal = daemon.state_dir() + "/torn/journal.log";
+  fs::resize_file(journal, fs::file_size(journal) - 10);  // the second record, cut short mid-write
+  ASSERT_TRUE(daemon.Restart(&error)) << error;
+  EXPECT_THAT(daemon.process().ReadStderr(), HasSubstr("partly written record"));
+  client = daemon.Connect();
+  ASSERT_OK_AND_ASSIGN(auto attached, client->CreateSession("torn", DaemonTest::SmallSpec()));
+  EXPECT_EQ(attached->last_step(), 1);
+}
+
+}  // namespace
+}  // namespace muond::testing

@@ -1,0 +1,181 @@
+// The daemon's limits through the C++ client: per-session and total memory quotas (and closing a
+// session giving its share back), tensor rank and element counts, and --rpc-timeout ending a call
+// whose client went silent. Every test starts its own daemon, so quotas start empty.
+#include <sys/wait.h>
+
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "client/muond_client.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "tests/integration/daemon_process.h"
+#include "tests/testing/status_matchers.h"
+
+namespace muond::testing {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+// One parameter "w" of `shape` in a group of `optimizer`.
+v1::SessionSpec Spec(std::vector<int64_t> shape, v1::OptimizerKind optimizer = v1::OPTIMIZER_MUON) {
+  v1::SessionSpec spec;
+  auto* group = spec.add_groups();
+  group->set_name("g");
+  group->mutable_options()->set_optimizer(optimizer);
+  auto* w = spec.add_parameters();
+  w->set_name("w");
+  for (int64_t d : shape) w->add_shape(d);
+  w->set_group("g");
+  return spec;
+}
+
+class LimitsTest : public ::testing::Test {
+ protected:
+  // Starts a daemon with `flags` and connects a client to it.
+  void Start(const std::vector<std::string>& flags) {
+    std::vector<std::string> all = {"--backend", "cpu"};
+    all.insert(all.end(), flags.begin(), flags.end());
+    std::string error;
+    ASSERT_TRUE(daemon_.Start(all, &error)) << error;
+    client::ClientOptions options;
+    options.endpoint = daemon_.endpoint();
+    options.max_step_attempts = 1;
+    ASSERT_OK_AND_ASSIGN(client_, client::Client::Connect(options));
+  }
+
+  void TearDown() override {
+    client_.reset();
+    if (daemon_.running()) {
+      EXPECT_FALSE(daemon_.Exited()) << "muond exited during the test:\n" << daemon_.ReadStderr();
+      const int status = daemon_.Stop();
+      EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "muond exit status " << status;
+    }
+  }
+
+  std::vector<std::string> SessionIds() {
+    std::vector<std::string> ids;
+    auto sessions = client_->ListSessions();
+    EXPECT_TRUE(sessions.ok()) << sessions.status();
+    if (sessions.ok()) {
+      for (const auto& s : *sessions) ids.push_back(s.session_id());
+    }
+    return ids;
+  }
+
+  DaemonProcess daemon_;
+  std::unique_ptr<client::Client> client_;
+};
+
+// Bytes by the daemon's estimate: elements × 4 × (master + gradient + optimizer slots).
+constexpr int64_t kMuon16x16 = 16 * 16 * 4 * 3;   // 3072
+constexpr int64_t kAdamW16x16 = 16 * 16 * 4 * 4;  // 4096
+
+TEST_F(LimitsTest, SessionOverTheSessionQuotaIsRefusedNamingIt) {
+  Start({"--max-session-bytes", std::to_string(kAdamW16x16)});
+  EXPECT_OK(client_->CreateSession("fits", Spec({16, 16}, v1::OPTIMIZER_ADAMW)));
+  // AdamW keeps two slots: 16×17 elements × 4 bytes × 4 buffers = 4352 bytes.
+  const auto refused = client_->CreateSession("too-big", Spec({16, 17}, v1::OPTIMIZER_ADAMW));
+  EXPECT_THAT(refused, StatusIs(absl::StatusCode::kResourceExhausted, "--max-session-bytes 4096"));
+  EXPECT_THAT(refused, StatusIs(absl::StatusCode::kResourceExhausted, "needs 4352 bytes"));
+  EXPECT_THAT(refused, StatusIs(absl::StatusCode::kResourceExhausted, "session_id 'too-big'"));
+  // The same element count fits under Muon (one slot).
+  EXPECT_OK(client_->CreateSession("muon-fits", Spec({16, 17})));
+  EXPECT_THAT(SessionIds(), Not(::testing::Contains("too-big")));
+}
+
+TEST_F(LimitsTest, TotalQuotaIsSharedAndClosingASessionFreesItsShare) {
+  Start({"--max-total-bytes", std::to_string(3 * kMuon16x16 + 100)});
+  for (const char* id : {"a", "b", "c"}) ASSERT_OK(client_->CreateSession(id, Spec({16, 16})));
+  const auto refused = client_->CreateSession("d", Spec({16, 16}));
+  EXPECT_THAT(refused, StatusIs(absl::StatusCode::kResourceExhausted, "--max-total-bytes 9316"));
+  EXPECT_THAT(refused, StatusIs(absl::StatusCode::kResourceExhausted, "holds 9216 bytes"));
+  EXPECT_THAT(SessionIds(), Not(::testing::Contains("d")));
+  // Attaching to a held session takes nothing more.
+  ASSERT_OK_AND_ASSIGN(auto attached, client_->CreateSession("b", Spec({16, 16})));
+  EXPECT_TRUE(attached->attached());
+  // A smaller session still fits in what is left.
+  EXPECT_OK(client_->CreateSession("small", Spec({2, 4})));
+  EXPECT_OK(client_->CloseSession("small"));
+
+  ASSERT_OK(client_->CloseSession("a"));
+  ASSERT_OK_AND_ASSIGN(auto d, client_->CreateSession("d", Spec({16, 16})));
+  EXPECT_FALSE(d->attached());
+  EXPECT_THAT(client_->CreateSession("e", Spec({16, 16})),
+              StatusIs(absl::StatusCode::kResourceExhausted, "--max-total-bytes"));
+}
+
+TEST_F(LimitsTest, QuotaSuffixesAreAccepted) {
+  Start({"--max-session-bytes", "4KiB", "--max-total-bytes", "1MiB"});
+  EXPECT_OK(client_->CreateSession("fits", Spec({16, 16}, v1::OPTIMIZER_ADAMW)));
+  EXPECT_THAT(client_->CreateSession("too-big", Spec({16, 17}, v1::OPTIMIZER_ADAMW)),
+              StatusIs(absl::StatusCode::kResourceExhausted, "--max-session-bytes 4096"));
+}
+
+TEST_F(LimitsTest, RankAndElementLimitsNameTheSpecField) {
+  Start({"--max-tensor-rank", "3", "--max-tensor-elements", "1000"});
+  EXPECT_THAT(client_->CreateSession("rank4", Spec({2, 2, 2, 2})),
+              StatusIs(absl::StatusCode::kInvalidArgument, "spec.parameters[0].shape: rank 4 exceeds the limit of 3"));
+  EXPECT_THAT(client_->CreateSession("rank4", Spec({2, 2, 2, 2})),
+              StatusIs(absl::StatusCode::kInvalidArgument, "--max-tensor-rank"));
+  EXPECT_THAT(client_->CreateSession("large", Spec({40, 40})),
+              StatusIs(absl::StatusCode::kInvalidArgument, "spec.parameters[0].shape: more than 1000 elements"));
+  EXPECT_THAT(client_->CreateSession("large", Spec({40, 40})),
+              StatusIs(absl::StatusCode::kInvalidArgument, "--max-tensor-elements"));
+  EXPECT_OK(client_->CreateSession("rank3", Spec({10, 10, 10})));
+  EXPECT_THAT(SessionIds(), ::testing::ElementsAre("rank3"));
+}
+
+TEST_F(LimitsTest, SilentUploadStreamEndsWithDeadlineExceeded) {
+  Start({"--rpc-timeout", "1"});
+  ASSERT_OK(client_->CreateSession("slow", Spec({8, 4})));
+  grpc::ClientContext context;
+  client_->PrepareContext(context);  // the client's own deadline is minutes away
+  v1::UploadParametersResponse response;
+  auto writer = client_->stub().UploadParameters(&context, &response);
+  v1::UploadParametersRequest request;
+  request.set_session_id("slow");
+  ASSERT_TRUE(writer->Write(request));
+  // Then nothing: the daemon must not wait for the rest forever.
+  std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+  const grpc::Status status = writer->Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr("--rpc-timeout"));
+
+  // The daemon is fine, and the session is untouched.
+  ASSERT_OK_AND_ASSIGN(auto session, client_->CreateSession("slow", Spec({8, 4})));
+  EXPECT_FALSE(session->initialized());
+  const std::vector<float> w(32, 0.5f);
+  EXPECT_OK(session->UploadParameters(std::vector<client::TensorView>{{"w", {8, 4}, w}}));
+}
+
+TEST_F(LimitsTest, SilentStepStreamEndsWithDeadlineExceeded) {
+  Start({"--rpc-timeout", "1"});
+  ASSERT_OK_AND_ASSIGN(auto session, client_->CreateSession("slow-step", Spec({8, 4})));
+  const std::vector<float> w(32, 0.5f);
+  ASSERT_OK(session->UploadParameters(std::vector<client::TensorView>{{"w", {8, 4}, w}}));
+  grpc::ClientContext context;
+  client_->PrepareContext(context);
+  auto stream = client_->stub().Step(&context);
+  v1::StepRequest request;
+  request.mutable_header()->set_session_id("slow-step");
+  request.mutable_header()->set_step(1);
+  ASSERT_TRUE(stream->Write(request));
+  std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+  v1::StepResponse response;
+  EXPECT_FALSE(stream->Read(&response));
+  const grpc::Status status = stream->Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr("--rpc-timeout"));
+  // Step 1 was never applied, so it is still the one expected.
+  const std::vector<float> grad(32, 1.0f);
+  ASSERT_OK_AND_ASSIGN(client::StepReply reply, session->Step(1, std::vector<client::TensorView>{{"w", {8, 4}, grad}}));
+  EXPECT_TRUE(reply.applied);
+  EXPECT_FALSE(reply.replayed);
+}
+
+}  // namespace
+}  // namespace muond::testing

@@ -1,0 +1,28 @@
+// A throwaway public-key infrastructure for the security tests: a CA, a server certificate for
+// localhost / 127.0.0.1 and a client certificate signed by it, plus a second, untrusted CA with a
+// client certificate of its own. Made with the `openssl` command-line tool (scripts/setup.sh
+// installs it) into a folder the caller owns. Test-only; not thread-safe.
+#pragma once
+
+#include <string>
+
+namespace muond::testing {
+
+struct TestPki {
+  std::string ca_cert;
+  std::string server_cert;
+  std::string server_key;
+  std::string client_cert;
+  std::string client_key;
+  std::string rogue_client_cert;  // signed by a CA the daemon does not trust
+  std::string rogue_client_key;
+};
+
+// Whether the openssl tool can be run (tests skip, saying so, when it cannot).
+bool OpensslAvailable();
+
+// Writes the PEM files into `dir` (which must exist). Returns false with *error holding openssl's
+// output when a command fails.
+bool MakeTestPki(const std::string& dir, TestPki* pki, std::string* error);
+
+}  // namespace muond::testing
