@@ -89,7 +89,8 @@ absl::StatusOr<std::vector<RestoredSession>> RestoreSessions(const StateDirOptio
     std::vector<int64_t> numel;
     for (const ParameterConfig& p : config.parameters) numel.push_back(p.numel);
     MUOND_ASSIGN_OR_RETURN(std::unique_ptr<Session> unique,
-                           Session::Create(contents.session_id, contents.spec, std::move(config), backend));
+                           Session::Create(contents.session_id, contents.spec, std::move(config), backend,
+                                                           contents.owner));
     std::shared_ptr<Session> session = std::move(unique);
     absl::Status imported = session->ImportState(std::move(contents.state));
     if (!imported.ok()) {
@@ -131,7 +132,7 @@ absl::StatusOr<std::vector<RestoredSession>> RestoreSessions(const StateDirOptio
     MUOND_RETURN_IF_ERROR(session->Checkpoint().status());
     MUOND_LOG(info, "session {} restored at step {} (checkpoint at step {} + {} journaled steps)", session->id(),
               session->last_step(), checkpoint_step, replayed);
-    restored.push_back({std::move(session), contents.owner});
+    restored.push_back({std::move(session)});
   }
   return restored;
 }

@@ -56,8 +56,7 @@ class FileSessionPersistence final : public SessionPersistence {
 };
 
 struct RestoredSession {
-  std::shared_ptr<Session> session;
-  std::string owner;
+  std::shared_ptr<Session> session;  // with its owner and its optimizer state at the last step
 };
 
 // Restores every session under options.state_dir (creating the folder if needed). Any unusable

@@ -260,5 +260,37 @@ TEST(DurabilityTest, ATornJournalTailIsAnUnacknowledgedStepAndIsDropped) {
   EXPECT_EQ(attached->last_step(), 1);
 }
 
+TEST(DurabilityTest, ARestoredSessionKeepsItsOwner) {
+  DaemonProcess scratch;
+  const std::string tokens = scratch.dir() + "/tokens";
+  WriteFileForTest(tokens, "alice:alice-secret-token\nbob:bob-secret-token\n");
+  fs::permissions(tokens, fs::perms::owner_read | fs::perms::owner_write);
+  DurableDaemon daemon({"--auth-token-file", tokens});
+  std::string error;
+  ASSERT_TRUE(daemon.Start(&error)) << error;
+  auto connect_as = [&](const std::string& token) {
+    client::ClientOptions options;
+    options.endpoint = daemon.process().endpoint();
+    options.auth_token = token;
+    auto client = client::Client::Connect(options);
+    EXPECT_TRUE(client.ok()) << client.status();
+    return std::move(*client);
+  };
+  auto alice = connect_as("alice-secret-token");
+  Trainer trainer;
+  auto session = UploadedSession(*alice, "alices-run", &trainer);
+  ASSERT_NE(session, nullptr);
+  ASSERT_OK(session->Step(1, trainer.Gradients(1)).status());
+  ASSERT_EQ(daemon.process().Stop(), 0);
+  ASSERT_TRUE(daemon.Restart(&error)) << error;
+
+  auto bob = connect_as("bob-secret-token");
+  EXPECT_THAT(bob->CreateSession("alices-run", DaemonTest::SmallSpec()),
+              StatusIs(absl::StatusCode::kPermissionDenied, "alices-run"));
+  alice = connect_as("alice-secret-token");
+  ASSERT_OK_AND_ASSIGN(auto attached, alice->CreateSession("alices-run", DaemonTest::SmallSpec()));
+  EXPECT_EQ(attached->last_step(), 1);
+}
+
 }  // namespace
 }  // namespace muond::testing
