@@ -262,6 +262,7 @@ absl::StatusOr<StepReply> Session::StepOnce(int64_t step, std::span<const Tensor
   v1::StepHeader* header = request.mutable_header();
   header->set_session_id(id_);
   header->set_step(step);
+  header->set_rank(options.rank);
   header->set_return_dtype(options.return_dtype);
   header->set_max_chunk_bytes(static_cast<uint32_t>(client_->options().chunk_bytes));
   if (options.max_grad_norm) header->set_max_grad_norm(*options.max_grad_norm);

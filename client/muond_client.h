@@ -55,6 +55,7 @@ struct TensorView {
 };
 
 struct StepOptions {
+  int rank = 0;  // this trainer's rank in a session with world_size > 1
   std::map<std::string, double> lr;  // per group, this step only (schedulers)
   std::optional<double> max_grad_norm;
   v1::DType return_dtype = v1::DTYPE_UNSPECIFIED;  // session default

@@ -80,6 +80,10 @@ std::optional<DaemonFlags> ParseFlags(int argc, char** argv, int* exit_code) {
   app.add_option("--checkpoint-every", flags.checkpoint_every, "Checkpoint each session every N steps (0: never)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  app.add_option("--straggler-timeout", flags.straggler_timeout_seconds,
+                 "Seconds a multi-rank step waits for its last rank before it is aborted for all")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

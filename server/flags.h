@@ -30,6 +30,7 @@ struct DaemonFlags {
   std::string state_dir;              // empty: nothing is persisted
   std::string durability = "snapshot";  // snapshot | journal
   int64_t checkpoint_every = 0;       // steps between periodic checkpoints; 0: none
+  double straggler_timeout_seconds = 120;  // a multi-rank step waits this long for its last rank
 };
 
 // Parses argv. Returns the flags, or std::nullopt with *exit_code set when the process should exit

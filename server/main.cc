@@ -90,6 +90,7 @@ int Run(int argc, char** argv) {
   SpecLimits spec_limits;
   spec_limits.max_rank = flags->max_tensor_rank;
   spec_limits.max_tensor_elements = flags->max_tensor_elements;
+  spec_limits.straggler_timeout_seconds = flags->straggler_timeout_seconds;
   const MemoryLimits memory_limits{flags->max_session_bytes, flags->max_total_bytes};
   SessionRegistry registry(backend, spec_limits, flags->max_sessions, memory_limits);
   if (!flags->state_dir.empty()) {

@@ -160,6 +160,20 @@ absl::StatusOr<StepOutcome> Session::Step(const v1::StepHeader& header, std::vec
     return replay;
   }
   MUOND_RETURN_IF_ERROR(CheckStepNumberLocked(header.step()));
+  if (config_.world_size > 1) return AggregateLocked(header, std::move(gradients));
+  return ApplyStepLocked(header, std::move(gradients));
+}
+
+absl::StatusOr<StepOutcome> Session::ReplayStep(const v1::StepHeader& header, std::vector<AssembledTensor> gradients) {
+  absl::MutexLock lock(&mu_);
+  MUOND_RETURN_IF_ERROR(CheckStepNumberLocked(header.step()));
+  return ApplyStepLocked(header, std::move(gradients));
+}
+
+absl::StatusOr<StepOutcome> Session::ApplyStepLocked(const v1::StepHeader& header,
+                                                     std::vector<AssembledTensor> gradients) {
+  MUOND_ASSIGN_OR_RETURN(std::vector<optim::StepHyper> hyper, ResolveHyper(header));
+  MUOND_ASSIGN_OR_RETURN(auto qk_logits, ResolveQkLogits(header));
   // The step is durable (journal mode) before it changes anything.
   if (persistence_) MUOND_RETURN_IF_ERROR(persistence_->RecordStep(header, gradients));
 

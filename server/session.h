@@ -88,8 +88,17 @@ class Session {
   // Step() checks again under the lock.
   absl::Status CheckStepNumber(int64_t step) const;
 
-  // Applies (or replays) one step; `gradients` come from a finished TensorAssembler.
+  // Applies (or replays) one step; `gradients` come from a finished TensorAssembler. With a world
+  // size N > 1 the call waits until every rank has sent step k, then the gradients are averaged
+  // (per parameter, over the ranks that sent it, summed in rank order so the result does not depend
+  // on arrival order), the step is applied once with rank 0's header (overrides, clipping, QK-clip
+  // logits), and every rank gets the same answer. A rank that resends while waiting replaces its
+  // gradients. If a rank is missing after the straggler timeout the step is ABORTED for all and the
+  // state is unchanged.
   absl::StatusOr<StepOutcome> Step(const v1::StepHeader& header, std::vector<AssembledTensor> gradients);
+
+  // Applies a step recorded in the journal (already averaged), at start-up.
+  absl::StatusOr<StepOutcome> ReplayStep(const v1::StepHeader& header, std::vector<AssembledTensor> gradients);
 
   // The current parameters and, through `last_step`, the step they belong to (read atomically).
   std::shared_ptr<const ParameterSnapshot> Parameters(int64_t* last_step) const;
@@ -109,6 +118,10 @@ class Session {
   Session(std::string id, v1::SessionSpec spec, SessionConfig config, kernels::Backend* backend);
 
   absl::Status CheckStepNumberLocked(int64_t step) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<StepOutcome> ApplyStepLocked(const v1::StepHeader& header, std::vector<AssembledTensor> gradients)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<StepOutcome> AggregateLocked(const v1::StepHeader& header, std::vector<AssembledTensor> gradients)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<std::vector<optim::StepHyper>> ResolveHyper(const v1::StepHeader& header) const;
   // header.qk_logits → (pair index, logits); checks names and head counts.
   absl::StatusOr<std::vector<std::pair<size_t, std::vector<double>>>> ResolveQkLogits(
@@ -137,6 +150,16 @@ class Session {
   v1::StepResult last_result_ ABSL_GUARDED_BY(mu_);
   std::shared_ptr<const ParameterSnapshot> snapshot_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<SessionPersistence> persistence_ ABSL_GUARDED_BY(mu_);
+
+  // The step being gathered from the ranks (world size > 1); generation changes whenever a gathering
+  // ends, so waiting ranks can tell an abort from a spurious wake-up.
+  struct PendingStep {
+    int64_t step = 0;  // 0: none
+    uint64_t generation = 0;
+    int arrived = 0;
+    std::vector<std::optional<std::pair<v1::StepHeader, std::vector<AssembledTensor>>>> ranks;
+  };
+  PendingStep pending_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace muond::server

@@ -242,6 +242,7 @@ absl::StatusOr<SessionConfig> ParseSessionSpec(const v1::SessionSpec& spec, cons
     return Invalid("spec.world_size", absl::StrCat("must be between 1 and ", limits.max_world_size,
                                                    " on this daemon, got ", spec.world_size()));
   }
+  config.straggler_timeout_seconds = limits.straggler_timeout_seconds;
   config.return_dtype = spec.return_dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_FP32 : spec.return_dtype();
   if (!wire::IsConcrete(config.return_dtype)) {
     return Invalid("spec.return_dtype", absl::StrCat("unknown dtype ", static_cast<int>(spec.return_dtype())));

@@ -20,7 +20,8 @@ struct SpecLimits {
   int max_rank = 8;
   int64_t max_tensor_elements = int64_t{1} << 32;
   int max_parameters = 100000;
-  int max_world_size = 1;
+  int max_world_size = 1024;
+  double straggler_timeout_seconds = 120;  // how long a multi-rank step waits for its last rank
 };
 
 struct ParameterConfig {
@@ -48,6 +49,7 @@ struct SessionConfig {
   std::vector<ParameterConfig> parameters;
   std::vector<GroupConfig> groups;
   int world_size = 1;
+  double straggler_timeout_seconds = 120;
   v1::DType return_dtype = v1::DTYPE_FP32;
   std::vector<QkClipConfig> qk_clip;
   int64_t total_elements = 0;

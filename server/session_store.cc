@@ -114,7 +114,7 @@ absl::StatusOr<std::vector<RestoredSession>> RestoreSessions(const StateDirOptio
                                                   " has a gradient of the wrong size"));
         }
       }
-      absl::StatusOr<StepOutcome> outcome = session->Step(record.header, std::move(record.gradients));
+      absl::StatusOr<StepOutcome> outcome = session->ReplayStep(record.header, std::move(record.gradients));
       if (!outcome.ok()) {
         return absl::DataLossError(
             absl::StrCat("journal ", journal_file, ": step ", step, " does not replay: ", outcome.status().message()));

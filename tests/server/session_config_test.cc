@@ -104,7 +104,7 @@ TEST(SessionConfigTest, RefusesBadSpecsNamingTheField) {
   EXPECT_THAT(ParseSessionSpec(spec, SpecLimits{}),
               StatusIs(absl::StatusCode::kInvalidArgument, "spec.parameters[1].name: duplicate"));
   spec = Spec();
-  spec.set_world_size(4);
+  spec.set_world_size(5000);  // beyond SpecLimits::max_world_size
   EXPECT_THAT(ParseSessionSpec(spec, SpecLimits{}), StatusIs(absl::StatusCode::kInvalidArgument, "spec.world_size"));
   spec = Spec();
   SpecLimits small;

@@ -1,0 +1,116 @@
+// Sessions with several ranks: the daemon waits for every rank's gradients, averages them, applies
+// the step once and gives every rank the same answer; a missing rank aborts the step for all after
+// the straggler timeout, with the state unchanged.
+#include <future>
+#include <thread>
+
+#include "gmock/gmock.h"
+#include "tests/integration/daemon_fixture.h"
+#include "tests/testing/status_matchers.h"
+
+namespace muond::testing {
+namespace {
+
+v1::SessionSpec TwoRankSpec() {
+  v1::SessionSpec spec = DaemonTest::SmallSpec();
+  spec.set_world_size(2);
+  return spec;
+}
+
+class MultiRankTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string error;
+    ASSERT_TRUE(daemon_.Start({"--backend", "cpu", "--straggler-timeout", "1"}, &error)) << error;
+    client::ClientOptions options;
+    options.endpoint = daemon_.endpoint();
+    ASSERT_OK_AND_ASSIGN(client_, client::Client::Connect(options));
+  }
+
+  // Creates the session (rank 0) and attaches a second handle (rank 1).
+  void TwoRanks(const std::string& id, v1::SessionSpec spec) {
+    ASSERT_OK_AND_ASSIGN(rank0_, client_->CreateSession(id, spec));
+    const std::vector<float> w = DaemonTest::Initial("w", 32), b = DaemonTest::Initial("b", 4);
+    const std::vector<client::TensorView> initial = {{"w", {8, 4}, w}, {"b", {4}, b}};
+    ASSERT_OK(rank0_->UploadParameters(initial));
+    ASSERT_OK_AND_ASSIGN(rank1_, client_->CreateSession(id, spec));
+  }
+
+  static std::vector<float> Grad(size_t n, float phase) {
+    std::vector<float> g(n);
+    for (size_t i = 0; i < n; ++i) g[i] = std::sin(phase + 0.37f * i);
+    return g;
+  }
+
+  DaemonProcess daemon_;
+  std::unique_ptr<client::Client> client_;
+  std::unique_ptr<client::Session> rank0_, rank1_;
+};
+
+TEST_F(MultiRankTest, EveryRankGetsTheStepOfTheAveragedGradients) {
+  TwoRanks("two-ranks", TwoRankSpec());
+  const std::vector<float> w0 = Grad(32, 0.1f), b0 = Grad(4, 0.2f), w1 = Grad(32, 1.3f), b1 = Grad(4, 2.1f);
+  client::StepOptions as_rank1;
+  as_rank1.rank = 1;
+  auto second = std::async(std::launch::async, [&] {
+    const std::vector<client::TensorView> g = {{"w", {8, 4}, w1}, {"b", {4}, b1}};
+    return rank1_->Step(1, g, as_rank1);
+  });
+  const std::vector<client::TensorView> g0 = {{"w", {8, 4}, w0}, {"b", {4}, b0}};
+  ASSERT_OK_AND_ASSIGN(client::StepReply first_reply, rank0_->Step(1, g0));
+  ASSERT_OK_AND_ASSIGN(client::StepReply second_reply, second.get());
+  EXPECT_TRUE(first_reply.applied);
+  EXPECT_EQ(first_reply.parameters, second_reply.parameters);
+
+  // The same step in a one-rank session fed the mean (computed as the daemon does: fp64 sum / 2).
+  ASSERT_OK_AND_ASSIGN(auto single, client_->CreateSession("one-rank", DaemonTest::SmallSpec()));
+  const std::vector<float> w = DaemonTest::Initial("w", 32), b = DaemonTest::Initial("b", 4);
+  const std::vector<client::TensorView> initial = {{"w", {8, 4}, w}, {"b", {4}, b}};
+  ASSERT_OK(single->UploadParameters(initial));
+  std::vector<float> wm(32), bm(4);
+  for (int i = 0; i < 32; ++i) wm[i] = static_cast<float>((double(w0[i]) + w1[i]) / 2);
+  for (int i = 0; i < 4; ++i) bm[i] = static_cast<float>((double(b0[i]) + b1[i]) / 2);
+  const std::vector<client::TensorView> mean = {{"w", {8, 4}, wm}, {"b", {4}, bm}};
+  ASSERT_OK_AND_ASSIGN(client::StepReply expected, single->Step(1, mean));
+  EXPECT_EQ(first_reply.parameters, expected.parameters);
+  EXPECT_DOUBLE_EQ(first_reply.grad_norm, expected.grad_norm);
+
+  // Both ranks retrying the applied step get it replayed.
+  ASSERT_OK_AND_ASSIGN(client::StepReply replay, rank1_->Step(1, mean, as_rank1));
+  EXPECT_TRUE(replay.replayed);
+  EXPECT_EQ(replay.parameters, expected.parameters);
+}
+
+TEST_F(MultiRankTest, AMissingRankAbortsTheStepForAllAndChangesNothing) {
+  TwoRanks("straggler", TwoRankSpec());
+  const std::vector<float> w0 = Grad(32, 0.1f), b0 = Grad(4, 0.2f);
+  const std::vector<client::TensorView> g0 = {{"w", {8, 4}, w0}, {"b", {4}, b0}};
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_THAT(rank0_->Step(1, g0), StatusIs(absl::StatusCode::kAborted, "ranks 1 did not arrive"));
+  EXPECT_GE(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(900));
+  int64_t last_step = -1;
+  ASSERT_OK_AND_ASSIGN(client::ParameterMap params, rank0_->GetParameters(&last_step));
+  EXPECT_EQ(last_step, 0);
+  EXPECT_EQ(params["w"], DaemonTest::Initial("w", 32));
+
+  // Sent again by both ranks, the step goes through.
+  client::StepOptions as_rank1;
+  as_rank1.rank = 1;
+  auto second = std::async(std::launch::async, [&] { return rank1_->Step(1, g0, as_rank1); });
+  ASSERT_OK_AND_ASSIGN(client::StepReply reply, rank0_->Step(1, g0));
+  EXPECT_TRUE(reply.applied);
+  ASSERT_OK(second.get().status());
+}
+
+TEST_F(MultiRankTest, RankOutsideTheWorldIsInvalidArgument) {
+  TwoRanks("bad-rank", TwoRankSpec());
+  const std::vector<float> w0 = Grad(32, 0.1f);
+  client::StepOptions options;
+  options.rank = 2;
+  const std::vector<client::TensorView> g = {{"w", {8, 4}, w0}};
+  EXPECT_THAT(rank0_->Step(1, g, options),
+              StatusIs(absl::StatusCode::kInvalidArgument, "header.rank: must be in [0, 2), got 2"));
+}
+
+}  // namespace
+}  // namespace muond::testing
