@@ -12,8 +12,9 @@ on a muond daemon that holds the fp32 master parameters and the optimizer state:
             opt.step()
             opt.zero_grad()
 
-``LocalOptimizer`` runs the same optimizers in-process; ``MuondError`` is what a failed daemon
-call raises (``.code`` is a ``grpc.StatusCode``, ``.details`` the daemon's message).
+``LocalOptimizer`` runs the same optimizers in-process; ``Connection`` is the protocol layer (one
+method per RPC); ``MuondError`` is what a failed daemon call raises (``.code`` is a
+``grpc.StatusCode``, ``.details`` the daemon's message).
 """
 
 # The generated stubs (muond._proto) may live in another folder on sys.path than this file, e.g.
@@ -22,6 +23,7 @@ from pkgutil import extend_path
 
 __path__ = extend_path(__path__, __name__)
 
+from .client import Connection  # noqa: E402
 from .errors import MuondError  # noqa: E402
 from .local import LocalOptimizer  # noqa: E402
 from .optimizer import RemoteOptimizer, StepInfo  # noqa: E402
@@ -29,5 +31,5 @@ from .param_groups import default_param_groups  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["LocalOptimizer", "MuondError", "RemoteOptimizer", "StepInfo", "default_param_groups",
-           "__version__"]
+__all__ = ["Connection", "LocalOptimizer", "MuondError", "RemoteOptimizer", "StepInfo",
+           "default_param_groups", "__version__"]

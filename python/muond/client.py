@@ -4,6 +4,18 @@ This is the protocol layer under ``RemoteOptimizer``; it knows messages and chun
 torch optimizers. Every failed call raises ``MuondError`` (see ``errors.py``). Message size limits
 are set explicitly on the channel, as the protocol asks of both sides.
 
+Security: the channel is TLS when ``use_tls`` is set or any TLS file is given (``tls_ca_file`` to
+verify the daemon, ``tls_client_cert_file`` and ``tls_client_key_file`` for mutual TLS), plaintext
+otherwise. ``auth_token`` is sent as ``authorization: Bearer <token>`` metadata with every call;
+it is per-call metadata rather than gRPC call credentials, so it also works over a plaintext
+loopback channel (gRPC attaches call credentials to secure channels only).
+
+Retries: the calls that are safe to repeat — GetServerInfo, CreateSession (create-or-attach),
+ListSessions, GetParameters, GetState, Checkpoint — are retried on ``UNAVAILABLE`` (the daemon may
+be restarting) up to ``max_attempts`` tries in all, waiting ``retry_backoff`` seconds, doubled
+after each try. Streams that send data (UploadParameters, SetState, Step) are not retried here;
+``RemoteOptimizer.step`` retries a step itself, with the same step number.
+
 Thread-safety: a ``Connection`` may be shared between threads (gRPC channels are thread-safe);
 each method call is independent.
 """
@@ -11,7 +23,8 @@ each method call is independent.
 from __future__ import annotations
 
 import threading
-from typing import Iterable, Iterator, List, Optional, Sequence, Tuple
+import time
+from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
 import grpc
 
@@ -20,6 +33,59 @@ from .errors import MuondError, translated
 from .wire import ChunkAssembler
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
+DEFAULT_MAX_ATTEMPTS = 4
+DEFAULT_RETRY_BACKOFF = 0.1
+# Reconnect quickly after a daemon restart (gRPC's default reconnection backoff grows to 2 min).
+_RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100),
+                      ("grpc.min_reconnect_backoff_ms", 100),
+                      ("grpc.max_reconnect_backoff_ms", 2000)]
+
+T = TypeVar("T")
+
+
+def _read_pem(path, option: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as err:
+        raise ValueError(f"{option}: cannot read {path}: {err.strerror or err}") from err
+
+
+def channel_credentials(*, use_tls: bool = False, tls_ca_file=None, tls_client_cert_file=None,
+                        tls_client_key_file=None) -> Optional[grpc.ChannelCredentials]:
+    """TLS channel credentials from PEM files, or None for plaintext (no TLS option set).
+
+    ``tls_ca_file`` holds the roots that verify the daemon (default: gRPC's bundled / the
+    system's roots); ``tls_client_cert_file`` and ``tls_client_key_file`` (both or neither) are the
+    client's certificate chain and key for mutual TLS. An unreadable file is a ValueError naming
+    the option.
+    """
+    if bool(tls_client_cert_file) != bool(tls_client_key_file):
+        given, missing = (("tls_client_cert_file", "tls_client_key_file") if tls_client_cert_file
+                          else ("tls_client_key_file", "tls_client_cert_file"))
+        raise ValueError(f"{given} was given without {missing}: mutual TLS needs the client's "
+                         f"certificate and its private key, set both or neither")
+    if not (use_tls or tls_ca_file or tls_client_cert_file):
+        return None
+    roots = _read_pem(tls_ca_file, "tls_ca_file") if tls_ca_file else None
+    cert = _read_pem(tls_client_cert_file, "tls_client_cert_file") if tls_client_cert_file else None
+    key = _read_pem(tls_client_key_file, "tls_client_key_file") if tls_client_key_file else None
+    return grpc.ssl_channel_credentials(root_certificates=roots, private_key=key,
+                                        certificate_chain=cert)
+
+
+def _auth_metadata(token: Optional[str]) -> Optional[Tuple[Tuple[str, str], ...]]:
+    if token is None or token == "":
+        return None
+    if not isinstance(token, str):
+        raise TypeError(f"auth_token must be a str, got {type(token).__name__}")
+    token = token.strip()
+    if token.lower().startswith("bearer "):
+        raise ValueError("auth_token is the token alone; 'Bearer ' is added by the client")
+    if not token or any(c.isspace() or not (c.isascii() and c.isprintable()) for c in token):
+        raise ValueError("auth_token must be printable ASCII without spaces (as in the daemon's "
+                         "--auth-token-file)")
+    return (("authorization", f"Bearer {token}"),)
 
 
 class Connection:
@@ -29,18 +95,58 @@ class Connection:
         endpoint: the daemon's address, e.g. "127.0.0.1:50051".
         max_message_bytes: gRPC send and receive limit; chunks stay far below it.
         timeout: deadline in seconds of every call (None: no deadline).
-        credentials: ``grpc.ChannelCredentials`` for a TLS channel; None for plaintext.
+        credentials: ``grpc.ChannelCredentials`` for a TLS channel built by the caller; None for
+            plaintext, or for TLS from the ``tls_*`` / ``use_tls`` arguments (not both).
         options: extra gRPC channel options, as (key, value) pairs.
+        auth_token: bearer token sent as ``authorization: Bearer <token>`` with every call (the
+            daemon's ``--auth-token-file``). Over plaintext anyone on the path can read it: use
+            TLS beyond loopback.
+        use_tls: TLS with the default roots (gRPC's bundled roots or ``$GRPC_DEFAULT_SSL_ROOTS_
+            FILE_PATH``); implied by any of the TLS files.
+        tls_ca_file: PEM roots to verify the daemon's certificate with.
+        tls_client_cert_file, tls_client_key_file: PEM certificate chain and private key of this
+            client, for a daemon that requires mutual TLS (``--tls-client-ca``); both or neither.
+        tls_server_name: the name to verify the daemon's certificate against instead of the
+            endpoint's host (``grpc.ssl_target_name_override``; meant for tests).
+        max_attempts: tries of a call that is safe to repeat, on ``UNAVAILABLE`` (1: no retry).
+        retry_backoff: seconds before the second try, doubled after each further one.
+
+    Raises:
+        ValueError: a client certificate without its key (or the reverse), an unreadable TLS
+            file, TLS options together with ``credentials``, ``tls_server_name`` without TLS,
+            or a malformed token.
     """
 
     def __init__(self, endpoint: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  timeout: Optional[float] = None,
                  credentials: Optional[grpc.ChannelCredentials] = None,
-                 options: Sequence[Tuple[str, object]] = ()):
+                 options: Sequence[Tuple[str, object]] = (),
+                 auth_token: Optional[str] = None, use_tls: bool = False,
+                 tls_ca_file=None, tls_client_cert_file=None, tls_client_key_file=None,
+                 tls_server_name: Optional[str] = None,
+                 max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+                 retry_backoff: float = DEFAULT_RETRY_BACKOFF):
         self.endpoint = endpoint
         self.timeout = timeout
+        if int(max_attempts) < 1:
+            raise ValueError(f"max_attempts must be at least 1, got {max_attempts}")
+        self.max_attempts = int(max_attempts)
+        self.retry_backoff = float(retry_backoff)
+        self._metadata = _auth_metadata(auth_token)
+        tls = channel_credentials(use_tls=use_tls, tls_ca_file=tls_ca_file,
+                                  tls_client_cert_file=tls_client_cert_file,
+                                  tls_client_key_file=tls_client_key_file)
+        if tls is not None and credentials is not None:
+            raise ValueError("pass either credentials or the use_tls / tls_* options, not both")
+        credentials = credentials or tls
+        if tls_server_name and credentials is None:
+            raise ValueError("tls_server_name applies to TLS only: set tls_ca_file or use_tls")
+        self.uses_tls = credentials is not None
         opts = [("grpc.max_send_message_length", max_message_bytes),
-                ("grpc.max_receive_message_length", max_message_bytes)] + list(options)
+                ("grpc.max_receive_message_length", max_message_bytes)] + _RECONNECT_OPTIONS
+        if tls_server_name:
+            opts.append(("grpc.ssl_target_name_override", tls_server_name))
+        opts += list(options)
         if credentials is None:
             self._channel = grpc.insecure_channel(endpoint, options=opts)
         else:
@@ -50,37 +156,94 @@ class Connection:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def wait_ready(self, timeout: float) -> None:
-        """Blocks until the channel is connected; MuondError(UNAVAILABLE) after ``timeout`` s."""
+        """Blocks until the channel is connected; MuondError(UNAVAILABLE) after ``timeout`` s.
+
+        A TLS mismatch (plaintext against a TLS daemon, an untrusted certificate, a missing
+        client certificate) looks like an unreachable daemon from here; the message says what
+        to check and, where gRPC reports one, the transport's last error."""
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
+            hint = (" (TLS: check tls_ca_file, the name in the daemon's certificate and, for "
+                    "mutual TLS, the client certificate)" if self.uses_tls else
+                    " (if the daemon serves TLS, set tls_ca_file or use_tls)")
             raise MuondError(grpc.StatusCode.UNAVAILABLE,
                              f"could not connect to the muond daemon at {self.endpoint} within "
-                             f"{timeout:g} s", "connect") from None
+                             f"{timeout:g} s{hint}{self._last_transport_error()}",
+                             "connect") from None
+
+    def _last_transport_error(self) -> str:
+        """The reason gRPC gives for the failing connection, e.g. a TLS handshake error."""
+        try:
+            self._stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=1.0,
+                                     metadata=self._metadata)
+        except grpc.RpcError as err:
+            details = err.details() if hasattr(err, "details") else ""
+            if details and err.code() == grpc.StatusCode.UNAVAILABLE:
+                return f"; last error: {details}"
+        return ""
 
     def close(self) -> None:
         self._channel.close()
 
+    def pause_before_retry(self, seconds: float) -> None:
+        """Waits ``seconds`` before a retry while watching the channel, so that it reconnects
+        meanwhile: gRPC Python drives a connection attempt only while a call or a watcher is
+        active, so a plain sleep could leave a restarted daemon unnoticed for several tries."""
+        deadline = time.monotonic() + seconds
+        watcher = grpc.channel_ready_future(self._channel)
+        try:
+            watcher.result(timeout=seconds)
+        except grpc.FutureTimeoutError:
+            pass
+        finally:
+            watcher.cancel()
+        remaining = deadline - time.monotonic()
+        if remaining > 0:
+            time.sleep(remaining)  # connected early: still keep the backoff
+
+    def _retried(self, rpc: str, call: Callable[[], T]) -> T:
+        """Runs ``call`` (a call that is safe to repeat), again on UNAVAILABLE, with backoff."""
+        backoff = self.retry_backoff
+        for attempt in range(1, self.max_attempts + 1):
+            try:
+                with translated(rpc):
+                    return call()
+            except MuondError as err:
+                if err.code != grpc.StatusCode.UNAVAILABLE or attempt == self.max_attempts:
+                    raise
+            self.pause_before_retry(backoff)
+            backoff *= 2
+        raise AssertionError("unreachable")
+
     # -- unary calls ---------------------------------------------------------------------------
 
     def server_info(self) -> pb.ServerInfo:
-        with translated("GetServerInfo"):
-            return self._stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=self.timeout)
+        return self._retried("GetServerInfo", lambda: self._stub.GetServerInfo(
+            pb.GetServerInfoRequest(), timeout=self.timeout, metadata=self._metadata))
 
     def create_session(self, session_id: str, spec: pb.SessionSpec) -> pb.CreateSessionResponse:
-        with translated("CreateSession"):
-            return self._stub.CreateSession(
-                pb.CreateSessionRequest(session_id=session_id, spec=spec), timeout=self.timeout)
+        """Creates the session, or attaches to it when it exists with an identical spec. Safe to
+        repeat, hence retried."""
+        request = pb.CreateSessionRequest(session_id=session_id, spec=spec)
+        return self._retried("CreateSession", lambda: self._stub.CreateSession(
+            request, timeout=self.timeout, metadata=self._metadata))
 
     def close_session(self, session_id: str) -> None:
         with translated("CloseSession"):
             self._stub.CloseSession(pb.CloseSessionRequest(session_id=session_id),
-                                    timeout=self.timeout)
+                                    timeout=self.timeout, metadata=self._metadata)
 
     def list_sessions(self) -> List[pb.SessionSummary]:
-        with translated("ListSessions"):
-            return list(self._stub.ListSessions(pb.ListSessionsRequest(),
-                                                timeout=self.timeout).sessions)
+        return list(self._retried("ListSessions", lambda: self._stub.ListSessions(
+            pb.ListSessionsRequest(), timeout=self.timeout, metadata=self._metadata)).sessions)
+
+    def checkpoint(self, session_id: str) -> int:
+        """Writes a checkpoint of the session on the daemon now; returns the step it holds.
+        ``FAILED_PRECONDITION`` when the daemon runs without ``--state-dir``."""
+        request = pb.CheckpointRequest(session_id=session_id)
+        return int(self._retried("Checkpoint", lambda: self._stub.Checkpoint(
+            request, timeout=self.timeout, metadata=self._metadata)).step)
 
     # -- streams -------------------------------------------------------------------------------
 
@@ -92,7 +255,8 @@ class Connection:
             for chunk in chunks:
                 yield pb.UploadParametersRequest(chunk=chunk)
         with _RequestStream(requests()) as stream, translated("UploadParameters"):
-            return stream.finish(self._stub.UploadParameters(stream, timeout=self.timeout))
+            return stream.finish(self._stub.UploadParameters(stream, timeout=self.timeout,
+                                                             metadata=self._metadata))
 
     def step(self, header: pb.StepHeader, chunks: Iterable[pb.TensorChunk],
              into: ChunkAssembler) -> pb.StepResult:
@@ -104,7 +268,8 @@ class Connection:
                 yield pb.StepRequest(chunk=chunk)
         result = None
         with _RequestStream(requests()) as stream, translated("Step"):
-            for response in self._stub.Step(stream, timeout=self.timeout):
+            for response in self._stub.Step(stream, timeout=self.timeout,
+                                            metadata=self._metadata):
                 if response.HasField("result"):
                     result = response.result
                 else:
@@ -118,29 +283,40 @@ class Connection:
     def get_parameters(self, session_id: str, into: ChunkAssembler,
                        names: Sequence[str] = (), dtype: int = pb.DTYPE_FP32,
                        max_chunk_bytes: int = 0) -> int:
-        """Reads parameters into ``into``; returns the session's last applied step."""
+        """Reads parameters into ``into``; returns the session's last applied step. A read cut
+        off by ``UNAVAILABLE`` is retried from the start."""
         request = pb.GetParametersRequest(session_id=session_id, names=list(names), dtype=dtype,
                                           max_chunk_bytes=max_chunk_bytes)
-        last_step = None
-        with translated("GetParameters"):
-            for response in self._stub.GetParameters(request, timeout=self.timeout):
+
+        def read() -> int:
+            into.clear()
+            last_step = None
+            for response in self._stub.GetParameters(request, timeout=self.timeout,
+                                                     metadata=self._metadata):
                 if last_step is None:
                     last_step = response.last_step
                 if response.HasField("chunk"):
                     into.add(response.chunk)
-        return last_step or 0
+            return last_step or 0
+        return self._retried("GetParameters", read)
 
     def get_state(self, session_id: str, into: ChunkAssembler,
                   max_chunk_bytes: int = 0) -> pb.StateHeader:
-        """Reads the whole optimizer state (masters and slots) into ``into``."""
+        """Reads the whole optimizer state (masters and slots) into ``into``. A read cut off by
+        ``UNAVAILABLE`` is retried from the start."""
         request = pb.GetStateRequest(session_id=session_id, max_chunk_bytes=max_chunk_bytes)
-        header = None
-        with translated("GetState"):
-            for response in self._stub.GetState(request, timeout=self.timeout):
+
+        def read() -> Optional[pb.StateHeader]:
+            into.clear()
+            header = None
+            for response in self._stub.GetState(request, timeout=self.timeout,
+                                                metadata=self._metadata):
                 if response.HasField("header"):
                     header = response.header
                 else:
                     into.add(response.chunk)
+            return header
+        header = self._retried("GetState", read)
         if header is None:
             raise MuondError(grpc.StatusCode.INTERNAL, "the daemon's state had no StateHeader",
                              "GetState")
@@ -155,7 +331,8 @@ class Connection:
             for chunk in chunks:
                 yield pb.SetStateRequest(chunk=chunk)
         with _RequestStream(requests()) as stream, translated("SetState"):
-            return stream.finish(self._stub.SetState(stream, timeout=self.timeout)).last_step
+            return stream.finish(self._stub.SetState(
+                stream, timeout=self.timeout, metadata=self._metadata)).last_step
 
 
 class _RequestStream:

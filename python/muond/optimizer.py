@@ -9,7 +9,17 @@ they were changed), so ``torch.optim.lr_scheduler`` works unchanged.
 
 Sessions: construction creates the session, or attaches to an existing one with an identical spec
 and resumes after its last applied step, refreshing the local tensors from the daemon's masters.
-A session outlives this object unless ``close()`` ends it.
+A session outlives this object unless ``close()`` ends it. ``checkpoint()`` asks a daemon run with
+``--state-dir`` to write the session to disk now; after a daemon restart, constructing a
+``RemoteOptimizer`` with the same session id (and token) attaches to the restored session.
+
+Security: ``auth_token`` is sent as ``authorization: Bearer <token>`` with every call;
+``tls_ca_file`` (or ``use_tls``) makes the channel TLS, and ``tls_client_cert_file`` with
+``tls_client_key_file`` mutual TLS. See ``muond.client.Connection``.
+
+Retries: a step that failed with UNAVAILABLE or DEADLINE_EXCEEDED is resent with the same step
+number (the daemon applies each step once and answers a repeat with the same parameters), and the
+calls that are safe to repeat are retried on UNAVAILABLE; ``max_step_attempts`` tries in all.
 
 Thread-safety: like every torch optimizer, one instance is used from one thread at a time.
 """
@@ -28,7 +38,8 @@ import torch
 from . import options as opts
 from . import wire
 from ._stubs import pb
-from .client import Connection, DEFAULT_MAX_MESSAGE_BYTES
+from .client import (DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_RETRY_BACKOFF,
+                     Connection)
 from .errors import MuondError
 from .naming import named_groups
 
@@ -49,6 +60,7 @@ class StepInfo:
     grad_norm: float       # global L2 norm of the gradients, before clipping
     compute_seconds: float  # time the optimizer step took on the daemon
     round_trip_seconds: float  # wall time of the whole exchange, seen from here
+    attempts: int = 1      # tries it took (more than 1 after UNAVAILABLE / DEADLINE_EXCEEDED)
 
 
 class RemoteOptimizer(torch.optim.Optimizer):
@@ -68,10 +80,23 @@ class RemoteOptimizer(torch.optim.Optimizer):
         chunk_bytes: size of the tensor chunks sent and asked for.
         timeout: deadline in seconds of each call (None: none).
         connect_timeout: seconds to wait for the daemon at construction.
-        max_retries: times a step that failed with UNAVAILABLE or DEADLINE_EXCEEDED is resent
-            (the daemon applies each step exactly once, so a resend after a lost answer does not
-            update twice).
-        credentials: ``grpc.ChannelCredentials`` for TLS; None for a plaintext channel.
+        max_step_attempts: tries of a step that fails with UNAVAILABLE or DEADLINE_EXCEEDED,
+            each resent with the same step number (the daemon applies each step exactly once, so
+            a resend after a lost answer does not update twice); also the tries of the calls
+            that are safe to repeat (attach, reading parameters or state, checkpoint) on
+            UNAVAILABLE. Default 4.
+        max_retries: the older spelling, ``max_step_attempts - 1``.
+        retry_backoff: seconds before the second try, doubled after each further one.
+        auth_token: bearer token (a token of the daemon's ``--auth-token-file``), sent as
+            ``authorization: Bearer <token>`` with every call. The session belongs to it.
+        use_tls: TLS with the default roots; implied by any ``tls_*`` file.
+        tls_ca_file: PEM roots to verify the daemon's certificate with.
+        tls_client_cert_file, tls_client_key_file: this client's PEM certificate chain and key,
+            for a daemon that requires mutual TLS; both or neither.
+        tls_server_name: verify the daemon's certificate against this name instead of the
+            endpoint's host (tests).
+        credentials: ``grpc.ChannelCredentials`` for TLS built by the caller, instead of the
+            ``tls_*`` options; None for plaintext.
         **defaults: options applied to every group that leaves them unset and whose optimizer
             they apply to (e.g. ``lr=0.02, weight_decay=0.1``).
 
@@ -84,8 +109,13 @@ class RemoteOptimizer(torch.optim.Optimizer):
                  session: Optional[str] = None, wire_dtype: wire.DTypeLike = "fp32", *,
                  return_dtype: wire.DTypeLike = "fp32", max_grad_norm: Optional[float] = None,
                  chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES, timeout: Optional[float] = None,
-                 connect_timeout: float = 10.0, max_retries: int = 2,
-                 credentials: Optional[grpc.ChannelCredentials] = None, **defaults: Any):
+                 connect_timeout: float = 10.0, max_retries: Optional[int] = None,
+                 credentials: Optional[grpc.ChannelCredentials] = None,
+                 auth_token: Optional[str] = None, use_tls: bool = False,
+                 tls_ca_file: Optional[str] = None, tls_client_cert_file: Optional[str] = None,
+                 tls_client_key_file: Optional[str] = None, tls_server_name: Optional[str] = None,
+                 max_step_attempts: Optional[int] = None,
+                 retry_backoff: float = DEFAULT_RETRY_BACKOFF, **defaults: Any):
         opts.check_defaults(defaults)
         self._user_defaults = dict(defaults)
         self._sealed = False
@@ -99,7 +129,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self.return_dtype = wire.dtype_name(return_dtype)
         self.max_grad_norm = max_grad_norm
         self.chunk_bytes = int(chunk_bytes)
-        self.max_retries = int(max_retries)
+        self.max_step_attempts = _step_attempts(max_step_attempts, max_retries)
+        self.max_retries = self.max_step_attempts - 1
+        self.retry_backoff = float(retry_backoff)
         self.session_id = session or f"torch-{uuid.uuid4().hex[:16]}"
         self.last_step = 0
         self.last_info: Optional[StepInfo] = None
@@ -114,7 +146,13 @@ class RemoteOptimizer(torch.optim.Optimizer):
 
         endpoint = endpoint or _env_endpoint()
         self._conn = Connection(endpoint, max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES,
-                                timeout=timeout, credentials=credentials)
+                                timeout=timeout, credentials=credentials, auth_token=auth_token,
+                                use_tls=use_tls, tls_ca_file=tls_ca_file,
+                                tls_client_cert_file=tls_client_cert_file,
+                                tls_client_key_file=tls_client_key_file,
+                                tls_server_name=tls_server_name,
+                                max_attempts=self.max_step_attempts,
+                                retry_backoff=self.retry_backoff)
         self._closed = False
         try:
             self._conn.wait_ready(connect_timeout)
@@ -233,23 +271,35 @@ class RemoteOptimizer(torch.optim.Optimizer):
         grads = self._grads()
         header = self._header(self.last_step + 1)
         started = time.perf_counter()
-        for attempt in range(self.max_retries + 1):
+        backoff = self.retry_backoff
+        for attempt in range(1, self.max_step_attempts + 1):
             into = wire.ChunkAssembler(self._sizes, self.return_dtype)
             try:
                 result = self._conn.step(header, self._grad_chunks(grads), into)
                 break
             except MuondError as err:
-                if err.code not in _RETRIED or attempt == self.max_retries:
+                if err.code not in _RETRIED or attempt == self.max_step_attempts:
                     raise
-                time.sleep(0.2 * 2 ** attempt)
+            self._conn.pause_before_retry(backoff)
+            backoff *= 2
         self._copy_in({name: t for (name, _), t in into.tensors().items()})
         self.last_step = result.step
         self.last_info = StepInfo(result.step, result.applied, result.replayed, result.skip_reason,
                                   result.grad_norm, result.compute_seconds,
-                                  time.perf_counter() - started)
+                                  time.perf_counter() - started, attempt)
         return loss
 
     # -- state ---------------------------------------------------------------------------------
+
+    def checkpoint(self) -> int:
+        """Has the daemon write the session's masters, optimizer state and step counters to its
+        ``--state-dir`` now, atomically; returns the step the checkpoint holds. A daemon
+        restarted with the same ``--state-dir`` restores the session from its latest checkpoint
+        (plus its journal under ``--durability journal``); attach to it by constructing a
+        ``RemoteOptimizer`` with the same session id. ``MuondError(FAILED_PRECONDITION)`` when
+        the daemon has no ``--state-dir``."""
+        self._check_open()
+        return self._conn.checkpoint(self.session_id)
 
     def state_dict(self) -> Dict[str, Any]:
         """The daemon's whole state in torch's layout: ``state[i]`` holds parameter i's fp32
@@ -358,6 +408,22 @@ class RemoteOptimizer(torch.optim.Optimizer):
     def __getstate__(self):
         raise TypeError("a RemoteOptimizer holds a live connection and can't be pickled; "
                         "save state_dict() instead")
+
+
+def _step_attempts(max_step_attempts: Optional[int], max_retries: Optional[int]) -> int:
+    if max_step_attempts is not None and max_retries is not None \
+            and int(max_step_attempts) != int(max_retries) + 1:
+        raise ValueError(f"max_step_attempts={max_step_attempts} and max_retries={max_retries} "
+                         f"disagree; pass one (max_step_attempts = max_retries + 1)")
+    if max_step_attempts is not None:
+        attempts = int(max_step_attempts)
+    elif max_retries is not None:
+        attempts = int(max_retries) + 1
+    else:
+        attempts = DEFAULT_MAX_ATTEMPTS
+    if attempts < 1:
+        raise ValueError(f"max_step_attempts must be at least 1, got {attempts}")
+    return attempts
 
 
 def _env_endpoint() -> str:

@@ -132,6 +132,11 @@ class ChunkAssembler:
         dtype = _FROM_ENUM.get(chunk.dtype, self._default)
         self._filled[key] += _decode_into(self._buffers[key].numpy(), chunk, dtype)
 
+    def clear(self) -> None:
+        """Forgets every chunk received so far (before a read is retried from the start)."""
+        self._buffers.clear()
+        self._filled.clear()
+
     def add_all(self, chunks: Iterable[pb.TensorChunk]) -> None:
         for chunk in chunks:
             self.add(chunk)
