@@ -4,6 +4,10 @@ the real muond daemon on loopback for the tests that need one.
 The daemon binary is $MUOND_BINARY (ctest sets it) or build/muond. Without either, the daemon
 tests skip, saying so; a $MUOND_BINARY that does not exist is an error. The gRPC stubs come from
 PYTHONPATH (the build tree) when present, else they are generated into a temporary folder.
+
+`daemon` is one plain daemon shared by the session; `start_daemon(*flags)` starts more, each with
+its own flags (TLS, tokens, a state directory), stopped after the test. `tls_files` is a
+throwaway CA with a server and a client certificate made with the `openssl` command.
 """
 
 import atexit
@@ -42,16 +46,24 @@ _make_muond_importable()
 
 
 class Daemon:
-    """One muond process on 127.0.0.1 with a free port, stopped with SIGTERM."""
+    """One muond process on 127.0.0.1 with a free port (or ``listen``), stopped with SIGTERM.
 
-    def __init__(self, binary: Path, workdir: Path):
+    ``flags`` are added to the command line, e.g. ("--state-dir", path)."""
+
+    def __init__(self, binary: Path, workdir: Path, flags=(), listen: str = "127.0.0.1:0"):
         self.binary = binary
+        self.workdir = workdir
+        self.flags = [str(f) for f in flags]
+        workdir.mkdir(parents=True, exist_ok=True)
         self.log_path = workdir / "muond.log"
         port_file = workdir / "port"
-        self._log = open(self.log_path, "wb")
+        if port_file.exists():
+            port_file.unlink()  # a restart in the same folder must not read the old port
+        self._log = open(self.log_path, "ab")
+        quiet = [] if "--log-level" in self.flags else ["--log-level", "warn"]
         self.proc = subprocess.Popen(
-            [str(binary), "--listen", "127.0.0.1:0", "--port-file", str(port_file),
-             "--backend", "cpu", "--log-level", "warn"],
+            [str(binary), "--listen", listen, "--port-file", str(port_file),
+             "--backend", "cpu", *quiet, *self.flags],
             stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
         while not (port_file.exists() and port_file.read_text().strip()):
@@ -61,7 +73,8 @@ class Daemon:
                 self.stop()
                 raise RuntimeError(f"muond wrote no port file within 30 s:\n{self.log_tail()}")
             time.sleep(0.02)
-        self.endpoint = f"127.0.0.1:{int(port_file.read_text().strip())}"
+        self.port = int(port_file.read_text().strip())
+        self.endpoint = f"127.0.0.1:{self.port}"
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -78,6 +91,14 @@ class Daemon:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+    def kill(self) -> int:
+        """SIGKILL: no shutdown, no final checkpoint (a crash)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
         self._log.close()
         return self.proc.returncode
 
@@ -108,3 +129,65 @@ def endpoint(daemon):
     assert daemon.alive(), f"the daemon is down:\n{daemon.log_tail()}"
     yield daemon.endpoint
     assert daemon.alive(), f"the daemon died during the test:\n{daemon.log_tail()}"
+
+
+@pytest.fixture
+def start_daemon(tmp_path):
+    """``start_daemon(*flags, listen=..., workdir=...)`` starts a daemon with extra flags and
+    returns its ``Daemon``; every one started is stopped after the test. Starting again in the
+    same ``workdir`` (e.g. after ``stop()``, with the same --state-dir) is a restart."""
+    binary = _daemon_binary()
+    started = []
+
+    def start(*flags, listen: str = "127.0.0.1:0", workdir: Path = None) -> Daemon:
+        folder = workdir or tmp_path / f"muond-{len(started)}"
+        process = Daemon(binary, folder, flags, listen=listen)
+        started.append(process)
+        return process
+
+    yield start
+    for process in started:
+        process.stop()
+
+
+def _openssl(*args, cwd: Path) -> None:
+    result = subprocess.run(["openssl", *args], cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"openssl {' '.join(args)} failed:\n{result.stdout}")
+
+
+def _issue(name: str, serial: int, subject: str, extensions: str, ca: str, cwd: Path) -> None:
+    """An EC key ``name``.key and a certificate ``name``.pem signed by ``ca``.pem/.key."""
+    (cwd / f"{name}.ext").write_text(extensions + "\n")
+    _openssl("req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+             "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", subject, cwd=cwd)
+    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
+             "-set_serial", str(serial), "-days", "2", "-sha256",
+             "-extfile", f"{name}.ext", "-out", f"{name}.pem", cwd=cwd)
+
+
+def _make_ca(name: str, cwd: Path) -> None:
+    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+             "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.pem", "-days", "2",
+             "-subj", f"/CN=muond test {name}",
+             "-addext", "basicConstraints=critical,CA:TRUE",
+             "-addext", "keyUsage=critical,keyCertSign,cRLSign", cwd=cwd)
+
+
+@pytest.fixture(scope="session")
+def tls_files(tmp_path_factory):
+    """Paths (str) of a throwaway PKI: ``ca`` (ca.pem), ``server_cert``/``server_key`` (SAN
+    IP:127.0.0.1 and DNS:localhost), ``client_cert``/``client_key`` (client auth), signed by
+    ``ca``; and ``other_ca``, an unrelated CA that trusts none of them."""
+    if shutil.which("openssl") is None:
+        pytest.skip("the TLS tests need the openssl command (Debian: apt-get install openssl)")
+    folder = tmp_path_factory.mktemp("pki")
+    _make_ca("ca", folder)
+    _make_ca("other_ca", folder)
+    _issue("server", 1, "/CN=localhost",
+           "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth", "ca", folder)
+    _issue("client", 2, "/CN=muond test trainer", "extendedKeyUsage=clientAuth", "ca", folder)
+    return {"ca": str(folder / "ca.pem"), "other_ca": str(folder / "other_ca.pem"),
+            "server_cert": str(folder / "server.pem"), "server_key": str(folder / "server.key"),
+            "client_cert": str(folder / "client.pem"), "client_key": str(folder / "client.key")}
