@@ -1,0 +1,395 @@
+// request_fuzzer: a libFuzzer target over the daemon's request handling.
+//
+// The real MuondService (with its SessionRegistry, Sessions, TensorAssemblers, spec parsing, dtype
+// codec and the CPU backend) serves on an in-process gRPC channel: no network, but every request is
+// serialized, parsed and handled as it would be from a socket. Each input is a script of RPCs
+// (tests/fuzz/request_script.h) run against a daemon without sessions; all are closed afterwards.
+//
+// Besides crashes, leaks and undefined behaviour (the fuzz build adds ASan and UBSan), it checks the
+// protocol's promise that a refused request changes no state: before each RPC it takes a fingerprint
+// of every session (id, last step, the whole exported state) and aborts when an RPC that was
+// refused, that only read, or that replayed a step leaves a different one. A step skipped for
+// non-finite gradients may move only that session's step counter.
+//
+// The daemon's limits are small (tensors of at most 4096 elements, 16 parameters, 4 sessions, 1 KiB
+// chunks) so that inputs reach every limit and each runs in well under a millisecond.
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "google/protobuf/stubs/logging.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/support/server_interceptor.h"
+#include "kernels/backend_factory.h"
+#include "muond/v1/muond.grpc.pb.h"
+#include "server/logging.h"
+#include "server/muond_service.h"
+#include "server/session_registry.h"
+#include "tests/fuzz/request_script.h"
+
+namespace muond::fuzz {
+namespace {
+
+constexpr size_t kMaxChunkBytes = 1024;
+// Bounds on one input, so the fuzzer spends its time on variety rather than on long repetitions:
+// calls (each a round trip of about a third of a millisecond) and stream messages.
+constexpr int kMaxCalls = 48;
+constexpr int kMaxMessages = 512;
+
+[[noreturn]] void Fail(const std::string& what) {
+  std::fprintf(stderr, "request_fuzzer: %s\n", what.c_str());
+  std::fflush(stderr);
+  std::abort();
+}
+
+// REQUEST_FUZZER_TRACE=1 prints every call's outcome (to read what a crashing input does).
+void Trace(absl::string_view rpc, const grpc::Status& status, absl::string_view note = "") {
+  static const bool enabled = std::getenv("REQUEST_FUZZER_TRACE") != nullptr;
+  if (!enabled) return;
+  static auto last = std::chrono::steady_clock::now();
+  const auto now = std::chrono::steady_clock::now();
+  std::fprintf(stderr, "  %s: %d %s%s [%.2f ms]\n", std::string(rpc).c_str(), status.error_code(),
+               status.error_message().c_str(), std::string(note).c_str(),
+               std::chrono::duration<double, std::milli>(now - last).count());
+  last = now;
+}
+
+// Counts the calls whose server side is still alive: a call's interceptor is destroyed only after
+// its handler returned. The script waits for zero before it looks at the state, so a cancelled call
+// whose handler is still running cannot change a session behind its back.
+class InFlightCalls final : public grpc::experimental::ServerInterceptorFactoryInterface {
+ public:
+  grpc::experimental::Interceptor* CreateServerInterceptor(grpc::experimental::ServerRpcInfo*) override {
+    return new Counter(&count_);
+  }
+  void WaitIdle() const {
+    while (count_.load() > 0) std::this_thread::yield();
+  }
+
+ private:
+  class Counter final : public grpc::experimental::Interceptor {
+   public:
+    explicit Counter(std::atomic<int>* count) : count_(count) { ++*count_; }
+    ~Counter() override { --*count_; }
+    void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override { methods->Proceed(); }
+
+   private:
+    std::atomic<int>* const count_;
+  };
+
+  std::atomic<int> count_{0};
+};
+
+// One daemon per fuzzing process, started on first use and never torn down.
+struct Daemon {
+  std::unique_ptr<kernels::Backend> backend;
+  std::unique_ptr<server::SessionRegistry> registry;
+  std::unique_ptr<server::MuondService> service;
+  InFlightCalls* in_flight = nullptr;  // owned by the server
+  std::unique_ptr<grpc::Server> server;
+  std::unique_ptr<v1::Muond::Stub> stub;
+};
+
+Daemon& TheDaemon() {
+  static Daemon* const daemon = [] {
+    auto* d = new Daemon;
+    if (absl::Status s = server::ConfigureLogging("off"); !s.ok()) Fail(s.ToString());
+    // protobuf logs every string field that is not UTF-8; for fuzzed bytes that is most of them.
+    google::protobuf::SetLogHandler(nullptr);
+    absl::StatusOr<kernels::BackendSelection> selection = kernels::CreateBackend("cpu", 0, 1);
+    if (!selection.ok()) Fail(selection.status().ToString());
+    d->backend = std::move(selection->backend);
+    server::SpecLimits limits;
+    limits.max_tensor_elements = 4096;
+    limits.max_parameters = 16;
+    d->registry = std::make_unique<server::SessionRegistry>(d->backend.get(), limits, /*max_sessions=*/4);
+    server::ServiceOptions options;
+    options.max_chunk_bytes = kMaxChunkBytes;
+    options.default_chunk_bytes = 256;
+    // Above any message an input can build (payloads are at most 64 KiB): a step stream that gRPC
+    // ends for an oversized message is applied with what arrived before it (see the disabled tests
+    // in tests/integration/hostile_input_test.cc); lower this once the daemon can tell.
+    options.max_message_bytes = 1 << 20;
+    d->service = std::make_unique<server::MuondService>(d->registry.get(), d->backend.get(), options);
+    grpc::ServerBuilder builder;
+    builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
+    builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
+    builder.RegisterService(d->service.get());
+    auto in_flight = std::make_unique<InFlightCalls>();
+    d->in_flight = in_flight.get();
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+    interceptors.push_back(std::move(in_flight));
+    builder.experimental().SetInterceptorCreators(std::move(interceptors));
+    d->server = builder.BuildAndStart();
+    if (d->server == nullptr) Fail("cannot start the in-process server");
+    d->stub = v1::Muond::NewStub(d->server->InProcessChannel(grpc::ChannelArguments()));
+    return d;
+  }();
+  return *daemon;
+}
+
+// What a session looks like from outside: its step and its whole state, byte for byte.
+struct SessionPrint {
+  int64_t last_step = 0;
+  std::string state;
+  bool operator==(const SessionPrint&) const = default;
+};
+using Fingerprint = std::map<std::string, SessionPrint>;
+
+Fingerprint Take(const server::SessionRegistry& registry) {
+  Fingerprint print;
+  for (const std::shared_ptr<server::Session>& session : registry.List()) {
+    SessionPrint& p = print[session->id()];
+    absl::StatusOr<server::SessionState> state = session->ExportState();
+    if (!state.ok()) {  // not initialized yet
+      p.last_step = session->last_step();
+      p.state = state.status().ToString();
+      continue;
+    }
+    p.last_step = state->last_step;
+    for (int64_t count : state->step_counts) p.state.append(reinterpret_cast<const char*>(&count), sizeof count);
+    for (const server::StateTensor& t : state->tensors) {
+      absl::StrAppend(&p.state, "|", t.parameter, "/", t.slot, ":");
+      p.state.append(reinterpret_cast<const char*>(t.values.data()), t.values.size() * sizeof(float));
+    }
+  }
+  return print;
+}
+
+void ExpectState(const Fingerprint& expected, const std::string& what, const grpc::Status& status) {
+  TheDaemon().in_flight->WaitIdle();
+  if (Take(*TheDaemon().registry) == expected) return;
+  Fail(absl::StrCat(what, " changed the state (status ", status.error_code(), ": ", status.error_message(), ")"));
+}
+
+template <typename Message>
+std::optional<Message> Parse(absl::string_view payload) {
+  Message message;
+  if (!message.ParseFromArray(payload.data(), static_cast<int>(payload.size()))) return std::nullopt;
+  return message;
+}
+
+// An open client stream of the script.
+class Stream {
+ public:
+  virtual ~Stream() = default;
+  virtual void Write(absl::string_view payload) = 0;
+  // Half-closes (or cancels) the stream, reads the answer and checks what the call did to the state.
+  virtual void End(bool cancel) = 0;
+};
+
+// UploadParameters and SetState: client streaming, one answer.
+template <typename Request, typename Response>
+class ClientStream final : public Stream {
+ public:
+  template <typename Open>
+  ClientStream(const char* name, Open open)
+      : name_(name), before_(Take(*TheDaemon().registry)), writer_(open(&context_, &response_)) {}
+
+  void Write(absl::string_view payload) override {
+    std::optional<Request> request = Parse<Request>(payload);
+    if (request && open_) open_ = writer_->Write(*request);
+  }
+
+  void End(bool cancel) override {
+    if (cancel) {
+      context_.TryCancel();
+    } else {
+      writer_->WritesDone();
+    }
+    const grpc::Status status = writer_->Finish();
+    Trace(name_, status, cancel ? " (cancelled by the client)" : "");
+    TheDaemon().in_flight->WaitIdle();
+    // A cancelled call may or may not have been applied; anything else refused must change nothing.
+    if (!status.ok() && status.error_code() != grpc::StatusCode::CANCELLED) {
+      ExpectState(before_, absl::StrCat("a refused ", name_), status);
+    }
+  }
+
+ private:
+  const char* name_;
+  Fingerprint before_;
+  grpc::ClientContext context_;
+  Response response_;
+  std::unique_ptr<grpc::ClientWriter<Request>> writer_;
+  bool open_ = true;
+};
+
+class StepStream final : public Stream {
+ public:
+  StepStream() : before_(Take(*TheDaemon().registry)), stream_(TheDaemon().stub->Step(&context_)) {}
+
+  void Write(absl::string_view payload) override {
+    std::optional<v1::StepRequest> request = Parse<v1::StepRequest>(payload);
+    if (!request) return;
+    if (!wrote_any_ && request->has_header()) session_id_ = request->header().session_id();
+    wrote_any_ = true;
+    if (open_) open_ = stream_->Write(*request);
+  }
+
+  void End(bool cancel) override {
+    if (cancel) {
+      context_.TryCancel();
+    } else {
+      stream_->WritesDone();
+    }
+    std::optional<v1::StepResult> result;
+    v1::StepResponse response;
+    while (stream_->Read(&response)) {
+      if (response.has_result()) result = response.result();
+    }
+    const grpc::Status status = stream_->Finish();
+    Trace("Step", status,
+          result ? absl::StrCat(" step ", result->step(), result->applied() ? " applied" : " skipped",
+                                result->replayed() ? " (replay)" : "")
+                 : std::string(cancel ? " (cancelled by the client)" : ""));
+    TheDaemon().in_flight->WaitIdle();
+    if (status.error_code() == grpc::StatusCode::CANCELLED) return;
+    if (!status.ok()) return ExpectState(before_, "a refused Step", status);
+    if (!result) Fail("Step succeeded without a result");
+    if (result->replayed()) return ExpectState(before_, "a replayed Step", status);
+    if (!result->applied()) {  // skipped: the counter moves, nothing else
+      Fingerprint expected = before_;
+      auto it = expected.find(session_id_);
+      if (it == expected.end()) Fail("a step was skipped in a session that did not exist");
+      it->second.last_step = result->step();
+      ExpectState(expected, "a skipped Step", status);
+    }
+  }
+
+ private:
+  Fingerprint before_;
+  grpc::ClientContext context_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::StepRequest, v1::StepResponse>> stream_;
+  std::string session_id_;
+  bool wrote_any_ = false;
+  bool open_ = true;
+};
+
+// Server-streaming reads: GetParameters, GetState. They must never change anything.
+template <typename Request, typename Response, typename Open>
+void ReadAll(absl::string_view payload, const char* name, Open open) {
+  std::optional<Request> request = Parse<Request>(payload);
+  if (!request) return;
+  const Fingerprint before = Take(*TheDaemon().registry);
+  grpc::ClientContext context;
+  std::unique_ptr<grpc::ClientReader<Response>> reader = open(&context, *request);
+  Response response;
+  while (reader->Read(&response)) {
+  }
+  const grpc::Status status = reader->Finish();
+  Trace(name, status);
+  ExpectState(before, name, status);
+}
+
+void RunUnary(Op op, absl::string_view payload) {
+  Daemon& d = TheDaemon();
+  const Fingerprint before = Take(*d.registry);
+  grpc::ClientContext context;
+  switch (op) {
+    case Op::kCreateSession: {
+      std::optional<v1::CreateSessionRequest> request = Parse<v1::CreateSessionRequest>(payload);
+      if (!request) return;
+      v1::CreateSessionResponse response;
+      const grpc::Status status = d.stub->CreateSession(&context, *request, &response);
+      Trace("CreateSession", status, response.attached() ? " (attached)" : "");
+      if (!status.ok() || response.attached()) ExpectState(before, "a refused or attaching CreateSession", status);
+      return;
+    }
+    case Op::kCloseSession: {
+      std::optional<v1::CloseSessionRequest> request = Parse<v1::CloseSessionRequest>(payload);
+      if (!request) return;
+      v1::CloseSessionResponse response;
+      const grpc::Status status = d.stub->CloseSession(&context, *request, &response);
+      Trace("CloseSession", status);
+      if (!status.ok()) ExpectState(before, "a refused CloseSession", status);
+      return;
+    }
+    case Op::kListSessions: {
+      v1::ListSessionsResponse response;
+      const grpc::Status status = d.stub->ListSessions(&context, v1::ListSessionsRequest(), &response);
+      Trace("ListSessions", status);
+      ExpectState(before, "ListSessions", status);
+      return;
+    }
+    case Op::kGetServerInfo: {
+      v1::ServerInfo response;
+      const grpc::Status status = d.stub->GetServerInfo(&context, v1::GetServerInfoRequest(), &response);
+      Trace("GetServerInfo", status);
+      ExpectState(before, "GetServerInfo", status);
+      return;
+    }
+    default:
+      return;
+  }
+}
+
+void RunScript(const uint8_t* data, size_t size) {
+  Daemon& d = TheDaemon();
+  std::unique_ptr<Stream> stream;
+  ScriptReader reader(data, size);
+  int calls = 0, messages = 0;
+  while (std::optional<Record> record = reader.Next()) {
+    if (record->op == Op::kMessage) {
+      if (stream && ++messages <= kMaxMessages) stream->Write(record->payload);
+      continue;
+    }
+    if (record->op != Op::kCancel && record->op != Op::kFinish && ++calls > kMaxCalls) break;
+    if (stream) {
+      stream->End(/*cancel=*/record->op == Op::kCancel);
+      stream.reset();
+    }
+    switch (record->op) {
+      case Op::kBeginUpload:
+        stream = std::make_unique<ClientStream<v1::UploadParametersRequest, v1::UploadParametersResponse>>(
+            "UploadParameters", [&](grpc::ClientContext* c, v1::UploadParametersResponse* r) {
+              return d.stub->UploadParameters(c, r);
+            });
+        break;
+      case Op::kBeginSetState:
+        stream = std::make_unique<ClientStream<v1::SetStateRequest, v1::SetStateResponse>>(
+            "SetState", [&](grpc::ClientContext* c, v1::SetStateResponse* r) { return d.stub->SetState(c, r); });
+        break;
+      case Op::kBeginStep:
+        stream = std::make_unique<StepStream>();
+        break;
+      case Op::kGetParameters:
+        ReadAll<v1::GetParametersRequest, v1::GetParametersResponse>(
+            record->payload, "GetParameters",
+            [&](grpc::ClientContext* c, const v1::GetParametersRequest& q) { return d.stub->GetParameters(c, q); });
+        break;
+      case Op::kGetState:
+        ReadAll<v1::GetStateRequest, v1::GetStateResponse>(
+            record->payload, "GetState",
+            [&](grpc::ClientContext* c, const v1::GetStateRequest& q) { return d.stub->GetState(c, q); });
+        break;
+      case Op::kCancel:
+      case Op::kFinish:
+        break;
+      default:
+        RunUnary(record->op, record->payload);
+        break;
+    }
+  }
+  if (stream) stream->End(/*cancel=*/false);
+}
+
+}  // namespace
+}  // namespace muond::fuzz
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  muond::fuzz::RunScript(data, size);
+  // The next input starts from a daemon without sessions.
+  muond::fuzz::Daemon& daemon = muond::fuzz::TheDaemon();
+  daemon.in_flight->WaitIdle();
+  for (const auto& session : daemon.registry->List()) (void)daemon.registry->Close(session->id());
+  return 0;
+}
