@@ -1,10 +1,35 @@
 #!/usr/bin/env bash
 # Builds muond and runs every test: kernel unit tests, daemon unit tests, the integration tests
 # (the real daemon on loopback driven by the C++ client) and the Python SDK's tests (pytest against
-# the real daemon). Extra arguments go to ctest, e.g. scripts/test.sh -R integration.
+# the real daemon), then a bounded libFuzzer run over the daemon's request handling (scripts/fuzz.sh,
+# MUOND_FUZZ_SECONDS, default 30; 0 skips it). Extra arguments go to ctest, e.g.
+# scripts/test.sh -R integration (a subset: the fuzz run is skipped).
+#
+# scripts/test.sh --sanitize builds everything with ASan and UBSan into build-sanitize/ and runs the
+# same ctest suite there (the daemon the integration and Python tests start is instrumented too).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-build=${MUOND_BUILD_DIR:-$root/build}
-"$root/scripts/build.sh"
+sanitize=0
+if [[ ${1:-} == --sanitize ]]; then
+  sanitize=1
+  shift
+fi
+
+if [[ $sanitize == 1 ]]; then
+  build=${MUOND_SANITIZE_BUILD_DIR:-$root/build-sanitize}
+  # CUDA off: ASan's shadow memory and the CUDA driver's address-space reservations do not mix.
+  MUOND_BUILD_DIR=$build "$root/scripts/build.sh" -DMUOND_SANITIZE=address,undefined -DMUOND_ENABLE_CUDA=OFF
+  export ASAN_OPTIONS=${ASAN_OPTIONS:-halt_on_error=1:detect_leaks=1:print_stacktrace=1:strict_string_checks=1:detect_stack_use_after_return=1}
+  export UBSAN_OPTIONS=${UBSAN_OPTIONS:-halt_on_error=1:print_stacktrace=1}
+  export LSAN_OPTIONS=${LSAN_OPTIONS:-suppressions=$root/tests/lsan.supp:print_suppressions=0}
+else
+  build=${MUOND_BUILD_DIR:-$root/build}
+  "$root/scripts/build.sh"
+fi
 cd "$build"
 ctest --output-on-failure --timeout 900 -j"$(nproc)" "$@"
+
+fuzz_seconds=${MUOND_FUZZ_SECONDS:-30}
+if [[ $sanitize == 0 && $# -eq 0 && $fuzz_seconds != 0 ]]; then
+  "$root/scripts/fuzz.sh" "$fuzz_seconds"
+fi
