@@ -15,11 +15,21 @@ bool IsTransient(absl::StatusCode code) {
   return code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kDeadlineExceeded;
 }
 
+size_t ElementsPerChunk(v1::DType dtype, size_t chunk_bytes) {
+  return std::max<size_t>(1, chunk_bytes / wire::ElementSize(dtype));
+}
+
+// How many chunks WriteChunks sends for `tensor` (at least one, even when it is empty).
+size_t ChunkCount(const TensorView& tensor, v1::DType dtype, size_t chunk_bytes) {
+  const size_t per_chunk = ElementsPerChunk(dtype, chunk_bytes);
+  return std::max<size_t>(1, (tensor.values.size() + per_chunk - 1) / per_chunk);
+}
+
 // Calls write(TensorChunk&&) for each chunk of `tensor` encoded as `dtype`; the first chunk carries
 // the shape so the daemon can refuse a transposed tensor.
 template <typename Write>
 bool WriteChunks(const TensorView& tensor, v1::DType dtype, size_t chunk_bytes, Write&& write) {
-  const size_t per_chunk = std::max<size_t>(1, chunk_bytes / wire::ElementSize(dtype));
+  const size_t per_chunk = ElementsPerChunk(dtype, chunk_bytes);
   size_t offset = 0;
   do {
     const size_t count = std::min(per_chunk, tensor.values.size() - offset);
@@ -271,6 +281,11 @@ absl::StatusOr<StepReply> Session::StepOnce(int64_t step, std::span<const Tensor
     o->set_group(group);
     o->set_lr(lr);
   }
+  uint32_t num_chunks = 0;
+  for (const TensorView& tensor : gradients) {
+    num_chunks += static_cast<uint32_t>(ChunkCount(tensor, WireDType(tensor.name), client_->options().chunk_bytes));
+  }
+  header->set_num_chunks(num_chunks);
   bool ok = stream->Write(request);
   for (const TensorView& tensor : gradients) {
     if (!ok) break;

@@ -151,6 +151,7 @@ int Run(int argc, char** argv) {
   const auto deadline = std::chrono::system_clock::now() +
                         std::chrono::milliseconds(static_cast<int64_t>(flags->shutdown_grace_seconds * 1000));
   server->Shutdown(deadline);
+  MUOND_LOG(debug, "server shut down; waiting for its threads");
   server->Wait();
   if (!flags->state_dir.empty()) {
     MUOND_LOG(info, "checkpointed {} sessions into {}", registry.CheckpointAll(), flags->state_dir);

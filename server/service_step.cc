@@ -80,16 +80,32 @@ absl::Status MuondService::DoStep(const std::string& caller, grpc::ServerContext
   // Refuse a step out of order before reading its gradients.
   MUOND_RETURN_IF_ERROR(session->CheckStepNumber(header.step()));
 
+  if (!header.has_num_chunks()) {
+    return absl::InvalidArgumentError("header.num_chunks: required (the number of chunk messages that follow)");
+  }
+
   TensorAssembler assembler(session->config(), options_.max_chunk_bytes);
   const bool replay = header.step() == session->last_step();
+  uint64_t chunks = 0;
   while (stream->Read(&request)) {
     if (request.kind_case() != v1::StepRequest::kChunk) {
       return absl::InvalidArgumentError("chunk: every message after the header must carry a chunk");
+    }
+    if (++chunks > header.num_chunks()) {
+      return absl::InvalidArgumentError(absl::StrCat("chunk: more chunks than the ", header.num_chunks(),
+                                                     " announced in header.num_chunks"));
     }
     if (replay) continue;  // the step was applied already: its gradients are not needed again
     MUOND_RETURN_IF_ERROR(assembler.Add(request.chunk()));
   }
   if (context->IsCancelled()) return absl::CancelledError("the client cancelled the step");
+  // gRPC ends the read loop the same way for a half-close and for a broken stream (a message over
+  // its limit, say); only the announced count tells them apart.
+  if (chunks != header.num_chunks()) {
+    return absl::InvalidArgumentError(absl::StrCat("header.num_chunks: the stream ended after ", chunks, " of ",
+                                                   header.num_chunks(),
+                                                   " announced chunks; the step was not applied"));
+  }
   MUOND_RETURN_IF_ERROR(assembler.Finish(/*require_all=*/false));
   MUOND_ASSIGN_OR_RETURN(StepOutcome outcome, session->Step(header, std::move(assembler.tensors())));
   if (!outcome.result.applied()) {

@@ -137,6 +137,41 @@ TEST_F(BadInputTest, NegativeLearningRateIsInvalidArgument) {
   ExpectUnchangedAndServing();
 }
 
+TEST_F(BadInputTest, StreamShorterOrLongerThanAnnouncedIsRefused) {
+  v1::StepHeader header = Header();
+  header.set_num_chunks(2);  // announces "w" and "b", sends only "w"
+  grpc::Status status = RawStep(header, {Chunk("w", Gradient("w", 2, 32), v1::DTYPE_FP32)});
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(), HasSubstr("ended after 1 of 2 announced chunks"));
+  ExpectUnchangedAndServing();
+}
+
+TEST_F(BadInputTest, MoreChunksThanAnnouncedIsRefused) {
+  v1::StepHeader header = Header();
+  header.set_num_chunks(1);
+  grpc::Status status = RawStep(header, {Chunk("w", Gradient("w", 2, 32), v1::DTYPE_FP32),
+                                         Chunk("b", Gradient("b", 2, 4), v1::DTYPE_FP32)});
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(), HasSubstr("more chunks than the 1 announced"));
+  ExpectUnchangedAndServing();
+}
+
+TEST_F(BadInputTest, HeaderWithoutAChunkCountIsRefused) {
+  grpc::ClientContext context;
+  auto stream = client_->stub().Step(&context);
+  v1::StepRequest request;
+  *request.mutable_header() = Header();
+  stream->Write(request);
+  stream->WritesDone();
+  v1::StepResponse response;
+  while (stream->Read(&response)) {
+  }
+  grpc::Status status = stream->Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(), HasSubstr("header.num_chunks: required"));
+  ExpectUnchangedAndServing();
+}
+
 TEST_F(BadInputTest, StreamWithoutHeaderIsInvalidArgument) {
   grpc::ClientContext context;
   auto stream = client_->stub().Step(&context);

@@ -105,6 +105,8 @@ grpc::Status DaemonTest::RawStep(const v1::StepHeader& header, const std::vector
   auto stream = client_->stub().Step(&context);
   v1::StepRequest request;
   *request.mutable_header() = header;
+  // The count the client library would announce, unless the test set its own.
+  if (!header.has_num_chunks()) request.mutable_header()->set_num_chunks(static_cast<uint32_t>(chunks.size()));
   stream->Write(request);
   for (const v1::TensorChunk& chunk : chunks) {
     request.Clear();

@@ -163,6 +163,7 @@ TEST_F(LimitsTest, SilentStepStreamEndsWithDeadlineExceeded) {
   v1::StepRequest request;
   request.mutable_header()->set_session_id("slow-step");
   request.mutable_header()->set_step(1);
+  request.mutable_header()->set_num_chunks(1);
   ASSERT_TRUE(stream->Write(request));
   std::this_thread::sleep_for(std::chrono::milliseconds(2500));
   v1::StepResponse response;

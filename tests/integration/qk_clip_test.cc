@@ -44,6 +44,7 @@ TEST_F(DaemonTest, QkClipScalesTheHeadsAboveTheThreshold) {
   v1::StepHeader* header = request.mutable_header();
   header->set_session_id("qk-clip");
   header->set_step(1);
+  header->set_num_chunks(0);
   auto* lr = header->add_overrides();
   lr->set_group("attention");
   lr->set_lr(0);
