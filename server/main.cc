@@ -1,5 +1,9 @@
 // The muond daemon: parses flags, picks the compute backend, serves muond.v1.Muond and
 // grpc.health.v1.Health, and on SIGINT/SIGTERM lets in-flight requests finish before exiting 0.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <csignal>
 #include <cstdio>
 #include <filesystem>
@@ -34,19 +38,43 @@ bool WritePortFile(const std::string& path, int port) {
   return !error;
 }
 
+// SIGINT/SIGTERM → one byte (the signal number) on this pipe; main() waits for it.
+int g_stop_pipe[2] = {-1, -1};
+
+void OnStopSignal(int signal_number) {
+  const char byte = static_cast<char>(signal_number);
+  [[maybe_unused]] const ssize_t written = write(g_stop_pipe[1], &byte, 1);  // async-signal-safe
+}
+
+bool InstallStopHandlers() {
+  if (pipe2(g_stop_pipe, O_CLOEXEC) != 0) return false;
+  struct sigaction action = {};
+  action.sa_handler = OnStopSignal;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = SA_RESTART;
+  return sigaction(SIGINT, &action, nullptr) == 0 && sigaction(SIGTERM, &action, nullptr) == 0;
+}
+
+int WaitForStopSignal() {
+  char byte = 0;
+  while (read(g_stop_pipe[0], &byte, 1) != 1) {
+    if (errno != EINTR) return SIGTERM;
+  }
+  return byte;
+}
+
 std::string HostOf(const std::string& listen) {
   const size_t colon = listen.rfind(':');
   return colon == std::string::npos ? listen : listen.substr(0, colon);
 }
 
 int Run(int argc, char** argv) {
-  // Block the stop signals before any thread exists, so every thread inherits the mask and the main
-  // thread alone receives them through sigwait.
-  sigset_t stop_signals;
-  sigemptyset(&stop_signals);
-  sigaddset(&stop_signals, SIGINT);
-  sigaddset(&stop_signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  // Libraries start threads before main() (OpenBLAS's pool), so blocking the signals here cannot
+  // route them to one thread; a handler that writes to a pipe works whichever thread runs it.
+  if (!InstallStopHandlers()) {
+    std::fprintf(stderr, "muond: cannot install the SIGINT/SIGTERM handlers\n");
+    return 1;
+  }
 
   int exit_code = 0;
   std::optional<DaemonFlags> flags = ParseFlags(argc, argv, &exit_code);
@@ -143,15 +171,17 @@ int Run(int argc, char** argv) {
     return 1;
   }
 
-  int signal_number = 0;
-  sigwait(&stop_signals, &signal_number);
+  const int signal_number = WaitForStopSignal();
   MUOND_LOG(info, "{} received: draining in-flight requests (up to {} s)", strsignal(signal_number),
             flags->shutdown_grace_seconds);
   server->GetHealthCheckService()->SetServingStatus(false);
-  const auto deadline = std::chrono::system_clock::now() +
-                        std::chrono::milliseconds(static_cast<int64_t>(flags->shutdown_grace_seconds * 1000));
-  server->Shutdown(deadline);
-  MUOND_LOG(debug, "server shut down; waiting for its threads");
+  // Drain ourselves, then shut down at once: gRPC's own graceful shutdown also waits for idle
+  // client connections to go away, which can take seconds after the last call has finished.
+  if (!service.AwaitIdle(absl::Seconds(flags->shutdown_grace_seconds))) {
+    MUOND_LOG(warn, "calls still running after {} s (--shutdown-grace); cancelling them",
+              flags->shutdown_grace_seconds);
+  }
+  server->Shutdown(std::chrono::system_clock::now());
   server->Wait();
   if (!flags->state_dir.empty()) {
     MUOND_LOG(info, "checkpointed {} sessions into {}", registry.CheckpointAll(), flags->state_dir);

@@ -56,6 +56,7 @@ grpc::Status MuondService::CreateSession(grpc::ServerContext* context, const v1:
 
 grpc::Status MuondService::CloseSession(grpc::ServerContext* context, const v1::CloseSessionRequest* request,
                                         v1::CloseSessionResponse*) {
+  RpcDeadlines::Scope deadline = deadlines_.Watch(context);
   absl::StatusOr<std::string> caller = Caller(*context);
   if (!caller.ok()) return ToGrpcStatus(caller.status());
   return ToGrpcStatus(registry_->Close(request->session_id(), *caller));

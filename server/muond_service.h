@@ -32,6 +32,9 @@ class MuondService final : public v1::Muond::Service {
   MuondService(SessionRegistry* registry, kernels::Backend* backend, ServiceOptions options)
       : registry_(registry), backend_(backend), options_(options), deadlines_(options.rpc_timeout) {}
 
+  // Waits until no session call is in flight, or `limit` passes; true when idle. For shutdown.
+  bool AwaitIdle(absl::Duration limit) { return deadlines_.AwaitIdle(limit); }
+
   grpc::Status GetServerInfo(grpc::ServerContext*, const v1::GetServerInfoRequest*, v1::ServerInfo*) override;
   grpc::Status CreateSession(grpc::ServerContext*, const v1::CreateSessionRequest*,
                              v1::CreateSessionResponse*) override;

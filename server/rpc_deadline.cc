@@ -22,18 +22,26 @@ RpcDeadlines::~RpcDeadlines() {
 }
 
 RpcDeadlines::Scope RpcDeadlines::Watch(grpc::ServerContext* context) {
-  if (timeout_ <= absl::ZeroDuration()) return Scope(nullptr, {});
   absl::MutexLock lock(&mu_);
+  ++active_;
+  if (timeout_ <= absl::ZeroDuration()) return Scope(this, {}, /*armed=*/false);
   const std::pair<absl::Time, uint64_t> key{absl::Now() + timeout_, next_++};
   calls_.emplace(key, context);
-  return Scope(this, key);
+  return Scope(this, key, /*armed=*/true);
 }
 
 RpcDeadlines::Scope::~Scope() {
   if (owner_ == nullptr) return;
   // Taking the lock also waits out a cancellation of this very call that is under way.
   absl::MutexLock lock(&owner_->mu_);
-  owner_->calls_.erase(key_);
+  if (armed_) owner_->calls_.erase(key_);
+  --owner_->active_;
+}
+
+bool RpcDeadlines::AwaitIdle(absl::Duration limit) {
+  absl::MutexLock lock(&mu_);
+  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return active_ == 0; };
+  return mu_.AwaitWithTimeout(absl::Condition(&idle), limit);
 }
 
 void RpcDeadlines::Loop() {

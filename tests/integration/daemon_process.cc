@@ -89,6 +89,10 @@ void DaemonProcess::Kill() {
   pid_ = -1;
 }
 
+void DaemonProcess::Signal(int signal) {
+  if (pid_ > 0) kill(pid_, signal);
+}
+
 std::string DaemonProcess::ReadStderr() const {
   std::ifstream in(stderr_path());
   return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());

@@ -25,6 +25,8 @@ class DaemonProcess {
 
   // SIGKILL, as a crash would; returns once the process is gone.
   void Kill();
+  // Sends `signal` and returns at once.
+  void Signal(int signal);
   // The daemon's log so far.
   std::string ReadStderr() const;
   std::string stderr_path() const { return dir_ + "/stderr.log"; }

@@ -1,6 +1,9 @@
 // Sessions with several ranks: the daemon waits for every rank's gradients, averages them, applies
 // the step once and gives every rank the same answer; a missing rank aborts the step for all after
 // the straggler timeout, with the state unchanged.
+#include <sys/wait.h>
+
+#include <csignal>
 #include <future>
 #include <thread>
 
@@ -100,6 +103,27 @@ TEST_F(MultiRankTest, AMissingRankAbortsTheStepForAllAndChangesNothing) {
   ASSERT_OK_AND_ASSIGN(client::StepReply reply, rank0_->Step(1, g0));
   EXPECT_TRUE(reply.applied);
   ASSERT_OK(second.get().status());
+}
+
+// SIGTERM while rank 0 waits inside a step: the daemon lets that step finish when rank 1 arrives,
+// answers both, and then exits 0.
+TEST_F(MultiRankTest, SigtermDrainsAStepInFlight) {
+  TwoRanks("drained", TwoRankSpec());
+  const std::vector<float> w0 = Grad(32, 0.1f), b0 = Grad(4, 0.2f);
+  const std::vector<client::TensorView> g0 = {{"w", {8, 4}, w0}, {"b", {4}, b0}};
+  auto first = std::async(std::launch::async, [&] { return rank0_->Step(1, g0); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  daemon_.Signal(SIGTERM);
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  client::StepOptions as_rank1;
+  as_rank1.rank = 1;
+  ASSERT_OK_AND_ASSIGN(client::StepReply second, rank1_->Step(1, g0, as_rank1));
+  ASSERT_OK_AND_ASSIGN(client::StepReply first_reply, first.get());
+  EXPECT_TRUE(first_reply.applied);
+  EXPECT_EQ(first_reply.parameters, second.parameters);
+  const int status = daemon_.Stop();
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  EXPECT_THAT(daemon_.ReadStderr(), ::testing::HasSubstr("draining in-flight requests"));
 }
 
 TEST_F(MultiRankTest, RankOutsideTheWorldIsInvalidArgument) {
