@@ -270,6 +270,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self._check_open()
         grads = self._grads()
         header = self._header(self.last_step + 1)
+        if wire.STEP_HEADER_HAS_NUM_CHUNKS:  # lets the daemon tell a cut stream from a whole one
+            header.num_chunks = sum(wire.chunk_count(g.numel(), self.wire_dtype, self.chunk_bytes)
+                                    for _, g in grads)
         started = time.perf_counter()
         backoff = self.retry_backoff
         for attempt in range(1, self.max_step_attempts + 1):

@@ -33,6 +33,8 @@ _ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
 # TensorChunk.shape (the sender's shape, checked by the daemon) is newer than the first API
 # version; stubs generated from an older proto simply don't send it.
 _CHUNK_HAS_SHAPE = "shape" in pb.TensorChunk.DESCRIPTOR.fields_by_name
+# Stubs generated from a proto whose StepHeader announces its chunk count.
+STEP_HEADER_HAS_NUM_CHUNKS = "num_chunks" in pb.StepHeader.DESCRIPTOR.fields_by_name
 
 DTypeLike = Union[str, torch.dtype]
 ChunkKey = Tuple[str, str]  # (tensor name, state slot or "")
@@ -88,6 +90,13 @@ def encode(name: str, tensor: torch.Tensor, dtype: str, *, slot: str = "",
         start += per_chunk
         if start >= len(data):
             return
+
+
+def chunk_count(numel: int, dtype: str, max_chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
+    """How many chunks ``encode`` yields for a tensor of ``numel`` elements (at least one)."""
+    itemsize = _ITEMSIZE[dtype]
+    per_chunk = max(1, max_chunk_bytes // itemsize) * itemsize
+    return max(1, -(-numel * itemsize // per_chunk))
 
 
 def _decode_into(dest: np.ndarray, chunk: pb.TensorChunk, dtype: str) -> int:

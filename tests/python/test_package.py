@@ -32,6 +32,16 @@ def test_encode_and_assemble_round_trip_in_chunks(dtype):
     assert torch.equal(out, expected)
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_chunk_count_matches_encode(dtype):
+    for numel in (0, 1, 15, 16, 17, 100, 1000):
+        for max_chunk_bytes in (1, 3, 32, 64, 1 << 20):
+            t = torch.ones(numel)
+            chunks = list(wire.encode("w", t, dtype, max_chunk_bytes=max_chunk_bytes))
+            assert wire.chunk_count(numel, dtype, max_chunk_bytes) == len(chunks), \
+                (numel, max_chunk_bytes)
+
+
 def test_assembler_rejects_gaps_and_partial_tensors():
     chunks = list(wire.encode("w", torch.ones(100), "fp32", max_chunk_bytes=40))
     into = wire.ChunkAssembler({"w": 100})
