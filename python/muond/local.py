@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple
 import torch
 
 from . import options as opts
+from . import qk_clip as qk
 from .naming import named_groups
 
 
@@ -82,15 +83,24 @@ class LocalOptimizer(torch.optim.Optimizer):
 
     Args:
         params: tensors, ``(name, tensor)`` pairs or group dicts, as for ``RemoteOptimizer``.
+        qk_clip: QK-clip pairs ``[(query, key, num_heads), ...]`` as for ``RemoteOptimizer``;
+            the daemon's checks of them are made here and raise ValueError.
         **defaults: options for every group that leaves them unset (see ``muond.options``).
     """
 
-    def __init__(self, params: Iterable[Any], **defaults: Any):
+    def __init__(self, params: Iterable[Any], *,
+                 qk_clip: Optional[Iterable[Tuple[Any, Any, int]]] = None, **defaults: Any):
         opts.check_defaults(defaults)
         self._user_defaults = dict(defaults)
-        groups, _ = named_groups(params)
+        groups, names = named_groups(params)
         super().__init__(groups, {})
         self.defaults = dict(defaults)
+        self._params = [p for g in self.param_groups for p in g["params"]]
+        self._names = names
+        self._by_name = dict(zip(names, self._params))
+        self.qk_clip = qk.pairs_of(qk_clip, self._params, self._names)
+        qk.check_shapes(self.qk_clip, self._by_name,
+                        {n: g["optimizer"] for g in self.param_groups for n in g["param_names"]})
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         resolved = opts.resolve_group(param_group, self._user_defaults)
@@ -102,11 +112,15 @@ class LocalOptimizer(torch.optim.Optimizer):
         super().add_param_group(resolved)
 
     @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+    def step(self, closure: Optional[Callable[[], Any]] = None, *,
+             qk_logits: Optional[Dict[Any, Any]] = None) -> Any:
+        """One step of every group, then QK-clip of the pairs in ``qk_logits`` (as for
+        ``RemoteOptimizer.step``); returns the closure's loss."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        logits = qk.logits_of(qk_logits, self.qk_clip, self._params, self._names)
         for group in self.param_groups:
             kind = group["optimizer"]
             for p in group["params"]:
@@ -123,6 +137,12 @@ class LocalOptimizer(torch.optim.Optimizer):
                     self._lion(p, g, state, group)
                 else:
                     self._sgd(p, g, state, group)
+        pairs = {pair.query: pair for pair in self.qk_clip}
+        for query, max_logits in logits.items():
+            weight = self._by_name[query]
+            group = next(g for g in self.param_groups if any(p is weight for p in g["params"]))
+            qk.apply(weight, self._by_name[pairs[query].key], max_logits,
+                     group["qk_clip_threshold"], group["qk_clip_alpha"])
         return loss
 
     @staticmethod

@@ -36,6 +36,7 @@ import grpc
 import torch
 
 from . import options as opts
+from . import qk_clip as qk
 from . import wire
 from ._stubs import pb
 from .client import (DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_RETRY_BACKOFF,
@@ -97,6 +98,11 @@ class RemoteOptimizer(torch.optim.Optimizer):
             endpoint's host (tests).
         credentials: ``grpc.ChannelCredentials`` for TLS built by the caller, instead of the
             ``tls_*`` options; None for plaintext.
+        qk_clip: QK-clip (MuonClip) pairs ``[(query, key, num_heads), ...]``, each weight a
+            parameter tensor of this optimizer (or its name): (num_heads·head_dim, d) matrices in
+            Muon groups. A step then takes ``qk_logits`` (see ``step``); τ and α are the query
+            group's ``qk_clip_threshold`` and ``qk_clip_alpha``. The daemon checks the shapes
+            and groups when the session is created.
         **defaults: options applied to every group that leaves them unset and whose optimizer
             they apply to (e.g. ``lr=0.02, weight_decay=0.1``).
 
@@ -115,7 +121,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
                  tls_ca_file: Optional[str] = None, tls_client_cert_file: Optional[str] = None,
                  tls_client_key_file: Optional[str] = None, tls_server_name: Optional[str] = None,
                  max_step_attempts: Optional[int] = None,
-                 retry_backoff: float = DEFAULT_RETRY_BACKOFF, **defaults: Any):
+                 retry_backoff: float = DEFAULT_RETRY_BACKOFF,
+                 qk_clip: Optional[Iterable[Tuple[Any, Any, int]]] = None, **defaults: Any):
         opts.check_defaults(defaults)
         self._user_defaults = dict(defaults)
         self._sealed = False
@@ -141,6 +148,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self._by_name: Dict[str, torch.Tensor] = dict(zip(names, self._params))
         self._sizes: Dict[str, int] = {n: p.numel() for n, p in zip(names, self._params)}
         self._group_names = self._assign_group_names()
+        self.qk_clip = qk.pairs_of(qk_clip, self._params, self._names)
         self._created = [dict(g) for g in self.param_groups]  # option values in the spec
         self._sealed = True
 
@@ -197,6 +205,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
                 if group.get("qkv_split") is not None:
                     ps.qkv_split.extend(group["qkv_split"])
                     ps.num_query_groups = group.get("num_query_groups") or 1
+        for pair in self.qk_clip:
+            spec.qk_clip.add(query=pair.query, key=pair.key, num_heads=pair.num_heads)
         return spec
 
     def _open_session(self) -> None:
@@ -232,7 +242,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         if self._closed:
             raise RuntimeError(f"RemoteOptimizer for session '{self.session_id}' is closed")
 
-    def _header(self, step: int) -> pb.StepHeader:
+    def _header(self, step: int, qk_logits: Dict[str, List[float]]) -> pb.StepHeader:
         header = pb.StepHeader(session_id=self.session_id, step=step, rank=0,
                                return_dtype=wire.dtype_enum(self.return_dtype),
                                max_chunk_bytes=self.chunk_bytes)
@@ -240,6 +250,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
             header.overrides.add(group=gname, **opts.overrides_of(group, created))
         if self.max_grad_norm is not None:
             header.max_grad_norm = float(self.max_grad_norm)
+        for query, values in qk_logits.items():
+            header.qk_logits.add(query=query, max_logits=values)
         return header
 
     def _grads(self) -> List[Tuple[str, torch.Tensor]]:
@@ -260,16 +272,27 @@ class RemoteOptimizer(torch.optim.Optimizer):
         for name, g in grads:
             yield from wire.encode(name, g, self.wire_dtype, max_chunk_bytes=self.chunk_bytes)
 
-    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+    def step(self, closure: Optional[Callable[[], Any]] = None, *,
+             qk_logits: Optional[Dict[Any, Any]] = None) -> Any:
         """Sends the gradients, applies the daemon's update to the parameters in place and
-        returns the closure's loss (None without a closure)."""
+        returns the closure's loss (None without a closure).
+
+        ``qk_logits``: for QK-clip pairs (``qk_clip=`` at construction), ``{query: max_logits}``
+        with the query weight (tensor or name) and its heads' maximum attention logits of this
+        step's forward pass (a 1-D tensor or a list, one value per head). It is read after the
+        closure has run, so a closure may fill in the dict it was given. After the update, the
+        daemon scales the heads whose logit exceeds the threshold; pairs left out are not
+        clipped this step, nor is any pair when the step is skipped (non-finite gradient).
+        ValueError, before anything is sent, for a weight that is not the query of a pair or a
+        wrong number of values."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self._check_open()
+        logits = qk.logits_of(qk_logits, self.qk_clip, self._params, self._names)
         grads = self._grads()
-        header = self._header(self.last_step + 1)
+        header = self._header(self.last_step + 1, logits)
         if wire.STEP_HEADER_HAS_NUM_CHUNKS:  # lets the daemon tell a cut stream from a whole one
             header.num_chunks = sum(wire.chunk_count(g.numel(), self.wire_dtype, self.chunk_bytes)
                                     for _, g in grads)
