@@ -276,6 +276,11 @@ absl::StatusOr<StepReply> Session::StepOnce(int64_t step, std::span<const Tensor
   header->set_return_dtype(options.return_dtype);
   header->set_max_chunk_bytes(static_cast<uint32_t>(client_->options().chunk_bytes));
   if (options.max_grad_norm) header->set_max_grad_norm(*options.max_grad_norm);
+  for (const auto& [query, max_logits] : options.qk_logits) {
+    v1::QkClipLogits* logits = header->add_qk_logits();
+    logits->set_query(query);
+    for (double s : max_logits) logits->add_max_logits(s);
+  }
   for (const auto& [group, lr] : options.lr) {
     v1::GroupOverride* o = header->add_overrides();
     o->set_group(group);

@@ -58,6 +58,9 @@ struct StepOptions {
   int rank = 0;  // this trainer's rank in a session with world_size > 1
   std::map<std::string, double> lr;  // per group, this step only (schedulers)
   std::optional<double> max_grad_norm;
+  // QK-clip: per query weight of a spec.qk_clip pair, the maximum attention logit of each head seen
+  // in this step's forward pass.
+  std::map<std::string, std::vector<double>> qk_logits;
   v1::DType return_dtype = v1::DTYPE_UNSPECIFIED;  // session default
 };
 

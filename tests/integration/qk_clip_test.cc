@@ -38,31 +38,11 @@ TEST_F(DaemonTest, QkClipScalesTheHeadsAboveTheThreshold) {
   ASSERT_OK(session->UploadParameters(initial));
 
   // Step 1 with lr 0: Muon changes nothing, so the answer is the clip alone.
-  grpc::ClientContext context;
-  auto stream = client_->stub().Step(&context);
-  v1::StepRequest request;
-  v1::StepHeader* header = request.mutable_header();
-  header->set_session_id("qk-clip");
-  header->set_step(1);
-  header->set_num_chunks(0);
-  auto* lr = header->add_overrides();
-  lr->set_group("attention");
-  lr->set_lr(0);
-  auto* logits = header->add_qk_logits();
-  logits->set_query("wq");
-  for (double s : {5.0, 40.0, 10.0}) logits->add_max_logits(s);  // only head 1 exceeds τ = 10
-  ASSERT_TRUE(stream->Write(request));
-  stream->WritesDone();
-  v1::StepResponse response;
-  client::ParameterMap after;
-  while (stream->Read(&response)) {
-    if (!response.has_chunk()) continue;
-    const auto& chunk = response.chunk();
-    std::vector<float>& values = after[chunk.name()];
-    values.resize(24);
-    std::memcpy(values.data() + chunk.offset(), chunk.data().data(), chunk.data().size());
-  }
-  ASSERT_TRUE(stream->Finish().ok());
+  client::StepOptions options;
+  options.lr = {{"attention", 0.0}};
+  options.qk_logits = {{"wq", {5.0, 40.0, 10.0}}};  // only head 1 exceeds τ = 10
+  ASSERT_OK_AND_ASSIGN(client::StepReply reply, session->Step(1, std::vector<client::TensorView>{}, options));
+  client::ParameterMap& after = reply.parameters;
 
   const double gamma = 10.0 / 40.0;
   for (int row = 0; row < 6; ++row) {
