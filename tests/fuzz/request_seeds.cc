@@ -120,17 +120,20 @@ v1::StepHeader Header(const std::string& id, int64_t step) {
 // A step stream with a gradient for every parameter, or for those in `only` when it is not empty.
 void Step(ScriptWriter& w, const v1::SessionSpec& spec, const v1::StepHeader& header,
           v1::DType dtype = v1::DTYPE_FP32, int64_t per_chunk = 16, const std::vector<std::string>& only = {}) {
+  std::vector<v1::TensorChunk> chunks;
+  for (const v1::ParameterSpec& p : spec.parameters()) {
+    if (!only.empty() && std::find(only.begin(), only.end(), p.name()) == only.end()) continue;
+    for (v1::TensorChunk& chunk : Chunks(p, 2.0f + header.step(), dtype, per_chunk)) chunks.push_back(std::move(chunk));
+  }
   w.Add(Op::kBeginStep);
   v1::StepRequest request;
   *request.mutable_header() = header;
+  request.mutable_header()->set_num_chunks(static_cast<uint32_t>(chunks.size()));
   w.Add(Op::kMessage, request);
-  for (const v1::ParameterSpec& p : spec.parameters()) {
-    if (!only.empty() && std::find(only.begin(), only.end(), p.name()) == only.end()) continue;
-    for (const v1::TensorChunk& chunk : Chunks(p, 2.0f + header.step(), dtype, per_chunk)) {
-      request.Clear();
-      *request.mutable_chunk() = chunk;
-      w.Add(Op::kMessage, request);
-    }
+  for (const v1::TensorChunk& chunk : chunks) {
+    request.Clear();
+    *request.mutable_chunk() = chunk;
+    w.Add(Op::kMessage, request);
   }
   w.Add(Op::kFinish);
 }
@@ -311,9 +314,10 @@ std::string Mistakes() {
   // A gap between two chunks of "w".
   w.Add(Op::kBeginStep);
   v1::StepRequest request;
-  *request.mutable_header() = Header("s5", 1);
-  w.Add(Op::kMessage, request);
   std::vector<v1::TensorChunk> chunks = Chunks(spec.parameters(0), 1.0f, v1::DTYPE_FP32, 8);
+  *request.mutable_header() = Header("s5", 1);
+  request.mutable_header()->set_num_chunks(static_cast<uint32_t>(chunks.size()));
+  w.Add(Op::kMessage, request);
   chunks[1].set_offset(12);
   for (const v1::TensorChunk& chunk : chunks) {
     request.Clear();
@@ -322,21 +326,28 @@ std::string Mistakes() {
   }
   w.Add(Op::kFinish);
 
-  // A chunk over the 1 KiB limit.
-  w.Add(Op::kBeginStep);
-  request.Clear();
-  *request.mutable_header() = Header("s5", 1);
-  w.Add(Op::kMessage, request);
-  request.Clear();
-  request.mutable_chunk()->set_name("w");
-  request.mutable_chunk()->mutable_data()->assign(2048, '\0');
-  w.Add(Op::kMessage, request);
-  w.Add(Op::kFinish);
+  // A chunk over the 1 KiB chunk limit, then one over gRPC's 5 KiB message limit after a complete "b".
+  for (size_t bytes : {2048, 16384}) {
+    w.Add(Op::kBeginStep);
+    request.Clear();
+    *request.mutable_header() = Header("s5", 1);
+    request.mutable_header()->set_num_chunks(2);
+    w.Add(Op::kMessage, request);
+    request.Clear();
+    *request.mutable_chunk() = Chunks(spec.parameters(1), 1.0f, v1::DTYPE_FP32, 4)[0];
+    w.Add(Op::kMessage, request);
+    request.Clear();
+    request.mutable_chunk()->set_name("w");
+    request.mutable_chunk()->mutable_data()->assign(bytes, '\0');
+    w.Add(Op::kMessage, request);
+    w.Add(Op::kFinish);
+  }
 
   // A cancelled stream: half of "w", then the client gives up.
   w.Add(Op::kBeginStep);
   request.Clear();
   *request.mutable_header() = Header("s5", 1);
+  request.mutable_header()->set_num_chunks(static_cast<uint32_t>(chunks.size()));
   w.Add(Op::kMessage, request);
   request.Clear();
   *request.mutable_chunk() = chunks[0];
@@ -347,6 +358,7 @@ std::string Mistakes() {
   w.Add(Op::kBeginStep);
   request.Clear();
   *request.mutable_header() = Header("s5", 1);
+  request.mutable_header()->set_num_chunks(1);
   w.Add(Op::kMessage, request);
   v1::TensorChunk nan = Chunks(spec.parameters(1), 1.0f, v1::DTYPE_FP32, 4)[0];
   const float value = std::nanf("");

@@ -309,6 +309,7 @@ TEST_F(HostileInputTest, CancelledStepStreamsApplyNothing) {
       auto stream = client_->stub().Step(&context);
       v1::StepRequest request;
       *request.mutable_header() = Header(kTrainedSteps + 1);
+      request.mutable_header()->set_num_chunks(static_cast<uint32_t>(chunks.size()));
       bool open = stream->Write(request);
       for (size_t i = 0; open && i < cut; ++i) {
         request.Clear();
@@ -558,6 +559,8 @@ class RandomRequests {
     if (Chance(0.3)) header.set_max_grad_norm(Real());
     if (Chance(0.3)) header.set_return_dtype(DType());
     if (Chance(0.3)) header.set_max_chunk_bytes(Pick<uint32_t>({1, 7, 4096, std::numeric_limits<uint32_t>::max()}));
+    // Unset, the count of chunks actually sent is announced; otherwise a wrong one.
+    if (Chance(0.1)) header.set_num_chunks(Pick<uint32_t>({0, 1, 1000, std::numeric_limits<uint32_t>::max()}));
     if (Chance(0.1)) {
       v1::QkClipLogits* logits = header.add_qk_logits();
       logits->set_query(ParameterName());
