@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer target over the daemon's request handling (tests/fuzz/request_fuzzer.cc) with
 # clang, ASan and UBSan into build-fuzz/ (or $MUOND_FUZZ_BUILD_DIR), writes its seed corpus and runs
-# it for a bounded time: scripts/fuzz.sh [SECONDS] (default 60). Inputs that add coverage are kept in
-# build-fuzz/corpus/ between runs; a crashing input is written to build-fuzz/artifacts/ and the
-# script fails. Replay one with: build-fuzz/request_fuzzer build-fuzz/artifacts/crash-...
-# (REQUEST_FUZZER_TRACE=1 prints each call the input makes). Extra arguments go to libFuzzer.
+# it for a bounded time: scripts/fuzz.sh [SECONDS] (default 60). Its output goes to build-fuzz/fuzz.log
+# (the summary is printed). Inputs that add coverage are kept in build-fuzz/corpus/ between runs; a
+# failing input is written to build-fuzz/artifacts/ and the script fails, showing the report. Replay
+# one with build-fuzz/request_fuzzer build-fuzz/artifacts/crash-... (REQUEST_FUZZER_TRACE=1 prints
+# each call the input makes). Extra arguments go to libFuzzer.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build=${MUOND_FUZZ_BUILD_DIR:-$root/build-fuzz}
@@ -18,11 +19,16 @@ fi
 CC=${CC:-clang-14} CXX=${CXX:-clang++-14} cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DMUOND_FUZZ=ON -DMUOND_SANITIZE=address,undefined -DMUOND_ENABLE_CUDA=OFF -DMUOND_BUILD_EXAMPLES=OFF >/dev/null
 # Only the fuzzer and its seed generator: the rest of the tree is built and tested elsewhere.
-cmake --build "$build" -j"$(nproc)" --target request_fuzzer request_seeds
+echo "fuzz: building request_fuzzer into $build (log: $build/build.log)"
+if ! cmake --build "$build" -j"$(nproc)" --target request_fuzzer request_seeds >"$build/build.log" 2>&1; then
+  tail -n 60 "$build/build.log"
+  echo "fuzz: build FAILED (full log: $build/build.log)" >&2
+  exit 1
+fi
 
 "$build/request_seeds" "$build/seeds" >/dev/null
 mkdir -p "$build/corpus" "$build/artifacts"
-# A smaller quarantine and returning freed pages keep a long run well under libFuzzer's 2 GiB limit.
+# A smaller quarantine and returning freed pages slow the growth of RSS (see -rss_limit_mb below).
 export ASAN_OPTIONS=${ASAN_OPTIONS:-halt_on_error=1:detect_leaks=1:print_stacktrace=1:quarantine_size_mb=64:allocator_release_to_os_interval_ms=500}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-halt_on_error=1:print_stacktrace=1}
 # -entropic=0: the entropic schedule's bookkeeping costs more than the inputs themselves here (tens
@@ -31,7 +37,13 @@ export UBSAN_OPTIONS=${UBSAN_OPTIONS:-halt_on_error=1:print_stacktrace=1}
 # background, which makes it scan the heap almost every time); LeakSanitizer still checks at exit.
 # -rss_limit_mb: ASan keeps freed memory mapped, so RSS creeps up by a few hundred MB a minute while
 # the live heap stays small; single allocations are still capped by -malloc_limit_mb.
-echo "fuzz: running request_fuzzer for ${seconds} s"
-"$build/request_fuzzer" -max_total_time="$seconds" -max_len=8192 -timeout=20 -entropic=0 -detect_leaks=0 \
+log="$build/fuzz.log"
+echo "fuzz: running request_fuzzer for ${seconds} s (log: $log)"
+if ! "$build/request_fuzzer" -max_total_time="$seconds" -max_len=8192 -timeout=20 -entropic=0 -detect_leaks=0 \
   -rss_limit_mb=6144 -malloc_limit_mb=1024 -print_final_stats=1 -artifact_prefix="$build/artifacts/" \
-  "$@" "$build/corpus" "$build/seeds"
+  "$@" "$build/corpus" "$build/seeds" >"$log" 2>&1; then
+  tail -n 100 "$log"
+  echo "fuzz: FAILED; the input is in $build/artifacts/ (full log: $log)" >&2
+  exit 1
+fi
+grep -E '^#[0-9]+ +DONE|^stat::' "$log" | sed 's/^/fuzz: /'
