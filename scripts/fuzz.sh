@@ -46,4 +46,4 @@ if ! "$build/request_fuzzer" -max_total_time="$seconds" -max_len=8192 -timeout=2
   echo "fuzz: FAILED; the input is in $build/artifacts/ (full log: $log)" >&2
   exit 1
 fi
-grep -E '^#[0-9]+ +DONE|^stat::' "$log" | sed 's/^/fuzz: /'
+grep -E '^#[0-9]+[[:space:]]+DONE|^stat::' "$log" | sed 's/^/fuzz: /'

@@ -51,7 +51,8 @@ constexpr int kMaxMessages = 512;
   std::abort();
 }
 
-// REQUEST_FUZZER_TRACE=1 prints every call's outcome (to read what a crashing input does).
+// REQUEST_FUZZER_TRACE=1 prints every call's outcome and the time since the one before (to read
+// what a failing input does).
 void Trace(absl::string_view rpc, const grpc::Status& status, absl::string_view note = "") {
   static const bool enabled = std::getenv("REQUEST_FUZZER_TRACE") != nullptr;
   if (!enabled) return;
