@@ -321,6 +321,15 @@ void RunUnary(Op op, absl::string_view payload) {
       ExpectState(before, "ListSessions", status);
       return;
     }
+    case Op::kCheckpoint: {  // writes a file at most; the session itself must not change
+      std::optional<v1::CheckpointRequest> request = Parse<v1::CheckpointRequest>(payload);
+      if (!request) return;
+      v1::CheckpointResponse response;
+      const grpc::Status status = d.stub->Checkpoint(&context, *request, &response);
+      Trace("Checkpoint", status);
+      ExpectState(before, "Checkpoint", status);
+      return;
+    }
     case Op::kGetServerInfo: {
       v1::ServerInfo response;
       const grpc::Status status = d.stub->GetServerInfo(&context, v1::GetServerInfoRequest(), &response);

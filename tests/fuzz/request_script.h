@@ -35,6 +35,7 @@ enum class Op : uint8_t {
   kMessage,            // payload: the next request of the open stream (ignored with none open)
   kCancel,             // cancels the open stream before its end
   kFinish,             // half-closes the open stream and reads the answer
+  kCheckpoint,         // payload: CheckpointRequest
   kNumOps,
 };
 

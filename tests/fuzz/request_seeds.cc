@@ -152,6 +152,9 @@ void Reads(ScriptWriter& w, const std::string& id) {
   w.Add(Op::kGetState, state);
   w.Add(Op::kListSessions);
   w.Add(Op::kGetServerInfo);
+  v1::CheckpointRequest checkpoint;
+  checkpoint.set_session_id(id);
+  w.Add(Op::kCheckpoint, checkpoint);
 }
 
 std::string Train() {
