@@ -2,6 +2,8 @@
 // service_step.cc and service_state.cc.
 #include "server/muond_service.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "kernels/optim/options.h"
 #include "kernels/status_macros.h"
@@ -13,10 +15,15 @@
 #endif
 
 namespace muond::server {
+namespace {
+constexpr size_t kMinAnswerChunkBytes = 64u << 10;
+}  // namespace
 
 size_t MuondService::AnswerChunkBytes(uint32_t requested) const {
   if (requested == 0) return options_.default_chunk_bytes;
-  return std::min<size_t>(requested, options_.max_chunk_bytes);
+  // A floor, so a tiny request cannot make the daemon send one element per message.
+  const size_t floor = std::min<size_t>(kMinAnswerChunkBytes, options_.max_chunk_bytes);
+  return std::clamp<size_t>(requested, floor, options_.max_chunk_bytes);
 }
 
 grpc::Status MuondService::GetServerInfo(grpc::ServerContext* context, const v1::GetServerInfoRequest*,

@@ -133,6 +133,21 @@ TEST_F(DaemonTest, ParameterWithoutGradientIsLeftAlone) {
   EXPECT_NE(reply.parameters["w"], Initial("w", 32));
 }
 
+TEST_F(DaemonTest, TinyAnswerChunksAreRaisedToAFloor) {
+  auto session = NewSession("tiny-chunks");
+  ASSERT_NE(session, nullptr);
+  grpc::ClientContext context;
+  v1::GetParametersRequest request;
+  request.set_session_id("tiny-chunks");
+  request.set_max_chunk_bytes(1);  // would be one element per message without the floor
+  auto reader = client_->stub().GetParameters(&context, request);
+  v1::GetParametersResponse response;
+  int messages = 0;
+  while (reader->Read(&response)) ++messages;
+  ASSERT_TRUE(reader->Finish().ok());
+  EXPECT_EQ(messages, 2) << "one chunk each for 'w' (32 values) and 'b' (4 values)";
+}
+
 TEST_F(DaemonTest, HealthServiceReportsServing) {
   auto channel = grpc::CreateChannel(daemon_->endpoint(), grpc::InsecureChannelCredentials());
   grpc::GenericStub stub(channel);
