@@ -113,12 +113,14 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentials(con
 // Unary calls that are safe to repeat are retried on UNAVAILABLE: the daemon may be restarting, or
 // the connection may have died with the previous daemon process. `call` builds its own context.
 template <typename Call>
-grpc::Status RetryWhileUnavailable(const ClientOptions& options, Call&& call) {
-  std::chrono::milliseconds backoff = options.retry_backoff;
+grpc::Status RetryWhileUnavailable(const Client& client, Call&& call) {
+  std::chrono::milliseconds backoff = client.options().retry_backoff;
   for (int attempt = 1;; ++attempt) {
     grpc::Status status = call();
-    if (status.error_code() != grpc::StatusCode::UNAVAILABLE || attempt >= options.max_step_attempts) return status;
-    std::this_thread::sleep_for(backoff);
+    if (status.error_code() != grpc::StatusCode::UNAVAILABLE || attempt >= client.options().max_step_attempts) {
+      return status;
+    }
+    client.PauseBeforeRetry(backoff);
     backoff *= 2;
   }
 }
@@ -137,9 +139,10 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(options.max_message_bytes);
   args.SetMaxSendMessageSize(options.max_message_bytes);
-  // Reconnect quickly after a daemon restart (gRPC's default backoff grows to two minutes).
+  // Reconnect quickly after a daemon restart (gRPC's default backoff grows to two minutes). Not
+  // GRPC_ARG_MIN_RECONNECT_BACKOFF_MS: gRPC uses it as the time one connection attempt may take, and
+  // at 100 ms an attempt whose first SYN the kernel drops (it resends after 1 s) never succeeds.
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, static_cast<int>(options.max_reconnect_backoff.count()));
   if (!options.tls_server_name_override.empty()) args.SetSslTargetNameOverride(options.tls_server_name_override);
   absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials = ChannelCredentials(options);
@@ -156,6 +159,12 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
   return std::unique_ptr<Client>(new Client(std::move(options), std::move(channel)));
 }
 
+void Client::PauseBeforeRetry(std::chrono::milliseconds backoff) const {
+  const auto deadline = std::chrono::steady_clock::now() + backoff;
+  channel_->WaitForConnected(std::chrono::system_clock::now() + backoff);
+  std::this_thread::sleep_until(deadline);  // connected early: still keep the backoff
+}
+
 void Client::PrepareContext(grpc::ClientContext& context) const {
   context.set_deadline(std::chrono::system_clock::now() + options_.rpc_timeout);
   // Per-call metadata rather than call credentials, so a token also works over a plaintext
@@ -165,7 +174,7 @@ void Client::PrepareContext(grpc::ClientContext& context) const {
 
 absl::StatusOr<v1::ServerInfo> Client::GetServerInfo() {
   v1::ServerInfo info;
-  grpc::Status status = RetryWhileUnavailable(options_, [&] {
+  grpc::Status status = RetryWhileUnavailable(*this, [&] {
     grpc::ClientContext context;
     PrepareContext(context);
     return stub_->GetServerInfo(&context, v1::GetServerInfoRequest(), &info);
@@ -181,7 +190,7 @@ absl::StatusOr<std::unique_ptr<Session>> Client::CreateSession(const std::string
   *request.mutable_spec() = spec;
   v1::CreateSessionResponse response;
   // Create-or-attach is idempotent, so a retry is safe.
-  grpc::Status status = RetryWhileUnavailable(options_, [&] {
+  grpc::Status status = RetryWhileUnavailable(*this, [&] {
     grpc::ClientContext context;
     PrepareContext(context);
     return stub_->CreateSession(&context, request, &response);
@@ -201,7 +210,7 @@ absl::Status Client::CloseSession(const std::string& session_id) {
 
 absl::StatusOr<std::vector<v1::SessionSummary>> Client::ListSessions() {
   v1::ListSessionsResponse response;
-  grpc::Status status = RetryWhileUnavailable(options_, [&] {
+  grpc::Status status = RetryWhileUnavailable(*this, [&] {
     grpc::ClientContext context;
     PrepareContext(context);
     return stub_->ListSessions(&context, v1::ListSessionsRequest(), &response);
@@ -258,7 +267,7 @@ absl::StatusOr<StepReply> Session::Step(int64_t step, std::span<const TensorView
       return reply;
     }
     if (!IsTransient(reply.status().code()) || attempt >= client_->options().max_step_attempts) return reply;
-    std::this_thread::sleep_for(backoff);
+    client_->PauseBeforeRetry(backoff);
     backoff *= 2;
   }
 }
@@ -336,7 +345,7 @@ absl::StatusOr<ParameterMap> Session::GetParameters(int64_t* last_step, const st
         attempt >= client_->options().max_step_attempts) {
       return parameters;
     }
-    std::this_thread::sleep_for(backoff);
+    client_->PauseBeforeRetry(backoff);
     backoff *= 2;
   }
 }
@@ -369,7 +378,7 @@ absl::StatusOr<int64_t> Session::Checkpoint() {
   v1::CheckpointRequest request;
   request.set_session_id(id_);
   v1::CheckpointResponse response;
-  grpc::Status status = RetryWhileUnavailable(client_->options(), [&] {
+  grpc::Status status = RetryWhileUnavailable(*client_, [&] {
     grpc::ClientContext context;
     client_->PrepareContext(context);
     return client_->stub().Checkpoint(&context, request, &response);

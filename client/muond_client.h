@@ -94,6 +94,11 @@ class Client {
   v1::Muond::Stub& stub() { return *stub_; }
   const ClientOptions& options() const { return options_; }
   void PrepareContext(grpc::ClientContext& context) const;
+  // Waits `backoff` before a retry while watching the channel, so that it reconnects meanwhile: gRPC
+  // notices a finished connection attempt only while something polls the channel (otherwise only
+  // its backup poller does, every 5 s), and a call failing fast in TRANSIENT_FAILURE polls for no
+  // time.
+  void PauseBeforeRetry(std::chrono::milliseconds backoff) const;
 
  private:
   Client(ClientOptions options, std::shared_ptr<grpc::Channel> channel);

@@ -63,6 +63,8 @@ absl::StatusOr<StepOutcome> Session::AggregateLocked(const v1::StepHeader& heade
     return ApplyStepLocked(applied_header, std::move(mean));
   }
 
+  MUOND_LOG(debug, "session {}: step {} has {} of {} ranks; rank {} waits up to {} s for the rest", id_, step,
+            pending_.arrived, config_.world_size, header.rank(), config_.straggler_timeout_seconds);
   const int64_t last_step_before = last_step_;
   auto done = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return last_step_ != last_step_before || pending_.generation != generation;

@@ -2,6 +2,7 @@
 // the daemon with SIGKILL at random moments; after each kill the daemon is restarted on the same
 // port and state directory, and the client library reconnects and retries. In journal mode the final
 // parameters must be bit-identical to an uninterrupted run from the same start.
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <mutex>
@@ -28,11 +29,13 @@ std::vector<client::TensorView> Gradients(const client::ParameterMap& params, in
 }
 
 // Trains kSteps steps; `on_failure` is called when a step fails even after the client's retries and
-// returns whether to try the step again.
-client::ParameterMap Train(client::Session& session, const std::function<bool(const absl::Status&)>& on_failure) {
+// returns whether to try the step again. `progress` (when given) holds the step being sent.
+client::ParameterMap Train(client::Session& session, const std::function<bool(const absl::Status&)>& on_failure,
+                           std::atomic<int>* progress = nullptr) {
   client::ParameterMap params = {{"w", DaemonTest::Initial("w", 32)}, {"b", DaemonTest::Initial("b", 4)}};
   std::vector<float> w, b;
   for (int step = 1; step <= kSteps; ++step) {
+    if (progress != nullptr) progress->store(step);
     while (true) {
       absl::StatusOr<client::StepReply> reply = session.Step(step, Gradients(params, step, &w, &b));
       if (reply.ok()) {
@@ -81,11 +84,24 @@ TEST(CrashTest, RandomKill9sLeaveTheRunBitIdenticalToAnUninterruptedOne) {
   std::mutex mu;  // guards the daemon process against the killer and the restarts racing
   std::atomic<bool> done{false};
   std::atomic<int> kills{0};
-  std::thread killer([&] {
-    std::mt19937 rng(20261122);
-    std::uniform_int_distribution<int> pause_ms(40, 250);
-    while (!done && kills < 6) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(pause_ms(rng)));
+  std::atomic<int> progress{0};
+  // Six kills at random steps, each up to 3 ms after the step was sent, so that they land before,
+  // inside and after the daemon applies it. Tied to the training's progress rather than to wall
+  // time, so that a fast machine and a loaded one get the same number of kills.
+  std::mt19937 rng(20261122);
+  std::vector<int> kill_steps;
+  std::uniform_int_distribution<int> any_step(2, kSteps - 10);
+  while (kill_steps.size() < 6) {
+    const int step = any_step(rng);
+    if (std::find(kill_steps.begin(), kill_steps.end(), step) == kill_steps.end()) kill_steps.push_back(step);
+  }
+  std::sort(kill_steps.begin(), kill_steps.end());
+  std::thread killer([&, rng]() mutable {
+    std::uniform_int_distribution<int> delay_us(0, 3000);
+    for (const int step : kill_steps) {
+      while (!done && progress.load() < step) std::this_thread::sleep_for(std::chrono::microseconds(200));
+      if (done) return;
+      std::this_thread::sleep_for(std::chrono::microseconds(delay_us(rng)));
       std::lock_guard<std::mutex> lock(mu);
       if (done || !daemon.running()) continue;
       daemon.Kill();
@@ -93,7 +109,7 @@ TEST(CrashTest, RandomKill9sLeaveTheRunBitIdenticalToAnUninterruptedOne) {
     }
   });
   int restarts = 0;
-  const client::ParameterMap crashed = Train(*session, [&](const absl::Status& status) {
+  auto restart_if_killed = [&](const absl::Status& status) {
     if (status.code() != absl::StatusCode::kUnavailable && status.code() != absl::StatusCode::kDeadlineExceeded) {
       ADD_FAILURE() << "unexpected failure: " << status;
       return false;
@@ -108,7 +124,8 @@ TEST(CrashTest, RandomKill9sLeaveTheRunBitIdenticalToAnUninterruptedOne) {
       ++restarts;
     }
     return true;
-  });
+  };
+  const client::ParameterMap crashed = Train(*session, restart_if_killed, &progress);
   done = true;
   killer.join();
   ASSERT_FALSE(crashed.empty());
@@ -118,6 +135,40 @@ TEST(CrashTest, RandomKill9sLeaveTheRunBitIdenticalToAnUninterruptedOne) {
   EXPECT_EQ(attached->last_step(), kSteps);
   RecordProperty("kills", kills.load());
   RecordProperty("restarts", restarts);
+}
+
+// After a restart the client's own retries find the new daemon: the connection attempt gRPC makes
+// while the client waits between tries is noticed at once, not when gRPC's backup poller next runs
+// (every 5 s), which would be after the client has given up.
+TEST(CrashTest, AStepRightAfterARestartSucceedsWithinTheClientsRetries) {
+  DaemonProcess daemon;
+  const std::vector<std::string> flags = {"--backend", "cpu", "--durability", "journal", "--state-dir",
+                                          daemon.dir() + "/state"};
+  std::string error;
+  ASSERT_TRUE(daemon.Start(flags, &error)) << error;
+  const int port = daemon.port();
+  client::ClientOptions options;
+  options.endpoint = daemon.endpoint();
+  options.retry_backoff = std::chrono::milliseconds(200);  // 4 tries within 1.4 s
+  ASSERT_OK_AND_ASSIGN(auto client, client::Client::Connect(options));
+  auto session = Upload(*client, "restarted");
+  ASSERT_NE(session, nullptr);
+  std::vector<float> w, b;
+  const client::ParameterMap initial = {{"w", DaemonTest::Initial("w", 32)}, {"b", DaemonTest::Initial("b", 4)}};
+  ASSERT_OK_AND_ASSIGN(client::StepReply last, session->Step(1, Gradients(initial, 1, &w, &b)));
+  for (int restart = 1; restart <= 3; ++restart) {
+    daemon.Kill();
+    const int64_t step = restart + 1;
+    // While the daemon is down the step fails after the client's tries, and the channel backs off.
+    EXPECT_THAT(session->Step(step, Gradients(last.parameters, step, &w, &b)),
+                StatusIs(absl::StatusCode::kUnavailable, ""));
+    ASSERT_TRUE(daemon.Start(flags, &error, port)) << error;
+    absl::StatusOr<client::StepReply> reply = session->Step(step, Gradients(last.parameters, step, &w, &b));
+    ASSERT_TRUE(reply.ok()) << "after restart " << restart << ": " << reply.status();
+    EXPECT_TRUE(reply->applied);
+    EXPECT_GE(reply->attempts, 2) << "the first try cannot have reached the new daemon";
+    last = *std::move(reply);
+  }
 }
 
 }  // namespace

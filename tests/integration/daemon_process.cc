@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -42,7 +43,10 @@ bool DaemonProcess::Start(const std::vector<std::string>& extra_flags, std::stri
   std::filesystem::remove(port_file);
   port_ = 0;
   std::vector<std::string> args = {MUOND_BINARY, "--listen", listen_host_ + ":" + std::to_string(port), "--port-file",
-                                   port_file, "--log-level", "info", "--threads", "1"};
+                                   port_file, "--threads", "1"};
+  if (std::find(extra_flags.begin(), extra_flags.end(), "--log-level") == extra_flags.end()) {
+    args.insert(args.end(), {"--log-level", "info"});
+  }
   args.insert(args.end(), extra_flags.begin(), extra_flags.end());
   std::vector<char*> argv;
   for (std::string& a : args) argv.push_back(a.data());
@@ -96,6 +100,18 @@ void DaemonProcess::Signal(int signal) {
 std::string DaemonProcess::ReadStderr() const {
   std::ifstream in(stderr_path());
   return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+bool DaemonProcess::WaitForLog(const std::string& text, int count, std::chrono::milliseconds limit) const {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  while (true) {
+    const std::string log = ReadStderr();
+    int found = 0;
+    for (size_t at = log.find(text); at != std::string::npos && found < count; at = log.find(text, at + 1)) ++found;
+    if (found >= count) return true;
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
 }
 
 int DaemonProcess::Stop() {

@@ -3,6 +3,7 @@
 // definition. One instance owns one child process; not thread-safe.
 #pragma once
 
+#include <chrono>
 #include <string>
 #include <vector>
 
@@ -15,9 +16,10 @@ class DaemonProcess {
   DaemonProcess& operator=(const DaemonProcess&) = delete;
   ~DaemonProcess();
 
-  // Starts muond with --listen 127.0.0.1:<port> (0: a free one) plus `extra_flags` and waits (up to
-  // 20 s) for its port. Returns false with *error set when it did not come up. The daemon's stderr
-  // goes to stderr_path(). A stopped or killed daemon may be started again (same folder).
+  // Starts muond with --listen 127.0.0.1:<port> (0: a free one) plus `extra_flags` (--log-level info
+  // unless they name another) and waits (up to 20 s) for its port. Returns false with *error set
+  // when it did not come up. The daemon's stderr goes to stderr_path(). A stopped or killed daemon
+  // may be started again (same folder).
   bool Start(const std::vector<std::string>& extra_flags, std::string* error, int port = 0);
 
   // The host part of --listen for the next Start (127.0.0.1 unless set; endpoint() stays loopback).
@@ -29,6 +31,10 @@ class DaemonProcess {
   void Signal(int signal);
   // The daemon's log so far.
   std::string ReadStderr() const;
+  // Waits until the daemon's log holds `text` at least `count` times; false after `limit`. Lets a
+  // test wait for what the daemon did rather than for a guessed time.
+  bool WaitForLog(const std::string& text, int count = 1,
+                  std::chrono::milliseconds limit = std::chrono::seconds(20)) const;
   std::string stderr_path() const { return dir_ + "/stderr.log"; }
   // A folder private to this daemon (for --state-dir and the like), created on first use and
   // removed with the DaemonProcess.
