@@ -31,6 +31,30 @@ class DeviceBuffer {
   virtual size_t size() const = 0;  // in elements
 };
 
+// A host→device transfer for data that arrives in pieces (gradients read from the network): each
+// piece is on its way to the device while the caller receives the next. The CUDA backend stages the
+// pieces through a ring of pinned host buffers on a copy stream of its own; the default copies
+// synchronously. A transfer is ordered after all work enqueued on its backend before it was created.
+// Used by one thread at a time; it must not outlive its backend.
+class HostToDevice {
+ public:
+  virtual ~HostToDevice() = default;
+  // Starts copying host[0, count) to device[0, count); `host` may be reused as soon as this returns.
+  virtual absl::Status Enqueue(const float* host, float* device, size_t count) = 0;
+  // Returns once every copy enqueued so far has landed, reporting the first that failed.
+  virtual absl::Status Wait() = 0;
+};
+
+// The reverse, for reading parameters back: pieces are copied out of the device into pinned buffers
+// while earlier ones are copied on to their destination. Same ordering and threading as HostToDevice.
+class DeviceToHost {
+ public:
+  virtual ~DeviceToHost() = default;
+  // Starts copying device[0, count) to host[0, count); `host` holds the values once Wait() returns.
+  virtual absl::Status Enqueue(const float* device, float* host, size_t count) = 0;
+  virtual absl::Status Wait() = 0;
+};
+
 enum class Transpose { kNo, kYes };
 
 // Precision of the matrix products in Newton–Schulz. The CPU backend always computes in fp32.
@@ -60,6 +84,10 @@ class Backend {
   virtual absl::Status CopyToHost(const float* device, float* host, size_t count) = 0;
   virtual absl::Status CopyOnDevice(const float* src, float* dst, size_t count) = 0;
   virtual absl::Status Fill(float* x, size_t count, float value) = 0;
+  // Pipelined transfers (see HostToDevice, DeviceToHost). The defaults copy synchronously through
+  // CopyToDevice and CopyToHost.
+  virtual absl::StatusOr<std::unique_ptr<HostToDevice>> NewHostToDevice();
+  virtual absl::StatusOr<std::unique_ptr<DeviceToHost>> NewDeviceToHost();
 
   // Linear algebra.
   virtual absl::Status Gemm(const GemmShape& shape, float alpha, const float* a, const float* b,

@@ -2,9 +2,11 @@
 // session against --max-session-bytes and --max-total-bytes before anything is allocated.
 //
 // The estimate counts what the backend allocates per parameter: the fp32 master, the fp32 gradient
-// buffer and the optimizer's fp32 slots (Muon 1: momentum; AdamW 2: the two moments; Lion 1; SGD 1,
-// counted even when momentum is 0 so the estimate never falls short). Host copies made while
-// streaming and Newton–Schulz scratch are not counted. Pure functions; thread-safe.
+// buffer (the session's one GradientSet) and the optimizer's fp32 slots (Muon 1: momentum; AdamW 2:
+// the two moments; Lion 1; SGD 1, counted even when momentum is 0 so the estimate never falls
+// short). Host copies made while streaming, the transient gradient set of a second step streaming
+// into the same session at once, and Newton–Schulz scratch are not counted. Pure functions;
+// thread-safe.
 #pragma once
 
 #include <cstdint>

@@ -86,6 +86,13 @@ absl::Status MuondService::DoStep(const std::string& caller, grpc::ServerContext
 
   TensorAssembler assembler(session->config(), options_.max_chunk_bytes);
   const bool replay = header.step() == session->last_step();
+  // One rank's gradients go straight to the backend while the rest of the stream arrives; the ranks
+  // of a multi-rank session are averaged on the host first.
+  std::unique_ptr<StagedGradients> staged;
+  if (!replay && session->config().world_size == 1) {
+    MUOND_ASSIGN_OR_RETURN(staged, session->StageGradients());
+    assembler.StageInto(staged.get());
+  }
   uint64_t chunks = 0;
   while (stream->Read(&request)) {
     if (request.kind_case() != v1::StepRequest::kChunk) {
@@ -107,7 +114,9 @@ absl::Status MuondService::DoStep(const std::string& caller, grpc::ServerContext
                                                    " announced chunks; the step was not applied"));
   }
   MUOND_RETURN_IF_ERROR(assembler.Finish(/*require_all=*/false));
-  MUOND_ASSIGN_OR_RETURN(StepOutcome outcome, session->Step(header, std::move(assembler.tensors())));
+  if (staged != nullptr) MUOND_RETURN_IF_ERROR(staged->Finish());
+  MUOND_ASSIGN_OR_RETURN(StepOutcome outcome,
+                         session->Step(header, std::move(assembler.tensors()), std::move(staged)));
   if (!outcome.result.applied()) {
     MUOND_LOG(warn, "session {} step {} skipped: {}", session->id(), header.step(), outcome.result.skip_reason());
   }

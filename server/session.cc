@@ -4,6 +4,7 @@
 #include <cmath>
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/optim/qk_clip.h"
 #include "kernels/status_macros.h"
@@ -26,6 +27,10 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::string id, v1::Ses
     session->optimizers_.push_back(std::move(optimizer));
   }
   session->params_.resize(cfg.parameters.size());
+  std::vector<int64_t> numel;
+  for (const ParameterConfig& pc : cfg.parameters) numel.push_back(pc.numel);
+  session->gradient_pool_ = std::make_unique<GradientPool>(backend, std::move(numel));
+  MUOND_RETURN_IF_ERROR(session->gradient_pool_->Preallocate());
   auto initial = std::make_shared<ParameterSnapshot>();
   for (size_t i = 0; i < cfg.parameters.size(); ++i) {
     const ParameterConfig& pc = cfg.parameters[i];
@@ -40,7 +45,6 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::string id, v1::Ses
       return absl::InvalidArgumentError(absl::StrCat("spec.parameters[", i, "] '", pc.name, "': ", fits.message()));
     }
     MUOND_ASSIGN_OR_RETURN(state.master, backend->Allocate(pc.numel));
-    MUOND_ASSIGN_OR_RETURN(state.grad, backend->Allocate(pc.numel));
     MUOND_RETURN_IF_ERROR(backend->Fill(state.master->data(), pc.numel, 0.0f));
     MUOND_RETURN_IF_ERROR(optimizer.InitState(*backend, state));
     initial->values.emplace_back(pc.numel, 0.0f);
@@ -136,7 +140,12 @@ absl::StatusOr<std::vector<optim::StepHyper>> Session::ResolveHyper(const v1::St
   return hyper;
 }
 
-absl::StatusOr<StepOutcome> Session::Step(const v1::StepHeader& header, std::vector<AssembledTensor> gradients) {
+absl::StatusOr<std::unique_ptr<StagedGradients>> Session::StageGradients() {
+  return StagedGradients::Start(gradient_pool_.get(), backend_);
+}
+
+absl::StatusOr<StepOutcome> Session::Step(const v1::StepHeader& header, std::vector<AssembledTensor> gradients,
+                                          std::unique_ptr<StagedGradients> staged) {
   // Everything that can refuse the request is checked before any state changes.
   MUOND_ASSIGN_OR_RETURN(std::vector<optim::StepHyper> hyper, ResolveHyper(header));
   MUOND_ASSIGN_OR_RETURN(auto qk_logits, ResolveQkLogits(header));
@@ -160,8 +169,11 @@ absl::StatusOr<StepOutcome> Session::Step(const v1::StepHeader& header, std::vec
     return replay;
   }
   MUOND_RETURN_IF_ERROR(CheckStepNumberLocked(header.step()));
-  if (config_.world_size > 1) return AggregateLocked(header, std::move(gradients));
-  return ApplyStepLocked(header, std::move(gradients));
+  if (config_.world_size > 1) {
+    staged.reset();  // the ranks' gradients are averaged on the host
+    return AggregateLocked(header, std::move(gradients));
+  }
+  return ApplyStepLocked(header, std::move(gradients), staged.get());
 }
 
 absl::StatusOr<StepOutcome> Session::ReplayStep(const v1::StepHeader& header, std::vector<AssembledTensor> gradients) {
@@ -171,7 +183,8 @@ absl::StatusOr<StepOutcome> Session::ReplayStep(const v1::StepHeader& header, st
 }
 
 absl::StatusOr<StepOutcome> Session::ApplyStepLocked(const v1::StepHeader& header,
-                                                     std::vector<AssembledTensor> gradients) {
+                                                     std::vector<AssembledTensor> gradients,
+                                                     StagedGradients* staged) {
   MUOND_ASSIGN_OR_RETURN(std::vector<optim::StepHyper> hyper, ResolveHyper(header));
   MUOND_ASSIGN_OR_RETURN(auto qk_logits, ResolveQkLogits(header));
   // The step is durable (journal mode) before it changes anything.
@@ -197,7 +210,7 @@ absl::StatusOr<StepOutcome> Session::ApplyStepLocked(const v1::StepHeader& heade
     // torch.nn.utils.clip_grad_norm_: coefficient max_norm / (norm + 1e-6), clamped to 1.
     double clip = 1.0;
     if (header.has_max_grad_norm()) clip = std::min(1.0, header.max_grad_norm() / (norm + 1e-6));
-    MUOND_RETURN_IF_ERROR(ApplyGradients(hyper, gradients, clip));
+    MUOND_RETURN_IF_ERROR(ApplyGradients(hyper, gradients, clip, staged));
     MUOND_RETURN_IF_ERROR(ApplyQkClip(qk_logits));
     MUOND_ASSIGN_OR_RETURN(snapshot_, ReadBack(header.step()));
     result.set_applied(true);
@@ -216,18 +229,34 @@ absl::StatusOr<StepOutcome> Session::ApplyStepLocked(const v1::StepHeader& heade
 }
 
 absl::Status Session::ApplyGradients(const std::vector<optim::StepHyper>& hyper,
-                                     std::vector<AssembledTensor>& gradients, double clip_coefficient) {
+                                     std::vector<AssembledTensor>& gradients, double clip_coefficient,
+                                     StagedGradients* staged) {
+  GradientLease own;  // when nothing was staged: a set filled from the host values here
+  if (staged == nullptr) own = gradient_pool_->Acquire();
+  GradientSet& set = staged != nullptr ? staged->lease().set() : own.set();
+  absl::Cleanup take_back = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (params_[i].grad != nullptr) set.buffer(i) = std::move(params_[i].grad);
+    }
+  };
+  const float c = static_cast<float>(clip_coefficient);
   std::vector<std::vector<optim::ParamState*>> by_group(optimizers_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
     optim::ParamState& state = params_[i];
     AssembledTensor& gradient = gradients[i];
     state.has_grad = gradient.present();
     if (!state.has_grad) continue;
-    if (clip_coefficient < 1.0) {
-      const float c = static_cast<float>(clip_coefficient);
-      for (float& g : gradient.values) g *= c;
+    MUOND_ASSIGN_OR_RETURN(kernels::DeviceBuffer * buffer, gradient_pool_->Buffer(set, i));
+    if (gradient.staged && staged != nullptr) {
+      // Clipped where the values are; one fp32 multiply per element either way, so both paths agree.
+      if (clip_coefficient < 1.0) MUOND_RETURN_IF_ERROR(backend_->ScaleBatched(buffer->data(), state.numel, 1, &c));
+    } else {
+      if (clip_coefficient < 1.0) {
+        for (float& g : gradient.values) g *= c;
+      }
+      MUOND_RETURN_IF_ERROR(backend_->CopyToDevice(gradient.values.data(), buffer->data(), state.numel));
     }
-    MUOND_RETURN_IF_ERROR(backend_->CopyToDevice(gradient.values.data(), state.grad->data(), state.numel));
+    state.grad = std::move(set.buffer(i));
     by_group[config_.parameters[i].group].push_back(&state);
   }
   for (size_t g = 0; g < optimizers_.size(); ++g) {
@@ -282,10 +311,12 @@ absl::StatusOr<std::shared_ptr<const ParameterSnapshot>> Session::ReadBack(int64
   auto snapshot = std::make_shared<ParameterSnapshot>();
   snapshot->step = step;
   snapshot->values.reserve(params_.size());
+  MUOND_ASSIGN_OR_RETURN(std::unique_ptr<kernels::DeviceToHost> download, backend_->NewDeviceToHost());
   for (const optim::ParamState& state : params_) {
     std::vector<float>& values = snapshot->values.emplace_back(state.numel);
-    MUOND_RETURN_IF_ERROR(backend_->CopyToHost(state.master->data(), values.data(), state.numel));
+    MUOND_RETURN_IF_ERROR(download->Enqueue(state.master->data(), values.data(), state.numel));
   }
+  MUOND_RETURN_IF_ERROR(download->Wait());
   return snapshot;
 }
 

@@ -25,6 +25,7 @@
 #include "kernels/optim/optimizer.h"
 #include "muond/v1/muond.pb.h"
 #include "server/session_config.h"
+#include "server/gradient_staging.h"
 #include "server/tensor_assembler.h"
 
 namespace muond::server {
@@ -95,7 +96,14 @@ class Session {
   // logits), and every rank gets the same answer. A rank that resends while waiting replaces its
   // gradients. If a rank is missing after the straggler timeout the step is ABORTED for all and the
   // state is unchanged.
-  absl::StatusOr<StepOutcome> Step(const v1::StepHeader& header, std::vector<AssembledTensor> gradients);
+  // `staged`, when given, holds the gradients already copied to the backend while the stream was
+  // read (see StageGradients); it is given back when the step is done.
+  absl::StatusOr<StepOutcome> Step(const v1::StepHeader& header, std::vector<AssembledTensor> gradients,
+                                   std::unique_ptr<StagedGradients> staged = nullptr);
+
+  // Backend buffers (and a transfer) that a step stream copies its gradients into as they arrive;
+  // pass them to Step with the assembled gradients.
+  absl::StatusOr<std::unique_ptr<StagedGradients>> StageGradients();
 
   // Applies a step recorded in the journal (already averaged), at start-up.
   absl::StatusOr<StepOutcome> ReplayStep(const v1::StepHeader& header, std::vector<AssembledTensor> gradients);
@@ -118,8 +126,8 @@ class Session {
   Session(std::string id, v1::SessionSpec spec, SessionConfig config, kernels::Backend* backend);
 
   absl::Status CheckStepNumberLocked(int64_t step) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  absl::StatusOr<StepOutcome> ApplyStepLocked(const v1::StepHeader& header, std::vector<AssembledTensor> gradients)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<StepOutcome> ApplyStepLocked(const v1::StepHeader& header, std::vector<AssembledTensor> gradients,
+                                              StagedGradients* staged = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<StepOutcome> AggregateLocked(const v1::StepHeader& header, std::vector<AssembledTensor> gradients)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<std::vector<optim::StepHyper>> ResolveHyper(const v1::StepHeader& header) const;
@@ -128,9 +136,11 @@ class Session {
       const v1::StepHeader& header) const;
   absl::Status ApplyQkClip(const std::vector<std::pair<size_t, std::vector<double>>>& logits)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Lends the gradient buffers (`staged`'s, or a set filled here from the host values) to the
+  // parameters for the optimizer step and takes them back afterwards, whatever happens.
   absl::Status ApplyGradients(const std::vector<optim::StepHyper>& hyper,
-                              std::vector<AssembledTensor>& gradients, double clip_coefficient)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                              std::vector<AssembledTensor>& gradients, double clip_coefficient,
+                              StagedGradients* staged) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<std::shared_ptr<const ParameterSnapshot>> ReadBack(int64_t step) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
   absl::StatusOr<SessionState> ExportStateLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
@@ -141,6 +151,7 @@ class Session {
   const v1::SessionSpec spec_;
   const SessionConfig config_;
   kernels::Backend* const backend_;
+  std::unique_ptr<GradientPool> gradient_pool_;  // set by Create; thread-safe itself
 
   mutable absl::Mutex mu_;
   std::vector<std::unique_ptr<optim::Optimizer>> optimizers_ ABSL_GUARDED_BY(mu_);  // per group

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "kernels/status_macros.h"
 #include "proto/wire/dtype_codec.h"
 
 namespace muond::server {
@@ -61,6 +62,10 @@ absl::Status TensorAssembler::Add(const v1::TensorChunk& chunk, absl::string_vie
   double sum = 0.0;
   for (float v : out) sum += static_cast<double>(v) * v;
   tensor.sum_squares += sum;
+  if (staged_ != nullptr) {
+    MUOND_RETURN_IF_ERROR(staged_->Add(it->second, tensor.received, out.data(), out.size()));
+    tensor.staged = true;
+  }
   tensor.received += count;
   return absl::OkStatus();
 }

@@ -8,7 +8,8 @@
 // required, that every parameter arrived).
 //
 // While decoding it accumulates each tensor's sum of squares in fp64, which gives the gradient norm
-// and detects non-finite values without a second pass.
+// and detects non-finite values without a second pass. With StageInto, every decoded chunk is also
+// handed to a StagedGradients, which starts copying it to the backend at once.
 //
 // One assembler per stream; not thread-safe. Reads the config, which must outlive it.
 #pragma once
@@ -19,6 +20,7 @@
 
 #include "absl/status/status.h"
 #include "muond/v1/muond.pb.h"
+#include "server/gradient_staging.h"
 #include "server/session_config.h"
 
 namespace muond::server {
@@ -27,12 +29,16 @@ struct AssembledTensor {
   std::vector<float> values;  // empty until the first chunk
   int64_t received = 0;       // elements so far
   double sum_squares = 0.0;   // inf/NaN when a value was not finite
+  bool staged = false;        // `values` are also in the stream's StagedGradients
   bool present() const { return received > 0; }
 };
 
 class TensorAssembler {
  public:
   TensorAssembler(const SessionConfig& config, size_t max_chunk_bytes);
+
+  // Also copies every decoded chunk into `staged` (not owned; outlives this assembler's Add calls).
+  void StageInto(StagedGradients* staged) { staged_ = staged; }
 
   // `field` names the chunk in errors, e.g. "chunk".
   absl::Status Add(const v1::TensorChunk& chunk, absl::string_view field = "chunk");
@@ -49,6 +55,7 @@ class TensorAssembler {
   const SessionConfig& config_;
   size_t max_chunk_bytes_;
   std::vector<AssembledTensor> tensors_;
+  StagedGradients* staged_ = nullptr;
 };
 
 }  // namespace muond::server

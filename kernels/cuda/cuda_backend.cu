@@ -180,6 +180,18 @@ absl::Status CudaBackend::CopyToHost(const float* device, float* host, size_t co
   return SyncLocked();
 }
 
+absl::StatusOr<std::unique_ptr<HostToDevice>> CudaBackend::NewHostToDevice() {
+  std::lock_guard<std::mutex> lock(mu_);
+  MUOND_RETURN_IF_ERROR(Activate());
+  return NewPinnedHostToDevice(&rings_, stream_);
+}
+
+absl::StatusOr<std::unique_ptr<DeviceToHost>> CudaBackend::NewDeviceToHost() {
+  std::lock_guard<std::mutex> lock(mu_);
+  MUOND_RETURN_IF_ERROR(Activate());
+  return NewPinnedDeviceToHost(&rings_, stream_);
+}
+
 absl::Status CudaBackend::CopyOnDevice(const float* src, float* dst, size_t count) {
   if (count == 0 || src == dst) return absl::OkStatus();
   const size_t bytes = count * sizeof(float);

@@ -5,7 +5,8 @@
 // (cublasGemmStridedBatchedEx on that stream, with its own workspace), everything else to the
 // kernels of cuda_kernels.cu. Primitives that return data to the host (CopyToHost, SumSquares,
 // AllFinite) and CopyToDevice synchronize the stream before they return, which is also where
-// asynchronous faults of earlier kernels are reported.
+// asynchronous faults of earlier kernels are reported. NewHostToDevice/NewDeviceToHost transfers
+// run on copy streams of their own, ordered after the compute stream's work at their creation.
 //
 // Matmul precision per call: kFp32 → CUBLAS_COMPUTE_32F (true fp32); kTf32 →
 // CUBLAS_COMPUTE_32F_FAST_TF32 (tensor cores, inputs rounded to tf32); kBf16 → both inputs are
@@ -33,6 +34,7 @@
 #include "absl/status/statusor.h"
 #include "kernels/backend.h"
 #include "kernels/cuda/cuda_memory_pool.h"
+#include "kernels/cuda/cuda_transfer.h"
 
 namespace muond::kernels::cuda {
 
@@ -53,6 +55,9 @@ class CudaBackend final : public Backend {
   absl::Status CopyToHost(const float* device, float* host, size_t count) override;
   absl::Status CopyOnDevice(const float* src, float* dst, size_t count) override;
   absl::Status Fill(float* x, size_t count, float value) override;
+  // Through pinned host buffers on copy streams of their own (kernels/cuda/cuda_transfer.h).
+  absl::StatusOr<std::unique_ptr<HostToDevice>> NewHostToDevice() override;
+  absl::StatusOr<std::unique_ptr<DeviceToHost>> NewDeviceToHost() override;
 
   absl::Status Gemm(const GemmShape& shape, float alpha, const float* a, const float* b, float beta,
                     float* c, MatmulPrecision precision) override;
@@ -81,7 +86,7 @@ class CudaBackend final : public Backend {
   // Scratch blocks kept between calls, grown on demand from the pool.
   enum Scratch { kBf16A, kBf16B, kPartials, kSums, kScales, kFlag, kStaging, kNumScratch };
 
-  explicit CudaBackend(int device) : device_(device), pool_(device) {}
+  explicit CudaBackend(int device) : device_(device), pool_(device), rings_(device) {}
 
   // Makes device_ current on the calling thread (CUDA's current device is per thread, and gRPC
   // handlers run on many). Requires mu_ held.
@@ -107,6 +112,8 @@ class CudaBackend final : public Backend {
     size_t bytes = 0;
   };
   ScratchBlock scratch_[kNumScratch];
+  // Idle pinned rings of finished transfers (has its own lock).
+  RingCache rings_;
 };
 
 }  // namespace muond::kernels::cuda

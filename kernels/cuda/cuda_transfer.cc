@@ -1,0 +1,177 @@
+#include "kernels/cuda/cuda_transfer.h"
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "kernels/cuda/cuda_status.h"
+#include "kernels/status_macros.h"
+
+namespace muond::kernels::cuda {
+namespace {
+
+constexpr size_t kSlotFloats = PinnedRing::kSlotBytes / sizeof(float);
+
+// Takes a ring, makes its copy stream wait for the work enqueued on `compute` so far.
+absl::StatusOr<std::unique_ptr<PinnedRing>> StartRing(RingCache* cache, cudaStream_t compute) {
+  MUOND_ASSIGN_OR_RETURN(std::unique_ptr<PinnedRing> ring, cache->Take());
+  MUOND_CUDA_RETURN_IF_ERROR(cudaSetDevice(ring->device));
+  MUOND_CUDA_RETURN_IF_ERROR(cudaEventRecord(ring->start, compute));
+  MUOND_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(ring->stream, ring->start, 0));
+  return ring;
+}
+
+// Waits for the ring's copies and hands it back; a ring whose copies failed is not reused.
+void FinishRing(RingCache* cache, std::unique_ptr<PinnedRing> ring) {
+  if (ring == nullptr) return;
+  cudaSetDevice(ring->device);
+  if (cudaStreamSynchronize(ring->stream) != cudaSuccess) {
+    cudaGetLastError();
+    return;  // freed here: its stream is in an unknown state
+  }
+  for (PinnedRing::Slot& slot : ring->slots) slot = PinnedRing::Slot{slot.host, slot.done};
+  ring->next = 0;
+  cache->Give(std::move(ring));
+}
+
+class PinnedHostToDevice final : public HostToDevice {
+ public:
+  PinnedHostToDevice(RingCache* cache, std::unique_ptr<PinnedRing> ring) : cache_(cache), ring_(std::move(ring)) {}
+  ~PinnedHostToDevice() override { FinishRing(cache_, std::move(ring_)); }
+
+  absl::Status Enqueue(const float* host, float* device, size_t count) override {
+    MUOND_CUDA_RETURN_IF_ERROR(cudaSetDevice(ring_->device));
+    while (count > 0) {
+      PinnedRing::Slot& slot = ring_->slots[ring_->next];
+      ring_->next = (ring_->next + 1) % PinnedRing::kSlots;
+      if (slot.in_flight) MUOND_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(slot.done));
+      slot.in_flight = false;
+      const size_t n = std::min(count, kSlotFloats);
+      std::memcpy(slot.host, host, n * sizeof(float));
+      MUOND_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(device, slot.host, n * sizeof(float), cudaMemcpyHostToDevice, ring_->stream));
+      MUOND_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.done, ring_->stream));
+      slot.in_flight = true;
+      host += n;
+      device += n;
+      count -= n;
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Wait() override {
+    MUOND_CUDA_RETURN_IF_ERROR(cudaSetDevice(ring_->device));
+    MUOND_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(ring_->stream));
+    for (PinnedRing::Slot& slot : ring_->slots) slot.in_flight = false;
+    return absl::OkStatus();
+  }
+
+ private:
+  RingCache* cache_;
+  std::unique_ptr<PinnedRing> ring_;
+};
+
+class PinnedDeviceToHost final : public DeviceToHost {
+ public:
+  PinnedDeviceToHost(RingCache* cache, std::unique_ptr<PinnedRing> ring) : cache_(cache), ring_(std::move(ring)) {}
+  ~PinnedDeviceToHost() override { FinishRing(cache_, std::move(ring_)); }
+
+  absl::Status Enqueue(const float* device, float* host, size_t count) override {
+    MUOND_CUDA_RETURN_IF_ERROR(cudaSetDevice(ring_->device));
+    while (count > 0) {
+      PinnedRing::Slot& slot = ring_->slots[ring_->next];
+      ring_->next = (ring_->next + 1) % PinnedRing::kSlots;
+      MUOND_RETURN_IF_ERROR(Drain(slot));
+      const size_t n = std::min(count, kSlotFloats);
+      MUOND_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(slot.host, device, n * sizeof(float), cudaMemcpyDeviceToHost, ring_->stream));
+      MUOND_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.done, ring_->stream));
+      slot.in_flight = true;
+      slot.destination = host;
+      slot.count = n;
+      host += n;
+      device += n;
+      count -= n;
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Wait() override {
+    MUOND_CUDA_RETURN_IF_ERROR(cudaSetDevice(ring_->device));
+    // Oldest first, so that the copies out of the slots follow the DMA order.
+    for (size_t i = 0; i < PinnedRing::kSlots; ++i) {
+      MUOND_RETURN_IF_ERROR(Drain(ring_->slots[(ring_->next + i) % PinnedRing::kSlots]));
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  // Waits for the slot's DMA and copies its values on to their destination.
+  static absl::Status Drain(PinnedRing::Slot& slot) {
+    if (!slot.in_flight) return absl::OkStatus();
+    MUOND_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(slot.done));
+    std::memcpy(slot.destination, slot.host, slot.count * sizeof(float));
+    slot.in_flight = false;
+    return absl::OkStatus();
+  }
+
+  RingCache* cache_;
+  std::unique_ptr<PinnedRing> ring_;
+};
+
+}  // namespace
+
+PinnedRing::~PinnedRing() {
+  cudaSetDevice(device);
+  if (stream != nullptr) cudaStreamSynchronize(stream);
+  for (Slot& slot : slots) {
+    if (slot.host != nullptr) cudaFreeHost(slot.host);
+    if (slot.done != nullptr) cudaEventDestroy(slot.done);
+  }
+  if (start != nullptr) cudaEventDestroy(start);
+  if (stream != nullptr) cudaStreamDestroy(stream);
+}
+
+absl::StatusOr<std::unique_ptr<PinnedRing>> PinnedRing::Create(int device) {
+  auto ring = std::make_unique<PinnedRing>();  // its destructor frees whatever was made before a failure
+  ring->device = device;
+  MUOND_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+  MUOND_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&ring->stream, cudaStreamNonBlocking));
+  MUOND_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&ring->start, cudaEventDisableTiming));
+  for (Slot& slot : ring->slots) {
+    void* host = nullptr;
+    MUOND_CUDA_RETURN_IF_ERROR(cudaMallocHost(&host, kSlotBytes));
+    slot.host = static_cast<float*>(host);
+    MUOND_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&slot.done, cudaEventDisableTiming));
+  }
+  return ring;
+}
+
+absl::StatusOr<std::unique_ptr<PinnedRing>> RingCache::Take() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!idle_.empty()) {
+      std::unique_ptr<PinnedRing> ring = std::move(idle_.back());
+      idle_.pop_back();
+      return ring;
+    }
+  }
+  return PinnedRing::Create(device_);
+}
+
+void RingCache::Give(std::unique_ptr<PinnedRing> ring) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (idle_.size() < kMaxIdle) idle_.push_back(std::move(ring));
+}
+
+absl::StatusOr<std::unique_ptr<HostToDevice>> NewPinnedHostToDevice(RingCache* cache, cudaStream_t compute) {
+  MUOND_ASSIGN_OR_RETURN(std::unique_ptr<PinnedRing> ring, StartRing(cache, compute));
+  return std::unique_ptr<HostToDevice>(new PinnedHostToDevice(cache, std::move(ring)));
+}
+
+absl::StatusOr<std::unique_ptr<DeviceToHost>> NewPinnedDeviceToHost(RingCache* cache, cudaStream_t compute) {
+  MUOND_ASSIGN_OR_RETURN(std::unique_ptr<PinnedRing> ring, StartRing(cache, compute));
+  return std::unique_ptr<DeviceToHost>(new PinnedDeviceToHost(cache, std::move(ring)));
+}
+
+}  // namespace muond::kernels::cuda
