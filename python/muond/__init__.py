@@ -26,8 +26,9 @@ __path__ = extend_path(__path__, __name__)
 from .client import Connection  # noqa: E402
 from .errors import MuondError  # noqa: E402
 from .local import LocalOptimizer  # noqa: E402
-from .optimizer import RemoteOptimizer, StepInfo  # noqa: E402
+from .optimizer import RemoteOptimizer  # noqa: E402
 from .param_groups import default_param_groups  # noqa: E402
+from .step_info import StepInfo  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -1,7 +1,10 @@
 """``LocalOptimizer``: the daemon's optimizers (Muon, AdamW, Lion, SGD), in-process, in torch.
 
 Same constructor options and param groups as ``RemoteOptimizer``, same math as the daemon's CPU
-backend (DESIGN.md's algorithms, Newton–Schulz in fp32), but the state lives in this process. It
+backend (DESIGN.md's algorithms, Newton–Schulz in fp32) and the same step semantics: a step with a
+non-finite gradient is skipped whole, ``max_grad_norm`` clips the global norm like
+``torch.nn.utils.clip_grad_norm_``, and ``last_info`` says what happened. The state lives in this
+process. It
 is the baseline for side-by-side comparisons (``examples/train_gpt.py --compare-local``) and a
 drop-in fallback when no daemon is running. Masters are the parameter tensors themselves, so keep
 parameters in fp32 for results comparable with the daemon.
@@ -12,6 +15,7 @@ Thread-safety: like every torch optimizer, one instance is used from one thread 
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple
 
 import torch
@@ -19,6 +23,7 @@ import torch
 from . import options as opts
 from . import qk_clip as qk
 from .naming import named_groups
+from .step_info import StepInfo, check_max_grad_norm
 
 
 def newton_schulz(u: torch.Tensor, steps: int, coefficients: Sequence[Tuple[float, float, float]],
@@ -85,12 +90,17 @@ class LocalOptimizer(torch.optim.Optimizer):
         params: tensors, ``(name, tensor)`` pairs or group dicts, as for ``RemoteOptimizer``.
         qk_clip: QK-clip pairs ``[(query, key, num_heads), ...]`` as for ``RemoteOptimizer``;
             the daemon's checks of them are made here and raise ValueError.
+        max_grad_norm: clip the global gradient norm before each step, as the daemon does.
         **defaults: options for every group that leaves them unset (see ``muond.options``).
     """
 
     def __init__(self, params: Iterable[Any], *,
-                 qk_clip: Optional[Iterable[Tuple[Any, Any, int]]] = None, **defaults: Any):
+                 qk_clip: Optional[Iterable[Tuple[Any, Any, int]]] = None,
+                 max_grad_norm: Optional[float] = None, **defaults: Any):
         opts.check_defaults(defaults)
+        self.max_grad_norm = check_max_grad_norm(max_grad_norm)
+        self.last_step = 0
+        self.last_info: Optional[StepInfo] = None
         self._user_defaults = dict(defaults)
         groups, names = named_groups(params)
         super().__init__(groups, {})
@@ -121,6 +131,25 @@ class LocalOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         logits = qk.logits_of(qk_logits, self.qk_clip, self._params, self._names)
+        started = time.perf_counter()
+        self.last_step += 1
+        # The daemon's norm: each gradient's sum of squares in fp64, summed over the parameters.
+        sum_squares, non_finite = 0.0, ""
+        for name, p in zip(self._names, self._params):
+            if p.grad is not None:
+                s = p.grad.detach().to(torch.float32).double().square().sum().item()
+                sum_squares += s
+                if not non_finite and not math.isfinite(s):
+                    non_finite = name
+        norm = math.sqrt(sum_squares) if math.isfinite(sum_squares) else float("nan")
+        if non_finite:
+            self.last_info = StepInfo(self.last_step, False, False,
+                                      f"non-finite gradient in '{non_finite}'", norm,
+                                      time.perf_counter() - started, time.perf_counter() - started)
+            return loss
+        clip = 1.0
+        if self.max_grad_norm is not None:
+            clip = min(1.0, self.max_grad_norm / (norm + 1e-6))
         for group in self.param_groups:
             kind = group["optimizer"]
             for p in group["params"]:
@@ -129,6 +158,8 @@ class LocalOptimizer(torch.optim.Optimizer):
                 state = self.state[p]
                 state["step"] = state.get("step", 0) + 1
                 g = p.grad.detach().to(torch.float32)
+                if clip < 1.0:
+                    g = g * torch.tensor(clip, dtype=torch.float32)  # one fp32 multiply, as there
                 if kind == "muon":
                     self._muon(p, g, state, group)
                 elif kind == "adamw":
@@ -143,6 +174,8 @@ class LocalOptimizer(torch.optim.Optimizer):
             group = next(g for g in self.param_groups if any(p is weight for p in g["params"]))
             qk.apply(weight, self._by_name[pairs[query].key], max_logits,
                      group["qk_clip_threshold"], group["qk_clip_alpha"])
+        elapsed = time.perf_counter() - started
+        self.last_info = StepInfo(self.last_step, True, False, "", norm, elapsed, elapsed)
         return loss
 
     @staticmethod

@@ -29,7 +29,6 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import grpc
@@ -43,25 +42,13 @@ from .client import (DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_RE
                      Connection)
 from .errors import MuondError
 from .naming import named_groups
+from .step_info import StepInfo, check_max_grad_norm
 
 DEFAULT_ENDPOINT = "127.0.0.1:50051"
 # A step that failed with these may have been applied or not; the daemon answers a resend of the
 # same step number without a second update, so resending is safe.
 _RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 _STATE_FORMAT = 1
-
-
-@dataclass(frozen=True)
-class StepInfo:
-    """What the daemon reported about the last step."""
-    step: int
-    applied: bool          # False when skipped (non-finite gradient)
-    replayed: bool         # the step had been applied before; no second update happened
-    skip_reason: str
-    grad_norm: float       # global L2 norm of the gradients, before clipping
-    compute_seconds: float  # time the optimizer step took on the daemon
-    round_trip_seconds: float  # wall time of the whole exchange, seen from here
-    attempts: int = 1      # tries it took (more than 1 after UNAVAILABLE / DEADLINE_EXCEEDED)
 
 
 class RemoteOptimizer(torch.optim.Optimizer):
@@ -134,7 +121,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
 
         self.wire_dtype = wire.dtype_name(wire_dtype)
         self.return_dtype = wire.dtype_name(return_dtype)
-        self.max_grad_norm = max_grad_norm
+        self.max_grad_norm = check_max_grad_norm(max_grad_norm)
         self.chunk_bytes = int(chunk_bytes)
         self.max_step_attempts = _step_attempts(max_step_attempts, max_retries)
         self.max_retries = self.max_step_attempts - 1

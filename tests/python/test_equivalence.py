@@ -128,6 +128,28 @@ def test_local_optimizer_matches_daemon(endpoint):
     assert max(errors.values()) < 1e-3, errors
 
 
+def test_local_optimizer_clips_and_skips_like_the_daemon(endpoint):
+    remote_model, local_model = TinyNet(seed=9), TinyNet(seed=9)
+    make = lambda m: muond.default_param_groups(m)  # noqa: E731
+    remote = muond.RemoteOptimizer(make(remote_model), endpoint=endpoint, max_grad_norm=0.2)
+    local = muond.LocalOptimizer(make(local_model), max_grad_norm=0.2)
+    for step in range(1, 9):
+        for model, opt in ((remote_model, remote), (local_model, local)):
+            loss_of(model, step).backward()
+            if step == 4:
+                model.up.weight.grad.view(-1)[3] = float("nan")
+            opt.step()
+            opt.zero_grad()
+        assert remote.last_info.applied == local.last_info.applied == (step != 4)
+        assert remote.last_info.skip_reason == local.last_info.skip_reason
+        if step != 4:
+            assert abs(remote.last_info.grad_norm - local.last_info.grad_norm) < 1e-4 * remote.last_info.grad_norm
+    remote.close()
+    errors = {n: rel_err(p.detach(), dict(local_model.named_parameters())[n].detach())
+              for n, p in remote_model.named_parameters()}
+    assert max(errors.values()) < 1e-3, errors
+
+
 def test_sgd_group_matches_torch_sgd(endpoint):
     model = TinyNet(seed=8)
     twin = TinyNet(seed=8)

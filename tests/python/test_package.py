@@ -177,6 +177,55 @@ def test_local_adamw_and_sgd_match_torch():
             assert rel_err(p.detach(), q.detach()) < 1e-5, kind
 
 
+def test_local_max_grad_norm_clips_like_torch():
+    a, b = TinyNet(seed=43), TinyNet(seed=43)
+    mine = muond.LocalOptimizer(a.parameters(), optimizer="sgd", lr=0.1, momentum=0.9,
+                                max_grad_norm=0.05)
+    theirs = torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9)
+    for step in range(1, 6):
+        loss_of(a, step).backward()
+        mine.step()
+        mine.zero_grad()
+        loss_of(b, step).backward()
+        norm = torch.nn.utils.clip_grad_norm_(b.parameters(), 0.05)
+        theirs.step()
+        theirs.zero_grad()
+        assert mine.last_info.applied and mine.last_info.step == step
+        assert abs(mine.last_info.grad_norm - norm.item()) < 1e-5 * norm.item()
+        assert mine.last_info.grad_norm > 0.05  # so every step was clipped
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert rel_err(p.detach(), q.detach()) < 1e-5
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        muond.LocalOptimizer(a.parameters(), max_grad_norm=0.0)
+
+
+def test_local_skips_a_step_with_a_non_finite_gradient():
+    model = TinyNet(seed=44)
+    opt = muond.LocalOptimizer(muond.default_param_groups(model))
+    loss_of(model, 1).backward()
+    opt.step()
+    opt.zero_grad()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state = {n: {k: v.clone() for k, v in opt.state[p].items() if torch.is_tensor(v)}
+             for n, p in model.named_parameters()}
+    steps = {n: opt.state[p]["step"] for n, p in model.named_parameters()}
+    loss_of(model, 2).backward()
+    model.down.weight.grad.view(-1)[5] = float("inf")
+    opt.step()
+    assert not opt.last_info.applied and opt.last_step == 2
+    assert opt.last_info.skip_reason == "non-finite gradient in 'down.weight'"
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), params[n]), n
+        assert opt.state[p]["step"] == steps[n], n
+        for k, v in state[n].items():
+            assert torch.equal(opt.state[p][k], v), (n, k)
+    opt.zero_grad()
+    loss_of(model, 3).backward()
+    opt.step()
+    assert opt.last_info.applied and opt.last_info.step == 3
+    assert not torch.equal(model.down.weight.detach(), params["down.weight"])
+
+
 def test_local_muon_matches_reference():
     model = TinyNet(seed=41)
     ref_params = {n: p.detach().clone() for n, p in model.named_parameters()}
