@@ -7,7 +7,9 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "grpcpp/security/auth_context.h"
 
 namespace muond::server {
 namespace {
@@ -93,7 +95,13 @@ absl::StatusOr<std::string> TokenTable::Authenticate(std::optional<absl::string_
 }
 
 absl::StatusOr<std::string> CallerOf(const grpc::ServerContext& context, const TokenTable* tokens) {
-  if (tokens == nullptr) return std::string();
+  if (tokens == nullptr) {
+    const std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();
+    if (auth == nullptr || !auth->IsPeerAuthenticated()) return std::string();
+    std::vector<std::string> names;
+    for (const grpc::string_ref& name : auth->GetPeerIdentity()) names.emplace_back(name.data(), name.size());
+    return absl::StrCat("x509:", absl::StrJoin(names, ","));
+  }
   const auto& metadata = context.client_metadata();
   auto it = metadata.find("authorization");
   if (it == metadata.end()) return tokens->Authenticate(std::nullopt);

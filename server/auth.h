@@ -1,5 +1,8 @@
 // Bearer-token authentication of the daemon's callers.
 //
+// Bearer tokens come first; without them, a client certificate verified by mutual TLS names the
+// caller (see CallerOf).
+//
 // A TokenTable holds the tokens read from --auth-token-file: one per line, either `name:token` or a
 // bare `token` (named "token-<line>"); blank lines and lines starting with '#' are skipped. A call
 // proves who it is with the metadata `authorization: Bearer <token>`; the matching line's name is
@@ -45,8 +48,11 @@ class TokenTable {
   std::vector<Entry> entries_;
 };
 
-// The identity of the call behind `context`: "" for everyone when `tokens` is null (authentication
-// is off), otherwise what TokenTable::Authenticate says about its authorization metadata.
+// The identity of the call behind `context`. With `tokens`: what TokenTable::Authenticate says about
+// its authorization metadata. Without: the client certificate's identity when mutual TLS verified
+// one ("x509:" and its subject alternative names, or its common name when it has none, as gRPC
+// reports them), so that clients with different certificates own their sessions apart; "" for
+// everyone otherwise (authentication is off).
 absl::StatusOr<std::string> CallerOf(const grpc::ServerContext& context, const TokenTable* tokens);
 
 // Equality of two byte strings in time that depends only on their lengths, never on their contents.

@@ -413,6 +413,46 @@ TEST_F(MutualTlsTest, ClientWithCertificateIsServed) {
   EXPECT_OK(session->Close());
 }
 
+// Without tokens, the certificate names the caller: a client with another certificate (trusted as
+// well) cannot use, list or close the first one's session.
+TEST_F(MutualTlsTest, ASessionBelongsToTheCertificateThatCreatedIt) {
+  client::ClientOptions options = Options(*daemon_);
+  options.tls_ca_file = pki_.ca_cert;
+  options.tls_client_cert_file = pki_.client_cert;
+  options.tls_client_key_file = pki_.client_key;
+  ASSERT_OK_AND_ASSIGN(auto first, client::Client::Connect(options));
+  options.tls_client_cert_file = pki_.second_client_cert;
+  options.tls_client_key_file = pki_.second_client_key;
+  ASSERT_OK_AND_ASSIGN(auto second, client::Client::Connect(options));
+
+  ASSERT_OK_AND_ASSIGN(auto mine, NewSession(*first, "cert-owned"));
+  const std::vector<float> grad = Values(1.0f);
+  const std::vector<client::TensorView> gradients = {{"w", {8, 4}, grad}};
+  ASSERT_OK(mine->Step(1, gradients));
+  const auto denied = StatusIs(absl::StatusCode::kPermissionDenied, "session 'cert-owned' belongs to another client");
+  EXPECT_THAT(second->CreateSession("cert-owned", Spec()), denied);
+  v1::CreateSessionResponse pretend;
+  pretend.set_initialized(true);
+  pretend.set_last_step(1);
+  client::Session theirs(second.get(), "cert-owned", Spec(), pretend);
+  const std::vector<float> evil = Values(-100.0f);
+  EXPECT_THAT(theirs.Step(2, std::vector<client::TensorView>{{"w", {8, 4}, evil}}), denied);
+  EXPECT_THAT(theirs.GetParameters(), denied);
+  EXPECT_THAT(second->CloseSession("cert-owned"), denied);
+  ASSERT_OK_AND_ASSIGN(std::vector<v1::SessionSummary> listed, second->ListSessions());
+  for (const v1::SessionSummary& s : listed) EXPECT_NE(s.session_id(), "cert-owned");
+
+  // The owner still trains, from step 2, and a new connection with the same certificate is the
+  // same caller.
+  ASSERT_OK(mine->Step(2, gradients));
+  options.tls_client_cert_file = pki_.client_cert;
+  options.tls_client_key_file = pki_.client_key;
+  ASSERT_OK_AND_ASSIGN(auto again, client::Client::Connect(options));
+  ASSERT_OK_AND_ASSIGN(auto attached, again->CreateSession("cert-owned", Spec()));
+  EXPECT_EQ(attached->last_step(), 2);
+  EXPECT_OK(attached->Close());
+}
+
 TEST_F(MutualTlsTest, ClientWithoutCertificateIsRefused) {
   client::ClientOptions options = Options(*daemon_);
   options.tls_ca_file = pki_.ca_cert;

@@ -63,6 +63,7 @@ bool MakeTestPki(const std::string& dir, TestPki* pki, std::string* error) {
       make_ca("ca", "/CN=muond test CA"),
       make_leaf("server", "ca", "server_ext", "/CN=localhost", 2),
       make_leaf("client", "ca", "client_ext", "/CN=muond test client", 3),
+      make_leaf("second-client", "ca", "client_ext", "/CN=muond second client", 5),
       make_ca("rogue-ca", "/CN=untrusted test CA"),
       make_leaf("rogue-client", "rogue-ca", "client_ext", "/CN=untrusted client", 4),
   };
@@ -79,6 +80,8 @@ bool MakeTestPki(const std::string& dir, TestPki* pki, std::string* error) {
   pki->server_key = path("server.key");
   pki->client_cert = path("client.pem");
   pki->client_key = path("client.key");
+  pki->second_client_cert = path("second-client.pem");
+  pki->second_client_key = path("second-client.key");
   pki->rogue_client_cert = path("rogue-client.pem");
   pki->rogue_client_key = path("rogue-client.key");
   return true;

@@ -1,5 +1,5 @@
 // A throwaway public-key infrastructure for the security tests: a CA, a server certificate for
-// localhost / 127.0.0.1 and a client certificate signed by it, plus a second, untrusted CA with a
+// localhost / 127.0.0.1 and two client certificates (different names) signed by it, plus a second, untrusted CA with a
 // client certificate of its own. Made with the `openssl` command-line tool (scripts/setup.sh
 // installs it) into a folder the caller owns. Test-only; not thread-safe.
 #pragma once
@@ -14,6 +14,8 @@ struct TestPki {
   std::string server_key;
   std::string client_cert;
   std::string client_key;
+  std::string second_client_cert;  // another trusted client, with a different name
+  std::string second_client_key;
   std::string rogue_client_cert;  // signed by a CA the daemon does not trust
   std::string rogue_client_key;
 };
