@@ -47,6 +47,12 @@ GradientLease GradientPool::Acquire() {
   return GradientLease(this, std::make_unique<GradientSet>(numel_.size()));
 }
 
+GradientLease GradientPool::TryAcquire() {
+  absl::MutexLock lock(&mu_);
+  if (spare_ == nullptr) return GradientLease();
+  return GradientLease(this, std::move(spare_));
+}
+
 absl::StatusOr<kernels::DeviceBuffer*> GradientPool::Buffer(GradientSet& set, size_t index) {
   std::unique_ptr<kernels::DeviceBuffer>& buffer = set.buffer(index);
   if (buffer == nullptr) {
@@ -64,7 +70,8 @@ void GradientPool::GiveBack(std::unique_ptr<GradientSet> set) {
 
 absl::StatusOr<std::unique_ptr<StagedGradients>> StagedGradients::Start(GradientPool* pool,
                                                                          kernels::Backend* backend) {
-  GradientLease lease = pool->Acquire();
+  GradientLease lease = pool->TryAcquire();
+  if (!lease) return nullptr;
   // Every buffer exists before the transfer does: a transfer is ordered only after the work enqueued
   // before its creation, and a new buffer's zeroing is such work (on a GPU, asynchronous).
   MUOND_RETURN_IF_ERROR(pool->AllocateAll(lease.set()));

@@ -3,10 +3,12 @@
 // network instead of following it.
 //
 // GradientSet: one fp32 backend buffer per parameter of a session (all allocated before a stream
-// fills the set, then kept), holding one step's gradients. GradientPool: a session's spare sets. A session starts with
-// one full set, which is what its memory estimate counts; a step that streams while another holds
-// the set gets a set of its own for as long as it runs (the pool keeps one spare, so steady state
-// allocates nothing). StagedGradients: a step stream's set plus the backend transfer that fills it.
+// fills the set, then kept), holding one step's gradients. GradientPool: a session's spare set. A
+// session starts with one full set, which is what its memory estimate counts. Only one stream at a
+// time stages into it: a step that streams while another holds the set keeps its gradients on the
+// host and has them copied when it is applied (under the session's lock, into a transient set), so
+// a client opening many streams at once cannot make the daemon allocate a set for each.
+// StagedGradients: a step stream's set plus the backend transfer that fills it.
 //
 // Ownership: the pool owns idle sets; a GradientLease owns its set and gives it back to the pool when
 // destroyed; the pool (and the session holding it) must outlive its leases. A StagedGradients owns
@@ -64,10 +66,13 @@ class GradientPool {
   // `numel[i]`: the element count of parameter i.
   GradientPool(kernels::Backend* backend, std::vector<int64_t> numel);
 
-  // Allocates the first set in full (so a new session holds its gradient memory from the start).
+  // Allocates the set in full (so a new session holds its gradient memory from the start); nothing
+  // is staged before.
   absl::Status Preallocate();
   // The spare set, or a new empty one.
   GradientLease Acquire();
+  // The spare set, or an empty lease when another holds it.
+  GradientLease TryAcquire();
   // Parameter `index`'s buffer in `set`, allocated when it is not yet.
   absl::StatusOr<kernels::DeviceBuffer*> Buffer(GradientSet& set, size_t index);
   // Allocates every buffer `set` lacks.
@@ -86,6 +91,7 @@ class GradientPool {
 // A step stream's gradients, copied into a leased set as the chunks are decoded.
 class StagedGradients {
  public:
+  // Null when another stream is staging into the pool's set.
   static absl::StatusOr<std::unique_ptr<StagedGradients>> Start(GradientPool* pool, kernels::Backend* backend);
   ~StagedGradients();
 

@@ -86,12 +86,13 @@ absl::Status MuondService::DoStep(const std::string& caller, grpc::ServerContext
 
   TensorAssembler assembler(session->config(), options_.max_chunk_bytes);
   const bool replay = header.step() == session->last_step();
-  // One rank's gradients go straight to the backend while the rest of the stream arrives; the ranks
-  // of a multi-rank session are averaged on the host first.
+  // One rank's gradients go straight to the backend while the rest of the stream arrives (unless
+  // another stream of the session is doing so); the ranks of a multi-rank session are averaged on
+  // the host first.
   std::unique_ptr<StagedGradients> staged;
   if (!replay && session->config().world_size == 1) {
     MUOND_ASSIGN_OR_RETURN(staged, session->StageGradients());
-    assembler.StageInto(staged.get());
+    if (staged != nullptr) assembler.StageInto(staged.get());
   }
   uint64_t chunks = 0;
   while (stream->Read(&request)) {

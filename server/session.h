@@ -102,7 +102,8 @@ class Session {
                                    std::unique_ptr<StagedGradients> staged = nullptr);
 
   // Backend buffers (and a transfer) that a step stream copies its gradients into as they arrive;
-  // pass them to Step with the assembled gradients.
+  // pass them to Step with the assembled gradients. Null while another stream holds them (that
+  // stream's gradients are then copied from the host when applied).
   absl::StatusOr<std::unique_ptr<StagedGradients>> StageGradients();
 
   // Applies a step recorded in the journal (already averaged), at start-up.

@@ -61,7 +61,9 @@ TEST(GradientStagingTest, DecodedChunksLandInTheLeasedSet) {
   auto backend = kernels::NewCpuBackend(1);
   const SessionConfig config = ParseSessionSpec(Spec(), SpecLimits{}).value();
   GradientPool pool(backend.get(), {16 * 24, 24});
+  ASSERT_OK(pool.Preallocate());
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<StagedGradients> staged, StagedGradients::Start(&pool, backend.get()));
+  ASSERT_NE(staged, nullptr);
   TensorAssembler assembler(config, 1 << 20);
   assembler.StageInto(staged.get());
   const std::vector<float> w = Values(16 * 24, 0.3f);
@@ -71,7 +73,7 @@ TEST(GradientStagingTest, DecodedChunksLandInTheLeasedSet) {
   EXPECT_TRUE(assembler.tensors()[0].staged);
   EXPECT_FALSE(assembler.tensors()[1].staged);
   GradientSet& set = staged->lease().set();
-  ASSERT_EQ(set.allocated(), 2u) << "every buffer exists before the transfer starts";
+  ASSERT_EQ(set.allocated(), 2u);
   EXPECT_EQ(Download(*backend, *set.buffer(0)), w);
   EXPECT_EQ(Download(*backend, *set.buffer(1)), std::vector<float>(24, 0.0f));
 }
@@ -85,6 +87,9 @@ TEST(GradientStagingTest, ThePoolKeepsItsFullestSetAndConcurrentStepsGetTheirOwn
     GradientLease first = pool.Acquire();
     EXPECT_EQ(first.set().allocated(), 2u);
     preallocated = first.set().buffer(0).get();
+    EXPECT_FALSE(pool.TryAcquire()) << "a stream may stage only while no other does";
+    ASSERT_OK_AND_ASSIGN(auto not_staged, StagedGradients::Start(&pool, backend.get()));
+    EXPECT_EQ(not_staged, nullptr);
     GradientLease second = pool.Acquire();  // while the first is out: a set of its own
     EXPECT_EQ(second.set().allocated(), 0u);
     ASSERT_OK(pool.Buffer(second.set(), 1).status());
@@ -120,6 +125,7 @@ TEST(GradientStagingTest, StagedStepsMatchHostStepsBitwise) {
     const std::vector<float> w = Values(16 * 24, 0.1f * step), b = Values(24, 0.7f * step);
 
     ASSERT_OK_AND_ASSIGN(std::unique_ptr<StagedGradients> staged, staged_session->StageGradients());
+    ASSERT_NE(staged, nullptr) << "the previous step gave the set back";
     TensorAssembler assembler(staged_session->config(), 1 << 20);
     assembler.StageInto(staged.get());
     for (const v1::TensorChunk& chunk : Chunks("w", w, 50)) ASSERT_OK(assembler.Add(chunk));
