@@ -329,6 +329,53 @@ TEST_F(HostileInputTest, CancelledStepStreamsApplyNothing) {
   ExpectIntactAndServing();
 }
 
+// Two streams of the same step at once. The first is still sending while the client library sends
+// the step whole; normally the first holds the session's staging buffers by then, so the second
+// goes through the host path. Either way the step is applied once: the second stream gets it, the
+// first the replay of it, and the steps after it match a session that never saw an overlap.
+TEST_F(HostileInputTest, OverlappingStreamsOfOneStepApplyItOnce) {
+  const int next = kTrainedSteps + 1;
+  const std::vector<v1::TensorChunk> chunks = TensorChunks(next, 256);
+  grpc::ClientContext context;
+  client_->PrepareContext(context);
+  auto slow = client_->stub().Step(&context);
+  v1::StepRequest request;
+  *request.mutable_header() = Header(next);
+  request.mutable_header()->set_num_chunks(static_cast<uint32_t>(chunks.size()));
+  ASSERT_TRUE(slow->Write(request));
+  for (size_t i = 0; i < chunks.size() / 2; ++i) {
+    request.Clear();
+    *request.mutable_chunk() = chunks[i];
+    ASSERT_TRUE(slow->Write(request));
+  }
+  ASSERT_OK_AND_ASSIGN(client::StepReply whole, session_->Step(next, Views(next)));
+  EXPECT_TRUE(whole.applied);
+  EXPECT_FALSE(whole.replayed);
+  for (size_t i = chunks.size() / 2; i < chunks.size(); ++i) {
+    request.Clear();
+    *request.mutable_chunk() = chunks[i];
+    ASSERT_TRUE(slow->Write(request));
+  }
+  slow->WritesDone();
+  v1::StepResponse response;
+  bool replayed = false;
+  while (slow->Read(&response)) {
+    if (response.has_result()) replayed = response.result().replayed();
+  }
+  ASSERT_TRUE(slow->Finish().ok());
+  EXPECT_TRUE(replayed) << "the step was applied twice";
+  ASSERT_OK_AND_ASSIGN(client::StepReply after, session_->Step(next + 1, Views(next + 1)));
+
+  ASSERT_OK_AND_ASSIGN(auto reference, client_->CreateSession(id_ + ".reference", Spec()));
+  ASSERT_OK(reference->UploadParameters(Views(0)));
+  client::StepReply expected;
+  for (int step = 1; step <= next + 1; ++step) {
+    ASSERT_OK_AND_ASSIGN(expected, reference->Step(step, Views(step)));
+  }
+  EXPECT_EQ(after.parameters, expected.parameters);
+  EXPECT_OK(reference->Close());
+}
+
 // Cancelled uploads leave a fresh session without parameters; cancelled state uploads leave the
 // trained session as it was.
 TEST_F(HostileInputTest, CancelledUploadsAndStateTransfersChangeNothing) {
