@@ -28,6 +28,7 @@ size_t MuondService::AnswerChunkBytes(uint32_t requested) const {
 
 grpc::Status MuondService::GetServerInfo(grpc::ServerContext* context, const v1::GetServerInfoRequest*,
                                          v1::ServerInfo* info) {
+  RpcDeadlines::Scope deadline = deadlines_.Watch(context);  // counted as in flight by the drain, too
   if (absl::StatusOr<std::string> caller = Caller(*context); !caller.ok()) return ToGrpcStatus(caller.status());
   info->set_version(MUOND_VERSION);
   info->set_backend(backend_->Name());
