@@ -140,8 +140,9 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
   args.SetMaxReceiveMessageSize(options.max_message_bytes);
   args.SetMaxSendMessageSize(options.max_message_bytes);
   // Reconnect quickly after a daemon restart (gRPC's default backoff grows to two minutes). Not
-  // GRPC_ARG_MIN_RECONNECT_BACKOFF_MS: gRPC uses it as the time one connection attempt may take, and
-  // at 100 ms an attempt whose first SYN the kernel drops (it resends after 1 s) never succeeds.
+  // GRPC_ARG_MIN_RECONNECT_BACKOFF_MS: gRPC uses it as the time one connection attempt may take
+  // (20 s by default), and at 100 ms every attempt that is not noticed within that time (see
+  // PauseBeforeRetry) is abandoned and started over.
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, static_cast<int>(options.max_reconnect_backoff.count()));
   if (!options.tls_server_name_override.empty()) args.SetSslTargetNameOverride(options.tls_server_name_override);

@@ -36,8 +36,9 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 DEFAULT_MAX_ATTEMPTS = 4
 DEFAULT_RETRY_BACKOFF = 0.1
 # Reconnect quickly after a daemon restart (gRPC's default reconnection backoff grows to 2 min).
-# Not grpc.min_reconnect_backoff_ms: gRPC uses it as the time one connection attempt may take, and at
-# 100 ms an attempt whose first SYN the kernel drops (it resends after 1 s) never succeeds.
+# Not grpc.min_reconnect_backoff_ms: gRPC uses it as the time one connection attempt may take (20 s
+# by default), and at 100 ms every attempt that is not noticed within that time is abandoned and
+# started over (see pause_before_retry).
 _RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100),
                       ("grpc.max_reconnect_backoff_ms", 2000)]
 
