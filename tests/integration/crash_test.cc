@@ -57,10 +57,14 @@ std::unique_ptr<client::Session> Upload(client::Client& client, const std::strin
   return std::move(*session);
 }
 
+// A daemon that journals every step into its own state folder (restarted with the same flags).
+std::vector<std::string> JournalFlags(DaemonProcess& daemon) {
+  return {"--backend", "cpu", "--durability", "journal", "--state-dir", daemon.dir() + "/state"};
+}
+
 TEST(CrashTest, RandomKill9sLeaveTheRunBitIdenticalToAnUninterruptedOne) {
   DaemonProcess daemon;
-  const std::vector<std::string> flags = {"--backend", "cpu", "--durability", "journal", "--state-dir",
-                                          daemon.dir() + "/state"};
+  const std::vector<std::string> flags = JournalFlags(daemon);
   std::string error;
   ASSERT_TRUE(daemon.Start(flags, &error)) << error;
   const int port = daemon.port();
@@ -142,8 +146,7 @@ TEST(CrashTest, RandomKill9sLeaveTheRunBitIdenticalToAnUninterruptedOne) {
 // (every 5 s), which would be after the client has given up.
 TEST(CrashTest, AStepRightAfterARestartSucceedsWithinTheClientsRetries) {
   DaemonProcess daemon;
-  const std::vector<std::string> flags = {"--backend", "cpu", "--durability", "journal", "--state-dir",
-                                          daemon.dir() + "/state"};
+  const std::vector<std::string> flags = JournalFlags(daemon);
   std::string error;
   ASSERT_TRUE(daemon.Start(flags, &error)) << error;
   const int port = daemon.port();

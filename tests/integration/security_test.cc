@@ -52,6 +52,58 @@ std::vector<float> Values(float base) {
   return v;
 }
 
+// Every call on session `id` (created by another caller, at step 1) from `intruder` is
+// PERMISSION_DENIED naming the session: attach, steps (new and "replayed"), parameters, upload, close,
+// state out and state in.
+void ExpectEverySessionCallDenied(client::Client& intruder, const std::string& id) {
+  const auto denied = StatusIs(absl::StatusCode::kPermissionDenied, "session '" + id + "' belongs to another client");
+  // Attaching with the identical spec is how a client resumes; for another caller it is refused.
+  EXPECT_THAT(intruder.CreateSession(id, Spec()), denied);
+  // A Session object for the id, as the intruder would build after a (refused) attach.
+  v1::CreateSessionResponse pretend;
+  pretend.set_initialized(true);
+  pretend.set_last_step(1);
+  client::Session theirs(&intruder, id, Spec(), pretend);
+  const std::vector<float> evil = Values(-100.0f);
+  EXPECT_THAT(theirs.Step(2, std::vector<client::TensorView>{{"w", {8, 4}, evil}}), denied);
+  EXPECT_THAT(theirs.Step(1, std::vector<client::TensorView>{{"w", {8, 4}, evil}}), denied);  // a "replay"
+  EXPECT_THAT(theirs.GetParameters(), denied);
+  EXPECT_THAT(theirs.UploadParameters(std::vector<client::TensorView>{{"w", {8, 4}, evil}}), denied);
+  EXPECT_THAT(intruder.CloseSession(id), denied);
+  {
+    grpc::ClientContext context;
+    intruder.PrepareContext(context);
+    v1::GetStateRequest request;
+    request.set_session_id(id);
+    auto reader = intruder.stub().GetState(&context, request);
+    v1::GetStateResponse response;
+    EXPECT_FALSE(reader->Read(&response)) << "state of another caller's session was streamed";
+    EXPECT_THAT(client::FromGrpcStatus(reader->Finish()), denied);
+  }
+  {
+    grpc::ClientContext context;
+    intruder.PrepareContext(context);
+    v1::SetStateResponse response;
+    auto writer = intruder.stub().SetState(&context, &response);
+    v1::SetStateRequest request;
+    request.set_session_id(id);
+    writer->Write(request);
+    request.Clear();
+    request.mutable_header()->set_last_step(0);
+    request.mutable_header()->add_step_counts()->set_name("w");
+    writer->Write(request);
+    request.Clear();
+    v1::TensorChunk* chunk = request.mutable_chunk();
+    chunk->set_name("w");
+    chunk->set_slot("master");
+    chunk->set_dtype(v1::DTYPE_FP32);
+    wire::Encode(v1::DTYPE_FP32, evil, chunk->mutable_data());
+    writer->Write(request);
+    writer->WritesDone();
+    EXPECT_THAT(client::FromGrpcStatus(writer->Finish()), denied);
+  }
+}
+
 // Creates a session and uploads its initial values.
 absl::StatusOr<std::unique_ptr<client::Session>> NewSession(client::Client& client, const std::string& id) {
   absl::StatusOr<std::unique_ptr<client::Session>> session = client.CreateSession(id, Spec());
@@ -218,52 +270,7 @@ TEST_F(TokenAuthTest, AnotherTokenIsDeniedEverySessionCallAndChangesNothing) {
   ASSERT_OK_AND_ASSIGN(client::ParameterMap before, mine->GetParameters(&step_before));
   ASSERT_EQ(step_before, 1);
 
-  const auto denied = StatusIs(absl::StatusCode::kPermissionDenied, "session 'alice-run' belongs to another client");
-  // Attaching with the identical spec is how a client resumes; for another token it is refused.
-  EXPECT_THAT(bob->CreateSession("alice-run", Spec()), denied);
-  // A Session object for the id, as bob would build after a (refused) attach.
-  v1::CreateSessionResponse pretend;
-  pretend.set_initialized(true);
-  pretend.set_last_step(1);
-  client::Session theirs(bob.get(), "alice-run", Spec(), pretend);
-  const std::vector<float> evil = Values(-100.0f);
-  EXPECT_THAT(theirs.Step(2, std::vector<client::TensorView>{{"w", {8, 4}, evil}}), denied);
-  EXPECT_THAT(theirs.Step(1, std::vector<client::TensorView>{{"w", {8, 4}, evil}}), denied);  // a "replay"
-  EXPECT_THAT(theirs.GetParameters(), denied);
-  EXPECT_THAT(theirs.UploadParameters(std::vector<client::TensorView>{{"w", {8, 4}, evil}}), denied);
-  EXPECT_THAT(bob->CloseSession("alice-run"), denied);
-  {
-    grpc::ClientContext context;
-    bob->PrepareContext(context);
-    v1::GetStateRequest request;
-    request.set_session_id("alice-run");
-    auto reader = bob->stub().GetState(&context, request);
-    v1::GetStateResponse response;
-    EXPECT_FALSE(reader->Read(&response)) << "state of another token's session was streamed";
-    EXPECT_THAT(client::FromGrpcStatus(reader->Finish()), denied);
-  }
-  {
-    grpc::ClientContext context;
-    bob->PrepareContext(context);
-    v1::SetStateResponse response;
-    auto writer = bob->stub().SetState(&context, &response);
-    v1::SetStateRequest request;
-    request.set_session_id("alice-run");
-    writer->Write(request);
-    request.Clear();
-    request.mutable_header()->set_last_step(0);
-    request.mutable_header()->add_step_counts()->set_name("w");
-    writer->Write(request);
-    request.Clear();
-    v1::TensorChunk* chunk = request.mutable_chunk();
-    chunk->set_name("w");
-    chunk->set_slot("master");
-    chunk->set_dtype(v1::DTYPE_FP32);
-    wire::Encode(v1::DTYPE_FP32, evil, chunk->mutable_data());
-    writer->Write(request);
-    writer->WritesDone();
-    EXPECT_THAT(client::FromGrpcStatus(writer->Finish()), denied);
-  }
+  ExpectEverySessionCallDenied(*bob, "alice-run");
 
   // Alice's session is exactly as it was.
   int64_t step_after = -1;
@@ -429,16 +436,10 @@ TEST_F(MutualTlsTest, ASessionBelongsToTheCertificateThatCreatedIt) {
   const std::vector<float> grad = Values(1.0f);
   const std::vector<client::TensorView> gradients = {{"w", {8, 4}, grad}};
   ASSERT_OK(mine->Step(1, gradients));
-  const auto denied = StatusIs(absl::StatusCode::kPermissionDenied, "session 'cert-owned' belongs to another client");
-  EXPECT_THAT(second->CreateSession("cert-owned", Spec()), denied);
-  v1::CreateSessionResponse pretend;
-  pretend.set_initialized(true);
-  pretend.set_last_step(1);
-  client::Session theirs(second.get(), "cert-owned", Spec(), pretend);
-  const std::vector<float> evil = Values(-100.0f);
-  EXPECT_THAT(theirs.Step(2, std::vector<client::TensorView>{{"w", {8, 4}, evil}}), denied);
-  EXPECT_THAT(theirs.GetParameters(), denied);
-  EXPECT_THAT(second->CloseSession("cert-owned"), denied);
+  ASSERT_OK_AND_ASSIGN(client::ParameterMap before, mine->GetParameters());
+  ExpectEverySessionCallDenied(*second, "cert-owned");
+  ASSERT_OK_AND_ASSIGN(client::ParameterMap after, mine->GetParameters());
+  EXPECT_EQ(after, before);
   ASSERT_OK_AND_ASSIGN(std::vector<v1::SessionSummary> listed, second->ListSessions());
   for (const v1::SessionSummary& s : listed) EXPECT_NE(s.session_id(), "cert-owned");
 
