@@ -76,14 +76,11 @@ absl::StatusOr<std::unique_ptr<StagedGradients>> StagedGradients::Start(Gradient
   // before its creation, and a new buffer's zeroing is such work (on a GPU, asynchronous).
   MUOND_RETURN_IF_ERROR(pool->AllocateAll(lease.set()));
   MUOND_ASSIGN_OR_RETURN(std::unique_ptr<kernels::HostToDevice> upload, backend->NewHostToDevice());
-  return std::unique_ptr<StagedGradients>(new StagedGradients(pool, std::move(lease), std::move(upload)));
+  return std::unique_ptr<StagedGradients>(new StagedGradients(std::move(lease), std::move(upload)));
 }
 
-StagedGradients::~StagedGradients() { upload_.reset(); }
-
 absl::Status StagedGradients::Add(size_t index, int64_t offset, const float* values, size_t count) {
-  MUOND_ASSIGN_OR_RETURN(kernels::DeviceBuffer * buffer, pool_->Buffer(lease_.set(), index));
-  return upload_->Enqueue(values, buffer->data() + offset, count);
+  return upload_->Enqueue(values, lease_.set().buffer(index)->data() + offset, count);
 }
 
 absl::Status StagedGradients::Finish() { return upload_->Wait(); }

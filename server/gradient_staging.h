@@ -93,7 +93,6 @@ class StagedGradients {
  public:
   // Null when another stream is staging into the pool's set.
   static absl::StatusOr<std::unique_ptr<StagedGradients>> Start(GradientPool* pool, kernels::Backend* backend);
-  ~StagedGradients();
 
   // Starts copying `count` decoded values of parameter `index`, beginning at element `offset`.
   absl::Status Add(size_t index, int64_t offset, const float* values, size_t count);
@@ -103,11 +102,10 @@ class StagedGradients {
   GradientLease& lease() { return lease_; }
 
  private:
-  StagedGradients(GradientPool* pool, GradientLease lease, std::unique_ptr<kernels::HostToDevice> upload)
-      : pool_(pool), lease_(std::move(lease)), upload_(std::move(upload)) {}
+  StagedGradients(GradientLease lease, std::unique_ptr<kernels::HostToDevice> upload)
+      : lease_(std::move(lease)), upload_(std::move(upload)) {}
 
-  GradientPool* pool_;
-  GradientLease lease_;
+  GradientLease lease_;  // every buffer allocated (Start)
   std::unique_ptr<kernels::HostToDevice> upload_;  // destroyed (its copies waited for) before lease_
 };
 

@@ -34,10 +34,22 @@ void FinishRing(RingCache* cache, std::unique_ptr<PinnedRing> ring) {
   cache->Give(std::move(ring));
 }
 
-class PinnedHostToDevice final : public HostToDevice {
+// A transfer's borrowed ring, waited for and handed back when the transfer is destroyed.
+class RingLease {
  public:
-  PinnedHostToDevice(RingCache* cache, std::unique_ptr<PinnedRing> ring) : cache_(cache), ring_(std::move(ring)) {}
-  ~PinnedHostToDevice() override { FinishRing(cache_, std::move(ring_)); }
+  RingLease(RingCache* cache, std::unique_ptr<PinnedRing> ring) : cache_(cache), ring_(std::move(ring)) {}
+  ~RingLease() { FinishRing(cache_, std::move(ring_)); }
+  RingLease(const RingLease&) = delete;
+  RingLease& operator=(const RingLease&) = delete;
+
+ protected:
+  RingCache* cache_;
+  std::unique_ptr<PinnedRing> ring_;
+};
+
+class PinnedHostToDevice final : public HostToDevice, private RingLease {
+ public:
+  using RingLease::RingLease;
 
   absl::Status Enqueue(const float* host, float* device, size_t count) override {
     MUOND_CUDA_RETURN_IF_ERROR(cudaSetDevice(ring_->device));
@@ -65,16 +77,11 @@ class PinnedHostToDevice final : public HostToDevice {
     for (PinnedRing::Slot& slot : ring_->slots) slot.in_flight = false;
     return absl::OkStatus();
   }
-
- private:
-  RingCache* cache_;
-  std::unique_ptr<PinnedRing> ring_;
 };
 
-class PinnedDeviceToHost final : public DeviceToHost {
+class PinnedDeviceToHost final : public DeviceToHost, private RingLease {
  public:
-  PinnedDeviceToHost(RingCache* cache, std::unique_ptr<PinnedRing> ring) : cache_(cache), ring_(std::move(ring)) {}
-  ~PinnedDeviceToHost() override { FinishRing(cache_, std::move(ring_)); }
+  using RingLease::RingLease;
 
   absl::Status Enqueue(const float* device, float* host, size_t count) override {
     MUOND_CUDA_RETURN_IF_ERROR(cudaSetDevice(ring_->device));
@@ -114,9 +121,6 @@ class PinnedDeviceToHost final : public DeviceToHost {
     slot.in_flight = false;
     return absl::OkStatus();
   }
-
-  RingCache* cache_;
-  std::unique_ptr<PinnedRing> ring_;
 };
 
 }  // namespace
