@@ -157,32 +157,18 @@ TEST_F(BadInputTest, MoreChunksThanAnnouncedIsRefused) {
 }
 
 TEST_F(BadInputTest, HeaderWithoutAChunkCountIsRefused) {
-  grpc::ClientContext context;
-  auto stream = client_->stub().Step(&context);
   v1::StepRequest request;
   *request.mutable_header() = Header();
-  stream->Write(request);
-  stream->WritesDone();
-  v1::StepResponse response;
-  while (stream->Read(&response)) {
-  }
-  grpc::Status status = stream->Finish();
+  const grpc::Status status = RawStepMessages({request});
   EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(status.error_message(), HasSubstr("header.num_chunks: required"));
   ExpectUnchangedAndServing();
 }
 
 TEST_F(BadInputTest, StreamWithoutHeaderIsInvalidArgument) {
-  grpc::ClientContext context;
-  auto stream = client_->stub().Step(&context);
   v1::StepRequest request;
   *request.mutable_chunk() = Chunk("w", Gradient("w", 2, 32), v1::DTYPE_FP32);
-  stream->Write(request);
-  stream->WritesDone();
-  v1::StepResponse response;
-  while (stream->Read(&response)) {
-  }
-  grpc::Status status = stream->Finish();
+  const grpc::Status status = RawStepMessages({request});
   EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(status.error_message(), HasSubstr("header"));
   ExpectUnchangedAndServing();

@@ -101,16 +101,18 @@ v1::TensorChunk DaemonTest::Chunk(const std::string& name, const std::vector<flo
 
 grpc::Status DaemonTest::RawStep(const v1::StepHeader& header, const std::vector<v1::TensorChunk>& chunks,
                                  v1::StepResult* result) {
+  std::vector<v1::StepRequest> messages(1);
+  *messages[0].mutable_header() = header;
+  // The count the client library would announce, unless the test set its own.
+  if (!header.has_num_chunks()) messages[0].mutable_header()->set_num_chunks(static_cast<uint32_t>(chunks.size()));
+  for (const v1::TensorChunk& chunk : chunks) *messages.emplace_back().mutable_chunk() = chunk;
+  return RawStepMessages(messages, result);
+}
+
+grpc::Status DaemonTest::RawStepMessages(const std::vector<v1::StepRequest>& messages, v1::StepResult* result) {
   grpc::ClientContext context;
   auto stream = client_->stub().Step(&context);
-  v1::StepRequest request;
-  *request.mutable_header() = header;
-  // The count the client library would announce, unless the test set its own.
-  if (!header.has_num_chunks()) request.mutable_header()->set_num_chunks(static_cast<uint32_t>(chunks.size()));
-  stream->Write(request);
-  for (const v1::TensorChunk& chunk : chunks) {
-    request.Clear();
-    *request.mutable_chunk() = chunk;
+  for (const v1::StepRequest& request : messages) {
     if (!stream->Write(request)) break;
   }
   stream->WritesDone();

@@ -33,6 +33,8 @@ class DaemonTest : public ::testing::Test {
   // Sends a hand-built step stream; fills *result when the daemon answered.
   grpc::Status RawStep(const v1::StepHeader& header, const std::vector<v1::TensorChunk>& chunks,
                        v1::StepResult* result = nullptr);
+  // Sends `messages` as they are (no header filled in), half-closes and reads the answer.
+  grpc::Status RawStepMessages(const std::vector<v1::StepRequest>& messages, v1::StepResult* result = nullptr);
   static v1::TensorChunk Chunk(const std::string& name, const std::vector<float>& values, v1::DType dtype,
                                uint64_t offset = 0);
 
