@@ -133,14 +133,13 @@ class LocalOptimizer(torch.optim.Optimizer):
         logits = qk.logits_of(qk_logits, self.qk_clip, self._params, self._names)
         started = time.perf_counter()
         self.last_step += 1
-        # The daemon's norm: each gradient's sum of squares in fp64, summed over the parameters.
-        sum_squares, non_finite = 0.0, ""
-        for name, p in zip(self._names, self._params):
-            if p.grad is not None:
-                s = p.grad.detach().to(torch.float32).double().square().sum().item()
-                sum_squares += s
-                if not non_finite and not math.isfinite(s):
-                    non_finite = name
+        # The daemon's norm: each gradient's sum of squares in fp64, summed over the parameters
+        # (read back once, not once per parameter, so that CUDA gradients cost one sync).
+        named = [(n, p.grad) for n, p in zip(self._names, self._params) if p.grad is not None]
+        sums = (torch.stack([g.detach().to(torch.float32).double().square().sum() for _, g in named]).tolist()
+                if named else [])
+        sum_squares = sum(sums)
+        non_finite = next((n for (n, _), s in zip(named, sums) if not math.isfinite(s)), "")
         norm = math.sqrt(sum_squares) if math.isfinite(sum_squares) else float("nan")
         if non_finite:
             self.last_info = StepInfo(self.last_step, False, False,
