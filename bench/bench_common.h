@@ -47,7 +47,8 @@ inline kernels::MatmulPrecision ParsePrecision(const std::string& name) {
   return kernels::MatmulPrecision::kBf16;
 }
 
-// The default precision of DESIGN.md: bf16 on the GPU, fp32 on the CPU (which ignores it anyway).
+// The benchmarks' default precision: bf16 on the GPU, fp32 on the CPU (which ignores it anyway). The
+// daemon itself uses fp32 unless a group asks otherwise (docs/algorithms.md, Matmul precision).
 inline std::string DefaultPrecision(const kernels::Backend& backend) {
   return backend.Name() == "cuda" ? "bf16" : "fp32";
 }

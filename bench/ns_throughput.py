@@ -97,8 +97,8 @@ def gpt2_params(quick):
 
 
 def bench_step(args, device, dtype):
-    # muond's defaults (DESIGN.md): Muon lr 0.02, momentum 0.95, Nesterov, no decay; AdamW lr 1e-3,
-    # betas (0.9, 0.999), eps 1e-8, weight decay 0.01.
+    # muond's defaults (docs/algorithms.md, Group options): Muon lr 0.02, momentum 0.95, Nesterov,
+    # no decay; AdamW lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay 0.01.
     lr, beta, wd = 0.02, 0.95, 0.0
     specs = gpt2_params(args.quick)
     params = [torch.randn(shape, device=device) * 0.02 for _, shape, _ in specs]

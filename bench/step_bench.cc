@@ -14,6 +14,7 @@
 
 #include "CLI/CLI.hpp"
 #include "bench/bench_common.h"
+#include "common/config.h"
 #include "kernels/optim/optimizer.h"
 #if MUOND_HAVE_CUDA
 #include "kernels/cuda/cuda_backend_factory.h"

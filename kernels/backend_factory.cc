@@ -4,6 +4,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/config.h"
 #include "kernels/cpu/cpu_backend.h"
 
 #if MUOND_HAVE_CUDA
@@ -11,14 +12,6 @@
 #endif
 
 namespace muond::kernels {
-
-bool CudaBackendBuilt() {
-#if MUOND_HAVE_CUDA
-  return true;
-#else
-  return false;
-#endif
-}
 
 absl::StatusOr<BackendSelection> CreateBackend(std::string_view kind, int device, int threads) {
   if (kind != "cpu" && kind != "cuda" && kind != "auto") {

@@ -19,9 +19,6 @@ struct BackendSelection {
   std::string note;
 };
 
-// Whether this build contains the CUDA backend (MUOND_ENABLE_CUDA found nvcc).
-bool CudaBackendBuilt();
-
 // kind: "auto" (CUDA when usable, else CPU), "cpu" or "cuda". device: the CUDA device ordinal.
 // threads: CPU threads for OpenBLAS, <= 0 for its default.
 // "auto" falls back to the CPU when CUDA is not built or not usable, and says why in `note`.

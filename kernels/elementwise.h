@@ -1,9 +1,9 @@
 // Element-wise optimizer formulas, written once and compiled for both the CPU loops and the CUDA
 // kernels (MUOND_HD expands to __host__ __device__ under nvcc). Each function updates one element.
 //
-// The formulas follow DESIGN.md and torch.optim's order of operations so that results agree with
-// torch to fp32 rounding. Scalars that do not depend on the element (bias corrections) are computed
-// once on the host and passed in the argument structs.
+// The formulas follow docs/algorithms.md and torch.optim's order of operations so that results agree
+// with torch to fp32 rounding. Scalars that do not depend on the element (bias corrections) are
+// computed once on the host and passed in the argument structs.
 #pragma once
 
 #include <cmath>

@@ -3,10 +3,7 @@
 #include <cstdio>
 
 #include "CLI/CLI.hpp"
-
-#ifndef MUOND_VERSION
-#define MUOND_VERSION "unknown"
-#endif
+#include "common/config.h"
 
 namespace muond::server {
 

@@ -14,13 +14,17 @@
 #include "absl/strings/str_cat.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "common/logging.h"
 #include "kernels/backend_factory.h"
-#include "server/auth.h"
+#include "server/durability/session_files.h"
 #include "server/flags.h"
-#include "server/logging.h"
-#include "server/muond_service.h"
-#include "server/session_registry.h"
-#include "server/tls_config.h"
+#include "server/metrics/metrics.h"
+#include "server/rpc/muond_service.h"
+#include "server/rpc/server_credentials.h"
+#include "server/rpc/spec_codec.h"
+#include "server/security/token_table.h"
+#include "server/security/tls_files.h"
+#include "server/session/session_registry.h"
 
 namespace muond::server {
 namespace {
@@ -94,9 +98,9 @@ int Run(int argc, char** argv) {
   if (!selection->note.empty()) MUOND_LOG(info, "{}", selection->note);
 
   // Security settings are checked before any session is restored, so a typo fails fast.
-  std::optional<TokenTable> tokens;
+  std::optional<security::TokenTable> tokens;
   if (!flags->auth_token_file.empty()) {
-    absl::StatusOr<TokenTable> loaded = TokenTable::Load(flags->auth_token_file);
+    absl::StatusOr<security::TokenTable> loaded = security::TokenTable::Load(flags->auth_token_file);
     if (!loaded.ok()) {
       MUOND_LOG(error, "{}", loaded.status().message());
       return 2;
@@ -108,23 +112,27 @@ int Run(int argc, char** argv) {
       MUOND_LOG(warn, "--auth-token-file {} is readable by other users (chmod 600 it)", flags->auth_token_file);
     }
   }
-  const TlsFiles tls{flags->tls_cert, flags->tls_key, flags->tls_client_ca};
-  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials = MakeServerCredentials(tls);
-  if (!credentials.ok()) {
-    MUOND_LOG(error, "{}", credentials.status().message());
+  const security::TlsFiles tls{flags->tls_cert, flags->tls_key, flags->tls_client_ca};
+  absl::StatusOr<security::TlsMaterial> tls_material = security::LoadTlsMaterial(tls);
+  if (!tls_material.ok()) {
+    MUOND_LOG(error, "{}", tls_material.status().message());
     return 2;
   }
+  const std::shared_ptr<grpc::ServerCredentials> credentials = rpc::MakeServerCredentials(*tls_material);
 
-  SpecLimits spec_limits;
+  metrics::Metrics* metrics = metrics::NoMetrics();
+  session::SpecLimits spec_limits;
   spec_limits.max_rank = flags->max_tensor_rank;
   spec_limits.max_tensor_elements = flags->max_tensor_elements;
   spec_limits.straggler_timeout_seconds = flags->straggler_timeout_seconds;
-  const MemoryLimits memory_limits{flags->max_session_bytes, flags->max_total_bytes};
-  SessionRegistry registry(backend, spec_limits, flags->max_sessions, memory_limits);
+  const session::MemoryLimits memory_limits{flags->max_session_bytes, flags->max_total_bytes};
+  const rpc::ProtoSpecCodec spec_codec;
+  session::SessionRegistry registry(backend, &spec_codec, spec_limits, flags->max_sessions, memory_limits, metrics);
   if (!flags->state_dir.empty()) {
-    StateDirOptions state;
+    durability::StateDirOptions state;
     state.state_dir = flags->state_dir;
-    state.durability = flags->durability == "journal" ? Durability::kJournal : Durability::kSnapshot;
+    state.durability =
+        flags->durability == "journal" ? durability::Durability::kJournal : durability::Durability::kSnapshot;
     state.checkpoint_every = flags->checkpoint_every;
     state.backend_name = backend->Name();
     if (absl::Status restored = registry.EnablePersistence(state); !restored.ok()) {
@@ -134,19 +142,20 @@ int Run(int argc, char** argv) {
     MUOND_LOG(info, "state directory {} ({} durability): {} sessions restored", flags->state_dir, flags->durability,
               registry.size());
   }
-  ServiceOptions service_options;
+  rpc::ServiceOptions service_options;
   service_options.max_chunk_bytes = flags->max_chunk_bytes;
   service_options.default_chunk_bytes = std::min<size_t>(flags->max_chunk_bytes, 1u << 20);
   // Room for the chunk plus its name and framing.
   service_options.max_message_bytes = flags->max_chunk_bytes + (1u << 20);
   service_options.tokens = tokens ? &*tokens : nullptr;
   service_options.rpc_timeout = absl::Seconds(flags->rpc_timeout_seconds);
-  MuondService service(&registry, backend, service_options);
+  service_options.metrics = metrics;
+  rpc::MuondService service(&registry, backend, service_options);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(flags->listen, *credentials, &port);
+  builder.AddListeningPort(flags->listen, credentials, &port);
   builder.SetMaxReceiveMessageSize(static_cast<int>(service_options.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(service_options.max_message_bytes));
   builder.RegisterService(&service);
@@ -162,7 +171,7 @@ int Run(int argc, char** argv) {
             tls.enabled() ? (tls.client_ca.empty() ? "TLS" : "mutual TLS") : "plaintext",
             tokens ? absl::StrCat(tokens->size(), " bearer tokens") : std::string("none"));
   for (const std::string& line :
-       ExposureWarnings(flags->listen, tls.enabled(), !tls.client_ca.empty(), tokens.has_value())) {
+       security::ExposureWarnings(flags->listen, tls.enabled(), !tls.client_ca.empty(), tokens.has_value())) {
     MUOND_LOG(warn, "{}", line);
   }
   if (!flags->port_file.empty() && !WritePortFile(flags->port_file, port)) {

@@ -10,7 +10,7 @@
 #include "kernels/cuda/cuda_backend_factory.h"
 #include "kernels/cuda/cuda_kernels.cuh"
 #include "kernels/cuda/cuda_status.h"
-#include "kernels/status_macros.h"
+#include "common/status_macros.h"
 
 namespace muond::kernels {
 

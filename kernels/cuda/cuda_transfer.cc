@@ -5,7 +5,7 @@
 #include <utility>
 
 #include "kernels/cuda/cuda_status.h"
-#include "kernels/status_macros.h"
+#include "common/status_macros.h"
 
 namespace muond::kernels::cuda {
 namespace {

@@ -1,5 +1,5 @@
-// Muon (DESIGN.md "Algorithms"): momentum → Newton–Schulz → scale → weight decay → update, for every
-// parameter of a step, with same-shape matrices orthogonalized together.
+// Muon (docs/algorithms.md, Muon step and Shapes): momentum → Newton–Schulz → scale → weight
+// decay → update, for every parameter of a step, with same-shape matrices orthogonalized together.
 #include <algorithm>
 #include <cmath>
 #include <map>
@@ -9,7 +9,7 @@
 #include "absl/strings/str_join.h"
 #include "kernels/optim/newton_schulz.h"
 #include "kernels/optim/optimizer_impls.h"
-#include "kernels/status_macros.h"
+#include "common/status_macros.h"
 
 namespace muond::optim {
 namespace {

@@ -1,5 +1,5 @@
-// Newton–Schulz orthogonalization (DESIGN.md, Muon step 2), written against the Backend primitives,
-// and NsWorkspace, the scratch buffers it reuses between calls.
+// Newton–Schulz orthogonalization (docs/algorithms.md, Muon step 2), written against the Backend
+// primitives, and NsWorkspace, the scratch buffers it reuses between calls.
 //
 // NewtonSchulz maps a batch of rows×cols matrices G_i to O_i ≈ U_i·V_iᵀ (the polar factor of
 // G_i = U_i·Σ_i·V_iᵀ) with a fixed number of odd-quintic iterations; same-shape matrices go through

@@ -4,7 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/optim/optimizer_impls.h"
-#include "kernels/status_macros.h"
+#include "common/status_macros.h"
 
 namespace muond::optim {
 

@@ -4,12 +4,12 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/status_macros.h"
+#include "common/status_macros.h"
 
 namespace muond::optim {
 namespace {
 
-// DESIGN.md's coefficient table, tuple for tuple.
+// The coefficient sets of docs/algorithms.md (Muon step 2, Coefficient sets), tuple for tuple.
 struct NamedSet {
   const char* name;
   std::vector<NsCoefficient> tuples;
@@ -192,6 +192,14 @@ std::string_view OptimizerName(OptimizerKind kind) {
       return "sgd";
   }
   return "unknown";
+}
+
+std::vector<std::string> OptimizerNames() {
+  std::vector<std::string> names;
+  for (OptimizerKind kind : {OptimizerKind::kMuon, OptimizerKind::kAdamW, OptimizerKind::kLion, OptimizerKind::kSgd}) {
+    names.emplace_back(OptimizerName(kind));
+  }
+  return names;
 }
 
 }  // namespace muond::optim

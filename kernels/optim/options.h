@@ -1,5 +1,5 @@
-// Options of one parameter group, in the vocabulary of DESIGN.md's option table, and their
-// validation. A plain value type: copy freely; no shared state.
+// Options of one parameter group, in the vocabulary of docs/algorithms.md's Group options table, and
+// their validation. A plain value type: copy freely; no shared state.
 #pragma once
 
 #include <string>
@@ -31,8 +31,8 @@ struct NsSchedule {
   NsCoefficient At(int step) const;
 };
 
-// The named sets of DESIGN.md; NOT_FOUND-free: an unknown name is INVALID_ARGUMENT naming
-// `ns_coefficients`.
+// The named sets of docs/algorithms.md (Coefficient sets); NOT_FOUND-free: an unknown name is
+// INVALID_ARGUMENT naming `ns_coefficients`.
 absl::StatusOr<NsSchedule> NamedSchedule(std::string_view name);
 std::vector<std::string> NamedScheduleNames();
 
@@ -57,7 +57,8 @@ struct GroupOptions {
   double eps = 1e-8;
 };
 
-// The defaults of DESIGN.md for `kind` (lr, weight decay, momentum, nesterov, betas differ).
+// The defaults of docs/algorithms.md (Group options) for `kind` (lr, weight decay, momentum,
+// nesterov, betas differ).
 GroupOptions DefaultOptions(OptimizerKind kind);
 
 // Checks ranges (lr ≥ 0, 0 ≤ momentum < 1, ns_steps ≥ 1, …). The message names the option, e.g.
@@ -66,5 +67,7 @@ absl::Status ValidateOptions(const GroupOptions& options);
 
 // Names used on the wire and in logs.
 std::string_view OptimizerName(OptimizerKind kind);
+// Every optimizer's name, in the order of OptimizerKind (what GetServerInfo lists).
+std::vector<std::string> OptimizerNames();
 
 }  // namespace muond::optim

@@ -12,7 +12,7 @@
 
 #include "absl/status/status.h"
 #include "kernels/backend.h"
-#include "kernels/status_macros.h"
+#include "common/status_macros.h"
 
 namespace muond::optim {
 

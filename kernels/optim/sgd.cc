@@ -2,7 +2,7 @@
 #include <utility>
 
 #include "kernels/optim/optimizer_impls.h"
-#include "kernels/status_macros.h"
+#include "common/status_macros.h"
 
 namespace muond::optim {
 namespace {

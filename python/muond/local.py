@@ -1,7 +1,7 @@
 """``LocalOptimizer``: the daemon's optimizers (Muon, AdamW, Lion, SGD), in-process, in torch.
 
 Same constructor options and param groups as ``RemoteOptimizer``, same math as the daemon's CPU
-backend (DESIGN.md's algorithms, Newton–Schulz in fp32) and the same step semantics: a step with a
+backend (docs/algorithms.md, Newton–Schulz in fp32) and the same step semantics: a step with a
 non-finite gradient is skipped whole, ``max_grad_norm`` clips the global norm like
 ``torch.nn.utils.clip_grad_norm_``, and ``last_info`` says what happened. The state lives in this
 process. It
@@ -61,8 +61,8 @@ def muon_scale(mode: str, factor: float, rows: int, cols: int) -> float:
 
 
 def _orthogonalize_scaled(u: torch.Tensor, group: Dict[str, Any]) -> torch.Tensor:
-    """NS(U) times its scale, for the parameter shapes DESIGN.md lists (2-D, 4-D conv as
-    (O, I·kh·kw), 3-D experts one by one, fused QKV block by block)."""
+    """NS(U) times its scale, for the parameter shapes of docs/algorithms.md, Shapes (2-D, 4-D
+    conv as (O, I·kh·kw), 3-D experts one by one, fused QKV block by block)."""
     coefficients, after = opts.coefficient_schedule(group)
 
     def ortho(m: torch.Tensor) -> torch.Tensor:

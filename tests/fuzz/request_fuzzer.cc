@@ -31,9 +31,10 @@
 #include "grpcpp/support/server_interceptor.h"
 #include "kernels/backend_factory.h"
 #include "muond/v1/muond.grpc.pb.h"
-#include "server/logging.h"
-#include "server/muond_service.h"
-#include "server/session_registry.h"
+#include "common/logging.h"
+#include "server/rpc/muond_service.h"
+#include "server/rpc/spec_codec.h"
+#include "server/session/session_registry.h"
 #include "tests/fuzz/request_script.h"
 
 namespace muond::fuzz {
@@ -93,8 +94,9 @@ class InFlightCalls final : public grpc::experimental::ServerInterceptorFactoryI
 // One daemon per fuzzing process, started on first use and never torn down.
 struct Daemon {
   std::unique_ptr<kernels::Backend> backend;
-  std::unique_ptr<server::SessionRegistry> registry;
-  std::unique_ptr<server::MuondService> service;
+  rpc::ProtoSpecCodec codec;
+  std::unique_ptr<session::SessionRegistry> registry;
+  std::unique_ptr<rpc::MuondService> service;
   InFlightCalls* in_flight = nullptr;  // owned by the server
   std::unique_ptr<grpc::Server> server;
   std::unique_ptr<v1::Muond::Stub> stub;
@@ -103,23 +105,23 @@ struct Daemon {
 Daemon& TheDaemon() {
   static Daemon* const daemon = [] {
     auto* d = new Daemon;
-    if (absl::Status s = server::ConfigureLogging("off"); !s.ok()) Fail(s.ToString());
+    if (absl::Status s = ConfigureLogging("off"); !s.ok()) Fail(s.ToString());
     // protobuf logs every string field that is not UTF-8; for fuzzed bytes that is most of them.
     google::protobuf::SetLogHandler(nullptr);
     absl::StatusOr<kernels::BackendSelection> selection = kernels::CreateBackend("cpu", 0, 1);
     if (!selection.ok()) Fail(selection.status().ToString());
     d->backend = std::move(selection->backend);
-    server::SpecLimits limits;
+    session::SpecLimits limits;
     limits.max_tensor_elements = 4096;
     limits.max_parameters = 16;
-    d->registry = std::make_unique<server::SessionRegistry>(d->backend.get(), limits, /*max_sessions=*/4);
-    server::ServiceOptions options;
+    d->registry = std::make_unique<session::SessionRegistry>(d->backend.get(), &d->codec, limits, /*max_sessions=*/4);
+    rpc::ServiceOptions options;
     options.max_chunk_bytes = kMaxChunkBytes;
     options.default_chunk_bytes = 256;
     // Within reach of an input's payloads (up to 64 KiB), so that gRPC itself cuts some streams
     // short for an oversized message, as it would for a real client.
     options.max_message_bytes = kMaxChunkBytes + 4096;
-    d->service = std::make_unique<server::MuondService>(d->registry.get(), d->backend.get(), options);
+    d->service = std::make_unique<rpc::MuondService>(d->registry.get(), d->backend.get(), options);
     grpc::ServerBuilder builder;
     builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
     builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
@@ -145,11 +147,11 @@ struct SessionPrint {
 };
 using Fingerprint = std::map<std::string, SessionPrint>;
 
-Fingerprint Take(const server::SessionRegistry& registry) {
+Fingerprint Take(const session::SessionRegistry& registry) {
   Fingerprint print;
-  for (const std::shared_ptr<server::Session>& session : registry.List()) {
+  for (const std::shared_ptr<session::Session>& session : registry.List()) {
     SessionPrint& p = print[session->id()];
-    absl::StatusOr<server::SessionState> state = session->ExportState();
+    absl::StatusOr<session::SessionState> state = session->ExportState();
     if (!state.ok()) {  // not initialized yet
       p.last_step = session->last_step();
       p.state = state.status().ToString();
@@ -157,7 +159,7 @@ Fingerprint Take(const server::SessionRegistry& registry) {
     }
     p.last_step = state->last_step;
     for (int64_t count : state->step_counts) p.state.append(reinterpret_cast<const char*>(&count), sizeof count);
-    for (const server::StateTensor& t : state->tensors) {
+    for (const session::StateTensor& t : state->tensors) {
       absl::StrAppend(&p.state, "|", t.parameter, "/", t.slot, ":");
       p.state.append(reinterpret_cast<const char*>(t.values.data()), t.values.size() * sizeof(float));
     }

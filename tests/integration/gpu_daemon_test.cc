@@ -109,7 +109,7 @@ TEST(GpuDaemonTest, TrainsLikeTheCpuDaemon) {
   ASSERT_OK_AND_ASSIGN(auto on_cpu, client::Client::Connect(options));
 
   // fp32 GEMMs differ from OpenBLAS's only in summation order; bf16 operands round to 8 bits, which
-  // DESIGN.md bounds at 2e-2 for one Newton–Schulz output.
+  // docs/algorithms.md (Matmul precision) bounds at 2e-2 for one Newton–Schulz output.
   for (const auto& [precision, tolerance] : {std::pair<std::string, double>{"fp32", 1e-3}, {"bf16", 5e-2}}) {
     SCOPED_TRACE(precision);
     const client::ParameterMap got = Train(*on_gpu, precision, 12);

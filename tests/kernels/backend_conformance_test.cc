@@ -8,7 +8,7 @@
 #include <limits>
 #include <vector>
 
-#include "kernels/status_macros.h"
+#include "common/status_macros.h"
 #include "tests/kernels/backend_conformance.h"
 #include "tests/kernels/reference.h"
 #include "tests/testing/status_matchers.h"

@@ -3,6 +3,7 @@
 // fails and says why it fell back, "cuda" either works or fails with FAILED_PRECONDITION and a
 // reason, and "auto" picks CUDA exactly when "cuda" works.
 #include "kernels/backend_factory.h"
+#include "common/config.h"
 
 #include <string>
 
@@ -26,7 +27,7 @@ TEST(BackendFactoryTest, UnknownKindNamesTheFlag) {
 }
 
 TEST(BackendFactoryTest, WithoutCudaBuilt) {
-  if (CudaBackendBuilt()) GTEST_SKIP() << "this build has the CUDA backend";
+  if (MUOND_HAVE_CUDA) GTEST_SKIP() << "this build has the CUDA backend";
   ASSERT_OK_AND_ASSIGN(BackendSelection autosel, CreateBackend("auto", 0, 0));
   EXPECT_EQ(autosel.backend->Name(), "cpu");
   EXPECT_EQ(autosel.note, "CUDA backend not built; using CPU");
@@ -35,7 +36,7 @@ TEST(BackendFactoryTest, WithoutCudaBuilt) {
 }
 
 TEST(BackendFactoryTest, AutoPicksCudaExactlyWhenCudaWorks) {
-  if (!CudaBackendBuilt()) GTEST_SKIP() << "this build has no CUDA backend";
+  if (!MUOND_HAVE_CUDA) GTEST_SKIP() << "this build has no CUDA backend";
   absl::StatusOr<BackendSelection> cuda = CreateBackend("cuda", 0, 0);
   ASSERT_OK_AND_ASSIGN(BackendSelection autosel, CreateBackend("auto", 0, 0));
   if (cuda.ok()) {
@@ -54,7 +55,7 @@ TEST(BackendFactoryTest, AutoPicksCudaExactlyWhenCudaWorks) {
 }
 
 TEST(BackendFactoryTest, CudaDeviceOutOfRange) {
-  if (!CudaBackendBuilt()) GTEST_SKIP() << "this build has no CUDA backend";
+  if (!MUOND_HAVE_CUDA) GTEST_SKIP() << "this build has no CUDA backend";
   // Whether or not a GPU is present, ordinal 4096 is not one of them.
   EXPECT_THAT(CreateBackend("cuda", 4096, 0), StatusIs(absl::StatusCode::kFailedPrecondition, ""));
   EXPECT_THAT(CreateBackend("cuda", -1, 0), StatusIs(absl::StatusCode::kFailedPrecondition, ""));

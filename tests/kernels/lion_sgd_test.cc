@@ -1,4 +1,4 @@
-// Lion and SGD against fp64 references written from DESIGN.md (Lion) and torch.optim.SGD.
+// Lion and SGD against fp64 references written from docs/algorithms.md (Lion) and torch.optim.SGD.
 #include <cmath>
 #include <functional>
 #include <random>

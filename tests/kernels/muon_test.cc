@@ -1,5 +1,6 @@
-// Muon against an fp64 reference written from DESIGN.md's formulas (momentum, Newton–Schulz, scale,
-// weight decay, update), over several steps and every option that changes the math.
+// Muon against an fp64 reference written from the formulas of docs/algorithms.md (momentum,
+// Newton–Schulz, scale, weight decay, update), over several steps and every option that changes the
+// math.
 #include <cmath>
 #include <random>
 #include <string>
@@ -22,7 +23,7 @@ struct ParamSpec {
   QkvSplit qkv = {};
 };
 
-// The reference's own reading of DESIGN.md's shape rules: (offset, rows, cols) per matrix.
+// The reference's own reading of docs/algorithms.md, Shapes: (offset, rows, cols) per matrix.
 struct Block {
   int64_t offset, rows, cols;
 };

@@ -19,7 +19,7 @@ void ExpectTuple(const NsCoefficient& t, double a, double b, double c) {
   EXPECT_EQ(t.c, c);
 }
 
-// DESIGN.md's table, typed in again here so a slip in either copy fails.
+// The coefficient table of docs/algorithms.md, typed in again here so a slip in either copy fails.
 struct ExpectedSet {
   std::string name;
   std::vector<NsCoefficient> tuples;

@@ -1,6 +1,7 @@
 // Test helpers for the kernels tests: fp64 host matrices, an SVD (LAPACKE_dgesvd), a fp64
-// Newton–Schulz written from DESIGN.md independently of kernels/optim/newton_schulz.cc, random
-// inputs, and round trips through a Backend. Header-only; not thread-safe (callers own their RNGs).
+// Newton–Schulz written from docs/algorithms.md independently of kernels/optim/newton_schulz.cc,
+// random inputs, and round trips through a Backend. Header-only; not thread-safe (callers own their
+// RNGs).
 #pragma once
 
 #include <lapacke.h>
@@ -101,7 +102,7 @@ inline Mat MatWithSingularValues(std::mt19937& rng, int64_t rows, int64_t cols,
   return m;
 }
 
-// DESIGN.md step 2 in fp64: transpose to wide, normalize, iterate, transpose back.
+// docs/algorithms.md, Muon step 2, in fp64: transpose to wide, normalize, iterate, transpose back.
 inline Mat ReferenceNs(const Mat& g, const optim::NsSchedule& schedule, int steps, double eps = 1e-7,
                        double safety = 1.0) {
   const bool tall = g.rows > g.cols;

@@ -1,6 +1,6 @@
-"""Pure-torch reference of the daemon's optimizers, written from DESIGN.md's "Algorithms" section
-for the tests to compare against. Deliberately independent of the muond package: it takes fully
-spelled-out options and keeps its own state, in fp32 throughout.
+"""Pure-torch reference of the daemon's optimizers, written from docs/algorithms.md for the tests
+to compare against. Deliberately independent of the muond package: it takes fully spelled-out
+options and keeps its own state, in fp32 throughout.
 
 Not thread-safe; one instance per test.
 """

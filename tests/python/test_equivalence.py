@@ -1,4 +1,4 @@
-"""The daemon's Muon and AdamW against the pure-torch reference of DESIGN.md, on identical
+"""The daemon's Muon and AdamW against the pure-torch reference of docs/algorithms.md, on identical
 gradients from a small model: parameters must agree to a relative error below 1e-4."""
 
 import pytest
@@ -190,9 +190,9 @@ def test_lion_group_matches_design(endpoint):
 
 @pytest.mark.parametrize("split,query_groups", [((8, 4, 4), 2), ((16, 16, 16), 1)])
 def test_fused_qkv_experts_and_conv_match_local(endpoint, split, query_groups):
-    # DESIGN.md's other shapes: fused QKV orthogonalized block by block, 3-D experts one by one,
-    # 4-D convolution filters as (out, in·kh·kw). LocalOptimizer is checked against the
-    # reference for matrices above; here it stands in for the reference.
+    # The other shapes of docs/algorithms.md, Shapes: fused QKV orthogonalized block by block,
+    # 3-D experts one by one, 4-D convolution filters as (out, in·kh·kw). LocalOptimizer is checked
+    # against the reference for matrices above; here it stands in for the reference.
     gen = torch.Generator().manual_seed(60)
     rows = sum(split) * query_groups
     shapes = {"qkv": (rows, 16), "experts": (3, 8, 12), "conv": (8, 3, 3, 3)}

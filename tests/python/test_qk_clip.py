@@ -1,9 +1,9 @@
 """QK-clip (MuonClip) from the Python client, against the real daemon.
 
-The reference is DESIGN.md's formula, written here in fp64: after the update, every head h of a
-pair whose max logit S_h exceeds τ has its query rows multiplied by γ^α and its key rows by
-γ^(1−α), γ = τ/S_h; τ and α come from the query's group. With lr 0 the Muon update changes
-nothing, so a step's answer is the clip alone.
+The reference is the formula of docs/algorithms.md, QK-clip, written here in fp64: after the
+update, every head h of a pair whose max logit S_h exceeds τ has its query rows multiplied by γ^α
+and its key rows by γ^(1−α), γ = τ/S_h; τ and α come from the query's group. With lr 0 the Muon
+update changes nothing, so a step's answer is the clip alone.
 """
 
 import math
@@ -18,7 +18,7 @@ H = 4  # heads of every pair below
 
 
 def reference_clip(query, key, max_logits, tau, alpha):
-    """DESIGN.md's QK-clip in fp64; returns new (query, key)."""
+    """The QK-clip of docs/algorithms.md in fp64; returns new (query, key)."""
     q, k = query.detach().double().clone(), key.detach().double().clone()
     for weight, exponent in ((q, alpha), (k, 1 - alpha)):
         rows = weight.shape[0] // len(max_logits)

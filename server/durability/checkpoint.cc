@@ -1,0 +1,180 @@
+#include "server/durability/checkpoint.h"
+
+#include <cstring>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/status_macros.h"
+#include "nlohmann/json.hpp"
+#include "server/durability/file_util.h"
+
+namespace muond::durability {
+namespace {
+
+using nlohmann::json;
+
+constexpr char kFormat[] = "muond.checkpoint.v1";
+
+// safetensors: 8-byte little-endian header length, the JSON header (padded with spaces to a multiple
+// of 8 so the data is aligned), then the raw tensor bytes.
+std::string EncodeSafetensors(const CheckpointData& data) {
+  json header = json::object();
+  size_t offset = 0;
+  for (const CheckpointTensor& t : data.tensors) {
+    const size_t bytes = t.values.size() * sizeof(float);
+    header[t.parameter + "/" + t.slot] = {{"dtype", "F32"}, {"shape", t.shape},
+                                          {"data_offsets", {offset, offset + bytes}}};
+    offset += bytes;
+  }
+  header["__metadata__"] = {{"format", kFormat}, {"session_id", data.session_id},
+                            {"last_step", std::to_string(data.last_step)}, {"backend", data.backend}};
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');
+  std::string out(8, '\0');
+  const uint64_t length = text.size();
+  std::memcpy(out.data(), &length, 8);
+  out += text;
+  out.reserve(out.size() + offset);
+  for (const CheckpointTensor& t : data.tensors) {
+    out.append(reinterpret_cast<const char*>(t.values.data()), t.values.size() * sizeof(float));
+  }
+  return out;
+}
+
+bool IsUnsigned(const json& value) { return value.is_number_unsigned() || (value.is_number_integer() && value >= 0); }
+
+absl::Status DecodeSafetensors(const std::string& file, const std::string& bytes, CheckpointData* data) {
+  uint64_t length = 0;
+  if (bytes.size() < 8) return CheckpointCorrupt(file, "shorter than its header");
+  std::memcpy(&length, bytes.data(), 8);
+  if (length > bytes.size() - 8) return CheckpointCorrupt(file, "header length past the end of the file");
+  const json header = json::parse(bytes.begin() + 8, bytes.begin() + 8 + static_cast<std::ptrdiff_t>(length),
+                                  nullptr, /*allow_exceptions=*/false);
+  if (!header.is_object()) return CheckpointCorrupt(file, "header is not a JSON object");
+  const size_t data_start = 8 + length;
+  for (const auto& [key, entry] : header.items()) {
+    if (key == "__metadata__") continue;
+    const size_t slash = key.rfind('/');
+    if (slash == std::string::npos) return CheckpointCorrupt(file, absl::StrCat("unknown tensor '", key, "'"));
+    // Every field is checked for its type before it is read: a value of the wrong type is a
+    // corrupt file, not an exception.
+    const bool well_formed = entry.is_object() && entry.contains("dtype") && entry["dtype"] == "F32" &&
+                             entry.contains("shape") && entry["shape"].is_array() && entry.contains("data_offsets") &&
+                             entry["data_offsets"].is_array() && entry["data_offsets"].size() == 2 &&
+                             IsUnsigned(entry["data_offsets"][0]) && IsUnsigned(entry["data_offsets"][1]);
+    if (!well_formed) return CheckpointCorrupt(file, absl::StrCat("tensor '", key, "' is not F32 with a shape"));
+    CheckpointTensor t{key.substr(0, slash), key.substr(slash + 1), {}, {}};
+    uint64_t numel = 1;
+    for (const json& dim : entry["shape"]) {
+      if (!dim.is_number_integer() || dim.get<int64_t>() <= 0 || dim.get<uint64_t>() > (uint64_t{1} << 40)) {
+        return CheckpointCorrupt(file, absl::StrCat("tensor '", key, "' has a bad shape"));
+      }
+      t.shape.push_back(dim.get<int64_t>());
+      numel *= dim.get<uint64_t>();
+      if (numel > (uint64_t{1} << 40)) return CheckpointCorrupt(file, absl::StrCat("tensor '", key, "' is too large"));
+    }
+    const uint64_t begin = entry["data_offsets"][0].get<uint64_t>();
+    const uint64_t end = entry["data_offsets"][1].get<uint64_t>();
+    if (end < begin || end - begin != numel * sizeof(float) || end > bytes.size() - data_start) {
+      return CheckpointCorrupt(file, absl::StrCat("tensor '", key, "' has bad data offsets"));
+    }
+    t.values.resize(numel);
+    std::memcpy(t.values.data(), bytes.data() + data_start + begin, end - begin);
+    data->tensors.push_back(std::move(t));
+  }
+  return absl::OkStatus();
+}
+
+std::string TensorFileName(int64_t step) { return absl::StrFormat("checkpoint-%012d.safetensors", step); }
+
+// The digest of the metadata covers every field but itself.
+std::string MetadataDigest(json metadata) {
+  metadata.erase("metadata_sha256");
+  return Sha256Hex(metadata.dump());
+}
+
+// A string member of `object`, or "" when it is missing or not a string.
+std::string StringField(const json& object, const char* key) {
+  auto it = object.find(key);
+  return it != object.end() && it->is_string() ? it->get<std::string>() : std::string();
+}
+
+}  // namespace
+
+absl::Status CheckpointCorrupt(const std::string& file, absl::string_view why) {
+  return absl::DataLossError(absl::StrCat("checkpoint ", file, " is unusable: ", why));
+}
+
+absl::Status WriteCheckpoint(Env* env, const std::string& dir, const CheckpointData& data) {
+  MUOND_RETURN_IF_ERROR(env->CreateDirs(dir));
+  const std::string tensors = EncodeSafetensors(data);
+  const std::string tensor_file = TensorFileName(data.last_step);
+  MUOND_RETURN_IF_ERROR(WriteFileAtomically(env, dir + "/" + tensor_file, tensors));
+
+  json spec = json::parse(data.spec_json, nullptr, /*allow_exceptions=*/false);
+  if (spec.is_discarded()) return absl::InternalError("the session spec is not JSON");
+  json counts = json::object();
+  for (const auto& [name, count] : data.step_counts) counts[name] = count;
+  json metadata = {{"format", kFormat},
+                   {"session_id", data.session_id},
+                   {"owner", data.owner},
+                   {"last_step", data.last_step},
+                   {"step_counts", counts},
+                   {"backend", data.backend},
+                   {"spec", std::move(spec)},
+                   {"tensors", {{"file", tensor_file}, {"bytes", tensors.size()}, {"sha256", Sha256Hex(tensors)}}}};
+  metadata["metadata_sha256"] = MetadataDigest(metadata);
+  MUOND_RETURN_IF_ERROR(WriteFileAtomically(env, dir + "/" + kCheckpointMetadataFile, metadata.dump(2) + "\n"));
+
+  // The new checkpoint is committed; older tensor files are garbage now.
+  absl::StatusOr<std::vector<std::string>> names = env->ListDir(dir);
+  if (names.ok()) {
+    for (const std::string& name : *names) {
+      if (absl::StartsWith(name, "checkpoint-") && name != tensor_file) env->RemoveFile(dir + "/" + name).IgnoreError();
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<CheckpointData> ReadCheckpoint(Env* env, const std::string& dir) {
+  const std::string metadata_file = dir + "/" + kCheckpointMetadataFile;
+  MUOND_ASSIGN_OR_RETURN(std::string text, env->ReadFile(metadata_file));
+  const json metadata = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (!metadata.is_object()) return CheckpointCorrupt(metadata_file, "not valid JSON (truncated?)");
+  if (StringField(metadata, "format") != kFormat) return CheckpointCorrupt(metadata_file, "unknown format");
+  if (StringField(metadata, "metadata_sha256") != MetadataDigest(metadata)) {
+    return CheckpointCorrupt(metadata_file, "its SHA-256 does not match its contents (altered)");
+  }
+  // The digest matched, so the fields are as muond wrote them; their types are still checked, since
+  // a digest is no proof against a file written to look valid.
+  auto last_step = metadata.find("last_step");
+  auto counts = metadata.find("step_counts");
+  auto tensors = metadata.find("tensors");
+  auto spec = metadata.find("spec");
+  if (last_step == metadata.end() || !last_step->is_number_integer() || counts == metadata.end() ||
+      !counts->is_object() || tensors == metadata.end() || !tensors->is_object() || spec == metadata.end() ||
+      !spec->is_object() || !tensors->contains("bytes") || !IsUnsigned((*tensors)["bytes"])) {
+    return CheckpointCorrupt(metadata_file, "a field is missing or of the wrong type");
+  }
+  CheckpointData data;
+  data.session_id = StringField(metadata, "session_id");
+  data.owner = StringField(metadata, "owner");
+  data.backend = StringField(metadata, "backend");
+  data.spec_json = spec->dump();
+  data.last_step = last_step->get<int64_t>();
+  for (const auto& [name, count] : counts->items()) {
+    if (!count.is_number_integer()) return CheckpointCorrupt(metadata_file, "a step count is not an integer");
+    data.step_counts.emplace_back(name, count.get<int64_t>());
+  }
+
+  const std::string tensor_file = dir + "/" + StringField(*tensors, "file");
+  MUOND_ASSIGN_OR_RETURN(std::string bytes, env->ReadFile(tensor_file));
+  if (bytes.size() != (*tensors)["bytes"].get<uint64_t>() || Sha256Hex(bytes) != StringField(*tensors, "sha256")) {
+    return CheckpointCorrupt(tensor_file, "its size or SHA-256 differs from checkpoint.json (truncated or altered)");
+  }
+  MUOND_RETURN_IF_ERROR(DecodeSafetensors(tensor_file, bytes, &data));
+  return data;
+}
+
+}  // namespace muond::durability

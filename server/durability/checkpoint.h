@@ -1,0 +1,55 @@
+// Checkpoints of a session in its folder of the state directory:
+//   checkpoint-<step>.safetensors  every master and optimizer slot as F32 tensors named
+//                                  "<parameter>/<slot>" (slot: master, momentum, exp_avg, ...)
+//   checkpoint.json                the spec, step counters, backend, and the SHA-256 of the tensors
+//                                  file and of itself
+// checkpoint.json is written last and atomically, so it is the commit point: a crash at any moment
+// leaves either the previous checkpoint or the new one, never a mix. Reading verifies both digests
+// and the tensors' framing, and refuses, naming the file, anything truncated or altered; whether the
+// tensors fit a session is for the reader's caller to judge (CheckpointCorrupt names the file).
+//
+// Stateless functions over an Env; callers serialize writes to one folder. No gRPC and no session
+// types: an offline tool can read a state directory with this alone.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "server/durability/env.h"
+
+namespace muond::durability {
+
+struct CheckpointTensor {
+  std::string parameter;
+  std::string slot;
+  std::vector<int64_t> shape;
+  std::vector<float> values;
+};
+
+struct CheckpointData {
+  std::string session_id;
+  std::string owner;      // the identity that created the session; empty without authentication
+  std::string spec_json;  // the session's spec in the API's JSON form
+  std::string backend;
+  int64_t last_step = 0;
+  std::vector<std::pair<std::string, int64_t>> step_counts;  // parameter name → its step count
+  std::vector<CheckpointTensor> tensors;
+};
+
+inline constexpr char kCheckpointMetadataFile[] = "checkpoint.json";
+
+absl::Status WriteCheckpoint(Env* env, const std::string& dir, const CheckpointData& data);
+
+// Reads and verifies the checkpoint in `dir`. DATA_LOSS naming the file when it is unusable; the
+// errors of Env::ReadFile when it cannot be read.
+absl::StatusOr<CheckpointData> ReadCheckpoint(Env* env, const std::string& dir);
+
+// DATA_LOSS "checkpoint <file> is unusable: <why>", for callers that find a checkpoint's contents
+// do not fit (`file` is the folder's metadata or tensors file).
+absl::Status CheckpointCorrupt(const std::string& file, absl::string_view why);
+
+}  // namespace muond::durability

@@ -1,0 +1,92 @@
+// Env: the file-system environment the daemon's durable state goes through (after leveldb's Env).
+// Code that writes the state directory (durable files, the step journal, checkpoints) takes an Env*
+// instead of calling POSIX directly, so that production uses Env::Default() (real POSIX calls) and
+// unit tests can substitute a FaultInjectingEnv that fails a chosen write, fsync or rename.
+//
+// Ownership: Env::Default() is process-wide and never deleted; any other Env is owned by whoever
+// made it and must outlive every WritableFile it handed out. A WritableFile is owned by its caller
+// (std::unique_ptr); destroying it closes the file without reporting errors, so callers that need to
+// know whether the close succeeded call Close() first.
+//
+// Thread-safety: Env implementations are thread-safe. A WritableFile is used by one thread at a time.
+//
+// Errors are absl::Status values whose message names the file and the errno text, e.g.
+// "cannot write /x/journal.log: No space left on device". Codes: NOT_FOUND for a missing file or
+// folder, PERMISSION_DENIED for EACCES/EPERM, RESOURCE_EXHAUSTED for a full disk (ENOSPC, EDQUOT),
+// INTERNAL for every other I/O error.
+//
+// Durability: like POSIX, creating, renaming or removing an entry is durable only after SyncDir() of
+// the folder holding it; data written to a file is durable only after Sync().
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace muond::durability {
+
+// A file open for sequential writing. Used by one thread at a time.
+class WritableFile {
+ public:
+  WritableFile() = default;
+  WritableFile(const WritableFile&) = delete;
+  WritableFile& operator=(const WritableFile&) = delete;
+  virtual ~WritableFile();
+
+  // Writes all of `data` at the end of the file, or fails. A failure may leave a prefix of `data`
+  // written, so a caller that must not leave partial records behind frames them (length, checksum).
+  virtual absl::Status Append(absl::string_view data) = 0;
+  // fdatasync-level durability: on OK the data appended so far and the file's size survive a crash.
+  virtual absl::Status Sync() = 0;
+  // Empties the file, durably (ftruncate + fsync); later appends start at offset 0.
+  virtual absl::Status Truncate() = 0;
+  // Closes the file; later calls other than Close() and path() fail with FAILED_PRECONDITION. Closing
+  // twice is OK. Close does not sync.
+  virtual absl::Status Close() = 0;
+  virtual const std::string& path() const = 0;
+};
+
+class Env {
+ public:
+  Env() = default;
+  Env(const Env&) = delete;
+  Env& operator=(const Env&) = delete;
+  virtual ~Env();
+
+  // The process-wide POSIX environment; never deleted, so it may be used during static destruction.
+  static Env* Default();
+
+  // Creates `path` (mode 0644) or truncates it, for writing from offset 0.
+  virtual absl::StatusOr<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path) = 0;
+  // Opens `path` for appending, creating it (mode 0644) if missing; existing contents are kept.
+  virtual absl::StatusOr<std::unique_ptr<WritableFile>> NewAppendableFile(const std::string& path) = 0;
+  // The whole contents of `path`.
+  virtual absl::StatusOr<std::string> ReadFile(const std::string& path) = 0;
+  // rename(2): atomically replaces `to` if it exists.
+  virtual absl::Status RenameFile(const std::string& from, const std::string& to) = 0;
+  // Removes one file (not a folder); a missing file is NOT_FOUND.
+  virtual absl::Status RemoveFile(const std::string& path) = 0;
+  // Removes `path` and, if it is a folder, everything under it; a missing path is OK.
+  virtual absl::Status RemoveTree(const std::string& path) = 0;
+  // mkdir -p: creates `path` and any missing parents; an existing folder is OK.
+  virtual absl::Status CreateDirs(const std::string& path) = 0;
+  // fsync of a folder: makes the creation, renaming and removal of its entries durable.
+  virtual absl::Status SyncDir(const std::string& path) = 0;
+  // Whether `path` names an existing entry (file, folder, ...). Errors read as false.
+  virtual bool FileExists(const std::string& path) = 0;
+  // The names (not paths) of the entries of folder `path`, sorted, without "." and "..".
+  virtual absl::StatusOr<std::vector<std::string>> ListDir(const std::string& path) = 0;
+  // Whether `path` is a folder (following symbolic links). Errors read as false.
+  virtual bool IsDirectory(const std::string& path) = 0;
+};
+
+// For Env implementations: the status for an I/O error `error_number` (an errno value) with the
+// message "<context>: <errno text>", e.g. ErrnoStatus("cannot write /x", ENOSPC) is
+// RESOURCE_EXHAUSTED "cannot write /x: No space left on device". Codes as in the comment at the top.
+absl::Status ErrnoStatus(absl::string_view context, int error_number);
+
+}  // namespace muond::durability

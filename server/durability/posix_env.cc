@@ -1,0 +1,216 @@
+// The POSIX Env behind Env::Default(): plain system calls, every descriptor opened with O_CLOEXEC (the
+// daemon must not leak state-directory descriptors into child processes), EINTR retried.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <system_error>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "server/durability/env.h"
+
+namespace muond::durability {
+namespace {
+
+absl::Status PathError(absl::string_view what, const std::string& path, int error_number) {
+  return ErrnoStatus(absl::StrCat(what, " ", path), error_number);
+}
+
+int OpenRetryingEintr(const std::string& path, int flags, mode_t mode = 0) {
+  int fd;
+  do {
+    fd = ::open(path.c_str(), flags | O_CLOEXEC, mode);
+  } while (fd < 0 && errno == EINTR);
+  return fd;
+}
+
+class PosixWritableFile final : public WritableFile {
+ public:
+  PosixWritableFile(std::string path, int fd) : path_(std::move(path)), fd_(fd) {}
+  // Errors are dropped here; callers that need them call Close().
+  ~PosixWritableFile() override {
+    if (fd_ >= 0) ::close(fd_);
+  }
+
+  absl::Status Append(absl::string_view data) override {
+    if (fd_ < 0) return ClosedError();
+    // write(2) may write fewer bytes than asked (signals, large sizes): loop until all are written.
+    while (!data.empty()) {
+      const ssize_t n = ::write(fd_, data.data(), data.size());
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        return PathError("cannot write", path_, errno);
+      }
+      data.remove_prefix(static_cast<size_t>(n));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Sync() override {
+    if (fd_ < 0) return ClosedError();
+    // fdatasync: the data and the size are durable, which is all a reader needs; mtime is not.
+    int rc;
+    do {
+      rc = ::fdatasync(fd_);
+    } while (rc != 0 && errno == EINTR);
+    if (rc != 0) return PathError("cannot fsync", path_, errno);
+    return absl::OkStatus();
+  }
+
+  absl::Status Truncate() override {
+    if (fd_ < 0) return ClosedError();
+    int rc;
+    do {
+      rc = ::ftruncate(fd_, 0);
+    } while (rc != 0 && errno == EINTR);
+    if (rc != 0) return PathError("cannot truncate", path_, errno);
+    // Without O_APPEND the offset would stay at the old end and the next write would leave a hole.
+    if (::lseek(fd_, 0, SEEK_SET) < 0) return PathError("cannot seek", path_, errno);
+    do {
+      rc = ::fsync(fd_);
+    } while (rc != 0 && errno == EINTR);
+    if (rc != 0) return PathError("cannot fsync", path_, errno);
+    return absl::OkStatus();
+  }
+
+  absl::Status Close() override {
+    if (fd_ < 0) return absl::OkStatus();
+    const int fd = fd_;
+    fd_ = -1;
+    // No retry on EINTR: Linux releases the descriptor anyway, and a retry could close another
+    // thread's freshly opened file.
+    if (::close(fd) != 0) return PathError("cannot close", path_, errno);
+    return absl::OkStatus();
+  }
+
+  const std::string& path() const override { return path_; }
+
+ private:
+  absl::Status ClosedError() const { return absl::FailedPreconditionError(absl::StrCat(path_, " is closed")); }
+
+  const std::string path_;
+  int fd_;
+};
+
+class PosixEnv final : public Env {
+ public:
+  absl::StatusOr<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path) override {
+    const int fd = OpenRetryingEintr(path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd < 0) return PathError("cannot create", path, errno);
+    return std::make_unique<PosixWritableFile>(path, fd);
+  }
+
+  absl::StatusOr<std::unique_ptr<WritableFile>> NewAppendableFile(const std::string& path) override {
+    const int fd = OpenRetryingEintr(path, O_WRONLY | O_CREAT | O_APPEND, 0644);
+    if (fd < 0) return PathError("cannot open", path, errno);
+    return std::make_unique<PosixWritableFile>(path, fd);
+  }
+
+  absl::StatusOr<std::string> ReadFile(const std::string& path) override {
+    const int fd = OpenRetryingEintr(path, O_RDONLY);
+    if (fd < 0) return PathError("cannot read", path, errno);
+    std::string contents;
+    struct stat info;
+    if (::fstat(fd, &info) == 0 && S_ISREG(info.st_mode) && info.st_size > 0) {
+      contents.reserve(static_cast<size_t>(info.st_size));
+    }
+    char buffer[1 << 16];
+    while (true) {
+      const ssize_t n = ::read(fd, buffer, sizeof(buffer));
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        const int error_number = errno;
+        ::close(fd);
+        return PathError("cannot read", path, error_number);
+      }
+      if (n == 0) break;
+      contents.append(buffer, static_cast<size_t>(n));
+    }
+    ::close(fd);
+    return contents;
+  }
+
+  absl::Status RenameFile(const std::string& from, const std::string& to) override {
+    if (::rename(from.c_str(), to.c_str()) != 0) {
+      return ErrnoStatus(absl::StrCat("cannot rename ", from, " to ", to), errno);
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status RemoveFile(const std::string& path) override {
+    if (::unlink(path.c_str()) != 0) return PathError("cannot remove", path, errno);
+    return absl::OkStatus();
+  }
+
+  absl::Status RemoveTree(const std::string& path) override {
+    std::error_code error;
+    // remove_all treats a missing path as success, as promised.
+    std::filesystem::remove_all(path, error);
+    if (error) return PathError("cannot remove", path, error.value());
+    return absl::OkStatus();
+  }
+
+  absl::Status CreateDirs(const std::string& path) override {
+    std::error_code error;
+    std::filesystem::create_directories(path, error);
+    if (error) return PathError("cannot create folder", path, error.value());
+    // create_directories reports no error when `path` exists as a file; the caller asked for a folder.
+    if (!IsDirectory(path)) return PathError("cannot create folder", path, ENOTDIR);
+    return absl::OkStatus();
+  }
+
+  absl::Status SyncDir(const std::string& path) override {
+    const int fd = OpenRetryingEintr(path, O_RDONLY | O_DIRECTORY);
+    if (fd < 0) return PathError("cannot open folder", path, errno);
+    int rc;
+    do {
+      rc = ::fsync(fd);
+    } while (rc != 0 && errno == EINTR);
+    const int error_number = errno;
+    ::close(fd);
+    if (rc != 0) return PathError("cannot fsync folder", path, error_number);
+    return absl::OkStatus();
+  }
+
+  bool FileExists(const std::string& path) override { return ::access(path.c_str(), F_OK) == 0; }
+
+  absl::StatusOr<std::vector<std::string>> ListDir(const std::string& path) override {
+    std::error_code error;
+    std::filesystem::directory_iterator it(path, error);
+    if (error) return PathError("cannot list", path, error.value());
+    std::vector<std::string> names;
+    // The iterator skips "." and ".."; increment(error) instead of ++ because ++ throws.
+    for (const std::filesystem::directory_iterator end; it != end; it.increment(error)) {
+      if (error) break;
+      names.push_back(it->path().filename().string());
+    }
+    if (error) return PathError("cannot list", path, error.value());
+    std::sort(names.begin(), names.end());
+    return names;
+  }
+
+  bool IsDirectory(const std::string& path) override {
+    struct stat info;
+    return ::stat(path.c_str(), &info) == 0 && S_ISDIR(info.st_mode);
+  }
+};
+
+}  // namespace
+
+Env* Env::Default() {
+  // Leaked on purpose: code running during static destruction may still write state.
+  static Env* const env = new PosixEnv();
+  return env;
+}
+
+}  // namespace muond::durability

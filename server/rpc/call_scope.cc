@@ -1,0 +1,43 @@
+#include "server/rpc/call_scope.h"
+
+#include <vector>
+
+#include "common/logging.h"
+#include "grpcpp/security/auth_context.h"
+#include "server/rpc/grpc_status.h"
+#include "server/security/caller_identity.h"
+
+namespace muond::rpc {
+
+absl::StatusOr<std::string> CallerOf(const grpc::ServerContext& context, const security::TokenTable* tokens) {
+  security::CallCredentials credentials;
+  const auto& metadata = context.client_metadata();
+  if (auto it = metadata.find("authorization"); it != metadata.end()) {
+    credentials.authorization = std::string(it->second.data(), it->second.size());
+  }
+  const std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();
+  if (auth != nullptr && auth->IsPeerAuthenticated()) {
+    credentials.peer_verified = true;
+    for (const grpc::string_ref& name : auth->GetPeerIdentity()) credentials.peer_names.emplace_back(name.data(), name.size());
+  }
+  return security::IdentifyCaller(credentials, tokens);
+}
+
+CallScope::CallScope(CallServices& services, grpc::ServerContext* context, std::string_view method)
+    : services_(services), context_(context), method_(method), start_(absl::Now()),
+      deadline_(services.deadlines.Watch(context)), caller_(CallerOf(*context, services.tokens)) {
+  services_.metrics->CallStarted(method_);
+}
+
+grpc::Status CallScope::Finish(const absl::Status& status) {
+  services_.metrics->CallEnded(method_, status.code(), absl::Now() - start_);
+  if (!status.ok()) {
+    // Every refusal is logged once, here. Steps are the daemon's bulk traffic, so theirs are debug
+    // lines; errors of the daemon itself are logged where they happen.
+    const spdlog::level::level_enum level = method_ == "Step" ? spdlog::level::debug : spdlog::level::info;
+    spdlog::log(level, "{} from {} refused: {}", method_, context_->peer(), status.ToString());
+  }
+  return ToGrpcStatus(status);
+}
+
+}  // namespace muond::rpc

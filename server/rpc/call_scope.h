@@ -1,0 +1,68 @@
+// CallScope: what every handler of the daemon does around its work, in one place — the
+// --rpc-timeout watch (and the count of calls in flight that shutdown drains), authentication of the
+// caller, the per-method metrics, the log line of a refusal and the single conversion of the
+// handler's absl::Status into the call's gRPC status.
+//
+// A handler is written as
+//   return Serve(context, "CloseSession", [&](const std::string& caller) -> absl::Status { ... });
+// and never builds a grpc::Status itself. CallServices holds what the scopes share (deadlines,
+// tokens, metrics); it is owned by the service and outlives every scope. A CallScope lives on the
+// handler's stack for the whole call; thread-safe as its parts are.
+#pragma once
+
+#include <string>
+#include <string_view>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/clock.h"
+#include "grpcpp/server_context.h"
+#include "grpcpp/support/status.h"
+#include "server/metrics/metrics.h"
+#include "server/rpc/rpc_deadline.h"
+#include "server/security/token_table.h"
+
+namespace muond::rpc {
+
+struct CallServices {
+  CallServices(absl::Duration rpc_timeout, const security::TokenTable* tokens, metrics::Metrics* metrics)
+      : deadlines(rpc_timeout), tokens(tokens), metrics(metrics) {}
+
+  RpcDeadlines deadlines;
+  const security::TokenTable* const tokens;  // null: no bearer tokens; not owned
+  metrics::Metrics* const metrics;           // not owned
+};
+
+// The identity behind `context` (security::IdentifyCaller over what gRPC knows of the call).
+absl::StatusOr<std::string> CallerOf(const grpc::ServerContext& context, const security::TokenTable* tokens);
+
+class CallScope {
+ public:
+  CallScope(CallServices& services, grpc::ServerContext* context, std::string_view method);
+  CallScope(const CallScope&) = delete;
+  CallScope& operator=(const CallScope&) = delete;
+
+  // The authenticated caller; UNAUTHENTICATED (as a status) when its credentials do not hold.
+  const absl::StatusOr<std::string>& caller() const { return caller_; }
+
+  // Ends the call with `status`: reports it, logs a refusal and converts it.
+  grpc::Status Finish(const absl::Status& status);
+
+ private:
+  CallServices& services_;
+  grpc::ServerContext* const context_;
+  const std::string_view method_;
+  const absl::Time start_;
+  RpcDeadlines::Scope deadline_;
+  absl::StatusOr<std::string> caller_;
+};
+
+// Runs `body(caller)` for an authenticated caller within a CallScope and returns the call's status.
+template <typename Body>
+grpc::Status Serve(CallServices& services, grpc::ServerContext* context, std::string_view method, Body&& body) {
+  CallScope scope(services, context, method);
+  if (!scope.caller().ok()) return scope.Finish(scope.caller().status());
+  return scope.Finish(body(*scope.caller()));
+}
+
+}  // namespace muond::rpc

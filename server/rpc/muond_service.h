@@ -1,0 +1,85 @@
+// MuondService: the gRPC face of the daemon (muond.v1.Muond). Every handler runs inside one
+// CallScope (Serve: --rpc-timeout watch, authentication, metrics, the refusal's log line and the one
+// conversion to a gRPC status), converts its request into the session layer's types and hands the
+// work to the SessionRegistry / Session; a step goes through the transport seam
+// (transport::RunStep over the gRPC stream's source and sink).
+//
+// Handlers: session_handlers.cc (server info, create, close, list, checkpoint), tensor_handlers.cc
+// (upload, step, get parameters), state_handlers.cc (get and set state). The service holds no
+// state of its own beyond what its calls share, so handlers run concurrently on gRPC's threads. It
+// borrows the registry, the backend, the tokens and the metrics, which must outlive it.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+#include "absl/time/time.h"
+#include "kernels/backend.h"
+#include "muond/v1/muond.grpc.pb.h"
+#include "server/metrics/metrics.h"
+#include "server/rpc/call_scope.h"
+#include "server/security/token_table.h"
+#include "server/session/session_registry.h"
+
+namespace muond::rpc {
+
+struct ServiceOptions {
+  size_t max_chunk_bytes = 4u << 20;      // largest accepted chunk payload
+  size_t default_chunk_bytes = 1u << 20;  // chunk size of answers unless the client asks otherwise
+  size_t max_message_bytes = 0;           // the gRPC limit the server was built with (reported)
+  // Bearer tokens every call must present; null turns token authentication off. Not owned.
+  const security::TokenTable* tokens = nullptr;
+  absl::Duration rpc_timeout = absl::Seconds(600);  // the daemon's limit on any call; 0: none
+  metrics::Metrics* metrics = metrics::NoMetrics();  // not owned
+};
+
+class MuondService final : public v1::Muond::Service {
+ public:
+  MuondService(session::SessionRegistry* registry, kernels::Backend* backend, ServiceOptions options)
+      : registry_(registry), backend_(backend), options_(options),
+        calls_(options.rpc_timeout, options.tokens, options.metrics) {}
+
+  // Waits until no call is in flight, or `limit` passes; true when idle. For shutdown.
+  bool AwaitIdle(absl::Duration limit) { return calls_.deadlines.AwaitIdle(limit); }
+
+  grpc::Status GetServerInfo(grpc::ServerContext*, const v1::GetServerInfoRequest*, v1::ServerInfo*) override;
+  grpc::Status CreateSession(grpc::ServerContext*, const v1::CreateSessionRequest*,
+                             v1::CreateSessionResponse*) override;
+  grpc::Status CloseSession(grpc::ServerContext*, const v1::CloseSessionRequest*,
+                            v1::CloseSessionResponse*) override;
+  grpc::Status ListSessions(grpc::ServerContext*, const v1::ListSessionsRequest*,
+                            v1::ListSessionsResponse*) override;
+  grpc::Status UploadParameters(grpc::ServerContext*, grpc::ServerReader<v1::UploadParametersRequest>*,
+                                v1::UploadParametersResponse*) override;
+  grpc::Status Step(grpc::ServerContext*, grpc::ServerReaderWriter<v1::StepResponse, v1::StepRequest>*) override;
+  grpc::Status GetParameters(grpc::ServerContext*, const v1::GetParametersRequest*,
+                             grpc::ServerWriter<v1::GetParametersResponse>*) override;
+  grpc::Status GetState(grpc::ServerContext*, const v1::GetStateRequest*,
+                        grpc::ServerWriter<v1::GetStateResponse>*) override;
+  grpc::Status SetState(grpc::ServerContext*, grpc::ServerReader<v1::SetStateRequest>*,
+                        v1::SetStateResponse*) override;
+  grpc::Status Checkpoint(grpc::ServerContext*, const v1::CheckpointRequest*, v1::CheckpointResponse*) override;
+
+ private:
+  absl::Status DoUpload(const std::string& caller, grpc::ServerReader<v1::UploadParametersRequest>* reader,
+                        v1::UploadParametersResponse* response);
+  absl::Status DoStep(const std::string& caller, grpc::ServerContext* context,
+                      grpc::ServerReaderWriter<v1::StepResponse, v1::StepRequest>* stream);
+  absl::Status DoGetParameters(const std::string& caller, grpc::ServerContext* context,
+                               const v1::GetParametersRequest& request,
+                               grpc::ServerWriter<v1::GetParametersResponse>* writer);
+  absl::Status DoGetState(const std::string& caller, const v1::GetStateRequest& request,
+                          grpc::ServerWriter<v1::GetStateResponse>* writer);
+  absl::Status DoSetState(const std::string& caller, grpc::ServerReader<v1::SetStateRequest>* reader,
+                          v1::SetStateResponse* response);
+
+  // Chunk size for an answer: the client's wish bounded by the server's limit.
+  size_t AnswerChunkBytes(uint32_t requested) const;
+
+  session::SessionRegistry* const registry_;
+  kernels::Backend* const backend_;
+  const ServiceOptions options_;
+  CallServices calls_;
+};
+
+}  // namespace muond::rpc

@@ -1,0 +1,87 @@
+// MuondService: server information and session management.
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "common/config.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "kernels/optim/options.h"
+#include "server/rpc/muond_service.h"
+#include "server/rpc/spec_codec.h"
+
+namespace muond::rpc {
+namespace {
+constexpr size_t kMinAnswerChunkBytes = 64u << 10;
+}  // namespace
+
+size_t MuondService::AnswerChunkBytes(uint32_t requested) const {
+  if (requested == 0) return options_.default_chunk_bytes;
+  // A floor, so a tiny request cannot make the daemon send one element per message.
+  const size_t floor = std::min<size_t>(kMinAnswerChunkBytes, options_.max_chunk_bytes);
+  return std::clamp<size_t>(requested, floor, options_.max_chunk_bytes);
+}
+
+grpc::Status MuondService::GetServerInfo(grpc::ServerContext* context, const v1::GetServerInfoRequest*,
+                                         v1::ServerInfo* info) {
+  return Serve(calls_, context, "GetServerInfo", [&](const std::string&) {
+    info->set_version(MUOND_VERSION);
+    info->set_backend(backend_->Name());
+    info->set_backend_detail(backend_->Detail());
+    info->set_max_chunk_bytes(options_.max_chunk_bytes);
+    info->set_max_message_bytes(options_.max_message_bytes);
+    for (const std::string& name : optim::OptimizerNames()) info->add_optimizers(name);
+    for (const std::string& name : optim::NamedScheduleNames()) info->add_ns_coefficient_sets(name);
+    info->set_num_sessions(static_cast<int32_t>(registry_->size()));
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status MuondService::CreateSession(grpc::ServerContext* context, const v1::CreateSessionRequest* request,
+                                         v1::CreateSessionResponse* response) {
+  return Serve(calls_, context, "CreateSession", [&](const std::string& caller) -> absl::Status {
+    MUOND_ASSIGN_OR_RETURN(session::CreateResult created,
+                           registry_->CreateOrAttach(request->session_id(), SpecToJson(request->spec()), caller));
+    const session::Session& session = *created.session;
+    response->set_session_id(session.id());
+    response->set_attached(created.attached);
+    response->set_last_step(session.last_step());
+    response->set_initialized(session.initialized());
+    response->set_num_parameters(session.config().total_elements);
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status MuondService::CloseSession(grpc::ServerContext* context, const v1::CloseSessionRequest* request,
+                                        v1::CloseSessionResponse*) {
+  return Serve(calls_, context, "CloseSession",
+               [&](const std::string& caller) { return registry_->Close(request->session_id(), caller); });
+}
+
+grpc::Status MuondService::ListSessions(grpc::ServerContext* context, const v1::ListSessionsRequest*,
+                                        v1::ListSessionsResponse* response) {
+  return Serve(calls_, context, "ListSessions", [&](const std::string& caller) {
+    for (const auto& session : registry_->ListOwnedBy(caller)) {
+      v1::SessionSummary* summary = response->add_sessions();
+      summary->set_session_id(session->id());
+      summary->set_last_step(session->last_step());
+      summary->set_num_tensors(static_cast<int32_t>(session->config().parameters.size()));
+      summary->set_num_parameters(session->config().total_elements);
+      summary->set_initialized(session->initialized());
+      summary->set_world_size(session->config().world_size);
+    }
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status MuondService::Checkpoint(grpc::ServerContext* context, const v1::CheckpointRequest* request,
+                                      v1::CheckpointResponse* response) {
+  return Serve(calls_, context, "Checkpoint", [&](const std::string& caller) -> absl::Status {
+    MUOND_ASSIGN_OR_RETURN(std::shared_ptr<session::Session> session, registry_->Find(request->session_id(), caller));
+    MUOND_ASSIGN_OR_RETURN(int64_t step, session->Checkpoint());
+    response->set_step(step);
+    MUOND_LOG(info, "session {} checkpointed at step {}", request->session_id(), step);
+    return absl::OkStatus();
+  });
+}
+
+}  // namespace muond::rpc

@@ -1,0 +1,381 @@
+#include "server/rpc/spec_codec.h"
+
+#include <cmath>
+#include <tuple>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "google/protobuf/util/json_util.h"
+#include "google/protobuf/util/message_differencer.h"
+#include "common/status_macros.h"
+#include "proto/wire/dtype_codec.h"
+
+namespace muond::rpc {
+namespace {
+
+using session::ParameterConfig;
+using session::QkClipConfig;
+using session::SessionConfig;
+using session::SpecLimits;
+using session::TensorDType;
+
+using optim::OptimizerKind;
+
+absl::Status Invalid(const std::string& field, absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
+}
+
+bool ValidName(absl::string_view name) { return !name.empty() && name.size() <= 256; }
+
+absl::StatusOr<OptimizerKind> ParseOptimizer(v1::OptimizerKind kind, const std::string& field) {
+  switch (kind) {
+    case v1::OPTIMIZER_UNSPECIFIED:
+    case v1::OPTIMIZER_MUON:
+      return OptimizerKind::kMuon;
+    case v1::OPTIMIZER_ADAMW:
+      return OptimizerKind::kAdamW;
+    case v1::OPTIMIZER_LION:
+      return OptimizerKind::kLion;
+    case v1::OPTIMIZER_SGD:
+      return OptimizerKind::kSgd;
+    default:
+      return Invalid(field + ".optimizer", absl::StrCat("unknown optimizer ", static_cast<int>(kind)));
+  }
+}
+
+// Looks `value` up in a list of (name, enum) pairs; the error lists the accepted names.
+template <typename Enum>
+absl::StatusOr<Enum> ParseChoice(const std::string& value, const std::string& field,
+                                 std::initializer_list<std::pair<absl::string_view, Enum>> choices) {
+  std::vector<absl::string_view> names;
+  for (const auto& [name, e] : choices) {
+    if (value == name) return e;
+    names.push_back(name);
+  }
+  return Invalid(field, absl::StrCat("unknown value '", value, "'; expected one of ",
+                                     absl::StrJoin(names, ", ")));
+}
+
+// Options that apply to each optimizer (docs/algorithms.md, "Group options"); any other set field is refused
+// rather than silently ignored.
+bool Applies(OptimizerKind kind, absl::string_view option) {
+  static const absl::flat_hash_map<absl::string_view, std::vector<OptimizerKind>> kApplies = {
+      {"weight_decay_mode", {OptimizerKind::kMuon}},
+      {"momentum", {OptimizerKind::kMuon, OptimizerKind::kSgd}},
+      {"nesterov", {OptimizerKind::kMuon, OptimizerKind::kSgd}},
+      {"momentum_style", {OptimizerKind::kMuon}},
+      {"ns_steps", {OptimizerKind::kMuon}},
+      {"ns_coefficients", {OptimizerKind::kMuon}},
+      {"ns_custom_coefficients", {OptimizerKind::kMuon}},
+      {"ns_coefficients_after", {OptimizerKind::kMuon}},
+      {"ns_eps", {OptimizerKind::kMuon}},
+      {"ns_norm_safety", {OptimizerKind::kMuon}},
+      {"scale_mode", {OptimizerKind::kMuon}},
+      {"extra_scale_factor", {OptimizerKind::kMuon}},
+      {"matmul_precision", {OptimizerKind::kMuon}},
+      {"qk_clip_threshold", {OptimizerKind::kMuon}},
+      {"qk_clip_alpha", {OptimizerKind::kMuon}},
+      {"beta1", {OptimizerKind::kAdamW, OptimizerKind::kLion}},
+      {"beta2", {OptimizerKind::kAdamW, OptimizerKind::kLion}},
+      {"eps", {OptimizerKind::kAdamW}},
+  };
+  auto it = kApplies.find(option);
+  if (it == kApplies.end()) return true;
+  for (OptimizerKind k : it->second) {
+    if (k == kind) return true;
+  }
+  return false;
+}
+
+absl::Status CheckFinite(double value, const std::string& field) {
+  if (!std::isfinite(value)) return Invalid(field, "must be finite");
+  return absl::OkStatus();
+}
+
+// spec.qk_clip: both weights exist, are matrices in Muon groups, and split evenly into the heads.
+absl::Status ParseQkClip(const v1::SessionSpec& spec, SessionConfig& config) {
+  absl::flat_hash_map<size_t, int> used;  // parameter → pair index, to refuse reuse
+  for (int i = 0; i < spec.qk_clip_size(); ++i) {
+    const v1::QkClipPair& pair = spec.qk_clip(i);
+    const std::string field = absl::StrCat("spec.qk_clip[", i, "]");
+    if (pair.num_heads() < 1) {
+      return Invalid(field + ".num_heads", absl::StrCat("must be >= 1, got ", pair.num_heads(),
+                                                        " (QK-clip needs the attention heads)"));
+    }
+    QkClipConfig clip;
+    clip.num_heads = pair.num_heads();
+    for (const auto& [role, name, index] :
+         {std::tuple<const char*, const std::string&, size_t*>{"query", pair.query(), &clip.query},
+          {"key", pair.key(), &clip.key}}) {
+      auto it = config.parameter_index.find(name);
+      if (it == config.parameter_index.end()) {
+        return Invalid(absl::StrCat(field, ".", role), absl::StrCat("unknown parameter '", name, "'"));
+      }
+      const ParameterConfig& param = config.parameters[it->second];
+      if (config.groups[param.group].options.optimizer != OptimizerKind::kMuon || param.shape.size() != 2) {
+        return Invalid(absl::StrCat(field, ".", role),
+                       absl::StrCat("'", name, "' must be a matrix in a Muon group"));
+      }
+      if (param.shape[0] % clip.num_heads != 0) {
+        return Invalid(field + ".num_heads", absl::StrCat("'", name, "' has ", param.shape[0],
+                                                          " rows, not a multiple of ", clip.num_heads, " heads"));
+      }
+      if (!used.emplace(it->second, i).second) {
+        return Invalid(absl::StrCat(field, ".", role), absl::StrCat("'", name, "' is already in a qk_clip pair"));
+      }
+      *index = it->second;
+    }
+    config.qk_clip.push_back(clip);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<optim::GroupOptions> ParseGroupOptions(const v1::GroupOptions& in,
+                                                      const std::string& field) {
+  MUOND_ASSIGN_OR_RETURN(OptimizerKind kind, ParseOptimizer(in.optimizer(), field));
+  optim::GroupOptions out = optim::DefaultOptions(kind);
+
+  // Refuse options that do not belong to this optimizer, naming the first one found.
+  const google::protobuf::Reflection* reflection = in.GetReflection();
+  std::vector<const google::protobuf::FieldDescriptor*> set_fields;
+  reflection->ListFields(in, &set_fields);
+  for (const auto* f : set_fields) {
+    if (!Applies(kind, f->name())) {
+      return Invalid(absl::StrCat(field, ".", f->name()),
+                     absl::StrCat("does not apply to optimizer ", std::string(optim::OptimizerName(kind))));
+    }
+  }
+
+  auto real = [&](bool has, double value, absl::string_view name, double* target) -> absl::Status {
+    if (!has) return absl::OkStatus();
+    MUOND_RETURN_IF_ERROR(CheckFinite(value, absl::StrCat(field, ".", name)));
+    *target = value;
+    return absl::OkStatus();
+  };
+  MUOND_RETURN_IF_ERROR(real(in.has_lr(), in.lr(), "lr", &out.lr));
+  MUOND_RETURN_IF_ERROR(real(in.has_weight_decay(), in.weight_decay(), "weight_decay", &out.weight_decay));
+  MUOND_RETURN_IF_ERROR(real(in.has_momentum(), in.momentum(), "momentum", &out.momentum));
+  MUOND_RETURN_IF_ERROR(real(in.has_ns_eps(), in.ns_eps(), "ns_eps", &out.ns_eps));
+  MUOND_RETURN_IF_ERROR(real(in.has_ns_norm_safety(), in.ns_norm_safety(), "ns_norm_safety", &out.ns_norm_safety));
+  MUOND_RETURN_IF_ERROR(real(in.has_extra_scale_factor(), in.extra_scale_factor(), "extra_scale_factor",
+                             &out.extra_scale_factor));
+  MUOND_RETURN_IF_ERROR(real(in.has_qk_clip_threshold(), in.qk_clip_threshold(), "qk_clip_threshold",
+                             &out.qk_clip_threshold));
+  MUOND_RETURN_IF_ERROR(real(in.has_qk_clip_alpha(), in.qk_clip_alpha(), "qk_clip_alpha", &out.qk_clip_alpha));
+  MUOND_RETURN_IF_ERROR(real(in.has_beta1(), in.beta1(), "beta1", &out.beta1));
+  MUOND_RETURN_IF_ERROR(real(in.has_beta2(), in.beta2(), "beta2", &out.beta2));
+  MUOND_RETURN_IF_ERROR(real(in.has_eps(), in.eps(), "eps", &out.eps));
+  if (in.has_nesterov()) out.nesterov = in.nesterov();
+  if (in.has_ns_steps()) out.ns_steps = in.ns_steps();
+
+  if (in.has_weight_decay_mode()) {
+    MUOND_ASSIGN_OR_RETURN(out.weight_decay_mode,
+                           ParseChoice<optim::WeightDecayMode>(
+                               in.weight_decay_mode(), field + ".weight_decay_mode",
+                               {{"decoupled", optim::WeightDecayMode::kDecoupled},
+                                {"independent", optim::WeightDecayMode::kIndependent},
+                                {"l2", optim::WeightDecayMode::kL2}}));
+  }
+  if (in.has_momentum_style()) {
+    MUOND_ASSIGN_OR_RETURN(out.momentum_style, ParseChoice<kernels::MomentumStyle>(
+                                                   in.momentum_style(), field + ".momentum_style",
+                                                   {{"ema", kernels::MomentumStyle::kEma},
+                                                    {"sum", kernels::MomentumStyle::kSum}}));
+  }
+  if (in.has_scale_mode()) {
+    MUOND_ASSIGN_OR_RETURN(out.scale_mode, ParseChoice<optim::ScaleMode>(
+                                               in.scale_mode(), field + ".scale_mode",
+                                               {{"shape_scaling", optim::ScaleMode::kShapeScaling},
+                                                {"spectral", optim::ScaleMode::kSpectral},
+                                                {"unit_rms_norm", optim::ScaleMode::kUnitRmsNorm}}));
+  }
+  if (in.has_matmul_precision()) {
+    MUOND_ASSIGN_OR_RETURN(out.matmul_precision, ParseChoice<kernels::MatmulPrecision>(
+                                                     in.matmul_precision(), field + ".matmul_precision",
+                                                     {{"bf16", kernels::MatmulPrecision::kBf16},
+                                                      {"tf32", kernels::MatmulPrecision::kTf32},
+                                                      {"fp32", kernels::MatmulPrecision::kFp32}}));
+  }
+
+  // Coefficients: a named set, or a custom list (with its after-the-list rule).
+  const bool custom = in.ns_custom_coefficients_size() > 0;
+  if (custom && in.has_ns_coefficients() && in.ns_coefficients() != "custom") {
+    return Invalid(field + ".ns_coefficients",
+                   "give either a named set or ns_custom_coefficients, not both");
+  }
+  if (custom) {
+    out.ns_schedule.name = "custom";
+    out.ns_schedule.tuples.clear();
+    for (int i = 0; i < in.ns_custom_coefficients_size(); ++i) {
+      const auto& t = in.ns_custom_coefficients(i);
+      const std::string f = absl::StrCat(field, ".ns_custom_coefficients[", i, "]");
+      MUOND_RETURN_IF_ERROR(CheckFinite(t.a() + t.b() + t.c(), f));
+      out.ns_schedule.tuples.push_back({t.a(), t.b(), t.c()});
+    }
+    out.ns_schedule.after = optim::CoefficientsAfter::kCycle;
+    if (in.has_ns_coefficients_after()) {
+      MUOND_ASSIGN_OR_RETURN(out.ns_schedule.after,
+                             ParseChoice<optim::CoefficientsAfter>(
+                                 in.ns_coefficients_after(), field + ".ns_coefficients_after",
+                                 {{"cycle", optim::CoefficientsAfter::kCycle},
+                                  {"repeat_last", optim::CoefficientsAfter::kRepeatLast}}));
+    }
+  } else {
+    if (in.has_ns_coefficients_after()) {
+      return Invalid(field + ".ns_coefficients_after", "applies only to ns_custom_coefficients");
+    }
+    if (in.has_ns_coefficients()) {
+      if (in.ns_coefficients() == "custom") {
+        return Invalid(field + ".ns_coefficients", "'custom' needs ns_custom_coefficients");
+      }
+      auto schedule = optim::NamedSchedule(in.ns_coefficients());
+      if (!schedule.ok()) return Invalid(field + ".ns_coefficients", schedule.status().message());
+      out.ns_schedule = *std::move(schedule);
+    }
+  }
+
+  absl::Status valid = optim::ValidateOptions(out);
+  if (!valid.ok()) return absl::InvalidArgumentError(absl::StrCat(field, ".", valid.message()));
+  return out;
+}
+
+absl::StatusOr<SessionConfig> ParseSessionSpec(const v1::SessionSpec& spec, const SpecLimits& limits) {
+  SessionConfig config;
+  config.world_size = spec.world_size() == 0 ? 1 : spec.world_size();
+  if (config.world_size < 1 || config.world_size > limits.max_world_size) {
+    return Invalid("spec.world_size", absl::StrCat("must be between 1 and ", limits.max_world_size,
+                                                   " on this daemon, got ", spec.world_size()));
+  }
+  config.straggler_timeout_seconds = limits.straggler_timeout_seconds;
+  const v1::DType return_dtype = spec.return_dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_FP32 : spec.return_dtype();
+  config.return_dtype = static_cast<TensorDType>(return_dtype);
+  if (!wire::IsConcrete(return_dtype)) {
+    return Invalid("spec.return_dtype", absl::StrCat("unknown dtype ", static_cast<int>(spec.return_dtype())));
+  }
+
+  if (spec.groups_size() == 0) return Invalid("spec.groups", "at least one group is required");
+  for (int i = 0; i < spec.groups_size(); ++i) {
+    const auto& group = spec.groups(i);
+    const std::string field = absl::StrCat("spec.groups[", i, "]");
+    if (!ValidName(group.name())) return Invalid(field + ".name", "must be 1 to 256 characters");
+    if (!config.group_index.emplace(group.name(), config.groups.size()).second) {
+      return Invalid(field + ".name", absl::StrCat("duplicate group '", group.name(), "'"));
+    }
+    MUOND_ASSIGN_OR_RETURN(optim::GroupOptions options, ParseGroupOptions(group.options(), field + ".options"));
+    config.groups.push_back({group.name(), std::move(options)});
+  }
+
+  if (spec.parameters_size() == 0) return Invalid("spec.parameters", "at least one parameter is required");
+  if (spec.parameters_size() > limits.max_parameters) {
+    return Invalid("spec.parameters", absl::StrCat(spec.parameters_size(), " parameters exceed the limit of ",
+                                                   limits.max_parameters));
+  }
+  for (int i = 0; i < spec.parameters_size(); ++i) {
+    const auto& p = spec.parameters(i);
+    const std::string field = absl::StrCat("spec.parameters[", i, "]");
+    ParameterConfig param;
+    param.name = p.name();
+    if (!ValidName(p.name())) return Invalid(field + ".name", "must be 1 to 256 characters");
+    if (config.parameter_index.contains(p.name())) {
+      return Invalid(field + ".name", absl::StrCat("duplicate parameter '", p.name(), "'"));
+    }
+    if (p.shape_size() > limits.max_rank) {
+      return Invalid(field + ".shape", absl::StrCat("rank ", p.shape_size(), " exceeds the limit of ", limits.max_rank,
+                                                    " (--max-tensor-rank)"));
+    }
+    param.numel = 1;
+    for (int d = 0; d < p.shape_size(); ++d) {
+      if (p.shape(d) <= 0) {
+        return Invalid(field + ".shape", absl::StrCat("dimension ", d, " is ", p.shape(d), "; must be positive"));
+      }
+      if (param.numel > limits.max_tensor_elements / p.shape(d)) {
+        return Invalid(field + ".shape", absl::StrCat("more than ", limits.max_tensor_elements,
+                                                      " elements (--max-tensor-elements)"));
+      }
+      param.numel *= p.shape(d);
+      param.shape.push_back(p.shape(d));
+    }
+    const v1::DType wire_dtype = p.wire_dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_FP32 : p.wire_dtype();
+    param.wire_dtype = static_cast<TensorDType>(wire_dtype);
+    if (!wire::IsConcrete(wire_dtype)) {
+      return Invalid(field + ".wire_dtype", absl::StrCat("unknown dtype ", static_cast<int>(p.wire_dtype())));
+    }
+    auto group = config.group_index.find(p.group());
+    if (group == config.group_index.end()) {
+      return Invalid(field + ".group", absl::StrCat("unknown group '", p.group(), "'"));
+    }
+    param.group = group->second;
+    if (p.qkv_split_size() != 0) {
+      if (p.qkv_split_size() != 3) {
+        return Invalid(field + ".qkv_split", absl::StrCat("needs 3 sizes (q, k, v), got ", p.qkv_split_size()));
+      }
+      param.qkv = {p.qkv_split(0), p.qkv_split(1), p.qkv_split(2),
+                   p.num_query_groups() == 0 ? 1 : p.num_query_groups()};
+      if (param.qkv.q <= 0 || param.qkv.k <= 0 || param.qkv.v <= 0 || param.qkv.num_query_groups <= 0) {
+        return Invalid(field + ".qkv_split", "sizes and num_query_groups must be positive");
+      }
+    } else if (p.num_query_groups() != 0) {
+      return Invalid(field + ".num_query_groups", "applies only with qkv_split");
+    }
+    config.total_elements += param.numel;
+    config.parameter_index.emplace(param.name, config.parameters.size());
+    config.parameters.push_back(std::move(param));
+  }
+  MUOND_RETURN_IF_ERROR(ParseQkClip(spec, config));
+  return config;
+}
+
+absl::Status CheckSameSpec(const v1::SessionSpec& existing, const v1::SessionSpec& requested) {
+  google::protobuf::util::MessageDifferencer differencer;
+  std::string differences;
+  differencer.ReportDifferencesToString(&differences);
+  if (differencer.Compare(existing, requested)) return absl::OkStatus();
+  // Keep the message to the first difference: it is what a user needs to fix.
+  const size_t end = differences.find('\n');
+  return absl::AlreadyExistsError(absl::StrCat(
+      "session exists with a different spec (", differences.substr(0, end),
+      "); attach with the identical spec, or use another session_id"));
+}
+
+}  // namespace muond::rpc
+
+namespace muond::rpc {
+namespace {
+
+absl::StatusOr<v1::SessionSpec> SpecFromJson(absl::string_view json) {
+  v1::SessionSpec spec;
+  if (!google::protobuf::util::JsonStringToMessage(std::string(json), &spec).ok()) {
+    return absl::InvalidArgumentError("spec: does not parse as a muond.v1.SessionSpec");
+  }
+  return spec;
+}
+
+}  // namespace
+
+std::string SpecToJson(const v1::SessionSpec& spec) {
+  std::string json;
+  google::protobuf::util::JsonPrintOptions print;
+  print.preserve_proto_field_names = true;
+  // Printing a message the daemon holds cannot fail (no Any fields to resolve).
+  (void)google::protobuf::util::MessageToJsonString(spec, &json, print);
+  return json;
+}
+
+absl::StatusOr<session::SessionConfig> ProtoSpecCodec::Parse(absl::string_view spec_json,
+                                                             const session::SpecLimits& limits) const {
+  MUOND_ASSIGN_OR_RETURN(v1::SessionSpec spec, SpecFromJson(spec_json));
+  MUOND_ASSIGN_OR_RETURN(session::SessionConfig config, ParseSessionSpec(spec, limits));
+  config.spec_json = std::string(spec_json);
+  return config;
+}
+
+absl::Status ProtoSpecCodec::CheckSame(absl::string_view existing_json, absl::string_view requested_json) const {
+  MUOND_ASSIGN_OR_RETURN(v1::SessionSpec existing, SpecFromJson(existing_json));
+  MUOND_ASSIGN_OR_RETURN(v1::SessionSpec requested, SpecFromJson(requested_json));
+  return CheckSameSpec(existing, requested);
+}
+
+}  // namespace muond::rpc

@@ -1,0 +1,131 @@
+// MuondService's state transfer: GetState streams every master and optimizer slot of a session;
+// SetState receives them (fp32 only) and replaces the session's state in one go.
+#include <cstring>
+#include <map>
+
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "server/rpc/muond_service.h"
+#include "server/transport/grpc/chunk_stream.h"
+
+namespace muond::rpc {
+
+using session::ParameterConfig;
+using session::SessionConfig;
+using session::SessionState;
+using session::StateTensor;
+
+grpc::Status MuondService::GetState(grpc::ServerContext* context, const v1::GetStateRequest* request,
+                                    grpc::ServerWriter<v1::GetStateResponse>* writer) {
+  return Serve(calls_, context, "GetState",
+               [&](const std::string& caller) { return DoGetState(caller, *request, writer); });
+}
+
+absl::Status MuondService::DoGetState(const std::string& caller, const v1::GetStateRequest& request,
+                                      grpc::ServerWriter<v1::GetStateResponse>* writer) {
+  MUOND_RETURN_IF_ERROR(session::CheckSessionId(request.session_id()));
+  MUOND_ASSIGN_OR_RETURN(std::shared_ptr<session::Session> session, registry_->Find(request.session_id(), caller));
+  MUOND_ASSIGN_OR_RETURN(SessionState state, session->ExportState());
+  const SessionConfig& config = session->config();
+  v1::GetStateResponse response;
+  v1::StateHeader* header = response.mutable_header();
+  header->set_last_step(state.last_step);
+  for (size_t i = 0; i < config.parameters.size(); ++i) {
+    v1::ParameterStepCount* count = header->add_step_counts();
+    count->set_name(config.parameters[i].name);
+    count->set_count(state.step_counts[i]);
+  }
+  if (!writer->Write(response)) return absl::CancelledError("the client went away");
+  const size_t chunk_bytes = AnswerChunkBytes(request.max_chunk_bytes());
+  for (const StateTensor& tensor : state.tensors) {
+    const bool sent = transport::EmitChunks(config.parameters[tensor.parameter].name, tensor.slot, tensor.values,
+                                 v1::DTYPE_FP32, chunk_bytes, [&](v1::TensorChunk&& chunk) {
+                                   response.Clear();
+                                   *response.mutable_chunk() = std::move(chunk);
+                                   return writer->Write(response);
+                                 });
+    if (!sent) return absl::CancelledError("the client went away");
+  }
+  return absl::OkStatus();
+}
+
+grpc::Status MuondService::SetState(grpc::ServerContext* context, grpc::ServerReader<v1::SetStateRequest>* reader,
+                                    v1::SetStateResponse* response) {
+  return Serve(calls_, context, "SetState",
+               [&](const std::string& caller) { return DoSetState(caller, reader, response); });
+}
+
+absl::Status MuondService::DoSetState(const std::string& caller, grpc::ServerReader<v1::SetStateRequest>* reader,
+                                      v1::SetStateResponse* response) {
+  v1::SetStateRequest request;
+  if (!reader->Read(&request) || request.kind_case() != v1::SetStateRequest::kSessionId) {
+    return absl::InvalidArgumentError("session_id: the first message of a state upload must name the session");
+  }
+  MUOND_RETURN_IF_ERROR(session::CheckSessionId(request.session_id()));
+  MUOND_ASSIGN_OR_RETURN(std::shared_ptr<session::Session> session, registry_->Find(request.session_id(), caller));
+  const SessionConfig& config = session->config();
+  if (!reader->Read(&request) || request.kind_case() != v1::SetStateRequest::kHeader) {
+    return absl::InvalidArgumentError("header: the second message of a state upload must be its header");
+  }
+  SessionState state;
+  state.last_step = request.header().last_step();
+  state.step_counts.assign(config.parameters.size(), -1);
+  for (int i = 0; i < request.header().step_counts_size(); ++i) {
+    const v1::ParameterStepCount& count = request.header().step_counts(i);
+    auto it = config.parameter_index.find(count.name());
+    const std::string field = absl::StrCat("header.step_counts[", i, "]");
+    if (it == config.parameter_index.end()) {
+      return absl::NotFoundError(absl::StrCat(field, ".name: unknown parameter '", count.name(), "'"));
+    }
+    if (count.count() < 0 || state.step_counts[it->second] != -1) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ": negative or repeated count for '", count.name(), "'"));
+    }
+    state.step_counts[it->second] = count.count();
+  }
+  for (size_t i = 0; i < config.parameters.size(); ++i) {
+    if (state.step_counts[i] < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("header.step_counts: no count for '", config.parameters[i].name, "'"));
+    }
+  }
+
+  // (parameter, slot) → index into state.tensors, filled in order.
+  std::map<std::pair<size_t, std::string>, size_t> index;
+  while (reader->Read(&request)) {
+    if (request.kind_case() != v1::SetStateRequest::kChunk) {
+      return absl::InvalidArgumentError("chunk: every message after the header must carry a chunk");
+    }
+    const v1::TensorChunk& chunk = request.chunk();
+    auto it = config.parameter_index.find(chunk.name());
+    if (it == config.parameter_index.end()) {
+      return absl::NotFoundError(absl::StrCat("chunk.name: unknown parameter '", chunk.name(), "'"));
+    }
+    if (chunk.dtype() != v1::DTYPE_FP32 && chunk.dtype() != v1::DTYPE_UNSPECIFIED) {
+      return absl::InvalidArgumentError("chunk.dtype: state tensors travel as fp32");
+    }
+    if (chunk.data().size() % 4 != 0 || chunk.data().size() > options_.max_chunk_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat("chunk.data: ", chunk.data().size(),
+                                                     " bytes is not a whole number of fp32 elements within the "
+                                                     "chunk limit"));
+    }
+    const ParameterConfig& param = config.parameters[it->second];
+    auto [slot, inserted] = index.try_emplace({it->second, chunk.slot()}, state.tensors.size());
+    if (inserted) state.tensors.push_back({it->second, chunk.slot(), {}});
+    std::vector<float>& values = state.tensors[slot->second].values;
+    const size_t count = chunk.data().size() / 4;
+    if (chunk.offset() != values.size() || values.size() + count > static_cast<size_t>(param.numel)) {
+      return absl::InvalidArgumentError(absl::StrCat("chunk.offset: ", param.name, "/", chunk.slot(),
+                                                     " expected offset ", values.size(), " within ", param.numel,
+                                                     " elements, got ", chunk.offset()));
+    }
+    values.resize(values.size() + count);
+    std::memcpy(values.data() + values.size() - count, chunk.data().data(), chunk.data().size());
+  }
+  MUOND_RETURN_IF_ERROR(session->ImportState(std::move(state)));
+  response->set_last_step(session->last_step());
+  MUOND_LOG(info, "session {} state replaced at step {}", session->id(), response->last_step());
+  return absl::OkStatus();
+}
+
+}  // namespace muond::rpc

@@ -1,0 +1,125 @@
+// MuondService's tensor streams: UploadParameters, Step and GetParameters.
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "proto/wire/dtype_codec.h"
+#include "server/rpc/muond_service.h"
+#include "server/transport/grpc/api_conversion.h"
+#include "server/transport/grpc/chunk_stream.h"
+#include "server/transport/grpc/grpc_step_stream.h"
+#include "server/transport/grpc/tensor_assembler.h"
+#include "server/transport/step_transport.h"
+
+namespace muond::rpc {
+namespace {
+
+absl::StatusOr<v1::DType> AnswerDType(v1::DType requested, session::TensorDType session_default,
+                                      absl::string_view field) {
+  if (requested == v1::DTYPE_UNSPECIFIED) return transport::ToProto(session_default);
+  if (!wire::IsConcrete(requested)) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": unknown dtype ", static_cast<int>(requested)));
+  }
+  return requested;
+}
+
+}  // namespace
+
+grpc::Status MuondService::UploadParameters(grpc::ServerContext* context,
+                                            grpc::ServerReader<v1::UploadParametersRequest>* reader,
+                                            v1::UploadParametersResponse* response) {
+  return Serve(calls_, context, "UploadParameters",
+               [&](const std::string& caller) { return DoUpload(caller, reader, response); });
+}
+
+absl::Status MuondService::DoUpload(const std::string& caller,
+                                    grpc::ServerReader<v1::UploadParametersRequest>* reader,
+                                    v1::UploadParametersResponse* response) {
+  v1::UploadParametersRequest request;
+  if (!reader->Read(&request) || request.kind_case() != v1::UploadParametersRequest::kSessionId) {
+    return absl::InvalidArgumentError("session_id: the first message of an upload must name the session");
+  }
+  MUOND_RETURN_IF_ERROR(session::CheckSessionId(request.session_id()));
+  MUOND_ASSIGN_OR_RETURN(std::shared_ptr<session::Session> session, registry_->Find(request.session_id(), caller));
+  transport::TensorAssembler assembler(session->config(), options_.max_chunk_bytes);
+  while (reader->Read(&request)) {
+    if (request.kind_case() != v1::UploadParametersRequest::kChunk) {
+      return absl::InvalidArgumentError("chunk: every message after the first must carry a chunk");
+    }
+    MUOND_RETURN_IF_ERROR(assembler.Add(request.chunk()));
+  }
+  MUOND_RETURN_IF_ERROR(assembler.Finish(/*require_all=*/true));
+  MUOND_RETURN_IF_ERROR(session->Upload(std::move(assembler.tensors())));
+  response->set_num_tensors(static_cast<int32_t>(session->config().parameters.size()));
+  response->set_num_parameters(session->config().total_elements);
+  MUOND_LOG(info, "session {} parameters uploaded ({} elements)", session->id(), session->config().total_elements);
+  return absl::OkStatus();
+}
+
+grpc::Status MuondService::Step(grpc::ServerContext* context,
+                                grpc::ServerReaderWriter<v1::StepResponse, v1::StepRequest>* stream) {
+  return Serve(calls_, context, "Step", [&](const std::string& caller) { return DoStep(caller, context, stream); });
+}
+
+absl::Status MuondService::DoStep(const std::string& caller, grpc::ServerContext* context,
+                                  grpc::ServerReaderWriter<v1::StepResponse, v1::StepRequest>* stream) {
+  v1::StepRequest request;
+  if (!stream->Read(&request) || request.kind_case() != v1::StepRequest::kHeader) {
+    return absl::InvalidArgumentError("header: the first message of a step must be its header");
+  }
+  const v1::StepHeader header = request.header();
+  MUOND_RETURN_IF_ERROR(session::CheckSessionId(header.session_id(), "header.session_id"));
+  MUOND_ASSIGN_OR_RETURN(std::shared_ptr<session::Session> session, registry_->Find(header.session_id(), caller));
+  MUOND_ASSIGN_OR_RETURN(v1::DType dtype,
+                         AnswerDType(header.return_dtype(), session->config().return_dtype, "header.return_dtype"));
+  transport::GrpcGradientSource source(context, stream, header, options_.max_chunk_bytes);
+  transport::GrpcParameterSink sink(stream, session->config(), dtype, AnswerChunkBytes(header.max_chunk_bytes()));
+  return transport::RunStep(*session, transport::ToStepRequest(header), source, sink, *options_.metrics);
+}
+
+grpc::Status MuondService::GetParameters(grpc::ServerContext* context, const v1::GetParametersRequest* request,
+                                         grpc::ServerWriter<v1::GetParametersResponse>* writer) {
+  return Serve(calls_, context, "GetParameters",
+               [&](const std::string& caller) { return DoGetParameters(caller, context, *request, writer); });
+}
+
+absl::Status MuondService::DoGetParameters(const std::string& caller, grpc::ServerContext* context,
+                                           const v1::GetParametersRequest& request,
+                                           grpc::ServerWriter<v1::GetParametersResponse>* writer) {
+  MUOND_RETURN_IF_ERROR(session::CheckSessionId(request.session_id()));
+  MUOND_ASSIGN_OR_RETURN(std::shared_ptr<session::Session> session, registry_->Find(request.session_id(), caller));
+  if (!session->initialized()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("session '", session->id(), "' has no parameters yet: upload them first"));
+  }
+  const session::SessionConfig& config = session->config();
+  MUOND_ASSIGN_OR_RETURN(v1::DType dtype, AnswerDType(request.dtype(), config.return_dtype, "dtype"));
+  std::vector<size_t> wanted;
+  for (int i = 0; i < request.names_size(); ++i) {
+    auto it = config.parameter_index.find(request.names(i));
+    if (it == config.parameter_index.end()) {
+      return absl::NotFoundError(absl::StrCat("names[", i, "]: unknown parameter '", request.names(i), "'"));
+    }
+    wanted.push_back(it->second);
+  }
+  if (wanted.empty()) {
+    for (size_t i = 0; i < config.parameters.size(); ++i) wanted.push_back(i);
+  }
+  int64_t last_step = 0;
+  std::shared_ptr<const session::ParameterSnapshot> snapshot = session->Parameters(&last_step);
+  const size_t chunk_bytes = AnswerChunkBytes(request.max_chunk_bytes());
+  bool first = true;
+  for (size_t index : wanted) {
+    const bool sent = transport::EmitChunks(config.parameters[index].name, "", snapshot->values[index], dtype,
+                                            chunk_bytes, [&](v1::TensorChunk&& chunk) {
+                                              v1::GetParametersResponse response;
+                                              if (first) response.set_last_step(last_step);
+                                              first = false;
+                                              *response.mutable_chunk() = std::move(chunk);
+                                              return writer->Write(response);
+                                            });
+    if (!sent || context->IsCancelled()) return absl::CancelledError("the client went away");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace muond::rpc

@@ -1,0 +1,36 @@
+// Who is calling: the identity a call's credentials prove, and the one ownership rule of the daemon.
+//
+// With bearer tokens configured (TokenTable), a call's `authorization: Bearer <token>` metadata names
+// the caller. Without tokens, a client certificate verified by mutual TLS names the caller ("x509:"
+// and its subject alternative names, or its common name when it has none, as the transport reports
+// them), so that clients with different certificates own their sessions apart; everyone else is ""
+// (authentication is off). A session belongs to the identity that created it.
+//
+// The rpc layer extracts CallCredentials from its calls; nothing here knows gRPC. Pure functions;
+// thread-safe.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "server/security/token_table.h"
+
+namespace muond::security {
+
+// What the transport knows of a call's credentials.
+struct CallCredentials {
+  std::optional<std::string> authorization;  // the authorization metadata, when present
+  bool peer_verified = false;                // a client certificate was verified (mutual TLS)
+  std::vector<std::string> peer_names;       // that certificate's identities
+};
+
+// The caller's identity; UNAUTHENTICATED when tokens are required and missing or wrong.
+absl::StatusOr<std::string> IdentifyCaller(const CallCredentials& credentials, const TokenTable* tokens);
+
+// OK when `caller` owns the session; PERMISSION_DENIED naming the session otherwise.
+absl::Status CheckOwner(const std::string& owner, const std::string& caller, const std::string& session_id);
+
+}  // namespace muond::security

@@ -1,0 +1,50 @@
+// Bearer-token authentication of the daemon's callers.
+//
+// A TokenTable holds the tokens read from --auth-token-file: one per line, either `name:token` or a
+// bare `token` (named "token-<line>"); blank lines and lines starting with '#' are skipped. A call
+// proves who it is with the metadata `authorization: Bearer <token>`; the matching line's name is
+// the caller's identity, the plain string the session registry records as a session's owner. Two
+// lines may share a name (a token being rotated), and then both tokens own the same sessions.
+//
+// Tokens are compared in time independent of where they differ, and every line is compared on
+// every call, so the timing of a refusal does not reveal a token prefix or which line nearly
+// matched. Tokens never appear in log lines or error messages.
+//
+// Immutable once loaded; safe to share between threads.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace muond::security {
+
+class TokenTable {
+ public:
+  // Parses the text of a token file; INVALID_ARGUMENT naming the line when one is malformed (an
+  // empty name or token) and when no token is left.
+  static absl::StatusOr<TokenTable> Parse(absl::string_view text, absl::string_view source);
+  // Reads and parses `path` (NOT_FOUND / PERMISSION_DENIED when it cannot be read).
+  static absl::StatusOr<TokenTable> Load(const std::string& path);
+
+  // `authorization` is the value of the call's authorization metadata, absent when the call has
+  // none. Returns the caller's name, or UNAUTHENTICATED saying what is missing or wrong.
+  absl::StatusOr<std::string> Authenticate(std::optional<absl::string_view> authorization) const;
+
+  size_t size() const { return entries_.size(); }
+
+ private:
+  struct Entry {
+    std::string name;
+    std::string token;
+  };
+  std::vector<Entry> entries_;
+};
+
+// Equality of two byte strings in time that depends only on their lengths, never on their contents.
+bool ConstantTimeEquals(absl::string_view a, absl::string_view b);
+
+}  // namespace muond::security

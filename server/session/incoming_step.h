@@ -1,0 +1,56 @@
+// IncomingStep: one step on its way into a session, between Session::BeginStep and
+// Session::FinishStep. The session has already checked the request (its StepPlan) and decided
+// whether the step is new or a retry of the applied one (replay()); a transport fills gradients()
+// with the step's values and calls Stage() for each piece it wrote, which starts copying that piece
+// into the session's backend gradient buffers while the rest is still arriving.
+//
+// The session owns the staging: it lends this step its gradient buffers when nobody else holds them
+// (only one step of a session stages at a time; the others keep their gradients on the host, and
+// multi-rank steps are averaged on the host), and takes them back when the step is finished or
+// dropped. An IncomingStep must not outlive its session. Used by one thread at a time.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "common/host_tensor.h"
+#include "server/session/gradient_staging.h"
+#include "server/session/session_config.h"
+#include "server/session/step_plan.h"
+
+namespace muond::session {
+
+class IncomingStep {
+ public:
+  IncomingStep(const IncomingStep&) = delete;
+  IncomingStep& operator=(const IncomingStep&) = delete;
+
+  // A retry of the session's last applied step: its gradients are not needed; read and drop them.
+  bool replay() const { return replay_; }
+  const StepPlan& plan() const { return plan_; }
+  const SessionConfig& config() const { return config_; }
+
+  // Indexed like config().parameters; a transport writes each tensor's values in order.
+  std::vector<HostTensor>& gradients() { return gradients_; }
+
+  // `count` values of parameter `index`, from element `offset`, are final in gradients(): starts
+  // their copy to the backend when this step stages (a no-op otherwise).
+  absl::Status Stage(size_t index, int64_t offset, size_t count);
+
+ private:
+  friend class Session;
+  IncomingStep(const SessionConfig& config, StepPlan plan, bool replay, std::unique_ptr<StagedGradients> staged)
+      : config_(config), plan_(std::move(plan)), replay_(replay), gradients_(config.parameters.size()),
+        staged_(std::move(staged)) {}
+
+  const SessionConfig& config_;
+  StepPlan plan_;
+  const bool replay_;
+  std::vector<HostTensor> gradients_;
+  std::unique_ptr<StagedGradients> staged_;  // null: the gradients stay on the host until applied
+};
+
+}  // namespace muond::session

@@ -1,0 +1,37 @@
+// Memory quotas of the daemon: how many bytes a session's optimizer holds, and the check of a new
+// session against --max-session-bytes and --max-total-bytes before anything is allocated.
+//
+// The estimate counts what the backend allocates per parameter: the fp32 master, the fp32 gradient
+// buffer (the session's one GradientSet) and the optimizer's fp32 slots (Muon 1: momentum; AdamW 2:
+// the two moments; Lion 1; SGD 1, counted even when momentum is 0 so the estimate never falls
+// short). Host copies made while streaming, the transient gradient set of a second step streaming
+// into the same session at once, and Newton–Schulz scratch are not counted. Pure functions;
+// thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "kernels/optim/options.h"
+#include "server/session/session_config.h"
+
+namespace muond::session {
+
+struct MemoryLimits {
+  int64_t max_session_bytes = 0;  // 0: no limit
+  int64_t max_total_bytes = 0;    // over all sessions held at once; 0: no limit
+};
+
+// fp32 slots the optimizer keeps per element besides the master and the gradient.
+int OptimizerSlotCount(optim::OptimizerKind kind);
+
+// Bytes the session of `config` holds in backend memory.
+int64_t EstimateSessionBytes(const SessionConfig& config);
+
+// OK when a session of `session_bytes` may be added while `held_bytes` are held already;
+// RESOURCE_EXHAUSTED naming the flag and the numbers otherwise.
+absl::Status CheckMemoryQuota(const std::string& session_id, int64_t session_bytes, int64_t held_bytes,
+                              const MemoryLimits& limits);
+
+}  // namespace muond::session

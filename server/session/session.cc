@@ -1,0 +1,413 @@
+#include "server/session/session.h"
+
+#include <chrono>
+#include <cmath>
+#include <utility>
+
+#include "absl/cleanup/cleanup.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/time.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "kernels/optim/qk_clip.h"
+
+namespace muond::session {
+
+Session::Session(std::string id, SessionConfig config, kernels::Backend* backend, std::string owner)
+    : id_(std::move(id)), owner_(std::move(owner)), config_(std::move(config)), backend_(backend),
+      gather_(config_.world_size) {}
+
+absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::string id, SessionConfig config,
+                                                         kernels::Backend* backend, std::string owner) {
+  std::unique_ptr<Session> session(new Session(std::move(id), std::move(config), backend, std::move(owner)));
+  absl::MutexLock lock(&session->mu_);
+  const SessionConfig& cfg = session->config_;
+  for (const GroupConfig& group : cfg.groups) {
+    MUOND_ASSIGN_OR_RETURN(std::unique_ptr<optim::Optimizer> optimizer, optim::Optimizer::Create(group.options));
+    session->default_hyper_.push_back(optimizer->DefaultHyper());
+    session->optimizers_.push_back(std::move(optimizer));
+  }
+  session->params_.resize(cfg.parameters.size());
+  std::vector<int64_t> numel;
+  for (const ParameterConfig& pc : cfg.parameters) numel.push_back(pc.numel);
+  session->gradient_pool_ = std::make_unique<GradientPool>(backend, std::move(numel));
+  MUOND_RETURN_IF_ERROR(session->gradient_pool_->Preallocate());
+  auto initial = std::make_shared<ParameterSnapshot>();
+  for (size_t i = 0; i < cfg.parameters.size(); ++i) {
+    const ParameterConfig& pc = cfg.parameters[i];
+    optim::ParamState& state = session->params_[i];
+    state.name = pc.name;
+    state.shape = pc.shape;
+    state.numel = pc.numel;
+    state.qkv = pc.qkv;
+    const optim::Optimizer& optimizer = *session->optimizers_[pc.group];
+    absl::Status fits = optimizer.CheckParameter(state);
+    if (!fits.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("spec.parameters[", i, "] '", pc.name, "': ", fits.message()));
+    }
+    MUOND_ASSIGN_OR_RETURN(state.master, backend->Allocate(pc.numel));
+    MUOND_RETURN_IF_ERROR(backend->Fill(state.master->data(), pc.numel, 0.0f));
+    MUOND_RETURN_IF_ERROR(optimizer.InitState(*backend, state));
+    initial->values.emplace_back(pc.numel, 0.0f);
+  }
+  session->snapshot_ = std::move(initial);
+  return session;
+}
+
+int64_t Session::last_step() const {
+  absl::ReaderMutexLock lock(&mu_);
+  return last_step_;
+}
+
+bool Session::initialized() const {
+  absl::ReaderMutexLock lock(&mu_);
+  return initialized_;
+}
+
+absl::Status Session::NotInitializedError() const {
+  return absl::FailedPreconditionError(
+      absl::StrCat("session '", id_, "' has no parameters yet: upload them first (UploadParameters)"));
+}
+
+absl::Status Session::Upload(std::vector<HostTensor> tensors) {
+  absl::MutexLock lock(&mu_);
+  if (last_step_ > 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "session '", id_, "' has applied ", last_step_,
+        " steps; initial parameters can only be uploaded before the first step (use SetState to replace a "
+        "trained state)"));
+  }
+  auto snapshot = std::make_shared<ParameterSnapshot>();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    optim::ParamState& state = params_[i];
+    MUOND_RETURN_IF_ERROR(backend_->CopyToDevice(tensors[i].values.data(), state.master->data(), state.numel));
+    state.slots.clear();
+    state.step_count = 0;
+    MUOND_RETURN_IF_ERROR(optimizers_[config_.parameters[i].group]->InitState(*backend_, state));
+    snapshot->values.push_back(std::move(tensors[i].values));
+  }
+  snapshot_ = std::move(snapshot);
+  initialized_ = true;
+  if (persistence_) MUOND_RETURN_IF_ERROR(CheckpointLocked());
+  return absl::OkStatus();
+}
+
+// ---- The step ----
+
+absl::StatusOr<Session::StepKind> Session::ClassifyLocked(int64_t step) const {
+  if (step == last_step_ && last_step_ > 0) return StepKind::kReplay;
+  if (step == last_step_ + 1) return StepKind::kNext;
+  return absl::FailedPreconditionError(absl::StrCat(
+      "header.step: expected step ", last_step_ + 1,
+      last_step_ > 0 ? absl::StrCat(" (or ", last_step_, " to replay the last one)") : std::string(), ", got ",
+      step));
+}
+
+StepOutcome Session::ReplayOutcomeLocked() const {
+  StepOutcome replay{last_result_, snapshot_};
+  replay.result.replayed = true;
+  return replay;
+}
+
+absl::StatusOr<std::unique_ptr<IncomingStep>> Session::BeginStep(StepRequest request) {
+  StepKind kind;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    if (!initialized_) return NotInitializedError();
+    MUOND_ASSIGN_OR_RETURN(kind, ClassifyLocked(request.step));
+  }
+  MUOND_ASSIGN_OR_RETURN(StepPlan plan, PlanStep(config_, default_hyper_, std::move(request)));
+  // One rank's gradients go straight to the backend while the rest of them arrive (unless another
+  // step of the session holds the buffers); the ranks of a multi-rank session are averaged on the
+  // host first, and a replay needs no gradients at all.
+  std::unique_ptr<StagedGradients> staged;
+  if (kind == StepKind::kNext && config_.world_size == 1) {
+    MUOND_ASSIGN_OR_RETURN(staged, StagedGradients::Start(gradient_pool_.get(), backend_));
+  }
+  return std::unique_ptr<IncomingStep>(
+      new IncomingStep(config_, std::move(plan), kind == StepKind::kReplay, std::move(staged)));
+}
+
+absl::Status IncomingStep::Stage(size_t index, int64_t offset, size_t count) {
+  if (staged_ == nullptr) return absl::OkStatus();
+  HostTensor& tensor = gradients_[index];
+  MUOND_RETURN_IF_ERROR(staged_->Add(index, offset, tensor.values.data() + offset, count));
+  tensor.staged = true;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StepOutcome> Session::FinishStep(std::unique_ptr<IncomingStep> step) {
+  if (step->staged_ != nullptr) MUOND_RETURN_IF_ERROR(step->staged_->Finish());
+  absl::MutexLock lock(&mu_);
+  // The state may have moved since BeginStep (another stream of the same step, say): classify again
+  // under the lock, where the answer holds until the step is applied.
+  MUOND_ASSIGN_OR_RETURN(StepKind kind, ClassifyLocked(step->plan_.request.step));
+  if (kind == StepKind::kReplay) return ReplayOutcomeLocked();
+  if (config_.world_size > 1) return GatherLocked(std::move(step->plan_), std::move(step->gradients_));
+  return ApplyLocked(step->plan_, std::move(step->gradients_), step->staged_.get());
+}
+
+absl::StatusOr<StepOutcome> Session::ApplyJournaledStep(StepRequest request, std::vector<HostTensor> gradients) {
+  MUOND_ASSIGN_OR_RETURN(StepPlan plan, PlanStep(config_, default_hyper_, std::move(request)));
+  absl::MutexLock lock(&mu_);
+  MUOND_ASSIGN_OR_RETURN(StepKind kind, ClassifyLocked(plan.request.step));
+  if (kind != StepKind::kNext) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("step ", plan.request.step, " was applied already (last step ", last_step_, ")"));
+  }
+  return ApplyLocked(plan, std::move(gradients), nullptr);
+}
+
+absl::StatusOr<StepOutcome> Session::GatherLocked(StepPlan plan, std::vector<HostTensor> gradients) {
+  const int64_t step = plan.request.step;
+  const int rank = plan.request.rank;
+  const uint64_t generation = gather_.Add(std::move(plan), std::move(gradients));
+  if (gather_.complete()) {
+    auto [applied_plan, mean] = gather_.TakeAverage(config_.parameters.size());
+    return ApplyLocked(applied_plan, std::move(mean), nullptr);
+  }
+
+  MUOND_LOG(debug, "session {}: step {} has {} of {} ranks; rank {} waits up to {} s for the rest", id_, step,
+            gather_.arrived(), config_.world_size, rank, config_.straggler_timeout_seconds);
+  const int64_t last_step_before = last_step_;
+  auto done = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return last_step_ != last_step_before || gather_.generation() != generation;
+  };
+  const bool finished = mu_.AwaitWithTimeout(absl::Condition(&done), absl::Seconds(config_.straggler_timeout_seconds));
+  if (last_step_ >= step) return StepOutcome{last_result_, snapshot_};
+  if (finished) {
+    return absl::AbortedError(absl::StrCat("step ", step, " was aborted for every rank; no update was applied"));
+  }
+  // This rank timed out first: abort the step for everyone.
+  const std::vector<int> missing = gather_.Abort();
+  MUOND_LOG(warn, "session {}: step {} aborted, ranks {} did not arrive within {} s", id_, step,
+            absl::StrJoin(missing, ", "), config_.straggler_timeout_seconds);
+  return absl::AbortedError(absl::StrCat("step ", step, ": ranks ", absl::StrJoin(missing, ", "),
+                                         " did not arrive within ", config_.straggler_timeout_seconds,
+                                         " s (--straggler-timeout); no update was applied, send the step again"));
+}
+
+absl::StatusOr<StepOutcome> Session::ApplyLocked(const StepPlan& plan, std::vector<HostTensor> gradients,
+                                                 StagedGradients* staged) {
+  // The step is durable (journal mode) before it changes anything.
+  if (persistence_) MUOND_RETURN_IF_ERROR(persistence_->RecordStep(plan.request, gradients));
+
+  const auto start = std::chrono::steady_clock::now();
+  StepResult result;
+  result.step = plan.request.step;
+  double sum_squares = 0.0;
+  std::string first_non_finite;
+  for (size_t i = 0; i < gradients.size(); ++i) {
+    sum_squares += gradients[i].sum_squares;
+    if (first_non_finite.empty() && !std::isfinite(gradients[i].sum_squares)) {
+      first_non_finite = config_.parameters[i].name;
+    }
+  }
+  const double norm = std::sqrt(sum_squares);
+  result.grad_norm = norm;
+  if (!first_non_finite.empty()) {
+    result.applied = false;
+    result.skip_reason = absl::StrCat("non-finite gradient in '", first_non_finite, "'");
+  } else {
+    MUOND_RETURN_IF_ERROR(ApplyGradients(plan, gradients, ClipCoefficient(plan, norm), staged));
+    MUOND_RETURN_IF_ERROR(ApplyQkClip(plan));
+    MUOND_ASSIGN_OR_RETURN(snapshot_, ReadBack(result.step));
+    result.applied = true;
+  }
+  result.compute_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  last_step_ = result.step;
+  last_result_ = result;
+  if (persistence_ && persistence_->checkpoint_every() > 0 && last_step_ % persistence_->checkpoint_every() == 0) {
+    // The step stands either way (the journal, if any, holds it); a failed periodic checkpoint is
+    // reported and retried at the next period.
+    if (absl::Status saved = CheckpointLocked(); !saved.ok()) {
+      MUOND_LOG(warn, "session {}: checkpoint at step {} failed: {}", id_, last_step_, saved.message());
+    }
+  }
+  return StepOutcome{result, snapshot_};
+}
+
+absl::Status Session::ApplyGradients(const StepPlan& plan, std::vector<HostTensor>& gradients,
+                                     double clip_coefficient, StagedGradients* staged) {
+  GradientLease own;  // when nothing was staged: a set filled from the host values here
+  if (staged == nullptr) own = gradient_pool_->Acquire();
+  GradientSet& set = staged != nullptr ? staged->lease().set() : own.set();
+  absl::Cleanup take_back = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (params_[i].grad != nullptr) set.buffer(i) = std::move(params_[i].grad);
+    }
+  };
+  const float c = static_cast<float>(clip_coefficient);
+  std::vector<std::vector<optim::ParamState*>> by_group(optimizers_.size());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    optim::ParamState& state = params_[i];
+    HostTensor& gradient = gradients[i];
+    state.has_grad = gradient.present();
+    if (!state.has_grad) continue;
+    MUOND_ASSIGN_OR_RETURN(kernels::DeviceBuffer * buffer, gradient_pool_->Buffer(set, i));
+    if (gradient.staged && staged != nullptr) {
+      // Clipped where the values are; one fp32 multiply per element either way, so both paths agree.
+      if (clip_coefficient < 1.0) MUOND_RETURN_IF_ERROR(backend_->ScaleBatched(buffer->data(), state.numel, 1, &c));
+    } else {
+      if (clip_coefficient < 1.0) {
+        for (float& g : gradient.values) g *= c;
+      }
+      MUOND_RETURN_IF_ERROR(backend_->CopyToDevice(gradient.values.data(), buffer->data(), state.numel));
+    }
+    state.grad = std::move(set.buffer(i));
+    by_group[config_.parameters[i].group].push_back(&state);
+  }
+  for (size_t g = 0; g < optimizers_.size(); ++g) {
+    if (by_group[g].empty()) continue;
+    MUOND_RETURN_IF_ERROR(optimizers_[g]->Step(*backend_, plan.hyper[g], by_group[g]));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Session::ApplyQkClip(const StepPlan& plan) {
+  for (const auto& [pair, max_logits] : plan.qk_logits) {
+    const QkClipConfig& clip = config_.qk_clip[pair];
+    const optim::GroupOptions& options = config_.groups[config_.parameters[clip.query].group].options;
+    optim::ParamState& query = params_[clip.query];
+    optim::ParamState& key = params_[clip.key];
+    MUOND_RETURN_IF_ERROR(optim::ApplyQkClip(*backend_, query.master->data(), query.numel, key.master->data(),
+                                             key.numel, max_logits, options.qk_clip_threshold,
+                                             options.qk_clip_alpha));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<const ParameterSnapshot>> Session::ReadBack(int64_t step) const {
+  auto snapshot = std::make_shared<ParameterSnapshot>();
+  snapshot->step = step;
+  snapshot->values.reserve(params_.size());
+  MUOND_ASSIGN_OR_RETURN(std::unique_ptr<kernels::DeviceToHost> download, backend_->NewDeviceToHost());
+  for (const optim::ParamState& state : params_) {
+    std::vector<float>& values = snapshot->values.emplace_back(state.numel);
+    MUOND_RETURN_IF_ERROR(download->Enqueue(state.master->data(), values.data(), state.numel));
+  }
+  MUOND_RETURN_IF_ERROR(download->Wait());
+  return snapshot;
+}
+
+std::shared_ptr<const ParameterSnapshot> Session::Parameters(int64_t* last_step) const {
+  absl::ReaderMutexLock lock(&mu_);
+  *last_step = last_step_;
+  return snapshot_;
+}
+
+// ---- State in and out, durability ----
+
+absl::StatusOr<SessionState> Session::ExportState() const {
+  absl::ReaderMutexLock lock(&mu_);
+  return ExportStateLocked();
+}
+
+absl::StatusOr<SessionState> Session::ExportStateLocked() const {
+  if (!initialized_) {
+    return absl::FailedPreconditionError(absl::StrCat("session '", id_, "' has no parameters yet"));
+  }
+  SessionState state;
+  state.last_step = last_step_;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const optim::ParamState& param = params_[i];
+    state.step_counts.push_back(param.step_count);
+    StateTensor master{i, kMasterSlot, std::vector<float>(param.numel)};
+    MUOND_RETURN_IF_ERROR(backend_->CopyToHost(param.master->data(), master.values.data(), param.numel));
+    state.tensors.push_back(std::move(master));
+    for (const optim::StateSlot& slot : param.slots) {
+      StateTensor t{i, slot.name, std::vector<float>(param.numel)};
+      MUOND_RETURN_IF_ERROR(backend_->CopyToHost(slot.buffer->data(), t.values.data(), param.numel));
+      state.tensors.push_back(std::move(t));
+    }
+  }
+  return state;
+}
+
+absl::Status Session::ImportState(SessionState state) {
+  if (state.last_step < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("header.last_step: must be >= 0, got ", state.last_step));
+  }
+  if (state.step_counts.size() != config_.parameters.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("header.step_counts: expected one count for each of the ",
+                                                   config_.parameters.size(), " parameters, got ",
+                                                   state.step_counts.size()));
+  }
+  absl::MutexLock lock(&mu_);
+  // Every (parameter, slot) pair must arrive exactly once, complete; nothing is written before that
+  // has been checked, so a bad request leaves the session as it was.
+  absl::flat_hash_set<std::pair<size_t, std::string>> expected;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    expected.insert({i, kMasterSlot});
+    for (const std::string& slot : optimizers_[config_.parameters[i].group]->SlotNames()) expected.insert({i, slot});
+  }
+  for (const StateTensor& t : state.tensors) {
+    const ParameterConfig& pc = config_.parameters[t.parameter];
+    if (!expected.erase({t.parameter, t.slot})) {
+      return absl::InvalidArgumentError(absl::StrCat("chunk.slot: '", t.slot, "' is not a state slot of '",
+                                                     pc.name, "' or was sent twice"));
+    }
+    if (static_cast<int64_t>(t.values.size()) != pc.numel) {
+      return absl::InvalidArgumentError(absl::StrCat("chunk.data: ", pc.name, "/", t.slot, " has ",
+                                                     t.values.size(), " of ", pc.numel, " elements"));
+    }
+  }
+  if (!expected.empty()) {
+    const auto& [index, slot] = *expected.begin();
+    return absl::InvalidArgumentError(
+        absl::StrCat("chunk.slot: ", config_.parameters[index].name, "/", slot, " is missing"));
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    optim::ParamState& param = params_[i];
+    if (param.slots.empty()) {
+      MUOND_RETURN_IF_ERROR(optimizers_[config_.parameters[i].group]->InitState(*backend_, param));
+    }
+    param.step_count = state.step_counts[i];
+  }
+  for (const StateTensor& t : state.tensors) {
+    optim::ParamState& param = params_[t.parameter];
+    float* target = t.slot == kMasterSlot ? param.master->data() : param.Slot(t.slot)->data();
+    MUOND_RETURN_IF_ERROR(backend_->CopyToDevice(t.values.data(), target, param.numel));
+  }
+  last_step_ = state.last_step;
+  initialized_ = true;
+  last_result_ = StepResult();
+  last_result_.step = last_step_;
+  last_result_.applied = true;
+  MUOND_ASSIGN_OR_RETURN(snapshot_, ReadBack(last_step_));
+  if (persistence_) MUOND_RETURN_IF_ERROR(CheckpointLocked());
+  return absl::OkStatus();
+}
+
+void Session::AttachPersistence(std::unique_ptr<SessionPersistence> persistence) {
+  absl::MutexLock lock(&mu_);
+  persistence_ = std::move(persistence);
+}
+
+absl::Status Session::CheckpointLocked() {
+  MUOND_ASSIGN_OR_RETURN(SessionState state, ExportStateLocked());
+  return persistence_->SaveCheckpoint(state);
+}
+
+absl::StatusOr<int64_t> Session::Checkpoint() {
+  // Exclusive: no step may be journaled between the export and the journal being emptied.
+  absl::MutexLock lock(&mu_);
+  if (!persistence_) {
+    return absl::FailedPreconditionError("checkpoints need a state directory: start muond with --state-dir");
+  }
+  if (!initialized_) {
+    return absl::FailedPreconditionError(absl::StrCat("session '", id_, "' has no parameters yet"));
+  }
+  MUOND_RETURN_IF_ERROR(CheckpointLocked());
+  return last_step_;
+}
+
+void Session::DiscardPersistence() {
+  absl::MutexLock lock(&mu_);
+  if (persistence_) persistence_->Discard();
+  persistence_.reset();
+}
+
+}  // namespace muond::session

@@ -1,0 +1,120 @@
+// Session: one trainer's optimizer — the fp32 masters and optimizer state of its parameters in
+// backend memory, the per-group optimizers, and the step counter that makes every step apply once.
+//
+// The path of a step: BeginStep checks the request (StepPlan) and decides whether it is the next
+// step or a retry of the applied one; a transport fills the returned IncomingStep with gradients;
+// FinishStep applies it — or, for a retry, answers with the parameters as they were after it —
+// and returns the answer. Step k is applied exactly once: k must be last_step + 1; k == last_step
+// (a retry after a lost answer) is a replay that touches no state; any other k is
+// FAILED_PRECONDITION naming the expected step. Everything that can refuse a request is checked
+// before any state changes. Non-finite gradients skip the update but advance the counter (as
+// torch's GradScaler skips optimizer.step()). With world size N > 1, FinishStep waits until every
+// rank has sent step k (RankGather), applies the average once and answers every rank; a rank
+// missing after the straggler timeout aborts the step for all (ABORTED), state unchanged.
+//
+// Thread-safety: all methods are safe to call concurrently; one mutex serializes the operations of
+// a session (different sessions run in parallel). Answers hand out immutable snapshots, so they are
+// sent without holding the lock.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "common/host_tensor.h"
+#include "kernels/backend.h"
+#include "kernels/optim/optimizer.h"
+#include "server/session/gradient_staging.h"
+#include "server/session/incoming_step.h"
+#include "server/session/rank_gather.h"
+#include "server/session/session_config.h"
+#include "server/session/session_persistence.h"
+#include "server/session/step_plan.h"
+#include "server/session/step_types.h"
+
+namespace muond::session {
+
+class Session {
+ public:
+  // `owner` is the identity of the caller that created the session ("" without authentication).
+  static absl::StatusOr<std::unique_ptr<Session>> Create(std::string id, SessionConfig config,
+                                                         kernels::Backend* backend, std::string owner = "");
+
+  const std::string& id() const { return id_; }
+  const std::string& owner() const { return owner_; }
+  const SessionConfig& config() const { return config_; }
+
+  int64_t last_step() const;
+  bool initialized() const;
+
+  // Replaces the masters with `tensors` (every one complete) and resets the optimizer state.
+  // Refused with FAILED_PRECONDITION once a step has been applied.
+  absl::Status Upload(std::vector<HostTensor> tensors);
+
+  // Checks `request` and classifies it (next step or replay) before its gradients are read.
+  absl::StatusOr<std::unique_ptr<IncomingStep>> BeginStep(StepRequest request);
+  // Applies (or replays) a begun step whose gradients have all arrived; see the class comment.
+  absl::StatusOr<StepOutcome> FinishStep(std::unique_ptr<IncomingStep> step);
+  // Applies a step recorded in the journal (already averaged over ranks), at start-up.
+  absl::StatusOr<StepOutcome> ApplyJournaledStep(StepRequest request, std::vector<HostTensor> gradients);
+
+  // The current parameters and, through `last_step`, the step they belong to (read atomically).
+  std::shared_ptr<const ParameterSnapshot> Parameters(int64_t* last_step) const;
+
+  absl::StatusOr<SessionState> ExportState() const;
+  // Replaces masters, slots and counters at once after checking that `state` is complete.
+  absl::Status ImportState(SessionState state);
+
+  // Makes the session durable from now on; restored sessions attach it after their replay.
+  void AttachPersistence(std::unique_ptr<SessionPersistence> persistence);
+  // Writes a checkpoint now and returns its step; FAILED_PRECONDITION without a state directory.
+  absl::StatusOr<int64_t> Checkpoint();
+  // Closing: removes the session's files (the session must not be used afterwards).
+  void DiscardPersistence();
+
+ private:
+  enum class StepKind { kNext, kReplay };
+
+  Session(std::string id, SessionConfig config, kernels::Backend* backend, std::string owner);
+
+  // The one decision of what step k is: the next one, a replay of the applied one, or refused.
+  absl::StatusOr<StepKind> ClassifyLocked(int64_t step) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  StepOutcome ReplayOutcomeLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<StepOutcome> GatherLocked(StepPlan plan, std::vector<HostTensor> gradients)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<StepOutcome> ApplyLocked(const StepPlan& plan, std::vector<HostTensor> gradients,
+                                          StagedGradients* staged) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Lends the gradient buffers (`staged`'s, or a set filled here from the host values) to the
+  // parameters for the optimizer step and takes them back afterwards, whatever happens.
+  absl::Status ApplyGradients(const StepPlan& plan, std::vector<HostTensor>& gradients, double clip_coefficient,
+                              StagedGradients* staged) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status ApplyQkClip(const StepPlan& plan) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<std::shared_ptr<const ParameterSnapshot>> ReadBack(int64_t step) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<SessionState> ExportStateLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  absl::Status CheckpointLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status NotInitializedError() const;
+
+  const std::string id_;
+  const std::string owner_;
+  const SessionConfig config_;
+  kernels::Backend* const backend_;
+  std::vector<optim::StepHyper> default_hyper_;  // per group; set by Create, immutable afterwards
+  std::unique_ptr<GradientPool> gradient_pool_;  // set by Create; thread-safe itself
+
+  mutable absl::Mutex mu_;
+  std::vector<std::unique_ptr<optim::Optimizer>> optimizers_ ABSL_GUARDED_BY(mu_);  // per group
+  std::vector<optim::ParamState> params_ ABSL_GUARDED_BY(mu_);
+  bool initialized_ ABSL_GUARDED_BY(mu_) = false;
+  int64_t last_step_ ABSL_GUARDED_BY(mu_) = 0;
+  StepResult last_result_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<const ParameterSnapshot> snapshot_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<SessionPersistence> persistence_ ABSL_GUARDED_BY(mu_);
+  RankGather gather_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace muond::session

@@ -1,0 +1,68 @@
+// SessionConfig: the validated, typed description of a session — its parameters with their element
+// counts and groups, each group's optimizer options with defaults filled in, world size, answer
+// dtype and QK-clip pairs. Built once when a session is created (by a SpecCodec from the API's
+// spec) and immutable afterwards, so it may be read from any thread.
+//
+// The session layer's own types: nothing here refers to the wire API. `spec_json` keeps the spec as
+// the API carried it, opaque to this layer, so that attaches can be compared with it and checkpoints
+// can store it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "kernels/optim/options.h"
+#include "kernels/optim/param_state.h"
+
+namespace muond::session {
+
+// Element type of tensor bytes on a transport. The numbering is the API's (docs/protocol.md).
+enum class TensorDType : int { kUnspecified = 0, kFp32 = 1, kBf16 = 2, kFp16 = 3 };
+
+// Bounds on what one session may ask for; requests beyond them are refused at creation.
+struct SpecLimits {
+  int max_rank = 8;
+  int64_t max_tensor_elements = int64_t{1} << 32;
+  int max_parameters = 100000;
+  int max_world_size = 1024;
+  double straggler_timeout_seconds = 120;  // how long a multi-rank step waits for its last rank
+};
+
+struct ParameterConfig {
+  std::string name;
+  std::vector<int64_t> shape;
+  int64_t numel = 0;
+  TensorDType wire_dtype = TensorDType::kFp32;
+  size_t group = 0;  // index into SessionConfig::groups
+  optim::QkvSplit qkv;
+};
+
+struct GroupConfig {
+  std::string name;
+  optim::GroupOptions options;
+};
+
+// A query/key pair of the spec's qk_clip list, by parameter index.
+struct QkClipConfig {
+  size_t query = 0;
+  size_t key = 0;
+  int num_heads = 0;
+};
+
+struct SessionConfig {
+  std::vector<ParameterConfig> parameters;
+  std::vector<GroupConfig> groups;
+  int world_size = 1;
+  double straggler_timeout_seconds = 120;
+  TensorDType return_dtype = TensorDType::kFp32;
+  std::vector<QkClipConfig> qk_clip;
+  int64_t total_elements = 0;
+  absl::flat_hash_map<std::string, size_t> parameter_index;
+  absl::flat_hash_map<std::string, size_t> group_index;
+  std::string spec_json;  // the spec in the API's JSON form (SpecCodec); opaque here
+};
+
+}  // namespace muond::session

@@ -1,0 +1,48 @@
+// What a session hands to durable storage, and the interface through which it does so.
+//
+// SessionState is the whole optimizer state of a session as host tensors: every master and
+// optimizer slot, the step counters. It is what GetState/SetState carry and what a checkpoint holds.
+// SessionPersistence is where a session's durable state goes (its folder of --state-dir, see
+// server/session/state_dir.h); the session calls it under its own lock, so implementations need no
+// locking of their own.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "common/host_tensor.h"
+#include "server/session/step_types.h"
+
+namespace muond::session {
+
+// A slot of the exported state: "master" or an optimizer slot, with its fp32 values.
+struct StateTensor {
+  size_t parameter = 0;
+  std::string slot;
+  std::vector<float> values;
+};
+
+inline constexpr char kMasterSlot[] = "master";
+
+struct SessionState {
+  int64_t last_step = 0;
+  std::vector<int64_t> step_counts;  // per parameter
+  std::vector<StateTensor> tensors;
+};
+
+class SessionPersistence {
+ public:
+  virtual ~SessionPersistence() = default;
+  // Before step `request.step` changes any state: an error refuses the step (journal mode makes it
+  // durable here). `gradients` are the ones the step will apply (averaged over ranks).
+  virtual absl::Status RecordStep(const StepRequest& request, const std::vector<HostTensor>& gradients) = 0;
+  // Writes a checkpoint of `state`; steps recorded before it are no longer needed.
+  virtual absl::Status SaveCheckpoint(const SessionState& state) = 0;
+  virtual int64_t checkpoint_every() const = 0;  // 0: never by step count
+  virtual void Discard() = 0;                    // the session was closed: remove its files
+};
+
+}  // namespace muond::session

@@ -1,0 +1,147 @@
+#include "server/session/session_registry.h"
+
+#include <algorithm>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "common/logging.h"
+#include "server/security/caller_identity.h"
+#include "server/session/state_dir.h"
+
+namespace muond::session {
+namespace {
+
+// The one ownership check of the daemon. Without authentication every caller and owner is "".
+absl::Status CheckSessionOwner(const Session& session, const std::string& caller) {
+  return security::CheckOwner(session.owner(), caller, session.id());
+}
+
+}  // namespace
+
+absl::Status CheckSessionId(const std::string& id, absl::string_view field) {
+  const bool valid = !id.empty() && id.size() <= 128 && id != "." && id != ".." && std::all_of(id.begin(), id.end(), [](char c) {
+    return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-';
+  });
+  if (valid) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, ": '", id.substr(0, 140), "' is not a session id (1 to 128 of [A-Za-z0-9._-])"));
+}
+
+absl::StatusOr<CreateResult> SessionRegistry::CreateOrAttach(const std::string& id, const std::string& spec_json,
+                                                             const std::string& caller) {
+  MUOND_RETURN_IF_ERROR(CheckSessionId(id));
+  absl::MutexLock lock(&mu_);
+  if (auto it = sessions_.find(id); it != sessions_.end()) {
+    MUOND_RETURN_IF_ERROR(CheckSessionOwner(*it->second, caller));
+    absl::Status same = codec_->CheckSame(it->second->config().spec_json, spec_json);
+    if (!same.ok()) return absl::AlreadyExistsError(absl::StrCat("session_id '", id, "': ", same.message()));
+    MUOND_LOG(info, "session {} attached at step {}", id, it->second->last_step());
+    return CreateResult{it->second, true};
+  }
+  if (static_cast<int>(sessions_.size()) >= max_sessions_) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("session_id '", id, "': the daemon already holds ", sessions_.size(),
+                     " sessions (--max-sessions ", max_sessions_, "); close one first"));
+  }
+  MUOND_ASSIGN_OR_RETURN(SessionConfig config, codec_->Parse(spec_json, limits_));
+  MUOND_RETURN_IF_ERROR(CheckMemoryQuota(id, EstimateSessionBytes(config), HeldBytesLocked(), memory_));
+  const int64_t elements = config.total_elements;
+  const size_t tensors = config.parameters.size();
+  const size_t groups = config.groups.size();
+  MUOND_ASSIGN_OR_RETURN(std::unique_ptr<Session> session, Session::Create(id, std::move(config), backend_, caller));
+  std::shared_ptr<Session> shared = std::move(session);
+  if (persistence_) {
+    MUOND_ASSIGN_OR_RETURN(std::unique_ptr<FilePersistence> files, FilePersistence::Open(*persistence_, *shared));
+    shared->AttachPersistence(std::move(files));
+  }
+  sessions_.emplace(id, shared);
+  ReportLocked();
+  MUOND_LOG(info, "session {} created: {} tensors, {} parameters, {} groups", id, tensors, elements, groups);
+  return CreateResult{std::move(shared), false};
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Find(const std::string& id,
+                                                                const std::string& caller) const {
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(id);
+  if (it == sessions_.end()) {
+    return absl::NotFoundError(absl::StrCat("session_id: no session '", id.substr(0, 140), "'"));
+  }
+  MUOND_RETURN_IF_ERROR(CheckSessionOwner(*it->second, caller));
+  return it->second;
+}
+
+absl::Status SessionRegistry::Close(const std::string& id, const std::string& caller) {
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(id);
+  if (it == sessions_.end()) {
+    return absl::NotFoundError(absl::StrCat("session_id: no session '", id.substr(0, 140), "'"));
+  }
+  MUOND_RETURN_IF_ERROR(CheckSessionOwner(*it->second, caller));
+  MUOND_LOG(info, "session {} closed at step {}", id, it->second->last_step());
+  it->second->DiscardPersistence();
+  sessions_.erase(it);
+  ReportLocked();
+  return absl::OkStatus();
+}
+
+absl::Status SessionRegistry::EnablePersistence(const durability::StateDirOptions& options) {
+  MUOND_ASSIGN_OR_RETURN(std::vector<std::shared_ptr<Session>> restored,
+                         RestoreSessions(options, backend_, *codec_, limits_));
+  absl::MutexLock lock(&mu_);
+  persistence_ = options;
+  for (std::shared_ptr<Session>& session : restored) {
+    const std::string id = session->id();
+    sessions_.emplace(id, std::move(session));
+  }
+  ReportLocked();
+  return absl::OkStatus();
+}
+
+int SessionRegistry::CheckpointAll() {
+  int written = 0;
+  for (const std::shared_ptr<Session>& session : List()) {
+    if (!session->initialized()) continue;
+    absl::StatusOr<int64_t> step = session->Checkpoint();
+    if (step.ok()) {
+      ++written;
+    } else if (step.status().code() != absl::StatusCode::kFailedPrecondition) {
+      MUOND_LOG(error, "session {}: final checkpoint failed: {}", session->id(), step.status().message());
+    }
+  }
+  return written;
+}
+
+std::vector<std::shared_ptr<Session>> SessionRegistry::List() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::shared_ptr<Session>> out;
+  for (const auto& [id, session] : sessions_) out.push_back(session);
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a->id() < b->id(); });
+  return out;
+}
+
+size_t SessionRegistry::size() const {
+  absl::MutexLock lock(&mu_);
+  return sessions_.size();
+}
+
+std::vector<std::shared_ptr<Session>> SessionRegistry::ListOwnedBy(const std::string& caller) const {
+  std::vector<std::shared_ptr<Session>> out = List();
+  std::erase_if(out, [&](const std::shared_ptr<Session>& session) { return session->owner() != caller; });
+  return out;
+}
+
+void SessionRegistry::ReportLocked() const {
+  metrics_->SessionsHeld(static_cast<int>(sessions_.size()), HeldBytesLocked());
+}
+
+int64_t SessionRegistry::HeldBytesLocked() const {
+  // Summed afresh (at most --max-sessions terms), so a closed session stops counting the moment it
+  // leaves the map, whichever path removed it.
+  int64_t bytes = 0;
+  for (const auto& [id, session] : sessions_) bytes += EstimateSessionBytes(session->config());
+  return bytes;
+}
+
+}  // namespace muond::session

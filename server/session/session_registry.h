@@ -1,0 +1,85 @@
+// SessionRegistry: the daemon's sessions by id — create-or-attach, look-up, close, list — with the
+// checks that apply across sessions: ownership, --max-sessions and the memory quotas.
+//
+// Owns the sessions through shared_ptr so a call that looked a session up keeps it alive even if it
+// is closed meanwhile. Borrows the backend, the spec codec and the metrics, which must outlive it.
+// Thread-safe: one mutex guards the map; session work happens outside it.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "kernels/backend.h"
+#include "server/durability/session_files.h"
+#include "server/metrics/metrics.h"
+#include "server/session/memory_quota.h"
+#include "server/session/session.h"
+#include "server/session/session_config.h"
+#include "server/session/spec_codec.h"
+
+namespace muond::session {
+
+struct CreateResult {
+  std::shared_ptr<Session> session;
+  bool attached = false;
+};
+
+class SessionRegistry {
+ public:
+  SessionRegistry(kernels::Backend* backend, const SpecCodec* codec, SpecLimits limits, int max_sessions,
+                  MemoryLimits memory = {}, metrics::Metrics* metrics = metrics::NoMetrics())
+      : backend_(backend), codec_(codec), limits_(limits), max_sessions_(max_sessions), memory_(memory),
+        metrics_(metrics) {}
+
+  // `caller` is the authenticated identity of the request ("" for everyone when authentication is
+  // off). A session belongs to the caller that created it; every other caller gets
+  // PERMISSION_DENIED naming the session from CreateOrAttach, Find and Close.
+
+  // A new id creates the session owned by `caller` from `spec_json` (parsed by the codec), if the
+  // memory quotas allow (checked before anything is allocated); an existing id with an identical
+  // spec attaches to it; a different spec is ALREADY_EXISTS naming the difference.
+  absl::StatusOr<CreateResult> CreateOrAttach(const std::string& id, const std::string& spec_json,
+                                              const std::string& caller = "");
+
+  // NOT_FOUND naming the session id when there is none.
+  absl::StatusOr<std::shared_ptr<Session>> Find(const std::string& id, const std::string& caller = "") const;
+
+  // Drops the session; its memory no longer counts against --max-total-bytes.
+  absl::Status Close(const std::string& id, const std::string& caller = "");
+
+  // The sessions `caller` owns, by id.
+  std::vector<std::shared_ptr<Session>> ListOwnedBy(const std::string& caller) const;
+  // Makes new sessions durable under `options` (a --state-dir) and takes in the sessions restored
+  // from it. Call before serving.
+  absl::Status EnablePersistence(const durability::StateDirOptions& options);
+  // Checkpoints every durable session (at shutdown); returns how many were written.
+  int CheckpointAll();
+  std::vector<std::shared_ptr<Session>> List() const;
+  size_t size() const;
+
+ private:
+  int64_t HeldBytesLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Tells the metrics what is held now.
+  void ReportLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  kernels::Backend* const backend_;
+  const SpecCodec* const codec_;
+  const SpecLimits limits_;
+  const int max_sessions_;
+  const MemoryLimits memory_;
+  metrics::Metrics* const metrics_;
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
+  std::optional<durability::StateDirOptions> persistence_ ABSL_GUARDED_BY(mu_);
+};
+
+// OK when `id` is a valid session id ([A-Za-z0-9._-]{1,128}); INVALID_ARGUMENT naming `field`.
+absl::Status CheckSessionId(const std::string& id, absl::string_view field = "session_id");
+
+}  // namespace muond::session

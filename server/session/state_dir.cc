@@ -1,0 +1,146 @@
+#include "server/session/state_dir.h"
+
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+
+namespace muond::session {
+namespace {
+
+// The checkpoint's tensors in the session's terms, each checked against the spec.
+absl::StatusOr<SessionState> StateFromCheckpoint(durability::CheckpointData& data, const SessionConfig& config,
+                                                 const std::string& dir) {
+  SessionState state;
+  state.last_step = data.last_step;
+  state.step_counts.assign(config.parameters.size(), -1);
+  for (const auto& [name, count] : data.step_counts) {
+    auto it = config.parameter_index.find(name);
+    if (it != config.parameter_index.end()) state.step_counts[it->second] = count;
+  }
+  for (durability::CheckpointTensor& t : data.tensors) {
+    auto it = config.parameter_index.find(t.parameter);
+    const std::string key = absl::StrCat(t.parameter, "/", t.slot);
+    if (it == config.parameter_index.end()) {
+      return durability::CheckpointCorrupt(dir, absl::StrCat("unknown tensor '", key, "'"));
+    }
+    if (t.shape != config.parameters[it->second].shape) {
+      return durability::CheckpointCorrupt(dir, absl::StrCat("tensor '", key, "' is not F32 with the spec's shape"));
+    }
+    state.tensors.push_back({it->second, t.slot, std::move(t.values)});
+  }
+  return state;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<FilePersistence>> FilePersistence::Open(const durability::StateDirOptions& options,
+                                                                       const Session& session) {
+  MUOND_ASSIGN_OR_RETURN(std::unique_ptr<durability::SessionFiles> files,
+                         durability::SessionFiles::Open(options, session.id()));
+  return std::unique_ptr<FilePersistence>(new FilePersistence(std::move(files), session));
+}
+
+absl::Status FilePersistence::RecordStep(const StepRequest& request, const std::vector<HostTensor>& gradients) {
+  absl::Status appended = files_->RecordStep(EncodeStepRequest(request), gradients);
+  if (!appended.ok()) {
+    MUOND_LOG(error, "session {}: step {} refused, the journal failed: {}", session_.id(), request.step,
+              appended.message());
+    return absl::UnavailableError(absl::StrCat("the step could not be made durable: ", appended.message()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status FilePersistence::SaveCheckpoint(const SessionState& state) {
+  const SessionConfig& config = session_.config();
+  durability::CheckpointData data;
+  data.session_id = session_.id();
+  data.owner = session_.owner();
+  data.spec_json = config.spec_json;
+  data.backend = files_->options().backend_name;
+  data.last_step = state.last_step;
+  for (size_t i = 0; i < config.parameters.size(); ++i) {
+    data.step_counts.emplace_back(config.parameters[i].name, state.step_counts[i]);
+  }
+  for (const StateTensor& t : state.tensors) {
+    const ParameterConfig& param = config.parameters[t.parameter];
+    data.tensors.push_back({param.name, t.slot, param.shape, t.values});
+  }
+  return files_->SaveCheckpoint(data);
+}
+
+absl::StatusOr<std::vector<std::shared_ptr<Session>>> RestoreSessions(const durability::StateDirOptions& options,
+                                                                      kernels::Backend* backend,
+                                                                      const SpecCodec& codec,
+                                                                      const SpecLimits& limits) {
+  MUOND_ASSIGN_OR_RETURN(std::vector<std::string> dirs, durability::ListSessionFolders(options));
+  std::vector<std::shared_ptr<Session>> restored;
+  for (const std::string& dir : dirs) {
+    const std::string metadata_file = dir + "/" + durability::kCheckpointMetadataFile;
+    absl::StatusOr<SessionConfig> config;
+    auto parse = [&](const durability::CheckpointData& data) -> absl::StatusOr<size_t> {
+      config = codec.Parse(data.spec_json, limits);
+      if (!config.ok()) return durability::CheckpointCorrupt(metadata_file, config.status().message());
+      return config->parameters.size();
+    };
+    MUOND_ASSIGN_OR_RETURN(durability::SessionFolder folder, durability::LoadSessionFolder(options, dir, parse));
+    const std::string folder_name = dir.substr(dir.rfind('/') + 1);
+    if (folder.checkpoint.session_id != folder_name) {
+      return absl::DataLossError(absl::StrCat("checkpoint ", metadata_file, " names session '",
+                                              folder.checkpoint.session_id, "'"));
+    }
+    MUOND_ASSIGN_OR_RETURN(SessionState state, StateFromCheckpoint(folder.checkpoint, *config, dir));
+    const size_t num_parameters = config->parameters.size();
+    std::vector<int64_t> numel;
+    for (const ParameterConfig& p : config->parameters) numel.push_back(p.numel);
+    MUOND_ASSIGN_OR_RETURN(std::unique_ptr<Session> unique,
+                           Session::Create(folder.checkpoint.session_id, *std::move(config), backend,
+                                           folder.checkpoint.owner));
+    std::shared_ptr<Session> session = std::move(unique);
+    absl::Status imported = session->ImportState(std::move(state));
+    if (!imported.ok()) {
+      return absl::DataLossError(absl::StrCat("checkpoint ", dir, " is unusable: ", imported.message()));
+    }
+    const int64_t checkpoint_step = session->last_step();
+
+    int64_t replayed = 0;
+    for (durability::JournalRecord& record : folder.journal.records) {
+      absl::StatusOr<StepRequest> request = DecodeStepRequest(record.request);
+      if (!request.ok()) {
+        return absl::DataLossError(
+            absl::StrCat("journal ", folder.journal_path, " is unusable: ", request.status().message()));
+      }
+      const int64_t step = request->step;
+      if (step <= session->last_step()) continue;  // already in the checkpoint
+      if (step != session->last_step() + 1) {
+        return absl::DataLossError(absl::StrCat("journal ", folder.journal_path, " is unusable: step ", step,
+                                                " follows step ", session->last_step()));
+      }
+      for (size_t i = 0; i < num_parameters; ++i) {
+        if (record.gradients[i].present() && record.gradients[i].received != numel[i]) {
+          return absl::DataLossError(absl::StrCat("journal ", folder.journal_path, " is unusable: step ", step,
+                                                  " has a gradient of the wrong size"));
+        }
+      }
+      absl::StatusOr<StepOutcome> outcome = session->ApplyJournaledStep(*std::move(request), std::move(record.gradients));
+      if (!outcome.ok()) {
+        return absl::DataLossError(absl::StrCat("journal ", folder.journal_path, ": step ", step,
+                                                " does not replay: ", outcome.status().message()));
+      }
+      ++replayed;
+    }
+    if (folder.journal.dropped_torn_tail) {
+      MUOND_LOG(warn, "journal {} ended in a partly written record (a crash during an unacknowledged step); "
+                "dropped it", folder.journal_path);
+    }
+    MUOND_ASSIGN_OR_RETURN(std::unique_ptr<FilePersistence> persistence, FilePersistence::Open(options, *session));
+    session->AttachPersistence(std::move(persistence));
+    // Fold the replayed steps into a fresh checkpoint, which also empties the journal.
+    MUOND_RETURN_IF_ERROR(session->Checkpoint().status());
+    MUOND_LOG(info, "session {} restored at step {} (checkpoint at step {} + {} journaled steps)", session->id(),
+              session->last_step(), checkpoint_step, replayed);
+    restored.push_back(std::move(session));
+  }
+  return restored;
+}
+
+}  // namespace muond::session

@@ -1,0 +1,37 @@
+// StepPlan: a StepRequest checked against its session's config and resolved into what the optimizer
+// step needs — each group's hyperparameters for this step, the QK-clip logits by pair, the clipping
+// limit. Planning is the one place a step's request is validated; it happens once, when the step
+// begins, before any gradient is read, and the plan travels with the step from then on.
+//
+// Pure functions of immutable inputs; thread-safe.
+#pragma once
+
+#include <cstddef>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kernels/optim/optimizer.h"
+#include "server/session/session_config.h"
+#include "server/session/step_types.h"
+
+namespace muond::session {
+
+struct StepPlan {
+  StepRequest request;
+  std::vector<optim::StepHyper> hyper;  // per group
+  std::vector<std::pair<size_t, std::vector<double>>> qk_logits;  // (index into config.qk_clip, per head)
+};
+
+// `defaults` holds each group's hyperparameters from its options (Optimizer::DefaultHyper).
+// Errors name the request's field: "header.overrides[0].lr: …", "header.qk_logits[1].query: …",
+// "header.max_grad_norm: …", "header.rank: …" (INVALID_ARGUMENT; an unknown group is NOT_FOUND).
+absl::StatusOr<StepPlan> PlanStep(const SessionConfig& config, const std::vector<optim::StepHyper>& defaults,
+                                  StepRequest request);
+
+// torch.nn.utils.clip_grad_norm_'s coefficient for `norm` under the plan: max_norm / (norm + 1e-6),
+// clamped to 1; 1 without a limit.
+double ClipCoefficient(const StepPlan& plan, double norm);
+
+}  // namespace muond::session

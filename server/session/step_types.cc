@@ -1,0 +1,69 @@
+#include "server/session/step_types.h"
+
+#include "nlohmann/json.hpp"
+
+namespace muond::session {
+namespace {
+
+using nlohmann::json;
+
+template <typename T>
+void PutOptional(json& out, const char* key, const std::optional<T>& value) {
+  if (value.has_value()) out[key] = *value;
+}
+
+template <typename T>
+std::optional<T> GetOptional(const json& in, const char* key) {
+  if (!in.contains(key)) return std::nullopt;
+  return in.at(key).get<T>();
+}
+
+}  // namespace
+
+std::string EncodeStepRequest(const StepRequest& request) {
+  json out = {{"session_id", request.session_id}, {"step", request.step}, {"rank", request.rank}};
+  json overrides = json::array();
+  for (const GroupOverride& o : request.overrides) {
+    json entry = {{"group", o.group}};
+    PutOptional(entry, "lr", o.lr);
+    PutOptional(entry, "momentum", o.momentum);
+    PutOptional(entry, "weight_decay", o.weight_decay);
+    overrides.push_back(std::move(entry));
+  }
+  out["overrides"] = std::move(overrides);
+  PutOptional(out, "max_grad_norm", request.max_grad_norm);
+  json logits = json::array();
+  for (const QkLogits& l : request.qk_logits) logits.push_back({{"query", l.query}, {"max_logits", l.max_logits}});
+  out["qk_logits"] = std::move(logits);
+  return out.dump();
+}
+
+absl::StatusOr<StepRequest> DecodeStepRequest(absl::string_view bytes) {
+  const json in = json::parse(bytes.begin(), bytes.end(), nullptr, /*allow_exceptions=*/false);
+  if (!in.is_object()) return absl::DataLossError("the step request is not a JSON object");
+  // Type mismatches throw inside nlohmann; they are turned into a status here, at the boundary.
+  try {
+    StepRequest request;
+    request.session_id = in.at("session_id").get<std::string>();
+    request.step = in.at("step").get<int64_t>();
+    request.rank = in.at("rank").get<int>();
+    for (const json& entry : in.at("overrides")) {
+      GroupOverride o;
+      o.group = entry.at("group").get<std::string>();
+      o.lr = GetOptional<double>(entry, "lr");
+      o.momentum = GetOptional<double>(entry, "momentum");
+      o.weight_decay = GetOptional<double>(entry, "weight_decay");
+      request.overrides.push_back(std::move(o));
+    }
+    request.max_grad_norm = GetOptional<double>(in, "max_grad_norm");
+    for (const json& entry : in.at("qk_logits")) {
+      request.qk_logits.push_back(
+          {entry.at("query").get<std::string>(), entry.at("max_logits").get<std::vector<double>>()});
+    }
+    return request;
+  } catch (const json::exception& e) {
+    return absl::DataLossError(std::string("the step request does not decode: ") + e.what());
+  }
+}
+
+}  // namespace muond::session

@@ -1,0 +1,66 @@
+// The session layer's own types for one step: what a trainer asks (StepRequest), what the daemon
+// answers (StepResult with the parameters after the step), and the parameter snapshots answers are
+// encoded from. Transports convert their messages to and from these; the session never sees a
+// wire message. Plain value types; a published ParameterSnapshot is immutable and may be read from
+// any thread.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace muond::session {
+
+// Per-step hyperparameters of one group, overriding the group's options for this step only.
+struct GroupOverride {
+  std::string group;
+  std::optional<double> lr;
+  std::optional<double> momentum;
+  std::optional<double> weight_decay;
+};
+
+// The per-head maximum attention logits of one QK-clip pair, named by its query weight.
+struct QkLogits {
+  std::string query;
+  std::vector<double> max_logits;
+};
+
+struct StepRequest {
+  std::string session_id;
+  int64_t step = 0;
+  int rank = 0;
+  std::vector<GroupOverride> overrides;
+  std::optional<double> max_grad_norm;
+  std::vector<QkLogits> qk_logits;
+};
+
+struct StepResult {
+  int64_t step = 0;
+  bool applied = false;
+  std::string skip_reason;  // set when the step was skipped (a non-finite gradient)
+  double grad_norm = 0;
+  double compute_seconds = 0;
+  bool replayed = false;  // a retry of the last step, answered without a second update
+};
+
+// Host copy of every parameter after some step; never modified once published.
+struct ParameterSnapshot {
+  int64_t step = 0;
+  std::vector<std::vector<float>> values;  // indexed like SessionConfig::parameters
+};
+
+struct StepOutcome {
+  StepResult result;
+  std::shared_ptr<const ParameterSnapshot> parameters;
+};
+
+// A request as bytes and back, for the step journal (JSON; doubles round-trip exactly).
+std::string EncodeStepRequest(const StepRequest& request);
+absl::StatusOr<StepRequest> DecodeStepRequest(absl::string_view bytes);
+
+}  // namespace muond::session

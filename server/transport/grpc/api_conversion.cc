@@ -1,0 +1,36 @@
+#include "server/transport/grpc/api_conversion.h"
+
+namespace muond::transport {
+
+session::StepRequest ToStepRequest(const v1::StepHeader& header) {
+  session::StepRequest request;
+  request.session_id = header.session_id();
+  request.step = header.step();
+  request.rank = header.rank();
+  for (const v1::GroupOverride& o : header.overrides()) {
+    session::GroupOverride out;
+    out.group = o.group();
+    if (o.has_lr()) out.lr = o.lr();
+    if (o.has_momentum()) out.momentum = o.momentum();
+    if (o.has_weight_decay()) out.weight_decay = o.weight_decay();
+    request.overrides.push_back(std::move(out));
+  }
+  if (header.has_max_grad_norm()) request.max_grad_norm = header.max_grad_norm();
+  for (const v1::QkClipLogits& logits : header.qk_logits()) {
+    request.qk_logits.push_back({logits.query(), {logits.max_logits().begin(), logits.max_logits().end()}});
+  }
+  return request;
+}
+
+v1::StepResult ToProto(const session::StepResult& result) {
+  v1::StepResult out;
+  out.set_step(result.step);
+  out.set_applied(result.applied);
+  if (!result.skip_reason.empty()) out.set_skip_reason(result.skip_reason);
+  out.set_grad_norm(result.grad_norm);
+  out.set_compute_seconds(result.compute_seconds);
+  if (result.replayed) out.set_replayed(true);
+  return out;
+}
+
+}  // namespace muond::transport

@@ -1,0 +1,19 @@
+// Conversions between the muond.v1 wire messages and the session layer's own types: a step header
+// becomes a StepRequest, a StepResult becomes its message, dtypes map one to one (the session's
+// TensorDType uses the API's numbering). The only place the two vocabularies meet, besides the spec
+// codec (server/rpc/spec_codec.h). Pure functions; thread-safe.
+#pragma once
+
+#include "muond/v1/muond.pb.h"
+#include "server/session/session_config.h"
+#include "server/session/step_types.h"
+
+namespace muond::transport {
+
+session::StepRequest ToStepRequest(const v1::StepHeader& header);
+v1::StepResult ToProto(const session::StepResult& result);
+
+inline v1::DType ToProto(session::TensorDType dtype) { return static_cast<v1::DType>(dtype); }
+inline session::TensorDType FromProto(v1::DType dtype) { return static_cast<session::TensorDType>(dtype); }
+
+}  // namespace muond::transport

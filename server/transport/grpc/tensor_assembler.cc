@@ -1,0 +1,92 @@
+#include "server/transport/grpc/tensor_assembler.h"
+
+#include <span>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/status_macros.h"
+#include "proto/wire/dtype_codec.h"
+
+namespace muond::transport {
+
+using session::ParameterConfig;
+
+TensorAssembler::TensorAssembler(const session::SessionConfig& config, size_t max_chunk_bytes)
+    : config_(config), max_chunk_bytes_(max_chunk_bytes), own_(config.parameters.size()), tensors_(&own_) {}
+
+TensorAssembler::TensorAssembler(session::IncomingStep* step, size_t max_chunk_bytes)
+    : config_(step->config()), max_chunk_bytes_(max_chunk_bytes), tensors_(&step->gradients()), step_(step) {}
+
+absl::Status TensorAssembler::Add(const v1::TensorChunk& chunk, absl::string_view field) {
+  auto it = config_.parameter_index.find(chunk.name());
+  if (it == config_.parameter_index.end()) {
+    return absl::NotFoundError(absl::StrCat(field, ".name: unknown parameter '", chunk.name(), "'"));
+  }
+  const ParameterConfig& param = config_.parameters[it->second];
+  HostTensor& tensor = (*tensors_)[it->second];
+  const std::string& name = param.name;
+
+  const v1::DType dtype =
+      chunk.dtype() == v1::DTYPE_UNSPECIFIED ? static_cast<v1::DType>(param.wire_dtype) : chunk.dtype();
+  const size_t element_size = wire::ElementSize(dtype);
+  if (element_size == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".dtype: unknown dtype ",
+                                                   static_cast<int>(chunk.dtype()), " for '", name, "'"));
+  }
+  if (chunk.data().size() > max_chunk_bytes_) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".data: ", chunk.data().size(),
+                                                   " bytes for '", name, "' exceed the chunk limit of ",
+                                                   max_chunk_bytes_, " bytes"));
+  }
+  if (chunk.data().size() % element_size != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".data: ", chunk.data().size(),
+                                                   " bytes is not a whole number of ", wire::DTypeName(dtype),
+                                                   " elements for '", name, "'"));
+  }
+  if (chunk.shape_size() > 0) {
+    const std::vector<int64_t> shape(chunk.shape().begin(), chunk.shape().end());
+    if (shape != param.shape) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ".shape: '", name, "' was sent with shape [",
+                                                     absl::StrJoin(shape, ", "), "], the session has [",
+                                                     absl::StrJoin(param.shape, ", "), "]"));
+    }
+  }
+  if (static_cast<int64_t>(chunk.offset()) != tensor.received) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".offset: expected ", tensor.received, " for '",
+                                                   name, "', got ", chunk.offset(),
+                                                   " (chunks of a tensor must arrive in order, once)"));
+  }
+  const int64_t count = static_cast<int64_t>(chunk.data().size() / element_size);
+  if (count > param.numel - tensor.received) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".data: '", name, "' has ", param.numel,
+                                                   " elements; this chunk would end at element ",
+                                                   tensor.received + count));
+  }
+  if (tensor.values.empty()) tensor.values.resize(param.numel);
+  std::span<float> out(tensor.values.data() + tensor.received, count);
+  wire::Decode(dtype, chunk.data(), out);
+  double sum = 0.0;
+  for (float v : out) sum += static_cast<double>(v) * v;
+  tensor.sum_squares += sum;
+  if (step_ != nullptr) MUOND_RETURN_IF_ERROR(step_->Stage(it->second, tensor.received, out.size()));
+  tensor.received += count;
+  return absl::OkStatus();
+}
+
+absl::Status TensorAssembler::Finish(bool require_all) const {
+  for (size_t i = 0; i < tensors_->size(); ++i) {
+    const ParameterConfig& param = config_.parameters[i];
+    const HostTensor& tensor = (*tensors_)[i];
+    if (tensor.received == param.numel) continue;
+    if (tensor.received == 0 && !require_all) continue;
+    if (tensor.received == 0) {
+      return absl::InvalidArgumentError(absl::StrCat("chunk.name: parameter '", param.name,
+                                                     "' is missing; every parameter must be sent"));
+    }
+    return absl::InvalidArgumentError(absl::StrCat("chunk.data: '", param.name, "' is incomplete: ",
+                                                   tensor.received, " of ", param.numel, " elements"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace muond::transport

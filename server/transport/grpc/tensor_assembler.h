@@ -1,0 +1,56 @@
+// TensorAssembler: collects the chunks of a gRPC stream (an upload or a step's gradients) into one
+// fp32 host tensor per parameter, checking every chunk against the session's config as it arrives.
+//
+// Checks (each an error naming the field): the parameter exists (NOT_FOUND); the dtype is known;
+// the bytes are a whole number of elements and no more than the chunk limit; chunks of a tensor
+// arrive in order without gaps or overlap; a tensor never grows past its element count; an optional
+// shape matches the spec. Finish() checks that every started tensor is complete (and, when all are
+// required, that every parameter arrived).
+//
+// While decoding it accumulates each tensor's sum of squares in fp64, which gives the gradient norm
+// and detects non-finite values without a second pass. Given a step (IncomingStep), it decodes into
+// the step's gradients and hands every decoded chunk to IncomingStep::Stage, which starts copying it
+// to the backend at once.
+//
+// One assembler per stream; not thread-safe. Reads the config (and the step), which must outlive it.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "common/host_tensor.h"
+#include "muond/v1/muond.pb.h"
+#include "server/session/incoming_step.h"
+#include "server/session/session_config.h"
+
+namespace muond::transport {
+
+class TensorAssembler {
+ public:
+  // Assembles into tensors of its own (uploads, state).
+  TensorAssembler(const session::SessionConfig& config, size_t max_chunk_bytes);
+  // Assembles into `step`'s gradients and stages each chunk (not owned; outlives this assembler).
+  TensorAssembler(session::IncomingStep* step, size_t max_chunk_bytes);
+
+  // `field` names the chunk in errors, e.g. "chunk".
+  absl::Status Add(const v1::TensorChunk& chunk, absl::string_view field = "chunk");
+
+  // require_all: every parameter must have arrived (uploads); otherwise absent tensors are allowed,
+  // partial ones are not (steps).
+  absl::Status Finish(bool require_all) const;
+
+  // Indexed like config.parameters.
+  std::vector<HostTensor>& tensors() { return *tensors_; }
+  const std::vector<HostTensor>& tensors() const { return *tensors_; }
+
+ private:
+  const session::SessionConfig& config_;
+  size_t max_chunk_bytes_;
+  std::vector<HostTensor> own_;       // used without a step
+  std::vector<HostTensor>* tensors_;  // own_ or the step's gradients
+  session::IncomingStep* step_ = nullptr;
+};
+
+}  // namespace muond::transport

@@ -1,0 +1,133 @@
+// ParseSessionSpec / ParseGroupOptions / CheckSameSpec: defaults, validation naming the field, and
+// spec comparison for attach.
+#include "server/rpc/spec_codec.h"
+
+#include "gmock/gmock.h"
+#include "tests/testing/status_matchers.h"
+
+namespace muond::rpc {
+namespace {
+
+using session::SessionConfig;
+using session::SpecLimits;
+
+using ::muond::testing::StatusIs;
+
+v1::SessionSpec Spec() {
+  v1::SessionSpec spec;
+  auto* m = spec.add_groups();
+  m->set_name("m");
+  auto* a = spec.add_groups();
+  a->set_name("a");
+  a->mutable_options()->set_optimizer(v1::OPTIMIZER_ADAMW);
+  auto* w = spec.add_parameters();
+  w->set_name("w");
+  w->add_shape(3);
+  w->add_shape(5);
+  w->set_group("m");
+  return spec;
+}
+
+TEST(SessionConfigTest, FillsTheDefaultsOfEachOptimizer) {
+  ASSERT_OK_AND_ASSIGN(SessionConfig config, ParseSessionSpec(Spec(), SpecLimits{}));
+  ASSERT_EQ(config.groups.size(), 2u);
+  const optim::GroupOptions& muon = config.groups[0].options;
+  EXPECT_EQ(muon.optimizer, optim::OptimizerKind::kMuon);
+  EXPECT_DOUBLE_EQ(muon.lr, 0.02);
+  EXPECT_DOUBLE_EQ(muon.momentum, 0.95);
+  EXPECT_TRUE(muon.nesterov);
+  EXPECT_EQ(muon.ns_steps, 5);
+  EXPECT_EQ(muon.ns_schedule.name, "simple");
+  const optim::GroupOptions& adamw = config.groups[1].options;
+  EXPECT_DOUBLE_EQ(adamw.lr, 1e-3);
+  EXPECT_DOUBLE_EQ(adamw.weight_decay, 0.01);
+  EXPECT_DOUBLE_EQ(adamw.beta2, 0.999);
+  EXPECT_EQ(config.parameters[0].numel, 15);
+  EXPECT_EQ(config.return_dtype, session::TensorDType::kFp32);
+  EXPECT_EQ(config.world_size, 1);
+}
+
+TEST(SessionConfigTest, ParsesNamedChoices) {
+  v1::GroupOptions options;
+  options.set_momentum_style("sum");
+  options.set_weight_decay_mode("l2");
+  options.set_scale_mode("spectral");
+  options.set_ns_coefficients("polar_express");
+  ASSERT_OK_AND_ASSIGN(optim::GroupOptions parsed, ParseGroupOptions(options, "g"));
+  EXPECT_EQ(parsed.momentum_style, kernels::MomentumStyle::kSum);
+  EXPECT_EQ(parsed.weight_decay_mode, optim::WeightDecayMode::kL2);
+  EXPECT_EQ(parsed.scale_mode, optim::ScaleMode::kSpectral);
+  EXPECT_EQ(parsed.ns_schedule.name, "polar_express");
+  EXPECT_EQ(parsed.ns_schedule.tuples.size(), 8u);
+}
+
+TEST(SessionConfigTest, CustomCoefficients) {
+  v1::GroupOptions options;
+  auto* t = options.add_ns_custom_coefficients();
+  t->set_a(2);
+  t->set_b(-1.5);
+  t->set_c(0.5);
+  options.set_ns_coefficients_after("repeat_last");
+  ASSERT_OK_AND_ASSIGN(optim::GroupOptions parsed, ParseGroupOptions(options, "g"));
+  EXPECT_EQ(parsed.ns_schedule.name, "custom");
+  EXPECT_EQ(parsed.ns_schedule.after, optim::CoefficientsAfter::kRepeatLast);
+  options.set_ns_coefficients("quintic");
+  EXPECT_THAT(ParseGroupOptions(options, "g"), StatusIs(absl::StatusCode::kInvalidArgument, "g.ns_coefficients"));
+}
+
+TEST(SessionConfigTest, RefusesBadOptionsNamingThem) {
+  v1::GroupOptions options;
+  options.set_ns_coefficients("nonsense");
+  EXPECT_THAT(ParseGroupOptions(options, "spec.groups[0].options"),
+              StatusIs(absl::StatusCode::kInvalidArgument, "spec.groups[0].options.ns_coefficients"));
+  options.Clear();
+  options.set_scale_mode("huge");
+  EXPECT_THAT(ParseGroupOptions(options, "g"),
+              StatusIs(absl::StatusCode::kInvalidArgument, "g.scale_mode: unknown value 'huge'; expected one of"));
+  options.Clear();
+  options.set_optimizer(v1::OPTIMIZER_ADAMW);
+  options.set_nesterov(true);
+  EXPECT_THAT(ParseGroupOptions(options, "g"),
+              StatusIs(absl::StatusCode::kInvalidArgument, "g.nesterov: does not apply to optimizer adamw"));
+  options.Clear();
+  options.set_lr(std::numeric_limits<double>::infinity());
+  EXPECT_THAT(ParseGroupOptions(options, "g"), StatusIs(absl::StatusCode::kInvalidArgument, "g.lr"));
+  options.Clear();
+  options.set_optimizer(static_cast<v1::OptimizerKind>(17));
+  EXPECT_THAT(ParseGroupOptions(options, "g"), StatusIs(absl::StatusCode::kInvalidArgument, "g.optimizer"));
+}
+
+TEST(SessionConfigTest, RefusesBadSpecsNamingTheField) {
+  v1::SessionSpec spec = Spec();
+  spec.mutable_parameters(0)->add_shape(-1);
+  EXPECT_THAT(ParseSessionSpec(spec, SpecLimits{}),
+              StatusIs(absl::StatusCode::kInvalidArgument, "spec.parameters[0].shape: dimension 2 is -1"));
+  spec = Spec();
+  *spec.add_parameters() = spec.parameters(0);
+  EXPECT_THAT(ParseSessionSpec(spec, SpecLimits{}),
+              StatusIs(absl::StatusCode::kInvalidArgument, "spec.parameters[1].name: duplicate"));
+  spec = Spec();
+  spec.set_world_size(5000);  // beyond SpecLimits::max_world_size
+  EXPECT_THAT(ParseSessionSpec(spec, SpecLimits{}), StatusIs(absl::StatusCode::kInvalidArgument, "spec.world_size"));
+  spec = Spec();
+  SpecLimits small;
+  small.max_tensor_elements = 10;
+  EXPECT_THAT(ParseSessionSpec(spec, small), StatusIs(absl::StatusCode::kInvalidArgument, "more than 10 elements"));
+  spec = Spec();
+  spec.clear_groups();
+  EXPECT_THAT(ParseSessionSpec(spec, SpecLimits{}), StatusIs(absl::StatusCode::kInvalidArgument, "spec.groups"));
+  spec = Spec();
+  spec.mutable_parameters(0)->add_qkv_split(1);
+  EXPECT_THAT(ParseSessionSpec(spec, SpecLimits{}),
+              StatusIs(absl::StatusCode::kInvalidArgument, "spec.parameters[0].qkv_split"));
+}
+
+TEST(SessionConfigTest, SameSpecAttachesAndADifferentOneNamesTheField) {
+  EXPECT_OK(CheckSameSpec(Spec(), Spec()));
+  v1::SessionSpec other = Spec();
+  other.mutable_groups(0)->mutable_options()->set_lr(0.1);
+  EXPECT_THAT(CheckSameSpec(Spec(), other), StatusIs(absl::StatusCode::kAlreadyExists, "groups[0].options: { lr: 0.1 }"));
+}
+
+}  // namespace
+}  // namespace muond::rpc

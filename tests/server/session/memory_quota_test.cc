@@ -1,0 +1,61 @@
+#include "server/session/memory_quota.h"
+
+#include "server/rpc/spec_codec.h"
+
+#include "gtest/gtest.h"
+#include "tests/testing/status_matchers.h"
+
+namespace muond::session {
+namespace {
+
+using ::muond::rpc::ParseSessionSpec;
+
+using ::muond::testing::StatusIs;
+
+// Two groups (muon, adamw) with one parameter each.
+v1::SessionSpec Spec() {
+  v1::SessionSpec spec;
+  auto* muon = spec.add_groups();
+  muon->set_name("m");
+  muon->mutable_options()->set_optimizer(v1::OPTIMIZER_MUON);
+  auto* adamw = spec.add_groups();
+  adamw->set_name("a");
+  adamw->mutable_options()->set_optimizer(v1::OPTIMIZER_ADAMW);
+  auto* w = spec.add_parameters();
+  w->set_name("w");
+  w->add_shape(10);
+  w->add_shape(20);
+  w->set_group("m");
+  auto* b = spec.add_parameters();
+  b->set_name("b");
+  b->add_shape(7);
+  b->set_group("a");
+  return spec;
+}
+
+TEST(MemoryQuotaTest, EstimateCountsMasterGradientAndSlots) {
+  EXPECT_EQ(OptimizerSlotCount(optim::OptimizerKind::kMuon), 1);
+  EXPECT_EQ(OptimizerSlotCount(optim::OptimizerKind::kAdamW), 2);
+  EXPECT_EQ(OptimizerSlotCount(optim::OptimizerKind::kLion), 1);
+  EXPECT_EQ(OptimizerSlotCount(optim::OptimizerKind::kSgd), 1);
+  ASSERT_OK_AND_ASSIGN(SessionConfig config, ParseSessionSpec(Spec(), SpecLimits{}));
+  EXPECT_EQ(EstimateSessionBytes(config), 200 * 4 * 3 + 7 * 4 * 4);
+}
+
+TEST(MemoryQuotaTest, ChecksBothLimitsAndNamesThem) {
+  const MemoryLimits none;
+  EXPECT_OK(CheckMemoryQuota("s", int64_t{1} << 40, int64_t{1} << 40, none));
+  const MemoryLimits limits{1000, 5000};
+  EXPECT_OK(CheckMemoryQuota("s", 1000, 4000, limits));
+  EXPECT_THAT(CheckMemoryQuota("s", 1001, 0, limits),
+              StatusIs(absl::StatusCode::kResourceExhausted, "needs 1001 bytes of optimizer memory"));
+  EXPECT_THAT(CheckMemoryQuota("s", 1001, 0, limits),
+              StatusIs(absl::StatusCode::kResourceExhausted, "--max-session-bytes 1000"));
+  EXPECT_THAT(CheckMemoryQuota("s", 1000, 4001, limits),
+              StatusIs(absl::StatusCode::kResourceExhausted, "holds 4001 bytes already"));
+  EXPECT_THAT(CheckMemoryQuota("s", 1000, 4001, limits),
+              StatusIs(absl::StatusCode::kResourceExhausted, "--max-total-bytes 5000"));
+}
+
+}  // namespace
+}  // namespace muond::session

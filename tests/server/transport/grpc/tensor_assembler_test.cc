@@ -1,0 +1,104 @@
+// TensorAssembler: chunks are checked against the session's parameters and assembled in order.
+#include "server/transport/grpc/tensor_assembler.h"
+
+#include "server/rpc/spec_codec.h"
+
+#include <cmath>
+
+#include "gmock/gmock.h"
+#include "proto/wire/dtype_codec.h"
+#include "tests/testing/status_matchers.h"
+
+namespace muond::transport {
+namespace {
+
+using rpc::ParseSessionSpec;
+using session::SessionConfig;
+using session::SpecLimits;
+
+using ::muond::testing::StatusIs;
+
+SessionConfig TwoParameters() {
+  v1::SessionSpec spec;
+  auto* g = spec.add_groups();
+  g->set_name("g");
+  g->mutable_options()->set_optimizer(v1::OPTIMIZER_ADAMW);
+  auto* a = spec.add_parameters();
+  a->set_name("a");
+  a->add_shape(2);
+  a->add_shape(3);
+  a->set_group("g");
+  auto* b = spec.add_parameters();
+  b->set_name("b");
+  b->add_shape(4);
+  b->set_wire_dtype(v1::DTYPE_BF16);
+  b->set_group("g");
+  return ParseSessionSpec(spec, SpecLimits{}).value();
+}
+
+v1::TensorChunk Chunk(const std::string& name, std::vector<float> values, uint64_t offset,
+                      v1::DType dtype = v1::DTYPE_UNSPECIFIED) {
+  v1::TensorChunk chunk;
+  chunk.set_name(name);
+  chunk.set_offset(offset);
+  chunk.set_dtype(dtype);
+  wire::Encode(dtype == v1::DTYPE_UNSPECIFIED ? (name == "b" ? v1::DTYPE_BF16 : v1::DTYPE_FP32) : dtype, values,
+               chunk.mutable_data());
+  return chunk;
+}
+
+TEST(TensorAssemblerTest, AssemblesChunksInOrderWithTheirWireDType) {
+  const SessionConfig config = TwoParameters();
+  TensorAssembler assembler(config, 1 << 20);
+  ASSERT_OK(assembler.Add(Chunk("a", {1, 2}, 0)));
+  ASSERT_OK(assembler.Add(Chunk("a", {3, 4, 5, 6}, 2)));
+  ASSERT_OK(assembler.Add(Chunk("b", {0.5, -1, 2, 3}, 0)));  // bf16, the parameter's wire dtype
+  ASSERT_OK(assembler.Finish(/*require_all=*/true));
+  EXPECT_EQ(assembler.tensors()[0].values, (std::vector<float>{1, 2, 3, 4, 5, 6}));
+  EXPECT_EQ(assembler.tensors()[1].values, (std::vector<float>{0.5, -1, 2, 3}));
+  EXPECT_DOUBLE_EQ(assembler.tensors()[0].sum_squares, 91.0);
+}
+
+TEST(TensorAssemblerTest, AChunkMayOverrideTheWireDType) {
+  const SessionConfig config = TwoParameters();
+  TensorAssembler assembler(config, 1 << 20);
+  ASSERT_OK(assembler.Add(Chunk("b", {0.1f, 0.2f, 0.3f, 0.4f}, 0, v1::DTYPE_FP32)));
+  EXPECT_EQ(assembler.tensors()[1].values[0], 0.1f);
+}
+
+TEST(TensorAssemblerTest, RefusesWhatDoesNotFit) {
+  const SessionConfig config = TwoParameters();
+  TensorAssembler assembler(config, 16);
+  EXPECT_THAT(assembler.Add(Chunk("zz", {1}, 0)), StatusIs(absl::StatusCode::kNotFound, "chunk.name"));
+  EXPECT_THAT(assembler.Add(Chunk("a", {1, 2, 3, 4, 5}, 0)),
+              StatusIs(absl::StatusCode::kInvalidArgument, "exceed the chunk limit of 16"));
+  EXPECT_THAT(assembler.Add(Chunk("a", {1}, 1)), StatusIs(absl::StatusCode::kInvalidArgument, "chunk.offset"));
+  ASSERT_OK(assembler.Add(Chunk("a", {1, 2, 3, 4}, 0)));
+  EXPECT_THAT(assembler.Add(Chunk("a", {1, 2, 3}, 4)), StatusIs(absl::StatusCode::kInvalidArgument, "end at element 7"));
+  EXPECT_THAT(assembler.Finish(false), StatusIs(absl::StatusCode::kInvalidArgument, "'a' is incomplete: 4 of 6"));
+  v1::TensorChunk odd = Chunk("b", {1}, 0);
+  odd.mutable_data()->push_back('x');
+  EXPECT_THAT(assembler.Add(odd), StatusIs(absl::StatusCode::kInvalidArgument, "3 bytes is not a whole number of bf16"));
+  v1::TensorChunk shaped = Chunk("a", {5, 6}, 4);
+  shaped.add_shape(3);
+  shaped.add_shape(2);
+  EXPECT_THAT(assembler.Add(shaped), StatusIs(absl::StatusCode::kInvalidArgument, "chunk.shape"));
+}
+
+TEST(TensorAssemblerTest, AbsentTensorsAreAllowedOnlyWhenNotRequired) {
+  const SessionConfig config = TwoParameters();
+  TensorAssembler assembler(config, 1 << 20);
+  ASSERT_OK(assembler.Add(Chunk("b", {1, 2, 3, 4}, 0)));
+  EXPECT_OK(assembler.Finish(/*require_all=*/false));
+  EXPECT_THAT(assembler.Finish(/*require_all=*/true), StatusIs(absl::StatusCode::kInvalidArgument, "'a' is missing"));
+}
+
+TEST(TensorAssemblerTest, NonFiniteValuesShowInTheSumOfSquares) {
+  const SessionConfig config = TwoParameters();
+  TensorAssembler assembler(config, 1 << 20);
+  ASSERT_OK(assembler.Add(Chunk("a", {1, NAN, 3, 4, 5, 6}, 0)));
+  EXPECT_FALSE(std::isfinite(assembler.tensors()[0].sum_squares));
+}
+
+}  // namespace
+}  // namespace muond::transport
