@@ -1,0 +1,147 @@
+// Sessions with --state-dir in journal mode, over a fault-injecting file Env: a short write, a full
+// disk or a failed fsync while a step is journaled refuses that step with a clear error and changes
+// nothing; the same faults while a checkpoint is written leave the previous checkpoint loadable; and
+// a restore (a new registry over the same folder, as after kill -9) finds every acknowledged step.
+#include <cstdlib>
+#include <filesystem>
+
+#include "gmock/gmock.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "server/durability/fault_injecting_env.h"
+#include "server/rpc/spec_codec.h"
+#include "server/session/session_registry.h"
+#include "tests/server/session/session_test_util.h"
+#include "tests/testing/status_matchers.h"
+
+namespace muond::session {
+namespace {
+
+using ::muond::testing::StatusIs;
+using ::testing::HasSubstr;
+using namespace ::muond::session::session_testing;
+
+class DurableSessionTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char pattern[] = "/tmp/muond-durable-XXXXXX";
+    ASSERT_NE(mkdtemp(pattern), nullptr);
+    dir_ = pattern;
+    backend_ = kernels::NewCpuBackend(1);
+    ASSERT_OK_AND_ASSIGN(std::shared_ptr<Session> session, Open(&env_));
+    ASSERT_OK(session->Upload(InitialParameters()));  // the first checkpoint
+    session_ = session;
+    // The reference: the same steps without any durability.
+    reference_ = NewSession(backend_.get());
+    ASSERT_OK(reference_->Upload(InitialParameters()));
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+
+  // A registry over the state folder through `env` (a fresh one is a restart) and its session "s".
+  absl::StatusOr<std::shared_ptr<Session>> Open(durability::Env* env) {
+    durability::StateDirOptions options;
+    options.state_dir = dir_;
+    options.durability = durability::Durability::kJournal;
+    options.backend_name = "cpu";
+    options.env = env;
+    registry_ = std::make_unique<SessionRegistry>(backend_.get(), &codec_, SpecLimits{}, 4);
+    absl::Status restored = registry_->EnablePersistence(options);
+    if (!restored.ok()) return restored;
+    absl::StatusOr<CreateResult> created = registry_->CreateOrAttach("s", rpc::SpecToJson(SmallSpec()));
+    if (!created.ok()) return created.status();
+    return created->session;
+  }
+
+  // Step `step` on the session and on the reference; the reference only when the session acknowledged.
+  absl::Status Step(int step) {
+    absl::StatusOr<StepOutcome> outcome = RunStep(*session_, Request(step), Gradients(step));
+    if (outcome.ok()) EXPECT_OK(RunStep(*reference_, Request(step), Gradients(step)).status());
+    return outcome.status();
+  }
+
+  std::vector<std::vector<float>> ParametersOf(const Session& session) {
+    int64_t step = 0;
+    return session.Parameters(&step)->values;
+  }
+
+  // Restarts on the real Env and checks the restored session against the reference.
+  void ExpectRestoreHoldsEveryAcknowledgedStep() {
+    const int64_t acknowledged = reference_->last_step();
+    session_.reset();
+    ASSERT_OK_AND_ASSIGN(std::shared_ptr<Session> restored, Open(durability::Env::Default()));
+    EXPECT_EQ(restored->last_step(), acknowledged);
+    EXPECT_EQ(ParametersOf(*restored), ParametersOf(*reference_));
+    ASSERT_OK_AND_ASSIGN(SessionState got, restored->ExportState());
+    ASSERT_OK_AND_ASSIGN(SessionState want, reference_->ExportState());
+    ASSERT_EQ(got.tensors.size(), want.tensors.size());
+    for (size_t i = 0; i < got.tensors.size(); ++i) EXPECT_EQ(got.tensors[i].values, want.tensors[i].values);
+  }
+
+  std::string dir_;
+  durability::FaultInjectingEnv env_{durability::Env::Default()};
+  rpc::ProtoSpecCodec codec_;
+  std::unique_ptr<kernels::Backend> backend_;
+  std::unique_ptr<SessionRegistry> registry_;
+  std::shared_ptr<Session> session_;
+  std::unique_ptr<Session> reference_;
+};
+
+TEST_F(DurableSessionTest, AJournalFaultRefusesTheStepAndLosesNoAcknowledgedOne) {
+  const struct {
+    const char* name;
+    std::function<void(durability::FaultInjectingEnv&)> arm;
+  } faults[] = {
+      {"short write", [](auto& env) { env.FailAppend("journal.log", durability::AppendFault::kShortWrite); }},
+      {"no space", [](auto& env) { env.FailAppend("journal.log", durability::AppendFault::kNoSpace); }},
+      {"failed fsync", [](auto& env) { env.FailSync("journal.log"); }},
+  };
+  int step = 0;
+  for (const auto& fault : faults) {
+    SCOPED_TRACE(fault.name);
+    ASSERT_OK(Step(++step));
+    const auto before = ParametersOf(*session_);
+    fault.arm(env_);
+    EXPECT_THAT(Step(step + 1), StatusIs(absl::StatusCode::kUnavailable, "could not be made durable"));
+    EXPECT_EQ(session_->last_step(), step) << "the refused step changed the counter";
+    EXPECT_EQ(ParametersOf(*session_), before) << "the refused step changed the parameters";
+    ASSERT_OK(Step(++step)) << "the same step goes through once the disk is well again";
+  }
+  EXPECT_EQ(env_.faults_triggered(), 3);
+  ExpectRestoreHoldsEveryAcknowledgedStep();
+}
+
+TEST_F(DurableSessionTest, ACheckpointFaultKeepsThePreviousCheckpointLoadable) {
+  const struct {
+    const char* name;
+    std::function<void(durability::FaultInjectingEnv&)> arm;
+  } faults[] = {
+      {"short write of the tensors", [](auto& env) { env.FailAppend("safetensors", durability::AppendFault::kShortWrite); }},
+      {"no space for the metadata", [](auto& env) { env.FailAppend("checkpoint.json", durability::AppendFault::kNoSpace); }},
+      {"failed fsync of the tensors", [](auto& env) { env.FailSync("safetensors"); }},
+      {"failed rename of the metadata", [](auto& env) { env.FailRename("checkpoint.json"); }},
+  };
+  int step = 0;
+  for (const auto& fault : faults) {
+    SCOPED_TRACE(fault.name);
+    ASSERT_OK(Step(++step));
+    fault.arm(env_);
+    absl::StatusOr<int64_t> checkpoint = session_->Checkpoint();
+    EXPECT_FALSE(checkpoint.ok());
+    EXPECT_THAT(checkpoint.status().message(), HasSubstr(dir_)) << "the error names the file";
+    ASSERT_OK(Step(++step)) << "steps go on; the journal still holds them";
+  }
+  EXPECT_EQ(env_.faults_triggered(), 4);
+  ExpectRestoreHoldsEveryAcknowledgedStep();
+}
+
+TEST_F(DurableSessionTest, ACheckpointAfterAFailedAppendStartsFromAnEmptyJournal) {
+  ASSERT_OK(Step(1));
+  env_.FailAppend("journal.log", durability::AppendFault::kShortWrite);
+  EXPECT_THAT(Step(2), StatusIs(absl::StatusCode::kUnavailable, "journal"));
+  ASSERT_OK_AND_ASSIGN(int64_t checkpointed, session_->Checkpoint());
+  EXPECT_EQ(checkpointed, 1);
+  ASSERT_OK(Step(2));
+  ExpectRestoreHoldsEveryAcknowledgedStep();
+}
+
+}  // namespace
+}  // namespace muond::session

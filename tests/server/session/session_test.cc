@@ -1,0 +1,168 @@
+// Session in process: exactly-once steps (next, replay, refused), refusals that change nothing, the
+// non-finite skip, two streams of one step, and multi-rank gathering.
+#include "server/session/session.h"
+
+#include <thread>
+
+#include "gmock/gmock.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "tests/server/session/session_test_util.h"
+#include "tests/testing/status_matchers.h"
+
+namespace muond::session {
+namespace {
+
+using ::muond::testing::StatusIs;
+using namespace ::muond::session::session_testing;
+
+class SessionTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    backend_ = kernels::NewCpuBackend(1);
+    session_ = NewSession(backend_.get());
+    ASSERT_NE(session_, nullptr);
+    ASSERT_OK(session_->Upload(InitialParameters()));
+  }
+  std::vector<std::vector<float>> Parameters() const {
+    int64_t step = 0;
+    return session_->Parameters(&step)->values;
+  }
+
+  std::unique_ptr<kernels::Backend> backend_;
+  std::unique_ptr<Session> session_;
+};
+
+TEST_F(SessionTest, StepsBeforeUploadAreRefused) {
+  std::unique_ptr<Session> fresh = NewSession(backend_.get());
+  EXPECT_THAT(fresh->BeginStep(Request(1)), StatusIs(absl::StatusCode::kFailedPrecondition, "upload them first"));
+}
+
+TEST_F(SessionTest, ARetryOfTheLastStepIsAnsweredWithoutASecondUpdate) {
+  ASSERT_OK_AND_ASSIGN(StepOutcome first, RunStep(*session_, Request(1), Gradients(1)));
+  EXPECT_TRUE(first.result.applied);
+  EXPECT_FALSE(first.result.replayed);
+  const auto after_1 = Parameters();
+  EXPECT_NE(after_1[0], InitialParameters()[0].values);
+
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<IncomingStep> retry, session_->BeginStep(Request(1)));
+  EXPECT_TRUE(retry->replay()) << "decided when the step begins, before its gradients are read";
+  ASSERT_OK_AND_ASSIGN(StepOutcome replayed, session_->FinishStep(std::move(retry)));
+  EXPECT_TRUE(replayed.result.replayed);
+  EXPECT_EQ(replayed.result.grad_norm, first.result.grad_norm);
+  EXPECT_EQ(replayed.parameters->values, after_1);
+  EXPECT_EQ(Parameters(), after_1);
+  EXPECT_EQ(session_->last_step(), 1);
+}
+
+TEST_F(SessionTest, OtherStepNumbersNameTheExpectedStep) {
+  EXPECT_THAT(session_->BeginStep(Request(2)), StatusIs(absl::StatusCode::kFailedPrecondition, "expected step 1"));
+  ASSERT_OK(RunStep(*session_, Request(1), Gradients(1)).status());
+  EXPECT_THAT(session_->BeginStep(Request(3)),
+              StatusIs(absl::StatusCode::kFailedPrecondition, "expected step 2 (or 1 to replay the last one), got 3"));
+}
+
+TEST_F(SessionTest, ABadRequestIsRefusedBeforeAnyGradientAndChangesNothing) {
+  StepRequest bad_lr = Request(1);
+  bad_lr.overrides.push_back({"muon", -1.0, std::nullopt, std::nullopt});
+  EXPECT_THAT(session_->BeginStep(bad_lr), StatusIs(absl::StatusCode::kInvalidArgument, "header.overrides[0].lr"));
+  StepRequest unknown_group = Request(1);
+  unknown_group.overrides.push_back({"nope", 0.1, std::nullopt, std::nullopt});
+  EXPECT_THAT(session_->BeginStep(unknown_group), StatusIs(absl::StatusCode::kNotFound, "unknown group 'nope'"));
+  StepRequest bad_clip = Request(1);
+  bad_clip.max_grad_norm = 0;
+  EXPECT_THAT(session_->BeginStep(bad_clip), StatusIs(absl::StatusCode::kInvalidArgument, "header.max_grad_norm"));
+  StepRequest bad_rank = Request(1, 1);
+  EXPECT_THAT(session_->BeginStep(bad_rank), StatusIs(absl::StatusCode::kInvalidArgument, "header.rank"));
+  StepRequest bad_logits = Request(1);
+  bad_logits.qk_logits.push_back({"w", {1.0}});
+  EXPECT_THAT(session_->BeginStep(bad_logits), StatusIs(absl::StatusCode::kInvalidArgument, "header.qk_logits[0]"));
+  EXPECT_EQ(session_->last_step(), 0);
+  EXPECT_EQ(Parameters()[0], InitialParameters()[0].values);
+}
+
+TEST_F(SessionTest, ANonFiniteGradientSkipsTheUpdateButAdvancesTheCounter) {
+  ASSERT_OK_AND_ASSIGN(SessionState before, session_->ExportState());
+  std::vector<HostTensor> gradients = Gradients(1);
+  gradients[1].values[2] = std::nanf("");
+  gradients[1].sum_squares = std::nan("");
+  ASSERT_OK_AND_ASSIGN(StepOutcome outcome, RunStep(*session_, Request(1), std::move(gradients)));
+  EXPECT_FALSE(outcome.result.applied);
+  EXPECT_THAT(outcome.result.skip_reason, ::testing::HasSubstr("non-finite gradient in 'b'"));
+  EXPECT_EQ(session_->last_step(), 1);
+  ASSERT_OK_AND_ASSIGN(SessionState after, session_->ExportState());
+  ASSERT_EQ(after.tensors.size(), before.tensors.size());
+  for (size_t i = 0; i < after.tensors.size(); ++i) EXPECT_EQ(after.tensors[i].values, before.tensors[i].values);
+}
+
+TEST_F(SessionTest, TwoStreamsOfOneStepApplyItOnce) {
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<IncomingStep> first, session_->BeginStep(Request(1)));
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<IncomingStep> second, session_->BeginStep(Request(1)));
+  EXPECT_FALSE(first->replay());
+  EXPECT_FALSE(second->replay());
+  first->gradients() = Gradients(1);
+  second->gradients() = Gradients(1);
+  ASSERT_OK_AND_ASSIGN(StepOutcome applied, session_->FinishStep(std::move(first)));
+  ASSERT_OK_AND_ASSIGN(StepOutcome answered, session_->FinishStep(std::move(second)));
+  EXPECT_FALSE(applied.result.replayed);
+  EXPECT_TRUE(answered.result.replayed) << "the later one finds the step applied";
+  EXPECT_EQ(answered.parameters->values, applied.parameters->values);
+
+  // Equal to a session that saw the step once.
+  std::unique_ptr<Session> once = NewSession(backend_.get());
+  ASSERT_OK(once->Upload(InitialParameters()));
+  ASSERT_OK_AND_ASSIGN(StepOutcome reference, RunStep(*once, Request(1), Gradients(1)));
+  EXPECT_EQ(Parameters(), reference.parameters->values);
+}
+
+TEST_F(SessionTest, JournaledStepsApplyOnlyInOrder) {
+  ASSERT_OK(session_->ApplyJournaledStep(Request(1), Gradients(1)).status());
+  EXPECT_THAT(session_->ApplyJournaledStep(Request(1), Gradients(1)), StatusIs(absl::StatusCode::kFailedPrecondition, "step"));
+  EXPECT_THAT(session_->ApplyJournaledStep(Request(3), Gradients(3)), StatusIs(absl::StatusCode::kFailedPrecondition, "step"));
+  EXPECT_EQ(session_->last_step(), 1);
+}
+
+// Two ranks: the step waits for both, applies the mean once and answers both alike; it equals one
+// rank sending the mean.
+TEST(MultiRankSessionTest, RanksAreAveragedAndAppliedOnce) {
+  auto backend = kernels::NewCpuBackend(1);
+  std::unique_ptr<Session> session = NewSession(backend.get(), SmallSpec(/*world_size=*/2));
+  ASSERT_NE(session, nullptr);
+  ASSERT_OK(session->Upload(InitialParameters()));
+  std::vector<HostTensor> rank0 = Gradients(1), rank1 = Gradients(2);
+  std::vector<std::vector<float>> mean(2);
+  for (size_t p = 0; p < 2; ++p) {
+    for (size_t i = 0; i < rank0[p].values.size(); ++i) {
+      mean[p].push_back(static_cast<float>((static_cast<double>(rank0[p].values[i]) + rank1[p].values[i]) / 2));
+    }
+  }
+  absl::StatusOr<StepOutcome> other;
+  std::thread second([&] { other = RunStep(*session, Request(1, 1), std::move(rank1)); });
+  ASSERT_OK_AND_ASSIGN(StepOutcome first, RunStep(*session, Request(1, 0), std::move(rank0)));
+  second.join();
+  ASSERT_OK(other.status());
+  EXPECT_EQ(first.parameters->values, other->parameters->values);
+  EXPECT_EQ(session->last_step(), 1);
+
+  std::unique_ptr<Session> single = NewSession(backend.get());
+  ASSERT_OK(single->Upload(InitialParameters()));
+  ASSERT_OK_AND_ASSIGN(StepOutcome reference, RunStep(*single, Request(1), {Tensor(mean[0]), Tensor(mean[1])}));
+  EXPECT_EQ(first.parameters->values, reference.parameters->values);
+}
+
+TEST(MultiRankSessionTest, AMissingRankAbortsTheStepForAllAndChangesNothing) {
+  auto backend = kernels::NewCpuBackend(1);
+  rpc::ProtoSpecCodec codec;
+  SpecLimits limits;
+  limits.straggler_timeout_seconds = 0.05;  // rank 1 never comes: the wait ends only by the timeout
+  ASSERT_OK_AND_ASSIGN(SessionConfig config, codec.Parse(rpc::SpecToJson(SmallSpec(2)), limits));
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Session> session, Session::Create("s", std::move(config), backend.get()));
+  ASSERT_OK(session->Upload(InitialParameters()));
+  EXPECT_THAT(RunStep(*session, Request(1, 0), Gradients(1)),
+              StatusIs(absl::StatusCode::kAborted, "ranks 1 did not arrive"));
+  EXPECT_EQ(session->last_step(), 0);
+  int64_t step = 0;
+  EXPECT_EQ(session->Parameters(&step)->values[0], InitialParameters()[0].values);
+}
+
+}  // namespace
+}  // namespace muond::session
