@@ -196,10 +196,45 @@ std::string_view OptimizerName(OptimizerKind kind) {
 
 std::vector<std::string> OptimizerNames() {
   std::vector<std::string> names;
-  for (OptimizerKind kind : {OptimizerKind::kMuon, OptimizerKind::kAdamW, OptimizerKind::kLion, OptimizerKind::kSgd}) {
-    names.emplace_back(OptimizerName(kind));
-  }
+  for (std::string_view name : FindGroupOption("optimizer")->choices) names.emplace_back(name);
   return names;
+}
+
+const std::vector<OptionSpec>& GroupOptionTable() {
+  using K = OptimizerKind;
+  const std::vector<K> all = {K::kMuon, K::kAdamW, K::kLion, K::kSgd};
+  const std::vector<K> muon = {K::kMuon};
+  static const std::vector<OptionSpec>* const table = new std::vector<OptionSpec>{
+      {"optimizer", all, {"muon", "adamw", "lion", "sgd"}},  // OptimizerKind's order
+      {"lr", all, {}},
+      {"weight_decay", all, {}},
+      {"weight_decay_mode", muon, {"decoupled", "independent", "l2"}},
+      {"momentum", {K::kMuon, K::kSgd}, {}},
+      {"nesterov", {K::kMuon, K::kSgd}, {}},
+      {"momentum_style", muon, {"ema", "sum"}},
+      {"ns_steps", muon, {}},
+      {"ns_coefficients", muon, {}},
+      {"ns_custom_coefficients", muon, {}},
+      {"ns_coefficients_after", muon, {"cycle", "repeat_last"}},
+      {"ns_eps", muon, {}},
+      {"ns_norm_safety", muon, {}},
+      {"scale_mode", muon, {"shape_scaling", "spectral", "unit_rms_norm"}},
+      {"extra_scale_factor", muon, {}},
+      {"matmul_precision", muon, {"fp32", "tf32", "bf16"}},  // kernels::MatmulPrecision's order
+      {"qk_clip_threshold", muon, {}},
+      {"qk_clip_alpha", muon, {}},
+      {"beta1", {K::kAdamW, K::kLion}, {}},
+      {"beta2", {K::kAdamW, K::kLion}, {}},
+      {"eps", {K::kAdamW}, {}},
+  };
+  return *table;
+}
+
+const OptionSpec* FindGroupOption(std::string_view name) {
+  for (const OptionSpec& option : GroupOptionTable()) {
+    if (option.name == name) return &option;
+  }
+  return nullptr;
 }
 
 }  // namespace muond::optim

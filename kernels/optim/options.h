@@ -67,6 +67,19 @@ absl::Status ValidateOptions(const GroupOptions& options);
 
 // Names used on the wire and in logs.
 std::string_view OptimizerName(OptimizerKind kind);
+
+// One option of a parameter group as the API names it, the optimizers it applies to, and — for an
+// option whose value is a name — the names it accepts, in the order of its C++ enum. This table is
+// the one source of the option vocabulary: the spec codec checks requests against it, GetServerInfo
+// reports from it, and the clients' tables are tested against it.
+struct OptionSpec {
+  std::string_view name;
+  std::vector<OptimizerKind> applies_to;
+  std::vector<std::string_view> choices;  // empty: not a named value (ns_coefficients: NamedScheduleNames)
+};
+const std::vector<OptionSpec>& GroupOptionTable();
+// The entry named `name`, or null.
+const OptionSpec* FindGroupOption(std::string_view name);
 // Every optimizer's name, in the order of OptimizerKind (what GetServerInfo lists).
 std::vector<std::string> OptimizerNames();
 

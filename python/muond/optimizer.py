@@ -73,7 +73,6 @@ class RemoteOptimizer(torch.optim.Optimizer):
             a resend after a lost answer does not update twice); also the tries of the calls
             that are safe to repeat (attach, reading parameters or state, checkpoint) on
             UNAVAILABLE. Default 4.
-        max_retries: the older spelling, ``max_step_attempts - 1``.
         retry_backoff: seconds before the second try, doubled after each further one.
         auth_token: bearer token (a token of the daemon's ``--auth-token-file``), sent as
             ``authorization: Bearer <token>`` with every call. The session belongs to it.
@@ -102,7 +101,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
                  session: Optional[str] = None, wire_dtype: wire.DTypeLike = "fp32", *,
                  return_dtype: wire.DTypeLike = "fp32", max_grad_norm: Optional[float] = None,
                  chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES, timeout: Optional[float] = None,
-                 connect_timeout: float = 10.0, max_retries: Optional[int] = None,
+                 connect_timeout: float = 10.0,
                  credentials: Optional[grpc.ChannelCredentials] = None,
                  auth_token: Optional[str] = None, use_tls: bool = False,
                  tls_ca_file: Optional[str] = None, tls_client_cert_file: Optional[str] = None,
@@ -123,8 +122,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self.return_dtype = wire.dtype_name(return_dtype)
         self.max_grad_norm = check_max_grad_norm(max_grad_norm)
         self.chunk_bytes = int(chunk_bytes)
-        self.max_step_attempts = _step_attempts(max_step_attempts, max_retries)
-        self.max_retries = self.max_step_attempts - 1
+        self.max_step_attempts = _step_attempts(max_step_attempts)
         self.retry_backoff = float(retry_backoff)
         self.session_id = session or f"torch-{uuid.uuid4().hex[:16]}"
         self.last_step = 0
@@ -280,9 +278,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
         logits = qk.logits_of(qk_logits, self.qk_clip, self._params, self._names)
         grads = self._grads()
         header = self._header(self.last_step + 1, logits)
-        if wire.STEP_HEADER_HAS_NUM_CHUNKS:  # lets the daemon tell a cut stream from a whole one
-            header.num_chunks = sum(wire.chunk_count(g.numel(), self.wire_dtype, self.chunk_bytes)
-                                    for _, g in grads)
+        # The announced count lets the daemon tell a stream cut short from a whole one.
+        header.num_chunks = sum(wire.chunk_count(g.numel(), self.wire_dtype, self.chunk_bytes)
+                                for _, g in grads)
         started = time.perf_counter()
         backoff = self.retry_backoff
         for attempt in range(1, self.max_step_attempts + 1):
@@ -423,17 +421,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
                         "save state_dict() instead")
 
 
-def _step_attempts(max_step_attempts: Optional[int], max_retries: Optional[int]) -> int:
-    if max_step_attempts is not None and max_retries is not None \
-            and int(max_step_attempts) != int(max_retries) + 1:
-        raise ValueError(f"max_step_attempts={max_step_attempts} and max_retries={max_retries} "
-                         f"disagree; pass one (max_step_attempts = max_retries + 1)")
-    if max_step_attempts is not None:
-        attempts = int(max_step_attempts)
-    elif max_retries is not None:
-        attempts = int(max_retries) + 1
-    else:
-        attempts = DEFAULT_MAX_ATTEMPTS
+def _step_attempts(max_step_attempts: Optional[int]) -> int:
+    attempts = DEFAULT_MAX_ATTEMPTS if max_step_attempts is None else int(max_step_attempts)
     if attempts < 1:
         raise ValueError(f"max_step_attempts must be at least 1, got {attempts}")
     return attempts

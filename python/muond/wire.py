@@ -33,8 +33,6 @@ _ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
 # TensorChunk.shape (the sender's shape, checked by the daemon) is newer than the first API
 # version; stubs generated from an older proto simply don't send it.
 _CHUNK_HAS_SHAPE = "shape" in pb.TensorChunk.DESCRIPTOR.fields_by_name
-# Stubs generated from a proto whose StepHeader announces its chunk count.
-STEP_HEADER_HAS_NUM_CHUNKS = "num_chunks" in pb.StepHeader.DESCRIPTOR.fields_by_name
 
 DTypeLike = Union[str, torch.dtype]
 ChunkKey = Tuple[str, str]  # (tensor name, state slot or "")

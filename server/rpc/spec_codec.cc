@@ -1,5 +1,6 @@
 #include "server/rpc/spec_codec.h"
 
+#include <algorithm>
 #include <cmath>
 #include <tuple>
 #include <utility>
@@ -44,48 +45,24 @@ absl::StatusOr<OptimizerKind> ParseOptimizer(v1::OptimizerKind kind, const std::
   }
 }
 
-// Looks `value` up in a list of (name, enum) pairs; the error lists the accepted names.
+// Looks `value` up among the names the option table accepts for `option` (in the enum's order); the
+// error lists them.
 template <typename Enum>
-absl::StatusOr<Enum> ParseChoice(const std::string& value, const std::string& field,
-                                 std::initializer_list<std::pair<absl::string_view, Enum>> choices) {
-  std::vector<absl::string_view> names;
-  for (const auto& [name, e] : choices) {
-    if (value == name) return e;
-    names.push_back(name);
+absl::StatusOr<Enum> ParseChoice(const std::string& value, const std::string& group_field, std::string_view option) {
+  std::vector<std::string> names;
+  for (std::string_view name : optim::FindGroupOption(option)->choices) names.emplace_back(name);
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (value == names[i]) return static_cast<Enum>(i);
   }
-  return Invalid(field, absl::StrCat("unknown value '", value, "'; expected one of ",
-                                     absl::StrJoin(names, ", ")));
+  return Invalid(absl::StrCat(group_field, ".", std::string(option)), absl::StrCat("unknown value '", value, "'; expected one of ", absl::StrJoin(names, ", ")));
 }
 
-// Options that apply to each optimizer (docs/algorithms.md, "Group options"); any other set field is refused
+// Whether `option` applies to optimizer `kind` (the option table); any other set field is refused
 // rather than silently ignored.
 bool Applies(OptimizerKind kind, absl::string_view option) {
-  static const absl::flat_hash_map<absl::string_view, std::vector<OptimizerKind>> kApplies = {
-      {"weight_decay_mode", {OptimizerKind::kMuon}},
-      {"momentum", {OptimizerKind::kMuon, OptimizerKind::kSgd}},
-      {"nesterov", {OptimizerKind::kMuon, OptimizerKind::kSgd}},
-      {"momentum_style", {OptimizerKind::kMuon}},
-      {"ns_steps", {OptimizerKind::kMuon}},
-      {"ns_coefficients", {OptimizerKind::kMuon}},
-      {"ns_custom_coefficients", {OptimizerKind::kMuon}},
-      {"ns_coefficients_after", {OptimizerKind::kMuon}},
-      {"ns_eps", {OptimizerKind::kMuon}},
-      {"ns_norm_safety", {OptimizerKind::kMuon}},
-      {"scale_mode", {OptimizerKind::kMuon}},
-      {"extra_scale_factor", {OptimizerKind::kMuon}},
-      {"matmul_precision", {OptimizerKind::kMuon}},
-      {"qk_clip_threshold", {OptimizerKind::kMuon}},
-      {"qk_clip_alpha", {OptimizerKind::kMuon}},
-      {"beta1", {OptimizerKind::kAdamW, OptimizerKind::kLion}},
-      {"beta2", {OptimizerKind::kAdamW, OptimizerKind::kLion}},
-      {"eps", {OptimizerKind::kAdamW}},
-  };
-  auto it = kApplies.find(option);
-  if (it == kApplies.end()) return true;
-  for (OptimizerKind k : it->second) {
-    if (k == kind) return true;
-  }
-  return false;
+  const optim::OptionSpec* spec = optim::FindGroupOption(std::string_view(option.data(), option.size()));
+  if (spec == nullptr) return true;
+  return std::find(spec->applies_to.begin(), spec->applies_to.end(), kind) != spec->applies_to.end();
 }
 
 absl::Status CheckFinite(double value, const std::string& field) {
@@ -173,31 +150,16 @@ absl::StatusOr<optim::GroupOptions> ParseGroupOptions(const v1::GroupOptions& in
 
   if (in.has_weight_decay_mode()) {
     MUOND_ASSIGN_OR_RETURN(out.weight_decay_mode,
-                           ParseChoice<optim::WeightDecayMode>(
-                               in.weight_decay_mode(), field + ".weight_decay_mode",
-                               {{"decoupled", optim::WeightDecayMode::kDecoupled},
-                                {"independent", optim::WeightDecayMode::kIndependent},
-                                {"l2", optim::WeightDecayMode::kL2}}));
+                           ParseChoice<optim::WeightDecayMode>(in.weight_decay_mode(), field, "weight_decay_mode"));
   }
   if (in.has_momentum_style()) {
-    MUOND_ASSIGN_OR_RETURN(out.momentum_style, ParseChoice<kernels::MomentumStyle>(
-                                                   in.momentum_style(), field + ".momentum_style",
-                                                   {{"ema", kernels::MomentumStyle::kEma},
-                                                    {"sum", kernels::MomentumStyle::kSum}}));
+    MUOND_ASSIGN_OR_RETURN(out.momentum_style, ParseChoice<kernels::MomentumStyle>(in.momentum_style(), field, "momentum_style"));
   }
   if (in.has_scale_mode()) {
-    MUOND_ASSIGN_OR_RETURN(out.scale_mode, ParseChoice<optim::ScaleMode>(
-                                               in.scale_mode(), field + ".scale_mode",
-                                               {{"shape_scaling", optim::ScaleMode::kShapeScaling},
-                                                {"spectral", optim::ScaleMode::kSpectral},
-                                                {"unit_rms_norm", optim::ScaleMode::kUnitRmsNorm}}));
+    MUOND_ASSIGN_OR_RETURN(out.scale_mode, ParseChoice<optim::ScaleMode>(in.scale_mode(), field, "scale_mode"));
   }
   if (in.has_matmul_precision()) {
-    MUOND_ASSIGN_OR_RETURN(out.matmul_precision, ParseChoice<kernels::MatmulPrecision>(
-                                                     in.matmul_precision(), field + ".matmul_precision",
-                                                     {{"bf16", kernels::MatmulPrecision::kBf16},
-                                                      {"tf32", kernels::MatmulPrecision::kTf32},
-                                                      {"fp32", kernels::MatmulPrecision::kFp32}}));
+    MUOND_ASSIGN_OR_RETURN(out.matmul_precision, ParseChoice<kernels::MatmulPrecision>(in.matmul_precision(), field, "matmul_precision"));
   }
 
   // Coefficients: a named set, or a custom list (with its after-the-list rule).
@@ -218,10 +180,7 @@ absl::StatusOr<optim::GroupOptions> ParseGroupOptions(const v1::GroupOptions& in
     out.ns_schedule.after = optim::CoefficientsAfter::kCycle;
     if (in.has_ns_coefficients_after()) {
       MUOND_ASSIGN_OR_RETURN(out.ns_schedule.after,
-                             ParseChoice<optim::CoefficientsAfter>(
-                                 in.ns_coefficients_after(), field + ".ns_coefficients_after",
-                                 {{"cycle", optim::CoefficientsAfter::kCycle},
-                                  {"repeat_last", optim::CoefficientsAfter::kRepeatLast}}));
+                             ParseChoice<optim::CoefficientsAfter>(in.ns_coefficients_after(), field, "ns_coefficients_after"));
     }
   } else {
     if (in.has_ns_coefficients_after()) {

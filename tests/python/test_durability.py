@@ -218,8 +218,8 @@ def test_retry_settings(endpoint):
     model = TinyNet(seed=77)
     with muond.RemoteOptimizer(groups(model), endpoint=endpoint) as opt:
         assert opt.max_step_attempts == 4 and opt._conn.max_attempts == 4
-    with muond.RemoteOptimizer(groups(model), endpoint=endpoint, max_retries=0) as opt:
-        assert opt.max_step_attempts == 1 and opt.max_retries == 0
+    with muond.RemoteOptimizer(groups(model), endpoint=endpoint, max_step_attempts=1) as opt:
+        assert opt.max_step_attempts == 1 and opt._conn.max_attempts == 1
     with muond.RemoteOptimizer(groups(model), endpoint=endpoint, max_step_attempts=6,
-                               max_retries=5, retry_backoff=0.5) as opt:
+                               retry_backoff=0.5) as opt:
         assert opt._conn.max_attempts == 6 and opt._conn.retry_backoff == 0.5

@@ -54,7 +54,9 @@ class DurableSessionTest : public ::testing::Test {
   // Step `step` on the session and on the reference; the reference only when the session acknowledged.
   absl::Status Step(int step) {
     absl::StatusOr<StepOutcome> outcome = RunStep(*session_, Request(step), Gradients(step));
-    if (outcome.ok()) EXPECT_OK(RunStep(*reference_, Request(step), Gradients(step)).status());
+    if (outcome.ok()) {
+      EXPECT_OK(RunStep(*reference_, Request(step), Gradients(step)).status());
+    }
     return outcome.status();
   }
 

@@ -1,0 +1,60 @@
+"""The Python client's option vocabulary against the daemon's one table (kernels/optim/options.h,
+printed by the print_option_table tool the build makes): the optimizers, the coefficient sets, the
+accepted values of every named option and which optimizer each option applies to. And
+GetServerInfo's lists against the same table."""
+import json
+import os
+import subprocess
+
+import pytest
+
+from muond import options
+from muond._stubs import pb, pb_grpc
+
+import grpc
+
+# Options the Python client spells differently from the wire, or keeps per parameter rather than
+# per group: (betas) is beta1 and beta2; qkv_split and num_query_groups travel with the parameter;
+# a custom coefficient list is given as ns_coefficients.
+_PYTHON_TO_WIRE = {"betas": ("beta1", "beta2"), "qkv_split": (), "num_query_groups": ()}
+_WIRE_ONLY = {"optimizer", "ns_custom_coefficients"}
+
+
+@pytest.fixture(scope="module")
+def table():
+    tool = os.environ.get("MUOND_OPTION_TABLE_TOOL")
+    if not tool or not os.path.exists(tool):
+        pytest.skip("no print_option_table tool: build the tests (cmake --build build) or set "
+                    "MUOND_OPTION_TABLE_TOOL")
+    return json.loads(subprocess.run([tool], check=True, capture_output=True, text=True).stdout)
+
+
+def test_optimizers_and_coefficient_sets(table):
+    assert list(options.OPTIMIZERS) == table["options"]["optimizer"]["choices"]
+    assert sorted(options.COEFFICIENT_SETS) == sorted(table["coefficient_sets"])
+    assert sorted(options.COEFFICIENTS_AFTER) == sorted(table["coefficient_sets"])
+
+
+def test_named_values(table):
+    named = {name: set(o["choices"]) for name, o in table["options"].items()
+             if o["choices"] and name != "optimizer"}
+    assert {name: set(values) for name, values in options._CHOICES.items()} == named
+
+
+def test_which_optimizer_each_option_applies_to(table):
+    for optimizer in options.OPTIMIZERS:
+        wire_names = set()
+        for name in options.DEFAULTS[optimizer]:
+            wire_names.update(_PYTHON_TO_WIRE.get(name, (name,)))
+        if optimizer == "muon":
+            wire_names.add("ns_custom_coefficients")  # ns_coefficients=[(a, b, c), ...]
+        expected = {name for name, o in table["options"].items()
+                    if optimizer in o["applies_to"] and name != "optimizer"}
+        assert wire_names == expected, optimizer
+
+
+def test_server_info_lists_the_table(table, endpoint):
+    with grpc.insecure_channel(endpoint) as channel:
+        info = pb_grpc.MuondStub(channel).GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+    assert list(info.optimizers) == table["options"]["optimizer"]["choices"]
+    assert list(info.ns_coefficient_sets) == table["coefficient_sets"]
