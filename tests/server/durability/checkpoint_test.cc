@@ -1,0 +1,94 @@
+// Checkpoints in process: a round trip keeps every field and value; a checkpoint.json whose digest
+// matches but whose fields have the wrong type or are missing is refused as unusable (DATA_LOSS
+// naming the file), never read as a default or thrown; truncated tensors are refused too.
+#include "server/durability/checkpoint.h"
+
+#include <cstdlib>
+#include <filesystem>
+
+#include "gmock/gmock.h"
+#include "nlohmann/json.hpp"
+#include "server/durability/file_util.h"
+#include "tests/testing/status_matchers.h"
+
+namespace muond::durability {
+namespace {
+
+using ::muond::testing::StatusIs;
+using nlohmann::json;
+
+class CheckpointTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char pattern[] = "/tmp/muond-checkpoint-XXXXXX";
+    ASSERT_NE(mkdtemp(pattern), nullptr);
+    dir_ = pattern;
+    data_.session_id = "s";
+    data_.owner = "alice";
+    data_.spec_json = R"({"parameters":[{"name":"w","shape":["2","3"]}]})";
+    data_.backend = "cpu";
+    data_.last_step = 7;
+    data_.step_counts = {{"w", 7}};
+    data_.tensors = {{"w", "master", {2, 3}, {1, 2, 3, 4, 5, 6}}, {"w", "momentum", {2, 3}, {0, 0, 1, 0, 0, -1}}};
+    ASSERT_OK(WriteCheckpoint(Env::Default(), dir_, data_));
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+
+  // Rewrites checkpoint.json through `edit`, with a digest that matches again.
+  void EditMetadata(const std::function<void(json&)>& edit) {
+    const std::string path = dir_ + "/" + kCheckpointMetadataFile;
+    json metadata = json::parse(Env::Default()->ReadFile(path).value());
+    edit(metadata);
+    metadata.erase("metadata_sha256");
+    metadata["metadata_sha256"] = Sha256Hex(metadata.dump());
+    ASSERT_OK(WriteFileAtomically(Env::Default(), path, metadata.dump(2)));
+  }
+
+  std::string dir_;
+  CheckpointData data_;
+};
+
+TEST_F(CheckpointTest, ARoundTripKeepsEverything) {
+  ASSERT_OK_AND_ASSIGN(CheckpointData read, ReadCheckpoint(Env::Default(), dir_));
+  EXPECT_EQ(read.session_id, "s");
+  EXPECT_EQ(read.owner, "alice");
+  EXPECT_EQ(json::parse(read.spec_json), json::parse(data_.spec_json));
+  EXPECT_EQ(read.last_step, 7);
+  EXPECT_EQ(read.step_counts, data_.step_counts);
+  ASSERT_EQ(read.tensors.size(), 2u);
+  EXPECT_EQ(read.tensors[1].slot, "momentum");
+  EXPECT_EQ(read.tensors[1].shape, (std::vector<int64_t>{2, 3}));
+  EXPECT_EQ(read.tensors[1].values, data_.tensors[1].values);
+}
+
+TEST_F(CheckpointTest, FieldsOfTheWrongTypeAreRefusedNotThrown) {
+  for (const auto& edit : std::vector<std::function<void(json&)>>{
+           [](json& m) { m["last_step"] = "seven"; },
+           [](json& m) { m.erase("last_step"); },
+           [](json& m) { m["step_counts"] = json::array({1, 2}); },
+           [](json& m) { m["step_counts"]["w"] = "x"; },
+           [](json& m) { m["tensors"] = "file"; },
+           [](json& m) { m["tensors"]["bytes"] = -1; },
+           [](json& m) { m["spec"] = 3; },
+       }) {
+    TearDown();
+    SetUp();  // a fresh checkpoint for each edit
+    EditMetadata(edit);
+    EXPECT_THAT(ReadCheckpoint(Env::Default(), dir_), StatusIs(absl::StatusCode::kDataLoss, "checkpoint.json is unusable"));
+  }
+}
+
+TEST_F(CheckpointTest, AlteredOrTruncatedFilesAreRefusedNamingThem) {
+  const std::string path = dir_ + "/" + kCheckpointMetadataFile;
+  std::string text = Env::Default()->ReadFile(path).value();
+  text.replace(text.find("alice"), 5, "mallo");
+  ASSERT_OK(WriteFileAtomically(Env::Default(), path, text));
+  EXPECT_THAT(ReadCheckpoint(Env::Default(), dir_), StatusIs(absl::StatusCode::kDataLoss, "altered"));
+  TearDown();
+  SetUp();
+  EditMetadata([](json& m) { m["tensors"]["bytes"] = m["tensors"]["bytes"].get<uint64_t>() - 4; });
+  EXPECT_THAT(ReadCheckpoint(Env::Default(), dir_), StatusIs(absl::StatusCode::kDataLoss, "safetensors is unusable"));
+}
+
+}  // namespace
+}  // namespace muond::durability
