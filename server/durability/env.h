@@ -19,6 +19,7 @@
 // the folder holding it; data written to a file is durable only after Sync().
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -82,6 +83,8 @@ class Env {
   virtual absl::StatusOr<std::vector<std::string>> ListDir(const std::string& path) = 0;
   // Whether `path` is a folder (following symbolic links). Errors read as false.
   virtual bool IsDirectory(const std::string& path) = 0;
+  // The size in bytes of the file `path`.
+  virtual absl::StatusOr<uint64_t> GetFileSize(const std::string& path) = 0;
 };
 
 // For Env implementations: the status for an I/O error `error_number` (an errno value) with the

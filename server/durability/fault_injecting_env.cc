@@ -155,4 +155,6 @@ absl::StatusOr<std::vector<std::string>> FaultInjectingEnv::ListDir(const std::s
 
 bool FaultInjectingEnv::IsDirectory(const std::string& path) { return base_->IsDirectory(path); }
 
+absl::StatusOr<uint64_t> FaultInjectingEnv::GetFileSize(const std::string& path) { return base_->GetFileSize(path); }
+
 }  // namespace muond::durability

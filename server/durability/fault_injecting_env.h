@@ -66,6 +66,7 @@ class FaultInjectingEnv : public Env {
   bool FileExists(const std::string& path) override;
   absl::StatusOr<std::vector<std::string>> ListDir(const std::string& path) override;
   bool IsDirectory(const std::string& path) override;
+  absl::StatusOr<uint64_t> GetFileSize(const std::string& path) override;
 
  private:
   class FaultyWritableFile;

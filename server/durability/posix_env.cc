@@ -203,6 +203,12 @@ class PosixEnv final : public Env {
     struct stat info;
     return ::stat(path.c_str(), &info) == 0 && S_ISDIR(info.st_mode);
   }
+
+  absl::StatusOr<uint64_t> GetFileSize(const std::string& path) override {
+    struct stat info;
+    if (::stat(path.c_str(), &info) != 0) return PathError("cannot stat", path, errno);
+    return static_cast<uint64_t>(info.st_size);
+  }
 };
 
 }  // namespace

@@ -41,8 +41,7 @@ absl::Status StepJournal::Open(const std::string& path) {
   path_ = path;
   committed_bytes_ = 0;
   if (env_->FileExists(path)) {
-    MUOND_ASSIGN_OR_RETURN(std::string bytes, env_->ReadFile(path));
-    committed_bytes_ = bytes.size();
+    MUOND_ASSIGN_OR_RETURN(committed_bytes_, env_->GetFileSize(path));
   }
   MUOND_ASSIGN_OR_RETURN(file_, env_->NewAppendableFile(path));
   return env_->SyncDir(std::filesystem::path(path).parent_path().string());

@@ -388,7 +388,7 @@ void Session::AttachPersistence(std::unique_ptr<SessionPersistence> persistence)
 
 absl::Status Session::CheckpointLocked() {
   MUOND_ASSIGN_OR_RETURN(SessionState state, ExportStateLocked());
-  return persistence_->SaveCheckpoint(state);
+  return persistence_->SaveCheckpoint(std::move(state));
 }
 
 absl::StatusOr<int64_t> Session::Checkpoint() {

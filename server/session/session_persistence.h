@@ -39,8 +39,9 @@ class SessionPersistence {
   // Before step `request.step` changes any state: an error refuses the step (journal mode makes it
   // durable here). `gradients` are the ones the step will apply (averaged over ranks).
   virtual absl::Status RecordStep(const StepRequest& request, const std::vector<HostTensor>& gradients) = 0;
-  // Writes a checkpoint of `state`; steps recorded before it are no longer needed.
-  virtual absl::Status SaveCheckpoint(const SessionState& state) = 0;
+  // Writes a checkpoint of `state` (taken over: its values move into the file's buffers); steps
+  // recorded before it are no longer needed.
+  virtual absl::Status SaveCheckpoint(SessionState state) = 0;
   virtual int64_t checkpoint_every() const = 0;  // 0: never by step count
   virtual void Discard() = 0;                    // the session was closed: remove its files
 };

@@ -50,7 +50,7 @@ absl::Status FilePersistence::RecordStep(const StepRequest& request, const std::
   return absl::OkStatus();
 }
 
-absl::Status FilePersistence::SaveCheckpoint(const SessionState& state) {
+absl::Status FilePersistence::SaveCheckpoint(SessionState state) {
   const SessionConfig& config = session_.config();
   durability::CheckpointData data;
   data.session_id = session_.id();
@@ -61,9 +61,9 @@ absl::Status FilePersistence::SaveCheckpoint(const SessionState& state) {
   for (size_t i = 0; i < config.parameters.size(); ++i) {
     data.step_counts.emplace_back(config.parameters[i].name, state.step_counts[i]);
   }
-  for (const StateTensor& t : state.tensors) {
+  for (StateTensor& t : state.tensors) {
     const ParameterConfig& param = config.parameters[t.parameter];
-    data.tensors.push_back({param.name, t.slot, param.shape, t.values});
+    data.tensors.push_back({param.name, std::move(t.slot), param.shape, std::move(t.values)});
   }
   return files_->SaveCheckpoint(data);
 }

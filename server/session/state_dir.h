@@ -25,7 +25,7 @@ class FilePersistence final : public SessionPersistence {
                                                                const Session& session);
 
   absl::Status RecordStep(const StepRequest& request, const std::vector<HostTensor>& gradients) override;
-  absl::Status SaveCheckpoint(const SessionState& state) override;
+  absl::Status SaveCheckpoint(SessionState state) override;
   int64_t checkpoint_every() const override { return files_->options().checkpoint_every; }
   void Discard() override { files_->Discard(); }
 

@@ -95,6 +95,15 @@ TEST_F(EnvTest, WriteAndReadBack) {
   EXPECT_EQ(info.st_mode & 0777, 0644 & ~mask);
 }
 
+TEST_F(EnvTest, GetFileSizeOfAFileAndOfNothing) {
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<WritableFile> file, env_->NewWritableFile(Path("sized")));
+  ASSERT_OK(file->Append("12345"));
+  ASSERT_OK(file->Close());
+  ASSERT_OK_AND_ASSIGN(uint64_t size, env_->GetFileSize(Path("sized")));
+  EXPECT_EQ(size, 5u);
+  EXPECT_THAT(env_->GetFileSize(Path("missing")), StatusIs(absl::StatusCode::kNotFound, Path("missing")));
+}
+
 TEST_F(EnvTest, LargeAppendIsWrittenWhole) {
   const std::string big(3 << 20, 'x');
   WriteFile("big", big);
