@@ -18,12 +18,20 @@ after each try. Streams that send data (UploadParameters, SetState, Step) are no
 
 Thread-safety: a ``Connection`` may be shared between threads (gRPC channels are thread-safe);
 each method call is independent.
+
+Lifetime: ``close()`` closes the channel; it is idempotent. Connections still open when the
+interpreter exits are closed by an ``atexit`` hook, while gRPC's threads still run: closing a
+channel later, during interpreter finalization (from a ``__del__``), can block forever, and a
+trainer that ends without ``close()`` — normally or with an uncaught exception — must still exit.
 """
 
 from __future__ import annotations
 
+import atexit
+import sys
 import threading
 import time
+import weakref
 from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
 import grpc
@@ -35,6 +43,20 @@ from .wire import ChunkAssembler
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 DEFAULT_MAX_ATTEMPTS = 4
 DEFAULT_RETRY_BACKOFF = 0.1
+
+# Every Connection not closed yet; closed at exit by _close_open_connections.
+_OPEN_CONNECTIONS: "weakref.WeakSet[Connection]" = weakref.WeakSet()
+
+
+def _close_open_connections() -> None:
+    for connection in list(_OPEN_CONNECTIONS):
+        try:
+            connection.close()
+        except Exception:  # noqa: BLE001 - exiting anyway; one failure must not keep others open
+            pass
+
+
+atexit.register(_close_open_connections)
 # Reconnect quickly after a daemon restart (gRPC's default reconnection backoff grows to 2 min).
 # Not grpc.min_reconnect_backoff_ms: gRPC uses it as the time one connection attempt may take (20 s
 # by default), and at 100 ms every attempt that is not noticed within that time is abandoned and
@@ -154,6 +176,8 @@ class Connection:
         else:
             self._channel = grpc.secure_channel(endpoint, credentials, options=opts)
         self._stub = pb_grpc.MuondStub(self._channel)
+        self._closed = False
+        _OPEN_CONNECTIONS.add(self)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -186,6 +210,12 @@ class Connection:
         return ""
 
     def close(self) -> None:
+        """Closes the channel; idempotent. During interpreter finalization (after the ``atexit``
+        hook, e.g. from a ``__del__``) it does nothing, since gRPC's threads may be gone."""
+        if self._closed or sys.is_finalizing():
+            return
+        self._closed = True
+        _OPEN_CONNECTIONS.discard(self)
         self._channel.close()
 
     def pause_before_retry(self, seconds: float) -> None:

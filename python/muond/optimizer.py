@@ -409,11 +409,13 @@ class RemoteOptimizer(torch.optim.Optimizer):
 
     def __del__(self) -> None:
         # Closes the channel only: a session is ended explicitly, never by garbage collection.
+        # (At interpreter exit the connection's atexit hook has closed it already, and
+        # Connection.close does nothing during finalization, where it could block.)
         conn = getattr(self, "_conn", None)
         if conn is not None and not getattr(self, "_closed", True):
             try:
                 conn.close()
-            except Exception:  # noqa: BLE001 - interpreter shutdown
+            except Exception:  # noqa: BLE001 - garbage collection must not raise
                 pass
 
     def __getstate__(self):
