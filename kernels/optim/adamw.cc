@@ -1,4 +1,5 @@
 // AdamW with torch.optim.AdamW semantics; the element-wise formula is kernels::AdamWElement.
+#include <algorithm>
 #include <cmath>
 #include <utility>
 
@@ -15,7 +16,26 @@ class AdamW final : public Optimizer {
   std::vector<std::string> SlotNames() const override { return {"exp_avg", "exp_avg_sq"}; }
 
   // Element-wise: any shape, scalars included.
-  absl::Status CheckParameter(const ParamState& param) const override { return absl::OkStatus(); }
+  absl::Status CheckParameter(const ParamState& param) const override { return CheckElementwiseParameter(param); }
+
+  bool SlotIsNonNegative(std::string_view slot) const override { return slot == "exp_avg_sq"; }
+
+  // kernels::AdamWElement: m ← m + (1−β1)(g − m); v ← β2·v + (1−β2)·g²;
+  // p ← p·(1 − η·λ) − (η/bc1)·m / (√v/√bc2 + ε), where the quotient is at most m/ε.
+  StepBounds BoundStep(const StepHyper& hyper, const ParamState& param, double g) const override {
+    const double m = SlotBound(param, "exp_avg"), v = SlotBound(param, "exp_avg_sq");
+    const double b1 = options_.beta1, b2 = options_.beta2;
+    const double bc1 = 1.0 - std::pow(b1, static_cast<double>(param.step_count + 1));
+    StepBounds out;
+    const double m_next = (b1 * m + (1 - b1) * g) * kBoundRounding;
+    const double v_next = (b2 * v + (1 - b2) * g * g) * kBoundRounding;
+    const double quotient = m_next / options_.eps;
+    out.master = (std::abs(1.0 - hyper.lr * hyper.weight_decay) * param.master_bound +
+                  hyper.lr / bc1 * quotient) * kBoundRounding;
+    out.slots = {m_next, v_next};
+    out.peak = std::max({out.master, m_next, v_next, g * g, g + m, quotient});
+    return out;
+  }
 
   absl::Status Step(kernels::Backend& backend, const StepHyper& hyper,
                     std::span<ParamState* const> params) override {

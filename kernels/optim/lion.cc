@@ -1,4 +1,6 @@
 // Lion (Chen et al. 2023): sign of an interpolated momentum; formula in kernels::LionElement.
+#include <algorithm>
+#include <cmath>
 #include <utility>
 
 #include "kernels/optim/optimizer_impls.h"
@@ -13,7 +15,18 @@ class Lion final : public Optimizer {
 
   std::vector<std::string> SlotNames() const override { return {"exp_avg"}; }
 
-  absl::Status CheckParameter(const ParamState& param) const override { return absl::OkStatus(); }
+  absl::Status CheckParameter(const ParamState& param) const override { return CheckElementwiseParameter(param); }
+
+  // kernels::LionElement: the update is a sign; m ← β2·m + (1−β2)·g.
+  StepBounds BoundStep(const StepHyper& hyper, const ParamState& param, double g) const override {
+    const double m = SlotBound(param, "exp_avg");
+    StepBounds out;
+    const double m_next = (options_.beta2 * m + (1 - options_.beta2) * g) * kBoundRounding;
+    out.master = (std::abs(1.0 - hyper.lr * hyper.weight_decay) * param.master_bound + hyper.lr) * kBoundRounding;
+    out.slots = {m_next};
+    out.peak = std::max({out.master, m_next, m + g});
+    return out;
+  }
 
   absl::Status Step(kernels::Backend& backend, const StepHyper& hyper,
                     std::span<ParamState* const> params) override {

@@ -35,9 +35,13 @@ const std::string kMomentumSlot = "momentum";
 
 class Muon final : public Optimizer {
  public:
-  explicit Muon(GroupOptions options) : Optimizer(std::move(options)) {}
+  explicit Muon(GroupOptions options)
+      : Optimizer(std::move(options)),
+        ns_bound_(NsSingularValueBound(options_.ns_schedule, options_.ns_steps, options_.ns_norm_safety)) {}
 
   std::vector<std::string> SlotNames() const override { return {kMomentumSlot}; }
+
+  StepBounds BoundStep(const StepHyper& hyper, const ParamState& param, double grad_bound) const override;
 
   absl::Status CheckParameter(const ParamState& param) const override {
     if (param.shape.size() < 2) {
@@ -74,6 +78,7 @@ class Muon final : public Optimizer {
   void AppendMatrices(ParamState& p, const StepHyper& hyper, std::vector<MatrixJob>& jobs) const;
   absl::Status Orthogonalize(Backend& backend, std::span<const MatrixJob> jobs);
 
+  const double ns_bound_;  // NsSingularValueBound of this group's iteration
   NsWorkspace ws_;
 };
 
@@ -103,16 +108,11 @@ float Muon::DecayFactor(const StepHyper& hyper) const {
   return 1.0f;
 }
 
-// Splits a parameter into the matrices Newton–Schulz orthogonalizes. Together they cover the whole
-// parameter exactly once, so the decay factor folded into each matrix's update decays all of W once.
-void Muon::AppendMatrices(ParamState& p, const StepHyper& hyper, std::vector<MatrixJob>& jobs) const {
-  float* u = p.grad->data();
-  float* w = p.master->data();
-  const float beta = DecayFactor(hyper);
-  auto add = [&](int64_t offset, int64_t rows, int64_t cols) {
-    const float alpha = static_cast<float>(-hyper.lr * Scale(rows, cols));
-    jobs.push_back(MatrixJob{u + offset, w + offset, rows, cols, alpha, beta});
-  };
+// Calls visit(offset, rows, cols) for each matrix Newton–Schulz orthogonalizes in `p`. Together
+// they cover the whole parameter exactly once, so the decay factor folded into each matrix's update
+// decays all of W once.
+template <typename Visit>
+void ForEachMatrix(const ParamState& p, Visit&& visit) {
   const std::vector<int64_t>& s = p.shape;
   if (p.numel == 0) return;
   if (s.size() == 2 && p.qkv.enabled()) {
@@ -121,18 +121,55 @@ void Muon::AppendMatrices(ParamState& p, const StepHyper& hyper, std::vector<Mat
     int64_t row = 0;
     for (int64_t g = 0; g < p.qkv.num_query_groups; ++g) {
       for (int64_t block : {p.qkv.q, p.qkv.k, p.qkv.v}) {
-        add(row * n, block, n);
+        visit(row * n, block, n);
         row += block;
       }
     }
   } else if (s.size() == 3) {
     // Experts (E, m, n): one matrix per expert.
-    for (int64_t e = 0; e < s[0]; ++e) add(e * s[1] * s[2], s[1], s[2]);
+    for (int64_t e = 0; e < s[0]; ++e) visit(e * s[1] * s[2], s[1], s[2]);
   } else {
     // 2-D as is; 4-D convolution (O, I, kh, kw) and higher ranks flattened to (O, I·kh·kw), scaled
     // by the flattened shape.
-    add(0, s[0], p.numel / s[0]);
+    visit(0, s[0], p.numel / s[0]);
   }
+}
+
+void Muon::AppendMatrices(ParamState& p, const StepHyper& hyper, std::vector<MatrixJob>& jobs) const {
+  float* u = p.grad->data();
+  float* w = p.master->data();
+  const float beta = DecayFactor(hyper);
+  ForEachMatrix(p, [&](int64_t offset, int64_t rows, int64_t cols) {
+    const float alpha = static_cast<float>(-hyper.lr * Scale(rows, cols));
+    jobs.push_back(MatrixJob{u + offset, w + offset, rows, cols, alpha, beta});
+  });
+}
+
+// Momentum (kernels::MomentumElement) then W ← β·W − η·scale·O, where every singular value of O,
+// and so every element, stays below NsSingularValueBound; the momentum's magnitude does not reach
+// W, since Newton–Schulz normalizes its input.
+StepBounds Muon::BoundStep(const StepHyper& hyper, const ParamState& param, double g) const {
+  const double mu = hyper.momentum;
+  const double m = SlotBound(param, kMomentumSlot);
+  const double g_decayed = options_.weight_decay_mode == WeightDecayMode::kL2
+                               ? (g + hyper.weight_decay * param.master_bound) * kBoundRounding
+                               : g;
+  double m_next, u;
+  if (options_.momentum_style == kernels::MomentumStyle::kEma) {
+    m_next = (mu * m + (1 - mu) * g_decayed) * kBoundRounding;
+    u = options_.nesterov ? (g_decayed + mu * (m_next + g_decayed)) * kBoundRounding : m_next;
+  } else {
+    m_next = (mu * m + g_decayed) * kBoundRounding;
+    u = options_.nesterov ? (g_decayed + mu * m_next) * kBoundRounding : m_next;
+  }
+  double scale = 0;
+  ForEachMatrix(param, [&](int64_t, int64_t rows, int64_t cols) { scale = std::max(scale, Scale(rows, cols)); });
+  StepBounds out;
+  out.master = (std::abs(static_cast<double>(DecayFactor(hyper))) * param.master_bound +
+                hyper.lr * scale * ns_bound_) * kBoundRounding;
+  out.slots = {m_next};
+  out.peak = std::max({out.master, m_next, u, g_decayed + m});
+  return out;
 }
 
 // Matrices already back to back in memory (the experts of one parameter, a lone matrix) are

@@ -30,6 +30,20 @@ StepHyper Optimizer::DefaultHyper() const {
                    .weight_decay = options_.weight_decay};
 }
 
+absl::Status Optimizer::CheckElementwiseParameter(const ParamState& param) {
+  if (param.qkv.enabled()) {
+    return absl::InvalidArgumentError("qkv_split applies only to parameters of Muon groups");
+  }
+  return absl::OkStatus();
+}
+
+double Optimizer::SlotBound(const ParamState& param, std::string_view name) {
+  for (const StateSlot& slot : param.slots) {
+    if (slot.name == name) return slot.bound;
+  }
+  return 0;
+}
+
 absl::Status Optimizer::InitState(kernels::Backend& backend, ParamState& param) const {
   MUOND_RETURN_IF_ERROR(CheckParameter(param));
   // Build the new slots aside so a failed allocation leaves the parameter as it was.

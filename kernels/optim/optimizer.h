@@ -10,6 +10,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -26,6 +27,19 @@ struct StepHyper {
   double momentum = 0;
   double weight_decay = 0;
 };
+
+// Upper bounds on magnitudes after one step of one parameter (docs/algorithms.md, Finite steps):
+// its master, each slot in SlotNames() order, and the largest value the step computes on the way
+// (Adam's g², say), which is at least each of the others.
+struct StepBounds {
+  double master = 0;
+  std::vector<double> slots;
+  double peak = 0;
+};
+
+// Rounding allowance of one step: every bound is multiplied by it (fp32 ε is 2⁻²⁴; a step rounds a
+// handful of times).
+inline constexpr double kBoundRounding = 1.0 + 0x1p-20;
 
 class Optimizer {
  public:
@@ -44,6 +58,15 @@ class Optimizer {
   // Names of the state slots (each the size of the parameter), e.g. {"momentum"}.
   virtual std::vector<std::string> SlotNames() const = 0;
 
+  // Whether a slot's values must not be negative (Adam's second moment, whose square root a step
+  // takes); a state loaded from elsewhere is checked against it.
+  virtual bool SlotIsNonNegative(std::string_view slot) const { return false; }
+
+  // Upper bounds on the magnitudes one Step would leave in `param` and compute on the way, from
+  // param.master_bound, its slots' bounds and `grad_bound` (≥ every |g|, after clipping). Cheap
+  // (no device access) and monotone in every input bound.
+  virtual StepBounds BoundStep(const StepHyper& hyper, const ParamState& param, double grad_bound) const = 0;
+
   // Allocates the parameter's slots and zeroes them.
   absl::Status InitState(kernels::Backend& backend, ParamState& param) const;
 
@@ -54,6 +77,10 @@ class Optimizer {
 
  protected:
   explicit Optimizer(GroupOptions options) : options_(std::move(options)) {}
+  // CheckParameter of the optimizers that treat every element alike: no QKV split.
+  static absl::Status CheckElementwiseParameter(const ParamState& param);
+  // The bound of `param`'s slot `name`; 0 before InitState made it.
+  static double SlotBound(const ParamState& param, std::string_view name);
   GroupOptions options_;
 };
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -54,13 +55,6 @@ const std::vector<NamedSet>& NamedSets() {
 }
 
 bool Finite(double x) { return std::isfinite(x); }
-
-absl::Status CheckAtLeast(std::string_view option, double value, double min) {
-  if (!Finite(value) || value < min) {
-    return absl::InvalidArgumentError(absl::StrCat(std::string(option), " must be >= ", min, ", got ", value));
-  }
-  return absl::OkStatus();
-}
 
 absl::Status CheckPositive(std::string_view option, double value) {
   if (!Finite(value) || value <= 0) {
@@ -140,10 +134,53 @@ GroupOptions DefaultOptions(OptimizerKind kind) {
   return o;
 }
 
+absl::Status ValidateStepHyper(const GroupOptions& o, double lr, double momentum, double weight_decay) {
+  if (!Finite(lr) || lr < 0 || lr > kMaxLr) {
+    return absl::InvalidArgumentError(absl::StrCat("lr must be in [0, ", kMaxLr, "], got ", lr));
+  }
+  if (!Finite(weight_decay) || weight_decay < 0 || weight_decay > kMaxWeightDecay) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("weight_decay must be in [0, ", kMaxWeightDecay, "], got ", weight_decay));
+  }
+  MUOND_RETURN_IF_ERROR(CheckUnitInterval("momentum", momentum));
+  // The factor the weights are multiplied by each step must stay in [0, 1]: beyond it a step flips
+  // the weights' sign and grows them.
+  const bool independent =
+      o.optimizer == OptimizerKind::kMuon && o.weight_decay_mode == WeightDecayMode::kIndependent;
+  const bool coupled_muon = o.optimizer == OptimizerKind::kMuon && o.weight_decay_mode == WeightDecayMode::kL2;
+  if (independent && weight_decay > 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "weight_decay must be <= 1 with weight_decay_mode independent (the decay factor 1 - weight_decay "
+        "stays in [0, 1]), got ",
+        weight_decay));
+  }
+  if (!independent && !coupled_muon && lr * weight_decay > 1) {
+    return absl::InvalidArgumentError(absl::StrCat("lr * weight_decay must be <= 1 (the decay factor 1 - lr * "
+                                                   "weight_decay stays in [0, 1]), got lr ",
+                                                   lr, " and weight_decay ", weight_decay));
+  }
+  return absl::OkStatus();
+}
+
+double NsSingularValueBound(const NsSchedule& schedule, int steps, double norm_safety) {
+  constexpr int kPoints = 4097;
+  const double top = 1.0 / norm_safety;
+  double largest = top;
+  for (int i = 0; i < kPoints; ++i) {
+    double sigma = top * i / (kPoints - 1);
+    for (int t = 0; t < steps; ++t) {
+      const NsCoefficient co = schedule.At(t);
+      const double s2 = sigma * sigma;
+      sigma = sigma * (co.a + s2 * (co.b + s2 * co.c));
+      if (!Finite(sigma)) return std::numeric_limits<double>::infinity();
+      largest = std::max(largest, std::abs(sigma));
+    }
+  }
+  return 2 * largest;
+}
+
 absl::Status ValidateOptions(const GroupOptions& o) {
-  MUOND_RETURN_IF_ERROR(CheckAtLeast("lr", o.lr, 0));
-  MUOND_RETURN_IF_ERROR(CheckAtLeast("weight_decay", o.weight_decay, 0));
-  MUOND_RETURN_IF_ERROR(CheckUnitInterval("momentum", o.momentum));
+  MUOND_RETURN_IF_ERROR(ValidateStepHyper(o, o.lr, o.momentum, o.weight_decay));
   if (o.optimizer == OptimizerKind::kSgd && o.nesterov && o.momentum <= 0) {
     return absl::InvalidArgumentError("nesterov needs momentum > 0 (torch.optim.SGD semantics)");
   }
@@ -166,9 +203,26 @@ absl::Status ValidateOptions(const GroupOptions& o) {
           absl::StrCat("ns_coefficients[", i, "] must be finite, got (", t.a, ", ", t.b, ", ", t.c, ")"));
     }
   }
-  MUOND_RETURN_IF_ERROR(CheckAtLeast("ns_eps", o.ns_eps, 0));
-  MUOND_RETURN_IF_ERROR(CheckPositive("ns_norm_safety", o.ns_norm_safety));
-  MUOND_RETURN_IF_ERROR(CheckPositive("extra_scale_factor", o.extra_scale_factor));
+  if (!Finite(o.ns_eps) || o.ns_eps < 0 || o.ns_eps > 1) {
+    return absl::InvalidArgumentError(absl::StrCat("ns_eps must be in [0, 1], got ", o.ns_eps));
+  }
+  if (!Finite(o.ns_norm_safety) || o.ns_norm_safety <= 0 || o.ns_norm_safety > kMaxNormSafety) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ns_norm_safety must be in (0, ", kMaxNormSafety, "], got ", o.ns_norm_safety));
+  }
+  if (!Finite(o.extra_scale_factor) || o.extra_scale_factor <= 0 || o.extra_scale_factor > kMaxScaleFactor) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("extra_scale_factor must be in (0, ", kMaxScaleFactor, "], got ", o.extra_scale_factor));
+  }
+  if (o.optimizer == OptimizerKind::kMuon) {
+    const double growth = NsSingularValueBound(o.ns_schedule, o.ns_steps, o.ns_norm_safety);
+    if (!(growth <= kMaxNsGrowth)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "ns_coefficients: with ", o.ns_steps, " steps and ns_norm_safety ", o.ns_norm_safety,
+          " the iteration grows singular values to about ", growth, "; at most ", kMaxNsGrowth,
+          " is accepted (Newton-Schulz must keep them near 1)"));
+    }
+  }
   MUOND_RETURN_IF_ERROR(CheckPositive("qk_clip_threshold", o.qk_clip_threshold));
   if (!Finite(o.qk_clip_alpha) || o.qk_clip_alpha < 0 || o.qk_clip_alpha > 1) {
     return absl::InvalidArgumentError(
@@ -176,7 +230,10 @@ absl::Status ValidateOptions(const GroupOptions& o) {
   }
   MUOND_RETURN_IF_ERROR(CheckUnitInterval("betas[0]", o.beta1));
   MUOND_RETURN_IF_ERROR(CheckUnitInterval("betas[1]", o.beta2));
-  MUOND_RETURN_IF_ERROR(CheckAtLeast("eps", o.eps, 0));
+  // eps > 0: Adam divides by √v̂ + eps, and v̂ is 0 wherever the gradient has always been 0.
+  if (!Finite(o.eps) || o.eps <= 0 || o.eps > 1) {
+    return absl::InvalidArgumentError(absl::StrCat("eps must be in (0, 1], got ", o.eps));
+  }
   return absl::OkStatus();
 }
 
@@ -228,6 +285,11 @@ const std::vector<OptionSpec>& GroupOptionTable() {
       {"eps", {K::kAdamW}, {}},
   };
   return *table;
+}
+
+bool OptionApplies(OptimizerKind kind, std::string_view option) {
+  const OptionSpec* spec = FindGroupOption(option);
+  return spec != nullptr && std::find(spec->applies_to.begin(), spec->applies_to.end(), kind) != spec->applies_to.end();
 }
 
 const OptionSpec* FindGroupOption(std::string_view name) {

@@ -61,9 +61,31 @@ struct GroupOptions {
 // nesterov, betas differ).
 GroupOptions DefaultOptions(OptimizerKind kind);
 
+// Upper limits of docs/algorithms.md (Ranges): values beyond them are refused as nothing a user
+// means, and they keep every factor of a step far from the fp32 range.
+inline constexpr double kMaxLr = 100;
+inline constexpr double kMaxWeightDecay = 100;
+inline constexpr double kMaxScaleFactor = 1000;    // extra_scale_factor
+inline constexpr double kMaxNormSafety = 100;      // ns_norm_safety
+inline constexpr double kMaxNsGrowth = 1000;       // NsSingularValueBound of a group's iteration
+
 // Checks ranges (lr ≥ 0, 0 ≤ momentum < 1, ns_steps ≥ 1, …). The message names the option, e.g.
 // "ns_steps must be >= 1, got 0"; callers prefix the path of the group.
 absl::Status ValidateOptions(const GroupOptions& options);
+
+// The ranges of the hyperparameters a step may override (lr, momentum, weight_decay), checked
+// against the group's other options (the decay factor 1 − lr·weight_decay must stay in [0, 1]).
+// ValidateOptions applies it to the group's own values; the step planner to each override.
+absl::Status ValidateStepHyper(const GroupOptions& options, double lr, double momentum, double weight_decay);
+
+// An estimate of the largest singular value any Newton–Schulz iterate reaches: the scalar map
+// σ ← aσ + bσ³ + cσ⁵ of each of `steps` steps applied to 4097 points of [0, 1/norm_safety] (the
+// range NewtonSchulz's normalization leaves), times 2 for the points between and for rounding.
+// Infinity when the iteration overflows.
+double NsSingularValueBound(const NsSchedule& schedule, int steps, double norm_safety);
+
+// Whether `option` (a name of GroupOptionTable) applies to optimizer `kind`; unknown names do not.
+bool OptionApplies(OptimizerKind kind, std::string_view option);
 
 // Names used on the wire and in logs.
 std::string_view OptimizerName(OptimizerKind kind);

@@ -26,6 +26,7 @@ struct QkvSplit {
 struct StateSlot {
   std::string name;  // "momentum", "exp_avg", "exp_avg_sq", "momentum_buffer"
   std::unique_ptr<kernels::DeviceBuffer> buffer;
+  double bound = 0;  // no element's magnitude exceeds it (see ParamState::master_bound)
 };
 
 struct ParamState {
@@ -35,6 +36,10 @@ struct ParamState {
   QkvSplit qkv;
 
   std::unique_ptr<kernels::DeviceBuffer> master;
+  // An upper bound on |x| over the master's elements, kept by the owner (measured when values are
+  // loaded, then advanced with Optimizer::BoundStep after each step) so that a step that could leave
+  // the fp32 range is refused before it writes anything.
+  double master_bound = 0;
   std::unique_ptr<kernels::DeviceBuffer> grad;  // filled by the caller before Step
   bool has_grad = false;                        // false: skipped this step (torch's grad=None)
   std::vector<StateSlot> slots;                 // created by Optimizer::InitState

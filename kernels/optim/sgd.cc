@@ -1,4 +1,5 @@
 // SGD with torch.optim.SGD semantics (dampening 0); formula in kernels::SgdElement.
+#include <algorithm>
 #include <utility>
 
 #include "kernels/optim/optimizer_impls.h"
@@ -14,7 +15,25 @@ class Sgd final : public Optimizer {
   // Allocated even without momentum so a per-step momentum override finds its buffer.
   std::vector<std::string> SlotNames() const override { return {"momentum_buffer"}; }
 
-  absl::Status CheckParameter(const ParamState& param) const override { return absl::OkStatus(); }
+  absl::Status CheckParameter(const ParamState& param) const override { return CheckElementwiseParameter(param); }
+
+  // kernels::SgdElement: g ← g + λ·p; b ← μ·b + g; d = nesterov ? g + μ·b : b (μ = 0: d = g);
+  // p ← p − η·d.
+  StepBounds BoundStep(const StepHyper& hyper, const ParamState& param, double g) const override {
+    const double b = SlotBound(param, "momentum_buffer");
+    const double mu = hyper.momentum;
+    const double g_decayed = (g + hyper.weight_decay * param.master_bound) * kBoundRounding;
+    double b_next = b, d = g_decayed;
+    if (mu != 0) {
+      b_next = (mu * b + g_decayed) * kBoundRounding;
+      d = options_.nesterov ? (g_decayed + mu * b_next) * kBoundRounding : b_next;
+    }
+    StepBounds out;
+    out.master = (param.master_bound + hyper.lr * d) * kBoundRounding;
+    out.slots = {b_next};
+    out.peak = std::max({out.master, b_next, d, g_decayed});
+    return out;
+  }
 
   absl::Status Step(kernels::Backend& backend, const StepHyper& hyper,
                     std::span<ParamState* const> params) override {

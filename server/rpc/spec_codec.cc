@@ -27,7 +27,16 @@ absl::Status Invalid(const std::string& field, absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
 }
 
-bool ValidName(absl::string_view name) { return !name.empty() && name.size() <= 256; }
+// Parameter and group names: 1 to 256 bytes of UTF-8 (protobuf checks the encoding) without
+// control characters (U+0000–U+001F, U+007F), which no name is meant to hold and which would garble
+// logs and error messages.
+bool ValidName(absl::string_view name) {
+  if (name.empty() || name.size() > 256) return false;
+  return std::none_of(name.begin(), name.end(), [](char c) {
+    const auto byte = static_cast<unsigned char>(c);
+    return byte < 0x20 || byte == 0x7f;
+  });
+}
 
 absl::StatusOr<OptimizerKind> ParseOptimizer(v1::OptimizerKind kind, const std::string& field) {
   switch (kind) {
@@ -60,9 +69,8 @@ absl::StatusOr<Enum> ParseChoice(const std::string& value, const std::string& gr
 // Whether `option` applies to optimizer `kind` (the option table); any other set field is refused
 // rather than silently ignored.
 bool Applies(OptimizerKind kind, absl::string_view option) {
-  const optim::OptionSpec* spec = optim::FindGroupOption(std::string_view(option.data(), option.size()));
-  if (spec == nullptr) return true;
-  return std::find(spec->applies_to.begin(), spec->applies_to.end(), kind) != spec->applies_to.end();
+  const std::string_view name(option.data(), option.size());
+  return optim::FindGroupOption(name) == nullptr || optim::OptionApplies(kind, name);
 }
 
 absl::Status CheckFinite(double value, const std::string& field) {
@@ -219,7 +227,7 @@ absl::StatusOr<SessionConfig> ParseSessionSpec(const v1::SessionSpec& spec, cons
   for (int i = 0; i < spec.groups_size(); ++i) {
     const auto& group = spec.groups(i);
     const std::string field = absl::StrCat("spec.groups[", i, "]");
-    if (!ValidName(group.name())) return Invalid(field + ".name", "must be 1 to 256 characters");
+    if (!ValidName(group.name())) return Invalid(field + ".name", "must be 1 to 256 bytes without control characters");
     if (!config.group_index.emplace(group.name(), config.groups.size()).second) {
       return Invalid(field + ".name", absl::StrCat("duplicate group '", group.name(), "'"));
     }
@@ -237,7 +245,7 @@ absl::StatusOr<SessionConfig> ParseSessionSpec(const v1::SessionSpec& spec, cons
     const std::string field = absl::StrCat("spec.parameters[", i, "]");
     ParameterConfig param;
     param.name = p.name();
-    if (!ValidName(p.name())) return Invalid(field + ".name", "must be 1 to 256 characters");
+    if (!ValidName(p.name())) return Invalid(field + ".name", "must be 1 to 256 bytes without control characters");
     if (config.parameter_index.contains(p.name())) {
       return Invalid(field + ".name", absl::StrCat("duplicate parameter '", p.name(), "'"));
     }

@@ -8,6 +8,7 @@
 #include "common/status_macros.h"
 #include "server/rpc/muond_service.h"
 #include "server/transport/grpc/chunk_stream.h"
+#include "server/transport/grpc/tensor_assembler.h"
 
 namespace muond::rpc {
 
@@ -104,12 +105,9 @@ absl::Status MuondService::DoSetState(const std::string& caller, grpc::ServerRea
     if (chunk.dtype() != v1::DTYPE_FP32 && chunk.dtype() != v1::DTYPE_UNSPECIFIED) {
       return absl::InvalidArgumentError("chunk.dtype: state tensors travel as fp32");
     }
-    if (chunk.data().size() % 4 != 0 || chunk.data().size() > options_.max_chunk_bytes) {
-      return absl::InvalidArgumentError(absl::StrCat("chunk.data: ", chunk.data().size(),
-                                                     " bytes is not a whole number of fp32 elements within the "
-                                                     "chunk limit"));
-    }
     const ParameterConfig& param = config.parameters[it->second];
+    MUOND_RETURN_IF_ERROR(transport::CheckChunkPayload(chunk, v1::DTYPE_FP32, options_.max_chunk_bytes, "chunk",
+                                                       absl::StrCat(param.name, "/", chunk.slot())));
     auto [slot, inserted] = index.try_emplace({it->second, chunk.slot()}, state.tensors.size());
     if (inserted) state.tensors.push_back({it->second, chunk.slot(), {}});
     std::vector<float>& values = state.tensors[slot->second].values;

@@ -12,6 +12,7 @@
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "kernels/optim/qk_clip.h"
+#include "server/session/value_rules.h"
 
 namespace muond::session {
 
@@ -79,10 +80,14 @@ absl::Status Session::Upload(std::vector<HostTensor> tensors) {
         " steps; initial parameters can only be uploaded before the first step (use SetState to replace a "
         "trained state)"));
   }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    MUOND_RETURN_IF_ERROR(CheckTensorValues("chunk.data", params_[i].name, tensors[i].values));
+  }
   auto snapshot = std::make_shared<ParameterSnapshot>();
   for (size_t i = 0; i < params_.size(); ++i) {
     optim::ParamState& state = params_[i];
     MUOND_RETURN_IF_ERROR(backend_->CopyToDevice(tensors[i].values.data(), state.master->data(), state.numel));
+    state.master_bound = MaxAbs(tensors[i].values);
     state.slots.clear();
     state.step_count = 0;
     MUOND_RETURN_IF_ERROR(optimizers_[config_.parameters[i].group]->InitState(*backend_, state));
@@ -207,14 +212,23 @@ absl::StatusOr<StepOutcome> Session::ApplyLocked(const StepPlan& plan, std::vect
   }
   const double norm = std::sqrt(sum_squares);
   result.grad_norm = norm;
+  const double clip = ClipCoefficient(plan, norm);
+  std::vector<optim::StepBounds> bounds(params_.size());
   if (!first_non_finite.empty()) {
-    result.applied = false;
     result.skip_reason = absl::StrCat("non-finite gradient in '", first_non_finite, "'");
   } else {
-    MUOND_RETURN_IF_ERROR(ApplyGradients(plan, gradients, ClipCoefficient(plan, norm), staged));
-    MUOND_RETURN_IF_ERROR(ApplyQkClip(plan));
+    MUOND_ASSIGN_OR_RETURN(result.skip_reason, GuardMagnitudesLocked(plan, gradients, clip, bounds));
+  }
+  result.applied = result.skip_reason.empty();
+  if (result.applied) {
+    MUOND_RETURN_IF_ERROR(ApplyGradients(plan, gradients, clip, staged));
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (!gradients[i].present()) continue;
+      params_[i].master_bound = bounds[i].master;
+      for (size_t s = 0; s < params_[i].slots.size(); ++s) params_[i].slots[s].bound = bounds[i].slots[s];
+    }
+    MUOND_RETURN_IF_ERROR(ApplyQkClip(plan));  // multiplies weights by factors <= 1: bounds hold
     MUOND_ASSIGN_OR_RETURN(snapshot_, ReadBack(result.step));
-    result.applied = true;
   }
   result.compute_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   last_step_ = result.step;
@@ -262,6 +276,44 @@ absl::Status Session::ApplyGradients(const StepPlan& plan, std::vector<HostTenso
   for (size_t g = 0; g < optimizers_.size(); ++g) {
     if (by_group[g].empty()) continue;
     MUOND_RETURN_IF_ERROR(optimizers_[g]->Step(*backend_, plan.hyper[g], by_group[g]));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> Session::GuardMagnitudesLocked(const StepPlan& plan,
+                                                           const std::vector<HostTensor>& gradients,
+                                                           double clip_coefficient,
+                                                           std::vector<optim::StepBounds>& after) {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const HostTensor& gradient = gradients[i];
+    if (!gradient.present()) continue;
+    const size_t group = config_.parameters[i].group;
+    const optim::Optimizer& optimizer = *optimizers_[group];
+    // Every |g| is at most the tensor's L2 norm: a bound at no cost, tightened (with the exact
+    // magnitudes of the state) only when it is not good enough.
+    const double rounding = optim::kBoundRounding;
+    after[i] = optimizer.BoundStep(plan.hyper[group], params_[i],
+                                   std::sqrt(gradient.sum_squares) * clip_coefficient * rounding);
+    if (after[i].peak <= kMagnitudeLimit) continue;
+    MUOND_RETURN_IF_ERROR(MeasureMagnitudesLocked(i));
+    after[i] = optimizer.BoundStep(plan.hyper[group], params_[i], MaxAbs(gradient.values) * clip_coefficient * rounding);
+    if (after[i].peak > kMagnitudeLimit) {
+      return absl::StrCat("the update could take '", params_[i].name, "' or its optimizer state to magnitudes up to ",
+                          after[i].peak, ", beyond the limit of ", kMagnitudeLimit,
+                          " that keeps fp32 finite; nothing was changed");
+    }
+  }
+  return std::string();
+}
+
+absl::Status Session::MeasureMagnitudesLocked(size_t i) {
+  optim::ParamState& state = params_[i];
+  std::vector<float> values(state.numel);
+  MUOND_RETURN_IF_ERROR(backend_->CopyToHost(state.master->data(), values.data(), state.numel));
+  state.master_bound = MaxAbs(values);
+  for (optim::StateSlot& slot : state.slots) {
+    MUOND_RETURN_IF_ERROR(backend_->CopyToHost(slot.buffer->data(), values.data(), state.numel));
+    slot.bound = MaxAbs(values);
   }
   return absl::OkStatus();
 }
@@ -327,13 +379,20 @@ absl::StatusOr<SessionState> Session::ExportStateLocked() const {
 }
 
 absl::Status Session::ImportState(SessionState state) {
-  if (state.last_step < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("header.last_step: must be >= 0, got ", state.last_step));
-  }
+  MUOND_RETURN_IF_ERROR(CheckStepNumber("header.last_step", state.last_step, 0));
   if (state.step_counts.size() != config_.parameters.size()) {
     return absl::InvalidArgumentError(absl::StrCat("header.step_counts: expected one count for each of the ",
                                                    config_.parameters.size(), " parameters, got ",
                                                    state.step_counts.size()));
+  }
+  for (size_t i = 0; i < state.step_counts.size(); ++i) {
+    // A parameter is updated by some of the session's steps, never by more.
+    if (state.step_counts[i] < 0 || state.step_counts[i] > state.last_step) {
+      return absl::InvalidArgumentError(absl::StrCat("header.step_counts: '", config_.parameters[i].name,
+                                                     "' has count ", state.step_counts[i],
+                                                     "; counts must be between 0 and last_step (",
+                                                     state.last_step, ")"));
+    }
   }
   absl::MutexLock lock(&mu_);
   // Every (parameter, slot) pair must arrive exactly once, complete; nothing is written before that
@@ -353,6 +412,16 @@ absl::Status Session::ImportState(SessionState state) {
       return absl::InvalidArgumentError(absl::StrCat("chunk.data: ", pc.name, "/", t.slot, " has ",
                                                      t.values.size(), " of ", pc.numel, " elements"));
     }
+    MUOND_RETURN_IF_ERROR(CheckTensorValues("chunk.data", absl::StrCat(pc.name, "/", t.slot), t.values));
+    if (optimizers_[pc.group]->SlotIsNonNegative(t.slot)) {
+      for (size_t e = 0; e < t.values.size(); ++e) {
+        if (t.values[e] < 0) {
+          return absl::InvalidArgumentError(absl::StrCat("chunk.data: ", pc.name, "/", t.slot, " has the negative value ",
+                                                         t.values[e], " at element ", e, "; ", t.slot,
+                                                         " holds squares and must not be negative"));
+        }
+      }
+    }
   }
   if (!expected.empty()) {
     const auto& [index, slot] = *expected.begin();
@@ -370,6 +439,14 @@ absl::Status Session::ImportState(SessionState state) {
     optim::ParamState& param = params_[t.parameter];
     float* target = t.slot == kMasterSlot ? param.master->data() : param.Slot(t.slot)->data();
     MUOND_RETURN_IF_ERROR(backend_->CopyToDevice(t.values.data(), target, param.numel));
+    const double bound = MaxAbs(t.values);
+    if (t.slot == kMasterSlot) {
+      param.master_bound = bound;
+    } else {
+      for (optim::StateSlot& slot : param.slots) {
+        if (slot.name == t.slot) slot.bound = bound;
+      }
+    }
   }
   last_step_ = state.last_step;
   initialized_ = true;

@@ -93,6 +93,15 @@ class Session {
   absl::Status ApplyGradients(const StepPlan& plan, std::vector<HostTensor>& gradients, double clip_coefficient,
                               StagedGradients* staged) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status ApplyQkClip(const StepPlan& plan) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The finiteness guard (docs/algorithms.md, Finite steps): bounds every parameter's magnitudes
+  // after the step before anything is written. Fills `after` (indexed like params_) and returns
+  // an empty string when the step keeps every master and slot within kMagnitudeLimit, else the
+  // reason the step is not applied.
+  absl::StatusOr<std::string> GuardMagnitudesLocked(const StepPlan& plan, const std::vector<HostTensor>& gradients,
+                                                    double clip_coefficient, std::vector<optim::StepBounds>& after)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Replaces parameter i's bounds with its exact magnitudes, read from the backend.
+  absl::Status MeasureMagnitudesLocked(size_t i) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<std::shared_ptr<const ParameterSnapshot>> ReadBack(int64_t step) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
   absl::StatusOr<SessionState> ExportStateLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);

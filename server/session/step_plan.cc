@@ -2,33 +2,37 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <string>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "server/session/value_rules.h"
 
 namespace muond::session {
 namespace {
 
-absl::Status ApplyOverride(const GroupOverride& o, const std::string& field, optim::StepHyper& h) {
-  if (o.lr.has_value()) {
-    if (!std::isfinite(*o.lr) || *o.lr < 0) {
-      return absl::InvalidArgumentError(absl::StrCat(field, ".lr: must be finite and >= 0, got ", *o.lr));
+// Sets `h` to the group's values with `o` applied, refusing an override the group's optimizer does
+// not use and values outside optim::ValidateStepHyper's ranges.
+absl::Status ApplyOverride(const GroupOverride& o, const std::string& field, const optim::GroupOptions& options,
+                           optim::StepHyper& h) {
+  const std::pair<const char*, const std::optional<double>*> fields[] = {
+      {"lr", &o.lr}, {"momentum", &o.momentum}, {"weight_decay", &o.weight_decay}};
+  for (const auto& [name, value] : fields) {
+    if (value->has_value() && !optim::OptionApplies(options.optimizer, name)) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ".", name, ": does not apply to optimizer ",
+                                                     std::string(optim::OptimizerName(options.optimizer)), " (group '",
+                                                     o.group, "')"));
     }
-    h.lr = *o.lr;
   }
-  if (o.momentum.has_value()) {
-    if (!(*o.momentum >= 0 && *o.momentum < 1)) {
-      return absl::InvalidArgumentError(absl::StrCat(field, ".momentum: must be in [0, 1), got ", *o.momentum));
-    }
-    h.momentum = *o.momentum;
-  }
-  if (o.weight_decay.has_value()) {
-    if (!std::isfinite(*o.weight_decay) || *o.weight_decay < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(field, ".weight_decay: must be finite and >= 0, got ", *o.weight_decay));
-    }
-    h.weight_decay = *o.weight_decay;
-  }
+  optim::StepHyper next = h;
+  if (o.lr.has_value()) next.lr = *o.lr;
+  if (o.momentum.has_value()) next.momentum = *o.momentum;
+  if (o.weight_decay.has_value()) next.weight_decay = *o.weight_decay;
+  absl::Status valid = optim::ValidateStepHyper(options, next.lr, next.momentum, next.weight_decay);
+  if (!valid.ok()) return absl::InvalidArgumentError(absl::StrCat(field, ".", valid.message()));
+  h = next;
   return absl::OkStatus();
 }
 
@@ -62,6 +66,7 @@ absl::Status ResolveQkLogits(const SessionConfig& config, const StepRequest& req
 
 absl::StatusOr<StepPlan> PlanStep(const SessionConfig& config, const std::vector<optim::StepHyper>& defaults,
                                   StepRequest request) {
+  MUOND_RETURN_IF_ERROR(CheckStepNumber("header.step", request.step, 1));
   StepPlan plan;
   plan.hyper = defaults;
   for (size_t i = 0; i < request.overrides.size(); ++i) {
@@ -71,7 +76,7 @@ absl::StatusOr<StepPlan> PlanStep(const SessionConfig& config, const std::vector
     if (it == config.group_index.end()) {
       return absl::NotFoundError(absl::StrCat(field, ".group: unknown group '", o.group, "'"));
     }
-    absl::Status applied = ApplyOverride(o, field, plan.hyper[it->second]);
+    absl::Status applied = ApplyOverride(o, field, config.groups[it->second].options, plan.hyper[it->second]);
     if (!applied.ok()) return applied;
   }
   absl::Status logits = ResolveQkLogits(config, request, plan);

@@ -151,6 +151,23 @@ TEST(ValidateOptionsTest, RejectsOutOfRangeNamingTheOption) {
       {"betas[0]", [](GroupOptions& o) { o.beta1 = 1.0; }},
       {"betas[1]", [](GroupOptions& o) { o.beta2 = -0.1; }},
       {"eps", [](GroupOptions& o) { o.eps = -1; }},
+      {"eps must be in (0, 1]", [](GroupOptions& o) { o.eps = 0; }},
+      {"lr must be in [0, 100], got 1e+308", [](GroupOptions& o) { o.lr = 1e308; }},
+      {"weight_decay must be in [0, 100]", [](GroupOptions& o) { o.weight_decay = 1e3; }},
+      {"lr * weight_decay must be <= 1", [](GroupOptions& o) {
+         o.lr = 0.5;
+         o.weight_decay = 3;
+       }},
+      {"weight_decay must be <= 1 with weight_decay_mode independent", [](GroupOptions& o) {
+         o.weight_decay_mode = WeightDecayMode::kIndependent;
+         o.weight_decay = 1.5;
+       }},
+      {"extra_scale_factor", [](GroupOptions& o) { o.extra_scale_factor = 1e6; }},
+      {"ns_norm_safety", [](GroupOptions& o) { o.ns_norm_safety = 1e9; }},
+      // A finite custom set whose iteration runs away: singular values grow without bound.
+      {"ns_coefficients: with 5 steps", [](GroupOptions& o) { o.ns_schedule = {"custom", {{30, 0, 0}}, CoefficientsAfter::kCycle}; }},
+      // The simple set diverges when the normalization leaves singular values up to 1/0.25 = 4.
+      {"grows singular values", [](GroupOptions& o) { o.ns_norm_safety = 0.25; }},
       {"nesterov", [](GroupOptions& o) {
          o.optimizer = OptimizerKind::kSgd;
          o.momentum = 0;
@@ -164,6 +181,43 @@ TEST(ValidateOptionsTest, RejectsOutOfRangeNamingTheOption) {
     // Optimizer::Create refuses what ValidateOptions refuses.
     EXPECT_THAT(Optimizer::Create(o), StatusIs(absl::StatusCode::kInvalidArgument, c.option)) << c.option;
   }
+}
+
+// Every named coefficient set keeps singular values near 1 at any accepted step count, so the growth
+// check refuses none of them.
+TEST(ValidateOptionsTest, NamedSetsKeepSingularValuesNearOne) {
+  for (const std::string& name : NamedScheduleNames()) {
+    ASSERT_OK_AND_ASSIGN(NsSchedule schedule, NamedSchedule(name));
+    for (int steps : {1, 5, 10, 100}) {
+      const double bound = NsSingularValueBound(schedule, steps, 1.0);
+      EXPECT_LT(bound, 10.0) << name << " with " << steps << " steps";
+      EXPECT_GE(bound, 2.0) << "at least twice the input's largest singular value, 1";
+    }
+  }
+}
+
+TEST(ValidateOptionsTest, OverridableValuesShareTheRanges) {
+  const GroupOptions muon = DefaultOptions(OptimizerKind::kMuon);
+  EXPECT_OK(ValidateStepHyper(muon, 100, 0.99, 0.01));
+  EXPECT_THAT(ValidateStepHyper(muon, 100.5, 0.9, 0), StatusIs(absl::StatusCode::kInvalidArgument, "lr"));
+  EXPECT_THAT(ValidateStepHyper(muon, 0.1, 0.9, 20), StatusIs(absl::StatusCode::kInvalidArgument, "lr * weight_decay"));
+  GroupOptions coupled = muon;
+  coupled.weight_decay_mode = WeightDecayMode::kL2;
+  EXPECT_OK(ValidateStepHyper(coupled, 0.1, 0.9, 20)) << "L2 decay goes into the gradient, not a decay factor";
+}
+
+TEST(OptimizerTest, OnlyMuonSplitsFusedQkv) {
+  ParamState param;
+  param.shape = {12, 4};
+  param.numel = 48;
+  param.qkv = {2, 1, 1, 3};
+  for (OptimizerKind kind : {OptimizerKind::kAdamW, OptimizerKind::kLion, OptimizerKind::kSgd}) {
+    ASSERT_OK_AND_ASSIGN(auto opt, Optimizer::Create(DefaultOptions(kind)));
+    EXPECT_THAT(opt->CheckParameter(param), StatusIs(absl::StatusCode::kInvalidArgument,
+                                                     "qkv_split applies only to parameters of Muon groups"));
+  }
+  ASSERT_OK_AND_ASSIGN(auto muon, Optimizer::Create(DefaultOptions(OptimizerKind::kMuon)));
+  EXPECT_OK(muon->CheckParameter(param));
 }
 
 TEST(OptimizerTest, CreateAndDefaultHyper) {

@@ -11,6 +11,25 @@ namespace muond::transport {
 
 using session::ParameterConfig;
 
+absl::Status CheckChunkPayload(const v1::TensorChunk& chunk, v1::DType dtype, size_t max_chunk_bytes,
+                               absl::string_view field, absl::string_view name) {
+  const size_t bytes = chunk.data().size();
+  if (bytes == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".data: empty chunk for '", name,
+                                                   "'; every chunk carries at least one element (a tensor is "
+                                                   "sent whole or not at all)"));
+  }
+  if (bytes > max_chunk_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".data: ", bytes, " bytes for '", name,
+                                                   "' exceed the chunk limit of ", max_chunk_bytes, " bytes"));
+  }
+  if (bytes % wire::ElementSize(dtype) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".data: ", bytes, " bytes is not a whole number of ",
+                                                   wire::DTypeName(dtype), " elements for '", name, "'"));
+  }
+  return absl::OkStatus();
+}
+
 TensorAssembler::TensorAssembler(const session::SessionConfig& config, size_t max_chunk_bytes)
     : config_(config), max_chunk_bytes_(max_chunk_bytes), own_(config.parameters.size()), tensors_(&own_) {}
 
@@ -25,6 +44,10 @@ absl::Status TensorAssembler::Add(const v1::TensorChunk& chunk, absl::string_vie
   const ParameterConfig& param = config_.parameters[it->second];
   HostTensor& tensor = (*tensors_)[it->second];
   const std::string& name = param.name;
+  if (!chunk.slot().empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".slot: '", chunk.slot(), "' given for '", name,
+                                                   "'; slots name state tensors (SetState) only"));
+  }
 
   const v1::DType dtype =
       chunk.dtype() == v1::DTYPE_UNSPECIFIED ? static_cast<v1::DType>(param.wire_dtype) : chunk.dtype();
@@ -33,16 +56,7 @@ absl::Status TensorAssembler::Add(const v1::TensorChunk& chunk, absl::string_vie
     return absl::InvalidArgumentError(absl::StrCat(field, ".dtype: unknown dtype ",
                                                    static_cast<int>(chunk.dtype()), " for '", name, "'"));
   }
-  if (chunk.data().size() > max_chunk_bytes_) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ".data: ", chunk.data().size(),
-                                                   " bytes for '", name, "' exceed the chunk limit of ",
-                                                   max_chunk_bytes_, " bytes"));
-  }
-  if (chunk.data().size() % element_size != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ".data: ", chunk.data().size(),
-                                                   " bytes is not a whole number of ", wire::DTypeName(dtype),
-                                                   " elements for '", name, "'"));
-  }
+  MUOND_RETURN_IF_ERROR(CheckChunkPayload(chunk, dtype, max_chunk_bytes_, field, name));
   if (chunk.shape_size() > 0) {
     const std::vector<int64_t> shape(chunk.shape().begin(), chunk.shape().end());
     if (shape != param.shape) {

@@ -1,8 +1,9 @@
 // TensorAssembler: collects the chunks of a gRPC stream (an upload or a step's gradients) into one
 // fp32 host tensor per parameter, checking every chunk against the session's config as it arrives.
 //
-// Checks (each an error naming the field): the parameter exists (NOT_FOUND); the dtype is known;
-// the bytes are a whole number of elements and no more than the chunk limit; chunks of a tensor
+// Checks (each an error naming the field): the parameter exists (NOT_FOUND); the chunk names no
+// slot; the dtype is known; the bytes are at least one whole element, a whole number of elements
+// and no more than the chunk limit; chunks of a tensor
 // arrive in order without gaps or overlap; a tensor never grows past its element count; an optional
 // shape matches the spec. Finish() checks that every started tensor is complete (and, when all are
 // required, that every parameter arrived).
@@ -26,6 +27,12 @@
 #include "server/session/session_config.h"
 
 namespace muond::transport {
+
+// The payload rules every tensor chunk follows (uploads, steps and SetState alike): at least one
+// element, a whole number of `dtype` elements, at most `max_chunk_bytes` bytes. `dtype` must be
+// concrete; errors name `field`.data and the tensor `name`.
+absl::Status CheckChunkPayload(const v1::TensorChunk& chunk, v1::DType dtype, size_t max_chunk_bytes,
+                               absl::string_view field, absl::string_view name);
 
 class TensorAssembler {
  public:

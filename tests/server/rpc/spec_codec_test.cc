@@ -122,6 +122,23 @@ TEST(SessionConfigTest, RefusesBadSpecsNamingTheField) {
               StatusIs(absl::StatusCode::kInvalidArgument, "spec.parameters[0].qkv_split"));
 }
 
+TEST(SessionConfigTest, NamesWithControlCharactersAreRefused) {
+  for (const std::string& name : {std::string("w\0x", 3), std::string("w\n"), std::string("\x1b[31mw"),
+                                  std::string("w\x7f")}) {
+    v1::SessionSpec parameter = Spec();
+    parameter.mutable_parameters(0)->set_name(name);
+    EXPECT_THAT(ParseSessionSpec(parameter, SpecLimits{}),
+                StatusIs(absl::StatusCode::kInvalidArgument, "spec.parameters[0].name: must be 1 to 256 bytes without "
+                                                             "control characters"));
+    v1::SessionSpec group = Spec();
+    group.mutable_groups(1)->set_name(name);
+    EXPECT_THAT(ParseSessionSpec(group, SpecLimits{}), StatusIs(absl::StatusCode::kInvalidArgument, "spec.groups[1].name"));
+  }
+  v1::SessionSpec unicode = Spec();
+  unicode.mutable_parameters(0)->set_name("blocks.0.attn.Wq \u00e9\u4e2d");
+  EXPECT_OK(ParseSessionSpec(unicode, SpecLimits{}).status()) << "names are UTF-8; only control characters are refused";
+}
+
 TEST(SessionConfigTest, SameSpecAttachesAndADifferentOneNamesTheField) {
   EXPECT_OK(CheckSameSpec(Spec(), Spec()));
   v1::SessionSpec other = Spec();

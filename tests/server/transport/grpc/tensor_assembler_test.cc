@@ -100,5 +100,29 @@ TEST(TensorAssemblerTest, NonFiniteValuesShowInTheSumOfSquares) {
   EXPECT_FALSE(std::isfinite(assembler.tensors()[0].sum_squares));
 }
 
+// A tensor named in a step arrives whole: an empty chunk is no way to leave it out, whether it is
+// the tensor's only chunk or one more after its last element.
+TEST(TensorAssemblerTest, EmptyChunksAreRefused) {
+  const SessionConfig config = TwoParameters();
+  TensorAssembler alone(config, 1 << 20);
+  v1::TensorChunk empty = Chunk("a", {}, 0);
+  empty.add_shape(2);
+  empty.add_shape(3);
+  EXPECT_THAT(alone.Add(empty), StatusIs(absl::StatusCode::kInvalidArgument, "chunk.data: empty chunk for 'a'"));
+  TensorAssembler after_the_end(config, 1 << 20);
+  ASSERT_OK(after_the_end.Add(Chunk("a", {1, 2, 3, 4, 5, 6}, 0)));
+  EXPECT_THAT(after_the_end.Add(Chunk("a", {}, 6)), StatusIs(absl::StatusCode::kInvalidArgument, "empty chunk"));
+}
+
+TEST(TensorAssemblerTest, SlotsBelongToStateTransfersOnly) {
+  const SessionConfig config = TwoParameters();
+  TensorAssembler assembler(config, 1 << 20);
+  v1::TensorChunk chunk = Chunk("a", {1, 2, 3, 4, 5, 6}, 0);
+  chunk.set_slot("momentum");
+  EXPECT_THAT(assembler.Add(chunk),
+              StatusIs(absl::StatusCode::kInvalidArgument, "chunk.slot: 'momentum' given for 'a'"));
+  EXPECT_EQ(assembler.tensors()[0].received, 0);
+}
+
 }  // namespace
 }  // namespace muond::transport
