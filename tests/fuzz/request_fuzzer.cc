@@ -11,11 +11,19 @@
 // refused, that only read, or that replayed a step leaves a different one. A step skipped for
 // non-finite gradients may move only that session's step counter.
 //
+// It also checks the rules of docs/protocol.md (Ranges and rules) on what was accepted: after every
+// call each session's last step and step counts are in range and every master and slot is finite;
+// a step applied or skipped has the number last step + 1; and an accepted request used no option
+// that does not apply — a group option or a QKV split outside its optimizer, a step override the
+// group's optimizer does not use, a slot or an empty payload on a step or upload chunk — and named
+// nothing with control characters.
+//
 // The daemon's limits are small (tensors of at most 4096 elements, 16 parameters, 4 sessions, 1 KiB
 // chunks, 5 KiB messages) so that inputs reach every limit, and each call takes well under a
 // millisecond.
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
@@ -23,6 +31,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -34,7 +43,9 @@
 #include "common/logging.h"
 #include "server/rpc/muond_service.h"
 #include "server/rpc/spec_codec.h"
+#include "kernels/optim/options.h"
 #include "server/session/session_registry.h"
+#include "server/session/value_rules.h"
 #include "tests/fuzz/request_script.h"
 
 namespace muond::fuzz {
@@ -173,6 +184,68 @@ void ExpectState(const Fingerprint& expected, const std::string& what, const grp
   Fail(absl::StrCat(what, " changed the state (status ", status.error_code(), ": ", status.error_message(), ")"));
 }
 
+// The rules every session keeps whatever was sent: step numbers and counts in range, every master
+// and slot finite and within the magnitude limit, second moments not negative.
+void CheckInvariants(const std::string& after) {
+  TheDaemon().in_flight->WaitIdle();
+  for (const std::shared_ptr<session::Session>& session : TheDaemon().registry->List()) {
+    const std::string where = absl::StrCat(" in session '", session->id(), "' after ", after);
+    absl::StatusOr<session::SessionState> state = session->ExportState();
+    if (!state.ok()) continue;  // not initialized yet
+    if (state->last_step < 0 || state->last_step > session::kMaxStep) {
+      Fail(absl::StrCat("last step ", state->last_step, " out of range", where));
+    }
+    for (int64_t count : state->step_counts) {
+      if (count < 0 || count > state->last_step) Fail(absl::StrCat("step count ", count, " out of range", where));
+    }
+    for (const session::StateTensor& t : state->tensors) {
+      for (float v : t.values) {
+        if (!(std::abs(v) <= session::kMagnitudeLimit)) {
+          Fail(absl::StrCat("value ", v, " in ", t.slot, " of parameter ", t.parameter, where));
+        }
+        if (t.slot == "exp_avg_sq" && v < 0) Fail(absl::StrCat("negative exp_avg_sq", where));
+      }
+    }
+  }
+}
+
+bool HasControlCharacter(absl::string_view name) {
+  for (char c : name) {
+    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) return true;
+  }
+  return false;
+}
+
+// An accepted CreateSession (not an attach) used only options that apply and clean names.
+void CheckCreatedSpec(const v1::SessionSpec& spec) {
+  std::map<std::string, optim::OptimizerKind> kinds;
+  for (const v1::ParameterGroup& group : spec.groups()) {
+    if (HasControlCharacter(group.name())) Fail("a group name with a control character was accepted");
+    const v1::GroupOptions& options = group.options();
+    const optim::OptimizerKind kind =
+        options.optimizer() == v1::OPTIMIZER_UNSPECIFIED ? optim::OptimizerKind::kMuon
+                                                         : static_cast<optim::OptimizerKind>(options.optimizer() - 1);
+    kinds[group.name()] = kind;
+    std::vector<const google::protobuf::FieldDescriptor*> fields;
+    options.GetReflection()->ListFields(options, &fields);
+    for (const auto* field : fields) {
+      if (optim::FindGroupOption(field->name()) != nullptr && !optim::OptionApplies(kind, field->name())) {
+        Fail(absl::StrCat("CreateSession accepted option ", field->name(), " for optimizer ",
+                          std::string(optim::OptimizerName(kind))));
+      }
+    }
+  }
+  for (const v1::ParameterSpec& parameter : spec.parameters()) {
+    if (HasControlCharacter(parameter.name())) Fail("a parameter name with a control character was accepted");
+    if (parameter.qkv_split_size() > 0 && kinds[parameter.group()] != optim::OptimizerKind::kMuon) {
+      Fail("CreateSession accepted qkv_split outside a Muon group");
+    }
+  }
+}
+
+// A chunk that an accepted step or upload must not have held.
+bool ForeignChunk(const v1::TensorChunk& chunk) { return !chunk.slot().empty() || chunk.data().empty(); }
+
 template <typename Message>
 std::optional<Message> Parse(absl::string_view payload) {
   Message message;
@@ -199,7 +272,11 @@ class ClientStream final : public Stream {
 
   void Write(absl::string_view payload) override {
     std::optional<Request> request = Parse<Request>(payload);
-    if (request && open_) open_ = writer_->Write(*request);
+    if (!request || !open_) return;
+    if constexpr (std::is_same_v<Request, v1::UploadParametersRequest>) {
+      if (request->has_chunk() && ForeignChunk(request->chunk())) foreign_chunk_ = true;
+    }
+    open_ = writer_->Write(*request);
   }
 
   void End(bool cancel) override {
@@ -215,6 +292,8 @@ class ClientStream final : public Stream {
     if (!status.ok() && status.error_code() != grpc::StatusCode::CANCELLED) {
       ExpectState(before_, absl::StrCat("a refused ", name_), status);
     }
+    if (status.ok() && foreign_chunk_) Fail(absl::StrCat(name_, " accepted a chunk with a slot or without data"));
+    CheckInvariants(name_);
   }
 
  private:
@@ -224,6 +303,7 @@ class ClientStream final : public Stream {
   Response response_;
   std::unique_ptr<grpc::ClientWriter<Request>> writer_;
   bool open_ = true;
+  bool foreign_chunk_ = false;
 };
 
 class StepStream final : public Stream {
@@ -233,7 +313,8 @@ class StepStream final : public Stream {
   void Write(absl::string_view payload) override {
     std::optional<v1::StepRequest> request = Parse<v1::StepRequest>(payload);
     if (!request) return;
-    if (!wrote_any_ && request->has_header()) session_id_ = request->header().session_id();
+    if (!wrote_any_ && request->has_header()) header_ = request->header();
+    if (request->has_chunk() && ForeignChunk(request->chunk())) foreign_chunk_ = true;
     wrote_any_ = true;
     if (open_) open_ = stream_->Write(*request);
   }
@@ -254,14 +335,15 @@ class StepStream final : public Stream {
           result ? absl::StrCat(" step ", result->step(), result->applied() ? " applied" : " skipped",
                                 result->replayed() ? " (replay)" : "")
                  : std::string(cancel ? " (cancelled by the client)" : ""));
-    TheDaemon().in_flight->WaitIdle();
+    CheckInvariants("Step");
     if (status.error_code() == grpc::StatusCode::CANCELLED) return;
     if (!status.ok()) return ExpectState(before_, "a refused Step", status);
     if (!result) Fail("Step succeeded without a result");
     if (result->replayed()) return ExpectState(before_, "a replayed Step", status);
+    CheckAcceptedStep(*result);
     if (!result->applied()) {  // skipped: the counter moves, nothing else
       Fingerprint expected = before_;
-      auto it = expected.find(session_id_);
+      auto it = expected.find(header_.session_id());
       if (it == expected.end()) Fail("a step was skipped in a session that did not exist");
       it->second.last_step = result->step();
       ExpectState(expected, "a skipped Step", status);
@@ -269,12 +351,35 @@ class StepStream final : public Stream {
   }
 
  private:
+  // A step that was applied or skipped (not a replay) follows the last one and used only overrides
+  // its groups' optimizers apply and chunks without slots or empty payloads.
+  void CheckAcceptedStep(const v1::StepResult& result) const {
+    auto it = before_.find(header_.session_id());
+    if (it == before_.end()) Fail("a step was answered in a session that did not exist");
+    if (result.step() != it->second.last_step + 1) {
+      Fail(absl::StrCat("step ", result.step(), " was answered after step ", it->second.last_step));
+    }
+    if (foreign_chunk_) Fail("a step accepted a chunk with a slot or without data");
+    std::shared_ptr<session::Session> session = TheDaemon().registry->Find(header_.session_id(), "").value_or(nullptr);
+    if (session == nullptr) return;  // closed since
+    const session::SessionConfig& config = session->config();
+    for (const v1::GroupOverride& o : header_.overrides()) {
+      auto group = config.group_index.find(o.group());
+      if (group == config.group_index.end()) Fail("a step accepted an override of an unknown group");
+      const optim::OptimizerKind kind = config.groups[group->second].options.optimizer;
+      if (o.has_momentum() && !optim::OptionApplies(kind, "momentum")) {
+        Fail(absl::StrCat("a step accepted a momentum override for optimizer ", std::string(optim::OptimizerName(kind))));
+      }
+    }
+  }
+
   Fingerprint before_;
   grpc::ClientContext context_;
   std::unique_ptr<grpc::ClientReaderWriter<v1::StepRequest, v1::StepResponse>> stream_;
-  std::string session_id_;
+  v1::StepHeader header_;
   bool wrote_any_ = false;
   bool open_ = true;
+  bool foreign_chunk_ = false;
 };
 
 // Server-streaming reads: GetParameters, GetState. They must never change anything.
@@ -305,6 +410,7 @@ void RunUnary(Op op, absl::string_view payload) {
       const grpc::Status status = d.stub->CreateSession(&context, *request, &response);
       Trace("CreateSession", status, response.attached() ? " (attached)" : "");
       if (!status.ok() || response.attached()) ExpectState(before, "a refused or attaching CreateSession", status);
+      if (status.ok() && !response.attached()) CheckCreatedSpec(request->spec());
       return;
     }
     case Op::kCloseSession: {
