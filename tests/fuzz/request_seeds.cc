@@ -5,6 +5,7 @@
 // the chunks, a non-finite gradient, a conflicting attach, a cancelled stream, an oversized chunk),
 // from which the fuzzer's mutations start.
 #include <algorithm>
+#include <cstdint>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -394,6 +395,125 @@ std::string Mistakes() {
   return w.bytes();
 }
 
+// Sends the header, then `chunks`, as one step stream.
+void RawStep(ScriptWriter& w, const v1::StepHeader& header, const std::vector<v1::TensorChunk>& chunks) {
+  w.Add(Op::kBeginStep);
+  v1::StepRequest request;
+  *request.mutable_header() = header;
+  request.mutable_header()->set_num_chunks(static_cast<uint32_t>(chunks.size()));
+  w.Add(Op::kMessage, request);
+  for (const v1::TensorChunk& chunk : chunks) {
+    request.Clear();
+    *request.mutable_chunk() = chunk;
+    w.Add(Op::kMessage, request);
+  }
+  w.Add(Op::kFinish);
+}
+
+// A state for SmallSpec at `last_step`, every count `count`, every slot from Chunks.
+void SetStateAt(ScriptWriter& w, const std::string& id, const v1::SessionSpec& spec, int64_t last_step, int64_t count) {
+  w.Add(Op::kBeginSetState);
+  v1::SetStateRequest set;
+  set.set_session_id(id);
+  w.Add(Op::kMessage, set);
+  set.Clear();
+  set.mutable_header()->set_last_step(last_step);
+  for (const v1::ParameterSpec& p : spec.parameters()) {
+    v1::ParameterStepCount* c = set.mutable_header()->add_step_counts();
+    c->set_name(p.name());
+    c->set_count(count);
+  }
+  w.Add(Op::kMessage, set);
+  for (const auto& [index, slot] : std::vector<std::pair<int, std::string>>{
+           {0, "master"}, {0, "momentum"}, {1, "master"}, {1, "exp_avg"}, {1, "exp_avg_sq"}}) {
+    for (const v1::TensorChunk& chunk : Chunks(spec.parameters(index), 0.5f, v1::DTYPE_FP32, 64, slot)) {
+      set.Clear();
+      *set.mutable_chunk() = chunk;
+      if (slot == "exp_avg_sq") {  // squares: not negative
+        std::string& data = *set.mutable_chunk()->mutable_data();
+        for (size_t i = 0; i + 4 <= data.size(); i += 4) data[i + 3] = static_cast<char>(data[i + 3] & 0x7f);
+      }
+      w.Add(Op::kMessage, set);
+    }
+  }
+  w.Add(Op::kFinish);
+}
+
+// The requests a hostile client once got accepted (docs/protocol.md, Ranges and rules): step numbers
+// at the ends of int64, empty chunks, an absurd lr, an override and a slot that do not apply, a NaN
+// upload, and a finite gradient whose step would leave the fp32 range.
+std::string Hostile() {
+  ScriptWriter w;
+  const v1::SessionSpec spec = SmallSpec();
+  Create(w, "h1", spec);
+  std::vector<v1::TensorChunk> nan_upload = Chunks(spec.parameters(1), 1.0f, v1::DTYPE_FP32, 4);
+  const float nan = std::nanf("");
+  nan_upload[0].mutable_data()->replace(0, 4, reinterpret_cast<const char*>(&nan), 4);
+  w.Add(Op::kBeginUpload);
+  v1::UploadParametersRequest upload;
+  upload.set_session_id("h1");
+  w.Add(Op::kMessage, upload);
+  for (const v1::TensorChunk& chunk : Chunks(spec.parameters(0), 1.0f, v1::DTYPE_FP32, 16)) {
+    upload.Clear();
+    *upload.mutable_chunk() = chunk;
+    w.Add(Op::kMessage, upload);
+  }
+  upload.Clear();
+  *upload.mutable_chunk() = nan_upload[0];
+  w.Add(Op::kMessage, upload);
+  w.Add(Op::kFinish);
+  Upload(w, "h1", spec);
+
+  SetStateAt(w, "h1", spec, INT64_MAX, 3);
+  RawStep(w, Header("h1", INT64_MIN), Chunks(spec.parameters(1), 1.0f, v1::DTYPE_FP32, 4));
+  SetStateAt(w, "h1", spec, (int64_t{1} << 53) - 1, 3);
+  RawStep(w, Header("h1", int64_t{1} << 53), Chunks(spec.parameters(1), 1.0f, v1::DTYPE_FP32, 4));
+  SetStateAt(w, "h1", spec, 3, 3);
+
+  v1::TensorChunk empty;
+  empty.set_name("b");
+  RawStep(w, Header("h1", 4), {empty});
+  std::vector<v1::TensorChunk> trailing = Chunks(spec.parameters(1), 1.0f, v1::DTYPE_FP32, 4);
+  empty.set_offset(4);
+  trailing.push_back(empty);
+  RawStep(w, Header("h1", 4), trailing);
+  std::vector<v1::TensorChunk> slotted = Chunks(spec.parameters(1), 1.0f, v1::DTYPE_FP32, 4);
+  slotted[0].set_slot("momentum");
+  RawStep(w, Header("h1", 4), slotted);
+
+  v1::StepHeader absurd = Header("h1", 4);
+  absurd.add_overrides()->set_group("matrices");
+  absurd.mutable_overrides(0)->set_lr(1e308);
+  Step(w, spec, absurd);
+  v1::StepHeader momentum = Header("h1", 4);
+  momentum.add_overrides()->set_group("vectors");
+  momentum.mutable_overrides(0)->set_momentum(0.9);
+  Step(w, spec, momentum);
+
+  // lr 100 times a gradient of 3e38: finite, yet the result would not be.
+  v1::StepHeader steep = Header("h1", 4);
+  steep.add_overrides()->set_group("vectors");
+  steep.mutable_overrides(0)->set_lr(100);
+  steep.mutable_overrides(0)->set_weight_decay(0);
+  std::vector<v1::TensorChunk> huge = Chunks(spec.parameters(1), 1.0f, v1::DTYPE_FP32, 4);
+  const std::vector<float> big(4, 3e38f);
+  huge[0].clear_data();
+  wire::Encode(v1::DTYPE_FP32, big, huge[0].mutable_data());
+  RawStep(w, steep, huge);
+  Step(w, spec, Header("h1", 5));
+
+  v1::SessionSpec qkv = spec;
+  qkv.mutable_parameters(1)->add_qkv_split(2);
+  qkv.mutable_parameters(1)->add_qkv_split(1);
+  qkv.mutable_parameters(1)->add_qkv_split(1);
+  Create(w, "h2", qkv);
+  v1::SessionSpec control = spec;
+  control.mutable_parameters(0)->set_name(std::string("w\0\n", 3));
+  Create(w, "h3", control);
+  Reads(w, "h1");
+  return w.bytes();
+}
+
 }  // namespace
 }  // namespace muond::fuzz
 
@@ -407,7 +527,7 @@ int main(int argc, char** argv) {
   const std::pair<const char*, std::string> seeds[] = {
       {"train", muond::fuzz::Train()},     {"state", muond::fuzz::State()},
       {"shapes", muond::fuzz::Shapes()},   {"options", muond::fuzz::Options()},
-      {"mistakes", muond::fuzz::Mistakes()},
+      {"mistakes", muond::fuzz::Mistakes()}, {"hostile", muond::fuzz::Hostile()},
   };
   for (const auto& [name, bytes] : seeds) {
     std::ofstream out(dir / name, std::ios::binary | std::ios::trunc);
