@@ -68,7 +68,8 @@ struct LionArgs {
 
 MUOND_HD void LionElement(const LionArgs& a, float& p, float g, float& m) {
   const float c = a.beta1 * m + (1.0f - a.beta1) * g;
-  const float u = (c > 0.0f) ? 1.0f : ((c < 0.0f) ? -1.0f : 0.0f);
+  // sign(c) without branches (so the CPU loop vectorizes): 1, −1, or 0 for ±0 and NaN.
+  const float u = static_cast<float>(c > 0.0f) - static_cast<float>(c < 0.0f);
   p = p * (1.0f - a.lr * a.weight_decay) - a.lr * u;
   m = a.beta2 * m + (1.0f - a.beta2) * g;
 }

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cpu/compute_pool.h"
 
 namespace muond::kernels {
 namespace {
@@ -31,6 +32,46 @@ class CpuBuffer final : public DeviceBuffer {
   size_t size_;
 };
 
+// The element-wise loops over one range. Arguments by value and __restrict pointers let the compiler
+// keep the coefficients in registers and vectorize without alias checks (the buffers of one call
+// never overlap, except Momentum's grad and update and Axpby's x and y, which may, and are read
+// before written per element).
+void AdamWRange(const AdamWArgs a, float* __restrict p, const float* __restrict g, float* __restrict m,
+                float* __restrict v, size_t begin, size_t end) {
+  for (size_t i = begin; i < end; ++i) AdamWElement(a, p[i], g[i], m[i], v[i]);
+}
+void LionRange(const LionArgs a, float* __restrict p, const float* __restrict g, float* __restrict m, size_t begin,
+               size_t end) {
+  for (size_t i = begin; i < end; ++i) LionElement(a, p[i], g[i], m[i]);
+}
+// SGD's options are fixed for a call: one loop per combination, each with its branches folded away
+// (kMomentum false means momentum is 0, which SgdElement then never reads).
+template <bool kMomentum, bool kFirstStep, bool kNesterov>
+void SgdLoop(SgdArgs a, float* __restrict p, const float* __restrict g, float* __restrict b, size_t begin,
+             size_t end) {
+  if (!kMomentum) a.momentum = 0.0f;
+  a.first_step = kFirstStep;
+  a.nesterov = kNesterov;
+  for (size_t i = begin; i < end; ++i) SgdElement(a, p[i], g[i], b[i]);
+}
+void SgdRange(const SgdArgs a, float* __restrict p, const float* __restrict g, float* __restrict b, size_t begin,
+              size_t end) {
+  if (a.momentum == 0.0f) return SgdLoop<false, false, false>(a, p, g, b, begin, end);
+  if (a.first_step) {
+    return a.nesterov ? SgdLoop<true, true, true>(a, p, g, b, begin, end)
+                      : SgdLoop<true, true, false>(a, p, g, b, begin, end);
+  }
+  return a.nesterov ? SgdLoop<true, false, true>(a, p, g, b, begin, end)
+                    : SgdLoop<true, false, false>(a, p, g, b, begin, end);
+}
+void MomentumRange(const MomentumArgs a, float* __restrict m, const float* g, float* u, size_t begin, size_t end) {
+  for (size_t i = begin; i < end; ++i) MomentumElement(a, m[i], g[i], u[i]);
+}
+void AxpbyRange(const float alpha, const float* x, const float beta, float* y, size_t begin,
+                size_t end) {
+  for (size_t i = begin; i < end; ++i) y[i] = alpha * x[i] + beta * y[i];
+}
+
 CBLAS_TRANSPOSE ToCblas(Transpose t) { return t == Transpose::kYes ? CblasTrans : CblasNoTrans; }
 
 absl::Status CheckGemmShape(const GemmShape& s) {
@@ -48,10 +89,7 @@ absl::Status CheckGemmShape(const GemmShape& s) {
 
 class CpuBackend final : public Backend {
  public:
-  explicit CpuBackend(int threads) {
-    if (threads > 0) openblas_set_num_threads(threads);
-    threads_ = openblas_get_num_threads();
-  }
+  explicit CpuBackend(int threads) : pool_(InitThreads(threads)) { threads_ = pool_.threads(); }
 
   std::string Name() const override { return "cpu"; }
   std::string Detail() const override {
@@ -83,7 +121,7 @@ class CpuBackend final : public Backend {
     return absl::OkStatus();
   }
   absl::Status Fill(float* x, size_t count, float value) override {
-    std::fill(x, x + count, value);
+    pool_.Run(count, [&](size_t begin, size_t end) { std::fill(x + begin, x + end, value); });
     return absl::OkStatus();
   }
 
@@ -91,6 +129,7 @@ class CpuBackend final : public Backend {
                     float* c, MatmulPrecision /*precision: the CPU always computes in fp32*/) override {
     if (absl::Status st = CheckGemmShape(s); !st.ok()) return st;
     if (s.m == 0 || s.n == 0) return absl::OkStatus();
+    std::unique_lock<std::mutex> gate = pool_.Exclusive();  // OpenBLAS brings its own threads
     for (int64_t i = 0; i < s.batch; ++i) {
       float* ci = c + i * s.stride_c;
       if (s.k == 0) {
@@ -118,6 +157,7 @@ class CpuBackend final : public Backend {
     }
     // Tiles keep both the reads and the writes within a few cache lines.
     constexpr int64_t kTile = 32;
+    std::unique_lock<std::mutex> gate = pool_.Exclusive();
     for (int64_t bi = 0; bi < batch; ++bi) {
       const float* src = in + bi * rows * cols;
       float* dst = out + bi * rows * cols;
@@ -134,6 +174,7 @@ class CpuBackend final : public Backend {
   }
 
   absl::Status SumSquares(const float* x, size_t count, size_t batch, double* sums) override {
+    std::unique_lock<std::mutex> gate = pool_.Exclusive();  // one fp64 sum in order: the same bits every time
     for (size_t b = 0; b < batch; ++b) {
       const float* p = x + b * count;
       double acc = 0.0;
@@ -151,42 +192,47 @@ class CpuBackend final : public Backend {
   }
 
   absl::Status ScaleBatched(float* x, size_t count, size_t batch, const float* scales) override {
-    for (size_t b = 0; b < batch; ++b) {
-      float* p = x + b * count;
-      const float s = scales[b];
-      for (size_t i = 0; i < count; ++i) p[i] *= s;
-    }
+    pool_.Run(count * batch, [&](size_t begin, size_t end) {
+      for (size_t i = begin; i < end; ++i) x[i] *= scales[i / count];
+    });
     return absl::OkStatus();
   }
 
   absl::Status Axpby(float alpha, const float* x, float beta, float* y, size_t count) override {
-    for (size_t i = 0; i < count; ++i) y[i] = alpha * x[i] + beta * y[i];
+    pool_.Run(count, [&](size_t begin, size_t end) { AxpbyRange(alpha, x, beta, y, begin, end); });
     return absl::OkStatus();
   }
 
   absl::Status Momentum(const MomentumArgs& args, float* momentum, const float* grad, float* update,
                         size_t count) override {
     // `update` may alias `grad`: the element's gradient is read before its update is written.
-    for (size_t i = 0; i < count; ++i) MomentumElement(args, momentum[i], grad[i], update[i]);
+    pool_.Run(count, [&](size_t begin, size_t end) { MomentumRange(args, momentum, grad, update, begin, end); });
     return absl::OkStatus();
   }
   absl::Status AdamW(const AdamWArgs& args, float* param, const float* grad, float* exp_avg,
                      float* exp_avg_sq, size_t count) override {
-    for (size_t i = 0; i < count; ++i) AdamWElement(args, param[i], grad[i], exp_avg[i], exp_avg_sq[i]);
+    pool_.Run(count, [&](size_t begin, size_t end) { AdamWRange(args, param, grad, exp_avg, exp_avg_sq, begin, end); });
     return absl::OkStatus();
   }
   absl::Status Lion(const LionArgs& args, float* param, const float* grad, float* exp_avg,
                     size_t count) override {
-    for (size_t i = 0; i < count; ++i) LionElement(args, param[i], grad[i], exp_avg[i]);
+    pool_.Run(count, [&](size_t begin, size_t end) { LionRange(args, param, grad, exp_avg, begin, end); });
     return absl::OkStatus();
   }
   absl::Status Sgd(const SgdArgs& args, float* param, const float* grad, float* momentum_buffer,
                    size_t count) override {
-    for (size_t i = 0; i < count; ++i) SgdElement(args, param[i], grad[i], momentum_buffer[i]);
+    pool_.Run(count, [&](size_t begin, size_t end) { SgdRange(args, param, grad, momentum_buffer, begin, end); });
     return absl::OkStatus();
   }
 
  private:
+  // Sets OpenBLAS's thread count (threads > 0) and returns the count both it and the pool use.
+  static int InitThreads(int threads) {
+    if (threads > 0) openblas_set_num_threads(threads);
+    return openblas_get_num_threads();
+  }
+
+  ComputePool pool_;  // element-wise threads, and the gate of every compute call
   int threads_ = 0;
 };
 

@@ -1,10 +1,13 @@
 // CpuBackend: the Backend on the host CPU. Buffers are 64-byte aligned host memory; GEMMs go to
-// OpenBLAS (cblas_sgemm, one call per matrix of a strided batch); element-wise steps are plain loops
-// over the shared formulas of kernels/elementwise.h; reductions accumulate in fp64.
+// OpenBLAS (cblas_sgemm, one call per matrix of a strided batch); element-wise steps are loops over
+// the shared formulas of kernels/elementwise.h, vectorized by the compiler and split over the
+// backend's ComputePool; reductions accumulate in fp64, in order.
 //
 // Ownership: the caller owns the backend and every buffer it allocates; a buffer must not outlive it.
-// Thread-safety: stateless apart from OpenBLAS's global thread count, which is set once at creation;
-// primitives may run concurrently on distinct buffers (OpenBLAS is built thread-safe).
+// Thread-safety: primitives may be called concurrently on distinct buffers. Compute (GEMMs,
+// element-wise steps, reductions) passes one call at a time through the pool's gate, so sessions
+// stepping at once share the --threads cores rather than oversubscribing them; copies do not wait
+// for it. OpenBLAS's global thread count is set once at creation.
 #pragma once
 
 #include <memory>
