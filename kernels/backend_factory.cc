@@ -8,7 +8,7 @@
 #include "kernels/cpu/cpu_backend.h"
 
 #if MUOND_HAVE_CUDA
-#include "kernels/cuda/cuda_backend_factory.h"
+#include "kernels/cuda_library.h"
 #endif
 
 namespace muond::kernels {
@@ -22,7 +22,17 @@ absl::StatusOr<BackendSelection> CreateBackend(std::string_view kind, int device
     return BackendSelection{NewCpuBackend(threads), ""};
   }
 #if MUOND_HAVE_CUDA
-  absl::StatusOr<std::unique_ptr<Backend>> cuda = NewCudaBackend(device);
+  // The CUDA libraries are loaded only when a driver is there to use them.
+  absl::StatusOr<std::unique_ptr<Backend>> cuda =
+      absl::FailedPreconditionError("no CUDA driver: libcuda.so.1 cannot be loaded");
+  if (CudaDriverPresent()) {
+    absl::StatusOr<NewCudaBackendEntry> entry = LoadCudaLibrary();
+    if (entry.ok()) {
+      (*entry)(device, &cuda);
+    } else {
+      cuda = entry.status();
+    }
+  }
   if (cuda.ok()) return BackendSelection{std::move(*cuda), ""};
   if (kind == "cuda") {
     // Whatever went wrong (no driver, no device, out of memory for cuBLAS), the daemon cannot run

@@ -19,6 +19,12 @@ absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(int device) {
   return std::unique_ptr<Backend>(std::move(backend));
 }
 
+// The entry point CreateBackend finds with dlsym (kernels/cuda_library.h).
+extern "C" __attribute__((visibility("default"))) void muond_new_cuda_backend(
+    int device, absl::StatusOr<std::unique_ptr<Backend>>* out) {
+  *out = NewCudaBackend(device);
+}
+
 std::optional<CudaPoolStats> GetCudaPoolStats(const Backend& backend) {
   const auto* cuda = dynamic_cast<const cuda::CudaBackend*>(&backend);
   if (cuda == nullptr) return std::nullopt;

@@ -4,6 +4,9 @@
 // reason, and "auto" picks CUDA exactly when "cuda" works.
 #include "kernels/backend_factory.h"
 #include "common/config.h"
+#if MUOND_HAVE_CUDA
+#include "kernels/cuda_library.h"
+#endif
 
 #include <string>
 
@@ -52,6 +55,26 @@ TEST(BackendFactoryTest, AutoPicksCudaExactlyWhenCudaWorks) {
     EXPECT_EQ(autosel.backend->Name(), "cpu");
     EXPECT_EQ(autosel.note, "CUDA not usable (" + reason + "); using the CPU backend");
   }
+}
+
+// The CUDA backend is a library loaded on first use; on a machine without a driver CreateBackend
+// does not even load it. Loaded directly here, it must resolve every symbol (dlopen RTLD_NOW) and
+// its entry point must answer: a backend on a GPU machine, FAILED_PRECONDITION with the runtime's
+// reason elsewhere.
+TEST(BackendFactoryTest, TheCudaLibraryLoadsAndAnswers) {
+#if MUOND_HAVE_CUDA
+  ASSERT_OK_AND_ASSIGN(NewCudaBackendEntry entry, LoadCudaLibrary());
+  absl::StatusOr<std::unique_ptr<Backend>> backend = absl::UnknownError("not called");
+  entry(0, &backend);
+  if (backend.ok()) {
+    EXPECT_EQ((*backend)->Name(), "cuda");
+    EXPECT_TRUE(CudaDriverPresent());
+  } else {
+    EXPECT_EQ(backend.status().code(), absl::StatusCode::kFailedPrecondition) << backend.status();
+  }
+#else
+  GTEST_SKIP() << "this build has no CUDA backend";
+#endif
 }
 
 TEST(BackendFactoryTest, CudaDeviceOutOfRange) {
