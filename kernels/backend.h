@@ -14,7 +14,11 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <typeindex>
+#include <typeinfo>
+#include <unordered_map>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -75,6 +79,18 @@ class Backend {
  public:
   virtual ~Backend() = default;
 
+  // One object of type T per backend, made on first use: scratch that every session of the backend
+  // shares instead of holding its own (Newton–Schulz's workspace). Obtaining it is thread-safe; its
+  // users synchronize their use of it. It is destroyed by ReleaseShared, which a backend's destructor
+  // calls first, while the buffers such objects hold can still be freed.
+  template <typename T>
+  T& Shared() {
+    std::lock_guard<std::mutex> lock(shared_mu_);
+    std::shared_ptr<void>& slot = shared_[std::type_index(typeid(T))];
+    if (!slot) slot = std::make_shared<T>();
+    return *static_cast<T*>(slot.get());
+  }
+
   virtual std::string Name() const = 0;    // "cpu", "cuda"
   virtual std::string Detail() const = 0;  // library versions, device name, threads
 
@@ -116,6 +132,16 @@ class Backend {
                             size_t count) = 0;
   virtual absl::Status Sgd(const SgdArgs& args, float* param, const float* grad,
                            float* momentum_buffer, size_t count) = 0;
+
+ protected:
+  void ReleaseShared() {
+    std::lock_guard<std::mutex> lock(shared_mu_);
+    shared_.clear();
+  }
+
+ private:
+  std::mutex shared_mu_;
+  std::unordered_map<std::type_index, std::shared_ptr<void>> shared_;
 };
 
 }  // namespace muond::kernels

@@ -1,6 +1,7 @@
 // The muond daemon: parses flags, picks the compute backend, serves muond.v1.Muond and
 // grpc.health.v1.Health, and on SIGINT/SIGTERM lets in-flight requests finish before exiting 0.
 #include <fcntl.h>
+#include <malloc.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -202,4 +203,16 @@ int Run(int argc, char** argv) {
 }  // namespace
 }  // namespace muond::server
 
-int main(int argc, char** argv) { return muond::server::Run(argc, argv); }
+// Every step allocates and frees tensor-sized host buffers (decoded gradients, answers). glibc raises
+// its mmap threshold after each such free (up to 32 MiB), after which those buffers come from the
+// heap and fragment it: resident memory creeps up and wanders between steps. A fixed threshold keeps
+// every buffer of 256 KiB or more in its own mapping, returned to the system when freed.
+void SteadyMalloc() {
+  mallopt(M_MMAP_THRESHOLD, 256 << 10);
+  mallopt(M_TRIM_THRESHOLD, 4 << 20);
+}
+
+int main(int argc, char** argv) {
+  SteadyMalloc();
+  return muond::server::Run(argc, argv);
+}

@@ -90,6 +90,7 @@ absl::Status CheckGemmShape(const GemmShape& s) {
 class CpuBackend final : public Backend {
  public:
   explicit CpuBackend(int threads) : pool_(InitThreads(threads)) { threads_ = pool_.threads(); }
+  ~CpuBackend() override { ReleaseShared(); }
 
   std::string Name() const override { return "cpu"; }
   std::string Detail() const override {

@@ -116,6 +116,7 @@ CudaBackend::~CudaBackend() {
   // Errors cannot be reported from here; pending work must finish before its memory goes away.
   cudaSetDevice(device_);
   if (stream_ != nullptr) cudaStreamSynchronize(stream_);
+  ReleaseShared();  // shared scratch returns its buffers to pool_ while it exists
   if (cublas_ != nullptr) cublasDestroy(cublas_);
   for (ScratchBlock& block : scratch_) pool_.Release(block.ptr);
   pool_.Release(cublas_workspace_);

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <mutex>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -79,7 +80,14 @@ class Muon final : public Optimizer {
   absl::Status Orthogonalize(Backend& backend, std::span<const MatrixJob> jobs);
 
   const double ns_bound_;  // NsSingularValueBound of this group's iteration
-  NsWorkspace ws_;
+};
+
+// Newton–Schulz's workspace, one per backend for all its Muon groups and sessions: holding one each
+// would multiply the largest batch's scratch by the number of sessions. `mu` is held from reserving
+// the scratch of a batch to applying its result; compute is one call at a time on a backend anyway.
+struct SharedNsWorkspace {
+  std::mutex mu;
+  NsWorkspace ws;
 };
 
 double Muon::Scale(int64_t rows, int64_t cols) const {
@@ -184,12 +192,15 @@ bool Contiguous(std::span<const MatrixJob> jobs) {
 
 // Orthogonalizes one batch of same-shape jobs and applies W ← β·W − η·scale·O to each.
 absl::Status Muon::Orthogonalize(Backend& backend, std::span<const MatrixJob> jobs) {
+  SharedNsWorkspace& shared = backend.Shared<SharedNsWorkspace>();
+  std::lock_guard<std::mutex> lock(shared.mu);
+  NsWorkspace& ws = shared.ws;
   const int64_t rows = jobs[0].rows, cols = jobs[0].cols;
   const size_t mat = static_cast<size_t>(rows * cols);
   const size_t batch = jobs.size();
   float* work = jobs[0].update;
   if (!Contiguous(jobs)) {
-    MUOND_ASSIGN_OR_RETURN(work, ws_.Get(backend, NsWorkspace::kFirstFreeSlot, mat * batch));
+    MUOND_ASSIGN_OR_RETURN(work, ws.Get(backend, NsWorkspace::kFirstFreeSlot, mat * batch));
     for (size_t i = 0; i < batch; ++i) {
       MUOND_RETURN_IF_ERROR(backend.CopyOnDevice(jobs[i].update, work + i * mat, mat));
     }
@@ -197,7 +208,7 @@ absl::Status Muon::Orthogonalize(Backend& backend, std::span<const MatrixJob> jo
   MUOND_RETURN_IF_ERROR(NewtonSchulz(backend, options_.ns_schedule, options_.ns_steps,
                                      options_.ns_eps, options_.ns_norm_safety,
                                      options_.matmul_precision, work, work, rows, cols,
-                                     static_cast<int64_t>(batch), ws_));
+                                     static_cast<int64_t>(batch), ws));
   for (size_t i = 0; i < batch; ++i) {
     MUOND_RETURN_IF_ERROR(
         backend.Axpby(jobs[i].alpha, work + i * mat, jobs[i].beta, jobs[i].master, mat));
@@ -234,14 +245,19 @@ absl::Status Muon::Step(Backend& backend, const StepHyper& hyper,
     }
   }
   // Allocate all scratch before touching any state, so running out of memory rejects the step
-  // cleanly instead of leaving momentum advanced and weights not.
+  // cleanly instead of leaving momentum advanced and weights not. (The workspace only grows, so what
+  // is reserved here is there when the batches run.)
+  SharedNsWorkspace& shared = backend.Shared<SharedNsWorkspace>();
+  std::unique_lock<std::mutex> reserve(shared.mu);
+  NsWorkspace& ws = shared.ws;
   for (std::span<const MatrixJob> batch : batches) {
-    MUOND_RETURN_IF_ERROR(ws_.ReserveFor(backend, batch[0].rows, batch[0].cols,
+    MUOND_RETURN_IF_ERROR(ws.ReserveFor(backend, batch[0].rows, batch[0].cols,
                                          static_cast<int64_t>(batch.size())));
   }
   if (need_gather > 0) {
-    MUOND_RETURN_IF_ERROR(ws_.Get(backend, NsWorkspace::kFirstFreeSlot, need_gather).status());
+    MUOND_RETURN_IF_ERROR(ws.Get(backend, NsWorkspace::kFirstFreeSlot, need_gather).status());
   }
+  reserve.unlock();
 
   const kernels::MomentumArgs momentum{.beta = static_cast<float>(hyper.momentum),
                                        .style = options_.momentum_style,
