@@ -82,9 +82,9 @@ double Triad(int64_t n, int threads, int reps) {
 int Run(const Flags& flags) {
   std::unique_ptr<kernels::Backend> backend = BackendOrDie(flags.backend, flags.threads);
   const int threads = flags.threads > 0 ? flags.threads : static_cast<int>(std::thread::hardware_concurrency());
-  const Case cases[] = {{"adamw", optim::OptimizerKind::kAdamW, 28},
-                        {"lion", optim::OptimizerKind::kLion, 20},
-                        {"sgd", optim::OptimizerKind::kSgd, 20}};
+  const Case cases[] = {{"sgd", optim::OptimizerKind::kSgd, 20},
+                        {"adamw", optim::OptimizerKind::kAdamW, 28},
+                        {"lion", optim::OptimizerKind::kLion, 20}};
   if (!flags.json) {
     std::printf("%s backend (%s), %d tensors per run\n", backend->Name().c_str(), backend->Detail().c_str(), kTensors);
     std::printf("%-8s %12s %12s %12s\n", "step", "params", "Gparam/s", "GB/s");

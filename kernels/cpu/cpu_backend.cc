@@ -32,15 +32,24 @@ class CpuBuffer final : public DeviceBuffer {
   size_t size_;
 };
 
+// Each element-wise loop is compiled twice, for AVX2 and for the x86-64 baseline, and the loader
+// picks the one the CPU runs (GCC's target_clones). AVX2 alone enables no fused multiply-add, so both
+// round exactly alike and like the CUDA kernels.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define MUOND_ELEMENTWISE_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define MUOND_ELEMENTWISE_CLONES
+#endif
+
 // The element-wise loops over one range. Arguments by value and __restrict pointers let the compiler
 // keep the coefficients in registers and vectorize without alias checks (the buffers of one call
 // never overlap, except Momentum's grad and update and Axpby's x and y, which may, and are read
 // before written per element).
-void AdamWRange(const AdamWArgs a, float* __restrict p, const float* __restrict g, float* __restrict m,
+MUOND_ELEMENTWISE_CLONES void AdamWRange(const AdamWArgs a, float* __restrict p, const float* __restrict g, float* __restrict m,
                 float* __restrict v, size_t begin, size_t end) {
   for (size_t i = begin; i < end; ++i) AdamWElement(a, p[i], g[i], m[i], v[i]);
 }
-void LionRange(const LionArgs a, float* __restrict p, const float* __restrict g, float* __restrict m, size_t begin,
+MUOND_ELEMENTWISE_CLONES void LionRange(const LionArgs a, float* __restrict p, const float* __restrict g, float* __restrict m, size_t begin,
                size_t end) {
   for (size_t i = begin; i < end; ++i) LionElement(a, p[i], g[i], m[i]);
 }
@@ -54,7 +63,7 @@ void SgdLoop(SgdArgs a, float* __restrict p, const float* __restrict g, float* _
   a.nesterov = kNesterov;
   for (size_t i = begin; i < end; ++i) SgdElement(a, p[i], g[i], b[i]);
 }
-void SgdRange(const SgdArgs a, float* __restrict p, const float* __restrict g, float* __restrict b, size_t begin,
+MUOND_ELEMENTWISE_CLONES void SgdRange(const SgdArgs a, float* __restrict p, const float* __restrict g, float* __restrict b, size_t begin,
               size_t end) {
   if (a.momentum == 0.0f) return SgdLoop<false, false, false>(a, p, g, b, begin, end);
   if (a.first_step) {
@@ -64,10 +73,10 @@ void SgdRange(const SgdArgs a, float* __restrict p, const float* __restrict g, f
   return a.nesterov ? SgdLoop<true, false, true>(a, p, g, b, begin, end)
                     : SgdLoop<true, false, false>(a, p, g, b, begin, end);
 }
-void MomentumRange(const MomentumArgs a, float* __restrict m, const float* g, float* u, size_t begin, size_t end) {
+MUOND_ELEMENTWISE_CLONES void MomentumRange(const MomentumArgs a, float* __restrict m, const float* g, float* u, size_t begin, size_t end) {
   for (size_t i = begin; i < end; ++i) MomentumElement(a, m[i], g[i], u[i]);
 }
-void AxpbyRange(const float alpha, const float* x, const float beta, float* y, size_t begin,
+MUOND_ELEMENTWISE_CLONES void AxpbyRange(const float alpha, const float* x, const float beta, float* y, size_t begin,
                 size_t end) {
   for (size_t i = begin; i < end; ++i) y[i] = alpha * x[i] + beta * y[i];
 }

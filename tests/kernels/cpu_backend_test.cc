@@ -1,6 +1,8 @@
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/compute_pool.h"
 
 #include <cmath>
+#include <bit>
 #include <cstdint>
 #include <limits>
 #include <random>
@@ -16,6 +18,8 @@ namespace {
 using ::muond::testing::Download;
 using ::muond::testing::StatusIs;
 using ::muond::testing::Upload;
+
+size_t ComputePoolRangeForTests() { return ComputePool::kMinRangeElements; }
 
 class CpuBackendTest : public ::testing::Test {
  protected:
@@ -159,6 +163,60 @@ TEST_F(CpuBackendTest, MomentumMatchesDesignFormulas) {
         EXPECT_NEAR(m[i], em, 1e-6 * (1 + std::abs(em)));
         EXPECT_NEAR(u[i], eu, 1e-6 * (1 + std::abs(eu)));
       }
+    }
+  }
+}
+
+// The vectorized loops, split over the compute pool, give the bits of the plain scalar loop over the
+// same formulas (kernels/elementwise.h) for every element: sizes below one range, odd sizes and sizes
+// that split into several ranges with a short tail.
+TEST_F(CpuBackendTest, ElementwiseStepsEqualTheScalarLoopBitForBit) {
+  const size_t range = ComputePoolRangeForTests();
+  for (size_t n : {size_t{1}, size_t{17}, size_t{1000}, 2 * range + 5, 3 * range + 16 * 7 + 3}) {
+    const std::vector<float> p0 = Random(n), g = Random(n), m0 = Random(n);
+    std::vector<float> v0 = Random(n);
+    for (float& x : v0) x = x * x;
+    auto check = [&](const char* what, const std::vector<float>& got, const std::vector<float>& want) {
+      ASSERT_EQ(got.size(), want.size());
+      for (size_t i = 0; i < n; ++i) {
+        ASSERT_EQ(std::bit_cast<uint32_t>(got[i]), std::bit_cast<uint32_t>(want[i])) << what << " n=" << n << " i=" << i;
+      }
+    };
+    {
+      const AdamWArgs a{.lr = 1e-3f, .weight_decay = 0.01f, .bias_correction1 = 0.19f, .bias_correction2_sqrt = 0.0447f};
+      auto p = Upload(*backend_, p0), gd = Upload(*backend_, g), m = Upload(*backend_, m0), v = Upload(*backend_, v0);
+      ASSERT_OK(backend_->AdamW(a, p->data(), gd->data(), m->data(), v->data(), n));
+      std::vector<float> rp = p0, rm = m0, rv = v0;
+      for (size_t i = 0; i < n; ++i) AdamWElement(a, rp[i], g[i], rm[i], rv[i]);
+      check("adamw p", Download(*backend_, p->data(), n), rp);
+      check("adamw v", Download(*backend_, v->data(), n), rv);
+    }
+    {
+      const LionArgs a{.lr = 1e-4f, .weight_decay = 0.1f};
+      auto p = Upload(*backend_, p0), gd = Upload(*backend_, g), m = Upload(*backend_, m0);
+      ASSERT_OK(backend_->Lion(a, p->data(), gd->data(), m->data(), n));
+      std::vector<float> rp = p0, rm = m0;
+      for (size_t i = 0; i < n; ++i) LionElement(a, rp[i], g[i], rm[i]);
+      check("lion p", Download(*backend_, p->data(), n), rp);
+      check("lion m", Download(*backend_, m->data(), n), rm);
+    }
+    for (const SgdArgs a : {SgdArgs{.lr = 0.1f, .momentum = 0.9f, .weight_decay = 0.01f, .nesterov = true, .first_step = false},
+                            SgdArgs{.lr = 0.1f, .momentum = 0.0f, .weight_decay = 0.0f, .nesterov = false, .first_step = true}}) {
+      auto p = Upload(*backend_, p0), gd = Upload(*backend_, g), b = Upload(*backend_, m0);
+      ASSERT_OK(backend_->Sgd(a, p->data(), gd->data(), b->data(), n));
+      std::vector<float> rp = p0, rb = m0;
+      for (size_t i = 0; i < n; ++i) SgdElement(a, rp[i], g[i], rb[i]);
+      check("sgd p", Download(*backend_, p->data(), n), rp);
+      check("sgd b", Download(*backend_, b->data(), n), rb);
+    }
+    {
+      const MomentumArgs a{.beta = 0.95f, .style = MomentumStyle::kEma, .nesterov = true};
+      auto m = Upload(*backend_, m0), gd = Upload(*backend_, g);
+      ASSERT_OK(backend_->Momentum(a, m->data(), gd->data(), gd->data(), n));
+      std::vector<float> rm = m0, ru = g;
+      for (size_t i = 0; i < n; ++i) MomentumElement(a, rm[i], ru[i], ru[i]);
+      check("momentum m", Download(*backend_, m->data(), n), rm);
+      check("momentum u", Download(*backend_, gd->data(), n), ru);
     }
   }
 }
