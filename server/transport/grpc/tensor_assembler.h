@@ -17,6 +17,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -33,6 +34,10 @@ namespace muond::transport {
 // concrete; errors name `field`.data and the tensor `name`.
 absl::Status CheckChunkPayload(const v1::TensorChunk& chunk, v1::DType dtype, size_t max_chunk_bytes,
                                absl::string_view field, absl::string_view name);
+
+// Decodes `bytes` (whole `dtype` elements, out.size() of them) into `out` and returns the sum of
+// their squares in fp64 — inf or NaN when a value is not finite — in the same pass over the data.
+double DecodeSumSquares(v1::DType dtype, absl::string_view bytes, std::span<float> out);
 
 class TensorAssembler {
  public:

@@ -124,5 +124,28 @@ TEST(TensorAssemblerTest, SlotsBelongToStateTransfersOnly) {
   EXPECT_EQ(assembler.tensors()[0].received, 0);
 }
 
+// The fused decode: every value as wire::Decode gives it, and a sum of squares equal to the plain
+// running sum up to rounding (exact here: small integers), non-finite when a value is.
+TEST(TensorAssemblerTest, DecodeSumSquaresDecodesAndSumsInOnePass) {
+  std::vector<float> values(4096 * 2 + 13);
+  double expected = 0;
+  for (size_t i = 0; i < values.size(); ++i) {
+    values[i] = static_cast<float>(static_cast<int>(i % 23) - 11);
+    expected += static_cast<double>(values[i]) * values[i];
+  }
+  for (v1::DType dtype : {v1::DTYPE_FP32, v1::DTYPE_BF16, v1::DTYPE_FP16}) {
+    std::string bytes;
+    wire::Encode(dtype, values, &bytes);
+    std::vector<float> out(values.size());
+    EXPECT_EQ(DecodeSumSquares(dtype, bytes, out), expected) << static_cast<int>(dtype);
+    EXPECT_EQ(out, values);
+  }
+  values[5000] = INFINITY;
+  std::string bytes;
+  wire::Encode(v1::DTYPE_FP32, values, &bytes);
+  std::vector<float> out(values.size());
+  EXPECT_FALSE(std::isfinite(DecodeSumSquares(v1::DTYPE_FP32, bytes, out)));
+}
+
 }  // namespace
 }  // namespace muond::transport
