@@ -92,6 +92,9 @@ class Backend {
   }
 
   virtual std::string Name() const = 0;    // "cpu", "cuda"
+  // Whether buffers are host memory a caller may read directly (the CPU backend), so that answers
+  // can be encoded from the masters themselves instead of a host copy.
+  virtual bool HostAddressable() const { return false; }
   virtual std::string Detail() const = 0;  // library versions, device name, threads
 
   // Memory.

@@ -102,6 +102,7 @@ class CpuBackend final : public Backend {
   ~CpuBackend() override { ReleaseShared(); }
 
   std::string Name() const override { return "cpu"; }
+  bool HostAddressable() const override { return true; }
   std::string Detail() const override {
     return absl::StrCat("OpenBLAS ", openblas_get_config(), ", ", threads_, " threads");
   }

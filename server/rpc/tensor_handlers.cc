@@ -106,6 +106,14 @@ absl::Status MuondService::DoGetParameters(const std::string& caller, grpc::Serv
   }
   int64_t last_step = 0;
   std::shared_ptr<const session::ParameterSnapshot> snapshot = session->Parameters(&last_step);
+  // Views of the masters hold while no step changes them; a step that slips in between the two
+  // calls makes them stale, and the parameters after it are read instead.
+  absl::StatusOr<session::Session::ParameterReadLock> still = session->ReadParameters(*snapshot);
+  for (int attempt = 0; !still.ok() && absl::IsAborted(still.status()) && attempt < 8; ++attempt) {
+    snapshot = session->Parameters(&last_step);
+    still = session->ReadParameters(*snapshot);
+  }
+  MUOND_RETURN_IF_ERROR(still.status());
   const size_t chunk_bytes = AnswerChunkBytes(request.max_chunk_bytes());
   bool first = true;
   for (size_t index : wanted) {

@@ -35,7 +35,6 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::string id, Session
   for (const ParameterConfig& pc : cfg.parameters) numel.push_back(pc.numel);
   session->gradient_pool_ = std::make_unique<GradientPool>(backend, std::move(numel));
   MUOND_RETURN_IF_ERROR(session->gradient_pool_->Preallocate());
-  auto initial = std::make_shared<ParameterSnapshot>();
   for (size_t i = 0; i < cfg.parameters.size(); ++i) {
     const ParameterConfig& pc = cfg.parameters[i];
     optim::ParamState& state = session->params_[i];
@@ -51,9 +50,9 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::string id, Session
     MUOND_ASSIGN_OR_RETURN(state.master, backend->Allocate(pc.numel));
     MUOND_RETURN_IF_ERROR(backend->Fill(state.master->data(), pc.numel, 0.0f));
     MUOND_RETURN_IF_ERROR(optimizer.InitState(*backend, state));
-    initial->values.emplace_back(pc.numel, 0.0f);
   }
-  session->snapshot_ = std::move(initial);
+  absl::MutexLock masters(&session->masters_mu_);
+  MUOND_ASSIGN_OR_RETURN(session->snapshot_, session->ReadBack(0));
   return session;
 }
 
@@ -83,17 +82,19 @@ absl::Status Session::Upload(std::vector<HostTensor> tensors) {
   for (size_t i = 0; i < params_.size(); ++i) {
     MUOND_RETURN_IF_ERROR(CheckTensorValues("chunk.data", params_[i].name, tensors[i].values));
   }
-  auto snapshot = std::make_shared<ParameterSnapshot>();
-  for (size_t i = 0; i < params_.size(); ++i) {
-    optim::ParamState& state = params_[i];
-    MUOND_RETURN_IF_ERROR(backend_->CopyToDevice(tensors[i].values.data(), state.master->data(), state.numel));
-    state.master_bound = MaxAbs(tensors[i].values);
-    state.slots.clear();
-    state.step_count = 0;
-    MUOND_RETURN_IF_ERROR(optimizers_[config_.parameters[i].group]->InitState(*backend_, state));
-    snapshot->values.push_back(std::move(tensors[i].values));
+  {
+    absl::MutexLock masters(&masters_mu_);
+    ++masters_version_;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      optim::ParamState& state = params_[i];
+      MUOND_RETURN_IF_ERROR(backend_->CopyToDevice(tensors[i].values.data(), state.master->data(), state.numel));
+      state.master_bound = MaxAbs(tensors[i].values);
+      state.slots.clear();
+      state.step_count = 0;
+      MUOND_RETURN_IF_ERROR(optimizers_[config_.parameters[i].group]->InitState(*backend_, state));
+    }
+    MUOND_ASSIGN_OR_RETURN(snapshot_, ReadBack(0));
   }
-  snapshot_ = std::move(snapshot);
   initialized_ = true;
   if (persistence_) MUOND_RETURN_IF_ERROR(CheckpointLocked());
   return absl::OkStatus();
@@ -221,6 +222,8 @@ absl::StatusOr<StepOutcome> Session::ApplyLocked(const StepPlan& plan, std::vect
   }
   result.applied = result.skip_reason.empty();
   if (result.applied) {
+    absl::MutexLock masters(&masters_mu_);  // waits for answers still reading the masters
+    ++masters_version_;
     MUOND_RETURN_IF_ERROR(ApplyGradients(plan, gradients, clip, staged));
     for (size_t i = 0; i < params_.size(); ++i) {
       if (!gradients[i].present()) continue;
@@ -335,13 +338,37 @@ absl::StatusOr<std::shared_ptr<const ParameterSnapshot>> Session::ReadBack(int64
   auto snapshot = std::make_shared<ParameterSnapshot>();
   snapshot->step = step;
   snapshot->values.reserve(params_.size());
+  if (backend_->HostAddressable()) {
+    // The masters are host memory: answers read them where they are.
+    snapshot->views = true;
+    snapshot->generation = masters_version_;
+    for (const optim::ParamState& state : params_) {
+      snapshot->values.emplace_back(state.master->data(), static_cast<size_t>(state.numel));
+    }
+    return snapshot;
+  }
   MUOND_ASSIGN_OR_RETURN(std::unique_ptr<kernels::DeviceToHost> download, backend_->NewDeviceToHost());
+  snapshot->copies.reserve(params_.size());
   for (const optim::ParamState& state : params_) {
-    std::vector<float>& values = snapshot->values.emplace_back(state.numel);
+    std::vector<float>& values = snapshot->copies.emplace_back(state.numel);
     MUOND_RETURN_IF_ERROR(download->Enqueue(state.master->data(), values.data(), state.numel));
+    snapshot->values.emplace_back(values);
   }
   MUOND_RETURN_IF_ERROR(download->Wait());
   return snapshot;
+}
+
+absl::StatusOr<Session::ParameterReadLock> Session::ReadParameters(const ParameterSnapshot& snapshot) const
+    ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  if (!snapshot.views) return ParameterReadLock();
+  masters_mu_.ReaderLock();
+  if (masters_version_ != snapshot.generation) {
+    masters_mu_.ReaderUnlock();
+    return absl::AbortedError(absl::StrCat("session '", id_, "': the parameters after step ", snapshot.step,
+                                           " were replaced (by a later step, an upload or SetState) before they "
+                                           "could be sent; read the current ones with GetParameters"));
+  }
+  return ParameterReadLock(&masters_mu_);
 }
 
 std::shared_ptr<const ParameterSnapshot> Session::Parameters(int64_t* last_step) const {
@@ -435,6 +462,8 @@ absl::Status Session::ImportState(SessionState state) {
     }
     param.step_count = state.step_counts[i];
   }
+  absl::MutexLock masters(&masters_mu_);
+  ++masters_version_;
   for (const StateTensor& t : state.tensors) {
     optim::ParamState& param = params_[t.parameter];
     float* target = t.slot == kMasterSlot ? param.master->data() : param.Slot(t.slot)->data();

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -63,7 +64,36 @@ class Session {
   absl::StatusOr<StepOutcome> ApplyJournaledStep(StepRequest request, std::vector<HostTensor> gradients);
 
   // The current parameters and, through `last_step`, the step they belong to (read atomically).
+  // Read them under ReadParameters.
   std::shared_ptr<const ParameterSnapshot> Parameters(int64_t* last_step) const;
+
+  // Keeps the masters as they are while an answer is encoded from `snapshot` (a reader lock, released
+  // by the returned guard), when its values are the masters themselves; ABORTED when the masters
+  // have changed since the snapshot was taken (a later step, an upload or SetState). A snapshot of
+  // copies needs no lock and is always readable. A writer of the masters waits for every guard; while
+  // holding one, call nothing else of the session (its own lock is taken before the masters').
+  class ParameterReadLock {
+   public:
+    ParameterReadLock() = default;
+    explicit ParameterReadLock(absl::Mutex* mu) : mu_(mu) {}
+    ParameterReadLock(ParameterReadLock&& other) noexcept : mu_(std::exchange(other.mu_, nullptr)) {}
+    ParameterReadLock& operator=(ParameterReadLock&& other) noexcept {
+      if (this != &other) {
+        Release();
+        mu_ = std::exchange(other.mu_, nullptr);
+      }
+      return *this;
+    }
+    ~ParameterReadLock() { Release(); }
+
+   private:
+    void Release() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      if (mu_ != nullptr) mu_->ReaderUnlock();
+      mu_ = nullptr;
+    }
+    absl::Mutex* mu_ = nullptr;
+  };
+  absl::StatusOr<ParameterReadLock> ReadParameters(const ParameterSnapshot& snapshot) const;
 
   absl::StatusOr<SessionState> ExportState() const;
   // Replaces masters, slots and counters at once after checking that `state` is complete.
@@ -102,8 +132,10 @@ class Session {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Replaces parameter i's bounds with its exact magnitudes, read from the backend.
   absl::Status MeasureMagnitudesLocked(size_t i) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The snapshot answers read after `step`: views of the masters on a host-memory backend, else
+  // host copies. Called with masters_mu_ held for writing (the masters just changed).
   absl::StatusOr<std::shared_ptr<const ParameterSnapshot>> ReadBack(int64_t step) const
-      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+      ABSL_SHARED_LOCKS_REQUIRED(mu_) ABSL_EXCLUSIVE_LOCKS_REQUIRED(masters_mu_);
   absl::StatusOr<SessionState> ExportStateLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   absl::Status CheckpointLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status NotInitializedError() const;
@@ -116,6 +148,10 @@ class Session {
   std::unique_ptr<GradientPool> gradient_pool_;  // set by Create; thread-safe itself
 
   mutable absl::Mutex mu_;
+  // Held for writing (after mu_) whenever the masters change, and for reading by every answer being
+  // encoded from views of them (ReadParameters); masters_version_ counts the changes.
+  mutable absl::Mutex masters_mu_ ABSL_ACQUIRED_AFTER(mu_);
+  uint64_t masters_version_ ABSL_GUARDED_BY(masters_mu_) = 0;
   std::vector<std::unique_ptr<optim::Optimizer>> optimizers_ ABSL_GUARDED_BY(mu_);  // per group
   std::vector<optim::ParamState> params_ ABSL_GUARDED_BY(mu_);
   bool initialized_ ABSL_GUARDED_BY(mu_) = false;

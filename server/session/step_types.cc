@@ -66,4 +66,11 @@ absl::StatusOr<StepRequest> DecodeStepRequest(absl::string_view bytes) {
   }
 }
 
+std::vector<std::vector<float>> CopyValues(const ParameterSnapshot& snapshot) {
+  std::vector<std::vector<float>> out;
+  out.reserve(snapshot.values.size());
+  for (std::span<const float> v : snapshot.values) out.emplace_back(v.begin(), v.end());
+  return out;
+}
+
 }  // namespace muond::session

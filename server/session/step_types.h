@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -48,11 +49,20 @@ struct StepResult {
   bool replayed = false;  // a retry of the last step, answered without a second update
 };
 
-// Host copy of every parameter after some step; never modified once published.
+// Every parameter after some step, as answers read it: one span per parameter. On a backend with
+// device memory the spans are host copies owned here, never modified once published. On a backend
+// whose memory is the host's they are the masters themselves, not copied, and hold only while the
+// session has not changed them since: read them under Session::ReadParameters.
 struct ParameterSnapshot {
   int64_t step = 0;
-  std::vector<std::vector<float>> values;  // indexed like SessionConfig::parameters
+  std::vector<std::span<const float>> values;  // indexed like SessionConfig::parameters
+  std::vector<std::vector<float>> copies;      // the memory `values` point into, when copies
+  bool views = false;                          // `values` are the masters
+  uint64_t generation = 0;                     // views: the version of the masters they show
 };
+
+// The values of `snapshot` copied out (under Session::ReadParameters when they are views).
+std::vector<std::vector<float>> CopyValues(const ParameterSnapshot& snapshot);
 
 struct StepOutcome {
   StepResult result;

@@ -16,6 +16,8 @@ absl::Status RunStep(session::Session& session, session::StepRequest request, Gr
   }
   metrics.StepAnswered({result.compute_seconds, result.applied, result.replayed, result.grad_norm,
                         session.config().total_elements, session.config().world_size});
+  // The parameters may be the masters themselves: they stay as they are until the answer is sent.
+  MUOND_ASSIGN_OR_RETURN(session::Session::ParameterReadLock still, session.ReadParameters(*outcome.parameters));
   return sink.Send(outcome);
 }
 

@@ -62,7 +62,7 @@ class DurableSessionTest : public ::testing::Test {
 
   std::vector<std::vector<float>> ParametersOf(const Session& session) {
     int64_t step = 0;
-    return session.Parameters(&step)->values;
+    return CopyValues(*session.Parameters(&step));
   }
 
   // Restarts on the real Env and checks the restored session against the reference.

@@ -167,7 +167,7 @@ TEST(FiniteGuardTest, AStepThatCouldLeaveTheFp32RangeIsNotApplied) {
   // The session goes on with sane gradients.
   ASSERT_OK_AND_ASSIGN(StepOutcome next, RunStep(*session, Request(2), {Tensor({0.01f, 0, 0, 0})}));
   EXPECT_TRUE(next.result.applied);
-  EXPECT_FLOAT_EQ(next.parameters->values[0][0], 1.0f - 100.0f * 0.01f);
+  EXPECT_FLOAT_EQ(CopyValues(*next.parameters)[0][0], 1.0f - 100.0f * 0.01f);
 }
 
 // The first bound uses the gradient's L2 norm (free) in place of its largest element: here 200²
@@ -182,8 +182,8 @@ TEST(FiniteGuardTest, ALooseFirstBoundIsTightenedBeforeAStepIsRefused) {
   ASSERT_NE(session, nullptr);
   ASSERT_OK_AND_ASSIGN(StepOutcome outcome, RunStep(*session, Request(1), {Tensor(std::vector<float>(n, 1e33f))}));
   EXPECT_TRUE(outcome.result.applied) << outcome.result.skip_reason;
-  EXPECT_FLOAT_EQ(outcome.parameters->values[0][7], 9e35f - 1e33f);
-  EXPECT_FLOAT_EQ(outcome.parameters->values[0][0], -1e33f);
+  EXPECT_FLOAT_EQ(CopyValues(*outcome.parameters)[0][7], 9e35f - 1e33f);
+  EXPECT_FLOAT_EQ(CopyValues(*outcome.parameters)[0][0], -1e33f);
 }
 
 }  // namespace

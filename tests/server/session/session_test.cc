@@ -25,7 +25,7 @@ class SessionTest : public ::testing::Test {
   }
   std::vector<std::vector<float>> Parameters() const {
     int64_t step = 0;
-    return session_->Parameters(&step)->values;
+    return CopyValues(*session_->Parameters(&step));
   }
 
   std::unique_ptr<kernels::Backend> backend_;
@@ -49,7 +49,7 @@ TEST_F(SessionTest, ARetryOfTheLastStepIsAnsweredWithoutASecondUpdate) {
   ASSERT_OK_AND_ASSIGN(StepOutcome replayed, session_->FinishStep(std::move(retry)));
   EXPECT_TRUE(replayed.result.replayed);
   EXPECT_EQ(replayed.result.grad_norm, first.result.grad_norm);
-  EXPECT_EQ(replayed.parameters->values, after_1);
+  EXPECT_EQ(CopyValues(*replayed.parameters), after_1);
   EXPECT_EQ(Parameters(), after_1);
   EXPECT_EQ(session_->last_step(), 1);
 }
@@ -105,13 +105,33 @@ TEST_F(SessionTest, TwoStreamsOfOneStepApplyItOnce) {
   ASSERT_OK_AND_ASSIGN(StepOutcome answered, session_->FinishStep(std::move(second)));
   EXPECT_FALSE(applied.result.replayed);
   EXPECT_TRUE(answered.result.replayed) << "the later one finds the step applied";
-  EXPECT_EQ(answered.parameters->values, applied.parameters->values);
+  EXPECT_EQ(CopyValues(*answered.parameters), CopyValues(*applied.parameters));
 
   // Equal to a session that saw the step once.
   std::unique_ptr<Session> once = NewSession(backend_.get());
   ASSERT_OK(once->Upload(InitialParameters()));
   ASSERT_OK_AND_ASSIGN(StepOutcome reference, RunStep(*once, Request(1), Gradients(1)));
-  EXPECT_EQ(Parameters(), reference.parameters->values);
+  EXPECT_EQ(Parameters(), CopyValues(*reference.parameters));
+}
+
+// On the CPU backend answers read the masters themselves (no per-step copy): a snapshot is readable
+// while the masters are as it saw them, and refused, naming the step, once they have changed.
+TEST_F(SessionTest, AnswersReadTheMastersWhileTheyLast) {
+  ASSERT_OK_AND_ASSIGN(StepOutcome first, RunStep(*session_, Request(1), Gradients(1)));
+  EXPECT_TRUE(first.parameters->views) << "the CPU backend's masters are host memory";
+  EXPECT_TRUE(first.parameters->copies.empty());
+  const auto after_1 = Parameters();
+  {
+    ASSERT_OK_AND_ASSIGN(Session::ParameterReadLock still, session_->ReadParameters(*first.parameters));
+    EXPECT_EQ(CopyValues(*first.parameters), after_1);
+  }
+  ASSERT_OK(RunStep(*session_, Request(2), Gradients(2)).status());
+  EXPECT_THAT(session_->ReadParameters(*first.parameters),
+              StatusIs(absl::StatusCode::kAborted, "the parameters after step 1 were replaced"));
+  int64_t step = 0;
+  std::shared_ptr<const ParameterSnapshot> now = session_->Parameters(&step);
+  EXPECT_EQ(step, 2);
+  EXPECT_OK(session_->ReadParameters(*now).status());
 }
 
 TEST_F(SessionTest, JournaledStepsApplyOnlyInOrder) {
@@ -140,13 +160,13 @@ TEST(MultiRankSessionTest, RanksAreAveragedAndAppliedOnce) {
   ASSERT_OK_AND_ASSIGN(StepOutcome first, RunStep(*session, Request(1, 0), std::move(rank0)));
   second.join();
   ASSERT_OK(other.status());
-  EXPECT_EQ(first.parameters->values, other->parameters->values);
+  EXPECT_EQ(CopyValues(*first.parameters), CopyValues(*other->parameters));
   EXPECT_EQ(session->last_step(), 1);
 
   std::unique_ptr<Session> single = NewSession(backend.get());
   ASSERT_OK(single->Upload(InitialParameters()));
   ASSERT_OK_AND_ASSIGN(StepOutcome reference, RunStep(*single, Request(1), {Tensor(mean[0]), Tensor(mean[1])}));
-  EXPECT_EQ(first.parameters->values, reference.parameters->values);
+  EXPECT_EQ(CopyValues(*first.parameters), CopyValues(*reference.parameters));
 }
 
 TEST(MultiRankSessionTest, AMissingRankAbortsTheStepForAllAndChangesNothing) {
@@ -161,7 +181,7 @@ TEST(MultiRankSessionTest, AMissingRankAbortsTheStepForAllAndChangesNothing) {
               StatusIs(absl::StatusCode::kAborted, "ranks 1 did not arrive"));
   EXPECT_EQ(session->last_step(), 0);
   int64_t step = 0;
-  EXPECT_EQ(session->Parameters(&step)->values[0], InitialParameters()[0].values);
+  EXPECT_EQ(CopyValues(*session->Parameters(&step))[0], InitialParameters()[0].values);
 }
 
 }  // namespace
