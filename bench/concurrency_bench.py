@@ -13,75 +13,54 @@ than stepping in turn.
 """
 
 import argparse
-import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 import torch
 
-from memory_bench import REPO, start_daemon
+from bench_daemon import add_daemon_flags, cpu_daemon, open_sessions
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--binary", type=Path, default=REPO / "build" / "muond")
-    parser.add_argument("--sessions", type=int, default=8)
-    parser.add_argument("--width", type=int, default=512)
+    add_daemon_flags(parser)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=0)
     args = parser.parse_args()
-    sys.path[:0] = [str(REPO / "python"), str(REPO / "build" / "python")]
-    import muond  # noqa: E402 - after the path is set
+    with cpu_daemon(args.binary, args.threads) as (_, endpoint):
+        sessions = open_sessions(endpoint, args.sessions, args.width, "concurrency")
+        for model, opt in sessions:
+            model(torch.randn(16, args.width)).square().mean().backward()  # the same gradients every step
+            opt.step()
 
-    torch.manual_seed(0)
-    with tempfile.TemporaryDirectory() as tmp:
-        proc, endpoint = start_daemon(args.binary, args.threads, Path(tmp))
-        try:
-            d = args.width
-            sessions = []
-            for s in range(args.sessions):
-                model = torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d))
-                opt = muond.RemoteOptimizer(muond.default_param_groups(model), endpoint=endpoint,
-                                            session=f"concurrency-{s}")
-                model(torch.randn(16, d)).square().mean().backward()  # gradients stay: the same each step
-                sessions.append((model, opt))
+        start = time.perf_counter()
+        for _ in range(args.rounds):
             for _, opt in sessions:
                 opt.step()
+        sequential = time.perf_counter() - start
 
-            start = time.perf_counter()
+        barrier = threading.Barrier(args.sessions + 1)
+
+        def worker(opt):
             for _ in range(args.rounds):
-                for _, opt in sessions:
-                    opt.step()
-            sequential = time.perf_counter() - start
-
-            barrier = threading.Barrier(args.sessions + 1)
-
-            def worker(opt):
-                for _ in range(args.rounds):
-                    barrier.wait()
-                    opt.step()
                 barrier.wait()
+                opt.step()
+            barrier.wait()
 
-            threads = [threading.Thread(target=worker, args=(opt,)) for _, opt in sessions]
-            for t in threads:
-                t.start()
-            start = time.perf_counter()
-            for _ in range(args.rounds + 1):
-                barrier.wait()
-            concurrent = time.perf_counter() - start
-            for t in threads:
-                t.join()
-            params = sum(p.numel() for m, _ in sessions for p in m.parameters())
-            print(f"{args.sessions} sessions, {params:,} parameters, {args.rounds} rounds: "
-                  f"one after another {sequential:.2f} s, all at once {concurrent:.2f} s, "
-                  f"at once / in turn {concurrent / sequential:.2f}")
-            for _, opt in sessions:
-                opt.close()
-        finally:
-            proc.terminate()
-            proc.wait()
+        threads = [threading.Thread(target=worker, args=(opt,)) for _, opt in sessions]
+        for t in threads:
+            t.start()
+        start = time.perf_counter()
+        for _ in range(args.rounds + 1):
+            barrier.wait()
+        concurrent = time.perf_counter() - start
+        for t in threads:
+            t.join()
+        params = sum(p.numel() for m, _ in sessions for p in m.parameters())
+        print(f"{args.sessions} sessions, {params:,} parameters, {args.rounds} rounds: "
+              f"one after another {sequential:.2f} s, all at once {concurrent:.2f} s, "
+              f"at once / in turn {concurrent / sequential:.2f}")
+        for _, opt in sessions:
+            opt.close()
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@
 #
 #   bench/run_elementwise_bench.sh [--build DIR] [--threads N] [--reps N] [--params N ...]
 #
-# PYTHON picks the interpreter with torch (default python3). Targets (README, Performance):
+# PYTHON picks the interpreter with torch (default python3). Targets (README, CPU performance):
 # muond/torch >= 1.5 and >= 70% of the triad.
 set -euo pipefail
 

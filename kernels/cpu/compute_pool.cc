@@ -24,14 +24,14 @@ void ComputePool::Run(size_t count, const std::function<void(size_t, size_t)>& b
     if (count > 0) body(0, count);
     return;
   }
-  // Equal ranges, each a multiple of 16 elements (64 bytes) except the last.
+  // Equal ranges, each a multiple of 16 elements (64 bytes) except the last; ranges_ keeps its
+  // capacity, so a warm pool allocates nothing per call.
   const size_t per = ((count + parts - 1) / parts + 15) / 16 * 16;
-  std::vector<std::pair<size_t, size_t>> ranges;
-  for (size_t begin = 0; begin < count; begin += per) ranges.emplace_back(begin, std::min(count, begin + per));
   {
     std::lock_guard<std::mutex> lock(mu_);
     body_ = &body;
-    ranges_ = std::move(ranges);
+    ranges_.clear();
+    for (size_t begin = 0; begin < count; begin += per) ranges_.emplace_back(begin, std::min(count, begin + per));
     pending_ = ranges_.size() - 1;
     ++generation_;
   }

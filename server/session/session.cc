@@ -79,8 +79,9 @@ absl::Status Session::Upload(std::vector<HostTensor> tensors) {
         " steps; initial parameters can only be uploaded before the first step (use SetState to replace a "
         "trained state)"));
   }
+  std::vector<double> bounds(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
-    MUOND_RETURN_IF_ERROR(CheckTensorValues("chunk.data", params_[i].name, tensors[i].values));
+    MUOND_ASSIGN_OR_RETURN(bounds[i], CheckTensorValues("chunk.data", params_[i].name, tensors[i].values));
   }
   {
     absl::MutexLock masters(&masters_mu_);
@@ -88,7 +89,7 @@ absl::Status Session::Upload(std::vector<HostTensor> tensors) {
     for (size_t i = 0; i < params_.size(); ++i) {
       optim::ParamState& state = params_[i];
       MUOND_RETURN_IF_ERROR(backend_->CopyToDevice(tensors[i].values.data(), state.master->data(), state.numel));
-      state.master_bound = MaxAbs(tensors[i].values);
+      state.master_bound = bounds[i];
       state.slots.clear();
       state.step_count = 0;
       MUOND_RETURN_IF_ERROR(optimizers_[config_.parameters[i].group]->InitState(*backend_, state));
@@ -429,6 +430,7 @@ absl::Status Session::ImportState(SessionState state) {
     expected.insert({i, kMasterSlot});
     for (const std::string& slot : optimizers_[config_.parameters[i].group]->SlotNames()) expected.insert({i, slot});
   }
+  std::vector<double> bounds(state.tensors.size());  // each tensor's largest |x|
   for (const StateTensor& t : state.tensors) {
     const ParameterConfig& pc = config_.parameters[t.parameter];
     if (!expected.erase({t.parameter, t.slot})) {
@@ -439,16 +441,9 @@ absl::Status Session::ImportState(SessionState state) {
       return absl::InvalidArgumentError(absl::StrCat("chunk.data: ", pc.name, "/", t.slot, " has ",
                                                      t.values.size(), " of ", pc.numel, " elements"));
     }
-    MUOND_RETURN_IF_ERROR(CheckTensorValues("chunk.data", absl::StrCat(pc.name, "/", t.slot), t.values));
-    if (optimizers_[pc.group]->SlotIsNonNegative(t.slot)) {
-      for (size_t e = 0; e < t.values.size(); ++e) {
-        if (t.values[e] < 0) {
-          return absl::InvalidArgumentError(absl::StrCat("chunk.data: ", pc.name, "/", t.slot, " has the negative value ",
-                                                         t.values[e], " at element ", e, "; ", t.slot,
-                                                         " holds squares and must not be negative"));
-        }
-      }
-    }
+    MUOND_ASSIGN_OR_RETURN(bounds[&t - state.tensors.data()],
+                           CheckTensorValues("chunk.data", absl::StrCat(pc.name, "/", t.slot), t.values,
+                                             optimizers_[pc.group]->SlotIsNonNegative(t.slot)));
   }
   if (!expected.empty()) {
     const auto& [index, slot] = *expected.begin();
@@ -468,7 +463,7 @@ absl::Status Session::ImportState(SessionState state) {
     optim::ParamState& param = params_[t.parameter];
     float* target = t.slot == kMasterSlot ? param.master->data() : param.Slot(t.slot)->data();
     MUOND_RETURN_IF_ERROR(backend_->CopyToDevice(t.values.data(), target, param.numel));
-    const double bound = MaxAbs(t.values);
+    const double bound = bounds[&t - state.tensors.data()];
     if (t.slot == kMasterSlot) {
       param.master_bound = bound;
     } else {

@@ -15,15 +15,23 @@ absl::Status CheckStepNumber(absl::string_view field, int64_t step, int64_t min)
   return absl::OkStatus();
 }
 
-absl::Status CheckTensorValues(absl::string_view field, absl::string_view tensor, std::span<const float> values) {
+absl::StatusOr<double> CheckTensorValues(absl::string_view field, absl::string_view tensor,
+                                         std::span<const float> values, bool non_negative) {
+  float largest = 0;
   for (size_t i = 0; i < values.size(); ++i) {
-    if (!(std::abs(values[i]) <= kMagnitudeLimit)) {  // NaN fails the comparison too
+    const float magnitude = std::abs(values[i]);
+    if (!(magnitude <= kMagnitudeLimit)) {  // NaN fails the comparison too
       return absl::InvalidArgumentError(absl::StrCat(field, ": '", tensor, "' has the value ", values[i],
                                                      " at element ", i, "; values must be finite and within +-",
                                                      kMagnitudeLimit));
     }
+    if (non_negative && values[i] < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ": ", tensor, " has the negative value ", values[i],
+                                                     " at element ", i, "; it holds squares and must not be negative"));
+    }
+    largest = std::max(largest, magnitude);
   }
-  return absl::OkStatus();
+  return largest;
 }
 
 double MaxAbs(std::span<const float> values) {

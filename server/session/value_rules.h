@@ -7,6 +7,7 @@
 #include <span>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
 namespace muond::session {
@@ -24,8 +25,11 @@ inline constexpr double kMagnitudeLimit = 1e36;
 absl::Status CheckStepNumber(absl::string_view field, int64_t step, int64_t min);
 
 // Values loaded into a session (uploads, SetState, checkpoints) must be finite and within
-// ±kMagnitudeLimit; INVALID_ARGUMENT naming `field`, the tensor and the first element that is not.
-absl::Status CheckTensorValues(absl::string_view field, absl::string_view tensor, std::span<const float> values);
+// ±kMagnitudeLimit, and not negative where `non_negative` (Adam's second moment); INVALID_ARGUMENT
+// naming `field`, the tensor and the first element that is not. Returns their largest |x| (the
+// magnitude bound the finiteness guard starts from), found in the same pass.
+absl::StatusOr<double> CheckTensorValues(absl::string_view field, absl::string_view tensor,
+                                         std::span<const float> values, bool non_negative = false);
 
 // The largest |x| of `values` (0 when empty); a magnitude bound for the step's finiteness guard.
 double MaxAbs(std::span<const float> values);

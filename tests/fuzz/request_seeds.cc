@@ -118,14 +118,8 @@ v1::StepHeader Header(const std::string& id, int64_t step) {
   return header;
 }
 
-// A step stream with a gradient for every parameter, or for those in `only` when it is not empty.
-void Step(ScriptWriter& w, const v1::SessionSpec& spec, const v1::StepHeader& header,
-          v1::DType dtype = v1::DTYPE_FP32, int64_t per_chunk = 16, const std::vector<std::string>& only = {}) {
-  std::vector<v1::TensorChunk> chunks;
-  for (const v1::ParameterSpec& p : spec.parameters()) {
-    if (!only.empty() && std::find(only.begin(), only.end(), p.name()) == only.end()) continue;
-    for (v1::TensorChunk& chunk : Chunks(p, 2.0f + header.step(), dtype, per_chunk)) chunks.push_back(std::move(chunk));
-  }
+// Sends the header, then `chunks`, as one step stream.
+void RawStep(ScriptWriter& w, const v1::StepHeader& header, const std::vector<v1::TensorChunk>& chunks) {
   w.Add(Op::kBeginStep);
   v1::StepRequest request;
   *request.mutable_header() = header;
@@ -137,6 +131,17 @@ void Step(ScriptWriter& w, const v1::SessionSpec& spec, const v1::StepHeader& he
     w.Add(Op::kMessage, request);
   }
   w.Add(Op::kFinish);
+}
+
+// A step stream with a gradient for every parameter, or for those in `only` when it is not empty.
+void Step(ScriptWriter& w, const v1::SessionSpec& spec, const v1::StepHeader& header,
+          v1::DType dtype = v1::DTYPE_FP32, int64_t per_chunk = 16, const std::vector<std::string>& only = {}) {
+  std::vector<v1::TensorChunk> chunks;
+  for (const v1::ParameterSpec& p : spec.parameters()) {
+    if (!only.empty() && std::find(only.begin(), only.end(), p.name()) == only.end()) continue;
+    for (v1::TensorChunk& chunk : Chunks(p, 2.0f + header.step(), dtype, per_chunk)) chunks.push_back(std::move(chunk));
+  }
+  RawStep(w, header, chunks);
 }
 
 void Reads(ScriptWriter& w, const std::string& id) {
@@ -393,21 +398,6 @@ std::string Mistakes() {
   for (const char* id : {"t1", "t2", "t3", "t4"}) Create(w, id, spec);  // past the session limit
   Reads(w, "s5");
   return w.bytes();
-}
-
-// Sends the header, then `chunks`, as one step stream.
-void RawStep(ScriptWriter& w, const v1::StepHeader& header, const std::vector<v1::TensorChunk>& chunks) {
-  w.Add(Op::kBeginStep);
-  v1::StepRequest request;
-  *request.mutable_header() = header;
-  request.mutable_header()->set_num_chunks(static_cast<uint32_t>(chunks.size()));
-  w.Add(Op::kMessage, request);
-  for (const v1::TensorChunk& chunk : chunks) {
-    request.Clear();
-    *request.mutable_chunk() = chunk;
-    w.Add(Op::kMessage, request);
-  }
-  w.Add(Op::kFinish);
 }
 
 // A state for SmallSpec at `last_step`, every count `count`, every slot from Chunks.
