@@ -35,6 +35,21 @@ class DeviceBuffer {
   virtual size_t size() const = 0;  // in elements
 };
 
+// A DeviceBuffer over memory it does not own: host memory lent to a backend whose memory is the
+// host's (Backend::HostAddressable), e.g. a step's decoded gradients that the optimizer reads in
+// place. Must not outlive that memory.
+class BorrowedBuffer : public DeviceBuffer {
+ public:
+  BorrowedBuffer(float* data, size_t size) : data_(data), size_(size) {}
+  float* data() override { return data_; }
+  const float* data() const override { return data_; }
+  size_t size() const override { return size_; }
+
+ private:
+  float* data_;
+  size_t size_;
+};
+
 // A host→device transfer for data that arrives in pieces (gradients read from the network): each
 // piece is on its way to the device while the caller receives the next. The CUDA backend stages the
 // pieces through a ring of pinned host buffers on a copy stream of its own; the default copies
@@ -92,8 +107,9 @@ class Backend {
   }
 
   virtual std::string Name() const = 0;    // "cpu", "cuda"
-  // Whether buffers are host memory a caller may read directly (the CPU backend), so that answers
-  // can be encoded from the masters themselves instead of a host copy.
+  // Whether buffers are host memory a caller may read and write directly (the CPU backend), so that
+  // answers can be encoded from the masters themselves and host values (BorrowedBuffer) given to
+  // the backend's operations without a copy.
   virtual bool HostAddressable() const { return false; }
   virtual std::string Detail() const = 0;  // library versions, device name, threads
 

@@ -11,6 +11,7 @@
 #include <fstream>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "grpcpp/grpcpp.h"
@@ -20,6 +21,7 @@
 #include "server/durability/session_files.h"
 #include "server/flags.h"
 #include "server/metrics/metrics.h"
+#include "server/rpc/call_tracker.h"
 #include "server/rpc/muond_service.h"
 #include "server/rpc/server_credentials.h"
 #include "server/rpc/spec_codec.h"
@@ -160,6 +162,12 @@ int Run(int argc, char** argv) {
   builder.SetMaxReceiveMessageSize(static_cast<int>(service_options.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(service_options.max_message_bytes));
   builder.RegisterService(&service);
+  rpc::CallTracker calls;  // outlives the server (declared before it)
+  {
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
+    creators.push_back(calls.NewFactory());
+    builder.experimental().SetInterceptorCreators(std::move(creators));
+  }
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server || port == 0) {
     MUOND_LOG(error, "cannot listen on {} (address in use or not valid)", flags->listen);
@@ -186,8 +194,10 @@ int Run(int argc, char** argv) {
             flags->shutdown_grace_seconds);
   server->GetHealthCheckService()->SetServingStatus(false);
   // Drain ourselves, then shut down at once: gRPC's own graceful shutdown also waits for idle
-  // client connections to go away, which can take seconds after the last call has finished.
-  if (!service.AwaitIdle(absl::Seconds(flags->shutdown_grace_seconds))) {
+  // client connections to go away, which can take seconds after the last call has finished. First
+  // the handlers return, then gRPC sends their answers and statuses (CallTracker).
+  const absl::Time drain_deadline = absl::Now() + absl::Seconds(flags->shutdown_grace_seconds);
+  if (!service.AwaitIdle(drain_deadline - absl::Now()) || !calls.AwaitIdle(drain_deadline - absl::Now())) {
     MUOND_LOG(warn, "calls still running after {} s (--shutdown-grace); cancelling them",
               flags->shutdown_grace_seconds);
   }

@@ -16,20 +16,13 @@ namespace muond::kernels {
 namespace {
 
 // Host memory aligned for SIMD loads; zero-filled so a fresh buffer never leaks stale bytes.
-class CpuBuffer final : public DeviceBuffer {
+// Owns what a BorrowedBuffer only refers to.
+class CpuBuffer final : public BorrowedBuffer {
  public:
-  CpuBuffer(float* data, size_t size) : data_(data), size_(size) {}
-  ~CpuBuffer() override { std::free(data_); }
+  using BorrowedBuffer::BorrowedBuffer;
+  ~CpuBuffer() override { std::free(data()); }
   CpuBuffer(const CpuBuffer&) = delete;
   CpuBuffer& operator=(const CpuBuffer&) = delete;
-
-  float* data() override { return data_; }
-  const float* data() const override { return data_; }
-  size_t size() const override { return size_; }
-
- private:
-  float* data_;
-  size_t size_;
 };
 
 // Each element-wise loop is compiled twice, for AVX2 and for the x86-64 baseline, and the loader
@@ -98,11 +91,13 @@ absl::Status CheckGemmShape(const GemmShape& s) {
 
 class CpuBackend final : public Backend {
  public:
-  explicit CpuBackend(int threads) : pool_(InitThreads(threads)) { threads_ = pool_.threads(); }
+  CpuBackend(int threads, bool host_addressable) : pool_(InitThreads(threads)), host_addressable_(host_addressable) {
+    threads_ = pool_.threads();
+  }
   ~CpuBackend() override { ReleaseShared(); }
 
   std::string Name() const override { return "cpu"; }
-  bool HostAddressable() const override { return true; }
+  bool HostAddressable() const override { return host_addressable_; }
   std::string Detail() const override {
     return absl::StrCat("OpenBLAS ", openblas_get_config(), ", ", threads_, " threads");
   }
@@ -245,10 +240,13 @@ class CpuBackend final : public Backend {
 
   ComputePool pool_;  // element-wise threads, and the gate of every compute call
   int threads_ = 0;
+  const bool host_addressable_;
 };
 
 }  // namespace
 
-std::unique_ptr<Backend> NewCpuBackend(int threads) { return std::make_unique<CpuBackend>(threads); }
+std::unique_ptr<Backend> NewCpuBackend(int threads, bool host_addressable) {
+  return std::make_unique<CpuBackend>(threads, host_addressable);
+}
 
 }  // namespace muond::kernels

@@ -17,7 +17,10 @@
 namespace muond::kernels {
 
 // threads > 0 sets OpenBLAS's thread count (process-wide); threads <= 0 keeps OpenBLAS's default
-// (OPENBLAS_NUM_THREADS or the number of cores).
-std::unique_ptr<Backend> NewCpuBackend(int threads);
+// (OPENBLAS_NUM_THREADS or the number of cores). host_addressable = false makes the backend report
+// its memory as not the host's (Backend::HostAddressable), so that the code paths of a device
+// backend (gradients staged into backend buffers, answers read back into host copies) run, and are
+// tested, on the CPU.
+std::unique_ptr<Backend> NewCpuBackend(int threads, bool host_addressable = true);
 
 }  // namespace muond::kernels

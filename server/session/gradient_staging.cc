@@ -85,4 +85,42 @@ absl::Status StagedGradients::Add(size_t index, int64_t offset, const float* val
 
 absl::Status StagedGradients::Finish() { return upload_->Wait(); }
 
+void HostGradients::Preallocate() {
+  std::vector<HostTensor> tensors(numel_.size());
+  for (size_t i = 0; i < numel_.size(); ++i) tensors[i].values.resize(static_cast<size_t>(numel_[i]));
+  absl::MutexLock lock(&mu_);
+  spare_ = std::move(tensors);
+}
+
+std::vector<HostTensor> HostGradients::Take() {
+  std::vector<HostTensor> tensors;
+  {
+    absl::MutexLock lock(&mu_);
+    tensors = std::move(spare_);
+    spare_.clear();
+  }
+  tensors.resize(numel_.size());
+  for (HostTensor& tensor : tensors) {
+    tensor.received = 0;
+    tensor.sum_squares = 0.0;
+    tensor.staged = false;
+  }
+  return tensors;
+}
+
+size_t HostGradients::AllocatedCount(const std::vector<HostTensor>& tensors) {
+  size_t n = 0;
+  for (const HostTensor& tensor : tensors) n += tensor.values.empty() ? 0 : 1;
+  return n;
+}
+
+void HostGradients::GiveBack(std::vector<HostTensor> tensors) {
+  if (tensors.size() != numel_.size()) return;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (!tensors[i].values.empty() && tensors[i].values.size() != static_cast<size_t>(numel_[i])) return;
+  }
+  absl::MutexLock lock(&mu_);
+  if (AllocatedCount(tensors) >= AllocatedCount(spare_)) spare_ = std::move(tensors);
+}
+
 }  // namespace muond::session

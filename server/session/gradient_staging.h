@@ -9,11 +9,15 @@
 // host and has them copied when it is applied (under the session's lock, into a transient set), so
 // a client opening many streams at once cannot make the daemon allocate a set for each.
 // StagedGradients: a step stream's set plus the backend transfer that fills it.
+// HostGradients: a session's spare host tensors that a step stream decodes its gradients into, kept
+// across steps so that a steady run allocates (and page-faults) nothing per step. On a backend whose
+// memory is the host's these are the session's gradient buffers: the optimizer reads them in place
+// and no GradientSet is allocated at all.
 //
 // Ownership: the pool owns idle sets; a GradientLease owns its set and gives it back to the pool when
 // destroyed; the pool (and the session holding it) must outlive its leases. A StagedGradients owns
 // its lease and its transfer, and waits for the transfer's copies before giving the set back.
-// Thread-safety: GradientPool is thread-safe; sets, leases and StagedGradients are used by one
+// Thread-safety: GradientPool and HostGradients are thread-safe; sets, leases and StagedGradients are used by one
 // thread at a time.
 #pragma once
 
@@ -26,6 +30,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "common/host_tensor.h"
 #include "kernels/backend.h"
 
 namespace muond::session {
@@ -107,6 +112,28 @@ class StagedGradients {
 
   GradientLease lease_;  // every buffer allocated (Start)
   std::unique_ptr<kernels::HostToDevice> upload_;  // destroyed (its copies waited for) before lease_
+};
+
+// A session's one spare set of host gradient tensors (indexed like the parameters), lent to one step
+// at a time.
+class HostGradients {
+ public:
+  explicit HostGradients(std::vector<int64_t> numel) : numel_(std::move(numel)) {}
+
+  // Allocates (and touches) every tensor, so that the session holds this memory from the start.
+  void Preallocate();
+  // The spare tensors, reset (no values received) but keeping their memory; empty tensors when
+  // another step holds them.
+  std::vector<HostTensor> Take();
+  // Gives tensors taken back (any tensors of the right count; the fuller spare is kept).
+  void GiveBack(std::vector<HostTensor> tensors);
+
+ private:
+  static size_t AllocatedCount(const std::vector<HostTensor>& tensors);
+
+  const std::vector<int64_t> numel_;
+  absl::Mutex mu_;
+  std::vector<HostTensor> spare_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace muond::session

@@ -7,7 +7,9 @@
 // The session owns the staging: it lends this step its gradient buffers when nobody else holds them
 // (only one step of a session stages at a time; the others keep their gradients on the host, and
 // multi-rank steps are averaged on the host), and takes them back when the step is finished or
-// dropped. An IncomingStep must not outlive its session. Used by one thread at a time.
+// dropped. The host tensors gradients() are decoded into are lent the same way (HostGradients) and
+// given back when this is destroyed; on a host-memory backend nothing is staged: the optimizer reads
+// them in place. An IncomingStep must not outlive its session. Used by one thread at a time.
 #pragma once
 
 #include <cstddef>
@@ -27,6 +29,9 @@ class IncomingStep {
  public:
   IncomingStep(const IncomingStep&) = delete;
   IncomingStep& operator=(const IncomingStep&) = delete;
+  ~IncomingStep() {
+    if (host_store_ != nullptr) host_store_->GiveBack(std::move(gradients_));
+  }
 
   // A retry of the session's last applied step: its gradients are not needed; read and drop them.
   bool replay() const { return replay_; }
@@ -42,13 +47,16 @@ class IncomingStep {
 
  private:
   friend class Session;
-  IncomingStep(const SessionConfig& config, StepPlan plan, bool replay, std::unique_ptr<StagedGradients> staged)
-      : config_(config), plan_(std::move(plan)), replay_(replay), gradients_(config.parameters.size()),
+  IncomingStep(const SessionConfig& config, StepPlan plan, bool replay, HostGradients* host_store,
+               std::unique_ptr<StagedGradients> staged)
+      : config_(config), plan_(std::move(plan)), replay_(replay), host_store_(host_store),
+        gradients_(host_store != nullptr ? host_store->Take() : std::vector<HostTensor>(config.parameters.size())),
         staged_(std::move(staged)) {}
 
   const SessionConfig& config_;
   StepPlan plan_;
   const bool replay_;
+  HostGradients* const host_store_;  // the session's; null: gradients_ are this step's own
   std::vector<HostTensor> gradients_;
   std::unique_ptr<StagedGradients> staged_;  // null: the gradients stay on the host until applied
 };

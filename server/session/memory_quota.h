@@ -1,12 +1,14 @@
 // Memory quotas of the daemon: how many bytes a session's optimizer holds, and the check of a new
 // session against --max-session-bytes and --max-total-bytes before anything is allocated.
 //
-// The estimate counts what the backend allocates per parameter: the fp32 master, the fp32 gradient
-// buffer (the session's one GradientSet) and the optimizer's fp32 slots (Muon 1: momentum; AdamW 2:
-// the two moments; Lion 1; SGD 1, counted even when momentum is 0 so the estimate never falls
-// short). Host copies made while streaming, the transient gradient set of a second step streaming
-// into the same session at once, and Newton–Schulz scratch are not counted. Pure functions;
-// thread-safe.
+// The estimate counts what a session allocates per parameter when it is created and keeps: the fp32
+// master, the fp32 gradient buffer (on the CPU backend the host tensors steps decode into, which the
+// optimizer reads in place; on a GPU the session's one GradientSet) and the optimizer's fp32 slots
+// (Muon 1: momentum; AdamW 2: the two moments; Lion 1; SGD 1, its momentum buffer, which a per-step
+// momentum override may need). Not counted: the gradients of a second step streaming into the same
+// session at once (transient), the host tensors a GPU session decodes into, and the Newton–Schulz
+// scratch, which is one per backend, shared by every session and sized by the largest matrix
+// (README, "CPU performance", states the daemon's fixed overhead). Pure functions; thread-safe.
 #pragma once
 
 #include <cstdint>

@@ -33,8 +33,15 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::string id, Session
   session->params_.resize(cfg.parameters.size());
   std::vector<int64_t> numel;
   for (const ParameterConfig& pc : cfg.parameters) numel.push_back(pc.numel);
-  session->gradient_pool_ = std::make_unique<GradientPool>(backend, std::move(numel));
-  MUOND_RETURN_IF_ERROR(session->gradient_pool_->Preallocate());
+  session->gradient_pool_ = std::make_unique<GradientPool>(backend, numel);
+  session->host_gradients_ = std::make_unique<HostGradients>(std::move(numel));
+  // The session holds its gradient memory from the start (what its memory estimate counts): on a
+  // host-memory backend the host tensors steps decode into, else a backend set.
+  if (backend->HostAddressable()) {
+    session->host_gradients_->Preallocate();
+  } else {
+    MUOND_RETURN_IF_ERROR(session->gradient_pool_->Preallocate());
+  }
   for (size_t i = 0; i < cfg.parameters.size(); ++i) {
     const ParameterConfig& pc = cfg.parameters[i];
     optim::ParamState& state = session->params_[i];
@@ -127,14 +134,17 @@ absl::StatusOr<std::unique_ptr<IncomingStep>> Session::BeginStep(StepRequest req
   }
   MUOND_ASSIGN_OR_RETURN(StepPlan plan, PlanStep(config_, default_hyper_, std::move(request)));
   // One rank's gradients go straight to the backend while the rest of them arrive (unless another
-  // step of the session holds the buffers); the ranks of a multi-rank session are averaged on the
-  // host first, and a replay needs no gradients at all.
+  // step of the session holds the buffers, or the backend's memory is the host's and the optimizer
+  // reads the decoded values in place); the ranks of a multi-rank session are averaged on the host
+  // first, and a replay needs no gradients at all.
   std::unique_ptr<StagedGradients> staged;
-  if (kind == StepKind::kNext && config_.world_size == 1) {
+  const bool one_rank = kind == StepKind::kNext && config_.world_size == 1;
+  if (one_rank && !backend_->HostAddressable()) {
     MUOND_ASSIGN_OR_RETURN(staged, StagedGradients::Start(gradient_pool_.get(), backend_));
   }
-  return std::unique_ptr<IncomingStep>(
-      new IncomingStep(config_, std::move(plan), kind == StepKind::kReplay, std::move(staged)));
+  return std::unique_ptr<IncomingStep>(new IncomingStep(config_, std::move(plan), kind == StepKind::kReplay,
+                                                        one_rank ? host_gradients_.get() : nullptr,
+                                                        std::move(staged)));
 }
 
 absl::Status IncomingStep::Stage(size_t index, int64_t offset, size_t count) {
@@ -153,7 +163,7 @@ absl::StatusOr<StepOutcome> Session::FinishStep(std::unique_ptr<IncomingStep> st
   MUOND_ASSIGN_OR_RETURN(StepKind kind, ClassifyLocked(step->plan_.request.step));
   if (kind == StepKind::kReplay) return ReplayOutcomeLocked();
   if (config_.world_size > 1) return GatherLocked(std::move(step->plan_), std::move(step->gradients_));
-  return ApplyLocked(step->plan_, std::move(step->gradients_), step->staged_.get());
+  return ApplyLocked(step->plan_, step->gradients_, step->staged_.get());
 }
 
 absl::StatusOr<StepOutcome> Session::ApplyJournaledStep(StepRequest request, std::vector<HostTensor> gradients) {
@@ -164,7 +174,7 @@ absl::StatusOr<StepOutcome> Session::ApplyJournaledStep(StepRequest request, std
     return absl::FailedPreconditionError(
         absl::StrCat("step ", plan.request.step, " was applied already (last step ", last_step_, ")"));
   }
-  return ApplyLocked(plan, std::move(gradients), nullptr);
+  return ApplyLocked(plan, gradients, nullptr);
 }
 
 absl::StatusOr<StepOutcome> Session::GatherLocked(StepPlan plan, std::vector<HostTensor> gradients) {
@@ -173,7 +183,7 @@ absl::StatusOr<StepOutcome> Session::GatherLocked(StepPlan plan, std::vector<Hos
   const uint64_t generation = gather_.Add(std::move(plan), std::move(gradients));
   if (gather_.complete()) {
     auto [applied_plan, mean] = gather_.TakeAverage(config_.parameters.size());
-    return ApplyLocked(applied_plan, std::move(mean), nullptr);
+    return ApplyLocked(applied_plan, mean, nullptr);
   }
 
   MUOND_LOG(debug, "session {}: step {} has {} of {} ranks; rank {} waits up to {} s for the rest", id_, step,
@@ -196,7 +206,7 @@ absl::StatusOr<StepOutcome> Session::GatherLocked(StepPlan plan, std::vector<Hos
                                          " s (--straggler-timeout); no update was applied, send the step again"));
 }
 
-absl::StatusOr<StepOutcome> Session::ApplyLocked(const StepPlan& plan, std::vector<HostTensor> gradients,
+absl::StatusOr<StepOutcome> Session::ApplyLocked(const StepPlan& plan, std::vector<HostTensor>& gradients,
                                                  StagedGradients* staged) {
   // The step is durable (journal mode) before it changes anything.
   if (persistence_) MUOND_RETURN_IF_ERROR(persistence_->RecordStep(plan.request, gradients));
@@ -249,12 +259,17 @@ absl::StatusOr<StepOutcome> Session::ApplyLocked(const StepPlan& plan, std::vect
 
 absl::Status Session::ApplyGradients(const StepPlan& plan, std::vector<HostTensor>& gradients,
                                      double clip_coefficient, StagedGradients* staged) {
-  GradientLease own;  // when nothing was staged: a set filled from the host values here
-  if (staged == nullptr) own = gradient_pool_->Acquire();
-  GradientSet& set = staged != nullptr ? staged->lease().set() : own.set();
+  // On a host-memory backend the optimizer reads the host values in place; otherwise they are in
+  // the staged set or copied into a set here.
+  const bool in_place = backend_->HostAddressable();
+  GradientLease own;
+  if (staged == nullptr && !in_place) own = gradient_pool_->Acquire();
+  GradientSet* set = staged != nullptr ? &staged->lease().set() : own ? &own.set() : nullptr;
   absl::Cleanup take_back = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
     for (size_t i = 0; i < params_.size(); ++i) {
-      if (params_[i].grad != nullptr) set.buffer(i) = std::move(params_[i].grad);
+      if (params_[i].grad == nullptr) continue;
+      if (set != nullptr) set->buffer(i) = std::move(params_[i].grad);
+      params_[i].grad.reset();
     }
   };
   const float c = static_cast<float>(clip_coefficient);
@@ -264,17 +279,22 @@ absl::Status Session::ApplyGradients(const StepPlan& plan, std::vector<HostTenso
     HostTensor& gradient = gradients[i];
     state.has_grad = gradient.present();
     if (!state.has_grad) continue;
-    MUOND_ASSIGN_OR_RETURN(kernels::DeviceBuffer * buffer, gradient_pool_->Buffer(set, i));
-    if (gradient.staged && staged != nullptr) {
-      // Clipped where the values are; one fp32 multiply per element either way, so both paths agree.
-      if (clip_coefficient < 1.0) MUOND_RETURN_IF_ERROR(backend_->ScaleBatched(buffer->data(), state.numel, 1, &c));
+    if (in_place) {
+      // Clipped where the values are: one fp32 multiply per element on every path, so all agree.
+      if (clip_coefficient < 1.0) MUOND_RETURN_IF_ERROR(backend_->ScaleBatched(gradient.values.data(), state.numel, 1, &c));
+      state.grad = std::make_unique<kernels::BorrowedBuffer>(gradient.values.data(), gradient.values.size());
     } else {
-      if (clip_coefficient < 1.0) {
-        for (float& g : gradient.values) g *= c;
+      MUOND_ASSIGN_OR_RETURN(kernels::DeviceBuffer * buffer, gradient_pool_->Buffer(*set, i));
+      if (gradient.staged && staged != nullptr) {
+        if (clip_coefficient < 1.0) MUOND_RETURN_IF_ERROR(backend_->ScaleBatched(buffer->data(), state.numel, 1, &c));
+      } else {
+        if (clip_coefficient < 1.0) {
+          for (float& g : gradient.values) g *= c;
+        }
+        MUOND_RETURN_IF_ERROR(backend_->CopyToDevice(gradient.values.data(), buffer->data(), state.numel));
       }
-      MUOND_RETURN_IF_ERROR(backend_->CopyToDevice(gradient.values.data(), buffer->data(), state.numel));
+      state.grad = std::move(set->buffer(i));
     }
-    state.grad = std::move(set.buffer(i));
     by_group[config_.parameters[i].group].push_back(&state);
   }
   for (size_t g = 0; g < optimizers_.size(); ++g) {

@@ -116,10 +116,11 @@ class Session {
   StepOutcome ReplayOutcomeLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   absl::StatusOr<StepOutcome> GatherLocked(StepPlan plan, std::vector<HostTensor> gradients)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::StatusOr<StepOutcome> ApplyLocked(const StepPlan& plan, std::vector<HostTensor> gradients,
+  absl::StatusOr<StepOutcome> ApplyLocked(const StepPlan& plan, std::vector<HostTensor>& gradients,
                                           StagedGradients* staged) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Lends the gradient buffers (`staged`'s, or a set filled here from the host values) to the
-  // parameters for the optimizer step and takes them back afterwards, whatever happens.
+  // Lends the gradient buffers (`staged`'s, a set filled here from the host values, or on a
+  // host-memory backend the host values themselves) to the parameters for the optimizer step and
+  // takes them back afterwards, whatever happens.
   absl::Status ApplyGradients(const StepPlan& plan, std::vector<HostTensor>& gradients, double clip_coefficient,
                               StagedGradients* staged) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status ApplyQkClip(const StepPlan& plan) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -146,6 +147,7 @@ class Session {
   kernels::Backend* const backend_;
   std::vector<optim::StepHyper> default_hyper_;  // per group; set by Create, immutable afterwards
   std::unique_ptr<GradientPool> gradient_pool_;  // set by Create; thread-safe itself
+  std::unique_ptr<HostGradients> host_gradients_;  // set by Create; thread-safe itself
 
   mutable absl::Mutex mu_;
   // Held for writing (after mu_) whenever the masters change, and for reading by every answer being

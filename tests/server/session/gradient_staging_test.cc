@@ -1,5 +1,6 @@
 // Gradient staging: decoded chunks land in the leased backend buffers, the pool keeps its spare
-// set, and a step from staged gradients is bit-identical to one from host values (clipped or not).
+// set, the host tensors are reused across steps, and a step from staged gradients, from gradients
+// read in place and from host values are bit-identical (clipped or not).
 #include "server/session/gradient_staging.h"
 
 #include "gmock/gmock.h"
@@ -100,15 +101,17 @@ TEST(GradientStagingTest, ThePoolKeepsItsFullestSetAndConcurrentStepsGetTheirOwn
   EXPECT_EQ(again.set().buffer(0).get(), preallocated) << "steady state reuses the same buffers";
 }
 
-// Two sessions from the same start: one gets its gradients staged as a stream would, the other from
-// host values (the path of journal replays and of a second stream); with and without clipping the
-// parameters stay bit-identical.
-TEST(GradientStagingTest, StagedStepsMatchHostStepsBitwise) {
-  auto backend = kernels::NewCpuBackend(1);
+// Three sessions from the same start: one on a device-like backend gets its gradients staged as a
+// stream would, one on the host-memory backend has the optimizer read the decoded values in place,
+// and one on the device-like backend gets them from host values (the path of journal replays and of
+// a second stream); with and without clipping the parameters stay bit-identical.
+TEST(GradientStagingTest, StagedInPlaceAndHostStepsMatchBitwise) {
+  auto device_like = kernels::NewCpuBackend(1, /*host_addressable=*/false);
+  auto host_memory = kernels::NewCpuBackend(1);
   const v1::SessionSpec spec = Spec();
-  auto make = [&](const std::string& id) {
+  auto make = [&](const std::string& id, kernels::Backend* backend) {
     std::unique_ptr<Session> session =
-        Session::Create(id, ParseSessionSpec(spec, SpecLimits{}).value(), backend.get()).value();
+        Session::Create(id, ParseSessionSpec(spec, SpecLimits{}).value(), backend).value();
     std::vector<HostTensor> initial(2);
     initial[0].values = Values(16 * 24, 1.0f);
     initial[0].received = 16 * 24;
@@ -117,22 +120,37 @@ TEST(GradientStagingTest, StagedStepsMatchHostStepsBitwise) {
     EXPECT_OK(session->Upload(std::move(initial)));
     return session;
   };
-  std::unique_ptr<Session> staged_session = make("staged");
-  std::unique_ptr<Session> host_session = make("host");
+  std::unique_ptr<Session> staged_session = make("staged", device_like.get());
+  std::unique_ptr<Session> in_place_session = make("in-place", host_memory.get());
+  std::unique_ptr<Session> host_session = make("host", device_like.get());
+  const float* decoded_into = nullptr;
   for (int step = 1; step <= 4; ++step) {
     StepRequest request;
     request.step = step;
     if (step % 2 == 0) request.max_grad_norm = 0.5;  // clips: the norm is about 14
     const std::vector<float> w = Values(16 * 24, 0.1f * step), b = Values(24, 0.7f * step);
 
-    ASSERT_OK_AND_ASSIGN(std::unique_ptr<IncomingStep> incoming, staged_session->BeginStep(request));
-    TensorAssembler assembler(incoming.get(), 1 << 20);
-    for (const v1::TensorChunk& chunk : Chunks("w", w, 50)) ASSERT_OK(assembler.Add(chunk));
-    for (const v1::TensorChunk& chunk : Chunks("b", b, 7)) ASSERT_OK(assembler.Add(chunk));
-    ASSERT_OK(assembler.Finish(false));
-    ASSERT_TRUE(incoming->gradients()[0].staged) << "the previous step gave the set back";
-    ASSERT_TRUE(incoming->gradients()[1].staged);
-    ASSERT_OK_AND_ASSIGN(StepOutcome from_staged, staged_session->FinishStep(std::move(incoming)));
+    auto stream = [&](Session& session, bool expect_staged) -> StepOutcome {
+      auto incoming = session.BeginStep(request);
+      EXPECT_OK(incoming.status());
+      TensorAssembler assembler(incoming->get(), 1 << 20);
+      for (const v1::TensorChunk& chunk : Chunks("w", w, 50)) EXPECT_OK(assembler.Add(chunk));
+      for (const v1::TensorChunk& chunk : Chunks("b", b, 7)) EXPECT_OK(assembler.Add(chunk));
+      EXPECT_OK(assembler.Finish(false));
+      EXPECT_EQ((*incoming)->gradients()[0].staged, expect_staged) << "the previous step gave the set back";
+      EXPECT_EQ((*incoming)->gradients()[1].staged, expect_staged);
+      if (!expect_staged) {
+        // The host tensors are the session's, lent again at every step: nothing is allocated.
+        const float* data = (*incoming)->gradients()[0].values.data();
+        if (decoded_into != nullptr) EXPECT_EQ(data, decoded_into) << "step " << step;
+        decoded_into = data;
+      }
+      auto outcome = session.FinishStep(std::move(*incoming));
+      EXPECT_OK(outcome.status());
+      return *outcome;
+    };
+    const StepOutcome from_staged = stream(*staged_session, true);
+    const StepOutcome in_place = stream(*in_place_session, false);
 
     TensorAssembler host(host_session->config(), 1 << 20);
     for (const v1::TensorChunk& chunk : Chunks("w", w, 50)) ASSERT_OK(host.Add(chunk));
@@ -142,10 +160,36 @@ TEST(GradientStagingTest, StagedStepsMatchHostStepsBitwise) {
     ASSERT_OK_AND_ASSIGN(StepOutcome from_host, host_session->ApplyJournaledStep(request, std::move(host.tensors())));
 
     ASSERT_TRUE(from_staged.result.applied);
+    ASSERT_TRUE(in_place.result.applied);
     EXPECT_EQ(from_staged.result.grad_norm, from_host.result.grad_norm);
+    EXPECT_EQ(in_place.result.grad_norm, from_host.result.grad_norm);
     EXPECT_EQ(CopyValues(*from_staged.parameters), CopyValues(*from_host.parameters)) << "step " << step;
+    EXPECT_EQ(CopyValues(*in_place.parameters), CopyValues(*from_host.parameters)) << "step " << step;
     EXPECT_NE(CopyValues(*from_staged.parameters)[0], Values(16 * 24, 1.0f)) << "the step changed nothing";
   }
+}
+
+// A host-memory session holds its gradient tensors from creation; a second stream of the same
+// session while the first holds them decodes into tensors of its own, freed afterwards.
+TEST(GradientStagingTest, HostGradientsAreLentToOneStepAtATime) {
+  HostGradients store({8, 4});
+  store.Preallocate();
+  std::vector<HostTensor> first = store.Take();
+  ASSERT_EQ(first.size(), 2u);
+  EXPECT_EQ(first[0].values.size(), 8u);
+  EXPECT_EQ(first[1].values.size(), 4u);
+  const float* preallocated = first[0].values.data();
+  first[0].received = 8;
+  first[0].sum_squares = 3.0;
+  std::vector<HostTensor> second = store.Take();
+  ASSERT_EQ(second.size(), 2u);
+  EXPECT_TRUE(second[0].values.empty()) << "the spare is lent once";
+  store.GiveBack(std::move(second));
+  store.GiveBack(std::move(first));  // fuller: replaces the empty one
+  std::vector<HostTensor> again = store.Take();
+  EXPECT_EQ(again[0].values.data(), preallocated);
+  EXPECT_EQ(again[0].received, 0) << "taken tensors are reset";
+  EXPECT_EQ(again[0].sum_squares, 0.0);
 }
 
 }  // namespace
