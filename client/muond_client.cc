@@ -1,9 +1,11 @@
 #include "client/muond_client.h"
 
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/wire/dtype_codec.h"
@@ -125,6 +127,15 @@ grpc::Status RetryWhileUnavailable(const Client& client, Call&& call) {
   }
 }
 
+void CopyResult(const v1::StepResult& r, StepReply* reply) {
+  reply->step = r.step();
+  reply->applied = r.applied();
+  reply->replayed = r.replayed();
+  reply->skip_reason = r.skip_reason();
+  reply->grad_norm = r.grad_norm();
+  reply->compute_seconds = r.compute_seconds();
+}
+
 }  // namespace
 
 absl::Status FromGrpcStatus(const grpc::Status& status) {
@@ -157,7 +168,39 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
                            "TLS, the client certificate)"
                          : " (if the daemon serves TLS, set tls_ca_file or use_tls)"));
   }
+  const std::string& wanted = options.transport;
+  if (wanted != "auto" && wanted != "grpc" && wanted != "shm") {
+    return absl::InvalidArgumentError(absl::StrCat("transport: '", wanted, "' is not one of auto, grpc, shm"));
+  }
   return std::unique_ptr<Client>(new Client(std::move(options), std::move(channel)));
+}
+
+absl::StatusOr<std::string> Client::Transport() {
+  std::lock_guard<std::mutex> lock(transport_mu_);
+  if (transport_.empty()) {
+    absl::StatusOr<std::string> chosen = ChooseTransport();
+    if (!chosen.ok()) return chosen.status();
+    transport_ = *chosen;
+  }
+  return transport_;
+}
+
+absl::StatusOr<std::string> Client::ChooseTransport() {
+  const std::string& wanted = options_.transport;
+  if (wanted == "grpc") return std::string("grpc");
+  absl::StatusOr<v1::ServerInfo> info = GetServerInfo();
+  if (!info.ok()) return info.status();
+  std::string why;
+  if (info->shm_socket().empty()) {
+    why = "the daemon offers no shared-memory transport (--shm-socket none)";
+  } else if (info->host_id().empty() || info->host_id() != LocalHostId()) {
+    why = "the daemon runs on another host";
+  } else if (!ShmSocketReachable(info->shm_socket())) {
+    why = absl::StrCat("the daemon's socket ", info->shm_socket(), " cannot be reached from here");
+  }
+  if (why.empty()) return std::string("shm");
+  if (wanted == "shm") return absl::FailedPreconditionError(absl::StrCat("transport: 'shm' is not possible: ", why));
+  return std::string("grpc");
 }
 
 void Client::PauseBeforeRetry(std::chrono::milliseconds backoff) const {
@@ -225,6 +268,7 @@ Session::Session(Client* client, std::string id, v1::SessionSpec spec, const v1:
   for (const auto& p : spec_.parameters()) {
     wire_dtypes_[p.name()] = p.wire_dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_FP32 : p.wire_dtype();
   }
+  numel_ = ElementCounts(spec_);
   attached_ = created.attached();
   initialized_ = created.initialized();
   last_step_ = created.last_step();
@@ -273,29 +317,38 @@ absl::StatusOr<StepReply> Session::Step(int64_t step, std::span<const TensorView
   }
 }
 
+v1::StepHeader Session::Header(int64_t step, const StepOptions& options) const {
+  v1::StepHeader header;
+  header.set_session_id(id_);
+  header.set_step(step);
+  header.set_rank(options.rank);
+  if (options.max_grad_norm) header.set_max_grad_norm(*options.max_grad_norm);
+  for (const auto& [query, max_logits] : options.qk_logits) {
+    v1::QkClipLogits* logits = header.add_qk_logits();
+    logits->set_query(query);
+    for (double s : max_logits) logits->add_max_logits(s);
+  }
+  for (const auto& [group, lr] : options.lr) {
+    v1::GroupOverride* o = header.add_overrides();
+    o->set_group(group);
+    o->set_lr(lr);
+  }
+  return header;
+}
+
 absl::StatusOr<StepReply> Session::StepOnce(int64_t step, std::span<const TensorView> gradients,
                                             const StepOptions& options) {
+  absl::StatusOr<std::string> transport = client_->Transport();
+  if (!transport.ok()) return transport.status();
+  if (*transport == "shm") return StepOnceShared(step, gradients, options);
   grpc::ClientContext context;
   client_->PrepareContext(context);
   auto stream = client_->stub().Step(&context);
   v1::StepRequest request;
   v1::StepHeader* header = request.mutable_header();
-  header->set_session_id(id_);
-  header->set_step(step);
-  header->set_rank(options.rank);
+  *header = Header(step, options);
   header->set_return_dtype(options.return_dtype);
   header->set_max_chunk_bytes(static_cast<uint32_t>(client_->options().chunk_bytes));
-  if (options.max_grad_norm) header->set_max_grad_norm(*options.max_grad_norm);
-  for (const auto& [query, max_logits] : options.qk_logits) {
-    v1::QkClipLogits* logits = header->add_qk_logits();
-    logits->set_query(query);
-    for (double s : max_logits) logits->add_max_logits(s);
-  }
-  for (const auto& [group, lr] : options.lr) {
-    v1::GroupOverride* o = header->add_overrides();
-    o->set_group(group);
-    o->set_lr(lr);
-  }
   uint32_t num_chunks = 0;
   for (const TensorView& tensor : gradients) {
     num_chunks += static_cast<uint32_t>(ChunkCount(tensor, WireDType(tensor.name), client_->options().chunk_bytes));
@@ -319,13 +372,7 @@ absl::StatusOr<StepReply> Session::StepOnce(int64_t step, std::span<const Tensor
   bool have_result = false;
   while (stream->Read(&response)) {
     if (response.has_result()) {
-      const v1::StepResult& r = response.result();
-      reply.step = r.step();
-      reply.applied = r.applied();
-      reply.replayed = r.replayed();
-      reply.skip_reason = r.skip_reason();
-      reply.grad_norm = r.grad_norm();
-      reply.compute_seconds = r.compute_seconds();
+      CopyResult(response.result(), &reply);
       have_result = true;
     } else if (response.has_chunk() && decode.ok()) {
       decode = ReadChunk(response.chunk(), numel, &reply.parameters);
@@ -335,6 +382,101 @@ absl::StatusOr<StepReply> Session::StepOnce(int64_t step, std::span<const Tensor
   if (!status.ok()) return status;
   if (!decode.ok()) return decode;
   if (!have_result) return absl::InternalError("the daemon's step answer had no result");
+  return reply;
+}
+
+absl::Status Session::SetUpRegion() {
+  region_.reset();
+  // One try: a daemon that is down makes this step attempt fail, and Step's own retries go on.
+  v1::ServerInfo server;
+  {
+    grpc::ClientContext context;
+    client_->PrepareContext(context);
+    absl::Status reached = FromGrpcStatus(client_->stub().GetServerInfo(&context, v1::GetServerInfoRequest(), &server));
+    if (!reached.ok()) return reached;
+  }
+  const v1::ServerInfo* info = &server;
+  if (info->shm_socket().empty()) {
+    return absl::FailedPreconditionError("transport: the daemon no longer offers shared memory");
+  }
+  uint64_t bytes = 0;
+  region_offsets_.clear();
+  for (const auto& [name, numel] : numel_) {
+    region_offsets_[name] = bytes;
+    bytes += static_cast<uint64_t>(numel) * sizeof(float);  // fits every dtype, in or out
+  }
+  absl::StatusOr<std::unique_ptr<ShmRegion>> region = ShmRegion::Create(info->shm_socket(), std::max<uint64_t>(bytes, 1));
+  if (!region.ok()) return region.status();
+  const std::string name = absl::StrCat(id_, "/", (*region)->ticket().substr(0, 8));
+  grpc::ClientContext context;
+  client_->PrepareContext(context);
+  v1::RegisterSharedMemoryRequest request;
+  request.set_name(name);
+  request.set_ticket((*region)->ticket());
+  v1::RegisterSharedMemoryResponse response;
+  absl::Status registered = FromGrpcStatus(client_->stub().RegisterSharedMemory(&context, request, &response));
+  if (!registered.ok()) return registered;
+  region_ = *std::move(region);
+  region_name_ = name;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StepReply> Session::StepOnceShared(int64_t step, std::span<const TensorView> gradients,
+                                                  const StepOptions& options) {
+  if (region_ == nullptr) {
+    if (absl::Status ready = SetUpRegion(); !ready.ok()) return ready;
+  }
+  v1::StepSharedRequest request;
+  *request.mutable_header() = Header(step, options);
+  // The gradients are written before every attempt: an answer overwrites them with parameters.
+  for (const TensorView& tensor : gradients) {
+    const v1::DType dtype = WireDType(tensor.name);
+    v1::SharedTensor* ref = request.add_gradients();
+    ref->set_name(tensor.name);
+    ref->set_region(region_name_);
+    ref->set_dtype(dtype);
+    ref->set_byte_size(tensor.values.size() * wire::ElementSize(dtype));
+    auto slot = region_offsets_.find(tensor.name);
+    auto numel = numel_.find(tensor.name);
+    if (slot == region_offsets_.end() || numel == numel_.end() ||
+        static_cast<int64_t>(tensor.values.size()) != numel->second) {
+      continue;  // not written: the daemon refuses the reference, naming the field
+    }
+    ref->set_offset(slot->second);
+    wire::EncodeTo(dtype, tensor.values, region_->data() + slot->second);
+  }
+  const v1::DType answer = options.return_dtype != v1::DTYPE_UNSPECIFIED ? options.return_dtype
+                           : spec_.return_dtype() != v1::DTYPE_UNSPECIFIED ? spec_.return_dtype()
+                                                                            : v1::DTYPE_FP32;
+  for (const auto& [name, numel] : numel_) {
+    v1::SharedTensor* ref = request.add_parameters();
+    ref->set_name(name);
+    ref->set_region(region_name_);
+    ref->set_offset(region_offsets_[name]);
+    ref->set_byte_size(static_cast<uint64_t>(numel) * wire::ElementSize(answer));
+    ref->set_dtype(answer);
+  }
+  grpc::ClientContext context;
+  client_->PrepareContext(context);
+  v1::StepSharedResponse response;
+  absl::Status status = FromGrpcStatus(client_->stub().StepShared(&context, request, &response));
+  if (!status.ok()) {
+    if (status.code() == absl::StatusCode::kUnavailable) region_.reset();  // a restarted daemon has lost it
+    if (status.code() == absl::StatusCode::kNotFound && absl::StrContains(status.message(), ".region")) {
+      region_.reset();
+      return absl::UnavailableError(absl::StrCat("the daemon lost this session's region (restarted?): ",
+                                                 status.message()));
+    }
+    return status;
+  }
+  StepReply reply;
+  CopyResult(response.result(), &reply);
+  for (const auto& [name, numel] : numel_) {
+    std::vector<float>& values = reply.parameters[name];
+    values.resize(static_cast<size_t>(numel));
+    wire::Decode(answer, absl::string_view(region_->data() + region_offsets_[name], numel * wire::ElementSize(answer)),
+                 values);
+  }
   return reply;
 }
 

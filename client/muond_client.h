@@ -6,6 +6,9 @@
 // parameters, so Step() retries transient failures (UNAVAILABLE, DEADLINE_EXCEEDED) with the same
 // step number.
 //
+// Steps travel as chunked gRPC streams or, with a daemon on the same host, through a shared-memory
+// region the session registers (ClientOptions::transport); the semantics are the same on both.
+//
 // Errors are absl::Status values carrying the daemon's gRPC code and message unchanged.
 // Thread-safety: a Client may be shared by threads; a Session must be used by one thread at a time.
 #pragma once
@@ -14,6 +17,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -21,6 +25,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "client/shm_region.h"
 #include "muond/v1/muond.grpc.pb.h"
 
 namespace muond::client {
@@ -45,6 +50,11 @@ struct ClientOptions {
   // Sent as 'authorization: Bearer <auth_token>' with every call when not empty. Over plaintext the
   // token is readable by anyone on the path; use TLS beyond loopback.
   std::string auth_token;
+
+  // How steps' tensors travel: "grpc" (chunked streams), "shm" (shared memory: the daemon must be on
+  // this host and offer it) or "auto" (shared memory when the daemon is on this host and its socket
+  // is reachable, else gRPC). Client::transport() says which was chosen. Control calls always use gRPC.
+  std::string transport = "auto";
 };
 
 // A named tensor owned by the caller.
@@ -93,6 +103,9 @@ class Client {
 
   v1::Muond::Stub& stub() { return *stub_; }
   const ClientOptions& options() const { return options_; }
+  // "grpc" or "shm": the transport steps use (ClientOptions::transport). Settled by the first step
+  // (or the first call of this), not by Connect, so that connecting makes no call of its own.
+  absl::StatusOr<std::string> Transport();
   void PrepareContext(grpc::ClientContext& context) const;
   // Waits `backoff` before a retry while watching the channel, so that it reconnects meanwhile: gRPC
   // notices a finished connection attempt only while something polls the channel (otherwise only
@@ -102,7 +115,11 @@ class Client {
 
  private:
   Client(ClientOptions options, std::shared_ptr<grpc::Channel> channel);
+  // The transport options_.transport and the daemon's offer give.
+  absl::StatusOr<std::string> ChooseTransport();
   ClientOptions options_;
+  std::mutex transport_mu_;
+  std::string transport_;  // empty until settled
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Muond::Stub> stub_;
 };
@@ -136,12 +153,22 @@ class Session {
  private:
   absl::StatusOr<ParameterMap> GetParametersOnce(int64_t* last_step, const std::vector<std::string>& names);
   absl::StatusOr<StepReply> StepOnce(int64_t step, std::span<const TensorView> gradients, const StepOptions& options);
+  // The shared-memory step: gradients and parameters through this session's region.
+  absl::StatusOr<StepReply> StepOnceShared(int64_t step, std::span<const TensorView> gradients,
+                                           const StepOptions& options);
+  // Creates and registers the region (one 4-byte slot per element of every parameter).
+  absl::Status SetUpRegion();
+  v1::StepHeader Header(int64_t step, const StepOptions& options) const;
   v1::DType WireDType(const std::string& name) const;
 
   Client* const client_;
   const std::string id_;
   const v1::SessionSpec spec_;
   std::map<std::string, v1::DType> wire_dtypes_;
+  std::map<std::string, int64_t> numel_;
+  std::unique_ptr<ShmRegion> region_;  // shared-memory transport, once a step needed it
+  std::string region_name_;
+  std::map<std::string, uint64_t> region_offsets_;  // per parameter, into region_
   bool attached_ = false;
   bool initialized_ = false;
   int64_t last_step_ = 0;

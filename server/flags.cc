@@ -77,6 +77,14 @@ std::optional<DaemonFlags> ParseFlags(int argc, char** argv, int* exit_code) {
   app.add_option("--checkpoint-every", flags.checkpoint_every, "Checkpoint each session every N steps (0: never)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  app.add_option("--shm-socket", flags.shm_socket,
+                 "Unix-domain socket on which clients on this host pass shared-memory regions (memfds): 'auto' "
+                 "(an abstract socket unique to this process), 'none' (no shared-memory transport), '@name' "
+                 "(abstract) or a path")
+      ->capture_default_str();
+  app.add_option("--shm-max-region-bytes", flags.shm_max_region_bytes, "Largest shared-memory region accepted")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   app.add_option("--straggler-timeout", flags.straggler_timeout_seconds,
                  "Seconds a multi-rank step waits for its last rank before it is aborted for all")
       ->check(CLI::PositiveNumber)

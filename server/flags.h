@@ -31,6 +31,10 @@ struct DaemonFlags {
   std::string durability = "snapshot";  // snapshot | journal
   int64_t checkpoint_every = 0;       // steps between periodic checkpoints; 0: none
   double straggler_timeout_seconds = 120;  // a multi-rank step waits this long for its last rank
+  // Shared-memory transport: "auto" (an abstract socket unique to the process), "none", "@name" or a
+  // filesystem path.
+  std::string shm_socket = "auto";
+  uint64_t shm_max_region_bytes = uint64_t{1} << 40;
 };
 
 // Parses argv. Returns the flags, or std::nullopt with *exit_code set when the process should exit

@@ -28,6 +28,7 @@
 #include "server/security/token_table.h"
 #include "server/security/tls_files.h"
 #include "server/session/session_registry.h"
+#include "server/transport/shm/shm_socket_server.h"
 
 namespace muond::server {
 namespace {
@@ -68,6 +69,15 @@ int WaitForStopSignal() {
     if (errno != EINTR) return SIGTERM;
   }
   return byte;
+}
+
+// The kernel's boot id: clients compare it with their own to tell whether they share the daemon's
+// host (and may use shared memory).
+std::string HostId() {
+  std::ifstream in("/proc/sys/kernel/random/boot_id");
+  std::string id;
+  std::getline(in, id);
+  return id;
 }
 
 std::string HostOf(const std::string& listen) {
@@ -153,6 +163,25 @@ int Run(int argc, char** argv) {
   service_options.tokens = tokens ? &*tokens : nullptr;
   service_options.rpc_timeout = absl::Seconds(flags->rpc_timeout_seconds);
   service_options.metrics = metrics;
+  // The shared-memory transport: its socket takes memfds from clients on this host.
+  transport::SharedMemoryLimits shm_limits;
+  shm_limits.max_region_bytes = flags->shm_max_region_bytes;
+  transport::SharedMemoryRegions shm_regions(shm_limits);
+  std::unique_ptr<transport::ShmSocketServer> shm_socket;
+  if (flags->shm_socket != "none") {
+    const std::string address =
+        flags->shm_socket == "auto" ? transport::DefaultShmSocketAddress() : flags->shm_socket;
+    absl::StatusOr<std::unique_ptr<transport::ShmSocketServer>> started =
+        transport::ShmSocketServer::Start(address, &shm_regions);
+    if (!started.ok()) {
+      MUOND_LOG(error, "{}", started.status().message());
+      return 1;
+    }
+    shm_socket = *std::move(started);
+    service_options.shm_regions = &shm_regions;
+    service_options.shm_socket = address;
+  }
+  service_options.host_id = HostId();
   rpc::MuondService service(&registry, backend, service_options);
 
   grpc::EnableDefaultHealthCheckService(true);
@@ -179,6 +208,8 @@ int Run(int argc, char** argv) {
   MUOND_LOG(info, "transport: {}; authentication: {}",
             tls.enabled() ? (tls.client_ca.empty() ? "TLS" : "mutual TLS") : "plaintext",
             tokens ? absl::StrCat(tokens->size(), " bearer tokens") : std::string("none"));
+  MUOND_LOG(info, "shared memory: {}",
+            shm_socket ? absl::StrCat("memfd regions on socket ", shm_socket->address()) : std::string("off"));
   for (const std::string& line :
        security::ExposureWarnings(flags->listen, tls.enabled(), !tls.client_ca.empty(), tokens.has_value())) {
     MUOND_LOG(warn, "{}", line);

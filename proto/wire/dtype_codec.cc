@@ -108,10 +108,7 @@ void Decode(v1::DType dtype, absl::string_view bytes, std::span<float> out) {
   }
 }
 
-void Encode(v1::DType dtype, std::span<const float> values, std::string* out) {
-  const size_t start = out->size();
-  out->resize(start + values.size() * ElementSize(dtype));
-  char* dst = out->data() + start;
+void EncodeTo(v1::DType dtype, std::span<const float> values, char* dst) {
   switch (dtype) {
     case v1::DTYPE_FP32:
       std::memcpy(dst, values.data(), values.size() * sizeof(float));
@@ -128,6 +125,12 @@ void Encode(v1::DType dtype, std::span<const float> values, std::string* out) {
     default:
       return;
   }
+}
+
+void Encode(v1::DType dtype, std::span<const float> values, std::string* out) {
+  const size_t start = out->size();
+  out->resize(start + values.size() * ElementSize(dtype));
+  EncodeTo(dtype, values, out->data() + start);
 }
 
 }  // namespace muond::wire

@@ -30,5 +30,7 @@ void Decode(v1::DType dtype, absl::string_view bytes, std::span<float> out);
 
 // Appends values encoded as `dtype` (concrete) to `out`.
 void Encode(v1::DType dtype, std::span<const float> values, std::string* out);
+// Writes values encoded as `dtype` (concrete) to `dst`, which holds values.size() elements of it.
+void EncodeTo(v1::DType dtype, std::span<const float> values, char* dst);
 
 }  // namespace muond::wire

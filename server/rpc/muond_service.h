@@ -5,7 +5,8 @@
 // (transport::RunStep over the gRPC stream's source and sink).
 //
 // Handlers: session_handlers.cc (server info, create, close, list, checkpoint), tensor_handlers.cc
-// (upload, step, get parameters), state_handlers.cc (get and set state). The service holds no
+// (upload, step, get parameters), state_handlers.cc (get and set state), shm_handlers.cc (shared-
+// memory regions and the StepShared step). The service holds no
 // state of its own beyond what its calls share, so handlers run concurrently on gRPC's threads. It
 // borrows the registry, the backend, the tokens and the metrics, which must outlive it.
 #pragma once
@@ -20,6 +21,7 @@
 #include "server/rpc/call_scope.h"
 #include "server/security/token_table.h"
 #include "server/session/session_registry.h"
+#include "server/transport/shm/shared_memory_regions.h"
 
 namespace muond::rpc {
 
@@ -31,6 +33,10 @@ struct ServiceOptions {
   const security::TokenTable* tokens = nullptr;
   absl::Duration rpc_timeout = absl::Seconds(600);  // the daemon's limit on any call; 0: none
   metrics::Metrics* metrics = metrics::NoMetrics();  // not owned
+  // The shared-memory transport; null when the daemon offers none. Not owned.
+  transport::SharedMemoryRegions* shm_regions = nullptr;
+  std::string shm_socket;  // its socket's address, reported by GetServerInfo
+  std::string host_id;     // the kernel's boot id, reported by GetServerInfo
 };
 
 class MuondService final : public v1::Muond::Service {
@@ -59,6 +65,13 @@ class MuondService final : public v1::Muond::Service {
   grpc::Status SetState(grpc::ServerContext*, grpc::ServerReader<v1::SetStateRequest>*,
                         v1::SetStateResponse*) override;
   grpc::Status Checkpoint(grpc::ServerContext*, const v1::CheckpointRequest*, v1::CheckpointResponse*) override;
+  grpc::Status RegisterSharedMemory(grpc::ServerContext*, const v1::RegisterSharedMemoryRequest*,
+                                    v1::RegisterSharedMemoryResponse*) override;
+  grpc::Status UnregisterSharedMemory(grpc::ServerContext*, const v1::UnregisterSharedMemoryRequest*,
+                                      v1::UnregisterSharedMemoryResponse*) override;
+  grpc::Status SharedMemoryStatus(grpc::ServerContext*, const v1::SharedMemoryStatusRequest*,
+                                  v1::SharedMemoryStatusResponse*) override;
+  grpc::Status StepShared(grpc::ServerContext*, const v1::StepSharedRequest*, v1::StepSharedResponse*) override;
 
  private:
   absl::Status DoUpload(const std::string& caller, grpc::ServerReader<v1::UploadParametersRequest>* reader,
@@ -73,6 +86,8 @@ class MuondService final : public v1::Muond::Service {
   absl::Status DoSetState(const std::string& caller, grpc::ServerReader<v1::SetStateRequest>* reader,
                           v1::SetStateResponse* response);
 
+  // The shared-memory regions, or FAILED_PRECONDITION when the daemon offers none.
+  absl::StatusOr<transport::SharedMemoryRegions*> ShmRegions() const;
   // Chunk size for an answer: the client's wish bounded by the server's limit.
   size_t AnswerChunkBytes(uint32_t requested) const;
 

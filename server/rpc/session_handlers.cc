@@ -32,6 +32,8 @@ grpc::Status MuondService::GetServerInfo(grpc::ServerContext* context, const v1:
     for (const std::string& name : optim::OptimizerNames()) info->add_optimizers(name);
     for (const std::string& name : optim::NamedScheduleNames()) info->add_ns_coefficient_sets(name);
     info->set_num_sessions(static_cast<int32_t>(registry_->size()));
+    if (options_.shm_regions != nullptr) info->set_shm_socket(options_.shm_socket);
+    info->set_host_id(options_.host_id);
     return absl::OkStatus();
   });
 }

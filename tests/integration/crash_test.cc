@@ -68,7 +68,7 @@ TEST(CrashTest, RandomKill9sLeaveTheRunBitIdenticalToAnUninterruptedOne) {
   std::string error;
   ASSERT_TRUE(daemon.Start(flags, &error)) << error;
   const int port = daemon.port();
-  client::ClientOptions options;
+  client::ClientOptions options = testing::TestClientOptions();
   options.endpoint = daemon.endpoint();
   options.max_step_attempts = 3;
   options.retry_backoff = std::chrono::milliseconds(10);
@@ -150,7 +150,7 @@ TEST(CrashTest, AStepRightAfterARestartSucceedsWithinTheClientsRetries) {
   std::string error;
   ASSERT_TRUE(daemon.Start(flags, &error)) << error;
   const int port = daemon.port();
-  client::ClientOptions options;
+  client::ClientOptions options = testing::TestClientOptions();
   options.endpoint = daemon.endpoint();
   options.retry_backoff = std::chrono::milliseconds(200);  // 4 tries within 1.4 s
   ASSERT_OK_AND_ASSIGN(auto client, client::Client::Connect(options));

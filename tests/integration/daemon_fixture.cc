@@ -14,7 +14,7 @@ void DaemonTest::SetUpTestSuite() {
   daemon_ = new DaemonProcess();
   std::string error;
   ASSERT_TRUE(daemon_->Start({"--backend", "cpu"}, &error)) << error;
-  client::ClientOptions options;
+  client::ClientOptions options = testing::TestClientOptions();
   options.endpoint = daemon_->endpoint();
   options.chunk_bytes = 64;  // tiny chunks, so every tensor travels in several
   auto client = client::Client::Connect(options);

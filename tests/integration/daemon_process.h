@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "tests/integration/test_transport.h"
+
 namespace muond::testing {
 
 class DaemonProcess {

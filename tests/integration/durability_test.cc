@@ -49,7 +49,7 @@ class DurableDaemon {
   DaemonProcess& process() { return process_; }
 
   std::unique_ptr<client::Client> Connect(int attempts = 6) {
-    client::ClientOptions options;
+    client::ClientOptions options = testing::TestClientOptions();
     options.endpoint = process_.endpoint();
     options.max_step_attempts = attempts;
     options.retry_backoff = std::chrono::milliseconds(20);
@@ -140,7 +140,7 @@ TEST(DurabilityTest, CheckpointWithoutAStateDirIsFailedPrecondition) {
   DaemonProcess daemon;
   std::string error;
   ASSERT_TRUE(daemon.Start({"--backend", "cpu"}, &error)) << error;
-  client::ClientOptions options;
+  client::ClientOptions options = testing::TestClientOptions();
   options.endpoint = daemon.endpoint();
   ASSERT_OK_AND_ASSIGN(auto client, client::Client::Connect(options));
   Trainer trainer;
@@ -269,7 +269,7 @@ TEST(DurabilityTest, ARestoredSessionKeepsItsOwner) {
   std::string error;
   ASSERT_TRUE(daemon.Start(&error)) << error;
   auto connect_as = [&](const std::string& token) {
-    client::ClientOptions options;
+    client::ClientOptions options = testing::TestClientOptions();
     options.endpoint = daemon.process().endpoint();
     options.auth_token = token;
     auto client = client::Client::Connect(options);

@@ -101,7 +101,7 @@ TEST(GpuDaemonTest, TrainsLikeTheCpuDaemon) {
   if (!gpu.Start({"--backend", "cuda"}, &error)) GTEST_SKIP() << "no usable GPU: " << error;
   DaemonProcess cpu;
   ASSERT_TRUE(cpu.Start({"--backend", "cpu"}, &error)) << error;
-  client::ClientOptions options;
+  client::ClientOptions options = testing::TestClientOptions();
   options.chunk_bytes = 64 << 10;  // 8 chunks per matrix
   options.endpoint = gpu.endpoint();
   ASSERT_OK_AND_ASSIGN(auto on_gpu, client::Client::Connect(options));

@@ -79,7 +79,7 @@ class HostileInputTest : public ::testing::Test {
     std::string error;
     ASSERT_TRUE(daemon_->Start({"--backend", "cpu", "--max-chunk-bytes", std::to_string(kMaxChunkBytes)}, &error))
         << error;
-    client::ClientOptions options;
+    client::ClientOptions options = testing::TestClientOptions();
     options.endpoint = daemon_->endpoint();
     options.chunk_bytes = 1024;
     options.rpc_timeout = std::chrono::seconds(60);

@@ -41,7 +41,7 @@ class LimitsTest : public ::testing::Test {
     all.insert(all.end(), flags.begin(), flags.end());
     std::string error;
     ASSERT_TRUE(daemon_.Start(all, &error)) << error;
-    client::ClientOptions options;
+    client::ClientOptions options = testing::TestClientOptions();
     options.endpoint = daemon_.endpoint();
     options.max_step_attempts = 1;
     ASSERT_OK_AND_ASSIGN(client_, client::Client::Connect(options));

@@ -27,7 +27,7 @@ class MultiRankTest : public ::testing::Test {
     ASSERT_TRUE(daemon_.Start({"--backend", "cpu", "--straggler-timeout", straggler_timeout_, "--log-level", "debug"},
                               &error))
         << error;
-    client::ClientOptions options;
+    client::ClientOptions options = testing::TestClientOptions();
     options.endpoint = daemon_.endpoint();
     ASSERT_OK_AND_ASSIGN(client_, client::Client::Connect(options));
   }

@@ -115,7 +115,7 @@ absl::StatusOr<std::unique_ptr<client::Session>> NewSession(client::Client& clie
 }
 
 client::ClientOptions Options(const DaemonProcess& daemon, const std::string& token = "") {
-  client::ClientOptions options;
+  client::ClientOptions options = testing::TestClientOptions();
   options.endpoint = daemon.endpoint();
   options.connect_timeout = std::chrono::seconds(3);
   options.max_step_attempts = 1;

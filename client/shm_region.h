@@ -1,0 +1,58 @@
+// ShmRegion: the client's side of muond's shared-memory transport — a memfd the client maps and
+// passes to the daemon over the daemon's Unix-domain socket (ServerInfo.shm_socket), which answers
+// with a one-time ticket to claim through RegisterSharedMemory.
+//
+// The memfd is sized once and sealed against shrinking and growing (the daemon refuses anything it
+// could be made to fault on). The socket connection stays open as long as the region: the daemon
+// drops every region a connection passed once it closes, so a client that exits or crashes leaves
+// nothing behind. Neither side names the memory anywhere a third process could find it.
+//
+// Ownership: the region owns its mapping, its memfd and its socket. Not thread-safe.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+
+namespace muond::client {
+
+class ShmRegion {
+ public:
+  // Creates a region of `bytes` bytes and passes it to the daemon listening on `socket_address`
+  // ("@name": Linux's abstract namespace).
+  static absl::StatusOr<std::unique_ptr<ShmRegion>> Create(const std::string& socket_address, size_t bytes);
+  ~ShmRegion();
+  ShmRegion(const ShmRegion&) = delete;
+  ShmRegion& operator=(const ShmRegion&) = delete;
+
+  char* data() const { return data_; }
+  size_t size() const { return size_; }
+  // The daemon's one-time ticket for this region.
+  const std::string& ticket() const { return ticket_; }
+
+ private:
+  ShmRegion(int memfd, int socket, char* data, size_t size, std::string ticket)
+      : memfd_(memfd), socket_(socket), data_(data), size_(size), ticket_(std::move(ticket)) {}
+
+  const int memfd_;
+  const int socket_;
+  char* const data_;
+  const size_t size_;
+  const std::string ticket_;
+};
+
+// The protocol's two halves, for callers that pass descriptors themselves: a connection to the
+// daemon's socket (owned by the caller; closing it drops what it passed), and one descriptor passed
+// on it with the daemon's one-line answer ("ok <ticket> <bytes>" or "error <reason>").
+absl::StatusOr<int> ConnectShmSocket(const std::string& socket_address);
+absl::StatusOr<std::string> PassDescriptor(int socket, int fd);
+
+// This machine's boot id, to compare with ServerInfo.host_id.
+std::string LocalHostId();
+// Whether the daemon's socket accepts a connection from here (same host and network namespace).
+bool ShmSocketReachable(const std::string& socket_address);
+
+}  // namespace muond::client

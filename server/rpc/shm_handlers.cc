@@ -1,0 +1,82 @@
+// MuondService's shared-memory calls: RegisterSharedMemory, UnregisterSharedMemory,
+// SharedMemoryStatus and StepShared (docs/transports.md).
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "server/rpc/muond_service.h"
+#include "server/transport/grpc/api_conversion.h"
+#include "server/transport/shm/shm_step.h"
+#include "server/transport/step_transport.h"
+
+namespace muond::rpc {
+
+absl::StatusOr<transport::SharedMemoryRegions*> MuondService::ShmRegions() const {
+  if (options_.shm_regions == nullptr) {
+    return absl::FailedPreconditionError(
+        "the daemon offers no shared-memory transport (started with --shm-socket none); use the gRPC transport");
+  }
+  return options_.shm_regions;
+}
+
+grpc::Status MuondService::RegisterSharedMemory(grpc::ServerContext* context,
+                                                const v1::RegisterSharedMemoryRequest* request,
+                                                v1::RegisterSharedMemoryResponse* response) {
+  return Serve(calls_, context, "RegisterSharedMemory", [&](const std::string& caller) -> absl::Status {
+    MUOND_ASSIGN_OR_RETURN(transport::SharedMemoryRegions * regions, ShmRegions());
+    MUOND_ASSIGN_OR_RETURN(uint64_t bytes, regions->Register(caller, request->name(), request->ticket()));
+    response->set_byte_size(bytes);
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status MuondService::UnregisterSharedMemory(grpc::ServerContext* context,
+                                                  const v1::UnregisterSharedMemoryRequest* request,
+                                                  v1::UnregisterSharedMemoryResponse*) {
+  return Serve(calls_, context, "UnregisterSharedMemory", [&](const std::string& caller) -> absl::Status {
+    MUOND_ASSIGN_OR_RETURN(transport::SharedMemoryRegions * regions, ShmRegions());
+    return regions->Unregister(caller, request->name());
+  });
+}
+
+grpc::Status MuondService::SharedMemoryStatus(grpc::ServerContext* context,
+                                              const v1::SharedMemoryStatusRequest* request,
+                                              v1::SharedMemoryStatusResponse* response) {
+  return Serve(calls_, context, "SharedMemoryStatus", [&](const std::string& caller) -> absl::Status {
+    MUOND_ASSIGN_OR_RETURN(transport::SharedMemoryRegions * regions, ShmRegions());
+    MUOND_ASSIGN_OR_RETURN(std::vector<transport::RegionStatus> status, regions->Status(caller, request->name()));
+    for (const transport::RegionStatus& region : status) {
+      v1::SharedMemoryRegion* out = response->add_regions();
+      out->set_name(region.name);
+      out->set_byte_size(region.byte_size);
+      out->set_steps_in_flight(region.steps_in_flight);
+    }
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status MuondService::StepShared(grpc::ServerContext* context, const v1::StepSharedRequest* request,
+                                      v1::StepSharedResponse* response) {
+  return Serve(calls_, context, "StepShared", [&](const std::string& caller) -> absl::Status {
+    MUOND_ASSIGN_OR_RETURN(transport::SharedMemoryRegions * regions, ShmRegions());
+    const v1::StepHeader& header = request->header();
+    MUOND_RETURN_IF_ERROR(session::CheckSessionId(header.session_id(), "header.session_id"));
+    MUOND_ASSIGN_OR_RETURN(std::shared_ptr<session::Session> session, registry_->Find(header.session_id(), caller));
+    if (header.return_dtype() != v1::DTYPE_UNSPECIFIED) {
+      return absl::InvalidArgumentError("header.return_dtype: a shared-memory step answers in parameters[].dtype");
+    }
+    // Every place is checked before the step begins: an applied step always has somewhere to go.
+    MUOND_ASSIGN_OR_RETURN(std::vector<transport::SharedTensorPlace> gradients,
+                           transport::ResolveSharedTensors(session->config(), *regions, caller, request->gradients(),
+                                                           "gradients", /*require_all=*/false));
+    MUOND_ASSIGN_OR_RETURN(std::vector<transport::SharedTensorPlace> parameters,
+                           transport::ResolveSharedTensors(session->config(), *regions, caller,
+                                                           request->parameters(), "parameters", /*require_all=*/true));
+    transport::ShmGradientSource source(std::move(gradients));
+    transport::ShmParameterSink sink(std::move(parameters));
+    MUOND_RETURN_IF_ERROR(
+        transport::RunStep(*session, transport::ToStepRequest(header), source, sink, *options_.metrics));
+    *response->mutable_result() = sink.result();
+    return absl::OkStatus();
+  });
+}
+
+}  // namespace muond::rpc

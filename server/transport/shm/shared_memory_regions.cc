@@ -1,0 +1,146 @@
+#include "server/transport/shm/shared_memory_regions.h"
+
+#include <sys/random.h>
+
+#include <cstdio>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/escaping.h"
+
+namespace muond::transport {
+namespace {
+
+absl::Status CheckRegionName(const std::string& name) {
+  if (name.empty() || name.size() > 128) {
+    return absl::InvalidArgumentError(absl::StrCat("name: a region name has 1 to 128 characters, got ", name.size()));
+  }
+  for (unsigned char c : name) {
+    if (c < 0x20 || c == 0x7f) return absl::InvalidArgumentError("name: control characters are not allowed");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::string RandomTicket() {
+  unsigned char bytes[16];
+  size_t got = 0;
+  while (got < sizeof(bytes)) {
+    const ssize_t n = ::getrandom(bytes + got, sizeof(bytes) - got, 0);
+    if (n > 0) got += static_cast<size_t>(n);
+  }
+  return absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(bytes), sizeof(bytes)));
+}
+
+uint64_t SharedMemoryRegions::OpenConnection() {
+  absl::MutexLock lock(&mu_);
+  return next_connection_++;
+}
+
+absl::StatusOr<std::string> SharedMemoryRegions::AddPending(uint64_t connection,
+                                                            std::shared_ptr<SharedMapping> mapping) {
+  absl::MutexLock lock(&mu_);
+  int held = 0;
+  for (const auto& [ticket, pending] : pending_) held += pending.connection == connection ? 1 : 0;
+  if (held >= limits_.max_pending_per_connection) {
+    return absl::ResourceExhaustedError(absl::StrCat("this connection holds ", held,
+                                                     " unclaimed regions already; register them first"));
+  }
+  std::string ticket = RandomTicket();
+  pending_.emplace(ticket, Pending{connection, std::move(mapping)});
+  return ticket;
+}
+
+void SharedMemoryRegions::CloseConnection(uint64_t connection) {
+  std::vector<std::shared_ptr<SharedMapping>> dropped;  // destroyed after `lock`: unmapped outside it
+  absl::MutexLock lock(&mu_);
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    if (it->second.connection == connection) {
+      dropped.push_back(std::move(it->second.mapping));
+      pending_.erase(it++);
+    } else {
+      ++it;
+    }
+  }
+  for (auto it = regions_.begin(); it != regions_.end();) {
+    if (it->second.connection == connection) {
+      dropped.push_back(std::move(it->second.mapping));
+      it = regions_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+absl::StatusOr<uint64_t> SharedMemoryRegions::Register(const std::string& caller, const std::string& name,
+                                                       const std::string& ticket) {
+  if (absl::Status ok = CheckRegionName(name); !ok.ok()) return ok;
+  absl::MutexLock lock(&mu_);
+  auto pending = pending_.find(ticket);
+  if (pending == pending_.end()) {
+    return absl::NotFoundError("ticket: no region was passed under this ticket, or it was claimed already");
+  }
+  if (regions_.contains({caller, name})) {
+    return absl::AlreadyExistsError(absl::StrCat("name: a region '", name, "' is registered already"));
+  }
+  int held = 0;
+  for (auto it = regions_.lower_bound({caller, ""}); it != regions_.end() && it->first.first == caller; ++it) ++held;
+  if (held >= limits_.max_regions_per_caller) {
+    return absl::ResourceExhaustedError(absl::StrCat("name: this caller holds ", held,
+                                                     " regions already, the daemon's limit"));
+  }
+  const uint64_t size = pending->second.mapping->size();
+  regions_.emplace(Key{caller, name}, Region{pending->second.connection, std::move(pending->second.mapping)});
+  pending_.erase(pending);
+  return size;
+}
+
+absl::Status SharedMemoryRegions::Unregister(const std::string& caller, const std::string& name) {
+  std::shared_ptr<SharedMapping> dropped;  // destroyed after `lock`: unmapped outside it
+  absl::MutexLock lock(&mu_);
+  auto it = regions_.find({caller, name});
+  if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("name: no region '", name, "' is registered"));
+  dropped = std::move(it->second.mapping);
+  regions_.erase(it);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<RegionStatus>> SharedMemoryRegions::Status(const std::string& caller,
+                                                                       const std::string& name) const {
+  absl::MutexLock lock(&mu_);
+  std::vector<RegionStatus> out;
+  for (auto it = regions_.lower_bound({caller, ""}); it != regions_.end() && it->first.first == caller; ++it) {
+    if (!name.empty() && it->first.second != name) continue;
+    // The table holds one reference; every other is a step using the region.
+    out.push_back({it->first.second, it->second.mapping->size(),
+                   static_cast<int>(it->second.mapping.use_count() - 1)});
+  }
+  if (!name.empty() && out.empty()) {
+    return absl::NotFoundError(absl::StrCat("name: no region '", name, "' is registered"));
+  }
+  return out;
+}
+
+absl::StatusOr<std::shared_ptr<SharedMapping>> SharedMemoryRegions::Find(const std::string& caller,
+                                                                         const std::string& name,
+                                                                         const std::string& field) const {
+  absl::MutexLock lock(&mu_);
+  auto it = regions_.find({caller, name});
+  if (it == regions_.end()) {
+    return absl::NotFoundError(absl::StrCat(field, ": no shared-memory region '", name,
+                                            "' is registered by this caller"));
+  }
+  return it->second.mapping;
+}
+
+size_t SharedMemoryRegions::regions() const {
+  absl::MutexLock lock(&mu_);
+  return regions_.size();
+}
+
+size_t SharedMemoryRegions::pending() const {
+  absl::MutexLock lock(&mu_);
+  return pending_.size();
+}
+
+}  // namespace muond::transport

@@ -1,0 +1,90 @@
+// SharedMemoryRegions: the daemon's table of shared-memory regions, between the Unix-domain socket
+// that receives clients' memfds (ShmSocketServer) and the RPCs that name them.
+//
+// A descriptor received on a socket connection becomes a pending region under a one-time ticket
+// (128 random bits; unguessable). RegisterSharedMemory claims the ticket under a name private to the
+// authenticated caller; from then on the caller's steps name the region. A region goes when its
+// caller unregisters it, or when the socket connection that passed it closes — the client exited or
+// crashed, so nothing it registered outlives it; pending tickets of a closed connection go too.
+// Regions are shared_ptrs: a step that resolved a region keeps it mapped until the step is done.
+//
+// Limits: at most `max_pending_per_connection` unclaimed tickets per connection and
+// `max_regions_per_caller` regions per caller (RESOURCE_EXHAUSTED beyond).
+// Thread-safety: thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "server/transport/shm/shared_mapping.h"
+
+namespace muond::transport {
+
+struct SharedMemoryLimits {
+  int max_pending_per_connection = 64;
+  int max_regions_per_caller = 256;
+  uint64_t max_region_bytes = uint64_t{1} << 40;
+};
+
+struct RegionStatus {
+  std::string name;
+  uint64_t byte_size = 0;
+  int steps_in_flight = 0;
+};
+
+class SharedMemoryRegions {
+ public:
+  explicit SharedMemoryRegions(SharedMemoryLimits limits = {}) : limits_(limits) {}
+
+  const SharedMemoryLimits& limits() const { return limits_; }
+
+  // The socket side. A connection id for a new connection.
+  uint64_t OpenConnection();
+  // Files `mapping` under a new ticket of `connection` and returns the ticket.
+  absl::StatusOr<std::string> AddPending(uint64_t connection, std::shared_ptr<SharedMapping> mapping);
+  // Drops the connection's pending tickets and every region it passed.
+  void CloseConnection(uint64_t connection);
+
+  // The RPC side; errors name the request's fields.
+  absl::StatusOr<uint64_t> Register(const std::string& caller, const std::string& name, const std::string& ticket);
+  absl::Status Unregister(const std::string& caller, const std::string& name);
+  // The caller's regions (all of them when `name` is empty); NOT_FOUND for an unknown name.
+  absl::StatusOr<std::vector<RegionStatus>> Status(const std::string& caller, const std::string& name) const;
+  // The caller's region `name`; `field` names it in errors.
+  absl::StatusOr<std::shared_ptr<SharedMapping>> Find(const std::string& caller, const std::string& name,
+                                                      const std::string& field) const;
+
+  // Regions and pending tickets held (tests, metrics).
+  size_t regions() const;
+  size_t pending() const;
+
+ private:
+  struct Pending {
+    uint64_t connection;
+    std::shared_ptr<SharedMapping> mapping;
+  };
+  struct Region {
+    uint64_t connection;
+    std::shared_ptr<SharedMapping> mapping;
+  };
+  using Key = std::pair<std::string, std::string>;  // caller, name
+
+  const SharedMemoryLimits limits_;
+  mutable absl::Mutex mu_;
+  uint64_t next_connection_ ABSL_GUARDED_BY(mu_) = 1;
+  absl::flat_hash_map<std::string, Pending> pending_ ABSL_GUARDED_BY(mu_);  // by ticket
+  std::map<Key, Region> regions_ ABSL_GUARDED_BY(mu_);
+};
+
+// 128 random bits from the kernel, as 32 hex digits.
+std::string RandomTicket();
+
+}  // namespace muond::transport

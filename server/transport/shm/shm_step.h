@@ -1,0 +1,62 @@
+// The shared-memory transport of a step (the StepShared RPC): gradients are read from, and the
+// parameters after the step written to, regions the caller registered (SharedMemoryRegions).
+//
+// ResolveSharedTensors checks every tensor reference before the step begins — the parameter exists
+// and appears at most once (for the answer: every parameter exactly once), the region is the
+// caller's, the dtype is concrete, byte_size is exactly the parameter's elements in that dtype and
+// lies within the region (overflow-safe) — so that a step is never applied and then found to have
+// nowhere to put its answer. Each error names the field, e.g. "gradients[2].offset".
+//
+// ShmGradientSource copies each gradient once, from the region into the session's gradient tensor
+// while its sum of squares is taken; everything after (finiteness, clipping, the optimizer) reads
+// that copy, so a client writing its region during the step can change nothing but its own data.
+// ShmParameterSink encodes the parameters into the regions (one copy) and keeps the result for the
+// RPC's response. Both hold their regions (shared_ptr) until destroyed. One step, one thread.
+#pragma once
+
+#include <memory>
+#include <string>
+#include "absl/strings/string_view.h"
+#include <vector>
+
+#include "google/protobuf/repeated_ptr_field.h"
+#include "muond/v1/muond.pb.h"
+#include "server/session/session_config.h"
+#include "server/transport/shm/shared_memory_regions.h"
+#include "server/transport/step_transport.h"
+
+namespace muond::transport {
+
+struct SharedTensorPlace {
+  size_t index = 0;  // the parameter
+  std::shared_ptr<SharedMapping> region;
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+  v1::DType dtype = v1::DTYPE_FP32;
+};
+
+absl::StatusOr<std::vector<SharedTensorPlace>> ResolveSharedTensors(
+    const session::SessionConfig& config, const SharedMemoryRegions& regions, const std::string& caller,
+    const google::protobuf::RepeatedPtrField<v1::SharedTensor>& refs, absl::string_view field, bool require_all);
+
+class ShmGradientSource final : public GradientSource {
+ public:
+  explicit ShmGradientSource(std::vector<SharedTensorPlace> places) : places_(std::move(places)) {}
+  absl::Status ReadGradients(session::IncomingStep& step) override;
+
+ private:
+  const std::vector<SharedTensorPlace> places_;
+};
+
+class ShmParameterSink final : public ParameterSink {
+ public:
+  explicit ShmParameterSink(std::vector<SharedTensorPlace> places) : places_(std::move(places)) {}
+  absl::Status Send(const session::StepOutcome& outcome) override;
+  const v1::StepResult& result() const { return result_; }
+
+ private:
+  const std::vector<SharedTensorPlace> places_;
+  v1::StepResult result_;
+};
+
+}  // namespace muond::transport
