@@ -312,6 +312,20 @@ class Connection:
                              "Step")
         return result
 
+    def register_shared_memory(self, name: str, ticket: str) -> int:
+        """Claims a region passed on the daemon's socket under ``name``; returns its size."""
+        with translated("RegisterSharedMemory"):
+            reply = self._stub.RegisterSharedMemory(
+                pb.RegisterSharedMemoryRequest(name=name, ticket=ticket), timeout=self.timeout,
+                metadata=self._metadata)
+        return reply.byte_size
+
+    def step_shared(self, request: pb.StepSharedRequest) -> pb.StepResult:
+        """Runs one step whose tensors are in registered shared-memory regions."""
+        with translated("StepShared"):
+            return self._stub.StepShared(request, timeout=self.timeout,
+                                         metadata=self._metadata).result
+
     def get_parameters(self, session_id: str, into: ChunkAssembler,
                        names: Sequence[str] = (), dtype: int = pb.DTYPE_FP32,
                        max_chunk_bytes: int = 0) -> int:

@@ -26,6 +26,7 @@ Thread-safety: like every torch optimizer, one instance is used from one thread 
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import uuid
@@ -36,6 +37,7 @@ import torch
 
 from . import options as opts
 from . import qk_clip as qk
+from . import shm
 from . import wire
 from ._stubs import pb
 from .client import (DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_RETRY_BACKOFF,
@@ -48,6 +50,7 @@ DEFAULT_ENDPOINT = "127.0.0.1:50051"
 # A step that failed with these may have been applied or not; the daemon answers a resend of the
 # same step number without a second update, so resending is safe.
 _RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+_log = logging.getLogger("muond")
 _STATE_FORMAT = 1
 
 
@@ -84,6 +87,12 @@ class RemoteOptimizer(torch.optim.Optimizer):
             endpoint's host (tests).
         credentials: ``grpc.ChannelCredentials`` for TLS built by the caller, instead of the
             ``tls_*`` options; None for plaintext.
+        transport: how steps' tensors travel: "grpc" (chunked streams), "shm" (a shared-memory
+            region registered with a daemon on this host; gradients are copied into it and the
+            parameters out of it, one copy each way) or "auto" (shm when the daemon is on this host
+            and offers it, else grpc). Default ``$MUOND_TRANSPORT`` or "auto". ``opt.transport``
+            says which was chosen (also logged on the "muond" logger). Every step semantic is the
+            same on both.
         qk_clip: QK-clip (MuonClip) pairs ``[(query, key, num_heads), ...]``, each weight a
             parameter tensor of this optimizer (or its name): (num_heads·head_dim, d) matrices in
             Muon groups. A step then takes ``qk_logits`` (see ``step``); τ and α are the query
@@ -108,6 +117,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
                  tls_client_key_file: Optional[str] = None, tls_server_name: Optional[str] = None,
                  max_step_attempts: Optional[int] = None,
                  retry_backoff: float = DEFAULT_RETRY_BACKOFF,
+                 transport: Optional[str] = None,
                  qk_clip: Optional[Iterable[Tuple[Any, Any, int]]] = None, **defaults: Any):
         opts.check_defaults(defaults)
         self._user_defaults = dict(defaults)
@@ -127,6 +137,14 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self.session_id = session or f"torch-{uuid.uuid4().hex[:16]}"
         self.last_step = 0
         self.last_info: Optional[StepInfo] = None
+        wanted = transport if transport is not None else os.environ.get("MUOND_TRANSPORT") or "auto"
+        if wanted not in ("auto", "grpc", "shm"):
+            raise ValueError(f"transport: '{wanted}' is not one of auto, grpc, shm")
+        self._wanted_transport = wanted
+        self.transport = "grpc"
+        self._region: Optional[shm.SharedRegion] = None
+        self._region_name = ""
+        self._offsets: Dict[str, int] = {}
 
         self._params: List[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
         self._names: List[str] = names
@@ -150,6 +168,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
         try:
             self._conn.wait_ready(connect_timeout)
             self._open_session()
+            self.transport = self._choose_transport()
+            _log.info("session %s: steps travel over %s", self.session_id, self.transport)
         except BaseException:
             self._conn.close()
             self._closed = True
@@ -221,6 +241,89 @@ class RemoteOptimizer(torch.optim.Optimizer):
             param = self._by_name[name]
             param.copy_(value.view(param.shape), non_blocking=False)
 
+    # -- transports ----------------------------------------------------------------------------
+
+    def _choose_transport(self) -> str:
+        if self._wanted_transport == "grpc":
+            return "grpc"
+        info = self._conn.server_info()
+        why = ""
+        if not info.shm_socket:
+            why = "the daemon offers no shared-memory transport (--shm-socket none)"
+        elif not info.host_id or info.host_id != shm.local_host_id():
+            why = "the daemon runs on another host"
+        elif not shm.socket_reachable(info.shm_socket):
+            why = f"the daemon's socket {info.shm_socket} cannot be reached from here"
+        if not why:
+            return "shm"
+        if self._wanted_transport == "shm":
+            raise RuntimeError(f"transport='shm' is not possible: {why}")
+        return "grpc"
+
+    def _set_up_region(self) -> None:
+        """Creates and registers this session's region: one 4-byte slot per element of every
+        parameter, holding its gradient on the way in and its value on the way out."""
+        self._drop_region()
+        info = self._conn.server_info()
+        if not info.shm_socket:
+            raise MuondError(grpc.StatusCode.FAILED_PRECONDITION,
+                             "the daemon no longer offers shared memory", "StepShared")
+        offset = 0
+        offsets = {}
+        for name in self._names:
+            offsets[name] = offset
+            offset += 4 * self._sizes[name]
+        region = shm.SharedRegion(info.shm_socket, max(offset, 1))
+        name = f"{self.session_id}/{region.ticket[:8]}"
+        try:
+            self._conn.register_shared_memory(name, region.ticket)
+        except BaseException:
+            region.close()
+            raise
+        self._region, self._region_name, self._offsets = region, name, offsets
+
+    def _drop_region(self) -> None:
+        if self._region is not None:
+            self._region.close()
+            self._region = None
+
+    def _step_shared(self, header: pb.StepHeader,
+                     grads: List[Tuple[str, torch.Tensor]]) -> Tuple[pb.StepResult, Dict[str, torch.Tensor]]:
+        """One try of a step over shared memory; the parameters after it, as views of the
+        region."""
+        if self._region is None:
+            self._set_up_region()
+        request = pb.StepSharedRequest(header=header)
+        request.header.ClearField("return_dtype")
+        request.header.ClearField("num_chunks")
+        grad_dtype = wire.torch_dtype(self.wire_dtype)
+        # Written before every try: an answer overwrites the gradients with the parameters.
+        for name, g in grads:
+            view = self._region.tensor(self._offsets[name], g.numel(), grad_dtype)
+            view.copy_(g.reshape(-1))
+            request.gradients.add(name=name, region=self._region_name, offset=self._offsets[name],
+                                  byte_size=g.numel() * view.element_size(),
+                                  dtype=wire.dtype_enum(self.wire_dtype))
+        out_dtype = wire.torch_dtype(self.return_dtype)
+        views = {}
+        for name in self._names:
+            views[name] = self._region.tensor(self._offsets[name], self._sizes[name], out_dtype)
+            request.parameters.add(name=name, region=self._region_name, offset=self._offsets[name],
+                                   byte_size=self._sizes[name] * views[name].element_size(),
+                                   dtype=wire.dtype_enum(self.return_dtype))
+        try:
+            result = self._conn.step_shared(request)
+        except MuondError as err:
+            if err.code == grpc.StatusCode.UNAVAILABLE:
+                self._drop_region()  # a restarted daemon has lost it
+            elif err.code == grpc.StatusCode.NOT_FOUND and ".region" in err.details:
+                self._drop_region()
+                raise MuondError(grpc.StatusCode.UNAVAILABLE,
+                                 f"the daemon lost this session's region (restarted?): {err.details}",
+                                 "StepShared") from None
+            raise
+        return result, views
+
     # -- the step ------------------------------------------------------------------------------
 
     def _check_open(self) -> None:
@@ -278,26 +381,40 @@ class RemoteOptimizer(torch.optim.Optimizer):
         logits = qk.logits_of(qk_logits, self.qk_clip, self._params, self._names)
         grads = self._grads()
         header = self._header(self.last_step + 1, logits)
+        if self.transport == "shm":
+            return self._finish_step(loss, *self._try_step(lambda: self._step_shared(header, grads)))
         # The announced count lets the daemon tell a stream cut short from a whole one.
         header.num_chunks = sum(wire.chunk_count(g.numel(), self.wire_dtype, self.chunk_bytes)
                                 for _, g in grads)
+
+        def over_grpc():
+            into = wire.ChunkAssembler(self._sizes, self.return_dtype)
+            result = self._conn.step(header, self._grad_chunks(grads), into)
+            return result, {name: t for (name, _), t in into.tensors().items()}
+        return self._finish_step(loss, *self._try_step(over_grpc))
+
+    def _try_step(self, once: Callable[[], Tuple[pb.StepResult, Dict[str, torch.Tensor]]]):
+        """Runs ``once`` up to max_step_attempts times on transient failures (the same step
+        number each time); returns (result, parameters, seconds, attempts)."""
         started = time.perf_counter()
         backoff = self.retry_backoff
         for attempt in range(1, self.max_step_attempts + 1):
-            into = wire.ChunkAssembler(self._sizes, self.return_dtype)
             try:
-                result = self._conn.step(header, self._grad_chunks(grads), into)
-                break
+                result, values = once()
+                return result, values, time.perf_counter() - started, attempt
             except MuondError as err:
                 if err.code not in _RETRIED or attempt == self.max_step_attempts:
                     raise
             self._conn.pause_before_retry(backoff)
             backoff *= 2
-        self._copy_in({name: t for (name, _), t in into.tensors().items()})
+        raise AssertionError("unreachable")
+
+    def _finish_step(self, loss: Any, result: pb.StepResult, values: Dict[str, torch.Tensor],
+                     seconds: float, attempts: int) -> Any:
+        self._copy_in(values)
         self.last_step = result.step
         self.last_info = StepInfo(result.step, result.applied, result.replayed, result.skip_reason,
-                                  result.grad_norm, result.compute_seconds,
-                                  time.perf_counter() - started, attempt)
+                                  result.grad_norm, result.compute_seconds, seconds, attempts)
         return loss
 
     # -- state ---------------------------------------------------------------------------------
@@ -398,6 +515,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
                     if err.code != grpc.StatusCode.NOT_FOUND:
                         raise
         finally:
+            self._drop_region()
             self._conn.close()
             self._closed = True
 

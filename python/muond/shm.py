@@ -1,0 +1,109 @@
+"""The client side of muond's shared-memory transport.
+
+A ``SharedRegion`` is a memfd this process maps and passes to the daemon over the daemon's
+Unix-domain socket (``ServerInfo.shm_socket``); the daemon answers with a one-time ticket that
+``RegisterSharedMemory`` claims. The memfd is sealed against shrinking and growing (the daemon
+refuses memory it could be made to fault on). The socket stays open as long as the region: when it
+closes, because the region was closed or this process exited or crashed, the daemon drops every
+region it passed. Nothing is named where another process could find it.
+
+Tensors view the region directly (``torch.frombuffer``): the trainer copies gradients in and the
+updated parameters out, one copy each way. Not thread-safe.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import socket
+from typing import Optional
+
+import torch
+
+
+def local_host_id() -> str:
+    """This machine's boot id, to compare with ``ServerInfo.host_id``."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _address(socket_address: str) -> str:
+    # "@name" is Linux's abstract namespace: a leading NUL byte on the wire.
+    return "\0" + socket_address[1:] if socket_address.startswith("@") else socket_address
+
+
+def socket_reachable(socket_address: str) -> bool:
+    """Whether the daemon's socket accepts a connection from here (same host, same network
+    namespace)."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(_address(socket_address))
+        return True
+    except OSError:
+        return False
+
+
+class SharedRegion:
+    """``nbytes`` of memory shared with the daemon listening on ``socket_address``."""
+
+    def __init__(self, socket_address: str, nbytes: int):
+        if nbytes <= 0:
+            raise ValueError("a shared-memory region has at least one byte")
+        self.nbytes = int(nbytes)
+        self._map: Optional[mmap.mmap] = None
+        self._sock: Optional[socket.socket] = None
+        fd = os.memfd_create("muond-region", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, self.nbytes)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                        fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            self._map = mmap.mmap(fd, self.nbytes, flags=mmap.MAP_SHARED,
+                                  prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                self._sock.connect(_address(socket_address))
+            except OSError as err:
+                raise ConnectionError(f"cannot connect to the daemon's shared-memory socket "
+                                      f"'{socket_address}': {err}") from None
+            socket.send_fds(self._sock, [b"R"], [fd])
+            answer = self._read_line()
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            os.close(fd)  # the mapping and the daemon keep the memory alive
+        words = answer.split(" ", 2)
+        if len(words) != 3 or words[0] != "ok" or int(words[2]) != self.nbytes:
+            self.close()
+            raise ConnectionError(f"the daemon refused the shared-memory region: {answer}")
+        self.ticket = words[1]
+
+    def _read_line(self) -> str:
+        data = b""
+        while not data.endswith(b"\n") and len(data) < 4096:
+            piece = self._sock.recv(4096 - len(data))
+            if not piece:
+                raise ConnectionError("the daemon closed its shared-memory socket without an answer")
+            data += piece
+        return data.decode("utf-8", "replace").rstrip("\n")
+
+    def tensor(self, offset: int, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A 1-D tensor of ``numel`` elements viewing the region from byte ``offset``."""
+        return torch.frombuffer(self._map, dtype=dtype, count=numel, offset=offset)
+
+    def close(self) -> None:
+        """Drops the region here and, by closing the socket, in the daemon. Tensors viewing it
+        must be gone first."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # views still alive: the mapping goes with the last of them
+                pass
+            self._map = None

@@ -1,0 +1,91 @@
+"""The step transports from Python: which one ``transport=`` picks, steps over shared memory
+bit-identical to steps over gRPC, and a process that dies leaving no region in the daemon. (ctest
+runs this whole suite twice, with MUOND_TRANSPORT=shm and =grpc, so every other test covers both.)"""
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import grpc
+import pytest
+import torch
+
+import muond
+from muond._stubs import pb
+from muond.client import Connection
+from muond.errors import translated
+
+from helpers import TinyNet, loss_of, params_of, clone_model
+
+
+def regions(endpoint):
+    conn = Connection(endpoint)
+    try:
+        with translated("SharedMemoryStatus"):
+            return list(conn._stub.SharedMemoryStatus(pb.SharedMemoryStatusRequest()).regions)
+    finally:
+        conn.close()
+
+
+def test_transport_choice(endpoint):
+    model = TinyNet(seed=40)
+    for wanted, chosen in (("auto", "shm"), ("grpc", "grpc"), ("shm", "shm")):
+        with muond.RemoteOptimizer(muond.default_param_groups(model), endpoint=endpoint,
+                                   transport=wanted) as opt:
+            assert opt.transport == chosen
+    with pytest.raises(ValueError, match="transport"):
+        muond.RemoteOptimizer(muond.default_param_groups(model), endpoint=endpoint,
+                              transport="pigeon")
+
+
+def test_shm_is_refused_when_the_daemon_offers_none(start_daemon):
+    daemon = start_daemon("--shm-socket", "none")
+    model = TinyNet(seed=41)
+    with pytest.raises(RuntimeError, match="--shm-socket none"):
+        muond.RemoteOptimizer(muond.default_param_groups(model), endpoint=daemon.endpoint,
+                              transport="shm")
+    with muond.RemoteOptimizer(muond.default_param_groups(model), endpoint=daemon.endpoint,
+                               transport="auto") as opt:
+        assert opt.transport == "grpc"  # auto falls back
+
+
+@pytest.mark.parametrize("wire_dtype", ["fp32", "bf16"])
+def test_shm_steps_equal_grpc_steps_bit_for_bit(endpoint, wire_dtype):
+    a = TinyNet(seed=42)
+    b = clone_model(a)
+    kwargs = dict(endpoint=endpoint, wire_dtype=wire_dtype, max_grad_norm=0.5)
+    with muond.RemoteOptimizer(muond.default_param_groups(a), transport="grpc", **kwargs) as over_grpc, \
+         muond.RemoteOptimizer(muond.default_param_groups(b), transport="shm", **kwargs) as over_shm:
+        for step in range(1, 5):
+            for model, opt in ((a, over_grpc), (b, over_shm)):
+                opt.zero_grad()
+                loss_of(model, step).backward()
+                opt.step()
+            assert over_shm.last_info.grad_norm == over_grpc.last_info.grad_norm
+            for (name, pa), pb_ in zip(params_of(a).items(), params_of(b).values()):
+                assert torch.equal(pa, pb_), f"step {step}: {name}"
+
+
+def test_a_process_that_dies_leaves_no_region(endpoint, tmp_path):
+    script = textwrap.dedent(f"""
+        import os, sys
+        sys.path[:0] = {sys.path!r}
+        import muond
+        from helpers import TinyNet, loss_of
+        model = TinyNet(seed=43)
+        opt = muond.RemoteOptimizer(muond.default_param_groups(model), endpoint={endpoint!r},
+                                    session="dies-{tmp_path.name}", transport="shm")
+        loss_of(model, 1).backward()
+        opt.step()
+        print("stepped", flush=True)
+        os._exit(3)  # no close, no atexit: as a crash
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 3, done.stderr
+    assert "stepped" in done.stdout
+    # The daemon drops the region when it sees the dead process's socket close.
+    deadline = time.monotonic() + 60
+    while any(r.name.startswith(f"dies-{tmp_path.name}/") for r in regions(endpoint)):
+        assert time.monotonic() < deadline, "the dead client's region is still registered"
+        time.sleep(0.01)
