@@ -1,6 +1,7 @@
 """Resident memory of a CPU daemon against the optimizer state it holds.
 
-Starts the real muond (--backend cpu) on loopback, reads its resident set (VmRSS) when idle, then
+Starts the real muond (--backend cpu) on loopback, reads its own resident set (VmRSS less the
+clients' shared-memory regions, RssShmem) when idle, then
 opens --sessions sessions through the Python client, each a two-layer MLP of width --width (matrices
 in Muon, biases in AdamW), and runs --steps steps in every session. Printed: the idle RSS, the state
 bytes the sessions hold (fp32 masters + gradients + optimizer slots: Muon 12 bytes per parameter,
@@ -20,11 +21,15 @@ from bench_daemon import add_daemon_flags, cpu_daemon, open_sessions
 
 
 def rss_bytes(pid: int) -> int:
+    """The daemon's own resident memory: VmRSS less RssShmem, the pages of shared-memory regions
+    that clients registered (their memory, mapped by both; the shared-memory transport's)."""
+    fields = {}
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "RssShmem"):
+                fields[key] = int(value.split()[0]) * 1024
+    return fields["VmRSS"] - fields.get("RssShmem", 0)
 
 
 def main():

@@ -49,20 +49,38 @@ bool WriteChunks(const TensorView& tensor, v1::DType dtype, size_t chunk_bytes, 
   return true;
 }
 
-// Decodes one answer chunk into `out`, sizing the tensor from the spec on its first chunk.
-absl::Status ReadChunk(const v1::TensorChunk& chunk, const std::map<std::string, int64_t>& numel, ParameterMap* out) {
+using OutputSpans = std::map<std::string, std::span<float>>;
+
+// Where parameter `name`'s `numel` values go: the caller's span (`into`) or a vector of `out`.
+absl::StatusOr<std::span<float>> Destination(const std::string& name, int64_t numel, const OutputSpans& into,
+                                             ParameterMap* out) {
+  if (auto given = into.find(name); given != into.end()) {
+    if (given->second.size() != static_cast<size_t>(numel)) {
+      return absl::InvalidArgumentError(absl::StrCat("parameters_out['", name, "']: ", given->second.size(),
+                                                     " elements for a parameter of ", numel));
+    }
+    return given->second;
+  }
+  std::vector<float>& values = (*out)[name];
+  values.resize(static_cast<size_t>(numel));
+  return std::span<float>(values);
+}
+
+// Decodes one answer chunk into its destination (Destination), sized from the spec.
+absl::Status ReadChunk(const v1::TensorChunk& chunk, const std::map<std::string, int64_t>& numel,
+                       const OutputSpans& into, ParameterMap* out) {
   auto size = numel.find(chunk.name());
   const size_t element = wire::ElementSize(chunk.dtype());
   if (size == numel.end() || element == 0 || chunk.data().size() % element != 0) {
     return absl::InternalError(absl::StrCat("malformed chunk from the daemon for '", chunk.name(), "'"));
   }
-  std::vector<float>& values = (*out)[chunk.name()];
-  values.resize(size->second);
+  absl::StatusOr<std::span<float>> values = Destination(chunk.name(), size->second, into, out);
+  if (!values.ok()) return values.status();
   const size_t count = chunk.data().size() / element;
-  if (chunk.offset() + count > values.size()) {
+  if (chunk.offset() + count > values->size()) {
     return absl::InternalError(absl::StrCat("chunk for '", chunk.name(), "' runs past its end"));
   }
-  wire::Decode(chunk.dtype(), chunk.data(), std::span<float>(values.data() + chunk.offset(), count));
+  wire::Decode(chunk.dtype(), chunk.data(), values->subspan(chunk.offset(), count));
   return absl::OkStatus();
 }
 
@@ -303,6 +321,17 @@ absl::Status Session::UploadParameters(std::span<const TensorView> parameters) {
 
 absl::StatusOr<StepReply> Session::Step(int64_t step, std::span<const TensorView> gradients,
                                         const StepOptions& options) {
+  // Checked before anything is sent: a step must never be applied with nowhere to put its answer.
+  for (const auto& [name, values] : options.parameters_out) {
+    auto numel = numel_.find(name);
+    if (numel == numel_.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("parameters_out['", name, "']: no such parameter"));
+    }
+    if (values.size() != static_cast<size_t>(numel->second)) {
+      return absl::InvalidArgumentError(absl::StrCat("parameters_out['", name, "']: ", values.size(),
+                                                     " elements for a parameter of ", numel->second));
+    }
+  }
   std::chrono::milliseconds backoff = client_->options().retry_backoff;
   for (int attempt = 1;; ++attempt) {
     absl::StatusOr<StepReply> reply = StepOnce(step, gradients, options);
@@ -375,7 +404,7 @@ absl::StatusOr<StepReply> Session::StepOnce(int64_t step, std::span<const Tensor
       CopyResult(response.result(), &reply);
       have_result = true;
     } else if (response.has_chunk() && decode.ok()) {
-      decode = ReadChunk(response.chunk(), numel, &reply.parameters);
+      decode = ReadChunk(response.chunk(), numel, options.parameters_out, &reply.parameters);
     }
   }
   absl::Status status = FromGrpcStatus(stream->Finish());
@@ -472,10 +501,10 @@ absl::StatusOr<StepReply> Session::StepOnceShared(int64_t step, std::span<const 
   StepReply reply;
   CopyResult(response.result(), &reply);
   for (const auto& [name, numel] : numel_) {
-    std::vector<float>& values = reply.parameters[name];
-    values.resize(static_cast<size_t>(numel));
+    absl::StatusOr<std::span<float>> values = Destination(name, numel, options.parameters_out, &reply.parameters);
+    if (!values.ok()) return values.status();
     wire::Decode(answer, absl::string_view(region_->data() + region_offsets_[name], numel * wire::ElementSize(answer)),
-                 values);
+                 *values);
   }
   return reply;
 }
@@ -509,7 +538,7 @@ absl::StatusOr<ParameterMap> Session::GetParametersOnce(int64_t* last_step, cons
   while (reader->Read(&response)) {
     if (first && last_step != nullptr) *last_step = response.last_step();
     first = false;
-    if (decode.ok()) decode = ReadChunk(response.chunk(), numel, &parameters);
+    if (decode.ok()) decode = ReadChunk(response.chunk(), numel, OutputSpans(), &parameters);
   }
   absl::Status status = FromGrpcStatus(reader->Finish());
   if (!status.ok()) return status;

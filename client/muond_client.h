@@ -72,6 +72,10 @@ struct StepOptions {
   // in this step's forward pass.
   std::map<std::string, std::vector<double>> qk_logits;
   v1::DType return_dtype = v1::DTYPE_UNSPECIFIED;  // session default
+  // Where the parameters after the step go, when not empty: the caller's memory, one span of the
+  // parameter's element count per parameter (those named here are then left out of
+  // StepReply::parameters), so that a steady loop allocates nothing per step.
+  std::map<std::string, std::span<float>> parameters_out;
 };
 
 using ParameterMap = std::map<std::string, std::vector<float>>;

@@ -244,13 +244,17 @@ int Run(int argc, char** argv) {
 }  // namespace
 }  // namespace muond::server
 
-// Every step allocates and frees tensor-sized host buffers (decoded gradients, answers). glibc raises
-// its mmap threshold after each such free (up to 32 MiB), after which those buffers come from the
-// heap and fragment it: resident memory creeps up and wanders between steps. A fixed threshold keeps
-// every buffer of 256 KiB or more in its own mapping, returned to the system when freed.
+// Tensor-sized host buffers (a GPU session's decoded gradients and answers, a second stream's
+// gradients) come and go with steps. glibc raises its mmap threshold after each such free (up to
+// 32 MiB), after which those buffers come from the heap and fragment it: resident memory creeps up
+// and wanders between steps. A fixed threshold keeps every buffer above it in its own mapping,
+// returned to the system when freed. It sits above the largest chunk message (4 MiB by default plus
+// framing), so that the many chunk-sized buffers of a stream are reused from the heap instead of
+// being mapped, faulted in and zeroed afresh for every chunk.
 void SteadyMalloc() {
-  mallopt(M_MMAP_THRESHOLD, 256 << 10);
+  mallopt(M_MMAP_THRESHOLD, 16 << 20);
   mallopt(M_TRIM_THRESHOLD, 4 << 20);
+  mallopt(M_ARENA_MAX, 2);  // gRPC's many threads would each keep an arena of freed chunks
 }
 
 int main(int argc, char** argv) {

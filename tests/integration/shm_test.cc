@@ -108,11 +108,19 @@ TEST_F(ShmTest, StepsMatchTheGrpcTransportBitForBit) {
       if (step == 2) options.max_grad_norm = 0.5;  // clipped
       if (step == 3) options.lr["vectors"] = 0.003;
       const std::vector<client::TensorView> g = Gradients(step);
-      ASSERT_OK_AND_ASSIGN(client::StepReply from_grpc, a->Step(step, g, options));
-      ASSERT_OK_AND_ASSIGN(client::StepReply from_shm, b->Step(step, g, options));
+      // One answer of each goes straight into the caller's memory (parameters_out).
+      std::vector<float> w_over_grpc(32), w_over_shm(32);
+      client::StepOptions grpc_options = options, shm_options = options;
+      grpc_options.parameters_out["w"] = w_over_grpc;
+      shm_options.parameters_out["w"] = w_over_shm;
+      ASSERT_OK_AND_ASSIGN(client::StepReply from_grpc, a->Step(step, g, grpc_options));
+      ASSERT_OK_AND_ASSIGN(client::StepReply from_shm, b->Step(step, g, shm_options));
       EXPECT_TRUE(from_shm.applied);
       EXPECT_EQ(from_shm.grad_norm, from_grpc.grad_norm);
       EXPECT_EQ(from_shm.parameters, from_grpc.parameters) << "step " << step << suffix;
+      EXPECT_FALSE(from_shm.parameters.contains("w"));
+      EXPECT_EQ(w_over_shm, w_over_grpc) << "step " << step << suffix;
+      from_shm.parameters["w"] = w_over_shm;
       // A retry of the applied step is replayed, with the same parameters, over shared memory too.
       ASSERT_OK_AND_ASSIGN(client::StepReply replay, b->Step(step, g, options));
       EXPECT_TRUE(replay.replayed);
@@ -122,6 +130,20 @@ TEST_F(ShmTest, StepsMatchTheGrpcTransportBitForBit) {
     ASSERT_OK_AND_ASSIGN(client::ParameterMap expected, a->GetParameters());
     EXPECT_EQ(now, expected);
   }
+}
+
+TEST_F(ShmTest, AnOutputSpanOfTheWrongSizeIsRefusedBeforeTheStep) {
+  std::unique_ptr<client::Session> session = NewSession("shm-parameters-out");
+  std::vector<float> short_span(5);
+  client::StepOptions options;
+  options.parameters_out["w"] = short_span;
+  EXPECT_THAT(session->Step(1, Gradients(1), options), StatusIs(absl::StatusCode::kInvalidArgument, "parameters_out['w']"));
+  options.parameters_out.clear();
+  options.parameters_out["nope"] = short_span;
+  EXPECT_THAT(session->Step(1, Gradients(1), options), StatusIs(absl::StatusCode::kInvalidArgument, "parameters_out['nope']"));
+  int64_t last_step = -1;
+  ASSERT_OK(session->GetParameters(&last_step).status());
+  EXPECT_EQ(last_step, 0) << "nothing was sent";
 }
 
 TEST_F(ShmTest, RegionsAreRefusedWithTheFieldNamed) {

@@ -1,0 +1,199 @@
+// transport_bench: what one step exchange costs on each of muond's step transports, next to its
+// peers, in one run on this machine. For each size (the bytes of fp32 gradients; the same bytes of
+// parameters come back) it times:
+//   tcp     a plain loopback TCP echo written here: N bytes to a thread that sends N bytes back;
+//   grpc    a step over the gRPC transport (C++ client, transport "grpc") to a running daemon;
+//   shm     the same step over the shared-memory transport (transport "shm");
+//   memcpy  two memcpys of N bytes, the least any exchange moves.
+// A step's optimizer is SGD with lr 0 on one flat parameter; the daemon's reported compute time is
+// subtracted, so the figure is the exchange alone. GB/s counts both directions (2·N / time).
+// Targets (README, Transports): grpc ≥ 0.7× tcp, shm ≥ 0.5× memcpy.
+//
+//   transport_bench --endpoint HOST:PORT [--sizes-mb 8 32 128 512] [--reps 5]
+// (bench/run_transport_bench.sh starts the daemon and runs this.)
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "CLI/CLI.hpp"
+#include "client/muond_client.h"
+
+namespace {
+
+double Now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+bool SendAll(int fd, const char* p, size_t n) {
+  while (n > 0) {
+    const ssize_t k = ::send(fd, p, n, MSG_NOSIGNAL);
+    if (k <= 0) return false;
+    p += k;
+    n -= static_cast<size_t>(k);
+  }
+  return true;
+}
+
+bool RecvAll(int fd, char* p, size_t n) {
+  while (n > 0) {
+    const ssize_t k = ::recv(fd, p, n, 0);
+    if (k <= 0) return false;
+    p += k;
+    n -= static_cast<size_t>(k);
+  }
+  return true;
+}
+
+// Seconds of one N-byte loopback TCP echo (median of reps).
+double TcpEcho(size_t bytes, int reps) {
+  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t len = sizeof(addr);
+  ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len);
+  ::listen(listener, 1);
+  std::thread echo([&] {
+    const int fd = ::accept(listener, nullptr, nullptr);
+    std::vector<char> buffer(bytes);
+    for (int r = 0; r < reps + 1; ++r) {
+      if (!RecvAll(fd, buffer.data(), bytes) || !SendAll(fd, buffer.data(), bytes)) break;
+    }
+    ::close(fd);
+  });
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  const int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  std::vector<char> out(bytes, 1), in(bytes);
+  std::vector<double> times;
+  for (int r = 0; r < reps + 1; ++r) {
+    const double start = Now();
+    // Send and receive at once, as a step's stream does: a large echo would otherwise deadlock on
+    // full socket buffers.
+    std::thread sender([&] { SendAll(fd, out.data(), bytes); });
+    RecvAll(fd, in.data(), bytes);
+    sender.join();
+    if (r > 0) times.push_back(Now() - start);
+  }
+  ::close(fd);
+  echo.join();
+  ::close(listener);
+  return Median(times);
+}
+
+double Memcpy(size_t bytes, int reps) {
+  std::vector<char> a(bytes, 1), b(bytes), c(bytes);
+  std::vector<double> times;
+  for (int r = 0; r < reps + 1; ++r) {
+    const double start = Now();
+    std::memcpy(b.data(), a.data(), bytes);
+    std::memcpy(c.data(), b.data(), bytes);
+    if (r > 0) times.push_back(Now() - start);
+  }
+  if (c[bytes / 2] != 1) std::fprintf(stderr, "memcpy: wrong result\n");
+  return Median(times);
+}
+
+// Seconds of one step's exchange over `transport` (round trip minus the daemon's compute).
+double StepExchange(const std::string& endpoint, const std::string& transport, size_t bytes, int reps) {
+  muond::client::ClientOptions options;
+  options.endpoint = endpoint;
+  options.transport = transport;
+  options.chunk_bytes = 4u << 20;
+  auto client = muond::client::Client::Connect(options);
+  if (!client.ok()) {
+    std::fprintf(stderr, "%s: %s\n", transport.c_str(), client.status().ToString().c_str());
+    return -1;
+  }
+  const int64_t n = static_cast<int64_t>(bytes / 4);
+  muond::v1::SessionSpec spec;
+  auto* group = spec.add_groups();
+  group->set_name("sgd");
+  group->mutable_options()->set_optimizer(muond::v1::OPTIMIZER_SGD);
+  group->mutable_options()->set_lr(0.0);
+  auto* p = spec.add_parameters();
+  p->set_name("flat");
+  p->add_shape(n);
+  p->set_group("sgd");
+  const std::string id = "transport-bench-" + transport + "-" + std::to_string(bytes);
+  auto session = (*client)->CreateSession(id, spec);
+  if (!session.ok()) {
+    std::fprintf(stderr, "%s\n", session.status().ToString().c_str());
+    return -1;
+  }
+  std::vector<float> values(static_cast<size_t>(n), 0.5f);
+  const std::vector<muond::client::TensorView> tensors = {{"flat", {n}, values}};
+  if (auto s = (*session)->UploadParameters(tensors); !s.ok()) {
+    std::fprintf(stderr, "%s\n", s.ToString().c_str());
+    return -1;
+  }
+  std::vector<float> after(static_cast<size_t>(n));
+  muond::client::StepOptions step_options;
+  step_options.parameters_out["flat"] = after;  // the answer lands here: no allocation per step
+  std::vector<double> times;
+  for (int r = 0; r < reps + 1; ++r) {
+    const double start = Now();
+    auto reply = (*session)->Step(r + 1, tensors, step_options);
+    const double seconds = Now() - start;
+    if (!reply.ok()) {
+      std::fprintf(stderr, "%s\n", reply.status().ToString().c_str());
+      return -1;
+    }
+    if (std::getenv("TRANSPORT_BENCH_VERBOSE")) std::fprintf(stderr, "%s rep %d: %.3f s, compute %.3f s\n", transport.c_str(), r, seconds, reply->compute_seconds);
+    if (r > 0) times.push_back(seconds - reply->compute_seconds);
+  }
+  (void)(*session)->Close();
+  return Median(times);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app("transport_bench: one step exchange per transport against raw TCP and memcpy");
+  std::string endpoint;
+  std::vector<int> sizes_mb = {8, 32, 128, 512};
+  int reps = 5;
+  bool json = false;
+  app.add_option("--endpoint", endpoint, "A running muond daemon on this host")->required();
+  app.add_option("--sizes-mb", sizes_mb, "Gradient sizes in MiB");
+  app.add_option("--reps", reps, "Timed repetitions (median)");
+  app.add_flag("--json", json, "One JSON object per size");
+  CLI11_PARSE(app, argc, argv);
+  if (!json) {
+    std::printf("%8s %9s %9s %9s %9s %9s %9s\n", "MiB", "tcp", "grpc", "shm", "memcpy", "grpc/", "shm/");
+    std::printf("%8s %9s %9s %9s %9s %9s %9s\n", "", "GB/s", "GB/s", "GB/s", "GB/s", "tcp", "memcpy");
+  }
+  for (int mb : sizes_mb) {
+    const size_t bytes = static_cast<size_t>(mb) << 20;
+    const double tcp = TcpEcho(bytes, reps);
+    const double grpc = StepExchange(endpoint, "grpc", bytes, reps);
+    const double shm = StepExchange(endpoint, "shm", bytes, reps);
+    const double copy = Memcpy(bytes, reps);
+    auto gbps = [&](double seconds) { return seconds > 0 ? 2.0 * bytes / seconds / 1e9 : 0.0; };
+    if (json) {
+      std::printf("{\"mib\": %d, \"tcp_gbps\": %.3f, \"grpc_gbps\": %.3f, \"shm_gbps\": %.3f, \"memcpy_gbps\": %.3f}\n",
+                  mb, gbps(tcp), gbps(grpc), gbps(shm), gbps(copy));
+    } else {
+      std::printf("%8d %9.2f %9.2f %9.2f %9.2f %9.2f %9.2f\n", mb, gbps(tcp), gbps(grpc), gbps(shm), gbps(copy),
+                  gbps(grpc) / gbps(tcp), gbps(shm) / gbps(copy));
+    }
+    std::fflush(stdout);
+  }
+  return 0;
+}
