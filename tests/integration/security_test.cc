@@ -204,6 +204,52 @@ class TokenAuthTest : public ::testing::Test {
 
 std::unique_ptr<DaemonProcess> TokenAuthTest::daemon_;
 
+// Shared-memory regions belong to the caller that registered them: another token's caller neither
+// sees them nor can step through them, and may use the same name for a region of its own.
+TEST_F(TokenAuthTest, SharedMemoryRegionsArePrivateToTheirCaller) {
+  auto alice = Connect(kAliceToken);
+  auto bob = Connect(kBobToken);
+  ASSERT_NE(alice, nullptr);
+  ASSERT_NE(bob, nullptr);
+  ASSERT_OK_AND_ASSIGN(v1::ServerInfo info, alice->GetServerInfo());
+  ASSERT_FALSE(info.shm_socket().empty());
+  auto register_as = [&](client::Client& client, client::ShmRegion& region) {
+    grpc::ClientContext context;
+    client.PrepareContext(context);
+    v1::RegisterSharedMemoryRequest request;
+    request.set_name("grads");
+    request.set_ticket(region.ticket());
+    v1::RegisterSharedMemoryResponse response;
+    return client::FromGrpcStatus(client.stub().RegisterSharedMemory(&context, request, &response));
+  };
+  ASSERT_OK_AND_ASSIGN(auto alices, client::ShmRegion::Create(info.shm_socket(), 32 * 4));
+  ASSERT_OK(register_as(*alice, *alices));
+  ASSERT_OK_AND_ASSIGN(auto session, bob->CreateSession("bobs-shm", Spec()));
+  const std::vector<float> w(32, 0.25f);
+  ASSERT_OK(session->UploadParameters(std::vector<client::TensorView>{{"w", {8, 4}, w}}));
+
+  grpc::ClientContext context;
+  bob->PrepareContext(context);
+  v1::StepSharedRequest step;
+  step.mutable_header()->set_session_id("bobs-shm");
+  step.mutable_header()->set_step(1);
+  v1::SharedTensor* g = step.add_gradients();
+  g->set_name("w");
+  g->set_region("grads");
+  g->set_byte_size(32 * 4);
+  *step.add_parameters() = *g;
+  v1::StepSharedResponse response;
+  EXPECT_THAT(client::FromGrpcStatus(bob->stub().StepShared(&context, step, &response)),
+              StatusIs(absl::StatusCode::kNotFound, "gradients[0].region"));
+  // Bob's own region of the same name is his, and works.
+  ASSERT_OK_AND_ASSIGN(auto bobs, client::ShmRegion::Create(info.shm_socket(), 32 * 4));
+  ASSERT_OK(register_as(*bob, *bobs));
+  grpc::ClientContext again;
+  bob->PrepareContext(again);
+  EXPECT_OK(client::FromGrpcStatus(bob->stub().StepShared(&again, step, &response)));
+  EXPECT_TRUE(response.result().applied());
+}
+
 TEST_F(TokenAuthTest, CallWithoutTokenIsUnauthenticated) {
   auto anonymous = Connect("");
   ASSERT_NE(anonymous, nullptr);
