@@ -34,6 +34,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 
 import grpc
 import torch
+import torch.distributed
 
 from . import options as opts
 from . import qk_clip as qk
@@ -87,6 +88,12 @@ class RemoteOptimizer(torch.optim.Optimizer):
             endpoint's host (tests).
         credentials: ``grpc.ChannelCredentials`` for TLS built by the caller, instead of the
             ``tls_*`` options; None for plaintext.
+        world_size, rank: data-parallel training with one optimizer per rank: every rank sends
+            its own gradients for the same step and the daemon applies their average (in rank
+            order) once and answers every rank with the same parameters — it replaces DDP's
+            all-reduce of the gradients. Default: from an initialized ``torch.distributed``,
+            else 1 and 0. All ranks must use the same ``session`` id; with ``torch.distributed``
+            initialized and ``session=None``, rank 0's fresh id is broadcast to the others.
         transport: how steps' tensors travel: "grpc" (chunked streams), "shm" (a shared-memory
             region registered with a daemon on this host; gradients are copied into it and the
             parameters out of it, one copy each way) or "auto" (shm when the daemon is on this host
@@ -118,6 +125,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
                  max_step_attempts: Optional[int] = None,
                  retry_backoff: float = DEFAULT_RETRY_BACKOFF,
                  transport: Optional[str] = None,
+                 world_size: Optional[int] = None, rank: Optional[int] = None,
                  qk_clip: Optional[Iterable[Tuple[Any, Any, int]]] = None, **defaults: Any):
         opts.check_defaults(defaults)
         self._user_defaults = dict(defaults)
@@ -134,7 +142,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self.chunk_bytes = int(chunk_bytes)
         self.max_step_attempts = _step_attempts(max_step_attempts)
         self.retry_backoff = float(retry_backoff)
-        self.session_id = session or f"torch-{uuid.uuid4().hex[:16]}"
+        self.world_size, self.rank = _ranks(world_size, rank)
+        self.session_id = _shared_session_id(session, self.world_size)
         self.last_step = 0
         self.last_info: Optional[StepInfo] = None
         wanted = transport if transport is not None else os.environ.get("MUOND_TRANSPORT") or "auto"
@@ -201,7 +210,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         return names
 
     def _spec(self) -> pb.SessionSpec:
-        spec = pb.SessionSpec(world_size=1, return_dtype=wire.dtype_enum(self.return_dtype))
+        spec = pb.SessionSpec(world_size=self.world_size, return_dtype=wire.dtype_enum(self.return_dtype))
         for group, gname in zip(self.param_groups, self._group_names):
             spec.groups.add(name=gname, options=opts.group_options_proto(group))
             for p, pname in zip(group["params"], group["param_names"]):
@@ -215,6 +224,18 @@ class RemoteOptimizer(torch.optim.Optimizer):
         return spec
 
     def _open_session(self) -> None:
+        # With torch.distributed, rank 0 creates the session and uploads its parameters before the
+        # others attach and read them back, so every rank starts from rank 0's values.
+        distributed = self.world_size > 1 and _dist_ready()
+        if distributed and self.rank != 0:
+            torch.distributed.barrier()
+        try:
+            self._open_session_now()
+        finally:
+            if distributed and self.rank == 0:
+                torch.distributed.barrier()
+
+    def _open_session_now(self) -> None:
         reply = self._conn.create_session(self.session_id, self._spec())
         if reply.attached and reply.initialized:
             self.last_step = self._refresh_from_daemon()
@@ -331,7 +352,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
             raise RuntimeError(f"RemoteOptimizer for session '{self.session_id}' is closed")
 
     def _header(self, step: int, qk_logits: Dict[str, List[float]]) -> pb.StepHeader:
-        header = pb.StepHeader(session_id=self.session_id, step=step, rank=0,
+        header = pb.StepHeader(session_id=self.session_id, step=step, rank=self.rank,
                                return_dtype=wire.dtype_enum(self.return_dtype),
                                max_chunk_bytes=self.chunk_bytes)
         for group, created, gname in zip(self.param_groups, self._created, self._group_names):
@@ -508,7 +529,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         if self._closed:
             return
         try:
-            if not keep_session:
+            if not keep_session and self.rank == 0:  # rank 0 ends a session all ranks share
                 try:
                     self._conn.close_session(self.session_id)
                 except MuondError as err:
@@ -539,6 +560,40 @@ class RemoteOptimizer(torch.optim.Optimizer):
     def __getstate__(self):
         raise TypeError("a RemoteOptimizer holds a live connection and can't be pickled; "
                         "save state_dict() instead")
+
+
+def _dist_ready() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _ranks(world_size: Optional[int], rank: Optional[int]) -> Tuple[int, int]:
+    """(world_size, rank) as given, else from an initialized torch.distributed, else (1, 0)."""
+    if world_size is None:
+        world_size = torch.distributed.get_world_size() if _dist_ready() else 1
+    if rank is None:
+        rank = torch.distributed.get_rank() if _dist_ready() else 0
+    world_size, rank = int(world_size), int(rank)
+    if world_size < 1:
+        raise ValueError(f"world_size: must be at least 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank: must be in [0, {world_size}), got {rank}")
+    return world_size, rank
+
+
+def _shared_session_id(session: Optional[str], world_size: int) -> str:
+    """The session id every rank uses: the one given, or a fresh one (broadcast from rank 0 when
+    several ranks share it)."""
+    if session:
+        return session
+    fresh = f"torch-{uuid.uuid4().hex[:16]}"
+    if world_size == 1:
+        return fresh
+    if not _dist_ready():
+        raise ValueError("session: several ranks (world_size > 1) must name the same session id, "
+                         "or initialize torch.distributed so that rank 0's id is shared")
+    shared = [fresh]
+    torch.distributed.broadcast_object_list(shared, src=0)
+    return shared[0]
 
 
 def _step_attempts(max_step_attempts: Optional[int]) -> int:

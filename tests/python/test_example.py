@@ -35,3 +35,17 @@ def test_example_trains_and_matches_local_torch(endpoint, tmp_path):
     print(f"example: largest muond/local loss difference {worst:.2e}")
     assert worst < 1e-3
     assert "muond loss" in stdout and "local loss" in stdout and "sample:" in stdout
+
+
+def test_ddp_example_trains_with_two_ranks(endpoint):
+    """examples/train_ddp.py: two gloo ranks share one session and the loss comes down."""
+    cmd = [sys.executable, str(REPO_ROOT / "examples" / "train_ddp.py"), "--endpoint", endpoint,
+           "--ranks", "2", "--steps", "40"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
+    first = float(lines[0].split("batch) ")[1].split()[0])
+    final = float(proc.stdout.split("final loss on all data: ")[1].split()[0])
+    assert "2 ranks" in proc.stdout
+    assert final < 0.5 * first, proc.stdout
