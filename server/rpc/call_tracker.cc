@@ -44,9 +44,4 @@ bool CallTracker::AwaitIdle(absl::Duration limit) {
   return mu_.AwaitWithTimeout(absl::Condition(&idle), limit);
 }
 
-int CallTracker::alive() const {
-  absl::MutexLock lock(&mu_);
-  return alive_;
-}
-
 }  // namespace muond::rpc

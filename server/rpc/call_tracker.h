@@ -28,13 +28,12 @@ class CallTracker {
 
   // Waits until no muond.v1 call is alive, or `limit` passes; true when none is.
   bool AwaitIdle(absl::Duration limit);
-  int alive() const;
 
  private:
   class Counted;
   class Factory;
 
-  mutable absl::Mutex mu_;
+  absl::Mutex mu_;
   int alive_ ABSL_GUARDED_BY(mu_) = 0;
 };
 

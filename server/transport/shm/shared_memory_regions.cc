@@ -133,14 +133,4 @@ absl::StatusOr<std::shared_ptr<SharedMapping>> SharedMemoryRegions::Find(const s
   return it->second.mapping;
 }
 
-size_t SharedMemoryRegions::regions() const {
-  absl::MutexLock lock(&mu_);
-  return regions_.size();
-}
-
-size_t SharedMemoryRegions::pending() const {
-  absl::MutexLock lock(&mu_);
-  return pending_.size();
-}
-
 }  // namespace muond::transport

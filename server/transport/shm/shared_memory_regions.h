@@ -62,10 +62,6 @@ class SharedMemoryRegions {
   absl::StatusOr<std::shared_ptr<SharedMapping>> Find(const std::string& caller, const std::string& name,
                                                       const std::string& field) const;
 
-  // Regions and pending tickets held (tests, metrics).
-  size_t regions() const;
-  size_t pending() const;
-
  private:
   struct Pending {
     uint64_t connection;
