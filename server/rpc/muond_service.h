@@ -2,7 +2,9 @@
 // CallScope (Serve: --rpc-timeout watch, authentication, metrics, the refusal's log line and the one
 // conversion to a gRPC status), converts its request into the session layer's types and hands the
 // work to the SessionRegistry / Session; a step goes through the transport seam
-// (transport::RunStep over the gRPC stream's source and sink).
+// (transport::RunStep over the gRPC stream's source and sink). Step is served over raw byte buffers
+// (its handler is replaced at construction) so that tensor payloads are never copied into protobuf
+// strings; its messages keep their protobuf encoding on the wire.
 //
 // Handlers: session_handlers.cc (server info, create, close, list, checkpoint), tensor_handlers.cc
 // (upload, step, get parameters), state_handlers.cc (get and set state), shm_handlers.cc (shared-
@@ -12,11 +14,14 @@
 #pragma once
 
 #include <cstddef>
+#include <memory>
 #include <string>
 
 #include "absl/time/time.h"
 #include "kernels/backend.h"
+#include "grpcpp/support/byte_buffer.h"
 #include "muond/v1/muond.grpc.pb.h"
+#include "proto/wire/chunk_frame.h"
 #include "server/metrics/metrics.h"
 #include "server/rpc/call_scope.h"
 #include "server/security/token_table.h"
@@ -43,7 +48,10 @@ class MuondService final : public v1::Muond::Service {
  public:
   MuondService(session::SessionRegistry* registry, kernels::Backend* backend, ServiceOptions options)
       : registry_(registry), backend_(backend), options_(options),
-        calls_(options.rpc_timeout, options.tokens, options.metrics) {}
+        calls_(options.rpc_timeout, options.tokens, options.metrics),
+        answer_slices_(wire::SlicePool::Create(options.default_chunk_bytes)) {
+    ServeStepOverByteBuffers();
+  }
 
   // Waits until no call is in flight, or `limit` passes; true when idle. For shutdown.
   bool AwaitIdle(absl::Duration limit) { return calls_.deadlines.AwaitIdle(limit); }
@@ -57,7 +65,8 @@ class MuondService final : public v1::Muond::Service {
                             v1::ListSessionsResponse*) override;
   grpc::Status UploadParameters(grpc::ServerContext*, grpc::ServerReader<v1::UploadParametersRequest>*,
                                 v1::UploadParametersResponse*) override;
-  grpc::Status Step(grpc::ServerContext*, grpc::ServerReaderWriter<v1::StepResponse, v1::StepRequest>*) override;
+  // Step, over byte buffers (StepRequest in, StepResponse out).
+  grpc::Status StepOverByteBuffers(grpc::ServerContext*, grpc::ServerReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>*);
   grpc::Status GetParameters(grpc::ServerContext*, const v1::GetParametersRequest*,
                              grpc::ServerWriter<v1::GetParametersResponse>*) override;
   grpc::Status GetState(grpc::ServerContext*, const v1::GetStateRequest*,
@@ -76,8 +85,10 @@ class MuondService final : public v1::Muond::Service {
  private:
   absl::Status DoUpload(const std::string& caller, grpc::ServerReader<v1::UploadParametersRequest>* reader,
                         v1::UploadParametersResponse* response);
+  // Replaces the generated Step handler with one over byte buffers (StepOverByteBuffers).
+  void ServeStepOverByteBuffers();
   absl::Status DoStep(const std::string& caller, grpc::ServerContext* context,
-                      grpc::ServerReaderWriter<v1::StepResponse, v1::StepRequest>* stream);
+                      grpc::ServerReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>* stream);
   absl::Status DoGetParameters(const std::string& caller, grpc::ServerContext* context,
                                const v1::GetParametersRequest& request,
                                grpc::ServerWriter<v1::GetParametersResponse>* writer);
@@ -95,6 +106,7 @@ class MuondService final : public v1::Muond::Service {
   kernels::Backend* const backend_;
   const ServiceOptions options_;
   CallServices calls_;
+  std::shared_ptr<wire::SlicePool> answer_slices_;  // payload buffers of Step answers
 };
 
 }  // namespace muond::rpc

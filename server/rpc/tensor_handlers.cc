@@ -1,5 +1,7 @@
 // MuondService's tensor streams: UploadParameters, Step and GetParameters.
 #include "absl/strings/str_cat.h"
+#include "google/protobuf/descriptor.h"
+#include "grpcpp/support/method_handler.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "proto/wire/dtype_codec.h"
@@ -55,24 +57,34 @@ absl::Status MuondService::DoUpload(const std::string& caller,
   return absl::OkStatus();
 }
 
-grpc::Status MuondService::Step(grpc::ServerContext* context,
-                                grpc::ServerReaderWriter<v1::StepResponse, v1::StepRequest>* stream) {
+void MuondService::ServeStepOverByteBuffers() {
+  // The generated service registers its methods in the order of the proto's service definition.
+  const google::protobuf::ServiceDescriptor* service =
+      google::protobuf::DescriptorPool::generated_pool()->FindServiceByName("muond.v1.Muond");
+  const int index = service->FindMethodByName("Step")->index();
+  MarkMethodStreamed(index, new grpc::internal::BidiStreamingHandler<MuondService, grpc::ByteBuffer, grpc::ByteBuffer>(
+                                [](MuondService* service, grpc::ServerContext* context,
+                                   grpc::ServerReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>* stream) {
+                                  return service->StepOverByteBuffers(context, stream);
+                                },
+                                this));
+}
+
+grpc::Status MuondService::StepOverByteBuffers(grpc::ServerContext* context,
+                                               grpc::ServerReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>* stream) {
   return Serve(calls_, context, "Step", [&](const std::string& caller) { return DoStep(caller, context, stream); });
 }
 
 absl::Status MuondService::DoStep(const std::string& caller, grpc::ServerContext* context,
-                                  grpc::ServerReaderWriter<v1::StepResponse, v1::StepRequest>* stream) {
-  v1::StepRequest request;
-  if (!stream->Read(&request) || request.kind_case() != v1::StepRequest::kHeader) {
-    return absl::InvalidArgumentError("header: the first message of a step must be its header");
-  }
-  const v1::StepHeader header = request.header();
+                                  grpc::ServerReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>* stream) {
+  MUOND_ASSIGN_OR_RETURN(const v1::StepHeader header, transport::ReadStepHeader(stream));
   MUOND_RETURN_IF_ERROR(session::CheckSessionId(header.session_id(), "header.session_id"));
   MUOND_ASSIGN_OR_RETURN(std::shared_ptr<session::Session> session, registry_->Find(header.session_id(), caller));
   MUOND_ASSIGN_OR_RETURN(v1::DType dtype,
                          AnswerDType(header.return_dtype(), session->config().return_dtype, "header.return_dtype"));
   transport::GrpcGradientSource source(context, stream, header, options_.max_chunk_bytes);
-  transport::GrpcParameterSink sink(stream, session->config(), dtype, AnswerChunkBytes(header.max_chunk_bytes()));
+  transport::GrpcParameterSink sink(stream, session->config(), dtype, AnswerChunkBytes(header.max_chunk_bytes()),
+                                    answer_slices_.get());
   return transport::RunStep(*session, transport::ToStepRequest(header), source, sink, *options_.metrics);
 }
 

@@ -1,30 +1,68 @@
 #include "server/transport/grpc/grpc_step_stream.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "grpcpp/impl/codegen/proto_utils.h"
+#include "proto/wire/dtype_codec.h"
 #include "server/transport/grpc/api_conversion.h"
-#include "server/transport/grpc/chunk_stream.h"
 #include "server/transport/grpc/tensor_assembler.h"
 
 namespace muond::transport {
+namespace {
+
+// Parses a whole message the ordinary protobuf way (control messages and unusual encodings).
+absl::Status ParseRequest(grpc::ByteBuffer* buffer, v1::StepRequest* request) {
+  if (!grpc::SerializationTraits<v1::StepRequest>::Deserialize(buffer, request).ok()) {
+    return absl::InvalidArgumentError("chunk: a message of the step stream is not a valid StepRequest");
+  }
+  return absl::OkStatus();
+}
+
+bool WriteMessage(StepStream* stream, const v1::StepResponse& response) {
+  grpc::ByteBuffer buffer;
+  bool own = false;
+  return grpc::SerializationTraits<v1::StepResponse>::Serialize(response, &buffer, &own).ok() &&
+         stream->Write(buffer);
+}
+
+}  // namespace
+
+absl::StatusOr<v1::StepHeader> ReadStepHeader(StepStream* stream) {
+  grpc::ByteBuffer buffer;
+  v1::StepRequest request;
+  if (!stream->Read(&buffer) || !ParseRequest(&buffer, &request).ok() ||
+      request.kind_case() != v1::StepRequest::kHeader) {
+    return absl::InvalidArgumentError("header: the first message of a step must be its header");
+  }
+  return std::move(*request.mutable_header());
+}
 
 absl::Status GrpcGradientSource::ReadGradients(session::IncomingStep& step) {
   if (!header_.has_num_chunks()) {
     return absl::InvalidArgumentError("header.num_chunks: required (the number of chunk messages that follow)");
   }
   TensorAssembler assembler(&step, max_chunk_bytes_);
-  v1::StepRequest request;
+  grpc::ByteBuffer buffer;
+  wire::FramedChunk framed;
+  v1::StepRequest request;  // for messages framed otherwise
   uint64_t chunks = 0;
-  while (stream_->Read(&request)) {
-    if (request.kind_case() != v1::StepRequest::kChunk) {
-      return absl::InvalidArgumentError("chunk: every message after the header must carry a chunk");
-    }
+  while (stream_->Read(&buffer)) {
     if (++chunks > header_.num_chunks()) {
       return absl::InvalidArgumentError(absl::StrCat("chunk: more chunks than the ", header_.num_chunks(),
                                                      " announced in header.num_chunks"));
     }
-    if (step.replay()) continue;  // the step was applied already: its gradients are not needed again
-    MUOND_RETURN_IF_ERROR(assembler.Add(request.chunk()));
+    if (wire::ParseChunkFrame(buffer, wire::kChunkField, &framed)) {
+      if (!step.replay()) MUOND_RETURN_IF_ERROR(assembler.Add(framed.meta, framed.data, framed.data_bytes));
+      continue;
+    }
+    MUOND_RETURN_IF_ERROR(ParseRequest(&buffer, &request));
+    if (request.kind_case() != v1::StepRequest::kChunk) {
+      return absl::InvalidArgumentError("chunk: every message after the header must carry a chunk");
+    }
+    // A replay's gradients are not needed again; they are read only to consume the stream.
+    if (!step.replay()) MUOND_RETURN_IF_ERROR(assembler.Add(request.chunk()));
   }
   if (context_->IsCancelled()) return absl::CancelledError("the client cancelled the step");
   // gRPC ends the read loop the same way for a half-close and for a broken stream (a message over
@@ -40,15 +78,26 @@ absl::Status GrpcGradientSource::ReadGradients(session::IncomingStep& step) {
 absl::Status GrpcParameterSink::Send(const session::StepOutcome& outcome) {
   v1::StepResponse response;
   *response.mutable_result() = ToProto(outcome.result);
-  if (!stream_->Write(response)) return absl::CancelledError("the client went away");
+  if (!WriteMessage(stream_, response)) return absl::CancelledError("the client went away");
+  const size_t element = wire::ElementSize(dtype_);
+  const size_t per_chunk = std::max<size_t>(1, chunk_bytes_ / element);
+  v1::TensorChunk meta;
+  meta.set_dtype(dtype_);
   for (size_t i = 0; i < config_.parameters.size(); ++i) {
-    const bool sent = EmitChunks(config_.parameters[i].name, "", outcome.parameters->values[i], dtype_, chunk_bytes_,
-                                 [&](v1::TensorChunk&& chunk) {
-                                   response.Clear();
-                                   *response.mutable_chunk() = std::move(chunk);
-                                   return stream_->Write(response);
-                                 });
-    if (!sent) return absl::CancelledError("the client went away");
+    meta.set_name(config_.parameters[i].name);
+    const std::span<const float> values = outcome.parameters->values[i];
+    size_t offset = 0;
+    do {  // an empty tensor is still one (empty) chunk
+      const size_t count = std::min(per_chunk, values.size() - offset);
+      char* data = nullptr;
+      grpc::Slice payload = pool_->Take(count * element, &data);
+      wire::EncodeTo(dtype_, values.subspan(offset, count), data);
+      meta.set_offset(offset);
+      if (!stream_->Write(wire::FrameChunk(wire::kChunkField, meta, std::move(payload)))) {
+        return absl::CancelledError("the client went away");
+      }
+      offset += count;
+    } while (offset < values.size());
   }
   return absl::OkStatus();
 }

@@ -1,22 +1,33 @@
-// The gRPC transport of a step: the bidirectional Step stream of muond.v1. GrpcGradientSource reads
-// the chunk messages that follow the header (exactly header.num_chunks of them; a stream gRPC cut
-// short is refused, not applied with part of its gradients) through a TensorAssembler into the
-// session's IncomingStep. GrpcParameterSink writes the StepResult and then every parameter in
-// chunks of the requested dtype.
+// The gRPC transport of a step: the bidirectional Step stream of muond.v1, served over raw byte
+// buffers so that tensor payloads are never copied into protobuf strings. StepRequest and
+// StepResponse keep their protobuf encoding on the wire (wire/chunk_frame.h frames the chunks).
+//
+// GrpcGradientSource reads the chunk messages that follow the header (exactly header.num_chunks of
+// them; a stream gRPC cut short is refused, not applied with part of its gradients) through a
+// TensorAssembler into the session's IncomingStep, decoding each payload from gRPC's receive slices.
+// GrpcParameterSink writes the StepResult and then every parameter in chunks of the requested
+// dtype, each encoded straight from the masters into a pooled payload slice.
 //
 // Both borrow the stream and serve one call on its handler thread.
 #pragma once
 
 #include <cstddef>
+#include <memory>
 
+#include "absl/status/statusor.h"
 #include "grpcpp/server_context.h"
+#include "grpcpp/support/byte_buffer.h"
 #include "grpcpp/support/sync_stream.h"
-#include "muond/v1/muond.grpc.pb.h"
+#include "muond/v1/muond.pb.h"
+#include "proto/wire/chunk_frame.h"
 #include "server/transport/step_transport.h"
 
 namespace muond::transport {
 
-using StepStream = grpc::ServerReaderWriterInterface<v1::StepResponse, v1::StepRequest>;
+using StepStream = grpc::ServerReaderWriterInterface<grpc::ByteBuffer, grpc::ByteBuffer>;
+
+// Reads the step's first message, which must be its header.
+absl::StatusOr<v1::StepHeader> ReadStepHeader(StepStream* stream);
 
 class GrpcGradientSource final : public GradientSource {
  public:
@@ -35,9 +46,10 @@ class GrpcGradientSource final : public GradientSource {
 
 class GrpcParameterSink final : public ParameterSink {
  public:
-  // `config` names the parameters and must outlive the sink.
-  GrpcParameterSink(StepStream* stream, const session::SessionConfig& config, v1::DType dtype, size_t chunk_bytes)
-      : stream_(stream), config_(config), dtype_(dtype), chunk_bytes_(chunk_bytes) {}
+  // `config` names the parameters and must outlive the sink; payload buffers come from `pool`.
+  GrpcParameterSink(StepStream* stream, const session::SessionConfig& config, v1::DType dtype, size_t chunk_bytes,
+                    wire::SlicePool* pool)
+      : stream_(stream), config_(config), dtype_(dtype), chunk_bytes_(chunk_bytes), pool_(pool) {}
 
   absl::Status Send(const session::StepOutcome& outcome) override;
 
@@ -46,6 +58,7 @@ class GrpcParameterSink final : public ParameterSink {
   const session::SessionConfig& config_;
   const v1::DType dtype_;
   const size_t chunk_bytes_;
+  wire::SlicePool* const pool_;
 };
 
 }  // namespace muond::transport

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
+#include "proto/wire/chunk_frame.h"
 #include "proto/wire/dtype_codec.h"
 
 namespace muond::transport {
@@ -28,23 +29,23 @@ double SumSquares(std::span<const float> x) {
 
 }  // namespace
 
-double DecodeSumSquares(v1::DType dtype, absl::string_view bytes, std::span<float> out) {
+double DecodeSumSquares(v1::DType dtype, std::span<const absl::string_view> pieces, std::span<float> out) {
   // Blocks of 4096 elements (16 KiB): each block's sum reads what its decode just wrote, from L1.
+  // The blocks start at the chunk's first element whatever the pieces, so the sum's bits do not
+  // depend on how the payload was split.
   constexpr size_t kBlock = 4096;
-  const size_t element_size = wire::ElementSize(dtype);
+  wire::PayloadReader reader(pieces);
   double sum = 0.0;
   for (size_t begin = 0; begin < out.size(); begin += kBlock) {
-    const size_t n = std::min(kBlock, out.size() - begin);
-    std::span<float> block = out.subspan(begin, n);
-    wire::Decode(dtype, bytes.substr(begin * element_size, n * element_size), block);
+    std::span<float> block = out.subspan(begin, std::min(kBlock, out.size() - begin));
+    reader.Read(dtype, block);  // the caller checked the byte count
     sum += SumSquares(block);
   }
   return sum;
 }
 
-absl::Status CheckChunkPayload(const v1::TensorChunk& chunk, v1::DType dtype, size_t max_chunk_bytes,
-                               absl::string_view field, absl::string_view name) {
-  const size_t bytes = chunk.data().size();
+absl::Status CheckChunkPayload(size_t bytes, v1::DType dtype, size_t max_chunk_bytes, absl::string_view field,
+                               absl::string_view name) {
   if (bytes == 0) {
     return absl::InvalidArgumentError(absl::StrCat(field, ".data: empty chunk for '", name,
                                                    "'; every chunk carries at least one element (a tensor is "
@@ -68,6 +69,12 @@ TensorAssembler::TensorAssembler(session::IncomingStep* step, size_t max_chunk_b
     : config_(step->config()), max_chunk_bytes_(max_chunk_bytes), tensors_(&step->gradients()), step_(step) {}
 
 absl::Status TensorAssembler::Add(const v1::TensorChunk& chunk, absl::string_view field) {
+  const absl::string_view data = chunk.data();
+  return Add(chunk, std::span<const absl::string_view>(&data, 1), data.size(), field);
+}
+
+absl::Status TensorAssembler::Add(const v1::TensorChunk& chunk, std::span<const absl::string_view> pieces,
+                                  size_t bytes, absl::string_view field) {
   auto it = config_.parameter_index.find(chunk.name());
   if (it == config_.parameter_index.end()) {
     return absl::NotFoundError(absl::StrCat(field, ".name: unknown parameter '", chunk.name(), "'"));
@@ -87,7 +94,7 @@ absl::Status TensorAssembler::Add(const v1::TensorChunk& chunk, absl::string_vie
     return absl::InvalidArgumentError(absl::StrCat(field, ".dtype: unknown dtype ",
                                                    static_cast<int>(chunk.dtype()), " for '", name, "'"));
   }
-  MUOND_RETURN_IF_ERROR(CheckChunkPayload(chunk, dtype, max_chunk_bytes_, field, name));
+  MUOND_RETURN_IF_ERROR(CheckChunkPayload(bytes, dtype, max_chunk_bytes_, field, name));
   if (chunk.shape_size() > 0) {
     const std::vector<int64_t> shape(chunk.shape().begin(), chunk.shape().end());
     if (shape != param.shape) {
@@ -101,7 +108,7 @@ absl::Status TensorAssembler::Add(const v1::TensorChunk& chunk, absl::string_vie
                                                    name, "', got ", chunk.offset(),
                                                    " (chunks of a tensor must arrive in order, once)"));
   }
-  const int64_t count = static_cast<int64_t>(chunk.data().size() / element_size);
+  const int64_t count = static_cast<int64_t>(bytes / element_size);
   if (count > param.numel - tensor.received) {
     return absl::InvalidArgumentError(absl::StrCat(field, ".data: '", name, "' has ", param.numel,
                                                    " elements; this chunk would end at element ",
@@ -109,7 +116,7 @@ absl::Status TensorAssembler::Add(const v1::TensorChunk& chunk, absl::string_vie
   }
   if (tensor.values.empty()) tensor.values.resize(param.numel);
   std::span<float> out(tensor.values.data() + tensor.received, count);
-  tensor.sum_squares += DecodeSumSquares(dtype, chunk.data(), out);
+  tensor.sum_squares += DecodeSumSquares(dtype, pieces, out);
   if (step_ != nullptr) MUOND_RETURN_IF_ERROR(step_->Stage(it->second, tensor.received, out.size()));
   tensor.received += count;
   return absl::OkStatus();

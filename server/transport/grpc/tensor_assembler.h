@@ -11,7 +11,8 @@
 // While decoding it accumulates each tensor's sum of squares in fp64, which gives the gradient norm
 // and detects non-finite values without a second pass. Given a step (IncomingStep), it decodes into
 // the step's gradients and hands every decoded chunk to IncomingStep::Stage, which starts copying it
-// to the backend at once.
+// to the backend at once. A chunk's payload may be its `data` field or, for a chunk framed by
+// wire::ParseChunkFrame, pieces of the received gRPC slices, decoded from there without a copy.
 //
 // One assembler per stream; not thread-safe. Reads the config (and the step), which must outlive it.
 #pragma once
@@ -32,12 +33,20 @@ namespace muond::transport {
 // The payload rules every tensor chunk follows (uploads, steps and SetState alike): at least one
 // element, a whole number of `dtype` elements, at most `max_chunk_bytes` bytes. `dtype` must be
 // concrete; errors name `field`.data and the tensor `name`.
-absl::Status CheckChunkPayload(const v1::TensorChunk& chunk, v1::DType dtype, size_t max_chunk_bytes,
-                               absl::string_view field, absl::string_view name);
+absl::Status CheckChunkPayload(size_t bytes, v1::DType dtype, size_t max_chunk_bytes, absl::string_view field,
+                               absl::string_view name);
+inline absl::Status CheckChunkPayload(const v1::TensorChunk& chunk, v1::DType dtype, size_t max_chunk_bytes,
+                                      absl::string_view field, absl::string_view name) {
+  return CheckChunkPayload(chunk.data().size(), dtype, max_chunk_bytes, field, name);
+}
 
-// Decodes `bytes` (whole `dtype` elements, out.size() of them) into `out` and returns the sum of
-// their squares in fp64 — inf or NaN when a value is not finite — in the same pass over the data.
-double DecodeSumSquares(v1::DType dtype, absl::string_view bytes, std::span<float> out);
+// Decodes a payload of whole `dtype` elements, out.size() of them, split into `pieces` at any byte
+// boundary, into `out` and returns the sum of their squares in fp64 — inf or NaN when a value is not
+// finite — in the same pass over the data. The sum does not depend on how the payload was split.
+double DecodeSumSquares(v1::DType dtype, std::span<const absl::string_view> pieces, std::span<float> out);
+inline double DecodeSumSquares(v1::DType dtype, absl::string_view bytes, std::span<float> out) {
+  return DecodeSumSquares(dtype, std::span<const absl::string_view>(&bytes, 1), out);
+}
 
 class TensorAssembler {
  public:
@@ -48,6 +57,9 @@ class TensorAssembler {
 
   // `field` names the chunk in errors, e.g. "chunk".
   absl::Status Add(const v1::TensorChunk& chunk, absl::string_view field = "chunk");
+  // The same for a chunk whose `data` is left out of `meta` and given as `pieces` (`bytes` in all).
+  absl::Status Add(const v1::TensorChunk& meta, std::span<const absl::string_view> pieces, size_t bytes,
+                   absl::string_view field = "chunk");
 
   // require_all: every parameter must have arrived (uploads); otherwise absent tensors are allowed,
   // partial ones are not (steps).

@@ -1,0 +1,98 @@
+// Tensor chunks on gRPC byte buffers with their payload kept out of protobuf.
+//
+// StepRequest and StepResponse are `oneof { <control message> = 1; TensorChunk chunk = 2; }`. Parsed
+// the ordinary way, a chunk's `data` is copied from gRPC's receive slices into a protobuf string and
+// then decoded once more; serialized the ordinary way, it is encoded into a string and copied into a
+// slice. Here the payload stays where it is: a received chunk keeps its `data` as pieces of the
+// receive slices (PayloadReader decodes them straight into the destination), and a chunk to send is a
+// small protobuf prefix followed by a payload slice the caller encoded into directly (FrameChunk).
+// The bytes on the wire are exactly the protobuf encoding, so either side may be an ordinary
+// protobuf peer (the Python client, the fuzzer's stubs).
+//
+// ParseChunkFrame takes the fast path only for the plain encoding of one chunk message; anything else
+// (a control message, fields repeated or merged, bytes it does not understand) is left to protobuf,
+// which gives those messages their exact protobuf meaning.
+//
+// SlicePool recycles payload buffers, so a sender allocates nothing per chunk once warm.
+//
+// FramedChunk and PayloadReader are values used by one thread; SlicePool is thread-safe, and the
+// slices it lends may be released on any thread (gRPC's).
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "grpcpp/support/byte_buffer.h"
+#include "grpcpp/support/slice.h"
+#include "muond/v1/muond.pb.h"
+
+namespace muond::wire {
+
+// The field number of `chunk` in StepRequest and StepResponse.
+inline constexpr int kChunkField = 2;
+
+// A received TensorChunk: every field but `data` in `meta`, the payload as pieces of the message's
+// slices (held by `slices`, so the pieces stay valid while this lives).
+struct FramedChunk {
+  v1::TensorChunk meta;
+  std::vector<grpc::Slice> slices;
+  std::vector<absl::string_view> data;
+  size_t data_bytes = 0;
+};
+
+// True and `chunk` filled when `buffer` is the plain encoding of a message holding only a
+// TensorChunk in field `chunk_field`; false when it is anything else (parse it with protobuf then).
+// Never fails: bytes it cannot follow are protobuf's to refuse.
+bool ParseChunkFrame(const grpc::ByteBuffer& buffer, int chunk_field, FramedChunk* chunk);
+
+// The message {chunk_field: meta with data = payload}; `meta.data()` must be empty. The payload
+// slice is referenced, not copied.
+grpc::ByteBuffer FrameChunk(int chunk_field, const v1::TensorChunk& meta, grpc::Slice payload);
+
+// Decodes a payload split into pieces at arbitrary byte boundaries (an element may straddle two).
+class PayloadReader {
+ public:
+  explicit PayloadReader(std::span<const absl::string_view> pieces) : pieces_(pieces) {}
+  // Decodes the next out.size() elements of `dtype` (concrete) into `out`; false, with `out`
+  // unspecified, when fewer bytes remain.
+  bool Read(v1::DType dtype, std::span<float> out);
+  // Bytes not read yet.
+  size_t remaining() const;
+
+ private:
+  std::span<const absl::string_view> pieces_;
+  size_t piece_ = 0;   // current piece
+  size_t offset_ = 0;  // bytes of it already read
+};
+
+// Payload buffers of one size, recycled: Take() returns a slice of `bytes` (≤ the pool's buffer
+// size) over a buffer that goes back to the pool when gRPC releases the slice. At most
+// `keep` idle buffers are kept.
+class SlicePool {
+ public:
+  static std::shared_ptr<SlicePool> Create(size_t buffer_bytes, size_t keep = 8);
+
+  // The slice's bytes are writable until it is handed to gRPC: `data` points at them.
+  grpc::Slice Take(size_t bytes, char** data);
+
+  size_t buffer_bytes() const { return buffer_bytes_; }
+  size_t idle() const;
+
+ private:
+  struct Lent;
+  SlicePool(size_t buffer_bytes, size_t keep) : buffer_bytes_(buffer_bytes), keep_(keep) {}
+  static void Release(void* lent);
+
+  const size_t buffer_bytes_;
+  const size_t keep_;
+  mutable std::mutex mu_;
+  std::vector<std::unique_ptr<char[]>> idle_;
+  std::weak_ptr<SlicePool> self_;
+};
+
+}  // namespace muond::wire
