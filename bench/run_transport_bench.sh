@@ -17,4 +17,4 @@ DIR=$(mktemp -d)
 PID=$!
 trap 'kill $PID 2>/dev/null; wait $PID 2>/dev/null; rm -rf "$DIR"' EXIT
 for _ in $(seq 1 600); do [[ -s $DIR/port ]] && break; kill -0 $PID || exit 1; sleep 0.1; done
-"$TRANSPORT_BENCH" --endpoint "127.0.0.1:$(cat "$DIR/port")" "$@"
+"$TRANSPORT_BENCH" --endpoint "127.0.0.1:$(cat "$DIR/port")" --daemon-pid "$PID" "$@"

@@ -6,14 +6,20 @@
 //   shm     the same step over the shared-memory transport (transport "shm");
 //   memcpy  two memcpys of N bytes, the least any exchange moves.
 // A step's optimizer is SGD with lr 0 on one flat parameter; the daemon's reported compute time is
-// subtracted, so the figure is the exchange alone. GB/s counts both directions (2·N / time).
+// subtracted, so the figure is the exchange alone. GB/s counts both directions (2·N / time), from
+// the median of the reps.
 // Targets (README, Transports): grpc ≥ 0.7× tcp, shm ≥ 0.5× memcpy.
 //
-//   transport_bench --endpoint HOST:PORT [--sizes-mb 8 32 128 512] [--reps 5]
+// Wall time on a shared virtual machine moves a lot between runs; the CPU time an exchange costs
+// does not. With --daemon-pid, a second table gives the CPU milliseconds per exchange: this
+// process (both ends of the TCP echo; the client of the steps) plus the daemon.
+//
+//   transport_bench --endpoint HOST:PORT [--sizes-mb 8 32 128 512] [--reps 5] [--daemon-pid PID]
 // (bench/run_transport_bench.sh starts the daemon and runs this.)
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -32,6 +38,36 @@
 namespace {
 
 double Now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+// CPU seconds this process has used (all threads), and those of process `pid` (0: none).
+double SelfCpu() {
+  rusage usage{};
+  ::getrusage(RUSAGE_SELF, &usage);
+  return usage.ru_utime.tv_sec + usage.ru_stime.tv_sec + 1e-6 * (usage.ru_utime.tv_usec + usage.ru_stime.tv_usec);
+}
+double ProcessCpu(int pid) {
+  if (pid <= 0) return 0;
+  FILE* f = std::fopen(("/proc/" + std::to_string(pid) + "/stat").c_str(), "r");
+  if (f == nullptr) return 0;
+  char buffer[1024] = {};
+  const size_t n = std::fread(buffer, 1, sizeof(buffer) - 1, f);
+  std::fclose(f);
+  // Fields after the command name (which may hold spaces): state is field 3, utime 14, stime 15.
+  const char* p = std::strrchr(buffer, ')');
+  if (p == nullptr || n == 0) return 0;
+  unsigned long utime = 0, stime = 0;
+  if (std::sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %lu %lu", &utime, &stime) != 2) return 0;
+  return static_cast<double>(utime + stime) / static_cast<double>(::sysconf(_SC_CLK_TCK));
+}
+
+int g_daemon_pid = 0;
+double Cpu() { return SelfCpu() + ProcessCpu(g_daemon_pid); }
+
+// A transport's figures: median wall seconds of an exchange, CPU seconds per exchange.
+struct Timing {
+  double seconds = -1;
+  double cpu = 0;
+};
 
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -58,8 +94,8 @@ bool RecvAll(int fd, char* p, size_t n) {
   return true;
 }
 
-// Seconds of one N-byte loopback TCP echo (median of reps).
-double TcpEcho(size_t bytes, int reps) {
+// One N-byte loopback TCP echo (median of reps).
+Timing TcpEcho(size_t bytes, int reps) {
   const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
@@ -82,7 +118,9 @@ double TcpEcho(size_t bytes, int reps) {
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
   std::vector<char> out(bytes, 1), in(bytes);
   std::vector<double> times;
+  double cpu_start = 0;
   for (int r = 0; r < reps + 1; ++r) {
+    if (r == 1) cpu_start = SelfCpu();
     const double start = Now();
     // Send and receive at once, as a step's stream does: a large echo would otherwise deadlock on
     // full socket buffers.
@@ -91,13 +129,14 @@ double TcpEcho(size_t bytes, int reps) {
     sender.join();
     if (r > 0) times.push_back(Now() - start);
   }
+  const double cpu = (SelfCpu() - cpu_start) / reps;
   ::close(fd);
   echo.join();
   ::close(listener);
-  return Median(times);
+  return {Median(times), cpu};
 }
 
-double Memcpy(size_t bytes, int reps) {
+Timing Memcpy(size_t bytes, int reps) {
   std::vector<char> a(bytes, 1), b(bytes), c(bytes);
   std::vector<double> times;
   for (int r = 0; r < reps + 1; ++r) {
@@ -107,11 +146,11 @@ double Memcpy(size_t bytes, int reps) {
     if (r > 0) times.push_back(Now() - start);
   }
   if (c[bytes / 2] != 1) std::fprintf(stderr, "memcpy: wrong result\n");
-  return Median(times);
+  return {Median(times), Median(times)};
 }
 
-// Seconds of one step's exchange over `transport` (round trip minus the daemon's compute).
-double StepExchange(const std::string& endpoint, const std::string& transport, size_t bytes, int reps) {
+// One step's exchange over `transport` (round trip minus the daemon's compute).
+Timing StepExchange(const std::string& endpoint, const std::string& transport, size_t bytes, int reps) {
   muond::client::ClientOptions options;
   options.endpoint = endpoint;
   options.transport = transport;
@@ -119,7 +158,7 @@ double StepExchange(const std::string& endpoint, const std::string& transport, s
   auto client = muond::client::Client::Connect(options);
   if (!client.ok()) {
     std::fprintf(stderr, "%s: %s\n", transport.c_str(), client.status().ToString().c_str());
-    return -1;
+    return {};
   }
   const int64_t n = static_cast<int64_t>(bytes / 4);
   muond::v1::SessionSpec spec;
@@ -135,31 +174,34 @@ double StepExchange(const std::string& endpoint, const std::string& transport, s
   auto session = (*client)->CreateSession(id, spec);
   if (!session.ok()) {
     std::fprintf(stderr, "%s\n", session.status().ToString().c_str());
-    return -1;
+    return {};
   }
   std::vector<float> values(static_cast<size_t>(n), 0.5f);
   const std::vector<muond::client::TensorView> tensors = {{"flat", {n}, values}};
   if (auto s = (*session)->UploadParameters(tensors); !s.ok()) {
     std::fprintf(stderr, "%s\n", s.ToString().c_str());
-    return -1;
+    return {};
   }
   std::vector<float> after(static_cast<size_t>(n));
   muond::client::StepOptions step_options;
   step_options.parameters_out["flat"] = after;  // the answer lands here: no allocation per step
   std::vector<double> times;
+  double cpu_start = 0;
   for (int r = 0; r < reps + 1; ++r) {
+    if (r == 1) cpu_start = Cpu();
     const double start = Now();
     auto reply = (*session)->Step(r + 1, tensors, step_options);
     const double seconds = Now() - start;
     if (!reply.ok()) {
       std::fprintf(stderr, "%s\n", reply.status().ToString().c_str());
-      return -1;
+      return {};
     }
     if (std::getenv("TRANSPORT_BENCH_VERBOSE")) std::fprintf(stderr, "%s rep %d: %.3f s, compute %.3f s\n", transport.c_str(), r, seconds, reply->compute_seconds);
     if (r > 0) times.push_back(seconds - reply->compute_seconds);
   }
+  const double cpu = (Cpu() - cpu_start) / reps;
   (void)(*session)->Close();
-  return Median(times);
+  return {Median(times), cpu};
 }
 
 }  // namespace
@@ -174,26 +216,43 @@ int main(int argc, char** argv) {
   app.add_option("--sizes-mb", sizes_mb, "Gradient sizes in MiB");
   app.add_option("--reps", reps, "Timed repetitions (median)");
   app.add_flag("--json", json, "One JSON object per size");
+  app.add_option("--daemon-pid", g_daemon_pid, "The daemon's process id: adds its CPU time to the steps' CPU figures");
   CLI11_PARSE(app, argc, argv);
   if (!json) {
     std::printf("%8s %9s %9s %9s %9s %9s %9s\n", "MiB", "tcp", "grpc", "shm", "memcpy", "grpc/", "shm/");
     std::printf("%8s %9s %9s %9s %9s %9s %9s\n", "", "GB/s", "GB/s", "GB/s", "GB/s", "tcp", "memcpy");
   }
+  struct Row {
+    int mb;
+    Timing tcp, grpc, shm, copy;
+  };
+  std::vector<Row> rows;
   for (int mb : sizes_mb) {
     const size_t bytes = static_cast<size_t>(mb) << 20;
-    const double tcp = TcpEcho(bytes, reps);
-    const double grpc = StepExchange(endpoint, "grpc", bytes, reps);
-    const double shm = StepExchange(endpoint, "shm", bytes, reps);
-    const double copy = Memcpy(bytes, reps);
+    Row row{mb, TcpEcho(bytes, reps), StepExchange(endpoint, "grpc", bytes, reps),
+            StepExchange(endpoint, "shm", bytes, reps), Memcpy(bytes, reps)};
     auto gbps = [&](double seconds) { return seconds > 0 ? 2.0 * bytes / seconds / 1e9 : 0.0; };
     if (json) {
-      std::printf("{\"mib\": %d, \"tcp_gbps\": %.3f, \"grpc_gbps\": %.3f, \"shm_gbps\": %.3f, \"memcpy_gbps\": %.3f}\n",
-                  mb, gbps(tcp), gbps(grpc), gbps(shm), gbps(copy));
+      std::printf("{\"mib\": %d, \"tcp_gbps\": %.3f, \"grpc_gbps\": %.3f, \"shm_gbps\": %.3f, \"memcpy_gbps\": %.3f, "
+                  "\"tcp_cpu_ms\": %.2f, \"grpc_cpu_ms\": %.2f, \"shm_cpu_ms\": %.2f, \"memcpy_cpu_ms\": %.2f}\n",
+                  mb, gbps(row.tcp.seconds), gbps(row.grpc.seconds), gbps(row.shm.seconds), gbps(row.copy.seconds),
+                  1e3 * row.tcp.cpu, 1e3 * row.grpc.cpu, 1e3 * row.shm.cpu, 1e3 * row.copy.cpu);
     } else {
-      std::printf("%8d %9.2f %9.2f %9.2f %9.2f %9.2f %9.2f\n", mb, gbps(tcp), gbps(grpc), gbps(shm), gbps(copy),
-                  gbps(grpc) / gbps(tcp), gbps(shm) / gbps(copy));
+      std::printf("%8d %9.2f %9.2f %9.2f %9.2f %9.2f %9.2f\n", mb, gbps(row.tcp.seconds), gbps(row.grpc.seconds),
+                  gbps(row.shm.seconds), gbps(row.copy.seconds), gbps(row.grpc.seconds) / gbps(row.tcp.seconds),
+                  gbps(row.shm.seconds) / gbps(row.copy.seconds));
     }
     std::fflush(stdout);
+    rows.push_back(row);
+  }
+  if (!json && g_daemon_pid > 0) {
+    std::printf("\nCPU milliseconds per exchange (this process + the daemon; memcpy: its wall time)\n");
+    std::printf("%8s %9s %9s %9s %9s %9s %9s\n", "MiB", "tcp", "grpc", "shm", "memcpy", "grpc/", "shm/");
+    std::printf("%8s %9s %9s %9s %9s %9s %9s\n", "", "ms", "ms", "ms", "ms", "tcp", "memcpy");
+    for (const Row& row : rows) {
+      std::printf("%8d %9.1f %9.1f %9.1f %9.1f %9.2f %9.2f\n", row.mb, 1e3 * row.tcp.cpu, 1e3 * row.grpc.cpu,
+                  1e3 * row.shm.cpu, 1e3 * row.copy.cpu, row.grpc.cpu / row.tcp.cpu, row.shm.cpu / row.copy.cpu);
+    }
   }
   return 0;
 }

@@ -8,10 +8,15 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "grpcpp/grpcpp.h"
+#include "grpcpp/impl/codegen/proto_utils.h"
+#include "proto/wire/chunk_frame.h"
 #include "proto/wire/dtype_codec.h"
 
 namespace muond::client {
 namespace {
+
+// The Step method of muond.v1.Muond, called over byte buffers (Session::StepOnce).
+constexpr char kStepMethod[] = "/muond.v1.Muond/Step";
 
 bool IsTransient(absl::StatusCode code) {
   return code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kDeadlineExceeded;
@@ -27,23 +32,25 @@ size_t ChunkCount(const TensorView& tensor, v1::DType dtype, size_t chunk_bytes)
   return std::max<size_t>(1, (tensor.values.size() + per_chunk - 1) / per_chunk);
 }
 
-// Calls write(TensorChunk&&) for each chunk of `tensor` encoded as `dtype`; the first chunk carries
-// the shape so the daemon can refuse a transposed tensor.
+// Calls write(meta, values) for each chunk of `tensor` sent as `dtype`: `meta` names the chunk (name,
+// offset, dtype; the first also the shape, so the daemon can refuse a transposed tensor) and carries
+// no data; `values` are the chunk's elements, for the writer to encode where it sends them from.
 template <typename Write>
-bool WriteChunks(const TensorView& tensor, v1::DType dtype, size_t chunk_bytes, Write&& write) {
+bool ForEachChunk(const TensorView& tensor, v1::DType dtype, size_t chunk_bytes, Write&& write) {
   const size_t per_chunk = ElementsPerChunk(dtype, chunk_bytes);
+  v1::TensorChunk meta;
+  meta.set_name(tensor.name);
+  meta.set_dtype(dtype);
   size_t offset = 0;
   do {
     const size_t count = std::min(per_chunk, tensor.values.size() - offset);
-    v1::TensorChunk chunk;
-    chunk.set_name(tensor.name);
-    chunk.set_offset(offset);
-    chunk.set_dtype(dtype);
+    meta.set_offset(offset);
     if (offset == 0) {
-      for (int64_t d : tensor.shape) chunk.add_shape(d);
+      for (int64_t d : tensor.shape) meta.add_shape(d);
+    } else {
+      meta.clear_shape();
     }
-    wire::Encode(dtype, tensor.values.subspan(offset, count), chunk.mutable_data());
-    if (!write(std::move(chunk))) return false;
+    if (!write(meta, tensor.values.subspan(offset, count))) return false;
     offset += count;
   } while (offset < tensor.values.size());
   return true;
@@ -66,22 +73,29 @@ absl::StatusOr<std::span<float>> Destination(const std::string& name, int64_t nu
   return std::span<float>(values);
 }
 
-// Decodes one answer chunk into its destination (Destination), sized from the spec.
+// Decodes one answer chunk — `meta` naming it, its payload in `pieces` (`bytes` in all) — into its
+// destination (Destination), sized from the spec.
+absl::Status ReadChunk(const v1::TensorChunk& meta, std::span<const absl::string_view> pieces, size_t bytes,
+                       const std::map<std::string, int64_t>& numel, const OutputSpans& into, ParameterMap* out) {
+  auto size = numel.find(meta.name());
+  const size_t element = wire::ElementSize(meta.dtype());
+  if (size == numel.end() || element == 0 || bytes % element != 0) {
+    return absl::InternalError(absl::StrCat("malformed chunk from the daemon for '", meta.name(), "'"));
+  }
+  absl::StatusOr<std::span<float>> values = Destination(meta.name(), size->second, into, out);
+  if (!values.ok()) return values.status();
+  const size_t count = bytes / element;
+  if (meta.offset() > values->size() || count > values->size() - meta.offset()) {
+    return absl::InternalError(absl::StrCat("chunk for '", meta.name(), "' runs past its end"));
+  }
+  wire::PayloadReader(pieces).Read(meta.dtype(), values->subspan(meta.offset(), count));
+  return absl::OkStatus();
+}
+
 absl::Status ReadChunk(const v1::TensorChunk& chunk, const std::map<std::string, int64_t>& numel,
                        const OutputSpans& into, ParameterMap* out) {
-  auto size = numel.find(chunk.name());
-  const size_t element = wire::ElementSize(chunk.dtype());
-  if (size == numel.end() || element == 0 || chunk.data().size() % element != 0) {
-    return absl::InternalError(absl::StrCat("malformed chunk from the daemon for '", chunk.name(), "'"));
-  }
-  absl::StatusOr<std::span<float>> values = Destination(chunk.name(), size->second, into, out);
-  if (!values.ok()) return values.status();
-  const size_t count = chunk.data().size() / element;
-  if (chunk.offset() + count > values->size()) {
-    return absl::InternalError(absl::StrCat("chunk for '", chunk.name(), "' runs past its end"));
-  }
-  wire::Decode(chunk.dtype(), chunk.data(), values->subspan(chunk.offset(), count));
-  return absl::OkStatus();
+  const absl::string_view data = chunk.data();
+  return ReadChunk(chunk, std::span<const absl::string_view>(&data, 1), data.size(), numel, into, out);
 }
 
 std::map<std::string, int64_t> ElementCounts(const v1::SessionSpec& spec) {
@@ -162,7 +176,11 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
 }
 
 Client::Client(ClientOptions options, std::shared_ptr<grpc::Channel> channel)
-    : options_(std::move(options)), channel_(std::move(channel)), stub_(v1::Muond::NewStub(channel_)) {}
+    : options_(std::move(options)),
+      channel_(std::move(channel)),
+      stub_(v1::Muond::NewStub(channel_)),
+      step_method_(kStepMethod, grpc::internal::RpcMethod::BIDI_STREAMING, channel_),
+      slice_pool_(wire::SlicePool::Create(options_.chunk_bytes)) {}
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
   grpc::ChannelArguments args;
@@ -233,6 +251,8 @@ void Client::PrepareContext(grpc::ClientContext& context) const {
   // loopback channel (gRPC only attaches call credentials to secure channels).
   if (!options_.auth_token.empty()) context.AddMetadata("authorization", "Bearer " + options_.auth_token);
 }
+
+grpc::ChannelInterface* Client::channel() { return channel_.get(); }
 
 absl::StatusOr<v1::ServerInfo> Client::GetServerInfo() {
   v1::ServerInfo info;
@@ -307,11 +327,15 @@ absl::Status Session::UploadParameters(std::span<const TensorView> parameters) {
   bool ok = writer->Write(request);
   for (const TensorView& tensor : parameters) {
     if (!ok) break;
-    ok = WriteChunks(tensor, WireDType(tensor.name), client_->options().chunk_bytes, [&](v1::TensorChunk&& chunk) {
-      request.Clear();
-      *request.mutable_chunk() = std::move(chunk);
-      return writer->Write(request);
-    });
+    const v1::DType dtype = WireDType(tensor.name);
+    ok = ForEachChunk(tensor, dtype, client_->options().chunk_bytes,
+                      [&](const v1::TensorChunk& meta, std::span<const float> values) {
+                        request.Clear();
+                        v1::TensorChunk* chunk = request.mutable_chunk();
+                        *chunk = meta;
+                        wire::Encode(dtype, values, chunk->mutable_data());
+                        return writer->Write(request);
+                      });
   }
   writer->WritesDone();
   absl::Status status = FromGrpcStatus(writer->Finish());
@@ -370,9 +394,14 @@ absl::StatusOr<StepReply> Session::StepOnce(int64_t step, std::span<const Tensor
   absl::StatusOr<std::string> transport = client_->Transport();
   if (!transport.ok()) return transport.status();
   if (*transport == "shm") return StepOnceShared(step, gradients, options);
+  // Over byte buffers: each chunk's payload is encoded from the caller's tensor straight into the
+  // slice gRPC sends, and each answer is decoded from gRPC's receive slices straight into its
+  // destination. The messages are StepRequest and StepResponse in their protobuf encoding.
   grpc::ClientContext context;
   client_->PrepareContext(context);
-  auto stream = client_->stub().Step(&context);
+  std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> stream(
+      grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(
+          client_->channel(), client_->step_method(), &context));
   v1::StepRequest request;
   v1::StepHeader* header = request.mutable_header();
   *header = Header(step, options);
@@ -383,27 +412,40 @@ absl::StatusOr<StepReply> Session::StepOnce(int64_t step, std::span<const Tensor
     num_chunks += static_cast<uint32_t>(ChunkCount(tensor, WireDType(tensor.name), client_->options().chunk_bytes));
   }
   header->set_num_chunks(num_chunks);
-  bool ok = stream->Write(request);
+  grpc::ByteBuffer buffer;
+  bool own = false;
+  bool ok = grpc::SerializationTraits<v1::StepRequest>::Serialize(request, &buffer, &own).ok() && stream->Write(buffer);
+  wire::SlicePool& pool = client_->slice_pool();
   for (const TensorView& tensor : gradients) {
     if (!ok) break;
-    ok = WriteChunks(tensor, WireDType(tensor.name), client_->options().chunk_bytes, [&](v1::TensorChunk&& chunk) {
-      request.Clear();
-      *request.mutable_chunk() = std::move(chunk);
-      return stream->Write(request);
-    });
+    const v1::DType dtype = WireDType(tensor.name);
+    ok = ForEachChunk(tensor, dtype, client_->options().chunk_bytes,
+                      [&](const v1::TensorChunk& meta, std::span<const float> values) {
+                        char* data = nullptr;
+                        grpc::Slice payload = pool.Take(values.size() * wire::ElementSize(dtype), &data);
+                        wire::EncodeTo(dtype, values, data);
+                        return stream->Write(wire::FrameChunk(wire::kChunkField, meta, std::move(payload)));
+                      });
   }
   stream->WritesDone();
 
   StepReply reply;
   const std::map<std::string, int64_t> numel = ElementCounts(spec_);
-  v1::StepResponse response;
   absl::Status decode = absl::OkStatus();
   bool have_result = false;
-  while (stream->Read(&response)) {
-    if (response.has_result()) {
+  wire::FramedChunk framed;
+
+  v1::StepResponse response;
+  while (stream->Read(&buffer)) {
+    if (!decode.ok()) continue;  // drain the stream; the first error is reported
+    if (wire::ParseChunkFrame(buffer, wire::kChunkField, &framed)) {
+      decode = ReadChunk(framed.meta, framed.data, framed.data_bytes, numel, options.parameters_out, &reply.parameters);
+    } else if (!grpc::SerializationTraits<v1::StepResponse>::Deserialize(&buffer, &response).ok()) {
+      decode = absl::InternalError("the daemon's step answer is not a StepResponse");
+    } else if (response.has_result()) {
       CopyResult(response.result(), &reply);
       have_result = true;
-    } else if (response.has_chunk() && decode.ok()) {
+    } else if (response.has_chunk()) {
       decode = ReadChunk(response.chunk(), numel, options.parameters_out, &reply.parameters);
     }
   }

@@ -28,6 +28,10 @@
 #include "client/shm_region.h"
 #include "muond/v1/muond.grpc.pb.h"
 
+namespace muond::wire {
+class SlicePool;
+}
+
 namespace muond::client {
 
 struct ClientOptions {
@@ -106,6 +110,10 @@ class Client {
   absl::StatusOr<std::vector<v1::SessionSummary>> ListSessions();
 
   v1::Muond::Stub& stub() { return *stub_; }
+  // For calls made over byte buffers (Step): the channel, the Step method, the payload buffers.
+  grpc::ChannelInterface* channel();
+  const grpc::internal::RpcMethod& step_method() const { return step_method_; }
+  wire::SlicePool& slice_pool() { return *slice_pool_; }
   const ClientOptions& options() const { return options_; }
   // "grpc" or "shm": the transport steps use (ClientOptions::transport). Settled by the first step
   // (or the first call of this), not by Connect, so that connecting makes no call of its own.
@@ -126,6 +134,8 @@ class Client {
   std::string transport_;  // empty until settled
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Muond::Stub> stub_;
+  grpc::internal::RpcMethod step_method_;
+  std::shared_ptr<wire::SlicePool> slice_pool_;
 };
 
 class Session {

@@ -237,13 +237,17 @@ grpc::Slice SlicePool::Take(size_t bytes, char** data) {
   lent->pool = self_.lock();
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (bytes <= buffer_bytes_ && !idle_.empty()) {
-      lent->storage = std::move(idle_.back());
-      idle_.pop_back();
+    auto fits = std::find_if(idle_.begin(), idle_.end(), [&](const Idle& buffer) { return buffer.capacity >= bytes; });
+    if (fits != idle_.end()) {
+      lent->storage = std::move(fits->storage);
+      lent->capacity = fits->capacity;
+      idle_.erase(fits);
     }
   }
-  lent->capacity = std::max(bytes, buffer_bytes_);
-  if (lent->storage == nullptr) lent->storage.reset(new char[lent->capacity]);
+  if (lent->storage == nullptr) {
+    lent->capacity = std::max(bytes, buffer_bytes_);
+    lent->storage.reset(new char[lent->capacity]);
+  }
   *data = lent->storage.get();
   Lent* raw = lent.release();
   return grpc::Slice(raw->storage.get(), bytes, &SlicePool::Release, raw);
@@ -252,9 +256,8 @@ grpc::Slice SlicePool::Take(size_t bytes, char** data) {
 void SlicePool::Release(void* lent_ptr) {
   std::unique_ptr<Lent> lent(static_cast<Lent*>(lent_ptr));
   SlicePool& pool = *lent->pool;
-  if (lent->capacity != pool.buffer_bytes_) return;  // an outsized one: freed
   std::lock_guard<std::mutex> lock(pool.mu_);
-  if (pool.idle_.size() < pool.keep_) pool.idle_.push_back(std::move(lent->storage));
+  if (pool.idle_.size() < pool.keep_) pool.idle_.push_back(Idle{std::move(lent->storage), lent->capacity});
 }
 
 size_t SlicePool::idle() const {

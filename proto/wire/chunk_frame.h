@@ -70,12 +70,13 @@ class PayloadReader {
   size_t offset_ = 0;  // bytes of it already read
 };
 
-// Payload buffers of one size, recycled: Take() returns a slice of `bytes` (≤ the pool's buffer
-// size) over a buffer that goes back to the pool when gRPC releases the slice. At most
-// `keep` idle buffers are kept.
+// Payload buffers, recycled: Take() returns a slice of `bytes` over an idle buffer at least that
+// large, or a new one of max(bytes, buffer_bytes); the buffer goes back to the pool when gRPC
+// releases the slice. At most `keep` idle buffers are kept (the rest are freed), so a pool holds
+// at most keep × the largest chunk while idle.
 class SlicePool {
  public:
-  static std::shared_ptr<SlicePool> Create(size_t buffer_bytes, size_t keep = 8);
+  static std::shared_ptr<SlicePool> Create(size_t buffer_bytes, size_t keep = 4);
 
   // The slice's bytes are writable until it is handed to gRPC: `data` points at them.
   grpc::Slice Take(size_t bytes, char** data);
@@ -85,13 +86,17 @@ class SlicePool {
 
  private:
   struct Lent;
+  struct Idle {
+    std::unique_ptr<char[]> storage;
+    size_t capacity;
+  };
   SlicePool(size_t buffer_bytes, size_t keep) : buffer_bytes_(buffer_bytes), keep_(keep) {}
   static void Release(void* lent);
 
   const size_t buffer_bytes_;
   const size_t keep_;
   mutable std::mutex mu_;
-  std::vector<std::unique_ptr<char[]>> idle_;
+  std::vector<Idle> idle_;
   std::weak_ptr<SlicePool> self_;
 };
 

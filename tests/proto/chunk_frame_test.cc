@@ -182,12 +182,15 @@ TEST(SlicePoolTest, RecyclesBuffersWhenGrpcReleasesThem) {
   grpc::Slice reused = pool->Take(64, &again);
   EXPECT_EQ(again, first);
   EXPECT_EQ(pool->idle(), 0u);
+  char* big = nullptr;
   {
-    char* big = nullptr;
-    grpc::Slice outsized = pool->Take(65, &big);  // larger than the pool's buffers: freed, not kept
-    EXPECT_EQ(outsized.size(), 65u);
+    grpc::Slice larger = pool->Take(100, &big);  // larger than any idle buffer: a new one, kept after
+    EXPECT_EQ(larger.size(), 100u);
   }
-  EXPECT_EQ(pool->idle(), 0u);
+  EXPECT_EQ(pool->idle(), 1u);
+  char* small = nullptr;
+  grpc::Slice fits = pool->Take(3, &small);
+  EXPECT_EQ(small, big);
   {
     std::vector<grpc::Slice> many;
     for (int i = 0; i < 4; ++i) {
