@@ -38,6 +38,7 @@ import grpc
 
 from ._stubs import pb, pb_grpc
 from .errors import MuondError, translated
+from .framing import FramedChunk, ParameterWriter, parse_step_response, serialize_step_request
 from .wire import ChunkAssembler
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
@@ -176,6 +177,10 @@ class Connection:
         else:
             self._channel = grpc.secure_channel(endpoint, credentials, options=opts)
         self._stub = pb_grpc.MuondStub(self._channel)
+        # Step with its chunk payloads kept out of protobuf (framing.py); the same messages.
+        self._step = self._channel.stream_stream(
+            "/muond.v1.Muond/Step", request_serializer=serialize_step_request,
+            response_deserializer=parse_step_response)
         self._closed = False
         _OPEN_CONNECTIONS.add(self)
 
@@ -290,19 +295,19 @@ class Connection:
             return stream.finish(self._stub.UploadParameters(stream, timeout=self.timeout,
                                                              metadata=self._metadata))
 
-    def step(self, header: pb.StepHeader, chunks: Iterable[pb.TensorChunk],
-             into: ChunkAssembler) -> pb.StepResult:
-        """Runs one step: sends the header and the gradient chunks, half-closes, then reads the
-        StepResult and feeds the returned parameter chunks to ``into``."""
+    def step(self, header: pb.StepHeader, chunks: Iterable[bytes], into: ParameterWriter) -> pb.StepResult:
+        """Runs one step: sends the header and the gradient chunks (serialized ``StepRequest``
+        messages, ``framing.frame_chunks``), half-closes, then reads the StepResult and hands the
+        returned parameter chunks to ``into``, each as a view of the received bytes."""
         def requests():
             yield pb.StepRequest(header=header)
-            for chunk in chunks:
-                yield pb.StepRequest(chunk=chunk)
+            yield from chunks
         result = None
         with _RequestStream(requests()) as stream, translated("Step"):
-            for response in self._stub.Step(stream, timeout=self.timeout,
-                                            metadata=self._metadata):
-                if response.HasField("result"):
+            for response in self._step(stream, timeout=self.timeout, metadata=self._metadata):
+                if isinstance(response, FramedChunk):
+                    into.add(response)
+                elif response.HasField("result"):
                     result = response.result
                 else:
                     into.add(response.chunk)
@@ -310,6 +315,7 @@ class Connection:
         if result is None:
             raise MuondError(grpc.StatusCode.INTERNAL, "the daemon's step answer had no StepResult",
                              "Step")
+        into.finish()
         return result
 
     def register_shared_memory(self, name: str, ticket: str) -> int:

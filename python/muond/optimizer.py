@@ -39,6 +39,7 @@ import torch.distributed
 from . import options as opts
 from . import qk_clip as qk
 from . import shm
+from . import framing
 from . import wire
 from ._stubs import pb
 from .client import (DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_RETRY_BACKOFF,
@@ -377,9 +378,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
             grads.append((name, g))
         return grads
 
-    def _grad_chunks(self, grads: List[Tuple[str, torch.Tensor]]) -> Iterator[pb.TensorChunk]:
+    def _grad_chunks(self, grads: List[Tuple[str, torch.Tensor]]) -> Iterator[bytes]:
         for name, g in grads:
-            yield from wire.encode(name, g, self.wire_dtype, max_chunk_bytes=self.chunk_bytes)
+            yield from framing.frame_chunks(name, g, self.wire_dtype, max_chunk_bytes=self.chunk_bytes)
 
     def step(self, closure: Optional[Callable[[], Any]] = None, *,
              qk_logits: Optional[Dict[Any, Any]] = None) -> Any:
@@ -408,10 +409,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
         header.num_chunks = sum(wire.chunk_count(g.numel(), self.wire_dtype, self.chunk_bytes)
                                 for _, g in grads)
 
-        def over_grpc():
-            into = wire.ChunkAssembler(self._sizes, self.return_dtype)
-            result = self._conn.step(header, self._grad_chunks(grads), into)
-            return result, {name: t for (name, _), t in into.tensors().items()}
+        def over_grpc():  # the answers go straight into the parameters
+            into = framing.ParameterWriter(self._by_name, self.return_dtype)
+            return self._conn.step(header, self._grad_chunks(grads), into), {}
         return self._finish_step(loss, *self._try_step(over_grpc))
 
     def _try_step(self, once: Callable[[], Tuple[pb.StepResult, Dict[str, torch.Tensor]]]):

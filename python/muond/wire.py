@@ -32,7 +32,7 @@ _FROM_ENUM = {v: k for k, v in _ENUM.items()}
 _ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
 # TensorChunk.shape (the sender's shape, checked by the daemon) is newer than the first API
 # version; stubs generated from an older proto simply don't send it.
-_CHUNK_HAS_SHAPE = "shape" in pb.TensorChunk.DESCRIPTOR.fields_by_name
+CHUNK_HAS_SHAPE = "shape" in pb.TensorChunk.DESCRIPTOR.fields_by_name
 
 DTypeLike = Union[str, torch.dtype]
 ChunkKey = Tuple[str, str]  # (tensor name, state slot or "")
@@ -61,6 +61,16 @@ def dtype_enum(name: str) -> int:
     return _ENUM[name]
 
 
+def dtype_from_enum(value: int, default: str) -> str:
+    """The canonical name of a ``muond.v1.DType`` value; ``default`` when it is unset."""
+    return _FROM_ENUM.get(value, default)
+
+
+def itemsize(name: str) -> int:
+    """Bytes per element of a canonical dtype name."""
+    return _ITEMSIZE[name]
+
+
 def host_bytes(tensor: torch.Tensor, dtype: str) -> memoryview:
     """The tensor's elements in ``dtype`` as little-endian bytes in host memory (one copy)."""
     x = tensor.detach()
@@ -87,7 +97,7 @@ def encode(name: str, tensor: torch.Tensor, dtype: str, *, slot: str = "",
         piece = data[start:start + per_chunk]
         chunk = pb.TensorChunk(name=name, offset=start // itemsize, dtype=enum, data=bytes(piece),
                                slot=slot)
-        if start == 0 and _CHUNK_HAS_SHAPE:
+        if start == 0 and CHUNK_HAS_SHAPE:
             chunk.shape.extend(tensor.shape)
         yield chunk
         start += per_chunk

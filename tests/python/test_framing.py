@@ -1,0 +1,112 @@
+"""The Step stream's framing: what frame_chunks sends is the protobuf encoding of the chunks
+wire.encode builds, answer chunks parse like protobuf parses them (anything unusual is left to
+protobuf), and ParameterWriter decodes them straight into the parameters, checked as the
+assembler checks them."""
+
+import pytest
+import torch
+
+from muond import framing, wire
+from muond._stubs import pb
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_frame_chunks_are_the_protobuf_encoding_of_the_chunks(dtype):
+    tensor = torch.randn(5, 7)
+    framed = list(framing.frame_chunks("w", tensor, dtype, max_chunk_bytes=24))
+    expected = list(wire.encode("w", tensor, dtype, max_chunk_bytes=24))
+    assert len(framed) == len(expected) == wire.chunk_count(35, dtype, 24)
+    for data, chunk in zip(framed, expected):
+        parsed = pb.StepRequest.FromString(data)
+        assert parsed.WhichOneof("kind") == "chunk"
+        assert parsed.chunk == chunk
+
+
+def test_an_empty_tensor_is_one_empty_chunk():
+    (data,) = framing.frame_chunks("e", torch.zeros(0), "fp32")
+    chunk = pb.StepRequest.FromString(data).chunk
+    assert chunk.name == "e" and chunk.data == b"" and list(chunk.shape) == [0]
+
+
+def test_answer_chunks_parse_like_protobuf_with_the_payload_as_a_view():
+    chunk = pb.TensorChunk(name="layer.weight", offset=12, dtype=pb.DTYPE_BF16,
+                           data=bytes(range(40)), shape=[4, 5])
+    data = pb.StepResponse(chunk=chunk).SerializeToString()
+    parsed = framing.parse_step_response(data)
+    assert isinstance(parsed, framing.FramedChunk)
+    assert isinstance(parsed.payload, memoryview)
+    assert bytes(parsed.payload) == chunk.data
+    expected = pb.TensorChunk()
+    expected.CopyFrom(chunk)
+    expected.ClearField("data")
+    assert parsed.meta == expected
+
+
+def test_everything_else_is_left_to_protobuf():
+    result = pb.StepResponse(result=pb.StepResult(step=3, applied=True))
+    parsed = framing.parse_step_response(result.SerializeToString())
+    assert isinstance(parsed, pb.StepResponse) and parsed.result.step == 3
+    one = pb.StepResponse(chunk=pb.TensorChunk(name="a", data=b"\0\0\0\0")).SerializeToString()
+    merged = framing.parse_step_response(one + one)  # two chunk fields: protobuf merges them
+    assert isinstance(merged, pb.StepResponse) and merged.chunk.name == "a"
+    with pytest.raises(Exception):
+        framing.parse_step_response(one[:-1])  # cut short: protobuf refuses it
+
+
+def test_the_last_data_field_wins_as_in_protobuf():
+    inner = (pb.TensorChunk(data=b"abcd").SerializeToString()
+             + pb.TensorChunk(name="w").SerializeToString()
+             + pb.TensorChunk(data=b"wxyz1234").SerializeToString())
+    data = bytes([(2 << 3) | 2, len(inner)]) + inner
+    parsed = framing.parse_step_response(data)
+    reference = pb.StepResponse.FromString(data)
+    assert parsed.meta.name == reference.chunk.name == "w"
+    assert bytes(parsed.payload) == reference.chunk.data == b"wxyz1234"
+
+
+def _answer(name, values, dtype, chunk_bytes):
+    for chunk in wire.encode(name, values, dtype, max_chunk_bytes=chunk_bytes):
+        yield framing.parse_step_response(pb.StepResponse(chunk=chunk).SerializeToString())
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_parameter_writer_decodes_into_the_parameters_memory(dtype):
+    param = torch.nn.Parameter(torch.zeros(6, 5))
+    pointer, version = param.data_ptr(), param._version
+    answer = torch.randn(6, 5)
+    writer = framing.ParameterWriter({"w": param}, dtype)
+    for chunk in _answer("w", answer, dtype, 16):
+        writer.add(chunk)
+    writer.finish()
+    expected = answer.to(wire.torch_dtype(dtype)).float()
+    assert torch.equal(param.detach(), expected)
+    assert param.data_ptr() == pointer
+    assert param._version > version  # autograd sees the in-place update
+    assert param.grad is None
+
+
+def test_a_non_contiguous_parameter_is_written_by_finish():
+    param = torch.zeros(5, 6).t()  # shape (6, 5), not contiguous
+    answer = torch.randn(6, 5)
+    writer = framing.ParameterWriter({"w": param})
+    for chunk in _answer("w", answer, "fp32", 20):
+        writer.add(chunk)
+    assert not torch.equal(param, answer)
+    writer.finish()
+    assert torch.equal(param, answer)
+
+
+def test_parameter_writer_refuses_what_the_assembler_refuses():
+    param = torch.zeros(8)
+    chunks = list(_answer("w", torch.ones(8), "fp32", 16))
+    writer = framing.ParameterWriter({"w": param})
+    with pytest.raises(ValueError, match="offset 4, expected 0"):
+        writer.add(chunks[1])
+    with pytest.raises(ValueError, match="unknown tensor 'v'"):
+        framing.ParameterWriter({"w": param}).add(next(_answer("v", torch.ones(8), "fp32", 16)))
+    with pytest.raises(ValueError, match="overruns"):
+        framing.ParameterWriter({"w": torch.zeros(3)}).add(chunks[0])
+    partial = framing.ParameterWriter({"w": param})
+    partial.add(chunks[0])
+    with pytest.raises(ValueError, match="4 of 8 elements"):
+        partial.finish()
