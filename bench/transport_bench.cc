@@ -196,7 +196,6 @@ Timing StepExchange(const std::string& endpoint, const std::string& transport, s
       std::fprintf(stderr, "%s\n", reply.status().ToString().c_str());
       return {};
     }
-    if (std::getenv("TRANSPORT_BENCH_VERBOSE")) std::fprintf(stderr, "%s rep %d: %.3f s, compute %.3f s\n", transport.c_str(), r, seconds, reply->compute_seconds);
     if (r > 0) times.push_back(seconds - reply->compute_seconds);
   }
   const double cpu = (Cpu() - cpu_start) / reps;

@@ -22,38 +22,12 @@ bool IsTransient(absl::StatusCode code) {
   return code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kDeadlineExceeded;
 }
 
-size_t ElementsPerChunk(v1::DType dtype, size_t chunk_bytes) {
-  return std::max<size_t>(1, chunk_bytes / wire::ElementSize(dtype));
-}
-
-// How many chunks WriteChunks sends for `tensor` (at least one, even when it is empty).
-size_t ChunkCount(const TensorView& tensor, v1::DType dtype, size_t chunk_bytes) {
-  const size_t per_chunk = ElementsPerChunk(dtype, chunk_bytes);
-  return std::max<size_t>(1, (tensor.values.size() + per_chunk - 1) / per_chunk);
-}
-
-// Calls write(meta, values) for each chunk of `tensor` sent as `dtype`: `meta` names the chunk (name,
-// offset, dtype; the first also the shape, so the daemon can refuse a transposed tensor) and carries
-// no data; `values` are the chunk's elements, for the writer to encode where it sends them from.
-template <typename Write>
-bool ForEachChunk(const TensorView& tensor, v1::DType dtype, size_t chunk_bytes, Write&& write) {
-  const size_t per_chunk = ElementsPerChunk(dtype, chunk_bytes);
-  v1::TensorChunk meta;
-  meta.set_name(tensor.name);
-  meta.set_dtype(dtype);
-  size_t offset = 0;
-  do {
-    const size_t count = std::min(per_chunk, tensor.values.size() - offset);
-    meta.set_offset(offset);
-    if (offset == 0) {
-      for (int64_t d : tensor.shape) meta.add_shape(d);
-    } else {
-      meta.clear_shape();
-    }
-    if (!write(meta, tensor.values.subspan(offset, count))) return false;
-    offset += count;
-  } while (offset < tensor.values.size());
-  return true;
+// The first chunk of `tensor`'s: its name and its shape (so the daemon can refuse a transposed one).
+v1::TensorChunk FirstChunk(const TensorView& tensor) {
+  v1::TensorChunk first;
+  first.set_name(tensor.name);
+  for (int64_t d : tensor.shape) first.add_shape(d);
+  return first;
 }
 
 using OutputSpans = std::map<std::string, std::span<float>>;
@@ -328,14 +302,14 @@ absl::Status Session::UploadParameters(std::span<const TensorView> parameters) {
   for (const TensorView& tensor : parameters) {
     if (!ok) break;
     const v1::DType dtype = WireDType(tensor.name);
-    ok = ForEachChunk(tensor, dtype, client_->options().chunk_bytes,
-                      [&](const v1::TensorChunk& meta, std::span<const float> values) {
-                        request.Clear();
-                        v1::TensorChunk* chunk = request.mutable_chunk();
-                        *chunk = meta;
-                        wire::Encode(dtype, values, chunk->mutable_data());
-                        return writer->Write(request);
-                      });
+    ok = wire::ForEachChunk(FirstChunk(tensor), tensor.values, dtype, client_->options().chunk_bytes,
+                            [&](const v1::TensorChunk& meta, std::span<const float> values) {
+                              request.Clear();
+                              v1::TensorChunk* chunk = request.mutable_chunk();
+                              *chunk = meta;
+                              wire::Encode(dtype, values, chunk->mutable_data());
+                              return writer->Write(request);
+                            });
   }
   writer->WritesDone();
   absl::Status status = FromGrpcStatus(writer->Finish());
@@ -409,7 +383,8 @@ absl::StatusOr<StepReply> Session::StepOnce(int64_t step, std::span<const Tensor
   header->set_max_chunk_bytes(static_cast<uint32_t>(client_->options().chunk_bytes));
   uint32_t num_chunks = 0;
   for (const TensorView& tensor : gradients) {
-    num_chunks += static_cast<uint32_t>(ChunkCount(tensor, WireDType(tensor.name), client_->options().chunk_bytes));
+    num_chunks += static_cast<uint32_t>(
+        wire::ChunkCount(tensor.values.size(), WireDType(tensor.name), client_->options().chunk_bytes));
   }
   header->set_num_chunks(num_chunks);
   grpc::ByteBuffer buffer;
@@ -418,14 +393,10 @@ absl::StatusOr<StepReply> Session::StepOnce(int64_t step, std::span<const Tensor
   wire::SlicePool& pool = client_->slice_pool();
   for (const TensorView& tensor : gradients) {
     if (!ok) break;
-    const v1::DType dtype = WireDType(tensor.name);
-    ok = ForEachChunk(tensor, dtype, client_->options().chunk_bytes,
-                      [&](const v1::TensorChunk& meta, std::span<const float> values) {
-                        char* data = nullptr;
-                        grpc::Slice payload = pool.Take(values.size() * wire::ElementSize(dtype), &data);
-                        wire::EncodeTo(dtype, values, data);
-                        return stream->Write(wire::FrameChunk(wire::kChunkField, meta, std::move(payload)));
-                      });
+    ok = wire::ForEachChunk(FirstChunk(tensor), tensor.values, WireDType(tensor.name), client_->options().chunk_bytes,
+                            [&](const v1::TensorChunk& meta, std::span<const float> values) {
+                              return stream->Write(wire::EncodeChunk(wire::kChunkField, meta, values, pool));
+                            });
   }
   stream->WritesDone();
 

@@ -174,6 +174,23 @@ grpc::ByteBuffer FrameChunk(int chunk_field, const v1::TensorChunk& meta, grpc::
   return grpc::ByteBuffer(slices, 2);
 }
 
+size_t ElementsPerChunk(v1::DType dtype, size_t max_chunk_bytes) {
+  return std::max<size_t>(1, max_chunk_bytes / ElementSize(dtype));
+}
+
+size_t ChunkCount(size_t numel, v1::DType dtype, size_t max_chunk_bytes) {
+  const size_t per_chunk = ElementsPerChunk(dtype, max_chunk_bytes);
+  return std::max<size_t>(1, (numel + per_chunk - 1) / per_chunk);
+}
+
+grpc::ByteBuffer EncodeChunk(int chunk_field, const v1::TensorChunk& meta, std::span<const float> values,
+                             SlicePool& pool) {
+  char* data = nullptr;
+  grpc::Slice payload = pool.Take(values.size() * ElementSize(meta.dtype()), &data);
+  EncodeTo(meta.dtype(), values, data);
+  return FrameChunk(chunk_field, meta, std::move(payload));
+}
+
 bool PayloadReader::Read(v1::DType dtype, std::span<float> out) {
   const size_t element = ElementSize(dtype);
   size_t done = 0;

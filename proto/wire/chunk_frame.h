@@ -19,6 +19,7 @@
 // slices it lends may be released on any thread (gRPC's).
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <memory>
 #include <mutex>
@@ -54,6 +55,32 @@ bool ParseChunkFrame(const grpc::ByteBuffer& buffer, int chunk_field, FramedChun
 // slice is referenced, not copied.
 grpc::ByteBuffer FrameChunk(int chunk_field, const v1::TensorChunk& meta, grpc::Slice payload);
 
+// Elements per chunk of at most `max_chunk_bytes` payload bytes of `dtype` (concrete); at least one.
+size_t ElementsPerChunk(v1::DType dtype, size_t max_chunk_bytes);
+// How many chunks ForEachChunk makes of `numel` elements (at least one, even when it is empty).
+size_t ChunkCount(size_t numel, v1::DType dtype, size_t max_chunk_bytes);
+
+// Calls write(const v1::TensorChunk& meta, std::span<const float> values) for each chunk of
+// `values` sent as `dtype` (an empty tensor is one empty chunk): `meta` is `first` (name, slot,
+// shape as the caller set them) with the chunk's offset and dtype, its shape cleared after the first
+// chunk, and no data; `values` are the chunk's elements, for the writer to encode where it sends
+// them from. Stops and returns false when write does (the peer went away).
+template <typename Write>
+bool ForEachChunk(v1::TensorChunk first, std::span<const float> values, v1::DType dtype, size_t max_chunk_bytes,
+                  Write&& write) {
+  const size_t per_chunk = ElementsPerChunk(dtype, max_chunk_bytes);
+  first.set_dtype(dtype);
+  size_t offset = 0;
+  do {
+    const size_t count = std::min(per_chunk, values.size() - offset);
+    first.set_offset(offset);
+    if (!write(static_cast<const v1::TensorChunk&>(first), values.subspan(offset, count))) return false;
+    first.clear_shape();
+    offset += count;
+  } while (offset < values.size());
+  return true;
+}
+
 // Decodes a payload split into pieces at arbitrary byte boundaries (an element may straddle two).
 class PayloadReader {
  public:
@@ -74,6 +101,13 @@ class PayloadReader {
 // large, or a new one of max(bytes, buffer_bytes); the buffer goes back to the pool when gRPC
 // releases the slice. At most `keep` idle buffers are kept (the rest are freed), so a pool holds
 // at most keep × the largest chunk while idle.
+class SlicePool;
+
+// The message {chunk_field: meta with `values` encoded as meta.dtype()}, the payload encoded
+// straight into a slice of `pool`.
+grpc::ByteBuffer EncodeChunk(int chunk_field, const v1::TensorChunk& meta, std::span<const float> values,
+                             SlicePool& pool);
+
 class SlicePool {
  public:
   static std::shared_ptr<SlicePool> Create(size_t buffer_bytes, size_t keep = 4);

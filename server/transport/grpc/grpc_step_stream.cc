@@ -1,7 +1,5 @@
 #include "server/transport/grpc/grpc_step_stream.h"
 
-#include <algorithm>
-
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "grpcpp/impl/codegen/proto_utils.h"
@@ -79,25 +77,14 @@ absl::Status GrpcParameterSink::Send(const session::StepOutcome& outcome) {
   v1::StepResponse response;
   *response.mutable_result() = ToProto(outcome.result);
   if (!WriteMessage(stream_, response)) return absl::CancelledError("the client went away");
-  const size_t element = wire::ElementSize(dtype_);
-  const size_t per_chunk = std::max<size_t>(1, chunk_bytes_ / element);
-  v1::TensorChunk meta;
-  meta.set_dtype(dtype_);
   for (size_t i = 0; i < config_.parameters.size(); ++i) {
-    meta.set_name(config_.parameters[i].name);
-    const std::span<const float> values = outcome.parameters->values[i];
-    size_t offset = 0;
-    do {  // an empty tensor is still one (empty) chunk
-      const size_t count = std::min(per_chunk, values.size() - offset);
-      char* data = nullptr;
-      grpc::Slice payload = pool_->Take(count * element, &data);
-      wire::EncodeTo(dtype_, values.subspan(offset, count), data);
-      meta.set_offset(offset);
-      if (!stream_->Write(wire::FrameChunk(wire::kChunkField, meta, std::move(payload)))) {
-        return absl::CancelledError("the client went away");
-      }
-      offset += count;
-    } while (offset < values.size());
+    v1::TensorChunk first;
+    first.set_name(config_.parameters[i].name);
+    const bool sent = wire::ForEachChunk(first, outcome.parameters->values[i], dtype_, chunk_bytes_,
+                                         [&](const v1::TensorChunk& meta, std::span<const float> values) {
+                                           return stream_->Write(wire::EncodeChunk(wire::kChunkField, meta, values, *pool_));
+                                         });
+    if (!sent) return absl::CancelledError("the client went away");
   }
   return absl::OkStatus();
 }
