@@ -38,8 +38,8 @@ import grpc
 
 from ._stubs import pb, pb_grpc
 from .errors import MuondError, translated
-from .framing import FramedChunk, ParameterWriter, parse_step_response, serialize_step_request
-from .wire import ChunkAssembler
+from .framing import parse_step_response, serialize_step_request
+from .wire import ChunkAssembler, FramedChunk
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 DEFAULT_MAX_ATTEMPTS = 4
@@ -295,7 +295,7 @@ class Connection:
             return stream.finish(self._stub.UploadParameters(stream, timeout=self.timeout,
                                                              metadata=self._metadata))
 
-    def step(self, header: pb.StepHeader, chunks: Iterable[bytes], into: ParameterWriter) -> pb.StepResult:
+    def step(self, header: pb.StepHeader, chunks: Iterable[bytes], into: ChunkAssembler) -> pb.StepResult:
         """Runs one step: sends the header and the gradient chunks (serialized ``StepRequest``
         messages, ``framing.frame_chunks``), half-closes, then reads the StepResult and hands the
         returned parameter chunks to ``into``, each as a view of the received bytes."""

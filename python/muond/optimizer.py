@@ -410,7 +410,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
                                 for _, g in grads)
 
         def over_grpc():  # the answers go straight into the parameters
-            into = framing.ParameterWriter(self._by_name, self.return_dtype)
+            into = wire.ChunkAssembler(self._sizes, self.return_dtype, into=self._by_name)
             return self._conn.step(header, self._grad_chunks(grads), into), {}
         return self._finish_step(loss, *self._try_step(over_grpc))
 

@@ -3,7 +3,8 @@
 Tensors travel as raw little-endian bytes in chunks of at most ``max_chunk_bytes``; ``offset`` is
 the index of a chunk's first element. Encoding converts on the tensor's own device first (so a
 CUDA gradient crosses PCIe already in the wire dtype) and then copies to host memory once.
-Reassembly decodes every chunk straight into one fp32 host buffer per tensor.
+Reassembly decodes every chunk once, straight into one fp32 host buffer per tensor or into the
+tensor it updates (a parameter).
 
 Pure functions plus ``ChunkAssembler``, which is not thread-safe: use one per call.
 """
@@ -11,7 +12,8 @@ Pure functions plus ``ChunkAssembler``, which is not thread-safe: use one per ca
 from __future__ import annotations
 
 import sys
-from typing import Dict, Iterable, Iterator, Optional, Tuple, Union
+import warnings
+from typing import Dict, Iterable, Iterator, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -32,7 +34,7 @@ _FROM_ENUM = {v: k for k, v in _ENUM.items()}
 _ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
 # TensorChunk.shape (the sender's shape, checked by the daemon) is newer than the first API
 # version; stubs generated from an older proto simply don't send it.
-CHUNK_HAS_SHAPE = "shape" in pb.TensorChunk.DESCRIPTOR.fields_by_name
+_CHUNK_HAS_SHAPE = "shape" in pb.TensorChunk.DESCRIPTOR.fields_by_name
 
 DTypeLike = Union[str, torch.dtype]
 ChunkKey = Tuple[str, str]  # (tensor name, state slot or "")
@@ -61,16 +63,6 @@ def dtype_enum(name: str) -> int:
     return _ENUM[name]
 
 
-def dtype_from_enum(value: int, default: str) -> str:
-    """The canonical name of a ``muond.v1.DType`` value; ``default`` when it is unset."""
-    return _FROM_ENUM.get(value, default)
-
-
-def itemsize(name: str) -> int:
-    """Bytes per element of a canonical dtype name."""
-    return _ITEMSIZE[name]
-
-
 def host_bytes(tensor: torch.Tensor, dtype: str) -> memoryview:
     """The tensor's elements in ``dtype`` as little-endian bytes in host memory (one copy)."""
     x = tensor.detach()
@@ -85,24 +77,31 @@ def host_bytes(tensor: torch.Tensor, dtype: str) -> memoryview:
     return memoryview(array).cast("B")
 
 
-def encode(name: str, tensor: torch.Tensor, dtype: str, *, slot: str = "",
-           max_chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[pb.TensorChunk]:
-    """Yields the chunks of one tensor; the first carries its shape. An empty tensor is one chunk."""
+def chunk_pieces(name: str, tensor: torch.Tensor, dtype: str, *, slot: str = "",
+                 max_chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[Tuple[pb.TensorChunk, memoryview]]:
+    """Yields each chunk of one tensor as (the chunk without its data, its payload as a view of the
+    tensor's host bytes); the first carries the shape. An empty tensor is one chunk."""
     data = host_bytes(tensor, dtype)
     itemsize = _ITEMSIZE[dtype]
     per_chunk = max(1, max_chunk_bytes // itemsize) * itemsize
     enum = _ENUM[dtype]
     start = 0
     while True:
-        piece = data[start:start + per_chunk]
-        chunk = pb.TensorChunk(name=name, offset=start // itemsize, dtype=enum, data=bytes(piece),
-                               slot=slot)
-        if start == 0 and CHUNK_HAS_SHAPE:
-            chunk.shape.extend(tensor.shape)
-        yield chunk
+        meta = pb.TensorChunk(name=name, offset=start // itemsize, dtype=enum, slot=slot)
+        if start == 0 and _CHUNK_HAS_SHAPE:
+            meta.shape.extend(tensor.shape)
+        yield meta, data[start:start + per_chunk]
         start += per_chunk
         if start >= len(data):
             return
+
+
+def encode(name: str, tensor: torch.Tensor, dtype: str, *, slot: str = "",
+           max_chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[pb.TensorChunk]:
+    """Yields the chunks of one tensor; the first carries its shape. An empty tensor is one chunk."""
+    for chunk, piece in chunk_pieces(name, tensor, dtype, slot=slot, max_chunk_bytes=max_chunk_bytes):
+        chunk.data = bytes(piece)
+        yield chunk
 
 
 def chunk_count(numel: int, dtype: str, max_chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
@@ -112,54 +111,84 @@ def chunk_count(numel: int, dtype: str, max_chunk_bytes: int = DEFAULT_CHUNK_BYT
     return max(1, -(-numel * itemsize // per_chunk))
 
 
-def _decode_into(dest: np.ndarray, chunk: pb.TensorChunk, dtype: str) -> int:
-    raw = chunk.data
-    if dtype == "fp32":
-        values = np.frombuffer(raw, dtype="<f4")
-    elif dtype == "bf16":
-        values = (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
-    else:
-        values = np.frombuffer(raw, dtype="<f2")
-    start = chunk.offset
-    if start + values.size > dest.size:
-        raise ValueError(f"chunk of '{chunk.name}' at offset {start} overruns its "
-                         f"{dest.size} elements")
-    dest[start:start + values.size] = values
-    return values.size
+class FramedChunk(NamedTuple):
+    """A received chunk: every field but ``data`` in ``meta``; the payload as a view."""
+    meta: pb.TensorChunk
+    payload: memoryview
+
+
+_NUMPY = {"fp32": "<f4", "bf16": "<i2", "fp16": "<f2"}
+
+
+def payload_tensor(payload: memoryview, dtype: str) -> torch.Tensor:
+    """A payload's elements as a tensor viewing its bytes (read-only: only ever read)."""
+    array = np.frombuffer(payload, dtype=_NUMPY[dtype])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "not writable": the tensor is only read
+        values = torch.from_numpy(array)
+    return values.view(torch.bfloat16) if dtype == "bf16" else values
 
 
 class ChunkAssembler:
-    """Collects the chunks of a response into one fp32 host tensor per (name, slot).
+    """Collects the chunks of a response into one fp32 tensor per (name, slot), decoding each
+    payload once with ``copy_`` (bf16 and fp16 converted on the way).
 
     ``sizes`` gives the element count of every tensor name that may arrive; ``default_dtype``
-    decodes chunks that leave their dtype unset.
+    decodes chunks that leave their dtype unset. Tensors named in ``into`` (the parameters a
+    step's answer updates) are written straight into that tensor's memory when it is contiguous
+    (``copy_``, so autograd's version counter moves; a CUDA tensor receives each chunk from host
+    memory), else through a buffer that ``finish()`` copies in; the others go to host tensors of
+    the assembler's own (``tensors()``). A chunk may be a ``TensorChunk`` or a ``FramedChunk``.
     """
 
-    def __init__(self, sizes: Dict[str, int], default_dtype: str = "fp32"):
+    def __init__(self, sizes: Dict[str, int], default_dtype: str = "fp32",
+                 into: Optional[Dict[str, torch.Tensor]] = None):
         self._sizes = sizes
         self._default = default_dtype
+        self._into = into or {}
         self._buffers: Dict[ChunkKey, torch.Tensor] = {}
         self._filled: Dict[ChunkKey, int] = {}
 
-    def add(self, chunk: pb.TensorChunk) -> None:
-        if chunk.name not in self._sizes:
-            raise ValueError(f"the daemon sent a chunk of unknown tensor '{chunk.name}'")
-        key = (chunk.name, chunk.slot)
-        if key not in self._buffers:
-            self._buffers[key] = torch.empty(self._sizes[chunk.name], dtype=torch.float32)
+    def _destination(self, key: ChunkKey) -> torch.Tensor:
+        flat = self._buffers.get(key)
+        if flat is None:
+            target = None if key[1] else self._into.get(key[0])
+            if target is not None and target.is_contiguous():
+                flat = target.detach().view(-1)
+            else:
+                flat = torch.empty(self._sizes[key[0]], dtype=torch.float32)
+            self._buffers[key] = flat
             self._filled[key] = 0
-        if chunk.offset != self._filled[key]:
-            raise ValueError(f"chunk of '{chunk.name}' at offset {chunk.offset}, expected "
+        return flat
+
+    def add(self, chunk: Union[pb.TensorChunk, FramedChunk]) -> None:
+        meta, payload = (chunk.meta, chunk.payload) if isinstance(chunk, FramedChunk) \
+            else (chunk, memoryview(chunk.data))
+        if meta.name not in self._sizes:
+            raise ValueError(f"the daemon sent a chunk of unknown tensor '{meta.name}'")
+        key = (meta.name, meta.slot)
+        flat = self._destination(key)
+        if meta.offset != self._filled[key]:
+            raise ValueError(f"chunk of '{meta.name}' at offset {meta.offset}, expected "
                              f"{self._filled[key]}")
-        dtype = _FROM_ENUM.get(chunk.dtype, self._default)
-        self._filled[key] += _decode_into(self._buffers[key].numpy(), chunk, dtype)
+        dtype = _FROM_ENUM.get(meta.dtype, self._default)
+        if len(payload) % _ITEMSIZE[dtype]:
+            raise ValueError(f"chunk of '{meta.name}' is not a whole number of {dtype} elements")
+        count = len(payload) // _ITEMSIZE[dtype]
+        if meta.offset + count > flat.numel():
+            raise ValueError(f"chunk of '{meta.name}' at offset {meta.offset} overruns its "
+                             f"{flat.numel()} elements")
+        if count:
+            with torch.no_grad():
+                flat[meta.offset:meta.offset + count].copy_(payload_tensor(payload, dtype))
+        self._filled[key] += count
 
     def clear(self) -> None:
         """Forgets every chunk received so far (before a read is retried from the start)."""
         self._buffers.clear()
         self._filled.clear()
 
-    def add_all(self, chunks: Iterable[pb.TensorChunk]) -> None:
+    def add_all(self, chunks: Iterable[Union[pb.TensorChunk, FramedChunk]]) -> None:
         for chunk in chunks:
             self.add(chunk)
 
@@ -170,6 +199,16 @@ class ChunkAssembler:
                 raise ValueError(f"tensor '{key[0]}'{'/' + key[1] if key[1] else ''} arrived "
                                  f"with {filled} of {self._sizes[key[0]]} elements")
         return dict(self._buffers)
+
+    def finish(self) -> None:
+        """Checks that every tensor that arrived is complete and copies the buffered ones of
+        ``into`` into their tensors."""
+        for (name, slot), flat in self.tensors().items():
+            target = None if slot else self._into.get(name)
+            if target is not None and (flat.data_ptr() != target.data_ptr()
+                                       or flat.device != target.device):
+                with torch.no_grad():
+                    target.copy_(flat.view(target.shape))
 
 
 def optional_dtype_enum(value: Optional[DTypeLike]) -> int:

@@ -1,7 +1,6 @@
 """The Step stream's framing: what frame_chunks sends is the protobuf encoding of the chunks
 wire.encode builds, answer chunks parse like protobuf parses them (anything unusual is left to
-protobuf), and ParameterWriter decodes them straight into the parameters, checked as the
-assembler checks them."""
+protobuf), and the assembler decodes them straight into the parameters it is given."""
 
 import pytest
 import torch
@@ -33,7 +32,7 @@ def test_answer_chunks_parse_like_protobuf_with_the_payload_as_a_view():
                            data=bytes(range(40)), shape=[4, 5])
     data = pb.StepResponse(chunk=chunk).SerializeToString()
     parsed = framing.parse_step_response(data)
-    assert isinstance(parsed, framing.FramedChunk)
+    assert isinstance(parsed, wire.FramedChunk)
     assert isinstance(parsed.payload, memoryview)
     assert bytes(parsed.payload) == chunk.data
     expected = pb.TensorChunk()
@@ -70,11 +69,11 @@ def _answer(name, values, dtype, chunk_bytes):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
-def test_parameter_writer_decodes_into_the_parameters_memory(dtype):
+def test_answers_are_decoded_into_the_parameters_memory(dtype):
     param = torch.nn.Parameter(torch.zeros(6, 5))
     pointer, version = param.data_ptr(), param._version
     answer = torch.randn(6, 5)
-    writer = framing.ParameterWriter({"w": param}, dtype)
+    writer = wire.ChunkAssembler({"w": 30}, dtype, into={"w": param})
     for chunk in _answer("w", answer, dtype, 16):
         writer.add(chunk)
     writer.finish()
@@ -88,7 +87,7 @@ def test_parameter_writer_decodes_into_the_parameters_memory(dtype):
 def test_a_non_contiguous_parameter_is_written_by_finish():
     param = torch.zeros(5, 6).t()  # shape (6, 5), not contiguous
     answer = torch.randn(6, 5)
-    writer = framing.ParameterWriter({"w": param})
+    writer = wire.ChunkAssembler({"w": 30}, into={"w": param})
     for chunk in _answer("w", answer, "fp32", 20):
         writer.add(chunk)
     assert not torch.equal(param, answer)
@@ -96,17 +95,18 @@ def test_a_non_contiguous_parameter_is_written_by_finish():
     assert torch.equal(param, answer)
 
 
-def test_parameter_writer_refuses_what_the_assembler_refuses():
+def test_writing_into_parameters_refuses_what_the_assembler_refuses():
     param = torch.zeros(8)
     chunks = list(_answer("w", torch.ones(8), "fp32", 16))
-    writer = framing.ParameterWriter({"w": param})
+    writer = wire.ChunkAssembler({"w": 8}, into={"w": param})
     with pytest.raises(ValueError, match="offset 4, expected 0"):
         writer.add(chunks[1])
     with pytest.raises(ValueError, match="unknown tensor 'v'"):
-        framing.ParameterWriter({"w": param}).add(next(_answer("v", torch.ones(8), "fp32", 16)))
+        wire.ChunkAssembler({"w": 8}, into={"w": param}).add(
+            next(_answer("v", torch.ones(8), "fp32", 16)))
     with pytest.raises(ValueError, match="overruns"):
-        framing.ParameterWriter({"w": torch.zeros(3)}).add(chunks[0])
-    partial = framing.ParameterWriter({"w": param})
+        wire.ChunkAssembler({"w": 3}, into={"w": torch.zeros(3)}).add(chunks[0])
+    partial = wire.ChunkAssembler({"w": 8}, into={"w": param})
     partial.add(chunks[0])
     with pytest.raises(ValueError, match="4 of 8 elements"):
         partial.finish()
