@@ -7,6 +7,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/host_id.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/impl/codegen/proto_utils.h"
 #include "proto/wire/chunk_frame.h"
@@ -203,7 +204,7 @@ absl::StatusOr<std::string> Client::ChooseTransport() {
   std::string why;
   if (info->shm_socket().empty()) {
     why = "the daemon offers no shared-memory transport (--shm-socket none)";
-  } else if (info->host_id().empty() || info->host_id() != LocalHostId()) {
+  } else if (info->host_id().empty() || info->host_id() != HostId()) {
     why = "the daemon runs on another host";
   } else if (!ShmSocketReachable(info->shm_socket())) {
     why = absl::StrCat("the daemon's socket ", info->shm_socket(), " cannot be reached from here");

@@ -8,7 +8,6 @@
 
 #include <cerrno>
 #include <cstring>
-#include <fstream>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -109,13 +108,6 @@ bool ShmSocketReachable(const std::string& socket_address) {
   if (!socket.ok()) return false;
   ::close(*socket);
   return true;
-}
-
-std::string LocalHostId() {
-  std::ifstream in("/proc/sys/kernel/random/boot_id");
-  std::string id;
-  std::getline(in, id);
-  return id;
 }
 
 }  // namespace muond::client

@@ -50,8 +50,6 @@ class ShmRegion {
 absl::StatusOr<int> ConnectShmSocket(const std::string& socket_address);
 absl::StatusOr<std::string> PassDescriptor(int socket, int fd);
 
-// This machine's boot id, to compare with ServerInfo.host_id.
-std::string LocalHostId();
 // Whether the daemon's socket accepts a connection from here (same host and network namespace).
 bool ShmSocketReachable(const std::string& socket_address);
 

@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "common/host_id.h"
 #include "common/logging.h"
 #include "kernels/backend_factory.h"
 #include "server/durability/session_files.h"
@@ -69,15 +70,6 @@ int WaitForStopSignal() {
     if (errno != EINTR) return SIGTERM;
   }
   return byte;
-}
-
-// The kernel's boot id: clients compare it with their own to tell whether they share the daemon's
-// host (and may use shared memory).
-std::string HostId() {
-  std::ifstream in("/proc/sys/kernel/random/boot_id");
-  std::string id;
-  std::getline(in, id);
-  return id;
 }
 
 std::string HostOf(const std::string& listen) {
@@ -181,7 +173,7 @@ int Run(int argc, char** argv) {
     service_options.shm_regions = &shm_regions;
     service_options.shm_socket = address;
   }
-  service_options.host_id = HostId();
+  service_options.host_id = muond::HostId();
   rpc::MuondService service(&registry, backend, service_options);
 
   grpc::EnableDefaultHealthCheckService(true);
