@@ -17,6 +17,12 @@ Security: ``auth_token`` is sent as ``authorization: Bearer <token>`` with every
 ``tls_ca_file`` (or ``use_tls``) makes the channel TLS, and ``tls_client_cert_file`` with
 ``tls_client_key_file`` mutual TLS. See ``muond.client.Connection``.
 
+Shards: with ``endpoints=[...]`` the session spreads over several daemons, each holding whole
+parameters (``muond.placement``); a step is prepared on every daemon (gradients in, sums of
+squares out), then committed on every daemon with one decision — the global gradient norm for
+clipping, or a skip when any shard saw a non-finite gradient — so the update is the one a single
+daemon would apply, bit for bit (docs/sharding.md).
+
 Retries: a step that failed with UNAVAILABLE or DEADLINE_EXCEEDED is resent with the same step
 number (the daemon applies each step once and answers a repeat with the same parameters), and the
 calls that are safe to repeat are retried on UNAVAILABLE; ``max_step_attempts`` tries in all.
@@ -26,26 +32,28 @@ Thread-safety: like every torch optimizer, one instance is used from one thread 
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import math
 import os
 import time
 import uuid
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import grpc
 import torch
 import torch.distributed
 
 from . import options as opts
+from . import placement
 from . import qk_clip as qk
-from . import shm
-from . import framing
 from . import wire
 from ._stubs import pb
 from .client import (DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_RETRY_BACKOFF,
                      Connection)
 from .errors import MuondError
 from .naming import named_groups
+from .session_link import SessionLink, copy_in
 from .step_info import StepInfo, check_max_grad_norm
 
 DEFAULT_ENDPOINT = "127.0.0.1:50051"
@@ -66,6 +74,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
             table in ``muond.options`` (``lr``, ``momentum``, ``betas``, ``ns_steps``, ...).
             ``muond.default_param_groups(model)`` builds the usual Muon + AdamW split.
         endpoint: the daemon's "host:port"; default ``$MUOND_ENDPOINT`` or 127.0.0.1:50051.
+        endpoints: several daemons ("host:port" each, in a fixed order) to spread the session
+            over instead of one ``endpoint``; each holds whole parameters, placed by optimizer
+            cost (``muond.placement``). Attaching later needs the same list in the same order.
         session: session id to create or attach to; None makes a fresh random one.
         wire_dtype: dtype of gradients on the wire: "fp32" (default) or "bf16" (or "fp16").
         return_dtype: dtype of the returned parameters: "fp32" (default) or "bf16"/"fp16".
@@ -99,8 +110,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
             region registered with a daemon on this host; gradients are copied into it and the
             parameters out of it, one copy each way) or "auto" (shm when the daemon is on this host
             and offers it, else grpc). Default ``$MUOND_TRANSPORT`` or "auto". ``opt.transport``
-            says which was chosen (also logged on the "muond" logger). Every step semantic is the
-            same on both.
+            says which was chosen (also logged on the "muond" logger; with several daemons, each
+            chooses its own, e.g. "grpc+shm"). Every step semantic is the same on both.
         qk_clip: QK-clip (MuonClip) pairs ``[(query, key, num_heads), ...]``, each weight a
             parameter tensor of this optimizer (or its name): (num_heads·head_dim, d) matrices in
             Muon groups. A step then takes ``qk_logits`` (see ``step``); τ and α are the query
@@ -127,12 +138,14 @@ class RemoteOptimizer(torch.optim.Optimizer):
                  retry_backoff: float = DEFAULT_RETRY_BACKOFF,
                  transport: Optional[str] = None,
                  world_size: Optional[int] = None, rank: Optional[int] = None,
-                 qk_clip: Optional[Iterable[Tuple[Any, Any, int]]] = None, **defaults: Any):
+                 qk_clip: Optional[Iterable[Tuple[Any, Any, int]]] = None,
+                 endpoints: Optional[Sequence[str]] = None, **defaults: Any):
         opts.check_defaults(defaults)
         self._user_defaults = dict(defaults)
         self._sealed = False
         self._closed = True
-        self._conn: Optional[Connection] = None
+        self._links: List[SessionLink] = []
+        self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
         groups, names = named_groups(params)
         super().__init__(groups, {})
         self.defaults = dict(defaults)
@@ -152,9 +165,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
             raise ValueError(f"transport: '{wanted}' is not one of auto, grpc, shm")
         self._wanted_transport = wanted
         self.transport = "grpc"
-        self._region: Optional[shm.SharedRegion] = None
-        self._region_name = ""
-        self._offsets: Dict[str, int] = {}
+        self.endpoints = _endpoint_list(endpoint, endpoints)
 
         self._params: List[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
         self._names: List[str] = names
@@ -164,26 +175,41 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self.qk_clip = qk.pairs_of(qk_clip, self._params, self._names)
         self._created = [dict(g) for g in self.param_groups]  # option values in the spec
         self._sealed = True
+        self.placement = self._place()
 
-        endpoint = endpoint or _env_endpoint()
-        self._conn = Connection(endpoint, max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES,
-                                timeout=timeout, credentials=credentials, auth_token=auth_token,
-                                use_tls=use_tls, tls_ca_file=tls_ca_file,
-                                tls_client_cert_file=tls_client_cert_file,
-                                tls_client_key_file=tls_client_key_file,
-                                tls_server_name=tls_server_name,
-                                max_attempts=self.max_step_attempts,
-                                retry_backoff=self.retry_backoff)
         self._closed = False
         try:
-            self._conn.wait_ready(connect_timeout)
+            for k, address in enumerate(self.endpoints):
+                conn = Connection(address, max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES,
+                                  timeout=timeout, credentials=credentials, auth_token=auth_token,
+                                  use_tls=use_tls, tls_ca_file=tls_ca_file,
+                                  tls_client_cert_file=tls_client_cert_file,
+                                  tls_client_key_file=tls_client_key_file,
+                                  tls_server_name=tls_server_name,
+                                  max_attempts=self.max_step_attempts,
+                                  retry_backoff=self.retry_backoff)
+                names_here = [self._names[i] for i in self.placement.parameters_of(k)]
+                self._links.append(SessionLink(conn, self.session_id, names_here, self._by_name,
+                                               wire_dtype=self.wire_dtype,
+                                               return_dtype=self.return_dtype,
+                                               chunk_bytes=self.chunk_bytes))
+            if len(self._links) > 1:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=len(self._links), thread_name_prefix="muond-shard")
+            for link in self._links:
+                link.conn.wait_ready(connect_timeout)
             self._open_session()
-            self.transport = self._choose_transport()
+            chosen = {link.choose_transport(wanted) for link in self._links}
+            self.transport = "+".join(sorted(chosen))
             _log.info("session %s: steps travel over %s", self.session_id, self.transport)
         except BaseException:
-            self._conn.close()
-            self._closed = True
+            self._shut_down(end_session=False)
             raise
+
+    @property
+    def _conn(self) -> Connection:
+        """The first daemon's connection."""
+        return self._links[0].conn
 
     # -- construction helpers ------------------------------------------------------------------
 
@@ -209,6 +235,37 @@ class RemoteOptimizer(torch.optim.Optimizer):
         if len(set(names)) != len(names):
             raise ValueError(f"parameter group names must be unique, got {names}")
         return names
+
+    def _place(self) -> placement.Placement:
+        tensors = []
+        for group in self.param_groups:
+            split = group.get("qkv_split")
+            for p in group["params"]:
+                tensors.append(placement.Tensor(
+                    tuple(p.shape), group["optimizer"] == "muon",
+                    tuple(split) if split is not None else None,
+                    group.get("num_query_groups") or 1))
+        index = {name: i for i, name in enumerate(self._names)}
+        pairs = [(index[pair.query], index[pair.key]) for pair in self.qk_clip]
+        return placement.place(tensors, len(self.endpoints), pairs)
+
+    def _shard_spec(self, shard: int) -> pb.SessionSpec:
+        """The spec of daemon ``shard``'s session: the whole spec with one daemon, else its
+        parameters, every group, its QK-clip pairs and the placement."""
+        whole = self._spec()
+        if len(self.endpoints) == 1:
+            return whole
+        mine = self.placement.parameters_of(shard)
+        names = {self._names[i] for i in mine}
+        spec = pb.SessionSpec(world_size=whole.world_size, return_dtype=whole.return_dtype)
+        spec.groups.extend(whole.groups)
+        spec.parameters.extend(whole.parameters[i] for i in mine)
+        spec.qk_clip.extend(p for p in whole.qk_clip if p.query in names)
+        spec.shard.endpoints.extend(self.endpoints)
+        spec.shard.index = shard
+        spec.shard.num_parameters = len(self._names)
+        spec.shard.parameters.extend(mine)
+        return spec
 
     def _spec(self) -> pb.SessionSpec:
         spec = pb.SessionSpec(world_size=self.world_size, return_dtype=wire.dtype_enum(self.return_dtype))
@@ -237,114 +294,40 @@ class RemoteOptimizer(torch.optim.Optimizer):
                 torch.distributed.barrier()
 
     def _open_session_now(self) -> None:
-        reply = self._conn.create_session(self.session_id, self._spec())
-        if reply.attached and reply.initialized:
-            self.last_step = self._refresh_from_daemon()
-        else:
-            self._conn.upload(self.session_id, self._param_chunks(self._names, "fp32"))
-            self.last_step = 0
-        self.attached = bool(reply.attached)
+        opened = self._on_every_link(lambda k, link: link.open(self._shard_spec(k)))
+        self.attached = any(attached for attached, _ in opened)
+        self.last_step = self._common_step([step for _, step in opened], "CreateSession")
 
-    def _param_chunks(self, names: Iterable[str], dtype: str) -> Iterator[pb.TensorChunk]:
-        for name in names:
-            yield from wire.encode(name, self._by_name[name], dtype,
-                                   max_chunk_bytes=self.chunk_bytes)
+    def _common_step(self, steps: List[int], rpc: str) -> int:
+        """The step every shard is at; MuondError naming the shards behind when they differ."""
+        if len(set(steps)) <= 1:
+            return steps[0]
+        ahead = max(steps)
+        behind = ", ".join(f"shard {k} ({self.endpoints[k]}) at step {s}"
+                           for k, s in enumerate(steps) if s != ahead)
+        raise MuondError(grpc.StatusCode.FAILED_PRECONDITION,
+                         f"session '{self.session_id}': the shards are at different steps: "
+                         f"{behind}, the others at step {ahead} (a daemon restarted from an older "
+                         f"checkpoint, or a step was cut off mid-commit); restore every shard to "
+                         f"one step (load_state_dict of a saved state_dict) before training on",
+                         rpc)
 
-    def _refresh_from_daemon(self) -> int:
-        into = wire.ChunkAssembler(self._sizes)
-        last_step = self._conn.get_parameters(self.session_id, into, dtype=pb.DTYPE_FP32,
-                                              max_chunk_bytes=self.chunk_bytes)
-        self._copy_in({name: t for (name, _), t in into.tensors().items()})
-        return last_step
-
-    @torch.no_grad()
-    def _copy_in(self, values: Dict[str, torch.Tensor]) -> None:
-        for name, value in values.items():
-            param = self._by_name[name]
-            param.copy_(value.view(param.shape), non_blocking=False)
-
-    # -- transports ----------------------------------------------------------------------------
-
-    def _choose_transport(self) -> str:
-        if self._wanted_transport == "grpc":
-            return "grpc"
-        info = self._conn.server_info()
-        why = ""
-        if not info.shm_socket:
-            why = "the daemon offers no shared-memory transport (--shm-socket none)"
-        elif not info.host_id or info.host_id != shm.local_host_id():
-            why = "the daemon runs on another host"
-        elif not shm.socket_reachable(info.shm_socket):
-            why = f"the daemon's socket {info.shm_socket} cannot be reached from here"
-        if not why:
-            return "shm"
-        if self._wanted_transport == "shm":
-            raise RuntimeError(f"transport='shm' is not possible: {why}")
-        return "grpc"
-
-    def _set_up_region(self) -> None:
-        """Creates and registers this session's region: one 4-byte slot per element of every
-        parameter, holding its gradient on the way in and its value on the way out."""
-        self._drop_region()
-        info = self._conn.server_info()
-        if not info.shm_socket:
-            raise MuondError(grpc.StatusCode.FAILED_PRECONDITION,
-                             "the daemon no longer offers shared memory", "StepShared")
-        offset = 0
-        offsets = {}
-        for name in self._names:
-            offsets[name] = offset
-            offset += 4 * self._sizes[name]
-        region = shm.SharedRegion(info.shm_socket, max(offset, 1))
-        name = f"{self.session_id}/{region.ticket[:8]}"
-        try:
-            self._conn.register_shared_memory(name, region.ticket)
-        except BaseException:
-            region.close()
-            raise
-        self._region, self._region_name, self._offsets = region, name, offsets
-
-    def _drop_region(self) -> None:
-        if self._region is not None:
-            self._region.close()
-            self._region = None
-
-    def _step_shared(self, header: pb.StepHeader,
-                     grads: List[Tuple[str, torch.Tensor]]) -> Tuple[pb.StepResult, Dict[str, torch.Tensor]]:
-        """One try of a step over shared memory; the parameters after it, as views of the
-        region."""
-        if self._region is None:
-            self._set_up_region()
-        request = pb.StepSharedRequest(header=header)
-        request.header.ClearField("return_dtype")
-        request.header.ClearField("num_chunks")
-        grad_dtype = wire.torch_dtype(self.wire_dtype)
-        # Written before every try: an answer overwrites the gradients with the parameters.
-        for name, g in grads:
-            view = self._region.tensor(self._offsets[name], g.numel(), grad_dtype)
-            view.copy_(g.reshape(-1))
-            request.gradients.add(name=name, region=self._region_name, offset=self._offsets[name],
-                                  byte_size=g.numel() * view.element_size(),
-                                  dtype=wire.dtype_enum(self.wire_dtype))
-        out_dtype = wire.torch_dtype(self.return_dtype)
-        views = {}
-        for name in self._names:
-            views[name] = self._region.tensor(self._offsets[name], self._sizes[name], out_dtype)
-            request.parameters.add(name=name, region=self._region_name, offset=self._offsets[name],
-                                   byte_size=self._sizes[name] * views[name].element_size(),
-                                   dtype=wire.dtype_enum(self.return_dtype))
-        try:
-            result = self._conn.step_shared(request)
-        except MuondError as err:
-            if err.code == grpc.StatusCode.UNAVAILABLE:
-                self._drop_region()  # a restarted daemon has lost it
-            elif err.code == grpc.StatusCode.NOT_FOUND and ".region" in err.details:
-                self._drop_region()
-                raise MuondError(grpc.StatusCode.UNAVAILABLE,
-                                 f"the daemon lost this session's region (restarted?): {err.details}",
-                                 "StepShared") from None
-            raise
-        return result, views
+    def _on_every_link(self, call: Callable[[int, SessionLink], Any]) -> List[Any]:
+        """``call(k, link)`` for every daemon, concurrently when there are several; the
+        answers in daemon order. The first failure (in daemon order) is raised, naming its
+        shard."""
+        if self._pool is None:
+            return [call(0, self._links[0])]
+        futures = [self._pool.submit(call, k, link) for k, link in enumerate(self._links)]
+        concurrent.futures.wait(futures)
+        for k, future in enumerate(futures):
+            err = future.exception()
+            if isinstance(err, MuondError):
+                raise MuondError(err.code, f"shard {k} ({self.endpoints[k]}): {err.details}",
+                                 err.rpc) from err
+            if err is not None:
+                raise err
+        return [future.result() for future in futures]
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -378,10 +361,6 @@ class RemoteOptimizer(torch.optim.Optimizer):
             grads.append((name, g))
         return grads
 
-    def _grad_chunks(self, grads: List[Tuple[str, torch.Tensor]]) -> Iterator[bytes]:
-        for name, g in grads:
-            yield from framing.frame_chunks(name, g, self.wire_dtype, max_chunk_bytes=self.chunk_bytes)
-
     def step(self, closure: Optional[Callable[[], Any]] = None, *,
              qk_logits: Optional[Dict[Any, Any]] = None) -> Any:
         """Sends the gradients, applies the daemon's update to the parameters in place and
@@ -403,40 +382,92 @@ class RemoteOptimizer(torch.optim.Optimizer):
         logits = qk.logits_of(qk_logits, self.qk_clip, self._params, self._names)
         grads = self._grads()
         header = self._header(self.last_step + 1, logits)
-        if self.transport == "shm":
-            return self._finish_step(loss, *self._try_step(lambda: self._step_shared(header, grads)))
-        # The announced count lets the daemon tell a stream cut short from a whole one.
-        header.num_chunks = sum(wire.chunk_count(g.numel(), self.wire_dtype, self.chunk_bytes)
-                                for _, g in grads)
-
-        def over_grpc():  # the answers go straight into the parameters
-            into = wire.ChunkAssembler(self._sizes, self.return_dtype, into=self._by_name)
-            return self._conn.step(header, self._grad_chunks(grads), into), {}
-        return self._finish_step(loss, *self._try_step(over_grpc))
-
-    def _try_step(self, once: Callable[[], Tuple[pb.StepResult, Dict[str, torch.Tensor]]]):
-        """Runs ``once`` up to max_step_attempts times on transient failures (the same step
-        number each time); returns (result, parameters, seconds, attempts)."""
-        started = time.perf_counter()
-        backoff = self.retry_backoff
-        for attempt in range(1, self.max_step_attempts + 1):
-            try:
-                result, values = once()
-                return result, values, time.perf_counter() - started, attempt
-            except MuondError as err:
-                if err.code not in _RETRIED or attempt == self.max_step_attempts:
-                    raise
-            self._conn.pause_before_retry(backoff)
-            backoff *= 2
-        raise AssertionError("unreachable")
-
-    def _finish_step(self, loss: Any, result: pb.StepResult, values: Dict[str, torch.Tensor],
-                     seconds: float, attempts: int) -> Any:
-        self._copy_in(values)
+        if len(self._links) == 1:
+            link = self._links[0]
+            result, seconds, attempts = self._try_step(lambda: link.step(header, grads))
+        else:
+            by_link = self._grads_by_link(grads)
+            result, seconds, attempts = self._try_step(lambda: self._sharded_step(header, by_link))
         self.last_step = result.step
         self.last_info = StepInfo(result.step, result.applied, result.replayed, result.skip_reason,
                                   result.grad_norm, result.compute_seconds, seconds, attempts)
         return loss
+
+    def _grads_by_link(self, grads: List[Tuple[str, torch.Tensor]]
+                       ) -> List[List[Tuple[str, torch.Tensor]]]:
+        shard_of = {self._names[i]: k for i, k in enumerate(self.placement.shard_of)}
+        by_link: List[List[Tuple[str, torch.Tensor]]] = [[] for _ in self._links]
+        for name, g in grads:
+            by_link[shard_of[name]].append((name, g))
+        return by_link
+
+    def _sharded_step(self, header: pb.StepHeader,
+                      by_link: List[List[Tuple[str, torch.Tensor]]]) -> pb.StepResult:
+        """One try of a step over every shard: prepare everywhere, decide, commit everywhere
+        (docs/sharding.md). Safe to repeat as a whole after any failure."""
+        prepares = []
+        for link in self._links:  # each shard gets the QK-clip logits of its own pairs
+            prepare = pb.StepHeader.FromString(header.SerializeToString())
+            prepare.phase = pb.STEP_PHASE_PREPARE
+            mine = [l for l in header.qk_logits if l.query in link.by_name]
+            del prepare.qk_logits[:]
+            prepare.qk_logits.extend(mine)
+            prepares.append(prepare)
+        prepared = self._on_every_link(lambda k, link: link.step(prepares[k], by_link[k]))
+        commit = pb.StepHeader(step=header.step, rank=header.rank, phase=pb.STEP_PHASE_COMMIT,
+                               return_dtype=header.return_dtype,
+                               max_chunk_bytes=header.max_chunk_bytes)
+        commit.decision.CopyFrom(self._decide(prepared))
+        committed = self._on_every_link(lambda k, link: link.step(commit, []))
+        result = pb.StepResult(step=header.step, applied=committed[0].applied,
+                               replayed=all(r.replayed for r in committed),
+                               skip_reason=commit.decision.skip_reason,
+                               grad_norm=commit.decision.grad_norm,
+                               compute_seconds=max(r.compute_seconds for r in committed))
+        return result
+
+    def _decide(self, prepared: List[pb.StepResult]) -> pb.ShardDecision:
+        """The decision every shard applies: the one a shard that already committed this step
+        took, else the global norm summed in the whole session's parameter order (as one daemon
+        sums it) and a skip when any gradient is not finite or any shard's guard refuses."""
+        for result in prepared:
+            if result.replayed:
+                return pb.ShardDecision(grad_norm=result.grad_norm,
+                                        skip_reason="" if result.applied else result.skip_reason)
+        sums = [0.0] * len(self._names)
+        for k, result in enumerate(prepared):
+            for i, value in zip(self.placement.parameters_of(k), result.sum_squares):
+                sums[i] = value
+        total, first_bad = 0.0, None
+        for i, value in enumerate(sums):
+            total += value
+            if first_bad is None and not math.isfinite(value):
+                first_bad = self._names[i]
+        if first_bad is not None:
+            reason = f"non-finite gradient in '{first_bad}'"
+        else:
+            reason = next((r.skip_reason for r in prepared if r.skip_reason), "")
+        return pb.ShardDecision(grad_norm=math.sqrt(total), skip_reason=reason)
+
+    def _try_step(self, once: Callable[[], pb.StepResult]) -> Tuple[pb.StepResult, float, int]:
+        """Runs ``once`` up to max_step_attempts times on transient failures (the same step
+        number each time); returns (result, seconds, attempts). A sharded step is also tried
+        again when a shard lost its prepared step (a restart between prepare and commit)."""
+        started = time.perf_counter()
+        backoff = self.retry_backoff
+        for attempt in range(1, self.max_step_attempts + 1):
+            try:
+                result = once()
+                return result, time.perf_counter() - started, attempt
+            except MuondError as err:
+                lost_prepare = (err.code == grpc.StatusCode.FAILED_PRECONDITION
+                                and "was not prepared" in err.details)
+                if (err.code not in _RETRIED and not lost_prepare) or attempt == self.max_step_attempts:
+                    raise
+            pause = backoff
+            self._on_every_link(lambda k, link: link.conn.pause_before_retry(pause))
+            backoff *= 2
+        raise AssertionError("unreachable")
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -448,19 +479,20 @@ class RemoteOptimizer(torch.optim.Optimizer):
         ``RemoteOptimizer`` with the same session id. ``MuondError(FAILED_PRECONDITION)`` when
         the daemon has no ``--state-dir``."""
         self._check_open()
-        return self._conn.checkpoint(self.session_id)
+        steps = self._on_every_link(lambda k, link: link.checkpoint())
+        return self._common_step(steps, "Checkpoint")
 
     def state_dict(self) -> Dict[str, Any]:
         """The daemon's whole state in torch's layout: ``state[i]`` holds parameter i's fp32
         ``master`` and optimizer slots (e.g. ``momentum``, ``exp_avg``) and its ``step`` count;
         ``param_groups`` the group options; ``muond`` the session's last step and names."""
         self._check_open()
-        into = wire.ChunkAssembler(self._sizes)
-        header = self._conn.get_state(self.session_id, into, max_chunk_bytes=self.chunk_bytes)
-        counts = {c.name: int(c.count) for c in header.step_counts}
+        parts = self._on_every_link(lambda k, link: link.get_state())
+        last_step = self._common_step([int(header.last_step) for header, _ in parts], "GetState")
+        counts = {c.name: int(c.count) for header, _ in parts for c in header.step_counts}
         index = {name: i for i, name in enumerate(self._names)}
         state: Dict[int, Dict[str, Any]] = {}
-        for (name, slot), tensor in into.tensors().items():
+        for (name, slot), tensor in ((key, t) for _, tensors in parts for key, t in tensors.items()):
             entry = state.setdefault(index[name], {})
             entry[slot or "master"] = tensor.view(self._by_name[name].shape)
         for name, i in index.items():
@@ -472,7 +504,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
             start += len(group["params"])
             groups.append(saved)
         return {"state": state, "param_groups": groups,
-                "muond": {"format": _STATE_FORMAT, "last_step": int(header.last_step),
+                "muond": {"format": _STATE_FORMAT, "last_step": last_step,
                           "names": list(self._names), "session": self.session_id}}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -497,12 +529,17 @@ class RemoteOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"group {i}: options {diff} differ from the state dict's; they "
                                  f"are fixed by the session")
         state = state_dict["state"]
-        header = pb.StateHeader(last_step=int(meta["last_step"]))
-        for i, name in enumerate(self._names):
-            header.step_counts.add(name=name, count=int(state.get(i, {}).get("step", 0)))
+        index = {name: i for i, name in enumerate(self._names)}
 
-        def chunks():
-            for i, name in enumerate(self._names):
+        def set_state(k: int, link: SessionLink) -> int:
+            header = pb.StateHeader(last_step=int(meta["last_step"]))
+            for name in link.names:
+                header.step_counts.add(name=name, count=int(state.get(index[name], {}).get("step", 0)))
+            return link.set_state(header, chunks([index[name] for name in link.names]))
+
+        def chunks(indices: List[int]) -> Iterator[pb.TensorChunk]:
+            for i in indices:
+                name = self._names[i]
                 for slot, value in state.get(i, {}).items():
                     if isinstance(value, torch.Tensor) and slot != "step":
                         if value.shape != self._by_name[name].shape:
@@ -513,9 +550,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
                                                slot="master" if slot == "master" else slot,
                                                max_chunk_bytes=self.chunk_bytes)
 
-        self.last_step = self._conn.set_state(self.session_id, header, chunks())
-        self._copy_in({name: state[i]["master"] for i, name in enumerate(self._names)
-                       if "master" in state.get(i, {})})
+        self.last_step = self._common_step(self._on_every_link(set_state), "SetState")
+        copy_in(self._by_name, {name: state[i]["master"] for i, name in enumerate(self._names)
+                                if "master" in state.get(i, {})})
         for group, saved in zip(self.param_groups, saved_groups):
             for key in opts.OVERRIDABLE + ("initial_lr",):
                 if key in saved:
@@ -528,17 +565,23 @@ class RemoteOptimizer(torch.optim.Optimizer):
         the channel. Idempotent."""
         if self._closed:
             return
-        try:
-            if not keep_session and self.rank == 0:  # rank 0 ends a session all ranks share
-                try:
-                    self._conn.close_session(self.session_id)
-                except MuondError as err:
-                    if err.code != grpc.StatusCode.NOT_FOUND:
-                        raise
-        finally:
-            self._drop_region()
-            self._conn.close()
-            self._closed = True
+        self._shut_down(end_session=not keep_session and self.rank == 0)  # rank 0 ends a shared session
+
+    def _shut_down(self, end_session: bool) -> None:
+        """Closes every link (ending its session when ``end_session``) and the worker threads;
+        the first failure is raised after all are closed."""
+        self._closed = True
+        failure: Optional[BaseException] = None
+        for link in self._links:
+            try:
+                link.close(end_session)
+            except BaseException as err:  # noqa: BLE001 - every link is closed first
+                failure = failure or err
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        if failure is not None:
+            raise failure
 
     def __enter__(self) -> "RemoteOptimizer":
         return self
@@ -550,10 +593,11 @@ class RemoteOptimizer(torch.optim.Optimizer):
         # Closes the channel only: a session is ended explicitly, never by garbage collection.
         # (At interpreter exit the connection's atexit hook has closed it already, and
         # Connection.close does nothing during finalization, where it could block.)
-        conn = getattr(self, "_conn", None)
-        if conn is not None and not getattr(self, "_closed", True):
+        if getattr(self, "_closed", True):
+            return
+        for link in getattr(self, "_links", []):
             try:
-                conn.close()
+                link.conn.close()
             except Exception:  # noqa: BLE001 - garbage collection must not raise
                 pass
 
@@ -605,3 +649,22 @@ def _step_attempts(max_step_attempts: Optional[int]) -> int:
 
 def _env_endpoint() -> str:
     return os.environ.get("MUOND_ENDPOINT") or DEFAULT_ENDPOINT
+
+
+def _endpoint_list(endpoint: Optional[str], endpoints: Optional[Sequence[str]]) -> List[str]:
+    """The daemons of the session: ``endpoints`` as given, or the one ``endpoint``."""
+    if endpoints is None:
+        return [endpoint or _env_endpoint()]
+    if endpoint is not None:
+        raise ValueError("endpoint and endpoints: give one or the other")
+    if isinstance(endpoints, str):
+        raise TypeError("endpoints: a list of \"host:port\" strings, not one string")
+    listed = [str(e) for e in endpoints]
+    if not listed:
+        raise ValueError("endpoints: needs at least one daemon")
+    for i, address in enumerate(listed):
+        if not address:
+            raise ValueError(f"endpoints[{i}]: empty")
+        if listed.index(address) != i:
+            raise ValueError(f"endpoints[{i}]: '{address}' is listed twice (endpoints[{listed.index(address)}])")
+    return listed

@@ -116,6 +116,69 @@ absl::Status ParseQkClip(const v1::SessionSpec& spec, SessionConfig& config) {
   return absl::OkStatus();
 }
 
+// spec.shard: a placement that names this daemon's place and maps each parameter into the whole
+// session.
+absl::Status ParseShard(const v1::SessionSpec& spec, SessionConfig& config) {
+  if (!spec.has_shard()) return absl::OkStatus();
+  const v1::ShardPlacement& shard = spec.shard();
+  constexpr int kMaxShards = 1024;
+  if (shard.endpoints_size() < 1 || shard.endpoints_size() > kMaxShards) {
+    return Invalid("spec.shard.endpoints", absl::StrCat("needs 1 to ", kMaxShards, " daemons, got ",
+                                                        shard.endpoints_size()));
+  }
+  for (int i = 0; i < shard.endpoints_size(); ++i) {
+    if (shard.endpoints(i).empty() || shard.endpoints(i).size() > 1024) {
+      return Invalid(absl::StrCat("spec.shard.endpoints[", i, "]"), "must be 1 to 1024 characters");
+    }
+  }
+  if (shard.index() < 0 || shard.index() >= shard.endpoints_size()) {
+    return Invalid("spec.shard.index", absl::StrCat("must be in [0, ", shard.endpoints_size(), "), got ",
+                                                    shard.index()));
+  }
+  if (shard.parameters_size() != spec.parameters_size()) {
+    return Invalid("spec.shard.parameters", absl::StrCat("needs one index per parameter (", spec.parameters_size(),
+                                                         "), got ", shard.parameters_size()));
+  }
+  if (shard.num_parameters() < spec.parameters_size()) {
+    return Invalid("spec.shard.num_parameters", absl::StrCat("must be at least this shard's ", spec.parameters_size(),
+                                                             " parameters, got ", shard.num_parameters()));
+  }
+  for (int i = 0; i < shard.parameters_size(); ++i) {
+    const int index = shard.parameters(i);
+    const int previous = i == 0 ? -1 : shard.parameters(i - 1);
+    if (index <= previous || index >= shard.num_parameters()) {
+      return Invalid(absl::StrCat("spec.shard.parameters[", i, "]"),
+                     absl::StrCat("must increase and stay below num_parameters (", shard.num_parameters(), "), got ",
+                                  index));
+    }
+  }
+  config.shard = {shard.index(), shard.endpoints_size()};
+  return absl::OkStatus();
+}
+
+// How two placements differ, in words; empty when they do not.
+std::string ShardDifference(const v1::SessionSpec& existing, const v1::SessionSpec& requested) {
+  if (!existing.has_shard() && !requested.has_shard()) return "";
+  if (existing.has_shard() != requested.has_shard()) {
+    return existing.has_shard() ? "spec.shard: the session is one shard of a sharded session; this request is not"
+                                : "spec.shard: the session is not sharded; this request places it as a shard";
+  }
+  const v1::ShardPlacement& a = existing.shard();
+  const v1::ShardPlacement& b = requested.shard();
+  auto list = [](const v1::ShardPlacement& p) { return absl::StrCat("[", absl::StrJoin(p.endpoints(), ", "), "]"); };
+  if (a.endpoints_size() != b.endpoints_size() || !std::equal(a.endpoints().begin(), a.endpoints().end(),
+                                                              b.endpoints().begin())) {
+    return absl::StrCat("spec.shard.endpoints: the session was placed on ", a.endpoints_size(), " daemons ", list(a),
+                        " (this daemon is shard ", a.index(), "); this request names ", b.endpoints_size(), " ",
+                        list(b), " and places this daemon as shard ", b.index(),
+                        ": give the endpoints in the order the session was created with");
+  }
+  if (a.index() != b.index()) {
+    return absl::StrCat("spec.shard.index: this daemon holds shard ", a.index(), ", the request says ", b.index());
+  }
+  return "";
+}
+
 }  // namespace
 
 absl::StatusOr<optim::GroupOptions> ParseGroupOptions(const v1::GroupOptions& in,
@@ -292,6 +355,7 @@ absl::StatusOr<SessionConfig> ParseSessionSpec(const v1::SessionSpec& spec, cons
     config.parameters.push_back(std::move(param));
   }
   MUOND_RETURN_IF_ERROR(ParseQkClip(spec, config));
+  MUOND_RETURN_IF_ERROR(ParseShard(spec, config));
   return config;
 }
 
@@ -300,6 +364,10 @@ absl::Status CheckSameSpec(const v1::SessionSpec& existing, const v1::SessionSpe
   std::string differences;
   differencer.ReportDifferencesToString(&differences);
   if (differencer.Compare(existing, requested)) return absl::OkStatus();
+  // A different placement explains every other difference of a shard's spec: name it first.
+  if (std::string shard = ShardDifference(existing, requested); !shard.empty()) {
+    return absl::AlreadyExistsError(absl::StrCat("session exists with a different spec (", shard, ")"));
+  }
   // Keep the message to the first difference: it is what a user needs to fix.
   const size_t end = differences.find('\n');
   return absl::AlreadyExistsError(absl::StrCat(

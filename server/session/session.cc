@@ -137,9 +137,12 @@ absl::StatusOr<std::unique_ptr<IncomingStep>> Session::BeginStep(StepRequest req
   // step of the session holds the buffers, or the backend's memory is the host's and the optimizer
   // reads the decoded values in place); the ranks of a multi-rank session are averaged on the host
   // first, and a replay needs no gradients at all.
+  // A prepared step is held across calls until its commit: it stays on the host, and a commit
+  // carries no gradients at all.
   std::unique_ptr<StagedGradients> staged;
-  const bool one_rank = kind == StepKind::kNext && config_.world_size == 1;
-  if (one_rank && !backend_->HostAddressable()) {
+  const StepPhase phase = plan.request.phase;
+  const bool one_rank = kind == StepKind::kNext && config_.world_size == 1 && phase != StepPhase::kCommit;
+  if (one_rank && phase == StepPhase::kWhole && !backend_->HostAddressable()) {
     MUOND_ASSIGN_OR_RETURN(staged, StagedGradients::Start(gradient_pool_.get(), backend_));
   }
   return std::unique_ptr<IncomingStep>(new IncomingStep(config_, std::move(plan), kind == StepKind::kReplay,
@@ -161,9 +164,77 @@ absl::StatusOr<StepOutcome> Session::FinishStep(std::unique_ptr<IncomingStep> st
   // The state may have moved since BeginStep (another stream of the same step, say): classify again
   // under the lock, where the answer holds until the step is applied.
   MUOND_ASSIGN_OR_RETURN(StepKind kind, ClassifyLocked(step->plan_.request.step));
-  if (kind == StepKind::kReplay) return ReplayOutcomeLocked();
+  const StepPhase phase = step->plan_.request.phase;
+  if (kind == StepKind::kReplay) {
+    StepOutcome replay = ReplayOutcomeLocked();
+    if (phase == StepPhase::kPrepare) replay.parameters = nullptr;  // a prepare answers without parameters
+    return replay;
+  }
+  if (phase == StepPhase::kCommit) return CommitLocked(step->plan_, step->gradients_);
   if (config_.world_size > 1) return GatherLocked(std::move(step->plan_), std::move(step->gradients_));
+  if (phase == StepPhase::kPrepare) return PrepareLocked(std::move(step->plan_), std::move(step->gradients_), 0);
   return ApplyLocked(step->plan_, step->gradients_, step->staged_.get());
+}
+
+StepOutcome Session::PrepareLocked(StepPlan plan, std::vector<HostTensor> gradients, uint64_t generation) {
+  StepResult result;
+  result.step = plan.request.step;
+  result.prepared = true;
+  result.sum_squares.resize(gradients.size(), 0.0);
+  double sum_squares = 0.0;
+  std::string first_non_finite;
+  for (size_t i = 0; i < gradients.size(); ++i) {
+    if (!gradients[i].present()) continue;
+    result.sum_squares[i] = gradients[i].sum_squares;
+    sum_squares += gradients[i].sum_squares;
+    if (first_non_finite.empty() && !std::isfinite(gradients[i].sum_squares)) {
+      first_non_finite = config_.parameters[i].name;
+    }
+  }
+  result.grad_norm = std::sqrt(sum_squares);  // this shard's part of the norm
+  if (!first_non_finite.empty()) {
+    result.skip_reason = absl::StrCat("non-finite gradient in '", first_non_finite, "'");
+  } else {
+    // The magnitude guard with this shard's own norm: the global norm is at least as large, so its
+    // clipping only shrinks the update, and a step this guard passes passes at the commit too.
+    std::vector<optim::StepBounds> bounds(params_.size());
+    absl::StatusOr<std::string> guard = GuardMagnitudesLocked(plan, gradients, ClipCoefficient(plan, result.grad_norm), bounds);
+    result.skip_reason = guard.ok() ? *guard : std::string(guard.status().message());
+  }
+  DropPreparedLocked();
+  prepared_ = PreparedStep{std::move(plan), std::move(gradients), result, generation};
+  return StepOutcome{result, nullptr};
+}
+
+absl::StatusOr<StepOutcome> Session::CommitLocked(const StepPlan& commit, const std::vector<HostTensor>& gradients) {
+  for (size_t i = 0; i < gradients.size(); ++i) {
+    if (gradients[i].present()) {
+      return absl::InvalidArgumentError(absl::StrCat("header.num_chunks: a commit carries no gradients ('",
+                                                     config_.parameters[i].name, "' came with it); they come with the prepare"));
+    }
+  }
+  const int64_t step = commit.request.step;
+  if (!prepared_.has_value() || prepared_->plan.request.step != step) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "header.step: step ", step, " was not prepared on this shard (",
+        prepared_.has_value() ? absl::StrCat("step ", prepared_->plan.request.step, " is") : std::string("nothing is"),
+        "; a restarted daemon holds no prepared step): prepare it again on every shard, then commit"));
+  }
+  // The prepare's plan (rank 0's overrides, clipping limit and QK-clip logits) with the decision.
+  StepPlan plan = prepared_->plan;
+  plan.request.phase = StepPhase::kCommit;
+  plan.request.decision = commit.request.decision;
+  absl::StatusOr<StepOutcome> outcome = ApplyLocked(plan, prepared_->gradients, nullptr);
+  // Applied or not, the held gradients are spent (the optimizer may have clipped them in place): a
+  // failed commit is prepared again.
+  DropPreparedLocked();
+  return outcome;
+}
+
+void Session::DropPreparedLocked() {
+  if (!prepared_.has_value()) return;
+  host_gradients_->GiveBack(std::move(prepared_->gradients));
+  prepared_.reset();
 }
 
 absl::StatusOr<StepOutcome> Session::ApplyJournaledStep(StepRequest request, std::vector<HostTensor> gradients) {
@@ -180,9 +251,11 @@ absl::StatusOr<StepOutcome> Session::ApplyJournaledStep(StepRequest request, std
 absl::StatusOr<StepOutcome> Session::GatherLocked(StepPlan plan, std::vector<HostTensor> gradients) {
   const int64_t step = plan.request.step;
   const int rank = plan.request.rank;
+  const bool prepare = plan.request.phase == StepPhase::kPrepare;
   const uint64_t generation = gather_.Add(std::move(plan), std::move(gradients));
   if (gather_.complete()) {
     auto [applied_plan, mean] = gather_.TakeAverage(config_.parameters.size());
+    if (prepare) return PrepareLocked(std::move(applied_plan), std::move(mean), generation);
     return ApplyLocked(applied_plan, mean, nullptr);
   }
 
@@ -193,7 +266,13 @@ absl::StatusOr<StepOutcome> Session::GatherLocked(StepPlan plan, std::vector<Hos
     return last_step_ != last_step_before || gather_.generation() != generation;
   };
   const bool finished = mu_.AwaitWithTimeout(absl::Condition(&done), absl::Seconds(config_.straggler_timeout_seconds));
-  if (last_step_ >= step) return StepOutcome{last_result_, snapshot_};
+  if (last_step_ >= step) {
+    if (prepare) return StepOutcome{last_result_, nullptr};
+    return StepOutcome{last_result_, snapshot_};
+  }
+  if (prepare && prepared_.has_value() && prepared_->generation == generation) {
+    return StepOutcome{prepared_->result, nullptr};  // the last rank prepared the step for every rank
+  }
   if (finished) {
     return absl::AbortedError(absl::StrCat("step ", step, " was aborted for every rank; no update was applied"));
   }
@@ -222,12 +301,16 @@ absl::StatusOr<StepOutcome> Session::ApplyLocked(const StepPlan& plan, std::vect
       first_non_finite = config_.parameters[i].name;
     }
   }
-  const double norm = std::sqrt(sum_squares);
+  // A commit clips with the global norm over every shard and skips when any shard must.
+  const std::optional<ShardDecision>& decision = plan.request.decision;
+  const double norm = decision.has_value() ? decision->grad_norm : std::sqrt(sum_squares);
   result.grad_norm = norm;
   const double clip = ClipCoefficient(plan, norm);
   std::vector<optim::StepBounds> bounds(params_.size());
   if (!first_non_finite.empty()) {
     result.skip_reason = absl::StrCat("non-finite gradient in '", first_non_finite, "'");
+  } else if (decision.has_value() && !decision->skip_reason.empty()) {
+    result.skip_reason = decision->skip_reason;
   } else {
     MUOND_ASSIGN_OR_RETURN(result.skip_reason, GuardMagnitudesLocked(plan, gradients, clip, bounds));
   }
@@ -494,6 +577,7 @@ absl::Status Session::ImportState(SessionState state) {
   }
   last_step_ = state.last_step;
   initialized_ = true;
+  DropPreparedLocked();  // prepared for a state that is gone
   last_result_ = StepResult();
   last_result_.step = last_step_;
   last_result_.applied = true;

@@ -12,6 +12,13 @@
 // rank has sent step k (RankGather), applies the average once and answers every rank; a rank
 // missing after the straggler timeout aborts the step for all (ABORTED), state unchanged.
 //
+// Sharded sessions (docs/sharding.md) take each step in two phases. A prepare reads (and, with
+// several ranks, averages) the gradients, holds them as the session's prepared step, and answers
+// their sums of squares; nothing changes. A commit of that step applies the held gradients with the
+// decision the client took over every shard (the global norm for clipping, or a skip). A prepare sent
+// again replaces the held step; a commit of an applied step is a replay; a commit with nothing
+// prepared (say, after a restart) is FAILED_PRECONDITION, and the client prepares again.
+//
 // Thread-safety: all methods are safe to call concurrently; one mutex serializes the operations of
 // a session (different sessions run in parallel). Answers hand out immutable snapshots, so they are
 // sent without holding the lock.
@@ -19,6 +26,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -109,6 +117,14 @@ class Session {
  private:
   enum class StepKind { kNext, kReplay };
 
+  // A prepared step of a sharded session, held until its commit.
+  struct PreparedStep {
+    StepPlan plan;                       // rank 0's, with several ranks
+    std::vector<HostTensor> gradients;   // averaged over the ranks
+    StepResult result;                   // the prepare's answer
+    uint64_t generation = 0;             // the rank gathering that completed it (several ranks)
+  };
+
   Session(std::string id, SessionConfig config, kernels::Backend* backend, std::string owner);
 
   // The one decision of what step k is: the next one, a replay of the applied one, or refused.
@@ -116,6 +132,13 @@ class Session {
   StepOutcome ReplayOutcomeLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   absl::StatusOr<StepOutcome> GatherLocked(StepPlan plan, std::vector<HostTensor> gradients)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Holds `gradients` as the prepared step and answers their sums of squares.
+  StepOutcome PrepareLocked(StepPlan plan, std::vector<HostTensor> gradients, uint64_t generation)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Applies the prepared step with the decision `commit` carries.
+  absl::StatusOr<StepOutcome> CommitLocked(const StepPlan& commit, const std::vector<HostTensor>& gradients)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void DropPreparedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<StepOutcome> ApplyLocked(const StepPlan& plan, std::vector<HostTensor>& gradients,
                                           StagedGradients* staged) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Lends the gradient buffers (`staged`'s, a set filled here from the host values, or on a
@@ -162,6 +185,7 @@ class Session {
   std::shared_ptr<const ParameterSnapshot> snapshot_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<SessionPersistence> persistence_ ABSL_GUARDED_BY(mu_);
   RankGather gather_ ABSL_GUARDED_BY(mu_);
+  std::optional<PreparedStep> prepared_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace muond::session

@@ -52,6 +52,13 @@ struct QkClipConfig {
   int num_heads = 0;
 };
 
+// A session that is one shard of a session spread over several daemons (docs/sharding.md): its steps
+// are prepared and committed. The placement itself lives in spec_json.
+struct ShardConfig {
+  int index = 0;
+  int count = 0;  // 0: not a shard
+};
+
 struct SessionConfig {
   std::vector<ParameterConfig> parameters;
   std::vector<GroupConfig> groups;
@@ -59,6 +66,7 @@ struct SessionConfig {
   double straggler_timeout_seconds = 120;
   TensorDType return_dtype = TensorDType::kFp32;
   std::vector<QkClipConfig> qk_clip;
+  ShardConfig shard;
   int64_t total_elements = 0;
   absl::flat_hash_map<std::string, size_t> parameter_index;
   absl::flat_hash_map<std::string, size_t> group_index;

@@ -62,6 +62,37 @@ absl::Status ResolveQkLogits(const SessionConfig& config, const StepRequest& req
   return absl::OkStatus();
 }
 
+// A shard's steps are prepared and committed; a commit carries a decision that can be applied.
+absl::Status CheckPhase(const SessionConfig& config, const StepRequest& request) {
+  const int phase = static_cast<int>(request.phase);
+  if (phase < 0 || phase > static_cast<int>(StepPhase::kCommit)) {
+    return absl::InvalidArgumentError(absl::StrCat("header.phase: unknown phase ", phase));
+  }
+  if (request.phase == StepPhase::kWhole && config.shard.count > 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "header.phase: this session is shard ", config.shard.index, " of ", config.shard.count,
+        " (spec.shard); its steps are prepared and then committed on every shard (docs/sharding.md)"));
+  }
+  if (request.phase != StepPhase::kCommit) {
+    if (request.decision.has_value()) {
+      return absl::InvalidArgumentError("header.decision: only a commit (header.phase COMMIT) carries a decision");
+    }
+    return absl::OkStatus();
+  }
+  if (!request.decision.has_value()) {
+    return absl::InvalidArgumentError("header.decision: a commit needs the decision taken over every shard");
+  }
+  const ShardDecision& decision = *request.decision;
+  if (decision.skip_reason.empty() && !(std::isfinite(decision.grad_norm) && decision.grad_norm >= 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "header.decision.grad_norm: must be finite and >= 0 for a step that is applied, got ", decision.grad_norm));
+  }
+  if (decision.skip_reason.size() > 4096) {
+    return absl::InvalidArgumentError("header.decision.skip_reason: longer than 4096 characters");
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<StepPlan> PlanStep(const SessionConfig& config, const std::vector<optim::StepHyper>& defaults,
@@ -89,6 +120,8 @@ absl::StatusOr<StepPlan> PlanStep(const SessionConfig& config, const std::vector
     return absl::InvalidArgumentError(
         absl::StrCat("header.rank: must be in [0, ", config.world_size, "), got ", request.rank));
   }
+  absl::Status phase = CheckPhase(config, request);
+  if (!phase.ok()) return phase;
   plan.request = std::move(request);
   return plan;
 }

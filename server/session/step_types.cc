@@ -1,5 +1,6 @@
 #include "server/session/step_types.h"
 
+#include "absl/base/casts.h"
 #include "nlohmann/json.hpp"
 
 namespace muond::session {
@@ -35,6 +36,12 @@ std::string EncodeStepRequest(const StepRequest& request) {
   json logits = json::array();
   for (const QkLogits& l : request.qk_logits) logits.push_back({{"query", l.query}, {"max_logits", l.max_logits}});
   out["qk_logits"] = std::move(logits);
+  out["phase"] = static_cast<int>(request.phase);
+  if (request.decision.has_value()) {
+    // The norm travels as its bits: it may be inf or nan (a skipped step), which JSON cannot hold.
+    out["decision"] = {{"grad_norm_bits", absl::bit_cast<uint64_t>(request.decision->grad_norm)},
+                       {"skip_reason", request.decision->skip_reason}};
+  }
   return out.dump();
 }
 
@@ -59,6 +66,17 @@ absl::StatusOr<StepRequest> DecodeStepRequest(absl::string_view bytes) {
     for (const json& entry : in.at("qk_logits")) {
       request.qk_logits.push_back(
           {entry.at("query").get<std::string>(), entry.at("max_logits").get<std::vector<double>>()});
+    }
+    // Records written before sharded steps existed have neither field: whole steps.
+    const int phase = in.value("phase", 0);
+    if (phase < 0 || phase > static_cast<int>(StepPhase::kCommit)) {
+      return absl::DataLossError("the step request has an unknown phase");
+    }
+    request.phase = static_cast<StepPhase>(phase);
+    if (in.contains("decision")) {
+      const json& decision = in.at("decision");
+      request.decision = ShardDecision{absl::bit_cast<double>(decision.at("grad_norm_bits").get<uint64_t>()),
+                                       decision.at("skip_reason").get<std::string>()};
     }
     return request;
   } catch (const json::exception& e) {

@@ -31,6 +31,17 @@ struct QkLogits {
   std::vector<double> max_logits;
 };
 
+// How a step travels on a sharded session (docs/sharding.md): whole (the default), or prepared on every
+// shard and then committed on every shard with the decision taken over all of them.
+enum class StepPhase { kWhole = 0, kPrepare = 1, kCommit = 2 };
+
+// A commit's decision: the global gradient norm clipping uses, and why the step is skipped (empty:
+// applied).
+struct ShardDecision {
+  double grad_norm = 0;
+  std::string skip_reason;
+};
+
 struct StepRequest {
   std::string session_id;
   int64_t step = 0;
@@ -38,6 +49,8 @@ struct StepRequest {
   std::vector<GroupOverride> overrides;
   std::optional<double> max_grad_norm;
   std::vector<QkLogits> qk_logits;
+  StepPhase phase = StepPhase::kWhole;
+  std::optional<ShardDecision> decision;  // kCommit only
 };
 
 struct StepResult {
@@ -47,6 +60,10 @@ struct StepResult {
   double grad_norm = 0;
   double compute_seconds = 0;
   bool replayed = false;  // a retry of the last step, answered without a second update
+  // A prepare's answer: nothing applied; each parameter's sum of squares (0 when absent), and in
+  // skip_reason why this shard alone would skip the step.
+  bool prepared = false;
+  std::vector<double> sum_squares;
 };
 
 // Every parameter after some step, as answers read it: one span per parameter. On a backend with
@@ -66,7 +83,7 @@ std::vector<std::vector<float>> CopyValues(const ParameterSnapshot& snapshot);
 
 struct StepOutcome {
   StepResult result;
-  std::shared_ptr<const ParameterSnapshot> parameters;
+  std::shared_ptr<const ParameterSnapshot> parameters;  // null for a prepare: no parameters go back
 };
 
 // A request as bytes and back, for the step journal (JSON; doubles round-trip exactly).

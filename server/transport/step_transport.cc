@@ -11,6 +11,7 @@ absl::Status RunStep(session::Session& session, session::StepRequest request, Gr
   MUOND_RETURN_IF_ERROR(source.ReadGradients(*step));
   MUOND_ASSIGN_OR_RETURN(session::StepOutcome outcome, session.FinishStep(std::move(step)));
   const session::StepResult& result = outcome.result;
+  if (outcome.parameters == nullptr) return sink.Send(outcome);  // a prepare: the result alone
   if (!result.applied) {
     MUOND_LOG(warn, "session {} step {} skipped: {}", session.id(), result.step, result.skip_reason);
   }

@@ -19,6 +19,11 @@ session::StepRequest ToStepRequest(const v1::StepHeader& header) {
   for (const v1::QkClipLogits& logits : header.qk_logits()) {
     request.qk_logits.push_back({logits.query(), {logits.max_logits().begin(), logits.max_logits().end()}});
   }
+  // Numbered alike; an unknown value is kept as it is and refused by the session's planning.
+  request.phase = static_cast<session::StepPhase>(header.phase());
+  if (header.has_decision()) {
+    request.decision = session::ShardDecision{header.decision().grad_norm(), header.decision().skip_reason()};
+  }
   return request;
 }
 
@@ -30,6 +35,10 @@ v1::StepResult ToProto(const session::StepResult& result) {
   out.set_grad_norm(result.grad_norm);
   out.set_compute_seconds(result.compute_seconds);
   if (result.replayed) out.set_replayed(true);
+  if (result.prepared) {
+    out.set_prepared(true);
+    out.mutable_sum_squares()->Assign(result.sum_squares.begin(), result.sum_squares.end());
+  }
   return out;
 }
 

@@ -77,6 +77,7 @@ absl::Status GrpcParameterSink::Send(const session::StepOutcome& outcome) {
   v1::StepResponse response;
   *response.mutable_result() = ToProto(outcome.result);
   if (!WriteMessage(stream_, response)) return absl::CancelledError("the client went away");
+  if (outcome.parameters == nullptr) return absl::OkStatus();  // a prepare: the result alone
   for (size_t i = 0; i < config_.parameters.size(); ++i) {
     v1::TensorChunk first;
     first.set_name(config_.parameters[i].name);

@@ -73,6 +73,7 @@ absl::Status ShmGradientSource::ReadGradients(session::IncomingStep& step) {
 
 absl::Status ShmParameterSink::Send(const session::StepOutcome& outcome) {
   for (const SharedTensorPlace& place : places_) {
+    if (outcome.parameters == nullptr) break;  // a prepare: the result alone
     wire::EncodeTo(place.dtype, outcome.parameters->values[place.index], place.region->data() + place.offset);
   }
   result_ = ToProto(outcome.result);

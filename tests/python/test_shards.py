@@ -1,0 +1,309 @@
+"""A session spread over several real daemons (``RemoteOptimizer(endpoints=[...])``).
+
+Sharded training must be the one-daemon training, bit for bit: the same parameters, optimizer
+state, gradient norms and skips after every step — with Muon and AdamW groups, global clipping, a
+non-finite step, QK-clip and two data-parallel ranks — and it must stay so when a shard is killed
+with SIGKILL (journal mode) and restarted, even between its prepare and its commit. A different
+endpoint list for an existing session, and shards restored to different steps, are refused.
+"""
+
+import threading
+import uuid
+
+import grpc
+import pytest
+import torch
+
+import muond
+from muond import placement
+from muond._stubs import pb
+
+HEADS = 2
+
+
+class AttentionNet(torch.nn.Module):
+    """Embedding, one attention layer with a QK-clip pair, an MLP: Muon matrices and AdamW
+    vectors and embedding."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+
+        def param(*shape, scale):
+            return torch.nn.Parameter(torch.randn(*shape, generator=gen) * scale)
+
+        self.emb = param(32, 16, scale=1.0)
+        self.wq = param(16, 16, scale=0.6)
+        self.wk = param(16, 16, scale=0.6)
+        self.wv = param(16, 16, scale=0.3)
+        self.w1 = param(48, 16, scale=0.3)
+        self.b1 = param(48, scale=0.0)
+        self.w2 = param(16, 48, scale=0.3)
+
+    def forward(self, tokens):
+        x = self.emb[tokens]                                   # (B, T, 16)
+        b, t, d = x.shape
+        q = (x @ self.wq.T).view(b, t, HEADS, d // HEADS).transpose(1, 2)
+        k = (x @ self.wk.T).view(b, t, HEADS, d // HEADS).transpose(1, 2)
+        v = (x @ self.wv.T).view(b, t, HEADS, d // HEADS).transpose(1, 2)
+        logits = q @ k.transpose(-1, -2) / (d // HEADS) ** 0.5   # (B, H, T, T)
+        y = (logits.softmax(-1) @ v).transpose(1, 2).reshape(b, t, d)
+        h = torch.relu(y @ self.w1.T + self.b1) @ self.w2.T
+        loss = ((h - x.detach()) ** 2).mean()
+        return loss, logits.detach().amax(dim=(0, 2, 3))
+
+
+def groups(model):
+    muon = [(n, getattr(model, n)) for n in ("wq", "wk", "wv", "w1", "w2")]
+    adamw = [(n, getattr(model, n)) for n in ("emb", "b1")]
+    return [{"name": "muon", "params": muon, "optimizer": "muon", "lr": 0.05,
+             "weight_decay": 0.01, "qk_clip_threshold": 1.5},
+            {"name": "adamw", "params": adamw, "optimizer": "adamw", "lr": 0.01}]
+
+
+def batch(step, rank):
+    gen = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randint(0, 32, (4, 6), generator=gen)
+
+
+NAN_STEP = 7
+
+
+def one_step(model, opt, step, rank):
+    opt.zero_grad()
+    loss, max_logits = model(batch(step, rank))
+    loss.backward()
+    if step == NAN_STEP and rank == 0:
+        model.w2.grad[3, 5] = float("nan")
+    opt.step(qk_logits={model.wq: max_logits})
+    return opt.last_info
+
+
+def train(endpoints, steps, world_size=1, session=None, **kwargs):
+    """Trains one model per rank (threads) for ``steps``; returns rank 0's model, its state_dict
+    and the step infos."""
+    session = session or f"shards-{uuid.uuid4().hex[:8]}"
+    models = [AttentionNet(seed=3) for _ in range(world_size)]
+    infos, errors = [], []
+
+    def rank_loop(rank):
+        model = models[rank]
+        try:
+            opt = muond.RemoteOptimizer(groups(model), endpoints=endpoints, session=session,
+                                        world_size=world_size, rank=rank, max_grad_norm=0.5,
+                                        qk_clip=[(model.wq, model.wk, HEADS)], **kwargs)
+            try:
+                for step in steps:
+                    info = one_step(model, opt, step, rank)
+                    if rank == 0:
+                        infos.append(info)
+                if rank == 0:
+                    infos.append(opt.state_dict())
+            finally:
+                opt.close(keep_session=False)
+        except BaseException as err:  # noqa: BLE001 - reported by the test
+            errors.append(err)
+
+    threads = [threading.Thread(target=rank_loop, args=(r,)) for r in range(world_size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return models[0], infos.pop(), infos
+
+
+def assert_same_state(a, b):
+    assert a["muond"]["last_step"] == b["muond"]["last_step"]
+    assert a["state"].keys() == b["state"].keys()
+    for i, slots in a["state"].items():
+        assert slots.keys() == b["state"][i].keys()
+        for slot, value in slots.items():
+            other = b["state"][i][slot]
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, other), f"parameter {i} slot {slot} differs"
+            else:
+                assert value == other
+
+
+def assert_same_infos(a, b):
+    assert [(i.step, i.applied, i.skip_reason) for i in a] == [(i.step, i.applied, i.skip_reason) for i in b]
+    assert [i.grad_norm for i in a[:NAN_STEP - 1]] == [i.grad_norm for i in b[:NAN_STEP - 1]]
+
+
+@pytest.fixture
+def three(start_daemon):
+    return [start_daemon() for _ in range(3)]
+
+
+def test_placement_balances_cost_and_keeps_pairs_together():
+    tensors = [placement.Tensor((768, 768), True), placement.Tensor((3072, 768), True),
+               placement.Tensor((768, 3072), True), placement.Tensor((768,), False),
+               placement.Tensor((768, 768), True), placement.Tensor((50257, 768), False)]
+    plan = placement.place(tensors, 3, together=[(0, 4)])
+    assert plan.shard_of[0] == plan.shard_of[4]
+    # Longest first onto the least loaded: the two 3072x768 matrices (cost 3072*768^2 each)
+    # take daemons 0 and 1, the embedding (4 * 50257 * 768 bytes) daemon 2, then the pair.
+    assert plan.shard_of[1] == 0 and plan.shard_of[2] == 1 and plan.shard_of[5] == 2
+    assert plan == placement.place(tensors, 3, together=[(0, 4)])  # deterministic
+    assert sorted(set(plan.shard_of)) == [0, 1, 2]
+    assert plan.imbalance == max(plan.loads) / (sum(plan.loads) / 3)
+    one = placement.place(tensors, 1)
+    assert set(one.shard_of) == {0} and one.imbalance == 1.0
+    with pytest.raises(ValueError, match="endpoints"):
+        placement.place(tensors, 0)
+
+
+def test_three_daemons_train_bit_identical_to_one(three, start_daemon):
+    steps = range(1, 31)
+    single_model, single_state, single_infos = train([start_daemon().endpoint], steps, world_size=2)
+    model, state, infos = train([d.endpoint for d in three], steps, world_size=2)
+    assert not infos[NAN_STEP - 1].applied
+    assert infos[NAN_STEP - 1].skip_reason == "non-finite gradient in 'w2'"
+    assert any(i.grad_norm > 0.5 for i in infos)  # clipping was active
+    assert_same_infos(infos, single_infos)
+    assert_same_state(state, single_state)
+    for (name, p), (_, q) in zip(model.named_parameters(), single_model.named_parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_every_daemon_holds_whole_parameters_of_the_placement(three):
+    model = AttentionNet(seed=3)
+    endpoints = [d.endpoint for d in three]
+    with muond.RemoteOptimizer(groups(model), endpoints=endpoints,
+                               qk_clip=[(model.wq, model.wk, HEADS)]) as opt:
+        held = []
+        for k, link in enumerate(opt._links):
+            sessions = link.conn.list_sessions()
+            assert [s.session_id for s in sessions] == [opt.session_id]
+            held.append(set(link.names))
+        assert set().union(*held) == {n for n, _ in model.named_parameters()}
+        assert sum(len(h) for h in held) == len(list(model.parameters()))
+        assert any("wq" in h and "wk" in h for h in held)  # the QK-clip pair together
+        assert opt.placement.imbalance >= 1.0
+
+
+def test_a_shard_killed_between_prepare_and_commit_resumes_bit_identical(start_daemon, tmp_path):
+    expected_model, expected_state, expected_infos = train([start_daemon().endpoint], range(1, 21))
+    daemons = [start_daemon("--state-dir", tmp_path / f"state-{k}", "--durability", "journal",
+                            workdir=tmp_path / f"d{k}") for k in range(3)]
+    endpoints = [d.endpoint for d in daemons]
+    session = f"killed-{uuid.uuid4().hex[:8]}"
+    model = AttentionNet(seed=3)
+    opt = muond.RemoteOptimizer(groups(model), endpoints=endpoints, session=session,
+                                max_grad_norm=0.5, qk_clip=[(model.wq, model.wk, HEADS)],
+                                retry_backoff=0.05, max_step_attempts=6)
+    infos = [one_step(model, opt, step, 0) for step in range(1, 8)]
+
+    def restart(k):
+        old = daemons[k]
+        old.kill()
+        daemons[k] = start_daemon("--state-dir", tmp_path / f"state-{k}", "--durability", "journal",
+                                  listen=old.endpoint, workdir=old.workdir)
+
+    # SIGKILL between steps: the journal holds every acknowledged step.
+    restart(1)
+    infos += [one_step(model, opt, step, 0) for step in range(8, 12)]
+
+    # SIGKILL of shard 2 after it prepared step 12 and before its commit: the restarted daemon
+    # holds no prepared step, the commit is refused, and the client prepares again on every
+    # shard (shards 0 and 1 answer with the decision they applied).
+    link = opt._links[2]
+    real_step = link.step
+    killed = []
+
+    def kill_before_first_commit(header, grads):
+        if header.phase == pb.STEP_PHASE_COMMIT and not killed:
+            killed.append(header.step)
+            restart(2)
+        return real_step(header, grads)
+
+    link.step = kill_before_first_commit
+    infos.append(one_step(model, opt, 12, 0))
+    assert killed == [12] and opt.last_info.attempts == 2
+    link.step = real_step
+    infos += [one_step(model, opt, step, 0) for step in range(13, 16)]
+    opt.close(keep_session=True)
+
+    # A new trainer attaches to the three shards and goes on.
+    model = AttentionNet(seed=99)
+    opt = muond.RemoteOptimizer(groups(model), endpoints=endpoints, session=session,
+                                max_grad_norm=0.5, qk_clip=[(model.wq, model.wk, HEADS)])
+    assert opt.attached and opt.last_step == 15
+    infos += [one_step(model, opt, step, 0) for step in range(16, 21)]
+    state = opt.state_dict()
+    opt.close()
+    assert_same_infos(infos, expected_infos)
+    assert_same_state(state, expected_state)
+    for (name, p), (_, q) in zip(model.named_parameters(), expected_model.named_parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_wrong_endpoint_order_or_count_is_refused(three, start_daemon):
+    endpoints = [d.endpoint for d in three]
+    model = AttentionNet(seed=3)
+    session = f"order-{uuid.uuid4().hex[:8]}"
+    with muond.RemoteOptimizer(groups(model), endpoints=endpoints, session=session) as opt:
+        one_step_plain(model, opt)
+        for wrong in ([endpoints[1], endpoints[0], endpoints[2]], endpoints[:2],
+                      endpoints + [start_daemon().endpoint]):
+            with pytest.raises(muond.MuondError) as err:
+                muond.RemoteOptimizer(groups(AttentionNet(seed=3)), endpoints=wrong, session=session)
+            assert err.value.code == grpc.StatusCode.ALREADY_EXISTS
+            assert "spec.shard.endpoints" in err.value.details
+            assert "give the endpoints in the order the session was created with" in err.value.details
+        one_step_plain(model, opt)  # the session is untouched
+        assert opt.last_step == 2
+    with pytest.raises(ValueError, match=r"endpoints\[1\]: .* listed twice"):
+        muond.RemoteOptimizer(groups(model), endpoints=[endpoints[0], endpoints[0]])
+    with pytest.raises(ValueError, match="one or the other"):
+        muond.RemoteOptimizer(groups(model), endpoint=endpoints[0], endpoints=endpoints)
+
+
+def one_step_plain(model, opt):
+    opt.zero_grad()
+    loss, _ = model(batch(opt.last_step + 1, 0))
+    loss.backward()
+    opt.step()
+
+
+def test_a_shard_restored_to_an_older_checkpoint_is_named(start_daemon, tmp_path):
+    daemons = [start_daemon("--state-dir", tmp_path / f"state-{k}", workdir=tmp_path / f"d{k}")
+               for k in range(3)]
+    endpoints = [d.endpoint for d in daemons]
+    model = AttentionNet(seed=3)
+    session = f"behind-{uuid.uuid4().hex[:8]}"
+    opt = muond.RemoteOptimizer(groups(model), endpoints=endpoints, session=session)
+    for _ in range(3):
+        one_step_plain(model, opt)
+    assert opt.checkpoint() == 3  # every shard at step 3
+    for _ in range(2):
+        one_step_plain(model, opt)
+    opt.close(keep_session=True)
+    old = daemons[1]
+    old.kill()  # snapshot mode: steps 4 and 5 are lost on shard 1
+    start_daemon("--state-dir", tmp_path / "state-1", listen=old.endpoint, workdir=old.workdir)
+    with pytest.raises(muond.MuondError) as err:
+        muond.RemoteOptimizer(groups(AttentionNet(seed=3)), endpoints=endpoints, session=session)
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"shard 1 ({endpoints[1]}) at step 3, the others at step 5" in err.value.details
+
+
+def test_state_dict_round_trips_across_shards(three):
+    endpoints = [d.endpoint for d in three]
+    model = AttentionNet(seed=3)
+    with muond.RemoteOptimizer(groups(model), endpoints=endpoints) as opt:
+        for _ in range(3):
+            one_step_plain(model, opt)
+        saved = opt.state_dict()
+        for _ in range(2):
+            one_step_plain(model, opt)
+        after_5 = [p.detach().clone() for p in model.parameters()]
+        opt.load_state_dict(saved)
+        assert opt.last_step == 3
+        assert_same_state(opt.state_dict(), saved)
+        for _ in range(2):
+            one_step_plain(model, opt)
+        for p, q in zip(model.parameters(), after_5):
+            assert torch.equal(p, q)
