@@ -141,6 +141,8 @@ void CopyResult(const v1::StepResult& r, StepReply* reply) {
   reply->skip_reason = r.skip_reason();
   reply->grad_norm = r.grad_norm();
   reply->compute_seconds = r.compute_seconds();
+  reply->prepared = r.prepared();
+  reply->sum_squares.assign(r.sum_squares().begin(), r.sum_squares().end());
 }
 
 }  // namespace
@@ -361,6 +363,8 @@ v1::StepHeader Session::Header(int64_t step, const StepOptions& options) const {
     o->set_group(group);
     o->set_lr(lr);
   }
+  header.set_phase(options.phase);
+  if (options.decision.has_value()) *header.mutable_decision() = *options.decision;
   return header;
 }
 
@@ -514,6 +518,7 @@ absl::StatusOr<StepReply> Session::StepOnceShared(int64_t step, std::span<const 
   }
   StepReply reply;
   CopyResult(response.result(), &reply);
+  if (options.phase == v1::STEP_PHASE_PREPARE) return reply;  // the region still holds the gradients
   for (const auto& [name, numel] : numel_) {
     absl::StatusOr<std::span<float>> values = Destination(name, numel, options.parameters_out, &reply.parameters);
     if (!values.ok()) return values.status();

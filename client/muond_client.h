@@ -80,6 +80,10 @@ struct StepOptions {
   // parameter's element count per parameter (those named here are then left out of
   // StepReply::parameters), so that a steady loop allocates nothing per step.
   std::map<std::string, std::span<float>> parameters_out;
+  // One shard of a sharded session (docs/sharding.md; ShardedSession sets these): the phase of this
+  // step and, for a commit, the decision taken over every shard.
+  v1::StepPhase phase = v1::STEP_PHASE_WHOLE;
+  std::optional<v1::ShardDecision> decision;
 };
 
 using ParameterMap = std::map<std::string, std::vector<float>>;
@@ -92,7 +96,10 @@ struct StepReply {
   double grad_norm = 0;
   double compute_seconds = 0;
   int attempts = 1;
-  ParameterMap parameters;  // every parameter after the step
+  ParameterMap parameters;  // every parameter after the step (none after a prepare)
+  // A prepare's answer: nothing applied; each parameter's sum of squares, in spec order.
+  bool prepared = false;
+  std::vector<double> sum_squares;
 };
 
 class Session;

@@ -1,0 +1,253 @@
+#include "client/sharded_session.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <map>
+#include <set>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace muond::client {
+namespace {
+
+absl::Status NameShard(const absl::Status& status, int shard, const std::string& endpoint) {
+  return absl::Status(status.code(), absl::StrCat("shard ", shard, " (", endpoint, "): ", status.message()));
+}
+
+// A whole sharded step is sent again after these: a transient failure, or a shard that lost its
+// prepared step (a restart between prepare and commit).
+bool ResendStep(const absl::Status& status) {
+  return status.code() == absl::StatusCode::kUnavailable || status.code() == absl::StatusCode::kDeadlineExceeded ||
+         (status.code() == absl::StatusCode::kFailedPrecondition &&
+          absl::StrContains(status.message(), "was not prepared"));
+}
+
+}  // namespace
+
+template <typename T, typename Call>
+absl::StatusOr<std::vector<T>> ShardedSession::OnEveryShard(Call call) {
+  const size_t n = sessions_.size();
+  std::vector<absl::StatusOr<T>> results(n, absl::UnknownError("not run"));
+  std::vector<std::thread> threads;
+  for (size_t k = 1; k < n; ++k) threads.emplace_back([&, k] { results[k] = call(static_cast<int>(k)); });
+  results[0] = call(0);
+  for (std::thread& t : threads) t.join();
+  std::vector<T> out;
+  for (size_t k = 0; k < n; ++k) {
+    if (!results[k].ok()) return NameShard(results[k].status(), static_cast<int>(k), endpoints_[k]);
+    out.push_back(*std::move(results[k]));
+  }
+  return out;
+}
+
+absl::StatusOr<std::unique_ptr<ShardedSession>> ShardedSession::Open(ClientOptions options,
+                                                                     std::vector<std::string> endpoints,
+                                                                     const std::string& session_id,
+                                                                     const v1::SessionSpec& spec) {
+  std::set<std::string> seen;
+  for (size_t k = 0; k < endpoints.size(); ++k) {
+    if (!seen.insert(endpoints[k]).second) {
+      return absl::InvalidArgumentError(absl::StrCat("endpoints[", k, "]: '", endpoints[k], "' is listed twice"));
+    }
+  }
+  absl::StatusOr<Placement> placement = PlaceSpec(spec, static_cast<int>(endpoints.size()));
+  if (!placement.ok()) return placement.status();
+  std::unique_ptr<ShardedSession> sharded(new ShardedSession());
+  sharded->endpoints_ = std::move(endpoints);
+  sharded->spec_ = spec;
+  sharded->placement_ = *std::move(placement);
+  for (int i = 0; i < spec.parameters_size(); ++i) sharded->shard_of_[spec.parameters(i).name()] = sharded->placement_.shard_of[i];
+  sharded->options_ = options;
+  for (const std::string& endpoint : sharded->endpoints_) {
+    ClientOptions mine = options;
+    mine.endpoint = endpoint;
+    absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(mine);
+    if (!client.ok()) return client.status();
+    sharded->clients_.push_back(*std::move(client));
+  }
+  sharded->sessions_.resize(sharded->endpoints_.size());
+  ShardedSession* self = sharded.get();
+  absl::StatusOr<std::vector<int64_t>> steps = self->OnEveryShard<int64_t>([&](int k) -> absl::StatusOr<int64_t> {
+    v1::SessionSpec mine = ShardSpec(spec, self->placement_, self->endpoints_, k);
+    absl::StatusOr<std::unique_ptr<Session>> session = self->clients_[k]->CreateSession(session_id, mine);
+    if (!session.ok()) return session.status();
+    self->sessions_[k] = *std::move(session);
+    return self->sessions_[k]->last_step();
+  });
+  if (!steps.ok()) return steps.status();
+  absl::StatusOr<int64_t> common = self->CommonStep(*steps);
+  if (!common.ok()) return common.status();
+  self->last_step_ = *common;
+  self->attached_ = self->initialized_ = true;
+  for (const auto& session : self->sessions_) {
+    self->attached_ = self->attached_ && session->attached();
+    self->initialized_ = self->initialized_ && session->initialized();
+  }
+  return sharded;
+}
+
+absl::StatusOr<int64_t> ShardedSession::CommonStep(const std::vector<int64_t>& steps) const {
+  const int64_t ahead = *std::max_element(steps.begin(), steps.end());
+  std::vector<std::string> behind;
+  for (size_t k = 0; k < steps.size(); ++k) {
+    if (steps[k] != ahead) behind.push_back(absl::StrCat("shard ", k, " (", endpoints_[k], ") at step ", steps[k]));
+  }
+  if (behind.empty()) return ahead;
+  return absl::FailedPreconditionError(absl::StrCat(
+      "the shards are at different steps: ", absl::StrJoin(behind, ", "), ", the others at step ", ahead,
+      " (a daemon restarted from an older checkpoint, or a step was cut off mid-commit); restore every shard to one "
+      "step before training on"));
+}
+
+absl::Status ShardedSession::UploadParameters(std::span<const TensorView> parameters) {
+  std::vector<std::vector<TensorView>> by_shard(sessions_.size());
+  for (const TensorView& t : parameters) {
+    auto it = shard_of_.find(t.name);
+    by_shard[it == shard_of_.end() ? 0 : it->second].push_back(t);  // an unknown name: refused by shard 0
+  }
+  absl::StatusOr<std::vector<bool>> done = OnEveryShard<bool>([&](int k) -> absl::StatusOr<bool> {
+    absl::Status uploaded = sessions_[k]->UploadParameters(by_shard[k]);
+    if (!uploaded.ok()) return uploaded;
+    return true;
+  });
+  if (!done.ok()) return done.status();
+  initialized_ = true;
+  return absl::OkStatus();
+}
+
+v1::ShardDecision ShardedSession::Decide(const std::vector<StepReply>& prepared) const {
+  v1::ShardDecision decision;
+  for (const StepReply& reply : prepared) {
+    if (reply.replayed) {  // this shard committed the step already: its decision stands
+      decision.set_grad_norm(reply.grad_norm);
+      if (!reply.applied) decision.set_skip_reason(reply.skip_reason);
+      return decision;
+    }
+  }
+  std::vector<double> sums(spec_.parameters_size(), 0.0);
+  for (size_t k = 0; k < prepared.size(); ++k) {
+    const std::vector<int> mine = placement_.ParametersOf(static_cast<int>(k));
+    for (size_t j = 0; j < mine.size() && j < prepared[k].sum_squares.size(); ++j) sums[mine[j]] = prepared[k].sum_squares[j];
+  }
+  // Summed in the whole session's order, as one daemon sums its parameters: the same norm, bit for bit.
+  double total = 0.0;
+  int first_bad = -1;
+  for (size_t i = 0; i < sums.size(); ++i) {
+    total += sums[i];
+    if (first_bad < 0 && !std::isfinite(sums[i])) first_bad = static_cast<int>(i);
+  }
+  decision.set_grad_norm(std::sqrt(total));
+  if (first_bad >= 0) {
+    decision.set_skip_reason(absl::StrCat("non-finite gradient in '", spec_.parameters(first_bad).name(), "'"));
+  } else {
+    for (const StepReply& reply : prepared) {
+      if (!reply.skip_reason.empty()) {
+        decision.set_skip_reason(reply.skip_reason);
+        break;
+      }
+    }
+  }
+  return decision;
+}
+
+absl::StatusOr<StepReply> ShardedSession::StepOnce(int64_t step, const std::vector<std::vector<TensorView>>& gradients,
+                                                   const StepOptions& options) {
+  const size_t n = sessions_.size();
+  std::vector<StepOptions> prepare(n, options), commit(n, options);
+  for (size_t k = 0; k < n; ++k) {
+    prepare[k].phase = v1::STEP_PHASE_PREPARE;
+    prepare[k].parameters_out.clear();
+    prepare[k].qk_logits.clear();
+    commit[k].phase = v1::STEP_PHASE_COMMIT;
+    commit[k].parameters_out.clear();
+    commit[k].qk_logits.clear();
+  }
+  // Each shard gets the QK-clip logits of its own pairs and writes its own parameters_out.
+  for (const auto& [query, logits] : options.qk_logits) {
+    auto it = shard_of_.find(query);
+    prepare[it == shard_of_.end() ? 0 : it->second].qk_logits[query] = logits;  // unknown: refused by shard 0
+  }
+  for (const auto& [name, out] : options.parameters_out) {
+    auto it = shard_of_.find(name);
+    if (it == shard_of_.end()) return absl::InvalidArgumentError(absl::StrCat("parameters_out['", name, "']: no such parameter"));
+    commit[it->second].parameters_out[name] = out;
+  }
+  absl::StatusOr<std::vector<StepReply>> prepared = OnEveryShard<StepReply>(
+      [&](int k) { return sessions_[k]->Step(step, gradients[k], prepare[k]); });
+  if (!prepared.ok()) return prepared.status();
+  const v1::ShardDecision decision = Decide(*prepared);
+  for (StepOptions& o : commit) o.decision = decision;
+  static const std::vector<TensorView> kNone;
+  absl::StatusOr<std::vector<StepReply>> committed = OnEveryShard<StepReply>(
+      [&](int k) { return sessions_[k]->Step(step, kNone, commit[k]); });
+  if (!committed.ok()) return committed.status();
+  StepReply reply;
+  reply.step = step;
+  reply.applied = decision.skip_reason().empty();
+  reply.skip_reason = decision.skip_reason();
+  reply.grad_norm = decision.grad_norm();
+  reply.replayed = true;
+  for (StepReply& part : *committed) {
+    reply.replayed = reply.replayed && part.replayed;
+    reply.compute_seconds = std::max(reply.compute_seconds, part.compute_seconds);
+    reply.parameters.merge(part.parameters);
+  }
+  return reply;
+}
+
+absl::StatusOr<StepReply> ShardedSession::Step(int64_t step, std::span<const TensorView> gradients,
+                                               const StepOptions& options) {
+  std::vector<std::vector<TensorView>> by_shard(sessions_.size());
+  for (const TensorView& g : gradients) {
+    auto it = shard_of_.find(g.name);
+    by_shard[it == shard_of_.end() ? 0 : it->second].push_back(g);  // an unknown name: refused by shard 0
+  }
+  std::chrono::milliseconds backoff = options_.retry_backoff;
+  for (int attempt = 1;; ++attempt) {
+    absl::StatusOr<StepReply> reply = StepOnce(step, by_shard, options);
+    if (reply.ok()) {
+      reply->attempts = attempt;
+      last_step_ = step;
+      return reply;
+    }
+    if (!ResendStep(reply.status()) || attempt >= options_.max_step_attempts) return reply;
+    for (const auto& client : clients_) client->PauseBeforeRetry(backoff);
+    backoff *= 2;
+  }
+}
+
+absl::StatusOr<ParameterMap> ShardedSession::GetParameters(int64_t* last_step) {
+  std::vector<int64_t> steps(sessions_.size());
+  absl::StatusOr<std::vector<ParameterMap>> parts = OnEveryShard<ParameterMap>(
+      [&](int k) { return sessions_[k]->GetParameters(&steps[k]); });
+  if (!parts.ok()) return parts.status();
+  absl::StatusOr<int64_t> common = CommonStep(steps);
+  if (!common.ok()) return common.status();
+  if (last_step != nullptr) *last_step = *common;
+  ParameterMap all;
+  for (ParameterMap& part : *parts) all.merge(part);
+  return all;
+}
+
+absl::StatusOr<int64_t> ShardedSession::Checkpoint() {
+  absl::StatusOr<std::vector<int64_t>> steps =
+      OnEveryShard<int64_t>([&](int k) { return sessions_[k]->Checkpoint(); });
+  if (!steps.ok()) return steps.status();
+  return CommonStep(*steps);
+}
+
+absl::Status ShardedSession::Close() {
+  absl::StatusOr<std::vector<bool>> closed = OnEveryShard<bool>([&](int k) -> absl::StatusOr<bool> {
+    absl::Status status = sessions_[k]->Close();
+    if (!status.ok() && status.code() != absl::StatusCode::kNotFound) return status;
+    return true;
+  });
+  return closed.status();
+}
+
+}  // namespace muond::client

@@ -1,0 +1,74 @@
+// ShardedSession: one session spread over several daemons (docs/sharding.md). Each daemon holds
+// whole parameters, placed by PlaceSpec; a step is prepared on every daemon (gradients in, sums of
+// squares out), decided here (the global gradient norm summed in the whole session's parameter
+// order, and a skip when any shard saw a non-finite gradient or refuses by its guard), then committed
+// on every daemon with that decision — the update one daemon would apply, bit for bit. A step that
+// failed anywhere is sent again as a whole, to every shard, with the same gradients: shards that
+// committed it answer with their decision, the others commit it, so every shard applies it once.
+//
+// Owns one Client and one Session per daemon; the shards are driven concurrently, one thread each
+// per phase. Thread-safety: as Session, one thread at a time.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "client/muond_client.h"
+#include "client/shard_placement.h"
+
+namespace muond::client {
+
+class ShardedSession {
+ public:
+  // Connects to every endpoint (options.endpoint is not used), then creates the session on each —
+  // or attaches, with the identical spec and endpoint list. A different endpoint list for an
+  // existing session is ALREADY_EXISTS naming it; shards found at different steps are
+  // FAILED_PRECONDITION naming the shards behind.
+  static absl::StatusOr<std::unique_ptr<ShardedSession>> Open(ClientOptions options, std::vector<std::string> endpoints,
+                                                              const std::string& session_id,
+                                                              const v1::SessionSpec& spec);
+
+  const Placement& placement() const { return placement_; }
+  const std::vector<std::string>& endpoints() const { return endpoints_; }
+  bool attached() const { return attached_; }
+  bool initialized() const { return initialized_; }
+  int64_t last_step() const { return last_step_; }
+
+  // Uploads every parameter's initial value, each to its daemon.
+  absl::Status UploadParameters(std::span<const TensorView> parameters);
+  // One step over every shard (see the class comment); the reply carries every parameter (or writes
+  // those of options.parameters_out) as Session::Step does.
+  absl::StatusOr<StepReply> Step(int64_t step, std::span<const TensorView> gradients, const StepOptions& options = {});
+  absl::StatusOr<ParameterMap> GetParameters(int64_t* last_step = nullptr);
+  // Checkpoints every shard; their common step.
+  absl::StatusOr<int64_t> Checkpoint();
+  absl::Status Close();
+
+ private:
+  ShardedSession() = default;
+  // Runs `call(k)` for every shard at once; the first failure (in shard order), naming its shard.
+  template <typename T, typename Call>
+  absl::StatusOr<std::vector<T>> OnEveryShard(Call call);
+  absl::StatusOr<StepReply> StepOnce(int64_t step, const std::vector<std::vector<TensorView>>& gradients,
+                                     const StepOptions& options);
+  v1::ShardDecision Decide(const std::vector<StepReply>& prepared) const;
+  // The common step of `steps` (one per shard), else FAILED_PRECONDITION naming the shards behind.
+  absl::StatusOr<int64_t> CommonStep(const std::vector<int64_t>& steps) const;
+
+  std::vector<std::string> endpoints_;
+  v1::SessionSpec spec_;
+  Placement placement_;
+  std::map<std::string, int> shard_of_;  // parameter name → its daemon
+  std::vector<std::unique_ptr<Client>> clients_;
+  std::vector<std::unique_ptr<Session>> sessions_;
+  ClientOptions options_;
+  bool attached_ = false;
+  bool initialized_ = false;
+  int64_t last_step_ = 0;
+};
+
+}  // namespace muond::client

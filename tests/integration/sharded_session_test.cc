@@ -1,0 +1,179 @@
+// A session spread over three real daemons through client::ShardedSession (docs/sharding.md): it
+// trains exactly as one daemon does — Muon and AdamW groups, global clipping, a non-finite step,
+// QK-clip — steps are exactly-once across shards, and a different endpoint list for an existing
+// session is refused, naming it. The placement rule is checked on the same example as the Python
+// client's (tests/python/test_shards.py), so both clients place alike.
+#include <cmath>
+#include <limits>
+#include <set>
+
+#include "client/sharded_session.h"
+#include "gmock/gmock.h"
+#include "tests/integration/daemon_process.h"
+#include "tests/testing/status_matchers.h"
+
+namespace muond::testing {
+namespace {
+
+using ::muond::testing::StatusIs;
+
+void AddParameter(v1::SessionSpec& spec, const std::string& name, std::vector<int64_t> shape, const std::string& group) {
+  v1::ParameterSpec* p = spec.add_parameters();
+  p->set_name(name);
+  for (int64_t d : shape) p->add_shape(d);
+  p->set_group(group);
+}
+
+// Four Muon matrices (wq/wk a QK-clip pair of 2 heads) and two AdamW tensors.
+v1::SessionSpec ModelSpec() {
+  v1::SessionSpec spec;
+  spec.add_groups()->set_name("muon");
+  spec.mutable_groups(0)->mutable_options()->set_qk_clip_threshold(1.0);
+  v1::ParameterGroup* adamw = spec.add_groups();
+  adamw->set_name("adamw");
+  adamw->mutable_options()->set_optimizer(v1::OPTIMIZER_ADAMW);
+  AddParameter(spec, "emb", {24, 8}, "adamw");
+  AddParameter(spec, "wq", {8, 8}, "muon");
+  AddParameter(spec, "wk", {8, 8}, "muon");
+  AddParameter(spec, "w1", {16, 8}, "muon");
+  AddParameter(spec, "b1", {16}, "adamw");
+  AddParameter(spec, "w2", {8, 16}, "muon");
+  v1::QkClipPair* pair = spec.add_qk_clip();
+  pair->set_query("wq");
+  pair->set_key("wk");
+  pair->set_num_heads(2);
+  return spec;
+}
+
+int64_t Numel(const v1::ParameterSpec& p) {
+  int64_t n = 1;
+  for (int64_t d : p.shape()) n *= d;
+  return n;
+}
+
+std::vector<float> Values(int64_t n, int seed, float scale) {
+  std::vector<float> v(n);
+  for (int64_t i = 0; i < n; ++i) v[i] = scale * std::sin(0.7f * seed + 0.31f * static_cast<float>(i));
+  return v;
+}
+
+// Every parameter's values for `seed`, and views of them.
+struct Tensors {
+  explicit Tensors(const v1::SessionSpec& spec, int seed, float scale) {
+    for (int i = 0; i < spec.parameters_size(); ++i) data.push_back(Values(Numel(spec.parameters(i)), seed + i, scale));
+    for (int i = 0; i < spec.parameters_size(); ++i) {
+      const v1::ParameterSpec& p = spec.parameters(i);
+      views.push_back({p.name(), {p.shape().begin(), p.shape().end()}, data[i]});
+    }
+  }
+  std::vector<std::vector<float>> data;
+  std::vector<client::TensorView> views;
+};
+
+constexpr int kNanStep = 4;
+
+client::StepOptions OptionsOf(int step) {
+  client::StepOptions options;
+  options.max_grad_norm = 0.8;
+  options.lr["muon"] = 0.05 / step;
+  options.qk_logits["wq"] = {0.5 + step, 2.0};
+  return options;
+}
+
+class ShardedSessionTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    for (DaemonProcess& daemon : daemons_) {
+      std::string error;
+      ASSERT_TRUE(daemon.Start({"--backend", "cpu", "--log-level", "warn"}, &error)) << error;
+      endpoints_.push_back(daemon.endpoint());
+    }
+    options_ = TestClientOptions();
+  }
+
+  DaemonProcess daemons_[4];  // three shards, and one daemon for the one-daemon run
+  std::vector<std::string> endpoints_;
+  client::ClientOptions options_;
+};
+
+TEST_F(ShardedSessionTest, ThreeDaemonsTrainBitIdenticalToOne) {
+  const v1::SessionSpec spec = ModelSpec();
+  const std::vector<std::string> shards(endpoints_.begin(), endpoints_.begin() + 3);
+  ASSERT_OK_AND_ASSIGN(auto sharded, client::ShardedSession::Open(options_, shards, "model", spec));
+  EXPECT_FALSE(sharded->initialized());
+  client::ClientOptions one = options_;
+  one.endpoint = endpoints_[3];
+  ASSERT_OK_AND_ASSIGN(auto client, client::Client::Connect(one));
+  ASSERT_OK_AND_ASSIGN(auto single, client->CreateSession("model", spec));
+  const Tensors initial(spec, 0, 0.5f);
+  ASSERT_OK(sharded->UploadParameters(initial.views));
+  ASSERT_OK(single->UploadParameters(initial.views));
+  // Every daemon holds whole parameters, the QK-clip pair on one of them.
+  EXPECT_EQ(sharded->placement().shard_of[1], sharded->placement().shard_of[2]);
+  EXPECT_EQ(std::set<int>(sharded->placement().shard_of.begin(), sharded->placement().shard_of.end()).size(), 3u);
+
+  bool clipped = false;
+  for (int step = 1; step <= 12; ++step) {
+    Tensors grads(spec, 100 * step, 0.3f);
+    if (step == kNanStep) grads.data[5][7] = std::numeric_limits<float>::quiet_NaN();
+    ASSERT_OK_AND_ASSIGN(client::StepReply got, sharded->Step(step, grads.views, OptionsOf(step)));
+    ASSERT_OK_AND_ASSIGN(client::StepReply expected, single->Step(step, grads.views, OptionsOf(step)));
+    EXPECT_EQ(got.applied, expected.applied) << step;
+    EXPECT_EQ(got.skip_reason, expected.skip_reason) << step;
+    if (step != kNanStep) EXPECT_EQ(got.grad_norm, expected.grad_norm) << step;
+    EXPECT_EQ(got.parameters, expected.parameters) << "step " << step;
+    clipped = clipped || expected.grad_norm > 0.8;
+  }
+  EXPECT_TRUE(clipped) << "the clipping limit never bit";
+
+  // A resend of the last step applies nothing twice on any shard.
+  Tensors again(spec, 1200, 0.3f);
+  ASSERT_OK_AND_ASSIGN(client::StepReply replayed, sharded->Step(12, again.views, OptionsOf(12)));
+  EXPECT_TRUE(replayed.replayed);
+  int64_t last_step = 0;
+  ASSERT_OK_AND_ASSIGN(client::ParameterMap now, sharded->GetParameters(&last_step));
+  ASSERT_OK_AND_ASSIGN(client::ParameterMap expected, single->GetParameters());
+  EXPECT_EQ(last_step, 12);
+  EXPECT_EQ(now, expected);
+  EXPECT_EQ(replayed.parameters, expected);
+
+  // Attaching again with the same endpoints resumes; another order or count is refused.
+  ASSERT_OK_AND_ASSIGN(auto attached, client::ShardedSession::Open(options_, shards, "model", spec));
+  EXPECT_TRUE(attached->attached());
+  EXPECT_EQ(attached->last_step(), 12);
+  EXPECT_THAT(client::ShardedSession::Open(options_, {shards[2], shards[1], shards[0]}, "model", spec),
+              StatusIs(absl::StatusCode::kAlreadyExists, "spec.shard.endpoints"));
+  EXPECT_THAT(client::ShardedSession::Open(options_, {shards[0], shards[1]}, "model", spec),
+              StatusIs(absl::StatusCode::kAlreadyExists, "give the endpoints in the order"));
+  EXPECT_THAT(client::ShardedSession::Open(options_, {shards[0], shards[0]}, "model", spec),
+              StatusIs(absl::StatusCode::kInvalidArgument, "endpoints[1]"));
+  ASSERT_OK(sharded->Close());
+}
+
+TEST(ShardPlacementTest, LongestFirstOntoTheLeastLoadedWithPairsTogether) {
+  // The example of the Python client's test: the same rule gives the same placement.
+  v1::SessionSpec spec;
+  spec.add_groups()->set_name("muon");
+  v1::ParameterGroup* adamw = spec.add_groups();
+  adamw->set_name("adamw");
+  adamw->mutable_options()->set_optimizer(v1::OPTIMIZER_ADAMW);
+  AddParameter(spec, "a", {768, 768}, "muon");
+  AddParameter(spec, "b", {3072, 768}, "muon");
+  AddParameter(spec, "c", {768, 3072}, "muon");
+  AddParameter(spec, "d", {768}, "adamw");
+  AddParameter(spec, "e", {768, 768}, "muon");
+  AddParameter(spec, "f", {50257, 768}, "adamw");
+  v1::QkClipPair* pair = spec.add_qk_clip();
+  pair->set_query("a");
+  pair->set_key("e");
+  pair->set_num_heads(12);
+  ASSERT_OK_AND_ASSIGN(client::Placement placement, client::PlaceSpec(spec, 3));
+  EXPECT_EQ(placement.shard_of, (std::vector<int>{2, 0, 1, 2, 2, 2}));
+  EXPECT_EQ(client::PlacementCost(spec, 1), 3072.0 * 768 * 768);
+  EXPECT_EQ(client::PlacementCost(spec, 5), 4.0 * 50257 * 768);
+  EXPECT_DOUBLE_EQ(placement.Imbalance(), 3 * placement.loads[0] / (placement.loads[0] + placement.loads[1] + placement.loads[2]));
+  EXPECT_THAT(client::PlaceSpec(spec, 0), StatusIs(absl::StatusCode::kInvalidArgument, "endpoints"));
+}
+
+}  // namespace
+}  // namespace muond::testing
