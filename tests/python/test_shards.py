@@ -2,7 +2,7 @@
 
 Sharded training must be the one-daemon training, bit for bit: the same parameters, optimizer
 state, gradient norms and skips after every step — with Muon and AdamW groups, global clipping, a
-non-finite step, QK-clip and two data-parallel ranks — and it must stay so when a shard is killed
+non-finite step, QK-clip, a learning-rate scheduler and two data-parallel ranks — and it must stay so when a shard is killed
 with SIGKILL (journal mode) and restarted, even between its prepare and its commit. A different
 endpoint list for an existing session, and shards restored to different steps, are refused.
 """
@@ -79,9 +79,9 @@ def one_step(model, opt, step, rank):
     return opt.last_info
 
 
-def train(endpoints, steps, world_size=1, session=None, **kwargs):
-    """Trains one model per rank (threads) for ``steps``; returns rank 0's model, its state_dict
-    and the step infos."""
+def train(endpoints, steps, world_size=1, session=None, scheduled=False, **kwargs):
+    """Trains one model per rank (threads) for ``steps`` (with a learning-rate scheduler when
+    ``scheduled``); returns rank 0's model, its state_dict and the step infos."""
     session = session or f"shards-{uuid.uuid4().hex[:8]}"
     models = [AttentionNet(seed=3) for _ in range(world_size)]
     infos, errors = [], []
@@ -92,9 +92,12 @@ def train(endpoints, steps, world_size=1, session=None, **kwargs):
             opt = muond.RemoteOptimizer(groups(model), endpoints=endpoints, session=session,
                                         world_size=world_size, rank=rank, max_grad_norm=0.5,
                                         qk_clip=[(model.wq, model.wk, HEADS)], **kwargs)
+            schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s))
             try:
                 for step in steps:
                     info = one_step(model, opt, step, rank)
+                    if scheduled:
+                        schedule.step()
                     if rank == 0:
                         infos.append(info)
                 if rank == 0:
@@ -159,8 +162,9 @@ def test_placement_balances_cost_and_keeps_pairs_together():
 
 def test_three_daemons_train_bit_identical_to_one(three, start_daemon):
     steps = range(1, 31)
-    single_model, single_state, single_infos = train([start_daemon().endpoint], steps, world_size=2)
-    model, state, infos = train([d.endpoint for d in three], steps, world_size=2)
+    single_model, single_state, single_infos = train([start_daemon().endpoint], steps, world_size=2,
+                                                     scheduled=True)
+    model, state, infos = train([d.endpoint for d in three], steps, world_size=2, scheduled=True)
     assert not infos[NAN_STEP - 1].applied
     assert infos[NAN_STEP - 1].skip_reason == "non-finite gradient in 'w2'"
     assert any(i.grad_norm > 0.5 for i in infos)  # clipping was active
