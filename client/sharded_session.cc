@@ -62,6 +62,9 @@ absl::StatusOr<std::unique_ptr<ShardedSession>> ShardedSession::Open(ClientOptio
   sharded->spec_ = spec;
   sharded->placement_ = *std::move(placement);
   for (int i = 0; i < spec.parameters_size(); ++i) sharded->shard_of_[spec.parameters(i).name()] = sharded->placement_.shard_of[i];
+  for (size_t k = 0; k < sharded->endpoints_.size(); ++k) {
+    sharded->indices_of_.push_back(sharded->placement_.ParametersOf(static_cast<int>(k)));
+  }
   sharded->options_ = options;
   for (const std::string& endpoint : sharded->endpoints_) {
     ClientOptions mine = options;
@@ -131,7 +134,7 @@ v1::ShardDecision ShardedSession::Decide(const std::vector<StepReply>& prepared)
   }
   std::vector<double> sums(spec_.parameters_size(), 0.0);
   for (size_t k = 0; k < prepared.size(); ++k) {
-    const std::vector<int> mine = placement_.ParametersOf(static_cast<int>(k));
+    const std::vector<int>& mine = indices_of_[k];
     for (size_t j = 0; j < mine.size() && j < prepared[k].sum_squares.size(); ++j) sums[mine[j]] = prepared[k].sum_squares[j];
   }
   // Summed in the whole session's order, as one daemon sums its parameters: the same norm, bit for bit.

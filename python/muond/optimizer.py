@@ -169,6 +169,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
 
         self._params: List[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
         self._names: List[str] = names
+        self._index: Dict[str, int] = {name: i for i, name in enumerate(names)}
         self._by_name: Dict[str, torch.Tensor] = dict(zip(names, self._params))
         self._sizes: Dict[str, int] = {n: p.numel() for n, p in zip(names, self._params)}
         self._group_names = self._assign_group_names()
@@ -176,6 +177,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self._created = [dict(g) for g in self.param_groups]  # option values in the spec
         self._sealed = True
         self.placement = self._place()
+        # Per daemon, the indices of its parameters in the whole session, in order.
+        self._indices_of = [self.placement.parameters_of(k) for k in range(len(self.endpoints))]
 
         self._closed = False
         try:
@@ -188,7 +191,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
                                   tls_server_name=tls_server_name,
                                   max_attempts=self.max_step_attempts,
                                   retry_backoff=self.retry_backoff)
-                names_here = [self._names[i] for i in self.placement.parameters_of(k)]
+                names_here = [self._names[i] for i in self._indices_of[k]]
                 self._links.append(SessionLink(conn, self.session_id, names_here, self._by_name,
                                                wire_dtype=self.wire_dtype,
                                                return_dtype=self.return_dtype,
@@ -245,8 +248,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
                     tuple(p.shape), group["optimizer"] == "muon",
                     tuple(split) if split is not None else None,
                     group.get("num_query_groups") or 1))
-        index = {name: i for i, name in enumerate(self._names)}
-        pairs = [(index[pair.query], index[pair.key]) for pair in self.qk_clip]
+        pairs = [(self._index[pair.query], self._index[pair.key]) for pair in self.qk_clip]
         return placement.place(tensors, len(self.endpoints), pairs)
 
     def _shard_spec(self, shard: int) -> pb.SessionSpec:
@@ -255,7 +257,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         whole = self._spec()
         if len(self.endpoints) == 1:
             return whole
-        mine = self.placement.parameters_of(shard)
+        mine = self._indices_of[shard]
         names = {self._names[i] for i in mine}
         spec = pb.SessionSpec(world_size=whole.world_size, return_dtype=whole.return_dtype)
         spec.groups.extend(whole.groups)
@@ -395,10 +397,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
 
     def _grads_by_link(self, grads: List[Tuple[str, torch.Tensor]]
                        ) -> List[List[Tuple[str, torch.Tensor]]]:
-        shard_of = {self._names[i]: k for i, k in enumerate(self.placement.shard_of)}
         by_link: List[List[Tuple[str, torch.Tensor]]] = [[] for _ in self._links]
         for name, g in grads:
-            by_link[shard_of[name]].append((name, g))
+            by_link[self.placement.shard_of[self._index[name]]].append((name, g))
         return by_link
 
     def _sharded_step(self, header: pb.StepHeader,
@@ -436,7 +437,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
                                         skip_reason="" if result.applied else result.skip_reason)
         sums = [0.0] * len(self._names)
         for k, result in enumerate(prepared):
-            for i, value in zip(self.placement.parameters_of(k), result.sum_squares):
+            for i, value in zip(self._indices_of[k], result.sum_squares):
                 sums[i] = value
         total, first_bad = 0.0, None
         for i, value in enumerate(sums):
@@ -490,7 +491,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         parts = self._on_every_link(lambda k, link: link.get_state())
         last_step = self._common_step([int(header.last_step) for header, _ in parts], "GetState")
         counts = {c.name: int(c.count) for header, _ in parts for c in header.step_counts}
-        index = {name: i for i, name in enumerate(self._names)}
+        index = self._index
         state: Dict[int, Dict[str, Any]] = {}
         for (name, slot), tensor in ((key, t) for _, tensors in parts for key, t in tensors.items()):
             entry = state.setdefault(index[name], {})
@@ -529,13 +530,12 @@ class RemoteOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"group {i}: options {diff} differ from the state dict's; they "
                                  f"are fixed by the session")
         state = state_dict["state"]
-        index = {name: i for i, name in enumerate(self._names)}
 
         def set_state(k: int, link: SessionLink) -> int:
             header = pb.StateHeader(last_step=int(meta["last_step"]))
-            for name in link.names:
-                header.step_counts.add(name=name, count=int(state.get(index[name], {}).get("step", 0)))
-            return link.set_state(header, chunks([index[name] for name in link.names]))
+            for i in self._indices_of[k]:
+                header.step_counts.add(name=self._names[i], count=int(state.get(i, {}).get("step", 0)))
+            return link.set_state(header, chunks(self._indices_of[k]))
 
         def chunks(indices: List[int]) -> Iterator[pb.TensorChunk]:
             for i in indices:

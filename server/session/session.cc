@@ -176,30 +176,32 @@ absl::StatusOr<StepOutcome> Session::FinishStep(std::unique_ptr<IncomingStep> st
   return ApplyLocked(step->plan_, step->gradients_, step->staged_.get());
 }
 
-StepOutcome Session::PrepareLocked(StepPlan plan, std::vector<HostTensor> gradients, uint64_t generation) {
+Session::GradientTotals Session::TotalsOf(const std::vector<HostTensor>& gradients) const {
+  GradientTotals totals;
+  for (size_t i = 0; i < gradients.size(); ++i) {
+    totals.sum_squares += gradients[i].sum_squares;  // 0 for a parameter without a gradient
+    if (totals.non_finite_reason.empty() && !std::isfinite(gradients[i].sum_squares)) {
+      totals.non_finite_reason = absl::StrCat("non-finite gradient in '", config_.parameters[i].name, "'");
+    }
+  }
+  return totals;
+}
+
+absl::StatusOr<StepOutcome> Session::PrepareLocked(StepPlan plan, std::vector<HostTensor> gradients,
+                                                   uint64_t generation) {
   StepResult result;
   result.step = plan.request.step;
   result.prepared = true;
-  result.sum_squares.resize(gradients.size(), 0.0);
-  double sum_squares = 0.0;
-  std::string first_non_finite;
-  for (size_t i = 0; i < gradients.size(); ++i) {
-    if (!gradients[i].present()) continue;
-    result.sum_squares[i] = gradients[i].sum_squares;
-    sum_squares += gradients[i].sum_squares;
-    if (first_non_finite.empty() && !std::isfinite(gradients[i].sum_squares)) {
-      first_non_finite = config_.parameters[i].name;
-    }
-  }
-  result.grad_norm = std::sqrt(sum_squares);  // this shard's part of the norm
-  if (!first_non_finite.empty()) {
-    result.skip_reason = absl::StrCat("non-finite gradient in '", first_non_finite, "'");
-  } else {
+  for (const HostTensor& gradient : gradients) result.sum_squares.push_back(gradient.sum_squares);
+  const GradientTotals totals = TotalsOf(gradients);
+  result.grad_norm = std::sqrt(totals.sum_squares);  // this shard's part of the norm
+  result.skip_reason = totals.non_finite_reason;
+  if (result.skip_reason.empty()) {
     // The magnitude guard with this shard's own norm: the global norm is at least as large, so its
     // clipping only shrinks the update, and a step this guard passes passes at the commit too.
     std::vector<optim::StepBounds> bounds(params_.size());
-    absl::StatusOr<std::string> guard = GuardMagnitudesLocked(plan, gradients, ClipCoefficient(plan, result.grad_norm), bounds);
-    result.skip_reason = guard.ok() ? *guard : std::string(guard.status().message());
+    MUOND_ASSIGN_OR_RETURN(result.skip_reason,
+                           GuardMagnitudesLocked(plan, gradients, ClipCoefficient(plan, result.grad_norm), bounds));
   }
   DropPreparedLocked();
   prepared_ = PreparedStep{std::move(plan), std::move(gradients), result, generation};
@@ -293,22 +295,15 @@ absl::StatusOr<StepOutcome> Session::ApplyLocked(const StepPlan& plan, std::vect
   const auto start = std::chrono::steady_clock::now();
   StepResult result;
   result.step = plan.request.step;
-  double sum_squares = 0.0;
-  std::string first_non_finite;
-  for (size_t i = 0; i < gradients.size(); ++i) {
-    sum_squares += gradients[i].sum_squares;
-    if (first_non_finite.empty() && !std::isfinite(gradients[i].sum_squares)) {
-      first_non_finite = config_.parameters[i].name;
-    }
-  }
+  const GradientTotals totals = TotalsOf(gradients);
   // A commit clips with the global norm over every shard and skips when any shard must.
   const std::optional<ShardDecision>& decision = plan.request.decision;
-  const double norm = decision.has_value() ? decision->grad_norm : std::sqrt(sum_squares);
+  const double norm = decision.has_value() ? decision->grad_norm : std::sqrt(totals.sum_squares);
   result.grad_norm = norm;
   const double clip = ClipCoefficient(plan, norm);
   std::vector<optim::StepBounds> bounds(params_.size());
-  if (!first_non_finite.empty()) {
-    result.skip_reason = absl::StrCat("non-finite gradient in '", first_non_finite, "'");
+  if (!totals.non_finite_reason.empty()) {
+    result.skip_reason = totals.non_finite_reason;
   } else if (decision.has_value() && !decision->skip_reason.empty()) {
     result.skip_reason = decision->skip_reason;
   } else {

@@ -132,8 +132,15 @@ class Session {
   StepOutcome ReplayOutcomeLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   absl::StatusOr<StepOutcome> GatherLocked(StepPlan plan, std::vector<HostTensor> gradients)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The gradients' squares summed in parameter order (how the step's norm is defined), and why a
+  // non-finite one skips the step ("" when every one is finite).
+  struct GradientTotals {
+    double sum_squares = 0;
+    std::string non_finite_reason;
+  };
+  GradientTotals TotalsOf(const std::vector<HostTensor>& gradients) const;
   // Holds `gradients` as the prepared step and answers their sums of squares.
-  StepOutcome PrepareLocked(StepPlan plan, std::vector<HostTensor> gradients, uint64_t generation)
+  absl::StatusOr<StepOutcome> PrepareLocked(StepPlan plan, std::vector<HostTensor> gradients, uint64_t generation)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Applies the prepared step with the decision `commit` carries.
   absl::StatusOr<StepOutcome> CommitLocked(const StepPlan& commit, const std::vector<HostTensor>& gradients)
