@@ -1,5 +1,7 @@
 #include "client/muond_client.h"
 
+#include "grpc/health/v1/health.grpc.pb.h"
+
 #include <algorithm>
 #include <fstream>
 #include <sstream>
@@ -8,6 +10,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/host_id.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/impl/codegen/proto_utils.h"
 #include "proto/wire/chunk_frame.h"
@@ -265,6 +268,16 @@ absl::Status Client::CloseSession(const std::string& session_id) {
   request.set_session_id(session_id);
   v1::CloseSessionResponse response;
   return FromGrpcStatus(stub_->CloseSession(&context, request, &response));
+}
+
+absl::StatusOr<bool> Client::Serving() {
+  grpc::health::v1::Health::Stub health(channel_);
+  grpc::ClientContext context;
+  PrepareContext(context);
+  grpc::health::v1::HealthCheckResponse response;
+  grpc::Status status = health.Check(&context, grpc::health::v1::HealthCheckRequest(), &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response.status() == grpc::health::v1::HealthCheckResponse::SERVING;
 }
 
 absl::StatusOr<std::vector<v1::SessionSummary>> Client::ListSessions() {

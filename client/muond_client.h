@@ -115,6 +115,9 @@ class Client {
   absl::StatusOr<std::unique_ptr<Session>> CreateSession(const std::string& session_id, const v1::SessionSpec& spec);
   absl::Status CloseSession(const std::string& session_id);
   absl::StatusOr<std::vector<v1::SessionSummary>> ListSessions();
+  // The daemon's grpc.health.v1 status for the whole server: true when SERVING (false while it
+  // drains on shutdown). Not retried: a probe wants the answer now.
+  absl::StatusOr<bool> Serving();
 
   v1::Muond::Stub& stub() { return *stub_; }
   // For calls made over byte buffers (Step): the channel, the Step method, the payload buffers.

@@ -8,6 +8,8 @@ find_package(CLI11 CONFIG REQUIRED)
 find_package(nlohmann_json 3 REQUIRED)
 find_package(OpenSSL REQUIRED)
 find_package(ZLIB REQUIRED)
+find_package(PkgConfig REQUIRED)
+pkg_check_modules(HTTPLIB REQUIRED IMPORTED_TARGET cpp-httplib)  # the metrics endpoint
 
 set(BLA_VENDOR OpenBLAS)
 find_package(BLAS REQUIRED)

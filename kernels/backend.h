@@ -113,6 +113,14 @@ class Backend {
   virtual bool HostAddressable() const { return false; }
   virtual std::string Detail() const = 0;  // library versions, device name, threads
 
+  // Memory the backend's buffers take now: in use (held by buffers and scratch) and reserved (also
+  // cached for reuse). Thread-safe; for metrics.
+  struct MemoryUse {
+    int64_t in_use_bytes = 0;
+    int64_t reserved_bytes = 0;
+  };
+  virtual MemoryUse Memory() const = 0;
+
   // Memory.
   virtual absl::StatusOr<std::unique_ptr<DeviceBuffer>> Allocate(size_t count) = 0;
   virtual absl::Status CopyToDevice(const float* host, float* device, size_t count) = 0;

@@ -1,5 +1,6 @@
 #include "server/flags.h"
 
+#include <cctype>
 #include <cstdio>
 
 #include "CLI/CLI.hpp"
@@ -89,10 +90,28 @@ std::optional<DaemonFlags> ParseFlags(int argc, char** argv, int* exit_code) {
                  "Seconds a multi-rank step waits for its last rank before it is aborted for all")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  app.add_option("--metrics-listen", flags.metrics_listen,
+                 "Serve Prometheus metrics over HTTP at http://HOST:PORT/metrics (port 0 picks a free one; "
+                 "default: off)");
+  app.add_option("--log-format", flags.log_format,
+                 "text: one readable line per event; json: one JSON object per line (time, level, message, "
+                 "and session, step, event where the line is about one)")
+      ->check(CLI::IsMember({"text", "json"}))
+      ->capture_default_str();
+  // Every flag can also come from the environment as MUOND_<FLAG> (--state-dir: MUOND_STATE_DIR), for
+  // containers and units; the command line wins.
+  for (CLI::Option* option : app.get_options()) {
+    const std::string name = option->get_single_name();
+    if (name.empty() || name == "help" || name == "version") continue;
+    std::string env = "MUOND_";
+    for (char c : name) env += c == '-' ? '_' : static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+    option->envname(env);
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    *exit_code = app.exit(e);
+    // --help and --version exit 0; every usage error exits 2, whatever CLI11's own code for it.
+    *exit_code = app.exit(e) == 0 ? 0 : 2;
     return std::nullopt;
   }
   if (flags.durability == "journal" && flags.state_dir.empty()) {

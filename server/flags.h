@@ -14,6 +14,8 @@ struct DaemonFlags {
   int device = 0;
   int threads = 0;  // compute threads; 0: one per core
   std::string log_level = "info";
+  std::string log_format = "text";  // text | json
+  std::string metrics_listen;       // HOST:PORT of the Prometheus endpoint; empty: off
   size_t max_chunk_bytes = 4u << 20;
   int max_sessions = 64;
   int64_t max_session_bytes = 0;  // optimizer memory of one session; 0: no limit

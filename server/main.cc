@@ -16,12 +16,15 @@
 #include "absl/strings/str_cat.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "common/config.h"
 #include "common/host_id.h"
 #include "common/logging.h"
 #include "kernels/backend_factory.h"
 #include "server/durability/session_files.h"
 #include "server/flags.h"
 #include "server/metrics/metrics.h"
+#include "server/metrics/metrics_endpoint.h"
+#include "server/metrics/prometheus_metrics.h"
 #include "server/rpc/call_tracker.h"
 #include "server/rpc/muond_service.h"
 #include "server/rpc/server_credentials.h"
@@ -88,7 +91,7 @@ int Run(int argc, char** argv) {
   int exit_code = 0;
   std::optional<DaemonFlags> flags = ParseFlags(argc, argv, &exit_code);
   if (!flags) return exit_code;
-  if (absl::Status s = ConfigureLogging(flags->log_level); !s.ok()) {
+  if (absl::Status s = ConfigureLogging(flags->log_level, flags->log_format); !s.ok()) {
     std::fprintf(stderr, "muond: %s\n", std::string(s.message()).c_str());
     return 2;
   }
@@ -125,7 +128,32 @@ int Run(int argc, char** argv) {
   }
   const std::shared_ptr<grpc::ServerCredentials> credentials = rpc::MakeServerCredentials(*tls_material);
 
+  // Metrics: recorded only when they are served.
+  std::unique_ptr<metrics::PrometheusMetrics> prometheus;
+  std::unique_ptr<metrics::MetricsEndpoint> metrics_endpoint;
   metrics::Metrics* metrics = metrics::NoMetrics();
+  if (!flags->metrics_listen.empty()) {
+    metrics::PrometheusOptions options;
+    options.version = MUOND_VERSION;
+    options.backend = backend->Name();
+    options.max_sessions = flags->max_sessions;
+    options.max_session_bytes = flags->max_session_bytes;
+    options.max_total_bytes = flags->max_total_bytes;
+    options.backend_memory = [backend] {
+      const kernels::Backend::MemoryUse use = backend->Memory();
+      return std::make_pair(use.in_use_bytes, use.reserved_bytes);
+    };
+    prometheus = std::make_unique<metrics::PrometheusMetrics>(std::move(options));
+    absl::StatusOr<std::unique_ptr<metrics::MetricsEndpoint>> endpoint =
+        metrics::MetricsEndpoint::Start(flags->metrics_listen, [m = prometheus.get()] { return m->Render(); });
+    if (!endpoint.ok()) {
+      MUOND_LOG(error, "{}", endpoint.status().message());
+      return endpoint.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
+    }
+    metrics_endpoint = *std::move(endpoint);
+    metrics = prometheus.get();
+    MUOND_LOG(info, "metrics: http://{}/metrics", metrics_endpoint->address());
+  }
   session::SpecLimits spec_limits;
   spec_limits.max_rank = flags->max_tensor_rank;
   spec_limits.max_tensor_elements = flags->max_tensor_elements;
@@ -174,6 +202,9 @@ int Run(int argc, char** argv) {
     service_options.shm_socket = address;
   }
   service_options.host_id = muond::HostId();
+  service_options.metrics_address = metrics_endpoint ? metrics_endpoint->address() : "";
+  service_options.durability = flags->state_dir.empty() ? "" : flags->durability;
+  service_options.max_sessions = flags->max_sessions;
   rpc::MuondService service(&registry, backend, service_options);
 
   grpc::EnableDefaultHealthCheckService(true);

@@ -3,6 +3,7 @@
 #include <cblas.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -19,10 +20,21 @@ namespace {
 // Owns what a BorrowedBuffer only refers to.
 class CpuBuffer final : public BorrowedBuffer {
  public:
-  using BorrowedBuffer::BorrowedBuffer;
-  ~CpuBuffer() override { std::free(data()); }
+  // `allocated` counts the bytes of the backend's live buffers; it outlives every buffer.
+  CpuBuffer(float* data, size_t count, size_t bytes, std::atomic<int64_t>* allocated)
+      : BorrowedBuffer(data, count), bytes_(bytes), allocated_(allocated) {
+    allocated_->fetch_add(static_cast<int64_t>(bytes_), std::memory_order_relaxed);
+  }
+  ~CpuBuffer() override {
+    std::free(data());
+    allocated_->fetch_sub(static_cast<int64_t>(bytes_), std::memory_order_relaxed);
+  }
   CpuBuffer(const CpuBuffer&) = delete;
   CpuBuffer& operator=(const CpuBuffer&) = delete;
+
+ private:
+  const size_t bytes_;
+  std::atomic<int64_t>* const allocated_;
 };
 
 // Each element-wise loop is compiled twice, for AVX2 and for the x86-64 baseline, and the loader
@@ -102,6 +114,11 @@ class CpuBackend final : public Backend {
     return absl::StrCat("OpenBLAS ", openblas_get_config(), ", ", threads_, " threads");
   }
 
+  MemoryUse Memory() const override {
+    const int64_t bytes = allocated_bytes_.load(std::memory_order_relaxed);
+    return {bytes, bytes};  // freed buffers go back to the system allocator at once
+  }
+
   absl::StatusOr<std::unique_ptr<DeviceBuffer>> Allocate(size_t count) override {
     if (count > std::numeric_limits<size_t>::max() / sizeof(float)) {
       return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", count, " floats"));
@@ -112,7 +129,7 @@ class CpuBackend final : public Backend {
       return absl::ResourceExhaustedError(absl::StrCat("out of host memory allocating ", bytes, " bytes"));
     }
     std::memset(p, 0, bytes);
-    return std::unique_ptr<DeviceBuffer>(new CpuBuffer(static_cast<float*>(p), count));
+    return std::unique_ptr<DeviceBuffer>(new CpuBuffer(static_cast<float*>(p), count, bytes, &allocated_bytes_));
   }
 
   absl::Status CopyToDevice(const float* host, float* device, size_t count) override {
@@ -241,6 +258,7 @@ class CpuBackend final : public Backend {
   ComputePool pool_;  // element-wise threads, and the gate of every compute call
   int threads_ = 0;
   const bool host_addressable_;
+  std::atomic<int64_t> allocated_bytes_{0};  // of the live buffers
 };
 
 }  // namespace

@@ -49,6 +49,9 @@ class CudaBackend final : public Backend {
 
   std::string Name() const override { return "cuda"; }
   std::string Detail() const override { return detail_; }
+  MemoryUse Memory() const override {
+    return {static_cast<int64_t>(pool_.bytes_in_use()), static_cast<int64_t>(pool_.bytes_reserved())};
+  }
 
   absl::StatusOr<std::unique_ptr<DeviceBuffer>> Allocate(size_t count) override;
   absl::Status CopyToDevice(const float* host, float* device, size_t count) override;

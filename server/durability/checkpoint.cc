@@ -16,32 +16,6 @@ using nlohmann::json;
 
 constexpr char kFormat[] = "muond.checkpoint.v1";
 
-// safetensors: 8-byte little-endian header length, the JSON header (padded with spaces to a multiple
-// of 8 so the data is aligned), then the raw tensor bytes.
-std::string EncodeSafetensors(const CheckpointData& data) {
-  json header = json::object();
-  size_t offset = 0;
-  for (const CheckpointTensor& t : data.tensors) {
-    const size_t bytes = t.values.size() * sizeof(float);
-    header[t.parameter + "/" + t.slot] = {{"dtype", "F32"}, {"shape", t.shape},
-                                          {"data_offsets", {offset, offset + bytes}}};
-    offset += bytes;
-  }
-  header["__metadata__"] = {{"format", kFormat}, {"session_id", data.session_id},
-                            {"last_step", std::to_string(data.last_step)}, {"backend", data.backend}};
-  std::string text = header.dump();
-  text.append((8 - text.size() % 8) % 8, ' ');
-  std::string out(8, '\0');
-  const uint64_t length = text.size();
-  std::memcpy(out.data(), &length, 8);
-  out += text;
-  out.reserve(out.size() + offset);
-  for (const CheckpointTensor& t : data.tensors) {
-    out.append(reinterpret_cast<const char*>(t.values.data()), t.values.size() * sizeof(float));
-  }
-  return out;
-}
-
 bool IsUnsigned(const json& value) { return value.is_number_unsigned() || (value.is_number_integer() && value >= 0); }
 
 absl::Status DecodeSafetensors(const std::string& file, const std::string& bytes, CheckpointData* data) {
@@ -101,6 +75,32 @@ std::string StringField(const json& object, const char* key) {
 }
 
 }  // namespace
+
+// safetensors: 8-byte little-endian header length, the JSON header (padded with spaces to a multiple
+// of 8 so the data is aligned), then the raw tensor bytes.
+std::string EncodeSafetensors(const CheckpointData& data) {
+  json header = json::object();
+  size_t offset = 0;
+  for (const CheckpointTensor& t : data.tensors) {
+    const size_t bytes = t.values.size() * sizeof(float);
+    header[t.parameter + "/" + t.slot] = {{"dtype", "F32"}, {"shape", t.shape},
+                                          {"data_offsets", {offset, offset + bytes}}};
+    offset += bytes;
+  }
+  header["__metadata__"] = {{"format", kFormat}, {"session_id", data.session_id},
+                            {"last_step", std::to_string(data.last_step)}, {"backend", data.backend}};
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');
+  std::string out(8, '\0');
+  const uint64_t length = text.size();
+  std::memcpy(out.data(), &length, 8);
+  out += text;
+  out.reserve(out.size() + offset);
+  for (const CheckpointTensor& t : data.tensors) {
+    out.append(reinterpret_cast<const char*>(t.values.data()), t.values.size() * sizeof(float));
+  }
+  return out;
+}
 
 absl::Status CheckpointCorrupt(const std::string& file, absl::string_view why) {
   return absl::DataLossError(absl::StrCat("checkpoint ", file, " is unusable: ", why));

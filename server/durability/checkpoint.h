@@ -44,6 +44,10 @@ inline constexpr char kCheckpointMetadataFile[] = "checkpoint.json";
 
 absl::Status WriteCheckpoint(Env* env, const std::string& dir, const CheckpointData& data);
 
+// The tensors of `data` as one safetensors file (F32 tensors "<parameter>/<slot>", and the session id,
+// last step and backend in __metadata__): the bytes a checkpoint's tensors file holds.
+std::string EncodeSafetensors(const CheckpointData& data);
+
 // Reads and verifies the checkpoint in `dir`. DATA_LOSS naming the file when it is unusable; the
 // errors of Env::ReadFile when it cannot be read.
 absl::StatusOr<CheckpointData> ReadCheckpoint(Env* env, const std::string& dir);

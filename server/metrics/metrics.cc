@@ -9,6 +9,8 @@ class NoopMetrics final : public Metrics {
   void CallStarted(std::string_view) override {}
   void StepAnswered(const StepReport&) override {}
   void SessionsHeld(int, int64_t) override {}
+  void JournalAppended(absl::Duration, bool) override {}
+  void CheckpointWritten(absl::Duration, bool) override {}
 };
 
 }  // namespace

@@ -1,10 +1,12 @@
 // Metrics: what the daemon reports about itself while it serves — every call (method, status code,
-// latency), every step (compute time, applied or skipped, gradient norm) and the sessions it holds.
+// latency), every step (its phases, bytes, applied or skipped, the transport it came by), the
+// sessions it holds, and the durable writes (journal appends, checkpoints).
 //
-// An interface, so the layers that measure (rpc handlers, the step pipeline, the registry) do not
-// depend on an exporter. The default, NoMetrics(), records nothing. Implementations must be
-// thread-safe: every handler thread reports concurrently. The daemon owns its Metrics object and
-// keeps it alive until every call has ended.
+// An interface, so the layers that measure (rpc handlers, the step pipeline, the registry, the
+// state directory) do not depend on an exporter. The default, NoMetrics(), records nothing; the
+// Prometheus exporter (prometheus_metrics.h) is the one a daemon started with --metrics-listen uses.
+// Implementations must be thread-safe: every handler thread reports concurrently. The daemon owns its
+// Metrics object and keeps it alive until every call has ended.
 #pragma once
 
 #include <cstdint>
@@ -15,13 +17,19 @@
 
 namespace muond::metrics {
 
-// One applied or skipped step of a session.
+// One answered step of a session, as it went through the transport seam.
 struct StepReport {
-  double compute_seconds = 0;  // the optimizer's time, under the session's lock
-  bool applied = true;         // false: skipped for a non-finite gradient
-  bool replayed = false;       // a retry answered from the last result; nothing was computed
+  std::string_view transport = "grpc";  // "grpc" | "shm": how the gradients came and the answer left
+  bool applied = true;                  // false: skipped (a non-finite gradient, the fp32 guard)
+  bool replayed = false;                // a retry answered from the last result; nothing was computed
+  bool prepared = false;                // the first phase of a sharded step: nothing was applied
+  double receive_seconds = 0;           // reading the gradients
+  double compute_seconds = 0;           // the optimizer's time, under the session's lock
+  double send_seconds = 0;              // sending the result and the parameters
+  int64_t bytes_received = 0;           // gradient payload and framing taken in
+  int64_t bytes_sent = 0;               // answer payload and framing sent out
   double grad_norm = 0;
-  int64_t elements = 0;        // parameters of the session
+  int64_t elements = 0;                 // parameters of the session
   int world_size = 1;
 };
 
@@ -37,6 +45,10 @@ class Metrics {
   virtual void StepAnswered(const StepReport& report) = 0;
   // The registry changed: it now holds `sessions` sessions estimated at `bytes` of backend memory.
   virtual void SessionsHeld(int sessions, int64_t bytes) = 0;
+  // A step was appended to a session's journal and fsynced (ok), or the append failed.
+  virtual void JournalAppended(absl::Duration latency, bool ok) = 0;
+  // A session's checkpoint was written (ok), or writing it failed.
+  virtual void CheckpointWritten(absl::Duration latency, bool ok) = 0;
 };
 
 // Records nothing; never null, lives for the whole process.

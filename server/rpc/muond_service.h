@@ -42,6 +42,11 @@ struct ServiceOptions {
   transport::SharedMemoryRegions* shm_regions = nullptr;
   std::string shm_socket;  // its socket's address, reported by GetServerInfo
   std::string host_id;     // the kernel's boot id, reported by GetServerInfo
+  // Reported by GetServerInfo: the metrics endpoint's address ("" when off), the durability of
+  // --state-dir ("" when none) and --max-sessions.
+  std::string metrics_address;
+  std::string durability;
+  int max_sessions = 0;
 };
 
 class MuondService final : public v1::Muond::Service {

@@ -8,6 +8,7 @@
 #include "kernels/optim/options.h"
 #include "server/rpc/muond_service.h"
 #include "server/rpc/spec_codec.h"
+#include "server/session/memory_quota.h"
 
 namespace muond::rpc {
 namespace {
@@ -34,6 +35,9 @@ grpc::Status MuondService::GetServerInfo(grpc::ServerContext* context, const v1:
     info->set_num_sessions(static_cast<int32_t>(registry_->size()));
     if (options_.shm_regions != nullptr) info->set_shm_socket(options_.shm_socket);
     info->set_host_id(options_.host_id);
+    info->set_metrics_address(options_.metrics_address);
+    info->set_durability(options_.durability);
+    info->set_max_sessions(options_.max_sessions);
     return absl::OkStatus();
   });
 }
@@ -70,6 +74,10 @@ grpc::Status MuondService::ListSessions(grpc::ServerContext* context, const v1::
       summary->set_num_parameters(session->config().total_elements);
       summary->set_initialized(session->initialized());
       summary->set_world_size(session->config().world_size);
+      summary->set_state_bytes(session::EstimateSessionBytes(session->config()));
+      if (absl::StatusOr<v1::SessionSpec> spec = SpecFromJson(session->config().spec_json); spec.ok()) {
+        *summary->mutable_spec() = *std::move(spec);
+      }
     }
     return absl::OkStatus();
   });
@@ -81,7 +89,8 @@ grpc::Status MuondService::Checkpoint(grpc::ServerContext* context, const v1::Ch
     MUOND_ASSIGN_OR_RETURN(std::shared_ptr<session::Session> session, registry_->Find(request->session_id(), caller));
     MUOND_ASSIGN_OR_RETURN(int64_t step, session->Checkpoint());
     response->set_step(step);
-    MUOND_LOG(info, "session {} checkpointed at step {}", request->session_id(), step);
+    MUOND_EVENT(info, "checkpoint_requested", request->session_id(), step, "session {} checkpointed at step {}",
+              request->session_id(), step);
     return absl::OkStatus();
   });
 }

@@ -378,7 +378,6 @@ absl::Status CheckSameSpec(const v1::SessionSpec& existing, const v1::SessionSpe
 }  // namespace muond::rpc
 
 namespace muond::rpc {
-namespace {
 
 absl::StatusOr<v1::SessionSpec> SpecFromJson(absl::string_view json) {
   v1::SessionSpec spec;
@@ -387,8 +386,6 @@ absl::StatusOr<v1::SessionSpec> SpecFromJson(absl::string_view json) {
   }
   return spec;
 }
-
-}  // namespace
 
 std::string SpecToJson(const v1::SessionSpec& spec) {
   std::string json;

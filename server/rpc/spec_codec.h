@@ -28,6 +28,8 @@ absl::Status CheckSameSpec(const v1::SessionSpec& existing, const v1::SessionSpe
 
 // The spec's JSON form, as the session layer carries it.
 std::string SpecToJson(const v1::SessionSpec& spec);
+// And back; INVALID_ARGUMENT naming `spec` when it does not parse.
+absl::StatusOr<v1::SessionSpec> SpecFromJson(absl::string_view json);
 
 class ProtoSpecCodec final : public session::SpecCodec {
  public:

@@ -122,7 +122,8 @@ absl::Status MuondService::DoSetState(const std::string& caller, grpc::ServerRea
   }
   MUOND_RETURN_IF_ERROR(session->ImportState(std::move(state)));
   response->set_last_step(session->last_step());
-  MUOND_LOG(info, "session {} state replaced at step {}", session->id(), response->last_step());
+  MUOND_EVENT(info, "state_replaced", session->id(), response->last_step(), "session {} state replaced at step {}",
+              session->id(), response->last_step());
   return absl::OkStatus();
 }
 

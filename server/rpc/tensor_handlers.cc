@@ -53,7 +53,8 @@ absl::Status MuondService::DoUpload(const std::string& caller,
   MUOND_RETURN_IF_ERROR(session->Upload(std::move(assembler.tensors())));
   response->set_num_tensors(static_cast<int32_t>(session->config().parameters.size()));
   response->set_num_parameters(session->config().total_elements);
-  MUOND_LOG(info, "session {} parameters uploaded ({} elements)", session->id(), session->config().total_elements);
+  MUOND_EVENT(info, "parameters_uploaded", session->id(), -1, "session {} parameters uploaded ({} elements)", session->id(),
+              session->config().total_elements);
   return absl::OkStatus();
 }
 

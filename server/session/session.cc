@@ -280,8 +280,8 @@ absl::StatusOr<StepOutcome> Session::GatherLocked(StepPlan plan, std::vector<Hos
   }
   // This rank timed out first: abort the step for everyone.
   const std::vector<int> missing = gather_.Abort();
-  MUOND_LOG(warn, "session {}: step {} aborted, ranks {} did not arrive within {} s", id_, step,
-            absl::StrJoin(missing, ", "), config_.straggler_timeout_seconds);
+  MUOND_EVENT(warn, "step_aborted", id_, step, "session {}: step {} aborted, ranks {} did not arrive within {} s", id_,
+              step, absl::StrJoin(missing, ", "), config_.straggler_timeout_seconds);
   return absl::AbortedError(absl::StrCat("step ", step, ": ranks ", absl::StrJoin(missing, ", "),
                                          " did not arrive within ", config_.straggler_timeout_seconds,
                                          " s (--straggler-timeout); no update was applied, send the step again"));
@@ -329,7 +329,8 @@ absl::StatusOr<StepOutcome> Session::ApplyLocked(const StepPlan& plan, std::vect
     // The step stands either way (the journal, if any, holds it); a failed periodic checkpoint is
     // reported and retried at the next period.
     if (absl::Status saved = CheckpointLocked(); !saved.ok()) {
-      MUOND_LOG(warn, "session {}: checkpoint at step {} failed: {}", id_, last_step_, saved.message());
+      MUOND_EVENT(warn, "checkpoint_failed", id_, last_step_, "session {}: checkpoint at step {} failed: {}", id_,
+                  last_step_, saved.message());
     }
   }
   return StepOutcome{result, snapshot_};

@@ -36,7 +36,8 @@ absl::StatusOr<CreateResult> SessionRegistry::CreateOrAttach(const std::string& 
     MUOND_RETURN_IF_ERROR(CheckSessionOwner(*it->second, caller));
     absl::Status same = codec_->CheckSame(it->second->config().spec_json, spec_json);
     if (!same.ok()) return absl::AlreadyExistsError(absl::StrCat("session_id '", id, "': ", same.message()));
-    MUOND_LOG(info, "session {} attached at step {}", id, it->second->last_step());
+    MUOND_EVENT(info, "session_attached", id, it->second->last_step(), "session {} attached at step {}", id,
+                it->second->last_step());
     return CreateResult{it->second, true};
   }
   if (static_cast<int>(sessions_.size()) >= max_sessions_) {
@@ -52,12 +53,13 @@ absl::StatusOr<CreateResult> SessionRegistry::CreateOrAttach(const std::string& 
   MUOND_ASSIGN_OR_RETURN(std::unique_ptr<Session> session, Session::Create(id, std::move(config), backend_, caller));
   std::shared_ptr<Session> shared = std::move(session);
   if (persistence_) {
-    MUOND_ASSIGN_OR_RETURN(std::unique_ptr<FilePersistence> files, FilePersistence::Open(*persistence_, *shared));
+    MUOND_ASSIGN_OR_RETURN(std::unique_ptr<FilePersistence> files, FilePersistence::Open(*persistence_, *shared, metrics_));
     shared->AttachPersistence(std::move(files));
   }
   sessions_.emplace(id, shared);
   ReportLocked();
-  MUOND_LOG(info, "session {} created: {} tensors, {} parameters, {} groups", id, tensors, elements, groups);
+  MUOND_EVENT(info, "session_created", id, 0, "session {} created: {} tensors, {} parameters, {} groups", id, tensors,
+              elements, groups);
   return CreateResult{std::move(shared), false};
 }
 
@@ -79,7 +81,8 @@ absl::Status SessionRegistry::Close(const std::string& id, const std::string& ca
     return absl::NotFoundError(absl::StrCat("session_id: no session '", id.substr(0, 140), "'"));
   }
   MUOND_RETURN_IF_ERROR(CheckSessionOwner(*it->second, caller));
-  MUOND_LOG(info, "session {} closed at step {}", id, it->second->last_step());
+  MUOND_EVENT(info, "session_closed", id, it->second->last_step(), "session {} closed at step {}", id,
+              it->second->last_step());
   it->second->DiscardPersistence();
   sessions_.erase(it);
   ReportLocked();
@@ -88,7 +91,7 @@ absl::Status SessionRegistry::Close(const std::string& id, const std::string& ca
 
 absl::Status SessionRegistry::EnablePersistence(const durability::StateDirOptions& options) {
   MUOND_ASSIGN_OR_RETURN(std::vector<std::shared_ptr<Session>> restored,
-                         RestoreSessions(options, backend_, *codec_, limits_));
+                         RestoreSessions(options, backend_, *codec_, limits_, metrics_));
   absl::MutexLock lock(&mu_);
   persistence_ = options;
   for (std::shared_ptr<Session>& session : restored) {
@@ -107,7 +110,8 @@ int SessionRegistry::CheckpointAll() {
     if (step.ok()) {
       ++written;
     } else if (step.status().code() != absl::StatusCode::kFailedPrecondition) {
-      MUOND_LOG(error, "session {}: final checkpoint failed: {}", session->id(), step.status().message());
+      MUOND_EVENT(error, "checkpoint_failed", session->id(), session->last_step(), "session {}: final checkpoint failed: {}",
+                  session->id(), step.status().message());
     }
   }
   return written;

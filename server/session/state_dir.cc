@@ -1,6 +1,7 @@
 #include "server/session/state_dir.h"
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 
@@ -34,17 +35,22 @@ absl::StatusOr<SessionState> StateFromCheckpoint(durability::CheckpointData& dat
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<FilePersistence>> FilePersistence::Open(const durability::StateDirOptions& options,
-                                                                       const Session& session) {
+                                                                       const Session& session,
+                                                                       metrics::Metrics* metrics) {
   MUOND_ASSIGN_OR_RETURN(std::unique_ptr<durability::SessionFiles> files,
                          durability::SessionFiles::Open(options, session.id()));
-  return std::unique_ptr<FilePersistence>(new FilePersistence(std::move(files), session));
+  return std::unique_ptr<FilePersistence>(new FilePersistence(std::move(files), session, metrics));
 }
 
 absl::Status FilePersistence::RecordStep(const StepRequest& request, const std::vector<HostTensor>& gradients) {
+  const absl::Time start = absl::Now();
   absl::Status appended = files_->RecordStep(EncodeStepRequest(request), gradients);
+  if (files_->options().durability == durability::Durability::kJournal) {
+    metrics_->JournalAppended(absl::Now() - start, appended.ok());
+  }
   if (!appended.ok()) {
-    MUOND_LOG(error, "session {}: step {} refused, the journal failed: {}", session_.id(), request.step,
-              appended.message());
+    MUOND_EVENT(error, "journal_failed", session_.id(), request.step, "session {}: step {} refused, the journal failed: {}",
+                session_.id(), request.step, appended.message());
     return absl::UnavailableError(absl::StrCat("the step could not be made durable: ", appended.message()));
   }
   return absl::OkStatus();
@@ -65,13 +71,17 @@ absl::Status FilePersistence::SaveCheckpoint(SessionState state) {
     const ParameterConfig& param = config.parameters[t.parameter];
     data.tensors.push_back({param.name, std::move(t.slot), param.shape, std::move(t.values)});
   }
-  return files_->SaveCheckpoint(data);
+  const absl::Time start = absl::Now();
+  absl::Status saved = files_->SaveCheckpoint(data);
+  metrics_->CheckpointWritten(absl::Now() - start, saved.ok());
+  return saved;
 }
 
 absl::StatusOr<std::vector<std::shared_ptr<Session>>> RestoreSessions(const durability::StateDirOptions& options,
                                                                       kernels::Backend* backend,
                                                                       const SpecCodec& codec,
-                                                                      const SpecLimits& limits) {
+                                                                      const SpecLimits& limits,
+                                                                      metrics::Metrics* metrics) {
   MUOND_ASSIGN_OR_RETURN(std::vector<std::string> dirs, durability::ListSessionFolders(options));
   std::vector<std::shared_ptr<Session>> restored;
   for (const std::string& dir : dirs) {
@@ -132,12 +142,13 @@ absl::StatusOr<std::vector<std::shared_ptr<Session>>> RestoreSessions(const dura
       MUOND_LOG(warn, "journal {} ended in a partly written record (a crash during an unacknowledged step); "
                 "dropped it", folder.journal_path);
     }
-    MUOND_ASSIGN_OR_RETURN(std::unique_ptr<FilePersistence> persistence, FilePersistence::Open(options, *session));
+    MUOND_ASSIGN_OR_RETURN(std::unique_ptr<FilePersistence> persistence, FilePersistence::Open(options, *session, metrics));
     session->AttachPersistence(std::move(persistence));
     // Fold the replayed steps into a fresh checkpoint, which also empties the journal.
     MUOND_RETURN_IF_ERROR(session->Checkpoint().status());
-    MUOND_LOG(info, "session {} restored at step {} (checkpoint at step {} + {} journaled steps)", session->id(),
-              session->last_step(), checkpoint_step, replayed);
+    MUOND_EVENT(info, "session_restored", session->id(), session->last_step(),
+                "session {} restored at step {} (checkpoint at step {} + {} journaled steps)", session->id(),
+                session->last_step(), checkpoint_step, replayed);
     restored.push_back(std::move(session));
   }
   return restored;

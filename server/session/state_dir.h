@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "kernels/backend.h"
 #include "server/durability/session_files.h"
+#include "server/metrics/metrics.h"
 #include "server/session/session.h"
 #include "server/session/spec_codec.h"
 
@@ -20,9 +21,11 @@ namespace muond::session {
 
 class FilePersistence final : public SessionPersistence {
  public:
-  // `session` must outlive the persistence (the session owns it).
+  // `session` must outlive the persistence (the session owns it); so must `metrics`, which hears of
+  // every journal append and checkpoint.
   static absl::StatusOr<std::unique_ptr<FilePersistence>> Open(const durability::StateDirOptions& options,
-                                                               const Session& session);
+                                                               const Session& session,
+                                                               metrics::Metrics* metrics = metrics::NoMetrics());
 
   absl::Status RecordStep(const StepRequest& request, const std::vector<HostTensor>& gradients) override;
   absl::Status SaveCheckpoint(SessionState state) override;
@@ -30,11 +33,13 @@ class FilePersistence final : public SessionPersistence {
   void Discard() override { files_->Discard(); }
 
  private:
-  FilePersistence(std::unique_ptr<durability::SessionFiles> files, const Session& session)
-      : files_(std::move(files)), session_(session) {}
+  FilePersistence(std::unique_ptr<durability::SessionFiles> files, const Session& session,
+                  metrics::Metrics* metrics)
+      : files_(std::move(files)), session_(session), metrics_(metrics) {}
 
   std::unique_ptr<durability::SessionFiles> files_;
   const Session& session_;
+  metrics::Metrics* const metrics_;
 };
 
 // Restores every session under options.state_dir (creating the folder if needed), each with its
@@ -43,6 +48,7 @@ class FilePersistence final : public SessionPersistence {
 absl::StatusOr<std::vector<std::shared_ptr<Session>>> RestoreSessions(const durability::StateDirOptions& options,
                                                                       kernels::Backend* backend,
                                                                       const SpecCodec& codec,
-                                                                      const SpecLimits& limits);
+                                                                      const SpecLimits& limits,
+                                                                      metrics::Metrics* metrics = metrics::NoMetrics());
 
 }  // namespace muond::session

@@ -4,10 +4,13 @@
 // Today's chunked gRPC streams are the first implementation (transport/grpc/); shared memory, CUDA
 // IPC and NCCL plug in here the same way. RunStep is the step itself, the same on every transport:
 // begin (the session checks the request and decides new or retry), read, finish (apply once or
-// replay), answer, report.
+// replay), answer, report (each phase timed, with the bytes each way, for metrics).
 //
 // A source and a sink serve one step on one thread; RunStep is thread-safe as the session is.
 #pragma once
+
+#include <cstdint>
+#include <string_view>
 
 #include "absl/status/status.h"
 #include "server/metrics/metrics.h"
@@ -23,6 +26,13 @@ class GradientSource {
   // Reads the step's gradients into `step` — all of them, or an error naming the field; a replay's
   // gradients are read and dropped (the transport must still consume them).
   virtual absl::Status ReadGradients(session::IncomingStep& step) = 0;
+  // The transport's name in metrics ("grpc", "shm").
+  virtual std::string_view transport() const = 0;
+  // Bytes taken in so far (payload and framing), for metrics.
+  int64_t bytes_received() const { return bytes_received_; }
+
+ protected:
+  int64_t bytes_received_ = 0;
 };
 
 class ParameterSink {
@@ -30,6 +40,11 @@ class ParameterSink {
   virtual ~ParameterSink() = default;
   // Sends the result and the parameters after the step; CANCELLED when the peer went away.
   virtual absl::Status Send(const session::StepOutcome& outcome) = 0;
+  // Bytes sent so far (payload and framing), for metrics.
+  int64_t bytes_sent() const { return bytes_sent_; }
+
+ protected:
+  int64_t bytes_sent_ = 0;
 };
 
 // One step of `session` from `source` to `sink`. Refusals change no state.

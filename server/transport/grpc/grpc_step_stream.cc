@@ -18,11 +18,17 @@ absl::Status ParseRequest(grpc::ByteBuffer* buffer, v1::StepRequest* request) {
   return absl::OkStatus();
 }
 
-bool WriteMessage(StepStream* stream, const v1::StepResponse& response) {
+// Writes `buffer`, adding its size to `*bytes`; false when the client went away.
+bool WriteCounted(StepStream* stream, const grpc::ByteBuffer& buffer, int64_t* bytes) {
+  *bytes += static_cast<int64_t>(buffer.Length());
+  return stream->Write(buffer);
+}
+
+bool WriteMessage(StepStream* stream, const v1::StepResponse& response, int64_t* bytes) {
   grpc::ByteBuffer buffer;
   bool own = false;
   return grpc::SerializationTraits<v1::StepResponse>::Serialize(response, &buffer, &own).ok() &&
-         stream->Write(buffer);
+         WriteCounted(stream, buffer, bytes);
 }
 
 }  // namespace
@@ -47,6 +53,7 @@ absl::Status GrpcGradientSource::ReadGradients(session::IncomingStep& step) {
   v1::StepRequest request;  // for messages framed otherwise
   uint64_t chunks = 0;
   while (stream_->Read(&buffer)) {
+    bytes_received_ += static_cast<int64_t>(buffer.Length());
     if (++chunks > header_.num_chunks()) {
       return absl::InvalidArgumentError(absl::StrCat("chunk: more chunks than the ", header_.num_chunks(),
                                                      " announced in header.num_chunks"));
@@ -76,14 +83,15 @@ absl::Status GrpcGradientSource::ReadGradients(session::IncomingStep& step) {
 absl::Status GrpcParameterSink::Send(const session::StepOutcome& outcome) {
   v1::StepResponse response;
   *response.mutable_result() = ToProto(outcome.result);
-  if (!WriteMessage(stream_, response)) return absl::CancelledError("the client went away");
+  if (!WriteMessage(stream_, response, &bytes_sent_)) return absl::CancelledError("the client went away");
   if (outcome.parameters == nullptr) return absl::OkStatus();  // a prepare: the result alone
   for (size_t i = 0; i < config_.parameters.size(); ++i) {
     v1::TensorChunk first;
     first.set_name(config_.parameters[i].name);
     const bool sent = wire::ForEachChunk(first, outcome.parameters->values[i], dtype_, chunk_bytes_,
                                          [&](const v1::TensorChunk& meta, std::span<const float> values) {
-                                           return stream_->Write(wire::EncodeChunk(wire::kChunkField, meta, values, *pool_));
+                                           return WriteCounted(stream_, wire::EncodeChunk(wire::kChunkField, meta, values, *pool_),
+                                                               &bytes_sent_);
                                          });
     if (!sent) return absl::CancelledError("the client went away");
   }

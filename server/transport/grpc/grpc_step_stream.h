@@ -36,6 +36,7 @@ class GrpcGradientSource final : public GradientSource {
       : context_(context), stream_(stream), header_(header), max_chunk_bytes_(max_chunk_bytes) {}
 
   absl::Status ReadGradients(session::IncomingStep& step) override;
+  std::string_view transport() const override { return "grpc"; }
 
  private:
   grpc::ServerContext* const context_;

@@ -66,6 +66,7 @@ absl::Status ShmGradientSource::ReadGradients(session::IncomingStep& step) {
     tensor.sum_squares = DecodeSumSquares(place.dtype, absl::string_view(place.region->data() + place.offset, place.bytes),
                                           std::span<float>(tensor.values.data(), numel));
     tensor.received = static_cast<int64_t>(numel);
+    bytes_received_ += static_cast<int64_t>(place.bytes);
     MUOND_RETURN_IF_ERROR(step.Stage(place.index, 0, numel));
   }
   return absl::OkStatus();
@@ -75,6 +76,7 @@ absl::Status ShmParameterSink::Send(const session::StepOutcome& outcome) {
   for (const SharedTensorPlace& place : places_) {
     if (outcome.parameters == nullptr) break;  // a prepare: the result alone
     wire::EncodeTo(place.dtype, outcome.parameters->values[place.index], place.region->data() + place.offset);
+    bytes_sent_ += static_cast<int64_t>(place.bytes);
   }
   result_ = ToProto(outcome.result);
   return absl::OkStatus();

@@ -43,6 +43,7 @@ class ShmGradientSource final : public GradientSource {
  public:
   explicit ShmGradientSource(std::vector<SharedTensorPlace> places) : places_(std::move(places)) {}
   absl::Status ReadGradients(session::IncomingStep& step) override;
+  std::string_view transport() const override { return "shm"; }
 
  private:
   const std::vector<SharedTensorPlace> places_;

@@ -41,6 +41,8 @@ class CountingMetrics final : public metrics::Metrics {
   }
   void StepAnswered(const metrics::StepReport&) override {}
   void SessionsHeld(int, int64_t) override {}
+  void JournalAppended(absl::Duration, bool) override {}
+  void CheckpointWritten(absl::Duration, bool) override {}
   std::vector<std::pair<std::string, absl::StatusCode>> ended() {
     absl::MutexLock lock(&mu_);
     return ended_;

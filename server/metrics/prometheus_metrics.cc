@@ -1,0 +1,274 @@
+#include "server/metrics/prometheus_metrics.h"
+
+#include <dirent.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <fstream>
+#include <sstream>
+
+#include "absl/time/clock.h"
+#include "fmt/format.h"
+
+namespace muond::metrics {
+namespace {
+
+// Upper bounds, seconds. Steps and their phases span a small tensor over shared memory (well under a
+// millisecond) to a large model over the network (tens of seconds).
+const std::vector<double> kStepBounds = {0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                                         0.1,    0.25,    0.5,    1,     2.5,    5,     10,   30,    60};
+// Calls include long streams (uploads, state transfers) and multi-rank waits.
+const std::vector<double> kCallBounds = {0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300};
+// fsyncs and checkpoint writes: a page-cache write to a large state on a slow disk.
+const std::vector<double> kDiskBounds = {0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                                         0.1,    0.25,   0.5,   1,      2.5,    5,    10,    30};
+
+std::string Number(double value) {
+  if (std::isinf(value)) return value > 0 ? "+Inf" : "-Inf";
+  if (std::isnan(value)) return "NaN";
+  return fmt::format("{}", value);
+}
+
+// Debian's abseil has a string_view of its own; std::string_view goes through fmt here.
+void Family(std::string* out, std::string_view name, std::string_view type, std::string_view help) {
+  out->append(fmt::format("# HELP {} {}\n# TYPE {} {}\n", name, help, name, type));
+}
+
+void Sample(std::string* out, std::string_view name, const std::string& labels, double value) {
+  out->append(labels.empty() ? fmt::format("{} {}\n", name, Number(value))
+                             : fmt::format("{}{{{}}} {}\n", name, labels, Number(value)));
+}
+
+std::string Label(std::string_view key, std::string_view value) { return fmt::format("{}=\"{}\"", key, value); }
+
+double Now() { return absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()); }
+
+}  // namespace
+
+void Histogram::Observe(double value) {
+  size_t bucket = 0;
+  while (bucket < bounds_->size() && value > (*bounds_)[bucket]) ++bucket;
+  ++counts_[bucket];
+  sum_ += value;
+  ++count_;
+}
+
+void Histogram::Render(const std::string& name, const std::string& labels, std::string* out) const {
+  const std::string prefix = labels.empty() ? "" : labels + ",";
+  uint64_t cumulative = 0;
+  for (size_t i = 0; i <= bounds_->size(); ++i) {
+    cumulative += counts_[i];
+    const double bound = i < bounds_->size() ? (*bounds_)[i] : INFINITY;
+    Sample(out, name + "_bucket", prefix + Label("le", Number(bound)), static_cast<double>(cumulative));
+  }
+  Sample(out, name + "_sum", labels, sum_);
+  Sample(out, name + "_count", labels, static_cast<double>(count_));
+}
+
+PrometheusMetrics::TransportFigures::TransportFigures() : total(&kStepBounds) {
+  for (size_t i = 0; i < kPhases.size(); ++i) phases.emplace_back(&kStepBounds);
+}
+
+PrometheusMetrics::MethodFigures::MethodFigures() : latency(&kCallBounds) {}
+
+PrometheusMetrics::PrometheusMetrics(PrometheusOptions options)
+    : options_(std::move(options)), start_time_seconds_(Now()), journal_(&kDiskBounds), checkpoint_(&kDiskBounds) {}
+
+size_t PrometheusMetrics::TransportIndex(std::string_view transport) {
+  for (size_t i = 0; i < kTransports.size(); ++i) {
+    if (kTransports[i] == transport) return i;
+  }
+  return 0;  // unknown transports count as gRPC: the set stays bounded
+}
+
+void PrometheusMetrics::CallStarted(std::string_view method) {
+  absl::MutexLock lock(&mu_);
+  auto it = methods_.find(method);
+  if (it == methods_.end()) it = methods_.emplace(std::string(method), MethodFigures()).first;
+  ++it->second.in_flight;
+}
+
+void PrometheusMetrics::CallEnded(std::string_view method, absl::StatusCode code, absl::Duration latency) {
+  absl::MutexLock lock(&mu_);
+  auto it = methods_.find(method);
+  if (it == methods_.end()) it = methods_.emplace(std::string(method), MethodFigures()).first;
+  --it->second.in_flight;
+  ++it->second.ended[code];
+  it->second.latency.Observe(absl::ToDoubleSeconds(latency));
+}
+
+void PrometheusMetrics::StepAnswered(const StepReport& report) {
+  absl::MutexLock lock(&mu_);
+  TransportFigures& figures = transports_[TransportIndex(report.transport)];
+  const size_t outcome = report.prepared ? 3 : report.replayed ? 2 : report.applied ? 0 : 1;
+  ++figures.steps[outcome];
+  figures.phases[0].Observe(report.receive_seconds);
+  figures.phases[1].Observe(report.compute_seconds);
+  figures.phases[2].Observe(report.send_seconds);
+  figures.total.Observe(report.receive_seconds + report.compute_seconds + report.send_seconds);
+  figures.bytes_received += static_cast<uint64_t>(report.bytes_received);
+  figures.bytes_sent += static_cast<uint64_t>(report.bytes_sent);
+}
+
+void PrometheusMetrics::SessionsHeld(int sessions, int64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  sessions_ = sessions;
+  state_bytes_ = bytes;
+}
+
+void PrometheusMetrics::JournalAppended(absl::Duration latency, bool ok) {
+  absl::MutexLock lock(&mu_);
+  if (ok) {
+    journal_.Observe(absl::ToDoubleSeconds(latency));
+  } else {
+    ++journal_failures_;
+  }
+}
+
+void PrometheusMetrics::CheckpointWritten(absl::Duration latency, bool ok) {
+  absl::MutexLock lock(&mu_);
+  if (ok) {
+    checkpoint_.Observe(absl::ToDoubleSeconds(latency));
+  } else {
+    ++checkpoint_failures_;
+  }
+}
+
+std::string PrometheusMetrics::Render() const {
+  std::string out;
+  Family(&out, "muond_build_info", "gauge", "Always 1; the daemon's version and compute backend as labels.");
+  Sample(&out, "muond_build_info", Label("version", options_.version) + "," + Label("backend", options_.backend), 1);
+
+  absl::MutexLock lock(&mu_);
+  Family(&out, "muond_steps_total", "counter",
+         "Steps answered, by outcome (applied, skipped for a non-finite gradient or the fp32 guard, replayed "
+         "for a retry, prepared for the first phase of a sharded step) and transport.");
+  for (size_t t = 0; t < kTransports.size(); ++t) {
+    for (size_t o = 0; o < kOutcomes.size(); ++o) {
+      Sample(&out, "muond_steps_total", Label("outcome", kOutcomes[o]) + "," + Label("transport", kTransports[t]),
+             static_cast<double>(transports_[t].steps[o]));
+    }
+  }
+  Family(&out, "muond_step_duration_seconds", "histogram",
+         "Time of an answered step from its first gradient to its last answer byte, by transport.");
+  for (size_t t = 0; t < kTransports.size(); ++t) {
+    transports_[t].total.Render("muond_step_duration_seconds", Label("transport", kTransports[t]), &out);
+  }
+  Family(&out, "muond_step_phase_duration_seconds", "histogram",
+         "Time of each phase of an answered step, by transport: receive (reading the gradients), compute (from "
+         "the last gradient to the answer being ready: rank gathering, journal, optimizer), send (the answer).");
+  for (size_t t = 0; t < kTransports.size(); ++t) {
+    for (size_t p = 0; p < kPhases.size(); ++p) {
+      transports_[t].phases[p].Render("muond_step_phase_duration_seconds",
+                                      Label("phase", kPhases[p]) + "," + Label("transport", kTransports[t]), &out);
+    }
+  }
+  Family(&out, "muond_step_received_bytes_total", "counter",
+         "Bytes of gradients (payload and framing) taken in by answered steps, by transport.");
+  for (size_t t = 0; t < kTransports.size(); ++t) {
+    Sample(&out, "muond_step_received_bytes_total", Label("transport", kTransports[t]),
+           static_cast<double>(transports_[t].bytes_received));
+  }
+  Family(&out, "muond_step_sent_bytes_total", "counter",
+         "Bytes of answers (payload and framing) sent by answered steps, by transport.");
+  for (size_t t = 0; t < kTransports.size(); ++t) {
+    Sample(&out, "muond_step_sent_bytes_total", Label("transport", kTransports[t]),
+           static_cast<double>(transports_[t].bytes_sent));
+  }
+
+  Family(&out, "muond_calls_total", "counter", "RPCs ended, by method and gRPC status code.");
+  for (const auto& [method, figures] : methods_) {
+    for (const auto& [code, count] : figures.ended) {
+      Sample(&out, "muond_calls_total", Label("method", method) + "," + Label("code", absl::StatusCodeToString(code)),
+             static_cast<double>(count));
+    }
+  }
+  Family(&out, "muond_calls_in_flight", "gauge", "RPCs running now, by method.");
+  for (const auto& [method, figures] : methods_) {
+    Sample(&out, "muond_calls_in_flight", Label("method", method), static_cast<double>(figures.in_flight));
+  }
+  Family(&out, "muond_call_duration_seconds", "histogram", "Time of ended RPCs, by method.");
+  for (const auto& [method, figures] : methods_) {
+    figures.latency.Render("muond_call_duration_seconds", Label("method", method), &out);
+  }
+
+  Family(&out, "muond_sessions", "gauge", "Sessions held.");
+  Sample(&out, "muond_sessions", "", sessions_);
+  Family(&out, "muond_sessions_limit", "gauge", "Most sessions held at once (--max-sessions).");
+  Sample(&out, "muond_sessions_limit", "", options_.max_sessions);
+  Family(&out, "muond_state_bytes", "gauge",
+         "Optimizer memory the held sessions are estimated to take (masters, gradients, slots), as the quotas "
+         "count it.");
+  Sample(&out, "muond_state_bytes", "", static_cast<double>(state_bytes_));
+  if (options_.max_session_bytes > 0 || options_.max_total_bytes > 0) {
+    Family(&out, "muond_state_bytes_limit", "gauge",
+           "Memory quotas: per session (--max-session-bytes) and for all sessions (--max-total-bytes).");
+    if (options_.max_session_bytes > 0) {
+      Sample(&out, "muond_state_bytes_limit", Label("scope", "session"), static_cast<double>(options_.max_session_bytes));
+    }
+    if (options_.max_total_bytes > 0) {
+      Sample(&out, "muond_state_bytes_limit", Label("scope", "total"), static_cast<double>(options_.max_total_bytes));
+    }
+  }
+
+  Family(&out, "muond_journal_append_duration_seconds", "histogram",
+         "Time to append a step to a session's journal and fsync it (journal durability).");
+  journal_.Render("muond_journal_append_duration_seconds", "", &out);
+  Family(&out, "muond_journal_append_failures_total", "counter", "Journal appends that failed (the step was refused).");
+  Sample(&out, "muond_journal_append_failures_total", "", static_cast<double>(journal_failures_));
+  Family(&out, "muond_checkpoint_duration_seconds", "histogram",
+         "Time to write a session's checkpoint (files written, fsynced and renamed into place).");
+  checkpoint_.Render("muond_checkpoint_duration_seconds", "", &out);
+  Family(&out, "muond_checkpoint_failures_total", "counter", "Checkpoints that could not be written.");
+  Sample(&out, "muond_checkpoint_failures_total", "", static_cast<double>(checkpoint_failures_));
+
+  if (options_.backend_memory) {
+    const auto [in_use, reserved] = options_.backend_memory();
+    Family(&out, "muond_backend_memory_bytes", "gauge",
+           "Memory of the compute backend's buffers: in use, and reserved (in use plus cached for reuse).");
+    Sample(&out, "muond_backend_memory_bytes", Label("state", "in_use"), static_cast<double>(in_use));
+    Sample(&out, "muond_backend_memory_bytes", Label("state", "reserved"), static_cast<double>(reserved));
+  }
+  RenderProcess(&out);
+  return out;
+}
+
+// The standard process_* families every Prometheus client library exports, from /proc.
+void PrometheusMetrics::RenderProcess(std::string* out) const {
+  std::ifstream stat_file("/proc/self/stat");
+  std::string stat((std::istreambuf_iterator<char>(stat_file)), std::istreambuf_iterator<char>());
+  // Fields after the command name, which is in parentheses and may hold spaces.
+  const size_t close = stat.rfind(')');
+  if (close != std::string::npos) {
+    std::istringstream fields(stat.substr(close + 2));
+    std::vector<std::string> f((std::istream_iterator<std::string>(fields)), std::istream_iterator<std::string>());
+    // f[0] is field 3 (state): utime is field 14, stime 15, vsize 23, rss 24.
+    if (f.size() > 21) {
+      const double ticks = static_cast<double>(sysconf(_SC_CLK_TCK));
+      Family(out, "process_cpu_seconds_total", "counter", "Total user and system CPU time spent in seconds.");
+      Sample(out, "process_cpu_seconds_total", "", (std::stod(f[11]) + std::stod(f[12])) / ticks);
+      Family(out, "process_virtual_memory_bytes", "gauge", "Virtual memory size in bytes.");
+      Sample(out, "process_virtual_memory_bytes", "", std::stod(f[20]));
+      Family(out, "process_resident_memory_bytes", "gauge", "Resident memory size in bytes.");
+      Sample(out, "process_resident_memory_bytes", "", std::stod(f[21]) * static_cast<double>(sysconf(_SC_PAGESIZE)));
+    }
+  }
+  int open_fds = 0;
+  if (DIR* dir = opendir("/proc/self/fd")) {
+    while (const dirent* entry = readdir(dir)) open_fds += entry->d_name[0] != '.';
+    closedir(dir);
+    --open_fds;  // the directory's own descriptor
+  }
+  Family(out, "process_open_fds", "gauge", "Number of open file descriptors.");
+  Sample(out, "process_open_fds", "", open_fds);
+  rlimit limit = {};
+  if (getrlimit(RLIMIT_NOFILE, &limit) == 0) {
+    Family(out, "process_max_fds", "gauge", "Maximum number of open file descriptors.");
+    Sample(out, "process_max_fds", "", static_cast<double>(limit.rlim_cur));
+  }
+  Family(out, "process_start_time_seconds", "gauge", "Start time of the process since unix epoch in seconds.");
+  Sample(out, "process_start_time_seconds", "", start_time_seconds_);
+}
+
+}  // namespace muond::metrics
