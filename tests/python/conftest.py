@@ -191,3 +191,9 @@ def tls_files(tmp_path_factory):
     return {"ca": str(folder / "ca.pem"), "other_ca": str(folder / "other_ca.pem"),
             "server_cert": str(folder / "server.pem"), "server_key": str(folder / "server.key"),
             "client_cert": str(folder / "client.pem"), "client_key": str(folder / "client.key")}
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "ops: operations tests (metrics, muondctl, logs, deploy, install); ctest runs them once, "
+                   "as python_ops, not per transport")

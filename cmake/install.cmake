@@ -1,0 +1,43 @@
+# `cmake --install`: the daemon and muondctl (bin/), the CUDA backend library (lib/muond/, where muond
+# looks for it), libmuond_client with its headers and the proto files, and a CMake package so that a
+# trainer builds against it with
+#   find_package(muond CONFIG REQUIRED)
+#   target_link_libraries(trainer PRIVATE muond::client)
+# The client is a static library together with the two it needs (the generated API, the wire codec);
+# its dependencies (absl, Protobuf, gRPC) are found again by muondConfig.cmake.
+include(GNUInstallDirs)
+include(CMakePackageConfigHelpers)
+
+set(MUOND_INSTALL_CMAKEDIR ${CMAKE_INSTALL_LIBDIR}/cmake/muond)
+
+install(TARGETS muond muondctl RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+if(TARGET muond_kernels_cuda)
+  install(TARGETS muond_kernels_cuda LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}/muond)
+endif()
+
+set_target_properties(muond_client PROPERTIES EXPORT_NAME client)
+set_target_properties(muond_proto PROPERTIES EXPORT_NAME proto)
+set_target_properties(muond_wire PROPERTIES EXPORT_NAME wire)
+install(TARGETS muond_client muond_proto muond_wire
+  EXPORT muondTargets
+  ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR})
+# Headers keep their repository paths under include/muond/ ("client/muond_client.h"); the generated
+# API sits at include/muond/v1/ ("muond/v1/muond.pb.h" from include/).
+install(FILES client/muond_client.h client/sharded_session.h client/shard_placement.h client/shm_region.h
+  DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/muond/client)
+install(FILES proto/wire/chunk_frame.h proto/wire/dtype_codec.h
+  DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/muond/proto/wire)
+install(FILES ${PROJECT_BINARY_DIR}/proto/gen/muond/v1/muond.pb.h ${PROJECT_BINARY_DIR}/proto/gen/muond/v1/muond.grpc.pb.h
+  DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/muond/v1)
+install(FILES proto/muond/v1/muond.proto DESTINATION ${CMAKE_INSTALL_DATADIR}/muond/proto/muond/v1)
+
+install(EXPORT muondTargets NAMESPACE muond:: DESTINATION ${MUOND_INSTALL_CMAKEDIR})
+configure_package_config_file(cmake/muondConfig.cmake.in ${PROJECT_BINARY_DIR}/muondConfig.cmake
+  INSTALL_DESTINATION ${MUOND_INSTALL_CMAKEDIR})
+write_basic_package_version_file(${PROJECT_BINARY_DIR}/muondConfigVersion.cmake
+  VERSION ${PROJECT_VERSION} COMPATIBILITY SameMinorVersion)
+install(FILES ${PROJECT_BINARY_DIR}/muondConfig.cmake ${PROJECT_BINARY_DIR}/muondConfigVersion.cmake
+  DESTINATION ${MUOND_INSTALL_CMAKEDIR})
+install(FILES README.md DESTINATION ${CMAKE_INSTALL_DOCDIR})
+install(DIRECTORY docs/ DESTINATION ${CMAKE_INSTALL_DOCDIR}/docs)
+install(DIRECTORY deploy/ DESTINATION ${CMAKE_INSTALL_DATADIR}/muond/deploy)

@@ -1,0 +1,215 @@
+"""muondctl against real daemons: health, info, sessions list|show|checkpoint|close, export (from the
+daemon and offline from a state directory), state inspect|verify, TLS and token options, --json, and
+the exit codes scripts test."""
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+import muond
+
+from helpers import TinyNet, loss_of
+
+pytestmark = pytest.mark.ops
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def ctl_binary() -> str:
+    configured = os.environ.get("MUOND_CTL")
+    if configured:
+        return configured
+    default = REPO_ROOT / "build" / "muondctl"
+    if default.is_file():
+        return str(default)
+    pytest.skip("no muondctl binary: build it (cmake --build build) or set MUOND_CTL")
+
+
+def ctl(*args, env=None):
+    """Runs muondctl; returns (exit code, stdout, stderr)."""
+    result = subprocess.run([ctl_binary(), *map(str, args)], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, **(env or {})})
+    return result.returncode, result.stdout, result.stderr
+
+
+def ctl_json(*args, expect=0, env=None):
+    code, out, err = ctl("--json", *args, env=env)
+    assert code == expect, f"exit {code}: {out}{err}"
+    return json.loads(out)
+
+
+def train(endpoint, session, steps, seed=3):
+    model = TinyNet(seed=seed)
+    opt = muond.RemoteOptimizer(muond.default_param_groups(model), endpoint=endpoint, session=session)
+    for step in range(1, steps + 1):
+        loss_of(model, step).backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def read_safetensors(path):
+    data = Path(path).read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + length])
+    body = data[8 + length:]
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        assert info["dtype"] == "F32"
+        begin, end = info["data_offsets"]
+        tensors[name] = torch.frombuffer(bytearray(body[begin:end]), dtype=torch.float32).view(info["shape"])
+    return header.get("__metadata__", {}), tensors
+
+
+def test_health_and_info(endpoint):
+    code, out, _ = ctl("--endpoint", endpoint, "health")
+    assert (code, out) == (0, "SERVING\n")
+    assert ctl_json("--endpoint", endpoint, "health") == {"status": "SERVING"}
+    info = ctl_json("-e", endpoint, "info")
+    assert info["version"] == muond.__version__ and info["backend"] == "cpu"
+    assert info["optimizers"] == ["muon", "adamw", "lion", "sgd"]
+    assert info["max_sessions"] == 64 and info["durability"] == "" and info["metrics_address"] == ""
+    code, out, _ = ctl("-e", endpoint, "info")
+    assert code == 0 and "backend       cpu" in out and "metrics       off" in out
+
+
+def test_unreachable_daemon_exits_3(tmp_path):
+    code, out, err = ctl("--endpoint", "127.0.0.1:1", "--timeout", "1", "health")
+    assert code == 3 and "cannot reach muond at 127.0.0.1:1" in err
+    doc = ctl_json("--endpoint", "127.0.0.1:1", "--timeout", "1", "health", expect=3)
+    assert doc["status"] == "UNREACHABLE" and doc["error"]["code"] == "UNAVAILABLE"
+    assert ctl("-e", "127.0.0.1:1", "--timeout", "1", "sessions", "list")[0] == 3
+
+
+def test_usage_errors_exit_2():
+    assert ctl()[0] == 2
+    assert ctl("sessions")[0] == 2
+    assert ctl("sessions", "show")[0] == 2
+    assert ctl("frobnicate")[0] == 2
+    assert ctl("export", "s")[0] == 2  # --to is required
+    assert ctl("--timeout", "-1", "health")[0] == 2
+
+
+def test_sessions_list_show_checkpoint_close(start_daemon, tmp_path):
+    daemon = start_daemon("--state-dir", tmp_path / "state")
+    model, opt = train(daemon.endpoint, "run-a", steps=3)
+    e = ("--endpoint", daemon.endpoint)
+
+    listed = ctl_json(*e, "sessions", "list")["sessions"]
+    numel = sum(p.numel() for p in model.parameters())
+    assert [(s["session_id"], s["last_step"], s["num_parameters"], s["initialized"]) for s in listed] == \
+        [("run-a", 3, numel, True)]
+    code, out, _ = ctl(*e, "sessions", "list")
+    assert code == 0 and out.splitlines()[0].split()[0] == "SESSION" and "run-a" in out.splitlines()[1]
+
+    shown = ctl_json(*e, "sessions", "show", "run-a")
+    assert shown["last_step"] == 3 and shown["state_bytes"] > 0
+    assert {p["name"] for p in shown["spec"]["parameters"]} == {n for n, _ in model.named_parameters()}
+    code, out, _ = ctl(*e, "sessions", "show", "run-a")
+    assert code == 0 and "last step     3" in out and ": muon" in out and ": adamw" in out
+
+    assert ctl_json(*e, "sessions", "checkpoint", "run-a") == {"session_id": "run-a", "step": 3}
+    assert (tmp_path / "state" / "run-a" / "checkpoint.json").is_file()
+
+    assert ctl(*e, "sessions", "show", "nope")[0] == 4
+    assert ctl(*e, "sessions", "checkpoint", "nope")[0] == 4
+    assert ctl(*e, "sessions", "close", "nope")[0] == 4
+
+    assert ctl_json(*e, "sessions", "close", "run-a") == {"session_id": "run-a", "closed": True}
+    assert ctl_json(*e, "sessions", "list")["sessions"] == []
+    assert not (tmp_path / "state" / "run-a").exists()
+    opt.close(keep_session=True)
+
+
+def test_checkpoint_without_state_dir_is_refused_with_exit_1(endpoint):
+    _, opt = train(endpoint, "no-state-dir", steps=1)
+    try:
+        code, _, err = ctl("-e", endpoint, "sessions", "checkpoint", "no-state-dir")
+        assert code == 1 and "state-dir" in err
+    finally:
+        opt.close()
+
+
+def test_export_from_the_daemon_holds_every_slot(endpoint, tmp_path):
+    model, opt = train(endpoint, "exported", steps=2)
+    try:
+        target = tmp_path / "exported.safetensors"
+        doc = ctl_json("-e", endpoint, "export", "exported", "--to", target)
+        assert doc["step"] == 2 and doc["file"] == str(target)
+        metadata, tensors = read_safetensors(target)
+        assert metadata["session_id"] == "exported" and metadata["last_step"] == "2"
+        state = opt.state_dict()
+        for name, p in model.named_parameters():
+            assert torch.equal(tensors[f"{name}/master"], p.detach().float())
+            slots = {k.split("/", 1)[1] for k in tensors if k.startswith(name + "/")}
+            assert "master" in slots and len(slots) >= 2  # the optimizer's slots too
+        assert len(tensors) == doc["tensors"] and state is not None
+        assert ctl("-e", endpoint, "export", "nope", "--to", tmp_path / "x.safetensors")[0] == 4
+    finally:
+        opt.close()
+
+
+def test_state_inspect_verify_and_offline_export(start_daemon, tmp_path):
+    state_dir = tmp_path / "state"
+    daemon = start_daemon("--state-dir", state_dir, "--durability", "journal")
+    model, opt = train(daemon.endpoint, "journaled", steps=4)
+    daemon.kill()  # a crash: the checkpoint of the upload plus four journaled steps stay on disk
+    opt.close(keep_session=True)
+
+    doc = ctl_json("state", "inspect", state_dir)
+    [session] = doc["sessions"]
+    assert session["session_id"] == "journaled" and session["checkpoint"]["step"] == 0
+    assert [r["step"] for r in session["journal"]["records"]] == [1, 2, 3, 4]
+    assert session["last_step"] == 4 and len(session["checkpoint"]["sha256"]) == 64
+    code, out, _ = ctl("state", "inspect", state_dir)
+    assert code == 0 and "resumes at step 4" in out and "4 records (steps 1–4)" in out
+
+    assert ctl_json("state", "verify", state_dir) == {
+        "state_dir": str(state_dir), "sessions": [{"folder": "journaled", "ok": True, "problems": []}],
+        "ok": True, "problems": 0}
+
+    exported = tmp_path / "offline.safetensors"
+    doc = ctl_json("export", "journaled", "--state-dir", state_dir, "--to", exported)
+    assert doc["step"] == 0 and doc["source"] == "checkpoint"
+    assert read_safetensors(exported)[0]["last_step"] == "0"
+
+    # An altered tensors file is found and named; nothing is written to the state directory.
+    [tensor_file] = (state_dir / "journaled").glob("checkpoint-*.safetensors")
+    data = bytearray(tensor_file.read_bytes())
+    data[-1] ^= 0xFF
+    tensor_file.write_bytes(bytes(data))
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in (state_dir / "journaled").iterdir())
+    code, out, _ = ctl("state", "verify", state_dir)
+    assert code == 1 and f"FAIL  journaled: checkpoint {tensor_file}" in out and "1 problems" in out
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in (state_dir / "journaled").iterdir()) == before
+    assert ctl("state", "verify", tmp_path / "missing")[0] == 4
+
+
+def test_tls_and_token_options(start_daemon, tls_files, tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text("ops:s3cret-token\n")
+    tokens.chmod(0o600)
+    daemon = start_daemon("--tls-cert", tls_files["server_cert"], "--tls-key", tls_files["server_key"],
+                          "--auth-token-file", tokens, listen="127.0.0.1:0")
+    tls = ("-e", daemon.endpoint, "--tls-ca-file", tls_files["ca"], "--tls-server-name", "localhost")
+    token_file = tmp_path / "token"
+    token_file.write_text("# the ops token\ns3cret-token\n")
+
+    assert ctl(*tls, "health")[0] == 0  # the health service needs no token
+    assert ctl(*tls, "--auth-token-file", token_file, "sessions", "list")[0] == 0
+    assert ctl(*tls, "sessions", "list", env={"MUOND_AUTH_TOKEN": "s3cret-token"})[0] == 0
+    code, _, err = ctl(*tls, "sessions", "list")
+    assert code == 5 and "token" in err, err
+    assert ctl(*tls, "sessions", "list", env={"MUOND_AUTH_TOKEN": "wrong"})[0] == 5
+    # Plaintext against a TLS daemon, or a CA that does not trust it: unreachable.
+    assert ctl("-e", daemon.endpoint, "--timeout", "2", "health")[0] == 3
+    assert ctl("-e", daemon.endpoint, "--tls-ca-file", tls_files["other_ca"], "--tls-server-name", "localhost",
+               "--timeout", "2", "health")[0] == 3

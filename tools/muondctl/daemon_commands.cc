@@ -1,0 +1,274 @@
+#include "tools/muondctl/daemon_commands.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
+#include "client/muond_client.h"
+#include "google/protobuf/util/json_util.h"
+#include "server/durability/checkpoint.h"
+#include "server/durability/file_util.h"
+
+namespace muond::ctl {
+namespace {
+
+using nlohmann::ordered_json;
+
+absl::StatusOr<std::string> ReadToken(const ConnectFlags& flags) {
+  if (flags.auth_token_file.empty()) {
+    const char* env = std::getenv("MUOND_AUTH_TOKEN");
+    return std::string(env == nullptr ? "" : env);
+  }
+  std::ifstream in(flags.auth_token_file);
+  if (!in) {
+    return absl::InvalidArgumentError(absl::StrCat("--auth-token-file: cannot read ", flags.auth_token_file));
+  }
+  std::string line;
+  while (std::getline(in, line)) {
+    const std::string token(absl::StripAsciiWhitespace(line));
+    if (!token.empty() && token[0] != '#') return token;
+  }
+  return absl::InvalidArgumentError(absl::StrCat("--auth-token-file: no token in ", flags.auth_token_file));
+}
+
+absl::StatusOr<std::unique_ptr<client::Client>> Connect(const ConnectFlags& flags) {
+  client::ClientOptions options;
+  options.endpoint = flags.endpoint;
+  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(flags.timeout_seconds * 1000));
+  options.connect_timeout = timeout;
+  options.rpc_timeout = timeout;
+  options.max_step_attempts = 1;  // an operator's tool reports what happened; it does not retry
+  options.use_tls = flags.use_tls;
+  options.tls_ca_file = flags.tls_ca_file;
+  options.tls_client_cert_file = flags.tls_client_cert_file;
+  options.tls_client_key_file = flags.tls_client_key_file;
+  options.tls_server_name_override = flags.tls_server_name;
+  options.transport = "grpc";
+  absl::StatusOr<std::string> token = ReadToken(flags);
+  if (!token.ok()) return token.status();
+  options.auth_token = *token;
+  return client::Client::Connect(std::move(options));
+}
+
+// The summary of `session_id` among the caller's sessions, or NOT_FOUND.
+absl::StatusOr<v1::SessionSummary> FindSession(client::Client& client, const std::string& session_id) {
+  absl::StatusOr<std::vector<v1::SessionSummary>> sessions = client.ListSessions();
+  if (!sessions.ok()) return sessions.status();
+  for (v1::SessionSummary& summary : *sessions) {
+    if (summary.session_id() == session_id) return std::move(summary);
+  }
+  return absl::NotFoundError(absl::StrCat("no session '", session_id, "' on this daemon"));
+}
+
+ordered_json SummaryJson(const v1::SessionSummary& s) {
+  return {{"session_id", s.session_id()},   {"last_step", s.last_step()},     {"num_tensors", s.num_tensors()},
+          {"num_parameters", s.num_parameters()}, {"initialized", s.initialized()}, {"world_size", s.world_size()},
+          {"state_bytes", s.state_bytes()}};
+}
+
+ordered_json SpecJson(const v1::SessionSpec& spec) {
+  std::string text;
+  google::protobuf::util::JsonPrintOptions print;
+  print.preserve_proto_field_names = true;
+  (void)google::protobuf::util::MessageToJsonString(spec, &text, print);
+  return ordered_json::parse(text, nullptr, /*allow_exceptions=*/false);
+}
+
+}  // namespace
+
+Answer Health(const ConnectFlags& flags) {
+  Answer answer;
+  absl::StatusOr<std::unique_ptr<client::Client>> client = Connect(flags);
+  absl::StatusOr<bool> serving = client.ok() ? (*client)->Serving() : absl::StatusOr<bool>(client.status());
+  if (!serving.ok()) {
+    answer = ErrorAnswer(serving.status());
+    answer.json["status"] = "UNREACHABLE";
+    return answer;
+  }
+  answer.json["status"] = *serving ? "SERVING" : "NOT_SERVING";
+  answer.text = absl::StrCat(*serving ? "SERVING" : "NOT_SERVING", "\n");
+  answer.exit_code = *serving ? kExitOk : kExitNo;
+  return answer;
+}
+
+Answer Info(const ConnectFlags& flags) {
+  absl::StatusOr<std::unique_ptr<client::Client>> client = Connect(flags);
+  if (!client.ok()) return ErrorAnswer(client.status());
+  absl::StatusOr<v1::ServerInfo> info = (*client)->GetServerInfo();
+  if (!info.ok()) return ErrorAnswer(info.status());
+  Answer answer;
+  answer.json = {{"endpoint", flags.endpoint},
+                 {"version", info->version()},
+                 {"backend", info->backend()},
+                 {"backend_detail", info->backend_detail()},
+                 {"sessions", info->num_sessions()},
+                 {"max_sessions", info->max_sessions()},
+                 {"max_chunk_bytes", info->max_chunk_bytes()},
+                 {"max_message_bytes", info->max_message_bytes()},
+                 {"durability", info->durability()},
+                 {"shm_socket", info->shm_socket()},
+                 {"metrics_address", info->metrics_address()},
+                 {"optimizers", std::vector<std::string>(info->optimizers().begin(), info->optimizers().end())},
+                 {"ns_coefficient_sets",
+                  std::vector<std::string>(info->ns_coefficient_sets().begin(), info->ns_coefficient_sets().end())}};
+  const auto or_none = [](const std::string& value) { return value.empty() ? std::string("none") : value; };
+  answer.text = absl::StrCat(
+      "endpoint      ", flags.endpoint, "\n",                                   //
+      "version       ", info->version(), "\n",                                  //
+      "backend       ", info->backend(), " (", info->backend_detail(), ")\n",   //
+      "sessions      ", info->num_sessions(), " of at most ", info->max_sessions(), "\n",
+      "durability    ", or_none(info->durability()), "\n",                      //
+      "shared memory ", or_none(info->shm_socket()), "\n",                      //
+      "metrics       ", info->metrics_address().empty() ? "off" : absl::StrCat("http://", info->metrics_address(), "/metrics"),
+      "\n",                                                                     //
+      "max chunk     ", HumanBytes(info->max_chunk_bytes()), "\n",              //
+      "optimizers    ", absl::StrJoin(info->optimizers(), ", "), "\n");
+  return answer;
+}
+
+Answer ListSessions(const ConnectFlags& flags) {
+  absl::StatusOr<std::unique_ptr<client::Client>> client = Connect(flags);
+  if (!client.ok()) return ErrorAnswer(client.status());
+  absl::StatusOr<std::vector<v1::SessionSummary>> sessions = (*client)->ListSessions();
+  if (!sessions.ok()) return ErrorAnswer(sessions.status());
+  Answer answer;
+  answer.json["sessions"] = ordered_json::array();
+  answer.text = absl::StrFormat("%-32s %10s %8s %14s %6s %12s\n", "SESSION", "LAST STEP", "TENSORS", "PARAMETERS",
+                                "RANKS", "STATE");
+  for (const v1::SessionSummary& s : *sessions) {
+    answer.json["sessions"].push_back(SummaryJson(s));
+    absl::StrAppend(&answer.text,
+                    absl::StrFormat("%-32s %10d %8d %14d %6d %12s%s\n", s.session_id(), s.last_step(), s.num_tensors(),
+                                    s.num_parameters(), s.world_size(), HumanBytes(static_cast<double>(s.state_bytes())),
+                                    s.initialized() ? "" : "  (awaiting parameters)"));
+  }
+  return answer;
+}
+
+Answer ShowSession(const ConnectFlags& flags, const std::string& session_id) {
+  absl::StatusOr<std::unique_ptr<client::Client>> client = Connect(flags);
+  if (!client.ok()) return ErrorAnswer(client.status());
+  absl::StatusOr<v1::SessionSummary> s = FindSession(**client, session_id);
+  if (!s.ok()) return ErrorAnswer(s.status());
+  Answer answer;
+  answer.json = SummaryJson(*s);
+  answer.json["spec"] = SpecJson(s->spec());
+  answer.text = absl::StrCat("session       ", s->session_id(), "\n",  //
+                             "last step     ", s->last_step(), "\n",   //
+                             "initialized   ", s->initialized() ? "yes" : "no (parameters not uploaded yet)", "\n",
+                             "ranks         ", s->world_size(), "\n",  //
+                             "parameters    ", s->num_parameters(), " in ", s->num_tensors(), " tensors\n",
+                             "state         ", HumanBytes(static_cast<double>(s->state_bytes())), " (estimated)\n");
+  if (s->spec().has_shard()) {
+    absl::StrAppend(&answer.text, "shard         ", s->spec().shard().index(), " of ",
+                    s->spec().shard().endpoints_size(), " (", absl::StrJoin(s->spec().shard().endpoints(), ", "), ")\n");
+  }
+  absl::StrAppend(&answer.text, "groups\n");
+  for (const v1::ParameterGroup& group : s->spec().groups()) {
+    absl::StrAppend(&answer.text, "  ", group.name(), ": ",
+                    group.options().optimizer() == v1::OPTIMIZER_UNSPECIFIED
+                        ? std::string("muon")
+                        : absl::AsciiStrToLower(v1::OptimizerKind_Name(group.options().optimizer()).substr(10)),
+                    "\n");
+  }
+  absl::StrAppend(&answer.text, "parameters\n");
+  for (const v1::ParameterSpec& p : s->spec().parameters()) {
+    absl::StrAppend(&answer.text, "  ", p.name(), " [", absl::StrJoin(p.shape(), ", "), "] group ", p.group(), "\n");
+  }
+  return answer;
+}
+
+Answer CheckpointSession(const ConnectFlags& flags, const std::string& session_id) {
+  absl::StatusOr<std::unique_ptr<client::Client>> client = Connect(flags);
+  if (!client.ok()) return ErrorAnswer(client.status());
+  v1::CheckpointRequest request;
+  request.set_session_id(session_id);
+  v1::CheckpointResponse response;
+  grpc::ClientContext context;
+  (*client)->PrepareContext(context);
+  const grpc::Status status = (*client)->stub().Checkpoint(&context, request, &response);
+  if (!status.ok()) return ErrorAnswer(client::FromGrpcStatus(status));
+  Answer answer;
+  answer.json = {{"session_id", session_id}, {"step", response.step()}};
+  answer.text = absl::StrCat("session ", session_id, " checkpointed at step ", response.step(), "\n");
+  return answer;
+}
+
+Answer CloseSession(const ConnectFlags& flags, const std::string& session_id) {
+  absl::StatusOr<std::unique_ptr<client::Client>> client = Connect(flags);
+  if (!client.ok()) return ErrorAnswer(client.status());
+  if (absl::Status closed = (*client)->CloseSession(session_id); !closed.ok()) return ErrorAnswer(closed);
+  Answer answer;
+  answer.json = {{"session_id", session_id}, {"closed", true}};
+  answer.text = absl::StrCat("session ", session_id, " closed\n");
+  return answer;
+}
+
+Answer ExportSession(const ConnectFlags& flags, const std::string& session_id, const std::string& to) {
+  absl::StatusOr<std::unique_ptr<client::Client>> client = Connect(flags);
+  if (!client.ok()) return ErrorAnswer(client.status());
+  absl::StatusOr<v1::SessionSummary> summary = FindSession(**client, session_id);
+  if (!summary.ok()) return ErrorAnswer(summary.status());
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const v1::ParameterSpec& p : summary->spec().parameters()) shapes[p.name()] = {p.shape().begin(), p.shape().end()};
+
+  durability::CheckpointData data;
+  data.session_id = session_id;
+  data.backend = "export";
+  std::map<std::pair<std::string, std::string>, size_t> index;  // (parameter, slot) → data.tensors
+  v1::GetStateRequest request;
+  request.set_session_id(session_id);
+  grpc::ClientContext context;
+  (*client)->PrepareContext(context);
+  std::unique_ptr<grpc::ClientReader<v1::GetStateResponse>> reader = (*client)->stub().GetState(&context, request);
+  v1::GetStateResponse response;
+  while (reader->Read(&response)) {
+    if (response.has_header()) {
+      data.last_step = response.header().last_step();
+      for (const v1::ParameterStepCount& c : response.header().step_counts()) data.step_counts.emplace_back(c.name(), c.count());
+      continue;
+    }
+    const v1::TensorChunk& chunk = response.chunk();
+    auto shape = shapes.find(chunk.name());
+    if (shape == shapes.end()) {
+      context.TryCancel();
+      return ErrorAnswer(absl::InternalError(absl::StrCat("the daemon sent state for unknown parameter '", chunk.name(), "'")));
+    }
+    auto [it, added] = index.emplace(std::make_pair(chunk.name(), chunk.slot()), data.tensors.size());
+    if (added) {
+      int64_t numel = 1;
+      for (int64_t d : shape->second) numel *= d;
+      data.tensors.push_back({chunk.name(), chunk.slot(), shape->second, std::vector<float>(static_cast<size_t>(numel))});
+    }
+    std::vector<float>& values = data.tensors[it->second].values;
+    const size_t count = chunk.data().size() / sizeof(float);
+    if (chunk.offset() > values.size() || count > values.size() - chunk.offset()) {
+      context.TryCancel();
+      return ErrorAnswer(absl::InternalError(absl::StrCat("the daemon sent a chunk of '", chunk.name(), "/", chunk.slot(),
+                                                          "' beyond its shape")));
+    }
+    std::memcpy(values.data() + chunk.offset(), chunk.data().data(), count * sizeof(float));
+  }
+  if (const grpc::Status status = reader->Finish(); !status.ok()) return ErrorAnswer(client::FromGrpcStatus(status));
+
+  const std::string bytes = durability::EncodeSafetensors(data);
+  if (absl::Status written = durability::WriteFileAtomically(durability::Env::Default(), to, bytes); !written.ok()) {
+    return ErrorAnswer(absl::InvalidArgumentError(absl::StrCat("--to: ", written.message())));
+  }
+  Answer answer;
+  answer.json = {{"session_id", session_id}, {"step", data.last_step}, {"file", to},
+                 {"tensors", data.tensors.size()}, {"bytes", bytes.size()}};
+  answer.text = absl::StrCat("session ", session_id, " at step ", data.last_step, ": ", data.tensors.size(),
+                             " tensors (", HumanBytes(static_cast<double>(bytes.size())), ") written to ", to, "\n");
+  return answer;
+}
+
+}  // namespace muond::ctl

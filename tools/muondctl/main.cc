@@ -1,0 +1,104 @@
+// muondctl: the operator's command-line tool for muond. Parses the command line (CLI11) and runs one
+// command: daemon_commands.h (health, info, sessions, export over gRPC) or state_commands.h (offline
+// reading of a --state-dir). Output and exit codes: ctl_output.h.
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <string>
+
+#include "CLI/CLI.hpp"
+#include "common/config.h"
+#include "tools/muondctl/ctl_output.h"
+#include "tools/muondctl/daemon_commands.h"
+#include "tools/muondctl/state_commands.h"
+
+namespace muond::ctl {
+namespace {
+
+int Run(int argc, char** argv) {
+  CLI::App app{"muondctl — inspect and operate muond daemons, and read their state directories offline.\n"
+               "Exit codes: 0 done, 1 no (refused, not serving, verify failed), 2 usage, 3 daemon unreachable, "
+               "4 not found, 5 not allowed."};
+  app.set_version_flag("--version", std::string("muondctl ") + MUOND_VERSION);
+  app.require_subcommand(1);
+
+  ConnectFlags connect;
+  if (const char* endpoint = std::getenv("MUOND_ENDPOINT")) connect.endpoint = endpoint;
+  bool json = false;
+  app.add_flag("--json", json, "Print one JSON document instead of text");
+  app.add_option("--endpoint,-e", connect.endpoint, "The daemon, host:port ($MUOND_ENDPOINT)")->capture_default_str();
+  app.add_option("--timeout", connect.timeout_seconds, "Seconds to connect, and for each call")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_flag("--tls", connect.use_tls, "Use TLS with the system's roots (implied by the --tls-* files)");
+  app.add_option("--tls-ca-file", connect.tls_ca_file, "PEM roots that verify the daemon")->check(CLI::ExistingFile);
+  app.add_option("--tls-client-cert-file", connect.tls_client_cert_file, "PEM client certificate (mutual TLS)")
+      ->check(CLI::ExistingFile);
+  app.add_option("--tls-client-key-file", connect.tls_client_key_file, "PEM key of --tls-client-cert-file")
+      ->check(CLI::ExistingFile);
+  app.add_option("--tls-server-name", connect.tls_server_name, "Verify the daemon's certificate against this name");
+  app.add_option("--auth-token-file", connect.auth_token_file,
+                 "File whose first line is the bearer token (default: $MUOND_AUTH_TOKEN)")
+      ->check(CLI::ExistingFile);
+
+  std::function<Answer()> command;
+  app.add_subcommand("health", "grpc.health.v1 check: exit 0 when SERVING, 1 when NOT_SERVING, 3 unreachable")
+      ->callback([&] { command = [&] { return Health(connect); }; });
+  app.add_subcommand("info", "The daemon's version, backend, limits, durability, transports and metrics address")
+      ->callback([&] { command = [&] { return Info(connect); }; });
+
+  CLI::App* sessions = app.add_subcommand("sessions", "The daemon's sessions");
+  sessions->require_subcommand(1);
+  std::string session_id;
+  sessions->add_subcommand("list", "Every session the caller may see")->callback([&] {
+    command = [&] { return ListSessions(connect); };
+  });
+  CLI::App* show = sessions->add_subcommand("show", "One session: counters, memory, groups and parameters");
+  show->add_option("SESSION", session_id, "Session id")->required();
+  show->callback([&] { command = [&] { return ShowSession(connect, session_id); }; });
+  CLI::App* checkpoint = sessions->add_subcommand("checkpoint", "Write a checkpoint now (needs --state-dir)");
+  checkpoint->add_option("SESSION", session_id, "Session id")->required();
+  checkpoint->callback([&] { command = [&] { return CheckpointSession(connect, session_id); }; });
+  CLI::App* close = sessions->add_subcommand("close", "Close a session: its state and its files are dropped");
+  close->add_option("SESSION", session_id, "Session id")->required();
+  close->callback([&] { command = [&] { return CloseSession(connect, session_id); }; });
+
+  std::string export_to;
+  std::string export_state_dir;
+  CLI::App* exporter = app.add_subcommand(
+      "export", "Write a session's state (masters and every optimizer slot) to a safetensors file: from the daemon, "
+                "or from its last checkpoint in --state-dir without a daemon");
+  exporter->add_option("SESSION", session_id, "Session id")->required();
+  exporter->add_option("--to", export_to, "The .safetensors file to write")->required();
+  exporter->add_option("--state-dir", export_state_dir, "Read the checkpoint from this state directory instead")
+      ->check(CLI::ExistingDirectory);
+  exporter->callback([&] {
+    command = [&] {
+      return export_state_dir.empty() ? ExportSession(connect, session_id, export_to)
+                                      : ExportFromStateDir(export_state_dir, session_id, export_to);
+    };
+  });
+
+  std::string state_dir;
+  CLI::App* state = app.add_subcommand("state", "Read a --state-dir offline (no daemon needed; nothing is written)");
+  state->require_subcommand(1);
+  CLI::App* inspect = state->add_subcommand("inspect", "Sessions, checkpoint steps, digests and journal records");
+  inspect->add_option("DIR", state_dir, "The state directory")->required();
+  inspect->callback([&] { command = [&] { return InspectState(state_dir); }; });
+  CLI::App* verify = state->add_subcommand("verify", "Check every digest and journal record; exit 1 on any problem");
+  verify->add_option("DIR", state_dir, "The state directory")->required();
+  verify->callback([&] { command = [&] { return VerifyState(state_dir); }; });
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int code = app.exit(e);
+    return code == 0 ? kExitOk : kExitUsage;
+  }
+  return Print(command(), json);
+}
+
+}  // namespace
+}  // namespace muond::ctl
+
+int main(int argc, char** argv) { return muond::ctl::Run(argc, argv); }
