@@ -15,6 +15,11 @@ packages=(
   prometheus curl python3-yaml python3-wheel python3-setuptools systemd
 )
 
+# `scripts/setup.sh containers` also installs what scripts/container-check.sh needs.
+if [[ ${1:-} == containers ]]; then
+  packages+=(podman runc debootstrap)
+fi
+
 missing=()
 for p in "${packages[@]}"; do
   if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed'; then

@@ -1,5 +1,9 @@
 #include "server/metrics/metrics_endpoint.h"
 
+#include <sys/socket.h>
+
+#include <chrono>
+
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "httplib.h"
@@ -26,6 +30,12 @@ absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(const st
   std::unique_ptr<MetricsEndpoint> endpoint(new MetricsEndpoint());
   endpoint->server_ = std::make_unique<httplib::Server>();
   httplib::Server& server = *endpoint->server_;
+  // SO_REUSEADDR only: cpp-httplib's default also sets SO_REUSEPORT, which lets a second daemon bind
+  // the same port and share its scrapes instead of failing at start-up.
+  server.set_socket_options([](int sock) {
+    const int yes = 1;
+    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+  });
   server.Get("/metrics", [render](const httplib::Request&, httplib::Response& response) {
     response.set_content(render(), kContentType);
   });
@@ -38,7 +48,13 @@ absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(const st
         absl::StrCat("--metrics-listen: cannot listen on ", listen, " (address in use or not valid)"));
   }
   endpoint->address_ = absl::StrCat(listen.substr(0, colon), ":", bound);
-  endpoint->thread_ = std::thread([&server] { server.listen_after_bind(); });
+  endpoint->thread_ = std::thread([&server, &ended = endpoint->ended_] {
+    server.listen_after_bind();
+    ended = true;
+  });
+  // Return once the listener runs: cpp-httplib's stop() does nothing before then, so a destructor
+  // racing the thread's start would wait for a listener nobody stops.
+  while (!server.is_running() && !endpoint->ended_) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   return endpoint;
 }
 

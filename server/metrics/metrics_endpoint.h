@@ -6,6 +6,7 @@
 // the destructor stops the listener and joins its thread. `render` must be thread-safe and outlive it.
 #pragma once
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <string>
@@ -37,6 +38,7 @@ class MetricsEndpoint {
 
   std::unique_ptr<httplib::Server> server_;
   std::thread thread_;
+  std::atomic<bool> ended_{false};  // the listener's loop returned
   std::string address_;
 };
 
