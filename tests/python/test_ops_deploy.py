@@ -142,3 +142,53 @@ def test_dockerfiles_set_only_daemon_flags():
         for variable in re.findall(r"\bMUOND_([A-Z_]+)=", text):
             assert variable.lower().replace("_", "-") in flags, (name, variable)
     assert (REPO_ROOT / ".dockerignore").is_file()
+
+
+def test_the_sharded_overlay_runs_a_sharded_session(start_daemon, tmp_path, monkeypatch):
+    """Three daemons configured exactly as the sharded overlay's pods are (its MUOND_* environment;
+    only addresses, paths and the thread count are this machine's) train one sharded session with a
+    token, survive a kill -9 of one shard (journal durability from the manifest), and leave state
+    directories that `muondctl state verify` accepts."""
+    import muond
+    from helpers import TinyNet, loss_of
+    from test_ops_muondctl import ctl_json
+
+    sts = render("sharded")[("StatefulSet", "muond")]
+    replicas = sts["spec"]["replicas"]
+    env = env_of(sts["spec"]["template"]["spec"]["containers"][0])
+    tokens = tmp_path / "tokens"
+    tokens.write_text("trainer:pod-token\n")
+    tokens.chmod(0o600)
+    local = {"MUOND_LISTEN": "127.0.0.1:0", "MUOND_METRICS_LISTEN": "127.0.0.1:0", "MUOND_THREADS": "1",
+             "MUOND_AUTH_TOKEN_FILE": str(tokens)}
+
+    def start(index, listen="127.0.0.1:0"):
+        for name, value in {**env, **local, "MUOND_STATE_DIR": str(tmp_path / f"state-{index}")}.items():
+            monkeypatch.setenv(name, value)
+        return start_daemon(listen=listen, workdir=tmp_path / f"pod-{index}")
+
+    pods = [start(i) for i in range(replicas)]
+    endpoints = [p.endpoint for p in pods]
+    model = TinyNet(seed=21)
+    opt = muond.RemoteOptimizer(muond.default_param_groups(model), endpoints=endpoints, session="sharded-pods",
+                                auth_token="pod-token", max_grad_norm=1.0)
+    for step in range(1, 4):
+        loss_of(model, step).backward()
+        opt.step()
+        opt.zero_grad()
+    pods[1].kill()  # a node lost mid-run: its journal holds every acknowledged step
+    pods[1] = start(1, listen=endpoints[1])  # the pod comes back under its stable name
+    for step in range(4, 7):
+        loss_of(model, step).backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt.last_step == 6
+    for index, pod in enumerate(pods):
+        shown = ctl_json("-e", pod.endpoint, "sessions", "show", "sharded-pods",
+                         env={"MUOND_AUTH_TOKEN": "pod-token"})
+        assert shown["last_step"] == 6 and shown["spec"]["shard"].get("index", 0) == index  # proto3 JSON leaves 0 out
+    opt.close(keep_session=True)
+    for pod in pods:
+        pod.stop()
+    for index in range(replicas):
+        assert ctl_json("state", "verify", tmp_path / f"state-{index}")["ok"] is True
