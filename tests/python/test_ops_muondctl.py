@@ -213,3 +213,46 @@ def test_tls_and_token_options(start_daemon, tls_files, tmp_path):
     assert ctl("-e", daemon.endpoint, "--timeout", "2", "health")[0] == 3
     assert ctl("-e", daemon.endpoint, "--tls-ca-file", tls_files["other_ca"], "--tls-server-name", "localhost",
                "--timeout", "2", "health")[0] == 3
+
+
+def test_health_is_not_serving_while_the_daemon_drains(start_daemon):
+    """SIGTERM turns the health service to NOT_SERVING (muondctl exits 1) while a call is still in
+    flight; when that call ends the daemon exits 0."""
+    import signal
+    import threading
+    import time
+    from muond._stubs import pb
+
+    from test_ops_metrics import metrics_address, sample, scrape
+
+    daemon = start_daemon("--shutdown-grace", "120", "--metrics-listen", "127.0.0.1:0")
+    address = metrics_address(daemon.endpoint)
+    model, opt = train(daemon.endpoint, "draining", steps=0)
+    release = threading.Event()
+
+    def upload():
+        yield pb.UploadParametersRequest(session_id="draining")
+        release.wait(timeout=120)  # holds the upload open: a call in flight
+
+    conn = muond.Connection(daemon.endpoint)
+    call = conn._stub.UploadParameters.future(upload())
+    # The daemon has the call once its own metrics count it in flight.
+    deadline = time.monotonic() + 60
+    while sample(scrape(address), "muond_calls_in_flight", method="UploadParameters") != 1:
+        assert time.monotonic() < deadline, "the upload never reached the daemon"
+        time.sleep(0.02)
+    daemon.proc.send_signal(signal.SIGTERM)
+    while True:
+        code, out, _ = ctl("-e", daemon.endpoint, "--timeout", "5", "health")
+        if (code, out) == (1, "NOT_SERVING\n"):
+            break
+        assert code == 0 and time.monotonic() < deadline, (code, out)
+        time.sleep(0.05)
+    assert ctl_json("-e", daemon.endpoint, "health", expect=1) == {"status": "NOT_SERVING"}
+    release.set()
+    try:
+        call.result(timeout=60)
+    except Exception:
+        pass  # an upload without chunks is refused; what matters is that the call ended
+    assert daemon.proc.wait(timeout=60) == 0
+    conn.close()
