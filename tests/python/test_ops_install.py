@@ -4,6 +4,7 @@ find_package(muond CONFIG REQUIRED) and trains through a real daemon. And the Py
 a wheel by `pip wheel ./python`, installed on its own, reporting its version and stepping."""
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -86,9 +87,15 @@ def test_a_trainer_builds_against_the_installed_package_and_trains(prefix, tmp_p
 
 
 def test_python_wheel_installs_and_steps(tmp_path, start_daemon):
+    # From a copy of python/ (with proto/ beside it, as in the repository), so that setuptools'
+    # build folders stay out of the checkout.
+    source = tmp_path / "src"
+    shutil.copytree(REPO_ROOT / "python", source / "python",
+                    ignore=shutil.ignore_patterns("build", "*.egg-info", "_proto", "__pycache__"))
+    shutil.copytree(REPO_ROOT / "proto", source / "proto")
     wheels = tmp_path / "wheels"
     run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", wheels,
-        REPO_ROOT / "python", cwd=tmp_path)
+        source / "python", cwd=tmp_path)
     [wheel] = wheels.glob("muond-*.whl")
     assert wheel.name.startswith("muond-0.1.0-")
     site = tmp_path / "site"
