@@ -81,7 +81,11 @@ if [ $ok != 1 ]; then
 fi
 step "muondctl health in the container: $("${podman[@]}" exec "$name" muondctl --endpoint "127.0.0.1:$port" health)"
 "${podman[@]}" exec "$name" id
-"${podman[@]}" healthcheck run "$name" && step "HEALTHCHECK: healthy"
+if ! "${podman[@]}" healthcheck run "$name"; then
+  echo "container-check: FAILED: the image's HEALTHCHECK does not pass" >&2
+  exit 1
+fi
+step "HEALTHCHECK: healthy"
 
 step "training from the host through the container"
 "$build/mlp_trainer" --endpoint "127.0.0.1:$port" --session container-check --steps 5 | tail -n 3
