@@ -36,7 +36,7 @@ MUOND_HD void MomentumElement(const MomentumArgs& a, float& m, float g, float& u
   }
 }
 
-// torch.optim.AdamW. bias_correction1 = 1 − β1ᵗ, bias_correction2_sqrt = √(1 − β2ᵗ).
+// torch.optim.AdamW (or torch.optim.Adam with l2_weight_decay). bias_correction1 = 1 − β1ᵗ, bias_correction2_sqrt = √(1 − β2ᵗ).
 struct AdamWArgs {
   float lr = 1e-3f;
   float beta1 = 0.9f, beta2 = 0.999f;
@@ -48,9 +48,13 @@ struct AdamWArgs {
   // 1.0f − 0.999f is off by 1.3e-5 relative, far more than rounding. Must match beta1 / beta2.
   float one_minus_beta1 = 0.1f;
   float one_minus_beta2 = 0.001f;
+  // Adam with coupled L2 (torch.optim.Adam's weight_decay, Megatron's decoupled_weight_decay=False):
+  // g ← g + λ·p before the moments. Zero for AdamW, whose decay is weight_decay above.
+  float l2_weight_decay = 0.0f;
 };
 
 MUOND_HD void AdamWElement(const AdamWArgs& a, float& p, float g, float& m, float& v) {
+  g = g + a.l2_weight_decay * p;  // torch grad.add(param, alpha=λ); exact for λ = 0 (p is finite)
   p = p * (1.0f - a.lr * a.weight_decay);
   m = m + a.one_minus_beta1 * (g - m);              // torch lerp_(g, 1−β1)
   v = a.beta2 * v + a.one_minus_beta2 * g * g;       // torch mul_(β2).addcmul_(g, g, 1−β2)

@@ -1,4 +1,5 @@
-// AdamW with torch.optim.AdamW semantics; the element-wise formula is kernels::AdamWElement.
+// AdamW with torch.optim.AdamW semantics, or with weight_decay_mode l2 torch.optim.Adam's coupled L2
+// (Megatron-Core's decoupled_weight_decay=False); the element-wise formula is kernels::AdamWElement.
 #include <algorithm>
 #include <cmath>
 #include <utility>
@@ -20,17 +21,21 @@ class AdamW final : public Optimizer {
 
   bool SlotIsNonNegative(std::string_view slot) const override { return slot == "exp_avg_sq"; }
 
-  // kernels::AdamWElement: m ← m + (1−β1)(g − m); v ← β2·v + (1−β2)·g²;
-  // p ← p·(1 − η·λ) − (η/bc1)·m / (√v/√bc2 + ε), where the quotient is at most m/ε.
+  // kernels::AdamWElement: (coupled L2: g ← g + λ·p); m ← m + (1−β1)(g − m); v ← β2·v + (1−β2)·g²;
+  // p ← p·(1 − η·λ) − (η/bc1)·m / (√v/√bc2 + ε) (no decoupled factor with coupled L2), where the
+  // quotient is at most m/ε.
   StepBounds BoundStep(const StepHyper& hyper, const ParamState& param, double g) const override {
     const double m = SlotBound(param, "exp_avg"), v = SlotBound(param, "exp_avg_sq");
+    const bool coupled = Coupled();
+    if (coupled) g = (g + hyper.weight_decay * param.master_bound) * kBoundRounding;
+    const double decay = coupled ? 1.0 : std::abs(1.0 - hyper.lr * hyper.weight_decay);
     const double b1 = options_.beta1, b2 = options_.beta2;
     const double bc1 = 1.0 - std::pow(b1, static_cast<double>(param.step_count + 1));
     StepBounds out;
     const double m_next = (b1 * m + (1 - b1) * g) * kBoundRounding;
     const double v_next = (b2 * v + (1 - b2) * g * g) * kBoundRounding;
     const double quotient = m_next / options_.eps;
-    out.master = (std::abs(1.0 - hyper.lr * hyper.weight_decay) * param.master_bound +
+    out.master = (decay * param.master_bound +
                   hyper.lr / bc1 * quotient) * kBoundRounding;
     out.slots = {m_next, v_next};
     out.peak = std::max({out.master, m_next, v_next, g * g, g + m, quotient});
@@ -53,11 +58,12 @@ class AdamW final : public Optimizer {
           .beta1 = static_cast<float>(options_.beta1),
           .beta2 = static_cast<float>(options_.beta2),
           .eps = static_cast<float>(options_.eps),
-          .weight_decay = static_cast<float>(hyper.weight_decay),
+          .weight_decay = Coupled() ? 0.0f : static_cast<float>(hyper.weight_decay),
           .bias_correction1 = static_cast<float>(1.0 - std::pow(options_.beta1, t)),
           .bias_correction2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(options_.beta2, t))),
           .one_minus_beta1 = static_cast<float>(1.0 - options_.beta1),
           .one_minus_beta2 = static_cast<float>(1.0 - options_.beta2),
+          .l2_weight_decay = Coupled() ? static_cast<float>(hyper.weight_decay) : 0.0f,
       };
       MUOND_RETURN_IF_ERROR(backend.AdamW(args, p->master->data(), p->grad->data(),
                                           p->Slot("exp_avg")->data(), p->Slot("exp_avg_sq")->data(),
@@ -66,6 +72,10 @@ class AdamW final : public Optimizer {
     }
     return absl::OkStatus();
   }
+
+ private:
+  // weight_decay_mode l2: Adam with coupled L2 instead of AdamW's decoupled decay.
+  bool Coupled() const { return options_.weight_decay_mode == WeightDecayMode::kL2; }
 };
 
 }  // namespace

@@ -147,14 +147,16 @@ absl::Status ValidateStepHyper(const GroupOptions& o, double lr, double momentum
   // the weights' sign and grows them.
   const bool independent =
       o.optimizer == OptimizerKind::kMuon && o.weight_decay_mode == WeightDecayMode::kIndependent;
-  const bool coupled_muon = o.optimizer == OptimizerKind::kMuon && o.weight_decay_mode == WeightDecayMode::kL2;
+  // Coupled L2 (muon, adamw) has no decay factor: the fp32 guard bounds what the decay adds.
+  const bool coupled = (o.optimizer == OptimizerKind::kMuon || o.optimizer == OptimizerKind::kAdamW) &&
+                       o.weight_decay_mode == WeightDecayMode::kL2;
   if (independent && weight_decay > 1) {
     return absl::InvalidArgumentError(absl::StrCat(
         "weight_decay must be <= 1 with weight_decay_mode independent (the decay factor 1 - weight_decay "
         "stays in [0, 1]), got ",
         weight_decay));
   }
-  if (!independent && !coupled_muon && lr * weight_decay > 1) {
+  if (!independent && !coupled && lr * weight_decay > 1) {
     return absl::InvalidArgumentError(absl::StrCat("lr * weight_decay must be <= 1 (the decay factor 1 - lr * "
                                                    "weight_decay stays in [0, 1]), got lr ",
                                                    lr, " and weight_decay ", weight_decay));
@@ -181,6 +183,11 @@ double NsSingularValueBound(const NsSchedule& schedule, int steps, double norm_s
 
 absl::Status ValidateOptions(const GroupOptions& o) {
   MUOND_RETURN_IF_ERROR(ValidateStepHyper(o, o.lr, o.momentum, o.weight_decay));
+  if (o.optimizer == OptimizerKind::kAdamW && o.weight_decay_mode == WeightDecayMode::kIndependent) {
+    return absl::InvalidArgumentError(
+        "weight_decay_mode independent applies to muon only; adamw takes decoupled (AdamW) or l2 (Adam with "
+        "coupled L2)");
+  }
   if (o.optimizer == OptimizerKind::kSgd && o.nesterov && o.momentum <= 0) {
     return absl::InvalidArgumentError("nesterov needs momentum > 0 (torch.optim.SGD semantics)");
   }
@@ -265,7 +272,7 @@ const std::vector<OptionSpec>& GroupOptionTable() {
       {"optimizer", all, {"muon", "adamw", "lion", "sgd"}},  // OptimizerKind's order
       {"lr", all, {}},
       {"weight_decay", all, {}},
-      {"weight_decay_mode", muon, {"decoupled", "independent", "l2"}},
+      {"weight_decay_mode", {K::kMuon, K::kAdamW}, {"decoupled", "independent", "l2"}},  // adamw: not independent
       {"momentum", {K::kMuon, K::kSgd}, {}},
       {"nesterov", {K::kMuon, K::kSgd}, {}},
       {"momentum_style", muon, {"ema", "sum"}},

@@ -13,6 +13,7 @@
 namespace muond::optim {
 
 enum class OptimizerKind { kMuon, kAdamW, kLion, kSgd };
+// muon: all three; adamw: kDecoupled (AdamW) or kL2 (Adam with coupled L2).
 enum class WeightDecayMode { kDecoupled, kIndependent, kL2 };
 enum class ScaleMode { kShapeScaling, kSpectral, kUnitRmsNorm };
 enum class CoefficientsAfter { kCycle, kRepeatLast };

@@ -207,10 +207,14 @@ class LocalOptimizer(torch.optim.Optimizer):
             state["exp_avg"] = torch.zeros_like(g)
             state["exp_avg_sq"] = torch.zeros_like(g)
         m, v, t = state["exp_avg"], state["exp_avg_sq"], state["step"]
+        coupled = group["weight_decay_mode"] == "l2"  # torch.optim.Adam's weight_decay
+        if coupled and wd:
+            g = g + wd * p.float()
         m.mul_(beta1).add_(g, alpha=1 - beta1)
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         denom = (v / (1 - beta2 ** t)).sqrt_().add_(eps)
-        p.mul_(1 - lr * wd)
+        if not coupled:
+            p.mul_(1 - lr * wd)
         p.add_((m / (1 - beta1 ** t) / denom).to(p.dtype), alpha=-lr)
 
     @staticmethod

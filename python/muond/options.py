@@ -10,7 +10,8 @@ turns a resolved group into the ``muond.v1.GroupOptions`` message sent when a se
 | optimizer / use_muon    | all          | "muon" (``use_muon=False`` means "adamw")                 |
 | lr                      | all          | muon 0.02, adamw 1e-3, lion 1e-4, sgd 1e-2               |
 | weight_decay            | all          | muon 0, adamw 0.01, lion 0, sgd 0                        |
-| weight_decay_mode       | muon         | "decoupled" ("independent", "l2")                        |
+| weight_decay_mode       | muon, adamw  | "decoupled" (muon: "independent", "l2"; adamw: "l2", i.e. |
+|                         |              | Adam with coupled L2 as torch.optim.Adam)                 |
 | momentum, nesterov      | muon, sgd    | muon 0.95 / True, sgd 0 / False                          |
 | momentum_style          | muon         | "ema" ("sum")                                            |
 | ns_steps                | muon         | 5                                                        |
@@ -63,7 +64,7 @@ _CHOICES = {
     "matmul_precision": ("bf16", "tf32", "fp32"),
 }
 
-_MUON_ONLY = ("weight_decay_mode", "momentum_style", "ns_steps", "ns_coefficients",
+_MUON_ONLY = ("momentum_style", "ns_steps", "ns_coefficients",
               "ns_coefficients_after", "ns_eps", "ns_norm_safety", "scale_mode",
               "extra_scale_factor", "matmul_precision", "qkv_split", "num_query_groups",
               "qk_clip_threshold", "qk_clip_alpha")
@@ -77,7 +78,8 @@ DEFAULTS: Dict[str, Dict[str, Any]] = {
         "qkv_split": None, "num_query_groups": None, "qk_clip_threshold": 100.0,
         "qk_clip_alpha": 0.5,
     },
-    "adamw": {"lr": 1e-3, "weight_decay": 0.01, "betas": (0.9, 0.999), "eps": 1e-8},
+    "adamw": {"lr": 1e-3, "weight_decay": 0.01, "weight_decay_mode": "decoupled", "betas": (0.9, 0.999),
+              "eps": 1e-8},
     "lion": {"lr": 1e-4, "weight_decay": 0.0, "betas": (0.9, 0.99)},
     "sgd": {"lr": 1e-2, "weight_decay": 0.0, "momentum": 0.0, "nesterov": False},
 }
@@ -186,6 +188,9 @@ def resolve_group(group: Mapping[str, Any], defaults: Mapping[str, Any]) -> Dict
         else:
             value = fallback
         resolved[key] = _check_value(key, value)
+    if name == "adamw" and resolved["weight_decay_mode"] == "independent":
+        raise ValueError("weight_decay_mode independent applies to muon only; adamw takes decoupled "
+                         "(AdamW) or l2 (Adam with coupled L2)")
     if resolved.get("ns_coefficients_after") is not None and isinstance(
             resolved["ns_coefficients"], str):
         raise ValueError("ns_coefficients_after applies to a custom ns_coefficients list only")

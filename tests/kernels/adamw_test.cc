@@ -1,5 +1,6 @@
 // AdamW against an fp64 reference of torch.optim.AdamW (decoupled decay, bias corrections from each
-// parameter's own step count).
+// parameter's own step count), and with weight_decay_mode l2 against torch.optim.Adam's coupled L2
+// (g ← g + λ·p before the moments, no decoupled factor).
 #include <cmath>
 #include <random>
 #include <vector>
@@ -16,23 +17,29 @@ namespace {
 struct RefAdam {
   std::vector<double> p, m, v;
   int64_t t = 0;
-  void Step(const GroupOptions& o, const StepHyper& h, const std::vector<double>& g) {
+  void Step(const GroupOptions& o, const StepHyper& h, const std::vector<double>& grad) {
     ++t;
+    const bool coupled = o.weight_decay_mode == WeightDecayMode::kL2;
     const double bc1 = 1 - std::pow(o.beta1, t), bc2 = 1 - std::pow(o.beta2, t);
     for (size_t i = 0; i < p.size(); ++i) {
-      p[i] *= 1 - h.lr * h.weight_decay;
-      m[i] = o.beta1 * m[i] + (1 - o.beta1) * g[i];
-      v[i] = o.beta2 * v[i] + (1 - o.beta2) * g[i] * g[i];
+      const double g = coupled ? grad[i] + h.weight_decay * p[i] : grad[i];
+      if (!coupled) p[i] *= 1 - h.lr * h.weight_decay;
+      m[i] = o.beta1 * m[i] + (1 - o.beta1) * g;
+      v[i] = o.beta2 * v[i] + (1 - o.beta2) * g * g;
       p[i] -= h.lr * (m[i] / bc1) / (std::sqrt(v[i] / bc2) + o.eps);
     }
   }
 };
 
-TEST(AdamWTest, MatchesTorchSemanticsOverSteps) {
+class AdamWModeTest : public ::testing::TestWithParam<WeightDecayMode> {};
+
+TEST_P(AdamWModeTest, MatchesTorchSemanticsOverSteps) {
   auto backend = kernels::NewCpuBackend(1);
   GroupOptions o = DefaultOptions(OptimizerKind::kAdamW);
   o.lr = 1e-2;
   o.weight_decay = 0.1;
+  o.weight_decay_mode = GetParam();
+  ASSERT_OK(ValidateOptions(o));
   ASSERT_OK_AND_ASSIGN(auto opt, Optimizer::Create(o));
   EXPECT_EQ(opt->SlotNames(), (std::vector<std::string>{"exp_avg", "exp_avg_sq"}));
   std::mt19937 rng(7);
@@ -88,6 +95,47 @@ TEST(AdamWTest, MatchesTorchSemanticsOverSteps) {
       }
     }
   }
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, AdamWModeTest,
+                         ::testing::Values(WeightDecayMode::kDecoupled, WeightDecayMode::kL2),
+                         [](const auto& info) { return info.param == WeightDecayMode::kL2 ? "coupled_l2" : "decoupled"; });
+
+TEST(AdamWTest, CoupledL2DiffersFromDecoupledDecay) {
+  // One step from p = 1, g = 0: AdamW only decays (p ← 1 − ηλ); Adam with L2 moves by about η
+  // (the decay enters the gradient and is normalized by √v).
+  auto backend = kernels::NewCpuBackend(1);
+  for (WeightDecayMode mode : {WeightDecayMode::kDecoupled, WeightDecayMode::kL2}) {
+    GroupOptions o = DefaultOptions(OptimizerKind::kAdamW);
+    o.lr = 1e-2;
+    o.weight_decay = 0.1;
+    o.weight_decay_mode = mode;
+    ASSERT_OK_AND_ASSIGN(auto opt, Optimizer::Create(o));
+    ParamState s;
+    s.shape = {1};
+    s.numel = 1;
+    s.master = testing::Upload(*backend, std::vector<float>{1.0f});
+    s.grad = testing::Upload(*backend, std::vector<float>{0.0f});
+    ASSERT_OK(opt->InitState(*backend, s));
+    s.has_grad = true;
+    ParamState* ptrs[] = {&s};
+    ASSERT_OK(opt->Step(*backend, opt->DefaultHyper(), ptrs));
+    const float p = testing::Download(*backend, s.master->data(), 1)[0];
+    if (mode == WeightDecayMode::kDecoupled) {
+      EXPECT_FLOAT_EQ(p, 1.0f - 1e-2f * 0.1f);
+    } else {
+      EXPECT_NEAR(p, 1.0f - 1e-2f, 1e-6f);
+    }
+  }
+}
+
+TEST(AdamWTest, RefusesIndependentDecayNamingTheOption) {
+  GroupOptions o = DefaultOptions(OptimizerKind::kAdamW);
+  o.weight_decay_mode = WeightDecayMode::kIndependent;
+  const absl::Status refused = ValidateOptions(o);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.message().find("weight_decay_mode independent applies to muon only"), std::string::npos)
+      << refused;
 }
 
 TEST(AdamWTest, AcceptsAnyShape) {

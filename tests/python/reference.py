@@ -22,7 +22,7 @@ MUON_DEFAULTS = dict(lr=0.02, momentum=0.95, nesterov=True, momentum_style="ema"
                      coefficients=SIMPLE, after="cycle", ns_eps=1e-7, ns_norm_safety=1.0,
                      scale_mode="shape_scaling", extra_scale_factor=1.0, weight_decay=0.0,
                      weight_decay_mode="decoupled")
-ADAMW_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+ADAMW_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, weight_decay_mode="decoupled")
 
 
 def newton_schulz(u, steps, coefficients, after, eps, safety):
@@ -107,6 +107,10 @@ class Reference:
         m = st.setdefault("m", torch.zeros_like(W))
         v = st.setdefault("v", torch.zeros_like(W))
         t = st["t"]
+        coupled = o.get("weight_decay_mode") == "l2"  # Adam with coupled L2 (torch.optim.Adam)
+        if coupled:
+            g = g + wd * W
         m.copy_(b1 * m + (1 - b1) * g)
         v.copy_(b2 * v + (1 - b2) * g * g)
-        W.copy_(W * (1 - lr * wd) - lr * (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt() + eps))
+        decay = 1 if coupled else 1 - lr * wd
+        W.copy_(W * decay - lr * (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt() + eps))

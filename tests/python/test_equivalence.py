@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import muond
-from helpers import Pair, TinyNet, loss_of, rel_err, remote_factory
+from helpers import Pair, TinyNet, clone_model, loss_of, rel_err, remote_factory
 from reference import POLAR_EXPRESS, QUINTIC
 
 TOLERANCE = 1e-4
@@ -93,6 +93,36 @@ def test_adamw_options_map_through(endpoint):
     pair = Pair(remote_factory(endpoint, adamw=adamw), TinyNet(seed=5), ref_adamw=adamw)
     errors = run(pair, 8)
     assert max(errors.values()) < TOLERANCE, errors
+
+
+def test_adam_with_coupled_l2_matches_the_reference_and_torch_adam(endpoint):
+    """weight_decay_mode l2 on an AdamW group: Adam with coupled L2 (Megatron-Core's
+    decoupled_weight_decay=False), against the fp64-free reference and against torch.optim.Adam."""
+    adam = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "weight_decay_mode": "l2"}
+    pair = Pair(remote_factory(endpoint, adamw=adam), TinyNet(seed=15), ref_adamw=adam)
+    errors = run(pair, 8)
+    assert max(errors.values()) < TOLERANCE, errors
+
+    model = TinyNet(seed=16)
+    twin = clone_model(model)
+    groups = [dict(params=list(model.parameters()), optimizer="adamw", **adam)]
+    with muond.RemoteOptimizer(groups, endpoint=endpoint) as opt:
+        torch_adam = torch.optim.Adam(twin.parameters(), lr=3e-3, betas=(0.9, 0.95), eps=1e-8,
+                                      weight_decay=0.1)
+        for step in range(1, 6):
+            for m, o in ((model, opt), (twin, torch_adam)):
+                loss_of(m, step).backward()
+                o.step()
+                o.zero_grad()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert rel_err(p.detach(), q.detach()) < TOLERANCE, name
+
+
+def test_adamw_refuses_independent_decay(endpoint):
+    model = TinyNet(seed=17)
+    with pytest.raises(ValueError, match="weight_decay_mode independent applies to muon only"):
+        muond.RemoteOptimizer([dict(params=list(model.parameters()), optimizer="adamw",
+                                    weight_decay_mode="independent")], endpoint=endpoint)
 
 
 def test_muon_with_aux_adam_style_groups(endpoint):
