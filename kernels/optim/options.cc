@@ -50,6 +50,29 @@ const std::vector<NamedSet>& NamedSets() {
         {2.7573, -3.2939, 1.4254},
         {2.7215, -3.0494, 1.3169}},
        CoefficientsAfter::kCycle},
+      // Keller Jordan's tuple 8 times, then two steps of (2, −1.5, 0.5) that pull the singular values
+      // onto 1 (Emerging-Optimizers' deepseekv4; meant for ns_steps 10).
+      {"deepseekv4",
+       {{3.4445, -4.7750, 2.0315},
+        {3.4445, -4.7750, 2.0315},
+        {3.4445, -4.7750, 2.0315},
+        {3.4445, -4.7750, 2.0315},
+        {3.4445, -4.7750, 2.0315},
+        {3.4445, -4.7750, 2.0315},
+        {3.4445, -4.7750, 2.0315},
+        {3.4445, -4.7750, 2.0315},
+        {2.0, -1.5, 0.5},
+        {2.0, -1.5, 0.5}},
+       CoefficientsAfter::kRepeatLast},
+      // Cubic steps (c = 0: X ← a·X + b·(X·Xᵀ)·X), tuned for exactly 5 steps (arXiv 2606.00371,
+      // Emerging-Optimizers' cubic5); ValidateOptions refuses other step counts.
+      {"cubic5",
+       {{3.3656576, -3.3420992, 0.0},
+        {2.5744352, -1.4957376, 0.0},
+        {2.5368962, -1.4312570, 0.0},
+        {2.4418906, -1.2764040, 0.0},
+        {2.2230472, -0.9630650, 0.0}},
+       CoefficientsAfter::kRepeatLast},
   };
   return *sets;
 }
@@ -199,6 +222,11 @@ absl::Status ValidateOptions(const GroupOptions& o) {
   if (o.ns_steps > kMaxNsSteps) {
     return absl::InvalidArgumentError(
         absl::StrCat("ns_steps must be <= ", kMaxNsSteps, ", got ", o.ns_steps));
+  }
+  if (o.ns_schedule.name == "cubic5" && o.ns_steps != 5) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ns_steps must be 5 with ns_coefficients cubic5 (its coefficients are tuned for exactly 5 steps), got ",
+        o.ns_steps));
   }
   if (o.ns_schedule.tuples.empty()) {
     return absl::InvalidArgumentError("ns_coefficients must hold at least one (a, b, c) tuple");

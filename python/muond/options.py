@@ -15,7 +15,8 @@ turns a resolved group into the ``muond.v1.GroupOptions`` message sent when a se
 | momentum, nesterov      | muon, sgd    | muon 0.95 / True, sgd 0 / False                          |
 | momentum_style          | muon         | "ema" ("sum")                                            |
 | ns_steps                | muon         | 5                                                        |
-| ns_coefficients         | muon         | "simple" (quintic, polar_express, cans, aol) or a list   |
+| ns_coefficients         | muon         | "simple" (quintic, polar_express, cans, aol, deepseekv4, |
+|                         |              | cubic5 with ns_steps=5) or a list                        |
 |                         |              | of (a, b, c) tuples (one tuple is accepted as well)       |
 | ns_coefficients_after   | muon         | None: the set's own rule; a custom list cycles            |
 | ns_eps, ns_norm_safety  | muon         | 1e-7, 1.0                                                |
@@ -51,10 +52,16 @@ COEFFICIENT_SETS: Dict[str, Tuple[Tuple[float, float, float], ...]] = {
              (3.2866, -2.4647, 0.5074), (2.2737, -1.6447, 0.4162)),
     "aol": ((4.0098, -7.0585, 2.4635), (3.4585, -5.5479, 2.5959), (2.7573, -3.2939, 1.4254),
             (2.7215, -3.0494, 1.3169)),
+    # Keller Jordan's tuple ×8, then (2, -1.5, 0.5) ×2; meant for ns_steps=10.
+    "deepseekv4": ((3.4445, -4.7750, 2.0315),) * 8 + ((2.0, -1.5, 0.5),) * 2,
+    # Cubic steps (c = 0), tuned for exactly ns_steps=5.
+    "cubic5": ((3.3656576, -3.3420992, 0.0), (2.5744352, -1.4957376, 0.0), (2.5368962, -1.4312570, 0.0),
+               (2.4418906, -1.2764040, 0.0), (2.2230472, -0.9630650, 0.0)),
 }
 # What happens after a named list ends.
 COEFFICIENTS_AFTER = {"simple": "cycle", "quintic": "cycle", "polar_express": "repeat_last",
-                      "cans": "repeat_last", "aol": "cycle"}
+                      "cans": "repeat_last", "aol": "cycle", "deepseekv4": "repeat_last",
+                      "cubic5": "repeat_last"}
 
 _CHOICES = {
     "weight_decay_mode": ("decoupled", "independent", "l2"),
@@ -188,6 +195,9 @@ def resolve_group(group: Mapping[str, Any], defaults: Mapping[str, Any]) -> Dict
         else:
             value = fallback
         resolved[key] = _check_value(key, value)
+    if name == "muon" and resolved["ns_coefficients"] == "cubic5" and resolved["ns_steps"] != 5:
+        raise ValueError("ns_steps must be 5 with ns_coefficients cubic5 (its coefficients are tuned "
+                         f"for exactly 5 steps), got {resolved['ns_steps']}")
     if name == "adamw" and resolved["weight_decay_mode"] == "independent":
         raise ValueError("weight_decay_mode independent applies to muon only; adamw takes decoupled "
                          "(AdamW) or l2 (Adam with coupled L2)")

@@ -27,7 +27,9 @@ struct ExpectedSet {
 };
 
 TEST(NamedScheduleTest, TablesMatchDesign) {
-  EXPECT_THAT(NamedScheduleNames(), ElementsAre("simple", "quintic", "polar_express", "cans", "aol"));
+  EXPECT_THAT(NamedScheduleNames(),
+              ElementsAre("simple", "quintic", "polar_express", "cans", "aol", "deepseekv4", "cubic5"));
+  const NsCoefficient jordan = {3.4445, -4.7750, 2.0315};
   const std::vector<ExpectedSet> expected = {
       {"simple", {{3.4445, -4.7750, 2.0315}}, CoefficientsAfter::kCycle},
       {"quintic",
@@ -47,6 +49,13 @@ TEST(NamedScheduleTest, TablesMatchDesign) {
        {{4.0098, -7.0585, 2.4635}, {3.4585, -5.5479, 2.5959}, {2.7573, -3.2939, 1.4254},
         {2.7215, -3.0494, 1.3169}},
        CoefficientsAfter::kCycle},
+      {"deepseekv4",
+       {jordan, jordan, jordan, jordan, jordan, jordan, jordan, jordan, {2.0, -1.5, 0.5}, {2.0, -1.5, 0.5}},
+       CoefficientsAfter::kRepeatLast},
+      {"cubic5",
+       {{3.3656576, -3.3420992, 0.0}, {2.5744352, -1.4957376, 0.0}, {2.5368962, -1.4312570, 0.0},
+        {2.4418906, -1.2764040, 0.0}, {2.2230472, -0.9630650, 0.0}},
+       CoefficientsAfter::kRepeatLast},
   };
   for (const ExpectedSet& e : expected) {
     ASSERT_OK_AND_ASSIGN(NsSchedule s, NamedSchedule(e.name));
@@ -194,6 +203,21 @@ TEST(ValidateOptionsTest, NamedSetsKeepSingularValuesNearOne) {
       EXPECT_GE(bound, 2.0) << "at least twice the input's largest singular value, 1";
     }
   }
+}
+
+TEST(ValidateOptionsTest, Cubic5TakesExactlyFiveSteps) {
+  GroupOptions o = DefaultOptions(OptimizerKind::kMuon);
+  ASSERT_OK_AND_ASSIGN(o.ns_schedule, NamedSchedule("cubic5"));
+  EXPECT_OK(ValidateOptions(o));  // ns_steps 5, the default
+  for (int steps : {4, 6, 10}) {
+    o.ns_steps = steps;
+    EXPECT_THAT(ValidateOptions(o),
+                StatusIs(absl::StatusCode::kInvalidArgument, "ns_steps must be 5 with ns_coefficients cubic5"))
+        << steps;
+  }
+  ASSERT_OK_AND_ASSIGN(o.ns_schedule, NamedSchedule("deepseekv4"));
+  o.ns_steps = 10;
+  EXPECT_OK(ValidateOptions(o));
 }
 
 TEST(ValidateOptionsTest, OverridableValuesShareTheRanges) {

@@ -6,7 +6,7 @@ import torch
 
 import muond
 from helpers import Pair, TinyNet, clone_model, loss_of, rel_err, remote_factory
-from reference import POLAR_EXPRESS, QUINTIC
+from reference import POLAR_EXPRESS, QUINTIC, SIMPLE
 
 TOLERANCE = 1e-4
 
@@ -75,12 +75,19 @@ MUON_VARIANTS = [
       "ns_eps": 1e-6, "ns_norm_safety": 1.02},
      {"scale_mode": "unit_rms_norm", "weight_decay": 0.05, "weight_decay_mode": "l2",
       "ns_eps": 1e-6, "ns_norm_safety": 1.02}),
+    ({"ns_coefficients": "deepseekv4", "ns_steps": 10},
+     {"coefficients": [SIMPLE[0]] * 8 + [(2.0, -1.5, 0.5)] * 2, "after": "repeat_last", "ns_steps": 10}),
+    ({"ns_coefficients": "cubic5"},
+     {"coefficients": [(3.3656576, -3.3420992, 0.0), (2.5744352, -1.4957376, 0.0),
+                       (2.5368962, -1.4312570, 0.0), (2.4418906, -1.2764040, 0.0),
+                       (2.2230472, -0.9630650, 0.0)], "after": "repeat_last"}),
 ]
 
 
 @pytest.mark.parametrize("options,reference", MUON_VARIANTS,
                          ids=["sum", "sum-nesterov", "quintic", "polar_express", "custom",
-                              "torch-style-tuple", "spectral-independent", "unit_rms-l2"])
+                              "torch-style-tuple", "spectral-independent", "unit_rms-l2", "deepseekv4",
+                              "cubic5"])
 def test_muon_options_map_through(endpoint, options, reference):
     pair = Pair(remote_factory(endpoint, muon=dict(options, lr=0.05)), TinyNet(seed=4),
                 ref_muon=dict(reference, lr=0.05))
@@ -116,6 +123,25 @@ def test_adam_with_coupled_l2_matches_the_reference_and_torch_adam(endpoint):
                 o.zero_grad()
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
         assert rel_err(p.detach(), q.detach()) < TOLERANCE, name
+
+
+def test_cubic5_takes_exactly_five_steps(endpoint):
+    model = TinyNet(seed=18)
+    with pytest.raises(ValueError, match="ns_steps must be 5 with ns_coefficients cubic5"):
+        muond.RemoteOptimizer(muond.default_param_groups(model, muon={"ns_coefficients": "cubic5",
+                                                                       "ns_steps": 6}), endpoint=endpoint)
+    # The daemon refuses it too, naming the field, when a client skips the check.
+    from muond._stubs import pb
+    spec = pb.SessionSpec(groups=[pb.ParameterGroup(name="g", options=pb.GroupOptions(
+        optimizer=pb.OPTIMIZER_MUON, ns_coefficients="cubic5", ns_steps=6))],
+        parameters=[pb.ParameterSpec(name="w", shape=[4, 8], group="g")])
+    conn = muond.Connection(endpoint)
+    try:
+        with pytest.raises(muond.MuondError, match="ns_steps must be 5 with ns_coefficients cubic5") as refused:
+            conn.create_session("cubic5-six-steps", spec)
+        assert "spec.groups[0].options" in str(refused.value)
+    finally:
+        conn.close()
 
 
 def test_adamw_refuses_independent_decay(endpoint):
