@@ -84,6 +84,9 @@ struct StepOptions {
   // step and, for a commit, the decision taken over every shard.
   v1::StepPhase phase = v1::STEP_PHASE_WHOLE;
   std::optional<v1::ShardDecision> decision;
+  // Count the gradient elements that are exactly 0 (Megatron-Core's log_num_zeros_in_grad):
+  // StepReply::num_zeros_in_grad.
+  bool log_num_zeros_in_grad = false;
 };
 
 using ParameterMap = std::map<std::string, std::vector<float>>;
@@ -100,6 +103,7 @@ struct StepReply {
   // A prepare's answer: nothing applied; each parameter's sum of squares, in spec order.
   bool prepared = false;
   std::vector<double> sum_squares;
+  int64_t num_zeros_in_grad = 0;  // with StepOptions::log_num_zeros_in_grad; summed over shards
 };
 
 class Session;

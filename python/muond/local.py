@@ -94,14 +94,18 @@ class LocalOptimizer(torch.optim.Optimizer):
         qk_clip: QK-clip pairs ``[(query, key, num_heads), ...]`` as for ``RemoteOptimizer``;
             the daemon's checks of them are made here and raise ValueError.
         max_grad_norm: clip the global gradient norm before each step, as the daemon does.
+        log_num_zeros_in_grad: count the gradient elements that are exactly 0 each step
+            (Megatron-Core's option of that name); ``last_info.num_zeros_in_grad`` has the count.
         **defaults: options for every group that leaves them unset (see ``muond.options``).
     """
 
     def __init__(self, params: Iterable[Any], *,
                  qk_clip: Optional[Iterable[Tuple[Any, Any, int]]] = None,
-                 max_grad_norm: Optional[float] = None, **defaults: Any):
+                 max_grad_norm: Optional[float] = None, log_num_zeros_in_grad: bool = False,
+                 **defaults: Any):
         opts.check_defaults(defaults)
         self.max_grad_norm = check_max_grad_norm(max_grad_norm)
+        self.log_num_zeros_in_grad = bool(log_num_zeros_in_grad)
         self.last_step = 0
         self.last_info: Optional[StepInfo] = None
         self._user_defaults = dict(defaults)
@@ -144,10 +148,12 @@ class LocalOptimizer(torch.optim.Optimizer):
         sum_squares = sum(sums)
         non_finite = next((n for (n, _), s in zip(named, sums) if not math.isfinite(s)), "")
         norm = math.sqrt(sum_squares) if math.isfinite(sum_squares) else float("nan")
+        zeros = (sum(int((g == 0).sum()) for _, g in named) if self.log_num_zeros_in_grad else None)
         if non_finite:
             self.last_info = StepInfo(self.last_step, False, False,
                                       f"non-finite gradient in '{non_finite}'", norm,
-                                      time.perf_counter() - started, time.perf_counter() - started)
+                                      time.perf_counter() - started, time.perf_counter() - started,
+                                      num_zeros_in_grad=zeros)
             return loss
         clip = 1.0
         if self.max_grad_norm is not None:
@@ -177,7 +183,8 @@ class LocalOptimizer(torch.optim.Optimizer):
             qk.apply(weight, self._by_name[pairs[query].key], max_logits,
                      group["qk_clip_threshold"], group["qk_clip_alpha"])
         elapsed = time.perf_counter() - started
-        self.last_info = StepInfo(self.last_step, True, False, "", norm, elapsed, elapsed)
+        self.last_info = StepInfo(self.last_step, True, False, "", norm, elapsed, elapsed,
+                                  num_zeros_in_grad=zeros)
         return loss
 
     @staticmethod

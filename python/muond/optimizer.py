@@ -81,6 +81,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
         wire_dtype: dtype of gradients on the wire: "fp32" (default) or "bf16" (or "fp16").
         return_dtype: dtype of the returned parameters: "fp32" (default) or "bf16"/"fp16".
         max_grad_norm: clip the global gradient norm on the daemon before each step.
+        log_num_zeros_in_grad: count the gradient elements that are exactly 0 each step
+            (Megatron-Core's option of that name); ``last_info.num_zeros_in_grad`` has the count.
         chunk_bytes: size of the tensor chunks sent and asked for.
         timeout: deadline in seconds of each call (None: none).
         connect_timeout: seconds to wait for the daemon at construction.
@@ -139,7 +141,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
                  transport: Optional[str] = None,
                  world_size: Optional[int] = None, rank: Optional[int] = None,
                  qk_clip: Optional[Iterable[Tuple[Any, Any, int]]] = None,
-                 endpoints: Optional[Sequence[str]] = None, **defaults: Any):
+                 endpoints: Optional[Sequence[str]] = None, log_num_zeros_in_grad: bool = False,
+                 **defaults: Any):
         opts.check_defaults(defaults)
         self._user_defaults = dict(defaults)
         self._sealed = False
@@ -153,6 +156,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self.wire_dtype = wire.dtype_name(wire_dtype)
         self.return_dtype = wire.dtype_name(return_dtype)
         self.max_grad_norm = check_max_grad_norm(max_grad_norm)
+        self.log_num_zeros_in_grad = bool(log_num_zeros_in_grad)
         self.chunk_bytes = int(chunk_bytes)
         self.max_step_attempts = _step_attempts(max_step_attempts)
         self.retry_backoff = float(retry_backoff)
@@ -345,6 +349,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
             header.overrides.add(group=gname, **opts.overrides_of(group, created))
         if self.max_grad_norm is not None:
             header.max_grad_norm = float(self.max_grad_norm)
+        header.log_num_zeros_in_grad = self.log_num_zeros_in_grad
         for query, values in qk_logits.items():
             header.qk_logits.add(query=query, max_logits=values)
         return header
@@ -392,7 +397,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
             result, seconds, attempts = self._try_step(lambda: self._sharded_step(header, by_link))
         self.last_step = result.step
         self.last_info = StepInfo(result.step, result.applied, result.replayed, result.skip_reason,
-                                  result.grad_norm, result.compute_seconds, seconds, attempts)
+                                  result.grad_norm, result.compute_seconds, seconds, attempts,
+                                  result.num_zeros_in_grad if self.log_num_zeros_in_grad else None)
         return loss
 
     def _grads_by_link(self, grads: List[Tuple[str, torch.Tensor]]
@@ -424,7 +430,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
                                replayed=all(r.replayed for r in committed),
                                skip_reason=commit.decision.skip_reason,
                                grad_norm=commit.decision.grad_norm,
-                               compute_seconds=max(r.compute_seconds for r in committed))
+                               compute_seconds=max(r.compute_seconds for r in committed),
+                               num_zeros_in_grad=sum(r.num_zeros_in_grad for r in committed))
         return result
 
     def _decide(self, prepared: List[pb.StepResult]) -> pb.ShardDecision:

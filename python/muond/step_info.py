@@ -4,6 +4,7 @@ account of the same things). Immutable; no dependencies, so the local optimizer 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,9 @@ class StepInfo:
     compute_seconds: float  # time the optimizer step took (on the daemon, for a remote one)
     round_trip_seconds: float  # wall time of the whole exchange, seen from here
     attempts: int = 1      # tries it took (more than 1 after UNAVAILABLE / DEADLINE_EXCEEDED)
+    # Gradient elements exactly 0, when the optimizer was made with log_num_zeros_in_grad=True
+    # (Megatron-Core's log_num_zeros_in_grad); None otherwise.
+    num_zeros_in_grad: Optional[int] = None
 
 
 def check_max_grad_norm(value):

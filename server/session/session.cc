@@ -1,5 +1,6 @@
 #include "server/session/session.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <utility>
@@ -187,11 +188,21 @@ Session::GradientTotals Session::TotalsOf(const std::vector<HostTensor>& gradien
   return totals;
 }
 
+int64_t Session::CountZeros(const std::vector<HostTensor>& gradients) {
+  int64_t zeros = 0;
+  for (const HostTensor& gradient : gradients) {
+    if (!gradient.present()) continue;
+    zeros += std::count(gradient.values.begin(), gradient.values.end(), 0.0f);  // +0 and -0
+  }
+  return zeros;
+}
+
 absl::StatusOr<StepOutcome> Session::PrepareLocked(StepPlan plan, std::vector<HostTensor> gradients,
                                                    uint64_t generation) {
   StepResult result;
   result.step = plan.request.step;
   result.prepared = true;
+  if (plan.request.count_zeros) result.num_zeros_in_grad = CountZeros(gradients);
   for (const HostTensor& gradient : gradients) result.sum_squares.push_back(gradient.sum_squares);
   const GradientTotals totals = TotalsOf(gradients);
   result.grad_norm = std::sqrt(totals.sum_squares);  // this shard's part of the norm
@@ -226,6 +237,7 @@ absl::StatusOr<StepOutcome> Session::CommitLocked(const StepPlan& commit, const 
   StepPlan plan = prepared_->plan;
   plan.request.phase = StepPhase::kCommit;
   plan.request.decision = commit.request.decision;
+  plan.request.count_zeros = plan.request.count_zeros || commit.request.count_zeros;
   absl::StatusOr<StepOutcome> outcome = ApplyLocked(plan, prepared_->gradients, nullptr);
   // Applied or not, the held gradients are spent (the optimizer may have clipped them in place): a
   // failed commit is prepared again.
@@ -295,6 +307,8 @@ absl::StatusOr<StepOutcome> Session::ApplyLocked(const StepPlan& plan, std::vect
   const auto start = std::chrono::steady_clock::now();
   StepResult result;
   result.step = plan.request.step;
+  // Counted before the optimizer runs (on the CPU backend it reads, and may scale, these in place).
+  if (plan.request.count_zeros) result.num_zeros_in_grad = CountZeros(gradients);
   const GradientTotals totals = TotalsOf(gradients);
   // A commit clips with the global norm over every shard and skips when any shard must.
   const std::optional<ShardDecision>& decision = plan.request.decision;

@@ -139,6 +139,8 @@ class Session {
     std::string non_finite_reason;
   };
   GradientTotals TotalsOf(const std::vector<HostTensor>& gradients) const;
+  // The elements of the present gradients that are exactly zero (log_num_zeros_in_grad).
+  static int64_t CountZeros(const std::vector<HostTensor>& gradients);
   // Holds `gradients` as the prepared step and answers their sums of squares.
   absl::StatusOr<StepOutcome> PrepareLocked(StepPlan plan, std::vector<HostTensor> gradients, uint64_t generation)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -37,6 +37,7 @@ std::string EncodeStepRequest(const StepRequest& request) {
   for (const QkLogits& l : request.qk_logits) logits.push_back({{"query", l.query}, {"max_logits", l.max_logits}});
   out["qk_logits"] = std::move(logits);
   out["phase"] = static_cast<int>(request.phase);
+  if (request.count_zeros) out["count_zeros"] = true;
   if (request.decision.has_value()) {
     // The norm travels as its bits: it may be inf or nan (a skipped step), which JSON cannot hold.
     out["decision"] = {{"grad_norm_bits", absl::bit_cast<uint64_t>(request.decision->grad_norm)},
@@ -73,6 +74,7 @@ absl::StatusOr<StepRequest> DecodeStepRequest(absl::string_view bytes) {
       return absl::DataLossError("the step request has an unknown phase");
     }
     request.phase = static_cast<StepPhase>(phase);
+    request.count_zeros = in.value("count_zeros", false);  // absent in older records
     if (in.contains("decision")) {
       const json& decision = in.at("decision");
       request.decision = ShardDecision{absl::bit_cast<double>(decision.at("grad_norm_bits").get<uint64_t>()),

@@ -51,6 +51,7 @@ struct StepRequest {
   std::vector<QkLogits> qk_logits;
   StepPhase phase = StepPhase::kWhole;
   std::optional<ShardDecision> decision;  // kCommit only
+  bool count_zeros = false;  // log_num_zeros_in_grad: StepResult::num_zeros_in_grad is filled
 };
 
 struct StepResult {
@@ -64,6 +65,7 @@ struct StepResult {
   // skip_reason why this shard alone would skip the step.
   bool prepared = false;
   std::vector<double> sum_squares;
+  int64_t num_zeros_in_grad = 0;  // when the request counted zeros
 };
 
 // Every parameter after some step, as answers read it: one span per parameter. On a backend with

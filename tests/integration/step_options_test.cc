@@ -1,5 +1,6 @@
 // Step semantics beyond the happy path: non-finite gradients, per-step learning rates, gradient
 // clipping, wire and return dtypes, absent gradients; and the standard health service.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -47,6 +48,29 @@ TEST_F(DaemonTest, InfiniteGradientIsSkippedToo) {
   ASSERT_OK_AND_ASSIGN(client::StepReply skipped, session->Step(1, gradients));
   EXPECT_FALSE(skipped.applied);
   EXPECT_THAT(skipped.skip_reason, ::testing::HasSubstr("'w'"));
+}
+
+TEST_F(DaemonTest, LogNumZerosInGradCountsExactZeros) {
+  auto session = NewSession("zeros");
+  ASSERT_NE(session, nullptr);
+  auto gradients = Gradients(1);
+  std::vector<float> w(gradients[0].values.begin(), gradients[0].values.end());
+  std::vector<float> b(gradients[1].values.begin(), gradients[1].values.end());
+  w[0] = 0.0f;
+  w[1] = -0.0f;
+  w[2] = 1e-40f;  // a denormal is not zero
+  b[3] = 0.0f;
+  gradients[0].values = w;
+  gradients[1].values = b;
+  int64_t expected = 0;
+  for (const auto* values : {&w, &b}) expected += std::count(values->begin(), values->end(), 0.0f);
+  ASSERT_GE(expected, 3);
+  client::StepOptions count;
+  count.log_num_zeros_in_grad = true;
+  ASSERT_OK_AND_ASSIGN(client::StepReply counted, session->Step(1, gradients, count));
+  EXPECT_EQ(counted.num_zeros_in_grad, expected);
+  ASSERT_OK_AND_ASSIGN(client::StepReply plain, session->Step(2, Gradients(2)));
+  EXPECT_EQ(plain.num_zeros_in_grad, 0) << "not asked for";
 }
 
 TEST_F(DaemonTest, LearningRateOverrideAppliesToThatStep) {

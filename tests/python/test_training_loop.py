@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import muond
-from helpers import Pair, TinyNet, loss_of, params_of, rel_err, remote_factory
+from helpers import Pair, TinyNet, clone_model, loss_of, params_of, rel_err, remote_factory
 
 
 def test_step_returns_the_closure_loss(endpoint):
@@ -172,3 +172,34 @@ def test_max_grad_norm_clips_like_torch(endpoint):
     errors = pair.errors()
     pair.opt.close()
     assert max(errors.values()) < 1e-4, errors
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_log_num_zeros_in_grad_counts_exact_zeros(endpoint, start_daemon, shards):
+    """log_num_zeros_in_grad: the answer counts gradient elements that are exactly 0 (+0 and -0),
+    over every shard, as LocalOptimizer counts them; None when not asked."""
+    endpoints = [endpoint] + [start_daemon().endpoint for _ in range(shards - 1)]
+    model = TinyNet(seed=61)
+    twin = clone_model(model)
+    kwargs = dict(endpoints=endpoints) if shards > 1 else dict(endpoint=endpoint)
+    with muond.RemoteOptimizer(muond.default_param_groups(model), log_num_zeros_in_grad=True, **kwargs) as opt:
+        local = muond.LocalOptimizer(muond.default_param_groups(twin), log_num_zeros_in_grad=True)
+        for step in (1, 2):
+            for m, o in ((model, opt), (twin, local)):
+                loss_of(m, step).backward()
+                grads = [p.grad for p in m.parameters()]
+                grads[0].view(-1)[:5] = 0.0
+                grads[0].view(-1)[5] = -0.0
+                grads[-1].view(-1)[0] = 1e-40  # a denormal is not zero
+                o.step()
+            expected = sum(int((p.grad == 0).sum()) for p in model.parameters())
+            assert expected >= 6
+            assert opt.last_info.num_zeros_in_grad == expected
+            assert local.last_info.num_zeros_in_grad == expected
+            opt.zero_grad()
+            local.zero_grad()
+    plain_model = TinyNet(seed=62)
+    with muond.RemoteOptimizer(muond.default_param_groups(plain_model), endpoint=endpoint) as plain:
+        loss_of(plain_model, 1).backward()
+        plain.step()
+        assert plain.last_info.num_zeros_in_grad is None

@@ -21,6 +21,7 @@ session::StepRequest ToStepRequest(const v1::StepHeader& header) {
   }
   // Numbered alike; an unknown value is kept as it is and refused by the session's planning.
   request.phase = static_cast<session::StepPhase>(header.phase());
+  request.count_zeros = header.log_num_zeros_in_grad();
   if (header.has_decision()) {
     request.decision = session::ShardDecision{header.decision().grad_norm(), header.decision().skip_reason()};
   }
@@ -35,6 +36,7 @@ v1::StepResult ToProto(const session::StepResult& result) {
   out.set_grad_norm(result.grad_norm);
   out.set_compute_seconds(result.compute_seconds);
   if (result.replayed) out.set_replayed(true);
+  if (result.num_zeros_in_grad != 0) out.set_num_zeros_in_grad(result.num_zeros_in_grad);
   if (result.prepared) {
     out.set_prepared(true);
     out.mutable_sum_squares()->Assign(result.sum_squares.begin(), result.sum_squares.end());

@@ -186,3 +186,73 @@ TEST(MultiRankSessionTest, AMissingRankAbortsTheStepForAllAndChangesNothing) {
 
 }  // namespace
 }  // namespace muond::session
+
+namespace muond::session {
+namespace {
+
+using session_testing::Gradients;
+using session_testing::Request;
+using session_testing::RunStep;
+using session_testing::Tensor;
+
+int64_t ZerosIn(const std::vector<HostTensor>& gradients) {
+  int64_t zeros = 0;
+  for (const HostTensor& g : gradients) {
+    for (float v : g.values) zeros += v == 0.0f;
+  }
+  return zeros;
+}
+
+class CountZerosTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    backend_ = kernels::NewCpuBackend(1);
+    session_ = session_testing::NewSession(backend_.get());
+    ASSERT_NE(session_, nullptr);
+    ASSERT_OK(session_->Upload(session_testing::InitialParameters()));
+  }
+  std::unique_ptr<kernels::Backend> backend_;
+  std::unique_ptr<Session> session_;
+};
+
+TEST_F(CountZerosTest, AStepThatAsksCountsExactZerosOfThePresentGradients) {
+  StepRequest plain = Request(1);
+  ASSERT_OK_AND_ASSIGN(StepOutcome first, RunStep(*session_, plain, Gradients(1)));
+  EXPECT_EQ(first.result.num_zeros_in_grad, 0) << "not asked for";
+
+  std::vector<HostTensor> gradients = Gradients(2);
+  gradients[0].values[0] = -0.0f;  // -0 counts as a zero
+  gradients[0].values[1] = 1e-40f;  // a denormal does not
+  const int64_t expected = ZerosIn(gradients);
+  ASSERT_GT(expected, 1);
+  StepRequest counted = Request(2);
+  counted.count_zeros = true;
+  ASSERT_OK_AND_ASSIGN(StepOutcome second, RunStep(*session_, counted, gradients));
+  EXPECT_TRUE(second.result.applied);
+  EXPECT_EQ(second.result.num_zeros_in_grad, expected);
+
+  // A retry is answered with the same count, without reading its gradients.
+  ASSERT_OK_AND_ASSIGN(StepOutcome replayed, RunStep(*session_, counted, {}));
+  EXPECT_TRUE(replayed.result.replayed);
+  EXPECT_EQ(replayed.result.num_zeros_in_grad, expected);
+
+  // A parameter left out of the step is not counted.
+  std::vector<HostTensor> only_w = Gradients(3);
+  only_w[1] = HostTensor();
+  StepRequest third = Request(3);
+  third.count_zeros = true;
+  ASSERT_OK_AND_ASSIGN(StepOutcome partial, RunStep(*session_, third, only_w));
+  EXPECT_EQ(partial.result.num_zeros_in_grad, ZerosIn({only_w[0]}));
+}
+
+TEST_F(CountZerosTest, TheRequestToCountSurvivesTheJournalEncoding) {
+  StepRequest counted = Request(4);
+  counted.count_zeros = true;
+  ASSERT_OK_AND_ASSIGN(StepRequest decoded, DecodeStepRequest(EncodeStepRequest(counted)));
+  EXPECT_TRUE(decoded.count_zeros);
+  ASSERT_OK_AND_ASSIGN(decoded, DecodeStepRequest(EncodeStepRequest(Request(4))));
+  EXPECT_FALSE(decoded.count_zeros);
+}
+
+}  // namespace
+}  // namespace muond::session
