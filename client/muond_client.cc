@@ -275,6 +275,7 @@ absl::StatusOr<bool> Client::Serving() {
   grpc::health::v1::Health::Stub health(channel_);
   grpc::ClientContext context;
   PrepareContext(context);
+  context.set_deadline(std::chrono::system_clock::now() + options_.connect_timeout);  // a probe's budget
   grpc::health::v1::HealthCheckResponse response;
   grpc::Status status = health.Check(&context, grpc::health::v1::HealthCheckRequest(), &response);
   if (!status.ok()) return FromGrpcStatus(status);

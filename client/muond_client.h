@@ -120,7 +120,7 @@ class Client {
   absl::Status CloseSession(const std::string& session_id);
   absl::StatusOr<std::vector<v1::SessionSummary>> ListSessions();
   // The daemon's grpc.health.v1 status for the whole server: true when SERVING (false while it
-  // drains on shutdown). Not retried: a probe wants the answer now.
+  // drains on shutdown). Not retried, and bounded by connect_timeout: a probe wants the answer now.
   absl::StatusOr<bool> Serving();
 
   v1::Muond::Stub& stub() { return *stub_; }

@@ -55,6 +55,9 @@ absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(const st
   // Return once the listener runs: cpp-httplib's stop() does nothing before then, so a destructor
   // racing the thread's start would wait for a listener nobody stops.
   while (!server.is_running() && !endpoint->ended_) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  if (endpoint->ended_) {
+    return absl::UnavailableError(absl::StrCat("--metrics-listen: the listener on ", listen, " stopped at once"));
+  }
   return endpoint;
 }
 

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <optional>
 #include <fstream>
 #include <sstream>
 
@@ -40,7 +41,19 @@ void Sample(std::string* out, std::string_view name, const std::string& labels, 
                              : fmt::format("{}{{{}}} {}\n", name, labels, Number(value)));
 }
 
-std::string Label(std::string_view key, std::string_view value) { return fmt::format("{}=\"{}\"", key, value); }
+// key="value", with \, " and newlines escaped as the exposition format asks.
+std::string Label(std::string_view key, std::string_view value) {
+  std::string escaped;
+  for (char c : value) {
+    if (c == '\\' || c == '"') escaped += '\\';
+    if (c == '\n') {
+      escaped += "\\n";
+      continue;
+    }
+    escaped += c;
+  }
+  return fmt::format("{}=\"{}\"", key, escaped);
+}
 
 double Now() { return absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()); }
 
@@ -136,6 +149,12 @@ void PrometheusMetrics::CheckpointWritten(absl::Duration latency, bool ok) {
 }
 
 std::string PrometheusMetrics::Render() const {
+  // Readings that take other locks (the CUDA pool's) or read files are made before taking ours, so a
+  // scrape never holds up the handlers' reports.
+  std::optional<std::pair<int64_t, int64_t>> backend_memory;
+  if (options_.backend_memory) backend_memory = options_.backend_memory();
+  std::string process;
+  RenderProcess(&process);
   std::string out;
   Family(&out, "muond_build_info", "gauge", "Always 1; the daemon's version and compute backend as labels.");
   Sample(&out, "muond_build_info", Label("version", options_.version) + "," + Label("backend", options_.backend), 1);
@@ -223,14 +242,14 @@ std::string PrometheusMetrics::Render() const {
   Family(&out, "muond_checkpoint_failures_total", "counter", "Checkpoints that could not be written.");
   Sample(&out, "muond_checkpoint_failures_total", "", static_cast<double>(checkpoint_failures_));
 
-  if (options_.backend_memory) {
-    const auto [in_use, reserved] = options_.backend_memory();
+  if (backend_memory.has_value()) {
+    const auto [in_use, reserved] = *backend_memory;
     Family(&out, "muond_backend_memory_bytes", "gauge",
            "Memory of the compute backend's buffers: in use, and reserved (in use plus cached for reuse).");
     Sample(&out, "muond_backend_memory_bytes", Label("state", "in_use"), static_cast<double>(in_use));
     Sample(&out, "muond_backend_memory_bytes", Label("state", "reserved"), static_cast<double>(reserved));
   }
-  RenderProcess(&out);
+  out += process;
   return out;
 }
 

@@ -24,13 +24,13 @@ absl::StatusOr<std::string> CallerOf(const grpc::ServerContext& context, const s
 }
 
 CallScope::CallScope(CallServices& services, grpc::ServerContext* context, std::string_view method)
-    : services_(services), context_(context), method_(method), start_(absl::Now()),
+    : services_(services), context_(context), method_(method), start_(std::chrono::steady_clock::now()),
       deadline_(services.deadlines.Watch(context)), caller_(CallerOf(*context, services.tokens)) {
   services_.metrics->CallStarted(method_);
 }
 
 grpc::Status CallScope::Finish(const absl::Status& status) {
-  services_.metrics->CallEnded(method_, status.code(), absl::Now() - start_);
+  services_.metrics->CallEnded(method_, status.code(), absl::FromChrono(std::chrono::steady_clock::now() - start_));
   if (!status.ok()) {
     // Every refusal is logged once, here. Steps are the daemon's bulk traffic, so theirs are debug
     // lines; errors of the daemon itself are logged where they happen.

@@ -10,6 +10,8 @@
 // handler's stack for the whole call; thread-safe as its parts are.
 #pragma once
 
+#include <chrono>
+
 #include <string>
 #include <string_view>
 
@@ -52,7 +54,7 @@ class CallScope {
   CallServices& services_;
   grpc::ServerContext* const context_;
   const std::string_view method_;
-  const absl::Time start_;
+  const std::chrono::steady_clock::time_point start_;  // a call's latency, immune to clock steps
   RpcDeadlines::Scope deadline_;
   absl::StatusOr<std::string> caller_;
 };

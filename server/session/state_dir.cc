@@ -1,7 +1,9 @@
 #include "server/session/state_dir.h"
 
+#include <chrono>
+
 #include "absl/strings/str_cat.h"
-#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 
@@ -43,10 +45,10 @@ absl::StatusOr<std::unique_ptr<FilePersistence>> FilePersistence::Open(const dur
 }
 
 absl::Status FilePersistence::RecordStep(const StepRequest& request, const std::vector<HostTensor>& gradients) {
-  const absl::Time start = absl::Now();
+  const auto start = std::chrono::steady_clock::now();
   absl::Status appended = files_->RecordStep(EncodeStepRequest(request), gradients);
   if (files_->options().durability == durability::Durability::kJournal) {
-    metrics_->JournalAppended(absl::Now() - start, appended.ok());
+    metrics_->JournalAppended(absl::FromChrono(std::chrono::steady_clock::now() - start), appended.ok());
   }
   if (!appended.ok()) {
     MUOND_EVENT(error, "journal_failed", session_.id(), request.step, "session {}: step {} refused, the journal failed: {}",
@@ -71,9 +73,9 @@ absl::Status FilePersistence::SaveCheckpoint(SessionState state) {
     const ParameterConfig& param = config.parameters[t.parameter];
     data.tensors.push_back({param.name, std::move(t.slot), param.shape, std::move(t.values)});
   }
-  const absl::Time start = absl::Now();
+  const auto start = std::chrono::steady_clock::now();
   absl::Status saved = files_->SaveCheckpoint(data);
-  metrics_->CheckpointWritten(absl::Now() - start, saved.ok());
+  metrics_->CheckpointWritten(absl::FromChrono(std::chrono::steady_clock::now() - start), saved.ok());
   return saved;
 }
 

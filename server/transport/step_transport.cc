@@ -1,6 +1,7 @@
 #include "server/transport/step_transport.h"
 
-#include "absl/time/clock.h"
+#include <chrono>
+
 #include "common/logging.h"
 #include "common/status_macros.h"
 
@@ -8,12 +9,13 @@ namespace muond::transport {
 
 absl::Status RunStep(session::Session& session, session::StepRequest request, GradientSource& source,
                      ParameterSink& sink, metrics::Metrics& metrics) {
-  const absl::Time start = absl::Now();
+  using Clock = std::chrono::steady_clock;  // durations: immune to wall-clock steps
+  const Clock::time_point start = Clock::now();
   MUOND_ASSIGN_OR_RETURN(std::unique_ptr<session::IncomingStep> step, session.BeginStep(std::move(request)));
   MUOND_RETURN_IF_ERROR(source.ReadGradients(*step));
-  const absl::Time received = absl::Now();
+  const Clock::time_point received = Clock::now();
   MUOND_ASSIGN_OR_RETURN(session::StepOutcome outcome, session.FinishStep(std::move(step)));
-  const absl::Time computed = absl::Now();
+  const Clock::time_point computed = Clock::now();
   const session::StepResult& result = outcome.result;
   if (outcome.parameters != nullptr && !result.applied) {
     MUOND_EVENT(warn, "step_skipped", session.id(), result.step, "session {} step {} skipped: {}", session.id(), result.step,
@@ -24,8 +26,8 @@ absl::Status RunStep(session::Session& session, session::StepRequest request, Gr
     sent = sink.Send(outcome);  // a prepare: the result alone
   } else {
     // The parameters may be the masters themselves: they stay as they are until the answer is sent.
-    MUOND_ASSIGN_OR_RETURN(session::Session::ParameterReadLock still, session.ReadParameters(*outcome.parameters));
-    sent = sink.Send(outcome);
+    absl::StatusOr<session::Session::ParameterReadLock> still = session.ReadParameters(*outcome.parameters);
+    sent = still.ok() ? sink.Send(outcome) : still.status();
   }
   // Reported even when the answer could not be sent: the step was applied (or replayed) all the same.
   metrics::StepReport report;
@@ -33,9 +35,10 @@ absl::Status RunStep(session::Session& session, session::StepRequest request, Gr
   report.applied = result.applied;
   report.replayed = result.replayed;
   report.prepared = outcome.parameters == nullptr;
-  report.receive_seconds = absl::ToDoubleSeconds(received - start);
-  report.compute_seconds = absl::ToDoubleSeconds(computed - received);
-  report.send_seconds = absl::ToDoubleSeconds(absl::Now() - computed);
+  const auto seconds = [](Clock::duration d) { return std::chrono::duration<double>(d).count(); };
+  report.receive_seconds = seconds(received - start);
+  report.compute_seconds = seconds(computed - received);
+  report.send_seconds = seconds(Clock::now() - computed);
   report.bytes_received = source.bytes_received();
   report.bytes_sent = sink.bytes_sent();
   report.grad_norm = result.grad_norm;

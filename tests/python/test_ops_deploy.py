@@ -118,7 +118,7 @@ def test_systemd_unit_verifies(tmp_path):
     binary = str(_daemon_binary().resolve())
     unit = (REPO_ROOT / "deploy" / "systemd" / "muond.service").read_text()
     assert "DynamicUser=yes" in unit and "StateDirectory=muond" in unit and "ProtectSystem=strict" in unit
-    assert "NoNewPrivileges=yes" in unit and "--state-dir /var/lib/muond" in unit
+    assert "NoNewPrivileges=yes" in unit and "Environment=MUOND_STATE_DIR=/var/lib/muond" in unit
     (tmp_path / "muond.service").write_text(unit.replace("/usr/local/bin/muond", binary))
     dropins = tmp_path / "muond.service.d"
     dropins.mkdir()
@@ -127,11 +127,16 @@ def test_systemd_unit_verifies(tmp_path):
     result = subprocess.run([analyze, "verify", str(tmp_path / "muond.service")], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0 and result.stderr.strip() == "", result.stderr
-    # The flags the unit passes are the daemon's.
+    # The unit configures the daemon through MUOND_<FLAG> variables only, each naming a daemon flag
+    # (so /etc/default/muond can override any of them without a flag given twice).
     flags = daemon_flags()
-    [command] = re.findall(r"^ExecStart=(/.*?[^\\])$", unit, re.MULTILINE | re.DOTALL)
-    for flag in re.findall(r"--([a-z][a-z0-9-]+)", command):
-        assert flag in flags, flag
+    [command] = re.findall(r"^ExecStart=(.*)$", unit, re.MULTILINE)
+    assert command == "/usr/local/bin/muond"
+    text = unit + (REPO_ROOT / "deploy" / "systemd" / "muond-gpu.conf").read_text()
+    variables = re.findall(r"\bMUOND_([A-Z_]+)=", text)
+    assert {"LISTEN", "STATE_DIR", "DURABILITY", "METRICS_LISTEN", "BACKEND"} <= set(variables)
+    for variable in variables:
+        assert variable.lower().replace("_", "-") in flags, variable
 
 
 def test_dockerfiles_set_only_daemon_flags():

@@ -44,7 +44,9 @@ absl::StatusOr<std::unique_ptr<client::Client>> Connect(const ConnectFlags& flag
   options.endpoint = flags.endpoint;
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(flags.timeout_seconds * 1000));
   options.connect_timeout = timeout;
-  options.rpc_timeout = timeout;
+  // Calls that move or write a whole state (export, checkpoint) may take minutes on a large session;
+  // --timeout bounds the connection, and the calls get at least the clients' usual ten minutes.
+  options.rpc_timeout = std::max<std::chrono::milliseconds>(timeout, std::chrono::minutes(10));
   options.max_step_attempts = 1;  // an operator's tool reports what happened; it does not retry
   options.use_tls = flags.use_tls;
   options.tls_ca_file = flags.tls_ca_file;
@@ -90,7 +92,7 @@ Answer Health(const ConnectFlags& flags) {
   absl::StatusOr<bool> serving = client.ok() ? (*client)->Serving() : absl::StatusOr<bool>(client.status());
   if (!serving.ok()) {
     answer = ErrorAnswer(serving.status());
-    answer.json["status"] = "UNREACHABLE";
+    answer.json["status"] = answer.exit_code == kExitUnreachable ? "UNREACHABLE" : "ERROR";
     return answer;
   }
   answer.json["status"] = *serving ? "SERVING" : "NOT_SERVING";

@@ -137,6 +137,13 @@ TEST(PrometheusMetricsTest, CallsSessionsAndDurableWrites) {
   EXPECT_EQ(s.at("muond_checkpoint_failures_total"), 1);
 }
 
+TEST(PrometheusMetricsTest, LabelValuesAreEscaped) {
+  PrometheusOptions options = Options();
+  options.version = "1.0 \"dev\"\\x\ny";
+  PrometheusMetrics metrics(options);
+  EXPECT_THAT(metrics.Render(), HasSubstr(R"(muond_build_info{version="1.0 \"dev\"\\x\ny",backend="cpu"} 1)"));
+}
+
 TEST(MetricsEndpointTest, ServesTheRenderedTextOnLoopback) {
   int scrapes = 0;
   auto endpoint = MetricsEndpoint::Start("127.0.0.1:0", [&scrapes] {
