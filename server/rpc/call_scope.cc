@@ -29,7 +29,15 @@ CallScope::CallScope(CallServices& services, grpc::ServerContext* context, std::
   services_.metrics->CallStarted(method_);
 }
 
+CallScope::~CallScope() {
+  if (!finished_) {
+    services_.metrics->CallEnded(method_, absl::StatusCode::kUnknown,
+                                 absl::FromChrono(std::chrono::steady_clock::now() - start_));
+  }
+}
+
 grpc::Status CallScope::Finish(const absl::Status& status) {
+  finished_ = true;
   services_.metrics->CallEnded(method_, status.code(), absl::FromChrono(std::chrono::steady_clock::now() - start_));
   if (!status.ok()) {
     // Every refusal is logged once, here. Steps are the daemon's bulk traffic, so theirs are debug

@@ -41,6 +41,9 @@ absl::StatusOr<std::string> CallerOf(const grpc::ServerContext& context, const s
 class CallScope {
  public:
   CallScope(CallServices& services, grpc::ServerContext* context, std::string_view method);
+  // A scope left without Finish (an exception out of a handler) still ends the call in the metrics,
+  // as UNKNOWN, so the in-flight count does not drift.
+  ~CallScope();
   CallScope(const CallScope&) = delete;
   CallScope& operator=(const CallScope&) = delete;
 
@@ -57,6 +60,7 @@ class CallScope {
   const std::chrono::steady_clock::time_point start_;  // a call's latency, immune to clock steps
   RpcDeadlines::Scope deadline_;
   absl::StatusOr<std::string> caller_;
+  bool finished_ = false;
 };
 
 // Runs `body(caller)` for an authenticated caller within a CallScope and returns the call's status.

@@ -5,6 +5,7 @@
 #include "server/rpc/call_scope.h"
 
 #include <memory>
+#include <stdexcept>
 #include <thread>
 
 #include "absl/synchronization/mutex.h"
@@ -121,6 +122,18 @@ TEST_F(CallScopeTest, EveryCallIsAuthenticatedAndReported) {
               ::testing::ElementsAre(std::pair<std::string, absl::StatusCode>{"ListSessions", absl::StatusCode::kUnauthenticated},
                                      std::pair<std::string, absl::StatusCode>{"ListSessions", absl::StatusCode::kOk},
                                      std::pair<std::string, absl::StatusCode>{"GetServerInfo", absl::StatusCode::kOk}));
+}
+
+TEST(CallScopeEndTest, AHandlerThatThrowsStillEndsTheCallInTheMetrics) {
+  CountingMetrics metrics;
+  CallServices services(absl::Seconds(60), nullptr, &metrics);
+  grpc::ServerContext context;
+  EXPECT_THROW(Serve(services, &context, "Step", [](const std::string&) -> absl::Status {
+                 throw std::runtime_error("out of memory");
+               }),
+               std::runtime_error);
+  EXPECT_THAT(metrics.ended(), ::testing::ElementsAre(std::pair<std::string, absl::StatusCode>{
+                                   "Step", absl::StatusCode::kUnknown}));
 }
 
 // A call is in flight from the moment its handler starts until it returns: the drain waits for it.
