@@ -191,7 +191,7 @@ def test_the_sharded_overlay_runs_a_sharded_session(start_daemon, tmp_path, monk
     for index, pod in enumerate(pods):
         shown = ctl_json("-e", pod.endpoint, "sessions", "show", "sharded-pods",
                          env={"MUOND_AUTH_TOKEN": "pod-token"})
-        assert shown["last_step"] == 6 and shown["spec"]["shard"].get("index", 0) == index  # proto3 JSON leaves 0 out
+        assert shown["last_step"] == 6 and shown["spec"]["shard"]["index"] == index
     opt.close(keep_session=True)
     for pod in pods:
         pod.stop()

@@ -80,6 +80,7 @@ ordered_json SpecJson(const v1::SessionSpec& spec) {
   std::string text;
   google::protobuf::util::JsonPrintOptions print;
   print.preserve_proto_field_names = true;
+  print.always_print_primitive_fields = true;  // a shard index of 0 is shown, not left out
   (void)google::protobuf::util::MessageToJsonString(spec, &text, print);
   return ordered_json::parse(text, nullptr, /*allow_exceptions=*/false);
 }
