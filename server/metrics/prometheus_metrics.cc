@@ -55,7 +55,9 @@ std::string Label(std::string_view key, std::string_view value) {
   return fmt::format("{}=\"{}\"", key, escaped);
 }
 
-double Now() { return absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()); }
+double Seconds(absl::Duration d) { return absl::FDivDuration(d, absl::Seconds(1)); }
+
+double Now() { return Seconds(absl::Now() - absl::UnixEpoch()); }
 
 }  // namespace
 
@@ -86,7 +88,17 @@ PrometheusMetrics::TransportFigures::TransportFigures() : total(&kStepBounds) {
 PrometheusMetrics::MethodFigures::MethodFigures() : latency(&kCallBounds) {}
 
 PrometheusMetrics::PrometheusMetrics(PrometheusOptions options)
-    : options_(std::move(options)), start_time_seconds_(Now()), journal_(&kDiskBounds), checkpoint_(&kDiskBounds) {}
+    : options_(std::move(options)), start_time_seconds_(Now()) {}
+
+PrometheusMetrics::DiskWrites::DiskWrites() : latency(&kDiskBounds) {}
+
+void PrometheusMetrics::DiskWrites::Record(absl::Duration took, bool ok) {
+  if (ok) {
+    latency.Observe(Seconds(took));
+  } else {
+    ++failures;
+  }
+}
 
 size_t PrometheusMetrics::TransportIndex(std::string_view transport) {
   for (size_t i = 0; i < kTransports.size(); ++i) {
@@ -108,7 +120,7 @@ void PrometheusMetrics::CallEnded(std::string_view method, absl::StatusCode code
   if (it == methods_.end()) it = methods_.emplace(std::string(method), MethodFigures()).first;
   --it->second.in_flight;
   ++it->second.ended[code];
-  it->second.latency.Observe(absl::ToDoubleSeconds(latency));
+  it->second.latency.Observe(Seconds(latency));
 }
 
 void PrometheusMetrics::StepAnswered(const StepReport& report) {
@@ -132,20 +144,12 @@ void PrometheusMetrics::SessionsHeld(int sessions, int64_t bytes) {
 
 void PrometheusMetrics::JournalAppended(absl::Duration latency, bool ok) {
   absl::MutexLock lock(&mu_);
-  if (ok) {
-    journal_.Observe(absl::ToDoubleSeconds(latency));
-  } else {
-    ++journal_failures_;
-  }
+  journal_.Record(latency, ok);
 }
 
 void PrometheusMetrics::CheckpointWritten(absl::Duration latency, bool ok) {
   absl::MutexLock lock(&mu_);
-  if (ok) {
-    checkpoint_.Observe(absl::ToDoubleSeconds(latency));
-  } else {
-    ++checkpoint_failures_;
-  }
+  checkpoint_.Record(latency, ok);
 }
 
 std::string PrometheusMetrics::Render() const {
@@ -233,14 +237,14 @@ std::string PrometheusMetrics::Render() const {
 
   Family(&out, "muond_journal_append_duration_seconds", "histogram",
          "Time to append a step to a session's journal and fsync it (journal durability).");
-  journal_.Render("muond_journal_append_duration_seconds", "", &out);
+  journal_.latency.Render("muond_journal_append_duration_seconds", "", &out);
   Family(&out, "muond_journal_append_failures_total", "counter", "Journal appends that failed (the step was refused).");
-  Sample(&out, "muond_journal_append_failures_total", "", static_cast<double>(journal_failures_));
+  Sample(&out, "muond_journal_append_failures_total", "", static_cast<double>(journal_.failures));
   Family(&out, "muond_checkpoint_duration_seconds", "histogram",
          "Time to write a session's checkpoint (files written, fsynced and renamed into place).");
-  checkpoint_.Render("muond_checkpoint_duration_seconds", "", &out);
+  checkpoint_.latency.Render("muond_checkpoint_duration_seconds", "", &out);
   Family(&out, "muond_checkpoint_failures_total", "counter", "Checkpoints that could not be written.");
-  Sample(&out, "muond_checkpoint_failures_total", "", static_cast<double>(checkpoint_failures_));
+  Sample(&out, "muond_checkpoint_failures_total", "", static_cast<double>(checkpoint_.failures));
 
   if (backend_memory.has_value()) {
     const auto [in_use, reserved] = *backend_memory;

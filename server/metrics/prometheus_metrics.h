@@ -86,6 +86,14 @@ class PrometheusMetrics final : public Metrics {
     MethodFigures();
   };
 
+  // A kind of durable write: the latency of those that succeeded, the count of those that failed.
+  struct DiskWrites {
+    Histogram latency;
+    uint64_t failures = 0;
+    DiskWrites();
+    void Record(absl::Duration took, bool ok);
+  };
+
   static size_t TransportIndex(std::string_view transport);
   void RenderProcess(std::string* out) const;
 
@@ -96,10 +104,8 @@ class PrometheusMetrics final : public Metrics {
   std::map<std::string, MethodFigures, std::less<>> methods_ ABSL_GUARDED_BY(mu_);
   int sessions_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t state_bytes_ ABSL_GUARDED_BY(mu_) = 0;
-  Histogram journal_ ABSL_GUARDED_BY(mu_);
-  uint64_t journal_failures_ ABSL_GUARDED_BY(mu_) = 0;
-  Histogram checkpoint_ ABSL_GUARDED_BY(mu_);
-  uint64_t checkpoint_failures_ ABSL_GUARDED_BY(mu_) = 0;
+  DiskWrites journal_ ABSL_GUARDED_BY(mu_);
+  DiskWrites checkpoint_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace muond::metrics

@@ -134,14 +134,20 @@ std::string FolderText(const FolderReport& r) {
   return text + "\n";
 }
 
+// The answer both state commands start from: the folder and an empty list of sessions.
+Answer StateDirAnswer(const std::string& state_dir) {
+  Answer answer;
+  answer.json["state_dir"] = state_dir;
+  answer.json["sessions"] = ordered_json::array();
+  return answer;
+}
+
 }  // namespace
 
 Answer InspectState(const std::string& state_dir) {
   absl::StatusOr<std::vector<FolderReport>> reports = ReadStateDir(state_dir);
   if (!reports.ok()) return ErrorAnswer(reports.status());
-  Answer answer;
-  answer.json["state_dir"] = state_dir;
-  answer.json["sessions"] = ordered_json::array();
+  Answer answer = StateDirAnswer(state_dir);
   for (const FolderReport& r : *reports) {
     answer.json["sessions"].push_back(r.json);
     answer.text += FolderText(r);
@@ -153,9 +159,7 @@ Answer InspectState(const std::string& state_dir) {
 Answer VerifyState(const std::string& state_dir) {
   absl::StatusOr<std::vector<FolderReport>> reports = ReadStateDir(state_dir);
   if (!reports.ok()) return ErrorAnswer(reports.status());
-  Answer answer;
-  answer.json["state_dir"] = state_dir;
-  answer.json["sessions"] = ordered_json::array();
+  Answer answer = StateDirAnswer(state_dir);
   int problems = 0;
   for (const FolderReport& r : *reports) {
     problems += static_cast<int>(r.problems.size());
