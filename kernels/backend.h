@@ -159,6 +159,11 @@ class Backend {
                             size_t count) = 0;
   virtual absl::Status Sgd(const SgdArgs& args, float* param, const float* grad,
                            float* momentum_buffer, size_t count) = 0;
+  // Muon's adaptive second moment (AdamuonElement) over an orthogonalized update, in place.
+  virtual absl::Status Adamuon(const AdamuonArgs& args, float* moment2, float* update, size_t count) = 0;
+  // Muon's update with cautious weight decay (CautiousUpdateElement).
+  virtual absl::Status CautiousUpdate(const CautiousArgs& args, const float* update, float* param,
+                                      size_t count) = 0;
 
  protected:
   void ReleaseShared() {

@@ -36,6 +36,33 @@ MUOND_HD void MomentumElement(const MomentumArgs& a, float& m, float g, float& u
   }
 }
 
+// AdaMuon's second moment on the orthogonalized update (Megatron-Core / Emerging-Optimizers
+// AdaptiveMuon, moment2_method adamuon): x = scale·O; v ← lerp(v, x², 1−β2); O ← x / (√v + ε).
+struct AdamuonArgs {
+  float scale = 1.0f;          // the Muon scale of the matrix, applied before the moment
+  float one_minus_beta2 = 0.05f;  // 1 − β2 rounded from fp64, as torch computes it
+  float eps = 1e-8f;
+};
+
+MUOND_HD void AdamuonElement(const AdamuonArgs& a, float& v, float& o) {
+  const float x = a.scale * o;
+  v = v + a.one_minus_beta2 * (x * x - v);  // torch lerp_(x², 1−β2)
+  o = x / (sqrtf(v) + a.eps);
+}
+
+// Cautious weight decay (modded-nanogpt, nanochat): the decoupled decay applies only where the
+// update u and the weight agree in sign. p ← p − decay·p·[u·p ≥ 0] + alpha·u, with alpha = −η·scale
+// (the step along u) and decay = η·λ.
+struct CautiousArgs {
+  float alpha = 0.0f;
+  float decay = 0.0f;
+};
+
+MUOND_HD void CautiousUpdateElement(const CautiousArgs& a, float u, float& p) {
+  const float mask = static_cast<float>(u * p >= 0.0f);
+  p = p - a.decay * mask * p + a.alpha * u;
+}
+
 // torch.optim.AdamW (or torch.optim.Adam with l2_weight_decay). bias_correction1 = 1 − β1ᵗ, bias_correction2_sqrt = √(1 − β2ᵗ).
 struct AdamWArgs {
   float lr = 1e-3f;

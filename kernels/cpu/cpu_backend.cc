@@ -81,6 +81,14 @@ MUOND_ELEMENTWISE_CLONES void SgdRange(const SgdArgs a, float* __restrict p, con
 MUOND_ELEMENTWISE_CLONES void MomentumRange(const MomentumArgs a, float* __restrict m, const float* g, float* u, size_t begin, size_t end) {
   for (size_t i = begin; i < end; ++i) MomentumElement(a, m[i], g[i], u[i]);
 }
+MUOND_ELEMENTWISE_CLONES void AdamuonRange(const AdamuonArgs a, float* __restrict v, float* __restrict o, size_t begin,
+                                           size_t end) {
+  for (size_t i = begin; i < end; ++i) AdamuonElement(a, v[i], o[i]);
+}
+MUOND_ELEMENTWISE_CLONES void CautiousUpdateRange(const CautiousArgs a, const float* __restrict u, float* __restrict p,
+                                                  size_t begin, size_t end) {
+  for (size_t i = begin; i < end; ++i) CautiousUpdateElement(a, u[i], p[i]);
+}
 MUOND_ELEMENTWISE_CLONES void AxpbyRange(const float alpha, const float* x, const float beta, float* y, size_t begin,
                 size_t end) {
   for (size_t i = begin; i < end; ++i) y[i] = alpha * x[i] + beta * y[i];
@@ -245,6 +253,14 @@ class CpuBackend final : public Backend {
   absl::Status Sgd(const SgdArgs& args, float* param, const float* grad, float* momentum_buffer,
                    size_t count) override {
     pool_.Run(count, [&](size_t begin, size_t end) { SgdRange(args, param, grad, momentum_buffer, begin, end); });
+    return absl::OkStatus();
+  }
+  absl::Status Adamuon(const AdamuonArgs& args, float* moment2, float* update, size_t count) override {
+    pool_.Run(count, [&](size_t begin, size_t end) { AdamuonRange(args, moment2, update, begin, end); });
+    return absl::OkStatus();
+  }
+  absl::Status CautiousUpdate(const CautiousArgs& args, const float* update, float* param, size_t count) override {
+    pool_.Run(count, [&](size_t begin, size_t end) { CautiousUpdateRange(args, update, param, begin, end); });
     return absl::OkStatus();
   }
 

@@ -81,6 +81,9 @@ class CudaBackend final : public Backend {
                     size_t count) override;
   absl::Status Sgd(const SgdArgs& args, float* param, const float* grad, float* momentum_buffer,
                    size_t count) override;
+  absl::Status Adamuon(const AdamuonArgs& args, float* moment2, float* update, size_t count) override;
+  absl::Status CautiousUpdate(const CautiousArgs& args, const float* update, float* param,
+                              size_t count) override;
 
   // Pool statistics, for tests and benchmarks that check the steady state allocates nothing.
   const CudaMemoryPool& pool() const { return pool_; }

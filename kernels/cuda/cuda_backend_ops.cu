@@ -140,5 +140,20 @@ absl::Status CudaBackend::Sgd(const SgdArgs& args, float* param, const float* gr
       "Sgd kernel");
 }
 
+absl::Status CudaBackend::Adamuon(const AdamuonArgs& args, float* moment2, float* update, size_t count) {
+  std::lock_guard<std::mutex> lock(mu_);
+  MUOND_RETURN_IF_ERROR(Activate());
+  return CudaStatus(LaunchAdamuon(args, moment2, update, static_cast<int64_t>(count), stream_),
+                    "Adamuon kernel");
+}
+
+absl::Status CudaBackend::CautiousUpdate(const CautiousArgs& args, const float* update, float* param,
+                                         size_t count) {
+  std::lock_guard<std::mutex> lock(mu_);
+  MUOND_RETURN_IF_ERROR(Activate());
+  return CudaStatus(LaunchCautiousUpdate(args, update, param, static_cast<int64_t>(count), stream_),
+                    "CautiousUpdate kernel");
+}
+
 }  // namespace cuda
 }  // namespace muond::kernels

@@ -131,6 +131,14 @@ __global__ void LionKernel(LionArgs args, float* param, const float* grad, float
   for (int64_t i = FirstIndex(); i < n; i += GridStride()) LionElement(args, param[i], grad[i], exp_avg[i]);
 }
 
+__global__ void AdamuonKernel(AdamuonArgs args, float* moment2, float* update, int64_t n) {
+  for (int64_t i = FirstIndex(); i < n; i += GridStride()) AdamuonElement(args, moment2[i], update[i]);
+}
+
+__global__ void CautiousUpdateKernel(CautiousArgs args, const float* update, float* param, int64_t n) {
+  for (int64_t i = FirstIndex(); i < n; i += GridStride()) CautiousUpdateElement(args, update[i], param[i]);
+}
+
 __global__ void SgdKernel(SgdArgs args, float* param, const float* grad, float* momentum_buffer,
                           int64_t n) {
   for (int64_t i = FirstIndex(); i < n; i += GridStride()) {
@@ -241,6 +249,20 @@ cudaError_t LaunchSgd(const SgdArgs& args, float* param, const float* grad, floa
                       int64_t n, cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   SgdKernel<<<BlocksFor(n), kThreads, 0, stream>>>(args, param, grad, momentum_buffer, n);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchAdamuon(const AdamuonArgs& args, float* moment2, float* update, int64_t n,
+                          cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  AdamuonKernel<<<BlocksFor(n), kThreads, 0, stream>>>(args, moment2, update, n);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchCautiousUpdate(const CautiousArgs& args, const float* update, float* param, int64_t n,
+                                 cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  CautiousUpdateKernel<<<BlocksFor(n), kThreads, 0, stream>>>(args, update, param, n);
   return cudaGetLastError();
 }
 

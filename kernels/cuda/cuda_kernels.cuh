@@ -61,5 +61,9 @@ cudaError_t LaunchLion(const LionArgs& args, float* param, const float* grad, fl
                        int64_t n, cudaStream_t stream);
 cudaError_t LaunchSgd(const SgdArgs& args, float* param, const float* grad, float* momentum_buffer,
                       int64_t n, cudaStream_t stream);
+cudaError_t LaunchAdamuon(const AdamuonArgs& args, float* moment2, float* update, int64_t n,
+                          cudaStream_t stream);
+cudaError_t LaunchCautiousUpdate(const CautiousArgs& args, const float* update, float* param, int64_t n,
+                                 cudaStream_t stream);
 
 }  // namespace muond::kernels::cuda

@@ -30,9 +30,8 @@ class Lion final : public Optimizer {
 
   absl::Status Step(kernels::Backend& backend, const StepHyper& hyper,
                     std::span<ParamState* const> params) override {
-    const std::string slots[] = {"exp_avg"};
     for (ParamState* p : params) {
-      if (p->has_grad) MUOND_RETURN_IF_ERROR(CheckStepInputs(*p, slots));
+      if (p->has_grad) MUOND_RETURN_IF_ERROR(CheckStepInputs(*p));
     }
     const kernels::LionArgs args{.lr = static_cast<float>(hyper.lr),
                                  .beta1 = static_cast<float>(options_.beta1),

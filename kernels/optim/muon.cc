@@ -22,9 +22,12 @@ using kernels::Backend;
 struct MatrixJob {
   float* update;
   float* master;
+  float* moment2;  // this matrix's region of the moment2 slot; null without a moment2_method
   int64_t rows, cols;
-  float alpha;  // −η·scale, scale computed on this matrix's own shape
-  float beta;   // the weight decay factor applied to the master region
+  double lr;     // η of this step
+  double scale;  // the Muon scale, computed on this matrix's own shape
+  float beta;    // the weight decay factor applied to the master region (1 for cautious decay)
+  float decay;   // cautious decay only: η·λ, applied where the update and the weight agree in sign
 };
 
 // Caps the floats gathered for one batched Newton–Schulz call (256 MiB of fp32) so that many large
@@ -33,6 +36,14 @@ struct MatrixJob {
 constexpr size_t kMaxBatchFloats = size_t{1} << 26;
 
 const std::string kMomentumSlot = "momentum";
+const std::string kMoment2Slot = "moment2";
+
+// Workspace slot of NorMuon's transposed copy of a batch (wide matrices), after the gather buffer.
+constexpr int kNormuonSlot = NsWorkspace::kFirstFreeSlot + 1;
+
+// NorMuon keeps one second-moment value per line along the longer dimension: per row when
+// rows ≥ cols (a mean over each row), per column otherwise.
+int64_t NormuonLength(int64_t rows, int64_t cols) { return std::max(rows, cols); }
 
 class Muon final : public Optimizer {
  public:
@@ -40,7 +51,14 @@ class Muon final : public Optimizer {
       : Optimizer(std::move(options)),
         ns_bound_(NsSingularValueBound(options_.ns_schedule, options_.ns_steps, options_.ns_norm_safety)) {}
 
-  std::vector<std::string> SlotNames() const override { return {kMomentumSlot}; }
+  std::vector<std::string> SlotNames() const override {
+    if (options_.moment2_method == Moment2Method::kNone) return {kMomentumSlot};
+    return {kMomentumSlot, kMoment2Slot};
+  }
+
+  std::vector<int64_t> SlotShape(const ParamState& param, std::string_view slot) const override;
+
+  bool SlotIsNonNegative(std::string_view slot) const override { return slot == kMoment2Slot; }
 
   StepBounds BoundStep(const StepHyper& hyper, const ParamState& param, double grad_bound) const override;
 
@@ -78,6 +96,7 @@ class Muon final : public Optimizer {
   float DecayFactor(const StepHyper& hyper) const;
   void AppendMatrices(ParamState& p, const StepHyper& hyper, std::vector<MatrixJob>& jobs) const;
   absl::Status Orthogonalize(Backend& backend, std::span<const MatrixJob> jobs);
+  absl::Status ReduceVariance(Backend& backend, std::span<const MatrixJob> jobs, float* work, NsWorkspace& ws) const;
 
   const double ns_bound_;  // NsSingularValueBound of this group's iteration
 };
@@ -112,6 +131,8 @@ float Muon::DecayFactor(const StepHyper& hyper) const {
       return static_cast<float>(1.0 - hyper.weight_decay);
     case WeightDecayMode::kL2:
       return 1.0f;  // folded into the gradient before momentum
+    case WeightDecayMode::kCautious:
+      return 1.0f;  // applied element by element with the update (CautiousUpdate)
   }
   return 1.0f;
 }
@@ -143,13 +164,35 @@ void ForEachMatrix(const ParamState& p, Visit&& visit) {
   }
 }
 
+std::vector<int64_t> Muon::SlotShape(const ParamState& param, std::string_view slot) const {
+  if (slot != kMoment2Slot || options_.moment2_method != Moment2Method::kNormuon) return param.shape;
+  const std::vector<int64_t>& s = param.shape;
+  if (s.size() == 2 && !param.qkv.enabled()) {
+    // One matrix: torch's keepdim shape, (rows, 1) or (1, cols), as Megatron-Core stores it.
+    return s[0] >= s[1] ? std::vector<int64_t>{s[0], 1} : std::vector<int64_t>{1, s[1]};
+  }
+  int64_t length = 0;
+  ForEachMatrix(param, [&](int64_t, int64_t rows, int64_t cols) { length += NormuonLength(rows, cols); });
+  return {length};
+}
+
 void Muon::AppendMatrices(ParamState& p, const StepHyper& hyper, std::vector<MatrixJob>& jobs) const {
   float* u = p.grad->data();
   float* w = p.master->data();
+  float* moment2 = options_.moment2_method == Moment2Method::kNone ? nullptr : p.Slot(kMoment2Slot)->data();
   const float beta = DecayFactor(hyper);
+  const float decay = options_.weight_decay_mode == WeightDecayMode::kCautious
+                          ? static_cast<float>(hyper.lr * hyper.weight_decay)
+                          : 0.0f;
+  int64_t line = 0;  // NorMuon: where this matrix's lines start in the slot
   ForEachMatrix(p, [&](int64_t offset, int64_t rows, int64_t cols) {
-    const float alpha = static_cast<float>(-hyper.lr * Scale(rows, cols));
-    jobs.push_back(MatrixJob{u + offset, w + offset, rows, cols, alpha, beta});
+    float* m2 = nullptr;
+    if (options_.moment2_method == Moment2Method::kAdamuon) m2 = moment2 + offset;
+    if (options_.moment2_method == Moment2Method::kNormuon) {
+      m2 = moment2 + line;
+      line += NormuonLength(rows, cols);
+    }
+    jobs.push_back(MatrixJob{u + offset, w + offset, m2, rows, cols, hyper.lr, Scale(rows, cols), beta, decay});
   });
 }
 
@@ -172,11 +215,37 @@ StepBounds Muon::BoundStep(const StepHyper& hyper, const ParamState& param, doub
   }
   double scale = 0;
   ForEachMatrix(param, [&](int64_t, int64_t rows, int64_t cols) { scale = std::max(scale, Scale(rows, cols)); });
+  // The largest element of the update W moves along, over η: scale·O for plain Muon (|O_ij| ≤ σ_max).
+  double step = scale * ns_bound_;
+  double moment2 = 0, moment2_peak = 0;
+  const double v = SlotBound(param, kMoment2Slot);
+  int64_t min_dim = 0;
+  ForEachMatrix(param, [&](int64_t, int64_t rows, int64_t cols) { min_dim = std::max(min_dim, std::min(rows, cols)); });
+  switch (options_.moment2_method) {
+    case Moment2Method::kNone:
+      break;
+    case Moment2Method::kAdamuon: {
+      // v' ≥ (1−β2)·x², so |x/(√v' + ε)| ≤ 1/√(1−β2).
+      const double x2 = step * step * kBoundRounding;
+      moment2 = std::max(v, x2) * kBoundRounding;
+      moment2_peak = x2;
+      step = kBoundRounding / std::sqrt(1.0 - options_.beta2);
+      break;
+    }
+    case Moment2Method::kNormuon:
+      // A line's mean of O² is at most σ_max²; the result keeps ‖O‖_F ≤ √min(m, n)·σ_max, which
+      // bounds every element (the intermediate O·s is never stored: s carries the norm ratio).
+      moment2 = std::max(v, ns_bound_ * ns_bound_) * kBoundRounding;
+      moment2_peak = moment2;
+      step *= std::sqrt(static_cast<double>(min_dim)) * kBoundRounding;
+      break;
+  }
   StepBounds out;
-  out.master = (std::abs(static_cast<double>(DecayFactor(hyper))) * param.master_bound +
-                hyper.lr * scale * ns_bound_) * kBoundRounding;
+  out.master = (std::abs(static_cast<double>(DecayFactor(hyper))) * param.master_bound + hyper.lr * step) *
+               kBoundRounding;
   out.slots = {m_next};
-  out.peak = std::max({out.master, m_next, u, g_decayed + m});
+  if (options_.moment2_method != Moment2Method::kNone) out.slots.push_back(moment2);
+  out.peak = std::max({out.master, m_next, u, g_decayed + m, moment2_peak, step});
   return out;
 }
 
@@ -209,21 +278,85 @@ absl::Status Muon::Orthogonalize(Backend& backend, std::span<const MatrixJob> jo
                                      options_.ns_eps, options_.ns_norm_safety,
                                      options_.matmul_precision, work, work, rows, cols,
                                      static_cast<int64_t>(batch), ws));
+  if (options_.moment2_method == Moment2Method::kNormuon) {
+    MUOND_RETURN_IF_ERROR(ReduceVariance(backend, jobs, work, ws));
+  }
   for (size_t i = 0; i < batch; ++i) {
-    MUOND_RETURN_IF_ERROR(
-        backend.Axpby(jobs[i].alpha, work + i * mat, jobs[i].beta, jobs[i].master, mat));
+    const MatrixJob& job = jobs[i];
+    float* o = work + i * mat;
+    double step = job.lr * job.scale;
+    if (options_.moment2_method == Moment2Method::kAdamuon) {
+      // Megatron-Core's adamuon takes the scaled update: the scale moves into the moment.
+      const kernels::AdamuonArgs args{.scale = static_cast<float>(job.scale),
+                                      .one_minus_beta2 = static_cast<float>(1.0 - options_.beta2),
+                                      .eps = static_cast<float>(options_.eps)};
+      MUOND_RETURN_IF_ERROR(backend.Adamuon(args, job.moment2, o, mat));
+      step = job.lr;
+    }
+    if (options_.weight_decay_mode == WeightDecayMode::kCautious) {
+      const kernels::CautiousArgs args{.alpha = static_cast<float>(-step), .decay = job.decay};
+      MUOND_RETURN_IF_ERROR(backend.CautiousUpdate(args, o, job.master, mat));
+    } else {
+      MUOND_RETURN_IF_ERROR(backend.Axpby(static_cast<float>(-step), o, job.beta, job.master, mat));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// NorMuon's variance reduction (modded-nanogpt's _apply_normuon_variance_reduction) on each
+// orthogonalized O of the batch, in place: per line (row when rows ≥ cols, else column)
+// v̄ = mean(O²) over the line; m2 ← lerp(m2, v̄, 1−β2); s = 1/√max(m2, ε); O ← O·s·‖O‖_F/‖O·s‖_F, so
+// the update keeps O's Frobenius norm. An all-zero O (a zero gradient and momentum) stays zero
+// rather than 0/0. The sums of squares come back to the host, where the few per-line values are
+// updated in fp64; the norm ratio is folded into the line scales, so O is scaled once.
+absl::Status Muon::ReduceVariance(Backend& backend, std::span<const MatrixJob> jobs, float* work,
+                                  NsWorkspace& ws) const {
+  const int64_t rows = jobs[0].rows, cols = jobs[0].cols;
+  const size_t mat = static_cast<size_t>(rows * cols), batch = jobs.size();
+  const bool per_column = rows < cols;
+  const size_t length = static_cast<size_t>(NormuonLength(rows, cols));
+  const size_t count = mat / length;  // elements per line
+  float* lines = work;
+  if (per_column) {
+    MUOND_ASSIGN_OR_RETURN(lines, ws.Get(backend, kNormuonSlot, mat * batch));
+    MUOND_RETURN_IF_ERROR(backend.Transpose2D(work, lines, rows, cols, static_cast<int64_t>(batch)));
+  }
+  std::vector<double> sums(length * batch);
+  MUOND_RETURN_IF_ERROR(backend.SumSquares(lines, count, length * batch, sums.data()));
+  const float weight = static_cast<float>(1.0 - options_.beta2);
+  std::vector<float> moment(length), scales(length * batch);
+  for (size_t i = 0; i < batch; ++i) {
+    MUOND_RETURN_IF_ERROR(backend.CopyToHost(jobs[i].moment2, moment.data(), length));
+    double norm2 = 0, scaled_norm2 = 0;
+    for (size_t j = 0; j < length; ++j) {
+      const double sum = sums[i * length + j];
+      const float mean = static_cast<float>(sum / static_cast<double>(count));
+      moment[j] = moment[j] + weight * (mean - moment[j]);  // torch lerp_(v̄, 1−β2) in fp32
+      const double s = 1.0 / std::sqrt(std::max(static_cast<double>(moment[j]), options_.eps));
+      scales[i * length + j] = static_cast<float>(s);
+      norm2 += sum;
+      scaled_norm2 += s * s * sum;
+    }
+    const double ratio = scaled_norm2 > 0 ? std::sqrt(norm2 / scaled_norm2) : 0.0;
+    for (size_t j = 0; j < length; ++j) {
+      scales[i * length + j] = static_cast<float>(scales[i * length + j] * ratio);
+    }
+    MUOND_RETURN_IF_ERROR(backend.CopyToDevice(moment.data(), jobs[i].moment2, length));
+  }
+  MUOND_RETURN_IF_ERROR(backend.ScaleBatched(lines, count, length * batch, scales.data()));
+  if (per_column) {
+    MUOND_RETURN_IF_ERROR(backend.Transpose2D(lines, work, cols, rows, static_cast<int64_t>(batch)));
   }
   return absl::OkStatus();
 }
 
 absl::Status Muon::Step(Backend& backend, const StepHyper& hyper,
                         std::span<ParamState* const> params) {
-  const std::string slots[] = {kMomentumSlot};
   // Check everything first so that a rejected step leaves every parameter untouched.
   for (ParamState* p : params) {
     if (!p->has_grad) continue;
     MUOND_RETURN_IF_ERROR(CheckParameter(*p));
-    MUOND_RETURN_IF_ERROR(CheckStepInputs(*p, slots));
+    MUOND_RETURN_IF_ERROR(CheckStepInputs(*p));
   }
   // Plan: same-shape matrices across parameters, keyed by (rows, cols) (std::map keeps the order
   // stable), cut into batches of at most kMaxBatchFloats.
@@ -256,6 +389,15 @@ absl::Status Muon::Step(Backend& backend, const StepHyper& hyper,
   }
   if (need_gather > 0) {
     MUOND_RETURN_IF_ERROR(ws.Get(backend, NsWorkspace::kFirstFreeSlot, need_gather).status());
+  }
+  if (options_.moment2_method == Moment2Method::kNormuon) {
+    size_t transposed = 0;  // NorMuon's copy of a batch of wide matrices
+    for (std::span<const MatrixJob> batch : batches) {
+      if (batch[0].rows < batch[0].cols) {
+        transposed = std::max(transposed, batch.size() * static_cast<size_t>(batch[0].rows * batch[0].cols));
+      }
+    }
+    if (transposed > 0) MUOND_RETURN_IF_ERROR(ws.Get(backend, kNormuonSlot, transposed).status());
   }
   reserve.unlock();
 

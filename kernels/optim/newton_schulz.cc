@@ -29,13 +29,19 @@ absl::StatusOr<float*> NsWorkspace::Get(Backend& backend, int slot, size_t count
 }
 
 // Slots 0 and 1 hold the iterate X and the next one (batch·rows·cols each), 2 and 3 the Gram matrix
-// A and the polynomial B (batch·m² each, m = min(rows, cols)).
-absl::Status NsWorkspace::ReserveFor(Backend& backend, int64_t rows, int64_t cols, int64_t batch) {
+// A and the polynomial B (batch·m² each, m = min(rows, cols)). GramNewtonSchulz uses 2 and 3 for
+// its R and Z, and 4 and 5 (batch·m² each) for Q and its scratch; square shapes go to NewtonSchulz
+// and need no more than it does.
+absl::Status NsWorkspace::ReserveFor(Backend& backend, int64_t rows, int64_t cols, int64_t batch,
+                                     bool gram) {
   const size_t mat = static_cast<size_t>(rows * cols * batch);
   const size_t m = static_cast<size_t>(std::min(rows, cols));
-  const size_t gram = m * m * static_cast<size_t>(batch);
+  const size_t gram_size = m * m * static_cast<size_t>(batch);
   for (int slot : {0, 1}) MUOND_RETURN_IF_ERROR(Get(backend, slot, mat).status());
-  for (int slot : {2, 3}) MUOND_RETURN_IF_ERROR(Get(backend, slot, gram).status());
+  for (int slot : {2, 3}) MUOND_RETURN_IF_ERROR(Get(backend, slot, gram_size).status());
+  if (gram && rows != cols) {
+    for (int slot : {4, 5}) MUOND_RETURN_IF_ERROR(Get(backend, slot, gram_size).status());
+  }
   return absl::OkStatus();
 }
 
@@ -50,16 +56,63 @@ void NsWorkspace::Release() {
   backend_ = nullptr;
 }
 
+namespace {
+
+absl::Status CheckNsArguments(const char* who, const NsSchedule& schedule, int steps, int64_t rows,
+                              int64_t cols, int64_t batch) {
+  if (rows < 0 || cols < 0 || batch < 0 || steps < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(who, ": bad sizes rows=", rows, " cols=", cols,
+                                                   " batch=", batch, " steps=", steps));
+  }
+  if (schedule.tuples.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(who, ": empty coefficient schedule"));
+  }
+  return absl::OkStatus();
+}
+
+// x ← the wide orientation of `in` (m×n per matrix, transposed when rows > cols), each matrix
+// scaled by 1/(s·‖X‖_F + ε) with the norm accumulated in fp64. A zero matrix keeps scale 0 rather
+// than 0·(1/0) so that eps = 0 cannot produce NaN.
+absl::Status LoadNormalized(Backend& backend, const float* in, float* x, int64_t rows, int64_t cols,
+                            int64_t batch, double eps, double norm_safety) {
+  const size_t mat = static_cast<size_t>(rows * cols);
+  if (rows > cols) {
+    MUOND_RETURN_IF_ERROR(backend.Transpose2D(in, x, rows, cols, batch));
+  } else {
+    MUOND_RETURN_IF_ERROR(backend.CopyOnDevice(in, x, mat * static_cast<size_t>(batch)));
+  }
+  std::vector<double> sums(batch);
+  MUOND_RETURN_IF_ERROR(backend.SumSquares(x, mat, batch, sums.data()));
+  std::vector<float> scales(batch);
+  for (int64_t i = 0; i < batch; ++i) {
+    const double denom = norm_safety * std::sqrt(sums[i]) + eps;
+    scales[i] = denom > 0 ? static_cast<float>(1.0 / denom) : 0.0f;
+  }
+  return backend.ScaleBatched(x, mat, batch, scales.data());
+}
+
+// The batched GEMM shapes of both iterations on a wide m×n X (row-major): gram, X·Xᵀ (op(B) = Xᵀ
+// reads X's storage transposed); square, a product of two m×m matrices; apply, an m×m matrix times X.
+struct NsGemmShapes {
+  GemmShape gram, square, apply;
+};
+NsGemmShapes GemmShapesFor(int64_t m, int64_t n, int64_t batch) {
+  return NsGemmShapes{
+      .gram = {.trans_a = Transpose::kNo, .trans_b = Transpose::kYes, .m = m, .n = m, .k = n, .lda = n,
+               .ldb = n, .ldc = m, .stride_a = m * n, .stride_b = m * n, .stride_c = m * m, .batch = batch},
+      .square = {.m = m, .n = m, .k = m, .lda = m, .ldb = m, .ldc = m, .stride_a = m * m, .stride_b = m * m,
+                 .stride_c = m * m, .batch = batch},
+      .apply = {.m = m, .n = n, .k = m, .lda = m, .ldb = n, .ldc = n, .stride_a = m * m, .stride_b = m * n,
+                .stride_c = m * n, .batch = batch},
+  };
+}
+
+}  // namespace
+
 absl::Status NewtonSchulz(Backend& backend, const NsSchedule& schedule, int steps, double eps,
                           double norm_safety, kernels::MatmulPrecision precision, const float* in,
                           float* out, int64_t rows, int64_t cols, int64_t batch, NsWorkspace& ws) {
-  if (rows < 0 || cols < 0 || batch < 0 || steps < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("NewtonSchulz: bad sizes rows=", rows,
-                                                   " cols=", cols, " batch=", batch, " steps=", steps));
-  }
-  if (schedule.tuples.empty()) {
-    return absl::InvalidArgumentError("NewtonSchulz: empty coefficient schedule");
-  }
+  MUOND_RETURN_IF_ERROR(CheckNsArguments("NewtonSchulz", schedule, steps, rows, cols, batch));
   if (rows == 0 || cols == 0 || batch == 0) return absl::OkStatus();
 
   // Work on the wide orientation: the Gram matrix A is then m×m with m = min(rows, cols), which
@@ -73,34 +126,14 @@ absl::Status NewtonSchulz(Backend& backend, const NsSchedule& schedule, int step
   MUOND_ASSIGN_OR_RETURN(float* x_next, ws.Get(backend, 1, total));
   MUOND_ASSIGN_OR_RETURN(float* a_mat, ws.Get(backend, 2, gram * batch));
   MUOND_ASSIGN_OR_RETURN(float* b_mat, ws.Get(backend, 3, gram * batch));
+  MUOND_RETURN_IF_ERROR(LoadNormalized(backend, in, x, rows, cols, batch, eps, norm_safety));
 
-  if (transposed) {
-    MUOND_RETURN_IF_ERROR(backend.Transpose2D(in, x, rows, cols, batch));
-  } else {
-    MUOND_RETURN_IF_ERROR(backend.CopyOnDevice(in, x, total));
-  }
-
-  // X ← X / (s·‖X‖_F + ε), the norm accumulated in fp64. A zero matrix keeps scale 0 rather than
-  // 0·(1/0) so that eps = 0 cannot produce NaN.
-  std::vector<double> sums(batch);
-  MUOND_RETURN_IF_ERROR(backend.SumSquares(x, mat, batch, sums.data()));
-  std::vector<float> scales(batch);
-  for (int64_t i = 0; i < batch; ++i) {
-    const double denom = norm_safety * std::sqrt(sums[i]) + eps;
-    scales[i] = denom > 0 ? static_cast<float>(1.0 / denom) : 0.0f;
-  }
-  MUOND_RETURN_IF_ERROR(backend.ScaleBatched(x, mat, batch, scales.data()));
-
-  // A = X·Xᵀ (m×m): X is m×n row-major, so op(B) = Xᵀ reads the same storage transposed.
-  GemmShape gram_shape{.trans_a = Transpose::kNo, .trans_b = Transpose::kYes, .m = m, .n = m, .k = n,
-                       .lda = n, .ldb = n, .ldc = m, .stride_a = m * n, .stride_b = m * n,
-                       .stride_c = m * m, .batch = batch};
-  // B = c·A·A + b·B with B preloaded with A.
-  GemmShape square_shape{.m = m, .n = m, .k = m, .lda = m, .ldb = m, .ldc = m, .stride_a = m * m,
-                         .stride_b = m * m, .stride_c = m * m, .batch = batch};
-  // X' = B·X + a·X' with X' preloaded with X (the GEMM cannot read and write X in place).
-  GemmShape update_shape{.m = m, .n = n, .k = m, .lda = m, .ldb = n, .ldc = n, .stride_a = m * m,
-                         .stride_b = m * n, .stride_c = m * n, .batch = batch};
+  // A = X·Xᵀ; B = c·A·A + b·B with B preloaded with A; X' = B·X + a·X' with X' preloaded with X (the
+  // GEMM cannot read and write X in place).
+  const NsGemmShapes shapes = GemmShapesFor(m, n, batch);
+  const GemmShape& gram_shape = shapes.gram;
+  const GemmShape& square_shape = shapes.square;
+  const GemmShape& update_shape = shapes.apply;
   for (int t = 0; t < steps; ++t) {
     const NsCoefficient co = schedule.At(t);
     MUOND_RETURN_IF_ERROR(backend.Gemm(gram_shape, 1.0f, x, x, 0.0f, a_mat, precision));
@@ -123,6 +156,117 @@ absl::Status NewtonSchulz(Backend& backend, const NsSchedule& schedule, int step
 
   if (transposed) return backend.Transpose2D(x, out, m, n, batch);
   return backend.CopyOnDevice(x, out, total);
+}
+
+absl::Status GramNewtonSchulz(Backend& backend, const NsSchedule& schedule, int steps,
+                              std::span<const int> restart_iterations, double eps,
+                              double norm_safety, kernels::MatmulPrecision precision,
+                              const float* in, float* out, int64_t rows, int64_t cols,
+                              int64_t batch, NsWorkspace& ws) {
+  MUOND_RETURN_IF_ERROR(CheckNsArguments("GramNewtonSchulz", schedule, steps, rows, cols, batch));
+  if (rows == 0 || cols == 0 || batch == 0) return absl::OkStatus();
+  // Square: X·Xᵀ is as large as X, so working on it saves nothing (torch.optim.Muon does the same).
+  if (rows == cols) {
+    return NewtonSchulz(backend, schedule, steps, eps, norm_safety, precision, in, out, rows, cols,
+                        batch, ws);
+  }
+
+  const bool transposed = rows > cols;
+  const int64_t m = std::min(rows, cols), n = std::max(rows, cols);
+  const size_t total = static_cast<size_t>(m * n) * static_cast<size_t>(batch);
+  const size_t gram_total = static_cast<size_t>(m * m) * static_cast<size_t>(batch);
+  MUOND_RETURN_IF_ERROR(ws.ReserveFor(backend, rows, cols, batch, /*gram=*/true));
+  MUOND_ASSIGN_OR_RETURN(float* x, ws.Get(backend, 0, total));
+  MUOND_ASSIGN_OR_RETURN(float* x_next, ws.Get(backend, 1, total));
+  MUOND_ASSIGN_OR_RETURN(float* r, ws.Get(backend, 2, gram_total));
+  MUOND_ASSIGN_OR_RETURN(float* z, ws.Get(backend, 3, gram_total));
+  MUOND_ASSIGN_OR_RETURN(float* q, ws.Get(backend, 4, gram_total));
+  // Scratch for the next Q, then (once Q has moved there and the old one is dead) RZ; also the
+  // column of ones that writes a·I.
+  MUOND_ASSIGN_OR_RETURN(float* scratch, ws.Get(backend, 5, gram_total));
+  MUOND_RETURN_IF_ERROR(LoadNormalized(backend, in, x, rows, cols, batch, eps, norm_safety));
+
+  // R = X·Xᵀ (m×m), as NewtonSchulz's A; products of two m×m polynomials (R·R, Q·Z, R·Z, Z·RZ);
+  // Q·X (m×m times m×n), only at a restart and at the end.
+  const NsGemmShapes shapes = GemmShapesFor(m, n, batch);
+  const GemmShape& gram_shape = shapes.gram;
+  const GemmShape& square_shape = shapes.square;
+  const GemmShape& apply_shape = shapes.apply;
+  // C += alpha·I with no identity matrix and no Backend primitive beyond Gemm: an m×1 column of
+  // ones times a 1×1 one, written with ldc = m + 1 so that row i of the result lands on C(i, i).
+  // The ones are read with zero strides by every matrix of the batch. Always fp32: the product is
+  // exact and its cost (m multiply-adds per matrix) is nothing.
+  GemmShape diagonal_shape{.m = m, .n = 1, .k = 1, .lda = 1, .ldb = 1, .ldc = m + 1, .stride_a = 0,
+                           .stride_b = 0, .stride_c = m * m, .batch = batch};
+
+  const auto restarts_at = [&](int t) {
+    return std::find(restart_iterations.begin(), restart_iterations.end(), t) !=
+           restart_iterations.end();
+  };
+  MUOND_RETURN_IF_ERROR(backend.Gemm(gram_shape, 1.0f, x, x, 0.0f, r, precision));
+  bool have_q = false;
+  for (int t = 0; t < steps; ++t) {
+    const NsCoefficient co = schedule.At(t);
+    const float a = static_cast<float>(co.a);
+    if (t != 0 && restarts_at(t)) {
+      // Re-anchor on an explicit iterate: the R and Q built up so far carry the rounding of every
+      // step since the last anchor, which the next steps would otherwise amplify.
+      MUOND_RETURN_IF_ERROR(backend.Gemm(apply_shape, 1.0f, q, x, 0.0f, x_next, precision));
+      std::swap(x, x_next);
+      MUOND_RETURN_IF_ERROR(backend.Gemm(gram_shape, 1.0f, x, x, 0.0f, r, precision));
+      have_q = false;
+    }
+
+    // Z = b·R + c·R·R; a cubic tuple (c = 0) skips the R·R GEMM.
+    MUOND_RETURN_IF_ERROR(backend.CopyOnDevice(r, z, gram_total));
+    if (co.c == 0) {
+      const float b = static_cast<float>(co.b);
+      MUOND_RETURN_IF_ERROR(backend.ScaleBatched(z, gram_total, 1, &b));
+    } else {
+      MUOND_RETURN_IF_ERROR(backend.Gemm(square_shape, static_cast<float>(co.c), r, r,
+                                         static_cast<float>(co.b), z, precision));
+    }
+
+    if (!have_q) {
+      // Q = a·I + Z.
+      MUOND_RETURN_IF_ERROR(backend.CopyOnDevice(z, q, gram_total));
+      MUOND_RETURN_IF_ERROR(backend.Fill(scratch, static_cast<size_t>(m), 1.0f));
+      MUOND_RETURN_IF_ERROR(backend.Gemm(diagonal_shape, a, scratch, scratch, 1.0f, q,
+                                         kernels::MatmulPrecision::kFp32));
+      have_q = true;
+    } else {
+      // Q ← a·Q + Q·Z, into the scratch preloaded with Q (the GEMM cannot read and write Q in
+      // place); the old Q's buffer becomes the scratch.
+      MUOND_RETURN_IF_ERROR(backend.CopyOnDevice(q, scratch, gram_total));
+      MUOND_RETURN_IF_ERROR(backend.Gemm(square_shape, 1.0f, q, z, a, scratch, precision));
+      std::swap(q, scratch);
+    }
+
+    // Advance R to the Gram matrix of the iterate NewtonSchulz would now hold, X' = (a·I + Z)·X:
+    // R' = (a·I + Z)·R·(a·I + Z) = a·RZ + Z·RZ with RZ = a·R + R·Z (Z is symmetric). Not needed
+    // after the last step, nor before a restart, which recomputes R from the explicit iterate.
+    if (t + 1 < steps && !restarts_at(t + 1)) {
+      float* rz = scratch;
+      MUOND_RETURN_IF_ERROR(backend.CopyOnDevice(r, rz, gram_total));
+      MUOND_RETURN_IF_ERROR(backend.Gemm(square_shape, 1.0f, r, z, a, rz, precision));
+      MUOND_RETURN_IF_ERROR(backend.CopyOnDevice(rz, r, gram_total));
+      MUOND_RETURN_IF_ERROR(backend.Gemm(square_shape, 1.0f, z, rz, a, r, precision));
+    }
+  }
+
+  // out = Q·X, transposed back to rows×cols when the input was tall. With no step run Q is the
+  // identity and the result is the normalized input, as in NewtonSchulz.
+  if (!have_q) {
+    if (transposed) return backend.Transpose2D(x, out, m, n, batch);
+    return backend.CopyOnDevice(x, out, total);
+  }
+  if (transposed) {
+    MUOND_RETURN_IF_ERROR(backend.Gemm(apply_shape, 1.0f, q, x, 0.0f, x_next, precision));
+    return backend.Transpose2D(x_next, out, m, n, batch);
+  }
+  // `out` is the caller's buffer and x the workspace's, so the GEMM may write it directly even when
+  // out == in.
+  return backend.Gemm(apply_shape, 1.0f, q, x, 0.0f, out, precision);
 }
 
 }  // namespace muond::optim

@@ -44,20 +44,27 @@ double Optimizer::SlotBound(const ParamState& param, std::string_view name) {
   return 0;
 }
 
+size_t Optimizer::SlotNumel(const ParamState& param, std::string_view slot) const {
+  size_t numel = 1;
+  for (int64_t d : SlotShape(param, slot)) numel *= static_cast<size_t>(d);
+  return numel;
+}
+
 absl::Status Optimizer::InitState(kernels::Backend& backend, ParamState& param) const {
   MUOND_RETURN_IF_ERROR(CheckParameter(param));
   // Build the new slots aside so a failed allocation leaves the parameter as it was.
   std::vector<StateSlot> slots;
   for (std::string& name : SlotNames()) {
-    MUOND_ASSIGN_OR_RETURN(auto buffer, backend.Allocate(static_cast<size_t>(param.numel)));
-    MUOND_RETURN_IF_ERROR(backend.Fill(buffer->data(), static_cast<size_t>(param.numel), 0.0f));
+    const size_t numel = SlotNumel(param, name);
+    MUOND_ASSIGN_OR_RETURN(auto buffer, backend.Allocate(numel));
+    MUOND_RETURN_IF_ERROR(backend.Fill(buffer->data(), numel, 0.0f));
     slots.push_back(StateSlot{std::move(name), std::move(buffer)});
   }
   param.slots = std::move(slots);
   return absl::OkStatus();
 }
 
-absl::Status CheckStepInputs(const ParamState& param, std::span<const std::string> slot_names) {
+absl::Status Optimizer::CheckStepInputs(const ParamState& param) const {
   const size_t numel = static_cast<size_t>(param.numel);
   if (param.master == nullptr || param.master->size() < numel) {
     return absl::FailedPreconditionError(
@@ -67,10 +74,12 @@ absl::Status CheckStepInputs(const ParamState& param, std::span<const std::strin
     return absl::FailedPreconditionError(
         absl::StrCat("parameter \"", param.name, "\" has no gradient of ", numel, " elements"));
   }
-  for (const std::string& slot_name : slot_names) {
+  for (const std::string& slot_name : SlotNames()) {
     bool found = false;
     for (const StateSlot& slot : param.slots) {
-      if (slot.name == slot_name && slot.buffer != nullptr && slot.buffer->size() >= numel) found = true;
+      if (slot.name == slot_name && slot.buffer != nullptr && slot.buffer->size() >= SlotNumel(param, slot_name)) {
+        found = true;
+      }
     }
     if (!found) {
       return absl::FailedPreconditionError(absl::StrCat(

@@ -55,8 +55,15 @@ class Optimizer {
   // a QKV split must add up to the rows); the message names the problem, the caller names the field.
   virtual absl::Status CheckParameter(const ParamState& param) const = 0;
 
-  // Names of the state slots (each the size of the parameter), e.g. {"momentum"}.
+  // Names of the state slots, e.g. {"momentum"}.
   virtual std::vector<std::string> SlotNames() const = 0;
+
+  // The shape of slot `slot` of `param`: the parameter's own, except for reduced state (NorMuon's
+  // per-line second moment). SlotNumel is its element count, the size of the slot's buffer.
+  virtual std::vector<int64_t> SlotShape(const ParamState& param, std::string_view slot) const {
+    return param.shape;
+  }
+  size_t SlotNumel(const ParamState& param, std::string_view slot) const;
 
   // Whether a slot's values must not be negative (Adam's second moment, whose square root a step
   // takes); a state loaded from elsewhere is checked against it.
@@ -77,6 +84,9 @@ class Optimizer {
 
  protected:
   explicit Optimizer(GroupOptions options) : options_(std::move(options)) {}
+  // Common precondition of every Step: a gradient of the parameter's size and every slot, of its
+  // SlotNumel, allocated by InitState. FAILED_PRECONDITION naming the parameter otherwise.
+  absl::Status CheckStepInputs(const ParamState& param) const;
   // CheckParameter of the optimizers that treat every element alike: no QKV split.
   static absl::Status CheckElementwiseParameter(const ParamState& param);
   // The bound of `param`'s slot `name`; 0 before InitState made it.

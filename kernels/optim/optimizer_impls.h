@@ -17,8 +17,4 @@ std::unique_ptr<Optimizer> NewAdamW(const GroupOptions& options);
 std::unique_ptr<Optimizer> NewLion(const GroupOptions& options);
 std::unique_ptr<Optimizer> NewSgd(const GroupOptions& options);
 
-// Common precondition of every Step: a gradient of the parameter's size and the named slots,
-// allocated by InitState. FAILED_PRECONDITION naming the parameter otherwise.
-absl::Status CheckStepInputs(const ParamState& param, std::span<const std::string> slot_names);
-
 }  // namespace muond::optim

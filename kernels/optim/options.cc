@@ -129,6 +129,8 @@ GroupOptions DefaultOptions(OptimizerKind kind) {
       o.weight_decay = 0.0;
       o.momentum = 0.95;
       o.nesterov = true;
+      o.beta2 = 0.95;  // Megatron-Core's TensorParallelAdaptiveMuon
+      o.eps = 1e-8;
       break;
     case OptimizerKind::kAdamW:
       o.lr = 1e-3;
@@ -206,10 +208,16 @@ double NsSingularValueBound(const NsSchedule& schedule, int steps, double norm_s
 
 absl::Status ValidateOptions(const GroupOptions& o) {
   MUOND_RETURN_IF_ERROR(ValidateStepHyper(o, o.lr, o.momentum, o.weight_decay));
-  if (o.optimizer == OptimizerKind::kAdamW && o.weight_decay_mode == WeightDecayMode::kIndependent) {
-    return absl::InvalidArgumentError(
-        "weight_decay_mode independent applies to muon only; adamw takes decoupled (AdamW) or l2 (Adam with "
-        "coupled L2)");
+  if (o.optimizer == OptimizerKind::kAdamW && (o.weight_decay_mode == WeightDecayMode::kIndependent ||
+                                                o.weight_decay_mode == WeightDecayMode::kCautious)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "weight_decay_mode ",
+        o.weight_decay_mode == WeightDecayMode::kIndependent ? "independent" : "cautious",
+        " applies to muon only; adamw takes decoupled (AdamW) or l2 (Adam with coupled L2)"));
+  }
+  if (o.optimizer != OptimizerKind::kMuon && o.moment2_method != Moment2Method::kNone) {
+    return absl::InvalidArgumentError(absl::StrCat("moment2_method applies to muon only, not to ",
+                                                   std::string(OptimizerName(o.optimizer))));
   }
   if (o.optimizer == OptimizerKind::kSgd && o.nesterov && o.momentum <= 0) {
     return absl::InvalidArgumentError("nesterov needs momentum > 0 (torch.optim.SGD semantics)");
@@ -300,7 +308,8 @@ const std::vector<OptionSpec>& GroupOptionTable() {
       {"optimizer", all, {"muon", "adamw", "lion", "sgd"}},  // OptimizerKind's order
       {"lr", all, {}},
       {"weight_decay", all, {}},
-      {"weight_decay_mode", {K::kMuon, K::kAdamW}, {"decoupled", "independent", "l2"}},  // adamw: not independent
+      // adamw: decoupled or l2 only
+      {"weight_decay_mode", {K::kMuon, K::kAdamW}, {"decoupled", "independent", "l2", "cautious"}},
       {"momentum", {K::kMuon, K::kSgd}, {}},
       {"nesterov", {K::kMuon, K::kSgd}, {}},
       {"momentum_style", muon, {"ema", "sum"}},
@@ -315,9 +324,10 @@ const std::vector<OptionSpec>& GroupOptionTable() {
       {"matmul_precision", muon, {"fp32", "tf32", "bf16"}},  // kernels::MatmulPrecision's order
       {"qk_clip_threshold", muon, {}},
       {"qk_clip_alpha", muon, {}},
+      {"moment2_method", muon, {"none", "adamuon", "normuon"}},  // Moment2Method's order
       {"beta1", {K::kAdamW, K::kLion}, {}},
-      {"beta2", {K::kAdamW, K::kLion}, {}},
-      {"eps", {K::kAdamW}, {}},
+      {"beta2", {K::kMuon, K::kAdamW, K::kLion}, {}},  // muon: with a moment2_method only
+      {"eps", {K::kMuon, K::kAdamW}, {}},              // muon: with a moment2_method only
   };
   return *table;
 }

@@ -13,8 +13,12 @@
 namespace muond::optim {
 
 enum class OptimizerKind { kMuon, kAdamW, kLion, kSgd };
-// muon: all three; adamw: kDecoupled (AdamW) or kL2 (Adam with coupled L2).
-enum class WeightDecayMode { kDecoupled, kIndependent, kL2 };
+// muon: all four; adamw: kDecoupled (AdamW) or kL2 (Adam with coupled L2). kCautious is the
+// decoupled decay applied only where the update and the weight agree in sign.
+enum class WeightDecayMode { kDecoupled, kIndependent, kL2, kCautious };
+// Muon's adaptive second moment on the orthogonalized update: none (plain Muon), adamuon (an
+// element-wise moment, as Adam's), normuon (one moment per row or column, norm preserving).
+enum class Moment2Method { kNone, kAdamuon, kNormuon };
 enum class ScaleMode { kShapeScaling, kSpectral, kUnitRmsNorm };
 enum class CoefficientsAfter { kCycle, kRepeatLast };
 
@@ -54,8 +58,9 @@ struct GroupOptions {
   kernels::MatmulPrecision matmul_precision = kernels::MatmulPrecision::kFp32;
   double qk_clip_threshold = 100.0;
   double qk_clip_alpha = 0.5;
-  double beta1 = 0.9, beta2 = 0.999;
-  double eps = 1e-8;
+  Moment2Method moment2_method = Moment2Method::kNone;  // muon
+  double beta1 = 0.9, beta2 = 0.999;  // muon with a moment2_method: beta2 (default 0.95)
+  double eps = 1e-8;                  // adamw; muon with a moment2_method
 };
 
 // The defaults of docs/algorithms.md (Group options) for `kind` (lr, weight decay, momentum,

@@ -37,9 +37,8 @@ class Sgd final : public Optimizer {
 
   absl::Status Step(kernels::Backend& backend, const StepHyper& hyper,
                     std::span<ParamState* const> params) override {
-    const std::string slots[] = {"momentum_buffer"};
     for (ParamState* p : params) {
-      if (p->has_grad) MUOND_RETURN_IF_ERROR(CheckStepInputs(*p, slots));
+      if (p->has_grad) MUOND_RETURN_IF_ERROR(CheckStepInputs(*p));
     }
     for (ParamState* p : params) {
       if (!p->has_grad) continue;

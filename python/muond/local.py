@@ -86,6 +86,59 @@ def _orthogonalize_scaled(u: torch.Tensor, group: Dict[str, Any]) -> torch.Tenso
     return ortho(u)  # 2-D, or 3-D expert stacks batched over the first dim
 
 
+def _matrix_views(t: torch.Tensor, group: Dict[str, Any]) -> list:
+    """2-D views of ``t`` (contiguous, a parameter's shape) over the matrices Muon orthogonalizes,
+    in the daemon's order (``options.matrix_shapes``)."""
+    shapes = opts.matrix_shapes(group, tuple(t.shape))
+    if group.get("qkv_split") is not None:
+        blocks = t.reshape(-1, sum(group["qkv_split"]), t.size(-1))
+        bounds, start = [], 0
+        for rows in group["qkv_split"]:
+            bounds.append((start, start + rows))
+            start += rows
+        return [blocks[g, a:b] for g in range(blocks.size(0)) for a, b in bounds]
+    if t.dim() == 3:
+        return [t[e] for e in range(t.size(0))]
+    return [t.reshape(shapes[0])]
+
+
+def _adaptive_update(u: torch.Tensor, group: Dict[str, Any], moment2: torch.Tensor) -> torch.Tensor:
+    """The update of a Muon group with a second moment, matrix by matrix in the daemon's order
+    (docs/algorithms.md, Adaptive Muon), advancing ``moment2`` in place; the step is lr times it.
+
+    adamuon (Megatron-Core): x = scale·NS(U); v ← lerp(v, x², 1−β2); x/(√v + ε).
+    normuon (modded-nanogpt): O = NS(U); per row (rows ≥ cols) or column, v ← lerp(v, mean(O²),
+    1−β2); s = 1/√max(v, ε); scale·O·s·‖O‖_F/‖O·s‖_F (0 for an all-zero O)."""
+    coefficients, after = opts.coefficient_schedule(group)
+    beta2, eps = group["beta2"], group["eps"]
+    out = torch.empty_like(u)
+    adamuon = group["moment2_method"] == "adamuon"
+    moments = _matrix_views(moment2, group) if adamuon else None
+    flat_moment = moment2.reshape(-1)
+    line = 0
+    for i, (m, o_view) in enumerate(zip(_matrix_views(u, group), _matrix_views(out, group))):
+        rows, cols = m.shape
+        o = newton_schulz(m, group["ns_steps"], coefficients, after, group["ns_eps"],
+                          group["ns_norm_safety"])
+        scale = muon_scale(group["scale_mode"], group["extra_scale_factor"], rows, cols)
+        if adamuon:
+            x = o * scale
+            moments[i].lerp_(x * x, 1 - beta2)
+            o_view.copy_(x / (moments[i].sqrt() + eps))
+            continue
+        per_row = rows >= cols
+        length = rows if per_row else cols
+        v = flat_moment[line:line + length]
+        line += length
+        v.lerp_(o.square().mean(dim=1 if per_row else 0), 1 - beta2)
+        s = v.double().clamp_min(eps).rsqrt()
+        line_sums = o.double().square().sum(dim=1 if per_row else 0)
+        norm2, scaled2 = float(line_sums.sum()), float((s * s * line_sums).sum())
+        factor = (s * (math.sqrt(norm2 / scaled2) if scaled2 > 0 else 0.0)).float()
+        o_view.copy_(o * (factor[:, None] if per_row else factor[None, :]) * scale)
+    return out
+
+
 class LocalOptimizer(torch.optim.Optimizer):
     """In-process Muon / AdamW / Lion / SGD with the daemon's options and semantics.
 
@@ -202,11 +255,21 @@ class LocalOptimizer(torch.optim.Optimizer):
         else:
             m.mul_(beta).add_(g)
             u = g + beta * m if group["nesterov"] else m
-        update = _orthogonalize_scaled(u, group)
+        if group.get("moment2_method") is None:
+            update = _orthogonalize_scaled(u, group)
+        else:
+            moment2 = state.get("moment2")
+            if moment2 is None:
+                moment2 = state["moment2"] = torch.zeros(
+                    opts.slot_shape(group, tuple(p.shape), "moment2"), dtype=torch.float32,
+                    device=p.device)
+            update = _adaptive_update(u.contiguous(), group, moment2)
         if mode == "decoupled":
             p.mul_(1 - lr * wd)
         elif mode == "independent":
             p.mul_(1 - wd)
+        elif mode == "cautious":  # decay only where the update and the weight agree in sign
+            p.sub_(p * (update * p >= 0).to(p.dtype), alpha=lr * wd)
         p.add_(update.to(p.dtype), alpha=-lr)
 
     @staticmethod

@@ -196,10 +196,14 @@ class RemoteOptimizer(torch.optim.Optimizer):
                                   max_attempts=self.max_step_attempts,
                                   retry_backoff=self.retry_backoff)
                 names_here = [self._names[i] for i in self._indices_of[k]]
-                self._links.append(SessionLink(conn, self.session_id, names_here, self._by_name,
-                                               wire_dtype=self.wire_dtype,
-                                               return_dtype=self.return_dtype,
-                                               chunk_bytes=self.chunk_bytes))
+                link = SessionLink(conn, self.session_id, names_here, self._by_name,
+                                   wire_dtype=self.wire_dtype, return_dtype=self.return_dtype,
+                                   chunk_bytes=self.chunk_bytes)
+                for name in names_here:
+                    shape = self._tensor_shape(name, "moment2")
+                    if shape != tuple(self._by_name[name].shape):
+                        link.slot_sizes[(name, "moment2")] = math.prod(shape)
+                self._links.append(link)
             if len(self._links) > 1:
                 self._pool = concurrent.futures.ThreadPoolExecutor(
                     max_workers=len(self._links), thread_name_prefix="muond-shard")
@@ -502,7 +506,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         state: Dict[int, Dict[str, Any]] = {}
         for (name, slot), tensor in ((key, t) for _, tensors in parts for key, t in tensors.items()):
             entry = state.setdefault(index[name], {})
-            entry[slot or "master"] = tensor.view(self._by_name[name].shape)
+            entry[slot or "master"] = tensor.view(self._tensor_shape(name, slot or "master"))
         for name, i in index.items():
             state.setdefault(i, {})["step"] = counts.get(name, 0)
         groups, start = [], 0
@@ -514,6 +518,14 @@ class RemoteOptimizer(torch.optim.Optimizer):
         return {"state": state, "param_groups": groups,
                 "muond": {"format": _STATE_FORMAT, "last_step": last_step,
                           "names": list(self._names), "session": self.session_id}}
+
+    def _tensor_shape(self, name: str, slot: str) -> Tuple[int, ...]:
+        """The shape of a parameter's master or optimizer slot (``options.slot_shape``)."""
+        shape = tuple(self._by_name[name].shape)
+        if slot == "master":
+            return shape
+        group = next(g for g in self.param_groups if name in g["param_names"])
+        return opts.slot_shape(group, shape, slot)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Replaces the daemon's state (masters, slots, step counters) with ``state_dict`` from
@@ -549,10 +561,10 @@ class RemoteOptimizer(torch.optim.Optimizer):
                 name = self._names[i]
                 for slot, value in state.get(i, {}).items():
                     if isinstance(value, torch.Tensor) and slot != "step":
-                        if value.shape != self._by_name[name].shape:
+                        expected = self._tensor_shape(name, slot)
+                        if tuple(value.shape) != expected:
                             raise ValueError(f"state of '{name}' slot '{slot}' has shape "
-                                             f"{tuple(value.shape)}, expected "
-                                             f"{tuple(self._by_name[name].shape)}")
+                                             f"{tuple(value.shape)}, expected {expected}")
                         yield from wire.encode(name, value, "fp32",
                                                slot="master" if slot == "master" else slot,
                                                max_chunk_bytes=self.chunk_bytes)

@@ -10,8 +10,8 @@ turns a resolved group into the ``muond.v1.GroupOptions`` message sent when a se
 | optimizer / use_muon    | all          | "muon" (``use_muon=False`` means "adamw")                 |
 | lr                      | all          | muon 0.02, adamw 1e-3, lion 1e-4, sgd 1e-2               |
 | weight_decay            | all          | muon 0, adamw 0.01, lion 0, sgd 0                        |
-| weight_decay_mode       | muon, adamw  | "decoupled" (muon: "independent", "l2"; adamw: "l2", i.e. |
-|                         |              | Adam with coupled L2 as torch.optim.Adam)                 |
+| weight_decay_mode       | muon, adamw  | "decoupled" (muon: "independent", "l2", "cautious";      |
+|                         |              | adamw: "l2", i.e. Adam with coupled L2 as torch.optim.Adam) |
 | momentum, nesterov      | muon, sgd    | muon 0.95 / True, sgd 0 / False                          |
 | momentum_style          | muon         | "ema" ("sum")                                            |
 | ns_steps                | muon         | 5                                                        |
@@ -26,6 +26,8 @@ turns a resolved group into the ``muond.v1.GroupOptions`` message sent when a se
 | qkv_split               | muon         | None; (q, k, v) rows, for every parameter of the group   |
 | num_query_groups        | muon         | None (1 when qkv_split is given)                         |
 | qk_clip_threshold/alpha | muon         | 100.0, 0.5                                               |
+| moment2_method          | muon         | None ("adamuon", "normuon": a second moment on the update) |
+| beta2, eps (muon)       | muon         | 0.95, 1e-8; only with a moment2_method                   |
 | betas                   | adamw, lion  | adamw (0.9, 0.999), lion (0.9, 0.99)                     |
 | eps                     | adamw        | 1e-8                                                     |
 
@@ -64,7 +66,8 @@ COEFFICIENTS_AFTER = {"simple": "cycle", "quintic": "cycle", "polar_express": "r
                       "cubic5": "repeat_last"}
 
 _CHOICES = {
-    "weight_decay_mode": ("decoupled", "independent", "l2"),
+    "weight_decay_mode": ("decoupled", "independent", "l2", "cautious"),
+    "moment2_method": ("none", "adamuon", "normuon"),
     "momentum_style": ("ema", "sum"),
     "ns_coefficients_after": ("cycle", "repeat_last"),
     "scale_mode": ("shape_scaling", "spectral", "unit_rms_norm"),
@@ -74,7 +77,7 @@ _CHOICES = {
 _MUON_ONLY = ("momentum_style", "ns_steps", "ns_coefficients",
               "ns_coefficients_after", "ns_eps", "ns_norm_safety", "scale_mode",
               "extra_scale_factor", "matmul_precision", "qkv_split", "num_query_groups",
-              "qk_clip_threshold", "qk_clip_alpha")
+              "qk_clip_threshold", "qk_clip_alpha", "moment2_method")
 
 DEFAULTS: Dict[str, Dict[str, Any]] = {
     "muon": {
@@ -83,7 +86,7 @@ DEFAULTS: Dict[str, Dict[str, Any]] = {
         "ns_coefficients_after": None, "ns_eps": 1e-7, "ns_norm_safety": 1.0,
         "scale_mode": "shape_scaling", "extra_scale_factor": 1.0, "matmul_precision": None,
         "qkv_split": None, "num_query_groups": None, "qk_clip_threshold": 100.0,
-        "qk_clip_alpha": 0.5,
+        "qk_clip_alpha": 0.5, "moment2_method": None, "beta2": 0.95, "eps": 1e-8,
     },
     "adamw": {"lr": 1e-3, "weight_decay": 0.01, "weight_decay_mode": "decoupled", "betas": (0.9, 0.999),
               "eps": 1e-8},
@@ -92,6 +95,8 @@ DEFAULTS: Dict[str, Dict[str, Any]] = {
 }
 
 ALL_OPTIONS = frozenset(k for d in DEFAULTS.values() for k in d)
+# Options of a Muon group that only its second moment (moment2_method) reads.
+_MUON_MOMENT2 = ("beta2", "eps")
 # Keys a group may carry besides options: torch's own, lr schedulers', and a display name.
 _PASSTHROUGH = frozenset({"params", "param_names", "initial_lr", "name"})
 # Options a step may override (GroupOverride); every other option is fixed by the session.
@@ -190,17 +195,29 @@ def resolve_group(group: Mapping[str, Any], defaults: Mapping[str, Any]) -> Dict
     for key, fallback in table.items():
         if key in group:
             value = group[key]
-        elif key in defaults:
+        elif key in defaults and not (name == "muon" and key in _MUON_MOMENT2):
             value = defaults[key]
         else:
             value = fallback
         resolved[key] = _check_value(key, value)
+    if name == "muon":
+        if resolved["moment2_method"] == "none":
+            resolved["moment2_method"] = None
+        # A Muon group reads beta2 and eps only for its second moment; the constructor's own
+        # beta2/eps are AdamW's and Lion's unless the group asks for a second moment.
+        method = group.get("moment2_method", defaults.get("moment2_method"))
+        for key in _MUON_MOMENT2:
+            if method not in (None, "none") and key not in group and key in defaults:
+                resolved[key] = _check_value(key, defaults[key])
+            if resolved["moment2_method"] is None and key in group:
+                raise ValueError(f"option {key!r} applies to a muon group only with moment2_method "
+                                 "'adamuon' or 'normuon'")
     if name == "muon" and resolved["ns_coefficients"] == "cubic5" and resolved["ns_steps"] != 5:
         raise ValueError("ns_steps must be 5 with ns_coefficients cubic5 (its coefficients are tuned "
                          f"for exactly 5 steps), got {resolved['ns_steps']}")
-    if name == "adamw" and resolved["weight_decay_mode"] == "independent":
-        raise ValueError("weight_decay_mode independent applies to muon only; adamw takes decoupled "
-                         "(AdamW) or l2 (Adam with coupled L2)")
+    if name == "adamw" and resolved["weight_decay_mode"] in ("independent", "cautious"):
+        raise ValueError(f"weight_decay_mode {resolved['weight_decay_mode']} applies to muon only; adamw "
+                         "takes decoupled (AdamW) or l2 (Adam with coupled L2)")
     if resolved.get("ns_coefficients_after") is not None and isinstance(
             resolved["ns_coefficients"], str):
         raise ValueError("ns_coefficients_after applies to a custom ns_coefficients list only")
@@ -233,7 +250,7 @@ _KIND = {"muon": pb.OPTIMIZER_MUON, "adamw": pb.OPTIMIZER_ADAMW, "lion": pb.OPTI
 _SCALAR_FIELDS = ("lr", "weight_decay", "weight_decay_mode", "momentum", "nesterov",
                   "momentum_style", "ns_steps", "ns_coefficients_after", "ns_eps", "ns_norm_safety",
                   "scale_mode", "extra_scale_factor", "matmul_precision", "qk_clip_threshold",
-                  "qk_clip_alpha", "eps")
+                  "qk_clip_alpha", "moment2_method")
 
 
 def group_options_proto(group: Mapping[str, Any]) -> pb.GroupOptions:
@@ -250,7 +267,39 @@ def group_options_proto(group: Mapping[str, Any]) -> pb.GroupOptions:
             pb.NsCoefficients(a=a, b=b, c=c) for a, b, c in coefficients)
     if group.get("betas") is not None:
         msg.beta1, msg.beta2 = group["betas"]
+    if group["optimizer"] == "adamw" or group.get("moment2_method") is not None:
+        for key in _MUON_MOMENT2:
+            if group.get(key) is not None:
+                setattr(msg, key, group[key])
     return msg
+
+
+def matrix_shapes(group: Mapping[str, Any], shape: Tuple[int, ...]) -> list:
+    """The (rows, cols) of each matrix Muon orthogonalizes in a parameter of ``shape``, in the
+    daemon's order: QKV blocks per query group, each expert of a 3-D stack, else (O, rest)."""
+    shape = tuple(int(d) for d in shape)
+    if group.get("qkv_split") is not None:
+        cols = shape[1]
+        return [(rows, cols) for _ in range(group.get("num_query_groups") or 1)
+                for rows in group["qkv_split"]]
+    if len(shape) == 3:
+        return [(shape[1], shape[2])] * shape[0]
+    numel = 1
+    for d in shape:
+        numel *= d
+    return [(shape[0], numel // shape[0])]
+
+
+def slot_shape(group: Mapping[str, Any], shape: Tuple[int, ...], slot: str) -> Tuple[int, ...]:
+    """The shape of optimizer slot ``slot`` of a parameter of ``shape`` in ``group``: the
+    parameter's, except NorMuon's second moment (one value per row, or per column of a wide
+    matrix; torch's keepdim shape for a plain matrix, flat otherwise)."""
+    shape = tuple(int(d) for d in shape)
+    if slot != "moment2" or group.get("moment2_method") != "normuon":
+        return shape
+    if len(shape) == 2 and group.get("qkv_split") is None:
+        return (shape[0], 1) if shape[0] >= shape[1] else (1, shape[1])
+    return (sum(max(r, c) for r, c in matrix_shapes(group, shape)),)
 
 
 def overrides_of(group: Mapping[str, Any], created: Mapping[str, Any]) -> Dict[str, float]:

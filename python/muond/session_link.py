@@ -38,6 +38,9 @@ class SessionLink:
         self.names: List[str] = list(names)
         self.by_name = {n: by_name[n] for n in self.names}
         self.sizes = {n: by_name[n].numel() for n in self.names}
+        # Optimizer slots smaller than their parameter (NorMuon's second moment): (name, slot) →
+        # elements; set by the optimizer that knows the groups.
+        self.slot_sizes: Dict[Tuple[str, str], int] = {}
         self.wire_dtype = wire_dtype
         self.return_dtype = return_dtype
         self.chunk_bytes = chunk_bytes
@@ -182,7 +185,7 @@ class SessionLink:
         return self.conn.checkpoint(self.session_id)
 
     def get_state(self) -> Tuple[pb.StateHeader, Dict[Tuple[str, str], torch.Tensor]]:
-        into = wire.ChunkAssembler(self.sizes)
+        into = wire.ChunkAssembler(self.sizes, slot_sizes=self.slot_sizes)
         header = self.conn.get_state(self.session_id, into, max_chunk_bytes=self.chunk_bytes)
         return header, into.tensors()
 

@@ -133,7 +133,8 @@ class ChunkAssembler:
     """Collects the chunks of a response into one fp32 tensor per (name, slot), decoding each
     payload once with ``copy_`` (bf16 and fp16 converted on the way).
 
-    ``sizes`` gives the element count of every tensor name that may arrive; ``default_dtype``
+    ``sizes`` gives the element count of every tensor name that may arrive, ``slot_sizes`` that
+    of an optimizer slot smaller than its parameter (keyed by (name, slot)); ``default_dtype``
     decodes chunks that leave their dtype unset. Tensors named in ``into`` (the parameters a
     step's answer updates) are written straight into that tensor's memory when it is contiguous
     (``copy_``, so autograd's version counter moves; a CUDA tensor receives each chunk from host
@@ -142,8 +143,10 @@ class ChunkAssembler:
     """
 
     def __init__(self, sizes: Dict[str, int], default_dtype: str = "fp32",
-                 into: Optional[Dict[str, torch.Tensor]] = None):
+                 into: Optional[Dict[str, torch.Tensor]] = None,
+                 slot_sizes: Optional[Dict[ChunkKey, int]] = None):
         self._sizes = sizes
+        self._slot_sizes = slot_sizes or {}
         self._default = default_dtype
         self._into = into or {}
         self._buffers: Dict[ChunkKey, torch.Tensor] = {}
@@ -156,7 +159,7 @@ class ChunkAssembler:
             if target is not None and target.is_contiguous():
                 flat = target.detach().view(-1)
             else:
-                flat = torch.empty(self._sizes[key[0]], dtype=torch.float32)
+                flat = torch.empty(self._size(key), dtype=torch.float32)
             self._buffers[key] = flat
             self._filled[key] = 0
         return flat
@@ -183,6 +186,9 @@ class ChunkAssembler:
                 flat[meta.offset:meta.offset + count].copy_(payload_tensor(payload, dtype))
         self._filled[key] += count
 
+    def _size(self, key: ChunkKey) -> int:
+        return self._slot_sizes.get(key, self._sizes[key[0]])
+
     def clear(self) -> None:
         """Forgets every chunk received so far (before a read is retried from the start)."""
         self._buffers.clear()
@@ -195,9 +201,9 @@ class ChunkAssembler:
     def tensors(self) -> Dict[ChunkKey, torch.Tensor]:
         """Every complete tensor, keyed by (name, slot); raises if one arrived partially."""
         for key, filled in self._filled.items():
-            if filled != self._sizes[key[0]]:
+            if filled != self._size(key):
                 raise ValueError(f"tensor '{key[0]}'{'/' + key[1] if key[1] else ''} arrived "
-                                 f"with {filled} of {self._sizes[key[0]]} elements")
+                                 f"with {filled} of {self._size(key)} elements")
         return dict(self._buffers)
 
     def finish(self) -> None:

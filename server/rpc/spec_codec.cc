@@ -229,6 +229,19 @@ absl::StatusOr<optim::GroupOptions> ParseGroupOptions(const v1::GroupOptions& in
   if (in.has_scale_mode()) {
     MUOND_ASSIGN_OR_RETURN(out.scale_mode, ParseChoice<optim::ScaleMode>(in.scale_mode(), field, "scale_mode"));
   }
+  if (in.has_moment2_method()) {
+    MUOND_ASSIGN_OR_RETURN(out.moment2_method,
+                           ParseChoice<optim::Moment2Method>(in.moment2_method(), field, "moment2_method"));
+  }
+  if (kind == OptimizerKind::kMuon && out.moment2_method == optim::Moment2Method::kNone) {
+    // Muon reads beta2 and eps only for its second moment: without one they would be ignored.
+    for (const auto& [has, name] : {std::pair{in.has_beta2(), "beta2"}, std::pair{in.has_eps(), "eps"}}) {
+      if (has) {
+        return Invalid(absl::StrCat(field, ".", name),
+                       "applies to a muon group only with moment2_method adamuon or normuon");
+      }
+    }
+  }
   if (in.has_matmul_precision()) {
     MUOND_ASSIGN_OR_RETURN(out.matmul_precision, ParseChoice<kernels::MatmulPrecision>(in.matmul_precision(), field, "matmul_precision"));
   }

@@ -1,26 +1,36 @@
 #include "server/session/memory_quota.h"
 
+#include <memory>
+#include <vector>
+
 #include "absl/strings/str_cat.h"
+#include "kernels/optim/optimizer.h"
 
 namespace muond::session {
 
-int OptimizerSlotCount(optim::OptimizerKind kind) {
-  switch (kind) {
-    case optim::OptimizerKind::kAdamW:
-      return 2;
-    case optim::OptimizerKind::kMuon:
-    case optim::OptimizerKind::kLion:
-    case optim::OptimizerKind::kSgd:
-      return 1;
-  }
-  return 2;  // unknown: the largest count
-}
-
 int64_t EstimateSessionBytes(const SessionConfig& config) {
+  // The optimizers say how large each slot is (reduced state such as NorMuon's is smaller).
+  std::vector<std::unique_ptr<optim::Optimizer>> optimizers;
+  for (const GroupConfig& group : config.groups) {
+    absl::StatusOr<std::unique_ptr<optim::Optimizer>> optimizer = optim::Optimizer::Create(group.options);
+    optimizers.push_back(optimizer.ok() ? *std::move(optimizer) : nullptr);
+  }
   int64_t bytes = 0;
   for (const ParameterConfig& param : config.parameters) {
-    const int buffers = 2 + OptimizerSlotCount(config.groups[param.group].options.optimizer);
-    bytes += param.numel * int64_t{4} * buffers;
+    optim::ParamState shape_only;
+    shape_only.shape = param.shape;
+    shape_only.numel = param.numel;
+    shape_only.qkv = param.qkv;
+    int64_t elements = 2 * param.numel;  // master and gradient
+    const optim::Optimizer* optimizer = optimizers[param.group].get();
+    if (optimizer == nullptr) {
+      elements += 2 * param.numel;  // options no optimizer accepts: the largest state of any
+    } else {
+      for (const std::string& slot : optimizer->SlotNames()) {
+        elements += static_cast<int64_t>(optimizer->SlotNumel(shape_only, slot));
+      }
+    }
+    bytes += elements * int64_t{4};
   }
   return bytes;
 }

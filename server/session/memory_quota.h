@@ -25,9 +25,6 @@ struct MemoryLimits {
   int64_t max_total_bytes = 0;    // over all sessions held at once; 0: no limit
 };
 
-// fp32 slots the optimizer keeps per element besides the master and the gradient.
-int OptimizerSlotCount(optim::OptimizerKind kind);
-
 // Bytes the session of `config` holds in backend memory.
 int64_t EstimateSessionBytes(const SessionConfig& config);
 

@@ -428,8 +428,10 @@ absl::Status Session::MeasureMagnitudesLocked(size_t i) {
   std::vector<float> values(state.numel);
   MUOND_RETURN_IF_ERROR(backend_->CopyToHost(state.master->data(), values.data(), state.numel));
   state.master_bound = MaxAbs(values);
+  const optim::Optimizer& optimizer = *optimizers_[config_.parameters[i].group];
   for (optim::StateSlot& slot : state.slots) {
-    MUOND_RETURN_IF_ERROR(backend_->CopyToHost(slot.buffer->data(), values.data(), state.numel));
+    values.resize(optimizer.SlotNumel(state, slot.name));
+    MUOND_RETURN_IF_ERROR(backend_->CopyToHost(slot.buffer->data(), values.data(), values.size()));
     slot.bound = MaxAbs(values);
   }
   return absl::OkStatus();
@@ -493,6 +495,16 @@ std::shared_ptr<const ParameterSnapshot> Session::Parameters(int64_t* last_step)
 
 // ---- State in and out, durability ----
 
+std::vector<int64_t> Session::TensorShape(size_t parameter, std::string_view slot) const {
+  const ParameterConfig& pc = config_.parameters[parameter];
+  if (slot == kMasterSlot) return pc.shape;
+  optim::ParamState shape_only;  // shapes are fixed at creation: no lock needed
+  shape_only.shape = pc.shape;
+  shape_only.numel = pc.numel;
+  shape_only.qkv = pc.qkv;
+  return optimizers_[pc.group]->SlotShape(shape_only, slot);
+}
+
 absl::StatusOr<SessionState> Session::ExportState() const {
   absl::ReaderMutexLock lock(&mu_);
   return ExportStateLocked();
@@ -510,9 +522,10 @@ absl::StatusOr<SessionState> Session::ExportStateLocked() const {
     StateTensor master{i, kMasterSlot, std::vector<float>(param.numel)};
     MUOND_RETURN_IF_ERROR(backend_->CopyToHost(param.master->data(), master.values.data(), param.numel));
     state.tensors.push_back(std::move(master));
+    const optim::Optimizer& optimizer = *optimizers_[config_.parameters[i].group];
     for (const optim::StateSlot& slot : param.slots) {
-      StateTensor t{i, slot.name, std::vector<float>(param.numel)};
-      MUOND_RETURN_IF_ERROR(backend_->CopyToHost(slot.buffer->data(), t.values.data(), param.numel));
+      StateTensor t{i, slot.name, std::vector<float>(optimizer.SlotNumel(param, slot.name))};
+      MUOND_RETURN_IF_ERROR(backend_->CopyToHost(slot.buffer->data(), t.values.data(), t.values.size()));
       state.tensors.push_back(std::move(t));
     }
   }
@@ -550,9 +563,11 @@ absl::Status Session::ImportState(SessionState state) {
       return absl::InvalidArgumentError(absl::StrCat("chunk.slot: '", t.slot, "' is not a state slot of '",
                                                      pc.name, "' or was sent twice"));
     }
-    if (static_cast<int64_t>(t.values.size()) != pc.numel) {
+    const size_t numel = t.slot == kMasterSlot ? static_cast<size_t>(pc.numel)
+                                               : optimizers_[pc.group]->SlotNumel(params_[t.parameter], t.slot);
+    if (t.values.size() != numel) {
       return absl::InvalidArgumentError(absl::StrCat("chunk.data: ", pc.name, "/", t.slot, " has ",
-                                                     t.values.size(), " of ", pc.numel, " elements"));
+                                                     t.values.size(), " of ", numel, " elements"));
     }
     MUOND_ASSIGN_OR_RETURN(bounds[&t - state.tensors.data()],
                            CheckTensorValues("chunk.data", absl::StrCat(pc.name, "/", t.slot), t.values,
@@ -575,7 +590,7 @@ absl::Status Session::ImportState(SessionState state) {
   for (const StateTensor& t : state.tensors) {
     optim::ParamState& param = params_[t.parameter];
     float* target = t.slot == kMasterSlot ? param.master->data() : param.Slot(t.slot)->data();
-    MUOND_RETURN_IF_ERROR(backend_->CopyToDevice(t.values.data(), target, param.numel));
+    MUOND_RETURN_IF_ERROR(backend_->CopyToDevice(t.values.data(), target, t.values.size()));
     const double bound = bounds[&t - state.tensors.data()];
     if (t.slot == kMasterSlot) {
       param.master_bound = bound;

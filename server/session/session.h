@@ -103,6 +103,10 @@ class Session {
   };
   absl::StatusOr<ParameterReadLock> ReadParameters(const ParameterSnapshot& snapshot) const;
 
+  // The shape of tensor `slot` ("master" or an optimizer slot) of parameter `parameter`: the
+  // parameter's shape, or a reduced one (NorMuon's second moment).
+  std::vector<int64_t> TensorShape(size_t parameter, std::string_view slot) const;
+
   absl::StatusOr<SessionState> ExportState() const;
   // Replaces masters, slots and counters at once after checking that `state` is complete.
   absl::Status ImportState(SessionState state);

@@ -10,9 +10,11 @@
 namespace muond::session {
 namespace {
 
-// The checkpoint's tensors in the session's terms, each checked against the spec.
-absl::StatusOr<SessionState> StateFromCheckpoint(durability::CheckpointData& data, const SessionConfig& config,
+// The checkpoint's tensors in the session's terms, each checked against the shapes the session's
+// spec gives them.
+absl::StatusOr<SessionState> StateFromCheckpoint(durability::CheckpointData& data, const Session& session,
                                                  const std::string& dir) {
+  const SessionConfig& config = session.config();
   SessionState state;
   state.last_step = data.last_step;
   state.step_counts.assign(config.parameters.size(), -1);
@@ -26,7 +28,7 @@ absl::StatusOr<SessionState> StateFromCheckpoint(durability::CheckpointData& dat
     if (it == config.parameter_index.end()) {
       return durability::CheckpointCorrupt(dir, absl::StrCat("unknown tensor '", key, "'"));
     }
-    if (t.shape != config.parameters[it->second].shape) {
+    if (t.shape != session.TensorShape(it->second, t.slot)) {
       return durability::CheckpointCorrupt(dir, absl::StrCat("tensor '", key, "' is not F32 with the spec's shape"));
     }
     state.tensors.push_back({it->second, t.slot, std::move(t.values)});
@@ -71,7 +73,8 @@ absl::Status FilePersistence::SaveCheckpoint(SessionState state) {
   }
   for (StateTensor& t : state.tensors) {
     const ParameterConfig& param = config.parameters[t.parameter];
-    data.tensors.push_back({param.name, std::move(t.slot), param.shape, std::move(t.values)});
+    std::vector<int64_t> shape = session_.TensorShape(t.parameter, t.slot);
+    data.tensors.push_back({param.name, std::move(t.slot), std::move(shape), std::move(t.values)});
   }
   const auto start = std::chrono::steady_clock::now();
   absl::Status saved = files_->SaveCheckpoint(data);
@@ -100,7 +103,6 @@ absl::StatusOr<std::vector<std::shared_ptr<Session>>> RestoreSessions(const dura
       return absl::DataLossError(absl::StrCat("checkpoint ", metadata_file, " names session '",
                                               folder.checkpoint.session_id, "'"));
     }
-    MUOND_ASSIGN_OR_RETURN(SessionState state, StateFromCheckpoint(folder.checkpoint, *config, dir));
     const size_t num_parameters = config->parameters.size();
     std::vector<int64_t> numel;
     for (const ParameterConfig& p : config->parameters) numel.push_back(p.numel);
@@ -108,6 +110,7 @@ absl::StatusOr<std::vector<std::shared_ptr<Session>>> RestoreSessions(const dura
                            Session::Create(folder.checkpoint.session_id, *std::move(config), backend,
                                            folder.checkpoint.owner));
     std::shared_ptr<Session> session = std::move(unique);
+    MUOND_ASSIGN_OR_RETURN(SessionState state, StateFromCheckpoint(folder.checkpoint, *session, dir));
     absl::Status imported = session->ImportState(std::move(state));
     if (!imported.ok()) {
       return absl::DataLossError(absl::StrCat("checkpoint ", dir, " is unusable: ", imported.message()));

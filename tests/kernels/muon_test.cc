@@ -60,9 +60,47 @@ double RefScale(const GroupOptions& o, double m, double n) {
   return 0;
 }
 
-// One Muon step in fp64 on host vectors w (master) and mom (momentum).
+// The update of one block after Newton–Schulz, and the step η·k it is applied with: scale·O for
+// plain Muon; AdaMuon's x/(√v + ε) with x = scale·O (step η); NorMuon's O·s·‖O‖/‖O·s‖ with
+// s = 1/√max(v, ε) per row (rows ≥ cols) or column (step η·scale). m2 holds the block's moment.
+std::vector<double> RefAdaptive(const GroupOptions& o, const Block& b, const Mat& out, double scale,
+                                double* m2, double& step_scale) {
+  const int64_t rows = b.rows, cols = b.cols;
+  std::vector<double> upd(out.v);
+  step_scale = scale;
+  if (o.moment2_method == Moment2Method::kAdamuon) {
+    for (size_t i = 0; i < upd.size(); ++i) {
+      const double x = scale * out.v[i];
+      m2[i] += (1 - o.beta2) * (x * x - m2[i]);
+      upd[i] = x / (std::sqrt(m2[i]) + o.eps);
+    }
+    step_scale = 1;
+  } else if (o.moment2_method == Moment2Method::kNormuon) {
+    const bool per_row = rows >= cols;
+    const int64_t lines = per_row ? rows : cols, count = per_row ? cols : rows;
+    auto at = [&](int64_t line, int64_t k) { return per_row ? line * cols + k : k * cols + line; };
+    double norm2 = 0, scaled2 = 0;
+    std::vector<double> s(lines);
+    for (int64_t l = 0; l < lines; ++l) {
+      double sum = 0;
+      for (int64_t k = 0; k < count; ++k) sum += out.v[at(l, k)] * out.v[at(l, k)];
+      m2[l] += (1 - o.beta2) * (sum / count - m2[l]);
+      s[l] = 1 / std::sqrt(std::max(m2[l], o.eps));
+      norm2 += sum;
+      scaled2 += s[l] * s[l] * sum;
+    }
+    const double ratio = scaled2 > 0 ? std::sqrt(norm2 / scaled2) : 0;
+    for (int64_t l = 0; l < lines; ++l) {
+      for (int64_t k = 0; k < count; ++k) upd[at(l, k)] = out.v[at(l, k)] * s[l] * ratio;
+    }
+  }
+  return upd;
+}
+
+// One Muon step in fp64 on host vectors w (master), mom (momentum) and m2 (the second moment, when
+// the options have one).
 void RefStep(const GroupOptions& o, const StepHyper& h, const ParamSpec& p, std::vector<double> g,
-             std::vector<double>& w, std::vector<double>& mom) {
+             std::vector<double>& w, std::vector<double>& mom, std::vector<double>& m2) {
   const double beta = h.momentum, lr = h.lr, wd = h.weight_decay;
   const size_t n = w.size();
   if (o.weight_decay_mode == WeightDecayMode::kL2) {
@@ -83,12 +121,26 @@ void RefStep(const GroupOptions& o, const StepHyper& h, const ParamSpec& p, std:
     if (o.weight_decay_mode == WeightDecayMode::kDecoupled) w[i] -= lr * wd * w_before[i];
     if (o.weight_decay_mode == WeightDecayMode::kIndependent) w[i] -= wd * w_before[i];
   }
+  int64_t line = 0;  // NorMuon's lines of earlier blocks
   for (const Block& b : Blocks(p)) {
     Mat x(b.rows, b.cols);
     std::copy(u.begin() + b.offset, u.begin() + b.offset + b.rows * b.cols, x.v.begin());
     const Mat out = testing::ReferenceNs(x, o.ns_schedule, o.ns_steps, o.ns_eps, o.ns_norm_safety);
-    const double scale = RefScale(o, b.rows, b.cols);
-    for (int64_t i = 0; i < b.rows * b.cols; ++i) w[b.offset + i] -= lr * scale * out.v[i];
+    double* block_m2 = nullptr;
+    if (o.moment2_method == Moment2Method::kAdamuon) block_m2 = m2.data() + b.offset;
+    if (o.moment2_method == Moment2Method::kNormuon) {
+      block_m2 = m2.data() + line;
+      line += std::max(b.rows, b.cols);
+    }
+    double k = 0;
+    const std::vector<double> upd = RefAdaptive(o, b, out, RefScale(o, b.rows, b.cols), block_m2, k);
+    for (int64_t i = 0; i < b.rows * b.cols; ++i) {
+      const int64_t j = b.offset + i;
+      if (o.weight_decay_mode == WeightDecayMode::kCautious && upd[i] * w_before[j] >= 0) {
+        w[j] -= lr * wd * w_before[j];  // modded-nanogpt: decay only where update and weight agree
+      }
+      w[j] -= lr * k * upd[i];
+    }
   }
 }
 
@@ -113,6 +165,15 @@ GroupOptions Opts(kernels::MomentumStyle style, bool nesterov, WeightDecayMode w
   return o;
 }
 
+// Adaptive Muon with a β2 far from 1 and a large decay, so the moment and the mask matter at once.
+GroupOptions Adaptive(Moment2Method method, WeightDecayMode wd_mode, ScaleMode scale_mode = ScaleMode::kShapeScaling) {
+  GroupOptions o = Opts(kernels::MomentumStyle::kEma, true, wd_mode, scale_mode, 0.5);
+  o.lr = 0.01;
+  o.moment2_method = method;
+  o.beta2 = 0.9;
+  return o;
+}
+
 class MuonReferenceTest : public ::testing::TestWithParam<MuonCase> {};
 
 TEST_P(MuonReferenceTest, MatchesFp64ReferenceOverSteps) {
@@ -123,7 +184,7 @@ TEST_P(MuonReferenceTest, MatchesFp64ReferenceOverSteps) {
   std::normal_distribution<double> normal(0.0, 1.0);
 
   std::vector<ParamState> states(c.params.size());
-  std::vector<std::vector<double>> ref_w(c.params.size()), ref_m(c.params.size());
+  std::vector<std::vector<double>> ref_w(c.params.size()), ref_m(c.params.size()), ref_m2(c.params.size());
   for (size_t i = 0; i < c.params.size(); ++i) {
     ParamState& s = states[i];
     s.name = "p" + std::to_string(i);
@@ -138,6 +199,7 @@ TEST_P(MuonReferenceTest, MatchesFp64ReferenceOverSteps) {
     s.master = testing::Upload(*backend, w);
     ASSERT_OK_AND_ASSIGN(s.grad, backend->Allocate(s.numel));
     ASSERT_OK(opt->InitState(*backend, s));
+    ref_m2[i].assign(opt->SlotNumel(s, "moment2"), 0.0);
   }
   std::vector<ParamState*> ptrs;
   for (ParamState& s : states) ptrs.push_back(&s);
@@ -149,7 +211,7 @@ TEST_P(MuonReferenceTest, MatchesFp64ReferenceOverSteps) {
       for (float& x : g) x = static_cast<float>(normal(rng));
       ASSERT_OK(backend->CopyToDevice(g.data(), states[i].grad->data(), g.size()));
       states[i].has_grad = true;
-      RefStep(c.options, hyper, c.params[i], testing::ToDouble(g), ref_w[i], ref_m[i]);
+      RefStep(c.options, hyper, c.params[i], testing::ToDouble(g), ref_w[i], ref_m[i], ref_m2[i]);
     }
     ASSERT_OK(opt->Step(*backend, hyper, ptrs));
     for (size_t i = 0; i < states.size(); ++i) {
@@ -167,6 +229,17 @@ TEST_P(MuonReferenceTest, MatchesFp64ReferenceOverSteps) {
       EXPECT_LT(dw, 5e-6) << c.name << " param " << i << " step " << step;
       // Momentum is element-wise fp32 arithmetic: a few ulps of its magnitude.
       EXPECT_LT(dm, 1e-6) << c.name << " param " << i << " step " << step;
+      if (c.options.moment2_method != Moment2Method::kNone) {
+        const auto m2 = testing::Download(*backend, states[i].Slot("moment2")->data(), ref_m2[i].size());
+        double dm2 = 0, largest = 0;
+        for (size_t j = 0; j < m2.size(); ++j) {
+          dm2 = std::max(dm2, std::abs(m2[j] - ref_m2[i][j]));
+          largest = std::max(largest, std::abs(ref_m2[i][j]));
+        }
+        // The moment is an EMA of squares of O (or of line means): its error relative to its largest
+        // value follows O's drift (≤ 4e-6 of ‖O‖, newton_schulz_test) and fp32 rounding.
+        EXPECT_LT(dm2, 1e-4 * largest) << c.name << " param " << i << " step " << step;
+      }
       EXPECT_EQ(states[i].step_count, step + 1);
     }
   }
@@ -204,6 +277,15 @@ INSTANTIATE_TEST_SUITE_P(
                  {ParamSpec{{48, 16}, QkvSplit{.q = 16, .k = 4, .v = 4, .num_query_groups = 2}}}},
         // Shapes shared across parameters (16×24 from a 2-D, two experts and a QKV block) go through
         // one gathered batch; the reference does them one at a time.
+        MuonCase{"adamuon", Adaptive(Moment2Method::kAdamuon, WeightDecayMode::kDecoupled), {k2d, kTall}},
+        MuonCase{"adamuon_spectral_experts", Adaptive(Moment2Method::kAdamuon, WeightDecayMode::kDecoupled, ScaleMode::kSpectral),
+                 {ParamSpec{{3, 12, 20}}, k2d}},
+        MuonCase{"normuon", Adaptive(Moment2Method::kNormuon, WeightDecayMode::kDecoupled), {k2d, kTall, ParamSpec{{16, 16}}}},
+        MuonCase{"normuon_qkv_conv_experts", Adaptive(Moment2Method::kNormuon, WeightDecayMode::kCautious),
+                 {ParamSpec{{40, 24}, QkvSplit{.q = 16, .k = 2, .v = 2, .num_query_groups = 2}},
+                  ParamSpec{{6, 4, 3, 3}}, ParamSpec{{2, 20, 12}}, k2d}},
+        MuonCase{"cautious", Opts(MomentumStyle::kEma, true, WeightDecayMode::kCautious,
+                                  ScaleMode::kShapeScaling, 0.5), {k2d, kTall}},
         MuonCase{"mixed_batch", Opts(MomentumStyle::kEma, false, WeightDecayMode::kDecoupled,
                                      ScaleMode::kShapeScaling),
                  {k2d, kTall, ParamSpec{{2, 16, 24}}, ParamSpec{{16, 4, 2, 3}},
@@ -253,6 +335,47 @@ TEST_F(MuonTest, SlotsAndZeroGradient) {
   // A zero gradient orthogonalizes to zero (no NaN), so with wd = 0 the weights stay put.
   for (float x : testing::Download(*backend, p.master->data(), 96)) ASSERT_EQ(x, 0.5f);
   EXPECT_EQ(p.step_count, 1);
+}
+
+TEST_F(MuonTest, AdaptiveSlotsAndZeroGradientGuard) {
+  auto backend = kernels::NewCpuBackend(1);
+  for (Moment2Method method : {Moment2Method::kAdamuon, Moment2Method::kNormuon}) {
+    GroupOptions o = DefaultOptions(OptimizerKind::kMuon);
+    o.moment2_method = method;
+    o.weight_decay_mode = WeightDecayMode::kCautious;
+    ASSERT_OK_AND_ASSIGN(auto opt, Optimizer::Create(o));
+    EXPECT_EQ(opt->SlotNames(), (std::vector<std::string>{"momentum", "moment2"}));
+    EXPECT_TRUE(opt->SlotIsNonNegative("moment2"));
+    ParamState p;
+    p.shape = {8, 12};
+    p.numel = 96;
+    // AdaMuon's moment is element-wise; NorMuon's one value per column of a wide matrix, per row of
+    // a tall one, in torch's keepdim shape; reduced shapes of other parameters are flat.
+    EXPECT_EQ(opt->SlotShape(p, "moment2"),
+              (method == Moment2Method::kAdamuon ? std::vector<int64_t>{8, 12} : std::vector<int64_t>{1, 12}));
+    ParamState tall;
+    tall.shape = {12, 8};
+    tall.numel = 96;
+    if (method == Moment2Method::kNormuon) {
+      EXPECT_EQ(opt->SlotShape(tall, "moment2"), (std::vector<int64_t>{12, 1}));
+      ParamState experts;
+      experts.shape = {3, 4, 6};
+      experts.numel = 72;
+      EXPECT_EQ(opt->SlotShape(experts, "moment2"), (std::vector<int64_t>{18}));
+    }
+    EXPECT_EQ(opt->SlotShape(p, "momentum"), p.shape);
+    p.master = testing::Upload(*backend, std::vector<float>(96, 0.5f));
+    p.grad = testing::Upload(*backend, std::vector<float>(96, 0.0f));
+    p.has_grad = true;
+    ASSERT_OK(opt->InitState(*backend, p));
+    std::vector<ParamState*> ptrs = {&p};
+    ASSERT_OK(opt->Step(*backend, opt->DefaultHyper(), ptrs));
+    // An all-zero update stays zero: NorMuon's norm ratio would be 0/0 and AdaMuon's 0/(0 + ε).
+    for (float x : testing::Download(*backend, p.master->data(), 96)) ASSERT_EQ(x, 0.5f);
+    for (float x : testing::Download(*backend, p.Slot("moment2")->data(), opt->SlotNumel(p, "moment2"))) {
+      ASSERT_EQ(x, 0.0f);
+    }
+  }
 }
 
 TEST_F(MuonTest, ParameterWithoutGradientIsLeftAlone) {

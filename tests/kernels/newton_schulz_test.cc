@@ -1,6 +1,9 @@
 #include "kernels/optim/newton_schulz.h"
 
+#include <algorithm>
 #include <cmath>
+#include <functional>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -21,15 +24,16 @@ using ::muond::testing::ReferenceNs;
 
 class NewtonSchulzTest : public ::testing::Test {
  protected:
-  // Runs the backend's NewtonSchulz over a batch of same-shape matrices.
-  std::vector<Mat> Run(const std::vector<Mat>& in, const NsSchedule& schedule, int steps,
-                       double eps = 1e-7, double safety = 1.0) {
+  // Runs `ns` (a NewtonSchulz-like call on device data, in place) over a batch of same-shape
+  // matrices uploaded to the backend.
+  using NsCall =
+      std::function<absl::Status(float* data, int64_t rows, int64_t cols, int64_t batch)>;
+  std::vector<Mat> RunWith(const std::vector<Mat>& in, const NsCall& ns) {
     const int64_t rows = in[0].rows, cols = in[0].cols, mat = rows * cols;
     std::vector<float> host;
     for (const Mat& m : in) host.insert(host.end(), m.v.begin(), m.v.end());
     auto buf = testing::Upload(*backend_, host);
-    EXPECT_OK(NewtonSchulz(*backend_, schedule, steps, eps, safety, kernels::MatmulPrecision::kFp32,
-                           buf->data(), buf->data(), rows, cols, static_cast<int64_t>(in.size()), ws_));
+    EXPECT_OK(ns(buf->data(), rows, cols, static_cast<int64_t>(in.size())));
     const std::vector<float> out = testing::Download(*backend_, buf->data(), host.size());
     std::vector<Mat> result;
     for (size_t b = 0; b < in.size(); ++b) {
@@ -38,6 +42,23 @@ class NewtonSchulzTest : public ::testing::Test {
       result.push_back(m);
     }
     return result;
+  }
+  // Runs the backend's NewtonSchulz over a batch of same-shape matrices.
+  std::vector<Mat> Run(const std::vector<Mat>& in, const NsSchedule& schedule, int steps,
+                       double eps = 1e-7, double safety = 1.0) {
+    return RunWith(in, [&](float* data, int64_t rows, int64_t cols, int64_t batch) {
+      return NewtonSchulz(*backend_, schedule, steps, eps, safety, kernels::MatmulPrecision::kFp32,
+                          data, data, rows, cols, batch, ws_);
+    });
+  }
+  // The same through GramNewtonSchulz.
+  std::vector<Mat> RunGram(const std::vector<Mat>& in, const NsSchedule& schedule, int steps,
+                           const std::vector<int>& restarts, double eps = 1e-7,
+                           double safety = 1.0) {
+    return RunWith(in, [&](float* data, int64_t rows, int64_t cols, int64_t batch) {
+      return GramNewtonSchulz(*backend_, schedule, steps, restarts, eps, safety,
+                              kernels::MatmulPrecision::kFp32, data, data, rows, cols, batch, ws_);
+    });
   }
   Mat RunOne(const Mat& in, const NsSchedule& schedule, int steps, double eps = 1e-7) {
     return Run({in}, schedule, steps, eps)[0];
@@ -215,6 +236,317 @@ TEST_F(NewtonSchulzTest, WorkspaceGrowsAndIsReused) {
   EXPECT_GE(ws_.held(), 100u);
   ws_.Release();
   EXPECT_EQ(ws_.held(), 0u);
+}
+
+
+// ---- GramNewtonSchulz ----
+
+// The Polar Express paper's first five tuples with the 1.05 safety factor folded in as
+// (a/1.05, b/1.05³, c/1.05⁵), as used with Gram Newton–Schulz and a restart at step 2.
+NsSchedule GramPolarExpress() {
+  return {"custom",
+          {{8.28721201814563, -23.595886519098837, 17.300387312530933},
+           {4.107059111542203, -2.9478499167379106, 0.5448431082926601},
+           {3.9486908534822946, -2.908902115962949, 0.5518191394370137},
+           {3.3184196573706015, -2.488488024314874, 0.51004894012372},
+           {2.300652019954817, -1.6689039845747493, 0.4188073119525673}},
+          CoefficientsAfter::kRepeatLast};
+}
+
+// alpha·x + beta·y.
+Mat Lin(double alpha, const Mat& x, double beta, const Mat& y) {
+  Mat out = y;
+  for (size_t i = 0; i < out.v.size(); ++i) out.v[i] = alpha * x.v[i] + beta * y.v[i];
+  return out;
+}
+
+// The Gram Newton–Schulz loop of newton_schulz.h, in fp64, written from the header's formula
+// independently of the Backend code: wide orientation, normalize, iterate on R = X·Xᵀ, Q·X.
+Mat ReferenceGramNs(const Mat& g, const NsSchedule& schedule, int steps,
+                    const std::vector<int>& restarts, double eps = 1e-7, double safety = 1.0) {
+  const bool tall = g.rows > g.cols;
+  Mat x = tall ? testing::Transposed(g) : g;
+  const double denom = safety * testing::FrobeniusNorm(x) + eps;
+  for (double& e : x.v) e = denom > 0 ? e / denom : 0.0;
+  const auto restarts_at = [&](int t) {
+    return std::find(restarts.begin(), restarts.end(), t) != restarts.end();
+  };
+  Mat r = testing::MatMul(x, testing::Transposed(x));
+  std::optional<Mat> q;
+  for (int t = 0; t < steps; ++t) {
+    const NsCoefficient co = schedule.At(t);
+    if (t != 0 && restarts_at(t)) {
+      x = testing::MatMul(*q, x);
+      r = testing::MatMul(x, testing::Transposed(x));
+      q.reset();
+    }
+    const Mat z = Lin(co.b, r, co.c, testing::MatMul(r, r));
+    if (!q) {
+      q = z;
+      for (int64_t i = 0; i < z.rows; ++i) (*q)(i, i) += co.a;
+    } else {
+      q = Lin(co.a, *q, 1.0, testing::MatMul(*q, z));
+    }
+    if (t < steps - 1 && !restarts_at(t + 1)) {
+      const Mat rz = Lin(co.a, r, 1.0, testing::MatMul(r, z));
+      r = Lin(co.a, rz, 1.0, testing::MatMul(z, rz));
+    }
+  }
+  const Mat out = q ? testing::MatMul(*q, x) : x;
+  return tall ? testing::Transposed(out) : out;
+}
+
+Mat RoundedRandom(std::mt19937& rng, int64_t rows, int64_t cols) {
+  Mat g = testing::RandomMat(rng, rows, cols);
+  for (double& x : g.v) x = static_cast<float>(x);  // the device sees exactly this matrix
+  return g;
+}
+
+// The reference itself: in fp64 the Gram loop is the standard iteration, whatever the restarts.
+TEST(GramNewtonSchulzReferenceTest, Fp64GramLoopIsTheStandardIteration) {
+  std::mt19937 rng(99);
+  for (const Shape shape : {Shape{24, 64}, Shape{64, 24}}) {
+    const Mat g = testing::RandomMat(rng, shape.rows, shape.cols);
+    for (const std::vector<int>& restarts : {std::vector<int>{}, std::vector<int>{2}}) {
+      for (const NsSchedule& s :
+           {GramPolarExpress(), *NamedSchedule("simple"), *NamedSchedule("cubic5")}) {
+        // Only fp64 rounding separates them (measured ≤ 2e-14); a wrong R update or Q product
+        // is off by ≥ 1e-2.
+        EXPECT_LT(MaxAbsDiff(ReferenceGramNs(g, s, 5, restarts), ReferenceNs(g, s, 5)), 1e-10)
+            << s.name << " restarts " << restarts.size() << " " << shape.rows << "x" << shape.cols;
+      }
+    }
+  }
+}
+
+// Tolerances: fp32 rounding (~1e-7 per GEMM entry) amplified by the slope of the composite map.
+// For simple and quintic that is ≤ 9e-7 here (≤ 2e-6 over 40 random draws per shape, as for
+// NewtonSchulz against ReferenceNs): bound 2e-5. The Gram Polar Express set is far steeper
+// (p'(σ) ≈ 24 at σ = 1 for its first tuple, and its composition swings σ widely): ≤ 1.3e-4 here,
+// and over 40 random 16×40 draws standard NewtonSchulz is as far from fp64 (≤ 1.2e-4) as the Gram
+// path, so that is the set's conditioning: bound 5e-4. A wrong coefficient, Q product, R update or
+// restart (X ← Q·X, Q reset) moves entries by ≥ 1e-2. Whether a restart runs at all changes nothing
+// in exact arithmetic; GramGemmCountAndCubicSkipsRSquared checks that.
+TEST_F(NewtonSchulzTest, GramMatchesFp64GramReference) {
+  struct Case {
+    NsSchedule schedule;
+    std::vector<int> restarts;
+    double tolerance;
+  };
+  const std::vector<Case> cases = {{GramPolarExpress(), {}, 5e-4},
+                                   {GramPolarExpress(), {2}, 5e-4},
+                                   {Named("simple"), {}, 2e-5},
+                                   {Named("quintic"), {3}, 2e-5}};
+  for (const Shape shape : {Shape{24, 64}, Shape{64, 24}}) {
+    const Mat g = RoundedRandom(rng_, shape.rows, shape.cols);
+    for (const Case& c : cases) {
+      EXPECT_LT(MaxAbsDiff(RunGram({g}, c.schedule, 5, c.restarts)[0],
+                           ReferenceGramNs(g, c.schedule, 5, c.restarts)),
+                c.tolerance)
+          << c.schedule.name << " restarts " << c.restarts.size() << " " << shape.rows << "x"
+          << shape.cols;
+    }
+  }
+  // Rank one (m = 1): σ/‖X‖_F = 1 exactly, where the Polar Express set's first tuple is steepest
+  // (fp32 NewtonSchulz itself is up to 2.5e-3 off there), so only the flatter sets.
+  for (const Shape shape : {Shape{1, 40}, Shape{40, 1}}) {
+    const Mat g = RoundedRandom(rng_, shape.rows, shape.cols);
+    for (const Case& c : {cases[2], cases[3]}) {
+      EXPECT_LT(MaxAbsDiff(RunGram({g}, c.schedule, 5, c.restarts)[0],
+                           ReferenceGramNs(g, c.schedule, 5, c.restarts)),
+                c.tolerance)
+          << c.schedule.name << " " << shape.rows << "x" << shape.cols;
+    }
+  }
+  // Batched: every matrix of the batch against its own reference.
+  for (const Shape shape : {Shape{16, 40}, Shape{40, 16}}) {
+    std::vector<Mat> in;
+    for (int i = 0; i < 3; ++i) in.push_back(RoundedRandom(rng_, shape.rows, shape.cols));
+    for (const std::vector<int>& restarts : {std::vector<int>{}, std::vector<int>{2}}) {
+      const std::vector<Mat> out = RunGram(in, GramPolarExpress(), 5, restarts);
+      for (size_t i = 0; i < in.size(); ++i) {
+        EXPECT_LT(MaxAbsDiff(out[i], ReferenceGramNs(in[i], GramPolarExpress(), 5, restarts)), 5e-4)
+            << "batch element " << i << " restarts " << restarts.size() << " " << shape.rows << "x"
+            << shape.cols;
+      }
+    }
+  }
+}
+
+TEST_F(NewtonSchulzTest, GramAgreesWithStandardNewtonSchulz) {
+  for (const Shape shape : {Shape{64, 256}, Shape{256, 64}}) {
+    const Mat g = RoundedRandom(rng_, shape.rows, shape.cols);
+    // Both are fp32 evaluations of one polynomial map, rounded differently: measured ≤ 7e-7 for
+    // simple and ≤ 4e-6 for the Gram Polar Express set with its restart (≤ 7e-6 over 40 random
+    // draws); 1e-4 keeps a wide margin and still fails any wrong step (≥ 1e-2).
+    EXPECT_LT(MaxAbsDiff(RunGram({g}, Named("simple"), 5, {})[0], RunOne(g, Named("simple"), 5)),
+              1e-4)
+        << shape.rows << "x" << shape.cols;
+    EXPECT_LT(MaxAbsDiff(RunGram({g}, GramPolarExpress(), 5, {2})[0],
+                         RunOne(g, GramPolarExpress(), 5)),
+              1e-4)
+        << shape.rows << "x" << shape.cols;
+  }
+}
+
+TEST_F(NewtonSchulzTest, GramSquareFallsBackToNewtonSchulz) {
+  const Mat g = RoundedRandom(rng_, 20, 20);
+  const Mat gram = RunGram({g}, GramPolarExpress(), 5, {2})[0];
+  const Mat standard = RunOne(g, GramPolarExpress(), 5);
+  for (size_t i = 0; i < g.v.size(); ++i) ASSERT_EQ(gram.v[i], standard.v[i]) << "entry " << i;
+}
+
+TEST_F(NewtonSchulzTest, GramZeroMatrixGivesZeros) {
+  for (const Shape shape : {Shape{8, 12}, Shape{12, 8}}) {
+    for (double eps : {1e-7, 0.0}) {
+      const Mat o = RunGram({Mat(shape.rows, shape.cols)}, GramPolarExpress(), 5, {2}, eps)[0];
+      for (double x : o.v) {
+        ASSERT_EQ(x, 0.0) << "eps=" << eps << " " << shape.rows << "x" << shape.cols;
+      }
+    }
+  }
+}
+
+// No step: the normalized input, exactly as NewtonSchulz gives it. Restart entries at 0 or past the
+// last step change nothing.
+TEST_F(NewtonSchulzTest, GramZeroStepsAndIgnoredRestarts) {
+  const Mat g = RoundedRandom(rng_, 12, 30);
+  const Mat zero_steps = RunGram({g}, Named("simple"), 0, {})[0];
+  const Mat standard = RunOne(g, Named("simple"), 0);
+  for (size_t i = 0; i < g.v.size(); ++i) ASSERT_EQ(zero_steps.v[i], standard.v[i]);
+  const Mat plain = RunGram({g}, GramPolarExpress(), 5, {})[0];
+  const Mat ignored = RunGram({g}, GramPolarExpress(), 5, {0, 5, 9})[0];
+  for (size_t i = 0; i < g.v.size(); ++i) ASSERT_EQ(plain.v[i], ignored.v[i]);
+}
+
+TEST_F(NewtonSchulzTest, GramCubicTupleMatchesReference) {
+  const NsSchedule cubic = Named("cubic5");
+  for (const Shape shape : {Shape{24, 64}, Shape{64, 24}}) {
+    const Mat g = RoundedRandom(rng_, shape.rows, shape.cols);
+    for (const std::vector<int>& restarts : {std::vector<int>{}, std::vector<int>{2}}) {
+      const Mat o = RunGram({g}, cubic, 5, restarts)[0];
+      // Same bounds as the quintic sets above (measured ≤ 1.3e-6 against the reference, ≤ 1.7e-6
+      // against NewtonSchulz).
+      EXPECT_LT(MaxAbsDiff(o, ReferenceGramNs(g, cubic, 5, restarts)), 2e-5);
+      EXPECT_LT(MaxAbsDiff(o, RunOne(g, cubic, 5)), 1e-4);
+    }
+  }
+}
+
+// Counts the GEMMs a wrapped backend runs, forwarding every primitive (a Backend method added later
+// needs its forwarder here too).
+class GemmCountingBackend final : public kernels::Backend {
+ public:
+  explicit GemmCountingBackend(kernels::Backend& inner) : inner_(inner) {}
+  int gemms = 0;
+
+  std::string Name() const override { return inner_.Name(); }
+  bool HostAddressable() const override { return inner_.HostAddressable(); }
+  std::string Detail() const override { return inner_.Detail(); }
+  MemoryUse Memory() const override { return inner_.Memory(); }
+  absl::StatusOr<std::unique_ptr<kernels::DeviceBuffer>> Allocate(size_t count) override {
+    return inner_.Allocate(count);
+  }
+  absl::Status CopyToDevice(const float* host, float* device, size_t count) override {
+    return inner_.CopyToDevice(host, device, count);
+  }
+  absl::Status CopyToHost(const float* device, float* host, size_t count) override {
+    return inner_.CopyToHost(device, host, count);
+  }
+  absl::Status CopyOnDevice(const float* src, float* dst, size_t count) override {
+    return inner_.CopyOnDevice(src, dst, count);
+  }
+  absl::Status Fill(float* x, size_t count, float value) override {
+    return inner_.Fill(x, count, value);
+  }
+  absl::Status Gemm(const kernels::GemmShape& shape, float alpha, const float* a, const float* b,
+                    float beta, float* c, kernels::MatmulPrecision precision) override {
+    ++gemms;
+    return inner_.Gemm(shape, alpha, a, b, beta, c, precision);
+  }
+  absl::Status Transpose2D(const float* in, float* out, int64_t rows, int64_t cols,
+                           int64_t batch) override {
+    return inner_.Transpose2D(in, out, rows, cols, batch);
+  }
+  absl::Status SumSquares(const float* x, size_t count, size_t batch, double* sums) override {
+    return inner_.SumSquares(x, count, batch, sums);
+  }
+  absl::StatusOr<bool> AllFinite(const float* x, size_t count) override {
+    return inner_.AllFinite(x, count);
+  }
+  absl::Status ScaleBatched(float* x, size_t count, size_t batch, const float* scales) override {
+    return inner_.ScaleBatched(x, count, batch, scales);
+  }
+  absl::Status Axpby(float alpha, const float* x, float beta, float* y, size_t count) override {
+    return inner_.Axpby(alpha, x, beta, y, count);
+  }
+  absl::Status Momentum(const kernels::MomentumArgs& args, float* momentum, const float* grad,
+                        float* update, size_t count) override {
+    return inner_.Momentum(args, momentum, grad, update, count);
+  }
+  absl::Status AdamW(const kernels::AdamWArgs& args, float* param, const float* grad,
+                     float* exp_avg, float* exp_avg_sq, size_t count) override {
+    return inner_.AdamW(args, param, grad, exp_avg, exp_avg_sq, count);
+  }
+  absl::Status Lion(const kernels::LionArgs& args, float* param, const float* grad, float* exp_avg,
+                    size_t count) override {
+    return inner_.Lion(args, param, grad, exp_avg, count);
+  }
+  absl::Status Sgd(const kernels::SgdArgs& args, float* param, const float* grad,
+                   float* momentum_buffer, size_t count) override {
+    return inner_.Sgd(args, param, grad, momentum_buffer, count);
+  }
+  absl::Status Adamuon(const kernels::AdamuonArgs& args, float* moment2, float* update,
+                       size_t count) override {
+    return inner_.Adamuon(args, moment2, update, count);
+  }
+  absl::Status CautiousUpdate(const kernels::CautiousArgs& args, const float* update, float* param,
+                              size_t count) override {
+    return inner_.CautiousUpdate(args, update, param, count);
+  }
+
+ private:
+  kernels::Backend& inner_;
+};
+
+// The GEMM schedule: X·Xᵀ and Q·X once each (plus two per restart), a·I once per anchor, then per
+// step R·R (quintic tuples only) and Q·Z (from the second step of an anchor on), and the two GEMMs
+// of the R update except after the last step and before a restart.
+TEST_F(NewtonSchulzTest, GramGemmCountAndCubicSkipsRSquared) {
+  GemmCountingBackend counting(*backend_);
+  NsWorkspace ws;
+  const auto count = [&](const NsSchedule& s, const std::vector<int>& restarts) {
+    const Mat g = RoundedRandom(rng_, 16, 48);
+    std::vector<float> host(g.v.begin(), g.v.end());
+    auto buf = testing::Upload(counting, host);
+    counting.gemms = 0;
+    EXPECT_OK(GramNewtonSchulz(counting, s, 5, restarts, 1e-7, 1.0, kernels::MatmulPrecision::kFp32,
+                               buf->data(), buf->data(), 16, 48, 1, ws));
+    return counting.gemms;
+  };
+  // 1 (R) + 1 (a·I) + 5 (R·R) + 4 (Q·Z) + 2·4 (R updates) + 1 (Q·X).
+  EXPECT_EQ(count(GramPolarExpress(), {}), 20);
+  // A restart at 2 adds Q·X, X·Xᵀ and a·I but drops Q·Z at step 2 and the R update after step 1.
+  EXPECT_EQ(count(GramPolarExpress(), {2}), 20 + 3 - 1 - 2);
+  EXPECT_EQ(count(Named("cubic5"), {}), 20 - 5);
+}
+
+TEST_F(NewtonSchulzTest, GramReserveCoversTheCallAndRejectsBadArguments) {
+  ASSERT_OK(ws_.ReserveFor(*backend_, 24, 64, 3, /*gram=*/true));
+  const size_t held = ws_.held();
+  std::vector<Mat> in;
+  for (int i = 0; i < 3; ++i) in.push_back(RoundedRandom(rng_, 24, 64));
+  RunGram(in, GramPolarExpress(), 5, {2});
+  EXPECT_EQ(ws_.held(), held);  // nothing allocated past the reservation
+
+  float dummy = 0;
+  EXPECT_FALSE(GramNewtonSchulz(*backend_, Named("simple"), 5, {}, 1e-7, 1.0,
+                                kernels::MatmulPrecision::kFp32, &dummy, &dummy, -1, 2, 1, ws_)
+                   .ok());
+  const NsSchedule empty{"custom", {}, CoefficientsAfter::kCycle};
+  EXPECT_FALSE(GramNewtonSchulz(*backend_, empty, 5, {}, 1e-7, 1.0, kernels::MatmulPrecision::kFp32,
+                                &dummy, &dummy, 1, 2, 1, ws_)
+                   .ok());
 }
 
 }  // namespace

@@ -21,7 +21,7 @@ SETS = {"simple": (SIMPLE, "cycle"), "quintic": (QUINTIC, "cycle"),
 MUON_DEFAULTS = dict(lr=0.02, momentum=0.95, nesterov=True, momentum_style="ema", ns_steps=5,
                      coefficients=SIMPLE, after="cycle", ns_eps=1e-7, ns_norm_safety=1.0,
                      scale_mode="shape_scaling", extra_scale_factor=1.0, weight_decay=0.0,
-                     weight_decay_mode="decoupled")
+                     weight_decay_mode="decoupled", moment2_method=None, beta2=0.95, eps=1e-8)
 ADAMW_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, weight_decay_mode="decoupled")
 
 
@@ -94,11 +94,26 @@ class Reference:
         O = newton_schulz(U, o["ns_steps"], o["coefficients"], o["after"], o["ns_eps"],
                           o["ns_norm_safety"])
         s = scale(o["scale_mode"], o["extra_scale_factor"], m, n)
+        D = s * O  # the direction W moves along, times lr
+        method = o.get("moment2_method")
+        if method == "adamuon":  # Megatron-Core AdaptiveMuon: Adam's second moment on s·O
+            V = st.setdefault("V", torch.zeros_like(W))
+            V.copy_(o["beta2"] * V + (1 - o["beta2"]) * D * D)
+            D = D / (V.sqrt() + o["eps"])
+        elif method == "normuon":  # modded-nanogpt: per row (m >= n) or column, norm kept
+            dim = 1 if m >= n else 0
+            V = st.setdefault("V", torch.zeros(m if m >= n else n))
+            V.copy_(o["beta2"] * V + (1 - o["beta2"]) * (O * O).mean(dim=dim))
+            r = 1 / V.clamp(min=o["eps"]).sqrt()
+            OS = O * (r[:, None] if dim == 1 else r[None, :])
+            D = s * OS * (O.norm() / OS.norm() if OS.norm() > 0 else 0.0)
         if o["weight_decay_mode"] == "decoupled":
             W.sub_(lr * wd * W)
         elif o["weight_decay_mode"] == "independent":
             W.sub_(wd * W)
-        W.sub_(lr * s * O)
+        elif o["weight_decay_mode"] == "cautious":
+            W.sub_(lr * wd * W * (D * W >= 0))
+        W.sub_(lr * D)
 
     @staticmethod
     def _adamw(W, g, st, o):

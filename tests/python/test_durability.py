@@ -223,3 +223,37 @@ def test_retry_settings(endpoint):
     with muond.RemoteOptimizer(groups(model), endpoint=endpoint, max_step_attempts=6,
                                retry_backoff=0.5) as opt:
         assert opt._conn.max_attempts == 6 and opt._conn.retry_backoff == 0.5
+
+
+def test_normuon_state_survives_a_checkpoint_and_a_crash(start_daemon, tmp_path):
+    """NorMuon's second moment is smaller than its parameter (one value per row or column): the
+    checkpoint stores it at its own shape, the journal replays over it, and a session restored
+    after a crash goes on exactly as one that never stopped."""
+    def normuon(model):
+        return muond.default_param_groups(model, muon={"moment2_method": "normuon", "beta2": 0.9})
+
+    state_dir = tmp_path / "state"
+    flags = ("--state-dir", state_dir, "--durability", "journal")
+    daemon = start_daemon(*flags)
+    session = f"normuon-{uuid.uuid4().hex[:8]}"
+    model = TinyNet(seed=75)
+    twin = TinyNet(seed=75)
+    opt = muond.RemoteOptimizer(normuon(model), endpoint=daemon.endpoint, session=session)
+    train(model, opt, range(1, 4))
+    assert opt.checkpoint() == 3
+    train(model, opt, range(4, 6))  # journaled only
+    saved = opt.state_dict()
+    assert tuple(saved["state"][0]["moment2"].shape) in ((48, 1), (1, 48))
+    opt.close(keep_session=True)
+    daemon.kill()
+
+    daemon = start_daemon(*flags, workdir=daemon.workdir)
+    with muond.RemoteOptimizer(normuon(twin), endpoint=daemon.endpoint, session=session) as opt:
+        assert opt.last_step == 5
+        restored = opt.state_dict()
+        for i, entry in saved["state"].items():
+            for slot in ("master", "momentum", "moment2"):
+                if slot in entry:
+                    assert torch.equal(restored["state"][i][slot], entry[slot]), (i, slot)
+        opt.load_state_dict(restored)  # and it goes back in at its own shape
+        train(twin, opt, range(6, 8))

@@ -95,6 +95,61 @@ def test_muon_options_map_through(endpoint, options, reference):
     assert max(errors.values()) < TOLERANCE, errors
 
 
+ADAPTIVE_VARIANTS = [
+    {"moment2_method": "adamuon", "beta2": 0.9, "eps": 1e-8},
+    {"moment2_method": "normuon", "beta2": 0.9, "eps": 1e-10},
+    {"moment2_method": "normuon", "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.5,
+     "weight_decay_mode": "cautious", "scale_mode": "spectral", "extra_scale_factor": 0.2},
+    {"weight_decay": 0.5, "weight_decay_mode": "cautious"},
+]
+
+
+@pytest.mark.parametrize("options", ADAPTIVE_VARIANTS,
+                         ids=["adamuon", "normuon", "normuon-cautious-spectral", "cautious"])
+def test_adaptive_muon_and_cautious_decay_match_the_reference(endpoint, options):
+    """Adaptive Muon (Megatron-Core's adamuon, modded-nanogpt's NorMuon) and cautious weight decay
+    against the pure-torch reference, and LocalOptimizer against the daemon, over 8 steps."""
+    lr = 0.01 if options.get("moment2_method") == "adamuon" else 0.05
+    pair = Pair(remote_factory(endpoint, muon=dict(options, lr=lr)), TinyNet(seed=21),
+                ref_muon=dict(options, lr=lr))
+    local_model = clone_model(pair.model)
+    local = muond.LocalOptimizer(muond.default_param_groups(local_model, muon=dict(options, lr=lr)))
+    for step in range(1, 9):
+        pair.step(step)
+        loss_of(local_model, step).backward()
+        local.step()
+        local.zero_grad()
+    errors = pair.errors()
+    state = pair.opt.state_dict()["state"]
+    pair.opt.close()
+    assert max(errors.values()) < TOLERANCE, errors
+    for (name, p), q in zip(pair.model.named_parameters(), local_model.parameters()):
+        assert rel_err(p.detach(), q.detach()) < TOLERANCE, name
+    if "moment2_method" in options:
+        for i, p in enumerate(local.param_groups[0]["params"]):
+            mine = local.state[p]["moment2"]
+            assert state[i]["moment2"].shape == mine.shape
+            assert rel_err(state[i]["moment2"], mine) < 1e-3
+
+
+def test_adaptive_muon_refusals(endpoint):
+    model = TinyNet(seed=22)
+    with pytest.raises(ValueError, match="'beta2' applies to a muon group only with moment2_method"):
+        muond.RemoteOptimizer(muond.default_param_groups(model, muon={"beta2": 0.9}), endpoint=endpoint)
+    with pytest.raises(ValueError, match="option 'moment2_method' does not apply to optimizer 'adamw'"):
+        muond.RemoteOptimizer(muond.default_param_groups(model, adamw={"moment2_method": "adamuon"}),
+                              endpoint=endpoint)
+    with pytest.raises(ValueError, match="weight_decay_mode cautious applies to muon only"):
+        muond.RemoteOptimizer(muond.default_param_groups(model, adamw={"weight_decay_mode": "cautious"}),
+                              endpoint=endpoint)
+    with pytest.raises(ValueError, match="moment2_method must be one of"):
+        muond.RemoteOptimizer(muond.default_param_groups(model, muon={"moment2_method": "adam"}),
+                              endpoint=endpoint)
+    # AdamW's eps given to the constructor does not leak into a Muon group without a second moment.
+    with muond.RemoteOptimizer(muond.default_param_groups(model), endpoint=endpoint, eps=1e-6) as opt:
+        assert opt.param_groups[1]["eps"] == 1e-6
+
+
 def test_adamw_options_map_through(endpoint):
     adamw = {"lr": 3e-3, "betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.1}
     pair = Pair(remote_factory(endpoint, adamw=adamw), TinyNet(seed=5), ref_adamw=adamw)

@@ -61,6 +61,46 @@ TEST(SessionConfigTest, ParsesNamedChoices) {
   EXPECT_EQ(parsed.ns_schedule.tuples.size(), 8u);
 }
 
+TEST(SessionConfigTest, AdaptiveMuonAndItsRefusals) {
+  v1::GroupOptions options;
+  options.set_moment2_method("normuon");
+  options.set_beta2(0.9);
+  options.set_eps(1e-10);
+  options.set_weight_decay_mode("cautious");
+  ASSERT_OK_AND_ASSIGN(optim::GroupOptions parsed, ParseGroupOptions(options, "g"));
+  EXPECT_EQ(parsed.moment2_method, optim::Moment2Method::kNormuon);
+  EXPECT_EQ(parsed.weight_decay_mode, optim::WeightDecayMode::kCautious);
+  EXPECT_DOUBLE_EQ(parsed.beta2, 0.9);
+  EXPECT_DOUBLE_EQ(parsed.eps, 1e-10);
+  // Muon's defaults are Megatron-Core's TensorParallelAdaptiveMuon's.
+  v1::GroupOptions adamuon;
+  adamuon.set_moment2_method("adamuon");
+  ASSERT_OK_AND_ASSIGN(parsed, ParseGroupOptions(adamuon, "g"));
+  EXPECT_DOUBLE_EQ(parsed.beta2, 0.95);
+  EXPECT_DOUBLE_EQ(parsed.eps, 1e-8);
+
+  v1::GroupOptions unused;  // beta2 without a second moment would be ignored: refused
+  unused.set_beta2(0.9);
+  EXPECT_THAT(ParseGroupOptions(unused, "g"), StatusIs(absl::StatusCode::kInvalidArgument, "g.beta2"));
+  unused.clear_beta2();
+  unused.set_eps(1e-8);
+  unused.set_moment2_method("none");
+  EXPECT_THAT(ParseGroupOptions(unused, "g"), StatusIs(absl::StatusCode::kInvalidArgument, "g.eps"));
+  v1::GroupOptions adamw;
+  adamw.set_optimizer(v1::OPTIMIZER_ADAMW);
+  adamw.set_moment2_method("adamuon");
+  EXPECT_THAT(ParseGroupOptions(adamw, "g"), StatusIs(absl::StatusCode::kInvalidArgument, "g.moment2_method"));
+  adamw.clear_moment2_method();
+  adamw.set_weight_decay_mode("cautious");
+  EXPECT_THAT(ParseGroupOptions(adamw, "g"), StatusIs(absl::StatusCode::kInvalidArgument, "cautious applies to muon only"));
+  v1::GroupOptions bad;
+  bad.set_moment2_method("adam");
+  EXPECT_THAT(ParseGroupOptions(bad, "g"), StatusIs(absl::StatusCode::kInvalidArgument, "g.moment2_method"));
+  bad.set_moment2_method("adamuon");
+  bad.set_beta2(1.0);
+  EXPECT_THAT(ParseGroupOptions(bad, "g"), StatusIs(absl::StatusCode::kInvalidArgument, "betas[1]"));
+}
+
 TEST(SessionConfigTest, CustomCoefficients) {
   v1::GroupOptions options;
   auto* t = options.add_ns_custom_coefficients();

@@ -34,12 +34,20 @@ v1::SessionSpec Spec() {
 }
 
 TEST(MemoryQuotaTest, EstimateCountsMasterGradientAndSlots) {
-  EXPECT_EQ(OptimizerSlotCount(optim::OptimizerKind::kMuon), 1);
-  EXPECT_EQ(OptimizerSlotCount(optim::OptimizerKind::kAdamW), 2);
-  EXPECT_EQ(OptimizerSlotCount(optim::OptimizerKind::kLion), 1);
-  EXPECT_EQ(OptimizerSlotCount(optim::OptimizerKind::kSgd), 1);
+  // Muon: master, gradient, momentum; AdamW: master, gradient, two moments.
   ASSERT_OK_AND_ASSIGN(SessionConfig config, ParseSessionSpec(Spec(), SpecLimits{}));
   EXPECT_EQ(EstimateSessionBytes(config), 200 * 4 * 3 + 7 * 4 * 4);
+}
+
+TEST(MemoryQuotaTest, EstimateCountsSecondMomentsAtTheirSize) {
+  v1::SessionSpec spec = Spec();
+  spec.mutable_groups(0)->mutable_options()->set_moment2_method("adamuon");
+  ASSERT_OK_AND_ASSIGN(SessionConfig adamuon, ParseSessionSpec(spec, SpecLimits{}));
+  EXPECT_EQ(EstimateSessionBytes(adamuon), 200 * 4 * 4 + 7 * 4 * 4);
+  // NorMuon: one value per line along the longer dimension (w is 10×20: 20 columns).
+  spec.mutable_groups(0)->mutable_options()->set_moment2_method("normuon");
+  ASSERT_OK_AND_ASSIGN(SessionConfig normuon, ParseSessionSpec(spec, SpecLimits{}));
+  EXPECT_EQ(EstimateSessionBytes(normuon), 200 * 4 * 3 + 20 * 4 + 7 * 4 * 4);
 }
 
 TEST(MemoryQuotaTest, ChecksBothLimitsAndNamesThem) {
