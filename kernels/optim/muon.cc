@@ -274,10 +274,17 @@ absl::Status Muon::Orthogonalize(Backend& backend, std::span<const MatrixJob> jo
       MUOND_RETURN_IF_ERROR(backend.CopyOnDevice(jobs[i].update, work + i * mat, mat));
     }
   }
-  MUOND_RETURN_IF_ERROR(NewtonSchulz(backend, options_.ns_schedule, options_.ns_steps,
-                                     options_.ns_eps, options_.ns_norm_safety,
-                                     options_.matmul_precision, work, work, rows, cols,
-                                     static_cast<int64_t>(batch), ws));
+  if (options_.ns_algorithm == NsAlgorithm::kGram) {
+    MUOND_RETURN_IF_ERROR(GramNewtonSchulz(backend, options_.ns_schedule, options_.ns_steps,
+                                           options_.ns_schedule.gram_restarts, options_.ns_eps,
+                                           options_.ns_norm_safety, options_.matmul_precision, work, work,
+                                           rows, cols, static_cast<int64_t>(batch), ws));
+  } else {
+    MUOND_RETURN_IF_ERROR(NewtonSchulz(backend, options_.ns_schedule, options_.ns_steps,
+                                       options_.ns_eps, options_.ns_norm_safety,
+                                       options_.matmul_precision, work, work, rows, cols,
+                                       static_cast<int64_t>(batch), ws));
+  }
   if (options_.moment2_method == Moment2Method::kNormuon) {
     MUOND_RETURN_IF_ERROR(ReduceVariance(backend, jobs, work, ws));
   }
@@ -385,7 +392,8 @@ absl::Status Muon::Step(Backend& backend, const StepHyper& hyper,
   NsWorkspace& ws = shared.ws;
   for (std::span<const MatrixJob> batch : batches) {
     MUOND_RETURN_IF_ERROR(ws.ReserveFor(backend, batch[0].rows, batch[0].cols,
-                                         static_cast<int64_t>(batch.size())));
+                                         static_cast<int64_t>(batch.size()),
+                                         options_.ns_algorithm == NsAlgorithm::kGram));
   }
   if (need_gather > 0) {
     MUOND_RETURN_IF_ERROR(ws.Get(backend, NsWorkspace::kFirstFreeSlot, need_gather).status());

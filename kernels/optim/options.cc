@@ -15,7 +15,24 @@ struct NamedSet {
   const char* name;
   std::vector<NsCoefficient> tuples;
   CoefficientsAfter after;
+  std::vector<int> gram_restarts = {};
 };
+
+// The Polar Express paper's first five tuples with safety factor 1.05 folded in as
+// (a/1.05, b/1.05³, c/1.05⁵), Dao-AILab gram-newton-schulz's coefficients.py.
+std::vector<NsCoefficient> GramPolarExpress() {
+  const NsCoefficient paper[] = {{8.28721201814563, -23.595886519098837, 17.300387312530933},
+                                 {4.107059111542203, -2.9478499167379106, 0.5448431082926601},
+                                 {3.9486908534822946, -2.908902115962949, 0.5518191394370137},
+                                 {3.3184196573706015, -2.488488024314874, 0.51004894012372},
+                                 {2.300652019954817, -1.6689039845747493, 0.4188073119525673}};
+  constexpr double kSafety = 1.05;
+  std::vector<NsCoefficient> tuples;
+  for (const NsCoefficient& t : paper) {
+    tuples.push_back({t.a / kSafety, t.b / std::pow(kSafety, 3), t.c / std::pow(kSafety, 5)});
+  }
+  return tuples;
+}
 
 const std::vector<NamedSet>& NamedSets() {
   static const auto* sets = new std::vector<NamedSet>{
@@ -73,6 +90,8 @@ const std::vector<NamedSet>& NamedSets() {
         {2.4418906, -1.2764040, 0.0},
         {2.2230472, -0.9630650, 0.0}},
        CoefficientsAfter::kRepeatLast},
+      // For ns_algorithm gram: restarts before iteration 2 (any algorithm may use the tuples).
+      {"gram_polar_express", GramPolarExpress(), CoefficientsAfter::kRepeatLast, {2}},
   };
   return *sets;
 }
@@ -105,7 +124,7 @@ NsCoefficient NsSchedule::At(int step) const {
 
 absl::StatusOr<NsSchedule> NamedSchedule(std::string_view name) {
   for (const NamedSet& set : NamedSets()) {
-    if (name == set.name) return NsSchedule{set.name, set.tuples, set.after};
+    if (name == set.name) return NsSchedule{set.name, set.tuples, set.after, set.gram_restarts};
   }
   std::string known;
   for (const std::string& n : NamedScheduleNames()) absl::StrAppend(&known, known.empty() ? "" : ", ", n);
@@ -317,6 +336,7 @@ const std::vector<OptionSpec>& GroupOptionTable() {
       {"ns_coefficients", muon, {}},
       {"ns_custom_coefficients", muon, {}},
       {"ns_coefficients_after", muon, {"cycle", "repeat_last"}},
+      {"ns_algorithm", muon, {"standard", "gram"}},  // NsAlgorithm's order
       {"ns_eps", muon, {}},
       {"ns_norm_safety", muon, {}},
       {"scale_mode", muon, {"shape_scaling", "spectral", "unit_rms_norm"}},

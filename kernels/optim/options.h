@@ -21,6 +21,9 @@ enum class WeightDecayMode { kDecoupled, kIndependent, kL2, kCautious };
 enum class Moment2Method { kNone, kAdamuon, kNormuon };
 enum class ScaleMode { kShapeScaling, kSpectral, kUnitRmsNorm };
 enum class CoefficientsAfter { kCycle, kRepeatLast };
+// How Newton–Schulz is computed: on the iterate X (standard) or on the Gram matrix X·Xᵀ (gram,
+// Dao-AILab's Gram Newton–Schulz; square matrices fall back to standard).
+enum class NsAlgorithm { kStandard, kGram };
 
 struct NsCoefficient {
   double a = 0, b = 0, c = 0;
@@ -32,6 +35,9 @@ struct NsSchedule {
   std::string name = "simple";  // "simple", "quintic", "polar_express", "cans", "aol" or "custom"
   std::vector<NsCoefficient> tuples = {{3.4445, -4.7750, 2.0315}};
   CoefficientsAfter after = CoefficientsAfter::kCycle;
+  // ns_algorithm gram: the iterations before which the Gram iteration restarts from X (a set's own
+  // schedule; gram_polar_express restarts before iteration 2).
+  std::vector<int> gram_restarts = {};
 
   NsCoefficient At(int step) const;
 };
@@ -51,6 +57,7 @@ struct GroupOptions {
   kernels::MomentumStyle momentum_style = kernels::MomentumStyle::kEma;
   int ns_steps = 5;
   NsSchedule ns_schedule;  // default: simple
+  NsAlgorithm ns_algorithm = NsAlgorithm::kStandard;
   double ns_eps = 1e-7;
   double ns_norm_safety = 1.0;
   ScaleMode scale_mode = ScaleMode::kShapeScaling;

@@ -27,9 +27,16 @@ from .step_info import StepInfo, check_max_grad_norm
 
 
 def newton_schulz(u: torch.Tensor, steps: int, coefficients: Sequence[Tuple[float, float, float]],
-                  after: str, eps: float, norm_safety: float) -> torch.Tensor:
+                  after: str, eps: float, norm_safety: float,
+                  gram_restarts: Optional[Sequence[int]] = None) -> torch.Tensor:
     """Orthogonalizes the last two dims of ``u`` (fp32): X ← U (wide), X ← X/(s‖X‖_F + ε), then
-    ``steps`` times X ← aX + (bA + cA²)X with A = XXᵀ, (a, b, c) from ``coefficients``."""
+    ``steps`` times X ← aX + (bA + cA²)X with A = XXᵀ, (a, b, c) from ``coefficients``.
+
+    With ``gram_restarts`` (a sequence, possibly empty) the same map is computed as the daemon's
+    ns_algorithm "gram" does, on the Gram matrix R = XXᵀ with Q accumulating the polynomials and
+    a restart X ← QX before each listed iteration; square matrices use the standard form."""
+    if gram_restarts is not None and u.size(-2) != u.size(-1):
+        return _gram_newton_schulz(u, steps, coefficients, after, eps, norm_safety, gram_restarts)
     x = u.to(torch.float32)
     tall = x.size(-2) > x.size(-1)
     if tall:
@@ -54,6 +61,35 @@ def newton_schulz(u: torch.Tensor, steps: int, coefficients: Sequence[Tuple[floa
     return x
 
 
+def _coefficient(coefficients: Sequence[Tuple[float, float, float]], after: str, t: int):
+    if t < len(coefficients):
+        return coefficients[t]
+    return coefficients[t % len(coefficients)] if after == "cycle" else coefficients[-1]
+
+
+def _gram_newton_schulz(u, steps, coefficients, after, eps, norm_safety, restarts):
+    x = u.to(torch.float32)
+    tall = x.size(-2) > x.size(-1)
+    if tall:
+        x = x.transpose(-2, -1)
+    norm = torch.linalg.norm(x, dim=(-2, -1), keepdim=True) if x.dim() > 2 else torch.linalg.norm(x)
+    x = x / (norm_safety * norm + eps)
+    eye = torch.eye(x.size(-2), dtype=x.dtype, device=x.device)
+    r, q = x @ x.transpose(-2, -1), None
+    for t in range(steps):
+        a, b, c = _coefficient(coefficients, after, t)
+        if t != 0 and t in restarts:
+            x, q = q @ x, None
+            r = x @ x.transpose(-2, -1)
+        z = b * r if c == 0 else b * r + c * (r @ r)
+        q = a * eye + z if q is None else a * q + q @ z
+        if t < steps - 1 and (t + 1) not in restarts:
+            rz = a * r + r @ z
+            r = a * rz + z @ rz
+    x = x if q is None else q @ x
+    return x.transpose(-2, -1) if tall else x
+
+
 def muon_scale(mode: str, factor: float, rows: int, cols: int) -> float:
     """The update scale of an (rows × cols) matrix under ``scale_mode``, times ``factor``."""
     if mode == "shape_scaling":
@@ -63,6 +99,14 @@ def muon_scale(mode: str, factor: float, rows: int, cols: int) -> float:
     return factor * math.sqrt(rows / cols)  # unit_rms_norm
 
 
+def _gram_restarts(group: Dict[str, Any]) -> Optional[Tuple[int, ...]]:
+    """None for standard Newton–Schulz; for "gram" the set's restart iterations."""
+    if group.get("ns_algorithm") != "gram":
+        return None
+    name = group["ns_coefficients"]
+    return opts.GRAM_RESTARTS.get(name, ()) if isinstance(name, str) else ()
+
+
 def _orthogonalize_scaled(u: torch.Tensor, group: Dict[str, Any]) -> torch.Tensor:
     """NS(U) times its scale, for the parameter shapes of docs/algorithms.md, Shapes (2-D, 4-D
     conv as (O, I·kh·kw), 3-D experts one by one, fused QKV block by block)."""
@@ -70,7 +114,7 @@ def _orthogonalize_scaled(u: torch.Tensor, group: Dict[str, Any]) -> torch.Tenso
 
     def ortho(m: torch.Tensor) -> torch.Tensor:
         out = newton_schulz(m, group["ns_steps"], coefficients, after, group["ns_eps"],
-                            group["ns_norm_safety"])
+                            group["ns_norm_safety"], _gram_restarts(group))
         return out * muon_scale(group["scale_mode"], group["extra_scale_factor"],
                                 m.size(-2), m.size(-1))
 
@@ -119,7 +163,7 @@ def _adaptive_update(u: torch.Tensor, group: Dict[str, Any], moment2: torch.Tens
     for i, (m, o_view) in enumerate(zip(_matrix_views(u, group), _matrix_views(out, group))):
         rows, cols = m.shape
         o = newton_schulz(m, group["ns_steps"], coefficients, after, group["ns_eps"],
-                          group["ns_norm_safety"])
+                          group["ns_norm_safety"], _gram_restarts(group))
         scale = muon_scale(group["scale_mode"], group["extra_scale_factor"], rows, cols)
         if adamuon:
             x = o * scale

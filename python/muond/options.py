@@ -16,9 +16,10 @@ turns a resolved group into the ``muond.v1.GroupOptions`` message sent when a se
 | momentum_style          | muon         | "ema" ("sum")                                            |
 | ns_steps                | muon         | 5                                                        |
 | ns_coefficients         | muon         | "simple" (quintic, polar_express, cans, aol, deepseekv4, |
-|                         |              | cubic5 with ns_steps=5) or a list                        |
+|                         |              | cubic5 with ns_steps=5, gram_polar_express) or a list    |
 |                         |              | of (a, b, c) tuples (one tuple is accepted as well)       |
 | ns_coefficients_after   | muon         | None: the set's own rule; a custom list cycles            |
+| ns_algorithm            | muon         | "standard" ("gram": on the Gram matrix, gram_polar_express) |
 | ns_eps, ns_norm_safety  | muon         | 1e-7, 1.0                                                |
 | scale_mode              | muon         | "shape_scaling" ("spectral", "unit_rms_norm")            |
 | extra_scale_factor      | muon         | 1.0                                                      |
@@ -56,6 +57,15 @@ COEFFICIENT_SETS: Dict[str, Tuple[Tuple[float, float, float], ...]] = {
             (2.7215, -3.0494, 1.3169)),
     # Keller Jordan's tuple ×8, then (2, -1.5, 0.5) ×2; meant for ns_steps=10.
     "deepseekv4": ((3.4445, -4.7750, 2.0315),) * 8 + ((2.0, -1.5, 0.5),) * 2,
+    # The Polar Express paper's first five tuples with safety 1.05 folded in (a/1.05, b/1.05**3,
+    # c/1.05**5), for ns_algorithm="gram", which restarts before iteration 2.
+    "gram_polar_express": tuple(
+        (a / 1.05, b / 1.05 ** 3, c / 1.05 ** 5) for a, b, c in (
+            (8.28721201814563, -23.595886519098837, 17.300387312530933),
+            (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+            (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+            (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+            (2.300652019954817, -1.6689039845747493, 0.4188073119525673))),
     # Cubic steps (c = 0), tuned for exactly ns_steps=5.
     "cubic5": ((3.3656576, -3.3420992, 0.0), (2.5744352, -1.4957376, 0.0), (2.5368962, -1.4312570, 0.0),
                (2.4418906, -1.2764040, 0.0), (2.2230472, -0.9630650, 0.0)),
@@ -63,18 +73,21 @@ COEFFICIENT_SETS: Dict[str, Tuple[Tuple[float, float, float], ...]] = {
 # What happens after a named list ends.
 COEFFICIENTS_AFTER = {"simple": "cycle", "quintic": "cycle", "polar_express": "repeat_last",
                       "cans": "repeat_last", "aol": "cycle", "deepseekv4": "repeat_last",
-                      "cubic5": "repeat_last"}
+                      "cubic5": "repeat_last", "gram_polar_express": "repeat_last"}
+# Iterations before which ns_algorithm="gram" restarts from X (a named set's own schedule).
+GRAM_RESTARTS = {"gram_polar_express": (2,)}
 
 _CHOICES = {
     "weight_decay_mode": ("decoupled", "independent", "l2", "cautious"),
     "moment2_method": ("none", "adamuon", "normuon"),
+    "ns_algorithm": ("standard", "gram"),
     "momentum_style": ("ema", "sum"),
     "ns_coefficients_after": ("cycle", "repeat_last"),
     "scale_mode": ("shape_scaling", "spectral", "unit_rms_norm"),
     "matmul_precision": ("bf16", "tf32", "fp32"),
 }
 
-_MUON_ONLY = ("momentum_style", "ns_steps", "ns_coefficients",
+_MUON_ONLY = ("momentum_style", "ns_steps", "ns_coefficients", "ns_algorithm",
               "ns_coefficients_after", "ns_eps", "ns_norm_safety", "scale_mode",
               "extra_scale_factor", "matmul_precision", "qkv_split", "num_query_groups",
               "qk_clip_threshold", "qk_clip_alpha", "moment2_method")
@@ -83,6 +96,7 @@ DEFAULTS: Dict[str, Dict[str, Any]] = {
     "muon": {
         "lr": 0.02, "weight_decay": 0.0, "weight_decay_mode": "decoupled", "momentum": 0.95,
         "nesterov": True, "momentum_style": "ema", "ns_steps": 5, "ns_coefficients": "simple",
+        "ns_algorithm": "standard",
         "ns_coefficients_after": None, "ns_eps": 1e-7, "ns_norm_safety": 1.0,
         "scale_mode": "shape_scaling", "extra_scale_factor": 1.0, "matmul_precision": None,
         "qkv_split": None, "num_query_groups": None, "qk_clip_threshold": 100.0,
@@ -250,7 +264,7 @@ _KIND = {"muon": pb.OPTIMIZER_MUON, "adamw": pb.OPTIMIZER_ADAMW, "lion": pb.OPTI
 _SCALAR_FIELDS = ("lr", "weight_decay", "weight_decay_mode", "momentum", "nesterov",
                   "momentum_style", "ns_steps", "ns_coefficients_after", "ns_eps", "ns_norm_safety",
                   "scale_mode", "extra_scale_factor", "matmul_precision", "qk_clip_threshold",
-                  "qk_clip_alpha", "moment2_method")
+                  "qk_clip_alpha", "moment2_method", "ns_algorithm")
 
 
 def group_options_proto(group: Mapping[str, Any]) -> pb.GroupOptions:

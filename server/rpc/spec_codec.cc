@@ -229,6 +229,9 @@ absl::StatusOr<optim::GroupOptions> ParseGroupOptions(const v1::GroupOptions& in
   if (in.has_scale_mode()) {
     MUOND_ASSIGN_OR_RETURN(out.scale_mode, ParseChoice<optim::ScaleMode>(in.scale_mode(), field, "scale_mode"));
   }
+  if (in.has_ns_algorithm()) {
+    MUOND_ASSIGN_OR_RETURN(out.ns_algorithm, ParseChoice<optim::NsAlgorithm>(in.ns_algorithm(), field, "ns_algorithm"));
+  }
   if (in.has_moment2_method()) {
     MUOND_ASSIGN_OR_RETURN(out.moment2_method,
                            ParseChoice<optim::Moment2Method>(in.moment2_method(), field, "moment2_method"));

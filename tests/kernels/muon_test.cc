@@ -174,6 +174,14 @@ GroupOptions Adaptive(Moment2Method method, WeightDecayMode wd_mode, ScaleMode s
   return o;
 }
 
+// Gram Newton–Schulz computes the standard iteration's map: the reference is the standard one.
+GroupOptions Gram(const std::string& set) {
+  GroupOptions o = Opts(kernels::MomentumStyle::kEma, true, WeightDecayMode::kDecoupled, ScaleMode::kShapeScaling);
+  o.ns_algorithm = NsAlgorithm::kGram;
+  o.ns_schedule = *NamedSchedule(set);
+  return o;
+}
+
 class MuonReferenceTest : public ::testing::TestWithParam<MuonCase> {};
 
 TEST_P(MuonReferenceTest, MatchesFp64ReferenceOverSteps) {
@@ -286,6 +294,8 @@ INSTANTIATE_TEST_SUITE_P(
                   ParamSpec{{6, 4, 3, 3}}, ParamSpec{{2, 20, 12}}, k2d}},
         MuonCase{"cautious", Opts(MomentumStyle::kEma, true, WeightDecayMode::kCautious,
                                   ScaleMode::kShapeScaling, 0.5), {k2d, kTall}},
+        MuonCase{"gram", Gram("simple"), {k2d, kTall, ParamSpec{{2, 16, 24}}, ParamSpec{{16, 16}}}},
+        MuonCase{"gram_polar_express", Gram("gram_polar_express"), {k2d, kTall, ParamSpec{{3, 12, 20}}}},
         MuonCase{"mixed_batch", Opts(MomentumStyle::kEma, false, WeightDecayMode::kDecoupled,
                                      ScaleMode::kShapeScaling),
                  {k2d, kTall, ParamSpec{{2, 16, 24}}, ParamSpec{{16, 4, 2, 3}},

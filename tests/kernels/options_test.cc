@@ -1,5 +1,6 @@
 #include "kernels/optim/options.h"
 
+#include <tuple>
 #include <string>
 #include <vector>
 
@@ -28,7 +29,8 @@ struct ExpectedSet {
 
 TEST(NamedScheduleTest, TablesMatchDesign) {
   EXPECT_THAT(NamedScheduleNames(),
-              ElementsAre("simple", "quintic", "polar_express", "cans", "aol", "deepseekv4", "cubic5"));
+              ElementsAre("simple", "quintic", "polar_express", "cans", "aol", "deepseekv4", "cubic5",
+                          "gram_polar_express"));
   const NsCoefficient jordan = {3.4445, -4.7750, 2.0315};
   const std::vector<ExpectedSet> expected = {
       {"simple", {{3.4445, -4.7750, 2.0315}}, CoefficientsAfter::kCycle},
@@ -67,6 +69,20 @@ TEST(NamedScheduleTest, TablesMatchDesign) {
       ExpectTuple(s.tuples[i], e.tuples[i].a, e.tuples[i].b, e.tuples[i].c);
     }
   }
+
+  // gram_polar_express is computed from the Polar Express paper's tuples: its first and last tuples
+  // as docs/algorithms.md quotes them to 4 decimals.
+  ASSERT_OK_AND_ASSIGN(NsSchedule gram, NamedSchedule("gram_polar_express"));
+  ASSERT_EQ(gram.tuples.size(), 5u);
+  EXPECT_EQ(gram.after, CoefficientsAfter::kRepeatLast);
+  for (const auto& [i, a, b, c] : {std::tuple{0, 7.8926, -20.3830, 13.5553}, std::tuple{4, 2.1911, -1.4417, 0.3281}}) {
+    EXPECT_NEAR(gram.tuples[i].a, a, 5e-5);
+    EXPECT_NEAR(gram.tuples[i].b, b, 5e-5);
+    EXPECT_NEAR(gram.tuples[i].c, c, 5e-5);
+  }
+  // Only gram_polar_express restarts the Gram iteration (before iteration 2).
+  EXPECT_EQ(NamedSchedule("gram_polar_express")->gram_restarts, std::vector<int>{2});
+  EXPECT_TRUE(NamedSchedule("polar_express")->gram_restarts.empty());
 
   // The default-constructed schedule is `simple`.
   GroupOptions defaults;

@@ -81,13 +81,22 @@ MUON_VARIANTS = [
      {"coefficients": [(3.3656576, -3.3420992, 0.0), (2.5744352, -1.4957376, 0.0),
                        (2.5368962, -1.4312570, 0.0), (2.4418906, -1.2764040, 0.0),
                        (2.2230472, -0.9630650, 0.0)], "after": "repeat_last"}),
+    # Gram Newton–Schulz computes the standard iteration's map: the reference is the standard one.
+    ({"ns_algorithm": "gram"}, {}),
+    ({"ns_algorithm": "gram", "ns_coefficients": "gram_polar_express"},
+     {"coefficients": [(a / 1.05, b / 1.05 ** 3, c / 1.05 ** 5) for a, b, c in (
+         (8.28721201814563, -23.595886519098837, 17.300387312530933),
+         (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+         (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+         (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+         (2.300652019954817, -1.6689039845747493, 0.4188073119525673))], "after": "repeat_last"}),
 ]
 
 
 @pytest.mark.parametrize("options,reference", MUON_VARIANTS,
                          ids=["sum", "sum-nesterov", "quintic", "polar_express", "custom",
                               "torch-style-tuple", "spectral-independent", "unit_rms-l2", "deepseekv4",
-                              "cubic5"])
+                              "cubic5", "gram", "gram-polar-express"])
 def test_muon_options_map_through(endpoint, options, reference):
     pair = Pair(remote_factory(endpoint, muon=dict(options, lr=0.05)), TinyNet(seed=4),
                 ref_muon=dict(reference, lr=0.05))
@@ -130,6 +139,21 @@ def test_adaptive_muon_and_cautious_decay_match_the_reference(endpoint, options)
             mine = local.state[p]["moment2"]
             assert state[i]["moment2"].shape == mine.shape
             assert rel_err(state[i]["moment2"], mine) < 1e-3
+
+
+@pytest.mark.parametrize("coefficients", ["simple", "gram_polar_express"])
+def test_local_gram_newton_schulz_matches_the_standard_map(coefficients):
+    """LocalOptimizer's Gram path (with the set's restart) against its standard path."""
+    from muond.local import newton_schulz
+    from muond import options as opts
+    tuples, after = opts.COEFFICIENT_SETS[coefficients], opts.COEFFICIENTS_AFTER[coefficients]
+    g = torch.Generator().manual_seed(3)
+    for shape in ((24, 64), (64, 24), (3, 16, 40)):
+        u = torch.randn(*shape, generator=g)
+        standard = newton_schulz(u, 5, tuples, after, 1e-7, 1.0)
+        gram = newton_schulz(u, 5, tuples, after, 1e-7, 1.0,
+                             gram_restarts=opts.GRAM_RESTARTS.get(coefficients, ()))
+        assert (gram - standard).abs().max() < 1e-4, shape
 
 
 def test_adaptive_muon_refusals(endpoint):

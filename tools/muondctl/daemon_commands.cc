@@ -1,5 +1,6 @@
 #include "tools/muondctl/daemon_commands.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -227,6 +228,7 @@ Answer ExportSession(const ConnectFlags& flags, const std::string& session_id, c
   data.session_id = session_id;
   data.backend = "export";
   std::map<std::pair<std::string, std::string>, size_t> index;  // (parameter, slot) → data.tensors
+  std::map<size_t, size_t> received;  // data.tensors index → elements the daemon sent
   v1::GetStateRequest request;
   request.set_session_id(session_id);
   grpc::ClientContext context;
@@ -259,8 +261,17 @@ Answer ExportSession(const ConnectFlags& flags, const std::string& session_id, c
                                                           "' beyond its shape")));
     }
     std::memcpy(values.data() + chunk.offset(), chunk.data().data(), count * sizeof(float));
+    received[it->second] = std::max(received[it->second], chunk.offset() + count);
   }
   if (const grpc::Status status = reader->Finish(); !status.ok()) return ErrorAnswer(client::FromGrpcStatus(status));
+  // A slot smaller than its parameter (NorMuon's per-line second moment) is written flat: the stream
+  // carries its elements, not its shape (a checkpoint read with --state-dir keeps the shape).
+  for (size_t i = 0; i < data.tensors.size(); ++i) {
+    if (received[i] < data.tensors[i].values.size()) {
+      data.tensors[i].values.resize(received[i]);
+      data.tensors[i].shape = {static_cast<int64_t>(received[i])};
+    }
+  }
 
   const std::string bytes = durability::EncodeSafetensors(data);
   if (absl::Status written = durability::WriteFileAtomically(durability::Env::Default(), to, bytes); !written.ok()) {
