@@ -35,27 +35,23 @@ def newton_schulz(u: torch.Tensor, steps: int, coefficients: Sequence[Tuple[floa
     With ``gram_restarts`` (a sequence, possibly empty) the same map is computed as the daemon's
     ns_algorithm "gram" does, on the Gram matrix R = XXᵀ with Q accumulating the polynomials and
     a restart X ← QX before each listed iteration; square matrices use the standard form."""
-    if gram_restarts is not None and u.size(-2) != u.size(-1):
-        return _gram_newton_schulz(u, steps, coefficients, after, eps, norm_safety, gram_restarts)
     x = u.to(torch.float32)
     tall = x.size(-2) > x.size(-1)
     if tall:
         x = x.transpose(-2, -1)
     norm = torch.linalg.norm(x, dim=(-2, -1), keepdim=True) if x.dim() > 2 else torch.linalg.norm(x)
     x = x / (norm_safety * norm + eps)
-    for t in range(steps):
-        if t < len(coefficients):
-            a, b, c = coefficients[t]
-        elif after == "cycle":
-            a, b, c = coefficients[t % len(coefficients)]
-        else:
-            a, b, c = coefficients[-1]
-        gram = x @ x.transpose(-2, -1)
-        if c == 0:  # a cubic step (cubic5): one product fewer, as the daemon computes it
-            x = a * x + b * (gram @ x)
-            continue
-        poly = b * gram + c * (gram @ gram)
-        x = a * x + poly @ x
+    if gram_restarts is not None and x.size(-2) != x.size(-1):
+        x = _gram_iterations(x, steps, coefficients, after, gram_restarts)
+    else:
+        for t in range(steps):
+            a, b, c = _coefficient(coefficients, after, t)
+            gram = x @ x.transpose(-2, -1)
+            if c == 0:  # a cubic step (cubic5): one product fewer, as the daemon computes it
+                x = a * x + b * (gram @ x)
+                continue
+            poly = b * gram + c * (gram @ gram)
+            x = a * x + poly @ x
     if tall:
         x = x.transpose(-2, -1)
     return x
@@ -67,13 +63,8 @@ def _coefficient(coefficients: Sequence[Tuple[float, float, float]], after: str,
     return coefficients[t % len(coefficients)] if after == "cycle" else coefficients[-1]
 
 
-def _gram_newton_schulz(u, steps, coefficients, after, eps, norm_safety, restarts):
-    x = u.to(torch.float32)
-    tall = x.size(-2) > x.size(-1)
-    if tall:
-        x = x.transpose(-2, -1)
-    norm = torch.linalg.norm(x, dim=(-2, -1), keepdim=True) if x.dim() > 2 else torch.linalg.norm(x)
-    x = x / (norm_safety * norm + eps)
+def _gram_iterations(x: torch.Tensor, steps: int, coefficients, after: str, restarts) -> torch.Tensor:
+    """The Gram form of the iterations on a normalized wide ``x``: polynomials in R = XXᵀ."""
     eye = torch.eye(x.size(-2), dtype=x.dtype, device=x.device)
     r, q = x @ x.transpose(-2, -1), None
     for t in range(steps):
@@ -86,8 +77,7 @@ def _gram_newton_schulz(u, steps, coefficients, after, eps, norm_safety, restart
         if t < steps - 1 and (t + 1) not in restarts:
             rz = a * r + r @ z
             r = a * rz + z @ rz
-    x = x if q is None else q @ x
-    return x.transpose(-2, -1) if tall else x
+    return x if q is None else q @ x
 
 
 def muon_scale(mode: str, factor: float, rows: int, cols: int) -> float:
