@@ -147,6 +147,7 @@ void CopyResult(const v1::StepResult& r, StepReply* reply) {
   reply->prepared = r.prepared();
   reply->sum_squares.assign(r.sum_squares().begin(), r.sum_squares().end());
   reply->num_zeros_in_grad = r.num_zeros_in_grad();
+  reply->loss_scale = r.loss_scale();
 }
 
 }  // namespace
@@ -369,6 +370,7 @@ v1::StepHeader Session::Header(int64_t step, const StepOptions& options) const {
   header.set_rank(options.rank);
   if (options.max_grad_norm) header.set_max_grad_norm(*options.max_grad_norm);
   header.set_log_num_zeros_in_grad(options.log_num_zeros_in_grad);
+  if (options.grad_scale) header.set_grad_scale(*options.grad_scale);
   for (const auto& [query, max_logits] : options.qk_logits) {
     v1::QkClipLogits* logits = header.add_qk_logits();
     logits->set_query(query);

@@ -87,6 +87,10 @@ struct StepOptions {
   // Count the gradient elements that are exactly 0 (Megatron-Core's log_num_zeros_in_grad):
   // StepReply::num_zeros_in_grad.
   bool log_num_zeros_in_grad = false;
+  // The factor the loss was multiplied by (a static loss scale): the daemon divides the gradients
+  // by it before the norm, clipping and the non-finite check. With a session loss scaler leave it
+  // unset (or give StepReply::loss_scale of the previous step).
+  std::optional<double> grad_scale;
 };
 
 using ParameterMap = std::map<std::string, std::vector<float>>;
@@ -104,6 +108,8 @@ struct StepReply {
   bool prepared = false;
   std::vector<double> sum_squares;
   int64_t num_zeros_in_grad = 0;  // with StepOptions::log_num_zeros_in_grad; summed over shards
+  // With a session loss scaler (SessionSpec::loss_scaler): the scale to multiply the next loss by.
+  double loss_scale = 0;
 };
 
 class Session;

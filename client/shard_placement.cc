@@ -120,6 +120,8 @@ v1::SessionSpec ShardSpec(const v1::SessionSpec& whole, const Placement& placeme
   for (const v1::QkClipPair& pair : whole.qk_clip()) {
     if (std::find(names.begin(), names.end(), pair.query()) != names.end()) *spec.add_qk_clip() = pair;
   }
+  // Every shard keeps the same scaler: each sees the same commit decisions, so their scales agree.
+  if (whole.has_loss_scaler()) *spec.mutable_loss_scaler() = whole.loss_scaler();
   v1::ShardPlacement* out = spec.mutable_shard();
   for (const std::string& e : endpoints) out->add_endpoints(e);
   out->set_index(shard);

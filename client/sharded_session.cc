@@ -199,6 +199,7 @@ absl::StatusOr<StepReply> ShardedSession::StepOnce(int64_t step, const std::vect
     reply.replayed = reply.replayed && part.replayed;
     reply.compute_seconds = std::max(reply.compute_seconds, part.compute_seconds);
     reply.num_zeros_in_grad += part.num_zeros_in_grad;
+    reply.loss_scale = part.loss_scale;  // every shard's scaler saw the same decisions
     reply.parameters.merge(part.parameters);
   }
   return reply;

@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple
 
 import torch
 
+from . import loss_scale
 from . import options as opts
 from . import qk_clip as qk
 from .naming import named_groups
@@ -183,16 +184,20 @@ class LocalOptimizer(torch.optim.Optimizer):
         max_grad_norm: clip the global gradient norm before each step, as the daemon does.
         log_num_zeros_in_grad: count the gradient elements that are exactly 0 each step
             (Megatron-Core's option of that name); ``last_info.num_zeros_in_grad`` has the count.
+        loss_scaler: a dynamic loss scaler, as ``RemoteOptimizer``'s (``muond.loss_scale``).
         **defaults: options for every group that leaves them unset (see ``muond.options``).
     """
 
     def __init__(self, params: Iterable[Any], *,
                  qk_clip: Optional[Iterable[Tuple[Any, Any, int]]] = None,
                  max_grad_norm: Optional[float] = None, log_num_zeros_in_grad: bool = False,
-                 **defaults: Any):
+                 loss_scaler: Any = None, **defaults: Any):
         opts.check_defaults(defaults)
         self.max_grad_norm = check_max_grad_norm(max_grad_norm)
         self.log_num_zeros_in_grad = bool(log_num_zeros_in_grad)
+        self.loss_scaler = loss_scale.resolve(loss_scaler)
+        self._scaler = (loss_scale.ScalerState.initial(self.loss_scaler)
+                        if self.loss_scaler is not None else None)
         self.last_step = 0
         self.last_info: Optional[StepInfo] = None
         self._user_defaults = dict(defaults)
@@ -215,16 +220,33 @@ class LocalOptimizer(torch.optim.Optimizer):
                                      f"{tuple(p.shape)} must go to an AdamW group")
         super().add_param_group(resolved)
 
+    @property
+    def loss_scale(self) -> Optional[float]:
+        """With a loss scaler, the scale to multiply the next loss by; else None."""
+        return None if self._scaler is None else self._scaler.scale
+
+    def scale_loss(self, loss: Any) -> Any:
+        """``loss`` times ``loss_scale`` (unchanged without a loss scaler)."""
+        return loss if self._scaler is None else loss * self._scaler.scale
+
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None, *,
-             qk_logits: Optional[Dict[Any, Any]] = None) -> Any:
+             qk_logits: Optional[Dict[Any, Any]] = None, grad_scale: Optional[float] = None) -> Any:
         """One step of every group, then QK-clip of the pairs in ``qk_logits`` (as for
-        ``RemoteOptimizer.step``); returns the closure's loss."""
+        ``RemoteOptimizer.step``); returns the closure's loss. ``grad_scale`` and a loss scaler
+        divide the gradients as the daemon does."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         logits = qk.logits_of(qk_logits, self.qk_clip, self._params, self._names)
+        grad_scale = loss_scale.check_grad_scale(grad_scale)
+        if self._scaler is not None:
+            if grad_scale is not None and grad_scale != self._scaler.scale:
+                raise ValueError(f"grad_scale {grad_scale} differs from the loss scaler's current "
+                                 f"scale {self._scaler.scale}")
+            grad_scale = self._scaler.scale
+        unscale = 1.0 / grad_scale if grad_scale is not None else 1.0
         started = time.perf_counter()
         self.last_step += 1
         # The daemon's norm: each gradient's sum of squares in fp64, summed over the parameters
@@ -234,17 +256,20 @@ class LocalOptimizer(torch.optim.Optimizer):
                 if named else [])
         sum_squares = sum(sums)
         non_finite = next((n for (n, _), s in zip(named, sums) if not math.isfinite(s)), "")
-        norm = math.sqrt(sum_squares) if math.isfinite(sum_squares) else float("nan")
+        norm = math.sqrt(sum_squares) * unscale if math.isfinite(sum_squares) else float("nan")
         zeros = (sum(int((g == 0).sum()) for _, g in named) if self.log_num_zeros_in_grad else None)
         if non_finite:
+            if self._scaler is not None:  # an overflow: the scaler backs off
+                self._scaler.update(self.loss_scaler, found_inf=True)
             self.last_info = StepInfo(self.last_step, False, False,
                                       f"non-finite gradient in '{non_finite}'", norm,
                                       time.perf_counter() - started, time.perf_counter() - started,
-                                      num_zeros_in_grad=zeros)
+                                      num_zeros_in_grad=zeros, loss_scale=self.loss_scale)
             return loss
         clip = 1.0
         if self.max_grad_norm is not None:
             clip = min(1.0, self.max_grad_norm / (norm + 1e-6))
+        clip *= unscale  # one fp32 multiply of each gradient, by clip over the loss scale
         for group in self.param_groups:
             kind = group["optimizer"]
             for p in group["params"]:
@@ -253,7 +278,7 @@ class LocalOptimizer(torch.optim.Optimizer):
                 state = self.state[p]
                 state["step"] = state.get("step", 0) + 1
                 g = p.grad.detach().to(torch.float32)
-                if clip < 1.0:
+                if clip != 1.0:
                     g = g * torch.tensor(clip, dtype=torch.float32)  # one fp32 multiply, as there
                 if kind == "muon":
                     self._muon(p, g, state, group)
@@ -269,9 +294,11 @@ class LocalOptimizer(torch.optim.Optimizer):
             group = next(g for g in self.param_groups if any(p is weight for p in g["params"]))
             qk.apply(weight, self._by_name[pairs[query].key], max_logits,
                      group["qk_clip_threshold"], group["qk_clip_alpha"])
+        if self._scaler is not None:
+            self._scaler.update(self.loss_scaler, found_inf=False)
         elapsed = time.perf_counter() - started
         self.last_info = StepInfo(self.last_step, True, False, "", norm, elapsed, elapsed,
-                                  num_zeros_in_grad=zeros)
+                                  num_zeros_in_grad=zeros, loss_scale=self.loss_scale)
         return loss
 
     @staticmethod

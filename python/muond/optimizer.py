@@ -54,6 +54,7 @@ from .client import (DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_RE
 from .errors import MuondError
 from .naming import named_groups
 from .session_link import SessionLink, copy_in
+from . import loss_scale
 from .step_info import StepInfo, check_max_grad_norm
 
 DEFAULT_ENDPOINT = "127.0.0.1:50051"
@@ -83,6 +84,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
         max_grad_norm: clip the global gradient norm on the daemon before each step.
         log_num_zeros_in_grad: count the gradient elements that are exactly 0 each step
             (Megatron-Core's option of that name); ``last_info.num_zeros_in_grad`` has the count.
+        loss_scaler: a daemon-side dynamic loss scaler for fp16 training (``muond.loss_scale``):
+            True for Megatron-Core's defaults or a dict of its options. Multiply each loss by
+            ``loss_scale`` (``scale_loss(loss)``); the daemon divides the gradients by it.
         chunk_bytes: size of the tensor chunks sent and asked for.
         timeout: deadline in seconds of each call (None: none).
         connect_timeout: seconds to wait for the daemon at construction.
@@ -142,7 +146,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
                  world_size: Optional[int] = None, rank: Optional[int] = None,
                  qk_clip: Optional[Iterable[Tuple[Any, Any, int]]] = None,
                  endpoints: Optional[Sequence[str]] = None, log_num_zeros_in_grad: bool = False,
-                 **defaults: Any):
+                 loss_scaler: Any = None, **defaults: Any):
         opts.check_defaults(defaults)
         self._user_defaults = dict(defaults)
         self._sealed = False
@@ -157,6 +161,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self.return_dtype = wire.dtype_name(return_dtype)
         self.max_grad_norm = check_max_grad_norm(max_grad_norm)
         self.log_num_zeros_in_grad = bool(log_num_zeros_in_grad)
+        self.loss_scaler = loss_scale.resolve(loss_scaler)
+        # The scale to multiply the next loss by, with a loss scaler (from the daemon's answers).
+        self.loss_scale: Optional[float] = None
         self.chunk_bytes = int(chunk_bytes)
         self.max_step_attempts = _step_attempts(max_step_attempts)
         self.retry_backoff = float(retry_backoff)
@@ -271,6 +278,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
         spec.groups.extend(whole.groups)
         spec.parameters.extend(whole.parameters[i] for i in mine)
         spec.qk_clip.extend(p for p in whole.qk_clip if p.query in names)
+        if whole.HasField("loss_scaler"):
+            spec.loss_scaler.CopyFrom(whole.loss_scaler)
         spec.shard.endpoints.extend(self.endpoints)
         spec.shard.index = shard
         spec.shard.num_parameters = len(self._names)
@@ -289,6 +298,10 @@ class RemoteOptimizer(torch.optim.Optimizer):
                     ps.num_query_groups = group.get("num_query_groups") or 1
         for pair in self.qk_clip:
             spec.qk_clip.add(query=pair.query, key=pair.key, num_heads=pair.num_heads)
+        if self.loss_scaler is not None:
+            spec.loss_scaler.SetInParent()
+            for key, value in self.loss_scaler.items():
+                setattr(spec.loss_scaler, key, value)
         return spec
 
     def _open_session(self) -> None:
@@ -307,6 +320,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
         opened = self._on_every_link(lambda k, link: link.open(self._shard_spec(k)))
         self.attached = any(attached for attached, _ in opened)
         self.last_step = self._common_step([step for _, step in opened], "CreateSession")
+        if self.loss_scaler is not None:
+            self.loss_scale = self._links[0].loss_scale
 
     def _common_step(self, steps: List[int], rpc: str) -> int:
         """The step every shard is at; MuondError naming the shards behind when they differ."""
@@ -345,7 +360,13 @@ class RemoteOptimizer(torch.optim.Optimizer):
         if self._closed:
             raise RuntimeError(f"RemoteOptimizer for session '{self.session_id}' is closed")
 
-    def _header(self, step: int, qk_logits: Dict[str, List[float]]) -> pb.StepHeader:
+    def scale_loss(self, loss: Any) -> Any:
+        """``loss`` times the loss scale to use this step (``loss_scale`` with a loss scaler),
+        unchanged without one."""
+        return loss if self.loss_scale is None else loss * self.loss_scale
+
+    def _header(self, step: int, qk_logits: Dict[str, List[float]],
+                grad_scale: Optional[float] = None) -> pb.StepHeader:
         header = pb.StepHeader(session_id=self.session_id, step=step, rank=self.rank,
                                return_dtype=wire.dtype_enum(self.return_dtype),
                                max_chunk_bytes=self.chunk_bytes)
@@ -354,6 +375,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
         if self.max_grad_norm is not None:
             header.max_grad_norm = float(self.max_grad_norm)
         header.log_num_zeros_in_grad = self.log_num_zeros_in_grad
+        if grad_scale is not None:
+            header.grad_scale = grad_scale
         for query, values in qk_logits.items():
             header.qk_logits.add(query=query, max_logits=values)
         return header
@@ -373,7 +396,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         return grads
 
     def step(self, closure: Optional[Callable[[], Any]] = None, *,
-             qk_logits: Optional[Dict[Any, Any]] = None) -> Any:
+             qk_logits: Optional[Dict[Any, Any]] = None, grad_scale: Optional[float] = None) -> Any:
         """Sends the gradients, applies the daemon's update to the parameters in place and
         returns the closure's loss (None without a closure).
 
@@ -384,7 +407,11 @@ class RemoteOptimizer(torch.optim.Optimizer):
         daemon scales the heads whose logit exceeds the threshold; pairs left out are not
         clipped this step, nor is any pair when the step is skipped (non-finite gradient).
         ValueError, before anything is sent, for a weight that is not the query of a pair or a
-        wrong number of values."""
+        wrong number of values.
+
+        ``grad_scale``: the factor the loss was multiplied by (a static loss scale); the daemon
+        divides the gradients by it before the norm, clipping and the non-finite check. With
+        ``loss_scaler=`` leave it unset: the daemon divides by its own scale (``loss_scale``)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -392,7 +419,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self._check_open()
         logits = qk.logits_of(qk_logits, self.qk_clip, self._params, self._names)
         grads = self._grads()
-        header = self._header(self.last_step + 1, logits)
+        header = self._header(self.last_step + 1, logits, loss_scale.check_grad_scale(grad_scale))
         if len(self._links) == 1:
             link = self._links[0]
             result, seconds, attempts = self._try_step(lambda: link.step(header, grads))
@@ -402,7 +429,10 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self.last_step = result.step
         self.last_info = StepInfo(result.step, result.applied, result.replayed, result.skip_reason,
                                   result.grad_norm, result.compute_seconds, seconds, attempts,
-                                  result.num_zeros_in_grad if self.log_num_zeros_in_grad else None)
+                                  result.num_zeros_in_grad if self.log_num_zeros_in_grad else None,
+                                  result.loss_scale if self.loss_scaler is not None else None)
+        if self.loss_scaler is not None:
+            self.loss_scale = result.loss_scale
         return loss
 
     def _grads_by_link(self, grads: List[Tuple[str, torch.Tensor]]
@@ -435,7 +465,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
                                skip_reason=commit.decision.skip_reason,
                                grad_norm=commit.decision.grad_norm,
                                compute_seconds=max(r.compute_seconds for r in committed),
-                               num_zeros_in_grad=sum(r.num_zeros_in_grad for r in committed))
+                               num_zeros_in_grad=sum(r.num_zeros_in_grad for r in committed),
+                               loss_scale=committed[0].loss_scale)
         return result
 
     def _decide(self, prepared: List[pb.StepResult]) -> pb.ShardDecision:
@@ -515,9 +546,14 @@ class RemoteOptimizer(torch.optim.Optimizer):
             saved["params"] = list(range(start, start + len(group["params"])))
             start += len(group["params"])
             groups.append(saved)
-        return {"state": state, "param_groups": groups,
-                "muond": {"format": _STATE_FORMAT, "last_step": last_step,
-                          "names": list(self._names), "session": self.session_id}}
+        meta = {"format": _STATE_FORMAT, "last_step": last_step, "names": list(self._names),
+                "session": self.session_id}
+        header = parts[0][0]
+        if header.HasField("loss_scaler"):
+            meta["loss_scaler"] = {"scale": header.loss_scaler.scale,
+                                   "growth_tracker": header.loss_scaler.growth_tracker,
+                                   "hysteresis_tracker": header.loss_scaler.hysteresis_tracker}
+        return {"state": state, "param_groups": groups, "muond": meta}
 
     def _tensor_shape(self, name: str, slot: str) -> Tuple[int, ...]:
         """The shape of a parameter's master or optimizer slot (``options.slot_shape``)."""
@@ -552,6 +588,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
 
         def set_state(k: int, link: SessionLink) -> int:
             header = pb.StateHeader(last_step=int(meta["last_step"]))
+            if meta.get("loss_scaler") is not None:
+                header.loss_scaler.CopyFrom(pb.LossScalerState(**meta["loss_scaler"]))
             for i in self._indices_of[k]:
                 header.step_counts.add(name=self._names[i], count=int(state.get(i, {}).get("step", 0)))
             return link.set_state(header, chunks(self._indices_of[k]))
@@ -570,6 +608,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
                                                max_chunk_bytes=self.chunk_bytes)
 
         self.last_step = self._common_step(self._on_every_link(set_state), "SetState")
+        if self.loss_scaler is not None and meta.get("loss_scaler") is not None:
+            self.loss_scale = float(meta["loss_scaler"]["scale"])
         copy_in(self._by_name, {name: state[i]["master"] for i, name in enumerate(self._names)
                                 if "master" in state.get(i, {})})
         for group, saved in zip(self.param_groups, saved_groups):

@@ -41,6 +41,7 @@ class SessionLink:
         # Optimizer slots smaller than their parameter (NorMuon's second moment): (name, slot) →
         # elements; set by the optimizer that knows the groups.
         self.slot_sizes: Dict[Tuple[str, str], int] = {}
+        self.loss_scale = 0.0  # the session loss scaler's scale when opened (0: none)
         self.wire_dtype = wire_dtype
         self.return_dtype = return_dtype
         self.chunk_bytes = chunk_bytes
@@ -55,6 +56,7 @@ class SessionLink:
         """Creates the session and uploads the parameters, or attaches and reads them back.
         Returns (attached, last_step)."""
         reply = self.conn.create_session(self.session_id, spec)
+        self.loss_scale = float(reply.loss_scale)
         if reply.attached and reply.initialized:
             return True, self.refresh()
         self.conn.upload(self.session_id, self._param_chunks())

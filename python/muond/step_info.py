@@ -21,6 +21,8 @@ class StepInfo:
     # Gradient elements exactly 0, when the optimizer was made with log_num_zeros_in_grad=True
     # (Megatron-Core's log_num_zeros_in_grad); None otherwise.
     num_zeros_in_grad: Optional[int] = None
+    # With a loss scaler: the scale to multiply the next loss by (``opt.loss_scale``); else None.
+    loss_scale: Optional[float] = None
 
 
 def check_max_grad_norm(value):

@@ -124,6 +124,11 @@ absl::Status WriteCheckpoint(Env* env, const std::string& dir, const CheckpointD
                    {"backend", data.backend},
                    {"spec", std::move(spec)},
                    {"tensors", {{"file", tensor_file}, {"bytes", tensors.size()}, {"sha256", Sha256Hex(tensors)}}}};
+  if (data.loss_scaler.has_value()) {
+    metadata["loss_scaler"] = {{"scale", data.loss_scaler->scale},
+                               {"growth_tracker", data.loss_scaler->growth_tracker},
+                               {"hysteresis_tracker", data.loss_scaler->hysteresis_tracker}};
+  }
   metadata["metadata_sha256"] = MetadataDigest(metadata);
   MUOND_RETURN_IF_ERROR(WriteFileAtomically(env, dir + "/" + kCheckpointMetadataFile, metadata.dump(2) + "\n"));
 
@@ -166,6 +171,15 @@ absl::StatusOr<CheckpointData> ReadCheckpoint(Env* env, const std::string& dir) 
   for (const auto& [name, count] : counts->items()) {
     if (!count.is_number_integer()) return CheckpointCorrupt(metadata_file, "a step count is not an integer");
     data.step_counts.emplace_back(name, count.get<int64_t>());
+  }
+
+  if (auto scaler = metadata.find("loss_scaler"); scaler != metadata.end()) {
+    const bool typed = scaler->is_object() && scaler->contains("scale") && (*scaler)["scale"].is_number() &&
+                       scaler->contains("growth_tracker") && (*scaler)["growth_tracker"].is_number_integer() &&
+                       scaler->contains("hysteresis_tracker") && (*scaler)["hysteresis_tracker"].is_number_integer();
+    if (!typed) return CheckpointCorrupt(metadata_file, "loss_scaler is not {scale, growth_tracker, hysteresis_tracker}");
+    data.loss_scaler = CheckpointLossScaler{(*scaler)["scale"].get<double>(), (*scaler)["growth_tracker"].get<int64_t>(),
+                                            (*scaler)["hysteresis_tracker"].get<int64_t>()};
   }
 
   const std::string tensor_file = dir + "/" + StringField(*tensors, "file");

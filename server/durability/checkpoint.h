@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -30,6 +31,13 @@ struct CheckpointTensor {
   std::vector<float> values;
 };
 
+// A session loss scaler's state, as checkpoint.json's "loss_scaler" holds it.
+struct CheckpointLossScaler {
+  double scale = 0;
+  int64_t growth_tracker = 0;
+  int64_t hysteresis_tracker = 0;
+};
+
 struct CheckpointData {
   std::string session_id;
   std::string owner;      // the identity that created the session; empty without authentication
@@ -38,6 +46,7 @@ struct CheckpointData {
   int64_t last_step = 0;
   std::vector<std::pair<std::string, int64_t>> step_counts;  // parameter name → its step count
   std::vector<CheckpointTensor> tensors;
+  std::optional<CheckpointLossScaler> loss_scaler;  // sessions with a loss scaler
 };
 
 inline constexpr char kCheckpointMetadataFile[] = "checkpoint.json";

@@ -52,6 +52,7 @@ grpc::Status MuondService::CreateSession(grpc::ServerContext* context, const v1:
     response->set_attached(created.attached);
     response->set_last_step(session.last_step());
     response->set_initialized(session.initialized());
+    if (const double scale = session.loss_scale(); scale != 0) response->set_loss_scale(scale);
     response->set_num_parameters(session.config().total_elements);
     return absl::OkStatus();
   });

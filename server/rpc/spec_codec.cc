@@ -116,6 +116,24 @@ absl::Status ParseQkClip(const v1::SessionSpec& spec, SessionConfig& config) {
   return absl::OkStatus();
 }
 
+// spec.loss_scaler: Megatron-Core's defaults for the fields left unset, then the ranges.
+absl::Status ParseLossScaler(const v1::SessionSpec& spec, SessionConfig& config) {
+  if (!spec.has_loss_scaler()) return absl::OkStatus();
+  const v1::LossScaler& in = spec.loss_scaler();
+  optim::LossScalerOptions out;
+  if (in.has_initial_scale()) out.initial_scale = in.initial_scale();
+  if (in.has_min_scale()) out.min_scale = in.min_scale();
+  if (in.has_growth_factor()) out.growth_factor = in.growth_factor();
+  if (in.has_backoff_factor()) out.backoff_factor = in.backoff_factor();
+  if (in.has_window()) out.window = in.window();
+  if (in.has_hysteresis()) out.hysteresis = in.hysteresis();
+  if (absl::Status valid = optim::ValidateLossScaler(out); !valid.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("spec.loss_scaler.", valid.message()));
+  }
+  config.loss_scaler = out;
+  return absl::OkStatus();
+}
+
 // spec.shard: a placement that names this daemon's place and maps each parameter into the whole
 // session.
 absl::Status ParseShard(const v1::SessionSpec& spec, SessionConfig& config) {
@@ -372,6 +390,7 @@ absl::StatusOr<SessionConfig> ParseSessionSpec(const v1::SessionSpec& spec, cons
   }
   MUOND_RETURN_IF_ERROR(ParseQkClip(spec, config));
   MUOND_RETURN_IF_ERROR(ParseShard(spec, config));
+  MUOND_RETURN_IF_ERROR(ParseLossScaler(spec, config));
   return config;
 }
 

@@ -37,6 +37,12 @@ absl::Status MuondService::DoGetState(const std::string& caller, const v1::GetSt
     count->set_name(config.parameters[i].name);
     count->set_count(state.step_counts[i]);
   }
+  if (state.loss_scaler.has_value()) {
+    v1::LossScalerState* scaler = header->mutable_loss_scaler();
+    scaler->set_scale(state.loss_scaler->scale);
+    scaler->set_growth_tracker(state.loss_scaler->growth_tracker);
+    scaler->set_hysteresis_tracker(state.loss_scaler->hysteresis_tracker);
+  }
   if (!writer->Write(response)) return absl::CancelledError("the client went away");
   const size_t chunk_bytes = AnswerChunkBytes(request.max_chunk_bytes());
   for (const StateTensor& tensor : state.tensors) {
@@ -71,6 +77,11 @@ absl::Status MuondService::DoSetState(const std::string& caller, grpc::ServerRea
   }
   SessionState state;
   state.last_step = request.header().last_step();
+  if (request.header().has_loss_scaler()) {
+    const v1::LossScalerState& scaler = request.header().loss_scaler();
+    state.loss_scaler = optim::LossScalerState{.scale = scaler.scale(), .growth_tracker = scaler.growth_tracker(),
+                                               .hysteresis_tracker = scaler.hysteresis_tracker()};
+  }
   state.step_counts.assign(config.parameters.size(), -1);
   for (int i = 0; i < request.header().step_counts_size(); ++i) {
     const v1::ParameterStepCount& count = request.header().step_counts(i);

@@ -32,6 +32,7 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::string id, Session
     session->optimizers_.push_back(std::move(optimizer));
   }
   session->params_.resize(cfg.parameters.size());
+  if (cfg.loss_scaler.has_value()) session->loss_scaler_ = optim::InitialLossScale(*cfg.loss_scaler);
   std::vector<int64_t> numel;
   for (const ParameterConfig& pc : cfg.parameters) numel.push_back(pc.numel);
   session->gradient_pool_ = std::make_unique<GradientPool>(backend, numel);
@@ -67,6 +68,22 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::string id, Session
 int64_t Session::last_step() const {
   absl::ReaderMutexLock lock(&mu_);
   return last_step_;
+}
+
+double Session::loss_scale() const {
+  absl::ReaderMutexLock lock(&mu_);
+  return loss_scaler_.has_value() ? loss_scaler_->scale : 0.0;
+}
+
+absl::StatusOr<double> Session::GradScaleLocked(const StepPlan& plan) const {
+  const std::optional<double>& given = plan.request.grad_scale;
+  if (!loss_scaler_.has_value()) return given.value_or(1.0);
+  if (given.has_value() && *given != loss_scaler_->scale) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "header.grad_scale: ", *given, " differs from the session loss scaler's current scale ", loss_scaler_->scale,
+        " (the last step answer's loss_scale): scale the loss by that, or leave grad_scale unset"));
+  }
+  return loss_scaler_->scale;
 }
 
 bool Session::initialized() const {
@@ -202,17 +219,22 @@ absl::StatusOr<StepOutcome> Session::PrepareLocked(StepPlan plan, std::vector<Ho
   StepResult result;
   result.step = plan.request.step;
   result.prepared = true;
+  MUOND_ASSIGN_OR_RETURN(const double grad_scale, GradScaleLocked(plan));
+  const double unscale = 1.0 / grad_scale;
   if (plan.request.count_zeros) result.num_zeros_in_grad = CountZeros(gradients);
-  for (const HostTensor& gradient : gradients) result.sum_squares.push_back(gradient.sum_squares);
+  // The sums of squares of the unscaled gradients: the client adds them up into the global norm.
+  for (const HostTensor& gradient : gradients) result.sum_squares.push_back(gradient.sum_squares * unscale * unscale);
   const GradientTotals totals = TotalsOf(gradients);
-  result.grad_norm = std::sqrt(totals.sum_squares);  // this shard's part of the norm
+  result.grad_norm = std::sqrt(totals.sum_squares) * unscale;  // this shard's part of the norm
   result.skip_reason = totals.non_finite_reason;
+  result.loss_scale = loss_scaler_.has_value() ? loss_scaler_->scale : 0.0;
   if (result.skip_reason.empty()) {
     // The magnitude guard with this shard's own norm: the global norm is at least as large, so its
     // clipping only shrinks the update, and a step this guard passes passes at the commit too.
     std::vector<optim::StepBounds> bounds(params_.size());
-    MUOND_ASSIGN_OR_RETURN(result.skip_reason,
-                           GuardMagnitudesLocked(plan, gradients, ClipCoefficient(plan, result.grad_norm), bounds));
+    MUOND_ASSIGN_OR_RETURN(
+        result.skip_reason,
+        GuardMagnitudesLocked(plan, gradients, ClipCoefficient(plan, result.grad_norm) * unscale, bounds));
   }
   DropPreparedLocked();
   prepared_ = PreparedStep{std::move(plan), std::move(gradients), result, generation};
@@ -301,6 +323,7 @@ absl::StatusOr<StepOutcome> Session::GatherLocked(StepPlan plan, std::vector<Hos
 
 absl::StatusOr<StepOutcome> Session::ApplyLocked(const StepPlan& plan, std::vector<HostTensor>& gradients,
                                                  StagedGradients* staged) {
+  MUOND_ASSIGN_OR_RETURN(const double grad_scale, GradScaleLocked(plan));
   // The step is durable (journal mode) before it changes anything.
   if (persistence_) MUOND_RETURN_IF_ERROR(persistence_->RecordStep(plan.request, gradients));
 
@@ -310,11 +333,14 @@ absl::StatusOr<StepOutcome> Session::ApplyLocked(const StepPlan& plan, std::vect
   // Counted before the optimizer runs (on the CPU backend it reads, and may scale, these in place).
   if (plan.request.count_zeros) result.num_zeros_in_grad = CountZeros(gradients);
   const GradientTotals totals = TotalsOf(gradients);
-  // A commit clips with the global norm over every shard and skips when any shard must.
+  // A commit clips with the global norm over every shard (already unscaled: the prepares answered
+  // unscaled sums) and skips when any shard must. The gradients are multiplied once, by the clip
+  // coefficient over the loss scale.
   const std::optional<ShardDecision>& decision = plan.request.decision;
-  const double norm = decision.has_value() ? decision->grad_norm : std::sqrt(totals.sum_squares);
+  const double unscale = 1.0 / grad_scale;
+  const double norm = decision.has_value() ? decision->grad_norm : std::sqrt(totals.sum_squares) * unscale;
   result.grad_norm = norm;
-  const double clip = ClipCoefficient(plan, norm);
+  const double clip = ClipCoefficient(plan, norm) * unscale;
   std::vector<optim::StepBounds> bounds(params_.size());
   if (!totals.non_finite_reason.empty()) {
     result.skip_reason = totals.non_finite_reason;
@@ -335,6 +361,12 @@ absl::StatusOr<StepOutcome> Session::ApplyLocked(const StepPlan& plan, std::vect
     }
     MUOND_RETURN_IF_ERROR(ApplyQkClip(plan));  // multiplies weights by factors <= 1: bounds hold
     MUOND_ASSIGN_OR_RETURN(snapshot_, ReadBack(result.step));
+  }
+  if (loss_scaler_.has_value()) {
+    // A skipped step is an overflow for the scaler (a non-finite gradient, or one so large the
+    // update would leave fp32's range), as Megatron-Core's found_inf.
+    optim::UpdateLossScale(*config_.loss_scaler, !result.applied, *loss_scaler_);
+    result.loss_scale = loss_scaler_->scale;
   }
   result.compute_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   last_step_ = result.step;
@@ -373,15 +405,16 @@ absl::Status Session::ApplyGradients(const StepPlan& plan, std::vector<HostTenso
     state.has_grad = gradient.present();
     if (!state.has_grad) continue;
     if (in_place) {
-      // Clipped where the values are: one fp32 multiply per element on every path, so all agree.
-      if (clip_coefficient < 1.0) MUOND_RETURN_IF_ERROR(backend_->ScaleBatched(gradient.values.data(), state.numel, 1, &c));
+      // Clipped (and unscaled) where the values are: one fp32 multiply per element on every path,
+      // so all agree.
+      if (clip_coefficient != 1.0) MUOND_RETURN_IF_ERROR(backend_->ScaleBatched(gradient.values.data(), state.numel, 1, &c));
       state.grad = std::make_unique<kernels::BorrowedBuffer>(gradient.values.data(), gradient.values.size());
     } else {
       MUOND_ASSIGN_OR_RETURN(kernels::DeviceBuffer * buffer, gradient_pool_->Buffer(*set, i));
       if (gradient.staged && staged != nullptr) {
-        if (clip_coefficient < 1.0) MUOND_RETURN_IF_ERROR(backend_->ScaleBatched(buffer->data(), state.numel, 1, &c));
+        if (clip_coefficient != 1.0) MUOND_RETURN_IF_ERROR(backend_->ScaleBatched(buffer->data(), state.numel, 1, &c));
       } else {
-        if (clip_coefficient < 1.0) {
+        if (clip_coefficient != 1.0) {
           for (float& g : gradient.values) g *= c;
         }
         MUOND_RETURN_IF_ERROR(backend_->CopyToDevice(gradient.values.data(), buffer->data(), state.numel));
@@ -516,6 +549,7 @@ absl::StatusOr<SessionState> Session::ExportStateLocked() const {
   }
   SessionState state;
   state.last_step = last_step_;
+  state.loss_scaler = loss_scaler_;
   for (size_t i = 0; i < params_.size(); ++i) {
     const optim::ParamState& param = params_[i];
     state.step_counts.push_back(param.step_count);
@@ -547,6 +581,12 @@ absl::Status Session::ImportState(SessionState state) {
                                                      "; counts must be between 0 and last_step (",
                                                      state.last_step, ")"));
     }
+  }
+  if (state.loss_scaler.has_value()) {
+    if (!config_.loss_scaler.has_value()) {
+      return absl::InvalidArgumentError("header.loss_scaler: the session has no loss scaler (spec.loss_scaler)");
+    }
+    MUOND_RETURN_IF_ERROR(optim::ValidateLossScalerState(*config_.loss_scaler, *state.loss_scaler));
   }
   absl::MutexLock lock(&mu_);
   // Every (parameter, slot) pair must arrive exactly once, complete; nothing is written before that
@@ -601,11 +641,13 @@ absl::Status Session::ImportState(SessionState state) {
     }
   }
   last_step_ = state.last_step;
+  if (state.loss_scaler.has_value()) loss_scaler_ = state.loss_scaler;
   initialized_ = true;
   DropPreparedLocked();  // prepared for a state that is gone
   last_result_ = StepResult();
   last_result_.step = last_step_;
   last_result_.applied = true;
+  last_result_.loss_scale = loss_scaler_.has_value() ? loss_scaler_->scale : 0.0;
   MUOND_ASSIGN_OR_RETURN(snapshot_, ReadBack(last_step_));
   if (persistence_) MUOND_RETURN_IF_ERROR(CheckpointLocked());
   return absl::OkStatus();

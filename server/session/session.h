@@ -105,7 +105,11 @@ class Session {
 
   // The shape of tensor `slot` ("master" or an optimizer slot) of parameter `parameter`: the
   // parameter's shape, or a reduced one (NorMuon's second moment).
-  std::vector<int64_t> TensorShape(size_t parameter, std::string_view slot) const;
+  std::vector<int64_t> TensorShape(size_t parameter, std::string_view slot) const ABSL_NO_THREAD_SAFETY_ANALYSIS;
+
+  // The loss scaler's current scale (the one the next step's loss is multiplied by); 0 when the
+  // session has no loss scaler.
+  double loss_scale() const;
 
   absl::StatusOr<SessionState> ExportState() const;
   // Replaces masters, slots and counters at once after checking that `state` is complete.
@@ -160,6 +164,9 @@ class Session {
   absl::Status ApplyGradients(const StepPlan& plan, std::vector<HostTensor>& gradients, double clip_coefficient,
                               StagedGradients* staged) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status ApplyQkClip(const StepPlan& plan) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The factor a step's gradients are divided by: the loss scaler's current scale, or the step's
+  // grad_scale, or 1. INVALID_ARGUMENT when a step's grad_scale disagrees with the scaler.
+  absl::StatusOr<double> GradScaleLocked(const StepPlan& plan) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // The finiteness guard (docs/algorithms.md, Finite steps): bounds every parameter's magnitudes
   // after the step before anything is written. Fills `after` (indexed like params_) and returns
   // an empty string when the step keeps every master and slot within kMagnitudeLimit, else the
@@ -198,6 +205,9 @@ class Session {
   std::shared_ptr<const ParameterSnapshot> snapshot_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<SessionPersistence> persistence_ ABSL_GUARDED_BY(mu_);
   RankGather gather_ ABSL_GUARDED_BY(mu_);
+  // The dynamic loss scaler's state, for a session whose spec has one; advanced by every applied
+  // or skipped step (optim::UpdateLossScale), exported with the state.
+  std::optional<optim::LossScalerState> loss_scaler_ ABSL_GUARDED_BY(mu_);
   std::optional<PreparedStep> prepared_ ABSL_GUARDED_BY(mu_);
 };
 

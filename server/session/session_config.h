@@ -10,10 +10,12 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "kernels/optim/loss_scaler.h"
 #include "kernels/optim/options.h"
 #include "kernels/optim/param_state.h"
 
@@ -67,6 +69,7 @@ struct SessionConfig {
   TensorDType return_dtype = TensorDType::kFp32;
   std::vector<QkClipConfig> qk_clip;
   ShardConfig shard;
+  std::optional<optim::LossScalerOptions> loss_scaler;  // a daemon-side dynamic loss scaler
   int64_t total_elements = 0;
   absl::flat_hash_map<std::string, size_t> parameter_index;
   absl::flat_hash_map<std::string, size_t> group_index;

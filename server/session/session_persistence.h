@@ -9,11 +9,13 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "common/host_tensor.h"
+#include "kernels/optim/loss_scaler.h"
 #include "server/session/step_types.h"
 
 namespace muond::session {
@@ -31,6 +33,8 @@ struct SessionState {
   int64_t last_step = 0;
   std::vector<int64_t> step_counts;  // per parameter
   std::vector<StateTensor> tensors;
+  // The loss scaler's state, for a session with one. On import, absent keeps the current state.
+  std::optional<optim::LossScalerState> loss_scaler;
 };
 
 class SessionPersistence {

@@ -17,6 +17,11 @@ absl::StatusOr<SessionState> StateFromCheckpoint(durability::CheckpointData& dat
   const SessionConfig& config = session.config();
   SessionState state;
   state.last_step = data.last_step;
+  if (data.loss_scaler.has_value()) {
+    state.loss_scaler = optim::LossScalerState{.scale = data.loss_scaler->scale,
+                                               .growth_tracker = data.loss_scaler->growth_tracker,
+                                               .hysteresis_tracker = data.loss_scaler->hysteresis_tracker};
+  }
   state.step_counts.assign(config.parameters.size(), -1);
   for (const auto& [name, count] : data.step_counts) {
     auto it = config.parameter_index.find(name);
@@ -70,6 +75,10 @@ absl::Status FilePersistence::SaveCheckpoint(SessionState state) {
   data.last_step = state.last_step;
   for (size_t i = 0; i < config.parameters.size(); ++i) {
     data.step_counts.emplace_back(config.parameters[i].name, state.step_counts[i]);
+  }
+  if (state.loss_scaler.has_value()) {
+    data.loss_scaler = durability::CheckpointLossScaler{state.loss_scaler->scale, state.loss_scaler->growth_tracker,
+                                                        state.loss_scaler->hysteresis_tracker};
   }
   for (StateTensor& t : state.tensors) {
     const ParameterConfig& param = config.parameters[t.parameter];

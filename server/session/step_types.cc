@@ -33,6 +33,7 @@ std::string EncodeStepRequest(const StepRequest& request) {
   }
   out["overrides"] = std::move(overrides);
   PutOptional(out, "max_grad_norm", request.max_grad_norm);
+  PutOptional(out, "grad_scale", request.grad_scale);
   json logits = json::array();
   for (const QkLogits& l : request.qk_logits) logits.push_back({{"query", l.query}, {"max_logits", l.max_logits}});
   out["qk_logits"] = std::move(logits);
@@ -64,6 +65,7 @@ absl::StatusOr<StepRequest> DecodeStepRequest(absl::string_view bytes) {
       request.overrides.push_back(std::move(o));
     }
     request.max_grad_norm = GetOptional<double>(in, "max_grad_norm");
+    request.grad_scale = GetOptional<double>(in, "grad_scale");  // absent in older records
     for (const json& entry : in.at("qk_logits")) {
       request.qk_logits.push_back(
           {entry.at("query").get<std::string>(), entry.at("max_logits").get<std::vector<double>>()});

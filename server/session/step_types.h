@@ -52,6 +52,9 @@ struct StepRequest {
   StepPhase phase = StepPhase::kWhole;
   std::optional<ShardDecision> decision;  // kCommit only
   bool count_zeros = false;  // log_num_zeros_in_grad: StepResult::num_zeros_in_grad is filled
+  // A static loss scale the gradients are divided by (with a session loss scaler: must equal its
+  // current scale when given).
+  std::optional<double> grad_scale;
 };
 
 struct StepResult {
@@ -66,6 +69,7 @@ struct StepResult {
   bool prepared = false;
   std::vector<double> sum_squares;
   int64_t num_zeros_in_grad = 0;  // when the request counted zeros
+  double loss_scale = 0;          // the session loss scaler's scale after the step; 0 without one
 };
 
 // Every parameter after some step, as answers read it: one span per parameter. On a backend with

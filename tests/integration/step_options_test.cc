@@ -73,6 +73,37 @@ TEST_F(DaemonTest, LogNumZerosInGradCountsExactZeros) {
   EXPECT_EQ(plain.num_zeros_in_grad, 0) << "not asked for";
 }
 
+TEST_F(DaemonTest, LossScalerThroughTheCppClient) {
+  v1::SessionSpec spec = SmallSpec();
+  spec.mutable_loss_scaler()->set_initial_scale(1024);
+  spec.mutable_loss_scaler()->set_window(2);
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<client::Session> session, client_->CreateSession("scaled", spec));
+  const std::vector<float> w = Initial("w", 32), b = Initial("b", 4);
+  const std::vector<client::TensorView> initial = {{"w", {8, 4}, w}, {"b", {4}, b}};
+  ASSERT_OK(session->UploadParameters(initial));
+  // The gradients arrive multiplied by the scale; the reported norm is the unscaled one.
+  std::vector<std::vector<float>> scaled;
+  for (const client::TensorView& g : Gradients(1)) {
+    scaled.emplace_back(g.values.begin(), g.values.end());
+    for (float& x : scaled.back()) x *= 1024;
+  }
+  const std::vector<client::TensorView> views = {{"w", {8, 4}, scaled[0]}, {"b", {4}, scaled[1]}};
+  client::StepOptions wrong;
+  wrong.grad_scale = 512;
+  EXPECT_THAT(session->Step(1, views, wrong).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, "header.grad_scale: 512 differs"));
+  ASSERT_OK_AND_ASSIGN(client::StepReply first, session->Step(1, views));
+  auto reference = NewSession("unscaled");
+  ASSERT_OK_AND_ASSIGN(client::StepReply plain, reference->Step(1, Gradients(1)));
+  EXPECT_DOUBLE_EQ(first.grad_norm, plain.grad_norm);
+  EXPECT_EQ(first.parameters, plain.parameters);  // a power-of-two scale divides out exactly
+  EXPECT_EQ(first.loss_scale, 1024);
+  ASSERT_OK_AND_ASSIGN(client::StepReply second, session->Step(2, Gradients(2)));
+  EXPECT_EQ(second.loss_scale, 2048) << "a window of 2 clean steps doubles the scale";
+  // A session without a scaler reports none.
+  EXPECT_EQ(plain.loss_scale, 0);
+}
+
 TEST_F(DaemonTest, LearningRateOverrideAppliesToThatStep) {
   auto session = NewSession("lr-zero");
   ASSERT_NE(session, nullptr);

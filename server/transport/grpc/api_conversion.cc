@@ -16,6 +16,7 @@ session::StepRequest ToStepRequest(const v1::StepHeader& header) {
     request.overrides.push_back(std::move(out));
   }
   if (header.has_max_grad_norm()) request.max_grad_norm = header.max_grad_norm();
+  if (header.has_grad_scale()) request.grad_scale = header.grad_scale();
   for (const v1::QkClipLogits& logits : header.qk_logits()) {
     request.qk_logits.push_back({logits.query(), {logits.max_logits().begin(), logits.max_logits().end()}});
   }
@@ -37,6 +38,7 @@ v1::StepResult ToProto(const session::StepResult& result) {
   out.set_compute_seconds(result.compute_seconds);
   if (result.replayed) out.set_replayed(true);
   if (result.num_zeros_in_grad != 0) out.set_num_zeros_in_grad(result.num_zeros_in_grad);
+  if (result.loss_scale != 0) out.set_loss_scale(result.loss_scale);
   if (result.prepared) {
     out.set_prepared(true);
     out.mutable_sum_squares()->Assign(result.sum_squares.begin(), result.sum_squares.end());

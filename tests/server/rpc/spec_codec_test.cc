@@ -61,6 +61,25 @@ TEST(SessionConfigTest, ParsesNamedChoices) {
   EXPECT_EQ(parsed.ns_schedule.tuples.size(), 8u);
 }
 
+TEST(SessionConfigTest, LossScalerTakesMegatronDefaultsAndRefusesBadOptions) {
+  v1::SessionSpec spec = Spec();
+  ASSERT_OK_AND_ASSIGN(SessionConfig none, ParseSessionSpec(spec, SpecLimits{}));
+  EXPECT_FALSE(none.loss_scaler.has_value());
+  spec.mutable_loss_scaler()->set_window(3);
+  ASSERT_OK_AND_ASSIGN(SessionConfig config, ParseSessionSpec(spec, SpecLimits{}));
+  ASSERT_TRUE(config.loss_scaler.has_value());
+  EXPECT_EQ(config.loss_scaler->window, 3);
+  EXPECT_EQ(config.loss_scaler->initial_scale, 4294967296.0);
+  EXPECT_EQ(config.loss_scaler->hysteresis, 2);
+  spec.mutable_loss_scaler()->set_min_scale(-1);
+  EXPECT_THAT(ParseSessionSpec(spec, SpecLimits{}),
+              StatusIs(absl::StatusCode::kInvalidArgument, "spec.loss_scaler.min_scale"));
+  spec.mutable_loss_scaler()->clear_min_scale();
+  spec.mutable_loss_scaler()->set_hysteresis(0);
+  EXPECT_THAT(ParseSessionSpec(spec, SpecLimits{}),
+              StatusIs(absl::StatusCode::kInvalidArgument, "spec.loss_scaler.hysteresis"));
+}
+
 TEST(SessionConfigTest, AdaptiveMuonAndItsRefusals) {
   v1::GroupOptions options;
   options.set_moment2_method("normuon");
