@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <tuple>
 #include <mutex>
 #include <utility>
 
@@ -23,11 +24,16 @@ struct MatrixJob {
   float* update;
   float* master;
   float* moment2;  // this matrix's region of the moment2 slot; null without a moment2_method
-  int64_t rows, cols;
+  int64_t rows, cols;  // as it lies in `update` (the transpose of its own shape when `deferred`)
   double lr;     // η of this step
   double scale;  // the Muon scale, computed on this matrix's own shape
   float beta;    // the weight decay factor applied to the master region (1 for cautious decay)
   float decay;   // cautious decay only: η·λ, applied where the update and the weight agree in sign
+  // A column block of a tensor-parallel weight, orthogonalized as a row block of the transposed
+  // parameter: O goes back into `update`, and the whole parameter is updated once it is transposed
+  // back (ApplyTransposed).
+  bool deferred = false;
+  bool lines_per_column = false;  // NorMuon: its lines are columns of the stored matrix
 };
 
 // Caps the floats gathered for one batched Newton–Schulz call (256 MiB of fp32) so that many large
@@ -38,8 +44,10 @@ constexpr size_t kMaxBatchFloats = size_t{1} << 26;
 const std::string kMomentumSlot = "momentum";
 const std::string kMoment2Slot = "moment2";
 
-// Workspace slot of NorMuon's transposed copy of a batch (wide matrices), after the gather buffer.
+// Workspace slot of NorMuon's transposed copy of a batch (wide matrices), after the gather buffer,
+// and the slot a column-blocked parameter is transposed through.
 constexpr int kNormuonSlot = NsWorkspace::kFirstFreeSlot + 1;
+constexpr int kTransposeSlot = NsWorkspace::kFirstFreeSlot + 2;
 
 // NorMuon keeps one second-moment value per line along the longer dimension: per row when
 // rows ≥ cols (a mean over each row), per column otherwise.
@@ -68,6 +76,7 @@ class Muon final : public Optimizer {
           absl::StrCat("muon needs a parameter with at least 2 dimensions, got shape [",
                        absl::StrJoin(param.shape, ", "), "]"));
     }
+    MUOND_RETURN_IF_ERROR(CheckTpBlocks(param));
     const QkvSplit& s = param.qkv;
     if (!s.enabled()) return absl::OkStatus();
     if (param.shape.size() != 2) {
@@ -91,12 +100,37 @@ class Muon final : public Optimizer {
   absl::Status Step(Backend& backend, const StepHyper& hyper,
                     std::span<ParamState* const> params) override;
 
+  static absl::Status CheckTpBlocks(const ParamState& param) {
+    const TpBlocks& tp = param.tp;
+    if (tp.blocks < 1) return absl::InvalidArgumentError(absl::StrCat("tp_blocks must be >= 1, got ", tp.blocks));
+    if (!tp.enabled()) return absl::OkStatus();
+    if (param.shape.size() != 2) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tp_blocks needs a 2-D parameter, got shape [", absl::StrJoin(param.shape, ", "), "]"));
+    }
+    if (param.qkv.enabled()) return absl::InvalidArgumentError("tp_blocks and qkv_split cannot be combined");
+    if (tp.dim != 0 && tp.dim != 1) {
+      return absl::InvalidArgumentError(absl::StrCat("tp_block_dim must be 0 or 1, got ", tp.dim));
+    }
+    if (param.shape[tp.dim] % tp.blocks != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("tp_blocks ", tp.blocks, " does not divide dimension ", tp.dim,
+                                                     " of shape [", absl::StrJoin(param.shape, ", "), "]"));
+    }
+    return absl::OkStatus();
+  }
+
  private:
   double Scale(int64_t rows, int64_t cols) const;
   float DecayFactor(const StepHyper& hyper) const;
   void AppendMatrices(ParamState& p, const StepHyper& hyper, std::vector<MatrixJob>& jobs) const;
   absl::Status Orthogonalize(Backend& backend, std::span<const MatrixJob> jobs);
   absl::Status ReduceVariance(Backend& backend, std::span<const MatrixJob> jobs, float* work, NsWorkspace& ws) const;
+  // Column-blocked parameters: their U transposed in place (m × n → n × m, through workspace), so that
+  // each column block is a contiguous row block.
+  absl::Status TransposeInPlace(Backend& backend, std::span<ParamState* const> params, bool to_blocks) const;
+  // Transposes a column-blocked parameter's O back and applies the update to all of it at once
+  // (every block has the same shape, so one scale).
+  absl::Status ApplyTransposed(Backend& backend, const StepHyper& hyper, ParamState& p) const;
 
   const double ns_bound_;  // NsSingularValueBound of this group's iteration
 };
@@ -137,42 +171,58 @@ float Muon::DecayFactor(const StepHyper& hyper) const {
   return 1.0f;
 }
 
-// Calls visit(offset, rows, cols) for each matrix Newton–Schulz orthogonalizes in `p`. Together
-// they cover the whole parameter exactly once, so the decay factor folded into each matrix's update
+// Calls visit(offset, rows, cols, transposed) for each matrix Newton–Schulz orthogonalizes in `p`,
+// rows × cols being its own shape. It lies at `offset` of the working buffer as a row-major
+// rows × cols matrix, or, when `transposed`, as its cols × rows transpose (the column blocks of a
+// tensor-parallel row-parallel weight, which are rows of the transposed parameter). Together they
+// cover the whole parameter exactly once, so the decay factor folded into each matrix's update
 // decays all of W once.
 template <typename Visit>
 void ForEachMatrix(const ParamState& p, Visit&& visit) {
   const std::vector<int64_t>& s = p.shape;
   if (p.numel == 0) return;
-  if (s.size() == 2 && p.qkv.enabled()) {
+  if (s.size() == 2 && p.tp.enabled()) {
+    const int64_t blocks = p.tp.blocks;
+    if (p.tp.dim == 0) {
+      const int64_t rows = s[0] / blocks;  // contiguous row blocks
+      for (int64_t b = 0; b < blocks; ++b) visit(b * rows * s[1], rows, s[1], false);
+    } else {
+      const int64_t cols = s[1] / blocks;  // row blocks of the transposed (n × m) parameter
+      for (int64_t b = 0; b < blocks; ++b) visit(b * cols * s[0], s[0], cols, true);
+    }
+  } else if (s.size() == 2 && p.qkv.enabled()) {
     // (groups, q+k+v, n): each block of a group is contiguous rows of the row-major parameter.
     const int64_t n = s[1];
     int64_t row = 0;
     for (int64_t g = 0; g < p.qkv.num_query_groups; ++g) {
       for (int64_t block : {p.qkv.q, p.qkv.k, p.qkv.v}) {
-        visit(row * n, block, n);
+        visit(row * n, block, n, false);
         row += block;
       }
     }
   } else if (s.size() == 3) {
     // Experts (E, m, n): one matrix per expert.
-    for (int64_t e = 0; e < s[0]; ++e) visit(e * s[1] * s[2], s[1], s[2]);
+    for (int64_t e = 0; e < s[0]; ++e) visit(e * s[1] * s[2], s[1], s[2], false);
   } else {
     // 2-D as is; 4-D convolution (O, I, kh, kw) and higher ranks flattened to (O, I·kh·kw), scaled
     // by the flattened shape.
-    visit(0, s[0], p.numel / s[0]);
+    visit(0, s[0], p.numel / s[0], false);
   }
 }
+
+// Whether the working buffer holds the parameter transposed while Newton–Schulz runs (column
+// blocks): the update is then applied to the whole parameter after it is transposed back.
+bool WorksTransposed(const ParamState& p) { return p.shape.size() == 2 && p.tp.enabled() && p.tp.dim == 1; }
 
 std::vector<int64_t> Muon::SlotShape(const ParamState& param, std::string_view slot) const {
   if (slot != kMoment2Slot || options_.moment2_method != Moment2Method::kNormuon) return param.shape;
   const std::vector<int64_t>& s = param.shape;
-  if (s.size() == 2 && !param.qkv.enabled()) {
+  if (s.size() == 2 && !param.qkv.enabled() && !param.tp.enabled()) {
     // One matrix: torch's keepdim shape, (rows, 1) or (1, cols), as Megatron-Core stores it.
     return s[0] >= s[1] ? std::vector<int64_t>{s[0], 1} : std::vector<int64_t>{1, s[1]};
   }
   int64_t length = 0;
-  ForEachMatrix(param, [&](int64_t, int64_t rows, int64_t cols) { length += NormuonLength(rows, cols); });
+  ForEachMatrix(param, [&](int64_t, int64_t rows, int64_t cols, bool) { length += NormuonLength(rows, cols); });
   return {length};
 }
 
@@ -185,14 +235,18 @@ void Muon::AppendMatrices(ParamState& p, const StepHyper& hyper, std::vector<Mat
                           ? static_cast<float>(hyper.lr * hyper.weight_decay)
                           : 0.0f;
   int64_t line = 0;  // NorMuon: where this matrix's lines start in the slot
-  ForEachMatrix(p, [&](int64_t offset, int64_t rows, int64_t cols) {
+  ForEachMatrix(p, [&](int64_t offset, int64_t rows, int64_t cols, bool transposed) {
     float* m2 = nullptr;
     if (options_.moment2_method == Moment2Method::kAdamuon) m2 = moment2 + offset;
     if (options_.moment2_method == Moment2Method::kNormuon) {
       m2 = moment2 + line;
       line += NormuonLength(rows, cols);
     }
-    jobs.push_back(MatrixJob{u + offset, w + offset, m2, rows, cols, hyper.lr, Scale(rows, cols), beta, decay});
+    // NorMuon's lines run along the longer side, per row of a square matrix: in the stored
+    // transpose a row of the block is a column.
+    const bool per_column = transposed ? rows >= cols : rows < cols;
+    jobs.push_back(MatrixJob{u + offset, w + offset, m2, transposed ? cols : rows, transposed ? rows : cols, hyper.lr,
+                             Scale(rows, cols), beta, decay, transposed, per_column});
   });
 }
 
@@ -214,13 +268,13 @@ StepBounds Muon::BoundStep(const StepHyper& hyper, const ParamState& param, doub
     u = options_.nesterov ? (g_decayed + mu * m_next) * kBoundRounding : m_next;
   }
   double scale = 0;
-  ForEachMatrix(param, [&](int64_t, int64_t rows, int64_t cols) { scale = std::max(scale, Scale(rows, cols)); });
+  ForEachMatrix(param, [&](int64_t, int64_t rows, int64_t cols, bool) { scale = std::max(scale, Scale(rows, cols)); });
   // The largest element of the update W moves along, over η: scale·O for plain Muon (|O_ij| ≤ σ_max).
   double step = scale * ns_bound_;
   double moment2 = 0, moment2_peak = 0;
   const double v = SlotBound(param, kMoment2Slot);
   int64_t min_dim = 0;
-  ForEachMatrix(param, [&](int64_t, int64_t rows, int64_t cols) { min_dim = std::max(min_dim, std::min(rows, cols)); });
+  ForEachMatrix(param, [&](int64_t, int64_t rows, int64_t cols, bool) { min_dim = std::max(min_dim, std::min(rows, cols)); });
   switch (options_.moment2_method) {
     case Moment2Method::kNone:
       break;
@@ -288,6 +342,13 @@ absl::Status Muon::Orthogonalize(Backend& backend, std::span<const MatrixJob> jo
   if (options_.moment2_method == Moment2Method::kNormuon) {
     MUOND_RETURN_IF_ERROR(ReduceVariance(backend, jobs, work, ws));
   }
+  if (jobs[0].deferred) {
+    // Column blocks: O goes back where the block's U was; ApplyTransposed updates the parameter.
+    if (work != jobs[0].update) {
+      for (size_t i = 0; i < batch; ++i) MUOND_RETURN_IF_ERROR(backend.CopyOnDevice(work + i * mat, jobs[i].update, mat));
+    }
+    return absl::OkStatus();
+  }
   for (size_t i = 0; i < batch; ++i) {
     const MatrixJob& job = jobs[i];
     float* o = work + i * mat;
@@ -320,7 +381,7 @@ absl::Status Muon::ReduceVariance(Backend& backend, std::span<const MatrixJob> j
                                   NsWorkspace& ws) const {
   const int64_t rows = jobs[0].rows, cols = jobs[0].cols;
   const size_t mat = static_cast<size_t>(rows * cols), batch = jobs.size();
-  const bool per_column = rows < cols;
+  const bool per_column = jobs[0].lines_per_column;
   const size_t length = static_cast<size_t>(NormuonLength(rows, cols));
   const size_t count = mat / length;  // elements per line
   float* lines = work;
@@ -357,6 +418,42 @@ absl::Status Muon::ReduceVariance(Backend& backend, std::span<const MatrixJob> j
   return absl::OkStatus();
 }
 
+absl::Status Muon::TransposeInPlace(Backend& backend, std::span<ParamState* const> params, bool to_blocks) const {
+  if (params.empty()) return absl::OkStatus();
+  SharedNsWorkspace& shared = backend.Shared<SharedNsWorkspace>();
+  std::lock_guard<std::mutex> lock(shared.mu);
+  for (ParamState* p : params) {
+    const size_t n = static_cast<size_t>(p->numel);
+    MUOND_ASSIGN_OR_RETURN(float* scratch, shared.ws.Get(backend, kTransposeSlot, n));
+    const int64_t rows = to_blocks ? p->shape[0] : p->shape[1], cols = to_blocks ? p->shape[1] : p->shape[0];
+    MUOND_RETURN_IF_ERROR(backend.Transpose2D(p->grad->data(), scratch, rows, cols, 1));
+    MUOND_RETURN_IF_ERROR(backend.CopyOnDevice(scratch, p->grad->data(), n));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Muon::ApplyTransposed(Backend& backend, const StepHyper& hyper, ParamState& p) const {
+  ParamState* const one[] = {&p};
+  MUOND_RETURN_IF_ERROR(TransposeInPlace(backend, one, /*to_blocks=*/false));
+  const size_t n = static_cast<size_t>(p.numel);
+  float* o = p.grad->data();
+  const double scale = Scale(p.shape[0], p.shape[1] / p.tp.blocks);
+  double step = hyper.lr * scale;
+  if (options_.moment2_method == Moment2Method::kAdamuon) {
+    const kernels::AdamuonArgs args{.scale = static_cast<float>(scale),
+                                    .one_minus_beta2 = static_cast<float>(1.0 - options_.beta2),
+                                    .eps = static_cast<float>(options_.eps)};
+    MUOND_RETURN_IF_ERROR(backend.Adamuon(args, p.Slot(kMoment2Slot)->data(), o, n));
+    step = hyper.lr;
+  }
+  if (options_.weight_decay_mode == WeightDecayMode::kCautious) {
+    const kernels::CautiousArgs args{.alpha = static_cast<float>(-step),
+                                     .decay = static_cast<float>(hyper.lr * hyper.weight_decay)};
+    return backend.CautiousUpdate(args, o, p.master->data(), n);
+  }
+  return backend.Axpby(static_cast<float>(-step), o, DecayFactor(hyper), p.master->data(), n);
+}
+
 absl::Status Muon::Step(Backend& backend, const StepHyper& hyper,
                         std::span<ParamState* const> params) {
   // Check everything first so that a rejected step leaves every parameter untouched.
@@ -367,17 +464,24 @@ absl::Status Muon::Step(Backend& backend, const StepHyper& hyper,
   }
   // Plan: same-shape matrices across parameters, keyed by (rows, cols) (std::map keeps the order
   // stable), cut into batches of at most kMaxBatchFloats.
-  std::map<std::pair<int64_t, int64_t>, std::vector<MatrixJob>> by_shape;
+  // Column blocks (deferred) batch apart: they are applied to their parameter afterwards.
+  std::map<std::tuple<int64_t, int64_t, bool, bool>, std::vector<MatrixJob>> by_shape;
+  std::vector<ParamState*> transposed;  // column-blocked parameters, worked on transposed
+  size_t transposed_floats = 0;
   for (ParamState* p : params) {
     if (!p->has_grad) continue;
     std::vector<MatrixJob> jobs;
     AppendMatrices(*p, hyper, jobs);
-    for (const MatrixJob& job : jobs) by_shape[{job.rows, job.cols}].push_back(job);
+    for (const MatrixJob& job : jobs) by_shape[{job.rows, job.cols, job.deferred, job.lines_per_column}].push_back(job);
+    if (WorksTransposed(*p)) {
+      transposed.push_back(p);
+      transposed_floats = std::max(transposed_floats, static_cast<size_t>(p->numel));
+    }
   }
   std::vector<std::span<const MatrixJob>> batches;
   size_t need_gather = 0;
-  for (const auto& [shape, jobs] : by_shape) {
-    const size_t mat = static_cast<size_t>(shape.first * shape.second);
+  for (const auto& [key, jobs] : by_shape) {
+    const size_t mat = static_cast<size_t>(std::get<0>(key) * std::get<1>(key));
     const size_t per_batch = std::max<size_t>(1, kMaxBatchFloats / std::max<size_t>(mat, 1));
     for (size_t start = 0; start < jobs.size(); start += per_batch) {
       batches.push_back(std::span(jobs).subspan(start, std::min(per_batch, jobs.size() - start)));
@@ -401,12 +505,13 @@ absl::Status Muon::Step(Backend& backend, const StepHyper& hyper,
   if (options_.moment2_method == Moment2Method::kNormuon) {
     size_t transposed = 0;  // NorMuon's copy of a batch of wide matrices
     for (std::span<const MatrixJob> batch : batches) {
-      if (batch[0].rows < batch[0].cols) {
+      if (batch[0].lines_per_column) {
         transposed = std::max(transposed, batch.size() * static_cast<size_t>(batch[0].rows * batch[0].cols));
       }
     }
     if (transposed > 0) MUOND_RETURN_IF_ERROR(ws.Get(backend, kNormuonSlot, transposed).status());
   }
+  if (transposed_floats > 0) MUOND_RETURN_IF_ERROR(ws.Get(backend, kTransposeSlot, transposed_floats).status());
   reserve.unlock();
 
   const kernels::MomentumArgs momentum{.beta = static_cast<float>(hyper.momentum),
@@ -423,9 +528,11 @@ absl::Status Muon::Step(Backend& backend, const StepHyper& hyper,
     // U overwrites the gradient: it is scratch from here on.
     MUOND_RETURN_IF_ERROR(backend.Momentum(momentum, p->Slot(kMomentumSlot)->data(), g, g, n));
   }
+  MUOND_RETURN_IF_ERROR(TransposeInPlace(backend, transposed, /*to_blocks=*/true));
   for (std::span<const MatrixJob> batch : batches) {
     MUOND_RETURN_IF_ERROR(Orthogonalize(backend, batch));
   }
+  for (ParamState* p : transposed) MUOND_RETURN_IF_ERROR(ApplyTransposed(backend, hyper, *p));
   for (ParamState* p : params) {
     if (p->has_grad) ++p->step_count;
   }

@@ -34,6 +34,9 @@ absl::Status Optimizer::CheckElementwiseParameter(const ParamState& param) {
   if (param.qkv.enabled()) {
     return absl::InvalidArgumentError("qkv_split applies only to parameters of Muon groups");
   }
+  if (param.tp.enabled()) {
+    return absl::InvalidArgumentError("tp_blocks applies only to parameters of Muon groups");
+  }
   return absl::OkStatus();
 }
 

@@ -23,6 +23,16 @@ struct QkvSplit {
   bool enabled() const { return q + k + v > 0; }
 };
 
+// Megatron-Core's tensor-parallel blockwise mode (muon_tp_mode = blockwise): a 2-D parameter made of
+// `blocks` equal tensor-parallel shards along dimension `dim` (0: row blocks, a column-parallel
+// weight; 1: column blocks, a row-parallel one), each orthogonalized and scaled on its own shape.
+// blocks ≤ 1: the whole matrix.
+struct TpBlocks {
+  int64_t blocks = 1;
+  int dim = 0;
+  bool enabled() const { return blocks > 1; }
+};
+
 struct StateSlot {
   std::string name;  // "momentum", "exp_avg", "exp_avg_sq", "momentum_buffer"
   std::unique_ptr<kernels::DeviceBuffer> buffer;
@@ -34,6 +44,7 @@ struct ParamState {
   std::vector<int64_t> shape;
   int64_t numel = 0;
   QkvSplit qkv;
+  TpBlocks tp;
 
   std::unique_ptr<kernels::DeviceBuffer> master;
   // An upper bound on |x| over the master's elements, kept by the owner (measured when values are

@@ -110,6 +110,9 @@ def _orthogonalize_scaled(u: torch.Tensor, group: Dict[str, Any]) -> torch.Tenso
                                 m.size(-2), m.size(-1))
 
     shape = u.shape
+    if (group.get("tp_blocks") or 1) > 1:  # tensor-parallel blocks, each on its own shape
+        parts = torch.chunk(u, group["tp_blocks"], dim=group.get("tp_block_dim", 0))
+        return torch.cat([ortho(part) for part in parts], dim=group.get("tp_block_dim", 0))
     if group.get("qkv_split") is not None:
         q, k, v = group["qkv_split"]
         groups = group.get("num_query_groups") or 1
@@ -125,6 +128,8 @@ def _matrix_views(t: torch.Tensor, group: Dict[str, Any]) -> list:
     """2-D views of ``t`` (contiguous, a parameter's shape) over the matrices Muon orthogonalizes,
     in the daemon's order (``options.matrix_shapes``)."""
     shapes = opts.matrix_shapes(group, tuple(t.shape))
+    if (group.get("tp_blocks") or 1) > 1:
+        return list(torch.chunk(t, group["tp_blocks"], dim=group.get("tp_block_dim", 0)))
     if group.get("qkv_split") is not None:
         blocks = t.reshape(-1, sum(group["qkv_split"]), t.size(-1))
         bounds, start = [], 0
@@ -218,6 +223,7 @@ class LocalOptimizer(torch.optim.Optimizer):
                 if p.dim() < 2:
                     raise ValueError(f"Muon needs matrices; a parameter of shape "
                                      f"{tuple(p.shape)} must go to an AdamW group")
+                opts.check_parameter(resolved, tuple(p.shape))
         super().add_param_group(resolved)
 
     @property
@@ -293,7 +299,7 @@ class LocalOptimizer(torch.optim.Optimizer):
             weight = self._by_name[query]
             group = next(g for g in self.param_groups if any(p is weight for p in g["params"]))
             qk.apply(weight, self._by_name[pairs[query].key], max_logits,
-                     group["qk_clip_threshold"], group["qk_clip_alpha"])
+                     group["qk_clip_threshold"], group["qk_clip_alpha"], pairs[query].mla)
         if self._scaler is not None:
             self._scaler.update(self.loss_scaler, found_inf=False)
         elapsed = time.perf_counter() - started

@@ -246,6 +246,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
                 raise ValueError(
                     f"Muon needs matrices; a parameter of shape {tuple(p.shape)} must go to an "
                     f"AdamW group (see muond.default_param_groups)")
+            if resolved["optimizer"] == "muon":
+                opts.check_parameter(resolved, tuple(p.shape))
         super().add_param_group(resolved)
 
     def _assign_group_names(self) -> List[str]:
@@ -296,8 +298,15 @@ class RemoteOptimizer(torch.optim.Optimizer):
                 if group.get("qkv_split") is not None:
                     ps.qkv_split.extend(group["qkv_split"])
                     ps.num_query_groups = group.get("num_query_groups") or 1
+                if (group.get("tp_blocks") or 1) > 1:
+                    ps.tp_blocks = group["tp_blocks"]
+                    ps.tp_block_dim = group.get("tp_block_dim", 0)
         for pair in self.qk_clip:
-            spec.qk_clip.add(query=pair.query, key=pair.key, num_heads=pair.num_heads)
+            added = spec.qk_clip.add(query=pair.query, key=pair.key, num_heads=pair.num_heads)
+            if pair.mla is not None:
+                added.mla.qk_nope_head_dim = pair.mla.qk_nope_head_dim
+                added.mla.qk_rope_head_dim = pair.mla.qk_rope_head_dim
+                added.mla.v_head_dim = pair.mla.v_head_dim
         if self.loss_scaler is not None:
             spec.loss_scaler.SetInParent()
             for key, value in self.loss_scaler.items():

@@ -26,6 +26,8 @@ turns a resolved group into the ``muond.v1.GroupOptions`` message sent when a se
 | matmul_precision        | muon         | None: the daemon's backend default (CPU fp32, GPU bf16)  |
 | qkv_split               | muon         | None; (q, k, v) rows, for every parameter of the group   |
 | num_query_groups        | muon         | None (1 when qkv_split is given)                         |
+| tp_blocks, tp_block_dim | muon         | None, 0; tensor-parallel blockwise Muon: every 2-D       |
+|                         |              | parameter is tp_blocks shards along dim 0 (rows) or 1    |
 | qk_clip_threshold/alpha | muon         | 100.0, 0.5                                               |
 | moment2_method          | muon         | None ("adamuon", "normuon": a second moment on the update) |
 | beta2, eps (muon)       | muon         | 0.95, 1e-8; only with a moment2_method                   |
@@ -90,6 +92,7 @@ _CHOICES = {
 _MUON_ONLY = ("momentum_style", "ns_steps", "ns_coefficients", "ns_algorithm",
               "ns_coefficients_after", "ns_eps", "ns_norm_safety", "scale_mode",
               "extra_scale_factor", "matmul_precision", "qkv_split", "num_query_groups",
+              "tp_blocks", "tp_block_dim",
               "qk_clip_threshold", "qk_clip_alpha", "moment2_method")
 
 DEFAULTS: Dict[str, Dict[str, Any]] = {
@@ -99,7 +102,8 @@ DEFAULTS: Dict[str, Dict[str, Any]] = {
         "ns_algorithm": "standard",
         "ns_coefficients_after": None, "ns_eps": 1e-7, "ns_norm_safety": 1.0,
         "scale_mode": "shape_scaling", "extra_scale_factor": 1.0, "matmul_precision": None,
-        "qkv_split": None, "num_query_groups": None, "qk_clip_threshold": 100.0,
+        "qkv_split": None, "num_query_groups": None, "tp_blocks": None, "tp_block_dim": 0,
+        "qk_clip_threshold": 100.0,
         "qk_clip_alpha": 0.5, "moment2_method": None, "beta2": 0.95, "eps": 1e-8,
     },
     "adamw": {"lr": 1e-3, "weight_decay": 0.01, "weight_decay_mode": "decoupled", "betas": (0.9, 0.999),
@@ -169,7 +173,11 @@ def _check_value(key: str, value: Any) -> Any:
         return _coefficients(value)
     if key == "nesterov":
         return bool(value)
-    if key in ("ns_steps", "num_query_groups"):
+    if key == "tp_blocks" and (int(value) != value or value < 1):
+        raise ValueError(f"tp_blocks must be an integer >= 1, got {value!r}")
+    if key == "tp_block_dim" and value not in (0, 1):
+        raise ValueError(f"tp_block_dim must be 0 (rows) or 1 (columns), got {value!r}")
+    if key in ("ns_steps", "num_query_groups", "tp_blocks", "tp_block_dim"):
         if int(value) != value:
             raise ValueError(f"{key} must be an integer, got {value!r}")
         return int(value)
@@ -288,10 +296,30 @@ def group_options_proto(group: Mapping[str, Any]) -> pb.GroupOptions:
     return msg
 
 
+def check_parameter(group: Mapping[str, Any], shape: Tuple[int, ...]) -> None:
+    """The daemon's checks of a Muon parameter's tp_blocks against its shape; ValueError."""
+    blocks = group.get("tp_blocks") or 1
+    if blocks == 1:
+        return
+    if len(shape) != 2:
+        raise ValueError(f"tp_blocks needs 2-D parameters, got shape {tuple(shape)}")
+    if group.get("qkv_split") is not None:
+        raise ValueError("tp_blocks and qkv_split cannot be combined")
+    dim = group.get("tp_block_dim", 0)
+    if shape[dim] % blocks:
+        raise ValueError(f"tp_blocks {blocks} does not divide dimension {dim} of shape {tuple(shape)}")
+
+
 def matrix_shapes(group: Mapping[str, Any], shape: Tuple[int, ...]) -> list:
     """The (rows, cols) of each matrix Muon orthogonalizes in a parameter of ``shape``, in the
-    daemon's order: QKV blocks per query group, each expert of a 3-D stack, else (O, rest)."""
+    daemon's order: tensor-parallel blocks, QKV blocks per query group, each expert of a 3-D
+    stack, else (O, rest)."""
     shape = tuple(int(d) for d in shape)
+    blocks = group.get("tp_blocks") or 1
+    if blocks > 1:
+        if group.get("tp_block_dim", 0) == 0:
+            return [(shape[0] // blocks, shape[1])] * blocks
+        return [(shape[0], shape[1] // blocks)] * blocks
     if group.get("qkv_split") is not None:
         cols = shape[1]
         return [(rows, cols) for _ in range(group.get("num_query_groups") or 1)
@@ -311,7 +339,7 @@ def slot_shape(group: Mapping[str, Any], shape: Tuple[int, ...], slot: str) -> T
     shape = tuple(int(d) for d in shape)
     if slot != "moment2" or group.get("moment2_method") != "normuon":
         return shape
-    if len(shape) == 2 and group.get("qkv_split") is None:
+    if len(shape) == 2 and group.get("qkv_split") is None and (group.get("tp_blocks") or 1) == 1:
         return (shape[0], 1) if shape[0] >= shape[1] else (1, shape[1])
     return (sum(max(r, c) for r, c in matrix_shapes(group, shape)),)
 

@@ -1,14 +1,17 @@
 """QK-clip (MuonClip) on the client side: naming the query/key pairs and the per-step logits.
 
 An optimizer is given ``qk_clip=[(query, key, num_heads), ...]``, each weight as the parameter
-tensor itself or as its name; ``pairs_of`` turns that into ``QkPair``s of parameter names (the
+tensor itself or as its name, and for multi-head latent attention a fourth element, the row layout
+``{"qk_nope_head_dim": dn, "qk_rope_head_dim": dr, "v_head_dim": dv}`` (``MlaLayout``); ``pairs_of`` turns that into ``QkPair``s of parameter names (the
 names the daemon knows). A step is given ``qk_logits={query: max_logits}`` — per head, the
 largest attention logit S_h seen in the forward pass — which ``logits_of`` checks against the
 pairs and turns into ``{query name: [S_0, ..., S_{H-1}]}``.
 
 After the update, for every head h with a finite S_h > τ (and > 0), γ = τ/S_h: the query's rows
 [h·hd, (h+1)·hd) are multiplied by γ^α and the key's rows of head h by γ^(1−α); τ and α are the
-query group's ``qk_clip_threshold`` and ``qk_clip_alpha``. ``apply`` does this in torch (used by
+query group's ``qk_clip_threshold`` and ``qk_clip_alpha``. With an MLA layout (Kimi K2's MuonClip
+Algorithm 1) a head's query rows are [q_nope, q_rope] and its key rows [k_nope, v]: q_nope is
+scaled by γ^α, q_rope by γ, k_nope by γ^(1−α), v not at all. ``apply`` does this in torch (used by
 ``LocalOptimizer``; the daemon does the same on its masters). ``check_shapes`` holds the checks the
 daemon makes when a session is created, for ``LocalOptimizer``, which has no daemon to make them.
 
@@ -26,11 +29,43 @@ import torch
 
 
 @dataclass(frozen=True)
+class MlaLayout:
+    """The rows of one head of an MLA query, [q_nope, q_rope], and of its key, [k_nope, v]."""
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+
+    def query_rows(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def key_rows(self) -> int:
+        return self.qk_nope_head_dim + self.v_head_dim
+
+
+@dataclass(frozen=True)
 class QkPair:
     """One query/key pair, by parameter name."""
     query: str
     key: str
     num_heads: int
+    mla: Optional[MlaLayout] = None
+
+
+def _mla_of(value: Any, what: str) -> MlaLayout:
+    if isinstance(value, MlaLayout):
+        layout = value
+    elif isinstance(value, Mapping):
+        unknown = set(value) - {"qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"}
+        if unknown:
+            raise ValueError(f"{what}: unknown key(s) {sorted(unknown)}")
+        layout = MlaLayout(**{k: int(v) for k, v in value.items()})
+    else:
+        raise TypeError(f"{what}: expected a dict of qk_nope_head_dim, qk_rope_head_dim, "
+                        f"v_head_dim, got {type(value).__name__}")
+    if layout.qk_nope_head_dim < 1 or layout.qk_rope_head_dim < 0 or layout.v_head_dim < 0:
+        raise ValueError(f"{what}: qk_nope_head_dim must be >= 1 and qk_rope_head_dim, v_head_dim "
+                         f">= 0, got {layout}")
+    return layout
 
 
 def _name_of(param: Any, names_by_id: Mapping[int, str], known: Iterable[str], what: str) -> str:
@@ -66,9 +101,12 @@ def pairs_of(qk_clip: Optional[Iterable[Any]], params: Sequence[torch.Tensor],
     for i, entry in enumerate(qk_clip):
         what = f"qk_clip[{i}]"
         try:
-            query, key, num_heads = entry
+            query, key, num_heads, *rest = entry
         except (TypeError, ValueError):
             raise TypeError(f"{what}: expected (query, key, num_heads), got {entry!r}") from None
+        if len(rest) > 1:
+            raise TypeError(f"{what}: expected (query, key, num_heads[, mla layout]), got {entry!r}")
+        mla = _mla_of(rest[0], f"{what}.mla") if rest else None
         try:
             heads = operator.index(num_heads)
         except TypeError:
@@ -76,7 +114,7 @@ def pairs_of(qk_clip: Optional[Iterable[Any]], params: Sequence[torch.Tensor],
         if heads is None or isinstance(num_heads, bool):
             raise TypeError(f"{what}.num_heads: expected an int, got {num_heads!r}")
         pairs.append(QkPair(_name_of(query, names_by_id, known, f"{what}.query"),
-                            _name_of(key, names_by_id, known, f"{what}.key"), heads))
+                            _name_of(key, names_by_id, known, f"{what}.key"), heads, mla))
     return pairs
 
 
@@ -97,6 +135,11 @@ def check_shapes(pairs: Sequence[QkPair], param_of: Mapping[str, torch.Tensor],
             if p.shape[0] % pair.num_heads:
                 raise ValueError(f"{field}.num_heads: '{name}' has {p.shape[0]} rows, not a "
                                  f"multiple of {pair.num_heads} heads")
+            if pair.mla is not None:
+                per_head = pair.mla.query_rows() if role == "query" else pair.mla.key_rows()
+                if p.shape[0] != per_head * pair.num_heads:
+                    raise ValueError(f"{field}.mla: '{name}' has {p.shape[0]} rows; the MLA layout "
+                                     f"gives {pair.num_heads} heads of {per_head}")
             if name in used:
                 raise ValueError(f"{field}.{role}: '{name}' is already in a qk_clip pair")
             used[name] = i
@@ -150,9 +193,22 @@ def factors(max_logits: Sequence[float], threshold: float, exponent: float) -> L
 
 @torch.no_grad()
 def apply(query: torch.Tensor, key: torch.Tensor, max_logits: Sequence[float], threshold: float,
-          alpha: float) -> None:
+          alpha: float, mla: Optional[MlaLayout] = None) -> None:
     """Scales ``query`` and ``key`` in place, head by head (heads are contiguous row blocks)."""
     heads = len(max_logits)
+    if mla is not None:
+        nope_q = factors(max_logits, threshold, alpha)
+        rope_q = factors(max_logits, threshold, 1.0)
+        nope_k = factors(max_logits, threshold, 1.0 - alpha)
+        dn, dr, dv = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
+        for h in range(heads):
+            q0, k0 = h * (dn + dr), h * (dn + dv)
+            for weight, rows, factor in ((query, slice(q0, q0 + dn), nope_q[h]),
+                                         (query, slice(q0 + dn, q0 + dn + dr), rope_q[h]),
+                                         (key, slice(k0, k0 + dn), nope_k[h])):
+                if factor != 1.0:
+                    weight[rows].mul_(factor)
+        return
     for weight, exponent in ((query, alpha), (key, 1.0 - alpha)):
         rows = weight.shape[0] // heads
         for h, factor in enumerate(factors(max_logits, threshold, exponent)):

@@ -106,6 +106,24 @@ absl::Status ParseQkClip(const v1::SessionSpec& spec, SessionConfig& config) {
         return Invalid(field + ".num_heads", absl::StrCat("'", name, "' has ", param.shape[0],
                                                           " rows, not a multiple of ", clip.num_heads, " heads"));
       }
+      if (pair.has_mla()) {
+        const v1::MlaLayout& mla = pair.mla();
+        if (mla.qk_nope_head_dim() < 1 || mla.qk_rope_head_dim() < 0 || mla.v_head_dim() < 0) {
+          return Invalid(field + ".mla", absl::StrCat("qk_nope_head_dim must be >= 1 and qk_rope_head_dim, v_head_dim "
+                                                      ">= 0, got (", mla.qk_nope_head_dim(), ", ",
+                                                      mla.qk_rope_head_dim(), ", ", mla.v_head_dim(), ")"));
+        }
+        const bool is_query = std::string(role) == "query";
+        const int64_t per_head = is_query ? mla.qk_nope_head_dim() + mla.qk_rope_head_dim()
+                                          : mla.qk_nope_head_dim() + mla.v_head_dim();
+        if (param.shape[0] != per_head * clip.num_heads) {
+          return Invalid(field + ".mla", absl::StrCat("'", name, "' has ", param.shape[0], " rows; the MLA layout gives ",
+                                                      clip.num_heads, " heads of ", per_head,
+                                                      is_query ? " (qk_nope_head_dim + qk_rope_head_dim)"
+                                                               : " (qk_nope_head_dim + v_head_dim)"));
+        }
+        clip.mla = optim::MlaLayout{mla.qk_nope_head_dim(), mla.qk_rope_head_dim(), mla.v_head_dim()};
+      }
       if (!used.emplace(it->second, i).second) {
         return Invalid(absl::StrCat(field, ".", role), absl::StrCat("'", name, "' is already in a qk_clip pair"));
       }
@@ -384,6 +402,11 @@ absl::StatusOr<SessionConfig> ParseSessionSpec(const v1::SessionSpec& spec, cons
     } else if (p.num_query_groups() != 0) {
       return Invalid(field + ".num_query_groups", "applies only with qkv_split");
     }
+    if (p.tp_blocks() < 0) return Invalid(field + ".tp_blocks", absl::StrCat("must be >= 0, got ", p.tp_blocks()));
+    if (p.tp_block_dim() != 0 && p.tp_blocks() <= 1) {
+      return Invalid(field + ".tp_block_dim", "applies only with tp_blocks > 1");
+    }
+    param.tp = {std::max<int64_t>(p.tp_blocks(), 1), p.tp_block_dim()};
     config.total_elements += param.numel;
     config.parameter_index.emplace(param.name, config.parameters.size());
     config.parameters.push_back(std::move(param));

@@ -21,6 +21,7 @@ int64_t EstimateSessionBytes(const SessionConfig& config) {
     shape_only.shape = param.shape;
     shape_only.numel = param.numel;
     shape_only.qkv = param.qkv;
+    shape_only.tp = param.tp;
     int64_t elements = 2 * param.numel;  // master and gradient
     const optim::Optimizer* optimizer = optimizers[param.group].get();
     if (optimizer == nullptr) {

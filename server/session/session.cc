@@ -51,6 +51,7 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::string id, Session
     state.shape = pc.shape;
     state.numel = pc.numel;
     state.qkv = pc.qkv;
+    state.tp = pc.tp;
     const optim::Optimizer& optimizer = *session->optimizers_[pc.group];
     absl::Status fits = optimizer.CheckParameter(state);
     if (!fits.ok()) {
@@ -476,6 +477,12 @@ absl::Status Session::ApplyQkClip(const StepPlan& plan) {
     const optim::GroupOptions& options = config_.groups[config_.parameters[clip.query].group].options;
     optim::ParamState& query = params_[clip.query];
     optim::ParamState& key = params_[clip.key];
+    if (clip.mla.has_value()) {
+      MUOND_RETURN_IF_ERROR(optim::ApplyMlaQkClip(*backend_, query.master->data(), query.shape[1], key.master->data(),
+                                                  key.shape[1], *clip.mla, max_logits, options.qk_clip_threshold,
+                                                  options.qk_clip_alpha));
+      continue;
+    }
     MUOND_RETURN_IF_ERROR(optim::ApplyQkClip(*backend_, query.master->data(), query.numel, key.master->data(),
                                              key.numel, max_logits, options.qk_clip_threshold,
                                              options.qk_clip_alpha));
@@ -535,6 +542,7 @@ std::vector<int64_t> Session::TensorShape(size_t parameter, std::string_view slo
   shape_only.shape = pc.shape;
   shape_only.numel = pc.numel;
   shape_only.qkv = pc.qkv;
+  shape_only.tp = pc.tp;
   return optimizers_[pc.group]->SlotShape(shape_only, slot);
 }
 

@@ -18,6 +18,7 @@
 #include "kernels/optim/loss_scaler.h"
 #include "kernels/optim/options.h"
 #include "kernels/optim/param_state.h"
+#include "kernels/optim/qk_clip.h"
 
 namespace muond::session {
 
@@ -40,6 +41,7 @@ struct ParameterConfig {
   TensorDType wire_dtype = TensorDType::kFp32;
   size_t group = 0;  // index into SessionConfig::groups
   optim::QkvSplit qkv;
+  optim::TpBlocks tp;
 };
 
 struct GroupConfig {
@@ -52,6 +54,7 @@ struct QkClipConfig {
   size_t query = 0;
   size_t key = 0;
   int num_heads = 0;
+  std::optional<optim::MlaLayout> mla;  // multi-head latent attention's row layout
 };
 
 // A session that is one shard of a session spread over several daemons (docs/sharding.md): its steps

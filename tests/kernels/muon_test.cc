@@ -21,17 +21,26 @@ using ::muond::testing::StatusIs;
 struct ParamSpec {
   std::vector<int64_t> shape;
   QkvSplit qkv = {};
+  TpBlocks tp = {};
 };
 
-// The reference's own reading of docs/algorithms.md, Shapes: (offset, rows, cols) per matrix.
+// The reference's own reading of docs/algorithms.md, Shapes: per matrix, element (i, j) is at
+// offset + i·ld + j of the parameter (ld = cols unless it is a column block).
 struct Block {
-  int64_t offset, rows, cols;
+  int64_t offset, rows, cols, ld = 0;
+  int64_t At(int64_t i, int64_t j) const { return offset + i * (ld ? ld : cols) + j; }
 };
 std::vector<Block> Blocks(const ParamSpec& p) {
   int64_t numel = 1;
   for (int64_t d : p.shape) numel *= d;
   std::vector<Block> blocks;
-  if (p.qkv.enabled()) {
+  if (p.tp.enabled()) {
+    const int64_t m = p.shape[0], n = p.shape[1], t = p.tp.blocks;
+    for (int64_t b = 0; b < t; ++b) {
+      if (p.tp.dim == 0) blocks.push_back({b * (m / t) * n, m / t, n});
+      else blocks.push_back({b * (n / t), m, n / t, n});
+    }
+  } else if (p.qkv.enabled()) {
     const int64_t n = p.shape[1];
     int64_t row = 0;
     for (int64_t g = 0; g < p.qkv.num_query_groups; ++g) {
@@ -124,10 +133,18 @@ void RefStep(const GroupOptions& o, const StepHyper& h, const ParamSpec& p, std:
   int64_t line = 0;  // NorMuon's lines of earlier blocks
   for (const Block& b : Blocks(p)) {
     Mat x(b.rows, b.cols);
-    std::copy(u.begin() + b.offset, u.begin() + b.offset + b.rows * b.cols, x.v.begin());
+    for (int64_t i = 0; i < b.rows; ++i) {
+      for (int64_t j = 0; j < b.cols; ++j) x.v[i * b.cols + j] = u[b.At(i, j)];
+    }
     const Mat out = testing::ReferenceNs(x, o.ns_schedule, o.ns_steps, o.ns_eps, o.ns_norm_safety);
+    std::vector<double> block_adamuon;  // AdaMuon's moment of the block, gathered and put back
     double* block_m2 = nullptr;
-    if (o.moment2_method == Moment2Method::kAdamuon) block_m2 = m2.data() + b.offset;
+    if (o.moment2_method == Moment2Method::kAdamuon) {
+      for (int64_t i = 0; i < b.rows; ++i) {
+        for (int64_t j = 0; j < b.cols; ++j) block_adamuon.push_back(m2[b.At(i, j)]);
+      }
+      block_m2 = block_adamuon.data();
+    }
     if (o.moment2_method == Moment2Method::kNormuon) {
       block_m2 = m2.data() + line;
       line += std::max(b.rows, b.cols);
@@ -135,7 +152,8 @@ void RefStep(const GroupOptions& o, const StepHyper& h, const ParamSpec& p, std:
     double k = 0;
     const std::vector<double> upd = RefAdaptive(o, b, out, RefScale(o, b.rows, b.cols), block_m2, k);
     for (int64_t i = 0; i < b.rows * b.cols; ++i) {
-      const int64_t j = b.offset + i;
+      const int64_t j = b.At(i / b.cols, i % b.cols);
+      if (!block_adamuon.empty()) m2[j] = block_adamuon[i];
       if (o.weight_decay_mode == WeightDecayMode::kCautious && upd[i] * w_before[j] >= 0) {
         w[j] -= lr * wd * w_before[j];  // modded-nanogpt: decay only where update and weight agree
       }
@@ -198,6 +216,7 @@ TEST_P(MuonReferenceTest, MatchesFp64ReferenceOverSteps) {
     s.name = "p" + std::to_string(i);
     s.shape = c.params[i].shape;
     s.qkv = c.params[i].qkv;
+    s.tp = c.params[i].tp;
     s.numel = 1;
     for (int64_t d : s.shape) s.numel *= d;
     std::vector<float> w(s.numel);
@@ -296,6 +315,17 @@ INSTANTIATE_TEST_SUITE_P(
                                   ScaleMode::kShapeScaling, 0.5), {k2d, kTall}},
         MuonCase{"gram", Gram("simple"), {k2d, kTall, ParamSpec{{2, 16, 24}}, ParamSpec{{16, 16}}}},
         MuonCase{"gram_polar_express", Gram("gram_polar_express"), {k2d, kTall, ParamSpec{{3, 12, 20}}}},
+        // Tensor-parallel blockwise: row blocks (column-parallel) and column blocks (row-parallel),
+        // batched with same-shape matrices of other parameters (12×20 twice from the row blocks).
+        MuonCase{"tp_blocks", Opts(MomentumStyle::kEma, true, WeightDecayMode::kDecoupled, ScaleMode::kShapeScaling),
+                 {ParamSpec{{24, 20}, {}, TpBlocks{.blocks = 2, .dim = 0}},
+                  ParamSpec{{12, 40}, {}, TpBlocks{.blocks = 4, .dim = 1}}, ParamSpec{{12, 20}},
+                  ParamSpec{{16, 16}, {}, TpBlocks{.blocks = 2, .dim = 1}}}},
+        MuonCase{"tp_blocks_adaptive", Adaptive(Moment2Method::kAdamuon, WeightDecayMode::kCautious),
+                 {ParamSpec{{12, 40}, {}, TpBlocks{.blocks = 4, .dim = 1}}, ParamSpec{{24, 20}, {}, TpBlocks{.blocks = 2, .dim = 0}}}},
+        MuonCase{"tp_blocks_normuon", Adaptive(Moment2Method::kNormuon, WeightDecayMode::kDecoupled, ScaleMode::kSpectral),
+                 {ParamSpec{{12, 40}, {}, TpBlocks{.blocks = 4, .dim = 1}}, ParamSpec{{16, 16}, {}, TpBlocks{.blocks = 2, .dim = 1}},
+                  ParamSpec{{8, 24}, {}, TpBlocks{.blocks = 3, .dim = 1}}}},
         MuonCase{"mixed_batch", Opts(MomentumStyle::kEma, false, WeightDecayMode::kDecoupled,
                                      ScaleMode::kShapeScaling),
                  {k2d, kTall, ParamSpec{{2, 16, 24}}, ParamSpec{{16, 4, 2, 3}},
@@ -327,6 +357,32 @@ TEST_F(MuonTest, CheckParameterRejectsBadQkvSplit) {
   EXPECT_OK(Muon()->CheckParameter(p));
   p.shape = {40, 4, 4};
   EXPECT_THAT(Muon()->CheckParameter(p), StatusIs(absl::StatusCode::kInvalidArgument, "qkv_split"));
+}
+
+TEST_F(MuonTest, CheckParameterRefusesTpBlocksThatDoNotFit) {
+  ParamState p;
+  p.shape = {12, 40};
+  p.numel = 480;
+  p.tp = TpBlocks{.blocks = 3, .dim = 1};  // 40 columns are not 3 blocks
+  EXPECT_THAT(Muon()->CheckParameter(p), StatusIs(absl::StatusCode::kInvalidArgument, "tp_blocks 3 does not divide"));
+  p.tp.dim = 0;
+  EXPECT_OK(Muon()->CheckParameter(p));
+  p.tp.dim = 2;
+  EXPECT_THAT(Muon()->CheckParameter(p), StatusIs(absl::StatusCode::kInvalidArgument, "tp_block_dim"));
+  p.tp.dim = 0;
+  p.qkv = QkvSplit{.q = 4, .k = 4, .v = 4, .num_query_groups = 1};
+  EXPECT_THAT(Muon()->CheckParameter(p), StatusIs(absl::StatusCode::kInvalidArgument, "cannot be combined"));
+  ParamState conv;
+  conv.shape = {6, 4, 3, 3};
+  conv.numel = 216;
+  conv.tp = TpBlocks{.blocks = 2, .dim = 0};
+  EXPECT_THAT(Muon()->CheckParameter(conv), StatusIs(absl::StatusCode::kInvalidArgument, "2-D parameter"));
+  ASSERT_OK_AND_ASSIGN(auto adamw, Optimizer::Create(DefaultOptions(OptimizerKind::kAdamW)));
+  ParamState vec;
+  vec.shape = {8, 8};
+  vec.numel = 64;
+  vec.tp = TpBlocks{.blocks = 2, .dim = 0};
+  EXPECT_THAT(adamw->CheckParameter(vec), StatusIs(absl::StatusCode::kInvalidArgument, "Muon groups"));
 }
 
 TEST_F(MuonTest, SlotsAndZeroGradient) {

@@ -351,3 +351,57 @@ def test_fused_qkv_experts_and_conv_match_local(endpoint, split, query_groups):
     remote.close()
     for name in shapes:
         assert rel_err(remote_params[name].detach(), local_params[name].detach()) < TOLERANCE, name
+
+
+@pytest.mark.parametrize("dim", [0, 1], ids=["row-blocks", "column-blocks"])
+def test_tp_blockwise_muon_is_a_muon_per_block(endpoint, dim):
+    """tp_blocks (Megatron-Core's muon_tp_mode = blockwise): each tensor-parallel shard is
+    orthogonalized and scaled on its own shape. Momentum is element-wise, so the reference is the
+    plain reference run on every block as a parameter of its own; LocalOptimizer agrees too."""
+    from reference import ADAMW_DEFAULTS, MUON_DEFAULTS, Reference
+    model = TinyNet(seed=41)
+    twin = clone_model(model)
+    ref_params = {n: p.detach().clone().float() for n, p in model.named_parameters()}
+    muon = {"tp_blocks": 2, "tp_block_dim": dim, "lr": 0.05}
+    opt = muond.RemoteOptimizer(muond.default_param_groups(model, muon=muon), endpoint=endpoint)
+    local = muond.LocalOptimizer(muond.default_param_groups(twin, muon=muon))
+    muon_names, adamw_names = (g["param_names"] for g in opt.param_groups)
+    blocks = {n: torch.chunk(ref_params[n], 2, dim=dim) for n in muon_names}
+    ref = Reference([
+        {"kind": "muon", "params": [b for n in muon_names for b in blocks[n]], **dict(MUON_DEFAULTS, lr=0.05)},
+        {"kind": "adamw", "params": [ref_params[n] for n in adamw_names], **ADAMW_DEFAULTS}])
+    for step in range(1, 7):
+        for m, o in ((model, opt), (twin, local)):
+            loss_of(m, step).backward()
+        grads = {}
+        for name, p in model.named_parameters():
+            g = p.grad.detach().clone()
+            if name in blocks:
+                for block, g_block in zip(blocks[name], torch.chunk(g, 2, dim=dim)):
+                    grads[id(block)] = g_block.contiguous()
+            else:
+                grads[id(ref_params[name])] = g
+        opt.step()
+        local.step()
+        ref.step(grads)
+        opt.zero_grad()
+        local.zero_grad()
+    opt.close()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert rel_err(p.detach(), ref_params[name]) < TOLERANCE, name
+        assert rel_err(p.detach(), q.detach()) < TOLERANCE, name
+    # Blocks that do not divide the dimension are refused before anything is sent, and by the
+    # daemon naming the parameter when a client does not check.
+    with pytest.raises(ValueError, match="tp_blocks 5 does not divide"):
+        muond.RemoteOptimizer(muond.default_param_groups(TinyNet(seed=42), muon={"tp_blocks": 5}),
+                              endpoint=endpoint)
+    from muond._stubs import pb
+    spec = pb.SessionSpec(groups=[pb.ParameterGroup(name="g", options=pb.GroupOptions(optimizer=pb.OPTIMIZER_MUON))],
+                          parameters=[pb.ParameterSpec(name="w", shape=[6, 8], group="g", tp_blocks=4,
+                                                       tp_block_dim=0)])
+    conn = muond.Connection(endpoint)
+    try:
+        with pytest.raises(muond.MuondError, match=r"spec.parameters\[0\] 'w': tp_blocks 4 does not divide"):
+            conn.create_session("tp-refused", spec)
+    finally:
+        conn.close()

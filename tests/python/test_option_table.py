@@ -14,9 +14,11 @@ from muond._stubs import pb, pb_grpc
 import grpc
 
 # Options the Python client spells differently from the wire, or keeps per parameter rather than
-# per group: (betas) is beta1 and beta2; qkv_split and num_query_groups travel with the parameter;
+# per group: (betas) is beta1 and beta2; qkv_split, num_query_groups, tp_blocks and tp_block_dim
+# travel with the parameter;
 # a custom coefficient list is given as ns_coefficients.
-_PYTHON_TO_WIRE = {"betas": ("beta1", "beta2"), "qkv_split": (), "num_query_groups": ()}
+_PYTHON_TO_WIRE = {"betas": ("beta1", "beta2"), "qkv_split": (), "num_query_groups": (),
+                   "tp_blocks": (), "tp_block_dim": ()}
 _WIRE_ONLY = {"optimizer", "ns_custom_coefficients"}
 
 

@@ -237,3 +237,57 @@ def test_pairs_are_part_of_the_session_spec(endpoint):
         finally:
             conn.close()
         raise
+
+
+def test_mla_clips_nope_and_rope_parts_as_kimi_k2(endpoint):
+    """Multi-head latent attention (Kimi K2's MuonClip Algorithm 1): per clipped head, q_nope and
+    k_nope are scaled by √γ (α 0.5), q_rope by γ, v rows and every unclipped head not at all."""
+    dn, dr, dv = 3, 2, 4
+    gen = torch.Generator().manual_seed(7)
+    params = {"wq": torch.randn(H * (dn + dr), 8, generator=gen).requires_grad_(),
+              "wkv": torch.randn(H * (dn + dv), 8, generator=gen).requires_grad_()}
+    before = {n: p.detach().clone().double() for n, p in params.items()}
+    layout = {"qk_nope_head_dim": dn, "qk_rope_head_dim": dr, "v_head_dim": dv}
+    logits = [5.0, 400.0, 100.0, 250.0]  # τ 100: heads 1 and 3 clipped
+    twin = {n: p.detach().clone().requires_grad_() for n, p in params.items()}
+    for p in list(params.values()) + list(twin.values()):
+        p.grad = torch.zeros_like(p)
+    groups = [{"params": [(n, p)], "lr": 0.0} for n, p in params.items()]
+    with muond.RemoteOptimizer(groups, endpoint=endpoint,
+                               qk_clip=[(params["wq"], params["wkv"], H, layout)]) as opt:
+        opt.step(qk_logits={params["wq"]: logits})
+    local = muond.LocalOptimizer([{"params": [(n, p)], "lr": 0.0} for n, p in twin.items()],
+                                 qk_clip=[("wq", "wkv", H, layout)])
+    local.step(qk_logits={"wq": logits})
+
+    want_q, want_k = before["wq"].clone(), before["wkv"].clone()
+    for h, s in enumerate(logits):
+        if s <= 100.0:
+            continue
+        gamma = 100.0 / s
+        q0, k0 = h * (dn + dr), h * (dn + dv)
+        want_q[q0:q0 + dn] *= math.sqrt(gamma)       # q_nope
+        want_q[q0 + dn:q0 + dn + dr] *= gamma        # q_rope
+        want_k[k0:k0 + dn] *= math.sqrt(gamma)       # k_nope; v rows untouched
+    for name, want in (("wq", want_q), ("wkv", want_k)):
+        assert rel_err(params[name].detach(), want) < 1e-6, name
+        assert rel_err(twin[name].detach(), want) < 1e-6, name
+    # v rows of a clipped head, and unclipped heads, are untouched bit for bit.
+    k1 = 1 * (dn + dv)
+    assert torch.equal(params["wkv"].detach()[k1 + dn:k1 + dn + dv], before["wkv"][k1 + dn:k1 + dn + dv].float())
+    assert torch.equal(params["wq"].detach()[:dn + dr], before["wq"][:dn + dr].float())
+
+
+def test_mla_layout_that_does_not_fit_is_refused(endpoint):
+    gen = torch.Generator().manual_seed(8)
+    wq = torch.randn(H * 5, 8, generator=gen).requires_grad_()
+    wkv = torch.randn(H * 6, 8, generator=gen).requires_grad_()  # 6 rows a head, not 3 + 4
+    layout = {"qk_nope_head_dim": 3, "qk_rope_head_dim": 2, "v_head_dim": 4}
+    with pytest.raises(muond.MuondError, match=r"qk_clip\[0\]\.mla: 'wkv' has 24 rows; the MLA layout gives 4 heads of 7"):
+        muond.RemoteOptimizer([{"params": [("wq", wq), ("wkv", wkv)]}], endpoint=endpoint,
+                              qk_clip=[(wq, wkv, H, layout)])
+    with pytest.raises(ValueError, match=r"qk_clip\[0\]\.mla: 'wkv' has 24 rows"):
+        muond.LocalOptimizer([{"params": [("wq", wq), ("wkv", wkv)]}], qk_clip=[(wq, wkv, H, layout)])
+    with pytest.raises(ValueError, match="qk_nope_head_dim must be >= 1"):
+        muond.LocalOptimizer([{"params": [("wq", wq), ("wkv", wkv)]}],
+                             qk_clip=[(wq, wkv, H, {"qk_nope_head_dim": 0})])
