@@ -85,6 +85,7 @@ TEST_P(BackendConformanceTest, NewtonSchulzCloseToCpuFp32) {
 struct ParamSpec {
   std::vector<int64_t> shape;
   optim::QkvSplit qkv = {};
+  optim::TpBlocks tp = {};
 };
 
 // Parameters with their masters, gradient buffers and optimizer slots on one backend.
@@ -102,6 +103,7 @@ Model MakeModel(Backend& backend, const optim::Optimizer& opt, const std::vector
     p.name = "p" + std::to_string(i);
     p.shape = specs[i].shape;
     p.qkv = specs[i].qkv;
+    p.tp = specs[i].tp;
     p.numel = static_cast<int64_t>(masters[i].size());
     p.master = Upload(backend, masters[i]);
     auto grad = backend.Allocate(masters[i].size());
@@ -190,6 +192,75 @@ TEST_P(BackendConformanceTest, MuonAndAdamWStepsMatchCpu) {
         moved_c[j] -= muon_w0[i][j];
       }
       EXPECT_LT(RelativeFrobenius(moved_d, moved_c), bound) << "muon param " << i;
+    }
+  }
+}
+
+// The Muon variants of this release (Gram Newton–Schulz with restarts, adaptive second moments,
+// cautious decay, tensor-parallel blocks) on both backends, fp32 matmuls: the weights' total change
+// within the fp32 Newton–Schulz bound (adaptive moments divide by √v, so 1e-3), momentum bitwise.
+TEST_P(BackendConformanceTest, MuonVariantsMatchCpu) {
+  struct Variant {
+    const char* name;
+    void (*set)(optim::GroupOptions&);
+  };
+  const std::vector<Variant> variants = {
+      {"gram_polar_express",
+       [](optim::GroupOptions& o) {
+         o.ns_algorithm = optim::NsAlgorithm::kGram;
+         o.ns_schedule = *optim::NamedSchedule("gram_polar_express");
+       }},
+      {"normuon_cautious",
+       [](optim::GroupOptions& o) {
+         o.moment2_method = optim::Moment2Method::kNormuon;
+         o.weight_decay_mode = optim::WeightDecayMode::kCautious;
+       }},
+      {"adamuon", [](optim::GroupOptions& o) { o.moment2_method = optim::Moment2Method::kAdamuon; }},
+  };
+  const std::vector<ParamSpec> specs = {{{48, 80}},
+                                        {{80, 48}},
+                                        {{3, 32, 40}},
+                                        {{48, 80}, {}, optim::TpBlocks{.blocks = 2, .dim = 0}},
+                                        {{48, 80}, {}, optim::TpBlocks{.blocks = 4, .dim = 1}}};
+  for (const Variant& v : variants) {
+    SCOPED_TRACE(v.name);
+    optim::GroupOptions options = optim::DefaultOptions(optim::OptimizerKind::kMuon);
+    options.matmul_precision = MatmulPrecision::kFp32;
+    options.weight_decay = 0.1;
+    v.set(options);
+    ASSERT_OK_AND_ASSIGN(auto dev, optim::Optimizer::Create(options));
+    ASSERT_OK_AND_ASSIGN(auto cpu, optim::Optimizer::Create(options));
+    std::vector<std::vector<float>> w0;
+    for (const ParamSpec& s : specs) {
+      int64_t n = 1;
+      for (int64_t d : s.shape) n *= d;
+      w0.push_back(Random(static_cast<size_t>(n), 0.05f));
+    }
+    Model d = MakeModel(*backend_, *dev, specs, w0);
+    Model c = MakeModel(*cpu_, *cpu, specs, w0);
+    for (int step = 0; step < 3; ++step) {
+      for (size_t i = 0; i < specs.size(); ++i) {
+        const std::vector<float> g = Random(static_cast<size_t>(d.params[i].numel), 0.1f);
+        ASSERT_OK(backend_->CopyToDevice(g.data(), d.params[i].grad->data(), g.size()));
+        ASSERT_OK(cpu_->CopyToDevice(g.data(), c.params[i].grad->data(), g.size()));
+        d.params[i].has_grad = c.params[i].has_grad = true;
+      }
+      ASSERT_OK(dev->Step(*backend_, dev->DefaultHyper(), d.ptrs));
+      ASSERT_OK(cpu->Step(*cpu_, cpu->DefaultHyper(), c.ptrs));
+    }
+    for (size_t i = 0; i < specs.size(); ++i) {
+      const optim::ParamState &pd = d.params[i], &pc = c.params[i];
+      const size_t n = static_cast<size_t>(pd.numel);
+      EXPECT_TRUE(BitwiseEqual(Download(*backend_, pd.slots[0].buffer->data(), n),
+                               Download(*cpu_, pc.slots[0].buffer->data(), n)))
+          << "param " << i << " momentum";
+      std::vector<float> moved_d = Download(*backend_, pd.master->data(), n);
+      std::vector<float> moved_c = Download(*cpu_, pc.master->data(), n);
+      for (size_t j = 0; j < n; ++j) {
+        moved_d[j] -= w0[i][j];
+        moved_c[j] -= w0[i][j];
+      }
+      EXPECT_LT(RelativeFrobenius(moved_d, moved_c), 1e-3) << "param " << i;
     }
   }
 }

@@ -170,6 +170,17 @@ TEST_P(BackendConformanceTest, ElementwiseStepsMatchCpuBitwise) {
       });
     }
   }
+  // Adaptive Muon's second moment and cautious weight decay (element formulas shared with the CPU).
+  ExpectSameAsCpu("adamuon", *backend_, *cpu_, {v, g}, [&](Backend& b, const std::vector<float*>& d) {
+    const AdamuonArgs args{.scale = 1.5f, .one_minus_beta2 = static_cast<float>(1 - 0.95), .eps = 1e-8f};
+    for (int t = 0; t < 3; ++t) MUOND_RETURN_IF_ERROR(b.Adamuon(args, d[0], d[1], n));
+    return absl::OkStatus();
+  });
+  ExpectSameAsCpu("cautious", *backend_, *cpu_, pgm, [&](Backend& b, const std::vector<float*>& d) {
+    const CautiousArgs args{.alpha = -0.02f, .decay = 0.01f};
+    for (int t = 0; t < 3; ++t) MUOND_RETURN_IF_ERROR(b.CautiousUpdate(args, d[1], d[0], n));
+    return absl::OkStatus();
+  });
   ExpectSameAsCpu("axpby", *backend_, *cpu_, pgm, [&](Backend& b, const std::vector<float*>& d) {
     MUOND_RETURN_IF_ERROR(b.Axpby(-0.37f, d[1], 0.999f, d[0], n));
     return b.Axpby(1.5f, d[2], 0.0f, d[1], n);
