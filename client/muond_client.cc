@@ -303,6 +303,7 @@ Session::Session(Client* client, std::string id, v1::SessionSpec spec, const v1:
   attached_ = created.attached();
   initialized_ = created.initialized();
   last_step_ = created.last_step();
+  loss_scale_ = created.loss_scale();
 }
 
 v1::DType Session::WireDType(const std::string& name) const {

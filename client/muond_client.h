@@ -166,6 +166,9 @@ class Session {
   bool attached() const { return attached_; }
   bool initialized() const { return initialized_; }
   int64_t last_step() const { return last_step_; }  // as of creation or the last Step
+  // With a session loss scaler: its scale when the session was created or attached (what the first
+  // loss is multiplied by); 0 without one. Each StepReply::loss_scale gives the next.
+  double loss_scale() const { return loss_scale_; }
 
   // Uploads every parameter's initial value (each in its wire dtype).
   absl::Status UploadParameters(std::span<const TensorView> parameters);
@@ -206,6 +209,7 @@ class Session {
   bool attached_ = false;
   bool initialized_ = false;
   int64_t last_step_ = 0;
+  double loss_scale_ = 0;
 };
 
 // grpc::Status → absl::Status, keeping the code and the daemon's message.

@@ -26,13 +26,15 @@ struct LossScalerOptions {
 struct LossScalerState {
   double scale = 0;
   int64_t growth_tracker = 0;      // clean steps since the last growth or overflow
-  int64_t hysteresis_tracker = 0;  // overflows still tolerated before backing off
+  int64_t hysteresis_tracker = 0;  // overflows still tolerated before backing off (never below 0)
 };
 
-// The largest scale: growth stops here, so that 1/scale stays a normal fp32 number.
+// The largest and smallest scales: growth stops at the largest, and within [kMinLossScale,
+// kMaxLossScale] both scale and 1/scale are normal fp32 numbers (clip/scale cannot overflow).
 inline constexpr double kMaxLossScale = 1e30;
+inline constexpr double kMinLossScale = 1e-30;
 
-// Ranges: scales in (0, kMaxLossScale] with min_scale ≤ initial_scale, growth_factor > 1,
+// Ranges: scales in [kMinLossScale, kMaxLossScale] with min_scale ≤ initial_scale, growth_factor > 1,
 // backoff_factor in (0, 1), window and hysteresis ≥ 1. The message names the option.
 absl::Status ValidateLossScaler(const LossScalerOptions& options);
 

@@ -393,6 +393,7 @@ absl::Status Muon::ReduceVariance(Backend& backend, std::span<const MatrixJob> j
   MUOND_RETURN_IF_ERROR(backend.SumSquares(lines, count, length * batch, sums.data()));
   const float weight = static_cast<float>(1.0 - options_.beta2);
   std::vector<float> moment(length), scales(length * batch);
+  std::vector<double> line_scales(length);
   for (size_t i = 0; i < batch; ++i) {
     MUOND_RETURN_IF_ERROR(backend.CopyToHost(jobs[i].moment2, moment.data(), length));
     double norm2 = 0, scaled_norm2 = 0;
@@ -400,14 +401,13 @@ absl::Status Muon::ReduceVariance(Backend& backend, std::span<const MatrixJob> j
       const double sum = sums[i * length + j];
       const float mean = static_cast<float>(sum / static_cast<double>(count));
       moment[j] = moment[j] + weight * (mean - moment[j]);  // torch lerp_(v̄, 1−β2) in fp32
-      const double s = 1.0 / std::sqrt(std::max(static_cast<double>(moment[j]), options_.eps));
-      scales[i * length + j] = static_cast<float>(s);
+      line_scales[j] = 1.0 / std::sqrt(std::max(static_cast<double>(moment[j]), options_.eps));
       norm2 += sum;
-      scaled_norm2 += s * s * sum;
+      scaled_norm2 += line_scales[j] * line_scales[j] * sum;
     }
     const double ratio = scaled_norm2 > 0 ? std::sqrt(norm2 / scaled_norm2) : 0.0;
     for (size_t j = 0; j < length; ++j) {
-      scales[i * length + j] = static_cast<float>(scales[i * length + j] * ratio);
+      scales[i * length + j] = static_cast<float>(line_scales[j] * ratio);  // s·ratio in fp64, rounded once
     }
     MUOND_RETURN_IF_ERROR(backend.CopyToDevice(moment.data(), jobs[i].moment2, length));
   }

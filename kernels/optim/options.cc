@@ -296,6 +296,11 @@ absl::Status ValidateOptions(const GroupOptions& o) {
   if (!Finite(o.eps) || o.eps <= 0 || o.eps > 1) {
     return absl::InvalidArgumentError(absl::StrCat("eps must be in (0, 1], got ", o.eps));
   }
+  // Muon's second moment divides by √max(V, ε) or √V + ε in fp32: ε must stay a normal fp32 number.
+  if (o.optimizer == OptimizerKind::kMuon && o.moment2_method != Moment2Method::kNone && o.eps < 1e-30) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("eps must be in [1e-30, 1] with a moment2_method (a normal fp32 number), got ", o.eps));
+  }
   return absl::OkStatus();
 }
 

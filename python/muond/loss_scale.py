@@ -20,7 +20,8 @@ from typing import Any, Dict, Optional
 # hysteresis 2, growth x2, back-off x0.5).
 DEFAULTS: Dict[str, float] = {"initial_scale": 2.0 ** 32, "min_scale": 1.0, "growth_factor": 2.0,
                               "backoff_factor": 0.5, "window": 1000, "hysteresis": 2}
-MAX_SCALE = 1e30  # the daemon's cap (kMaxLossScale): 1/scale stays a normal fp32 number
+MAX_SCALE = 1e30  # the daemon's range (kMinLossScale, kMaxLossScale): scale and 1/scale stay
+MIN_SCALE = 1e-30  # normal fp32 numbers
 
 
 def resolve(value: Any) -> Optional[Dict[str, float]]:
@@ -37,10 +38,12 @@ def resolve(value: Any) -> Optional[Dict[str, float]]:
         if int(out[key]) != out[key] or out[key] < 1:
             raise ValueError(f"loss_scaler.{key} must be an integer >= 1, got {out[key]!r}")
         out[key] = int(out[key])
-    if not (0 < out["initial_scale"] <= MAX_SCALE):
-        raise ValueError(f"loss_scaler.initial_scale must be in (0, {MAX_SCALE}], got {out['initial_scale']}")
-    if not (0 < out["min_scale"] <= out["initial_scale"]):
-        raise ValueError(f"loss_scaler.min_scale must be in (0, initial_scale], got {out['min_scale']}")
+    if not (MIN_SCALE <= out["initial_scale"] <= MAX_SCALE):
+        raise ValueError(f"loss_scaler.initial_scale must be in [{MIN_SCALE}, {MAX_SCALE}], got "
+                         f"{out['initial_scale']}")
+    if not (MIN_SCALE <= out["min_scale"] <= out["initial_scale"]):
+        raise ValueError(f"loss_scaler.min_scale must be in [{MIN_SCALE}, initial_scale], got "
+                         f"{out['min_scale']}")
     if not (1 < out["growth_factor"] <= 1000):
         raise ValueError(f"loss_scaler.growth_factor must be in (1, 1000], got {out['growth_factor']}")
     if not (0 < out["backoff_factor"] < 1):
@@ -49,12 +52,12 @@ def resolve(value: Any) -> Optional[Dict[str, float]]:
 
 
 def check_grad_scale(value: Any) -> Optional[float]:
-    """None, or a finite scale in (0, MAX_SCALE] (what the daemon accepts as header.grad_scale)."""
+    """None, or a scale in [MIN_SCALE, MAX_SCALE] (what the daemon accepts as header.grad_scale)."""
     if value is None:
         return None
     value = float(value)
-    if not (0 < value <= MAX_SCALE and math.isfinite(value)):
-        raise ValueError(f"grad_scale must be finite, > 0 and at most {MAX_SCALE}, got {value}")
+    if not (MIN_SCALE <= value <= MAX_SCALE and math.isfinite(value)):
+        raise ValueError(f"grad_scale must be finite, in [{MIN_SCALE}, {MAX_SCALE}], got {value}")
     return value
 
 
@@ -72,8 +75,8 @@ class ScalerState:
     def update(self, options: Dict[str, float], found_inf: bool) -> None:
         if found_inf:
             self.growth_tracker = 0
-            self.hysteresis_tracker -= 1
-            if self.hysteresis_tracker <= 0:
+            self.hysteresis_tracker = max(self.hysteresis_tracker - 1, 0)  # as the daemon's
+            if self.hysteresis_tracker == 0:
                 self.scale = max(self.scale * options["backoff_factor"], options["min_scale"])
             return
         self.growth_tracker += 1

@@ -237,6 +237,8 @@ def resolve_group(group: Mapping[str, Any], defaults: Mapping[str, Any]) -> Dict
     if name == "muon" and resolved["ns_coefficients"] == "cubic5" and resolved["ns_steps"] != 5:
         raise ValueError("ns_steps must be 5 with ns_coefficients cubic5 (its coefficients are tuned "
                          f"for exactly 5 steps), got {resolved['ns_steps']}")
+    if name == "muon" and resolved["tp_block_dim"] != 0 and (resolved["tp_blocks"] or 1) == 1:
+        raise ValueError("tp_block_dim applies only with tp_blocks > 1")
     if name == "adamw" and resolved["weight_decay_mode"] in ("independent", "cautious"):
         raise ValueError(f"weight_decay_mode {resolved['weight_decay_mode']} applies to muon only; adamw "
                          "takes decoupled (AdamW) or l2 (Adam with coupled L2)")

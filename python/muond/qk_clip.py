@@ -138,8 +138,9 @@ def check_shapes(pairs: Sequence[QkPair], param_of: Mapping[str, torch.Tensor],
             if pair.mla is not None:
                 per_head = pair.mla.query_rows() if role == "query" else pair.mla.key_rows()
                 if p.shape[0] != per_head * pair.num_heads:
-                    raise ValueError(f"{field}.mla: '{name}' has {p.shape[0]} rows; the MLA layout "
-                                     f"gives {pair.num_heads} heads of {per_head}")
+                    raise ValueError(f"{field}.mla: '{name}' has {p.shape[0]} rows ({pair.num_heads} "
+                                     f"heads of {p.shape[0] // pair.num_heads}); the MLA layout does "
+                                     f"not add up to it")
             if name in used:
                 raise ValueError(f"{field}.{role}: '{name}' is already in a qk_clip pair")
             used[name] = i

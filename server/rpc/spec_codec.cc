@@ -113,12 +113,13 @@ absl::Status ParseQkClip(const v1::SessionSpec& spec, SessionConfig& config) {
                                                       ">= 0, got (", mla.qk_nope_head_dim(), ", ",
                                                       mla.qk_rope_head_dim(), ", ", mla.v_head_dim(), ")"));
         }
+        // Compared against the rows each head has (never multiplied or added: no overflow).
         const bool is_query = std::string(role) == "query";
-        const int64_t per_head = is_query ? mla.qk_nope_head_dim() + mla.qk_rope_head_dim()
-                                          : mla.qk_nope_head_dim() + mla.v_head_dim();
-        if (param.shape[0] != per_head * clip.num_heads) {
-          return Invalid(field + ".mla", absl::StrCat("'", name, "' has ", param.shape[0], " rows; the MLA layout gives ",
-                                                      clip.num_heads, " heads of ", per_head,
+        const int64_t rows_per_head = param.shape[0] / clip.num_heads;
+        const int64_t rest = is_query ? mla.qk_rope_head_dim() : mla.v_head_dim();
+        if (mla.qk_nope_head_dim() > rows_per_head || rest != rows_per_head - mla.qk_nope_head_dim()) {
+          return Invalid(field + ".mla", absl::StrCat("'", name, "' has ", param.shape[0], " rows (", clip.num_heads,
+                                                      " heads of ", rows_per_head, "); the MLA layout does not add up to it",
                                                       is_query ? " (qk_nope_head_dim + qk_rope_head_dim)"
                                                                : " (qk_nope_head_dim + v_head_dim)"));
         }
@@ -399,12 +400,28 @@ absl::StatusOr<SessionConfig> ParseSessionSpec(const v1::SessionSpec& spec, cons
       if (param.qkv.q <= 0 || param.qkv.k <= 0 || param.qkv.v <= 0 || param.qkv.num_query_groups <= 0) {
         return Invalid(field + ".qkv_split", "sizes and num_query_groups must be positive");
       }
+      // Bounded by the rows before anything multiplies them (the optimizer checks the exact sum).
+      const int64_t rows = param.shape.empty() ? 0 : param.shape[0];
+      if (param.qkv.q > rows || param.qkv.k > rows || param.qkv.v > rows || param.qkv.num_query_groups > rows) {
+        return Invalid(field + ".qkv_split", absl::StrCat("sizes and num_query_groups must be at most the ", rows,
+                                                          " rows"));
+      }
     } else if (p.num_query_groups() != 0) {
       return Invalid(field + ".num_query_groups", "applies only with qkv_split");
     }
     if (p.tp_blocks() < 0) return Invalid(field + ".tp_blocks", absl::StrCat("must be >= 0, got ", p.tp_blocks()));
     if (p.tp_block_dim() != 0 && p.tp_blocks() <= 1) {
       return Invalid(field + ".tp_block_dim", "applies only with tp_blocks > 1");
+    }
+    if (p.tp_blocks() > 1) {
+      if (param.shape.size() != 2 || (p.tp_block_dim() != 0 && p.tp_block_dim() != 1)) {
+        return Invalid(field + ".tp_blocks", "needs a 2-D parameter and tp_block_dim 0 or 1");
+      }
+      const int64_t extent = param.shape[static_cast<size_t>(p.tp_block_dim())];
+      if (p.tp_blocks() > extent || extent % p.tp_blocks() != 0) {
+        return Invalid(field + ".tp_blocks", absl::StrCat("tp_blocks ", p.tp_blocks(), " does not divide dimension ",
+                                                          p.tp_block_dim(), " (", extent, ")"));
+      }
     }
     param.tp = {std::max<int64_t>(p.tp_blocks(), 1), p.tp_block_dim()};
     config.total_elements += param.numel;

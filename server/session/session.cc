@@ -190,6 +190,8 @@ absl::StatusOr<StepOutcome> Session::FinishStep(std::unique_ptr<IncomingStep> st
     return replay;
   }
   if (phase == StepPhase::kCommit) return CommitLocked(step->plan_, step->gradients_);
+  // Each rank's grad_scale against the loss scaler before it joins the others (rank 0's is applied).
+  MUOND_RETURN_IF_ERROR(GradScaleLocked(step->plan_).status());
   if (config_.world_size > 1) return GatherLocked(std::move(step->plan_), std::move(step->gradients_));
   if (phase == StepPhase::kPrepare) return PrepareLocked(std::move(step->plan_), std::move(step->gradients_), 0);
   return ApplyLocked(step->plan_, step->gradients_, step->staged_.get());

@@ -117,9 +117,10 @@ absl::StatusOr<StepPlan> PlanStep(const SessionConfig& config, const std::vector
         absl::StrCat("header.max_grad_norm: must be finite and > 0, got ", *request.max_grad_norm));
   }
   if (request.grad_scale.has_value() &&
-      !(std::isfinite(*request.grad_scale) && *request.grad_scale > 0 && *request.grad_scale <= optim::kMaxLossScale)) {
-    return absl::InvalidArgumentError(absl::StrCat("header.grad_scale: must be finite, > 0 and at most ",
-                                                   optim::kMaxLossScale, ", got ", *request.grad_scale));
+      !(std::isfinite(*request.grad_scale) && *request.grad_scale >= optim::kMinLossScale &&
+        *request.grad_scale <= optim::kMaxLossScale)) {
+    return absl::InvalidArgumentError(absl::StrCat("header.grad_scale: must be in [", optim::kMinLossScale, ", ",
+                                                   optim::kMaxLossScale, "], got ", *request.grad_scale));
   }
   if (request.rank < 0 || request.rank >= config.world_size) {
     return absl::InvalidArgumentError(

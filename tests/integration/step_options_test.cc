@@ -78,6 +78,7 @@ TEST_F(DaemonTest, LossScalerThroughTheCppClient) {
   spec.mutable_loss_scaler()->set_initial_scale(1024);
   spec.mutable_loss_scaler()->set_window(2);
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<client::Session> session, client_->CreateSession("scaled", spec));
+  EXPECT_EQ(session->loss_scale(), 1024);
   const std::vector<float> w = Initial("w", 32), b = Initial("b", 4);
   const std::vector<client::TensorView> initial = {{"w", {8, 4}, w}, {"b", {4}, b}};
   ASSERT_OK(session->UploadParameters(initial));
@@ -100,6 +101,9 @@ TEST_F(DaemonTest, LossScalerThroughTheCppClient) {
   EXPECT_EQ(first.loss_scale, 1024);
   ASSERT_OK_AND_ASSIGN(client::StepReply second, session->Step(2, Gradients(2)));
   EXPECT_EQ(second.loss_scale, 2048) << "a window of 2 clean steps doubles the scale";
+  // A trainer that attaches learns the current scale.
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<client::Session> attached, client_->CreateSession("scaled", spec));
+  EXPECT_EQ(attached->loss_scale(), 2048);
   // A session without a scaler reports none.
   EXPECT_EQ(plain.loss_scale, 0);
 }

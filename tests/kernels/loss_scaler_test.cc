@@ -43,8 +43,8 @@ TEST(LossScalerTest, GrowsAfterAWindowAndBacksOffAfterTheHysteresis) {
       {true, 2048, 0, 1},                                              // first overflow: tolerated
       {false, 2048, 1, 1},                                             // a clean step keeps the count
       {true, 1024, 0, 0},                                              // hysteresis used up: halve
-      {true, 512, 0, -1}, {true, 256, 0, -2}, {true, 256, 0, -3},      // every further one halves, to min
-      {false, 256, 1, -3}, {false, 256, 2, -3}, {false, 512, 0, 2},    // a window restores hysteresis
+      {true, 512, 0, 0}, {true, 256, 0, 0}, {true, 256, 0, 0},         // every further one halves, to min
+      {false, 256, 1, 0}, {false, 256, 2, 0}, {false, 512, 0, 2},      // a window restores hysteresis
   };
   for (size_t i = 0; i < steps.size(); ++i) {
     UpdateLossScale(o, steps[i].found_inf, s);
@@ -70,6 +70,7 @@ TEST(LossScalerTest, RangesNameTheOption) {
     EXPECT_THAT(ValidateLossScaler(o), StatusIs(absl::StatusCode::kInvalidArgument, option));
   };
   bad([](LossScalerOptions& o) { o.initial_scale = 0; }, "initial_scale");
+  bad([](LossScalerOptions& o) { o.initial_scale = 1e-31; }, "initial_scale");
   bad([](LossScalerOptions& o) { o.initial_scale = 1e31; }, "initial_scale");
   bad([](LossScalerOptions& o) { o.min_scale = 2 * o.initial_scale; }, "min_scale");
   bad([](LossScalerOptions& o) { o.growth_factor = 1; }, "growth_factor");
@@ -85,6 +86,8 @@ TEST(LossScalerTest, RangesNameTheOption) {
   EXPECT_THAT(ValidateLossScalerState(o, {.scale = 8, .growth_tracker = 1000, .hysteresis_tracker = 2}),
               StatusIs(absl::StatusCode::kInvalidArgument, "loss_scaler.growth_tracker"));
   EXPECT_THAT(ValidateLossScalerState(o, {.scale = 8, .growth_tracker = 0, .hysteresis_tracker = 3}),
+              StatusIs(absl::StatusCode::kInvalidArgument, "loss_scaler.hysteresis_tracker"));
+  EXPECT_THAT(ValidateLossScalerState(o, {.scale = 8, .growth_tracker = 0, .hysteresis_tracker = -1}),
               StatusIs(absl::StatusCode::kInvalidArgument, "loss_scaler.hysteresis_tracker"));
 }
 

@@ -401,7 +401,7 @@ def test_tp_blockwise_muon_is_a_muon_per_block(endpoint, dim):
                                                        tp_block_dim=0)])
     conn = muond.Connection(endpoint)
     try:
-        with pytest.raises(muond.MuondError, match=r"spec.parameters\[0\] 'w': tp_blocks 4 does not divide"):
+        with pytest.raises(muond.MuondError, match=r"spec.parameters\[0\].tp_blocks: tp_blocks 4 does not divide"):
             conn.create_session("tp-refused", spec)
     finally:
         conn.close()

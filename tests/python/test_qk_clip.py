@@ -283,10 +283,10 @@ def test_mla_layout_that_does_not_fit_is_refused(endpoint):
     wq = torch.randn(H * 5, 8, generator=gen).requires_grad_()
     wkv = torch.randn(H * 6, 8, generator=gen).requires_grad_()  # 6 rows a head, not 3 + 4
     layout = {"qk_nope_head_dim": 3, "qk_rope_head_dim": 2, "v_head_dim": 4}
-    with pytest.raises(muond.MuondError, match=r"qk_clip\[0\]\.mla: 'wkv' has 24 rows; the MLA layout gives 4 heads of 7"):
+    with pytest.raises(muond.MuondError, match=r"qk_clip\[0\]\.mla: 'wkv' has 24 rows \(4 heads of 6\); the MLA layout"):
         muond.RemoteOptimizer([{"params": [("wq", wq), ("wkv", wkv)]}], endpoint=endpoint,
                               qk_clip=[(wq, wkv, H, layout)])
-    with pytest.raises(ValueError, match=r"qk_clip\[0\]\.mla: 'wkv' has 24 rows"):
+    with pytest.raises(ValueError, match=r"qk_clip\[0\]\.mla: 'wkv' has 24 rows \(4 heads of 6\); the MLA layout"):
         muond.LocalOptimizer([{"params": [("wq", wq), ("wkv", wkv)]}], qk_clip=[(wq, wkv, H, layout)])
     with pytest.raises(ValueError, match="qk_nope_head_dim must be >= 1"):
         muond.LocalOptimizer([{"params": [("wq", wq), ("wkv", wkv)]}],

@@ -267,6 +267,11 @@ Answer ExportSession(const ConnectFlags& flags, const std::string& session_id, c
   // A slot smaller than its parameter (NorMuon's per-line second moment) is written flat: the stream
   // carries its elements, not its shape (a checkpoint read with --state-dir keeps the shape).
   for (size_t i = 0; i < data.tensors.size(); ++i) {
+    if (received[i] < data.tensors[i].values.size() && data.tensors[i].slot == "master") {
+      return ErrorAnswer(absl::InternalError(absl::StrCat("the daemon sent ", received[i], " of ",
+                                                          data.tensors[i].values.size(), " elements of '",
+                                                          data.tensors[i].parameter, "'")));
+    }
     if (received[i] < data.tensors[i].values.size()) {
       data.tensors[i].values.resize(received[i]);
       data.tensors[i].shape = {static_cast<int64_t>(received[i])};

@@ -80,6 +80,51 @@ TEST(SessionConfigTest, LossScalerTakesMegatronDefaultsAndRefusesBadOptions) {
               StatusIs(absl::StatusCode::kInvalidArgument, "spec.loss_scaler.hysteresis"));
 }
 
+TEST(SessionConfigTest, BlockCountsAndLayoutsAreBoundedBeforeAnythingUsesThem) {
+  // Sizes far beyond the parameter are refused by the codec (they would otherwise be iterated over
+  // or multiplied before the optimizer's own checks).
+  v1::SessionSpec spec = Spec();
+  spec.mutable_parameters(0)->set_tp_blocks(int64_t{1} << 62);
+  EXPECT_THAT(ParseSessionSpec(spec, SpecLimits{}),
+              StatusIs(absl::StatusCode::kInvalidArgument, "spec.parameters[0].tp_blocks"));
+  spec.mutable_parameters(0)->set_tp_blocks(5);
+  spec.mutable_parameters(0)->set_tp_block_dim(1);
+  ASSERT_OK_AND_ASSIGN(SessionConfig config, ParseSessionSpec(spec, SpecLimits{}));
+  EXPECT_EQ(config.parameters[0].tp.blocks, 5);
+  EXPECT_EQ(config.parameters[0].tp.dim, 1);
+  spec.mutable_parameters(0)->set_tp_blocks(0);
+  EXPECT_THAT(ParseSessionSpec(spec, SpecLimits{}),
+              StatusIs(absl::StatusCode::kInvalidArgument, "spec.parameters[0].tp_block_dim"));
+  spec.mutable_parameters(0)->set_tp_block_dim(0);
+  spec.mutable_parameters(0)->add_qkv_split(1);
+  spec.mutable_parameters(0)->add_qkv_split(1);
+  spec.mutable_parameters(0)->add_qkv_split(1);
+  spec.mutable_parameters(0)->set_num_query_groups(1 << 30);
+  EXPECT_THAT(ParseSessionSpec(spec, SpecLimits{}),
+              StatusIs(absl::StatusCode::kInvalidArgument, "spec.parameters[0].qkv_split"));
+  // An MLA layout whose sums would overflow is compared per head, never added up.
+  v1::SessionSpec mla = Spec();
+  auto* k = mla.add_parameters();
+  k->set_name("k");
+  k->add_shape(4);
+  k->add_shape(5);
+  k->set_group("m");
+  mla.mutable_parameters(0)->set_shape(0, 4);
+  auto* pair = mla.add_qk_clip();
+  pair->set_query("w");
+  pair->set_key("k");
+  pair->set_num_heads(2);
+  pair->mutable_mla()->set_qk_nope_head_dim(int64_t{1} << 62);
+  pair->mutable_mla()->set_qk_rope_head_dim((int64_t{1} << 62) + 2);
+  EXPECT_THAT(ParseSessionSpec(mla, SpecLimits{}), StatusIs(absl::StatusCode::kInvalidArgument, "spec.qk_clip[0].mla"));
+  pair->mutable_mla()->set_qk_nope_head_dim(1);
+  pair->mutable_mla()->set_qk_rope_head_dim(1);
+  pair->mutable_mla()->set_v_head_dim(1);
+  ASSERT_OK_AND_ASSIGN(SessionConfig fits, ParseSessionSpec(mla, SpecLimits{}));
+  ASSERT_TRUE(fits.qk_clip[0].mla.has_value());
+  EXPECT_EQ(fits.qk_clip[0].mla->qk_nope_head_dim, 1);
+}
+
 TEST(SessionConfigTest, AdaptiveMuonAndItsRefusals) {
   v1::GroupOptions options;
   options.set_moment2_method("normuon");
