@@ -226,6 +226,24 @@ class LocalOptimizer(torch.optim.Optimizer):
                 opts.check_parameter(resolved, tuple(p.shape))
         super().add_param_group(resolved)
 
+    def state_dict(self) -> Dict[str, Any]:
+        """torch's state dict, plus the loss scaler's state under ``loss_scaler`` when there is one."""
+        out = super().state_dict()
+        if self._scaler is not None:
+            out["loss_scaler"] = {"scale": self._scaler.scale,
+                                  "growth_tracker": self._scaler.growth_tracker,
+                                  "hysteresis_tracker": self._scaler.hysteresis_tracker}
+        return out
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """torch's ``load_state_dict``; a saved ``loss_scaler`` state replaces this one's."""
+        state_dict = dict(state_dict)
+        scaler = state_dict.pop("loss_scaler", None)
+        super().load_state_dict(state_dict)
+        if scaler is not None and self._scaler is not None:
+            self._scaler = loss_scale.ScalerState(float(scaler["scale"]), int(scaler["growth_tracker"]),
+                                                  int(scaler["hysteresis_tracker"]))
+
     @property
     def loss_scale(self) -> Optional[float]:
         """With a loss scaler, the scale to multiply the next loss by; else None."""

@@ -69,6 +69,12 @@ def test_dynamic_loss_scaler_matches_megatron_and_local(endpoint):
                 (False, s / 2), (True, s / 2), (True, s / 2), (True, s)]
     assert remote == expected
     assert mine == expected
+    # LocalOptimizer's state dict carries its scaler like RemoteOptimizer's.
+    saved = local.state_dict()
+    assert saved["loss_scaler"] == {"scale": s, "growth_tracker": 0, "hysteresis_tracker": 2}
+    again = muond.LocalOptimizer(groups(clone_model(twin)), loss_scaler=scaler)
+    again.load_state_dict(saved)
+    assert again.loss_scale == s
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
         assert rel_err(p.detach(), q.detach()) < 1e-4, name
 
