@@ -1,5 +1,7 @@
-// ns_bench: Newton–Schulz throughput of muond's optim::NewtonSchulz on one backend, in TFLOP/s,
-// on the shapes of bench_common.h (5 steps, the `simple` coefficients, eps 1e-7). Warm-up calls
+// ns_bench: Newton–Schulz throughput of muond's optim::NewtonSchulz (or, with --algorithm gram,
+// GramNewtonSchulz) on one backend, in TFLOP/s of the standard iteration's work (so the two
+// algorithms compare by time), on the shapes of bench_common.h (5 steps, the `simple` coefficients,
+// or with gram the `gram_polar_express` set and its restart, eps 1e-7). Warm-up calls
 // grow the workspace first; the timed calls run back to back and the backend is synchronized once
 // at the end, so the figure is the throughput of a stream of calls, as in a training loop.
 //
@@ -26,6 +28,7 @@ struct Flags {
   int reps = 10;
   int threads = 0;
   int steps = 5;
+  std::string algorithm = "standard";
 };
 
 int Run(const Flags& flags) {
@@ -34,9 +37,9 @@ int Run(const Flags& flags) {
       flags.precision.empty() ? DefaultPrecision(*backend) : flags.precision;
   const kernels::MatmulPrecision precision = ParsePrecision(precision_name);
   if (!flags.json) {
-    std::printf("muond Newton-Schulz on %s (%s), %s GEMMs, %d steps, %d timed reps\n",
-                backend->Name().c_str(), backend->Detail().c_str(), precision_name.c_str(),
-                flags.steps, flags.reps);
+    std::printf("muond Newton-Schulz (%s) on %s (%s), %s GEMMs, %d steps, %d timed reps\n",
+                flags.algorithm.c_str(), backend->Name().c_str(), backend->Detail().c_str(),
+                precision_name.c_str(), flags.steps, flags.reps);
     std::printf("%-20s %12s %10s\n", "shape", "ms/call", "TFLOP/s");
   }
   std::mt19937 rng(1);
@@ -51,10 +54,18 @@ int Run(const Flags& flags) {
     CheckOk(out.status(), "allocate output");
     CheckOk(backend->CopyToDevice(host.data(), (*in)->data(), total), "upload");
     optim::NsWorkspace ws;
+    const bool gram = flags.algorithm == "gram";
+    const optim::NsSchedule schedule = gram ? *optim::NamedSchedule("gram_polar_express") : optim::NsSchedule{};
     auto call = [&] {
-      CheckOk(optim::NewtonSchulz(*backend, optim::NsSchedule{}, flags.steps, 1e-7, 1.0, precision,
-                                  (*in)->data(), (*out)->data(), shape.rows, shape.cols, shape.batch,
-                                  ws),
+      if (gram) {
+        CheckOk(optim::GramNewtonSchulz(*backend, schedule, flags.steps, schedule.gram_restarts, 1e-7, 1.0,
+                                        precision, (*in)->data(), (*out)->data(), shape.rows, shape.cols,
+                                        shape.batch, ws),
+                "GramNewtonSchulz");
+        return;
+      }
+      CheckOk(optim::NewtonSchulz(*backend, schedule, flags.steps, 1e-7, 1.0, precision, (*in)->data(),
+                                  (*out)->data(), shape.rows, shape.cols, shape.batch, ws),
               "NewtonSchulz");
     };
     for (int i = 0; i < flags.warmup; ++i) call();
@@ -66,10 +77,10 @@ int Run(const Flags& flags) {
     const double tflops = shape.Flops(flags.steps) / seconds / 1e12;
     if (flags.json) {
       std::printf(
-          "{\"bench\": \"ns\", \"impl\": \"muond\", \"shape\": \"%s\", \"backend\": \"%s\", "
-          "\"precision\": \"%s\", \"ms\": %.4f, \"tflops\": %.4f}\n",
-          shape.Name().c_str(), backend->Name().c_str(), precision_name.c_str(), seconds * 1e3,
-          tflops);
+          "{\"bench\": \"ns\", \"impl\": \"muond\", \"algorithm\": \"%s\", \"shape\": \"%s\", "
+          "\"backend\": \"%s\", \"precision\": \"%s\", \"ms\": %.4f, \"tflops\": %.4f}\n",
+          flags.algorithm.c_str(), shape.Name().c_str(), backend->Name().c_str(), precision_name.c_str(),
+          seconds * 1e3, tflops);
     } else {
       std::printf("%-20s %12.3f %10.3f\n", shape.Name().c_str(), seconds * 1e3, tflops);
     }
@@ -96,6 +107,9 @@ int main(int argc, char** argv) {
   app.add_option("--threads", flags.threads, "CPU backend threads (0: OpenBLAS default)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--steps", flags.steps, "Newton-Schulz iterations")->check(CLI::PositiveNumber);
+  app.add_option("--algorithm", flags.algorithm, "standard, or gram (GramNewtonSchulz with the "
+                                                 "gram_polar_express set)")
+      ->check(CLI::IsMember({"standard", "gram"}));
   CLI11_PARSE(app, argc, argv);
   return muond::bench::Run(flags);
 }
