@@ -128,6 +128,9 @@ class Muon final : public Optimizer {
   // Column-blocked parameters: their U transposed in place (m × n → n × m, through workspace), so that
   // each column block is a contiguous row block.
   absl::Status TransposeInPlace(Backend& backend, std::span<ParamState* const> params, bool to_blocks) const;
+  // W ← β·W − η·D over `count` elements of O at `o` for `job`: D = scale·O, or AdaMuon's
+  // x/(√V + ε) with x = scale·O; with cautious decay the decay is per element.
+  absl::Status ApplyUpdate(Backend& backend, const MatrixJob& job, float* o, size_t count) const;
   // Transposes a column-blocked parameter's O back and applies the update to all of it at once
   // (every block has the same shape, so one scale).
   absl::Status ApplyTransposed(Backend& backend, const StepHyper& hyper, ParamState& p) const;
@@ -349,26 +352,25 @@ absl::Status Muon::Orthogonalize(Backend& backend, std::span<const MatrixJob> jo
     }
     return absl::OkStatus();
   }
-  for (size_t i = 0; i < batch; ++i) {
-    const MatrixJob& job = jobs[i];
-    float* o = work + i * mat;
-    double step = job.lr * job.scale;
-    if (options_.moment2_method == Moment2Method::kAdamuon) {
-      // Megatron-Core's adamuon takes the scaled update: the scale moves into the moment.
-      const kernels::AdamuonArgs args{.scale = static_cast<float>(job.scale),
-                                      .one_minus_beta2 = static_cast<float>(1.0 - options_.beta2),
-                                      .eps = static_cast<float>(options_.eps)};
-      MUOND_RETURN_IF_ERROR(backend.Adamuon(args, job.moment2, o, mat));
-      step = job.lr;
-    }
-    if (options_.weight_decay_mode == WeightDecayMode::kCautious) {
-      const kernels::CautiousArgs args{.alpha = static_cast<float>(-step), .decay = job.decay};
-      MUOND_RETURN_IF_ERROR(backend.CautiousUpdate(args, o, job.master, mat));
-    } else {
-      MUOND_RETURN_IF_ERROR(backend.Axpby(static_cast<float>(-step), o, job.beta, job.master, mat));
-    }
-  }
+  for (size_t i = 0; i < batch; ++i) MUOND_RETURN_IF_ERROR(ApplyUpdate(backend, jobs[i], work + i * mat, mat));
   return absl::OkStatus();
+}
+
+absl::Status Muon::ApplyUpdate(Backend& backend, const MatrixJob& job, float* o, size_t count) const {
+  double step = job.lr * job.scale;
+  if (options_.moment2_method == Moment2Method::kAdamuon) {
+    // Megatron-Core's adamuon takes the scaled update: the scale moves into the moment.
+    const kernels::AdamuonArgs args{.scale = static_cast<float>(job.scale),
+                                    .one_minus_beta2 = static_cast<float>(1.0 - options_.beta2),
+                                    .eps = static_cast<float>(options_.eps)};
+    MUOND_RETURN_IF_ERROR(backend.Adamuon(args, job.moment2, o, count));
+    step = job.lr;
+  }
+  if (options_.weight_decay_mode == WeightDecayMode::kCautious) {
+    const kernels::CautiousArgs args{.alpha = static_cast<float>(-step), .decay = job.decay};
+    return backend.CautiousUpdate(args, o, job.master, count);
+  }
+  return backend.Axpby(static_cast<float>(-step), o, job.beta, job.master, count);
 }
 
 // NorMuon's variance reduction (modded-nanogpt's _apply_normuon_variance_reduction) on each
@@ -435,23 +437,20 @@ absl::Status Muon::TransposeInPlace(Backend& backend, std::span<ParamState* cons
 absl::Status Muon::ApplyTransposed(Backend& backend, const StepHyper& hyper, ParamState& p) const {
   ParamState* const one[] = {&p};
   MUOND_RETURN_IF_ERROR(TransposeInPlace(backend, one, /*to_blocks=*/false));
-  const size_t n = static_cast<size_t>(p.numel);
-  float* o = p.grad->data();
-  const double scale = Scale(p.shape[0], p.shape[1] / p.tp.blocks);
-  double step = hyper.lr * scale;
-  if (options_.moment2_method == Moment2Method::kAdamuon) {
-    const kernels::AdamuonArgs args{.scale = static_cast<float>(scale),
-                                    .one_minus_beta2 = static_cast<float>(1.0 - options_.beta2),
-                                    .eps = static_cast<float>(options_.eps)};
-    MUOND_RETURN_IF_ERROR(backend.Adamuon(args, p.Slot(kMoment2Slot)->data(), o, n));
-    step = hyper.lr;
-  }
-  if (options_.weight_decay_mode == WeightDecayMode::kCautious) {
-    const kernels::CautiousArgs args{.alpha = static_cast<float>(-step),
-                                     .decay = static_cast<float>(hyper.lr * hyper.weight_decay)};
-    return backend.CautiousUpdate(args, o, p.master->data(), n);
-  }
-  return backend.Axpby(static_cast<float>(-step), o, DecayFactor(hyper), p.master->data(), n);
+  // Every block has the same shape, so the whole parameter is one job with the blocks' scale.
+  const MatrixJob whole{.update = p.grad->data(),
+                        .master = p.master->data(),
+                        .moment2 = options_.moment2_method == Moment2Method::kAdamuon ? p.Slot(kMoment2Slot)->data()
+                                                                                       : nullptr,
+                        .rows = p.shape[0],
+                        .cols = p.shape[1],
+                        .lr = hyper.lr,
+                        .scale = Scale(p.shape[0], p.shape[1] / p.tp.blocks),
+                        .beta = DecayFactor(hyper),
+                        .decay = options_.weight_decay_mode == WeightDecayMode::kCautious
+                                     ? static_cast<float>(hyper.lr * hyper.weight_decay)
+                                     : 0.0f};
+  return ApplyUpdate(backend, whole, whole.update, static_cast<size_t>(p.numel));
 }
 
 absl::Status Muon::Step(Backend& backend, const StepHyper& hyper,

@@ -8,7 +8,6 @@
 #include "kernels/optim/options.h"
 #include "server/rpc/muond_service.h"
 #include "server/rpc/spec_codec.h"
-#include "server/session/memory_quota.h"
 
 namespace muond::rpc {
 namespace {
@@ -75,7 +74,7 @@ grpc::Status MuondService::ListSessions(grpc::ServerContext* context, const v1::
       summary->set_num_parameters(session->config().total_elements);
       summary->set_initialized(session->initialized());
       summary->set_world_size(session->config().world_size);
-      summary->set_state_bytes(session::EstimateSessionBytes(session->config()));
+      summary->set_state_bytes(session->state_bytes());
       if (absl::StatusOr<v1::SessionSpec> spec = SpecFromJson(session->config().spec_json); spec.ok()) {
         *summary->mutable_spec() = *std::move(spec);
       }

@@ -17,11 +17,7 @@ int64_t EstimateSessionBytes(const SessionConfig& config) {
   }
   int64_t bytes = 0;
   for (const ParameterConfig& param : config.parameters) {
-    optim::ParamState shape_only;
-    shape_only.shape = param.shape;
-    shape_only.numel = param.numel;
-    shape_only.qkv = param.qkv;
-    shape_only.tp = param.tp;
+    const optim::ParamState shape_only = ParamStateOf(param);
     int64_t elements = 2 * param.numel;  // master and gradient
     const optim::Optimizer* optimizer = optimizers[param.group].get();
     if (optimizer == nullptr) {

@@ -13,13 +13,14 @@
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "kernels/optim/qk_clip.h"
+#include "server/session/memory_quota.h"
 #include "server/session/value_rules.h"
 
 namespace muond::session {
 
 Session::Session(std::string id, SessionConfig config, kernels::Backend* backend, std::string owner)
-    : id_(std::move(id)), owner_(std::move(owner)), config_(std::move(config)), backend_(backend),
-      gather_(config_.world_size) {}
+    : id_(std::move(id)), owner_(std::move(owner)), config_(std::move(config)),
+      state_bytes_(EstimateSessionBytes(config_)), backend_(backend), gather_(config_.world_size) {}
 
 absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::string id, SessionConfig config,
                                                          kernels::Backend* backend, std::string owner) {
@@ -47,11 +48,7 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::string id, Session
   for (size_t i = 0; i < cfg.parameters.size(); ++i) {
     const ParameterConfig& pc = cfg.parameters[i];
     optim::ParamState& state = session->params_[i];
-    state.name = pc.name;
-    state.shape = pc.shape;
-    state.numel = pc.numel;
-    state.qkv = pc.qkv;
-    state.tp = pc.tp;
+    state = ParamStateOf(pc);
     const optim::Optimizer& optimizer = *session->optimizers_[pc.group];
     absl::Status fits = optimizer.CheckParameter(state);
     if (!fits.ok()) {
@@ -540,12 +537,8 @@ std::shared_ptr<const ParameterSnapshot> Session::Parameters(int64_t* last_step)
 std::vector<int64_t> Session::TensorShape(size_t parameter, std::string_view slot) const {
   const ParameterConfig& pc = config_.parameters[parameter];
   if (slot == kMasterSlot) return pc.shape;
-  optim::ParamState shape_only;  // shapes are fixed at creation: no lock needed
-  shape_only.shape = pc.shape;
-  shape_only.numel = pc.numel;
-  shape_only.qkv = pc.qkv;
-  shape_only.tp = pc.tp;
-  return optimizers_[pc.group]->SlotShape(shape_only, slot);
+  // Shapes and optimizers are fixed at creation: no lock needed.
+  return optimizers_[pc.group]->SlotShape(ParamStateOf(pc), slot);
 }
 
 absl::StatusOr<SessionState> Session::ExportState() const {

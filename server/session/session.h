@@ -56,6 +56,9 @@ class Session {
   const std::string& id() const { return id_; }
   const std::string& owner() const { return owner_; }
   const SessionConfig& config() const { return config_; }
+  // Backend memory the session holds, as the quotas count it (EstimateSessionBytes of its config,
+  // computed once at creation).
+  int64_t state_bytes() const { return state_bytes_; }
 
   int64_t last_step() const;
   bool initialized() const;
@@ -187,6 +190,7 @@ class Session {
   const std::string id_;
   const std::string owner_;
   const SessionConfig config_;
+  const int64_t state_bytes_;
   kernels::Backend* const backend_;
   std::vector<optim::StepHyper> default_hyper_;  // per group; set by Create, immutable afterwards
   std::unique_ptr<GradientPool> gradient_pool_;  // set by Create; thread-safe itself

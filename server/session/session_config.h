@@ -44,6 +44,18 @@ struct ParameterConfig {
   optim::TpBlocks tp;
 };
 
+// An optimizer's view of parameter `pc` before it has buffers: name, shape, QKV split and
+// tensor-parallel blocks (what CheckParameter, SlotShape and SlotNumel read).
+inline optim::ParamState ParamStateOf(const ParameterConfig& pc) {
+  optim::ParamState state;
+  state.name = pc.name;
+  state.shape = pc.shape;
+  state.numel = pc.numel;
+  state.qkv = pc.qkv;
+  state.tp = pc.tp;
+  return state;
+}
+
 struct GroupConfig {
   std::string name;
   optim::GroupOptions options;

@@ -144,7 +144,7 @@ int64_t SessionRegistry::HeldBytesLocked() const {
   // Summed afresh (at most --max-sessions terms), so a closed session stops counting the moment it
   // leaves the map, whichever path removed it.
   int64_t bytes = 0;
-  for (const auto& [id, session] : sessions_) bytes += EstimateSessionBytes(session->config());
+  for (const auto& [id, session] : sessions_) bytes += session->state_bytes();
   return bytes;
 }
 

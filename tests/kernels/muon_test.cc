@@ -332,6 +332,18 @@ INSTANTIATE_TEST_SUITE_P(
                   ParamSpec{{40, 24}, QkvSplit{.q = 16, .k = 2, .v = 2, .num_query_groups = 2}}, k2d}}),
     [](const auto& info) { return info.param.name; });
 
+// One step of an 8×12 parameter of 0.5s with a zero gradient, from freshly initialized state.
+void ZeroGradientStep(kernels::Backend& backend, Optimizer& opt, ParamState& p) {
+  p.shape = {8, 12};
+  p.numel = 96;
+  p.master = testing::Upload(backend, std::vector<float>(96, 0.5f));
+  p.grad = testing::Upload(backend, std::vector<float>(96, 0.0f));
+  p.has_grad = true;
+  ASSERT_OK(opt.InitState(backend, p));
+  std::vector<ParamState*> ptrs = {&p};
+  ASSERT_OK(opt.Step(backend, opt.DefaultHyper(), ptrs));
+}
+
 class MuonTest : public ::testing::Test {
  protected:
   std::unique_ptr<Optimizer> Muon() { return *Optimizer::Create(DefaultOptions(OptimizerKind::kMuon)); }
@@ -390,14 +402,7 @@ TEST_F(MuonTest, SlotsAndZeroGradient) {
   EXPECT_EQ(opt->SlotNames(), std::vector<std::string>{"momentum"});
   auto backend = kernels::NewCpuBackend(1);
   ParamState p;
-  p.shape = {8, 12};
-  p.numel = 96;
-  p.master = testing::Upload(*backend, std::vector<float>(96, 0.5f));
-  p.grad = testing::Upload(*backend, std::vector<float>(96, 0.0f));
-  p.has_grad = true;
-  ASSERT_OK(opt->InitState(*backend, p));
-  std::vector<ParamState*> ptrs = {&p};
-  ASSERT_OK(opt->Step(*backend, opt->DefaultHyper(), ptrs));
+  ASSERT_NO_FATAL_FAILURE(ZeroGradientStep(*backend, *opt, p));
   // A zero gradient orthogonalizes to zero (no NaN), so with wd = 0 the weights stay put.
   for (float x : testing::Download(*backend, p.master->data(), 96)) ASSERT_EQ(x, 0.5f);
   EXPECT_EQ(p.step_count, 1);
@@ -430,12 +435,7 @@ TEST_F(MuonTest, AdaptiveSlotsAndZeroGradientGuard) {
       EXPECT_EQ(opt->SlotShape(experts, "moment2"), (std::vector<int64_t>{18}));
     }
     EXPECT_EQ(opt->SlotShape(p, "momentum"), p.shape);
-    p.master = testing::Upload(*backend, std::vector<float>(96, 0.5f));
-    p.grad = testing::Upload(*backend, std::vector<float>(96, 0.0f));
-    p.has_grad = true;
-    ASSERT_OK(opt->InitState(*backend, p));
-    std::vector<ParamState*> ptrs = {&p};
-    ASSERT_OK(opt->Step(*backend, opt->DefaultHyper(), ptrs));
+    ASSERT_NO_FATAL_FAILURE(ZeroGradientStep(*backend, *opt, p));
     // An all-zero update stays zero: NorMuon's norm ratio would be 0/0 and AdaMuon's 0/(0 + ε).
     for (float x : testing::Download(*backend, p.master->data(), 96)) ASSERT_EQ(x, 0.5f);
     for (float x : testing::Download(*backend, p.Slot("moment2")->data(), opt->SlotNumel(p, "moment2"))) {

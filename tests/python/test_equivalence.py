@@ -5,8 +5,11 @@ import pytest
 import torch
 
 import muond
+from muond import options as opts
+from muond._stubs import pb
+from muond.local import newton_schulz
 from helpers import Pair, TinyNet, clone_model, loss_of, rel_err, remote_factory
-from reference import POLAR_EXPRESS, QUINTIC, SIMPLE
+from reference import ADAMW_DEFAULTS, MUON_DEFAULTS, POLAR_EXPRESS, QUINTIC, SIMPLE, Reference
 
 TOLERANCE = 1e-4
 
@@ -144,8 +147,6 @@ def test_adaptive_muon_and_cautious_decay_match_the_reference(endpoint, options)
 @pytest.mark.parametrize("coefficients", ["simple", "gram_polar_express"])
 def test_local_gram_newton_schulz_matches_the_standard_map(coefficients):
     """LocalOptimizer's Gram path (with the set's restart) against its standard path."""
-    from muond.local import newton_schulz
-    from muond import options as opts
     tuples, after = opts.COEFFICIENT_SETS[coefficients], opts.COEFFICIENTS_AFTER[coefficients]
     g = torch.Generator().manual_seed(3)
     for shape in ((24, 64), (64, 24), (3, 16, 40)):
@@ -210,7 +211,6 @@ def test_cubic5_takes_exactly_five_steps(endpoint):
         muond.RemoteOptimizer(muond.default_param_groups(model, muon={"ns_coefficients": "cubic5",
                                                                        "ns_steps": 6}), endpoint=endpoint)
     # The daemon refuses it too, naming the field, when a client skips the check.
-    from muond._stubs import pb
     spec = pb.SessionSpec(groups=[pb.ParameterGroup(name="g", options=pb.GroupOptions(
         optimizer=pb.OPTIMIZER_MUON, ns_coefficients="cubic5", ns_steps=6))],
         parameters=[pb.ParameterSpec(name="w", shape=[4, 8], group="g")])
@@ -358,7 +358,6 @@ def test_tp_blockwise_muon_is_a_muon_per_block(endpoint, dim):
     """tp_blocks (Megatron-Core's muon_tp_mode = blockwise): each tensor-parallel shard is
     orthogonalized and scaled on its own shape. Momentum is element-wise, so the reference is the
     plain reference run on every block as a parameter of its own; LocalOptimizer agrees too."""
-    from reference import ADAMW_DEFAULTS, MUON_DEFAULTS, Reference
     model = TinyNet(seed=41)
     twin = clone_model(model)
     ref_params = {n: p.detach().clone().float() for n, p in model.named_parameters()}
@@ -395,7 +394,6 @@ def test_tp_blockwise_muon_is_a_muon_per_block(endpoint, dim):
     with pytest.raises(ValueError, match="tp_blocks 5 does not divide"):
         muond.RemoteOptimizer(muond.default_param_groups(TinyNet(seed=42), muon={"tp_blocks": 5}),
                               endpoint=endpoint)
-    from muond._stubs import pb
     spec = pb.SessionSpec(groups=[pb.ParameterGroup(name="g", options=pb.GroupOptions(optimizer=pb.OPTIMIZER_MUON))],
                           parameters=[pb.ParameterSpec(name="w", shape=[6, 8], group="g", tp_blocks=4,
                                                        tp_block_dim=0)])

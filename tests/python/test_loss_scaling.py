@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import muond
+from muond._stubs import pb
 from helpers import TinyNet, clone_model, loss_of, rel_err
 
 
@@ -96,7 +97,6 @@ def test_grad_scale_must_match_the_scaler_and_bad_scales_are_refused(endpoint):
     with pytest.raises(ValueError, match="unknown option"):
         muond.LocalOptimizer(groups(TinyNet(seed=36)), loss_scaler={"scale": 8.0})
     # The daemon refuses what a client did not check, naming the field.
-    from muond._stubs import pb
     spec = pb.SessionSpec(groups=[pb.ParameterGroup(name="g", options=pb.GroupOptions(
         optimizer=pb.OPTIMIZER_ADAMW))], parameters=[pb.ParameterSpec(name="w", shape=[4], group="g")],
         loss_scaler=pb.LossScaler(backoff_factor=1.5))
