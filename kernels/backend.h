@@ -23,6 +23,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kernels/elementwise.h"
+#include "kernels/storage_dtype.h"
 
 namespace muond::kernels {
 
@@ -127,6 +128,12 @@ class Backend {
   virtual absl::Status CopyToHost(const float* device, float* host, size_t count) = 0;
   virtual absl::Status CopyOnDevice(const float* src, float* dst, size_t count) = 0;
   virtual absl::Status Fill(float* x, size_t count, float value) = 0;
+  // Conversions between fp32 and the storage formats (StorageDtype): `packed` points at `count`
+  // elements of `dtype` in backend memory (a 16-bit tensor lives in a buffer of ⌈n/2⌉ fp32 words, see
+  // optim::StoredTensor). Narrow rounds to nearest even (common/half_float.h); for kFp32 both copy.
+  // On a HostAddressable backend the fp32 side may be host memory.
+  virtual absl::Status Widen(StorageDtype dtype, const void* packed, float* out, size_t count) = 0;
+  virtual absl::Status Narrow(StorageDtype dtype, const float* in, void* packed, size_t count) = 0;
   // Pipelined transfers (see HostToDevice, DeviceToHost). The defaults copy synchronously through
   // CopyToDevice and CopyToHost.
   virtual absl::StatusOr<std::unique_ptr<HostToDevice>> NewHostToDevice();

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "common/half_float.h"
 #include "kernels/cpu/compute_pool.h"
 
 namespace muond::kernels {
@@ -88,6 +89,14 @@ MUOND_ELEMENTWISE_CLONES void AdamuonRange(const AdamuonArgs a, float* __restric
 MUOND_ELEMENTWISE_CLONES void CautiousUpdateRange(const CautiousArgs a, const float* __restrict u, float* __restrict p,
                                                   size_t begin, size_t end) {
   for (size_t i = begin; i < end; ++i) CautiousUpdateElement(a, u[i], p[i]);
+}
+template <uint16_t (*kNarrow)(float)>
+void NarrowRange(const float* __restrict in, uint16_t* __restrict out, size_t begin, size_t end) {
+  for (size_t i = begin; i < end; ++i) out[i] = kNarrow(in[i]);
+}
+template <float (*kWiden)(uint16_t)>
+void WidenRange(const uint16_t* __restrict in, float* __restrict out, size_t begin, size_t end) {
+  for (size_t i = begin; i < end; ++i) out[i] = kWiden(in[i]);
 }
 MUOND_ELEMENTWISE_CLONES void AxpbyRange(const float alpha, const float* x, const float beta, float* y, size_t begin,
                 size_t end) {
@@ -226,6 +235,28 @@ class CpuBackend final : public Backend {
     pool_.Run(count * batch, [&](size_t begin, size_t end) {
       for (size_t i = begin; i < end; ++i) x[i] *= scales[i / count];
     });
+    return absl::OkStatus();
+  }
+
+  absl::Status Widen(StorageDtype dtype, const void* packed, float* out, size_t count) override {
+    if (dtype == StorageDtype::kFp32) return CopyOnDevice(static_cast<const float*>(packed), out, count);
+    const auto* in = static_cast<const uint16_t*>(packed);
+    if (dtype == StorageDtype::kBf16) {
+      pool_.Run(count, [&](size_t begin, size_t end) { WidenRange<Bf16ToFloat>(in, out, begin, end); });
+    } else {
+      pool_.Run(count, [&](size_t begin, size_t end) { WidenRange<Fp16ToFloat>(in, out, begin, end); });
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Narrow(StorageDtype dtype, const float* in, void* packed, size_t count) override {
+    if (dtype == StorageDtype::kFp32) return CopyOnDevice(in, static_cast<float*>(packed), count);
+    auto* out = static_cast<uint16_t*>(packed);
+    if (dtype == StorageDtype::kBf16) {
+      pool_.Run(count, [&](size_t begin, size_t end) { NarrowRange<FloatToBf16>(in, out, begin, end); });
+    } else {
+      pool_.Run(count, [&](size_t begin, size_t end) { NarrowRange<FloatToFp16>(in, out, begin, end); });
+    }
     return absl::OkStatus();
   }
 

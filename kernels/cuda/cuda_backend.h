@@ -58,6 +58,8 @@ class CudaBackend final : public Backend {
   absl::Status CopyToHost(const float* device, float* host, size_t count) override;
   absl::Status CopyOnDevice(const float* src, float* dst, size_t count) override;
   absl::Status Fill(float* x, size_t count, float value) override;
+  absl::Status Widen(StorageDtype dtype, const void* packed, float* out, size_t count) override;
+  absl::Status Narrow(StorageDtype dtype, const float* in, void* packed, size_t count) override;
   // Through pinned host buffers on copy streams of their own (kernels/cuda/cuda_transfer.h).
   absl::StatusOr<std::unique_ptr<HostToDevice>> NewHostToDevice() override;
   absl::StatusOr<std::unique_ptr<DeviceToHost>> NewDeviceToHost() override;

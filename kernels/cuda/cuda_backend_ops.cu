@@ -98,6 +98,22 @@ absl::Status CudaBackend::ScaleBatched(float* x, size_t count, size_t batch, con
                     "ScaleBatched kernel");
 }
 
+absl::Status CudaBackend::Widen(StorageDtype dtype, const void* packed, float* out, size_t count) {
+  if (dtype == StorageDtype::kFp32) return CopyOnDevice(static_cast<const float*>(packed), out, count);
+  std::lock_guard<std::mutex> lock(mu_);
+  MUOND_RETURN_IF_ERROR(Activate());
+  return CudaStatus(LaunchWiden(dtype, static_cast<const uint16_t*>(packed), out, static_cast<int64_t>(count), stream_),
+                    "Widen kernel");
+}
+
+absl::Status CudaBackend::Narrow(StorageDtype dtype, const float* in, void* packed, size_t count) {
+  if (dtype == StorageDtype::kFp32) return CopyOnDevice(in, static_cast<float*>(packed), count);
+  std::lock_guard<std::mutex> lock(mu_);
+  MUOND_RETURN_IF_ERROR(Activate());
+  return CudaStatus(LaunchNarrow(dtype, in, static_cast<uint16_t*>(packed), static_cast<int64_t>(count), stream_),
+                    "Narrow kernel");
+}
+
 absl::Status CudaBackend::Axpby(float alpha, const float* x, float beta, float* y, size_t count) {
   std::lock_guard<std::mutex> lock(mu_);
   MUOND_RETURN_IF_ERROR(Activate());

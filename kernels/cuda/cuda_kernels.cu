@@ -3,6 +3,8 @@
 // tiles for the transpose and a plain tree reduction for sums.
 #include "kernels/cuda/cuda_kernels.cuh"
 
+#include "common/half_float.h"
+
 #include <algorithm>
 
 namespace muond::kernels::cuda {
@@ -131,6 +133,20 @@ __global__ void LionKernel(LionArgs args, float* param, const float* grad, float
   for (int64_t i = FirstIndex(); i < n; i += GridStride()) LionElement(args, param[i], grad[i], exp_avg[i]);
 }
 
+template <bool kBf16>
+__global__ void WidenKernel(const uint16_t* packed, float* out, int64_t n) {
+  for (int64_t i = FirstIndex(); i < n; i += GridStride()) {
+    out[i] = kBf16 ? Bf16ToFloat(packed[i]) : Fp16ToFloat(packed[i]);
+  }
+}
+
+template <bool kBf16>
+__global__ void NarrowKernel(const float* in, uint16_t* packed, int64_t n) {
+  for (int64_t i = FirstIndex(); i < n; i += GridStride()) {
+    packed[i] = kBf16 ? FloatToBf16(in[i]) : FloatToFp16(in[i]);
+  }
+}
+
 __global__ void AdamuonKernel(AdamuonArgs args, float* moment2, float* update, int64_t n) {
   for (int64_t i = FirstIndex(); i < n; i += GridStride()) AdamuonElement(args, moment2[i], update[i]);
 }
@@ -249,6 +265,26 @@ cudaError_t LaunchSgd(const SgdArgs& args, float* param, const float* grad, floa
                       int64_t n, cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   SgdKernel<<<BlocksFor(n), kThreads, 0, stream>>>(args, param, grad, momentum_buffer, n);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchWiden(StorageDtype dtype, const uint16_t* packed, float* out, int64_t n, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  if (dtype == StorageDtype::kBf16) {
+    WidenKernel<true><<<BlocksFor(n), kThreads, 0, stream>>>(packed, out, n);
+  } else {
+    WidenKernel<false><<<BlocksFor(n), kThreads, 0, stream>>>(packed, out, n);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchNarrow(StorageDtype dtype, const float* in, uint16_t* packed, int64_t n, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  if (dtype == StorageDtype::kBf16) {
+    NarrowKernel<true><<<BlocksFor(n), kThreads, 0, stream>>>(in, packed, n);
+  } else {
+    NarrowKernel<false><<<BlocksFor(n), kThreads, 0, stream>>>(in, packed, n);
+  }
   return cudaGetLastError();
 }
 

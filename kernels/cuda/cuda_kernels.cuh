@@ -17,6 +17,7 @@
 #include <cstdint>
 
 #include "kernels/elementwise.h"
+#include "kernels/storage_dtype.h"
 
 namespace muond::kernels::cuda {
 
@@ -25,6 +26,10 @@ cudaError_t LaunchFill(float* x, int64_t n, float value, cudaStream_t stream);
 // y[i] = alpha·x[i] + beta·y[i]
 cudaError_t LaunchAxpby(float alpha, const float* x, float beta, float* y, int64_t n,
                         cudaStream_t stream);
+// out[i] = widen(packed[i]) and packed[i] = round(in[i]) for a 16-bit StorageDtype (kBf16, kFp16),
+// with common/half_float.h's conversions, the CPU backend's.
+cudaError_t LaunchWiden(StorageDtype dtype, const uint16_t* packed, float* out, int64_t n, cudaStream_t stream);
+cudaError_t LaunchNarrow(StorageDtype dtype, const float* in, uint16_t* packed, int64_t n, cudaStream_t stream);
 // x[b·count + i] *= scales[b] (scales in device memory)
 cudaError_t LaunchScaleBatched(float* x, int64_t count, int64_t batch, const float* scales,
                                cudaStream_t stream);

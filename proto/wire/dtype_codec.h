@@ -7,6 +7,7 @@
 #include <span>
 #include <string>
 #include "absl/strings/string_view.h"
+#include "common/half_float.h"
 
 #include "muond/v1/muond.pb.h"
 
@@ -17,12 +18,11 @@ size_t ElementSize(v1::DType dtype);
 bool IsConcrete(v1::DType dtype);
 absl::string_view DTypeName(v1::DType dtype);  // "fp32", "bf16", "fp16", "unspecified"
 
-// Round to nearest even, as torch's .to(torch.bfloat16) / .half() do; NaN stays NaN, overflow to fp16
-// gives ±inf.
-uint16_t FloatToBf16(float value);
-float Bf16ToFloat(uint16_t bits);
-uint16_t FloatToFp16(float value);
-float Fp16ToFloat(uint16_t bits);
+// The 16-bit conversions (round to nearest even; common/half_float.h), under the wire's names.
+using ::muond::Bf16ToFloat;
+using ::muond::FloatToBf16;
+using ::muond::Fp16ToFloat;
+using ::muond::FloatToFp16;
 
 // Decodes `bytes` (a whole number of elements of `dtype`, which must be concrete) into `out`,
 // whose size is bytes.size() / ElementSize(dtype).

@@ -354,6 +354,29 @@ TEST_P(BackendConformanceTest, Transpose2DIsExact) {
   }
 }
 
+TEST_P(BackendConformanceTest, WidenAndNarrowMatchCpuBitwise) {
+  // Values across every exponent, midpoints of the 16-bit grids (ties), fp16 subnormals and
+  // overflow, signed zeros, infinities and NaN.
+  std::vector<float> x = Random(4099);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = std::ldexp(x[i], static_cast<int>(i % 80) - 40);
+  for (float v : {0.0f, -0.0f, 1.00390625f, 1.01171875f, 65519.0f, 65520.0f, 3e-8f, -6e-5f, 1e38f,
+                  std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()}) {
+    x.push_back(v);
+  }
+  const size_t n = x.size();  // odd: the last 16-bit element shares its fp32 word with the pad
+  for (StorageDtype dtype : {StorageDtype::kBf16, StorageDtype::kFp16}) {
+    const DeviceOp op = [&](Backend& b, const std::vector<float*>& d) -> absl::Status {
+      MUOND_RETURN_IF_ERROR(b.Narrow(dtype, d[0], d[1], n));
+      return b.Widen(dtype, d[1], d[2], n);
+    };
+    const std::vector<float> packed((n + 1) / 2, 0.0f), wide(n, -1.0f);
+    const auto device = RunOn(*backend_, {x, packed, wide}, op);
+    const auto cpu = RunOn(*cpu_, {x, packed, wide}, op);
+    EXPECT_TRUE(BitwiseEqual(device[1], cpu[1])) << StorageDtypeName(dtype) << ": the rounded bits";
+    EXPECT_TRUE(BitwiseEqual(device[2], cpu[2])) << StorageDtypeName(dtype) << ": widened back";
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, BackendConformanceTest, ::testing::Values("cpu", "cuda"),
                          [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
 

@@ -477,6 +477,12 @@ class GemmCountingBackend final : public kernels::Backend {
   absl::Status ScaleBatched(float* x, size_t count, size_t batch, const float* scales) override {
     return inner_.ScaleBatched(x, count, batch, scales);
   }
+  absl::Status Widen(kernels::StorageDtype dtype, const void* packed, float* out, size_t count) override {
+    return inner_.Widen(dtype, packed, out, count);
+  }
+  absl::Status Narrow(kernels::StorageDtype dtype, const float* in, void* packed, size_t count) override {
+    return inner_.Narrow(dtype, in, packed, count);
+  }
   absl::Status Axpby(float alpha, const float* x, float beta, float* y, size_t count) override {
     return inner_.Axpby(alpha, x, beta, y, count);
   }
