@@ -43,7 +43,7 @@ double TimeStep(kernels::Backend& backend, optim::Optimizer& optimizer, std::vec
   for (int r = 0; r < reps + 1; ++r) {  // the first is warm-up
     const double start = NowSeconds();
     CheckOk(optimizer.Step(backend, hyper, pointers), "step");
-    Sync(backend, params[0].master->data());
+    Sync(backend, params[0].master.fp32());
     if (r > 0) seconds.push_back(NowSeconds() - start);
   }
   return Median(seconds);
@@ -115,7 +115,7 @@ int Run(const Flags& flags) {
         CheckOk(grad.status(), "allocate");
         p.master = *std::move(master);
         p.grad = *std::move(grad);
-        CheckOk(backend->Fill(p.master->data(), p.numel, 0.5f), "fill");
+        CheckOk(backend->Fill(p.master.fp32(), p.numel, 0.5f), "fill");
         CheckOk(backend->Fill(p.grad->data(), p.numel, 0.01f), "fill");
         CheckOk((*optimizer)->InitState(*backend, p), "init");
       }

@@ -97,7 +97,7 @@ int Run(const Flags& flags) {
     CheckOk(saved.status(), "allocate");
     p.master = std::move(*master);
     p.grad = std::move(*grad);
-    CheckOk(backend->CopyToDevice(host.data(), p.master->data(), host.size()), "upload");
+    CheckOk(backend->CopyToDevice(host.data(), p.master.fp32(), host.size()), "upload");
     for (float& x : host) x = normal(rng);
     CheckOk(backend->CopyToDevice(host.data(), (*saved)->data(), host.size()), "upload");
     saved_grads.push_back(std::move(*saved));
@@ -113,11 +113,11 @@ int Run(const Flags& flags) {
               "restore grad");
       states[i].has_grad = true;
     }
-    Sync(*backend, states[0].master->data());
+    Sync(*backend, states[0].master.fp32());
     const double start = NowSeconds();
     CheckOk((*muon)->Step(*backend, (*muon)->DefaultHyper(), muon_params), "muon step");
     CheckOk((*adamw)->Step(*backend, (*adamw)->DefaultHyper(), adamw_params), "adamw step");
-    Sync(*backend, states[0].master->data());
+    Sync(*backend, states[0].master.fp32());
     *seconds = NowSeconds() - start;
   };
   double seconds = 0;

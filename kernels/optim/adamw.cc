@@ -44,9 +44,7 @@ class AdamW final : public Optimizer {
 
   absl::Status Step(kernels::Backend& backend, const StepHyper& hyper,
                     std::span<ParamState* const> params) override {
-    for (ParamState* p : params) {
-      if (p->has_grad) MUOND_RETURN_IF_ERROR(CheckStepInputs(*p));
-    }
+    MUOND_RETURN_IF_ERROR(PrepareElementwiseStep(backend, params));
     for (ParamState* p : params) {
       if (!p->has_grad) continue;
       // Bias corrections from the parameter's own step t (torch keeps a per-parameter step), in fp64
@@ -64,9 +62,11 @@ class AdamW final : public Optimizer {
           .one_minus_beta2 = static_cast<float>(1.0 - options_.beta2),
           .l2_weight_decay = Coupled() ? static_cast<float>(hyper.weight_decay) : 0.0f,
       };
-      MUOND_RETURN_IF_ERROR(backend.AdamW(args, p->master->data(), p->grad->data(),
-                                          p->Slot("exp_avg")->data(), p->Slot("exp_avg_sq")->data(),
-                                          static_cast<size_t>(p->numel)));
+      const float* g = p->grad->data();
+      MUOND_RETURN_IF_ERROR(StepElementwise(backend, *p, [&](float* w, std::span<float* const> slots, size_t at,
+                                                             size_t n) {
+        return backend.AdamW(args, w, g + at, slots[0], slots[1], n);  // exp_avg, exp_avg_sq
+      }));
       ++p->step_count;
     }
     return absl::OkStatus();

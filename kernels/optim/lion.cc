@@ -30,17 +30,18 @@ class Lion final : public Optimizer {
 
   absl::Status Step(kernels::Backend& backend, const StepHyper& hyper,
                     std::span<ParamState* const> params) override {
-    for (ParamState* p : params) {
-      if (p->has_grad) MUOND_RETURN_IF_ERROR(CheckStepInputs(*p));
-    }
+    MUOND_RETURN_IF_ERROR(PrepareElementwiseStep(backend, params));
     const kernels::LionArgs args{.lr = static_cast<float>(hyper.lr),
                                  .beta1 = static_cast<float>(options_.beta1),
                                  .beta2 = static_cast<float>(options_.beta2),
                                  .weight_decay = static_cast<float>(hyper.weight_decay)};
     for (ParamState* p : params) {
       if (!p->has_grad) continue;
-      MUOND_RETURN_IF_ERROR(backend.Lion(args, p->master->data(), p->grad->data(),
-                                         p->Slot("exp_avg")->data(), static_cast<size_t>(p->numel)));
+      const float* g = p->grad->data();
+      MUOND_RETURN_IF_ERROR(StepElementwise(backend, *p, [&](float* w, std::span<float* const> slots, size_t at,
+                                                             size_t n) {
+        return backend.Lion(args, w, g + at, slots[0], n);  // exp_avg
+      }));
       ++p->step_count;
     }
     return absl::OkStatus();

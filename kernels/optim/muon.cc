@@ -19,11 +19,14 @@ namespace {
 using kernels::Backend;
 
 // One matrix Newton–Schulz sees: a view into a parameter's update (the gradient buffer, which holds
-// U after momentum) and the matching region of its master.
+// U after momentum) and the matching regions of its master and second moment (staged through the
+// optimizer's StagingArea when they are 16-bit).
 struct MatrixJob {
   float* update;
-  float* master;
-  float* moment2;  // this matrix's region of the moment2 slot; null without a moment2_method
+  StoredTensor* master;
+  size_t master_offset;
+  StoredTensor* moment2;  // null without a moment2_method
+  size_t moment2_offset;  // where this matrix's region (adamuon) or lines (normuon) start
   int64_t rows, cols;  // as it lies in `update` (the transpose of its own shape when `deferred`)
   double lr;     // η of this step
   double scale;  // the Muon scale, computed on this matrix's own shape
@@ -43,6 +46,11 @@ constexpr size_t kMaxBatchFloats = size_t{1} << 26;
 
 const std::string kMomentumSlot = "momentum";
 const std::string kMoment2Slot = "moment2";
+
+// Staging lanes (Optimizer::staging_) of the tensors a step works on at once.
+constexpr int kMasterLane = 0;
+constexpr int kMomentumLane = 1;
+constexpr int kMoment2Lane = 2;
 
 // Workspace slot of NorMuon's transposed copy of a batch (wide matrices), after the gather buffer,
 // and the slot a column-blocked parameter is transposed through.
@@ -130,10 +138,10 @@ class Muon final : public Optimizer {
   absl::Status TransposeInPlace(Backend& backend, std::span<ParamState* const> params, bool to_blocks) const;
   // W ← β·W − η·D over `count` elements of O at `o` for `job`: D = scale·O, or AdaMuon's
   // x/(√V + ε) with x = scale·O; with cautious decay the decay is per element.
-  absl::Status ApplyUpdate(Backend& backend, const MatrixJob& job, float* o, size_t count) const;
+  absl::Status ApplyUpdate(Backend& backend, const MatrixJob& job, float* o, size_t count);
   // Transposes a column-blocked parameter's O back and applies the update to all of it at once
   // (every block has the same shape, so one scale).
-  absl::Status ApplyTransposed(Backend& backend, const StepHyper& hyper, ParamState& p) const;
+  absl::Status ApplyTransposed(Backend& backend, const StepHyper& hyper, ParamState& p);
 
   const double ns_bound_;  // NsSingularValueBound of this group's iteration
 };
@@ -231,25 +239,25 @@ std::vector<int64_t> Muon::SlotShape(const ParamState& param, std::string_view s
 
 void Muon::AppendMatrices(ParamState& p, const StepHyper& hyper, std::vector<MatrixJob>& jobs) const {
   float* u = p.grad->data();
-  float* w = p.master->data();
-  float* moment2 = options_.moment2_method == Moment2Method::kNone ? nullptr : p.Slot(kMoment2Slot)->data();
+  StoredTensor* moment2 = options_.moment2_method == Moment2Method::kNone ? nullptr : p.Slot(kMoment2Slot);
   const float beta = DecayFactor(hyper);
   const float decay = options_.weight_decay_mode == WeightDecayMode::kCautious
                           ? static_cast<float>(hyper.lr * hyper.weight_decay)
                           : 0.0f;
   int64_t line = 0;  // NorMuon: where this matrix's lines start in the slot
   ForEachMatrix(p, [&](int64_t offset, int64_t rows, int64_t cols, bool transposed) {
-    float* m2 = nullptr;
-    if (options_.moment2_method == Moment2Method::kAdamuon) m2 = moment2 + offset;
+    size_t m2 = 0;
+    if (options_.moment2_method == Moment2Method::kAdamuon) m2 = static_cast<size_t>(offset);
     if (options_.moment2_method == Moment2Method::kNormuon) {
-      m2 = moment2 + line;
+      m2 = static_cast<size_t>(line);
       line += NormuonLength(rows, cols);
     }
     // NorMuon's lines run along the longer side, per row of a square matrix: in the stored
     // transpose a row of the block is a column.
     const bool per_column = transposed ? rows >= cols : rows < cols;
-    jobs.push_back(MatrixJob{u + offset, w + offset, m2, transposed ? cols : rows, transposed ? rows : cols, hyper.lr,
-                             Scale(rows, cols), beta, decay, transposed, per_column});
+    jobs.push_back(MatrixJob{u + offset, &p.master, static_cast<size_t>(offset), moment2, m2,
+                             transposed ? cols : rows, transposed ? rows : cols, hyper.lr, Scale(rows, cols), beta,
+                             decay, transposed, per_column});
   });
 }
 
@@ -356,21 +364,31 @@ absl::Status Muon::Orthogonalize(Backend& backend, std::span<const MatrixJob> jo
   return absl::OkStatus();
 }
 
-absl::Status Muon::ApplyUpdate(Backend& backend, const MatrixJob& job, float* o, size_t count) const {
-  double step = job.lr * job.scale;
-  if (options_.moment2_method == Moment2Method::kAdamuon) {
-    // Megatron-Core's adamuon takes the scaled update: the scale moves into the moment.
-    const kernels::AdamuonArgs args{.scale = static_cast<float>(job.scale),
-                                    .one_minus_beta2 = static_cast<float>(1.0 - options_.beta2),
-                                    .eps = static_cast<float>(options_.eps)};
-    MUOND_RETURN_IF_ERROR(backend.Adamuon(args, job.moment2, o, count));
-    step = job.lr;
-  }
-  if (options_.weight_decay_mode == WeightDecayMode::kCautious) {
-    const kernels::CautiousArgs args{.alpha = static_cast<float>(-step), .decay = job.decay};
-    return backend.CautiousUpdate(args, o, job.master, count);
-  }
-  return backend.Axpby(static_cast<float>(-step), o, job.beta, job.master, count);
+absl::Status Muon::ApplyUpdate(Backend& backend, const MatrixJob& job, float* o, size_t count) {
+  // Element-wise from here: chunk by chunk through the staging of 16-bit masters and moments.
+  return StagingArea::ForEachChunk(count, [&](size_t at, size_t n) -> absl::Status {
+    double step = job.lr * job.scale;
+    if (options_.moment2_method == Moment2Method::kAdamuon) {
+      // Megatron-Core's adamuon takes the scaled update: the scale moves into the moment.
+      const kernels::AdamuonArgs args{.scale = static_cast<float>(job.scale),
+                                      .one_minus_beta2 = static_cast<float>(1.0 - options_.beta2),
+                                      .eps = static_cast<float>(options_.eps)};
+      const size_t region = job.moment2_offset + at;
+      MUOND_ASSIGN_OR_RETURN(float* v, staging_.Load(backend, kMoment2Lane, *job.moment2, region, n));
+      MUOND_RETURN_IF_ERROR(backend.Adamuon(args, v, o + at, n));
+      MUOND_RETURN_IF_ERROR(staging_.Store(backend, kMoment2Lane, *job.moment2, region, n));
+      step = job.lr;
+    }
+    const size_t region = job.master_offset + at;
+    MUOND_ASSIGN_OR_RETURN(float* w, staging_.Load(backend, kMasterLane, *job.master, region, n));
+    if (options_.weight_decay_mode == WeightDecayMode::kCautious) {
+      const kernels::CautiousArgs args{.alpha = static_cast<float>(-step), .decay = job.decay};
+      MUOND_RETURN_IF_ERROR(backend.CautiousUpdate(args, o + at, w, n));
+    } else {
+      MUOND_RETURN_IF_ERROR(backend.Axpby(static_cast<float>(-step), o + at, job.beta, w, n));
+    }
+    return staging_.Store(backend, kMasterLane, *job.master, region, n);
+  });
 }
 
 // NorMuon's variance reduction (modded-nanogpt's _apply_normuon_variance_reduction) on each
@@ -397,7 +415,7 @@ absl::Status Muon::ReduceVariance(Backend& backend, std::span<const MatrixJob> j
   std::vector<float> moment(length), scales(length * batch);
   std::vector<double> line_scales(length);
   for (size_t i = 0; i < batch; ++i) {
-    MUOND_RETURN_IF_ERROR(backend.CopyToHost(jobs[i].moment2, moment.data(), length));
+    MUOND_RETURN_IF_ERROR(ReadStored(backend, *jobs[i].moment2, jobs[i].moment2_offset, length, moment.data()));
     double norm2 = 0, scaled_norm2 = 0;
     for (size_t j = 0; j < length; ++j) {
       const double sum = sums[i * length + j];
@@ -411,7 +429,8 @@ absl::Status Muon::ReduceVariance(Backend& backend, std::span<const MatrixJob> j
     for (size_t j = 0; j < length; ++j) {
       scales[i * length + j] = static_cast<float>(line_scales[j] * ratio);  // s·ratio in fp64, rounded once
     }
-    MUOND_RETURN_IF_ERROR(backend.CopyToDevice(moment.data(), jobs[i].moment2, length));
+    // Rounded to the slot's format on the way (exp_avg_sq_dtype); the scales used the fp32 values.
+    MUOND_RETURN_IF_ERROR(WriteStored(backend, *jobs[i].moment2, jobs[i].moment2_offset, length, moment.data()));
   }
   MUOND_RETURN_IF_ERROR(backend.ScaleBatched(lines, count, length * batch, scales.data()));
   if (per_column) {
@@ -434,14 +453,15 @@ absl::Status Muon::TransposeInPlace(Backend& backend, std::span<ParamState* cons
   return absl::OkStatus();
 }
 
-absl::Status Muon::ApplyTransposed(Backend& backend, const StepHyper& hyper, ParamState& p) const {
+absl::Status Muon::ApplyTransposed(Backend& backend, const StepHyper& hyper, ParamState& p) {
   ParamState* const one[] = {&p};
   MUOND_RETURN_IF_ERROR(TransposeInPlace(backend, one, /*to_blocks=*/false));
   // Every block has the same shape, so the whole parameter is one job with the blocks' scale.
   const MatrixJob whole{.update = p.grad->data(),
-                        .master = p.master->data(),
-                        .moment2 = options_.moment2_method == Moment2Method::kAdamuon ? p.Slot(kMoment2Slot)->data()
-                                                                                       : nullptr,
+                        .master = &p.master,
+                        .master_offset = 0,
+                        .moment2 = options_.moment2_method == Moment2Method::kAdamuon ? p.Slot(kMoment2Slot) : nullptr,
+                        .moment2_offset = 0,
                         .rows = p.shape[0],
                         .cols = p.shape[1],
                         .lr = hyper.lr,
@@ -512,20 +532,34 @@ absl::Status Muon::Step(Backend& backend, const StepHyper& hyper,
   }
   if (transposed_floats > 0) MUOND_RETURN_IF_ERROR(ws.Get(backend, kTransposeSlot, transposed_floats).status());
   reserve.unlock();
+  // And the staging of 16-bit tensors, a chunk at a time.
+  for (ParamState* p : params) {
+    if (!p->has_grad) continue;
+    const size_t n = std::min(static_cast<size_t>(p->numel), StagingArea::kChunk);
+    MUOND_RETURN_IF_ERROR(staging_.Reserve(backend, kMasterLane, p->master, n));
+    MUOND_RETURN_IF_ERROR(staging_.Reserve(backend, kMomentumLane, *p->Slot(kMomentumSlot), n));
+    if (options_.moment2_method == Moment2Method::kAdamuon) {
+      MUOND_RETURN_IF_ERROR(staging_.Reserve(backend, kMoment2Lane, *p->Slot(kMoment2Slot), n));
+    }
+  }
 
   const kernels::MomentumArgs momentum{.beta = static_cast<float>(hyper.momentum),
                                        .style = options_.momentum_style,
                                        .nesterov = options_.nesterov};
   for (ParamState* p : params) {
     if (!p->has_grad) continue;
-    const size_t n = static_cast<size_t>(p->numel);
-    float* g = p->grad->data();
-    if (options_.weight_decay_mode == WeightDecayMode::kL2 && hyper.weight_decay != 0) {
-      MUOND_RETURN_IF_ERROR(
-          backend.Axpby(static_cast<float>(hyper.weight_decay), p->master->data(), 1.0f, g, n));
-    }
-    // U overwrites the gradient: it is scratch from here on.
-    MUOND_RETURN_IF_ERROR(backend.Momentum(momentum, p->Slot(kMomentumSlot)->data(), g, g, n));
+    StoredTensor& m = *p->Slot(kMomentumSlot);
+    MUOND_RETURN_IF_ERROR(StagingArea::ForEachChunk(static_cast<size_t>(p->numel), [&](size_t at, size_t n) -> absl::Status {
+      float* g = p->grad->data() + at;
+      if (options_.weight_decay_mode == WeightDecayMode::kL2 && hyper.weight_decay != 0) {
+        MUOND_ASSIGN_OR_RETURN(const float* w, staging_.Load(backend, kMasterLane, p->master, at, n));
+        MUOND_RETURN_IF_ERROR(backend.Axpby(static_cast<float>(hyper.weight_decay), w, 1.0f, g, n));
+      }
+      // U overwrites the gradient: it is scratch from here on.
+      MUOND_ASSIGN_OR_RETURN(float* m_view, staging_.Load(backend, kMomentumLane, m, at, n));
+      MUOND_RETURN_IF_ERROR(backend.Momentum(momentum, m_view, g, g, n));
+      return staging_.Store(backend, kMomentumLane, m, at, n);
+    }));
   }
   MUOND_RETURN_IF_ERROR(TransposeInPlace(backend, transposed, /*to_blocks=*/true));
   for (std::span<const MatrixJob> batch : batches) {

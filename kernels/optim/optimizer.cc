@@ -1,5 +1,6 @@
 #include "kernels/optim/optimizer.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -53,15 +54,20 @@ size_t Optimizer::SlotNumel(const ParamState& param, std::string_view slot) cons
   return numel;
 }
 
+kernels::StorageDtype Optimizer::SlotDtype(std::string_view slot) const {
+  if (slot == "momentum" || slot == "momentum_buffer") return options_.momentum_dtype;
+  if (slot == "exp_avg") return options_.exp_avg_dtype;
+  if (slot == "exp_avg_sq" || slot == "moment2") return options_.exp_avg_sq_dtype;
+  return kernels::StorageDtype::kFp32;
+}
+
 absl::Status Optimizer::InitState(kernels::Backend& backend, ParamState& param) const {
   MUOND_RETURN_IF_ERROR(CheckParameter(param));
   // Build the new slots aside so a failed allocation leaves the parameter as it was.
   std::vector<StateSlot> slots;
   for (std::string& name : SlotNames()) {
-    const size_t numel = SlotNumel(param, name);
-    MUOND_ASSIGN_OR_RETURN(auto buffer, backend.Allocate(numel));
-    MUOND_RETURN_IF_ERROR(backend.Fill(buffer->data(), numel, 0.0f));
-    slots.push_back(StateSlot{std::move(name), std::move(buffer)});
+    MUOND_ASSIGN_OR_RETURN(StoredTensor tensor, AllocateStored(backend, SlotDtype(name), SlotNumel(param, name)));
+    slots.push_back(StateSlot{std::move(name), std::move(tensor)});
   }
   param.slots = std::move(slots);
   return absl::OkStatus();
@@ -69,7 +75,7 @@ absl::Status Optimizer::InitState(kernels::Backend& backend, ParamState& param) 
 
 absl::Status Optimizer::CheckStepInputs(const ParamState& param) const {
   const size_t numel = static_cast<size_t>(param.numel);
-  if (param.master == nullptr || param.master->size() < numel) {
+  if (!param.master.allocated() || param.master.numel < numel) {
     return absl::FailedPreconditionError(
         absl::StrCat("parameter \"", param.name, "\" has no master of ", numel, " elements"));
   }
@@ -80,7 +86,7 @@ absl::Status Optimizer::CheckStepInputs(const ParamState& param) const {
   for (const std::string& slot_name : SlotNames()) {
     bool found = false;
     for (const StateSlot& slot : param.slots) {
-      if (slot.name == slot_name && slot.buffer != nullptr && slot.buffer->size() >= SlotNumel(param, slot_name)) {
+      if (slot.name == slot_name && slot.tensor.allocated() && slot.tensor.numel >= SlotNumel(param, slot_name)) {
         found = true;
       }
     }
@@ -90,6 +96,39 @@ absl::Status Optimizer::CheckStepInputs(const ParamState& param) const {
     }
   }
   return absl::OkStatus();
+}
+
+absl::Status Optimizer::PrepareElementwiseStep(kernels::Backend& backend, std::span<ParamState* const> params) {
+  for (ParamState* p : params) {
+    if (!p->has_grad) continue;
+    MUOND_RETURN_IF_ERROR(CheckStepInputs(*p));
+    const size_t chunk = std::min(static_cast<size_t>(p->numel), StagingArea::kChunk);
+    MUOND_RETURN_IF_ERROR(staging_.Reserve(backend, 0, p->master, chunk));
+    for (size_t s = 0; s < p->slots.size() && s + 1 < StagingArea::kLanes; ++s) {
+      MUOND_RETURN_IF_ERROR(staging_.Reserve(backend, static_cast<int>(s + 1), p->slots[s].tensor, chunk));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Optimizer::StepElementwise(kernels::Backend& backend, ParamState& param, const ElementwiseOp& op) {
+  const std::vector<std::string> names = SlotNames();
+  if (names.size() + 1 > StagingArea::kLanes) return absl::InternalError("more slots than staging lanes");
+  std::vector<StoredTensor*> tensors;
+  for (const std::string& name : names) tensors.push_back(param.Slot(name));
+  std::vector<float*> slots(tensors.size());
+  return StagingArea::ForEachChunk(static_cast<size_t>(param.numel), [&](size_t offset, size_t count) -> absl::Status {
+    MUOND_ASSIGN_OR_RETURN(float* master, staging_.Load(backend, 0, param.master, offset, count));
+    for (size_t s = 0; s < tensors.size(); ++s) {
+      MUOND_ASSIGN_OR_RETURN(slots[s], staging_.Load(backend, static_cast<int>(s + 1), *tensors[s], offset, count));
+    }
+    MUOND_RETURN_IF_ERROR(op(master, slots, offset, count));
+    MUOND_RETURN_IF_ERROR(staging_.Store(backend, 0, param.master, offset, count));
+    for (size_t s = 0; s < tensors.size(); ++s) {
+      MUOND_RETURN_IF_ERROR(staging_.Store(backend, static_cast<int>(s + 1), *tensors[s], offset, count));
+    }
+    return absl::OkStatus();
+  });
 }
 
 }  // namespace muond::optim

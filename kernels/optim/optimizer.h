@@ -6,6 +6,7 @@
 // InitState and Step.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -65,6 +66,10 @@ class Optimizer {
   }
   size_t SlotNumel(const ParamState& param, std::string_view slot) const;
 
+  // The storage format of slot `slot` (the group's momentum_dtype, exp_avg_dtype or
+  // exp_avg_sq_dtype, by the slot's role).
+  kernels::StorageDtype SlotDtype(std::string_view slot) const;
+
   // Whether a slot's values must not be negative (Adam's second moment, whose square root a step
   // takes); a state loaded from elsewhere is checked against it.
   virtual bool SlotIsNonNegative(std::string_view slot) const { return false; }
@@ -74,7 +79,7 @@ class Optimizer {
   // (no device access) and monotone in every input bound.
   virtual StepBounds BoundStep(const StepHyper& hyper, const ParamState& param, double grad_bound) const = 0;
 
-  // Allocates the parameter's slots and zeroes them.
+  // Allocates the parameter's slots, in their formats, and zeroes them.
   absl::Status InitState(kernels::Backend& backend, ParamState& param) const;
 
   // One step over every parameter of the group whose has_grad is set: reads grad (which it may
@@ -87,11 +92,23 @@ class Optimizer {
   // Common precondition of every Step: a gradient of the parameter's size and every slot, of its
   // SlotNumel, allocated by InitState. FAILED_PRECONDITION naming the parameter otherwise.
   absl::Status CheckStepInputs(const ParamState& param) const;
+  // For the optimizers that treat every element alike (AdamW, Lion, SGD): checks every stepped
+  // parameter (CheckStepInputs) and reserves the staging of its 16-bit tensors, before a step
+  // changes anything.
+  absl::Status PrepareElementwiseStep(kernels::Backend& backend, std::span<ParamState* const> params);
+  // Runs `op` on fp32 views of `param`'s master and its slots (in SlotNames order), chunk by chunk
+  // (elements [offset, offset + count) of each; see StagingArea), rounding the 16-bit ones back after
+  // each: load, compute, round on store.
+  using ElementwiseOp =
+      std::function<absl::Status(float* master, std::span<float* const> slots, size_t offset, size_t count)>;
+  absl::Status StepElementwise(kernels::Backend& backend, ParamState& param, const ElementwiseOp& op);
   // CheckParameter of the optimizers that treat every element alike: no QKV split.
   static absl::Status CheckElementwiseParameter(const ParamState& param);
   // The bound of `param`'s slot `name`; 0 before InitState made it.
   static double SlotBound(const ParamState& param, std::string_view name);
   GroupOptions options_;
+  // Scratch for 16-bit masters and slots (see StagingArea); empty when everything is fp32.
+  StagingArea staging_;
 };
 
 }  // namespace muond::optim

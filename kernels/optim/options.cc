@@ -238,6 +238,11 @@ absl::Status ValidateOptions(const GroupOptions& o) {
     return absl::InvalidArgumentError(absl::StrCat("moment2_method applies to muon only, not to ",
                                                    std::string(OptimizerName(o.optimizer))));
   }
+  if (o.optimizer == OptimizerKind::kMuon && o.moment2_method == Moment2Method::kNone &&
+      o.exp_avg_sq_dtype != kernels::StorageDtype::kFp32) {
+    return absl::InvalidArgumentError(
+        "exp_avg_sq_dtype applies to a muon group only with moment2_method adamuon or normuon (its second moment)");
+  }
   if (o.optimizer == OptimizerKind::kSgd && o.nesterov && o.momentum <= 0) {
     return absl::InvalidArgumentError("nesterov needs momentum > 0 (torch.optim.SGD semantics)");
   }
@@ -353,6 +358,11 @@ const std::vector<OptionSpec>& GroupOptionTable() {
       {"beta1", {K::kAdamW, K::kLion}, {}},
       {"beta2", {K::kMuon, K::kAdamW, K::kLion}, {}},  // muon: with a moment2_method only
       {"eps", {K::kMuon, K::kAdamW}, {}},              // muon: with a moment2_method only
+      // kernels::StorageDtype's order
+      {"master_dtype", all, {"fp32", "bf16", "fp16"}},
+      {"momentum_dtype", {K::kMuon, K::kSgd}, {"fp32", "bf16", "fp16"}},
+      {"exp_avg_dtype", {K::kAdamW, K::kLion}, {"fp32", "bf16", "fp16"}},
+      {"exp_avg_sq_dtype", {K::kMuon, K::kAdamW}, {"fp32", "bf16", "fp16"}},  // muon: with a moment2_method only
   };
   return *table;
 }

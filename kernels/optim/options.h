@@ -68,6 +68,11 @@ struct GroupOptions {
   Moment2Method moment2_method = Moment2Method::kNone;  // muon
   double beta1 = 0.9, beta2 = 0.999;  // muon with a moment2_method: beta2 (default 0.95)
   double eps = 1e-8;                  // adamw; muon with a moment2_method
+  // Storage formats (the precision-aware optimizer); the arithmetic is fp32 whatever they are.
+  kernels::StorageDtype master_dtype = kernels::StorageDtype::kFp32;      // every optimizer
+  kernels::StorageDtype momentum_dtype = kernels::StorageDtype::kFp32;    // muon, sgd
+  kernels::StorageDtype exp_avg_dtype = kernels::StorageDtype::kFp32;     // adamw, lion
+  kernels::StorageDtype exp_avg_sq_dtype = kernels::StorageDtype::kFp32;  // adamw; muon's moment2
 };
 
 // The defaults of docs/algorithms.md (Group options) for `kind` (lr, weight decay, momentum,

@@ -2,10 +2,10 @@
 
 namespace muond::optim {
 
-kernels::DeviceBuffer* ParamState::Slot(const std::string& slot_name) {
+StoredTensor* ParamState::Slot(const std::string& slot_name) {
   // A parameter has at most two slots; a linear scan beats any map here.
   for (StateSlot& slot : slots) {
-    if (slot.name == slot_name) return slot.buffer.get();
+    if (slot.name == slot_name) return &slot.tensor;
   }
   return nullptr;
 }

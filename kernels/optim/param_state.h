@@ -1,5 +1,6 @@
-// The daemon-side state of one parameter: its fp32 master, this step's gradient, and the optimizer's
-// state slots, all in backend memory.
+// The daemon-side state of one parameter: its master, this step's fp32 gradient, and the optimizer's
+// state slots, all in backend memory; the master and the slots in their storage formats (fp32 unless
+// the group's master_dtype / *_dtype options say bf16 or fp16).
 //
 // Owned by the session that holds the parameter; the optimizer mutates it during Step. Not
 // thread-safe: the owning session serializes steps.
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "kernels/backend.h"
+#include "kernels/optim/stored_tensor.h"
 
 namespace muond::optim {
 
@@ -35,7 +37,7 @@ struct TpBlocks {
 
 struct StateSlot {
   std::string name;  // "momentum", "exp_avg", "exp_avg_sq", "momentum_buffer"
-  std::unique_ptr<kernels::DeviceBuffer> buffer;
+  StoredTensor tensor;
   double bound = 0;  // no element's magnitude exceeds it (see ParamState::master_bound)
 };
 
@@ -46,7 +48,7 @@ struct ParamState {
   QkvSplit qkv;
   TpBlocks tp;
 
-  std::unique_ptr<kernels::DeviceBuffer> master;
+  StoredTensor master;
   // An upper bound on |x| over the master's elements, kept by the owner (measured when values are
   // loaded, then advanced with Optimizer::BoundStep after each step) so that a step that could leave
   // the fp32 range is refused before it writes anything.
@@ -56,7 +58,7 @@ struct ParamState {
   std::vector<StateSlot> slots;                 // created by Optimizer::InitState
   int64_t step_count = 0;                       // steps that updated this parameter
 
-  kernels::DeviceBuffer* Slot(const std::string& slot_name);
+  StoredTensor* Slot(const std::string& slot_name);
 };
 
 }  // namespace muond::optim

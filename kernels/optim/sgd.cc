@@ -37,9 +37,7 @@ class Sgd final : public Optimizer {
 
   absl::Status Step(kernels::Backend& backend, const StepHyper& hyper,
                     std::span<ParamState* const> params) override {
-    for (ParamState* p : params) {
-      if (p->has_grad) MUOND_RETURN_IF_ERROR(CheckStepInputs(*p));
-    }
+    MUOND_RETURN_IF_ERROR(PrepareElementwiseStep(backend, params));
     for (ParamState* p : params) {
       if (!p->has_grad) continue;
       // torch creates the buffer as a copy of the first gradient; step_count == 0 marks that step.
@@ -48,9 +46,11 @@ class Sgd final : public Optimizer {
                                   .weight_decay = static_cast<float>(hyper.weight_decay),
                                   .nesterov = options_.nesterov,
                                   .first_step = p->step_count == 0};
-      MUOND_RETURN_IF_ERROR(backend.Sgd(args, p->master->data(), p->grad->data(),
-                                        p->Slot("momentum_buffer")->data(),
-                                        static_cast<size_t>(p->numel)));
+      const float* g = p->grad->data();
+      MUOND_RETURN_IF_ERROR(StepElementwise(backend, *p, [&](float* w, std::span<float* const> slots, size_t at,
+                                                             size_t n) {
+        return backend.Sgd(args, w, g + at, slots[0], n);  // momentum_buffer
+      }));
       ++p->step_count;
     }
     return absl::OkStatus();

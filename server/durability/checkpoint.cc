@@ -5,6 +5,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/half_float.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 #include "server/durability/file_util.h"
@@ -15,6 +16,13 @@ namespace {
 using nlohmann::json;
 
 constexpr char kFormat[] = "muond.checkpoint.v1";
+
+// Bytes per element of a safetensors dtype muond writes; 0 for any other.
+size_t DtypeBytes(const json& dtype) {
+  if (dtype == "F32") return 4;
+  if (dtype == "BF16" || dtype == "F16") return 2;
+  return 0;
+}
 
 bool IsUnsigned(const json& value) { return value.is_number_unsigned() || (value.is_number_integer() && value >= 0); }
 
@@ -33,12 +41,15 @@ absl::Status DecodeSafetensors(const std::string& file, const std::string& bytes
     if (slash == std::string::npos) return CheckpointCorrupt(file, absl::StrCat("unknown tensor '", key, "'"));
     // Every field is checked for its type before it is read: a value of the wrong type is a
     // corrupt file, not an exception.
-    const bool well_formed = entry.is_object() && entry.contains("dtype") && entry["dtype"] == "F32" &&
+    const bool well_formed = entry.is_object() && entry.contains("dtype") && DtypeBytes(entry["dtype"]) != 0 &&
                              entry.contains("shape") && entry["shape"].is_array() && entry.contains("data_offsets") &&
                              entry["data_offsets"].is_array() && entry["data_offsets"].size() == 2 &&
                              IsUnsigned(entry["data_offsets"][0]) && IsUnsigned(entry["data_offsets"][1]);
-    if (!well_formed) return CheckpointCorrupt(file, absl::StrCat("tensor '", key, "' is not F32 with a shape"));
-    CheckpointTensor t{key.substr(0, slash), key.substr(slash + 1), {}, {}};
+    if (!well_formed) {
+      return CheckpointCorrupt(file, absl::StrCat("tensor '", key, "' is not F32, BF16 or F16 with a shape"));
+    }
+    const size_t element = DtypeBytes(entry["dtype"]);
+    CheckpointTensor t{key.substr(0, slash), key.substr(slash + 1), {}, {}, entry["dtype"].get<std::string>()};
     uint64_t numel = 1;
     for (const json& dim : entry["shape"]) {
       if (!dim.is_number_integer() || dim.get<int64_t>() <= 0 || dim.get<uint64_t>() > (uint64_t{1} << 40)) {
@@ -50,11 +61,21 @@ absl::Status DecodeSafetensors(const std::string& file, const std::string& bytes
     }
     const uint64_t begin = entry["data_offsets"][0].get<uint64_t>();
     const uint64_t end = entry["data_offsets"][1].get<uint64_t>();
-    if (end < begin || end - begin != numel * sizeof(float) || end > bytes.size() - data_start) {
+    if (end < begin || end - begin != numel * element || end > bytes.size() - data_start) {
       return CheckpointCorrupt(file, absl::StrCat("tensor '", key, "' has bad data offsets"));
     }
     t.values.resize(numel);
-    std::memcpy(t.values.data(), bytes.data() + data_start + begin, end - begin);
+    const char* raw = bytes.data() + data_start + begin;
+    if (element == 4) {
+      std::memcpy(t.values.data(), raw, end - begin);
+    } else {
+      const bool bf16 = t.dtype == "BF16";
+      for (size_t i = 0; i < numel; ++i) {
+        uint16_t bits;
+        std::memcpy(&bits, raw + 2 * i, 2);
+        t.values[i] = bf16 ? Bf16ToFloat(bits) : Fp16ToFloat(bits);
+      }
+    }
     data->tensors.push_back(std::move(t));
   }
   return absl::OkStatus();
@@ -82,8 +103,8 @@ std::string EncodeSafetensors(const CheckpointData& data) {
   json header = json::object();
   size_t offset = 0;
   for (const CheckpointTensor& t : data.tensors) {
-    const size_t bytes = t.values.size() * sizeof(float);
-    header[t.parameter + "/" + t.slot] = {{"dtype", "F32"}, {"shape", t.shape},
+    const size_t bytes = t.values.size() * DtypeBytes(t.dtype);
+    header[t.parameter + "/" + t.slot] = {{"dtype", t.dtype}, {"shape", t.shape},
                                           {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
   }
@@ -97,7 +118,15 @@ std::string EncodeSafetensors(const CheckpointData& data) {
   out += text;
   out.reserve(out.size() + offset);
   for (const CheckpointTensor& t : data.tensors) {
-    out.append(reinterpret_cast<const char*>(t.values.data()), t.values.size() * sizeof(float));
+    if (DtypeBytes(t.dtype) == 4) {
+      out.append(reinterpret_cast<const char*>(t.values.data()), t.values.size() * sizeof(float));
+      continue;
+    }
+    const bool bf16 = t.dtype == "BF16";
+    for (float x : t.values) {
+      const uint16_t bits = bf16 ? FloatToBf16(x) : FloatToFp16(x);
+      out.append(reinterpret_cast<const char*>(&bits), 2);
+    }
   }
   return out;
 }

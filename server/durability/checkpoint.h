@@ -28,7 +28,10 @@ struct CheckpointTensor {
   std::string parameter;
   std::string slot;
   std::vector<int64_t> shape;
-  std::vector<float> values;
+  std::vector<float> values;  // exactly representable in `dtype`
+  // The safetensors dtype the tensor is written in: "F32", or "BF16" / "F16" for a tensor the
+  // session stores in 16 bits (its values are written as such, losing nothing).
+  std::string dtype = "F32";
 };
 
 // A session loss scaler's state, as checkpoint.json's "loss_scaler" holds it.

@@ -273,9 +273,20 @@ absl::StatusOr<optim::GroupOptions> ParseGroupOptions(const v1::GroupOptions& in
     MUOND_ASSIGN_OR_RETURN(out.moment2_method,
                            ParseChoice<optim::Moment2Method>(in.moment2_method(), field, "moment2_method"));
   }
+  for (const auto& [has, value, name, target] :
+       {std::tuple{in.has_master_dtype(), &in.master_dtype(), "master_dtype", &out.master_dtype},
+        std::tuple{in.has_momentum_dtype(), &in.momentum_dtype(), "momentum_dtype", &out.momentum_dtype},
+        std::tuple{in.has_exp_avg_dtype(), &in.exp_avg_dtype(), "exp_avg_dtype", &out.exp_avg_dtype},
+        std::tuple{in.has_exp_avg_sq_dtype(), &in.exp_avg_sq_dtype(), "exp_avg_sq_dtype", &out.exp_avg_sq_dtype}}) {
+    if (has) {
+      MUOND_ASSIGN_OR_RETURN(*target, ParseChoice<kernels::StorageDtype>(*value, field, name));
+    }
+  }
   if (kind == OptimizerKind::kMuon && out.moment2_method == optim::Moment2Method::kNone) {
-    // Muon reads beta2 and eps only for its second moment: without one they would be ignored.
-    for (const auto& [has, name] : {std::pair{in.has_beta2(), "beta2"}, std::pair{in.has_eps(), "eps"}}) {
+    // Muon reads beta2, eps and its second moment's format only with a second moment: without one
+    // they would be ignored.
+    for (const auto& [has, name] : {std::pair{in.has_beta2(), "beta2"}, std::pair{in.has_eps(), "eps"},
+                                    std::pair{in.has_exp_avg_sq_dtype(), "exp_avg_sq_dtype"}}) {
       if (has) {
         return Invalid(absl::StrCat(field, ".", name),
                        "applies to a muon group only with moment2_method adamuon or normuon");

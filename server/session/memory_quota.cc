@@ -1,5 +1,6 @@
 #include "server/session/memory_quota.h"
 
+#include <algorithm>
 #include <memory>
 #include <vector>
 
@@ -8,27 +9,48 @@
 
 namespace muond::session {
 
+namespace {
+
+// Bytes of a tensor of `numel` elements stored as `dtype` (16-bit tensors fill whole fp32 words).
+int64_t StoredBytes(kernels::StorageDtype dtype, int64_t numel) {
+  return dtype == kernels::StorageDtype::kFp32 ? 4 * numel : 4 * ((numel + 1) / 2);
+}
+
+}  // namespace
+
 int64_t EstimateSessionBytes(const SessionConfig& config) {
-  // The optimizers say how large each slot is (reduced state such as NorMuon's is smaller).
+  // The optimizers say how large each slot is (reduced state such as NorMuon's is smaller) and how
+  // it is stored.
   std::vector<std::unique_ptr<optim::Optimizer>> optimizers;
   for (const GroupConfig& group : config.groups) {
     absl::StatusOr<std::unique_ptr<optim::Optimizer>> optimizer = optim::Optimizer::Create(group.options);
     optimizers.push_back(optimizer.ok() ? *std::move(optimizer) : nullptr);
   }
+  // A group stages its 16-bit tensors through fp32 scratch of up to a chunk (or its largest
+  // parameter, when smaller), one lane per 16-bit master or full-size slot (optim::StagingArea).
+  std::vector<int64_t> largest(config.groups.size(), 0), lanes(config.groups.size(), 0);
   int64_t bytes = 0;
   for (const ParameterConfig& param : config.parameters) {
     const optim::ParamState shape_only = ParamStateOf(param);
-    int64_t elements = 2 * param.numel;  // master and gradient
     const optim::Optimizer* optimizer = optimizers[param.group].get();
+    bytes += 4 * param.numel;  // gradient
     if (optimizer == nullptr) {
-      elements += 2 * param.numel;  // options no optimizer accepts: the largest state of any
-    } else {
-      for (const std::string& slot : optimizer->SlotNames()) {
-        elements += static_cast<int64_t>(optimizer->SlotNumel(shape_only, slot));
-      }
+      bytes += 3 * 4 * param.numel;  // options no optimizer accepts: an fp32 master and the largest state of any
+      continue;
     }
-    bytes += elements * int64_t{4};
+    const kernels::StorageDtype master = optimizer->options().master_dtype;
+    bytes += StoredBytes(master, param.numel);
+    int64_t staged = master == kernels::StorageDtype::kFp32 ? 0 : 1;
+    for (const std::string& slot : optimizer->SlotNames()) {
+      const auto numel = static_cast<int64_t>(optimizer->SlotNumel(shape_only, slot));
+      bytes += StoredBytes(optimizer->SlotDtype(slot), numel);
+      if (optimizer->SlotDtype(slot) != kernels::StorageDtype::kFp32 && numel == param.numel) ++staged;
+    }
+    largest[param.group] =
+        std::max(largest[param.group], std::min(param.numel, static_cast<int64_t>(optim::StagingArea::kChunk)));
+    lanes[param.group] = std::max(lanes[param.group], staged);
   }
+  for (size_t g = 0; g < config.groups.size(); ++g) bytes += 4 * largest[g] * lanes[g];
   return bytes;
 }
 
@@ -37,7 +59,7 @@ absl::Status CheckMemoryQuota(const std::string& session_id, int64_t session_byt
   if (limits.max_session_bytes > 0 && session_bytes > limits.max_session_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "session_id '", session_id, "': the spec needs ", session_bytes,
-        " bytes of optimizer memory (fp32 masters, gradients and optimizer state), more than --max-session-bytes ",
+        " bytes of optimizer memory (masters, gradients, optimizer state and its fp32 staging), more than --max-session-bytes ",
         limits.max_session_bytes));
   }
   if (limits.max_total_bytes > 0 && held_bytes + session_bytes > limits.max_total_bytes) {

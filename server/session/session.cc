@@ -54,8 +54,8 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::string id, Session
     if (!fits.ok()) {
       return absl::InvalidArgumentError(absl::StrCat("spec.parameters[", i, "] '", pc.name, "': ", fits.message()));
     }
-    MUOND_ASSIGN_OR_RETURN(state.master, backend->Allocate(pc.numel));
-    MUOND_RETURN_IF_ERROR(backend->Fill(state.master->data(), pc.numel, 0.0f));
+    MUOND_ASSIGN_OR_RETURN(state.master, optim::AllocateStored(*backend, optimizer.options().master_dtype,
+                                                               static_cast<size_t>(pc.numel)));
     MUOND_RETURN_IF_ERROR(optimizer.InitState(*backend, state));
   }
   absl::MutexLock masters(&session->masters_mu_);
@@ -104,14 +104,15 @@ absl::Status Session::Upload(std::vector<HostTensor> tensors) {
   }
   std::vector<double> bounds(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
-    MUOND_ASSIGN_OR_RETURN(bounds[i], CheckTensorValues("chunk.data", params_[i].name, tensors[i].values));
+    MUOND_ASSIGN_OR_RETURN(bounds[i], CheckTensorValues("chunk.data", params_[i].name, tensors[i].values,
+                                                        /*non_negative=*/false, params_[i].master.dtype));
   }
   {
     absl::MutexLock masters(&masters_mu_);
     ++masters_version_;
     for (size_t i = 0; i < params_.size(); ++i) {
       optim::ParamState& state = params_[i];
-      MUOND_RETURN_IF_ERROR(backend_->CopyToDevice(tensors[i].values.data(), state.master->data(), state.numel));
+      MUOND_RETURN_IF_ERROR(optim::WriteStored(*backend_, state.master, 0, state.numel, tensors[i].values.data()));
       state.master_bound = bounds[i];
       state.slots.clear();
       state.step_count = 0;
@@ -430,6 +431,33 @@ absl::Status Session::ApplyGradients(const StepPlan& plan, std::vector<HostTenso
   return absl::OkStatus();
 }
 
+namespace {
+
+// Widens `bounds` by the rounding of storing each tensor in its format, and says where the result
+// would pass the limit of that format, or of fp32 for what the step computes on the way ("" when
+// nowhere).
+std::string WithinStorageLimits(const optim::ParamState& param, optim::StepBounds& bounds) {
+  auto limit = [&](const optim::StoredTensor& tensor, double& bound, const std::string& what) -> std::string {
+    bound *= 1.0 + kernels::StorageRoundoff(tensor.dtype);
+    const double most = StorageLimit(tensor.dtype);
+    if (bound <= most) return "";
+    return absl::StrCat(what, " to magnitudes up to ", bound, ", beyond the limit of ", most, " that keeps ",
+                        std::string(kernels::StorageDtypeName(tensor.dtype)), " finite");
+  };
+  if (std::string beyond = limit(param.master, bounds.master, "(its master)"); !beyond.empty()) return beyond;
+  for (size_t s = 0; s < param.slots.size() && s < bounds.slots.size(); ++s) {
+    std::string beyond = limit(param.slots[s].tensor, bounds.slots[s], absl::StrCat("(its ", param.slots[s].name, ")"));
+    if (!beyond.empty()) return beyond;
+  }
+  if (bounds.peak > kMagnitudeLimit) {
+    return absl::StrCat("or its optimizer state to magnitudes up to ", bounds.peak, ", beyond the limit of ",
+                        kMagnitudeLimit, " that keeps fp32 finite");
+  }
+  return "";
+}
+
+}  // namespace
+
 absl::StatusOr<std::string> Session::GuardMagnitudesLocked(const StepPlan& plan,
                                                            const std::vector<HostTensor>& gradients,
                                                            double clip_coefficient,
@@ -444,13 +472,11 @@ absl::StatusOr<std::string> Session::GuardMagnitudesLocked(const StepPlan& plan,
     const double rounding = optim::kBoundRounding;
     after[i] = optimizer.BoundStep(plan.hyper[group], params_[i],
                                    std::sqrt(gradient.sum_squares) * clip_coefficient * rounding);
-    if (after[i].peak <= kMagnitudeLimit) continue;
+    if (WithinStorageLimits(params_[i], after[i]).empty()) continue;
     MUOND_RETURN_IF_ERROR(MeasureMagnitudesLocked(i));
     after[i] = optimizer.BoundStep(plan.hyper[group], params_[i], MaxAbs(gradient.values) * clip_coefficient * rounding);
-    if (after[i].peak > kMagnitudeLimit) {
-      return absl::StrCat("the update could take '", params_[i].name, "' or its optimizer state to magnitudes up to ",
-                          after[i].peak, ", beyond the limit of ", kMagnitudeLimit,
-                          " that keeps fp32 finite; nothing was changed");
+    if (std::string beyond = WithinStorageLimits(params_[i], after[i]); !beyond.empty()) {
+      return absl::StrCat("the update could take '", params_[i].name, "' ", beyond, "; nothing was changed");
     }
   }
   return std::string();
@@ -459,12 +485,12 @@ absl::StatusOr<std::string> Session::GuardMagnitudesLocked(const StepPlan& plan,
 absl::Status Session::MeasureMagnitudesLocked(size_t i) {
   optim::ParamState& state = params_[i];
   std::vector<float> values(state.numel);
-  MUOND_RETURN_IF_ERROR(backend_->CopyToHost(state.master->data(), values.data(), state.numel));
+  MUOND_RETURN_IF_ERROR(optim::ReadStored(*backend_, state.master, 0, state.numel, values.data()));
   state.master_bound = MaxAbs(values);
   const optim::Optimizer& optimizer = *optimizers_[config_.parameters[i].group];
   for (optim::StateSlot& slot : state.slots) {
     values.resize(optimizer.SlotNumel(state, slot.name));
-    MUOND_RETURN_IF_ERROR(backend_->CopyToHost(slot.buffer->data(), values.data(), values.size()));
+    MUOND_RETURN_IF_ERROR(optim::ReadStored(*backend_, slot.tensor, 0, values.size(), values.data()));
     slot.bound = MaxAbs(values);
   }
   return absl::OkStatus();
@@ -476,15 +502,22 @@ absl::Status Session::ApplyQkClip(const StepPlan& plan) {
     const optim::GroupOptions& options = config_.groups[config_.parameters[clip.query].group].options;
     optim::ParamState& query = params_[clip.query];
     optim::ParamState& key = params_[clip.key];
+    // 16-bit masters are scaled in fp32 scratch and rounded back.
+    const size_t nq = static_cast<size_t>(query.numel), nk = static_cast<size_t>(key.numel);
+    optim::StagingArea staging;
+    MUOND_RETURN_IF_ERROR(staging.Reserve(*backend_, 0, query.master, nq));
+    MUOND_RETURN_IF_ERROR(staging.Reserve(*backend_, 1, key.master, nk));
+    MUOND_ASSIGN_OR_RETURN(float* q, staging.Load(*backend_, 0, query.master, 0, nq));
+    MUOND_ASSIGN_OR_RETURN(float* k, staging.Load(*backend_, 1, key.master, 0, nk));
     if (clip.mla.has_value()) {
-      MUOND_RETURN_IF_ERROR(optim::ApplyMlaQkClip(*backend_, query.master->data(), query.shape[1], key.master->data(),
-                                                  key.shape[1], *clip.mla, max_logits, options.qk_clip_threshold,
-                                                  options.qk_clip_alpha));
-      continue;
+      MUOND_RETURN_IF_ERROR(optim::ApplyMlaQkClip(*backend_, q, query.shape[1], k, key.shape[1], *clip.mla, max_logits,
+                                                  options.qk_clip_threshold, options.qk_clip_alpha));
+    } else {
+      MUOND_RETURN_IF_ERROR(optim::ApplyQkClip(*backend_, q, query.numel, k, key.numel, max_logits,
+                                               options.qk_clip_threshold, options.qk_clip_alpha));
     }
-    MUOND_RETURN_IF_ERROR(optim::ApplyQkClip(*backend_, query.master->data(), query.numel, key.master->data(),
-                                             key.numel, max_logits, options.qk_clip_threshold,
-                                             options.qk_clip_alpha));
+    MUOND_RETURN_IF_ERROR(staging.Store(*backend_, 0, query.master, 0, nq));
+    MUOND_RETURN_IF_ERROR(staging.Store(*backend_, 1, key.master, 0, nk));
   }
   return absl::OkStatus();
 }
@@ -493,12 +526,14 @@ absl::StatusOr<std::shared_ptr<const ParameterSnapshot>> Session::ReadBack(int64
   auto snapshot = std::make_shared<ParameterSnapshot>();
   snapshot->step = step;
   snapshot->values.reserve(params_.size());
-  if (backend_->HostAddressable()) {
+  const bool all_fp32 = std::all_of(params_.begin(), params_.end(),
+                                    [](const optim::ParamState& p) { return p.master.is_fp32(); });
+  if (backend_->HostAddressable() && all_fp32) {
     // The masters are host memory: answers read them where they are.
     snapshot->views = true;
     snapshot->generation = masters_version_;
     for (const optim::ParamState& state : params_) {
-      snapshot->values.emplace_back(state.master->data(), static_cast<size_t>(state.numel));
+      snapshot->values.emplace_back(state.master.fp32(), static_cast<size_t>(state.numel));
     }
     return snapshot;
   }
@@ -506,7 +541,11 @@ absl::StatusOr<std::shared_ptr<const ParameterSnapshot>> Session::ReadBack(int64
   snapshot->copies.reserve(params_.size());
   for (const optim::ParamState& state : params_) {
     std::vector<float>& values = snapshot->copies.emplace_back(state.numel);
-    MUOND_RETURN_IF_ERROR(download->Enqueue(state.master->data(), values.data(), state.numel));
+    if (state.master.is_fp32()) {
+      MUOND_RETURN_IF_ERROR(download->Enqueue(state.master.fp32(), values.data(), state.numel));
+    } else {
+      MUOND_RETURN_IF_ERROR(optim::ReadStored(*backend_, state.master, 0, state.numel, values.data()));
+    }
     snapshot->values.emplace_back(values);
   }
   MUOND_RETURN_IF_ERROR(download->Wait());
@@ -556,13 +595,13 @@ absl::StatusOr<SessionState> Session::ExportStateLocked() const {
   for (size_t i = 0; i < params_.size(); ++i) {
     const optim::ParamState& param = params_[i];
     state.step_counts.push_back(param.step_count);
-    StateTensor master{i, kMasterSlot, std::vector<float>(param.numel)};
-    MUOND_RETURN_IF_ERROR(backend_->CopyToHost(param.master->data(), master.values.data(), param.numel));
+    StateTensor master{i, kMasterSlot, std::vector<float>(param.numel), param.master.dtype};
+    MUOND_RETURN_IF_ERROR(optim::ReadStored(*backend_, param.master, 0, param.numel, master.values.data()));
     state.tensors.push_back(std::move(master));
     const optim::Optimizer& optimizer = *optimizers_[config_.parameters[i].group];
     for (const optim::StateSlot& slot : param.slots) {
-      StateTensor t{i, slot.name, std::vector<float>(optimizer.SlotNumel(param, slot.name))};
-      MUOND_RETURN_IF_ERROR(backend_->CopyToHost(slot.buffer->data(), t.values.data(), t.values.size()));
+      StateTensor t{i, slot.name, std::vector<float>(optimizer.SlotNumel(param, slot.name)), slot.tensor.dtype};
+      MUOND_RETURN_IF_ERROR(optim::ReadStored(*backend_, slot.tensor, 0, t.values.size(), t.values.data()));
       state.tensors.push_back(std::move(t));
     }
   }
@@ -614,7 +653,9 @@ absl::Status Session::ImportState(SessionState state) {
     }
     MUOND_ASSIGN_OR_RETURN(bounds[&t - state.tensors.data()],
                            CheckTensorValues("chunk.data", absl::StrCat(pc.name, "/", t.slot), t.values,
-                                             optimizers_[pc.group]->SlotIsNonNegative(t.slot)));
+                                             optimizers_[pc.group]->SlotIsNonNegative(t.slot),
+                                             t.slot == kMasterSlot ? config_.groups[pc.group].options.master_dtype
+                                                                   : optimizers_[pc.group]->SlotDtype(t.slot)));
   }
   if (!expected.empty()) {
     const auto& [index, slot] = *expected.begin();
@@ -632,8 +673,8 @@ absl::Status Session::ImportState(SessionState state) {
   ++masters_version_;
   for (const StateTensor& t : state.tensors) {
     optim::ParamState& param = params_[t.parameter];
-    float* target = t.slot == kMasterSlot ? param.master->data() : param.Slot(t.slot)->data();
-    MUOND_RETURN_IF_ERROR(backend_->CopyToDevice(t.values.data(), target, t.values.size()));
+    optim::StoredTensor& target = t.slot == kMasterSlot ? param.master : *param.Slot(t.slot);
+    MUOND_RETURN_IF_ERROR(optim::WriteStored(*backend_, target, 0, t.values.size(), t.values.data()));
     const double bound = bounds[&t - state.tensors.data()];
     if (t.slot == kMasterSlot) {
       param.master_bound = bound;

@@ -16,6 +16,7 @@
 #include "absl/status/status.h"
 #include "common/host_tensor.h"
 #include "kernels/optim/loss_scaler.h"
+#include "kernels/storage_dtype.h"
 #include "server/session/step_types.h"
 
 namespace muond::session {
@@ -24,7 +25,8 @@ namespace muond::session {
 struct StateTensor {
   size_t parameter = 0;
   std::string slot;
-  std::vector<float> values;
+  std::vector<float> values;  // widened from `dtype` (exactly) on export; rounded to the tensor's on import
+  kernels::StorageDtype dtype = kernels::StorageDtype::kFp32;  // how the session stores it
 };
 
 inline constexpr char kMasterSlot[] = "master";

@@ -34,11 +34,26 @@ absl::StatusOr<SessionState> StateFromCheckpoint(durability::CheckpointData& dat
       return durability::CheckpointCorrupt(dir, absl::StrCat("unknown tensor '", key, "'"));
     }
     if (t.shape != session.TensorShape(it->second, t.slot)) {
-      return durability::CheckpointCorrupt(dir, absl::StrCat("tensor '", key, "' is not F32 with the spec's shape"));
+      return durability::CheckpointCorrupt(dir, absl::StrCat("tensor '", key, "' does not have the spec's shape"));
     }
+    // Any of the dtypes is taken: the values are rounded to the tensor's storage format on import
+    // (exactly, for a checkpoint the session wrote).
     state.tensors.push_back({it->second, t.slot, std::move(t.values)});
   }
   return state;
+}
+
+// The safetensors name of a storage format.
+std::string_view SafetensorsDtype(kernels::StorageDtype dtype) {
+  switch (dtype) {
+    case kernels::StorageDtype::kBf16:
+      return "BF16";
+    case kernels::StorageDtype::kFp16:
+      return "F16";
+    case kernels::StorageDtype::kFp32:
+      return "F32";
+  }
+  return "F32";
 }
 
 }  // namespace
@@ -83,7 +98,8 @@ absl::Status FilePersistence::SaveCheckpoint(SessionState state) {
   for (StateTensor& t : state.tensors) {
     const ParameterConfig& param = config.parameters[t.parameter];
     std::vector<int64_t> shape = session_.TensorShape(t.parameter, t.slot);
-    data.tensors.push_back({param.name, std::move(t.slot), std::move(shape), std::move(t.values)});
+    data.tensors.push_back({param.name, std::move(t.slot), std::move(shape), std::move(t.values),
+                            std::string(SafetensorsDtype(t.dtype))});
   }
   const auto start = std::chrono::steady_clock::now();
   absl::Status saved = files_->SaveCheckpoint(data);

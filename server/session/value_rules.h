@@ -9,6 +9,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "kernels/storage_dtype.h"
 
 namespace muond::session {
 
@@ -24,12 +25,17 @@ inline constexpr double kMagnitudeLimit = 1e36;
 // INVALID_ARGUMENT naming `field` unless min <= step <= kMaxStep.
 absl::Status CheckStepNumber(absl::string_view field, int64_t step, int64_t min);
 
+// The largest magnitude a tensor stored in `dtype` may hold: kMagnitudeLimit, or fp16's largest
+// finite value (65504), beyond which it would be stored as infinity.
+double StorageLimit(kernels::StorageDtype dtype);
+
 // Values loaded into a session (uploads, SetState, checkpoints) must be finite and within
-// ±kMagnitudeLimit, and not negative where `non_negative` (Adam's second moment); INVALID_ARGUMENT
-// naming `field`, the tensor and the first element that is not. Returns their largest |x| (the
-// magnitude bound the finiteness guard starts from), found in the same pass.
+// ±StorageLimit(dtype) of the tensor they go to, and not negative where `non_negative` (Adam's second
+// moment); INVALID_ARGUMENT naming `field`, the tensor and the first element that is not. Returns
+// their largest |x| (the magnitude bound the finiteness guard starts from), found in the same pass.
 absl::StatusOr<double> CheckTensorValues(absl::string_view field, absl::string_view tensor,
-                                         std::span<const float> values, bool non_negative = false);
+                                         std::span<const float> values, bool non_negative = false,
+                                         kernels::StorageDtype dtype = kernels::StorageDtype::kFp32);
 
 // The largest |x| of `values` (0 when empty); a magnitude bound for the step's finiteness guard.
 double MaxAbs(std::span<const float> values);

@@ -82,9 +82,9 @@ TEST_P(AdamWModeTest, MatchesTorchSemanticsOverSteps) {
     ASSERT_OK(opt->Step(*backend, h, ptrs));
     for (size_t i = 0; i < states.size(); ++i) {
       EXPECT_EQ(states[i].step_count, refs[i].t);
-      const auto p = testing::Download(*backend, states[i].master->data(), states[i].numel);
-      const auto m = testing::Download(*backend, states[i].Slot("exp_avg")->data(), states[i].numel);
-      const auto v = testing::Download(*backend, states[i].Slot("exp_avg_sq")->data(), states[i].numel);
+      const auto p = testing::Download(*backend, states[i].master.fp32(), states[i].numel);
+      const auto m = testing::Download(*backend, states[i].Slot("exp_avg")->fp32(), states[i].numel);
+      const auto v = testing::Download(*backend, states[i].Slot("exp_avg_sq")->fp32(), states[i].numel);
       for (int64_t j = 0; j < states[i].numel; ++j) {
         // Each step moves p by about lr = 1e-2; the fp32 element-wise formula is good to a few
         // ulps of |p| ≈ 1 per step (≈ 1e-7), so 1e-6 over 12 steps has margin while a missing or
@@ -120,7 +120,7 @@ TEST(AdamWTest, CoupledL2DiffersFromDecoupledDecay) {
     s.has_grad = true;
     ParamState* ptrs[] = {&s};
     ASSERT_OK(opt->Step(*backend, opt->DefaultHyper(), ptrs));
-    const float p = testing::Download(*backend, s.master->data(), 1)[0];
+    const float p = testing::Download(*backend, s.master.fp32(), 1)[0];
     if (mode == WeightDecayMode::kDecoupled) {
       EXPECT_FLOAT_EQ(p, 1.0f - 1e-2f * 0.1f);
     } else {

@@ -171,27 +171,79 @@ TEST_P(BackendConformanceTest, MuonAndAdamWStepsMatchCpu) {
     for (size_t i = 0; i < adamw_specs.size(); ++i) {
       const optim::ParamState &d = adamw_d.params[i], &c = adamw_c.params[i];
       EXPECT_EQ(d.step_count, c.step_count);
-      EXPECT_TRUE(BitwiseEqual(download(*backend_, *d.master, d.numel), download(*cpu_, *c.master, c.numel)))
+      EXPECT_TRUE(BitwiseEqual(download(*backend_, *d.master.buffer, d.numel), download(*cpu_, *c.master.buffer, c.numel)))
           << "adamw param " << i;
       for (size_t s = 0; s < d.slots.size(); ++s) {
-        EXPECT_TRUE(BitwiseEqual(download(*backend_, *d.slots[s].buffer, d.numel),
-                                 download(*cpu_, *c.slots[s].buffer, c.numel)))
+        EXPECT_TRUE(BitwiseEqual(download(*backend_, *d.slots[s].tensor.buffer, d.numel),
+                                 download(*cpu_, *c.slots[s].tensor.buffer, c.numel)))
             << "adamw param " << i << " slot " << d.slots[s].name;
       }
     }
     const double bound = precision == MatmulPrecision::kFp32 ? 1e-4 : 6e-2;
     for (size_t i = 0; i < muon_specs.size(); ++i) {
       const optim::ParamState &d = muon_d.params[i], &c = muon_c.params[i];
-      EXPECT_TRUE(BitwiseEqual(download(*backend_, *d.slots[0].buffer, d.numel),
-                               download(*cpu_, *c.slots[0].buffer, c.numel)))
+      EXPECT_TRUE(BitwiseEqual(download(*backend_, *d.slots[0].tensor.buffer, d.numel),
+                               download(*cpu_, *c.slots[0].tensor.buffer, c.numel)))
           << "muon param " << i << " momentum";
-      std::vector<float> moved_d = download(*backend_, *d.master, d.numel);
-      std::vector<float> moved_c = download(*cpu_, *c.master, c.numel);
+      std::vector<float> moved_d = download(*backend_, *d.master.buffer, d.numel);
+      std::vector<float> moved_c = download(*cpu_, *c.master.buffer, c.numel);
       for (size_t j = 0; j < moved_d.size(); ++j) {
         moved_d[j] -= muon_w0[i][j];
         moved_c[j] -= muon_w0[i][j];
       }
       EXPECT_LT(RelativeFrobenius(moved_d, moved_c), bound) << "muon param " << i;
+    }
+  }
+}
+
+// Precision-aware state (16-bit masters and slots, staged through fp32 chunks): element-wise steps
+// over 16-bit state match the CPU bit for bit, a parameter larger than a staging chunk included.
+TEST_P(BackendConformanceTest, SixteenBitStateStepsMatchCpuBitwise) {
+  optim::GroupOptions options = optim::DefaultOptions(optim::OptimizerKind::kAdamW);
+  options.lr = 1e-2;
+  options.master_dtype = StorageDtype::kBf16;
+  options.exp_avg_dtype = StorageDtype::kBf16;
+  options.exp_avg_sq_dtype = StorageDtype::kFp16;
+  ASSERT_OK_AND_ASSIGN(auto dev, optim::Optimizer::Create(options));
+  ASSERT_OK_AND_ASSIGN(auto cpu, optim::Optimizer::Create(options));
+  const std::vector<size_t> sizes = {optim::StagingArea::kChunk + 7, 33};
+  std::vector<optim::ParamState> d(sizes.size()), c(sizes.size());
+  std::vector<optim::ParamState*> pd, pc;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    const std::vector<float> w = Random(sizes[i], 0.05f);
+    for (auto [p, b] : {std::pair{&d[i], backend_.get()}, std::pair{&c[i], cpu_.get()}}) {
+      p->name = "p" + std::to_string(i);
+      p->shape = {static_cast<int64_t>(sizes[i])};
+      p->numel = static_cast<int64_t>(sizes[i]);
+      ASSERT_OK_AND_ASSIGN(p->master, optim::AllocateStored(*b, options.master_dtype, sizes[i]));
+      ASSERT_OK(optim::WriteStored(*b, p->master, 0, sizes[i], w.data()));
+      ASSERT_OK_AND_ASSIGN(p->grad, b->Allocate(sizes[i]));
+    }
+    ASSERT_OK(dev->InitState(*backend_, d[i]));
+    ASSERT_OK(cpu->InitState(*cpu_, c[i]));
+    pd.push_back(&d[i]);
+    pc.push_back(&c[i]);
+  }
+  for (int step = 0; step < 3; ++step) {
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      const std::vector<float> g = Random(sizes[i], 0.1f);
+      ASSERT_OK(backend_->CopyToDevice(g.data(), d[i].grad->data(), g.size()));
+      ASSERT_OK(cpu_->CopyToDevice(g.data(), c[i].grad->data(), g.size()));
+      d[i].has_grad = c[i].has_grad = true;
+    }
+    ASSERT_OK(dev->Step(*backend_, dev->DefaultHyper(), pd));
+    ASSERT_OK(cpu->Step(*cpu_, cpu->DefaultHyper(), pc));
+  }
+  auto read = [](Backend& b, const optim::StoredTensor& t) {
+    std::vector<float> out(t.numel);
+    EXPECT_OK(optim::ReadStored(b, t, 0, t.numel, out.data()));
+    return out;
+  };
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    EXPECT_TRUE(BitwiseEqual(read(*backend_, d[i].master), read(*cpu_, c[i].master))) << "master " << i;
+    for (size_t s = 0; s < d[i].slots.size(); ++s) {
+      EXPECT_TRUE(BitwiseEqual(read(*backend_, d[i].slots[s].tensor), read(*cpu_, c[i].slots[s].tensor)))
+          << "param " << i << " slot " << d[i].slots[s].name;
     }
   }
 }
@@ -251,11 +303,11 @@ TEST_P(BackendConformanceTest, MuonVariantsMatchCpu) {
     for (size_t i = 0; i < specs.size(); ++i) {
       const optim::ParamState &pd = d.params[i], &pc = c.params[i];
       const size_t n = static_cast<size_t>(pd.numel);
-      EXPECT_TRUE(BitwiseEqual(Download(*backend_, pd.slots[0].buffer->data(), n),
-                               Download(*cpu_, pc.slots[0].buffer->data(), n)))
+      EXPECT_TRUE(BitwiseEqual(Download(*backend_, pd.slots[0].tensor.fp32(), n),
+                               Download(*cpu_, pc.slots[0].tensor.fp32(), n)))
           << "param " << i << " momentum";
-      std::vector<float> moved_d = Download(*backend_, pd.master->data(), n);
-      std::vector<float> moved_c = Download(*cpu_, pc.master->data(), n);
+      std::vector<float> moved_d = Download(*backend_, pd.master.fp32(), n);
+      std::vector<float> moved_c = Download(*cpu_, pc.master.fp32(), n);
       for (size_t j = 0; j < n; ++j) {
         moved_d[j] -= w0[i][j];
         moved_c[j] -= w0[i][j];

@@ -64,8 +64,8 @@ void RunAgainstReference(const GroupOptions& o, const std::string& slot, const R
     ASSERT_OK(opt->Step(*backend, h, ptrs));
     for (size_t i = 0; i < states.size(); ++i) {
       EXPECT_EQ(states[i].step_count, refs[i].t);
-      const auto p = testing::Download(*backend, states[i].master->data(), states[i].numel);
-      const auto b = testing::Download(*backend, states[i].Slot(slot)->data(), states[i].numel);
+      const auto p = testing::Download(*backend, states[i].master.fp32(), states[i].numel);
+      const auto b = testing::Download(*backend, states[i].Slot(slot)->fp32(), states[i].numel);
       for (int64_t j = 0; j < states[i].numel; ++j) {
         ASSERT_NEAR(p[j], refs[i].p[j], 1e-6) << "param " << i << " elem " << j << " step " << step;
         ASSERT_NEAR(b[j], refs[i].buf[j], 1e-6 * (1 + std::abs(refs[i].buf[j]))) << "step " << step;

@@ -242,8 +242,8 @@ TEST_P(MuonReferenceTest, MatchesFp64ReferenceOverSteps) {
     }
     ASSERT_OK(opt->Step(*backend, hyper, ptrs));
     for (size_t i = 0; i < states.size(); ++i) {
-      const auto w = testing::Download(*backend, states[i].master->data(), states[i].numel);
-      const auto m = testing::Download(*backend, states[i].Slot("momentum")->data(), states[i].numel);
+      const auto w = testing::Download(*backend, states[i].master.fp32(), states[i].numel);
+      const auto m = testing::Download(*backend, states[i].Slot("momentum")->fp32(), states[i].numel);
       double dw = 0, dm = 0;
       for (int64_t j = 0; j < states[i].numel; ++j) {
         dw = std::max(dw, std::abs(w[j] - ref_w[i][j]));
@@ -257,7 +257,7 @@ TEST_P(MuonReferenceTest, MatchesFp64ReferenceOverSteps) {
       // Momentum is element-wise fp32 arithmetic: a few ulps of its magnitude.
       EXPECT_LT(dm, 1e-6) << c.name << " param " << i << " step " << step;
       if (c.options.moment2_method != Moment2Method::kNone) {
-        const auto m2 = testing::Download(*backend, states[i].Slot("moment2")->data(), ref_m2[i].size());
+        const auto m2 = testing::Download(*backend, states[i].Slot("moment2")->fp32(), ref_m2[i].size());
         double dm2 = 0, largest = 0;
         for (size_t j = 0; j < m2.size(); ++j) {
           dm2 = std::max(dm2, std::abs(m2[j] - ref_m2[i][j]));
@@ -404,7 +404,7 @@ TEST_F(MuonTest, SlotsAndZeroGradient) {
   ParamState p;
   ASSERT_NO_FATAL_FAILURE(ZeroGradientStep(*backend, *opt, p));
   // A zero gradient orthogonalizes to zero (no NaN), so with wd = 0 the weights stay put.
-  for (float x : testing::Download(*backend, p.master->data(), 96)) ASSERT_EQ(x, 0.5f);
+  for (float x : testing::Download(*backend, p.master.fp32(), 96)) ASSERT_EQ(x, 0.5f);
   EXPECT_EQ(p.step_count, 1);
 }
 
@@ -437,8 +437,8 @@ TEST_F(MuonTest, AdaptiveSlotsAndZeroGradientGuard) {
     EXPECT_EQ(opt->SlotShape(p, "momentum"), p.shape);
     ASSERT_NO_FATAL_FAILURE(ZeroGradientStep(*backend, *opt, p));
     // An all-zero update stays zero: NorMuon's norm ratio would be 0/0 and AdaMuon's 0/(0 + ε).
-    for (float x : testing::Download(*backend, p.master->data(), 96)) ASSERT_EQ(x, 0.5f);
-    for (float x : testing::Download(*backend, p.Slot("moment2")->data(), opt->SlotNumel(p, "moment2"))) {
+    for (float x : testing::Download(*backend, p.master.fp32(), 96)) ASSERT_EQ(x, 0.5f);
+    for (float x : testing::Download(*backend, p.Slot("moment2")->fp32(), opt->SlotNumel(p, "moment2"))) {
       ASSERT_EQ(x, 0.0f);
     }
   }
@@ -462,9 +462,9 @@ TEST_F(MuonTest, ParameterWithoutGradientIsLeftAlone) {
   ASSERT_OK(opt->Step(*backend, StepHyper{.lr = 0.1, .momentum = 0.9, .weight_decay = 0.1}, ptrs));
   EXPECT_EQ(with.step_count, 1);
   EXPECT_EQ(without.step_count, 0);
-  for (float x : testing::Download(*backend, without.master->data(), 36)) ASSERT_EQ(x, 1.0f);
-  for (float x : testing::Download(*backend, without.Slot("momentum")->data(), 36)) ASSERT_EQ(x, 0.0f);
-  EXPECT_NE(testing::Download(*backend, with.master->data(), 36), std::vector<float>(36, 1.0f));
+  for (float x : testing::Download(*backend, without.master.fp32(), 36)) ASSERT_EQ(x, 1.0f);
+  for (float x : testing::Download(*backend, without.Slot("momentum")->fp32(), 36)) ASSERT_EQ(x, 0.0f);
+  EXPECT_NE(testing::Download(*backend, with.master.fp32(), 36), std::vector<float>(36, 1.0f));
 }
 
 TEST_F(MuonTest, StepWithoutStateIsRejectedAndChangesNothing) {
@@ -482,7 +482,7 @@ TEST_F(MuonTest, StepWithoutStateIsRejectedAndChangesNothing) {
   std::vector<ParamState*> ptrs = {&good, &bad};
   EXPECT_THAT(opt->Step(*backend, opt->DefaultHyper(), ptrs),
               StatusIs(absl::StatusCode::kFailedPrecondition, "momentum"));
-  for (float x : testing::Download(*backend, good.master->data(), 16)) ASSERT_EQ(x, 1.0f);
+  for (float x : testing::Download(*backend, good.master.fp32(), 16)) ASSERT_EQ(x, 1.0f);
   EXPECT_EQ(good.step_count, 0);
 }
 

@@ -1,0 +1,93 @@
+// StoredTensor: a master or a state slot as a session keeps it in backend memory, in its storage
+// format (kernels::StorageDtype): fp32, or bf16 / fp16 to halve its memory (the precision-aware
+// optimizer). A 16-bit tensor of n elements lives in a DeviceBuffer of ⌈n/2⌉ fp32 words, so the
+// backends allocate, account and free it as any other buffer.
+//
+// The optimizers compute in fp32 whatever the storage: StagingArea widens a region of a 16-bit
+// tensor into fp32 scratch for an operation and rounds the result back (to nearest even) when it is
+// stored — load, compute, round on store. The host-side functions (ReadStored, WriteStored) serve
+// the session's reads and writes (answers, GetState/SetState, checkpoints).
+//
+// Ownership: a StoredTensor owns its buffer; a StagingArea owns its scratch. Neither is thread-safe:
+// their owner (a session, through its optimizers) serializes their use.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <memory>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/backend.h"
+
+namespace muond::optim {
+
+struct StoredTensor {
+  StoredTensor() = default;
+  // fp32 storage over `buffer` (all its elements).
+  StoredTensor(std::unique_ptr<kernels::DeviceBuffer> fp32_buffer);  // NOLINT: implicit by design
+
+  kernels::StorageDtype dtype = kernels::StorageDtype::kFp32;
+  size_t numel = 0;
+  std::unique_ptr<kernels::DeviceBuffer> buffer;
+
+  bool allocated() const { return buffer != nullptr; }
+  bool is_fp32() const { return dtype == kernels::StorageDtype::kFp32; }
+  // The values of fp32 storage; null for a 16-bit tensor (read those through ReadStored or a
+  // StagingArea).
+  float* fp32() { return is_fp32() && buffer ? buffer->data() : nullptr; }
+  const float* fp32() const { return is_fp32() && buffer ? buffer->data() : nullptr; }
+  // Element `offset` in the storage format, for Backend::Widen / Narrow.
+  void* At(size_t offset);
+  const void* At(size_t offset) const;
+  // Bytes the values take (not counting a 16-bit tensor's pad to a whole fp32 word).
+  size_t bytes() const { return numel * kernels::StorageBytes(dtype); }
+};
+
+// A zeroed tensor of `numel` elements of `dtype`.
+absl::StatusOr<StoredTensor> AllocateStored(kernels::Backend& backend, kernels::StorageDtype dtype, size_t numel);
+
+// host[0, count) = tensor[offset, offset + count), widened to fp32 (exactly).
+absl::Status ReadStored(kernels::Backend& backend, const StoredTensor& tensor, size_t offset, size_t count,
+                        float* host);
+// tensor[offset, offset + count) = host[0, count), rounded to the tensor's format.
+absl::Status WriteStored(kernels::Backend& backend, StoredTensor& tensor, size_t offset, size_t count,
+                         const float* host);
+
+// fp32 scratch through which an optimizer works on 16-bit tensors, in lanes (one per tensor an
+// operation touches at once: the master and up to two slots). fp32 tensors are worked on in place
+// and need no lane. Element-wise work is staged in chunks of at most kChunk elements
+// (ForEachChunk), so a lane holds 4 MiB at most whatever the parameter's size.
+class StagingArea {
+ public:
+  static constexpr int kLanes = 3;
+  static constexpr size_t kChunk = size_t{1} << 20;
+
+  // Calls fn(offset, count) for consecutive chunks of [0, n), each at most kChunk long; stops at
+  // the first error.
+  template <typename Fn>
+  static absl::Status ForEachChunk(size_t n, Fn&& fn) {
+    for (size_t offset = 0; offset < n; offset += kChunk) {
+      absl::Status status = fn(offset, n - offset < kChunk ? n - offset : kChunk);
+      if (!status.ok()) return status;
+    }
+    return absl::OkStatus();
+  }
+
+  // Makes sure `lane` can hold `count` elements of `tensor` (nothing for an fp32 tensor). Steps call
+  // it for every region they will stage before they change anything, so that running out of memory
+  // rejects a step cleanly.
+  absl::Status Reserve(kernels::Backend& backend, int lane, const StoredTensor& tensor, size_t count);
+  // An fp32 view of tensor[offset, offset + count): the storage itself for fp32, else `lane`'s
+  // scratch holding the widened values.
+  absl::StatusOr<float*> Load(kernels::Backend& backend, int lane, StoredTensor& tensor, size_t offset, size_t count);
+  // Rounds what Load gave back into tensor[offset, offset + count); nothing for fp32.
+  absl::Status Store(kernels::Backend& backend, int lane, StoredTensor& tensor, size_t offset, size_t count);
+  // fp32 elements held (for memory accounting).
+  size_t floats() const;
+
+ private:
+  std::array<std::unique_ptr<kernels::DeviceBuffer>, kLanes> lanes_;
+};
+
+}  // namespace muond::optim
