@@ -7,7 +7,10 @@ non-finite gradient is skipped whole, ``max_grad_norm`` clips the global norm li
 process. It
 is the baseline for side-by-side comparisons (``examples/train_gpt.py --compare-local``) and a
 drop-in fallback when no daemon is running. Masters are the parameter tensors themselves, so keep
-parameters in fp32 for results comparable with the daemon.
+parameters in fp32 for results comparable with the daemon. The precision-aware options
+(``master_dtype``, ``momentum_dtype``, ``exp_avg_dtype``, ``exp_avg_sq_dtype``) are followed as the
+daemon follows them: 16-bit slots are kept in that dtype, each step computes in fp32 and rounds what
+it stores, and a 16-bit master is an fp32 parameter holding rounded values.
 
 Thread-safety: like every torch optimizer, one instance is used from one thread at a time.
 """
@@ -25,6 +28,22 @@ from . import options as opts
 from . import qk_clip as qk
 from .naming import named_groups
 from .step_info import StepInfo, check_max_grad_norm
+
+
+_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _stored_slots(group: Dict[str, Any], state: Dict[str, Any]) -> list:
+    """The tensor slots of ``state`` that ``group`` stores in 16 bits."""
+    return [slot for slot, value in state.items()
+            if isinstance(value, torch.Tensor) and opts.storage_dtype(group, slot) != "fp32"]
+
+
+def _round_master(p: torch.Tensor, group: Dict[str, Any]) -> None:
+    """Rounds the parameter to the group's master_dtype in place, as the daemon stores it."""
+    stored = opts.storage_dtype(group, "master")
+    if stored != "fp32":
+        p.copy_(p.to(_TORCH_DTYPES[stored]))
 
 
 def newton_schulz(u: torch.Tensor, steps: int, coefficients: Sequence[Tuple[float, float, float]],
@@ -304,6 +323,11 @@ class LocalOptimizer(torch.optim.Optimizer):
                 g = p.grad.detach().to(torch.float32)
                 if clip != 1.0:
                     g = g * torch.tensor(clip, dtype=torch.float32)  # one fp32 multiply, as there
+                # 16-bit storage (the *_dtype options): load as fp32, compute, round on store.
+                stored = _stored_slots(group, state)
+                for slot in stored:
+                    state[slot] = state[slot].float()
+                _round_master(p, group)
                 if kind == "muon":
                     self._muon(p, g, state, group)
                 elif kind == "adamw":
@@ -312,12 +336,18 @@ class LocalOptimizer(torch.optim.Optimizer):
                     self._lion(p, g, state, group)
                 else:
                     self._sgd(p, g, state, group)
+                for slot in _stored_slots(group, state):
+                    state[slot] = state[slot].to(_TORCH_DTYPES[opts.storage_dtype(group, slot)])
+                _round_master(p, group)
         pairs = {pair.query: pair for pair in self.qk_clip}
         for query, max_logits in logits.items():
             weight = self._by_name[query]
             group = next(g for g in self.param_groups if any(p is weight for p in g["params"]))
-            qk.apply(weight, self._by_name[pairs[query].key], max_logits,
+            key = self._by_name[pairs[query].key]
+            qk.apply(weight, key, max_logits,
                      group["qk_clip_threshold"], group["qk_clip_alpha"], pairs[query].mla)
+            _round_master(weight, group)
+            _round_master(key, next(g for g in self.param_groups if any(p is key for p in g["params"])))
         if self._scaler is not None:
             self._scaler.update(self.loss_scaler, found_inf=False)
         elapsed = time.perf_counter() - started

@@ -63,6 +63,8 @@ DEFAULT_ENDPOINT = "127.0.0.1:50051"
 _RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 _log = logging.getLogger("muond")
 _STATE_FORMAT = 1
+# Torch dtypes of the storage formats (options.storage_dtype).
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class RemoteOptimizer(torch.optim.Optimizer):
@@ -535,8 +537,10 @@ class RemoteOptimizer(torch.optim.Optimizer):
         return self._common_step(steps, "Checkpoint")
 
     def state_dict(self) -> Dict[str, Any]:
-        """The daemon's whole state in torch's layout: ``state[i]`` holds parameter i's fp32
-        ``master`` and optimizer slots (e.g. ``momentum``, ``exp_avg``) and its ``step`` count;
+        """The daemon's whole state in torch's layout: ``state[i]`` holds parameter i's
+        ``master`` and optimizer slots (e.g. ``momentum``, ``exp_avg``), each in the dtype the
+        daemon stores it in (fp32 unless the group's *_dtype options say bf16 or fp16), and its
+        ``step`` count;
         ``param_groups`` the group options; ``muond`` the session's last step and names."""
         self._check_open()
         parts = self._on_every_link(lambda k, link: link.get_state())
@@ -546,7 +550,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
         state: Dict[int, Dict[str, Any]] = {}
         for (name, slot), tensor in ((key, t) for _, tensors in parts for key, t in tensors.items()):
             entry = state.setdefault(index[name], {})
-            entry[slot or "master"] = tensor.view(self._tensor_shape(name, slot or "master"))
+            slot = slot or "master"
+            entry[slot] = tensor.view(self._tensor_shape(name, slot)).to(self._storage_dtype(name, slot))
         for name, i in index.items():
             state.setdefault(i, {})["step"] = counts.get(name, 0)
         groups, start = [], 0
@@ -563,6 +568,11 @@ class RemoteOptimizer(torch.optim.Optimizer):
                                    "growth_tracker": header.loss_scaler.growth_tracker,
                                    "hysteresis_tracker": header.loss_scaler.hysteresis_tracker}
         return {"state": state, "param_groups": groups, "muond": meta}
+
+    def _storage_dtype(self, name: str, slot: str) -> torch.dtype:
+        """The torch dtype the daemon stores a parameter's master or slot in."""
+        group = next(g for g in self.param_groups if name in g["param_names"])
+        return _TORCH_DTYPES[opts.storage_dtype(group, slot)]
 
     def _tensor_shape(self, name: str, slot: str) -> Tuple[int, ...]:
         """The shape of a parameter's master or optimizer slot (``options.slot_shape``)."""
@@ -612,7 +622,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
                         if tuple(value.shape) != expected:
                             raise ValueError(f"state of '{name}' slot '{slot}' has shape "
                                              f"{tuple(value.shape)}, expected {expected}")
-                        yield from wire.encode(name, value, "fp32",
+                        # State travels as fp32 (16-bit values widen exactly); the daemon rounds
+                        # it to the format it stores the tensor in.
+                        yield from wire.encode(name, value.float(), "fp32",
                                                slot="master" if slot == "master" else slot,
                                                max_chunk_bytes=self.chunk_bytes)
 

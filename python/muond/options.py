@@ -33,6 +33,14 @@ turns a resolved group into the ``muond.v1.GroupOptions`` message sent when a se
 | beta2, eps (muon)       | muon         | 0.95, 1e-8; only with a moment2_method                   |
 | betas                   | adamw, lion  | adamw (0.9, 0.999), lion (0.9, 0.99)                     |
 | eps                     | adamw        | 1e-8                                                     |
+| master_dtype            | all          | None = "fp32" ("bf16", "fp16"; or torch.bfloat16, ...)   |
+| momentum_dtype          | muon, sgd    | None = "fp32"; the momentum slot's storage format        |
+| exp_avg_dtype           | adamw, lion  | None = "fp32"                                            |
+| exp_avg_sq_dtype        | adamw, muon  | None = "fp32"; muon: only with a moment2_method (moment2) |
+
+The *_dtype options choose how the daemon stores masters and optimizer state (Megatron-Core's
+precision-aware optimizer); every step still computes in fp32 and rounds to nearest even when it
+stores.
 
 Pure functions; no shared state.
 """
@@ -87,7 +95,18 @@ _CHOICES = {
     "ns_coefficients_after": ("cycle", "repeat_last"),
     "scale_mode": ("shape_scaling", "spectral", "unit_rms_norm"),
     "matmul_precision": ("bf16", "tf32", "fp32"),
+    "master_dtype": ("fp32", "bf16", "fp16"),
+    "momentum_dtype": ("fp32", "bf16", "fp16"),
+    "exp_avg_dtype": ("fp32", "bf16", "fp16"),
+    "exp_avg_sq_dtype": ("fp32", "bf16", "fp16"),
 }
+# Storage formats by torch's names too (Megatron-Core's configuration takes torch dtypes).
+_DTYPE_ALIASES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16",
+                  "float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
+# The option that sets the storage format of each state tensor.
+_DTYPE_OPTION = {"master": "master_dtype", "momentum": "momentum_dtype",
+                 "momentum_buffer": "momentum_dtype", "exp_avg": "exp_avg_dtype",
+                 "exp_avg_sq": "exp_avg_sq_dtype", "moment2": "exp_avg_sq_dtype"}
 
 _MUON_ONLY = ("momentum_style", "ns_steps", "ns_coefficients", "ns_algorithm",
               "ns_coefficients_after", "ns_eps", "ns_norm_safety", "scale_mode",
@@ -105,16 +124,19 @@ DEFAULTS: Dict[str, Dict[str, Any]] = {
         "qkv_split": None, "num_query_groups": None, "tp_blocks": None, "tp_block_dim": 0,
         "qk_clip_threshold": 100.0,
         "qk_clip_alpha": 0.5, "moment2_method": None, "beta2": 0.95, "eps": 1e-8,
+        "master_dtype": None, "momentum_dtype": None, "exp_avg_sq_dtype": None,
     },
     "adamw": {"lr": 1e-3, "weight_decay": 0.01, "weight_decay_mode": "decoupled", "betas": (0.9, 0.999),
-              "eps": 1e-8},
-    "lion": {"lr": 1e-4, "weight_decay": 0.0, "betas": (0.9, 0.99)},
-    "sgd": {"lr": 1e-2, "weight_decay": 0.0, "momentum": 0.0, "nesterov": False},
+              "eps": 1e-8, "master_dtype": None, "exp_avg_dtype": None, "exp_avg_sq_dtype": None},
+    "lion": {"lr": 1e-4, "weight_decay": 0.0, "betas": (0.9, 0.99), "master_dtype": None,
+             "exp_avg_dtype": None},
+    "sgd": {"lr": 1e-2, "weight_decay": 0.0, "momentum": 0.0, "nesterov": False, "master_dtype": None,
+            "momentum_dtype": None},
 }
 
 ALL_OPTIONS = frozenset(k for d in DEFAULTS.values() for k in d)
 # Options of a Muon group that only its second moment (moment2_method) reads.
-_MUON_MOMENT2 = ("beta2", "eps")
+_MUON_MOMENT2 = ("beta2", "eps", "exp_avg_sq_dtype")
 # Keys a group may carry besides options: torch's own, lr schedulers', and a display name.
 _PASSTHROUGH = frozenset({"params", "param_names", "initial_lr", "name"})
 # Options a step may override (GroupOverride); every other option is fixed by the session.
@@ -166,6 +188,8 @@ def _check_value(key: str, value: Any) -> Any:
         return None
     if key in _CHOICES:
         value = str(value)
+        if key.endswith("_dtype"):
+            value = _DTYPE_ALIASES.get(value, value)
         if value not in _CHOICES[key]:
             raise ValueError(f"{key} must be one of {', '.join(_CHOICES[key])}, got {value!r}")
         return value
@@ -274,7 +298,8 @@ _KIND = {"muon": pb.OPTIMIZER_MUON, "adamw": pb.OPTIMIZER_ADAMW, "lion": pb.OPTI
 _SCALAR_FIELDS = ("lr", "weight_decay", "weight_decay_mode", "momentum", "nesterov",
                   "momentum_style", "ns_steps", "ns_coefficients_after", "ns_eps", "ns_norm_safety",
                   "scale_mode", "extra_scale_factor", "matmul_precision", "qk_clip_threshold",
-                  "qk_clip_alpha", "moment2_method", "ns_algorithm")
+                  "qk_clip_alpha", "moment2_method", "ns_algorithm", "master_dtype",
+                  "momentum_dtype", "exp_avg_dtype")
 
 
 def group_options_proto(group: Mapping[str, Any]) -> pb.GroupOptions:
@@ -359,3 +384,10 @@ def overrides_of(group: Mapping[str, Any], created: Mapping[str, Any]) -> Dict[s
 def spec_options(group: Mapping[str, Any]) -> Dict[str, Any]:
     """The options of a resolved group that the session fixes (everything but overridables)."""
     return {k: group[k] for k in DEFAULTS[group["optimizer"]] if k not in OVERRIDABLE}
+
+
+def storage_dtype(group: Mapping[str, Any], slot: str) -> str:
+    """How the daemon stores tensor ``slot`` ("master", "momentum", "exp_avg", ...) of a
+    parameter of a resolved ``group``: "fp32", "bf16" or "fp16"."""
+    option = _DTYPE_OPTION.get(slot)
+    return (group.get(option) if option else None) or "fp32"

@@ -25,6 +25,19 @@ MUON_DEFAULTS = dict(lr=0.02, momentum=0.95, nesterov=True, momentum_style="ema"
 ADAMW_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, weight_decay_mode="decoupled")
 
 
+# The option that sets the storage format of each state tensor of the reference.
+_STATE_DTYPE_OPTION = {"muon": {"M": "momentum_dtype", "V": "exp_avg_sq_dtype"},
+                       "adamw": {"m": "exp_avg_dtype", "v": "exp_avg_sq_dtype"}}
+_TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _round(x, dtype):
+    """Rounds the fp32 tensor x in place to the nearest value of dtype ("bf16", "fp16"; None or
+    "fp32" leaves it)."""
+    if dtype not in (None, "fp32"):
+        x.copy_(x.to(_TORCH_DTYPE[dtype]))
+
+
 def newton_schulz(u, steps, coefficients, after, eps, safety):
     x = u.clone().float()
     transposed = x.shape[0] > x.shape[1]
@@ -73,10 +86,17 @@ class Reference:
                     continue
                 st = self.state.setdefault(id(p), {"t": 0})
                 st["t"] += 1
+                # Precision-aware state: values are stored rounded to the group's *_dtype; each
+                # step computes on them in fp32 and rounds what it stores.
+                _round(p, group.get("master_dtype"))
                 if group["kind"] == "muon":
                     self._muon(p, g.float().clone(), st, group)
                 else:
                     self._adamw(p, g.float().clone(), st, group)
+                for key, option in _STATE_DTYPE_OPTION[group["kind"]].items():
+                    if key in st:
+                        _round(st[key], group.get(option))
+                _round(p, group.get("master_dtype"))
 
     @staticmethod
     def _muon(W, G, st, o):
