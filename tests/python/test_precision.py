@@ -101,6 +101,25 @@ def test_values_beyond_fp16_are_refused_with_the_field_named(endpoint):
     assert "65504" in str(refused.value)
 
 
+def test_a_step_that_would_overflow_fp16_state_is_skipped(endpoint):
+    """Adam's exp_avg_sq stored in fp16 holds (1−β2)·g²: a gradient of 1e4 would store 1e5, past
+    fp16's 65504, so the step is skipped, naming the tensor, and nothing changes."""
+    model = nn.Linear(4, 3, bias=False)
+    groups = [{"params": list(model.parameters()), "optimizer": "adamw", "exp_avg_sq_dtype": "fp16"}]
+    with muond.RemoteOptimizer(groups, endpoint=endpoint) as opt:
+        before = model.weight.detach().clone()
+        model.weight.grad = torch.full_like(model.weight, 0.5)
+        model.weight.grad[0, 0] = 1e4
+        opt.step()
+        assert not opt.last_info.applied
+        assert "exp_avg_sq" in opt.last_info.skip_reason and "fp16" in opt.last_info.skip_reason
+        assert torch.equal(model.weight.detach(), before)
+        model.weight.grad = torch.full_like(model.weight, 0.5)  # a gradient fp16 can square
+        opt.step()
+        assert opt.last_info.applied
+        assert torch.isfinite(opt.state_dict()["state"][0]["exp_avg_sq"]).all()
+
+
 def test_options_are_checked_and_named(endpoint):
     model = TinyNet(seed=83)
     with pytest.raises(ValueError, match="exp_avg_sq_dtype"):  # a muon group without a moment2_method
