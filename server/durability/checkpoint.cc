@@ -110,6 +110,11 @@ std::string EncodeSafetensors(const CheckpointData& data) {
   }
   header["__metadata__"] = {{"format", kFormat}, {"session_id", data.session_id},
                             {"last_step", std::to_string(data.last_step)}, {"backend", data.backend}};
+  if (data.loss_scaler.has_value()) {  // safetensors metadata holds strings only
+    header["__metadata__"]["loss_scale"] = absl::StrFormat("%.17g", data.loss_scaler->scale);
+    header["__metadata__"]["loss_scale_growth_tracker"] = std::to_string(data.loss_scaler->growth_tracker);
+    header["__metadata__"]["loss_scale_hysteresis_tracker"] = std::to_string(data.loss_scaler->hysteresis_tracker);
+  }
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');
   std::string out(8, '\0');

@@ -46,12 +46,16 @@ absl::Status MuondService::DoGetState(const std::string& caller, const v1::GetSt
   if (!writer->Write(response)) return absl::CancelledError("the client went away");
   const size_t chunk_bytes = AnswerChunkBytes(request.max_chunk_bytes());
   for (const StateTensor& tensor : state.tensors) {
-    const bool sent = transport::EmitChunks(config.parameters[tensor.parameter].name, tensor.slot, tensor.values,
-                                 v1::DTYPE_FP32, chunk_bytes, [&](v1::TensorChunk&& chunk) {
-                                   response.Clear();
-                                   *response.mutable_chunk() = std::move(chunk);
-                                   return writer->Write(response);
-                                 });
+    // The first chunk of each tensor carries its shape (a slot's own, e.g. NorMuon's (rows, 1)).
+    const std::vector<int64_t> shape = session->TensorShape(tensor.parameter, tensor.slot);
+    const bool sent = transport::EmitChunks(
+        config.parameters[tensor.parameter].name, tensor.slot, tensor.values, v1::DTYPE_FP32, chunk_bytes,
+        [&](v1::TensorChunk&& chunk) {
+          response.Clear();
+          *response.mutable_chunk() = std::move(chunk);
+          return writer->Write(response);
+        },
+        shape);
     if (!sent) return absl::CancelledError("the client went away");
   }
   return absl::OkStatus();

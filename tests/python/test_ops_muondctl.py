@@ -157,6 +157,28 @@ def test_export_from_the_daemon_holds_every_slot(endpoint, tmp_path):
         opt.close()
 
 
+def test_export_keeps_slot_shapes_and_the_loss_scaler(endpoint, tmp_path):
+    """NorMuon's second moment is exported at its own shape, (rows, 1) or (1, cols), and a session's
+    loss scaler goes into the file's metadata."""
+    model = TinyNet(seed=4)
+    groups = muond.default_param_groups(model, muon={"moment2_method": "normuon", "beta2": 0.9})
+    with muond.RemoteOptimizer(groups, endpoint=endpoint, session="exported-normuon",
+                               loss_scaler={"initial_scale": 2.0 ** 10}) as opt:
+        for step in range(1, 3):
+            opt.scale_loss(loss_of(model, step)).backward()
+            opt.step()
+            opt.zero_grad()
+        target = tmp_path / "normuon.safetensors"
+        ctl_json("-e", endpoint, "export", "exported-normuon", "--to", target)
+        metadata, tensors = read_safetensors(target)
+        state = opt.state_dict()
+        assert tuple(tensors["up.weight/moment2"].shape) == tuple(state["state"][0]["moment2"].shape) == (48, 1)
+        assert tuple(tensors["down.weight/moment2"].shape) == (1, 48)
+        assert torch.equal(tensors["up.weight/moment2"], state["state"][0]["moment2"])
+        assert float(metadata["loss_scale"]) == opt.loss_scale == 2.0 ** 10
+        assert metadata["loss_scale_growth_tracker"] == "2"
+
+
 def test_state_inspect_verify_and_offline_export(start_daemon, tmp_path):
     state_dir = tmp_path / "state"
     daemon = start_daemon("--state-dir", state_dir, "--durability", "journal")

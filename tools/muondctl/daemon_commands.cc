@@ -239,6 +239,11 @@ Answer ExportSession(const ConnectFlags& flags, const std::string& session_id, c
     if (response.has_header()) {
       data.last_step = response.header().last_step();
       for (const v1::ParameterStepCount& c : response.header().step_counts()) data.step_counts.emplace_back(c.name(), c.count());
+      if (response.header().has_loss_scaler()) {
+        const v1::LossScalerState& scaler = response.header().loss_scaler();
+        data.loss_scaler = durability::CheckpointLossScaler{scaler.scale(), scaler.growth_tracker(),
+                                                            scaler.hysteresis_tracker()};
+      }
       continue;
     }
     const v1::TensorChunk& chunk = response.chunk();
@@ -249,9 +254,16 @@ Answer ExportSession(const ConnectFlags& flags, const std::string& session_id, c
     }
     auto [it, added] = index.emplace(std::make_pair(chunk.name(), chunk.slot()), data.tensors.size());
     if (added) {
+      // The tensor's own shape, from its first chunk (a daemon that sends none: the parameter's).
+      std::vector<int64_t> dims = chunk.shape_size() > 0 ? std::vector<int64_t>(chunk.shape().begin(), chunk.shape().end())
+                                                         : shape->second;
       int64_t numel = 1;
-      for (int64_t d : shape->second) numel *= d;
-      data.tensors.push_back({chunk.name(), chunk.slot(), shape->second, std::vector<float>(static_cast<size_t>(numel))});
+      for (int64_t d : dims) numel *= d;
+      if (numel < 0 || numel > (int64_t{1} << 40)) {
+        context.TryCancel();
+        return ErrorAnswer(absl::InternalError(absl::StrCat("the daemon sent a bad shape for '", chunk.name(), "'")));
+      }
+      data.tensors.push_back({chunk.name(), chunk.slot(), std::move(dims), std::vector<float>(static_cast<size_t>(numel))});
     }
     std::vector<float>& values = data.tensors[it->second].values;
     const size_t count = chunk.data().size() / sizeof(float);
@@ -264,17 +276,11 @@ Answer ExportSession(const ConnectFlags& flags, const std::string& session_id, c
     received[it->second] = std::max(received[it->second], chunk.offset() + count);
   }
   if (const grpc::Status status = reader->Finish(); !status.ok()) return ErrorAnswer(client::FromGrpcStatus(status));
-  // A slot smaller than its parameter (NorMuon's per-line second moment) is written flat: the stream
-  // carries its elements, not its shape (a checkpoint read with --state-dir keeps the shape).
   for (size_t i = 0; i < data.tensors.size(); ++i) {
-    if (received[i] < data.tensors[i].values.size() && data.tensors[i].slot == "master") {
+    if (received[i] < data.tensors[i].values.size()) {
       return ErrorAnswer(absl::InternalError(absl::StrCat("the daemon sent ", received[i], " of ",
                                                           data.tensors[i].values.size(), " elements of '",
-                                                          data.tensors[i].parameter, "'")));
-    }
-    if (received[i] < data.tensors[i].values.size()) {
-      data.tensors[i].values.resize(received[i]);
-      data.tensors[i].shape = {static_cast<int64_t>(received[i])};
+                                                          data.tensors[i].parameter, "/", data.tensors[i].slot, "'")));
     }
   }
 

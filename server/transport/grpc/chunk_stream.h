@@ -16,10 +16,11 @@ namespace muond::transport {
 // emit returns false (the client went away).
 template <typename Emit>
 bool EmitChunks(const std::string& name, absl::string_view slot, std::span<const float> values,
-                v1::DType dtype, size_t max_chunk_bytes, Emit&& emit) {
+                v1::DType dtype, size_t max_chunk_bytes, Emit&& emit, std::span<const int64_t> shape = {}) {
   v1::TensorChunk first;
   first.set_name(name);
   if (!slot.empty()) first.set_slot(std::string(slot));
+  for (int64_t d : shape) first.add_shape(d);  // the first chunk's only
   return wire::ForEachChunk(first, values, dtype, max_chunk_bytes,
                             [&](const v1::TensorChunk& meta, std::span<const float> chunk_values) {
                               v1::TensorChunk chunk = meta;
