@@ -153,23 +153,27 @@ class Backend {
 
   // Element-wise. x_i *= scales[i] over a batch of `count`-sized slices; `scales` is a host array.
   virtual absl::Status ScaleBatched(float* x, size_t count, size_t batch, const float* scales) = 0;
-  // y = alpha·x + beta·y
-  virtual absl::Status Axpby(float alpha, const float* x, float beta, float* y, size_t count) = 0;
+  // y = alpha·x + beta·y. x and y may be 16-bit state (StoredRef), read as fp32 and y rounded when
+  // stored.
+  virtual absl::Status Axpby(float alpha, StoredRef x, float beta, StoredRef y, size_t count) = 0;
 
   // Optimizer element-wise steps; the formulas live in kernels/elementwise.h and are shared with
-  // the CUDA kernels.
-  virtual absl::Status Momentum(const MomentumArgs& args, float* momentum, const float* grad,
+  // the CUDA kernels. The optimizer state (StoredRef arguments: masters, momenta, moments) may be
+  // stored in 16 bits: each element is loaded as fp32, the formula computes in fp32, and what it
+  // writes is rounded to the tensor's format (nearest even) — the same bits as the fp32 step on the
+  // widened state, rounded afterwards. Gradients and updates are fp32.
+  virtual absl::Status Momentum(const MomentumArgs& args, StoredRef momentum, const float* grad,
                                 float* update, size_t count) = 0;
-  virtual absl::Status AdamW(const AdamWArgs& args, float* param, const float* grad, float* exp_avg,
-                             float* exp_avg_sq, size_t count) = 0;
-  virtual absl::Status Lion(const LionArgs& args, float* param, const float* grad, float* exp_avg,
+  virtual absl::Status AdamW(const AdamWArgs& args, StoredRef param, const float* grad, StoredRef exp_avg,
+                             StoredRef exp_avg_sq, size_t count) = 0;
+  virtual absl::Status Lion(const LionArgs& args, StoredRef param, const float* grad, StoredRef exp_avg,
                             size_t count) = 0;
-  virtual absl::Status Sgd(const SgdArgs& args, float* param, const float* grad,
-                           float* momentum_buffer, size_t count) = 0;
+  virtual absl::Status Sgd(const SgdArgs& args, StoredRef param, const float* grad,
+                           StoredRef momentum_buffer, size_t count) = 0;
   // Muon's adaptive second moment (AdamuonElement) over an orthogonalized update, in place.
-  virtual absl::Status Adamuon(const AdamuonArgs& args, float* moment2, float* update, size_t count) = 0;
+  virtual absl::Status Adamuon(const AdamuonArgs& args, StoredRef moment2, float* update, size_t count) = 0;
   // Muon's update with cautious weight decay (CautiousUpdateElement).
-  virtual absl::Status CautiousUpdate(const CautiousArgs& args, const float* update, float* param,
+  virtual absl::Status CautiousUpdate(const CautiousArgs& args, const float* update, StoredRef param,
                                       size_t count) = 0;
 
  protected:

@@ -5,7 +5,10 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string_view>
+
+#include "common/half_float.h"
 
 namespace muond::kernels {
 
@@ -50,6 +53,55 @@ inline constexpr double StorageRoundoff(StorageDtype dtype) {
       return 0x1p-11;
   }
   return 0;
+}
+
+// Elements of a tensor in backend memory in a storage format: `data` points at element 0. The
+// element-wise primitives take their optimizer state as StoredRefs and load 16-bit elements as fp32,
+// compute, and round what they store. An fp32 pointer converts implicitly, so fp32 callers pass their
+// pointers as they are. A plain value; trivially copyable (it is a CUDA kernel argument).
+struct StoredRef {
+  void* data = nullptr;
+  StorageDtype dtype = StorageDtype::kFp32;
+
+  StoredRef() = default;
+  StoredRef(float* values) : data(values) {}  // NOLINT(google-explicit-constructor): fp32 by default
+  // For arguments a primitive only reads (Axpby's x).
+  StoredRef(const float* values) : data(const_cast<float*>(values)) {}  // NOLINT(google-explicit-constructor)
+  StoredRef(void* values, StorageDtype format) : data(values), dtype(format) {}
+
+  bool is_fp32() const { return dtype == StorageDtype::kFp32; }
+  float* fp32() const { return static_cast<float*>(data); }
+  uint16_t* bits16() const { return static_cast<uint16_t*>(data); }
+  // The same tensor from element `offset` on.
+  StoredRef At(size_t offset) const {
+    return StoredRef(static_cast<char*>(data) + offset * StorageBytes(dtype), dtype);
+  }
+};
+
+// Element i of `ref` as fp32, and storing x into it rounded to its format (for CUDA kernels; the CPU
+// loops widen and round blocks instead).
+MUOND_HALF_HD float LoadElement(const StoredRef& ref, int64_t i) {
+  switch (ref.dtype) {
+    case StorageDtype::kBf16:
+      return Bf16ToFloat(static_cast<const uint16_t*>(ref.data)[i]);
+    case StorageDtype::kFp16:
+      return Fp16ToFloat(static_cast<const uint16_t*>(ref.data)[i]);
+    default:
+      return static_cast<const float*>(ref.data)[i];
+  }
+}
+
+MUOND_HALF_HD void StoreElement(const StoredRef& ref, int64_t i, float x) {
+  switch (ref.dtype) {
+    case StorageDtype::kBf16:
+      static_cast<uint16_t*>(ref.data)[i] = FloatToBf16(x);
+      return;
+    case StorageDtype::kFp16:
+      static_cast<uint16_t*>(ref.data)[i] = FloatToFp16(x);
+      return;
+    default:
+      static_cast<float*>(ref.data)[i] = x;
+  }
 }
 
 }  // namespace muond::kernels

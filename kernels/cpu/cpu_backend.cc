@@ -3,6 +3,7 @@
 #include <cblas.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
@@ -98,6 +99,50 @@ template <float (*kWiden)(uint16_t)>
 void WidenRange(const uint16_t* __restrict in, float* __restrict out, size_t begin, size_t end) {
   for (size_t i = begin; i < end; ++i) out[i] = kWiden(in[i]);
 }
+// Runs range(views, offset, n) over [begin, end) of `refs`: fp32 state in place, in one call; 16-bit
+// state in blocks of kBlock elements widened into stack buffers (L1-resident), with the refs in
+// `written` (a bit mask) rounded back after each block. The formulas thus read and write fp32
+// whatever the storage, and 16-bit state moves 2 bytes per element to and from memory.
+template <size_t N, typename Range>
+void Blockwise(const std::array<StoredRef, N>& refs, unsigned written, size_t begin, size_t end, Range&& range) {
+  std::array<float*, N> views;
+  bool all_fp32 = true;
+  for (size_t k = 0; k < N; ++k) all_fp32 = all_fp32 && refs[k].is_fp32();
+  if (all_fp32) {
+    for (size_t k = 0; k < N; ++k) views[k] = refs[k].fp32() + begin;
+    range(views, begin, end - begin);
+    return;
+  }
+  constexpr size_t kBlock = 1024;
+  alignas(64) float scratch[N][kBlock];
+  for (size_t at = begin; at < end; at += kBlock) {
+    const size_t n = std::min(kBlock, end - at);
+    for (size_t k = 0; k < N; ++k) {
+      const StoredRef& ref = refs[k];
+      if (ref.is_fp32()) {
+        views[k] = ref.fp32() + at;
+        continue;
+      }
+      views[k] = scratch[k];
+      if (ref.dtype == StorageDtype::kBf16) {
+        WidenRange<Bf16ToFloat>(ref.bits16() + at, scratch[k], 0, n);
+      } else {
+        WidenRange<Fp16ToFloat>(ref.bits16() + at, scratch[k], 0, n);
+      }
+    }
+    range(views, at, n);
+    for (size_t k = 0; k < N; ++k) {
+      const StoredRef& ref = refs[k];
+      if (ref.is_fp32() || !(written & (1u << k))) continue;
+      if (ref.dtype == StorageDtype::kBf16) {
+        NarrowRange<FloatToBf16>(scratch[k], ref.bits16() + at, 0, n);
+      } else {
+        NarrowRange<FloatToFp16>(scratch[k], ref.bits16() + at, 0, n);
+      }
+    }
+  }
+}
+
 MUOND_ELEMENTWISE_CLONES void AxpbyRange(const float alpha, const float* x, const float beta, float* y, size_t begin,
                 size_t end) {
   for (size_t i = begin; i < end; ++i) y[i] = alpha * x[i] + beta * y[i];
@@ -260,38 +305,68 @@ class CpuBackend final : public Backend {
     return absl::OkStatus();
   }
 
-  absl::Status Axpby(float alpha, const float* x, float beta, float* y, size_t count) override {
-    pool_.Run(count, [&](size_t begin, size_t end) { AxpbyRange(alpha, x, beta, y, begin, end); });
+  absl::Status Axpby(float alpha, StoredRef x, float beta, StoredRef y, size_t count) override {
+    pool_.Run(count, [&](size_t begin, size_t end) {
+      Blockwise<2>({x, y}, 0b10, begin, end, [&](const std::array<float*, 2>& v, size_t, size_t n) {
+        AxpbyRange(alpha, v[0], beta, v[1], 0, n);
+      });
+    });
     return absl::OkStatus();
   }
 
-  absl::Status Momentum(const MomentumArgs& args, float* momentum, const float* grad, float* update,
+  absl::Status Momentum(const MomentumArgs& args, StoredRef momentum, const float* grad, float* update,
                         size_t count) override {
     // `update` may alias `grad`: the element's gradient is read before its update is written.
-    pool_.Run(count, [&](size_t begin, size_t end) { MomentumRange(args, momentum, grad, update, begin, end); });
+    pool_.Run(count, [&](size_t begin, size_t end) {
+      Blockwise<1>({momentum}, 0b1, begin, end, [&](const std::array<float*, 1>& v, size_t at, size_t n) {
+        MomentumRange(args, v[0], grad + at, update + at, 0, n);
+      });
+    });
     return absl::OkStatus();
   }
-  absl::Status AdamW(const AdamWArgs& args, float* param, const float* grad, float* exp_avg,
-                     float* exp_avg_sq, size_t count) override {
-    pool_.Run(count, [&](size_t begin, size_t end) { AdamWRange(args, param, grad, exp_avg, exp_avg_sq, begin, end); });
+  absl::Status AdamW(const AdamWArgs& args, StoredRef param, const float* grad, StoredRef exp_avg,
+                     StoredRef exp_avg_sq, size_t count) override {
+    pool_.Run(count, [&](size_t begin, size_t end) {
+      Blockwise<3>({param, exp_avg, exp_avg_sq}, 0b111, begin, end,
+                   [&](const std::array<float*, 3>& v, size_t at, size_t n) {
+                     AdamWRange(args, v[0], grad + at, v[1], v[2], 0, n);
+                   });
+    });
     return absl::OkStatus();
   }
-  absl::Status Lion(const LionArgs& args, float* param, const float* grad, float* exp_avg,
+  absl::Status Lion(const LionArgs& args, StoredRef param, const float* grad, StoredRef exp_avg,
                     size_t count) override {
-    pool_.Run(count, [&](size_t begin, size_t end) { LionRange(args, param, grad, exp_avg, begin, end); });
+    pool_.Run(count, [&](size_t begin, size_t end) {
+      Blockwise<2>({param, exp_avg}, 0b11, begin, end, [&](const std::array<float*, 2>& v, size_t at, size_t n) {
+        LionRange(args, v[0], grad + at, v[1], 0, n);
+      });
+    });
     return absl::OkStatus();
   }
-  absl::Status Sgd(const SgdArgs& args, float* param, const float* grad, float* momentum_buffer,
+  absl::Status Sgd(const SgdArgs& args, StoredRef param, const float* grad, StoredRef momentum_buffer,
                    size_t count) override {
-    pool_.Run(count, [&](size_t begin, size_t end) { SgdRange(args, param, grad, momentum_buffer, begin, end); });
+    pool_.Run(count, [&](size_t begin, size_t end) {
+      Blockwise<2>({param, momentum_buffer}, 0b11, begin, end,
+                   [&](const std::array<float*, 2>& v, size_t at, size_t n) {
+                     SgdRange(args, v[0], grad + at, v[1], 0, n);
+                   });
+    });
     return absl::OkStatus();
   }
-  absl::Status Adamuon(const AdamuonArgs& args, float* moment2, float* update, size_t count) override {
-    pool_.Run(count, [&](size_t begin, size_t end) { AdamuonRange(args, moment2, update, begin, end); });
+  absl::Status Adamuon(const AdamuonArgs& args, StoredRef moment2, float* update, size_t count) override {
+    pool_.Run(count, [&](size_t begin, size_t end) {
+      Blockwise<1>({moment2}, 0b1, begin, end, [&](const std::array<float*, 1>& v, size_t at, size_t n) {
+        AdamuonRange(args, v[0], update + at, 0, n);
+      });
+    });
     return absl::OkStatus();
   }
-  absl::Status CautiousUpdate(const CautiousArgs& args, const float* update, float* param, size_t count) override {
-    pool_.Run(count, [&](size_t begin, size_t end) { CautiousUpdateRange(args, update, param, begin, end); });
+  absl::Status CautiousUpdate(const CautiousArgs& args, const float* update, StoredRef param, size_t count) override {
+    pool_.Run(count, [&](size_t begin, size_t end) {
+      Blockwise<1>({param}, 0b1, begin, end, [&](const std::array<float*, 1>& v, size_t at, size_t n) {
+        CautiousUpdateRange(args, update + at, v[0], 0, n);
+      });
+    });
     return absl::OkStatus();
   }
 

@@ -73,18 +73,18 @@ class CudaBackend final : public Backend {
   absl::StatusOr<bool> AllFinite(const float* x, size_t count) override;
 
   absl::Status ScaleBatched(float* x, size_t count, size_t batch, const float* scales) override;
-  absl::Status Axpby(float alpha, const float* x, float beta, float* y, size_t count) override;
+  absl::Status Axpby(float alpha, StoredRef x, float beta, StoredRef y, size_t count) override;
 
-  absl::Status Momentum(const MomentumArgs& args, float* momentum, const float* grad, float* update,
+  absl::Status Momentum(const MomentumArgs& args, StoredRef momentum, const float* grad, float* update,
                         size_t count) override;
-  absl::Status AdamW(const AdamWArgs& args, float* param, const float* grad, float* exp_avg,
-                     float* exp_avg_sq, size_t count) override;
-  absl::Status Lion(const LionArgs& args, float* param, const float* grad, float* exp_avg,
+  absl::Status AdamW(const AdamWArgs& args, StoredRef param, const float* grad, StoredRef exp_avg,
+                     StoredRef exp_avg_sq, size_t count) override;
+  absl::Status Lion(const LionArgs& args, StoredRef param, const float* grad, StoredRef exp_avg,
                     size_t count) override;
-  absl::Status Sgd(const SgdArgs& args, float* param, const float* grad, float* momentum_buffer,
+  absl::Status Sgd(const SgdArgs& args, StoredRef param, const float* grad, StoredRef momentum_buffer,
                    size_t count) override;
-  absl::Status Adamuon(const AdamuonArgs& args, float* moment2, float* update, size_t count) override;
-  absl::Status CautiousUpdate(const CautiousArgs& args, const float* update, float* param,
+  absl::Status Adamuon(const AdamuonArgs& args, StoredRef moment2, float* update, size_t count) override;
+  absl::Status CautiousUpdate(const CautiousArgs& args, const float* update, StoredRef param,
                               size_t count) override;
 
   // Pool statistics, for tests and benchmarks that check the steady state allocates nothing.

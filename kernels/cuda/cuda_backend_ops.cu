@@ -114,14 +114,14 @@ absl::Status CudaBackend::Narrow(StorageDtype dtype, const float* in, void* pack
                     "Narrow kernel");
 }
 
-absl::Status CudaBackend::Axpby(float alpha, const float* x, float beta, float* y, size_t count) {
+absl::Status CudaBackend::Axpby(float alpha, StoredRef x, float beta, StoredRef y, size_t count) {
   std::lock_guard<std::mutex> lock(mu_);
   MUOND_RETURN_IF_ERROR(Activate());
   return CudaStatus(LaunchAxpby(alpha, x, beta, y, static_cast<int64_t>(count), stream_),
                     "Axpby kernel");
 }
 
-absl::Status CudaBackend::Momentum(const MomentumArgs& args, float* momentum, const float* grad,
+absl::Status CudaBackend::Momentum(const MomentumArgs& args, StoredRef momentum, const float* grad,
                                    float* update, size_t count) {
   std::lock_guard<std::mutex> lock(mu_);
   MUOND_RETURN_IF_ERROR(Activate());
@@ -130,8 +130,8 @@ absl::Status CudaBackend::Momentum(const MomentumArgs& args, float* momentum, co
       "Momentum kernel");
 }
 
-absl::Status CudaBackend::AdamW(const AdamWArgs& args, float* param, const float* grad,
-                                float* exp_avg, float* exp_avg_sq, size_t count) {
+absl::Status CudaBackend::AdamW(const AdamWArgs& args, StoredRef param, const float* grad,
+                                StoredRef exp_avg, StoredRef exp_avg_sq, size_t count) {
   std::lock_guard<std::mutex> lock(mu_);
   MUOND_RETURN_IF_ERROR(Activate());
   return CudaStatus(
@@ -139,16 +139,16 @@ absl::Status CudaBackend::AdamW(const AdamWArgs& args, float* param, const float
       "AdamW kernel");
 }
 
-absl::Status CudaBackend::Lion(const LionArgs& args, float* param, const float* grad,
-                               float* exp_avg, size_t count) {
+absl::Status CudaBackend::Lion(const LionArgs& args, StoredRef param, const float* grad,
+                               StoredRef exp_avg, size_t count) {
   std::lock_guard<std::mutex> lock(mu_);
   MUOND_RETURN_IF_ERROR(Activate());
   return CudaStatus(LaunchLion(args, param, grad, exp_avg, static_cast<int64_t>(count), stream_),
                     "Lion kernel");
 }
 
-absl::Status CudaBackend::Sgd(const SgdArgs& args, float* param, const float* grad,
-                              float* momentum_buffer, size_t count) {
+absl::Status CudaBackend::Sgd(const SgdArgs& args, StoredRef param, const float* grad,
+                              StoredRef momentum_buffer, size_t count) {
   std::lock_guard<std::mutex> lock(mu_);
   MUOND_RETURN_IF_ERROR(Activate());
   return CudaStatus(
@@ -156,14 +156,14 @@ absl::Status CudaBackend::Sgd(const SgdArgs& args, float* param, const float* gr
       "Sgd kernel");
 }
 
-absl::Status CudaBackend::Adamuon(const AdamuonArgs& args, float* moment2, float* update, size_t count) {
+absl::Status CudaBackend::Adamuon(const AdamuonArgs& args, StoredRef moment2, float* update, size_t count) {
   std::lock_guard<std::mutex> lock(mu_);
   MUOND_RETURN_IF_ERROR(Activate());
   return CudaStatus(LaunchAdamuon(args, moment2, update, static_cast<int64_t>(count), stream_),
                     "Adamuon kernel");
 }
 
-absl::Status CudaBackend::CautiousUpdate(const CautiousArgs& args, const float* update, float* param,
+absl::Status CudaBackend::CautiousUpdate(const CautiousArgs& args, const float* update, StoredRef param,
                                          size_t count) {
   std::lock_guard<std::mutex> lock(mu_);
   MUOND_RETURN_IF_ERROR(Activate());

@@ -27,9 +27,13 @@ __global__ void FillKernel(float* x, int64_t n, float value) {
   for (int64_t i = FirstIndex(); i < n; i += GridStride()) x[i] = value;
 }
 
-__global__ void AxpbyKernel(float alpha, const float* x, float beta, float* y, int64_t n) {
+// The state arguments (StoredRef) are loaded as fp32 and stored rounded to their format
+// (LoadElement / StoreElement); the branch on the format is the same for every thread.
+__global__ void AxpbyKernel(float alpha, StoredRef x, float beta, StoredRef y, int64_t n) {
   // The same expression as the CPU loop; with -fmad=false it rounds the same way.
-  for (int64_t i = FirstIndex(); i < n; i += GridStride()) y[i] = alpha * x[i] + beta * y[i];
+  for (int64_t i = FirstIndex(); i < n; i += GridStride()) {
+    StoreElement(y, i, alpha * LoadElement(x, i) + beta * LoadElement(y, i));
+  }
 }
 
 __global__ void ScaleBatchedKernel(float* x, int64_t count, int64_t total, const float* scales) {
@@ -114,23 +118,34 @@ __global__ void FlagNonFiniteKernel(const float* x, int64_t n, int* flag) {
   }
 }
 
-__global__ void MomentumKernel(MomentumArgs args, float* momentum, const float* grad, float* update,
+__global__ void MomentumKernel(MomentumArgs args, StoredRef momentum, const float* grad, float* update,
                                int64_t n) {
   // grad[i] is read (by value) before update[i] is written, so the two may alias.
   for (int64_t i = FirstIndex(); i < n; i += GridStride()) {
-    MomentumElement(args, momentum[i], grad[i], update[i]);
+    float m = LoadElement(momentum, i);
+    MomentumElement(args, m, grad[i], update[i]);
+    StoreElement(momentum, i, m);
   }
 }
 
-__global__ void AdamWKernel(AdamWArgs args, float* param, const float* grad, float* exp_avg,
-                            float* exp_avg_sq, int64_t n) {
+__global__ void AdamWKernel(AdamWArgs args, StoredRef param, const float* grad, StoredRef exp_avg,
+                            StoredRef exp_avg_sq, int64_t n) {
   for (int64_t i = FirstIndex(); i < n; i += GridStride()) {
-    AdamWElement(args, param[i], grad[i], exp_avg[i], exp_avg_sq[i]);
+    float p = LoadElement(param, i), m = LoadElement(exp_avg, i), v = LoadElement(exp_avg_sq, i);
+    AdamWElement(args, p, grad[i], m, v);
+    StoreElement(param, i, p);
+    StoreElement(exp_avg, i, m);
+    StoreElement(exp_avg_sq, i, v);
   }
 }
 
-__global__ void LionKernel(LionArgs args, float* param, const float* grad, float* exp_avg, int64_t n) {
-  for (int64_t i = FirstIndex(); i < n; i += GridStride()) LionElement(args, param[i], grad[i], exp_avg[i]);
+__global__ void LionKernel(LionArgs args, StoredRef param, const float* grad, StoredRef exp_avg, int64_t n) {
+  for (int64_t i = FirstIndex(); i < n; i += GridStride()) {
+    float p = LoadElement(param, i), m = LoadElement(exp_avg, i);
+    LionElement(args, p, grad[i], m);
+    StoreElement(param, i, p);
+    StoreElement(exp_avg, i, m);
+  }
 }
 
 template <bool kBf16>
@@ -147,18 +162,29 @@ __global__ void NarrowKernel(const float* in, uint16_t* packed, int64_t n) {
   }
 }
 
-__global__ void AdamuonKernel(AdamuonArgs args, float* moment2, float* update, int64_t n) {
-  for (int64_t i = FirstIndex(); i < n; i += GridStride()) AdamuonElement(args, moment2[i], update[i]);
+__global__ void AdamuonKernel(AdamuonArgs args, StoredRef moment2, float* update, int64_t n) {
+  for (int64_t i = FirstIndex(); i < n; i += GridStride()) {
+    float v = LoadElement(moment2, i);
+    AdamuonElement(args, v, update[i]);
+    StoreElement(moment2, i, v);
+  }
 }
 
-__global__ void CautiousUpdateKernel(CautiousArgs args, const float* update, float* param, int64_t n) {
-  for (int64_t i = FirstIndex(); i < n; i += GridStride()) CautiousUpdateElement(args, update[i], param[i]);
+__global__ void CautiousUpdateKernel(CautiousArgs args, const float* update, StoredRef param, int64_t n) {
+  for (int64_t i = FirstIndex(); i < n; i += GridStride()) {
+    float p = LoadElement(param, i);
+    CautiousUpdateElement(args, update[i], p);
+    StoreElement(param, i, p);
+  }
 }
 
-__global__ void SgdKernel(SgdArgs args, float* param, const float* grad, float* momentum_buffer,
+__global__ void SgdKernel(SgdArgs args, StoredRef param, const float* grad, StoredRef momentum_buffer,
                           int64_t n) {
   for (int64_t i = FirstIndex(); i < n; i += GridStride()) {
-    SgdElement(args, param[i], grad[i], momentum_buffer[i]);
+    float p = LoadElement(param, i), b = LoadElement(momentum_buffer, i);
+    SgdElement(args, p, grad[i], b);
+    StoreElement(param, i, p);
+    StoreElement(momentum_buffer, i, b);
   }
 }
 
@@ -170,7 +196,7 @@ cudaError_t LaunchFill(float* x, int64_t n, float value, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-cudaError_t LaunchAxpby(float alpha, const float* x, float beta, float* y, int64_t n,
+cudaError_t LaunchAxpby(float alpha, StoredRef x, float beta, StoredRef y, int64_t n,
                         cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   AxpbyKernel<<<BlocksFor(n), kThreads, 0, stream>>>(alpha, x, beta, y, n);
@@ -240,28 +266,28 @@ cudaError_t LaunchFlagNonFinite(const float* x, int64_t n, int* flag, cudaStream
   return cudaGetLastError();
 }
 
-cudaError_t LaunchMomentum(const MomentumArgs& args, float* momentum, const float* grad,
+cudaError_t LaunchMomentum(const MomentumArgs& args, StoredRef momentum, const float* grad,
                            float* update, int64_t n, cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   MomentumKernel<<<BlocksFor(n), kThreads, 0, stream>>>(args, momentum, grad, update, n);
   return cudaGetLastError();
 }
 
-cudaError_t LaunchAdamW(const AdamWArgs& args, float* param, const float* grad, float* exp_avg,
-                        float* exp_avg_sq, int64_t n, cudaStream_t stream) {
+cudaError_t LaunchAdamW(const AdamWArgs& args, StoredRef param, const float* grad, StoredRef exp_avg,
+                        StoredRef exp_avg_sq, int64_t n, cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   AdamWKernel<<<BlocksFor(n), kThreads, 0, stream>>>(args, param, grad, exp_avg, exp_avg_sq, n);
   return cudaGetLastError();
 }
 
-cudaError_t LaunchLion(const LionArgs& args, float* param, const float* grad, float* exp_avg,
+cudaError_t LaunchLion(const LionArgs& args, StoredRef param, const float* grad, StoredRef exp_avg,
                        int64_t n, cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   LionKernel<<<BlocksFor(n), kThreads, 0, stream>>>(args, param, grad, exp_avg, n);
   return cudaGetLastError();
 }
 
-cudaError_t LaunchSgd(const SgdArgs& args, float* param, const float* grad, float* momentum_buffer,
+cudaError_t LaunchSgd(const SgdArgs& args, StoredRef param, const float* grad, StoredRef momentum_buffer,
                       int64_t n, cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   SgdKernel<<<BlocksFor(n), kThreads, 0, stream>>>(args, param, grad, momentum_buffer, n);
@@ -288,14 +314,14 @@ cudaError_t LaunchNarrow(StorageDtype dtype, const float* in, uint16_t* packed, 
   return cudaGetLastError();
 }
 
-cudaError_t LaunchAdamuon(const AdamuonArgs& args, float* moment2, float* update, int64_t n,
+cudaError_t LaunchAdamuon(const AdamuonArgs& args, StoredRef moment2, float* update, int64_t n,
                           cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   AdamuonKernel<<<BlocksFor(n), kThreads, 0, stream>>>(args, moment2, update, n);
   return cudaGetLastError();
 }
 
-cudaError_t LaunchCautiousUpdate(const CautiousArgs& args, const float* update, float* param, int64_t n,
+cudaError_t LaunchCautiousUpdate(const CautiousArgs& args, const float* update, StoredRef param, int64_t n,
                                  cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   CautiousUpdateKernel<<<BlocksFor(n), kThreads, 0, stream>>>(args, update, param, n);

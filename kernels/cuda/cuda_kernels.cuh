@@ -23,9 +23,8 @@ namespace muond::kernels::cuda {
 
 // x[i] = value
 cudaError_t LaunchFill(float* x, int64_t n, float value, cudaStream_t stream);
-// y[i] = alpha·x[i] + beta·y[i]
-cudaError_t LaunchAxpby(float alpha, const float* x, float beta, float* y, int64_t n,
-                        cudaStream_t stream);
+// y[i] = alpha·x[i] + beta·y[i] (x and y in their storage formats)
+cudaError_t LaunchAxpby(float alpha, StoredRef x, float beta, StoredRef y, int64_t n, cudaStream_t stream);
 // out[i] = widen(packed[i]) and packed[i] = round(in[i]) for a 16-bit StorageDtype (kBf16, kFp16),
 // with common/half_float.h's conversions, the CPU backend's.
 cudaError_t LaunchWiden(StorageDtype dtype, const uint16_t* packed, float* out, int64_t n, cudaStream_t stream);
@@ -56,19 +55,20 @@ cudaError_t LaunchSumSquares(const float* x, int64_t count, int64_t batch, int c
 // Sets *flag = 1 when some x[i] is NaN or ±inf; never writes 0 (the caller zeroes the flag).
 cudaError_t LaunchFlagNonFinite(const float* x, int64_t n, int* flag, cudaStream_t stream);
 
-// The optimizer steps; one thread per element evaluates the matching *Element function.
-// `update` may alias `grad` in LaunchMomentum.
-cudaError_t LaunchMomentum(const MomentumArgs& args, float* momentum, const float* grad,
-                           float* update, int64_t n, cudaStream_t stream);
-cudaError_t LaunchAdamW(const AdamWArgs& args, float* param, const float* grad, float* exp_avg,
-                        float* exp_avg_sq, int64_t n, cudaStream_t stream);
-cudaError_t LaunchLion(const LionArgs& args, float* param, const float* grad, float* exp_avg,
-                       int64_t n, cudaStream_t stream);
-cudaError_t LaunchSgd(const SgdArgs& args, float* param, const float* grad, float* momentum_buffer,
+// The optimizer steps; one thread per element evaluates the matching *Element function, loading
+// the state (StoredRef) as fp32 and storing it rounded to its format. `update` may alias `grad` in
+// LaunchMomentum.
+cudaError_t LaunchMomentum(const MomentumArgs& args, StoredRef momentum, const float* grad, float* update,
+                           int64_t n, cudaStream_t stream);
+cudaError_t LaunchAdamW(const AdamWArgs& args, StoredRef param, const float* grad, StoredRef exp_avg,
+                        StoredRef exp_avg_sq, int64_t n, cudaStream_t stream);
+cudaError_t LaunchLion(const LionArgs& args, StoredRef param, const float* grad, StoredRef exp_avg, int64_t n,
+                       cudaStream_t stream);
+cudaError_t LaunchSgd(const SgdArgs& args, StoredRef param, const float* grad, StoredRef momentum_buffer,
                       int64_t n, cudaStream_t stream);
-cudaError_t LaunchAdamuon(const AdamuonArgs& args, float* moment2, float* update, int64_t n,
+cudaError_t LaunchAdamuon(const AdamuonArgs& args, StoredRef moment2, float* update, int64_t n,
                           cudaStream_t stream);
-cudaError_t LaunchCautiousUpdate(const CautiousArgs& args, const float* update, float* param, int64_t n,
+cudaError_t LaunchCautiousUpdate(const CautiousArgs& args, const float* update, StoredRef param, int64_t n,
                                  cudaStream_t stream);
 
 }  // namespace muond::kernels::cuda

@@ -44,7 +44,9 @@ class AdamW final : public Optimizer {
 
   absl::Status Step(kernels::Backend& backend, const StepHyper& hyper,
                     std::span<ParamState* const> params) override {
-    MUOND_RETURN_IF_ERROR(PrepareElementwiseStep(backend, params));
+    for (ParamState* p : params) {
+      if (p->has_grad) MUOND_RETURN_IF_ERROR(CheckStepInputs(*p));
+    }
     for (ParamState* p : params) {
       if (!p->has_grad) continue;
       // Bias corrections from the parameter's own step t (torch keeps a per-parameter step), in fp64
@@ -63,10 +65,9 @@ class AdamW final : public Optimizer {
           .l2_weight_decay = Coupled() ? static_cast<float>(hyper.weight_decay) : 0.0f,
       };
       const float* g = p->grad->data();
-      MUOND_RETURN_IF_ERROR(StepElementwise(backend, *p, [&](float* w, std::span<float* const> slots, size_t at,
-                                                             size_t n) {
-        return backend.AdamW(args, w, g + at, slots[0], slots[1], n);  // exp_avg, exp_avg_sq
-      }));
+      const size_t n = static_cast<size_t>(p->numel);
+      const StateRefs refs = RefsOf(*p);  // exp_avg, exp_avg_sq
+      MUOND_RETURN_IF_ERROR(backend.AdamW(args, refs.master, g, refs.slots[0], refs.slots[1], n));
       ++p->step_count;
     }
     return absl::OkStatus();

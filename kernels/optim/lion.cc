@@ -30,7 +30,9 @@ class Lion final : public Optimizer {
 
   absl::Status Step(kernels::Backend& backend, const StepHyper& hyper,
                     std::span<ParamState* const> params) override {
-    MUOND_RETURN_IF_ERROR(PrepareElementwiseStep(backend, params));
+    for (ParamState* p : params) {
+      if (p->has_grad) MUOND_RETURN_IF_ERROR(CheckStepInputs(*p));
+    }
     const kernels::LionArgs args{.lr = static_cast<float>(hyper.lr),
                                  .beta1 = static_cast<float>(options_.beta1),
                                  .beta2 = static_cast<float>(options_.beta2),
@@ -38,10 +40,9 @@ class Lion final : public Optimizer {
     for (ParamState* p : params) {
       if (!p->has_grad) continue;
       const float* g = p->grad->data();
-      MUOND_RETURN_IF_ERROR(StepElementwise(backend, *p, [&](float* w, std::span<float* const> slots, size_t at,
-                                                             size_t n) {
-        return backend.Lion(args, w, g + at, slots[0], n);  // exp_avg
-      }));
+      const size_t n = static_cast<size_t>(p->numel);
+      const StateRefs refs = RefsOf(*p);  // exp_avg
+      MUOND_RETURN_IF_ERROR(backend.Lion(args, refs.master, g, refs.slots[0], n));
       ++p->step_count;
     }
     return absl::OkStatus();

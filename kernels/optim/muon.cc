@@ -19,8 +19,8 @@ namespace {
 using kernels::Backend;
 
 // One matrix Newton–Schulz sees: a view into a parameter's update (the gradient buffer, which holds
-// U after momentum) and the matching regions of its master and second moment (staged through the
-// optimizer's StagingArea when they are 16-bit).
+// U after momentum) and the matching regions of its master and second moment (in their storage
+// formats).
 struct MatrixJob {
   float* update;
   StoredTensor* master;
@@ -47,10 +47,6 @@ constexpr size_t kMaxBatchFloats = size_t{1} << 26;
 const std::string kMomentumSlot = "momentum";
 const std::string kMoment2Slot = "moment2";
 
-// Staging lanes (Optimizer::staging_) of the tensors a step works on at once.
-constexpr int kMasterLane = 0;
-constexpr int kMomentumLane = 1;
-constexpr int kMoment2Lane = 2;
 
 // Workspace slot of NorMuon's transposed copy of a batch (wide matrices), after the gather buffer,
 // and the slot a column-blocked parameter is transposed through.
@@ -365,30 +361,21 @@ absl::Status Muon::Orthogonalize(Backend& backend, std::span<const MatrixJob> jo
 }
 
 absl::Status Muon::ApplyUpdate(Backend& backend, const MatrixJob& job, float* o, size_t count) {
-  // Element-wise from here: chunk by chunk through the staging of 16-bit masters and moments.
-  return StagingArea::ForEachChunk(count, [&](size_t at, size_t n) -> absl::Status {
-    double step = job.lr * job.scale;
-    if (options_.moment2_method == Moment2Method::kAdamuon) {
-      // Megatron-Core's adamuon takes the scaled update: the scale moves into the moment.
-      const kernels::AdamuonArgs args{.scale = static_cast<float>(job.scale),
-                                      .one_minus_beta2 = static_cast<float>(1.0 - options_.beta2),
-                                      .eps = static_cast<float>(options_.eps)};
-      const size_t region = job.moment2_offset + at;
-      MUOND_ASSIGN_OR_RETURN(float* v, staging_.Load(backend, kMoment2Lane, *job.moment2, region, n));
-      MUOND_RETURN_IF_ERROR(backend.Adamuon(args, v, o + at, n));
-      MUOND_RETURN_IF_ERROR(staging_.Store(backend, kMoment2Lane, *job.moment2, region, n));
-      step = job.lr;
-    }
-    const size_t region = job.master_offset + at;
-    MUOND_ASSIGN_OR_RETURN(float* w, staging_.Load(backend, kMasterLane, *job.master, region, n));
-    if (options_.weight_decay_mode == WeightDecayMode::kCautious) {
-      const kernels::CautiousArgs args{.alpha = static_cast<float>(-step), .decay = job.decay};
-      MUOND_RETURN_IF_ERROR(backend.CautiousUpdate(args, o + at, w, n));
-    } else {
-      MUOND_RETURN_IF_ERROR(backend.Axpby(static_cast<float>(-step), o + at, job.beta, w, n));
-    }
-    return staging_.Store(backend, kMasterLane, *job.master, region, n);
-  });
+  double step = job.lr * job.scale;
+  if (options_.moment2_method == Moment2Method::kAdamuon) {
+    // Megatron-Core's adamuon takes the scaled update: the scale moves into the moment.
+    const kernels::AdamuonArgs args{.scale = static_cast<float>(job.scale),
+                                    .one_minus_beta2 = static_cast<float>(1.0 - options_.beta2),
+                                    .eps = static_cast<float>(options_.eps)};
+    MUOND_RETURN_IF_ERROR(backend.Adamuon(args, job.moment2->Ref(job.moment2_offset), o, count));
+    step = job.lr;
+  }
+  const kernels::StoredRef w = job.master->Ref(job.master_offset);
+  if (options_.weight_decay_mode == WeightDecayMode::kCautious) {
+    const kernels::CautiousArgs args{.alpha = static_cast<float>(-step), .decay = job.decay};
+    return backend.CautiousUpdate(args, o, w, count);
+  }
+  return backend.Axpby(static_cast<float>(-step), o, job.beta, w, count);
 }
 
 // NorMuon's variance reduction (modded-nanogpt's _apply_normuon_variance_reduction) on each
@@ -532,34 +519,19 @@ absl::Status Muon::Step(Backend& backend, const StepHyper& hyper,
   }
   if (transposed_floats > 0) MUOND_RETURN_IF_ERROR(ws.Get(backend, kTransposeSlot, transposed_floats).status());
   reserve.unlock();
-  // And the staging of 16-bit tensors, a chunk at a time.
-  for (ParamState* p : params) {
-    if (!p->has_grad) continue;
-    const size_t n = std::min(static_cast<size_t>(p->numel), StagingArea::kChunk);
-    MUOND_RETURN_IF_ERROR(staging_.Reserve(backend, kMasterLane, p->master, n));
-    MUOND_RETURN_IF_ERROR(staging_.Reserve(backend, kMomentumLane, *p->Slot(kMomentumSlot), n));
-    if (options_.moment2_method == Moment2Method::kAdamuon) {
-      MUOND_RETURN_IF_ERROR(staging_.Reserve(backend, kMoment2Lane, *p->Slot(kMoment2Slot), n));
-    }
-  }
 
   const kernels::MomentumArgs momentum{.beta = static_cast<float>(hyper.momentum),
                                        .style = options_.momentum_style,
                                        .nesterov = options_.nesterov};
   for (ParamState* p : params) {
     if (!p->has_grad) continue;
-    StoredTensor& m = *p->Slot(kMomentumSlot);
-    MUOND_RETURN_IF_ERROR(StagingArea::ForEachChunk(static_cast<size_t>(p->numel), [&](size_t at, size_t n) -> absl::Status {
-      float* g = p->grad->data() + at;
-      if (options_.weight_decay_mode == WeightDecayMode::kL2 && hyper.weight_decay != 0) {
-        MUOND_ASSIGN_OR_RETURN(const float* w, staging_.Load(backend, kMasterLane, p->master, at, n));
-        MUOND_RETURN_IF_ERROR(backend.Axpby(static_cast<float>(hyper.weight_decay), w, 1.0f, g, n));
-      }
-      // U overwrites the gradient: it is scratch from here on.
-      MUOND_ASSIGN_OR_RETURN(float* m_view, staging_.Load(backend, kMomentumLane, m, at, n));
-      MUOND_RETURN_IF_ERROR(backend.Momentum(momentum, m_view, g, g, n));
-      return staging_.Store(backend, kMomentumLane, m, at, n);
-    }));
+    const size_t n = static_cast<size_t>(p->numel);
+    float* g = p->grad->data();
+    if (options_.weight_decay_mode == WeightDecayMode::kL2 && hyper.weight_decay != 0) {
+      MUOND_RETURN_IF_ERROR(backend.Axpby(static_cast<float>(hyper.weight_decay), p->master.Ref(), 1.0f, g, n));
+    }
+    // U overwrites the gradient: it is scratch from here on.
+    MUOND_RETURN_IF_ERROR(backend.Momentum(momentum, p->Slot(kMomentumSlot)->Ref(), g, g, n));
   }
   MUOND_RETURN_IF_ERROR(TransposeInPlace(backend, transposed, /*to_blocks=*/true));
   for (std::span<const MatrixJob> batch : batches) {

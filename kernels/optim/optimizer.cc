@@ -98,37 +98,10 @@ absl::Status Optimizer::CheckStepInputs(const ParamState& param) const {
   return absl::OkStatus();
 }
 
-absl::Status Optimizer::PrepareElementwiseStep(kernels::Backend& backend, std::span<ParamState* const> params) {
-  for (ParamState* p : params) {
-    if (!p->has_grad) continue;
-    MUOND_RETURN_IF_ERROR(CheckStepInputs(*p));
-    const size_t chunk = std::min(static_cast<size_t>(p->numel), StagingArea::kChunk);
-    MUOND_RETURN_IF_ERROR(staging_.Reserve(backend, 0, p->master, chunk));
-    for (size_t s = 0; s < p->slots.size() && s + 1 < StagingArea::kLanes; ++s) {
-      MUOND_RETURN_IF_ERROR(staging_.Reserve(backend, static_cast<int>(s + 1), p->slots[s].tensor, chunk));
-    }
-  }
-  return absl::OkStatus();
-}
-
-absl::Status Optimizer::StepElementwise(kernels::Backend& backend, ParamState& param, const ElementwiseOp& op) {
-  const std::vector<std::string> names = SlotNames();
-  if (names.size() + 1 > StagingArea::kLanes) return absl::InternalError("more slots than staging lanes");
-  std::vector<StoredTensor*> tensors;
-  for (const std::string& name : names) tensors.push_back(param.Slot(name));
-  std::vector<float*> slots(tensors.size());
-  return StagingArea::ForEachChunk(static_cast<size_t>(param.numel), [&](size_t offset, size_t count) -> absl::Status {
-    MUOND_ASSIGN_OR_RETURN(float* master, staging_.Load(backend, 0, param.master, offset, count));
-    for (size_t s = 0; s < tensors.size(); ++s) {
-      MUOND_ASSIGN_OR_RETURN(slots[s], staging_.Load(backend, static_cast<int>(s + 1), *tensors[s], offset, count));
-    }
-    MUOND_RETURN_IF_ERROR(op(master, slots, offset, count));
-    MUOND_RETURN_IF_ERROR(staging_.Store(backend, 0, param.master, offset, count));
-    for (size_t s = 0; s < tensors.size(); ++s) {
-      MUOND_RETURN_IF_ERROR(staging_.Store(backend, static_cast<int>(s + 1), *tensors[s], offset, count));
-    }
-    return absl::OkStatus();
-  });
+Optimizer::StateRefs Optimizer::RefsOf(ParamState& param) const {
+  StateRefs refs{param.master.Ref(), {}};
+  for (const std::string& name : SlotNames()) refs.slots.push_back(param.Slot(name)->Ref());
+  return refs;
 }
 
 }  // namespace muond::optim

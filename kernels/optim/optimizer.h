@@ -6,7 +6,6 @@
 // InitState and Step.
 #pragma once
 
-#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -92,23 +91,18 @@ class Optimizer {
   // Common precondition of every Step: a gradient of the parameter's size and every slot, of its
   // SlotNumel, allocated by InitState. FAILED_PRECONDITION naming the parameter otherwise.
   absl::Status CheckStepInputs(const ParamState& param) const;
-  // For the optimizers that treat every element alike (AdamW, Lion, SGD): checks every stepped
-  // parameter (CheckStepInputs) and reserves the staging of its 16-bit tensors, before a step
-  // changes anything.
-  absl::Status PrepareElementwiseStep(kernels::Backend& backend, std::span<ParamState* const> params);
-  // Runs `op` on fp32 views of `param`'s master and its slots (in SlotNames order), chunk by chunk
-  // (elements [offset, offset + count) of each; see StagingArea), rounding the 16-bit ones back after
-  // each: load, compute, round on store.
-  using ElementwiseOp =
-      std::function<absl::Status(float* master, std::span<float* const> slots, size_t offset, size_t count)>;
-  absl::Status StepElementwise(kernels::Backend& backend, ParamState& param, const ElementwiseOp& op);
+  // The state of `param` as the element-wise primitives take it: its master and its slots in
+  // SlotNames order, each in its storage format.
+  struct StateRefs {
+    kernels::StoredRef master;
+    std::vector<kernels::StoredRef> slots;
+  };
+  StateRefs RefsOf(ParamState& param) const;
   // CheckParameter of the optimizers that treat every element alike: no QKV split.
   static absl::Status CheckElementwiseParameter(const ParamState& param);
   // The bound of `param`'s slot `name`; 0 before InitState made it.
   static double SlotBound(const ParamState& param, std::string_view name);
   GroupOptions options_;
-  // Scratch for 16-bit masters and slots (see StagingArea); empty when everything is fp32.
-  StagingArea staging_;
 };
 
 }  // namespace muond::optim

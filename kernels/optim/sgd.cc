@@ -37,7 +37,9 @@ class Sgd final : public Optimizer {
 
   absl::Status Step(kernels::Backend& backend, const StepHyper& hyper,
                     std::span<ParamState* const> params) override {
-    MUOND_RETURN_IF_ERROR(PrepareElementwiseStep(backend, params));
+    for (ParamState* p : params) {
+      if (p->has_grad) MUOND_RETURN_IF_ERROR(CheckStepInputs(*p));
+    }
     for (ParamState* p : params) {
       if (!p->has_grad) continue;
       // torch creates the buffer as a copy of the first gradient; step_count == 0 marks that step.
@@ -47,10 +49,9 @@ class Sgd final : public Optimizer {
                                   .nesterov = options_.nesterov,
                                   .first_step = p->step_count == 0};
       const float* g = p->grad->data();
-      MUOND_RETURN_IF_ERROR(StepElementwise(backend, *p, [&](float* w, std::span<float* const> slots, size_t at,
-                                                             size_t n) {
-        return backend.Sgd(args, w, g + at, slots[0], n);  // momentum_buffer
-      }));
+      const size_t n = static_cast<size_t>(p->numel);
+      const StateRefs refs = RefsOf(*p);  // momentum_buffer
+      MUOND_RETURN_IF_ERROR(backend.Sgd(args, refs.master, g, refs.slots[0], n));
       ++p->step_count;
     }
     return absl::OkStatus();

@@ -3,10 +3,12 @@
 // optimizer). A 16-bit tensor of n elements lives in a DeviceBuffer of ⌈n/2⌉ fp32 words, so the
 // backends allocate, account and free it as any other buffer.
 //
-// The optimizers compute in fp32 whatever the storage: StagingArea widens a region of a 16-bit
-// tensor into fp32 scratch for an operation and rounds the result back (to nearest even) when it is
-// stored — load, compute, round on store. The host-side functions (ReadStored, WriteStored) serve
-// the session's reads and writes (answers, GetState/SetState, checkpoints).
+// The optimizers compute in fp32 whatever the storage: the backend's element-wise primitives take
+// the state as StoredRefs (Ref()), load 16-bit elements as fp32 and round what they store — load,
+// compute, round on store. For the few operations written for fp32 buffers only (QK-clip's row
+// scaling), StagingArea widens a 16-bit tensor into fp32 scratch and rounds the result back. The
+// host-side functions (ReadStored, WriteStored) serve the session's reads and writes (answers,
+// GetState/SetState, checkpoints).
 //
 // Ownership: a StoredTensor owns its buffer; a StagingArea owns its scratch. Neither is thread-safe:
 // their owner (a session, through its optimizers) serializes their use.
@@ -40,6 +42,8 @@ struct StoredTensor {
   // Element `offset` in the storage format, for Backend::Widen / Narrow.
   void* At(size_t offset);
   const void* At(size_t offset) const;
+  // The tensor from element `offset` on, as the backend's element-wise primitives take it.
+  kernels::StoredRef Ref(size_t offset = 0) { return kernels::StoredRef(At(offset), dtype); }
   // Bytes the values take (not counting a 16-bit tensor's pad to a whole fp32 word).
   size_t bytes() const { return numel * kernels::StorageBytes(dtype); }
 };
@@ -54,25 +58,11 @@ absl::Status ReadStored(kernels::Backend& backend, const StoredTensor& tensor, s
 absl::Status WriteStored(kernels::Backend& backend, StoredTensor& tensor, size_t offset, size_t count,
                          const float* host);
 
-// fp32 scratch through which an optimizer works on 16-bit tensors, in lanes (one per tensor an
-// operation touches at once: the master and up to two slots). fp32 tensors are worked on in place
-// and need no lane. Element-wise work is staged in chunks of at most kChunk elements
-// (ForEachChunk), so a lane holds 4 MiB at most whatever the parameter's size.
+// fp32 scratch through which an fp32-only operation works on 16-bit tensors, in lanes (one per
+// tensor it touches at once). fp32 tensors are worked on in place and need no lane.
 class StagingArea {
  public:
   static constexpr int kLanes = 3;
-  static constexpr size_t kChunk = size_t{1} << 20;
-
-  // Calls fn(offset, count) for consecutive chunks of [0, n), each at most kChunk long; stops at
-  // the first error.
-  template <typename Fn>
-  static absl::Status ForEachChunk(size_t n, Fn&& fn) {
-    for (size_t offset = 0; offset < n; offset += kChunk) {
-      absl::Status status = fn(offset, n - offset < kChunk ? n - offset : kChunk);
-      if (!status.ok()) return status;
-    }
-    return absl::OkStatus();
-  }
 
   // Makes sure `lane` can hold `count` elements of `tensor` (nothing for an fp32 tensor). Steps call
   // it for every region they will stage before they change anything, so that running out of memory

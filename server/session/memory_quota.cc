@@ -26,9 +26,6 @@ int64_t EstimateSessionBytes(const SessionConfig& config) {
     absl::StatusOr<std::unique_ptr<optim::Optimizer>> optimizer = optim::Optimizer::Create(group.options);
     optimizers.push_back(optimizer.ok() ? *std::move(optimizer) : nullptr);
   }
-  // A group stages its 16-bit tensors through fp32 scratch of up to a chunk (or its largest
-  // parameter, when smaller), one lane per 16-bit master or full-size slot (optim::StagingArea).
-  std::vector<int64_t> largest(config.groups.size(), 0), lanes(config.groups.size(), 0);
   int64_t bytes = 0;
   for (const ParameterConfig& param : config.parameters) {
     const optim::ParamState shape_only = ParamStateOf(param);
@@ -40,17 +37,11 @@ int64_t EstimateSessionBytes(const SessionConfig& config) {
     }
     const kernels::StorageDtype master = optimizer->options().master_dtype;
     bytes += StoredBytes(master, param.numel);
-    int64_t staged = master == kernels::StorageDtype::kFp32 ? 0 : 1;
     for (const std::string& slot : optimizer->SlotNames()) {
       const auto numel = static_cast<int64_t>(optimizer->SlotNumel(shape_only, slot));
       bytes += StoredBytes(optimizer->SlotDtype(slot), numel);
-      if (optimizer->SlotDtype(slot) != kernels::StorageDtype::kFp32 && numel == param.numel) ++staged;
     }
-    largest[param.group] =
-        std::max(largest[param.group], std::min(param.numel, static_cast<int64_t>(optim::StagingArea::kChunk)));
-    lanes[param.group] = std::max(lanes[param.group], staged);
   }
-  for (size_t g = 0; g < config.groups.size(); ++g) bytes += 4 * largest[g] * lanes[g];
   return bytes;
 }
 

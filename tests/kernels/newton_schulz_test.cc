@@ -483,30 +483,30 @@ class GemmCountingBackend final : public kernels::Backend {
   absl::Status Narrow(kernels::StorageDtype dtype, const float* in, void* packed, size_t count) override {
     return inner_.Narrow(dtype, in, packed, count);
   }
-  absl::Status Axpby(float alpha, const float* x, float beta, float* y, size_t count) override {
+  absl::Status Axpby(float alpha, kernels::StoredRef x, float beta, kernels::StoredRef y, size_t count) override {
     return inner_.Axpby(alpha, x, beta, y, count);
   }
-  absl::Status Momentum(const kernels::MomentumArgs& args, float* momentum, const float* grad,
+  absl::Status Momentum(const kernels::MomentumArgs& args, kernels::StoredRef momentum, const float* grad,
                         float* update, size_t count) override {
     return inner_.Momentum(args, momentum, grad, update, count);
   }
-  absl::Status AdamW(const kernels::AdamWArgs& args, float* param, const float* grad,
-                     float* exp_avg, float* exp_avg_sq, size_t count) override {
+  absl::Status AdamW(const kernels::AdamWArgs& args, kernels::StoredRef param, const float* grad,
+                     kernels::StoredRef exp_avg, kernels::StoredRef exp_avg_sq, size_t count) override {
     return inner_.AdamW(args, param, grad, exp_avg, exp_avg_sq, count);
   }
-  absl::Status Lion(const kernels::LionArgs& args, float* param, const float* grad, float* exp_avg,
-                    size_t count) override {
+  absl::Status Lion(const kernels::LionArgs& args, kernels::StoredRef param, const float* grad,
+                    kernels::StoredRef exp_avg, size_t count) override {
     return inner_.Lion(args, param, grad, exp_avg, count);
   }
-  absl::Status Sgd(const kernels::SgdArgs& args, float* param, const float* grad,
-                   float* momentum_buffer, size_t count) override {
+  absl::Status Sgd(const kernels::SgdArgs& args, kernels::StoredRef param, const float* grad,
+                   kernels::StoredRef momentum_buffer, size_t count) override {
     return inner_.Sgd(args, param, grad, momentum_buffer, count);
   }
-  absl::Status Adamuon(const kernels::AdamuonArgs& args, float* moment2, float* update,
+  absl::Status Adamuon(const kernels::AdamuonArgs& args, kernels::StoredRef moment2, float* update,
                        size_t count) override {
     return inner_.Adamuon(args, moment2, update, count);
   }
-  absl::Status CautiousUpdate(const kernels::CautiousArgs& args, const float* update, float* param,
+  absl::Status CautiousUpdate(const kernels::CautiousArgs& args, const float* update, kernels::StoredRef param,
                               size_t count) override {
     return inner_.CautiousUpdate(args, update, param, count);
   }

@@ -301,13 +301,13 @@ std::vector<PrecisionCase> Cases() {
   lion.master_dtype = StorageDtype::kBf16;
   lion.lr = 1e-2;
   out.push_back(Case("LionFp16ExpAvg", lion, {{11}}));
-  // Larger than a staging chunk (StagingArea::kChunk elements): staged in two pieces.
+  // Large parameters: the CPU loops widen and round them in blocks, over several threads.
   GroupOptions chunked = DefaultOptions(OptimizerKind::kMuon);
   chunked.master_dtype = chunked.momentum_dtype = StorageDtype::kBf16;
   out.push_back(Case("MuonChunked", chunked, {{2, 600001}}));
   GroupOptions chunked_adamw = DefaultOptions(OptimizerKind::kAdamW);
   chunked_adamw.master_dtype = chunked_adamw.exp_avg_sq_dtype = StorageDtype::kFp16;
-  out.push_back(Case("AdamWChunked", chunked_adamw, {{int64_t{StagingArea::kChunk} + 5}}));
+  out.push_back(Case("AdamWChunked", chunked_adamw, {{(int64_t{1} << 20) + 5}}));
   GroupOptions sgd = DefaultOptions(OptimizerKind::kSgd);
   sgd.momentum = 0.9;
   sgd.nesterov = true;

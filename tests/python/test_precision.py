@@ -220,7 +220,7 @@ def _sessions_state_bytes(endpoint, session):
 def test_daemon_memory_follows_the_bytes_per_parameter(start_daemon):
     """The README's bytes per parameter, measured: the backend memory a session's masters and slots
     take (muond_backend_memory_bytes) is 4 bytes per parameter for bf16 master and momentum (Muon),
-    against 8 in fp32; the quota estimate adds the fp32 gradient and the staging chunk."""
+    against 8 in fp32; the quota estimate adds the fp32 gradient."""
     from test_ops_metrics import metrics_address, sample, scrape
 
     daemon = start_daemon("--metrics-listen", "127.0.0.1:0")
@@ -241,8 +241,7 @@ def test_daemon_memory_follows_the_bytes_per_parameter(start_daemon):
         print(f"{name}: {per_parameter} bytes per parameter in backend memory, estimate {estimate / params}")
         expected = 8 if name == "fp32" else 4  # master + momentum
         assert per_parameter == expected
-        staging = 0 if name == "fp32" else 2 * 4 * rows * cols  # two lanes (master, momentum), fp32
-        assert estimate == params * (expected + 4) + staging  # + the fp32 gradient
+        assert estimate == params * (expected + 4)  # + the fp32 gradient
     assert used["bf16"] * 2 == used["fp32"]
 
 
