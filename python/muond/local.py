@@ -228,6 +228,10 @@ class LocalOptimizer(torch.optim.Optimizer):
         groups, names = named_groups(params)
         super().__init__(groups, {})
         self.defaults = dict(defaults)
+        with torch.no_grad():  # 16-bit masters hold the parameters rounded, as the daemon's upload
+            for group in self.param_groups:
+                for p in group["params"]:
+                    _round_master(p, group)
         self._params = [p for g in self.param_groups for p in g["params"]]
         self._names = names
         self._by_name = dict(zip(names, self._params))

@@ -60,6 +60,8 @@ class SessionLink:
         if reply.attached and reply.initialized:
             return True, self.refresh()
         self.conn.upload(self.session_id, self._param_chunks())
+        if any(g.options.master_dtype not in ("", "fp32") for g in spec.groups):
+            self.refresh()  # 16-bit masters hold the values rounded: the parameters follow them
         return bool(reply.attached), 0
 
     def _param_chunks(self) -> Iterator[pb.TensorChunk]:

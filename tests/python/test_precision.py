@@ -60,6 +60,19 @@ def test_the_tolerance_sees_a_state_kept_in_fp32(endpoint):
     assert max(errors.values()) > 10 * TOLERANCE, errors
 
 
+def test_parameters_hold_the_rounded_masters_from_the_start(endpoint):
+    """A bf16 master stores the uploaded values rounded; the trainer's parameters take those values
+    when the session is created, not only after the first step. fp32 masters are left as they are."""
+    model = TinyNet(seed=86)
+    up, head = model.up.weight.detach().clone(), model.head.weight.detach().clone()
+    groups = muond.default_param_groups(model, muon=dict(master_dtype="bf16"))
+    assert any(model.head.weight is p for g in groups if g.get("optimizer") != "muon" for p in g["params"])
+    with muond.RemoteOptimizer(groups, endpoint=endpoint):
+        assert torch.equal(model.up.weight.detach(), up.to(torch.bfloat16).float())
+        assert not torch.equal(model.up.weight.detach(), up)
+        assert torch.equal(model.head.weight.detach(), head)  # an AdamW parameter, fp32 master
+
+
 def test_state_dict_is_in_the_stored_dtypes_and_round_trips(endpoint):
     model = TinyNet(seed=82)
     groups = muond.default_param_groups(model, muon=BF16, adamw=dict(exp_avg_sq_dtype="fp16"))
