@@ -42,7 +42,10 @@ bool DaemonProcess::Start(const std::vector<std::string>& extra_flags, std::stri
   const std::string port_file = dir_ + "/port";
   std::filesystem::remove(port_file);
   port_ = 0;
-  std::vector<std::string> args = {MUOND_BINARY, "--listen", listen_host_ + ":" + std::to_string(port), "--port-file",
+  // $MUOND_BINARY, when set, runs another build of the daemon (a copy carried to a GPU machine).
+  const char* from_env = std::getenv("MUOND_BINARY");
+  const std::string binary = from_env != nullptr && *from_env != '\0' ? from_env : MUOND_BINARY;
+  std::vector<std::string> args = {binary, "--listen", listen_host_ + ":" + std::to_string(port), "--port-file",
                                    port_file, "--threads", "1"};
   if (std::find(extra_flags.begin(), extra_flags.end(), "--log-level") == extra_flags.end()) {
     args.insert(args.end(), {"--log-level", "info"});
@@ -54,10 +57,10 @@ bool DaemonProcess::Start(const std::vector<std::string>& extra_flags, std::stri
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
   posix_spawn_file_actions_addopen(&actions, 2, stderr_path().c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
-  const int spawned = posix_spawn(&pid_, MUOND_BINARY, &actions, nullptr, argv.data(), environ);
+  const int spawned = posix_spawn(&pid_, binary.c_str(), &actions, nullptr, argv.data(), environ);
   posix_spawn_file_actions_destroy(&actions);
   if (spawned != 0) {
-    *error = std::string("cannot start ") + MUOND_BINARY;
+    *error = "cannot start " + binary;
     pid_ = -1;
     return false;
   }

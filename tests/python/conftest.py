@@ -63,7 +63,7 @@ class Daemon:
         quiet = [] if "--log-level" in self.flags else ["--log-level", "warn"]
         self.proc = subprocess.Popen(
             [str(binary), "--listen", listen, "--port-file", str(port_file),
-             "--backend", "cpu", *quiet, *self.flags],
+             "--backend", os.environ.get("MUOND_TEST_BACKEND", "cpu"), *quiet, *self.flags],
             stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
         while not (port_file.exists() and port_file.read_text().strip()):
