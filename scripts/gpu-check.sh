@@ -37,6 +37,16 @@ bundle() {
   mkdir -p "$GPU_DIR/python"
   cp -r "$ROOT/python/muond" "$GPU_DIR/python/"
   [[ -d $build/python ]] && cp -r "$build/python/." "$GPU_DIR/python/"
+  # pytest travels too (pure Python, from this machine's python3), in case the GPU machine lacks it.
+  mkdir -p "$GPU_DIR/pytest"
+  /usr/bin/python3 - "$GPU_DIR/pytest" <<'PY' || { echo "gpu-check: pytest not found for /usr/bin/python3" >&2; exit 2; }
+import os, shutil, sys
+import _pytest, iniconfig, packaging, pluggy, py, pytest
+for module in (pytest, _pytest, pluggy, iniconfig, packaging, py):
+    source = os.path.dirname(module.__file__)
+    shutil.copytree(source, os.path.join(sys.argv[1], os.path.basename(source)),
+                    ignore=shutil.ignore_patterns("__pycache__"))
+PY
   # Libraries over 4 MiB (OpenBLAS, gRPC) travel compressed; `run` unpacks them.
   find "$GPU_DIR/lib" -type f -size +4M -exec xz -T0 -6 {} \;
   du -sh "$GPU_DIR" | awk '{print "gpu-check: bundle " $1 " in " $2}'
@@ -64,7 +74,8 @@ run() {
   step cuda-backend-tests kernels.log "$GPU_DIR/bin/cuda_backend_test" --gtest_brief=1
   step conformance kernels.log "$GPU_DIR/bin/backend_conformance_test" --gtest_brief=1
   step gpu-daemon daemon.log "$GPU_DIR/bin/integration_test" --gtest_filter='*GpuDaemon*'
-  step python-sdk-cuda python.log env MUOND_TEST_BACKEND=cuda PYTHONPATH="$GPU_DIR/python" \
+  # The carried pytest comes last on the path: the machine's own is used when it has one.
+  step python-sdk-cuda python.log env MUOND_TEST_BACKEND=cuda PYTHONPATH="$GPU_DIR/python:$GPU_DIR/pytest" \
     "$python" -m pytest "$ROOT/tests/python" -q -p no:cacheprovider -m "not ops"
   step ns-bench bench.log "$ROOT/bench/run_ns_bench.sh" --build "$GPU_DIR/bin"
   step elementwise-fp32 bench.log "$GPU_DIR/bin/elementwise_bench" --backend cuda
