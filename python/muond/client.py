@@ -354,9 +354,11 @@ class Connection:
 
     def get_state(self, session_id: str, into: ChunkAssembler,
                   max_chunk_bytes: int = 0) -> pb.StateHeader:
-        """Reads the whole optimizer state (masters and slots) into ``into``. A read cut off by
+        """Reads the whole optimizer state (masters and slots) into ``into``, each tensor sent in
+        the format the session stores it in (16-bit tensors as such, exactly). A read cut off by
         ``UNAVAILABLE`` is retried from the start."""
-        request = pb.GetStateRequest(session_id=session_id, max_chunk_bytes=max_chunk_bytes)
+        request = pb.GetStateRequest(session_id=session_id, max_chunk_bytes=max_chunk_bytes,
+                                     stored_dtypes=True)
 
         def read() -> Optional[pb.StateHeader]:
             into.clear()

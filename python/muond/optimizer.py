@@ -622,9 +622,11 @@ class RemoteOptimizer(torch.optim.Optimizer):
                         if tuple(value.shape) != expected:
                             raise ValueError(f"state of '{name}' slot '{slot}' has shape "
                                              f"{tuple(value.shape)}, expected {expected}")
-                        # State travels as fp32 (16-bit values widen exactly); the daemon rounds
-                        # it to the format it stores the tensor in.
-                        yield from wire.encode(name, value.float(), "fp32",
+                        # In the format the daemon stores the tensor in (which rounds as the
+                        # daemon would): 16-bit state travels in half the bytes.
+                        stored = opts.storage_dtype(
+                            next(g for g in self.param_groups if name in g["param_names"]), slot)
+                        yield from wire.encode(name, value, stored,
                                                slot="master" if slot == "master" else slot,
                                                max_chunk_bytes=self.chunk_bytes)
 

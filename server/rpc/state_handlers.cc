@@ -2,10 +2,12 @@
 // SetState receives them (fp32 only) and replaces the session's state in one go.
 #include <cstring>
 #include <map>
+#include <span>
 
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "proto/wire/dtype_codec.h"
 #include "server/rpc/muond_service.h"
 #include "server/transport/grpc/chunk_stream.h"
 #include "server/transport/grpc/tensor_assembler.h"
@@ -22,6 +24,23 @@ grpc::Status MuondService::GetState(grpc::ServerContext* context, const v1::GetS
   return Serve(calls_, context, "GetState",
                [&](const std::string& caller) { return DoGetState(caller, *request, writer); });
 }
+
+namespace {
+
+// The wire dtype of a storage format.
+v1::DType WireDtypeOf(kernels::StorageDtype dtype) {
+  switch (dtype) {
+    case kernels::StorageDtype::kBf16:
+      return v1::DTYPE_BF16;
+    case kernels::StorageDtype::kFp16:
+      return v1::DTYPE_FP16;
+    case kernels::StorageDtype::kFp32:
+      return v1::DTYPE_FP32;
+  }
+  return v1::DTYPE_FP32;
+}
+
+}  // namespace
 
 absl::Status MuondService::DoGetState(const std::string& caller, const v1::GetStateRequest& request,
                                       grpc::ServerWriter<v1::GetStateResponse>* writer) {
@@ -48,8 +67,9 @@ absl::Status MuondService::DoGetState(const std::string& caller, const v1::GetSt
   for (const StateTensor& tensor : state.tensors) {
     // The first chunk of each tensor carries its shape (a slot's own, e.g. NorMuon's (rows, 1)).
     const std::vector<int64_t> shape = session->TensorShape(tensor.parameter, tensor.slot);
+    const v1::DType dtype = request.stored_dtypes() ? WireDtypeOf(tensor.dtype) : v1::DTYPE_FP32;
     const bool sent = transport::EmitChunks(
-        config.parameters[tensor.parameter].name, tensor.slot, tensor.values, v1::DTYPE_FP32, chunk_bytes,
+        config.parameters[tensor.parameter].name, tensor.slot, tensor.values, dtype, chunk_bytes,
         [&](v1::TensorChunk&& chunk) {
           response.Clear();
           *response.mutable_chunk() = std::move(chunk);
@@ -117,23 +137,25 @@ absl::Status MuondService::DoSetState(const std::string& caller, grpc::ServerRea
     if (it == config.parameter_index.end()) {
       return absl::NotFoundError(absl::StrCat("chunk.name: unknown parameter '", chunk.name(), "'"));
     }
-    if (chunk.dtype() != v1::DTYPE_FP32 && chunk.dtype() != v1::DTYPE_UNSPECIFIED) {
-      return absl::InvalidArgumentError("chunk.dtype: state tensors travel as fp32");
+    // fp32, or a 16-bit dtype (for a tensor stored in 16 bits, exact; for another, rounded).
+    const v1::DType dtype = chunk.dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_FP32 : chunk.dtype();
+    if (!wire::IsConcrete(dtype)) {
+      return absl::InvalidArgumentError(absl::StrCat("chunk.dtype: unknown dtype ", static_cast<int>(chunk.dtype())));
     }
     const ParameterConfig& param = config.parameters[it->second];
-    MUOND_RETURN_IF_ERROR(transport::CheckChunkPayload(chunk, v1::DTYPE_FP32, options_.max_chunk_bytes, "chunk",
+    MUOND_RETURN_IF_ERROR(transport::CheckChunkPayload(chunk, dtype, options_.max_chunk_bytes, "chunk",
                                                        absl::StrCat(param.name, "/", chunk.slot())));
     auto [slot, inserted] = index.try_emplace({it->second, chunk.slot()}, state.tensors.size());
     if (inserted) state.tensors.push_back({it->second, chunk.slot(), {}});
     std::vector<float>& values = state.tensors[slot->second].values;
-    const size_t count = chunk.data().size() / 4;
+    const size_t count = chunk.data().size() / wire::ElementSize(dtype);
     if (chunk.offset() != values.size() || values.size() + count > static_cast<size_t>(param.numel)) {
       return absl::InvalidArgumentError(absl::StrCat("chunk.offset: ", param.name, "/", chunk.slot(),
                                                      " expected offset ", values.size(), " within ", param.numel,
                                                      " elements, got ", chunk.offset()));
     }
     values.resize(values.size() + count);
-    std::memcpy(values.data() + values.size() - count, chunk.data().data(), chunk.data().size());
+    wire::Decode(dtype, chunk.data(), std::span<float>(values.data() + values.size() - count, count));
   }
   MUOND_RETURN_IF_ERROR(session->ImportState(std::move(state)));
   response->set_last_step(session->last_step());

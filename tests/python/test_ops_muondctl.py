@@ -63,9 +63,9 @@ def read_safetensors(path):
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        assert info["dtype"] == "F32"
+        dtype = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}[info["dtype"]]
         begin, end = info["data_offsets"]
-        tensors[name] = torch.frombuffer(bytearray(body[begin:end]), dtype=torch.float32).view(info["shape"])
+        tensors[name] = torch.frombuffer(bytearray(body[begin:end]), dtype=dtype).view(info["shape"])
     return header.get("__metadata__", {}), tensors
 
 
@@ -158,10 +158,11 @@ def test_export_from_the_daemon_holds_every_slot(endpoint, tmp_path):
 
 
 def test_export_keeps_slot_shapes_and_the_loss_scaler(endpoint, tmp_path):
-    """NorMuon's second moment is exported at its own shape, (rows, 1) or (1, cols), and a session's
-    loss scaler goes into the file's metadata."""
+    """NorMuon's second moment is exported at its own shape, (rows, 1) or (1, cols), a bf16 momentum
+    as BF16, and a session's loss scaler goes into the file's metadata."""
     model = TinyNet(seed=4)
-    groups = muond.default_param_groups(model, muon={"moment2_method": "normuon", "beta2": 0.9})
+    groups = muond.default_param_groups(model, muon={"moment2_method": "normuon", "beta2": 0.9,
+                                                     "momentum_dtype": "bf16"})
     with muond.RemoteOptimizer(groups, endpoint=endpoint, session="exported-normuon",
                                loss_scaler={"initial_scale": 2.0 ** 10}) as opt:
         for step in range(1, 3):
@@ -175,6 +176,9 @@ def test_export_keeps_slot_shapes_and_the_loss_scaler(endpoint, tmp_path):
         assert tuple(tensors["up.weight/moment2"].shape) == tuple(state["state"][0]["moment2"].shape) == (48, 1)
         assert tuple(tensors["down.weight/moment2"].shape) == (1, 48)
         assert torch.equal(tensors["up.weight/moment2"], state["state"][0]["moment2"])
+        assert tensors["up.weight/momentum"].dtype == torch.bfloat16
+        assert torch.equal(tensors["up.weight/momentum"], state["state"][0]["momentum"])
+        assert tensors["up.weight/master"].dtype == torch.float32
         assert float(metadata["loss_scale"]) == opt.loss_scale == 2.0 ** 10
         assert metadata["loss_scale_growth_tracker"] == "2"
 

@@ -6,6 +6,7 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <span>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -14,6 +15,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 #include "client/muond_client.h"
+#include "proto/wire/dtype_codec.h"
 #include "google/protobuf/util/json_util.h"
 #include "server/durability/checkpoint.h"
 #include "server/durability/file_util.h"
@@ -231,6 +233,7 @@ Answer ExportSession(const ConnectFlags& flags, const std::string& session_id, c
   std::map<size_t, size_t> received;  // data.tensors index → elements the daemon sent
   v1::GetStateRequest request;
   request.set_session_id(session_id);
+  request.set_stored_dtypes(true);  // 16-bit tensors come, and are written, as such
   grpc::ClientContext context;
   (*client)->PrepareContext(context);
   std::unique_ptr<grpc::ClientReader<v1::GetStateResponse>> reader = (*client)->stub().GetState(&context, request);
@@ -263,16 +266,27 @@ Answer ExportSession(const ConnectFlags& flags, const std::string& session_id, c
         context.TryCancel();
         return ErrorAnswer(absl::InternalError(absl::StrCat("the daemon sent a bad shape for '", chunk.name(), "'")));
       }
-      data.tensors.push_back({chunk.name(), chunk.slot(), std::move(dims), std::vector<float>(static_cast<size_t>(numel))});
+      const v1::DType dtype = chunk.dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_FP32 : chunk.dtype();
+      if (!wire::IsConcrete(dtype)) {
+        context.TryCancel();
+        return ErrorAnswer(absl::InternalError(absl::StrCat("the daemon sent '", chunk.name(), "' in an unknown dtype")));
+      }
+      data.tensors.push_back({chunk.name(), chunk.slot(), std::move(dims), std::vector<float>(static_cast<size_t>(numel)),
+                              dtype == v1::DTYPE_BF16 ? "BF16" : dtype == v1::DTYPE_FP16 ? "F16" : "F32"});
     }
     std::vector<float>& values = data.tensors[it->second].values;
-    const size_t count = chunk.data().size() / sizeof(float);
+    const v1::DType dtype = chunk.dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_FP32 : chunk.dtype();
+    if (!wire::IsConcrete(dtype) || chunk.data().size() % wire::ElementSize(dtype) != 0) {
+      context.TryCancel();
+      return ErrorAnswer(absl::InternalError(absl::StrCat("the daemon sent a malformed chunk of '", chunk.name(), "'")));
+    }
+    const size_t count = chunk.data().size() / wire::ElementSize(dtype);
     if (chunk.offset() > values.size() || count > values.size() - chunk.offset()) {
       context.TryCancel();
       return ErrorAnswer(absl::InternalError(absl::StrCat("the daemon sent a chunk of '", chunk.name(), "/", chunk.slot(),
                                                           "' beyond its shape")));
     }
-    std::memcpy(values.data() + chunk.offset(), chunk.data().data(), count * sizeof(float));
+    wire::Decode(dtype, chunk.data(), std::span<float>(values.data() + chunk.offset(), count));
     received[it->second] = std::max(received[it->second], chunk.offset() + count);
   }
   if (const grpc::Status status = reader->Finish(); !status.ok()) return ErrorAnswer(client::FromGrpcStatus(status));
