@@ -309,6 +309,39 @@ absl::Status ValidateOptions(const GroupOptions& o) {
   return absl::OkStatus();
 }
 
+std::vector<std::string> PrecisionCaveats(const GroupOptions& o) {
+  using kernels::StorageDtype;
+  std::vector<std::string> out;
+  // A moment m ← β·m + (1−β)·x stored with unit roundoff u cannot move by a relative (1−β) < u.
+  auto decay = [&](std::string_view option, StorageDtype dtype, double beta) {
+    if (dtype == StorageDtype::kFp32 || beta <= 0) return;
+    const double u = kernels::StorageRoundoff(dtype);
+    if (1.0 - beta < u) {
+      out.push_back(absl::StrCat(std::string(option), " ", std::string(kernels::StorageDtypeName(dtype)), " with a decay of ", beta,
+                                 ": a step changes the moment by less than its rounding (1 - beta < ", u,
+                                 "), so it cannot decay; use fp32 or beta <= ", 1.0 - 2 * u));
+    }
+  };
+  const bool adam = o.optimizer == OptimizerKind::kAdamW;
+  const bool adaptive_muon = o.optimizer == OptimizerKind::kMuon && o.moment2_method != Moment2Method::kNone;
+  if (o.optimizer == OptimizerKind::kMuon || o.optimizer == OptimizerKind::kSgd) {
+    decay("momentum_dtype", o.momentum_dtype, o.momentum);
+  }
+  if (adam || o.optimizer == OptimizerKind::kLion) {
+    decay("exp_avg_dtype", o.exp_avg_dtype, o.optimizer == OptimizerKind::kLion ? o.beta2 : o.beta1);
+  }
+  if (adam || adaptive_muon) {
+    decay("exp_avg_sq_dtype", o.exp_avg_sq_dtype, o.beta2);
+    if (o.exp_avg_sq_dtype == StorageDtype::kFp16) {
+      // fp16's smallest subnormal is 2^-24; (1−β2)·g² below half of it rounds to 0.
+      const double g_min = std::sqrt(0x1p-25 / (1.0 - o.beta2));
+      out.push_back(absl::StrCat("exp_avg_sq_dtype fp16: (1 - beta2)·g² rounds to 0 for |g| below about ", g_min,
+                                 ", where the update then divides by eps alone; prefer fp32 or bf16"));
+    }
+  }
+  return out;
+}
+
 std::string_view OptimizerName(OptimizerKind kind) {
   switch (kind) {
     case OptimizerKind::kMuon:

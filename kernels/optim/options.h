@@ -102,6 +102,12 @@ absl::Status ValidateStepHyper(const GroupOptions& options, double lr, double mo
 // Infinity when the iteration overflows.
 double NsSingularValueBound(const NsSchedule& schedule, int steps, double norm_safety);
 
+// What a group's 16-bit state cannot hold, in words, one line per problem (empty when none): an fp16
+// exp_avg_sq loses every (1−β2)·g² below fp16's smallest value, and a 16-bit moment whose decay
+// factor is too close to 1 cannot decay at all (β·v rounds back to v). Valid options, not refused:
+// the daemon logs these when a session is created.
+std::vector<std::string> PrecisionCaveats(const GroupOptions& options);
+
 // Whether `option` (a name of GroupOptionTable) applies to optimizer `kind`; unknown names do not.
 bool OptionApplies(OptimizerKind kind, std::string_view option);
 

@@ -1,8 +1,11 @@
 #include "kernels/optim/stored_tensor.h"
 
+#include <cstring>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/half_float.h"
 #include "common/status_macros.h"
 
 namespace muond::optim {
@@ -42,24 +45,62 @@ absl::Status CheckRegion(const StoredTensor& tensor, size_t offset, size_t count
   return absl::OkStatus();
 }
 
+// A 16-bit region of device memory travels as the fp32 words that hold it, [first, last), and is
+// converted on the host (with the conversions the kernels use), so that reading or writing state
+// never allocates device memory: the session reads and writes state after a step has begun.
+struct WordSpan {
+  size_t first = 0, last = 0;  // words
+  size_t skip = 0;             // 16-bit elements of word `first` before the region (0 or 1)
+};
+
+WordSpan WordsOf(size_t offset, size_t count) {
+  return WordSpan{offset / 2, (offset + count + 1) / 2, offset % 2};
+}
+
+uint16_t HalfAt(const std::vector<float>& words, size_t index) {
+  uint16_t bits;
+  std::memcpy(&bits, reinterpret_cast<const char*>(words.data()) + 2 * index, 2);
+  return bits;
+}
+
+void SetHalfAt(std::vector<float>& words, size_t index, uint16_t bits) {
+  std::memcpy(reinterpret_cast<char*>(words.data()) + 2 * index, &bits, 2);
+}
+
 }  // namespace
 
 absl::Status ReadStored(Backend& backend, const StoredTensor& tensor, size_t offset, size_t count, float* host) {
   MUOND_RETURN_IF_ERROR(CheckRegion(tensor, offset, count));
   if (tensor.is_fp32()) return backend.CopyToHost(tensor.fp32() + offset, host, count);
   if (backend.HostAddressable()) return backend.Widen(tensor.dtype, tensor.At(offset), host, count);
-  MUOND_ASSIGN_OR_RETURN(std::unique_ptr<kernels::DeviceBuffer> wide, backend.Allocate(count));
-  MUOND_RETURN_IF_ERROR(backend.Widen(tensor.dtype, tensor.At(offset), wide->data(), count));
-  return backend.CopyToHost(wide->data(), host, count);
+  if (count == 0) return absl::OkStatus();
+  const WordSpan span = WordsOf(offset, count);
+  std::vector<float> words(span.last - span.first);
+  MUOND_RETURN_IF_ERROR(backend.CopyToHost(tensor.buffer->data() + span.first, words.data(), words.size()));
+  const bool bf16 = tensor.dtype == StorageDtype::kBf16;
+  for (size_t i = 0; i < count; ++i) {
+    const uint16_t bits = HalfAt(words, span.skip + i);
+    host[i] = bf16 ? Bf16ToFloat(bits) : Fp16ToFloat(bits);
+  }
+  return absl::OkStatus();
 }
 
 absl::Status WriteStored(Backend& backend, StoredTensor& tensor, size_t offset, size_t count, const float* host) {
   MUOND_RETURN_IF_ERROR(CheckRegion(tensor, offset, count));
   if (tensor.is_fp32()) return backend.CopyToDevice(host, tensor.fp32() + offset, count);
   if (backend.HostAddressable()) return backend.Narrow(tensor.dtype, host, tensor.At(offset), count);
-  MUOND_ASSIGN_OR_RETURN(std::unique_ptr<kernels::DeviceBuffer> wide, backend.Allocate(count));
-  MUOND_RETURN_IF_ERROR(backend.CopyToDevice(host, wide->data(), count));
-  return backend.Narrow(tensor.dtype, wide->data(), tensor.At(offset), count);
+  if (count == 0) return absl::OkStatus();
+  const WordSpan span = WordsOf(offset, count);
+  std::vector<float> words(span.last - span.first);
+  float* device = tensor.buffer->data() + span.first;
+  // A word half inside the region keeps its other half: read those first.
+  if (span.skip != 0) MUOND_RETURN_IF_ERROR(backend.CopyToHost(device, words.data(), 1));
+  if ((offset + count) % 2 != 0 && (words.size() > 1 || span.skip == 0)) {
+    MUOND_RETURN_IF_ERROR(backend.CopyToHost(device + words.size() - 1, words.data() + words.size() - 1, 1));
+  }
+  const bool bf16 = tensor.dtype == StorageDtype::kBf16;
+  for (size_t i = 0; i < count; ++i) SetHalfAt(words, span.skip + i, bf16 ? FloatToBf16(host[i]) : FloatToFp16(host[i]));
+  return backend.CopyToDevice(words.data(), device, words.size());
 }
 
 absl::Status StagingArea::Reserve(Backend& backend, int lane, const StoredTensor& tensor, size_t count) {

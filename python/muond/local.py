@@ -263,6 +263,15 @@ class LocalOptimizer(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         scaler = state_dict.pop("loss_scaler", None)
         super().load_state_dict(state_dict)
+        # torch casts the state to the parameters' dtype: 16-bit slots go back to their storage
+        # dtype (rounded, as the daemon's SetState rounds), and 16-bit masters are rounded too.
+        with torch.no_grad():
+            for group in self.param_groups:
+                for p in group["params"]:
+                    _round_master(p, group)
+                    state = self.state.get(p, {})
+                    for slot in _stored_slots(group, state):
+                        state[slot] = state[slot].to(_TORCH_DTYPES[opts.storage_dtype(group, slot)])
         if scaler is not None and self._scaler is not None:
             self._scaler = loss_scale.ScalerState(float(scaler["scale"]), int(scaler["growth_tracker"]),
                                                   int(scaler["hysteresis_tracker"]))

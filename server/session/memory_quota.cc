@@ -50,7 +50,7 @@ absl::Status CheckMemoryQuota(const std::string& session_id, int64_t session_byt
   if (limits.max_session_bytes > 0 && session_bytes > limits.max_session_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "session_id '", session_id, "': the spec needs ", session_bytes,
-        " bytes of optimizer memory (masters, gradients, optimizer state and its fp32 staging), more than --max-session-bytes ",
+        " bytes of optimizer memory (masters, gradients and optimizer state), more than --max-session-bytes ",
         limits.max_session_bytes));
   }
   if (limits.max_total_bytes > 0 && held_bytes + session_bytes > limits.max_total_bytes) {

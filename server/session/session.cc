@@ -325,6 +325,7 @@ absl::StatusOr<StepOutcome> Session::GatherLocked(StepPlan plan, std::vector<Hos
 absl::StatusOr<StepOutcome> Session::ApplyLocked(const StepPlan& plan, std::vector<HostTensor>& gradients,
                                                  StagedGradients* staged) {
   MUOND_ASSIGN_OR_RETURN(const double grad_scale, GradScaleLocked(plan));
+  MUOND_RETURN_IF_ERROR(ReserveQkClipLocked(plan));  // scratch first: nothing after may fail to allocate
   // The step is durable (journal mode) before it changes anything.
   if (persistence_) MUOND_RETURN_IF_ERROR(persistence_->RecordStep(plan.request, gradients));
 
@@ -502,11 +503,9 @@ absl::Status Session::ApplyQkClip(const StepPlan& plan) {
     const optim::GroupOptions& options = config_.groups[config_.parameters[clip.query].group].options;
     optim::ParamState& query = params_[clip.query];
     optim::ParamState& key = params_[clip.key];
-    // 16-bit masters are scaled in fp32 scratch and rounded back.
+    // 16-bit masters are scaled in fp32 scratch (reserved before the step) and rounded back.
     const size_t nq = static_cast<size_t>(query.numel), nk = static_cast<size_t>(key.numel);
-    optim::StagingArea staging;
-    MUOND_RETURN_IF_ERROR(staging.Reserve(*backend_, 0, query.master, nq));
-    MUOND_RETURN_IF_ERROR(staging.Reserve(*backend_, 1, key.master, nk));
+    optim::StagingArea& staging = qk_staging_;
     MUOND_ASSIGN_OR_RETURN(float* q, staging.Load(*backend_, 0, query.master, 0, nq));
     MUOND_ASSIGN_OR_RETURN(float* k, staging.Load(*backend_, 1, key.master, 0, nk));
     if (clip.mla.has_value()) {
@@ -522,18 +521,35 @@ absl::Status Session::ApplyQkClip(const StepPlan& plan) {
   return absl::OkStatus();
 }
 
+absl::Status Session::ReserveQkClipLocked(const StepPlan& plan) {
+  for (const auto& [pair, max_logits] : plan.qk_logits) {
+    const QkClipConfig& clip = config_.qk_clip[pair];
+    optim::ParamState& query = params_[clip.query];
+    optim::ParamState& key = params_[clip.key];
+    MUOND_RETURN_IF_ERROR(qk_staging_.Reserve(*backend_, 0, query.master, static_cast<size_t>(query.numel)));
+    MUOND_RETURN_IF_ERROR(qk_staging_.Reserve(*backend_, 1, key.master, static_cast<size_t>(key.numel)));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::shared_ptr<const ParameterSnapshot>> Session::ReadBack(int64_t step) const {
   auto snapshot = std::make_shared<ParameterSnapshot>();
   snapshot->step = step;
   snapshot->values.reserve(params_.size());
-  const bool all_fp32 = std::all_of(params_.begin(), params_.end(),
-                                    [](const optim::ParamState& p) { return p.master.is_fp32(); });
-  if (backend_->HostAddressable() && all_fp32) {
-    // The masters are host memory: answers read them where they are.
+  if (backend_->HostAddressable()) {
+    // The masters are host memory: answers read the fp32 ones where they are; 16-bit ones are
+    // widened into copies.
     snapshot->views = true;
     snapshot->generation = masters_version_;
+    snapshot->copies.reserve(params_.size());  // `values` point into them: no reallocation
     for (const optim::ParamState& state : params_) {
-      snapshot->values.emplace_back(state.master.fp32(), static_cast<size_t>(state.numel));
+      if (state.master.is_fp32()) {
+        snapshot->values.emplace_back(state.master.fp32(), static_cast<size_t>(state.numel));
+        continue;
+      }
+      std::vector<float>& values = snapshot->copies.emplace_back(state.numel);
+      MUOND_RETURN_IF_ERROR(optim::ReadStored(*backend_, state.master, 0, state.numel, values.data()));
+      snapshot->values.emplace_back(values);
     }
     return snapshot;
   }

@@ -167,6 +167,9 @@ class Session {
   absl::Status ApplyGradients(const StepPlan& plan, std::vector<HostTensor>& gradients, double clip_coefficient,
                               StagedGradients* staged) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status ApplyQkClip(const StepPlan& plan) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Reserves the fp32 scratch QK-clip needs for the 16-bit masters of `plan`'s pairs, before the
+  // step changes anything (ApplyQkClip then allocates nothing).
+  absl::Status ReserveQkClipLocked(const StepPlan& plan) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The factor a step's gradients are divided by: the loss scaler's current scale, or the step's
   // grad_scale, or 1. INVALID_ARGUMENT when a step's grad_scale disagrees with the scaler.
   absl::StatusOr<double> GradScaleLocked(const StepPlan& plan) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
@@ -179,8 +182,8 @@ class Session {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Replaces parameter i's bounds with its exact magnitudes, read from the backend.
   absl::Status MeasureMagnitudesLocked(size_t i) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The snapshot answers read after `step`: views of the masters on a host-memory backend, else
-  // host copies. Called with masters_mu_ held for writing (the masters just changed).
+  // The snapshot answers read after `step`: views of the fp32 masters on a host-memory backend,
+  // else (and for 16-bit masters) host copies. Called with masters_mu_ held for writing (the masters just changed).
   absl::StatusOr<std::shared_ptr<const ParameterSnapshot>> ReadBack(int64_t step) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_) ABSL_EXCLUSIVE_LOCKS_REQUIRED(masters_mu_);
   absl::StatusOr<SessionState> ExportStateLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
@@ -212,6 +215,8 @@ class Session {
   // The dynamic loss scaler's state, for a session whose spec has one; advanced by every applied
   // or skipped step (optim::UpdateLossScale), exported with the state.
   std::optional<optim::LossScalerState> loss_scaler_ ABSL_GUARDED_BY(mu_);
+  // QK-clip's fp32 scratch for 16-bit query and key masters (lanes 0 and 1); empty otherwise.
+  optim::StagingArea qk_staging_ ABSL_GUARDED_BY(mu_);
   std::optional<PreparedStep> prepared_ ABSL_GUARDED_BY(mu_);
 };
 

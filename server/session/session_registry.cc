@@ -60,6 +60,11 @@ absl::StatusOr<CreateResult> SessionRegistry::CreateOrAttach(const std::string& 
   ReportLocked();
   MUOND_EVENT(info, "session_created", id, 0, "session {} created: {} tensors, {} parameters, {} groups", id, tensors,
               elements, groups);
+  for (const GroupConfig& group : shared->config().groups) {
+    for (const std::string& caveat : optim::PrecisionCaveats(group.options)) {
+      MUOND_EVENT(warn, "precision_caveat", id, 0, "session {} group '{}': {}", id, group.name, caveat);
+    }
+  }
   return CreateResult{std::move(shared), false};
 }
 

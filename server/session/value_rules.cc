@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "common/half_float.h"
 
 namespace muond::session {
 
@@ -37,6 +38,17 @@ absl::StatusOr<double> CheckTensorValues(absl::string_view field, absl::string_v
                                                      " at element ", i, "; it holds squares and must not be negative"));
     }
     largest = std::max(largest, magnitude);
+  }
+  // The bound of what is stored: rounding to 16 bits may raise a magnitude (monotonically, so the
+  // largest value rounds to the largest stored one), and a replay from a checkpoint measures the
+  // stored values; both must start from the same bound.
+  switch (dtype) {
+    case kernels::StorageDtype::kBf16:
+      return Bf16ToFloat(FloatToBf16(largest));
+    case kernels::StorageDtype::kFp16:
+      return Fp16ToFloat(FloatToFp16(largest));
+    case kernels::StorageDtype::kFp32:
+      break;
   }
   return largest;
 }

@@ -32,7 +32,8 @@ double StorageLimit(kernels::StorageDtype dtype);
 // Values loaded into a session (uploads, SetState, checkpoints) must be finite and within
 // ±StorageLimit(dtype) of the tensor they go to, and not negative where `non_negative` (Adam's second
 // moment); INVALID_ARGUMENT naming `field`, the tensor and the first element that is not. Returns
-// their largest |x| (the magnitude bound the finiteness guard starts from), found in the same pass.
+// their largest |x| as stored in `dtype` (the magnitude bound the finiteness guard starts from),
+// found in the same pass.
 absl::StatusOr<double> CheckTensorValues(absl::string_view field, absl::string_view tensor,
                                          std::span<const float> values, bool non_negative = false,
                                          kernels::StorageDtype dtype = kernels::StorageDtype::kFp32);

@@ -138,6 +138,21 @@ TEST_P(StoredTensorTest, WritesRoundAndReadsWidenAtAnyOffset) {
       EXPECT_EQ(Bits(all[i]), Bits(expect)) << kernels::StorageDtypeName(dtype) << " element " << i;
     }
     EXPECT_FALSE(ReadStored(*backend, t, 10, 4, all.data()).ok()) << "a region past the end is refused";
+    // Single elements that share a word with a neighbour leave the neighbour as it was.
+    const float six = 6.5f, eleven = -11.25f;
+    ASSERT_OK(WriteStored(*backend, t, 6, 1, &six));         // the low half of word 3; 7 is its high half
+    ASSERT_OK(WriteStored(*backend, t, 11, 1, &eleven));     // the high half of word 5; 10 is its low half
+    ASSERT_OK(ReadStored(*backend, t, 0, 13, all.data()));
+    for (size_t i = 0; i < 13; ++i) {
+      const float expect = i == 6    ? six
+                           : i == 11 ? eleven
+                           : i >= 7 && i < 12 ? RoundTo(dtype, values[i - 7])
+                                              : 0.0f;
+      EXPECT_EQ(Bits(all[i]), Bits(expect)) << kernels::StorageDtypeName(dtype) << " element " << i << " after";
+    }
+    std::vector<float> tail(3);
+    ASSERT_OK(ReadStored(*backend, t, 10, 3, tail.data()));  // an odd-length read from an even offset
+    EXPECT_EQ(Bits(tail[1]), Bits(eleven));
   }
 }
 
@@ -331,6 +346,27 @@ TEST(PrecisionOptions, SlotsFollowTheirOptionAndMuonRefusesAMomentWithoutAMethod
   const absl::Status refused = ValidateOptions(muon);
   EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(refused.message().find("exp_avg_sq_dtype"), std::string::npos) << refused.message();
+}
+
+TEST(PrecisionOptions, CaveatsNameWhatSixteenBitsCannotHold) {
+  GroupOptions adamw = DefaultOptions(OptimizerKind::kAdamW);  // beta2 0.999
+  EXPECT_TRUE(PrecisionCaveats(adamw).empty()) << "fp32 state has none";
+  adamw.exp_avg_dtype = StorageDtype::kBf16;  // beta1 0.9: 1 - beta1 is far above bf16's 2^-8
+  EXPECT_TRUE(PrecisionCaveats(adamw).empty());
+  adamw.exp_avg_sq_dtype = StorageDtype::kBf16;  // 1 - 0.999 < 2^-8: v cannot decay
+  std::vector<std::string> caveats = PrecisionCaveats(adamw);
+  ASSERT_EQ(caveats.size(), 1u);
+  EXPECT_NE(caveats[0].find("exp_avg_sq_dtype bf16"), std::string::npos) << caveats[0];
+  EXPECT_NE(caveats[0].find("cannot decay"), std::string::npos) << caveats[0];
+  adamw.exp_avg_sq_dtype = StorageDtype::kFp16;  // 1 - 0.999 > 2^-11, but (1 - beta2)·g² underflows
+  caveats = PrecisionCaveats(adamw);
+  ASSERT_EQ(caveats.size(), 1u);
+  EXPECT_NE(caveats[0].find("rounds to 0 for |g| below about 0.0054"), std::string::npos) << caveats[0];
+  GroupOptions muon = DefaultOptions(OptimizerKind::kMuon);
+  muon.momentum_dtype = StorageDtype::kBf16;  // 0.95
+  EXPECT_TRUE(PrecisionCaveats(muon).empty());
+  muon.momentum = 0.999;
+  EXPECT_EQ(PrecisionCaveats(muon).size(), 1u);
 }
 
 }  // namespace

@@ -291,3 +291,25 @@ def test_mla_layout_that_does_not_fit_is_refused(endpoint):
     with pytest.raises(ValueError, match="qk_nope_head_dim must be >= 1"):
         muond.LocalOptimizer([{"params": [("wq", wq), ("wkv", wkv)]}],
                              qk_clip=[(wq, wkv, H, {"qk_nope_head_dim": 0})])
+
+
+def test_bf16_masters_are_clipped_then_rounded(endpoint):
+    """QK-clip on 16-bit masters scales them in fp32 and rounds the result as it stores it: the
+    answer is the reference clip of the stored (rounded) weights, rounded to bf16 again."""
+    params = attention_params(seed=3)
+    set_grads(params, 1)
+    groups = groups_of(params, lr=0.0)
+    for group in groups:
+        group["master_dtype"] = "bf16"
+    with muond.RemoteOptimizer(groups, endpoint=endpoint, qk_clip=pairs_of(params)) as opt:
+        stored = {n: p.detach().clone() for n, p in params.items()}  # the masters as uploaded
+        assert all(torch.equal(t, t.to(torch.bfloat16).float()) for t in stored.values())
+        opt.step(qk_logits={params["wq0"]: LOGITS0})
+        assert opt.last_info.applied
+    q0, k0 = reference_clip(stored["wq0"], stored["wk0"], LOGITS0, tau=10.0, alpha=0.3)
+    for name, want in (("wq0", q0), ("wk0", k0)):
+        got = params[name].detach()
+        assert torch.equal(got, got.to(torch.bfloat16).float()), name  # stored in bf16
+        # One bf16 rounding of the fp32 clip (the reference's pow is fp64, the daemon's scale fp32).
+        assert (got - want.to(torch.bfloat16).float()).abs().max() <= 2 ** -7 * want.abs().max(), name
+    assert torch.equal(params["wq1"].detach(), stored["wq1"])  # no logits: not clipped
