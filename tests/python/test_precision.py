@@ -316,3 +316,25 @@ def test_local_optimizer_rounds_as_the_daemon(endpoint):
         for (name, p), q in zip(model.named_parameters(), twin.parameters()):
             assert rel_err(p.detach(), q.detach()) < TOLERANCE, name
     assert local.state[twin.up.weight]["momentum"].dtype == torch.bfloat16
+
+
+def test_local_optimizer_state_dict_keeps_the_stored_dtypes():
+    """torch's load_state_dict casts state to the parameters' dtype; LocalOptimizer puts 16-bit
+    slots back in their storage dtype, so a reloaded optimizer steps exactly as the saved one."""
+    model, twin = TinyNet(seed=87), TinyNet(seed=87)
+    make = lambda m: muond.LocalOptimizer(muond.default_param_groups(m, muon=BF16, adamw=BF16_ADAMW))
+    first = make(model)
+    for step in range(1, 3):
+        loss_of(model, step).backward()
+        first.step()
+        first.zero_grad()
+    twin.load_state_dict(model.state_dict())
+    second = make(twin)
+    second.load_state_dict(first.state_dict())
+    assert second.state[twin.up.weight]["momentum"].dtype == torch.bfloat16
+    assert second.state[twin.head.weight]["exp_avg_sq"].dtype == torch.bfloat16
+    for m, opt in ((model, first), (twin, second)):
+        loss_of(m, 3).backward()
+        opt.step()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(p.detach(), q.detach()), name
