@@ -98,9 +98,9 @@ absl::Status Optimizer::CheckStepInputs(const ParamState& param) const {
   return absl::OkStatus();
 }
 
-Optimizer::StateRefs Optimizer::RefsOf(ParamState& param) const {
+Optimizer::StateRefs Optimizer::RefsOf(ParamState& param) {
   StateRefs refs{param.master.Ref(), {}};
-  for (const std::string& name : SlotNames()) refs.slots.push_back(param.Slot(name)->Ref());
+  for (size_t s = 0; s < param.slots.size() && s < refs.slots.size(); ++s) refs.slots[s] = param.slots[s].tensor.Ref();
   return refs;
 }
 

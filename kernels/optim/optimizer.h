@@ -6,6 +6,7 @@
 // InitState and Step.
 #pragma once
 
+#include <array>
 #include <memory>
 #include <optional>
 #include <span>
@@ -95,9 +96,10 @@ class Optimizer {
   // SlotNames order, each in its storage format.
   struct StateRefs {
     kernels::StoredRef master;
-    std::vector<kernels::StoredRef> slots;
+    std::array<kernels::StoredRef, 2> slots;  // no element-wise optimizer has more
   };
-  StateRefs RefsOf(ParamState& param) const;
+  // param.slots are in SlotNames order (InitState made them so); CheckStepInputs has checked them.
+  static StateRefs RefsOf(ParamState& param);
   // CheckParameter of the optimizers that treat every element alike: no QKV split.
   static absl::Status CheckElementwiseParameter(const ParamState& param);
   // The bound of `param`'s slot `name`; 0 before InitState made it.

@@ -16,20 +16,19 @@ using kernels::StorageDtype;
 StoredTensor::StoredTensor(std::unique_ptr<kernels::DeviceBuffer> fp32_buffer)
     : numel(fp32_buffer ? fp32_buffer->size() : 0), buffer(std::move(fp32_buffer)) {}
 
-void* StoredTensor::At(size_t offset) {
-  return static_cast<char*>(static_cast<void*>(buffer->data())) + offset * kernels::StorageBytes(dtype);
+kernels::StoredRef StoredTensor::Ref(size_t offset) const {
+  return kernels::StoredRef(buffer->data(), dtype).At(offset);
 }
 
-const void* StoredTensor::At(size_t offset) const {
-  return static_cast<const char*>(static_cast<const void*>(buffer->data())) + offset * kernels::StorageBytes(dtype);
+size_t StoredWords(StorageDtype dtype, size_t numel) {
+  return dtype == StorageDtype::kFp32 ? numel : (numel + 1) / 2;  // 16-bit values two to a word
 }
 
 absl::StatusOr<StoredTensor> AllocateStored(Backend& backend, StorageDtype dtype, size_t numel) {
   StoredTensor tensor;
   tensor.dtype = dtype;
   tensor.numel = numel;
-  // 16-bit values two to an fp32 word; zero bits are +0 in every format.
-  const size_t words = dtype == StorageDtype::kFp32 ? numel : (numel + 1) / 2;
+  const size_t words = StoredWords(dtype, numel);  // zero bits are +0 in every format
   MUOND_ASSIGN_OR_RETURN(tensor.buffer, backend.Allocate(words));
   MUOND_RETURN_IF_ERROR(backend.Fill(tensor.buffer->data(), words, 0.0f));
   return tensor;
@@ -72,7 +71,7 @@ void SetHalfAt(std::vector<float>& words, size_t index, uint16_t bits) {
 absl::Status ReadStored(Backend& backend, const StoredTensor& tensor, size_t offset, size_t count, float* host) {
   MUOND_RETURN_IF_ERROR(CheckRegion(tensor, offset, count));
   if (tensor.is_fp32()) return backend.CopyToHost(tensor.fp32() + offset, host, count);
-  if (backend.HostAddressable()) return backend.Widen(tensor.dtype, tensor.At(offset), host, count);
+  if (backend.HostAddressable()) return backend.Widen(tensor.dtype, tensor.Ref(offset).data, host, count);
   if (count == 0) return absl::OkStatus();
   const WordSpan span = WordsOf(offset, count);
   std::vector<float> words(span.last - span.first);
@@ -88,7 +87,7 @@ absl::Status ReadStored(Backend& backend, const StoredTensor& tensor, size_t off
 absl::Status WriteStored(Backend& backend, StoredTensor& tensor, size_t offset, size_t count, const float* host) {
   MUOND_RETURN_IF_ERROR(CheckRegion(tensor, offset, count));
   if (tensor.is_fp32()) return backend.CopyToDevice(host, tensor.fp32() + offset, count);
-  if (backend.HostAddressable()) return backend.Narrow(tensor.dtype, host, tensor.At(offset), count);
+  if (backend.HostAddressable()) return backend.Narrow(tensor.dtype, host, tensor.Ref(offset).data, count);
   if (count == 0) return absl::OkStatus();
   const WordSpan span = WordsOf(offset, count);
   std::vector<float> words(span.last - span.first);
@@ -118,7 +117,7 @@ absl::StatusOr<float*> StagingArea::Load(Backend& backend, int lane, StoredTenso
   if (tensor.is_fp32()) return tensor.fp32() + offset;
   MUOND_RETURN_IF_ERROR(Reserve(backend, lane, tensor, count));
   float* scratch = lanes_[static_cast<size_t>(lane)]->data();
-  MUOND_RETURN_IF_ERROR(backend.Widen(tensor.dtype, tensor.At(offset), scratch, count));
+  MUOND_RETURN_IF_ERROR(backend.Widen(tensor.dtype, tensor.Ref(offset).data, scratch, count));
   return scratch;
 }
 
@@ -129,7 +128,7 @@ absl::Status StagingArea::Store(Backend& backend, int lane, StoredTensor& tensor
   if (scratch == nullptr || scratch->size() < count) {
     return absl::InternalError(absl::StrCat("staging lane ", lane, " stores ", count, " elements it did not load"));
   }
-  return backend.Narrow(tensor.dtype, scratch->data(), tensor.At(offset), count);
+  return backend.Narrow(tensor.dtype, scratch->data(), tensor.Ref(offset).data, count);
 }
 
 size_t StagingArea::floats() const {

@@ -39,14 +39,15 @@ struct StoredTensor {
   // StagingArea).
   float* fp32() { return is_fp32() && buffer ? buffer->data() : nullptr; }
   const float* fp32() const { return is_fp32() && buffer ? buffer->data() : nullptr; }
-  // Element `offset` in the storage format, for Backend::Widen / Narrow.
-  void* At(size_t offset);
-  const void* At(size_t offset) const;
-  // The tensor from element `offset` on, as the backend's element-wise primitives take it.
-  kernels::StoredRef Ref(size_t offset = 0) { return kernels::StoredRef(At(offset), dtype); }
+  // The tensor from element `offset` on, as the backend's primitives take it (Ref(i).data is
+  // element i in the storage format).
+  kernels::StoredRef Ref(size_t offset = 0) const;
   // Bytes the values take (not counting a 16-bit tensor's pad to a whole fp32 word).
   size_t bytes() const { return numel * kernels::StorageBytes(dtype); }
 };
+
+// The fp32 words of backend memory a tensor of `numel` elements of `dtype` takes.
+size_t StoredWords(kernels::StorageDtype dtype, size_t numel);
 
 // A zeroed tensor of `numel` elements of `dtype`.
 absl::StatusOr<StoredTensor> AllocateStored(kernels::Backend& backend, kernels::StorageDtype dtype, size_t numel);
@@ -58,11 +59,12 @@ absl::Status ReadStored(kernels::Backend& backend, const StoredTensor& tensor, s
 absl::Status WriteStored(kernels::Backend& backend, StoredTensor& tensor, size_t offset, size_t count,
                          const float* host);
 
-// fp32 scratch through which an fp32-only operation works on 16-bit tensors, in lanes (one per
-// tensor it touches at once). fp32 tensors are worked on in place and need no lane.
+// fp32 scratch through which an fp32-only operation (QK-clip's row scaling) works on 16-bit
+// tensors, in lanes (one per tensor it touches at once). fp32 tensors are worked on in place and
+// need no lane.
 class StagingArea {
  public:
-  static constexpr int kLanes = 3;
+  static constexpr int kLanes = 2;
 
   // Makes sure `lane` can hold `count` elements of `tensor` (nothing for an fp32 tensor). Steps call
   // it for every region they will stage before they change anything, so that running out of memory
@@ -73,7 +75,7 @@ class StagingArea {
   absl::StatusOr<float*> Load(kernels::Backend& backend, int lane, StoredTensor& tensor, size_t offset, size_t count);
   // Rounds what Load gave back into tensor[offset, offset + count); nothing for fp32.
   absl::Status Store(kernels::Backend& backend, int lane, StoredTensor& tensor, size_t offset, size_t count);
-  // fp32 elements held (for memory accounting).
+  // fp32 elements held.
   size_t floats() const;
 
  private:

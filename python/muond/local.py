@@ -26,11 +26,9 @@ import torch
 from . import loss_scale
 from . import options as opts
 from . import qk_clip as qk
+from . import wire
 from .naming import named_groups
 from .step_info import StepInfo, check_max_grad_norm
-
-
-_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _stored_slots(group: Dict[str, Any], state: Dict[str, Any]) -> list:
@@ -39,11 +37,17 @@ def _stored_slots(group: Dict[str, Any], state: Dict[str, Any]) -> list:
             if isinstance(value, torch.Tensor) and opts.storage_dtype(group, slot) != "fp32"]
 
 
+def _store_slots(group: Dict[str, Any], state: Dict[str, Any]) -> None:
+    """Puts the 16-bit slots of ``state`` in their storage dtype (rounded to nearest even)."""
+    for slot in _stored_slots(group, state):
+        state[slot] = state[slot].to(wire.torch_dtype(opts.storage_dtype(group, slot)))
+
+
 def _round_master(p: torch.Tensor, group: Dict[str, Any]) -> None:
     """Rounds the parameter to the group's master_dtype in place, as the daemon stores it."""
     stored = opts.storage_dtype(group, "master")
     if stored != "fp32":
-        p.copy_(p.to(_TORCH_DTYPES[stored]))
+        p.copy_(p.to(wire.torch_dtype(stored)))
 
 
 def newton_schulz(u: torch.Tensor, steps: int, coefficients: Sequence[Tuple[float, float, float]],
@@ -269,9 +273,7 @@ class LocalOptimizer(torch.optim.Optimizer):
             for group in self.param_groups:
                 for p in group["params"]:
                     _round_master(p, group)
-                    state = self.state.get(p, {})
-                    for slot in _stored_slots(group, state):
-                        state[slot] = state[slot].to(_TORCH_DTYPES[opts.storage_dtype(group, slot)])
+                    _store_slots(group, self.state.get(p, {}))
         if scaler is not None and self._scaler is not None:
             self._scaler = loss_scale.ScalerState(float(scaler["scale"]), int(scaler["growth_tracker"]),
                                                   int(scaler["hysteresis_tracker"]))
@@ -336,11 +338,10 @@ class LocalOptimizer(torch.optim.Optimizer):
                 g = p.grad.detach().to(torch.float32)
                 if clip != 1.0:
                     g = g * torch.tensor(clip, dtype=torch.float32)  # one fp32 multiply, as there
-                # 16-bit storage (the *_dtype options): load as fp32, compute, round on store.
-                stored = _stored_slots(group, state)
-                for slot in stored:
+                # 16-bit storage (the *_dtype options): load as fp32, compute, round on store. The
+                # master is the parameter, rounded since construction and after every store.
+                for slot in _stored_slots(group, state):
                     state[slot] = state[slot].float()
-                _round_master(p, group)
                 if kind == "muon":
                     self._muon(p, g, state, group)
                 elif kind == "adamw":
@@ -349,8 +350,7 @@ class LocalOptimizer(torch.optim.Optimizer):
                     self._lion(p, g, state, group)
                 else:
                     self._sgd(p, g, state, group)
-                for slot in _stored_slots(group, state):
-                    state[slot] = state[slot].to(_TORCH_DTYPES[opts.storage_dtype(group, slot)])
+                _store_slots(group, state)
                 _round_master(p, group)
         pairs = {pair.query: pair for pair in self.qk_clip}
         for query, max_logits in logits.items():

@@ -63,8 +63,6 @@ DEFAULT_ENDPOINT = "127.0.0.1:50051"
 _RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 _log = logging.getLogger("muond")
 _STATE_FORMAT = 1
-# Torch dtypes of the storage formats (options.storage_dtype).
-_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class RemoteOptimizer(torch.optim.Optimizer):
@@ -572,7 +570,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
     def _storage_dtype(self, name: str, slot: str) -> torch.dtype:
         """The torch dtype the daemon stores a parameter's master or slot in."""
         group = next(g for g in self.param_groups if name in g["param_names"])
-        return _TORCH_DTYPES[opts.storage_dtype(group, slot)]
+        return wire.torch_dtype(opts.storage_dtype(group, slot))
 
     def _tensor_shape(self, name: str, slot: str) -> Tuple[int, ...]:
         """The shape of a parameter's master or optimizer slot (``options.slot_shape``)."""

@@ -40,6 +40,11 @@ DTypeLike = Union[str, torch.dtype]
 ChunkKey = Tuple[str, str]  # (tensor name, state slot or "")
 
 
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a canonical dtype name ("fp32", "bf16" or "fp16")."""
+    return _TORCH[name]
+
+
 def dtype_name(value: DTypeLike) -> str:
     """Canonical wire dtype name ("fp32", "bf16" or "fp16") for a name or torch dtype."""
     if isinstance(value, torch.dtype):

@@ -9,15 +9,6 @@
 
 namespace muond::session {
 
-namespace {
-
-// Bytes of a tensor of `numel` elements stored as `dtype` (16-bit tensors fill whole fp32 words).
-int64_t StoredBytes(kernels::StorageDtype dtype, int64_t numel) {
-  return dtype == kernels::StorageDtype::kFp32 ? 4 * numel : 4 * ((numel + 1) / 2);
-}
-
-}  // namespace
-
 int64_t EstimateSessionBytes(const SessionConfig& config) {
   // The optimizers say how large each slot is (reduced state such as NorMuon's is smaller) and how
   // it is stored.
@@ -36,10 +27,10 @@ int64_t EstimateSessionBytes(const SessionConfig& config) {
       continue;
     }
     const kernels::StorageDtype master = optimizer->options().master_dtype;
-    bytes += StoredBytes(master, param.numel);
+    bytes += 4 * static_cast<int64_t>(optim::StoredWords(master, static_cast<size_t>(param.numel)));
     for (const std::string& slot : optimizer->SlotNames()) {
       const auto numel = static_cast<int64_t>(optimizer->SlotNumel(shape_only, slot));
-      bytes += StoredBytes(optimizer->SlotDtype(slot), numel);
+      bytes += 4 * static_cast<int64_t>(optim::StoredWords(optimizer->SlotDtype(slot), static_cast<size_t>(numel)));
     }
   }
   return bytes;
