@@ -14,6 +14,7 @@ struct HostTensor {
   int64_t received = 0;       // elements so far
   double sum_squares = 0.0;   // fp64; inf/NaN when a value was not finite
   bool staged = false;        // the values are also in the step's backend gradient buffers
+  bool device_only = false;   // staged, and `values` left empty: a GPU transport wrote the buffers
   bool present() const { return received > 0; }
 };
 

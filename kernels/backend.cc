@@ -1,6 +1,11 @@
-// The default pipelined transfers of Backend: synchronous copies, for backends whose memory is the
-// host's (the CPU backend), where there is nothing to overlap.
+// Backend's defaults: synchronous pipelined transfers, for backends whose memory is the host's (the
+// CPU backend), where there is nothing to overlap; per-tensor sums of squares; byte copies with
+// memcpy; and refusals of the GPU transports.
 #include "kernels/backend.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
 
 namespace muond::kernels {
 namespace {
@@ -37,6 +42,43 @@ absl::StatusOr<std::unique_ptr<HostToDevice>> Backend::NewHostToDevice() {
 
 absl::StatusOr<std::unique_ptr<DeviceToHost>> Backend::NewDeviceToHost() {
   return std::make_unique<SynchronousDeviceToHost>(this);
+}
+
+absl::Status Backend::SumSquaresEach(std::span<const Slice> tensors, double* sums) {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    absl::Status status = SumSquares(tensors[i].data, tensors[i].count, 1, &sums[i]);
+    if (!status.ok()) return status;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Backend::CopyBytes(const void* src, void* dst, size_t bytes) {
+  if (bytes > 0) std::memcpy(dst, src, bytes);
+  return absl::OkStatus();
+}
+
+namespace {
+
+absl::Status NoPeerTransport(const Backend& backend, absl::string_view what) {
+  return absl::FailedPreconditionError(absl::StrCat(
+      "the ", backend.Name(), " backend has no ", what,
+      ": GPU transports need the daemon on a CUDA GPU (--backend cuda); use the grpc or shm transport"));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<PeerMemory>> Backend::OpenPeerMemory(std::string_view, uint64_t) {
+  return NoPeerTransport(*this, "CUDA IPC memory");
+}
+
+absl::StatusOr<std::unique_ptr<PeerEvent>> Backend::OpenPeerEvent(std::string_view) {
+  return NoPeerTransport(*this, "CUDA IPC events");
+}
+
+absl::StatusOr<NcclUniqueId> Backend::NewNcclUniqueId() { return NoPeerTransport(*this, "NCCL"); }
+
+absl::StatusOr<std::unique_ptr<PeerChannel>> Backend::OpenPeerChannel(const NcclUniqueId&) {
+  return NoPeerTransport(*this, "NCCL");
 }
 
 }  // namespace muond::kernels

@@ -15,7 +15,9 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string>
+#include <string_view>
 #include <typeindex>
 #include <typeinfo>
 #include <unordered_map>
@@ -23,6 +25,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kernels/elementwise.h"
+#include "kernels/peer_exchange.h"
 #include "kernels/storage_dtype.h"
 
 namespace muond::kernels {
@@ -113,6 +116,10 @@ class Backend {
   // the backend's operations without a copy.
   virtual bool HostAddressable() const { return false; }
   virtual std::string Detail() const = 0;  // library versions, device name, threads
+  // The GPU's identity across processes ("GPU-" and its UUID, as nvidia-smi -L prints it; "" for
+  // a backend without a GPU), and the NCCL version the backend links (ncclGetVersion; 0 without).
+  virtual std::string DeviceUuid() const { return ""; }
+  virtual int NcclVersion() const { return 0; }
 
   // Memory the backend's buffers take now: in use (held by buffers and scratch) and reserved (also
   // cached for reuse). Thread-safe; for metrics.
@@ -150,6 +157,13 @@ class Backend {
   // sums[i] = Σ x[i·count + j]², j < count, for i < batch. `sums` is a host array of `batch` values.
   virtual absl::Status SumSquares(const float* x, size_t count, size_t batch, double* sums) = 0;
   virtual absl::StatusOr<bool> AllFinite(const float* x, size_t count) = 0;
+  // sums[i] = Σ tensors[i]², each accumulated like SumSquares, with one wait for them all (the
+  // default calls SumSquares for each). `sums` is a host array of tensors.size() values.
+  struct Slice {
+    const float* data = nullptr;
+    size_t count = 0;
+  };
+  virtual absl::Status SumSquaresEach(std::span<const Slice> tensors, double* sums);
 
   // Element-wise. x_i *= scales[i] over a batch of `count`-sized slices; `scales` is a host array.
   virtual absl::Status ScaleBatched(float* x, size_t count, size_t batch, const float* scales) = 0;
@@ -175,6 +189,22 @@ class Backend {
   // Muon's update with cautious weight decay (CautiousUpdateElement).
   virtual absl::Status CautiousUpdate(const CautiousArgs& args, const float* update, StoredRef param,
                                       size_t count) = 0;
+
+  // The GPU transports (kernels/peer_exchange.h). Each default refuses with FAILED_PRECONDITION
+  // naming this backend: only the CUDA backend shares device memory with other processes.
+  // OpenPeerMemory opens a cudaIpcMemHandle_t (kIpcHandleBytes) and checks that the allocation
+  // holds `byte_size` bytes; OpenPeerEvent opens a cudaIpcEventHandle_t; NewNcclUniqueId and
+  // OpenPeerChannel set up a two-rank NCCL communicator whose rank 0 is this backend.
+  virtual absl::StatusOr<std::unique_ptr<PeerMemory>> OpenPeerMemory(std::string_view handle, uint64_t byte_size);
+  virtual absl::StatusOr<std::unique_ptr<PeerEvent>> OpenPeerEvent(std::string_view handle);
+  virtual absl::StatusOr<NcclUniqueId> NewNcclUniqueId();
+  virtual absl::StatusOr<std::unique_ptr<PeerChannel>> OpenPeerChannel(const NcclUniqueId& id);
+  // Copies `bytes` bytes between any two of: this backend's memory, peer memory, host memory; after
+  // the work enqueued before, complete when it returns. The default copies with memcpy (a backend
+  // whose memory is the process's own).
+  virtual absl::Status CopyBytes(const void* src, void* dst, size_t bytes);
+  // Returns once every operation enqueued so far has completed, reporting a fault of any of them.
+  virtual absl::Status Synchronize() { return absl::OkStatus(); }
 
  protected:
   void ReleaseShared() {

@@ -86,6 +86,15 @@ std::optional<DaemonFlags> ParseFlags(int argc, char** argv, int* exit_code) {
   app.add_option("--shm-max-region-bytes", flags.shm_max_region_bytes, "Largest shared-memory region accepted")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  app.add_option("--max-nccl-channels", flags.max_nccl_channels,
+                 "Most NCCL channels (two-rank communicators, each holding GPU memory) at once")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--nccl-timeout", flags.nccl_timeout_seconds,
+                 "Seconds a trainer has to join an NCCL channel, and a step's NCCL transfers to finish, before "
+                 "the channel is aborted")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   app.add_option("--straggler-timeout", flags.straggler_timeout_seconds,
                  "Seconds a multi-rank step waits for its last rank before it is aborted for all")
       ->check(CLI::PositiveNumber)

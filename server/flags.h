@@ -37,6 +37,10 @@ struct DaemonFlags {
   // filesystem path.
   std::string shm_socket = "auto";
   uint64_t shm_max_region_bytes = uint64_t{1} << 40;
+  // NCCL transport: communicators at once (each holds GPU memory), and the seconds a trainer has to
+  // join a channel and a step's transfers to finish before the channel is aborted.
+  int max_nccl_channels = 4;
+  double nccl_timeout_seconds = 60;
 };
 
 // Parses argv. Returns the flags, or std::nullopt with *exit_code set when the process should exit

@@ -32,6 +32,8 @@
 #include "server/security/token_table.h"
 #include "server/security/tls_files.h"
 #include "server/session/session_registry.h"
+#include "server/transport/gpu/cuda_memory_regions.h"
+#include "server/transport/gpu/nccl_channels.h"
 #include "server/transport/shm/shm_socket_server.h"
 
 namespace muond::server {
@@ -187,6 +189,14 @@ int Run(int argc, char** argv) {
   transport::SharedMemoryLimits shm_limits;
   shm_limits.max_region_bytes = flags->shm_max_region_bytes;
   transport::SharedMemoryRegions shm_regions(shm_limits);
+  // The GPU transports: served by a CUDA backend, refused (with the reason) by the others. CUDA IPC
+  // memory registered with a liveness ticket goes when the client's socket connection closes.
+  transport::CudaMemoryRegions cuda_regions(backend, &shm_regions);
+  shm_regions.OnConnectionClosed([&cuda_regions](uint64_t connection) { cuda_regions.DropConnection(connection); });
+  transport::NcclChannels nccl_channels(
+      backend, {flags->max_nccl_channels, absl::Seconds(flags->nccl_timeout_seconds)});
+  service_options.cuda_regions = &cuda_regions;
+  service_options.nccl_channels = &nccl_channels;
   std::unique_ptr<transport::ShmSocketServer> shm_socket;
   if (flags->shm_socket != "none") {
     const std::string address =

@@ -59,6 +59,19 @@ absl::Status CheckGemmShape(const GemmShape& s) {
 
 cublasOperation_t ToCublas(Transpose t) { return t == Transpose::kYes ? CUBLAS_OP_T : CUBLAS_OP_N; }
 
+// "GPU-" and the device's UUID in 8-4-4-4-12 lower-case hex, as nvidia-smi -L prints it.
+std::string FormatUuid(const cudaUUID_t& uuid) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out = "GPU-";
+  for (int i = 0; i < 16; ++i) {
+    if (i == 4 || i == 6 || i == 8 || i == 10) out.push_back('-');
+    const auto byte = static_cast<unsigned char>(uuid.bytes[i]);
+    out.push_back(kHex[byte >> 4]);
+    out.push_back(kHex[byte & 0xf]);
+  }
+  return out;
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device) {
@@ -92,6 +105,7 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device) {
 
   // From here on the destructor cleans up whatever was created before a failure.
   std::unique_ptr<CudaBackend> backend(new CudaBackend(device));
+  backend->uuid_ = FormatUuid(prop.uuid);
   MUOND_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
   MUOND_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&backend->stream_, cudaStreamNonBlocking));
   MUOND_CUBLAS_RETURN_IF_ERROR(cublasCreate(&backend->cublas_));
@@ -178,6 +192,20 @@ absl::Status CudaBackend::CopyToHost(const float* device, float* host, size_t co
   MUOND_RETURN_IF_ERROR(Activate());
   MUOND_CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(host, device, count * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+  return SyncLocked();
+}
+
+absl::Status CudaBackend::CopyBytes(const void* src, void* dst, size_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+  std::lock_guard<std::mutex> lock(mu_);
+  MUOND_RETURN_IF_ERROR(Activate());
+  MUOND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_));
+  return SyncLocked();
+}
+
+absl::Status CudaBackend::Synchronize() {
+  std::lock_guard<std::mutex> lock(mu_);
+  MUOND_RETURN_IF_ERROR(Activate());
   return SyncLocked();
 }
 

@@ -7,6 +7,8 @@
 // AllFinite) and CopyToDevice synchronize the stream before they return, which is also where
 // asynchronous faults of earlier kernels are reported. NewHostToDevice/NewDeviceToHost transfers
 // run on copy streams of their own, ordered after the compute stream's work at their creation.
+// The GPU transports (kernels/peer_exchange.h) live in cuda_peer.cc (CUDA IPC memory and events) and
+// cuda_nccl.cc (the NCCL channel); they order their work with the stream through OnStream.
 //
 // Matmul precision per call: kFp32 → CUBLAS_COMPUTE_32F (true fp32); kTf32 →
 // CUBLAS_COMPUTE_32F_FAST_TF32 (tensor cores, inputs rounded to tf32); kBf16 → both inputs are
@@ -26,9 +28,12 @@
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string>
+#include <string_view>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -49,6 +54,8 @@ class CudaBackend final : public Backend {
 
   std::string Name() const override { return "cuda"; }
   std::string Detail() const override { return detail_; }
+  std::string DeviceUuid() const override { return uuid_; }
+  int NcclVersion() const override;  // cuda_nccl.cc
   MemoryUse Memory() const override {
     return {static_cast<int64_t>(pool_.bytes_in_use()), static_cast<int64_t>(pool_.bytes_reserved())};
   }
@@ -71,6 +78,7 @@ class CudaBackend final : public Backend {
 
   absl::Status SumSquares(const float* x, size_t count, size_t batch, double* sums) override;
   absl::StatusOr<bool> AllFinite(const float* x, size_t count) override;
+  absl::Status SumSquaresEach(std::span<const Slice> tensors, double* sums) override;
 
   absl::Status ScaleBatched(float* x, size_t count, size_t batch, const float* scales) override;
   absl::Status Axpby(float alpha, StoredRef x, float beta, StoredRef y, size_t count) override;
@@ -86,6 +94,27 @@ class CudaBackend final : public Backend {
   absl::Status Adamuon(const AdamuonArgs& args, StoredRef moment2, float* update, size_t count) override;
   absl::Status CautiousUpdate(const CautiousArgs& args, const float* update, StoredRef param,
                               size_t count) override;
+
+  // The GPU transports: cuda_peer.cc and cuda_nccl.cc.
+  absl::StatusOr<std::unique_ptr<PeerMemory>> OpenPeerMemory(std::string_view handle,
+                                                             uint64_t byte_size) override;
+  absl::StatusOr<std::unique_ptr<PeerEvent>> OpenPeerEvent(std::string_view handle) override;
+  absl::StatusOr<NcclUniqueId> NewNcclUniqueId() override;
+  absl::StatusOr<std::unique_ptr<PeerChannel>> OpenPeerChannel(const NcclUniqueId& id) override;
+  // cudaMemcpyDefault on the stream (unified addressing tells the directions apart), then a wait.
+  absl::Status CopyBytes(const void* src, void* dst, size_t bytes) override;
+  absl::Status Synchronize() override;
+
+  // For the transports in this directory: calls fn(stream) with the backend's mutex held and its
+  // device current on the calling thread, so that what fn enqueues is ordered with every
+  // primitive's work. fn should not wait long: it holds up every other caller.
+  template <typename Fn>
+  absl::Status OnStream(Fn&& fn) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (absl::Status status = Activate(); !status.ok()) return status;
+    return fn(stream_);
+  }
+  int device() const { return device_; }
 
   // Pool statistics, for tests and benchmarks that check the steady state allocates nothing.
   const CudaMemoryPool& pool() const { return pool_; }
@@ -109,6 +138,7 @@ class CudaBackend final : public Backend {
 
   const int device_;
   std::string detail_;
+  std::string uuid_;  // "GPU-…", see DeviceUuid
   mutable std::mutex mu_;
   // Declared before everything that borrows from it, so it is destroyed last.
   CudaMemoryPool pool_;

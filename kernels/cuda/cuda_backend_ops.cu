@@ -1,6 +1,8 @@
-// CudaBackend's transpose, reduction and element-wise primitives (cuda_backend.cu holds creation,
-// memory and GEMM), plus NewCudaBackend. Each one takes the backend's lock, makes the device
-// current and enqueues kernels from cuda_kernels.cu on the backend's stream.
+// CudaBackend's transpose, reduction (SumSquares, SumSquaresEach, AllFinite) and element-wise
+// primitives (cuda_backend.cu holds creation, memory and GEMM), plus NewCudaBackend. Each one takes
+// the backend's lock, makes the device current and enqueues kernels from cuda_kernels.cu on the
+// backend's stream.
+#include <algorithm>
 #include <limits>
 #include <memory>
 #include <utility>
@@ -22,7 +24,8 @@ absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(int device) {
 // The entry point CreateBackend finds with dlsym (kernels/cuda_library.h).
 extern "C" __attribute__((visibility("default"))) void muond_new_cuda_backend(
     int device, absl::StatusOr<std::unique_ptr<Backend>>* out) {
-  *out = NewCudaBackend(device);
+  // The cast: in C++20 mode nvcc takes StatusOr's [[nodiscard]] to cover operator='s reference.
+  static_cast<void>(*out = NewCudaBackend(device));
 }
 
 std::optional<CudaPoolStats> GetCudaPoolStats(const Backend& backend) {
@@ -65,6 +68,31 @@ absl::Status CudaBackend::SumSquares(const float* x, size_t count, size_t batch,
       "SumSquares kernels"));
   MUOND_CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(sums, device_sums, batch * sizeof(double), cudaMemcpyDeviceToHost, stream_));
+  return SyncLocked();
+}
+
+// SumSquares' two kernels with batch 1 for each tensor, so each sum has the bits SumSquares gives
+// it; the tensors share one partials block (the stream runs them one after another) and one
+// device array of sums, copied back once.
+absl::Status CudaBackend::SumSquaresEach(std::span<const Slice> tensors, double* sums) {
+  if (tensors.empty()) return absl::OkStatus();
+  int max_chunks = 1;
+  for (const Slice& tensor : tensors) {
+    max_chunks = std::max(max_chunks, SumSquaresChunks(static_cast<int64_t>(tensor.count)));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  MUOND_RETURN_IF_ERROR(Activate());
+  MUOND_ASSIGN_OR_RETURN(void* partials, GetScratch(kPartials, max_chunks * sizeof(double)));
+  MUOND_ASSIGN_OR_RETURN(void* device_sums, GetScratch(kSums, tensors.size() * sizeof(double)));
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const int64_t count = static_cast<int64_t>(tensors[i].count);
+    MUOND_RETURN_IF_ERROR(CudaStatus(
+        LaunchSumSquares(tensors[i].data, count, 1, SumSquaresChunks(count),
+                         static_cast<double*>(partials), static_cast<double*>(device_sums) + i, stream_),
+        "SumSquares kernels"));
+  }
+  MUOND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sums, device_sums, tensors.size() * sizeof(double),
+                                             cudaMemcpyDeviceToHost, stream_));
   return SyncLocked();
 }
 

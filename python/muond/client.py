@@ -332,6 +332,50 @@ class Connection:
             return self._stub.StepShared(request, timeout=self.timeout,
                                          metadata=self._metadata).result
 
+    def register_cuda_memory(self, request: "pb.RegisterCudaMemoryRequest") -> int:
+        """Registers an exported device allocation (CUDA IPC); returns its size."""
+        with translated("RegisterCudaMemory"):
+            return self._stub.RegisterCudaMemory(request, timeout=self.timeout,
+                                                 metadata=self._metadata).byte_size
+
+    def unregister_cuda_memory(self, name: str) -> None:
+        with translated("UnregisterCudaMemory"):
+            self._stub.UnregisterCudaMemory(pb.UnregisterCudaMemoryRequest(name=name),
+                                            timeout=self.timeout, metadata=self._metadata)
+
+    def step_cuda(self, request: pb.StepSharedRequest) -> pb.StepResult:
+        """Runs one step whose tensors are in registered CUDA IPC regions."""
+        with translated("StepCuda"):
+            return self._stub.StepCuda(request, timeout=self.timeout, metadata=self._metadata).result
+
+    def open_nccl_channel(self, session_id: str, rank: int) -> "pb.OpenNcclChannelResponse":
+        """Has the daemon create a two-rank NCCL communicator for this trainer rank; the answer
+        carries its ncclUniqueId, to join within its timeout."""
+        with translated("OpenNcclChannel"):
+            return self._stub.OpenNcclChannel(
+                pb.OpenNcclChannelRequest(session_id=session_id, rank=rank),
+                timeout=self.timeout, metadata=self._metadata)
+
+    def close_nccl_channel(self, channel: str) -> None:
+        with translated("CloseNcclChannel"):
+            self._stub.CloseNcclChannel(pb.CloseNcclChannelRequest(channel=channel),
+                                        timeout=self.timeout, metadata=self._metadata)
+
+    def step_nccl_future(self, request: "pb.StepNcclRequest") -> grpc.Future:
+        """Starts a StepNccl call and returns at once (the tensors travel over NCCL meanwhile);
+        ``step_nccl_result`` waits for its answer."""
+        return self._stub.StepNccl.future(request, timeout=self.timeout, metadata=self._metadata)
+
+    @staticmethod
+    def step_nccl_result(future: grpc.Future) -> pb.StepResult:
+        """The StepResult of a ``step_nccl_future`` call; MuondError when it failed (CANCELLED
+        when it was cancelled)."""
+        try:
+            with translated("StepNccl"):
+                return future.result().result
+        except grpc.FutureCancelledError:
+            raise MuondError(grpc.StatusCode.CANCELLED, "the call was cancelled", "StepNccl") from None
+
     def get_parameters(self, session_id: str, into: ChunkAssembler,
                        names: Sequence[str] = (), dtype: int = pb.DTYPE_FP32,
                        max_chunk_bytes: int = 0) -> int:

@@ -63,6 +63,7 @@ DEFAULT_ENDPOINT = "127.0.0.1:50051"
 _RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 _log = logging.getLogger("muond")
 _STATE_FORMAT = 1
+_TRANSPORTS = ("auto", "grpc", "shm", "cuda_ipc", "nccl")
 
 
 class RemoteOptimizer(torch.optim.Optimizer):
@@ -114,10 +115,20 @@ class RemoteOptimizer(torch.optim.Optimizer):
             initialized and ``session=None``, rank 0's fresh id is broadcast to the others.
         transport: how steps' tensors travel: "grpc" (chunked streams), "shm" (a shared-memory
             region registered with a daemon on this host; gradients are copied into it and the
-            parameters out of it, one copy each way) or "auto" (shm when the daemon is on this host
-            and offers it, else grpc). Default ``$MUOND_TRANSPORT`` or "auto". ``opt.transport``
-            says which was chosen (also logged on the "muond" logger; with several daemons, each
-            chooses its own, e.g. "grpc+shm"). Every step semantic is the same on both.
+            parameters out of it, one copy each way), "cuda_ipc" (CUDA parameters, a daemon on
+            ``--backend cuda`` on this node: one device buffer shared with the daemon over CUDA
+            IPC, gradients and parameters copied device to device, on the daemon's GPU or another
+            one of the node), "nccl" (CUDA parameters, a daemon on ``--backend cuda`` with NCCL on
+            another GPU, typically another node: the tensors travel over a two-rank NCCL
+            communicator; NCCL refuses two ranks on one GPU, so the daemon's own GPU is an error,
+            for which "auto" takes cuda_ipc) or "auto": cuda_ipc when the parameters are on a CUDA
+            device and the daemon offers CUDA IPC on this host (nccl should registering the memory
+            fail and it fits), nccl for a daemon with NCCL on another host, else shm when the
+            daemon is on this host and offers it, else grpc. Default ``$MUOND_TRANSPORT`` or
+            "auto". A transport named explicitly that cannot work is a RuntimeError naming it and
+            saying why. ``opt.transport`` says which was chosen (also logged on the "muond"
+            logger; with several daemons, each chooses its own, e.g. "grpc+shm"). Every step
+            semantic is the same on all of them (retries, replays, ranks, shards).
         qk_clip: QK-clip (MuonClip) pairs ``[(query, key, num_heads), ...]``, each weight a
             parameter tensor of this optimizer (or its name): (num_heads·head_dim, d) matrices in
             Muon groups. A step then takes ``qk_logits`` (see ``step``); τ and α are the query
@@ -172,8 +183,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self.last_step = 0
         self.last_info: Optional[StepInfo] = None
         wanted = transport if transport is not None else os.environ.get("MUOND_TRANSPORT") or "auto"
-        if wanted not in ("auto", "grpc", "shm"):
-            raise ValueError(f"transport: '{wanted}' is not one of auto, grpc, shm")
+        if wanted not in _TRANSPORTS:
+            raise ValueError(f"transport: '{wanted}' is not one of {', '.join(_TRANSPORTS)}")
         self._wanted_transport = wanted
         self.transport = "grpc"
         self.endpoints = _endpoint_list(endpoint, endpoints)
@@ -217,7 +228,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
             for link in self._links:
                 link.conn.wait_ready(connect_timeout)
             self._open_session()
-            chosen = {link.choose_transport(wanted) for link in self._links}
+            chosen = {link.choose_transport(wanted, rank=self.rank) for link in self._links}
             self.transport = "+".join(sorted(chosen))
             _log.info("session %s: steps travel over %s", self.session_id, self.transport)
         except BaseException:

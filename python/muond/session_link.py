@@ -1,10 +1,11 @@
 """``SessionLink``: one daemon's session as a ``RemoteOptimizer`` sees it.
 
 A link owns the connection to one daemon, knows which of the optimizer's parameters that daemon's
-session holds (all of them, or one shard's), picks the step transport (gRPC streams or a
-shared-memory region on the daemon's host) and runs one try of a step — whole, prepare or commit
-(docs/sharding.md) — writing the returned parameters into the parameter tensors. Retrying, the step
-counter and the decision over several shards belong to ``RemoteOptimizer``.
+session holds (all of them, or one shard's), picks the step transport (gRPC streams, a
+shared-memory region on the daemon's host, or device memory: CUDA IPC or NCCL, see
+``gpu_transport.py``) and runs one try of a step — whole, prepare or commit (docs/sharding.md) —
+writing the returned parameters into the parameter tensors. Retrying, the step counter and the
+decision over several shards belong to ``RemoteOptimizer``.
 
 Not thread-safe: a ``RemoteOptimizer`` may drive its links from worker threads, one thread per
 link at a time.
@@ -12,17 +13,21 @@ link at a time.
 
 from __future__ import annotations
 
+import logging
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import grpc
 import torch
 
 from . import framing
+from . import gpu_transport
 from . import shm
 from . import wire
 from ._stubs import pb
 from .client import Connection
 from .errors import MuondError
+
+_log = logging.getLogger("muond")
 
 
 class SessionLink:
@@ -49,6 +54,7 @@ class SessionLink:
         self._region: Optional[shm.SharedRegion] = None
         self._region_name = ""
         self._offsets: Dict[str, int] = {}
+        self._gpu = None  # a cuda_link.CudaIpcLink or nccl_link.NcclLink
 
     # -- the session -----------------------------------------------------------------------------
 
@@ -78,13 +84,17 @@ class SessionLink:
 
     # -- transports ------------------------------------------------------------------------------
 
-    def choose_transport(self, wanted: str) -> str:
-        """"grpc" or "shm" for ``wanted`` ("grpc", "shm" or "auto"); RuntimeError when "shm" is
-        asked for and impossible."""
+    def choose_transport(self, wanted: str, rank: int = 0) -> str:
+        """"grpc", "shm", "cuda_ipc" or "nccl" for ``wanted`` (one of those or "auto"); the GPU
+        transports are set up here (``gpu_transport.py``). RuntimeError when a transport asked for
+        by name is impossible, saying why."""
+        self.drop_gpu()
         if wanted == "grpc":
             self.transport = "grpc"
             return self.transport
         info = self.conn.server_info()
+        if wanted in ("auto",) + gpu_transport.GPU_TRANSPORTS and self._set_up_gpu(wanted, info, rank):
+            return self.transport
         why = ""
         if not info.shm_socket:
             why = "the daemon offers no shared-memory transport (--shm-socket none)"
@@ -96,6 +106,42 @@ class SessionLink:
             raise RuntimeError(f"transport='shm' is not possible with {self.endpoint}: {why}")
         self.transport = "grpc" if why else "shm"
         return self.transport
+
+    def _set_up_gpu(self, wanted: str, info: pb.ServerInfo, rank: int) -> bool:
+        """Sets up the GPU transport ``wanted`` (or, for "auto", the first that fits and works);
+        False when "auto" finds none."""
+        if wanted == "auto" and not getattr(info, "cuda_ipc", False) \
+                and getattr(info, "nccl_version", 0) <= 0:
+            return False  # a daemon without GPU transports: nothing to look at here
+        here = gpu_transport.Here.of(self.by_name.values())
+        for choice in gpu_transport.decide(wanted, info, here, self.endpoint):
+            if choice == "cuda_ipc":
+                from .cuda_link import CudaIpcLink  # noqa: PLC0415 - GPU only
+                link = CudaIpcLink(self.conn, self.session_id, self.names, self.sizes, here.device,
+                                   wire_dtype=self.wire_dtype, return_dtype=self.return_dtype,
+                                   shm_socket=info.shm_socket)
+            else:
+                from .nccl_link import NcclLink  # noqa: PLC0415 - GPU only
+                link = NcclLink(self.conn, self.session_id, self.names, self.sizes, here.device,
+                                wire_dtype=self.wire_dtype, return_dtype=self.return_dtype,
+                                rank=rank)
+            try:
+                link.open()
+            except (RuntimeError, OSError) as err:  # MuondError is a RuntimeError
+                link.close()
+                if wanted != "auto":
+                    raise
+                _log.warning("session %s on %s: transport %s is not usable (%s); trying the next",
+                             self.session_id, self.endpoint, choice, err)
+                continue
+            self._gpu, self.transport = link, choice
+            return True
+        return False
+
+    def drop_gpu(self) -> None:
+        if self._gpu is not None:
+            gpu, self._gpu = self._gpu, None
+            gpu.close()
 
     def _set_up_region(self) -> None:
         """Creates and registers this session's region: one 4-byte slot per element of every
@@ -132,6 +178,11 @@ class SessionLink:
         answers (none for a prepare) are copied into the parameter tensors."""
         header = pb.StepHeader.FromString(header.SerializeToString())
         header.session_id = self.session_id
+        if self._gpu is not None:
+            result, views = self._gpu.step(header, grads)
+            if header.phase != pb.STEP_PHASE_PREPARE:
+                copy_in(self.by_name, views)
+            return result
         if self.transport == "shm":
             result, views = self._step_shared(header, grads)
             if header.phase != pb.STEP_PHASE_PREPARE:
@@ -198,7 +249,7 @@ class SessionLink:
 
     def close(self, end_session: bool) -> None:
         """Ends the session when ``end_session`` (a session already gone is fine), then drops
-        the region and closes the channel."""
+        the region or the GPU transport's memory or channel and closes the connection."""
         try:
             if end_session:
                 try:
@@ -207,8 +258,11 @@ class SessionLink:
                     if err.code != grpc.StatusCode.NOT_FOUND:
                         raise
         finally:
-            self.drop_region()
-            self.conn.close()
+            try:
+                self.drop_region()
+                self.drop_gpu()
+            finally:
+                self.conn.close()
 
 
 @torch.no_grad()

@@ -47,6 +47,17 @@ def socket_reachable(socket_address: str) -> bool:
         return False
 
 
+def read_line(sock: socket.socket) -> str:
+    """One answer line of the daemon's socket, without its newline."""
+    data = b""
+    while not data.endswith(b"\n") and len(data) < 4096:
+        piece = sock.recv(4096 - len(data))
+        if not piece:
+            raise ConnectionError("the daemon closed its shared-memory socket without an answer")
+        data += piece
+    return data.decode("utf-8", "replace").rstrip("\n")
+
+
 class SharedRegion:
     """``nbytes`` of memory shared with the daemon listening on ``socket_address``."""
 
@@ -83,13 +94,7 @@ class SharedRegion:
         self.ticket = words[1]
 
     def _read_line(self) -> str:
-        data = b""
-        while not data.endswith(b"\n") and len(data) < 4096:
-            piece = self._sock.recv(4096 - len(data))
-            if not piece:
-                raise ConnectionError("the daemon closed its shared-memory socket without an answer")
-            data += piece
-        return data.decode("utf-8", "replace").rstrip("\n")
+        return read_line(self._sock)
 
     def tensor(self, offset: int, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A 1-D tensor of ``numel`` elements viewing the region from byte ``offset``."""

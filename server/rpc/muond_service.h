@@ -26,6 +26,8 @@
 #include "server/rpc/call_scope.h"
 #include "server/security/token_table.h"
 #include "server/session/session_registry.h"
+#include "server/transport/gpu/cuda_memory_regions.h"
+#include "server/transport/gpu/nccl_channels.h"
 #include "server/transport/shm/shared_memory_regions.h"
 
 namespace muond::rpc {
@@ -41,6 +43,9 @@ struct ServiceOptions {
   // The shared-memory transport; null when the daemon offers none. Not owned.
   transport::SharedMemoryRegions* shm_regions = nullptr;
   std::string shm_socket;  // its socket's address, reported by GetServerInfo
+  // The GPU transports' tables (CUDA IPC memory, NCCL channels); null: not offered. Not owned.
+  transport::CudaMemoryRegions* cuda_regions = nullptr;
+  transport::NcclChannels* nccl_channels = nullptr;
   std::string host_id;     // the kernel's boot id, reported by GetServerInfo
   // Reported by GetServerInfo: the metrics endpoint's address ("" when off), the durability of
   // --state-dir ("" when none) and --max-sessions.
@@ -86,6 +91,16 @@ class MuondService final : public v1::Muond::Service {
   grpc::Status SharedMemoryStatus(grpc::ServerContext*, const v1::SharedMemoryStatusRequest*,
                                   v1::SharedMemoryStatusResponse*) override;
   grpc::Status StepShared(grpc::ServerContext*, const v1::StepSharedRequest*, v1::StepSharedResponse*) override;
+  grpc::Status RegisterCudaMemory(grpc::ServerContext*, const v1::RegisterCudaMemoryRequest*,
+                                  v1::RegisterCudaMemoryResponse*) override;
+  grpc::Status UnregisterCudaMemory(grpc::ServerContext*, const v1::UnregisterCudaMemoryRequest*,
+                                    v1::UnregisterCudaMemoryResponse*) override;
+  grpc::Status StepCuda(grpc::ServerContext*, const v1::StepSharedRequest*, v1::StepSharedResponse*) override;
+  grpc::Status OpenNcclChannel(grpc::ServerContext*, const v1::OpenNcclChannelRequest*,
+                               v1::OpenNcclChannelResponse*) override;
+  grpc::Status CloseNcclChannel(grpc::ServerContext*, const v1::CloseNcclChannelRequest*,
+                                v1::CloseNcclChannelResponse*) override;
+  grpc::Status StepNccl(grpc::ServerContext*, const v1::StepNcclRequest*, v1::StepSharedResponse*) override;
 
  private:
   absl::Status DoUpload(const std::string& caller, grpc::ServerReader<v1::UploadParametersRequest>* reader,
@@ -104,6 +119,9 @@ class MuondService final : public v1::Muond::Service {
 
   // The shared-memory regions, or FAILED_PRECONDITION when the daemon offers none.
   absl::StatusOr<transport::SharedMemoryRegions*> ShmRegions() const;
+  // The GPU transports' tables, or FAILED_PRECONDITION when the daemon offers none.
+  absl::StatusOr<transport::CudaMemoryRegions*> CudaRegions() const;
+  absl::StatusOr<transport::NcclChannels*> NcclChannels() const;
   // Chunk size for an answer: the client's wish bounded by the server's limit.
   size_t AnswerChunkBytes(uint32_t requested) const;
 

@@ -37,6 +37,10 @@ grpc::Status MuondService::GetServerInfo(grpc::ServerContext* context, const v1:
     info->set_metrics_address(options_.metrics_address);
     info->set_durability(options_.durability);
     info->set_max_sessions(options_.max_sessions);
+    info->set_cuda_ipc(options_.cuda_regions != nullptr && !backend_->DeviceUuid().empty());
+    info->set_cuda_device_uuid(backend_->DeviceUuid());
+    info->set_nccl_version(options_.nccl_channels != nullptr ? backend_->NcclVersion() : 0);
+    if (options_.nccl_channels != nullptr) info->set_max_nccl_channels(options_.nccl_channels->limits().max_channels);
     return absl::OkStatus();
   });
 }
@@ -59,8 +63,13 @@ grpc::Status MuondService::CreateSession(grpc::ServerContext* context, const v1:
 
 grpc::Status MuondService::CloseSession(grpc::ServerContext* context, const v1::CloseSessionRequest* request,
                                         v1::CloseSessionResponse*) {
-  return Serve(calls_, context, "CloseSession",
-               [&](const std::string& caller) { return registry_->Close(request->session_id(), caller); });
+  return Serve(calls_, context, "CloseSession", [&](const std::string& caller) -> absl::Status {
+    MUOND_RETURN_IF_ERROR(registry_->Close(request->session_id(), caller));
+    // Its GPU transports go with it: CUDA IPC handles closed, NCCL communicators aborted.
+    if (options_.cuda_regions != nullptr) options_.cuda_regions->DropSession(request->session_id());
+    if (options_.nccl_channels != nullptr) options_.nccl_channels->DropSession(request->session_id());
+    return absl::OkStatus();
+  });
 }
 
 grpc::Status MuondService::ListSessions(grpc::ServerContext* context, const v1::ListSessionsRequest*,

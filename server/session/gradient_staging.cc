@@ -104,6 +104,7 @@ std::vector<HostTensor> HostGradients::Take() {
     tensor.received = 0;
     tensor.sum_squares = 0.0;
     tensor.staged = false;
+    tensor.device_only = false;
   }
   return tensors;
 }

@@ -9,7 +9,15 @@
 // multi-rank steps are averaged on the host), and takes them back when the step is finished or
 // dropped. The host tensors gradients() are decoded into are lent the same way (HostGradients) and
 // given back when this is destroyed; on a host-memory backend nothing is staged: the optimizer reads
-// them in place. An IncomingStep must not outlive its session. Used by one thread at a time.
+// them in place.
+//
+// A transport whose gradients arrive in device memory (CUDA IPC, NCCL) writes them straight into the
+// staged buffers instead (DeviceGradient, MarkDeviceGradient) when the step allows it
+// (takes_device_gradients): the values then never visit the host, and the session takes their sums
+// of squares on the backend. Otherwise — several ranks (averaged on the host), a prepare, a journal
+// that records the gradients' bytes, a zero count, another step holding the buffers — it writes
+// gradients() like any transport. An IncomingStep must not outlive its session. Used by one thread
+// at a time.
 #pragma once
 
 #include <cstddef>
@@ -45,13 +53,23 @@ class IncomingStep {
   // their copy to the backend when this step stages (a no-op otherwise).
   absl::Status Stage(size_t index, int64_t offset, size_t count);
 
+  // Whether gradients may go straight into backend buffers (see the class comment).
+  bool takes_device_gradients() const { return staged_ != nullptr && device_gradients_; }
+  // Parameter `index`'s fp32 backend buffer (config().parameters[index].numel elements) for the
+  // transport to fill with work it enqueues on the session's backend; null unless
+  // takes_device_gradients().
+  float* DeviceGradient(size_t index);
+  // The buffer of `index` holds its gradient once the backend's work enqueued so far has run: it is
+  // received in full, and its sum of squares is taken on the backend when the step finishes.
+  void MarkDeviceGradient(size_t index);
+
  private:
   friend class Session;
   IncomingStep(const SessionConfig& config, StepPlan plan, bool replay, HostGradients* host_store,
-               std::unique_ptr<StagedGradients> staged)
+               std::unique_ptr<StagedGradients> staged, bool device_gradients)
       : config_(config), plan_(std::move(plan)), replay_(replay), host_store_(host_store),
         gradients_(host_store != nullptr ? host_store->Take() : std::vector<HostTensor>(config.parameters.size())),
-        staged_(std::move(staged)) {}
+        staged_(std::move(staged)), device_gradients_(device_gradients) {}
 
   const SessionConfig& config_;
   StepPlan plan_;
@@ -59,6 +77,7 @@ class IncomingStep {
   HostGradients* const host_store_;  // the session's; null: gradients_ are this step's own
   std::vector<HostTensor> gradients_;
   std::unique_ptr<StagedGradients> staged_;  // null: the gradients stay on the host until applied
+  const bool device_gradients_;
 };
 
 }  // namespace muond::session

@@ -144,10 +144,12 @@ StepOutcome Session::ReplayOutcomeLocked() const {
 
 absl::StatusOr<std::unique_ptr<IncomingStep>> Session::BeginStep(StepRequest request) {
   StepKind kind;
+  bool journaled = false;
   {
     absl::ReaderMutexLock lock(&mu_);
     if (!initialized_) return NotInitializedError();
     MUOND_ASSIGN_OR_RETURN(kind, ClassifyLocked(request.step));
+    journaled = persistence_ != nullptr && persistence_->records_gradients();
   }
   MUOND_ASSIGN_OR_RETURN(StepPlan plan, PlanStep(config_, default_hyper_, std::move(request)));
   // One rank's gradients go straight to the backend while the rest of them arrive (unless another
@@ -162,9 +164,39 @@ absl::StatusOr<std::unique_ptr<IncomingStep>> Session::BeginStep(StepRequest req
   if (one_rank && phase == StepPhase::kWhole && !backend_->HostAddressable()) {
     MUOND_ASSIGN_OR_RETURN(staged, StagedGradients::Start(gradient_pool_.get(), backend_));
   }
+  // Gradients in device memory may stay there unless something needs their values on the host.
+  const bool device_gradients = !journaled && !plan.request.count_zeros;
   return std::unique_ptr<IncomingStep>(new IncomingStep(config_, std::move(plan), kind == StepKind::kReplay,
                                                         one_rank ? host_gradients_.get() : nullptr,
-                                                        std::move(staged)));
+                                                        std::move(staged), device_gradients));
+}
+
+float* IncomingStep::DeviceGradient(size_t index) {
+  if (!takes_device_gradients()) return nullptr;
+  return staged_->lease().set().buffer(index)->data();
+}
+
+void IncomingStep::MarkDeviceGradient(size_t index) {
+  HostTensor& tensor = gradients_[index];
+  tensor.received = config_.parameters[index].numel;
+  tensor.sum_squares = 0.0;  // taken in FinishStep
+  tensor.staged = true;
+  tensor.device_only = true;
+}
+
+absl::Status Session::SumDeviceGradients(IncomingStep& step) {
+  std::vector<size_t> indices;
+  std::vector<kernels::Backend::Slice> slices;
+  for (size_t i = 0; i < step.gradients_.size(); ++i) {
+    if (!step.gradients_[i].device_only) continue;
+    indices.push_back(i);
+    slices.push_back({step.staged_->lease().set().buffer(i)->data(), static_cast<size_t>(config_.parameters[i].numel)});
+  }
+  if (slices.empty()) return absl::OkStatus();
+  std::vector<double> sums(slices.size());
+  MUOND_RETURN_IF_ERROR(backend_->SumSquaresEach(slices, sums.data()));
+  for (size_t k = 0; k < indices.size(); ++k) step.gradients_[indices[k]].sum_squares = sums[k];
+  return absl::OkStatus();
 }
 
 absl::Status IncomingStep::Stage(size_t index, int64_t offset, size_t count) {
@@ -176,7 +208,10 @@ absl::Status IncomingStep::Stage(size_t index, int64_t offset, size_t count) {
 }
 
 absl::StatusOr<StepOutcome> Session::FinishStep(std::unique_ptr<IncomingStep> step) {
-  if (step->staged_ != nullptr) MUOND_RETURN_IF_ERROR(step->staged_->Finish());
+  if (step->staged_ != nullptr) {
+    MUOND_RETURN_IF_ERROR(step->staged_->Finish());
+    if (!step->replay_) MUOND_RETURN_IF_ERROR(SumDeviceGradients(*step));
+  }
   absl::MutexLock lock(&mu_);
   // The state may have moved since BeginStep (another stream of the same step, say): classify again
   // under the lock, where the answer holds until the step is applied.
@@ -193,6 +228,14 @@ absl::StatusOr<StepOutcome> Session::FinishStep(std::unique_ptr<IncomingStep> st
   if (config_.world_size > 1) return GatherLocked(std::move(step->plan_), std::move(step->gradients_));
   if (phase == StepPhase::kPrepare) return PrepareLocked(std::move(step->plan_), std::move(step->gradients_), 0);
   return ApplyLocked(step->plan_, step->gradients_, step->staged_.get());
+}
+
+absl::StatusOr<double> Session::GradientMaxAbs(const HostTensor& gradient, size_t index, StagedGradients* staged) const {
+  if (!gradient.device_only) return static_cast<double>(MaxAbs(gradient.values));
+  if (staged == nullptr) return absl::InternalError("a gradient in device memory without its staged buffers");
+  std::vector<float> values(static_cast<size_t>(config_.parameters[index].numel));
+  MUOND_RETURN_IF_ERROR(backend_->CopyToHost(staged->lease().set().buffer(index)->data(), values.data(), values.size()));
+  return static_cast<double>(MaxAbs(values));
 }
 
 Session::GradientTotals Session::TotalsOf(const std::vector<HostTensor>& gradients) const {
@@ -235,7 +278,7 @@ absl::StatusOr<StepOutcome> Session::PrepareLocked(StepPlan plan, std::vector<Ho
     std::vector<optim::StepBounds> bounds(params_.size());
     MUOND_ASSIGN_OR_RETURN(
         result.skip_reason,
-        GuardMagnitudesLocked(plan, gradients, ClipCoefficient(plan, result.grad_norm) * unscale, bounds));
+        GuardMagnitudesLocked(plan, gradients, nullptr, ClipCoefficient(plan, result.grad_norm) * unscale, bounds));
   }
   DropPreparedLocked();
   prepared_ = PreparedStep{std::move(plan), std::move(gradients), result, generation};
@@ -349,7 +392,7 @@ absl::StatusOr<StepOutcome> Session::ApplyLocked(const StepPlan& plan, std::vect
   } else if (decision.has_value() && !decision->skip_reason.empty()) {
     result.skip_reason = decision->skip_reason;
   } else {
-    MUOND_ASSIGN_OR_RETURN(result.skip_reason, GuardMagnitudesLocked(plan, gradients, clip, bounds));
+    MUOND_ASSIGN_OR_RETURN(result.skip_reason, GuardMagnitudesLocked(plan, gradients, staged, clip, bounds));
   }
   result.applied = result.skip_reason.empty();
   if (result.applied) {
@@ -461,7 +504,7 @@ std::string WithinStorageLimits(const optim::ParamState& param, optim::StepBound
 
 absl::StatusOr<std::string> Session::GuardMagnitudesLocked(const StepPlan& plan,
                                                            const std::vector<HostTensor>& gradients,
-                                                           double clip_coefficient,
+                                                           StagedGradients* staged, double clip_coefficient,
                                                            std::vector<optim::StepBounds>& after) {
   for (size_t i = 0; i < params_.size(); ++i) {
     const HostTensor& gradient = gradients[i];
@@ -475,7 +518,8 @@ absl::StatusOr<std::string> Session::GuardMagnitudesLocked(const StepPlan& plan,
                                    std::sqrt(gradient.sum_squares) * clip_coefficient * rounding);
     if (WithinStorageLimits(params_[i], after[i]).empty()) continue;
     MUOND_RETURN_IF_ERROR(MeasureMagnitudesLocked(i));
-    after[i] = optimizer.BoundStep(plan.hyper[group], params_[i], MaxAbs(gradient.values) * clip_coefficient * rounding);
+    MUOND_ASSIGN_OR_RETURN(const double max_abs, GradientMaxAbs(gradient, i, staged));
+    after[i] = optimizer.BoundStep(plan.hyper[group], params_[i], max_abs * clip_coefficient * rounding);
     if (std::string beyond = WithinStorageLimits(params_[i], after[i]); !beyond.empty()) {
       return absl::StrCat("the update could take '", params_[i].name, "' ", beyond, "; nothing was changed");
     }

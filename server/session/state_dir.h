@@ -30,6 +30,7 @@ class FilePersistence final : public SessionPersistence {
   absl::Status RecordStep(const StepRequest& request, const std::vector<HostTensor>& gradients) override;
   absl::Status SaveCheckpoint(SessionState state) override;
   int64_t checkpoint_every() const override { return files_->options().checkpoint_every; }
+  bool records_gradients() const override { return files_->options().durability == durability::Durability::kJournal; }
   void Discard() override { files_->Discard(); }
 
  private:

@@ -8,8 +8,6 @@
 #include "absl/strings/escaping.h"
 
 namespace muond::transport {
-namespace {
-
 absl::Status CheckRegionName(const std::string& name) {
   if (name.empty() || name.size() > 128) {
     return absl::InvalidArgumentError(absl::StrCat("name: a region name has 1 to 128 characters, got ", name.size()));
@@ -19,8 +17,6 @@ absl::Status CheckRegionName(const std::string& name) {
   }
   return absl::OkStatus();
 }
-
-}  // namespace
 
 std::string RandomTicket() {
   unsigned char bytes[16];
@@ -52,8 +48,48 @@ absl::StatusOr<std::string> SharedMemoryRegions::AddPending(uint64_t connection,
 }
 
 void SharedMemoryRegions::CloseConnection(uint64_t connection) {
-  std::vector<std::shared_ptr<SharedMapping>> dropped;  // destroyed after `lock`: unmapped outside it
+  std::vector<std::function<void(uint64_t)>> listeners;
+  {
+    std::vector<std::shared_ptr<SharedMapping>> dropped;  // destroyed after `lock`: unmapped outside it
+    absl::MutexLock lock(&mu_);
+    DropConnectionLocked(connection, dropped);
+    listeners = listeners_;
+  }
+  for (const auto& listener : listeners) listener(connection);
+}
+
+std::string SharedMemoryRegions::AddLivenessTicket(uint64_t connection) {
+  std::string ticket = RandomTicket();
   absl::MutexLock lock(&mu_);
+  liveness_.emplace(ticket, connection);
+  return ticket;
+}
+
+absl::StatusOr<uint64_t> SharedMemoryRegions::LivenessConnection(const std::string& ticket,
+                                                                 const std::string& field) const {
+  absl::MutexLock lock(&mu_);
+  auto it = liveness_.find(ticket);
+  if (it == liveness_.end()) {
+    return absl::NotFoundError(absl::StrCat(field, ": no open shm_socket connection has this ticket (never issued, or "
+                                            "the connection closed)"));
+  }
+  return it->second;
+}
+
+void SharedMemoryRegions::OnConnectionClosed(std::function<void(uint64_t)> listener) {
+  absl::MutexLock lock(&mu_);
+  listeners_.push_back(std::move(listener));
+}
+
+void SharedMemoryRegions::DropConnectionLocked(uint64_t connection,
+                                               std::vector<std::shared_ptr<SharedMapping>>& dropped) {
+  for (auto it = liveness_.begin(); it != liveness_.end();) {
+    if (it->second == connection) {
+      liveness_.erase(it++);
+    } else {
+      ++it;
+    }
+  }
   for (auto it = pending_.begin(); it != pending_.end();) {
     if (it->second.connection == connection) {
       dropped.push_back(std::move(it->second.mapping));

@@ -8,12 +8,17 @@
 // crashed, so nothing it registered outlives it; pending tickets of a closed connection go too.
 // Regions are shared_ptrs: a step that resolved a region keeps it mapped until the step is done.
 //
+// The same connections vouch for other resources a client holds (CUDA IPC memory): a liveness
+// ticket ('L' on the socket) names a connection, and the listeners set with OnConnectionClosed
+// hear when it closes.
+//
 // Limits: at most `max_pending_per_connection` unclaimed tickets per connection and
 // `max_regions_per_caller` regions per caller (RESOURCE_EXHAUSTED beyond).
 // Thread-safety: thread-safe.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -50,8 +55,17 @@ class SharedMemoryRegions {
   uint64_t OpenConnection();
   // Files `mapping` under a new ticket of `connection` and returns the ticket.
   absl::StatusOr<std::string> AddPending(uint64_t connection, std::shared_ptr<SharedMapping> mapping);
-  // Drops the connection's pending tickets and every region it passed.
+  // Drops the connection's pending tickets and every region it passed, then tells the listeners.
   void CloseConnection(uint64_t connection);
+  // A ticket naming `connection` for as long as it is open.
+  std::string AddLivenessTicket(uint64_t connection);
+
+  // The connection a liveness ticket names; NOT_FOUND naming `field` when it names none (never
+  // issued, or its connection closed).
+  absl::StatusOr<uint64_t> LivenessConnection(const std::string& ticket, const std::string& field) const;
+  // `listener(connection)` is called (on the socket's thread, without locks held) after each
+  // connection closes. Set listeners before the socket starts serving.
+  void OnConnectionClosed(std::function<void(uint64_t)> listener);
 
   // The RPC side; errors name the request's fields.
   absl::StatusOr<uint64_t> Register(const std::string& caller, const std::string& name, const std::string& ticket);
@@ -73,12 +87,20 @@ class SharedMemoryRegions {
   };
   using Key = std::pair<std::string, std::string>;  // caller, name
 
+  void DropConnectionLocked(uint64_t connection, std::vector<std::shared_ptr<SharedMapping>>& dropped)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   const SharedMemoryLimits limits_;
   mutable absl::Mutex mu_;
   uint64_t next_connection_ ABSL_GUARDED_BY(mu_) = 1;
   absl::flat_hash_map<std::string, Pending> pending_ ABSL_GUARDED_BY(mu_);  // by ticket
   std::map<Key, Region> regions_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, uint64_t> liveness_ ABSL_GUARDED_BY(mu_);  // ticket -> connection
+  std::vector<std::function<void(uint64_t)>> listeners_ ABSL_GUARDED_BY(mu_);
 };
+
+// A region name: 1 to 128 characters, no control characters (INVALID_ARGUMENT naming `name`).
+absl::Status CheckRegionName(const std::string& name);
 
 // 128 random bits from the kernel, as 32 hex digits.
 std::string RandomTicket();

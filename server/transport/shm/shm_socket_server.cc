@@ -61,9 +61,15 @@ bool Serve(int fd, uint64_t connection, SharedMemoryRegions& regions) {
     }
   }
   if (n == 0 && fds.empty()) return false;  // closed
+  if (byte == 'L' && fds.empty() && (msg.msg_flags & MSG_CTRUNC) == 0) {
+    // A liveness ticket: what a client registers with its CUDA IPC memory, which then lives as long
+    // as this connection.
+    Reply(fd, absl::StrCat("ok ", regions.AddLivenessTicket(connection), "\n"));
+    return true;
+  }
   if ((msg.msg_flags & MSG_CTRUNC) != 0 || fds.size() != 1 || byte != 'R') {
     for (int received : fds) ::close(received);
-    Reply(fd, "error send one byte 'R' with exactly one memfd attached\n");
+    Reply(fd, "error send one byte 'R' with exactly one memfd attached, or 'L' alone for a liveness ticket\n");
     return n > 0;
   }
   absl::StatusOr<std::shared_ptr<SharedMapping>> mapping = SharedMapping::Map(fds[0], regions.limits().max_region_bytes);

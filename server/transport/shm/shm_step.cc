@@ -7,52 +7,31 @@
 #include "proto/wire/dtype_codec.h"
 #include "server/transport/grpc/api_conversion.h"
 #include "server/transport/grpc/tensor_assembler.h"
+#include "server/transport/tensor_refs.h"
 
 namespace muond::transport {
 
 absl::StatusOr<std::vector<SharedTensorPlace>> ResolveSharedTensors(
     const session::SessionConfig& config, const SharedMemoryRegions& regions, const std::string& caller,
     const google::protobuf::RepeatedPtrField<v1::SharedTensor>& refs, absl::string_view field, bool require_all) {
+  std::vector<std::shared_ptr<SharedMapping>> mappings;  // of each ref, as it is checked
+  MUOND_ASSIGN_OR_RETURN(
+      std::vector<TensorRef> checked,
+      ResolveTensorRefs(
+          config, refs.size(),
+          [&](int i) {
+            const v1::SharedTensor& ref = refs[i];
+            return RefFields{ref.name(), ref.dtype(), ref.byte_size(), &ref.region(), ref.offset()};
+          },
+          field, require_all,
+          [&](const std::string& region, const std::string& at) -> absl::StatusOr<uint64_t> {
+            MUOND_ASSIGN_OR_RETURN(std::shared_ptr<SharedMapping> mapping, regions.Find(caller, region, at));
+            mappings.push_back(std::move(mapping));
+            return mappings.back()->size();
+          }));
   std::vector<SharedTensorPlace> places;
-  std::vector<bool> seen(config.parameters.size(), false);
-  for (int i = 0; i < refs.size(); ++i) {
-    const v1::SharedTensor& ref = refs[i];
-    const std::string at = absl::StrCat(field, "[", i, "]");
-    auto it = config.parameter_index.find(ref.name());
-    if (it == config.parameter_index.end()) {
-      return absl::NotFoundError(absl::StrCat(at, ".name: unknown parameter '", ref.name(), "'"));
-    }
-    if (seen[it->second]) {
-      return absl::InvalidArgumentError(absl::StrCat(at, ".name: '", ref.name(), "' appears twice"));
-    }
-    seen[it->second] = true;
-    const v1::DType dtype = ref.dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_FP32 : ref.dtype();
-    if (!wire::IsConcrete(dtype)) {
-      return absl::InvalidArgumentError(absl::StrCat(at, ".dtype: unknown dtype ", static_cast<int>(ref.dtype())));
-    }
-    const uint64_t numel = static_cast<uint64_t>(config.parameters[it->second].numel);
-    const uint64_t want = numel * wire::ElementSize(dtype);
-    if (ref.byte_size() != want) {
-      return absl::InvalidArgumentError(absl::StrCat(at, ".byte_size: '", ref.name(), "' has ", numel, " elements, ",
-                                                     want, " bytes in ", wire::DTypeName(dtype), "; got ",
-                                                     ref.byte_size()));
-    }
-    MUOND_ASSIGN_OR_RETURN(std::shared_ptr<SharedMapping> region,
-                           regions.Find(caller, ref.region(), absl::StrCat(at, ".region")));
-    if (!WithinRegion(ref.offset(), ref.byte_size(), region->size())) {
-      return absl::InvalidArgumentError(absl::StrCat(at, ".offset: ", ref.byte_size(), " bytes at offset ",
-                                                     ref.offset(), " end past region '", ref.region(), "' (",
-                                                     region->size(), " bytes)"));
-    }
-    places.push_back({it->second, std::move(region), ref.offset(), ref.byte_size(), dtype});
-  }
-  if (require_all) {
-    for (size_t p = 0; p < seen.size(); ++p) {
-      if (!seen[p]) {
-        return absl::InvalidArgumentError(absl::StrCat(field, ": no place for parameter '", config.parameters[p].name,
-                                                       "'; every parameter needs one"));
-      }
-    }
+  for (size_t i = 0; i < checked.size(); ++i) {
+    places.push_back({checked[i].index, std::move(mappings[i]), checked[i].offset, checked[i].bytes, checked[i].dtype});
   }
   return places;
 }

@@ -142,7 +142,9 @@ TEST(GradientStagingTest, StagedInPlaceAndHostStepsMatchBitwise) {
       if (!expect_staged) {
         // The host tensors are the session's, lent again at every step: nothing is allocated.
         const float* data = (*incoming)->gradients()[0].values.data();
-        if (decoded_into != nullptr) EXPECT_EQ(data, decoded_into) << "step " << step;
+        if (decoded_into != nullptr) {
+          EXPECT_EQ(data, decoded_into) << "step " << step;
+        }
         decoded_into = data;
       }
       auto outcome = session.FinishStep(std::move(*incoming));

@@ -1,0 +1,156 @@
+// MuondService's GPU transport calls: RegisterCudaMemory, UnregisterCudaMemory, StepCuda (CUDA IPC),
+// OpenNcclChannel, CloseNcclChannel, StepNccl (docs/transports.md). On a backend without a GPU each
+// is refused with FAILED_PRECONDITION saying so (the backend's refusal).
+#include <chrono>
+
+#include "absl/cleanup/cleanup.h"
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "server/rpc/muond_service.h"
+#include "server/transport/gpu/cuda_ipc_step.h"
+#include "server/transport/gpu/nccl_step.h"
+#include "server/transport/grpc/api_conversion.h"
+#include "server/transport/step_transport.h"
+
+namespace muond::rpc {
+
+grpc::Status MuondService::RegisterCudaMemory(grpc::ServerContext* context, const v1::RegisterCudaMemoryRequest* request,
+                                              v1::RegisterCudaMemoryResponse* response) {
+  return Serve(calls_, context, "RegisterCudaMemory", [&](const std::string& caller) -> absl::Status {
+    MUOND_ASSIGN_OR_RETURN(transport::CudaMemoryRegions * regions, CudaRegions());
+    MUOND_RETURN_IF_ERROR(session::CheckSessionId(request->session_id(), "session_id"));
+    MUOND_RETURN_IF_ERROR(registry_->Find(request->session_id(), caller).status());
+    MUOND_ASSIGN_OR_RETURN(uint64_t bytes, regions->Register(caller, *request));
+    response->set_byte_size(bytes);
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status MuondService::UnregisterCudaMemory(grpc::ServerContext* context,
+                                                const v1::UnregisterCudaMemoryRequest* request,
+                                                v1::UnregisterCudaMemoryResponse*) {
+  return Serve(calls_, context, "UnregisterCudaMemory", [&](const std::string& caller) -> absl::Status {
+    MUOND_ASSIGN_OR_RETURN(transport::CudaMemoryRegions * regions, CudaRegions());
+    return regions->Unregister(caller, request->name());
+  });
+}
+
+grpc::Status MuondService::StepCuda(grpc::ServerContext* context, const v1::StepSharedRequest* request,
+                                    v1::StepSharedResponse* response) {
+  return Serve(calls_, context, "StepCuda", [&](const std::string& caller) -> absl::Status {
+    MUOND_ASSIGN_OR_RETURN(transport::CudaMemoryRegions * regions, CudaRegions());
+    const v1::StepHeader& header = request->header();
+    MUOND_RETURN_IF_ERROR(session::CheckSessionId(header.session_id(), "header.session_id"));
+    MUOND_ASSIGN_OR_RETURN(std::shared_ptr<session::Session> session, registry_->Find(header.session_id(), caller));
+    if (header.return_dtype() != v1::DTYPE_UNSPECIFIED) {
+      return absl::InvalidArgumentError("header.return_dtype: a CUDA IPC step answers in parameters[].dtype");
+    }
+    // Every place is checked before the step begins: an applied step always has somewhere to go.
+    MUOND_ASSIGN_OR_RETURN(std::vector<transport::CudaTensorPlace> gradients,
+                           transport::ResolveCudaTensors(session->config(), *regions, caller, session->id(),
+                                                         request->gradients(), "gradients", /*require_all=*/false));
+    MUOND_ASSIGN_OR_RETURN(std::vector<transport::CudaTensorPlace> parameters,
+                           transport::ResolveCudaTensors(session->config(), *regions, caller, session->id(),
+                                                         request->parameters(), "parameters", /*require_all=*/true));
+    transport::CudaIpcGradientSource source(backend_, std::move(gradients));
+    transport::CudaIpcParameterSink sink(backend_, std::move(parameters));
+    MUOND_RETURN_IF_ERROR(
+        transport::RunStep(*session, transport::ToStepRequest(header), source, sink, *options_.metrics));
+    *response->mutable_result() = sink.result();
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status MuondService::OpenNcclChannel(grpc::ServerContext* context, const v1::OpenNcclChannelRequest* request,
+                                           v1::OpenNcclChannelResponse* response) {
+  return Serve(calls_, context, "OpenNcclChannel", [&](const std::string& caller) -> absl::Status {
+    MUOND_ASSIGN_OR_RETURN(transport::NcclChannels * channels, NcclChannels());
+    MUOND_RETURN_IF_ERROR(session::CheckSessionId(request->session_id(), "session_id"));
+    MUOND_ASSIGN_OR_RETURN(std::shared_ptr<session::Session> session, registry_->Find(request->session_id(), caller));
+    const int world_size = session->config().world_size;
+    if (request->rank() < 0 || request->rank() >= world_size) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("rank: ", request->rank(), " is not a rank of a session of ", world_size));
+    }
+    MUOND_ASSIGN_OR_RETURN(transport::NcclChannels::Opened opened,
+                           channels->Open(caller, session->id(), request->rank()));
+    response->set_channel(opened.name);
+    response->set_unique_id(std::string(reinterpret_cast<const char*>(opened.unique_id.data()), opened.unique_id.size()));
+    response->set_nranks(2);
+    response->set_client_rank(1);
+    response->set_timeout_seconds(absl::ToDoubleSeconds(channels->limits().join_timeout));
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status MuondService::CloseNcclChannel(grpc::ServerContext* context, const v1::CloseNcclChannelRequest* request,
+                                            v1::CloseNcclChannelResponse*) {
+  return Serve(calls_, context, "CloseNcclChannel", [&](const std::string& caller) -> absl::Status {
+    MUOND_ASSIGN_OR_RETURN(transport::NcclChannels * channels, NcclChannels());
+    return channels->Close(caller, request->channel());
+  });
+}
+
+grpc::Status MuondService::StepNccl(grpc::ServerContext* context, const v1::StepNcclRequest* request,
+                                    v1::StepSharedResponse* response) {
+  return Serve(calls_, context, "StepNccl", [&](const std::string& caller) -> absl::Status {
+    MUOND_ASSIGN_OR_RETURN(transport::NcclChannels * channels, NcclChannels());
+    const v1::StepHeader& header = request->header();
+    // Whatever fails, the channel goes: the client's transfers may be in flight (docs/transports.md).
+    bool keep_channel = false;
+    absl::Cleanup drop = [&] {
+      if (!keep_channel) channels->Drop(request->channel());
+    };
+    MUOND_RETURN_IF_ERROR(session::CheckSessionId(header.session_id(), "header.session_id"));
+    MUOND_ASSIGN_OR_RETURN(std::shared_ptr<session::Session> session, registry_->Find(header.session_id(), caller));
+    MUOND_ASSIGN_OR_RETURN(std::shared_ptr<transport::NcclChannel> channel,
+                           channels->Find(caller, request->channel(), session->id(), "channel"));
+    if (header.return_dtype() != v1::DTYPE_UNSPECIFIED) {
+      return absl::InvalidArgumentError("header.return_dtype: an NCCL step answers in parameters[].dtype");
+    }
+    if (header.rank() != channel->rank) {
+      return absl::InvalidArgumentError(absl::StrCat("header.rank: channel '", request->channel(), "' is rank ",
+                                                     channel->rank, "'s, not rank ", header.rank(), "'s"));
+    }
+    if (!channel->busy.TryLock()) {
+      keep_channel = true;  // the step using it goes on
+      return absl::FailedPreconditionError(
+          absl::StrCat("channel: another step is using NCCL channel '", request->channel(), "'"));
+    }
+    absl::Cleanup release = [&] { channel->busy.Unlock(); };
+    const bool prepare = header.phase() == v1::STEP_PHASE_PREPARE;
+    MUOND_ASSIGN_OR_RETURN(std::vector<transport::TensorRef> gradients,
+                           transport::ResolveNcclTensors(session->config(), request->gradients(), "gradients",
+                                                         /*require_all=*/false));
+    MUOND_ASSIGN_OR_RETURN(std::vector<transport::TensorRef> parameters,
+                           transport::ResolveNcclTensors(session->config(), request->parameters(), "parameters",
+                                                         /*require_all=*/!prepare));
+    if (prepare && !parameters.empty()) {
+      return absl::InvalidArgumentError("parameters: a prepare answers no parameters; list none");
+    }
+    // The transfers end by the call's deadline, and by --nccl-timeout at the latest.
+    absl::Time deadline = absl::Now() + channels->limits().join_timeout;
+    if (context->deadline() != std::chrono::system_clock::time_point::max()) {
+      deadline = std::min(deadline, absl::FromChrono(context->deadline()));
+    }
+    transport::NcclGradientSource source(backend_, channel.get(), std::move(gradients), deadline);
+    transport::NcclParameterSink sink(backend_, channel.get(), std::move(parameters), deadline);
+    MUOND_RETURN_IF_ERROR(
+        transport::RunStep(*session, transport::ToStepRequest(header), source, sink, *options_.metrics));
+    keep_channel = true;
+    *response->mutable_result() = sink.result();
+    return absl::OkStatus();
+  });
+}
+
+absl::StatusOr<transport::CudaMemoryRegions*> MuondService::CudaRegions() const {
+  if (options_.cuda_regions == nullptr) return absl::FailedPreconditionError("the daemon offers no CUDA IPC transport");
+  return options_.cuda_regions;
+}
+
+absl::StatusOr<transport::NcclChannels*> MuondService::NcclChannels() const {
+  if (options_.nccl_channels == nullptr) return absl::FailedPreconditionError("the daemon offers no NCCL transport");
+  return options_.nccl_channels;
+}
+
+}  // namespace muond::rpc

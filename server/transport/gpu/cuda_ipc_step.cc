@@ -1,0 +1,65 @@
+#include "server/transport/gpu/cuda_ipc_step.h"
+
+#include <set>
+
+#include "common/status_macros.h"
+#include "server/transport/gpu/device_tensors.h"
+#include "server/transport/grpc/api_conversion.h"
+
+namespace muond::transport {
+
+absl::StatusOr<std::vector<CudaTensorPlace>> ResolveCudaTensors(
+    const session::SessionConfig& config, const CudaMemoryRegions& regions, const std::string& caller,
+    const std::string& session_id, const google::protobuf::RepeatedPtrField<v1::SharedTensor>& refs,
+    absl::string_view field, bool require_all) {
+  std::vector<std::shared_ptr<CudaRegion>> found;  // of each ref, as it is checked
+  MUOND_ASSIGN_OR_RETURN(
+      std::vector<TensorRef> checked,
+      ResolveTensorRefs(
+          config, refs.size(),
+          [&](int i) {
+            const v1::SharedTensor& ref = refs[i];
+            RefFields fields{ref.name(), ref.dtype(), ref.byte_size(), &ref.region(), ref.offset()};
+            fields.aligned = true;
+            return fields;
+          },
+          field, require_all,
+          [&](const std::string& region, const std::string& at) -> absl::StatusOr<uint64_t> {
+            MUOND_ASSIGN_OR_RETURN(std::shared_ptr<CudaRegion> cuda, regions.Find(caller, region, session_id, at));
+            found.push_back(std::move(cuda));
+            return found.back()->memory->size();
+          }));
+  std::vector<CudaTensorPlace> places;
+  for (size_t i = 0; i < checked.size(); ++i) places.push_back({checked[i], std::move(found[i])});
+  return places;
+}
+
+absl::Status CudaIpcGradientSource::ReadGradients(session::IncomingStep& step) {
+  if (step.replay()) return absl::OkStatus();  // applied already: the gradients are not needed again
+  // Every region's event once: the client recorded it after writing the gradients there.
+  std::set<const CudaRegion*> ordered;
+  for (const CudaTensorPlace& place : places_) {
+    if (ordered.insert(place.region.get()).second) MUOND_RETURN_IF_ERROR(place.region->event->OrderAfter());
+  }
+  for (const CudaTensorPlace& place : places_) {
+    MUOND_RETURN_IF_ERROR(TakeDeviceGradient(*backend_, step, place.ref.index, place.ref.dtype, place.data(),
+                                             place.ref.bytes, host_bytes_));
+    bytes_received_ += static_cast<int64_t>(place.ref.bytes);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaIpcParameterSink::Send(const session::StepOutcome& outcome) {
+  if (outcome.parameters != nullptr) {
+    for (const CudaTensorPlace& place : places_) {
+      MUOND_RETURN_IF_ERROR(PutDeviceParameter(*backend_, outcome.parameters->values[place.ref.index], place.ref.dtype,
+                                               place.data(), host_bytes_));
+      bytes_sent_ += static_cast<int64_t>(place.ref.bytes);
+    }
+    MUOND_RETURN_IF_ERROR(backend_->Synchronize());
+  }
+  result_ = ToProto(outcome.result);
+  return absl::OkStatus();
+}
+
+}  // namespace muond::transport

@@ -1,0 +1,65 @@
+// The CUDA IPC transport of a step (the StepCuda RPC): gradients are read from, and the parameters
+// after the step written to, device memory the caller registered (CudaMemoryRegions).
+//
+// ResolveCudaTensors makes the checks of every out-of-band transport (transport/tensor_refs.h),
+// with offsets aligned to the dtype, against the caller's regions of the stepping session.
+// CudaIpcGradientSource first orders the backend's work after the client's event (recorded once it
+// wrote the gradients), then takes each gradient device to device (TakeDeviceGradient): nothing
+// crosses the host when the step takes device gradients. A replay reads nothing. CudaIpcParameterSink
+// writes the parameters into the regions and waits until they are there, so the client may read them
+// as soon as the answer arrives. Both hold their regions until destroyed. One step, one thread.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "google/protobuf/repeated_ptr_field.h"
+#include "kernels/backend.h"
+#include "muond/v1/muond.pb.h"
+#include "server/session/session_config.h"
+#include "server/transport/gpu/cuda_memory_regions.h"
+#include "server/transport/step_transport.h"
+#include "server/transport/tensor_refs.h"
+
+namespace muond::transport {
+
+struct CudaTensorPlace {
+  TensorRef ref;
+  std::shared_ptr<CudaRegion> region;
+  void* data() const { return static_cast<char*>(region->memory->data()) + ref.offset; }
+};
+
+absl::StatusOr<std::vector<CudaTensorPlace>> ResolveCudaTensors(
+    const session::SessionConfig& config, const CudaMemoryRegions& regions, const std::string& caller,
+    const std::string& session_id, const google::protobuf::RepeatedPtrField<v1::SharedTensor>& refs,
+    absl::string_view field, bool require_all);
+
+class CudaIpcGradientSource final : public GradientSource {
+ public:
+  CudaIpcGradientSource(kernels::Backend* backend, std::vector<CudaTensorPlace> places)
+      : backend_(backend), places_(std::move(places)) {}
+  absl::Status ReadGradients(session::IncomingStep& step) override;
+  std::string_view transport() const override { return "cuda_ipc"; }
+
+ private:
+  kernels::Backend* const backend_;
+  const std::vector<CudaTensorPlace> places_;
+  std::string host_bytes_;
+};
+
+class CudaIpcParameterSink final : public ParameterSink {
+ public:
+  CudaIpcParameterSink(kernels::Backend* backend, std::vector<CudaTensorPlace> places)
+      : backend_(backend), places_(std::move(places)) {}
+  absl::Status Send(const session::StepOutcome& outcome) override;
+  const v1::StepResult& result() const { return result_; }
+
+ private:
+  kernels::Backend* const backend_;
+  const std::vector<CudaTensorPlace> places_;
+  std::string host_bytes_;
+  v1::StepResult result_;
+};
+
+}  // namespace muond::transport

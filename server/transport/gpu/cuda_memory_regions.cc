@@ -1,0 +1,124 @@
+#include "server/transport/gpu/cuda_memory_regions.h"
+
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+
+namespace muond::transport {
+
+absl::StatusOr<uint64_t> CudaMemoryRegions::Register(const std::string& caller,
+                                                     const v1::RegisterCudaMemoryRequest& request) {
+  MUOND_RETURN_IF_ERROR(CheckRegionName(request.name()));
+  if (request.mem_handle().size() != kernels::kIpcHandleBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("mem_handle: a cudaIpcMemHandle_t has ", kernels::kIpcHandleBytes,
+                                                   " bytes, got ", request.mem_handle().size()));
+  }
+  if (request.event_handle().size() != kernels::kIpcHandleBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("event_handle: a cudaIpcEventHandle_t has ",
+                                                   kernels::kIpcHandleBytes, " bytes, got ",
+                                                   request.event_handle().size()));
+  }
+  if (request.byte_size() == 0) return absl::InvalidArgumentError("byte_size: must be positive");
+  uint64_t connection = 0;
+  if (!request.liveness_ticket().empty()) {
+    if (liveness_ == nullptr) {
+      return absl::FailedPreconditionError(
+          "liveness_ticket: the daemon has no shm_socket (started with --shm-socket none) to issue one");
+    }
+    MUOND_ASSIGN_OR_RETURN(connection, liveness_->LivenessConnection(request.liveness_ticket(), "liveness_ticket"));
+  }
+  const Key key{caller, request.name()};
+  {
+    absl::MutexLock lock(&mu_);
+    if (regions_.count(key) != 0) {
+      return absl::AlreadyExistsError(absl::StrCat("name: CUDA memory '", request.name(),
+                                                   "' is registered already; unregister it first"));
+    }
+    int held = 0;
+    for (const auto& [k, region] : regions_) held += k.first == caller ? 1 : 0;
+    if (held >= max_regions_per_caller_) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("name: this caller holds ", held, " CUDA memory regions, the most allowed; unregister one"));
+    }
+  }
+  // Opened outside the lock: opening maps memory into the daemon's device, which takes a while.
+  auto region = std::make_shared<CudaRegion>();
+  region->session_id = request.session_id();
+  region->connection = connection;
+  MUOND_ASSIGN_OR_RETURN(region->memory, backend_->OpenPeerMemory(request.mem_handle(), request.byte_size()));
+  MUOND_ASSIGN_OR_RETURN(region->event, backend_->OpenPeerEvent(request.event_handle()));
+  const uint64_t size = region->memory->size();
+  {
+    absl::MutexLock lock(&mu_);
+    if (!regions_.emplace(key, region).second) {
+      return absl::AlreadyExistsError(absl::StrCat("name: CUDA memory '", request.name(), "' was registered meanwhile"));
+    }
+  }
+  // The connection may have closed while the handles were opening: its listener ran before the
+  // region was filed, so check again.
+  if (connection != 0 && !liveness_->LivenessConnection(request.liveness_ticket(), "liveness_ticket").ok()) {
+    DropConnection(connection);
+    return absl::CancelledError("liveness_ticket: the client's shm_socket connection closed while registering");
+  }
+  return size;
+}
+
+absl::Status CudaMemoryRegions::Unregister(const std::string& caller, const std::string& name) {
+  std::shared_ptr<CudaRegion> dropped;  // closed after the lock
+  absl::MutexLock lock(&mu_);
+  auto it = regions_.find({caller, name});
+  if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("name: no CUDA memory '", name, "' is registered"));
+  dropped = std::move(it->second);
+  regions_.erase(it);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<CudaRegion>> CudaMemoryRegions::Find(const std::string& caller, const std::string& name,
+                                                                    const std::string& session_id,
+                                                                    const std::string& field) const {
+  absl::MutexLock lock(&mu_);
+  auto it = regions_.find({caller, name});
+  if (it == regions_.end()) {
+    return absl::NotFoundError(absl::StrCat(field, ": no CUDA memory '", name,
+                                            "' is registered (RegisterCudaMemory; a restarted daemon has none)"));
+  }
+  if (it->second->session_id != session_id) {
+    return absl::FailedPreconditionError(absl::StrCat(field, ": CUDA memory '", name, "' belongs to session '",
+                                                      it->second->session_id, "', not '", session_id, "'"));
+  }
+  return it->second;
+}
+
+void CudaMemoryRegions::DropSession(const std::string& session_id) {
+  std::vector<std::shared_ptr<CudaRegion>> dropped;  // closed after the lock
+  absl::MutexLock lock(&mu_);
+  for (auto it = regions_.begin(); it != regions_.end();) {
+    if (it->second->session_id == session_id) {
+      dropped.push_back(std::move(it->second));
+      it = regions_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void CudaMemoryRegions::DropConnection(uint64_t connection) {
+  std::vector<std::shared_ptr<CudaRegion>> dropped;  // closed after the lock
+  absl::MutexLock lock(&mu_);
+  for (auto it = regions_.begin(); it != regions_.end();) {
+    if (it->second->connection == connection) {
+      dropped.push_back(std::move(it->second));
+      it = regions_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+size_t CudaMemoryRegions::size() const {
+  absl::MutexLock lock(&mu_);
+  return regions_.size();
+}
+
+}  // namespace muond::transport

@@ -1,0 +1,136 @@
+#include "server/transport/gpu/nccl_channels.h"
+
+#include <vector>
+
+#include "absl/cleanup/cleanup.h"
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "server/transport/shm/shared_memory_regions.h"
+
+namespace muond::transport {
+namespace {
+
+void AbortAll(std::vector<std::shared_ptr<NcclChannel>>& channels) {
+  for (const auto& channel : channels) {
+    if (channel->peer != nullptr) channel->peer->Abort();
+  }
+  channels.clear();
+}
+
+}  // namespace
+
+NcclChannels::~NcclChannels() {
+  std::vector<std::shared_ptr<NcclChannel>> all;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [name, channel] : channels_) all.push_back(std::move(channel));
+    channels_.clear();
+  }
+  AbortAll(all);
+}
+
+std::vector<std::shared_ptr<NcclChannel>> NcclChannels::TakeExpiredLocked(absl::Time now) {
+  std::vector<std::shared_ptr<NcclChannel>> expired;
+  for (auto it = channels_.begin(); it != channels_.end();) {
+    NcclChannel& channel = *it->second;
+    // Only idle channels past their join deadline that still have not joined.
+    bool drop = false;
+    if (now > channel.join_deadline && channel.busy.TryLock()) {
+      drop = !channel.peer->Ready(now).ok();
+      channel.busy.Unlock();
+    }
+    if (drop) {
+      expired.push_back(std::move(it->second));
+      it = channels_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return expired;
+}
+
+absl::StatusOr<NcclChannels::Opened> NcclChannels::Open(const std::string& caller, const std::string& session_id,
+                                                        int rank) {
+  std::vector<std::shared_ptr<NcclChannel>> expired;
+  absl::Cleanup abort_expired = [&] { AbortAll(expired); };
+  {
+    absl::MutexLock lock(&mu_);
+    if (channels_.size() >= static_cast<size_t>(limits_.max_channels)) expired = TakeExpiredLocked(absl::Now());
+    if (channels_.size() >= static_cast<size_t>(limits_.max_channels)) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the daemon holds ", channels_.size(), " NCCL channels, its most (--max-nccl-channels); close one "
+          "(CloseNcclChannel) or use the cuda_ipc or grpc transport"));
+    }
+  }
+  MUOND_ASSIGN_OR_RETURN(kernels::NcclUniqueId id, backend_->NewNcclUniqueId());
+  auto channel = std::make_shared<NcclChannel>();
+  channel->caller = caller;
+  channel->session_id = session_id;
+  channel->rank = rank;
+  channel->join_deadline = absl::Now() + limits_.join_timeout;
+  MUOND_ASSIGN_OR_RETURN(channel->peer, backend_->OpenPeerChannel(id));
+  Opened opened{absl::StrCat("nccl-", RandomTicket()), id};
+  absl::MutexLock lock(&mu_);
+  channels_.emplace(opened.name, std::move(channel));
+  return opened;
+}
+
+absl::Status NcclChannels::Close(const std::string& caller, const std::string& name) {
+  std::vector<std::shared_ptr<NcclChannel>> closed;
+  absl::Cleanup abort_closed = [&] { AbortAll(closed); };
+  absl::MutexLock lock(&mu_);
+  auto it = channels_.find(name);
+  if (it == channels_.end() || it->second->caller != caller) {
+    return absl::NotFoundError(absl::StrCat("channel: no NCCL channel '", name, "'"));
+  }
+  closed.push_back(std::move(it->second));
+  channels_.erase(it);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<NcclChannel>> NcclChannels::Find(const std::string& caller, const std::string& name,
+                                                                const std::string& session_id,
+                                                                const std::string& field) const {
+  absl::MutexLock lock(&mu_);
+  auto it = channels_.find(name);
+  if (it == channels_.end() || it->second->caller != caller) {
+    return absl::NotFoundError(absl::StrCat(field, ": no NCCL channel '", name,
+                                            "' (closed after a failed step, or the daemon restarted): open a new one"));
+  }
+  if (it->second->session_id != session_id) {
+    return absl::FailedPreconditionError(absl::StrCat(field, ": NCCL channel '", name, "' belongs to session '",
+                                                      it->second->session_id, "', not '", session_id, "'"));
+  }
+  return it->second;
+}
+
+void NcclChannels::Drop(const std::string& name) {
+  std::vector<std::shared_ptr<NcclChannel>> dropped;
+  absl::Cleanup abort_dropped = [&] { AbortAll(dropped); };
+  absl::MutexLock lock(&mu_);
+  auto it = channels_.find(name);
+  if (it == channels_.end()) return;
+  dropped.push_back(std::move(it->second));
+  channels_.erase(it);
+}
+
+void NcclChannels::DropSession(const std::string& session_id) {
+  std::vector<std::shared_ptr<NcclChannel>> dropped;
+  absl::Cleanup abort_dropped = [&] { AbortAll(dropped); };
+  absl::MutexLock lock(&mu_);
+  for (auto it = channels_.begin(); it != channels_.end();) {
+    if (it->second->session_id == session_id) {
+      dropped.push_back(std::move(it->second));
+      it = channels_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+size_t NcclChannels::size() const {
+  absl::MutexLock lock(&mu_);
+  return channels_.size();
+}
+
+}  // namespace muond::transport

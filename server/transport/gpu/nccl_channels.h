@@ -1,0 +1,75 @@
+// NcclChannels: the daemon's NCCL channels (docs/transports.md, "NCCL"): per trainer rank of a
+// session, a two-rank communicator whose rank 0 is the daemon's backend, opened by OpenNcclChannel
+// and joined by the client.
+//
+// Each communicator can hold hundreds of MiB of GPU memory, so at most `max_channels` exist at once
+// (RESOURCE_EXHAUSTED beyond, after dropping channels nobody joined within `join_timeout`). A channel
+// goes when its caller closes it, when its session closes, and after a failed step (Drop: the
+// communicator is aborted, since transfers may be in flight on either side). A step holds the
+// channel (its `busy` mutex) while it uses it; a second step on a busy channel is refused.
+//
+// Thread-safety: thread-safe. Communicators are aborted and destroyed outside the table's lock.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "kernels/backend.h"
+
+namespace muond::transport {
+
+struct NcclChannel {
+  std::string caller;
+  std::string session_id;
+  int rank = 0;
+  absl::Time join_deadline;
+  std::unique_ptr<kernels::PeerChannel> peer;
+  absl::Mutex busy;  // held by the step using the channel
+};
+
+struct NcclChannelLimits {
+  int max_channels = 4;
+  absl::Duration join_timeout = absl::Seconds(60);
+};
+
+class NcclChannels {
+ public:
+  // `backend` (not owned) must outlive this.
+  NcclChannels(kernels::Backend* backend, NcclChannelLimits limits) : backend_(backend), limits_(limits) {}
+  ~NcclChannels();
+
+  const NcclChannelLimits& limits() const { return limits_; }
+
+  struct Opened {
+    std::string name;
+    kernels::NcclUniqueId unique_id;
+  };
+  // A new channel for rank `rank` of `session_id` (checked by the caller).
+  absl::StatusOr<Opened> Open(const std::string& caller, const std::string& session_id, int rank);
+  absl::Status Close(const std::string& caller, const std::string& name);
+  // The caller's channel `name`, for a step of `session_id`; errors name `field`.
+  absl::StatusOr<std::shared_ptr<NcclChannel>> Find(const std::string& caller, const std::string& name,
+                                                    const std::string& session_id, const std::string& field) const;
+  // Aborts the channel and forgets it (after a failed step).
+  void Drop(const std::string& name);
+  void DropSession(const std::string& session_id);
+  size_t size() const;
+
+ private:
+  // Channels not joined in time, taken out of the table (aborted by the caller, outside the lock).
+  std::vector<std::shared_ptr<NcclChannel>> TakeExpiredLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  kernels::Backend* const backend_;
+  const NcclChannelLimits limits_;
+  mutable absl::Mutex mu_;
+  std::map<std::string, std::shared_ptr<NcclChannel>> channels_ ABSL_GUARDED_BY(mu_);  // by name
+};
+
+}  // namespace muond::transport

@@ -1,0 +1,77 @@
+#include "server/transport/gpu/nccl_step.h"
+
+#include "common/status_macros.h"
+#include "server/transport/gpu/device_tensors.h"
+#include "server/transport/grpc/api_conversion.h"
+
+namespace muond::transport {
+namespace {
+
+// A device buffer of at least `bytes` bytes.
+absl::StatusOr<std::unique_ptr<kernels::DeviceBuffer>> AllocateBytes(kernels::Backend& backend, uint64_t bytes) {
+  return backend.Allocate(static_cast<size_t>((bytes + sizeof(float) - 1) / sizeof(float)));
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<TensorRef>> ResolveNcclTensors(const session::SessionConfig& config,
+                                                          const google::protobuf::RepeatedPtrField<v1::NcclTensor>& refs,
+                                                          absl::string_view field, bool require_all) {
+  return ResolveTensorRefs(
+      config, refs.size(), [&](int i) { return RefFields{refs[i].name(), refs[i].dtype(), refs[i].byte_size()}; },
+      field, require_all,
+      [](const std::string&, const std::string& at) -> absl::StatusOr<uint64_t> {
+        return absl::InternalError(absl::StrCat(at, ": NCCL tensors have no region"));
+      });
+}
+
+absl::Status NcclGradientSource::ReadGradients(session::IncomingStep& step) {
+  MUOND_RETURN_IF_ERROR(channel_->peer->Ready(deadline_));
+  // Where each gradient lands: its backend buffer (fp32, a step that takes device gradients), else a
+  // buffer of its own.
+  std::vector<std::unique_ptr<kernels::DeviceBuffer>> own(refs_.size());
+  std::vector<kernels::ByteRange> ranges;
+  for (size_t i = 0; i < refs_.size(); ++i) {
+    const TensorRef& ref = refs_[i];
+    if (!step.replay() && step.takes_device_gradients() && ref.dtype == v1::DTYPE_FP32) {
+      ranges.push_back({step.DeviceGradient(ref.index), ref.bytes});
+    } else {
+      MUOND_ASSIGN_OR_RETURN(own[i], AllocateBytes(*backend_, ref.bytes));
+      ranges.push_back({own[i]->data(), ref.bytes});
+    }
+  }
+  MUOND_RETURN_IF_ERROR(channel_->peer->Receive(ranges, deadline_));
+  for (const TensorRef& ref : refs_) bytes_received_ += static_cast<int64_t>(ref.bytes);
+  if (step.replay()) return absl::OkStatus();  // applied already: received, and dropped
+  for (size_t i = 0; i < refs_.size(); ++i) {
+    const TensorRef& ref = refs_[i];
+    if (own[i] == nullptr) {
+      step.MarkDeviceGradient(ref.index);
+    } else {
+      MUOND_RETURN_IF_ERROR(
+          TakeDeviceGradient(*backend_, step, ref.index, ref.dtype, own[i]->data(), ref.bytes, host_bytes_));
+    }
+  }
+  // The widened copies read `own` on the backend's stream: done before it is freed.
+  return backend_->Synchronize();
+}
+
+absl::Status NcclParameterSink::Send(const session::StepOutcome& outcome) {
+  if (outcome.parameters != nullptr) {
+    std::vector<std::unique_ptr<kernels::DeviceBuffer>> buffers;
+    std::vector<kernels::ByteRange> ranges;
+    for (const TensorRef& ref : refs_) {
+      MUOND_ASSIGN_OR_RETURN(std::unique_ptr<kernels::DeviceBuffer> buffer, AllocateBytes(*backend_, ref.bytes));
+      MUOND_RETURN_IF_ERROR(
+          PutDeviceParameter(*backend_, outcome.parameters->values[ref.index], ref.dtype, buffer->data(), host_bytes_));
+      ranges.push_back({buffer->data(), ref.bytes});
+      buffers.push_back(std::move(buffer));
+      bytes_sent_ += static_cast<int64_t>(ref.bytes);
+    }
+    MUOND_RETURN_IF_ERROR(channel_->peer->Send(ranges, deadline_));
+  }
+  result_ = ToProto(outcome.result);
+  return absl::OkStatus();
+}
+
+}  // namespace muond::transport

@@ -1,0 +1,64 @@
+// The NCCL transport of a step (the StepNccl RPC): gradients and parameters travel as byte buffers
+// over the step's channel (NcclChannels), in the order the request lists them.
+//
+// ResolveNcclTensors makes the checks of every out-of-band transport (transport/tensor_refs.h).
+// NcclGradientSource waits for the channel to be joined, then receives every listed gradient in one
+// group: an fp32 gradient straight into the step's backend buffer when the step takes device
+// gradients, anything else into a device buffer of its own and from there into the step
+// (TakeDeviceGradient). A replay receives them too (the client sends them) and drops them.
+// NcclParameterSink sends the parameters after the step in one group (nothing for a prepare).
+// Transfers end by `deadline`: past it the channel is aborted and the step fails, so a trainer that
+// vanished never holds the daemon. One step, one thread; the caller holds the channel's `busy`.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/time/time.h"
+#include "google/protobuf/repeated_ptr_field.h"
+#include "kernels/backend.h"
+#include "muond/v1/muond.pb.h"
+#include "server/session/session_config.h"
+#include "server/transport/gpu/nccl_channels.h"
+#include "server/transport/step_transport.h"
+#include "server/transport/tensor_refs.h"
+
+namespace muond::transport {
+
+absl::StatusOr<std::vector<TensorRef>> ResolveNcclTensors(const session::SessionConfig& config,
+                                                          const google::protobuf::RepeatedPtrField<v1::NcclTensor>& refs,
+                                                          absl::string_view field, bool require_all);
+
+class NcclGradientSource final : public GradientSource {
+ public:
+  NcclGradientSource(kernels::Backend* backend, NcclChannel* channel, std::vector<TensorRef> refs, absl::Time deadline)
+      : backend_(backend), channel_(channel), refs_(std::move(refs)), deadline_(deadline) {}
+  absl::Status ReadGradients(session::IncomingStep& step) override;
+  std::string_view transport() const override { return "nccl"; }
+
+ private:
+  kernels::Backend* const backend_;
+  NcclChannel* const channel_;
+  const std::vector<TensorRef> refs_;
+  const absl::Time deadline_;
+  std::string host_bytes_;
+};
+
+class NcclParameterSink final : public ParameterSink {
+ public:
+  NcclParameterSink(kernels::Backend* backend, NcclChannel* channel, std::vector<TensorRef> refs, absl::Time deadline)
+      : backend_(backend), channel_(channel), refs_(std::move(refs)), deadline_(deadline) {}
+  absl::Status Send(const session::StepOutcome& outcome) override;
+  const v1::StepResult& result() const { return result_; }
+
+ private:
+  kernels::Backend* const backend_;
+  NcclChannel* const channel_;
+  const std::vector<TensorRef> refs_;
+  const absl::Time deadline_;
+  std::string host_bytes_;
+  v1::StepResult result_;
+};
+
+}  // namespace muond::transport

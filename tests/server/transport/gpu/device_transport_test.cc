@@ -1,0 +1,445 @@
+// The GPU transports' step logic on the CPU backend in its device-like mode (buffers not handed to
+// the host): gradients taken straight into the session's backend buffers match, step for step, the
+// same gradients decoded on the host; the cases that need host values (several ranks, a zero count)
+// take the host path; a non-finite device gradient skips the step; a replay reads nothing; the
+// CUDA IPC source and sink and the NCCL source and sink move each listed tensor in its dtype.
+// The peer objects here are host memory standing in for what libmuond_cuda.so opens on a GPU
+// (kernels/peer_exchange.h); the table checks and the refusals of a backend without a GPU run as in
+// the daemon.
+#include <cmath>
+#include <cstring>
+#include <deque>
+
+#include "gmock/gmock.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "proto/wire/dtype_codec.h"
+#include "server/metrics/metrics.h"
+#include "server/rpc/spec_codec.h"
+#include "server/session/session.h"
+#include "server/transport/gpu/cuda_ipc_step.h"
+#include "server/transport/gpu/cuda_memory_regions.h"
+#include "server/transport/gpu/device_tensors.h"
+#include "server/transport/gpu/nccl_channels.h"
+#include "server/transport/gpu/nccl_step.h"
+#include "server/transport/grpc/tensor_assembler.h"
+#include "server/transport/shm/shared_memory_regions.h"
+#include "tests/testing/status_matchers.h"
+
+namespace muond::transport {
+namespace {
+
+using ::testing::HasSubstr;
+
+v1::SessionSpec Spec(int world_size = 1) {
+  v1::SessionSpec spec;
+  auto* muon = spec.add_groups();
+  muon->set_name("muon");
+  muon->mutable_options()->set_optimizer(v1::OPTIMIZER_MUON);
+  auto* adamw = spec.add_groups();
+  adamw->set_name("adamw");
+  adamw->mutable_options()->set_optimizer(v1::OPTIMIZER_ADAMW);
+  auto* w = spec.add_parameters();
+  w->set_name("w");
+  w->add_shape(16);
+  w->add_shape(24);
+  w->set_group("muon");
+  auto* b = spec.add_parameters();
+  b->set_name("b");
+  b->add_shape(24);
+  b->set_group("adamw");
+  spec.set_world_size(world_size);
+  return spec;
+}
+
+std::vector<float> Values(size_t n, float phase) {
+  std::vector<float> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = std::sin(phase + 0.37f * static_cast<float>(i));
+  return v;
+}
+
+std::unique_ptr<session::Session> NewSession(const std::string& id, kernels::Backend* backend, int world_size = 1) {
+  std::unique_ptr<session::Session> session =
+      session::Session::Create(id, rpc::ParseSessionSpec(Spec(world_size), session::SpecLimits{}).value(), backend)
+          .value();
+  std::vector<HostTensor> initial(2);
+  initial[0].values = Values(16 * 24, 1.0f);
+  initial[0].received = 16 * 24;
+  initial[1].values = Values(24, 2.0f);
+  initial[1].received = 24;
+  EXPECT_OK(session->Upload(std::move(initial)));
+  return session;
+}
+
+// Bytes of `values` in `dtype`.
+std::string Encoded(v1::DType dtype, const std::vector<float>& values) {
+  std::string bytes(values.size() * wire::ElementSize(dtype), '\0');
+  wire::EncodeTo(dtype, values, bytes.data());
+  return bytes;
+}
+
+std::vector<float> Decoded(v1::DType dtype, const std::string& bytes) {
+  std::vector<float> values(bytes.size() / wire::ElementSize(dtype));
+  DecodeSumSquares(dtype, absl::string_view(bytes), std::span<float>(values));
+  return values;
+}
+
+// Steps `session` with `w` and `b` (in `dtype`) taken from "device" memory, as the GPU transports do.
+absl::StatusOr<session::StepOutcome> DeviceStep(session::Session& session, kernels::Backend& backend,
+                                                session::StepRequest request, v1::DType dtype,
+                                                const std::vector<float>& w, const std::vector<float>& b,
+                                                bool expect_device) {
+  MUOND_ASSIGN_OR_RETURN(std::unique_ptr<session::IncomingStep> step, session.BeginStep(std::move(request)));
+  EXPECT_EQ(step->takes_device_gradients(), expect_device);
+  std::string host_bytes;
+  const std::string wb = Encoded(dtype, w), bb = Encoded(dtype, b);
+  MUOND_RETURN_IF_ERROR(TakeDeviceGradient(backend, *step, 0, dtype, wb.data(), wb.size(), host_bytes));
+  MUOND_RETURN_IF_ERROR(TakeDeviceGradient(backend, *step, 1, dtype, bb.data(), bb.size(), host_bytes));
+  EXPECT_EQ(step->gradients()[0].device_only, expect_device);
+  return session.FinishStep(std::move(step));
+}
+
+// The same step decoded on the host (the journal's path).
+session::StepOutcome HostStep(session::Session& session, session::StepRequest request, v1::DType dtype,
+                              const std::vector<float>& w, const std::vector<float>& b) {
+  std::vector<HostTensor> tensors(2);
+  const std::string wb = Encoded(dtype, w), bb = Encoded(dtype, b);
+  tensors[0].values.resize(w.size());
+  tensors[0].sum_squares = DecodeSumSquares(dtype, absl::string_view(wb), std::span<float>(tensors[0].values));
+  tensors[0].received = static_cast<int64_t>(w.size());
+  tensors[1].values.resize(b.size());
+  tensors[1].sum_squares = DecodeSumSquares(dtype, absl::string_view(bb), std::span<float>(tensors[1].values));
+  tensors[1].received = static_cast<int64_t>(b.size());
+  return session.ApplyJournaledStep(std::move(request), std::move(tensors)).value();
+}
+
+class DeviceGradientsTest : public ::testing::TestWithParam<v1::DType> {};
+
+TEST_P(DeviceGradientsTest, MatchTheHostPathStepForStep) {
+  auto device_like = kernels::NewCpuBackend(1, /*host_addressable=*/false);
+  auto device = NewSession("device", device_like.get());
+  auto host = NewSession("host", device_like.get());
+  for (int k = 1; k <= 4; ++k) {
+    session::StepRequest request;
+    request.step = k;
+    if (k % 2 == 0) request.max_grad_norm = 0.5;  // clips: the norm is about 14
+    const std::vector<float> w = Values(16 * 24, 0.1f * k), b = Values(24, 0.7f * k);
+    ASSERT_OK_AND_ASSIGN(session::StepOutcome on_device, DeviceStep(*device, *device_like, request, GetParam(), w, b, true));
+    const session::StepOutcome on_host = HostStep(*host, request, GetParam(), w, b);
+    ASSERT_TRUE(on_device.result.applied) << on_device.result.skip_reason;
+    // The norm is summed on the backend, in its own order: equal to rounding.
+    EXPECT_NEAR(on_device.result.grad_norm, on_host.result.grad_norm, 1e-12 * on_host.result.grad_norm);
+    const auto device_values = session::CopyValues(*on_device.parameters);
+    const auto host_values = session::CopyValues(*on_host.parameters);
+    for (size_t p = 0; p < 2; ++p) {
+      ASSERT_EQ(device_values[p].size(), host_values[p].size());
+      for (size_t i = 0; i < host_values[p].size(); ++i) {
+        if (k % 2 == 1) {
+          ASSERT_EQ(device_values[p][i], host_values[p][i]) << "step " << k << " parameter " << p << " [" << i << "]";
+        } else {
+          ASSERT_NEAR(device_values[p][i], host_values[p][i], 1e-6f) << "step " << k;
+        }
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, DeviceGradientsTest,
+                         ::testing::Values(v1::DTYPE_FP32, v1::DTYPE_BF16, v1::DTYPE_FP16),
+                         [](const auto& info) { return std::string(wire::DTypeName(info.param)); });
+
+TEST(DeviceGradientsTest, ANonFiniteDeviceGradientSkipsTheStepAndChangesNothing) {
+  auto device_like = kernels::NewCpuBackend(1, /*host_addressable=*/false);
+  auto session = NewSession("s", device_like.get());
+  int64_t last = 0;
+  const auto before = session::CopyValues(*session->Parameters(&last));
+  std::vector<float> w = Values(16 * 24, 0.3f);
+  w[17] = std::nanf("");
+  session::StepRequest request;
+  request.step = 1;
+  ASSERT_OK_AND_ASSIGN(session::StepOutcome outcome,
+                       DeviceStep(*session, *device_like, request, v1::DTYPE_FP32, w, Values(24, 0.2f), true));
+  EXPECT_FALSE(outcome.result.applied);
+  EXPECT_THAT(outcome.result.skip_reason, HasSubstr("non-finite gradient in 'w'"));
+  EXPECT_EQ(session::CopyValues(*session->Parameters(&last)), before);
+  EXPECT_EQ(last, 1) << "a skipped step still counts";
+}
+
+TEST(DeviceGradientsTest, AZeroCountAndSeveralRanksTakeTheHostPath) {
+  auto device_like = kernels::NewCpuBackend(1, /*host_addressable=*/false);
+  auto session = NewSession("zeros", device_like.get());
+  std::vector<float> w = Values(16 * 24, 0.3f);
+  w[3] = 0.0f;
+  w[5] = -0.0f;
+  session::StepRequest request;
+  request.step = 1;
+  request.count_zeros = true;
+  ASSERT_OK_AND_ASSIGN(session::StepOutcome outcome,
+                       DeviceStep(*session, *device_like, request, v1::DTYPE_FP32, w, Values(24, 0.2f), false));
+  EXPECT_EQ(outcome.result.num_zeros_in_grad, 2);
+
+  // Two ranks: averaged on the host, so each rank's gradients come to the host.
+  auto ranks = NewSession("ranks", device_like.get(), 2);
+  auto reference = NewSession("reference", device_like.get());
+  const std::vector<float> w0 = Values(16 * 24, 0.1f), w1 = Values(16 * 24, 0.9f);
+  const std::vector<float> b0 = Values(24, 0.4f), b1 = Values(24, 0.6f);
+  absl::StatusOr<session::StepOutcome> rank1;
+  std::thread other([&] {
+    session::StepRequest r;
+    r.step = 1;
+    r.rank = 1;
+    rank1 = DeviceStep(*ranks, *device_like, r, v1::DTYPE_FP32, w1, b1, false);
+  });
+  session::StepRequest r0;
+  r0.step = 1;
+  r0.rank = 0;
+  ASSERT_OK_AND_ASSIGN(session::StepOutcome rank0, DeviceStep(*ranks, *device_like, r0, v1::DTYPE_FP32, w0, b0, false));
+  other.join();
+  ASSERT_OK(rank1.status());
+  std::vector<float> mean_w(w0.size()), mean_b(b0.size());
+  for (size_t i = 0; i < w0.size(); ++i) mean_w[i] = (w0[i] + w1[i]) / 2;
+  for (size_t i = 0; i < b0.size(); ++i) mean_b[i] = (b0[i] + b1[i]) / 2;
+  session::StepRequest one;
+  one.step = 1;
+  const session::StepOutcome expected = HostStep(*reference, one, v1::DTYPE_FP32, mean_w, mean_b);
+  EXPECT_EQ(session::CopyValues(*rank0.parameters), session::CopyValues(*expected.parameters));
+  EXPECT_EQ(session::CopyValues(*rank1->parameters), session::CopyValues(*expected.parameters));
+}
+
+// Host memory standing in for a client's exported device buffer and its interprocess event.
+class HostPeerMemory final : public kernels::PeerMemory {
+ public:
+  explicit HostPeerMemory(size_t bytes) : bytes_(bytes) {}
+  void* data() override { return bytes_.data(); }
+  uint64_t size() const override { return bytes_.size(); }
+
+ private:
+  std::vector<char> bytes_;
+};
+
+class CountingPeerEvent final : public kernels::PeerEvent {
+ public:
+  explicit CountingPeerEvent(int* waits) : waits_(waits) {}
+  absl::Status OrderAfter() override {
+    ++*waits_;
+    return absl::OkStatus();
+  }
+
+ private:
+  int* waits_;
+};
+
+TEST(CudaIpcStepTest, GradientsInAndParametersOutOfTheRegionInTheirDtypes) {
+  auto device_like = kernels::NewCpuBackend(1, /*host_addressable=*/false);
+  auto ipc = NewSession("ipc", device_like.get());
+  auto host = NewSession("host", device_like.get());
+  // One region, laid out as the clients do: a 4-byte slot per element; w in bf16, b in fp32.
+  const size_t w_bytes = 16 * 24 * 4, b_bytes = 24 * 4;
+  auto region = std::make_shared<CudaRegion>();
+  region->session_id = "ipc";
+  region->memory = std::make_unique<HostPeerMemory>(w_bytes + b_bytes);
+  int waits = 0;
+  region->event = std::make_unique<CountingPeerEvent>(&waits);
+  char* base = static_cast<char*>(region->memory->data());
+  auto place = [&](size_t index, uint64_t offset, v1::DType dtype, uint64_t numel) {
+    return CudaTensorPlace{TensorRef{index, offset, numel * wire::ElementSize(dtype), dtype}, region};
+  };
+  for (int k = 1; k <= 3; ++k) {
+    const std::vector<float> w = Values(16 * 24, 0.2f * k), b = Values(24, 0.5f * k);
+    const std::string wb = Encoded(v1::DTYPE_BF16, w), bb = Encoded(v1::DTYPE_FP32, b);
+    std::memcpy(base, wb.data(), wb.size());
+    std::memcpy(base + w_bytes, bb.data(), bb.size());
+    session::StepRequest request;
+    request.step = k;
+    CudaIpcGradientSource source(device_like.get(),
+                                 {place(0, 0, v1::DTYPE_BF16, 16 * 24), place(1, w_bytes, v1::DTYPE_FP32, 24)});
+    CudaIpcParameterSink sink(device_like.get(),
+                              {place(0, 0, v1::DTYPE_FP32, 16 * 24), place(1, w_bytes, v1::DTYPE_FP32, 24)});
+    ASSERT_OK(RunStep(*ipc, request, source, sink, *metrics::NoMetrics()));
+    EXPECT_EQ(waits, k) << "one wait on the client's event per region and step";
+    EXPECT_EQ(source.bytes_received(), static_cast<int64_t>(wb.size() + bb.size()));
+    ASSERT_TRUE(sink.result().applied());
+
+    session::StepOutcome expected = HostStep(*host, request, v1::DTYPE_FP32, Decoded(v1::DTYPE_BF16, wb), b);
+    const auto want = session::CopyValues(*expected.parameters);
+    std::vector<float> got_w(16 * 24), got_b(24);
+    std::memcpy(got_w.data(), base, w_bytes);
+    std::memcpy(got_b.data(), base + w_bytes, b_bytes);
+    EXPECT_EQ(got_w, want[0]) << "step " << k;
+    EXPECT_EQ(got_b, want[1]) << "step " << k;
+  }
+  // A replay (the answer was lost) reads nothing and writes the parameters again.
+  std::memset(base, 0, w_bytes + b_bytes);
+  session::StepRequest again;
+  again.step = 3;
+  CudaIpcGradientSource source(device_like.get(), {place(0, 0, v1::DTYPE_BF16, 16 * 24)});
+  CudaIpcParameterSink sink(device_like.get(),
+                            {place(0, 0, v1::DTYPE_FP32, 16 * 24), place(1, w_bytes, v1::DTYPE_FP32, 24)});
+  ASSERT_OK(RunStep(*ipc, again, source, sink, *metrics::NoMetrics()));
+  EXPECT_TRUE(sink.result().replayed());
+  EXPECT_EQ(source.bytes_received(), 0);
+  int64_t last = 0;
+  const auto now = session::CopyValues(*ipc->Parameters(&last));
+  std::vector<float> got_b(24);
+  std::memcpy(got_b.data(), base + w_bytes, b_bytes);
+  EXPECT_EQ(got_b, now[1]);
+}
+
+// A channel whose peer's sends are queued byte strings, and whose sends are kept.
+class QueuedPeerChannel final : public kernels::PeerChannel {
+ public:
+  absl::Status Ready(absl::Time) override { return absl::OkStatus(); }
+  absl::Status Receive(std::span<const kernels::ByteRange> ranges, absl::Time) override {
+    for (const kernels::ByteRange& range : ranges) {
+      if (incoming.empty() || incoming.front().size() != range.bytes) {
+        return absl::DataLossError("the peer sent something else");
+      }
+      std::memcpy(range.data, incoming.front().data(), range.bytes);
+      incoming.pop_front();
+    }
+    return absl::OkStatus();
+  }
+  absl::Status Send(std::span<const kernels::ByteRange> ranges, absl::Time) override {
+    for (const kernels::ByteRange& range : ranges) sent.emplace_back(static_cast<const char*>(range.data), range.bytes);
+    return absl::OkStatus();
+  }
+  void Abort() override { aborted_ = true; }
+  bool aborted() const override { return aborted_; }
+
+  std::deque<std::string> incoming;
+  std::vector<std::string> sent;
+
+ private:
+  bool aborted_ = false;
+};
+
+TEST(NcclStepTest, ReceivesInOrderSendsEveryParameterAndAReplayDrainsTheGradients) {
+  auto device_like = kernels::NewCpuBackend(1, /*host_addressable=*/false);
+  auto nccl = NewSession("nccl", device_like.get());
+  auto host = NewSession("host", device_like.get());
+  NcclChannel channel;
+  auto peer = std::make_unique<QueuedPeerChannel>();
+  QueuedPeerChannel* queue = peer.get();
+  channel.peer = std::move(peer);
+  const session::SessionConfig& config = nccl->config();
+  google::protobuf::RepeatedPtrField<v1::NcclTensor> grads, params;
+  auto add = [](google::protobuf::RepeatedPtrField<v1::NcclTensor>& list, const std::string& name, v1::DType dtype,
+                uint64_t numel) {
+    v1::NcclTensor* t = list.Add();
+    t->set_name(name);
+    t->set_dtype(dtype);
+    t->set_byte_size(numel * wire::ElementSize(dtype));
+  };
+  add(grads, "b", v1::DTYPE_FP32, 24);  // listed order, not the spec's
+  add(grads, "w", v1::DTYPE_FP16, 16 * 24);
+  add(params, "w", v1::DTYPE_BF16, 16 * 24);
+  add(params, "b", v1::DTYPE_FP32, 24);
+  const absl::Time deadline = absl::InfiniteFuture();
+  for (int k = 1; k <= 3; ++k) {
+    const std::vector<float> w = Values(16 * 24, 0.3f * k), b = Values(24, 0.8f * k);
+    const std::string wb = Encoded(v1::DTYPE_FP16, w);
+    queue->incoming = {Encoded(v1::DTYPE_FP32, b), wb};
+    queue->sent.clear();
+    session::StepRequest request;
+    request.step = k == 3 ? 2 : k;  // the third is a replay of step 2
+    NcclGradientSource source(device_like.get(), &channel, ResolveNcclTensors(config, grads, "gradients", false).value(),
+                              deadline);
+    NcclParameterSink sink(device_like.get(), &channel, ResolveNcclTensors(config, params, "parameters", true).value(),
+                           deadline);
+    ASSERT_OK(RunStep(*nccl, request, source, sink, *metrics::NoMetrics()));
+    EXPECT_TRUE(queue->incoming.empty()) << "every gradient is received, a replay's too";
+    ASSERT_EQ(queue->sent.size(), 2u);
+    int64_t last = 0;
+    const auto now = session::CopyValues(*nccl->Parameters(&last));
+    EXPECT_EQ(queue->sent[0], Encoded(v1::DTYPE_BF16, now[0]));
+    EXPECT_EQ(queue->sent[1], Encoded(v1::DTYPE_FP32, now[1]));
+    if (k < 3) {
+      const session::StepOutcome expected = HostStep(*host, request, v1::DTYPE_FP32, Decoded(v1::DTYPE_FP16, wb), b);
+      EXPECT_EQ(now, session::CopyValues(*expected.parameters)) << "step " << k;
+    } else {
+      EXPECT_TRUE(sink.result().replayed());
+    }
+  }
+}
+
+TEST(TensorRefsTest, EveryBadReferenceIsRefusedNamingItsField) {
+  auto backend = kernels::NewCpuBackend(1);
+  auto session = NewSession("refs", backend.get());
+  const session::SessionConfig& config = session->config();
+  auto resolve = [&](std::vector<RefFields> refs, bool require_all) {
+    return ResolveTensorRefs(
+        config, static_cast<int>(refs.size()), [&](int i) { return refs[i]; }, "gradients", require_all,
+        [](const std::string& region, const std::string& at) -> absl::StatusOr<uint64_t> {
+          if (region != "r") return absl::NotFoundError(at + ": no region");
+          return 4096;
+        });
+  };
+  const std::string w = "w", b = "b", nope = "nope", r = "r", other = "q";
+  EXPECT_THAT(resolve({{nope, v1::DTYPE_FP32, 4}}, false).status().message(), HasSubstr("gradients[0].name"));
+  EXPECT_THAT(resolve({{b, v1::DTYPE_FP32, 96}, {b, v1::DTYPE_FP32, 96}}, false).status().message(),
+              HasSubstr("gradients[1].name: 'b' appears twice"));
+  EXPECT_THAT(resolve({{b, static_cast<v1::DType>(9), 96}}, false).status().message(), HasSubstr("gradients[0].dtype"));
+  EXPECT_THAT(resolve({{b, v1::DTYPE_FP32, 95}}, false).status().message(), HasSubstr("gradients[0].byte_size"));
+  EXPECT_THAT(resolve({{b, v1::DTYPE_BF16, 48, &other}}, false).status().message(), HasSubstr("gradients[0].region"));
+  EXPECT_THAT(resolve({{b, v1::DTYPE_FP32, 96, &r, 4096 - 95}}, false).status().message(),
+              HasSubstr("gradients[0].offset"));
+  EXPECT_THAT(resolve({{b, v1::DTYPE_FP32, 96, &r, ~uint64_t{0} - 10}}, false).status().message(),
+              HasSubstr("end past region"));
+  RefFields misaligned{b, v1::DTYPE_FP32, 96, &r, 2};
+  EXPECT_OK(resolve({misaligned}, false).status()) << "host memory takes any offset";
+  misaligned.aligned = true;
+  EXPECT_THAT(resolve({misaligned}, false).status().message(), HasSubstr("gradients[0].offset: 2 is not a multiple of 4"));
+  EXPECT_THAT(resolve({{b, v1::DTYPE_FP32, 96}}, true).status().message(), HasSubstr("no place for parameter 'w'"));
+  ASSERT_OK_AND_ASSIGN(std::vector<TensorRef> refs, resolve({{b, v1::DTYPE_BF16, 48, &r, 8}, {w, v1::DTYPE_FP32, 1536, &r, 100}}, true));
+  EXPECT_EQ(refs[0].index, 1u);
+  EXPECT_EQ(refs[0].offset, 8u);
+  EXPECT_EQ(refs[1].index, 0u);
+}
+
+TEST(GpuTablesTest, ABackendWithoutAGpuRefusesAfterTheRequestIsChecked) {
+  auto backend = kernels::NewCpuBackend(1);
+  SharedMemoryRegions shm;
+  CudaMemoryRegions regions(backend.get(), &shm);
+  v1::RegisterCudaMemoryRequest request;
+  request.set_name("grads");
+  request.set_session_id("s");
+  request.set_byte_size(1024);
+  request.set_mem_handle(std::string(10, 'x'));
+  request.set_event_handle(std::string(64, 'e'));
+  EXPECT_THAT(regions.Register("", request).status().message(), HasSubstr("mem_handle: a cudaIpcMemHandle_t has 64 bytes"));
+  request.set_mem_handle(std::string(64, 'm'));
+  request.set_event_handle("");
+  EXPECT_THAT(regions.Register("", request).status().message(), HasSubstr("event_handle"));
+  request.set_event_handle(std::string(64, 'e'));
+  request.set_liveness_ticket("not-issued");
+  EXPECT_EQ(regions.Register("", request).status().code(), absl::StatusCode::kNotFound);
+  request.clear_liveness_ticket();
+  const absl::Status refused = regions.Register("", request).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(refused.message(), HasSubstr("the cpu backend has no CUDA IPC memory"));
+  EXPECT_EQ(regions.size(), 0u);
+  EXPECT_EQ(regions.Find("", "grads", "s", "gradients[0].region").status().code(), absl::StatusCode::kNotFound);
+
+  NcclChannels channels(backend.get(), {});
+  const absl::Status no_nccl = channels.Open("", "s", 0).status();
+  EXPECT_EQ(no_nccl.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(no_nccl.message(), HasSubstr("NCCL"));
+  EXPECT_EQ(channels.size(), 0u);
+  EXPECT_EQ(channels.Find("", "nccl-x", "s", "channel").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(GpuTablesTest, LivenessTicketsLastAsLongAsTheirConnection) {
+  SharedMemoryRegions shm;
+  std::vector<uint64_t> closed;
+  shm.OnConnectionClosed([&](uint64_t connection) { closed.push_back(connection); });
+  const uint64_t connection = shm.OpenConnection();
+  const std::string ticket = shm.AddLivenessTicket(connection);
+  EXPECT_EQ(ticket.size(), 32u);
+  ASSERT_OK_AND_ASSIGN(uint64_t named, shm.LivenessConnection(ticket, "liveness_ticket"));
+  EXPECT_EQ(named, connection);
+  shm.CloseConnection(connection);
+  EXPECT_THAT(closed, ::testing::ElementsAre(connection));
+  EXPECT_THAT(shm.LivenessConnection(ticket, "liveness_ticket").status().message(), HasSubstr("liveness_ticket"));
+}
+
+}  // namespace
+}  // namespace muond::transport
