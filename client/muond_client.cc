@@ -22,10 +22,6 @@ namespace {
 // The Step method of muond.v1.Muond, called over byte buffers (Session::StepOnce).
 constexpr char kStepMethod[] = "/muond.v1.Muond/Step";
 
-bool IsTransient(absl::StatusCode code) {
-  return code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kDeadlineExceeded;
-}
-
 // The first chunk of `tensor`'s: its name and its shape (so the daemon can refuse a transposed one).
 v1::TensorChunk FirstChunk(const TensorView& tensor) {
   v1::TensorChunk first;
@@ -137,6 +133,12 @@ grpc::Status RetryWhileUnavailable(const Client& client, Call&& call) {
   }
 }
 
+}  // namespace
+
+bool IsTransient(absl::StatusCode code) {
+  return code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kDeadlineExceeded;
+}
+
 void CopyResult(const v1::StepResult& r, StepReply* reply) {
   reply->step = r.step();
   reply->applied = r.applied();
@@ -149,8 +151,6 @@ void CopyResult(const v1::StepResult& r, StepReply* reply) {
   reply->num_zeros_in_grad = r.num_zeros_in_grad();
   reply->loss_scale = r.loss_scale();
 }
-
-}  // namespace
 
 absl::Status FromGrpcStatus(const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();

@@ -197,6 +197,7 @@ class Session {
   absl::Status SetUpRegion();
   v1::StepHeader Header(int64_t step, const StepOptions& options) const;
   v1::DType WireDType(const std::string& name) const;
+  friend class CudaIpcStepper;  // steps this session over CUDA IPC with its header and counts
 
   Client* const client_;
   const std::string id_;
@@ -211,6 +212,11 @@ class Session {
   int64_t last_step_ = 0;
   double loss_scale_ = 0;
 };
+
+// For transports built on this library (client/cuda_ipc_stepper.h): whether a failed call may be
+// retried as it is (UNAVAILABLE, DEADLINE_EXCEEDED), and the daemon's StepResult into a reply.
+bool IsTransient(absl::StatusCode code);
+void CopyResult(const v1::StepResult& result, StepReply* reply);
 
 // grpc::Status → absl::Status, keeping the code and the daemon's message.
 absl::Status FromGrpcStatus(const grpc::Status& status);

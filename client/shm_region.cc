@@ -8,6 +8,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -58,6 +59,22 @@ absl::StatusOr<std::string> PassDescriptor(int socket, int memfd) {
   c->cmsg_len = CMSG_LEN(sizeof(int));
   std::memcpy(CMSG_DATA(c), &memfd, sizeof(int));
   if (::sendmsg(socket, &msg, MSG_NOSIGNAL) != 1) return Errno("sending the memfd");
+  return ReadAnswer(socket);
+}
+
+absl::StatusOr<std::string> RequestLivenessTicket(int socket) {
+  const char byte = 'L';
+  if (::send(socket, &byte, 1, MSG_NOSIGNAL) != 1) return Errno("asking for a liveness ticket");
+  absl::StatusOr<std::string> answer = ReadAnswer(socket);
+  if (!answer.ok()) return answer.status();
+  std::vector<std::string> words = absl::StrSplit(*answer, ' ');
+  if (words.size() != 2 || words[0] != "ok") {
+    return absl::UnavailableError(absl::StrCat("the daemon refused a liveness ticket: ", *answer));
+  }
+  return words[1];
+}
+
+absl::StatusOr<std::string> ReadAnswer(int socket) {
   std::string line;
   char ch;
   while (line.size() < 4096) {

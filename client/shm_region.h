@@ -49,6 +49,11 @@ class ShmRegion {
 // on it with the daemon's one-line answer ("ok <ticket> <bytes>" or "error <reason>").
 absl::StatusOr<int> ConnectShmSocket(const std::string& socket_address);
 absl::StatusOr<std::string> PassDescriptor(int socket, int fd);
+// A liveness ticket naming the connection `socket` ('L'): what registered with it lives as long as the
+// connection (CUDA IPC memory).
+absl::StatusOr<std::string> RequestLivenessTicket(int socket);
+// The daemon's one-line answer on `socket`, without its newline.
+absl::StatusOr<std::string> ReadAnswer(int socket);
 
 // Whether the daemon's socket accepts a connection from here (same host and network namespace).
 bool ShmSocketReachable(const std::string& socket_address);

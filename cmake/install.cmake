@@ -21,6 +21,11 @@ set_target_properties(muond_wire PROPERTIES EXPORT_NAME wire)
 install(TARGETS muond_client muond_proto muond_wire
   EXPORT muondTargets
   ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR})
+if(TARGET muond_client_cuda)
+  set_target_properties(muond_client_cuda PROPERTIES EXPORT_NAME client_cuda)
+  install(TARGETS muond_client_cuda EXPORT muondTargets ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR})
+  install(FILES client/cuda_ipc_stepper.h DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/muond/client)
+endif()
 # Headers keep their repository paths under include/muond/ ("client/muond_client.h"); the generated
 # API sits at include/muond/v1/ ("muond/v1/muond.pb.h" from include/).
 install(FILES client/muond_client.h client/sharded_session.h client/shard_placement.h client/shm_region.h

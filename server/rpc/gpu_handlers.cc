@@ -53,9 +53,10 @@ grpc::Status MuondService::StepCuda(grpc::ServerContext* context, const v1::Step
                            transport::ResolveCudaTensors(session->config(), *regions, caller, session->id(),
                                                          request->parameters(), "parameters", /*require_all=*/true));
     transport::CudaIpcGradientSource source(backend_, std::move(gradients));
-    transport::CudaIpcParameterSink sink(backend_, std::move(parameters));
-    MUOND_RETURN_IF_ERROR(
-        transport::RunStep(*session, transport::ToStepRequest(header), source, sink, *options_.metrics));
+    transport::CudaIpcParameterSink sink(session.get(), backend_, std::move(parameters));
+    session::StepRequest step = transport::ToStepRequest(header);
+    step.device_answer = true;  // written device to device: nothing read back to the host
+    MUOND_RETURN_IF_ERROR(transport::RunStep(*session, std::move(step), source, sink, *options_.metrics));
     *response->mutable_result() = sink.result();
     return absl::OkStatus();
   });
@@ -134,9 +135,10 @@ grpc::Status MuondService::StepNccl(grpc::ServerContext* context, const v1::Step
       deadline = std::min(deadline, absl::FromChrono(context->deadline()));
     }
     transport::NcclGradientSource source(backend_, channel.get(), std::move(gradients), deadline);
-    transport::NcclParameterSink sink(backend_, channel.get(), std::move(parameters), deadline);
-    MUOND_RETURN_IF_ERROR(
-        transport::RunStep(*session, transport::ToStepRequest(header), source, sink, *options_.metrics));
+    transport::NcclParameterSink sink(session.get(), backend_, channel.get(), std::move(parameters), deadline);
+    session::StepRequest step = transport::ToStepRequest(header);
+    step.device_answer = true;  // sent from the device: nothing read back to the host
+    MUOND_RETURN_IF_ERROR(transport::RunStep(*session, std::move(step), source, sink, *options_.metrics));
     keep_channel = true;
     *response->mutable_result() = sink.result();
     return absl::OkStatus();

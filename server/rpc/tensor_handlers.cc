@@ -127,6 +127,10 @@ absl::Status MuondService::DoGetParameters(const std::string& caller, grpc::Serv
     still = session->ReadParameters(*snapshot);
   }
   MUOND_RETURN_IF_ERROR(still.status());
+  if (snapshot->on_device) {
+    return absl::UnavailableError("the parameters could not be read back from the backend (see the daemon's log); "
+                                  "try again");
+  }
   const size_t chunk_bytes = AnswerChunkBytes(request.max_chunk_bytes());
   bool first = true;
   for (size_t index : wanted) {

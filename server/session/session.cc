@@ -136,7 +136,8 @@ absl::StatusOr<Session::StepKind> Session::ClassifyLocked(int64_t step) const {
       step));
 }
 
-StepOutcome Session::ReplayOutcomeLocked() const {
+absl::StatusOr<StepOutcome> Session::ReplayOutcomeLocked(bool device_answer) {
+  if (!device_answer) MUOND_RETURN_IF_ERROR(HostSnapshotLocked());
   StepOutcome replay{last_result_, snapshot_};
   replay.result.replayed = true;
   return replay;
@@ -218,7 +219,7 @@ absl::StatusOr<StepOutcome> Session::FinishStep(std::unique_ptr<IncomingStep> st
   MUOND_ASSIGN_OR_RETURN(StepKind kind, ClassifyLocked(step->plan_.request.step));
   const StepPhase phase = step->plan_.request.phase;
   if (kind == StepKind::kReplay) {
-    StepOutcome replay = ReplayOutcomeLocked();
+    MUOND_ASSIGN_OR_RETURN(StepOutcome replay, ReplayOutcomeLocked(step->plan_.request.device_answer));
     if (phase == StepPhase::kPrepare) replay.parameters = nullptr;  // a prepare answers without parameters
     return replay;
   }
@@ -405,7 +406,15 @@ absl::StatusOr<StepOutcome> Session::ApplyLocked(const StepPlan& plan, std::vect
       for (size_t s = 0; s < params_[i].slots.size(); ++s) params_[i].slots[s].bound = bounds[i].slots[s];
     }
     MUOND_RETURN_IF_ERROR(ApplyQkClip(plan));  // multiplies weights by factors <= 1: bounds hold
-    MUOND_ASSIGN_OR_RETURN(snapshot_, ReadBack(result.step));
+    if (plan.request.device_answer && config_.world_size == 1 && !backend_->HostAddressable()) {
+      auto on_device = std::make_shared<ParameterSnapshot>();
+      on_device->step = result.step;
+      on_device->on_device = true;
+      on_device->generation = masters_version_;
+      snapshot_ = std::move(on_device);
+    } else {
+      MUOND_ASSIGN_OR_RETURN(snapshot_, ReadBack(result.step));
+    }
   }
   if (loss_scaler_.has_value()) {
     // A skipped step is an overflow for the scaler (a non-finite gradient, or one so large the
@@ -614,7 +623,7 @@ absl::StatusOr<std::shared_ptr<const ParameterSnapshot>> Session::ReadBack(int64
 
 absl::StatusOr<Session::ParameterReadLock> Session::ReadParameters(const ParameterSnapshot& snapshot) const
     ABSL_NO_THREAD_SAFETY_ANALYSIS {
-  if (!snapshot.views) return ParameterReadLock();
+  if (!snapshot.views) return ParameterReadLock();  // copies, or on the device (CopyParameterOnDevice checks)
   masters_mu_.ReaderLock();
   if (masters_version_ != snapshot.generation) {
     masters_mu_.ReaderUnlock();
@@ -626,9 +635,45 @@ absl::StatusOr<Session::ParameterReadLock> Session::ReadParameters(const Paramet
 }
 
 std::shared_ptr<const ParameterSnapshot> Session::Parameters(int64_t* last_step) const {
-  absl::ReaderMutexLock lock(&mu_);
+  absl::MutexLock lock(&mu_);
   *last_step = last_step_;
+  if (absl::Status read = HostSnapshotLocked(); !read.ok()) {
+    // The on-device snapshot stays; readers refuse it (ReadParameters) and the next call tries again.
+    MUOND_LOG(error, "session {}: cannot read the parameters back from the backend: {}", id_, read.message());
+  }
   return snapshot_;
+}
+
+absl::Status Session::HostSnapshotLocked() const {
+  if (snapshot_ == nullptr || !snapshot_->on_device) return absl::OkStatus();
+  absl::MutexLock masters(&masters_mu_);  // the masters are those of the snapshot: nothing changed them since
+  MUOND_ASSIGN_OR_RETURN(snapshot_, ReadBack(snapshot_->step));
+  return absl::OkStatus();
+}
+
+absl::Status Session::CopyParameterOnDevice(const ParameterSnapshot& snapshot, size_t index,
+                                            kernels::StorageDtype dtype, void* dst) const
+    ABSL_NO_THREAD_SAFETY_ANALYSIS {  // params_[index].master: its buffer is set at creation, never replaced
+  absl::ReaderMutexLock masters(&masters_mu_);
+  if (!snapshot.on_device || masters_version_ != snapshot.generation) {
+    return absl::AbortedError(absl::StrCat("session '", id_, "': the parameters after step ", snapshot.step,
+                                           " were replaced (by a later step, an upload or SetState) before they "
+                                           "could be sent; read the current ones with GetParameters"));
+  }
+  const optim::StoredTensor& master = params_[index].master;
+  const size_t n = static_cast<size_t>(master.numel);
+  const kernels::StoredRef from = master.Ref(0);
+  if (master.dtype == dtype) {
+    if (master.is_fp32()) return backend_->CopyOnDevice(master.fp32(), static_cast<float*>(dst), n);
+    return backend_->CopyBytes(from.data, dst, master.bytes());
+  }
+  if (master.is_fp32()) return backend_->Narrow(dtype, master.fp32(), dst, n);
+  if (dtype == kernels::StorageDtype::kFp32) return backend_->Widen(master.dtype, from.data, static_cast<float*>(dst), n);
+  // One 16-bit format into the other: through fp32 scratch, waited for before it is freed.
+  MUOND_ASSIGN_OR_RETURN(std::unique_ptr<kernels::DeviceBuffer> wide, backend_->Allocate(n));
+  MUOND_RETURN_IF_ERROR(backend_->Widen(master.dtype, from.data, wide->data(), n));
+  MUOND_RETURN_IF_ERROR(backend_->Narrow(dtype, wide->data(), dst, n));
+  return backend_->Synchronize();
 }
 
 // ---- State in and out, durability ----

@@ -106,6 +106,13 @@ class Session {
   };
   absl::StatusOr<ParameterReadLock> ReadParameters(const ParameterSnapshot& snapshot) const;
 
+  // Writes parameter `index` of an on-device snapshot (ParameterSnapshot::on_device) to backend
+  // memory `dst` — the backend's own or peer memory — as `numel` elements of `dtype`, enqueued on the
+  // backend (ordered before any later change of the masters); ABORTED when the masters changed since
+  // the snapshot.
+  absl::Status CopyParameterOnDevice(const ParameterSnapshot& snapshot, size_t index, kernels::StorageDtype dtype,
+                                     void* dst) const;
+
   // The shape of tensor `slot` ("master" or an optimizer slot) of parameter `parameter`: the
   // parameter's shape, or a reduced one (NorMuon's second moment).
   std::vector<int64_t> TensorShape(size_t parameter, std::string_view slot) const ABSL_NO_THREAD_SAFETY_ANALYSIS;
@@ -140,7 +147,11 @@ class Session {
 
   // The one decision of what step k is: the next one, a replay of the applied one, or refused.
   absl::StatusOr<StepKind> ClassifyLocked(int64_t step) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  StepOutcome ReplayOutcomeLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // The answer of a replay; `device_answer`: the transport can answer from backend memory.
+  absl::StatusOr<StepOutcome> ReplayOutcomeLocked(bool device_answer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Reads the parameters back to the host when the snapshot is on the device (the last step's answer
+  // went over a GPU transport).
+  absl::Status HostSnapshotLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<StepOutcome> GatherLocked(StepPlan plan, std::vector<HostTensor> gradients)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The gradients' squares summed in parameter order (how the step's norm is defined), and why a
@@ -214,7 +225,8 @@ class Session {
   bool initialized_ ABSL_GUARDED_BY(mu_) = false;
   int64_t last_step_ ABSL_GUARDED_BY(mu_) = 0;
   StepResult last_result_ ABSL_GUARDED_BY(mu_);
-  std::shared_ptr<const ParameterSnapshot> snapshot_ ABSL_GUARDED_BY(mu_);
+  // Mutable: an on-device snapshot is replaced by its host copy when first read (HostSnapshotLocked).
+  mutable std::shared_ptr<const ParameterSnapshot> snapshot_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<SessionPersistence> persistence_ ABSL_GUARDED_BY(mu_);
   RankGather gather_ ABSL_GUARDED_BY(mu_);
   // The dynamic loss scaler's state, for a session whose spec has one; advanced by every applied

@@ -55,6 +55,9 @@ struct StepRequest {
   // A static loss scale the gradients are divided by (with a session loss scaler: must equal its
   // current scale when given).
   std::optional<double> grad_scale;
+  // The transport answers from backend memory (CUDA IPC, NCCL): the parameters after the step need
+  // not be read back to the host (ParameterSnapshot::on_device). Not journaled.
+  bool device_answer = false;
 };
 
 struct StepResult {
@@ -81,7 +84,11 @@ struct ParameterSnapshot {
   std::vector<std::span<const float>> values;  // indexed like SessionConfig::parameters
   std::vector<std::vector<float>> copies;      // the memory `values` point into, when copies
   bool views = false;                          // `values` are the masters
-  uint64_t generation = 0;                     // views: the version of the masters they show
+  uint64_t generation = 0;                     // views, on_device: the version of the masters they show
+  // Nothing read back: the answer of a GPU transport, which writes the masters (of version
+  // `generation`) from backend memory straight to the client's (Session::CopyParameterOnDevice).
+  // `values` is empty; the session reads a host copy back when anything else asks for them.
+  bool on_device = false;
 };
 
 // The values of `snapshot` copied out (under Session::ReadParameters when they are views).

@@ -11,6 +11,7 @@ absl::Status RunStep(session::Session& session, session::StepRequest request, Gr
                      ParameterSink& sink, metrics::Metrics& metrics) {
   using Clock = std::chrono::steady_clock;  // durations: immune to wall-clock steps
   const Clock::time_point start = Clock::now();
+  const bool device_answer = request.device_answer;
   MUOND_ASSIGN_OR_RETURN(std::unique_ptr<session::IncomingStep> step, session.BeginStep(std::move(request)));
   MUOND_RETURN_IF_ERROR(source.ReadGradients(*step));
   const Clock::time_point received = Clock::now();
@@ -27,6 +28,9 @@ absl::Status RunStep(session::Session& session, session::StepRequest request, Gr
   } else {
     // The parameters may be the masters themselves: they stay as they are until the answer is sent.
     absl::StatusOr<session::Session::ParameterReadLock> still = session.ReadParameters(*outcome.parameters);
+    if (still.ok() && outcome.parameters->on_device && !device_answer) {
+      still = absl::InternalError("parameters left on the device for a transport that answers from the host");
+    }
     sent = still.ok() ? sink.Send(outcome) : still.status();
   }
   // Reported even when the answer could not be sent: the step was applied (or replayed) all the same.

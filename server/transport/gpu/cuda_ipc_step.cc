@@ -52,8 +52,13 @@ absl::Status CudaIpcGradientSource::ReadGradients(session::IncomingStep& step) {
 absl::Status CudaIpcParameterSink::Send(const session::StepOutcome& outcome) {
   if (outcome.parameters != nullptr) {
     for (const CudaTensorPlace& place : places_) {
-      MUOND_RETURN_IF_ERROR(PutDeviceParameter(*backend_, outcome.parameters->values[place.ref.index], place.ref.dtype,
-                                               place.data(), host_bytes_));
+      if (outcome.parameters->on_device) {
+        MUOND_RETURN_IF_ERROR(session_->CopyParameterOnDevice(*outcome.parameters, place.ref.index,
+                                                              StorageOf(place.ref.dtype), place.data()));
+      } else {
+        MUOND_RETURN_IF_ERROR(PutDeviceParameter(*backend_, outcome.parameters->values[place.ref.index],
+                                                 place.ref.dtype, place.data(), host_bytes_));
+      }
       bytes_sent_ += static_cast<int64_t>(place.ref.bytes);
     }
     MUOND_RETURN_IF_ERROR(backend_->Synchronize());

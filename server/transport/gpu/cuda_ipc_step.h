@@ -6,7 +6,8 @@
 // CudaIpcGradientSource first orders the backend's work after the client's event (recorded once it
 // wrote the gradients), then takes each gradient device to device (TakeDeviceGradient): nothing
 // crosses the host when the step takes device gradients. A replay reads nothing. CudaIpcParameterSink
-// writes the parameters into the regions and waits until they are there, so the client may read them
+// writes the parameters into the regions — device to device when the step left them on the device
+// (StepRequest::device_answer), else from their host copy — and waits until they are there, so the client may read them
 // as soon as the answer arrives. Both hold their regions until destroyed. One step, one thread.
 #pragma once
 
@@ -50,12 +51,13 @@ class CudaIpcGradientSource final : public GradientSource {
 
 class CudaIpcParameterSink final : public ParameterSink {
  public:
-  CudaIpcParameterSink(kernels::Backend* backend, std::vector<CudaTensorPlace> places)
-      : backend_(backend), places_(std::move(places)) {}
+  CudaIpcParameterSink(const session::Session* session, kernels::Backend* backend, std::vector<CudaTensorPlace> places)
+      : session_(session), backend_(backend), places_(std::move(places)) {}
   absl::Status Send(const session::StepOutcome& outcome) override;
   const v1::StepResult& result() const { return result_; }
 
  private:
+  const session::Session* const session_;
   kernels::Backend* const backend_;
   const std::vector<CudaTensorPlace> places_;
   std::string host_bytes_;

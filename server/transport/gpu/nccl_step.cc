@@ -62,8 +62,13 @@ absl::Status NcclParameterSink::Send(const session::StepOutcome& outcome) {
     std::vector<kernels::ByteRange> ranges;
     for (const TensorRef& ref : refs_) {
       MUOND_ASSIGN_OR_RETURN(std::unique_ptr<kernels::DeviceBuffer> buffer, AllocateBytes(*backend_, ref.bytes));
-      MUOND_RETURN_IF_ERROR(
-          PutDeviceParameter(*backend_, outcome.parameters->values[ref.index], ref.dtype, buffer->data(), host_bytes_));
+      if (outcome.parameters->on_device) {
+        MUOND_RETURN_IF_ERROR(
+            session_->CopyParameterOnDevice(*outcome.parameters, ref.index, StorageOf(ref.dtype), buffer->data()));
+      } else {
+        MUOND_RETURN_IF_ERROR(PutDeviceParameter(*backend_, outcome.parameters->values[ref.index], ref.dtype,
+                                                 buffer->data(), host_bytes_));
+      }
       ranges.push_back({buffer->data(), ref.bytes});
       buffers.push_back(std::move(buffer));
       bytes_sent_ += static_cast<int64_t>(ref.bytes);

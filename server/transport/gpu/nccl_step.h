@@ -6,7 +6,8 @@
 // group: an fp32 gradient straight into the step's backend buffer when the step takes device
 // gradients, anything else into a device buffer of its own and from there into the step
 // (TakeDeviceGradient). A replay receives them too (the client sends them) and drops them.
-// NcclParameterSink sends the parameters after the step in one group (nothing for a prepare).
+// NcclParameterSink sends the parameters after the step in one group (nothing for a prepare), put
+// into send buffers from the masters on the device when the step left them there.
 // Transfers end by `deadline`: past it the channel is aborted and the step fails, so a trainer that
 // vanished never holds the daemon. One step, one thread; the caller holds the channel's `busy`.
 #pragma once
@@ -47,12 +48,14 @@ class NcclGradientSource final : public GradientSource {
 
 class NcclParameterSink final : public ParameterSink {
  public:
-  NcclParameterSink(kernels::Backend* backend, NcclChannel* channel, std::vector<TensorRef> refs, absl::Time deadline)
-      : backend_(backend), channel_(channel), refs_(std::move(refs)), deadline_(deadline) {}
+  NcclParameterSink(const session::Session* session, kernels::Backend* backend, NcclChannel* channel,
+                    std::vector<TensorRef> refs, absl::Time deadline)
+      : session_(session), backend_(backend), channel_(channel), refs_(std::move(refs)), deadline_(deadline) {}
   absl::Status Send(const session::StepOutcome& outcome) override;
   const v1::StepResult& result() const { return result_; }
 
  private:
+  const session::Session* const session_;
   kernels::Backend* const backend_;
   NcclChannel* const channel_;
   const std::vector<TensorRef> refs_;

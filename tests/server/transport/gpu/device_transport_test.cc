@@ -109,6 +109,7 @@ session::StepOutcome HostStep(session::Session& session, session::StepRequest re
   tensors[1].values.resize(b.size());
   tensors[1].sum_squares = DecodeSumSquares(dtype, absl::string_view(bb), std::span<float>(tensors[1].values));
   tensors[1].received = static_cast<int64_t>(b.size());
+  request.device_answer = false;  // answered from the host, as a journal replay is
   return session.ApplyJournaledStep(std::move(request), std::move(tensors)).value();
 }
 
@@ -250,10 +251,12 @@ TEST(CudaIpcStepTest, GradientsInAndParametersOutOfTheRegionInTheirDtypes) {
     std::memcpy(base + w_bytes, bb.data(), bb.size());
     session::StepRequest request;
     request.step = k;
+    request.device_answer = k != 2;  // step 2 answers from a host copy, as after a failed read-back
     CudaIpcGradientSource source(device_like.get(),
                                  {place(0, 0, v1::DTYPE_BF16, 16 * 24), place(1, w_bytes, v1::DTYPE_FP32, 24)});
-    CudaIpcParameterSink sink(device_like.get(),
-                              {place(0, 0, v1::DTYPE_FP32, 16 * 24), place(1, w_bytes, v1::DTYPE_FP32, 24)});
+    // w goes back in bf16 from its fp32 master (narrowed on the device), b in fp32.
+    CudaIpcParameterSink sink(ipc.get(), device_like.get(),
+                              {place(0, 0, v1::DTYPE_BF16, 16 * 24), place(1, w_bytes, v1::DTYPE_FP32, 24)});
     ASSERT_OK(RunStep(*ipc, request, source, sink, *metrics::NoMetrics()));
     EXPECT_EQ(waits, k) << "one wait on the client's event per region and step";
     EXPECT_EQ(source.bytes_received(), static_cast<int64_t>(wb.size() + bb.size()));
@@ -261,18 +264,22 @@ TEST(CudaIpcStepTest, GradientsInAndParametersOutOfTheRegionInTheirDtypes) {
 
     session::StepOutcome expected = HostStep(*host, request, v1::DTYPE_FP32, Decoded(v1::DTYPE_BF16, wb), b);
     const auto want = session::CopyValues(*expected.parameters);
-    std::vector<float> got_w(16 * 24), got_b(24);
-    std::memcpy(got_w.data(), base, w_bytes);
+    std::vector<float> got_b(24);
     std::memcpy(got_b.data(), base + w_bytes, b_bytes);
-    EXPECT_EQ(got_w, want[0]) << "step " << k;
+    EXPECT_EQ(std::string(base, 16 * 24 * 2), Encoded(v1::DTYPE_BF16, want[0])) << "step " << k;
     EXPECT_EQ(got_b, want[1]) << "step " << k;
+    int64_t last = 0;
+    // Asked for afterwards, the parameters are read back from the device.
+    const auto read_back = ipc->Parameters(&last);
+    EXPECT_FALSE(read_back->on_device);
+    EXPECT_EQ(session::CopyValues(*read_back), want) << "step " << k;
   }
   // A replay (the answer was lost) reads nothing and writes the parameters again.
   std::memset(base, 0, w_bytes + b_bytes);
   session::StepRequest again;
   again.step = 3;
   CudaIpcGradientSource source(device_like.get(), {place(0, 0, v1::DTYPE_BF16, 16 * 24)});
-  CudaIpcParameterSink sink(device_like.get(),
+  CudaIpcParameterSink sink(ipc.get(), device_like.get(),
                             {place(0, 0, v1::DTYPE_FP32, 16 * 24), place(1, w_bytes, v1::DTYPE_FP32, 24)});
   ASSERT_OK(RunStep(*ipc, again, source, sink, *metrics::NoMetrics()));
   EXPECT_TRUE(sink.result().replayed());
@@ -282,6 +289,48 @@ TEST(CudaIpcStepTest, GradientsInAndParametersOutOfTheRegionInTheirDtypes) {
   std::vector<float> got_b(24);
   std::memcpy(got_b.data(), base + w_bytes, b_bytes);
   EXPECT_EQ(got_b, now[1]);
+}
+
+// Answers from 16-bit masters on the device: in their own format (bytes), widened, and converted to
+// the other 16-bit format; refused once the masters have moved on.
+TEST(CudaIpcStepTest, SixteenBitMastersAnswerInEveryDtype) {
+  auto device_like = kernels::NewCpuBackend(1, /*host_addressable=*/false);
+  v1::SessionSpec spec = Spec();
+  spec.mutable_groups(0)->mutable_options()->set_master_dtype("fp16");
+  spec.mutable_groups(1)->mutable_options()->set_master_dtype("bf16");
+  std::unique_ptr<session::Session> session =
+      session::Session::Create("sixteen", rpc::ParseSessionSpec(spec, session::SpecLimits{}).value(), device_like.get())
+          .value();
+  std::vector<HostTensor> initial(2);
+  initial[0].values = Values(16 * 24, 1.0f);
+  initial[0].received = 16 * 24;
+  initial[1].values = Values(24, 2.0f);
+  initial[1].received = 24;
+  ASSERT_OK(session->Upload(std::move(initial)));
+  session::StepRequest request;
+  request.step = 1;
+  request.device_answer = true;
+  ASSERT_OK_AND_ASSIGN(session::StepOutcome outcome,
+                       DeviceStep(*session, *device_like, request, v1::DTYPE_FP32, Values(16 * 24, 0.3f),
+                                  Values(24, 0.6f), true));
+  ASSERT_TRUE(outcome.result.applied) << outcome.result.skip_reason;
+  ASSERT_TRUE(outcome.parameters->on_device);
+  const std::shared_ptr<const session::ParameterSnapshot> on_device = outcome.parameters;
+  int64_t last = 0;
+  const auto masters = session::CopyValues(*session->Parameters(&last));  // widened exactly
+  for (const v1::DType dtype : {v1::DTYPE_FP32, v1::DTYPE_BF16, v1::DTYPE_FP16}) {
+    for (size_t p = 0; p < 2; ++p) {
+      std::string out(masters[p].size() * wire::ElementSize(dtype), '\0');
+      ASSERT_OK(session->CopyParameterOnDevice(*on_device, p, StorageOf(dtype), out.data()));
+      EXPECT_EQ(out, Encoded(dtype, masters[p])) << wire::DTypeName(dtype) << " parameter " << p;
+    }
+  }
+  request.step = 2;
+  ASSERT_OK(DeviceStep(*session, *device_like, request, v1::DTYPE_FP32, Values(16 * 24, 0.4f), Values(24, 0.7f), true)
+                .status());
+  std::string out(24 * 4, '\0');
+  EXPECT_EQ(session->CopyParameterOnDevice(*on_device, 1, kernels::StorageDtype::kFp32, out.data()).code(),
+            absl::StatusCode::kAborted);
 }
 
 // A channel whose peer's sends are queued byte strings, and whose sends are kept.
@@ -341,10 +390,11 @@ TEST(NcclStepTest, ReceivesInOrderSendsEveryParameterAndAReplayDrainsTheGradient
     queue->sent.clear();
     session::StepRequest request;
     request.step = k == 3 ? 2 : k;  // the third is a replay of step 2
+    request.device_answer = true;
     NcclGradientSource source(device_like.get(), &channel, ResolveNcclTensors(config, grads, "gradients", false).value(),
                               deadline);
-    NcclParameterSink sink(device_like.get(), &channel, ResolveNcclTensors(config, params, "parameters", true).value(),
-                           deadline);
+    NcclParameterSink sink(nccl.get(), device_like.get(), &channel,
+                           ResolveNcclTensors(config, params, "parameters", true).value(), deadline);
     ASSERT_OK(RunStep(*nccl, request, source, sink, *metrics::NoMetrics()));
     EXPECT_TRUE(queue->incoming.empty()) << "every gradient is received, a replay's too";
     ASSERT_EQ(queue->sent.size(), 2u);
