@@ -12,5 +12,6 @@ MUOND=
 for candidate in "$BUILD/muond" "$BUILD/bin/muond"; do [[ -x $candidate ]] && MUOND=$candidate && break; done
 [[ -n $MUOND ]] || { echo "cannot find muond under $BUILD (cmake --build $BUILD --target muond)" >&2; exit 1; }
 PYTHON=${PYTHON:-python3}
-export PYTHONPATH="$HERE/../python:$BUILD/python${PYTHONPATH:+:$PYTHONPATH}"
+# A PYTHONPATH given (a bundle's package with its stubs) comes first.
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$HERE/../python:$BUILD/python"
 exec "$PYTHON" "$HERE/gpu_transport_bench.py" --binary "$MUOND" "$@"

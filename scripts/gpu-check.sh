@@ -11,9 +11,11 @@
 #   scripts/gpu-check.sh run [OUT]        on the GPU machine, from the repository root: unpacks
 #                                         .gpu/, then runs, each into its own log under OUT
 #                                         (default gpu-check-out): the CUDA backend tests and the
-#                                         conformance suite, the GPU daemon test, the Python SDK
-#                                         tests against a --backend cuda daemon, and the
-#                                         benchmarks with torch beside them. Every step runs even
+#                                         conformance suite, the GPU daemon test, the CUDA IPC and
+#                                         NCCL primitives and the C++ client's CUDA IPC steps, the
+#                                         Python SDK tests against a --backend cuda daemon (GPU
+#                                         transports included), and the benchmarks with torch
+#                                         beside them (the GPU transports' too). Every step runs even
 #                                         when an earlier one fails; the summary lists each exit
 #                                         status, and the script exits 1 if any failed.
 set -uo pipefail
@@ -26,7 +28,7 @@ bundle() {
   local bundler=${GPU_BUNDLE:-$ROOT/../shared/tools/gpu-bundle.sh}
   [[ -x $bundler ]] || { echo "gpu-check: no bundler at $bundler (set GPU_BUNDLE)" >&2; exit 2; }
   local programs=(muond libmuond_cuda.so cuda_backend_test backend_conformance_test integration_test
-                  ns_bench step_bench elementwise_bench)
+                  cuda_peer_test cuda_ipc_integration_test ns_bench step_bench elementwise_bench)
   local files=()
   for p in "${programs[@]}"; do
     [[ -e $build/$p ]] || { echo "gpu-check: $build/$p is missing: build it first (cmake --build $build)" >&2; exit 2; }
@@ -74,17 +76,21 @@ run() {
   step cuda-backend-tests kernels.log "$GPU_DIR/bin/cuda_backend_test" --gtest_brief=1
   step conformance kernels.log "$GPU_DIR/bin/backend_conformance_test" --gtest_brief=1
   step gpu-daemon daemon.log "$GPU_DIR/bin/integration_test" --gtest_filter='*GpuDaemon*'
+  step cuda-peer kernels.log "$GPU_DIR/bin/cuda_peer_test" --gtest_brief=1
+  step cuda-ipc-client daemon.log "$GPU_DIR/bin/cuda_ipc_integration_test"
   # The carried pytest comes last on the path: the machine's own is used when it has one.
   step python-sdk-cuda python.log env MUOND_TEST_BACKEND=cuda PYTHONPATH="$GPU_DIR/python:$GPU_DIR/pytest" \
     "$python" -m pytest "$ROOT/tests/python" -q -p no:cacheprovider -m "not ops"
   step ns-bench bench.log "$ROOT/bench/run_ns_bench.sh" --build "$GPU_DIR/bin"
   step elementwise-fp32 bench.log "$GPU_DIR/bin/elementwise_bench" --backend cuda
   step elementwise-bf16 bench.log "$GPU_DIR/bin/elementwise_bench" --backend cuda --state-dtype bf16
+  step gpu-transport-bench bench.log env PYTHONPATH="$GPU_DIR/python" PYTHON="$python" \
+    "$ROOT/bench/run_gpu_transport_bench.sh" --build "$GPU_DIR/bin"
   ! grep -q 'exit [1-9]' "$summary"
 }
 
 case "${1:-}" in
   bundle) shift; bundle "$@" ;;
   run) shift; run "$@" ;;
-  *) sed -n '2,19p' "$0"; exit 2 ;;
+  *) sed -n '2,20p' "$0"; exit 2 ;;
 esac

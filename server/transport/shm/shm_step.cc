@@ -7,7 +7,7 @@
 #include "proto/wire/dtype_codec.h"
 #include "server/transport/grpc/api_conversion.h"
 #include "server/transport/grpc/tensor_assembler.h"
-#include "server/transport/tensor_refs.h"
+#include "server/transport/grpc/tensor_refs.h"
 
 namespace muond::transport {
 

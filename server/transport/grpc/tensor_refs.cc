@@ -1,4 +1,4 @@
-#include "server/transport/tensor_refs.h"
+#include "server/transport/grpc/tensor_refs.h"
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
