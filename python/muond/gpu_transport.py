@@ -19,6 +19,7 @@ An explicit choice that does not fit is a RuntimeError naming the transport and 
 
 from __future__ import annotations
 
+import os
 from typing import Iterable, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -82,13 +83,21 @@ def _reasons(transport: str, info, here: Here, endpoint: str) -> List[str]:
             why.append("the daemon has no NCCL (ServerInfo.nccl_version is 0)")
         if here.device is not None and here.nccl_version <= 0:
             why.append("this process cannot load NCCL (libnccl.so.2)")
-        if here.device is not None and _same_uuid(here.uuid, daemon_uuid):
+        if (here.device is not None and _same_uuid(here.uuid, daemon_uuid)
+                and not several_ranks_per_gpu(min(here.nccl_version,
+                                                  getattr(info, "nccl_version", 0)))):
             why.append(f"the daemon computes on this process's own GPU ({daemon_uuid}), and NCCL "
                        f"refuses two ranks on one GPU (\"Duplicate GPU detected\"); "
                        f"transport='auto' uses cuda_ipc there")
     if here.device is None:
         why.append(here.why_no_device or "the parameters are not on a CUDA device")
     return why
+
+
+def several_ranks_per_gpu(nccl_version: int) -> bool:
+    """Whether NCCL puts two ranks on one GPU: 2.30 and later with NCCL_MULTI_RANK_GPU_ENABLE=1 (in
+    both processes' environments); earlier versions refuse ("Duplicate GPU detected")."""
+    return nccl_version >= 23000 and os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1"
 
 
 def _same_uuid(a: str, b: str) -> bool:

@@ -58,11 +58,6 @@ def dtype_name(value: DTypeLike) -> str:
     return name
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a wire dtype name ("fp32", "bf16", "fp16")."""
-    return _TORCH[name]
-
-
 def dtype_enum(name: str) -> int:
     """The ``muond.v1.DType`` value of a canonical dtype name."""
     return _ENUM[name]

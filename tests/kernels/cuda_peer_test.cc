@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <iterator>
 #include <memory>
@@ -110,7 +111,17 @@ int RunIpcChild() {
 constexpr size_t kRangeBytes[] = {1000, 3000, 17};
 
 #ifdef MUOND_HAVE_NCCL
-// Joins the parent's channel as rank 1 on device 1, sends ranges filled with BytePattern(·, 1),
+// Whether NCCL may put both ranks on one GPU: NCCL 2.30 and later do with
+// NCCL_MULTI_RANK_GPU_ENABLE=1; earlier ones refuse ("Duplicate GPU detected").
+bool SeveralRanksPerGpu() {
+  int version = 0;
+  const char* enabled = std::getenv("NCCL_MULTI_RANK_GPU_ENABLE");
+  return ncclGetVersion(&version) == ncclSuccess && version >= 23000 && enabled != nullptr &&
+         std::string(enabled) == "1";
+}
+
+// Joins the parent's channel as rank 1 on device 1 (device 0 when NCCL allows several ranks on one
+// GPU and there is one), sends ranges filled with BytePattern(·, 1),
 // receives the parent's (BytePattern(·, 2)) and checks them.
 int RunNcclChild() {
   const std::string id_hex = Hear();
@@ -118,7 +129,9 @@ int RunNcclChild() {
   if (id_bytes.size() != sizeof(ncclUniqueId)) return ChildFail("bad id");
   ncclUniqueId id;
   std::memcpy(&id, id_bytes.data(), sizeof(id));
-  CHILD_CUDA(cudaSetDevice(1));
+  int devices = 0;
+  CHILD_CUDA(cudaGetDeviceCount(&devices));
+  CHILD_CUDA(cudaSetDevice(devices >= 2 ? 1 : 0));
   cudaStream_t stream = nullptr;
   CHILD_CUDA(cudaStreamCreate(&stream));
   ncclComm_t comm = nullptr;
@@ -349,8 +362,10 @@ TEST_F(CudaPeerTest, ChannelExchangesBytesWithAPeerOnAnotherGpu) {
   GTEST_SKIP() << "built without NCCL";
 #else
   int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < 2) {
-    GTEST_SKIP() << "needs two CUDA devices (NCCL puts no two ranks on one GPU); " << devices << " visible";
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || (devices < 2 && !SeveralRanksPerGpu())) {
+    GTEST_SKIP() << "needs two CUDA devices, or one with NCCL >= 2.30 and NCCL_MULTI_RANK_GPU_ENABLE=1 (NCCL "
+                    "puts no two ranks on one GPU otherwise); "
+                 << devices << " visible";
   }
   ASSERT_OK_AND_ASSIGN(NcclUniqueId id, backend_->NewNcclUniqueId());
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<PeerChannel> channel, backend_->OpenPeerChannel(id));

@@ -29,7 +29,8 @@ GPU_REASON = "needs a CUDA GPU and a daemon on the cuda backend"
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason=GPU_REASON)
 needs_two_gpus = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-    reason="needs 2 CUDA GPUs and a daemon on the cuda backend (NCCL refuses two ranks on one GPU)")
+    reason="needs 2 CUDA GPUs and a daemon on the cuda backend (NCCL refuses two ranks on one GPU "
+           "before 2.30, and without NCCL_MULTI_RANK_GPU_ENABLE=1)")
 
 
 # -- without a GPU: the real daemon (CPU backend here) -------------------------------------------
@@ -492,3 +493,15 @@ def test_nccl_steps_equal_grpc_steps(cuda_daemon):
     _train_side_by_side(daemon.endpoint, "nccl", device="cuda:0", exact=True)
     _train_side_by_side(daemon.endpoint, "nccl", device="cuda:0", wire_dtype="bf16",
                         max_grad_norm=0.5)
+
+
+def _nccl_allows_one_gpu() -> bool:
+    return torch.cuda.is_available() and gpu_transport.several_ranks_per_gpu(nccl.local_version())
+
+
+@pytest.mark.skipif(not _nccl_allows_one_gpu(),
+                    reason="needs a CUDA GPU with NCCL >= 2.30 and NCCL_MULTI_RANK_GPU_ENABLE=1 "
+                           "(both ranks on one GPU)")
+def test_nccl_steps_on_one_gpu_equal_grpc_steps(cuda_daemon):
+    daemon, _ = cuda_daemon()
+    _train_side_by_side(daemon.endpoint, "nccl", device="cuda:0", exact=True)
