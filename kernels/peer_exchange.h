@@ -8,9 +8,11 @@
 // this backend's device (cudaIpcOpenMemHandle, lazy peer access) and closed when destroyed. Its
 // pointer is a device pointer of this backend: the backend's primitives (CopyOnDevice, Widen,
 // Narrow, CopyBytes) read and write it like their own buffers.
-// PeerEvent: an interprocess event another process exported (cudaIpcGetEventHandle); OrderAfter
-// makes everything the backend enqueues next wait, on the device, for the peer's latest record of
-// it — no host round trip.
+// PeerEvent: an interprocess event another process exported (cudaIpcGetEventHandle); Await returns
+// once the peer's latest record of it has completed, so everything the backend enqueues afterwards
+// follows the peer's work. It polls the event from the host (once per step, never per tensor) rather
+// than making the backend's stream wait on it: the stream is shared by every session, and a peer
+// whose work never completes must fail its own step at the deadline, not stall the daemon.
 // PeerChannel: a two-rank NCCL communicator between this backend (rank 0) and one peer (rank 1),
 // created non-blocking; Receive and Send move lists of byte ranges in one group each (uint8 counts,
 // so both ends always agree on datatype and count), on a stream ordered with the backend's work, and
@@ -49,9 +51,9 @@ class PeerMemory {
 class PeerEvent {
  public:
   virtual ~PeerEvent() = default;
-  // The backend's work enqueued after this returns starts once the peer's last record of the event
-  // (before this call) has completed.
-  virtual absl::Status OrderAfter() = 0;
+  // OK once the peer's last record of the event (before this call) has completed; DEADLINE_EXCEEDED
+  // naming the event when it has not by `deadline`.
+  virtual absl::Status Await(absl::Time deadline) = 0;
 };
 
 // A piece of device memory a PeerChannel moves.

@@ -120,6 +120,7 @@ class NcclChannel final : public PeerChannel {
   cudaStream_t stream_ = nullptr;
   cudaEvent_t ordered_ = nullptr;  // recorded on the backend's stream; stream_ waits for it
   cudaEvent_t done_ = nullptr;     // recorded on stream_ after each group
+  cudaEvent_t fence_ = nullptr;    // recorded on stream_ by an abort; the backend's stream waits for it
   bool ready_ = false;             // set-up completed (the stepping thread's)
   bool healthy_ = false;           // ready and no transfer left unfinished (the stepping thread's)
 
@@ -148,6 +149,7 @@ absl::StatusOr<std::unique_ptr<PeerChannel>> NcclChannel::Open(CudaBackend* back
   MUOND_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&channel->stream_, cudaStreamNonBlocking));
   MUOND_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&channel->ordered_, cudaEventDisableTiming));
   MUOND_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&channel->done_, cudaEventDisableTiming));
+  MUOND_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&channel->fence_, cudaEventDisableTiming));
   ncclUniqueId nccl_id;
   std::memcpy(&nccl_id, id.data(), sizeof(nccl_id));
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
@@ -187,6 +189,7 @@ NcclChannel::~NcclChannel() {
   // Aborting stopped NCCL's kernels, so nothing on the stream waits for the peer any longer; CUDA
   // frees the stream and events once their pending work is done.
   if (done_ != nullptr) cudaEventDestroy(done_);
+  if (fence_ != nullptr) cudaEventDestroy(fence_);
   if (ordered_ != nullptr) cudaEventDestroy(ordered_);
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
 }
@@ -197,6 +200,14 @@ void NcclChannel::AbortLocked() {
   cudaSetDevice(device_);
   ncclCommAbort(comm_);
   comm_ = nullptr;
+  // Aborting stops NCCL's kernels, but those in flight may still write into buffers the caller
+  // hands back to the backend: the backend's later work waits for them (on the device).
+  if (stream_ != nullptr && fence_ != nullptr && cudaEventRecord(fence_, stream_) == cudaSuccess) {
+    backend_->OnStream([this](cudaStream_t stream) {
+      return CudaStatus(cudaStreamWaitEvent(stream, fence_, 0), "fencing an aborted NCCL channel");
+    }).IgnoreError();
+  }
+  cudaGetLastError();
 }
 
 ncclResult_t NcclChannel::State(bool* gone) {
@@ -320,6 +331,9 @@ absl::Status NcclChannel::Transfer(bool receive, std::span<const ByteRange> rang
     return CudaStatus(error, "cudaEventRecord on the NCCL channel's stream");
   }
   MUOND_RETURN_IF_ERROR(AwaitTransfer(what, deadline));
+  // An abort from another thread (the channel closed, its session closed) also ends the kernels,
+  // which completes `done_` with the transfer unfinished.
+  if (aborted_.load()) return Refused(what);
   healthy_ = true;
   return absl::OkStatus();
 }

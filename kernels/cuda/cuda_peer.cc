@@ -7,8 +7,8 @@
 // size is checked with the driver's cuMemGetAddressRange, obtained through the runtime
 // (cudaGetDriverEntryPointByVersion) so that libmuond_cuda.so does not link libcuda.so.1 and still
 // loads, to report that there is no driver, on a machine without one.
-// IpcEvent: another process's interprocess event (cudaIpcOpenEventHandle); OrderAfter makes the
-// backend's stream wait for it.
+// IpcEvent: another process's interprocess event (cudaIpcOpenEventHandle); Await polls it from the
+// host until the client's recorded work is done (the backend's shared stream never waits on it).
 //
 // Ownership: the caller owns each object, which must not outlive its backend.
 // Thread-safety: both only touch the backend through CudaBackend::OnStream (its mutex), so either
@@ -17,6 +17,7 @@
 #include <cudaTypedefs.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -26,6 +27,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "common/status_macros.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/cuda_status.h"
@@ -112,7 +115,6 @@ class IpcEvent final : public PeerEvent {
  public:
   IpcEvent(CudaBackend* backend, cudaEvent_t event) : backend_(backend), event_(event) {}
   ~IpcEvent() override {
-    // A wait already enqueued on the event still completes: CUDA releases it afterwards.
     backend_->OnStream([this](cudaStream_t) {
       cudaEventDestroy(event_);
       return absl::OkStatus();
@@ -121,10 +123,27 @@ class IpcEvent final : public PeerEvent {
   IpcEvent(const IpcEvent&) = delete;
   IpcEvent& operator=(const IpcEvent&) = delete;
 
-  absl::Status OrderAfter() override {
-    return backend_->OnStream([this](cudaStream_t stream) {
-      return CudaStatus(cudaStreamWaitEvent(stream, event_, 0), "cudaStreamWaitEvent on the peer's event");
-    });
+  absl::Status Await(absl::Time deadline) override {
+    // Polled without the backend's lock: other sessions' work goes on meanwhile. 20 µs between polls
+    // at first, doubling to 1 ms.
+    absl::Duration pause = absl::Microseconds(20);
+    for (;;) {
+      cudaError_t state = cudaSuccess;
+      MUOND_RETURN_IF_ERROR(backend_->OnStream([&](cudaStream_t) {
+        state = cudaEventQuery(event_);
+        if (state != cudaSuccess && state != cudaErrorNotReady) cudaGetLastError();
+        return absl::OkStatus();
+      }));
+      if (state == cudaSuccess) return absl::OkStatus();
+      if (state != cudaErrorNotReady) return CudaStatus(state, "event_handle: querying the client's event");
+      if (absl::Now() >= deadline) {
+        return absl::DeadlineExceededError(
+            "event_handle: the work the client recorded its event after (writing the gradients) did not complete "
+            "by the step's deadline; nothing was applied");
+      }
+      absl::SleepFor(pause);
+      pause = std::min(pause * 2, absl::Milliseconds(1));
+    }
   }
 
  private:
@@ -157,7 +176,12 @@ absl::StatusOr<std::unique_ptr<PeerMemory>> CudaBackend::OpenPeerMemory(std::str
   }));
   // From here on the destructor closes the handle, also when the size is refused.
   auto memory = std::make_unique<IpcMemory>(this, data);
-  MUOND_ASSIGN_OR_RETURN(const uint64_t available, BytesFrom(data));
+  absl::StatusOr<uint64_t> range = BytesFrom(data);
+  if (!range.ok()) {
+    return absl::Status(range.status().code(),
+                        absl::StrCat("mem_handle: cannot size the opened allocation: ", range.status().message()));
+  }
+  const uint64_t available = *range;
   if (available < byte_size) {
     return absl::InvalidArgumentError(absl::StrCat("byte_size: ", byte_size,
                                                    " bytes, but the peer's allocation holds ", available));

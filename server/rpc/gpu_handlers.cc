@@ -20,7 +20,16 @@ grpc::Status MuondService::RegisterCudaMemory(grpc::ServerContext* context, cons
     MUOND_ASSIGN_OR_RETURN(transport::CudaMemoryRegions * regions, CudaRegions());
     MUOND_RETURN_IF_ERROR(session::CheckSessionId(request->session_id(), "session_id"));
     MUOND_RETURN_IF_ERROR(registry_->Find(request->session_id(), caller).status());
+    if (request->device() < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("device: a CUDA device ordinal, got ", request->device()));
+    }
     MUOND_ASSIGN_OR_RETURN(uint64_t bytes, regions->Register(caller, *request));
+    // Closed meanwhile: what CloseSession dropped did not include this.
+    if (!registry_->Find(request->session_id(), caller).ok()) {
+      regions->DropSession(request->session_id());
+      return absl::NotFoundError(absl::StrCat("session_id: session '", request->session_id(),
+                                              "' was closed while its CUDA memory was registered"));
+    }
     response->set_byte_size(bytes);
     return absl::OkStatus();
   });
@@ -52,8 +61,10 @@ grpc::Status MuondService::StepCuda(grpc::ServerContext* context, const v1::Step
     MUOND_ASSIGN_OR_RETURN(std::vector<transport::CudaTensorPlace> parameters,
                            transport::ResolveCudaTensors(session->config(), *regions, caller, session->id(),
                                                          request->parameters(), "parameters", /*require_all=*/true));
-    transport::CudaIpcGradientSource source(backend_, std::move(gradients));
-    transport::CudaIpcParameterSink sink(session.get(), backend_, std::move(parameters));
+    // The client's event must complete by the call's deadline.
+    const absl::Time deadline = CallDeadline(*context);
+    transport::CudaIpcGradientSource source(backend_, std::move(gradients), deadline);
+    transport::CudaIpcParameterSink sink(session.get(), backend_, std::move(parameters), deadline);
     session::StepRequest step = transport::ToStepRequest(header);
     step.device_answer = true;  // written device to device: nothing read back to the host
     MUOND_RETURN_IF_ERROR(transport::RunStep(*session, std::move(step), source, sink, *options_.metrics));
@@ -75,6 +86,12 @@ grpc::Status MuondService::OpenNcclChannel(grpc::ServerContext* context, const v
     }
     MUOND_ASSIGN_OR_RETURN(transport::NcclChannels::Opened opened,
                            channels->Open(caller, session->id(), request->rank()));
+    // Closed meanwhile: what CloseSession dropped did not include this.
+    if (!registry_->Find(request->session_id(), caller).ok()) {
+      channels->Drop(opened.name);
+      return absl::NotFoundError(absl::StrCat("session_id: session '", request->session_id(),
+                                              "' was closed while its NCCL channel was opened"));
+    }
     response->set_channel(opened.name);
     response->set_unique_id(std::string(reinterpret_cast<const char*>(opened.unique_id.data()), opened.unique_id.size()));
     response->set_nranks(2);
@@ -97,15 +114,23 @@ grpc::Status MuondService::StepNccl(grpc::ServerContext* context, const v1::Step
   return Serve(calls_, context, "StepNccl", [&](const std::string& caller) -> absl::Status {
     MUOND_ASSIGN_OR_RETURN(transport::NcclChannels * channels, NcclChannels());
     const v1::StepHeader& header = request->header();
-    // Whatever fails, the channel goes: the client's transfers may be in flight (docs/transports.md).
-    bool keep_channel = false;
-    absl::Cleanup drop = [&] {
-      if (!keep_channel) channels->Drop(request->channel());
-    };
     MUOND_RETURN_IF_ERROR(session::CheckSessionId(header.session_id(), "header.session_id"));
     MUOND_ASSIGN_OR_RETURN(std::shared_ptr<session::Session> session, registry_->Find(header.session_id(), caller));
     MUOND_ASSIGN_OR_RETURN(std::shared_ptr<transport::NcclChannel> channel,
                            channels->Find(caller, request->channel(), session->id(), "channel"));
+    if (!channel->busy.TryLock()) {
+      // Left alone: the step using it goes on.
+      return absl::FailedPreconditionError(
+          absl::StrCat("channel: another step is using NCCL channel '", request->channel(), "'"));
+    }
+    // From here on this call owns the channel, and whatever fails closes it: the client's transfers
+    // may be in flight (docs/transports.md).
+    bool keep_channel = false;
+    absl::Cleanup release = [&] {
+      channel->last_used = absl::Now();
+      channel->busy.Unlock();
+      if (!keep_channel) channels->Drop(request->channel());
+    };
     if (header.return_dtype() != v1::DTYPE_UNSPECIFIED) {
       return absl::InvalidArgumentError("header.return_dtype: an NCCL step answers in parameters[].dtype");
     }
@@ -113,12 +138,6 @@ grpc::Status MuondService::StepNccl(grpc::ServerContext* context, const v1::Step
       return absl::InvalidArgumentError(absl::StrCat("header.rank: channel '", request->channel(), "' is rank ",
                                                      channel->rank, "'s, not rank ", header.rank(), "'s"));
     }
-    if (!channel->busy.TryLock()) {
-      keep_channel = true;  // the step using it goes on
-      return absl::FailedPreconditionError(
-          absl::StrCat("channel: another step is using NCCL channel '", request->channel(), "'"));
-    }
-    absl::Cleanup release = [&] { channel->busy.Unlock(); };
     const bool prepare = header.phase() == v1::STEP_PHASE_PREPARE;
     MUOND_ASSIGN_OR_RETURN(std::vector<transport::TensorRef> gradients,
                            transport::ResolveNcclTensors(session->config(), request->gradients(), "gradients",
@@ -129,13 +148,12 @@ grpc::Status MuondService::StepNccl(grpc::ServerContext* context, const v1::Step
     if (prepare && !parameters.empty()) {
       return absl::InvalidArgumentError("parameters: a prepare answers no parameters; list none");
     }
-    // The transfers end by the call's deadline, and by --nccl-timeout at the latest.
-    absl::Time deadline = absl::Now() + channels->limits().join_timeout;
-    if (context->deadline() != std::chrono::system_clock::time_point::max()) {
-      deadline = std::min(deadline, absl::FromChrono(context->deadline()));
-    }
-    transport::NcclGradientSource source(backend_, channel.get(), std::move(gradients), deadline);
-    transport::NcclParameterSink sink(session.get(), backend_, channel.get(), std::move(parameters), deadline);
+    // Each transfer ends by the call's deadline, and within --nccl-timeout of its start.
+    const absl::Time call_deadline = CallDeadline(*context);
+    const absl::Duration timeout = channels->limits().join_timeout;
+    transport::NcclGradientSource source(backend_, channel.get(), std::move(gradients), call_deadline, timeout);
+    transport::NcclParameterSink sink(session.get(), backend_, channel.get(), std::move(parameters), call_deadline,
+                                      timeout);
     session::StepRequest step = transport::ToStepRequest(header);
     step.device_answer = true;  // sent from the device: nothing read back to the host
     MUOND_RETURN_IF_ERROR(transport::RunStep(*session, std::move(step), source, sink, *options_.metrics));
@@ -143,6 +161,15 @@ grpc::Status MuondService::StepNccl(grpc::ServerContext* context, const v1::Step
     *response->mutable_result() = sink.result();
     return absl::OkStatus();
   });
+}
+
+absl::Time MuondService::CallDeadline(const grpc::ServerContext& context) const {
+  absl::Time deadline = options_.rpc_timeout > absl::ZeroDuration() ? absl::Now() + options_.rpc_timeout
+                                                                     : absl::InfiniteFuture();
+  if (context.deadline() != std::chrono::system_clock::time_point::max()) {
+    deadline = std::min(deadline, absl::FromChrono(context.deadline()));
+  }
+  return deadline;
 }
 
 absl::StatusOr<transport::CudaMemoryRegions*> MuondService::CudaRegions() const {

@@ -122,6 +122,8 @@ class MuondService final : public v1::Muond::Service {
   // The GPU transports' tables, or FAILED_PRECONDITION when the daemon offers none.
   absl::StatusOr<transport::CudaMemoryRegions*> CudaRegions() const;
   absl::StatusOr<transport::NcclChannels*> NcclChannels() const;
+  // When a call that waits on a peer gives up: its deadline, or --rpc-timeout from now.
+  absl::Time CallDeadline(const grpc::ServerContext& context) const;
   // Chunk size for an answer: the client's wish bounded by the server's limit.
   size_t AnswerChunkBytes(uint32_t requested) const;
 

@@ -370,6 +370,9 @@ absl::StatusOr<StepOutcome> Session::ApplyLocked(const StepPlan& plan, std::vect
                                                  StagedGradients* staged) {
   MUOND_ASSIGN_OR_RETURN(const double grad_scale, GradScaleLocked(plan));
   MUOND_RETURN_IF_ERROR(ReserveQkClipLocked(plan));  // scratch first: nothing after may fail to allocate
+  // A step that is not applied answers with the parameters as they are: on the host, for a transport
+  // that answers from there, even when the last step's answer left them on the device.
+  if (!plan.request.device_answer) MUOND_RETURN_IF_ERROR(HostSnapshotLocked());
   // The step is durable (journal mode) before it changes anything.
   if (persistence_) MUOND_RETURN_IF_ERROR(persistence_->RecordStep(plan.request, gradients));
 

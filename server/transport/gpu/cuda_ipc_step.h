@@ -3,11 +3,14 @@
 //
 // ResolveCudaTensors makes the checks of every out-of-band transport (transport/tensor_refs.h),
 // with offsets aligned to the dtype, against the caller's regions of the stepping session.
-// CudaIpcGradientSource first orders the backend's work after the client's event (recorded once it
-// wrote the gradients), then takes each gradient device to device (TakeDeviceGradient): nothing
-// crosses the host when the step takes device gradients. A replay reads nothing. CudaIpcParameterSink
+// CudaIpcGradientSource first waits for the client's event (recorded once it wrote the gradients;
+// DEADLINE_EXCEEDED at `deadline`, nothing applied), then takes each gradient device to device
+// (TakeDeviceGradient): nothing crosses the host when the step takes device gradients. A replay
+// reads nothing. CudaIpcParameterSink
 // writes the parameters into the regions — device to device when the step left them on the device
-// (StepRequest::device_answer), else from their host copy — and waits until they are there, so the client may read them
+// (StepRequest::device_answer), else from their host copy — after the client's event (so that a
+// replay's answer is not overwritten by gradient copies the client still had in flight), and waits
+// until they are there, so the client may read them
 // as soon as the answer arrives. Both hold their regions until destroyed. One step, one thread.
 #pragma once
 
@@ -15,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/time/time.h"
 #include "google/protobuf/repeated_ptr_field.h"
 #include "kernels/backend.h"
 #include "muond/v1/muond.pb.h"
@@ -31,6 +35,9 @@ struct CudaTensorPlace {
   void* data() const { return static_cast<char*>(region->memory->data()) + ref.offset; }
 };
 
+// Waits for the event of every region `places` name, once each.
+absl::Status AwaitClientEvents(const std::vector<CudaTensorPlace>& places, absl::Time deadline);
+
 absl::StatusOr<std::vector<CudaTensorPlace>> ResolveCudaTensors(
     const session::SessionConfig& config, const CudaMemoryRegions& regions, const std::string& caller,
     const std::string& session_id, const google::protobuf::RepeatedPtrField<v1::SharedTensor>& refs,
@@ -38,21 +45,23 @@ absl::StatusOr<std::vector<CudaTensorPlace>> ResolveCudaTensors(
 
 class CudaIpcGradientSource final : public GradientSource {
  public:
-  CudaIpcGradientSource(kernels::Backend* backend, std::vector<CudaTensorPlace> places)
-      : backend_(backend), places_(std::move(places)) {}
+  CudaIpcGradientSource(kernels::Backend* backend, std::vector<CudaTensorPlace> places, absl::Time deadline)
+      : backend_(backend), places_(std::move(places)), deadline_(deadline) {}
   absl::Status ReadGradients(session::IncomingStep& step) override;
   std::string_view transport() const override { return "cuda_ipc"; }
 
  private:
   kernels::Backend* const backend_;
   const std::vector<CudaTensorPlace> places_;
+  const absl::Time deadline_;
   std::string host_bytes_;
 };
 
 class CudaIpcParameterSink final : public ParameterSink {
  public:
-  CudaIpcParameterSink(const session::Session* session, kernels::Backend* backend, std::vector<CudaTensorPlace> places)
-      : session_(session), backend_(backend), places_(std::move(places)) {}
+  CudaIpcParameterSink(const session::Session* session, kernels::Backend* backend, std::vector<CudaTensorPlace> places,
+                       absl::Time deadline)
+      : session_(session), backend_(backend), places_(std::move(places)), deadline_(deadline) {}
   absl::Status Send(const session::StepOutcome& outcome) override;
   const v1::StepResult& result() const { return result_; }
 
@@ -60,6 +69,7 @@ class CudaIpcParameterSink final : public ParameterSink {
   const session::Session* const session_;
   kernels::Backend* const backend_;
   const std::vector<CudaTensorPlace> places_;
+  const absl::Time deadline_;
   std::string host_bytes_;
   v1::StepResult result_;
 };

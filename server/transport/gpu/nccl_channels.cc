@@ -33,10 +33,11 @@ std::vector<std::shared_ptr<NcclChannel>> NcclChannels::TakeExpiredLocked(absl::
   std::vector<std::shared_ptr<NcclChannel>> expired;
   for (auto it = channels_.begin(); it != channels_.end();) {
     NcclChannel& channel = *it->second;
-    // Only idle channels past their join deadline that still have not joined.
     bool drop = false;
-    if (now > channel.join_deadline && channel.busy.TryLock()) {
-      drop = !channel.peer->Ready(now).ok();
+    if (channel.busy.TryLock()) {  // a step using it is not idle
+      const absl::Time since = channel.last_used == absl::InfinitePast() ? channel.join_deadline - limits_.join_timeout
+                                                                          : channel.last_used;
+      drop = now - since > limits_.join_timeout;
       channel.busy.Unlock();
     }
     if (drop) {
@@ -49,19 +50,46 @@ std::vector<std::shared_ptr<NcclChannel>> NcclChannels::TakeExpiredLocked(absl::
   return expired;
 }
 
-absl::StatusOr<NcclChannels::Opened> NcclChannels::Open(const std::string& caller, const std::string& session_id,
-                                                        int rank) {
-  std::vector<std::shared_ptr<NcclChannel>> expired;
-  absl::Cleanup abort_expired = [&] { AbortAll(expired); };
-  {
-    absl::MutexLock lock(&mu_);
-    if (channels_.size() >= static_cast<size_t>(limits_.max_channels)) expired = TakeExpiredLocked(absl::Now());
-    if (channels_.size() >= static_cast<size_t>(limits_.max_channels)) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "the daemon holds ", channels_.size(), " NCCL channels, its most (--max-nccl-channels); close one "
-          "(CloseNcclChannel) or use the cuda_ipc or grpc transport"));
+std::vector<std::shared_ptr<NcclChannel>> NcclChannels::TakeRankLocked(const std::string& caller,
+                                                                       const std::string& session_id, int rank) {
+  std::vector<std::shared_ptr<NcclChannel>> taken;
+  for (auto it = channels_.begin(); it != channels_.end();) {
+    const NcclChannel& channel = *it->second;
+    if (channel.caller == caller && channel.session_id == session_id && channel.rank == rank) {
+      taken.push_back(std::move(it->second));
+      it = channels_.erase(it);
+    } else {
+      ++it;
     }
   }
+  return taken;
+}
+
+absl::StatusOr<NcclChannels::Opened> NcclChannels::Open(const std::string& caller, const std::string& session_id,
+                                                        int rank) {
+  std::vector<std::shared_ptr<NcclChannel>> dropped;  // aborted outside the lock
+  absl::Cleanup abort_dropped = [&] { AbortAll(dropped); };
+  {
+    absl::MutexLock lock(&mu_);
+    // A rank opens a new channel when its trainer restarted (or its last step failed): the old one
+    // is of no use any more.
+    dropped = TakeRankLocked(caller, session_id, rank);
+    if (channels_.size() + opening_ >= static_cast<size_t>(limits_.max_channels)) {
+      std::vector<std::shared_ptr<NcclChannel>> expired = TakeExpiredLocked(absl::Now());
+      dropped.insert(dropped.end(), expired.begin(), expired.end());
+    }
+    if (channels_.size() + opening_ >= static_cast<size_t>(limits_.max_channels)) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the daemon holds ", channels_.size() + opening_, " NCCL channels, its most (--max-nccl-channels); close "
+          "one (CloseNcclChannel) or use the cuda_ipc or grpc transport"));
+    }
+    ++opening_;
+  }
+  absl::Cleanup opened_or_not = [&] {
+    absl::MutexLock lock(&mu_);
+    --opening_;
+  };
+  AbortAll(dropped);
   MUOND_ASSIGN_OR_RETURN(kernels::NcclUniqueId id, backend_->NewNcclUniqueId());
   auto channel = std::make_shared<NcclChannel>();
   channel->caller = caller;

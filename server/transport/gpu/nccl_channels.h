@@ -3,9 +3,11 @@
 // and joined by the client.
 //
 // Each communicator can hold hundreds of MiB of GPU memory, so at most `max_channels` exist at once
-// (RESOURCE_EXHAUSTED beyond, after dropping channels nobody joined within `join_timeout`). A channel
-// goes when its caller closes it, when its session closes, and after a failed step (Drop: the
-// communicator is aborted, since transfers may be in flight on either side). A step holds the
+// (RESOURCE_EXHAUSTED beyond, after dropping idle channels that no step used within `join_timeout`
+// of their opening or of their last step). A channel goes when its caller closes it, when its
+// session closes, when the same rank of the same session opens a new one (a restarted trainer), and
+// after a failed step (Drop: the communicator is aborted, since transfers may be in flight on either
+// side). A step holds the
 // channel (its `busy` mutex) while it uses it; a second step on a busy channel is refused.
 //
 // Thread-safety: thread-safe. Communicators are aborted and destroyed outside the table's lock.
@@ -32,6 +34,7 @@ struct NcclChannel {
   absl::Time join_deadline;
   std::unique_ptr<kernels::PeerChannel> peer;
   absl::Mutex busy;  // held by the step using the channel
+  absl::Time last_used ABSL_GUARDED_BY(busy) = absl::InfinitePast();  // the end of its last step; past: none yet
 };
 
 struct NcclChannelLimits {
@@ -63,13 +66,17 @@ class NcclChannels {
   size_t size() const;
 
  private:
-  // Channels not joined in time, taken out of the table (aborted by the caller, outside the lock).
+  // Idle channels past their time, taken out of the table (aborted by the caller, outside the lock).
   std::vector<std::shared_ptr<NcclChannel>> TakeExpiredLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The channels of `rank` of `session_id` opened by `caller`, taken out of the table.
+  std::vector<std::shared_ptr<NcclChannel>> TakeRankLocked(const std::string& caller, const std::string& session_id,
+                                                           int rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   kernels::Backend* const backend_;
   const NcclChannelLimits limits_;
   mutable absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<NcclChannel>> channels_ ABSL_GUARDED_BY(mu_);  // by name
+  int opening_ ABSL_GUARDED_BY(mu_) = 0;  // places taken by Open calls not yet filed
 };
 
 }  // namespace muond::transport

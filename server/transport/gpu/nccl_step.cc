@@ -26,7 +26,8 @@ absl::StatusOr<std::vector<TensorRef>> ResolveNcclTensors(const session::Session
 }
 
 absl::Status NcclGradientSource::ReadGradients(session::IncomingStep& step) {
-  MUOND_RETURN_IF_ERROR(channel_->peer->Ready(deadline_));
+  const absl::Time deadline = TransferDeadline(call_deadline_, timeout_);
+  MUOND_RETURN_IF_ERROR(channel_->peer->Ready(deadline));
   // Where each gradient lands: its backend buffer (fp32, a step that takes device gradients), else a
   // buffer of its own.
   std::vector<std::unique_ptr<kernels::DeviceBuffer>> own(refs_.size());
@@ -40,7 +41,7 @@ absl::Status NcclGradientSource::ReadGradients(session::IncomingStep& step) {
       ranges.push_back({own[i]->data(), ref.bytes});
     }
   }
-  MUOND_RETURN_IF_ERROR(channel_->peer->Receive(ranges, deadline_));
+  MUOND_RETURN_IF_ERROR(channel_->peer->Receive(ranges, deadline));
   for (const TensorRef& ref : refs_) bytes_received_ += static_cast<int64_t>(ref.bytes);
   if (step.replay()) return absl::OkStatus();  // applied already: received, and dropped
   for (size_t i = 0; i < refs_.size(); ++i) {
@@ -73,7 +74,7 @@ absl::Status NcclParameterSink::Send(const session::StepOutcome& outcome) {
       buffers.push_back(std::move(buffer));
       bytes_sent_ += static_cast<int64_t>(ref.bytes);
     }
-    MUOND_RETURN_IF_ERROR(channel_->peer->Send(ranges, deadline_));
+    MUOND_RETURN_IF_ERROR(channel_->peer->Send(ranges, TransferDeadline(call_deadline_, timeout_)));
   }
   result_ = ToProto(outcome.result);
   return absl::OkStatus();

@@ -8,10 +8,13 @@
 // (TakeDeviceGradient). A replay receives them too (the client sends them) and drops them.
 // NcclParameterSink sends the parameters after the step in one group (nothing for a prepare), put
 // into send buffers from the masters on the device when the step left them there.
-// Transfers end by `deadline`: past it the channel is aborted and the step fails, so a trainer that
-// vanished never holds the daemon. One step, one thread; the caller holds the channel's `busy`.
+// Each transfer (the gradients in, the parameters out) ends by the call's deadline and within
+// `timeout` of its start — the answer's clock starts after the step, however long the step took
+// (ranks gathering, a checkpoint): past it the channel is aborted and the step fails, so a trainer
+// that vanished never holds the daemon. One step, one thread; the caller holds the channel's `busy`.
 #pragma once
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <vector>
@@ -27,14 +30,21 @@
 
 namespace muond::transport {
 
+// When a transfer starting now must end.
+inline absl::Time TransferDeadline(absl::Time call_deadline, absl::Duration timeout) {
+  return std::min(call_deadline, absl::Now() + timeout);
+}
+
 absl::StatusOr<std::vector<TensorRef>> ResolveNcclTensors(const session::SessionConfig& config,
                                                           const google::protobuf::RepeatedPtrField<v1::NcclTensor>& refs,
                                                           absl::string_view field, bool require_all);
 
 class NcclGradientSource final : public GradientSource {
  public:
-  NcclGradientSource(kernels::Backend* backend, NcclChannel* channel, std::vector<TensorRef> refs, absl::Time deadline)
-      : backend_(backend), channel_(channel), refs_(std::move(refs)), deadline_(deadline) {}
+  NcclGradientSource(kernels::Backend* backend, NcclChannel* channel, std::vector<TensorRef> refs,
+                     absl::Time call_deadline, absl::Duration timeout)
+      : backend_(backend), channel_(channel), refs_(std::move(refs)), call_deadline_(call_deadline),
+        timeout_(timeout) {}
   absl::Status ReadGradients(session::IncomingStep& step) override;
   std::string_view transport() const override { return "nccl"; }
 
@@ -42,15 +52,17 @@ class NcclGradientSource final : public GradientSource {
   kernels::Backend* const backend_;
   NcclChannel* const channel_;
   const std::vector<TensorRef> refs_;
-  const absl::Time deadline_;
+  const absl::Time call_deadline_;
+  const absl::Duration timeout_;
   std::string host_bytes_;
 };
 
 class NcclParameterSink final : public ParameterSink {
  public:
   NcclParameterSink(const session::Session* session, kernels::Backend* backend, NcclChannel* channel,
-                    std::vector<TensorRef> refs, absl::Time deadline)
-      : session_(session), backend_(backend), channel_(channel), refs_(std::move(refs)), deadline_(deadline) {}
+                    std::vector<TensorRef> refs, absl::Time call_deadline, absl::Duration timeout)
+      : session_(session), backend_(backend), channel_(channel), refs_(std::move(refs)),
+        call_deadline_(call_deadline), timeout_(timeout) {}
   absl::Status Send(const session::StepOutcome& outcome) override;
   const v1::StepResult& result() const { return result_; }
 
@@ -59,7 +71,8 @@ class NcclParameterSink final : public ParameterSink {
   kernels::Backend* const backend_;
   NcclChannel* const channel_;
   const std::vector<TensorRef> refs_;
-  const absl::Time deadline_;
+  const absl::Time call_deadline_;
+  const absl::Duration timeout_;
   std::string host_bytes_;
   v1::StepResult result_;
 };

@@ -61,6 +61,10 @@ void SharedMemoryRegions::CloseConnection(uint64_t connection) {
 std::string SharedMemoryRegions::AddLivenessTicket(uint64_t connection) {
   std::string ticket = RandomTicket();
   absl::MutexLock lock(&mu_);
+  // One per connection: asking again answers the same ticket.
+  for (const auto& [existing, owner] : liveness_) {
+    if (owner == connection) return existing;
+  }
   liveness_.emplace(ticket, connection);
   return ticket;
 }

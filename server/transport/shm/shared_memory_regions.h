@@ -57,7 +57,7 @@ class SharedMemoryRegions {
   absl::StatusOr<std::string> AddPending(uint64_t connection, std::shared_ptr<SharedMapping> mapping);
   // Drops the connection's pending tickets and every region it passed, then tells the listeners.
   void CloseConnection(uint64_t connection);
-  // A ticket naming `connection` for as long as it is open.
+  // A ticket naming `connection` for as long as it is open (one per connection: asked again, the same).
   std::string AddLivenessTicket(uint64_t connection);
 
   // The connection a liveness ticket names; NOT_FOUND naming `field` when it names none (never

@@ -165,6 +165,27 @@ TEST(DeviceGradientsTest, ANonFiniteDeviceGradientSkipsTheStepAndChangesNothing)
   EXPECT_EQ(last, 1) << "a skipped step still counts";
 }
 
+TEST(DeviceGradientsTest, ASkippedStepAfterADeviceAnswerAnswersFromTheHost) {
+  auto device_like = kernels::NewCpuBackend(1, /*host_addressable=*/false);
+  auto session = NewSession("mixed", device_like.get());
+  session::StepRequest first;
+  first.step = 1;
+  first.device_answer = true;  // a GPU transport's step
+  ASSERT_OK_AND_ASSIGN(session::StepOutcome on_device, DeviceStep(*session, *device_like, first, v1::DTYPE_FP32,
+                                                                  Values(16 * 24, 0.2f), Values(24, 0.3f), true));
+  ASSERT_TRUE(on_device.parameters->on_device);
+  std::vector<float> w = Values(16 * 24, 0.4f);
+  w[0] = INFINITY;  // skipped
+  session::StepRequest second;
+  second.step = 2;  // over a host transport
+  ASSERT_OK_AND_ASSIGN(session::StepOutcome skipped,
+                       DeviceStep(*session, *device_like, second, v1::DTYPE_FP32, w, Values(24, 0.5f), true));
+  EXPECT_FALSE(skipped.result.applied);
+  ASSERT_FALSE(skipped.parameters->on_device) << "a host transport gets host values";
+  int64_t last = 0;
+  EXPECT_EQ(session::CopyValues(*skipped.parameters), session::CopyValues(*session->Parameters(&last)));
+}
+
 TEST(DeviceGradientsTest, AZeroCountAndSeveralRanksTakeTheHostPath) {
   auto device_like = kernels::NewCpuBackend(1, /*host_addressable=*/false);
   auto session = NewSession("zeros", device_like.get());
@@ -220,7 +241,7 @@ class HostPeerMemory final : public kernels::PeerMemory {
 class CountingPeerEvent final : public kernels::PeerEvent {
  public:
   explicit CountingPeerEvent(int* waits) : waits_(waits) {}
-  absl::Status OrderAfter() override {
+  absl::Status Await(absl::Time) override {
     ++*waits_;
     return absl::OkStatus();
   }
@@ -253,12 +274,14 @@ TEST(CudaIpcStepTest, GradientsInAndParametersOutOfTheRegionInTheirDtypes) {
     request.step = k;
     request.device_answer = k != 2;  // step 2 answers from a host copy, as after a failed read-back
     CudaIpcGradientSource source(device_like.get(),
-                                 {place(0, 0, v1::DTYPE_BF16, 16 * 24), place(1, w_bytes, v1::DTYPE_FP32, 24)});
+                                 {place(0, 0, v1::DTYPE_BF16, 16 * 24), place(1, w_bytes, v1::DTYPE_FP32, 24)},
+                                 absl::InfiniteFuture());
     // w goes back in bf16 from its fp32 master (narrowed on the device), b in fp32.
     CudaIpcParameterSink sink(ipc.get(), device_like.get(),
-                              {place(0, 0, v1::DTYPE_BF16, 16 * 24), place(1, w_bytes, v1::DTYPE_FP32, 24)});
+                              {place(0, 0, v1::DTYPE_BF16, 16 * 24), place(1, w_bytes, v1::DTYPE_FP32, 24)},
+                              absl::InfiniteFuture());
     ASSERT_OK(RunStep(*ipc, request, source, sink, *metrics::NoMetrics()));
-    EXPECT_EQ(waits, k) << "one wait on the client's event per region and step";
+    EXPECT_EQ(waits, 2 * k) << "one wait on the client's event per region, before the gradients and the answer";
     EXPECT_EQ(source.bytes_received(), static_cast<int64_t>(wb.size() + bb.size()));
     ASSERT_TRUE(sink.result().applied());
 
@@ -278,11 +301,14 @@ TEST(CudaIpcStepTest, GradientsInAndParametersOutOfTheRegionInTheirDtypes) {
   std::memset(base, 0, w_bytes + b_bytes);
   session::StepRequest again;
   again.step = 3;
-  CudaIpcGradientSource source(device_like.get(), {place(0, 0, v1::DTYPE_BF16, 16 * 24)});
+  CudaIpcGradientSource source(device_like.get(), {place(0, 0, v1::DTYPE_BF16, 16 * 24)}, absl::InfiniteFuture());
   CudaIpcParameterSink sink(ipc.get(), device_like.get(),
-                            {place(0, 0, v1::DTYPE_FP32, 16 * 24), place(1, w_bytes, v1::DTYPE_FP32, 24)});
+                            {place(0, 0, v1::DTYPE_FP32, 16 * 24), place(1, w_bytes, v1::DTYPE_FP32, 24)},
+                            absl::InfiniteFuture());
+  const int waits_before = waits;
   ASSERT_OK(RunStep(*ipc, again, source, sink, *metrics::NoMetrics()));
   EXPECT_TRUE(sink.result().replayed());
+  EXPECT_EQ(waits, waits_before + 1) << "a replay's answer waits for the client's event too";
   EXPECT_EQ(source.bytes_received(), 0);
   int64_t last = 0;
   const auto now = session::CopyValues(*ipc->Parameters(&last));
@@ -337,7 +363,8 @@ TEST(CudaIpcStepTest, SixteenBitMastersAnswerInEveryDtype) {
 class QueuedPeerChannel final : public kernels::PeerChannel {
  public:
   absl::Status Ready(absl::Time) override { return absl::OkStatus(); }
-  absl::Status Receive(std::span<const kernels::ByteRange> ranges, absl::Time) override {
+  absl::Status Receive(std::span<const kernels::ByteRange> ranges, absl::Time deadline) override {
+    receive_deadline = deadline;
     for (const kernels::ByteRange& range : ranges) {
       if (incoming.empty() || incoming.front().size() != range.bytes) {
         return absl::DataLossError("the peer sent something else");
@@ -347,7 +374,8 @@ class QueuedPeerChannel final : public kernels::PeerChannel {
     }
     return absl::OkStatus();
   }
-  absl::Status Send(std::span<const kernels::ByteRange> ranges, absl::Time) override {
+  absl::Status Send(std::span<const kernels::ByteRange> ranges, absl::Time deadline) override {
+    send_deadline = deadline;
     for (const kernels::ByteRange& range : ranges) sent.emplace_back(static_cast<const char*>(range.data), range.bytes);
     return absl::OkStatus();
   }
@@ -356,6 +384,7 @@ class QueuedPeerChannel final : public kernels::PeerChannel {
 
   std::deque<std::string> incoming;
   std::vector<std::string> sent;
+  absl::Time receive_deadline, send_deadline;
 
  private:
   bool aborted_ = false;
@@ -392,11 +421,14 @@ TEST(NcclStepTest, ReceivesInOrderSendsEveryParameterAndAReplayDrainsTheGradient
     request.step = k == 3 ? 2 : k;  // the third is a replay of step 2
     request.device_answer = true;
     NcclGradientSource source(device_like.get(), &channel, ResolveNcclTensors(config, grads, "gradients", false).value(),
-                              deadline);
+                              deadline, absl::Seconds(60));
     NcclParameterSink sink(nccl.get(), device_like.get(), &channel,
-                           ResolveNcclTensors(config, params, "parameters", true).value(), deadline);
+                           ResolveNcclTensors(config, params, "parameters", true).value(), deadline, absl::Seconds(60));
     ASSERT_OK(RunStep(*nccl, request, source, sink, *metrics::NoMetrics()));
     EXPECT_TRUE(queue->incoming.empty()) << "every gradient is received, a replay's too";
+    // Each transfer has --nccl-timeout from its own start: the answer's clock starts after the step.
+    EXPECT_LT(queue->receive_deadline, absl::Now() + absl::Seconds(60));
+    EXPECT_GE(queue->send_deadline, queue->receive_deadline);
     ASSERT_EQ(queue->sent.size(), 2u);
     int64_t last = 0;
     const auto now = session::CopyValues(*nccl->Parameters(&last));
