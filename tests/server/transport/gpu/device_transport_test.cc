@@ -379,10 +379,14 @@ class QueuedPeerChannel final : public kernels::PeerChannel {
     for (const kernels::ByteRange& range : ranges) sent.emplace_back(static_cast<const char*>(range.data), range.bytes);
     return absl::OkStatus();
   }
-  void Abort() override { aborted_ = true; }
+  void Abort() override {
+    aborted_ = true;
+    if (abort_seen != nullptr) *abort_seen = true;
+  }
   bool aborted() const override { return aborted_; }
 
   std::deque<std::string> incoming;
+  std::shared_ptr<bool> abort_seen;  // outlives the channel: what a test checks after it is gone
   std::vector<std::string> sent;
   absl::Time receive_deadline, send_deadline;
 
@@ -441,6 +445,103 @@ TEST(NcclStepTest, ReceivesInOrderSendsEveryParameterAndAReplayDrainsTheGradient
       EXPECT_TRUE(sink.result().replayed());
     }
   }
+}
+
+// A backend that only opens channels (QueuedPeerChannels), each recorded: what NcclChannels needs.
+class ChannelOnlyBackend final : public kernels::Backend {
+ public:
+  // Whether each channel opened so far was aborted (in opening order).
+  std::vector<std::shared_ptr<bool>> aborted;
+
+  absl::StatusOr<kernels::NcclUniqueId> NewNcclUniqueId() override { return kernels::NcclUniqueId{}; }
+  absl::StatusOr<std::unique_ptr<kernels::PeerChannel>> OpenPeerChannel(const kernels::NcclUniqueId&) override {
+    auto channel = std::make_unique<QueuedPeerChannel>();
+    channel->abort_seen = aborted.emplace_back(std::make_shared<bool>(false));
+    return channel;
+  }
+
+  std::string Name() const override { return "channels"; }
+  std::string Detail() const override { return ""; }
+  MemoryUse Memory() const override { return {}; }
+  absl::StatusOr<std::unique_ptr<kernels::DeviceBuffer>> Allocate(size_t) override { return No(); }
+  absl::Status CopyToDevice(const float*, float*, size_t) override { return No(); }
+  absl::Status CopyToHost(const float*, float*, size_t) override { return No(); }
+  absl::Status CopyOnDevice(const float*, float*, size_t) override { return No(); }
+  absl::Status Fill(float*, size_t, float) override { return No(); }
+  absl::Status Widen(kernels::StorageDtype, const void*, float*, size_t) override { return No(); }
+  absl::Status Narrow(kernels::StorageDtype, const float*, void*, size_t) override { return No(); }
+  absl::Status Gemm(const kernels::GemmShape&, float, const float*, const float*, float, float*,
+                    kernels::MatmulPrecision) override {
+    return No();
+  }
+  absl::Status Transpose2D(const float*, float*, int64_t, int64_t, int64_t) override { return No(); }
+  absl::Status SumSquares(const float*, size_t, size_t, double*) override { return No(); }
+  absl::StatusOr<bool> AllFinite(const float*, size_t) override { return No(); }
+  absl::Status ScaleBatched(float*, size_t, size_t, const float*) override { return No(); }
+  absl::Status Axpby(float, kernels::StoredRef, float, kernels::StoredRef, size_t) override { return No(); }
+  absl::Status Momentum(const kernels::MomentumArgs&, kernels::StoredRef, const float*, float*, size_t) override {
+    return No();
+  }
+  absl::Status AdamW(const kernels::AdamWArgs&, kernels::StoredRef, const float*, kernels::StoredRef,
+                     kernels::StoredRef, size_t) override {
+    return No();
+  }
+  absl::Status Lion(const kernels::LionArgs&, kernels::StoredRef, const float*, kernels::StoredRef, size_t) override {
+    return No();
+  }
+  absl::Status Sgd(const kernels::SgdArgs&, kernels::StoredRef, const float*, kernels::StoredRef, size_t) override {
+    return No();
+  }
+  absl::Status Adamuon(const kernels::AdamuonArgs&, kernels::StoredRef, float*, size_t) override { return No(); }
+  absl::Status CautiousUpdate(const kernels::CautiousArgs&, const float*, kernels::StoredRef, size_t) override {
+    return No();
+  }
+
+ private:
+  static absl::Status No() { return absl::UnimplementedError("this test backend only opens channels"); }
+};
+
+TEST(NcclChannelsTest, ACapOnChannelsAndANewChannelPerRank) {
+  ChannelOnlyBackend backend;
+  NcclChannels channels(&backend, {/*max_channels=*/2, /*join_timeout=*/absl::Hours(1)});
+  ASSERT_OK_AND_ASSIGN(NcclChannels::Opened r0, channels.Open("alice", "s", 0));
+  ASSERT_OK_AND_ASSIGN(NcclChannels::Opened r1, channels.Open("alice", "s", 1));
+  // Rank 0 again (its trainer restarted): the old channel is aborted and replaced.
+  ASSERT_OK_AND_ASSIGN(NcclChannels::Opened r0_again, channels.Open("alice", "s", 0));
+  EXPECT_TRUE(*backend.aborted[0]);
+  EXPECT_EQ(channels.Find("alice", r0.name, "s", "channel").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(channels.size(), 2u);
+  // Full, and no channel idle past the timeout: a third is refused.
+  const absl::Status full = channels.Open("bob", "t", 0).status();
+  EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(full.message(), HasSubstr("--max-nccl-channels"));
+  // Another caller's channel is neither found nor closed by name; nor is one of another session.
+  EXPECT_EQ(channels.Find("bob", r1.name, "s", "channel").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(channels.Close("bob", r1.name).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(channels.Find("alice", r1.name, "t", "channel").status().code(), absl::StatusCode::kFailedPrecondition);
+  ASSERT_OK(channels.Close("alice", r1.name));
+  EXPECT_TRUE(*backend.aborted[1]);
+  channels.DropSession("s");
+  EXPECT_TRUE(*backend.aborted[2]);
+  EXPECT_EQ(channels.size(), 0u);
+  EXPECT_FALSE(r0_again.name.empty());
+}
+
+TEST(NcclChannelsTest, AtTheCapIdleChannelsMakeRoomButNotOneInUse) {
+  ChannelOnlyBackend backend;
+  NcclChannels channels(&backend, {/*max_channels=*/2, /*join_timeout=*/absl::Milliseconds(1)});
+  ASSERT_OK_AND_ASSIGN(NcclChannels::Opened idle, channels.Open("alice", "s", 0));
+  ASSERT_OK_AND_ASSIGN(NcclChannels::Opened used, channels.Open("alice", "s", 1));
+  ASSERT_OK_AND_ASSIGN(std::shared_ptr<NcclChannel> in_use, channels.Find("alice", used.name, "s", "channel"));
+  in_use->busy.Lock();  // a step is using it
+  absl::SleepFor(absl::Milliseconds(5));  // both past the timeout since their opening
+  ASSERT_OK_AND_ASSIGN(NcclChannels::Opened fresh, channels.Open("bob", "t", 0));
+  EXPECT_TRUE(*backend.aborted[0]) << "the idle channel made room";
+  EXPECT_FALSE(*backend.aborted[1]) << "a channel in use never expires";
+  EXPECT_EQ(channels.Find("alice", idle.name, "s", "channel").status().code(), absl::StatusCode::kNotFound);
+  in_use->busy.Unlock();
+  EXPECT_EQ(channels.size(), 2u);
+  EXPECT_FALSE(fresh.name.empty());
 }
 
 TEST(TensorRefsTest, EveryBadReferenceIsRefusedNamingItsField) {
