@@ -3,6 +3,7 @@
 #include <cuda_runtime_api.h>
 #include <unistd.h>
 
+#include <random>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -81,8 +82,7 @@ absl::StatusOr<std::unique_ptr<CudaIpcStepper>> CudaIpcStepper::Create(Client* c
 
 CudaIpcStepper::CudaIpcStepper(Client* client, Session* session, std::unique_ptr<Cuda> cuda,
                                std::map<std::string, uint64_t> slots)
-    : client_(client), session_(session), cuda_(std::move(cuda)), slots_(std::move(slots)),
-      region_name_(absl::StrCat("cuda-", session->id())) {}
+    : client_(client), session_(session), cuda_(std::move(cuda)), slots_(std::move(slots)) {}
 
 CudaIpcStepper::~CudaIpcStepper() {
   if (registered_) {
@@ -91,7 +91,8 @@ CudaIpcStepper::~CudaIpcStepper() {
     v1::UnregisterCudaMemoryRequest request;
     request.set_name(region_name_);
     v1::UnregisterCudaMemoryResponse response;
-    (void)client_->stub().UnregisterCudaMemory(&context, request, &response);  // the socket's close drops it anyway
+    // Best effort: closing the liveness connection (Cuda's destructor) drops it as well.
+    client_->stub().UnregisterCudaMemory(&context, request, &response).ok();
   }
 }
 
@@ -119,6 +120,9 @@ absl::Status CudaIpcStepper::Register() {
   if (absl::Status got = CudaError(cudaIpcGetEventHandle(&event, cuda_->event), "cudaIpcGetEventHandle"); !got.ok()) {
     return got;
   }
+  // A name of its own per registration: an earlier one on this daemon goes with its liveness
+  // connection (closed above), or with the session.
+  region_name_ = absl::StrCat("cuda-", session_->id(), "-", absl::Hex(std::random_device()(), absl::kZeroPad8));
   request.set_name(region_name_);
   request.set_session_id(session_->id());
   request.set_mem_handle(std::string(reinterpret_cast<const char*>(&mem), sizeof(mem)));
@@ -128,20 +132,10 @@ absl::Status CudaIpcStepper::Register() {
   grpc::ClientContext context;
   client_->PrepareContext(context);
   v1::RegisterCudaMemoryResponse response;
-  absl::Status status = FromGrpcStatus(client_->stub().RegisterCudaMemory(&context, request, &response));
-  if (status.code() == absl::StatusCode::kAlreadyExists) {
-    // Ours from an earlier registration on the same daemon: replace it.
-    grpc::ClientContext drop_context;
-    client_->PrepareContext(drop_context);
-    v1::UnregisterCudaMemoryRequest drop;
-    drop.set_name(region_name_);
-    v1::UnregisterCudaMemoryResponse dropped;
-    (void)client_->stub().UnregisterCudaMemory(&drop_context, drop, &dropped);
-    grpc::ClientContext again;
-    client_->PrepareContext(again);
-    status = FromGrpcStatus(client_->stub().RegisterCudaMemory(&again, request, &response));
+  if (absl::Status status = FromGrpcStatus(client_->stub().RegisterCudaMemory(&context, request, &response));
+      !status.ok()) {
+    return status;
   }
-  if (!status.ok()) return status;
   registered_ = true;
   return absl::OkStatus();
 }

@@ -48,6 +48,9 @@ class CudaIpcStepper {
   // `parameters_out` receives its parameter after the step in its dtype (enqueued on the stream:
   // synchronize it before reading on another); parameters not listed stay in the buffer.
   // StepReply::parameters stays empty. StepOptions::parameters_out and return_dtype do not apply.
+  // The name the buffer is registered under now (a new one after each re-registration).
+  const std::string& region_name() const { return region_name_; }
+
   absl::StatusOr<StepReply> Step(int64_t step, std::span<const DeviceTensor> gradients,
                                  std::span<const DeviceTensor> parameters_out, const StepOptions& options = {});
 

@@ -33,6 +33,7 @@ from . import wire
 from ._stubs import pb
 from .client import Connection
 from .errors import MuondError
+from .gpu_transport import GpuLink
 
 _log = logging.getLogger("muond")
 
@@ -83,7 +84,7 @@ class LivenessTicket:
             self._sock = None
 
 
-class CudaIpcLink:
+class CudaIpcLink(GpuLink):
     """The CUDA IPC transport of one session (``names`` with ``sizes`` elements, on CUDA device
     ``device``) on the daemon behind ``conn``."""
 
@@ -92,13 +93,8 @@ class CudaIpcLink:
     def __init__(self, conn: Connection, session_id: str, names: Sequence[str],
                  sizes: Dict[str, int], device: int, *, wire_dtype: str, return_dtype: str,
                  shm_socket: str = ""):
-        self.conn = conn
-        self.session_id = session_id
-        self.names: List[str] = list(names)
-        self.sizes = dict(sizes)
-        self.device = int(device)
-        self.wire_dtype = wire_dtype
-        self.return_dtype = return_dtype
+        super().__init__(conn, session_id, names, sizes, device, wire_dtype=wire_dtype,
+                         return_dtype=return_dtype)
         self.shm_socket = shm_socket
         self._offsets, self._nbytes = slot_layout(self.names, self.sizes)
         self._buffer = None  # cuda_runtime.DeviceBuffer, kept across re-registrations

@@ -20,7 +20,7 @@ An explicit choice that does not fit is a RuntimeError naming the transport and 
 from __future__ import annotations
 
 import os
-from typing import Iterable, List, NamedTuple, Optional, Tuple
+from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -121,3 +121,19 @@ def decide(wanted: str, info, here: Here, endpoint: str = "the daemon") -> List[
         return ["cuda_ipc", "nccl"] if nccl else ["cuda_ipc"]
     same_host = bool(info.host_id) and info.host_id == here.host_id
     return ["nccl"] if nccl and not same_host else []
+
+
+class GpuLink:
+    """What both GPU transports of one session hold: the daemon's connection, the session, its
+    parameters (``names`` in order, ``sizes`` elements each), the CUDA device they live on and the
+    dtypes of gradients and answers."""
+
+    def __init__(self, conn, session_id: str, names: Sequence[str], sizes: Dict[str, int],
+                 device: int, *, wire_dtype: str, return_dtype: str):
+        self.conn = conn
+        self.session_id = session_id
+        self.names: List[str] = list(names)
+        self.sizes = dict(sizes)
+        self.device = int(device)
+        self.wire_dtype = wire_dtype
+        self.return_dtype = return_dtype

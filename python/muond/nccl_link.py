@@ -33,6 +33,7 @@ from . import wire
 from ._stubs import pb
 from .client import Connection
 from .errors import MuondError
+from .gpu_transport import GpuLink
 
 _log = logging.getLogger("muond")
 
@@ -48,7 +49,7 @@ def _failed(future: grpc.Future) -> bool:
         return True
 
 
-class NcclLink:
+class NcclLink(GpuLink):
     """The NCCL transport of one session (``names`` with ``sizes`` elements, on CUDA device
     ``device``; trainer rank ``rank``) on the daemon behind ``conn``."""
 
@@ -57,13 +58,8 @@ class NcclLink:
     def __init__(self, conn: Connection, session_id: str, names: Sequence[str],
                  sizes: Dict[str, int], device: int, *, wire_dtype: str, return_dtype: str,
                  rank: int = 0):
-        self.conn = conn
-        self.session_id = session_id
-        self.names: List[str] = list(names)
-        self.sizes = dict(sizes)
-        self.device = int(device)
-        self.wire_dtype = wire_dtype
-        self.return_dtype = return_dtype
+        super().__init__(conn, session_id, names, sizes, device, wire_dtype=wire_dtype,
+                         return_dtype=return_dtype)
         self.rank = int(rank)
         self.channel = ""
         self._comm = None  # nccl.Communicator

@@ -19,25 +19,9 @@ namespace {
 
 using ::testing::HasSubstr;
 
-v1::SessionSpec Spec() {
-  v1::SessionSpec spec;
-  auto* matrices = spec.add_groups();
-  matrices->set_name("matrices");
-  matrices->mutable_options()->set_optimizer(v1::OPTIMIZER_MUON);
-  auto* vectors = spec.add_groups();
-  vectors->set_name("vectors");
-  vectors->mutable_options()->set_optimizer(v1::OPTIMIZER_ADAMW);
-  auto* w = spec.add_parameters();
-  w->set_name("w");
-  w->add_shape(64);
-  w->add_shape(96);
-  w->set_group("matrices");
-  auto* b = spec.add_parameters();
-  b->set_name("b");
-  b->add_shape(96);
-  b->set_group("vectors");
-  return spec;
-}
+// The integration tests' spec: w (8×4, Muon) and b (4, AdamW).
+v1::SessionSpec Spec() { return DaemonTest::SmallSpec(); }
+constexpr size_t kW = 32, kB = 4;
 
 std::vector<float> Wave(size_t n, float phase) {
   std::vector<float> v(n);
@@ -85,21 +69,21 @@ TEST(CudaIpcStepperTest, TrainsExactlyAsGrpcAndARetryIsAReplay) {
   ASSERT_OK_AND_ASSIGN(auto client, client::Client::Connect(options));
   ASSERT_OK_AND_ASSIGN(auto over_ipc, client->CreateSession("over-ipc", Spec()));
   ASSERT_OK_AND_ASSIGN(auto over_grpc, client->CreateSession("over-grpc", Spec()));
-  const std::vector<float> w0 = Wave(64 * 96, 0.1f), b0 = Wave(96, 0.2f);
-  const std::vector<client::TensorView> initial = {{"w", {64, 96}, w0}, {"b", {96}, b0}};
+  const std::vector<float> w0 = Wave(kW, 0.1f), b0 = Wave(kB, 0.2f);
+  const std::vector<client::TensorView> initial = {{"w", {8, 4}, w0}, {"b", {kB}, b0}};
   ASSERT_OK(over_ipc->UploadParameters(initial));
   ASSERT_OK(over_grpc->UploadParameters(initial));
   ASSERT_OK_AND_ASSIGN(auto stepper, client::CudaIpcStepper::Create(client.get(), over_ipc.get(), 0));
   DeviceVector w_out(w0), b_out(b0);
   for (int step = 1; step <= 5; ++step) {
-    const std::vector<float> gw = Wave(64 * 96, 1.0f + step), gb = Wave(96, 2.0f + step);
+    const std::vector<float> gw = Wave(kW, 1.0f + step), gb = Wave(kB, 2.0f + step);
     DeviceVector dw(gw), db(gb);
-    const std::vector<client::DeviceTensor> grads = {{"w", dw.data, 64 * 96}, {"b", db.data, 96}};
-    const std::vector<client::DeviceTensor> out = {{"w", w_out.data, 64 * 96}, {"b", b_out.data, 96}};
+    const std::vector<client::DeviceTensor> grads = {{"w", dw.data, kW}, {"b", db.data, kB}};
+    const std::vector<client::DeviceTensor> out = {{"w", w_out.data, kW}, {"b", b_out.data, kB}};
     ASSERT_OK_AND_ASSIGN(client::StepReply ipc, stepper->Step(step, grads, out));
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     ASSERT_OK_AND_ASSIGN(client::StepReply grpc,
-                         over_grpc->Step(step, std::vector<client::TensorView>{{"w", {64, 96}, gw}, {"b", {96}, gb}}));
+                         over_grpc->Step(step, std::vector<client::TensorView>{{"w", {8, 4}, gw}, {"b", {kB}, gb}}));
     EXPECT_TRUE(ipc.applied);
     // No clipping: the norm (summed on the device) does not enter the update, which is bit-identical.
     EXPECT_EQ(w_out.Read(), grpc.parameters.at("w")) << "step " << step;
@@ -107,7 +91,7 @@ TEST(CudaIpcStepperTest, TrainsExactlyAsGrpcAndARetryIsAReplay) {
     EXPECT_NEAR(ipc.grad_norm, grpc.grad_norm, 1e-6 * grpc.grad_norm);
     if (step == 5) {
       // The answer was lost: the same step again is a replay with the same parameters.
-      ASSERT_EQ(cudaMemset(w_out.data, 0, 64 * 96 * sizeof(float)), cudaSuccess);
+      ASSERT_EQ(cudaMemset(w_out.data, 0, kW * sizeof(float)), cudaSuccess);
       ASSERT_OK_AND_ASSIGN(client::StepReply again, stepper->Step(step, grads, out));
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       EXPECT_TRUE(again.replayed);
@@ -125,8 +109,8 @@ TEST(CudaIpcStepperTest, TrainsExactlyAsGrpcAndARetryIsAReplay) {
   request.mutable_header()->set_step(6);
   v1::SharedTensor* ref = request.add_gradients();
   ref->set_name("b");
-  ref->set_region("cuda-over-ipc");
-  ref->set_byte_size(95 * 4);
+  ref->set_region(stepper->region_name());
+  ref->set_byte_size(kB * 4 - 4);
   grpc::ClientContext context;
   v1::StepSharedResponse response;
   const grpc::Status daemon = client->stub().StepCuda(&context, request, &response);

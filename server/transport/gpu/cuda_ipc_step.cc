@@ -12,25 +12,15 @@ absl::StatusOr<std::vector<CudaTensorPlace>> ResolveCudaTensors(
     const session::SessionConfig& config, const CudaMemoryRegions& regions, const std::string& caller,
     const std::string& session_id, const google::protobuf::RepeatedPtrField<v1::SharedTensor>& refs,
     absl::string_view field, bool require_all) {
-  std::vector<std::shared_ptr<CudaRegion>> found;  // of each ref, as it is checked
-  MUOND_ASSIGN_OR_RETURN(
-      std::vector<TensorRef> checked,
-      ResolveTensorRefs(
-          config, refs.size(),
-          [&](int i) {
-            const v1::SharedTensor& ref = refs[i];
-            RefFields fields{ref.name(), ref.dtype(), ref.byte_size(), &ref.region(), ref.offset()};
-            fields.aligned = true;
-            return fields;
-          },
-          field, require_all,
-          [&](const std::string& region, const std::string& at) -> absl::StatusOr<uint64_t> {
-            MUOND_ASSIGN_OR_RETURN(std::shared_ptr<CudaRegion> cuda, regions.Find(caller, region, session_id, at));
-            found.push_back(std::move(cuda));
-            return found.back()->memory->size();
-          }));
+  MUOND_ASSIGN_OR_RETURN(auto checked,
+                         ResolveRegionTensors<CudaRegion>(
+                             config, refs, field, require_all, /*aligned=*/true,
+                             [&](const std::string& region, const std::string& at) {
+                               return regions.Find(caller, region, session_id, at);
+                             },
+                             [](const CudaRegion& region) { return region.memory->size(); }));
   std::vector<CudaTensorPlace> places;
-  for (size_t i = 0; i < checked.size(); ++i) places.push_back({checked[i], std::move(found[i])});
+  for (auto& [ref, region] : checked) places.push_back({ref, std::move(region)});
   return places;
 }
 

@@ -8,12 +8,15 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "google/protobuf/repeated_ptr_field.h"
 #include "muond/v1/muond.pb.h"
 #include "server/session/session_config.h"
 
@@ -44,5 +47,36 @@ absl::StatusOr<std::vector<TensorRef>> ResolveTensorRefs(
     const session::SessionConfig& config, int count, absl::FunctionRef<RefFields(int)> at, absl::string_view field,
     bool require_all,
     absl::FunctionRef<absl::StatusOr<uint64_t>(const std::string& region, const std::string& field)> region_size);
+
+// ResolveTensorRefs for `SharedTensor`s, whose regions `find(region, field)` looks up (a region the
+// caller may use, or the error naming `field`) and `size_of` measures; each checked reference comes
+// with its region. `aligned`: see RefFields.
+template <typename Region>
+absl::StatusOr<std::vector<std::pair<TensorRef, std::shared_ptr<Region>>>> ResolveRegionTensors(
+    const session::SessionConfig& config, const google::protobuf::RepeatedPtrField<v1::SharedTensor>& refs,
+    absl::string_view field, bool require_all, bool aligned,
+    absl::FunctionRef<absl::StatusOr<std::shared_ptr<Region>>(const std::string& region, const std::string& field)> find,
+    absl::FunctionRef<uint64_t(const Region&)> size_of) {
+  std::vector<std::shared_ptr<Region>> found;  // of each ref, in order, as it is checked
+  absl::StatusOr<std::vector<TensorRef>> checked = ResolveTensorRefs(
+      config, refs.size(),
+      [&](int i) {
+        const v1::SharedTensor& ref = refs[i];
+        RefFields fields{ref.name(), ref.dtype(), ref.byte_size(), &ref.region(), ref.offset()};
+        fields.aligned = aligned;
+        return fields;
+      },
+      field, require_all,
+      [&](const std::string& region, const std::string& at) -> absl::StatusOr<uint64_t> {
+        absl::StatusOr<std::shared_ptr<Region>> one = find(region, at);
+        if (!one.ok()) return one.status();
+        found.push_back(*std::move(one));
+        return size_of(*found.back());
+      });
+  if (!checked.ok()) return checked.status();
+  std::vector<std::pair<TensorRef, std::shared_ptr<Region>>> out;
+  for (size_t i = 0; i < checked->size(); ++i) out.emplace_back((*checked)[i], std::move(found[i]));
+  return out;
+}
 
 }  // namespace muond::transport

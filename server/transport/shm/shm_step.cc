@@ -14,24 +14,16 @@ namespace muond::transport {
 absl::StatusOr<std::vector<SharedTensorPlace>> ResolveSharedTensors(
     const session::SessionConfig& config, const SharedMemoryRegions& regions, const std::string& caller,
     const google::protobuf::RepeatedPtrField<v1::SharedTensor>& refs, absl::string_view field, bool require_all) {
-  std::vector<std::shared_ptr<SharedMapping>> mappings;  // of each ref, as it is checked
-  MUOND_ASSIGN_OR_RETURN(
-      std::vector<TensorRef> checked,
-      ResolveTensorRefs(
-          config, refs.size(),
-          [&](int i) {
-            const v1::SharedTensor& ref = refs[i];
-            return RefFields{ref.name(), ref.dtype(), ref.byte_size(), &ref.region(), ref.offset()};
-          },
-          field, require_all,
-          [&](const std::string& region, const std::string& at) -> absl::StatusOr<uint64_t> {
-            MUOND_ASSIGN_OR_RETURN(std::shared_ptr<SharedMapping> mapping, regions.Find(caller, region, at));
-            mappings.push_back(std::move(mapping));
-            return mappings.back()->size();
-          }));
+  MUOND_ASSIGN_OR_RETURN(auto checked,
+                         ResolveRegionTensors<SharedMapping>(
+                             config, refs, field, require_all, /*aligned=*/false,
+                             [&](const std::string& region, const std::string& at) {
+                               return regions.Find(caller, region, at);
+                             },
+                             [](const SharedMapping& mapping) { return static_cast<uint64_t>(mapping.size()); }));
   std::vector<SharedTensorPlace> places;
-  for (size_t i = 0; i < checked.size(); ++i) {
-    places.push_back({checked[i].index, std::move(mappings[i]), checked[i].offset, checked[i].bytes, checked[i].dtype});
+  for (auto& [ref, mapping] : checked) {
+    places.push_back({ref.index, std::move(mapping), ref.offset, ref.bytes, ref.dtype});
   }
   return places;
 }

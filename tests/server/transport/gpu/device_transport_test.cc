@@ -16,6 +16,7 @@
 #include "server/metrics/metrics.h"
 #include "server/rpc/spec_codec.h"
 #include "server/session/session.h"
+#include "tests/server/session/session_test_util.h"
 #include "server/transport/gpu/cuda_ipc_step.h"
 #include "server/transport/gpu/cuda_memory_regions.h"
 #include "server/transport/gpu/device_tensors.h"
@@ -30,26 +31,10 @@ namespace {
 
 using ::testing::HasSubstr;
 
-v1::SessionSpec Spec(int world_size = 1) {
-  v1::SessionSpec spec;
-  auto* muon = spec.add_groups();
-  muon->set_name("muon");
-  muon->mutable_options()->set_optimizer(v1::OPTIMIZER_MUON);
-  auto* adamw = spec.add_groups();
-  adamw->set_name("adamw");
-  adamw->mutable_options()->set_optimizer(v1::OPTIMIZER_ADAMW);
-  auto* w = spec.add_parameters();
-  w->set_name("w");
-  w->add_shape(16);
-  w->add_shape(24);
-  w->set_group("muon");
-  auto* b = spec.add_parameters();
-  b->set_name("b");
-  b->add_shape(24);
-  b->set_group("adamw");
-  spec.set_world_size(world_size);
-  return spec;
-}
+// The session layer tests' spec: w (8×6, Muon) and b (6, AdamW).
+constexpr size_t kW = 48, kB = 6;
+
+v1::SessionSpec Spec(int world_size = 1) { return session::session_testing::SmallSpec(world_size); }
 
 std::vector<float> Values(size_t n, float phase) {
   std::vector<float> v(n);
@@ -62,10 +47,10 @@ std::unique_ptr<session::Session> NewSession(const std::string& id, kernels::Bac
       session::Session::Create(id, rpc::ParseSessionSpec(Spec(world_size), session::SpecLimits{}).value(), backend)
           .value();
   std::vector<HostTensor> initial(2);
-  initial[0].values = Values(16 * 24, 1.0f);
-  initial[0].received = 16 * 24;
-  initial[1].values = Values(24, 2.0f);
-  initial[1].received = 24;
+  initial[0].values = Values(kW, 1.0f);
+  initial[0].received = kW;
+  initial[1].values = Values(kB, 2.0f);
+  initial[1].received = kB;
   EXPECT_OK(session->Upload(std::move(initial)));
   return session;
 }
@@ -122,8 +107,8 @@ TEST_P(DeviceGradientsTest, MatchTheHostPathStepForStep) {
   for (int k = 1; k <= 4; ++k) {
     session::StepRequest request;
     request.step = k;
-    if (k % 2 == 0) request.max_grad_norm = 0.5;  // clips: the norm is about 14
-    const std::vector<float> w = Values(16 * 24, 0.1f * k), b = Values(24, 0.7f * k);
+    if (k % 2 == 0) request.max_grad_norm = 0.5;  // clips: the norm is about 5
+    const std::vector<float> w = Values(kW, 0.1f * k), b = Values(kB, 0.7f * k);
     ASSERT_OK_AND_ASSIGN(session::StepOutcome on_device, DeviceStep(*device, *device_like, request, GetParam(), w, b, true));
     const session::StepOutcome on_host = HostStep(*host, request, GetParam(), w, b);
     ASSERT_TRUE(on_device.result.applied) << on_device.result.skip_reason;
@@ -153,12 +138,12 @@ TEST(DeviceGradientsTest, ANonFiniteDeviceGradientSkipsTheStepAndChangesNothing)
   auto session = NewSession("s", device_like.get());
   int64_t last = 0;
   const auto before = session::CopyValues(*session->Parameters(&last));
-  std::vector<float> w = Values(16 * 24, 0.3f);
+  std::vector<float> w = Values(kW, 0.3f);
   w[17] = std::nanf("");
   session::StepRequest request;
   request.step = 1;
   ASSERT_OK_AND_ASSIGN(session::StepOutcome outcome,
-                       DeviceStep(*session, *device_like, request, v1::DTYPE_FP32, w, Values(24, 0.2f), true));
+                       DeviceStep(*session, *device_like, request, v1::DTYPE_FP32, w, Values(kB, 0.2f), true));
   EXPECT_FALSE(outcome.result.applied);
   EXPECT_THAT(outcome.result.skip_reason, HasSubstr("non-finite gradient in 'w'"));
   EXPECT_EQ(session::CopyValues(*session->Parameters(&last)), before);
@@ -172,14 +157,14 @@ TEST(DeviceGradientsTest, ASkippedStepAfterADeviceAnswerAnswersFromTheHost) {
   first.step = 1;
   first.device_answer = true;  // a GPU transport's step
   ASSERT_OK_AND_ASSIGN(session::StepOutcome on_device, DeviceStep(*session, *device_like, first, v1::DTYPE_FP32,
-                                                                  Values(16 * 24, 0.2f), Values(24, 0.3f), true));
+                                                                  Values(kW, 0.2f), Values(kB, 0.3f), true));
   ASSERT_TRUE(on_device.parameters->on_device);
-  std::vector<float> w = Values(16 * 24, 0.4f);
+  std::vector<float> w = Values(kW, 0.4f);
   w[0] = INFINITY;  // skipped
   session::StepRequest second;
   second.step = 2;  // over a host transport
   ASSERT_OK_AND_ASSIGN(session::StepOutcome skipped,
-                       DeviceStep(*session, *device_like, second, v1::DTYPE_FP32, w, Values(24, 0.5f), true));
+                       DeviceStep(*session, *device_like, second, v1::DTYPE_FP32, w, Values(kB, 0.5f), true));
   EXPECT_FALSE(skipped.result.applied);
   ASSERT_FALSE(skipped.parameters->on_device) << "a host transport gets host values";
   int64_t last = 0;
@@ -189,21 +174,21 @@ TEST(DeviceGradientsTest, ASkippedStepAfterADeviceAnswerAnswersFromTheHost) {
 TEST(DeviceGradientsTest, AZeroCountAndSeveralRanksTakeTheHostPath) {
   auto device_like = kernels::NewCpuBackend(1, /*host_addressable=*/false);
   auto session = NewSession("zeros", device_like.get());
-  std::vector<float> w = Values(16 * 24, 0.3f);
+  std::vector<float> w = Values(kW, 0.3f);
   w[3] = 0.0f;
   w[5] = -0.0f;
   session::StepRequest request;
   request.step = 1;
   request.count_zeros = true;
   ASSERT_OK_AND_ASSIGN(session::StepOutcome outcome,
-                       DeviceStep(*session, *device_like, request, v1::DTYPE_FP32, w, Values(24, 0.2f), false));
+                       DeviceStep(*session, *device_like, request, v1::DTYPE_FP32, w, Values(kB, 0.2f), false));
   EXPECT_EQ(outcome.result.num_zeros_in_grad, 2);
 
   // Two ranks: averaged on the host, so each rank's gradients come to the host.
   auto ranks = NewSession("ranks", device_like.get(), 2);
   auto reference = NewSession("reference", device_like.get());
-  const std::vector<float> w0 = Values(16 * 24, 0.1f), w1 = Values(16 * 24, 0.9f);
-  const std::vector<float> b0 = Values(24, 0.4f), b1 = Values(24, 0.6f);
+  const std::vector<float> w0 = Values(kW, 0.1f), w1 = Values(kW, 0.9f);
+  const std::vector<float> b0 = Values(kB, 0.4f), b1 = Values(kB, 0.6f);
   absl::StatusOr<session::StepOutcome> rank1;
   std::thread other([&] {
     session::StepRequest r;
@@ -255,7 +240,7 @@ TEST(CudaIpcStepTest, GradientsInAndParametersOutOfTheRegionInTheirDtypes) {
   auto ipc = NewSession("ipc", device_like.get());
   auto host = NewSession("host", device_like.get());
   // One region, laid out as the clients do: a 4-byte slot per element; w in bf16, b in fp32.
-  const size_t w_bytes = 16 * 24 * 4, b_bytes = 24 * 4;
+  const size_t w_bytes = kW * 4, b_bytes = kB * 4;
   auto region = std::make_shared<CudaRegion>();
   region->session_id = "ipc";
   region->memory = std::make_unique<HostPeerMemory>(w_bytes + b_bytes);
@@ -266,7 +251,7 @@ TEST(CudaIpcStepTest, GradientsInAndParametersOutOfTheRegionInTheirDtypes) {
     return CudaTensorPlace{TensorRef{index, offset, numel * wire::ElementSize(dtype), dtype}, region};
   };
   for (int k = 1; k <= 3; ++k) {
-    const std::vector<float> w = Values(16 * 24, 0.2f * k), b = Values(24, 0.5f * k);
+    const std::vector<float> w = Values(kW, 0.2f * k), b = Values(kB, 0.5f * k);
     const std::string wb = Encoded(v1::DTYPE_BF16, w), bb = Encoded(v1::DTYPE_FP32, b);
     std::memcpy(base, wb.data(), wb.size());
     std::memcpy(base + w_bytes, bb.data(), bb.size());
@@ -274,11 +259,11 @@ TEST(CudaIpcStepTest, GradientsInAndParametersOutOfTheRegionInTheirDtypes) {
     request.step = k;
     request.device_answer = k != 2;  // step 2 answers from a host copy, as after a failed read-back
     CudaIpcGradientSource source(device_like.get(),
-                                 {place(0, 0, v1::DTYPE_BF16, 16 * 24), place(1, w_bytes, v1::DTYPE_FP32, 24)},
+                                 {place(0, 0, v1::DTYPE_BF16, kW), place(1, w_bytes, v1::DTYPE_FP32, kB)},
                                  absl::InfiniteFuture());
     // w goes back in bf16 from its fp32 master (narrowed on the device), b in fp32.
     CudaIpcParameterSink sink(ipc.get(), device_like.get(),
-                              {place(0, 0, v1::DTYPE_BF16, 16 * 24), place(1, w_bytes, v1::DTYPE_FP32, 24)},
+                              {place(0, 0, v1::DTYPE_BF16, kW), place(1, w_bytes, v1::DTYPE_FP32, kB)},
                               absl::InfiniteFuture());
     ASSERT_OK(RunStep(*ipc, request, source, sink, *metrics::NoMetrics()));
     EXPECT_EQ(waits, 2 * k) << "one wait on the client's event per region, before the gradients and the answer";
@@ -287,9 +272,9 @@ TEST(CudaIpcStepTest, GradientsInAndParametersOutOfTheRegionInTheirDtypes) {
 
     session::StepOutcome expected = HostStep(*host, request, v1::DTYPE_FP32, Decoded(v1::DTYPE_BF16, wb), b);
     const auto want = session::CopyValues(*expected.parameters);
-    std::vector<float> got_b(24);
+    std::vector<float> got_b(kB);
     std::memcpy(got_b.data(), base + w_bytes, b_bytes);
-    EXPECT_EQ(std::string(base, 16 * 24 * 2), Encoded(v1::DTYPE_BF16, want[0])) << "step " << k;
+    EXPECT_EQ(std::string(base, kW * 2), Encoded(v1::DTYPE_BF16, want[0])) << "step " << k;
     EXPECT_EQ(got_b, want[1]) << "step " << k;
     int64_t last = 0;
     // Asked for afterwards, the parameters are read back from the device.
@@ -301,9 +286,9 @@ TEST(CudaIpcStepTest, GradientsInAndParametersOutOfTheRegionInTheirDtypes) {
   std::memset(base, 0, w_bytes + b_bytes);
   session::StepRequest again;
   again.step = 3;
-  CudaIpcGradientSource source(device_like.get(), {place(0, 0, v1::DTYPE_BF16, 16 * 24)}, absl::InfiniteFuture());
+  CudaIpcGradientSource source(device_like.get(), {place(0, 0, v1::DTYPE_BF16, kW)}, absl::InfiniteFuture());
   CudaIpcParameterSink sink(ipc.get(), device_like.get(),
-                            {place(0, 0, v1::DTYPE_FP32, 16 * 24), place(1, w_bytes, v1::DTYPE_FP32, 24)},
+                            {place(0, 0, v1::DTYPE_FP32, kW), place(1, w_bytes, v1::DTYPE_FP32, kB)},
                             absl::InfiniteFuture());
   const int waits_before = waits;
   ASSERT_OK(RunStep(*ipc, again, source, sink, *metrics::NoMetrics()));
@@ -312,7 +297,7 @@ TEST(CudaIpcStepTest, GradientsInAndParametersOutOfTheRegionInTheirDtypes) {
   EXPECT_EQ(source.bytes_received(), 0);
   int64_t last = 0;
   const auto now = session::CopyValues(*ipc->Parameters(&last));
-  std::vector<float> got_b(24);
+  std::vector<float> got_b(kB);
   std::memcpy(got_b.data(), base + w_bytes, b_bytes);
   EXPECT_EQ(got_b, now[1]);
 }
@@ -328,17 +313,17 @@ TEST(CudaIpcStepTest, SixteenBitMastersAnswerInEveryDtype) {
       session::Session::Create("sixteen", rpc::ParseSessionSpec(spec, session::SpecLimits{}).value(), device_like.get())
           .value();
   std::vector<HostTensor> initial(2);
-  initial[0].values = Values(16 * 24, 1.0f);
-  initial[0].received = 16 * 24;
-  initial[1].values = Values(24, 2.0f);
-  initial[1].received = 24;
+  initial[0].values = Values(kW, 1.0f);
+  initial[0].received = kW;
+  initial[1].values = Values(kB, 2.0f);
+  initial[1].received = kB;
   ASSERT_OK(session->Upload(std::move(initial)));
   session::StepRequest request;
   request.step = 1;
   request.device_answer = true;
   ASSERT_OK_AND_ASSIGN(session::StepOutcome outcome,
-                       DeviceStep(*session, *device_like, request, v1::DTYPE_FP32, Values(16 * 24, 0.3f),
-                                  Values(24, 0.6f), true));
+                       DeviceStep(*session, *device_like, request, v1::DTYPE_FP32, Values(kW, 0.3f),
+                                  Values(kB, 0.6f), true));
   ASSERT_TRUE(outcome.result.applied) << outcome.result.skip_reason;
   ASSERT_TRUE(outcome.parameters->on_device);
   const std::shared_ptr<const session::ParameterSnapshot> on_device = outcome.parameters;
@@ -352,9 +337,9 @@ TEST(CudaIpcStepTest, SixteenBitMastersAnswerInEveryDtype) {
     }
   }
   request.step = 2;
-  ASSERT_OK(DeviceStep(*session, *device_like, request, v1::DTYPE_FP32, Values(16 * 24, 0.4f), Values(24, 0.7f), true)
+  ASSERT_OK(DeviceStep(*session, *device_like, request, v1::DTYPE_FP32, Values(kW, 0.4f), Values(kB, 0.7f), true)
                 .status());
-  std::string out(24 * 4, '\0');
+  std::string out(kB * 4, '\0');
   EXPECT_EQ(session->CopyParameterOnDevice(*on_device, 1, kernels::StorageDtype::kFp32, out.data()).code(),
             absl::StatusCode::kAborted);
 }
@@ -411,13 +396,13 @@ TEST(NcclStepTest, ReceivesInOrderSendsEveryParameterAndAReplayDrainsTheGradient
     t->set_dtype(dtype);
     t->set_byte_size(numel * wire::ElementSize(dtype));
   };
-  add(grads, "b", v1::DTYPE_FP32, 24);  // listed order, not the spec's
-  add(grads, "w", v1::DTYPE_FP16, 16 * 24);
-  add(params, "w", v1::DTYPE_BF16, 16 * 24);
-  add(params, "b", v1::DTYPE_FP32, 24);
+  add(grads, "b", v1::DTYPE_FP32, kB);  // listed order, not the spec's
+  add(grads, "w", v1::DTYPE_FP16, kW);
+  add(params, "w", v1::DTYPE_BF16, kW);
+  add(params, "b", v1::DTYPE_FP32, kB);
   const absl::Time deadline = absl::InfiniteFuture();
   for (int k = 1; k <= 3; ++k) {
-    const std::vector<float> w = Values(16 * 24, 0.3f * k), b = Values(24, 0.8f * k);
+    const std::vector<float> w = Values(kW, 0.3f * k), b = Values(kB, 0.8f * k);
     const std::string wb = Encoded(v1::DTYPE_FP16, w);
     queue->incoming = {Encoded(v1::DTYPE_FP32, b), wb};
     queue->sent.clear();
@@ -558,21 +543,21 @@ TEST(TensorRefsTest, EveryBadReferenceIsRefusedNamingItsField) {
   };
   const std::string w = "w", b = "b", nope = "nope", r = "r", other = "q";
   EXPECT_THAT(resolve({{nope, v1::DTYPE_FP32, 4}}, false).status().message(), HasSubstr("gradients[0].name"));
-  EXPECT_THAT(resolve({{b, v1::DTYPE_FP32, 96}, {b, v1::DTYPE_FP32, 96}}, false).status().message(),
+  EXPECT_THAT(resolve({{b, v1::DTYPE_FP32, kB * 4}, {b, v1::DTYPE_FP32, kB * 4}}, false).status().message(),
               HasSubstr("gradients[1].name: 'b' appears twice"));
   EXPECT_THAT(resolve({{b, static_cast<v1::DType>(9), 96}}, false).status().message(), HasSubstr("gradients[0].dtype"));
-  EXPECT_THAT(resolve({{b, v1::DTYPE_FP32, 95}}, false).status().message(), HasSubstr("gradients[0].byte_size"));
-  EXPECT_THAT(resolve({{b, v1::DTYPE_BF16, 48, &other}}, false).status().message(), HasSubstr("gradients[0].region"));
-  EXPECT_THAT(resolve({{b, v1::DTYPE_FP32, 96, &r, 4096 - 95}}, false).status().message(),
+  EXPECT_THAT(resolve({{b, v1::DTYPE_FP32, kB * 4 - 1}}, false).status().message(), HasSubstr("gradients[0].byte_size"));
+  EXPECT_THAT(resolve({{b, v1::DTYPE_BF16, kB * 2, &other}}, false).status().message(), HasSubstr("gradients[0].region"));
+  EXPECT_THAT(resolve({{b, v1::DTYPE_FP32, kB * 4, &r, 4096 - kB * 4 + 1}}, false).status().message(),
               HasSubstr("gradients[0].offset"));
-  EXPECT_THAT(resolve({{b, v1::DTYPE_FP32, 96, &r, ~uint64_t{0} - 10}}, false).status().message(),
+  EXPECT_THAT(resolve({{b, v1::DTYPE_FP32, kB * 4, &r, ~uint64_t{0} - 10}}, false).status().message(),
               HasSubstr("end past region"));
-  RefFields misaligned{b, v1::DTYPE_FP32, 96, &r, 2};
+  RefFields misaligned{b, v1::DTYPE_FP32, kB * 4, &r, 2};
   EXPECT_OK(resolve({misaligned}, false).status()) << "host memory takes any offset";
   misaligned.aligned = true;
   EXPECT_THAT(resolve({misaligned}, false).status().message(), HasSubstr("gradients[0].offset: 2 is not a multiple of 4"));
-  EXPECT_THAT(resolve({{b, v1::DTYPE_FP32, 96}}, true).status().message(), HasSubstr("no place for parameter 'w'"));
-  ASSERT_OK_AND_ASSIGN(std::vector<TensorRef> refs, resolve({{b, v1::DTYPE_BF16, 48, &r, 8}, {w, v1::DTYPE_FP32, 1536, &r, 100}}, true));
+  EXPECT_THAT(resolve({{b, v1::DTYPE_FP32, kB * 4}}, true).status().message(), HasSubstr("no place for parameter 'w'"));
+  ASSERT_OK_AND_ASSIGN(std::vector<TensorRef> refs, resolve({{b, v1::DTYPE_BF16, kB * 2, &r, 8}, {w, v1::DTYPE_FP32, kW * 4, &r, 100}}, true));
   EXPECT_EQ(refs[0].index, 1u);
   EXPECT_EQ(refs[0].offset, 8u);
   EXPECT_EQ(refs[1].index, 0u);
