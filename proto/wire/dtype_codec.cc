@@ -42,7 +42,8 @@ absl::string_view DTypeName(v1::DType dtype) {
 void Decode(v1::DType dtype, absl::string_view bytes, std::span<float> out) {
   switch (dtype) {
     case v1::DTYPE_FP32:
-      std::memcpy(out.data(), bytes.data(), out.size() * sizeof(float));
+      // An empty span may carry a null pointer, which memcpy must not be given even for 0 bytes.
+      if (!out.empty()) std::memcpy(out.data(), bytes.data(), out.size() * sizeof(float));
       return;
     case v1::DTYPE_BF16:
     case v1::DTYPE_FP16: {
@@ -62,7 +63,7 @@ void Decode(v1::DType dtype, absl::string_view bytes, std::span<float> out) {
 void EncodeTo(v1::DType dtype, std::span<const float> values, char* dst) {
   switch (dtype) {
     case v1::DTYPE_FP32:
-      std::memcpy(dst, values.data(), values.size() * sizeof(float));
+      if (!values.empty()) std::memcpy(dst, values.data(), values.size() * sizeof(float));
       return;
     case v1::DTYPE_BF16:
     case v1::DTYPE_FP16: {
