@@ -79,6 +79,11 @@ def test_health_and_info(endpoint):
     assert info["max_sessions"] == 64 and info["durability"] == "" and info["metrics_address"] == ""
     code, out, _ = ctl("-e", endpoint, "info")
     assert code == 0 and "backend       cpu" in out and "metrics       off" in out
+    # Global options may follow the subcommand, at any depth, as kubectl and docker take them.
+    assert ctl("health", "--endpoint", endpoint)[:2] == (0, "SERVING\n")
+    assert ctl_json("health", "--json", "-e", endpoint) == {"status": "SERVING"}
+    code, out, _ = ctl("sessions", "list", "--endpoint", endpoint, "--timeout", "5")
+    assert code == 0, out
 
 
 def test_unreachable_daemon_exits_3(tmp_path):

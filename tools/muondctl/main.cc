@@ -21,6 +21,9 @@ int Run(int argc, char** argv) {
                "4 not found, 5 not allowed."};
   app.set_version_flag("--version", std::string("muondctl ") + MUOND_VERSION);
   app.require_subcommand(1);
+  // Global options are taken after the subcommand too (`muondctl health --endpoint h:p`), as
+  // kubectl and docker take them; every subcommand inherits this.
+  app.fallthrough();
 
   ConnectFlags connect;
   if (const char* endpoint = std::getenv("MUOND_ENDPOINT")) connect.endpoint = endpoint;
