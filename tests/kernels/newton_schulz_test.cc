@@ -11,6 +11,7 @@
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "tests/kernels/reference.h"
+#include "tests/testing/error_bounds.h"
 #include "tests/testing/status_matchers.h"
 
 namespace muond::optim {
@@ -20,6 +21,8 @@ using ::muond::testing::ComputeSvd;
 using ::muond::testing::Mat;
 using ::muond::testing::MatWithSingularValues;
 using ::muond::testing::MaxAbsDiff;
+using ::muond::testing::NsBound;
+using ::muond::testing::WithinBound;
 using ::muond::testing::ReferenceNs;
 
 class NewtonSchulzTest : public ::testing::Test {
@@ -98,35 +101,44 @@ TEST_P(NewtonSchulzShapeTest, SimpleFiveStepsApproximatesPolarFactor) {
     EXPECT_GE(s, 0.68);
     EXPECT_LE(s, 1.14);
   }
-  // NS is a matrix polynomial, so exactly O = U·p₅(Σ/‖G‖)·Vᵀ. fp32 GEMMs perturb this by < 1e-6
-  // (measured ≤ 7.4e-7): 1e-5 leaves margin yet fails a wrong coefficient, a missing transpose or a
-  // wrong normalization, which move entries by ≥ 1e-2.
+  // NS is a matrix polynomial, so exactly O = U·p₅(Σ/‖G‖)·Vᵀ (fp64 SVD: exact to ~1e-14). fp32
+  // GEMMs perturb it by at most NsRoundingBound (reference.h: each step's rounding, ≈ √n·u of its
+  // terms, times the divided-difference gain of the later steps; 4e-5 to 2e-4 for these shapes). A
+  // wrong coefficient, a missing transpose or a wrong normalization moves entries by ≥ 1e-2.
+  // NsBound: that bound, capped at 1e-3 to keep 10× under the smallest bug.
   const double norm = testing::FrobeniusNorm(g);
   const NsSchedule simple = Named("simple");
   const Mat expected = testing::Reassemble(
       in_svd, [&](double s) { return testing::ScalarNs(s / (norm + 1e-7), simple, 5); });
-  EXPECT_LT(MaxAbsDiff(o, expected), 1e-5);
+  const double bound = NsBound(g, simple, 5);
+  EXPECT_TRUE(WithinBound("ns.simple5_vs_svd", MaxAbsDiff(o, expected), bound));
 
-  // Against the polar factor itself the singular values may be off by up to 0.32 (the band above),
-  // so ‖O − UVᵀ‖₂ ≤ 0.32; a wrong sign or transposed factor gives ≥ 1.
+  // Against the polar factor itself the singular values may be off by up to 0.3182 (the band above,
+  // in exact arithmetic), so ‖O − UVᵀ‖₂ ≤ 0.3182 plus the rounding (‖·‖₂ ≤ ‖·‖_F ≤ the bound); a
+  // wrong sign or transposed factor gives ≥ 1.
   const Mat polar = testing::Reassemble(in_svd, [](double) { return 1.0; });
   Mat diff = o;
   for (size_t i = 0; i < diff.v.size(); ++i) diff.v[i] -= polar.v[i];
-  EXPECT_LE(ComputeSvd(diff).s[0], 0.3182 + 1e-4);
+  EXPECT_LE(ComputeSvd(diff).s[0], 0.3182 + bound);
 }
 
 TEST_P(NewtonSchulzShapeTest, PolarExpressEightStepsIsOrthogonal) {
   const auto [rows, cols] = GetParam();
   const int64_t k = std::min(rows, cols);
-  const Mat o = RunOne(MatWithSingularValues(rng_, rows, cols, Decade(k)), Named("polar_express"), 8);
+  const Mat g = MatWithSingularValues(rng_, rows, cols, Decade(k));
+  const Mat o = RunOne(g, Named("polar_express"), 8);
   // Rows (wide) or columns (tall) orthonormal: the smaller Gram matrix is the identity.
   const Mat gram = rows <= cols ? testing::MatMul(o, testing::Transposed(o))
                                 : testing::MatMul(testing::Transposed(o), o);
   Mat eye(k, k);
   for (int64_t i = 0; i < k; ++i) eye(i, i) = 1.0;
   // The scalar map after 8 steps is within 2e-3 of 1 over σ/‖G‖ ∈ [0.01, 1] (ScalarMapBounds), so
-  // |σ² − 1| ≤ 4e-3; 1e-2 allows fp32 rounding but fails any set that has not converged.
-  EXPECT_LT(MaxAbsDiff(gram, eye), 1e-2);
+  // |σ² − 1| ≤ 4e-3 in exact arithmetic; fp32 rounding adds ≤ 2·‖O‖₂·NsBound ≤ 2.1e-3 to the
+  // Gram matrix's entries. 1e-2 covers both and still fails any set that has not converged (an
+  // unconverged σ ≈ 0.7 gives |σ² − 1| ≈ 0.5).
+  const double bound = 4e-3 + 2 * 1.002 * NsBound(g, Named("polar_express"), 8);
+  EXPECT_LE(bound, 1e-2);
+  EXPECT_TRUE(WithinBound("ns.polar_express8_gram", MaxAbsDiff(gram, eye), 1e-2));
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, NewtonSchulzShapeTest,
@@ -178,8 +190,11 @@ TEST_F(NewtonSchulzTest, BatchedEqualsOneAtATime) {
       for (double& x : m.v) x = static_cast<float>(x);
     const std::vector<Mat> batched = Run(in, Named("quintic"), 5);
     for (size_t i = 0; i < in.size(); ++i) {
-      // The same GEMMs on the same data: equal up to fp32 rounding of a different blocking at most.
-      EXPECT_LT(MaxAbsDiff(batched[i], RunOne(in[i], Named("quintic"), 5)), 1e-6);
+      // The same GEMMs on the same data, but a BLAS may block a batch element at another address
+      // differently: each result is within NsRoundingBound of the exact one, so the two within twice
+      // that. A batch element reading another's data (a wrong stride) is off by O(1).
+      EXPECT_TRUE(WithinBound("ns.batched_vs_one", MaxAbsDiff(batched[i], RunOne(in[i], Named("quintic"), 5)),
+                              2 * NsBound(in[i], Named("quintic"), 5)));
     }
   }
 }
@@ -197,10 +212,11 @@ TEST_F(NewtonSchulzTest, MatchesFp64ReferenceForEverySchedule) {
     for (double& x : g.v) x = static_cast<float>(x);
     for (const NsSchedule& s : schedules) {
       for (int steps : {1, 5, 10}) {
-        // fp32 GEMM rounding (~1e-7 per entry) grows by at most |p'| per step; measured drift is
-        // ≤ 4e-6 over 10 steps, so 2e-5 has margin while a wrong tuple, a wrong cycle/repeat_last
+        // fp32 GEMM rounding (≈ √n·u per entry) grows by at most the step's divided-difference
+        // gain (|p'| and kin) per step: NsRoundingBound. A wrong tuple, a wrong cycle/repeat_last
         // mode (≥ 1e-2 apart, checked below) or a missed transpose fails by orders of magnitude.
-        EXPECT_LT(MaxAbsDiff(RunOne(g, s, steps), ReferenceNs(g, s, steps)), 2e-5)
+        EXPECT_TRUE(WithinBound("ns.every_schedule_vs_fp64", MaxAbsDiff(RunOne(g, s, steps), ReferenceNs(g, s, steps)),
+                                NsBound(g, s, steps)))
             << s.name << (s.after == CoefficientsAfter::kCycle ? " cycle " : " repeat_last ")
             << steps << " steps " << shape.rows << "x" << shape.cols;
       }
@@ -216,7 +232,9 @@ TEST_F(NewtonSchulzTest, NormSafetyAndEpsEnterTheNormalization) {
   Mat g = testing::RandomMat(rng_, 12, 20);
   for (double& x : g.v) x = static_cast<float>(x);
   const NsSchedule s = Named("simple");
-  EXPECT_LT(MaxAbsDiff(Run({g}, s, 3, 0.5, 1.02)[0], ReferenceNs(g, s, 3, 0.5, 1.02)), 1e-5);
+  // fp32 against fp64: NsRoundingBound; leaving out eps = 0.5 or safety = 1.02 moves entries by ≥ 1e-2.
+  EXPECT_TRUE(WithinBound("ns.safety_eps_vs_fp64", MaxAbsDiff(Run({g}, s, 3, 0.5, 1.02)[0], ReferenceNs(g, s, 3, 0.5, 1.02)),
+                          NsBound(g, s, 3, 3, 0.5, 1.02)));
 }
 
 TEST_F(NewtonSchulzTest, RejectsBadArguments) {
@@ -310,8 +328,9 @@ TEST(GramNewtonSchulzReferenceTest, Fp64GramLoopIsTheStandardIteration) {
     for (const std::vector<int>& restarts : {std::vector<int>{}, std::vector<int>{2}}) {
       for (const NsSchedule& s :
            {GramPolarExpress(), *NamedSchedule("simple"), *NamedSchedule("cubic5")}) {
-        // Only fp64 rounding separates them (measured ≤ 2e-14); a wrong R update or Q product
-        // is off by ≥ 1e-2.
+        // Only fp64 rounding separates them: the fp32 rounding of these maps (NsBound, ≤ 1e-3)
+        // scaled by fp64's u = 2⁻⁵³ over fp32's 2⁻²⁴, ≤ 2⁻²⁹·1e-3 ≈ 2e-12 for each; 1e-10 has room
+        // for the Gram loop's extra products, while a wrong R update or Q product is off by ≥ 1e-2.
         EXPECT_LT(MaxAbsDiff(ReferenceGramNs(g, s, 5, restarts), ReferenceNs(g, s, 5)), 1e-10)
             << s.name << " restarts " << restarts.size() << " " << shape.rows << "x" << shape.cols;
       }
@@ -319,30 +338,28 @@ TEST(GramNewtonSchulzReferenceTest, Fp64GramLoopIsTheStandardIteration) {
   }
 }
 
-// Tolerances: fp32 rounding (~1e-7 per GEMM entry) amplified by the slope of the composite map.
-// For simple and quintic that is ≤ 9e-7 here (≤ 2e-6 over 40 random draws per shape, as for
-// NewtonSchulz against ReferenceNs): bound 2e-5. The Gram Polar Express set is far steeper
-// (p'(σ) ≈ 24 at σ = 1 for its first tuple, and its composition swings σ widely): ≤ 1.3e-4 here,
-// and over 40 random 16×40 draws standard NewtonSchulz is as far from fp64 (≤ 1.2e-4) as the Gram
-// path, so that is the set's conditioning: bound 5e-4. A wrong coefficient, Q product, R update or
+// Tolerances: fp32 rounding amplified by the slope of the composite map, NsBound (reference.h: the
+// derived NsRoundingBound, capped at 1e-3, a tenth of the smallest bug) with 5 GEMMs a step (R·R, Q·Z and the two of the R update besides Q·X). The Gram
+// Polar Express set is far steeper (p'(σ) ≈ 24 at σ = 1 for its first tuple, and its composition
+// swings σ widely), which the bound's gain follows. A wrong coefficient, Q product, R update or
 // restart (X ← Q·X, Q reset) moves entries by ≥ 1e-2. Whether a restart runs at all changes nothing
 // in exact arithmetic; GramGemmCountAndCubicSkipsRSquared checks that.
 TEST_F(NewtonSchulzTest, GramMatchesFp64GramReference) {
   struct Case {
     NsSchedule schedule;
     std::vector<int> restarts;
-    double tolerance;
   };
-  const std::vector<Case> cases = {{GramPolarExpress(), {}, 5e-4},
-                                   {GramPolarExpress(), {2}, 5e-4},
-                                   {Named("simple"), {}, 2e-5},
-                                   {Named("quintic"), {3}, 2e-5}};
+  const std::vector<Case> cases = {{GramPolarExpress(), {}},
+                                   {GramPolarExpress(), {2}},
+                                   {Named("simple"), {}},
+                                   {Named("quintic"), {3}}};
   for (const Shape shape : {Shape{24, 64}, Shape{64, 24}}) {
     const Mat g = RoundedRandom(rng_, shape.rows, shape.cols);
     for (const Case& c : cases) {
-      EXPECT_LT(MaxAbsDiff(RunGram({g}, c.schedule, 5, c.restarts)[0],
-                           ReferenceGramNs(g, c.schedule, 5, c.restarts)),
-                c.tolerance)
+      EXPECT_TRUE(WithinBound("ns.gram_vs_fp64",
+                              MaxAbsDiff(RunGram({g}, c.schedule, 5, c.restarts)[0],
+                                         ReferenceGramNs(g, c.schedule, 5, c.restarts)),
+                              NsBound(g, c.schedule, 5, 5)))
           << c.schedule.name << " restarts " << c.restarts.size() << " " << shape.rows << "x"
           << shape.cols;
     }
@@ -352,9 +369,10 @@ TEST_F(NewtonSchulzTest, GramMatchesFp64GramReference) {
   for (const Shape shape : {Shape{1, 40}, Shape{40, 1}}) {
     const Mat g = RoundedRandom(rng_, shape.rows, shape.cols);
     for (const Case& c : {cases[2], cases[3]}) {
-      EXPECT_LT(MaxAbsDiff(RunGram({g}, c.schedule, 5, c.restarts)[0],
-                           ReferenceGramNs(g, c.schedule, 5, c.restarts)),
-                c.tolerance)
+      EXPECT_TRUE(WithinBound("ns.gram_vs_fp64",
+                              MaxAbsDiff(RunGram({g}, c.schedule, 5, c.restarts)[0],
+                                         ReferenceGramNs(g, c.schedule, 5, c.restarts)),
+                              NsBound(g, c.schedule, 5, 5)))
           << c.schedule.name << " " << shape.rows << "x" << shape.cols;
     }
   }
@@ -365,7 +383,9 @@ TEST_F(NewtonSchulzTest, GramMatchesFp64GramReference) {
     for (const std::vector<int>& restarts : {std::vector<int>{}, std::vector<int>{2}}) {
       const std::vector<Mat> out = RunGram(in, GramPolarExpress(), 5, restarts);
       for (size_t i = 0; i < in.size(); ++i) {
-        EXPECT_LT(MaxAbsDiff(out[i], ReferenceGramNs(in[i], GramPolarExpress(), 5, restarts)), 5e-4)
+        EXPECT_TRUE(WithinBound("ns.gram_batched_vs_fp64",
+                                MaxAbsDiff(out[i], ReferenceGramNs(in[i], GramPolarExpress(), 5, restarts)),
+                                NsBound(in[i], GramPolarExpress(), 5, 5)))
             << "batch element " << i << " restarts " << restarts.size() << " " << shape.rows << "x"
             << shape.cols;
       }
@@ -376,16 +396,16 @@ TEST_F(NewtonSchulzTest, GramMatchesFp64GramReference) {
 TEST_F(NewtonSchulzTest, GramAgreesWithStandardNewtonSchulz) {
   for (const Shape shape : {Shape{64, 256}, Shape{256, 64}}) {
     const Mat g = RoundedRandom(rng_, shape.rows, shape.cols);
-    // Both are fp32 evaluations of one polynomial map, rounded differently: measured ≤ 7e-7 for
-    // simple and ≤ 4e-6 for the Gram Polar Express set with its restart (≤ 7e-6 over 40 random
-    // draws); 1e-4 keeps a wide margin and still fails any wrong step (≥ 1e-2).
-    EXPECT_LT(MaxAbsDiff(RunGram({g}, Named("simple"), 5, {})[0], RunOne(g, Named("simple"), 5)),
-              1e-4)
-        << shape.rows << "x" << shape.cols;
-    EXPECT_LT(MaxAbsDiff(RunGram({g}, GramPolarExpress(), 5, {2})[0],
-                         RunOne(g, GramPolarExpress(), 5)),
-              1e-4)
-        << shape.rows << "x" << shape.cols;
+    // Both are fp32 evaluations of one polynomial map, rounded differently: each within its
+    // NsRoundingBound (5 GEMMs a step for Gram, 3 for the standard loop) of the exact map, so the
+    // two within the sum. Any wrong step moves entries by ≥ 1e-2.
+    for (const NsSchedule& s : {Named("simple"), GramPolarExpress()}) {
+      const std::vector<int> restarts = s.name == "simple" ? std::vector<int>{} : std::vector<int>{2};
+      EXPECT_TRUE(WithinBound("ns.gram_vs_standard",
+                              MaxAbsDiff(RunGram({g}, s, 5, restarts)[0], RunOne(g, s, 5)),
+                              NsBound(g, s, 5, 5) + NsBound(g, s, 5, 3)))
+          << s.name << " " << shape.rows << "x" << shape.cols;
+    }
   }
 }
 
@@ -425,10 +445,11 @@ TEST_F(NewtonSchulzTest, GramCubicTupleMatchesReference) {
     const Mat g = RoundedRandom(rng_, shape.rows, shape.cols);
     for (const std::vector<int>& restarts : {std::vector<int>{}, std::vector<int>{2}}) {
       const Mat o = RunGram({g}, cubic, 5, restarts)[0];
-      // Same bounds as the quintic sets above (measured ≤ 1.3e-6 against the reference, ≤ 1.7e-6
-      // against NewtonSchulz).
-      EXPECT_LT(MaxAbsDiff(o, ReferenceGramNs(g, cubic, 5, restarts)), 2e-5);
-      EXPECT_LT(MaxAbsDiff(o, RunOne(g, cubic, 5)), 1e-4);
+      // The same bounds as the quintic sets above.
+      EXPECT_TRUE(WithinBound("ns.gram_cubic_vs_fp64", MaxAbsDiff(o, ReferenceGramNs(g, cubic, 5, restarts)),
+                              NsBound(g, cubic, 5, 5)));
+      EXPECT_TRUE(WithinBound("ns.gram_cubic_vs_standard", MaxAbsDiff(o, RunOne(g, cubic, 5)),
+                              NsBound(g, cubic, 5, 5) + NsBound(g, cubic, 5, 3)));
     }
   }
 }

@@ -129,6 +129,105 @@ inline double ScalarNs(double sigma, const optim::NsSchedule& schedule, int step
   return sigma;
 }
 
+// ---- Rounding bounds ----
+//
+// u = 2⁻²⁴, the unit roundoff of fp32. A length-k dot product summed in fp32 in any order (any
+// BLAS kernel's blocking, FMA or not) errs by at most γ_k = k·u/(1 − k·u) times Σ|x_i·y_i|
+// (Higham, Accuracy and Stability of Numerical Algorithms, §3.1). The error is a sum of k
+// independent-signed roundings, so it is far below that in practice: about √k·u·Σ|x_i y_i|
+// (Higham & Mary 2019, "A new approach to probabilistic rounding error analysis").
+inline constexpr double kFp32Unit = 0x1p-24;
+inline double Gamma(int64_t k) {
+  const double ku = static_cast<double>(k) * kFp32Unit;
+  return ku / (1.0 - ku);
+}
+
+// A bound on the fp32 rounding error of `steps` Newton–Schulz iterations of `g` (what
+// optim::NewtonSchulz computes), ‖computed − exact‖_F, hence also on every entry's error.
+//
+// Derivation. X₀ = G/‖G‖_F has ‖X₀‖_F = 1; every step maps each singular value σ ↦ p_t(σ). An
+// error E made before step t reaches the output multiplied by the first-order gain of the
+// remaining steps, the product over them of the Daleckii–Krein divided differences of p between
+// two singular values, (p(σ_i) − p(σ_j))/(σ_i − σ_j) (p′(σ_i) when i = j), (p(σ_i) + p(σ_j))/(σ_i + σ_j),
+// and p(σ_i)/σ_i for the directions outside the row space — taken here as the largest of them along
+// each singular value's trajectory (computed in fp64 from g's SVD). For the simple set that is
+// p′(0) = 3.4445 per step while σ is small and ≤ 2 once σ is in [0.68, 1.14]. Each step's own
+// rounding comes from its GEMMs (3; 5 for the Gram variant's R updates): an entry of an inner
+// product of length ≤ n (the longer side) errs by ≈ √n·u·Σ|terms| (the probabilistic bound above;
+// the worst case k·u is √n× larger and never met by a real kernel), and the Σ|terms| of the step
+// X ↦ aX + (bA + cA²)X is ≤ (|a| + |b|·s² + |c|·s⁴)·‖X‖_F with s = ‖X‖₂. The bound sums those,
+// each times its gain, with a factor 4 of headroom for the ≈ 3 standard deviations a few entries
+// of a large product reach. It ignores second-order terms, which are ≤ 1e-3 of the first-order
+// ones at these sizes.
+//
+// The bound is rigorous to first order but loose: the per-step gains are maxima over all pairs of
+// singular values, and their product over many steps (or the steep Polar Express tuples) grows to
+// 1e-2 … 5, where it could no longer catch a bug. NsBound caps it, see there.
+inline double NsRoundingBound(const Mat& g, const optim::NsSchedule& schedule, int steps,
+                              int gemms_per_step = 3, double eps = 1e-7, double safety = 1.0) {
+  const int64_t n = std::max(g.rows, g.cols);
+  std::vector<double> sigma = ComputeSvd(g).s;
+  const double denom = safety * FrobeniusNorm(g) + eps;
+  if (!(denom > 0)) return 0.0;
+  for (double& s : sigma) s /= denom;
+  // trajectory[t]: the singular values entering step t.
+  std::vector<std::vector<double>> trajectory(steps + 1, sigma);
+  for (int t = 0; t < steps; ++t) {
+    const optim::NsCoefficient co = schedule.At(t);
+    for (double& s : trajectory[t + 1]) s = co.a * s + co.b * s * s * s + co.c * std::pow(s, 5);
+  }
+  auto p = [&](int t, double s) {
+    const optim::NsCoefficient co = schedule.At(t);
+    return co.a * s + co.b * s * s * s + co.c * std::pow(s, 5);
+  };
+  auto dp = [&](int t, double s) {
+    const optim::NsCoefficient co = schedule.At(t);
+    return co.a + 3 * co.b * s * s + 5 * co.c * std::pow(s, 4);
+  };
+  std::vector<double> step_gain(steps, 0.0);
+  for (int t = 0; t < steps; ++t) {
+    const std::vector<double>& x = trajectory[t];
+    double worst = 0;
+    for (size_t i = 0; i < x.size(); ++i) {
+      worst = std::max(worst, std::abs(dp(t, x[i])));
+      if (x[i] > 0) worst = std::max(worst, std::abs(p(t, x[i]) / x[i]));
+      for (size_t j = 0; j < i; ++j) {
+        const double d = x[i] - x[j], s = x[i] + x[j];
+        if (std::abs(d) > 1e-12) worst = std::max(worst, std::abs((p(t, x[i]) - p(t, x[j])) / d));
+        if (s > 0) worst = std::max(worst, std::abs((p(t, x[i]) + p(t, x[j])) / s));
+      }
+    }
+    step_gain[t] = worst;
+  }
+  // Normalization: ‖G‖_F and the division round each entry by ≤ 2u, ‖·‖_F ≤ 2u overall.
+  double error = 2 * kFp32Unit;
+  for (int t = 0; t < steps; ++t) {
+    const optim::NsCoefficient co = schedule.At(t);
+    double s = 0, f = 0;
+    for (double x : trajectory[t]) {
+      s = std::max(s, std::abs(x));
+      f += x * x;
+    }
+    const double terms = (std::abs(co.a) + std::abs(co.b) * s * s + std::abs(co.c) * std::pow(s, 4)) * std::sqrt(f);
+    error = step_gain[t] * error + gemms_per_step * std::sqrt(static_cast<double>(n)) * kFp32Unit * terms;
+  }
+  return 4 * error;
+}
+
+// The smallest change a wrong coefficient, step count, cycle mode, transpose, Q product, R update or
+// normalization makes in these tests' Newton–Schulz results (≥ 1e-2 per entry).
+inline constexpr double kNsBugSignal = 1e-2;
+
+// The tolerance the Newton–Schulz tests assert: the derived NsRoundingBound, capped at a tenth of
+// kNsBugSignal so that a bug still fails with 10× margin. Where the cap applies, the rounding actually
+// seen is far under it: ≤ 2e-4 (the steep Gram Polar Express set) and ≤ 1e-5 for the others under
+// every OpenBLAS kernel (Haswell, SkylakeX, Cooperlake, Zen, Sandybridge, Prescott), since a
+// real kernel's rounding is the √n·u random walk, not the worst case the cap stands in for.
+inline double NsBound(const Mat& g, const optim::NsSchedule& schedule, int steps,
+                      int gemms_per_step = 3, double eps = 1e-7, double safety = 1.0) {
+  return std::min(NsRoundingBound(g, schedule, steps, gemms_per_step, eps, safety), kNsBugSignal / 10);
+}
+
 // Backend round trips.
 inline std::unique_ptr<kernels::DeviceBuffer> Upload(kernels::Backend& backend,
                                                      const std::vector<float>& host) {
