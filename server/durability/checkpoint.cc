@@ -3,12 +3,14 @@
 #include <cstring>
 
 #include "absl/strings/match.h"
+#include "absl/strings/string_view.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/half_float.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 #include "server/durability/file_util.h"
+#include "server/durability/json_depth.h"
 
 namespace muond::durability {
 namespace {
@@ -16,6 +18,8 @@ namespace {
 using nlohmann::json;
 
 constexpr char kFormat[] = "muond.checkpoint.v1";
+// checkpoint.json holds the spec and a step count per parameter: a few MiB for the largest spec.
+constexpr uint64_t kMaxMetadataBytes = uint64_t{64} << 20;
 
 // Bytes per element of a safetensors dtype muond writes; 0 for any other.
 size_t DtypeBytes(const json& dtype) {
@@ -31,6 +35,9 @@ absl::Status DecodeSafetensors(const std::string& file, const std::string& bytes
   if (bytes.size() < 8) return CheckpointCorrupt(file, "shorter than its header");
   std::memcpy(&length, bytes.data(), 8);
   if (length > bytes.size() - 8) return CheckpointCorrupt(file, "header length past the end of the file");
+  if (!JsonDepthWithin(absl::string_view(bytes).substr(8, length))) {
+    return CheckpointCorrupt(file, absl::StrCat("header nests deeper than ", kMaxJsonDepth, " levels"));
+  }
   const json header = json::parse(bytes.begin() + 8, bytes.begin() + 8 + static_cast<std::ptrdiff_t>(length),
                                   nullptr, /*allow_exceptions=*/false);
   if (!header.is_object()) return CheckpointCorrupt(file, "header is not a JSON object");
@@ -83,10 +90,24 @@ absl::Status DecodeSafetensors(const std::string& file, const std::string& bytes
 
 std::string TensorFileName(int64_t step) { return absl::StrFormat("checkpoint-%012d.safetensors", step); }
 
-// The digest of the metadata covers every field but itself.
-std::string MetadataDigest(json metadata) {
-  metadata.erase("metadata_sha256");
-  return Sha256Hex(metadata.dump());
+// The digest of the metadata covers every field but itself: the SHA-256 of what dump() would give
+// with "metadata_sha256" erased, built member by member so the document is not copied.
+std::string MetadataDigest(const json& metadata) {
+  std::string text = "{";
+  for (auto it = metadata.begin(); it != metadata.end(); ++it) {
+    if (it.key() == "metadata_sha256") continue;
+    if (text.size() > 1) text += ',';
+    absl::StrAppend(&text, json(it.key()).dump(), ":", it.value().dump());
+  }
+  text += '}';
+  return Sha256Hex(text);
+}
+
+// checkpoint.json's "tensors.file" names a file beside it, as WriteCheckpoint does: one path
+// component of the form checkpoint-<step>.safetensors, never a path out of the folder.
+bool IsTensorFileName(const std::string& name) {
+  return absl::StartsWith(name, "checkpoint-") && absl::EndsWith(name, ".safetensors") &&
+         name.find('/') == std::string::npos && name.find('\0') == std::string::npos;
 }
 
 // A string member of `object`, or "" when it is missing or not a string.
@@ -177,8 +198,15 @@ absl::Status WriteCheckpoint(Env* env, const std::string& dir, const CheckpointD
 }
 
 absl::StatusOr<CheckpointData> ReadCheckpoint(Env* env, const std::string& dir) {
+  if (env->IsLink(dir)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("session folder ", dir, " is a symbolic link (state files are never reached through links)"));
+  }
   const std::string metadata_file = dir + "/" + kCheckpointMetadataFile;
-  MUOND_ASSIGN_OR_RETURN(std::string text, env->ReadFile(metadata_file));
+  MUOND_ASSIGN_OR_RETURN(std::string text, env->ReadFile(metadata_file, kMaxMetadataBytes));
+  if (!JsonDepthWithin(text)) {
+    return CheckpointCorrupt(metadata_file, absl::StrCat("nests deeper than ", kMaxJsonDepth, " levels"));
+  }
   const json metadata = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (!metadata.is_object()) return CheckpointCorrupt(metadata_file, "not valid JSON (truncated?)");
   if (StringField(metadata, "format") != kFormat) return CheckpointCorrupt(metadata_file, "unknown format");
@@ -216,12 +244,21 @@ absl::StatusOr<CheckpointData> ReadCheckpoint(Env* env, const std::string& dir) 
                                             (*scaler)["hysteresis_tracker"].get<int64_t>()};
   }
 
-  const std::string tensor_file = dir + "/" + StringField(*tensors, "file");
-  MUOND_ASSIGN_OR_RETURN(std::string bytes, env->ReadFile(tensor_file));
-  if (bytes.size() != (*tensors)["bytes"].get<uint64_t>() || Sha256Hex(bytes) != StringField(*tensors, "sha256")) {
+  const std::string tensor_name = StringField(*tensors, "file");
+  if (!IsTensorFileName(tensor_name)) {
+    return CheckpointCorrupt(metadata_file, absl::StrCat("tensors.file '", tensor_name.substr(0, 200),
+                                                         "' is not a checkpoint-<step>.safetensors beside it"));
+  }
+  const std::string tensor_file = dir + "/" + tensor_name;
+  // The declared size bounds the read: a larger file is refused before it is read.
+  const uint64_t declared_bytes = (*tensors)["bytes"].get<uint64_t>();
+  absl::StatusOr<std::string> bytes = env->ReadFile(tensor_file, declared_bytes);
+  const bool too_large = !bytes.ok() && bytes.status().code() == absl::StatusCode::kOutOfRange;
+  if (!bytes.ok() && !too_large) return bytes.status();
+  if (too_large || bytes->size() != declared_bytes || Sha256Hex(*bytes) != StringField(*tensors, "sha256")) {
     return CheckpointCorrupt(tensor_file, "its size or SHA-256 differs from checkpoint.json (truncated or altered)");
   }
-  MUOND_RETURN_IF_ERROR(DecodeSafetensors(tensor_file, bytes, &data));
+  MUOND_RETURN_IF_ERROR(DecodeSafetensors(tensor_file, *bytes, &data));
   return data;
 }
 

@@ -13,13 +13,20 @@
 // Errors are absl::Status values whose message names the file and the errno text, e.g.
 // "cannot write /x/journal.log: No space left on device". Codes: NOT_FOUND for a missing file or
 // folder, PERMISSION_DENIED for EACCES/EPERM, RESOURCE_EXHAUSTED for a full disk (ENOSPC, EDQUOT),
-// INTERNAL for every other I/O error.
+// FAILED_PRECONDITION for an entry that is not what a state file may be (a symbolic link, a FIFO, a
+// device), OUT_OF_RANGE for a file larger than a read's limit, INTERNAL for every other I/O error.
+//
+// Confinement: the files of a state directory are never reached through a link. Opening a file for
+// reading or writing does not follow a symbolic link in the file's own name (O_NOFOLLOW) and accepts
+// regular files only (a FIFO or a device is refused without blocking); callers check the folders they
+// build paths from (IsLink) and never take a path component from a file's contents unchecked.
 //
 // Durability: like POSIX, creating, renaming or removing an entry is durable only after SyncDir() of
 // the folder holding it; data written to a file is durable only after Sync().
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -51,6 +58,10 @@ class WritableFile {
   virtual const std::string& path() const = 0;
 };
 
+// ReadFile's limit for a file whose size only the disk bounds (a journal): the file must still be a
+// regular file, read up to the size it had when opened.
+inline constexpr uint64_t kNoReadLimit = std::numeric_limits<uint64_t>::max();
+
 class Env {
  public:
   Env() = default;
@@ -61,12 +72,15 @@ class Env {
   // The process-wide POSIX environment; never deleted, so it may be used during static destruction.
   static Env* Default();
 
-  // Creates `path` (mode 0644) or truncates it, for writing from offset 0.
+  // Creates `path` (mode 0644) or truncates it, for writing from offset 0. Like the next one, refuses
+  // a `path` that is a symbolic link (dangling or not) or not a regular file, creating nothing.
   virtual absl::StatusOr<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path) = 0;
   // Opens `path` for appending, creating it (mode 0644) if missing; existing contents are kept.
   virtual absl::StatusOr<std::unique_ptr<WritableFile>> NewAppendableFile(const std::string& path) = 0;
-  // The whole contents of `path`.
-  virtual absl::StatusOr<std::string> ReadFile(const std::string& path) = 0;
+  // The whole contents of the regular file `path`, which holds at most `max_bytes` bytes (otherwise
+  // OUT_OF_RANGE naming the file, its size and the limit). Never follows a link in `path`'s
+  // own name, never blocks on a FIFO, and reads no more than the size the file had when opened.
+  virtual absl::StatusOr<std::string> ReadFile(const std::string& path, uint64_t max_bytes) = 0;
   // rename(2): atomically replaces `to` if it exists.
   virtual absl::Status RenameFile(const std::string& from, const std::string& to) = 0;
   // Removes one file (not a folder); a missing file is NOT_FOUND.
@@ -83,6 +97,8 @@ class Env {
   virtual absl::StatusOr<std::vector<std::string>> ListDir(const std::string& path) = 0;
   // Whether `path` is a folder (following symbolic links). Errors read as false.
   virtual bool IsDirectory(const std::string& path) = 0;
+  // Whether `path` itself is a symbolic link (not following it). Errors read as false.
+  virtual bool IsLink(const std::string& path) = 0;
   // The size in bytes of the file `path`.
   virtual absl::StatusOr<uint64_t> GetFileSize(const std::string& path) = 0;
 };

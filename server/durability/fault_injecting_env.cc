@@ -125,7 +125,9 @@ absl::StatusOr<std::unique_ptr<WritableFile>> FaultInjectingEnv::NewAppendableFi
   return std::make_unique<FaultyWritableFile>(this, std::move(base_file).value());
 }
 
-absl::StatusOr<std::string> FaultInjectingEnv::ReadFile(const std::string& path) { return base_->ReadFile(path); }
+absl::StatusOr<std::string> FaultInjectingEnv::ReadFile(const std::string& path, uint64_t max_bytes) {
+  return base_->ReadFile(path, max_bytes);
+}
 
 absl::Status FaultInjectingEnv::RenameFile(const std::string& from, const std::string& to) {
   if (Trigger(Operation::kRename, to).has_value()) {
@@ -154,6 +156,8 @@ absl::StatusOr<std::vector<std::string>> FaultInjectingEnv::ListDir(const std::s
 }
 
 bool FaultInjectingEnv::IsDirectory(const std::string& path) { return base_->IsDirectory(path); }
+
+bool FaultInjectingEnv::IsLink(const std::string& path) { return base_->IsLink(path); }
 
 absl::StatusOr<uint64_t> FaultInjectingEnv::GetFileSize(const std::string& path) { return base_->GetFileSize(path); }
 

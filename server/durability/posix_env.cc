@@ -1,11 +1,13 @@
 // The POSIX Env behind Env::Default(): plain system calls, every descriptor opened with O_CLOEXEC (the
-// daemon must not leak state-directory descriptors into child processes), EINTR retried.
+// daemon must not leak state-directory descriptors into child processes), EINTR retried. Files are
+// opened with O_NOFOLLOW | O_NONBLOCK and checked to be regular files before any byte moves.
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <exception>
 #include <filesystem>
 #include <memory>
 #include <string>
@@ -17,6 +19,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "common/status_macros.h"
 #include "server/durability/env.h"
 
 namespace muond::durability {
@@ -31,6 +34,38 @@ int OpenRetryingEintr(const std::string& path, int flags, mode_t mode = 0) {
   do {
     fd = ::open(path.c_str(), flags | O_CLOEXEC, mode);
   } while (fd < 0 && errno == EINTR);
+  return fd;
+}
+
+// Opens a state file: never through a link in its own name (ELOOP), never blocking on a FIFO
+// (O_NONBLOCK: a reader opens at once, a writer fails with ENXIO), and only if it is a regular file.
+// On success *size is the file's size; on failure the descriptor is closed and the error names `path`.
+absl::StatusOr<int> OpenStateFile(absl::string_view what, const std::string& path, int flags, uint64_t* size) {
+  const int fd = OpenRetryingEintr(path, flags | O_NOFOLLOW | O_NONBLOCK, 0644);
+  if (fd < 0) {
+    const int error_number = errno;
+    if (error_number == ELOOP) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(what, " ", path, ": it is a symbolic link (state files are never reached through links)"));
+    }
+    if (error_number == ENXIO) {
+      return absl::FailedPreconditionError(absl::StrCat(what, " ", path, ": not a regular file"));
+    }
+    return PathError(what, path, error_number);
+  }
+  struct stat info;
+  if (::fstat(fd, &info) != 0) {
+    const int error_number = errno;
+    ::close(fd);
+    return PathError(what, path, error_number);
+  }
+  if (!S_ISREG(info.st_mode)) {
+    ::close(fd);
+    return absl::FailedPreconditionError(absl::StrCat(what, " ", path, ": not a regular file"));
+  }
+  // Regular files ignore O_NONBLOCK, but it is cleared so that nothing later depends on that.
+  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+  *size = static_cast<uint64_t>(info.st_size);
   return fd;
 }
 
@@ -105,38 +140,53 @@ class PosixWritableFile final : public WritableFile {
 class PosixEnv final : public Env {
  public:
   absl::StatusOr<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path) override {
-    const int fd = OpenRetryingEintr(path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (fd < 0) return PathError("cannot create", path, errno);
+    // Truncated only once it is known to be a regular file: a link or a FIFO is left as it was.
+    uint64_t size = 0;
+    MUOND_ASSIGN_OR_RETURN(const int fd, OpenStateFile("cannot create", path, O_WRONLY | O_CREAT, &size));
+    if (::ftruncate(fd, 0) != 0) {
+      const int error_number = errno;
+      ::close(fd);
+      return PathError("cannot truncate", path, error_number);
+    }
     return std::make_unique<PosixWritableFile>(path, fd);
   }
 
   absl::StatusOr<std::unique_ptr<WritableFile>> NewAppendableFile(const std::string& path) override {
-    const int fd = OpenRetryingEintr(path, O_WRONLY | O_CREAT | O_APPEND, 0644);
-    if (fd < 0) return PathError("cannot open", path, errno);
+    uint64_t size = 0;
+    MUOND_ASSIGN_OR_RETURN(const int fd, OpenStateFile("cannot open", path, O_WRONLY | O_CREAT | O_APPEND, &size));
     return std::make_unique<PosixWritableFile>(path, fd);
   }
 
-  absl::StatusOr<std::string> ReadFile(const std::string& path) override {
-    const int fd = OpenRetryingEintr(path, O_RDONLY);
-    if (fd < 0) return PathError("cannot read", path, errno);
-    std::string contents;
-    struct stat info;
-    if (::fstat(fd, &info) == 0 && S_ISREG(info.st_mode) && info.st_size > 0) {
-      contents.reserve(static_cast<size_t>(info.st_size));
+  absl::StatusOr<std::string> ReadFile(const std::string& path, uint64_t max_bytes) override {
+    uint64_t size = 0;
+    MUOND_ASSIGN_OR_RETURN(const int fd, OpenStateFile("cannot read", path, O_RDONLY, &size));
+    if (size > max_bytes) {
+      ::close(fd);
+      return absl::OutOfRangeError(
+          absl::StrCat("cannot read ", path, ": it holds ", size, " bytes, more than the ", max_bytes, " allowed"));
     }
-    char buffer[1 << 16];
-    while (true) {
-      const ssize_t n = ::read(fd, buffer, sizeof(buffer));
+    std::string contents;
+    try {
+      contents.resize(static_cast<size_t>(size));
+    } catch (const std::exception&) {  // std::bad_alloc, std::length_error
+      ::close(fd);
+      return absl::ResourceExhaustedError(absl::StrCat("cannot read ", path, ": no memory for its ", size, " bytes"));
+    }
+    // Up to the size it had when opened: a file that grows meanwhile cannot make the read unbounded.
+    size_t done = 0;
+    while (done < contents.size()) {
+      const ssize_t n = ::read(fd, contents.data() + done, contents.size() - done);
       if (n < 0) {
         if (errno == EINTR) continue;
         const int error_number = errno;
         ::close(fd);
         return PathError("cannot read", path, error_number);
       }
-      if (n == 0) break;
-      contents.append(buffer, static_cast<size_t>(n));
+      if (n == 0) break;  // it shrank since fstat
+      done += static_cast<size_t>(n);
     }
     ::close(fd);
+    contents.resize(done);
     return contents;
   }
 
@@ -202,6 +252,11 @@ class PosixEnv final : public Env {
   bool IsDirectory(const std::string& path) override {
     struct stat info;
     return ::stat(path.c_str(), &info) == 0 && S_ISDIR(info.st_mode);
+  }
+
+  bool IsLink(const std::string& path) override {
+    struct stat info;
+    return ::lstat(path.c_str(), &info) == 0 && S_ISLNK(info.st_mode);
   }
 
   absl::StatusOr<uint64_t> GetFileSize(const std::string& path) override {

@@ -48,7 +48,7 @@ absl::Status StepJournal::Open(const std::string& path) {
 }
 
 absl::Status StepJournal::CutTornTail() {
-  MUOND_ASSIGN_OR_RETURN(std::string bytes, env_->ReadFile(path_));
+  MUOND_ASSIGN_OR_RETURN(std::string bytes, env_->ReadFile(path_, kNoReadLimit));
   bytes.resize(std::min<uint64_t>(bytes.size(), committed_bytes_));
   MUOND_RETURN_IF_ERROR(WriteFileAtomically(env_, path_, bytes));
   MUOND_ASSIGN_OR_RETURN(file_, env_->NewAppendableFile(path_));
@@ -105,7 +105,7 @@ void StepJournal::Close() {
 absl::StatusOr<JournalContents> StepJournal::Read(Env* env, const std::string& path, size_t num_parameters) {
   JournalContents contents;
   if (!env->FileExists(path)) return contents;
-  MUOND_ASSIGN_OR_RETURN(std::string bytes, env->ReadFile(path));
+  MUOND_ASSIGN_OR_RETURN(std::string bytes, env->ReadFile(path, kNoReadLimit));
   size_t pos = 0;
   auto corrupt = [&](size_t at, absl::string_view why) {
     return absl::DataLossError(absl::StrCat("journal ", path, " is unusable: record at byte ", at, " ", why));

@@ -56,7 +56,7 @@ FolderReport ReadFolder(const std::string& state_dir, const std::string& name) {
     return report;
   }
   const durability::CheckpointData& c = folder->checkpoint;
-  const std::string metadata_text = env->ReadFile(report.dir + "/" + durability::kCheckpointMetadataFile).value_or("{}");
+  const std::string metadata_text = env->ReadFile(report.dir + "/" + durability::kCheckpointMetadataFile, durability::kNoReadLimit).value_or("{}");
   const ordered_json metadata = ordered_json::parse(metadata_text, nullptr, false);
   size_t values = 0;
   std::vector<std::string> slots;

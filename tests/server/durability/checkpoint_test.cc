@@ -3,6 +3,8 @@
 // naming the file), never read as a default or thrown; truncated tensors are refused too.
 #include "server/durability/checkpoint.h"
 
+#include <sys/stat.h>
+
 #include <cstdlib>
 #include <filesystem>
 
@@ -37,7 +39,7 @@ class CheckpointTest : public ::testing::Test {
   // Rewrites checkpoint.json through `edit`, with a digest that matches again.
   void EditMetadata(const std::function<void(json&)>& edit) {
     const std::string path = dir_ + "/" + kCheckpointMetadataFile;
-    json metadata = json::parse(Env::Default()->ReadFile(path).value());
+    json metadata = json::parse(Env::Default()->ReadFile(path, kNoReadLimit).value());
     edit(metadata);
     metadata.erase("metadata_sha256");
     metadata["metadata_sha256"] = Sha256Hex(metadata.dump());
@@ -80,7 +82,7 @@ TEST_F(CheckpointTest, FieldsOfTheWrongTypeAreRefusedNotThrown) {
 
 TEST_F(CheckpointTest, AlteredOrTruncatedFilesAreRefusedNamingThem) {
   const std::string path = dir_ + "/" + kCheckpointMetadataFile;
-  std::string text = Env::Default()->ReadFile(path).value();
+  std::string text = Env::Default()->ReadFile(path, kNoReadLimit).value();
   text.replace(text.find("alice"), 5, "mallo");
   ASSERT_OK(WriteFileAtomically(Env::Default(), path, text));
   EXPECT_THAT(ReadCheckpoint(Env::Default(), dir_), StatusIs(absl::StatusCode::kDataLoss, "altered"));
@@ -88,6 +90,56 @@ TEST_F(CheckpointTest, AlteredOrTruncatedFilesAreRefusedNamingThem) {
   SetUp();
   EditMetadata([](json& m) { m["tensors"]["bytes"] = m["tensors"]["bytes"].get<uint64_t>() - 4; });
   EXPECT_THAT(ReadCheckpoint(Env::Default(), dir_), StatusIs(absl::StatusCode::kDataLoss, "safetensors is unusable"));
+}
+
+TEST_F(CheckpointTest, DeeplyNestedJsonIsRefusedNotAStackOverflow) {
+  // 200,000 nested arrays: copying or dumping the parsed document would recurse once per level.
+  const std::string deep = "{\"format\":" + std::string(200000, '[') + std::string(200000, ']') + "}";
+  ASSERT_OK(WriteFileAtomically(Env::Default(), dir_ + "/" + kCheckpointMetadataFile, deep));
+  EXPECT_THAT(ReadCheckpoint(Env::Default(), dir_),
+              StatusIs(absl::StatusCode::kDataLoss, "checkpoint.json is unusable: nests deeper than 64 levels"));
+}
+
+TEST_F(CheckpointTest, ATensorsFileOutsideTheFolderIsRefusedNamingTheField) {
+  for (const std::string name : {"../../../../../../dev/zero", "/dev/zero", "../outside/checkpoint-1.safetensors",
+                                 "checkpoint-1.safetensors/../../x", ""}) {
+    EditMetadata([&](json& m) { m["tensors"]["file"] = name; });
+    EXPECT_THAT(ReadCheckpoint(Env::Default(), dir_), StatusIs(absl::StatusCode::kDataLoss, "tensors.file"))
+        << name;
+  }
+}
+
+TEST_F(CheckpointTest, LinkedFilesAndFoldersAreRefused) {
+  const std::string metadata = dir_ + "/" + kCheckpointMetadataFile;
+  const std::string tensors = dir_ + "/checkpoint-000000000007.safetensors";
+  ASSERT_TRUE(std::filesystem::exists(tensors));
+  // The tensor file moved out of the folder, a link left in its place.
+  std::filesystem::rename(tensors, dir_ + ".tensors");
+  std::filesystem::create_symlink(dir_ + ".tensors", tensors);
+  EXPECT_THAT(ReadCheckpoint(Env::Default(), dir_),
+              StatusIs(absl::StatusCode::kFailedPrecondition, tensors + ": it is a symbolic link"));
+  std::filesystem::remove(tensors);
+  std::filesystem::rename(dir_ + ".tensors", tensors);
+  // checkpoint.json linked to /dev/zero.
+  std::filesystem::rename(metadata, dir_ + ".json");
+  std::filesystem::create_symlink("/dev/zero", metadata);
+  EXPECT_THAT(ReadCheckpoint(Env::Default(), dir_), StatusIs(absl::StatusCode::kFailedPrecondition, metadata));
+  std::filesystem::remove(metadata);
+  std::filesystem::rename(dir_ + ".json", metadata);
+  // The whole folder reached through a link.
+  std::filesystem::create_directory_symlink(dir_, dir_ + ".link");
+  EXPECT_THAT(ReadCheckpoint(Env::Default(), dir_ + ".link"),
+              StatusIs(absl::StatusCode::kFailedPrecondition, dir_ + ".link is a symbolic link"));
+  std::filesystem::remove(dir_ + ".link");
+  ASSERT_OK(ReadCheckpoint(Env::Default(), dir_).status());
+}
+
+TEST_F(CheckpointTest, AFifoInPlaceOfAFileDoesNotHang) {
+  const std::string metadata = dir_ + "/" + kCheckpointMetadataFile;
+  std::filesystem::remove(metadata);
+  ASSERT_EQ(mkfifo(metadata.c_str(), 0600), 0);
+  EXPECT_THAT(ReadCheckpoint(Env::Default(), dir_),
+              StatusIs(absl::StatusCode::kFailedPrecondition, metadata + ": not a regular file"));
 }
 
 }  // namespace

@@ -51,7 +51,7 @@ class EnvTest : public ::testing::Test {
   }
 
   std::string ReadOrDie(const std::string& name) {
-    absl::StatusOr<std::string> contents = env_->ReadFile(Path(name));
+    absl::StatusOr<std::string> contents = env_->ReadFile(Path(name), kNoReadLimit);
     EXPECT_OK(contents);
     return contents.ok() ? *contents : "<unreadable>";
   }
@@ -139,11 +139,11 @@ TEST_F(EnvTest, TruncateEmptiesTheFileAndLaterAppendsStartAtZero) {
     SCOPED_TRACE(file->path());
     ASSERT_OK(file->Append("0123456789"));
     ASSERT_OK(file->Truncate());
-    ASSERT_OK_AND_ASSIGN(std::string empty, env_->ReadFile(file->path()));
+    ASSERT_OK_AND_ASSIGN(std::string empty, env_->ReadFile(file->path(), kNoReadLimit));
     EXPECT_THAT(empty, IsEmpty());
     ASSERT_OK(file->Append("ab"));
     ASSERT_OK(file->Close());
-    ASSERT_OK_AND_ASSIGN(std::string after, env_->ReadFile(file->path()));
+    ASSERT_OK_AND_ASSIGN(std::string after, env_->ReadFile(file->path(), kNoReadLimit));
     EXPECT_EQ(after, "ab");
   }
 }
@@ -215,7 +215,7 @@ TEST_F(EnvTest, RemoveTreeRemovesEverythingAndAcceptsAMissingPath) {
 }
 
 TEST_F(EnvTest, ReadingAMissingFileIsNotFoundNamingThePath) {
-  EXPECT_THAT(env_->ReadFile(Path("missing")),
+  EXPECT_THAT(env_->ReadFile(Path("missing"), kNoReadLimit),
               StatusIs(absl::StatusCode::kNotFound, "cannot read " + Path("missing") + ": No such file or directory"));
   EXPECT_THAT(env_->NewAppendableFile(Path("no/such/folder/log")),
               StatusIs(absl::StatusCode::kNotFound, Path("no/such/folder/log")));
@@ -264,7 +264,7 @@ class FaultInjectingEnvTest : public EnvTest {
 
 TEST_F(FaultInjectingEnvTest, PassesThroughWithoutFaults) {
   ASSERT_OK(WriteFileAtomically(&faulty_, Path("a"), "contents"));
-  ASSERT_OK_AND_ASSIGN(std::string contents, faulty_.ReadFile(Path("a")));
+  ASSERT_OK_AND_ASSIGN(std::string contents, faulty_.ReadFile(Path("a"), kNoReadLimit));
   EXPECT_EQ(contents, "contents");
   ASSERT_OK(faulty_.CreateDirs(Path("d/e")));
   EXPECT_TRUE(faulty_.IsDirectory(Path("d/e")));
@@ -273,7 +273,7 @@ TEST_F(FaultInjectingEnvTest, PassesThroughWithoutFaults) {
   EXPECT_THAT(names, ElementsAre("a", "d"));
   ASSERT_OK(faulty_.RemoveTree(Path("d")));
   ASSERT_OK(faulty_.RemoveFile(Path("a")));
-  EXPECT_THAT(faulty_.ReadFile(Path("a")), StatusIs(absl::StatusCode::kNotFound, Path("a")));
+  EXPECT_THAT(faulty_.ReadFile(Path("a"), kNoReadLimit), StatusIs(absl::StatusCode::kNotFound, Path("a")));
   EXPECT_EQ(faulty_.faults_triggered(), 0);
 }
 
@@ -390,7 +390,7 @@ TEST_F(FaultInjectingEnvTest, WriteFileAtomicallyReportsAFailedFolderSync) {
   faulty_.FailSync(Path("sub"), /*after_syncs=*/1);
   EXPECT_THAT(WriteFileAtomically(&faulty_, Path("sub/state.json"), "new"),
               StatusIs(absl::StatusCode::kInternal, "cannot fsync folder " + Path("sub")));
-  ASSERT_OK_AND_ASSIGN(std::string contents, env_->ReadFile(Path("sub/state.json")));
+  ASSERT_OK_AND_ASSIGN(std::string contents, env_->ReadFile(Path("sub/state.json"), kNoReadLimit));
   EXPECT_EQ(contents, "new");
   EXPECT_FALSE(env_->FileExists(Path("sub/state.json.tmp")));
 }
