@@ -78,6 +78,11 @@ std::optional<DaemonFlags> ParseFlags(int argc, char** argv, int* exit_code) {
   app.add_option("--checkpoint-every", flags.checkpoint_every, "Checkpoint each session every N steps (0: never)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  app.add_option("--on-damaged-state", flags.on_damaged_state,
+                 "A session folder that cannot be restored at start: quarantine (move it into "
+                 "<state-dir>/+quarantine and serve the others) or fail (exit 1)")
+      ->check(CLI::IsMember({"quarantine", "fail"}))
+      ->capture_default_str();
   app.add_option("--shm-socket", flags.shm_socket,
                  "Unix-domain socket on which clients on this host pass shared-memory regions (memfds): 'auto' "
                  "(an abstract socket unique to this process), 'none' (no shared-memory transport), '@name' "

@@ -32,6 +32,7 @@ struct DaemonFlags {
   std::string state_dir;              // empty: nothing is persisted
   std::string durability = "snapshot";  // snapshot | journal
   int64_t checkpoint_every = 0;       // steps between periodic checkpoints; 0: none
+  std::string on_damaged_state = "quarantine";  // quarantine | fail: a session folder that cannot be restored
   double straggler_timeout_seconds = 120;  // a multi-rank step waits this long for its last rank
   // Shared-memory transport: "auto" (an abstract socket unique to the process), "none", "@name" or a
   // filesystem path.

@@ -169,6 +169,8 @@ int Run(int argc, char** argv) {
     state.durability =
         flags->durability == "journal" ? durability::Durability::kJournal : durability::Durability::kSnapshot;
     state.checkpoint_every = flags->checkpoint_every;
+    state.on_damaged = flags->on_damaged_state == "fail" ? durability::DamagedState::kFail
+                                                         : durability::DamagedState::kQuarantine;
     state.backend_name = backend->Name();
     if (absl::Status restored = registry.EnablePersistence(state); !restored.ok()) {
       MUOND_LOG(error, "cannot restore the sessions in --state-dir {}: {}", flags->state_dir, restored.message());

@@ -1,14 +1,39 @@
 #include "server/durability/session_files.h"
 
+#include <algorithm>
+
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 
 namespace muond::durability {
+namespace {
+
+absl::Status LinkedFolder(const std::string& dir) {
+  return absl::FailedPreconditionError(
+      absl::StrCat("session folder ", dir, " is a symbolic link (state files are never reached through links)"));
+}
+
+}  // namespace
+
+absl::Status CheckSessionId(const std::string& id, absl::string_view field) {
+  const bool valid = !id.empty() && id.size() <= 128 && id != "." && id != ".." &&
+                     std::all_of(id.begin(), id.end(), [](char c) {
+                       return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-';
+                     });
+  if (valid) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, ": '", id.substr(0, 140), "' is not a session id (1 to 128 of [A-Za-z0-9._-])"));
+}
 
 absl::StatusOr<std::unique_ptr<SessionFiles>> SessionFiles::Open(const StateDirOptions& options,
                                                                  const std::string& session_id) {
+  MUOND_RETURN_IF_ERROR(CheckSessionId(session_id));
   const std::string dir = options.state_dir + "/" + session_id;
+  if (options.env->IsLink(dir)) return LinkedFolder(dir);
   MUOND_RETURN_IF_ERROR(options.env->CreateDirs(dir));
   std::unique_ptr<SessionFiles> files(new SessionFiles(options, dir));
   if (options.durability == Durability::kJournal) {
@@ -45,9 +70,15 @@ absl::StatusOr<std::vector<std::string>> ListSessionFolders(const StateDirOption
   std::vector<std::string> dirs;
   for (const std::string& name : names) {
     const std::string dir = options.state_dir + "/" + name;
-    if (!env->IsDirectory(dir)) continue;
-    if (!env->FileExists(dir + "/" + kCheckpointMetadataFile)) {
-      // Created but never given its parameters: nothing to restore.
+    if (!CheckSessionId(name).ok() || !env->IsDirectory(dir)) continue;
+    if (env->IsLink(dir)) {
+      dirs.push_back(dir);  // LoadSessionFolder refuses it; nothing is removed through a link
+      continue;
+    }
+    const std::string metadata_file = dir + "/" + kCheckpointMetadataFile;
+    if (!env->FileExists(metadata_file) && !env->IsLink(metadata_file)) {
+      // Created but never given its parameters: nothing to restore. (A dangling link in place of the
+      // checkpoint is damage, for LoadSessionFolder to refuse, not an empty folder.)
       MUOND_LOG(info, "ignoring {}: no checkpoint (the session never received its parameters)", dir);
       env->RemoveTree(dir).IgnoreError();
       continue;
@@ -58,15 +89,33 @@ absl::StatusOr<std::vector<std::string>> ListSessionFolders(const StateDirOption
 }
 
 absl::StatusOr<SessionFolder> LoadSessionFolder(const StateDirOptions& options, const std::string& dir,
-                                                const std::function<absl::StatusOr<size_t>(const CheckpointData&)>&
-                                                    num_parameters) {
+                                                const ParameterSizes& parameter_sizes) {
+  if (options.env->IsLink(dir)) return LinkedFolder(dir);
   SessionFolder folder;
   folder.dir = dir;
   folder.journal_path = dir + "/" + kJournalFile;
   MUOND_ASSIGN_OR_RETURN(folder.checkpoint, ReadCheckpoint(options.env, dir));
-  MUOND_ASSIGN_OR_RETURN(size_t count, num_parameters(folder.checkpoint));
-  MUOND_ASSIGN_OR_RETURN(folder.journal, StepJournal::Read(options.env, folder.journal_path, count));
+  MUOND_ASSIGN_OR_RETURN(std::vector<int64_t> numel, parameter_sizes(folder.checkpoint));
+  MUOND_ASSIGN_OR_RETURN(folder.journal, StepJournal::Read(options.env, folder.journal_path, numel));
   return folder;
+}
+
+absl::StatusOr<std::string> QuarantineSessionFolder(const StateDirOptions& options, const std::string& dir) {
+  Env* env = options.env;
+  const std::string quarantine = options.state_dir + "/" + kQuarantineFolder;
+  MUOND_RETURN_IF_ERROR(env->CreateDirs(quarantine));
+  const std::string name = dir.substr(dir.rfind('/') + 1);
+  const std::string stamp = absl::FormatTime("%Y%m%dT%H%M%E3SZ", absl::Now(), absl::UTCTimeZone());
+  std::string target = absl::StrCat(quarantine, "/", name, ".", stamp);
+  // Two damaged folders of one name in the same millisecond cannot happen in one start, but a
+  // restart within it could meet an earlier one: never replace what is already there.
+  for (int n = 1; env->FileExists(target) || env->IsLink(target); ++n) {
+    target = absl::StrCat(quarantine, "/", name, ".", stamp, ".", n);
+  }
+  MUOND_RETURN_IF_ERROR(env->RenameFile(dir, target));
+  MUOND_RETURN_IF_ERROR(env->SyncDir(quarantine));
+  MUOND_RETURN_IF_ERROR(env->SyncDir(options.state_dir));
+  return target;
 }
 
 }  // namespace muond::durability

@@ -3,7 +3,11 @@
 //
 // SessionFiles is one session's handle on its folder: it appends steps to the journal, writes
 // checkpoints (which empty the journal) and removes the folder when the session is closed.
-// ListSessionFolders and LoadSessionFolder read the directory back at start-up.
+// ListSessionFolders and LoadSessionFolder read the directory back at start-up;
+// QuarantineSessionFolder moves a folder that cannot be restored aside, into kQuarantineFolder.
+//
+// Confinement: a session folder is named by a valid session id (CheckSessionId) and is never a
+// symbolic link; its files are opened without following links (env.h).
 //
 // Durability modes:
 //   snapshot  checkpoints on upload, on request, every --checkpoint-every steps and at shutdown;
@@ -30,15 +34,29 @@ namespace muond::durability {
 
 enum class Durability { kSnapshot, kJournal };
 
+// What start-up does with a session folder that cannot be restored (--on-damaged-state).
+enum class DamagedState {
+  kQuarantine,  // move it into kQuarantineFolder, log it, count it, serve the other sessions
+  kFail,        // stop the daemon (exit 1) naming the file
+};
+
 struct StateDirOptions {
   std::string state_dir;
   Durability durability = Durability::kSnapshot;
   int64_t checkpoint_every = 0;  // steps; 0: only on upload, request and shutdown
   std::string backend_name;
+  DamagedState on_damaged = DamagedState::kQuarantine;
   Env* env = Env::Default();     // not owned
 };
 
 inline constexpr char kJournalFile[] = "journal.log";
+// The folder of the state directory that damaged session folders are moved into, as
+// <id>.<UTC time>. Not a valid session id, so it never collides with a session's folder.
+inline constexpr char kQuarantineFolder[] = "+quarantine";
+
+// OK when `id` is a valid session id ([A-Za-z0-9._-]{1,128}, not "." or ".."), which is also what
+// makes it a safe folder name; INVALID_ARGUMENT naming `field` otherwise.
+absl::Status CheckSessionId(const std::string& id, absl::string_view field = "session_id");
 
 class SessionFiles {
  public:
@@ -74,13 +92,22 @@ struct SessionFolder {
 };
 
 // The session folders of the state directory (creating it if needed), sorted. Folders without a
-// checkpoint (sessions that never received their parameters) are removed, with a log line.
+// checkpoint (sessions that never received their parameters) are removed, with a log line; entries
+// whose name is not a session id (kQuarantineFolder, lost+found) are left alone. A symbolic link is
+// listed, for LoadSessionFolder to refuse.
 absl::StatusOr<std::vector<std::string>> ListSessionFolders(const StateDirOptions& options);
 
-// Reads a folder's checkpoint and journal; `num_parameters` bounds the journal's parameter indices
-// and comes from the checkpoint's spec, so it is a callback: parse the spec, return its count.
+// The element count of each of a session's parameters, from its checkpoint's spec.
+using ParameterSizes = std::function<absl::StatusOr<std::vector<int64_t>>(const CheckpointData&)>;
+
+// Reads a folder's checkpoint and journal; the journal's records are checked against the parameter
+// sizes, which come from the checkpoint's spec, hence the callback: parse the spec, return them.
+// Refuses a folder that is a symbolic link.
 absl::StatusOr<SessionFolder> LoadSessionFolder(const StateDirOptions& options, const std::string& dir,
-                                                const std::function<absl::StatusOr<size_t>(const CheckpointData&)>&
-                                                    num_parameters);
+                                                const ParameterSizes& parameter_sizes);
+
+// Moves the session folder `dir` into <state_dir>/kQuarantineFolder/<name>.<UTC time> (never deletes
+// anything) and makes the move durable. Returns the new path.
+absl::StatusOr<std::string> QuarantineSessionFolder(const StateDirOptions& options, const std::string& dir);
 
 }  // namespace muond::durability

@@ -9,13 +9,20 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "server/durability/file_util.h"
+#include "server/durability/json_depth.h"
 
 namespace muond::durability {
 namespace {
 
-constexpr char kMagic[4] = {'M', 'J', 'R', '2'};
+constexpr char kMagic[4] = {'M', 'J', 'R', '3'};
+constexpr char kPreviousMagic[4] = {'M', 'J', 'R', '2'};
 constexpr char kOldMagic[4] = {'M', 'J', 'R', '1'};
-constexpr size_t kRecordHeader = 12;
+constexpr size_t kHeader = 20;          // magic, u64 length, payload CRC, header CRC
+constexpr size_t kPreviousHeader = 12;  // MJR2: magic, u32 length, payload CRC
+// A step request is a small JSON object (overrides per group, QK-clip logits per head).
+constexpr uint64_t kMaxRequestBytes = uint64_t{16} << 20;
+// Per gradient entry: index (u32), element count (u64), sum of squares (f64).
+constexpr uint64_t kGradientEntryBytes = 20;
 
 template <typename T>
 void Put(std::string& out, T value) {
@@ -32,7 +39,15 @@ bool Get(const std::string& in, size_t* pos, size_t end, T* value) {
 }
 
 uint32_t Crc(const char* data, size_t size) {
-  return static_cast<uint32_t>(crc32(0L, reinterpret_cast<const Bytef*>(data), static_cast<uInt>(size)));
+  return static_cast<uint32_t>(crc32_z(0L, reinterpret_cast<const Bytef*>(data), size));
+}
+
+// The largest payload a record of a session with these parameters can have: the request and every
+// gradient present once.
+uint64_t MaxPayloadBytes(const std::vector<int64_t>& numel) {
+  uint64_t bytes = 4 + kMaxRequestBytes + 4;
+  for (const int64_t n : numel) bytes += kGradientEntryBytes + 4 * static_cast<uint64_t>(std::max<int64_t>(n, 0));
+  return bytes;
 }
 
 }  // namespace
@@ -72,8 +87,9 @@ absl::Status StepJournal::Append(absl::string_view request, const std::vector<Ho
     payload.append(reinterpret_cast<const char*>(g.values.data()), g.values.size() * sizeof(float));
   }
   std::string record(kMagic, 4);
-  Put<uint32_t>(record, static_cast<uint32_t>(payload.size()));
+  Put<uint64_t>(record, payload.size());
   Put<uint32_t>(record, Crc(payload.data(), payload.size()));
+  Put<uint32_t>(record, Crc(record.data(), record.size()));  // the header's own CRC
   record += payload;
   absl::Status written = file_->Append(record);
   if (written.ok()) written = file_->Sync();
@@ -102,30 +118,57 @@ void StepJournal::Close() {
   file_.reset();
 }
 
-absl::StatusOr<JournalContents> StepJournal::Read(Env* env, const std::string& path, size_t num_parameters) {
+absl::StatusOr<JournalContents> StepJournal::Read(Env* env, const std::string& path,
+                                                  const std::vector<int64_t>& numel) {
   JournalContents contents;
-  if (!env->FileExists(path)) return contents;
+  if (!env->FileExists(path) && !env->IsLink(path)) return contents;
   MUOND_ASSIGN_OR_RETURN(std::string bytes, env->ReadFile(path, kNoReadLimit));
+  const uint64_t max_payload = MaxPayloadBytes(numel);
   size_t pos = 0;
   auto corrupt = [&](size_t at, absl::string_view why) {
     return absl::DataLossError(absl::StrCat("journal ", path, " is unusable: record at byte ", at, " ", why));
   };
   while (pos < bytes.size()) {
     const size_t start = pos;
-    if (bytes.size() - pos < kRecordHeader) {
+    const size_t left = bytes.size() - pos;
+    if (left < 4) {
+      // A few bytes of a header at the very end: what an append cut short leaves, if they begin one.
+      if (std::memcmp(bytes.data() + pos, kMagic, left) != 0) return corrupt(start, "has no record marker (altered)");
       contents.dropped_torn_tail = true;
       break;
     }
+    const bool current = std::memcmp(bytes.data() + pos, kMagic, 4) == 0;
+    const bool previous = std::memcmp(bytes.data() + pos, kPreviousMagic, 4) == 0;
     if (std::memcmp(bytes.data() + pos, kOldMagic, 4) == 0) {
       return corrupt(start, "is in the format of an earlier muond (MJR1); restore it with that version");
     }
-    if (std::memcmp(bytes.data() + pos, kMagic, 4) != 0) return corrupt(start, "has no record marker (altered)");
+    if (!current && !previous) return corrupt(start, "has no record marker (altered)");
+    const size_t header = current ? kHeader : kPreviousHeader;
+    if (left < header) {
+      contents.dropped_torn_tail = true;  // the header itself cut short at the end of the file
+      break;
+    }
     pos += 4;
-    uint32_t length = 0, crc = 0;
-    Get(bytes, &pos, bytes.size(), &length);
-    Get(bytes, &pos, bytes.size(), &crc);
+    uint64_t length = 0;
+    uint32_t crc = 0;
+    if (current) {
+      uint32_t header_crc = 0;
+      Get(bytes, &pos, bytes.size(), &length);
+      Get(bytes, &pos, bytes.size(), &crc);
+      Get(bytes, &pos, bytes.size(), &header_crc);
+      if (Crc(bytes.data() + start, kHeader - 4) != header_crc) return corrupt(start, "fails its header CRC (altered)");
+    } else {
+      uint32_t length32 = 0;
+      Get(bytes, &pos, bytes.size(), &length32);
+      Get(bytes, &pos, bytes.size(), &crc);
+      length = length32;
+    }
+    if (length > max_payload) {
+      return corrupt(start, absl::StrCat("declares ", length, " payload bytes, more than the ", max_payload,
+                                         " a step of this session can hold (altered)"));
+    }
     if (bytes.size() - pos < length) {
-      contents.dropped_torn_tail = true;  // cut short by a crash during its append
+      contents.dropped_torn_tail = true;  // cut short by a crash during its append, at the end of the file
       break;
     }
     if (Crc(bytes.data() + pos, length) != crc) return corrupt(start, "fails its CRC (altered)");
@@ -136,18 +179,24 @@ absl::StatusOr<JournalContents> StepJournal::Read(Env* env, const std::string& p
       return corrupt(start, "has a bad step request");
     }
     record.request.assign(bytes.data() + pos, request_length);
+    if (!JsonDepthWithin(record.request)) return corrupt(start, "has a step request nested too deeply");
     pos += request_length;
-    record.gradients.resize(num_parameters);
+    record.gradients.resize(numel.size());
     if (!Get(bytes, &pos, end, &present)) return corrupt(start, "is truncated");
     for (uint32_t t = 0; t < present; ++t) {
       uint32_t index = 0;
       uint64_t count = 0;
       double sum_squares = 0;
       if (!Get(bytes, &pos, end, &index) || !Get(bytes, &pos, end, &count) || !Get(bytes, &pos, end, &sum_squares) ||
-          index >= num_parameters || (end - pos) / sizeof(float) < count) {
+          index >= numel.size() || (end - pos) / sizeof(float) < count) {
         return corrupt(start, "has a bad gradient entry");
       }
       HostTensor& g = record.gradients[index];
+      if (g.present()) return corrupt(start, absl::StrCat("holds parameter ", index, "'s gradient twice"));
+      if (count != static_cast<uint64_t>(numel[index])) {
+        return corrupt(start, absl::StrCat("holds a gradient of ", count, " elements for parameter ", index,
+                                           ", whose spec gives ", numel[index]));
+      }
       g.values.resize(count);
       std::memcpy(g.values.data(), bytes.data() + pos, count * sizeof(float));
       g.received = static_cast<int64_t>(count);

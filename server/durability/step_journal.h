@@ -4,12 +4,20 @@
 // replaying the records over the last checkpoint rebuilds the exact state after a crash. A
 // checkpoint empties the journal.
 //
-// Record: magic "MJR2" | payload length (u32) | CRC-32 of the payload (u32) | payload, where the
-// payload is: request length (u32) | request | gradient count (u32) | per gradient: parameter index
-// (u32), element count (u64), sum of squares (f64), the fp32 values.
-// A record cut short at the end of the file is the trace of a crash during an append — that step was
-// never acknowledged — and is dropped; a complete record whose CRC does not match means the file was
-// altered, and reading refuses it, naming the file and the offset.
+// Record (after leveldb's log format, with the header checked on its own): a 20-byte header — magic
+// "MJR3" | payload length (u64) | CRC-32 of the payload (u32) | CRC-32 of the 16 bytes before it (u32)
+// — then the payload: request length (u32) | request (JSON) | gradient count (u32) | per gradient:
+// parameter index (u32), element count (u64), sum of squares (f64), the fp32 values.
+//
+// Reading: only a record cut short at the very end of the file — fewer than 20 bytes left, or a header
+// whose own CRC verifies and whose payload runs past the end — is the trace of a crash during an
+// append (that step was never acknowledged) and is dropped. Anything else refuses the whole journal
+// with DATA_LOSS naming the file and the record's offset: a bad marker or header CRC (an altered
+// length is caught here, so it can never pass for a torn tail), a length above what the session's
+// parameters allow, a payload CRC that does not match, a gradient of the wrong size. Reading changes
+// nothing on disk. Records in the previous format ("MJR2": a 12-byte header of magic, u32 length and
+// payload CRC, the same payload) are still read; their length past the end counts as a torn tail only
+// within the same plausible bound. "MJR1" journals are refused with a message saying so.
 //
 // Not thread-safe: the owning session serializes appends.
 #pragma once
@@ -49,8 +57,10 @@ class StepJournal {
   absl::Status Clear();
   void Close();
 
-  // Reads every record; `num_parameters` bounds the parameter indices. A missing file is empty.
-  static absl::StatusOr<JournalContents> Read(Env* env, const std::string& path, size_t num_parameters);
+  // Reads every record. `numel` is the element count of each of the session's parameters: it bounds
+  // the parameter indices, fixes each gradient's size and bounds a record's plausible length. A
+  // missing file is empty; a link or a file other than a regular one is refused.
+  static absl::StatusOr<JournalContents> Read(Env* env, const std::string& path, const std::vector<int64_t>& numel);
 
  private:
   // Rewrites the file with its first committed_bytes_ bytes and reopens it.

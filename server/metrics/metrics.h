@@ -49,6 +49,9 @@ class Metrics {
   virtual void JournalAppended(absl::Duration latency, bool ok) = 0;
   // A session's checkpoint was written (ok), or writing it failed.
   virtual void CheckpointWritten(absl::Duration latency, bool ok) = 0;
+  // At start-up, a session folder that could not be restored was moved into the state directory's
+  // quarantine. Not pure: most implementations have nothing to do with it.
+  virtual void SessionQuarantined() {}
 };
 
 // Records nothing; never null, lives for the whole process.

@@ -152,6 +152,11 @@ void PrometheusMetrics::CheckpointWritten(absl::Duration latency, bool ok) {
   checkpoint_.Record(latency, ok);
 }
 
+void PrometheusMetrics::SessionQuarantined() {
+  absl::MutexLock lock(&mu_);
+  ++quarantined_sessions_;
+}
+
 std::string PrometheusMetrics::Render() const {
   // Readings that take other locks (the CUDA pool's) or read files are made before taking ours, so a
   // scrape never holds up the handlers' reports.
@@ -245,6 +250,9 @@ std::string PrometheusMetrics::Render() const {
   checkpoint_.latency.Render("muond_checkpoint_duration_seconds", "", &out);
   Family(&out, "muond_checkpoint_failures_total", "counter", "Checkpoints that could not be written.");
   Sample(&out, "muond_checkpoint_failures_total", "", static_cast<double>(checkpoint_.failures));
+  Family(&out, "muond_quarantined_sessions_total", "counter",
+         "Session folders that could not be restored at start-up and were moved into the quarantine.");
+  Sample(&out, "muond_quarantined_sessions_total", "", static_cast<double>(quarantined_sessions_));
 
   if (backend_memory.has_value()) {
     const auto [in_use, reserved] = *backend_memory;

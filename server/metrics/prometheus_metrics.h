@@ -61,6 +61,7 @@ class PrometheusMetrics final : public Metrics {
   void SessionsHeld(int sessions, int64_t bytes) override;
   void JournalAppended(absl::Duration latency, bool ok) override;
   void CheckpointWritten(absl::Duration latency, bool ok) override;
+  void SessionQuarantined() override;
 
   // Every family in the text exposition format, ending with a newline.
   std::string Render() const;
@@ -106,6 +107,7 @@ class PrometheusMetrics final : public Metrics {
   int64_t state_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   DiskWrites journal_ ABSL_GUARDED_BY(mu_);
   DiskWrites checkpoint_ ABSL_GUARDED_BY(mu_);
+  uint64_t quarantined_sessions_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace muond::metrics

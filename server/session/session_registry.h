@@ -79,7 +79,8 @@ class SessionRegistry {
   std::optional<durability::StateDirOptions> persistence_ ABSL_GUARDED_BY(mu_);
 };
 
-// OK when `id` is a valid session id ([A-Za-z0-9._-]{1,128}); INVALID_ARGUMENT naming `field`.
-absl::Status CheckSessionId(const std::string& id, absl::string_view field = "session_id");
+// OK when `id` is a valid session id ([A-Za-z0-9._-]{1,128}); INVALID_ARGUMENT naming `field`. The
+// state directory's rule for folder names (durability/session_files.h), so one rule holds everywhere.
+using durability::CheckSessionId;
 
 }  // namespace muond::session

@@ -107,6 +107,67 @@ absl::Status FilePersistence::SaveCheckpoint(SessionState state) {
   return saved;
 }
 
+absl::StatusOr<LoadedSession> LoadSession(const durability::StateDirOptions& options, const std::string& dir,
+                                          kernels::Backend* backend, const SpecCodec& codec,
+                                          const SpecLimits& limits) {
+  const std::string metadata_file = dir + "/" + durability::kCheckpointMetadataFile;
+  absl::StatusOr<SessionConfig> config;
+  auto parse = [&](const durability::CheckpointData& data) -> absl::StatusOr<std::vector<int64_t>> {
+    config = codec.Parse(data.spec_json, limits);
+    if (!config.ok()) return durability::CheckpointCorrupt(metadata_file, config.status().message());
+    std::vector<int64_t> numel;
+    for (const ParameterConfig& p : config->parameters) numel.push_back(p.numel);
+    return numel;
+  };
+  MUOND_ASSIGN_OR_RETURN(durability::SessionFolder folder, durability::LoadSessionFolder(options, dir, parse));
+  const std::string folder_name = dir.substr(dir.rfind('/') + 1);
+  if (folder.checkpoint.session_id != folder_name) {
+    return durability::CheckpointCorrupt(
+        metadata_file, absl::StrCat("session_id '", folder.checkpoint.session_id.substr(0, 140),
+                                    "' is not the folder's name '", folder_name, "'"));
+  }
+  MUOND_ASSIGN_OR_RETURN(std::unique_ptr<Session> unique,
+                         Session::Create(folder.checkpoint.session_id, *std::move(config), backend,
+                                         folder.checkpoint.owner));
+  LoadedSession loaded;
+  loaded.session = std::move(unique);
+  loaded.journal_path = folder.journal_path;
+  loaded.dropped_torn_tail = folder.journal.dropped_torn_tail;
+  Session& session = *loaded.session;
+  MUOND_ASSIGN_OR_RETURN(SessionState state, StateFromCheckpoint(folder.checkpoint, session, dir));
+  absl::Status imported = session.ImportState(std::move(state));
+  if (!imported.ok()) {
+    return absl::DataLossError(absl::StrCat("checkpoint ", dir, " is unusable: ", imported.message()));
+  }
+  loaded.checkpoint_step = session.last_step();
+
+  // The journal's reader has checked each record's framing, CRCs and gradient sizes against the spec.
+  for (durability::JournalRecord& record : folder.journal.records) {
+    absl::StatusOr<StepRequest> request = DecodeStepRequest(record.request);
+    if (!request.ok()) {
+      return absl::DataLossError(
+          absl::StrCat("journal ", folder.journal_path, " is unusable: ", request.status().message()));
+    }
+    const int64_t step = request->step;
+    if (step <= session.last_step()) continue;  // already in the checkpoint
+    if (step != session.last_step() + 1) {
+      return absl::DataLossError(absl::StrCat("journal ", folder.journal_path, " is unusable: step ", step,
+                                              " follows step ", session.last_step()));
+    }
+    absl::StatusOr<StepOutcome> outcome = session.ApplyJournaledStep(*std::move(request), std::move(record.gradients));
+    if (!outcome.ok()) {
+      return absl::DataLossError(absl::StrCat("journal ", folder.journal_path, ": step ", step,
+                                              " does not replay: ", outcome.status().message()));
+    }
+    ++loaded.replayed;
+  }
+  return loaded;
+}
+
+bool IsDaemonTrouble(const absl::Status& status) {
+  return status.code() == absl::StatusCode::kResourceExhausted || status.code() == absl::StatusCode::kUnavailable;
+}
+
 absl::StatusOr<std::vector<std::shared_ptr<Session>>> RestoreSessions(const durability::StateDirOptions& options,
                                                                       kernels::Backend* backend,
                                                                       const SpecCodec& codec,
@@ -115,70 +176,36 @@ absl::StatusOr<std::vector<std::shared_ptr<Session>>> RestoreSessions(const dura
   MUOND_ASSIGN_OR_RETURN(std::vector<std::string> dirs, durability::ListSessionFolders(options));
   std::vector<std::shared_ptr<Session>> restored;
   for (const std::string& dir : dirs) {
-    const std::string metadata_file = dir + "/" + durability::kCheckpointMetadataFile;
-    absl::StatusOr<SessionConfig> config;
-    auto parse = [&](const durability::CheckpointData& data) -> absl::StatusOr<size_t> {
-      config = codec.Parse(data.spec_json, limits);
-      if (!config.ok()) return durability::CheckpointCorrupt(metadata_file, config.status().message());
-      return config->parameters.size();
-    };
-    MUOND_ASSIGN_OR_RETURN(durability::SessionFolder folder, durability::LoadSessionFolder(options, dir, parse));
-    const std::string folder_name = dir.substr(dir.rfind('/') + 1);
-    if (folder.checkpoint.session_id != folder_name) {
-      return absl::DataLossError(absl::StrCat("checkpoint ", metadata_file, " names session '",
-                                              folder.checkpoint.session_id, "'"));
+    absl::StatusOr<LoadedSession> loaded = LoadSession(options, dir, backend, codec, limits);
+    if (!loaded.ok()) {
+      if (IsDaemonTrouble(loaded.status()) || options.on_damaged == durability::DamagedState::kFail) {
+        return loaded.status();
+      }
+      absl::StatusOr<std::string> moved = durability::QuarantineSessionFolder(options, dir);
+      if (!moved.ok()) {
+        return absl::InternalError(absl::StrCat(loaded.status().message(),
+                                                "; and it cannot be moved into the quarantine: ",
+                                                moved.status().message()));
+      }
+      const std::string name = dir.substr(dir.rfind('/') + 1);
+      MUOND_EVENT(error, "session_quarantined", name, 0, "session folder {} cannot be restored: {}; moved to {}", dir,
+                  loaded.status().message(), *moved);
+      metrics->SessionQuarantined();
+      continue;
     }
-    const size_t num_parameters = config->parameters.size();
-    std::vector<int64_t> numel;
-    for (const ParameterConfig& p : config->parameters) numel.push_back(p.numel);
-    MUOND_ASSIGN_OR_RETURN(std::unique_ptr<Session> unique,
-                           Session::Create(folder.checkpoint.session_id, *std::move(config), backend,
-                                           folder.checkpoint.owner));
-    std::shared_ptr<Session> session = std::move(unique);
-    MUOND_ASSIGN_OR_RETURN(SessionState state, StateFromCheckpoint(folder.checkpoint, *session, dir));
-    absl::Status imported = session->ImportState(std::move(state));
-    if (!imported.ok()) {
-      return absl::DataLossError(absl::StrCat("checkpoint ", dir, " is unusable: ", imported.message()));
-    }
-    const int64_t checkpoint_step = session->last_step();
-
-    int64_t replayed = 0;
-    for (durability::JournalRecord& record : folder.journal.records) {
-      absl::StatusOr<StepRequest> request = DecodeStepRequest(record.request);
-      if (!request.ok()) {
-        return absl::DataLossError(
-            absl::StrCat("journal ", folder.journal_path, " is unusable: ", request.status().message()));
-      }
-      const int64_t step = request->step;
-      if (step <= session->last_step()) continue;  // already in the checkpoint
-      if (step != session->last_step() + 1) {
-        return absl::DataLossError(absl::StrCat("journal ", folder.journal_path, " is unusable: step ", step,
-                                                " follows step ", session->last_step()));
-      }
-      for (size_t i = 0; i < num_parameters; ++i) {
-        if (record.gradients[i].present() && record.gradients[i].received != numel[i]) {
-          return absl::DataLossError(absl::StrCat("journal ", folder.journal_path, " is unusable: step ", step,
-                                                  " has a gradient of the wrong size"));
-        }
-      }
-      absl::StatusOr<StepOutcome> outcome = session->ApplyJournaledStep(*std::move(request), std::move(record.gradients));
-      if (!outcome.ok()) {
-        return absl::DataLossError(absl::StrCat("journal ", folder.journal_path, ": step ", step,
-                                                " does not replay: ", outcome.status().message()));
-      }
-      ++replayed;
-    }
-    if (folder.journal.dropped_torn_tail) {
+    std::shared_ptr<Session> session = std::move(loaded->session);
+    if (loaded->dropped_torn_tail) {
       MUOND_LOG(warn, "journal {} ended in a partly written record (a crash during an unacknowledged step); "
-                "dropped it", folder.journal_path);
+                "dropped it", loaded->journal_path);
     }
-    MUOND_ASSIGN_OR_RETURN(std::unique_ptr<FilePersistence> persistence, FilePersistence::Open(options, *session, metrics));
+    MUOND_ASSIGN_OR_RETURN(std::unique_ptr<FilePersistence> persistence,
+                           FilePersistence::Open(options, *session, metrics));
     session->AttachPersistence(std::move(persistence));
     // Fold the replayed steps into a fresh checkpoint, which also empties the journal.
     MUOND_RETURN_IF_ERROR(session->Checkpoint().status());
     MUOND_EVENT(info, "session_restored", session->id(), session->last_step(),
                 "session {} restored at step {} (checkpoint at step {} + {} journaled steps)", session->id(),
-                session->last_step(), checkpoint_step, replayed);
+                session->last_step(), loaded->checkpoint_step, loaded->replayed);
     restored.push_back(std::move(session));
   }
   return restored;

@@ -1,9 +1,11 @@
 // The session layer's side of --state-dir: FilePersistence makes a Session durable through its
 // folder (durability::SessionFiles), and RestoreSessions rebuilds every session found there at
 // start-up — its checkpoint, then the journal's steps applied on top — refusing, with the file
-// named, anything truncated, altered or not fitting its spec.
+// named, anything truncated, altered or not fitting its spec. LoadSession is that rebuilding for one
+// folder, with every check and no write: the daemon's restore and `muondctl state verify` both run it.
 //
-// A FilePersistence is used under its session's lock; RestoreSessions runs before serving.
+// A FilePersistence is used under its session's lock; RestoreSessions runs before serving;
+// LoadSession touches nothing but the session it returns.
 #pragma once
 
 #include <memory>
@@ -43,9 +45,31 @@ class FilePersistence final : public SessionPersistence {
   metrics::Metrics* const metrics_;
 };
 
+// One session folder rebuilt in memory: the checkpoint read and checked against its spec, the
+// journal's records replayed on top. Nothing on disk changes and no persistence is attached.
+struct LoadedSession {
+  std::shared_ptr<Session> session;
+  int64_t checkpoint_step = 0;
+  int64_t replayed = 0;            // journaled steps applied after the checkpoint
+  bool dropped_torn_tail = false;  // the journal ended in a record cut short by a crash
+  std::string journal_path;
+};
+
+// Every check of a restore, for the folder `dir` of options.state_dir: the errors name the file
+// (DATA_LOSS for contents that are truncated, altered or do not fit the spec; FAILED_PRECONDITION for
+// a link or an entry that is not a regular file; the Env's errors otherwise).
+absl::StatusOr<LoadedSession> LoadSession(const durability::StateDirOptions& options, const std::string& dir,
+                                          kernels::Backend* backend, const SpecCodec& codec,
+                                          const SpecLimits& limits);
+
+// Whether a LoadSession error is the daemon's trouble (memory, a quota) rather than the folder's:
+// such an error stops the start-up whatever options.on_damaged says, and the folder stays in place.
+bool IsDaemonTrouble(const absl::Status& status);
+
 // Restores every session under options.state_dir (creating the folder if needed), each with its
-// FilePersistence attached. Any unusable checkpoint or journal fails the whole restore with a
-// message naming the file.
+// FilePersistence attached. A folder LoadSession refuses is moved into the quarantine (logged and
+// counted through `metrics`) with options.on_damaged == kQuarantine, and fails the whole restore with
+// kFail; so does any error writing a restored session's fresh checkpoint.
 absl::StatusOr<std::vector<std::shared_ptr<Session>>> RestoreSessions(const durability::StateDirOptions& options,
                                                                       kernels::Backend* backend,
                                                                       const SpecCodec& codec,

@@ -1,11 +1,13 @@
 // muondctl's offline commands: they read a daemon's --state-dir without a daemon (stop it first, or
-// read a copy) through the durability library alone, and never write to it.
+// read a copy) through the durability library and never write to it.
 //
 //   state inspect DIR   every session folder: its checkpoint (step, owner, backend, tensors, digests)
-//                       and its journal (records, the steps they hold)
-//   state verify DIR    the same reading, as a check: every digest and record verifies and every
-//                       journal continues its checkpoint step by step; exit 1 naming each problem
-//   export SESSION --state-dir DIR --to FILE   a session's checkpoint as a safetensors file
+//                       and its journal (records, the steps they hold); exit 1 when one is UNREADABLE
+//   state verify DIR    the daemon's own restore of each folder (session::LoadSession, on a CPU
+//                       backend, nothing written): it passes exactly the folders a daemon with the
+//                       default limits restores; exit 1 naming each problem
+//   export SESSION --state-dir DIR --to FILE   a session's checkpoint as a safetensors file (SESSION
+//                       checked with the daemon's rule for session ids, so the folder is inside DIR)
 #pragma once
 
 #include <string>

@@ -52,7 +52,8 @@ TEST(PrometheusMetricsTest, EveryFamilyIsThereBeforeAnyReport) {
         "muond_calls_in_flight", "muond_call_duration_seconds", "muond_sessions", "muond_sessions_limit",
         "muond_state_bytes", "muond_state_bytes_limit", "muond_journal_append_duration_seconds",
         "muond_journal_append_failures_total", "muond_checkpoint_duration_seconds",
-        "muond_checkpoint_failures_total", "muond_backend_memory_bytes", "process_resident_memory_bytes",
+        "muond_checkpoint_failures_total", "muond_quarantined_sessions_total", "muond_backend_memory_bytes",
+        "process_resident_memory_bytes",
         "process_start_time_seconds"}) {
     EXPECT_THAT(text, HasSubstr(std::string("# TYPE ") + family + " ")) << family;
   }
@@ -120,6 +121,8 @@ TEST(PrometheusMetricsTest, CallsSessionsAndDurableWrites) {
   metrics.JournalAppended(absl::Microseconds(700), false);
   metrics.CheckpointWritten(absl::Milliseconds(20), true);
   metrics.CheckpointWritten(absl::Milliseconds(20), false);
+  metrics.SessionQuarantined();
+  metrics.SessionQuarantined();
 
   const auto s = Samples(metrics.Render());
   EXPECT_EQ(s.at(R"(muond_calls_total{method="Step",code="OK"})"), 1);
@@ -135,6 +138,7 @@ TEST(PrometheusMetricsTest, CallsSessionsAndDurableWrites) {
   EXPECT_EQ(s.at("muond_journal_append_failures_total"), 1);
   EXPECT_EQ(s.at("muond_checkpoint_duration_seconds_count"), 1);
   EXPECT_EQ(s.at("muond_checkpoint_failures_total"), 1);
+  EXPECT_EQ(s.at("muond_quarantined_sessions_total"), 2);
 }
 
 TEST(PrometheusMetricsTest, LabelValuesAreEscaped) {

@@ -1,0 +1,190 @@
+// The step journal's framing: records round-trip; only a record cut short at the very end of the
+// file is a torn tail; an inflated length, an altered header or payload, a length no step of the
+// session could have, or a gradient of the wrong size refuses the journal (DATA_LOSS naming the file
+// and the record's offset) and leaves its bytes as they were; journals of the previous format (MJR2)
+// are still read.
+#include "server/durability/step_journal.h"
+
+#include <zlib.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/testing/status_matchers.h"
+
+namespace muond::durability {
+namespace {
+
+namespace fs = std::filesystem;
+using ::muond::testing::StatusIs;
+
+constexpr size_t kHeader = 20;
+const std::vector<int64_t> kNumel = {6, 2};  // the session's two parameters
+
+HostTensor Gradient(std::vector<float> values) {
+  HostTensor g;
+  g.received = static_cast<int64_t>(values.size());
+  g.values = std::move(values);
+  g.sum_squares = 1.5;
+  return g;
+}
+
+class StepJournalTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char pattern[] = "/tmp/muond-journal-XXXXXX";
+    ASSERT_NE(mkdtemp(pattern), nullptr);
+    dir_ = pattern;
+    path_ = dir_ + "/journal.log";
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  // Appends steps 1..n, each a request and both gradients; returns each record's offset.
+  std::vector<size_t> Write(int n) {
+    StepJournal journal(Env::Default());
+    EXPECT_OK(journal.Open(path_));
+    std::vector<size_t> offsets;
+    for (int step = 1; step <= n; ++step) {
+      offsets.push_back(fs::file_size(path_));
+      const std::vector<HostTensor> gradients = {Gradient({1, 2, 3, 4, 5, static_cast<float>(step)}),
+                                                 Gradient({7, 8})};
+      EXPECT_OK(journal.Append("{\"step\":" + std::to_string(step) + "}", gradients));
+    }
+    journal.Close();
+    return offsets;
+  }
+  std::string Bytes() const {
+    std::ifstream in(path_, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  void SetBytes(const std::string& bytes) const { std::ofstream(path_, std::ios::binary | std::ios::trunc) << bytes; }
+
+  absl::StatusOr<JournalContents> Read() const { return StepJournal::Read(Env::Default(), path_, kNumel); }
+
+  std::string dir_;
+  std::string path_;
+};
+
+TEST_F(StepJournalTest, RecordsRoundTrip) {
+  Write(3);
+  ASSERT_OK_AND_ASSIGN(JournalContents contents, Read());
+  ASSERT_EQ(contents.records.size(), 3u);
+  EXPECT_FALSE(contents.dropped_torn_tail);
+  EXPECT_EQ(contents.records[2].request, "{\"step\":3}");
+  EXPECT_EQ(contents.records[2].gradients[0].values, (std::vector<float>{1, 2, 3, 4, 5, 3}));
+  EXPECT_EQ(contents.records[2].gradients[1].sum_squares, 1.5);
+}
+
+TEST_F(StepJournalTest, OnlyARecordCutShortAtTheEndIsATornTail) {
+  const std::vector<size_t> offsets = Write(3);
+  const std::string full = Bytes();
+  // The last record keeps 3 bytes (part of its marker), 10 (part of its header), its header and 2
+  // payload bytes, or all but its last byte.
+  for (const size_t keep : {size_t{3}, size_t{10}, kHeader + 2, full.size() - offsets[2] - 1}) {
+    const size_t cut = full.size() - offsets[2] - keep;
+    SetBytes(full.substr(0, offsets[2] + keep));
+    SCOPED_TRACE(::testing::Message() << "cut " << cut);
+    ASSERT_OK_AND_ASSIGN(JournalContents contents, Read());
+    EXPECT_EQ(contents.records.size(), 2u) << "cut " << cut;
+    EXPECT_TRUE(contents.dropped_torn_tail) << "cut " << cut;
+  }
+}
+
+TEST_F(StepJournalTest, AnInflatedLengthFollowedByRecordsIsRefusedAndKept) {
+  const std::vector<size_t> offsets = Write(5);
+  std::string bytes = Bytes();
+  // Step 3's payload length set to 0x7fffffff: steps 3 to 5 must not pass for a torn tail.
+  const uint64_t inflated = 0x7fffffff;
+  std::memcpy(bytes.data() + offsets[2] + 4, &inflated, sizeof(inflated));
+  SetBytes(bytes);
+  EXPECT_THAT(Read(), StatusIs(absl::StatusCode::kDataLoss,
+                               "journal " + path_ + " is unusable: record at byte " + std::to_string(offsets[2])));
+  EXPECT_EQ(Bytes(), bytes) << "refused bytes are kept";
+}
+
+TEST_F(StepJournalTest, AHeaderWithAForgedCrcAndAnImplausibleLengthIsRefused) {
+  const std::vector<size_t> offsets = Write(3);
+  std::string bytes = Bytes();
+  // A length that verifies against a recomputed header CRC but is more than any step could hold.
+  const uint64_t inflated = 1u << 30;
+  std::memcpy(bytes.data() + offsets[1] + 4, &inflated, sizeof(inflated));
+  const uint32_t crc = static_cast<uint32_t>(crc32_z(0, reinterpret_cast<const Bytef*>(bytes.data() + offsets[1]), 16));
+  std::memcpy(bytes.data() + offsets[1] + 16, &crc, sizeof(crc));
+  SetBytes(bytes);
+  EXPECT_THAT(Read(), StatusIs(absl::StatusCode::kDataLoss, "a step of this session can hold"));
+}
+
+TEST_F(StepJournalTest, AlteredHeadersPayloadsAndMarkersAreRefused) {
+  const std::vector<size_t> offsets = Write(3);
+  const std::string saved = Bytes();
+  for (const size_t at : {offsets[1], offsets[1] + 5, offsets[1] + 13, offsets[1] + 17, offsets[1] + kHeader + 2,
+                          offsets[1] + 40}) {
+    std::string bytes = saved;
+    bytes[at] ^= 0x01;
+    SetBytes(bytes);
+    EXPECT_THAT(Read(), StatusIs(absl::StatusCode::kDataLoss, "record at byte " + std::to_string(offsets[1])))
+        << "byte " << at;
+  }
+  // Garbage after the last record is no torn tail either.
+  SetBytes(saved + "xy");
+  EXPECT_THAT(Read(), StatusIs(absl::StatusCode::kDataLoss, "has no record marker"));
+}
+
+TEST_F(StepJournalTest, AGradientOfTheWrongSizeIsRefused) {
+  StepJournal journal(Env::Default());
+  ASSERT_OK(journal.Open(path_));
+  ASSERT_OK(journal.Append("{}", {Gradient({1, 2, 3, 4, 5}), Gradient({7, 8})}));  // one element short
+  journal.Close();
+  EXPECT_THAT(Read(), StatusIs(absl::StatusCode::kDataLoss, "a gradient of 5 elements for parameter 0"));
+}
+
+TEST_F(StepJournalTest, ALinkedOrDanglingJournalIsRefusedAndNothingIsCreatedOutside) {
+  fs::create_directory(dir_ + "/outside");
+  fs::create_symlink(dir_ + "/outside/journal.log", path_);
+  EXPECT_THAT(Read(), StatusIs(absl::StatusCode::kFailedPrecondition, "symbolic link"));
+  StepJournal journal(Env::Default());
+  EXPECT_THAT(journal.Open(path_), StatusIs(absl::StatusCode::kFailedPrecondition, "symbolic link"));
+  EXPECT_FALSE(fs::exists(dir_ + "/outside/journal.log"));
+}
+
+// The previous format: "MJR2" | u32 length | CRC-32 of the payload | payload.
+std::string PreviousFormatRecord(const std::string& payload) {
+  std::string record = "MJR2";
+  const uint32_t length = static_cast<uint32_t>(payload.size());
+  const uint32_t crc =
+      static_cast<uint32_t>(crc32_z(0, reinterpret_cast<const Bytef*>(payload.data()), payload.size()));
+  record.append(reinterpret_cast<const char*>(&length), 4);
+  record.append(reinterpret_cast<const char*>(&crc), 4);
+  return record + payload;
+}
+
+TEST_F(StepJournalTest, ThePreviousFormatIsStillReadWithinThePlausibleBound) {
+  std::string payload;
+  const uint32_t request_length = 2, present = 1, index = 1;
+  const uint64_t count = 2;
+  const double sum_squares = 113;
+  const float values[2] = {7, 8};
+  payload.append(reinterpret_cast<const char*>(&request_length), 4).append("{}");
+  payload.append(reinterpret_cast<const char*>(&present), 4).append(reinterpret_cast<const char*>(&index), 4);
+  payload.append(reinterpret_cast<const char*>(&count), 8).append(reinterpret_cast<const char*>(&sum_squares), 8);
+  payload.append(reinterpret_cast<const char*>(values), 8);
+  const std::string record = PreviousFormatRecord(payload);
+  SetBytes(record + record);
+  ASSERT_OK_AND_ASSIGN(JournalContents contents, Read());
+  ASSERT_EQ(contents.records.size(), 2u);
+  EXPECT_EQ(contents.records[1].gradients[1].values, (std::vector<float>{7, 8}));
+
+  std::string inflated = record;
+  const uint32_t length = 0x7fffffff;
+  std::memcpy(inflated.data() + 4, &length, 4);
+  SetBytes(inflated + record);
+  EXPECT_THAT(Read(), StatusIs(absl::StatusCode::kDataLoss, "record at byte 0 declares 2147483647 payload bytes"));
+}
+
+}  // namespace
+}  // namespace muond::durability

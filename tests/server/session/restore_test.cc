@@ -1,0 +1,202 @@
+// Restoring a state directory in process: a session folder that cannot be restored is moved into
+// the quarantine (never deleted), logged and counted, and the intact sessions beside it are served;
+// with DamagedState::kFail the restore stops naming the file and moves nothing. Links out of the
+// state directory are never followed: a linked session folder is quarantined as a link, and the
+// folder it points to is neither written nor pruned. LoadSession, the path `muondctl state verify`
+// runs, refuses exactly what the restore refuses.
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <set>
+
+#include "gmock/gmock.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "nlohmann/json.hpp"
+#include "server/durability/file_util.h"
+#include "server/rpc/spec_codec.h"
+#include "server/session/session_registry.h"
+#include "server/session/state_dir.h"
+#include "tests/server/session/session_test_util.h"
+#include "tests/testing/status_matchers.h"
+
+namespace muond::session {
+namespace {
+
+namespace fs = std::filesystem;
+using ::muond::testing::StatusIs;
+using ::testing::ElementsAre;
+using ::testing::SizeIs;
+using namespace ::muond::session::session_testing;
+
+// Counts quarantined sessions; every other report is dropped.
+class QuarantineCounter final : public metrics::Metrics {
+ public:
+  void CallEnded(std::string_view, absl::StatusCode, absl::Duration) override {}
+  void CallStarted(std::string_view) override {}
+  void StepAnswered(const metrics::StepReport&) override {}
+  void SessionsHeld(int, int64_t) override {}
+  void JournalAppended(absl::Duration, bool) override {}
+  void CheckpointWritten(absl::Duration, bool) override {}
+  void SessionQuarantined() override { ++quarantined; }
+  int quarantined = 0;
+};
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+class RestoreTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char pattern[] = "/tmp/muond-restore-XXXXXX";
+    ASSERT_NE(mkdtemp(pattern), nullptr);
+    root_ = pattern;
+    dir_ = root_ + "/state";
+    backend_ = kernels::NewCpuBackend(1);
+    // Two journaled sessions, three steps each, left as after kill -9 (no final checkpoint).
+    ASSERT_OK(Restore(durability::DamagedState::kFail));
+    for (const char* id : {"good", "bad"}) {
+      ASSERT_OK_AND_ASSIGN(CreateResult created, registry_->CreateOrAttach(id, rpc::SpecToJson(SmallSpec())));
+      ASSERT_OK(created.session->Upload(InitialParameters()));
+      for (int step = 1; step <= 3; ++step) ASSERT_OK(RunStep(*created.session, Request(step), Gradients(step)));
+    }
+    registry_.reset();
+  }
+  void TearDown() override {
+    registry_.reset();
+    fs::remove_all(root_);
+  }
+
+  absl::Status Restore(durability::DamagedState on_damaged) {
+    durability::StateDirOptions options = Options();
+    options.on_damaged = on_damaged;
+    registry_ = std::make_unique<SessionRegistry>(backend_.get(), &codec_, SpecLimits{}, 4, MemoryLimits{}, &metrics_);
+    return registry_->EnablePersistence(options);
+  }
+  durability::StateDirOptions Options() const {
+    durability::StateDirOptions options;
+    options.state_dir = dir_;
+    options.durability = durability::Durability::kJournal;
+    options.backend_name = "cpu";
+    return options;
+  }
+  absl::StatusOr<LoadedSession> Load(const std::string& id) {
+    return LoadSession(Options(), dir_ + "/" + id, backend_.get(), codec_, SpecLimits{});
+  }
+  std::vector<std::string> Quarantined() const {
+    std::vector<std::string> names;
+    if (!fs::exists(dir_ + "/+quarantine")) return names;
+    for (const auto& entry : fs::directory_iterator(dir_ + "/+quarantine")) names.push_back(entry.path().string());
+    return names;
+  }
+  // Rewrites the bad session's checkpoint.json through `edit`, with a digest that matches again.
+  void EditBadCheckpoint(const std::function<void(nlohmann::json&)>& edit) {
+    const std::string path = dir_ + "/bad/checkpoint.json";
+    nlohmann::json metadata = nlohmann::json::parse(ReadAll(path));
+    edit(metadata);
+    metadata.erase("metadata_sha256");
+    metadata["metadata_sha256"] = durability::Sha256Hex(metadata.dump());
+    std::ofstream(path, std::ios::trunc) << metadata.dump(2);
+  }
+
+  std::string root_;
+  std::string dir_;
+  rpc::ProtoSpecCodec codec_;
+  QuarantineCounter metrics_;
+  std::unique_ptr<kernels::Backend> backend_;
+  std::unique_ptr<SessionRegistry> registry_;
+};
+
+TEST_F(RestoreTest, ADamagedFolderIsQuarantinedAndTheOthersAreServed) {
+  const std::string journal = dir_ + "/bad/journal.log";
+  std::string bytes = ReadAll(journal);
+  bytes[30] ^= 0x01;
+  std::ofstream(journal, std::ios::binary | std::ios::trunc) << bytes;
+
+  ASSERT_OK(Restore(durability::DamagedState::kQuarantine));
+  ASSERT_OK_AND_ASSIGN(std::shared_ptr<Session> good, registry_->Find("good"));
+  EXPECT_EQ(good->last_step(), 3);
+  EXPECT_THAT(registry_->Find("bad"), StatusIs(absl::StatusCode::kNotFound, "bad"));
+  EXPECT_EQ(metrics_.quarantined, 1);
+  EXPECT_FALSE(fs::exists(dir_ + "/bad"));
+  const std::vector<std::string> quarantined = Quarantined();
+  ASSERT_THAT(quarantined, SizeIs(1));
+  EXPECT_THAT(quarantined[0], ::testing::StartsWith(dir_ + "/+quarantine/bad."));
+  EXPECT_EQ(ReadAll(quarantined[0] + "/journal.log"), bytes) << "moved as it was, never rewritten";
+
+  // The next start leaves the quarantine alone and serves the same sessions.
+  registry_.reset();
+  ASSERT_OK(Restore(durability::DamagedState::kQuarantine));
+  EXPECT_EQ(registry_->size(), 1u);
+  EXPECT_THAT(Quarantined(), SizeIs(1));
+}
+
+TEST_F(RestoreTest, FailStopNamesTheFileAndMovesNothing) {
+  // Step 2's payload length inflated in a journal followed by step 3: no torn tail.
+  const std::string journal = dir_ + "/bad/journal.log";
+  std::string bytes = ReadAll(journal);
+  ASSERT_EQ(bytes.substr(0, 4), "MJR3");
+  uint64_t first_length = 0;
+  std::memcpy(&first_length, bytes.data() + 4, 8);
+  const size_t second = 20 + first_length;
+  const uint64_t inflated = 0x7fffffff;
+  std::memcpy(bytes.data() + second + 4, &inflated, 8);
+  std::ofstream(journal, std::ios::binary | std::ios::trunc) << bytes;
+
+  EXPECT_THAT(Restore(durability::DamagedState::kFail),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       journal + " is unusable: record at byte " + std::to_string(second)));
+  EXPECT_EQ(ReadAll(journal), bytes) << "the refused journal is kept byte for byte";
+  EXPECT_TRUE(Quarantined().empty());
+  EXPECT_THAT(Load("bad"), StatusIs(absl::StatusCode::kDataLoss, journal));
+  EXPECT_OK(Load("good").status());
+}
+
+TEST_F(RestoreTest, ALinkedSessionFolderIsQuarantinedAndItsTargetUntouched) {
+  // The bad session's folder moved outside the state directory, a link left in its place.
+  const std::string outside = root_ + "/outside";
+  fs::rename(dir_ + "/bad", outside);
+  fs::create_directory_symlink(outside, dir_ + "/bad");
+  std::set<std::string> before;
+  for (const auto& entry : fs::directory_iterator(outside)) before.insert(entry.path().filename().string());
+
+  ASSERT_OK(Restore(durability::DamagedState::kQuarantine));
+  EXPECT_EQ(registry_->size(), 1u);
+  ASSERT_THAT(Quarantined(), SizeIs(1));
+  EXPECT_TRUE(fs::is_symlink(Quarantined()[0])) << "the link is moved, not what it points to";
+  std::set<std::string> after;
+  for (const auto& entry : fs::directory_iterator(outside)) after.insert(entry.path().filename().string());
+  EXPECT_EQ(after, before) << "no checkpoint written into, no file pruned from, the outside folder";
+}
+
+TEST_F(RestoreTest, LoadSessionRefusesWhatTheRestoreRefuses) {
+  const struct {
+    const char* name;
+    std::function<void(nlohmann::json&)> edit;
+    const char* expected;
+  } cases[] = {
+      {"another session's id", [](nlohmann::json& m) { m["session_id"] = "other"; }, "session_id 'other'"},
+      {"a step count above last_step", [](nlohmann::json& m) { m["step_counts"]["w"] = 99; }, "step_counts"},
+      {"an unknown optimizer",
+       [](nlohmann::json& m) { m["spec"]["groups"][0]["options"]["optimizer"] = "OPTIMIZER_NOPE"; }, "checkpoint"},
+  };
+  const std::string saved = ReadAll(dir_ + "/bad/checkpoint.json");
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.name);
+    EditBadCheckpoint(c.edit);
+    absl::StatusOr<LoadedSession> loaded = Load("bad");
+    EXPECT_THAT(loaded, StatusIs(absl::StatusCode::kDataLoss, c.expected));
+    EXPECT_FALSE(Restore(durability::DamagedState::kFail).ok());
+    std::ofstream(dir_ + "/bad/checkpoint.json", std::ios::trunc) << saved;
+  }
+  ASSERT_OK_AND_ASSIGN(LoadedSession loaded, Load("bad"));
+  EXPECT_EQ(loaded.checkpoint_step, 0);
+  EXPECT_EQ(loaded.replayed, 3);
+  EXPECT_EQ(loaded.session->last_step(), 3);
+}
+
+}  // namespace
+}  // namespace muond::session
