@@ -9,7 +9,7 @@ find_package(nlohmann_json 3 REQUIRED)
 find_package(OpenSSL REQUIRED)
 find_package(ZLIB REQUIRED)
 find_package(PkgConfig REQUIRED)
-pkg_check_modules(HTTPLIB REQUIRED IMPORTED_TARGET cpp-httplib)  # the metrics endpoint
+pkg_check_modules(HTTPLIB REQUIRED IMPORTED_TARGET cpp-httplib)  # the metrics endpoint tests' HTTP client
 
 set(BLA_VENDOR OpenBLAS)
 find_package(BLAS REQUIRED)

@@ -1,22 +1,78 @@
 #include "server/metrics/metrics_endpoint.h"
 
+#include <fcntl.h>
+#include <netdb.h>
+#include <poll.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
-#include <chrono>
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <list>
+#include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "httplib.h"
+#include "common/log_throttle.h"
+#include "common/logging.h"
+#include "server/metrics/http_responder.h"
 
 namespace muond::metrics {
 namespace {
 
-constexpr char kContentType[] = "text/plain; version=0.0.4; charset=utf-8";
+// After accept4 fails for want of descriptors, the listener is left alone this long (polling a
+// readable listener again at once would spin).
+constexpr absl::Duration kAcceptBackoff = absl::Milliseconds(100);
+
+// One connection: reading its request head, then writing the answer, then (a refusal whose peer may
+// still be sending) discarding what arrives until the peer closes, so the answer is not lost to a reset.
+struct Connection {
+  enum class Phase { kReading, kWriting, kDraining };
+  int fd = -1;
+  absl::Time deadline;
+  Phase phase = Phase::kReading;
+  std::string in;
+  std::string out;
+  size_t sent = 0;
+};
+
+// A listening socket bound to host:port (port 0: any free one); -1 with *bound_port untouched on failure.
+int Listen(const std::string& host, int port, int* bound_port) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  const std::string service = std::to_string(port);
+  if (::getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &found) != 0) return -1;
+  int fd = -1;
+  for (addrinfo* a = found; a != nullptr && fd < 0; a = a->ai_next) {
+    fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a->ai_protocol);
+    if (fd < 0) continue;
+    // SO_REUSEADDR only, never SO_REUSEPORT: a second daemon on the same port must fail at start-up.
+    const int yes = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+    if (::bind(fd, a->ai_addr, a->ai_addrlen) != 0 || ::listen(fd, 128) != 0) {
+      ::close(fd);
+      fd = -1;
+    }
+  }
+  ::freeaddrinfo(found);
+  if (fd < 0) return -1;
+  sockaddr_storage addr{};
+  socklen_t length = sizeof(addr);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &length);
+  *bound_port = ntohs(addr.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port
+                                                 : reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
+  return fd;
+}
 
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(const std::string& listen,
-                                                                        std::function<std::string()> render) {
+                                                                        std::function<std::string()> render,
+                                                                        EndpointLimits limits) {
   const size_t colon = listen.rfind(':');
   int port = -1;
   if (colon == std::string::npos || colon == 0 || !absl::SimpleAtoi(listen.substr(colon + 1), &port) || port < 0 ||
@@ -26,44 +82,138 @@ absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(const st
   }
   std::string host = listen.substr(0, colon);
   if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
-
-  std::unique_ptr<MetricsEndpoint> endpoint(new MetricsEndpoint());
-  endpoint->server_ = std::make_unique<httplib::Server>();
-  httplib::Server& server = *endpoint->server_;
-  // SO_REUSEADDR only: cpp-httplib's default also sets SO_REUSEPORT, which lets a second daemon bind
-  // the same port and share its scrapes instead of failing at start-up.
-  server.set_socket_options([](int sock) {
-    const int yes = 1;
-    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
-  });
-  server.Get("/metrics", [render](const httplib::Request&, httplib::Response& response) {
-    response.set_content(render(), kContentType);
-  });
-  server.Get("/", [](const httplib::Request&, httplib::Response& response) {
-    response.set_content("muond: metrics are at /metrics\n", "text/plain; charset=utf-8");
-  });
-  const int bound = port == 0 ? server.bind_to_any_port(host) : (server.bind_to_port(host, port) ? port : -1);
-  if (bound <= 0) {
+  int bound = 0;
+  const int fd = Listen(host, port, &bound);
+  if (fd < 0) {
     return absl::UnavailableError(
         absl::StrCat("--metrics-listen: cannot listen on ", listen, " (address in use or not valid)"));
   }
-  endpoint->address_ = absl::StrCat(listen.substr(0, colon), ":", bound);
-  endpoint->thread_ = std::thread([&server, &ended = endpoint->ended_] {
-    server.listen_after_bind();
-    ended = true;
-  });
-  // Return once the listener runs: cpp-httplib's stop() does nothing before then, so a destructor
-  // racing the thread's start would wait for a listener nobody stops.
-  while (!server.is_running() && !endpoint->ended_) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  if (endpoint->ended_) {
-    return absl::UnavailableError(absl::StrCat("--metrics-listen: the listener on ", listen, " stopped at once"));
+  int wake[2];
+  if (::pipe2(wake, O_CLOEXEC) != 0) {
+    ::close(fd);
+    return absl::InternalError(absl::StrCat("pipe: ", std::strerror(errno)));
   }
+  std::unique_ptr<MetricsEndpoint> endpoint(new MetricsEndpoint(fd, wake[0], wake[1], std::move(render), limits));
+  endpoint->address_ = absl::StrCat(listen.substr(0, colon), ":", bound);
+  endpoint->thread_ = std::thread([e = endpoint.get()] { e->Loop(); });
   return endpoint;
 }
 
 MetricsEndpoint::~MetricsEndpoint() {
-  server_->stop();
+  const char stop = 'x';
+  (void)!::write(wake_write_, &stop, 1);
   if (thread_.joinable()) thread_.join();
+  ::close(listen_fd_);
+  ::close(wake_read_);
+  ::close(wake_write_);
+}
+
+void MetricsEndpoint::Loop() {
+  std::list<Connection> connections;  // oldest first
+  LogThrottle evictions, accept_failures;
+  absl::Time accept_again = absl::InfinitePast();
+  const auto close_connection = [&](std::list<Connection>::iterator it) {
+    ::close(it->fd);
+    return connections.erase(it);
+  };
+  const auto answer = [](Connection& c, std::string response) {
+    c.out = std::move(response);
+    c.in.clear();
+    c.in.shrink_to_fit();
+    c.phase = Connection::Phase::kWriting;
+  };
+  for (;;) {
+    const absl::Time now = absl::Now();
+    for (auto it = connections.begin(); it != connections.end();) {
+      it = it->deadline <= now ? close_connection(it) : std::next(it);
+    }
+    const bool accepting = now >= accept_again;
+    absl::Time wake = accepting ? absl::InfiniteFuture() : accept_again;
+    for (const Connection& c : connections) wake = std::min(wake, c.deadline);
+    const int timeout_ms =
+        wake == absl::InfiniteFuture()
+            ? -1
+            : static_cast<int>(std::clamp<int64_t>(absl::ToInt64Milliseconds(wake - now) + 1, 0, 60'000));
+    std::vector<pollfd> fds = {{wake_read_, POLLIN, 0}, {accepting ? listen_fd_ : -1, POLLIN, 0}};
+    for (const Connection& c : connections) {
+      fds.push_back({c.fd, static_cast<short>(c.phase == Connection::Phase::kWriting ? POLLOUT : POLLIN), 0});
+    }
+    if (::poll(fds.data(), fds.size(), timeout_ms) < 0) {
+      if (errno == EINTR) continue;
+      MUOND_LOG(error, "metrics endpoint: poll failed: {}", std::strerror(errno));
+      break;
+    }
+    if (fds[0].revents != 0) break;
+    // Connections first (their pollfds follow the list's order), then the listener.
+    size_t i = 2;
+    for (auto it = connections.begin(); it != connections.end(); ++i) {
+      Connection& c = *it;
+      const short revents = fds[i].revents;
+      bool done = false;
+      if (revents == 0) {
+        ++it;
+        continue;
+      }
+      if (c.phase == Connection::Phase::kWriting) {
+        const ssize_t n = ::send(c.fd, c.out.data() + c.sent, c.out.size() - c.sent, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (n < 0 && errno != EAGAIN && errno != EINTR) {
+          done = true;
+        } else if (n > 0 && (c.sent += static_cast<size_t>(n)) == c.out.size()) {
+          ::shutdown(c.fd, SHUT_WR);
+          c.out.clear();
+          c.out.shrink_to_fit();
+          c.phase = Connection::Phase::kDraining;
+        }
+      } else {
+        char buffer[4096];
+        const size_t room = c.phase == Connection::Phase::kReading ? limits_.max_request_bytes + 1 - c.in.size()
+                                                                   : sizeof(buffer);
+        const ssize_t n = ::recv(c.fd, buffer, std::min(room, sizeof(buffer)), MSG_DONTWAIT);
+        if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
+          done = true;  // the peer closed (or broke) the connection
+        } else if (n > 0 && c.phase == Connection::Phase::kReading) {
+          c.in.append(buffer, static_cast<size_t>(n));
+          if (const size_t end = RequestHeadEnd(c.in); end != std::string::npos) {
+            answer(c, AnswerRequest(absl::string_view(c.in).substr(0, end), render_));
+          } else if (c.in.size() > limits_.max_request_bytes) {
+            answer(c, ErrorResponse("431 Request Header Fields Too Large",
+                                    absl::StrCat("the request head is limited to ", limits_.max_request_bytes,
+                                                 " bytes")));
+          }
+        }
+      }
+      it = done ? close_connection(it) : std::next(it);
+    }
+    if (fds[1].revents & POLLIN) {
+      const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+      int64_t held = 0;
+      if (fd < 0 && errno != EAGAIN && errno != EINTR && errno != ECONNABORTED) {
+        if (accept_failures.Allow(&held)) {
+          MUOND_LOG(error, "metrics endpoint: cannot accept a connection: {} ({} more since)", std::strerror(errno),
+                    held);
+        }
+        accept_again = absl::Now() + kAcceptBackoff;
+      } else if (fd >= 0) {
+        if (connections.size() >= static_cast<size_t>(limits_.max_connections)) {
+          // Full: the oldest connection not yet answered makes room; when every one is being answered,
+          // the newcomer is turned away.
+          auto oldest = std::find_if(connections.begin(), connections.end(),
+                                     [](const Connection& c) { return c.phase != Connection::Phase::kWriting; });
+          if (evictions.Allow(&held)) {
+            MUOND_LOG(warn, "metrics endpoint: {} connections, the limit (--metrics-max-connections): closing "
+                      "the oldest ({} more since the last line)", connections.size(), held);
+          }
+          if (oldest != connections.end()) close_connection(oldest);
+        }
+        if (connections.size() < static_cast<size_t>(limits_.max_connections)) {
+          connections.push_back(Connection{fd, absl::Now() + limits_.request_timeout});
+        } else {
+          ::close(fd);
+        }
+      }
+    }
+  }
+  while (!connections.empty()) close_connection(connections.begin());
 }
 
 }  // namespace muond::metrics
