@@ -91,6 +91,27 @@ std::optional<DaemonFlags> ParseFlags(int argc, char** argv, int* exit_code) {
   app.add_option("--shm-max-region-bytes", flags.shm_max_region_bytes, "Largest shared-memory region accepted")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  app.add_option("--max-open-files", flags.max_open_files,
+                 "Soft limit on open descriptors (RLIMIT_NOFILE) the daemon sets at start; 0: the hard limit")
+      ->capture_default_str();
+  app.add_option("--shm-max-connections", flags.shm_max_connections,
+                 "Most shared-memory socket connections at once; 0: a sixteenth of the descriptor limit "
+                 "(8 to 1024)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--shm-max-pending-fds", flags.shm_max_pending_fds,
+                 "Most memfds passed but not yet registered, daemon-wide; 0: an eighth of the descriptor limit "
+                 "(16 to 65536)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--shm-ticket-timeout", flags.shm_ticket_timeout_seconds,
+                 "Seconds a passed memfd waits to be registered before it is dropped")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--metrics-max-connections", flags.metrics_max_connections,
+                 "Most connections the metrics endpoint holds at once")
+      ->check(CLI::Range(1, 1024))
+      ->capture_default_str();
   app.add_option("--max-nccl-channels", flags.max_nccl_channels,
                  "Most NCCL channels (two-rank communicators, each holding GPU memory) at once")
       ->check(CLI::PositiveNumber)

@@ -38,6 +38,13 @@ struct DaemonFlags {
   // filesystem path.
   std::string shm_socket = "auto";
   uint64_t shm_max_region_bytes = uint64_t{1} << 40;
+  // Descriptors: the soft RLIMIT_NOFILE set at start (0: the hard limit), and the shared-memory
+  // socket's share of it (0: derived from the limit, server/fd_budget.h).
+  uint64_t max_open_files = 0;
+  int shm_max_connections = 0;
+  int shm_max_pending_fds = 0;
+  double shm_ticket_timeout_seconds = 60;  // an unclaimed memfd is dropped after this long
+  int metrics_max_connections = 16;
   // NCCL transport: communicators at once (each holds GPU memory), and the seconds a trainer has to
   // join a channel and a step's transfers to finish before the channel is aborted.
   int max_nccl_channels = 4;

@@ -21,7 +21,9 @@
 #include "common/logging.h"
 #include "kernels/backend_factory.h"
 #include "server/durability/session_files.h"
+#include "server/fd_budget.h"
 #include "server/flags.h"
+#include "server/grpc_listener_watch.h"
 #include "server/metrics/metrics.h"
 #include "server/metrics/metrics_endpoint.h"
 #include "server/metrics/prometheus_metrics.h"
@@ -69,6 +71,9 @@ bool InstallStopHandlers() {
   return sigaction(SIGINT, &action, nullptr) == 0 && sigaction(SIGTERM, &action, nullptr) == 0;
 }
 
+// Written to the stop pipe instead of a signal number when gRPC's listener has stopped accepting.
+constexpr char kListenerLost = 0;
+
 int WaitForStopSignal() {
   char byte = 0;
   while (read(g_stop_pipe[0], &byte, 1) != 1) {
@@ -97,6 +102,18 @@ int Run(int argc, char** argv) {
     std::fprintf(stderr, "muond: %s\n", std::string(s.message()).c_str());
     return 2;
   }
+
+  // Descriptors: every one the hard limit allows, and the shared-memory socket's share of them.
+  absl::StatusOr<FdLimit> fd_limit = RaiseFdLimit(flags->max_open_files);
+  if (!fd_limit.ok()) {
+    MUOND_LOG(error, "{}", fd_limit.status().message());
+    return 1;
+  }
+  const FdBudget fd_budget =
+      DeriveFdBudget(fd_limit->soft, flags->shm_max_connections, flags->shm_max_pending_fds);
+  MUOND_LOG(info, "open files: soft limit {} (was {}), hard limit {}; shared memory holds at most {} connections "
+            "and {} unclaimed memfds", fd_limit->soft, fd_limit->soft_before, fd_limit->hard,
+            fd_budget.shm_connections, fd_budget.shm_pending);
 
   absl::StatusOr<kernels::BackendSelection> selection =
       kernels::CreateBackend(flags->backend, flags->device, flags->threads);
@@ -147,7 +164,8 @@ int Run(int argc, char** argv) {
     };
     prometheus = std::make_unique<metrics::PrometheusMetrics>(std::move(options));
     absl::StatusOr<std::unique_ptr<metrics::MetricsEndpoint>> endpoint =
-        metrics::MetricsEndpoint::Start(flags->metrics_listen, [m = prometheus.get()] { return m->Render(); });
+        metrics::MetricsEndpoint::Start(flags->metrics_listen, [m = prometheus.get()] { return m->Render(); },
+                                        {.max_connections = flags->metrics_max_connections});
     if (!endpoint.ok()) {
       MUOND_LOG(error, "{}", endpoint.status().message());
       return endpoint.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
@@ -190,6 +208,9 @@ int Run(int argc, char** argv) {
   // The shared-memory transport: its socket takes memfds from clients on this host.
   transport::SharedMemoryLimits shm_limits;
   shm_limits.max_region_bytes = flags->shm_max_region_bytes;
+  shm_limits.max_connections = fd_budget.shm_connections;
+  shm_limits.max_pending = fd_budget.shm_pending;
+  shm_limits.pending_timeout = absl::Seconds(flags->shm_ticket_timeout_seconds);
   transport::SharedMemoryRegions shm_regions(shm_limits);
   // The GPU transports: served by a CUDA backend, refused (with the reason) by the others. CUDA IPC
   // memory registered with a liveness ticket goes when the client's socket connection closes.
@@ -232,6 +253,12 @@ int Run(int argc, char** argv) {
     creators.push_back(calls.NewFactory());
     builder.experimental().SetInterceptorCreators(std::move(creators));
   }
+  // gRPC 1.51 stops accepting for good after accept4 fails (out of descriptors): exit for the
+  // supervisor rather than serve nobody.
+  WatchGrpcListener([] {
+    const char byte = kListenerLost;
+    [[maybe_unused]] const ssize_t written = write(g_stop_pipe[1], &byte, 1);
+  });
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server || port == 0) {
     MUOND_LOG(error, "cannot listen on {} (address in use or not valid)", flags->listen);
@@ -256,8 +283,15 @@ int Run(int argc, char** argv) {
   }
 
   const int signal_number = WaitForStopSignal();
-  MUOND_LOG(info, "{} received: draining in-flight requests (up to {} s)", strsignal(signal_number),
-            flags->shutdown_grace_seconds);
+  const bool listener_lost = signal_number == kListenerLost;
+  if (listener_lost) {
+    MUOND_LOG(error, "the gRPC listener on port {} stopped accepting connections (out of descriptors?): draining "
+              "in-flight requests (up to {} s), then exiting 1 for the supervisor to restart the daemon", port,
+              flags->shutdown_grace_seconds);
+  } else {
+    MUOND_LOG(info, "{} received: draining in-flight requests (up to {} s)", strsignal(signal_number),
+              flags->shutdown_grace_seconds);
+  }
   server->GetHealthCheckService()->SetServingStatus(false);
   // Drain ourselves, then shut down at once: gRPC's own graceful shutdown also waits for idle
   // client connections to go away, which can take seconds after the last call has finished. First
@@ -273,7 +307,7 @@ int Run(int argc, char** argv) {
     MUOND_LOG(info, "checkpointed {} sessions into {}", registry.CheckpointAll(), flags->state_dir);
   }
   MUOND_LOG(info, "muond stopped; {} sessions were open", registry.size());
-  return 0;
+  return listener_lost ? 1 : 0;
 }
 
 }  // namespace

@@ -2,10 +2,12 @@
 
 #include <sys/random.h>
 
+#include <algorithm>
 #include <cstdio>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/escaping.h"
+#include "common/echo.h"
 
 namespace muond::transport {
 absl::Status CheckRegionName(const std::string& name) {
@@ -33,9 +35,14 @@ uint64_t SharedMemoryRegions::OpenConnection() {
   return next_connection_++;
 }
 
-absl::StatusOr<std::string> SharedMemoryRegions::AddPending(uint64_t connection,
-                                                            std::shared_ptr<SharedMapping> mapping) {
+absl::StatusOr<std::string> SharedMemoryRegions::AddPending(uint64_t connection, SealedMemfd memfd,
+                                                            absl::Time now) {
   absl::MutexLock lock(&mu_);
+  if (pending_.size() >= static_cast<size_t>(limits_.max_pending)) {
+    return absl::ResourceExhaustedError(absl::StrCat("the daemon holds ", pending_.size(),
+                                                     " unclaimed regions, its limit (--shm-max-pending-fds); "
+                                                     "register them first or try again later"));
+  }
   int held = 0;
   for (const auto& [ticket, pending] : pending_) held += pending.connection == connection ? 1 : 0;
   if (held >= limits_.max_pending_per_connection) {
@@ -43,16 +50,43 @@ absl::StatusOr<std::string> SharedMemoryRegions::AddPending(uint64_t connection,
                                                      " unclaimed regions already; register them first"));
   }
   std::string ticket = RandomTicket();
-  pending_.emplace(ticket, Pending{connection, std::move(mapping)});
+  pending_.emplace(ticket, Pending{connection, std::move(memfd), now + limits_.pending_timeout});
   return ticket;
+}
+
+int SharedMemoryRegions::ExpirePending(absl::Time now) {
+  std::vector<SealedMemfd> expired;  // closed after `lock`
+  absl::MutexLock lock(&mu_);
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    if (it->second.expires <= now) {
+      expired.push_back(std::move(it->second.memfd));
+      pending_.erase(it++);
+    } else {
+      ++it;
+    }
+  }
+  return static_cast<int>(expired.size());
+}
+
+absl::Time SharedMemoryRegions::NextExpiry() const {
+  absl::MutexLock lock(&mu_);
+  absl::Time next = absl::InfiniteFuture();
+  for (const auto& [ticket, pending] : pending_) next = std::min(next, pending.expires);
+  return next;
+}
+
+int SharedMemoryRegions::PendingCount() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int>(pending_.size());
 }
 
 void SharedMemoryRegions::CloseConnection(uint64_t connection) {
   std::vector<std::function<void(uint64_t)>> listeners;
   {
     std::vector<std::shared_ptr<SharedMapping>> dropped;  // destroyed after `lock`: unmapped outside it
+    std::vector<SealedMemfd> dropped_pending;
     absl::MutexLock lock(&mu_);
-    DropConnectionLocked(connection, dropped);
+    DropConnectionLocked(connection, dropped, dropped_pending);
     listeners = listeners_;
   }
   for (const auto& listener : listeners) listener(connection);
@@ -86,7 +120,8 @@ void SharedMemoryRegions::OnConnectionClosed(std::function<void(uint64_t)> liste
 }
 
 void SharedMemoryRegions::DropConnectionLocked(uint64_t connection,
-                                               std::vector<std::shared_ptr<SharedMapping>>& dropped) {
+                                               std::vector<std::shared_ptr<SharedMapping>>& dropped,
+                                               std::vector<SealedMemfd>& dropped_pending) {
   for (auto it = liveness_.begin(); it != liveness_.end();) {
     if (it->second == connection) {
       liveness_.erase(it++);
@@ -96,7 +131,7 @@ void SharedMemoryRegions::DropConnectionLocked(uint64_t connection,
   }
   for (auto it = pending_.begin(); it != pending_.end();) {
     if (it->second.connection == connection) {
-      dropped.push_back(std::move(it->second.mapping));
+      dropped_pending.push_back(std::move(it->second.memfd));
       pending_.erase(it++);
     } else {
       ++it;
@@ -129,9 +164,14 @@ absl::StatusOr<uint64_t> SharedMemoryRegions::Register(const std::string& caller
     return absl::ResourceExhaustedError(absl::StrCat("name: this caller holds ", held,
                                                      " regions already, the daemon's limit"));
   }
-  const uint64_t size = pending->second.mapping->size();
-  regions_.emplace(Key{caller, name}, Region{pending->second.connection, std::move(pending->second.mapping)});
+  // Mapped now that an authenticated caller claims it; the ticket is used up either way.
+  const uint64_t connection = pending->second.connection;
+  SealedMemfd memfd = std::move(pending->second.memfd);
   pending_.erase(pending);
+  absl::StatusOr<std::shared_ptr<SharedMapping>> mapping = std::move(memfd).Map();
+  if (!mapping.ok()) return absl::Status(mapping.status().code(), absl::StrCat("ticket: ", mapping.status().message()));
+  const uint64_t size = (*mapping)->size();
+  regions_.emplace(Key{caller, name}, Region{connection, *std::move(mapping)});
   return size;
 }
 
@@ -139,7 +179,7 @@ absl::Status SharedMemoryRegions::Unregister(const std::string& caller, const st
   std::shared_ptr<SharedMapping> dropped;  // destroyed after `lock`: unmapped outside it
   absl::MutexLock lock(&mu_);
   auto it = regions_.find({caller, name});
-  if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("name: no region '", name, "' is registered"));
+  if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("name: no region '", Echo(name), "' is registered"));
   dropped = std::move(it->second.mapping);
   regions_.erase(it);
   return absl::OkStatus();
@@ -156,7 +196,7 @@ absl::StatusOr<std::vector<RegionStatus>> SharedMemoryRegions::Status(const std:
                    static_cast<int>(it->second.mapping.use_count() - 1)});
   }
   if (!name.empty() && out.empty()) {
-    return absl::NotFoundError(absl::StrCat("name: no region '", name, "' is registered"));
+    return absl::NotFoundError(absl::StrCat("name: no region '", Echo(name), "' is registered"));
   }
   return out;
 }
@@ -167,7 +207,7 @@ absl::StatusOr<std::shared_ptr<SharedMapping>> SharedMemoryRegions::Find(const s
   absl::MutexLock lock(&mu_);
   auto it = regions_.find({caller, name});
   if (it == regions_.end()) {
-    return absl::NotFoundError(absl::StrCat(field, ": no shared-memory region '", name,
+    return absl::NotFoundError(absl::StrCat(field, ": no shared-memory region '", Echo(name),
                                             "' is registered by this caller"));
   }
   return it->second.mapping;

@@ -2,8 +2,10 @@
 // that receives clients' memfds (ShmSocketServer) and the RPCs that name them.
 //
 // A descriptor received on a socket connection becomes a pending region under a one-time ticket
-// (128 random bits; unguessable). RegisterSharedMemory claims the ticket under a name private to the
-// authenticated caller; from then on the caller's steps name the region. A region goes when its
+// (128 random bits; unguessable): checked, held as a descriptor, not mapped. RegisterSharedMemory
+// claims the ticket under a name private to the authenticated caller and maps it then, so an
+// unauthenticated peer can hold descriptors (bounded below) but never address space; from then on
+// the caller's steps name the region, which holds its mapping and no descriptor. A region goes when its
 // caller unregisters it, or when the socket connection that passed it closes — the client exited or
 // crashed, so nothing it registered outlives it; pending tickets of a closed connection go too.
 // Regions are shared_ptrs: a step that resolved a region keeps it mapped until the step is done.
@@ -12,8 +14,10 @@
 // ticket ('L' on the socket) names a connection, and the listeners set with OnConnectionClosed
 // hear when it closes.
 //
-// Limits: at most `max_pending_per_connection` unclaimed tickets per connection and
-// `max_regions_per_caller` regions per caller (RESOURCE_EXHAUSTED beyond).
+// Limits: at most `max_pending_per_connection` unclaimed tickets per connection, `max_pending`
+// daemon-wide (each holds a descriptor), and `max_regions_per_caller` regions per caller
+// (RESOURCE_EXHAUSTED beyond); a ticket not claimed within `pending_timeout` expires
+// (ExpirePending, called by the socket's thread). `max_connections` is the socket server's.
 // Thread-safety: thread-safe.
 #pragma once
 
@@ -29,11 +33,15 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "server/transport/shm/shared_mapping.h"
 
 namespace muond::transport {
 
 struct SharedMemoryLimits {
+  int max_connections = 1024;  // socket connections at once (each holds a descriptor)
+  int max_pending = 4096;      // unclaimed tickets, daemon-wide (each holds a descriptor)
+  absl::Duration pending_timeout = absl::Seconds(60);
   int max_pending_per_connection = 64;
   int max_regions_per_caller = 256;
   uint64_t max_region_bytes = uint64_t{1} << 40;
@@ -53,8 +61,15 @@ class SharedMemoryRegions {
 
   // The socket side. A connection id for a new connection.
   uint64_t OpenConnection();
-  // Files `mapping` under a new ticket of `connection` and returns the ticket.
-  absl::StatusOr<std::string> AddPending(uint64_t connection, std::shared_ptr<SharedMapping> mapping);
+  // Files `memfd` under a new ticket of `connection`, expiring `pending_timeout` after `now`, and
+  // returns the ticket; RESOURCE_EXHAUSTED (the memfd closed) beyond either pending limit.
+  absl::StatusOr<std::string> AddPending(uint64_t connection, SealedMemfd memfd, absl::Time now = absl::Now());
+  // Drops the tickets unclaimed at `now` past their expiry; returns how many.
+  int ExpirePending(absl::Time now);
+  // When the next unclaimed ticket expires (absl::InfiniteFuture() when none is held).
+  absl::Time NextExpiry() const;
+  // Unclaimed tickets held now.
+  int PendingCount() const;
   // Drops the connection's pending tickets and every region it passed, then tells the listeners.
   void CloseConnection(uint64_t connection);
   // A ticket naming `connection` for as long as it is open (one per connection: asked again, the same).
@@ -79,7 +94,8 @@ class SharedMemoryRegions {
  private:
   struct Pending {
     uint64_t connection;
-    std::shared_ptr<SharedMapping> mapping;
+    SealedMemfd memfd;
+    absl::Time expires;
   };
   struct Region {
     uint64_t connection;
@@ -87,8 +103,8 @@ class SharedMemoryRegions {
   };
   using Key = std::pair<std::string, std::string>;  // caller, name
 
-  void DropConnectionLocked(uint64_t connection, std::vector<std::shared_ptr<SharedMapping>>& dropped)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void DropConnectionLocked(uint64_t connection, std::vector<std::shared_ptr<SharedMapping>>& dropped,
+                            std::vector<SealedMemfd>& dropped_pending) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const SharedMemoryLimits limits_;
   mutable absl::Mutex mu_;

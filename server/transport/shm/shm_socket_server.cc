@@ -8,18 +8,23 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <algorithm>
 #include <cstring>
 #include <map>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/log_throttle.h"
 #include "common/logging.h"
 
 namespace muond::transport {
 namespace {
 
-constexpr size_t kMaxConnections = 1024;
 constexpr int kMaxFdsPerMessage = 4;
+// After accept4 fails for want of descriptors (EMFILE, ENFILE) or memory, the listener is left alone
+// this long: it stays readable, and polling it at once again would spin.
+constexpr absl::Duration kAcceptBackoff = absl::Milliseconds(100);
 
 // sockaddr_un for `address` ("@name": abstract); its length in *length.
 absl::StatusOr<sockaddr_un> SocketAddress(const std::string& address, socklen_t* length) {
@@ -39,7 +44,8 @@ absl::StatusOr<sockaddr_un> SocketAddress(const std::string& address, socklen_t*
 void Reply(int fd, const std::string& line) { ::send(fd, line.data(), line.size(), MSG_NOSIGNAL | MSG_DONTWAIT); }
 
 // Reads one message; false when the connection is finished (closed by the peer or broken).
-bool Serve(int fd, uint64_t connection, SharedMemoryRegions& regions) {
+// `refusals` throttles the log of memfds refused at the daemon's limits.
+bool Serve(int fd, uint64_t connection, SharedMemoryRegions& regions, LogThrottle& refusals) {
   char byte = 0;
   iovec iov{&byte, 1};
   alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFdsPerMessage)];
@@ -72,14 +78,19 @@ bool Serve(int fd, uint64_t connection, SharedMemoryRegions& regions) {
     Reply(fd, "error send one byte 'R' with exactly one memfd attached, or 'L' alone for a liveness ticket\n");
     return n > 0;
   }
-  absl::StatusOr<std::shared_ptr<SharedMapping>> mapping = SharedMapping::Map(fds[0], regions.limits().max_region_bytes);
-  if (!mapping.ok()) {
-    Reply(fd, absl::StrCat("error ", mapping.status().message(), "\n"));
+  // Checked, not mapped: only an authenticated RegisterSharedMemory maps it.
+  absl::StatusOr<SealedMemfd> memfd = SealedMemfd::Check(fds[0], regions.limits().max_region_bytes);
+  if (!memfd.ok()) {
+    Reply(fd, absl::StrCat("error ", memfd.status().message(), "\n"));
     return true;
   }
-  const uint64_t size = (*mapping)->size();
-  absl::StatusOr<std::string> ticket = regions.AddPending(connection, *std::move(mapping));
+  const uint64_t size = memfd->size();
+  absl::StatusOr<std::string> ticket = regions.AddPending(connection, *std::move(memfd));
   if (!ticket.ok()) {
+    if (int64_t held = 0; absl::IsResourceExhausted(ticket.status()) && refusals.Allow(&held)) {
+      MUOND_LOG(warn, "shm socket: memfd refused: {} ({} more refusals since the last line)",
+                ticket.status().message(), held);
+    }
     Reply(fd, absl::StrCat("error ", ticket.status().message(), "\n"));
     return true;
   }
@@ -133,20 +144,49 @@ void ShmSocketServer::Loop() {
     connections.erase(fd);
     ::close(fd);
   };
+  const size_t max_connections = static_cast<size_t>(regions_->limits().max_connections);
+  LogThrottle refused_connections, refused_memfds, accept_failures, expiries;
+  int64_t expired = 0;  // tickets expired since the last line about them
+  absl::Time accept_again = absl::InfinitePast();  // backing off after accept4 ran out of descriptors
   for (;;) {
-    std::vector<pollfd> fds = {{wake_read_, POLLIN, 0}, {listen_fd_, POLLIN, 0}};
+    const absl::Time now = absl::Now();
+    const bool accepting = now >= accept_again;
+    // Wake for the next ticket to expire, or the end of a back-off, whichever comes first.
+    const absl::Time wake = std::min(regions_->NextExpiry(), accepting ? absl::InfiniteFuture() : accept_again);
+    const int timeout_ms = wake == absl::InfiniteFuture()
+                               ? -1
+                               : static_cast<int>(std::clamp<int64_t>(
+                                     absl::ToInt64Milliseconds(wake - now) + 1, 0, 60'000));
+    std::vector<pollfd> fds = {{wake_read_, POLLIN, 0}, {accepting ? listen_fd_ : -1, POLLIN, 0}};
     for (const auto& [fd, id] : connections) fds.push_back({fd, POLLIN, 0});
-    if (::poll(fds.data(), fds.size(), -1) < 0) {
+    if (::poll(fds.data(), fds.size(), timeout_ms) < 0) {
       if (errno == EINTR) continue;
       MUOND_LOG(error, "shm socket: poll failed: {}", std::strerror(errno));
       break;
     }
     if (fds[0].revents != 0) break;
+    expired += regions_->ExpirePending(absl::Now());
+    if (int64_t held = 0; expired > 0 && expiries.Allow(&held)) {
+      MUOND_LOG(info, "shm socket: {} unclaimed regions expired (not registered within --shm-ticket-timeout)",
+                std::exchange(expired, 0));
+    }
     if (fds[1].revents & POLLIN) {
       const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-      if (fd >= 0 && connections.size() >= kMaxConnections) {
+      int64_t held = 0;
+      if (fd < 0 && errno != EAGAIN && errno != EINTR && errno != ECONNABORTED) {
+        if (accept_failures.Allow(&held)) {
+          MUOND_LOG(error, "shm socket: cannot accept a connection: {}; retrying in {} ({} more since)",
+                    std::strerror(errno), absl::FormatDuration(kAcceptBackoff), held);
+        }
+        accept_again = absl::Now() + kAcceptBackoff;
+      } else if (fd >= 0 && connections.size() >= max_connections) {
+        // Refused at once: the descriptor is held only for this reply.
         Reply(fd, "error the daemon has too many shared-memory connections\n");
         ::close(fd);
+        if (refused_connections.Allow(&held)) {
+          MUOND_LOG(warn, "shm socket: connection refused: {} open, the limit (--shm-max-connections) ({} more "
+                    "refusals since the last line)", connections.size(), held);
+        }
       } else if (fd >= 0) {
         connections[fd] = regions_->OpenConnection();
       }
@@ -154,7 +194,7 @@ void ShmSocketServer::Loop() {
     for (size_t i = 2; i < fds.size(); ++i) {
       if (fds[i].revents == 0) continue;
       const int fd = fds[i].fd;
-      if ((fds[i].revents & POLLIN) == 0 || !Serve(fd, connections[fd], *regions_)) drop(fd);
+      if ((fds[i].revents & POLLIN) == 0 || !Serve(fd, connections[fd], *regions_, refused_memfds)) drop(fd);
     }
   }
   while (!connections.empty()) drop(connections.begin()->first);

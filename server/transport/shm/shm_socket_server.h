@@ -12,6 +12,12 @@
 // namespace only, which is what "the same host" means for a container) or a filesystem path
 // (created mode 0666, removed when the server stops). One thread serves every connection with poll.
 //
+// Descriptors are a daemon-wide budget (gRPC needs its share): at most `regions->limits()`'s
+// max_connections connections and max_pending unclaimed memfds are held; beyond, a connection is
+// closed at once and a memfd refused, each with a (throttled) log line. Unclaimed tickets expire
+// after pending_timeout. When accept4 fails for want of descriptors the listener is left alone for a
+// moment instead of being polled again at once (a readable listener would make the loop spin).
+//
 // Ownership: the daemon owns the server; `regions` must outlive it. Stopping (the destructor) joins
 // the thread and closes every connection. Thread-safe as far as its public methods go.
 #pragma once
