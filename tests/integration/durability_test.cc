@@ -1,16 +1,20 @@
 // Durability through the real daemon: checkpoints and restore, the two durability modes across
 // kill -9, refusal of damaged files, and a training run whose daemon is killed at random moments
 // ending bit-identical to an uninterrupted run.
+#include <sys/stat.h>
 #include <sys/wait.h>
 
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
 #include <random>
+#include <set>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "tests/integration/daemon_fixture.h"
 #include "tests/testing/status_matchers.h"
@@ -196,7 +200,7 @@ void ExpectRefusal(DurableDaemon& daemon, const std::string& file) {
 }
 
 TEST(DurabilityTest, DamagedCheckpointsAndJournalsAreRefusedNamingTheFile) {
-  DurableDaemon daemon({"--durability", "journal"});
+  DurableDaemon daemon({"--durability", "journal", "--on-damaged-state", "fail"});
   std::string error;
   ASSERT_TRUE(daemon.Start(&error)) << error;
   auto client = daemon.Connect();
@@ -240,6 +244,90 @@ TEST(DurabilityTest, DamagedCheckpointsAndJournalsAreRefusedNamingTheFile) {
   client = daemon.Connect();
   ASSERT_OK_AND_ASSIGN(auto attached, client->CreateSession("damaged", DaemonTest::SmallSpec()));
   EXPECT_EQ(attached->last_step(), 3);
+}
+
+// Kills a journaled daemon after steps 1..`steps` of session `id`, leaving its journal unfolded.
+void JournalSteps(DurableDaemon& daemon, const std::string& id, int steps) {
+  auto client = daemon.Connect();
+  Trainer trainer;
+  auto session = UploadedSession(*client, id, &trainer);
+  ASSERT_NE(session, nullptr);
+  for (int step = 1; step <= steps; ++step) ASSERT_OK(session->Step(step, trainer.Gradients(step)).status());
+}
+
+TEST(DurabilityTest, AnInflatedJournalLengthStopsTheRestoreAndKeepsTheJournal) {
+  DurableDaemon daemon({"--durability", "journal", "--on-damaged-state", "fail"});
+  std::string error;
+  ASSERT_TRUE(daemon.Start(&error)) << error;
+  JournalSteps(daemon, "inflated", 5);
+  daemon.process().Kill();
+  const std::string journal = daemon.state_dir() + "/inflated/journal.log";
+  std::string bytes = ReadWholeFileForTest(journal);
+  // Each record: a 20-byte header ("MJR3", u64 payload length, two CRCs) and its payload.
+  size_t third = 0;
+  for (int record = 0; record < 2; ++record) {
+    uint64_t length = 0;
+    std::memcpy(&length, bytes.data() + third + 4, 8);
+    third += 20 + length;
+  }
+  const uint64_t inflated = 0x7fffffff;
+  std::memcpy(bytes.data() + third + 4, &inflated, 8);  // step 3, followed by steps 4 and 5
+  WriteFileForTest(journal, bytes);
+  ExpectRefusal(daemon, journal);
+  EXPECT_THAT(daemon.process().ReadStderr(), HasSubstr("record at byte " + std::to_string(third)));
+  EXPECT_EQ(ReadWholeFileForTest(journal), bytes) << "the refused journal was changed";
+}
+
+TEST(DurabilityTest, DamagedFoldersAreQuarantinedAndTheIntactSessionIsServed) {
+  DurableDaemon daemon({"--durability", "journal"});
+  std::string error;
+  ASSERT_TRUE(daemon.Start(&error)) << error;
+  for (const char* id : {"intact", "deep", "fifo", "dangling", "linked"}) JournalSteps(daemon, id, 2);
+  daemon.process().Kill();
+  const std::string state = daemon.state_dir();
+  const std::string outside = daemon.process().dir() + "/outside";
+  fs::create_directory(outside);
+  // 200,000 nested arrays as checkpoint.json (a stack overflow when copied recursively).
+  WriteFileForTest(state + "/deep/checkpoint.json", std::string(200000, '[') + std::string(200000, ']'));
+  // A FIFO as the journal (an open without O_NONBLOCK waits forever).
+  fs::remove(state + "/fifo/journal.log");
+  ASSERT_EQ(mkfifo((state + "/fifo/journal.log").c_str(), 0600), 0);
+  // A dangling journal link (opening it for appending would create the outside file).
+  fs::remove(state + "/dangling/journal.log");
+  fs::create_symlink(outside + "/created.log", state + "/dangling/journal.log");
+  // A session folder that is a link to a folder outside the state directory.
+  fs::rename(state + "/linked", outside + "/linked");
+  fs::create_directory_symlink(outside + "/linked", state + "/linked");
+  const std::set<std::string> outside_before = {"checkpoint-000000000000.safetensors", "checkpoint.json",
+                                                "journal.log"};
+
+  ASSERT_TRUE(daemon.Restart(&error)) << error;
+  const std::string log = daemon.process().ReadStderr();
+  for (const char* id : {"deep", "fifo", "dangling", "linked"}) {
+    EXPECT_THAT(log, HasSubstr(absl::StrCat("session folder ", state, "/", id, " cannot be restored"))) << id;
+  }
+  EXPECT_THAT(log, HasSubstr("nests deeper than 64 levels"));
+  EXPECT_THAT(log, HasSubstr("not a regular file"));
+  EXPECT_THAT(log, HasSubstr("symbolic link"));
+  auto client = daemon.Connect();
+  ASSERT_OK_AND_ASSIGN(auto attached, client->CreateSession("intact", DaemonTest::SmallSpec()));
+  EXPECT_EQ(attached->last_step(), 2);
+  ASSERT_OK_AND_ASSIGN(std::vector<v1::SessionSummary> sessions, client->ListSessions());
+  EXPECT_EQ(sessions.size(), 1u);
+
+  // Moved aside, never deleted; nothing created or changed outside the state directory.
+  int quarantined = 0;
+  for (const auto& entry : fs::directory_iterator(state + "/+quarantine")) {
+    ++quarantined;
+    EXPECT_TRUE(fs::exists(entry.path().string() + "/checkpoint.json")) << entry.path();
+  }
+  EXPECT_EQ(quarantined, 4);
+  EXPECT_FALSE(fs::exists(outside + "/created.log"));
+  std::set<std::string> outside_after;
+  for (const auto& entry : fs::directory_iterator(outside + "/linked")) {
+    outside_after.insert(entry.path().filename().string());
+  }
+  EXPECT_EQ(outside_after, outside_before);
 }
 
 TEST(DurabilityTest, ATornJournalTailIsAnUnacknowledgedStepAndIsDropped) {

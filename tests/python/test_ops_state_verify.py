@@ -1,0 +1,165 @@
+"""``muondctl state verify`` runs the daemon's own restore checks, so every folder a daemon would
+refuse fails verify, naming the file; ``state inspect`` exits 1 when it prints UNREADABLE; and
+``export --state-dir`` takes only a valid session id, so it never reads outside the state directory."""
+
+import hashlib
+import json
+import shutil
+import struct
+import zlib
+from pathlib import Path
+
+import pytest
+
+from test_ops_muondctl import ctl, ctl_json, train
+
+pytestmark = pytest.mark.ops
+
+
+def rehash_metadata(folder: Path, edit) -> None:
+    """Applies ``edit`` to checkpoint.json and gives it a matching digest again (muond's digest is
+    the SHA-256 of the compact, key-sorted JSON without the digest field)."""
+    path = folder / "checkpoint.json"
+    metadata = json.loads(path.read_text())
+    edit(metadata)
+    metadata.pop("metadata_sha256", None)
+    text = json.dumps(metadata, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    metadata["metadata_sha256"] = hashlib.sha256(text.encode()).hexdigest()
+    path.write_text(json.dumps(metadata, indent=2))
+
+
+def rewrite_tensors(folder: Path, edit) -> None:
+    """Applies ``edit(header, body)`` to the safetensors file and records its new size and SHA-256."""
+    [tensor_file] = folder.glob("checkpoint-*.safetensors")
+    data = tensor_file.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + length])
+    body = bytearray(data[8 + length:])
+    edit(header, body)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * ((8 - len(text) % 8) % 8)
+    data = struct.pack("<Q", len(text)) + text + bytes(body)
+    tensor_file.write_bytes(data)
+
+    def record(metadata):
+        metadata["tensors"]["bytes"] = len(data)
+        metadata["tensors"]["sha256"] = hashlib.sha256(data).hexdigest()
+    rehash_metadata(folder, record)
+
+
+def journal_records(folder: Path):
+    """The journal's records as (offset, payload) pairs."""
+    data = (folder / "journal.log").read_bytes()
+    records, pos = [], 0
+    while pos < len(data):
+        assert data[pos:pos + 4] == b"MJR3"
+        (length,) = struct.unpack("<Q", data[pos + 4:pos + 12])
+        records.append((pos, data[pos + 20:pos + 20 + length]))
+        pos += 20 + length
+    return records
+
+
+def frame(payload: bytes) -> bytes:
+    head = b"MJR3" + struct.pack("<QI", len(payload), zlib.crc32(payload))
+    return head + struct.pack("<I", zlib.crc32(head)) + payload
+
+
+def shorten_first_gradient(folder: Path) -> None:
+    """Rewrites the journal's first record with its first gradient one element short (framed and
+    checksummed as muond writes it, so only the size is wrong)."""
+    records = journal_records(folder)
+    payload = records[0][1]
+    (request_length,) = struct.unpack("<I", payload[:4])
+    pos = 4 + request_length + 4
+    index, count = struct.unpack("<IQ", payload[pos:pos + 12])
+    shorter = payload[:pos] + struct.pack("<IQ", index, count - 1) + payload[pos + 12:pos + 20 + 4 * (count - 1)] + \
+        payload[pos + 20 + 4 * count:]
+    rest = b"".join(frame(p) for _, p in records[1:])
+    (folder / "journal.log").write_bytes(frame(shorter) + rest)
+
+
+def inflate_third_length(folder: Path) -> None:
+    data = bytearray((folder / "journal.log").read_bytes())
+    offset = journal_records(folder)[2][0]
+    data[offset + 4:offset + 12] = struct.pack("<Q", 0x7fffffff)
+    (folder / "journal.log").write_bytes(bytes(data))
+
+
+def transpose_first_matrix(header, body):
+    for name, info in header.items():
+        if name != "__metadata__" and len(info["shape"]) == 2 and info["shape"][0] != info["shape"][1]:
+            info["shape"] = info["shape"][::-1]
+            return
+    raise AssertionError("no non-square matrix")
+
+
+def nan_master(header, body):
+    for name, info in header.items():
+        if name.endswith("/master") and info["dtype"] == "F32":
+            begin = info["data_offsets"][0]
+            body[begin:begin + 4] = struct.pack("<f", float("nan"))
+            return
+    raise AssertionError("no F32 master")
+
+
+DAMAGE = {
+    "another session's checkpoint": lambda f: rehash_metadata(f, lambda m: m.update(session_id="someone-else")),
+    "a step count above last_step": lambda f: rehash_metadata(
+        f, lambda m: m["step_counts"].update({k: 99 for k in m["step_counts"]})),
+    "an unknown optimizer": lambda f: rehash_metadata(
+        f, lambda m: m["spec"]["groups"][0].setdefault("options", {}).update(optimizer="OPTIMIZER_NOPE")),
+    "a transposed tensor": lambda f: rewrite_tensors(f, transpose_first_matrix),
+    "a NaN master": lambda f: rewrite_tensors(f, nan_master),
+    "a journal gradient one element short": shorten_first_gradient,
+    "an inflated journal length": inflate_third_length,
+    "a linked journal": lambda f: ((f / "journal.log").unlink(), (f / "journal.log").symlink_to("/dev/zero")),
+    "deeply nested JSON": lambda f: (f / "checkpoint.json").write_text("[" * 200000 + "]" * 200000),
+}
+
+
+@pytest.fixture(scope="module")
+def journaled_state(tmp_path_factory):
+    """A state directory left by a killed daemon: a checkpoint at step 0 and four journaled steps."""
+    from conftest import Daemon, _daemon_binary
+    root = tmp_path_factory.mktemp("journaled")
+    daemon = Daemon(_daemon_binary(), root / "daemon", ("--state-dir", root / "state", "--durability", "journal"),
+                    listen="127.0.0.1:0")
+    try:
+        _, opt = train(daemon.endpoint, "run", steps=4)
+        daemon.kill()
+        opt.close(keep_session=True)
+    finally:
+        daemon.stop()
+    return root / "state"
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_verify_fails_every_folder_the_daemon_refuses(journaled_state, tmp_path, damage):
+    state_dir = tmp_path / "state"
+    shutil.copytree(journaled_state, state_dir, symlinks=True)
+    assert ctl("state", "verify", state_dir)[0] == 0, "the undamaged copy verifies"
+    DAMAGE[damage](state_dir / "run")
+    code, out, err = ctl("state", "verify", state_dir)
+    assert code == 1, f"{damage}: exit {code}: {out}{err}"
+    assert "FAIL  run: " in out and str(state_dir / "run") in out, out
+
+
+def test_inspect_exits_1_when_a_folder_is_unreadable(journaled_state, tmp_path):
+    state_dir = tmp_path / "state"
+    shutil.copytree(journaled_state, state_dir, symlinks=True)
+    assert ctl("state", "inspect", state_dir)[0] == 0
+    inflate_third_length(state_dir / "run")
+    code, out, _ = ctl("state", "inspect", state_dir)
+    assert code == 1 and "run: UNREADABLE: " in out and "journal.log" in out, out
+    assert ctl("--json", "state", "inspect", state_dir)[0] == 1
+
+
+def test_export_takes_only_a_session_id(journaled_state, tmp_path):
+    state_dir = tmp_path / "state"
+    shutil.copytree(journaled_state, state_dir, symlinks=True)
+    outside = tmp_path / "outside"
+    shutil.copytree(state_dir / "run", outside / "x")
+    code, out, err = ctl("export", "../outside/x", "--state-dir", state_dir, "--to", tmp_path / "out.safetensors")
+    assert code == 2 and "SESSION: '../outside/x' is not a session id" in err, f"{out}{err}"
+    assert not (tmp_path / "out.safetensors").exists()
+    assert ctl_json("export", "run", "--state-dir", state_dir, "--to", tmp_path / "run.safetensors")["step"] == 0
