@@ -2,6 +2,7 @@
 
 #include <vector>
 
+#include "common/echo.h"
 #include "common/logging.h"
 #include "grpcpp/security/auth_context.h"
 #include "server/rpc/grpc_status.h"
@@ -43,7 +44,7 @@ grpc::Status CallScope::Finish(const absl::Status& status) {
     // Every refusal is logged once, here. Steps are the daemon's bulk traffic, so theirs are debug
     // lines; errors of the daemon itself are logged where they happen.
     const spdlog::level::level_enum level = method_ == "Step" ? spdlog::level::debug : spdlog::level::info;
-    spdlog::log(level, "{} from {} refused: {}", method_, context_->peer(), status.ToString());
+    spdlog::log(level, "{} from {} refused: {}", method_, context_->peer(), Echo(status.ToString(), 4096));
   }
   return ToGrpcStatus(status);
 }

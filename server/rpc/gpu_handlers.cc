@@ -5,6 +5,7 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
+#include "common/echo.h"
 #include "common/status_macros.h"
 #include "server/rpc/muond_service.h"
 #include "server/transport/gpu/cuda_ipc_step.h"
@@ -27,7 +28,7 @@ grpc::Status MuondService::RegisterCudaMemory(grpc::ServerContext* context, cons
     // Closed meanwhile: what CloseSession dropped did not include this.
     if (!registry_->Find(request->session_id(), caller).ok()) {
       regions->DropSession(request->session_id());
-      return absl::NotFoundError(absl::StrCat("session_id: session '", request->session_id(),
+      return absl::NotFoundError(absl::StrCat("session_id: session '", Echo(request->session_id()),
                                               "' was closed while its CUDA memory was registered"));
     }
     response->set_byte_size(bytes);
@@ -50,7 +51,8 @@ grpc::Status MuondService::StepCuda(grpc::ServerContext* context, const v1::Step
     MUOND_ASSIGN_OR_RETURN(transport::CudaMemoryRegions * regions, CudaRegions());
     const v1::StepHeader& header = request->header();
     MUOND_RETURN_IF_ERROR(session::CheckSessionId(header.session_id(), "header.session_id"));
-    MUOND_ASSIGN_OR_RETURN(std::shared_ptr<session::Session> session, registry_->Find(header.session_id(), caller));
+    MUOND_ASSIGN_OR_RETURN(std::shared_ptr<session::Session> session,
+                           registry_->Find(header.session_id(), caller, "header.session_id"));
     if (header.return_dtype() != v1::DTYPE_UNSPECIFIED) {
       return absl::InvalidArgumentError("header.return_dtype: a CUDA IPC step answers in parameters[].dtype");
     }
@@ -89,7 +91,7 @@ grpc::Status MuondService::OpenNcclChannel(grpc::ServerContext* context, const v
     // Closed meanwhile: what CloseSession dropped did not include this.
     if (!registry_->Find(request->session_id(), caller).ok()) {
       channels->Drop(opened.name);
-      return absl::NotFoundError(absl::StrCat("session_id: session '", request->session_id(),
+      return absl::NotFoundError(absl::StrCat("session_id: session '", Echo(request->session_id()),
                                               "' was closed while its NCCL channel was opened"));
     }
     response->set_channel(opened.name);
@@ -115,13 +117,14 @@ grpc::Status MuondService::StepNccl(grpc::ServerContext* context, const v1::Step
     MUOND_ASSIGN_OR_RETURN(transport::NcclChannels * channels, NcclChannels());
     const v1::StepHeader& header = request->header();
     MUOND_RETURN_IF_ERROR(session::CheckSessionId(header.session_id(), "header.session_id"));
-    MUOND_ASSIGN_OR_RETURN(std::shared_ptr<session::Session> session, registry_->Find(header.session_id(), caller));
+    MUOND_ASSIGN_OR_RETURN(std::shared_ptr<session::Session> session,
+                           registry_->Find(header.session_id(), caller, "header.session_id"));
     MUOND_ASSIGN_OR_RETURN(std::shared_ptr<transport::NcclChannel> channel,
                            channels->Find(caller, request->channel(), session->id(), "channel"));
     if (!channel->busy.TryLock()) {
       // Left alone: the step using it goes on.
       return absl::FailedPreconditionError(
-          absl::StrCat("channel: another step is using NCCL channel '", request->channel(), "'"));
+          absl::StrCat("channel: another step is using NCCL channel '", Echo(request->channel()), "'"));
     }
     // From here on this call owns the channel, and whatever fails closes it: the client's transfers
     // may be in flight (docs/transports.md).
@@ -135,7 +138,7 @@ grpc::Status MuondService::StepNccl(grpc::ServerContext* context, const v1::Step
       return absl::InvalidArgumentError("header.return_dtype: an NCCL step answers in parameters[].dtype");
     }
     if (header.rank() != channel->rank) {
-      return absl::InvalidArgumentError(absl::StrCat("header.rank: channel '", request->channel(), "' is rank ",
+      return absl::InvalidArgumentError(absl::StrCat("header.rank: channel '", Echo(request->channel()), "' is rank ",
                                                      channel->rank, "'s, not rank ", header.rank(), "'s"));
     }
     const bool prepare = header.phase() == v1::STEP_PHASE_PREPARE;

@@ -59,7 +59,8 @@ grpc::Status MuondService::StepShared(grpc::ServerContext* context, const v1::St
     MUOND_ASSIGN_OR_RETURN(transport::SharedMemoryRegions * regions, ShmRegions());
     const v1::StepHeader& header = request->header();
     MUOND_RETURN_IF_ERROR(session::CheckSessionId(header.session_id(), "header.session_id"));
-    MUOND_ASSIGN_OR_RETURN(std::shared_ptr<session::Session> session, registry_->Find(header.session_id(), caller));
+    MUOND_ASSIGN_OR_RETURN(std::shared_ptr<session::Session> session,
+                           registry_->Find(header.session_id(), caller, "header.session_id"));
     if (header.return_dtype() != v1::DTYPE_UNSPECIFIED) {
       return absl::InvalidArgumentError("header.return_dtype: a shared-memory step answers in parameters[].dtype");
     }

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/echo.h"
 #include "google/protobuf/util/json_util.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "common/status_macros.h"
@@ -63,7 +64,8 @@ absl::StatusOr<Enum> ParseChoice(const std::string& value, const std::string& gr
   for (size_t i = 0; i < names.size(); ++i) {
     if (value == names[i]) return static_cast<Enum>(i);
   }
-  return Invalid(absl::StrCat(group_field, ".", std::string(option)), absl::StrCat("unknown value '", value, "'; expected one of ", absl::StrJoin(names, ", ")));
+  return Invalid(absl::StrCat(group_field, ".", std::string(option)),
+                 absl::StrCat("unknown value '", Echo(value), "'; expected one of ", absl::StrJoin(names, ", ")));
 }
 
 // Whether `option` applies to optimizer `kind` (the option table); any other set field is refused
@@ -95,15 +97,15 @@ absl::Status ParseQkClip(const v1::SessionSpec& spec, SessionConfig& config) {
           {"key", pair.key(), &clip.key}}) {
       auto it = config.parameter_index.find(name);
       if (it == config.parameter_index.end()) {
-        return Invalid(absl::StrCat(field, ".", role), absl::StrCat("unknown parameter '", name, "'"));
+        return Invalid(absl::StrCat(field, ".", role), absl::StrCat("unknown parameter '", Echo(name), "'"));
       }
       const ParameterConfig& param = config.parameters[it->second];
       if (config.groups[param.group].options.optimizer != OptimizerKind::kMuon || param.shape.size() != 2) {
         return Invalid(absl::StrCat(field, ".", role),
-                       absl::StrCat("'", name, "' must be a matrix in a Muon group"));
+                       absl::StrCat("'", Echo(name), "' must be a matrix in a Muon group"));
       }
       if (param.shape[0] % clip.num_heads != 0) {
-        return Invalid(field + ".num_heads", absl::StrCat("'", name, "' has ", param.shape[0],
+        return Invalid(field + ".num_heads", absl::StrCat("'", Echo(name), "' has ", param.shape[0],
                                                           " rows, not a multiple of ", clip.num_heads, " heads"));
       }
       if (pair.has_mla()) {
@@ -118,15 +120,16 @@ absl::Status ParseQkClip(const v1::SessionSpec& spec, SessionConfig& config) {
         const int64_t rows_per_head = param.shape[0] / clip.num_heads;
         const int64_t rest = is_query ? mla.qk_rope_head_dim() : mla.v_head_dim();
         if (mla.qk_nope_head_dim() > rows_per_head || rest != rows_per_head - mla.qk_nope_head_dim()) {
-          return Invalid(field + ".mla", absl::StrCat("'", name, "' has ", param.shape[0], " rows (", clip.num_heads,
-                                                      " heads of ", rows_per_head, "); the MLA layout does not add up to it",
-                                                      is_query ? " (qk_nope_head_dim + qk_rope_head_dim)"
-                                                               : " (qk_nope_head_dim + v_head_dim)"));
+          return Invalid(
+              field + ".mla",
+              absl::StrCat("'", Echo(name), "' has ", param.shape[0], " rows (", clip.num_heads, " heads of ",
+                           rows_per_head, "); the MLA layout does not add up to it",
+                           is_query ? " (qk_nope_head_dim + qk_rope_head_dim)" : " (qk_nope_head_dim + v_head_dim)"));
         }
         clip.mla = optim::MlaLayout{mla.qk_nope_head_dim(), mla.qk_rope_head_dim(), mla.v_head_dim()};
       }
       if (!used.emplace(it->second, i).second) {
-        return Invalid(absl::StrCat(field, ".", role), absl::StrCat("'", name, "' is already in a qk_clip pair"));
+        return Invalid(absl::StrCat(field, ".", role), absl::StrCat("'", Echo(name), "' is already in a qk_clip pair"));
       }
       *index = it->second;
     }
@@ -356,7 +359,7 @@ absl::StatusOr<SessionConfig> ParseSessionSpec(const v1::SessionSpec& spec, cons
     const std::string field = absl::StrCat("spec.groups[", i, "]");
     if (!ValidName(group.name())) return Invalid(field + ".name", "must be 1 to 256 bytes without control characters");
     if (!config.group_index.emplace(group.name(), config.groups.size()).second) {
-      return Invalid(field + ".name", absl::StrCat("duplicate group '", group.name(), "'"));
+      return Invalid(field + ".name", absl::StrCat("duplicate group '", Echo(group.name()), "'"));
     }
     MUOND_ASSIGN_OR_RETURN(optim::GroupOptions options, ParseGroupOptions(group.options(), field + ".options"));
     config.groups.push_back({group.name(), std::move(options)});
@@ -374,7 +377,7 @@ absl::StatusOr<SessionConfig> ParseSessionSpec(const v1::SessionSpec& spec, cons
     param.name = p.name();
     if (!ValidName(p.name())) return Invalid(field + ".name", "must be 1 to 256 bytes without control characters");
     if (config.parameter_index.contains(p.name())) {
-      return Invalid(field + ".name", absl::StrCat("duplicate parameter '", p.name(), "'"));
+      return Invalid(field + ".name", absl::StrCat("duplicate parameter '", Echo(p.name()), "'"));
     }
     if (p.shape_size() > limits.max_rank) {
       return Invalid(field + ".shape", absl::StrCat("rank ", p.shape_size(), " exceeds the limit of ", limits.max_rank,
@@ -399,7 +402,7 @@ absl::StatusOr<SessionConfig> ParseSessionSpec(const v1::SessionSpec& spec, cons
     }
     auto group = config.group_index.find(p.group());
     if (group == config.group_index.end()) {
-      return Invalid(field + ".group", absl::StrCat("unknown group '", p.group(), "'"));
+      return Invalid(field + ".group", absl::StrCat("unknown group '", Echo(p.group()), "'"));
     }
     param.group = group->second;
     if (p.qkv_split_size() != 0) {

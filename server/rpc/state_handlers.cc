@@ -5,6 +5,7 @@
 #include <span>
 
 #include "absl/strings/str_cat.h"
+#include "common/echo.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "proto/wire/dtype_codec.h"
@@ -112,10 +113,11 @@ absl::Status MuondService::DoSetState(const std::string& caller, grpc::ServerRea
     auto it = config.parameter_index.find(count.name());
     const std::string field = absl::StrCat("header.step_counts[", i, "]");
     if (it == config.parameter_index.end()) {
-      return absl::NotFoundError(absl::StrCat(field, ".name: unknown parameter '", count.name(), "'"));
+      return absl::NotFoundError(absl::StrCat(field, ".name: unknown parameter '", Echo(count.name()), "'"));
     }
     if (count.count() < 0 || state.step_counts[it->second] != -1) {
-      return absl::InvalidArgumentError(absl::StrCat(field, ": negative or repeated count for '", count.name(), "'"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": negative or repeated count for '", Echo(count.name()), "'"));
     }
     state.step_counts[it->second] = count.count();
   }
@@ -135,7 +137,7 @@ absl::Status MuondService::DoSetState(const std::string& caller, grpc::ServerRea
     const v1::TensorChunk& chunk = request.chunk();
     auto it = config.parameter_index.find(chunk.name());
     if (it == config.parameter_index.end()) {
-      return absl::NotFoundError(absl::StrCat("chunk.name: unknown parameter '", chunk.name(), "'"));
+      return absl::NotFoundError(absl::StrCat("chunk.name: unknown parameter '", Echo(chunk.name()), "'"));
     }
     // fp32, or a 16-bit dtype (for a tensor stored in 16 bits, exact; for another, rounded).
     const v1::DType dtype = chunk.dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_FP32 : chunk.dtype();

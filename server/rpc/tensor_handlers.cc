@@ -1,5 +1,6 @@
 // MuondService's tensor streams: UploadParameters, Step and GetParameters.
 #include "absl/strings/str_cat.h"
+#include "common/echo.h"
 #include "google/protobuf/descriptor.h"
 #include "grpcpp/support/method_handler.h"
 #include "common/logging.h"
@@ -80,7 +81,8 @@ absl::Status MuondService::DoStep(const std::string& caller, grpc::ServerContext
                                   grpc::ServerReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>* stream) {
   MUOND_ASSIGN_OR_RETURN(const v1::StepHeader header, transport::ReadStepHeader(stream));
   MUOND_RETURN_IF_ERROR(session::CheckSessionId(header.session_id(), "header.session_id"));
-  MUOND_ASSIGN_OR_RETURN(std::shared_ptr<session::Session> session, registry_->Find(header.session_id(), caller));
+  MUOND_ASSIGN_OR_RETURN(std::shared_ptr<session::Session> session,
+                         registry_->Find(header.session_id(), caller, "header.session_id"));
   MUOND_ASSIGN_OR_RETURN(v1::DType dtype,
                          AnswerDType(header.return_dtype(), session->config().return_dtype, "header.return_dtype"));
   transport::GrpcGradientSource source(context, stream, header, options_.max_chunk_bytes);
@@ -110,7 +112,7 @@ absl::Status MuondService::DoGetParameters(const std::string& caller, grpc::Serv
   for (int i = 0; i < request.names_size(); ++i) {
     auto it = config.parameter_index.find(request.names(i));
     if (it == config.parameter_index.end()) {
-      return absl::NotFoundError(absl::StrCat("names[", i, "]: unknown parameter '", request.names(i), "'"));
+      return absl::NotFoundError(absl::StrCat("names[", i, "]: unknown parameter '", Echo(request.names(i)), "'"));
     }
     wanted.push_back(it->second);
   }

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/echo.h"
 #include "kernels/optim/optimizer.h"
 
 namespace muond::session {
@@ -40,15 +41,15 @@ absl::Status CheckMemoryQuota(const std::string& session_id, int64_t session_byt
                               const MemoryLimits& limits) {
   if (limits.max_session_bytes > 0 && session_bytes > limits.max_session_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "session_id '", session_id, "': the spec needs ", session_bytes,
+        "session_id '", Echo(session_id), "': the spec needs ", session_bytes,
         " bytes of optimizer memory (masters, gradients and optimizer state), more than --max-session-bytes ",
         limits.max_session_bytes));
   }
   if (limits.max_total_bytes > 0 && held_bytes + session_bytes > limits.max_total_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "session_id '", session_id, "': the spec needs ", session_bytes, " bytes of optimizer memory and the daemon ",
-        "holds ", held_bytes, " bytes already; together more than --max-total-bytes ", limits.max_total_bytes,
-        " (close a session first)"));
+        "session_id '", Echo(session_id), "': the spec needs ", session_bytes,
+        " bytes of optimizer memory and the daemon ", "holds ", held_bytes,
+        " bytes already; together more than --max-total-bytes ", limits.max_total_bytes, " (close a session first)"));
   }
   return absl::OkStatus();
 }

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
+#include "common/echo.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "kernels/optim/qk_clip.h"
@@ -659,7 +660,7 @@ absl::Status Session::ImportState(SessionState state) {
   for (const StateTensor& t : state.tensors) {
     const ParameterConfig& pc = config_.parameters[t.parameter];
     if (!expected.erase({t.parameter, t.slot})) {
-      return absl::InvalidArgumentError(absl::StrCat("chunk.slot: '", t.slot, "' is not a state slot of '",
+      return absl::InvalidArgumentError(absl::StrCat("chunk.slot: '", Echo(t.slot), "' is not a state slot of '",
                                                      pc.name, "' or was sent twice"));
     }
     const size_t numel = t.slot == kMasterSlot ? static_cast<size_t>(pc.numel)

@@ -4,6 +4,7 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "common/echo.h"
 #include "common/status_macros.h"
 #include "common/logging.h"
 #include "server/security/caller_identity.h"
@@ -26,14 +27,14 @@ absl::StatusOr<CreateResult> SessionRegistry::CreateOrAttach(const std::string& 
   if (auto it = sessions_.find(id); it != sessions_.end()) {
     MUOND_RETURN_IF_ERROR(CheckSessionOwner(*it->second, caller));
     absl::Status same = codec_->CheckSame(it->second->config().spec_json, spec_json);
-    if (!same.ok()) return absl::AlreadyExistsError(absl::StrCat("session_id '", id, "': ", same.message()));
+    if (!same.ok()) return absl::AlreadyExistsError(absl::StrCat("session_id '", Echo(id), "': ", same.message()));
     MUOND_EVENT(info, "session_attached", id, it->second->last_step(), "session {} attached at step {}", id,
                 it->second->last_step());
     return CreateResult{it->second, true};
   }
   if (static_cast<int>(sessions_.size()) >= max_sessions_) {
     return absl::ResourceExhaustedError(
-        absl::StrCat("session_id '", id, "': the daemon already holds ", sessions_.size(),
+        absl::StrCat("session_id '", Echo(id), "': the daemon already holds ", sessions_.size(),
                      " sessions (--max-sessions ", max_sessions_, "); close one first"));
   }
   MUOND_ASSIGN_OR_RETURN(SessionConfig config, codec_->Parse(spec_json, limits_));
@@ -59,12 +60,12 @@ absl::StatusOr<CreateResult> SessionRegistry::CreateOrAttach(const std::string& 
   return CreateResult{std::move(shared), false};
 }
 
-absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Find(const std::string& id,
-                                                                const std::string& caller) const {
+absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Find(const std::string& id, const std::string& caller,
+                                                                absl::string_view field) const {
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(id);
   if (it == sessions_.end()) {
-    return absl::NotFoundError(absl::StrCat("session_id: no session '", id.substr(0, 140), "'"));
+    return absl::NotFoundError(absl::StrCat(field, ": no session '", Echo(id), "'"));
   }
   MUOND_RETURN_IF_ERROR(CheckSessionOwner(*it->second, caller));
   return it->second;
@@ -74,7 +75,7 @@ absl::Status SessionRegistry::Close(const std::string& id, const std::string& ca
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(id);
   if (it == sessions_.end()) {
-    return absl::NotFoundError(absl::StrCat("session_id: no session '", id.substr(0, 140), "'"));
+    return absl::NotFoundError(absl::StrCat("session_id: no session '", Echo(id), "'"));
   }
   MUOND_RETURN_IF_ERROR(CheckSessionOwner(*it->second, caller));
   MUOND_EVENT(info, "session_closed", id, it->second->last_step(), "session {} closed at step {}", id,

@@ -14,6 +14,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "kernels/backend.h"
 #include "server/durability/session_files.h"
@@ -48,7 +49,9 @@ class SessionRegistry {
                                               const std::string& caller = "");
 
   // NOT_FOUND naming the session id when there is none.
-  absl::StatusOr<std::shared_ptr<Session>> Find(const std::string& id, const std::string& caller = "") const;
+  // `field` names the id in errors ("header.session_id" for a step).
+  absl::StatusOr<std::shared_ptr<Session>> Find(const std::string& id, const std::string& caller = "",
+                                                absl::string_view field = "session_id") const;
 
   // Drops the session; its memory no longer counts against --max-total-bytes.
   absl::Status Close(const std::string& id, const std::string& caller = "");

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/echo.h"
 #include "common/status_macros.h"
 #include "server/session/value_rules.h"
 
@@ -46,11 +47,11 @@ absl::Status ResolveQkLogits(const SessionConfig& config, const StepRequest& req
     }
     if (pair == config.qk_clip.size()) {
       return absl::InvalidArgumentError(
-          absl::StrCat(field, ".query: '", logits.query, "' is not the query of a spec.qk_clip pair"));
+          absl::StrCat(field, ".query: '", Echo(logits.query), "' is not the query of a spec.qk_clip pair"));
     }
     for (const auto& [seen, unused] : plan.qk_logits) {
       if (seen == pair) {
-        return absl::InvalidArgumentError(absl::StrCat(field, ".query: '", logits.query, "' given twice"));
+        return absl::InvalidArgumentError(absl::StrCat(field, ".query: '", Echo(logits.query), "' given twice"));
       }
     }
     if (static_cast<int>(logits.max_logits.size()) != config.qk_clip[pair].num_heads) {
@@ -105,7 +106,7 @@ absl::StatusOr<StepPlan> PlanStep(const SessionConfig& config, const std::vector
     const std::string field = absl::StrCat("header.overrides[", i, "]");
     auto it = config.group_index.find(o.group);
     if (it == config.group_index.end()) {
-      return absl::NotFoundError(absl::StrCat(field, ".group: unknown group '", o.group, "'"));
+      return absl::NotFoundError(absl::StrCat(field, ".group: unknown group '", Echo(o.group), "'"));
     }
     absl::Status applied = ApplyOverride(o, field, config.groups[it->second].options, plan.hyper[it->second]);
     if (!applied.ok()) return applied;

@@ -3,6 +3,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/echo.h"
 #include "common/status_macros.h"
 
 namespace muond::transport {
@@ -32,7 +33,7 @@ absl::StatusOr<uint64_t> CudaMemoryRegions::Register(const std::string& caller,
   {
     absl::MutexLock lock(&mu_);
     if (regions_.count(key) != 0) {
-      return absl::AlreadyExistsError(absl::StrCat("name: CUDA memory '", request.name(),
+      return absl::AlreadyExistsError(absl::StrCat("name: CUDA memory '", Echo(request.name()),
                                                    "' is registered already; unregister it first"));
     }
     int held = 0;
@@ -52,7 +53,8 @@ absl::StatusOr<uint64_t> CudaMemoryRegions::Register(const std::string& caller,
   {
     absl::MutexLock lock(&mu_);
     if (!regions_.emplace(key, region).second) {
-      return absl::AlreadyExistsError(absl::StrCat("name: CUDA memory '", request.name(), "' was registered meanwhile"));
+      return absl::AlreadyExistsError(
+          absl::StrCat("name: CUDA memory '", Echo(request.name()), "' was registered meanwhile"));
     }
   }
   // The connection may have closed while the handles were opening: its listener ran before the
@@ -68,7 +70,8 @@ absl::Status CudaMemoryRegions::Unregister(const std::string& caller, const std:
   std::shared_ptr<CudaRegion> dropped;  // closed after the lock
   absl::MutexLock lock(&mu_);
   auto it = regions_.find({caller, name});
-  if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("name: no CUDA memory '", name, "' is registered"));
+  if (it == regions_.end())
+    return absl::NotFoundError(absl::StrCat("name: no CUDA memory '", Echo(name), "' is registered"));
   dropped = std::move(it->second);
   regions_.erase(it);
   return absl::OkStatus();
@@ -80,12 +83,12 @@ absl::StatusOr<std::shared_ptr<CudaRegion>> CudaMemoryRegions::Find(const std::s
   absl::MutexLock lock(&mu_);
   auto it = regions_.find({caller, name});
   if (it == regions_.end()) {
-    return absl::NotFoundError(absl::StrCat(field, ": no CUDA memory '", name,
+    return absl::NotFoundError(absl::StrCat(field, ": no CUDA memory '", Echo(name),
                                             "' is registered (RegisterCudaMemory; a restarted daemon has none)"));
   }
   if (it->second->session_id != session_id) {
-    return absl::FailedPreconditionError(absl::StrCat(field, ": CUDA memory '", name, "' belongs to session '",
-                                                      it->second->session_id, "', not '", session_id, "'"));
+    return absl::FailedPreconditionError(absl::StrCat(field, ": CUDA memory '", Echo(name), "' belongs to session '",
+                                                      it->second->session_id, "', not '", Echo(session_id), "'"));
   }
   return it->second;
 }

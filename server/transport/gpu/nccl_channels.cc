@@ -4,6 +4,7 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
+#include "common/echo.h"
 #include "common/status_macros.h"
 #include "server/transport/shm/shared_memory_regions.h"
 
@@ -109,7 +110,7 @@ absl::Status NcclChannels::Close(const std::string& caller, const std::string& n
   absl::MutexLock lock(&mu_);
   auto it = channels_.find(name);
   if (it == channels_.end() || it->second->caller != caller) {
-    return absl::NotFoundError(absl::StrCat("channel: no NCCL channel '", name, "'"));
+    return absl::NotFoundError(absl::StrCat("channel: no NCCL channel '", Echo(name), "'"));
   }
   closed.push_back(std::move(it->second));
   channels_.erase(it);
@@ -122,12 +123,12 @@ absl::StatusOr<std::shared_ptr<NcclChannel>> NcclChannels::Find(const std::strin
   absl::MutexLock lock(&mu_);
   auto it = channels_.find(name);
   if (it == channels_.end() || it->second->caller != caller) {
-    return absl::NotFoundError(absl::StrCat(field, ": no NCCL channel '", name,
+    return absl::NotFoundError(absl::StrCat(field, ": no NCCL channel '", Echo(name),
                                             "' (closed after a failed step, or the daemon restarted): open a new one"));
   }
   if (it->second->session_id != session_id) {
-    return absl::FailedPreconditionError(absl::StrCat(field, ": NCCL channel '", name, "' belongs to session '",
-                                                      it->second->session_id, "', not '", session_id, "'"));
+    return absl::FailedPreconditionError(absl::StrCat(field, ": NCCL channel '", Echo(name), "' belongs to session '",
+                                                      it->second->session_id, "', not '", Echo(session_id), "'"));
   }
   return it->second;
 }

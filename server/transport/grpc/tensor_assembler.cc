@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/echo.h"
 #include "common/status_macros.h"
 #include "proto/wire/chunk_frame.h"
 #include "proto/wire/dtype_codec.h"
@@ -77,13 +78,13 @@ absl::Status TensorAssembler::Add(const v1::TensorChunk& chunk, std::span<const 
                                   size_t bytes, absl::string_view field) {
   auto it = config_.parameter_index.find(chunk.name());
   if (it == config_.parameter_index.end()) {
-    return absl::NotFoundError(absl::StrCat(field, ".name: unknown parameter '", chunk.name(), "'"));
+    return absl::NotFoundError(absl::StrCat(field, ".name: unknown parameter '", Echo(chunk.name()), "'"));
   }
   const ParameterConfig& param = config_.parameters[it->second];
   HostTensor& tensor = (*tensors_)[it->second];
   const std::string& name = param.name;
   if (!chunk.slot().empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ".slot: '", chunk.slot(), "' given for '", name,
+    return absl::InvalidArgumentError(absl::StrCat(field, ".slot: '", Echo(chunk.slot()), "' given for '", name,
                                                    "'; slots name state tensors (SetState) only"));
   }
 

@@ -1,6 +1,7 @@
 #include "server/transport/grpc/tensor_refs.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/echo.h"
 #include "common/status_macros.h"
 #include "proto/wire/dtype_codec.h"
 
@@ -17,10 +18,10 @@ absl::StatusOr<std::vector<TensorRef>> ResolveTensorRefs(
     const std::string at = absl::StrCat(field, "[", i, "]");
     auto it = config.parameter_index.find(ref.name);
     if (it == config.parameter_index.end()) {
-      return absl::NotFoundError(absl::StrCat(at, ".name: unknown parameter '", ref.name, "'"));
+      return absl::NotFoundError(absl::StrCat(at, ".name: unknown parameter '", Echo(ref.name), "'"));
     }
     if (seen[it->second]) {
-      return absl::InvalidArgumentError(absl::StrCat(at, ".name: '", ref.name, "' appears twice"));
+      return absl::InvalidArgumentError(absl::StrCat(at, ".name: '", Echo(ref.name), "' appears twice"));
     }
     seen[it->second] = true;
     const v1::DType dtype = ref.dtype == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_FP32 : ref.dtype;
@@ -40,7 +41,8 @@ absl::StatusOr<std::vector<TensorRef>> ResolveTensorRefs(
       // Overflow-safe: offset + bytes <= size without computing offset + bytes.
       if (ref.byte_size > size || ref.offset > size - ref.byte_size) {
         return absl::InvalidArgumentError(absl::StrCat(at, ".offset: ", ref.byte_size, " bytes at offset ", ref.offset,
-                                                       " end past region '", *ref.region, "' (", size, " bytes)"));
+                                                       " end past region '", Echo(*ref.region), "' (", size,
+                                                       " bytes)"));
       }
       if (ref.aligned && ref.offset % element != 0) {
         return absl::InvalidArgumentError(absl::StrCat(at, ".offset: ", ref.offset, " is not a multiple of ", element,

@@ -179,7 +179,8 @@ absl::Status SharedMemoryRegions::Unregister(const std::string& caller, const st
   std::shared_ptr<SharedMapping> dropped;  // destroyed after `lock`: unmapped outside it
   absl::MutexLock lock(&mu_);
   auto it = regions_.find({caller, name});
-  if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("name: no region '", Echo(name), "' is registered"));
+  if (it == regions_.end())
+    return absl::NotFoundError(absl::StrCat("name: no region '", Echo(name), "' is registered"));
   dropped = std::move(it->second.mapping);
   regions_.erase(it);
   return absl::OkStatus();
