@@ -82,9 +82,18 @@ absl::StatusOr<std::unique_ptr<ShardedSession>> ShardedSession::Open(ClientOptio
     self->sessions_[k] = *std::move(session);
     return self->sessions_[k]->last_step();
   });
-  if (!steps.ok()) return steps.status();
+  // A refused open leaves nothing behind: the sessions it created (never ones it attached to) go.
+  auto roll_back = [&](absl::Status status) {
+    for (size_t k = 0; k < self->sessions_.size(); ++k) {
+      if (self->sessions_[k] != nullptr && !self->sessions_[k]->attached()) {
+        (void)self->clients_[k]->CloseSession(session_id);  // best effort
+      }
+    }
+    return status;
+  };
+  if (!steps.ok()) return roll_back(steps.status());
   absl::StatusOr<int64_t> common = self->CommonStep(*steps);
-  if (!common.ok()) return common.status();
+  if (!common.ok()) return roll_back(common.status());
   self->last_step_ = *common;
   self->attached_ = self->initialized_ = true;
   for (const auto& session : self->sessions_) {

@@ -337,9 +337,18 @@ class RemoteOptimizer(torch.optim.Optimizer):
                 torch.distributed.barrier()
 
     def _open_session_now(self) -> None:
-        opened = self._on_every_link(lambda k, link: link.open(self._shard_spec(k)))
-        self.attached = any(attached for attached, _ in opened)
-        self.last_step = self._common_step([step for _, step in opened], "CreateSession")
+        try:
+            opened = self._on_every_link(lambda k, link: link.open(self._shard_spec(k)))
+            self.attached = any(attached for attached, _ in opened)
+            self.last_step = self._common_step([step for _, step in opened], "CreateSession")
+        except BaseException:
+            # A refused attach (one daemon holds another session of this id, the shards disagree)
+            # leaves nothing behind: the sessions this attach created on the other daemons go;
+            # sessions that were there before it are never touched.
+            if len(self._links) > 1:
+                for link in self._links:
+                    link.roll_back()
+            raise
         if self.loss_scaler is not None:
             self.loss_scale = self._links[0].loss_scale
 

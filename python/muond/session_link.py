@@ -55,6 +55,7 @@ class SessionLink:
         self._region_name = ""
         self._offsets: Dict[str, int] = {}
         self._gpu = None  # a cuda_link.CudaIpcLink or nccl_link.NcclLink
+        self.created = False  # open() made the session (rather than attaching to one)
 
     # -- the session -----------------------------------------------------------------------------
 
@@ -62,6 +63,9 @@ class SessionLink:
         """Creates the session and uploads the parameters, or attaches and reads them back.
         Returns (attached, last_step)."""
         reply = self.conn.create_session(self.session_id, spec)
+        # Whether this open made the session (not attached to one that was there): what a failed
+        # sharded attach rolls back, and nothing else.
+        self.created = not reply.attached
         self.loss_scale = float(reply.loss_scale)
         if reply.attached and reply.initialized:
             return True, self.refresh()
@@ -69,6 +73,17 @@ class SessionLink:
         if any(g.options.master_dtype not in ("", "fp32") for g in spec.groups):
             self.refresh()  # 16-bit masters hold the values rounded: the parameters follow them
         return bool(reply.attached), 0
+
+    def roll_back(self) -> None:
+        """Closes the session when this link's open created it (best effort: a daemon that
+        cannot be reached keeps it until it is closed there)."""
+        if not self.created:
+            return
+        self.created = False
+        try:
+            self.conn.close_session(self.session_id)
+        except MuondError:
+            pass
 
     def _param_chunks(self) -> Iterator[pb.TensorChunk]:
         for name in self.names:

@@ -177,5 +177,38 @@ TEST(ShardPlacementTest, LongestFirstOntoTheLeastLoadedWithPairsTogether) {
   EXPECT_THAT(client::PlaceSpec(spec, 0), StatusIs(absl::StatusCode::kInvalidArgument, "endpoints"));
 }
 
+TEST_F(ShardedSessionTest, ARefusedOpenRollsBackTheSessionsItCreated) {
+  const v1::SessionSpec spec = ModelSpec();
+  const std::vector<std::string> shards(endpoints_.begin(), endpoints_.begin() + 3);
+  // The middle daemon holds an unsharded session "model"; the first holds another session.
+  client::ClientOptions one = options_;
+  one.endpoint = shards[1];
+  ASSERT_OK_AND_ASSIGN(auto plain_client, client::Client::Connect(one));
+  ASSERT_OK(plain_client->CreateSession("model", spec).status());
+  one.endpoint = shards[0];
+  ASSERT_OK_AND_ASSIGN(auto first_client, client::Client::Connect(one));
+  ASSERT_OK(first_client->CreateSession("kept", spec).status());
+
+  EXPECT_THAT(client::ShardedSession::Open(options_, shards, "model", spec),
+              StatusIs(absl::StatusCode::kAlreadyExists, "spec.shard"));
+  auto ids = [&](const std::string& endpoint) {
+    client::ClientOptions o = options_;
+    o.endpoint = endpoint;
+    std::vector<std::string> out;
+    auto c = client::Client::Connect(o);
+    EXPECT_TRUE(c.ok()) << c.status();
+    if (!c.ok()) return out;
+    auto sessions = (*c)->ListSessions();
+    EXPECT_TRUE(sessions.ok()) << sessions.status();
+    if (sessions.ok()) {
+      for (const auto& s : *sessions) out.push_back(s.session_id());
+    }
+    return out;
+  };
+  EXPECT_THAT(ids(shards[0]), ::testing::ElementsAre("kept"));
+  EXPECT_THAT(ids(shards[1]), ::testing::ElementsAre("model"));
+  EXPECT_THAT(ids(shards[2]), ::testing::IsEmpty());
+}
+
 }  // namespace
 }  // namespace muond::testing

@@ -267,6 +267,36 @@ def test_wrong_endpoint_order_or_count_is_refused(three, start_daemon):
         muond.RemoteOptimizer(groups(model), endpoint=endpoints[0], endpoints=endpoints)
 
 
+def session_ids(endpoint):
+    conn = muond.Connection(endpoint)
+    try:
+        return {s.session_id for s in conn.list_sessions()}
+    finally:
+        conn.close()
+
+
+def test_a_refused_sharded_attach_rolls_back_what_it_created(three):
+    a, b, c = (d.endpoint for d in three)
+    session = f"orphans-{uuid.uuid4().hex[:8]}"
+    # b holds an unsharded session of that id, and a already holds another session.
+    model = AttentionNet(seed=4)
+    with muond.RemoteOptimizer(groups(model), endpoint=b, session=session) as plain, \
+            muond.RemoteOptimizer(groups(AttentionNet(seed=5)), endpoint=a, session="kept") as kept:
+        one_step_plain(model, plain)
+        with pytest.raises(muond.MuondError) as err:
+            muond.RemoteOptimizer(groups(AttentionNet(seed=4)), endpoints=[a, b, c], session=session)
+        assert err.value.code == grpc.StatusCode.ALREADY_EXISTS
+        # a and c keep nothing of the refused attach (it counted against --max-sessions and the
+        # quotas); b's session and a's other session are untouched.
+        assert session not in session_ids(a)
+        assert session not in session_ids(c)
+        assert session_ids(b) == {session}
+        assert "kept" in session_ids(a)
+        one_step_plain(model, plain)
+        assert plain.last_step == 2
+        assert kept.last_step == 0
+
+
 def one_step_plain(model, opt):
     opt.zero_grad()
     loss, _ = model(batch(opt.last_step + 1, 0))
