@@ -3,6 +3,7 @@ split cares about, seeded batches, and a harness that trains the daemon and the 
 reference side by side on identical gradients."""
 
 import copy
+import math
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +46,54 @@ def loss_of(model, step: int):
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+SIXTEEN_BIT = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_SIGNIFICAND_BITS = {"bf16": 8, "fp16": 11}
+_SMALLEST_NORMAL = {"bf16": 2.0 ** -126, "fp16": 2.0 ** -14}
+
+# Two runs that compute the same fp32 steps on the same 16-bit values, but whose fp32 arithmetic
+# differs in the last bits (GEMMs and reductions summed in another order: another BLAS kernel,
+# another library), store the same 16-bit value except where the fp32 result lies within that
+# difference of a midpoint between two 16-bit neighbours; there they store the neighbours, one ulp
+# apart. An fp32 difference δ·|x| (δ ≲ k·2^-24 for sums of k terms) against the 16-bit spacing
+# (≥ 2^-8·|x| for bf16, 2^-11 for fp16) makes that happen to a fraction of about 2δ/spacing of the
+# elements per step: ≲ 2·64·2^-16 = 0.2% for bf16 with k = 64 (TinyNet's widest sum); 10 steps
+# make 2%, and MAX_APART = 5% leaves room for a disagreement spreading through the next step's
+# Newton–Schulz; a small tensor may have MAX_APART_SPARE more (48 elements × 10 steps × 0.2% is
+# about one). Each step can add to an element's distance one ulp of its own rounding plus the
+# difference of the updates, which are computed from inputs one 16-bit unit roundoff apart and so
+# differ by at most about one 16-bit spacing of the update's size: after `steps` steps, an element
+# is within `steps` spacings of max(|value|, the largest step any element took). A state kept in
+# fp32 instead, or rounded another way, puts most elements apart (test_precision's guard).
+MAX_APART = 0.05
+MAX_APART_SPARE = 2
+
+
+def sixteen_bit_spacing(x: torch.Tensor, dtype: str) -> torch.Tensor:
+    """The distance from |x| to the next larger value of the 16-bit `dtype`, element-wise."""
+    magnitude = x.detach().double().abs().clamp_min(_SMALLEST_NORMAL[dtype])
+    _, exponent = torch.frexp(magnitude)  # magnitude = m·2^exponent, 0.5 ≤ m < 1
+    return torch.pow(2.0, (exponent - _SIGNIFICAND_BITS[dtype]).double())
+
+
+def rounding_disagreement(a: torch.Tensor, b: torch.Tensor, dtype: str, floor: float = 0.0):
+    """(largest distance in 16-bit spacings of max(|b|, floor), elements apart, elements) of two
+    tensors of 16-bit values."""
+    diff = (a.detach().double() - b.detach().double()).abs()
+    spacing = sixteen_bit_spacing(b.detach().double().abs().clamp_min(floor), dtype)
+    return (diff / spacing).max().item(), int((diff > 0).sum().item()), diff.numel()
+
+
+def assert_same_up_to_rounding(a: torch.Tensor, b: torch.Tensor, dtype: str, steps: int, floor: float = 0.0,
+                               what: str = ""):
+    """a and b agree as two runs of `steps` 16-bit steps can (see MAX_APART); `floor` is the largest
+    step an element took."""
+    worst, apart, count = rounding_disagreement(a, b, dtype, floor)
+    allowed = math.ceil(MAX_APART * count) + MAX_APART_SPARE
+    assert worst <= steps and apart <= allowed, (
+        f"{what}: {apart} of {count} elements apart (at most {allowed}), up to {worst:.2f} {dtype} spacings "
+        f"(at most {steps})")
 
 
 class Pair:
