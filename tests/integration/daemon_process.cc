@@ -2,12 +2,15 @@
 
 #include <fcntl.h>
 #include <signal.h>
-#include <spawn.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
+#include <cstring>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -17,13 +20,65 @@
 extern char** environ;
 
 namespace muond::testing {
+namespace {
+
+// Starts `binary` with its stderr appended to `stderr_path`, tied to this process: the kernel kills
+// the child (SIGKILL) when the thread that started it dies, so a test that is killed, times out or
+// aborts under a sanitizer never leaves a daemon behind. Everything the child runs between fork
+// and exec is async-signal-safe. Returns the pid, or -1 with errno set.
+pid_t SpawnTiedToThisProcess(const std::string& binary, char* const* argv, const std::string& stderr_path) {
+  const pid_t parent = getpid();
+  const pid_t pid = fork();
+  if (pid != 0) return pid;
+  if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || getppid() != parent) _exit(127);  // the parent is gone already
+  const int log = open(stderr_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  if (log < 0 || dup2(log, STDERR_FILENO) < 0) _exit(127);
+  execve(binary.c_str(), argv, environ);
+  _exit(127);
+}
+
+// Whether a daemon that ended with `info` and wrote `log` stopped on a fault rather than by a
+// test's wish: a sanitizer's report (each ends with "SUMMARY: <Name>Sanitizer"), or a crash signal.
+bool DiedOfAFault(const siginfo_t& info, const std::string& log) {
+  if (log.find("SUMMARY: ") != std::string::npos && log.find("Sanitizer") != std::string::npos) return true;
+  if (info.si_code != CLD_KILLED && info.si_code != CLD_DUMPED) return false;
+  for (int fault : {SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT}) {
+    if (info.si_status == fault) return true;
+  }
+  return false;
+}
+
+}  // namespace
 
 DaemonProcess::~DaemonProcess() {
   if (pid_ > 0) {
+    expected_exit_ = true;
     kill(pid_, SIGKILL);
     waitpid(pid_, nullptr, 0);
   }
+  JoinWatchdog();
   if (!dir_.empty()) std::filesystem::remove_all(dir_);
+}
+
+void DaemonProcess::StartWatchdog() {
+  JoinWatchdog();
+  expected_exit_ = false;
+  watchdog_ = std::thread([this, pid = pid_] {
+    siginfo_t info{};
+    // WNOWAIT: the test's own Stop, Kill or Exited still reaps the child and reads its status.
+    if (waitid(P_PID, pid, &info, WEXITED | WNOWAIT) != 0 || expected_exit_) return;
+    const std::string log = ReadStderr();
+    if (!DiedOfAFault(info, log)) return;
+    const size_t tail = log.size() > 16384 ? log.size() - 16384 : 0;
+    std::fprintf(stderr, "\n[  FAILED  ] muond (pid %d) died of a fault while the test ran; its log ends:\n%s\n",
+                 static_cast<int>(pid), log.c_str() + tail);
+    std::fflush(stderr);
+    _exit(1);
+  });
+}
+
+void DaemonProcess::JoinWatchdog() {
+  if (watchdog_.joinable()) watchdog_.join();
 }
 
 const std::string& DaemonProcess::dir() {
@@ -54,16 +109,14 @@ bool DaemonProcess::Start(const std::vector<std::string>& extra_flags, std::stri
   std::vector<char*> argv;
   for (std::string& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, 2, stderr_path().c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
-  const int spawned = posix_spawn(&pid_, binary.c_str(), &actions, nullptr, argv.data(), environ);
-  posix_spawn_file_actions_destroy(&actions);
-  if (spawned != 0) {
-    *error = "cannot start " + binary;
+  JoinWatchdog();
+  pid_ = SpawnTiedToThisProcess(binary, argv.data(), stderr_path());
+  if (pid_ < 0) {
+    *error = "cannot start " + binary + ": " + std::strerror(errno);
     pid_ = -1;
     return false;
   }
+  StartWatchdog();
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
   while (std::chrono::steady_clock::now() < deadline) {
     std::ifstream in(port_file);
@@ -84,6 +137,7 @@ bool DaemonProcess::Exited() {
   if (waitpid(pid_, &status, WNOHANG) == pid_) {
     pid_ = -1;
     exit_status_ = status;
+    JoinWatchdog();
     return true;
   }
   return false;
@@ -91,13 +145,17 @@ bool DaemonProcess::Exited() {
 
 void DaemonProcess::Kill() {
   if (pid_ <= 0) return;
+  expected_exit_ = true;
   kill(pid_, SIGKILL);
   waitpid(pid_, nullptr, 0);
   pid_ = -1;
+  JoinWatchdog();
 }
 
 void DaemonProcess::Signal(int signal) {
-  if (pid_ > 0) kill(pid_, signal);
+  if (pid_ <= 0) return;
+  expected_exit_ = true;  // whatever the signal does to the daemon, the test asked for it
+  kill(pid_, signal);
 }
 
 std::string DaemonProcess::ReadStderr() const {
@@ -119,10 +177,12 @@ bool DaemonProcess::WaitForLog(const std::string& text, int count, std::chrono::
 
 int DaemonProcess::Stop() {
   if (pid_ <= 0) return -1;
+  expected_exit_ = true;
   kill(pid_, SIGTERM);
   int status = 0;
   waitpid(pid_, &status, 0);
   pid_ = -1;
+  JoinWatchdog();
   return status;
 }
 

@@ -1,10 +1,15 @@
 // DaemonProcess: starts the real `muond` binary on an ephemeral loopback port for a test and stops it
 // with SIGTERM, reporting how it exited. The binary's path comes from the MUOND_BINARY compile
-// definition. One instance owns one child process; not thread-safe.
+// definition. The daemon dies with the test process (PR_SET_PDEATHSIG), and a daemon that dies of a
+// fault the test did not ask for (a sanitizer's report, SIGSEGV, SIGABRT, …) ends the test process
+// at once with its log, instead of leaving the test to wait on a daemon that is gone. One instance
+// owns one child process and its watchdog thread; not thread-safe.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "tests/integration/test_transport.h"
@@ -29,7 +34,7 @@ class DaemonProcess {
 
   // SIGKILL, as a crash would; returns once the process is gone.
   void Kill();
-  // Sends `signal` and returns at once.
+  // Sends `signal` and returns at once (the daemon's end is then the test's wish).
   void Signal(int signal);
   // The daemon's log so far.
   std::string ReadStderr() const;
@@ -54,11 +59,16 @@ class DaemonProcess {
   std::string endpoint() const { return "127.0.0.1:" + std::to_string(port_); }
 
  private:
+  void StartWatchdog();
+  void JoinWatchdog();
+
   int pid_ = -1;
   int port_ = 0;
   int exit_status_ = -1;
   std::string dir_;
   std::string listen_host_ = "127.0.0.1";
+  std::thread watchdog_;                    // waits for the child's end (waitid with WNOWAIT)
+  std::atomic<bool> expected_exit_{false};  // set before Stop, Kill and Signal act
 };
 
 }  // namespace muond::testing

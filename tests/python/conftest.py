@@ -11,6 +11,7 @@ throwaway CA with a server and a client certificate made with the `openssl` comm
 """
 
 import atexit
+import ctypes
 import importlib.util
 import os
 import signal
@@ -45,6 +46,16 @@ def _make_muond_importable():
 _make_muond_importable()
 
 
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_PR_SET_PDEATHSIG = 1
+
+
+def tie_to_this_process():
+    """preexec_fn of every daemon a test starts: the kernel kills it (SIGKILL) when the thread that
+    started it dies, so a test run that is killed or times out leaves no daemon behind."""
+    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 class Daemon:
     """One muond process on 127.0.0.1 with a free port (or ``listen``), stopped with SIGTERM.
 
@@ -64,7 +75,7 @@ class Daemon:
         self.proc = subprocess.Popen(
             [str(binary), "--listen", listen, "--port-file", str(port_file),
              "--backend", os.environ.get("MUOND_TEST_BACKEND", "cpu"), *quiet, *self.flags],
-            stdout=self._log, stderr=subprocess.STDOUT)
+            stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=tie_to_this_process)
         deadline = time.monotonic() + 30
         while not (port_file.exists() and port_file.read_text().strip()):
             if self.proc.poll() is not None:

@@ -16,6 +16,7 @@ import torch
 
 import muond
 
+from conftest import tie_to_this_process
 from helpers import TinyNet, loss_of
 
 pytestmark = pytest.mark.ops
@@ -172,7 +173,7 @@ def test_a_real_prometheus_scrapes_the_daemon(metered, tmp_path):
     log = open(tmp_path / "prometheus.log", "wb")
     server = subprocess.Popen([prometheus, f"--config.file={config}", f"--web.listen-address={web}",
                                f"--storage.tsdb.path={tmp_path / 'tsdb'}"], stdout=log,
-                              stderr=subprocess.STDOUT)
+                              stderr=subprocess.STDOUT, preexec_fn=tie_to_this_process)
     try:
         query = urllib.parse.urlencode({"query": 'sum(muond_steps_total{outcome="applied"})'})
         value = None
