@@ -25,6 +25,7 @@
 #include "grpcpp/grpcpp.h"
 #include "proto/wire/dtype_codec.h"
 #include "tests/integration/daemon_process.h"
+#include "tests/integration/metrics_scrape.h"
 #include "tests/testing/status_matchers.h"
 
 namespace muond::testing::hostile {
@@ -77,7 +78,10 @@ class HostileInputTest : public ::testing::Test {
   static void SetUpTestSuite() {
     daemon_ = new DaemonProcess();
     std::string error;
-    ASSERT_TRUE(daemon_->Start({"--backend", "cpu", "--max-chunk-bytes", std::to_string(kMaxChunkBytes)}, &error))
+    // Metrics on: the tests wait for the daemon's calls to start and end (muond_calls_*).
+    ASSERT_TRUE(daemon_->Start({"--backend", "cpu", "--max-chunk-bytes", std::to_string(kMaxChunkBytes),
+                                "--metrics-listen", "127.0.0.1:0"},
+                               &error))
         << error;
     client::ClientOptions options = testing::TestClientOptions();
     options.endpoint = daemon_->endpoint();
@@ -86,6 +90,30 @@ class HostileInputTest : public ::testing::Test {
     auto client = client::Client::Connect(options);
     ASSERT_TRUE(client.ok()) << client.status();
     client_ = std::move(*client);
+    absl::StatusOr<v1::ServerInfo> info = client_->GetServerInfo();
+    ASSERT_TRUE(info.ok()) << info.status();
+    metrics_address_ = info->metrics_address();
+  }
+
+  // Calls of `method` the daemon has ended so far, and those whose handler runs now.
+  static double CallsEnded(const std::string& method) {
+    return std::max(0.0, SumOfSamples(ScrapeMetrics(metrics_address_), "muond_calls_total",
+                                      "method=\"" + method + "\""));
+  }
+  static double CallsRunning(const std::string& method) {
+    return std::max(0.0, SumOfSamples(ScrapeMetrics(metrics_address_), "muond_calls_in_flight",
+                                      "method=\"" + method + "\""));
+  }
+  // Waits until a handler of `method` runs (the daemon has the call).
+  static void AwaitCallStarted(const std::string& method) {
+    ASSERT_TRUE(Eventually([&] { return CallsRunning(method) >= 1; })) << "no " << method << " call started";
+  }
+  // Waits until `ended` calls of `method` have ended and none runs: no handler is left that could
+  // still change the session.
+  static void AwaitCallsEnded(const std::string& method, double ended) {
+    ASSERT_TRUE(Eventually([&] { return CallsRunning(method) == 0 && CallsEnded(method) >= ended; }))
+        << method << ": " << CallsEnded(method) << " of " << ended << " calls ended, " << CallsRunning(method)
+        << " running";
   }
 
   static void TearDownTestSuite() {
@@ -214,9 +242,13 @@ class HostileInputTest : public ::testing::Test {
     return stream->Finish();
   }
 
-  // Upload and set-state streams: `first` messages (session id, header), then one chunk each.
+  // Upload and set-state streams (`method`): `first` messages (session id, header), then one chunk
+  // each. A stream cancelled after `cancel_after` messages is cancelled once the daemon's handler
+  // runs, and returns once that handler has ended.
   template <typename Request, typename Response, typename Open>
-  grpc::Status RawClientStream(Open open, const std::vector<Request>& messages, int cancel_after = -1) {
+  grpc::Status RawClientStream(const std::string& method, Open open, const std::vector<Request>& messages,
+                               int cancel_after = -1) {
+    const double ended = CallsEnded(method);
     grpc::ClientContext context;
     client_->PrepareContext(context);
     Response response;
@@ -225,13 +257,15 @@ class HostileInputTest : public ::testing::Test {
       if (static_cast<int>(i) == cancel_after) break;
       if (!writer->Write(messages[i])) break;
     }
-    if (cancel_after >= 0) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-      context.TryCancel();
-    } else {
+    if (cancel_after < 0) {
       writer->WritesDone();
+      return writer->Finish();
     }
-    return writer->Finish();
+    AwaitCallStarted(method);
+    context.TryCancel();
+    const grpc::Status status = writer->Finish();
+    AwaitCallsEnded(method, ended + 1);
+    return status;
   }
 
   std::vector<v1::UploadParametersRequest> UploadMessages(const std::string& id,
@@ -244,13 +278,13 @@ class HostileInputTest : public ::testing::Test {
 
   grpc::Status Upload(const std::vector<v1::UploadParametersRequest>& messages, int cancel_after = -1) {
     return RawClientStream<v1::UploadParametersRequest, v1::UploadParametersResponse>(
-        [](grpc::ClientContext* c, v1::UploadParametersResponse* r) { return client_->stub().UploadParameters(c, r); },
+        "UploadParameters", [](grpc::ClientContext* c, v1::UploadParametersResponse* r) { return client_->stub().UploadParameters(c, r); },
         messages, cancel_after);
   }
 
   grpc::Status SetState(const std::vector<v1::SetStateRequest>& messages, int cancel_after = -1) {
     return RawClientStream<v1::SetStateRequest, v1::SetStateResponse>(
-        [](grpc::ClientContext* c, v1::SetStateResponse* r) { return client_->stub().SetState(c, r); }, messages,
+        "SetState", [](grpc::ClientContext* c, v1::SetStateResponse* r) { return client_->stub().SetState(c, r); }, messages,
         cancel_after);
   }
 
@@ -285,6 +319,7 @@ class HostileInputTest : public ::testing::Test {
 
   static inline DaemonProcess* daemon_ = nullptr;
   static inline std::unique_ptr<client::Client> client_;
+  static inline std::string metrics_address_;
   std::string id_;
   std::unique_ptr<client::Session> session_;
   client::ParameterMap parameters_before_;

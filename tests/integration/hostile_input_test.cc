@@ -14,13 +14,16 @@ namespace {
 using ::testing::HasSubstr;
 
 // The client cancels a step stream after every possible number of chunks — including exactly at
-// the boundary between "w" and "b", where what arrived is a complete gradient for "w" alone — both
-// at once and after giving the daemon time to read what was sent. No cut may apply a step.
+// the boundary between "w" and "b", where what arrived is a complete gradient for "w" alone — once
+// the daemon's handler runs, at once or after a pause that lets it read what was sent (the pauses
+// only vary the interleaving). Each check waits until every handler has ended, so a late one
+// cannot apply after it. No cut may apply a step.
 TEST_F(HostileInputTest, CancelledStepStreamsApplyNothing) {
   const std::vector<v1::TensorChunk> chunks = TensorChunks(kTrainedSteps + 1, 256);  // 8 of "w", 1 of "b"
   ASSERT_EQ(chunks.size(), 9u);
   for (int pause_ms : {0, 2, 20}) {
     for (size_t cut = 0; cut < chunks.size(); ++cut) {
+      const double ended = CallsEnded("Step");
       grpc::ClientContext context;
       client_->PrepareContext(context);
       auto stream = client_->stub().Step(&context);
@@ -33,14 +36,15 @@ TEST_F(HostileInputTest, CancelledStepStreamsApplyNothing) {
         *request.mutable_chunk() = chunks[i];
         open = stream->Write(request);
       }
+      AwaitCallStarted("Step");
       if (pause_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(pause_ms));
       context.TryCancel();
       v1::StepResponse response;
       while (stream->Read(&response)) {
       }
       EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::CANCELLED) << "cut after " << cut << " chunks";
+      AwaitCallsEnded("Step", ended + 1);
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));  // a late handler would have applied by now
     ExpectIntact();
   }
   ExpectIntactAndServing();
@@ -109,7 +113,6 @@ TEST_F(HostileInputTest, CancelledUploadsAndStateTransfersChangeNothing) {
   for (size_t cut = 0; cut < state.size(); cut += 3) {
     EXPECT_EQ(SetState(state, static_cast<int>(cut)).error_code(), grpc::StatusCode::CANCELLED);
   }
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));
   ExpectIntactAndServing();
 }
 
@@ -172,20 +175,24 @@ TEST_F(HostileInputTest, OversizedChunksAreRefusedAndChangeNothing) {
 // retry of an applied step is answered as a replay, so the rest of its gradients would be lost. The
 // daemon's handler cannot tell gRPC's failed read from a half-close (both end the read loop, and
 // ServerContext::IsCancelled() is still false); the header's num_chunks tells it.
+// The handler has the call (it reads the header before gRPC fails the oversized read), so the test
+// waits for it to end.
 TEST_F(HostileInputTest, StepWhoseFirstChunkIsOverGrpcsLimitAppliesNothing) {
   const std::vector<float> huge(4u << 20, 0.25f);  // a 16 MiB message
+  const double ended = CallsEnded("Step");
   const grpc::Status status = RawStep(Header(kTrainedSteps + 1), {Chunk("w", huge, 0)});
   EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  AwaitCallsEnded("Step", ended + 1);
   ExpectIntactAndServing();
 }
 
 TEST_F(HostileInputTest, StepCutShortAfterOneTensorByAnOversizedChunkAppliesNothing) {
   std::vector<v1::TensorChunk> chunks = TensorChunks(kTrainedSteps + 1, 1024);  // 2 of "w", 1 of "b"
   chunks.back() = Chunk("b", std::vector<float>(4u << 20, 0.25f), 0);
+  const double ended = CallsEnded("Step");
   const grpc::Status status = RawStep(Header(kTrainedSteps + 1), chunks);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  AwaitCallsEnded("Step", ended + 1);
   ExpectIntactAndServing();
 }
 

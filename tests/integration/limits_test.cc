@@ -139,8 +139,10 @@ TEST_F(LimitsTest, SilentUploadStreamEndsWithDeadlineExceeded) {
   v1::UploadParametersRequest request;
   request.set_session_id("slow");
   ASSERT_TRUE(writer->Write(request));
-  // Then nothing: the daemon must not wait for the rest forever.
-  std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+  // Then nothing: the daemon must not wait for the rest forever. Finish would half-close the stream,
+  // so the test waits for the daemon to cancel the call first (it logs that).
+  ASSERT_TRUE(daemon_.WaitForLog("exceeded --rpc-timeout", 1, std::chrono::seconds(60)))
+      << "the daemon did not end the silent upload";
   const grpc::Status status = writer->Finish();
   EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << status.error_message();
   EXPECT_THAT(status.error_message(), HasSubstr("--rpc-timeout"));
@@ -165,7 +167,7 @@ TEST_F(LimitsTest, SilentStepStreamEndsWithDeadlineExceeded) {
   request.mutable_header()->set_step(1);
   request.mutable_header()->set_num_chunks(1);
   ASSERT_TRUE(stream->Write(request));
-  std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+  ASSERT_TRUE(daemon_.WaitForLog("exceeded --rpc-timeout", 1, std::chrono::seconds(60))) << "the daemon did not end the silent step";
   v1::StepResponse response;
   EXPECT_FALSE(stream->Read(&response));
   const grpc::Status status = stream->Finish();
