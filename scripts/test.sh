@@ -5,6 +5,10 @@
 # MUOND_FUZZ_SECONDS, default 30; 0 skips it). Extra arguments go to ctest, e.g.
 # scripts/test.sh -R integration (a subset: the fuzz run is skipped).
 #
+# Then the numerics-sensitive tests run a second time under another OpenBLAS kernel
+# (scripts/other-blas-kernel.sh names the rule), so that a tolerance that holds for one CPU's kernel
+# only fails here rather than on a user's machine (MUOND_OTHER_KERNEL_PASS=0 skips it).
+#
 # scripts/test.sh --sanitize builds everything with ASan and UBSan into build-sanitize/ and runs the
 # same ctest suite there (the daemon the integration and Python tests start is instrumented too).
 set -euo pipefail
@@ -18,7 +22,9 @@ fi
 if [[ $sanitize == 1 ]]; then
   build=${MUOND_SANITIZE_BUILD_DIR:-$root/build-sanitize}
   # CUDA off: ASan's shadow memory and the CUDA driver's address-space reservations do not mix.
-  MUOND_BUILD_DIR=$build "$root/scripts/build.sh" -DMUOND_SANITIZE=address,undefined -DMUOND_ENABLE_CUDA=OFF
+  # No benchmarks or examples: nothing in the suite runs them.
+  MUOND_BUILD_DIR=$build "$root/scripts/build.sh" -DMUOND_SANITIZE=address,undefined -DMUOND_ENABLE_CUDA=OFF \
+    -DMUOND_BUILD_BENCH=OFF -DMUOND_BUILD_EXAMPLES=OFF
   export ASAN_OPTIONS=${ASAN_OPTIONS:-halt_on_error=1:detect_leaks=1:print_stacktrace=1:strict_string_checks=1:detect_stack_use_after_return=1}
   export UBSAN_OPTIONS=${UBSAN_OPTIONS:-halt_on_error=1:print_stacktrace=1}
   export LSAN_OPTIONS=${LSAN_OPTIONS:-suppressions=$root/tests/lsan.supp:print_suppressions=0}
@@ -28,6 +34,17 @@ else
 fi
 cd "$build"
 ctest --output-on-failure --timeout 900 -j"$(nproc)" "$@"
+
+if [[ $# -eq 0 && ${MUOND_OTHER_KERNEL_PASS:-1} != 0 ]]; then
+  kernel=$("$root/scripts/other-blas-kernel.sh")
+  echo "test: the numerics-sensitive tests again under OpenBLAS's $kernel kernel ($("$root/scripts/other-blas-kernel.sh" --why))"
+  export OPENBLAS_CORETYPE=$kernel
+  ctest --output-on-failure --timeout 900 -j"$(nproc)" -L numerics
+  PYTHONPATH="$build/python:$root/python" PYTHONDONTWRITEBYTECODE=1 MUOND_BINARY="$build/muond" MUOND_TRANSPORT=shm \
+    /usr/bin/python3 -m pytest "$root/tests/python/test_precision.py" "$root/tests/python/test_equivalence.py" \
+    -q -p no:cacheprovider -m "not ops"
+  unset OPENBLAS_CORETYPE
+fi
 
 fuzz_seconds=${MUOND_FUZZ_SECONDS:-30}
 if [[ $sanitize == 0 && $# -eq 0 && $fuzz_seconds != 0 ]]; then
