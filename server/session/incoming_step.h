@@ -27,6 +27,7 @@
 
 #include "absl/status/status.h"
 #include "common/host_tensor.h"
+#include "kernels/backend.h"
 #include "server/session/gradient_staging.h"
 #include "server/session/session_config.h"
 #include "server/session/step_plan.h"
@@ -35,15 +36,20 @@ namespace muond::session {
 
 class IncomingStep {
  public:
+  // Made by Session::BeginStep. `host_store`: the session's host tensors to decode into (null: this
+  // step's own); `staged`: the session's backend buffers lent to this step (null: the gradients
+  // stay on the host until applied); `device_gradients`: nothing needs the gradients' values on the
+  // host, so a GPU transport may leave them in the staged buffers.
+  IncomingStep(const SessionConfig& config, StepPlan plan, bool replay, HostGradients* host_store,
+               std::unique_ptr<StagedGradients> staged, bool device_gradients);
   IncomingStep(const IncomingStep&) = delete;
   IncomingStep& operator=(const IncomingStep&) = delete;
-  ~IncomingStep() {
-    if (host_store_ != nullptr) host_store_->GiveBack(std::move(gradients_));
-  }
+  ~IncomingStep();
 
   // A retry of the session's last applied step: its gradients are not needed; read and drop them.
   bool replay() const { return replay_; }
   const StepPlan& plan() const { return plan_; }
+  StepPlan& mutable_plan() { return plan_; }
   const SessionConfig& config() const { return config_; }
 
   // Indexed like config().parameters; a transport writes each tensor's values in order.
@@ -63,14 +69,14 @@ class IncomingStep {
   // received in full, and its sum of squares is taken on the backend when the step finishes.
   void MarkDeviceGradient(size_t index);
 
- private:
-  friend class Session;
-  IncomingStep(const SessionConfig& config, StepPlan plan, bool replay, HostGradients* host_store,
-               std::unique_ptr<StagedGradients> staged, bool device_gradients)
-      : config_(config), plan_(std::move(plan)), replay_(replay), host_store_(host_store),
-        gradients_(host_store != nullptr ? host_store->Take() : std::vector<HostTensor>(config.parameters.size())),
-        staged_(std::move(staged)), device_gradients_(device_gradients) {}
+  // The backend buffers lent to this step; null when its gradients stay on the host.
+  StagedGradients* staged() { return staged_.get(); }
+  // Once every gradient has arrived: waits for the staged copies and, unless this is a replay, takes
+  // the sums of squares of the gradients left in backend buffers (MarkDeviceGradient) on `backend`.
+  // A no-op for a step that stages nothing.
+  absl::Status FinishStaging(kernels::Backend& backend);
 
+ private:
   const SessionConfig& config_;
   StepPlan plan_;
   const bool replay_;

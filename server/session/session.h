@@ -188,8 +188,6 @@ class Session {
   // after the step before anything is written. Fills `after` (indexed like params_) and returns
   // an empty string when the step keeps every master and slot within kMagnitudeLimit, else the
   // reason the step is not applied.
-  // Takes the sums of squares of the gradients a GPU transport left in `step`'s backend buffers.
-  absl::Status SumDeviceGradients(IncomingStep& step);
   // The largest |g| of parameter `index`'s gradient, read from the backend for one left there.
   absl::StatusOr<double> GradientMaxAbs(const HostTensor& gradient, size_t index, StagedGradients* staged) const;
   absl::StatusOr<std::string> GuardMagnitudesLocked(const StepPlan& plan, const std::vector<HostTensor>& gradients,

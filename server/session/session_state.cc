@@ -1,0 +1,171 @@
+// Session: state in and out — tensor shapes, ExportState and ImportState (checked in full before
+// anything is written), and the session's durability (persistence, checkpoints). See session.h.
+#include <memory>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "common/echo.h"
+#include "common/status_macros.h"
+#include "server/session/session.h"
+#include "server/session/value_rules.h"
+
+namespace muond::session {
+
+std::vector<int64_t> Session::TensorShape(size_t parameter, std::string_view slot) const {
+  const ParameterConfig& pc = config_.parameters[parameter];
+  if (slot == kMasterSlot) return pc.shape;
+  // Shapes and optimizers are fixed at creation: no lock needed.
+  return optimizers_[pc.group]->SlotShape(ParamStateOf(pc), slot);
+}
+
+absl::StatusOr<SessionState> Session::ExportState() const {
+  absl::ReaderMutexLock lock(&mu_);
+  return ExportStateLocked();
+}
+
+absl::StatusOr<SessionState> Session::ExportStateLocked() const {
+  if (!initialized_) {
+    return absl::FailedPreconditionError(absl::StrCat("session '", id_, "' has no parameters yet"));
+  }
+  SessionState state;
+  state.last_step = last_step_;
+  state.loss_scaler = loss_scaler_;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const optim::ParamState& param = params_[i];
+    state.step_counts.push_back(param.step_count);
+    StateTensor master{i, kMasterSlot, std::vector<float>(param.numel), param.master.dtype};
+    MUOND_RETURN_IF_ERROR(optim::ReadStored(*backend_, param.master, 0, param.numel, master.values.data()));
+    state.tensors.push_back(std::move(master));
+    const optim::Optimizer& optimizer = *optimizers_[config_.parameters[i].group];
+    for (const optim::StateSlot& slot : param.slots) {
+      StateTensor t{i, slot.name, std::vector<float>(optimizer.SlotNumel(param, slot.name)), slot.tensor.dtype};
+      MUOND_RETURN_IF_ERROR(optim::ReadStored(*backend_, slot.tensor, 0, t.values.size(), t.values.data()));
+      state.tensors.push_back(std::move(t));
+    }
+  }
+  return state;
+}
+
+absl::Status Session::ImportState(SessionState state) {
+  MUOND_RETURN_IF_ERROR(CheckStepNumber("header.last_step", state.last_step, 0));
+  if (state.step_counts.size() != config_.parameters.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("header.step_counts: expected one count for each of the ",
+                                                   config_.parameters.size(), " parameters, got ",
+                                                   state.step_counts.size()));
+  }
+  for (size_t i = 0; i < state.step_counts.size(); ++i) {
+    // A parameter is updated by some of the session's steps, never by more.
+    if (state.step_counts[i] < 0 || state.step_counts[i] > state.last_step) {
+      return absl::InvalidArgumentError(absl::StrCat("header.step_counts: '", config_.parameters[i].name,
+                                                     "' has count ", state.step_counts[i],
+                                                     "; counts must be between 0 and last_step (",
+                                                     state.last_step, ")"));
+    }
+  }
+  if (state.loss_scaler.has_value()) {
+    if (!config_.loss_scaler.has_value()) {
+      return absl::InvalidArgumentError("header.loss_scaler: the session has no loss scaler (spec.loss_scaler)");
+    }
+    MUOND_RETURN_IF_ERROR(optim::ValidateLossScalerState(*config_.loss_scaler, *state.loss_scaler));
+  }
+  absl::MutexLock lock(&mu_);
+  // Every (parameter, slot) pair must arrive exactly once, complete; nothing is written before that
+  // has been checked, so a bad request leaves the session as it was.
+  absl::flat_hash_set<std::pair<size_t, std::string>> expected;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    expected.insert({i, kMasterSlot});
+    for (const std::string& slot : optimizers_[config_.parameters[i].group]->SlotNames()) expected.insert({i, slot});
+  }
+  std::vector<double> bounds(state.tensors.size());  // each tensor's largest |x|
+  for (const StateTensor& t : state.tensors) {
+    const ParameterConfig& pc = config_.parameters[t.parameter];
+    if (!expected.erase({t.parameter, t.slot})) {
+      return absl::InvalidArgumentError(absl::StrCat("chunk.slot: '", Echo(t.slot), "' is not a state slot of '",
+                                                     pc.name, "' or was sent twice"));
+    }
+    const size_t numel = t.slot == kMasterSlot ? static_cast<size_t>(pc.numel)
+                                               : optimizers_[pc.group]->SlotNumel(params_[t.parameter], t.slot);
+    if (t.values.size() != numel) {
+      return absl::InvalidArgumentError(absl::StrCat("chunk.data: ", pc.name, "/", t.slot, " has ",
+                                                     t.values.size(), " of ", numel, " elements"));
+    }
+    MUOND_ASSIGN_OR_RETURN(bounds[&t - state.tensors.data()],
+                           CheckTensorValues("chunk.data", absl::StrCat(pc.name, "/", t.slot), t.values,
+                                             optimizers_[pc.group]->SlotIsNonNegative(t.slot),
+                                             t.slot == kMasterSlot ? config_.groups[pc.group].options.master_dtype
+                                                                   : optimizers_[pc.group]->SlotDtype(t.slot)));
+  }
+  if (!expected.empty()) {
+    const auto& [index, slot] = *expected.begin();
+    return absl::InvalidArgumentError(
+        absl::StrCat("chunk.slot: ", config_.parameters[index].name, "/", slot, " is missing"));
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    optim::ParamState& param = params_[i];
+    if (param.slots.empty()) {
+      MUOND_RETURN_IF_ERROR(optimizers_[config_.parameters[i].group]->InitState(*backend_, param));
+    }
+    param.step_count = state.step_counts[i];
+  }
+  absl::MutexLock masters(&masters_mu_);
+  ++masters_version_;
+  for (const StateTensor& t : state.tensors) {
+    optim::ParamState& param = params_[t.parameter];
+    optim::StoredTensor& target = t.slot == kMasterSlot ? param.master : *param.Slot(t.slot);
+    MUOND_RETURN_IF_ERROR(optim::WriteStored(*backend_, target, 0, t.values.size(), t.values.data()));
+    const double bound = bounds[&t - state.tensors.data()];
+    if (t.slot == kMasterSlot) {
+      param.master_bound = bound;
+    } else {
+      for (optim::StateSlot& slot : param.slots) {
+        if (slot.name == t.slot) slot.bound = bound;
+      }
+    }
+  }
+  last_step_ = state.last_step;
+  if (state.loss_scaler.has_value()) loss_scaler_ = state.loss_scaler;
+  initialized_ = true;
+  DropPreparedLocked();  // prepared for a state that is gone
+  last_result_ = StepResult();
+  last_result_.step = last_step_;
+  last_result_.applied = true;
+  last_result_.loss_scale = loss_scaler_.has_value() ? loss_scaler_->scale : 0.0;
+  MUOND_ASSIGN_OR_RETURN(snapshot_, ReadBack(last_step_));
+  if (persistence_) MUOND_RETURN_IF_ERROR(CheckpointLocked());
+  return absl::OkStatus();
+}
+
+void Session::AttachPersistence(std::unique_ptr<SessionPersistence> persistence) {
+  absl::MutexLock lock(&mu_);
+  persistence_ = std::move(persistence);
+}
+
+absl::Status Session::CheckpointLocked() {
+  MUOND_ASSIGN_OR_RETURN(SessionState state, ExportStateLocked());
+  return persistence_->SaveCheckpoint(std::move(state));
+}
+
+absl::StatusOr<int64_t> Session::Checkpoint() {
+  // Exclusive: no step may be journaled between the export and the journal being emptied.
+  absl::MutexLock lock(&mu_);
+  if (!persistence_) {
+    return absl::FailedPreconditionError("checkpoints need a state directory: start muond with --state-dir");
+  }
+  if (!initialized_) {
+    return absl::FailedPreconditionError(absl::StrCat("session '", id_, "' has no parameters yet"));
+  }
+  MUOND_RETURN_IF_ERROR(CheckpointLocked());
+  return last_step_;
+}
+
+void Session::DiscardPersistence() {
+  absl::MutexLock lock(&mu_);
+  if (persistence_) persistence_->Discard();
+  persistence_.reset();
+}
+
+}  // namespace muond::session

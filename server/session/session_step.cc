@@ -1,0 +1,280 @@
+// Session: the step — classifying it (next, replay or refused), beginning it (the plan, staged
+// gradient buffers), finishing it (replay, gather of several ranks, prepare and commit of a sharded
+// step, apply) and the journaled steps of a restore. The update itself is in session_update.cc.
+// See session.h.
+#include <chrono>
+#include <cmath>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/time.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "server/session/session.h"
+
+namespace muond::session {
+
+absl::StatusOr<Session::StepKind> Session::ClassifyLocked(int64_t step) const {
+  if (step == last_step_ && last_step_ > 0) return StepKind::kReplay;
+  if (step == last_step_ + 1) return StepKind::kNext;
+  return absl::FailedPreconditionError(absl::StrCat(
+      "header.step: expected step ", last_step_ + 1,
+      last_step_ > 0 ? absl::StrCat(" (or ", last_step_, " to replay the last one)") : std::string(), ", got ",
+      step));
+}
+
+absl::StatusOr<StepOutcome> Session::ReplayOutcomeLocked(bool device_answer) {
+  if (!device_answer) MUOND_RETURN_IF_ERROR(HostSnapshotLocked());
+  StepOutcome replay{last_result_, snapshot_};
+  replay.result.replayed = true;
+  return replay;
+}
+
+absl::StatusOr<std::unique_ptr<IncomingStep>> Session::BeginStep(StepRequest request) {
+  StepKind kind;
+  bool journaled = false;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    if (!initialized_) return NotInitializedError();
+    MUOND_ASSIGN_OR_RETURN(kind, ClassifyLocked(request.step));
+    journaled = persistence_ != nullptr && persistence_->records_gradients();
+  }
+  MUOND_ASSIGN_OR_RETURN(StepPlan plan, PlanStep(config_, default_hyper_, std::move(request)));
+  // One rank's gradients go straight to the backend while the rest of them arrive (unless another
+  // step of the session holds the buffers, or the backend's memory is the host's and the optimizer
+  // reads the decoded values in place); the ranks of a multi-rank session are averaged on the host
+  // first, and a replay needs no gradients at all.
+  // A prepared step is held across calls until its commit: it stays on the host, and a commit
+  // carries no gradients at all.
+  std::unique_ptr<StagedGradients> staged;
+  const StepPhase phase = plan.request.phase;
+  const bool one_rank = kind == StepKind::kNext && config_.world_size == 1 && phase != StepPhase::kCommit;
+  if (one_rank && phase == StepPhase::kWhole && !backend_->HostAddressable()) {
+    MUOND_ASSIGN_OR_RETURN(staged, StagedGradients::Start(gradient_pool_.get(), backend_));
+  }
+  // Gradients in device memory may stay there unless something needs their values on the host.
+  const bool device_gradients = !journaled && !plan.request.count_zeros;
+  return std::make_unique<IncomingStep>(config_, std::move(plan), kind == StepKind::kReplay,
+                                        one_rank ? host_gradients_.get() : nullptr, std::move(staged),
+                                        device_gradients);
+}
+
+absl::StatusOr<double> Session::GradScaleLocked(const StepPlan& plan) const {
+  const std::optional<double>& given = plan.request.grad_scale;
+  if (!loss_scaler_.has_value()) return given.value_or(1.0);
+  if (given.has_value() && *given != loss_scaler_->scale) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "header.grad_scale: ", *given, " differs from the session loss scaler's current scale ", loss_scaler_->scale,
+        " (the last step answer's loss_scale): scale the loss by that, or leave grad_scale unset"));
+  }
+  return loss_scaler_->scale;
+}
+
+absl::StatusOr<StepOutcome> Session::FinishStep(std::unique_ptr<IncomingStep> step) {
+  MUOND_RETURN_IF_ERROR(step->FinishStaging(*backend_));
+  absl::MutexLock lock(&mu_);
+  // The state may have moved since BeginStep (another stream of the same step, say): classify again
+  // under the lock, where the answer holds until the step is applied.
+  StepPlan& plan = step->mutable_plan();
+  MUOND_ASSIGN_OR_RETURN(StepKind kind, ClassifyLocked(plan.request.step));
+  const StepPhase phase = plan.request.phase;
+  if (kind == StepKind::kReplay) {
+    MUOND_ASSIGN_OR_RETURN(StepOutcome replay, ReplayOutcomeLocked(plan.request.device_answer));
+    if (phase == StepPhase::kPrepare) replay.parameters = nullptr;  // a prepare answers without parameters
+    return replay;
+  }
+  if (phase == StepPhase::kCommit) return CommitLocked(plan, step->gradients());
+  // Each rank's grad_scale against the loss scaler before it joins the others (rank 0's is applied).
+  MUOND_RETURN_IF_ERROR(GradScaleLocked(plan).status());
+  if (config_.world_size > 1) return GatherLocked(std::move(plan), std::move(step->gradients()));
+  if (phase == StepPhase::kPrepare) return PrepareLocked(std::move(plan), std::move(step->gradients()), 0);
+  return ApplyLocked(plan, step->gradients(), step->staged());
+}
+
+absl::StatusOr<StepOutcome> Session::PrepareLocked(StepPlan plan, std::vector<HostTensor> gradients,
+                                                   uint64_t generation) {
+  StepResult result;
+  result.step = plan.request.step;
+  result.prepared = true;
+  MUOND_ASSIGN_OR_RETURN(const double grad_scale, GradScaleLocked(plan));
+  const double unscale = 1.0 / grad_scale;
+  if (plan.request.count_zeros) result.num_zeros_in_grad = CountZeros(gradients);
+  // The sums of squares of the unscaled gradients: the client adds them up into the global norm.
+  for (const HostTensor& gradient : gradients) result.sum_squares.push_back(gradient.sum_squares * unscale * unscale);
+  const GradientTotals totals = TotalsOf(gradients);
+  result.grad_norm = std::sqrt(totals.sum_squares) * unscale;  // this shard's part of the norm
+  result.skip_reason = totals.non_finite_reason;
+  result.loss_scale = loss_scaler_.has_value() ? loss_scaler_->scale : 0.0;
+  if (result.skip_reason.empty()) {
+    // The magnitude guard with this shard's own norm: the global norm is at least as large, so its
+    // clipping only shrinks the update, and a step this guard passes passes at the commit too.
+    std::vector<optim::StepBounds> bounds(params_.size());
+    MUOND_ASSIGN_OR_RETURN(
+        result.skip_reason,
+        GuardMagnitudesLocked(plan, gradients, nullptr, ClipCoefficient(plan, result.grad_norm) * unscale, bounds));
+  }
+  DropPreparedLocked();
+  prepared_ = PreparedStep{std::move(plan), std::move(gradients), result, generation};
+  return StepOutcome{result, nullptr};
+}
+
+absl::StatusOr<StepOutcome> Session::CommitLocked(const StepPlan& commit, const std::vector<HostTensor>& gradients) {
+  for (size_t i = 0; i < gradients.size(); ++i) {
+    if (gradients[i].present()) {
+      return absl::InvalidArgumentError(absl::StrCat("header.num_chunks: a commit carries no gradients ('",
+                                                     config_.parameters[i].name,
+                                                     "' came with it); they come with the prepare"));
+    }
+  }
+  const int64_t step = commit.request.step;
+  if (!prepared_.has_value() || prepared_->plan.request.step != step) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "header.step: step ", step, " was not prepared on this shard (",
+        prepared_.has_value() ? absl::StrCat("step ", prepared_->plan.request.step, " is") : std::string("nothing is"),
+        "; a restarted daemon holds no prepared step): prepare it again on every shard, then commit"));
+  }
+  // The prepare's plan (rank 0's overrides, clipping limit and QK-clip logits) with the decision.
+  StepPlan plan = prepared_->plan;
+  plan.request.phase = StepPhase::kCommit;
+  plan.request.decision = commit.request.decision;
+  plan.request.count_zeros = plan.request.count_zeros || commit.request.count_zeros;
+  absl::StatusOr<StepOutcome> outcome = ApplyLocked(plan, prepared_->gradients, nullptr);
+  // Applied or not, the held gradients are spent (the optimizer may have clipped them in place): a
+  // failed commit is prepared again.
+  DropPreparedLocked();
+  return outcome;
+}
+
+void Session::DropPreparedLocked() {
+  if (!prepared_.has_value()) return;
+  host_gradients_->GiveBack(std::move(prepared_->gradients));
+  prepared_.reset();
+}
+
+absl::StatusOr<StepOutcome> Session::ApplyJournaledStep(StepRequest request, std::vector<HostTensor> gradients) {
+  MUOND_ASSIGN_OR_RETURN(StepPlan plan, PlanStep(config_, default_hyper_, std::move(request)));
+  absl::MutexLock lock(&mu_);
+  MUOND_ASSIGN_OR_RETURN(StepKind kind, ClassifyLocked(plan.request.step));
+  if (kind != StepKind::kNext) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("step ", plan.request.step, " was applied already (last step ", last_step_, ")"));
+  }
+  return ApplyLocked(plan, gradients, nullptr);
+}
+
+absl::StatusOr<StepOutcome> Session::GatherLocked(StepPlan plan, std::vector<HostTensor> gradients) {
+  const int64_t step = plan.request.step;
+  const int rank = plan.request.rank;
+  const bool prepare = plan.request.phase == StepPhase::kPrepare;
+  const uint64_t generation = gather_.Add(std::move(plan), std::move(gradients));
+  if (gather_.complete()) {
+    auto [applied_plan, mean] = gather_.TakeAverage(config_.parameters.size());
+    if (prepare) return PrepareLocked(std::move(applied_plan), std::move(mean), generation);
+    return ApplyLocked(applied_plan, mean, nullptr);
+  }
+
+  MUOND_LOG(debug, "session {}: step {} has {} of {} ranks; rank {} waits up to {} s for the rest", id_, step,
+            gather_.arrived(), config_.world_size, rank, config_.straggler_timeout_seconds);
+  const int64_t last_step_before = last_step_;
+  auto done = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return last_step_ != last_step_before || gather_.generation() != generation;
+  };
+  const bool finished = mu_.AwaitWithTimeout(absl::Condition(&done), absl::Seconds(config_.straggler_timeout_seconds));
+  if (last_step_ >= step) {
+    if (prepare) return StepOutcome{last_result_, nullptr};
+    return StepOutcome{last_result_, snapshot_};
+  }
+  if (prepare && prepared_.has_value() && prepared_->generation == generation) {
+    return StepOutcome{prepared_->result, nullptr};  // the last rank prepared the step for every rank
+  }
+  if (finished) {
+    return absl::AbortedError(absl::StrCat("step ", step, " was aborted for every rank; no update was applied"));
+  }
+  // This rank timed out first: abort the step for everyone.
+  const std::vector<int> missing = gather_.Abort();
+  MUOND_EVENT(warn, "step_aborted", id_, step, "session {}: step {} aborted, ranks {} did not arrive within {} s", id_,
+              step, absl::StrJoin(missing, ", "), config_.straggler_timeout_seconds);
+  return absl::AbortedError(absl::StrCat("step ", step, ": ranks ", absl::StrJoin(missing, ", "),
+                                         " did not arrive within ", config_.straggler_timeout_seconds,
+                                         " s (--straggler-timeout); no update was applied, send the step again"));
+}
+
+absl::StatusOr<StepOutcome> Session::ApplyLocked(const StepPlan& plan, std::vector<HostTensor>& gradients,
+                                                 StagedGradients* staged) {
+  MUOND_ASSIGN_OR_RETURN(const double grad_scale, GradScaleLocked(plan));
+  MUOND_RETURN_IF_ERROR(ReserveQkClipLocked(plan));  // scratch first: nothing after may fail to allocate
+  // A step that is not applied answers with the parameters as they are: on the host, for a transport
+  // that answers from there, even when the last step's answer left them on the device.
+  if (!plan.request.device_answer) MUOND_RETURN_IF_ERROR(HostSnapshotLocked());
+  // The step is durable (journal mode) before it changes anything.
+  if (persistence_) MUOND_RETURN_IF_ERROR(persistence_->RecordStep(plan.request, gradients));
+
+  const auto start = std::chrono::steady_clock::now();
+  StepResult result;
+  result.step = plan.request.step;
+  // Counted before the optimizer runs (on the CPU backend it reads, and may scale, these in place).
+  if (plan.request.count_zeros) result.num_zeros_in_grad = CountZeros(gradients);
+  const GradientTotals totals = TotalsOf(gradients);
+  // A commit clips with the global norm over every shard (already unscaled: the prepares answered
+  // unscaled sums) and skips when any shard must. The gradients are multiplied once, by the clip
+  // coefficient over the loss scale.
+  const std::optional<ShardDecision>& decision = plan.request.decision;
+  const double unscale = 1.0 / grad_scale;
+  const double norm = decision.has_value() ? decision->grad_norm : std::sqrt(totals.sum_squares) * unscale;
+  result.grad_norm = norm;
+  const double clip = ClipCoefficient(plan, norm) * unscale;
+  std::vector<optim::StepBounds> bounds(params_.size());
+  if (!totals.non_finite_reason.empty()) {
+    result.skip_reason = totals.non_finite_reason;
+  } else if (decision.has_value() && !decision->skip_reason.empty()) {
+    result.skip_reason = decision->skip_reason;
+  } else {
+    MUOND_ASSIGN_OR_RETURN(result.skip_reason, GuardMagnitudesLocked(plan, gradients, staged, clip, bounds));
+  }
+  result.applied = result.skip_reason.empty();
+  if (result.applied) {
+    absl::MutexLock masters(&masters_mu_);  // waits for answers still reading the masters
+    ++masters_version_;
+    MUOND_RETURN_IF_ERROR(ApplyGradients(plan, gradients, clip, staged));
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (!gradients[i].present()) continue;
+      params_[i].master_bound = bounds[i].master;
+      for (size_t s = 0; s < params_[i].slots.size(); ++s) params_[i].slots[s].bound = bounds[i].slots[s];
+    }
+    MUOND_RETURN_IF_ERROR(ApplyQkClip(plan));  // multiplies weights by factors <= 1: bounds hold
+    if (plan.request.device_answer && config_.world_size == 1 && !backend_->HostAddressable()) {
+      auto on_device = std::make_shared<ParameterSnapshot>();
+      on_device->step = result.step;
+      on_device->on_device = true;
+      on_device->generation = masters_version_;
+      snapshot_ = std::move(on_device);
+    } else {
+      MUOND_ASSIGN_OR_RETURN(snapshot_, ReadBack(result.step));
+    }
+  }
+  if (loss_scaler_.has_value()) {
+    // A skipped step is an overflow for the scaler (a non-finite gradient, or one so large the
+    // update would leave fp32's range), as Megatron-Core's found_inf.
+    optim::UpdateLossScale(*config_.loss_scaler, !result.applied, *loss_scaler_);
+    result.loss_scale = loss_scaler_->scale;
+  }
+  result.compute_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  last_step_ = result.step;
+  last_result_ = result;
+  if (persistence_ && persistence_->checkpoint_every() > 0 && last_step_ % persistence_->checkpoint_every() == 0) {
+    // The step stands either way (the journal, if any, holds it); a failed periodic checkpoint is
+    // reported and retried at the next period.
+    if (absl::Status saved = CheckpointLocked(); !saved.ok()) {
+      MUOND_EVENT(warn, "checkpoint_failed", id_, last_step_, "session {}: checkpoint at step {} failed: {}", id_,
+                  last_step_, saved.message());
+    }
+  }
+  return StepOutcome{result, snapshot_};
+}
+
+}  // namespace muond::session
