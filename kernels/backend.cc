@@ -1,11 +1,9 @@
 // Backend's defaults: synchronous pipelined transfers, for backends whose memory is the host's (the
 // CPU backend), where there is nothing to overlap; per-tensor sums of squares; byte copies with
-// memcpy; and refusals of the GPU transports.
+// memcpy. The refusals of the GPU transports are PeerPrimitives' (peer_primitives.cc).
 #include "kernels/backend.h"
 
 #include <cstring>
-
-#include "absl/strings/str_cat.h"
 
 namespace muond::kernels {
 namespace {
@@ -55,30 +53,6 @@ absl::Status Backend::SumSquaresEach(std::span<const Slice> tensors, double* sum
 absl::Status Backend::CopyBytes(const void* src, void* dst, size_t bytes) {
   if (bytes > 0) std::memcpy(dst, src, bytes);
   return absl::OkStatus();
-}
-
-namespace {
-
-absl::Status NoPeerTransport(const Backend& backend, absl::string_view what) {
-  return absl::FailedPreconditionError(absl::StrCat(
-      "the ", backend.Name(), " backend has no ", what,
-      ": GPU transports need the daemon on a CUDA GPU (--backend cuda); use the grpc or shm transport"));
-}
-
-}  // namespace
-
-absl::StatusOr<std::unique_ptr<PeerMemory>> Backend::OpenPeerMemory(std::string_view, uint64_t) {
-  return NoPeerTransport(*this, "CUDA IPC memory");
-}
-
-absl::StatusOr<std::unique_ptr<PeerEvent>> Backend::OpenPeerEvent(std::string_view) {
-  return NoPeerTransport(*this, "CUDA IPC events");
-}
-
-absl::StatusOr<NcclUniqueId> Backend::NewNcclUniqueId() { return NoPeerTransport(*this, "NCCL"); }
-
-absl::StatusOr<std::unique_ptr<PeerChannel>> Backend::OpenPeerChannel(const NcclUniqueId&) {
-  return NoPeerTransport(*this, "NCCL");
 }
 
 }  // namespace muond::kernels

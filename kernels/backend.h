@@ -6,6 +6,9 @@
 // row-major. Primitives are enqueued in order; results read back to the host (CopyToHost, SumSquares,
 // AllFinite) are complete when the call returns.
 //
+// What a backend offers the GPU transports (peer memory, events and NCCL channels) is its
+// PeerPrimitives side (kernels/peer_primitives.h), apart from the compute primitives here.
+//
 // Ownership: buffers are owned by whoever holds the unique_ptr; a buffer must not outlive its backend.
 // Thread-safety: a backend may be shared by sessions; every primitive is safe to call concurrently on
 // distinct buffers.
@@ -25,7 +28,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kernels/elementwise.h"
-#include "kernels/peer_exchange.h"
+#include "kernels/peer_primitives.h"
 #include "kernels/storage_dtype.h"
 
 namespace muond::kernels {
@@ -94,7 +97,7 @@ struct GemmShape {
   int64_t batch = 1;
 };
 
-class Backend {
+class Backend : public PeerPrimitives {
  public:
   virtual ~Backend() = default;
 
@@ -110,16 +113,12 @@ class Backend {
     return *static_cast<T*>(slot.get());
   }
 
-  virtual std::string Name() const = 0;    // "cpu", "cuda"
+  std::string Name() const override = 0;  // "cpu", "cuda"
   // Whether buffers are host memory a caller may read and write directly (the CPU backend), so that
   // answers can be encoded from the masters themselves and host values (BorrowedBuffer) given to
   // the backend's operations without a copy.
   virtual bool HostAddressable() const { return false; }
   virtual std::string Detail() const = 0;  // library versions, device name, threads
-  // The GPU's identity across processes ("GPU-" and its UUID, as nvidia-smi -L prints it; "" for
-  // a backend without a GPU), and the NCCL version the backend links (ncclGetVersion; 0 without).
-  virtual std::string DeviceUuid() const { return ""; }
-  virtual int NcclVersion() const { return 0; }
 
   // Memory the backend's buffers take now: in use (held by buffers and scratch) and reserved (also
   // cached for reuse). Thread-safe; for metrics.
@@ -190,18 +189,9 @@ class Backend {
   virtual absl::Status CautiousUpdate(const CautiousArgs& args, const float* update, StoredRef param,
                                       size_t count) = 0;
 
-  // The GPU transports (kernels/peer_exchange.h). Each default refuses with FAILED_PRECONDITION
-  // naming this backend: only the CUDA backend shares device memory with other processes.
-  // OpenPeerMemory opens a cudaIpcMemHandle_t (kIpcHandleBytes) and checks that the allocation
-  // holds `byte_size` bytes; OpenPeerEvent opens a cudaIpcEventHandle_t; NewNcclUniqueId and
-  // OpenPeerChannel set up a two-rank NCCL communicator whose rank 0 is this backend.
-  virtual absl::StatusOr<std::unique_ptr<PeerMemory>> OpenPeerMemory(std::string_view handle, uint64_t byte_size);
-  virtual absl::StatusOr<std::unique_ptr<PeerEvent>> OpenPeerEvent(std::string_view handle);
-  virtual absl::StatusOr<NcclUniqueId> NewNcclUniqueId();
-  virtual absl::StatusOr<std::unique_ptr<PeerChannel>> OpenPeerChannel(const NcclUniqueId& id);
-  // Copies `bytes` bytes between any two of: this backend's memory, peer memory, host memory; after
-  // the work enqueued before, complete when it returns. The default copies with memcpy (a backend
-  // whose memory is the process's own).
+  // Copies `bytes` bytes between any two of: this backend's memory, peer memory (PeerPrimitives),
+  // host memory; after the work enqueued before, complete when it returns. The default copies with
+  // memcpy (a backend whose memory is the process's own).
   virtual absl::Status CopyBytes(const void* src, void* dst, size_t bytes);
   // Returns once every operation enqueued so far has completed, reporting a fault of any of them.
   virtual absl::Status Synchronize() { return absl::OkStatus(); }
