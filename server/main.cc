@@ -10,7 +10,10 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <string>
+#include <utility>
+#include <variant>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -87,6 +90,275 @@ std::string HostOf(const std::string& listen) {
   return colon == std::string::npos ? listen : listen.substr(0, colon);
 }
 
+// Start-up refused: logged where it was found; the daemon exits with `exit_code` (2: a flag or a
+// file it names is wrong; 1: anything else).
+struct Refused {
+  int exit_code;
+};
+
+// Descriptors: every one the hard limit allows, and the shared-memory socket's share of them.
+std::optional<FdBudget> BudgetDescriptors(const DaemonFlags& flags) {
+  absl::StatusOr<FdLimit> fd_limit = RaiseFdLimit(flags.max_open_files);
+  if (!fd_limit.ok()) {
+    MUOND_LOG(error, "{}", fd_limit.status().message());
+    return std::nullopt;
+  }
+  const FdBudget fd_budget = DeriveFdBudget(fd_limit->soft, flags.shm_max_connections, flags.shm_max_pending_fds);
+  MUOND_LOG(info, "open files: soft limit {} (was {}), hard limit {}; shared memory holds at most {} connections "
+            "and {} unclaimed memfds", fd_limit->soft, fd_limit->soft_before, fd_limit->hard,
+            fd_budget.shm_connections, fd_budget.shm_pending);
+  return fd_budget;
+}
+
+std::optional<kernels::BackendSelection> StartBackend(const DaemonFlags& flags) {
+  absl::StatusOr<kernels::BackendSelection> selection =
+      kernels::CreateBackend(flags.backend, flags.device, flags.threads);
+  if (!selection.ok()) {
+    MUOND_LOG(error, "cannot start the {} backend: {}", flags.backend, selection.status().message());
+    return std::nullopt;
+  }
+  if (!selection->note.empty()) MUOND_LOG(info, "{}", selection->note);
+  return *std::move(selection);
+}
+
+// Who may call: tokens and TLS material, checked before any session is restored so that a typo
+// fails fast.
+struct Access {
+  std::optional<security::TokenTable> tokens;
+  security::TlsFiles tls;
+  std::shared_ptr<grpc::ServerCredentials> credentials;
+};
+
+std::optional<Access> LoadAccess(const DaemonFlags& flags) {
+  Access access;
+  if (!flags.auth_token_file.empty()) {
+    absl::StatusOr<security::TokenTable> loaded = security::TokenTable::Load(flags.auth_token_file);
+    if (!loaded.ok()) {
+      MUOND_LOG(error, "{}", loaded.status().message());
+      return std::nullopt;
+    }
+    access.tokens = *std::move(loaded);
+    const auto permissions = std::filesystem::status(flags.auth_token_file).permissions();
+    if ((permissions & (std::filesystem::perms::group_read | std::filesystem::perms::others_read)) !=
+        std::filesystem::perms::none) {
+      MUOND_LOG(warn, "--auth-token-file {} is readable by other users (chmod 600 it)", flags.auth_token_file);
+    }
+  }
+  access.tls = security::TlsFiles{flags.tls_cert, flags.tls_key, flags.tls_client_ca};
+  absl::StatusOr<security::TlsMaterial> tls_material = security::LoadTlsMaterial(access.tls);
+  if (!tls_material.ok()) {
+    MUOND_LOG(error, "{}", tls_material.status().message());
+    return std::nullopt;
+  }
+  access.credentials = rpc::MakeServerCredentials(*tls_material);
+  return access;
+}
+
+// Where the daemon reports: a Prometheus exporter and its endpoint with --metrics-listen, else
+// NoMetrics() (recorded only when served).
+struct MetricsOutlet {
+  std::unique_ptr<metrics::PrometheusMetrics> prometheus;
+  std::unique_ptr<metrics::MetricsEndpoint> endpoint;
+  metrics::Metrics* metrics = metrics::NoMetrics();
+};
+
+std::variant<MetricsOutlet, Refused> StartMetrics(const DaemonFlags& flags, kernels::Backend* backend) {
+  MetricsOutlet outlet;
+  if (flags.metrics_listen.empty()) return outlet;
+  metrics::PrometheusOptions options;
+  options.version = MUOND_VERSION;
+  options.backend = backend->Name();
+  options.max_sessions = flags.max_sessions;
+  options.max_session_bytes = flags.max_session_bytes;
+  options.max_total_bytes = flags.max_total_bytes;
+  options.backend_memory = [backend] {
+    const kernels::Backend::MemoryUse use = backend->Memory();
+    return std::make_pair(use.in_use_bytes, use.reserved_bytes);
+  };
+  outlet.prometheus = std::make_unique<metrics::PrometheusMetrics>(std::move(options));
+  absl::StatusOr<std::unique_ptr<metrics::MetricsEndpoint>> endpoint =
+      metrics::MetricsEndpoint::Start(flags.metrics_listen, [m = outlet.prometheus.get()] { return m->Render(); },
+                                      {.max_connections = flags.metrics_max_connections});
+  if (!endpoint.ok()) {
+    MUOND_LOG(error, "{}", endpoint.status().message());
+    return Refused{endpoint.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1};
+  }
+  outlet.endpoint = *std::move(endpoint);
+  outlet.metrics = outlet.prometheus.get();
+  MUOND_LOG(info, "metrics: http://{}/metrics", outlet.endpoint->address());
+  return outlet;
+}
+
+session::SpecLimits SpecLimitsOf(const DaemonFlags& flags) {
+  session::SpecLimits spec_limits;
+  spec_limits.max_rank = flags.max_tensor_rank;
+  spec_limits.max_tensor_elements = flags.max_tensor_elements;
+  spec_limits.straggler_timeout_seconds = flags.straggler_timeout_seconds;
+  return spec_limits;
+}
+
+// With --state-dir: makes the registry durable and restores the sessions found there.
+bool RestoreStateDir(const DaemonFlags& flags, const kernels::Backend& backend, session::SessionRegistry& registry) {
+  if (flags.state_dir.empty()) return true;
+  durability::StateDirOptions state;
+  state.state_dir = flags.state_dir;
+  state.durability =
+      flags.durability == "journal" ? durability::Durability::kJournal : durability::Durability::kSnapshot;
+  state.checkpoint_every = flags.checkpoint_every;
+  state.on_damaged = flags.on_damaged_state == "fail" ? durability::DamagedState::kFail
+                                                      : durability::DamagedState::kQuarantine;
+  state.backend_name = backend.Name();
+  if (absl::Status restored = registry.EnablePersistence(state); !restored.ok()) {
+    MUOND_LOG(error, "cannot restore the sessions in --state-dir {}: {}", flags.state_dir, restored.message());
+    return false;
+  }
+  MUOND_LOG(info, "state directory {} ({} durability): {} sessions restored", flags.state_dir, flags.durability,
+            registry.size());
+  return true;
+}
+
+// The out-of-band transports' tables and the shared-memory socket, owned for the daemon's life.
+// The GPU transports are served by a CUDA backend and refused (with the reason) by the others; CUDA
+// IPC memory registered with a liveness ticket goes when the client's socket connection closes.
+struct Transports {
+  std::unique_ptr<transport::SharedMemoryRegions> shm_regions;
+  std::unique_ptr<transport::CudaMemoryRegions> cuda_regions;
+  std::unique_ptr<transport::NcclChannels> nccl_channels;
+  std::unique_ptr<transport::ShmSocketServer> shm_socket;  // null with --shm-socket none
+  std::string shm_address;
+
+  // Offers them to the service: shared memory only when its socket listens.
+  void OfferTo(rpc::ServiceOptions& options) const {
+    options.cuda_regions = cuda_regions.get();
+    options.nccl_channels = nccl_channels.get();
+    if (shm_socket != nullptr) {
+      options.shm_regions = shm_regions.get();
+      options.shm_socket = shm_address;
+    }
+  }
+};
+
+std::optional<Transports> StartTransports(const DaemonFlags& flags, kernels::Backend* backend,
+                                          const FdBudget& fd_budget) {
+  Transports transports;
+  // The shared-memory transport: its socket takes memfds from clients on this host.
+  transport::SharedMemoryLimits shm_limits;
+  shm_limits.max_region_bytes = flags.shm_max_region_bytes;
+  shm_limits.max_connections = fd_budget.shm_connections;
+  shm_limits.max_pending = fd_budget.shm_pending;
+  shm_limits.pending_timeout = absl::Seconds(flags.shm_ticket_timeout_seconds);
+  transports.shm_regions = std::make_unique<transport::SharedMemoryRegions>(shm_limits);
+  transports.cuda_regions = std::make_unique<transport::CudaMemoryRegions>(backend, transports.shm_regions.get());
+  transports.shm_regions->OnConnectionClosed([cuda_regions = transports.cuda_regions.get()](uint64_t connection) {
+    cuda_regions->DropConnection(connection);
+  });
+  transports.nccl_channels = std::make_unique<transport::NcclChannels>(
+      backend, transport::NcclChannelLimits{flags.max_nccl_channels, absl::Seconds(flags.nccl_timeout_seconds)});
+  if (flags.shm_socket == "none") return transports;
+  transports.shm_address = flags.shm_socket == "auto" ? transport::DefaultShmSocketAddress() : flags.shm_socket;
+  absl::StatusOr<std::unique_ptr<transport::ShmSocketServer>> started =
+      transport::ShmSocketServer::Start(transports.shm_address, transports.shm_regions.get());
+  if (!started.ok()) {
+    MUOND_LOG(error, "{}", started.status().message());
+    return std::nullopt;
+  }
+  transports.shm_socket = *std::move(started);
+  return transports;
+}
+
+rpc::ServiceOptions ServiceOptionsOf(const DaemonFlags& flags, const Access& access,
+                                     const MetricsOutlet& outlet, const Transports& transports) {
+  rpc::ServiceOptions service_options;
+  service_options.max_chunk_bytes = flags.max_chunk_bytes;
+  service_options.default_chunk_bytes = std::min<size_t>(flags.max_chunk_bytes, 1u << 20);
+  // Room for the chunk plus its name and framing.
+  service_options.max_message_bytes = flags.max_chunk_bytes + (1u << 20);
+  service_options.tokens = access.tokens ? &*access.tokens : nullptr;
+  service_options.rpc_timeout = absl::Seconds(flags.rpc_timeout_seconds);
+  service_options.metrics = outlet.metrics;
+  transports.OfferTo(service_options);
+  service_options.host_id = muond::HostId();
+  service_options.metrics_address = outlet.endpoint ? outlet.endpoint->address() : "";
+  service_options.durability = flags.state_dir.empty() ? "" : flags.durability;
+  service_options.max_sessions = flags.max_sessions;
+  return service_options;
+}
+
+// The gRPC server with the service, the health service and `calls` (which must outlive it), bound
+// to --listen; `*port` is the port it bound (0 when it could not).
+std::unique_ptr<grpc::Server> StartServer(const DaemonFlags& flags, const Access& access,
+                                          const rpc::ServiceOptions& service_options, rpc::MuondService& service,
+                                          rpc::CallTracker& calls, int* port) {
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(flags.listen, access.credentials, port);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(service_options.max_message_bytes));
+  builder.SetMaxSendMessageSize(static_cast<int>(service_options.max_message_bytes));
+  builder.RegisterService(&service);
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
+  creators.push_back(calls.NewFactory());
+  builder.experimental().SetInterceptorCreators(std::move(creators));
+  // gRPC 1.51 stops accepting for good after accept4 fails (out of descriptors): exit for the
+  // supervisor rather than serve nobody.
+  WatchGrpcListener([] {
+    const char byte = kListenerLost;
+    [[maybe_unused]] const ssize_t written = write(g_stop_pipe[1], &byte, 1);
+  });
+  return builder.BuildAndStart();
+}
+
+void LogServing(const DaemonFlags& flags, int port, const kernels::Backend& backend, const Access& access,
+                const Transports& transports) {
+  const security::TlsFiles& tls = access.tls;
+  MUOND_LOG(info, "muond listening on {}:{} with the {} backend ({})", HostOf(flags.listen), port, backend.Name(),
+            backend.Detail());
+  MUOND_LOG(info, "transport: {}; authentication: {}",
+            tls.enabled() ? (tls.client_ca.empty() ? "TLS" : "mutual TLS") : "plaintext",
+            access.tokens ? absl::StrCat(access.tokens->size(), " bearer tokens") : std::string("none"));
+  MUOND_LOG(info, "shared memory: {}",
+            transports.shm_socket ? absl::StrCat("memfd regions on socket ", transports.shm_socket->address())
+                                  : std::string("off"));
+  for (const std::string& line : security::ExposureWarnings(flags.listen, tls.enabled(), !tls.client_ca.empty(),
+                                                            access.tokens.has_value())) {
+    MUOND_LOG(warn, "{}", line);
+  }
+}
+
+// After a stop signal (or a lost listener): NOT_SERVING, the calls in flight given until
+// --shutdown-grace, then the server shut down. Returns the exit code.
+int Drain(const DaemonFlags& flags, int signal_number, int port, grpc::Server& server, rpc::MuondService& service,
+          rpc::CallTracker& calls) {
+  const bool listener_lost = signal_number == kListenerLost;
+  if (listener_lost) {
+    MUOND_LOG(error, "the gRPC listener on port {} stopped accepting connections (out of descriptors?): draining "
+              "in-flight requests (up to {} s), then exiting 1 for the supervisor to restart the daemon", port,
+              flags.shutdown_grace_seconds);
+  } else {
+    MUOND_LOG(info, "{} received: draining in-flight requests (up to {} s)", strsignal(signal_number),
+              flags.shutdown_grace_seconds);
+  }
+  server.GetHealthCheckService()->SetServingStatus(false);
+  // Drain ourselves, then shut down at once: gRPC's own graceful shutdown also waits for idle
+  // client connections to go away, which can take seconds after the last call has finished. First
+  // the handlers return, then gRPC sends their answers and statuses (CallTracker).
+  const absl::Time drain_deadline = absl::Now() + absl::Seconds(flags.shutdown_grace_seconds);
+  if (!service.AwaitIdle(drain_deadline - absl::Now()) || !calls.AwaitIdle(drain_deadline - absl::Now())) {
+    MUOND_LOG(warn, "calls still running after {} s (--shutdown-grace); cancelling them",
+              flags.shutdown_grace_seconds);
+  }
+  server.Shutdown(std::chrono::system_clock::now());
+  server.Wait();
+  return listener_lost ? 1 : 0;
+}
+
+// Checkpoints every durable session once the server has stopped.
+void CheckpointAtExit(const DaemonFlags& flags, session::SessionRegistry& registry) {
+  if (!flags.state_dir.empty()) {
+    MUOND_LOG(info, "checkpointed {} sessions into {}", registry.CheckpointAll(), flags.state_dir);
+  }
+  MUOND_LOG(info, "muond stopped; {} sessions were open", registry.size());
+}
+
 int Run(int argc, char** argv) {
   // Libraries start threads before main() (OpenBLAS's pool), so blocking the signals here cannot
   // route them to one thread; a handler that writes to a pipe works whichever thread runs it.
@@ -94,7 +366,6 @@ int Run(int argc, char** argv) {
     std::fprintf(stderr, "muond: cannot install the SIGINT/SIGTERM handlers\n");
     return 1;
   }
-
   int exit_code = 0;
   std::optional<DaemonFlags> flags = ParseFlags(argc, argv, &exit_code);
   if (!flags) return exit_code;
@@ -102,212 +373,44 @@ int Run(int argc, char** argv) {
     std::fprintf(stderr, "muond: %s\n", std::string(s.message()).c_str());
     return 2;
   }
-
-  // Descriptors: every one the hard limit allows, and the shared-memory socket's share of them.
-  absl::StatusOr<FdLimit> fd_limit = RaiseFdLimit(flags->max_open_files);
-  if (!fd_limit.ok()) {
-    MUOND_LOG(error, "{}", fd_limit.status().message());
-    return 1;
-  }
-  const FdBudget fd_budget =
-      DeriveFdBudget(fd_limit->soft, flags->shm_max_connections, flags->shm_max_pending_fds);
-  MUOND_LOG(info, "open files: soft limit {} (was {}), hard limit {}; shared memory holds at most {} connections "
-            "and {} unclaimed memfds", fd_limit->soft, fd_limit->soft_before, fd_limit->hard,
-            fd_budget.shm_connections, fd_budget.shm_pending);
-
-  absl::StatusOr<kernels::BackendSelection> selection =
-      kernels::CreateBackend(flags->backend, flags->device, flags->threads);
-  if (!selection.ok()) {
-    MUOND_LOG(error, "cannot start the {} backend: {}", flags->backend, selection.status().message());
-    return 1;
-  }
+  const std::optional<FdBudget> fd_budget = BudgetDescriptors(*flags);
+  if (!fd_budget) return 1;
+  const std::optional<kernels::BackendSelection> selection = StartBackend(*flags);
+  if (!selection) return 1;
   kernels::Backend* backend = selection->backend.get();
-  if (!selection->note.empty()) MUOND_LOG(info, "{}", selection->note);
+  const std::optional<Access> access = LoadAccess(*flags);
+  if (!access) return 2;
+  std::variant<MetricsOutlet, Refused> started_metrics = StartMetrics(*flags, backend);
+  if (const Refused* refused = std::get_if<Refused>(&started_metrics)) return refused->exit_code;
+  const MetricsOutlet& metrics_outlet = std::get<MetricsOutlet>(started_metrics);
 
-  // Security settings are checked before any session is restored, so a typo fails fast.
-  std::optional<security::TokenTable> tokens;
-  if (!flags->auth_token_file.empty()) {
-    absl::StatusOr<security::TokenTable> loaded = security::TokenTable::Load(flags->auth_token_file);
-    if (!loaded.ok()) {
-      MUOND_LOG(error, "{}", loaded.status().message());
-      return 2;
-    }
-    tokens = *std::move(loaded);
-    const auto permissions = std::filesystem::status(flags->auth_token_file).permissions();
-    if ((permissions & (std::filesystem::perms::group_read | std::filesystem::perms::others_read)) !=
-        std::filesystem::perms::none) {
-      MUOND_LOG(warn, "--auth-token-file {} is readable by other users (chmod 600 it)", flags->auth_token_file);
-    }
-  }
-  const security::TlsFiles tls{flags->tls_cert, flags->tls_key, flags->tls_client_ca};
-  absl::StatusOr<security::TlsMaterial> tls_material = security::LoadTlsMaterial(tls);
-  if (!tls_material.ok()) {
-    MUOND_LOG(error, "{}", tls_material.status().message());
-    return 2;
-  }
-  const std::shared_ptr<grpc::ServerCredentials> credentials = rpc::MakeServerCredentials(*tls_material);
-
-  // Metrics: recorded only when they are served.
-  std::unique_ptr<metrics::PrometheusMetrics> prometheus;
-  std::unique_ptr<metrics::MetricsEndpoint> metrics_endpoint;
-  metrics::Metrics* metrics = metrics::NoMetrics();
-  if (!flags->metrics_listen.empty()) {
-    metrics::PrometheusOptions options;
-    options.version = MUOND_VERSION;
-    options.backend = backend->Name();
-    options.max_sessions = flags->max_sessions;
-    options.max_session_bytes = flags->max_session_bytes;
-    options.max_total_bytes = flags->max_total_bytes;
-    options.backend_memory = [backend] {
-      const kernels::Backend::MemoryUse use = backend->Memory();
-      return std::make_pair(use.in_use_bytes, use.reserved_bytes);
-    };
-    prometheus = std::make_unique<metrics::PrometheusMetrics>(std::move(options));
-    absl::StatusOr<std::unique_ptr<metrics::MetricsEndpoint>> endpoint =
-        metrics::MetricsEndpoint::Start(flags->metrics_listen, [m = prometheus.get()] { return m->Render(); },
-                                        {.max_connections = flags->metrics_max_connections});
-    if (!endpoint.ok()) {
-      MUOND_LOG(error, "{}", endpoint.status().message());
-      return endpoint.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
-    }
-    metrics_endpoint = *std::move(endpoint);
-    metrics = prometheus.get();
-    MUOND_LOG(info, "metrics: http://{}/metrics", metrics_endpoint->address());
-  }
-  session::SpecLimits spec_limits;
-  spec_limits.max_rank = flags->max_tensor_rank;
-  spec_limits.max_tensor_elements = flags->max_tensor_elements;
-  spec_limits.straggler_timeout_seconds = flags->straggler_timeout_seconds;
-  const session::MemoryLimits memory_limits{flags->max_session_bytes, flags->max_total_bytes};
   const rpc::ProtoSpecCodec spec_codec;
-  session::SessionRegistry registry(backend, &spec_codec, spec_limits, flags->max_sessions, memory_limits, metrics);
-  if (!flags->state_dir.empty()) {
-    durability::StateDirOptions state;
-    state.state_dir = flags->state_dir;
-    state.durability =
-        flags->durability == "journal" ? durability::Durability::kJournal : durability::Durability::kSnapshot;
-    state.checkpoint_every = flags->checkpoint_every;
-    state.on_damaged = flags->on_damaged_state == "fail" ? durability::DamagedState::kFail
-                                                         : durability::DamagedState::kQuarantine;
-    state.backend_name = backend->Name();
-    if (absl::Status restored = registry.EnablePersistence(state); !restored.ok()) {
-      MUOND_LOG(error, "cannot restore the sessions in --state-dir {}: {}", flags->state_dir, restored.message());
-      return 1;
-    }
-    MUOND_LOG(info, "state directory {} ({} durability): {} sessions restored", flags->state_dir, flags->durability,
-              registry.size());
-  }
-  rpc::ServiceOptions service_options;
-  service_options.max_chunk_bytes = flags->max_chunk_bytes;
-  service_options.default_chunk_bytes = std::min<size_t>(flags->max_chunk_bytes, 1u << 20);
-  // Room for the chunk plus its name and framing.
-  service_options.max_message_bytes = flags->max_chunk_bytes + (1u << 20);
-  service_options.tokens = tokens ? &*tokens : nullptr;
-  service_options.rpc_timeout = absl::Seconds(flags->rpc_timeout_seconds);
-  service_options.metrics = metrics;
-  // The shared-memory transport: its socket takes memfds from clients on this host.
-  transport::SharedMemoryLimits shm_limits;
-  shm_limits.max_region_bytes = flags->shm_max_region_bytes;
-  shm_limits.max_connections = fd_budget.shm_connections;
-  shm_limits.max_pending = fd_budget.shm_pending;
-  shm_limits.pending_timeout = absl::Seconds(flags->shm_ticket_timeout_seconds);
-  transport::SharedMemoryRegions shm_regions(shm_limits);
-  // The GPU transports: served by a CUDA backend, refused (with the reason) by the others. CUDA IPC
-  // memory registered with a liveness ticket goes when the client's socket connection closes.
-  transport::CudaMemoryRegions cuda_regions(backend, &shm_regions);
-  shm_regions.OnConnectionClosed([&cuda_regions](uint64_t connection) { cuda_regions.DropConnection(connection); });
-  transport::NcclChannels nccl_channels(
-      backend, {flags->max_nccl_channels, absl::Seconds(flags->nccl_timeout_seconds)});
-  service_options.cuda_regions = &cuda_regions;
-  service_options.nccl_channels = &nccl_channels;
-  std::unique_ptr<transport::ShmSocketServer> shm_socket;
-  if (flags->shm_socket != "none") {
-    const std::string address =
-        flags->shm_socket == "auto" ? transport::DefaultShmSocketAddress() : flags->shm_socket;
-    absl::StatusOr<std::unique_ptr<transport::ShmSocketServer>> started =
-        transport::ShmSocketServer::Start(address, &shm_regions);
-    if (!started.ok()) {
-      MUOND_LOG(error, "{}", started.status().message());
-      return 1;
-    }
-    shm_socket = *std::move(started);
-    service_options.shm_regions = &shm_regions;
-    service_options.shm_socket = address;
-  }
-  service_options.host_id = muond::HostId();
-  service_options.metrics_address = metrics_endpoint ? metrics_endpoint->address() : "";
-  service_options.durability = flags->state_dir.empty() ? "" : flags->durability;
-  service_options.max_sessions = flags->max_sessions;
+  session::SessionRegistry registry(backend, &spec_codec, SpecLimitsOf(*flags), flags->max_sessions,
+                                    {flags->max_session_bytes, flags->max_total_bytes}, metrics_outlet.metrics);
+  if (!RestoreStateDir(*flags, *backend, registry)) return 1;
+  const std::optional<Transports> transports = StartTransports(*flags, backend, *fd_budget);
+  if (!transports) return 1;
+  const rpc::ServiceOptions service_options = ServiceOptionsOf(*flags, *access, metrics_outlet, *transports);
   rpc::MuondService service(&registry, backend, service_options);
 
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort(flags->listen, credentials, &port);
-  builder.SetMaxReceiveMessageSize(static_cast<int>(service_options.max_message_bytes));
-  builder.SetMaxSendMessageSize(static_cast<int>(service_options.max_message_bytes));
-  builder.RegisterService(&service);
   rpc::CallTracker calls;  // outlives the server (declared before it)
-  {
-    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
-    creators.push_back(calls.NewFactory());
-    builder.experimental().SetInterceptorCreators(std::move(creators));
-  }
-  // gRPC 1.51 stops accepting for good after accept4 fails (out of descriptors): exit for the
-  // supervisor rather than serve nobody.
-  WatchGrpcListener([] {
-    const char byte = kListenerLost;
-    [[maybe_unused]] const ssize_t written = write(g_stop_pipe[1], &byte, 1);
-  });
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  int port = 0;
+  std::unique_ptr<grpc::Server> server = StartServer(*flags, *access, service_options, service, calls, &port);
   if (!server || port == 0) {
     MUOND_LOG(error, "cannot listen on {} (address in use or not valid)", flags->listen);
     return 1;
   }
   server->GetHealthCheckService()->SetServingStatus(true);
-  MUOND_LOG(info, "muond listening on {}:{} with the {} backend ({})", HostOf(flags->listen), port,
-            backend->Name(), backend->Detail());
-  MUOND_LOG(info, "transport: {}; authentication: {}",
-            tls.enabled() ? (tls.client_ca.empty() ? "TLS" : "mutual TLS") : "plaintext",
-            tokens ? absl::StrCat(tokens->size(), " bearer tokens") : std::string("none"));
-  MUOND_LOG(info, "shared memory: {}",
-            shm_socket ? absl::StrCat("memfd regions on socket ", shm_socket->address()) : std::string("off"));
-  for (const std::string& line :
-       security::ExposureWarnings(flags->listen, tls.enabled(), !tls.client_ca.empty(), tokens.has_value())) {
-    MUOND_LOG(warn, "{}", line);
-  }
+  LogServing(*flags, port, *backend, *access, *transports);
   if (!flags->port_file.empty() && !WritePortFile(flags->port_file, port)) {
     MUOND_LOG(error, "cannot write --port-file {}", flags->port_file);
     server->Shutdown();
     return 1;
   }
 
-  const int signal_number = WaitForStopSignal();
-  const bool listener_lost = signal_number == kListenerLost;
-  if (listener_lost) {
-    MUOND_LOG(error, "the gRPC listener on port {} stopped accepting connections (out of descriptors?): draining "
-              "in-flight requests (up to {} s), then exiting 1 for the supervisor to restart the daemon", port,
-              flags->shutdown_grace_seconds);
-  } else {
-    MUOND_LOG(info, "{} received: draining in-flight requests (up to {} s)", strsignal(signal_number),
-              flags->shutdown_grace_seconds);
-  }
-  server->GetHealthCheckService()->SetServingStatus(false);
-  // Drain ourselves, then shut down at once: gRPC's own graceful shutdown also waits for idle
-  // client connections to go away, which can take seconds after the last call has finished. First
-  // the handlers return, then gRPC sends their answers and statuses (CallTracker).
-  const absl::Time drain_deadline = absl::Now() + absl::Seconds(flags->shutdown_grace_seconds);
-  if (!service.AwaitIdle(drain_deadline - absl::Now()) || !calls.AwaitIdle(drain_deadline - absl::Now())) {
-    MUOND_LOG(warn, "calls still running after {} s (--shutdown-grace); cancelling them",
-              flags->shutdown_grace_seconds);
-  }
-  server->Shutdown(std::chrono::system_clock::now());
-  server->Wait();
-  if (!flags->state_dir.empty()) {
-    MUOND_LOG(info, "checkpointed {} sessions into {}", registry.CheckpointAll(), flags->state_dir);
-  }
-  MUOND_LOG(info, "muond stopped; {} sessions were open", registry.size());
-  return listener_lost ? 1 : 0;
+  const int code = Drain(*flags, WaitForStopSignal(), port, *server, service, calls);
+  CheckpointAtExit(*flags, registry);
+  return code;
 }
 
 }  // namespace
