@@ -11,7 +11,7 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-torch python3-grpcio python3-grpc-tools python3-protobuf python3-pytest python3-numpy
   python3-tqdm python3-pip
-  openssl
+  openssl util-linux
   prometheus curl python3-yaml python3-wheel python3-setuptools systemd
 )
 

@@ -11,7 +11,6 @@ throwaway CA with a server and a client certificate made with the `openssl` comm
 """
 
 import atexit
-import ctypes
 import importlib.util
 import os
 import signal
@@ -19,6 +18,7 @@ import subprocess
 import sys
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -46,14 +46,15 @@ def _make_muond_importable():
 _make_muond_importable()
 
 
-_LIBC = ctypes.CDLL(None, use_errno=True)
-_PR_SET_PDEATHSIG = 1
-
-
-def tie_to_this_process():
-    """preexec_fn of every daemon a test starts: the kernel kills it (SIGKILL) when the thread that
-    started it dies, so a test run that is killed or times out leaves no daemon behind."""
-    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+def tied_to_this_process(command):
+    """The command line that runs `command` so that the kernel kills it (SIGKILL) when this test
+    process dies, as a run that ctest times out or kills would: util-linux's setpriv sets
+    PR_SET_PDEATHSIG, then execs the command (no Python runs between fork and exec). The signal
+    follows the thread that started the child, so only children started from the main thread (which
+    lives as long as the run) are tied; one started from a short-lived thread would die with it."""
+    if threading.current_thread() is not threading.main_thread() or shutil.which("setpriv") is None:
+        return list(command)
+    return ["setpriv", "--pdeathsig", "KILL", "--", *command]
 
 
 class Daemon:
@@ -73,9 +74,9 @@ class Daemon:
         self._log = open(self.log_path, "ab")
         quiet = [] if "--log-level" in self.flags else ["--log-level", "warn"]
         self.proc = subprocess.Popen(
-            [str(binary), "--listen", listen, "--port-file", str(port_file),
-             "--backend", os.environ.get("MUOND_TEST_BACKEND", "cpu"), *quiet, *self.flags],
-            stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=tie_to_this_process)
+            tied_to_this_process([str(binary), "--listen", listen, "--port-file", str(port_file),
+                                  "--backend", os.environ.get("MUOND_TEST_BACKEND", "cpu"), *quiet, *self.flags]),
+            stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
         while not (port_file.exists() and port_file.read_text().strip()):
             if self.proc.poll() is not None:

@@ -16,7 +16,7 @@ import torch
 
 import muond
 
-from conftest import tie_to_this_process
+from conftest import tied_to_this_process
 from helpers import TinyNet, loss_of
 
 pytestmark = pytest.mark.ops
@@ -171,9 +171,10 @@ def test_a_real_prometheus_scrapes_the_daemon(metered, tmp_path):
     # again at once, and a clash shows up as Prometheus exiting, which the wait below reports.
     web = f"127.0.0.1:{free_port()}"
     log = open(tmp_path / "prometheus.log", "wb")
-    server = subprocess.Popen([prometheus, f"--config.file={config}", f"--web.listen-address={web}",
-                               f"--storage.tsdb.path={tmp_path / 'tsdb'}"], stdout=log,
-                              stderr=subprocess.STDOUT, preexec_fn=tie_to_this_process)
+    server = subprocess.Popen(tied_to_this_process([prometheus, f"--config.file={config}",
+                                                    f"--web.listen-address={web}",
+                                                    f"--storage.tsdb.path={tmp_path / 'tsdb'}"]),
+                              stdout=log, stderr=subprocess.STDOUT)
     try:
         query = urllib.parse.urlencode({"query": 'sum(muond_steps_total{outcome="applied"})'})
         value = None
