@@ -10,8 +10,8 @@
 #include "server/rpc/muond_service.h"
 #include "server/transport/gpu/cuda_ipc_step.h"
 #include "server/transport/gpu/nccl_step.h"
-#include "server/transport/grpc/api_conversion.h"
 #include "server/transport/step_transport.h"
+#include "server/transport/v1/api_conversion.h"
 
 namespace muond::rpc {
 
@@ -90,7 +90,7 @@ grpc::Status MuondService::OpenNcclChannel(grpc::ServerContext* context, const v
                            channels->Open(caller, session->id(), request->rank()));
     // Closed meanwhile: what CloseSession dropped did not include this.
     if (!registry_->Find(request->session_id(), caller).ok()) {
-      channels->Drop(opened.name);
+      channels->Drop(caller, opened.name);
       return absl::NotFoundError(absl::StrCat("session_id: session '", Echo(request->session_id()),
                                               "' was closed while its NCCL channel was opened"));
     }
@@ -132,7 +132,7 @@ grpc::Status MuondService::StepNccl(grpc::ServerContext* context, const v1::Step
     absl::Cleanup release = [&] {
       channel->last_used = absl::Now();
       channel->busy.Unlock();
-      if (!keep_channel) channels->Drop(request->channel());
+      if (!keep_channel) channels->Drop(caller, request->channel());
     };
     if (header.return_dtype() != v1::DTYPE_UNSPECIFIED) {
       return absl::InvalidArgumentError("header.return_dtype: an NCCL step answers in parameters[].dtype");

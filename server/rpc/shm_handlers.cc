@@ -3,8 +3,8 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "server/rpc/muond_service.h"
-#include "server/transport/grpc/api_conversion.h"
 #include "server/transport/shm/shm_step.h"
+#include "server/transport/v1/api_conversion.h"
 #include "server/transport/step_transport.h"
 
 namespace muond::rpc {

@@ -7,7 +7,7 @@
 #include "common/status_macros.h"
 #include "proto/wire/dtype_codec.h"
 #include "server/rpc/muond_service.h"
-#include "server/transport/grpc/api_conversion.h"
+#include "server/transport/v1/api_conversion.h"
 #include "server/transport/grpc/chunk_stream.h"
 #include "server/transport/grpc/grpc_step_stream.h"
 #include "server/transport/grpc/tensor_assembler.h"

@@ -4,7 +4,7 @@
 
 #include "common/status_macros.h"
 #include "server/transport/gpu/device_tensors.h"
-#include "server/transport/grpc/api_conversion.h"
+#include "server/transport/v1/api_conversion.h"
 
 namespace muond::transport {
 

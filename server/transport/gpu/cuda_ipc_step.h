@@ -25,7 +25,7 @@
 #include "server/session/session_config.h"
 #include "server/transport/gpu/cuda_memory_regions.h"
 #include "server/transport/step_transport.h"
-#include "server/transport/grpc/tensor_refs.h"
+#include "server/transport/v1/tensor_refs.h"
 
 namespace muond::transport {
 

@@ -29,15 +29,13 @@ absl::StatusOr<uint64_t> CudaMemoryRegions::Register(const std::string& caller,
     }
     MUOND_ASSIGN_OR_RETURN(connection, liveness_->LivenessConnection(request.liveness_ticket(), "liveness_ticket"));
   }
-  const Key key{caller, request.name()};
   {
     absl::MutexLock lock(&mu_);
-    if (regions_.count(key) != 0) {
+    if (regions_.contains(caller, request.name())) {
       return absl::AlreadyExistsError(absl::StrCat("name: CUDA memory '", Echo(request.name()),
                                                    "' is registered already; unregister it first"));
     }
-    int held = 0;
-    for (const auto& [k, region] : regions_) held += k.first == caller ? 1 : 0;
+    const int held = regions_.CountOf(caller);
     if (held >= max_regions_per_caller_) {
       return absl::ResourceExhaustedError(
           absl::StrCat("name: this caller holds ", held, " CUDA memory regions, the most allowed; unregister one"));
@@ -52,7 +50,7 @@ absl::StatusOr<uint64_t> CudaMemoryRegions::Register(const std::string& caller,
   const uint64_t size = region->memory->size();
   {
     absl::MutexLock lock(&mu_);
-    if (!regions_.emplace(key, region).second) {
+    if (!regions_.Insert({caller, region->session_id, connection}, request.name(), region)) {
       return absl::AlreadyExistsError(
           absl::StrCat("name: CUDA memory '", Echo(request.name()), "' was registered meanwhile"));
     }
@@ -69,11 +67,8 @@ absl::StatusOr<uint64_t> CudaMemoryRegions::Register(const std::string& caller,
 absl::Status CudaMemoryRegions::Unregister(const std::string& caller, const std::string& name) {
   std::shared_ptr<CudaRegion> dropped;  // closed after the lock
   absl::MutexLock lock(&mu_);
-  auto it = regions_.find({caller, name});
-  if (it == regions_.end())
-    return absl::NotFoundError(absl::StrCat("name: no CUDA memory '", Echo(name), "' is registered"));
-  dropped = std::move(it->second);
-  regions_.erase(it);
+  dropped = regions_.Take(caller, name);
+  if (dropped == nullptr) return absl::NotFoundError(absl::StrCat("name: no CUDA memory '", Echo(name), "' is registered"));
   return absl::OkStatus();
 }
 
@@ -81,42 +76,20 @@ absl::StatusOr<std::shared_ptr<CudaRegion>> CudaMemoryRegions::Find(const std::s
                                                                     const std::string& session_id,
                                                                     const std::string& field) const {
   absl::MutexLock lock(&mu_);
-  auto it = regions_.find({caller, name});
-  if (it == regions_.end()) {
-    return absl::NotFoundError(absl::StrCat(field, ": no CUDA memory '", Echo(name),
-                                            "' is registered (RegisterCudaMemory; a restarted daemon has none)"));
-  }
-  if (it->second->session_id != session_id) {
-    return absl::FailedPreconditionError(absl::StrCat(field, ": CUDA memory '", Echo(name), "' belongs to session '",
-                                                      it->second->session_id, "', not '", Echo(session_id), "'"));
-  }
-  return it->second;
+  return regions_.Find(caller, name, &session_id, field,
+                       " is registered (RegisterCudaMemory; a restarted daemon has none)");
 }
 
 void CudaMemoryRegions::DropSession(const std::string& session_id) {
   std::vector<std::shared_ptr<CudaRegion>> dropped;  // closed after the lock
   absl::MutexLock lock(&mu_);
-  for (auto it = regions_.begin(); it != regions_.end();) {
-    if (it->second->session_id == session_id) {
-      dropped.push_back(std::move(it->second));
-      it = regions_.erase(it);
-    } else {
-      ++it;
-    }
-  }
+  dropped = regions_.TakeSession(session_id);
 }
 
 void CudaMemoryRegions::DropConnection(uint64_t connection) {
   std::vector<std::shared_ptr<CudaRegion>> dropped;  // closed after the lock
   absl::MutexLock lock(&mu_);
-  for (auto it = regions_.begin(); it != regions_.end();) {
-    if (it->second->connection == connection) {
-      dropped.push_back(std::move(it->second));
-      it = regions_.erase(it);
-    } else {
-      ++it;
-    }
-  }
+  dropped = regions_.TakeConnection(connection);
 }
 
 size_t CudaMemoryRegions::size() const {

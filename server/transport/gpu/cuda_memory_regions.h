@@ -13,7 +13,6 @@
 #pragma once
 
 #include <cstdint>
-#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -23,7 +22,8 @@
 #include "absl/synchronization/mutex.h"
 #include "kernels/backend.h"
 #include "muond/v1/muond.pb.h"
-#include "server/transport/shm/shared_memory_regions.h"
+#include "server/transport/liveness_tickets.h"
+#include "server/transport/region_table.h"
 
 namespace muond::transport {
 
@@ -38,7 +38,7 @@ class CudaMemoryRegions {
  public:
   // `backend` opens the handles; `liveness` (null without a shm socket) resolves liveness tickets.
   // Neither is owned; both must outlive this.
-  CudaMemoryRegions(kernels::Backend* backend, SharedMemoryRegions* liveness, int max_regions_per_caller = 64)
+  CudaMemoryRegions(kernels::Backend* backend, LivenessTickets* liveness, int max_regions_per_caller = 64)
       : backend_(backend), liveness_(liveness), max_regions_per_caller_(max_regions_per_caller) {}
 
   // Opens and files the request's memory and event under (caller, name) for its session (which the
@@ -54,13 +54,11 @@ class CudaMemoryRegions {
   size_t size() const;
 
  private:
-  using Key = std::pair<std::string, std::string>;  // caller, name
-
   kernels::Backend* const backend_;
-  SharedMemoryRegions* const liveness_;
+  LivenessTickets* const liveness_;
   const int max_regions_per_caller_;
   mutable absl::Mutex mu_;
-  std::map<Key, std::shared_ptr<CudaRegion>> regions_ ABSL_GUARDED_BY(mu_);
+  RegionTable<CudaRegion> regions_ ABSL_GUARDED_BY(mu_){"CUDA memory"};
 };
 
 }  // namespace muond::transport

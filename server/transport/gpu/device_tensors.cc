@@ -2,7 +2,7 @@
 
 #include "common/status_macros.h"
 #include "proto/wire/dtype_codec.h"
-#include "server/transport/grpc/tensor_assembler.h"
+#include "server/transport/v1/tensor_decode.h"
 
 namespace muond::transport {
 

@@ -6,7 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/echo.h"
 #include "common/status_macros.h"
-#include "server/transport/shm/shared_memory_regions.h"
+#include "server/transport/liveness_tickets.h"
 
 namespace muond::transport {
 namespace {
@@ -24,46 +24,26 @@ NcclChannels::~NcclChannels() {
   std::vector<std::shared_ptr<NcclChannel>> all;
   {
     absl::MutexLock lock(&mu_);
-    for (auto& [name, channel] : channels_) all.push_back(std::move(channel));
-    channels_.clear();
+    all = channels_.TakeAll();
   }
   AbortAll(all);
 }
 
 std::vector<std::shared_ptr<NcclChannel>> NcclChannels::TakeExpiredLocked(absl::Time now) {
-  std::vector<std::shared_ptr<NcclChannel>> expired;
-  for (auto it = channels_.begin(); it != channels_.end();) {
-    NcclChannel& channel = *it->second;
-    bool drop = false;
-    if (channel.busy.TryLock()) {  // a step using it is not idle
-      const absl::Time since = channel.last_used == absl::InfinitePast() ? channel.join_deadline - limits_.join_timeout
-                                                                          : channel.last_used;
-      drop = now - since > limits_.join_timeout;
-      channel.busy.Unlock();
-    }
-    if (drop) {
-      expired.push_back(std::move(it->second));
-      it = channels_.erase(it);
-    } else {
-      ++it;
-    }
-  }
-  return expired;
+  return channels_.TakeIf([&](const RegionOwner&, NcclChannel& channel) {
+    if (!channel.busy.TryLock()) return false;  // a step using it is not idle
+    const absl::Time since = channel.last_used == absl::InfinitePast() ? channel.join_deadline - limits_.join_timeout
+                                                                        : channel.last_used;
+    channel.busy.Unlock();
+    return now - since > limits_.join_timeout;
+  });
 }
 
 std::vector<std::shared_ptr<NcclChannel>> NcclChannels::TakeRankLocked(const std::string& caller,
                                                                        const std::string& session_id, int rank) {
-  std::vector<std::shared_ptr<NcclChannel>> taken;
-  for (auto it = channels_.begin(); it != channels_.end();) {
-    const NcclChannel& channel = *it->second;
-    if (channel.caller == caller && channel.session_id == session_id && channel.rank == rank) {
-      taken.push_back(std::move(it->second));
-      it = channels_.erase(it);
-    } else {
-      ++it;
-    }
-  }
-  return taken;
+  return channels_.TakeIf([&](const RegionOwner& owner, const NcclChannel& channel) {
+    return owner.caller == caller && owner.session_id == session_id && channel.rank == rank;
+  });
 }
 
 absl::StatusOr<NcclChannels::Opened> NcclChannels::Open(const std::string& caller, const std::string& session_id,
@@ -100,20 +80,18 @@ absl::StatusOr<NcclChannels::Opened> NcclChannels::Open(const std::string& calle
   MUOND_ASSIGN_OR_RETURN(channel->peer, backend_->OpenPeerChannel(id));
   Opened opened{absl::StrCat("nccl-", RandomTicket()), id};
   absl::MutexLock lock(&mu_);
-  channels_.emplace(opened.name, std::move(channel));
+  channels_.Insert({caller, session_id, 0}, opened.name, std::move(channel));
   return opened;
 }
 
 absl::Status NcclChannels::Close(const std::string& caller, const std::string& name) {
-  std::vector<std::shared_ptr<NcclChannel>> closed;
-  absl::Cleanup abort_closed = [&] { AbortAll(closed); };
+  std::shared_ptr<NcclChannel> closed;
+  absl::Cleanup abort_closed = [&] {
+    if (closed != nullptr && closed->peer != nullptr) closed->peer->Abort();
+  };
   absl::MutexLock lock(&mu_);
-  auto it = channels_.find(name);
-  if (it == channels_.end() || it->second->caller != caller) {
-    return absl::NotFoundError(absl::StrCat("channel: no NCCL channel '", Echo(name), "'"));
-  }
-  closed.push_back(std::move(it->second));
-  channels_.erase(it);
+  closed = channels_.Take(caller, name);
+  if (closed == nullptr) return absl::NotFoundError(absl::StrCat("channel: no NCCL channel '", Echo(name), "'"));
   return absl::OkStatus();
 }
 
@@ -121,40 +99,22 @@ absl::StatusOr<std::shared_ptr<NcclChannel>> NcclChannels::Find(const std::strin
                                                                 const std::string& session_id,
                                                                 const std::string& field) const {
   absl::MutexLock lock(&mu_);
-  auto it = channels_.find(name);
-  if (it == channels_.end() || it->second->caller != caller) {
-    return absl::NotFoundError(absl::StrCat(field, ": no NCCL channel '", Echo(name),
-                                            "' (closed after a failed step, or the daemon restarted): open a new one"));
-  }
-  if (it->second->session_id != session_id) {
-    return absl::FailedPreconditionError(absl::StrCat(field, ": NCCL channel '", Echo(name), "' belongs to session '",
-                                                      it->second->session_id, "', not '", Echo(session_id), "'"));
-  }
-  return it->second;
+  return channels_.Find(caller, name, &session_id, field,
+                        " (closed after a failed step, or the daemon restarted): open a new one");
 }
 
-void NcclChannels::Drop(const std::string& name) {
+void NcclChannels::Drop(const std::string& caller, const std::string& name) {
   std::vector<std::shared_ptr<NcclChannel>> dropped;
   absl::Cleanup abort_dropped = [&] { AbortAll(dropped); };
   absl::MutexLock lock(&mu_);
-  auto it = channels_.find(name);
-  if (it == channels_.end()) return;
-  dropped.push_back(std::move(it->second));
-  channels_.erase(it);
+  if (std::shared_ptr<NcclChannel> channel = channels_.Take(caller, name)) dropped.push_back(std::move(channel));
 }
 
 void NcclChannels::DropSession(const std::string& session_id) {
   std::vector<std::shared_ptr<NcclChannel>> dropped;
   absl::Cleanup abort_dropped = [&] { AbortAll(dropped); };
   absl::MutexLock lock(&mu_);
-  for (auto it = channels_.begin(); it != channels_.end();) {
-    if (it->second->session_id == session_id) {
-      dropped.push_back(std::move(it->second));
-      it = channels_.erase(it);
-    } else {
-      ++it;
-    }
-  }
+  dropped = channels_.TakeSession(session_id);
 }
 
 size_t NcclChannels::size() const {

@@ -14,7 +14,6 @@
 #pragma once
 
 #include <cstdint>
-#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -24,6 +23,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "kernels/backend.h"
+#include "server/transport/region_table.h"
 
 namespace muond::transport {
 
@@ -60,8 +60,8 @@ class NcclChannels {
   // The caller's channel `name`, for a step of `session_id`; errors name `field`.
   absl::StatusOr<std::shared_ptr<NcclChannel>> Find(const std::string& caller, const std::string& name,
                                                     const std::string& session_id, const std::string& field) const;
-  // Aborts the channel and forgets it (after a failed step).
-  void Drop(const std::string& name);
+  // Aborts the caller's channel `name` and forgets it (after a failed step).
+  void Drop(const std::string& caller, const std::string& name);
   void DropSession(const std::string& session_id);
   size_t size() const;
 
@@ -75,7 +75,7 @@ class NcclChannels {
   kernels::Backend* const backend_;
   const NcclChannelLimits limits_;
   mutable absl::Mutex mu_;
-  std::map<std::string, std::shared_ptr<NcclChannel>> channels_ ABSL_GUARDED_BY(mu_);  // by name
+  RegionTable<NcclChannel> channels_ ABSL_GUARDED_BY(mu_){"NCCL channel"};
   int opening_ ABSL_GUARDED_BY(mu_) = 0;  // places taken by Open calls not yet filed
 };
 

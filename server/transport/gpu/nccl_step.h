@@ -26,7 +26,7 @@
 #include "server/session/session_config.h"
 #include "server/transport/gpu/nccl_channels.h"
 #include "server/transport/step_transport.h"
-#include "server/transport/grpc/tensor_refs.h"
+#include "server/transport/v1/tensor_refs.h"
 
 namespace muond::transport {
 

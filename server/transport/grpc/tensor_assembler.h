@@ -27,6 +27,7 @@
 #include "muond/v1/muond.pb.h"
 #include "server/session/incoming_step.h"
 #include "server/session/session_config.h"
+#include "server/transport/v1/tensor_decode.h"
 
 namespace muond::transport {
 
@@ -38,14 +39,6 @@ absl::Status CheckChunkPayload(size_t bytes, v1::DType dtype, size_t max_chunk_b
 inline absl::Status CheckChunkPayload(const v1::TensorChunk& chunk, v1::DType dtype, size_t max_chunk_bytes,
                                       absl::string_view field, absl::string_view name) {
   return CheckChunkPayload(chunk.data().size(), dtype, max_chunk_bytes, field, name);
-}
-
-// Decodes a payload of whole `dtype` elements, out.size() of them, split into `pieces` at any byte
-// boundary, into `out` and returns the sum of their squares in fp64 — inf or NaN when a value is not
-// finite — in the same pass over the data. The sum does not depend on how the payload was split.
-double DecodeSumSquares(v1::DType dtype, std::span<const absl::string_view> pieces, std::span<float> out);
-inline double DecodeSumSquares(v1::DType dtype, absl::string_view bytes, std::span<float> out) {
-  return DecodeSumSquares(dtype, std::span<const absl::string_view>(&bytes, 1), out);
 }
 
 class TensorAssembler {

@@ -10,9 +10,9 @@
 // crashed, so nothing it registered outlives it; pending tickets of a closed connection go too.
 // Regions are shared_ptrs: a step that resolved a region keeps it mapped until the step is done.
 //
-// The same connections vouch for other resources a client holds (CUDA IPC memory): a liveness
-// ticket ('L' on the socket) names a connection, and the listeners set with OnConnectionClosed
-// hear when it closes.
+// The same connections vouch for other resources a client holds (CUDA IPC memory): as
+// LivenessTickets, a liveness ticket ('L' on the socket) names a connection, and the listeners set
+// with OnConnectionClosed hear when it closes.
 //
 // Limits: at most `max_pending_per_connection` unclaimed tickets per connection, `max_pending`
 // daemon-wide (each holds a descriptor), and `max_regions_per_caller` regions per caller
@@ -22,8 +22,6 @@
 #pragma once
 
 #include <cstdint>
-#include <functional>
-#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -34,6 +32,8 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "server/transport/liveness_tickets.h"
+#include "server/transport/region_table.h"
 #include "server/transport/shm/shared_mapping.h"
 
 namespace muond::transport {
@@ -53,7 +53,7 @@ struct RegionStatus {
   int steps_in_flight = 0;
 };
 
-class SharedMemoryRegions {
+class SharedMemoryRegions : public LivenessTickets {
  public:
   explicit SharedMemoryRegions(SharedMemoryLimits limits = {}) : limits_(limits) {}
 
@@ -70,17 +70,9 @@ class SharedMemoryRegions {
   absl::Time NextExpiry() const;
   // Unclaimed tickets held now.
   int PendingCount() const;
-  // Drops the connection's pending tickets and every region it passed, then tells the listeners.
+  // Drops the connection's pending tickets, every region it passed and its liveness ticket, then
+  // tells the listeners (on the socket's thread).
   void CloseConnection(uint64_t connection);
-  // A ticket naming `connection` for as long as it is open (one per connection: asked again, the same).
-  std::string AddLivenessTicket(uint64_t connection);
-
-  // The connection a liveness ticket names; NOT_FOUND naming `field` when it names none (never
-  // issued, or its connection closed).
-  absl::StatusOr<uint64_t> LivenessConnection(const std::string& ticket, const std::string& field) const;
-  // `listener(connection)` is called (on the socket's thread, without locks held) after each
-  // connection closes. Set listeners before the socket starts serving.
-  void OnConnectionClosed(std::function<void(uint64_t)> listener);
 
   // The RPC side; errors name the request's fields.
   absl::StatusOr<uint64_t> Register(const std::string& caller, const std::string& name, const std::string& ticket);
@@ -97,12 +89,6 @@ class SharedMemoryRegions {
     SealedMemfd memfd;
     absl::Time expires;
   };
-  struct Region {
-    uint64_t connection;
-    std::shared_ptr<SharedMapping> mapping;
-  };
-  using Key = std::pair<std::string, std::string>;  // caller, name
-
   void DropConnectionLocked(uint64_t connection, std::vector<std::shared_ptr<SharedMapping>>& dropped,
                             std::vector<SealedMemfd>& dropped_pending) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -110,15 +96,7 @@ class SharedMemoryRegions {
   mutable absl::Mutex mu_;
   uint64_t next_connection_ ABSL_GUARDED_BY(mu_) = 1;
   absl::flat_hash_map<std::string, Pending> pending_ ABSL_GUARDED_BY(mu_);  // by ticket
-  std::map<Key, Region> regions_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::string, uint64_t> liveness_ ABSL_GUARDED_BY(mu_);  // ticket -> connection
-  std::vector<std::function<void(uint64_t)>> listeners_ ABSL_GUARDED_BY(mu_);
+  RegionTable<SharedMapping> regions_ ABSL_GUARDED_BY(mu_){"shared-memory region"};
 };
-
-// A region name: 1 to 128 characters, no control characters (INVALID_ARGUMENT naming `name`).
-absl::Status CheckRegionName(const std::string& name);
-
-// 128 random bits from the kernel, as 32 hex digits.
-std::string RandomTicket();
 
 }  // namespace muond::transport

@@ -5,9 +5,9 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "proto/wire/dtype_codec.h"
-#include "server/transport/grpc/api_conversion.h"
-#include "server/transport/grpc/tensor_assembler.h"
-#include "server/transport/grpc/tensor_refs.h"
+#include "server/transport/v1/api_conversion.h"
+#include "server/transport/v1/tensor_decode.h"
+#include "server/transport/v1/tensor_refs.h"
 
 namespace muond::transport {
 

@@ -22,7 +22,7 @@
 #include "server/transport/gpu/device_tensors.h"
 #include "server/transport/gpu/nccl_channels.h"
 #include "server/transport/gpu/nccl_step.h"
-#include "server/transport/grpc/tensor_assembler.h"
+#include "server/transport/v1/tensor_decode.h"
 #include "server/transport/shm/shared_memory_regions.h"
 #include "tests/testing/status_matchers.h"
 

@@ -1,4 +1,4 @@
-#include "server/transport/grpc/api_conversion.h"
+#include "server/transport/v1/api_conversion.h"
 
 namespace muond::transport {
 
