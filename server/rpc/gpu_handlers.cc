@@ -8,10 +8,9 @@
 #include "common/echo.h"
 #include "common/status_macros.h"
 #include "server/rpc/muond_service.h"
+#include "server/rpc/out_of_band_step.h"
 #include "server/transport/gpu/cuda_ipc_step.h"
 #include "server/transport/gpu/nccl_step.h"
-#include "server/transport/step_transport.h"
-#include "server/transport/v1/api_conversion.h"
 
 namespace muond::rpc {
 
@@ -50,12 +49,8 @@ grpc::Status MuondService::StepCuda(grpc::ServerContext* context, const v1::Step
   return Serve(calls_, context, "StepCuda", [&](const std::string& caller) -> absl::Status {
     MUOND_ASSIGN_OR_RETURN(transport::CudaMemoryRegions * regions, CudaRegions());
     const v1::StepHeader& header = request->header();
-    MUOND_RETURN_IF_ERROR(session::CheckSessionId(header.session_id(), "header.session_id"));
-    MUOND_ASSIGN_OR_RETURN(std::shared_ptr<session::Session> session,
-                           registry_->Find(header.session_id(), caller, "header.session_id"));
-    if (header.return_dtype() != v1::DTYPE_UNSPECIFIED) {
-      return absl::InvalidArgumentError("header.return_dtype: a CUDA IPC step answers in parameters[].dtype");
-    }
+    MUOND_ASSIGN_OR_RETURN(std::shared_ptr<session::Session> session, FindStepSession(*registry_, header, caller));
+    MUOND_RETURN_IF_ERROR(CheckNoReturnDtype(header, "a CUDA IPC step"));
     // Every place is checked before the step begins: an applied step always has somewhere to go.
     MUOND_ASSIGN_OR_RETURN(std::vector<transport::CudaTensorPlace> gradients,
                            transport::ResolveCudaTensors(session->config(), *regions, caller, session->id(),
@@ -67,11 +62,8 @@ grpc::Status MuondService::StepCuda(grpc::ServerContext* context, const v1::Step
     const absl::Time deadline = CallDeadline(*context);
     transport::CudaIpcGradientSource source(backend_, std::move(gradients), deadline);
     transport::CudaIpcParameterSink sink(session.get(), backend_, std::move(parameters), deadline);
-    session::StepRequest step = transport::ToStepRequest(header);
-    step.device_answer = true;  // written device to device: nothing read back to the host
-    MUOND_RETURN_IF_ERROR(transport::RunStep(*session, std::move(step), source, sink, *options_.metrics));
-    *response->mutable_result() = sink.result();
-    return absl::OkStatus();
+    // Written device to device: nothing read back to the host.
+    return RunOutOfBandStep(*session, header, /*device_answer=*/true, source, sink, *options_.metrics, response);
   });
 }
 
@@ -116,9 +108,7 @@ grpc::Status MuondService::StepNccl(grpc::ServerContext* context, const v1::Step
   return Serve(calls_, context, "StepNccl", [&](const std::string& caller) -> absl::Status {
     MUOND_ASSIGN_OR_RETURN(transport::NcclChannels * channels, NcclChannels());
     const v1::StepHeader& header = request->header();
-    MUOND_RETURN_IF_ERROR(session::CheckSessionId(header.session_id(), "header.session_id"));
-    MUOND_ASSIGN_OR_RETURN(std::shared_ptr<session::Session> session,
-                           registry_->Find(header.session_id(), caller, "header.session_id"));
+    MUOND_ASSIGN_OR_RETURN(std::shared_ptr<session::Session> session, FindStepSession(*registry_, header, caller));
     MUOND_ASSIGN_OR_RETURN(std::shared_ptr<transport::NcclChannel> channel,
                            channels->Find(caller, request->channel(), session->id(), "channel"));
     if (!channel->busy.TryLock()) {
@@ -134,9 +124,7 @@ grpc::Status MuondService::StepNccl(grpc::ServerContext* context, const v1::Step
       channel->busy.Unlock();
       if (!keep_channel) channels->Drop(caller, request->channel());
     };
-    if (header.return_dtype() != v1::DTYPE_UNSPECIFIED) {
-      return absl::InvalidArgumentError("header.return_dtype: an NCCL step answers in parameters[].dtype");
-    }
+    MUOND_RETURN_IF_ERROR(CheckNoReturnDtype(header, "an NCCL step"));
     if (header.rank() != channel->rank) {
       return absl::InvalidArgumentError(absl::StrCat("header.rank: channel '", Echo(request->channel()), "' is rank ",
                                                      channel->rank, "'s, not rank ", header.rank(), "'s"));
@@ -157,11 +145,10 @@ grpc::Status MuondService::StepNccl(grpc::ServerContext* context, const v1::Step
     transport::NcclGradientSource source(backend_, channel.get(), std::move(gradients), call_deadline, timeout);
     transport::NcclParameterSink sink(session.get(), backend_, channel.get(), std::move(parameters), call_deadline,
                                       timeout);
-    session::StepRequest step = transport::ToStepRequest(header);
-    step.device_answer = true;  // sent from the device: nothing read back to the host
-    MUOND_RETURN_IF_ERROR(transport::RunStep(*session, std::move(step), source, sink, *options_.metrics));
+    // Sent from the device: nothing read back to the host.
+    MUOND_RETURN_IF_ERROR(
+        RunOutOfBandStep(*session, header, /*device_answer=*/true, source, sink, *options_.metrics, response));
     keep_channel = true;
-    *response->mutable_result() = sink.result();
     return absl::OkStatus();
   });
 }

@@ -3,9 +3,8 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "server/rpc/muond_service.h"
+#include "server/rpc/out_of_band_step.h"
 #include "server/transport/shm/shm_step.h"
-#include "server/transport/v1/api_conversion.h"
-#include "server/transport/step_transport.h"
 
 namespace muond::rpc {
 
@@ -58,12 +57,8 @@ grpc::Status MuondService::StepShared(grpc::ServerContext* context, const v1::St
   return Serve(calls_, context, "StepShared", [&](const std::string& caller) -> absl::Status {
     MUOND_ASSIGN_OR_RETURN(transport::SharedMemoryRegions * regions, ShmRegions());
     const v1::StepHeader& header = request->header();
-    MUOND_RETURN_IF_ERROR(session::CheckSessionId(header.session_id(), "header.session_id"));
-    MUOND_ASSIGN_OR_RETURN(std::shared_ptr<session::Session> session,
-                           registry_->Find(header.session_id(), caller, "header.session_id"));
-    if (header.return_dtype() != v1::DTYPE_UNSPECIFIED) {
-      return absl::InvalidArgumentError("header.return_dtype: a shared-memory step answers in parameters[].dtype");
-    }
+    MUOND_ASSIGN_OR_RETURN(std::shared_ptr<session::Session> session, FindStepSession(*registry_, header, caller));
+    MUOND_RETURN_IF_ERROR(CheckNoReturnDtype(header, "a shared-memory step"));
     // Every place is checked before the step begins: an applied step always has somewhere to go.
     MUOND_ASSIGN_OR_RETURN(std::vector<transport::SharedTensorPlace> gradients,
                            transport::ResolveSharedTensors(session->config(), *regions, caller, request->gradients(),
@@ -73,10 +68,7 @@ grpc::Status MuondService::StepShared(grpc::ServerContext* context, const v1::St
                                                            request->parameters(), "parameters", /*require_all=*/true));
     transport::ShmGradientSource source(std::move(gradients));
     transport::ShmParameterSink sink(std::move(parameters));
-    MUOND_RETURN_IF_ERROR(
-        transport::RunStep(*session, transport::ToStepRequest(header), source, sink, *options_.metrics));
-    *response->mutable_result() = sink.result();
-    return absl::OkStatus();
+    return RunOutOfBandStep(*session, header, /*device_answer=*/false, source, sink, *options_.metrics, response);
   });
 }
 

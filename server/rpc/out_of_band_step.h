@@ -1,0 +1,52 @@
+// What the out-of-band step RPCs (StepShared, StepCuda, StepNccl: tensors named in the request,
+// carried elsewhere) share around their transport: finding the stepping session from the header,
+// refusing a return dtype (their answers go in parameters[].dtype), and running the step into the
+// response. Stateless; called on the handler's thread.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "muond/v1/muond.pb.h"
+#include "server/metrics/metrics.h"
+#include "server/session/session.h"
+#include "server/session/session_registry.h"
+#include "server/transport/step_transport.h"
+#include "server/transport/v1/api_conversion.h"
+
+namespace muond::rpc {
+
+// The caller's session that `header` names; errors name header.session_id.
+inline absl::StatusOr<std::shared_ptr<session::Session>> FindStepSession(session::SessionRegistry& registry,
+                                                                         const v1::StepHeader& header,
+                                                                         const std::string& caller) {
+  MUOND_RETURN_IF_ERROR(session::CheckSessionId(header.session_id(), "header.session_id"));
+  return registry.Find(header.session_id(), caller, "header.session_id");
+}
+
+// INVALID_ARGUMENT naming header.return_dtype when it is set: `a_step` ("a CUDA IPC step") answers
+// in parameters[].dtype.
+inline absl::Status CheckNoReturnDtype(const v1::StepHeader& header, absl::string_view a_step) {
+  if (header.return_dtype() == v1::DTYPE_UNSPECIFIED) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("header.return_dtype: ", a_step, " answers in parameters[].dtype"));
+}
+
+// Runs the step `header` asks for on `source` and `sink` and puts its result into `response`.
+// `device_answer`: see StepRequest::device_answer.
+template <typename Sink>
+absl::Status RunOutOfBandStep(session::Session& session, const v1::StepHeader& header, bool device_answer,
+                              transport::GradientSource& source, Sink& sink, metrics::Metrics& metrics,
+                              v1::StepSharedResponse* response) {
+  session::StepRequest step = transport::ToStepRequest(header);
+  if (device_answer) step.device_answer = true;
+  MUOND_RETURN_IF_ERROR(transport::RunStep(session, std::move(step), source, sink, metrics));
+  *response->mutable_result() = sink.result();
+  return absl::OkStatus();
+}
+
+}  // namespace muond::rpc
