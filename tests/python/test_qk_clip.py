@@ -79,6 +79,8 @@ def test_lr0_step_is_the_clip_of_design_md(endpoint):
     q0, k0 = reference_clip(before["wq0"], before["wk0"], LOGITS0, tau=10.0, alpha=0.3)
     q1, k1 = reference_clip(before["wq1"], before["wk1"], LOGITS1, tau=100.0, alpha=0.5)
     for name, want in (("wq0", q0), ("wk0", k0), ("wq1", q1), ("wk1", k1)):
+        # One fp32 scaling per element by a factor computed with pow: ≤ 2 fp32 roundings, ≲ 1.2e-7
+        # relative; a wrong exponent (alpha against 1 − alpha) is off by percents.
         err = rel_err(got[name], want)
         assert err < 1e-6, (name, err)
 
@@ -113,7 +115,7 @@ def test_normal_steps_match_local_optimizer(endpoint):
                     logits["wq1"] = l1  # by name works too
                 opt.step(qk_logits=logits)
         assert remote.last_info.applied
-        for name in remote_params:
+        for name in remote_params:  # fp32 in another order; see test_equivalence's derivation
             err = rel_err(remote_params[name], local_params[name])
             assert err < 1e-5, (name, err)
     finally:

@@ -40,7 +40,7 @@ def test_lr_scheduler_changes_the_update(endpoint):
     assert seen[2] == [0.0, 0.0] and seen[3] == [0.04, 0.002]
     errors = pair.errors()
     pair.opt.close()
-    assert max(errors.values()) < 1e-4, errors
+    assert max(errors.values()) < 1e-4, errors  # test_equivalence's derivation
 
 
 def test_lr_schedule_gives_a_different_trajectory_than_constant_lr(endpoint):
