@@ -61,9 +61,9 @@ absl::Status MuondService::DoUpload(const std::string& caller,
 
 void MuondService::ServeStepOverByteBuffers() {
   // The generated service registers its methods in the order of the proto's service definition.
-  const google::protobuf::ServiceDescriptor* service =
+  const google::protobuf::ServiceDescriptor* descriptor =
       google::protobuf::DescriptorPool::generated_pool()->FindServiceByName("muond.v1.Muond");
-  const int index = service->FindMethodByName("Step")->index();
+  const int index = descriptor->FindMethodByName("Step")->index();
   MarkMethodStreamed(index, new grpc::internal::BidiStreamingHandler<MuondService, grpc::ByteBuffer, grpc::ByteBuffer>(
                                 [](MuondService* service, grpc::ServerContext* context,
                                    grpc::ServerReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>* stream) {
@@ -119,24 +119,17 @@ absl::Status MuondService::DoGetParameters(const std::string& caller, grpc::Serv
   if (wanted.empty()) {
     for (size_t i = 0; i < config.parameters.size(); ++i) wanted.push_back(i);
   }
-  int64_t last_step = 0;
-  std::shared_ptr<const session::ParameterSnapshot> snapshot = session->Parameters(&last_step);
-  // Views of the masters hold while no step changes them; a step that slips in between the two
-  // calls makes them stale, and the parameters after it are read instead.
-  absl::StatusOr<session::Session::ParameterReadLock> still = session->ReadParameters(*snapshot);
-  for (int attempt = 0; !still.ok() && absl::IsAborted(still.status()) && attempt < 8; ++attempt) {
-    snapshot = session->Parameters(&last_step);
-    still = session->ReadParameters(*snapshot);
-  }
-  MUOND_RETURN_IF_ERROR(still.status());
-  if (snapshot->on_device) {
+  MUOND_ASSIGN_OR_RETURN(const session::Session::LatestParameters latest, session->ReadLatestParameters());
+  const session::ParameterSnapshot& snapshot = *latest.snapshot;
+  const int64_t last_step = latest.last_step;
+  if (snapshot.on_device) {
     return absl::UnavailableError("the parameters could not be read back from the backend (see the daemon's log); "
                                   "try again");
   }
   const size_t chunk_bytes = AnswerChunkBytes(request.max_chunk_bytes());
   bool first = true;
   for (size_t index : wanted) {
-    const bool sent = transport::EmitChunks(config.parameters[index].name, "", snapshot->values[index], dtype,
+    const bool sent = transport::EmitChunks(config.parameters[index].name, "", snapshot.values[index], dtype,
                                             chunk_bytes, [&](v1::TensorChunk&& chunk) {
                                               v1::GetParametersResponse response;
                                               if (first) response.set_last_step(last_step);

@@ -75,7 +75,7 @@ class Session {
   absl::StatusOr<StepOutcome> ApplyJournaledStep(StepRequest request, std::vector<HostTensor> gradients);
 
   // The current parameters and, through `last_step`, the step they belong to (read atomically).
-  // Read them under ReadParameters.
+  // Read them under ReadParameters, or take both at once with ReadLatestParameters.
   std::shared_ptr<const ParameterSnapshot> Parameters(int64_t* last_step) const;
 
   // Keeps the masters as they are while an answer is encoded from `snapshot` (a reader lock, released
@@ -105,6 +105,18 @@ class Session {
     absl::Mutex* mu_ = nullptr;
   };
   absl::StatusOr<ParameterReadLock> ReadParameters(const ParameterSnapshot& snapshot) const;
+
+  // The current parameters held readable: the snapshot, the step it belongs to, and the lock that
+  // keeps views of the masters valid until this is destroyed (the rules of ParameterReadLock hold).
+  struct LatestParameters {
+    std::shared_ptr<const ParameterSnapshot> snapshot;
+    int64_t last_step = 0;
+    ParameterReadLock lock;
+  };
+  // Parameters and ReadParameters together: a step that changes the masters between the two makes
+  // the snapshot stale, and the parameters after it are read instead (a few times; then ABORTED).
+  // The snapshot is still on the device (on_device) when it could not be read back.
+  absl::StatusOr<LatestParameters> ReadLatestParameters() const;
 
   // Writes parameter `index` of an on-device snapshot (ParameterSnapshot::on_device) to backend
   // memory `dst` — the backend's own or peer memory — as `numel` elements of `dtype`, enqueued on the

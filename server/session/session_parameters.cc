@@ -2,6 +2,7 @@
 // or nothing read back after a GPU transport's step), reading it back on demand, and the locks that
 // keep views valid while an answer is encoded. See session.h.
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -59,6 +60,22 @@ absl::StatusOr<Session::ParameterReadLock> Session::ReadParameters(const Paramet
                                            "could be sent; read the current ones with GetParameters"));
   }
   return ParameterReadLock(&masters_mu_);
+}
+
+absl::StatusOr<Session::LatestParameters> Session::ReadLatestParameters() const {
+  // Views of the masters hold while no step changes them; a step that slips in between reading the
+  // snapshot and locking it makes them stale, and the parameters after it are read instead.
+  constexpr int kRetries = 8;
+  LatestParameters latest;
+  latest.snapshot = Parameters(&latest.last_step);
+  absl::StatusOr<ParameterReadLock> still = ReadParameters(*latest.snapshot);
+  for (int attempt = 0; !still.ok() && absl::IsAborted(still.status()) && attempt < kRetries; ++attempt) {
+    latest.snapshot = Parameters(&latest.last_step);
+    still = ReadParameters(*latest.snapshot);
+  }
+  MUOND_RETURN_IF_ERROR(still.status());
+  latest.lock = *std::move(still);
+  return latest;
 }
 
 std::shared_ptr<const ParameterSnapshot> Session::Parameters(int64_t* last_step) const {

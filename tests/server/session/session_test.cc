@@ -134,6 +134,22 @@ TEST_F(SessionTest, AnswersReadTheMastersWhileTheyLast) {
   EXPECT_OK(session_->ReadParameters(*now).status());
 }
 
+// ReadLatestParameters takes the current snapshot with its lock at once: the step it names and the
+// values it holds agree, before and after a later step.
+TEST_F(SessionTest, LatestParametersComeWithTheirStepAndLock) {
+  ASSERT_OK_AND_ASSIGN(StepOutcome first, RunStep(*session_, Request(1), Gradients(1)));
+  {
+    ASSERT_OK_AND_ASSIGN(Session::LatestParameters latest, session_->ReadLatestParameters());
+    EXPECT_EQ(latest.last_step, 1);
+    EXPECT_EQ(latest.snapshot->step, 1);
+    EXPECT_EQ(CopyValues(*latest.snapshot), CopyValues(*first.parameters));
+  }
+  ASSERT_OK_AND_ASSIGN(StepOutcome second, RunStep(*session_, Request(2), Gradients(2)));
+  ASSERT_OK_AND_ASSIGN(Session::LatestParameters latest, session_->ReadLatestParameters());
+  EXPECT_EQ(latest.last_step, 2);
+  EXPECT_EQ(CopyValues(*latest.snapshot), CopyValues(*second.parameters));
+}
+
 TEST_F(SessionTest, JournaledStepsApplyOnlyInOrder) {
   ASSERT_OK(session_->ApplyJournaledStep(Request(1), Gradients(1)).status());
   EXPECT_THAT(session_->ApplyJournaledStep(Request(1), Gradients(1)), StatusIs(absl::StatusCode::kFailedPrecondition, "step"));
