@@ -358,58 +358,72 @@ std::string_view OptimizerName(OptimizerKind kind) {
 
 std::vector<std::string> OptimizerNames() {
   std::vector<std::string> names;
-  for (std::string_view name : FindGroupOption("optimizer")->choices) names.emplace_back(name);
+  using K = OptimizerKind;
+  for (K kind : {K::kMuon, K::kAdamW, K::kLion, K::kSgd}) names.emplace_back(OptimizerName(kind));
   return names;
 }
 
-const std::vector<OptionSpec>& GroupOptionTable() {
+const std::vector<OptionUse>& GroupOptionUses() {
   using K = OptimizerKind;
   const std::vector<K> all = {K::kMuon, K::kAdamW, K::kLion, K::kSgd};
   const std::vector<K> muon = {K::kMuon};
-  static const std::vector<OptionSpec>* const table = new std::vector<OptionSpec>{
-      {"optimizer", all, {"muon", "adamw", "lion", "sgd"}},  // OptimizerKind's order
-      {"lr", all, {}},
-      {"weight_decay", all, {}},
-      // adamw: decoupled or l2 only
-      {"weight_decay_mode", {K::kMuon, K::kAdamW}, {"decoupled", "independent", "l2", "cautious"}},
-      {"momentum", {K::kMuon, K::kSgd}, {}},
-      {"nesterov", {K::kMuon, K::kSgd}, {}},
-      {"momentum_style", muon, {"ema", "sum"}},
-      {"ns_steps", muon, {}},
-      {"ns_coefficients", muon, {}},
-      {"ns_custom_coefficients", muon, {}},
-      {"ns_coefficients_after", muon, {"cycle", "repeat_last"}},
-      {"ns_algorithm", muon, {"standard", "gram"}},  // NsAlgorithm's order
-      {"ns_eps", muon, {}},
-      {"ns_norm_safety", muon, {}},
-      {"scale_mode", muon, {"shape_scaling", "spectral", "unit_rms_norm"}},
-      {"extra_scale_factor", muon, {}},
-      {"matmul_precision", muon, {"fp32", "tf32", "bf16"}},  // kernels::MatmulPrecision's order
-      {"qk_clip_threshold", muon, {}},
-      {"qk_clip_alpha", muon, {}},
-      {"moment2_method", muon, {"none", "adamuon", "normuon"}},  // Moment2Method's order
-      {"beta1", {K::kAdamW, K::kLion}, {}},
-      {"beta2", {K::kMuon, K::kAdamW, K::kLion}, {}},  // muon: with a moment2_method only
-      {"eps", {K::kMuon, K::kAdamW}, {}},              // muon: with a moment2_method only
-      // kernels::StorageDtype's order
-      {"master_dtype", all, {"fp32", "bf16", "fp16"}},
-      {"momentum_dtype", {K::kMuon, K::kSgd}, {"fp32", "bf16", "fp16"}},
-      {"exp_avg_dtype", {K::kAdamW, K::kLion}, {"fp32", "bf16", "fp16"}},
-      {"exp_avg_sq_dtype", {K::kMuon, K::kAdamW}, {"fp32", "bf16", "fp16"}},  // muon: with a moment2_method only
+  static const std::vector<OptionUse>* const uses = new std::vector<OptionUse>{
+      {"optimizer", all},
+      {"lr", all},
+      {"weight_decay", all},
+      {"weight_decay_mode", {K::kMuon, K::kAdamW}},  // adamw: decoupled or l2 only
+      {"momentum", {K::kMuon, K::kSgd}},
+      {"nesterov", {K::kMuon, K::kSgd}},
+      {"momentum_style", muon},
+      {"ns_steps", muon},
+      {"ns_coefficients", muon},
+      {"ns_custom_coefficients", muon},
+      {"ns_coefficients_after", muon},
+      {"ns_algorithm", muon},
+      {"ns_eps", muon},
+      {"ns_norm_safety", muon},
+      {"scale_mode", muon},
+      {"extra_scale_factor", muon},
+      {"matmul_precision", muon},
+      {"qk_clip_threshold", muon},
+      {"qk_clip_alpha", muon},
+      {"moment2_method", muon},
+      {"beta1", {K::kAdamW, K::kLion}},
+      {"beta2", {K::kMuon, K::kAdamW, K::kLion}},  // muon: with a moment2_method only
+      {"eps", {K::kMuon, K::kAdamW}},              // muon: with a moment2_method only
+      {"master_dtype", all},
+      {"momentum_dtype", {K::kMuon, K::kSgd}},
+      {"exp_avg_dtype", {K::kAdamW, K::kLion}},
+      {"exp_avg_sq_dtype", {K::kMuon, K::kAdamW}},  // muon: with a moment2_method only
   };
-  return *table;
+  return *uses;
+}
+
+bool IsGroupOption(std::string_view option) {
+  const auto& uses = GroupOptionUses();
+  return std::any_of(uses.begin(), uses.end(), [&](const OptionUse& use) { return use.name == option; });
 }
 
 bool OptionApplies(OptimizerKind kind, std::string_view option) {
-  const OptionSpec* spec = FindGroupOption(option);
-  return spec != nullptr && std::find(spec->applies_to.begin(), spec->applies_to.end(), kind) != spec->applies_to.end();
+  for (const OptionUse& use : GroupOptionUses()) {
+    if (use.name != option) continue;
+    return std::find(use.applies_to.begin(), use.applies_to.end(), kind) != use.applies_to.end();
+  }
+  return false;
 }
 
-const OptionSpec* FindGroupOption(std::string_view name) {
-  for (const OptionSpec& option : GroupOptionTable()) {
-    if (option.name == name) return &option;
+absl::Status CheckOptionApplies(const GroupOptions& o, std::string_view option) {
+  if (!OptionApplies(o.optimizer, option)) {
+    return absl::InvalidArgumentError(absl::StrCat(std::string(option), ": does not apply to optimizer ",
+                                                   std::string(OptimizerName(o.optimizer))));
   }
-  return nullptr;
+  // Muon reads these only with a second moment: without one they would be ignored.
+  const bool second_moment_only = option == "beta2" || option == "eps" || option == "exp_avg_sq_dtype";
+  if (o.optimizer == OptimizerKind::kMuon && o.moment2_method == Moment2Method::kNone && second_moment_only) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        std::string(option), ": applies to a muon group only with moment2_method adamuon or normuon"));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace muond::optim

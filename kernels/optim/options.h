@@ -108,24 +108,25 @@ double NsSingularValueBound(const NsSchedule& schedule, int steps, double norm_s
 // the daemon logs these when a session is created.
 std::vector<std::string> PrecisionCaveats(const GroupOptions& options);
 
-// Whether `option` (a name of GroupOptionTable) applies to optimizer `kind`; unknown names do not.
+// Which optimizers read each option of docs/algorithms.md's Group options table, by the option's
+// API name (the wire's spelling of names and values lives in server/rpc/group_option_table.h).
+struct OptionUse {
+  std::string_view name;
+  std::vector<OptimizerKind> applies_to;
+};
+const std::vector<OptionUse>& GroupOptionUses();
+// Whether `option` names an entry of GroupOptionUses.
+bool IsGroupOption(std::string_view option);
+// Whether `option` applies to optimizer `kind`; unknown names do not.
 bool OptionApplies(OptimizerKind kind, std::string_view option);
+// OK when a group with `options` reads `option` (an option its client set); otherwise
+// INVALID_ARGUMENT "<option>: does not apply to optimizer adamw", or, for what a Muon group reads only
+// with a second moment (beta2, eps, exp_avg_sq_dtype), "<option>: applies to a muon group only with
+// moment2_method adamuon or normuon". Unknown names are the caller's to refuse.
+absl::Status CheckOptionApplies(const GroupOptions& options, std::string_view option);
 
 // Names used on the wire and in logs.
 std::string_view OptimizerName(OptimizerKind kind);
-
-// One option of a parameter group as the API names it, the optimizers it applies to, and — for an
-// option whose value is a name — the names it accepts, in the order of its C++ enum. This table is
-// the one source of the option vocabulary: the spec codec checks requests against it, GetServerInfo
-// reports from it, and the clients' tables are tested against it.
-struct OptionSpec {
-  std::string_view name;
-  std::vector<OptimizerKind> applies_to;
-  std::vector<std::string_view> choices;  // empty: not a named value (ns_coefficients: NamedScheduleNames)
-};
-const std::vector<OptionSpec>& GroupOptionTable();
-// The entry named `name`, or null.
-const OptionSpec* FindGroupOption(std::string_view name);
 // Every optimizer's name, in the order of OptimizerKind (what GetServerInfo lists).
 std::vector<std::string> OptimizerNames();
 

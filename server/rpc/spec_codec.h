@@ -1,7 +1,8 @@
 // The muond.v1 session spec, read for the session layer: ParseSessionSpec validates a
 // v1::SessionSpec and fills defaults into a SessionConfig; ProtoSpecCodec is the session layer's
 // SpecCodec for it, over the spec's JSON form (protobuf's JSON mapping, proto field names), which is
-// what the registry compares and checkpoints store.
+// what the registry compares and checkpoints store. A group's options are ParseGroupOptions'
+// (group_options_codec.h).
 //
 // Errors are INVALID_ARGUMENT naming the field, for example "spec.parameters[2].shape: dimension 1
 // is 0" or "spec.groups[0].options.ns_steps must be >= 1". Stateless; thread-safe.
@@ -12,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "kernels/optim/options.h"
 #include "muond/v1/muond.pb.h"
+#include "server/rpc/group_options_codec.h"
 #include "server/session/session_config.h"
 #include "server/session/spec_codec.h"
 
@@ -19,9 +21,6 @@ namespace muond::rpc {
 
 absl::StatusOr<session::SessionConfig> ParseSessionSpec(const v1::SessionSpec& spec,
                                                         const session::SpecLimits& limits);
-
-// Converts one group's wire options; `field` is the path used in error messages.
-absl::StatusOr<optim::GroupOptions> ParseGroupOptions(const v1::GroupOptions& options, const std::string& field);
 
 // OK when `requested` equals `existing`; otherwise ALREADY_EXISTS naming the first difference.
 absl::Status CheckSameSpec(const v1::SessionSpec& existing, const v1::SessionSpec& requested);

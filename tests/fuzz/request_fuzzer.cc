@@ -229,7 +229,7 @@ void CheckCreatedSpec(const v1::SessionSpec& spec) {
     std::vector<const google::protobuf::FieldDescriptor*> fields;
     options.GetReflection()->ListFields(options, &fields);
     for (const auto* field : fields) {
-      if (optim::FindGroupOption(field->name()) != nullptr && !optim::OptionApplies(kind, field->name())) {
+      if (optim::IsGroupOption(field->name()) && !optim::OptionApplies(kind, field->name())) {
         Fail(absl::StrCat("CreateSession accepted option ", field->name(), " for optimizer ",
                           std::string(optim::OptimizerName(kind))));
       }

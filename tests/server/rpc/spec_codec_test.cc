@@ -197,6 +197,14 @@ TEST(SessionConfigTest, RefusesBadOptionsNamingThem) {
   options.set_lr(std::numeric_limits<double>::infinity());
   EXPECT_THAT(ParseGroupOptions(options, "g"), StatusIs(absl::StatusCode::kInvalidArgument, "g.lr"));
   options.Clear();
+  options.set_optimizer(v1::OPTIMIZER_ADAMW);
+  options.set_beta1(std::numeric_limits<double>::quiet_NaN());
+  EXPECT_THAT(ParseGroupOptions(options, "g"), StatusIs(absl::StatusCode::kInvalidArgument, "g.beta1"));
+  options.Clear();
+  options.add_ns_custom_coefficients()->set_a(std::numeric_limits<double>::quiet_NaN());
+  EXPECT_THAT(ParseGroupOptions(options, "g"),
+              StatusIs(absl::StatusCode::kInvalidArgument, "g.ns_custom_coefficients[0] must be finite"));
+  options.Clear();
   options.set_optimizer(static_cast<v1::OptimizerKind>(17));
   EXPECT_THAT(ParseGroupOptions(options, "g"), StatusIs(absl::StatusCode::kInvalidArgument, "g.optimizer"));
 }

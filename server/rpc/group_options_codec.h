@@ -1,0 +1,19 @@
+// One parameter group's muond.v1 options read into optim::GroupOptions: the codec converts names
+// (GroupOptionTable) and refuses what the wire spelling alone makes wrong (an option its optimizer
+// does not read, a named set beside a custom list); every rule on values is optim::ValidateOptions'.
+// Errors are INVALID_ARGUMENT with the option's path, e.g. "spec.groups[1].options.lr must be in
+// [0, 100], got -1". Stateless; thread-safe.
+#pragma once
+
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "kernels/optim/options.h"
+#include "muond/v1/muond.pb.h"
+
+namespace muond::rpc {
+
+// Converts one group's wire options; `field` is the path used in error messages.
+absl::StatusOr<optim::GroupOptions> ParseGroupOptions(const v1::GroupOptions& options, const std::string& field);
+
+}  // namespace muond::rpc
