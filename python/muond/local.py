@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple
 import torch
 
 from . import loss_scale
+from . import option_facts as facts
 from . import options as opts
 from . import qk_clip as qk
 from . import wire
@@ -69,7 +70,7 @@ def newton_schulz(u: torch.Tensor, steps: int, coefficients: Sequence[Tuple[floa
         x = _gram_iterations(x, steps, coefficients, after, gram_restarts)
     else:
         for t in range(steps):
-            a, b, c = _coefficient(coefficients, after, t)
+            a, b, c = facts.coefficient_at(coefficients, after, t)
             gram = x @ x.transpose(-2, -1)
             if c == 0:  # a cubic step (cubic5): one product fewer, as the daemon computes it
                 x = a * x + b * (gram @ x)
@@ -81,18 +82,12 @@ def newton_schulz(u: torch.Tensor, steps: int, coefficients: Sequence[Tuple[floa
     return x
 
 
-def _coefficient(coefficients: Sequence[Tuple[float, float, float]], after: str, t: int):
-    if t < len(coefficients):
-        return coefficients[t]
-    return coefficients[t % len(coefficients)] if after == "cycle" else coefficients[-1]
-
-
 def _gram_iterations(x: torch.Tensor, steps: int, coefficients, after: str, restarts) -> torch.Tensor:
     """The Gram form of the iterations on a normalized wide ``x``: polynomials in R = XXᵀ."""
     eye = torch.eye(x.size(-2), dtype=x.dtype, device=x.device)
     r, q = x @ x.transpose(-2, -1), None
     for t in range(steps):
-        a, b, c = _coefficient(coefficients, after, t)
+        a, b, c = facts.coefficient_at(coefficients, after, t)
         if t != 0 and t in restarts:
             x, q = q @ x, None
             r = x @ x.transpose(-2, -1)
@@ -118,7 +113,7 @@ def _gram_restarts(group: Dict[str, Any]) -> Optional[Tuple[int, ...]]:
     if group.get("ns_algorithm") != "gram":
         return None
     name = group["ns_coefficients"]
-    return opts.GRAM_RESTARTS.get(name, ()) if isinstance(name, str) else ()
+    return facts.GRAM_RESTARTS.get(name, ()) if isinstance(name, str) else ()
 
 
 def _orthogonalize_scaled(u: torch.Tensor, group: Dict[str, Any]) -> torch.Tensor:
@@ -149,8 +144,8 @@ def _orthogonalize_scaled(u: torch.Tensor, group: Dict[str, Any]) -> torch.Tenso
 
 def _matrix_views(t: torch.Tensor, group: Dict[str, Any]) -> list:
     """2-D views of ``t`` (contiguous, a parameter's shape) over the matrices Muon orthogonalizes,
-    in the daemon's order (``options.matrix_shapes``)."""
-    shapes = opts.matrix_shapes(group, tuple(t.shape))
+    in the daemon's order (``option_facts.matrix_shapes``)."""
+    shapes = facts.matrix_shapes(group, tuple(t.shape))
     if (group.get("tp_blocks") or 1) > 1:
         return list(torch.chunk(t, group["tp_blocks"], dim=group.get("tp_block_dim", 0)))
     if group.get("qkv_split") is not None:
@@ -389,7 +384,7 @@ class LocalOptimizer(torch.optim.Optimizer):
             moment2 = state.get("moment2")
             if moment2 is None:
                 moment2 = state["moment2"] = torch.zeros(
-                    opts.slot_shape(group, tuple(p.shape), "moment2"), dtype=torch.float32,
+                    facts.slot_shape(group, tuple(p.shape), "moment2"), dtype=torch.float32,
                     device=p.device)
             update = _adaptive_update(u.contiguous(), group, moment2)
         if mode == "decoupled":

@@ -42,6 +42,9 @@ The *_dtype options choose how the daemon stores masters and optimizer state (Me
 precision-aware optimizer); every step still computes in fp32 and rounds to nearest even when it
 stores.
 
+The facts these checks use (defaults, coefficient sets, named values, matrix and slot shapes) are
+``option_facts``'; this module holds the checks and the conversion to the wire.
+
 Pure functions; no shared state.
 """
 
@@ -50,56 +53,15 @@ from __future__ import annotations
 from typing import Any, Dict, Mapping, Tuple
 
 from ._stubs import pb
+from .option_facts import (COEFFICIENT_SETS, COEFFICIENTS_AFTER, DEFAULTS, GRAM_RESTARTS,
+                           MUON_MOMENT2 as _MUON_MOMENT2, NAMED_VALUES as _CHOICES, OPTIMIZERS,
+                           matrix_shapes, slot_shape)
 
-OPTIMIZERS = ("muon", "adamw", "lion", "sgd")
+__all__ = ["ALL_OPTIONS", "COEFFICIENT_SETS", "COEFFICIENTS_AFTER", "DEFAULTS", "GRAM_RESTARTS",
+           "OPTIMIZERS", "OVERRIDABLE", "check_defaults", "check_parameter", "coefficient_schedule",
+           "group_options_proto", "matrix_shapes", "optimizer_of", "overrides_of", "resolve_group",
+           "slot_shape", "spec_options", "storage_dtype"]
 
-COEFFICIENT_SETS: Dict[str, Tuple[Tuple[float, float, float], ...]] = {
-    "simple": ((3.4445, -4.7750, 2.0315),),
-    "quintic": ((4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377), (3.7418, -5.5913, 2.3037),
-                (2.8769, -3.1427, 1.2046), (2.8366, -3.0525, 1.2012)),
-    "polar_express": ((8.2051, -22.9019, 16.4607), (4.0664, -2.8612, 0.5184),
-                      (3.9096, -2.8234, 0.5250), (3.2856, -2.4153, 0.4853),
-                      (2.2779, -1.6198, 0.3985), (1.8726, -1.2307, 0.3585),
-                      (1.8564, -1.2132, 0.3568), (1.8750, -1.2500, 0.3750)),
-    "cans": ((8.4703, -25.1081, 18.6293), (4.1828, -3.1087, 0.5806), (3.9619, -2.9541, 0.5630),
-             (3.2866, -2.4647, 0.5074), (2.2737, -1.6447, 0.4162)),
-    "aol": ((4.0098, -7.0585, 2.4635), (3.4585, -5.5479, 2.5959), (2.7573, -3.2939, 1.4254),
-            (2.7215, -3.0494, 1.3169)),
-    # Keller Jordan's tuple ×8, then (2, -1.5, 0.5) ×2; meant for ns_steps=10.
-    "deepseekv4": ((3.4445, -4.7750, 2.0315),) * 8 + ((2.0, -1.5, 0.5),) * 2,
-    # The Polar Express paper's first five tuples with safety 1.05 folded in (a/1.05, b/1.05**3,
-    # c/1.05**5), for ns_algorithm="gram", which restarts before iteration 2.
-    "gram_polar_express": tuple(
-        (a / 1.05, b / 1.05 ** 3, c / 1.05 ** 5) for a, b, c in (
-            (8.28721201814563, -23.595886519098837, 17.300387312530933),
-            (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
-            (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
-            (3.3184196573706015, -2.488488024314874, 0.51004894012372),
-            (2.300652019954817, -1.6689039845747493, 0.4188073119525673))),
-    # Cubic steps (c = 0), tuned for exactly ns_steps=5.
-    "cubic5": ((3.3656576, -3.3420992, 0.0), (2.5744352, -1.4957376, 0.0), (2.5368962, -1.4312570, 0.0),
-               (2.4418906, -1.2764040, 0.0), (2.2230472, -0.9630650, 0.0)),
-}
-# What happens after a named list ends.
-COEFFICIENTS_AFTER = {"simple": "cycle", "quintic": "cycle", "polar_express": "repeat_last",
-                      "cans": "repeat_last", "aol": "cycle", "deepseekv4": "repeat_last",
-                      "cubic5": "repeat_last", "gram_polar_express": "repeat_last"}
-# Iterations before which ns_algorithm="gram" restarts from X (a named set's own schedule).
-GRAM_RESTARTS = {"gram_polar_express": (2,)}
-
-_CHOICES = {
-    "weight_decay_mode": ("decoupled", "independent", "l2", "cautious"),
-    "moment2_method": ("none", "adamuon", "normuon"),
-    "ns_algorithm": ("standard", "gram"),
-    "momentum_style": ("ema", "sum"),
-    "ns_coefficients_after": ("cycle", "repeat_last"),
-    "scale_mode": ("shape_scaling", "spectral", "unit_rms_norm"),
-    "matmul_precision": ("bf16", "tf32", "fp32"),
-    "master_dtype": ("fp32", "bf16", "fp16"),
-    "momentum_dtype": ("fp32", "bf16", "fp16"),
-    "exp_avg_dtype": ("fp32", "bf16", "fp16"),
-    "exp_avg_sq_dtype": ("fp32", "bf16", "fp16"),
-}
 # Storage formats by torch's names too (Megatron-Core's configuration takes torch dtypes).
 _DTYPE_ALIASES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16",
                   "float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
@@ -108,35 +70,7 @@ _DTYPE_OPTION = {"master": "master_dtype", "momentum": "momentum_dtype",
                  "momentum_buffer": "momentum_dtype", "exp_avg": "exp_avg_dtype",
                  "exp_avg_sq": "exp_avg_sq_dtype", "moment2": "exp_avg_sq_dtype"}
 
-_MUON_ONLY = ("momentum_style", "ns_steps", "ns_coefficients", "ns_algorithm",
-              "ns_coefficients_after", "ns_eps", "ns_norm_safety", "scale_mode",
-              "extra_scale_factor", "matmul_precision", "qkv_split", "num_query_groups",
-              "tp_blocks", "tp_block_dim",
-              "qk_clip_threshold", "qk_clip_alpha", "moment2_method")
-
-DEFAULTS: Dict[str, Dict[str, Any]] = {
-    "muon": {
-        "lr": 0.02, "weight_decay": 0.0, "weight_decay_mode": "decoupled", "momentum": 0.95,
-        "nesterov": True, "momentum_style": "ema", "ns_steps": 5, "ns_coefficients": "simple",
-        "ns_algorithm": "standard",
-        "ns_coefficients_after": None, "ns_eps": 1e-7, "ns_norm_safety": 1.0,
-        "scale_mode": "shape_scaling", "extra_scale_factor": 1.0, "matmul_precision": None,
-        "qkv_split": None, "num_query_groups": None, "tp_blocks": None, "tp_block_dim": 0,
-        "qk_clip_threshold": 100.0,
-        "qk_clip_alpha": 0.5, "moment2_method": None, "beta2": 0.95, "eps": 1e-8,
-        "master_dtype": None, "momentum_dtype": None, "exp_avg_sq_dtype": None,
-    },
-    "adamw": {"lr": 1e-3, "weight_decay": 0.01, "weight_decay_mode": "decoupled", "betas": (0.9, 0.999),
-              "eps": 1e-8, "master_dtype": None, "exp_avg_dtype": None, "exp_avg_sq_dtype": None},
-    "lion": {"lr": 1e-4, "weight_decay": 0.0, "betas": (0.9, 0.99), "master_dtype": None,
-             "exp_avg_dtype": None},
-    "sgd": {"lr": 1e-2, "weight_decay": 0.0, "momentum": 0.0, "nesterov": False, "master_dtype": None,
-            "momentum_dtype": None},
-}
-
 ALL_OPTIONS = frozenset(k for d in DEFAULTS.values() for k in d)
-# Options of a Muon group that only its second moment (moment2_method) reads.
-_MUON_MOMENT2 = ("beta2", "eps", "exp_avg_sq_dtype")
 # Keys a group may carry besides options: torch's own, lr schedulers', and a display name.
 _PASSTHROUGH = frozenset({"params", "param_names", "initial_lr", "name"})
 # Options a step may override (GroupOverride); every other option is fixed by the session.
@@ -335,40 +269,6 @@ def check_parameter(group: Mapping[str, Any], shape: Tuple[int, ...]) -> None:
     dim = group.get("tp_block_dim", 0)
     if shape[dim] % blocks:
         raise ValueError(f"tp_blocks {blocks} does not divide dimension {dim} of shape {tuple(shape)}")
-
-
-def matrix_shapes(group: Mapping[str, Any], shape: Tuple[int, ...]) -> list:
-    """The (rows, cols) of each matrix Muon orthogonalizes in a parameter of ``shape``, in the
-    daemon's order: tensor-parallel blocks, QKV blocks per query group, each expert of a 3-D
-    stack, else (O, rest)."""
-    shape = tuple(int(d) for d in shape)
-    blocks = group.get("tp_blocks") or 1
-    if blocks > 1:
-        if group.get("tp_block_dim", 0) == 0:
-            return [(shape[0] // blocks, shape[1])] * blocks
-        return [(shape[0], shape[1] // blocks)] * blocks
-    if group.get("qkv_split") is not None:
-        cols = shape[1]
-        return [(rows, cols) for _ in range(group.get("num_query_groups") or 1)
-                for rows in group["qkv_split"]]
-    if len(shape) == 3:
-        return [(shape[1], shape[2])] * shape[0]
-    numel = 1
-    for d in shape:
-        numel *= d
-    return [(shape[0], numel // shape[0])]
-
-
-def slot_shape(group: Mapping[str, Any], shape: Tuple[int, ...], slot: str) -> Tuple[int, ...]:
-    """The shape of optimizer slot ``slot`` of a parameter of ``shape`` in ``group``: the
-    parameter's, except NorMuon's second moment (one value per row, or per column of a wide
-    matrix; torch's keepdim shape for a plain matrix, flat otherwise)."""
-    shape = tuple(int(d) for d in shape)
-    if slot != "moment2" or group.get("moment2_method") != "normuon":
-        return shape
-    if len(shape) == 2 and group.get("qkv_split") is None and (group.get("tp_blocks") or 1) == 1:
-        return (shape[0], 1) if shape[0] >= shape[1] else (1, shape[1])
-    return (sum(max(r, c) for r, c in matrix_shapes(group, shape)),)
 
 
 def overrides_of(group: Mapping[str, Any], created: Mapping[str, Any]) -> Dict[str, float]:

@@ -1,14 +1,15 @@
-"""The Python client's option vocabulary against the daemon's one table (kernels/optim/options.h,
-printed by the print_option_table tool the build makes): the optimizers, the coefficient sets, the
-accepted values of every named option and which optimizer each option applies to. And
-GetServerInfo's lists against the same table."""
+"""The Python client's option facts (muond.option_facts) against the daemon's (kernels/optim/options.h
+and server/rpc/group_option_table.h, printed by the print_option_table tool the build makes): the
+optimizers, the coefficient sets tuple for tuple, the accepted values of every named option in the
+daemon's order, which optimizer each option applies to, and every default. And GetServerInfo's lists
+against the same table."""
 import json
 import os
 import subprocess
 
 import pytest
 
-from muond import options
+from muond import option_facts, options
 from muond._stubs import pb, pb_grpc
 
 import grpc
@@ -38,9 +39,26 @@ def test_optimizers_and_coefficient_sets(table):
 
 
 def test_named_values(table):
-    named = {name: set(o["choices"]) for name, o in table["options"].items()
+    named = {name: o["choices"] for name, o in table["options"].items()
              if o["choices"] and name != "optimizer"}
-    assert {name: set(values) for name, values in options._CHOICES.items()} == named
+    assert {name: list(values) for name, values in option_facts.NAMED_VALUES.items()} == named
+    assert options._CHOICES is option_facts.NAMED_VALUES
+
+
+def test_coefficient_sets_tuple_for_tuple(table):
+    for name, daemon in table["coefficients"].items():
+        ours = [v for t in option_facts.COEFFICIENT_SETS[name] for v in t]
+        assert ours == pytest.approx([v for t in daemon["tuples"] for v in t], rel=1e-15), name
+        assert option_facts.COEFFICIENTS_AFTER[name] == daemon["after"], name
+        assert list(option_facts.GRAM_RESTARTS.get(name, ())) == daemon["gram_restarts"], name
+
+
+def test_defaults(table):
+    for optimizer, daemon in table["defaults"].items():
+        ours = dict(option_facts.DEFAULTS[optimizer])
+        if "betas" in ours:
+            ours["beta1"], ours["beta2"] = ours.pop("betas")
+        assert {name: ours[name] for name in daemon} == daemon, optimizer
 
 
 def test_which_optimizer_each_option_applies_to(table):
