@@ -109,7 +109,9 @@ absl::Status ParseCoefficients(const v1::GroupOptions& in, const std::string& fi
   }
   out.ns_schedule.name = "custom";
   out.ns_schedule.tuples.clear();
-  for (const v1::NsCoefficients& t : in.ns_custom_coefficients()) out.ns_schedule.tuples.push_back({t.a(), t.b(), t.c()});
+  for (const v1::NsCoefficients& t : in.ns_custom_coefficients()) {
+    out.ns_schedule.tuples.push_back({t.a(), t.b(), t.c()});
+  }
   out.ns_schedule.after = optim::CoefficientsAfter::kCycle;
   return ParseChoice(in.has_ns_coefficients_after(), in.ns_coefficients_after(), "ns_coefficients_after", field,
                      &out.ns_schedule.after);
