@@ -5,6 +5,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "common/echo.h"
+#include "common/error_reason.h"
 #include "common/status_macros.h"
 #include "common/logging.h"
 #include "server/security/caller_identity.h"
@@ -65,7 +66,8 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Find(const std::string
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(id);
   if (it == sessions_.end()) {
-    return absl::NotFoundError(absl::StrCat(field, ": no session '", Echo(id), "'"));
+    return WithReason(absl::NotFoundError(absl::StrCat(field, ": no session '", Echo(id), "'")),
+                      ErrorReason::kSessionNotFound);
   }
   MUOND_RETURN_IF_ERROR(CheckSessionOwner(*it->second, caller));
   return it->second;
@@ -75,7 +77,8 @@ absl::Status SessionRegistry::Close(const std::string& id, const std::string& ca
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(id);
   if (it == sessions_.end()) {
-    return absl::NotFoundError(absl::StrCat("session_id: no session '", Echo(id), "'"));
+    return WithReason(absl::NotFoundError(absl::StrCat("session_id: no session '", Echo(id), "'")),
+                      ErrorReason::kSessionNotFound);
   }
   MUOND_RETURN_IF_ERROR(CheckSessionOwner(*it->second, caller));
   MUOND_EVENT(info, "session_closed", id, it->second->last_step(), "session {} closed at step {}", id,

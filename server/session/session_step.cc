@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
+#include "common/error_reason.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "server/session/session.h"
@@ -133,10 +134,12 @@ absl::StatusOr<StepOutcome> Session::CommitLocked(const StepPlan& commit, const 
   }
   const int64_t step = commit.request.step;
   if (!prepared_.has_value() || prepared_->plan.request.step != step) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "header.step: step ", step, " was not prepared on this shard (",
-        prepared_.has_value() ? absl::StrCat("step ", prepared_->plan.request.step, " is") : std::string("nothing is"),
-        "; a restarted daemon holds no prepared step): prepare it again on every shard, then commit"));
+    const std::string held =
+        prepared_.has_value() ? absl::StrCat("step ", prepared_->plan.request.step, " is") : std::string("nothing is");
+    absl::Status refused = absl::FailedPreconditionError(
+        absl::StrCat("header.step: step ", step, " was not prepared on this shard (", held,
+                     "; a restarted daemon holds no prepared step): prepare it again on every shard, then commit"));
+    return WithReason(std::move(refused), ErrorReason::kStepNotPrepared);
   }
   // The prepare's plan (rank 0's overrides, clipping limit and QK-clip logits) with the decision.
   StepPlan plan = prepared_->plan;

@@ -24,6 +24,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "common/echo.h"
+#include "common/error_reason.h"
 
 namespace muond::transport {
 
@@ -41,8 +42,9 @@ class RegionTable {
  public:
   using Ptr = std::shared_ptr<T>;
 
-  // `noun` names an entry in errors ("CUDA memory", "NCCL channel").
-  explicit RegionTable(std::string noun) : noun_(std::move(noun)) {}
+  // `noun` names an entry in errors ("CUDA memory", "NCCL channel"); `missing` is the reason a lookup
+  // of an absent entry carries (common/error_reason.h).
+  RegionTable(std::string noun, ErrorReason missing) : noun_(std::move(noun)), missing_(missing) {}
 
   size_t size() const { return entries_.size(); }
   bool contains(const std::string& caller, const std::string& name) const {
@@ -66,8 +68,10 @@ class RegionTable {
   absl::StatusOr<Ptr> Find(const std::string& caller, const std::string& name, const std::string* session_id,
                            const std::string& field, absl::string_view missing) const {
     auto it = entries_.find({caller, name});
-    if (it == entries_.end()) return absl::NotFoundError(absl::StrCat(field, ": no ", noun_, " '", Echo(name), "'",
-                                                                      missing));
+    if (it == entries_.end()) {
+      return WithReason(absl::NotFoundError(absl::StrCat(field, ": no ", noun_, " '", Echo(name), "'", missing)),
+                        missing_);
+    }
     const std::string& bound = it->second.owner.session_id;
     if (session_id != nullptr && bound != *session_id) {
       return absl::FailedPreconditionError(absl::StrCat(field, ": ", noun_, " '", Echo(name), "' belongs to session '",
@@ -125,6 +129,7 @@ class RegionTable {
   };
 
   const std::string noun_;
+  const ErrorReason missing_;
   std::map<Key, Entry> entries_;
 };
 

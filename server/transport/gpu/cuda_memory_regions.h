@@ -58,7 +58,7 @@ class CudaMemoryRegions {
   LivenessTickets* const liveness_;
   const int max_regions_per_caller_;
   mutable absl::Mutex mu_;
-  RegionTable<CudaRegion> regions_ ABSL_GUARDED_BY(mu_){"CUDA memory"};
+  RegionTable<CudaRegion> regions_ ABSL_GUARDED_BY(mu_){"CUDA memory", ErrorReason::kRegionNotFound};
 };
 
 }  // namespace muond::transport

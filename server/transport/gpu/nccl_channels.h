@@ -75,7 +75,7 @@ class NcclChannels {
   kernels::Backend* const backend_;
   const NcclChannelLimits limits_;
   mutable absl::Mutex mu_;
-  RegionTable<NcclChannel> channels_ ABSL_GUARDED_BY(mu_){"NCCL channel"};
+  RegionTable<NcclChannel> channels_ ABSL_GUARDED_BY(mu_){"NCCL channel", ErrorReason::kChannelNotFound};
   int opening_ ABSL_GUARDED_BY(mu_) = 0;  // places taken by Open calls not yet filed
 };
 

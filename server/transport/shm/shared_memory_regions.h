@@ -96,7 +96,7 @@ class SharedMemoryRegions : public LivenessTickets {
   mutable absl::Mutex mu_;
   uint64_t next_connection_ ABSL_GUARDED_BY(mu_) = 1;
   absl::flat_hash_map<std::string, Pending> pending_ ABSL_GUARDED_BY(mu_);  // by ticket
-  RegionTable<SharedMapping> regions_ ABSL_GUARDED_BY(mu_){"shared-memory region"};
+  RegionTable<SharedMapping> regions_ ABSL_GUARDED_BY(mu_){"shared-memory region", ErrorReason::kRegionNotFound};
 };
 
 }  // namespace muond::transport
