@@ -6,7 +6,6 @@
 #include <random>
 #include <utility>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/host_id.h"
 #include "proto/wire/dtype_codec.h"
@@ -227,7 +226,7 @@ absl::StatusOr<StepReply> CudaIpcStepper::StepOnce(int64_t step, std::span<const
   absl::Status status = FromGrpcStatus(client_->stub().StepCuda(&context, request, &response));
   if (!status.ok()) {
     if (status.code() == absl::StatusCode::kUnavailable) registered_ = false;  // a restarted daemon has lost it
-    if (status.code() == absl::StatusCode::kNotFound && absl::StrContains(status.message(), ".region")) {
+    if (ReasonOf(status) == v1::REGION_NOT_FOUND) {
       registered_ = false;
       return absl::UnavailableError(absl::StrCat("the daemon lost this session's CUDA memory (restarted?): ",
                                                  status.message()));

@@ -7,7 +7,6 @@
 #include <sstream>
 #include <thread>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/host_id.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -150,11 +149,6 @@ void CopyResult(const v1::StepResult& r, StepReply* reply) {
   reply->sum_squares.assign(r.sum_squares().begin(), r.sum_squares().end());
   reply->num_zeros_in_grad = r.num_zeros_in_grad();
   reply->loss_scale = r.loss_scale();
-}
-
-absl::Status FromGrpcStatus(const grpc::Status& status) {
-  if (status.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
 }
 
 Client::Client(ClientOptions options, std::shared_ptr<grpc::Channel> channel)
@@ -528,7 +522,7 @@ absl::StatusOr<StepReply> Session::StepOnceShared(int64_t step, std::span<const 
   absl::Status status = FromGrpcStatus(client_->stub().StepShared(&context, request, &response));
   if (!status.ok()) {
     if (status.code() == absl::StatusCode::kUnavailable) region_.reset();  // a restarted daemon has lost it
-    if (status.code() == absl::StatusCode::kNotFound && absl::StrContains(status.message(), ".region")) {
+    if (ReasonOf(status) == v1::REGION_NOT_FOUND) {
       region_.reset();
       return absl::UnavailableError(absl::StrCat("the daemon lost this session's region (restarted?): ",
                                                  status.message()));

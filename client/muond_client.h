@@ -25,6 +25,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "client/error_reason.h"
 #include "client/shm_region.h"
 #include "muond/v1/muond.grpc.pb.h"
 
@@ -217,8 +218,5 @@ class Session {
 // retried as it is (UNAVAILABLE, DEADLINE_EXCEEDED), and the daemon's StepResult into a reply.
 bool IsTransient(absl::StatusCode code);
 void CopyResult(const v1::StepResult& result, StepReply* reply);
-
-// grpc::Status → absl::Status, keeping the code and the daemon's message.
-absl::Status FromGrpcStatus(const grpc::Status& status);
 
 }  // namespace muond::client

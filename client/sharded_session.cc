@@ -8,7 +8,6 @@
 #include <thread>
 #include <utility>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
@@ -16,15 +15,15 @@ namespace muond::client {
 namespace {
 
 absl::Status NameShard(const absl::Status& status, int shard, const std::string& endpoint) {
-  return absl::Status(status.code(), absl::StrCat("shard ", shard, " (", endpoint, "): ", status.message()));
+  absl::Status named(status.code(), absl::StrCat("shard ", shard, " (", endpoint, "): ", status.message()));
+  return WithReasonOf(status, std::move(named));
 }
 
 // A whole sharded step is sent again after these: a transient failure, or a shard that lost its
 // prepared step (a restart between prepare and commit).
 bool ResendStep(const absl::Status& status) {
   return status.code() == absl::StatusCode::kUnavailable || status.code() == absl::StatusCode::kDeadlineExceeded ||
-         (status.code() == absl::StatusCode::kFailedPrecondition &&
-          absl::StrContains(status.message(), "was not prepared"));
+         ReasonOf(status) == v1::STEP_NOT_PREPARED;
 }
 
 }  // namespace

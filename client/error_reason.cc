@@ -1,0 +1,54 @@
+// Reads google.rpc.ErrorInfo out of the gRPC status details; see error_reason.h.
+#include "client/error_reason.h"
+
+#include <string>
+
+#include "absl/strings/cord.h"
+
+namespace muond::client {
+namespace {
+
+constexpr absl::string_view kDomain = "muond.v1";
+constexpr absl::string_view kErrorInfoTypeUrl = "type.googleapis.com/google.rpc.ErrorInfo";
+// Where the reason lives on an absl::Status of this library; the value is the reason's name.
+constexpr absl::string_view kReasonPayload = "type.googleapis.com/muond.v1.ErrorReason";
+
+// The reason's name in the status details; empty when there is none.
+std::string ReasonInDetails(const std::string& details) {
+  v1::RpcStatus status;
+  if (details.empty() || !status.ParseFromString(details)) return "";
+  for (const v1::AnyDetail& any : status.details()) {
+    v1::ErrorInfo info;
+    if (any.type_url() == kErrorInfoTypeUrl && info.ParseFromString(any.value()) && info.domain() == kDomain) {
+      return info.reason();
+    }
+  }
+  return "";
+}
+
+}  // namespace
+
+absl::Status FromGrpcStatus(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  absl::Status converted(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+  const std::string reason = ReasonInDetails(status.error_details());
+  if (!reason.empty()) converted.SetPayload(kReasonPayload, absl::Cord(reason));
+  return converted;
+}
+
+v1::ErrorReason ReasonOf(const absl::Status& status) {
+  auto payload = status.GetPayload(kReasonPayload);
+  v1::ErrorReason reason = v1::ERROR_REASON_UNSPECIFIED;
+  if (payload.has_value() && !v1::ErrorReason_Parse(std::string(*payload), &reason)) {
+    return v1::ERROR_REASON_UNSPECIFIED;
+  }
+  return reason;
+}
+
+absl::Status WithReasonOf(const absl::Status& from, absl::Status status) {
+  auto payload = from.GetPayload(kReasonPayload);
+  if (payload.has_value() && !status.ok()) status.SetPayload(kReasonPayload, *payload);
+  return status;
+}
+
+}  // namespace muond::client
