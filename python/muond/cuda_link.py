@@ -32,7 +32,7 @@ from . import shm
 from . import wire
 from ._stubs import pb
 from .client import Connection
-from .errors import MuondError
+from .errors import REGION_NOT_FOUND, MuondError
 from .gpu_transport import GpuLink
 
 _log = logging.getLogger("muond")
@@ -178,7 +178,7 @@ class CudaIpcLink(GpuLink):
         except MuondError as err:
             if err.code == grpc.StatusCode.UNAVAILABLE:
                 self.drop_registration()  # a restarted daemon has lost it
-            elif err.code == grpc.StatusCode.NOT_FOUND and ".region" in err.details:
+            elif err.reason == REGION_NOT_FOUND:
                 self.drop_registration()
                 raise MuondError(grpc.StatusCode.UNAVAILABLE,
                                  f"the daemon lost this session's CUDA memory (restarted?): "

@@ -6,6 +6,11 @@ and the daemon's message, which names the offending field (e.g. ``INVALID_ARGUME
 daemon (an unknown option name, a parameter in two groups) raises ``ValueError``/``TypeError``
 as torch optimizers do.
 
+A refusal the client acts on also carries a machine-readable ``reason`` (``REGION_NOT_FOUND``,
+``STEP_NOT_PREPARED``, ...): the daemon sends it as a ``google.rpc.ErrorInfo`` of domain
+``muond.v1`` in the status details (docs/protocol.md, Error reasons). The client decides on the
+reason, never on the message text.
+
 Exceptions are plain values, safe to pass between threads.
 """
 
@@ -16,6 +21,18 @@ from typing import Iterator
 
 import grpc
 
+from ._stubs import pb
+
+# The reasons the client acts on: names of muond.v1.ErrorReason.
+REGION_NOT_FOUND = pb.ErrorReason.Name(pb.REGION_NOT_FOUND)
+CHANNEL_NOT_FOUND = pb.ErrorReason.Name(pb.CHANNEL_NOT_FOUND)
+STEP_NOT_PREPARED = pb.ErrorReason.Name(pb.STEP_NOT_PREPARED)
+SESSION_NOT_FOUND = pb.ErrorReason.Name(pb.SESSION_NOT_FOUND)
+
+_DETAILS_KEY = "grpc-status-details-bin"
+_ERROR_INFO_TYPE_URL = "type.googleapis.com/google.rpc.ErrorInfo"
+_DOMAIN = "muond.v1"
+
 
 class MuondError(RuntimeError):
     """A call to the muond daemon failed.
@@ -24,24 +41,59 @@ class MuondError(RuntimeError):
         code: the ``grpc.StatusCode`` (e.g. ``grpc.StatusCode.NOT_FOUND`` for an unknown session).
         details: the daemon's message, which names the offending field.
         rpc: the name of the call that failed, e.g. ``"Step"``.
+        reason: the daemon's machine-readable reason (e.g. ``REGION_NOT_FOUND``); ``""`` when it
+            gave none.
     """
 
-    def __init__(self, code: grpc.StatusCode, details: str, rpc: str = ""):
+    def __init__(self, code: grpc.StatusCode, details: str, rpc: str = "", reason: str = ""):
         self.code = code
         self.details = details or ""
         self.rpc = rpc
+        self.reason = reason or ""
         where = f"{rpc}: " if rpc else ""
         super().__init__(f"{where}{code.name}: {self.details}")
 
     def __reduce__(self):  # keeps the exception picklable (multiprocessing, test runners)
-        return (type(self), (self.code, self.details, self.rpc))
+        return (type(self), (self.code, self.details, self.rpc, self.reason))
+
+
+def reason_in_details(details: bytes) -> str:
+    """The muond.v1 ErrorInfo reason in serialized status details (a google.rpc.Status); ``""``
+    when there is none."""
+    status = pb.RpcStatus()
+    try:
+        status.ParseFromString(details)
+    except Exception:  # noqa: BLE001 - a malformed trailer carries no reason
+        return ""
+    for any_detail in status.details:
+        if any_detail.type_url != _ERROR_INFO_TYPE_URL:
+            continue
+        info = pb.ErrorInfo()
+        try:
+            info.ParseFromString(any_detail.value)
+        except Exception:  # noqa: BLE001
+            continue
+        if info.domain == _DOMAIN:
+            return info.reason
+    return ""
+
+
+def _reason_of(err: grpc.RpcError) -> str:
+    try:
+        trailers = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
+    except Exception:  # noqa: BLE001 - an error raised before the call had trailers
+        return ""
+    for key, value in trailers or ():
+        if key == _DETAILS_KEY and isinstance(value, bytes):
+            return reason_in_details(value)
+    return ""
 
 
 def from_rpc_error(err: grpc.RpcError, rpc: str) -> MuondError:
     """Converts a ``grpc.RpcError`` raised by a stub call into a ``MuondError``."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = err.details() if hasattr(err, "details") else str(err)
-    return MuondError(code if code is not None else grpc.StatusCode.UNKNOWN, details or "", rpc)
+    return MuondError(code if code is not None else grpc.StatusCode.UNKNOWN, details or "", rpc, _reason_of(err))
 
 
 @contextlib.contextmanager

@@ -32,7 +32,7 @@ import torch
 from . import wire
 from ._stubs import pb
 from .client import Connection
-from .errors import MuondError
+from .errors import CHANNEL_NOT_FOUND, MuondError
 from .gpu_transport import GpuLink
 
 _log = logging.getLogger("muond")
@@ -162,8 +162,7 @@ class NcclLink(GpuLink):
                 raise MuondError(grpc.StatusCode.UNAVAILABLE,
                                  f"the NCCL transfer failed on this side: {local_error}",
                                  "StepNccl") from local_error
-            if err.code == grpc.StatusCode.ABORTED or (
-                    err.code == grpc.StatusCode.NOT_FOUND and "channel" in err.details):
+            if err.code == grpc.StatusCode.ABORTED or err.reason == CHANNEL_NOT_FOUND:
                 raise MuondError(grpc.StatusCode.UNAVAILABLE,
                                  f"the NCCL channel broke ({err.code.name}: {err.details}); the "
                                  f"retry opens a new one", "StepNccl") from err

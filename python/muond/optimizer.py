@@ -51,7 +51,7 @@ from . import wire
 from ._stubs import pb
 from .client import (DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_RETRY_BACKOFF,
                      Connection)
-from .errors import MuondError
+from .errors import STEP_NOT_PREPARED, MuondError
 from .naming import named_groups
 from .session_link import SessionLink, copy_in
 from . import loss_scale
@@ -378,7 +378,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
             err = future.exception()
             if isinstance(err, MuondError):
                 raise MuondError(err.code, f"shard {k} ({self.endpoints[k]}): {err.details}",
-                                 err.rpc) from err
+                                 err.rpc, err.reason) from err
             if err is not None:
                 raise err
         return [future.result() for future in futures]
@@ -532,8 +532,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
                 result = once()
                 return result, time.perf_counter() - started, attempt
             except MuondError as err:
-                lost_prepare = (err.code == grpc.StatusCode.FAILED_PRECONDITION
-                                and "was not prepared" in err.details)
+                lost_prepare = err.reason == STEP_NOT_PREPARED
                 if (err.code not in _RETRIED and not lost_prepare) or attempt == self.max_step_attempts:
                     raise
             pause = backoff

@@ -25,7 +25,7 @@ from . import shm
 from . import wire
 from ._stubs import pb
 from .client import Connection
-from .errors import MuondError
+from .errors import REGION_NOT_FOUND, MuondError
 
 _log = logging.getLogger("muond")
 
@@ -241,7 +241,7 @@ class SessionLink:
         except MuondError as err:
             if err.code == grpc.StatusCode.UNAVAILABLE:
                 self.drop_region()  # a restarted daemon has lost it
-            elif err.code == grpc.StatusCode.NOT_FOUND and ".region" in err.details:
+            elif err.reason == REGION_NOT_FOUND:
                 self.drop_region()
                 raise MuondError(grpc.StatusCode.UNAVAILABLE,
                                  f"the daemon lost this session's region (restarted?): {err.details}",
