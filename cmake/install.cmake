@@ -28,7 +28,8 @@ if(TARGET muond_client_cuda)
 endif()
 # Headers keep their repository paths under include/muond/ ("client/muond_client.h"); the generated
 # API sits at include/muond/v1/ ("muond/v1/muond.pb.h" from include/).
-install(FILES client/muond_client.h client/sharded_session.h client/shard_placement.h client/shm_region.h
+install(FILES client/muond_client.h client/error_reason.h client/sharded_session.h client/shard_placement.h
+              client/shm_region.h
   DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/muond/client)
 install(FILES proto/wire/chunk_frame.h proto/wire/dtype_codec.h
   DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/muond/proto/wire)
