@@ -40,8 +40,9 @@ if [[ $# -eq 0 && ${MUOND_OTHER_KERNEL_PASS:-1} != 0 ]]; then
   echo "test: the numerics-sensitive tests again under OpenBLAS's $kernel kernel ($("$root/scripts/other-blas-kernel.sh" --why))"
   export OPENBLAS_CORETYPE=$kernel
   ctest --output-on-failure --timeout 900 -j"$(nproc)" -L numerics
+  # Bounded like ctest's Python tests (900 s), so that a hang fails the run instead of stalling it.
   PYTHONPATH="$build/python:$root/python" PYTHONDONTWRITEBYTECODE=1 MUOND_BINARY="$build/muond" MUOND_TRANSPORT=shm \
-    /usr/bin/python3 -m pytest "$root/tests/python/test_precision.py" "$root/tests/python/test_equivalence.py" \
+    timeout 900 /usr/bin/python3 -m pytest "$root/tests/python/test_precision.py" "$root/tests/python/test_equivalence.py" \
     -q -p no:cacheprovider -m "not ops"
   unset OPENBLAS_CORETYPE
 fi
