@@ -38,7 +38,7 @@ import grpc
 
 from ._stubs import pb, pb_grpc
 from .errors import MuondError, translated
-from .framing import parse_step_response, serialize_step_request
+from .transport.framing import parse_step_response, serialize_step_request
 from .wire import ChunkAssembler, FramedChunk
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20

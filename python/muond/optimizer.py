@@ -53,7 +53,7 @@ from .client import (DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_RE
                      Connection)
 from .errors import STEP_NOT_PREPARED, MuondError
 from .naming import named_groups
-from .session_link import SessionLink, copy_in
+from .transport.session_link import SessionLink, copy_in
 from . import loss_scale
 from .step_info import StepInfo, check_max_grad_norm
 

@@ -5,8 +5,9 @@ protobuf), and the assembler decodes them straight into the parameters it is giv
 import pytest
 import torch
 
-from muond import framing, wire
+from muond import wire
 from muond._stubs import pb
+from muond.transport import framing
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])

@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 
 import muond
-from muond import cuda_runtime, gpu_transport, nccl, shm
 from muond._stubs import pb
-from muond.cuda_link import SLOT_BYTES, LivenessTicket, slot_layout
 from muond.errors import MuondError
+from muond.transport import cuda_runtime, gpu_transport, nccl, shm
+from muond.transport.cuda_link import SLOT_BYTES, LivenessTicket, slot_layout
 
 from helpers import TinyNet, batch, clone_model, loss_of, rel_err
 

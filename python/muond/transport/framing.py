@@ -18,9 +18,9 @@ from typing import Iterator, Optional, Tuple, Union
 
 import torch
 
-from ._stubs import pb
-from . import wire
-from .wire import FramedChunk
+from .._stubs import pb
+from .. import wire
+from ..wire import FramedChunk
 
 _CHUNK_TAG = (2 << 3) | 2  # StepRequest.chunk / StepResponse.chunk, length-delimited
 _DATA_TAG = (4 << 3) | 2   # TensorChunk.data

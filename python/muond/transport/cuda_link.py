@@ -29,10 +29,10 @@ import grpc
 import torch
 
 from . import shm
-from . import wire
-from ._stubs import pb
-from .client import Connection
-from .errors import REGION_NOT_FOUND, MuondError
+from .. import wire
+from .._stubs import pb
+from ..client import Connection
+from ..errors import REGION_NOT_FOUND, MuondError
 from .gpu_transport import GpuLink
 
 _log = logging.getLogger("muond")

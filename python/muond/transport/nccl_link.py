@@ -29,10 +29,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import grpc
 import torch
 
-from . import wire
-from ._stubs import pb
-from .client import Connection
-from .errors import CHANNEL_NOT_FOUND, MuondError
+from .. import wire
+from .._stubs import pb
+from ..client import Connection
+from ..errors import CHANNEL_NOT_FOUND, MuondError
 from .gpu_transport import GpuLink
 
 _log = logging.getLogger("muond")

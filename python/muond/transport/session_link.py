@@ -22,10 +22,10 @@ import torch
 from . import framing
 from . import gpu_transport
 from . import shm
-from . import wire
-from ._stubs import pb
-from .client import Connection
-from .errors import REGION_NOT_FOUND, MuondError
+from .. import wire
+from .._stubs import pb
+from ..client import Connection
+from ..errors import REGION_NOT_FOUND, MuondError
 
 _log = logging.getLogger("muond")
 
