@@ -53,7 +53,8 @@ from .client import (DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_RE
                      Connection)
 from .errors import STEP_NOT_PREPARED, MuondError
 from .naming import named_groups
-from .transport.session_link import SessionLink, copy_in
+from .transport import choice
+from .transport.daemon_session import DaemonSession, copy_in
 from . import loss_scale
 from .step_info import StepInfo, check_max_grad_norm
 
@@ -63,7 +64,6 @@ DEFAULT_ENDPOINT = "127.0.0.1:50051"
 _RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 _log = logging.getLogger("muond")
 _STATE_FORMAT = 1
-_TRANSPORTS = ("auto", "grpc", "shm", "cuda_ipc", "nccl")
 
 
 class RemoteOptimizer(torch.optim.Optimizer):
@@ -162,7 +162,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self._user_defaults = dict(defaults)
         self._sealed = False
         self._closed = True
-        self._links: List[SessionLink] = []
+        self._sessions: List[DaemonSession] = []
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
         groups, names = named_groups(params)
         super().__init__(groups, {})
@@ -183,9 +183,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self.last_step = 0
         self.last_info: Optional[StepInfo] = None
         wanted = transport if transport is not None else os.environ.get("MUOND_TRANSPORT") or "auto"
-        if wanted not in _TRANSPORTS:
-            raise ValueError(f"transport: '{wanted}' is not one of {', '.join(_TRANSPORTS)}")
-        self._wanted_transport = wanted
+        self._wanted_transport = choice.check_name(wanted)
         self.transport = "grpc"
         self.endpoints = _endpoint_list(endpoint, endpoints)
 
@@ -214,21 +212,21 @@ class RemoteOptimizer(torch.optim.Optimizer):
                                   max_attempts=self.max_step_attempts,
                                   retry_backoff=self.retry_backoff)
                 names_here = [self._names[i] for i in self._indices_of[k]]
-                link = SessionLink(conn, self.session_id, names_here, self._by_name,
-                                   wire_dtype=self.wire_dtype, return_dtype=self.return_dtype,
-                                   chunk_bytes=self.chunk_bytes)
+                daemon = DaemonSession(conn, self.session_id, names_here, self._by_name,
+                                       wire_dtype=self.wire_dtype, return_dtype=self.return_dtype,
+                                       chunk_bytes=self.chunk_bytes, rank=self.rank)
                 for name in names_here:
                     shape = self._tensor_shape(name, "moment2")
                     if shape != tuple(self._by_name[name].shape):
-                        link.slot_sizes[(name, "moment2")] = math.prod(shape)
-                self._links.append(link)
-            if len(self._links) > 1:
+                        daemon.slot_sizes[(name, "moment2")] = math.prod(shape)
+                self._sessions.append(daemon)
+            if len(self._sessions) > 1:
                 self._pool = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=len(self._links), thread_name_prefix="muond-shard")
-            for link in self._links:
-                link.conn.wait_ready(connect_timeout)
+                    max_workers=len(self._sessions), thread_name_prefix="muond-shard")
+            for daemon in self._sessions:
+                daemon.conn.wait_ready(connect_timeout)
             self._open_session()
-            chosen = {link.choose_transport(wanted, rank=self.rank) for link in self._links}
+            chosen = {daemon.choose_transport(wanted) for daemon in self._sessions}
             self.transport = "+".join(sorted(chosen))
             _log.info("session %s: steps travel over %s", self.session_id, self.transport)
         except BaseException:
@@ -238,7 +236,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
     @property
     def _conn(self) -> Connection:
         """The first daemon's connection."""
-        return self._links[0].conn
+        return self._sessions[0].conn
 
     # -- construction helpers ------------------------------------------------------------------
 
@@ -338,19 +336,19 @@ class RemoteOptimizer(torch.optim.Optimizer):
 
     def _open_session_now(self) -> None:
         try:
-            opened = self._on_every_link(lambda k, link: link.open(self._shard_spec(k)))
+            opened = self._on_every_session(lambda k, session: session.open(self._shard_spec(k)))
             self.attached = any(attached for attached, _ in opened)
             self.last_step = self._common_step([step for _, step in opened], "CreateSession")
         except BaseException:
             # A refused attach (one daemon holds another session of this id, the shards disagree)
             # leaves nothing behind: the sessions this attach created on the other daemons go;
             # sessions that were there before it are never touched.
-            if len(self._links) > 1:
-                for link in self._links:
-                    link.roll_back()
+            if len(self._sessions) > 1:
+                for session in self._sessions:
+                    session.roll_back()
             raise
         if self.loss_scaler is not None:
-            self.loss_scale = self._links[0].loss_scale
+            self.loss_scale = self._sessions[0].loss_scale
 
     def _common_step(self, steps: List[int], rpc: str) -> int:
         """The step every shard is at; MuondError naming the shards behind when they differ."""
@@ -366,13 +364,13 @@ class RemoteOptimizer(torch.optim.Optimizer):
                          f"one step (load_state_dict of a saved state_dict) before training on",
                          rpc)
 
-    def _on_every_link(self, call: Callable[[int, SessionLink], Any]) -> List[Any]:
-        """``call(k, link)`` for every daemon, concurrently when there are several; the
+    def _on_every_session(self, call: Callable[[int, DaemonSession], Any]) -> List[Any]:
+        """``call(k, session)`` for every daemon, concurrently when there are several; the
         answers in daemon order. The first failure (in daemon order) is raised, naming its
         shard."""
         if self._pool is None:
-            return [call(0, self._links[0])]
-        futures = [self._pool.submit(call, k, link) for k, link in enumerate(self._links)]
+            return [call(0, self._sessions[0])]
+        futures = [self._pool.submit(call, k, session) for k, session in enumerate(self._sessions)]
         concurrent.futures.wait(futures)
         for k, future in enumerate(futures):
             err = future.exception()
@@ -449,12 +447,13 @@ class RemoteOptimizer(torch.optim.Optimizer):
         logits = qk.logits_of(qk_logits, self.qk_clip, self._params, self._names)
         grads = self._grads()
         header = self._header(self.last_step + 1, logits, loss_scale.check_grad_scale(grad_scale))
-        if len(self._links) == 1:
-            link = self._links[0]
-            result, seconds, attempts = self._try_step(lambda: link.step(header, grads))
+        if len(self._sessions) == 1:
+            session = self._sessions[0]
+            result, seconds, attempts = self._try_step(lambda: session.step(header, grads))
         else:
-            by_link = self._grads_by_link(grads)
-            result, seconds, attempts = self._try_step(lambda: self._sharded_step(header, by_link))
+            by_session = self._grads_by_session(grads)
+            result, seconds, attempts = self._try_step(
+                lambda: self._sharded_step(header, by_session))
         self.last_step = result.step
         self.last_info = StepInfo(result.step, result.applied, result.replayed, result.skip_reason,
                                   result.grad_norm, result.compute_seconds, seconds, attempts,
@@ -464,31 +463,32 @@ class RemoteOptimizer(torch.optim.Optimizer):
             self.loss_scale = result.loss_scale
         return loss
 
-    def _grads_by_link(self, grads: List[Tuple[str, torch.Tensor]]
+    def _grads_by_session(self, grads: List[Tuple[str, torch.Tensor]]
                        ) -> List[List[Tuple[str, torch.Tensor]]]:
-        by_link: List[List[Tuple[str, torch.Tensor]]] = [[] for _ in self._links]
+        by_session: List[List[Tuple[str, torch.Tensor]]] = [[] for _ in self._sessions]
         for name, g in grads:
-            by_link[self.placement.shard_of[self._index[name]]].append((name, g))
-        return by_link
+            by_session[self.placement.shard_of[self._index[name]]].append((name, g))
+        return by_session
 
     def _sharded_step(self, header: pb.StepHeader,
-                      by_link: List[List[Tuple[str, torch.Tensor]]]) -> pb.StepResult:
+                      by_session: List[List[Tuple[str, torch.Tensor]]]) -> pb.StepResult:
         """One try of a step over every shard: prepare everywhere, decide, commit everywhere
         (docs/sharding.md). Safe to repeat as a whole after any failure."""
         prepares = []
-        for link in self._links:  # each shard gets the QK-clip logits of its own pairs
+        for session in self._sessions:  # each shard gets the QK-clip logits of its own pairs
             prepare = pb.StepHeader.FromString(header.SerializeToString())
             prepare.phase = pb.STEP_PHASE_PREPARE
-            mine = [l for l in header.qk_logits if l.query in link.by_name]
+            mine = [l for l in header.qk_logits if l.query in session.by_name]
             del prepare.qk_logits[:]
             prepare.qk_logits.extend(mine)
             prepares.append(prepare)
-        prepared = self._on_every_link(lambda k, link: link.step(prepares[k], by_link[k]))
+        prepared = self._on_every_session(
+            lambda k, session: session.step(prepares[k], by_session[k]))
         commit = pb.StepHeader(step=header.step, rank=header.rank, phase=pb.STEP_PHASE_COMMIT,
                                return_dtype=header.return_dtype,
                                max_chunk_bytes=header.max_chunk_bytes)
         commit.decision.CopyFrom(self._decide(prepared))
-        committed = self._on_every_link(lambda k, link: link.step(commit, []))
+        committed = self._on_every_session(lambda k, session: session.step(commit, []))
         result = pb.StepResult(step=header.step, applied=committed[0].applied,
                                replayed=all(r.replayed for r in committed),
                                skip_reason=commit.decision.skip_reason,
@@ -536,7 +536,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
                 if (err.code not in _RETRIED and not lost_prepare) or attempt == self.max_step_attempts:
                     raise
             pause = backoff
-            self._on_every_link(lambda k, link: link.conn.pause_before_retry(pause))
+            self._on_every_session(lambda k, session: session.conn.pause_before_retry(pause))
             backoff *= 2
         raise AssertionError("unreachable")
 
@@ -550,7 +550,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         ``RemoteOptimizer`` with the same session id. ``MuondError(FAILED_PRECONDITION)`` when
         the daemon has no ``--state-dir``."""
         self._check_open()
-        steps = self._on_every_link(lambda k, link: link.checkpoint())
+        steps = self._on_every_session(lambda k, session: session.checkpoint())
         return self._common_step(steps, "Checkpoint")
 
     def state_dict(self) -> Dict[str, Any]:
@@ -560,7 +560,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         ``step`` count;
         ``param_groups`` the group options; ``muond`` the session's last step and names."""
         self._check_open()
-        parts = self._on_every_link(lambda k, link: link.get_state())
+        parts = self._on_every_session(lambda k, session: session.get_state())
         last_step = self._common_step([int(header.last_step) for header, _ in parts], "GetState")
         counts = {c.name: int(c.count) for header, _ in parts for c in header.step_counts}
         index = self._index
@@ -622,13 +622,13 @@ class RemoteOptimizer(torch.optim.Optimizer):
                                  f"are fixed by the session")
         state = state_dict["state"]
 
-        def set_state(k: int, link: SessionLink) -> int:
+        def set_state(k: int, session: DaemonSession) -> int:
             header = pb.StateHeader(last_step=int(meta["last_step"]))
             if meta.get("loss_scaler") is not None:
                 header.loss_scaler.CopyFrom(pb.LossScalerState(**meta["loss_scaler"]))
             for i in self._indices_of[k]:
                 header.step_counts.add(name=self._names[i], count=int(state.get(i, {}).get("step", 0)))
-            return link.set_state(header, chunks(self._indices_of[k]))
+            return session.set_state(header, chunks(self._indices_of[k]))
 
         def chunks(indices: List[int]) -> Iterator[pb.TensorChunk]:
             for i in indices:
@@ -647,7 +647,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
                                                slot="master" if slot == "master" else slot,
                                                max_chunk_bytes=self.chunk_bytes)
 
-        self.last_step = self._common_step(self._on_every_link(set_state), "SetState")
+        self.last_step = self._common_step(self._on_every_session(set_state), "SetState")
         if self.loss_scaler is not None and meta.get("loss_scaler") is not None:
             self.loss_scale = float(meta["loss_scaler"]["scale"])
         copy_in(self._by_name, {name: state[i]["master"] for i, name in enumerate(self._names)
@@ -667,14 +667,14 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self._shut_down(end_session=not keep_session and self.rank == 0)  # rank 0 ends a shared session
 
     def _shut_down(self, end_session: bool) -> None:
-        """Closes every link (ending its session when ``end_session``) and the worker threads;
+        """Closes every daemon's session (ending it when ``end_session``) and the worker threads;
         the first failure is raised after all are closed."""
         self._closed = True
         failure: Optional[BaseException] = None
-        for link in self._links:
+        for session in self._sessions:
             try:
-                link.close(end_session)
-            except BaseException as err:  # noqa: BLE001 - every link is closed first
+                session.close(end_session)
+            except BaseException as err:  # noqa: BLE001 - every session is closed first
                 failure = failure or err
         if self._pool is not None:
             self._pool.shutdown(wait=True)
@@ -694,9 +694,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
         # Connection.close does nothing during finalization, where it could block.)
         if getattr(self, "_closed", True):
             return
-        for link in getattr(self, "_links", []):
+        for session in getattr(self, "_sessions", []):
             try:
-                link.conn.close()
+                session.conn.close()
             except Exception:  # noqa: BLE001 - garbage collection must not raise
                 pass
 

@@ -110,18 +110,19 @@ def test_a_region_is_dropped_on_the_reason_whatever_the_message(endpoint, reason
     with muond.RemoteOptimizer(muond.default_param_groups(model), endpoint=endpoint, transport="shm") as opt:
         loss_of(model, 1).backward()
         opt.step()
-        link = opt._links[0]
-        assert link._region is not None
+        session = opt._sessions[0]
+        assert session.transport._region is not None
 
         def refuse(request):
             raise muond.MuondError(grpc.StatusCode.NOT_FOUND, message, "StepShared", reason)
 
-        real = link.conn.step_shared
-        link.conn.step_shared = refuse
+        real = session.conn.step_shared
+        session.conn.step_shared = refuse
         try:
             with pytest.raises(muond.MuondError) as info:
-                link.step(pb.StepHeader(step=2), [(n, torch.zeros(link.sizes[n])) for n in link.names])
+                session.step(pb.StepHeader(step=2),
+                             [(n, torch.zeros(session.sizes[n])) for n in session.names])
         finally:
-            link.conn.step_shared = real
-        assert (link._region is None) == dropped
+            session.conn.step_shared = real
+        assert (session.transport._region is None) == dropped
         assert info.value.code == (grpc.StatusCode.UNAVAILABLE if dropped else grpc.StatusCode.NOT_FOUND)

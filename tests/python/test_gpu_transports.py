@@ -20,8 +20,11 @@ import torch.nn.functional as F
 import muond
 from muond._stubs import pb
 from muond.errors import MuondError
-from muond.transport import cuda_runtime, gpu_transport, nccl, shm
-from muond.transport.cuda_link import SLOT_BYTES, LivenessTicket, slot_layout
+from muond.transport import choice, cuda_runtime, nccl, shm
+from muond.transport.base import Facts, Here, parameter_device
+from muond.transport.cuda_ipc_transport import LivenessTicket
+from muond.transport.nccl_transport import several_ranks_per_gpu
+from muond.transport.slots import SLOT_BYTES, slot_layout
 
 from helpers import TinyNet, batch, clone_model, loss_of, rel_err
 
@@ -173,28 +176,34 @@ def test_nccl_version_codes():
 
 def _info(**fields):
     base = dict(cuda_ipc=True, host_id="host-a", cuda_device_uuid="GPU-daemon", nccl_version=22809,
-                backend="cuda", shm_socket="@muond")
+                backend="cuda", shm_socket="")  # no shm: its check connects to the socket
     base.update(fields)
     return SimpleNamespace(**base)
 
 
 def _here(device=0, uuid="GPU-mine", host="host-a", nccl_version=22809, why=""):
-    return gpu_transport.Here(device, why, host, uuid, nccl_version)
+    return Here(device=device, why_no_device=why, host_id=host, uuid=uuid, nccl_version=nccl_version)
 
 
-def test_the_gpu_transport_decision_table():
-    decide = gpu_transport.decide
+def decide(wanted, info, here, endpoint="the daemon"):
+    """The names of the transports ``transport=wanted`` tries, best first."""
+    return [t.name for t in choice.candidates(wanted, Facts(lambda: info, here), endpoint)]
+
+
+def test_the_transport_decision_table():
     cpu = _here(device=None, why="the parameters are on cpu, not on a CUDA device")
     # auto: the daemon's own GPU and another GPU of the node both take CUDA IPC (NCCL next, on
-    # another GPU only); another host takes NCCL; CPU parameters or a CPU daemon take nothing.
-    assert decide("auto", _info(cuda_device_uuid="GPU-mine"), _here()) == ["cuda_ipc"]
-    assert decide("auto", _info(), _here()) == ["cuda_ipc", "nccl"]
-    assert decide("auto", _info(), _here(nccl_version=0)) == ["cuda_ipc"]
-    assert decide("auto", _info(host_id="host-b"), _here()) == ["nccl"]
-    assert decide("auto", _info(host_id="host-b", nccl_version=0), _here()) == []
-    assert decide("auto", _info(), cpu) == []
-    assert decide("auto", _info(cuda_ipc=False, nccl_version=0, backend="cpu"), _here()) == []
-    assert decide("shm", _info(), _here()) == []
+    # another GPU only); another host takes NCCL; CPU parameters or a CPU daemon take nothing but
+    # the host transports (here grpc: these daemons offer no shared memory).
+    assert decide("auto", _info(cuda_device_uuid="GPU-mine"), _here()) == ["cuda_ipc", "grpc"]
+    assert decide("auto", _info(), _here()) == ["cuda_ipc", "nccl", "grpc"]
+    assert decide("auto", _info(), _here(nccl_version=0)) == ["cuda_ipc", "grpc"]
+    assert decide("auto", _info(host_id="host-b"), _here()) == ["nccl", "grpc"]
+    assert decide("auto", _info(host_id="host-b", nccl_version=0), _here()) == ["grpc"]
+    # On this host NCCL is only the fallback of a CUDA IPC registration that failed.
+    assert decide("auto", _info(cuda_ipc=False), _here()) == ["grpc"]
+    assert decide("auto", _info(), cpu) == ["grpc"]
+    assert decide("auto", _info(cuda_ipc=False, nccl_version=0, backend="cpu"), _here()) == ["grpc"]
     # explicit: that transport, or a RuntimeError naming it and saying why.
     assert decide("cuda_ipc", _info(), _here()) == ["cuda_ipc"]
     assert decide("nccl", _info(host_id="host-b"), _here()) == ["nccl"]
@@ -210,14 +219,26 @@ def test_the_gpu_transport_decision_table():
         decide("nccl", _info(nccl_version=0), _here())
     with pytest.raises(RuntimeError, match="transport='nccl'.*cannot load NCCL"):
         decide("nccl", _info(host_id="host-b"), _here(nccl_version=0))
+    with pytest.raises(RuntimeError, match="transport='shm' is not possible with d:1: the daemon "
+                                           "offers no shared-memory transport"):
+        decide("shm", _info(), _here(), "d:1")
+    with pytest.raises(RuntimeError, match="transport='shm'.*runs on another host"):
+        decide("shm", _info(shm_socket="@muond", host_id="host-b"), _here())
+
+    # grpc by name asks the daemon nothing.
+    def no_call():
+        raise AssertionError("GetServerInfo was called")
+    assert [t.name for t in choice.candidates("grpc", Facts(no_call, _here()), "d:1")] == ["grpc"]
+    assert choice.NAMES == ("auto", "cuda_ipc", "nccl", "shm", "grpc")
 
 
 def test_parameter_device():
-    assert gpu_transport.parameter_device([torch.zeros(2)])[0] is None
-    assert "not on a CUDA device" in gpu_transport.parameter_device([torch.zeros(2)])[1]
-    assert "no parameters" in gpu_transport.parameter_device([])[1]
-    here = gpu_transport.Here.of([torch.zeros(1)])
+    assert parameter_device([torch.zeros(2)])[0] is None
+    assert "not on a CUDA device" in parameter_device([torch.zeros(2)])[1]
+    assert "no parameters" in parameter_device([])[1]
+    here = Here([torch.zeros(1)])
     assert here.device is None and here.host_id == shm.local_host_id()
+    assert here.uuid == "" and here.nccl_version == 0  # nothing loaded for CPU parameters
 
 
 def test_library_errors_name_the_call():
@@ -462,18 +483,18 @@ def test_a_wrong_byte_size_is_refused_naming_the_field(cuda_daemon):
     model = TinyNet(seed=66).cuda()
     with muond.RemoteOptimizer(muond.default_param_groups(model), endpoint=daemon.endpoint,
                                transport="cuda_ipc") as opt:
-        link = opt._links[0]._gpu
+        transport = opt._sessions[0].transport
         name = opt._names[0]
         header = opt._header(1, {})
         header.ClearField("return_dtype")
         header.ClearField("num_chunks")
         request = pb.StepSharedRequest(header=header)
         numel = opt._by_name[name].numel()
-        request.gradients.add(name=name, region=link.region, offset=0, byte_size=4 * numel - 4,
-                              dtype=pb.DTYPE_FP32)
+        request.gradients.add(name=name, region=transport.region, offset=0,
+                              byte_size=4 * numel - 4, dtype=pb.DTYPE_FP32)
         offsets, _ = slot_layout(opt._names, opt._sizes)
         for n in opt._names:
-            request.parameters.add(name=n, region=link.region, offset=offsets[n],
+            request.parameters.add(name=n, region=transport.region, offset=offsets[n],
                                    byte_size=4 * opt._sizes[n], dtype=pb.DTYPE_FP32)
         with pytest.raises(MuondError) as err:
             opt._conn.step_cuda(request)
@@ -496,7 +517,7 @@ def test_nccl_steps_equal_grpc_steps(cuda_daemon):
 
 
 def _nccl_allows_one_gpu() -> bool:
-    return torch.cuda.is_available() and gpu_transport.several_ranks_per_gpu(nccl.local_version())
+    return torch.cuda.is_available() and several_ranks_per_gpu(nccl.local_version())
 
 
 @pytest.mark.skipif(not _nccl_allows_one_gpu(),

@@ -180,10 +180,10 @@ def test_every_daemon_holds_whole_parameters_of_the_placement(three):
     with muond.RemoteOptimizer(groups(model), endpoints=endpoints,
                                qk_clip=[(model.wq, model.wk, HEADS)]) as opt:
         held = []
-        for k, link in enumerate(opt._links):
-            sessions = link.conn.list_sessions()
+        for k, daemon in enumerate(opt._sessions):
+            sessions = daemon.conn.list_sessions()
             assert [s.session_id for s in sessions] == [opt.session_id]
-            held.append(set(link.names))
+            held.append(set(daemon.names))
         assert set().union(*held) == {n for n, _ in model.named_parameters()}
         assert sum(len(h) for h in held) == len(list(model.parameters()))
         assert any("wq" in h and "wk" in h for h in held)  # the QK-clip pair together
@@ -215,8 +215,8 @@ def test_a_shard_killed_between_prepare_and_commit_resumes_bit_identical(start_d
     # SIGKILL of shard 2 after it prepared step 12 and before its commit: the restarted daemon
     # holds no prepared step, the commit is refused, and the client prepares again on every
     # shard (shards 0 and 1 answer with the decision they applied).
-    link = opt._links[2]
-    real_step = link.step
+    shard = opt._sessions[2]
+    real_step = shard.step
     killed = []
 
     def kill_before_first_commit(header, grads):
@@ -225,10 +225,10 @@ def test_a_shard_killed_between_prepare_and_commit_resumes_bit_identical(start_d
             restart(2)
         return real_step(header, grads)
 
-    link.step = kill_before_first_commit
+    shard.step = kill_before_first_commit
     infos.append(one_step(model, opt, 12, 0))
     assert killed == [12] and opt.last_info.attempts == 2
-    link.step = real_step
+    shard.step = real_step
     infos += [one_step(model, opt, step, 0) for step in range(13, 16)]
     opt.close(keep_session=True)
 

@@ -1,4 +1,5 @@
-"""A tiny ctypes binding of the CUDA runtime, for the CUDA IPC transport (``cuda_link.py``).
+"""A tiny ctypes binding of the CUDA runtime, for the CUDA IPC transport
+(``cuda_ipc_transport.py``).
 
 Only what exporting memory and an event to the daemon takes: ``cudaMalloc``/``cudaFree`` (a plain
 allocation, not a block of torch's caching allocator, which cannot be exported on its own),

@@ -1,4 +1,4 @@
-"""A ctypes binding of NCCL (``libnccl.so.2``), for the NCCL transport (``nccl_link.py``).
+"""A ctypes binding of NCCL (``libnccl.so.2``), for the NCCL transport (``nccl_transport.py``).
 
 Only what a two-rank point-to-point channel takes: ``ncclGetVersion``, ``ncclCommInitRank`` (the
 ``ncclUniqueId`` passed by value, a 128-byte structure), ``ncclGroupStart``/``ncclGroupEnd``,

@@ -1,0 +1,150 @@
+"""``DaemonSession``: one daemon's session as a ``RemoteOptimizer`` sees it.
+
+It owns the connection to one daemon, knows which of the optimizer's parameters that daemon's
+session holds (all of them, or one shard's), holds the session's step transport (``choice.py``
+picks it) and runs one try of a step — whole, prepare or commit (docs/sharding.md) — through it,
+writing the returned parameters into the parameter tensors. Retrying, the step counter and the
+decision over several shards belong to ``RemoteOptimizer``.
+
+Not thread-safe: a ``RemoteOptimizer`` may drive its sessions from worker threads, one thread per
+session at a time.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterator, List, Sequence, Tuple
+
+import grpc
+import torch
+
+from .. import wire
+from .._stubs import pb
+from ..client import Connection
+from ..errors import MuondError
+from .base import Facts, Grads, Here, StepTransport, TransportContext
+from .choice import open_transport
+from .grpc_transport import GrpcTransport
+
+
+class DaemonSession:
+    """The session ``session_id`` on the daemon behind ``conn``, holding the parameters
+    ``names`` (a subset of ``by_name``, in the optimizer's order), for trainer rank ``rank``."""
+
+    def __init__(self, conn: Connection, session_id: str, names: Sequence[str],
+                 by_name: Dict[str, torch.Tensor], *, wire_dtype: str, return_dtype: str,
+                 chunk_bytes: int, rank: int = 0):
+        self.conn = conn
+        self.endpoint = conn.endpoint
+        self.session_id = session_id
+        self.names: List[str] = list(names)
+        self.by_name = {n: by_name[n] for n in self.names}
+        self.sizes = {n: by_name[n].numel() for n in self.names}
+        # Optimizer slots smaller than their parameter (NorMuon's second moment): (name, slot) →
+        # elements; set by the optimizer that knows the groups.
+        self.slot_sizes: Dict[Tuple[str, str], int] = {}
+        self.loss_scale = 0.0  # the session loss scaler's scale when opened (0: none)
+        self.chunk_bytes = chunk_bytes
+        self._context = TransportContext(conn, session_id, tuple(self.names), self.sizes,
+                                         self.by_name, wire_dtype, return_dtype, chunk_bytes, rank)
+        self._facts = Facts(conn.server_info, Here(self.by_name.values()))
+        # gRPC until choose_transport (it needs nothing set up, so it serves before then too)
+        self.transport: StepTransport = GrpcTransport(self._context, self._facts)
+        self.created = False  # open() made the session (rather than attaching to one)
+
+    # -- the session -----------------------------------------------------------------------------
+
+    def open(self, spec: pb.SessionSpec) -> Tuple[bool, int]:
+        """Creates the session and uploads the parameters, or attaches and reads them back.
+        Returns (attached, last_step)."""
+        reply = self.conn.create_session(self.session_id, spec)
+        # Whether this open made the session (not attached to one that was there): what a failed
+        # sharded attach rolls back, and nothing else.
+        self.created = not reply.attached
+        self.loss_scale = float(reply.loss_scale)
+        if reply.attached and reply.initialized:
+            return True, self.refresh()
+        self.conn.upload(self.session_id, self._param_chunks())
+        if any(g.options.master_dtype not in ("", "fp32") for g in spec.groups):
+            self.refresh()  # 16-bit masters hold the values rounded: the parameters follow them
+        return bool(reply.attached), 0
+
+    def roll_back(self) -> None:
+        """Closes the session when this object's open() created it (best effort: a daemon that
+        cannot be reached keeps it until it is closed there)."""
+        if not self.created:
+            return
+        self.created = False
+        try:
+            self.conn.close_session(self.session_id)
+        except MuondError:
+            pass
+
+    def _param_chunks(self) -> Iterator[pb.TensorChunk]:
+        for name in self.names:
+            yield from wire.encode(name, self.by_name[name], "fp32", max_chunk_bytes=self.chunk_bytes)
+
+    def refresh(self) -> int:
+        """Copies the daemon's masters into the parameters; returns the session's last step."""
+        into = wire.ChunkAssembler(self.sizes)
+        last_step = self.conn.get_parameters(self.session_id, into, dtype=pb.DTYPE_FP32,
+                                             max_chunk_bytes=self.chunk_bytes)
+        copy_in(self.by_name, {name: t for (name, _), t in into.tensors().items()})
+        return last_step
+
+    # -- the transport ---------------------------------------------------------------------------
+
+    def choose_transport(self, wanted: str) -> str:
+        """Opens the transport ``wanted`` (a name of ``choice.NAMES``) and returns its name.
+        RuntimeError when one asked for by name is impossible, saying why."""
+        self.transport.close()
+        self.transport = open_transport(wanted, self._context, self._facts)
+        return self.transport.name
+
+    # -- one try of a step -----------------------------------------------------------------------
+
+    def step(self, header: pb.StepHeader, grads: Grads) -> pb.StepResult:
+        """One try of the step ``header`` with this session's ``grads``; the parameters it
+        answers (none for a prepare) are copied into the parameter tensors."""
+        header = pb.StepHeader.FromString(header.SerializeToString())
+        header.session_id = self.session_id
+        result, values = self.transport.step(header, grads)
+        if header.phase != pb.STEP_PHASE_PREPARE:
+            copy_in(self.by_name, values)
+        return result
+
+    # -- state and lifecycle ---------------------------------------------------------------------
+
+    def checkpoint(self) -> int:
+        return self.conn.checkpoint(self.session_id)
+
+    def get_state(self) -> Tuple[pb.StateHeader, Dict[Tuple[str, str], torch.Tensor]]:
+        into = wire.ChunkAssembler(self.sizes, slot_sizes=self.slot_sizes)
+        header = self.conn.get_state(self.session_id, into, max_chunk_bytes=self.chunk_bytes)
+        return header, into.tensors()
+
+    def set_state(self, header: pb.StateHeader, chunks: Iterator[pb.TensorChunk]) -> int:
+        return self.conn.set_state(self.session_id, header, chunks)
+
+    def close(self, end_session: bool) -> None:
+        """Ends the session when ``end_session`` (a session already gone is fine), then closes
+        the transport (its region, device memory or channel) and the connection."""
+        try:
+            if end_session:
+                try:
+                    self.conn.close_session(self.session_id)
+                except MuondError as err:
+                    if err.code != grpc.StatusCode.NOT_FOUND:
+                        raise
+        finally:
+            try:
+                self.transport.close()
+            finally:
+                self.conn.close()
+
+
+@torch.no_grad()
+def copy_in(by_name: Dict[str, torch.Tensor], values: Dict[str, torch.Tensor]) -> None:
+    """Copies each of ``values`` into the parameter of that name, in place."""
+    for name, value in values.items():
+        param = by_name[name]
+        param.copy_(value.view(param.shape), non_blocking=False)

@@ -1,0 +1,76 @@
+"""``ShmTransport``: a session's steps through a shared-memory region on the daemon's host.
+
+The session's region (``shm.SharedRegion``, in the ``slots.py`` layout) is created and registered
+with ``RegisterSharedMemory`` before the first try, and again after the daemon lost it; a try is one
+``StepShared`` call (docs/transports.md, "Shared memory").
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterator, Optional, Tuple
+
+import grpc
+import torch
+
+from .._stubs import pb
+from ..errors import MuondError
+from . import shm
+from .base import Facts, Grads, StepTransport, TransportContext
+from .slots import forgotten_when_lost, slot_layout, slot_request
+
+
+class ShmTransport(StepTransport):
+    """The shared-memory transport of one session."""
+
+    name = "shm"
+
+    def __init__(self, ctx: TransportContext, facts: Facts):
+        super().__init__(ctx, facts)
+        self._region: Optional[shm.SharedRegion] = None
+        self._region_name = ""
+        self._offsets, self._nbytes = slot_layout(ctx.names, ctx.sizes)
+
+    @classmethod
+    def reasons_against(cls, facts: Facts, *, auto: bool) -> Iterator[str]:
+        # One reason at most: each check needs the one before it to have passed.
+        info = facts.daemon
+        if not info.shm_socket:
+            yield "the daemon offers no shared-memory transport (--shm-socket none)"
+        elif not info.host_id or info.host_id != facts.here.host_id:
+            yield "the daemon runs on another host"
+        elif not shm.socket_reachable(info.shm_socket):
+            yield f"the daemon's socket {info.shm_socket} cannot be reached from here"
+
+    def _register(self) -> None:
+        """Creates and registers this session's region; at the first try rather than in
+        ``open``, so that a region that cannot be had fails that step (and "auto" never falls
+        back to gRPC over it)."""
+        self.close()
+        info = self.ctx.conn.server_info()
+        if not info.shm_socket:
+            raise MuondError(grpc.StatusCode.FAILED_PRECONDITION,
+                             "the daemon no longer offers shared memory", "StepShared")
+        region = shm.SharedRegion(info.shm_socket, max(self._nbytes, 1))
+        name = f"{self.ctx.session_id}/{region.ticket[:8]}"
+        try:
+            self.ctx.conn.register_shared_memory(name, region.ticket)
+        except BaseException:
+            region.close()
+            raise
+        self._region, self._region_name = region, name
+
+    def step(self, header: pb.StepHeader, grads: Grads
+             ) -> Tuple[pb.StepResult, Dict[str, torch.Tensor]]:
+        """One try over shared memory; the parameters after it, as views of the region."""
+        if self._region is None:
+            self._register()
+        request, views = slot_request(header, self.ctx, self._region_name, self._offsets,
+                                      self._region.tensor, grads)
+        with forgotten_when_lost(self.close, "region", "StepShared"):
+            result = self.ctx.conn.step_shared(request)
+        return result, views
+
+    def close(self) -> None:
+        if self._region is not None:
+            self._region.close()
+            self._region = None
