@@ -1,17 +1,16 @@
 #include "client/muond_client.h"
 
-#include "grpc/health/v1/health.grpc.pb.h"
-
-#include <algorithm>
 #include <fstream>
 #include <sstream>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "common/host_id.h"
+#include "client/transport/grpc_step_transport.h"
+#include "client/transport/parameter_output.h"
+#include "client/transport/step_transport.h"
+#include "client/transport/transport_choice.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
-#include "grpcpp/impl/codegen/proto_utils.h"
 #include "proto/wire/chunk_frame.h"
 #include "proto/wire/dtype_codec.h"
 
@@ -20,56 +19,6 @@ namespace {
 
 // The Step method of muond.v1.Muond, called over byte buffers (Session::StepOnce).
 constexpr char kStepMethod[] = "/muond.v1.Muond/Step";
-
-// The first chunk of `tensor`'s: its name and its shape (so the daemon can refuse a transposed one).
-v1::TensorChunk FirstChunk(const TensorView& tensor) {
-  v1::TensorChunk first;
-  first.set_name(tensor.name);
-  for (int64_t d : tensor.shape) first.add_shape(d);
-  return first;
-}
-
-using OutputSpans = std::map<std::string, std::span<float>>;
-
-// Where parameter `name`'s `numel` values go: the caller's span (`into`) or a vector of `out`.
-absl::StatusOr<std::span<float>> Destination(const std::string& name, int64_t numel, const OutputSpans& into,
-                                             ParameterMap* out) {
-  if (auto given = into.find(name); given != into.end()) {
-    if (given->second.size() != static_cast<size_t>(numel)) {
-      return absl::InvalidArgumentError(absl::StrCat("parameters_out['", name, "']: ", given->second.size(),
-                                                     " elements for a parameter of ", numel));
-    }
-    return given->second;
-  }
-  std::vector<float>& values = (*out)[name];
-  values.resize(static_cast<size_t>(numel));
-  return std::span<float>(values);
-}
-
-// Decodes one answer chunk — `meta` naming it, its payload in `pieces` (`bytes` in all) — into its
-// destination (Destination), sized from the spec.
-absl::Status ReadChunk(const v1::TensorChunk& meta, std::span<const absl::string_view> pieces, size_t bytes,
-                       const std::map<std::string, int64_t>& numel, const OutputSpans& into, ParameterMap* out) {
-  auto size = numel.find(meta.name());
-  const size_t element = wire::ElementSize(meta.dtype());
-  if (size == numel.end() || element == 0 || bytes % element != 0) {
-    return absl::InternalError(absl::StrCat("malformed chunk from the daemon for '", meta.name(), "'"));
-  }
-  absl::StatusOr<std::span<float>> values = Destination(meta.name(), size->second, into, out);
-  if (!values.ok()) return values.status();
-  const size_t count = bytes / element;
-  if (meta.offset() > values->size() || count > values->size() - meta.offset()) {
-    return absl::InternalError(absl::StrCat("chunk for '", meta.name(), "' runs past its end"));
-  }
-  wire::PayloadReader(pieces).Read(meta.dtype(), values->subspan(meta.offset(), count));
-  return absl::OkStatus();
-}
-
-absl::Status ReadChunk(const v1::TensorChunk& chunk, const std::map<std::string, int64_t>& numel,
-                       const OutputSpans& into, ParameterMap* out) {
-  const absl::string_view data = chunk.data();
-  return ReadChunk(chunk, std::span<const absl::string_view>(&data, 1), data.size(), numel, into, out);
-}
 
 std::map<std::string, int64_t> ElementCounts(const v1::SessionSpec& spec) {
   std::map<std::string, int64_t> counts;
@@ -180,39 +129,31 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
                            "TLS, the client certificate)"
                          : " (if the daemon serves TLS, set tls_ca_file or use_tls)"));
   }
-  const std::string& wanted = options.transport;
-  if (wanted != "auto" && wanted != "grpc" && wanted != "shm") {
-    return absl::InvalidArgumentError(absl::StrCat("transport: '", wanted, "' is not one of auto, grpc, shm"));
-  }
+  if (absl::Status named = CheckTransportName(options.transport); !named.ok()) return named;
   return std::unique_ptr<Client>(new Client(std::move(options), std::move(channel)));
 }
 
-absl::StatusOr<std::string> Client::Transport() {
+absl::StatusOr<const TransportKind*> Client::SettledTransport() {
   std::lock_guard<std::mutex> lock(transport_mu_);
-  if (transport_.empty()) {
-    absl::StatusOr<std::string> chosen = ChooseTransport();
+  if (transport_ == nullptr) {
+    absl::StatusOr<const TransportKind*> chosen =
+        ChooseTransport(options_.transport, [this] { return GetServerInfo(); });
     if (!chosen.ok()) return chosen.status();
     transport_ = *chosen;
   }
   return transport_;
 }
 
-absl::StatusOr<std::string> Client::ChooseTransport() {
-  const std::string& wanted = options_.transport;
-  if (wanted == "grpc") return std::string("grpc");
-  absl::StatusOr<v1::ServerInfo> info = GetServerInfo();
-  if (!info.ok()) return info.status();
-  std::string why;
-  if (info->shm_socket().empty()) {
-    why = "the daemon offers no shared-memory transport (--shm-socket none)";
-  } else if (info->host_id().empty() || info->host_id() != HostId()) {
-    why = "the daemon runs on another host";
-  } else if (!ShmSocketReachable(info->shm_socket())) {
-    why = absl::StrCat("the daemon's socket ", info->shm_socket(), " cannot be reached from here");
-  }
-  if (why.empty()) return std::string("shm");
-  if (wanted == "shm") return absl::FailedPreconditionError(absl::StrCat("transport: 'shm' is not possible: ", why));
-  return std::string("grpc");
+absl::StatusOr<std::string> Client::Transport() {
+  absl::StatusOr<const TransportKind*> kind = SettledTransport();
+  if (!kind.ok()) return kind.status();
+  return std::string((*kind)->name);
+}
+
+absl::StatusOr<std::unique_ptr<StepTransport>> Client::OpenTransport(const Session& session) {
+  absl::StatusOr<const TransportKind*> kind = SettledTransport();
+  if (!kind.ok()) return kind.status();
+  return (*kind)->open(*this, session);
 }
 
 void Client::PauseBeforeRetry(std::chrono::milliseconds backoff) const {
@@ -300,9 +241,16 @@ Session::Session(Client* client, std::string id, v1::SessionSpec spec, const v1:
   loss_scale_ = created.loss_scale();
 }
 
+Session::~Session() = default;
+
 v1::DType Session::WireDType(const std::string& name) const {
   auto it = wire_dtypes_.find(name);
   return it == wire_dtypes_.end() ? v1::DTYPE_FP32 : it->second;
+}
+
+v1::DType Session::ReturnDType(const StepOptions& options) const {
+  if (options.return_dtype != v1::DTYPE_UNSPECIFIED) return options.return_dtype;
+  return spec_.return_dtype() != v1::DTYPE_UNSPECIFIED ? spec_.return_dtype() : v1::DTYPE_FP32;
 }
 
 absl::Status Session::UploadParameters(std::span<const TensorView> parameters) {
@@ -344,9 +292,20 @@ absl::StatusOr<StepReply> Session::Step(int64_t step, std::span<const TensorView
                                                      " elements for a parameter of ", numel->second));
     }
   }
+  if (transport_ == nullptr) {
+    absl::StatusOr<std::unique_ptr<StepTransport>> opened = client_->OpenTransport(*this);
+    if (!opened.ok()) return opened.status();
+    transport_ = *std::move(opened);
+  }
+  return StepThrough(*transport_, step, StepPayload{.gradients = gradients}, options);
+}
+
+absl::StatusOr<StepReply> Session::StepThrough(StepTransport& transport, int64_t step, const StepPayload& payload,
+                                               const StepOptions& options) {
+  const v1::StepHeader header = Header(step, options);
   std::chrono::milliseconds backoff = client_->options().retry_backoff;
   for (int attempt = 1;; ++attempt) {
-    absl::StatusOr<StepReply> reply = StepOnce(step, gradients, options);
+    absl::StatusOr<StepReply> reply = transport.StepOnce(header, payload, options);
     if (reply.ok()) {
       reply->attempts = attempt;
       last_step_ = step;
@@ -381,166 +340,6 @@ v1::StepHeader Session::Header(int64_t step, const StepOptions& options) const {
   return header;
 }
 
-absl::StatusOr<StepReply> Session::StepOnce(int64_t step, std::span<const TensorView> gradients,
-                                            const StepOptions& options) {
-  absl::StatusOr<std::string> transport = client_->Transport();
-  if (!transport.ok()) return transport.status();
-  if (*transport == "shm") return StepOnceShared(step, gradients, options);
-  // Over byte buffers: each chunk's payload is encoded from the caller's tensor straight into the
-  // slice gRPC sends, and each answer is decoded from gRPC's receive slices straight into its
-  // destination. The messages are StepRequest and StepResponse in their protobuf encoding.
-  grpc::ClientContext context;
-  client_->PrepareContext(context);
-  std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> stream(
-      grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(
-          client_->channel(), client_->step_method(), &context));
-  v1::StepRequest request;
-  v1::StepHeader* header = request.mutable_header();
-  *header = Header(step, options);
-  header->set_return_dtype(options.return_dtype);
-  header->set_max_chunk_bytes(static_cast<uint32_t>(client_->options().chunk_bytes));
-  uint32_t num_chunks = 0;
-  for (const TensorView& tensor : gradients) {
-    num_chunks += static_cast<uint32_t>(
-        wire::ChunkCount(tensor.values.size(), WireDType(tensor.name), client_->options().chunk_bytes));
-  }
-  header->set_num_chunks(num_chunks);
-  grpc::ByteBuffer buffer;
-  bool own = false;
-  bool ok = grpc::SerializationTraits<v1::StepRequest>::Serialize(request, &buffer, &own).ok() && stream->Write(buffer);
-  wire::SlicePool& pool = client_->slice_pool();
-  for (const TensorView& tensor : gradients) {
-    if (!ok) break;
-    ok = wire::ForEachChunk(FirstChunk(tensor), tensor.values, WireDType(tensor.name), client_->options().chunk_bytes,
-                            [&](const v1::TensorChunk& meta, std::span<const float> values) {
-                              return stream->Write(wire::EncodeChunk(wire::kChunkField, meta, values, pool));
-                            });
-  }
-  stream->WritesDone();
-
-  StepReply reply;
-  const std::map<std::string, int64_t> numel = ElementCounts(spec_);
-  absl::Status decode = absl::OkStatus();
-  bool have_result = false;
-  wire::FramedChunk framed;
-
-  v1::StepResponse response;
-  while (stream->Read(&buffer)) {
-    if (!decode.ok()) continue;  // drain the stream; the first error is reported
-    if (wire::ParseChunkFrame(buffer, wire::kChunkField, &framed)) {
-      decode = ReadChunk(framed.meta, framed.data, framed.data_bytes, numel, options.parameters_out, &reply.parameters);
-    } else if (!grpc::SerializationTraits<v1::StepResponse>::Deserialize(&buffer, &response).ok()) {
-      decode = absl::InternalError("the daemon's step answer is not a StepResponse");
-    } else if (response.has_result()) {
-      CopyResult(response.result(), &reply);
-      have_result = true;
-    } else if (response.has_chunk()) {
-      decode = ReadChunk(response.chunk(), numel, options.parameters_out, &reply.parameters);
-    }
-  }
-  absl::Status status = FromGrpcStatus(stream->Finish());
-  if (!status.ok()) return status;
-  if (!decode.ok()) return decode;
-  if (!have_result) return absl::InternalError("the daemon's step answer had no result");
-  return reply;
-}
-
-absl::Status Session::SetUpRegion() {
-  region_.reset();
-  // One try: a daemon that is down makes this step attempt fail, and Step's own retries go on.
-  v1::ServerInfo server;
-  {
-    grpc::ClientContext context;
-    client_->PrepareContext(context);
-    absl::Status reached = FromGrpcStatus(client_->stub().GetServerInfo(&context, v1::GetServerInfoRequest(), &server));
-    if (!reached.ok()) return reached;
-  }
-  const v1::ServerInfo* info = &server;
-  if (info->shm_socket().empty()) {
-    return absl::FailedPreconditionError("transport: the daemon no longer offers shared memory");
-  }
-  uint64_t bytes = 0;
-  region_offsets_.clear();
-  for (const auto& [name, numel] : numel_) {
-    region_offsets_[name] = bytes;
-    bytes += static_cast<uint64_t>(numel) * sizeof(float);  // fits every dtype, in or out
-  }
-  absl::StatusOr<std::unique_ptr<ShmRegion>> region = ShmRegion::Create(info->shm_socket(), std::max<uint64_t>(bytes, 1));
-  if (!region.ok()) return region.status();
-  const std::string name = absl::StrCat(id_, "/", (*region)->ticket().substr(0, 8));
-  grpc::ClientContext context;
-  client_->PrepareContext(context);
-  v1::RegisterSharedMemoryRequest request;
-  request.set_name(name);
-  request.set_ticket((*region)->ticket());
-  v1::RegisterSharedMemoryResponse response;
-  absl::Status registered = FromGrpcStatus(client_->stub().RegisterSharedMemory(&context, request, &response));
-  if (!registered.ok()) return registered;
-  region_ = *std::move(region);
-  region_name_ = name;
-  return absl::OkStatus();
-}
-
-absl::StatusOr<StepReply> Session::StepOnceShared(int64_t step, std::span<const TensorView> gradients,
-                                                  const StepOptions& options) {
-  if (region_ == nullptr) {
-    if (absl::Status ready = SetUpRegion(); !ready.ok()) return ready;
-  }
-  v1::StepSharedRequest request;
-  *request.mutable_header() = Header(step, options);
-  // The gradients are written before every attempt: an answer overwrites them with parameters.
-  for (const TensorView& tensor : gradients) {
-    const v1::DType dtype = WireDType(tensor.name);
-    v1::SharedTensor* ref = request.add_gradients();
-    ref->set_name(tensor.name);
-    ref->set_region(region_name_);
-    ref->set_dtype(dtype);
-    ref->set_byte_size(tensor.values.size() * wire::ElementSize(dtype));
-    auto slot = region_offsets_.find(tensor.name);
-    auto numel = numel_.find(tensor.name);
-    if (slot == region_offsets_.end() || numel == numel_.end() ||
-        static_cast<int64_t>(tensor.values.size()) != numel->second) {
-      continue;  // not written: the daemon refuses the reference, naming the field
-    }
-    ref->set_offset(slot->second);
-    wire::EncodeTo(dtype, tensor.values, region_->data() + slot->second);
-  }
-  const v1::DType answer = options.return_dtype != v1::DTYPE_UNSPECIFIED ? options.return_dtype
-                           : spec_.return_dtype() != v1::DTYPE_UNSPECIFIED ? spec_.return_dtype()
-                                                                            : v1::DTYPE_FP32;
-  for (const auto& [name, numel] : numel_) {
-    v1::SharedTensor* ref = request.add_parameters();
-    ref->set_name(name);
-    ref->set_region(region_name_);
-    ref->set_offset(region_offsets_[name]);
-    ref->set_byte_size(static_cast<uint64_t>(numel) * wire::ElementSize(answer));
-    ref->set_dtype(answer);
-  }
-  grpc::ClientContext context;
-  client_->PrepareContext(context);
-  v1::StepSharedResponse response;
-  absl::Status status = FromGrpcStatus(client_->stub().StepShared(&context, request, &response));
-  if (!status.ok()) {
-    if (status.code() == absl::StatusCode::kUnavailable) region_.reset();  // a restarted daemon has lost it
-    if (ReasonOf(status) == v1::REGION_NOT_FOUND) {
-      region_.reset();
-      return absl::UnavailableError(absl::StrCat("the daemon lost this session's region (restarted?): ",
-                                                 status.message()));
-    }
-    return status;
-  }
-  StepReply reply;
-  CopyResult(response.result(), &reply);
-  if (options.phase == v1::STEP_PHASE_PREPARE) return reply;  // the region still holds the gradients
-  for (const auto& [name, numel] : numel_) {
-    absl::StatusOr<std::span<float>> values = Destination(name, numel, options.parameters_out, &reply.parameters);
-    if (!values.ok()) return values.status();
-    wire::Decode(answer, absl::string_view(region_->data() + region_offsets_[name], numel * wire::ElementSize(answer)),
-                 *values);
-  }
-  return reply;
-}
-
 absl::StatusOr<ParameterMap> Session::GetParameters(int64_t* last_step, const std::vector<std::string>& names) {
   std::chrono::milliseconds backoff = client_->options().retry_backoff;
   for (int attempt = 1;; ++attempt) {
@@ -562,7 +361,6 @@ absl::StatusOr<ParameterMap> Session::GetParametersOnce(int64_t* last_step, cons
   request.set_max_chunk_bytes(static_cast<uint32_t>(client_->options().chunk_bytes));
   for (const std::string& name : names) request.add_names(name);
   auto reader = client_->stub().GetParameters(&context, request);
-  const std::map<std::string, int64_t> numel = ElementCounts(spec_);
   ParameterMap parameters;
   absl::Status decode = absl::OkStatus();
   v1::GetParametersResponse response;
@@ -570,7 +368,7 @@ absl::StatusOr<ParameterMap> Session::GetParametersOnce(int64_t* last_step, cons
   while (reader->Read(&response)) {
     if (first && last_step != nullptr) *last_step = response.last_step();
     first = false;
-    if (decode.ok()) decode = ReadChunk(response.chunk(), numel, OutputSpans(), &parameters);
+    if (decode.ok()) decode = ReadChunk(response.chunk(), numel_, OutputSpans(), &parameters);
   }
   absl::Status status = FromGrpcStatus(reader->Finish());
   if (!status.ok()) return status;

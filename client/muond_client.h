@@ -6,8 +6,9 @@
 // parameters, so Step() retries transient failures (UNAVAILABLE, DEADLINE_EXCEEDED) with the same
 // step number.
 //
-// Steps travel as chunked gRPC streams or, with a daemon on the same host, through a shared-memory
-// region the session registers (ClientOptions::transport); the semantics are the same on both.
+// Steps travel through a step transport (client/transport/step_transport.h): chunked gRPC streams
+// or, with a daemon on the same host, a shared-memory region the session registers
+// (ClientOptions::transport); the semantics are the same on every one.
 //
 // Errors are absl::Status values carrying the daemon's gRPC code and message unchanged.
 // Thread-safety: a Client may be shared by threads; a Session must be used by one thread at a time.
@@ -26,7 +27,6 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "client/error_reason.h"
-#include "client/shm_region.h"
 #include "muond/v1/muond.grpc.pb.h"
 
 namespace muond::wire {
@@ -34,6 +34,10 @@ class SlicePool;
 }
 
 namespace muond::client {
+
+class StepTransport;
+struct StepPayload;
+struct TransportKind;
 
 struct ClientOptions {
   std::string endpoint = "127.0.0.1:50051";
@@ -139,6 +143,8 @@ class Client {
   // "grpc" or "shm": the transport steps use (ClientOptions::transport). Settled by the first step
   // (or the first call of this), not by Connect, so that connecting makes no call of its own.
   absl::StatusOr<std::string> Transport();
+  // A new transport of the settled kind for `session`'s steps.
+  absl::StatusOr<std::unique_ptr<StepTransport>> OpenTransport(const Session& session);
   void PrepareContext(grpc::ClientContext& context) const;
   // Waits `backoff` before a retry while watching the channel, so that it reconnects meanwhile: gRPC
   // notices a finished connection attempt only while something polls the channel (otherwise only
@@ -148,11 +154,11 @@ class Client {
 
  private:
   Client(ClientOptions options, std::shared_ptr<grpc::Channel> channel);
-  // The transport options_.transport and the daemon's offer give.
-  absl::StatusOr<std::string> ChooseTransport();
+  // The transport options_.transport and the daemon's offer give (transport_choice.h), settled once.
+  absl::StatusOr<const TransportKind*> SettledTransport();
   ClientOptions options_;
   std::mutex transport_mu_;
-  std::string transport_;  // empty until settled
+  const TransportKind* transport_ = nullptr;  // null until settled
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Muond::Stub> stub_;
   grpc::internal::RpcMethod step_method_;
@@ -162,8 +168,16 @@ class Client {
 class Session {
  public:
   Session(Client* client, std::string id, v1::SessionSpec spec, const v1::CreateSessionResponse& created);
+  ~Session();
 
   const std::string& id() const { return id_; }
+  const v1::SessionSpec& spec() const { return spec_; }
+  // Each parameter's element count, by name.
+  const std::map<std::string, int64_t>& element_counts() const { return numel_; }
+  // The dtype parameter `name`'s gradients travel in (its spec's wire_dtype; fp32 by default).
+  v1::DType WireDType(const std::string& name) const;
+  // The dtype the parameters come back in with `options` (the step's, the session's, or fp32).
+  v1::DType ReturnDType(const StepOptions& options) const;
   bool attached() const { return attached_; }
   bool initialized() const { return initialized_; }
   int64_t last_step() const { return last_step_; }  // as of creation or the last Step
@@ -179,6 +193,12 @@ class Session {
   absl::StatusOr<StepReply> Step(int64_t step, std::span<const TensorView> gradients,
                                  const StepOptions& options = {});
 
+  // Step `step` through `transport` (a transport of this session): the header is built here, and
+  // transient failures are retried with the same step number. Session::Step uses the Client's
+  // transport; CudaIpcStepper its own.
+  absl::StatusOr<StepReply> StepThrough(StepTransport& transport, int64_t step, const StepPayload& payload,
+                                        const StepOptions& options);
+
   // The daemon's current parameters (all, or the named ones) and the step they belong to.
   absl::StatusOr<ParameterMap> GetParameters(int64_t* last_step = nullptr,
                                              const std::vector<std::string>& names = {});
@@ -190,31 +210,21 @@ class Session {
 
  private:
   absl::StatusOr<ParameterMap> GetParametersOnce(int64_t* last_step, const std::vector<std::string>& names);
-  absl::StatusOr<StepReply> StepOnce(int64_t step, std::span<const TensorView> gradients, const StepOptions& options);
-  // The shared-memory step: gradients and parameters through this session's region.
-  absl::StatusOr<StepReply> StepOnceShared(int64_t step, std::span<const TensorView> gradients,
-                                           const StepOptions& options);
-  // Creates and registers the region (one 4-byte slot per element of every parameter).
-  absl::Status SetUpRegion();
   v1::StepHeader Header(int64_t step, const StepOptions& options) const;
-  v1::DType WireDType(const std::string& name) const;
-  friend class CudaIpcStepper;  // steps this session over CUDA IPC with its header and counts
 
   Client* const client_;
   const std::string id_;
   const v1::SessionSpec spec_;
   std::map<std::string, v1::DType> wire_dtypes_;
   std::map<std::string, int64_t> numel_;
-  std::unique_ptr<ShmRegion> region_;  // shared-memory transport, once a step needed it
-  std::string region_name_;
-  std::map<std::string, uint64_t> region_offsets_;  // per parameter, into region_
+  std::unique_ptr<StepTransport> transport_;  // the Client's kind, once a step needed it
   bool attached_ = false;
   bool initialized_ = false;
   int64_t last_step_ = 0;
   double loss_scale_ = 0;
 };
 
-// For transports built on this library (client/cuda_ipc_stepper.h): whether a failed call may be
+// For step transports: whether a failed call may be
 // retried as it is (UNAVAILABLE, DEADLINE_EXCEEDED), and the daemon's StepResult into a reply.
 bool IsTransient(absl::StatusCode code);
 void CopyResult(const v1::StepResult& result, StepReply* reply);

@@ -31,6 +31,7 @@ endif()
 install(FILES client/muond_client.h client/error_reason.h client/sharded_session.h client/shard_placement.h
               client/shm_region.h
   DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/muond/client)
+install(FILES client/transport/step_transport.h DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/muond/client/transport)
 install(FILES proto/wire/chunk_frame.h proto/wire/dtype_codec.h
   DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/muond/proto/wire)
 install(FILES ${PROJECT_BINARY_DIR}/proto/gen/muond/v1/muond.pb.h ${PROJECT_BINARY_DIR}/proto/gen/muond/v1/muond.grpc.pb.h

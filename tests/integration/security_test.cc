@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "client/muond_client.h"
+#include "client/shm_region.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "client/shm_region.h"
+#include "client/transport/transport_choice.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "tests/integration/daemon_fixture.h"
@@ -91,6 +92,41 @@ TEST_F(ShmTest, AutoChoosesSharedMemoryOnTheDaemonsHost) {
   options.endpoint = daemon_->endpoint();
   options.transport = "carrier-pigeon";
   EXPECT_THAT(client::Client::Connect(options), StatusIs(absl::StatusCode::kInvalidArgument, "transport"));
+}
+
+TEST_F(ShmTest, AutoIsTheFirstViableTransportAndANamedOneSaysWhyNot) {
+  ASSERT_OK_AND_ASSIGN(const v1::ServerInfo here, client_->GetServerInfo());
+  int asked = 0;
+  auto choose = [&](const std::string& wanted, const v1::ServerInfo& info) {
+    return client::ChooseTransport(wanted, [&]() -> absl::StatusOr<v1::ServerInfo> {
+      ++asked;
+      return info;
+    });
+  };
+  ASSERT_OK_AND_ASSIGN(const client::TransportKind* chosen, choose("grpc", here));
+  EXPECT_STREQ(chosen->name, "grpc");
+  EXPECT_EQ(asked, 0) << "gRPC needs nothing from the daemon";
+  ASSERT_OK_AND_ASSIGN(chosen, choose("auto", here));
+  EXPECT_STREQ(chosen->name, "shm");
+  EXPECT_EQ(asked, 1);
+
+  v1::ServerInfo no_socket = here;
+  no_socket.clear_shm_socket();
+  v1::ServerInfo elsewhere = here;
+  elsewhere.set_host_id("another-host");
+  v1::ServerInfo unreachable = here;
+  unreachable.set_shm_socket("@muond-no-such-socket");
+  for (const auto& [info, why] : {std::pair{no_socket, "offers no shared-memory transport"},
+                                  std::pair{elsewhere, "runs on another host"},
+                                  std::pair{unreachable, "cannot be reached from here"}}) {
+    ASSERT_OK_AND_ASSIGN(chosen, choose("auto", info));
+    EXPECT_STREQ(chosen->name, "grpc") << why;
+    EXPECT_THAT(choose("shm", info).status(),
+                StatusIs(absl::StatusCode::kFailedPrecondition, "transport: 'shm' is not possible"));
+    EXPECT_THAT(std::string(choose("shm", info).status().message()), HasSubstr(why));
+  }
+  EXPECT_THAT(choose("carrier-pigeon", here).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, "transport: 'carrier-pigeon' is not one of auto, shm, grpc"));
 }
 
 TEST_F(ShmTest, StepsMatchTheGrpcTransportBitForBit) {

@@ -1,0 +1,88 @@
+#include "client/transport/grpc_step_transport.h"
+
+#include "client/transport/parameter_output.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/impl/codegen/proto_utils.h"
+#include "proto/wire/chunk_frame.h"
+#include "proto/wire/dtype_codec.h"
+
+namespace muond::client {
+namespace {
+
+std::unique_ptr<StepTransport> Open(Client& client, const Session& session) {
+  return std::make_unique<GrpcStepTransport>(client, session);
+}
+
+}  // namespace
+
+const TransportKind& GrpcTransportKind() {
+  static const TransportKind kind{.name = "grpc", .unviable = nullptr, .open = Open};
+  return kind;
+}
+
+v1::TensorChunk FirstChunk(const TensorView& tensor) {
+  v1::TensorChunk first;
+  first.set_name(tensor.name);
+  for (int64_t d : tensor.shape) first.add_shape(d);
+  return first;
+}
+
+absl::StatusOr<StepReply> GrpcStepTransport::StepOnce(const v1::StepHeader& header, const StepPayload& payload,
+                                                      const StepOptions& options) {
+  const size_t chunk_bytes = client_.options().chunk_bytes;
+  grpc::ClientContext context;
+  client_.PrepareContext(context);
+  std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> stream(
+      grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(
+          client_.channel(), client_.step_method(), &context));
+  v1::StepRequest request;
+  v1::StepHeader* sent = request.mutable_header();
+  *sent = header;
+  sent->set_return_dtype(options.return_dtype);
+  sent->set_max_chunk_bytes(static_cast<uint32_t>(chunk_bytes));
+  uint32_t num_chunks = 0;
+  for (const TensorView& tensor : payload.gradients) {
+    num_chunks +=
+        static_cast<uint32_t>(wire::ChunkCount(tensor.values.size(), session_.WireDType(tensor.name), chunk_bytes));
+  }
+  sent->set_num_chunks(num_chunks);
+  grpc::ByteBuffer buffer;
+  bool own = false;
+  bool ok = grpc::SerializationTraits<v1::StepRequest>::Serialize(request, &buffer, &own).ok() && stream->Write(buffer);
+  wire::SlicePool& pool = client_.slice_pool();
+  for (const TensorView& tensor : payload.gradients) {
+    if (!ok) break;
+    ok = wire::ForEachChunk(FirstChunk(tensor), tensor.values, session_.WireDType(tensor.name), chunk_bytes,
+                            [&](const v1::TensorChunk& meta, std::span<const float> values) {
+                              return stream->Write(wire::EncodeChunk(wire::kChunkField, meta, values, pool));
+                            });
+  }
+  stream->WritesDone();
+
+  StepReply reply;
+  const std::map<std::string, int64_t>& numel = session_.element_counts();
+  absl::Status decode = absl::OkStatus();
+  bool have_result = false;
+  wire::FramedChunk framed;
+  v1::StepResponse response;
+  while (stream->Read(&buffer)) {
+    if (!decode.ok()) continue;  // drain the stream; the first error is reported
+    if (wire::ParseChunkFrame(buffer, wire::kChunkField, &framed)) {
+      decode = ReadChunk(framed.meta, framed.data, framed.data_bytes, numel, options.parameters_out, &reply.parameters);
+    } else if (!grpc::SerializationTraits<v1::StepResponse>::Deserialize(&buffer, &response).ok()) {
+      decode = absl::InternalError("the daemon's step answer is not a StepResponse");
+    } else if (response.has_result()) {
+      CopyResult(response.result(), &reply);
+      have_result = true;
+    } else if (response.has_chunk()) {
+      decode = ReadChunk(response.chunk(), numel, options.parameters_out, &reply.parameters);
+    }
+  }
+  absl::Status status = FromGrpcStatus(stream->Finish());
+  if (!status.ok()) return status;
+  if (!decode.ok()) return decode;
+  if (!have_result) return absl::InternalError("the daemon's step answer had no result");
+  return reply;
+}
+
+}  // namespace muond::client

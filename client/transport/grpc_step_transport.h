@@ -1,0 +1,30 @@
+// The gRPC step transport: one bidirectional Step stream per try, over byte buffers. Each chunk's
+// payload is encoded from the caller's tensor straight into the slice gRPC sends, and each answer
+// chunk is decoded from gRPC's receive slices straight into its destination; the messages are
+// StepRequest and StepResponse in their protobuf encoding. Always viable; holds no daemon state.
+//
+// Ownership: borrows the Client and the Session (which outlive it). One thread at a time.
+#pragma once
+
+#include "client/transport/transport_choice.h"
+
+namespace muond::client {
+
+const TransportKind& GrpcTransportKind();
+
+// The first chunk of `tensor`'s: its name and its shape (so the daemon can refuse a transposed one).
+v1::TensorChunk FirstChunk(const TensorView& tensor);
+
+class GrpcStepTransport : public StepTransport {
+ public:
+  GrpcStepTransport(Client& client, const Session& session) : client_(client), session_(session) {}
+  std::string_view name() const override { return "grpc"; }
+  absl::StatusOr<StepReply> StepOnce(const v1::StepHeader& header, const StepPayload& payload,
+                                     const StepOptions& options) override;
+
+ private:
+  Client& client_;
+  const Session& session_;
+};
+
+}  // namespace muond::client
