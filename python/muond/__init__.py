@@ -12,9 +12,13 @@ on a muond daemon that holds the fp32 master parameters and the optimizer state:
             opt.step()
             opt.zero_grad()
 
-``LocalOptimizer`` runs the same optimizers in-process; ``Connection`` is the protocol layer (one
-method per RPC); ``MuondError`` is what a failed daemon call raises (``.code`` is a
-``grpc.StatusCode``, ``.details`` the daemon's message).
+``ConnectionOptions`` groups how the optimizer reaches its daemons (endpoints, deadlines, token and
+TLS, retries, the step transport). ``LocalOptimizer`` runs the same optimizers in-process;
+``Connection`` is the protocol layer (one method per RPC); ``MuondError`` is what a failed daemon
+call raises (``.code`` is a ``grpc.StatusCode``, ``.details`` the daemon's message).
+
+The modules users see are at the top of the package; ``muond.transport`` holds the step
+transports' plumbing (docs/architecture.md, "The Python client").
 """
 
 # The generated stubs (muond._proto) may live in another folder on sys.path than this file, e.g.
@@ -24,6 +28,7 @@ from pkgutil import extend_path
 __path__ = extend_path(__path__, __name__)
 
 from .client import Connection  # noqa: E402
+from .connection_options import ConnectionOptions  # noqa: E402
 from .errors import MuondError  # noqa: E402
 from .local import LocalOptimizer  # noqa: E402
 from .optimizer import RemoteOptimizer  # noqa: E402
@@ -32,5 +37,5 @@ from .step_info import StepInfo  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["Connection", "LocalOptimizer", "MuondError", "RemoteOptimizer", "StepInfo",
-           "default_param_groups", "__version__"]
+__all__ = ["Connection", "ConnectionOptions", "LocalOptimizer", "MuondError", "RemoteOptimizer",
+           "StepInfo", "default_param_groups", "__version__"]

@@ -261,6 +261,41 @@ def test_newton_schulz_orthogonalizes():
     assert o.shape == g.shape and 0.6 < s.min() and s.max() < 1.2  # Jordan's band [0.68, 1.13]
 
 
+# -- ConnectionOptions ---------------------------------------------------------------------------
+
+def test_connection_options_gather_the_connection_keywords():
+    from dataclasses import FrozenInstanceError
+    conn, rest = muond.ConnectionOptions.from_arguments(
+        None, "h:1", {"timeout": 3.0, "transport": "grpc", "lr": 0.1, "chunk_bytes": 64})
+    assert conn == muond.ConnectionOptions(endpoint="h:1", timeout=3.0, transport="grpc",
+                                           chunk_bytes=64)
+    assert rest == {"lr": 0.1}
+    given = muond.ConnectionOptions(endpoint="h:2", max_step_attempts=2)
+    assert muond.ConnectionOptions.from_arguments(given, None, {"lr": 0.1}) == (given, {"lr": 0.1})
+    with pytest.raises(FrozenInstanceError):
+        given.timeout = 1.0
+    assert (given.endpoint_list(), given.step_attempts()) == (["h:2"], 2)
+    assert muond.ConnectionOptions(transport="shm").transport_name() == "shm"
+    with pytest.raises(ValueError, match="'pigeon' is not one of auto, cuda_ipc, nccl, shm, grpc"):
+        muond.ConnectionOptions(transport="pigeon").transport_name()
+    with pytest.raises(ValueError, match="max_step_attempts must be at least 1"):
+        muond.ConnectionOptions(max_step_attempts=0).step_attempts()
+
+
+def test_a_connection_option_given_twice_is_a_type_error_naming_it():
+    model = nn.Linear(4, 4)
+    conn = muond.ConnectionOptions(endpoint="127.0.0.1:1", connect_timeout=0.1)
+    for keywords, field in (({"timeout": 5.0}, "timeout"), ({"transport": "grpc"}, "transport"),
+                            ({"endpoint": "127.0.0.1:2"}, "endpoint")):
+        with pytest.raises(TypeError, match=f"'{field}' was given both as an argument and in "
+                                            f"connection="):
+            muond.RemoteOptimizer(model.parameters(), connection=conn, **keywords)
+    with pytest.raises(TypeError, match="'endpoint' was given both"):
+        muond.RemoteOptimizer(model.parameters(), "127.0.0.1:2", connection=conn)
+    with pytest.raises(TypeError, match="connection: a muond.ConnectionOptions"):
+        muond.RemoteOptimizer(model.parameters(), connection={"endpoint": "127.0.0.1:1"})
+
+
 # -- generated stubs -----------------------------------------------------------------------------
 
 def test_generated_stubs_import_as_a_subpackage(tmp_path):

@@ -39,6 +39,19 @@ def test_transport_choice(endpoint):
                               transport="pigeon")
 
 
+def test_connection_options_work_like_the_keywords(endpoint):
+    model = TinyNet(seed=43)
+    conn = muond.ConnectionOptions(endpoint=endpoint, transport="grpc", max_step_attempts=2,
+                                   retry_backoff=0.5, timeout=30.0)
+    with muond.RemoteOptimizer(muond.default_param_groups(model), connection=conn) as opt:
+        assert opt.transport == "grpc" and opt.connection is conn
+        assert opt.max_step_attempts == 2 and opt._conn.max_attempts == 2
+        assert opt._conn.retry_backoff == 0.5 and opt._conn.timeout == 30.0
+        loss_of(model, 1).backward()
+        opt.step()
+        assert opt.last_info.applied
+
+
 def test_shm_is_refused_when_the_daemon_offers_none(start_daemon):
     daemon = start_daemon("--shm-socket", "none")
     model = TinyNet(seed=41)

@@ -1,0 +1,78 @@
+"""The ``SessionSpec`` a ``RemoteOptimizer`` creates its session with, and its shards' specs.
+
+The whole spec lists every group (its options, ``options.group_options_proto``), every parameter
+(shape, group, wire dtype, fused-QKV split, tensor-parallel blocks), the QK-clip pairs and the loss
+scaler. With several daemons each gets the parameters placed on it (``placement.py``), every group,
+the QK-clip pairs whose query it holds and the placement itself (docs/sharding.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+from . import options as opts
+from . import placement
+from . import wire
+from ._stubs import pb
+
+
+def whole_spec(param_groups: Sequence[Dict[str, Any]], group_names: Sequence[str],
+               qk_clip: Sequence[Any], *, world_size: int, wire_dtype: str, return_dtype: str,
+               loss_scaler: Optional[Dict[str, Any]]) -> pb.SessionSpec:
+    """The spec of the whole session."""
+    spec = pb.SessionSpec(world_size=world_size, return_dtype=wire.dtype_enum(return_dtype))
+    for group, gname in zip(param_groups, group_names):
+        spec.groups.add(name=gname, options=opts.group_options_proto(group))
+        for p, pname in zip(group["params"], group["param_names"]):
+            ps = spec.parameters.add(name=pname, shape=list(p.shape), group=gname,
+                                     wire_dtype=wire.dtype_enum(wire_dtype))
+            if group.get("qkv_split") is not None:
+                ps.qkv_split.extend(group["qkv_split"])
+                ps.num_query_groups = group.get("num_query_groups") or 1
+            if (group.get("tp_blocks") or 1) > 1:
+                ps.tp_blocks = group["tp_blocks"]
+                ps.tp_block_dim = group.get("tp_block_dim", 0)
+    for pair in qk_clip:
+        added = spec.qk_clip.add(query=pair.query, key=pair.key, num_heads=pair.num_heads)
+        if pair.mla is not None:
+            added.mla.qk_nope_head_dim = pair.mla.qk_nope_head_dim
+            added.mla.qk_rope_head_dim = pair.mla.qk_rope_head_dim
+            added.mla.v_head_dim = pair.mla.v_head_dim
+    if loss_scaler is not None:
+        spec.loss_scaler.SetInParent()
+        for key, value in loss_scaler.items():
+            setattr(spec.loss_scaler, key, value)
+    return spec
+
+
+def shard_spec(whole: pb.SessionSpec, shard: int, mine: Sequence[int],
+               endpoints: Sequence[str]) -> pb.SessionSpec:
+    """The spec of daemon ``shard`` of ``endpoints``, which holds the parameters ``mine``
+    (indices into ``whole.parameters``)."""
+    names = {whole.parameters[i].name for i in mine}
+    spec = pb.SessionSpec(world_size=whole.world_size, return_dtype=whole.return_dtype)
+    spec.groups.extend(whole.groups)
+    spec.parameters.extend(whole.parameters[i] for i in mine)
+    spec.qk_clip.extend(p for p in whole.qk_clip if p.query in names)
+    if whole.HasField("loss_scaler"):
+        spec.loss_scaler.CopyFrom(whole.loss_scaler)
+    spec.shard.endpoints.extend(endpoints)
+    spec.shard.index = shard
+    spec.shard.num_parameters = len(whole.parameters)
+    spec.shard.parameters.extend(mine)
+    return spec
+
+
+def place(param_groups: Sequence[Dict[str, Any]], together: List[tuple],
+          num_daemons: int) -> placement.Placement:
+    """The placement of the groups' parameters (in order) on ``num_daemons`` daemons, keeping the
+    index pairs ``together`` on one daemon."""
+    tensors = []
+    for group in param_groups:
+        split = group.get("qkv_split")
+        for p in group["params"]:
+            tensors.append(placement.Tensor(
+                tuple(p.shape), group["optimizer"] == "muon",
+                tuple(split) if split is not None else None,
+                group.get("num_query_groups") or 1))
+    return placement.place(tensors, num_daemons, together)
