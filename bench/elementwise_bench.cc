@@ -133,10 +133,11 @@ int Run(const Flags& flags) {
       const double gparams = static_cast<double>(total) / seconds / 1e9;
       const double gbps = gparams * c.bytes_per_param;
       if (flags.json) {
-        std::printf("{\"bench\": \"step\", \"optimizer\": \"%s\", \"params\": %lld, \"ms_median\": %.3f, "
-                    "\"gparams\": %.4f, \"gbps\": %.3f, \"bytes_per_param\": %.0f, \"state_dtype\": \"%s\"}\n",
-                    c.name, static_cast<long long>(total), seconds * 1e3, gparams, gbps, c.bytes_per_param,
-                    flags.state_dtype.c_str());
+        std::printf(
+            "{\"bench\": \"step\", \"optimizer\": \"%s\", \"params\": %lld, \"ms_median\": %.3f, "
+            "\"gparams\": %.4f, \"gbps\": %.3f, \"bytes_per_param\": %.0f, \"state_dtype\": \"%s\"}\n",
+            c.name, static_cast<long long>(total), seconds * 1e3, gparams, gbps, c.bytes_per_param,
+            flags.state_dtype.c_str());
       } else {
         std::printf("%-8s %12lld %12.3f %12.2f\n", c.name, static_cast<long long>(total), gparams, gbps);
       }

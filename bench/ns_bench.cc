@@ -33,13 +33,11 @@ struct Flags {
 
 int Run(const Flags& flags) {
   std::unique_ptr<kernels::Backend> backend = BackendOrDie(flags.backend, flags.threads);
-  const std::string precision_name =
-      flags.precision.empty() ? DefaultPrecision(*backend) : flags.precision;
+  const std::string precision_name = flags.precision.empty() ? DefaultPrecision(*backend) : flags.precision;
   const kernels::MatmulPrecision precision = ParsePrecision(precision_name);
   if (!flags.json) {
-    std::printf("muond Newton-Schulz (%s) on %s (%s), %s GEMMs, %d steps, %d timed reps\n",
-                flags.algorithm.c_str(), backend->Name().c_str(), backend->Detail().c_str(),
-                precision_name.c_str(), flags.steps, flags.reps);
+    std::printf("muond Newton-Schulz (%s) on %s (%s), %s GEMMs, %d steps, %d timed reps\n", flags.algorithm.c_str(),
+                backend->Name().c_str(), backend->Detail().c_str(), precision_name.c_str(), flags.steps, flags.reps);
     std::printf("%-20s %12s %10s\n", "shape", "ms/call", "TFLOP/s");
   }
   std::mt19937 rng(1);
@@ -58,14 +56,13 @@ int Run(const Flags& flags) {
     const optim::NsSchedule schedule = gram ? *optim::NamedSchedule("gram_polar_express") : optim::NsSchedule{};
     auto call = [&] {
       if (gram) {
-        CheckOk(optim::GramNewtonSchulz(*backend, schedule, flags.steps, schedule.gram_restarts, 1e-7, 1.0,
-                                        precision, (*in)->data(), (*out)->data(), shape.rows, shape.cols,
-                                        shape.batch, ws),
+        CheckOk(optim::GramNewtonSchulz(*backend, schedule, flags.steps, schedule.gram_restarts, 1e-7, 1.0, precision,
+                                        (*in)->data(), (*out)->data(), shape.rows, shape.cols, shape.batch, ws),
                 "GramNewtonSchulz");
         return;
       }
-      CheckOk(optim::NewtonSchulz(*backend, schedule, flags.steps, 1e-7, 1.0, precision, (*in)->data(),
-                                  (*out)->data(), shape.rows, shape.cols, shape.batch, ws),
+      CheckOk(optim::NewtonSchulz(*backend, schedule, flags.steps, 1e-7, 1.0, precision, (*in)->data(), (*out)->data(),
+                                  shape.rows, shape.cols, shape.batch, ws),
               "NewtonSchulz");
     };
     for (int i = 0; i < flags.warmup; ++i) call();
@@ -79,8 +76,8 @@ int Run(const Flags& flags) {
       std::printf(
           "{\"bench\": \"ns\", \"impl\": \"muond\", \"algorithm\": \"%s\", \"shape\": \"%s\", "
           "\"backend\": \"%s\", \"precision\": \"%s\", \"ms\": %.4f, \"tflops\": %.4f}\n",
-          flags.algorithm.c_str(), shape.Name().c_str(), backend->Name().c_str(), precision_name.c_str(),
-          seconds * 1e3, tflops);
+          flags.algorithm.c_str(), shape.Name().c_str(), backend->Name().c_str(), precision_name.c_str(), seconds * 1e3,
+          tflops);
     } else {
       std::printf("%-20s %12.3f %10.3f\n", shape.Name().c_str(), seconds * 1e3, tflops);
     }
@@ -95,10 +92,10 @@ int Run(const Flags& flags) {
 int main(int argc, char** argv) {
   muond::bench::Flags flags;
   CLI::App app{"Newton-Schulz throughput of muond's backends (TFLOP/s)"};
-  app.add_option("--backend", flags.backend, "cpu, cuda or auto")
-      ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
-  app.add_option("--precision", flags.precision, "GEMM precision: bf16, tf32, fp32 (default: bf16 on "
-                                                 "CUDA, fp32 on the CPU)")
+  app.add_option("--backend", flags.backend, "cpu, cuda or auto")->check(CLI::IsMember({"auto", "cpu", "cuda"}));
+  app.add_option("--precision", flags.precision,
+                 "GEMM precision: bf16, tf32, fp32 (default: bf16 on "
+                 "CUDA, fp32 on the CPU)")
       ->check(CLI::IsMember({"bf16", "tf32", "fp32"}));
   app.add_flag("--quick", flags.quick, "small shapes (every dimension / 4), for a CPU smoke run");
   app.add_flag("--json", flags.json, "one JSON object per shape");
@@ -107,8 +104,9 @@ int main(int argc, char** argv) {
   app.add_option("--threads", flags.threads, "CPU backend threads (0: OpenBLAS default)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--steps", flags.steps, "Newton-Schulz iterations")->check(CLI::PositiveNumber);
-  app.add_option("--algorithm", flags.algorithm, "standard, or gram (GramNewtonSchulz with the "
-                                                 "gram_polar_express set)")
+  app.add_option("--algorithm", flags.algorithm,
+                 "standard, or gram (GramNewtonSchulz with the "
+                 "gram_polar_express set)")
       ->check(CLI::IsMember({"standard", "gram"}));
   CLI11_PARSE(app, argc, argv);
   return muond::bench::Run(flags);

@@ -50,8 +50,8 @@ std::vector<Param> Gpt2Params(bool quick) {
     params.push_back({p + "attn.c_proj.weight", {d, d}, true});
     params.push_back({p + "mlp.c_fc.weight", {d, 4 * d}, true});
     params.push_back({p + "mlp.c_proj.weight", {4 * d, d}, true});
-    for (const char* v : {"ln_1.weight", "ln_1.bias", "attn.c_proj.bias", "ln_2.weight", "ln_2.bias",
-                          "mlp.c_proj.bias"}) {
+    for (const char* v :
+         {"ln_1.weight", "ln_1.bias", "attn.c_proj.bias", "ln_2.weight", "ln_2.bias", "mlp.c_proj.bias"}) {
       params.push_back({p + v, {d}, false});
     }
     params.push_back({p + "attn.c_attn.bias", {3 * d}, false});
@@ -64,8 +64,7 @@ std::vector<Param> Gpt2Params(bool quick) {
 
 int Run(const Flags& flags) {
   std::unique_ptr<kernels::Backend> backend = BackendOrDie(flags.backend, flags.threads);
-  const std::string precision_name =
-      flags.precision.empty() ? DefaultPrecision(*backend) : flags.precision;
+  const std::string precision_name = flags.precision.empty() ? DefaultPrecision(*backend) : flags.precision;
   optim::GroupOptions muon_options = optim::DefaultOptions(optim::OptimizerKind::kMuon);
   muon_options.matmul_precision = ParsePrecision(precision_name);
   const optim::GroupOptions adamw_options = optim::DefaultOptions(optim::OptimizerKind::kAdamW);
@@ -90,8 +89,7 @@ int Run(const Flags& flags) {
     total += p.numel;
     std::vector<float> host(p.numel);
     for (float& x : host) x = normal(rng);
-    auto master = backend->Allocate(p.numel), grad = backend->Allocate(p.numel),
-         saved = backend->Allocate(p.numel);
+    auto master = backend->Allocate(p.numel), grad = backend->Allocate(p.numel), saved = backend->Allocate(p.numel);
     CheckOk(master.status(), "allocate");
     CheckOk(grad.status(), "allocate");
     CheckOk(saved.status(), "allocate");
@@ -109,8 +107,7 @@ int Run(const Flags& flags) {
 
   auto step = [&](double* seconds) {
     for (size_t i = 0; i < states.size(); ++i) {
-      CheckOk(backend->CopyOnDevice(saved_grads[i]->data(), states[i].grad->data(), states[i].numel),
-              "restore grad");
+      CheckOk(backend->CopyOnDevice(saved_grads[i]->data(), states[i].grad->data(), states[i].numel), "restore grad");
       states[i].has_grad = true;
     }
     Sync(*backend, states[0].master.fp32());
@@ -148,11 +145,11 @@ int Run(const Flags& flags) {
         model, backend->Name().c_str(), precision_name.c_str(), static_cast<long long>(total),
         static_cast<long long>(muon_total), Median(times), mean);
   } else {
-    std::printf("muond step, %s (%lld params, %lld in Muon), %s backend (%s), Muon GEMMs %s:\n"
-                "  median %.3f ms, mean %.3f ms over %d steps%s\n",
-                model, static_cast<long long>(total), static_cast<long long>(muon_total),
-                backend->Name().c_str(), backend->Detail().c_str(), precision_name.c_str(),
-                Median(times), mean, flags.reps, pool_note.c_str());
+    std::printf(
+        "muond step, %s (%lld params, %lld in Muon), %s backend (%s), Muon GEMMs %s:\n"
+        "  median %.3f ms, mean %.3f ms over %d steps%s\n",
+        model, static_cast<long long>(total), static_cast<long long>(muon_total), backend->Name().c_str(),
+        backend->Detail().c_str(), precision_name.c_str(), Median(times), mean, flags.reps, pool_note.c_str());
   }
   return 0;
 }
@@ -163,8 +160,7 @@ int Run(const Flags& flags) {
 int main(int argc, char** argv) {
   muond::bench::Flags flags;
   CLI::App app{"Whole optimizer step (Muon + AdamW) of muond on a GPT-2-small parameter set"};
-  app.add_option("--backend", flags.backend, "cpu, cuda or auto")
-      ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
+  app.add_option("--backend", flags.backend, "cpu, cuda or auto")->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   app.add_option("--precision", flags.precision, "Muon GEMM precision: bf16, tf32, fp32")
       ->check(CLI::IsMember({"bf16", "tf32", "fp32"}));
   app.add_flag("--quick", flags.quick, "a miniature model (2 layers, width 192) for a CPU smoke run");

@@ -232,10 +232,11 @@ int main(int argc, char** argv) {
             StepExchange(endpoint, "shm", bytes, reps), Memcpy(bytes, reps)};
     auto gbps = [&](double seconds) { return seconds > 0 ? 2.0 * bytes / seconds / 1e9 : 0.0; };
     if (json) {
-      std::printf("{\"mib\": %d, \"tcp_gbps\": %.3f, \"grpc_gbps\": %.3f, \"shm_gbps\": %.3f, \"memcpy_gbps\": %.3f, "
-                  "\"tcp_cpu_ms\": %.2f, \"grpc_cpu_ms\": %.2f, \"shm_cpu_ms\": %.2f, \"memcpy_cpu_ms\": %.2f}\n",
-                  mb, gbps(row.tcp.seconds), gbps(row.grpc.seconds), gbps(row.shm.seconds), gbps(row.copy.seconds),
-                  1e3 * row.tcp.cpu, 1e3 * row.grpc.cpu, 1e3 * row.shm.cpu, 1e3 * row.copy.cpu);
+      std::printf(
+          "{\"mib\": %d, \"tcp_gbps\": %.3f, \"grpc_gbps\": %.3f, \"shm_gbps\": %.3f, \"memcpy_gbps\": %.3f, "
+          "\"tcp_cpu_ms\": %.2f, \"grpc_cpu_ms\": %.2f, \"shm_cpu_ms\": %.2f, \"memcpy_cpu_ms\": %.2f}\n",
+          mb, gbps(row.tcp.seconds), gbps(row.grpc.seconds), gbps(row.shm.seconds), gbps(row.copy.seconds),
+          1e3 * row.tcp.cpu, 1e3 * row.grpc.cpu, 1e3 * row.shm.cpu, 1e3 * row.copy.cpu);
     } else {
       std::printf("%8d %9.2f %9.2f %9.2f %9.2f %9.2f %9.2f\n", mb, gbps(row.tcp.seconds), gbps(row.grpc.seconds),
                   gbps(row.shm.seconds), gbps(row.copy.seconds), gbps(row.grpc.seconds) / gbps(row.tcp.seconds),

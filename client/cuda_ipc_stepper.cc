@@ -35,7 +35,7 @@ absl::Status CheckDeviceTensors(const Session& session, std::span<const DeviceTe
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<CudaIpcStepper>> CudaIpcStepper::Create(Client* client, Session* session, int device,
-                                                                        void* stream) {
+                                                                       void* stream) {
   absl::StatusOr<v1::ServerInfo> info = client->GetServerInfo();
   if (!info.ok()) return info.status();
   if (absl::Status viable = CheckViable(CudaIpcTransportKind(), *info); !viable.ok()) return viable;

@@ -41,10 +41,10 @@ struct TransportKind;
 
 struct ClientOptions {
   std::string endpoint = "127.0.0.1:50051";
-  size_t chunk_bytes = 1u << 20;           // payload per chunk sent; the daemon's limit is 4 MiB by default
-  int max_message_bytes = 64 << 20;        // gRPC message limits, set explicitly on the channel
+  size_t chunk_bytes = 1u << 20;     // payload per chunk sent; the daemon's limit is 4 MiB by default
+  int max_message_bytes = 64 << 20;  // gRPC message limits, set explicitly on the channel
   std::chrono::milliseconds rpc_timeout{std::chrono::minutes(10)};
-  int max_step_attempts = 4;               // tries of a step (or an idempotent call) on transient failures
+  int max_step_attempts = 4;                     // tries of a step (or an idempotent call) on transient failures
   std::chrono::milliseconds retry_backoff{100};  // doubled after each failed try
   std::chrono::milliseconds connect_timeout{std::chrono::seconds(10)};
   std::chrono::milliseconds max_reconnect_backoff{std::chrono::seconds(2)};  // between reconnection tries
@@ -52,9 +52,9 @@ struct ClientOptions {
   // Transport security. TLS is used when use_tls is set or any TLS file is given; otherwise the
   // channel is plaintext.
   bool use_tls = false;
-  std::string tls_ca_file;            // PEM roots to verify the daemon with; empty: the system's roots
-  std::string tls_client_cert_file;   // PEM certificate chain for mutual TLS (with tls_client_key_file)
-  std::string tls_client_key_file;    // PEM private key of tls_client_cert_file
+  std::string tls_ca_file;               // PEM roots to verify the daemon with; empty: the system's roots
+  std::string tls_client_cert_file;      // PEM certificate chain for mutual TLS (with tls_client_key_file)
+  std::string tls_client_key_file;       // PEM private key of tls_client_cert_file
   std::string tls_server_name_override;  // name to verify the daemon's certificate against (tests)
   // Sent as 'authorization: Bearer <auth_token>' with every call when not empty. Over plaintext the
   // token is readable by anyone on the path; use TLS beyond loopback.
@@ -74,7 +74,7 @@ struct TensorView {
 };
 
 struct StepOptions {
-  int rank = 0;  // this trainer's rank in a session with world_size > 1
+  int rank = 0;                      // this trainer's rank in a session with world_size > 1
   std::map<std::string, double> lr;  // per group, this step only (schedulers)
   std::optional<double> max_grad_norm;
   // QK-clip: per query weight of a spec.qk_clip pair, the maximum attention logit of each head seen
@@ -190,8 +190,7 @@ class Session {
 
   // Sends the gradients of step `step` (a parameter left out has no gradient this step) and returns
   // the parameters after it.
-  absl::StatusOr<StepReply> Step(int64_t step, std::span<const TensorView> gradients,
-                                 const StepOptions& options = {});
+  absl::StatusOr<StepReply> Step(int64_t step, std::span<const TensorView> gradients, const StepOptions& options = {});
 
   // Step `step` through `transport` (a transport of this session): the header is built here, and
   // transient failures are retried with the same step number. Session::Step uses the Client's
@@ -200,8 +199,7 @@ class Session {
                                         const StepOptions& options);
 
   // The daemon's current parameters (all, or the named ones) and the step they belong to.
-  absl::StatusOr<ParameterMap> GetParameters(int64_t* last_step = nullptr,
-                                             const std::vector<std::string>& names = {});
+  absl::StatusOr<ParameterMap> GetParameters(int64_t* last_step = nullptr, const std::vector<std::string>& names = {});
 
   // Asks the daemon to write a checkpoint now (it needs --state-dir); returns the step it holds.
   absl::StatusOr<int64_t> Checkpoint();

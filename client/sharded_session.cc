@@ -60,7 +60,8 @@ absl::StatusOr<std::unique_ptr<ShardedSession>> ShardedSession::Open(ClientOptio
   sharded->endpoints_ = std::move(endpoints);
   sharded->spec_ = spec;
   sharded->placement_ = *std::move(placement);
-  for (int i = 0; i < spec.parameters_size(); ++i) sharded->shard_of_[spec.parameters(i).name()] = sharded->placement_.shard_of[i];
+  for (int i = 0; i < spec.parameters_size(); ++i)
+    sharded->shard_of_[spec.parameters(i).name()] = sharded->placement_.shard_of[i];
   for (size_t k = 0; k < sharded->endpoints_.size(); ++k) {
     sharded->indices_of_.push_back(sharded->placement_.ParametersOf(static_cast<int>(k)));
   }
@@ -143,7 +144,8 @@ v1::ShardDecision ShardedSession::Decide(const std::vector<StepReply>& prepared)
   std::vector<double> sums(spec_.parameters_size(), 0.0);
   for (size_t k = 0; k < prepared.size(); ++k) {
     const std::vector<int>& mine = indices_of_[k];
-    for (size_t j = 0; j < mine.size() && j < prepared[k].sum_squares.size(); ++j) sums[mine[j]] = prepared[k].sum_squares[j];
+    for (size_t j = 0; j < mine.size() && j < prepared[k].sum_squares.size(); ++j)
+      sums[mine[j]] = prepared[k].sum_squares[j];
   }
   // Summed in the whole session's order, as one daemon sums its parameters: the same norm, bit for bit.
   double total = 0.0;
@@ -185,17 +187,18 @@ absl::StatusOr<StepReply> ShardedSession::StepOnce(int64_t step, const std::vect
   }
   for (const auto& [name, out] : options.parameters_out) {
     auto it = shard_of_.find(name);
-    if (it == shard_of_.end()) return absl::InvalidArgumentError(absl::StrCat("parameters_out['", name, "']: no such parameter"));
+    if (it == shard_of_.end())
+      return absl::InvalidArgumentError(absl::StrCat("parameters_out['", name, "']: no such parameter"));
     commit[it->second].parameters_out[name] = out;
   }
-  absl::StatusOr<std::vector<StepReply>> prepared = OnEveryShard<StepReply>(
-      [&](int k) { return sessions_[k]->Step(step, gradients[k], prepare[k]); });
+  absl::StatusOr<std::vector<StepReply>> prepared =
+      OnEveryShard<StepReply>([&](int k) { return sessions_[k]->Step(step, gradients[k], prepare[k]); });
   if (!prepared.ok()) return prepared.status();
   const v1::ShardDecision decision = Decide(*prepared);
   for (StepOptions& o : commit) o.decision = decision;
   static const std::vector<TensorView> kNone;
-  absl::StatusOr<std::vector<StepReply>> committed = OnEveryShard<StepReply>(
-      [&](int k) { return sessions_[k]->Step(step, kNone, commit[k]); });
+  absl::StatusOr<std::vector<StepReply>> committed =
+      OnEveryShard<StepReply>([&](int k) { return sessions_[k]->Step(step, kNone, commit[k]); });
   if (!committed.ok()) return committed.status();
   StepReply reply;
   reply.step = step;
@@ -236,8 +239,8 @@ absl::StatusOr<StepReply> ShardedSession::Step(int64_t step, std::span<const Ten
 
 absl::StatusOr<ParameterMap> ShardedSession::GetParameters(int64_t* last_step) {
   std::vector<int64_t> steps(sessions_.size());
-  absl::StatusOr<std::vector<ParameterMap>> parts = OnEveryShard<ParameterMap>(
-      [&](int k) { return sessions_[k]->GetParameters(&steps[k]); });
+  absl::StatusOr<std::vector<ParameterMap>> parts =
+      OnEveryShard<ParameterMap>([&](int k) { return sessions_[k]->GetParameters(&steps[k]); });
   if (!parts.ok()) return parts.status();
   absl::StatusOr<int64_t> common = CommonStep(steps);
   if (!common.ok()) return common.status();
@@ -248,8 +251,7 @@ absl::StatusOr<ParameterMap> ShardedSession::GetParameters(int64_t* last_step) {
 }
 
 absl::StatusOr<int64_t> ShardedSession::Checkpoint() {
-  absl::StatusOr<std::vector<int64_t>> steps =
-      OnEveryShard<int64_t>([&](int k) { return sessions_[k]->Checkpoint(); });
+  absl::StatusOr<std::vector<int64_t>> steps = OnEveryShard<int64_t>([&](int k) { return sessions_[k]->Checkpoint(); });
   if (!steps.ok()) return steps.status();
   return CommonStep(*steps);
 }

@@ -62,7 +62,7 @@ class ShardedSession {
   std::vector<std::string> endpoints_;
   v1::SessionSpec spec_;
   Placement placement_;
-  std::map<std::string, int> shard_of_;  // parameter name → its daemon
+  std::map<std::string, int> shard_of_;       // parameter name → its daemon
   std::vector<std::vector<int>> indices_of_;  // per daemon: its parameters' indices in spec_, in order
   std::vector<std::unique_ptr<Client>> clients_;
   std::vector<std::unique_ptr<Session>> sessions_;

@@ -1,7 +1,6 @@
 // Reasons as absl payloads; see error_reason.h.
 #include "common/error_reason.h"
 
-
 #include "absl/strings/cord.h"
 
 namespace muond {

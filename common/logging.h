@@ -11,9 +11,9 @@
 
 #include <cstdint>
 #include <string>
-#include "absl/strings/string_view.h"
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "spdlog/spdlog.h"
 
 namespace muond {
@@ -57,8 +57,8 @@ struct fmt::formatter<absl::string_view> : fmt::formatter<fmt::string_view> {
 #define MUOND_LOG(level, ...) ::spdlog::level(__VA_ARGS__)
 // A line about `event` (snake_case, e.g. "session_created") of session `session` at step `step`
 // (-1: none): the same text as MUOND_LOG, with the three as JSON fields under --log-format json.
-#define MUOND_EVENT(level, event, session, step, ...)                         \
-  do {                                                                        \
+#define MUOND_EVENT(level, event, session, step, ...)                           \
+  do {                                                                          \
     const ::muond::ScopedLogEvent muond_log_event_((event), (session), (step)); \
-    ::spdlog::level(__VA_ARGS__);                                             \
+    ::spdlog::level(__VA_ARGS__);                                               \
   } while (0)

@@ -15,9 +15,9 @@
 #define MUOND_STATUS_CONCAT_INNER_(a, b) a##b
 #define MUOND_STATUS_CONCAT_(a, b) MUOND_STATUS_CONCAT_INNER_(a, b)
 
-#define MUOND_RETURN_IF_ERROR(expr)                         \
-  do {                                                      \
-    ::absl::Status muond_status_macro_ = (expr);            \
+#define MUOND_RETURN_IF_ERROR(expr)                            \
+  do {                                                         \
+    ::absl::Status muond_status_macro_ = (expr);               \
     if (!muond_status_macro_.ok()) return muond_status_macro_; \
   } while (0)
 
@@ -25,7 +25,7 @@
 #define MUOND_ASSIGN_OR_RETURN(lhs, expr) \
   MUOND_ASSIGN_OR_RETURN_IMPL_(MUOND_STATUS_CONCAT_(muond_statusor_, __LINE__), lhs, expr)
 
-#define MUOND_ASSIGN_OR_RETURN_IMPL_(statusor, lhs, expr) \
-  auto statusor = (expr);                                 \
+#define MUOND_ASSIGN_OR_RETURN_IMPL_(statusor, lhs, expr)  \
+  auto statusor = (expr);                                  \
   if (!statusor.ok()) return std::move(statusor).status(); \
   lhs = std::move(statusor).value()

@@ -164,8 +164,9 @@ int main(int argc, char** argv) {
   auto client = muond::client::Client::Connect(options);
   if (!client.ok()) return std::fprintf(stderr, "%s\n", client.status().ToString().c_str()), 1;
   auto info = (*client)->GetServerInfo();
-  if (info.ok()) std::printf("muond %s, %s backend (%s)\n", info->version().c_str(), info->backend().c_str(),
-                             info->backend_detail().c_str());
+  if (info.ok())
+    std::printf("muond %s, %s backend (%s)\n", info->version().c_str(), info->backend().c_str(),
+                info->backend_detail().c_str());
   auto session = (*client)->CreateSession(session_id, MakeSpec());
   if (!session.ok()) return std::fprintf(stderr, "%s\n", session.status().ToString().c_str()), 1;
   if (absl::Status s = (*session)->UploadParameters(Views(model)); !s.ok()) {

@@ -146,11 +146,10 @@ class Backend : public PeerPrimitives {
   virtual absl::StatusOr<std::unique_ptr<DeviceToHost>> NewDeviceToHost();
 
   // Linear algebra.
-  virtual absl::Status Gemm(const GemmShape& shape, float alpha, const float* a, const float* b,
-                            float beta, float* c, MatmulPrecision precision) = 0;
+  virtual absl::Status Gemm(const GemmShape& shape, float alpha, const float* a, const float* b, float beta, float* c,
+                            MatmulPrecision precision) = 0;
   // out_i = in_iᵀ for a batch of rows×cols matrices stored back to back.
-  virtual absl::Status Transpose2D(const float* in, float* out, int64_t rows, int64_t cols,
-                                   int64_t batch) = 0;
+  virtual absl::Status Transpose2D(const float* in, float* out, int64_t rows, int64_t cols, int64_t batch) = 0;
 
   // Reductions, accumulated in fp64 and returned to the host.
   // sums[i] = Σ x[i·count + j]², j < count, for i < batch. `sums` is a host array of `batch` values.
@@ -175,19 +174,18 @@ class Backend : public PeerPrimitives {
   // stored in 16 bits: each element is loaded as fp32, the formula computes in fp32, and what it
   // writes is rounded to the tensor's format (nearest even) — the same bits as the fp32 step on the
   // widened state, rounded afterwards. Gradients and updates are fp32.
-  virtual absl::Status Momentum(const MomentumArgs& args, StoredRef momentum, const float* grad,
-                                float* update, size_t count) = 0;
+  virtual absl::Status Momentum(const MomentumArgs& args, StoredRef momentum, const float* grad, float* update,
+                                size_t count) = 0;
   virtual absl::Status AdamW(const AdamWArgs& args, StoredRef param, const float* grad, StoredRef exp_avg,
                              StoredRef exp_avg_sq, size_t count) = 0;
   virtual absl::Status Lion(const LionArgs& args, StoredRef param, const float* grad, StoredRef exp_avg,
                             size_t count) = 0;
-  virtual absl::Status Sgd(const SgdArgs& args, StoredRef param, const float* grad,
-                           StoredRef momentum_buffer, size_t count) = 0;
+  virtual absl::Status Sgd(const SgdArgs& args, StoredRef param, const float* grad, StoredRef momentum_buffer,
+                           size_t count) = 0;
   // Muon's adaptive second moment (AdamuonElement) over an orthogonalized update, in place.
   virtual absl::Status Adamuon(const AdamuonArgs& args, StoredRef moment2, float* update, size_t count) = 0;
   // Muon's update with cautious weight decay (CautiousUpdateElement).
-  virtual absl::Status CautiousUpdate(const CautiousArgs& args, const float* update, StoredRef param,
-                                      size_t count) = 0;
+  virtual absl::Status CautiousUpdate(const CautiousArgs& args, const float* update, StoredRef param, size_t count) = 0;
 
   // Copies `bytes` bytes between any two of: this backend's memory, peer memory (PeerPrimitives),
   // host memory; after the work enqueued before, complete when it returns. The default copies with

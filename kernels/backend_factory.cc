@@ -40,8 +40,7 @@ absl::StatusOr<BackendSelection> CreateBackend(std::string_view kind, int device
     return absl::FailedPreconditionError(cuda.status().message());
   }
   return BackendSelection{NewCpuBackend(threads),
-                          absl::StrCat("CUDA not usable (", cuda.status().message(),
-                                       "); using the CPU backend")};
+                          absl::StrCat("CUDA not usable (", cuda.status().message(), "); using the CPU backend")};
 #else
   (void)device;
   if (kind == "cuda") {

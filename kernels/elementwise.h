@@ -28,7 +28,7 @@ struct MomentumArgs {
 
 MUOND_HD void MomentumElement(const MomentumArgs& a, float& m, float g, float& u) {
   if (a.style == MomentumStyle::kEma) {
-    m = m + (1.0f - a.beta) * (g - m);       // torch lerp_(g, 1−β)
+    m = m + (1.0f - a.beta) * (g - m);          // torch lerp_(g, 1−β)
     u = a.nesterov ? g + a.beta * (m - g) : m;  // torch g.lerp_(m, β)
   } else {
     m = a.beta * m + g;
@@ -39,7 +39,7 @@ MUOND_HD void MomentumElement(const MomentumArgs& a, float& m, float g, float& u
 // AdaMuon's second moment on the orthogonalized update (Megatron-Core / Emerging-Optimizers
 // AdaptiveMuon, moment2_method adamuon): x = scale·O; v ← lerp(v, x², 1−β2); O ← x / (√v + ε).
 struct AdamuonArgs {
-  float scale = 1.0f;          // the Muon scale of the matrix, applied before the moment
+  float scale = 1.0f;             // the Muon scale of the matrix, applied before the moment
   float one_minus_beta2 = 0.05f;  // 1 − β2 rounded from fp64, as torch computes it
   float eps = 1e-8f;
 };
@@ -63,7 +63,8 @@ MUOND_HD void CautiousUpdateElement(const CautiousArgs& a, float u, float& p) {
   p = p - a.decay * mask * p + a.alpha * u;
 }
 
-// torch.optim.AdamW (or torch.optim.Adam with l2_weight_decay). bias_correction1 = 1 − β1ᵗ, bias_correction2_sqrt = √(1 − β2ᵗ).
+// torch.optim.AdamW (or torch.optim.Adam with l2_weight_decay). bias_correction1 = 1 − β1ᵗ, bias_correction2_sqrt = √(1
+// − β2ᵗ).
 struct AdamWArgs {
   float lr = 1e-3f;
   float beta1 = 0.9f, beta2 = 0.999f;
@@ -83,8 +84,8 @@ struct AdamWArgs {
 MUOND_HD void AdamWElement(const AdamWArgs& a, float& p, float g, float& m, float& v) {
   g = g + a.l2_weight_decay * p;  // torch grad.add(param, alpha=λ); exact for λ = 0 (p is finite)
   p = p * (1.0f - a.lr * a.weight_decay);
-  m = m + a.one_minus_beta1 * (g - m);              // torch lerp_(g, 1−β1)
-  v = a.beta2 * v + a.one_minus_beta2 * g * g;       // torch mul_(β2).addcmul_(g, g, 1−β2)
+  m = m + a.one_minus_beta1 * (g - m);          // torch lerp_(g, 1−β1)
+  v = a.beta2 * v + a.one_minus_beta2 * g * g;  // torch mul_(β2).addcmul_(g, g, 1−β2)
   const float step_size = a.lr / a.bias_correction1;
   const float denom = sqrtf(v) / a.bias_correction2_sqrt + a.eps;
   p = p - step_size * (m / denom);

@@ -9,9 +9,9 @@ namespace muond::kernels {
 namespace {
 
 absl::Status NoPeerTransport(const PeerPrimitives& backend, absl::string_view what) {
-  return absl::FailedPreconditionError(absl::StrCat(
-      "the ", backend.Name(), " backend has no ", what,
-      ": GPU transports need the daemon on a CUDA GPU (--backend cuda); use the grpc or shm transport"));
+  return absl::FailedPreconditionError(
+      absl::StrCat("the ", backend.Name(), " backend has no ", what,
+                   ": GPU transports need the daemon on a CUDA GPU (--backend cuda); use the grpc or shm transport"));
 }
 
 }  // namespace

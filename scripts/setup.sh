@@ -4,7 +4,7 @@
 set -euo pipefail
 
 packages=(
-  build-essential cmake pkg-config git clang libclang-rt-14-dev
+  build-essential cmake pkg-config git clang libclang-rt-14-dev clang-format
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   libabsl-dev libspdlog-dev libfmt-dev libopenblas-dev liblapacke-dev
   libcli11-dev libcpp-httplib-dev nlohmann-json3-dev libssl-dev zlib1g-dev

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Builds muond and runs every test: kernel unit tests, daemon unit tests, the integration tests
-# (the real daemon on loopback driven by the C++ client) and the Python SDK's tests (pytest against
+# Builds muond, checks the C++ and CUDA formatting (scripts/format.sh --check) and runs every test:
+# kernel unit tests, daemon unit tests, the integration tests (the real daemon on loopback driven
+# by the C++ client) and the Python SDK's tests (pytest against
 # the real daemon), then a bounded libFuzzer run over the daemon's request handling (scripts/fuzz.sh,
 # MUOND_FUZZ_SECONDS, default 30; 0 skips it). Extra arguments go to ctest, e.g.
 # scripts/test.sh -R integration (a subset: the fuzz run is skipped).
@@ -30,7 +31,8 @@ if [[ $sanitize == 1 ]]; then
   export LSAN_OPTIONS=${LSAN_OPTIONS:-suppressions=$root/tests/lsan.supp:print_suppressions=0}
 else
   build=${MUOND_BUILD_DIR:-$root/build}
-  "$root/scripts/build.sh"
+  "$root/scripts/build.sh"  # installs clang-format with the rest (scripts/setup.sh)
+  "$root/scripts/format.sh" --check
 fi
 cd "$build"
 ctest --output-on-failure --timeout 900 -j"$(nproc)" "$@"

@@ -10,8 +10,9 @@ namespace muond::server {
 
 std::optional<DaemonFlags> ParseFlags(int argc, char** argv, int* exit_code) {
   DaemonFlags flags;
-  CLI::App app{"muond — optimizer-as-a-service daemon: holds fp32 master parameters and optimizer state, "
-               "receives gradients over gRPC, runs Muon / AdamW / Lion / SGD steps and returns the parameters."};
+  CLI::App app{
+      "muond — optimizer-as-a-service daemon: holds fp32 master parameters and optimizer state, "
+      "receives gradients over gRPC, runs Muon / AdamW / Lion / SGD steps and returns the parameters."};
   app.set_version_flag("--version", std::string("muond ") + MUOND_VERSION);
   app.add_option("--listen", flags.listen, "Address to serve on, host:port (port 0 picks a free one)")
       ->capture_default_str();

@@ -2,8 +2,8 @@
 #pragma once
 
 #include <cstddef>
-#include <optional>
 #include <cstdint>
+#include <optional>
 #include <string>
 
 namespace muond::server {
@@ -25,15 +25,15 @@ struct DaemonFlags {
   double rpc_timeout_seconds = 600;  // the daemon's limit on any call; 0: none
   std::string tls_cert;              // PEM files; TLS when --tls-cert and --tls-key are given
   std::string tls_key;
-  std::string tls_client_ca;         // require client certificates signed by these roots
-  std::string auth_token_file;       // bearer tokens, one a line; empty: no authentication
-  std::string port_file;  // written with the bound port once serving (useful with --listen host:0)
+  std::string tls_client_ca;    // require client certificates signed by these roots
+  std::string auth_token_file;  // bearer tokens, one a line; empty: no authentication
+  std::string port_file;        // written with the bound port once serving (useful with --listen host:0)
   double shutdown_grace_seconds = 30;
-  std::string state_dir;              // empty: nothing is persisted
-  std::string durability = "snapshot";  // snapshot | journal
-  int64_t checkpoint_every = 0;       // steps between periodic checkpoints; 0: none
+  std::string state_dir;                        // empty: nothing is persisted
+  std::string durability = "snapshot";          // snapshot | journal
+  int64_t checkpoint_every = 0;                 // steps between periodic checkpoints; 0: none
   std::string on_damaged_state = "quarantine";  // quarantine | fail: a session folder that cannot be restored
-  double straggler_timeout_seconds = 120;  // a multi-rank step waits this long for its last rank
+  double straggler_timeout_seconds = 120;       // a multi-rank step waits this long for its last rank
   // Shared-memory transport: "auto" (an abstract socket unique to the process), "none", "@name" or a
   // filesystem path.
   std::string shm_socket = "auto";

@@ -17,11 +17,11 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "grpcpp/grpcpp.h"
-#include "grpcpp/health_check_service_interface.h"
 #include "common/config.h"
 #include "common/host_id.h"
 #include "common/logging.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
 #include "kernels/backend_factory.h"
 #include "server/durability/session_files.h"
 #include "server/fd_budget.h"
@@ -34,8 +34,8 @@
 #include "server/rpc/muond_service.h"
 #include "server/rpc/server_credentials.h"
 #include "server/rpc/spec_codec.h"
-#include "server/security/token_table.h"
 #include "server/security/tls_files.h"
+#include "server/security/token_table.h"
 #include "server/session/session_registry.h"
 #include "server/transport/gpu/cuda_memory_regions.h"
 #include "server/transport/gpu/nccl_channels.h"
@@ -104,9 +104,10 @@ std::optional<FdBudget> BudgetDescriptors(const DaemonFlags& flags) {
     return std::nullopt;
   }
   const FdBudget fd_budget = DeriveFdBudget(fd_limit->soft, flags.shm_max_connections, flags.shm_max_pending_fds);
-  MUOND_LOG(info, "open files: soft limit {} (was {}), hard limit {}; shared memory holds at most {} connections "
-            "and {} unclaimed memfds", fd_limit->soft, fd_limit->soft_before, fd_limit->hard,
-            fd_budget.shm_connections, fd_budget.shm_pending);
+  MUOND_LOG(info,
+            "open files: soft limit {} (was {}), hard limit {}; shared memory holds at most {} connections "
+            "and {} unclaimed memfds",
+            fd_limit->soft, fd_limit->soft_before, fd_limit->hard, fd_budget.shm_connections, fd_budget.shm_pending);
   return fd_budget;
 }
 
@@ -205,8 +206,8 @@ bool RestoreStateDir(const DaemonFlags& flags, const kernels::Backend& backend, 
   state.durability =
       flags.durability == "journal" ? durability::Durability::kJournal : durability::Durability::kSnapshot;
   state.checkpoint_every = flags.checkpoint_every;
-  state.on_damaged = flags.on_damaged_state == "fail" ? durability::DamagedState::kFail
-                                                      : durability::DamagedState::kQuarantine;
+  state.on_damaged =
+      flags.on_damaged_state == "fail" ? durability::DamagedState::kFail : durability::DamagedState::kQuarantine;
   state.backend_name = backend.Name();
   if (absl::Status restored = registry.EnablePersistence(state); !restored.ok()) {
     MUOND_LOG(error, "cannot restore the sessions in --state-dir {}: {}", flags.state_dir, restored.message());
@@ -266,8 +267,8 @@ std::optional<Transports> StartTransports(const DaemonFlags& flags, kernels::Bac
   return transports;
 }
 
-rpc::ServiceOptions ServiceOptionsOf(const DaemonFlags& flags, const Access& access,
-                                     const MetricsOutlet& outlet, const Transports& transports) {
+rpc::ServiceOptions ServiceOptionsOf(const DaemonFlags& flags, const Access& access, const MetricsOutlet& outlet,
+                                     const Transports& transports) {
   rpc::ServiceOptions service_options;
   service_options.max_chunk_bytes = flags.max_chunk_bytes;
   service_options.default_chunk_bytes = std::min<size_t>(flags.max_chunk_bytes, 1u << 20);
@@ -318,8 +319,8 @@ void LogServing(const DaemonFlags& flags, int port, const kernels::Backend& back
   MUOND_LOG(info, "shared memory: {}",
             transports.shm_socket ? absl::StrCat("memfd regions on socket ", transports.shm_socket->address())
                                   : std::string("off"));
-  for (const std::string& line : security::ExposureWarnings(flags.listen, tls.enabled(), !tls.client_ca.empty(),
-                                                            access.tokens.has_value())) {
+  for (const std::string& line :
+       security::ExposureWarnings(flags.listen, tls.enabled(), !tls.client_ca.empty(), access.tokens.has_value())) {
     MUOND_LOG(warn, "{}", line);
   }
 }
@@ -330,9 +331,10 @@ int Drain(const DaemonFlags& flags, int signal_number, int port, grpc::Server& s
           rpc::CallTracker& calls) {
   const bool listener_lost = signal_number == kListenerLost;
   if (listener_lost) {
-    MUOND_LOG(error, "the gRPC listener on port {} stopped accepting connections (out of descriptors?): draining "
-              "in-flight requests (up to {} s), then exiting 1 for the supervisor to restart the daemon", port,
-              flags.shutdown_grace_seconds);
+    MUOND_LOG(error,
+              "the gRPC listener on port {} stopped accepting connections (out of descriptors?): draining "
+              "in-flight requests (up to {} s), then exiting 1 for the supervisor to restart the daemon",
+              port, flags.shutdown_grace_seconds);
   } else {
     MUOND_LOG(info, "{} received: draining in-flight requests (up to {} s)", strsignal(signal_number),
               flags.shutdown_grace_seconds);
@@ -343,8 +345,7 @@ int Drain(const DaemonFlags& flags, int signal_number, int port, grpc::Server& s
   // the handlers return, then gRPC sends their answers and statuses (CallTracker).
   const absl::Time drain_deadline = absl::Now() + absl::Seconds(flags.shutdown_grace_seconds);
   if (!service.AwaitIdle(drain_deadline - absl::Now()) || !calls.AwaitIdle(drain_deadline - absl::Now())) {
-    MUOND_LOG(warn, "calls still running after {} s (--shutdown-grace); cancelling them",
-              flags.shutdown_grace_seconds);
+    MUOND_LOG(warn, "calls still running after {} s (--shutdown-grace); cancelling them", flags.shutdown_grace_seconds);
   }
   server.Shutdown(std::chrono::system_clock::now());
   server.Wait();

@@ -57,9 +57,8 @@ struct CudaIpcStepTransport::Cuda {
   }
 };
 
-absl::StatusOr<std::unique_ptr<CudaIpcStepTransport>> CudaIpcStepTransport::Open(Client& client,
-                                                                                  const Session& session, int device,
-                                                                                  void* stream) {
+absl::StatusOr<std::unique_ptr<CudaIpcStepTransport>> CudaIpcStepTransport::Open(Client& client, const Session& session,
+                                                                                 int device, void* stream) {
   std::map<std::string, uint64_t> slots;
   uint64_t bytes = 0;
   for (const auto& [name, numel] : session.element_counts()) {
@@ -75,9 +74,9 @@ absl::StatusOr<std::unique_ptr<CudaIpcStepTransport>> CudaIpcStepTransport::Open
   }
   // A buffer of its own (cudaMalloc): what a caching allocator hands out may not be exportable.
   if (absl::Status got = CudaError(cudaMalloc(&cuda->buffer, cuda->bytes), "cudaMalloc"); !got.ok()) return got;
-  if (absl::Status made = CudaError(
-          cudaEventCreateWithFlags(&cuda->event, cudaEventInterprocess | cudaEventDisableTiming),
-          "cudaEventCreateWithFlags");
+  if (absl::Status made =
+          CudaError(cudaEventCreateWithFlags(&cuda->event, cudaEventInterprocess | cudaEventDisableTiming),
+                    "cudaEventCreateWithFlags");
       !made.ok()) {
     return made;
   }
@@ -151,9 +150,9 @@ absl::Status CudaIpcStepTransport::WriteGradients(std::span<const DeviceTensor> 
   for (const DeviceTensor& t : gradients) {
     const uint64_t bytes = static_cast<uint64_t>(t.numel) * wire::ElementSize(t.dtype);
     const uint64_t offset = slots_.at(t.name);
-    if (absl::Status copied = CudaError(
-            cudaMemcpyAsync(base + offset, t.data, bytes, cudaMemcpyDeviceToDevice, cuda_->stream),
-            absl::StrCat("copying gradient '", t.name, "'"));
+    if (absl::Status copied =
+            CudaError(cudaMemcpyAsync(base + offset, t.data, bytes, cudaMemcpyDeviceToDevice, cuda_->stream),
+                      absl::StrCat("copying gradient '", t.name, "'"));
         !copied.ok()) {
       return copied;
     }
@@ -167,9 +166,9 @@ absl::Status CudaIpcStepTransport::ReadParameters(std::span<const DeviceTensor> 
   const char* base = static_cast<const char*>(cuda_->buffer);
   for (const DeviceTensor& t : parameters_out) {
     const uint64_t bytes = static_cast<uint64_t>(t.numel) * wire::ElementSize(t.dtype);
-    if (absl::Status copied = CudaError(
-            cudaMemcpyAsync(t.data, base + slots_.at(t.name), bytes, cudaMemcpyDeviceToDevice, cuda_->stream),
-            absl::StrCat("copying parameter '", t.name, "'"));
+    if (absl::Status copied =
+            CudaError(cudaMemcpyAsync(t.data, base + slots_.at(t.name), bytes, cudaMemcpyDeviceToDevice, cuda_->stream),
+                      absl::StrCat("copying parameter '", t.name, "'"));
         !copied.ok()) {
       return copied;
     }

@@ -27,8 +27,8 @@ class CudaIpcStepTransport : public StepTransport {
  public:
   // On CUDA device `device`, copies on `stream` (a cudaStream_t; null: the default stream). The
   // CUDA runtime's error when the buffer or event cannot be made.
-  static absl::StatusOr<std::unique_ptr<CudaIpcStepTransport>> Open(Client& client, const Session& session,
-                                                                    int device, void* stream);
+  static absl::StatusOr<std::unique_ptr<CudaIpcStepTransport>> Open(Client& client, const Session& session, int device,
+                                                                    void* stream);
   ~CudaIpcStepTransport() override;
 
   std::string_view name() const override { return "cuda_ipc"; }

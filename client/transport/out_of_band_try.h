@@ -17,8 +17,9 @@
 namespace muond::client {
 
 // Adds a reference to `numel` elements of `dtype` at `offset` of region `region` to `refs`.
-inline v1::SharedTensor* AddReference(google::protobuf::RepeatedPtrField<v1::SharedTensor>* refs, const std::string& name,
-                                      const std::string& region, uint64_t offset, uint64_t byte_size, v1::DType dtype) {
+inline v1::SharedTensor* AddReference(google::protobuf::RepeatedPtrField<v1::SharedTensor>* refs,
+                                      const std::string& name, const std::string& region, uint64_t offset,
+                                      uint64_t byte_size, v1::DType dtype) {
   v1::SharedTensor* ref = refs->Add();
   ref->set_name(name);
   ref->set_region(region);

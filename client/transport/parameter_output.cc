@@ -10,8 +10,8 @@ absl::StatusOr<std::span<float>> Destination(const std::string& name, int64_t nu
                                              ParameterMap* out) {
   if (auto given = into.find(name); given != into.end()) {
     if (given->second.size() != static_cast<size_t>(numel)) {
-      return absl::InvalidArgumentError(absl::StrCat("parameters_out['", name, "']: ", given->second.size(),
-                                                     " elements for a parameter of ", numel));
+      return absl::InvalidArgumentError(
+          absl::StrCat("parameters_out['", name, "']: ", given->second.size(), " elements for a parameter of ", numel));
     }
     return given->second;
   }

@@ -50,7 +50,8 @@ absl::Status ShmStepTransport::SetUpRegion() {
     offsets_[name] = bytes;
     bytes += static_cast<uint64_t>(numel) * sizeof(float);  // fits every dtype, in or out
   }
-  absl::StatusOr<std::unique_ptr<ShmRegion>> region = ShmRegion::Create(info.shm_socket(), std::max<uint64_t>(bytes, 1));
+  absl::StatusOr<std::unique_ptr<ShmRegion>> region =
+      ShmRegion::Create(info.shm_socket(), std::max<uint64_t>(bytes, 1));
   if (!region.ok()) return region.status();
   const std::string name = absl::StrCat(session_.id(), "/", (*region)->ticket().substr(0, 8));
   grpc::ClientContext context;
@@ -74,7 +75,8 @@ void ShmStepTransport::WriteGradients(std::span<const TensorView> gradients, v1:
                                          tensor.values.size() * wire::ElementSize(dtype), dtype);
     auto slot = offsets_.find(tensor.name);
     auto numel = counts.find(tensor.name);
-    if (slot == offsets_.end() || numel == counts.end() || static_cast<int64_t>(tensor.values.size()) != numel->second) {
+    if (slot == offsets_.end() || numel == counts.end() ||
+        static_cast<int64_t>(tensor.values.size()) != numel->second) {
       continue;  // not written: the daemon refuses the reference, naming the field
     }
     ref->set_offset(slot->second);

@@ -33,8 +33,8 @@ absl::Status CheckViable(const TransportKind& kind, const v1::ServerInfo& info) 
   return absl::FailedPreconditionError(absl::StrCat("transport: '", kind.name, "' is not possible: ", why));
 }
 
-absl::StatusOr<const TransportKind*> ChooseTransport(
-    std::string_view wanted, absl::FunctionRef<absl::StatusOr<v1::ServerInfo>()> server_info) {
+absl::StatusOr<const TransportKind*> ChooseTransport(std::string_view wanted,
+                                                     absl::FunctionRef<absl::StatusOr<v1::ServerInfo>()> server_info) {
   if (absl::Status named = CheckTransportName(wanted); !named.ok()) return named;
   std::optional<v1::ServerInfo> info;
   for (const TransportKind& kind : HostTransports()) {

@@ -52,26 +52,25 @@ class CpuBuffer final : public BorrowedBuffer {
 // keep the coefficients in registers and vectorize without alias checks (the buffers of one call
 // never overlap, except Momentum's grad and update and Axpby's x and y, which may, and are read
 // before written per element).
-MUOND_ELEMENTWISE_CLONES void AdamWRange(const AdamWArgs a, float* __restrict p, const float* __restrict g, float* __restrict m,
-                float* __restrict v, size_t begin, size_t end) {
+MUOND_ELEMENTWISE_CLONES void AdamWRange(const AdamWArgs a, float* __restrict p, const float* __restrict g,
+                                         float* __restrict m, float* __restrict v, size_t begin, size_t end) {
   for (size_t i = begin; i < end; ++i) AdamWElement(a, p[i], g[i], m[i], v[i]);
 }
-MUOND_ELEMENTWISE_CLONES void LionRange(const LionArgs a, float* __restrict p, const float* __restrict g, float* __restrict m, size_t begin,
-               size_t end) {
+MUOND_ELEMENTWISE_CLONES void LionRange(const LionArgs a, float* __restrict p, const float* __restrict g,
+                                        float* __restrict m, size_t begin, size_t end) {
   for (size_t i = begin; i < end; ++i) LionElement(a, p[i], g[i], m[i]);
 }
 // SGD's options are fixed for a call: one loop per combination, each with its branches folded away
 // (kMomentum false means momentum is 0, which SgdElement then never reads).
 template <bool kMomentum, bool kFirstStep, bool kNesterov>
-void SgdLoop(SgdArgs a, float* __restrict p, const float* __restrict g, float* __restrict b, size_t begin,
-             size_t end) {
+void SgdLoop(SgdArgs a, float* __restrict p, const float* __restrict g, float* __restrict b, size_t begin, size_t end) {
   if (!kMomentum) a.momentum = 0.0f;
   a.first_step = kFirstStep;
   a.nesterov = kNesterov;
   for (size_t i = begin; i < end; ++i) SgdElement(a, p[i], g[i], b[i]);
 }
-MUOND_ELEMENTWISE_CLONES void SgdRange(const SgdArgs a, float* __restrict p, const float* __restrict g, float* __restrict b, size_t begin,
-              size_t end) {
+MUOND_ELEMENTWISE_CLONES void SgdRange(const SgdArgs a, float* __restrict p, const float* __restrict g,
+                                       float* __restrict b, size_t begin, size_t end) {
   if (a.momentum == 0.0f) return SgdLoop<false, false, false>(a, p, g, b, begin, end);
   if (a.first_step) {
     return a.nesterov ? SgdLoop<true, true, true>(a, p, g, b, begin, end)
@@ -80,7 +79,8 @@ MUOND_ELEMENTWISE_CLONES void SgdRange(const SgdArgs a, float* __restrict p, con
   return a.nesterov ? SgdLoop<true, false, true>(a, p, g, b, begin, end)
                     : SgdLoop<true, false, false>(a, p, g, b, begin, end);
 }
-MUOND_ELEMENTWISE_CLONES void MomentumRange(const MomentumArgs a, float* __restrict m, const float* g, float* u, size_t begin, size_t end) {
+MUOND_ELEMENTWISE_CLONES void MomentumRange(const MomentumArgs a, float* __restrict m, const float* g, float* u,
+                                            size_t begin, size_t end) {
   for (size_t i = begin; i < end; ++i) MomentumElement(a, m[i], g[i], u[i]);
 }
 MUOND_ELEMENTWISE_CLONES void AdamuonRange(const AdamuonArgs a, float* __restrict v, float* __restrict o, size_t begin,
@@ -144,7 +144,7 @@ void Blockwise(const std::array<StoredRef, N>& refs, unsigned written, size_t be
 }
 
 MUOND_ELEMENTWISE_CLONES void AxpbyRange(const float alpha, const float* x, const float beta, float* y, size_t begin,
-                size_t end) {
+                                         size_t end) {
   for (size_t i = begin; i < end; ++i) y[i] = alpha * x[i] + beta * y[i];
 }
 
@@ -210,8 +210,8 @@ class CpuBackend final : public Backend {
     return absl::OkStatus();
   }
 
-  absl::Status Gemm(const GemmShape& s, float alpha, const float* a, const float* b, float beta,
-                    float* c, MatmulPrecision /*precision: the CPU always computes in fp32*/) override {
+  absl::Status Gemm(const GemmShape& s, float alpha, const float* a, const float* b, float beta, float* c,
+                    MatmulPrecision /*precision: the CPU always computes in fp32*/) override {
     if (absl::Status st = CheckGemmShape(s); !st.ok()) return st;
     if (s.m == 0 || s.n == 0) return absl::OkStatus();
     std::unique_lock<std::mutex> gate = pool_.Exclusive();  // OpenBLAS brings its own threads
@@ -227,16 +227,14 @@ class CpuBackend final : public Backend {
         }
         continue;
       }
-      cblas_sgemm(CblasRowMajor, ToCblas(s.trans_a), ToCblas(s.trans_b), static_cast<int>(s.m),
-                  static_cast<int>(s.n), static_cast<int>(s.k), alpha, a + i * s.stride_a,
-                  static_cast<int>(s.lda), b + i * s.stride_b, static_cast<int>(s.ldb), beta, ci,
-                  static_cast<int>(s.ldc));
+      cblas_sgemm(CblasRowMajor, ToCblas(s.trans_a), ToCblas(s.trans_b), static_cast<int>(s.m), static_cast<int>(s.n),
+                  static_cast<int>(s.k), alpha, a + i * s.stride_a, static_cast<int>(s.lda), b + i * s.stride_b,
+                  static_cast<int>(s.ldb), beta, ci, static_cast<int>(s.ldc));
     }
     return absl::OkStatus();
   }
 
-  absl::Status Transpose2D(const float* in, float* out, int64_t rows, int64_t cols,
-                           int64_t batch) override {
+  absl::Status Transpose2D(const float* in, float* out, int64_t rows, int64_t cols, int64_t batch) override {
     if (rows < 0 || cols < 0 || batch < 0) {
       return absl::InvalidArgumentError("Transpose2D: negative size");
     }
@@ -324,8 +322,8 @@ class CpuBackend final : public Backend {
     });
     return absl::OkStatus();
   }
-  absl::Status AdamW(const AdamWArgs& args, StoredRef param, const float* grad, StoredRef exp_avg,
-                     StoredRef exp_avg_sq, size_t count) override {
+  absl::Status AdamW(const AdamWArgs& args, StoredRef param, const float* grad, StoredRef exp_avg, StoredRef exp_avg_sq,
+                     size_t count) override {
     pool_.Run(count, [&](size_t begin, size_t end) {
       Blockwise<3>({param, exp_avg, exp_avg_sq}, 0b111, begin, end,
                    [&](const std::array<float*, 3>& v, size_t at, size_t n) {
@@ -346,10 +344,9 @@ class CpuBackend final : public Backend {
   absl::Status Sgd(const SgdArgs& args, StoredRef param, const float* grad, StoredRef momentum_buffer,
                    size_t count) override {
     pool_.Run(count, [&](size_t begin, size_t end) {
-      Blockwise<2>({param, momentum_buffer}, 0b11, begin, end,
-                   [&](const std::array<float*, 2>& v, size_t at, size_t n) {
-                     SgdRange(args, v[0], grad + at, v[1], 0, n);
-                   });
+      Blockwise<2>(
+          {param, momentum_buffer}, 0b11, begin, end,
+          [&](const std::array<float*, 2>& v, size_t at, size_t n) { SgdRange(args, v[0], grad + at, v[1], 0, n); });
     });
     return absl::OkStatus();
   }

@@ -1,5 +1,3 @@
-#include "kernels/cuda/cuda_backend.h"
-
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -8,9 +6,10 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/cuda_kernels.cuh"
 #include "kernels/cuda/cuda_status.h"
-#include "common/status_macros.h"
 
 namespace muond::kernels::cuda {
 namespace {
@@ -43,15 +42,14 @@ int64_t Extent(int64_t rows, int64_t cols, int64_t ld, int64_t stride, int64_t b
 }
 
 absl::Status CheckGemmShape(const GemmShape& s) {
-  if (s.m < 0 || s.n < 0 || s.k < 0 || s.batch < 0 || s.lda < 0 || s.ldb < 0 || s.ldc < 0 ||
-      s.stride_a < 0 || s.stride_b < 0 || s.stride_c < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("Gemm: negative size or stride, m=", s.m,
-                                                   " n=", s.n, " k=", s.k, " batch=", s.batch));
+  if (s.m < 0 || s.n < 0 || s.k < 0 || s.batch < 0 || s.lda < 0 || s.ldb < 0 || s.ldc < 0 || s.stride_a < 0 ||
+      s.stride_b < 0 || s.stride_c < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Gemm: negative size or stride, m=", s.m, " n=", s.n, " k=", s.k, " batch=", s.batch));
   }
   // cuBLAS takes int dimensions, leading dimensions and batch count.
   constexpr int64_t kMax = std::numeric_limits<int>::max();
-  if (s.m > kMax || s.n > kMax || s.k > kMax || s.lda > kMax || s.ldb > kMax || s.ldc > kMax ||
-      s.batch > kMax) {
+  if (s.m > kMax || s.n > kMax || s.k > kMax || s.lda > kMax || s.ldb > kMax || s.ldc > kMax || s.batch > kMax) {
     return absl::InvalidArgumentError("Gemm: a dimension exceeds the cuBLAS int range");
   }
   return absl::OkStatus();
@@ -83,24 +81,23 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device) {
       // The runtime's text reads as a version problem even when there is no driver at all.
       int runtime = 0;
       cudaRuntimeGetVersion(&runtime);
-      hint = absl::StrCat(" (no NVIDIA driver is loaded, or it is older than CUDA runtime ",
-                          runtime / 1000, ".", runtime % 1000 / 10, " needs)");
+      hint = absl::StrCat(" (no NVIDIA driver is loaded, or it is older than CUDA runtime ", runtime / 1000, ".",
+                          runtime % 1000 / 10, " needs)");
     }
-    return absl::FailedPreconditionError(absl::StrCat("cudaGetDeviceCount failed: ",
-                                                      cudaGetErrorName(error), ": ",
-                                                      cudaGetErrorString(error), hint));
+    return absl::FailedPreconditionError(
+        absl::StrCat("cudaGetDeviceCount failed: ", cudaGetErrorName(error), ": ", cudaGetErrorString(error), hint));
   }
   if (count == 0) return absl::FailedPreconditionError("the CUDA runtime sees no device");
   if (device < 0 || device >= count) {
-    return absl::FailedPreconditionError(absl::StrCat("CUDA device ", device, " is out of range: ",
-                                                      count, " device(s) visible"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("CUDA device ", device, " is out of range: ", count, " device(s) visible"));
   }
   cudaDeviceProp prop{};
   MUOND_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device));
   if (prop.major < 8) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "CUDA device ", device, " (", prop.name, ") has compute capability ", prop.major, ".",
-        prop.minor, "; this build needs 8.0 or newer"));
+    return absl::FailedPreconditionError(absl::StrCat("CUDA device ", device, " (", prop.name,
+                                                      ") has compute capability ", prop.major, ".", prop.minor,
+                                                      "; this build needs 8.0 or newer"));
   }
 
   // From here on the destructor cleans up whatever was created before a failure.
@@ -112,17 +109,16 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device) {
   // cublasSetStream resets the workspace to cuBLAS's default pool, so the workspace comes after.
   MUOND_CUBLAS_RETURN_IF_ERROR(cublasSetStream(backend->cublas_, backend->stream_));
   MUOND_ASSIGN_OR_RETURN(backend->cublas_workspace_, backend->pool_.Acquire(kCublasWorkspaceBytes));
-  MUOND_CUBLAS_RETURN_IF_ERROR(
-      cublasSetWorkspace(backend->cublas_, backend->cublas_workspace_, kCublasWorkspaceBytes));
+  MUOND_CUBLAS_RETURN_IF_ERROR(cublasSetWorkspace(backend->cublas_, backend->cublas_workspace_, kCublasWorkspaceBytes));
 
   int runtime = 0, driver = 0, cublas = 0;
   cudaRuntimeGetVersion(&runtime);
   cudaDriverGetVersion(&driver);
   cublasGetVersion(backend->cublas_, &cublas);
-  backend->detail_ = absl::StrCat(
-      "device ", device, ": ", prop.name, " (sm_", prop.major, prop.minor, ", ",
-      prop.totalGlobalMem >> 20, " MiB), CUDA runtime ", runtime / 1000, ".", runtime % 1000 / 10,
-      ", driver ", driver / 1000, ".", driver % 1000 / 10, ", cuBLAS ", cublas);
+  backend->detail_ =
+      absl::StrCat("device ", device, ": ", prop.name, " (sm_", prop.major, prop.minor, ", ", prop.totalGlobalMem >> 20,
+                   " MiB), CUDA runtime ", runtime / 1000, ".", runtime % 1000 / 10, ", driver ", driver / 1000, ".",
+                   driver % 1000 / 10, ", cuBLAS ", cublas);
   return backend;
 }
 
@@ -169,8 +165,7 @@ absl::StatusOr<std::unique_ptr<DeviceBuffer>> CudaBackend::Allocate(size_t count
   MUOND_RETURN_IF_ERROR(Activate());
   MUOND_ASSIGN_OR_RETURN(void* block, pool_.Acquire(count * sizeof(float)));
   // Zeroed like the CPU backend's buffers, so a reused block never shows its previous owner's data.
-  if (const cudaError_t error = cudaMemsetAsync(block, 0, count * sizeof(float), stream_);
-      error != cudaSuccess) {
+  if (const cudaError_t error = cudaMemsetAsync(block, 0, count * sizeof(float), stream_); error != cudaSuccess) {
     pool_.Release(block);
     return CudaStatus(error, "cudaMemsetAsync");
   }
@@ -181,8 +176,7 @@ absl::Status CudaBackend::CopyToDevice(const float* host, float* device, size_t 
   if (count == 0) return absl::OkStatus();
   std::lock_guard<std::mutex> lock(mu_);
   MUOND_RETURN_IF_ERROR(Activate());
-  MUOND_CUDA_RETURN_IF_ERROR(
-      cudaMemcpyAsync(device, host, count * sizeof(float), cudaMemcpyHostToDevice, stream_));
+  MUOND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(device, host, count * sizeof(float), cudaMemcpyHostToDevice, stream_));
   return SyncLocked();
 }
 
@@ -190,8 +184,7 @@ absl::Status CudaBackend::CopyToHost(const float* device, float* host, size_t co
   if (count == 0) return absl::OkStatus();
   std::lock_guard<std::mutex> lock(mu_);
   MUOND_RETURN_IF_ERROR(Activate());
-  MUOND_CUDA_RETURN_IF_ERROR(
-      cudaMemcpyAsync(host, device, count * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+  MUOND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host, device, count * sizeof(float), cudaMemcpyDeviceToHost, stream_));
   return SyncLocked();
 }
 
@@ -245,8 +238,8 @@ absl::Status CudaBackend::Fill(float* x, size_t count, float value) {
   return CudaStatus(LaunchFill(x, static_cast<int64_t>(count), value, stream_), "Fill kernel");
 }
 
-absl::Status CudaBackend::Gemm(const GemmShape& s, float alpha, const float* a, const float* b,
-                               float beta, float* c, MatmulPrecision precision) {
+absl::Status CudaBackend::Gemm(const GemmShape& s, float alpha, const float* a, const float* b, float beta, float* c,
+                               MatmulPrecision precision) {
   MUOND_RETURN_IF_ERROR(CheckGemmShape(s));
   if (s.m == 0 || s.n == 0 || s.batch == 0) return absl::OkStatus();
   std::lock_guard<std::mutex> lock(mu_);
@@ -254,8 +247,8 @@ absl::Status CudaBackend::Gemm(const GemmShape& s, float alpha, const float* a, 
   return GemmLocked(s, alpha, a, b, beta, c, precision);
 }
 
-absl::Status CudaBackend::GemmLocked(const GemmShape& s, float alpha, const float* a, const float* b,
-                                     float beta, float* c, MatmulPrecision precision) {
+absl::Status CudaBackend::GemmLocked(const GemmShape& s, float alpha, const float* a, const float* b, float beta,
+                                     float* c, MatmulPrecision precision) {
   if (s.k == 0) {
     // An empty product: C ← beta·C, spelled out rather than trusting every BLAS to do it.
     return CudaStatus(LaunchScaleMatrices(c, s.m, s.n, s.ldc, s.stride_c, s.batch, beta, stream_),
@@ -280,13 +273,13 @@ absl::Status CudaBackend::GemmLocked(const GemmShape& s, float alpha, const floa
       // Newton–Schulz multiplies a matrix by itself (X·Xᵀ, A·A): convert it once.
       const int64_t extent_shared = a == b ? std::max(extent_a, extent_b) : extent_a;
       MUOND_ASSIGN_OR_RETURN(void* a16, GetScratch(kBf16A, extent_shared * sizeof(__nv_bfloat16)));
-      MUOND_RETURN_IF_ERROR(CudaStatus(
-          LaunchToBf16(a, static_cast<__nv_bfloat16*>(a16), extent_shared, stream_), "ToBf16 kernel"));
+      MUOND_RETURN_IF_ERROR(
+          CudaStatus(LaunchToBf16(a, static_cast<__nv_bfloat16*>(a16), extent_shared, stream_), "ToBf16 kernel"));
       a_op = b_op = a16;
       if (a != b) {
         MUOND_ASSIGN_OR_RETURN(void* b16, GetScratch(kBf16B, extent_b * sizeof(__nv_bfloat16)));
-        MUOND_RETURN_IF_ERROR(CudaStatus(
-            LaunchToBf16(b, static_cast<__nv_bfloat16*>(b16), extent_b, stream_), "ToBf16 kernel"));
+        MUOND_RETURN_IF_ERROR(
+            CudaStatus(LaunchToBf16(b, static_cast<__nv_bfloat16*>(b16), extent_b, stream_), "ToBf16 kernel"));
         b_op = b16;
       }
       input_type = CUDA_R_16BF;  // with CUBLAS_COMPUTE_32F and fp32 C: fp32 accumulation
@@ -298,9 +291,9 @@ absl::Status CudaBackend::GemmLocked(const GemmShape& s, float alpha, const floa
   // A second, m and n swap, and each operand keeps its own transpose flag.
   MUOND_CUBLAS_RETURN_IF_ERROR(cublasGemmStridedBatchedEx(
       cublas_, ToCublas(s.trans_b), ToCublas(s.trans_a), static_cast<int>(s.n), static_cast<int>(s.m),
-      static_cast<int>(s.k), &alpha, b_op, input_type, static_cast<int>(s.ldb), s.stride_b, a_op,
-      input_type, static_cast<int>(s.lda), s.stride_a, &beta, c, CUDA_R_32F, static_cast<int>(s.ldc),
-      s.stride_c, static_cast<int>(s.batch), compute, CUBLAS_GEMM_DEFAULT));
+      static_cast<int>(s.k), &alpha, b_op, input_type, static_cast<int>(s.ldb), s.stride_b, a_op, input_type,
+      static_cast<int>(s.lda), s.stride_a, &beta, c, CUDA_R_32F, static_cast<int>(s.ldc), s.stride_c,
+      static_cast<int>(s.batch), compute, CUBLAS_GEMM_DEFAULT));
   return absl::OkStatus();
 }
 

@@ -71,10 +71,9 @@ class CudaBackend final : public Backend {
   absl::StatusOr<std::unique_ptr<HostToDevice>> NewHostToDevice() override;
   absl::StatusOr<std::unique_ptr<DeviceToHost>> NewDeviceToHost() override;
 
-  absl::Status Gemm(const GemmShape& shape, float alpha, const float* a, const float* b, float beta,
-                    float* c, MatmulPrecision precision) override;
-  absl::Status Transpose2D(const float* in, float* out, int64_t rows, int64_t cols,
-                           int64_t batch) override;
+  absl::Status Gemm(const GemmShape& shape, float alpha, const float* a, const float* b, float beta, float* c,
+                    MatmulPrecision precision) override;
+  absl::Status Transpose2D(const float* in, float* out, int64_t rows, int64_t cols, int64_t batch) override;
 
   absl::Status SumSquares(const float* x, size_t count, size_t batch, double* sums) override;
   absl::StatusOr<bool> AllFinite(const float* x, size_t count) override;
@@ -85,19 +84,16 @@ class CudaBackend final : public Backend {
 
   absl::Status Momentum(const MomentumArgs& args, StoredRef momentum, const float* grad, float* update,
                         size_t count) override;
-  absl::Status AdamW(const AdamWArgs& args, StoredRef param, const float* grad, StoredRef exp_avg,
-                     StoredRef exp_avg_sq, size_t count) override;
-  absl::Status Lion(const LionArgs& args, StoredRef param, const float* grad, StoredRef exp_avg,
-                    size_t count) override;
+  absl::Status AdamW(const AdamWArgs& args, StoredRef param, const float* grad, StoredRef exp_avg, StoredRef exp_avg_sq,
+                     size_t count) override;
+  absl::Status Lion(const LionArgs& args, StoredRef param, const float* grad, StoredRef exp_avg, size_t count) override;
   absl::Status Sgd(const SgdArgs& args, StoredRef param, const float* grad, StoredRef momentum_buffer,
                    size_t count) override;
   absl::Status Adamuon(const AdamuonArgs& args, StoredRef moment2, float* update, size_t count) override;
-  absl::Status CautiousUpdate(const CautiousArgs& args, const float* update, StoredRef param,
-                              size_t count) override;
+  absl::Status CautiousUpdate(const CautiousArgs& args, const float* update, StoredRef param, size_t count) override;
 
   // The GPU transports: cuda_peer.cc and cuda_nccl.cc.
-  absl::StatusOr<std::unique_ptr<PeerMemory>> OpenPeerMemory(std::string_view handle,
-                                                             uint64_t byte_size) override;
+  absl::StatusOr<std::unique_ptr<PeerMemory>> OpenPeerMemory(std::string_view handle, uint64_t byte_size) override;
   absl::StatusOr<std::unique_ptr<PeerEvent>> OpenPeerEvent(std::string_view handle) override;
   absl::StatusOr<NcclUniqueId> NewNcclUniqueId() override;
   absl::StatusOr<std::unique_ptr<PeerChannel>> OpenPeerChannel(const NcclUniqueId& id) override;
@@ -133,8 +129,8 @@ class CudaBackend final : public Backend {
   // Waits for the stream and reports any fault of the work enqueued so far. Requires mu_ held.
   absl::Status SyncLocked();
   // Gemm with the checks done. Requires mu_ held.
-  absl::Status GemmLocked(const GemmShape& s, float alpha, const float* a, const float* b,
-                          float beta, float* c, MatmulPrecision precision);
+  absl::Status GemmLocked(const GemmShape& s, float alpha, const float* a, const float* b, float beta, float* c,
+                          MatmulPrecision precision);
 
   const int device_;
   std::string detail_;

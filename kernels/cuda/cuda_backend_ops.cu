@@ -8,11 +8,11 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/cuda_backend_factory.h"
 #include "kernels/cuda/cuda_kernels.cuh"
 #include "kernels/cuda/cuda_status.h"
-#include "common/status_macros.h"
 
 namespace muond::kernels {
 
@@ -31,14 +31,12 @@ extern "C" __attribute__((visibility("default"))) void muond_new_cuda_backend(
 std::optional<CudaPoolStats> GetCudaPoolStats(const Backend& backend) {
   const auto* cuda = dynamic_cast<const cuda::CudaBackend*>(&backend);
   if (cuda == nullptr) return std::nullopt;
-  return CudaPoolStats{cuda->pool().bytes_reserved(), cuda->pool().bytes_in_use(),
-                       cuda->pool().device_allocations()};
+  return CudaPoolStats{cuda->pool().bytes_reserved(), cuda->pool().bytes_in_use(), cuda->pool().device_allocations()};
 }
 
 namespace cuda {
 
-absl::Status CudaBackend::Transpose2D(const float* in, float* out, int64_t rows, int64_t cols,
-                                      int64_t batch) {
+absl::Status CudaBackend::Transpose2D(const float* in, float* out, int64_t rows, int64_t cols, int64_t batch) {
   if (rows < 0 || cols < 0 || batch < 0) {
     return absl::InvalidArgumentError("Transpose2D: negative size");
   }
@@ -62,10 +60,10 @@ absl::Status CudaBackend::SumSquares(const float* x, size_t count, size_t batch,
   MUOND_RETURN_IF_ERROR(Activate());
   MUOND_ASSIGN_OR_RETURN(void* partials, GetScratch(kPartials, batch * chunks * sizeof(double)));
   MUOND_ASSIGN_OR_RETURN(void* device_sums, GetScratch(kSums, batch * sizeof(double)));
-  MUOND_RETURN_IF_ERROR(CudaStatus(
-      LaunchSumSquares(x, static_cast<int64_t>(count), static_cast<int64_t>(batch), chunks,
-                       static_cast<double*>(partials), static_cast<double*>(device_sums), stream_),
-      "SumSquares kernels"));
+  MUOND_RETURN_IF_ERROR(
+      CudaStatus(LaunchSumSquares(x, static_cast<int64_t>(count), static_cast<int64_t>(batch), chunks,
+                                  static_cast<double*>(partials), static_cast<double*>(device_sums), stream_),
+                 "SumSquares kernels"));
   MUOND_CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(sums, device_sums, batch * sizeof(double), cudaMemcpyDeviceToHost, stream_));
   return SyncLocked();
@@ -86,13 +84,13 @@ absl::Status CudaBackend::SumSquaresEach(std::span<const Slice> tensors, double*
   MUOND_ASSIGN_OR_RETURN(void* device_sums, GetScratch(kSums, tensors.size() * sizeof(double)));
   for (size_t i = 0; i < tensors.size(); ++i) {
     const int64_t count = static_cast<int64_t>(tensors[i].count);
-    MUOND_RETURN_IF_ERROR(CudaStatus(
-        LaunchSumSquares(tensors[i].data, count, 1, SumSquaresChunks(count),
-                         static_cast<double*>(partials), static_cast<double*>(device_sums) + i, stream_),
-        "SumSquares kernels"));
+    MUOND_RETURN_IF_ERROR(
+        CudaStatus(LaunchSumSquares(tensors[i].data, count, 1, SumSquaresChunks(count), static_cast<double*>(partials),
+                                    static_cast<double*>(device_sums) + i, stream_),
+                   "SumSquares kernels"));
   }
-  MUOND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sums, device_sums, tensors.size() * sizeof(double),
-                                             cudaMemcpyDeviceToHost, stream_));
+  MUOND_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(sums, device_sums, tensors.size() * sizeof(double), cudaMemcpyDeviceToHost, stream_));
   return SyncLocked();
 }
 
@@ -103,11 +101,9 @@ absl::StatusOr<bool> CudaBackend::AllFinite(const float* x, size_t count) {
   MUOND_ASSIGN_OR_RETURN(void* flag, GetScratch(kFlag, sizeof(int)));
   MUOND_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(flag, 0, sizeof(int), stream_));
   MUOND_RETURN_IF_ERROR(CudaStatus(
-      LaunchFlagNonFinite(x, static_cast<int64_t>(count), static_cast<int*>(flag), stream_),
-      "FlagNonFinite kernel"));
+      LaunchFlagNonFinite(x, static_cast<int64_t>(count), static_cast<int*>(flag), stream_), "FlagNonFinite kernel"));
   int host_flag = 1;
-  MUOND_CUDA_RETURN_IF_ERROR(
-      cudaMemcpyAsync(&host_flag, flag, sizeof(int), cudaMemcpyDeviceToHost, stream_));
+  MUOND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&host_flag, flag, sizeof(int), cudaMemcpyDeviceToHost, stream_));
   MUOND_RETURN_IF_ERROR(SyncLocked());
   return host_flag == 0;
 }
@@ -119,8 +115,8 @@ absl::Status CudaBackend::ScaleBatched(float* x, size_t count, size_t batch, con
   MUOND_ASSIGN_OR_RETURN(void* device_scales, GetScratch(kScales, batch * sizeof(float)));
   // From pageable host memory cudaMemcpyAsync returns only once `scales` has been staged, so the
   // caller may reuse its array as soon as this returns.
-  MUOND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(device_scales, scales, batch * sizeof(float),
-                                             cudaMemcpyHostToDevice, stream_));
+  MUOND_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(device_scales, scales, batch * sizeof(float), cudaMemcpyHostToDevice, stream_));
   return CudaStatus(LaunchScaleBatched(x, static_cast<int64_t>(count), static_cast<int64_t>(batch),
                                        static_cast<const float*>(device_scales), stream_),
                     "ScaleBatched kernel");
@@ -145,54 +141,46 @@ absl::Status CudaBackend::Narrow(StorageDtype dtype, const float* in, void* pack
 absl::Status CudaBackend::Axpby(float alpha, StoredRef x, float beta, StoredRef y, size_t count) {
   std::lock_guard<std::mutex> lock(mu_);
   MUOND_RETURN_IF_ERROR(Activate());
-  return CudaStatus(LaunchAxpby(alpha, x, beta, y, static_cast<int64_t>(count), stream_),
-                    "Axpby kernel");
+  return CudaStatus(LaunchAxpby(alpha, x, beta, y, static_cast<int64_t>(count), stream_), "Axpby kernel");
 }
 
-absl::Status CudaBackend::Momentum(const MomentumArgs& args, StoredRef momentum, const float* grad,
-                                   float* update, size_t count) {
+absl::Status CudaBackend::Momentum(const MomentumArgs& args, StoredRef momentum, const float* grad, float* update,
+                                   size_t count) {
   std::lock_guard<std::mutex> lock(mu_);
   MUOND_RETURN_IF_ERROR(Activate());
-  return CudaStatus(
-      LaunchMomentum(args, momentum, grad, update, static_cast<int64_t>(count), stream_),
-      "Momentum kernel");
+  return CudaStatus(LaunchMomentum(args, momentum, grad, update, static_cast<int64_t>(count), stream_),
+                    "Momentum kernel");
 }
 
-absl::Status CudaBackend::AdamW(const AdamWArgs& args, StoredRef param, const float* grad,
-                                StoredRef exp_avg, StoredRef exp_avg_sq, size_t count) {
+absl::Status CudaBackend::AdamW(const AdamWArgs& args, StoredRef param, const float* grad, StoredRef exp_avg,
+                                StoredRef exp_avg_sq, size_t count) {
   std::lock_guard<std::mutex> lock(mu_);
   MUOND_RETURN_IF_ERROR(Activate());
-  return CudaStatus(
-      LaunchAdamW(args, param, grad, exp_avg, exp_avg_sq, static_cast<int64_t>(count), stream_),
-      "AdamW kernel");
+  return CudaStatus(LaunchAdamW(args, param, grad, exp_avg, exp_avg_sq, static_cast<int64_t>(count), stream_),
+                    "AdamW kernel");
 }
 
-absl::Status CudaBackend::Lion(const LionArgs& args, StoredRef param, const float* grad,
-                               StoredRef exp_avg, size_t count) {
+absl::Status CudaBackend::Lion(const LionArgs& args, StoredRef param, const float* grad, StoredRef exp_avg,
+                               size_t count) {
   std::lock_guard<std::mutex> lock(mu_);
   MUOND_RETURN_IF_ERROR(Activate());
-  return CudaStatus(LaunchLion(args, param, grad, exp_avg, static_cast<int64_t>(count), stream_),
-                    "Lion kernel");
+  return CudaStatus(LaunchLion(args, param, grad, exp_avg, static_cast<int64_t>(count), stream_), "Lion kernel");
 }
 
-absl::Status CudaBackend::Sgd(const SgdArgs& args, StoredRef param, const float* grad,
-                              StoredRef momentum_buffer, size_t count) {
+absl::Status CudaBackend::Sgd(const SgdArgs& args, StoredRef param, const float* grad, StoredRef momentum_buffer,
+                              size_t count) {
   std::lock_guard<std::mutex> lock(mu_);
   MUOND_RETURN_IF_ERROR(Activate());
-  return CudaStatus(
-      LaunchSgd(args, param, grad, momentum_buffer, static_cast<int64_t>(count), stream_),
-      "Sgd kernel");
+  return CudaStatus(LaunchSgd(args, param, grad, momentum_buffer, static_cast<int64_t>(count), stream_), "Sgd kernel");
 }
 
 absl::Status CudaBackend::Adamuon(const AdamuonArgs& args, StoredRef moment2, float* update, size_t count) {
   std::lock_guard<std::mutex> lock(mu_);
   MUOND_RETURN_IF_ERROR(Activate());
-  return CudaStatus(LaunchAdamuon(args, moment2, update, static_cast<int64_t>(count), stream_),
-                    "Adamuon kernel");
+  return CudaStatus(LaunchAdamuon(args, moment2, update, static_cast<int64_t>(count), stream_), "Adamuon kernel");
 }
 
-absl::Status CudaBackend::CautiousUpdate(const CautiousArgs& args, const float* update, StoredRef param,
-                                         size_t count) {
+absl::Status CudaBackend::CautiousUpdate(const CautiousArgs& args, const float* update, StoredRef param, size_t count) {
   std::lock_guard<std::mutex> lock(mu_);
   MUOND_RETURN_IF_ERROR(Activate());
   return CudaStatus(LaunchCautiousUpdate(args, update, param, static_cast<int64_t>(count), stream_),

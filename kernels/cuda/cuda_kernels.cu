@@ -1,11 +1,10 @@
 // Kernels of the CUDA backend. Everything here is memory-bound, so the kernels favour obvious
 // correctness over tuning: grid-stride loops with 64-bit indices, a fixed block size, shared-memory
 // tiles for the transpose and a plain tree reduction for sums.
-#include "kernels/cuda/cuda_kernels.cuh"
+#include <algorithm>
 
 #include "common/half_float.h"
-
-#include <algorithm>
+#include "kernels/cuda/cuda_kernels.cuh"
 
 namespace muond::kernels::cuda {
 namespace {
@@ -40,8 +39,8 @@ __global__ void ScaleBatchedKernel(float* x, int64_t count, int64_t total, const
   for (int64_t i = FirstIndex(); i < total; i += GridStride()) x[i] *= scales[i / count];
 }
 
-__global__ void ScaleMatricesKernel(float* c, int64_t m, int64_t n, int64_t ldc, int64_t stride,
-                                    int64_t total, float beta) {
+__global__ void ScaleMatricesKernel(float* c, int64_t m, int64_t n, int64_t ldc, int64_t stride, int64_t total,
+                                    float beta) {
   for (int64_t i = FirstIndex(); i < total; i += GridStride()) {
     const int64_t b = i / (m * n), rem = i % (m * n);
     float& v = c[b * stride + (rem / n) * ldc + rem % n];
@@ -118,8 +117,7 @@ __global__ void FlagNonFiniteKernel(const float* x, int64_t n, int* flag) {
   }
 }
 
-__global__ void MomentumKernel(MomentumArgs args, StoredRef momentum, const float* grad, float* update,
-                               int64_t n) {
+__global__ void MomentumKernel(MomentumArgs args, StoredRef momentum, const float* grad, float* update, int64_t n) {
   // grad[i] is read (by value) before update[i] is written, so the two may alias.
   for (int64_t i = FirstIndex(); i < n; i += GridStride()) {
     float m = LoadElement(momentum, i);
@@ -128,8 +126,8 @@ __global__ void MomentumKernel(MomentumArgs args, StoredRef momentum, const floa
   }
 }
 
-__global__ void AdamWKernel(AdamWArgs args, StoredRef param, const float* grad, StoredRef exp_avg,
-                            StoredRef exp_avg_sq, int64_t n) {
+__global__ void AdamWKernel(AdamWArgs args, StoredRef param, const float* grad, StoredRef exp_avg, StoredRef exp_avg_sq,
+                            int64_t n) {
   for (int64_t i = FirstIndex(); i < n; i += GridStride()) {
     float p = LoadElement(param, i), m = LoadElement(exp_avg, i), v = LoadElement(exp_avg_sq, i);
     AdamWElement(args, p, grad[i], m, v);
@@ -178,8 +176,7 @@ __global__ void CautiousUpdateKernel(CautiousArgs args, const float* update, Sto
   }
 }
 
-__global__ void SgdKernel(SgdArgs args, StoredRef param, const float* grad, StoredRef momentum_buffer,
-                          int64_t n) {
+__global__ void SgdKernel(SgdArgs args, StoredRef param, const float* grad, StoredRef momentum_buffer, int64_t n) {
   for (int64_t i = FirstIndex(); i < n; i += GridStride()) {
     float p = LoadElement(param, i), b = LoadElement(momentum_buffer, i);
     SgdElement(args, p, grad[i], b);
@@ -196,23 +193,21 @@ cudaError_t LaunchFill(float* x, int64_t n, float value, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-cudaError_t LaunchAxpby(float alpha, StoredRef x, float beta, StoredRef y, int64_t n,
-                        cudaStream_t stream) {
+cudaError_t LaunchAxpby(float alpha, StoredRef x, float beta, StoredRef y, int64_t n, cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   AxpbyKernel<<<BlocksFor(n), kThreads, 0, stream>>>(alpha, x, beta, y, n);
   return cudaGetLastError();
 }
 
-cudaError_t LaunchScaleBatched(float* x, int64_t count, int64_t batch, const float* scales,
-                               cudaStream_t stream) {
+cudaError_t LaunchScaleBatched(float* x, int64_t count, int64_t batch, const float* scales, cudaStream_t stream) {
   const int64_t total = count * batch;
   if (total <= 0) return cudaSuccess;
   ScaleBatchedKernel<<<BlocksFor(total), kThreads, 0, stream>>>(x, count, total, scales);
   return cudaGetLastError();
 }
 
-cudaError_t LaunchScaleMatrices(float* c, int64_t m, int64_t n, int64_t ldc, int64_t stride,
-                                int64_t batch, float beta, cudaStream_t stream) {
+cudaError_t LaunchScaleMatrices(float* c, int64_t m, int64_t n, int64_t ldc, int64_t stride, int64_t batch, float beta,
+                                cudaStream_t stream) {
   const int64_t total = m * n * batch;
   if (total <= 0) return cudaSuccess;
   ScaleMatricesKernel<<<BlocksFor(total), kThreads, 0, stream>>>(c, m, n, ldc, stride, total, beta);
@@ -236,8 +231,7 @@ cudaError_t LaunchTranspose(const float* in, float* out, int64_t rows, int64_t c
     const dim3 grid(static_cast<unsigned>((cols + kTile - 1) / kTile),
                     static_cast<unsigned>((rows + kTile - 1) / kTile),
                     static_cast<unsigned>(std::min(kMaxZ, batch - first)));
-    TransposeKernel<<<grid, dim3(kTile, kTileRows), 0, stream>>>(in + first * matrix,
-                                                                 out + first * matrix, rows, cols);
+    TransposeKernel<<<grid, dim3(kTile, kTileRows), 0, stream>>>(in + first * matrix, out + first * matrix, rows, cols);
     if (cudaError_t error = cudaGetLastError(); error != cudaSuccess) return error;
   }
   return cudaSuccess;
@@ -250,11 +244,10 @@ int SumSquaresChunks(int64_t count) {
   return static_cast<int>(std::clamp<int64_t>((count + kPerBlock - 1) / kPerBlock, 1, 1024));
 }
 
-cudaError_t LaunchSumSquares(const float* x, int64_t count, int64_t batch, int chunks,
-                             double* partials, double* sums, cudaStream_t stream) {
+cudaError_t LaunchSumSquares(const float* x, int64_t count, int64_t batch, int chunks, double* partials, double* sums,
+                             cudaStream_t stream) {
   if (batch <= 0) return cudaSuccess;
-  SumSquaresPartialKernel<<<static_cast<unsigned>(batch * chunks), kThreads, 0, stream>>>(
-      x, count, chunks, partials);
+  SumSquaresPartialKernel<<<static_cast<unsigned>(batch * chunks), kThreads, 0, stream>>>(x, count, chunks, partials);
   if (cudaError_t error = cudaGetLastError(); error != cudaSuccess) return error;
   SumPartialsKernel<<<static_cast<unsigned>(batch), kThreads, 0, stream>>>(partials, chunks, sums);
   return cudaGetLastError();
@@ -266,8 +259,8 @@ cudaError_t LaunchFlagNonFinite(const float* x, int64_t n, int* flag, cudaStream
   return cudaGetLastError();
 }
 
-cudaError_t LaunchMomentum(const MomentumArgs& args, StoredRef momentum, const float* grad,
-                           float* update, int64_t n, cudaStream_t stream) {
+cudaError_t LaunchMomentum(const MomentumArgs& args, StoredRef momentum, const float* grad, float* update, int64_t n,
+                           cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   MomentumKernel<<<BlocksFor(n), kThreads, 0, stream>>>(args, momentum, grad, update, n);
   return cudaGetLastError();
@@ -280,15 +273,15 @@ cudaError_t LaunchAdamW(const AdamWArgs& args, StoredRef param, const float* gra
   return cudaGetLastError();
 }
 
-cudaError_t LaunchLion(const LionArgs& args, StoredRef param, const float* grad, StoredRef exp_avg,
-                       int64_t n, cudaStream_t stream) {
+cudaError_t LaunchLion(const LionArgs& args, StoredRef param, const float* grad, StoredRef exp_avg, int64_t n,
+                       cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   LionKernel<<<BlocksFor(n), kThreads, 0, stream>>>(args, param, grad, exp_avg, n);
   return cudaGetLastError();
 }
 
-cudaError_t LaunchSgd(const SgdArgs& args, StoredRef param, const float* grad, StoredRef momentum_buffer,
-                      int64_t n, cudaStream_t stream) {
+cudaError_t LaunchSgd(const SgdArgs& args, StoredRef param, const float* grad, StoredRef momentum_buffer, int64_t n,
+                      cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   SgdKernel<<<BlocksFor(n), kThreads, 0, stream>>>(args, param, grad, momentum_buffer, n);
   return cudaGetLastError();
@@ -314,8 +307,7 @@ cudaError_t LaunchNarrow(StorageDtype dtype, const float* in, uint16_t* packed, 
   return cudaGetLastError();
 }
 
-cudaError_t LaunchAdamuon(const AdamuonArgs& args, StoredRef moment2, float* update, int64_t n,
-                          cudaStream_t stream) {
+cudaError_t LaunchAdamuon(const AdamuonArgs& args, StoredRef moment2, float* update, int64_t n, cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   AdamuonKernel<<<BlocksFor(n), kThreads, 0, stream>>>(args, moment2, update, n);
   return cudaGetLastError();

@@ -30,12 +30,11 @@ cudaError_t LaunchAxpby(float alpha, StoredRef x, float beta, StoredRef y, int64
 cudaError_t LaunchWiden(StorageDtype dtype, const uint16_t* packed, float* out, int64_t n, cudaStream_t stream);
 cudaError_t LaunchNarrow(StorageDtype dtype, const float* in, uint16_t* packed, int64_t n, cudaStream_t stream);
 // x[b·count + i] *= scales[b] (scales in device memory)
-cudaError_t LaunchScaleBatched(float* x, int64_t count, int64_t batch, const float* scales,
-                               cudaStream_t stream);
+cudaError_t LaunchScaleBatched(float* x, int64_t count, int64_t batch, const float* scales, cudaStream_t stream);
 // The k = 0 GEMM: C_b ← beta·C_b for row-major m×n matrices with leading dimension ldc, C_b at
 // c + b·stride; beta = 0 writes zeros without reading C (BLAS semantics: NaN in C does not survive).
-cudaError_t LaunchScaleMatrices(float* c, int64_t m, int64_t n, int64_t ldc, int64_t stride,
-                                int64_t batch, float beta, cudaStream_t stream);
+cudaError_t LaunchScaleMatrices(float* c, int64_t m, int64_t n, int64_t ldc, int64_t stride, int64_t batch, float beta,
+                                cudaStream_t stream);
 // out[i] = bf16(in[i]), rounded to nearest even.
 cudaError_t LaunchToBf16(const float* in, __nv_bfloat16* out, int64_t n, cudaStream_t stream);
 
@@ -49,8 +48,8 @@ cudaError_t LaunchTranspose(const float* in, float* out, int64_t rows, int64_t c
 // write partial sums to `partials` (batch·chunks doubles), then one block per item adds them up.
 // Deterministic: the same input gives the same bits on the same device.
 int SumSquaresChunks(int64_t count);
-cudaError_t LaunchSumSquares(const float* x, int64_t count, int64_t batch, int chunks,
-                             double* partials, double* sums, cudaStream_t stream);
+cudaError_t LaunchSumSquares(const float* x, int64_t count, int64_t batch, int chunks, double* partials, double* sums,
+                             cudaStream_t stream);
 
 // Sets *flag = 1 when some x[i] is NaN or ±inf; never writes 0 (the caller zeroes the flag).
 cudaError_t LaunchFlagNonFinite(const float* x, int64_t n, int* flag, cudaStream_t stream);
@@ -58,16 +57,15 @@ cudaError_t LaunchFlagNonFinite(const float* x, int64_t n, int* flag, cudaStream
 // The optimizer steps; one thread per element evaluates the matching *Element function, loading
 // the state (StoredRef) as fp32 and storing it rounded to its format. `update` may alias `grad` in
 // LaunchMomentum.
-cudaError_t LaunchMomentum(const MomentumArgs& args, StoredRef momentum, const float* grad, float* update,
-                           int64_t n, cudaStream_t stream);
+cudaError_t LaunchMomentum(const MomentumArgs& args, StoredRef momentum, const float* grad, float* update, int64_t n,
+                           cudaStream_t stream);
 cudaError_t LaunchAdamW(const AdamWArgs& args, StoredRef param, const float* grad, StoredRef exp_avg,
                         StoredRef exp_avg_sq, int64_t n, cudaStream_t stream);
 cudaError_t LaunchLion(const LionArgs& args, StoredRef param, const float* grad, StoredRef exp_avg, int64_t n,
                        cudaStream_t stream);
-cudaError_t LaunchSgd(const SgdArgs& args, StoredRef param, const float* grad, StoredRef momentum_buffer,
-                      int64_t n, cudaStream_t stream);
-cudaError_t LaunchAdamuon(const AdamuonArgs& args, StoredRef moment2, float* update, int64_t n,
-                          cudaStream_t stream);
+cudaError_t LaunchSgd(const SgdArgs& args, StoredRef param, const float* grad, StoredRef momentum_buffer, int64_t n,
+                      cudaStream_t stream);
+cudaError_t LaunchAdamuon(const AdamuonArgs& args, StoredRef moment2, float* update, int64_t n, cudaStream_t stream);
 cudaError_t LaunchCautiousUpdate(const CautiousArgs& args, const float* update, StoredRef param, int64_t n,
                                  cudaStream_t stream);
 

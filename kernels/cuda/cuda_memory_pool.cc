@@ -51,8 +51,8 @@ absl::StatusOr<void*> CudaMemoryPool::Acquire(size_t bytes) {
     }
     if (error != cudaSuccess) {
       cudaGetLastError();
-      return CudaStatus(error, absl::StrCat("cudaMalloc of ", size, " bytes (",
-                                            bytes_reserved_, " bytes already held by the pool)"));
+      return CudaStatus(
+          error, absl::StrCat("cudaMalloc of ", size, " bytes (", bytes_reserved_, " bytes already held by the pool)"));
     }
     bytes_reserved_ += size;
     ++device_allocations_;

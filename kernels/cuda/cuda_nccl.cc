@@ -93,8 +93,7 @@ class NcclChannel final : public PeerChannel {
   bool aborted() const override { return aborted_.load(); }
 
  private:
-  explicit NcclChannel(CudaBackend* backend)
-      : backend_(backend), device_(backend->device()), opened_(absl::Now()) {}
+  explicit NcclChannel(CudaBackend* backend) : backend_(backend), device_(backend->device()), opened_(absl::Now()) {}
 
   absl::Status Transfer(bool receive, std::span<const ByteRange> ranges, absl::Time deadline);
   // Polls the communicator until it leaves ncclInProgress (set-up done, or a group enqueued on
@@ -175,8 +174,7 @@ NcclChannel::~NcclChannel() {
       const absl::Time give_up = absl::Now() + kFinalizeGrace;
       ncclResult_t state = ncclInProgress;
       Backoff backoff;
-      while (ncclCommGetAsyncError(comm_, &state) == ncclSuccess && state == ncclInProgress &&
-             absl::Now() < give_up) {
+      while (ncclCommGetAsyncError(comm_, &state) == ncclSuccess && state == ncclInProgress && absl::Now() < give_up) {
         backoff.Sleep();
       }
       if (state == ncclSuccess) {
@@ -203,9 +201,11 @@ void NcclChannel::AbortLocked() {
   // Aborting stops NCCL's kernels, but those in flight may still write into buffers the caller
   // hands back to the backend: the backend's later work waits for them (on the device).
   if (stream_ != nullptr && fence_ != nullptr && cudaEventRecord(fence_, stream_) == cudaSuccess) {
-    backend_->OnStream([this](cudaStream_t stream) {
-      return CudaStatus(cudaStreamWaitEvent(stream, fence_, 0), "fencing an aborted NCCL channel");
-    }).IgnoreError();
+    backend_
+        ->OnStream([this](cudaStream_t stream) {
+          return CudaStatus(cudaStreamWaitEvent(stream, fence_, 0), "fencing an aborted NCCL channel");
+        })
+        .IgnoreError();
   }
   cudaGetLastError();
 }
@@ -231,17 +231,17 @@ absl::Status NcclChannel::Failed(absl::string_view what, ncclResult_t result) {
 absl::Status NcclChannel::TimedOut(absl::string_view what, absl::Time deadline) {
   Abort();
   if (!ready_) {
-    return absl::DeadlineExceededError(
-        absl::StrCat("the trainer did not join the NCCL channel within ",
-                     absl::FormatDuration(deadline - opened_), " of its opening; the channel is aborted"));
+    return absl::DeadlineExceededError(absl::StrCat("the trainer did not join the NCCL channel within ",
+                                                    absl::FormatDuration(deadline - opened_),
+                                                    " of its opening; the channel is aborted"));
   }
   return absl::DeadlineExceededError(
       absl::StrCat("the NCCL channel's peer did not complete ", what, " by the deadline; the channel is aborted"));
 }
 
 absl::Status NcclChannel::Refused(absl::string_view what) const {
-  return absl::FailedPreconditionError(absl::StrCat(
-      "the NCCL channel is aborted, so ", what, " cannot proceed; the peer must open a new channel"));
+  return absl::FailedPreconditionError(
+      absl::StrCat("the NCCL channel is aborted, so ", what, " cannot proceed; the peer must open a new channel"));
 }
 
 absl::Status NcclChannel::AwaitComm(absl::string_view what, absl::Time deadline) {
@@ -378,9 +378,7 @@ int CudaBackend::NcclVersion() const { return 0; }
 
 absl::StatusOr<NcclUniqueId> CudaBackend::NewNcclUniqueId() { return NoNccl(); }
 
-absl::StatusOr<std::unique_ptr<PeerChannel>> CudaBackend::OpenPeerChannel(const NcclUniqueId&) {
-  return NoNccl();
-}
+absl::StatusOr<std::unique_ptr<PeerChannel>> CudaBackend::OpenPeerChannel(const NcclUniqueId&) { return NoNccl(); }
 
 }  // namespace muond::kernels::cuda
 

@@ -48,21 +48,18 @@ absl::StatusOr<GetAddressRangeFn> AddressRangeFunction() {
     void* entry = nullptr;
     cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
 #if CUDART_VERSION >= 12050
-    const cudaError_t error = cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &entry, 12000,
-                                                               cudaEnableDefault, &found);
-#else
     const cudaError_t error =
-        cudaGetDriverEntryPoint("cuMemGetAddressRange", &entry, cudaEnableDefault, &found);
+        cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &entry, 12000, cudaEnableDefault, &found);
+#else
+    const cudaError_t error = cudaGetDriverEntryPoint("cuMemGetAddressRange", &entry, cudaEnableDefault, &found);
 #endif
     if (error != cudaSuccess) {
       cudaGetLastError();
-      return new absl::StatusOr<GetAddressRangeFn>(
-          CudaStatus(error, "cudaGetDriverEntryPoint(cuMemGetAddressRange)"));
+      return new absl::StatusOr<GetAddressRangeFn>(CudaStatus(error, "cudaGetDriverEntryPoint(cuMemGetAddressRange)"));
     }
     if (found != cudaDriverEntryPointSuccess || entry == nullptr) {
       return new absl::StatusOr<GetAddressRangeFn>(absl::InternalError(
-          absl::StrCat("the CUDA driver has no cuMemGetAddressRange (lookup result ",
-                       static_cast<int>(found), ")")));
+          absl::StrCat("the CUDA driver has no cuMemGetAddressRange (lookup result ", static_cast<int>(found), ")")));
     }
     return new absl::StatusOr<GetAddressRangeFn>(reinterpret_cast<GetAddressRangeFn>(entry));
   }();
@@ -91,12 +88,14 @@ class IpcMemory final : public PeerMemory {
   ~IpcMemory() override {
     // Work the backend enqueued on the memory completes before the mapping goes away. Errors cannot
     // be reported from here.
-    backend_->OnStream([this](cudaStream_t stream) {
-      cudaStreamSynchronize(stream);
-      cudaIpcCloseMemHandle(data_);
-      cudaGetLastError();
-      return absl::OkStatus();
-    }).IgnoreError();
+    backend_
+        ->OnStream([this](cudaStream_t stream) {
+          cudaStreamSynchronize(stream);
+          cudaIpcCloseMemHandle(data_);
+          cudaGetLastError();
+          return absl::OkStatus();
+        })
+        .IgnoreError();
   }
   IpcMemory(const IpcMemory&) = delete;
   IpcMemory& operator=(const IpcMemory&) = delete;
@@ -115,10 +114,12 @@ class IpcEvent final : public PeerEvent {
  public:
   IpcEvent(CudaBackend* backend, cudaEvent_t event) : backend_(backend), event_(event) {}
   ~IpcEvent() override {
-    backend_->OnStream([this](cudaStream_t) {
-      cudaEventDestroy(event_);
-      return absl::OkStatus();
-    }).IgnoreError();
+    backend_
+        ->OnStream([this](cudaStream_t) {
+          cudaEventDestroy(event_);
+          return absl::OkStatus();
+        })
+        .IgnoreError();
   }
   IpcEvent(const IpcEvent&) = delete;
   IpcEvent& operator=(const IpcEvent&) = delete;
@@ -153,14 +154,13 @@ class IpcEvent final : public PeerEvent {
 
 absl::Status CheckHandleSize(absl::string_view name, std::string_view handle) {
   if (handle.size() == kIpcHandleBytes) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(name, ": ", handle.size(), " bytes; a CUDA IPC handle has ",
-                                                 kIpcHandleBytes));
+  return absl::InvalidArgumentError(
+      absl::StrCat(name, ": ", handle.size(), " bytes; a CUDA IPC handle has ", kIpcHandleBytes));
 }
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<PeerMemory>> CudaBackend::OpenPeerMemory(std::string_view handle,
-                                                                        uint64_t byte_size) {
+absl::StatusOr<std::unique_ptr<PeerMemory>> CudaBackend::OpenPeerMemory(std::string_view handle, uint64_t byte_size) {
   MUOND_RETURN_IF_ERROR(CheckHandleSize("mem_handle", handle));
   cudaIpcMemHandle_t ipc_handle;
   std::memcpy(&ipc_handle, handle.data(), sizeof(ipc_handle));
@@ -183,8 +183,8 @@ absl::StatusOr<std::unique_ptr<PeerMemory>> CudaBackend::OpenPeerMemory(std::str
   }
   const uint64_t available = *range;
   if (available < byte_size) {
-    return absl::InvalidArgumentError(absl::StrCat("byte_size: ", byte_size,
-                                                   " bytes, but the peer's allocation holds ", available));
+    return absl::InvalidArgumentError(
+        absl::StrCat("byte_size: ", byte_size, " bytes, but the peer's allocation holds ", available));
   }
   memory->set_size(byte_size);  // what the client registered: the steps' offsets are checked against it
   return std::unique_ptr<PeerMemory>(std::move(memory));

@@ -26,8 +26,7 @@ namespace muond::kernels::cuda {
 // unusable driver or device FAILED_PRECONDITION; everything else INTERNAL.
 inline absl::Status CudaStatus(cudaError_t error, absl::string_view what) {
   if (error == cudaSuccess) return absl::OkStatus();
-  const std::string message =
-      absl::StrCat(what, ": ", cudaGetErrorName(error), ": ", cudaGetErrorString(error));
+  const std::string message = absl::StrCat(what, ": ", cudaGetErrorName(error), ": ", cudaGetErrorString(error));
   switch (error) {
     case cudaErrorMemoryAllocation:
       return absl::ResourceExhaustedError(message);
@@ -44,8 +43,8 @@ inline absl::Status CudaStatus(cudaError_t error, absl::string_view what) {
 
 inline absl::Status CublasStatus(cublasStatus_t status, absl::string_view what) {
   if (status == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
-  const std::string message = absl::StrCat(what, ": ", cublasGetStatusName(status), ": ",
-                                           cublasGetStatusString(status));
+  const std::string message =
+      absl::StrCat(what, ": ", cublasGetStatusName(status), ": ", cublasGetStatusString(status));
   switch (status) {
     case CUBLAS_STATUS_ALLOC_FAILED:
       return absl::ResourceExhaustedError(message);
@@ -62,18 +61,18 @@ inline absl::Status CublasStatus(cublasStatus_t status, absl::string_view what) 
 
 }  // namespace muond::kernels::cuda
 
-#define MUOND_CUDA_RETURN_IF_ERROR(expr)                                              \
-  do {                                                                                \
-    const cudaError_t muond_cuda_error_ = (expr);                                     \
-    if (muond_cuda_error_ != cudaSuccess) {                                           \
-      return ::muond::kernels::cuda::CudaStatus(muond_cuda_error_, #expr);            \
-    }                                                                                 \
+#define MUOND_CUDA_RETURN_IF_ERROR(expr)                                   \
+  do {                                                                     \
+    const cudaError_t muond_cuda_error_ = (expr);                          \
+    if (muond_cuda_error_ != cudaSuccess) {                                \
+      return ::muond::kernels::cuda::CudaStatus(muond_cuda_error_, #expr); \
+    }                                                                      \
   } while (0)
 
-#define MUOND_CUBLAS_RETURN_IF_ERROR(expr)                                            \
-  do {                                                                                \
-    const cublasStatus_t muond_cublas_status_ = (expr);                               \
-    if (muond_cublas_status_ != CUBLAS_STATUS_SUCCESS) {                              \
-      return ::muond::kernels::cuda::CublasStatus(muond_cublas_status_, #expr);       \
-    }                                                                                 \
+#define MUOND_CUBLAS_RETURN_IF_ERROR(expr)                                      \
+  do {                                                                          \
+    const cublasStatus_t muond_cublas_status_ = (expr);                         \
+    if (muond_cublas_status_ != CUBLAS_STATUS_SUCCESS) {                        \
+      return ::muond::kernels::cuda::CublasStatus(muond_cublas_status_, #expr); \
+    }                                                                           \
   } while (0)

@@ -4,8 +4,8 @@
 #include <cstring>
 #include <utility>
 
-#include "kernels/cuda/cuda_status.h"
 #include "common/status_macros.h"
+#include "kernels/cuda/cuda_status.h"
 
 namespace muond::kernels::cuda {
 namespace {

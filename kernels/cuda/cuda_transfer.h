@@ -39,9 +39,9 @@ struct PinnedRing {
   static constexpr size_t kSlotBytes = size_t{4} << 20;  // the daemon's default chunk limit
 
   struct Slot {
-    float* host = nullptr;     // pinned, kSlotBytes
-    cudaEvent_t done = nullptr;  // recorded after the slot's last copy
-    bool in_flight = false;    // a copy from or into the slot may still be running
+    float* host = nullptr;         // pinned, kSlotBytes
+    cudaEvent_t done = nullptr;    // recorded after the slot's last copy
+    bool in_flight = false;        // a copy from or into the slot may still be running
     float* destination = nullptr;  // device→host: where the slot's values go next
     size_t count = 0;
   };

@@ -4,8 +4,8 @@
 #include <cmath>
 #include <utility>
 
-#include "kernels/optim/optimizer_impls.h"
 #include "common/status_macros.h"
+#include "kernels/optim/optimizer_impls.h"
 
 namespace muond::optim {
 namespace {
@@ -35,15 +35,13 @@ class AdamW final : public Optimizer {
     const double m_next = (b1 * m + (1 - b1) * g) * kBoundRounding;
     const double v_next = (b2 * v + (1 - b2) * g * g) * kBoundRounding;
     const double quotient = m_next / options_.eps;
-    out.master = (decay * param.master_bound +
-                  hyper.lr / bc1 * quotient) * kBoundRounding;
+    out.master = (decay * param.master_bound + hyper.lr / bc1 * quotient) * kBoundRounding;
     out.slots = {m_next, v_next};
     out.peak = std::max({out.master, m_next, v_next, g * g, g + m, quotient});
     return out;
   }
 
-  absl::Status Step(kernels::Backend& backend, const StepHyper& hyper,
-                    std::span<ParamState* const> params) override {
+  absl::Status Step(kernels::Backend& backend, const StepHyper& hyper, std::span<ParamState* const> params) override {
     for (ParamState* p : params) {
       if (p->has_grad) MUOND_RETURN_IF_ERROR(CheckStepInputs(*p));
     }
@@ -80,8 +78,6 @@ class AdamW final : public Optimizer {
 
 }  // namespace
 
-std::unique_ptr<Optimizer> NewAdamW(const GroupOptions& options) {
-  return std::make_unique<AdamW>(options);
-}
+std::unique_ptr<Optimizer> NewAdamW(const GroupOptions& options) { return std::make_unique<AdamW>(options); }
 
 }  // namespace muond::optim

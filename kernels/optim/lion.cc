@@ -3,8 +3,8 @@
 #include <cmath>
 #include <utility>
 
-#include "kernels/optim/optimizer_impls.h"
 #include "common/status_macros.h"
+#include "kernels/optim/optimizer_impls.h"
 
 namespace muond::optim {
 namespace {
@@ -28,8 +28,7 @@ class Lion final : public Optimizer {
     return out;
   }
 
-  absl::Status Step(kernels::Backend& backend, const StepHyper& hyper,
-                    std::span<ParamState* const> params) override {
+  absl::Status Step(kernels::Backend& backend, const StepHyper& hyper, std::span<ParamState* const> params) override {
     for (ParamState* p : params) {
       if (p->has_grad) MUOND_RETURN_IF_ERROR(CheckStepInputs(*p));
     }
@@ -51,8 +50,6 @@ class Lion final : public Optimizer {
 
 }  // namespace
 
-std::unique_ptr<Optimizer> NewLion(const GroupOptions& options) {
-  return std::make_unique<Lion>(options);
-}
+std::unique_ptr<Optimizer> NewLion(const GroupOptions& options) { return std::make_unique<Lion>(options); }
 
 }  // namespace muond::optim

@@ -32,12 +32,12 @@ absl::Status ValidateLossScaler(const LossScalerOptions& o) {
 
 absl::Status ValidateLossScalerState(const LossScalerOptions& o, const LossScalerState& s) {
   if (!std::isfinite(s.scale) || s.scale < o.min_scale || s.scale > kMaxLossScale) {
-    return absl::InvalidArgumentError(absl::StrCat("loss_scaler.scale must be in [min_scale ", o.min_scale, ", ",
-                                                   kMaxLossScale, "], got ", s.scale));
+    return absl::InvalidArgumentError(
+        absl::StrCat("loss_scaler.scale must be in [min_scale ", o.min_scale, ", ", kMaxLossScale, "], got ", s.scale));
   }
   if (s.growth_tracker < 0 || s.growth_tracker >= o.window) {
-    return absl::InvalidArgumentError(absl::StrCat("loss_scaler.growth_tracker must be in [0, window ", o.window,
-                                                   "), got ", s.growth_tracker));
+    return absl::InvalidArgumentError(
+        absl::StrCat("loss_scaler.growth_tracker must be in [0, window ", o.window, "), got ", s.growth_tracker));
   }
   if (s.hysteresis_tracker < 0 || s.hysteresis_tracker > o.hysteresis) {
     return absl::InvalidArgumentError(absl::StrCat("loss_scaler.hysteresis_tracker must be in [0, hysteresis ",

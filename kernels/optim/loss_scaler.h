@@ -18,8 +18,8 @@ struct LossScalerOptions {
   double min_scale = 1.0;
   double growth_factor = 2.0;
   double backoff_factor = 0.5;
-  int64_t window = 1000;     // clean steps between two growths (Megatron's growth_interval)
-  int64_t hysteresis = 2;    // overflowing steps tolerated before the scale backs off
+  int64_t window = 1000;   // clean steps between two growths (Megatron's growth_interval)
+  int64_t hysteresis = 2;  // overflowing steps tolerated before the scale backs off
 };
 
 // The scaler's state: what checkpoints, GetState and SetState carry.

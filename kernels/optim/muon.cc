@@ -3,15 +3,15 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
-#include <tuple>
 #include <mutex>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/status_macros.h"
 #include "kernels/optim/newton_schulz.h"
 #include "kernels/optim/optimizer_impls.h"
-#include "common/status_macros.h"
 
 namespace muond::optim {
 namespace {
@@ -27,11 +27,11 @@ struct MatrixJob {
   size_t master_offset;
   StoredTensor* moment2;  // null without a moment2_method
   size_t moment2_offset;  // where this matrix's region (adamuon) or lines (normuon) start
-  int64_t rows, cols;  // as it lies in `update` (the transpose of its own shape when `deferred`)
-  double lr;     // η of this step
-  double scale;  // the Muon scale, computed on this matrix's own shape
-  float beta;    // the weight decay factor applied to the master region (1 for cautious decay)
-  float decay;   // cautious decay only: η·λ, applied where the update and the weight agree in sign
+  int64_t rows, cols;     // as it lies in `update` (the transpose of its own shape when `deferred`)
+  double lr;              // η of this step
+  double scale;           // the Muon scale, computed on this matrix's own shape
+  float beta;             // the weight decay factor applied to the master region (1 for cautious decay)
+  float decay;            // cautious decay only: η·λ, applied where the update and the weight agree in sign
   // A column block of a tensor-parallel weight, orthogonalized as a row block of the transposed
   // parameter: O goes back into `update`, and the whole parameter is updated once it is transposed
   // back (ApplyTransposed).
@@ -46,7 +46,6 @@ constexpr size_t kMaxBatchFloats = size_t{1} << 26;
 
 const std::string kMomentumSlot = "momentum";
 const std::string kMoment2Slot = "moment2";
-
 
 // Workspace slot of NorMuon's transposed copy of a batch (wide matrices), after the gather buffer,
 // and the slot a column-blocked parameter is transposed through.
@@ -76,16 +75,15 @@ class Muon final : public Optimizer {
 
   absl::Status CheckParameter(const ParamState& param) const override {
     if (param.shape.size() < 2) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("muon needs a parameter with at least 2 dimensions, got shape [",
-                       absl::StrJoin(param.shape, ", "), "]"));
+      return absl::InvalidArgumentError(absl::StrCat("muon needs a parameter with at least 2 dimensions, got shape [",
+                                                     absl::StrJoin(param.shape, ", "), "]"));
     }
     MUOND_RETURN_IF_ERROR(CheckTpBlocks(param));
     const QkvSplit& s = param.qkv;
     if (!s.enabled()) return absl::OkStatus();
     if (param.shape.size() != 2) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "qkv_split needs a 2-D parameter, got shape [", absl::StrJoin(param.shape, ", "), "]"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("qkv_split needs a 2-D parameter, got shape [", absl::StrJoin(param.shape, ", "), "]"));
     }
     if (s.q < 1 || s.k < 1 || s.v < 1 || s.num_query_groups < 1) {
       return absl::InvalidArgumentError(absl::StrCat("qkv_split (", s.q, ", ", s.k, ", ", s.v,
@@ -94,15 +92,13 @@ class Muon final : public Optimizer {
     }
     if (s.num_query_groups * (s.q + s.k + s.v) != param.shape[0]) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "qkv_split (", s.q, ", ", s.k, ", ", s.v, ") times num_query_groups ", s.num_query_groups,
-          " gives ", s.num_query_groups * (s.q + s.k + s.v), " rows, but the parameter has ",
-          param.shape[0]));
+          "qkv_split (", s.q, ", ", s.k, ", ", s.v, ") times num_query_groups ", s.num_query_groups, " gives ",
+          s.num_query_groups * (s.q + s.k + s.v), " rows, but the parameter has ", param.shape[0]));
     }
     return absl::OkStatus();
   }
 
-  absl::Status Step(Backend& backend, const StepHyper& hyper,
-                    std::span<ParamState* const> params) override;
+  absl::Status Step(Backend& backend, const StepHyper& hyper, std::span<ParamState* const> params) override;
 
   static absl::Status CheckTpBlocks(const ParamState& param) {
     const TpBlocks& tp = param.tp;
@@ -251,9 +247,9 @@ void Muon::AppendMatrices(ParamState& p, const StepHyper& hyper, std::vector<Mat
     // NorMuon's lines run along the longer side, per row of a square matrix: in the stored
     // transpose a row of the block is a column.
     const bool per_column = transposed ? rows >= cols : rows < cols;
-    jobs.push_back(MatrixJob{u + offset, &p.master, static_cast<size_t>(offset), moment2, m2,
-                             transposed ? cols : rows, transposed ? rows : cols, hyper.lr, Scale(rows, cols), beta,
-                             decay, transposed, per_column});
+    jobs.push_back(MatrixJob{u + offset, &p.master, static_cast<size_t>(offset), moment2, m2, transposed ? cols : rows,
+                             transposed ? rows : cols, hyper.lr, Scale(rows, cols), beta, decay, transposed,
+                             per_column});
   });
 }
 
@@ -281,7 +277,8 @@ StepBounds Muon::BoundStep(const StepHyper& hyper, const ParamState& param, doub
   double moment2 = 0, moment2_peak = 0;
   const double v = SlotBound(param, kMoment2Slot);
   int64_t min_dim = 0;
-  ForEachMatrix(param, [&](int64_t, int64_t rows, int64_t cols, bool) { min_dim = std::max(min_dim, std::min(rows, cols)); });
+  ForEachMatrix(param,
+                [&](int64_t, int64_t rows, int64_t cols, bool) { min_dim = std::max(min_dim, std::min(rows, cols)); });
   switch (options_.moment2_method) {
     case Moment2Method::kNone:
       break;
@@ -302,8 +299,8 @@ StepBounds Muon::BoundStep(const StepHyper& hyper, const ParamState& param, doub
       break;
   }
   StepBounds out;
-  out.master = (std::abs(static_cast<double>(DecayFactor(hyper))) * param.master_bound + hyper.lr * step) *
-               kBoundRounding;
+  out.master =
+      (std::abs(static_cast<double>(DecayFactor(hyper))) * param.master_bound + hyper.lr * step) * kBoundRounding;
   out.slots = {m_next};
   if (options_.moment2_method != Moment2Method::kNone) out.slots.push_back(moment2);
   out.peak = std::max({out.master, m_next, u, g_decayed + m, moment2_peak, step});
@@ -336,14 +333,12 @@ absl::Status Muon::Orthogonalize(Backend& backend, std::span<const MatrixJob> jo
     }
   }
   if (options_.ns_algorithm == NsAlgorithm::kGram) {
-    MUOND_RETURN_IF_ERROR(GramNewtonSchulz(backend, options_.ns_schedule, options_.ns_steps,
-                                           options_.ns_schedule.gram_restarts, options_.ns_eps,
-                                           options_.ns_norm_safety, options_.matmul_precision, work, work,
-                                           rows, cols, static_cast<int64_t>(batch), ws));
+    MUOND_RETURN_IF_ERROR(GramNewtonSchulz(
+        backend, options_.ns_schedule, options_.ns_steps, options_.ns_schedule.gram_restarts, options_.ns_eps,
+        options_.ns_norm_safety, options_.matmul_precision, work, work, rows, cols, static_cast<int64_t>(batch), ws));
   } else {
-    MUOND_RETURN_IF_ERROR(NewtonSchulz(backend, options_.ns_schedule, options_.ns_steps,
-                                       options_.ns_eps, options_.ns_norm_safety,
-                                       options_.matmul_precision, work, work, rows, cols,
+    MUOND_RETURN_IF_ERROR(NewtonSchulz(backend, options_.ns_schedule, options_.ns_steps, options_.ns_eps,
+                                       options_.ns_norm_safety, options_.matmul_precision, work, work, rows, cols,
                                        static_cast<int64_t>(batch), ws));
   }
   if (options_.moment2_method == Moment2Method::kNormuon) {
@@ -352,7 +347,8 @@ absl::Status Muon::Orthogonalize(Backend& backend, std::span<const MatrixJob> jo
   if (jobs[0].deferred) {
     // Column blocks: O goes back where the block's U was; ApplyTransposed updates the parameter.
     if (work != jobs[0].update) {
-      for (size_t i = 0; i < batch; ++i) MUOND_RETURN_IF_ERROR(backend.CopyOnDevice(work + i * mat, jobs[i].update, mat));
+      for (size_t i = 0; i < batch; ++i)
+        MUOND_RETURN_IF_ERROR(backend.CopyOnDevice(work + i * mat, jobs[i].update, mat));
     }
     return absl::OkStatus();
   }
@@ -460,8 +456,7 @@ absl::Status Muon::ApplyTransposed(Backend& backend, const StepHyper& hyper, Par
   return ApplyUpdate(backend, whole, whole.update, static_cast<size_t>(p.numel));
 }
 
-absl::Status Muon::Step(Backend& backend, const StepHyper& hyper,
-                        std::span<ParamState* const> params) {
+absl::Status Muon::Step(Backend& backend, const StepHyper& hyper, std::span<ParamState* const> params) {
   // Check everything first so that a rejected step leaves every parameter untouched.
   for (ParamState* p : params) {
     if (!p->has_grad) continue;
@@ -501,28 +496,26 @@ absl::Status Muon::Step(Backend& backend, const StepHyper& hyper,
   std::unique_lock<std::mutex> reserve(shared.mu);
   NsWorkspace& ws = shared.ws;
   for (std::span<const MatrixJob> batch : batches) {
-    MUOND_RETURN_IF_ERROR(ws.ReserveFor(backend, batch[0].rows, batch[0].cols,
-                                         static_cast<int64_t>(batch.size()),
-                                         options_.ns_algorithm == NsAlgorithm::kGram));
+    MUOND_RETURN_IF_ERROR(ws.ReserveFor(backend, batch[0].rows, batch[0].cols, static_cast<int64_t>(batch.size()),
+                                        options_.ns_algorithm == NsAlgorithm::kGram));
   }
   if (need_gather > 0) {
     MUOND_RETURN_IF_ERROR(ws.Get(backend, NsWorkspace::kFirstFreeSlot, need_gather).status());
   }
   if (options_.moment2_method == Moment2Method::kNormuon) {
-    size_t transposed = 0;  // NorMuon's copy of a batch of wide matrices
+    size_t normuon_floats = 0;  // NorMuon's copy of a batch of wide matrices
     for (std::span<const MatrixJob> batch : batches) {
       if (batch[0].lines_per_column) {
-        transposed = std::max(transposed, batch.size() * static_cast<size_t>(batch[0].rows * batch[0].cols));
+        normuon_floats = std::max(normuon_floats, batch.size() * static_cast<size_t>(batch[0].rows * batch[0].cols));
       }
     }
-    if (transposed > 0) MUOND_RETURN_IF_ERROR(ws.Get(backend, kNormuonSlot, transposed).status());
+    if (normuon_floats > 0) MUOND_RETURN_IF_ERROR(ws.Get(backend, kNormuonSlot, normuon_floats).status());
   }
   if (transposed_floats > 0) MUOND_RETURN_IF_ERROR(ws.Get(backend, kTransposeSlot, transposed_floats).status());
   reserve.unlock();
 
-  const kernels::MomentumArgs momentum{.beta = static_cast<float>(hyper.momentum),
-                                       .style = options_.momentum_style,
-                                       .nesterov = options_.nesterov};
+  const kernels::MomentumArgs momentum{
+      .beta = static_cast<float>(hyper.momentum), .style = options_.momentum_style, .nesterov = options_.nesterov};
   for (ParamState* p : params) {
     if (!p->has_grad) continue;
     const size_t n = static_cast<size_t>(p->numel);
@@ -546,8 +539,6 @@ absl::Status Muon::Step(Backend& backend, const StepHyper& hyper,
 
 }  // namespace
 
-std::unique_ptr<Optimizer> NewMuon(const GroupOptions& options) {
-  return std::make_unique<Muon>(options);
-}
+std::unique_ptr<Optimizer> NewMuon(const GroupOptions& options) { return std::make_unique<Muon>(options); }
 
 }  // namespace muond::optim

@@ -32,8 +32,7 @@ absl::StatusOr<float*> NsWorkspace::Get(Backend& backend, int slot, size_t count
 // A and the polynomial B (batch·m² each, m = min(rows, cols)). GramNewtonSchulz uses 2 and 3 for
 // its R and Z, and 4 and 5 (batch·m² each) for Q and its scratch; square shapes go to NewtonSchulz
 // and need no more than it does.
-absl::Status NsWorkspace::ReserveFor(Backend& backend, int64_t rows, int64_t cols, int64_t batch,
-                                     bool gram) {
+absl::Status NsWorkspace::ReserveFor(Backend& backend, int64_t rows, int64_t cols, int64_t batch, bool gram) {
   const size_t mat = static_cast<size_t>(rows * cols * batch);
   const size_t m = static_cast<size_t>(std::min(rows, cols));
   const size_t gram_size = m * m * static_cast<size_t>(batch);
@@ -58,11 +57,11 @@ void NsWorkspace::Release() {
 
 namespace {
 
-absl::Status CheckNsArguments(const char* who, const NsSchedule& schedule, int steps, int64_t rows,
-                              int64_t cols, int64_t batch) {
+absl::Status CheckNsArguments(const char* who, const NsSchedule& schedule, int steps, int64_t rows, int64_t cols,
+                              int64_t batch) {
   if (rows < 0 || cols < 0 || batch < 0 || steps < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(who, ": bad sizes rows=", rows, " cols=", cols,
-                                                   " batch=", batch, " steps=", steps));
+    return absl::InvalidArgumentError(
+        absl::StrCat(who, ": bad sizes rows=", rows, " cols=", cols, " batch=", batch, " steps=", steps));
   }
   if (schedule.tuples.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(who, ": empty coefficient schedule"));
@@ -73,8 +72,8 @@ absl::Status CheckNsArguments(const char* who, const NsSchedule& schedule, int s
 // x ← the wide orientation of `in` (m×n per matrix, transposed when rows > cols), each matrix
 // scaled by 1/(s·‖X‖_F + ε) with the norm accumulated in fp64. A zero matrix keeps scale 0 rather
 // than 0·(1/0) so that eps = 0 cannot produce NaN.
-absl::Status LoadNormalized(Backend& backend, const float* in, float* x, int64_t rows, int64_t cols,
-                            int64_t batch, double eps, double norm_safety) {
+absl::Status LoadNormalized(Backend& backend, const float* in, float* x, int64_t rows, int64_t cols, int64_t batch,
+                            double eps, double norm_safety) {
   const size_t mat = static_cast<size_t>(rows * cols);
   if (rows > cols) {
     MUOND_RETURN_IF_ERROR(backend.Transpose2D(in, x, rows, cols, batch));
@@ -98,20 +97,46 @@ struct NsGemmShapes {
 };
 NsGemmShapes GemmShapesFor(int64_t m, int64_t n, int64_t batch) {
   return NsGemmShapes{
-      .gram = {.trans_a = Transpose::kNo, .trans_b = Transpose::kYes, .m = m, .n = m, .k = n, .lda = n,
-               .ldb = n, .ldc = m, .stride_a = m * n, .stride_b = m * n, .stride_c = m * m, .batch = batch},
-      .square = {.m = m, .n = m, .k = m, .lda = m, .ldb = m, .ldc = m, .stride_a = m * m, .stride_b = m * m,
-                 .stride_c = m * m, .batch = batch},
-      .apply = {.m = m, .n = n, .k = m, .lda = m, .ldb = n, .ldc = n, .stride_a = m * m, .stride_b = m * n,
-                .stride_c = m * n, .batch = batch},
+      .gram = {.trans_a = Transpose::kNo,
+               .trans_b = Transpose::kYes,
+               .m = m,
+               .n = m,
+               .k = n,
+               .lda = n,
+               .ldb = n,
+               .ldc = m,
+               .stride_a = m * n,
+               .stride_b = m * n,
+               .stride_c = m * m,
+               .batch = batch},
+      .square = {.m = m,
+                 .n = m,
+                 .k = m,
+                 .lda = m,
+                 .ldb = m,
+                 .ldc = m,
+                 .stride_a = m * m,
+                 .stride_b = m * m,
+                 .stride_c = m * m,
+                 .batch = batch},
+      .apply = {.m = m,
+                .n = n,
+                .k = m,
+                .lda = m,
+                .ldb = n,
+                .ldc = n,
+                .stride_a = m * m,
+                .stride_b = m * n,
+                .stride_c = m * n,
+                .batch = batch},
   };
 }
 
 }  // namespace
 
-absl::Status NewtonSchulz(Backend& backend, const NsSchedule& schedule, int steps, double eps,
-                          double norm_safety, kernels::MatmulPrecision precision, const float* in,
-                          float* out, int64_t rows, int64_t cols, int64_t batch, NsWorkspace& ws) {
+absl::Status NewtonSchulz(Backend& backend, const NsSchedule& schedule, int steps, double eps, double norm_safety,
+                          kernels::MatmulPrecision precision, const float* in, float* out, int64_t rows, int64_t cols,
+                          int64_t batch, NsWorkspace& ws) {
   MUOND_RETURN_IF_ERROR(CheckNsArguments("NewtonSchulz", schedule, steps, rows, cols, batch));
   if (rows == 0 || cols == 0 || batch == 0) return absl::OkStatus();
 
@@ -140,17 +165,16 @@ absl::Status NewtonSchulz(Backend& backend, const NsSchedule& schedule, int step
     if (co.c == 0) {
       // A cubic step (cubic5): X' = b·A·X + a·X, one GEMM fewer (Emerging-Optimizers' cubic path).
       MUOND_RETURN_IF_ERROR(backend.CopyOnDevice(x, x_next, total));
-      MUOND_RETURN_IF_ERROR(backend.Gemm(update_shape, static_cast<float>(co.b), a_mat, x,
-                                         static_cast<float>(co.a), x_next, precision));
+      MUOND_RETURN_IF_ERROR(
+          backend.Gemm(update_shape, static_cast<float>(co.b), a_mat, x, static_cast<float>(co.a), x_next, precision));
       std::swap(x, x_next);
       continue;
     }
     MUOND_RETURN_IF_ERROR(backend.CopyOnDevice(a_mat, b_mat, gram * batch));
-    MUOND_RETURN_IF_ERROR(backend.Gemm(square_shape, static_cast<float>(co.c), a_mat, a_mat,
-                                       static_cast<float>(co.b), b_mat, precision));
+    MUOND_RETURN_IF_ERROR(
+        backend.Gemm(square_shape, static_cast<float>(co.c), a_mat, a_mat, static_cast<float>(co.b), b_mat, precision));
     MUOND_RETURN_IF_ERROR(backend.CopyOnDevice(x, x_next, total));
-    MUOND_RETURN_IF_ERROR(backend.Gemm(update_shape, 1.0f, b_mat, x, static_cast<float>(co.a), x_next,
-                                       precision));
+    MUOND_RETURN_IF_ERROR(backend.Gemm(update_shape, 1.0f, b_mat, x, static_cast<float>(co.a), x_next, precision));
     std::swap(x, x_next);
   }
 
@@ -159,16 +183,14 @@ absl::Status NewtonSchulz(Backend& backend, const NsSchedule& schedule, int step
 }
 
 absl::Status GramNewtonSchulz(Backend& backend, const NsSchedule& schedule, int steps,
-                              std::span<const int> restart_iterations, double eps,
-                              double norm_safety, kernels::MatmulPrecision precision,
-                              const float* in, float* out, int64_t rows, int64_t cols,
-                              int64_t batch, NsWorkspace& ws) {
+                              std::span<const int> restart_iterations, double eps, double norm_safety,
+                              kernels::MatmulPrecision precision, const float* in, float* out, int64_t rows,
+                              int64_t cols, int64_t batch, NsWorkspace& ws) {
   MUOND_RETURN_IF_ERROR(CheckNsArguments("GramNewtonSchulz", schedule, steps, rows, cols, batch));
   if (rows == 0 || cols == 0 || batch == 0) return absl::OkStatus();
   // Square: X·Xᵀ is as large as X, so working on it saves nothing (torch.optim.Muon does the same).
   if (rows == cols) {
-    return NewtonSchulz(backend, schedule, steps, eps, norm_safety, precision, in, out, rows, cols,
-                        batch, ws);
+    return NewtonSchulz(backend, schedule, steps, eps, norm_safety, precision, in, out, rows, cols, batch, ws);
   }
 
   const bool transposed = rows > cols;
@@ -196,12 +218,19 @@ absl::Status GramNewtonSchulz(Backend& backend, const NsSchedule& schedule, int 
   // ones times a 1×1 one, written with ldc = m + 1 so that row i of the result lands on C(i, i).
   // The ones are read with zero strides by every matrix of the batch. Always fp32: the product is
   // exact and its cost (m multiply-adds per matrix) is nothing.
-  GemmShape diagonal_shape{.m = m, .n = 1, .k = 1, .lda = 1, .ldb = 1, .ldc = m + 1, .stride_a = 0,
-                           .stride_b = 0, .stride_c = m * m, .batch = batch};
+  GemmShape diagonal_shape{.m = m,
+                           .n = 1,
+                           .k = 1,
+                           .lda = 1,
+                           .ldb = 1,
+                           .ldc = m + 1,
+                           .stride_a = 0,
+                           .stride_b = 0,
+                           .stride_c = m * m,
+                           .batch = batch};
 
   const auto restarts_at = [&](int t) {
-    return std::find(restart_iterations.begin(), restart_iterations.end(), t) !=
-           restart_iterations.end();
+    return std::find(restart_iterations.begin(), restart_iterations.end(), t) != restart_iterations.end();
   };
   MUOND_RETURN_IF_ERROR(backend.Gemm(gram_shape, 1.0f, x, x, 0.0f, r, precision));
   bool have_q = false;
@@ -223,16 +252,16 @@ absl::Status GramNewtonSchulz(Backend& backend, const NsSchedule& schedule, int 
       const float b = static_cast<float>(co.b);
       MUOND_RETURN_IF_ERROR(backend.ScaleBatched(z, gram_total, 1, &b));
     } else {
-      MUOND_RETURN_IF_ERROR(backend.Gemm(square_shape, static_cast<float>(co.c), r, r,
-                                         static_cast<float>(co.b), z, precision));
+      MUOND_RETURN_IF_ERROR(
+          backend.Gemm(square_shape, static_cast<float>(co.c), r, r, static_cast<float>(co.b), z, precision));
     }
 
     if (!have_q) {
       // Q = a·I + Z.
       MUOND_RETURN_IF_ERROR(backend.CopyOnDevice(z, q, gram_total));
       MUOND_RETURN_IF_ERROR(backend.Fill(scratch, static_cast<size_t>(m), 1.0f));
-      MUOND_RETURN_IF_ERROR(backend.Gemm(diagonal_shape, a, scratch, scratch, 1.0f, q,
-                                         kernels::MatmulPrecision::kFp32));
+      MUOND_RETURN_IF_ERROR(
+          backend.Gemm(diagonal_shape, a, scratch, scratch, 1.0f, q, kernels::MatmulPrecision::kFp32));
       have_q = true;
     } else {
       // Q ← a·Q + Q·Z, into the scratch preloaded with Q (the GEMM cannot read and write Q in

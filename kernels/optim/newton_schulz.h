@@ -42,8 +42,7 @@ class NsWorkspace {
 
   // Grows NewtonSchulz's slots (GramNewtonSchulz's with `gram`) to what a call with this shape and
   // batch needs, so a caller can fail for lack of memory before it changes any state.
-  absl::Status ReserveFor(kernels::Backend& backend, int64_t rows, int64_t cols, int64_t batch,
-                          bool gram = false);
+  absl::Status ReserveFor(kernels::Backend& backend, int64_t rows, int64_t cols, int64_t batch, bool gram = false);
 
   // Floats currently held across all slots.
   size_t held() const;
@@ -60,8 +59,8 @@ class NsWorkspace {
 // (a, b, c) = schedule.At(t): A = X·Xᵀ; B = b·A + c·A·A; X = a·X + B·X; finally transposed back.
 // A zero matrix gives a zero result (never NaN), even with eps = 0.
 absl::Status NewtonSchulz(kernels::Backend& backend, const NsSchedule& schedule, int steps, double eps,
-                          double norm_safety, kernels::MatmulPrecision precision, const float* in,
-                          float* out, int64_t rows, int64_t cols, int64_t batch, NsWorkspace& ws);
+                          double norm_safety, kernels::MatmulPrecision precision, const float* in, float* out,
+                          int64_t rows, int64_t cols, int64_t batch, NsWorkspace& ws);
 
 // Gram Newton–Schulz: the same polynomial map as NewtonSchulz (same normalization, schedule and
 // `steps`; same arguments and layout), computed on the m×m Gram matrix R = X·Xᵀ,
@@ -85,9 +84,8 @@ absl::Status NewtonSchulz(kernels::Backend& backend, const NsSchedule& schedule,
 // ignored. A zero matrix gives a zero result.
 // Workspace: slots 0..5 (ReserveFor with gram = true).
 absl::Status GramNewtonSchulz(kernels::Backend& backend, const NsSchedule& schedule, int steps,
-                              std::span<const int> restart_iterations, double eps,
-                              double norm_safety, kernels::MatmulPrecision precision,
-                              const float* in, float* out, int64_t rows, int64_t cols,
-                              int64_t batch, NsWorkspace& ws);
+                              std::span<const int> restart_iterations, double eps, double norm_safety,
+                              kernels::MatmulPrecision precision, const float* in, float* out, int64_t rows,
+                              int64_t cols, int64_t batch, NsWorkspace& ws);
 
 }  // namespace muond::optim

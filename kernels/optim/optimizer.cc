@@ -4,8 +4,8 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/optim/optimizer_impls.h"
 #include "common/status_macros.h"
+#include "kernels/optim/optimizer_impls.h"
 
 namespace muond::optim {
 
@@ -27,8 +27,7 @@ absl::StatusOr<std::unique_ptr<Optimizer>> Optimizer::Create(const GroupOptions&
 }
 
 StepHyper Optimizer::DefaultHyper() const {
-  return StepHyper{.lr = options_.lr, .momentum = options_.momentum,
-                   .weight_decay = options_.weight_decay};
+  return StepHyper{.lr = options_.lr, .momentum = options_.momentum, .weight_decay = options_.weight_decay};
 }
 
 absl::Status Optimizer::CheckElementwiseParameter(const ParamState& param) {
@@ -91,8 +90,8 @@ absl::Status Optimizer::CheckStepInputs(const ParamState& param) const {
       }
     }
     if (!found) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "parameter \"", param.name, "\" has no state slot \"", slot_name, "\" (InitState not run?)"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("parameter \"", param.name, "\" has no state slot \"", slot_name, "\" (InitState not run?)"));
     }
   }
   return absl::OkStatus();

@@ -61,9 +61,7 @@ class Optimizer {
 
   // The shape of slot `slot` of `param`: the parameter's own, except for reduced state (NorMuon's
   // per-line second moment). SlotNumel is its element count, the size of the slot's buffer.
-  virtual std::vector<int64_t> SlotShape(const ParamState& param, std::string_view slot) const {
-    return param.shape;
-  }
+  virtual std::vector<int64_t> SlotShape(const ParamState& param, std::string_view slot) const { return param.shape; }
   size_t SlotNumel(const ParamState& param, std::string_view slot) const;
 
   // The storage format of slot `slot` (the group's momentum_dtype, exp_avg_dtype or
@@ -84,8 +82,7 @@ class Optimizer {
 
   // One step over every parameter of the group whose has_grad is set: reads grad (which it may
   // overwrite as scratch), updates master and slots, increments step_count.
-  virtual absl::Status Step(kernels::Backend& backend, const StepHyper& hyper,
-                            std::span<ParamState* const> params) = 0;
+  virtual absl::Status Step(kernels::Backend& backend, const StepHyper& hyper, std::span<ParamState* const> params) = 0;
 
  protected:
   explicit Optimizer(GroupOptions options) : options_(std::move(options)) {}

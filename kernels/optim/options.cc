@@ -62,10 +62,7 @@ const std::vector<NamedSet>& NamedSets() {
         {2.2737, -1.6447, 0.4162}},
        CoefficientsAfter::kRepeatLast},
       {"aol",
-       {{4.0098, -7.0585, 2.4635},
-        {3.4585, -5.5479, 2.5959},
-        {2.7573, -3.2939, 1.4254},
-        {2.7215, -3.0494, 1.3169}},
+       {{4.0098, -7.0585, 2.4635}, {3.4585, -5.5479, 2.5959}, {2.7573, -3.2939, 1.4254}, {2.7215, -3.0494, 1.3169}},
        CoefficientsAfter::kCycle},
       // Keller Jordan's tuple 8 times, then two steps of (2, −1.5, 0.5) that pull the singular values
       // onto 1 (Emerging-Optimizers' deepseekv4; meant for ns_steps 10).
@@ -129,8 +126,7 @@ absl::StatusOr<NsSchedule> NamedSchedule(std::string_view name) {
   std::string known;
   for (const std::string& n : NamedScheduleNames()) absl::StrAppend(&known, known.empty() ? "" : ", ", n);
   return absl::InvalidArgumentError(absl::StrCat("ns_coefficients: unknown coefficient set \"", std::string(name),
-                                                 "\"; known sets are ", known,
-                                                 ", or a list of (a, b, c) tuples"));
+                                                 "\"; known sets are ", known, ", or a list of (a, b, c) tuples"));
 }
 
 std::vector<std::string> NamedScheduleNames() {
@@ -189,21 +185,21 @@ absl::Status ValidateStepHyper(const GroupOptions& o, double lr, double momentum
   MUOND_RETURN_IF_ERROR(CheckUnitInterval("momentum", momentum));
   // The factor the weights are multiplied by each step must stay in [0, 1]: beyond it a step flips
   // the weights' sign and grows them.
-  const bool independent =
-      o.optimizer == OptimizerKind::kMuon && o.weight_decay_mode == WeightDecayMode::kIndependent;
+  const bool independent = o.optimizer == OptimizerKind::kMuon && o.weight_decay_mode == WeightDecayMode::kIndependent;
   // Coupled L2 (muon, adamw) has no decay factor: the fp32 guard bounds what the decay adds.
   const bool coupled = (o.optimizer == OptimizerKind::kMuon || o.optimizer == OptimizerKind::kAdamW) &&
                        o.weight_decay_mode == WeightDecayMode::kL2;
   if (independent && weight_decay > 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "weight_decay must be <= 1 with weight_decay_mode independent (the decay factor 1 - weight_decay "
-        "stays in [0, 1]), got ",
-        weight_decay));
+    return absl::InvalidArgumentError(
+        absl::StrCat("weight_decay must be <= 1 with weight_decay_mode independent (the decay factor 1 - weight_decay "
+                     "stays in [0, 1]), got ",
+                     weight_decay));
   }
   if (!independent && !coupled && lr * weight_decay > 1) {
-    return absl::InvalidArgumentError(absl::StrCat("lr * weight_decay must be <= 1 (the decay factor 1 - lr * "
-                                                   "weight_decay stays in [0, 1]), got lr ",
-                                                   lr, " and weight_decay ", weight_decay));
+    return absl::InvalidArgumentError(
+        absl::StrCat("lr * weight_decay must be <= 1 (the decay factor 1 - lr * "
+                     "weight_decay stays in [0, 1]), got lr ",
+                     lr, " and weight_decay ", weight_decay));
   }
   return absl::OkStatus();
 }
@@ -227,16 +223,15 @@ double NsSingularValueBound(const NsSchedule& schedule, int steps, double norm_s
 
 absl::Status ValidateOptions(const GroupOptions& o) {
   MUOND_RETURN_IF_ERROR(ValidateStepHyper(o, o.lr, o.momentum, o.weight_decay));
-  if (o.optimizer == OptimizerKind::kAdamW && (o.weight_decay_mode == WeightDecayMode::kIndependent ||
-                                                o.weight_decay_mode == WeightDecayMode::kCautious)) {
+  if (o.optimizer == OptimizerKind::kAdamW &&
+      (o.weight_decay_mode == WeightDecayMode::kIndependent || o.weight_decay_mode == WeightDecayMode::kCautious)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "weight_decay_mode ",
-        o.weight_decay_mode == WeightDecayMode::kIndependent ? "independent" : "cautious",
+        "weight_decay_mode ", o.weight_decay_mode == WeightDecayMode::kIndependent ? "independent" : "cautious",
         " applies to muon only; adamw takes decoupled (AdamW) or l2 (Adam with coupled L2)"));
   }
   if (o.optimizer != OptimizerKind::kMuon && o.moment2_method != Moment2Method::kNone) {
-    return absl::InvalidArgumentError(absl::StrCat("moment2_method applies to muon only, not to ",
-                                                   std::string(OptimizerName(o.optimizer))));
+    return absl::InvalidArgumentError(
+        absl::StrCat("moment2_method applies to muon only, not to ", std::string(OptimizerName(o.optimizer))));
   }
   if (o.optimizer == OptimizerKind::kMuon && o.moment2_method == Moment2Method::kNone &&
       o.exp_avg_sq_dtype != kernels::StorageDtype::kFp32) {
@@ -252,8 +247,7 @@ absl::Status ValidateOptions(const GroupOptions& o) {
   // Each step costs a few GEMMs per matrix; a bound keeps a client from stalling the daemon.
   constexpr int kMaxNsSteps = 100;
   if (o.ns_steps > kMaxNsSteps) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("ns_steps must be <= ", kMaxNsSteps, ", got ", o.ns_steps));
+    return absl::InvalidArgumentError(absl::StrCat("ns_steps must be <= ", kMaxNsSteps, ", got ", o.ns_steps));
   }
   if (o.ns_schedule.name == "cubic5" && o.ns_steps != 5) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -284,16 +278,15 @@ absl::Status ValidateOptions(const GroupOptions& o) {
   if (o.optimizer == OptimizerKind::kMuon) {
     const double growth = NsSingularValueBound(o.ns_schedule, o.ns_steps, o.ns_norm_safety);
     if (!(growth <= kMaxNsGrowth)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "ns_coefficients: with ", o.ns_steps, " steps and ns_norm_safety ", o.ns_norm_safety,
-          " the iteration grows singular values to about ", growth, "; at most ", kMaxNsGrowth,
-          " is accepted (Newton-Schulz must keep them near 1)"));
+      return absl::InvalidArgumentError(absl::StrCat("ns_coefficients: with ", o.ns_steps, " steps and ns_norm_safety ",
+                                                     o.ns_norm_safety, " the iteration grows singular values to about ",
+                                                     growth, "; at most ", kMaxNsGrowth,
+                                                     " is accepted (Newton-Schulz must keep them near 1)"));
     }
   }
   MUOND_RETURN_IF_ERROR(CheckPositive("qk_clip_threshold", o.qk_clip_threshold));
   if (!Finite(o.qk_clip_alpha) || o.qk_clip_alpha < 0 || o.qk_clip_alpha > 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("qk_clip_alpha must be in [0, 1], got ", o.qk_clip_alpha));
+    return absl::InvalidArgumentError(absl::StrCat("qk_clip_alpha must be in [0, 1], got ", o.qk_clip_alpha));
   }
   MUOND_RETURN_IF_ERROR(CheckUnitInterval("betas[0]", o.beta1));
   MUOND_RETURN_IF_ERROR(CheckUnitInterval("betas[1]", o.beta2));
@@ -317,7 +310,8 @@ std::vector<std::string> PrecisionCaveats(const GroupOptions& o) {
     if (dtype == StorageDtype::kFp32 || beta <= 0) return;
     const double u = kernels::StorageRoundoff(dtype);
     if (1.0 - beta < u) {
-      out.push_back(absl::StrCat(std::string(option), " ", std::string(kernels::StorageDtypeName(dtype)), " with a decay of ", beta,
+      out.push_back(absl::StrCat(std::string(option), " ", std::string(kernels::StorageDtypeName(dtype)),
+                                 " with a decay of ", beta,
                                  ": a step changes the moment by less than its rounding (1 - beta < ", u,
                                  "), so it cannot decay; use fp32 or beta <= ", 1.0 - 2 * u));
     }
@@ -414,14 +408,14 @@ bool OptionApplies(OptimizerKind kind, std::string_view option) {
 
 absl::Status CheckOptionApplies(const GroupOptions& o, std::string_view option) {
   if (!OptionApplies(o.optimizer, option)) {
-    return absl::InvalidArgumentError(absl::StrCat(std::string(option), ": does not apply to optimizer ",
-                                                   std::string(OptimizerName(o.optimizer))));
+    return absl::InvalidArgumentError(
+        absl::StrCat(std::string(option), ": does not apply to optimizer ", std::string(OptimizerName(o.optimizer))));
   }
   // Muon reads these only with a second moment: without one they would be ignored.
   const bool second_moment_only = option == "beta2" || option == "eps" || option == "exp_avg_sq_dtype";
   if (o.optimizer == OptimizerKind::kMuon && o.moment2_method == Moment2Method::kNone && second_moment_only) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        std::string(option), ": applies to a muon group only with moment2_method adamuon or normuon"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(std::string(option), ": applies to a muon group only with moment2_method adamuon or normuon"));
   }
   return absl::OkStatus();
 }

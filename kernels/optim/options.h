@@ -66,8 +66,8 @@ struct GroupOptions {
   double qk_clip_threshold = 100.0;
   double qk_clip_alpha = 0.5;
   Moment2Method moment2_method = Moment2Method::kNone;  // muon
-  double beta1 = 0.9, beta2 = 0.999;  // muon with a moment2_method: beta2 (default 0.95)
-  double eps = 1e-8;                  // adamw; muon with a moment2_method
+  double beta1 = 0.9, beta2 = 0.999;                    // muon with a moment2_method: beta2 (default 0.95)
+  double eps = 1e-8;                                    // adamw; muon with a moment2_method
   // Storage formats (the precision-aware optimizer); the arithmetic is fp32 whatever they are.
   kernels::StorageDtype master_dtype = kernels::StorageDtype::kFp32;      // every optimizer
   kernels::StorageDtype momentum_dtype = kernels::StorageDtype::kFp32;    // muon, sgd
@@ -83,9 +83,9 @@ GroupOptions DefaultOptions(OptimizerKind kind);
 // means, and they keep every factor of a step far from the fp32 range.
 inline constexpr double kMaxLr = 100;
 inline constexpr double kMaxWeightDecay = 100;
-inline constexpr double kMaxScaleFactor = 1000;    // extra_scale_factor
-inline constexpr double kMaxNormSafety = 100;      // ns_norm_safety
-inline constexpr double kMaxNsGrowth = 1000;       // NsSingularValueBound of a group's iteration
+inline constexpr double kMaxScaleFactor = 1000;  // extra_scale_factor
+inline constexpr double kMaxNormSafety = 100;    // ns_norm_safety
+inline constexpr double kMaxNsGrowth = 1000;     // NsSingularValueBound of a group's iteration
 
 // Checks ranges (lr ≥ 0, 0 ≤ momentum < 1, ns_steps ≥ 1, …). The message names the option, e.g.
 // "ns_steps must be >= 1, got 0"; callers prefix the path of the group.

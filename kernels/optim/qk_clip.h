@@ -14,8 +14,8 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "kernels/backend.h"
 #include "common/status_macros.h"
+#include "kernels/backend.h"
 
 namespace muond::optim {
 
@@ -45,8 +45,7 @@ inline std::vector<float> QkClipFactors(std::span<const double> max_logits, doub
 // query and key are (num_heads·head_dim_q, cols_q) and (num_heads·head_dim_k, cols_k) row-major
 // device buffers of query_numel and key_numel elements; the heads are contiguous row blocks.
 inline absl::Status ApplyQkClip(kernels::Backend& backend, float* query, int64_t query_numel, float* key,
-                                int64_t key_numel, std::span<const double> max_logits, double threshold,
-                                double alpha) {
+                                int64_t key_numel, std::span<const double> max_logits, double threshold, double alpha) {
   const size_t heads = max_logits.size();
   if (heads == 0) return absl::OkStatus();
   const std::vector<float> q = QkClipFactors(max_logits, threshold, alpha);

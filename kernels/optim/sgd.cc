@@ -2,8 +2,8 @@
 #include <algorithm>
 #include <utility>
 
-#include "kernels/optim/optimizer_impls.h"
 #include "common/status_macros.h"
+#include "kernels/optim/optimizer_impls.h"
 
 namespace muond::optim {
 namespace {
@@ -35,8 +35,7 @@ class Sgd final : public Optimizer {
     return out;
   }
 
-  absl::Status Step(kernels::Backend& backend, const StepHyper& hyper,
-                    std::span<ParamState* const> params) override {
+  absl::Status Step(kernels::Backend& backend, const StepHyper& hyper, std::span<ParamState* const> params) override {
     for (ParamState* p : params) {
       if (p->has_grad) MUOND_RETURN_IF_ERROR(CheckStepInputs(*p));
     }
@@ -60,8 +59,6 @@ class Sgd final : public Optimizer {
 
 }  // namespace
 
-std::unique_ptr<Optimizer> NewSgd(const GroupOptions& options) {
-  return std::make_unique<Sgd>(options);
-}
+std::unique_ptr<Optimizer> NewSgd(const GroupOptions& options) { return std::make_unique<Sgd>(options); }
 
 }  // namespace muond::optim

@@ -38,8 +38,8 @@ namespace {
 
 absl::Status CheckRegion(const StoredTensor& tensor, size_t offset, size_t count) {
   if (!tensor.allocated() || offset > tensor.numel || count > tensor.numel - offset) {
-    return absl::InternalError(absl::StrCat("region [", offset, ", ", offset + count, ") outside a tensor of ",
-                                            tensor.numel, " elements"));
+    return absl::InternalError(
+        absl::StrCat("region [", offset, ", ", offset + count, ") outside a tensor of ", tensor.numel, " elements"));
   }
   return absl::OkStatus();
 }
@@ -52,9 +52,7 @@ struct WordSpan {
   size_t skip = 0;             // 16-bit elements of word `first` before the region (0 or 1)
 };
 
-WordSpan WordsOf(size_t offset, size_t count) {
-  return WordSpan{offset / 2, (offset + count + 1) / 2, offset % 2};
-}
+WordSpan WordsOf(size_t offset, size_t count) { return WordSpan{offset / 2, (offset + count + 1) / 2, offset % 2}; }
 
 uint16_t HalfAt(const std::vector<float>& words, size_t index) {
   uint16_t bits;
@@ -98,7 +96,8 @@ absl::Status WriteStored(Backend& backend, StoredTensor& tensor, size_t offset, 
     MUOND_RETURN_IF_ERROR(backend.CopyToHost(device + words.size() - 1, words.data() + words.size() - 1, 1));
   }
   const bool bf16 = tensor.dtype == StorageDtype::kBf16;
-  for (size_t i = 0; i < count; ++i) SetHalfAt(words, span.skip + i, bf16 ? FloatToBf16(host[i]) : FloatToFp16(host[i]));
+  for (size_t i = 0; i < count; ++i)
+    SetHalfAt(words, span.skip + i, bf16 ? FloatToBf16(host[i]) : FloatToFp16(host[i]));
   return backend.CopyToDevice(words.data(), device, words.size());
 }
 

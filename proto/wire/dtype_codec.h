@@ -6,9 +6,9 @@
 #include <cstdint>
 #include <span>
 #include <string>
+
 #include "absl/strings/string_view.h"
 #include "common/half_float.h"
-
 #include "muond/v1/muond.pb.h"
 
 namespace muond::wire {
@@ -21,8 +21,8 @@ absl::string_view DTypeName(v1::DType dtype);  // "fp32", "bf16", "fp16", "unspe
 // The 16-bit conversions (round to nearest even; common/half_float.h), under the wire's names.
 using ::muond::Bf16ToFloat;
 using ::muond::FloatToBf16;
-using ::muond::Fp16ToFloat;
 using ::muond::FloatToFp16;
+using ::muond::Fp16ToFloat;
 
 // Decodes `bytes` (a whole number of elements of `dtype`, which must be concrete) into `out`,
 // whose size is bytes.size() / ElementSize(dtype).

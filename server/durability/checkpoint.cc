@@ -3,9 +3,9 @@
 #include <cstring>
 
 #include "absl/strings/match.h"
-#include "absl/strings/string_view.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/string_view.h"
 #include "common/half_float.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
@@ -38,8 +38,8 @@ absl::Status DecodeSafetensors(const std::string& file, const std::string& bytes
   if (!JsonDepthWithin(absl::string_view(bytes).substr(8, length))) {
     return CheckpointCorrupt(file, absl::StrCat("header nests deeper than ", kMaxJsonDepth, " levels"));
   }
-  const json header = json::parse(bytes.begin() + 8, bytes.begin() + 8 + static_cast<std::ptrdiff_t>(length),
-                                  nullptr, /*allow_exceptions=*/false);
+  const json header = json::parse(bytes.begin() + 8, bytes.begin() + 8 + static_cast<std::ptrdiff_t>(length), nullptr,
+                                  /*allow_exceptions=*/false);
   if (!header.is_object()) return CheckpointCorrupt(file, "header is not a JSON object");
   const size_t data_start = 8 + length;
   for (const auto& [key, entry] : header.items()) {
@@ -125,12 +125,14 @@ std::string EncodeSafetensors(const CheckpointData& data) {
   size_t offset = 0;
   for (const CheckpointTensor& t : data.tensors) {
     const size_t bytes = t.values.size() * DtypeBytes(t.dtype);
-    header[t.parameter + "/" + t.slot] = {{"dtype", t.dtype}, {"shape", t.shape},
-                                          {"data_offsets", {offset, offset + bytes}}};
+    header[t.parameter + "/" + t.slot] = {
+        {"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
   }
-  header["__metadata__"] = {{"format", kFormat}, {"session_id", data.session_id},
-                            {"last_step", std::to_string(data.last_step)}, {"backend", data.backend}};
+  header["__metadata__"] = {{"format", kFormat},
+                            {"session_id", data.session_id},
+                            {"last_step", std::to_string(data.last_step)},
+                            {"backend", data.backend}};
   if (data.loss_scaler.has_value()) {  // safetensors metadata holds strings only
     header["__metadata__"]["loss_scale"] = absl::StrFormat("%.17g", data.loss_scaler->scale);
     header["__metadata__"]["loss_scale_growth_tracker"] = std::to_string(data.loss_scaler->growth_tracker);
@@ -239,9 +241,11 @@ absl::StatusOr<CheckpointData> ReadCheckpoint(Env* env, const std::string& dir) 
     const bool typed = scaler->is_object() && scaler->contains("scale") && (*scaler)["scale"].is_number() &&
                        scaler->contains("growth_tracker") && (*scaler)["growth_tracker"].is_number_integer() &&
                        scaler->contains("hysteresis_tracker") && (*scaler)["hysteresis_tracker"].is_number_integer();
-    if (!typed) return CheckpointCorrupt(metadata_file, "loss_scaler is not {scale, growth_tracker, hysteresis_tracker}");
-    data.loss_scaler = CheckpointLossScaler{(*scaler)["scale"].get<double>(), (*scaler)["growth_tracker"].get<int64_t>(),
-                                            (*scaler)["hysteresis_tracker"].get<int64_t>()};
+    if (!typed)
+      return CheckpointCorrupt(metadata_file, "loss_scaler is not {scale, growth_tracker, hysteresis_tracker}");
+    data.loss_scaler =
+        CheckpointLossScaler{(*scaler)["scale"].get<double>(), (*scaler)["growth_tracker"].get<int64_t>(),
+                             (*scaler)["hysteresis_tracker"].get<int64_t>()};
   }
 
   const std::string tensor_name = StringField(*tensors, "file");

@@ -20,10 +20,10 @@ absl::Status LinkedFolder(const std::string& dir) {
 }  // namespace
 
 absl::Status CheckSessionId(const std::string& id, absl::string_view field) {
-  const bool valid = !id.empty() && id.size() <= 128 && id != "." && id != ".." &&
-                     std::all_of(id.begin(), id.end(), [](char c) {
-                       return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-';
-                     });
+  const bool valid =
+      !id.empty() && id.size() <= 128 && id != "." && id != ".." && std::all_of(id.begin(), id.end(), [](char c) {
+        return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-';
+      });
   if (valid) return absl::OkStatus();
   return absl::InvalidArgumentError(
       absl::StrCat(field, ": '", id.substr(0, 140), "' is not a session id (1 to 128 of [A-Za-z0-9._-])"));

@@ -46,7 +46,7 @@ struct StateDirOptions {
   int64_t checkpoint_every = 0;  // steps; 0: only on upload, request and shutdown
   std::string backend_name;
   DamagedState on_damaged = DamagedState::kQuarantine;
-  Env* env = Env::Default();     // not owned
+  Env* env = Env::Default();  // not owned
 };
 
 inline constexpr char kJournalFile[] = "journal.log";

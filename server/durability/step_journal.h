@@ -34,7 +34,7 @@
 namespace muond::durability {
 
 struct JournalRecord {
-  std::string request;               // as given to Append
+  std::string request;                // as given to Append
   std::vector<HostTensor> gradients;  // indexed like the session's parameters; absent ones empty
 };
 
@@ -69,7 +69,7 @@ class StepJournal {
   Env* const env_;
   std::string path_;
   std::unique_ptr<WritableFile> file_;  // null after a failed append, until CutTornTail
-  uint64_t committed_bytes_ = 0;         // the file's size up to its last complete record
+  uint64_t committed_bytes_ = 0;        // the file's size up to its last complete record
 };
 
 }  // namespace muond::durability

@@ -15,8 +15,8 @@ namespace {
 constexpr char kExposition[] = "text/plain; version=0.0.4; charset=utf-8";
 constexpr char kPlain[] = "text/plain; charset=utf-8";
 
-std::string Response(absl::string_view status, absl::string_view content_type, absl::string_view body,
-                     bool with_body, absl::string_view extra_headers = "") {
+std::string Response(absl::string_view status, absl::string_view content_type, absl::string_view body, bool with_body,
+                     absl::string_view extra_headers = "") {
   return absl::StrCat("HTTP/1.1 ", status, "\r\nContent-Type: ", content_type, "\r\nContent-Length: ", body.size(),
                       "\r\n", extra_headers, "Connection: close\r\n\r\n", with_body ? body : "");
 }
@@ -46,8 +46,7 @@ std::string AnswerRequest(absl::string_view head, const std::function<std::strin
   const absl::string_view method = request_line[0];
   const bool head_only = method == "HEAD";
   if (method != "GET" && !head_only) {
-    return Response("405 Method Not Allowed", kPlain, "only GET and HEAD are served\n", true,
-                    "Allow: GET, HEAD\r\n");
+    return Response("405 Method Not Allowed", kPlain, "only GET and HEAD are served\n", true, "Allow: GET, HEAD\r\n");
   }
   for (size_t i = 1; i < lines.size(); ++i) {
     const absl::string_view line = absl::StripAsciiWhitespace(lines[i]);

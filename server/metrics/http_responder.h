@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <functional>
 #include <string>
+
 #include "absl/strings/string_view.h"
 
 namespace muond::metrics {

@@ -29,7 +29,7 @@ struct StepReport {
   int64_t bytes_received = 0;           // gradient payload and framing taken in
   int64_t bytes_sent = 0;               // answer payload and framing sent out
   double grad_norm = 0;
-  int64_t elements = 0;                 // parameters of the session
+  int64_t elements = 0;  // parameters of the session
   int world_size = 1;
 };
 

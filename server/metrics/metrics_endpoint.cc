@@ -32,8 +32,8 @@ struct Connection {
   int fd = -1;
   absl::Time deadline;
   Phase phase = Phase::kReading;
-  std::string in;
-  std::string out;
+  std::string in = {};
+  std::string out = {};
   size_t sent = 0;
 };
 
@@ -166,8 +166,8 @@ void MetricsEndpoint::Loop() {
         }
       } else {
         char buffer[4096];
-        const size_t room = c.phase == Connection::Phase::kReading ? limits_.max_request_bytes + 1 - c.in.size()
-                                                                   : sizeof(buffer);
+        const size_t room =
+            c.phase == Connection::Phase::kReading ? limits_.max_request_bytes + 1 - c.in.size() : sizeof(buffer);
         const ssize_t n = ::recv(c.fd, buffer, std::min(room, sizeof(buffer)), MSG_DONTWAIT);
         if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
           done = true;  // the peer closed (or broke) the connection
@@ -176,9 +176,9 @@ void MetricsEndpoint::Loop() {
           if (const size_t end = RequestHeadEnd(c.in); end != std::string::npos) {
             answer(c, AnswerRequest(absl::string_view(c.in).substr(0, end), render_));
           } else if (c.in.size() > limits_.max_request_bytes) {
-            answer(c, ErrorResponse("431 Request Header Fields Too Large",
-                                    absl::StrCat("the request head is limited to ", limits_.max_request_bytes,
-                                                 " bytes")));
+            answer(c,
+                   ErrorResponse("431 Request Header Fields Too Large",
+                                 absl::StrCat("the request head is limited to ", limits_.max_request_bytes, " bytes")));
           }
         }
       }
@@ -200,13 +200,15 @@ void MetricsEndpoint::Loop() {
           auto oldest = std::find_if(connections.begin(), connections.end(),
                                      [](const Connection& c) { return c.phase != Connection::Phase::kWriting; });
           if (evictions.Allow(&held)) {
-            MUOND_LOG(warn, "metrics endpoint: {} connections, the limit (--metrics-max-connections): closing "
-                      "the oldest ({} more since the last line)", connections.size(), held);
+            MUOND_LOG(warn,
+                      "metrics endpoint: {} connections, the limit (--metrics-max-connections): closing "
+                      "the oldest ({} more since the last line)",
+                      connections.size(), held);
           }
           if (oldest != connections.end()) close_connection(oldest);
         }
         if (connections.size() < static_cast<size_t>(limits_.max_connections)) {
-          connections.push_back(Connection{fd, absl::Now() + limits_.request_timeout});
+          connections.push_back(Connection{.fd = fd, .deadline = absl::Now() + limits_.request_timeout});
         } else {
           ::close(fd);
         }

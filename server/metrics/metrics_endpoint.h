@@ -46,7 +46,10 @@ class MetricsEndpoint {
  private:
   MetricsEndpoint(int listen_fd, int wake_read, int wake_write, std::function<std::string()> render,
                   EndpointLimits limits)
-      : listen_fd_(listen_fd), wake_read_(wake_read), wake_write_(wake_write), render_(std::move(render)),
+      : listen_fd_(listen_fd),
+        wake_read_(wake_read),
+        wake_write_(wake_write),
+        render_(std::move(render)),
         limits_(limits) {}
   void Loop();
 

@@ -5,8 +5,8 @@
 #include <unistd.h>
 
 #include <cmath>
-#include <optional>
 #include <fstream>
+#include <optional>
 #include <sstream>
 
 #include "absl/time/clock.h"
@@ -23,7 +23,7 @@ const std::vector<double> kStepBounds = {0.0001, 0.00025, 0.0005, 0.001, 0.0025,
 const std::vector<double> kCallBounds = {0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300};
 // fsyncs and checkpoint writes: a page-cache write to a large state on a slow disk.
 const std::vector<double> kDiskBounds = {0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
-                                         0.1,    0.25,   0.5,   1,      2.5,    5,    10,    30};
+                                         0.1,    0.25,   0.5,   1,      2.5,   5,    10,    30};
 
 std::string Number(double value) {
   if (std::isinf(value)) return value > 0 ? "+Inf" : "-Inf";
@@ -233,7 +233,8 @@ std::string PrometheusMetrics::Render() const {
     Family(&out, "muond_state_bytes_limit", "gauge",
            "Memory quotas: per session (--max-session-bytes) and for all sessions (--max-total-bytes).");
     if (options_.max_session_bytes > 0) {
-      Sample(&out, "muond_state_bytes_limit", Label("scope", "session"), static_cast<double>(options_.max_session_bytes));
+      Sample(&out, "muond_state_bytes_limit", Label("scope", "session"),
+             static_cast<double>(options_.max_session_bytes));
     }
     if (options_.max_total_bytes > 0) {
       Sample(&out, "muond_state_bytes_limit", Label("scope", "total"), static_cast<double>(options_.max_total_bytes));

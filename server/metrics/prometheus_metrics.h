@@ -42,11 +42,11 @@ class Histogram {
 };
 
 struct PrometheusOptions {
-  std::string version;           // the daemon's version, for muond_build_info
-  std::string backend;           // "cpu" | "cuda", for muond_build_info
-  int max_sessions = 0;          // --max-sessions
-  int64_t max_session_bytes = 0; // --max-session-bytes; 0: none (the limit gauge is left out)
-  int64_t max_total_bytes = 0;   // --max-total-bytes; 0: none
+  std::string version;            // the daemon's version, for muond_build_info
+  std::string backend;            // "cpu" | "cuda", for muond_build_info
+  int max_sessions = 0;           // --max-sessions
+  int64_t max_session_bytes = 0;  // --max-session-bytes; 0: none (the limit gauge is left out)
+  int64_t max_total_bytes = 0;    // --max-total-bytes; 0: none
   // Samples the backend's memory at render time; may be empty.
   std::function<std::pair<int64_t, int64_t>()> backend_memory;  // (in use, reserved) bytes
 };

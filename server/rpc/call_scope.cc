@@ -19,14 +19,19 @@ absl::StatusOr<std::string> CallerOf(const grpc::ServerContext& context, const s
   const std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();
   if (auth != nullptr && auth->IsPeerAuthenticated()) {
     credentials.peer_verified = true;
-    for (const grpc::string_ref& name : auth->GetPeerIdentity()) credentials.peer_names.emplace_back(name.data(), name.size());
+    for (const grpc::string_ref& name : auth->GetPeerIdentity())
+      credentials.peer_names.emplace_back(name.data(), name.size());
   }
   return security::IdentifyCaller(credentials, tokens);
 }
 
 CallScope::CallScope(CallServices& services, grpc::ServerContext* context, std::string_view method)
-    : services_(services), context_(context), method_(method), start_(std::chrono::steady_clock::now()),
-      deadline_(services.deadlines.Watch(context)), caller_(CallerOf(*context, services.tokens)) {
+    : services_(services),
+      context_(context),
+      method_(method),
+      start_(std::chrono::steady_clock::now()),
+      deadline_(services.deadlines.Watch(context)),
+      caller_(CallerOf(*context, services.tokens)) {
   services_.metrics->CallStarted(method_);
 }
 

@@ -11,7 +11,6 @@
 #pragma once
 
 #include <chrono>
-
 #include <string>
 #include <string_view>
 
@@ -27,8 +26,8 @@
 namespace muond::rpc {
 
 struct CallServices {
-  CallServices(absl::Duration rpc_timeout, const security::TokenTable* tokens, metrics::Metrics* metrics)
-      : deadlines(rpc_timeout), tokens(tokens), metrics(metrics) {}
+  CallServices(absl::Duration rpc_timeout, const security::TokenTable* token_table, metrics::Metrics* sink)
+      : deadlines(rpc_timeout), tokens(token_table), metrics(sink) {}
 
   RpcDeadlines deadlines;
   const security::TokenTable* const tokens;  // null: no bearer tokens; not owned

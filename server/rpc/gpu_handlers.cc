@@ -14,7 +14,8 @@
 
 namespace muond::rpc {
 
-grpc::Status MuondService::RegisterCudaMemory(grpc::ServerContext* context, const v1::RegisterCudaMemoryRequest* request,
+grpc::Status MuondService::RegisterCudaMemory(grpc::ServerContext* context,
+                                              const v1::RegisterCudaMemoryRequest* request,
                                               v1::RegisterCudaMemoryResponse* response) {
   return Serve(calls_, context, "RegisterCudaMemory", [&](const std::string& caller) -> absl::Status {
     MUOND_ASSIGN_OR_RETURN(transport::CudaMemoryRegions * regions, CudaRegions());
@@ -87,7 +88,8 @@ grpc::Status MuondService::OpenNcclChannel(grpc::ServerContext* context, const v
                                               "' was closed while its NCCL channel was opened"));
     }
     response->set_channel(opened.name);
-    response->set_unique_id(std::string(reinterpret_cast<const char*>(opened.unique_id.data()), opened.unique_id.size()));
+    response->set_unique_id(
+        std::string(reinterpret_cast<const char*>(opened.unique_id.data()), opened.unique_id.size()));
     response->set_nranks(2);
     response->set_client_rank(1);
     response->set_timeout_seconds(absl::ToDoubleSeconds(channels->limits().join_timeout));
@@ -154,8 +156,8 @@ grpc::Status MuondService::StepNccl(grpc::ServerContext* context, const v1::Step
 }
 
 absl::Time MuondService::CallDeadline(const grpc::ServerContext& context) const {
-  absl::Time deadline = options_.rpc_timeout > absl::ZeroDuration() ? absl::Now() + options_.rpc_timeout
-                                                                     : absl::InfiniteFuture();
+  absl::Time deadline =
+      options_.rpc_timeout > absl::ZeroDuration() ? absl::Now() + options_.rpc_timeout : absl::InfiniteFuture();
   if (context.deadline() != std::chrono::system_clock::time_point::max()) {
     deadline = std::min(deadline, absl::FromChrono(context.deadline()));
   }

@@ -76,14 +76,14 @@ absl::Status ParseNames(const v1::GroupOptions& in, const std::string& field, op
       ParseChoice(in.has_ns_algorithm(), in.ns_algorithm(), "ns_algorithm", field, &out.ns_algorithm));
   MUOND_RETURN_IF_ERROR(
       ParseChoice(in.has_moment2_method(), in.moment2_method(), "moment2_method", field, &out.moment2_method));
-  MUOND_RETURN_IF_ERROR(ParseChoice(in.has_master_dtype(), in.master_dtype(), "master_dtype", field,
-                                    &out.master_dtype));
-  MUOND_RETURN_IF_ERROR(ParseChoice(in.has_momentum_dtype(), in.momentum_dtype(), "momentum_dtype", field,
-                                    &out.momentum_dtype));
-  MUOND_RETURN_IF_ERROR(ParseChoice(in.has_exp_avg_dtype(), in.exp_avg_dtype(), "exp_avg_dtype", field,
-                                    &out.exp_avg_dtype));
-  MUOND_RETURN_IF_ERROR(ParseChoice(in.has_exp_avg_sq_dtype(), in.exp_avg_sq_dtype(), "exp_avg_sq_dtype", field,
-                                    &out.exp_avg_sq_dtype));
+  MUOND_RETURN_IF_ERROR(
+      ParseChoice(in.has_master_dtype(), in.master_dtype(), "master_dtype", field, &out.master_dtype));
+  MUOND_RETURN_IF_ERROR(
+      ParseChoice(in.has_momentum_dtype(), in.momentum_dtype(), "momentum_dtype", field, &out.momentum_dtype));
+  MUOND_RETURN_IF_ERROR(
+      ParseChoice(in.has_exp_avg_dtype(), in.exp_avg_dtype(), "exp_avg_dtype", field, &out.exp_avg_dtype));
+  MUOND_RETURN_IF_ERROR(
+      ParseChoice(in.has_exp_avg_sq_dtype(), in.exp_avg_sq_dtype(), "exp_avg_sq_dtype", field, &out.exp_avg_sq_dtype));
   return ParseChoice(in.has_matmul_precision(), in.matmul_precision(), "matmul_precision", field,
                      &out.matmul_precision);
 }

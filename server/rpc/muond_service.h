@@ -18,8 +18,8 @@
 #include <string>
 
 #include "absl/time/time.h"
-#include "kernels/backend.h"
 #include "grpcpp/support/byte_buffer.h"
+#include "kernels/backend.h"
 #include "muond/v1/muond.grpc.pb.h"
 #include "proto/wire/chunk_frame.h"
 #include "server/metrics/metrics.h"
@@ -38,7 +38,7 @@ struct ServiceOptions {
   size_t max_message_bytes = 0;           // the gRPC limit the server was built with (reported)
   // Bearer tokens every call must present; null turns token authentication off. Not owned.
   const security::TokenTable* tokens = nullptr;
-  absl::Duration rpc_timeout = absl::Seconds(600);  // the daemon's limit on any call; 0: none
+  absl::Duration rpc_timeout = absl::Seconds(600);   // the daemon's limit on any call; 0: none
   metrics::Metrics* metrics = metrics::NoMetrics();  // not owned
   // The shared-memory transport; null when the daemon offers none. Not owned.
   transport::SharedMemoryRegions* shm_regions = nullptr;
@@ -46,7 +46,7 @@ struct ServiceOptions {
   // The GPU transports' tables (CUDA IPC memory, NCCL channels); null: not offered. Not owned.
   transport::CudaMemoryRegions* cuda_regions = nullptr;
   transport::NcclChannels* nccl_channels = nullptr;
-  std::string host_id;     // the kernel's boot id, reported by GetServerInfo
+  std::string host_id;  // the kernel's boot id, reported by GetServerInfo
   // Reported by GetServerInfo: the metrics endpoint's address ("" when off), the durability of
   // --state-dir ("" when none) and --max-sessions.
   std::string metrics_address;
@@ -57,7 +57,9 @@ struct ServiceOptions {
 class MuondService final : public v1::Muond::Service {
  public:
   MuondService(session::SessionRegistry* registry, kernels::Backend* backend, ServiceOptions options)
-      : registry_(registry), backend_(backend), options_(options),
+      : registry_(registry),
+        backend_(backend),
+        options_(options),
         calls_(options.rpc_timeout, options.tokens, options.metrics),
         answer_slices_(wire::SlicePool::Create(options.default_chunk_bytes)) {
     ServeStepOverByteBuffers();
@@ -69,10 +71,8 @@ class MuondService final : public v1::Muond::Service {
   grpc::Status GetServerInfo(grpc::ServerContext*, const v1::GetServerInfoRequest*, v1::ServerInfo*) override;
   grpc::Status CreateSession(grpc::ServerContext*, const v1::CreateSessionRequest*,
                              v1::CreateSessionResponse*) override;
-  grpc::Status CloseSession(grpc::ServerContext*, const v1::CloseSessionRequest*,
-                            v1::CloseSessionResponse*) override;
-  grpc::Status ListSessions(grpc::ServerContext*, const v1::ListSessionsRequest*,
-                            v1::ListSessionsResponse*) override;
+  grpc::Status CloseSession(grpc::ServerContext*, const v1::CloseSessionRequest*, v1::CloseSessionResponse*) override;
+  grpc::Status ListSessions(grpc::ServerContext*, const v1::ListSessionsRequest*, v1::ListSessionsResponse*) override;
   grpc::Status UploadParameters(grpc::ServerContext*, grpc::ServerReader<v1::UploadParametersRequest>*,
                                 v1::UploadParametersResponse*) override;
   // Step, over byte buffers (StepRequest in, StepResponse out).
@@ -81,8 +81,7 @@ class MuondService final : public v1::Muond::Service {
                              grpc::ServerWriter<v1::GetParametersResponse>*) override;
   grpc::Status GetState(grpc::ServerContext*, const v1::GetStateRequest*,
                         grpc::ServerWriter<v1::GetStateResponse>*) override;
-  grpc::Status SetState(grpc::ServerContext*, grpc::ServerReader<v1::SetStateRequest>*,
-                        v1::SetStateResponse*) override;
+  grpc::Status SetState(grpc::ServerContext*, grpc::ServerReader<v1::SetStateRequest>*, v1::SetStateResponse*) override;
   grpc::Status Checkpoint(grpc::ServerContext*, const v1::CheckpointRequest*, v1::CheckpointResponse*) override;
   grpc::Status RegisterSharedMemory(grpc::ServerContext*, const v1::RegisterSharedMemoryRequest*,
                                     v1::RegisterSharedMemoryResponse*) override;

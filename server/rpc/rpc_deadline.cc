@@ -4,8 +4,8 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
-#include "grpc/grpc.h"
 #include "common/logging.h"
+#include "grpc/grpc.h"
 
 namespace muond::rpc {
 

@@ -9,9 +9,9 @@
 //
 // It also counts the calls in flight, so that shutdown can wait for them (AwaitIdle).
 //
-// Ownership: the service owns one RpcDeadlines (each CallScope holds a Scope); a Scope refers to it and must not outlive it. A
-// Scope unregisters its call before the handler returns, so the watchdog never touches a finished
-// call. Thread-safe.
+// Ownership: the service owns one RpcDeadlines (each CallScope holds a Scope); a Scope refers to it and must not
+// outlive it. A Scope unregisters its call before the handler returns, so the watchdog never touches a finished call.
+// Thread-safe.
 #pragma once
 
 #include <cstdint>

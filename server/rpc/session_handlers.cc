@@ -99,7 +99,7 @@ grpc::Status MuondService::Checkpoint(grpc::ServerContext* context, const v1::Ch
     MUOND_ASSIGN_OR_RETURN(int64_t step, session->Checkpoint());
     response->set_step(step);
     MUOND_EVENT(info, "checkpoint_requested", request->session_id(), step, "session {} checkpointed at step {}",
-              request->session_id(), step);
+                request->session_id(), step);
     return absl::OkStatus();
   });
 }

@@ -64,8 +64,8 @@ grpc::Status MuondService::StepShared(grpc::ServerContext* context, const v1::St
                            transport::ResolveSharedTensors(session->config(), *regions, caller, request->gradients(),
                                                            "gradients", /*require_all=*/false));
     MUOND_ASSIGN_OR_RETURN(std::vector<transport::SharedTensorPlace> parameters,
-                           transport::ResolveSharedTensors(session->config(), *regions, caller,
-                                                           request->parameters(), "parameters", /*require_all=*/true));
+                           transport::ResolveSharedTensors(session->config(), *regions, caller, request->parameters(),
+                                                           "parameters", /*require_all=*/true));
     transport::ShmGradientSource source(std::move(gradients));
     transport::ShmParameterSink sink(std::move(parameters));
     return RunOutOfBandStep(*session, header, /*device_answer=*/false, source, sink, *options_.metrics, response);

@@ -8,9 +8,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/echo.h"
+#include "common/status_macros.h"
 #include "google/protobuf/util/json_util.h"
 #include "google/protobuf/util/message_differencer.h"
-#include "common/status_macros.h"
 #include "proto/wire/dtype_codec.h"
 
 namespace muond::rpc {
@@ -46,8 +46,8 @@ absl::Status ParseQkClip(const v1::SessionSpec& spec, SessionConfig& config) {
     const v1::QkClipPair& pair = spec.qk_clip(i);
     const std::string field = absl::StrCat("spec.qk_clip[", i, "]");
     if (pair.num_heads() < 1) {
-      return Invalid(field + ".num_heads", absl::StrCat("must be >= 1, got ", pair.num_heads(),
-                                                        " (QK-clip needs the attention heads)"));
+      return Invalid(field + ".num_heads",
+                     absl::StrCat("must be >= 1, got ", pair.num_heads(), " (QK-clip needs the attention heads)"));
     }
     QkClipConfig clip;
     clip.num_heads = pair.num_heads();
@@ -71,8 +71,9 @@ absl::Status ParseQkClip(const v1::SessionSpec& spec, SessionConfig& config) {
         const v1::MlaLayout& mla = pair.mla();
         if (mla.qk_nope_head_dim() < 1 || mla.qk_rope_head_dim() < 0 || mla.v_head_dim() < 0) {
           return Invalid(field + ".mla", absl::StrCat("qk_nope_head_dim must be >= 1 and qk_rope_head_dim, v_head_dim "
-                                                      ">= 0, got (", mla.qk_nope_head_dim(), ", ",
-                                                      mla.qk_rope_head_dim(), ", ", mla.v_head_dim(), ")"));
+                                                      ">= 0, got (",
+                                                      mla.qk_nope_head_dim(), ", ", mla.qk_rope_head_dim(), ", ",
+                                                      mla.v_head_dim(), ")"));
         }
         // Compared against the rows each head has (never multiplied or added: no overflow).
         const bool is_query = std::string(role) == "query";
@@ -122,8 +123,8 @@ absl::Status ParseShard(const v1::SessionSpec& spec, SessionConfig& config) {
   const v1::ShardPlacement& shard = spec.shard();
   constexpr int kMaxShards = 1024;
   if (shard.endpoints_size() < 1 || shard.endpoints_size() > kMaxShards) {
-    return Invalid("spec.shard.endpoints", absl::StrCat("needs 1 to ", kMaxShards, " daemons, got ",
-                                                        shard.endpoints_size()));
+    return Invalid("spec.shard.endpoints",
+                   absl::StrCat("needs 1 to ", kMaxShards, " daemons, got ", shard.endpoints_size()));
   }
   for (int i = 0; i < shard.endpoints_size(); ++i) {
     if (shard.endpoints(i).empty() || shard.endpoints(i).size() > 1024) {
@@ -131,8 +132,8 @@ absl::Status ParseShard(const v1::SessionSpec& spec, SessionConfig& config) {
     }
   }
   if (shard.index() < 0 || shard.index() >= shard.endpoints_size()) {
-    return Invalid("spec.shard.index", absl::StrCat("must be in [0, ", shard.endpoints_size(), "), got ",
-                                                    shard.index()));
+    return Invalid("spec.shard.index",
+                   absl::StrCat("must be in [0, ", shard.endpoints_size(), "), got ", shard.index()));
   }
   if (shard.parameters_size() != spec.parameters_size()) {
     return Invalid("spec.shard.parameters", absl::StrCat("needs one index per parameter (", spec.parameters_size(),
@@ -146,9 +147,9 @@ absl::Status ParseShard(const v1::SessionSpec& spec, SessionConfig& config) {
     const int index = shard.parameters(i);
     const int previous = i == 0 ? -1 : shard.parameters(i - 1);
     if (index <= previous || index >= shard.num_parameters()) {
-      return Invalid(absl::StrCat("spec.shard.parameters[", i, "]"),
-                     absl::StrCat("must increase and stay below num_parameters (", shard.num_parameters(), "), got ",
-                                  index));
+      return Invalid(
+          absl::StrCat("spec.shard.parameters[", i, "]"),
+          absl::StrCat("must increase and stay below num_parameters (", shard.num_parameters(), "), got ", index));
     }
   }
   config.shard = {shard.index(), shard.endpoints_size()};
@@ -165,8 +166,8 @@ std::string ShardDifference(const v1::SessionSpec& existing, const v1::SessionSp
   const v1::ShardPlacement& a = existing.shard();
   const v1::ShardPlacement& b = requested.shard();
   auto list = [](const v1::ShardPlacement& p) { return absl::StrCat("[", absl::StrJoin(p.endpoints(), ", "), "]"); };
-  if (a.endpoints_size() != b.endpoints_size() || !std::equal(a.endpoints().begin(), a.endpoints().end(),
-                                                              b.endpoints().begin())) {
+  if (a.endpoints_size() != b.endpoints_size() ||
+      !std::equal(a.endpoints().begin(), a.endpoints().end(), b.endpoints().begin())) {
     return absl::StrCat("spec.shard.endpoints: the session was placed on ", a.endpoints_size(), " daemons ", list(a),
                         " (this daemon is shard ", a.index(), "); this request names ", b.endpoints_size(), " ",
                         list(b), " and places this daemon as shard ", b.index(),
@@ -208,8 +209,8 @@ absl::StatusOr<SessionConfig> ParseSessionSpec(const v1::SessionSpec& spec, cons
 
   if (spec.parameters_size() == 0) return Invalid("spec.parameters", "at least one parameter is required");
   if (spec.parameters_size() > limits.max_parameters) {
-    return Invalid("spec.parameters", absl::StrCat(spec.parameters_size(), " parameters exceed the limit of ",
-                                                   limits.max_parameters));
+    return Invalid("spec.parameters",
+                   absl::StrCat(spec.parameters_size(), " parameters exceed the limit of ", limits.max_parameters));
   }
   for (int i = 0; i < spec.parameters_size(); ++i) {
     const auto& p = spec.parameters(i);
@@ -230,8 +231,8 @@ absl::StatusOr<SessionConfig> ParseSessionSpec(const v1::SessionSpec& spec, cons
         return Invalid(field + ".shape", absl::StrCat("dimension ", d, " is ", p.shape(d), "; must be positive"));
       }
       if (param.numel > limits.max_tensor_elements / p.shape(d)) {
-        return Invalid(field + ".shape", absl::StrCat("more than ", limits.max_tensor_elements,
-                                                      " elements (--max-tensor-elements)"));
+        return Invalid(field + ".shape",
+                       absl::StrCat("more than ", limits.max_tensor_elements, " elements (--max-tensor-elements)"));
       }
       param.numel *= p.shape(d);
       param.shape.push_back(p.shape(d));
@@ -258,8 +259,8 @@ absl::StatusOr<SessionConfig> ParseSessionSpec(const v1::SessionSpec& spec, cons
       // Bounded by the rows before anything multiplies them (the optimizer checks the exact sum).
       const int64_t rows = param.shape.empty() ? 0 : param.shape[0];
       if (param.qkv.q > rows || param.qkv.k > rows || param.qkv.v > rows || param.qkv.num_query_groups > rows) {
-        return Invalid(field + ".qkv_split", absl::StrCat("sizes and num_query_groups must be at most the ", rows,
-                                                          " rows"));
+        return Invalid(field + ".qkv_split",
+                       absl::StrCat("sizes and num_query_groups must be at most the ", rows, " rows"));
       }
     } else if (p.num_query_groups() != 0) {
       return Invalid(field + ".num_query_groups", "applies only with qkv_split");
@@ -300,9 +301,8 @@ absl::Status CheckSameSpec(const v1::SessionSpec& existing, const v1::SessionSpe
   }
   // Keep the message to the first difference: it is what a user needs to fix.
   const size_t end = differences.find('\n');
-  return absl::AlreadyExistsError(absl::StrCat(
-      "session exists with a different spec (", differences.substr(0, end),
-      "); attach with the identical spec, or use another session_id"));
+  return absl::AlreadyExistsError(absl::StrCat("session exists with a different spec (", differences.substr(0, end),
+                                               "); attach with the identical spec, or use another session_id"));
 }
 
 }  // namespace muond::rpc

@@ -19,8 +19,7 @@
 
 namespace muond::rpc {
 
-absl::StatusOr<session::SessionConfig> ParseSessionSpec(const v1::SessionSpec& spec,
-                                                        const session::SpecLimits& limits);
+absl::StatusOr<session::SessionConfig> ParseSessionSpec(const v1::SessionSpec& spec, const session::SpecLimits& limits);
 
 // OK when `requested` equals `existing`; otherwise ALREADY_EXISTS naming the first difference.
 absl::Status CheckSameSpec(const v1::SessionSpec& existing, const v1::SessionSpec& requested);

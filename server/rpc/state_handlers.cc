@@ -104,7 +104,8 @@ absl::Status MuondService::DoSetState(const std::string& caller, grpc::ServerRea
   state.last_step = request.header().last_step();
   if (request.header().has_loss_scaler()) {
     const v1::LossScalerState& scaler = request.header().loss_scaler();
-    state.loss_scaler = optim::LossScalerState{.scale = scaler.scale(), .growth_tracker = scaler.growth_tracker(),
+    state.loss_scaler = optim::LossScalerState{.scale = scaler.scale(),
+                                               .growth_tracker = scaler.growth_tracker(),
                                                .hysteresis_tracker = scaler.hysteresis_tracker()};
   }
   state.step_counts.assign(config.parameters.size(), -1);

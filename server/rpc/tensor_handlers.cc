@@ -1,17 +1,17 @@
 // MuondService's tensor streams: UploadParameters, Step and GetParameters.
 #include "absl/strings/str_cat.h"
 #include "common/echo.h"
-#include "google/protobuf/descriptor.h"
-#include "grpcpp/support/method_handler.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "google/protobuf/descriptor.h"
+#include "grpcpp/support/method_handler.h"
 #include "proto/wire/dtype_codec.h"
 #include "server/rpc/muond_service.h"
-#include "server/transport/v1/api_conversion.h"
 #include "server/transport/grpc/chunk_stream.h"
 #include "server/transport/grpc/grpc_step_stream.h"
 #include "server/transport/grpc/tensor_assembler.h"
 #include "server/transport/step_transport.h"
+#include "server/transport/v1/api_conversion.h"
 
 namespace muond::rpc {
 namespace {
@@ -34,8 +34,7 @@ grpc::Status MuondService::UploadParameters(grpc::ServerContext* context,
                [&](const std::string& caller) { return DoUpload(caller, reader, response); });
 }
 
-absl::Status MuondService::DoUpload(const std::string& caller,
-                                    grpc::ServerReader<v1::UploadParametersRequest>* reader,
+absl::Status MuondService::DoUpload(const std::string& caller, grpc::ServerReader<v1::UploadParametersRequest>* reader,
                                     v1::UploadParametersResponse* response) {
   v1::UploadParametersRequest request;
   if (!reader->Read(&request) || request.kind_case() != v1::UploadParametersRequest::kSessionId) {
@@ -54,8 +53,8 @@ absl::Status MuondService::DoUpload(const std::string& caller,
   MUOND_RETURN_IF_ERROR(session->Upload(std::move(assembler.tensors())));
   response->set_num_tensors(static_cast<int32_t>(session->config().parameters.size()));
   response->set_num_parameters(session->config().total_elements);
-  MUOND_EVENT(info, "parameters_uploaded", session->id(), -1, "session {} parameters uploaded ({} elements)", session->id(),
-              session->config().total_elements);
+  MUOND_EVENT(info, "parameters_uploaded", session->id(), -1, "session {} parameters uploaded ({} elements)",
+              session->id(), session->config().total_elements);
   return absl::OkStatus();
 }
 
@@ -123,8 +122,9 @@ absl::Status MuondService::DoGetParameters(const std::string& caller, grpc::Serv
   const session::ParameterSnapshot& snapshot = *latest.snapshot;
   const int64_t last_step = latest.last_step;
   if (snapshot.on_device) {
-    return absl::UnavailableError("the parameters could not be read back from the backend (see the daemon's log); "
-                                  "try again");
+    return absl::UnavailableError(
+        "the parameters could not be read back from the backend (see the daemon's log); "
+        "try again");
   }
   const size_t chunk_bytes = AnswerChunkBytes(request.max_chunk_bytes());
   bool first = true;

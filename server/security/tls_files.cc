@@ -60,15 +60,13 @@ bool IsLocalListenAddress(const std::string& listen) {
   return host == "localhost" || host == "::1" || absl::StartsWith(host, "127.");
 }
 
-std::vector<std::string> ExposureWarnings(const std::string& listen, bool tls, bool client_certificates,
-                                          bool tokens) {
+std::vector<std::string> ExposureWarnings(const std::string& listen, bool tls, bool client_certificates, bool tokens) {
   std::vector<std::string> lines;
   if (IsLocalListenAddress(listen)) return lines;
   if (!tokens && !client_certificates) {
-    lines.push_back(absl::StrCat("!!! SECURITY: muond listens on ", listen,
-                                 ", a non-loopback address, WITHOUT AUTHENTICATION."));
     lines.push_back(
-        "!!! Anyone who can reach this port can create, read, overwrite and close optimizer sessions.");
+        absl::StrCat("!!! SECURITY: muond listens on ", listen, ", a non-loopback address, WITHOUT AUTHENTICATION."));
+    lines.push_back("!!! Anyone who can reach this port can create, read, overwrite and close optimizer sessions.");
     lines.push_back(
         "!!! Add --auth-token-file FILE (bearer tokens) and --tls-cert/--tls-key (TLS), or listen on 127.0.0.1.");
   }

@@ -37,7 +37,6 @@ bool IsLocalListenAddress(const std::string& listen);
 
 // The lines to log as warnings for this configuration (empty when there is nothing to warn about):
 // a non-local listener without any authentication, or bearer tokens sent over plaintext.
-std::vector<std::string> ExposureWarnings(const std::string& listen, bool tls, bool client_certificates,
-                                          bool tokens);
+std::vector<std::string> ExposureWarnings(const std::string& listen, bool tls, bool client_certificates, bool tokens);
 
 }  // namespace muond::security

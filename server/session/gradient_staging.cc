@@ -68,8 +68,7 @@ void GradientPool::GiveBack(std::unique_ptr<GradientSet> set) {
   if (spare_ == nullptr || set->allocated() > spare_->allocated()) spare_ = std::move(set);
 }
 
-absl::StatusOr<std::unique_ptr<StagedGradients>> StagedGradients::Start(GradientPool* pool,
-                                                                         kernels::Backend* backend) {
+absl::StatusOr<std::unique_ptr<StagedGradients>> StagedGradients::Start(GradientPool* pool, kernels::Backend* backend) {
   GradientLease lease = pool->TryAcquire();
   if (!lease) return nullptr;
   // Every buffer exists before the transfer does: a transfer is ordered only after the work enqueued

@@ -110,7 +110,7 @@ class StagedGradients {
   StagedGradients(GradientLease lease, std::unique_ptr<kernels::HostToDevice> upload)
       : lease_(std::move(lease)), upload_(std::move(upload)) {}
 
-  GradientLease lease_;  // every buffer allocated (Start)
+  GradientLease lease_;                            // every buffer allocated (Start)
   std::unique_ptr<kernels::HostToDevice> upload_;  // destroyed (its copies waited for) before lease_
 };
 

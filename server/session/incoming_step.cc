@@ -11,9 +11,13 @@ namespace muond::session {
 
 IncomingStep::IncomingStep(const SessionConfig& config, StepPlan plan, bool replay, HostGradients* host_store,
                            std::unique_ptr<StagedGradients> staged, bool device_gradients)
-    : config_(config), plan_(std::move(plan)), replay_(replay), host_store_(host_store),
+    : config_(config),
+      plan_(std::move(plan)),
+      replay_(replay),
+      host_store_(host_store),
       gradients_(host_store != nullptr ? host_store->Take() : std::vector<HostTensor>(config.parameters.size())),
-      staged_(std::move(staged)), device_gradients_(device_gradients) {}
+      staged_(std::move(staged)),
+      device_gradients_(device_gradients) {}
 
 IncomingStep::~IncomingStep() {
   if (host_store_ != nullptr) host_store_->GiveBack(std::move(gradients_));

@@ -13,8 +13,12 @@
 namespace muond::session {
 
 Session::Session(std::string id, SessionConfig config, kernels::Backend* backend, std::string owner)
-    : id_(std::move(id)), owner_(std::move(owner)), config_(std::move(config)),
-      state_bytes_(EstimateSessionBytes(config_)), backend_(backend), gather_(config_.world_size) {}
+    : id_(std::move(id)),
+      owner_(std::move(owner)),
+      config_(std::move(config)),
+      state_bytes_(EstimateSessionBytes(config_)),
+      backend_(backend),
+      gather_(config_.world_size) {}
 
 absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::string id, SessionConfig config,
                                                          kernels::Backend* backend, std::string owner) {
@@ -48,8 +52,8 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::string id, Session
     if (!fits.ok()) {
       return absl::InvalidArgumentError(absl::StrCat("spec.parameters[", i, "] '", pc.name, "': ", fits.message()));
     }
-    MUOND_ASSIGN_OR_RETURN(state.master, optim::AllocateStored(*backend, optimizer.options().master_dtype,
-                                                               static_cast<size_t>(pc.numel)));
+    MUOND_ASSIGN_OR_RETURN(
+        state.master, optim::AllocateStored(*backend, optimizer.options().master_dtype, static_cast<size_t>(pc.numel)));
     MUOND_RETURN_IF_ERROR(optimizer.InitState(*backend, state));
   }
   absl::MutexLock masters(&session->masters_mu_);
@@ -80,10 +84,10 @@ absl::Status Session::NotInitializedError() const {
 absl::Status Session::Upload(std::vector<HostTensor> tensors) {
   absl::MutexLock lock(&mu_);
   if (last_step_ > 0) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "session '", id_, "' has applied ", last_step_,
-        " steps; initial parameters can only be uploaded before the first step (use SetState to replace a "
-        "trained state)"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("session '", id_, "' has applied ", last_step_,
+                     " steps; initial parameters can only be uploaded before the first step (use SetState to replace a "
+                     "trained state)"));
   }
   std::vector<double> bounds(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {

@@ -149,10 +149,10 @@ class Session {
 
   // A prepared step of a sharded session, held until its commit.
   struct PreparedStep {
-    StepPlan plan;                       // rank 0's, with several ranks
-    std::vector<HostTensor> gradients;   // averaged over the ranks
-    StepResult result;                   // the prepare's answer
-    uint64_t generation = 0;             // the rank gathering that completed it (several ranks)
+    StepPlan plan;                      // rank 0's, with several ranks
+    std::vector<HostTensor> gradients;  // averaged over the ranks
+    StepResult result;                  // the prepare's answer
+    uint64_t generation = 0;            // the rank gathering that completed it (several ranks)
   };
 
   Session(std::string id, SessionConfig config, kernels::Backend* backend, std::string owner);
@@ -210,8 +210,8 @@ class Session {
   absl::Status MeasureMagnitudesLocked(size_t i) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The snapshot answers read after `step`: views of the fp32 masters on a host-memory backend,
   // else (and for 16-bit masters) host copies. Called with masters_mu_ held for writing (the masters just changed).
-  absl::StatusOr<std::shared_ptr<const ParameterSnapshot>> ReadBack(int64_t step) const
-      ABSL_SHARED_LOCKS_REQUIRED(mu_) ABSL_EXCLUSIVE_LOCKS_REQUIRED(masters_mu_);
+  absl::StatusOr<std::shared_ptr<const ParameterSnapshot>> ReadBack(int64_t step) const ABSL_SHARED_LOCKS_REQUIRED(mu_)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(masters_mu_);
   absl::StatusOr<SessionState> ExportStateLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   absl::Status CheckpointLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status NotInitializedError() const;
@@ -221,8 +221,8 @@ class Session {
   const SessionConfig config_;
   const int64_t state_bytes_;
   kernels::Backend* const backend_;
-  std::vector<optim::StepHyper> default_hyper_;  // per group; set by Create, immutable afterwards
-  std::unique_ptr<GradientPool> gradient_pool_;  // set by Create; thread-safe itself
+  std::vector<optim::StepHyper> default_hyper_;    // per group; set by Create, immutable afterwards
+  std::unique_ptr<GradientPool> gradient_pool_;    // set by Create; thread-safe itself
   std::unique_ptr<HostGradients> host_gradients_;  // set by Create; thread-safe itself
 
   mutable absl::Mutex mu_;

@@ -120,7 +120,8 @@ absl::Status Session::CopyParameterOnDevice(const ParameterSnapshot& snapshot, s
     return backend_->CopyBytes(from.data, dst, master.bytes());
   }
   if (master.is_fp32()) return backend_->Narrow(dtype, master.fp32(), dst, n);
-  if (dtype == kernels::StorageDtype::kFp32) return backend_->Widen(master.dtype, from.data, static_cast<float*>(dst), n);
+  if (dtype == kernels::StorageDtype::kFp32)
+    return backend_->Widen(master.dtype, from.data, static_cast<float*>(dst), n);
   // One 16-bit format into the other: through fp32 scratch, waited for before it is freed.
   MUOND_ASSIGN_OR_RETURN(std::unique_ptr<kernels::DeviceBuffer> wide, backend_->Allocate(n));
   MUOND_RETURN_IF_ERROR(backend_->Widen(master.dtype, from.data, wide->data(), n));

@@ -51,7 +51,7 @@ class SessionPersistence {
   virtual int64_t checkpoint_every() const = 0;  // 0: never by step count
   // Whether RecordStep writes the gradients (journal mode): they must then reach it on the host.
   virtual bool records_gradients() const = 0;
-  virtual void Discard() = 0;                    // the session was closed: remove its files
+  virtual void Discard() = 0;  // the session was closed: remove its files
 };
 
 }  // namespace muond::session

@@ -6,8 +6,8 @@
 #include "absl/strings/str_cat.h"
 #include "common/echo.h"
 #include "common/error_reason.h"
-#include "common/status_macros.h"
 #include "common/logging.h"
+#include "common/status_macros.h"
 #include "server/security/caller_identity.h"
 #include "server/session/state_dir.h"
 
@@ -34,9 +34,9 @@ absl::StatusOr<CreateResult> SessionRegistry::CreateOrAttach(const std::string& 
     return CreateResult{it->second, true};
   }
   if (static_cast<int>(sessions_.size()) >= max_sessions_) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("session_id '", Echo(id), "': the daemon already holds ", sessions_.size(),
-                     " sessions (--max-sessions ", max_sessions_, "); close one first"));
+    return absl::ResourceExhaustedError(absl::StrCat("session_id '", Echo(id), "': the daemon already holds ",
+                                                     sessions_.size(), " sessions (--max-sessions ", max_sessions_,
+                                                     "); close one first"));
   }
   MUOND_ASSIGN_OR_RETURN(SessionConfig config, codec_->Parse(spec_json, limits_));
   MUOND_RETURN_IF_ERROR(CheckMemoryQuota(id, EstimateSessionBytes(config), HeldBytesLocked(), memory_));
@@ -46,7 +46,8 @@ absl::StatusOr<CreateResult> SessionRegistry::CreateOrAttach(const std::string& 
   MUOND_ASSIGN_OR_RETURN(std::unique_ptr<Session> session, Session::Create(id, std::move(config), backend_, caller));
   std::shared_ptr<Session> shared = std::move(session);
   if (persistence_) {
-    MUOND_ASSIGN_OR_RETURN(std::unique_ptr<FilePersistence> files, FilePersistence::Open(*persistence_, *shared, metrics_));
+    MUOND_ASSIGN_OR_RETURN(std::unique_ptr<FilePersistence> files,
+                           FilePersistence::Open(*persistence_, *shared, metrics_));
     shared->AttachPersistence(std::move(files));
   }
   sessions_.emplace(id, shared);
@@ -62,7 +63,7 @@ absl::StatusOr<CreateResult> SessionRegistry::CreateOrAttach(const std::string& 
 }
 
 absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Find(const std::string& id, const std::string& caller,
-                                                                absl::string_view field) const {
+                                                               absl::string_view field) const {
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(id);
   if (it == sessions_.end()) {
@@ -110,8 +111,8 @@ int SessionRegistry::CheckpointAll() {
     if (step.ok()) {
       ++written;
     } else if (step.status().code() != absl::StatusCode::kFailedPrecondition) {
-      MUOND_EVENT(error, "checkpoint_failed", session->id(), session->last_step(), "session {}: final checkpoint failed: {}",
-                  session->id(), step.status().message());
+      MUOND_EVENT(error, "checkpoint_failed", session->id(), session->last_step(),
+                  "session {}: final checkpoint failed: {}", session->id(), step.status().message());
     }
   }
   return written;

@@ -35,7 +35,11 @@ class SessionRegistry {
  public:
   SessionRegistry(kernels::Backend* backend, const SpecCodec* codec, SpecLimits limits, int max_sessions,
                   MemoryLimits memory = {}, metrics::Metrics* metrics = metrics::NoMetrics())
-      : backend_(backend), codec_(codec), limits_(limits), max_sessions_(max_sessions), memory_(memory),
+      : backend_(backend),
+        codec_(codec),
+        limits_(limits),
+        max_sessions_(max_sessions),
+        memory_(memory),
         metrics_(metrics) {}
 
   // `caller` is the authenticated identity of the request ("" for everyone when authentication is

@@ -60,10 +60,9 @@ absl::Status Session::ImportState(SessionState state) {
   for (size_t i = 0; i < state.step_counts.size(); ++i) {
     // A parameter is updated by some of the session's steps, never by more.
     if (state.step_counts[i] < 0 || state.step_counts[i] > state.last_step) {
-      return absl::InvalidArgumentError(absl::StrCat("header.step_counts: '", config_.parameters[i].name,
-                                                     "' has count ", state.step_counts[i],
-                                                     "; counts must be between 0 and last_step (",
-                                                     state.last_step, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("header.step_counts: '", config_.parameters[i].name, "' has count ", state.step_counts[i],
+                       "; counts must be between 0 and last_step (", state.last_step, ")"));
     }
   }
   if (state.loss_scaler.has_value()) {
@@ -84,14 +83,14 @@ absl::Status Session::ImportState(SessionState state) {
   for (const StateTensor& t : state.tensors) {
     const ParameterConfig& pc = config_.parameters[t.parameter];
     if (!expected.erase({t.parameter, t.slot})) {
-      return absl::InvalidArgumentError(absl::StrCat("chunk.slot: '", Echo(t.slot), "' is not a state slot of '",
-                                                     pc.name, "' or was sent twice"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("chunk.slot: '", Echo(t.slot), "' is not a state slot of '", pc.name, "' or was sent twice"));
     }
     const size_t numel = t.slot == kMasterSlot ? static_cast<size_t>(pc.numel)
                                                : optimizers_[pc.group]->SlotNumel(params_[t.parameter], t.slot);
     if (t.values.size() != numel) {
-      return absl::InvalidArgumentError(absl::StrCat("chunk.data: ", pc.name, "/", t.slot, " has ",
-                                                     t.values.size(), " of ", numel, " elements"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("chunk.data: ", pc.name, "/", t.slot, " has ", t.values.size(), " of ", numel, " elements"));
     }
     MUOND_ASSIGN_OR_RETURN(bounds[&t - state.tensors.data()],
                            CheckTensorValues("chunk.data", absl::StrCat(pc.name, "/", t.slot), t.values,

@@ -25,8 +25,7 @@ absl::StatusOr<Session::StepKind> Session::ClassifyLocked(int64_t step) const {
   if (step == last_step_ + 1) return StepKind::kNext;
   return absl::FailedPreconditionError(absl::StrCat(
       "header.step: expected step ", last_step_ + 1,
-      last_step_ > 0 ? absl::StrCat(" (or ", last_step_, " to replay the last one)") : std::string(), ", got ",
-      step));
+      last_step_ > 0 ? absl::StrCat(" (or ", last_step_, " to replay the last one)") : std::string(), ", got ", step));
 }
 
 absl::StatusOr<StepOutcome> Session::ReplayOutcomeLocked(bool device_answer) {

@@ -46,8 +46,8 @@ int64_t Session::CountZeros(const std::vector<HostTensor>& gradients) {
   return zeros;
 }
 
-absl::Status Session::ApplyGradients(const StepPlan& plan, std::vector<HostTensor>& gradients,
-                                     double clip_coefficient, StagedGradients* staged) {
+absl::Status Session::ApplyGradients(const StepPlan& plan, std::vector<HostTensor>& gradients, double clip_coefficient,
+                                     StagedGradients* staged) {
   // On a host-memory backend the optimizer reads the host values in place; otherwise they are in
   // the staged set or copied into a set here.
   const bool in_place = backend_->HostAddressable();

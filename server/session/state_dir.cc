@@ -73,8 +73,8 @@ absl::Status FilePersistence::RecordStep(const StepRequest& request, const std::
     metrics_->JournalAppended(absl::FromChrono(std::chrono::steady_clock::now() - start), appended.ok());
   }
   if (!appended.ok()) {
-    MUOND_EVENT(error, "journal_failed", session_.id(), request.step, "session {}: step {} refused, the journal failed: {}",
-                session_.id(), request.step, appended.message());
+    MUOND_EVENT(error, "journal_failed", session_.id(), request.step,
+                "session {}: step {} refused, the journal failed: {}", session_.id(), request.step, appended.message());
     return absl::UnavailableError(absl::StrCat("the step could not be made durable: ", appended.message()));
   }
   return absl::OkStatus();
@@ -98,8 +98,8 @@ absl::Status FilePersistence::SaveCheckpoint(SessionState state) {
   for (StateTensor& t : state.tensors) {
     const ParameterConfig& param = config.parameters[t.parameter];
     std::vector<int64_t> shape = session_.TensorShape(t.parameter, t.slot);
-    data.tensors.push_back({param.name, std::move(t.slot), std::move(shape), std::move(t.values),
-                            std::string(SafetensorsDtype(t.dtype))});
+    data.tensors.push_back(
+        {param.name, std::move(t.slot), std::move(shape), std::move(t.values), std::string(SafetensorsDtype(t.dtype))});
   }
   const auto start = std::chrono::steady_clock::now();
   absl::Status saved = files_->SaveCheckpoint(data);
@@ -108,8 +108,7 @@ absl::Status FilePersistence::SaveCheckpoint(SessionState state) {
 }
 
 absl::StatusOr<LoadedSession> LoadSession(const durability::StateDirOptions& options, const std::string& dir,
-                                          kernels::Backend* backend, const SpecCodec& codec,
-                                          const SpecLimits& limits) {
+                                          kernels::Backend* backend, const SpecCodec& codec, const SpecLimits& limits) {
   const std::string metadata_file = dir + "/" + durability::kCheckpointMetadataFile;
   absl::StatusOr<SessionConfig> config;
   auto parse = [&](const durability::CheckpointData& data) -> absl::StatusOr<std::vector<int64_t>> {
@@ -122,13 +121,13 @@ absl::StatusOr<LoadedSession> LoadSession(const durability::StateDirOptions& opt
   MUOND_ASSIGN_OR_RETURN(durability::SessionFolder folder, durability::LoadSessionFolder(options, dir, parse));
   const std::string folder_name = dir.substr(dir.rfind('/') + 1);
   if (folder.checkpoint.session_id != folder_name) {
-    return durability::CheckpointCorrupt(
-        metadata_file, absl::StrCat("session_id '", folder.checkpoint.session_id.substr(0, 140),
-                                    "' is not the folder's name '", folder_name, "'"));
+    return durability::CheckpointCorrupt(metadata_file,
+                                         absl::StrCat("session_id '", folder.checkpoint.session_id.substr(0, 140),
+                                                      "' is not the folder's name '", folder_name, "'"));
   }
-  MUOND_ASSIGN_OR_RETURN(std::unique_ptr<Session> unique,
-                         Session::Create(folder.checkpoint.session_id, *std::move(config), backend,
-                                         folder.checkpoint.owner));
+  MUOND_ASSIGN_OR_RETURN(
+      std::unique_ptr<Session> unique,
+      Session::Create(folder.checkpoint.session_id, *std::move(config), backend, folder.checkpoint.owner));
   LoadedSession loaded;
   loaded.session = std::move(unique);
   loaded.journal_path = folder.journal_path;
@@ -169,8 +168,7 @@ bool IsDaemonTrouble(const absl::Status& status) {
 }
 
 absl::StatusOr<std::vector<std::shared_ptr<Session>>> RestoreSessions(const durability::StateDirOptions& options,
-                                                                      kernels::Backend* backend,
-                                                                      const SpecCodec& codec,
+                                                                      kernels::Backend* backend, const SpecCodec& codec,
                                                                       const SpecLimits& limits,
                                                                       metrics::Metrics* metrics) {
   MUOND_ASSIGN_OR_RETURN(std::vector<std::string> dirs, durability::ListSessionFolders(options));
@@ -183,9 +181,8 @@ absl::StatusOr<std::vector<std::shared_ptr<Session>>> RestoreSessions(const dura
       }
       absl::StatusOr<std::string> moved = durability::QuarantineSessionFolder(options, dir);
       if (!moved.ok()) {
-        return absl::InternalError(absl::StrCat(loaded.status().message(),
-                                                "; and it cannot be moved into the quarantine: ",
-                                                moved.status().message()));
+        return absl::InternalError(absl::StrCat(
+            loaded.status().message(), "; and it cannot be moved into the quarantine: ", moved.status().message()));
       }
       const std::string name = dir.substr(dir.rfind('/') + 1);
       MUOND_EVENT(error, "session_quarantined", name, 0, "session folder {} cannot be restored: {}; moved to {}", dir,
@@ -195,8 +192,10 @@ absl::StatusOr<std::vector<std::shared_ptr<Session>>> RestoreSessions(const dura
     }
     std::shared_ptr<Session> session = std::move(loaded->session);
     if (loaded->dropped_torn_tail) {
-      MUOND_LOG(warn, "journal {} ended in a partly written record (a crash during an unacknowledged step); "
-                "dropped it", loaded->journal_path);
+      MUOND_LOG(warn,
+                "journal {} ended in a partly written record (a crash during an unacknowledged step); "
+                "dropped it",
+                loaded->journal_path);
     }
     MUOND_ASSIGN_OR_RETURN(std::unique_ptr<FilePersistence> persistence,
                            FilePersistence::Open(options, *session, metrics));

@@ -36,8 +36,7 @@ class FilePersistence final : public SessionPersistence {
   void Discard() override { files_->Discard(); }
 
  private:
-  FilePersistence(std::unique_ptr<durability::SessionFiles> files, const Session& session,
-                  metrics::Metrics* metrics)
+  FilePersistence(std::unique_ptr<durability::SessionFiles> files, const Session& session, metrics::Metrics* metrics)
       : files_(std::move(files)), session_(session), metrics_(metrics) {}
 
   std::unique_ptr<durability::SessionFiles> files_;
@@ -59,8 +58,7 @@ struct LoadedSession {
 // (DATA_LOSS for contents that are truncated, altered or do not fit the spec; FAILED_PRECONDITION for
 // a link or an entry that is not a regular file; the Env's errors otherwise).
 absl::StatusOr<LoadedSession> LoadSession(const durability::StateDirOptions& options, const std::string& dir,
-                                          kernels::Backend* backend, const SpecCodec& codec,
-                                          const SpecLimits& limits);
+                                          kernels::Backend* backend, const SpecCodec& codec, const SpecLimits& limits);
 
 // Whether a LoadSession error is the daemon's trouble (memory, a quota) rather than the folder's:
 // such an error stops the start-up whatever options.on_damaged says, and the folder stays in place.
@@ -71,8 +69,7 @@ bool IsDaemonTrouble(const absl::Status& status);
 // counted through `metrics`) with options.on_damaged == kQuarantine, and fails the whole restore with
 // kFail; so does any error writing a restored session's fresh checkpoint.
 absl::StatusOr<std::vector<std::shared_ptr<Session>>> RestoreSessions(const durability::StateDirOptions& options,
-                                                                      kernels::Backend* backend,
-                                                                      const SpecCodec& codec,
+                                                                      kernels::Backend* backend, const SpecCodec& codec,
                                                                       const SpecLimits& limits,
                                                                       metrics::Metrics* metrics = metrics::NoMetrics());
 

@@ -70,9 +70,9 @@ absl::Status CheckPhase(const SessionConfig& config, const StepRequest& request)
     return absl::InvalidArgumentError(absl::StrCat("header.phase: unknown phase ", phase));
   }
   if (request.phase == StepPhase::kWhole && config.shard.count > 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "header.phase: this session is shard ", config.shard.index, " of ", config.shard.count,
-        " (spec.shard); its steps are prepared and then committed on every shard (docs/sharding.md)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("header.phase: this session is shard ", config.shard.index, " of ", config.shard.count,
+                     " (spec.shard); its steps are prepared and then committed on every shard (docs/sharding.md)"));
   }
   if (request.phase != StepPhase::kCommit) {
     if (request.decision.has_value()) {

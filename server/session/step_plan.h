@@ -20,7 +20,7 @@ namespace muond::session {
 
 struct StepPlan {
   StepRequest request;
-  std::vector<optim::StepHyper> hyper;  // per group
+  std::vector<optim::StepHyper> hyper;                            // per group
   std::vector<std::pair<size_t, std::vector<double>>> qk_logits;  // (index into config.qk_clip, per head)
 };
 

@@ -51,7 +51,7 @@ struct StepRequest {
   std::vector<QkLogits> qk_logits;
   StepPhase phase = StepPhase::kWhole;
   std::optional<ShardDecision> decision;  // kCommit only
-  bool count_zeros = false;  // log_num_zeros_in_grad: StepResult::num_zeros_in_grad is filled
+  bool count_zeros = false;               // log_num_zeros_in_grad: StepResult::num_zeros_in_grad is filled
   // A static loss scale the gradients are divided by (with a session loss scaler: must equal its
   // current scale when given).
   std::optional<double> grad_scale;

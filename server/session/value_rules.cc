@@ -16,9 +16,7 @@ absl::Status CheckStepNumber(absl::string_view field, int64_t step, int64_t min)
   return absl::OkStatus();
 }
 
-double StorageLimit(kernels::StorageDtype dtype) {
-  return std::min(kMagnitudeLimit, kernels::StorageMaxFinite(dtype));
-}
+double StorageLimit(kernels::StorageDtype dtype) { return std::min(kMagnitudeLimit, kernels::StorageMaxFinite(dtype)); }
 
 absl::StatusOr<double> CheckTensorValues(absl::string_view field, absl::string_view tensor,
                                          std::span<const float> values, bool non_negative,
@@ -28,10 +26,12 @@ absl::StatusOr<double> CheckTensorValues(absl::string_view field, absl::string_v
   for (size_t i = 0; i < values.size(); ++i) {
     const float magnitude = std::abs(values[i]);
     if (!(magnitude <= limit)) {  // NaN fails the comparison too
-      return absl::InvalidArgumentError(absl::StrCat(
-          field, ": '", tensor, "' has the value ", values[i], " at element ", i,
-          "; values must be finite and within +-", limit,
-          dtype == kernels::StorageDtype::kFp32 ? "" : absl::StrCat(" (it is stored as ", std::string(kernels::StorageDtypeName(dtype)), ")")));
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": '", tensor, "' has the value ", values[i], " at element ", i,
+                       "; values must be finite and within +-", limit,
+                       dtype == kernels::StorageDtype::kFp32
+                           ? ""
+                           : absl::StrCat(" (it is stored as ", std::string(kernels::StorageDtypeName(dtype)), ")")));
     }
     if (non_negative && values[i] < 0) {
       return absl::InvalidArgumentError(absl::StrCat(field, ": ", tensor, " has the negative value ", values[i],

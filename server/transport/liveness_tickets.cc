@@ -35,7 +35,8 @@ absl::StatusOr<uint64_t> LivenessTickets::LivenessConnection(const std::string& 
   absl::MutexLock lock(&mu_);
   auto it = tickets_.find(ticket);
   if (it == tickets_.end()) {
-    return absl::NotFoundError(absl::StrCat(field, ": no open shm_socket connection has this ticket (never issued, or "
+    return absl::NotFoundError(absl::StrCat(field,
+                                            ": no open shm_socket connection has this ticket (never issued, or "
                                             "the connection closed)"));
   }
   return it->second;

@@ -47,9 +47,7 @@ class RegionTable {
   RegionTable(std::string noun, ErrorReason missing) : noun_(std::move(noun)), missing_(missing) {}
 
   size_t size() const { return entries_.size(); }
-  bool contains(const std::string& caller, const std::string& name) const {
-    return entries_.contains({caller, name});
-  }
+  bool contains(const std::string& caller, const std::string& name) const { return entries_.contains({caller, name}); }
   // How many entries `caller` holds.
   int CountOf(const std::string& caller) const {
     int held = 0;

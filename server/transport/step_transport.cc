@@ -19,8 +19,8 @@ absl::Status RunStep(session::Session& session, session::StepRequest request, Gr
   const Clock::time_point computed = Clock::now();
   const session::StepResult& result = outcome.result;
   if (outcome.parameters != nullptr && !result.applied) {
-    MUOND_EVENT(warn, "step_skipped", session.id(), result.step, "session {} step {} skipped: {}", session.id(), result.step,
-                result.skip_reason);
+    MUOND_EVENT(warn, "step_skipped", session.id(), result.step, "session {} step {} skipped: {}", session.id(),
+                result.step, result.skip_reason);
   }
   absl::Status sent;
   if (outcome.parameters == nullptr) {

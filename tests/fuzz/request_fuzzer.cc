@@ -35,15 +35,15 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/logging.h"
 #include "google/protobuf/stubs/logging.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/support/server_interceptor.h"
 #include "kernels/backend_factory.h"
+#include "kernels/optim/options.h"
 #include "muond/v1/muond.grpc.pb.h"
-#include "common/logging.h"
 #include "server/rpc/muond_service.h"
 #include "server/rpc/spec_codec.h"
-#include "kernels/optim/options.h"
 #include "server/session/session_registry.h"
 #include "server/session/value_rules.h"
 #include "tests/fuzz/request_script.h"
@@ -222,9 +222,9 @@ void CheckCreatedSpec(const v1::SessionSpec& spec) {
   for (const v1::ParameterGroup& group : spec.groups()) {
     if (HasControlCharacter(group.name())) Fail("a group name with a control character was accepted");
     const v1::GroupOptions& options = group.options();
-    const optim::OptimizerKind kind =
-        options.optimizer() == v1::OPTIMIZER_UNSPECIFIED ? optim::OptimizerKind::kMuon
-                                                         : static_cast<optim::OptimizerKind>(options.optimizer() - 1);
+    const optim::OptimizerKind kind = options.optimizer() == v1::OPTIMIZER_UNSPECIFIED
+                                          ? optim::OptimizerKind::kMuon
+                                          : static_cast<optim::OptimizerKind>(options.optimizer() - 1);
     kinds[group.name()] = kind;
     std::vector<const google::protobuf::FieldDescriptor*> fields;
     options.GetReflection()->ListFields(options, &fields);
@@ -368,7 +368,8 @@ class StepStream final : public Stream {
       if (group == config.group_index.end()) Fail("a step accepted an override of an unknown group");
       const optim::OptimizerKind kind = config.groups[group->second].options.optimizer;
       if (o.has_momentum() && !optim::OptionApplies(kind, "momentum")) {
-        Fail(absl::StrCat("a step accepted a momentum override for optimizer ", std::string(optim::OptimizerName(kind))));
+        Fail(absl::StrCat("a step accepted a momentum override for optimizer ",
+                          std::string(optim::OptimizerName(kind))));
       }
     }
   }
@@ -468,9 +469,8 @@ void RunScript(const uint8_t* data, size_t size) {
     switch (record->op) {
       case Op::kBeginUpload:
         stream = std::make_unique<ClientStream<v1::UploadParametersRequest, v1::UploadParametersResponse>>(
-            "UploadParameters", [&](grpc::ClientContext* c, v1::UploadParametersResponse* r) {
-              return d.stub->UploadParameters(c, r);
-            });
+            "UploadParameters",
+            [&](grpc::ClientContext* c, v1::UploadParametersResponse* r) { return d.stub->UploadParameters(c, r); });
         break;
       case Op::kBeginSetState:
         stream = std::make_unique<ClientStream<v1::SetStateRequest, v1::SetStateResponse>>(

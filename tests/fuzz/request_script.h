@@ -46,8 +46,7 @@ struct Record {
 
 class ScriptReader {
  public:
-  ScriptReader(const uint8_t* data, size_t size)
-      : data_(reinterpret_cast<const char*>(data)), size_(size) {}
+  ScriptReader(const uint8_t* data, size_t size) : data_(reinterpret_cast<const char*>(data)), size_(size) {}
 
   std::optional<Record> Next() {
     if (pos_ >= size_) return std::nullopt;

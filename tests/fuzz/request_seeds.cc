@@ -5,8 +5,8 @@
 // the chunks, a non-finite gradient, a conflicting attach, a cancelled stream, an oversized chunk),
 // from which the fuzzer's mutations start.
 #include <algorithm>
-#include <cstdint>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -134,8 +134,8 @@ void RawStep(ScriptWriter& w, const v1::StepHeader& header, const std::vector<v1
 }
 
 // A step stream with a gradient for every parameter, or for those in `only` when it is not empty.
-void Step(ScriptWriter& w, const v1::SessionSpec& spec, const v1::StepHeader& header,
-          v1::DType dtype = v1::DTYPE_FP32, int64_t per_chunk = 16, const std::vector<std::string>& only = {}) {
+void Step(ScriptWriter& w, const v1::SessionSpec& spec, const v1::StepHeader& header, v1::DType dtype = v1::DTYPE_FP32,
+          int64_t per_chunk = 16, const std::vector<std::string>& only = {}) {
   std::vector<v1::TensorChunk> chunks;
   for (const v1::ParameterSpec& p : spec.parameters()) {
     if (!only.empty() && std::find(only.begin(), only.end(), p.name()) == only.end()) continue;
@@ -179,7 +179,7 @@ std::string Train() {
   header.set_return_dtype(v1::DTYPE_FP16);
   header.set_max_chunk_bytes(16);
   Step(w, spec, header, v1::DTYPE_BF16, 8);
-  Step(w, spec, header, v1::DTYPE_BF16, 8);  // a replay
+  Step(w, spec, header, v1::DTYPE_BF16, 8);                   // a replay
   Step(w, spec, Header("s1", 3), v1::DTYPE_FP16, 32, {"w"});  // "b" has no gradient this step
   Reads(w, "s1");
   Create(w, "s1", spec);  // attach
@@ -207,7 +207,7 @@ std::string State() {
   }
   w.Add(Op::kMessage, request);
   const std::vector<std::pair<int, std::vector<std::string>>> slots = {{0, {"master", "momentum"}},
-                                                                        {1, {"master", "exp_avg", "exp_avg_sq"}}};
+                                                                       {1, {"master", "exp_avg", "exp_avg_sq"}}};
   for (const auto& [index, names] : slots) {
     for (const std::string& slot : names) {
       for (const v1::TensorChunk& chunk : Chunks(spec.parameters(index), 3.0f, v1::DTYPE_FP32, 16, slot)) {
@@ -515,9 +515,8 @@ int main(int argc, char** argv) {
   const std::filesystem::path dir = argv[1];
   std::filesystem::create_directories(dir);
   const std::pair<const char*, std::string> seeds[] = {
-      {"train", muond::fuzz::Train()},     {"state", muond::fuzz::State()},
-      {"shapes", muond::fuzz::Shapes()},   {"options", muond::fuzz::Options()},
-      {"mistakes", muond::fuzz::Mistakes()}, {"hostile", muond::fuzz::Hostile()},
+      {"train", muond::fuzz::Train()},     {"state", muond::fuzz::State()},       {"shapes", muond::fuzz::Shapes()},
+      {"options", muond::fuzz::Options()}, {"mistakes", muond::fuzz::Mistakes()}, {"hostile", muond::fuzz::Hostile()},
   };
   for (const auto& [name, bytes] : seeds) {
     std::ofstream out(dir / name, std::ios::binary | std::ios::trunc);

@@ -101,8 +101,8 @@ TEST_F(BadInputTest, UnknownReturnDTypeIsInvalidArgument) {
 }
 
 TEST_F(BadInputTest, UnknownParameterIsNotFoundNamingIt) {
-  grpc::Status status = RawStep(Header(), {Chunk("w", Gradient("w", 2, 32), v1::DTYPE_FP32),
-                                           Chunk("nope", Gradient("w", 2, 4), v1::DTYPE_FP32)});
+  grpc::Status status = RawStep(
+      Header(), {Chunk("w", Gradient("w", 2, 32), v1::DTYPE_FP32), Chunk("nope", Gradient("w", 2, 4), v1::DTYPE_FP32)});
   EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND);
   EXPECT_THAT(status.error_message(), HasSubstr("chunk.name: unknown parameter 'nope'"));
   ExpectUnchangedAndServing();
@@ -149,8 +149,8 @@ TEST_F(BadInputTest, StreamShorterOrLongerThanAnnouncedIsRefused) {
 TEST_F(BadInputTest, MoreChunksThanAnnouncedIsRefused) {
   v1::StepHeader header = Header();
   header.set_num_chunks(1);
-  grpc::Status status = RawStep(header, {Chunk("w", Gradient("w", 2, 32), v1::DTYPE_FP32),
-                                         Chunk("b", Gradient("b", 2, 4), v1::DTYPE_FP32)});
+  grpc::Status status = RawStep(
+      header, {Chunk("w", Gradient("w", 2, 32), v1::DTYPE_FP32), Chunk("b", Gradient("b", 2, 4), v1::DTYPE_FP32)});
   EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(status.error_message(), HasSubstr("more chunks than the 1 announced"));
   ExpectUnchangedAndServing();

@@ -40,7 +40,8 @@ TEST(CudaIpcStepperTest, ADaemonWithoutAGpuIsRefusedNamingTheTransport) {
   const absl::StatusOr<std::unique_ptr<client::CudaIpcStepper>> stepper =
       client::CudaIpcStepper::Create(client.get(), session.get(), 0);
   EXPECT_EQ(stepper.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_THAT(stepper.status().message(), HasSubstr("transport: 'cuda_ipc' is not possible: the daemon offers no CUDA IPC"));
+  EXPECT_THAT(stepper.status().message(),
+              HasSubstr("transport: 'cuda_ipc' is not possible: the daemon offers no CUDA IPC"));
 }
 
 // Device memory holding `values` (fp32).

@@ -9,9 +9,9 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
-#include <cstring>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -100,8 +100,8 @@ bool DaemonProcess::Start(const std::vector<std::string>& extra_flags, std::stri
   // $MUOND_BINARY, when set, runs another build of the daemon (a copy carried to a GPU machine).
   const char* from_env = std::getenv("MUOND_BINARY");
   const std::string binary = from_env != nullptr && *from_env != '\0' ? from_env : MUOND_BINARY;
-  std::vector<std::string> args = {binary, "--listen", listen_host_ + ":" + std::to_string(port), "--port-file",
-                                   port_file, "--threads", "1"};
+  std::vector<std::string> args = {
+      binary, "--listen", listen_host_ + ":" + std::to_string(port), "--port-file", port_file, "--threads", "1"};
   if (std::find(extra_flags.begin(), extra_flags.end(), "--log-level") == extra_flags.end()) {
     args.insert(args.end(), {"--log-level", "info"});
   }

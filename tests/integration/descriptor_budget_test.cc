@@ -112,7 +112,7 @@ class DescriptorBudgetTest : public ::testing::Test {
         absl::StatusOr<std::string> answer = client::PassDescriptor(fd, memfd);
         if (!answer.ok()) {
           if (errno == EAGAIN || errno == EWOULDBLOCK) return tickets;  // no answer within 2 s: the daemon is stuck
-          break;  // refused and closed by the daemon
+          break;                                                        // refused and closed by the daemon
         }
         if (answer->rfind("ok ", 0) != 0) break;
         tickets.push_back(answer->substr(3, answer->find(' ', 3) - 3));
@@ -215,8 +215,7 @@ TEST_F(DescriptorBudgetTest, ALostGrpcListenerMakesTheDaemonExitForItsSupervisor
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   ASSERT_TRUE(daemon_.Exited()) << daemon_.ReadStderr();
-  EXPECT_TRUE(WIFEXITED(daemon_.exit_status()) && WEXITSTATUS(daemon_.exit_status()) == 1)
-      << daemon_.exit_status();
+  EXPECT_TRUE(WIFEXITED(daemon_.exit_status()) && WEXITSTATUS(daemon_.exit_status()) == 1) << daemon_.exit_status();
 }
 
 }  // namespace

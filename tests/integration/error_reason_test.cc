@@ -1,10 +1,11 @@
 // Machine-readable error reasons against the real daemon: every reason a client acts on arrives in the
 // status details (google.rpc.ErrorInfo, domain "muond.v1") with its code, refusals no client acts on
 // carry none, and the client's recovery follows the reason whatever the message says.
+#include "client/error_reason.h"
+
 #include <string>
 #include <vector>
 
-#include "client/error_reason.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "tests/integration/daemon_fixture.h"
@@ -139,8 +140,8 @@ TEST(ErrorReasonWording, TheReasonSurvivesAnyMessage) {
       client::FromGrpcStatus(WithDetails(grpc::StatusCode::NOT_FOUND, "the memory went away", "REGION_NOT_FOUND"));
   EXPECT_EQ(client::ReasonOf(reworded), v1::REGION_NOT_FOUND);
   EXPECT_EQ(reworded.message(), "the memory went away");
-  const absl::Status prepared = client::FromGrpcStatus(
-      WithDetails(grpc::StatusCode::FAILED_PRECONDITION, "commit refused", "STEP_NOT_PREPARED"));
+  const absl::Status prepared =
+      client::FromGrpcStatus(WithDetails(grpc::StatusCode::FAILED_PRECONDITION, "commit refused", "STEP_NOT_PREPARED"));
   EXPECT_EQ(client::ReasonOf(prepared), v1::STEP_NOT_PREPARED);
   // A rewritten message (as ShardedSession names the shard) keeps the reason.
   EXPECT_EQ(client::ReasonOf(client::WithReasonOf(prepared, absl::FailedPreconditionError("shard 1: x"))),
@@ -154,8 +155,7 @@ TEST(ErrorReasonWording, OldWordingWithoutTheDetailCarriesNoReason) {
   const absl::Status other_domain =
       client::FromGrpcStatus(WithDetails(grpc::StatusCode::NOT_FOUND, "x", "REGION_NOT_FOUND", "example.com"));
   EXPECT_EQ(client::ReasonOf(other_domain), v1::ERROR_REASON_UNSPECIFIED);
-  const absl::Status unknown =
-      client::FromGrpcStatus(WithDetails(grpc::StatusCode::NOT_FOUND, "x", "SOMETHING_NEWER"));
+  const absl::Status unknown = client::FromGrpcStatus(WithDetails(grpc::StatusCode::NOT_FOUND, "x", "SOMETHING_NEWER"));
   EXPECT_EQ(client::ReasonOf(unknown), v1::ERROR_REASON_UNSPECIFIED);
 }
 

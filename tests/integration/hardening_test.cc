@@ -62,11 +62,13 @@ TEST_F(HostileInputTest, TheLastStepHasNoSuccessor) {
 TEST_F(HostileInputTest, EmptyChunksAreRefused) {
   const int next = kTrainedSteps + 1;
   v1::TensorChunk empty_b = Chunk("b", {}, 0);
-  ExpectRefused(RawStep(Header(next), {empty_b}), grpc::StatusCode::INVALID_ARGUMENT, "chunk.data: empty chunk for 'b'");
+  ExpectRefused(RawStep(Header(next), {empty_b}), grpc::StatusCode::INVALID_ARGUMENT,
+                "chunk.data: empty chunk for 'b'");
   v1::TensorChunk empty_w = Chunk("w", {}, 0);
   empty_w.add_shape(kRows);
   empty_w.add_shape(kCols);
-  ExpectRefused(RawStep(Header(next), {empty_w}), grpc::StatusCode::INVALID_ARGUMENT, "chunk.data: empty chunk for 'w'");
+  ExpectRefused(RawStep(Header(next), {empty_w}), grpc::StatusCode::INVALID_ARGUMENT,
+                "chunk.data: empty chunk for 'w'");
   std::vector<v1::TensorChunk> trailing = TensorChunks(next, 1024);
   trailing.push_back(Chunk("b", {}, kBias));
   ExpectRefused(RawStep(Header(next), trailing), grpc::StatusCode::INVALID_ARGUMENT, "empty chunk for 'b'");
@@ -160,7 +162,8 @@ TEST_F(HostileInputTest, OptionsThatDoNotApplyAreRefused) {
   qkv.mutable_parameters(1)->add_qkv_split(8);
   auto created = client_->CreateSession(id_ + "-qkv", qkv);
   ASSERT_FALSE(created.ok());
-  EXPECT_THAT(created.status().message(), HasSubstr("spec.parameters[1] 'b': qkv_split applies only to parameters of Muon groups"));
+  EXPECT_THAT(created.status().message(),
+              HasSubstr("spec.parameters[1] 'b': qkv_split applies only to parameters of Muon groups"));
   ExpectIntactAndServing();
 }
 
@@ -192,7 +195,8 @@ TEST_F(HostileInputTest, NonFiniteValuesAndControlCharactersAreRefused) {
     bad.mutable_parameters(0)->set_name(name);
     auto created = client_->CreateSession(id_ + "-names", bad);
     ASSERT_FALSE(created.ok());
-    EXPECT_THAT(created.status().message(), HasSubstr("spec.parameters[0].name: must be 1 to 256 bytes without control"));
+    EXPECT_THAT(created.status().message(),
+                HasSubstr("spec.parameters[0].name: must be 1 to 256 bytes without control"));
   }
   ExpectIntactAndServing();
 }

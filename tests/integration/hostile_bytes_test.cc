@@ -6,6 +6,7 @@
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
+
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -117,12 +118,16 @@ class RandomRequests {
     for (char& c : s) c = static_cast<char>(Pick<int>({'a', 'z', 'w', 'b', '.', '-', '_', '0', ' ', '/', '!'}));
     return s;
   }
-  std::string SessionId() { return Pick<int>({0, 0, 1, 2, 3}) == 0 ? id_ : Pick<std::string>({"", "no-such", id_ + "x", "bad id!"}); }
+  std::string SessionId() {
+    return Pick<int>({0, 0, 1, 2, 3}) == 0 ? id_ : Pick<std::string>({"", "no-such", id_ + "x", "bad id!"});
+  }
   std::string ParameterName() { return Pick<int>({0, 1, 2}) < 2 ? Pick<std::string>({"w", "b"}) : Text(); }
   std::string GroupName() { return Chance(0.7) ? Pick<std::string>({"matrices", "vectors"}) : Text(); }
   v1::DType DType() { return static_cast<v1::DType>(Pick<int>({0, 1, 2, 3, 4, 99, -1})); }
   double Real() { return Pick<double>({0.0, 0.01, 0.9, 1.0, -1.0, 1e300, std::nan(""), INFINITY, -INFINITY}); }
-  int64_t Huge() { return Pick<int64_t>({-1, 0, 1, 32, 64, 2048, int64_t{1} << 40, std::numeric_limits<int64_t>::max()}); }
+  int64_t Huge() {
+    return Pick<int64_t>({-1, 0, 1, 32, 64, 2048, int64_t{1} << 40, std::numeric_limits<int64_t>::max()});
+  }
 
   v1::TensorChunk RandomChunk() {
     v1::TensorChunk chunk;
@@ -293,7 +298,8 @@ TEST_F(HostileInputTest, RandomWrongRequestsAreRefusedAndChangeNothing) {
       }
       case 4: {
         kind = "UploadParameters";  // the trained session takes no upload; other ids do not exist
-        std::vector<v1::TensorChunk> chunks = random.Chance(0.5) ? TensorChunks(0, 1024) : std::vector<v1::TensorChunk>{};
+        std::vector<v1::TensorChunk> chunks =
+            random.Chance(0.5) ? TensorChunks(0, 1024) : std::vector<v1::TensorChunk>{};
         for (int n = random.Int(4); n > 0; --n) chunks.push_back(random.RandomChunk());
         std::vector<v1::UploadParametersRequest> messages = UploadMessages(random.SessionId(), chunks);
         if (random.Chance(0.1)) messages.erase(messages.begin());
@@ -307,11 +313,12 @@ TEST_F(HostileInputTest, RandomWrongRequestsAreRefusedAndChangeNothing) {
           return m.has_chunk() && m.chunk().name() == "b" && m.chunk().slot() == "exp_avg_sq";
         });
         messages[0].set_session_id(random.SessionId());
-        if (random.Chance(0.5)) messages[1].mutable_header()->set_last_step(random.Huge() * (random.Chance(0.5) ? -1 : 1));
+        if (random.Chance(0.5))
+          messages[1].mutable_header()->set_last_step(random.Huge() * (random.Chance(0.5) ? -1 : 1));
         if (random.Chance(0.3)) messages[1].mutable_header()->mutable_step_counts(0)->set_count(-random.Huge());
         for (int n = random.Int(4); n > 0; --n) {
-          v1::SetStateRequest& m = *messages.insert(messages.begin() + 2 + random.Int(static_cast<int>(messages.size()) - 1),
-                                                    v1::SetStateRequest());
+          v1::SetStateRequest& m = *messages.insert(
+              messages.begin() + 2 + random.Int(static_cast<int>(messages.size()) - 1), v1::SetStateRequest());
           *m.mutable_chunk() = random.RandomChunk();
         }
         status = SetState(messages);

@@ -30,7 +30,6 @@
 
 namespace muond::testing::hostile {
 
-
 constexpr size_t kMaxChunkBytes = 4096;  // the daemon's --max-chunk-bytes in these tests
 constexpr int64_t kRows = 64, kCols = 32, kBias = 32;
 constexpr int kTrainedSteps = 3;
@@ -50,7 +49,7 @@ inline std::vector<float> Values(const std::string& name, int step, size_t count
 }
 
 inline v1::TensorChunk Chunk(const std::string& name, std::span<const float> values, uint64_t offset,
-                      v1::DType dtype = v1::DTYPE_FP32) {
+                             v1::DType dtype = v1::DTYPE_FP32) {
   v1::TensorChunk chunk;
   chunk.set_name(name);
   chunk.set_offset(offset);
@@ -79,9 +78,9 @@ class HostileInputTest : public ::testing::Test {
     daemon_ = new DaemonProcess();
     std::string error;
     // Metrics on: the tests wait for the daemon's calls to start and end (muond_calls_*).
-    ASSERT_TRUE(daemon_->Start({"--backend", "cpu", "--max-chunk-bytes", std::to_string(kMaxChunkBytes),
-                                "--metrics-listen", "127.0.0.1:0"},
-                               &error))
+    ASSERT_TRUE(daemon_->Start(
+        {"--backend", "cpu", "--max-chunk-bytes", std::to_string(kMaxChunkBytes), "--metrics-listen", "127.0.0.1:0"},
+        &error))
         << error;
     client::ClientOptions options = testing::TestClientOptions();
     options.endpoint = daemon_->endpoint();
@@ -97,12 +96,12 @@ class HostileInputTest : public ::testing::Test {
 
   // Calls of `method` the daemon has ended so far, and those whose handler runs now.
   static double CallsEnded(const std::string& method) {
-    return std::max(0.0, SumOfSamples(ScrapeMetrics(metrics_address_), "muond_calls_total",
-                                      "method=\"" + method + "\""));
+    return std::max(0.0,
+                    SumOfSamples(ScrapeMetrics(metrics_address_), "muond_calls_total", "method=\"" + method + "\""));
   }
   static double CallsRunning(const std::string& method) {
-    return std::max(0.0, SumOfSamples(ScrapeMetrics(metrics_address_), "muond_calls_in_flight",
-                                      "method=\"" + method + "\""));
+    return std::max(
+        0.0, SumOfSamples(ScrapeMetrics(metrics_address_), "muond_calls_in_flight", "method=\"" + method + "\""));
   }
   // Waits until a handler of `method` runs (the daemon has the call).
   static void AwaitCallStarted(const std::string& method) {
@@ -278,14 +277,15 @@ class HostileInputTest : public ::testing::Test {
 
   grpc::Status Upload(const std::vector<v1::UploadParametersRequest>& messages, int cancel_after = -1) {
     return RawClientStream<v1::UploadParametersRequest, v1::UploadParametersResponse>(
-        "UploadParameters", [](grpc::ClientContext* c, v1::UploadParametersResponse* r) { return client_->stub().UploadParameters(c, r); },
+        "UploadParameters",
+        [](grpc::ClientContext* c, v1::UploadParametersResponse* r) { return client_->stub().UploadParameters(c, r); },
         messages, cancel_after);
   }
 
   grpc::Status SetState(const std::vector<v1::SetStateRequest>& messages, int cancel_after = -1) {
     return RawClientStream<v1::SetStateRequest, v1::SetStateResponse>(
-        "SetState", [](grpc::ClientContext* c, v1::SetStateResponse* r) { return client_->stub().SetState(c, r); }, messages,
-        cancel_after);
+        "SetState", [](grpc::ClientContext* c, v1::SetStateResponse* r) { return client_->stub().SetState(c, r); },
+        messages, cancel_after);
   }
 
   // A complete, valid state for the session that differs from its own (so that applying it would

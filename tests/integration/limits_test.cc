@@ -167,7 +167,8 @@ TEST_F(LimitsTest, SilentStepStreamEndsWithDeadlineExceeded) {
   request.mutable_header()->set_step(1);
   request.mutable_header()->set_num_chunks(1);
   ASSERT_TRUE(stream->Write(request));
-  ASSERT_TRUE(daemon_.WaitForLog("exceeded --rpc-timeout", 1, std::chrono::seconds(60))) << "the daemon did not end the silent step";
+  ASSERT_TRUE(daemon_.WaitForLog("exceeded --rpc-timeout", 1, std::chrono::seconds(60)))
+      << "the daemon did not end the silent step";
   v1::StepResponse response;
   EXPECT_FALSE(stream->Read(&response));
   const grpc::Status status = stream->Finish();

@@ -24,8 +24,8 @@ class MultiRankTest : public ::testing::Test {
   void SetUp() override {
     std::string error;
     // Debug logging says when a rank waits for the others (SigtermDrainsAStepInFlight waits for it).
-    ASSERT_TRUE(daemon_.Start({"--backend", "cpu", "--straggler-timeout", straggler_timeout_, "--log-level", "debug"},
-                              &error))
+    ASSERT_TRUE(
+        daemon_.Start({"--backend", "cpu", "--straggler-timeout", straggler_timeout_, "--log-level", "debug"}, &error))
         << error;
     client::ClientOptions options = testing::TestClientOptions();
     options.endpoint = daemon_.endpoint();

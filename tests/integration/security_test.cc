@@ -370,9 +370,9 @@ class TlsTest : public ::testing::Test {
     ASSERT_TRUE(MakeTestPki(daemon_->dir(), &pki_, &error)) << error;
     const std::string tokens = daemon_->dir() + "/tokens";
     WriteTokenFile(tokens);
-    ASSERT_TRUE(daemon_->Start({"--backend", "cpu", "--tls-cert", pki_.server_cert, "--tls-key", pki_.server_key,
-                                "--auth-token-file", tokens},
-                               &error))
+    ASSERT_TRUE(daemon_->Start(
+        {"--backend", "cpu", "--tls-cert", pki_.server_cert, "--tls-key", pki_.server_key, "--auth-token-file", tokens},
+        &error))
         << error;
   }
   static void TearDownTestSuite() { StopDaemon(daemon_); }
@@ -558,9 +558,9 @@ TEST(SecurityStartupTest, NoWarningOnLoopbackOrWithTokens) {
   ASSERT_TRUE(MakeTestPki(secured.dir(), &pki, &error)) << error;
   const std::string tokens = secured.dir() + "/tokens";
   WriteTokenFile(tokens);
-  ASSERT_TRUE(secured.Start({"--backend", "cpu", "--auth-token-file", tokens, "--tls-cert", pki.server_cert,
-                             "--tls-key", pki.server_key},
-                            &error))
+  ASSERT_TRUE(secured.Start(
+      {"--backend", "cpu", "--auth-token-file", tokens, "--tls-cert", pki.server_cert, "--tls-key", pki.server_key},
+      &error))
       << error;
   secured.Stop();
   EXPECT_THAT(secured.ReadStderr(), Not(HasSubstr("SECURITY")));

@@ -33,7 +33,8 @@ TEST_F(DaemonTest, FullSessionTrainsAndReportsEveryStep) {
     EXPECT_TRUE(reply.applied);
     EXPECT_FALSE(reply.replayed);
     double norm = 0;
-    for (const auto& g : gradients) for (float v : g.values) norm += double(v) * v;
+    for (const auto& g : gradients)
+      for (float v : g.values) norm += double(v) * v;
     EXPECT_NEAR(reply.grad_norm, std::sqrt(norm), 1e-9 * std::sqrt(norm) + 1e-12);
     ASSERT_EQ(reply.parameters.size(), 2u);
     ASSERT_EQ(reply.parameters["w"].size(), 32u);

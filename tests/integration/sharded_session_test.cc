@@ -3,11 +3,12 @@
 // QK-clip — steps are exactly-once across shards, and a different endpoint list for an existing
 // session is refused, naming it. The placement rule is checked on the same example as the Python
 // client's (tests/python/test_shards.py), so both clients place alike.
+#include "client/sharded_session.h"
+
 #include <cmath>
 #include <limits>
 #include <set>
 
-#include "client/sharded_session.h"
 #include "gmock/gmock.h"
 #include "tests/integration/daemon_process.h"
 #include "tests/testing/status_matchers.h"
@@ -17,7 +18,8 @@ namespace {
 
 using ::muond::testing::StatusIs;
 
-void AddParameter(v1::SessionSpec& spec, const std::string& name, std::vector<int64_t> shape, const std::string& group) {
+void AddParameter(v1::SessionSpec& spec, const std::string& name, std::vector<int64_t> shape,
+                  const std::string& group) {
   v1::ParameterSpec* p = spec.add_parameters();
   p->set_name(name);
   for (int64_t d : shape) p->add_shape(d);
@@ -173,7 +175,8 @@ TEST(ShardPlacementTest, LongestFirstOntoTheLeastLoadedWithPairsTogether) {
   EXPECT_EQ(placement.shard_of, (std::vector<int>{2, 0, 1, 2, 2, 2}));
   EXPECT_EQ(client::PlacementCost(spec, 1), 3072.0 * 768 * 768);
   EXPECT_EQ(client::PlacementCost(spec, 5), 4.0 * 50257 * 768);
-  EXPECT_DOUBLE_EQ(placement.Imbalance(), 3 * placement.loads[0] / (placement.loads[0] + placement.loads[1] + placement.loads[2]));
+  EXPECT_DOUBLE_EQ(placement.Imbalance(),
+                   3 * placement.loads[0] / (placement.loads[0] + placement.loads[1] + placement.loads[2]));
   EXPECT_THAT(client::PlaceSpec(spec, 0), StatusIs(absl::StatusCode::kInvalidArgument, "endpoints"));
 }
 

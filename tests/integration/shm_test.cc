@@ -116,17 +116,18 @@ TEST_F(ShmTest, AutoIsTheFirstViableTransportAndANamedOneSaysWhyNot) {
   elsewhere.set_host_id("another-host");
   v1::ServerInfo unreachable = here;
   unreachable.set_shm_socket("@muond-no-such-socket");
-  for (const auto& [info, why] : {std::pair{no_socket, "offers no shared-memory transport"},
-                                  std::pair{elsewhere, "runs on another host"},
-                                  std::pair{unreachable, "cannot be reached from here"}}) {
+  for (const auto& [info, why] :
+       {std::pair{no_socket, "offers no shared-memory transport"}, std::pair{elsewhere, "runs on another host"},
+        std::pair{unreachable, "cannot be reached from here"}}) {
     ASSERT_OK_AND_ASSIGN(chosen, choose("auto", info));
     EXPECT_STREQ(chosen->name, "grpc") << why;
     EXPECT_THAT(choose("shm", info).status(),
                 StatusIs(absl::StatusCode::kFailedPrecondition, "transport: 'shm' is not possible"));
     EXPECT_THAT(std::string(choose("shm", info).status().message()), HasSubstr(why));
   }
-  EXPECT_THAT(choose("carrier-pigeon", here).status(),
-              StatusIs(absl::StatusCode::kInvalidArgument, "transport: 'carrier-pigeon' is not one of auto, shm, grpc"));
+  EXPECT_THAT(
+      choose("carrier-pigeon", here).status(),
+      StatusIs(absl::StatusCode::kInvalidArgument, "transport: 'carrier-pigeon' is not one of auto, shm, grpc"));
 }
 
 TEST_F(ShmTest, StepsMatchTheGrpcTransportBitForBit) {
@@ -173,10 +174,12 @@ TEST_F(ShmTest, AnOutputSpanOfTheWrongSizeIsRefusedBeforeTheStep) {
   std::vector<float> short_span(5);
   client::StepOptions options;
   options.parameters_out["w"] = short_span;
-  EXPECT_THAT(session->Step(1, Gradients(1), options), StatusIs(absl::StatusCode::kInvalidArgument, "parameters_out['w']"));
+  EXPECT_THAT(session->Step(1, Gradients(1), options),
+              StatusIs(absl::StatusCode::kInvalidArgument, "parameters_out['w']"));
   options.parameters_out.clear();
   options.parameters_out["nope"] = short_span;
-  EXPECT_THAT(session->Step(1, Gradients(1), options), StatusIs(absl::StatusCode::kInvalidArgument, "parameters_out['nope']"));
+  EXPECT_THAT(session->Step(1, Gradients(1), options),
+              StatusIs(absl::StatusCode::kInvalidArgument, "parameters_out['nope']"));
   int64_t last_step = -1;
   ASSERT_OK(session->GetParameters(&last_step).status());
   EXPECT_EQ(last_step, 0) << "nothing was sent";
@@ -255,8 +258,7 @@ TEST_F(ShmTest, BadTensorPlacesAreRefusedBeforeTheStepAndChangeNothing) {
        "gradients[1].offset"},
       {[](auto& r) { r.mutable_gradients(0)->set_byte_size(31 * 4); }, absl::StatusCode::kInvalidArgument,
        "gradients[0].byte_size"},
-      {[](auto& r) { r.mutable_gradients(1)->set_name("w"); }, absl::StatusCode::kInvalidArgument,
-       "gradients[1].name"},
+      {[](auto& r) { r.mutable_gradients(1)->set_name("w"); }, absl::StatusCode::kInvalidArgument, "gradients[1].name"},
       {[](auto& r) { r.mutable_gradients(0)->set_name("nope"); }, absl::StatusCode::kNotFound, "gradients[0].name"},
       {[](auto& r) { r.mutable_gradients(0)->set_dtype(static_cast<v1::DType>(77)); },
        absl::StatusCode::kInvalidArgument, "gradients[0].dtype"},

@@ -56,8 +56,8 @@ bool MakeTestPki(const std::string& dir, TestPki* pki, std::string* error) {
     return "openssl req -new -config " + Quote(config) + key_options + " -keyout " + Quote(path(name + ".key")) +
            " -out " + Quote(path(name + ".csr")) + " -subj " + Quote(subject) + " && openssl x509 -req -in " +
            Quote(path(name + ".csr")) + " -CA " + Quote(path(ca + ".pem")) + " -CAkey " + Quote(path(ca + ".key")) +
-           " -set_serial " + std::to_string(serial) + " -out " + Quote(path(name + ".pem")) +
-           " -days 2 -extfile " + Quote(config) + " -extensions " + extensions;
+           " -set_serial " + std::to_string(serial) + " -out " + Quote(path(name + ".pem")) + " -days 2 -extfile " +
+           Quote(config) + " -extensions " + extensions;
   };
   const std::vector<std::string> commands = {
       make_ca("ca", "/CN=muond test CA"),

@@ -97,9 +97,10 @@ TEST_P(AdamWModeTest, MatchesTorchSemanticsOverSteps) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Modes, AdamWModeTest,
-                         ::testing::Values(WeightDecayMode::kDecoupled, WeightDecayMode::kL2),
-                         [](const auto& info) { return info.param == WeightDecayMode::kL2 ? "coupled_l2" : "decoupled"; });
+INSTANTIATE_TEST_SUITE_P(Modes, AdamWModeTest, ::testing::Values(WeightDecayMode::kDecoupled, WeightDecayMode::kL2),
+                         [](const auto& param_info) {
+                           return param_info.param == WeightDecayMode::kL2 ? "coupled_l2" : "decoupled";
+                         });
 
 TEST(AdamWTest, CoupledL2DiffersFromDecoupledDecay) {
   // One step from p = 1, g = 0: AdamW only decays (p ← 1 − ηλ); Adam with L2 moves by about η
@@ -134,8 +135,7 @@ TEST(AdamWTest, RefusesIndependentDecayNamingTheOption) {
   o.weight_decay_mode = WeightDecayMode::kIndependent;
   const absl::Status refused = ValidateOptions(o);
   EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(refused.message().find("weight_decay_mode independent applies to muon only"), std::string::npos)
-      << refused;
+  EXPECT_NE(refused.message().find("weight_decay_mode independent applies to muon only"), std::string::npos) << refused;
 }
 
 TEST(AdamWTest, AcceptsAnyShape) {

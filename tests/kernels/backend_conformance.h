@@ -63,8 +63,7 @@ inline uint32_t Bits(float x) {
 // (so ÷ and sqrtf stay correctly rounded and subnormals are kept), and the host compiler contracts
 // nothing either (ISO C++ mode, x86-64 SSE). So not even 1 ulp of slack is needed, and any
 // difference points at a changed formula or compiler flag.
-inline ::testing::AssertionResult BitwiseEqual(const std::vector<float>& got,
-                                               const std::vector<float>& want) {
+inline ::testing::AssertionResult BitwiseEqual(const std::vector<float>& got, const std::vector<float>& want) {
   if (got.size() != want.size()) {
     return ::testing::AssertionFailure() << "sizes differ: " << got.size() << " vs " << want.size();
   }
@@ -72,8 +71,7 @@ inline ::testing::AssertionResult BitwiseEqual(const std::vector<float>& got,
     if (Bits(got[i]) != Bits(want[i])) {
       const int64_t ulps = static_cast<int64_t>(Bits(got[i])) - static_cast<int64_t>(Bits(want[i]));
       return ::testing::AssertionFailure()
-             << "first difference at " << i << ": " << got[i] << " vs " << want[i] << " ("
-             << ulps << " ulp)";
+             << "first difference at " << i << ": " << got[i] << " vs " << want[i] << " (" << ulps << " ulp)";
     }
   }
   return ::testing::AssertionSuccess();

@@ -34,14 +34,14 @@ const char* PrecisionName(MatmulPrecision p) {
 }
 
 // Newton–Schulz of `g` (batch rows×cols matrices) on `backend`, 5 steps of the simple set.
-std::vector<float> RunNs(Backend& backend, const std::vector<float>& g, int64_t rows, int64_t cols,
-                         int64_t batch, MatmulPrecision precision) {
+std::vector<float> RunNs(Backend& backend, const std::vector<float>& g, int64_t rows, int64_t cols, int64_t batch,
+                         MatmulPrecision precision) {
   optim::NsWorkspace ws;
   auto in = Upload(backend, g);
   auto out = backend.Allocate(g.size());
   EXPECT_OK(out.status());
-  EXPECT_OK(optim::NewtonSchulz(backend, optim::NsSchedule{}, 5, 1e-7, 1.0, precision, in->data(),
-                                (*out)->data(), rows, cols, batch, ws));
+  EXPECT_OK(optim::NewtonSchulz(backend, optim::NsSchedule{}, 5, 1e-7, 1.0, precision, in->data(), (*out)->data(), rows,
+                                cols, batch, ws));
   return Download(backend, (*out)->data(), g.size());
 }
 
@@ -67,12 +67,11 @@ TEST_P(BackendConformanceTest, NewtonSchulzCloseToCpuFp32) {
         for (double x : m.v) g.push_back(static_cast<float>(x));
       }
       const std::vector<float> want = RunNs(*cpu_, g, sh.rows, sh.cols, sh.batch, MatmulPrecision::kFp32);
-      for (MatmulPrecision precision : {MatmulPrecision::kFp32, MatmulPrecision::kTf32,
-                                        MatmulPrecision::kBf16}) {
+      for (MatmulPrecision precision : {MatmulPrecision::kFp32, MatmulPrecision::kTf32, MatmulPrecision::kBf16}) {
         const double bound = precision == MatmulPrecision::kFp32   ? 1e-4
                              : precision == MatmulPrecision::kTf32 ? 1e-2
-                             : gaussian                             ? 6e-2
-                                                                    : 2e-2;
+                             : gaussian                            ? 6e-2
+                                                                   : 2e-2;
         const std::vector<float> got = RunNs(*backend_, g, sh.rows, sh.cols, sh.batch, precision);
         EXPECT_LT(RelativeFrobenius(got, want), bound)
             << PrecisionName(precision) << " " << sh.rows << "x" << sh.cols << " batch " << sh.batch
@@ -171,7 +170,8 @@ TEST_P(BackendConformanceTest, MuonAndAdamWStepsMatchCpu) {
     for (size_t i = 0; i < adamw_specs.size(); ++i) {
       const optim::ParamState &d = adamw_d.params[i], &c = adamw_c.params[i];
       EXPECT_EQ(d.step_count, c.step_count);
-      EXPECT_TRUE(BitwiseEqual(download(*backend_, *d.master.buffer, d.numel), download(*cpu_, *c.master.buffer, c.numel)))
+      EXPECT_TRUE(
+          BitwiseEqual(download(*backend_, *d.master.buffer, d.numel), download(*cpu_, *c.master.buffer, c.numel)))
           << "adamw param " << i;
       for (size_t s = 0; s < d.slots.size(); ++s) {
         EXPECT_TRUE(BitwiseEqual(download(*backend_, *d.slots[s].tensor.buffer, d.numel),

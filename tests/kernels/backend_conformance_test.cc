@@ -1,6 +1,8 @@
 // Backend conformance, primitives: memory, element-wise optimizer steps (bitwise), GEMM (within
 // rounding bounds derived below), SumSquares, AllFinite and Transpose2D, each compared with the CPU
 // backend. Newton–Schulz and whole optimizer steps are in backend_conformance_optim_test.cc.
+#include "tests/kernels/backend_conformance.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -9,7 +11,6 @@
 #include <vector>
 
 #include "common/status_macros.h"
-#include "tests/kernels/backend_conformance.h"
 #include "tests/kernels/reference.h"
 #include "tests/testing/error_bounds.h"
 #include "tests/testing/status_matchers.h"
@@ -114,8 +115,8 @@ TEST_P(BackendConformanceTest, PipelinedTransfersCopyExactlyAndInOrder) {
 
 // Runs `op` on `backend` and on `cpu` with the same inputs; every buffer afterwards must be
 // bit-identical (see BitwiseEqual for why no ulp of slack is allowed).
-void ExpectSameAsCpu(const char* label, Backend& backend, Backend& cpu,
-                     const std::vector<std::vector<float>>& inputs, const DeviceOp& op) {
+void ExpectSameAsCpu(const char* label, Backend& backend, Backend& cpu, const std::vector<std::vector<float>>& inputs,
+                     const DeviceOp& op) {
   const auto got = RunOn(backend, inputs, op);
   const auto want = RunOn(cpu, inputs, op);
   for (size_t b = 0; b < got.size(); ++b) {
@@ -126,25 +127,27 @@ void ExpectSameAsCpu(const char* label, Backend& backend, Backend& cpu,
 TEST_P(BackendConformanceTest, ElementwiseStepsMatchCpuBitwise) {
   const size_t n = 4099;  // not a multiple of any block size
   std::vector<float> p = Random(n), g = Random(n, 0.1f), m = Random(n, 0.05f), v = Random(n, 0.01f);
-  for (float& x : v) x = x * x;  // second moments are non-negative
+  for (float& x : v) x = x * x;                    // second moments are non-negative
   for (size_t i = 0; i < n; i += 97) g[i] = 0.0f;  // Lion's sign(0) and SGD's zero gradient
   const std::vector<std::vector<float>> pgm = {p, g, m}, pgmv = {p, g, m, v};
 
   for (MomentumStyle style : {MomentumStyle::kEma, MomentumStyle::kSum}) {
     for (bool nesterov : {false, true}) {
       const MomentumArgs args{.beta = 0.95f, .style = style, .nesterov = nesterov};
-      ExpectSameAsCpu("momentum", *backend_, *cpu_, {m, g, p},
-                         [&](Backend& b, const std::vector<float*>& d) {
-                           for (int step = 0; step < 3; ++step) {
-                             MUOND_RETURN_IF_ERROR(b.Momentum(args, d[0], d[1], d[2], n));
-                           }
-                           return b.Momentum(args, d[0], d[1], d[1], n);  // update over the gradient
-                         });
+      ExpectSameAsCpu("momentum", *backend_, *cpu_, {m, g, p}, [&](Backend& b, const std::vector<float*>& d) {
+        for (int step = 0; step < 3; ++step) {
+          MUOND_RETURN_IF_ERROR(b.Momentum(args, d[0], d[1], d[2], n));
+        }
+        return b.Momentum(args, d[0], d[1], d[1], n);  // update over the gradient
+      });
     }
   }
   ExpectSameAsCpu("adamw", *backend_, *cpu_, pgmv, [&](Backend& b, const std::vector<float*>& d) {
     for (int t = 1; t <= 3; ++t) {
-      const AdamWArgs args{.lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f,
+      const AdamWArgs args{.lr = 1e-2f,
+                           .beta1 = 0.9f,
+                           .beta2 = 0.999f,
+                           .eps = 1e-8f,
                            .weight_decay = 0.1f,
                            .bias_correction1 = static_cast<float>(1 - std::pow(0.9, t)),
                            .bias_correction2_sqrt = static_cast<float>(std::sqrt(1 - std::pow(0.999, t))),
@@ -163,8 +166,8 @@ TEST_P(BackendConformanceTest, ElementwiseStepsMatchCpuBitwise) {
     for (bool nesterov : {false, true}) {
       ExpectSameAsCpu("sgd", *backend_, *cpu_, pgm, [&](Backend& b, const std::vector<float*>& d) {
         for (int t = 0; t < 3; ++t) {
-          const SgdArgs args{.lr = 1e-2f, .momentum = momentum, .weight_decay = 0.01f,
-                             .nesterov = nesterov, .first_step = t == 0};
+          const SgdArgs args{
+              .lr = 1e-2f, .momentum = momentum, .weight_decay = 0.01f, .nesterov = nesterov, .first_step = t == 0};
           MUOND_RETURN_IF_ERROR(b.Sgd(args, d[0], d[1], d[2], n));
         }
         return absl::OkStatus();
@@ -186,11 +189,10 @@ TEST_P(BackendConformanceTest, ElementwiseStepsMatchCpuBitwise) {
     MUOND_RETURN_IF_ERROR(b.Axpby(-0.37f, d[1], 0.999f, d[0], n));
     return b.Axpby(1.5f, d[2], 0.0f, d[1], n);
   });
-  ExpectSameAsCpu("scale_batched", *backend_, *cpu_, {Random(3 * 1001)},
-                     [&](Backend& b, const std::vector<float*>& d) {
-                       const float scales[] = {0.5f, -3.25f, 1e-3f};
-                       return b.ScaleBatched(d[0], 1001, 3, scales);
-                     });
+  ExpectSameAsCpu("scale_batched", *backend_, *cpu_, {Random(3 * 1001)}, [&](Backend& b, const std::vector<float*>& d) {
+    const float scales[] = {0.5f, -3.25f, 1e-3f};
+    return b.ScaleBatched(d[0], 1001, 3, scales);
+  });
 }
 
 // The bound on |computed − exact| for one entry of C = α·op(A)·op(B) + β·C, relative to
@@ -231,19 +233,23 @@ TEST_P(BackendConformanceTest, GemmWithinRoundingBounds) {
       cases.push_back({ta, tb, 8, 16, 300, 2, 1.0f, 0.0f, false});
     }
   }
-  cases.push_back({Transpose::kNo, Transpose::kNo, 5, 7, 0, 2, 1.0f, 0.5f, false});   // k = 0
+  cases.push_back({Transpose::kNo, Transpose::kNo, 5, 7, 0, 2, 1.0f, 0.5f, false});     // k = 0
   cases.push_back({Transpose::kNo, Transpose::kYes, 40, 40, 72, 2, 1.0f, 0.0f, true});  // X·Xᵀ
-  for (MatmulPrecision precision : {MatmulPrecision::kFp32, MatmulPrecision::kTf32,
-                                    MatmulPrecision::kBf16}) {
+  for (MatmulPrecision precision : {MatmulPrecision::kFp32, MatmulPrecision::kTf32, MatmulPrecision::kBf16}) {
     for (const Case& c : cases) {
-      SCOPED_TRACE(::testing::Message() << PrecisionName(precision) << " m=" << c.m << " n=" << c.n
-                                        << " k=" << c.k << " ta=" << (c.ta == Transpose::kYes)
-                                        << " tb=" << (c.tb == Transpose::kYes));
+      SCOPED_TRACE(::testing::Message() << PrecisionName(precision) << " m=" << c.m << " n=" << c.n << " k=" << c.k
+                                        << " ta=" << (c.ta == Transpose::kYes) << " tb=" << (c.tb == Transpose::kYes));
       // Stored shapes of A and B (row-major), each row padded by 3 and each matrix by 5.
       const int64_t a_rows = c.ta == Transpose::kNo ? c.m : c.k, a_cols = c.ta == Transpose::kNo ? c.k : c.m;
       const int64_t b_rows = c.tb == Transpose::kNo ? c.k : c.n, b_cols = c.tb == Transpose::kNo ? c.n : c.k;
-      GemmShape s{.trans_a = c.ta, .trans_b = c.tb, .m = c.m, .n = c.n, .k = c.k,
-                  .lda = a_cols + 3, .ldb = b_cols + 3, .ldc = c.n + 3};
+      GemmShape s{.trans_a = c.ta,
+                  .trans_b = c.tb,
+                  .m = c.m,
+                  .n = c.n,
+                  .k = c.k,
+                  .lda = a_cols + 3,
+                  .ldb = b_cols + 3,
+                  .ldc = c.n + 3};
       s.stride_a = a_rows * s.lda + 5;
       s.stride_b = b_rows * s.ldb + 5;
       s.stride_c = c.m * s.ldc + 5;
@@ -267,10 +273,10 @@ TEST_P(BackendConformanceTest, GemmWithinRoundingBounds) {
           for (int64_t j = 0; j < c.n; ++j) {
             double exact = 0, mag = 0;
             for (int64_t l = 0; l < c.k; ++l) {
-              const double av = c.ta == Transpose::kNo ? a[bi * s.stride_a + i * s.lda + l]
-                                                       : a[bi * s.stride_a + l * s.lda + i];
-              const double bv = c.tb == Transpose::kNo ? b[bi * s.stride_b + l * s.ldb + j]
-                                                       : b[bi * s.stride_b + j * s.ldb + l];
+              const double av =
+                  c.ta == Transpose::kNo ? a[bi * s.stride_a + i * s.lda + l] : a[bi * s.stride_a + l * s.lda + i];
+              const double bv =
+                  c.tb == Transpose::kNo ? b[bi * s.stride_b + l * s.ldb + j] : b[bi * s.stride_b + j * s.ldb + l];
               exact += av * bv;
               mag += std::abs(av * bv);
             }
@@ -281,7 +287,8 @@ TEST_P(BackendConformanceTest, GemmWithinRoundingBounds) {
               exact += c.beta * static_cast<double>(c0[ci]);
               mag += std::abs(c.beta * static_cast<double>(c0[ci]));
             }
-            ASSERT_TRUE(::muond::testing::WithinBound("gemm.vs_fp64_over_mag", std::abs(got[ci] - exact) / (mag + 1e-30), tol))
+            ASSERT_TRUE(
+                ::muond::testing::WithinBound("gemm.vs_fp64_over_mag", std::abs(got[ci] - exact) / (mag + 1e-30), tol))
                 << "C" << bi << "(" << i << "," << j << ")";
             ASSERT_LE(std::abs(got[ci] - cpu[ci]), (tol + GemmTolerance(MatmulPrecision::kFp32, c.k)) * mag + 1e-30);
           }
@@ -299,8 +306,8 @@ TEST_P(BackendConformanceTest, GemmWithinRoundingBounds) {
 // fp64 sums of squares of floats: every square is exact in fp64, so the sums differ from the exact
 // value only by summation rounding, at most count·2⁻⁵³ relative (all terms are positive).
 TEST_P(BackendConformanceTest, SumSquaresMatchesCpu) {
-  for (const auto& [count, batch] : std::vector<std::pair<size_t, size_t>>{
-           {100003, 3}, {1, 1}, {4096, 2}, {0, 2}, {5000, 0}}) {
+  for (const auto& [count, batch] :
+       std::vector<std::pair<size_t, size_t>>{{100003, 3}, {1, 1}, {4096, 2}, {0, 2}, {5000, 0}}) {
     const std::vector<float> x = Random(std::max<size_t>(count * batch, 1));
     std::vector<double> got(batch, -1.0), cpu(batch, -1.0);
     auto dx = Upload(*backend_, x);
@@ -343,8 +350,8 @@ TEST_P(BackendConformanceTest, Transpose2DIsExact) {
   struct Shape {
     int64_t rows, cols, batch;
   };
-  for (const Shape& sh : std::vector<Shape>{{67, 45, 3}, {1, 100, 1}, {100, 1, 2}, {32, 64, 1},
-                                            {33, 31, 70}, {0, 5, 1}}) {
+  for (const Shape& sh :
+       std::vector<Shape>{{67, 45, 3}, {1, 100, 1}, {100, 1, 2}, {32, 64, 1}, {33, 31, 70}, {0, 5, 1}}) {
     const size_t total = static_cast<size_t>(sh.rows * sh.cols * sh.batch);
     const std::vector<float> x = Random(std::max<size_t>(total, 1));
     const DeviceOp op = [&](Backend& b, const std::vector<float*>& d) {
@@ -380,7 +387,7 @@ TEST_P(BackendConformanceTest, WidenAndNarrowMatchCpuBitwise) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, BackendConformanceTest, ::testing::Values("cpu", "cuda"),
-                         [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
+                         [](const ::testing::TestParamInfo<std::string>& param_info) { return param_info.param; });
 
 }  // namespace
 }  // namespace muond::kernels

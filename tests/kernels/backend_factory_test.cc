@@ -3,6 +3,7 @@
 // fails and says why it fell back, "cuda" either works or fails with FAILED_PRECONDITION and a
 // reason, and "auto" picks CUDA exactly when "cuda" works.
 #include "kernels/backend_factory.h"
+
 #include "common/config.h"
 #if MUOND_HAVE_CUDA
 #include "kernels/cuda_library.h"

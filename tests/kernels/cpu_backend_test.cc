@@ -1,14 +1,14 @@
 #include "kernels/cpu/cpu_backend.h"
-#include "kernels/cpu/compute_pool.h"
 
-#include <cmath>
 #include <bit>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <random>
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels/cpu/compute_pool.h"
 #include "tests/kernels/reference.h"
 #include "tests/testing/status_matchers.h"
 
@@ -61,9 +61,18 @@ TEST_F(CpuBackendTest, GemmMatchesNaiveProduct) {
   const int64_t m = 5, n = 7, k = 3, batch = 3;
   for (Transpose ta : {Transpose::kNo, Transpose::kYes}) {
     for (Transpose tb : {Transpose::kNo, Transpose::kYes}) {
-      GemmShape s{.trans_a = ta, .trans_b = tb, .m = m, .n = n, .k = k,
-                  .lda = ta == Transpose::kNo ? k : m, .ldb = tb == Transpose::kNo ? n : k, .ldc = n,
-                  .stride_a = m * k + 2, .stride_b = k * n + 1, .stride_c = m * n, .batch = batch};
+      GemmShape s{.trans_a = ta,
+                  .trans_b = tb,
+                  .m = m,
+                  .n = n,
+                  .k = k,
+                  .lda = ta == Transpose::kNo ? k : m,
+                  .ldb = tb == Transpose::kNo ? n : k,
+                  .ldc = n,
+                  .stride_a = m * k + 2,
+                  .stride_b = k * n + 1,
+                  .stride_c = m * n,
+                  .batch = batch};
       const std::vector<float> a = Random(s.stride_a * batch), b = Random(s.stride_b * batch);
       const std::vector<float> c0 = Random(m * n * batch);
       auto da = Upload(*backend_, a), db = Upload(*backend_, b), dc = Upload(*backend_, c0);
@@ -74,10 +83,10 @@ TEST_F(CpuBackendTest, GemmMatchesNaiveProduct) {
           for (int64_t j = 0; j < n; ++j) {
             double acc = 0;
             for (int64_t p = 0; p < k; ++p) {
-              const double av = ta == Transpose::kNo ? a[bi * s.stride_a + i * s.lda + p]
-                                                     : a[bi * s.stride_a + p * s.lda + i];
-              const double bv = tb == Transpose::kNo ? b[bi * s.stride_b + p * s.ldb + j]
-                                                     : b[bi * s.stride_b + j * s.ldb + p];
+              const double av =
+                  ta == Transpose::kNo ? a[bi * s.stride_a + i * s.lda + p] : a[bi * s.stride_a + p * s.lda + i];
+              const double bv =
+                  tb == Transpose::kNo ? b[bi * s.stride_b + p * s.ldb + j] : b[bi * s.stride_b + j * s.ldb + p];
               acc += av * bv;
             }
             const double expected = 1.5 * acc - 0.5 * c0[bi * m * n + i * n + j];
@@ -179,11 +188,13 @@ TEST_F(CpuBackendTest, ElementwiseStepsEqualTheScalarLoopBitForBit) {
     auto check = [&](const char* what, const std::vector<float>& got, const std::vector<float>& want) {
       ASSERT_EQ(got.size(), want.size());
       for (size_t i = 0; i < n; ++i) {
-        ASSERT_EQ(std::bit_cast<uint32_t>(got[i]), std::bit_cast<uint32_t>(want[i])) << what << " n=" << n << " i=" << i;
+        ASSERT_EQ(std::bit_cast<uint32_t>(got[i]), std::bit_cast<uint32_t>(want[i]))
+            << what << " n=" << n << " i=" << i;
       }
     };
     {
-      const AdamWArgs a{.lr = 1e-3f, .weight_decay = 0.01f, .bias_correction1 = 0.19f, .bias_correction2_sqrt = 0.0447f};
+      const AdamWArgs a{
+          .lr = 1e-3f, .weight_decay = 0.01f, .bias_correction1 = 0.19f, .bias_correction2_sqrt = 0.0447f};
       auto p = Upload(*backend_, p0), gd = Upload(*backend_, g), m = Upload(*backend_, m0), v = Upload(*backend_, v0);
       ASSERT_OK(backend_->AdamW(a, p->data(), gd->data(), m->data(), v->data(), n));
       std::vector<float> rp = p0, rm = m0, rv = v0;
@@ -200,8 +211,9 @@ TEST_F(CpuBackendTest, ElementwiseStepsEqualTheScalarLoopBitForBit) {
       check("lion p", Download(*backend_, p->data(), n), rp);
       check("lion m", Download(*backend_, m->data(), n), rm);
     }
-    for (const SgdArgs a : {SgdArgs{.lr = 0.1f, .momentum = 0.9f, .weight_decay = 0.01f, .nesterov = true, .first_step = false},
-                            SgdArgs{.lr = 0.1f, .momentum = 0.0f, .weight_decay = 0.0f, .nesterov = false, .first_step = true}}) {
+    for (const SgdArgs a :
+         {SgdArgs{.lr = 0.1f, .momentum = 0.9f, .weight_decay = 0.01f, .nesterov = true, .first_step = false},
+          SgdArgs{.lr = 0.1f, .momentum = 0.0f, .weight_decay = 0.0f, .nesterov = false, .first_step = true}}) {
       auto p = Upload(*backend_, p0), gd = Upload(*backend_, g), b = Upload(*backend_, m0);
       ASSERT_OK(backend_->Sgd(a, p->data(), gd->data(), b->data(), n));
       std::vector<float> rp = p0, rb = m0;

@@ -68,11 +68,11 @@ int ChildFail(const std::string& what) {
   return 1;
 }
 
-#define CHILD_CUDA(expr)                                                            \
-  do {                                                                              \
-    if (const cudaError_t e = (expr); e != cudaSuccess) {                           \
-      return ChildFail(absl::StrCat(#expr, ": ", cudaGetErrorString(e)));           \
-    }                                                                               \
+#define CHILD_CUDA(expr)                                                  \
+  do {                                                                    \
+    if (const cudaError_t e = (expr); e != cudaSuccess) {                 \
+      return ChildFail(absl::StrCat(#expr, ": ", cudaGetErrorString(e))); \
+    }                                                                     \
   } while (0)
 
 // Exports a filled device buffer and an event recorded after the fill; once the parent says
@@ -95,8 +95,7 @@ int RunIpcChild() {
   CHILD_CUDA(cudaIpcGetEventHandle(&event_handle, event));
   Tell(absl::StrCat(
       "handles ",
-      absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(&mem_handle), sizeof(mem_handle))),
-      " ",
+      absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(&mem_handle), sizeof(mem_handle))), " ",
       absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(&event_handle), sizeof(event_handle)))));
   if (Hear() != "check") return ChildFail("expected check");
   CHILD_CUDA(cudaMemcpy(host.data(), buffer, kFloats * sizeof(float), cudaMemcpyDeviceToHost));

@@ -25,8 +25,7 @@ using RefStep = std::function<void(const StepHyper&, Ref&, const std::vector<dou
 // and slot with the fp64 reference after each. Updates are ~lr = 1e-2 per step on O(1) weights;
 // fp32 element-wise arithmetic is good to a few ulps (~1e-7) per step, so 1e-6 after 10 steps has
 // margin, while a wrong sign, a missed decay or a wrong momentum form is off by ≥ 1e-4 at once.
-void RunAgainstReference(const GroupOptions& o, const std::string& slot, const RefStep& ref_step,
-                         int steps = 10) {
+void RunAgainstReference(const GroupOptions& o, const std::string& slot, const RefStep& ref_step, int steps = 10) {
   auto backend = kernels::NewCpuBackend(1);
   ASSERT_OK_AND_ASSIGN(auto opt, Optimizer::Create(o));
   EXPECT_EQ(opt->SlotNames(), std::vector<std::string>{slot});
@@ -117,17 +116,15 @@ TEST_P(SgdTest, MatchesTorchSemantics) {
   o.momentum = GetParam().momentum;
   o.weight_decay = GetParam().weight_decay;
   o.nesterov = GetParam().nesterov;
-  RunAgainstReference(o, "momentum_buffer", [&](const StepHyper& h, Ref& r, const std::vector<double>& g) {
-    TorchSgd(o, h, r, g);
-  });
+  RunAgainstReference(o, "momentum_buffer",
+                      [&](const StepHyper& h, Ref& r, const std::vector<double>& g) { TorchSgd(o, h, r, g); });
 }
 
 INSTANTIATE_TEST_SUITE_P(Variants, SgdTest,
-                         ::testing::Values(SgdCase{"plain", 0.0, 0.0, false},
-                                           SgdCase{"decay", 0.0, 0.1, false},
+                         ::testing::Values(SgdCase{"plain", 0.0, 0.0, false}, SgdCase{"decay", 0.0, 0.1, false},
                                            SgdCase{"momentum", 0.9, 0.0, false},
                                            SgdCase{"nesterov_decay", 0.9, 0.05, true}),
-                         [](const auto& info) { return info.param.name; });
+                         [](const auto& param_info) { return param_info.param.name; });
 
 }  // namespace
 }  // namespace muond::optim

@@ -40,11 +40,11 @@ TEST(LossScalerTest, GrowsAfterAWindowAndBacksOffAfterTheHysteresis) {
   };
   const std::vector<Expect> steps = {
       {false, 1024, 1, 2}, {false, 1024, 2, 2}, {false, 2048, 0, 2},  // a full window doubles
-      {true, 2048, 0, 1},                                              // first overflow: tolerated
-      {false, 2048, 1, 1},                                             // a clean step keeps the count
-      {true, 1024, 0, 0},                                              // hysteresis used up: halve
-      {true, 512, 0, 0}, {true, 256, 0, 0}, {true, 256, 0, 0},         // every further one halves, to min
-      {false, 256, 1, 0}, {false, 256, 2, 0}, {false, 512, 0, 2},      // a window restores hysteresis
+      {true, 2048, 0, 1},                                             // first overflow: tolerated
+      {false, 2048, 1, 1},                                            // a clean step keeps the count
+      {true, 1024, 0, 0},                                             // hysteresis used up: halve
+      {true, 512, 0, 0},   {true, 256, 0, 0},   {true, 256, 0, 0},    // every further one halves, to min
+      {false, 256, 1, 0},  {false, 256, 2, 0},  {false, 512, 0, 2},   // a window restores hysteresis
   };
   for (size_t i = 0; i < steps.size(); ++i) {
     UpdateLossScale(o, steps[i].found_inf, s);

@@ -38,8 +38,10 @@ std::vector<Block> Blocks(const ParamSpec& p) {
   if (p.tp.enabled()) {
     const int64_t m = p.shape[0], n = p.shape[1], t = p.tp.blocks;
     for (int64_t b = 0; b < t; ++b) {
-      if (p.tp.dim == 0) blocks.push_back({b * (m / t) * n, m / t, n});
-      else blocks.push_back({b * (n / t), m, n / t, n});
+      if (p.tp.dim == 0)
+        blocks.push_back({b * (m / t) * n, m / t, n});
+      else
+        blocks.push_back({b * (n / t), m, n / t, n});
     }
   } else if (p.qkv.enabled()) {
     const int64_t n = p.shape[1];
@@ -73,8 +75,8 @@ double RefScale(const GroupOptions& o, double m, double n) {
 // The update of one block after Newton–Schulz, and the step η·k it is applied with: scale·O for
 // plain Muon; AdaMuon's x/(√v + ε) with x = scale·O (step η); NorMuon's O·s·‖O‖/‖O·s‖ with
 // s = 1/√max(v, ε) per row (rows ≥ cols) or column (step η·scale). m2 holds the block's moment.
-std::vector<double> RefAdaptive(const GroupOptions& o, const Block& b, const Mat& out, double scale,
-                                double* m2, double& step_scale) {
+std::vector<double> RefAdaptive(const GroupOptions& o, const Block& b, const Mat& out, double scale, double* m2,
+                                double& step_scale) {
   const int64_t rows = b.rows, cols = b.cols;
   std::vector<double> upd(out.v);
   step_scale = scale;
@@ -171,8 +173,8 @@ struct MuonCase {
 // Readable test names in ctest instead of a byte dump.
 void PrintTo(const MuonCase& c, std::ostream* os) { *os << c.name; }
 
-GroupOptions Opts(kernels::MomentumStyle style, bool nesterov, WeightDecayMode wd_mode,
-                  ScaleMode scale_mode, double weight_decay = 0.1, double k = 1.0) {
+GroupOptions Opts(kernels::MomentumStyle style, bool nesterov, WeightDecayMode wd_mode, ScaleMode scale_mode,
+                  double weight_decay = 0.1, double k = 1.0) {
   GroupOptions o = DefaultOptions(OptimizerKind::kMuon);
   o.lr = 0.05;  // large enough that each step's update dominates fp32 rounding of W
   o.momentum_style = style;
@@ -257,9 +259,11 @@ TEST_P(MuonReferenceTest, MatchesFp64ReferenceOverSteps) {
       // update), ≤ 2·2⁻²⁴·|W| ≤ 5e-7 for |W| ≤ 4, so 3e-6 over 6 steps, plus lr·scale (≤ 0.08)
       // times the NS rounding (≤ 1e-5 under every OpenBLAS kernel, newton_schulz_test) per step,
       // 5e-6 in all. Worst seen over the kernels: 1.2e-6.
-      EXPECT_TRUE(testing::WithinBound("muon.weights_vs_fp64", dw, 5e-6)) << c.name << " param " << i << " step " << step;
+      EXPECT_TRUE(testing::WithinBound("muon.weights_vs_fp64", dw, 5e-6))
+          << c.name << " param " << i << " step " << step;
       // Momentum is element-wise fp32 arithmetic: a few ulps of its magnitude.
-      EXPECT_TRUE(testing::WithinBound("muon.momentum_vs_fp64", dm, 1e-6)) << c.name << " param " << i << " step " << step;
+      EXPECT_TRUE(testing::WithinBound("muon.momentum_vs_fp64", dm, 1e-6))
+          << c.name << " param " << i << " step " << step;
       if (c.options.moment2_method != Moment2Method::kNone) {
         const auto m2 = testing::Download(*backend, states[i].Slot("moment2")->fp32(), ref_m2[i].size());
         double dm2 = 0, largest = 0;
@@ -269,7 +273,8 @@ TEST_P(MuonReferenceTest, MatchesFp64ReferenceOverSteps) {
         }
         // The moment is an EMA of squares of O (or of line means): its error relative to its largest
         // value follows O's drift (≤ 4e-6 of ‖O‖, newton_schulz_test) and fp32 rounding.
-        EXPECT_TRUE(testing::WithinBound("muon.moment2_vs_fp64", dm2 / largest, 1e-4)) << c.name << " param " << i << " step " << step;
+        EXPECT_TRUE(testing::WithinBound("muon.moment2_vs_fp64", dm2 / largest, 1e-4))
+            << c.name << " param " << i << " step " << step;
       }
       EXPECT_EQ(states[i].step_count, step + 1);
     }
@@ -283,58 +288,78 @@ const ParamSpec kTall{{24, 16}};
 INSTANTIATE_TEST_SUITE_P(
     Variants, MuonReferenceTest,
     ::testing::Values(
-        MuonCase{"ema_nesterov", Opts(MomentumStyle::kEma, true, WeightDecayMode::kDecoupled,
-                                      ScaleMode::kShapeScaling, 0.0), {k2d, kTall}},
-        MuonCase{"ema_plain", Opts(MomentumStyle::kEma, false, WeightDecayMode::kDecoupled,
-                                   ScaleMode::kShapeScaling), {k2d, kTall}},
-        MuonCase{"sum_nesterov", Opts(MomentumStyle::kSum, true, WeightDecayMode::kDecoupled,
-                                      ScaleMode::kShapeScaling), {k2d, kTall}},
-        MuonCase{"sum_plain", Opts(MomentumStyle::kSum, false, WeightDecayMode::kDecoupled,
-                                   ScaleMode::kShapeScaling), {k2d, kTall}},
-        MuonCase{"decay_independent", Opts(MomentumStyle::kEma, true, WeightDecayMode::kIndependent,
-                                           ScaleMode::kShapeScaling, 0.02), {k2d, kTall}},
-        MuonCase{"decay_l2", Opts(MomentumStyle::kEma, true, WeightDecayMode::kL2,
-                                  ScaleMode::kShapeScaling, 0.5), {k2d, kTall}},
-        MuonCase{"spectral", Opts(MomentumStyle::kEma, true, WeightDecayMode::kDecoupled,
-                                  ScaleMode::kSpectral, 0.1, 0.2), {k2d, kTall}},
-        MuonCase{"unit_rms_norm", Opts(MomentumStyle::kEma, true, WeightDecayMode::kDecoupled,
-                                       ScaleMode::kUnitRmsNorm, 0.1, 1.5), {k2d, kTall}},
-        MuonCase{"conv4d", Opts(MomentumStyle::kEma, true, WeightDecayMode::kDecoupled,
-                                ScaleMode::kShapeScaling), {ParamSpec{{32, 3, 3, 3}}, ParamSpec{{6, 4, 3, 3}}}},
-        MuonCase{"experts3d", Opts(MomentumStyle::kEma, true, WeightDecayMode::kDecoupled,
-                                   ScaleMode::kShapeScaling), {ParamSpec{{3, 12, 20}}, ParamSpec{{2, 20, 12}}}},
-        MuonCase{"qkv", Opts(MomentumStyle::kSum, true, WeightDecayMode::kDecoupled,
-                             ScaleMode::kSpectral, 0.1, 0.2),
+        MuonCase{"ema_nesterov",
+                 Opts(MomentumStyle::kEma, true, WeightDecayMode::kDecoupled, ScaleMode::kShapeScaling, 0.0),
+                 {k2d, kTall}},
+        MuonCase{"ema_plain",
+                 Opts(MomentumStyle::kEma, false, WeightDecayMode::kDecoupled, ScaleMode::kShapeScaling),
+                 {k2d, kTall}},
+        MuonCase{"sum_nesterov",
+                 Opts(MomentumStyle::kSum, true, WeightDecayMode::kDecoupled, ScaleMode::kShapeScaling),
+                 {k2d, kTall}},
+        MuonCase{"sum_plain",
+                 Opts(MomentumStyle::kSum, false, WeightDecayMode::kDecoupled, ScaleMode::kShapeScaling),
+                 {k2d, kTall}},
+        MuonCase{"decay_independent",
+                 Opts(MomentumStyle::kEma, true, WeightDecayMode::kIndependent, ScaleMode::kShapeScaling, 0.02),
+                 {k2d, kTall}},
+        MuonCase{"decay_l2",
+                 Opts(MomentumStyle::kEma, true, WeightDecayMode::kL2, ScaleMode::kShapeScaling, 0.5),
+                 {k2d, kTall}},
+        MuonCase{"spectral",
+                 Opts(MomentumStyle::kEma, true, WeightDecayMode::kDecoupled, ScaleMode::kSpectral, 0.1, 0.2),
+                 {k2d, kTall}},
+        MuonCase{"unit_rms_norm",
+                 Opts(MomentumStyle::kEma, true, WeightDecayMode::kDecoupled, ScaleMode::kUnitRmsNorm, 0.1, 1.5),
+                 {k2d, kTall}},
+        MuonCase{"conv4d",
+                 Opts(MomentumStyle::kEma, true, WeightDecayMode::kDecoupled, ScaleMode::kShapeScaling),
+                 {ParamSpec{{32, 3, 3, 3}}, ParamSpec{{6, 4, 3, 3}}}},
+        MuonCase{"experts3d",
+                 Opts(MomentumStyle::kEma, true, WeightDecayMode::kDecoupled, ScaleMode::kShapeScaling),
+                 {ParamSpec{{3, 12, 20}}, ParamSpec{{2, 20, 12}}}},
+        MuonCase{"qkv",
+                 Opts(MomentumStyle::kSum, true, WeightDecayMode::kDecoupled, ScaleMode::kSpectral, 0.1, 0.2),
                  {ParamSpec{{48, 16}, QkvSplit{.q = 16, .k = 4, .v = 4, .num_query_groups = 2}}}},
         // Shapes shared across parameters (16×24 from a 2-D, two experts and a QKV block) go through
         // one gathered batch; the reference does them one at a time.
         MuonCase{"adamuon", Adaptive(Moment2Method::kAdamuon, WeightDecayMode::kDecoupled), {k2d, kTall}},
-        MuonCase{"adamuon_spectral_experts", Adaptive(Moment2Method::kAdamuon, WeightDecayMode::kDecoupled, ScaleMode::kSpectral),
+        MuonCase{"adamuon_spectral_experts",
+                 Adaptive(Moment2Method::kAdamuon, WeightDecayMode::kDecoupled, ScaleMode::kSpectral),
                  {ParamSpec{{3, 12, 20}}, k2d}},
-        MuonCase{"normuon", Adaptive(Moment2Method::kNormuon, WeightDecayMode::kDecoupled), {k2d, kTall, ParamSpec{{16, 16}}}},
-        MuonCase{"normuon_qkv_conv_experts", Adaptive(Moment2Method::kNormuon, WeightDecayMode::kCautious),
+        MuonCase{"normuon",
+                 Adaptive(Moment2Method::kNormuon, WeightDecayMode::kDecoupled),
+                 {k2d, kTall, ParamSpec{{16, 16}}}},
+        MuonCase{"normuon_qkv_conv_experts",
+                 Adaptive(Moment2Method::kNormuon, WeightDecayMode::kCautious),
                  {ParamSpec{{40, 24}, QkvSplit{.q = 16, .k = 2, .v = 2, .num_query_groups = 2}},
                   ParamSpec{{6, 4, 3, 3}}, ParamSpec{{2, 20, 12}}, k2d}},
-        MuonCase{"cautious", Opts(MomentumStyle::kEma, true, WeightDecayMode::kCautious,
-                                  ScaleMode::kShapeScaling, 0.5), {k2d, kTall}},
+        MuonCase{"cautious",
+                 Opts(MomentumStyle::kEma, true, WeightDecayMode::kCautious, ScaleMode::kShapeScaling, 0.5),
+                 {k2d, kTall}},
         MuonCase{"gram", Gram("simple"), {k2d, kTall, ParamSpec{{2, 16, 24}}, ParamSpec{{16, 16}}}},
         MuonCase{"gram_polar_express", Gram("gram_polar_express"), {k2d, kTall, ParamSpec{{3, 12, 20}}}},
         // Tensor-parallel blockwise: row blocks (column-parallel) and column blocks (row-parallel),
         // batched with same-shape matrices of other parameters (12×20 twice from the row blocks).
-        MuonCase{"tp_blocks", Opts(MomentumStyle::kEma, true, WeightDecayMode::kDecoupled, ScaleMode::kShapeScaling),
+        MuonCase{"tp_blocks",
+                 Opts(MomentumStyle::kEma, true, WeightDecayMode::kDecoupled, ScaleMode::kShapeScaling),
                  {ParamSpec{{24, 20}, {}, TpBlocks{.blocks = 2, .dim = 0}},
                   ParamSpec{{12, 40}, {}, TpBlocks{.blocks = 4, .dim = 1}}, ParamSpec{{12, 20}},
                   ParamSpec{{16, 16}, {}, TpBlocks{.blocks = 2, .dim = 1}}}},
-        MuonCase{"tp_blocks_adaptive", Adaptive(Moment2Method::kAdamuon, WeightDecayMode::kCautious),
-                 {ParamSpec{{12, 40}, {}, TpBlocks{.blocks = 4, .dim = 1}}, ParamSpec{{24, 20}, {}, TpBlocks{.blocks = 2, .dim = 0}}}},
-        MuonCase{"tp_blocks_normuon", Adaptive(Moment2Method::kNormuon, WeightDecayMode::kDecoupled, ScaleMode::kSpectral),
-                 {ParamSpec{{12, 40}, {}, TpBlocks{.blocks = 4, .dim = 1}}, ParamSpec{{16, 16}, {}, TpBlocks{.blocks = 2, .dim = 1}},
+        MuonCase{"tp_blocks_adaptive",
+                 Adaptive(Moment2Method::kAdamuon, WeightDecayMode::kCautious),
+                 {ParamSpec{{12, 40}, {}, TpBlocks{.blocks = 4, .dim = 1}},
+                  ParamSpec{{24, 20}, {}, TpBlocks{.blocks = 2, .dim = 0}}}},
+        MuonCase{"tp_blocks_normuon",
+                 Adaptive(Moment2Method::kNormuon, WeightDecayMode::kDecoupled, ScaleMode::kSpectral),
+                 {ParamSpec{{12, 40}, {}, TpBlocks{.blocks = 4, .dim = 1}},
+                  ParamSpec{{16, 16}, {}, TpBlocks{.blocks = 2, .dim = 1}},
                   ParamSpec{{8, 24}, {}, TpBlocks{.blocks = 3, .dim = 1}}}},
-        MuonCase{"mixed_batch", Opts(MomentumStyle::kEma, false, WeightDecayMode::kDecoupled,
-                                     ScaleMode::kShapeScaling),
+        MuonCase{"mixed_batch",
+                 Opts(MomentumStyle::kEma, false, WeightDecayMode::kDecoupled, ScaleMode::kShapeScaling),
                  {k2d, kTall, ParamSpec{{2, 16, 24}}, ParamSpec{{16, 4, 2, 3}},
                   ParamSpec{{40, 24}, QkvSplit{.q = 16, .k = 2, .v = 2, .num_query_groups = 2}}, k2d}}),
-    [](const auto& info) { return info.param.name; });
+    [](const auto& param_info) { return param_info.param.name; });
 
 // One step of an 8×12 parameter of 0.5s with a zero gradient, from freshly initialized state.
 void ZeroGradientStep(kernels::Backend& backend, Optimizer& opt, ParamState& p) {

@@ -22,15 +22,14 @@ using ::muond::testing::Mat;
 using ::muond::testing::MatWithSingularValues;
 using ::muond::testing::MaxAbsDiff;
 using ::muond::testing::NsBound;
-using ::muond::testing::WithinBound;
 using ::muond::testing::ReferenceNs;
+using ::muond::testing::WithinBound;
 
 class NewtonSchulzTest : public ::testing::Test {
  protected:
   // Runs `ns` (a NewtonSchulz-like call on device data, in place) over a batch of same-shape
   // matrices uploaded to the backend.
-  using NsCall =
-      std::function<absl::Status(float* data, int64_t rows, int64_t cols, int64_t batch)>;
+  using NsCall = std::function<absl::Status(float* data, int64_t rows, int64_t cols, int64_t batch)>;
   std::vector<Mat> RunWith(const std::vector<Mat>& in, const NsCall& ns) {
     const int64_t rows = in[0].rows, cols = in[0].cols, mat = rows * cols;
     std::vector<float> host;
@@ -47,20 +46,19 @@ class NewtonSchulzTest : public ::testing::Test {
     return result;
   }
   // Runs the backend's NewtonSchulz over a batch of same-shape matrices.
-  std::vector<Mat> Run(const std::vector<Mat>& in, const NsSchedule& schedule, int steps,
-                       double eps = 1e-7, double safety = 1.0) {
+  std::vector<Mat> Run(const std::vector<Mat>& in, const NsSchedule& schedule, int steps, double eps = 1e-7,
+                       double safety = 1.0) {
     return RunWith(in, [&](float* data, int64_t rows, int64_t cols, int64_t batch) {
-      return NewtonSchulz(*backend_, schedule, steps, eps, safety, kernels::MatmulPrecision::kFp32,
-                          data, data, rows, cols, batch, ws_);
+      return NewtonSchulz(*backend_, schedule, steps, eps, safety, kernels::MatmulPrecision::kFp32, data, data, rows,
+                          cols, batch, ws_);
     });
   }
   // The same through GramNewtonSchulz.
   std::vector<Mat> RunGram(const std::vector<Mat>& in, const NsSchedule& schedule, int steps,
-                           const std::vector<int>& restarts, double eps = 1e-7,
-                           double safety = 1.0) {
+                           const std::vector<int>& restarts, double eps = 1e-7, double safety = 1.0) {
     return RunWith(in, [&](float* data, int64_t rows, int64_t cols, int64_t batch) {
-      return GramNewtonSchulz(*backend_, schedule, steps, restarts, eps, safety,
-                              kernels::MatmulPrecision::kFp32, data, data, rows, cols, batch, ws_);
+      return GramNewtonSchulz(*backend_, schedule, steps, restarts, eps, safety, kernels::MatmulPrecision::kFp32, data,
+                              data, rows, cols, batch, ws_);
     });
   }
   Mat RunOne(const Mat& in, const NsSchedule& schedule, int steps, double eps = 1e-7) {
@@ -108,8 +106,8 @@ TEST_P(NewtonSchulzShapeTest, SimpleFiveStepsApproximatesPolarFactor) {
   // NsBound: that bound, capped at 1e-3 to keep 10× under the smallest bug.
   const double norm = testing::FrobeniusNorm(g);
   const NsSchedule simple = Named("simple");
-  const Mat expected = testing::Reassemble(
-      in_svd, [&](double s) { return testing::ScalarNs(s / (norm + 1e-7), simple, 5); });
+  const Mat expected =
+      testing::Reassemble(in_svd, [&](double s) { return testing::ScalarNs(s / (norm + 1e-7), simple, 5); });
   const double bound = NsBound(g, simple, 5);
   EXPECT_TRUE(WithinBound("ns.simple5_vs_svd", MaxAbsDiff(o, expected), bound));
 
@@ -128,8 +126,8 @@ TEST_P(NewtonSchulzShapeTest, PolarExpressEightStepsIsOrthogonal) {
   const Mat g = MatWithSingularValues(rng_, rows, cols, Decade(k));
   const Mat o = RunOne(g, Named("polar_express"), 8);
   // Rows (wide) or columns (tall) orthonormal: the smaller Gram matrix is the identity.
-  const Mat gram = rows <= cols ? testing::MatMul(o, testing::Transposed(o))
-                                : testing::MatMul(testing::Transposed(o), o);
+  const Mat gram =
+      rows <= cols ? testing::MatMul(o, testing::Transposed(o)) : testing::MatMul(testing::Transposed(o), o);
   Mat eye(k, k);
   for (int64_t i = 0; i < k; ++i) eye(i, i) = 1.0;
   // The scalar map after 8 steps is within 2e-3 of 1 over σ/‖G‖ ∈ [0.01, 1] (ScalarMapBounds), so
@@ -142,10 +140,9 @@ TEST_P(NewtonSchulzShapeTest, PolarExpressEightStepsIsOrthogonal) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, NewtonSchulzShapeTest,
-                         ::testing::Values(Shape{32, 32}, Shape{24, 64}, Shape{64, 24}, Shape{1, 40},
-                                           Shape{40, 1}),
-                         [](const auto& info) {
-                           return std::to_string(info.param.rows) + "x" + std::to_string(info.param.cols);
+                         ::testing::Values(Shape{32, 32}, Shape{24, 64}, Shape{64, 24}, Shape{1, 40}, Shape{40, 1}),
+                         [](const auto& param_info) {
+                           return std::to_string(param_info.param.rows) + "x" + std::to_string(param_info.param.cols);
                          });
 
 // The premise of the two tests above, checked on the scalar map in fp64.
@@ -217,14 +214,13 @@ TEST_F(NewtonSchulzTest, MatchesFp64ReferenceForEverySchedule) {
         // mode (≥ 1e-2 apart, checked below) or a missed transpose fails by orders of magnitude.
         EXPECT_TRUE(WithinBound("ns.every_schedule_vs_fp64", MaxAbsDiff(RunOne(g, s, steps), ReferenceNs(g, s, steps)),
                                 NsBound(g, s, steps)))
-            << s.name << (s.after == CoefficientsAfter::kCycle ? " cycle " : " repeat_last ")
-            << steps << " steps " << shape.rows << "x" << shape.cols;
+            << s.name << (s.after == CoefficientsAfter::kCycle ? " cycle " : " repeat_last ") << steps << " steps "
+            << shape.rows << "x" << shape.cols;
       }
     }
   }
   Mat g = testing::RandomMat(rng_, 24, 40);
-  EXPECT_GT(MaxAbsDiff(ReferenceNs(g, schedules[schedules.size() - 2], 10),
-                       ReferenceNs(g, schedules.back(), 10)),
+  EXPECT_GT(MaxAbsDiff(ReferenceNs(g, schedules[schedules.size() - 2], 10), ReferenceNs(g, schedules.back(), 10)),
             1e-2);
 }
 
@@ -233,17 +229,18 @@ TEST_F(NewtonSchulzTest, NormSafetyAndEpsEnterTheNormalization) {
   for (double& x : g.v) x = static_cast<float>(x);
   const NsSchedule s = Named("simple");
   // fp32 against fp64: NsRoundingBound; leaving out eps = 0.5 or safety = 1.02 moves entries by ≥ 1e-2.
-  EXPECT_TRUE(WithinBound("ns.safety_eps_vs_fp64", MaxAbsDiff(Run({g}, s, 3, 0.5, 1.02)[0], ReferenceNs(g, s, 3, 0.5, 1.02)),
+  EXPECT_TRUE(WithinBound("ns.safety_eps_vs_fp64",
+                          MaxAbsDiff(Run({g}, s, 3, 0.5, 1.02)[0], ReferenceNs(g, s, 3, 0.5, 1.02)),
                           NsBound(g, s, 3, 3, 0.5, 1.02)));
 }
 
 TEST_F(NewtonSchulzTest, RejectsBadArguments) {
   float dummy = 0;
-  EXPECT_FALSE(NewtonSchulz(*backend_, Named("simple"), 5, 1e-7, 1.0, kernels::MatmulPrecision::kFp32,
-                            &dummy, &dummy, -1, 2, 1, ws_)
+  EXPECT_FALSE(NewtonSchulz(*backend_, Named("simple"), 5, 1e-7, 1.0, kernels::MatmulPrecision::kFp32, &dummy, &dummy,
+                            -1, 2, 1, ws_)
                    .ok());
-  EXPECT_FALSE(NewtonSchulz(*backend_, NsSchedule{"custom", {}, CoefficientsAfter::kCycle}, 5, 1e-7,
-                            1.0, kernels::MatmulPrecision::kFp32, &dummy, &dummy, 1, 1, 1, ws_)
+  EXPECT_FALSE(NewtonSchulz(*backend_, NsSchedule{"custom", {}, CoefficientsAfter::kCycle}, 5, 1e-7, 1.0,
+                            kernels::MatmulPrecision::kFp32, &dummy, &dummy, 1, 1, 1, ws_)
                    .ok());
 }
 
@@ -255,7 +252,6 @@ TEST_F(NewtonSchulzTest, WorkspaceGrowsAndIsReused) {
   ws_.Release();
   EXPECT_EQ(ws_.held(), 0u);
 }
-
 
 // ---- GramNewtonSchulz ----
 
@@ -280,15 +276,13 @@ Mat Lin(double alpha, const Mat& x, double beta, const Mat& y) {
 
 // The Gram Newton–Schulz loop of newton_schulz.h, in fp64, written from the header's formula
 // independently of the Backend code: wide orientation, normalize, iterate on R = X·Xᵀ, Q·X.
-Mat ReferenceGramNs(const Mat& g, const NsSchedule& schedule, int steps,
-                    const std::vector<int>& restarts, double eps = 1e-7, double safety = 1.0) {
+Mat ReferenceGramNs(const Mat& g, const NsSchedule& schedule, int steps, const std::vector<int>& restarts,
+                    double eps = 1e-7, double safety = 1.0) {
   const bool tall = g.rows > g.cols;
   Mat x = tall ? testing::Transposed(g) : g;
   const double denom = safety * testing::FrobeniusNorm(x) + eps;
   for (double& e : x.v) e = denom > 0 ? e / denom : 0.0;
-  const auto restarts_at = [&](int t) {
-    return std::find(restarts.begin(), restarts.end(), t) != restarts.end();
-  };
+  const auto restarts_at = [&](int t) { return std::find(restarts.begin(), restarts.end(), t) != restarts.end(); };
   Mat r = testing::MatMul(x, testing::Transposed(x));
   std::optional<Mat> q;
   for (int t = 0; t < steps; ++t) {
@@ -326,8 +320,7 @@ TEST(GramNewtonSchulzReferenceTest, Fp64GramLoopIsTheStandardIteration) {
   for (const Shape shape : {Shape{24, 64}, Shape{64, 24}}) {
     const Mat g = testing::RandomMat(rng, shape.rows, shape.cols);
     for (const std::vector<int>& restarts : {std::vector<int>{}, std::vector<int>{2}}) {
-      for (const NsSchedule& s :
-           {GramPolarExpress(), *NamedSchedule("simple"), *NamedSchedule("cubic5")}) {
+      for (const NsSchedule& s : {GramPolarExpress(), *NamedSchedule("simple"), *NamedSchedule("cubic5")}) {
         // Only fp64 rounding separates them: the fp32 rounding of these maps (NsBound, ≤ 1e-3)
         // scaled by fp64's u = 2⁻⁵³ over fp32's 2⁻²⁴, ≤ 2⁻²⁹·1e-3 ≈ 2e-12 for each; 1e-10 has room
         // for the Gram loop's extra products, while a wrong R update or Q product is off by ≥ 1e-2.
@@ -339,29 +332,26 @@ TEST(GramNewtonSchulzReferenceTest, Fp64GramLoopIsTheStandardIteration) {
 }
 
 // Tolerances: fp32 rounding amplified by the slope of the composite map, NsBound (reference.h: the
-// derived NsRoundingBound, capped at 1e-3, a tenth of the smallest bug) with 5 GEMMs a step (R·R, Q·Z and the two of the R update besides Q·X). The Gram
-// Polar Express set is far steeper (p'(σ) ≈ 24 at σ = 1 for its first tuple, and its composition
-// swings σ widely), which the bound's gain follows. A wrong coefficient, Q product, R update or
-// restart (X ← Q·X, Q reset) moves entries by ≥ 1e-2. Whether a restart runs at all changes nothing
-// in exact arithmetic; GramGemmCountAndCubicSkipsRSquared checks that.
+// derived NsRoundingBound, capped at 1e-3, a tenth of the smallest bug) with 5 GEMMs a step (R·R, Q·Z and the two of
+// the R update besides Q·X). The Gram Polar Express set is far steeper (p'(σ) ≈ 24 at σ = 1 for its first tuple, and
+// its composition swings σ widely), which the bound's gain follows. A wrong coefficient, Q product, R update or restart
+// (X ← Q·X, Q reset) moves entries by ≥ 1e-2. Whether a restart runs at all changes nothing in exact arithmetic;
+// GramGemmCountAndCubicSkipsRSquared checks that.
 TEST_F(NewtonSchulzTest, GramMatchesFp64GramReference) {
   struct Case {
     NsSchedule schedule;
     std::vector<int> restarts;
   };
-  const std::vector<Case> cases = {{GramPolarExpress(), {}},
-                                   {GramPolarExpress(), {2}},
-                                   {Named("simple"), {}},
-                                   {Named("quintic"), {3}}};
+  const std::vector<Case> cases = {
+      {GramPolarExpress(), {}}, {GramPolarExpress(), {2}}, {Named("simple"), {}}, {Named("quintic"), {3}}};
   for (const Shape shape : {Shape{24, 64}, Shape{64, 24}}) {
     const Mat g = RoundedRandom(rng_, shape.rows, shape.cols);
     for (const Case& c : cases) {
-      EXPECT_TRUE(WithinBound("ns.gram_vs_fp64",
-                              MaxAbsDiff(RunGram({g}, c.schedule, 5, c.restarts)[0],
-                                         ReferenceGramNs(g, c.schedule, 5, c.restarts)),
-                              NsBound(g, c.schedule, 5, 5)))
-          << c.schedule.name << " restarts " << c.restarts.size() << " " << shape.rows << "x"
-          << shape.cols;
+      EXPECT_TRUE(WithinBound(
+          "ns.gram_vs_fp64",
+          MaxAbsDiff(RunGram({g}, c.schedule, 5, c.restarts)[0], ReferenceGramNs(g, c.schedule, 5, c.restarts)),
+          NsBound(g, c.schedule, 5, 5)))
+          << c.schedule.name << " restarts " << c.restarts.size() << " " << shape.rows << "x" << shape.cols;
     }
   }
   // Rank one (m = 1): σ/‖X‖_F = 1 exactly, where the Polar Express set's first tuple is steepest
@@ -369,10 +359,10 @@ TEST_F(NewtonSchulzTest, GramMatchesFp64GramReference) {
   for (const Shape shape : {Shape{1, 40}, Shape{40, 1}}) {
     const Mat g = RoundedRandom(rng_, shape.rows, shape.cols);
     for (const Case& c : {cases[2], cases[3]}) {
-      EXPECT_TRUE(WithinBound("ns.gram_vs_fp64",
-                              MaxAbsDiff(RunGram({g}, c.schedule, 5, c.restarts)[0],
-                                         ReferenceGramNs(g, c.schedule, 5, c.restarts)),
-                              NsBound(g, c.schedule, 5, 5)))
+      EXPECT_TRUE(WithinBound(
+          "ns.gram_vs_fp64",
+          MaxAbsDiff(RunGram({g}, c.schedule, 5, c.restarts)[0], ReferenceGramNs(g, c.schedule, 5, c.restarts)),
+          NsBound(g, c.schedule, 5, 5)))
           << c.schedule.name << " " << shape.rows << "x" << shape.cols;
     }
   }
@@ -386,8 +376,7 @@ TEST_F(NewtonSchulzTest, GramMatchesFp64GramReference) {
         EXPECT_TRUE(WithinBound("ns.gram_batched_vs_fp64",
                                 MaxAbsDiff(out[i], ReferenceGramNs(in[i], GramPolarExpress(), 5, restarts)),
                                 NsBound(in[i], GramPolarExpress(), 5, 5)))
-            << "batch element " << i << " restarts " << restarts.size() << " " << shape.rows << "x"
-            << shape.cols;
+            << "batch element " << i << " restarts " << restarts.size() << " " << shape.rows << "x" << shape.cols;
       }
     }
   }
@@ -401,8 +390,7 @@ TEST_F(NewtonSchulzTest, GramAgreesWithStandardNewtonSchulz) {
     // two within the sum. Any wrong step moves entries by ≥ 1e-2.
     for (const NsSchedule& s : {Named("simple"), GramPolarExpress()}) {
       const std::vector<int> restarts = s.name == "simple" ? std::vector<int>{} : std::vector<int>{2};
-      EXPECT_TRUE(WithinBound("ns.gram_vs_standard",
-                              MaxAbsDiff(RunGram({g}, s, 5, restarts)[0], RunOne(g, s, 5)),
+      EXPECT_TRUE(WithinBound("ns.gram_vs_standard", MaxAbsDiff(RunGram({g}, s, 5, restarts)[0], RunOne(g, s, 5)),
                               NsBound(g, s, 5, 5) + NsBound(g, s, 5, 3)))
           << s.name << " " << shape.rows << "x" << shape.cols;
     }
@@ -477,24 +465,19 @@ class GemmCountingBackend final : public kernels::Backend {
   absl::Status CopyOnDevice(const float* src, float* dst, size_t count) override {
     return inner_.CopyOnDevice(src, dst, count);
   }
-  absl::Status Fill(float* x, size_t count, float value) override {
-    return inner_.Fill(x, count, value);
-  }
-  absl::Status Gemm(const kernels::GemmShape& shape, float alpha, const float* a, const float* b,
-                    float beta, float* c, kernels::MatmulPrecision precision) override {
+  absl::Status Fill(float* x, size_t count, float value) override { return inner_.Fill(x, count, value); }
+  absl::Status Gemm(const kernels::GemmShape& shape, float alpha, const float* a, const float* b, float beta, float* c,
+                    kernels::MatmulPrecision precision) override {
     ++gemms;
     return inner_.Gemm(shape, alpha, a, b, beta, c, precision);
   }
-  absl::Status Transpose2D(const float* in, float* out, int64_t rows, int64_t cols,
-                           int64_t batch) override {
+  absl::Status Transpose2D(const float* in, float* out, int64_t rows, int64_t cols, int64_t batch) override {
     return inner_.Transpose2D(in, out, rows, cols, batch);
   }
   absl::Status SumSquares(const float* x, size_t count, size_t batch, double* sums) override {
     return inner_.SumSquares(x, count, batch, sums);
   }
-  absl::StatusOr<bool> AllFinite(const float* x, size_t count) override {
-    return inner_.AllFinite(x, count);
-  }
+  absl::StatusOr<bool> AllFinite(const float* x, size_t count) override { return inner_.AllFinite(x, count); }
   absl::Status ScaleBatched(float* x, size_t count, size_t batch, const float* scales) override {
     return inner_.ScaleBatched(x, count, batch, scales);
   }
@@ -547,8 +530,8 @@ TEST_F(NewtonSchulzTest, GramGemmCountAndCubicSkipsRSquared) {
     std::vector<float> host(g.v.begin(), g.v.end());
     auto buf = testing::Upload(counting, host);
     counting.gemms = 0;
-    EXPECT_OK(GramNewtonSchulz(counting, s, 5, restarts, 1e-7, 1.0, kernels::MatmulPrecision::kFp32,
-                               buf->data(), buf->data(), 16, 48, 1, ws));
+    EXPECT_OK(GramNewtonSchulz(counting, s, 5, restarts, 1e-7, 1.0, kernels::MatmulPrecision::kFp32, buf->data(),
+                               buf->data(), 16, 48, 1, ws));
     return counting.gemms;
   };
   // 1 (R) + 1 (a·I) + 5 (R·R) + 4 (Q·Z) + 2·4 (R updates) + 1 (Q·X).
@@ -567,12 +550,12 @@ TEST_F(NewtonSchulzTest, GramReserveCoversTheCallAndRejectsBadArguments) {
   EXPECT_EQ(ws_.held(), held);  // nothing allocated past the reservation
 
   float dummy = 0;
-  EXPECT_FALSE(GramNewtonSchulz(*backend_, Named("simple"), 5, {}, 1e-7, 1.0,
-                                kernels::MatmulPrecision::kFp32, &dummy, &dummy, -1, 2, 1, ws_)
+  EXPECT_FALSE(GramNewtonSchulz(*backend_, Named("simple"), 5, {}, 1e-7, 1.0, kernels::MatmulPrecision::kFp32, &dummy,
+                                &dummy, -1, 2, 1, ws_)
                    .ok());
   const NsSchedule empty{"custom", {}, CoefficientsAfter::kCycle};
-  EXPECT_FALSE(GramNewtonSchulz(*backend_, empty, 5, {}, 1e-7, 1.0, kernels::MatmulPrecision::kFp32,
-                                &dummy, &dummy, 1, 2, 1, ws_)
+  EXPECT_FALSE(GramNewtonSchulz(*backend_, empty, 5, {}, 1e-7, 1.0, kernels::MatmulPrecision::kFp32, &dummy, &dummy, 1,
+                                2, 1, ws_)
                    .ok());
 }
 

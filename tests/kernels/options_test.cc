@@ -1,7 +1,7 @@
 #include "kernels/optim/options.h"
 
-#include <tuple>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -28,35 +28,47 @@ struct ExpectedSet {
 };
 
 TEST(NamedScheduleTest, TablesMatchDesign) {
-  EXPECT_THAT(NamedScheduleNames(),
-              ElementsAre("simple", "quintic", "polar_express", "cans", "aol", "deepseekv4", "cubic5",
-                          "gram_polar_express"));
+  EXPECT_THAT(NamedScheduleNames(), ElementsAre("simple", "quintic", "polar_express", "cans", "aol", "deepseekv4",
+                                                "cubic5", "gram_polar_express"));
   const NsCoefficient jordan = {3.4445, -4.7750, 2.0315};
   const std::vector<ExpectedSet> expected = {
       {"simple", {{3.4445, -4.7750, 2.0315}}, CoefficientsAfter::kCycle},
       {"quintic",
-       {{4.0848, -6.8946, 2.9270}, {3.9505, -6.3029, 2.6377}, {3.7418, -5.5913, 2.3037},
-        {2.8769, -3.1427, 1.2046}, {2.8366, -3.0525, 1.2012}},
+       {{4.0848, -6.8946, 2.9270},
+        {3.9505, -6.3029, 2.6377},
+        {3.7418, -5.5913, 2.3037},
+        {2.8769, -3.1427, 1.2046},
+        {2.8366, -3.0525, 1.2012}},
        CoefficientsAfter::kCycle},
       {"polar_express",
-       {{8.2051, -22.9019, 16.4607}, {4.0664, -2.8612, 0.5184}, {3.9096, -2.8234, 0.5250},
-        {3.2856, -2.4153, 0.4853}, {2.2779, -1.6198, 0.3985}, {1.8726, -1.2307, 0.3585},
-        {1.8564, -1.2132, 0.3568}, {1.8750, -1.2500, 0.3750}},
+       {{8.2051, -22.9019, 16.4607},
+        {4.0664, -2.8612, 0.5184},
+        {3.9096, -2.8234, 0.5250},
+        {3.2856, -2.4153, 0.4853},
+        {2.2779, -1.6198, 0.3985},
+        {1.8726, -1.2307, 0.3585},
+        {1.8564, -1.2132, 0.3568},
+        {1.8750, -1.2500, 0.3750}},
        CoefficientsAfter::kRepeatLast},
       {"cans",
-       {{8.4703, -25.1081, 18.6293}, {4.1828, -3.1087, 0.5806}, {3.9619, -2.9541, 0.5630},
-        {3.2866, -2.4647, 0.5074}, {2.2737, -1.6447, 0.4162}},
+       {{8.4703, -25.1081, 18.6293},
+        {4.1828, -3.1087, 0.5806},
+        {3.9619, -2.9541, 0.5630},
+        {3.2866, -2.4647, 0.5074},
+        {2.2737, -1.6447, 0.4162}},
        CoefficientsAfter::kRepeatLast},
       {"aol",
-       {{4.0098, -7.0585, 2.4635}, {3.4585, -5.5479, 2.5959}, {2.7573, -3.2939, 1.4254},
-        {2.7215, -3.0494, 1.3169}},
+       {{4.0098, -7.0585, 2.4635}, {3.4585, -5.5479, 2.5959}, {2.7573, -3.2939, 1.4254}, {2.7215, -3.0494, 1.3169}},
        CoefficientsAfter::kCycle},
       {"deepseekv4",
        {jordan, jordan, jordan, jordan, jordan, jordan, jordan, jordan, {2.0, -1.5, 0.5}, {2.0, -1.5, 0.5}},
        CoefficientsAfter::kRepeatLast},
       {"cubic5",
-       {{3.3656576, -3.3420992, 0.0}, {2.5744352, -1.4957376, 0.0}, {2.5368962, -1.4312570, 0.0},
-        {2.4418906, -1.2764040, 0.0}, {2.2230472, -0.9630650, 0.0}},
+       {{3.3656576, -3.3420992, 0.0},
+        {2.5744352, -1.4957376, 0.0},
+        {2.5368962, -1.4312570, 0.0},
+        {2.4418906, -1.2764040, 0.0},
+        {2.2230472, -0.9630650, 0.0}},
        CoefficientsAfter::kRepeatLast},
   };
   for (const ExpectedSet& e : expected) {
@@ -144,8 +156,7 @@ TEST(DefaultOptionsTest, MatchDesignTable) {
   EXPECT_FALSE(sgd.nesterov);
   EXPECT_EQ(sgd.weight_decay, 0.0);
 
-  for (OptimizerKind kind : {OptimizerKind::kMuon, OptimizerKind::kAdamW, OptimizerKind::kLion,
-                             OptimizerKind::kSgd}) {
+  for (OptimizerKind kind : {OptimizerKind::kMuon, OptimizerKind::kAdamW, OptimizerKind::kLion, OptimizerKind::kSgd}) {
     EXPECT_OK(ValidateOptions(DefaultOptions(kind))) << OptimizerName(kind);
     EXPECT_EQ(DefaultOptions(kind).optimizer, kind);
   }
@@ -166,7 +177,10 @@ TEST(ValidateOptionsTest, RejectsOutOfRangeNamingTheOption) {
       {"momentum", [](GroupOptions& o) { o.momentum = -0.5; }},
       {"ns_steps must be >= 1, got 0", [](GroupOptions& o) { o.ns_steps = 0; }},
       {"ns_steps", [](GroupOptions& o) { o.ns_steps = 1000; }},
-      {"ns_coefficients", [](GroupOptions& o) { o.ns_schedule = {"custom", {}, CoefficientsAfter::kCycle}; }},
+      {"ns_coefficients",
+       [](GroupOptions& o) {
+         o.ns_schedule = {"custom", {}, CoefficientsAfter::kCycle};
+       }},
       {"ns_coefficients[0]", [](GroupOptions& o) { o.ns_schedule.tuples[0].b = INFINITY; }},
       {"ns_eps", [](GroupOptions& o) { o.ns_eps = -1e-7; }},
       {"ns_norm_safety", [](GroupOptions& o) { o.ns_norm_safety = 0; }},
@@ -179,21 +193,27 @@ TEST(ValidateOptionsTest, RejectsOutOfRangeNamingTheOption) {
       {"eps must be in (0, 1]", [](GroupOptions& o) { o.eps = 0; }},
       {"lr must be in [0, 100], got 1e+308", [](GroupOptions& o) { o.lr = 1e308; }},
       {"weight_decay must be in [0, 100]", [](GroupOptions& o) { o.weight_decay = 1e3; }},
-      {"lr * weight_decay must be <= 1", [](GroupOptions& o) {
+      {"lr * weight_decay must be <= 1",
+       [](GroupOptions& o) {
          o.lr = 0.5;
          o.weight_decay = 3;
        }},
-      {"weight_decay must be <= 1 with weight_decay_mode independent", [](GroupOptions& o) {
+      {"weight_decay must be <= 1 with weight_decay_mode independent",
+       [](GroupOptions& o) {
          o.weight_decay_mode = WeightDecayMode::kIndependent;
          o.weight_decay = 1.5;
        }},
       {"extra_scale_factor", [](GroupOptions& o) { o.extra_scale_factor = 1e6; }},
       {"ns_norm_safety", [](GroupOptions& o) { o.ns_norm_safety = 1e9; }},
       // A finite custom set whose iteration runs away: singular values grow without bound.
-      {"ns_coefficients: with 5 steps", [](GroupOptions& o) { o.ns_schedule = {"custom", {{30, 0, 0}}, CoefficientsAfter::kCycle}; }},
+      {"ns_coefficients: with 5 steps",
+       [](GroupOptions& o) {
+         o.ns_schedule = {"custom", {{30, 0, 0}}, CoefficientsAfter::kCycle};
+       }},
       // The simple set diverges when the normalization leaves singular values up to 1/0.25 = 4.
       {"grows singular values", [](GroupOptions& o) { o.ns_norm_safety = 0.25; }},
-      {"nesterov", [](GroupOptions& o) {
+      {"nesterov",
+       [](GroupOptions& o) {
          o.optimizer = OptimizerKind::kSgd;
          o.momentum = 0;
          o.nesterov = true;
@@ -253,8 +273,8 @@ TEST(OptimizerTest, OnlyMuonSplitsFusedQkv) {
   param.qkv = {2, 1, 1, 3};
   for (OptimizerKind kind : {OptimizerKind::kAdamW, OptimizerKind::kLion, OptimizerKind::kSgd}) {
     ASSERT_OK_AND_ASSIGN(auto opt, Optimizer::Create(DefaultOptions(kind)));
-    EXPECT_THAT(opt->CheckParameter(param), StatusIs(absl::StatusCode::kInvalidArgument,
-                                                     "qkv_split applies only to parameters of Muon groups"));
+    EXPECT_THAT(opt->CheckParameter(param),
+                StatusIs(absl::StatusCode::kInvalidArgument, "qkv_split applies only to parameters of Muon groups"));
   }
   ASSERT_OK_AND_ASSIGN(auto muon, Optimizer::Create(DefaultOptions(OptimizerKind::kMuon)));
   EXPECT_OK(muon->CheckParameter(param));

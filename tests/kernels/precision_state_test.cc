@@ -92,7 +92,10 @@ TEST(HalfFloat, RoundsToNearestEvenByDefinition) {
             uint16_t lo = 0, hi = 0x7bff;
             while (lo < hi) {
               const uint16_t mid = static_cast<uint16_t>((lo + hi + 1) / 2);
-              if (Fp16ToFloat(mid) <= v) lo = mid; else hi = static_cast<uint16_t>(mid - 1);
+              if (Fp16ToFloat(mid) <= v)
+                lo = mid;
+              else
+                hi = static_cast<uint16_t>(mid - 1);
             }
             return lo;
           },
@@ -140,14 +143,11 @@ TEST_P(StoredTensorTest, WritesRoundAndReadsWidenAtAnyOffset) {
     EXPECT_FALSE(ReadStored(*backend, t, 10, 4, all.data()).ok()) << "a region past the end is refused";
     // Single elements that share a word with a neighbour leave the neighbour as it was.
     const float six = 6.5f, eleven = -11.25f;
-    ASSERT_OK(WriteStored(*backend, t, 6, 1, &six));         // the low half of word 3; 7 is its high half
-    ASSERT_OK(WriteStored(*backend, t, 11, 1, &eleven));     // the high half of word 5; 10 is its low half
+    ASSERT_OK(WriteStored(*backend, t, 6, 1, &six));      // the low half of word 3; 7 is its high half
+    ASSERT_OK(WriteStored(*backend, t, 11, 1, &eleven));  // the high half of word 5; 10 is its low half
     ASSERT_OK(ReadStored(*backend, t, 0, 13, all.data()));
     for (size_t i = 0; i < 13; ++i) {
-      const float expect = i == 6    ? six
-                           : i == 11 ? eleven
-                           : i >= 7 && i < 12 ? RoundTo(dtype, values[i - 7])
-                                              : 0.0f;
+      const float expect = i == 6 ? six : i == 11 ? eleven : i >= 7 && i < 12 ? RoundTo(dtype, values[i - 7]) : 0.0f;
       EXPECT_EQ(Bits(all[i]), Bits(expect)) << kernels::StorageDtypeName(dtype) << " element " << i << " after";
     }
     std::vector<float> tail(3);
@@ -183,7 +183,7 @@ TEST_P(StoredTensorTest, StagingLoadsWideAndStoresRounded) {
 }
 
 INSTANTIATE_TEST_SUITE_P(HostAndDeviceLike, StoredTensorTest, ::testing::Bool(),
-                         [](const auto& info) { return info.param ? "HostAddressable" : "DevicePath"; });
+                         [](const auto& param_info) { return param_info.param ? "HostAddressable" : "DevicePath"; });
 
 // ---- Optimizers with 16-bit state against their fp32 path, rounded after each step ----
 
@@ -265,7 +265,8 @@ TEST_P(PrecisionStateTest, SixteenBitStateIsTheFp32StepRoundedOnStore) {
         const StorageDtype dtype = narrow->SlotDtype(a[i].slots[s].name);
         RoundInPlace(*backend, b[i].slots[s].tensor, dtype);
         const std::vector<float> got = Read(*backend, a[i].slots[s].tensor);
-        EXPECT_EQ(got, Read(*backend, b[i].slots[s].tensor)) << c.name << " " << a[i].slots[s].name << ", step " << step;
+        EXPECT_EQ(got, Read(*backend, b[i].slots[s].tensor))
+            << c.name << " " << a[i].slots[s].name << ", step " << step;
         if (dtype != StorageDtype::kFp32) {
           for (float x : got) any_16bit_changed |= x != 0.0f;
         }
@@ -332,7 +333,7 @@ std::vector<PrecisionCase> Cases() {
 }
 
 INSTANTIATE_TEST_SUITE_P(AllOptimizers, PrecisionStateTest, ::testing::ValuesIn(Cases()),
-                         [](const auto& info) { return info.param.name; });
+                         [](const auto& param_info) { return param_info.param.name; });
 
 TEST(PrecisionOptions, SlotsFollowTheirOptionAndMuonRefusesAMomentWithoutAMethod) {
   GroupOptions o = DefaultOptions(OptimizerKind::kAdamW);

@@ -68,9 +68,8 @@ inline Svd ComputeSvd(const Mat& a) {
   const int64_t k = std::min(a.rows, a.cols);
   Svd out{Mat(a.rows, k), Mat(k, a.cols), std::vector<double>(k)};
   std::vector<double> work = a.v, superb(std::max<int64_t>(k, 1));
-  const lapack_int info = LAPACKE_dgesvd(LAPACK_ROW_MAJOR, 'S', 'S', a.rows, a.cols, work.data(),
-                                         a.cols, out.s.data(), out.u.v.data(), k, out.vt.v.data(),
-                                         a.cols, superb.data());
+  const lapack_int info = LAPACKE_dgesvd(LAPACK_ROW_MAJOR, 'S', 'S', a.rows, a.cols, work.data(), a.cols, out.s.data(),
+                                         out.u.v.data(), k, out.vt.v.data(), a.cols, superb.data());
   EXPECT_EQ(info, 0) << "LAPACKE_dgesvd failed";
   return out;
 }
@@ -93,8 +92,7 @@ inline Mat RandomMat(std::mt19937& rng, int64_t rows, int64_t cols, double stdde
 
 // A rows×cols matrix with the given singular values (k = min(rows, cols) of them) and random
 // singular vectors, rounded to fp32 so the device sees exactly this matrix.
-inline Mat MatWithSingularValues(std::mt19937& rng, int64_t rows, int64_t cols,
-                                 const std::vector<double>& sigma) {
+inline Mat MatWithSingularValues(std::mt19937& rng, int64_t rows, int64_t cols, const std::vector<double>& sigma) {
   Svd basis = ComputeSvd(RandomMat(rng, rows, cols));
   basis.s = sigma;
   Mat m = Reassemble(basis, [](double s) { return s; });
@@ -163,8 +161,8 @@ inline double Gamma(int64_t k) {
 // The bound is rigorous to first order but loose: the per-step gains are maxima over all pairs of
 // singular values, and their product over many steps (or the steep Polar Express tuples) grows to
 // 1e-2 … 5, where it could no longer catch a bug. NsBound caps it, see there.
-inline double NsRoundingBound(const Mat& g, const optim::NsSchedule& schedule, int steps,
-                              int gemms_per_step = 3, double eps = 1e-7, double safety = 1.0) {
+inline double NsRoundingBound(const Mat& g, const optim::NsSchedule& schedule, int steps, int gemms_per_step = 3,
+                              double eps = 1e-7, double safety = 1.0) {
   const int64_t n = std::max(g.rows, g.cols);
   std::vector<double> sigma = ComputeSvd(g).s;
   const double denom = safety * FrobeniusNorm(g) + eps;
@@ -223,14 +221,13 @@ inline constexpr double kNsBugSignal = 1e-2;
 // seen is far under it: ≤ 2e-4 (the steep Gram Polar Express set) and ≤ 1e-5 for the others under
 // every OpenBLAS kernel (Haswell, SkylakeX, Cooperlake, Zen, Sandybridge, Prescott), since a
 // real kernel's rounding is the √n·u random walk, not the worst case the cap stands in for.
-inline double NsBound(const Mat& g, const optim::NsSchedule& schedule, int steps,
-                      int gemms_per_step = 3, double eps = 1e-7, double safety = 1.0) {
+inline double NsBound(const Mat& g, const optim::NsSchedule& schedule, int steps, int gemms_per_step = 3,
+                      double eps = 1e-7, double safety = 1.0) {
   return std::min(NsRoundingBound(g, schedule, steps, gemms_per_step, eps, safety), kNsBugSignal / 10);
 }
 
 // Backend round trips.
-inline std::unique_ptr<kernels::DeviceBuffer> Upload(kernels::Backend& backend,
-                                                     const std::vector<float>& host) {
+inline std::unique_ptr<kernels::DeviceBuffer> Upload(kernels::Backend& backend, const std::vector<float>& host) {
   auto buffer = backend.Allocate(host.size());
   EXPECT_TRUE(buffer.ok()) << buffer.status();
   EXPECT_TRUE(backend.CopyToDevice(host.data(), (*buffer)->data(), host.size()).ok());

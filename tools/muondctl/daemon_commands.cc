@@ -9,14 +9,14 @@
 #include <span>
 #include <utility>
 
-#include "absl/strings/str_cat.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 #include "client/muond_client.h"
-#include "proto/wire/dtype_codec.h"
 #include "google/protobuf/util/json_util.h"
+#include "proto/wire/dtype_codec.h"
 #include "server/durability/checkpoint.h"
 #include "server/durability/file_util.h"
 
@@ -74,7 +74,7 @@ absl::StatusOr<v1::SessionSummary> FindSession(client::Client& client, const std
 }
 
 ordered_json SummaryJson(const v1::SessionSummary& s) {
-  return {{"session_id", s.session_id()},   {"last_step", s.last_step()},     {"num_tensors", s.num_tensors()},
+  return {{"session_id", s.session_id()},         {"last_step", s.last_step()},     {"num_tensors", s.num_tensors()},
           {"num_parameters", s.num_parameters()}, {"initialized", s.initialized()}, {"world_size", s.world_size()},
           {"state_bytes", s.state_bytes()}};
 }
@@ -127,15 +127,16 @@ Answer Info(const ConnectFlags& flags) {
                   std::vector<std::string>(info->ns_coefficient_sets().begin(), info->ns_coefficient_sets().end())}};
   const auto or_none = [](const std::string& value) { return value.empty() ? std::string("none") : value; };
   answer.text = absl::StrCat(
-      "endpoint      ", flags.endpoint, "\n",                                   //
-      "version       ", info->version(), "\n",                                  //
-      "backend       ", info->backend(), " (", info->backend_detail(), ")\n",   //
-      "sessions      ", info->num_sessions(), " of at most ", info->max_sessions(), "\n",
-      "durability    ", or_none(info->durability()), "\n",                      //
-      "shared memory ", or_none(info->shm_socket()), "\n",                      //
-      "metrics       ", info->metrics_address().empty() ? "off" : absl::StrCat("http://", info->metrics_address(), "/metrics"),
-      "\n",                                                                     //
-      "max chunk     ", HumanBytes(info->max_chunk_bytes()), "\n",              //
+      "endpoint      ", flags.endpoint, "\n",                                  //
+      "version       ", info->version(), "\n",                                 //
+      "backend       ", info->backend(), " (", info->backend_detail(), ")\n",  //
+      "sessions      ", info->num_sessions(), " of at most ", info->max_sessions(), "\n", "durability    ",
+      or_none(info->durability()), "\n",                    //
+      "shared memory ", or_none(info->shm_socket()), "\n",  //
+      "metrics       ",
+      info->metrics_address().empty() ? "off" : absl::StrCat("http://", info->metrics_address(), "/metrics"),
+      "\n",                                                         //
+      "max chunk     ", HumanBytes(info->max_chunk_bytes()), "\n",  //
       "optimizers    ", absl::StrJoin(info->optimizers(), ", "), "\n");
   return answer;
 }
@@ -151,10 +152,10 @@ Answer ListSessions(const ConnectFlags& flags) {
                                 "RANKS", "STATE");
   for (const v1::SessionSummary& s : *sessions) {
     answer.json["sessions"].push_back(SummaryJson(s));
-    absl::StrAppend(&answer.text,
-                    absl::StrFormat("%-32s %10d %8d %14d %6d %12s%s\n", s.session_id(), s.last_step(), s.num_tensors(),
-                                    s.num_parameters(), s.world_size(), HumanBytes(static_cast<double>(s.state_bytes())),
-                                    s.initialized() ? "" : "  (awaiting parameters)"));
+    absl::StrAppend(&answer.text, absl::StrFormat("%-32s %10d %8d %14d %6d %12s%s\n", s.session_id(), s.last_step(),
+                                                  s.num_tensors(), s.num_parameters(), s.world_size(),
+                                                  HumanBytes(static_cast<double>(s.state_bytes())),
+                                                  s.initialized() ? "" : "  (awaiting parameters)"));
   }
   return answer;
 }
@@ -175,7 +176,8 @@ Answer ShowSession(const ConnectFlags& flags, const std::string& session_id) {
                              "state         ", HumanBytes(static_cast<double>(s->state_bytes())), " (estimated)\n");
   if (s->spec().has_shard()) {
     absl::StrAppend(&answer.text, "shard         ", s->spec().shard().index(), " of ",
-                    s->spec().shard().endpoints_size(), " (", absl::StrJoin(s->spec().shard().endpoints(), ", "), ")\n");
+                    s->spec().shard().endpoints_size(), " (", absl::StrJoin(s->spec().shard().endpoints(), ", "),
+                    ")\n");
   }
   absl::StrAppend(&answer.text, "groups\n");
   for (const v1::ParameterGroup& group : s->spec().groups()) {
@@ -224,13 +226,14 @@ Answer ExportSession(const ConnectFlags& flags, const std::string& session_id, c
   absl::StatusOr<v1::SessionSummary> summary = FindSession(**client, session_id);
   if (!summary.ok()) return ErrorAnswer(summary.status());
   std::map<std::string, std::vector<int64_t>> shapes;
-  for (const v1::ParameterSpec& p : summary->spec().parameters()) shapes[p.name()] = {p.shape().begin(), p.shape().end()};
+  for (const v1::ParameterSpec& p : summary->spec().parameters())
+    shapes[p.name()] = {p.shape().begin(), p.shape().end()};
 
   durability::CheckpointData data;
   data.session_id = session_id;
   data.backend = "export";
   std::map<std::pair<std::string, std::string>, size_t> index;  // (parameter, slot) → data.tensors
-  std::map<size_t, size_t> received;  // data.tensors index → elements the daemon sent
+  std::map<size_t, size_t> received;                            // data.tensors index → elements the daemon sent
   v1::GetStateRequest request;
   request.set_session_id(session_id);
   request.set_stored_dtypes(true);  // 16-bit tensors come, and are written, as such
@@ -241,11 +244,12 @@ Answer ExportSession(const ConnectFlags& flags, const std::string& session_id, c
   while (reader->Read(&response)) {
     if (response.has_header()) {
       data.last_step = response.header().last_step();
-      for (const v1::ParameterStepCount& c : response.header().step_counts()) data.step_counts.emplace_back(c.name(), c.count());
+      for (const v1::ParameterStepCount& c : response.header().step_counts())
+        data.step_counts.emplace_back(c.name(), c.count());
       if (response.header().has_loss_scaler()) {
         const v1::LossScalerState& scaler = response.header().loss_scaler();
-        data.loss_scaler = durability::CheckpointLossScaler{scaler.scale(), scaler.growth_tracker(),
-                                                            scaler.hysteresis_tracker()};
+        data.loss_scaler =
+            durability::CheckpointLossScaler{scaler.scale(), scaler.growth_tracker(), scaler.hysteresis_tracker()};
       }
       continue;
     }
@@ -253,13 +257,14 @@ Answer ExportSession(const ConnectFlags& flags, const std::string& session_id, c
     auto shape = shapes.find(chunk.name());
     if (shape == shapes.end()) {
       context.TryCancel();
-      return ErrorAnswer(absl::InternalError(absl::StrCat("the daemon sent state for unknown parameter '", chunk.name(), "'")));
+      return ErrorAnswer(
+          absl::InternalError(absl::StrCat("the daemon sent state for unknown parameter '", chunk.name(), "'")));
     }
     auto [it, added] = index.emplace(std::make_pair(chunk.name(), chunk.slot()), data.tensors.size());
     if (added) {
       // The tensor's own shape, from its first chunk (a daemon that sends none: the parameter's).
-      std::vector<int64_t> dims = chunk.shape_size() > 0 ? std::vector<int64_t>(chunk.shape().begin(), chunk.shape().end())
-                                                         : shape->second;
+      std::vector<int64_t> dims =
+          chunk.shape_size() > 0 ? std::vector<int64_t>(chunk.shape().begin(), chunk.shape().end()) : shape->second;
       int64_t numel = 1;
       for (int64_t d : dims) {
         // Checked one dimension at a time, so the product never overflows.
@@ -272,22 +277,27 @@ Answer ExportSession(const ConnectFlags& flags, const std::string& session_id, c
       const v1::DType dtype = chunk.dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_FP32 : chunk.dtype();
       if (!wire::IsConcrete(dtype)) {
         context.TryCancel();
-        return ErrorAnswer(absl::InternalError(absl::StrCat("the daemon sent '", chunk.name(), "' in an unknown dtype")));
+        return ErrorAnswer(
+            absl::InternalError(absl::StrCat("the daemon sent '", chunk.name(), "' in an unknown dtype")));
       }
-      data.tensors.push_back({chunk.name(), chunk.slot(), std::move(dims), std::vector<float>(static_cast<size_t>(numel)),
-                              dtype == v1::DTYPE_BF16 ? "BF16" : dtype == v1::DTYPE_FP16 ? "F16" : "F32"});
+      data.tensors.push_back({chunk.name(), chunk.slot(), std::move(dims),
+                              std::vector<float>(static_cast<size_t>(numel)),
+                              dtype == v1::DTYPE_BF16   ? "BF16"
+                              : dtype == v1::DTYPE_FP16 ? "F16"
+                                                        : "F32"});
     }
     std::vector<float>& values = data.tensors[it->second].values;
     const v1::DType dtype = chunk.dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_FP32 : chunk.dtype();
     if (!wire::IsConcrete(dtype) || chunk.data().size() % wire::ElementSize(dtype) != 0) {
       context.TryCancel();
-      return ErrorAnswer(absl::InternalError(absl::StrCat("the daemon sent a malformed chunk of '", chunk.name(), "'")));
+      return ErrorAnswer(
+          absl::InternalError(absl::StrCat("the daemon sent a malformed chunk of '", chunk.name(), "'")));
     }
     const size_t count = chunk.data().size() / wire::ElementSize(dtype);
     if (chunk.offset() > values.size() || count > values.size() - chunk.offset()) {
       context.TryCancel();
-      return ErrorAnswer(absl::InternalError(absl::StrCat("the daemon sent a chunk of '", chunk.name(), "/", chunk.slot(),
-                                                          "' beyond its shape")));
+      return ErrorAnswer(absl::InternalError(
+          absl::StrCat("the daemon sent a chunk of '", chunk.name(), "/", chunk.slot(), "' beyond its shape")));
     }
     wire::Decode(dtype, chunk.data(), std::span<float>(values.data() + chunk.offset(), count));
     received[it->second] = std::max(received[it->second], chunk.offset() + count);
@@ -295,9 +305,9 @@ Answer ExportSession(const ConnectFlags& flags, const std::string& session_id, c
   if (const grpc::Status status = reader->Finish(); !status.ok()) return ErrorAnswer(client::FromGrpcStatus(status));
   for (size_t i = 0; i < data.tensors.size(); ++i) {
     if (received[i] < data.tensors[i].values.size() && data.tensors[i].slot == "master") {
-      return ErrorAnswer(absl::InternalError(absl::StrCat("the daemon sent ", received[i], " of ",
-                                                          data.tensors[i].values.size(), " elements of '",
-                                                          data.tensors[i].parameter, "'")));
+      return ErrorAnswer(
+          absl::InternalError(absl::StrCat("the daemon sent ", received[i], " of ", data.tensors[i].values.size(),
+                                           " elements of '", data.tensors[i].parameter, "'")));
     }
     if (received[i] < data.tensors[i].values.size()) {
       // A daemon that sends no shapes: a slot smaller than its parameter (NorMuon's) is written flat.
@@ -311,8 +321,11 @@ Answer ExportSession(const ConnectFlags& flags, const std::string& session_id, c
     return ErrorAnswer(absl::InvalidArgumentError(absl::StrCat("--to: ", written.message())));
   }
   Answer answer;
-  answer.json = {{"session_id", session_id}, {"step", data.last_step}, {"file", to},
-                 {"tensors", data.tensors.size()}, {"bytes", bytes.size()}};
+  answer.json = {{"session_id", session_id},
+                 {"step", data.last_step},
+                 {"file", to},
+                 {"tensors", data.tensors.size()},
+                 {"bytes", bytes.size()}};
   answer.text = absl::StrCat("session ", session_id, " at step ", data.last_step, ": ", data.tensors.size(),
                              " tensors (", HumanBytes(static_cast<double>(bytes.size())), ") written to ", to, "\n");
   return answer;

@@ -16,9 +16,10 @@ namespace muond::ctl {
 namespace {
 
 int Run(int argc, char** argv) {
-  CLI::App app{"muondctl — inspect and operate muond daemons, and read their state directories offline.\n"
-               "Exit codes: 0 done, 1 no (refused, not serving, verify failed), 2 usage, 3 daemon unreachable, "
-               "4 not found, 5 not allowed."};
+  CLI::App app{
+      "muondctl — inspect and operate muond daemons, and read their state directories offline.\n"
+      "Exit codes: 0 done, 1 no (refused, not serving, verify failed), 2 usage, 3 daemon unreachable, "
+      "4 not found, 5 not allowed."};
   app.set_version_flag("--version", std::string("muondctl ") + MUOND_VERSION);
   app.require_subcommand(1);
   // Global options are taken after the subcommand too (`muondctl health --endpoint h:p`), as
@@ -69,8 +70,9 @@ int Run(int argc, char** argv) {
   std::string export_to;
   std::string export_state_dir;
   CLI::App* exporter = app.add_subcommand(
-      "export", "Write a session's state (masters and every optimizer slot) to a safetensors file: from the daemon, "
-                "or from its last checkpoint in --state-dir without a daemon");
+      "export",
+      "Write a session's state (masters and every optimizer slot) to a safetensors file: from the daemon, "
+      "or from its last checkpoint in --state-dir without a daemon");
   exporter->add_option("SESSION", session_id, "Session id")->required();
   exporter->add_option("--to", export_to, "The .safetensors file to write")->required();
   exporter->add_option("--state-dir", export_state_dir, "Read the checkpoint from this state directory instead")

@@ -25,8 +25,8 @@ struct FolderReport {
   std::optional<durability::SessionFolder> folder;  // when it could be read
   absl::Status error;                               // why it could not
   bool has_checkpoint = true;
-  std::vector<int64_t> journal_steps;   // the steps of the journal's records, in file order
-  std::vector<std::string> problems;    // for verify
+  std::vector<int64_t> journal_steps;  // the steps of the journal's records, in file order
+  std::vector<std::string> problems;   // for verify
   ordered_json json;
 };
 
@@ -100,11 +100,10 @@ FolderReport ReadFolder(const std::string& state_dir, const std::string& name) {
     report.journal_steps.push_back(step);
     size_t gradients = 0;
     for (const HostTensor& g : record.gradients) gradients += !g.values.empty();
-    records.push_back({{"step", step}, {"rank", request.is_object() ? request.value("rank", 0) : 0},
-                       {"gradients", gradients}});
+    records.push_back(
+        {{"step", step}, {"rank", request.is_object() ? request.value("rank", 0) : 0}, {"gradients", gradients}});
   }
-  report.json["journal"] = {{"records", records},
-                            {"torn_tail_dropped", folder->journal.dropped_torn_tail}};
+  report.json["journal"] = {{"records", records}, {"torn_tail_dropped", folder->journal.dropped_torn_tail}};
   // What a daemon restoring this folder would resume from: the journal's steps follow the checkpoint's.
   int64_t expected = c.last_step + 1;
   for (int64_t step : report.journal_steps) {
@@ -135,12 +134,13 @@ std::string FolderText(const FolderReport& r) {
   if (!r.error.ok()) return absl::StrCat(r.name, ": UNREADABLE: ", r.error.message(), "\n");
   const ordered_json& c = r.json["checkpoint"];
   std::string text = absl::StrCat(
-      r.name, ": session ", r.json["session_id"].get<std::string>(), ", resumes at step ", r.json["last_step"].get<int64_t>(),
-      "\n  checkpoint  step ", c["step"].get<int64_t>(), ", ", c["tensors"].get<size_t>(), " tensors (",
-      absl::StrJoin(c["slots"].get<std::vector<std::string>>(), ", "), "), ", c["values"].get<size_t>(), " values, ",
-      HumanBytes(c["bytes"].get<double>()), "\n  sha256      ", c["sha256"].get<std::string>(), "\n  backend     ",
-      r.json["backend"].get<std::string>(), r.json["owner"].get<std::string>().empty() ? "" : ", owner ",
-      r.json["owner"].get<std::string>(), "\n  journal     ", r.journal_steps.size(), " records");
+      r.name, ": session ", r.json["session_id"].get<std::string>(), ", resumes at step ",
+      r.json["last_step"].get<int64_t>(), "\n  checkpoint  step ", c["step"].get<int64_t>(), ", ",
+      c["tensors"].get<size_t>(), " tensors (", absl::StrJoin(c["slots"].get<std::vector<std::string>>(), ", "), "), ",
+      c["values"].get<size_t>(), " values, ", HumanBytes(c["bytes"].get<double>()), "\n  sha256      ",
+      c["sha256"].get<std::string>(), "\n  backend     ", r.json["backend"].get<std::string>(),
+      r.json["owner"].get<std::string>().empty() ? "" : ", owner ", r.json["owner"].get<std::string>(),
+      "\n  journal     ", r.journal_steps.size(), " records");
   if (!r.journal_steps.empty()) {
     absl::StrAppend(&text, " (steps ", r.journal_steps.front(), "–", r.journal_steps.back(), ")");
   }
@@ -196,8 +196,9 @@ Answer VerifyState(const std::string& state_dir) {
     if (!r.has_checkpoint) {
       absl::StrAppend(&answer.text, "skip  ", r.name, ": no checkpoint (never received its parameters)\n");
     } else if (r.problems.empty()) {
-      absl::StrAppend(&answer.text, "ok    ", r.name, ": checkpoint at step ", r.json["checkpoint"]["step"].get<int64_t>(),
-                      " and ", r.journal_steps.size(), " journal records verify\n");
+      absl::StrAppend(&answer.text, "ok    ", r.name, ": checkpoint at step ",
+                      r.json["checkpoint"]["step"].get<int64_t>(), " and ", r.journal_steps.size(),
+                      " journal records verify\n");
     } else {
       for (const std::string& p : r.problems) absl::StrAppend(&answer.text, "FAIL  ", r.name, ": ", p, "\n");
     }
@@ -225,11 +226,11 @@ Answer ExportFromStateDir(const std::string& state_dir, const std::string& sessi
     return ErrorAnswer(absl::InvalidArgumentError(absl::StrCat("--to: ", written.message())));
   }
   Answer answer;
-  answer.json = {{"session_id", session_id}, {"step", data->last_step}, {"file", to},
-                 {"tensors", data->tensors.size()}, {"bytes", bytes.size()}, {"source", "checkpoint"}};
-  answer.text = absl::StrCat("session ", session_id, " checkpoint at step ", data->last_step, " (journal not applied): ",
-                             data->tensors.size(), " tensors (", HumanBytes(static_cast<double>(bytes.size())),
-                             ") written to ", to, "\n");
+  answer.json = {{"session_id", session_id},        {"step", data->last_step}, {"file", to},
+                 {"tensors", data->tensors.size()}, {"bytes", bytes.size()},   {"source", "checkpoint"}};
+  answer.text = absl::StrCat("session ", session_id, " checkpoint at step ", data->last_step,
+                             " (journal not applied): ", data->tensors.size(), " tensors (",
+                             HumanBytes(static_cast<double>(bytes.size())), ") written to ", to, "\n");
   return answer;
 }
 

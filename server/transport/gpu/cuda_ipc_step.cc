@@ -12,13 +12,12 @@ absl::StatusOr<std::vector<CudaTensorPlace>> ResolveCudaTensors(
     const session::SessionConfig& config, const CudaMemoryRegions& regions, const std::string& caller,
     const std::string& session_id, const google::protobuf::RepeatedPtrField<v1::SharedTensor>& refs,
     absl::string_view field, bool require_all) {
-  MUOND_ASSIGN_OR_RETURN(auto checked,
-                         ResolveRegionTensors<CudaRegion>(
-                             config, refs, field, require_all, /*aligned=*/true,
-                             [&](const std::string& region, const std::string& at) {
-                               return regions.Find(caller, region, session_id, at);
-                             },
-                             [](const CudaRegion& region) { return region.memory->size(); }));
+  MUOND_ASSIGN_OR_RETURN(auto checked, ResolveRegionTensors<CudaRegion>(
+                                           config, refs, field, require_all, /*aligned=*/true,
+                                           [&](const std::string& region, const std::string& at) {
+                                             return regions.Find(caller, region, session_id, at);
+                                           },
+                                           [](const CudaRegion& region) { return region.memory->size(); }));
   std::vector<CudaTensorPlace> places;
   for (auto& [ref, region] : checked) places.push_back({ref, std::move(region)});
   return places;

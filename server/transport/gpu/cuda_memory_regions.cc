@@ -32,8 +32,8 @@ absl::StatusOr<uint64_t> CudaMemoryRegions::Register(const std::string& caller,
   {
     absl::MutexLock lock(&mu_);
     if (regions_.contains(caller, request.name())) {
-      return absl::AlreadyExistsError(absl::StrCat("name: CUDA memory '", Echo(request.name()),
-                                                   "' is registered already; unregister it first"));
+      return absl::AlreadyExistsError(
+          absl::StrCat("name: CUDA memory '", Echo(request.name()), "' is registered already; unregister it first"));
     }
     const int held = regions_.CountOf(caller);
     if (held >= max_regions_per_caller_) {
@@ -68,7 +68,8 @@ absl::Status CudaMemoryRegions::Unregister(const std::string& caller, const std:
   std::shared_ptr<CudaRegion> dropped;  // closed after the lock
   absl::MutexLock lock(&mu_);
   dropped = regions_.Take(caller, name);
-  if (dropped == nullptr) return absl::NotFoundError(absl::StrCat("name: no CUDA memory '", Echo(name), "' is registered"));
+  if (dropped == nullptr)
+    return absl::NotFoundError(absl::StrCat("name: no CUDA memory '", Echo(name), "' is registered"));
   return absl::OkStatus();
 }
 

@@ -34,7 +34,8 @@ absl::Status TakeDeviceGradient(kernels::Backend& backend, session::IncomingStep
   MUOND_RETURN_IF_ERROR(backend.CopyBytes(src, host_bytes.data(), bytes));
   HostTensor& tensor = step.gradients()[index];
   if (tensor.values.size() != numel) tensor.values.resize(numel);
-  tensor.sum_squares = DecodeSumSquares(dtype, absl::string_view(host_bytes), std::span<float>(tensor.values.data(), numel));
+  tensor.sum_squares =
+      DecodeSumSquares(dtype, absl::string_view(host_bytes), std::span<float>(tensor.values.data(), numel));
   tensor.received = static_cast<int64_t>(numel);
   return step.Stage(index, 0, numel);
 }

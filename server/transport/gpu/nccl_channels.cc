@@ -32,8 +32,8 @@ NcclChannels::~NcclChannels() {
 std::vector<std::shared_ptr<NcclChannel>> NcclChannels::TakeExpiredLocked(absl::Time now) {
   return channels_.TakeIf([&](const RegionOwner&, NcclChannel& channel) {
     if (!channel.busy.TryLock()) return false;  // a step using it is not idle
-    const absl::Time since = channel.last_used == absl::InfinitePast() ? channel.join_deadline - limits_.join_timeout
-                                                                        : channel.last_used;
+    const absl::Time since =
+        channel.last_used == absl::InfinitePast() ? channel.join_deadline - limits_.join_timeout : channel.last_used;
     channel.busy.Unlock();
     return now - since > limits_.join_timeout;
   });
@@ -60,9 +60,9 @@ absl::StatusOr<NcclChannels::Opened> NcclChannels::Open(const std::string& calle
       dropped.insert(dropped.end(), expired.begin(), expired.end());
     }
     if (channels_.size() + opening_ >= static_cast<size_t>(limits_.max_channels)) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "the daemon holds ", channels_.size() + opening_, " NCCL channels, its most (--max-nccl-channels); close "
-          "one (CloseNcclChannel) or use the cuda_ipc or grpc transport"));
+      return absl::ResourceExhaustedError(absl::StrCat("the daemon holds ", channels_.size() + opening_,
+                                                       " NCCL channels, its most (--max-nccl-channels); close "
+                                                       "one (CloseNcclChannel) or use the cuda_ipc or grpc transport"));
     }
     ++opening_;
   }

@@ -33,7 +33,7 @@ struct NcclChannel {
   int rank = 0;
   absl::Time join_deadline;
   std::unique_ptr<kernels::PeerChannel> peer;
-  absl::Mutex busy;  // held by the step using the channel
+  absl::Mutex busy;                                                   // held by the step using the channel
   absl::Time last_used ABSL_GUARDED_BY(busy) = absl::InfinitePast();  // the end of its last step; past: none yet
 };
 

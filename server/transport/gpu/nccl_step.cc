@@ -14,11 +14,14 @@ absl::StatusOr<std::unique_ptr<kernels::DeviceBuffer>> AllocateBytes(kernels::Ba
 
 }  // namespace
 
-absl::StatusOr<std::vector<TensorRef>> ResolveNcclTensors(const session::SessionConfig& config,
-                                                          const google::protobuf::RepeatedPtrField<v1::NcclTensor>& refs,
-                                                          absl::string_view field, bool require_all) {
+absl::StatusOr<std::vector<TensorRef>> ResolveNcclTensors(
+    const session::SessionConfig& config, const google::protobuf::RepeatedPtrField<v1::NcclTensor>& refs,
+    absl::string_view field, bool require_all) {
   return ResolveTensorRefs(
-      config, refs.size(), [&](int i) { return RefFields{refs[i].name(), refs[i].dtype(), refs[i].byte_size()}; },
+      config, refs.size(),
+      [&](int i) {
+        return RefFields{refs[i].name(), refs[i].dtype(), refs[i].byte_size()};
+      },
       field, require_all,
       [](const std::string&, const std::string& at) -> absl::StatusOr<uint64_t> {
         return absl::InternalError(absl::StrCat(at, ": NCCL tensors have no region"));

@@ -35,15 +35,18 @@ inline absl::Time TransferDeadline(absl::Time call_deadline, absl::Duration time
   return std::min(call_deadline, absl::Now() + timeout);
 }
 
-absl::StatusOr<std::vector<TensorRef>> ResolveNcclTensors(const session::SessionConfig& config,
-                                                          const google::protobuf::RepeatedPtrField<v1::NcclTensor>& refs,
-                                                          absl::string_view field, bool require_all);
+absl::StatusOr<std::vector<TensorRef>> ResolveNcclTensors(
+    const session::SessionConfig& config, const google::protobuf::RepeatedPtrField<v1::NcclTensor>& refs,
+    absl::string_view field, bool require_all);
 
 class NcclGradientSource final : public GradientSource {
  public:
   NcclGradientSource(kernels::Backend* backend, NcclChannel* channel, std::vector<TensorRef> refs,
                      absl::Time call_deadline, absl::Duration timeout)
-      : backend_(backend), channel_(channel), refs_(std::move(refs)), call_deadline_(call_deadline),
+      : backend_(backend),
+        channel_(channel),
+        refs_(std::move(refs)),
+        call_deadline_(call_deadline),
         timeout_(timeout) {}
   absl::Status ReadGradients(session::IncomingStep& step) override;
   std::string_view transport() const override { return "nccl"; }
@@ -61,8 +64,12 @@ class NcclParameterSink final : public ParameterSink {
  public:
   NcclParameterSink(const session::Session* session, kernels::Backend* backend, NcclChannel* channel,
                     std::vector<TensorRef> refs, absl::Time call_deadline, absl::Duration timeout)
-      : session_(session), backend_(backend), channel_(channel), refs_(std::move(refs)),
-        call_deadline_(call_deadline), timeout_(timeout) {}
+      : session_(session),
+        backend_(backend),
+        channel_(channel),
+        refs_(std::move(refs)),
+        call_deadline_(call_deadline),
+        timeout_(timeout) {}
   absl::Status Send(const session::StepOutcome& outcome) override;
   const v1::StepResult& result() const { return result_; }
 

@@ -15,8 +15,8 @@ namespace muond::transport {
 // Calls emit(v1::TensorChunk&&) for each chunk of `values`; stops early and returns false when
 // emit returns false (the client went away).
 template <typename Emit>
-bool EmitChunks(const std::string& name, absl::string_view slot, std::span<const float> values,
-                v1::DType dtype, size_t max_chunk_bytes, Emit&& emit, std::span<const int64_t> shape = {}) {
+bool EmitChunks(const std::string& name, absl::string_view slot, std::span<const float> values, v1::DType dtype,
+                size_t max_chunk_bytes, Emit&& emit, std::span<const int64_t> shape = {}) {
   v1::TensorChunk first;
   first.set_name(name);
   if (!slot.empty()) first.set_slot(std::string(slot));

@@ -4,8 +4,8 @@
 #include "common/status_macros.h"
 #include "grpcpp/impl/codegen/proto_utils.h"
 #include "proto/wire/dtype_codec.h"
-#include "server/transport/v1/api_conversion.h"
 #include "server/transport/grpc/tensor_assembler.h"
+#include "server/transport/v1/api_conversion.h"
 
 namespace muond::transport {
 namespace {
@@ -55,8 +55,8 @@ absl::Status GrpcGradientSource::ReadGradients(session::IncomingStep& step) {
   while (stream_->Read(&buffer)) {
     bytes_received_ += static_cast<int64_t>(buffer.Length());
     if (++chunks > header_.num_chunks()) {
-      return absl::InvalidArgumentError(absl::StrCat("chunk: more chunks than the ", header_.num_chunks(),
-                                                     " announced in header.num_chunks"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("chunk: more chunks than the ", header_.num_chunks(), " announced in header.num_chunks"));
     }
     if (wire::ParseChunkFrame(buffer, wire::kChunkField, &framed)) {
       if (!step.replay()) MUOND_RETURN_IF_ERROR(assembler.Add(framed.meta, framed.data, framed.data_bytes));
@@ -88,11 +88,11 @@ absl::Status GrpcParameterSink::Send(const session::StepOutcome& outcome) {
   for (size_t i = 0; i < config_.parameters.size(); ++i) {
     v1::TensorChunk first;
     first.set_name(config_.parameters[i].name);
-    const bool sent = wire::ForEachChunk(first, outcome.parameters->values[i], dtype_, chunk_bytes_,
-                                         [&](const v1::TensorChunk& meta, std::span<const float> values) {
-                                           return WriteCounted(stream_, wire::EncodeChunk(wire::kChunkField, meta, values, *pool_),
-                                                               &bytes_sent_);
-                                         });
+    const bool sent = wire::ForEachChunk(
+        first, outcome.parameters->values[i], dtype_, chunk_bytes_,
+        [&](const v1::TensorChunk& meta, std::span<const float> values) {
+          return WriteCounted(stream_, wire::EncodeChunk(wire::kChunkField, meta, values, *pool_), &bytes_sent_);
+        });
     if (!sent) return absl::CancelledError("the client went away");
   }
   return absl::OkStatus();

@@ -44,8 +44,8 @@ absl::Status TensorAssembler::Add(const v1::TensorChunk& chunk, absl::string_vie
   return Add(chunk, std::span<const absl::string_view>(&data, 1), data.size(), field);
 }
 
-absl::Status TensorAssembler::Add(const v1::TensorChunk& chunk, std::span<const absl::string_view> pieces,
-                                  size_t bytes, absl::string_view field) {
+absl::Status TensorAssembler::Add(const v1::TensorChunk& chunk, std::span<const absl::string_view> pieces, size_t bytes,
+                                  absl::string_view field) {
   auto it = config_.parameter_index.find(chunk.name());
   if (it == config_.parameter_index.end()) {
     return absl::NotFoundError(absl::StrCat(field, ".name: unknown parameter '", Echo(chunk.name()), "'"));
@@ -62,8 +62,8 @@ absl::Status TensorAssembler::Add(const v1::TensorChunk& chunk, std::span<const 
       chunk.dtype() == v1::DTYPE_UNSPECIFIED ? static_cast<v1::DType>(param.wire_dtype) : chunk.dtype();
   const size_t element_size = wire::ElementSize(dtype);
   if (element_size == 0) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ".dtype: unknown dtype ",
-                                                   static_cast<int>(chunk.dtype()), " for '", name, "'"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".dtype: unknown dtype ", static_cast<int>(chunk.dtype()), " for '", name, "'"));
   }
   MUOND_RETURN_IF_ERROR(CheckChunkPayload(bytes, dtype, max_chunk_bytes_, field, name));
   if (chunk.shape_size() > 0) {
@@ -75,8 +75,8 @@ absl::Status TensorAssembler::Add(const v1::TensorChunk& chunk, std::span<const 
     }
   }
   if (static_cast<int64_t>(chunk.offset()) != tensor.received) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ".offset: expected ", tensor.received, " for '",
-                                                   name, "', got ", chunk.offset(),
+    return absl::InvalidArgumentError(absl::StrCat(field, ".offset: expected ", tensor.received, " for '", name,
+                                                   "', got ", chunk.offset(),
                                                    " (chunks of a tensor must arrive in order, once)"));
   }
   const int64_t count = static_cast<int64_t>(bytes / element_size);
@@ -100,11 +100,11 @@ absl::Status TensorAssembler::Finish(bool require_all) const {
     if (tensor.received == param.numel) continue;
     if (tensor.received == 0 && !require_all) continue;
     if (tensor.received == 0) {
-      return absl::InvalidArgumentError(absl::StrCat("chunk.name: parameter '", param.name,
-                                                     "' is missing; every parameter must be sent"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("chunk.name: parameter '", param.name, "' is missing; every parameter must be sent"));
     }
-    return absl::InvalidArgumentError(absl::StrCat("chunk.data: '", param.name, "' is incomplete: ",
-                                                   tensor.received, " of ", param.numel, " elements"));
+    return absl::InvalidArgumentError(absl::StrCat("chunk.data: '", param.name, "' is incomplete: ", tensor.received,
+                                                   " of ", param.numel, " elements"));
   }
   return absl::OkStatus();
 }

@@ -60,8 +60,7 @@ absl::StatusOr<std::shared_ptr<SharedMapping>> SealedMemfd::Map() && {
   const int error = errno;
   ::close(fd);  // the mapping keeps the memory
   if (data == MAP_FAILED && error == ENOMEM) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("the daemon has no address space left to map ", size_, " bytes"));
+    return absl::ResourceExhaustedError(absl::StrCat("the daemon has no address space left to map ", size_, " bytes"));
   }
   if (data == MAP_FAILED) {
     return absl::InvalidArgumentError(absl::StrCat("cannot map the memfd read-write: ", std::strerror(error),

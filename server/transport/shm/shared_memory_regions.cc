@@ -12,8 +12,7 @@ uint64_t SharedMemoryRegions::OpenConnection() {
   return next_connection_++;
 }
 
-absl::StatusOr<std::string> SharedMemoryRegions::AddPending(uint64_t connection, SealedMemfd memfd,
-                                                            absl::Time now) {
+absl::StatusOr<std::string> SharedMemoryRegions::AddPending(uint64_t connection, SealedMemfd memfd, absl::Time now) {
   absl::MutexLock lock(&mu_);
   if (pending_.size() >= static_cast<size_t>(limits_.max_pending)) {
     return absl::ResourceExhaustedError(absl::StrCat("the daemon holds ", pending_.size(),
@@ -23,8 +22,8 @@ absl::StatusOr<std::string> SharedMemoryRegions::AddPending(uint64_t connection,
   int held = 0;
   for (const auto& [ticket, pending] : pending_) held += pending.connection == connection ? 1 : 0;
   if (held >= limits_.max_pending_per_connection) {
-    return absl::ResourceExhaustedError(absl::StrCat("this connection holds ", held,
-                                                     " unclaimed regions already; register them first"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("this connection holds ", held, " unclaimed regions already; register them first"));
   }
   std::string ticket = RandomTicket();
   pending_.emplace(ticket, Pending{connection, std::move(memfd), now + limits_.pending_timeout});
@@ -94,8 +93,8 @@ absl::StatusOr<uint64_t> SharedMemoryRegions::Register(const std::string& caller
   }
   const int held = regions_.CountOf(caller);
   if (held >= limits_.max_regions_per_caller) {
-    return absl::ResourceExhaustedError(absl::StrCat("name: this caller holds ", held,
-                                                     " regions already, the daemon's limit"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("name: this caller holds ", held, " regions already, the daemon's limit"));
   }
   // Mapped now that an authenticated caller claims it; the ticket is used up either way.
   const uint64_t connection = pending->second.connection;
@@ -117,7 +116,7 @@ absl::Status SharedMemoryRegions::Unregister(const std::string& caller, const st
 }
 
 absl::StatusOr<std::vector<RegionStatus>> SharedMemoryRegions::Status(const std::string& caller,
-                                                                       const std::string& name) const {
+                                                                      const std::string& name) const {
   absl::MutexLock lock(&mu_);
   std::vector<RegionStatus> out;
   regions_.ForEachOf(caller, [&](const std::string& region, const std::shared_ptr<SharedMapping>& mapping) {

@@ -7,8 +7,8 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-#include <cerrno>
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <map>
 #include <utility>
@@ -32,8 +32,8 @@ absl::StatusOr<sockaddr_un> SocketAddress(const std::string& address, socklen_t*
   addr.sun_family = AF_UNIX;
   const bool abstract = !address.empty() && address[0] == '@';
   if (address.empty() || address.size() >= sizeof(addr.sun_path)) {
-    return absl::InvalidArgumentError(absl::StrCat("--shm-socket: '", address, "' must have 1 to ",
-                                                   sizeof(addr.sun_path) - 1, " characters"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--shm-socket: '", address, "' must have 1 to ", sizeof(addr.sun_path) - 1, " characters"));
   }
   std::memcpy(addr.sun_path, address.data(), address.size());
   if (abstract) addr.sun_path[0] = '\0';
@@ -88,8 +88,8 @@ bool Serve(int fd, uint64_t connection, SharedMemoryRegions& regions, LogThrottl
   absl::StatusOr<std::string> ticket = regions.AddPending(connection, *std::move(memfd));
   if (!ticket.ok()) {
     if (int64_t held = 0; absl::IsResourceExhausted(ticket.status()) && refusals.Allow(&held)) {
-      MUOND_LOG(warn, "shm socket: memfd refused: {} ({} more refusals since the last line)",
-                ticket.status().message(), held);
+      MUOND_LOG(warn, "shm socket: memfd refused: {} ({} more refusals since the last line)", ticket.status().message(),
+                held);
     }
     Reply(fd, absl::StrCat("error ", ticket.status().message(), "\n"));
     return true;
@@ -146,17 +146,17 @@ void ShmSocketServer::Loop() {
   };
   const size_t max_connections = static_cast<size_t>(regions_->limits().max_connections);
   LogThrottle refused_connections, refused_memfds, accept_failures, expiries;
-  int64_t expired = 0;  // tickets expired since the last line about them
+  int64_t expired = 0;                             // tickets expired since the last line about them
   absl::Time accept_again = absl::InfinitePast();  // backing off after accept4 ran out of descriptors
   for (;;) {
     const absl::Time now = absl::Now();
     const bool accepting = now >= accept_again;
     // Wake for the next ticket to expire, or the end of a back-off, whichever comes first.
     const absl::Time wake = std::min(regions_->NextExpiry(), accepting ? absl::InfiniteFuture() : accept_again);
-    const int timeout_ms = wake == absl::InfiniteFuture()
-                               ? -1
-                               : static_cast<int>(std::clamp<int64_t>(
-                                     absl::ToInt64Milliseconds(wake - now) + 1, 0, 60'000));
+    const int timeout_ms =
+        wake == absl::InfiniteFuture()
+            ? -1
+            : static_cast<int>(std::clamp<int64_t>(absl::ToInt64Milliseconds(wake - now) + 1, 0, 60'000));
     std::vector<pollfd> fds = {{wake_read_, POLLIN, 0}, {accepting ? listen_fd_ : -1, POLLIN, 0}};
     for (const auto& [fd, id] : connections) fds.push_back({fd, POLLIN, 0});
     if (::poll(fds.data(), fds.size(), timeout_ms) < 0) {
@@ -184,8 +184,10 @@ void ShmSocketServer::Loop() {
         Reply(fd, "error the daemon has too many shared-memory connections\n");
         ::close(fd);
         if (refused_connections.Allow(&held)) {
-          MUOND_LOG(warn, "shm socket: connection refused: {} open, the limit (--shm-max-connections) ({} more "
-                    "refusals since the last line)", connections.size(), held);
+          MUOND_LOG(warn,
+                    "shm socket: connection refused: {} open, the limit (--shm-max-connections) ({} more "
+                    "refusals since the last line)",
+                    connections.size(), held);
         }
       } else if (fd >= 0) {
         connections[fd] = regions_->OpenConnection();

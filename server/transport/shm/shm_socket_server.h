@@ -43,7 +43,10 @@ class ShmSocketServer {
 
  private:
   ShmSocketServer(std::string address, int listen_fd, int wake_read, int wake_write, SharedMemoryRegions* regions)
-      : address_(std::move(address)), listen_fd_(listen_fd), wake_read_(wake_read), wake_write_(wake_write),
+      : address_(std::move(address)),
+        listen_fd_(listen_fd),
+        wake_read_(wake_read),
+        wake_write_(wake_write),
         regions_(regions) {}
   void Loop();
 

@@ -14,13 +14,12 @@ namespace muond::transport {
 absl::StatusOr<std::vector<SharedTensorPlace>> ResolveSharedTensors(
     const session::SessionConfig& config, const SharedMemoryRegions& regions, const std::string& caller,
     const google::protobuf::RepeatedPtrField<v1::SharedTensor>& refs, absl::string_view field, bool require_all) {
-  MUOND_ASSIGN_OR_RETURN(auto checked,
-                         ResolveRegionTensors<SharedMapping>(
-                             config, refs, field, require_all, /*aligned=*/false,
-                             [&](const std::string& region, const std::string& at) {
-                               return regions.Find(caller, region, at);
-                             },
-                             [](const SharedMapping& mapping) { return static_cast<uint64_t>(mapping.size()); }));
+  MUOND_ASSIGN_OR_RETURN(
+      auto checked,
+      ResolveRegionTensors<SharedMapping>(
+          config, refs, field, require_all, /*aligned=*/false,
+          [&](const std::string& region, const std::string& at) { return regions.Find(caller, region, at); },
+          [](const SharedMapping& mapping) { return static_cast<uint64_t>(mapping.size()); }));
   std::vector<SharedTensorPlace> places;
   for (auto& [ref, mapping] : checked) {
     places.push_back({ref.index, std::move(mapping), ref.offset, ref.bytes, ref.dtype});
@@ -34,8 +33,9 @@ absl::Status ShmGradientSource::ReadGradients(session::IncomingStep& step) {
     HostTensor& tensor = step.gradients()[place.index];
     const size_t numel = static_cast<size_t>(step.config().parameters[place.index].numel);
     if (tensor.values.size() != numel) tensor.values.resize(numel);
-    tensor.sum_squares = DecodeSumSquares(place.dtype, absl::string_view(place.region->data() + place.offset, place.bytes),
-                                          std::span<float>(tensor.values.data(), numel));
+    tensor.sum_squares =
+        DecodeSumSquares(place.dtype, absl::string_view(place.region->data() + place.offset, place.bytes),
+                         std::span<float>(tensor.values.data(), numel));
     tensor.received = static_cast<int64_t>(numel);
     bytes_received_ += static_cast<int64_t>(place.bytes);
     MUOND_RETURN_IF_ERROR(step.Stage(place.index, 0, numel));

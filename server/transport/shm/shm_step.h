@@ -16,9 +16,9 @@
 
 #include <memory>
 #include <string>
-#include "absl/strings/string_view.h"
 #include <vector>
 
+#include "absl/strings/string_view.h"
 #include "google/protobuf/repeated_ptr_field.h"
 #include "muond/v1/muond.pb.h"
 #include "server/session/session_config.h"

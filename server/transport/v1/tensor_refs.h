@@ -1,8 +1,9 @@
 // The checks every transport that names tensors out of band makes before a step begins (shared
 // memory, CUDA IPC, NCCL): each reference names a parameter that exists, at most once (for answers:
 // every parameter exactly once), in a concrete dtype, with byte_size exactly the parameter's elements
-// in that dtype — and, for a reference into a region, bytes that lie within it (overflow-safe). So a step is never applied and then found to have nowhere to put its
-// answer. Device memory also needs offsets aligned to the dtype. Each error names the field ("gradients[2].byte_size", "parameters").
+// in that dtype — and, for a reference into a region, bytes that lie within it (overflow-safe). So a step is never
+// applied and then found to have nowhere to put its answer. Device memory also needs offsets aligned to the dtype. Each
+// error names the field ("gradients[2].byte_size", "parameters").
 //
 // Stateless; the callbacks are called on the caller's thread.
 #pragma once
@@ -55,7 +56,8 @@ template <typename Region>
 absl::StatusOr<std::vector<std::pair<TensorRef, std::shared_ptr<Region>>>> ResolveRegionTensors(
     const session::SessionConfig& config, const google::protobuf::RepeatedPtrField<v1::SharedTensor>& refs,
     absl::string_view field, bool require_all, bool aligned,
-    absl::FunctionRef<absl::StatusOr<std::shared_ptr<Region>>(const std::string& region, const std::string& field)> find,
+    absl::FunctionRef<absl::StatusOr<std::shared_ptr<Region>>(const std::string& region, const std::string& field)>
+        find,
     absl::FunctionRef<uint64_t(const Region&)> size_of) {
   std::vector<std::shared_ptr<Region>> found;  // of each ref, in order, as it is checked
   absl::StatusOr<std::vector<TensorRef>> checked = ResolveTensorRefs(

@@ -67,7 +67,9 @@ TEST_F(CheckpointTest, FieldsOfTheWrongTypeAreRefusedNotThrown) {
   for (const auto& edit : std::vector<std::function<void(json&)>>{
            [](json& m) { m["last_step"] = "seven"; },
            [](json& m) { m.erase("last_step"); },
-           [](json& m) { m["step_counts"] = json::array({1, 2}); },
+           [](json& m) {
+             m["step_counts"] = json::array({1, 2});
+           },
            [](json& m) { m["step_counts"]["w"] = "x"; },
            [](json& m) { m["tensors"] = "file"; },
            [](json& m) { m["tensors"]["bytes"] = -1; },
@@ -76,7 +78,8 @@ TEST_F(CheckpointTest, FieldsOfTheWrongTypeAreRefusedNotThrown) {
     TearDown();
     SetUp();  // a fresh checkpoint for each edit
     EditMetadata(edit);
-    EXPECT_THAT(ReadCheckpoint(Env::Default(), dir_), StatusIs(absl::StatusCode::kDataLoss, "checkpoint.json is unusable"));
+    EXPECT_THAT(ReadCheckpoint(Env::Default(), dir_),
+                StatusIs(absl::StatusCode::kDataLoss, "checkpoint.json is unusable"));
   }
 }
 
@@ -104,8 +107,7 @@ TEST_F(CheckpointTest, ATensorsFileOutsideTheFolderIsRefusedNamingTheField) {
   for (const std::string name : {"../../../../../../dev/zero", "/dev/zero", "../outside/checkpoint-1.safetensors",
                                  "checkpoint-1.safetensors/../../x", ""}) {
     EditMetadata([&](json& m) { m["tensors"]["file"] = name; });
-    EXPECT_THAT(ReadCheckpoint(Env::Default(), dir_), StatusIs(absl::StatusCode::kDataLoss, "tensors.file"))
-        << name;
+    EXPECT_THAT(ReadCheckpoint(Env::Default(), dir_), StatusIs(absl::StatusCode::kDataLoss, "tensors.file")) << name;
   }
 }
 

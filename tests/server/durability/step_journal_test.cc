@@ -51,8 +51,7 @@ class StepJournalTest : public ::testing::Test {
     std::vector<size_t> offsets;
     for (int step = 1; step <= n; ++step) {
       offsets.push_back(fs::file_size(path_));
-      const std::vector<HostTensor> gradients = {Gradient({1, 2, 3, 4, 5, static_cast<float>(step)}),
-                                                 Gradient({7, 8})};
+      const std::vector<HostTensor> gradients = {Gradient({1, 2, 3, 4, 5, static_cast<float>(step)}), Gradient({7, 8})};
       EXPECT_OK(journal.Append("{\"step\":" + std::to_string(step) + "}", gradients));
     }
     journal.Close();
@@ -122,8 +121,8 @@ TEST_F(StepJournalTest, AHeaderWithAForgedCrcAndAnImplausibleLengthIsRefused) {
 TEST_F(StepJournalTest, AlteredHeadersPayloadsAndMarkersAreRefused) {
   const std::vector<size_t> offsets = Write(3);
   const std::string saved = Bytes();
-  for (const size_t at : {offsets[1], offsets[1] + 5, offsets[1] + 13, offsets[1] + 17, offsets[1] + kHeader + 2,
-                          offsets[1] + 40}) {
+  for (const size_t at :
+       {offsets[1], offsets[1] + 5, offsets[1] + 13, offsets[1] + 17, offsets[1] + kHeader + 2, offsets[1] + 40}) {
     std::string bytes = saved;
     bytes[at] ^= 0x01;
     SetBytes(bytes);

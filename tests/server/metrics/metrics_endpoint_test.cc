@@ -66,7 +66,8 @@ std::string Exchange(int port, const std::string& request) {
 }
 
 std::unique_ptr<MetricsEndpoint> StartEndpoint(EndpointLimits limits = {}) {
-  auto endpoint = MetricsEndpoint::Start("127.0.0.1:0", [] { return std::string("muond_sessions 7\n"); }, limits);
+  auto endpoint = MetricsEndpoint::Start(
+      "127.0.0.1:0", [] { return std::string("muond_sessions 7\n"); }, limits);
   EXPECT_TRUE(endpoint.ok()) << endpoint.status();
   return endpoint.ok() ? *std::move(endpoint) : nullptr;
 }

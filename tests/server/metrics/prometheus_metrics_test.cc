@@ -46,15 +46,27 @@ PrometheusOptions Options() {
 TEST(PrometheusMetricsTest, EveryFamilyIsThereBeforeAnyReport) {
   PrometheusMetrics metrics(Options());
   const std::string text = metrics.Render();
-  for (const char* family :
-       {"muond_build_info", "muond_steps_total", "muond_step_duration_seconds", "muond_step_phase_duration_seconds",
-        "muond_step_received_bytes_total", "muond_step_sent_bytes_total", "muond_calls_total",
-        "muond_calls_in_flight", "muond_call_duration_seconds", "muond_sessions", "muond_sessions_limit",
-        "muond_state_bytes", "muond_state_bytes_limit", "muond_journal_append_duration_seconds",
-        "muond_journal_append_failures_total", "muond_checkpoint_duration_seconds",
-        "muond_checkpoint_failures_total", "muond_quarantined_sessions_total", "muond_backend_memory_bytes",
-        "process_resident_memory_bytes",
-        "process_start_time_seconds"}) {
+  for (const char* family : {"muond_build_info",
+                             "muond_steps_total",
+                             "muond_step_duration_seconds",
+                             "muond_step_phase_duration_seconds",
+                             "muond_step_received_bytes_total",
+                             "muond_step_sent_bytes_total",
+                             "muond_calls_total",
+                             "muond_calls_in_flight",
+                             "muond_call_duration_seconds",
+                             "muond_sessions",
+                             "muond_sessions_limit",
+                             "muond_state_bytes",
+                             "muond_state_bytes_limit",
+                             "muond_journal_append_duration_seconds",
+                             "muond_journal_append_failures_total",
+                             "muond_checkpoint_duration_seconds",
+                             "muond_checkpoint_failures_total",
+                             "muond_quarantined_sessions_total",
+                             "muond_backend_memory_bytes",
+                             "process_resident_memory_bytes",
+                             "process_start_time_seconds"}) {
     EXPECT_THAT(text, HasSubstr(std::string("# TYPE ") + family + " ")) << family;
   }
   const auto samples = Samples(text);

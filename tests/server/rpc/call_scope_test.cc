@@ -119,21 +119,21 @@ TEST_F(CallScopeTest, EveryCallIsAuthenticatedAndReported) {
     EXPECT_TRUE(stub_->GetServerInfo(&context, v1::GetServerInfoRequest(), &info).ok());
   }
   EXPECT_THAT(metrics_.ended(),
-              ::testing::ElementsAre(std::pair<std::string, absl::StatusCode>{"ListSessions", absl::StatusCode::kUnauthenticated},
-                                     std::pair<std::string, absl::StatusCode>{"ListSessions", absl::StatusCode::kOk},
-                                     std::pair<std::string, absl::StatusCode>{"GetServerInfo", absl::StatusCode::kOk}));
+              ::testing::ElementsAre(
+                  std::pair<std::string, absl::StatusCode>{"ListSessions", absl::StatusCode::kUnauthenticated},
+                  std::pair<std::string, absl::StatusCode>{"ListSessions", absl::StatusCode::kOk},
+                  std::pair<std::string, absl::StatusCode>{"GetServerInfo", absl::StatusCode::kOk}));
 }
 
 TEST(CallScopeEndTest, AHandlerThatThrowsStillEndsTheCallInTheMetrics) {
   CountingMetrics metrics;
   CallServices services(absl::Seconds(60), nullptr, &metrics);
   grpc::ServerContext context;
-  EXPECT_THROW(Serve(services, &context, "Step", [](const std::string&) -> absl::Status {
-                 throw std::runtime_error("out of memory");
-               }),
+  EXPECT_THROW(Serve(services, &context, "Step",
+                     [](const std::string&) -> absl::Status { throw std::runtime_error("out of memory"); }),
                std::runtime_error);
-  EXPECT_THAT(metrics.ended(), ::testing::ElementsAre(std::pair<std::string, absl::StatusCode>{
-                                   "Step", absl::StatusCode::kUnknown}));
+  EXPECT_THAT(metrics.ended(),
+              ::testing::ElementsAre(std::pair<std::string, absl::StatusCode>{"Step", absl::StatusCode::kUnknown}));
 }
 
 // A call is in flight from the moment its handler starts until it returns: the drain waits for it.

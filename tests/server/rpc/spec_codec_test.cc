@@ -156,7 +156,8 @@ TEST(SessionConfigTest, AdaptiveMuonAndItsRefusals) {
   EXPECT_THAT(ParseGroupOptions(adamw, "g"), StatusIs(absl::StatusCode::kInvalidArgument, "g.moment2_method"));
   adamw.clear_moment2_method();
   adamw.set_weight_decay_mode("cautious");
-  EXPECT_THAT(ParseGroupOptions(adamw, "g"), StatusIs(absl::StatusCode::kInvalidArgument, "cautious applies to muon only"));
+  EXPECT_THAT(ParseGroupOptions(adamw, "g"),
+              StatusIs(absl::StatusCode::kInvalidArgument, "cautious applies to muon only"));
   v1::GroupOptions bad;
   bad.set_moment2_method("adam");
   EXPECT_THAT(ParseGroupOptions(bad, "g"), StatusIs(absl::StatusCode::kInvalidArgument, "g.moment2_method"));
@@ -235,16 +236,18 @@ TEST(SessionConfigTest, RefusesBadSpecsNamingTheField) {
 }
 
 TEST(SessionConfigTest, NamesWithControlCharactersAreRefused) {
-  for (const std::string& name : {std::string("w\0x", 3), std::string("w\n"), std::string("\x1b[31mw"),
-                                  std::string("w\x7f")}) {
+  for (const std::string& name :
+       {std::string("w\0x", 3), std::string("w\n"), std::string("\x1b[31mw"), std::string("w\x7f")}) {
     v1::SessionSpec parameter = Spec();
     parameter.mutable_parameters(0)->set_name(name);
     EXPECT_THAT(ParseSessionSpec(parameter, SpecLimits{}),
-                StatusIs(absl::StatusCode::kInvalidArgument, "spec.parameters[0].name: must be 1 to 256 bytes without "
-                                                             "control characters"));
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         "spec.parameters[0].name: must be 1 to 256 bytes without "
+                         "control characters"));
     v1::SessionSpec group = Spec();
     group.mutable_groups(1)->set_name(name);
-    EXPECT_THAT(ParseSessionSpec(group, SpecLimits{}), StatusIs(absl::StatusCode::kInvalidArgument, "spec.groups[1].name"));
+    EXPECT_THAT(ParseSessionSpec(group, SpecLimits{}),
+                StatusIs(absl::StatusCode::kInvalidArgument, "spec.groups[1].name"));
   }
   v1::SessionSpec unicode = Spec();
   unicode.mutable_parameters(0)->set_name("blocks.0.attn.Wq \u00e9\u4e2d");
@@ -255,7 +258,8 @@ TEST(SessionConfigTest, SameSpecAttachesAndADifferentOneNamesTheField) {
   EXPECT_OK(CheckSameSpec(Spec(), Spec()));
   v1::SessionSpec other = Spec();
   other.mutable_groups(0)->mutable_options()->set_lr(0.1);
-  EXPECT_THAT(CheckSameSpec(Spec(), other), StatusIs(absl::StatusCode::kAlreadyExists, "groups[0].options: { lr: 0.1 }"));
+  EXPECT_THAT(CheckSameSpec(Spec(), other),
+              StatusIs(absl::StatusCode::kAlreadyExists, "groups[0].options: { lr: 0.1 }"));
 }
 
 }  // namespace

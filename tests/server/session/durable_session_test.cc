@@ -116,8 +116,10 @@ TEST_F(DurableSessionTest, ACheckpointFaultKeepsThePreviousCheckpointLoadable) {
     const char* name;
     std::function<void(durability::FaultInjectingEnv&)> arm;
   } faults[] = {
-      {"short write of the tensors", [](auto& env) { env.FailAppend("safetensors", durability::AppendFault::kShortWrite); }},
-      {"no space for the metadata", [](auto& env) { env.FailAppend("checkpoint.json", durability::AppendFault::kNoSpace); }},
+      {"short write of the tensors",
+       [](auto& env) { env.FailAppend("safetensors", durability::AppendFault::kShortWrite); }},
+      {"no space for the metadata",
+       [](auto& env) { env.FailAppend("checkpoint.json", durability::AppendFault::kNoSpace); }},
       {"failed fsync of the tensors", [](auto& env) { env.FailSync("safetensors"); }},
       {"failed rename of the metadata", [](auto& env) { env.FailRename("checkpoint.json"); }},
   };

@@ -70,7 +70,8 @@ TEST(GradientStagingTest, StagedPiecesLandInTheLeasedSet) {
   ASSERT_NE(staged, nullptr);
   const std::vector<float> w = Values(16 * 24, 0.3f);
   for (size_t offset = 0; offset < w.size(); offset += 100) {
-    ASSERT_OK(staged->Add(0, static_cast<int64_t>(offset), w.data() + offset, std::min<size_t>(100, w.size() - offset)));
+    ASSERT_OK(
+        staged->Add(0, static_cast<int64_t>(offset), w.data() + offset, std::min<size_t>(100, w.size() - offset)));
   }
   ASSERT_OK(staged->Finish());
   GradientSet& set = staged->lease().set();

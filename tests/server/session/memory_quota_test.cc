@@ -1,8 +1,7 @@
 #include "server/session/memory_quota.h"
 
-#include "server/rpc/spec_codec.h"
-
 #include "gtest/gtest.h"
+#include "server/rpc/spec_codec.h"
 #include "tests/testing/status_matchers.h"
 
 namespace muond::session {

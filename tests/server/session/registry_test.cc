@@ -1,10 +1,9 @@
 // SessionRegistry in process: create-or-attach, a conflicting spec, ownership, --max-sessions and
 // closing.
-#include "server/session/session_registry.h"
-
 #include "gmock/gmock.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "server/rpc/spec_codec.h"
+#include "server/session/session_registry.h"
 #include "tests/server/session/session_test_util.h"
 #include "tests/testing/status_matchers.h"
 

@@ -146,9 +146,9 @@ TEST_F(RestoreTest, FailStopNamesTheFileAndMovesNothing) {
   std::memcpy(bytes.data() + second + 4, &inflated, 8);
   std::ofstream(journal, std::ios::binary | std::ios::trunc) << bytes;
 
-  EXPECT_THAT(Restore(durability::DamagedState::kFail),
-              StatusIs(absl::StatusCode::kDataLoss,
-                       journal + " is unusable: record at byte " + std::to_string(second)));
+  EXPECT_THAT(
+      Restore(durability::DamagedState::kFail),
+      StatusIs(absl::StatusCode::kDataLoss, journal + " is unusable: record at byte " + std::to_string(second)));
   EXPECT_EQ(ReadAll(journal), bytes) << "the refused journal is kept byte for byte";
   EXPECT_TRUE(Quarantined().empty());
   EXPECT_THAT(Load("bad"), StatusIs(absl::StatusCode::kDataLoss, journal));

@@ -86,8 +86,8 @@ TEST_F(SessionRulesTest, AStateOutsideTheRangesIsRefusedAndChangesNothing) {
   SessionState counts = before_;
   counts.last_step = 3;
   counts.step_counts[1] = 4;
-  EXPECT_THAT(session_->ImportState(counts),
-              StatusIs(absl::StatusCode::kInvalidArgument, "'b' has count 4; counts must be between 0 and last_step (3)"));
+  EXPECT_THAT(session_->ImportState(counts), StatusIs(absl::StatusCode::kInvalidArgument,
+                                                      "'b' has count 4; counts must be between 0 and last_step (3)"));
   EXPECT_THAT(session_->ImportState(Edited(0, "momentum", std::nanf(""))),
               StatusIs(absl::StatusCode::kInvalidArgument, "chunk.data: 'w/momentum' has the value nan at element 1"));
   EXPECT_THAT(session_->ImportState(Edited(1, "master", INFINITY)),

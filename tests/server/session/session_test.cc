@@ -152,8 +152,10 @@ TEST_F(SessionTest, LatestParametersComeWithTheirStepAndLock) {
 
 TEST_F(SessionTest, JournaledStepsApplyOnlyInOrder) {
   ASSERT_OK(session_->ApplyJournaledStep(Request(1), Gradients(1)).status());
-  EXPECT_THAT(session_->ApplyJournaledStep(Request(1), Gradients(1)), StatusIs(absl::StatusCode::kFailedPrecondition, "step"));
-  EXPECT_THAT(session_->ApplyJournaledStep(Request(3), Gradients(3)), StatusIs(absl::StatusCode::kFailedPrecondition, "step"));
+  EXPECT_THAT(session_->ApplyJournaledStep(Request(1), Gradients(1)),
+              StatusIs(absl::StatusCode::kFailedPrecondition, "step"));
+  EXPECT_THAT(session_->ApplyJournaledStep(Request(3), Gradients(3)),
+              StatusIs(absl::StatusCode::kFailedPrecondition, "step"));
   EXPECT_EQ(session_->last_step(), 1);
 }
 
@@ -237,7 +239,7 @@ TEST_F(CountZerosTest, AStepThatAsksCountsExactZerosOfThePresentGradients) {
   EXPECT_EQ(first.result.num_zeros_in_grad, 0) << "not asked for";
 
   std::vector<HostTensor> gradients = Gradients(2);
-  gradients[0].values[0] = -0.0f;  // -0 counts as a zero
+  gradients[0].values[0] = -0.0f;   // -0 counts as a zero
   gradients[0].values[1] = 1e-40f;  // a denormal does not
   const int64_t expected = ZerosIn(gradients);
   ASSERT_GT(expected, 1);

@@ -16,14 +16,14 @@
 #include "server/metrics/metrics.h"
 #include "server/rpc/spec_codec.h"
 #include "server/session/session.h"
-#include "tests/server/session/session_test_util.h"
 #include "server/transport/gpu/cuda_ipc_step.h"
 #include "server/transport/gpu/cuda_memory_regions.h"
 #include "server/transport/gpu/device_tensors.h"
 #include "server/transport/gpu/nccl_channels.h"
 #include "server/transport/gpu/nccl_step.h"
-#include "server/transport/v1/tensor_decode.h"
 #include "server/transport/shm/shared_memory_regions.h"
+#include "server/transport/v1/tensor_decode.h"
+#include "tests/server/session/session_test_util.h"
 #include "tests/testing/status_matchers.h"
 
 namespace muond::transport {
@@ -109,7 +109,8 @@ TEST_P(DeviceGradientsTest, MatchTheHostPathStepForStep) {
     request.step = k;
     if (k % 2 == 0) request.max_grad_norm = 0.5;  // clips: the norm is about 5
     const std::vector<float> w = Values(kW, 0.1f * k), b = Values(kB, 0.7f * k);
-    ASSERT_OK_AND_ASSIGN(session::StepOutcome on_device, DeviceStep(*device, *device_like, request, GetParam(), w, b, true));
+    ASSERT_OK_AND_ASSIGN(session::StepOutcome on_device,
+                         DeviceStep(*device, *device_like, request, GetParam(), w, b, true));
     const session::StepOutcome on_host = HostStep(*host, request, GetParam(), w, b);
     ASSERT_TRUE(on_device.result.applied) << on_device.result.skip_reason;
     // The norm is summed on the backend, in its own order: equal to rounding.
@@ -129,9 +130,8 @@ TEST_P(DeviceGradientsTest, MatchTheHostPathStepForStep) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Dtypes, DeviceGradientsTest,
-                         ::testing::Values(v1::DTYPE_FP32, v1::DTYPE_BF16, v1::DTYPE_FP16),
-                         [](const auto& info) { return std::string(wire::DTypeName(info.param)); });
+INSTANTIATE_TEST_SUITE_P(Dtypes, DeviceGradientsTest, ::testing::Values(v1::DTYPE_FP32, v1::DTYPE_BF16, v1::DTYPE_FP16),
+                         [](const auto& param_info) { return std::string(wire::DTypeName(param_info.param)); });
 
 TEST(DeviceGradientsTest, ANonFiniteDeviceGradientSkipsTheStepAndChangesNothing) {
   auto device_like = kernels::NewCpuBackend(1, /*host_addressable=*/false);
@@ -321,9 +321,8 @@ TEST(CudaIpcStepTest, SixteenBitMastersAnswerInEveryDtype) {
   session::StepRequest request;
   request.step = 1;
   request.device_answer = true;
-  ASSERT_OK_AND_ASSIGN(session::StepOutcome outcome,
-                       DeviceStep(*session, *device_like, request, v1::DTYPE_FP32, Values(kW, 0.3f),
-                                  Values(kB, 0.6f), true));
+  ASSERT_OK_AND_ASSIGN(session::StepOutcome outcome, DeviceStep(*session, *device_like, request, v1::DTYPE_FP32,
+                                                                Values(kW, 0.3f), Values(kB, 0.6f), true));
   ASSERT_TRUE(outcome.result.applied) << outcome.result.skip_reason;
   ASSERT_TRUE(outcome.parameters->on_device);
   const std::shared_ptr<const session::ParameterSnapshot> on_device = outcome.parameters;
@@ -337,8 +336,8 @@ TEST(CudaIpcStepTest, SixteenBitMastersAnswerInEveryDtype) {
     }
   }
   request.step = 2;
-  ASSERT_OK(DeviceStep(*session, *device_like, request, v1::DTYPE_FP32, Values(kW, 0.4f), Values(kB, 0.7f), true)
-                .status());
+  ASSERT_OK(
+      DeviceStep(*session, *device_like, request, v1::DTYPE_FP32, Values(kW, 0.4f), Values(kB, 0.7f), true).status());
   std::string out(kB * 4, '\0');
   EXPECT_EQ(session->CopyParameterOnDevice(*on_device, 1, kernels::StorageDtype::kFp32, out.data()).code(),
             absl::StatusCode::kAborted);
@@ -409,8 +408,9 @@ TEST(NcclStepTest, ReceivesInOrderSendsEveryParameterAndAReplayDrainsTheGradient
     session::StepRequest request;
     request.step = k == 3 ? 2 : k;  // the third is a replay of step 2
     request.device_answer = true;
-    NcclGradientSource source(device_like.get(), &channel, ResolveNcclTensors(config, grads, "gradients", false).value(),
-                              deadline, absl::Seconds(60));
+    NcclGradientSource source(device_like.get(), &channel,
+                              ResolveNcclTensors(config, grads, "gradients", false).value(), deadline,
+                              absl::Seconds(60));
     NcclParameterSink sink(nccl.get(), device_like.get(), &channel,
                            ResolveNcclTensors(config, params, "parameters", true).value(), deadline, absl::Seconds(60));
     ASSERT_OK(RunStep(*nccl, request, source, sink, *metrics::NoMetrics()));
@@ -518,7 +518,7 @@ TEST(NcclChannelsTest, AtTheCapIdleChannelsMakeRoomButNotOneInUse) {
   ASSERT_OK_AND_ASSIGN(NcclChannels::Opened idle, channels.Open("alice", "s", 0));
   ASSERT_OK_AND_ASSIGN(NcclChannels::Opened used, channels.Open("alice", "s", 1));
   ASSERT_OK_AND_ASSIGN(std::shared_ptr<NcclChannel> in_use, channels.Find("alice", used.name, "s", "channel"));
-  in_use->busy.Lock();  // a step is using it
+  in_use->busy.Lock();                    // a step is using it
   absl::SleepFor(absl::Milliseconds(5));  // both past the timeout since their opening
   ASSERT_OK_AND_ASSIGN(NcclChannels::Opened fresh, channels.Open("bob", "t", 0));
   EXPECT_TRUE(*backend.aborted[0]) << "the idle channel made room";
@@ -546,8 +546,10 @@ TEST(TensorRefsTest, EveryBadReferenceIsRefusedNamingItsField) {
   EXPECT_THAT(resolve({{b, v1::DTYPE_FP32, kB * 4}, {b, v1::DTYPE_FP32, kB * 4}}, false).status().message(),
               HasSubstr("gradients[1].name: 'b' appears twice"));
   EXPECT_THAT(resolve({{b, static_cast<v1::DType>(9), 96}}, false).status().message(), HasSubstr("gradients[0].dtype"));
-  EXPECT_THAT(resolve({{b, v1::DTYPE_FP32, kB * 4 - 1}}, false).status().message(), HasSubstr("gradients[0].byte_size"));
-  EXPECT_THAT(resolve({{b, v1::DTYPE_BF16, kB * 2, &other}}, false).status().message(), HasSubstr("gradients[0].region"));
+  EXPECT_THAT(resolve({{b, v1::DTYPE_FP32, kB * 4 - 1}}, false).status().message(),
+              HasSubstr("gradients[0].byte_size"));
+  EXPECT_THAT(resolve({{b, v1::DTYPE_BF16, kB * 2, &other}}, false).status().message(),
+              HasSubstr("gradients[0].region"));
   EXPECT_THAT(resolve({{b, v1::DTYPE_FP32, kB * 4, &r, 4096 - kB * 4 + 1}}, false).status().message(),
               HasSubstr("gradients[0].offset"));
   EXPECT_THAT(resolve({{b, v1::DTYPE_FP32, kB * 4, &r, ~uint64_t{0} - 10}}, false).status().message(),
@@ -555,9 +557,11 @@ TEST(TensorRefsTest, EveryBadReferenceIsRefusedNamingItsField) {
   RefFields misaligned{b, v1::DTYPE_FP32, kB * 4, &r, 2};
   EXPECT_OK(resolve({misaligned}, false).status()) << "host memory takes any offset";
   misaligned.aligned = true;
-  EXPECT_THAT(resolve({misaligned}, false).status().message(), HasSubstr("gradients[0].offset: 2 is not a multiple of 4"));
+  EXPECT_THAT(resolve({misaligned}, false).status().message(),
+              HasSubstr("gradients[0].offset: 2 is not a multiple of 4"));
   EXPECT_THAT(resolve({{b, v1::DTYPE_FP32, kB * 4}}, true).status().message(), HasSubstr("no place for parameter 'w'"));
-  ASSERT_OK_AND_ASSIGN(std::vector<TensorRef> refs, resolve({{b, v1::DTYPE_BF16, kB * 2, &r, 8}, {w, v1::DTYPE_FP32, kW * 4, &r, 100}}, true));
+  ASSERT_OK_AND_ASSIGN(std::vector<TensorRef> refs,
+                       resolve({{b, v1::DTYPE_BF16, kB * 2, &r, 8}, {w, v1::DTYPE_FP32, kW * 4, &r, 100}}, true));
   EXPECT_EQ(refs[0].index, 1u);
   EXPECT_EQ(refs[0].offset, 8u);
   EXPECT_EQ(refs[1].index, 0u);
@@ -573,7 +577,8 @@ TEST(GpuTablesTest, ABackendWithoutAGpuRefusesAfterTheRequestIsChecked) {
   request.set_byte_size(1024);
   request.set_mem_handle(std::string(10, 'x'));
   request.set_event_handle(std::string(64, 'e'));
-  EXPECT_THAT(regions.Register("", request).status().message(), HasSubstr("mem_handle: a cudaIpcMemHandle_t has 64 bytes"));
+  EXPECT_THAT(regions.Register("", request).status().message(),
+              HasSubstr("mem_handle: a cudaIpcMemHandle_t has 64 bytes"));
   request.set_mem_handle(std::string(64, 'm'));
   request.set_event_handle("");
   EXPECT_THAT(regions.Register("", request).status().message(), HasSubstr("event_handle"));

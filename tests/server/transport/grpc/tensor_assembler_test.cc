@@ -1,13 +1,12 @@
 // TensorAssembler: chunks are checked against the session's parameters and assembled in order.
 #include "server/transport/grpc/tensor_assembler.h"
 
-#include "server/rpc/spec_codec.h"
-
 #include <cmath>
 #include <cstring>
 
 #include "gmock/gmock.h"
 #include "proto/wire/dtype_codec.h"
+#include "server/rpc/spec_codec.h"
 #include "tests/testing/status_matchers.h"
 
 namespace muond::transport {
@@ -75,11 +74,13 @@ TEST(TensorAssemblerTest, RefusesWhatDoesNotFit) {
               StatusIs(absl::StatusCode::kInvalidArgument, "exceed the chunk limit of 16"));
   EXPECT_THAT(assembler.Add(Chunk("a", {1}, 1)), StatusIs(absl::StatusCode::kInvalidArgument, "chunk.offset"));
   ASSERT_OK(assembler.Add(Chunk("a", {1, 2, 3, 4}, 0)));
-  EXPECT_THAT(assembler.Add(Chunk("a", {1, 2, 3}, 4)), StatusIs(absl::StatusCode::kInvalidArgument, "end at element 7"));
+  EXPECT_THAT(assembler.Add(Chunk("a", {1, 2, 3}, 4)),
+              StatusIs(absl::StatusCode::kInvalidArgument, "end at element 7"));
   EXPECT_THAT(assembler.Finish(false), StatusIs(absl::StatusCode::kInvalidArgument, "'a' is incomplete: 4 of 6"));
   v1::TensorChunk odd = Chunk("b", {1}, 0);
   odd.mutable_data()->push_back('x');
-  EXPECT_THAT(assembler.Add(odd), StatusIs(absl::StatusCode::kInvalidArgument, "3 bytes is not a whole number of bf16"));
+  EXPECT_THAT(assembler.Add(odd),
+              StatusIs(absl::StatusCode::kInvalidArgument, "3 bytes is not a whole number of bf16"));
   v1::TensorChunk shaped = Chunk("a", {5, 6}, 4);
   shaped.add_shape(3);
   shaped.add_shape(2);
