@@ -33,7 +33,7 @@
 #include "server/rpc/call_tracker.h"
 #include "server/rpc/muond_service.h"
 #include "server/rpc/server_credentials.h"
-#include "server/rpc/spec_codec.h"
+#include "server/rpc/session_spec_codec.h"
 #include "server/security/tls_files.h"
 #include "server/security/token_table.h"
 #include "server/session/session_registry.h"
@@ -229,13 +229,15 @@ struct Transports {
   std::string shm_address;
 
   // Offers them to the service: shared memory only when its socket listens.
-  void OfferTo(rpc::ServiceOptions& options) const {
-    options.cuda_regions = cuda_regions.get();
-    options.nccl_channels = nccl_channels.get();
+  rpc::OfferedTransports Offered() const {
+    rpc::OfferedTransports offered;
+    offered.cuda_regions = cuda_regions.get();
+    offered.nccl_channels = nccl_channels.get();
     if (shm_socket != nullptr) {
-      options.shm_regions = shm_regions.get();
-      options.shm_socket = shm_address;
+      offered.shm_regions = shm_regions.get();
+      offered.shm_socket = shm_address;
     }
+    return offered;
   }
 };
 
@@ -277,7 +279,7 @@ rpc::ServiceOptions ServiceOptionsOf(const DaemonFlags& flags, const Access& acc
   service_options.tokens = access.tokens ? &*access.tokens : nullptr;
   service_options.rpc_timeout = absl::Seconds(flags.rpc_timeout_seconds);
   service_options.metrics = outlet.metrics;
-  transports.OfferTo(service_options);
+  service_options.transports = transports.Offered();
   service_options.host_id = muond::HostId();
   service_options.metrics_address = outlet.endpoint ? outlet.endpoint->address() : "";
   service_options.durability = flags.state_dir.empty() ? "" : flags.durability;

@@ -215,8 +215,3 @@ class ChunkAssembler:
                                        or flat.device != target.device):
                 with torch.no_grad():
                     target.copy_(flat.view(target.shape))
-
-
-def optional_dtype_enum(value: Optional[DTypeLike]) -> int:
-    """``DTYPE_UNSPECIFIED`` for None, else the enum of the named dtype."""
-    return pb.DTYPE_UNSPECIFIED if value is None else _ENUM[dtype_name(value)]

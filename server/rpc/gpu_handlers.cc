@@ -165,13 +165,15 @@ absl::Time MuondService::CallDeadline(const grpc::ServerContext& context) const 
 }
 
 absl::StatusOr<transport::CudaMemoryRegions*> MuondService::CudaRegions() const {
-  if (options_.cuda_regions == nullptr) return absl::FailedPreconditionError("the daemon offers no CUDA IPC transport");
-  return options_.cuda_regions;
+  if (options_.transports.cuda_regions == nullptr)
+    return absl::FailedPreconditionError("the daemon offers no CUDA IPC transport");
+  return options_.transports.cuda_regions;
 }
 
 absl::StatusOr<transport::NcclChannels*> MuondService::NcclChannels() const {
-  if (options_.nccl_channels == nullptr) return absl::FailedPreconditionError("the daemon offers no NCCL transport");
-  return options_.nccl_channels;
+  if (options_.transports.nccl_channels == nullptr)
+    return absl::FailedPreconditionError("the daemon offers no NCCL transport");
+  return options_.transports.nccl_channels;
 }
 
 }  // namespace muond::rpc

@@ -32,6 +32,15 @@
 
 namespace muond::rpc {
 
+// The out-of-band step transports the service offers, besides its gRPC streams: each one's table
+// of what callers registered; a null table is not offered. Not owned.
+struct OfferedTransports {
+  transport::SharedMemoryRegions* shm_regions = nullptr;
+  std::string shm_socket;  // the shared-memory socket's address, reported by GetServerInfo
+  transport::CudaMemoryRegions* cuda_regions = nullptr;
+  transport::NcclChannels* nccl_channels = nullptr;
+};
+
 struct ServiceOptions {
   size_t max_chunk_bytes = 4u << 20;      // largest accepted chunk payload
   size_t default_chunk_bytes = 1u << 20;  // chunk size of answers unless the client asks otherwise
@@ -40,12 +49,7 @@ struct ServiceOptions {
   const security::TokenTable* tokens = nullptr;
   absl::Duration rpc_timeout = absl::Seconds(600);   // the daemon's limit on any call; 0: none
   metrics::Metrics* metrics = metrics::NoMetrics();  // not owned
-  // The shared-memory transport; null when the daemon offers none. Not owned.
-  transport::SharedMemoryRegions* shm_regions = nullptr;
-  std::string shm_socket;  // its socket's address, reported by GetServerInfo
-  // The GPU transports' tables (CUDA IPC memory, NCCL channels); null: not offered. Not owned.
-  transport::CudaMemoryRegions* cuda_regions = nullptr;
-  transport::NcclChannels* nccl_channels = nullptr;
+  OfferedTransports transports;
   std::string host_id;  // the kernel's boot id, reported by GetServerInfo
   // Reported by GetServerInfo: the metrics endpoint's address ("" when off), the durability of
   // --state-dir ("" when none) and --max-sessions.

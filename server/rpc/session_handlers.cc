@@ -7,7 +7,7 @@
 #include "common/status_macros.h"
 #include "kernels/optim/options.h"
 #include "server/rpc/muond_service.h"
-#include "server/rpc/spec_codec.h"
+#include "server/rpc/session_spec_codec.h"
 
 namespace muond::rpc {
 namespace {
@@ -32,15 +32,16 @@ grpc::Status MuondService::GetServerInfo(grpc::ServerContext* context, const v1:
     for (const std::string& name : optim::OptimizerNames()) info->add_optimizers(name);
     for (const std::string& name : optim::NamedScheduleNames()) info->add_ns_coefficient_sets(name);
     info->set_num_sessions(static_cast<int32_t>(registry_->size()));
-    if (options_.shm_regions != nullptr) info->set_shm_socket(options_.shm_socket);
+    if (options_.transports.shm_regions != nullptr) info->set_shm_socket(options_.transports.shm_socket);
     info->set_host_id(options_.host_id);
     info->set_metrics_address(options_.metrics_address);
     info->set_durability(options_.durability);
     info->set_max_sessions(options_.max_sessions);
-    info->set_cuda_ipc(options_.cuda_regions != nullptr && !backend_->DeviceUuid().empty());
+    info->set_cuda_ipc(options_.transports.cuda_regions != nullptr && !backend_->DeviceUuid().empty());
     info->set_cuda_device_uuid(backend_->DeviceUuid());
-    info->set_nccl_version(options_.nccl_channels != nullptr ? backend_->NcclVersion() : 0);
-    if (options_.nccl_channels != nullptr) info->set_max_nccl_channels(options_.nccl_channels->limits().max_channels);
+    info->set_nccl_version(options_.transports.nccl_channels != nullptr ? backend_->NcclVersion() : 0);
+    if (options_.transports.nccl_channels != nullptr)
+      info->set_max_nccl_channels(options_.transports.nccl_channels->limits().max_channels);
     return absl::OkStatus();
   });
 }
@@ -66,8 +67,10 @@ grpc::Status MuondService::CloseSession(grpc::ServerContext* context, const v1::
   return Serve(calls_, context, "CloseSession", [&](const std::string& caller) -> absl::Status {
     MUOND_RETURN_IF_ERROR(registry_->Close(request->session_id(), caller));
     // Its GPU transports go with it: CUDA IPC handles closed, NCCL communicators aborted.
-    if (options_.cuda_regions != nullptr) options_.cuda_regions->DropSession(request->session_id());
-    if (options_.nccl_channels != nullptr) options_.nccl_channels->DropSession(request->session_id());
+    if (options_.transports.cuda_regions != nullptr)
+      options_.transports.cuda_regions->DropSession(request->session_id());
+    if (options_.transports.nccl_channels != nullptr)
+      options_.transports.nccl_channels->DropSession(request->session_id());
     return absl::OkStatus();
   });
 }

@@ -9,11 +9,11 @@
 namespace muond::rpc {
 
 absl::StatusOr<transport::SharedMemoryRegions*> MuondService::ShmRegions() const {
-  if (options_.shm_regions == nullptr) {
+  if (options_.transports.shm_regions == nullptr) {
     return absl::FailedPreconditionError(
         "the daemon offers no shared-memory transport (started with --shm-socket none); use the gRPC transport");
   }
-  return options_.shm_regions;
+  return options_.transports.shm_regions;
 }
 
 grpc::Status MuondService::RegisterSharedMemory(grpc::ServerContext* context,

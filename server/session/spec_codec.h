@@ -1,7 +1,7 @@
 // SpecCodec: how the session layer reads the session specs it is given, without knowing the API
 // they come from. A spec travels through this layer as JSON text in the API's own form (stored in
 // checkpoints as is); the codec parses and validates it into a SessionConfig and compares two of
-// them. The rpc layer implements it for muond.v1 (server/rpc/spec_codec.h).
+// them. The rpc layer implements it for muond.v1 (server/rpc/session_spec_codec.h).
 //
 // Implementations are immutable and thread-safe; the registry borrows one for its lifetime.
 #pragma once

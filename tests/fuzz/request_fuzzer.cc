@@ -43,7 +43,7 @@
 #include "kernels/optim/options.h"
 #include "muond/v1/muond.grpc.pb.h"
 #include "server/rpc/muond_service.h"
-#include "server/rpc/spec_codec.h"
+#include "server/rpc/session_spec_codec.h"
 #include "server/session/session_registry.h"
 #include "server/session/value_rules.h"
 #include "tests/fuzz/request_script.h"

@@ -10,7 +10,7 @@
 #include "server/durability/checkpoint.h"
 #include "server/durability/file_util.h"
 #include "server/durability/session_files.h"
-#include "server/rpc/spec_codec.h"
+#include "server/rpc/session_spec_codec.h"
 #include "server/session/state_dir.h"
 
 namespace muond::ctl {

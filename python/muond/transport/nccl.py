@@ -95,9 +95,6 @@ class Nccl:
     def group_start(self) -> None:
         self.check("ncclGroupStart", self.lib.ncclGroupStart())
 
-    def group_end(self) -> None:
-        self.check("ncclGroupEnd", self.lib.ncclGroupEnd())
-
 
 def nccl() -> Nccl:
     """NCCL (loaded once); RuntimeError when it cannot be loaded."""
@@ -211,10 +208,3 @@ class Communicator:
                 return
             self.aborted = True
         self._nccl.lib.ncclCommAbort(ctypes.c_void_p(comm))
-
-    def destroy(self) -> None:
-        """Frees the communicator after its transfers completed. Idempotent."""
-        with self._lock:
-            comm, self._comm = self._comm, None
-        if comm:
-            self._nccl.check("ncclCommDestroy", self._nccl.lib.ncclCommDestroy(ctypes.c_void_p(comm)))

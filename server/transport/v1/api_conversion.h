@@ -1,7 +1,7 @@
 // Conversions between the muond.v1 wire messages and the session layer's own types: a step header
 // becomes a StepRequest, a StepResult becomes its message, dtypes map one to one (the session's
 // TensorDType uses the API's numbering). The only place the two vocabularies meet, besides the spec
-// codec (server/rpc/spec_codec.h). Pure functions; thread-safe.
+// codec (server/rpc/session_spec_codec.h). Pure functions; thread-safe.
 #pragma once
 
 #include "muond/v1/muond.pb.h"

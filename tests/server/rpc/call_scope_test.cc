@@ -14,7 +14,7 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "muond/v1/muond.grpc.pb.h"
 #include "server/rpc/muond_service.h"
-#include "server/rpc/spec_codec.h"
+#include "server/rpc/session_spec_codec.h"
 #include "server/session/session_registry.h"
 #include "tests/testing/status_matchers.h"
 

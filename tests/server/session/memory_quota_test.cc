@@ -1,7 +1,7 @@
 #include "server/session/memory_quota.h"
 
 #include "gtest/gtest.h"
-#include "server/rpc/spec_codec.h"
+#include "server/rpc/session_spec_codec.h"
 #include "tests/testing/status_matchers.h"
 
 namespace muond::session {

@@ -2,7 +2,7 @@
 // closing.
 #include "gmock/gmock.h"
 #include "kernels/cpu/cpu_backend.h"
-#include "server/rpc/spec_codec.h"
+#include "server/rpc/session_spec_codec.h"
 #include "server/session/session_registry.h"
 #include "tests/server/session/session_test_util.h"
 #include "tests/testing/status_matchers.h"

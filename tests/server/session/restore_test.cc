@@ -15,7 +15,7 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "nlohmann/json.hpp"
 #include "server/durability/file_util.h"
-#include "server/rpc/spec_codec.h"
+#include "server/rpc/session_spec_codec.h"
 #include "server/session/session_registry.h"
 #include "server/session/state_dir.h"
 #include "tests/server/session/session_test_util.h"

@@ -9,7 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "muond/v1/muond.pb.h"
-#include "server/rpc/spec_codec.h"
+#include "server/rpc/session_spec_codec.h"
 #include "server/session/session.h"
 
 namespace muond::session::session_testing {

@@ -14,7 +14,7 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "proto/wire/dtype_codec.h"
 #include "server/metrics/metrics.h"
-#include "server/rpc/spec_codec.h"
+#include "server/rpc/session_spec_codec.h"
 #include "server/session/session.h"
 #include "server/transport/gpu/cuda_ipc_step.h"
 #include "server/transport/gpu/cuda_memory_regions.h"

@@ -6,7 +6,7 @@
 
 #include "gmock/gmock.h"
 #include "proto/wire/dtype_codec.h"
-#include "server/rpc/spec_codec.h"
+#include "server/rpc/session_spec_codec.h"
 #include "tests/testing/status_matchers.h"
 
 namespace muond::transport {

@@ -1,4 +1,4 @@
-#include "server/rpc/spec_codec.h"
+#include "server/rpc/session_spec_codec.h"
 
 #include <algorithm>
 #include <cmath>

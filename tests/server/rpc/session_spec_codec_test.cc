@@ -1,6 +1,6 @@
 // ParseSessionSpec / ParseGroupOptions / CheckSameSpec: defaults, validation naming the field, and
 // spec comparison for attach.
-#include "server/rpc/spec_codec.h"
+#include "server/rpc/session_spec_codec.h"
 
 #include "gmock/gmock.h"
 #include "tests/testing/status_matchers.h"
