@@ -98,6 +98,9 @@ void CopyResult(const v1::StepResult& r, StepReply* reply) {
   reply->sum_squares.assign(r.sum_squares().begin(), r.sum_squares().end());
   reply->num_zeros_in_grad = r.num_zeros_in_grad();
   reply->loss_scale = r.loss_scale();
+  reply->contributors.assign(r.contributors().begin(), r.contributors().end());
+  reply->total_weight = r.total_weight();
+  reply->included = r.included() || r.contributors_size() == 0;  // a daemon without contributors used every rank
 }
 
 Client::Client(ClientOptions options, std::shared_ptr<grpc::Channel> channel)
@@ -308,7 +311,7 @@ absl::StatusOr<StepReply> Session::StepThrough(StepTransport& transport, int64_t
     absl::StatusOr<StepReply> reply = transport.StepOnce(header, payload, options);
     if (reply.ok()) {
       reply->attempts = attempt;
-      last_step_ = step;
+      last_step_ = reply->step;  // a rank left out of a quorum step continues where the session is
       return reply;
     }
     if (!IsTransient(reply.status().code()) || attempt >= client_->options().max_step_attempts) return reply;
@@ -325,6 +328,7 @@ v1::StepHeader Session::Header(int64_t step, const StepOptions& options) const {
   if (options.max_grad_norm) header.set_max_grad_norm(*options.max_grad_norm);
   header.set_log_num_zeros_in_grad(options.log_num_zeros_in_grad);
   if (options.grad_scale) header.set_grad_scale(*options.grad_scale);
+  if (options.weight) header.set_weight(*options.weight);
   for (const auto& [query, max_logits] : options.qk_logits) {
     v1::QkClipLogits* logits = header.add_qk_logits();
     logits->set_query(query);

@@ -96,6 +96,9 @@ struct StepOptions {
   // by it before the norm, clipping and the non-finite check. With a session loss scaler leave it
   // unset (or give StepReply::loss_scale of the previous step).
   std::optional<double> grad_scale;
+  // This rank's weight in a multi-rank step's average (e.g. the tokens behind its gradients): the
+  // daemon applies sum(w_r * g_r) / sum(w_r). Finite and > 0; unset: 1.
+  std::optional<double> weight;
 };
 
 using ParameterMap = std::map<std::string, std::vector<float>>;
@@ -115,6 +118,13 @@ struct StepReply {
   int64_t num_zeros_in_grad = 0;  // with StepOptions::log_num_zeros_in_grad; summed over shards
   // With a session loss scaler (SessionSpec::loss_scaler): the scale to multiply the next loss by.
   double loss_scale = 0;
+  // Multi-rank sessions (docs/ranks.md): the ranks whose gradients the step used, the sum of their
+  // weights, and whether this rank's were used. A quorum session answers a rank that came late with
+  // included = false and the parameters after its last step, which `step` names: continue with
+  // step + 1.
+  std::vector<int> contributors;
+  double total_weight = 0;
+  bool included = true;
 };
 
 class Session;

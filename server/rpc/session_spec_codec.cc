@@ -20,6 +20,8 @@ using session::ParameterConfig;
 using session::QkClipConfig;
 using session::SessionConfig;
 using session::SpecLimits;
+using session::SyncConfig;
+using session::SyncMode;
 using session::TensorDType;
 
 using optim::OptimizerKind;
@@ -179,6 +181,35 @@ std::string ShardDifference(const v1::SessionSpec& existing, const v1::SessionSp
   return "";
 }
 
+// spec.sync: lock-step unless asked; a quorum's Q and G in range. Needs world_size and shard set.
+absl::Status ParseSync(const v1::SyncSpec& sync, SessionConfig& config) {
+  switch (sync.mode()) {
+    case v1::SYNC_MODE_UNSPECIFIED:
+    case v1::SYNC_MODE_LOCKSTEP:
+      if (sync.min_ranks() != 0) return Invalid("spec.sync.min_ranks", "applies to mode quorum only");
+      if (sync.grace_seconds() != 0) return Invalid("spec.sync.grace_seconds", "applies to mode quorum only");
+      config.sync.mode = SyncMode::kLockstep;
+      return absl::OkStatus();
+    case v1::SYNC_MODE_QUORUM: {
+      if (config.shard.count > 0) {
+        return Invalid("spec.sync.mode", "quorum steps are not available on a sharded session (lock-step only)");
+      }
+      const int q = sync.min_ranks() == 0 ? config.world_size : sync.min_ranks();
+      if (q < 1 || q > config.world_size) {
+        return Invalid("spec.sync.min_ranks",
+                       absl::StrCat("must be between 1 and world_size (", config.world_size, "), got ", q));
+      }
+      if (!std::isfinite(sync.grace_seconds()) || sync.grace_seconds() < 0) {
+        return Invalid("spec.sync.grace_seconds", absl::StrCat("must be finite and >= 0, got ", sync.grace_seconds()));
+      }
+      config.sync = SyncConfig{SyncMode::kQuorum, q, sync.grace_seconds()};
+      return absl::OkStatus();
+    }
+    default:
+      return Invalid("spec.sync.mode", absl::StrCat("unknown mode ", static_cast<int>(sync.mode())));
+  }
+}
+
 }  // namespace
 
 absl::StatusOr<SessionConfig> ParseSessionSpec(const v1::SessionSpec& spec, const SpecLimits& limits) {
@@ -287,6 +318,7 @@ absl::StatusOr<SessionConfig> ParseSessionSpec(const v1::SessionSpec& spec, cons
   MUOND_RETURN_IF_ERROR(ParseQkClip(spec, config));
   MUOND_RETURN_IF_ERROR(ParseShard(spec, config));
   MUOND_RETURN_IF_ERROR(ParseLossScaler(spec, config));
+  MUOND_RETURN_IF_ERROR(ParseSync(spec.sync(), config));
   return config;
 }
 

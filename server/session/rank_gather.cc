@@ -2,41 +2,57 @@
 
 namespace muond::session {
 
-uint64_t RankGather::Add(StepPlan plan, std::vector<HostTensor> gradients) {
+uint64_t RankGather::Add(StepPlan plan, std::vector<HostTensor> gradients, absl::Time now) {
   if (step_ != plan.request.step) {
     step_ = plan.request.step;
-    arrived_ = 0;
+    arrival_times_.clear();
     ranks_.assign(world_size_, std::nullopt);
     ++generation_;
   }
   auto& slot = ranks_[plan.request.rank];
-  if (!slot) ++arrived_;
+  if (!slot) arrival_times_.push_back(now);
   slot.emplace(std::move(plan), std::move(gradients));
   return generation_;
+}
+
+absl::Time RankGather::reached(int n) const {
+  if (n < 1 || n > arrived()) return absl::InfiniteFuture();
+  return arrival_times_[n - 1];
 }
 
 std::pair<StepPlan, std::vector<HostTensor>> RankGather::TakeAverage(size_t num_parameters) {
   std::vector<HostTensor> mean(num_parameters);
   for (size_t p = 0; p < num_parameters; ++p) {
     std::vector<double> sum;
-    int count = 0;
+    double weights = 0;
     for (const auto& rank : ranks_) {
+      if (!rank) continue;
       const HostTensor& g = rank->second[p];
       if (!g.present()) continue;
+      const double w = rank->first.request.weight;
       if (sum.empty()) sum.assign(g.values.size(), 0.0);
-      for (size_t i = 0; i < sum.size(); ++i) sum[i] += g.values[i];
-      ++count;
+      for (size_t i = 0; i < sum.size(); ++i) sum[i] += w * g.values[i];
+      weights += w;
     }
-    if (count == 0) continue;
+    if (weights == 0) continue;
     HostTensor& out = mean[p];
     out.values.resize(sum.size());
     for (size_t i = 0; i < sum.size(); ++i) {
-      out.values[i] = static_cast<float>(sum[i] / count);
+      out.values[i] = static_cast<float>(sum[i] / weights);
       out.sum_squares += static_cast<double>(out.values[i]) * out.values[i];
     }
     out.received = static_cast<int64_t>(sum.size());
   }
-  StepPlan plan = std::move(ranks_[0]->first);
+  std::vector<int> contributors;
+  double total_weight = 0;
+  for (int r = 0; r < world_size_; ++r) {
+    if (!ranks_[r]) continue;
+    contributors.push_back(r);
+    total_weight += ranks_[r]->first.request.weight;
+  }
+  StepPlan plan = std::move(ranks_[contributors.front()]->first);
+  plan.request.contributors = std::move(contributors);
+  plan.request.total_weight = total_weight;
   End();
   return {std::move(plan), std::move(mean)};
 }
@@ -52,7 +68,7 @@ std::vector<int> RankGather::Abort() {
 
 void RankGather::End() {
   step_ = 0;
-  arrived_ = 0;
+  arrival_times_.clear();
   ranks_.clear();
   ++generation_;
 }

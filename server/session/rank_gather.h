@@ -1,8 +1,11 @@
 // RankGather: the step being gathered from the ranks of a multi-rank session (world size N > 1).
-// Each rank's plan and gradients are kept until all N have arrived; then the gradients are averaged
-// — per parameter, over the ranks that sent it, summed in rank order in fp64 so the result does not
-// depend on arrival order — and the step is applied once with rank 0's plan. A rank that resends
-// while it waits replaces its part.
+// Each rank's plan and gradients are kept until the step is taken: by lock-step sessions once all
+// N have arrived, by quorum sessions also once Q have and the grace time has passed (Session
+// decides; this class records when each count of ranks was reached). The gradients are then
+// averaged with the ranks' weights — per parameter, sum(w_r * g_r) / sum(w_r) over the ranks that
+// sent it, summed in rank order in fp64 and rounded once to fp32, so the result does not depend on
+// arrival order (with every weight 1 it is the plain mean) — and the step is applied once with the
+// plan of the lowest rank that arrived. A rank that resends while it waits replaces its part.
 //
 // The generation changes whenever a gathering ends (applied or aborted), so waiting ranks can tell
 // an abort from a spurious wake-up. Owned by its session and used under the session's lock; not
@@ -15,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/time/time.h"
 #include "common/host_tensor.h"
 #include "server/session/step_plan.h"
 
@@ -24,14 +28,17 @@ class RankGather {
  public:
   explicit RankGather(int world_size) : world_size_(world_size) {}
 
-  // Adds `rank`'s part of step plan.request.step (starting a new gathering when the step differs
-  // from the one being gathered); returns the generation of the gathering it joined.
-  uint64_t Add(StepPlan plan, std::vector<HostTensor> gradients);
-  bool complete() const { return arrived_ == world_size_; }
-  int arrived() const { return arrived_; }
+  // Adds `rank`'s part of step plan.request.step, arrived at `now` (starting a new gathering when
+  // the step differs from the one being gathered); returns the generation of the gathering it joined.
+  uint64_t Add(StepPlan plan, std::vector<HostTensor> gradients, absl::Time now);
+  bool complete() const { return arrived() == world_size_; }
+  int arrived() const { return static_cast<int>(arrival_times_.size()); }
+  // When the n-th distinct rank arrived (1-based); InfiniteFuture while fewer have.
+  absl::Time reached(int n) const;
   uint64_t generation() const { return generation_; }
 
-  // When complete: rank 0's plan and the averaged gradients; the gathering ends.
+  // Ends the gathering with what arrived: the lowest arrived rank's plan (with contributors and
+  // total_weight set) and the weighted average of the gradients.
   std::pair<StepPlan, std::vector<HostTensor>> TakeAverage(size_t num_parameters);
   // The ranks not yet arrived; then ends the gathering (an abort).
   std::vector<int> Abort();
@@ -42,7 +49,7 @@ class RankGather {
   const int world_size_;
   int64_t step_ = 0;  // 0: none
   uint64_t generation_ = 0;
-  int arrived_ = 0;
+  std::vector<absl::Time> arrival_times_;  // of each distinct rank, in arrival order
   std::vector<std::optional<std::pair<StepPlan, std::vector<HostTensor>>>> ranks_;
 };
 

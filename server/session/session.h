@@ -25,6 +25,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -157,10 +158,22 @@ class Session {
 
   Session(std::string id, SessionConfig config, kernels::Backend* backend, std::string owner);
 
-  // The one decision of what step k is: the next one, a replay of the applied one, or refused.
+  // The one decision of what step k is: the next one, a replay of the applied one, or refused. In a
+  // quorum session an earlier step is answered like a replay as well (a rank that fell behind).
   absl::StatusOr<StepKind> ClassifyLocked(int64_t step) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  // The answer of a replay; `device_answer`: the transport can answer from backend memory.
-  absl::StatusOr<StepOutcome> ReplayOutcomeLocked(bool device_answer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The answer of a replay of `request`: the last step's result and parameters, with whether the
+  // asking rank's gradients of the step it sent were used.
+  absl::StatusOr<StepOutcome> ReplayOutcomeLocked(const StepRequest& request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether `rank`'s gradients were used by `step` (every rank's unless recorded otherwise; false
+  // for a quorum step no longer remembered).
+  bool IncludedLocked(int64_t step, int rank) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // A gathered step's contributors, remembered for the last kRememberedSteps steps.
+  void RememberContributorsLocked(int64_t step, std::vector<int> contributors) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether the gathering of a multi-rank step can be taken now: every rank arrived, or (quorum)
+  // min_ranks have and the grace time since the min_ranks-th has passed.
+  bool GatherReadyLocked(absl::Time now) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Takes the gathering and applies (or prepares) it.
+  absl::StatusOr<StepOutcome> TakeGatheredLocked(bool prepare, uint64_t generation) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Reads the parameters back to the host when the snapshot is on the device (the last step's answer
   // went over a GPU transport).
   absl::Status HostSnapshotLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -239,6 +252,8 @@ class Session {
   mutable std::shared_ptr<const ParameterSnapshot> snapshot_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<SessionPersistence> persistence_ ABSL_GUARDED_BY(mu_);
   RankGather gather_ ABSL_GUARDED_BY(mu_);
+  static constexpr size_t kRememberedSteps = 64;
+  std::map<int64_t, std::vector<int>> contributors_ ABSL_GUARDED_BY(mu_);  // by step, the last kRememberedSteps
   // The dynamic loss scaler's state, for a session whose spec has one; advanced by every applied
   // or skipped step (optim::UpdateLossScale), exported with the state.
   std::optional<optim::LossScalerState> loss_scaler_ ABSL_GUARDED_BY(mu_);

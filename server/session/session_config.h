@@ -76,11 +76,21 @@ struct ShardConfig {
   int count = 0;  // 0: not a shard
 };
 
+// How the ranks of a multi-rank session make a step (docs/ranks.md).
+enum class SyncMode { kLockstep, kQuorum };
+
+struct SyncConfig {
+  SyncMode mode = SyncMode::kLockstep;
+  int min_ranks = 0;         // quorum: Q, 1..world_size
+  double grace_seconds = 0;  // quorum: how long after the Q-th rank arrived the step waits for the rest
+};
+
 struct SessionConfig {
   std::vector<ParameterConfig> parameters;
   std::vector<GroupConfig> groups;
   int world_size = 1;
   double straggler_timeout_seconds = 120;
+  SyncConfig sync;
   TensorDType return_dtype = TensorDType::kFp32;
   std::vector<QkClipConfig> qk_clip;
   ShardConfig shard;

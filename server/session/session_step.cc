@@ -2,6 +2,7 @@
 // gradient buffers), finishing it (replay, gather of several ranks, prepare and commit of a sharded
 // step, apply) and the journaled steps of a restore. The update itself is in session_update.cc.
 // See session.h.
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <memory>
@@ -22,17 +23,31 @@ namespace muond::session {
 
 absl::StatusOr<Session::StepKind> Session::ClassifyLocked(int64_t step) const {
   if (step == last_step_ && last_step_ > 0) return StepKind::kReplay;
+  // A rank of a quorum session that fell behind: answered with where the session is.
+  if (config_.sync.mode == SyncMode::kQuorum && step >= 1 && step < last_step_) return StepKind::kReplay;
   if (step == last_step_ + 1) return StepKind::kNext;
   return absl::FailedPreconditionError(absl::StrCat(
       "header.step: expected step ", last_step_ + 1,
       last_step_ > 0 ? absl::StrCat(" (or ", last_step_, " to replay the last one)") : std::string(), ", got ", step));
 }
 
-absl::StatusOr<StepOutcome> Session::ReplayOutcomeLocked(bool device_answer) {
-  if (!device_answer) MUOND_RETURN_IF_ERROR(HostSnapshotLocked());
+absl::StatusOr<StepOutcome> Session::ReplayOutcomeLocked(const StepRequest& request) {
+  if (!request.device_answer) MUOND_RETURN_IF_ERROR(HostSnapshotLocked());
   StepOutcome replay{last_result_, snapshot_};
   replay.result.replayed = true;
+  replay.result.included = IncludedLocked(request.step, request.rank);
   return replay;
+}
+
+bool Session::IncludedLocked(int64_t step, int rank) const {
+  auto it = contributors_.find(step);
+  if (it == contributors_.end()) return config_.sync.mode != SyncMode::kQuorum;
+  return std::binary_search(it->second.begin(), it->second.end(), rank);
+}
+
+void Session::RememberContributorsLocked(int64_t step, std::vector<int> contributors) {
+  contributors_[step] = std::move(contributors);
+  while (contributors_.size() > kRememberedSteps) contributors_.erase(contributors_.begin());
 }
 
 absl::StatusOr<std::unique_ptr<IncomingStep>> Session::BeginStep(StepRequest request) {
@@ -84,7 +99,7 @@ absl::StatusOr<StepOutcome> Session::FinishStep(std::unique_ptr<IncomingStep> st
   MUOND_ASSIGN_OR_RETURN(StepKind kind, ClassifyLocked(plan.request.step));
   const StepPhase phase = plan.request.phase;
   if (kind == StepKind::kReplay) {
-    MUOND_ASSIGN_OR_RETURN(StepOutcome replay, ReplayOutcomeLocked(plan.request.device_answer));
+    MUOND_ASSIGN_OR_RETURN(StepOutcome replay, ReplayOutcomeLocked(plan.request));
     if (phase == StepPhase::kPrepare) replay.parameters = nullptr;  // a prepare answers without parameters
     return replay;
   }
@@ -169,32 +184,59 @@ absl::StatusOr<StepOutcome> Session::ApplyJournaledStep(StepRequest request, std
   return ApplyLocked(plan, gradients, nullptr);
 }
 
+bool Session::GatherReadyLocked(absl::Time now) const {
+  if (gather_.complete()) return true;
+  const SyncConfig& sync = config_.sync;
+  return sync.mode == SyncMode::kQuorum && now >= gather_.reached(sync.min_ranks) + absl::Seconds(sync.grace_seconds);
+}
+
+absl::StatusOr<StepOutcome> Session::TakeGatheredLocked(bool prepare, uint64_t generation) {
+  auto [applied_plan, mean] = gather_.TakeAverage(config_.parameters.size());
+  if (prepare) return PrepareLocked(std::move(applied_plan), std::move(mean), generation);
+  return ApplyLocked(applied_plan, mean, nullptr);
+}
+
 absl::StatusOr<StepOutcome> Session::GatherLocked(StepPlan plan, std::vector<HostTensor> gradients) {
   const int64_t step = plan.request.step;
   const int rank = plan.request.rank;
   const bool prepare = plan.request.phase == StepPhase::kPrepare;
-  const uint64_t generation = gather_.Add(std::move(plan), std::move(gradients));
-  if (gather_.complete()) {
-    auto [applied_plan, mean] = gather_.TakeAverage(config_.parameters.size());
-    if (prepare) return PrepareLocked(std::move(applied_plan), std::move(mean), generation);
-    return ApplyLocked(applied_plan, mean, nullptr);
-  }
-
+  const absl::Time arrived_at = absl::Now();
+  const uint64_t generation = gather_.Add(std::move(plan), std::move(gradients), arrived_at);
+  const int64_t last_step_before = last_step_;
+  const absl::Time straggler_deadline = arrived_at + absl::Seconds(config_.straggler_timeout_seconds);
+  const bool quorum = config_.sync.mode == SyncMode::kQuorum;
   MUOND_LOG(debug, "session {}: step {} has {} of {} ranks; rank {} waits up to {} s for the rest", id_, step,
             gather_.arrived(), config_.world_size, rank, config_.straggler_timeout_seconds);
-  const int64_t last_step_before = last_step_;
-  auto done = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return last_step_ != last_step_before || gather_.generation() != generation;
-  };
-  const bool finished = mu_.AwaitWithTimeout(absl::Condition(&done), absl::Seconds(config_.straggler_timeout_seconds));
+  // Waits for: the step taken by another rank (or aborted), another rank arriving (which may
+  // complete the step or reach the quorum), or the next deadline — the quorum's grace or, below the
+  // quorum, this rank's straggler timeout.
+  for (;;) {
+    if (GatherReadyLocked(absl::Now())) {
+      MUOND_ASSIGN_OR_RETURN(StepOutcome outcome, TakeGatheredLocked(prepare, generation));
+      outcome.result.included = true;  // this rank arrived: the step used its gradients
+      return outcome;
+    }
+    const int arrived = gather_.arrived();
+    auto changed = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return last_step_ != last_step_before || gather_.generation() != generation || gather_.arrived() != arrived;
+    };
+    const bool quorum_reached = quorum && arrived >= config_.sync.min_ranks;
+    const absl::Time deadline =
+        quorum_reached ? gather_.reached(config_.sync.min_ranks) + absl::Seconds(config_.sync.grace_seconds)
+                       : straggler_deadline;
+    mu_.AwaitWithDeadline(absl::Condition(&changed), deadline);
+    if (last_step_ != last_step_before || gather_.generation() != generation) break;  // taken or aborted
+    if (!quorum_reached && gather_.arrived() == arrived && absl::Now() >= straggler_deadline) break;
+  }
   if (last_step_ >= step) {
-    if (prepare) return StepOutcome{last_result_, nullptr};
-    return StepOutcome{last_result_, snapshot_};
+    StepOutcome outcome{last_result_, prepare ? nullptr : snapshot_};
+    outcome.result.included = IncludedLocked(step, rank);
+    return outcome;
   }
   if (prepare && prepared_.has_value() && prepared_->generation == generation) {
     return StepOutcome{prepared_->result, nullptr};  // the last rank prepared the step for every rank
   }
-  if (finished) {
+  if (gather_.generation() != generation) {
     return absl::AbortedError(absl::StrCat("step ", step, " was aborted for every rank; no update was applied"));
   }
   // This rank timed out first: abort the step for everyone.
@@ -266,6 +308,13 @@ absl::StatusOr<StepOutcome> Session::ApplyLocked(const StepPlan& plan, std::vect
     result.loss_scale = loss_scaler_->scale;
   }
   result.compute_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  result.contributors = plan.request.contributors;
+  result.total_weight = plan.request.total_weight;
+  if (result.contributors.empty()) {  // one rank, or a record from before contributors were kept
+    for (int r = 0; r < config_.world_size; ++r) result.contributors.push_back(r);
+    result.total_weight = config_.world_size == 1 ? plan.request.weight : config_.world_size;
+  }
+  RememberContributorsLocked(result.step, result.contributors);
   last_step_ = result.step;
   last_result_ = result;
   if (persistence_ && persistence_->checkpoint_every() > 0 && last_step_ % persistence_->checkpoint_every() == 0) {

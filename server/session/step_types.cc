@@ -39,6 +39,11 @@ std::string EncodeStepRequest(const StepRequest& request) {
   out["qk_logits"] = std::move(logits);
   out["phase"] = static_cast<int>(request.phase);
   if (request.count_zeros) out["count_zeros"] = true;
+  if (request.weight != 1) out["weight"] = request.weight;
+  if (!request.contributors.empty()) {
+    out["contributors"] = request.contributors;
+    out["total_weight"] = request.total_weight;
+  }
   if (request.decision.has_value()) {
     // The norm travels as its bits: it may be inf or nan (a skipped step), which JSON cannot hold.
     out["decision"] = {{"grad_norm_bits", absl::bit_cast<uint64_t>(request.decision->grad_norm)},
@@ -77,6 +82,11 @@ absl::StatusOr<StepRequest> DecodeStepRequest(absl::string_view bytes) {
     }
     request.phase = static_cast<StepPhase>(phase);
     request.count_zeros = in.value("count_zeros", false);  // absent in older records
+    request.weight = in.value("weight", 1.0);              // absent: 1, and in older records
+    if (in.contains("contributors")) {
+      request.contributors = in.at("contributors").get<std::vector<int>>();
+      request.total_weight = in.at("total_weight").get<double>();
+    }
     if (in.contains("decision")) {
       const json& decision = in.at("decision");
       request.decision = ShardDecision{absl::bit_cast<double>(decision.at("grad_norm_bits").get<uint64_t>()),

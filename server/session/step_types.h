@@ -55,6 +55,12 @@ struct StepRequest {
   // A static loss scale the gradients are divided by (with a session loss scaler: must equal its
   // current scale when given).
   std::optional<double> grad_scale;
+  // This rank's weight in a multi-rank average (> 0, finite).
+  double weight = 1;
+  // Set when the ranks' gradients are gathered (RankGather::TakeAverage), and journaled with the
+  // step: the ranks the step used, ascending, and the sum of their weights. Empty: every rank.
+  std::vector<int> contributors;
+  double total_weight = 0;
   // The transport answers from backend memory (CUDA IPC, NCCL): the parameters after the step need
   // not be read back to the host (ParameterSnapshot::on_device). Not journaled.
   bool device_answer = false;
@@ -73,6 +79,11 @@ struct StepResult {
   std::vector<double> sum_squares;
   int64_t num_zeros_in_grad = 0;  // when the request counted zeros
   double loss_scale = 0;          // the session loss scaler's scale after the step; 0 without one
+  // The ranks the step used (ascending) and the sum of their weights; whether the asking rank's
+  // gradients were among them (set per answer).
+  std::vector<int> contributors;
+  double total_weight = 0;
+  bool included = true;
 };
 
 // Every parameter after some step, as answers read it: one span per parameter. On a backend with

@@ -17,6 +17,7 @@ session::StepRequest ToStepRequest(const v1::StepHeader& header) {
   }
   if (header.has_max_grad_norm()) request.max_grad_norm = header.max_grad_norm();
   if (header.has_grad_scale()) request.grad_scale = header.grad_scale();
+  if (header.has_weight()) request.weight = header.weight();
   for (const v1::QkClipLogits& logits : header.qk_logits()) {
     request.qk_logits.push_back({logits.query(), {logits.max_logits().begin(), logits.max_logits().end()}});
   }
@@ -39,6 +40,9 @@ v1::StepResult ToProto(const session::StepResult& result) {
   if (result.replayed) out.set_replayed(true);
   if (result.num_zeros_in_grad != 0) out.set_num_zeros_in_grad(result.num_zeros_in_grad);
   if (result.loss_scale != 0) out.set_loss_scale(result.loss_scale);
+  out.mutable_contributors()->Assign(result.contributors.begin(), result.contributors.end());
+  out.set_total_weight(result.total_weight);
+  out.set_included(result.included);
   if (result.prepared) {
     out.set_prepared(true);
     out.mutable_sum_squares()->Assign(result.sum_squares.begin(), result.sum_squares.end());
