@@ -27,6 +27,7 @@ from . import loss_scale
 from . import option_facts as facts
 from . import options as opts
 from . import qk_clip as qk
+from . import ranks
 from . import wire
 from .naming import named_groups
 from .step_info import StepInfo, check_max_grad_norm
@@ -284,14 +285,17 @@ class LocalOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None, *,
-             qk_logits: Optional[Dict[Any, Any]] = None, grad_scale: Optional[float] = None) -> Any:
+             qk_logits: Optional[Dict[Any, Any]] = None, grad_scale: Optional[float] = None,
+             weight: Optional[float] = None) -> Any:
         """One step of every group, then QK-clip of the pairs in ``qk_logits`` (as for
         ``RemoteOptimizer.step``); returns the closure's loss. ``grad_scale`` and a loss scaler
-        divide the gradients as the daemon does."""
+        divide the gradients as the daemon does. ``weight`` is checked as ``RemoteOptimizer``
+        checks it; with one rank it changes nothing but ``last_info.total_weight``."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        total_weight = ranks.check_weight(weight) or 1.0
         logits = qk.logits_of(qk_logits, self.qk_clip, self._params, self._names)
         grad_scale = loss_scale.check_grad_scale(grad_scale)
         if self._scaler is not None:
@@ -317,7 +321,8 @@ class LocalOptimizer(torch.optim.Optimizer):
             self.last_info = StepInfo(self.last_step, False, False,
                                       f"non-finite gradient in '{non_finite}'", norm,
                                       time.perf_counter() - started, time.perf_counter() - started,
-                                      num_zeros_in_grad=zeros, loss_scale=self.loss_scale)
+                                      num_zeros_in_grad=zeros, loss_scale=self.loss_scale,
+                                      total_weight=total_weight)
             return loss
         clip = 1.0
         if self.max_grad_norm is not None:
@@ -349,18 +354,19 @@ class LocalOptimizer(torch.optim.Optimizer):
                 _round_master(p, group)
         pairs = {pair.query: pair for pair in self.qk_clip}
         for query, max_logits in logits.items():
-            weight = self._by_name[query]
-            group = next(g for g in self.param_groups if any(p is weight for p in g["params"]))
+            query_weight = self._by_name[query]
+            group = next(g for g in self.param_groups if any(p is query_weight for p in g["params"]))
             key = self._by_name[pairs[query].key]
-            qk.apply(weight, key, max_logits,
+            qk.apply(query_weight, key, max_logits,
                      group["qk_clip_threshold"], group["qk_clip_alpha"], pairs[query].mla)
-            _round_master(weight, group)
+            _round_master(query_weight, group)
             _round_master(key, next(g for g in self.param_groups if any(p is key for p in g["params"])))
         if self._scaler is not None:
             self._scaler.update(self.loss_scaler, found_inf=False)
         elapsed = time.perf_counter() - started
         self.last_info = StepInfo(self.last_step, True, False, "", norm, elapsed, elapsed,
-                                  num_zeros_in_grad=zeros, loss_scale=self.loss_scale)
+                                  num_zeros_in_grad=zeros, loss_scale=self.loss_scale,
+                                  total_weight=total_weight)
         return loss
 
     @staticmethod

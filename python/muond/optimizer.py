@@ -54,7 +54,7 @@ from .client import Connection
 from .connection_options import ConnectionOptions
 from .errors import STEP_NOT_PREPARED, MuondError
 from .naming import named_groups
-from .step_info import StepInfo, check_max_grad_norm
+from .step_info import StepInfo, check_max_grad_norm, rank_report
 from .transport.daemon_session import DaemonSession, copy_in
 
 # A step that failed with these may have been applied or not; the daemon answers a resend of the
@@ -90,6 +90,15 @@ class RemoteOptimizer(torch.optim.Optimizer):
             all-reduce of the gradients. Default: from an initialized ``torch.distributed``,
             else 1 and 0. All ranks must use the same ``session`` id; with ``torch.distributed``
             initialized and ``session=None``, rank 0's fresh id is broadcast to the others.
+            Each step may carry this rank's ``weight`` (``step(weight=)``): the daemon applies
+            Σ w·g / Σ w (docs/ranks.md).
+        sync_mode, min_ranks, grace_seconds: how the ranks make a step (part of the session's
+            spec, so every rank gives the same). ``"lockstep"`` (default): every step waits for
+            every rank, up to the daemon's ``--straggler-timeout``. ``"quorum"``: step k is taken
+            once every rank sent it, or once ``min_ranks`` (default ``world_size``) have and
+            ``grace_seconds`` (default 0) have passed since the ``min_ranks``-th arrived; a rank
+            left out gets the parameters after the session's last step with
+            ``last_info.included`` False and continues from there. Not with several endpoints.
         qk_clip: QK-clip (MuonClip) pairs ``[(query, key, num_heads), ...]``, each weight a
             parameter tensor of this optimizer (or its name): (num_heads·head_dim, d) matrices in
             Muon groups. A step then takes ``qk_logits`` (see ``step``); τ and α are the query
@@ -114,7 +123,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
                  return_dtype: wire.DTypeLike = "fp32", max_grad_norm: Optional[float] = None,
                  world_size: Optional[int] = None, rank: Optional[int] = None,
                  qk_clip: Optional[Iterable[Tuple[Any, Any, int]]] = None,
-                 log_num_zeros_in_grad: bool = False, loss_scaler: Any = None, **defaults: Any):
+                 log_num_zeros_in_grad: bool = False, loss_scaler: Any = None,
+                 sync_mode: Optional[str] = None, min_ranks: Optional[int] = None,
+                 grace_seconds: Optional[float] = None, **defaults: Any):
         connection, defaults = ConnectionOptions.from_arguments(connection, endpoint, defaults)
         opts.check_defaults(defaults)
         self._user_defaults = dict(defaults)
@@ -135,6 +146,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self.loss_scale: Optional[float] = None
         self._resolve_connection(connection)
         self.world_size, self.rank = ranks.ranks(world_size, rank)
+        self.sync = ranks.sync_of(sync_mode, min_ranks, grace_seconds, world_size=self.world_size,
+                                  num_daemons=len(self.endpoints))
+        self._warned_old_daemon = False
         self.session_id = ranks.shared_session_id(session, self.world_size)
         self.last_step = 0
         self.last_info: Optional[StepInfo] = None
@@ -234,7 +248,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         whole = session_spec.whole_spec(
             self.param_groups, self._group_names, self.qk_clip, world_size=self.world_size,
             wire_dtype=self.wire_dtype, return_dtype=self.return_dtype,
-            loss_scaler=self.loss_scaler)
+            loss_scaler=self.loss_scaler, sync=self.sync)
         if len(self.endpoints) == 1:
             return whole
         return session_spec.shard_spec(whole, shard, self._indices_of[shard], self.endpoints)
@@ -298,7 +312,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         return loss if self.loss_scale is None else loss * self.loss_scale
 
     def _header(self, step: int, qk_logits: Dict[str, List[float]],
-                grad_scale: Optional[float] = None) -> pb.StepHeader:
+                grad_scale: Optional[float] = None, weight: Optional[float] = None) -> pb.StepHeader:
         header = pb.StepHeader(session_id=self.session_id, step=step, rank=self.rank,
                                return_dtype=wire.dtype_enum(self.return_dtype),
                                max_chunk_bytes=self.chunk_bytes)
@@ -309,6 +323,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
         header.log_num_zeros_in_grad = self.log_num_zeros_in_grad
         if grad_scale is not None:
             header.grad_scale = grad_scale
+        if weight is not None:
+            header.weight = weight
         for query, values in qk_logits.items():
             header.qk_logits.add(query=query, max_logits=values)
         return header
@@ -328,7 +344,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
         return grads
 
     def step(self, closure: Optional[Callable[[], Any]] = None, *,
-             qk_logits: Optional[Dict[Any, Any]] = None, grad_scale: Optional[float] = None) -> Any:
+             qk_logits: Optional[Dict[Any, Any]] = None, grad_scale: Optional[float] = None,
+             weight: Optional[float] = None) -> Any:
         """Sends the gradients, applies the daemon's update to the parameters in place and
         returns the closure's loss (None without a closure).
 
@@ -343,7 +360,16 @@ class RemoteOptimizer(torch.optim.Optimizer):
 
         ``grad_scale``: the factor the loss was multiplied by (a static loss scale); the daemon
         divides the gradients by it before the norm, clipping and the non-finite check. With
-        ``loss_scaler=`` leave it unset: the daemon divides by its own scale (``loss_scale``)."""
+        ``loss_scaler=`` leave it unset: the daemon divides by its own scale (``loss_scale``).
+
+        ``weight``: with several ranks, the weight of this rank's gradients (e.g. the tokens or
+        samples behind them); the daemon applies Σ w·g / Σ w over the ranks whose gradients the
+        step uses (docs/ranks.md). Finite and > 0 (ValueError naming ``weight`` otherwise, before
+        anything is sent); None means 1. ``last_info`` reports ``contributors``, ``total_weight``
+        and ``included``: when a quorum step went on without this rank, ``included`` is False,
+        the parameters are those after the session's last step (``last_info.step``), and the next
+        ``step()`` continues after it."""
+        weight = ranks.check_weight(weight)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -351,7 +377,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self._check_open()
         logits = qk.logits_of(qk_logits, self.qk_clip, self._params, self._names)
         grads = self._grads()
-        header = self._header(self.last_step + 1, logits, loss_scale.check_grad_scale(grad_scale))
+        header = self._header(self.last_step + 1, logits, loss_scale.check_grad_scale(grad_scale),
+                              weight)
         if len(self._sessions) == 1:
             session = self._sessions[0]
             result, seconds, attempts = self._try_step(lambda: session.step(header, grads))
@@ -359,14 +386,34 @@ class RemoteOptimizer(torch.optim.Optimizer):
             by_session = self._grads_by_session(grads)
             result, seconds, attempts = self._try_step(
                 lambda: self._sharded_step(header, by_session))
+        # The answer's step, which a quorum session's answer to a rank it went on without (its
+        # parameters are those after the session's last step) names: the next step follows it.
         self.last_step = result.step
+        contributors, total_weight, included = rank_report(result, self.sync.mode == "quorum")
         self.last_info = StepInfo(result.step, result.applied, result.replayed, result.skip_reason,
                                   result.grad_norm, result.compute_seconds, seconds, attempts,
                                   result.num_zeros_in_grad if self.log_num_zeros_in_grad else None,
-                                  result.loss_scale if self.loss_scaler is not None else None)
+                                  result.loss_scale if self.loss_scaler is not None else None,
+                                  contributors, total_weight, included)
         if self.loss_scaler is not None:
             self.loss_scale = result.loss_scale
+        if not included:
+            _log.info("session %s: step %d went on without rank %d (it sent step %d); the "
+                      "parameters are those after step %d, the next step is %d", self.session_id,
+                      result.step, self.rank, header.step, result.step, result.step + 1)
+        if not result.contributors and not result.replayed:  # a new step: an older daemon
+            self._warn_old_daemon(weight)
         return loss
+
+    def _warn_old_daemon(self, weight: Optional[float]) -> None:
+        """Says once that a daemon that reports no contributors (older than weights and quorum
+        steps) ignored what this optimizer asked of them."""
+        if self._warned_old_daemon or (weight is None and self.sync.mode == "lockstep"):
+            return
+        self._warned_old_daemon = True
+        _log.warning("session %s: the daemon reports no contributors (a version without weights "
+                     "or quorum steps): it ignored step(weight=) and sync_mode=%r and averaged "
+                     "every rank's gradients in lock-step", self.session_id, self.sync.mode)
 
     def _grads_by_session(self, grads: List[Tuple[str, torch.Tensor]]
                        ) -> List[List[Tuple[str, torch.Tensor]]]:
@@ -386,7 +433,10 @@ class RemoteOptimizer(torch.optim.Optimizer):
         commit = shard_step.commit_header(
             header, shard_step.decide(prepared, self._indices_of, self._names))
         committed = self._on_every_session(lambda k, session: session.step(commit, []))
-        return shard_step.result_of(commit, committed)
+        # Every shard answers the step it committed (lock-step only: a quorum session is never
+        # sharded), so they agree; a disagreement is named rather than averaged away.
+        step = self._common_step([int(r.step) for r in committed], "Step")
+        return shard_step.result_of(commit, committed, step)
 
     def _try_step(self, once: Callable[[], pb.StepResult]) -> Tuple[pb.StepResult, float, int]:
         """Runs ``once`` up to max_step_attempts times on transient failures (the same step

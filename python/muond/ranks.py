@@ -1,14 +1,18 @@
 """The ranks of one data-parallel job sharing a ``RemoteOptimizer`` session.
 
-Every rank sends its own gradients for the same step and the daemon applies their average once
-(docs/protocol.md). Here: the world size and this rank (given, else from an initialized
-``torch.distributed``), the session id they share, and the order they open it in.
+Every rank sends its own gradients for the same step and the daemon applies their weighted average
+once (docs/ranks.md). Here: the world size and this rank (given, else from an initialized
+``torch.distributed``), the session id they share, the order they open it in, how they synchronize
+(``Sync``: lock-step or quorum) and the check of a step's ``weight``.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 import uuid
-from typing import Callable, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 import torch.distributed
@@ -60,3 +64,71 @@ def rank_zero_first(world_size: int, rank: int, open_session: Callable[[], None]
     finally:
         if distributed and rank == 0:
             torch.distributed.barrier()
+
+
+SYNC_MODES = ("lockstep", "quorum")
+
+
+@dataclass(frozen=True)
+class Sync:
+    """How the ranks of a session make a step (docs/ranks.md): ``lockstep`` waits for every rank;
+    ``quorum`` takes step k once ``min_ranks`` ranks sent it and ``grace_seconds`` passed since the
+    ``min_ranks``-th arrived (or once every rank sent it), and answers a rank that came later
+    ``included=False``."""
+    mode: str = "lockstep"
+    min_ranks: int = 0         # quorum: Q, 1 <= Q <= world_size; lockstep: 0
+    grace_seconds: float = 0.0  # quorum: >= 0; lockstep: 0
+
+
+def sync_of(sync_mode: Optional[str], min_ranks: Any, grace_seconds: Any, *, world_size: int,
+            num_daemons: int) -> Sync:
+    """The ``Sync`` of ``RemoteOptimizer(sync_mode=, min_ranks=, grace_seconds=)``, checked as the
+    daemon checks ``spec.sync`` but naming the arguments: ValueError (TypeError for a value of the
+    wrong type) before anything is sent. ``sync_mode`` None is lock-step; a quorum's ``min_ranks``
+    None is ``world_size`` and its ``grace_seconds`` None is 0 (take the step as soon as Q ranks
+    sent it)."""
+    mode = "lockstep" if sync_mode is None else sync_mode
+    if not isinstance(mode, str) or mode.lower() not in SYNC_MODES:
+        raise ValueError(f"sync_mode: must be 'lockstep' or 'quorum', got {sync_mode!r}")
+    mode = mode.lower()
+    if mode == "lockstep":
+        if min_ranks is not None:
+            raise ValueError("min_ranks: applies to sync_mode='quorum' only")
+        if grace_seconds is not None:
+            raise ValueError("grace_seconds: applies to sync_mode='quorum' only")
+        return Sync()
+    if num_daemons > 1:
+        raise ValueError("sync_mode: quorum steps are not available on a sharded session (several "
+                         "endpoints); use sync_mode='lockstep'")
+    if min_ranks is None:
+        min_ranks = world_size
+    if isinstance(min_ranks, bool) or not isinstance(min_ranks, numbers.Integral):
+        raise TypeError(f"min_ranks: must be an int, got {type(min_ranks).__name__}")
+    if not 1 <= int(min_ranks) <= world_size:
+        raise ValueError(f"min_ranks: must be between 1 and world_size ({world_size}), got {min_ranks}")
+    grace = 0.0 if grace_seconds is None else _real("grace_seconds", grace_seconds)
+    if not (math.isfinite(grace) and grace >= 0):
+        raise ValueError(f"grace_seconds: must be finite and >= 0, got {grace}")
+    return Sync("quorum", int(min_ranks), grace)
+
+
+def check_weight(weight: Any) -> Optional[float]:
+    """None, or the weight of this rank's gradients in a step (``step(weight=)``): a finite number
+    > 0, as the daemon requires of ``header.weight``; ValueError or TypeError naming ``weight``."""
+    if weight is None:
+        return None
+    value = _real("weight", weight)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"weight: must be finite and > 0, got {value}")
+    return value
+
+
+def _real(name: str, value: Any) -> float:
+    """``value`` as a float (a Python or numpy number, or a one-element tensor); TypeError naming
+    ``name`` for anything else, booleans included."""
+    if isinstance(value, (bool, str, bytes)):
+        raise TypeError(f"{name}: must be a number, got {type(value).__name__}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}: must be a number, got {type(value).__name__}") from None

@@ -1,9 +1,11 @@
 """The ``SessionSpec`` a ``RemoteOptimizer`` creates its session with, and its shards' specs.
 
 The whole spec lists every group (its options, ``options.group_options_proto``), every parameter
-(shape, group, wire dtype, fused-QKV split, tensor-parallel blocks), the QK-clip pairs and the loss
-scaler. With several daemons each gets the parameters placed on it (``placement.py``), every group,
-the QK-clip pairs whose query it holds and the placement itself (docs/sharding.md).
+(shape, group, wire dtype, fused-QKV split, tensor-parallel blocks), the QK-clip pairs, the loss
+scaler and how several ranks synchronize (``ranks.Sync``; lock-step leaves ``sync`` unset, as
+every spec before it did, so that such sessions still attach). With several daemons each gets the
+parameters placed on it (``placement.py``), every group, the QK-clip pairs whose query it holds and
+the placement itself (docs/sharding.md).
 """
 
 from __future__ import annotations
@@ -13,12 +15,13 @@ from typing import Any, Dict, List, Optional, Sequence
 from . import options as opts
 from . import placement
 from . import wire
+from .ranks import Sync
 from ._stubs import pb
 
 
 def whole_spec(param_groups: Sequence[Dict[str, Any]], group_names: Sequence[str],
                qk_clip: Sequence[Any], *, world_size: int, wire_dtype: str, return_dtype: str,
-               loss_scaler: Optional[Dict[str, Any]]) -> pb.SessionSpec:
+               loss_scaler: Optional[Dict[str, Any]], sync: Sync = Sync()) -> pb.SessionSpec:
     """The spec of the whole session."""
     spec = pb.SessionSpec(world_size=world_size, return_dtype=wire.dtype_enum(return_dtype))
     for group, gname in zip(param_groups, group_names):
@@ -42,6 +45,10 @@ def whole_spec(param_groups: Sequence[Dict[str, Any]], group_names: Sequence[str
         spec.loss_scaler.SetInParent()
         for key, value in loss_scaler.items():
             setattr(spec.loss_scaler, key, value)
+    if sync.mode == "quorum":
+        spec.sync.mode = pb.SYNC_MODE_QUORUM
+        spec.sync.min_ranks = sync.min_ranks
+        spec.sync.grace_seconds = sync.grace_seconds
     return spec
 
 
@@ -56,6 +63,8 @@ def shard_spec(whole: pb.SessionSpec, shard: int, mine: Sequence[int],
     spec.qk_clip.extend(p for p in whole.qk_clip if p.query in names)
     if whole.HasField("loss_scaler"):
         spec.loss_scaler.CopyFrom(whole.loss_scaler)
+    if whole.HasField("sync"):
+        spec.sync.CopyFrom(whole.sync)
     spec.shard.endpoints.extend(endpoints)
     spec.shard.index = shard
     spec.shard.num_parameters = len(whole.parameters)

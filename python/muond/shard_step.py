@@ -59,12 +59,17 @@ def commit_header(header: pb.StepHeader, decision: pb.ShardDecision) -> pb.StepH
     return commit
 
 
-def result_of(commit: pb.StepHeader, committed: List[pb.StepResult]) -> pb.StepResult:
-    """The step's result over every shard, from their answers to ``commit``."""
-    return pb.StepResult(step=commit.step, applied=committed[0].applied,
+def result_of(commit: pb.StepHeader, committed: List[pb.StepResult], step: int) -> pb.StepResult:
+    """The step's result over every shard, from their answers to ``commit``, which all named
+    ``step``. The ranks that contributed are every shard's (lock-step: all of them); this rank was
+    included when every shard says so."""
+    return pb.StepResult(step=step, applied=committed[0].applied,
                          replayed=all(r.replayed for r in committed),
                          skip_reason=commit.decision.skip_reason,
                          grad_norm=commit.decision.grad_norm,
                          compute_seconds=max(r.compute_seconds for r in committed),
                          num_zeros_in_grad=sum(r.num_zeros_in_grad for r in committed),
-                         loss_scale=committed[0].loss_scale)
+                         loss_scale=committed[0].loss_scale,
+                         contributors=committed[0].contributors,
+                         total_weight=committed[0].total_weight,
+                         included=all(r.included for r in committed))

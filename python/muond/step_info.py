@@ -4,7 +4,7 @@ account of the same things). Immutable; no dependencies, so the local optimizer 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional, Tuple
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,29 @@ class StepInfo:
     num_zeros_in_grad: Optional[int] = None
     # With a loss scaler: the scale to multiply the next loss by (``opt.loss_scale``); else None.
     loss_scale: Optional[float] = None
+    # The ranks whose gradients the step used (ascending) and the sum of their weights
+    # (``step(weight=)``, 1 each by default); one rank: (0,) and its weight. Empty and 0 when the
+    # daemon does not say: one older than weights and quorum steps, or the answer to a retry of a
+    # step from before the daemon was restored from a checkpoint.
+    contributors: Tuple[int, ...] = (0,)
+    total_weight: float = 1.0
+    # Whether this rank's gradients were among them. False: a quorum step went on without this
+    # rank (it came late, or had fallen behind); the parameters are those after ``step``, the
+    # session's last step, and the next ``step()`` sends ``step + 1`` (docs/ranks.md).
+    included: bool = True
+
+
+def rank_report(result: Any, quorum: bool) -> Tuple[Tuple[int, ...], float, bool]:
+    """(contributors, total_weight, included) of a daemon's ``StepResult`` for a session in quorum
+    mode or not. Without contributors the daemon does not know them: it is older than weights and
+    quorum steps (it applied the plain mean of every rank's gradients in lock-step: this rank was
+    included; its ``included`` field reads false as unset), or it answers a retry of a step from
+    before its restore from a checkpoint — included in a lock-step session, and in a quorum
+    session what the daemon says (false: it cannot tell)."""
+    if result.contributors:
+        return tuple(int(r) for r in result.contributors), float(result.total_weight), bool(result.included)
+    included = bool(result.included) if quorum and result.replayed else True
+    return (), 0.0, included
 
 
 def check_max_grad_norm(value):
