@@ -100,7 +100,9 @@ void CopyResult(const v1::StepResult& r, StepReply* reply) {
   reply->loss_scale = r.loss_scale();
   reply->contributors.assign(r.contributors().begin(), r.contributors().end());
   reply->total_weight = r.total_weight();
-  reply->included = r.included() || r.contributors_size() == 0;  // a daemon without contributors used every rank
+  reply->global_step = r.global_step();
+  reply->staleness = r.staleness();
+  reply->included = r.included();
 }
 
 Client::Client(ClientOptions options, std::shared_ptr<grpc::Channel> channel)
@@ -311,6 +313,11 @@ absl::StatusOr<StepReply> Session::StepThrough(StepTransport& transport, int64_t
     absl::StatusOr<StepReply> reply = transport.StepOnce(header, payload, options);
     if (reply.ok()) {
       reply->attempts = attempt;
+      // An answer without contributors comes from a daemon that does not report them (it used
+      // every rank), or is a quorum session's replay of a step from before its restart (whose
+      // `included` the daemon gave).
+      const bool quorum_replay = reply->replayed && spec_.sync().mode() == v1::SYNC_MODE_QUORUM;
+      if (reply->contributors.empty() && !quorum_replay) reply->included = true;
       last_step_ = reply->step;  // a rank left out of a quorum step continues where the session is
       return reply;
     }
@@ -329,6 +336,7 @@ v1::StepHeader Session::Header(int64_t step, const StepOptions& options) const {
   header.set_log_num_zeros_in_grad(options.log_num_zeros_in_grad);
   if (options.grad_scale) header.set_grad_scale(*options.grad_scale);
   if (options.weight) header.set_weight(*options.weight);
+  if (options.base_step) header.set_base_step(*options.base_step);
   for (const auto& [query, max_logits] : options.qk_logits) {
     v1::QkClipLogits* logits = header.add_qk_logits();
     logits->set_query(query);

@@ -99,6 +99,10 @@ struct StepOptions {
   // This rank's weight in a multi-rank step's average (e.g. the tokens behind its gradients): the
   // daemon applies sum(w_r * g_r) / sum(w_r). Finite and > 0; unset: 1.
   std::optional<double> weight;
+  // Asynchronous sessions (required there): the global step whose parameters the gradients were
+  // computed on — the previous answer's StepReply::step (0: the initial parameters). The step
+  // number given to Step() then numbers this rank's own pushes (1, 2, ...).
+  std::optional<int64_t> base_step;
 };
 
 using ParameterMap = std::map<std::string, std::vector<float>>;
@@ -125,6 +129,10 @@ struct StepReply {
   std::vector<int> contributors;
   double total_weight = 0;
   bool included = true;
+  // Asynchronous sessions: the global step this push became and its staleness (global steps applied
+  // since its base_step); `step` is the global step of the parameters in the answer.
+  int64_t global_step = 0;
+  int64_t staleness = 0;
 };
 
 class Session;

@@ -1,5 +1,6 @@
 #include "server/durability/checkpoint.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "absl/strings/match.h"
@@ -186,6 +187,7 @@ absl::Status WriteCheckpoint(Env* env, const std::string& dir, const CheckpointD
                                {"growth_tracker", data.loss_scaler->growth_tracker},
                                {"hysteresis_tracker", data.loss_scaler->hysteresis_tracker}};
   }
+  if (!data.pushes.empty()) metadata["pushes"] = data.pushes;
   metadata["metadata_sha256"] = MetadataDigest(metadata);
   MUOND_RETURN_IF_ERROR(WriteFileAtomically(env, dir + "/" + kCheckpointMetadataFile, metadata.dump(2) + "\n"));
 
@@ -246,6 +248,16 @@ absl::StatusOr<CheckpointData> ReadCheckpoint(Env* env, const std::string& dir) 
     data.loss_scaler =
         CheckpointLossScaler{(*scaler)["scale"].get<double>(), (*scaler)["growth_tracker"].get<int64_t>(),
                              (*scaler)["hysteresis_tracker"].get<int64_t>()};
+  }
+
+  if (auto pushes = metadata.find("pushes"); pushes != metadata.end()) {
+    if (!pushes->is_array()) return CheckpointCorrupt(metadata_file, "pushes is not a list");
+    for (const auto& record : *pushes) {
+      const bool typed = record.is_array() && record.size() == 3 &&
+                         std::all_of(record.begin(), record.end(), [](const auto& v) { return v.is_number_integer(); });
+      if (!typed) return CheckpointCorrupt(metadata_file, "a push record is not [push, global_step, staleness]");
+      data.pushes.push_back({record[0].get<int64_t>(), record[1].get<int64_t>(), record[2].get<int64_t>()});
+    }
   }
 
   const std::string tensor_name = StringField(*tensors, "file");

@@ -12,6 +12,7 @@
 // types: an offline tool can read a state directory with this alone.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -50,6 +51,9 @@ struct CheckpointData {
   std::vector<std::pair<std::string, int64_t>> step_counts;  // parameter name → its step count
   std::vector<CheckpointTensor> tensors;
   std::optional<CheckpointLossScaler> loss_scaler;  // sessions with a loss scaler
+  // Asynchronous sessions: per rank, its last push, the global step it became and its staleness
+  // (checkpoint.json's "pushes": [[push, global_step, staleness], ...]); empty otherwise.
+  std::vector<std::array<int64_t, 3>> pushes;
 };
 
 inline constexpr char kCheckpointMetadataFile[] = "checkpoint.json";

@@ -20,6 +20,7 @@ using session::ParameterConfig;
 using session::QkClipConfig;
 using session::SessionConfig;
 using session::SpecLimits;
+using session::StalenessScaling;
 using session::SyncConfig;
 using session::SyncMode;
 using session::TensorDType;
@@ -181,6 +182,14 @@ std::string ShardDifference(const v1::SessionSpec& existing, const v1::SessionSp
   return "";
 }
 
+absl::Status CheckNoAsyncFields(const v1::SyncSpec& sync) {
+  if (sync.max_staleness() != 0) return Invalid("spec.sync.max_staleness", "applies to mode async only");
+  if (sync.staleness_scaling() != v1::STALENESS_SCALING_UNSPECIFIED) {
+    return Invalid("spec.sync.staleness_scaling", "applies to mode async only");
+  }
+  return absl::OkStatus();
+}
+
 // spec.sync: lock-step unless asked; a quorum's Q and G in range. Needs world_size and shard set.
 absl::Status ParseSync(const v1::SyncSpec& sync, SessionConfig& config) {
   switch (sync.mode()) {
@@ -188,9 +197,40 @@ absl::Status ParseSync(const v1::SyncSpec& sync, SessionConfig& config) {
     case v1::SYNC_MODE_LOCKSTEP:
       if (sync.min_ranks() != 0) return Invalid("spec.sync.min_ranks", "applies to mode quorum only");
       if (sync.grace_seconds() != 0) return Invalid("spec.sync.grace_seconds", "applies to mode quorum only");
+      MUOND_RETURN_IF_ERROR(CheckNoAsyncFields(sync));
       config.sync.mode = SyncMode::kLockstep;
       return absl::OkStatus();
+    case v1::SYNC_MODE_ASYNC: {
+      if (config.shard.count > 0) {
+        return Invalid("spec.sync.mode", "asynchronous steps are not available on a sharded session (lock-step only)");
+      }
+      if (sync.min_ranks() != 0) return Invalid("spec.sync.min_ranks", "applies to mode quorum only");
+      if (sync.grace_seconds() != 0) return Invalid("spec.sync.grace_seconds", "applies to mode quorum only");
+      if (sync.max_staleness() < 0) {
+        return Invalid("spec.sync.max_staleness", absl::StrCat("must be >= 0, got ", sync.max_staleness()));
+      }
+      StalenessScaling scaling;
+      switch (sync.staleness_scaling()) {
+        case v1::STALENESS_SCALING_UNSPECIFIED:
+        case v1::STALENESS_SCALING_NONE:
+          scaling = StalenessScaling::kNone;
+          break;
+        case v1::STALENESS_SCALING_INVERSE:
+          scaling = StalenessScaling::kInverse;
+          break;
+        default:
+          return Invalid("spec.sync.staleness_scaling",
+                         absl::StrCat("unknown scaling ", static_cast<int>(sync.staleness_scaling())));
+      }
+      config.sync = SyncConfig{.mode = SyncMode::kAsync,
+                               .min_ranks = 0,
+                               .grace_seconds = 0,
+                               .max_staleness = sync.max_staleness(),
+                               .staleness_scaling = scaling};
+      return absl::OkStatus();
+    }
     case v1::SYNC_MODE_QUORUM: {
+      MUOND_RETURN_IF_ERROR(CheckNoAsyncFields(sync));
       if (config.shard.count > 0) {
         return Invalid("spec.sync.mode", "quorum steps are not available on a sharded session (lock-step only)");
       }
@@ -202,7 +242,7 @@ absl::Status ParseSync(const v1::SyncSpec& sync, SessionConfig& config) {
       if (!std::isfinite(sync.grace_seconds()) || sync.grace_seconds() < 0) {
         return Invalid("spec.sync.grace_seconds", absl::StrCat("must be finite and >= 0, got ", sync.grace_seconds()));
       }
-      config.sync = SyncConfig{SyncMode::kQuorum, q, sync.grace_seconds()};
+      config.sync = SyncConfig{.mode = SyncMode::kQuorum, .min_ranks = q, .grace_seconds = sync.grace_seconds()};
       return absl::OkStatus();
     }
     default:

@@ -18,7 +18,8 @@ Session::Session(std::string id, SessionConfig config, kernels::Backend* backend
       config_(std::move(config)),
       state_bytes_(EstimateSessionBytes(config_)),
       backend_(backend),
-      gather_(config_.world_size) {}
+      gather_(config_.world_size),
+      pushes_(config_.sync.mode == SyncMode::kAsync ? config_.world_size : 0) {}
 
 absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::string id, SessionConfig config,
                                                          kernels::Backend* backend, std::string owner) {

@@ -169,6 +169,17 @@ class Session {
   bool IncludedLocked(int64_t step, int rank) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // A gathered step's contributors, remembered for the last kRememberedSteps steps.
   void RememberContributorsLocked(int64_t step, std::vector<int> contributors) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Which step `request` is: ClassifyLocked on the global step, or for an asynchronous session the
+  // rank's next push, a resend of its last one, or refused.
+  absl::StatusOr<StepKind> ClassifyRequestLocked(const StepRequest& request) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Asynchronous sessions: a resend's answer (the push's record, the latest parameters), and a new
+  // push checked against the staleness bound and applied as the next global step.
+  absl::StatusOr<StepOutcome> ResendOutcomeLocked(const StepRequest& request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<StepOutcome> PushLocked(StepPlan plan, std::vector<HostTensor>& gradients)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Applies a taken push: its staleness scaling, then the step; records the push.
+  absl::StatusOr<StepOutcome> ApplyPushLocked(StepPlan plan, std::vector<HostTensor>& gradients)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Whether the gathering of a multi-rank step can be taken now: every rank arrived, or (quorum)
   // min_ranks have and the grace time since the min_ranks-th has passed.
   bool GatherReadyLocked(absl::Time now) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
@@ -252,6 +263,9 @@ class Session {
   mutable std::shared_ptr<const ParameterSnapshot> snapshot_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<SessionPersistence> persistence_ ABSL_GUARDED_BY(mu_);
   RankGather gather_ ABSL_GUARDED_BY(mu_);
+  // Asynchronous sessions: each rank's last push (its number, the global step it became and its
+  // staleness), by rank; checkpointed (SessionState::pushes).
+  std::vector<PushRecord> pushes_ ABSL_GUARDED_BY(mu_);
   static constexpr size_t kRememberedSteps = 64;
   std::map<int64_t, std::vector<int>> contributors_ ABSL_GUARDED_BY(mu_);  // by step, the last kRememberedSteps
   // The dynamic loss scaler's state, for a session whose spec has one; advanced by every applied

@@ -77,12 +77,15 @@ struct ShardConfig {
 };
 
 // How the ranks of a multi-rank session make a step (docs/ranks.md).
-enum class SyncMode { kLockstep, kQuorum };
+enum class SyncMode { kLockstep, kQuorum, kAsync };
+enum class StalenessScaling { kNone, kInverse };
 
 struct SyncConfig {
   SyncMode mode = SyncMode::kLockstep;
-  int min_ranks = 0;         // quorum: Q, 1..world_size
-  double grace_seconds = 0;  // quorum: how long after the Q-th rank arrived the step waits for the rest
+  int min_ranks = 0;          // quorum: Q, 1..world_size
+  double grace_seconds = 0;   // quorum: how long after the Q-th rank arrived the step waits for the rest
+  int64_t max_staleness = 0;  // async: the most global steps a push's base_step may be behind
+  StalenessScaling staleness_scaling = StalenessScaling::kNone;  // async
 };
 
 struct SessionConfig {

@@ -37,6 +37,8 @@ struct SessionState {
   std::vector<StateTensor> tensors;
   // The loss scaler's state, for a session with one. On import, absent keeps the current state.
   std::optional<optim::LossScalerState> loss_scaler;
+  // An asynchronous session's push records, by rank (empty otherwise). On import, empty keeps them.
+  std::vector<PushRecord> pushes;
 };
 
 class SessionPersistence {

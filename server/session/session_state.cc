@@ -34,6 +34,7 @@ absl::StatusOr<SessionState> Session::ExportStateLocked() const {
   SessionState state;
   state.last_step = last_step_;
   state.loss_scaler = loss_scaler_;
+  state.pushes = pushes_;
   for (size_t i = 0; i < params_.size(); ++i) {
     const optim::ParamState& param = params_[i];
     state.step_counts.push_back(param.step_count);
@@ -63,6 +64,20 @@ absl::Status Session::ImportState(SessionState state) {
       return absl::InvalidArgumentError(
           absl::StrCat("header.step_counts: '", config_.parameters[i].name, "' has count ", state.step_counts[i],
                        "; counts must be between 0 and last_step (", state.last_step, ")"));
+    }
+  }
+  if (!state.pushes.empty()) {
+    const size_t ranks = config_.sync.mode == SyncMode::kAsync ? static_cast<size_t>(config_.world_size) : 0;
+    if (state.pushes.size() != ranks) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("pushes: ", state.pushes.size(), " records for a session with ", ranks, " asynchronous ranks"));
+    }
+    for (const PushRecord& p : state.pushes) {
+      if (p.push < 0 || p.global_step < 0 || p.global_step > state.last_step || p.staleness < 0) {
+        return absl::InvalidArgumentError(absl::StrCat("pushes: a record (", p.push, ", ", p.global_step, ", ",
+                                                       p.staleness, ") is out of range for last_step ",
+                                                       state.last_step));
+      }
     }
   }
   if (state.loss_scaler.has_value()) {
@@ -127,6 +142,7 @@ absl::Status Session::ImportState(SessionState state) {
   }
   last_step_ = state.last_step;
   if (state.loss_scaler.has_value()) loss_scaler_ = state.loss_scaler;
+  if (!state.pushes.empty()) pushes_ = state.pushes;
   initialized_ = true;
   DropPreparedLocked();  // prepared for a state that is gone
   last_result_ = StepResult();

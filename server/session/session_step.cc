@@ -31,6 +31,67 @@ absl::StatusOr<Session::StepKind> Session::ClassifyLocked(int64_t step) const {
       last_step_ > 0 ? absl::StrCat(" (or ", last_step_, " to replay the last one)") : std::string(), ", got ", step));
 }
 
+absl::StatusOr<Session::StepKind> Session::ClassifyRequestLocked(const StepRequest& request) const {
+  if (config_.sync.mode != SyncMode::kAsync) return ClassifyLocked(request.step);
+  if (request.rank < 0 || request.rank >= config_.world_size) return StepKind::kNext;  // PlanStep refuses it
+  const PushRecord& last = pushes_[request.rank];
+  if (request.step == last.push && last.push > 0) return StepKind::kReplay;
+  if (request.step == last.push + 1) return StepKind::kNext;
+  return absl::FailedPreconditionError(
+      absl::StrCat("header.step: rank ", request.rank, "'s next push is ", last.push + 1,
+                   last.push > 0 ? absl::StrCat(" (or ", last.push, " to resend the last one)") : std::string(),
+                   ", got ", request.step));
+}
+
+absl::StatusOr<StepOutcome> Session::ResendOutcomeLocked(const StepRequest& request) {
+  if (!request.device_answer) MUOND_RETURN_IF_ERROR(HostSnapshotLocked());
+  const PushRecord& record = pushes_[request.rank];
+  StepOutcome resend{last_result_, snapshot_};
+  resend.result.replayed = true;
+  resend.result.included = true;
+  resend.result.global_step = record.global_step;
+  resend.result.staleness = record.staleness;
+  return resend;
+}
+
+absl::StatusOr<StepOutcome> Session::PushLocked(StepPlan plan, std::vector<HostTensor>& gradients) {
+  const std::optional<int64_t>& base = plan.request.base_step;
+  if (!base.has_value()) {
+    return absl::InvalidArgumentError(
+        "header.base_step: required in an asynchronous session (the global step the gradients were computed on)");
+  }
+  if (*base < 0 || *base > last_step_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("header.base_step: must be in [0, ", last_step_, "] (the session's global step), got ", *base));
+  }
+  const int64_t staleness = last_step_ - *base;
+  if (staleness > config_.sync.max_staleness) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "header.base_step: ", *base, " is ", staleness, " global steps behind ", last_step_,
+        ", more than max_staleness ", config_.sync.max_staleness,
+        "; nothing was applied: read the parameters again (GetParameters) and push with the new base_step"));
+  }
+  plan.request.global_step = last_step_ + 1;
+  plan.request.staleness = staleness;
+  plan.request.contributors = {plan.request.rank};
+  plan.request.total_weight = plan.request.weight;
+  return ApplyPushLocked(std::move(plan), gradients);
+}
+
+absl::StatusOr<StepOutcome> Session::ApplyPushLocked(StepPlan plan, std::vector<HostTensor>& gradients) {
+  if (config_.sync.staleness_scaling == StalenessScaling::kInverse) {
+    const double factor = 1.0 / (1.0 + static_cast<double>(plan.request.staleness));
+    for (optim::StepHyper& hyper : plan.hyper) hyper.lr *= factor;
+  }
+  MUOND_ASSIGN_OR_RETURN(StepOutcome outcome, ApplyLocked(plan, gradients, nullptr));
+  pushes_[plan.request.rank] = PushRecord{plan.request.step, plan.request.global_step, plan.request.staleness};
+  outcome.result.global_step = plan.request.global_step;
+  outcome.result.staleness = plan.request.staleness;
+  last_result_.global_step = outcome.result.global_step;
+  last_result_.staleness = outcome.result.staleness;
+  return outcome;
+}
+
 absl::StatusOr<StepOutcome> Session::ReplayOutcomeLocked(const StepRequest& request) {
   if (!request.device_answer) MUOND_RETURN_IF_ERROR(HostSnapshotLocked());
   StepOutcome replay{last_result_, snapshot_};
@@ -56,7 +117,7 @@ absl::StatusOr<std::unique_ptr<IncomingStep>> Session::BeginStep(StepRequest req
   {
     absl::ReaderMutexLock lock(&mu_);
     if (!initialized_) return NotInitializedError();
-    MUOND_ASSIGN_OR_RETURN(kind, ClassifyLocked(request.step));
+    MUOND_ASSIGN_OR_RETURN(kind, ClassifyRequestLocked(request));
     journaled = persistence_ != nullptr && persistence_->records_gradients();
   }
   MUOND_ASSIGN_OR_RETURN(StepPlan plan, PlanStep(config_, default_hyper_, std::move(request)));
@@ -68,7 +129,8 @@ absl::StatusOr<std::unique_ptr<IncomingStep>> Session::BeginStep(StepRequest req
   // carries no gradients at all.
   std::unique_ptr<StagedGradients> staged;
   const StepPhase phase = plan.request.phase;
-  const bool one_rank = kind == StepKind::kNext && config_.world_size == 1 && phase != StepPhase::kCommit;
+  const bool one_rank = kind == StepKind::kNext && config_.world_size == 1 && phase != StepPhase::kCommit &&
+                        config_.sync.mode != SyncMode::kAsync;
   if (one_rank && phase == StepPhase::kWhole && !backend_->HostAddressable()) {
     MUOND_ASSIGN_OR_RETURN(staged, StagedGradients::Start(gradient_pool_.get(), backend_));
   }
@@ -96,8 +158,14 @@ absl::StatusOr<StepOutcome> Session::FinishStep(std::unique_ptr<IncomingStep> st
   // The state may have moved since BeginStep (another stream of the same step, say): classify again
   // under the lock, where the answer holds until the step is applied.
   StepPlan& plan = step->mutable_plan();
-  MUOND_ASSIGN_OR_RETURN(StepKind kind, ClassifyLocked(plan.request.step));
+  MUOND_ASSIGN_OR_RETURN(StepKind kind, ClassifyRequestLocked(plan.request));
   const StepPhase phase = plan.request.phase;
+  const bool async = config_.sync.mode == SyncMode::kAsync;
+  if (async) {
+    MUOND_RETURN_IF_ERROR(GradScaleLocked(plan).status());
+    if (kind == StepKind::kReplay) return ResendOutcomeLocked(plan.request);
+    return PushLocked(std::move(plan), step->gradients());
+  }
   if (kind == StepKind::kReplay) {
     MUOND_ASSIGN_OR_RETURN(StepOutcome replay, ReplayOutcomeLocked(plan.request));
     if (phase == StepPhase::kPrepare) replay.parameters = nullptr;  // a prepare answers without parameters
@@ -176,6 +244,14 @@ void Session::DropPreparedLocked() {
 absl::StatusOr<StepOutcome> Session::ApplyJournaledStep(StepRequest request, std::vector<HostTensor> gradients) {
   MUOND_ASSIGN_OR_RETURN(StepPlan plan, PlanStep(config_, default_hyper_, std::move(request)));
   absl::MutexLock lock(&mu_);
+  if (config_.sync.mode == SyncMode::kAsync) {
+    // Replayed in the recorded global order, each push with the staleness it had.
+    if (plan.request.global_step != last_step_ + 1) {
+      return absl::FailedPreconditionError(absl::StrCat("push recorded as global step ", plan.request.global_step,
+                                                        " does not follow global step ", last_step_));
+    }
+    return ApplyPushLocked(std::move(plan), gradients);
+  }
   MUOND_ASSIGN_OR_RETURN(StepKind kind, ClassifyLocked(plan.request.step));
   if (kind != StepKind::kNext) {
     return absl::FailedPreconditionError(
@@ -260,7 +336,7 @@ absl::StatusOr<StepOutcome> Session::ApplyLocked(const StepPlan& plan, std::vect
 
   const auto start = std::chrono::steady_clock::now();
   StepResult result;
-  result.step = plan.request.step;
+  result.step = GlobalStepOf(plan.request);
   // Counted before the optimizer runs (on the CPU backend it reads, and may scale, these in place).
   if (plan.request.count_zeros) result.num_zeros_in_grad = CountZeros(gradients);
   const GradientTotals totals = TotalsOf(gradients);

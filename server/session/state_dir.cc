@@ -22,6 +22,7 @@ absl::StatusOr<SessionState> StateFromCheckpoint(durability::CheckpointData& dat
                                                .growth_tracker = data.loss_scaler->growth_tracker,
                                                .hysteresis_tracker = data.loss_scaler->hysteresis_tracker};
   }
+  for (const auto& [push, global_step, staleness] : data.pushes) state.pushes.push_back({push, global_step, staleness});
   state.step_counts.assign(config.parameters.size(), -1);
   for (const auto& [name, count] : data.step_counts) {
     auto it = config.parameter_index.find(name);
@@ -95,6 +96,7 @@ absl::Status FilePersistence::SaveCheckpoint(SessionState state) {
     data.loss_scaler = durability::CheckpointLossScaler{state.loss_scaler->scale, state.loss_scaler->growth_tracker,
                                                         state.loss_scaler->hysteresis_tracker};
   }
+  for (const PushRecord& p : state.pushes) data.pushes.push_back({p.push, p.global_step, p.staleness});
   for (StateTensor& t : state.tensors) {
     const ParameterConfig& param = config.parameters[t.parameter];
     std::vector<int64_t> shape = session_.TensorShape(t.parameter, t.slot);
@@ -147,7 +149,7 @@ absl::StatusOr<LoadedSession> LoadSession(const durability::StateDirOptions& opt
       return absl::DataLossError(
           absl::StrCat("journal ", folder.journal_path, " is unusable: ", request.status().message()));
     }
-    const int64_t step = request->step;
+    const int64_t step = GlobalStepOf(*request);
     if (step <= session.last_step()) continue;  // already in the checkpoint
     if (step != session.last_step() + 1) {
       return absl::DataLossError(absl::StrCat("journal ", folder.journal_path, " is unusable: step ", step,

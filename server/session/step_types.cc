@@ -44,6 +44,11 @@ std::string EncodeStepRequest(const StepRequest& request) {
     out["contributors"] = request.contributors;
     out["total_weight"] = request.total_weight;
   }
+  PutOptional(out, "base_step", request.base_step);
+  if (request.global_step != 0) {
+    out["global_step"] = request.global_step;
+    out["staleness"] = request.staleness;
+  }
   if (request.decision.has_value()) {
     // The norm travels as its bits: it may be inf or nan (a skipped step), which JSON cannot hold.
     out["decision"] = {{"grad_norm_bits", absl::bit_cast<uint64_t>(request.decision->grad_norm)},
@@ -86,6 +91,11 @@ absl::StatusOr<StepRequest> DecodeStepRequest(absl::string_view bytes) {
     if (in.contains("contributors")) {
       request.contributors = in.at("contributors").get<std::vector<int>>();
       request.total_weight = in.at("total_weight").get<double>();
+    }
+    request.base_step = GetOptional<int64_t>(in, "base_step");
+    if (in.contains("global_step")) {
+      request.global_step = in.at("global_step").get<int64_t>();
+      request.staleness = in.at("staleness").get<int64_t>();
     }
     if (in.contains("decision")) {
       const json& decision = in.at("decision");

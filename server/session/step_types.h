@@ -61,6 +61,12 @@ struct StepRequest {
   // step: the ranks the step used, ascending, and the sum of their weights. Empty: every rank.
   std::vector<int> contributors;
   double total_weight = 0;
+  // Asynchronous sessions: `step` numbers this rank's pushes; base_step is the global step its
+  // gradients were computed on. Set when the push is taken, and journaled: the global step it
+  // becomes and its staleness.
+  std::optional<int64_t> base_step;
+  int64_t global_step = 0;
+  int64_t staleness = 0;
   // The transport answers from backend memory (CUDA IPC, NCCL): the parameters after the step need
   // not be read back to the host (ParameterSnapshot::on_device). Not journaled.
   bool device_answer = false;
@@ -84,6 +90,21 @@ struct StepResult {
   std::vector<int> contributors;
   double total_weight = 0;
   bool included = true;
+  int64_t global_step = 0;  // asynchronous sessions: the global step the push became
+  int64_t staleness = 0;    // and its staleness
+};
+
+// The global step `request` is or became: its step, or for an asynchronous push the global step
+// it was taken as.
+inline int64_t GlobalStepOf(const StepRequest& request) {
+  return request.global_step > 0 ? request.global_step : request.step;
+}
+
+// An asynchronous session's record of one rank's last push.
+struct PushRecord {
+  int64_t push = 0;  // 0: none yet
+  int64_t global_step = 0;
+  int64_t staleness = 0;
 };
 
 // Every parameter after some step, as answers read it: one span per parameter. On a backend with

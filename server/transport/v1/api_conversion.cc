@@ -18,6 +18,7 @@ session::StepRequest ToStepRequest(const v1::StepHeader& header) {
   if (header.has_max_grad_norm()) request.max_grad_norm = header.max_grad_norm();
   if (header.has_grad_scale()) request.grad_scale = header.grad_scale();
   if (header.has_weight()) request.weight = header.weight();
+  if (header.has_base_step()) request.base_step = header.base_step();
   for (const v1::QkClipLogits& logits : header.qk_logits()) {
     request.qk_logits.push_back({logits.query(), {logits.max_logits().begin(), logits.max_logits().end()}});
   }
@@ -43,6 +44,10 @@ v1::StepResult ToProto(const session::StepResult& result) {
   out.mutable_contributors()->Assign(result.contributors.begin(), result.contributors.end());
   out.set_total_weight(result.total_weight);
   out.set_included(result.included);
+  if (result.global_step != 0) {
+    out.set_global_step(result.global_step);
+    out.set_staleness(result.staleness);
+  }
   if (result.prepared) {
     out.set_prepared(true);
     out.mutable_sum_squares()->Assign(result.sum_squares.begin(), result.sum_squares.end());
