@@ -29,6 +29,7 @@ __path__ = extend_path(__path__, __name__)
 
 from .client import Connection  # noqa: E402
 from .connection_options import ConnectionOptions  # noqa: E402
+from .diloco import DiLoCo  # noqa: E402
 from .errors import MuondError  # noqa: E402
 from .local import LocalOptimizer  # noqa: E402
 from .optimizer import RemoteOptimizer  # noqa: E402
@@ -37,5 +38,5 @@ from .step_info import StepInfo  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["Connection", "ConnectionOptions", "LocalOptimizer", "MuondError", "RemoteOptimizer",
-           "StepInfo", "default_param_groups", "__version__"]
+__all__ = ["Connection", "ConnectionOptions", "DiLoCo", "LocalOptimizer", "MuondError",
+           "RemoteOptimizer", "StepInfo", "default_param_groups", "__version__"]

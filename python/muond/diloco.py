@@ -1,0 +1,406 @@
+"""``DiLoCo``: local training, with a periodic outer step on a muond daemon (Streaming too).
+
+Each worker trains its own copy of the model with its own (inner) torch optimizer. Every
+``sync_every`` (H) inner steps it sends its pseudo-gradient, Δ = (global parameters at the last
+sync) − (local parameters), as the gradient of one ``RemoteOptimizer`` step weighted by the tokens
+it processed since that sync. The daemon averages the workers' Δ by weight, applies the outer
+optimizer (Nesterov SGD by default, or any muond group: Muon for the matrices) and answers every
+worker with the new global parameters, which become its local ones. With ``fragments`` F the
+parameters are split into F fragments that sync in turn, one every H/F inner steps (Streaming
+DiLoCo). docs/diloco.md has the order of operations and the schedule.
+
+The global parameters are a separate set of fp32 tensors (one per trained parameter of the model)
+registered with the ``RemoteOptimizer``: a sync puts Δ into their ``.grad`` (``None`` for the
+parameters of fragments that do not sync), steps, and copies the answered values into the model.
+
+Thread-safety: one instance is used from one thread at a time, like a torch optimizer.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from .optimizer import RemoteOptimizer
+from .param_groups import default_param_groups
+
+__all__ = ["DiLoCo", "OUTER_SGD", "muon_outer_groups", "split_fragments"]
+
+_log = logging.getLogger("muond")
+_STATE_FORMAT = 1
+
+# DiLoCo's outer optimizer (arXiv 2311.08105, torchft's values): Nesterov SGD, lr 0.7, momentum 0.9.
+OUTER_SGD: Dict[str, Any] = {"optimizer": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True}
+
+OuterSpec = Union[None, str, Mapping[str, Any], Sequence[Mapping[str, Any]]]
+
+
+def muon_outer_groups(model: nn.Module, *, muon: Optional[Mapping[str, Any]] = None,
+                      sgd: Optional[Mapping[str, Any]] = None,
+                      head: Optional[Iterable[Any]] = None) -> List[Dict[str, Any]]:
+    """Outer groups with Muon for the hidden matrices and Nesterov SGD for the rest.
+
+    The split is ``muond.default_param_groups``' (embeddings, the output head and parameters with
+    fewer than 2 dimensions leave Muon). ``muon``: options of the Muon group (muond's Muon
+    defaults otherwise; no published outer-Muon setting exists, so tune its ``lr``). ``sgd``:
+    options of the SGD group over ``OUTER_SGD``. Give the result to ``DiLoCo(outer=...)``."""
+    groups = []
+    for group in default_param_groups(model, head=head):
+        if group["optimizer"] == "muon":
+            groups.append({**group, **dict(muon or {}), "optimizer": "muon"})
+        else:
+            groups.append({"params": group["params"], "param_names": group["param_names"],
+                           **OUTER_SGD, **dict(sgd or {})})
+    return groups
+
+
+def split_fragments(sizes: Sequence[int], fragments: int) -> List[int]:
+    """The fragment of each parameter, given the parameters' element counts in order:
+    ``fragments`` (F) contiguous runs of the list, each holding at least one parameter, of about
+    equal size. Walking the list in order, the current fragment f closes before parameter i when
+    the middle of parameter i lies at or past (f + 1)/F of all elements, or when the parameters
+    left are exactly as many as the fragments still to open."""
+    count = len(sizes)
+    total = sum(sizes)
+    owner: List[int] = []
+    current, before, filled = 0, 0, 0
+    for i, size in enumerate(sizes):
+        to_open = fragments - 1 - current
+        middle_past = (2 * before + size) * fragments >= 2 * total * (current + 1)
+        if filled and to_open > 0 and (count - i == to_open or middle_past):
+            current += 1
+            filled = 0
+        owner.append(current)
+        filled += 1
+        before += size
+    return owner
+
+
+def _check_count(name: str, value: Any, low: int, high: Optional[int] = None,
+                 why: str = "") -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: must be an integer, got {value!r}")
+    value = int(value)
+    if value < low or (high is not None and value > high):
+        bound = f"at least {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name}: must be {bound}{why}, got {value}")
+    return value
+
+
+def _check_tokens(tokens: Any) -> float:
+    if tokens is None:
+        return 1.0
+    if isinstance(tokens, bool) or not isinstance(tokens, numbers.Real):
+        raise TypeError(f"tokens: must be a number, got {tokens!r}")
+    value = float(tokens)
+    if not (value >= 0 and math.isfinite(value)):
+        raise ValueError(f"tokens: must be finite and >= 0, got {tokens!r}")
+    return value
+
+
+class DiLoCo:
+    """A DiLoCo worker: the inner optimizer steps every call, the daemon takes the outer step.
+
+    Args:
+        model: the worker's model; its parameters with ``requires_grad`` are trained and synced.
+        inner_optimizer: the worker's local torch optimizer over those parameters (e.g.
+            ``torch.optim.AdamW``, or ``muond.LocalOptimizer`` with Muon groups as in MuLoCo).
+        sync_every: H, the inner steps between two syncs of the same parameters (>= 1).
+        outer: the outer optimizer, as muond parameter groups over the model's parameters:
+            None or "sgd": Nesterov SGD with DiLoCo's lr 0.7 and momentum 0.9 (``OUTER_SGD``) on
+            every parameter; "muon": ``muon_outer_groups(model)``; a dict of options for one group
+            of every parameter; or a list of group dicts whose ``params`` are the model's
+            parameters (tensors, names or ``(name, tensor)`` pairs), each parameter in exactly
+            one group (``muond.default_param_groups(model)`` output works). A group that names no
+            optimizer is SGD, and an SGD group gets ``OUTER_SGD``'s lr, momentum and nesterov
+            for those it leaves unset (and the keyword options below do not set).
+        endpoint, session, world_size, rank, wire_dtype: as ``RemoteOptimizer``'s. Every worker
+            is one rank of the session: K workers give ``world_size=K`` and the same ``session``
+            (or an initialized ``torch.distributed``). The worker that opens the session first
+            uploads its parameters; the others attach and take the session's values, so start
+            every worker from the same parameters or let rank 0 open first (torch.distributed).
+        sync_mode: "lockstep" (default) or "quorum" (with ``min_ranks``, ``grace_seconds`` among
+            the keyword options), as ``RemoteOptimizer``'s.
+        fragments: F, the fragments the parameters are split into (Streaming DiLoCo): 1 to the
+            number of trained parameters, and H must be a multiple of F. ``split_fragments``
+            says which parameters form each fragment; ``fragment_names`` lists them.
+        **remote_optimizer_kwargs: the other ``RemoteOptimizer`` options (``connection``,
+            ``transport``, ``max_grad_norm``, ``return_dtype``, option defaults for every group).
+
+    Raises:
+        ValueError / TypeError: bad arguments, naming the argument, before anything is sent.
+        MuondError: the daemon refused a call.
+    """
+
+    def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer,
+                 sync_every: int, *, outer: OuterSpec = None, endpoint: Optional[str] = None,
+                 session: Optional[str] = None, world_size: Optional[int] = None,
+                 rank: Optional[int] = None, sync_mode: Optional[str] = None, fragments: int = 1,
+                 wire_dtype: Any = "fp32", **remote_optimizer_kwargs: Any):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("model: has no parameters with requires_grad")
+        self.sync_every = _check_count("sync_every", sync_every, 1)
+        self.fragments = _check_count(
+            "fragments", fragments, 1, len(named),
+            " (at most one fragment per trained parameter of the model)")
+        if self.sync_every % self.fragments:
+            raise ValueError(f"fragments: sync_every ({self.sync_every}) must be a multiple of "
+                             f"fragments ({self.fragments}), so that each fragment syncs every "
+                             f"sync_every inner steps")
+        self.model = model
+        self.inner = inner_optimizer
+        self.names: List[str] = [n for n, _ in named]
+        self._params: List[torch.Tensor] = [p for _, p in named]
+        self._fragment_of = split_fragments([p.numel() for p in self._params], self.fragments)
+        self._members: List[List[int]] = [[i for i, f in enumerate(self._fragment_of) if f == k]
+                                          for k in range(self.fragments)]
+        # The global parameters at the last sync: fp32, on the parameters' devices.
+        self._globals: List[torch.Tensor] = [
+            torch.empty_like(p, dtype=torch.float32).copy_(p.detach()) for p in self._params]
+        groups = self._outer_groups(outer, model, remote_optimizer_kwargs)
+        if sync_mode is not None:
+            if sync_mode not in ("lockstep", "quorum"):
+                raise ValueError(f"sync_mode: DiLoCo syncs in 'lockstep' or 'quorum', got "
+                                 f"{sync_mode!r}")
+            remote_optimizer_kwargs["sync_mode"] = sync_mode
+        self.remote = RemoteOptimizer(groups, endpoint=endpoint, session=session,
+                                      wire_dtype=wire_dtype, world_size=world_size, rank=rank,
+                                      **remote_optimizer_kwargs)
+        self.inner_steps = 0                       # calls of step() so far
+        self.tokens = 0.0                          # tokens counted by step() so far
+        self._since_sync = [0.0] * self.fragments  # tokens since each fragment's last sync
+        self.last_sync: Optional[int] = None       # the fragment the last step() synced
+        self._deltas: Dict[int, torch.Tensor] = {}  # Δ buffers, made at a parameter's first sync
+        self._take_globals(range(len(self._params)))  # an attached worker starts from the session's
+
+    # -- construction helpers ----------------------------------------------------------------------
+
+    def _outer_groups(self, outer: OuterSpec, model: nn.Module,
+                      kwargs: Mapping[str, Any]) -> List[Dict[str, Any]]:
+        """The outer groups over the global copies, each model parameter in exactly one."""
+        if outer is None or (isinstance(outer, str) and outer.lower() in ("sgd", "nesterov")):
+            given: List[Mapping[str, Any]] = [{"params": list(self.names), **OUTER_SGD}]
+        elif isinstance(outer, str) and outer.lower() == "muon":
+            given = muon_outer_groups(model)
+        elif isinstance(outer, str):
+            raise ValueError(f"outer: unknown outer optimizer {outer!r}; give 'sgd', 'muon', a "
+                             f"dict of group options or a list of parameter groups")
+        elif isinstance(outer, Mapping):
+            given = [outer] if "params" in outer else [{"params": list(self.names), **outer}]
+        else:
+            given = list(outer)
+        index = {name: i for i, name in enumerate(self.names)}
+        by_id = {id(p): i for i, p in enumerate(self._params)}
+        group_of: Dict[int, int] = {}
+        groups = []
+        for g, group in enumerate(given):
+            if not isinstance(group, Mapping) or "params" not in group:
+                raise TypeError(f"outer: group {g} must be a dict with 'params'")
+            params = group["params"]
+            params = [params] if isinstance(params, (torch.Tensor, str)) else list(params)
+            members = [self._member(item, index, by_id, g) for item in params]
+            for i in members:
+                if i in group_of:
+                    raise ValueError(f"outer: parameter '{self.names[i]}' is in groups "
+                                     f"{group_of[i]} and {g}")
+                group_of[i] = g
+            options = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+            groups.append({**self._sgd_defaults(options, kwargs),
+                           "params": [self._globals[i] for i in members],
+                           "param_names": [self.names[i] for i in members]})
+        missing = [n for i, n in enumerate(self.names) if i not in group_of]
+        if missing:
+            raise ValueError(f"outer: the parameters {missing} are in no group; every trained "
+                             f"parameter of the model needs an outer optimizer")
+        return groups
+
+    def _member(self, item: Any, index: Dict[str, int], by_id: Dict[int, int], g: int) -> int:
+        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+            item = item[1]
+        if isinstance(item, str):
+            if item not in index:
+                raise ValueError(f"outer: group {g} names '{item}', not a trained parameter of "
+                                 f"the model")
+            return index[item]
+        if isinstance(item, torch.Tensor) and id(item) in by_id:
+            return by_id[id(item)]
+        raise ValueError(f"outer: group {g} holds a tensor that is not a trained parameter of "
+                         f"the model")
+
+    @staticmethod
+    def _sgd_defaults(options: Dict[str, Any], kwargs: Mapping[str, Any]) -> Dict[str, Any]:
+        """``options`` with DiLoCo's outer SGD settings for what neither it nor the keyword
+        options set, when the group is SGD (a group that names no optimizer is)."""
+        named = [s for s in (options, kwargs) if "optimizer" in s or "use_muon" in s]
+        if named and str(named[0].get("optimizer", "")).lower() != "sgd":
+            return options
+        filled = dict(options)
+        for key, value in OUTER_SGD.items():
+            if key not in options and key not in kwargs:
+                filled[key] = value
+        return filled
+
+    # -- the schedule ------------------------------------------------------------------------------
+
+    @property
+    def fragment_names(self) -> List[List[str]]:
+        """The names of each fragment's parameters, fragment 0 first."""
+        return [[self.names[i] for i in members] for members in self._members]
+
+    @property
+    def interval(self) -> int:
+        """Inner steps between two syncs (of any fragment): sync_every / fragments."""
+        return self.sync_every // self.fragments
+
+    def fragment_due(self, inner_step: int) -> Optional[int]:
+        """The fragment that syncs after inner step ``inner_step`` (counted from 1, as
+        ``inner_steps`` after that step), or None. A sync comes after every ``interval`` inner
+        steps; the session's step s carries fragment (s − 1) mod F, so this worker's next sync
+        carries fragment ``remote.last_step mod F``."""
+        if inner_step < 1 or inner_step % self.interval:
+            return None
+        return self.remote.last_step % self.fragments
+
+    # -- the training loop -------------------------------------------------------------------------
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The inner optimizer's ``zero_grad``."""
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Optional[Callable[[], Any]] = None, *, tokens: Any = None) -> Any:
+        """Replaces ``inner_optimizer.step()``: runs it (with ``closure``), counts ``tokens``
+        (the tokens, or samples, this step trained on; None counts 1), and, when a fragment is
+        due (``fragment_due``), syncs it. Returns the closure's loss."""
+        amount = _check_tokens(tokens)
+        due = self.fragment_due(self.inner_steps + 1)
+        if due is not None and self._since_sync[due] + amount <= 0:
+            raise ValueError(f"tokens: no tokens counted since fragment {due}'s last sync; the "
+                             f"weight of a sync must be > 0")
+        loss = self.inner.step(closure) if closure is not None else self.inner.step()
+        self.inner_steps += 1
+        self.tokens += amount
+        self._since_sync = [t + amount for t in self._since_sync]
+        self.last_sync = due
+        if due is not None:
+            self._sync(due)
+        return loss
+
+    def _sync(self, fragment: int) -> None:
+        """One outer step of ``fragment``: Δ of its parameters as their gradients, weighted by
+        the tokens since its last sync; the answered global values become the local ones."""
+        weight = self._since_sync[fragment]
+        members = self._members[fragment]
+        for g in self._globals:
+            g.grad = None
+        with torch.no_grad():
+            for i in members:
+                g = self._globals[i]
+                delta = self._deltas.get(i)
+                if delta is None:
+                    delta = self._deltas[i] = torch.empty_like(g)
+                torch.sub(g, self._params[i].detach(), out=delta)
+                g.grad = delta
+        sent = self.remote.last_step + 1
+        self.remote.step(weight=weight)
+        for g in self._globals:
+            g.grad = None
+        info = self.remote.last_info
+        if info is not None and (info.step != sent or not getattr(info, "included", True)):
+            # A quorum step went on without this worker: take the session's parameters whole.
+            _log.warning("DiLoCo rank %d: sync step %d went on without this worker (the session "
+                         "is at step %d); taking the session's parameters, local progress since "
+                         "the last sync is dropped", self.remote.rank, sent, info.step)
+            self._take_globals(range(len(self._params)))
+            self._since_sync = [0.0] * self.fragments
+            return
+        if info is not None and not info.applied:
+            _log.warning("DiLoCo rank %d: outer step %d skipped (%s); fragment %d goes back to "
+                         "its global values", self.remote.rank, info.step, info.skip_reason,
+                         fragment)
+        self._take_globals(members)
+        self._since_sync[fragment] = 0.0
+
+    @torch.no_grad()
+    def _take_globals(self, indices: Iterable[int]) -> None:
+        for i in indices:
+            self._params[i].copy_(self._globals[i])
+
+    def global_parameters(self) -> Dict[str, torch.Tensor]:
+        """The global parameters at each fragment's last sync (fp32; the tensors themselves, do
+        not modify them)."""
+        return dict(zip(self.names, self._globals))
+
+    @property
+    def last_info(self):
+        """The ``StepInfo`` of the last sync (None before the first)."""
+        return self.remote.last_info
+
+    @property
+    def session_id(self) -> str:
+        return self.remote.session_id
+
+    # -- state -------------------------------------------------------------------------------------
+
+    def state_dict(self) -> Dict[str, Any]:
+        """This worker's state: the inner optimizer's state dict, the global parameters at the
+        last sync, the local parameters, and the counters. The outer optimizer's state stays in
+        the daemon's session (``remote.checkpoint()`` with a ``--state-dir`` daemon makes it
+        durable); the model's buffers are not included."""
+        meta = {"format": _STATE_FORMAT, "session": self.remote.session_id,
+                "outer_step": self.remote.last_step, "inner_steps": self.inner_steps,
+                "tokens": self.tokens, "tokens_since_sync": list(self._since_sync),
+                "sync_every": self.sync_every, "fragments": self.fragments,
+                "names": list(self.names), "rank": self.remote.rank,
+                "world_size": self.remote.world_size}
+        return {"diloco": meta, "inner": self.inner.state_dict(),
+                "global": {n: g.detach().clone() for n, g in zip(self.names, self._globals)},
+                "local": {n: p.detach().clone() for n, p in zip(self.names, self._params)}}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restores ``state_dict()``'s state onto this worker, attached to the same session at the
+        same outer step (ValueError otherwise, before anything changes)."""
+        meta = state_dict.get("diloco") if isinstance(state_dict, Mapping) else None
+        if not meta or meta.get("format") != _STATE_FORMAT:
+            raise ValueError("not a DiLoCo state dict (no 'diloco' section of format 1)")
+        for key, mine in (("names", self.names), ("sync_every", self.sync_every),
+                          ("fragments", self.fragments)):
+            if meta[key] != mine:
+                raise ValueError(f"{key}: the state dict has {meta[key]}, this worker {mine}")
+        if meta["outer_step"] != self.remote.last_step:
+            raise ValueError(
+                f"the state dict was saved after outer step {meta['outer_step']}, the session "
+                f"'{self.remote.session_id}' is at step {self.remote.last_step}: resume every "
+                f"worker from states saved at the same step, on the session they were saved from "
+                f"(a daemon with --state-dir keeps it across restarts)")
+        saved_globals = state_dict["global"]
+        for name, g in zip(self.names, self._globals):
+            if not torch.equal(saved_globals[name].to(g.device, g.dtype), g):
+                raise ValueError(f"the state dict's global value of '{name}' differs from the "
+                                 f"session's: it was saved from another session or run")
+        self.inner.load_state_dict(state_dict["inner"])
+        with torch.no_grad():
+            for name, p in zip(self.names, self._params):
+                p.copy_(state_dict["local"][name])
+        self.inner_steps = int(meta["inner_steps"])
+        self.tokens = float(meta["tokens"])
+        self._since_sync = [float(t) for t in meta["tokens_since_sync"]]
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    def close(self, keep_session: bool = False) -> None:
+        """Closes the ``RemoteOptimizer`` (rank 0 ends the session unless ``keep_session``)."""
+        self.remote.close(keep_session=keep_session)
+
+    def __enter__(self) -> "DiLoCo":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close()

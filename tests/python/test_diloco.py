@@ -1,0 +1,447 @@
+"""muond.DiLoCo against the real daemon: K workers (processes, or threads each with its own rank)
+train locally with AdamW and sync through one session, and must equal, bit for bit, a pure-torch
+DiLoCo written here: every worker's inner AdamW on its own data, every H inner steps the average of
+the pseudo-gradients weighted by tokens (Σ w·Δ / Σ w summed in rank order in fp64, rounded once to
+fp32, as the daemon averages) and the outer step on the global parameters. Also: outer Muon equals
+muond's own Muon fed the averaged pseudo-gradients, the Streaming DiLoCo schedule of fragments=2,
+resuming from a state dict across a daemon restart, refused arguments, and the example."""
+
+import concurrent.futures
+import io
+import os
+import subprocess
+import sys
+import uuid
+
+import grpc
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+import muond
+from muond.diloco import muon_outer_groups, split_fragments
+
+from conftest import REPO_ROOT
+from helpers import TinyNet, batch
+
+SEED = 70
+SIZES = (8, 16, 24)             # worker r's batch size, and the tokens of each of its steps
+INNER = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+# TinyNet's parameters split in two by the documented rule (the middle of down.weight lies past
+# half of all elements, so it opens fragment 1).
+TWO_FRAGMENTS = [["emb.weight", "up.weight", "up.bias", "norm.weight", "norm.bias"],
+                 ["down.weight", "down.bias", "head.weight"]]
+
+
+def inner_loss(model, rank: int, t: int):
+    x, y = batch(100 * rank + t, size=SIZES[rank])  # each worker trains on its own data
+    return F.cross_entropy(model(x), y)
+
+
+def inner_step(model, inner, rank: int, t: int) -> None:
+    inner.zero_grad()
+    inner_loss(model, rank, t).backward()
+
+
+def session_name() -> str:
+    return f"diloco-{uuid.uuid4().hex[:12]}"
+
+
+def end_session(endpoint: str, session: str) -> None:
+    """Ends a session the workers kept; one never opened (a worker failed first) is fine."""
+    conn = muond.Connection(endpoint)
+    try:
+        conn.close_session(session)
+    except muond.MuondError as err:
+        if err.code != grpc.StatusCode.NOT_FOUND:
+            raise
+    finally:
+        conn.close()
+
+
+# -- the pure-torch reference ----------------------------------------------------------------------
+
+class NesterovSGD:
+    """The outer step of DiLoCo: torch.optim.SGD(lr, momentum, nesterov=True) with dampening 0 and
+    no weight decay, each product rounded to fp32 before the sum it enters (docs/algorithms.md, SGD;
+    kernels/elementwise.h SgdElement). torch.optim.SGD's own CPU kernels evaluate
+    ``add(x, alpha=μ)`` as one fused multiply-add where the CPU has FMA (AVX2 here), so it rounds
+    once where this formula rounds twice, and so differs from itself on a CPU without FMA; the
+    formula is what is pinned, written out op by op. The buffer starts as the first gradient."""
+
+    def __init__(self, lr=0.7, momentum=0.9):
+        self.lr, self.momentum, self.buffers = lr, momentum, {}
+
+    def __call__(self, globals_, averages) -> None:
+        for name, g in averages.items():
+            b = self.buffers.get(name)
+            b = g.clone() if b is None else b * self.momentum + g
+            self.buffers[name] = b
+            d = g + b * self.momentum
+            globals_[name].copy_(globals_[name] - d * self.lr)
+
+
+class MuondOuter:
+    """The outer step as a plain muond session (world size 1) over its own copy of the initial
+    global parameters, fed the averaged pseudo-gradients as their gradients."""
+
+    def __init__(self, endpoint, groups_of):
+        twin = TinyNet(seed=SEED)
+        self.params = dict(twin.named_parameters())
+        self.opt = muond.RemoteOptimizer(groups_of(twin), endpoint=endpoint)
+
+    def __call__(self, globals_, averages) -> None:
+        for name, p in self.params.items():
+            p.grad = averages.get(name)  # None: left out of the step
+        self.opt.step()
+        for name in averages:
+            globals_[name].copy_(self.params[name].detach())
+
+
+def reference_diloco(workers: int, steps: int, sync_every: int, fragments, outer):
+    """Pure-torch DiLoCo: returns (each worker's local parameters, the global parameters)."""
+    init = TinyNet(seed=SEED)
+    global_params = {n: p.detach().clone() for n, p in init.named_parameters()}
+    models = [TinyNet(seed=SEED) for _ in range(workers)]
+    inners = [torch.optim.AdamW(m.parameters(), **INNER) for m in models]
+    locals_ = [dict(m.named_parameters()) for m in models]
+    since = [[0.0] * len(fragments) for _ in range(workers)]
+    interval, syncs = sync_every // len(fragments), 0
+    for t in range(1, steps + 1):
+        for r in range(workers):
+            inner_step(models[r], inners[r], r, t)
+            inners[r].step()
+            since[r] = [s + SIZES[r] for s in since[r]]
+        if t % interval:
+            continue
+        f = syncs % len(fragments)
+        syncs += 1
+        total = sum(since[r][f] for r in range(workers))
+        averages = {}
+        for name in fragments[f]:
+            acc = torch.zeros_like(global_params[name], dtype=torch.float64)
+            for r in range(workers):  # rank order, fp64, each weight times the fp32 Δ
+                delta = global_params[name] - locals_[r][name].detach()
+                acc += since[r][f] * delta.double()
+            averages[name] = (acc / total).float()
+        outer(global_params, averages)
+        with torch.no_grad():
+            for r in range(workers):
+                for name in fragments[f]:
+                    locals_[r][name].copy_(global_params[name])
+                since[r][f] = 0.0
+    return [{n: p.detach().clone() for n, p in loc.items()} for loc in locals_], global_params
+
+
+# -- DiLoCo workers --------------------------------------------------------------------------------
+
+def _process_worker(rank, world, endpoint, session, out, sync_every, fragments, steps):
+    torch.set_num_threads(1)
+    model = TinyNet(seed=SEED)
+    inner = torch.optim.AdamW(model.parameters(), **INNER)
+    diloco = muond.DiLoCo(model, inner, sync_every=sync_every, endpoint=endpoint, session=session,
+                          world_size=world, rank=rank, fragments=fragments)
+    weights = []
+    for t in range(1, steps + 1):
+        inner_step(model, inner, rank, t)
+        diloco.step(tokens=SIZES[rank])
+        if diloco.last_sync is not None:
+            weights.append(diloco.last_info.total_weight)
+    torch.save({"local": {n: p.detach().clone() for n, p in model.named_parameters()},
+                "global": {n: g.clone() for n, g in diloco.global_parameters().items()},
+                "outer_steps": diloco.remote.last_step, "total_weights": weights}, f"{out}.{rank}")
+    diloco.close(keep_session=True)  # the test ends the session once every worker is done
+
+
+def run_threads(endpoint, workers, steps, sync_every, fragments=1, outer=None, record=None,
+                **kwargs):
+    """``workers`` DiLoCo workers in threads of this process, each its own rank of one session;
+    rank 0 opens the session first. ``record(rank, t, diloco)`` runs after every step."""
+    session = session_name()
+    runs = []
+    for r in range(workers):
+        model = TinyNet(seed=SEED)
+        inner = torch.optim.AdamW(model.parameters(), **INNER)
+        runs.append((model, muond.DiLoCo(model, inner, sync_every=sync_every, endpoint=endpoint,
+                                         session=session, world_size=workers, rank=r,
+                                         fragments=fragments,
+                                         outer=outer(model) if callable(outer) else outer,
+                                         **kwargs)))
+
+    def train(r):
+        model, diloco = runs[r]
+        for t in range(1, steps + 1):
+            inner_step(model, diloco.inner, r, t)
+            diloco.step(tokens=SIZES[r])
+            if record is not None:
+                record(r, t, diloco)
+
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        for future in [pool.submit(train, r) for r in range(workers)]:
+            future.result()
+    result = [({n: p.detach().clone() for n, p in model.named_parameters()},
+               {n: g.clone() for n, g in diloco.global_parameters().items()})
+              for model, diloco in runs]
+    for _, diloco in runs:
+        diloco.close(keep_session=True)
+    end_session(endpoint, session)
+    return result
+
+
+def assert_bitwise(got, want, what):
+    for name, value in want.items():
+        assert torch.equal(got[name], value), (
+            f"{what}: {name} differs in {(got[name] != value).sum().item()} of {value.numel()} "
+            f"elements, by up to {(got[name] - value).abs().max().item():.3e}")
+
+
+# -- tests -----------------------------------------------------------------------------------------
+
+def test_three_worker_processes_equal_pure_torch_diloco(endpoint, tmp_path):
+    """K = 3 processes, H = 4, 16 inner steps: 4 outer steps of Nesterov SGD (0.7, 0.9) on the
+    token-weighted average of the pseudo-gradients (weights 32, 64, 96 per sync)."""
+    workers, steps, sync_every = 3, 16, 4
+    session, out = session_name(), str(tmp_path / "worker")
+    try:
+        mp.spawn(_process_worker, args=(workers, endpoint, session, out, sync_every, 1, steps),
+                 nprocs=workers, join=True)
+    finally:
+        end_session(endpoint, session)
+    torch.set_num_threads(1)
+    locals_, global_params = reference_diloco(workers, steps, sync_every,
+                                              [list(dict(TinyNet().named_parameters()))],
+                                              NesterovSGD())
+    for r in range(workers):
+        saved = torch.load(f"{out}.{r}")
+        assert saved["outer_steps"] == steps // sync_every
+        assert saved["total_weights"] == [float(sync_every * sum(SIZES))] * 4
+        assert_bitwise(saved["global"], global_params, f"worker {r}'s global parameters")
+        assert_bitwise(saved["local"], locals_[r], f"worker {r}'s local parameters")
+        assert_bitwise(saved["local"], global_params, f"worker {r} after the last sync")
+
+
+def test_outer_muon_equals_muond_muon_on_the_averaged_pseudo_gradient(endpoint):
+    """Outer Muon (the hidden matrices; Nesterov SGD for the rest) with two workers equals a plain
+    muond session with the same groups stepping the token-weighted average."""
+    muon = dict(lr=0.05, momentum=0.9, weight_decay=0.01)
+
+    def groups_of(model):
+        return muon_outer_groups(model, muon=muon)
+
+    torch.set_num_threads(1)
+    got = run_threads(endpoint, 2, 12, 4, outer=groups_of)
+    reference = MuondOuter(endpoint, groups_of)
+    try:
+        locals_, global_params = reference_diloco(
+            2, 12, 4, [list(dict(TinyNet().named_parameters()))], reference)
+    finally:
+        reference.opt.close()
+    assert [g["optimizer"] for g in groups_of(TinyNet())] == ["muon", "sgd"]
+    for r, (local, glob) in enumerate(got):
+        assert_bitwise(glob, global_params, f"worker {r}'s global parameters")
+        assert_bitwise(local, locals_[r], f"worker {r}'s local parameters")
+
+
+def test_two_fragments_sync_in_turn_and_equal_streaming_reference(endpoint):
+    """fragments=2, H = 4: a sync after every 2 inner steps, fragment 0 after steps 2, 6, 10, ...,
+    fragment 1 after 4, 8, 12, ...; a fragment's global values change at its syncs only."""
+    workers, steps, sync_every = 2, 12, 4
+    seen = {}
+
+    def record(rank, t, diloco):
+        if rank == 0:
+            glob = {n: g.clone() for n, g in diloco.global_parameters().items()}
+            local = {n: p.detach().clone() for n, p in diloco.model.named_parameters()}
+            seen[t] = (diloco.last_sync, glob, local)
+
+    torch.set_num_threads(1)
+    got = run_threads(endpoint, workers, steps, sync_every, fragments=2, record=record)
+    assert [seen[t][0] for t in range(1, steps + 1)] == [
+        None, 0, None, 1, None, 0, None, 1, None, 0, None, 1]
+    initial = dict(TinyNet(seed=SEED).named_parameters())
+    before = {n: p.detach() for n, p in initial.items()}
+    for t in range(1, steps + 1):
+        synced, glob, local = seen[t]
+        for f, names in enumerate(TWO_FRAGMENTS):
+            for name in names:
+                changed = not torch.equal(glob[name], before[name])
+                assert changed == (synced == f), (t, name, synced)
+                if synced == f:
+                    assert torch.equal(local[name], glob[name]), (t, name)
+        before = glob
+    locals_, global_params = reference_diloco(workers, steps, sync_every, TWO_FRAGMENTS,
+                                              NesterovSGD())
+    for r, (local, glob) in enumerate(got):
+        assert_bitwise(glob, global_params, f"worker {r}'s global parameters")
+        assert_bitwise(local, locals_[r], f"worker {r}'s local parameters")
+
+
+def test_fragments_follow_the_documented_split(endpoint):
+    sizes = [p.numel() for p in TinyNet().parameters()]
+    assert split_fragments(sizes, 1) == [0] * 8
+    assert split_fragments(sizes, 2) == [0, 0, 0, 0, 0, 1, 1, 1]
+    assert split_fragments(sizes, 8) == list(range(8))
+    assert split_fragments([1000, 1, 1, 1], 3) == [0, 1, 2, 2]  # at least one parameter each
+    model = TinyNet(seed=SEED)
+    with muond.DiLoCo(model, torch.optim.AdamW(model.parameters()), sync_every=4, fragments=2,
+                      endpoint=endpoint) as diloco:
+        assert diloco.fragment_names == TWO_FRAGMENTS
+        assert diloco.interval == 2
+        assert [diloco.fragment_due(t) for t in range(1, 5)] == [None, 0, None, 0]  # at step 0
+
+
+def _resumable_run(endpoint, session, steps, model_seed=SEED, state=None, stop_at=None):
+    """One worker (fragments=2, H = 4): from ``state`` when given, until ``stop_at`` (returning
+    its state dict, the session kept) or the end (returning the parameters)."""
+    model = TinyNet(seed=model_seed)
+    inner = torch.optim.AdamW(model.parameters(), **INNER)
+    diloco = muond.DiLoCo(model, inner, sync_every=4, fragments=2, endpoint=endpoint,
+                          session=session)
+    if state is not None:
+        diloco.load_state_dict(state)
+    for t in range(diloco.inner_steps + 1, steps + 1):
+        inner_step(model, inner, 0, t)
+        diloco.step(tokens=SIZES[0])
+        if t == stop_at:
+            saved = io.BytesIO()
+            torch.save(diloco.state_dict(), saved)
+            diloco.remote.checkpoint()
+            diloco.close(keep_session=True)
+            saved.seek(0)
+            return torch.load(saved)
+    result = ({n: p.detach().clone() for n, p in model.named_parameters()},
+              {n: g.clone() for n, g in diloco.global_parameters().items()},
+              diloco.inner_steps, diloco.tokens, diloco.remote.last_step)
+    diloco.close()
+    return result
+
+
+def test_state_dict_resumes_across_a_daemon_restart(start_daemon, tmp_path):
+    """Saved mid-interval (after inner step 5: fragment 0 counts 3 steps' tokens, fragment 1 one),
+    the daemon restarted from its --state-dir, a fresh worker attaches and loads the state: the
+    run ends where an uninterrupted one does, bit for bit."""
+    torch.set_num_threads(1)
+    state_dir = tmp_path / "state"
+    workdir = tmp_path / "daemon"
+    daemon = start_daemon("--state-dir", state_dir, workdir=workdir)
+    whole = _resumable_run(daemon.endpoint, session_name(), 14)
+    session = session_name()
+    state = _resumable_run(daemon.endpoint, session, 14, stop_at=5)
+    assert state["diloco"]["tokens_since_sync"] == [3.0 * SIZES[0], 1.0 * SIZES[0]]
+    assert state["diloco"]["outer_step"] == 2
+    daemon.stop()
+    daemon = start_daemon("--state-dir", state_dir, workdir=workdir)
+    resumed = _resumable_run(daemon.endpoint, session, 14, model_seed=SEED + 1, state=state)
+    assert resumed[2:] == whole[2:] == (14, 14.0 * SIZES[0], 7)
+    assert_bitwise(resumed[0], whole[0], "local parameters")
+    assert_bitwise(resumed[1], whole[1], "global parameters")
+
+
+def test_quorum_worker_left_out_takes_the_session_parameters(endpoint):
+    """Quorum of 1 without grace: rank 0's sync is taken alone; rank 1, late, is answered with
+    the parameters after that step (included False), takes them whole and starts counting anew."""
+    session, runs = session_name(), []
+    for r in range(2):
+        model = TinyNet(seed=SEED)
+        inner = torch.optim.AdamW(model.parameters(), **INNER)
+        runs.append((model, muond.DiLoCo(model, inner, sync_every=2, endpoint=endpoint,
+                                         session=session, world_size=2, rank=r,
+                                         sync_mode="quorum", min_ranks=1, grace_seconds=0)))
+    try:
+        for r, (model, diloco) in enumerate(runs):
+            for t in (1, 2):
+                inner_step(model, diloco.inner, r, t)
+                diloco.step(tokens=SIZES[r])
+        first, late = runs[0][1].last_info, runs[1][1].last_info
+        assert (first.step, first.contributors, first.total_weight, first.included) == (
+            1, (0,), 2.0 * SIZES[0], True)
+        assert (late.step, late.contributors, late.included) == (1, (0,), False)
+        assert_bitwise({n: p.detach() for n, p in runs[1][0].named_parameters()},
+                       runs[0][1].global_parameters(), "the late worker's parameters")
+        assert runs[1][1]._since_sync == [0.0]
+    finally:
+        for _, diloco in runs:
+            diloco.close(keep_session=True)
+        end_session(endpoint, session)
+
+
+def test_state_dict_refuses_another_step(endpoint):
+    model = TinyNet(seed=SEED)
+    inner = torch.optim.AdamW(model.parameters(), **INNER)
+    with muond.DiLoCo(model, inner, sync_every=2, endpoint=endpoint) as diloco:
+        state = diloco.state_dict()
+        for t in (1, 2):
+            inner_step(model, inner, 0, t)
+            diloco.step()
+        assert diloco.remote.last_step == 1
+        with pytest.raises(ValueError, match="outer step 0.*at step 1"):
+            diloco.load_state_dict(state)
+        with pytest.raises(ValueError, match="not a DiLoCo state dict"):
+            diloco.load_state_dict(inner.state_dict())
+
+
+def test_bad_arguments_are_refused_naming_them(endpoint):
+    model = TinyNet(seed=SEED)
+    inner = torch.optim.AdamW(model.parameters())
+    for kwargs, pattern in [
+            (dict(sync_every=0), "sync_every: must be at least 1"),
+            (dict(sync_every=4, fragments=0), "fragments: must be in \\[1, 8\\]"),
+            (dict(sync_every=9, fragments=9), "fragments: must be in \\[1, 8\\]"),
+            (dict(sync_every=6, fragments=4), "fragments: sync_every \\(6\\) must be a multiple"),
+            (dict(sync_every=4, outer="adam"), "outer: unknown outer optimizer"),
+            (dict(sync_every=4, sync_mode="async"), "sync_mode: DiLoCo syncs in"),
+            (dict(sync_every=4, outer=[{"params": [model.up.weight]}]), "outer: the parameters"),
+            (dict(sync_every=4, outer=[{"params": ["up.weight", "up.weight"]}]),
+             "outer: parameter 'up.weight'"),
+            (dict(sync_every=4, outer=[{"params": [torch.zeros(2)]}]),
+             "outer: group 0 holds a tensor")]:
+        with pytest.raises(ValueError, match=pattern):
+            muond.DiLoCo(model, inner, endpoint=endpoint, **kwargs)
+    with pytest.raises(TypeError, match="sync_every: must be an integer"):
+        muond.DiLoCo(model, inner, sync_every=2.5, endpoint=endpoint)
+    with muond.DiLoCo(model, inner, sync_every=2, endpoint=endpoint) as diloco:
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        inner_step(model, inner, 0, 1)
+        for tokens, error in ((-1, ValueError), (float("nan"), ValueError), ("8", TypeError)):
+            with pytest.raises(error, match="tokens: must be"):
+                diloco.step(tokens=tokens)
+        assert diloco.inner_steps == 0  # refused before the inner step ran
+        assert_bitwise({n: p.detach() for n, p in model.named_parameters()}, before, "parameters")
+        diloco.step(tokens=0)
+        inner_step(model, inner, 0, 2)
+        with pytest.raises(ValueError, match="tokens: no tokens counted since fragment 0"):
+            diloco.step(tokens=0)  # a sync of weight 0: refused before the inner step
+        assert (diloco.inner_steps, diloco.remote.last_step) == (1, 0)
+        diloco.step(tokens=3)
+        assert (diloco.inner_steps, diloco.remote.last_step) == (2, 1)
+        assert diloco.last_info.total_weight == 3.0
+
+
+def test_outer_options_default_to_diloco_nesterov(endpoint):
+    model = TinyNet(seed=SEED)
+    inner = torch.optim.AdamW(model.parameters())
+    with muond.DiLoCo(model, inner, sync_every=2, endpoint=endpoint) as diloco:
+        (group,) = diloco.remote.param_groups
+        assert (group["optimizer"], group["lr"], group["momentum"], group["nesterov"]) == (
+            "sgd", 0.7, 0.9, True)
+    with muond.DiLoCo(model, inner, sync_every=2, endpoint=endpoint, outer={"lr": 0.5}) as diloco:
+        (group,) = diloco.remote.param_groups
+        assert (group["optimizer"], group["lr"], group["momentum"]) == ("sgd", 0.5, 0.9)
+    groups = muond.default_param_groups(model)  # Muon + AdamW, as the outer optimizer
+    with muond.DiLoCo(model, inner, sync_every=2, endpoint=endpoint, outer=groups) as diloco:
+        assert [g["optimizer"] for g in diloco.remote.param_groups] == ["muon", "adamw"]
+        assert diloco.remote.param_groups[0]["param_names"] == ["up.weight", "down.weight"]
+
+
+def test_example_trains_two_workers(endpoint):
+    """examples/train_diloco.py: two worker processes on one session, the loss comes down."""
+    cmd = [sys.executable, str(REPO_ROOT / "examples" / "train_diloco.py"), "--endpoint", endpoint,
+           "--workers", "2", "--steps", "60", "--sync-every", "10", "--fragments", "2"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    first = float(proc.stdout.split("initial loss on all data: ")[1].split()[0])
+    final = float(proc.stdout.split("final loss on all data: ")[1].split()[0])
+    assert "2 workers" in proc.stdout
+    assert final < 0.5 * first, proc.stdout
