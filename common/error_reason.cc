@@ -21,6 +21,8 @@ absl::string_view ReasonName(ErrorReason reason) {
       return "STEP_NOT_PREPARED";
     case ErrorReason::kSessionNotFound:
       return "SESSION_NOT_FOUND";
+    case ErrorReason::kPushTooStale:
+      return "PUSH_TOO_STALE";
   }
   return "";
 }

@@ -19,11 +19,13 @@ enum class ErrorReason {
   kChannelNotFound,  // a step names an NCCL channel the caller has not opened
   kStepNotPrepared,  // a sharded commit whose step this shard does not hold prepared
   kSessionNotFound,  // no session has the id
+  kPushTooStale,     // an asynchronous push more than max_staleness global steps behind
 };
 
 // Every reason, for tests that walk them all.
 inline constexpr ErrorReason kAllErrorReasons[] = {ErrorReason::kRegionNotFound, ErrorReason::kChannelNotFound,
-                                                   ErrorReason::kStepNotPrepared, ErrorReason::kSessionNotFound};
+                                                   ErrorReason::kStepNotPrepared, ErrorReason::kSessionNotFound,
+                                                   ErrorReason::kPushTooStale};
 
 // The wire name, e.g. "REGION_NOT_FOUND".
 absl::string_view ReasonName(ErrorReason reason);

@@ -66,10 +66,12 @@ absl::StatusOr<StepOutcome> Session::PushLocked(StepPlan plan, std::vector<HostT
   }
   const int64_t staleness = last_step_ - *base;
   if (staleness > config_.sync.max_staleness) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "header.base_step: ", *base, " is ", staleness, " global steps behind ", last_step_,
-        ", more than max_staleness ", config_.sync.max_staleness,
-        "; nothing was applied: read the parameters again (GetParameters) and push with the new base_step"));
+    return WithReason(absl::FailedPreconditionError(absl::StrCat(
+                          "header.base_step: ", *base, " is ", staleness, " global steps behind ", last_step_,
+                          ", more than max_staleness ", config_.sync.max_staleness,
+                          "; nothing was applied: read the parameters again (GetParameters) and push with the "
+                          "new base_step")),
+                      ErrorReason::kPushTooStale);
   }
   plan.request.global_step = last_step_ + 1;
   plan.request.staleness = staleness;

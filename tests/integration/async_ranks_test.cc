@@ -125,8 +125,9 @@ TEST_F(AsyncRanksTest, EveryPushIsTheNextGlobalStepOnceAndAStalePushIsRefused) {
     EXPECT_TRUE(last.applied && last.included);
   }
   // Rank 1's second push computed on global step 0: 4 behind, more than 2. Nothing applied.
-  EXPECT_THAT(Send(*ranks[1], {1, 2, 0, g0}),
-              StatusIs(absl::StatusCode::kFailedPrecondition, "header.base_step: 0 is 4 global steps behind 4"));
+  const absl::StatusOr<client::StepReply> stale = Send(*ranks[1], {1, 2, 0, g0});
+  EXPECT_THAT(stale, StatusIs(absl::StatusCode::kFailedPrecondition, "header.base_step: 0 is 4 global steps behind 4"));
+  EXPECT_EQ(client::ReasonOf(stale.status()), v1::PUSH_TOO_STALE);
   EXPECT_THAT(Send(*ranks[1], {1, 2, 5, g0}), StatusIs(absl::StatusCode::kInvalidArgument, "header.base_step"));
   client::StepOptions no_base;
   no_base.rank = 1;
