@@ -1,27 +1,36 @@
 #!/usr/bin/env bash
-# Every GPU check of muond in one go, for a machine with an NVIDIA GPU that has the CUDA runtime,
-# torch and grpcio but none of the libraries muond builds against. Two halves:
+# Every GPU check of muond, for a machine with an NVIDIA GPU that has the CUDA runtime, torch and
+# grpcio but none of the libraries muond builds against. Two halves:
 #
-#   scripts/gpu-check.sh bundle [BUILD]   on the build machine: packs into .gpu/ the daemon and its
-#                                         CUDA library, the GPU test binaries, the benchmarks, the
-#                                         Python package (with its generated stubs) and its tests,
-#                                         through the bundler named by $GPU_BUNDLE (default
-#                                         ../shared/tools/gpu-bundle.sh); large libraries are
-#                                         xz-compressed so the bundle travels in one piece.
-#   scripts/gpu-check.sh run [OUT]        on the GPU machine, from the repository root: unpacks
-#                                         .gpu/, then runs, each into its own log under OUT
-#                                         (default gpu-check-out): the CUDA backend tests and the
-#                                         conformance suite, the GPU daemon test, the CUDA IPC and
-#                                         NCCL primitives and the C++ client's CUDA IPC steps, the
-#                                         Python SDK tests against a --backend cuda daemon (GPU
-#                                         transports included), and the benchmarks with torch
-#                                         beside them (the GPU transports' too). Every step runs even
-#                                         when an earlier one fails; the summary lists each exit
-#                                         status, and the script exits 1 if any failed.
+#   scripts/gpu-check.sh bundle [BUILD]      on the build machine: packs into .gpu/ the daemon and its
+#                                            CUDA library, the GPU test binaries, the benchmarks and
+#                                            the Python package (with its generated stubs), through
+#                                            the bundler named by $GPU_BUNDLE (default
+#                                            ../shared/tools/gpu-bundle.sh); libraries over 4 MiB are
+#                                            gzip-compressed. Refuses a bundle over 60 MiB.
+#   scripts/gpu-check.sh run PHASE [OUT]     on the GPU machine, from the repository root, one phase
+#                                            per call so that each fits well under ten minutes:
+#       probe    the environment: GPU, driver, compute mode, `ldd` of every carried binary, the
+#                versions of torch, its CUDA and NCCL, grpcio, protobuf and pytest, and an import of
+#                the generated stubs
+#       cpp      the CUDA backend tests, the conformance suite, the CUDA IPC and NCCL primitives, the
+#                GPU daemon test and the C++ client's CUDA IPC steps
+#       python   the Python SDK's tests against a --backend cuda daemon (GPU transports included)
+#       bench    the benchmarks with torch beside them
+#       all      the four in order (for a machine without a per-call limit)
+#
+# Every log and the summary go into OUT (default $OUT, else gpu-check-out): only what is written
+# there comes back from a lent GPU machine. Each step is bounded by a timeout, runs even when an
+# earlier one failed, and adds a line to OUT/summary.txt with its exit status and its PASS, FAIL and
+# SKIP counts. MUOND_REQUIRE_GPU=1 is set for every step: a test that finds no usable GPU fails
+# instead of skipping, so a broken GPU path cannot pass as "skipped". Python runs with the
+# machine's pytest and PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 (the carried pytest only where the machine
+# has none). Exits 1 when any step of the phase failed.
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 GPU_DIR="$ROOT/.gpu"
+MAX_BUNDLE_MIB=60
 
 bundle() {
   local build=${1:-$ROOT/build}
@@ -39,7 +48,7 @@ bundle() {
   mkdir -p "$GPU_DIR/python"
   cp -r "$ROOT/python/muond" "$GPU_DIR/python/"
   [[ -d $build/python ]] && cp -r "$build/python/." "$GPU_DIR/python/"
-  # pytest travels too (pure Python, from this machine's python3), in case the GPU machine lacks it.
+  # pytest travels too (pure Python, from this machine's python3), for a GPU machine without one.
   mkdir -p "$GPU_DIR/pytest"
   /usr/bin/python3 - "$GPU_DIR/pytest" <<'PY' || { echo "gpu-check: pytest not found for /usr/bin/python3" >&2; exit 2; }
 import os, shutil, sys
@@ -49,48 +58,122 @@ for module in (pytest, _pytest, pluggy, iniconfig, packaging, py):
     shutil.copytree(source, os.path.join(sys.argv[1], os.path.basename(source)),
                     ignore=shutil.ignore_patterns("__pycache__"))
 PY
-  # Libraries over 4 MiB (OpenBLAS, gRPC) travel compressed; `run` unpacks them.
-  find "$GPU_DIR/lib" -type f -size +4M -exec xz -T0 -6 {} \;
-  du -sh "$GPU_DIR" | awk '{print "gpu-check: bundle " $1 " in " $2}'
+  # Large libraries (OpenBLAS, gRPC) travel compressed; `run` unpacks them. gzip: every machine has it.
+  find "$GPU_DIR/lib" -type f -size +4M -exec gzip -6 {} \;
+  local mib
+  mib=$(du -sm "$GPU_DIR" | awk '{print $1}')
+  echo "gpu-check: bundle ${mib} MiB in $GPU_DIR"
+  if ((mib > MAX_BUNDLE_MIB)); then
+    echo "gpu-check: the bundle is over ${MAX_BUNDLE_MIB} MiB: it may not travel in one transfer" >&2
+    exit 2
+  fi
+}
+
+# The counts a test log reports, as "PASS n FAIL n SKIP n" (gtest's and pytest's summaries).
+counts() {
+  local log=$1
+  python3 - "$log" <<'PY' 2>/dev/null || echo "PASS ? FAIL ? SKIP ?"
+import re, sys
+text = open(sys.argv[1], errors="replace").read()
+# gtest: one "[  FAILED  ] Suite.Test (N ms)" line per test that failed or was skipped, and the
+# "[  PASSED  ] N tests." summary.
+passed = sum(int(n) for n in re.findall(r"^\[  PASSED  \] (\d+) tests?\.", text, re.M))
+failed = len(re.findall(r"^\[  FAILED  \] \S+.* \(\d+ ms\)$", text, re.M))
+skipped = len(re.findall(r"^\[  SKIPPED \] \S+.* \(\d+ ms\)$", text, re.M))
+# pytest: its last summary line, e.g. "3 failed, 120 passed, 9 skipped in 80.1s".
+for line in re.findall(r"^=*\s*((?:\d+ [a-z]+(?:, )?)+) in [\d.]+s", text, re.M)[-1:]:
+    for n, what in re.findall(r"(\d+) ([a-z]+)", line):
+        if what == "passed": passed += int(n)
+        elif what in ("failed", "error", "errors"): failed += int(n)
+        elif what == "skipped": skipped += int(n)
+print(f"PASS {passed} FAIL {failed} SKIP {skipped}")
+PY
+}
+
+unpack() {
+  [[ -d $GPU_DIR ]] || { echo "gpu-check: no $GPU_DIR: run 'scripts/gpu-check.sh bundle' on the build machine" >&2; exit 2; }
+  find "$GPU_DIR/lib" -name '*.gz' -exec gzip -d -f {} \;
+  find "$GPU_DIR/lib" -name '*.xz' -exec xz -d -f {} \;  # bundles made before gzip
+  # shellcheck disable=SC1091
+  source "$GPU_DIR/env.sh"
+  export MUOND_BINARY="$GPU_DIR/bin/muond" MUOND_REQUIRE_GPU=1 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
+  PYTHON=${PYTHON:-python3}
+  PY_PATH="$GPU_DIR/python"
+  "$PYTHON" -c 'import pytest' 2>/dev/null || PY_PATH="$PY_PATH:$GPU_DIR/pytest"
+}
+
+# step NAME SECONDS COMMAND...: runs it into OUT/NAME.log under a timeout, adds its summary line.
+step() {
+  local name=$1 seconds=$2 log="$OUT_DIR/$1.log"
+  shift 2
+  echo "== $name: $*" >"$log"
+  timeout --kill-after=10 "$seconds" "$@" >>"$log" 2>&1
+  local rc=$?
+  ((rc == 124 || rc == 137)) && echo "gpu-check: $name ran past ${seconds} s and was stopped" >>"$log"
+  printf '%-22s exit %3d  %s  (%s)\n' "$name" "$rc" "$(counts "$log")" "$name.log" | tee -a "$OUT_DIR/summary.txt"
+}
+
+probe() {
+  step probe-gpu 60 nvidia-smi --query-gpu=index,name,driver_version,compute_mode,memory.total,memory.used \
+    --format=csv
+  step probe-smi 60 nvidia-smi
+  step probe-ldd 60 bash -c 'for f in "$1"/bin/* "$1"/lib/*; do file -L "$f" | grep -q ELF || continue;
+    echo "-- $f"; ldd "$f" | grep -E "not found|cuda|cublas|nccl|cudart" ; done;
+    ! ldd "$1"/bin/* 2>/dev/null | grep -q "not found"' _ "$GPU_DIR"
+  step probe-python 120 env PYTHONPATH="$PY_PATH" "$PYTHON" -c '
+import sys, grpc, google.protobuf, pytest, torch
+print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)
+print("cuda available", torch.cuda.is_available(), "devices", torch.cuda.device_count())
+if torch.cuda.is_available():
+    print("device 0", torch.cuda.get_device_name(0), "capability", torch.cuda.get_device_capability(0))
+    print("nccl", torch.cuda.nccl.version())
+print("grpcio", grpc.__version__, "protobuf", google.protobuf.__version__, "pytest", pytest.__version__)
+import muond, muond._stubs
+print("muond", muond.__version__, "stubs from", muond._stubs.__file__)'
+  step probe-daemon 60 "$GPU_DIR/bin/muond" --version
+}
+
+cpp() {
+  step cuda-backend-tests 240 "$GPU_DIR/bin/cuda_backend_test" --gtest_brief=1
+  step conformance 240 "$GPU_DIR/bin/backend_conformance_test" --gtest_brief=1
+  step cuda-peer 120 "$GPU_DIR/bin/cuda_peer_test" --gtest_brief=1
+  step gpu-daemon 120 "$GPU_DIR/bin/integration_test" --gtest_filter='*GpuDaemon*'
+  step cuda-ipc-client 120 "$GPU_DIR/bin/cuda_ipc_integration_test"
+}
+
+python_tests() {
+  step python-sdk-cuda 480 env MUOND_TEST_BACKEND=cuda PYTHONPATH="$PY_PATH" \
+    "$PYTHON" -m pytest "$ROOT/tests/python" -q -p no:cacheprovider -m "not ops"
+}
+
+bench() {
+  step ns-bench 200 "$ROOT/bench/run_ns_bench.sh" --build "$GPU_DIR/bin"
+  step elementwise-fp32 90 "$GPU_DIR/bin/elementwise_bench" --backend cuda
+  step elementwise-bf16 90 "$GPU_DIR/bin/elementwise_bench" --backend cuda --state-dtype bf16
+  step gpu-transport-bench 150 env PYTHONPATH="$PY_PATH" PYTHON="$PYTHON" \
+    "$ROOT/bench/run_gpu_transport_bench.sh" --build "$GPU_DIR/bin"
 }
 
 run() {
-  local out=${1:-$ROOT/gpu-check-out}
-  mkdir -p "$out"
-  [[ -d $GPU_DIR ]] || { echo "gpu-check: no $GPU_DIR: run 'scripts/gpu-check.sh bundle' on the build machine" >&2; exit 2; }
-  find "$GPU_DIR/lib" -name '*.xz' -exec xz -d -f {} \;
-  # shellcheck disable=SC1091
-  source "$GPU_DIR/env.sh"
-  export MUOND_BINARY="$GPU_DIR/bin/muond"
-  local python=${PYTHON:-python3}
-  local summary="$out/summary.txt"
-  : >"$summary"
-  step() {  # step NAME LOG COMMAND...: runs it, appends its exit status to the summary
-    local name=$1 log=$2; shift 2
-    echo "== $name" | tee -a "$out/$log"
-    "$@" >>"$out/$log" 2>&1
-    local rc=$?
-    printf '%-28s exit %d (%s)\n' "$name" "$rc" "$log" | tee -a "$summary"
-  }
-  step device device.log nvidia-smi
-  step cuda-backend-tests kernels.log "$GPU_DIR/bin/cuda_backend_test" --gtest_brief=1
-  step conformance kernels.log "$GPU_DIR/bin/backend_conformance_test" --gtest_brief=1
-  step gpu-daemon daemon.log "$GPU_DIR/bin/integration_test" --gtest_filter='*GpuDaemon*'
-  step cuda-peer kernels.log "$GPU_DIR/bin/cuda_peer_test" --gtest_brief=1
-  step cuda-ipc-client daemon.log "$GPU_DIR/bin/cuda_ipc_integration_test"
-  # The carried pytest comes last on the path: the machine's own is used when it has one.
-  step python-sdk-cuda python.log env MUOND_TEST_BACKEND=cuda PYTHONPATH="$GPU_DIR/python:$GPU_DIR/pytest" \
-    "$python" -m pytest "$ROOT/tests/python" -q -p no:cacheprovider -m "not ops"
-  step ns-bench bench.log "$ROOT/bench/run_ns_bench.sh" --build "$GPU_DIR/bin"
-  step elementwise-fp32 bench.log "$GPU_DIR/bin/elementwise_bench" --backend cuda
-  step elementwise-bf16 bench.log "$GPU_DIR/bin/elementwise_bench" --backend cuda --state-dtype bf16
-  step gpu-transport-bench bench.log env PYTHONPATH="$GPU_DIR/python" PYTHON="$python" \
-    "$ROOT/bench/run_gpu_transport_bench.sh" --build "$GPU_DIR/bin"
-  ! grep -q 'exit [1-9]' "$summary"
+  local phase=${1:-}
+  OUT_DIR=${2:-${OUT:-$ROOT/gpu-check-out}}
+  mkdir -p "$OUT_DIR"
+  unpack
+  local before=0
+  [[ -f $OUT_DIR/summary.txt ]] && before=$(wc -l <"$OUT_DIR/summary.txt")
+  case "$phase" in
+    probe) probe ;;
+    cpp) cpp ;;
+    python) python_tests ;;
+    bench) bench ;;
+    all) probe; cpp; python_tests; bench ;;
+    *) echo "gpu-check: run PHASE: probe, cpp, python, bench or all" >&2; exit 2 ;;
+  esac
+  ! tail -n +"$((before + 1))" "$OUT_DIR/summary.txt" | grep -qE 'exit +[1-9]'
 }
 
 case "${1:-}" in
   bundle) shift; bundle "$@" ;;
   run) shift; run "$@" ;;
-  *) sed -n '2,20p' "$0"; exit 2 ;;
+  *) sed -n '2,29p' "$0"; exit 2 ;;
 esac

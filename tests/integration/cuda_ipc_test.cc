@@ -12,6 +12,7 @@
 #include "client/cuda_ipc_stepper.h"
 #include "gmock/gmock.h"
 #include "tests/integration/daemon_fixture.h"
+#include "tests/testing/gpu_skip.h"
 #include "tests/testing/status_matchers.h"
 
 namespace muond::testing {
@@ -63,7 +64,7 @@ struct DeviceVector {
 TEST(CudaIpcStepperTest, TrainsExactlyAsGrpcAndARetryIsAReplay) {
   DaemonProcess gpu;
   std::string error;
-  if (!gpu.Start({"--backend", "cuda"}, &error)) GTEST_SKIP() << "no usable GPU: " << error;
+  if (!gpu.Start({"--backend", "cuda"}, &error)) MUOND_SKIP_WITHOUT_GPU() << "no usable GPU: " << error;
   client::ClientOptions options = TestClientOptions();
   options.endpoint = gpu.endpoint();
   options.transport = "grpc";

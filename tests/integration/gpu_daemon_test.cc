@@ -10,6 +10,7 @@
 
 #include "gmock/gmock.h"
 #include "tests/integration/daemon_fixture.h"
+#include "tests/testing/gpu_skip.h"
 #include "tests/testing/status_matchers.h"
 
 namespace muond::testing {
@@ -98,7 +99,7 @@ double ChangeError(const std::vector<float>& x, const std::vector<float>& y, con
 TEST(GpuDaemonTest, TrainsLikeTheCpuDaemon) {
   DaemonProcess gpu;
   std::string error;
-  if (!gpu.Start({"--backend", "cuda"}, &error)) GTEST_SKIP() << "no usable GPU: " << error;
+  if (!gpu.Start({"--backend", "cuda"}, &error)) MUOND_SKIP_WITHOUT_GPU() << "no usable GPU: " << error;
   DaemonProcess cpu;
   ASSERT_TRUE(cpu.Start({"--backend", "cpu"}, &error)) << error;
   client::ClientOptions options = testing::TestClientOptions();

@@ -21,6 +21,7 @@
 #include "kernels/backend.h"
 #include "kernels/backend_factory.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "tests/testing/gpu_skip.h"
 
 namespace muond::kernels {
 
@@ -30,7 +31,7 @@ class BackendConformanceTest : public ::testing::TestWithParam<std::string> {
     absl::StatusOr<BackendSelection> selection = CreateBackend(GetParam(), /*device=*/0, /*threads=*/1);
     if (!selection.ok()) {
       if (GetParam() == "cuda") {
-        GTEST_SKIP() << "no usable CUDA device: " << selection.status().message();
+        MUOND_SKIP_WITHOUT_GPU() << "no usable CUDA device: " << selection.status().message();
       }
       FAIL() << selection.status();
     }

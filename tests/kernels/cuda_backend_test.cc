@@ -15,6 +15,7 @@
 #include "kernels/cuda/cuda_memory_pool.h"
 #include "kernels/optim/optimizer.h"
 #include "tests/kernels/reference.h"
+#include "tests/testing/gpu_skip.h"
 #include "tests/testing/status_matchers.h"
 
 namespace muond::kernels {
@@ -41,7 +42,7 @@ class CudaBackendTest : public ::testing::Test {
  protected:
   void SetUp() override {
     absl::StatusOr<std::unique_ptr<Backend>> backend = NewCudaBackend(0);
-    if (!backend.ok()) GTEST_SKIP() << "no usable CUDA device: " << backend.status().message();
+    if (!backend.ok()) MUOND_SKIP_WITHOUT_GPU() << "no usable CUDA device: " << backend.status().message();
     backend_ = std::move(*backend);
   }
   std::unique_ptr<Backend> backend_;

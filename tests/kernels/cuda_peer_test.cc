@@ -35,6 +35,7 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cuda/cuda_backend_factory.h"
 #include "kernels/peer_exchange.h"
+#include "tests/testing/gpu_skip.h"
 #include "tests/testing/status_matchers.h"
 
 extern char** environ;
@@ -248,7 +249,7 @@ class CudaPeerTest : public ::testing::Test {
  protected:
   void SetUp() override {
     absl::StatusOr<std::unique_ptr<Backend>> backend = NewCudaBackend(0);
-    if (!backend.ok()) GTEST_SKIP() << "no usable CUDA device: " << backend.status().message();
+    if (!backend.ok()) MUOND_SKIP_WITHOUT_GPU() << "no usable CUDA device: " << backend.status().message();
     backend_ = std::move(*backend);
   }
   std::unique_ptr<Backend> backend_;

@@ -4,6 +4,7 @@ reference side by side on identical gradients."""
 
 import copy
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -11,6 +12,16 @@ from torch import nn
 
 import muond
 from reference import ADAMW_DEFAULTS, MUON_DEFAULTS, Reference
+
+# scripts/gpu-check.sh sets MUOND_REQUIRE_GPU=1 on the GPU machine: there a test that needs a GPU
+# runs (and fails) instead of being skipped when torch sees none, so a broken GPU path cannot pass
+# as "skipped".
+GPU_REQUIRED = os.environ.get("MUOND_REQUIRE_GPU") == "1"
+
+
+def no_gpu() -> bool:
+    """Whether a GPU test should skip: torch sees no CUDA device and no GPU is required."""
+    return not torch.cuda.is_available() and not GPU_REQUIRED
 
 VOCAB = 40
 

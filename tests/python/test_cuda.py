@@ -5,9 +5,9 @@ import pytest
 import torch
 
 import muond
-from helpers import TinyNet, batch, loss_of, rel_err
+from helpers import TinyNet, batch, loss_of, no_gpu, rel_err
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+pytestmark = pytest.mark.skipif(no_gpu(),
                                 reason="no CUDA device visible to torch")
 
 

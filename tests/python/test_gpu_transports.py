@@ -26,10 +26,10 @@ from muond.transport.cuda_ipc_transport import LivenessTicket
 from muond.transport.nccl_transport import several_ranks_per_gpu
 from muond.transport.slots import SLOT_BYTES, slot_layout
 
-from helpers import TinyNet, batch, clone_model, loss_of, rel_err
+from helpers import TinyNet, batch, clone_model, loss_of, no_gpu, rel_err
 
 GPU_REASON = "needs a CUDA GPU and a daemon on the cuda backend"
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason=GPU_REASON)
+needs_gpu = pytest.mark.skipif(no_gpu(), reason=GPU_REASON)
 needs_two_gpus = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2,
     reason="needs 2 CUDA GPUs and a daemon on the cuda backend (NCCL refuses two ranks on one GPU "
