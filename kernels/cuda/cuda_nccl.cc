@@ -14,8 +14,9 @@
 // Destruction: a healthy communicator is finalized (ncclCommFinalize, polled for at most
 // kFinalizeGrace) and destroyed; any other is aborted, so a destructor never hangs on a peer.
 //
-// Built only where CMake found NCCL (MUOND_HAVE_NCCL); otherwise the backend refuses the channel
-// with FAILED_PRECONDITION saying that this build has no NCCL.
+// Built where CMake found nccl.h (MUOND_HAVE_NCCL); NCCL itself is loaded at first use
+// (nccl_library.h), so the backend runs without it and refuses the channel with FAILED_PRECONDITION
+// saying why. A build without nccl.h refuses it the same way, saying that.
 //
 // Ownership: the caller owns the channel, which must not outlive its backend.
 // Thread-safety: one thread at a time uses a channel (a step), except Abort and aborted, which any
@@ -49,9 +50,14 @@
 #include "absl/time/time.h"
 #include "common/status_macros.h"
 #include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/nccl_library.h"
 
 namespace muond::kernels::cuda {
 namespace {
+
+// The loaded NCCL: only after LoadNccl() succeeded, which the creation of every channel, unique id
+// and version check does first (a channel exists only once NCCL is loaded).
+const NcclLibrary& Nccl() { return **LoadNccl(); }
 
 static_assert(sizeof(ncclUniqueId) == kNcclUniqueIdBytes);
 
@@ -129,8 +135,8 @@ class NcclChannel final : public PeerChannel {
 };
 
 std::string NcclText(ncclResult_t result, ncclComm_t comm) {
-  std::string text = ncclGetErrorString(result);
-  const char* last = ncclGetLastError(comm);
+  std::string text = Nccl().GetErrorString(result);
+  const char* last = Nccl().GetLastError(comm);
   if (last != nullptr && last[0] != '\0') absl::StrAppend(&text, " (", last, ")");
   return text;
 }
@@ -142,6 +148,7 @@ size_t TotalBytes(std::span<const ByteRange> ranges) {
 }
 
 absl::StatusOr<std::unique_ptr<PeerChannel>> NcclChannel::Open(CudaBackend* backend, const NcclUniqueId& id) {
+  MUOND_RETURN_IF_ERROR(LoadNccl().status());
   std::unique_ptr<NcclChannel> channel(new NcclChannel(backend));
   // From here on the destructor releases whatever was created before a failure.
   MUOND_CUDA_RETURN_IF_ERROR(cudaSetDevice(channel->device_));
@@ -155,7 +162,7 @@ absl::StatusOr<std::unique_ptr<PeerChannel>> NcclChannel::Open(CudaBackend* back
   config.blocking = 0;
   config.commName = "muond";
   std::lock_guard<std::mutex> lock(channel->mu_);
-  const ncclResult_t result = ncclCommInitRankConfig(&channel->comm_, kRanks, nccl_id, kSelf, &config);
+  const ncclResult_t result = Nccl().CommInitRankConfig(&channel->comm_, kRanks, nccl_id, kSelf, &config);
   if (result != ncclSuccess && result != ncclInProgress) {
     const std::string text = NcclText(result, channel->comm_);
     channel->AbortLocked();
@@ -168,17 +175,18 @@ NcclChannel::~NcclChannel() {
   cudaSetDevice(device_);
   {
     std::lock_guard<std::mutex> lock(mu_);
-    const ncclResult_t finalize = comm_ != nullptr && healthy_ ? ncclCommFinalize(comm_) : ncclInvalidUsage;
+    const ncclResult_t finalize = comm_ != nullptr && healthy_ ? Nccl().CommFinalize(comm_) : ncclInvalidUsage;
     if (finalize == ncclSuccess || finalize == ncclInProgress) {
       // Non-blocking: ncclInProgress until the communicator is quiescent.
       const absl::Time give_up = absl::Now() + kFinalizeGrace;
       ncclResult_t state = ncclInProgress;
       Backoff backoff;
-      while (ncclCommGetAsyncError(comm_, &state) == ncclSuccess && state == ncclInProgress && absl::Now() < give_up) {
+      while (Nccl().CommGetAsyncError(comm_, &state) == ncclSuccess && state == ncclInProgress &&
+             absl::Now() < give_up) {
         backoff.Sleep();
       }
       if (state == ncclSuccess) {
-        ncclCommDestroy(comm_);
+        Nccl().CommDestroy(comm_);
         comm_ = nullptr;
       }
     }
@@ -196,7 +204,7 @@ void NcclChannel::AbortLocked() {
   aborted_.store(true);
   if (comm_ == nullptr) return;
   cudaSetDevice(device_);
-  ncclCommAbort(comm_);
+  Nccl().CommAbort(comm_);
   comm_ = nullptr;
   // Aborting stops NCCL's kernels, but those in flight may still write into buffers the caller
   // hands back to the backend: the backend's later work waits for them (on the device).
@@ -215,7 +223,7 @@ ncclResult_t NcclChannel::State(bool* gone) {
   *gone = comm_ == nullptr;
   if (*gone) return ncclInvalidUsage;
   ncclResult_t state = ncclSuccess;
-  if (const ncclResult_t result = ncclCommGetAsyncError(comm_, &state); result != ncclSuccess) return result;
+  if (const ncclResult_t result = Nccl().CommGetAsyncError(comm_, &state); result != ncclSuccess) return result;
   return state;
 }
 
@@ -304,16 +312,16 @@ absl::Status NcclChannel::Transfer(bool receive, std::span<const ByteRange> rang
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (comm_ == nullptr) return Refused(what);
-    ncclResult_t result = ncclGroupStart();
+    ncclResult_t result = Nccl().GroupStart();
     if (result == ncclSuccess) {
       for (const ByteRange& range : ranges) {
         if (range.bytes == 0) continue;
-        result = receive ? ncclRecv(range.data, range.bytes, ncclUint8, kPeer, comm_, stream_)
-                         : ncclSend(range.data, range.bytes, ncclUint8, kPeer, comm_, stream_);
+        result = receive ? Nccl().Recv(range.data, range.bytes, ncclUint8, kPeer, comm_, stream_)
+                         : Nccl().Send(range.data, range.bytes, ncclUint8, kPeer, comm_, stream_);
         if (result != ncclSuccess && result != ncclInProgress) break;
       }
       // Always closes the group, also after a failed call in it.
-      const ncclResult_t end = ncclGroupEnd();
+      const ncclResult_t end = Nccl().GroupEnd();
       if (result == ncclSuccess || result == ncclInProgress) result = end;
     }
     if (result != ncclSuccess && result != ncclInProgress) {
@@ -341,13 +349,15 @@ absl::Status NcclChannel::Transfer(bool receive, std::span<const ByteRange> rang
 }  // namespace
 
 int CudaBackend::NcclVersion() const {
+  if (!LoadNccl().ok()) return 0;  // GetServerInfo reports no NCCL; a channel's refusal says why
   int version = 0;
-  return ncclGetVersion(&version) == ncclSuccess ? version : 0;
+  return Nccl().GetVersion(&version) == ncclSuccess ? version : 0;
 }
 
 absl::StatusOr<NcclUniqueId> CudaBackend::NewNcclUniqueId() {
+  MUOND_RETURN_IF_ERROR(LoadNccl().status());
   ncclUniqueId id;
-  if (const ncclResult_t result = ncclGetUniqueId(&id); result != ncclSuccess) {
+  if (const ncclResult_t result = Nccl().GetUniqueId(&id); result != ncclSuccess) {
     return absl::UnavailableError(absl::StrCat("ncclGetUniqueId failed: ", NcclText(result, nullptr)));
   }
   NcclUniqueId out;
