@@ -105,6 +105,60 @@ TEST_F(CudaBackendTest, SteadyStateStepsAllocateNothing) {
   }
 }
 
+// Device memory running out is a refusal the backend survives: more than any GPU holds (2^38
+// floats, 1 TiB) is refused, and the backend allocates and computes as before.
+TEST_F(CudaBackendTest, OutOfMemoryIsARefusalNotACrash) {
+  const absl::StatusOr<std::unique_ptr<DeviceBuffer>> huge = backend_->Allocate(size_t{1} << 38);
+  EXPECT_FALSE(huge.ok());
+  auto x = Upload(*backend_, std::vector<float>(4096, 2.0f));
+  auto y = Upload(*backend_, std::vector<float>(4096, 1.0f));
+  ASSERT_OK(backend_->Axpby(1.0f, x->data(), 1.0f, y->data(), 4096));
+  for (float v : Download(*backend_, y->data(), 4096)) ASSERT_EQ(v, 3.0f);
+}
+
+// The same Muon steps from the same state give the same bits, run after run (bf16 and fp32
+// Newton–Schulz, a batch of same-shaped matrices and one alone): nothing depends on timing or on
+// what ran before.
+TEST_F(CudaBackendTest, TheSameStepsGiveTheSameBits) {
+  for (MatmulPrecision precision : {MatmulPrecision::kFp32, MatmulPrecision::kBf16}) {
+    std::vector<std::vector<float>> results[2];
+    for (int run = 0; run < 2; ++run) {
+      std::mt19937 rng(11);
+      std::normal_distribution<float> normal(0.0f, 0.1f);
+      optim::GroupOptions options = optim::DefaultOptions(optim::OptimizerKind::kMuon);
+      options.matmul_precision = precision;
+      ASSERT_OK_AND_ASSIGN(auto muon, optim::Optimizer::Create(options));
+      const std::vector<std::vector<int64_t>> shapes = {{96, 160}, {96, 160}, {96, 160}, {200, 72}};
+      std::vector<optim::ParamState> params(shapes.size());
+      std::vector<optim::ParamState*> ptrs;
+      for (size_t i = 0; i < shapes.size(); ++i) {
+        optim::ParamState& p = params[i];
+        p.shape = shapes[i];
+        p.numel = shapes[i][0] * shapes[i][1];
+        std::vector<float> w(p.numel);
+        for (float& x : w) x = normal(rng);
+        p.master = Upload(*backend_, w);
+        ASSERT_OK_AND_ASSIGN(p.grad, backend_->Allocate(p.numel));
+        ASSERT_OK(muon->InitState(*backend_, p));
+        ptrs.push_back(&p);
+      }
+      for (int step = 0; step < 3; ++step) {
+        for (optim::ParamState& p : params) {
+          std::vector<float> g(p.numel);
+          for (float& x : g) x = normal(rng);
+          ASSERT_OK(backend_->CopyToDevice(g.data(), p.grad->data(), g.size()));
+          p.has_grad = true;
+        }
+        ASSERT_OK(muon->Step(*backend_, muon->DefaultHyper(), ptrs));
+      }
+      for (optim::ParamState& p : params) {
+        results[run].push_back(Download(*backend_, p.master.fp32(), static_cast<size_t>(p.numel)));
+      }
+    }
+    EXPECT_EQ(results[0], results[1]) << "matmul precision " << static_cast<int>(precision);
+  }
+}
+
 // Two threads using one backend on distinct buffers: the backend serializes them.
 TEST_F(CudaBackendTest, ConcurrentCallersOnDistinctBuffers) {
   constexpr size_t kN = 1 << 16;
