@@ -28,6 +28,12 @@ Retries: a step that failed with UNAVAILABLE or DEADLINE_EXCEEDED is resent with
 number (the daemon applies each step once and answers a repeat with the same parameters), and the
 calls that are safe to repeat are retried on UNAVAILABLE; ``max_step_attempts`` tries in all.
 
+Asynchronous sessions (``sync_mode="async"``): each ``step()`` is this rank's next push, numbered
+by the rank (``pushes``) and sent with the global step of the parameters the model holds
+(``last_step``) as its base; the daemon applies it on arrival as the next global step and answers
+the parameters after it. A push more than ``max_staleness`` global steps behind is dropped, and the
+model takes the session's latest parameters instead (``last_info.stale``); docs/ranks.md.
+
 Thread-safety: like every torch optimizer, one instance is used from one thread at a time.
 """
 
@@ -52,7 +58,7 @@ from . import wire
 from ._stubs import pb
 from .client import Connection
 from .connection_options import ConnectionOptions
-from .errors import STEP_NOT_PREPARED, MuondError
+from .errors import PUSH_TOO_STALE, STEP_NOT_PREPARED, MuondError
 from .naming import named_groups
 from .step_info import StepInfo, check_max_grad_norm, rank_report
 from .transport.daemon_session import DaemonSession, copy_in
@@ -98,7 +104,15 @@ class RemoteOptimizer(torch.optim.Optimizer):
             once every rank sent it, or once ``min_ranks`` (default ``world_size``) have and
             ``grace_seconds`` (default 0) have passed since the ``min_ranks``-th arrived; a rank
             left out gets the parameters after the session's last step with
-            ``last_info.included`` False and continues from there. Not with several endpoints.
+            ``last_info.included`` False and continues from there. ``"async"``: see
+            ``max_staleness``. Not with several endpoints.
+        max_staleness, staleness_scaling: ``sync_mode="async"`` only (docs/ranks.md,
+            Asynchronous). Every ``step()`` is then this rank's next push, applied on arrival as
+            the next global step without waiting for any other rank. ``max_staleness`` S
+            (required, an int >= 0): a push computed on parameters more than S global steps old
+            is dropped (``last_info.stale``; the model takes the latest parameters; no
+            exception). ``staleness_scaling``: "none" (default), or "inverse": every group's lr
+            times 1 / (1 + s) for a push s global steps behind (Zhang et al., IJCAI 2016).
         qk_clip: QK-clip (MuonClip) pairs ``[(query, key, num_heads), ...]``, each weight a
             parameter tensor of this optimizer (or its name): (num_heads·head_dim, d) matrices in
             Muon groups. A step then takes ``qk_logits`` (see ``step``); τ and α are the query
@@ -125,7 +139,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
                  qk_clip: Optional[Iterable[Tuple[Any, Any, int]]] = None,
                  log_num_zeros_in_grad: bool = False, loss_scaler: Any = None,
                  sync_mode: Optional[str] = None, min_ranks: Optional[int] = None,
-                 grace_seconds: Optional[float] = None, **defaults: Any):
+                 grace_seconds: Optional[float] = None, max_staleness: Optional[int] = None,
+                 staleness_scaling: Optional[str] = None, **defaults: Any):
         connection, defaults = ConnectionOptions.from_arguments(connection, endpoint, defaults)
         opts.check_defaults(defaults)
         self._user_defaults = dict(defaults)
@@ -147,10 +162,17 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self._resolve_connection(connection)
         self.world_size, self.rank = ranks.ranks(world_size, rank)
         self.sync = ranks.sync_of(sync_mode, min_ranks, grace_seconds, world_size=self.world_size,
-                                  num_daemons=len(self.endpoints))
+                                  num_daemons=len(self.endpoints), max_staleness=max_staleness,
+                                  staleness_scaling=staleness_scaling)
         self._warned_old_daemon = False
         self.session_id = ranks.shared_session_id(session, self.world_size)
+        # The step of the parameters the model holds: the session's step (in an asynchronous
+        # session, the global step: the base_step of the next push).
         self.last_step = 0
+        # Asynchronous sessions: this rank's pushes numbered so far (the next is pushes + 1), and
+        # the pushes dropped as too stale.
+        self.pushes = 0
+        self.stale_pushes = 0
         self.last_info: Optional[StepInfo] = None
         self._index_parameters(names, qk_clip)
 
@@ -311,11 +333,17 @@ class RemoteOptimizer(torch.optim.Optimizer):
         unchanged without one."""
         return loss if self.loss_scale is None else loss * self.loss_scale
 
+    @property
+    def _async(self) -> bool:
+        return self.sync.mode == "async"
+
     def _header(self, step: int, qk_logits: Dict[str, List[float]],
                 grad_scale: Optional[float] = None, weight: Optional[float] = None) -> pb.StepHeader:
         header = pb.StepHeader(session_id=self.session_id, step=step, rank=self.rank,
                                return_dtype=wire.dtype_enum(self.return_dtype),
                                max_chunk_bytes=self.chunk_bytes)
+        if self._async:
+            header.base_step = self.last_step
         for group, created, gname in zip(self.param_groups, self._created, self._group_names):
             header.overrides.add(group=gname, **opts.overrides_of(group, created))
         if self.max_grad_norm is not None:
@@ -368,7 +396,16 @@ class RemoteOptimizer(torch.optim.Optimizer):
         anything is sent); None means 1. ``last_info`` reports ``contributors``, ``total_weight``
         and ``included``: when a quorum step went on without this rank, ``included`` is False,
         the parameters are those after the session's last step (``last_info.step``), and the next
-        ``step()`` continues after it."""
+        ``step()`` continues after it.
+
+        In an asynchronous session (``sync_mode="async"``) the call is this rank's next push
+        (``pushes`` + 1) with base_step ``last_step``, applied on arrival as the next global step:
+        ``last_info.global_step`` is the global step it became, ``last_info.staleness`` the
+        global steps applied since its base, and ``last_step`` the global step of the parameters
+        the model now holds. A push more than ``max_staleness`` global steps behind raises
+        nothing: its gradients are dropped, the model takes the session's latest parameters
+        (read from the daemon), ``last_info`` says ``stale`` True and ``applied`` False,
+        ``stale_pushes`` counts it, and its push number stays free for the next call."""
         weight = ranks.check_weight(weight)
         loss = None
         if closure is not None:
@@ -377,8 +414,17 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self._check_open()
         logits = qk.logits_of(qk_logits, self.qk_clip, self._params, self._names)
         grads = self._grads()
-        header = self._header(self.last_step + 1, logits, loss_scale.check_grad_scale(grad_scale),
-                              weight)
+        number = self.pushes + 1 if self._async else self.last_step + 1
+        header = self._header(number, logits, loss_scale.check_grad_scale(grad_scale), weight)
+        if self._async:
+            session = self._sessions[0]  # never sharded
+            result, seconds, attempts = self._try_step(
+                lambda: _unless_stale(session.step, header, grads))
+            if result is None:
+                self._dropped_as_stale(header, seconds, attempts)
+            else:
+                self._pushed(header, result, seconds, attempts, weight)
+            return loss
         if len(self._sessions) == 1:
             session = self._sessions[0]
             result, seconds, attempts = self._try_step(lambda: session.step(header, grads))
@@ -404,6 +450,45 @@ class RemoteOptimizer(torch.optim.Optimizer):
         if not result.contributors and not result.replayed:  # a new step: an older daemon
             self._warn_old_daemon(weight)
         return loss
+
+    def _pushed(self, header: pb.StepHeader, result: pb.StepResult, seconds: float, attempts: int,
+                weight: Optional[float]) -> None:
+        """An asynchronous push answered: applied as global step ``result.global_step`` now, or
+        before (a resend, answered from the rank's record). The model holds the parameters after
+        global step ``result.step`` (the latest), the base of the next push."""
+        self.pushes = int(header.step)
+        self.last_step = int(result.step)
+        if result.replayed:
+            # The answer carries the session's last result, whoever pushed it; the push was this
+            # rank's own, alone.
+            contributors, total_weight = (self.rank,), 1.0 if weight is None else weight
+        else:
+            contributors, total_weight, _ = rank_report(result, False)
+        self.last_info = StepInfo(result.step, result.applied, result.replayed, result.skip_reason,
+                                  result.grad_norm, result.compute_seconds, seconds, attempts,
+                                  result.num_zeros_in_grad if self.log_num_zeros_in_grad else None,
+                                  result.loss_scale if self.loss_scaler is not None else None,
+                                  contributors, total_weight, True,
+                                  global_step=int(result.global_step),
+                                  staleness=int(result.staleness))
+        if self.loss_scaler is not None:
+            self.loss_scale = result.loss_scale
+
+    def _dropped_as_stale(self, header: pb.StepHeader, seconds: float, attempts: int) -> None:
+        """An asynchronous push refused as too stale (PUSH_TOO_STALE): nothing was applied and its
+        push number stays free. The model takes the session's latest parameters, which become
+        the base of the next push."""
+        self.last_step = self._sessions[0].refresh()
+        self.stale_pushes += 1
+        staleness = self.last_step - int(header.base_step)
+        self.last_info = StepInfo(self.last_step, False, False, "push too stale", math.nan, 0.0,
+                                  seconds, attempts, None, self.loss_scale, (), 0.0, False,
+                                  global_step=None, staleness=staleness, stale=True)
+        _log.info("session %s: rank %d's push %d was computed on global step %d, %d global steps "
+                  "behind, more than max_staleness %d: its gradients were dropped; the model "
+                  "holds the parameters of global step %d now", self.session_id, self.rank,
+                  header.step, header.base_step, staleness, self.sync.max_staleness,
+                  self.last_step)
 
     def _warn_old_daemon(self, weight: Optional[float]) -> None:
         """Says once that a daemon that reports no contributors (older than weights and quorum
@@ -438,7 +523,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
         step = self._common_step([int(r.step) for r in committed], "Step")
         return shard_step.result_of(commit, committed, step)
 
-    def _try_step(self, once: Callable[[], pb.StepResult]) -> Tuple[pb.StepResult, float, int]:
+    def _try_step(self, once: Callable[[], Optional[pb.StepResult]]
+                  ) -> Tuple[Optional[pb.StepResult], float, int]:
         """Runs ``once`` up to max_step_attempts times on transient failures (the same step
         number each time); returns (result, seconds, attempts). A sharded step is also tried
         again when a shard lost its prepared step (a restart between prepare and commit)."""
@@ -475,7 +561,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
         ``master`` and optimizer slots (e.g. ``momentum``, ``exp_avg``), each in the dtype the
         daemon stores it in (fp32 unless the group's *_dtype options say bf16 or fp16), and its
         ``step`` count;
-        ``param_groups`` the group options; ``muond`` the session's last step and names."""
+        ``param_groups`` the group options; ``muond`` the session's last step and names, this
+        optimizer's rank and, in an asynchronous session, its push counter (``pushes``), which
+        ``load_state_dict`` restores so that a restarted rank resumes its numbering."""
         self._check_open()
         parts = self._on_every_session(lambda k, session: session.get_state())
         last_step = self._common_step([int(header.last_step) for header, _ in parts], "GetState")
@@ -489,7 +577,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
         for name, i in index.items():
             state.setdefault(i, {})["step"] = counts.get(name, 0)
         meta = {"format": _STATE_FORMAT, "last_step": last_step, "names": list(self._names),
-                "session": self.session_id}
+                "session": self.session_id, "rank": self.rank}
+        if self._async:
+            meta["pushes"] = self.pushes
         header = parts[0][0]
         if header.HasField("loss_scaler"):
             meta["loss_scaler"] = {"scale": header.loss_scaler.scale,
@@ -524,13 +614,40 @@ class RemoteOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Replaces the daemon's state (masters, slots, step counters) with ``state_dict`` from
         ``state_dict()``, copies the masters into the parameters, and restores the groups' lr,
-        momentum and weight decay. The session's other options must match the saved ones."""
+        momentum and weight decay. The session's other options must match the saved ones.
+
+        In an asynchronous session the daemon's state is shared by ranks that wait for nobody:
+        once the session has applied a push, loading restores this rank's place in it instead —
+        its push counter (``pushes``, so that a restarted rank resumes its numbering: its first
+        push is a resend when the daemon applied it already) — and keeps the daemon's state, which
+        replacing would undo the pushes applied since the save; the model holds the session's
+        latest parameters (read from the daemon), the base of the next push. A session with no
+        push applied (new, or on a daemon that lost it) takes the saved state as in the other
+        modes, and this rank's pushes start at 1 (the daemon's push records went with the
+        session). ValueError for a state dict of another rank (its push counter is not this
+        rank's). docs/ranks.md, Asynchronous."""
         self._check_open()
         meta = state_dict.get("muond")
         if not meta or meta.get("format") != _STATE_FORMAT:
             raise ValueError("not a RemoteOptimizer state dict (no 'muond' section of format 1)")
         saved_groups = state_dict["param_groups"]
         self._check_saved_groups(saved_groups)
+        if self._async:
+            saved_rank = meta.get("rank", self.rank)
+            if saved_rank != self.rank:
+                raise ValueError(f"the state dict was saved by rank {saved_rank}, this optimizer is "
+                                 f"rank {self.rank}: in an asynchronous session a rank's push "
+                                 f"counter is its own")
+            session_step = self._sessions[0].refresh()  # never sharded
+            if session_step > 0:
+                self.last_step = session_step
+                self.pushes = int(meta.get("pushes", 0))
+                self._restore_group_options(saved_groups)
+                _log.info("session %s: rank %d resumes after its push %d at global step %d (the "
+                          "state dict was saved at global step %d; the session's state is kept)",
+                          self.session_id, self.rank, self.pushes, session_step,
+                          int(meta["last_step"]))
+                return
         state = state_dict["state"]
         steps = self._on_every_session(
             lambda k, session: session.set_state(self._state_header(k, meta, state),
@@ -540,6 +657,10 @@ class RemoteOptimizer(torch.optim.Optimizer):
             self.loss_scale = float(meta["loss_scaler"]["scale"])
         copy_in(self._by_name, {name: state[i]["master"] for i, name in enumerate(self._names)
                                 if "master" in state.get(i, {})})
+        self._restore_group_options(saved_groups)
+
+    def _restore_group_options(self, saved_groups: List[Dict[str, Any]]) -> None:
+        """The groups' lr, momentum and weight decay (and initial_lr) as saved."""
         for group, saved in zip(self.param_groups, saved_groups):
             for key in opts.OVERRIDABLE + ("initial_lr",):
                 if key in saved:
@@ -635,3 +756,15 @@ class RemoteOptimizer(torch.optim.Optimizer):
     def __getstate__(self):
         raise TypeError("a RemoteOptimizer holds a live connection and can't be pickled; "
                         "save state_dict() instead")
+
+
+def _unless_stale(step: Callable[[pb.StepHeader, Any], pb.StepResult], header: pb.StepHeader,
+                  grads: Any) -> Optional[pb.StepResult]:
+    """One try of an asynchronous push: the answer, or None when the daemon refused it as too
+    stale (decided on the reason PUSH_TOO_STALE, never on the message)."""
+    try:
+        return step(header, grads)
+    except MuondError as err:
+        if err.reason == PUSH_TOO_STALE:
+            return None
+        raise

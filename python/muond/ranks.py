@@ -3,7 +3,7 @@
 Every rank sends its own gradients for the same step and the daemon applies their weighted average
 once (docs/ranks.md). Here: the world size and this rank (given, else from an initialized
 ``torch.distributed``), the session id they share, the order they open it in, how they synchronize
-(``Sync``: lock-step or quorum) and the check of a step's ``weight``.
+(``Sync``: lock-step, quorum or asynchronous) and the check of a step's ``weight``.
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ def rank_zero_first(world_size: int, rank: int, open_session: Callable[[], None]
             torch.distributed.barrier()
 
 
-SYNC_MODES = ("lockstep", "quorum")
+SYNC_MODES = ("lockstep", "quorum", "async")
+STALENESS_SCALINGS = ("none", "inverse")
 
 
 @dataclass(frozen=True)
@@ -74,32 +75,48 @@ class Sync:
     """How the ranks of a session make a step (docs/ranks.md): ``lockstep`` waits for every rank;
     ``quorum`` takes step k once ``min_ranks`` ranks sent it and ``grace_seconds`` passed since the
     ``min_ranks``-th arrived (or once every rank sent it), and answers a rank that came later
-    ``included=False``."""
+    ``included=False``; ``async`` applies every rank's push on arrival as the next global step,
+    refusing one more than ``max_staleness`` global steps behind, its lrs scaled by
+    ``staleness_scaling`` ("none", or "inverse": 1 / (1 + staleness))."""
     mode: str = "lockstep"
-    min_ranks: int = 0         # quorum: Q, 1 <= Q <= world_size; lockstep: 0
-    grace_seconds: float = 0.0  # quorum: >= 0; lockstep: 0
+    min_ranks: int = 0         # quorum: Q, 1 <= Q <= world_size; otherwise 0
+    grace_seconds: float = 0.0  # quorum: >= 0; otherwise 0
+    max_staleness: int = 0     # async: S >= 0; otherwise 0
+    staleness_scaling: str = "none"  # async: "none" or "inverse"
 
 
 def sync_of(sync_mode: Optional[str], min_ranks: Any, grace_seconds: Any, *, world_size: int,
-            num_daemons: int) -> Sync:
-    """The ``Sync`` of ``RemoteOptimizer(sync_mode=, min_ranks=, grace_seconds=)``, checked as the
-    daemon checks ``spec.sync`` but naming the arguments: ValueError (TypeError for a value of the
-    wrong type) before anything is sent. ``sync_mode`` None is lock-step; a quorum's ``min_ranks``
-    None is ``world_size`` and its ``grace_seconds`` None is 0 (take the step as soon as Q ranks
-    sent it)."""
+            num_daemons: int, max_staleness: Any = None, staleness_scaling: Any = None) -> Sync:
+    """The ``Sync`` of ``RemoteOptimizer(sync_mode=, min_ranks=, grace_seconds=, max_staleness=,
+    staleness_scaling=)``, checked as the daemon checks ``spec.sync`` but naming the arguments:
+    ValueError (TypeError for a value of the wrong type) before anything is sent. ``sync_mode``
+    None is lock-step; a quorum's ``min_ranks`` None is ``world_size`` and its ``grace_seconds``
+    None is 0 (take the step as soon as Q ranks sent it); an asynchronous session needs
+    ``max_staleness`` (there is no default that suits every number of ranks) and its
+    ``staleness_scaling`` None is "none"."""
     mode = "lockstep" if sync_mode is None else sync_mode
     if not isinstance(mode, str) or mode.lower() not in SYNC_MODES:
-        raise ValueError(f"sync_mode: must be 'lockstep' or 'quorum', got {sync_mode!r}")
+        raise ValueError(f"sync_mode: must be 'lockstep', 'quorum' or 'async', got {sync_mode!r}")
     mode = mode.lower()
-    if mode == "lockstep":
+    if mode != "quorum":
         if min_ranks is not None:
             raise ValueError("min_ranks: applies to sync_mode='quorum' only")
         if grace_seconds is not None:
             raise ValueError("grace_seconds: applies to sync_mode='quorum' only")
+    if mode != "async":
+        if max_staleness is not None:
+            raise ValueError("max_staleness: applies to sync_mode='async' only")
+        if staleness_scaling is not None:
+            raise ValueError("staleness_scaling: applies to sync_mode='async' only")
+    if mode == "lockstep":
         return Sync()
     if num_daemons > 1:
-        raise ValueError("sync_mode: quorum steps are not available on a sharded session (several "
-                         "endpoints); use sync_mode='lockstep'")
+        kind = "quorum" if mode == "quorum" else "asynchronous"
+        raise ValueError(f"sync_mode: {kind} steps are not available on a sharded session "
+                         f"(several endpoints); use sync_mode='lockstep'")
+    if mode == "async":
+        return Sync("async", max_staleness=_max_staleness(max_staleness),
+                    staleness_scaling=_staleness_scaling(staleness_scaling))
     if min_ranks is None:
         min_ranks = world_size
     if isinstance(min_ranks, bool) or not isinstance(min_ranks, numbers.Integral):
@@ -110,6 +127,28 @@ def sync_of(sync_mode: Optional[str], min_ranks: Any, grace_seconds: Any, *, wor
     if not (math.isfinite(grace) and grace >= 0):
         raise ValueError(f"grace_seconds: must be finite and >= 0, got {grace}")
     return Sync("quorum", int(min_ranks), grace)
+
+
+def _max_staleness(value: Any) -> int:
+    """An asynchronous session's S: an int >= 0 (the daemon's spec.sync.max_staleness)."""
+    if value is None:
+        raise ValueError("max_staleness: required with sync_mode='async': the most global steps a "
+                         "push's base_step may lag behind the session (0: every push must be "
+                         "computed on the latest parameters)")
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"max_staleness: must be an int, got {type(value).__name__}")
+    if int(value) < 0:
+        raise ValueError(f"max_staleness: must be >= 0, got {value}")
+    return int(value)
+
+
+def _staleness_scaling(value: Any) -> str:
+    """"none" (the default) or "inverse" (the daemon's spec.sync.staleness_scaling)."""
+    if value is None:
+        return "none"
+    if not isinstance(value, str) or value.lower() not in STALENESS_SCALINGS:
+        raise ValueError(f"staleness_scaling: must be 'none' or 'inverse', got {value!r}")
+    return value.lower()
 
 
 def check_weight(weight: Any) -> Optional[float]:

@@ -2,10 +2,10 @@
 
 The whole spec lists every group (its options, ``options.group_options_proto``), every parameter
 (shape, group, wire dtype, fused-QKV split, tensor-parallel blocks), the QK-clip pairs, the loss
-scaler and how several ranks synchronize (``ranks.Sync``; lock-step leaves ``sync`` unset, as
-every spec before it did, so that such sessions still attach). With several daemons each gets the
-parameters placed on it (``placement.py``), every group, the QK-clip pairs whose query it holds and
-the placement itself (docs/sharding.md).
+scaler and how several ranks synchronize (``ranks.Sync``: quorum or asynchronous; lock-step leaves
+``sync`` unset, as every spec before it did, so that such sessions still attach). With several
+daemons each gets the parameters placed on it (``placement.py``), every group, the QK-clip pairs
+whose query it holds and the placement itself (docs/sharding.md).
 """
 
 from __future__ import annotations
@@ -49,7 +49,14 @@ def whole_spec(param_groups: Sequence[Dict[str, Any]], group_names: Sequence[str
         spec.sync.mode = pb.SYNC_MODE_QUORUM
         spec.sync.min_ranks = sync.min_ranks
         spec.sync.grace_seconds = sync.grace_seconds
+    elif sync.mode == "async":
+        spec.sync.mode = pb.SYNC_MODE_ASYNC
+        spec.sync.max_staleness = sync.max_staleness
+        spec.sync.staleness_scaling = _SCALINGS[sync.staleness_scaling]
     return spec
+
+
+_SCALINGS = {"none": pb.STALENESS_SCALING_NONE, "inverse": pb.STALENESS_SCALING_INVERSE}
 
 
 def shard_spec(whole: pb.SessionSpec, shard: int, mine: Sequence[int],

@@ -33,6 +33,18 @@ class StepInfo:
     # rank (it came late, or had fallen behind); the parameters are those after ``step``, the
     # session's last step, and the next ``step()`` sends ``step + 1`` (docs/ranks.md).
     included: bool = True
+    # Asynchronous sessions (``sync_mode="async"``; None otherwise). ``global_step``: the global
+    # step this push became (for a resend, the one it became the first time); None for a stale
+    # push, which became none. ``staleness``: the global steps applied between the push's
+    # base_step and it (for a stale push: between its base_step and the parameters it was given
+    # instead, more than max_staleness). ``step`` is the global step of the parameters the model
+    # now holds, the base_step of the next push.
+    global_step: Optional[int] = None
+    staleness: Optional[int] = None
+    # A push refused as more than max_staleness global steps behind (PUSH_TOO_STALE): its
+    # gradients were dropped, nothing was applied (``applied`` False, ``included`` False), and the
+    # model took the session's latest parameters instead (docs/ranks.md, Asynchronous).
+    stale: bool = False
 
 
 def rank_report(result: Any, quorum: bool) -> Tuple[Tuple[int, ...], float, bool]:

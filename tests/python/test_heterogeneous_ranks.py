@@ -432,7 +432,8 @@ def test_bad_weights_are_refused_naming_weight_and_change_nothing(endpoint, monk
 
 
 @pytest.mark.parametrize("options, error, message", [
-    ({"sync_mode": "bogus"}, ValueError, r"^sync_mode: must be 'lockstep' or 'quorum', got 'bogus'"),
+    ({"sync_mode": "bogus"}, ValueError,
+     r"^sync_mode: must be 'lockstep', 'quorum' or 'async', got 'bogus'"),
     ({"sync_mode": 2}, ValueError, r"^sync_mode: must be"),
     ({"sync_mode": "quorum", "min_ranks": 4}, ValueError,
      r"^min_ranks: must be between 1 and world_size \(3\), got 4"),
