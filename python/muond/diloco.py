@@ -125,7 +125,10 @@ class DiLoCo:
             uploads its parameters; the others attach and take the session's values, so start
             every worker from the same parameters or let rank 0 open first (torch.distributed).
         sync_mode: "lockstep" (default) or "quorum" (with ``min_ranks``, ``grace_seconds`` among
-            the keyword options), as ``RemoteOptimizer``'s.
+            the keyword options), as ``RemoteOptimizer``'s. Not "async": applying each worker's
+            pseudo-gradient on arrival with the outer momentum is the naive asynchronous
+            Local-SGD that converges slower than the synchronous one (docs/diloco.md,
+            Asynchronous outer steps).
         fragments: F, the fragments the parameters are split into (Streaming DiLoCo): 1 to the
             number of trained parameters, and H must be a multiple of F. ``split_fragments``
             says which parameters form each fragment; ``fragment_names`` lists them.
@@ -168,8 +171,10 @@ class DiLoCo:
         groups = self._outer_groups(outer, model, remote_optimizer_kwargs)
         if sync_mode is not None:
             if sync_mode not in ("lockstep", "quorum"):
+                why = (" (asynchronous outer steps are not offered: docs/diloco.md says why)"
+                       if sync_mode == "async" else "")
                 raise ValueError(f"sync_mode: DiLoCo syncs in 'lockstep' or 'quorum', got "
-                                 f"{sync_mode!r}")
+                                 f"{sync_mode!r}{why}")
             remote_optimizer_kwargs["sync_mode"] = sync_mode
         self.remote = RemoteOptimizer(groups, endpoint=endpoint, session=session,
                                       wire_dtype=wire_dtype, world_size=world_size, rank=rank,
