@@ -13,11 +13,19 @@ SESSIONS = 4
 STEPS = 5
 
 
+# The trainers' own torch work runs one at a time: TinyNet seeds torch's global generator to
+# initialize, and a backward in several threads at once may reduce with other chunkings. Only the
+# steps run at once.
+_TORCH = threading.Lock()
+
+
 def _train(endpoint, seed, barrier=None):
-    model = TinyNet(seed=seed)
+    with _TORCH:
+        model = TinyNet(seed=seed)
     with muond.RemoteOptimizer(muond.default_param_groups(model), endpoint=endpoint) as opt:
         for step in range(1, STEPS + 1):
-            loss_of(model, step + seed).backward()
+            with _TORCH:
+                loss_of(model, step + seed).backward()
             if barrier is not None:
                 barrier.wait(timeout=120)  # every session sends this step together
             opt.step()
