@@ -100,6 +100,9 @@ void CopyResult(const v1::StepResult& r, StepReply* reply) {
   reply->loss_scale = r.loss_scale();
   reply->contributors.assign(r.contributors().begin(), r.contributors().end());
   reply->total_weight = r.total_weight();
+  for (const v1::GroupClip& clip : r.group_clips()) {
+    reply->group_clips[clip.group()] = {clip.grad_norm(), clip.coefficient()};
+  }
   reply->global_step = r.global_step();
   reply->staleness = r.staleness();
   reply->included = r.included();

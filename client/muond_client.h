@@ -133,6 +133,13 @@ struct StepReply {
   // since its base_step); `step` is the global step of the parameters in the answer.
   int64_t global_step = 0;
   int64_t staleness = 0;
+  // Each group's clipping this step, by group name: its gradients' norm and the coefficient they
+  // were multiplied by (group option clip_scope; docs/algorithms.md, Clipping).
+  struct GroupClip {
+    double grad_norm = 0;
+    double coefficient = 1;
+  };
+  std::map<std::string, GroupClip> group_clips;
 };
 
 class Session;

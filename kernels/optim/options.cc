@@ -223,6 +223,12 @@ double NsSingularValueBound(const NsSchedule& schedule, int steps, double norm_s
 
 absl::Status ValidateOptions(const GroupOptions& o) {
   MUOND_RETURN_IF_ERROR(ValidateStepHyper(o, o.lr, o.momentum, o.weight_decay));
+  if (o.max_grad_norm != 0) {
+    MUOND_RETURN_IF_ERROR(CheckPositive("max_grad_norm", o.max_grad_norm));
+    if (o.clip_scope != ClipScope::kGroup) {
+      return absl::InvalidArgumentError("max_grad_norm applies with clip_scope group only (the group's own limit)");
+    }
+  }
   if (o.optimizer == OptimizerKind::kAdamW &&
       (o.weight_decay_mode == WeightDecayMode::kIndependent || o.weight_decay_mode == WeightDecayMode::kCautious)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -389,6 +395,8 @@ const std::vector<OptionUse>& GroupOptionUses() {
       {"momentum_dtype", {K::kMuon, K::kSgd}},
       {"exp_avg_dtype", {K::kAdamW, K::kLion}},
       {"exp_avg_sq_dtype", {K::kMuon, K::kAdamW}},  // muon: with a moment2_method only
+      {"clip_scope", all},
+      {"max_grad_norm", all},  // with clip_scope group only
   };
   return *uses;
 }

@@ -24,6 +24,10 @@ enum class CoefficientsAfter { kCycle, kRepeatLast };
 // How Newton–Schulz is computed: on the iterate X (standard) or on the Gram matrix X·Xᵀ (gram,
 // Dao-AILab's Gram Newton–Schulz; square matrices fall back to standard).
 enum class NsAlgorithm { kStandard, kGram };
+// How a group's gradients are clipped (docs/algorithms.md, Clipping): counted in the global norm and
+// scaled by the global coefficient (global), clipped by their own norm against the group's own
+// max_grad_norm (group), or neither (none).
+enum class ClipScope { kGlobal, kGroup, kNone };
 
 struct NsCoefficient {
   double a = 0, b = 0, c = 0;
@@ -73,6 +77,8 @@ struct GroupOptions {
   kernels::StorageDtype momentum_dtype = kernels::StorageDtype::kFp32;    // muon, sgd
   kernels::StorageDtype exp_avg_dtype = kernels::StorageDtype::kFp32;     // adamw, lion
   kernels::StorageDtype exp_avg_sq_dtype = kernels::StorageDtype::kFp32;  // adamw; muon's moment2
+  ClipScope clip_scope = ClipScope::kGlobal;
+  double max_grad_norm = 0;  // clip_scope group: the group's own limit; 0: the step's max_grad_norm
 };
 
 // The defaults of docs/algorithms.md (Group options) for `kind` (lr, weight decay, momentum,

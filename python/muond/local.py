@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -30,7 +30,13 @@ from . import qk_clip as qk
 from . import ranks
 from . import wire
 from .naming import named_groups
-from .step_info import StepInfo, check_max_grad_norm
+from .step_info import GroupClip, StepInfo, check_max_grad_norm
+
+
+class _Clipping(NamedTuple):
+    global_norm: float
+    coefficients: List[float]  # by group
+    by_name: Dict[str, GroupClip]
 
 
 def _stored_slots(group: Dict[str, Any], state: Dict[str, Any]) -> list:
@@ -313,7 +319,8 @@ class LocalOptimizer(torch.optim.Optimizer):
                 if named else [])
         sum_squares = sum(sums)
         non_finite = next((n for (n, _), s in zip(named, sums) if not math.isfinite(s)), "")
-        norm = math.sqrt(sum_squares) * unscale if math.isfinite(sum_squares) else float("nan")
+        clips = self._clipping(named, sums, unscale)
+        norm = clips.global_norm if math.isfinite(sum_squares) else float("nan")
         zeros = (sum(int((g == 0).sum()) for _, g in named) if self.log_num_zeros_in_grad else None)
         if non_finite:
             if self._scaler is not None:  # an overflow: the scaler backs off
@@ -324,12 +331,10 @@ class LocalOptimizer(torch.optim.Optimizer):
                                       num_zeros_in_grad=zeros, loss_scale=self.loss_scale,
                                       total_weight=total_weight)
             return loss
-        clip = 1.0
-        if self.max_grad_norm is not None:
-            clip = min(1.0, self.max_grad_norm / (norm + 1e-6))
-        clip *= unscale  # one fp32 multiply of each gradient, by clip over the loss scale
-        for group in self.param_groups:
+        for gi, group in enumerate(self.param_groups):
             kind = group["optimizer"]
+            # One fp32 multiply of each gradient, by the group's clip coefficient over the loss scale.
+            clip = clips.coefficients[gi] * unscale
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -366,8 +371,34 @@ class LocalOptimizer(torch.optim.Optimizer):
         elapsed = time.perf_counter() - started
         self.last_info = StepInfo(self.last_step, True, False, "", norm, elapsed, elapsed,
                                   num_zeros_in_grad=zeros, loss_scale=self.loss_scale,
-                                  total_weight=total_weight)
+                                  total_weight=total_weight, group_clips=clips.by_name)
         return loss
+
+    def _clipping(self, named, sums, unscale: float) -> "_Clipping":
+        """The daemon's clipping (docs/algorithms.md, Clipping): the global norm over the groups of
+        clip_scope "global" (None counts as global), each group's own norm, and the coefficient
+        each group's gradients are multiplied by; the sums run in parameter order."""
+        group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
+        by_name = dict(zip(self._names, self._params))
+        squares = [0.0] * len(self.param_groups)
+        global_squares = 0.0
+        for (name, _), s in zip(named, sums):
+            gi = group_of[id(by_name[name])]
+            squares[gi] += s
+            if (self.param_groups[gi].get("clip_scope") or "global") == "global":
+                global_squares += s
+        global_norm = math.sqrt(global_squares) * unscale
+        coefficients, report = [], {}
+        for gi, group in enumerate(self.param_groups):
+            scope = group.get("clip_scope") or "global"
+            own = math.sqrt(squares[gi]) * unscale
+            limit = self.max_grad_norm if scope == "global" else (
+                group.get("max_grad_norm") or self.max_grad_norm if scope == "group" else None)
+            norm = global_norm if scope == "global" else own
+            coefficient = 1.0 if limit is None else min(1.0, limit / (norm + 1e-6))
+            coefficients.append(coefficient)
+            report[group.get("name") or f"g{gi}"] = GroupClip(own, coefficient)
+        return _Clipping(global_norm, coefficients, report)
 
     @staticmethod
     def _muon(p: torch.Tensor, g: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any]):

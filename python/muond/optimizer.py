@@ -60,7 +60,7 @@ from .client import Connection
 from .connection_options import ConnectionOptions
 from .errors import PUSH_TOO_STALE, STEP_NOT_PREPARED, MuondError
 from .naming import named_groups
-from .step_info import StepInfo, check_max_grad_norm, rank_report
+from .step_info import StepInfo, check_max_grad_norm, group_clips_of, rank_report
 from .transport.daemon_session import DaemonSession, copy_in
 
 # A step that failed with these may have been applied or not; the daemon answers a resend of the
@@ -440,7 +440,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
                                   result.grad_norm, result.compute_seconds, seconds, attempts,
                                   result.num_zeros_in_grad if self.log_num_zeros_in_grad else None,
                                   result.loss_scale if self.loss_scaler is not None else None,
-                                  contributors, total_weight, included)
+                                  contributors, total_weight, included,
+                                  group_clips=group_clips_of(result))
         if self.loss_scaler is not None:
             self.loss_scale = result.loss_scale
         if not included:
@@ -470,7 +471,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
                                   result.loss_scale if self.loss_scaler is not None else None,
                                   contributors, total_weight, True,
                                   global_step=int(result.global_step),
-                                  staleness=int(result.staleness))
+                                  staleness=int(result.staleness),
+                                  group_clips=group_clips_of(result))
         if self.loss_scaler is not None:
             self.loss_scale = result.loss_scale
 

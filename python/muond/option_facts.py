@@ -64,6 +64,7 @@ NAMED_VALUES: Dict[str, Tuple[str, ...]] = {
     "momentum_dtype": ("fp32", "bf16", "fp16"),
     "exp_avg_dtype": ("fp32", "bf16", "fp16"),
     "exp_avg_sq_dtype": ("fp32", "bf16", "fp16"),
+    "clip_scope": ("global", "group", "none"),
 }
 
 # Each optimizer's options and their defaults, by the Python client's names (betas for beta1 and
@@ -80,13 +81,15 @@ DEFAULTS: Dict[str, Dict[str, Any]] = {
         "qk_clip_threshold": 100.0,
         "qk_clip_alpha": 0.5, "moment2_method": None, "beta2": 0.95, "eps": 1e-8,
         "master_dtype": None, "momentum_dtype": None, "exp_avg_sq_dtype": None,
+        "clip_scope": None, "max_grad_norm": None,
     },
     "adamw": {"lr": 1e-3, "weight_decay": 0.01, "weight_decay_mode": "decoupled", "betas": (0.9, 0.999),
-              "eps": 1e-8, "master_dtype": None, "exp_avg_dtype": None, "exp_avg_sq_dtype": None},
+              "eps": 1e-8, "master_dtype": None, "exp_avg_dtype": None, "exp_avg_sq_dtype": None,
+              "clip_scope": None, "max_grad_norm": None},
     "lion": {"lr": 1e-4, "weight_decay": 0.0, "betas": (0.9, 0.99), "master_dtype": None,
-             "exp_avg_dtype": None},
+             "exp_avg_dtype": None, "clip_scope": None, "max_grad_norm": None},
     "sgd": {"lr": 1e-2, "weight_decay": 0.0, "momentum": 0.0, "nesterov": False, "master_dtype": None,
-            "momentum_dtype": None},
+            "momentum_dtype": None, "clip_scope": None, "max_grad_norm": None},
 }
 # Options of a Muon group that only its second moment (moment2_method) reads.
 MUON_MOMENT2 = ("beta2", "eps", "exp_avg_sq_dtype")

@@ -37,6 +37,9 @@ turns a resolved group into the ``muond.v1.GroupOptions`` message sent when a se
 | momentum_dtype          | muon, sgd    | None = "fp32"; the momentum slot's storage format        |
 | exp_avg_dtype           | adamw, lion  | None = "fp32"                                            |
 | exp_avg_sq_dtype        | adamw, muon  | None = "fp32"; muon: only with a moment2_method (moment2) |
+| clip_scope              | all          | None = "global" ("group": its own norm and max_grad_norm;  |
+|                         |              | "none": neither counted nor clipped)                     |
+| max_grad_norm           | all          | None; the group's own limit, with clip_scope "group" only |
 
 The *_dtype options choose how the daemon stores masters and optimizer state (Megatron-Core's
 precision-aware optimizer); every step still computes in fp32 and rounds to nearest even when it
@@ -50,6 +53,7 @@ Pure functions; no shared state.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, Mapping, Tuple
 
 from ._stubs import pb
@@ -197,6 +201,12 @@ def resolve_group(group: Mapping[str, Any], defaults: Mapping[str, Any]) -> Dict
                          f"for exactly 5 steps), got {resolved['ns_steps']}")
     if name == "muon" and resolved["tp_block_dim"] != 0 and (resolved["tp_blocks"] or 1) == 1:
         raise ValueError("tp_block_dim applies only with tp_blocks > 1")
+    limit = resolved.get("max_grad_norm")
+    if limit is not None:
+        if not (math.isfinite(limit) and limit > 0):
+            raise ValueError(f"max_grad_norm must be > 0, got {limit!r}")
+        if resolved.get("clip_scope") != "group":
+            raise ValueError("max_grad_norm applies with clip_scope 'group' only (the group's own limit)")
     if name == "adamw" and resolved["weight_decay_mode"] in ("independent", "cautious"):
         raise ValueError(f"weight_decay_mode {resolved['weight_decay_mode']} applies to muon only; adamw "
                          "takes decoupled (AdamW) or l2 (Adam with coupled L2)")
@@ -233,7 +243,7 @@ _SCALAR_FIELDS = ("lr", "weight_decay", "weight_decay_mode", "momentum", "nester
                   "momentum_style", "ns_steps", "ns_coefficients_after", "ns_eps", "ns_norm_safety",
                   "scale_mode", "extra_scale_factor", "matmul_precision", "qk_clip_threshold",
                   "qk_clip_alpha", "moment2_method", "ns_algorithm", "master_dtype",
-                  "momentum_dtype", "exp_avg_dtype")
+                  "momentum_dtype", "exp_avg_dtype", "clip_scope", "max_grad_norm")
 
 
 def group_options_proto(group: Mapping[str, Any]) -> pb.GroupOptions:

@@ -3,8 +3,8 @@ account of the same things). Immutable; no dependencies, so the local optimizer 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Dict, Mapping, NamedTuple, Optional, Tuple
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,21 @@ class StepInfo:
     # gradients were dropped, nothing was applied (``applied`` False, ``included`` False), and the
     # model took the session's latest parameters instead (docs/ranks.md, Asynchronous).
     stale: bool = False
+    # Each group's clipping this step, by group name: the norm of its gradients and the coefficient
+    # they were multiplied by (group option clip_scope; docs/algorithms.md, Clipping). Empty when
+    # the daemon does not say (an older one, a sharded session's combined answer).
+    group_clips: Mapping[str, "GroupClip"] = field(default_factory=dict)
+
+
+class GroupClip(NamedTuple):
+    """One group's clipping in a step: its gradients' L2 norm (unscaled) and the coefficient."""
+    grad_norm: float
+    coefficient: float
+
+
+def group_clips_of(result: Any) -> Dict[str, GroupClip]:
+    """The ``group_clips`` of a daemon's ``StepResult``, by group name."""
+    return {c.group: GroupClip(c.grad_norm, c.coefficient) for c in getattr(result, "group_clips", ())}
 
 
 def rank_report(result: Any, quorum: bool) -> Tuple[Tuple[int, ...], float, bool]:

@@ -23,6 +23,7 @@ const std::vector<OptionChoices>& GroupOptionTable() {
       {"momentum_dtype", dtypes},
       {"exp_avg_dtype", dtypes},
       {"exp_avg_sq_dtype", dtypes},
+      {"clip_scope", {"global", "group", "none"}},  // optim::ClipScope's order
   };
   return *table;
 }

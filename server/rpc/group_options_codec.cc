@@ -59,6 +59,7 @@ void CopyValues(const v1::GroupOptions& in, optim::GroupOptions& out) {
            std::tuple{in.has_beta1(), in.beta1(), &out.beta1},
            std::tuple{in.has_beta2(), in.beta2(), &out.beta2},
            std::tuple{in.has_eps(), in.eps(), &out.eps},
+           std::tuple{in.has_max_grad_norm(), in.max_grad_norm(), &out.max_grad_norm},
        }) {
     if (has) *target = value;
   }
@@ -84,6 +85,7 @@ absl::Status ParseNames(const v1::GroupOptions& in, const std::string& field, op
       ParseChoice(in.has_exp_avg_dtype(), in.exp_avg_dtype(), "exp_avg_dtype", field, &out.exp_avg_dtype));
   MUOND_RETURN_IF_ERROR(
       ParseChoice(in.has_exp_avg_sq_dtype(), in.exp_avg_sq_dtype(), "exp_avg_sq_dtype", field, &out.exp_avg_sq_dtype));
+  MUOND_RETURN_IF_ERROR(ParseChoice(in.has_clip_scope(), in.clip_scope(), "clip_scope", field, &out.clip_scope));
   return ParseChoice(in.has_matmul_precision(), in.matmul_precision(), "matmul_precision", field,
                      &out.matmul_precision);
 }

@@ -359,6 +359,15 @@ absl::StatusOr<SessionConfig> ParseSessionSpec(const v1::SessionSpec& spec, cons
   MUOND_RETURN_IF_ERROR(ParseShard(spec, config));
   MUOND_RETURN_IF_ERROR(ParseLossScaler(spec, config));
   MUOND_RETURN_IF_ERROR(ParseSync(spec.sync(), config));
+  if (config.shard.count > 0) {
+    // A shard sees its own groups' norms only; the global norm comes decided over every shard.
+    for (size_t g = 0; g < config.groups.size(); ++g) {
+      if (config.groups[g].options.clip_scope != optim::ClipScope::kGlobal) {
+        return Invalid(absl::StrCat("spec.groups[", g, "].options.clip_scope"),
+                       "only global on a sharded session (each shard sees its own part of a group)");
+      }
+    }
+  }
   return config;
 }
 

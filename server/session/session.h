@@ -210,9 +210,11 @@ class Session {
                                           StagedGradients* staged) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Lends the gradient buffers (`staged`'s, a set filled here from the host values, or on a
   // host-memory backend the host values themselves) to the parameters for the optimizer step and
-  // takes them back afterwards, whatever happens.
-  absl::Status ApplyGradients(const StepPlan& plan, std::vector<HostTensor>& gradients, double clip_coefficient,
-                              StagedGradients* staged) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // takes them back afterwards, whatever happens. Each group's gradients are first multiplied by
+  // its coefficient (clipping and unscaling; StepClipping).
+  absl::Status ApplyGradients(const StepPlan& plan, std::vector<HostTensor>& gradients,
+                              const std::vector<double>& group_coefficients, StagedGradients* staged)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status ApplyQkClip(const StepPlan& plan) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Reserves the fp32 scratch QK-clip needs for the 16-bit masters of `plan`'s pairs, before the
   // step changes anything (ApplyQkClip then allocates nothing).
@@ -227,7 +229,8 @@ class Session {
   // The largest |g| of parameter `index`'s gradient, read from the backend for one left there.
   absl::StatusOr<double> GradientMaxAbs(const HostTensor& gradient, size_t index, StagedGradients* staged) const;
   absl::StatusOr<std::string> GuardMagnitudesLocked(const StepPlan& plan, const std::vector<HostTensor>& gradients,
-                                                    StagedGradients* staged, double clip_coefficient,
+                                                    StagedGradients* staged,
+                                                    const std::vector<double>& group_coefficients,
                                                     std::vector<optim::StepBounds>& after)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Replaces parameter i's bounds with its exact magnitudes, read from the backend.

@@ -192,16 +192,17 @@ absl::StatusOr<StepOutcome> Session::PrepareLocked(StepPlan plan, std::vector<Ho
   // The sums of squares of the unscaled gradients: the client adds them up into the global norm.
   for (const HostTensor& gradient : gradients) result.sum_squares.push_back(gradient.sum_squares * unscale * unscale);
   const GradientTotals totals = TotalsOf(gradients);
-  result.grad_norm = std::sqrt(totals.sum_squares) * unscale;  // this shard's part of the norm
+  // A sharded session's groups are all of clip_scope global (the spec codec refuses others there).
+  const StepClipping clipping = PlanClipping(config_, plan, gradients, unscale, std::nullopt);
+  result.grad_norm = clipping.global_norm;  // this shard's part of the norm
   result.skip_reason = totals.non_finite_reason;
   result.loss_scale = loss_scaler_.has_value() ? loss_scaler_->scale : 0.0;
   if (result.skip_reason.empty()) {
     // The magnitude guard with this shard's own norm: the global norm is at least as large, so its
     // clipping only shrinks the update, and a step this guard passes passes at the commit too.
     std::vector<optim::StepBounds> bounds(params_.size());
-    MUOND_ASSIGN_OR_RETURN(
-        result.skip_reason,
-        GuardMagnitudesLocked(plan, gradients, nullptr, ClipCoefficient(plan, result.grad_norm) * unscale, bounds));
+    MUOND_ASSIGN_OR_RETURN(result.skip_reason,
+                           GuardMagnitudesLocked(plan, gradients, nullptr, clipping.coefficients, bounds));
   }
   DropPreparedLocked();
   prepared_ = PreparedStep{std::move(plan), std::move(gradients), result, generation};
@@ -347,22 +348,27 @@ absl::StatusOr<StepOutcome> Session::ApplyLocked(const StepPlan& plan, std::vect
   // coefficient over the loss scale.
   const std::optional<ShardDecision>& decision = plan.request.decision;
   const double unscale = 1.0 / grad_scale;
-  const double norm = decision.has_value() ? decision->grad_norm : std::sqrt(totals.sum_squares) * unscale;
-  result.grad_norm = norm;
-  const double clip = ClipCoefficient(plan, norm) * unscale;
+  const StepClipping clipping =
+      PlanClipping(config_, plan, gradients, unscale,
+                   decision.has_value() ? std::optional<double>(decision->grad_norm) : std::nullopt);
+  result.grad_norm = clipping.global_norm;
+  for (size_t g = 0; g < config_.groups.size(); ++g) {
+    result.group_clips.push_back({config_.groups[g].name, clipping.group_norms[g], clipping.clipped[g]});
+  }
   std::vector<optim::StepBounds> bounds(params_.size());
   if (!totals.non_finite_reason.empty()) {
     result.skip_reason = totals.non_finite_reason;
   } else if (decision.has_value() && !decision->skip_reason.empty()) {
     result.skip_reason = decision->skip_reason;
   } else {
-    MUOND_ASSIGN_OR_RETURN(result.skip_reason, GuardMagnitudesLocked(plan, gradients, staged, clip, bounds));
+    MUOND_ASSIGN_OR_RETURN(result.skip_reason,
+                           GuardMagnitudesLocked(plan, gradients, staged, clipping.coefficients, bounds));
   }
   result.applied = result.skip_reason.empty();
   if (result.applied) {
     absl::MutexLock masters(&masters_mu_);  // waits for answers still reading the masters
     ++masters_version_;
-    MUOND_RETURN_IF_ERROR(ApplyGradients(plan, gradients, clip, staged));
+    MUOND_RETURN_IF_ERROR(ApplyGradients(plan, gradients, clipping.coefficients, staged));
     for (size_t i = 0; i < params_.size(); ++i) {
       if (!gradients[i].present()) continue;
       params_[i].master_bound = bounds[i].master;

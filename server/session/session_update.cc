@@ -46,8 +46,8 @@ int64_t Session::CountZeros(const std::vector<HostTensor>& gradients) {
   return zeros;
 }
 
-absl::Status Session::ApplyGradients(const StepPlan& plan, std::vector<HostTensor>& gradients, double clip_coefficient,
-                                     StagedGradients* staged) {
+absl::Status Session::ApplyGradients(const StepPlan& plan, std::vector<HostTensor>& gradients,
+                                     const std::vector<double>& group_coefficients, StagedGradients* staged) {
   // On a host-memory backend the optimizer reads the host values in place; otherwise they are in
   // the staged set or copied into a set here.
   const bool in_place = backend_->HostAddressable();
@@ -61,13 +61,14 @@ absl::Status Session::ApplyGradients(const StepPlan& plan, std::vector<HostTenso
       params_[i].grad.reset();
     }
   };
-  const float c = static_cast<float>(clip_coefficient);
   std::vector<std::vector<optim::ParamState*>> by_group(optimizers_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
     optim::ParamState& state = params_[i];
     HostTensor& gradient = gradients[i];
     state.has_grad = gradient.present();
     if (!state.has_grad) continue;
+    const double clip_coefficient = group_coefficients[config_.parameters[i].group];
+    const float c = static_cast<float>(clip_coefficient);
     if (in_place) {
       // Clipped (and unscaled) where the values are: one fp32 multiply per element on every path,
       // so all agree.
@@ -125,12 +126,14 @@ std::string WithinStorageLimits(const optim::ParamState& param, optim::StepBound
 
 absl::StatusOr<std::string> Session::GuardMagnitudesLocked(const StepPlan& plan,
                                                            const std::vector<HostTensor>& gradients,
-                                                           StagedGradients* staged, double clip_coefficient,
+                                                           StagedGradients* staged,
+                                                           const std::vector<double>& group_coefficients,
                                                            std::vector<optim::StepBounds>& after) {
   for (size_t i = 0; i < params_.size(); ++i) {
     const HostTensor& gradient = gradients[i];
     if (!gradient.present()) continue;
     const size_t group = config_.parameters[i].group;
+    const double clip_coefficient = group_coefficients[group];
     const optim::Optimizer& optimizer = *optimizers_[group];
     // Every |g| is at most the tensor's L2 norm: a bound at no cost, tightened (with the exact
     // magnitudes of the state) only when it is not good enough.

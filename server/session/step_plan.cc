@@ -141,4 +141,35 @@ double ClipCoefficient(const StepPlan& plan, double norm) {
   return std::min(1.0, *plan.request.max_grad_norm / (norm + 1e-6));
 }
 
+StepClipping PlanClipping(const SessionConfig& config, const StepPlan& plan, const std::vector<HostTensor>& gradients,
+                          double unscale, std::optional<double> decided_global_norm) {
+  const size_t groups = config.groups.size();
+  std::vector<double> group_squares(groups, 0.0);
+  double global_squares = 0;
+  for (size_t i = 0; i < gradients.size(); ++i) {
+    const size_t g = config.parameters[i].group;
+    group_squares[g] += gradients[i].sum_squares;  // 0 for a parameter without a gradient
+    if (config.groups[g].options.clip_scope == optim::ClipScope::kGlobal) global_squares += gradients[i].sum_squares;
+  }
+  StepClipping clipping;
+  clipping.global_norm = decided_global_norm.value_or(std::sqrt(global_squares) * unscale);
+  const double global = ClipCoefficient(plan, clipping.global_norm);
+  for (size_t g = 0; g < groups; ++g) {
+    const optim::GroupOptions& options = config.groups[g].options;
+    const double norm = std::sqrt(group_squares[g]) * unscale;
+    double coefficient = 1.0;
+    if (options.clip_scope == optim::ClipScope::kGlobal) {
+      coefficient = global;
+    } else if (options.clip_scope == optim::ClipScope::kGroup) {
+      const std::optional<double> limit =
+          options.max_grad_norm > 0 ? std::optional<double>(options.max_grad_norm) : plan.request.max_grad_norm;
+      if (limit.has_value()) coefficient = std::min(1.0, *limit / (norm + 1e-6));
+    }
+    clipping.group_norms.push_back(norm);
+    clipping.clipped.push_back(coefficient);
+    clipping.coefficients.push_back(coefficient * unscale);
+  }
+  return clipping;
+}
+
 }  // namespace muond::session

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/host_tensor.h"
 #include "kernels/optim/optimizer.h"
 #include "server/session/session_config.h"
 #include "server/session/step_types.h"
@@ -33,5 +34,19 @@ absl::StatusOr<StepPlan> PlanStep(const SessionConfig& config, const std::vector
 // torch.nn.utils.clip_grad_norm_'s coefficient for `norm` under the plan: max_norm / (norm + 1e-6),
 // clamped to 1; 1 without a limit.
 double ClipCoefficient(const StepPlan& plan, double norm);
+
+// One step's clipping, group by group (docs/algorithms.md, Clipping): the global norm over the
+// groups of clip_scope global (or the shards' decided one), each group's own norm, and the
+// coefficient each group's gradients are multiplied by — clip_scope global: the global one; group:
+// its own norm against its max_grad_norm (or the step's); none: 1 — all times `unscale` (1 over the
+// loss scale). Norms are of the unscaled gradients; the sums run in parameter order.
+struct StepClipping {
+  double global_norm = 0;
+  std::vector<double> group_norms;   // by group
+  std::vector<double> coefficients;  // by group, unscale included
+  std::vector<double> clipped;       // by group, without unscale: what the answer reports
+};
+StepClipping PlanClipping(const SessionConfig& config, const StepPlan& plan, const std::vector<HostTensor>& gradients,
+                          double unscale, std::optional<double> decided_global_norm);
 
 }  // namespace muond::session

@@ -92,6 +92,13 @@ struct StepResult {
   bool included = true;
   int64_t global_step = 0;  // asynchronous sessions: the global step the push became
   int64_t staleness = 0;    // and its staleness
+  // Each group's clipping (in spec order): its gradients' norm and the coefficient applied.
+  struct GroupClip {
+    std::string group;
+    double grad_norm = 0;
+    double coefficient = 1;
+  };
+  std::vector<GroupClip> group_clips;
 };
 
 // The global step `request` is or became: its step, or for an asynchronous push the global step

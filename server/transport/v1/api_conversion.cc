@@ -44,6 +44,12 @@ v1::StepResult ToProto(const session::StepResult& result) {
   out.mutable_contributors()->Assign(result.contributors.begin(), result.contributors.end());
   out.set_total_weight(result.total_weight);
   out.set_included(result.included);
+  for (const session::StepResult::GroupClip& clip : result.group_clips) {
+    v1::GroupClip* out_clip = out.add_group_clips();
+    out_clip->set_group(clip.group);
+    out_clip->set_grad_norm(clip.grad_norm);
+    out_clip->set_coefficient(clip.coefficient);
+  }
   if (result.global_step != 0) {
     out.set_global_step(result.global_step);
     out.set_staleness(result.staleness);
