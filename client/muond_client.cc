@@ -191,10 +191,11 @@ absl::StatusOr<v1::ServerInfo> Client::GetServerInfo() {
 }
 
 absl::StatusOr<std::unique_ptr<Session>> Client::CreateSession(const std::string& session_id,
-                                                               const v1::SessionSpec& spec) {
+                                                               const v1::SessionSpec& spec, std::optional<int> rank) {
   v1::CreateSessionRequest request;
   request.set_session_id(session_id);
   *request.mutable_spec() = spec;
+  if (rank.has_value()) request.set_rank(*rank);
   v1::CreateSessionResponse response;
   // Create-or-attach is idempotent, so a retry is safe.
   grpc::Status status = RetryWhileUnavailable(*this, [&] {
@@ -246,6 +247,7 @@ Session::Session(Client* client, std::string id, v1::SessionSpec spec, const v1:
   attached_ = created.attached();
   initialized_ = created.initialized();
   last_step_ = created.last_step();
+  last_push_ = created.last_push();
   loss_scale_ = created.loss_scale();
 }
 

@@ -151,8 +151,10 @@ class Client {
   static absl::StatusOr<std::unique_ptr<Client>> Connect(ClientOptions options);
 
   absl::StatusOr<v1::ServerInfo> GetServerInfo();
-  // Creates the session, or attaches when one with this id and an identical spec exists.
-  absl::StatusOr<std::unique_ptr<Session>> CreateSession(const std::string& session_id, const v1::SessionSpec& spec);
+  // Creates the session, or attaches when one with this id and an identical spec exists. With
+  // `rank`, an asynchronous session also says that rank's last push (Session::last_push).
+  absl::StatusOr<std::unique_ptr<Session>> CreateSession(const std::string& session_id, const v1::SessionSpec& spec,
+                                                         std::optional<int> rank = std::nullopt);
   absl::Status CloseSession(const std::string& session_id);
   absl::StatusOr<std::vector<v1::SessionSummary>> ListSessions();
   // The daemon's grpc.health.v1 status for the whole server: true when SERVING (false while it
@@ -206,6 +208,9 @@ class Session {
   bool attached() const { return attached_; }
   bool initialized() const { return initialized_; }
   int64_t last_step() const { return last_step_; }  // as of creation or the last Step
+  // An asynchronous session created or attached with a rank: that rank's last push when it did (0:
+  // none); continue with last_push() + 1.
+  int64_t last_push() const { return last_push_; }
   // With a session loss scaler: its scale when the session was created or attached (what the first
   // loss is multiplied by); 0 without one. Each StepReply::loss_scale gives the next.
   double loss_scale() const { return loss_scale_; }
@@ -244,6 +249,7 @@ class Session {
   bool attached_ = false;
   bool initialized_ = false;
   int64_t last_step_ = 0;
+  int64_t last_push_ = 0;
   double loss_scale_ = 0;
 };
 

@@ -259,10 +259,14 @@ class Connection:
         return self._retried("GetServerInfo", lambda: self._stub.GetServerInfo(
             pb.GetServerInfoRequest(), timeout=self.timeout, metadata=self._metadata))
 
-    def create_session(self, session_id: str, spec: pb.SessionSpec) -> pb.CreateSessionResponse:
+    def create_session(self, session_id: str, spec: pb.SessionSpec,
+                       rank: Optional[int] = None) -> pb.CreateSessionResponse:
         """Creates the session, or attaches to it when it exists with an identical spec. Safe to
-        repeat, hence retried."""
+        repeat, hence retried. With ``rank``, an asynchronous session's answer carries that rank's
+        last push (``last_push``)."""
         request = pb.CreateSessionRequest(session_id=session_id, spec=spec)
+        if rank is not None:
+            request.rank = rank
         return self._retried("CreateSession", lambda: self._stub.CreateSession(
             request, timeout=self.timeout, metadata=self._metadata))
 

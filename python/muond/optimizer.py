@@ -277,9 +277,13 @@ class RemoteOptimizer(torch.optim.Optimizer):
 
     def _open_session(self) -> None:
         try:
-            opened = self._on_every_session(lambda k, session: session.open(self._shard_spec(k)))
+            rank = self.rank if self._async else None
+            opened = self._on_every_session(lambda k, session: session.open(self._shard_spec(k), rank))
             self.attached = any(attached for attached, _ in opened)
             self.last_step = self._common_step([step for _, step in opened], "CreateSession")
+            if self._async:
+                # A restarted rank continues its own numbering where the daemon's record of it is.
+                self.pushes = self._sessions[0].last_push
         except BaseException:
             # A refused attach (one daemon holds another session of this id, the shards disagree)
             # leaves nothing behind: the sessions this attach created on the other daemons go;
@@ -643,6 +647,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
             session_step = self._sessions[0].refresh()  # never sharded
             if session_step > 0:
                 self.last_step = session_step
+                # The saved count, even when the daemon's record (asked on attach) is further: the
+                # rank redoes the work after its save, and those pushes are answered as resends.
                 self.pushes = int(meta.get("pushes", 0))
                 self._restore_group_options(saved_groups)
                 _log.info("session %s: rank %d resumes after its push %d at global step %d (the "

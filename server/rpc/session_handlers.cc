@@ -49,6 +49,12 @@ grpc::Status MuondService::GetServerInfo(grpc::ServerContext* context, const v1:
 grpc::Status MuondService::CreateSession(grpc::ServerContext* context, const v1::CreateSessionRequest* request,
                                          v1::CreateSessionResponse* response) {
   return Serve(calls_, context, "CreateSession", [&](const std::string& caller) -> absl::Status {
+    // Checked before anything is created; the spec's world_size (0 means 1) bounds it.
+    const int world_size = std::max(request->spec().world_size(), 1);
+    if (request->has_rank() && (request->rank() < 0 || request->rank() >= world_size)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("rank: must be in [0, spec.world_size ", world_size, "), got ", request->rank()));
+    }
     MUOND_ASSIGN_OR_RETURN(session::CreateResult created,
                            registry_->CreateOrAttach(request->session_id(), SpecToJson(request->spec()), caller));
     const session::Session& session = *created.session;
@@ -58,6 +64,7 @@ grpc::Status MuondService::CreateSession(grpc::ServerContext* context, const v1:
     response->set_initialized(session.initialized());
     if (const double scale = session.loss_scale(); scale != 0) response->set_loss_scale(scale);
     response->set_num_parameters(session.config().total_elements);
+    if (request->has_rank()) response->set_last_push(session.LastPush(request->rank()).push);
     return absl::OkStatus();
   });
 }

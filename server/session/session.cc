@@ -72,6 +72,12 @@ double Session::loss_scale() const {
   return loss_scaler_.has_value() ? loss_scaler_->scale : 0.0;
 }
 
+PushRecord Session::LastPush(int rank) const {
+  absl::ReaderMutexLock lock(&mu_);
+  if (rank < 0 || static_cast<size_t>(rank) >= pushes_.size()) return PushRecord();
+  return pushes_[rank];
+}
+
 bool Session::initialized() const {
   absl::ReaderMutexLock lock(&mu_);
   return initialized_;

@@ -133,6 +133,9 @@ class Session {
   // The loss scaler's current scale (the one the next step's loss is multiplied by); 0 when the
   // session has no loss scaler.
   double loss_scale() const;
+  // An asynchronous session's record of `rank`'s last push (a zero record otherwise, or for a rank
+  // out of range).
+  PushRecord LastPush(int rank) const;
 
   absl::StatusOr<SessionState> ExportState() const;
   // Replaces masters, slots and counters at once after checking that `state` is complete.

@@ -68,7 +68,7 @@ class AsyncRanksTest : public ::testing::Test {
                                                       bool upload = true) {
     std::vector<std::unique_ptr<client::Session>> ranks;
     for (int r = 0; r < spec.world_size(); ++r) {
-      absl::StatusOr<std::unique_ptr<client::Session>> session = client_->CreateSession(id, spec);
+      absl::StatusOr<std::unique_ptr<client::Session>> session = client_->CreateSession(id, spec, r);
       EXPECT_OK(session.status());
       if (!session.ok()) return {};
       ranks.push_back(*std::move(session));
@@ -179,7 +179,10 @@ TEST_F(AsyncRanksTest, ACrashReplaysTheSameGlobalOrderAndKeepsEveryRanksRecord) 
   const client::ParameterMap restored = *std::move(read);
   EXPECT_EQ(global, 4);
   EXPECT_EQ(restored, last.parameters);
-  // Every rank's last push is a resend still, and the next ones follow.
+  // Attaching, each rank hears its last push; it is a resend still, and the next ones follow.
+  EXPECT_EQ(ranks[0]->last_push(), 1);
+  EXPECT_EQ(ranks[1]->last_push(), 1);
+  EXPECT_EQ(ranks[2]->last_push(), 2);
   ASSERT_OK_AND_ASSIGN(client::StepReply resent, Send(*ranks[2], pushes[2]));
   EXPECT_TRUE(resent.replayed);
   EXPECT_EQ(resent.global_step, 3);
@@ -199,6 +202,8 @@ TEST_F(AsyncRanksTest, ACrashReplaysTheSameGlobalOrderAndKeepsEveryRanksRecord) 
 
 TEST_F(AsyncRanksTest, AnAsyncSpecOutOfRangeIsRefusedNamingTheField) {
   Start();
+  EXPECT_THAT(client_->CreateSession("bad-rank", AsyncSpec(2, 1), 2),
+              StatusIs(absl::StatusCode::kInvalidArgument, "rank: must be in [0, spec.world_size 2), got 2"));
   v1::SessionSpec negative = AsyncSpec(2, -1);
   v1::SessionSpec unknown = AsyncSpec(2, 1, static_cast<v1::StalenessScaling>(7));
   v1::SessionSpec staleness_in_lockstep = LrSpec();

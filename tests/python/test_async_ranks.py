@@ -363,6 +363,39 @@ def test_a_killed_rank_restarts_from_its_state_dict_exactly_once(endpoint, rank_
     assert_params(seen["params"], reference.step(grads_of(1, 3)), "after global step 5")
 
 
+def test_a_restarted_rank_without_its_state_dict_continues_its_numbering(endpoint):
+    """A rank that attaches again hears its last push from the daemon (CreateSession with its
+    rank): without any saved state it continues with the next number, and a second rank that never
+    pushed starts at 1; nothing is refused or applied twice."""
+    session = fresh_session("async-attach")
+
+    def attach(rank):
+        model = TinyNet(seed=SEED)
+        return model, muond.RemoteOptimizer(muond.default_param_groups(model), endpoint=endpoint,
+                                            session=session, world_size=2, rank=rank,
+                                            **asynchronous(8))
+
+    model, opt = attach(0)
+    for step in range(1, 4):
+        model(torch.arange(8)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt.pushes == 3 and opt.last_step == 3
+    opt.close(keep_session=True)
+    model, again = attach(0)
+    other_model, other = attach(1)
+    assert (again.pushes, other.pushes) == (3, 0)
+    assert again.last_step == other.last_step == 3
+    model(torch.arange(8)).square().mean().backward()
+    again.step()
+    assert (again.pushes, again.last_info.global_step, again.last_info.replayed) == (4, 4, False)
+    other_model(torch.arange(8)).square().mean().backward()
+    other.step()
+    assert (other.pushes, other.last_info.global_step) == (1, 5)
+    other.close(keep_session=True)
+    again.close()
+
+
 def test_a_state_dict_loads_whole_into_a_session_without_pushes(endpoint, one_rank):
     """A session with no push applied (new, or lost by its daemon) takes a saved state whole, and
     the rank's pushes start at 1 again; a state dict of another rank is refused."""

@@ -12,7 +12,7 @@ session at a time.
 
 from __future__ import annotations
 
-from typing import Dict, Iterator, List, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import grpc
 import torch
@@ -53,10 +53,12 @@ class DaemonSession:
 
     # -- the session -----------------------------------------------------------------------------
 
-    def open(self, spec: pb.SessionSpec) -> Tuple[bool, int]:
+    def open(self, spec: pb.SessionSpec, rank: Optional[int] = None) -> Tuple[bool, int]:
         """Creates the session and uploads the parameters, or attaches and reads them back.
-        Returns (attached, last_step)."""
-        reply = self.conn.create_session(self.session_id, spec)
+        Returns (attached, last_step). With ``rank`` (asynchronous sessions), ``last_push`` is
+        that rank's last push as the daemon recorded it."""
+        reply = self.conn.create_session(self.session_id, spec, rank)
+        self.last_push = int(reply.last_push)
         # Whether this open made the session (not attached to one that was there): what a failed
         # sharded attach rolls back, and nothing else.
         self.created = not reply.attached
