@@ -1,6 +1,7 @@
 #include "server/transport/step_transport.h"
 
 #include <chrono>
+#include <optional>
 
 #include "common/logging.h"
 #include "common/status_macros.h"
@@ -28,6 +29,19 @@ absl::Status RunStep(session::Session& session, session::StepRequest request, Gr
   } else {
     // The parameters may be the masters themselves: they stay as they are until the answer is sent.
     absl::StatusOr<session::Session::ParameterReadLock> still = session.ReadParameters(*outcome.parameters);
+    // Ranks that do not wait for each other (quorum, async) may replace the parameters with another
+    // step before this answer goes out: it carries the latest ones instead, and its step names them
+    // (the rank continues after it; the step it sent was applied, or answered, all the same).
+    std::optional<session::Session::LatestParameters> latest;
+    if (!still.ok() && absl::IsAborted(still.status()) && session.config().sync.mode != session::SyncMode::kLockstep) {
+      absl::StatusOr<session::Session::LatestParameters> read = session.ReadLatestParameters();
+      if (read.ok()) {
+        latest = *std::move(read);
+        outcome.parameters = latest->snapshot;
+        outcome.result.step = latest->last_step;
+        still = session::Session::ParameterReadLock();  // `latest` holds the lock
+      }
+    }
     if (still.ok() && outcome.parameters->on_device && !device_answer) {
       still = absl::InternalError("parameters left on the device for a transport that answers from the host");
     }

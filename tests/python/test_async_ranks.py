@@ -363,6 +363,54 @@ def test_a_killed_rank_restarts_from_its_state_dict_exactly_once(endpoint, rank_
     assert_params(seen["params"], reference.step(grads_of(1, 3)), "after global step 5")
 
 
+def _pushing_rank_main(rank, endpoint, session, pushes, queue):
+    """A rank's process that pushes as fast as it can: another rank's push regularly replaces the
+    parameters before this rank's answer goes out (on the CPU backend the answer reads the masters
+    themselves), and the daemon must answer the latest ones rather than fail."""
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Linear(128, 128))
+        opt = muond.RemoteOptimizer(muond.default_param_groups(model), endpoint=endpoint,
+                                    session=session, world_size=WORLD, rank=rank,
+                                    **asynchronous(10 * pushes))
+        newer = 0
+        for _ in range(pushes):
+            model(torch.randn(4, 128)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            info = opt.last_info
+            assert info.applied and not info.replayed and info.step >= info.global_step
+            newer += info.step > info.global_step
+        opt.close(keep_session=True)
+        queue.put((rank, opt.pushes, newer, None))
+    except BaseException:  # noqa: B902 - reported to the parent
+        queue.put((rank, 0, 0, traceback.format_exc()))
+
+
+def test_ranks_pushing_at_once_get_the_latest_parameters_never_an_error(endpoint):
+    """Pushes racing each other: every push is applied once and answered, with the parameters after
+    its own global step or a later one (then ``step`` names it); none fails because another rank's
+    push replaced the parameters before its answer was sent."""
+    session, pushes = fresh_session("async-race"), 60
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    processes = [context.Process(target=_pushing_rank_main, args=(r, endpoint, session, pushes, queue))
+                 for r in range(WORLD)]
+    for p in processes:
+        p.start()
+    results = sorted(queue.get(timeout=600) for _ in processes)
+    for p in processes:
+        p.join(timeout=60)
+    assert [error for *_, error in results] == [None] * WORLD, results
+    assert [count for _, count, _, _ in results] == [pushes] * WORLD
+    conn = muond.Connection(endpoint)
+    assert next(s.last_step for s in conn.list_sessions() if s.session_id == session) == WORLD * pushes
+    conn.close_session(session)
+    conn.close()
+    print("answers carrying a later step's parameters:", [newer for _, _, newer, _ in results])
+
+
 def test_a_restarted_rank_without_its_state_dict_continues_its_numbering(endpoint):
     """A rank that attaches again hears its last push from the daemon (CreateSession with its
     rank): without any saved state it continues with the next number, and a second rank that never
