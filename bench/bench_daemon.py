@@ -10,6 +10,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -24,12 +25,14 @@ def add_daemon_flags(parser: argparse.ArgumentParser) -> None:
 
 
 @contextlib.contextmanager
-def cpu_daemon(binary: Path, threads: int):
-    """Yields (process, endpoint) of `muond --backend cpu` on a free loopback port; stops it after."""
+def cpu_daemon(binary: Path, threads: int, extra_flags: Sequence[str] = (), log_level: str = "warn"):
+    """Yields (process, endpoint) of `muond --backend cpu` (plus `extra_flags`) on a free loopback
+    port; stops it after."""
     with tempfile.TemporaryDirectory() as tmp:
         port_file = Path(tmp) / "port"
         proc = subprocess.Popen([str(binary), "--listen", "127.0.0.1:0", "--port-file", str(port_file),
-                                 "--backend", "cpu", "--threads", str(threads), "--log-level", "warn"],
+                                 "--backend", "cpu", "--threads", str(threads), "--log-level", log_level,
+                                 *extra_flags],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 30

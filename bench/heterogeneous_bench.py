@@ -66,11 +66,11 @@ import multiprocessing as mp
 import os
 import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from bench_daemon import cpu_daemon
 
 REPO = Path(__file__).resolve().parents[1]
 D_IN, HIDDEN, D_OUT = 32, 256, 8
@@ -79,28 +79,6 @@ EVAL_SAMPLES = 2048
 WORLD = 4
 SLOW_RANK, DYING_RANK = 2, 3
 SPEEDS = {r: 3.0 if r == SLOW_RANK else 1.0 for r in range(WORLD)}  # step time in units of --period
-
-
-@contextlib.contextmanager
-def cpu_daemon(binary: Path, threads: int, straggler_timeout: float):
-    """Yields the endpoint of `muond --backend cpu --straggler-timeout T` on a free loopback port
-    (bench_daemon.cpu_daemon with the straggler timeout); stops it after."""
-    with tempfile.TemporaryDirectory() as tmp:
-        port_file = Path(tmp) / "port"
-        proc = subprocess.Popen([str(binary), "--listen", "127.0.0.1:0", "--port-file", str(port_file),
-                                 "--backend", "cpu", "--threads", str(threads), "--log-level", "error",
-                                 "--straggler-timeout", str(straggler_timeout)],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + 30
-            while not (port_file.exists() and port_file.read_text().strip()):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("muond did not start")
-                time.sleep(0.02)
-            yield f"127.0.0.1:{int(port_file.read_text())}"
-        finally:
-            proc.terminate()
-            proc.wait()
 
 
 # -- the problem ----------------------------------------------------------------------------------
@@ -264,7 +242,8 @@ def run_mode(mode, args):
     ctx = mp.get_context("spawn")
     shared = Shared(ctx)
     budget = args.budget_steps * WORLD * args.batch
-    with cpu_daemon(args.binary, args.threads, args.straggler_timeout) as endpoint:
+    with cpu_daemon(args.binary, args.threads, ["--straggler-timeout", str(args.straggler_timeout)],
+                    log_level="error") as (_, endpoint):
         procs = [ctx.Process(target=worker, args=(r, mode, args, endpoint, shared), daemon=True)
                  for r in range(WORLD)]
         for p in procs:
