@@ -42,6 +42,10 @@ template <typename Sink>
 absl::Status RunOutOfBandStep(session::Session& session, const v1::StepHeader& header, bool device_answer,
                               transport::GradientSource& source, Sink& sink, metrics::Metrics& metrics,
                               v1::StepSharedResponse* response) {
+  if (header.streamed()) {
+    return absl::InvalidArgumentError(
+        "header.streamed: only the Step stream takes streamed steps; this call carries every gradient at once");
+  }
   session::StepRequest step = transport::ToStepRequest(header);
   if (device_answer) step.device_answer = true;
   MUOND_RETURN_IF_ERROR(transport::RunStep(session, std::move(step), source, sink, metrics));

@@ -9,9 +9,11 @@
 
 namespace muond::session {
 
-IncomingStep::IncomingStep(const SessionConfig& config, StepPlan plan, bool replay, HostGradients* host_store,
-                           std::unique_ptr<StagedGradients> staged, bool device_gradients)
+IncomingStep::IncomingStep(const SessionConfig& config, const std::vector<optim::StepHyper>& defaults, StepPlan plan,
+                           bool replay, HostGradients* host_store, std::unique_ptr<StagedGradients> staged,
+                           bool device_gradients)
     : config_(config),
+      defaults_(defaults),
       plan_(std::move(plan)),
       replay_(replay),
       host_store_(host_store),
@@ -21,6 +23,17 @@ IncomingStep::IncomingStep(const SessionConfig& config, StepPlan plan, bool repl
 
 IncomingStep::~IncomingStep() {
   if (host_store_ != nullptr) host_store_->GiveBack(std::move(gradients_));
+}
+
+absl::Status IncomingStep::TakeStepOptions(const StepRequest& options) {
+  StepRequest request = plan_.request;
+  request.overrides = options.overrides;
+  request.max_grad_norm = options.max_grad_norm;
+  request.qk_logits = options.qk_logits;
+  request.grad_scale = options.grad_scale;
+  request.weight = options.weight;
+  MUOND_ASSIGN_OR_RETURN(plan_, PlanStep(config_, defaults_, std::move(request)));
+  return absl::OkStatus();
 }
 
 absl::Status IncomingStep::Stage(size_t index, int64_t offset, size_t count) {

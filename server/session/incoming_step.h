@@ -40,8 +40,9 @@ class IncomingStep {
   // step's own); `staged`: the session's backend buffers lent to this step (null: the gradients
   // stay on the host until applied); `device_gradients`: nothing needs the gradients' values on the
   // host, so a GPU transport may leave them in the staged buffers.
-  IncomingStep(const SessionConfig& config, StepPlan plan, bool replay, HostGradients* host_store,
-               std::unique_ptr<StagedGradients> staged, bool device_gradients);
+  // `defaults`: the session's per-group hyperparameters, for TakeStepOptions.
+  IncomingStep(const SessionConfig& config, const std::vector<optim::StepHyper>& defaults, StepPlan plan, bool replay,
+               HostGradients* host_store, std::unique_ptr<StagedGradients> staged, bool device_gradients);
   IncomingStep(const IncomingStep&) = delete;
   IncomingStep& operator=(const IncomingStep&) = delete;
   ~IncomingStep();
@@ -50,6 +51,10 @@ class IncomingStep {
   bool replay() const { return replay_; }
   const StepPlan& plan() const { return plan_; }
   StepPlan& mutable_plan() { return plan_; }
+  // A streamed step's options, which arrive after its gradients (StepEnd): the overrides, clipping
+  // limit, QK-clip logits, loss scale and weight of `options` replace the plan's, and the step is
+  // planned again — a refusal names the field as PlanStep does and leaves the plan as it was.
+  absl::Status TakeStepOptions(const StepRequest& options);
   const SessionConfig& config() const { return config_; }
 
   // Indexed like config().parameters; a transport writes each tensor's values in order.
@@ -78,6 +83,7 @@ class IncomingStep {
 
  private:
   const SessionConfig& config_;
+  const std::vector<optim::StepHyper>& defaults_;
   StepPlan plan_;
   const bool replay_;
   HostGradients* const host_store_;  // the session's; null: gradients_ are this step's own

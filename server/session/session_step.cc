@@ -138,7 +138,7 @@ absl::StatusOr<std::unique_ptr<IncomingStep>> Session::BeginStep(StepRequest req
   }
   // Gradients in device memory may stay there unless something needs their values on the host.
   const bool device_gradients = !journaled && !plan.request.count_zeros;
-  return std::make_unique<IncomingStep>(config_, std::move(plan), kind == StepKind::kReplay,
+  return std::make_unique<IncomingStep>(config_, default_hyper_, std::move(plan), kind == StepKind::kReplay,
                                         one_rank ? host_gradients_.get() : nullptr, std::move(staged),
                                         device_gradients);
 }

@@ -1,5 +1,8 @@
 #include "server/transport/grpc/grpc_step_stream.h"
 
+#include <optional>
+
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "grpcpp/impl/codegen/proto_utils.h"
@@ -31,6 +34,13 @@ bool WriteMessage(StepStream* stream, const v1::StepResponse& response, int64_t*
          WriteCounted(stream, buffer, bytes);
 }
 
+// A streamed step's options, from its StepEnd; a refusal names the end's field.
+absl::Status TakeStepOptions(const v1::StepEnd& end, session::IncomingStep& step) {
+  absl::Status taken = step.TakeStepOptions(StepOptionsOf(end));
+  if (taken.ok() || !absl::StartsWith(taken.message(), "header.")) return taken;
+  return absl::Status(taken.code(), absl::StrCat("end.", taken.message().substr(std::string_view("header.").size())));
+}
+
 }  // namespace
 
 absl::StatusOr<v1::StepHeader> ReadStepHeader(StepStream* stream) {
@@ -44,35 +54,65 @@ absl::StatusOr<v1::StepHeader> ReadStepHeader(StepStream* stream) {
 }
 
 absl::Status GrpcGradientSource::ReadGradients(session::IncomingStep& step) {
-  if (!header_.has_num_chunks()) {
-    return absl::InvalidArgumentError("header.num_chunks: required (the number of chunk messages that follow)");
+  const bool streamed = header_.streamed();
+  if (streamed && header_.has_num_chunks()) {
+    return absl::InvalidArgumentError(
+        "header.num_chunks: a streamed step gives its count in the closing StepEnd, not in the header");
+  }
+  if (const char* option = streamed ? StreamedOptionInHeader(header_) : nullptr; option != nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("header.", option, ": a streamed step gives its options in its StepEnd, not in the header"));
+  }
+  if (!streamed && !header_.has_num_chunks()) {
+    return absl::InvalidArgumentError(
+        "header.num_chunks: required (the number of chunk messages that follow), unless header.streamed is set");
   }
   TensorAssembler assembler(&step, max_chunk_bytes_);
   grpc::ByteBuffer buffer;
   wire::FramedChunk framed;
   v1::StepRequest request;  // for messages framed otherwise
   uint64_t chunks = 0;
+  std::optional<uint32_t> ended;  // a streamed step's StepEnd.num_chunks, once it came
   while (stream_->Read(&buffer)) {
     bytes_received_ += static_cast<int64_t>(buffer.Length());
-    if (++chunks > header_.num_chunks()) {
+    if (ended.has_value()) return absl::InvalidArgumentError("end: a streamed step's StepEnd must be its last message");
+    if (!streamed && chunks == header_.num_chunks()) {
       return absl::InvalidArgumentError(
           absl::StrCat("chunk: more chunks than the ", header_.num_chunks(), " announced in header.num_chunks"));
     }
     if (wire::ParseChunkFrame(buffer, wire::kChunkField, &framed)) {
+      ++chunks;
       if (!step.replay()) MUOND_RETURN_IF_ERROR(assembler.Add(framed.meta, framed.data, framed.data_bytes));
       continue;
     }
     MUOND_RETURN_IF_ERROR(ParseRequest(&buffer, &request));
-    if (request.kind_case() != v1::StepRequest::kChunk) {
-      return absl::InvalidArgumentError("chunk: every message after the header must carry a chunk");
+    if (streamed && request.kind_case() == v1::StepRequest::kEnd) {
+      ended = request.end().num_chunks();
+      MUOND_RETURN_IF_ERROR(TakeStepOptions(request.end(), step));
+      continue;
     }
+    if (request.kind_case() != v1::StepRequest::kChunk) {
+      return absl::InvalidArgumentError(streamed
+                                            ? "chunk: every message after the header must carry a chunk or end the step"
+                                            : "chunk: every message after the header must carry a chunk");
+    }
+    ++chunks;
     // A replay's gradients are not needed again; they are read only to consume the stream.
     if (!step.replay()) MUOND_RETURN_IF_ERROR(assembler.Add(request.chunk()));
   }
   if (context_->IsCancelled()) return absl::CancelledError("the client cancelled the step");
   // gRPC ends the read loop the same way for a half-close and for a broken stream (a message over
   // its limit, say); only the announced count tells them apart.
-  if (chunks != header_.num_chunks()) {
+  if (streamed) {
+    if (!ended.has_value()) {
+      return absl::InvalidArgumentError(absl::StrCat("end: the streamed step ended after ", chunks,
+                                                     " chunks without its StepEnd; the step was not applied"));
+    }
+    if (*ended != chunks) {
+      return absl::InvalidArgumentError(absl::StrCat("end.num_chunks: ", *ended, " announced but ", chunks,
+                                                     " chunks arrived; the step was not applied"));
+    }
+  } else if (chunks != header_.num_chunks()) {
     return absl::InvalidArgumentError(absl::StrCat("header.num_chunks: the stream ended after ", chunks, " of ",
                                                    header_.num_chunks(),
                                                    " announced chunks; the step was not applied"));

@@ -3,8 +3,11 @@
 // StepResponse keep their protobuf encoding on the wire (wire/chunk_frame.h frames the chunks).
 //
 // GrpcGradientSource reads the chunk messages that follow the header (exactly header.num_chunks of
-// them; a stream gRPC cut short is refused, not applied with part of its gradients) through a
-// TensorAssembler into the session's IncomingStep, decoding each payload from gRPC's receive slices.
+// them, or for a streamed step as many as the closing StepEnd counts; a stream gRPC cut short is
+// refused, not applied with part of its gradients) through a TensorAssembler into the session's
+// IncomingStep, decoding each payload from gRPC's receive slices as it arrives: while a streamed
+// step's client is still in its backward pass, its earlier tensors are already decoded, summed and
+// staged.
 // GrpcParameterSink writes the StepResult and then every parameter in chunks of the requested
 // dtype, each encoded straight from the masters into a pooled payload slice.
 //

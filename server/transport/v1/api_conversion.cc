@@ -31,6 +31,25 @@ session::StepRequest ToStepRequest(const v1::StepHeader& header) {
   return request;
 }
 
+session::StepRequest StepOptionsOf(const v1::StepEnd& end) {
+  v1::StepHeader options;
+  *options.mutable_overrides() = end.overrides();
+  if (end.has_max_grad_norm()) options.set_max_grad_norm(end.max_grad_norm());
+  *options.mutable_qk_logits() = end.qk_logits();
+  if (end.has_grad_scale()) options.set_grad_scale(end.grad_scale());
+  if (end.has_weight()) options.set_weight(end.weight());
+  return ToStepRequest(options);
+}
+
+const char* StreamedOptionInHeader(const v1::StepHeader& header) {
+  if (header.overrides_size() > 0) return "overrides";
+  if (header.has_max_grad_norm()) return "max_grad_norm";
+  if (header.qk_logits_size() > 0) return "qk_logits";
+  if (header.has_grad_scale()) return "grad_scale";
+  if (header.has_weight()) return "weight";
+  return nullptr;
+}
+
 v1::StepResult ToProto(const session::StepResult& result) {
   v1::StepResult out;
   out.set_step(result.step);

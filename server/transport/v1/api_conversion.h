@@ -11,6 +11,10 @@
 namespace muond::transport {
 
 session::StepRequest ToStepRequest(const v1::StepHeader& header);
+// A streamed step's options (its StepEnd) as the fields of a StepRequest; the rest left unset.
+session::StepRequest StepOptionsOf(const v1::StepEnd& end);
+// Whether `header` sets one of the options a streamed step gives in its StepEnd; its name if so.
+const char* StreamedOptionInHeader(const v1::StepHeader& header);
 v1::StepResult ToProto(const session::StepResult& result);
 
 inline v1::DType ToProto(session::TensorDType dtype) { return static_cast<v1::DType>(dtype); }
