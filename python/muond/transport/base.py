@@ -25,6 +25,7 @@ from . import shm
 
 if TYPE_CHECKING:  # client.py imports this package's framing: no import of it at run time here
     from ..client import Connection
+    from .streamed import StreamedTry
 
 
 def parameter_device(tensors: Iterable[torch.Tensor]) -> Tuple[Optional[int], str]:
@@ -154,11 +155,19 @@ class StepTransport(abc.ABC):
         joined); a failure here makes "auto" try the next transport. Nothing by default."""
 
     @abc.abstractmethod
-    def step(self, header: pb.StepHeader, grads: Grads
+    def step(self, header: pb.StepHeader, grads: Grads,
+             out: Optional[Dict[str, torch.Tensor]] = None
              ) -> Tuple[pb.StepResult, Dict[str, torch.Tensor]]:
         """One try of ``header`` (session id set) with ``grads``; the result and the parameter
-        values to copy into the parameters (none when they were written in place, or for a
-        prepare), valid until the next try."""
+        values to copy into ``out`` (None: the parameters; none to copy when the transport wrote
+        them there itself, or for a prepare), valid until the next try."""
+
+    def begin_streamed(self, header: pb.StepHeader,
+                       out: Optional[Dict[str, torch.Tensor]] = None) -> "StreamedTry":
+        """A try of the step ``header`` names whose gradients are handed over as they are
+        produced (``streamed.py``). By default they are gathered and sent at the end."""
+        from .streamed import GatheredTry  # noqa: PLC0415 - streamed.py imports this module
+        return GatheredTry(self, header, out)
 
     def close(self) -> None:
         """Lets go of what ``open`` or a step set up (best effort). Nothing by default."""

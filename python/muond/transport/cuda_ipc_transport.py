@@ -28,7 +28,7 @@ from .._stubs import pb
 from ..errors import MuondError
 from . import shm
 from .base import Facts, Grads, StepTransport, TransportContext
-from .slots import SLOT_BYTES, forgotten_when_lost, slot_layout, slot_request
+from .slots import SLOT_BYTES, SlotStreamedTry, View, forgotten_when_lost, slot_layout, slot_request
 
 _log = logging.getLogger("muond")
 
@@ -75,7 +75,7 @@ class CudaIpcTransport(StepTransport):
         super().__init__(ctx, facts)
         self.device = int(facts.here.device)
         self.shm_socket = facts.daemon.shm_socket
-        self._offsets, self._nbytes = slot_layout(ctx.names, ctx.sizes)
+        self.offsets, self._nbytes = slot_layout(ctx.names, ctx.sizes)
         self._buffer = None  # cuda_runtime.DeviceBuffer, kept across re-registrations
         self._liveness: Optional[LivenessTicket] = None
         self.region = ""  # the registered name; empty when not registered
@@ -136,19 +136,36 @@ class CudaIpcTransport(StepTransport):
 
     # -- one try of a step -----------------------------------------------------------------------
 
-    def step(self, header: pb.StepHeader, grads: Grads
-             ) -> Tuple[pb.StepResult, Dict[str, torch.Tensor]]:
-        """One try; the parameters after it, as views of the device buffer."""
+    def ready(self) -> Tuple[str, View]:
+        """(the buffer's registered name, its view), registering it first when needed."""
         if not self.region:
             self.open()
+        return self.region, self._buffer.view
+
+    def send(self, request: pb.StepSharedRequest) -> pb.StepResult:
+        """Runs ``request`` once the work on this device's current stream (the gradients'
+        copies into the buffer) is done: the daemon waits for the recorded event."""
         from .cuda_runtime import current_stream_handle  # noqa: PLC0415 - needs CUDA
         with torch.cuda.device(self.device):
-            request, views = slot_request(header, self.ctx, self.region, self._offsets,
-                                          self._buffer.view, grads)
             self._buffer.record(current_stream_handle(torch.device("cuda", self.device)))
         with forgotten_when_lost(self.drop_registration, "CUDA memory", "StepCuda"):
-            result = self.ctx.conn.step_cuda(request)
-        return result, views
+            return self.ctx.conn.step_cuda(request)
+
+    def step(self, header: pb.StepHeader, grads: Grads,
+             out: Optional[Dict[str, torch.Tensor]] = None
+             ) -> Tuple[pb.StepResult, Dict[str, torch.Tensor]]:
+        """One try; the parameters after it, as views of the device buffer."""
+        region, view = self.ready()
+        with torch.cuda.device(self.device):
+            request, views = slot_request(header, self.ctx, region, self.offsets, view, grads)
+        return self.send(request), views
+
+    def begin_streamed(self, header: pb.StepHeader,
+                       out: Optional[Dict[str, torch.Tensor]] = None) -> SlotStreamedTry:
+        """Each gradient is copied into the buffer on the stream backward produced it on (the
+        hook's current stream), and the event recorded before the call orders the daemon after
+        those copies when they share the device's current stream, as backward's do by default."""
+        return SlotStreamedTry(self, header, out)
 
     def close(self) -> None:
         """Unregisters the buffer (best effort) and lets it go; the device memory is freed once

@@ -24,6 +24,7 @@ from ..errors import MuondError
 from .base import Facts, Grads, Here, StepTransport, TransportContext
 from .choice import open_transport
 from .grpc_transport import GrpcTransport
+from .streamed import StreamedTry
 
 
 class DaemonSession:
@@ -104,15 +105,25 @@ class DaemonSession:
 
     # -- one try of a step -----------------------------------------------------------------------
 
-    def step(self, header: pb.StepHeader, grads: Grads) -> pb.StepResult:
+    def step(self, header: pb.StepHeader, grads: Grads,
+             out: Optional[Dict[str, torch.Tensor]] = None) -> pb.StepResult:
         """One try of the step ``header`` with this session's ``grads``; the parameters it
-        answers (none for a prepare) are copied into the parameter tensors."""
+        answers (none for a prepare) are copied into ``out`` (None: the parameter tensors)."""
+        result, values = self.transport.step(self._own(header), grads, out)
+        if header.phase != pb.STEP_PHASE_PREPARE:
+            copy_in(out or self.by_name, values)
+        return result
+
+    def begin_streamed(self, header: pb.StepHeader,
+                       out: Optional[Dict[str, torch.Tensor]] = None) -> "StreamedStep":
+        """A streamed try of the step ``header`` names (its options come at the end)."""
+        return StreamedStep(self, self.transport.begin_streamed(self._own(header), out), out)
+
+    def _own(self, header: pb.StepHeader) -> pb.StepHeader:
+        """A copy of ``header`` naming this daemon's session."""
         header = pb.StepHeader.FromString(header.SerializeToString())
         header.session_id = self.session_id
-        result, values = self.transport.step(header, grads)
-        if header.phase != pb.STEP_PHASE_PREPARE:
-            copy_in(self.by_name, values)
-        return result
+        return header
 
     # -- state and lifecycle ---------------------------------------------------------------------
 
@@ -142,6 +153,36 @@ class DaemonSession:
                 self.transport.close()
             finally:
                 self.conn.close()
+
+
+class StreamedStep:
+    """A streamed try on one daemon session (``streamed.py``): the gradients go in as they come,
+    and ``finish`` copies the answer's parameters into ``out`` like ``DaemonSession.step``."""
+
+    def __init__(self, session: DaemonSession, streamed: StreamedTry,
+                 out: Optional[Dict[str, torch.Tensor]]):
+        self._session = session
+        self._try = streamed
+        self._out = out
+
+    def add(self, name: str, grad: torch.Tensor) -> None:
+        self._try.add(name, grad)
+
+    def send_rest(self, header: pb.StepHeader, more: Grads) -> None:
+        """Ends the input (see ``StreamedTry.send_rest``); cancels the try when that fails."""
+        try:
+            self._try.send_rest(self._session._own(header), more)
+        except BaseException:
+            self._try.cancel()
+            raise
+
+    def result(self) -> pb.StepResult:
+        result, values = self._try.result()
+        copy_in(self._out or self._session.by_name, values)
+        return result
+
+    def cancel(self) -> None:
+        self._try.cancel()
 
 
 @torch.no_grad()

@@ -3,11 +3,18 @@
 The gradients go as framed chunks (``framing.py``) in the wire dtype, after a header announcing
 their number (so that the daemon tells a stream cut short from a whole one); the answer's chunks are
 decoded straight into the parameter tensors (``wire.ChunkAssembler`` with ``into=``).
+
+A streamed try (``GrpcStreamedTry``) opens the stream with a header marked ``streamed`` at the first
+gradient and sends each gradient's chunks while backward goes on; the count and the step's options
+follow in a closing ``StepEnd`` (docs/protocol.md, "Streamed steps").
 """
 
 from __future__ import annotations
 
-from typing import Dict, Iterator, Tuple
+import concurrent.futures
+import queue
+import threading
+from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 
@@ -15,6 +22,7 @@ from .. import wire
 from .._stubs import pb
 from . import framing
 from .base import Facts, Grads, StepTransport
+from .streamed import StreamedTry, check_identity, end_of, identity_of
 
 
 class GrpcTransport(StepTransport):
@@ -26,15 +34,100 @@ class GrpcTransport(StepTransport):
     def reasons_against(cls, facts: Facts, *, auto: bool) -> Iterator[str]:
         return iter(())  # every daemon serves Step; nothing to ask it
 
-    def step(self, header: pb.StepHeader, grads: Grads
+    def step(self, header: pb.StepHeader, grads: Grads,
+             out: Optional[Dict[str, torch.Tensor]] = None
              ) -> Tuple[pb.StepResult, Dict[str, torch.Tensor]]:
         ctx = self.ctx
         header.num_chunks = sum(wire.chunk_count(g.numel(), ctx.wire_dtype, ctx.chunk_bytes)
                                 for _, g in grads)
-        into = wire.ChunkAssembler(ctx.sizes, ctx.return_dtype, into=ctx.by_name)
+        into = wire.ChunkAssembler(ctx.sizes, ctx.return_dtype, into=out or ctx.by_name)
         return ctx.conn.step(header, self._chunks(grads), into), {}  # written in place
 
     def _chunks(self, grads: Grads) -> Iterator[bytes]:
         for name, g in grads:
             yield from framing.frame_chunks(name, g, self.ctx.wire_dtype,
                                             max_chunk_bytes=self.ctx.chunk_bytes)
+
+    def begin_streamed(self, header: pb.StepHeader,
+                       out: Optional[Dict[str, torch.Tensor]] = None) -> StreamedTry:
+        if not self.ctx.conn.server_info().streamed_steps:
+            return super().begin_streamed(header, out)  # an older daemon: gathered, sent at the end
+        return GrpcStreamedTry(self, header, out)
+
+
+class _Abandoned(Exception):
+    """Raised into the request stream to cancel a streamed try's call."""
+
+
+_END = object()
+
+
+class GrpcStreamedTry(StreamedTry):
+    """A streamed try on the ``Step`` stream. The call runs on a worker thread from the first
+    gradient on; gRPC pulls each gradient's chunks from a queue as they come (the chunk bytes are
+    read from the tensor there, which is why a gradient must stay unchanged until the input
+    ended)."""
+
+    def __init__(self, transport: GrpcTransport, header: pb.StepHeader,
+                 out: Optional[Dict[str, torch.Tensor]]):
+        ctx = transport.ctx
+        self._ctx = ctx
+        self._begun = identity_of(header)
+        self._begun.streamed = True
+        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._input_ended = threading.Event()  # set once the producer let go of every gradient
+        self._chunks = 0
+        self._ended = False
+        into = wire.ChunkAssembler(ctx.sizes, ctx.return_dtype, into=out or ctx.by_name)
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="muond-stream")
+        self._call = self._worker.submit(ctx.conn.step, self._begun, self._requests(), into)
+        # A call that ends early (refused, broken) reads no more gradients either.
+        self._call.add_done_callback(lambda _: self._input_ended.set())
+
+    def _requests(self) -> Iterator[object]:
+        try:
+            while True:
+                item = self._queue.get()
+                if item is _END:
+                    header = self._queue.get()
+                    yield pb.StepRequest(end=end_of(header, self._chunks))
+                    return
+                if item is None:
+                    raise _Abandoned("the streamed step was abandoned")
+                name, grad = item
+                for chunk in framing.frame_chunks(name, grad, self._ctx.wire_dtype,
+                                                  max_chunk_bytes=self._ctx.chunk_bytes):
+                    self._chunks += 1
+                    yield chunk
+        finally:
+            self._input_ended.set()
+
+    def add(self, name: str, grad: torch.Tensor) -> None:
+        if self._ended:
+            raise RuntimeError(f"gradient '{name}' added to a streamed step whose input ended")
+        self._queue.put((name, grad))
+
+    def send_rest(self, header: pb.StepHeader, more: Grads) -> None:
+        check_identity(self._begun, header)
+        for name, grad in more:
+            self.add(name, grad)
+        self._ended = True
+        self._queue.put(_END)
+        self._queue.put(header)
+        self._input_ended.wait()  # no gradient is read after this
+
+    def result(self) -> Tuple[pb.StepResult, Dict[str, torch.Tensor]]:
+        try:
+            return self._call.result(), {}  # written in place
+        finally:
+            self._worker.shutdown(wait=False)
+
+    def cancel(self) -> None:
+        self._ended = True
+        self._queue.put(None)
+        try:
+            self._call.result()
+        except BaseException:  # noqa: BLE001 - the cancelled call's failure is the expected end
+            pass
+        finally:
+            self._worker.shutdown(wait=False)

@@ -131,7 +131,8 @@ class NcclTransport(StepTransport):
 
     # -- one try of a step -----------------------------------------------------------------------
 
-    def step(self, header: pb.StepHeader, grads: Grads
+    def step(self, header: pb.StepHeader, grads: Grads,
+             out: Optional[Dict[str, torch.Tensor]] = None
              ) -> Tuple[pb.StepResult, Dict[str, torch.Tensor]]:
         """One try; the parameters after it, in this transport's receive buffers (none for a
         prepare)."""

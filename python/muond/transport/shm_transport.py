@@ -16,7 +16,7 @@ from .._stubs import pb
 from ..errors import MuondError
 from . import shm
 from .base import Facts, Grads, StepTransport, TransportContext
-from .slots import forgotten_when_lost, slot_layout, slot_request
+from .slots import SlotStreamedTry, View, forgotten_when_lost, slot_layout, slot_request
 
 
 class ShmTransport(StepTransport):
@@ -28,7 +28,7 @@ class ShmTransport(StepTransport):
         super().__init__(ctx, facts)
         self._region: Optional[shm.SharedRegion] = None
         self._region_name = ""
-        self._offsets, self._nbytes = slot_layout(ctx.names, ctx.sizes)
+        self.offsets, self._nbytes = slot_layout(ctx.names, ctx.sizes)
 
     @classmethod
     def reasons_against(cls, facts: Facts, *, auto: bool) -> Iterator[str]:
@@ -59,16 +59,27 @@ class ShmTransport(StepTransport):
             raise
         self._region, self._region_name = region, name
 
-    def step(self, header: pb.StepHeader, grads: Grads
-             ) -> Tuple[pb.StepResult, Dict[str, torch.Tensor]]:
-        """One try over shared memory; the parameters after it, as views of the region."""
+    def ready(self) -> Tuple[str, View]:
+        """(the region's name, its view), registering it first when needed."""
         if self._region is None:
             self._register()
-        request, views = slot_request(header, self.ctx, self._region_name, self._offsets,
-                                      self._region.tensor, grads)
+        return self._region_name, self._region.tensor
+
+    def send(self, request: pb.StepSharedRequest) -> pb.StepResult:
         with forgotten_when_lost(self.close, "region", "StepShared"):
-            result = self.ctx.conn.step_shared(request)
-        return result, views
+            return self.ctx.conn.step_shared(request)
+
+    def step(self, header: pb.StepHeader, grads: Grads,
+             out: Optional[Dict[str, torch.Tensor]] = None
+             ) -> Tuple[pb.StepResult, Dict[str, torch.Tensor]]:
+        """One try over shared memory; the parameters after it, as views of the region."""
+        region, view = self.ready()
+        request, views = slot_request(header, self.ctx, region, self.offsets, view, grads)
+        return self.send(request), views
+
+    def begin_streamed(self, header: pb.StepHeader,
+                       out: Optional[Dict[str, torch.Tensor]] = None) -> SlotStreamedTry:
+        return SlotStreamedTry(self, header, out)
 
     def close(self) -> None:
         if self._region is not None:

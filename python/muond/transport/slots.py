@@ -5,12 +5,13 @@ slot per element of every parameter, in the session's order: a try writes each g
 slots (in the wire dtype) and references them in a ``StepSharedRequest``, with every parameter's
 slots as where its value goes (in the return dtype); the daemon writes the parameters there, over
 the gradients. A daemon that lost the block (it restarted) has the transport register it again.
+A streamed try (``SlotStreamedTry``) writes each gradient into its slots as backward produces it.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Dict, Iterator, Sequence, Tuple
+from typing import TYPE_CHECKING, AbstractSet, Callable, Dict, Iterator, Optional, Sequence, Tuple, Union
 
 import grpc
 import torch
@@ -19,6 +20,12 @@ from .. import wire
 from .._stubs import pb
 from ..errors import REGION_NOT_FOUND, MuondError
 from .base import Grads, TransportContext
+from .streamed import StreamedTry, check_identity, identity_of
+
+if TYPE_CHECKING:
+    from .shm_transport import ShmTransport
+    from .cuda_ipc_transport import CudaIpcTransport
+    SlotTransport = Union[ShmTransport, CudaIpcTransport]
 
 SLOT_BYTES = 4  # one slot per element: fp32 at most, in either direction
 
@@ -38,21 +45,30 @@ View = Callable[[int, int, torch.dtype], torch.Tensor]  # (byte offset, elements
 
 
 @torch.no_grad()
+def write_gradient(ctx: TransportContext, offsets: Dict[str, int], view: View, name: str,
+                   grad: torch.Tensor) -> None:
+    """Writes one gradient into its slots, in the wire dtype."""
+    slots = view(offsets[name], grad.numel(), wire.torch_dtype(ctx.wire_dtype))
+    slots.copy_(grad.detach().reshape(-1))
+
+
+@torch.no_grad()
 def slot_request(header: pb.StepHeader, ctx: TransportContext, region: str,
-                 offsets: Dict[str, int], view: View, grads: Grads
+                 offsets: Dict[str, int], view: View, grads: Grads, written: AbstractSet[str] = frozenset()
                  ) -> Tuple[pb.StepSharedRequest, Dict[str, torch.Tensor]]:
     """The request of one try over the block ``region`` (seen through ``view``), with every
-    gradient written into its slots (before every try: an answer overwrites them), and the
-    views the parameters will be in after it."""
+    gradient written into its slots (before every try: an answer overwrites them) unless it is
+    one of ``written`` (a streamed try wrote those as they came), and the views the parameters
+    will be in after it."""
     request = pb.StepSharedRequest(header=header)
     request.header.ClearField("return_dtype")
     request.header.ClearField("num_chunks")
-    grad_dtype = wire.torch_dtype(ctx.wire_dtype)
+    grad_itemsize = torch.empty(0, dtype=wire.torch_dtype(ctx.wire_dtype)).element_size()
     for name, g in grads:
-        slots = view(offsets[name], g.numel(), grad_dtype)
-        slots.copy_(g.detach().reshape(-1))
+        if name not in written:
+            write_gradient(ctx, offsets, view, name, g)
         request.gradients.add(name=name, region=region, offset=offsets[name],
-                              byte_size=g.numel() * slots.element_size(),
+                              byte_size=g.numel() * grad_itemsize,
                               dtype=wire.dtype_enum(ctx.wire_dtype))
     out_dtype = wire.torch_dtype(ctx.return_dtype)
     views: Dict[str, torch.Tensor] = {}
@@ -80,3 +96,41 @@ def forgotten_when_lost(forget: Callable[[], None], what: str, rpc: str) -> Iter
                              f"the daemon lost this session's {what} (restarted?): {err.details}",
                              rpc) from None
         raise
+
+
+class SlotStreamedTry(StreamedTry):
+    """A streamed try of a slot transport: each gradient is written into its slots as it comes
+    (on the caller's thread and stream), and the step call at the end names them all. The
+    transport provides ``ready()`` → (block name, view), registering the block when needed,
+    ``send(request)`` → StepResult, and ``offsets``."""
+
+    def __init__(self, transport: "SlotTransport", header: pb.StepHeader,
+                 out: Optional[Dict[str, torch.Tensor]]):
+        self._transport = transport
+        self._begun = identity_of(header)
+        self._written: Dict[str, torch.Tensor] = {}
+        self._request: Optional[pb.StepSharedRequest] = None
+        self._views: Dict[str, torch.Tensor] = {}
+
+    def add(self, name: str, grad: torch.Tensor) -> None:
+        _, view = self._transport.ready()
+        write_gradient(self._transport.ctx, self._transport.offsets, view, name, grad)
+        self._written[name] = grad
+
+    def send_rest(self, header: pb.StepHeader, more: Grads) -> None:
+        check_identity(self._begun, header)
+        region, view = self._transport.ready()
+        grads = list(self._written.items()) + list(more)
+        self._request, self._views = slot_request(header, self._transport.ctx, region,
+                                                  self._transport.offsets, view, grads,
+                                                  written=self._written.keys())
+        self._written = {}
+
+    def result(self) -> Tuple[pb.StepResult, Dict[str, torch.Tensor]]:
+        request, self._request = self._request, None
+        if request is None:
+            raise RuntimeError("a streamed try's result was asked for before its input ended")
+        return self._transport.send(request), self._views
+
+    def cancel(self) -> None:
+        self._request, self._written = None, {}

@@ -1,0 +1,130 @@
+"""Streamed tries: one try of a step whose gradients are handed over one at a time, as a backward
+pass produces them, and whose options (``StepEnd``) are known only when it ends.
+
+``StepTransport.begin_streamed(header, out)`` returns a ``StreamedTry`` for the step ``header``
+names (its identity: session, step, rank, answer format; no options, no chunk count):
+
+- ``add(name, grad)`` takes one gradient that is final for this step. It is called from backward
+  hooks, so it must return quickly, and ``grad`` must stay unchanged until ``send_rest`` returns.
+- ``send_rest(header, more)`` hands over the gradients not added yet and ends the input with the
+  step's full header (the identity it began with, the options as they are now); once it returns,
+  no gradient tensor is read again.
+- ``result()`` waits for the answer: what ``StepTransport.step`` returns. The parameters go into
+  ``out`` (None: the parameter tensors) or come back as views to copy.
+- ``cancel()`` abandons the try: nothing of it is applied. Safe at any point, and more than once.
+
+Whatever the ending, a try is ended by ``result()`` or ``cancel()``. A header whose identity
+differs from the one the try began with raises ``IdentityChanged`` from ``send_rest`` (the caller
+cancels and runs an ordinary try). ``GatheredTry``, the default, only collects the gradients and
+runs one ordinary try at the end: a transport that cannot start early still serves streamed steps.
+
+Used by one thread at a time, except ``add``, which backward may call from its own thread.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+
+import torch
+
+from .._stubs import pb
+
+if TYPE_CHECKING:
+    from .base import Grads, StepTransport
+
+# The StepHeader fields a streamed step gives in its StepEnd (docs/protocol.md, "Streamed steps").
+OPTION_FIELDS = ("overrides", "max_grad_norm", "qk_logits", "grad_scale", "weight")
+
+
+class IdentityChanged(Exception):
+    """The step's header at the end names another step than the one the try began with."""
+
+
+def identity_of(header: pb.StepHeader) -> pb.StepHeader:
+    """``header`` without its options and chunk count: what a streamed try is begun with."""
+    out = pb.StepHeader()
+    out.CopyFrom(header)
+    for field in OPTION_FIELDS + ("num_chunks",):
+        out.ClearField(field)
+    return out
+
+
+def end_of(header: pb.StepHeader, num_chunks: int) -> pb.StepEnd:
+    """The ``StepEnd`` carrying ``header``'s options after ``num_chunks`` chunks."""
+    end = pb.StepEnd(num_chunks=num_chunks)
+    end.overrides.extend(header.overrides)
+    end.qk_logits.extend(header.qk_logits)
+    for field in ("max_grad_norm", "grad_scale", "weight"):
+        if header.HasField(field):
+            setattr(end, field, getattr(header, field))
+    return end
+
+
+def check_identity(begun: pb.StepHeader, header: pb.StepHeader) -> None:
+    """IdentityChanged unless ``header`` is the step ``begun`` (session id aside: it is set by
+    the session before either reaches a transport)."""
+    final = identity_of(header)
+    final.session_id = begun.session_id
+    final.streamed = begun.streamed
+    if final.SerializeToString(deterministic=True) != begun.SerializeToString(deterministic=True):
+        raise IdentityChanged(f"the step began as step {begun.step} and ends as step {header.step}")
+
+
+class StreamedTry(abc.ABC):
+    """One streamed try (see the module's docstring)."""
+
+    @abc.abstractmethod
+    def add(self, name: str, grad: torch.Tensor) -> None: ...
+
+    @abc.abstractmethod
+    def send_rest(self, header: pb.StepHeader, more: "Grads") -> None: ...
+
+    @abc.abstractmethod
+    def result(self) -> Tuple[pb.StepResult, Dict[str, torch.Tensor]]: ...
+
+    @abc.abstractmethod
+    def cancel(self) -> None: ...
+
+    def finish(self, header: pb.StepHeader, more: "Grads"
+               ) -> Tuple[pb.StepResult, Dict[str, torch.Tensor]]:
+        """``send_rest`` then ``result``; cancelled when ``send_rest`` fails."""
+        try:
+            self.send_rest(header, more)
+        except BaseException:
+            self.cancel()
+            raise
+        return self.result()
+
+
+class GatheredTry(StreamedTry):
+    """Collects the gradients and runs one ordinary try of ``transport`` when the input ends. The
+    gradients are copied when added, so the trainer may change them afterwards."""
+
+    def __init__(self, transport: "StepTransport", header: pb.StepHeader,
+                 out: Optional[Dict[str, torch.Tensor]]):
+        self._transport = transport
+        self._begun = identity_of(header)
+        self._out = out
+        self._grads: List[Tuple[str, torch.Tensor]] = []
+        self._header: Optional[pb.StepHeader] = None
+
+    def add(self, name: str, grad: torch.Tensor) -> None:
+        with torch.no_grad():
+            self._grads.append((name, grad.detach().clone()))
+
+    def send_rest(self, header: pb.StepHeader, more: "Grads") -> None:
+        check_identity(self._begun, header)
+        with torch.no_grad():
+            self._grads.extend((name, g.detach().clone()) for name, g in more)
+        self._header = header
+
+    def result(self) -> Tuple[pb.StepResult, Dict[str, torch.Tensor]]:
+        if self._header is None:
+            raise RuntimeError("a streamed try's result was asked for before its input ended")
+        header, grads = self._header, self._grads
+        self._header, self._grads = None, []
+        return self._transport.step(header, grads, self._out)
+
+    def cancel(self) -> None:
+        self._header, self._grads = None, []
