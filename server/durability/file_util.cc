@@ -1,13 +1,12 @@
 #include "server/durability/file_util.h"
 
-#include <openssl/evp.h>
-
 #include <filesystem>
 #include <memory>
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "server/durability/sha256_stream.h"
 
 namespace muond::durability {
 namespace {
@@ -40,17 +39,9 @@ absl::Status WriteFileAtomically(Env* env, const std::string& path, absl::string
 }
 
 std::string Sha256Hex(absl::string_view bytes) {
-  unsigned char digest[EVP_MAX_MD_SIZE];
-  unsigned int length = 0;
-  EVP_Digest(bytes.data(), bytes.size(), digest, &length, EVP_sha256(), nullptr);
-  static constexpr char kHex[] = "0123456789abcdef";
-  std::string hex;
-  hex.reserve(2 * length);
-  for (unsigned int i = 0; i < length; ++i) {
-    hex.push_back(kHex[digest[i] >> 4]);
-    hex.push_back(kHex[digest[i] & 15]);
-  }
-  return hex;
+  Sha256Stream stream;
+  stream.Update(bytes);
+  return stream.FinishHex();
 }
 
 }  // namespace muond::durability

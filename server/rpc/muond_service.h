@@ -7,8 +7,8 @@
 // strings; its messages keep their protobuf encoding on the wire.
 //
 // Handlers: session_handlers.cc (server info, create, close, list, checkpoint), tensor_handlers.cc
-// (upload, step, get parameters), state_handlers.cc (get and set state), shm_handlers.cc (shared-
-// memory regions and the StepShared step). The service holds no
+// (upload, step, get parameters), state_handlers.cc (get and set state, the state digest),
+// shm_handlers.cc (shared-memory regions and the StepShared step). The service holds no
 // state of its own beyond what its calls share, so handlers run concurrently on gRPC's threads. It
 // borrows the registry, the backend, the tokens and the metrics, which must outlive it.
 #pragma once
@@ -87,6 +87,7 @@ class MuondService final : public v1::Muond::Service {
                         grpc::ServerWriter<v1::GetStateResponse>*) override;
   grpc::Status SetState(grpc::ServerContext*, grpc::ServerReader<v1::SetStateRequest>*, v1::SetStateResponse*) override;
   grpc::Status Checkpoint(grpc::ServerContext*, const v1::CheckpointRequest*, v1::CheckpointResponse*) override;
+  grpc::Status GetStateDigest(grpc::ServerContext*, const v1::GetStateDigestRequest*, v1::StateDigest*) override;
   grpc::Status RegisterSharedMemory(grpc::ServerContext*, const v1::RegisterSharedMemoryRequest*,
                                     v1::RegisterSharedMemoryResponse*) override;
   grpc::Status UnregisterSharedMemory(grpc::ServerContext*, const v1::UnregisterSharedMemoryRequest*,

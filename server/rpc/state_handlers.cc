@@ -1,5 +1,6 @@
 // MuondService's state transfer: GetState streams every master and optimizer slot of a session;
-// SetState receives them (fp32 only) and replaces the session's state in one go.
+// SetState receives them (fp32 only) and replaces the session's state in one go; GetStateDigest
+// answers the digest of the state (server/session/state_digest.h).
 #include <cstring>
 #include <map>
 #include <span>
@@ -10,6 +11,7 @@
 #include "common/status_macros.h"
 #include "proto/wire/dtype_codec.h"
 #include "server/rpc/muond_service.h"
+#include "server/session/state_digest.h"
 #include "server/transport/grpc/chunk_stream.h"
 #include "server/transport/grpc/tensor_assembler.h"
 
@@ -165,6 +167,22 @@ absl::Status MuondService::DoSetState(const std::string& caller, grpc::ServerRea
   MUOND_EVENT(info, "state_replaced", session->id(), response->last_step(), "session {} state replaced at step {}",
               session->id(), response->last_step());
   return absl::OkStatus();
+}
+
+grpc::Status MuondService::GetStateDigest(grpc::ServerContext* context, const v1::GetStateDigestRequest* request,
+                                          v1::StateDigest* response) {
+  return Serve(calls_, context, "GetStateDigest", [&](const std::string& caller) -> absl::Status {
+    MUOND_RETURN_IF_ERROR(session::CheckSessionId(request->session_id()));
+    MUOND_ASSIGN_OR_RETURN(std::shared_ptr<session::Session> session, registry_->Find(request->session_id(), caller));
+    MUOND_ASSIGN_OR_RETURN(session::StateDigest digest, session::DigestSession(*session));
+    response->set_step(digest.step);
+    response->set_algorithm(session::kStateDigestAlgorithm);
+    response->set_digest(digest.hex);
+    response->set_num_tensors(digest.num_tensors);
+    response->set_num_bytes(digest.num_bytes);
+    response->set_format(session::kStateDigestFormat);
+    return absl::OkStatus();
+  });
 }
 
 }  // namespace muond::rpc
