@@ -210,6 +210,27 @@ Answer CheckpointSession(const ConnectFlags& flags, const std::string& session_i
   return answer;
 }
 
+Answer DigestSession(const ConnectFlags& flags, const std::string& session_id) {
+  absl::StatusOr<std::unique_ptr<client::Client>> client = Connect(flags);
+  if (!client.ok()) return ErrorAnswer(client.status());
+  v1::GetStateDigestRequest request;
+  request.set_session_id(session_id);
+  v1::StateDigest response;
+  grpc::ClientContext context;
+  (*client)->PrepareContext(context);
+  const grpc::Status status = (*client)->stub().GetStateDigest(&context, request, &response);
+  if (!status.ok()) return ErrorAnswer(client::FromGrpcStatus(status));
+  Answer answer;
+  answer.json = {{"session_id", session_id},          {"step", response.step()},
+                 {"algorithm", response.algorithm()}, {"digest", response.digest()},
+                 {"format", response.format()},       {"num_tensors", response.num_tensors()},
+                 {"num_bytes", response.num_bytes()}};
+  answer.text =
+      absl::StrCat(session_id, ": step ", response.step(), " ", response.algorithm(), ":", response.digest(), "\n  ",
+                   response.num_tensors(), " tensors, ", HumanBytes(static_cast<double>(response.num_bytes())), "\n");
+  return answer;
+}
+
 Answer CloseSession(const ConnectFlags& flags, const std::string& session_id) {
   absl::StatusOr<std::unique_ptr<client::Client>> client = Connect(flags);
   if (!client.ok()) return ErrorAnswer(client.status());

@@ -31,6 +31,8 @@ Answer ListSessions(const ConnectFlags& flags);
 Answer ShowSession(const ConnectFlags& flags, const std::string& session_id);
 // Writes a checkpoint now (the daemon needs --state-dir); answers the step it holds.
 Answer CheckpointSession(const ConnectFlags& flags, const std::string& session_id);
+// The digest of the session's whole state as it is now (GetStateDigest): its step and SHA-256.
+Answer DigestSession(const ConnectFlags& flags, const std::string& session_id);
 // Closes the session: its state is dropped and, with --state-dir, its folder deleted.
 Answer CloseSession(const ConnectFlags& flags, const std::string& session_id);
 // Reads the session's whole state (GetState) into a safetensors file at `to`: "<parameter>/<slot>"

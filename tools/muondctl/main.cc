@@ -63,6 +63,9 @@ int Run(int argc, char** argv) {
   CLI::App* checkpoint = sessions->add_subcommand("checkpoint", "Write a checkpoint now (needs --state-dir)");
   checkpoint->add_option("SESSION", session_id, "Session id")->required();
   checkpoint->callback([&] { command = [&] { return CheckpointSession(connect, session_id); }; });
+  CLI::App* digest = sessions->add_subcommand("digest", "The digest of a session's whole state: its step and SHA-256");
+  digest->add_option("SESSION", session_id, "Session id")->required();
+  digest->callback([&] { command = [&] { return DigestSession(connect, session_id); }; });
   CLI::App* close = sessions->add_subcommand("close", "Close a session: its state and its files are dropped");
   close->add_option("SESSION", session_id, "Session id")->required();
   close->callback([&] { command = [&] { return CloseSession(connect, session_id); }; });
@@ -93,6 +96,13 @@ int Run(int argc, char** argv) {
   CLI::App* verify = state->add_subcommand("verify", "Check every digest and journal record; exit 1 on any problem");
   verify->add_option("DIR", state_dir, "The state directory")->required();
   verify->callback([&] { command = [&] { return VerifyState(state_dir); }; });
+
+  CLI::App* state_digest = state->add_subcommand(
+      "digest", "Each session's state digest as a daemon restoring DIR would answer it (checkpoint + journal)");
+  state_digest->add_option("DIR", state_dir, "The state directory")->required();
+  std::string digest_session;
+  state_digest->add_option("SESSION", digest_session, "Only this session");
+  state_digest->callback([&] { command = [&] { return DigestStateDir(state_dir, digest_session); }; });
 
   try {
     app.parse(argc, argv);

@@ -11,6 +11,7 @@
 #include "server/durability/file_util.h"
 #include "server/durability/session_files.h"
 #include "server/rpc/session_spec_codec.h"
+#include "server/session/state_digest.h"
 #include "server/session/state_dir.h"
 
 namespace muond::ctl {
@@ -114,18 +115,26 @@ FolderReport ReadFolder(const std::string& state_dir, const std::string& name) {
   return report;
 }
 
-absl::StatusOr<std::vector<FolderReport>> ReadStateDir(const std::string& state_dir) {
+// The session folders of `state_dir`, sorted, as the daemon lists them: names that are not session
+// ids (its quarantine) are not sessions.
+absl::StatusOr<std::vector<std::string>> SessionFolderNames(const std::string& state_dir) {
   durability::Env* env = durability::Env::Default();
   if (!env->IsDirectory(state_dir)) return absl::NotFoundError(absl::StrCat("no state directory ", state_dir));
   absl::StatusOr<std::vector<std::string>> names = env->ListDir(state_dir);
   if (!names.ok()) return names.status();
   std::sort(names->begin(), names->end());
-  std::vector<FolderReport> reports;
+  std::vector<std::string> folders;
   for (const std::string& name : *names) {
-    // As the daemon lists them: names that are not session ids (its quarantine) are not sessions.
-    if (!durability::CheckSessionId(name).ok()) continue;
-    if (env->IsDirectory(state_dir + "/" + name)) reports.push_back(ReadFolder(state_dir, name));
+    if (durability::CheckSessionId(name).ok() && env->IsDirectory(state_dir + "/" + name)) folders.push_back(name);
   }
+  return folders;
+}
+
+absl::StatusOr<std::vector<FolderReport>> ReadStateDir(const std::string& state_dir) {
+  absl::StatusOr<std::vector<std::string>> names = SessionFolderNames(state_dir);
+  if (!names.ok()) return names.status();
+  std::vector<FolderReport> reports;
+  for (const std::string& name : *names) reports.push_back(ReadFolder(state_dir, name));
   return reports;
 }
 
@@ -208,6 +217,62 @@ Answer VerifyState(const std::string& state_dir) {
   absl::StrAppend(&answer.text, problems == 0 ? "verified: " : "FAILED: ", reports->size(), " session folders, ",
                   problems, " problems\n");
   answer.exit_code = problems == 0 ? kExitOk : kExitNo;
+  return answer;
+}
+
+Answer DigestStateDir(const std::string& state_dir, const std::string& session_id) {
+  absl::StatusOr<std::vector<std::string>> names;
+  if (session_id.empty()) {
+    names = SessionFolderNames(state_dir);
+  } else if (absl::Status id = durability::CheckSessionId(session_id, "SESSION"); !id.ok()) {
+    return ErrorAnswer(id);
+  } else if (!durability::Env::Default()->IsDirectory(absl::StrCat(state_dir, "/", session_id))) {
+    return ErrorAnswer(absl::NotFoundError(absl::StrCat("no session '", session_id, "' in ", state_dir)));
+  } else {
+    names = std::vector<std::string>{session_id};
+  }
+  if (!names.ok()) return ErrorAnswer(names.status());
+  // The daemon's own restore of each folder (session::LoadSession: the checkpoint, then the journal's
+  // steps replayed on top), on a CPU backend of one thread, and the digest the daemon would answer.
+  absl::StatusOr<kernels::BackendSelection> backend = kernels::CreateBackend("cpu", 0, 1);
+  if (!backend.ok()) return ErrorAnswer(backend.status());
+  const rpc::ProtoSpecCodec codec;
+  Answer answer = StateDirAnswer(state_dir);
+  int failed = 0;
+  for (const std::string& name : *names) {
+    const std::string dir = absl::StrCat(state_dir, "/", name);
+    if (!durability::Env::Default()->FileExists(absl::StrCat(dir, "/", durability::kCheckpointMetadataFile))) {
+      answer.json["sessions"].push_back({{"folder", name}, {"digest", nullptr}, {"note", "no checkpoint"}});
+      absl::StrAppend(&answer.text, name, ": no checkpoint (the session never received its parameters)\n");
+      continue;
+    }
+    absl::StatusOr<session::LoadedSession> loaded =
+        session::LoadSession(OptionsFor(state_dir), dir, backend->backend.get(), codec, kLimits);
+    absl::StatusOr<session::StateDigest> digest =
+        loaded.ok() ? session::DigestSession(*loaded->session) : absl::StatusOr<session::StateDigest>(loaded.status());
+    if (!digest.ok()) {
+      ++failed;
+      answer.json["sessions"].push_back({{"folder", name}, {"error", std::string(digest.status().message())}});
+      absl::StrAppend(&answer.text, name, ": UNREADABLE: ", digest.status().message(), "\n");
+      continue;
+    }
+    answer.json["sessions"].push_back({{"folder", name},
+                                       {"session_id", loaded->session->id()},
+                                       {"step", digest->step},
+                                       {"algorithm", session::kStateDigestAlgorithm},
+                                       {"digest", digest->hex},
+                                       {"format", session::kStateDigestFormat},
+                                       {"num_tensors", digest->num_tensors},
+                                       {"num_bytes", digest->num_bytes},
+                                       {"checkpoint_step", loaded->checkpoint_step},
+                                       {"journal_steps_replayed", loaded->replayed}});
+    absl::StrAppend(&answer.text, name, ": step ", digest->step, " ", session::kStateDigestAlgorithm, ":", digest->hex,
+                    "\n  ", digest->num_tensors, " tensors, ", HumanBytes(static_cast<double>(digest->num_bytes)),
+                    "; checkpoint at step ", loaded->checkpoint_step, ", ", loaded->replayed,
+                    " journal steps replayed\n");
+  }
+  if (names->empty()) answer.text = absl::StrCat(state_dir, ": no sessions\n");
+  if (failed > 0) answer.exit_code = kExitNo;
   return answer;
 }
 

@@ -6,6 +6,10 @@
 //   state verify DIR    the daemon's own restore of each folder (session::LoadSession, on a CPU
 //                       backend, nothing written): it passes exactly the folders a daemon with the
 //                       default limits restores; exit 1 naming each problem
+//   state digest DIR [SESSION]   the state digest of each session (or the one named) as the daemon
+//                       would answer it after restoring the folder: its checkpoint with the journal's
+//                       steps replayed on top (session::LoadSession on a CPU backend, then
+//                       session::DigestSession); exit 1 when a folder cannot be restored
 //   export SESSION --state-dir DIR --to FILE   a session's checkpoint as a safetensors file (SESSION
 //                       checked with the daemon's rule for session ids, so the folder is inside DIR)
 #pragma once
@@ -18,6 +22,8 @@ namespace muond::ctl {
 
 Answer InspectState(const std::string& state_dir);
 Answer VerifyState(const std::string& state_dir);
+// `session_id` empty: every session folder.
+Answer DigestStateDir(const std::string& state_dir, const std::string& session_id);
 Answer ExportFromStateDir(const std::string& state_dir, const std::string& session_id, const std::string& to);
 
 }  // namespace muond::ctl
