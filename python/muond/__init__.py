@@ -34,9 +34,10 @@ from .errors import MuondError  # noqa: E402
 from .local import LocalOptimizer  # noqa: E402
 from .optimizer import RemoteOptimizer  # noqa: E402
 from .param_groups import default_param_groups  # noqa: E402
+from .state_digest import StateDigest  # noqa: E402
 from .step_info import StepInfo  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = ["Connection", "ConnectionOptions", "DiLoCo", "LocalOptimizer", "MuondError",
-           "RemoteOptimizer", "StepInfo", "default_param_groups", "__version__"]
+           "RemoteOptimizer", "StateDigest", "StepInfo", "default_param_groups", "__version__"]

@@ -286,6 +286,12 @@ class Connection:
         return int(self._retried("Checkpoint", lambda: self._stub.Checkpoint(
             request, timeout=self.timeout, metadata=self._metadata)).step)
 
+    def state_digest(self, session_id: str) -> pb.StateDigest:
+        """The digest of the session's whole state as it is now (``GetStateDigest``)."""
+        request = pb.GetStateDigestRequest(session_id=session_id)
+        return self._retried("GetStateDigest", lambda: self._stub.GetStateDigest(
+            request, timeout=self.timeout, metadata=self._metadata))
+
     # -- streams -------------------------------------------------------------------------------
 
     def upload(self, session_id: str,

@@ -60,6 +60,8 @@ from .client import Connection
 from .connection_options import ConnectionOptions
 from .errors import PUSH_TOO_STALE, STEP_NOT_PREPARED, MuondError
 from .naming import named_groups
+from .state_digest import StateDigest
+from .state_digest import combine as combine_digests
 from .step_info import StepInfo, check_max_grad_norm, group_clips_of, rank_report
 from .transport.daemon_session import DaemonSession, copy_in
 
@@ -561,6 +563,15 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self._check_open()
         steps = self._on_every_session(lambda k, session: session.checkpoint())
         return self._common_step(steps, "Checkpoint")
+
+    def state_digest(self) -> StateDigest:
+        """The digest of the session's whole state on the daemon (masters, optimizer slots, step
+        counters, loss scaler) at its last step: equal for equal states, different for any changed
+        bit; a sharded session's combines its shards' (``muond.state_digest``)."""
+        self._check_open()
+        shards = self._on_every_session(
+            lambda k, session: StateDigest.from_proto(session.conn.state_digest(session.session_id)))
+        return combine_digests(shards, self.endpoints)
 
     def state_dict(self) -> Dict[str, Any]:
         """The daemon's whole state in torch's layout: ``state[i]`` holds parameter i's

@@ -166,6 +166,7 @@ def test_sessions_belong_to_their_token(start_daemon, tmp_path):
         "Step": lambda: bob.step(pb.StepHeader(session_id=session, step=3), [],
                                  ChunkAssembler(sizes)),
         "Checkpoint": lambda: bob.checkpoint(session),
+        "GetStateDigest": lambda: bob.state_digest(session),
         "CloseSession": lambda: bob.close_session(session),
     }
     for rpc, call in denied.items():

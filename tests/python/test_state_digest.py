@@ -1,0 +1,158 @@
+"""The state digest against real daemons (``RemoteOptimizer.state_digest()``, ``GetStateDigest``):
+equal for equal states (two sessions given the same steps, a session after a restart from
+--state-dir in either durability mode), different after one more step and after any one bit of a
+master or an optimizer slot (fp32 or bf16) changed; a sharded session's digest combines its shards'
+by the documented rule."""
+
+import hashlib
+import uuid
+
+import grpc
+import pytest
+import torch
+
+import muond
+from helpers import TinyNet, loss_of
+
+
+def groups(model):
+    # A bf16 momentum, so that one slot is hashed as its 16-bit values.
+    return muond.default_param_groups(model, muon={"momentum_dtype": "bf16"})
+
+
+def train(model, opt, steps):
+    for step in steps:
+        loss_of(model, step).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def flip_one_bit(tensor):
+    """``tensor`` with the lowest bit of its first element flipped (as its stored bits)."""
+    bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[tensor.dtype]
+    flipped = tensor.clone()
+    flat = flipped.view(-1).view(bits)
+    flat[0] ^= 1
+    return flipped
+
+
+def test_same_steps_same_digest_and_one_more_step_changes_it(endpoint):
+    digests = []
+    for _ in range(2):
+        model = TinyNet(seed=81)
+        with muond.RemoteOptimizer(groups(model), endpoint=endpoint) as opt:
+            train(model, opt, range(1, 4))
+            digests.append(opt.state_digest())
+            assert opt.state_digest() == digests[-1]  # reading it changes nothing
+            train(model, opt, range(4, 5))
+            digests.append(opt.state_digest())
+    first, after_one_more, again, _ = digests
+    assert first == again  # another session, the same steps: the same state
+    assert first.step == 3 and after_one_more.step == 4
+    assert first.algorithm == "sha256" and len(first.digest) == 64
+    assert first.format == "muond-state-v1" and first.shards == ()
+    assert after_one_more.digest != first.digest
+    # Masters of every parameter; muon momentum (bf16) and adamw's two moments.
+    model = TinyNet(seed=81)
+    assert first.num_tensors > len(list(model.parameters()))
+    assert first.num_bytes > 0
+
+
+def test_any_changed_bit_changes_the_digest(endpoint):
+    model = TinyNet(seed=82)
+    with muond.RemoteOptimizer(groups(model), endpoint=endpoint) as opt:
+        train(model, opt, range(1, 3))
+        before = opt.state_digest()
+        saved = opt.state_dict()
+        names = [name for name, _ in model.named_parameters()]
+        muon_index = names.index("up.weight")
+        assert saved["state"][muon_index]["momentum"].dtype == torch.bfloat16
+        edits = [(muon_index, "master"), (muon_index, "momentum"), (names.index("up.bias"), "exp_avg_sq")]
+        seen = {before.digest}
+        for index, slot in edits:
+            changed = {**saved, "state": {i: dict(s) for i, s in saved["state"].items()}}
+            changed["state"][index][slot] = flip_one_bit(saved["state"][index][slot])
+            opt.load_state_dict(changed)
+            digest = opt.state_digest()
+            assert digest.step == before.step
+            assert digest.digest not in seen, (index, slot)
+            seen.add(digest.digest)
+        changed = {**saved, "state": {i: dict(s) for i, s in saved["state"].items()}}
+        changed["state"][muon_index]["step"] = saved["state"][muon_index]["step"] - 1
+        opt.load_state_dict(changed)
+        assert opt.state_digest().digest not in seen  # a step count is state too
+        opt.load_state_dict(saved)
+        assert opt.state_digest() == before  # the same bits again: the same digest
+
+
+def test_unknown_or_empty_sessions_are_refused(endpoint):
+    conn = muond.Connection(endpoint)
+    with pytest.raises(muond.MuondError) as info:
+        conn.state_digest(f"missing-{uuid.uuid4().hex[:8]}")
+    assert info.value.code == grpc.StatusCode.NOT_FOUND and info.value.rpc == "GetStateDigest"
+    with pytest.raises(muond.MuondError) as info:
+        conn.state_digest("no spaces allowed")
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    conn.close()
+
+
+@pytest.mark.parametrize("durability", ["snapshot", "journal"])
+def test_a_restart_restores_the_same_digest(start_daemon, tmp_path, durability):
+    state_dir = tmp_path / "state"
+    flags = ("--state-dir", state_dir, "--durability", durability)
+    daemon = start_daemon(*flags, workdir=tmp_path / "daemon")
+    session = f"digest-{durability}-{uuid.uuid4().hex[:8]}"
+    model = TinyNet(seed=83)
+    opt = muond.RemoteOptimizer(groups(model), endpoint=daemon.endpoint, session=session)
+    train(model, opt, range(1, 3))
+    if durability == "snapshot":
+        opt.checkpoint()
+    else:
+        opt.checkpoint()
+        train(model, opt, range(3, 5))  # in the journal only
+    live = opt.state_digest()
+    opt.close(keep_session=True)
+    if durability == "snapshot":
+        daemon.stop()
+    else:
+        daemon.kill()  # no final checkpoint: the restart replays the journal
+    daemon = start_daemon(*flags, workdir=tmp_path / "daemon")
+    model = TinyNet(seed=83)
+    with muond.RemoteOptimizer(groups(model), endpoint=daemon.endpoint, session=session) as resumed:
+        assert resumed.last_step == live.step
+        assert resumed.state_digest() == live
+        train(model, resumed, range(live.step + 1, live.step + 2))
+        assert resumed.state_digest().digest != live.digest
+
+
+def test_a_sharded_digest_combines_the_shards_in_order(start_daemon):
+    daemons = [start_daemon() for _ in range(2)]
+    endpoints = [d.endpoint for d in daemons]
+    session = f"digest-shards-{uuid.uuid4().hex[:8]}"
+    model = TinyNet(seed=84)
+    with muond.RemoteOptimizer(groups(model), endpoints=endpoints, session=session) as opt:
+        train(model, opt, range(1, 3))
+        combined = opt.state_digest()
+        parts = []
+        for endpoint in endpoints:
+            conn = muond.Connection(endpoint)
+            parts.append(conn.state_digest(session))
+            conn.close()
+        text = "muond-sharded-state-v1\n" + "".join(p.digest + "\n" for p in parts)
+        assert combined.digest == hashlib.sha256(text.encode()).hexdigest()
+        assert combined.format == "muond-sharded-state-v1" and combined.step == 2
+        assert combined.shards == tuple(p.digest for p in parts)
+        assert combined.num_tensors == sum(p.num_tensors for p in parts)
+        assert combined.num_bytes == sum(p.num_bytes for p in parts)
+        assert opt.state_digest() == combined
+        train(model, opt, range(3, 4))
+        assert opt.state_digest().digest != combined.digest
+
+
+def test_combining_shards_at_different_steps_is_refused():
+    shards = [muond.StateDigest(step, "sha256", f"{step:064x}", "muond-state-v1", 1, 4) for step in (3, 4)]
+    with pytest.raises(muond.MuondError) as info:
+        muond.state_digest.combine(shards, ["a:1", "b:2"])
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "shard 0 (a:1) at step 3" in info.value.details
+    assert muond.state_digest.combine(shards[:1]) == shards[0]
