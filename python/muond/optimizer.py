@@ -40,10 +40,11 @@ Thread-safety: like every torch optimizer, one instance is used from one thread 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import math
 import time
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import grpc
 import torch
@@ -58,12 +59,15 @@ from . import wire
 from ._stubs import pb
 from .client import Connection
 from .connection_options import ConnectionOptions
+from .delayed import DelayedUpdate, check_delay
 from .errors import PUSH_TOO_STALE, STEP_NOT_PREPARED, MuondError
 from .naming import named_groups
+from .overlap import GradientStream
 from .state_digest import StateDigest
 from .state_digest import combine as combine_digests
 from .step_info import StepInfo, check_max_grad_norm, group_clips_of, rank_report
-from .transport.daemon_session import DaemonSession, copy_in
+from .transport.daemon_session import DaemonSession, StreamedStep, copy_in
+from .transport.streamed import IdentityChanged
 
 # A step that failed with these may have been applied or not; the daemon answers a resend of the
 # same step number without a second update, so resending is safe.
@@ -120,6 +124,20 @@ class RemoteOptimizer(torch.optim.Optimizer):
             Muon groups. A step then takes ``qk_logits`` (see ``step``); τ and α are the query
             group's ``qk_clip_threshold`` and ``qk_clip_alpha``. The daemon checks the shapes
             and groups when the session is created.
+        overlap: send each gradient while backward is still running (docs/overlap.md): every
+            parameter gets a hook that hands its gradient to the daemon as soon as backward has
+            accumulated it, and ``step()`` only finishes the step. Exactly the plain step's
+            result; a gradient changed after backward (clipped or unscaled by hand) makes the
+            step send them all again. With gradient accumulation, run the micro-batches but the
+            last inside ``no_sync()``. One daemon only (not with several ``endpoints``).
+        delay, delay_warmup: ``delay=1`` (ZeRO-Offload's delayed parameter update): after
+            ``delay_warmup`` (default 0) ordinary steps, ``step()`` returns as soon as the step's
+            gradients are taken, and the parameters after step k are copied in at step k+1's
+            ``step()`` (or ``flush()``; ``state_dict``, ``checkpoint`` and ``close`` flush):
+            step k+1's forward and backward run on the parameters after step k-1. Costs one copy
+            of the parameters and one of the gradients in this process. ``last_info`` describes
+            the last step whose parameters were copied in. Not with a loss scaler or
+            ``sync_mode="async"``.
         connection: a ``muond.ConnectionOptions``: the daemons (``endpoints`` to spread the
             session over several), deadlines, token and TLS, retries (``max_step_attempts``),
             the step ``transport`` ("auto", "grpc", "shm", "cuda_ipc", "nccl") and the chunk
@@ -142,7 +160,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
                  log_num_zeros_in_grad: bool = False, loss_scaler: Any = None,
                  sync_mode: Optional[str] = None, min_ranks: Optional[int] = None,
                  grace_seconds: Optional[float] = None, max_staleness: Optional[int] = None,
-                 staleness_scaling: Optional[str] = None, **defaults: Any):
+                 staleness_scaling: Optional[str] = None, overlap: bool = False,
+                 delay: int = 0, delay_warmup: int = 0, **defaults: Any):
         connection, defaults = ConnectionOptions.from_arguments(connection, endpoint, defaults)
         opts.check_defaults(defaults)
         self._user_defaults = dict(defaults)
@@ -177,6 +196,18 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self.stale_pushes = 0
         self.last_info: Optional[StepInfo] = None
         self._index_parameters(names, qk_clip)
+        self._stream: Optional[GradientStream] = None
+        self._delayed: Optional[DelayedUpdate] = None
+        self.delay, self.delay_warmup = check_delay(delay, delay_warmup, self.loss_scaler,
+                                                    self.sync.mode)
+        self._steps_sent = 0  # steps this optimizer has sent (delay_warmup counts them)
+        # The step last answered while its parameters wait to be copied in (delay); None otherwise.
+        self._answered_step: Optional[int] = None
+        # Steps whose gradients went out during backward (overlap) and were applied from there.
+        self.streamed_steps = 0
+        if overlap and len(self.endpoints) > 1:
+            raise ValueError("overlap: needs one daemon (a sharded step prepares on every shard "
+                             "before anything is applied); got several endpoints")
 
         self._closed = False
         try:
@@ -185,6 +216,11 @@ class RemoteOptimizer(torch.optim.Optimizer):
             chosen = {daemon.choose_transport(self._wanted_transport) for daemon in self._sessions}
             self.transport = "+".join(sorted(chosen))
             _log.info("session %s: steps travel over %s", self.session_id, self.transport)
+            if self.delay:
+                self._delayed = DelayedUpdate(dict(zip(self._names, self._params)))
+            if overlap:
+                self._stream = GradientStream(list(zip(self._names, self._params)),
+                                              self._begin_stream)
         except BaseException:
             self._shut_down(end_session=False)
             raise
@@ -420,24 +456,97 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self._check_open()
         logits = qk.logits_of(qk_logits, self.qk_clip, self._params, self._names)
         grads = self._grads()
-        number = self.pushes + 1 if self._async else self.last_step + 1
-        header = self._header(number, logits, loss_scale.check_grad_scale(grad_scale), weight)
+        if self._delayed is not None:
+            try:
+                self._delayed.land()  # the step before's parameters, before this step goes out
+            except BaseException:
+                self._cancel_stream()
+                raise
+        streamed, rest = self._take_stream(grads)
+        delayed = self._delay_now()
+        header = self._header(self._next_number(), logits,
+                              loss_scale.check_grad_scale(grad_scale), weight)
+        self._steps_sent += 1
+        if not delayed:
+            self._run_step(header, grads, streamed, rest, None, weight)()
+            return loss
+        # The step runs on while the trainer goes on: what it sends, and sends again on a retry,
+        # is a copy, since the trainer's next backward overwrites .grad.
+        with torch.no_grad():
+            kept = [(name, g.detach().clone()) for name, g in grads]
+        if streamed is not None:
+            try:
+                streamed.send_rest(header, rest)  # every gradient is read before this returns
+            except IdentityChanged:
+                streamed = None
+        self._delayed.submit(lambda out: self._run_step(header, kept, streamed, None, out, weight))
+        return loss
+
+    def _next_number(self) -> int:
+        """The number of the next step (of this rank's next push, asynchronously): after the step
+        answered last, whose parameters may not be in the model yet (delay)."""
         if self._async:
-            session = self._sessions[0]  # never sharded
-            result, seconds, attempts = self._try_step(
-                lambda: _unless_stale(session.step, header, grads))
-            if result is None:
+            return self.pushes + 1
+        return (self.last_step if self._answered_step is None else self._answered_step) + 1
+
+    def _delay_now(self) -> bool:
+        """Whether the coming step is a delayed one (past delay_warmup)."""
+        return self._delayed is not None and self._steps_sent >= self.delay_warmup
+
+    def _run_step(self, header: pb.StepHeader, grads: List[Tuple[str, torch.Tensor]],
+                  streamed: Optional[StreamedStep], rest: Optional[List[Tuple[str, torch.Tensor]]],
+                  out: Optional[Dict[str, torch.Tensor]], weight: Optional[float]
+                  ) -> Callable[[], None]:
+        """The step ``header`` with ``grads``, every try and retry; returns what notes its answer
+        (``last_step``, ``last_info``), to call once its parameters are in the model.
+        The first try finishes ``streamed`` when there is one (sending ``rest`` first, unless
+        None: sent already); the others, and a stream begun as another step, send ``grads``.
+        The parameters go into ``out`` (None: the model)."""
+        def plain() -> pb.StepResult:
+            if len(self._sessions) == 1:
+                return self._sessions[0].step(header, grads, out)
+            return self._sharded_step(header, self._grads_by_session(grads), out)
+
+        def once() -> Optional[pb.StepResult]:
+            nonlocal streamed
+            first, streamed = streamed, None
+            try:
+                if first is None:
+                    return plain()
+                try:
+                    if rest is not None:
+                        first.send_rest(header, rest)
+                except IdentityChanged:
+                    return plain()
+                answered = first.result()
+                self.streamed_steps += 1
+                return answered
+            except MuondError as err:
+                if self._async and err.reason == PUSH_TOO_STALE:
+                    return None
+                raise
+
+        try:
+            result, seconds, attempts = self._try_step(once)
+        finally:
+            if streamed is not None:
+                streamed.cancel()
+        if result is not None:
+            self._answered_step = int(result.step)
+
+        def note() -> None:
+            self._answered_step = None
+            if not self._async:
+                self._stepped(header, result, seconds, attempts, weight)
+            elif result is None:
                 self._dropped_as_stale(header, seconds, attempts)
             else:
                 self._pushed(header, result, seconds, attempts, weight)
-            return loss
-        if len(self._sessions) == 1:
-            session = self._sessions[0]
-            result, seconds, attempts = self._try_step(lambda: session.step(header, grads))
-        else:
-            by_session = self._grads_by_session(grads)
-            result, seconds, attempts = self._try_step(
-                lambda: self._sharded_step(header, by_session))
+        return note
+
+    def _stepped(self, header: pb.StepHeader, result: pb.StepResult, seconds: float,
+                 attempts: int, weight: Optional[float]) -> None:
+        """A step answered: the model holds the parameters after step ``result.step``."""
         # The answer's step, which a quorum session's answer to a rank it went on without (its
         # parameters are those after the session's last step) names: the next step follows it.
         self.last_step = result.step
@@ -456,7 +565,52 @@ class RemoteOptimizer(torch.optim.Optimizer):
                       result.step, self.rank, header.step, result.step, result.step + 1)
         if not result.contributors and not result.replayed:  # a new step: an older daemon
             self._warn_old_daemon(weight)
-        return loss
+
+    # -- overlap and delay ---------------------------------------------------------------------
+
+    def _begin_stream(self) -> StreamedStep:
+        """A streamed try of the coming step, opened by backward's first gradient (overlap). A
+        delayed step still in flight is waited for first: the daemon takes steps in order."""
+        delayed = self._delay_now()
+        if delayed:
+            self._delayed.wait()
+        out = self._delayed.staging() if delayed else None
+        return self._sessions[0].begin_streamed(self._header(self._next_number(), {}), out)
+
+    def _take_stream(self, grads: List[Tuple[str, torch.Tensor]]
+                     ) -> Tuple[Optional[StreamedStep], List[Tuple[str, torch.Tensor]]]:
+        """The streamed try backward opened for this step, if it can be used, and the gradients
+        it has yet to get."""
+        if self._stream is None:
+            return None, grads
+        streamed, rest, why = self._stream.take(grads)
+        if why and streamed is None:
+            _log.debug("session %s: step %d sends every gradient at once: %s", self.session_id,
+                       self._next_number(), why)
+        return streamed, rest
+
+    @property
+    def gradients_in_flight(self) -> int:
+        """With ``overlap=True``: the gradients of the coming step that backward has handed to
+        the daemon so far (0 after ``step()``)."""
+        return self._stream.in_flight if self._stream is not None else 0
+
+    def _cancel_stream(self) -> None:
+        if self._stream is not None:
+            self._stream.cancel()
+
+    def no_sync(self) -> ContextManager[None]:
+        """With ``overlap=True``: backward passes inside send no gradient (accumulate
+        micro-batches inside it, all but the last, as with DDP's ``no_sync``). Without overlap
+        it does nothing."""
+        return self._stream.no_sync() if self._stream is not None else contextlib.nullcontext()
+
+    def flush(self) -> None:
+        """With ``delay``: waits for the step in flight and copies its parameters into the model
+        (before evaluating, say); raises that step's failure. Nothing otherwise."""
+        self._check_open()
+        if self._delayed is not None:
+            self._delayed.land()
 
     def _pushed(self, header: pb.StepHeader, result: pb.StepResult, seconds: float, attempts: int,
                 weight: Optional[float]) -> None:
@@ -515,8 +669,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
             by_session[self.placement.shard_of[self._index[name]]].append((name, g))
         return by_session
 
-    def _sharded_step(self, header: pb.StepHeader,
-                      by_session: List[List[Tuple[str, torch.Tensor]]]) -> pb.StepResult:
+    def _sharded_step(self, header: pb.StepHeader, by_session: List[List[Tuple[str, torch.Tensor]]],
+                      out: Optional[Dict[str, torch.Tensor]] = None) -> pb.StepResult:
         """One try of a step over every shard: prepare everywhere, decide, commit everywhere
         (``shard_step.py``). Safe to repeat as a whole after any failure."""
         prepares = [shard_step.prepare_header(header, session.by_name)
@@ -525,7 +679,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
             lambda k, session: session.step(prepares[k], by_session[k]))
         commit = shard_step.commit_header(
             header, shard_step.decide(prepared, self._indices_of, self._names))
-        committed = self._on_every_session(lambda k, session: session.step(commit, []))
+        committed = self._on_every_session(lambda k, session: session.step(commit, [], out))
         # Every shard answers the step it committed (lock-step only: a quorum session is never
         # sharded), so they agree; a disagreement is named rather than averaged away.
         step = self._common_step([int(r.step) for r in committed], "Step")
@@ -560,7 +714,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         (plus its journal under ``--durability journal``); attach to it by constructing a
         ``RemoteOptimizer`` with the same session id. ``MuondError(FAILED_PRECONDITION)`` when
         the daemon has no ``--state-dir``."""
-        self._check_open()
+        self.flush()
         steps = self._on_every_session(lambda k, session: session.checkpoint())
         return self._common_step(steps, "Checkpoint")
 
@@ -568,7 +722,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         """The digest of the session's whole state on the daemon (masters, optimizer slots, step
         counters, loss scaler) at its last step: equal for equal states, different for any changed
         bit; a sharded session's combines its shards' (``muond.state_digest``)."""
-        self._check_open()
+        self.flush()  # the daemon's state after every step this optimizer has sent
         shards = self._on_every_session(
             lambda k, session: StateDigest.from_proto(session.conn.state_digest(session.session_id)))
         return combine_digests(shards, self.endpoints)
@@ -581,7 +735,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         ``param_groups`` the group options; ``muond`` the session's last step and names, this
         optimizer's rank and, in an asynchronous session, its push counter (``pushes``), which
         ``load_state_dict`` restores so that a restarted rank resumes its numbering."""
-        self._check_open()
+        self.flush()
         parts = self._on_every_session(lambda k, session: session.get_state())
         last_step = self._common_step([int(header.last_step) for header, _ in parts], "GetState")
         counts = {c.name: int(c.count) for header, _ in parts for c in header.step_counts}
@@ -643,7 +797,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         modes, and this rank's pushes start at 1 (the daemon's push records went with the
         session). ValueError for a state dict of another rank (its push counter is not this
         rank's). docs/ranks.md, Asynchronous."""
-        self._check_open()
+        self.flush()
         meta = state_dict.get("muond")
         if not meta or meta.get("format") != _STATE_FORMAT:
             raise ValueError("not a RemoteOptimizer state dict (no 'muond' section of format 1)")
@@ -741,8 +895,16 @@ class RemoteOptimizer(torch.optim.Optimizer):
     def _shut_down(self, end_session: bool) -> None:
         """Closes every daemon's session (ending it when ``end_session``) and the worker threads;
         the first failure is raised after all are closed."""
-        self._closed = True
         failure: Optional[BaseException] = None
+        if self._stream is not None:
+            self._stream.remove()
+        if self._delayed is not None:
+            try:
+                self._delayed.land()  # the step in flight is answered before anything closes
+            except BaseException as err:  # noqa: BLE001 - raised once everything is closed
+                failure = err
+            self._delayed.close()
+        self._closed = True
         for session in self._sessions:
             try:
                 session.close(end_session)
@@ -775,15 +937,3 @@ class RemoteOptimizer(torch.optim.Optimizer):
     def __getstate__(self):
         raise TypeError("a RemoteOptimizer holds a live connection and can't be pickled; "
                         "save state_dict() instead")
-
-
-def _unless_stale(step: Callable[[pb.StepHeader, Any], pb.StepResult], header: pb.StepHeader,
-                  grads: Any) -> Optional[pb.StepResult]:
-    """One try of an asynchronous push: the answer, or None when the daemon refused it as too
-    stale (decided on the reason PUSH_TOO_STALE, never on the message)."""
-    try:
-        return step(header, grads)
-    except MuondError as err:
-        if err.reason == PUSH_TOO_STALE:
-            return None
-        raise

@@ -219,11 +219,11 @@ def test_a_shard_killed_between_prepare_and_commit_resumes_bit_identical(start_d
     real_step = shard.step
     killed = []
 
-    def kill_before_first_commit(header, grads):
+    def kill_before_first_commit(header, grads, *rest):
         if header.phase == pb.STEP_PHASE_COMMIT and not killed:
             killed.append(header.step)
             restart(2)
-        return real_step(header, grads)
+        return real_step(header, grads, *rest)
 
     shard.step = kill_before_first_commit
     infos.append(one_step(model, opt, 12, 0))
