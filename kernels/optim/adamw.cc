@@ -62,10 +62,10 @@ class AdamW final : public Optimizer {
           .one_minus_beta2 = static_cast<float>(1.0 - options_.beta2),
           .l2_weight_decay = Coupled() ? static_cast<float>(hyper.weight_decay) : 0.0f,
       };
-      const float* g = p->grad->data();
-      const size_t n = static_cast<size_t>(p->numel);
-      const StateRefs refs = RefsOf(*p);  // exp_avg, exp_avg_sq
-      MUOND_RETURN_IF_ERROR(backend.AdamW(args, refs.master, g, refs.slots[0], refs.slots[1], n));
+      MUOND_RETURN_IF_ERROR(
+          ApplyElementwise(backend, *p, [&](const StateRefs& refs, const float* g, size_t n) {  // exp_avg, exp_avg_sq
+            return backend.AdamW(args, refs.master, g, refs.slots[0], refs.slots[1], n);
+          }));
       ++p->step_count;
     }
     return absl::OkStatus();

@@ -38,10 +38,10 @@ class Lion final : public Optimizer {
                                  .weight_decay = static_cast<float>(hyper.weight_decay)};
     for (ParamState* p : params) {
       if (!p->has_grad) continue;
-      const float* g = p->grad->data();
-      const size_t n = static_cast<size_t>(p->numel);
-      const StateRefs refs = RefsOf(*p);  // exp_avg
-      MUOND_RETURN_IF_ERROR(backend.Lion(args, refs.master, g, refs.slots[0], n));
+      MUOND_RETURN_IF_ERROR(
+          ApplyElementwise(backend, *p, [&](const StateRefs& refs, const float* g, size_t n) {  // exp_avg
+            return backend.Lion(args, refs.master, g, refs.slots[0], n);
+          }));
       ++p->step_count;
     }
     return absl::OkStatus();

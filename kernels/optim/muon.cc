@@ -36,7 +36,8 @@ struct MatrixJob {
   // parameter: O goes back into `update`, and the whole parameter is updated once it is transposed
   // back (ApplyTransposed).
   bool deferred = false;
-  bool lines_per_column = false;  // NorMuon: its lines are columns of the stored matrix
+  bool lines_per_column = false;      // NorMuon: its lines are columns of the stored matrix
+  const ParamState* param = nullptr;  // whose matrix it is (for telemetry)
 };
 
 // Caps the floats gathered for one batched Newton–Schulz call (256 MiB of fp32) so that many large
@@ -131,11 +132,19 @@ class Muon final : public Optimizer {
   // W ← β·W − η·D over `count` elements of O at `o` for `job`: D = scale·O, or AdaMuon's
   // x/(√V + ε) with x = scale·O; with cautious decay the decay is per element.
   absl::Status ApplyUpdate(Backend& backend, const MatrixJob& job, float* o, size_t count);
+  // ApplyUpdate on elements [0, count) of `job`'s region, unmeasured (its element-wise part: AdaMuon's
+  // moment, the decay, the update).
+  absl::Status ApplyUpdateRange(Backend& backend, const MatrixJob& job, float* o, size_t count);
   // Transposes a column-blocked parameter's O back and applies the update to all of it at once
   // (every block has the same shape, so one scale).
   absl::Status ApplyTransposed(Backend& backend, const StepHyper& hyper, ParamState& p);
+  // Telemetry: the Newton–Schulz inputs' sums of squares of one batch, and the orthogonality
+  // residual of its output when it holds the matrix measured this step (residual_job_).
+  absl::Status Observe(Backend& backend, std::span<const MatrixJob> jobs, std::span<const double> input_sums,
+                       const float* work, NsWorkspace& ws);
 
-  const double ns_bound_;  // NsSingularValueBound of this group's iteration
+  const double ns_bound_;                    // NsSingularValueBound of this group's iteration
+  const MatrixJob* residual_job_ = nullptr;  // the matrix whose residual this step measures
 };
 
 // Newton–Schulz's workspace, one per backend for all its Muon groups and sessions: holding one each
@@ -250,6 +259,7 @@ void Muon::AppendMatrices(ParamState& p, const StepHyper& hyper, std::vector<Mat
     jobs.push_back(MatrixJob{u + offset, &p.master, static_cast<size_t>(offset), moment2, m2, transposed ? cols : rows,
                              transposed ? rows : cols, hyper.lr, Scale(rows, cols), beta, decay, transposed,
                              per_column});
+    jobs.back().param = &p;
   });
 }
 
@@ -332,15 +342,19 @@ absl::Status Muon::Orthogonalize(Backend& backend, std::span<const MatrixJob> jo
       MUOND_RETURN_IF_ERROR(backend.CopyOnDevice(jobs[i].update, work + i * mat, mat));
     }
   }
+  std::vector<double> input_sums(telemetry_ != nullptr ? batch : 0);
+  double* sums = telemetry_ != nullptr ? input_sums.data() : nullptr;
   if (options_.ns_algorithm == NsAlgorithm::kGram) {
-    MUOND_RETURN_IF_ERROR(GramNewtonSchulz(
-        backend, options_.ns_schedule, options_.ns_steps, options_.ns_schedule.gram_restarts, options_.ns_eps,
-        options_.ns_norm_safety, options_.matmul_precision, work, work, rows, cols, static_cast<int64_t>(batch), ws));
+    MUOND_RETURN_IF_ERROR(GramNewtonSchulz(backend, options_.ns_schedule, options_.ns_steps,
+                                           options_.ns_schedule.gram_restarts, options_.ns_eps, options_.ns_norm_safety,
+                                           options_.matmul_precision, work, work, rows, cols,
+                                           static_cast<int64_t>(batch), ws, sums));
   } else {
     MUOND_RETURN_IF_ERROR(NewtonSchulz(backend, options_.ns_schedule, options_.ns_steps, options_.ns_eps,
                                        options_.ns_norm_safety, options_.matmul_precision, work, work, rows, cols,
-                                       static_cast<int64_t>(batch), ws));
+                                       static_cast<int64_t>(batch), ws, sums));
   }
+  if (telemetry_ != nullptr) MUOND_RETURN_IF_ERROR(Observe(backend, jobs, input_sums, work, ws));
   if (options_.moment2_method == Moment2Method::kNormuon) {
     MUOND_RETURN_IF_ERROR(ReduceVariance(backend, jobs, work, ws));
   }
@@ -356,7 +370,35 @@ absl::Status Muon::Orthogonalize(Backend& backend, std::span<const MatrixJob> jo
   return absl::OkStatus();
 }
 
+absl::Status Muon::Observe(Backend& backend, std::span<const MatrixJob> jobs, std::span<const double> input_sums,
+                           const float* work, NsWorkspace& ws) {
+  for (double sum : input_sums) {
+    telemetry_->momentum_sum_squares += sum;
+    telemetry_->smallest_momentum_norm = std::min(telemetry_->smallest_momentum_norm, std::sqrt(sum));
+    ++telemetry_->matrices;
+  }
+  if (residual_job_ < jobs.data() || residual_job_ >= jobs.data() + jobs.size()) return absl::OkStatus();
+  const size_t i = static_cast<size_t>(residual_job_ - jobs.data());
+  const size_t mat = static_cast<size_t>(jobs[0].rows * jobs[0].cols);
+  MUOND_ASSIGN_OR_RETURN(telemetry_->residual,
+                         OrthogonalityResidual(backend, work + i * mat, jobs[0].rows, jobs[0].cols, ws));
+  telemetry_->residual_parameter = residual_job_->param->name;
+  return absl::OkStatus();
+}
+
 absl::Status Muon::ApplyUpdate(Backend& backend, const MatrixJob& job, float* o, size_t count) {
+  return UpdateMeter::Measure(
+      backend, job.master->Ref(job.master_offset), count,
+      [&](size_t offset, size_t n) {
+        MatrixJob part = job;
+        part.master_offset += offset;
+        if (options_.moment2_method == Moment2Method::kAdamuon) part.moment2_offset += offset;
+        return ApplyUpdateRange(backend, part, o + offset, n);
+      },
+      telemetry_);
+}
+
+absl::Status Muon::ApplyUpdateRange(Backend& backend, const MatrixJob& job, float* o, size_t count) {
   double step = job.lr * job.scale;
   if (options_.moment2_method == Moment2Method::kAdamuon) {
     // Megatron-Core's adamuon takes the scaled update: the scale moves into the moment.
@@ -456,6 +498,26 @@ absl::Status Muon::ApplyTransposed(Backend& backend, const StepHyper& hyper, Par
   return ApplyUpdate(backend, whole, whole.update, static_cast<size_t>(p.numel));
 }
 
+// The matrix whose orthogonality residual a step measures: the group's matrices in turn, in the
+// order the step orthogonalizes them (by shape, then parameter order), the k-th at the group's step
+// k (the step count of its first parameter with a gradient, kept in checkpoints).
+template <typename ByShape>
+const MatrixJob* ResidualJob(const ByShape& by_shape, std::span<ParamState* const> params) {
+  size_t total = 0;
+  for (const auto& entry : by_shape) total += entry.second.size();
+  const ParamState* first = nullptr;
+  for (const ParamState* p : params) {
+    if (p->has_grad && first == nullptr) first = p;
+  }
+  if (total == 0 || first == nullptr) return nullptr;
+  size_t k = static_cast<size_t>(first->step_count) % total;
+  for (const auto& entry : by_shape) {
+    if (k < entry.second.size()) return &entry.second[k];
+    k -= entry.second.size();
+  }
+  return nullptr;
+}
+
 absl::Status Muon::Step(Backend& backend, const StepHyper& hyper, std::span<ParamState* const> params) {
   // Check everything first so that a rejected step leaves every parameter untouched.
   for (ParamState* p : params) {
@@ -479,6 +541,7 @@ absl::Status Muon::Step(Backend& backend, const StepHyper& hyper, std::span<Para
       transposed_floats = std::max(transposed_floats, static_cast<size_t>(p->numel));
     }
   }
+  residual_job_ = telemetry_ != nullptr && telemetry_->measure ? ResidualJob(by_shape, params) : nullptr;
   std::vector<std::span<const MatrixJob>> batches;
   size_t need_gather = 0;
   for (const auto& [key, jobs] : by_shape) {

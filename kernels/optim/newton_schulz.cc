@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -73,7 +74,7 @@ absl::Status CheckNsArguments(const char* who, const NsSchedule& schedule, int s
 // scaled by 1/(s·‖X‖_F + ε) with the norm accumulated in fp64. A zero matrix keeps scale 0 rather
 // than 0·(1/0) so that eps = 0 cannot produce NaN.
 absl::Status LoadNormalized(Backend& backend, const float* in, float* x, int64_t rows, int64_t cols, int64_t batch,
-                            double eps, double norm_safety) {
+                            double eps, double norm_safety, double* input_sum_squares) {
   const size_t mat = static_cast<size_t>(rows * cols);
   if (rows > cols) {
     MUOND_RETURN_IF_ERROR(backend.Transpose2D(in, x, rows, cols, batch));
@@ -82,6 +83,7 @@ absl::Status LoadNormalized(Backend& backend, const float* in, float* x, int64_t
   }
   std::vector<double> sums(batch);
   MUOND_RETURN_IF_ERROR(backend.SumSquares(x, mat, batch, sums.data()));
+  if (input_sum_squares != nullptr) std::copy(sums.begin(), sums.end(), input_sum_squares);
   std::vector<float> scales(batch);
   for (int64_t i = 0; i < batch; ++i) {
     const double denom = norm_safety * std::sqrt(sums[i]) + eps;
@@ -136,7 +138,7 @@ NsGemmShapes GemmShapesFor(int64_t m, int64_t n, int64_t batch) {
 
 absl::Status NewtonSchulz(Backend& backend, const NsSchedule& schedule, int steps, double eps, double norm_safety,
                           kernels::MatmulPrecision precision, const float* in, float* out, int64_t rows, int64_t cols,
-                          int64_t batch, NsWorkspace& ws) {
+                          int64_t batch, NsWorkspace& ws, double* input_sum_squares) {
   MUOND_RETURN_IF_ERROR(CheckNsArguments("NewtonSchulz", schedule, steps, rows, cols, batch));
   if (rows == 0 || cols == 0 || batch == 0) return absl::OkStatus();
 
@@ -151,7 +153,7 @@ absl::Status NewtonSchulz(Backend& backend, const NsSchedule& schedule, int step
   MUOND_ASSIGN_OR_RETURN(float* x_next, ws.Get(backend, 1, total));
   MUOND_ASSIGN_OR_RETURN(float* a_mat, ws.Get(backend, 2, gram * batch));
   MUOND_ASSIGN_OR_RETURN(float* b_mat, ws.Get(backend, 3, gram * batch));
-  MUOND_RETURN_IF_ERROR(LoadNormalized(backend, in, x, rows, cols, batch, eps, norm_safety));
+  MUOND_RETURN_IF_ERROR(LoadNormalized(backend, in, x, rows, cols, batch, eps, norm_safety, input_sum_squares));
 
   // A = X·Xᵀ; B = c·A·A + b·B with B preloaded with A; X' = B·X + a·X' with X' preloaded with X (the
   // GEMM cannot read and write X in place).
@@ -185,12 +187,13 @@ absl::Status NewtonSchulz(Backend& backend, const NsSchedule& schedule, int step
 absl::Status GramNewtonSchulz(Backend& backend, const NsSchedule& schedule, int steps,
                               std::span<const int> restart_iterations, double eps, double norm_safety,
                               kernels::MatmulPrecision precision, const float* in, float* out, int64_t rows,
-                              int64_t cols, int64_t batch, NsWorkspace& ws) {
+                              int64_t cols, int64_t batch, NsWorkspace& ws, double* input_sum_squares) {
   MUOND_RETURN_IF_ERROR(CheckNsArguments("GramNewtonSchulz", schedule, steps, rows, cols, batch));
   if (rows == 0 || cols == 0 || batch == 0) return absl::OkStatus();
   // Square: X·Xᵀ is as large as X, so working on it saves nothing (torch.optim.Muon does the same).
   if (rows == cols) {
-    return NewtonSchulz(backend, schedule, steps, eps, norm_safety, precision, in, out, rows, cols, batch, ws);
+    return NewtonSchulz(backend, schedule, steps, eps, norm_safety, precision, in, out, rows, cols, batch, ws,
+                        input_sum_squares);
   }
 
   const bool transposed = rows > cols;
@@ -206,7 +209,7 @@ absl::Status GramNewtonSchulz(Backend& backend, const NsSchedule& schedule, int 
   // Scratch for the next Q, then (once Q has moved there and the old one is dead) RZ; also the
   // column of ones that writes a·I.
   MUOND_ASSIGN_OR_RETURN(float* scratch, ws.Get(backend, 5, gram_total));
-  MUOND_RETURN_IF_ERROR(LoadNormalized(backend, in, x, rows, cols, batch, eps, norm_safety));
+  MUOND_RETURN_IF_ERROR(LoadNormalized(backend, in, x, rows, cols, batch, eps, norm_safety, input_sum_squares));
 
   // R = X·Xᵀ (m×m), as NewtonSchulz's A; products of two m×m polynomials (R·R, Q·Z, R·Z, Z·RZ);
   // Q·X (m×m times m×n), only at a restart and at the end.
@@ -296,6 +299,36 @@ absl::Status GramNewtonSchulz(Backend& backend, const NsSchedule& schedule, int 
   // `out` is the caller's buffer and x the workspace's, so the GEMM may write it directly even when
   // out == in.
   return backend.Gemm(apply_shape, 1.0f, q, x, 0.0f, out, precision);
+}
+
+absl::StatusOr<double> OrthogonalityResidual(Backend& backend, const float* x, int64_t rows, int64_t cols,
+                                             NsWorkspace& ws) {
+  if (rows <= 0 || cols <= 0) return absl::InvalidArgumentError("OrthogonalityResidual: an empty matrix");
+  const int64_t m = std::min(rows, cols);
+  const size_t gram = static_cast<size_t>(m * m);
+  MUOND_ASSIGN_OR_RETURN(float* a, ws.Get(backend, 2, gram));
+  std::vector<float> identity(gram, 0.0f);
+  for (int64_t i = 0; i < m; ++i) identity[static_cast<size_t>(i * m + i)] = 1.0f;
+  MUOND_RETURN_IF_ERROR(backend.CopyToDevice(identity.data(), a, gram));
+  // Wide: X·Xᵀ (op(B) reads X transposed); tall: Xᵀ·X (op(A) does). Either way the m×m Gram
+  // matrix, minus I preloaded in C.
+  const bool wide = rows <= cols;
+  const GemmShape shape{.trans_a = wide ? Transpose::kNo : Transpose::kYes,
+                        .trans_b = wide ? Transpose::kYes : Transpose::kNo,
+                        .m = m,
+                        .n = m,
+                        .k = std::max(rows, cols),
+                        .lda = cols,
+                        .ldb = cols,
+                        .ldc = m,
+                        .stride_a = 0,
+                        .stride_b = 0,
+                        .stride_c = 0,
+                        .batch = 1};
+  MUOND_RETURN_IF_ERROR(backend.Gemm(shape, 1.0f, x, x, -1.0f, a, kernels::MatmulPrecision::kFp32));
+  double sum = 0;
+  MUOND_RETURN_IF_ERROR(backend.SumSquares(a, gram, 1, &sum));
+  return std::sqrt(sum / static_cast<double>(m));
 }
 
 }  // namespace muond::optim

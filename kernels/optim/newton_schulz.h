@@ -57,10 +57,12 @@ class NsWorkspace {
 // and writes the results to `out` (same layout; `out` may equal `in`). Per matrix: X ← G, transposed
 // when rows > cols so X is wide; X ← X / (norm_safety·‖X‖_F + eps); then for t < steps, with
 // (a, b, c) = schedule.At(t): A = X·Xᵀ; B = b·A + c·A·A; X = a·X + B·X; finally transposed back.
-// A zero matrix gives a zero result (never NaN), even with eps = 0.
+// A zero matrix gives a zero result (never NaN), even with eps = 0. With `input_sum_squares` (a host
+// array of `batch` values), each input matrix's Σ G² (the sums its normalization reads anyway).
 absl::Status NewtonSchulz(kernels::Backend& backend, const NsSchedule& schedule, int steps, double eps,
                           double norm_safety, kernels::MatmulPrecision precision, const float* in, float* out,
-                          int64_t rows, int64_t cols, int64_t batch, NsWorkspace& ws);
+                          int64_t rows, int64_t cols, int64_t batch, NsWorkspace& ws,
+                          double* input_sum_squares = nullptr);
 
 // Gram Newton–Schulz: the same polynomial map as NewtonSchulz (same normalization, schedule and
 // `steps`; same arguments and layout), computed on the m×m Gram matrix R = X·Xᵀ,
@@ -86,6 +88,13 @@ absl::Status NewtonSchulz(kernels::Backend& backend, const NsSchedule& schedule,
 absl::Status GramNewtonSchulz(kernels::Backend& backend, const NsSchedule& schedule, int steps,
                               std::span<const int> restart_iterations, double eps, double norm_safety,
                               kernels::MatmulPrecision precision, const float* in, float* out, int64_t rows,
-                              int64_t cols, int64_t batch, NsWorkspace& ws);
+                              int64_t cols, int64_t batch, NsWorkspace& ws, double* input_sum_squares = nullptr);
+
+// ‖X·Xᵀ − I‖_F/√m of one row-major rows×cols matrix X in backend memory, m = min(rows, cols) (the
+// Gram matrix on the smaller side): 0 for orthonormal rows (or columns), the RMS of σᵢ² − 1 over X's
+// m singular values. One m×m fp32 GEMM (whatever the group's matmul_precision) and one sum; it
+// uses workspace slot 2, so it must not run while a Newton–Schulz call needs that slot.
+absl::StatusOr<double> OrthogonalityResidual(kernels::Backend& backend, const float* x, int64_t rows, int64_t cols,
+                                             NsWorkspace& ws);
 
 }  // namespace muond::optim

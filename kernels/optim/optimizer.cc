@@ -103,4 +103,29 @@ Optimizer::StateRefs Optimizer::RefsOf(ParamState& param) {
   return refs;
 }
 
+absl::Status Optimizer::StepMeasured(kernels::Backend& backend, const StepHyper& hyper,
+                                     std::span<ParamState* const> params, StepTelemetry& telemetry) {
+  if (telemetry.measure) MUOND_RETURN_IF_ERROR(UpdateMeter::Reserve(backend));
+  telemetry_ = &telemetry;
+  absl::Status status = Step(backend, hyper, params);
+  telemetry_ = nullptr;
+  return status;
+}
+
+absl::Status Optimizer::ApplyElementwise(kernels::Backend& backend, ParamState& param, ElementwiseUpdate apply) {
+  const StateRefs refs = RefsOf(param);
+  const float* g = param.grad->data();
+  return UpdateMeter::Measure(
+      backend, refs.master, static_cast<size_t>(param.numel),
+      [&](size_t offset, size_t count) {
+        if (offset == 0 && count == static_cast<size_t>(param.numel)) return apply(refs, g, count);
+        StateRefs part{refs.master.At(offset), {}};
+        for (size_t s = 0; s < refs.slots.size(); ++s) {
+          if (refs.slots[s].data != nullptr) part.slots[s] = refs.slots[s].At(offset);
+        }
+        return apply(part, g + offset, count);
+      },
+      telemetry_);
+}
+
 }  // namespace muond::optim

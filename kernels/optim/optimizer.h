@@ -19,6 +19,7 @@
 #include "kernels/backend.h"
 #include "kernels/optim/options.h"
 #include "kernels/optim/param_state.h"
+#include "kernels/optim/step_telemetry.h"
 
 namespace muond::optim {
 
@@ -84,6 +85,11 @@ class Optimizer {
   // overwrite as scratch), updates master and slots, increments step_count.
   virtual absl::Status Step(kernels::Backend& backend, const StepHyper& hyper, std::span<ParamState* const> params) = 0;
 
+  // Step, measuring it into `telemetry` (step_telemetry.h; telemetry.measure says whether the
+  // update and the residual are measured): the same arithmetic, the same results.
+  absl::Status StepMeasured(kernels::Backend& backend, const StepHyper& hyper, std::span<ParamState* const> params,
+                            StepTelemetry& telemetry);
+
  protected:
   explicit Optimizer(GroupOptions options) : options_(std::move(options)) {}
   // Common precondition of every Step: a gradient of the parameter's size and every slot, of its
@@ -101,7 +107,14 @@ class Optimizer {
   static absl::Status CheckElementwiseParameter(const ParamState& param);
   // The bound of `param`'s slot `name`; 0 before InitState made it.
   static double SlotBound(const ParamState& param, std::string_view name);
+  // Runs an element-wise update of `param` (apply(refs, gradient, count) on the state from element
+  // `offset` of StateRefs on), measured by UpdateMeter during StepMeasured. Every slot must have
+  // the parameter's shape.
+  using ElementwiseUpdate = absl::FunctionRef<absl::Status(const StateRefs&, const float*, size_t)>;
+  absl::Status ApplyElementwise(kernels::Backend& backend, ParamState& param, ElementwiseUpdate apply);
   GroupOptions options_;
+  // The telemetry of the step in progress when it runs through StepMeasured; null otherwise.
+  StepTelemetry* telemetry_ = nullptr;
 };
 
 }  // namespace muond::optim

@@ -221,6 +221,25 @@ double NsSingularValueBound(const NsSchedule& schedule, int steps, double norm_s
   return 2 * largest;
 }
 
+namespace {
+
+// The thresholds of the health warnings (docs/operations.md, Warnings).
+absl::Status ValidateHealthOptions(const GroupOptions& o) {
+  constexpr int kMaxWarnSteps = 1000000;
+  if (!Finite(o.warn_clip_below) || o.warn_clip_below < 0 || o.warn_clip_below > 1) {
+    return absl::InvalidArgumentError(absl::StrCat("warn_clip_below must be in [0, 1], got ", o.warn_clip_below));
+  }
+  for (const auto& [name, value] :
+       {std::pair{"warn_clip_steps", o.warn_clip_steps}, std::pair{"warn_stale_steps", o.warn_stale_steps}}) {
+    if (value < 1 || value > kMaxWarnSteps) {
+      return absl::InvalidArgumentError(absl::StrCat(name, " must be in [1, ", kMaxWarnSteps, "], got ", value));
+    }
+  }
+  return CheckPositive("warn_residual_above", o.warn_residual_above);
+}
+
+}  // namespace
+
 absl::Status ValidateOptions(const GroupOptions& o) {
   MUOND_RETURN_IF_ERROR(ValidateStepHyper(o, o.lr, o.momentum, o.weight_decay));
   if (o.max_grad_norm != 0) {
@@ -229,6 +248,7 @@ absl::Status ValidateOptions(const GroupOptions& o) {
       return absl::InvalidArgumentError("max_grad_norm applies with clip_scope group only (the group's own limit)");
     }
   }
+  MUOND_RETURN_IF_ERROR(ValidateHealthOptions(o));
   if (o.optimizer == OptimizerKind::kAdamW &&
       (o.weight_decay_mode == WeightDecayMode::kIndependent || o.weight_decay_mode == WeightDecayMode::kCautious)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -397,6 +417,11 @@ const std::vector<OptionUse>& GroupOptionUses() {
       {"exp_avg_sq_dtype", {K::kMuon, K::kAdamW}},  // muon: with a moment2_method only
       {"clip_scope", all},
       {"max_grad_norm", all},  // with clip_scope group only
+      {"telemetry", all},
+      {"warn_clip_below", muon},
+      {"warn_clip_steps", muon},
+      {"warn_stale_steps", all},
+      {"warn_residual_above", muon},
   };
   return *uses;
 }

@@ -79,6 +79,12 @@ struct GroupOptions {
   kernels::StorageDtype exp_avg_sq_dtype = kernels::StorageDtype::kFp32;  // adamw; muon's moment2
   ClipScope clip_scope = ClipScope::kGlobal;
   double max_grad_norm = 0;  // clip_scope group: the group's own limit; 0: the step's max_grad_norm
+  // Telemetry and health warnings (docs/algorithms.md, Telemetry; docs/operations.md, Warnings).
+  bool telemetry = true;             // measure the update and the orthogonality residual
+  double warn_clip_below = 0.01;     // muon: a clip coefficient below this ...
+  int warn_clip_steps = 10;          // ... for this many steps in a row warns
+  int warn_stale_steps = 100;        // a parameter without a gradient for this many steps warns
+  double warn_residual_above = 0.8;  // muon: an orthogonality residual above this warns
 };
 
 // The defaults of docs/algorithms.md (Group options) for `kind` (lr, weight decay, momentum,

@@ -47,10 +47,10 @@ class Sgd final : public Optimizer {
                                   .weight_decay = static_cast<float>(hyper.weight_decay),
                                   .nesterov = options_.nesterov,
                                   .first_step = p->step_count == 0};
-      const float* g = p->grad->data();
-      const size_t n = static_cast<size_t>(p->numel);
-      const StateRefs refs = RefsOf(*p);  // momentum_buffer
-      MUOND_RETURN_IF_ERROR(backend.Sgd(args, refs.master, g, refs.slots[0], n));
+      MUOND_RETURN_IF_ERROR(
+          ApplyElementwise(backend, *p, [&](const StateRefs& refs, const float* g, size_t n) {  // momentum_buffer
+            return backend.Sgd(args, refs.master, g, refs.slots[0], n);
+          }));
       ++p->step_count;
     }
     return absl::OkStatus();

@@ -1,0 +1,59 @@
+// StepTelemetry: what one optimizer step of one group measured about itself (docs/algorithms.md,
+// Telemetry), and UpdateMeter, which measures how far an element-wise update moves a master.
+//
+// The optimizer fills a StepTelemetry it is handed (Optimizer::StepMeasured); the owner reads it
+// after the step. UpdateMeter works through one scratch buffer per backend (Backend::Shared), held
+// under its own mutex for the length of one measured update, so concurrent sessions on a backend
+// take turns; its memory is fixed (a chunk) whatever the size of the parameter.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <string>
+
+#include "absl/functional/function_ref.h"
+#include "absl/status/status.h"
+#include "kernels/backend.h"
+
+namespace muond::optim {
+
+struct StepTelemetry {
+  // Input: measure the update (the masters before and after) and, for Muon, the orthogonality
+  // residual. The rest is read from sums the step computes anyway.
+  bool measure = true;
+
+  // Σ W² of the updated masters before the step, Σ (W_after − W_before)² and their element count.
+  double master_sum_squares = 0;
+  double update_sum_squares = 0;
+  int64_t updated_elements = 0;
+
+  // Muon: Σ U² of the matrices Newton–Schulz received (the momentum, Nesterov's combination
+  // included), and the smallest Frobenius norm of one of them (+inf when none).
+  double momentum_sum_squares = 0;
+  double smallest_momentum_norm = std::numeric_limits<double>::infinity();
+  int64_t matrices = 0;
+
+  // Muon, with `measure`: ‖X·Xᵀ − I‖_F/√m of one Newton–Schulz output X (m its smaller dimension),
+  // a different matrix each step in turn, and the parameter it belongs to.
+  std::optional<double> residual;
+  std::string residual_parameter;
+};
+
+class UpdateMeter {
+ public:
+  // Elements of one chunk: the scratch each backend keeps for measuring.
+  static size_t ChunkElements(const kernels::Backend& backend);
+  // Allocates the backend's scratch, so that a step can fail for lack of memory before it changes
+  // any state.
+  static absl::Status Reserve(kernels::Backend& backend);
+  // Runs apply(offset, count) over [0, count) of a master (`master` its first element): in chunks,
+  // adding each chunk's Σ W² before and Σ ΔW² after into `telemetry`, when telemetry.measure; in one
+  // call otherwise. `apply` must update elements [offset, offset + count) only.
+  static absl::Status Measure(kernels::Backend& backend, kernels::StoredRef master, size_t count,
+                              absl::FunctionRef<absl::Status(size_t offset, size_t count)> apply,
+                              StepTelemetry* telemetry);
+};
+
+}  // namespace muond::optim
