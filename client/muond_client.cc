@@ -103,6 +103,7 @@ void CopyResult(const v1::StepResult& r, StepReply* reply) {
   for (const v1::GroupClip& clip : r.group_clips()) {
     reply->group_clips[clip.group()] = {clip.grad_norm(), clip.coefficient()};
   }
+  for (const v1::GroupTelemetry& t : r.group_telemetry()) reply->group_telemetry[t.group()] = t;
   reply->global_step = r.global_step();
   reply->staleness = r.staleness();
   reply->included = r.included();

@@ -140,6 +140,9 @@ struct StepReply {
     double coefficient = 1;
   };
   std::map<std::string, GroupClip> group_clips;
+  // Each group's telemetry and the health warnings the step raised, by group name, on an applied
+  // step (docs/algorithms.md, Telemetry; docs/operations.md, Warnings).
+  std::map<std::string, v1::GroupTelemetry> group_telemetry;
 };
 
 class Session;

@@ -10,12 +10,23 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string_view>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 
 namespace muond::metrics {
+
+// One group's figures after an applied step (docs/algorithms.md, Telemetry); unset: not measured.
+struct GroupFigures {
+  std::string_view group;
+  double grad_norm = 0;
+  double clip_coefficient = 1;
+  std::optional<double> update_rms, update_ratio, momentum_norm, residual;
+  int64_t stale_parameters = 0;
+};
 
 // One answered step of a session, as it went through the transport seam.
 struct StepReport {
@@ -31,6 +42,11 @@ struct StepReport {
   double grad_norm = 0;
   int64_t elements = 0;  // parameters of the session
   int world_size = 1;
+  std::string_view session;
+  // An applied step's groups (spec order) and the kinds of health warning it raised
+  // (docs/operations.md, Warnings); empty otherwise.
+  std::vector<GroupFigures> groups;
+  std::vector<std::string_view> warnings;
 };
 
 class Metrics {
@@ -52,6 +68,8 @@ class Metrics {
   // At start-up, a session folder that could not be restored was moved into the state directory's
   // quarantine. Not pure: most implementations have nothing to do with it.
   virtual void SessionQuarantined() {}
+  // A session was closed: what was reported about it alone may go. Not pure either.
+  virtual void SessionClosed(std::string_view session) {}
 };
 
 // Records nothing; never null, lives for the whole process.

@@ -10,7 +10,7 @@
 #include <sstream>
 
 #include "absl/time/clock.h"
-#include "fmt/format.h"
+#include "server/metrics/exposition.h"
 
 namespace muond::metrics {
 namespace {
@@ -24,36 +24,6 @@ const std::vector<double> kCallBounds = {0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 
 // fsyncs and checkpoint writes: a page-cache write to a large state on a slow disk.
 const std::vector<double> kDiskBounds = {0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
                                          0.1,    0.25,   0.5,   1,      2.5,   5,    10,    30};
-
-std::string Number(double value) {
-  if (std::isinf(value)) return value > 0 ? "+Inf" : "-Inf";
-  if (std::isnan(value)) return "NaN";
-  return fmt::format("{}", value);
-}
-
-// Debian's abseil has a string_view of its own; std::string_view goes through fmt here.
-void Family(std::string* out, std::string_view name, std::string_view type, std::string_view help) {
-  out->append(fmt::format("# HELP {} {}\n# TYPE {} {}\n", name, help, name, type));
-}
-
-void Sample(std::string* out, std::string_view name, const std::string& labels, double value) {
-  out->append(labels.empty() ? fmt::format("{} {}\n", name, Number(value))
-                             : fmt::format("{}{{{}}} {}\n", name, labels, Number(value)));
-}
-
-// key="value", with \, " and newlines escaped as the exposition format asks.
-std::string Label(std::string_view key, std::string_view value) {
-  std::string escaped;
-  for (char c : value) {
-    if (c == '\\' || c == '"') escaped += '\\';
-    if (c == '\n') {
-      escaped += "\\n";
-      continue;
-    }
-    escaped += c;
-  }
-  return fmt::format("{}=\"{}\"", key, escaped);
-}
 
 double Seconds(absl::Duration d) { return absl::FDivDuration(d, absl::Seconds(1)); }
 
@@ -134,6 +104,12 @@ void PrometheusMetrics::StepAnswered(const StepReport& report) {
   figures.total.Observe(report.receive_seconds + report.compute_seconds + report.send_seconds);
   figures.bytes_received += static_cast<uint64_t>(report.bytes_received);
   figures.bytes_sent += static_cast<uint64_t>(report.bytes_sent);
+  groups_.Record(report);
+}
+
+void PrometheusMetrics::SessionClosed(std::string_view session) {
+  absl::MutexLock lock(&mu_);
+  groups_.Drop(session);
 }
 
 void PrometheusMetrics::SessionsHeld(int sessions, int64_t bytes) {
@@ -254,6 +230,8 @@ std::string PrometheusMetrics::Render() const {
   Family(&out, "muond_quarantined_sessions_total", "counter",
          "Session folders that could not be restored at start-up and were moved into the quarantine.");
   Sample(&out, "muond_quarantined_sessions_total", "", static_cast<double>(quarantined_sessions_));
+
+  groups_.Render(&out);
 
   if (backend_memory.has_value()) {
     const auto [in_use, reserved] = *backend_memory;

@@ -5,7 +5,8 @@
 // Names follow Prometheus's rules: the `muond_` prefix, base units (seconds, bytes), counters ending
 // in `_total`, and only bounded label sets — method (the service's RPCs), code (gRPC's 17 codes),
 // transport (grpc, shm), phase (receive, compute, send), outcome (applied, skipped, replayed,
-// prepared); nothing per session. docs/operations.md lists every family with its meaning.
+// prepared); per session only the group telemetry (group_series.h: at most 16 groups of each session
+// held). docs/operations.md lists every family with its meaning.
 //
 // Thread-safe: every report and Render() take one mutex; reports are a few additions each. Gauges that
 // are read rather than reported (backend memory, the process's own figures) are sampled at render.
@@ -21,6 +22,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "server/metrics/group_series.h"
 #include "server/metrics/metrics.h"
 
 namespace muond::metrics {
@@ -62,6 +64,7 @@ class PrometheusMetrics final : public Metrics {
   void JournalAppended(absl::Duration latency, bool ok) override;
   void CheckpointWritten(absl::Duration latency, bool ok) override;
   void SessionQuarantined() override;
+  void SessionClosed(std::string_view session) override;
 
   // Every family in the text exposition format, ending with a newline.
   std::string Render() const;
@@ -108,6 +111,7 @@ class PrometheusMetrics final : public Metrics {
   DiskWrites journal_ ABSL_GUARDED_BY(mu_);
   DiskWrites checkpoint_ ABSL_GUARDED_BY(mu_);
   uint64_t quarantined_sessions_ ABSL_GUARDED_BY(mu_) = 0;
+  GroupSeries groups_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace muond::metrics

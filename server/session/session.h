@@ -39,6 +39,7 @@
 #include "kernels/backend.h"
 #include "kernels/optim/optimizer.h"
 #include "server/session/gradient_staging.h"
+#include "server/session/health_watch.h"
 #include "server/session/incoming_step.h"
 #include "server/session/rank_gather.h"
 #include "server/session/session_config.h"
@@ -214,10 +215,11 @@ class Session {
   // Lends the gradient buffers (`staged`'s, a set filled here from the host values, or on a
   // host-memory backend the host values themselves) to the parameters for the optimizer step and
   // takes them back afterwards, whatever happens. Each group's gradients are first multiplied by
-  // its coefficient (clipping and unscaling; StepClipping).
+  // its coefficient (clipping and unscaling; StepClipping). Each group's optimizer measures its
+  // step into `telemetry` (by group; health_watch.h).
   absl::Status ApplyGradients(const StepPlan& plan, std::vector<HostTensor>& gradients,
-                              const std::vector<double>& group_coefficients, StagedGradients* staged)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                              const std::vector<double>& group_coefficients, StagedGradients* staged,
+                              std::vector<optim::StepTelemetry>& telemetry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status ApplyQkClip(const StepPlan& plan) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Reserves the fp32 scratch QK-clip needs for the 16-bit masters of `plan`'s pairs, before the
   // step changes anything (ApplyQkClip then allocates nothing).
@@ -269,6 +271,7 @@ class Session {
   mutable std::shared_ptr<const ParameterSnapshot> snapshot_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<SessionPersistence> persistence_ ABSL_GUARDED_BY(mu_);
   RankGather gather_ ABSL_GUARDED_BY(mu_);
+  HealthWatch health_ ABSL_GUARDED_BY(mu_);  // telemetry and health warnings, step to step
   // Asynchronous sessions: each rank's last push (its number, the global step it became and its
   // staleness), by rank; checkpointed (SessionState::pushes).
   std::vector<PushRecord> pushes_ ABSL_GUARDED_BY(mu_);

@@ -87,6 +87,7 @@ absl::Status SessionRegistry::Close(const std::string& id, const std::string& ca
   it->second->DiscardPersistence();
   sessions_.erase(it);
   ReportLocked();
+  metrics_->SessionClosed(id);
   return absl::OkStatus();
 }
 

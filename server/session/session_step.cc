@@ -368,7 +368,11 @@ absl::StatusOr<StepOutcome> Session::ApplyLocked(const StepPlan& plan, std::vect
   if (result.applied) {
     absl::MutexLock masters(&masters_mu_);  // waits for answers still reading the masters
     ++masters_version_;
-    MUOND_RETURN_IF_ERROR(ApplyGradients(plan, gradients, clipping.coefficients, staged));
+    std::vector<optim::StepTelemetry> telemetry;
+    MUOND_RETURN_IF_ERROR(ApplyGradients(plan, gradients, clipping.coefficients, staged, telemetry));
+    std::vector<bool> has_gradient(gradients.size());
+    for (size_t i = 0; i < gradients.size(); ++i) has_gradient[i] = gradients[i].present();
+    health_.Observe(config_, clipping, has_gradient, telemetry, result);
     for (size_t i = 0; i < params_.size(); ++i) {
       if (!gradients[i].present()) continue;
       params_[i].master_bound = bounds[i].master;

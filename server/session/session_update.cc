@@ -47,7 +47,8 @@ int64_t Session::CountZeros(const std::vector<HostTensor>& gradients) {
 }
 
 absl::Status Session::ApplyGradients(const StepPlan& plan, std::vector<HostTensor>& gradients,
-                                     const std::vector<double>& group_coefficients, StagedGradients* staged) {
+                                     const std::vector<double>& group_coefficients, StagedGradients* staged,
+                                     std::vector<optim::StepTelemetry>& telemetry) {
   // On a host-memory backend the optimizer reads the host values in place; otherwise they are in
   // the staged set or copied into a set here.
   const bool in_place = backend_->HostAddressable();
@@ -90,9 +91,11 @@ absl::Status Session::ApplyGradients(const StepPlan& plan, std::vector<HostTenso
     }
     by_group[config_.parameters[i].group].push_back(&state);
   }
+  telemetry.assign(optimizers_.size(), {});
   for (size_t g = 0; g < optimizers_.size(); ++g) {
     if (by_group[g].empty()) continue;
-    MUOND_RETURN_IF_ERROR(optimizers_[g]->Step(*backend_, plan.hyper[g], by_group[g]));
+    telemetry[g].measure = config_.groups[g].options.telemetry;
+    MUOND_RETURN_IF_ERROR(optimizers_[g]->StepMeasured(*backend_, plan.hyper[g], by_group[g], telemetry[g]));
   }
   return absl::OkStatus();
 }

@@ -99,6 +99,24 @@ struct StepResult {
     double coefficient = 1;
   };
   std::vector<GroupClip> group_clips;
+  // Each group's telemetry (in spec order) on an applied step (docs/algorithms.md, Telemetry), and
+  // the health warnings the step raised (docs/operations.md, Warnings; health_watch.h).
+  struct GroupTelemetry {
+    std::string group;
+    std::optional<double> update_rms, update_ratio;               // with the telemetry option
+    std::optional<double> momentum_norm, smallest_momentum_norm;  // muon
+    std::optional<double> residual;                               // muon, with the telemetry option
+    std::string residual_parameter;
+    int64_t stale_parameters = 0;
+    std::vector<std::string> warnings;  // kinds raised this step
+  };
+  std::vector<GroupTelemetry> group_telemetry;
+  struct HealthWarning {
+    std::string kind;  // one of kHealthWarningKinds (health_watch.h)
+    std::string group;
+    std::string detail;  // what crossed which threshold, in words
+  };
+  std::vector<HealthWarning> warnings;
 };
 
 // The global step `request` is or became: its step, or for an asynchronous push the global step

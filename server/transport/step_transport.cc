@@ -8,6 +8,25 @@
 
 namespace muond::transport {
 
+namespace {
+
+// An applied step's group telemetry into `report`, and each health warning it raised as a log event
+// of its kind (docs/operations.md, Warnings) and into `report`. Not for a replay: it was reported.
+void ReportHealth(const std::string& session, const session::StepResult& result, metrics::StepReport& report) {
+  for (size_t g = 0; g < result.group_telemetry.size() && g < result.group_clips.size(); ++g) {
+    const session::StepResult::GroupTelemetry& t = result.group_telemetry[g];
+    report.groups.push_back({t.group, result.group_clips[g].grad_norm, result.group_clips[g].coefficient, t.update_rms,
+                             t.update_ratio, t.momentum_norm, t.residual, t.stale_parameters});
+  }
+  for (const session::StepResult::HealthWarning& warning : result.warnings) {
+    MUOND_EVENT(warn, warning.kind, session, result.step, "session {} step {} group '{}': {}: {}", session, result.step,
+                warning.group, warning.kind, warning.detail);
+    report.warnings.push_back(warning.kind);
+  }
+}
+
+}  // namespace
+
 absl::Status RunStep(session::Session& session, session::StepRequest request, GradientSource& source,
                      ParameterSink& sink, metrics::Metrics& metrics) {
   using Clock = std::chrono::steady_clock;  // durations: immune to wall-clock steps
@@ -62,6 +81,8 @@ absl::Status RunStep(session::Session& session, session::StepRequest request, Gr
   report.grad_norm = result.grad_norm;
   report.elements = session.config().total_elements;
   report.world_size = session.config().world_size;
+  report.session = session.id();
+  if (result.applied && !result.replayed) ReportHealth(session.id(), result, report);
   metrics.StepAnswered(report);
   return sent;
 }

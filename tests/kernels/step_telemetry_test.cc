@@ -40,9 +40,9 @@ TEST_P(StepMeasuredTest, SameBitsAndTheSumsOfTheChange) {
   // an expert stack.
   const size_t chunk = UpdateMeter::ChunkElements(*backend);
   const std::vector<std::vector<int64_t>> shapes =
-      o.optimizer == OptimizerKind::kMuon ? std::vector<std::vector<int64_t>>{{64, 48}, {64, 48}, {3, 16, 40}}
-                                          : std::vector<std::vector<int64_t>>{{static_cast<int64_t>(3 * chunk + 11)},
-                                                                              {5, 7}};
+      o.optimizer == OptimizerKind::kMuon
+          ? std::vector<std::vector<int64_t>>{{64, 48}, {64, 48}, {3, 16, 40}}
+          : std::vector<std::vector<int64_t>>{{static_cast<int64_t>(3 * chunk + 11)}, {5, 7}};
   std::mt19937 rng(7);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::vector<ParamState> a(shapes.size()), b(shapes.size());

@@ -50,6 +50,20 @@ const char* StreamedOptionInHeader(const v1::StepHeader& header) {
   return nullptr;
 }
 
+v1::GroupTelemetry ToProto(const session::StepResult::GroupTelemetry& t) {
+  v1::GroupTelemetry out;
+  out.set_group(t.group);
+  if (t.update_rms.has_value()) out.set_update_rms(*t.update_rms);
+  if (t.update_ratio.has_value()) out.set_update_ratio(*t.update_ratio);
+  if (t.momentum_norm.has_value()) out.set_momentum_norm(*t.momentum_norm);
+  if (t.smallest_momentum_norm.has_value()) out.set_smallest_momentum_norm(*t.smallest_momentum_norm);
+  if (t.residual.has_value()) out.set_orthogonality_residual(*t.residual);
+  out.set_residual_parameter(t.residual_parameter);
+  out.set_stale_parameters(t.stale_parameters);
+  for (const std::string& warning : t.warnings) out.add_warnings(warning);
+  return out;
+}
+
 v1::StepResult ToProto(const session::StepResult& result) {
   v1::StepResult out;
   out.set_step(result.step);
@@ -69,6 +83,7 @@ v1::StepResult ToProto(const session::StepResult& result) {
     out_clip->set_grad_norm(clip.grad_norm);
     out_clip->set_coefficient(clip.coefficient);
   }
+  for (const session::StepResult::GroupTelemetry& t : result.group_telemetry) *out.add_group_telemetry() = ToProto(t);
   if (result.global_step != 0) {
     out.set_global_step(result.global_step);
     out.set_staleness(result.staleness);

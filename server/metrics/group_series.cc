@@ -1,0 +1,75 @@
+#include "server/metrics/group_series.h"
+
+#include <algorithm>
+#include <functional>
+#include <optional>
+
+#include "server/metrics/exposition.h"
+
+namespace muond::metrics {
+
+void GroupSeries::Record(const StepReport& report) {
+  for (std::string_view kind : report.warnings) {
+    const auto it = std::find(kWarningKinds.begin(), kWarningKinds.end(), kind);
+    if (it != kWarningKinds.end()) ++warnings_[static_cast<size_t>(it - kWarningKinds.begin())];
+  }
+  if (report.groups.empty() || report.session.empty()) return;
+  std::vector<Latest> latest;
+  for (const GroupFigures& g : report.groups) {
+    if (latest.size() == kMaxGroupsPerSession) break;
+    latest.push_back({std::string(g.group), g.grad_norm, g.clip_coefficient, g.update_rms, g.update_ratio,
+                      g.momentum_norm, g.residual, g.stale_parameters});
+  }
+  const auto it = sessions_.find(report.session);
+  if (it == sessions_.end()) {
+    sessions_.emplace(std::string(report.session), std::move(latest));
+  } else {
+    it->second = std::move(latest);
+  }
+}
+
+void GroupSeries::Drop(std::string_view session) {
+  const auto it = sessions_.find(session);
+  if (it != sessions_.end()) sessions_.erase(it);
+}
+
+void GroupSeries::Render(std::string* out) const {
+  struct Gauge {
+    std::string_view name, help;
+    std::function<std::optional<double>(const Latest&)> value;
+  };
+  const Gauge gauges[] = {
+      {"muond_group_grad_norm", "L2 norm of the group's gradients in its last step, before clipping.",
+       [](const Latest& l) { return std::optional<double>(l.grad_norm); }},
+      {"muond_group_clip_coefficient", "What the group's gradients were multiplied by in its last step (1: none).",
+       [](const Latest& l) { return std::optional<double>(l.clip_coefficient); }},
+      {"muond_group_update_rms", "RMS of the change of the group's masters in its last applied step.",
+       [](const Latest& l) { return l.update_rms; }},
+      {"muond_group_update_ratio", "Norm of that change over the masters' norm before the step.",
+       [](const Latest& l) { return l.update_ratio; }},
+      {"muond_group_momentum_norm", "Muon: norm of the momentum Newton-Schulz received in the last step.",
+       [](const Latest& l) { return l.momentum_norm; }},
+      {"muond_group_orthogonality_residual",
+       "Muon: ||X X^T - I||_F / sqrt(m) of the Newton-Schulz output measured in the last step.",
+       [](const Latest& l) { return l.residual; }},
+      {"muond_group_stale_parameters", "Parameters of the group without a gradient for warn_stale_steps steps or more.",
+       [](const Latest& l) { return std::optional<double>(static_cast<double>(l.stale_parameters)); }},
+  };
+  for (const Gauge& gauge : gauges) {
+    Family(out, gauge.name, "gauge", gauge.help);
+    for (const auto& [session, groups] : sessions_) {
+      for (const Latest& l : groups) {
+        const std::optional<double> value = gauge.value(l);
+        if (value.has_value())
+          Sample(out, gauge.name, Label("session", session) + "," + Label("group", l.group), *value);
+      }
+    }
+  }
+  Family(out, "muond_health_warnings_total", "counter",
+         "Health warnings raised, by kind (docs/operations.md, Warnings).");
+  for (size_t k = 0; k < kWarningKinds.size(); ++k) {
+    Sample(out, "muond_health_warnings_total", Label("kind", kWarningKinds[k]), static_cast<double>(warnings_[k]));
+  }
+}
+
+}  // namespace muond::metrics

@@ -1,0 +1,43 @@
+// GroupSeries: the per-group telemetry families of the Prometheus exporter (muond_group_*) and the
+// health warnings counter (muond_health_warnings_total{kind}); docs/operations.md lists them.
+//
+// Label cardinality is bounded: a group's series carry session and group labels, for at most
+// kMaxGroupsPerSession groups of a session (the first in spec order) and the sessions the daemon
+// holds (--max-sessions); a closed session's series go. Warning kinds are a fixed set.
+//
+// Not thread-safe: PrometheusMetrics calls it under its own mutex.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "server/metrics/metrics.h"
+
+namespace muond::metrics {
+
+class GroupSeries {
+ public:
+  static constexpr size_t kMaxGroupsPerSession = 16;
+  static constexpr std::array<std::string_view, 4> kWarningKinds = {"clip_stall", "momentum_below_eps",
+                                                                    "parameter_stale", "residual_high"};
+
+  void Record(const StepReport& report);
+  void Drop(std::string_view session);
+  void Render(std::string* out) const;
+
+ private:
+  struct Latest {
+    std::string group;
+    double grad_norm = 0, clip_coefficient = 1;
+    std::optional<double> update_rms, update_ratio, momentum_norm, residual;
+    int64_t stale_parameters = 0;
+  };
+  std::map<std::string, std::vector<Latest>, std::less<>> sessions_;  // by session id
+  std::array<uint64_t, kWarningKinds.size()> warnings_ = {};
+};
+
+}  // namespace muond::metrics

@@ -1,0 +1,92 @@
+#include "server/session/health_watch.h"
+
+#include <cmath>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+
+namespace muond::session {
+namespace {
+
+void Raise(std::string_view kind, const std::string& group, std::string detail, StepResult::GroupTelemetry& out,
+           StepResult& result) {
+  out.warnings.emplace_back(kind);
+  result.warnings.push_back({std::string(kind), group, std::move(detail)});
+}
+
+}  // namespace
+
+void HealthWatch::Observe(const SessionConfig& config, const StepClipping& clipping,
+                          const std::vector<bool>& has_gradient, const std::vector<optim::StepTelemetry>& telemetry,
+                          StepResult& result) {
+  const size_t groups = config.groups.size();
+  groups_.resize(groups);
+  steps_without_gradient_.resize(config.parameters.size(), 0);
+  result.group_telemetry.assign(groups, {});
+  for (size_t g = 0; g < groups; ++g) result.group_telemetry[g].group = config.groups[g].name;
+
+  for (size_t i = 0; i < config.parameters.size(); ++i) {
+    const ParameterConfig& pc = config.parameters[i];
+    const optim::GroupOptions& options = config.groups[pc.group].options;
+    StepResult::GroupTelemetry& out = result.group_telemetry[pc.group];
+    int64_t& missing = steps_without_gradient_[i];
+    missing = i < has_gradient.size() && has_gradient[i] ? 0 : missing + 1;
+    if (missing >= options.warn_stale_steps) ++out.stale_parameters;
+    if (missing == options.warn_stale_steps) {
+      Raise(kHealthWarningKinds[2], out.group,
+            absl::StrCat("parameter '", pc.name, "' has had no gradient for ", missing, " steps"), out, result);
+    }
+  }
+
+  for (size_t g = 0; g < groups; ++g) {
+    const optim::GroupOptions& options = config.groups[g].options;
+    const optim::StepTelemetry& t = telemetry[g];
+    StepResult::GroupTelemetry& out = result.group_telemetry[g];
+    GroupState& state = groups_[g];
+    if (options.telemetry && t.updated_elements > 0) {
+      out.update_rms = std::sqrt(t.update_sum_squares / static_cast<double>(t.updated_elements));
+      out.update_ratio = t.master_sum_squares > 0   ? std::sqrt(t.update_sum_squares / t.master_sum_squares)
+                         : t.update_sum_squares > 0 ? HUGE_VAL
+                                                    : 0.0;
+    }
+    if (options.optimizer != optim::OptimizerKind::kMuon) continue;
+
+    const double coefficient = clipping.clipped[g];
+    state.clip_low_steps = coefficient < options.warn_clip_below ? state.clip_low_steps + 1 : 0;
+    if (state.clip_low_steps == options.warn_clip_steps) {
+      Raise(kHealthWarningKinds[0], out.group,
+            absl::StrCat("clip coefficient ", coefficient, " under ", options.warn_clip_below, " for ",
+                         state.clip_low_steps, " steps (gradient norm ", clipping.group_norms[g], ")"),
+            out, result);
+    }
+
+    if (t.matrices > 0) {
+      out.momentum_norm = std::sqrt(t.momentum_sum_squares);
+      out.smallest_momentum_norm = t.smallest_momentum_norm;
+      // Newton–Schulz divides by norm_safety·‖U‖ + eps: at or under eps the update shrinks with
+      // the momentum instead of being normalized.
+      const bool low = options.ns_norm_safety * t.smallest_momentum_norm < options.ns_eps;
+      if (low && !state.momentum_low) {
+        Raise(kHealthWarningKinds[1], out.group,
+              absl::StrCat("a momentum norm of ", t.smallest_momentum_norm, " under ns_eps ", options.ns_eps), out,
+              result);
+      }
+      state.momentum_low = low;
+    }
+
+    if (t.residual.has_value()) {
+      out.residual = t.residual;
+      out.residual_parameter = t.residual_parameter;
+      const bool high = *t.residual > options.warn_residual_above;
+      if (high && !state.residual_high) {
+        Raise(kHealthWarningKinds[3], out.group,
+              absl::StrCat("orthogonality residual ", *t.residual, " of '", t.residual_parameter, "' above ",
+                           options.warn_residual_above),
+              out, result);
+      }
+      state.residual_high = high;
+    }
+  }
+}
+
+}  // namespace muond::session

@@ -1,0 +1,46 @@
+// HealthWatch: a session's watch over its groups from one applied step to the next — the telemetry
+// of each group (docs/algorithms.md, Telemetry) assembled from the step's clipping and what each
+// optimizer measured, and the health warnings of the known silent failures (docs/operations.md,
+// Warnings): a Muon group whose clip coefficient stays under warn_clip_below for warn_clip_steps
+// steps, a Muon matrix whose momentum falls under Newton–Schulz's eps, a parameter without a
+// gradient for warn_stale_steps steps, an orthogonality residual above warn_residual_above.
+//
+// A warning is raised when its condition starts (again), not on every step it lasts. The counters
+// live in memory: a restarted daemon starts them afresh. Owned by the session; not thread-safe (the
+// session's lock guards it).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string_view>
+#include <vector>
+
+#include "kernels/optim/step_telemetry.h"
+#include "server/session/session_config.h"
+#include "server/session/step_plan.h"
+#include "server/session/step_types.h"
+
+namespace muond::session {
+
+// The kinds of health warning, as the step answer, the log events and the metric name them.
+inline constexpr std::array<std::string_view, 4> kHealthWarningKinds = {"clip_stall", "momentum_below_eps",
+                                                                        "parameter_stale", "residual_high"};
+
+class HealthWatch {
+ public:
+  // One applied step: fills result.group_telemetry and result.warnings from the step's clipping,
+  // which parameters had a gradient and each group's optimizer telemetry (by group).
+  void Observe(const SessionConfig& config, const StepClipping& clipping, const std::vector<bool>& has_gradient,
+               const std::vector<optim::StepTelemetry>& telemetry, StepResult& result);
+
+ private:
+  struct GroupState {
+    int64_t clip_low_steps = 0;  // applied steps in a row with the coefficient under the threshold
+    bool momentum_low = false;   // the last step had a matrix under ns_eps
+    bool residual_high = false;  // the last residual measured was above the bound
+  };
+  std::vector<int64_t> steps_without_gradient_;  // by parameter
+  std::vector<GroupState> groups_;
+};
+
+}  // namespace muond::session
