@@ -5,7 +5,9 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "client/streamed_step.h"
 #include "client/transport/grpc_step_transport.h"
+#include "client/transport/grpc_streamed_try.h"
 #include "client/transport/parameter_output.h"
 #include "client/transport/step_transport.h"
 #include "client/transport/transport_choice.h"
@@ -290,8 +292,7 @@ absl::Status Session::UploadParameters(std::span<const TensorView> parameters) {
   return status;
 }
 
-absl::StatusOr<StepReply> Session::Step(int64_t step, std::span<const TensorView> gradients,
-                                        const StepOptions& options) {
+absl::Status Session::CheckParametersOut(const StepOptions& options) const {
   // Checked before anything is sent: a step must never be applied with nowhere to put its answer.
   for (const auto& [name, values] : options.parameters_out) {
     auto numel = numel_.find(name);
@@ -303,34 +304,96 @@ absl::StatusOr<StepReply> Session::Step(int64_t step, std::span<const TensorView
                                                      " elements for a parameter of ", numel->second));
     }
   }
-  if (transport_ == nullptr) {
-    absl::StatusOr<std::unique_ptr<StepTransport>> opened = client_->OpenTransport(*this);
-    if (!opened.ok()) return opened.status();
-    transport_ = *std::move(opened);
-  }
+  return absl::OkStatus();
+}
+
+absl::Status Session::EnsureTransport() {
+  if (transport_ != nullptr) return absl::OkStatus();
+  absl::StatusOr<std::unique_ptr<StepTransport>> opened = client_->OpenTransport(*this);
+  if (!opened.ok()) return opened.status();
+  transport_ = *std::move(opened);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StepReply> Session::Step(int64_t step, std::span<const TensorView> gradients,
+                                        const StepOptions& options) {
+  if (absl::Status fits = CheckParametersOut(options); !fits.ok()) return fits;
+  if (absl::Status opened = EnsureTransport(); !opened.ok()) return opened;
   return StepThrough(*transport_, step, StepPayload{.gradients = gradients}, options);
+}
+
+absl::StatusOr<std::unique_ptr<StreamedStep>> Session::BeginStreamedStep(int64_t step, const StepOptions& options) {
+  if (absl::Status opened = EnsureTransport(); !opened.ok()) return opened;
+  std::unique_ptr<StreamedStep> streamed(new StreamedStep(this, step, options));
+  if (transport_->name() != "grpc") return streamed;  // gathered: shared memory moves them at once
+  if (!streamed_steps_.has_value()) {
+    absl::StatusOr<v1::ServerInfo> info = client_->GetServerInfo();
+    if (!info.ok()) return info.status();
+    streamed_steps_ = info->streamed_steps();
+  }
+  if (!*streamed_steps_) return streamed;  // an older daemon: gathered, sent by Finish
+  v1::StepHeader header = Header(step, options);
+  header.clear_overrides();
+  header.clear_max_grad_norm();
+  header.clear_qk_logits();
+  header.clear_grad_scale();
+  header.clear_weight();
+  header.set_streamed(true);
+  header.set_return_dtype(options.return_dtype);
+  header.set_max_chunk_bytes(static_cast<uint32_t>(client_->options().chunk_bytes));
+  streamed->try_ = std::make_unique<GrpcStreamedTry>(*client_, *this, header);
+  return streamed;
+}
+
+absl::StatusOr<StepReply> Session::FinishStreamed(StreamedStep& streamed, const StepOptions& options) {
+  if (absl::Status fits = CheckParametersOut(options); !fits.ok()) {
+    streamed.try_.reset();
+    return fits;
+  }
+  const StepPayload payload{.gradients = streamed.added_};
+  if (streamed.try_ == nullptr) return StepFrom(1, *transport_, streamed.step(), payload, options);
+  const v1::StepHeader whole = Header(streamed.step(), options);
+  v1::StepEnd end;
+  *end.mutable_overrides() = whole.overrides();
+  if (whole.has_max_grad_norm()) end.set_max_grad_norm(whole.max_grad_norm());
+  *end.mutable_qk_logits() = whole.qk_logits();
+  if (whole.has_grad_scale()) end.set_grad_scale(whole.grad_scale());
+  if (whole.has_weight()) end.set_weight(whole.weight());
+  absl::StatusOr<StepReply> reply = streamed.try_->Finish(std::move(end), options);
+  streamed.try_.reset();
+  if (reply.ok()) return Answered(*std::move(reply), 1);
+  if (!IsTransient(reply.status().code()) || client_->options().max_step_attempts <= 1) return reply;
+  client_->PauseBeforeRetry(client_->options().retry_backoff);
+  return StepFrom(2, *transport_, streamed.step(), payload, options);
 }
 
 absl::StatusOr<StepReply> Session::StepThrough(StepTransport& transport, int64_t step, const StepPayload& payload,
                                                const StepOptions& options) {
+  return StepFrom(1, transport, step, payload, options);
+}
+
+absl::StatusOr<StepReply> Session::StepFrom(int first, StepTransport& transport, int64_t step,
+                                            const StepPayload& payload, const StepOptions& options) {
   const v1::StepHeader header = Header(step, options);
-  std::chrono::milliseconds backoff = client_->options().retry_backoff;
-  for (int attempt = 1;; ++attempt) {
+  std::chrono::milliseconds backoff = client_->options().retry_backoff * (1 << (first - 1));
+  for (int attempt = first;; ++attempt) {
     absl::StatusOr<StepReply> reply = transport.StepOnce(header, payload, options);
-    if (reply.ok()) {
-      reply->attempts = attempt;
-      // An answer without contributors comes from a daemon that does not report them (it used
-      // every rank), or is a quorum session's replay of a step from before its restart (whose
-      // `included` the daemon gave).
-      const bool quorum_replay = reply->replayed && spec_.sync().mode() == v1::SYNC_MODE_QUORUM;
-      if (reply->contributors.empty() && !quorum_replay) reply->included = true;
-      last_step_ = reply->step;  // a rank left out of a quorum step continues where the session is
-      return reply;
-    }
+    if (reply.ok()) return Answered(*std::move(reply), attempt);
     if (!IsTransient(reply.status().code()) || attempt >= client_->options().max_step_attempts) return reply;
     client_->PauseBeforeRetry(backoff);
     backoff *= 2;
   }
+}
+
+StepReply Session::Answered(StepReply reply, int attempts) {
+  reply.attempts = attempts;
+  // An answer without contributors comes from a daemon that does not report them (it used every
+  // rank), or is a quorum session's replay of a step from before its restart (whose `included` the
+  // daemon gave).
+  const bool quorum_replay = reply.replayed && spec_.sync().mode() == v1::SYNC_MODE_QUORUM;
+  if (reply.contributors.empty() && !quorum_replay) reply.included = true;
+  last_step_ = reply.step;  // a rank left out of a quorum step continues where the session is
+  return reply;
 }
 
 v1::StepHeader Session::Header(int64_t step, const StepOptions& options) const {

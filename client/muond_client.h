@@ -36,6 +36,7 @@ class SlicePool;
 namespace muond::client {
 
 class StepTransport;
+class StreamedStep;
 struct StepPayload;
 struct TransportKind;
 
@@ -225,6 +226,12 @@ class Session {
   // the parameters after it.
   absl::StatusOr<StepReply> Step(int64_t step, std::span<const TensorView> gradients, const StepOptions& options = {});
 
+  // Begins step `step` as a streamed step (client/streamed_step.h): its gradients are added as
+  // they are ready and StreamedStep::Finish takes its options. `options` names the step (its
+  // rank, base_step, log_num_zeros_in_grad, return_dtype and phase); its other fields wait for
+  // Finish.
+  absl::StatusOr<std::unique_ptr<StreamedStep>> BeginStreamedStep(int64_t step, const StepOptions& options = {});
+
   // Step `step` through `transport` (a transport of this session): the header is built here, and
   // transient failures are retried with the same step number. Session::Step uses the Client's
   // transport; CudaIpcStepper its own.
@@ -242,6 +249,17 @@ class Session {
  private:
   absl::StatusOr<ParameterMap> GetParametersOnce(int64_t* last_step, const std::vector<std::string>& names);
   v1::StepHeader Header(int64_t step, const StepOptions& options) const;
+  friend class StreamedStep;
+  absl::StatusOr<StepReply> FinishStreamed(StreamedStep& streamed, const StepOptions& options);
+  // Tries from attempt `first` on (earlier ones were made elsewhere), as StepThrough does.
+  absl::StatusOr<StepReply> StepFrom(int first, StepTransport& transport, int64_t step, const StepPayload& payload,
+                                     const StepOptions& options);
+  // INVALID_ARGUMENT naming options.parameters_out when one of its buffers does not fit.
+  absl::Status CheckParametersOut(const StepOptions& options) const;
+  absl::Status EnsureTransport();
+  // After an answer: its attempt count, whether this rank was included, the session's last step.
+  StepReply Answered(StepReply reply, int attempts);
+  std::optional<bool> streamed_steps_;  // whether the daemon takes streamed steps, once asked
 
   Client* const client_;
   const std::string id_;

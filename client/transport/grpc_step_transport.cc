@@ -58,14 +58,18 @@ absl::StatusOr<StepReply> GrpcStepTransport::StepOnce(const v1::StepHeader& head
                             });
   }
   stream->WritesDone();
+  return ReadStepAnswer(*stream, session_.element_counts(), options);
+}
 
+absl::StatusOr<StepReply> ReadStepAnswer(grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>& stream,
+                                         const std::map<std::string, int64_t>& numel, const StepOptions& options) {
   StepReply reply;
-  const std::map<std::string, int64_t>& numel = session_.element_counts();
   absl::Status decode = absl::OkStatus();
   bool have_result = false;
+  grpc::ByteBuffer buffer;
   wire::FramedChunk framed;
   v1::StepResponse response;
-  while (stream->Read(&buffer)) {
+  while (stream.Read(&buffer)) {
     if (!decode.ok()) continue;  // drain the stream; the first error is reported
     if (wire::ParseChunkFrame(buffer, wire::kChunkField, &framed)) {
       decode = ReadChunk(framed.meta, framed.data, framed.data_bytes, numel, options.parameters_out, &reply.parameters);
@@ -78,7 +82,7 @@ absl::StatusOr<StepReply> GrpcStepTransport::StepOnce(const v1::StepHeader& head
       decode = ReadChunk(response.chunk(), numel, options.parameters_out, &reply.parameters);
     }
   }
-  absl::Status status = FromGrpcStatus(stream->Finish());
+  absl::Status status = FromGrpcStatus(stream.Finish());
   if (!status.ok()) return status;
   if (!decode.ok()) return decode;
   if (!have_result) return absl::InternalError("the daemon's step answer had no result");

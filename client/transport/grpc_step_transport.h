@@ -6,11 +6,21 @@
 // Ownership: borrows the Client and the Session (which outlive it). One thread at a time.
 #pragma once
 
+#include <map>
+#include <string>
+
 #include "client/transport/transport_choice.h"
+#include "grpcpp/support/byte_buffer.h"
+#include "grpcpp/support/sync_stream.h"
 
 namespace muond::client {
 
 const TransportKind& GrpcTransportKind();
+
+// Reads a Step stream's answer (the StepResult, then the parameters into options.parameters_out or
+// the reply) after the request side is done, and finishes the call.
+absl::StatusOr<StepReply> ReadStepAnswer(grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>& stream,
+                                         const std::map<std::string, int64_t>& numel, const StepOptions& options);
 
 // The first chunk of `tensor`'s: its name and its shape (so the daemon can refuse a transposed one).
 v1::TensorChunk FirstChunk(const TensorView& tensor);

@@ -1,0 +1,69 @@
+#include "client/streamed_step.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "client/transport/grpc_streamed_try.h"
+
+namespace muond::client {
+namespace {
+
+// INVALID_ARGUMENT naming the first option that defines which step this is and differs.
+absl::Status CheckSameStep(const StepOptions& begun, const StepOptions& now) {
+  const char* field = nullptr;
+  if (begun.rank != now.rank)
+    field = "rank";
+  else if (begun.base_step != now.base_step)
+    field = "base_step";
+  else if (begun.log_num_zeros_in_grad != now.log_num_zeros_in_grad)
+    field = "log_num_zeros_in_grad";
+  else if (begun.return_dtype != now.return_dtype)
+    field = "return_dtype";
+  else if (begun.phase != now.phase)
+    field = "phase";
+  if (field == nullptr) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("options.", field, ": must be what the streamed step began with (it names the step)"));
+}
+
+}  // namespace
+
+StreamedStep::StreamedStep(Session* session, int64_t step, StepOptions begun)
+    : session_(session), step_(step), begun_(std::move(begun)) {}
+
+StreamedStep::~StreamedStep() { Cancel(); }
+
+absl::Status StreamedStep::Add(const TensorView& gradient) {
+  if (done_) return absl::FailedPreconditionError("the streamed step is finished");
+  const auto numel = session_->element_counts().find(gradient.name);
+  if (numel == session_->element_counts().end()) {
+    return absl::InvalidArgumentError(absl::StrCat("gradient.name: no parameter '", gradient.name, "'"));
+  }
+  if (static_cast<int64_t>(gradient.values.size()) != numel->second) {
+    return absl::InvalidArgumentError(absl::StrCat("gradient.values: '", gradient.name, "' has ", numel->second,
+                                                   " elements, got ", gradient.values.size()));
+  }
+  for (const TensorView& added : added_) {
+    if (added.name == gradient.name) {
+      return absl::InvalidArgumentError(absl::StrCat("gradient.name: '", gradient.name, "' was added already"));
+    }
+  }
+  added_.push_back(gradient);
+  // A broken stream is noticed by Finish (its status), which then retries with every gradient.
+  if (try_ != nullptr) try_->Add(gradient);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StepReply> StreamedStep::Finish(const StepOptions& options) {
+  if (done_) return absl::FailedPreconditionError("the streamed step is finished");
+  if (absl::Status same = CheckSameStep(begun_, options); !same.ok()) return same;
+  done_ = true;
+  return session_->FinishStreamed(*this, options);
+}
+
+void StreamedStep::Cancel() {
+  done_ = true;
+  try_.reset();  // cancels the call: nothing of it is applied
+}
+
+}  // namespace muond::client
