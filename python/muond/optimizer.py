@@ -65,7 +65,7 @@ from .naming import named_groups
 from .overlap import GradientStream
 from .state_digest import StateDigest
 from .state_digest import combine as combine_digests
-from .step_info import StepInfo, check_max_grad_norm, group_clips_of, rank_report
+from .step_info import StepInfo, check_max_grad_norm, group_fields, rank_report
 from .transport.daemon_session import DaemonSession, StreamedStep, copy_in
 from .transport.streamed import IdentityChanged
 
@@ -556,7 +556,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
                                   result.num_zeros_in_grad if self.log_num_zeros_in_grad else None,
                                   result.loss_scale if self.loss_scaler is not None else None,
                                   contributors, total_weight, included,
-                                  group_clips=group_clips_of(result))
+                                  **group_fields(result))
         if self.loss_scaler is not None:
             self.loss_scale = result.loss_scale
         if not included:
@@ -632,7 +632,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
                                   contributors, total_weight, True,
                                   global_step=int(result.global_step),
                                   staleness=int(result.staleness),
-                                  group_clips=group_clips_of(result))
+                                  **group_fields(result))
         if self.loss_scaler is not None:
             self.loss_scale = result.loss_scale
 

@@ -82,14 +82,19 @@ DEFAULTS: Dict[str, Dict[str, Any]] = {
         "qk_clip_alpha": 0.5, "moment2_method": None, "beta2": 0.95, "eps": 1e-8,
         "master_dtype": None, "momentum_dtype": None, "exp_avg_sq_dtype": None,
         "clip_scope": None, "max_grad_norm": None,
+        "telemetry": True, "warn_clip_below": 0.01, "warn_clip_steps": 10,
+        "warn_stale_steps": 100, "warn_residual_above": 0.8,
     },
     "adamw": {"lr": 1e-3, "weight_decay": 0.01, "weight_decay_mode": "decoupled", "betas": (0.9, 0.999),
               "eps": 1e-8, "master_dtype": None, "exp_avg_dtype": None, "exp_avg_sq_dtype": None,
-              "clip_scope": None, "max_grad_norm": None},
+              "clip_scope": None, "max_grad_norm": None,
+              "telemetry": True, "warn_stale_steps": 100},
     "lion": {"lr": 1e-4, "weight_decay": 0.0, "betas": (0.9, 0.99), "master_dtype": None,
-             "exp_avg_dtype": None, "clip_scope": None, "max_grad_norm": None},
+             "exp_avg_dtype": None, "clip_scope": None, "max_grad_norm": None,
+             "telemetry": True, "warn_stale_steps": 100},
     "sgd": {"lr": 1e-2, "weight_decay": 0.0, "momentum": 0.0, "nesterov": False, "master_dtype": None,
-            "momentum_dtype": None, "clip_scope": None, "max_grad_norm": None},
+            "momentum_dtype": None, "clip_scope": None, "max_grad_norm": None,
+            "telemetry": True, "warn_stale_steps": 100},
 }
 # Options of a Muon group that only its second moment (moment2_method) reads.
 MUON_MOMENT2 = ("beta2", "eps", "exp_avg_sq_dtype")

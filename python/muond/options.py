@@ -40,6 +40,10 @@ turns a resolved group into the ``muond.v1.GroupOptions`` message sent when a se
 | clip_scope              | all          | None = "global" ("group": its own norm and max_grad_norm;  |
 |                         |              | "none": neither counted nor clipped)                     |
 | max_grad_norm           | all          | None; the group's own limit, with clip_scope "group" only |
+| telemetry               | all          | True; False: no update figures, no orthogonality residual |
+| warn_clip_below/_steps  | muon         | 0.01, 10: a clip coefficient under it for that many steps |
+| warn_stale_steps        | all          | 100: a parameter without a gradient for that many steps  |
+| warn_residual_above     | muon         | 0.8: an orthogonality residual above it                  |
 
 The *_dtype options choose how the daemon stores masters and optimizer state (Megatron-Core's
 precision-aware optimizer); every step still computes in fp32 and rounds to nearest even when it
@@ -133,13 +137,14 @@ def _check_value(key: str, value: Any) -> Any:
         return value
     if key == "ns_coefficients":
         return _coefficients(value)
-    if key == "nesterov":
+    if key in ("nesterov", "telemetry"):
         return bool(value)
     if key == "tp_blocks" and (int(value) != value or value < 1):
         raise ValueError(f"tp_blocks must be an integer >= 1, got {value!r}")
     if key == "tp_block_dim" and value not in (0, 1):
         raise ValueError(f"tp_block_dim must be 0 (rows) or 1 (columns), got {value!r}")
-    if key in ("ns_steps", "num_query_groups", "tp_blocks", "tp_block_dim"):
+    if key in ("ns_steps", "num_query_groups", "tp_blocks", "tp_block_dim", "warn_clip_steps",
+               "warn_stale_steps"):
         if int(value) != value:
             raise ValueError(f"{key} must be an integer, got {value!r}")
         return int(value)
@@ -243,7 +248,8 @@ _SCALAR_FIELDS = ("lr", "weight_decay", "weight_decay_mode", "momentum", "nester
                   "momentum_style", "ns_steps", "ns_coefficients_after", "ns_eps", "ns_norm_safety",
                   "scale_mode", "extra_scale_factor", "matmul_precision", "qk_clip_threshold",
                   "qk_clip_alpha", "moment2_method", "ns_algorithm", "master_dtype",
-                  "momentum_dtype", "exp_avg_dtype", "clip_scope", "max_grad_norm")
+                  "momentum_dtype", "exp_avg_dtype", "clip_scope", "max_grad_norm", "telemetry",
+                  "warn_clip_below", "warn_clip_steps", "warn_stale_steps", "warn_residual_above")
 
 
 def group_options_proto(group: Mapping[str, Any]) -> pb.GroupOptions:

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, NamedTuple, Optional, Tuple
 
+from .group_info import GroupInfo, groups_of
+
 
 @dataclass(frozen=True)
 class StepInfo:
@@ -49,12 +51,21 @@ class StepInfo:
     # they were multiplied by (group option clip_scope; docs/algorithms.md, Clipping). Empty when
     # the daemon does not say (an older one, a sharded session's combined answer).
     group_clips: Mapping[str, "GroupClip"] = field(default_factory=dict)
+    # Each group's clipping, telemetry and health warnings this step, by group name
+    # (``muond.group_info.GroupInfo``; docs/algorithms.md, Telemetry). Empty when the daemon does
+    # not say, and from ``LocalOptimizer``.
+    groups: Mapping[str, GroupInfo] = field(default_factory=dict)
 
 
 class GroupClip(NamedTuple):
     """One group's clipping in a step: its gradients' L2 norm (unscaled) and the coefficient."""
     grad_norm: float
     coefficient: float
+
+
+def group_fields(result: Any) -> Dict[str, Any]:
+    """The per-group fields of ``StepInfo`` (``group_clips``, ``groups``) of a daemon's answer."""
+    return {"group_clips": group_clips_of(result), "groups": groups_of(result)}
 
 
 def group_clips_of(result: Any) -> Dict[str, GroupClip]:

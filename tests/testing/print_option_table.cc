@@ -60,7 +60,12 @@ json Defaults() {
                       {"qk_clip_alpha", o.qk_clip_alpha},
                       {"beta1", o.beta1},
                       {"beta2", o.beta2},
-                      {"eps", o.eps}};
+                      {"eps", o.eps},
+                      {"telemetry", o.telemetry},
+                      {"warn_clip_below", o.warn_clip_below},
+                      {"warn_clip_steps", o.warn_clip_steps},
+                      {"warn_stale_steps", o.warn_stale_steps},
+                      {"warn_residual_above", o.warn_residual_above}};
     json mine = json::object();
     for (const auto& [name, value] : all.items()) {
       if (optim::OptionApplies(kind, name)) mine[name] = value;
