@@ -470,6 +470,19 @@ absl::StatusOr<int64_t> Session::Checkpoint() {
   return response.step();
 }
 
+absl::StatusOr<StateDigest> Session::GetStateDigest() {
+  v1::GetStateDigestRequest request;
+  request.set_session_id(id_);
+  v1::StateDigest response;
+  grpc::Status status = RetryWhileUnavailable(*client_, [&] {
+    grpc::ClientContext context;
+    client_->PrepareContext(context);
+    return client_->stub().GetStateDigest(&context, request, &response);
+  });
+  if (!status.ok()) return FromGrpcStatus(status);
+  return FromProto(response);
+}
+
 absl::Status Session::Close() { return client_->CloseSession(id_); }
 
 }  // namespace muond::client

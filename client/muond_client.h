@@ -27,6 +27,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "client/error_reason.h"
+#include "client/state_digest.h"
 #include "muond/v1/muond.grpc.pb.h"
 
 namespace muond::wire {
@@ -243,6 +244,10 @@ class Session {
 
   // Asks the daemon to write a checkpoint now (it needs --state-dir); returns the step it holds.
   absl::StatusOr<int64_t> Checkpoint();
+
+  // The digest of the session's whole state as it is now (GetStateDigest; client/state_digest.h),
+  // equal for equal states wherever they are held, different for any changed bit.
+  absl::StatusOr<StateDigest> GetStateDigest();
 
   absl::Status Close();
 

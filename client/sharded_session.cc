@@ -256,6 +256,13 @@ absl::StatusOr<int64_t> ShardedSession::Checkpoint() {
   return CommonStep(*steps);
 }
 
+absl::StatusOr<StateDigest> ShardedSession::GetStateDigest() {
+  absl::StatusOr<std::vector<StateDigest>> shards =
+      OnEveryShard<StateDigest>([&](int k) { return sessions_[k]->GetStateDigest(); });
+  if (!shards.ok()) return shards.status();
+  return CombineShardDigests(*shards);
+}
+
 absl::Status ShardedSession::Close() {
   absl::StatusOr<std::vector<bool>> closed = OnEveryShard<bool>([&](int k) -> absl::StatusOr<bool> {
     absl::Status status = sessions_[k]->Close();

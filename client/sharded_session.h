@@ -46,6 +46,9 @@ class ShardedSession {
   absl::StatusOr<ParameterMap> GetParameters(int64_t* last_step = nullptr);
   // Checkpoints every shard; their common step.
   absl::StatusOr<int64_t> Checkpoint();
+  // Every shard's state digest combined in shard order (CombineShardDigests, client/state_digest.h);
+  // FAILED_PRECONDITION when the shards are at different steps.
+  absl::StatusOr<StateDigest> GetStateDigest();
   absl::Status Close();
 
  private:

@@ -29,7 +29,7 @@ endif()
 # Headers keep their repository paths under include/muond/ ("client/muond_client.h"); the generated
 # API sits at include/muond/v1/ ("muond/v1/muond.pb.h" from include/).
 install(FILES client/muond_client.h client/error_reason.h client/sharded_session.h client/shard_placement.h
-              client/shm_region.h client/streamed_step.h
+              client/shm_region.h client/state_digest.h client/streamed_step.h
   DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/muond/client)
 install(FILES client/transport/step_transport.h DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/muond/client/transport)
 install(FILES proto/wire/chunk_frame.h proto/wire/dtype_codec.h
