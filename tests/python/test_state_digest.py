@@ -125,8 +125,9 @@ def test_a_restart_restores_the_same_digest(start_daemon, tmp_path, durability):
         assert resumed.state_digest().digest != live.digest
 
 
-def test_a_sharded_digest_combines_the_shards_in_order(start_daemon):
-    daemons = [start_daemon() for _ in range(2)]
+def test_a_sharded_digest_combines_the_shards_in_order(start_daemon, tmp_path):
+    flags = [("--state-dir", tmp_path / f"state-{k}") for k in range(2)]
+    daemons = [start_daemon(*flags[k], workdir=tmp_path / f"daemon-{k}") for k in range(2)]
     endpoints = [d.endpoint for d in daemons]
     session = f"digest-shards-{uuid.uuid4().hex[:8]}"
     model = TinyNet(seed=84)
@@ -144,6 +145,17 @@ def test_a_sharded_digest_combines_the_shards_in_order(start_daemon):
         assert combined.shards == tuple(p.digest for p in parts)
         assert combined.num_tensors == sum(p.num_tensors for p in parts)
         assert combined.num_bytes == sum(p.num_bytes for p in parts)
+        assert opt.state_digest() == combined
+        opt.close(keep_session=True)
+
+    # Both daemons restarted (each checkpoints on SIGTERM): the same combined digest, at the same
+    # step; one more step changes it.
+    for k, daemon in enumerate(daemons):
+        daemon.stop()
+        daemons[k] = start_daemon(*flags[k], workdir=tmp_path / f"daemon-{k}", listen=endpoints[k])
+    model = TinyNet(seed=84)
+    with muond.RemoteOptimizer(groups(model), endpoints=endpoints, session=session) as opt:
+        assert opt.last_step == 2
         assert opt.state_digest() == combined
         train(model, opt, range(3, 4))
         assert opt.state_digest().digest != combined.digest
