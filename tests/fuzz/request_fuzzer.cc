@@ -439,6 +439,15 @@ void RunUnary(Op op, absl::string_view payload) {
       ExpectState(before, "Checkpoint", status);
       return;
     }
+    case Op::kGetStateDigest: {  // reads the whole state; changes nothing
+      std::optional<v1::GetStateDigestRequest> request = Parse<v1::GetStateDigestRequest>(payload);
+      if (!request) return;
+      v1::StateDigest response;
+      const grpc::Status status = d.stub->GetStateDigest(&context, *request, &response);
+      Trace("GetStateDigest", status);
+      ExpectState(before, "GetStateDigest", status);
+      return;
+    }
     case Op::kGetServerInfo: {
       v1::ServerInfo response;
       const grpc::Status status = d.stub->GetServerInfo(&context, v1::GetServerInfoRequest(), &response);

@@ -36,6 +36,7 @@ enum class Op : uint8_t {
   kCancel,             // cancels the open stream before its end
   kFinish,             // half-closes the open stream and reads the answer
   kCheckpoint,         // payload: CheckpointRequest
+  kGetStateDigest,     // payload: GetStateDigestRequest
   kNumOps,
 };
 

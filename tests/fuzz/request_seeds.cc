@@ -161,6 +161,9 @@ void Reads(ScriptWriter& w, const std::string& id) {
   v1::CheckpointRequest checkpoint;
   checkpoint.set_session_id(id);
   w.Add(Op::kCheckpoint, checkpoint);
+  v1::GetStateDigestRequest digest;
+  digest.set_session_id(id);
+  w.Add(Op::kGetStateDigest, digest);
 }
 
 std::string Train() {
