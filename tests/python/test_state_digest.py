@@ -5,6 +5,7 @@ master or an optimizer slot (fp32 or bf16) changed; a sharded session's digest c
 by the documented rule."""
 
 import hashlib
+import struct
 import uuid
 
 import grpc
@@ -83,6 +84,42 @@ def test_any_changed_bit_changes_the_digest(endpoint):
         assert opt.state_digest().digest not in seen  # a step count is state too
         opt.load_state_dict(saved)
         assert opt.state_digest() == before  # the same bits again: the same digest
+
+
+def documented_digest(opt, spec):
+    """The digest of ``opt``'s state computed here from ``state_dict()`` by the format
+    docs/protocol.md gives (muond-state-v1), for a session without a loss scaler."""
+    saved = opt.state_dict()
+    index = {name: i for i, name in enumerate(saved["muond"]["names"])}
+    dtypes = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+    def string(text):
+        return struct.pack("<Q", len(text.encode())) + text.encode()
+
+    out = string("muond-state-v1") + struct.pack("<q", saved["muond"]["last_step"]) + b"\0"
+    out += struct.pack("<Q", len(spec.parameters))
+    for p in spec.parameters:
+        entry = saved["state"][index[p.name]]
+        slots = ["master"] + sorted(slot for slot in entry if slot not in ("master", "step"))
+        out += string(p.name) + struct.pack("<q", entry["step"]) + struct.pack("<Q", len(slots))
+        for slot in slots:
+            tensor = entry[slot].contiguous()
+            data = (tensor if tensor.dtype == torch.float32 else tensor.view(torch.int16)).numpy().tobytes()
+            out += string(p.name) + string(slot) + string(dtypes[tensor.dtype])
+            out += struct.pack("<Q", tensor.dim()) + b"".join(struct.pack("<q", d) for d in tensor.shape)
+            out += struct.pack("<Q", len(data)) + data
+    return hashlib.sha256(out).hexdigest()
+
+
+def test_the_digest_follows_the_documented_format(endpoint):
+    model = TinyNet(seed=86)
+    session = f"digest-format-{uuid.uuid4().hex[:8]}"
+    with muond.RemoteOptimizer(groups(model), endpoint=endpoint, session=session) as opt:
+        train(model, opt, range(1, 3))
+        conn = muond.Connection(endpoint)
+        [summary] = [s for s in conn.list_sessions() if s.session_id == session]
+        conn.close()
+        assert opt.state_digest().digest == documented_digest(opt, summary.spec)
 
 
 def test_unknown_or_empty_sessions_are_refused(endpoint):
