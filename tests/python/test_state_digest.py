@@ -1,8 +1,9 @@
 """The state digest against real daemons (``RemoteOptimizer.state_digest()``, ``GetStateDigest``):
 equal for equal states (two sessions given the same steps, a session after a restart from
 --state-dir in either durability mode), different after one more step and after any one bit of a
-master or an optimizer slot (fp32 or bf16) changed; a sharded session's digest combines its shards'
-by the documented rule."""
+master or an optimizer slot (fp32 or bf16), a step count or the loss scaler's state changed; it
+follows the documented format; a sharded session's digest combines its shards' by the documented
+rule, and survives a restart of every shard."""
 
 import hashlib
 import struct
@@ -120,6 +121,26 @@ def test_the_digest_follows_the_documented_format(endpoint):
         [summary] = [s for s in conn.list_sessions() if s.session_id == session]
         conn.close()
         assert opt.state_digest().digest == documented_digest(opt, summary.spec)
+
+
+def test_the_loss_scalers_state_is_part_of_the_digest(endpoint):
+    model = TinyNet(seed=87)
+    scaler = {"initial_scale": 2.0 ** 16, "window": 3, "hysteresis": 2}
+    with muond.RemoteOptimizer(groups(model), endpoint=endpoint, loss_scaler=scaler) as opt:
+        for step in range(1, 3):
+            opt.scale_loss(loss_of(model, step)).backward()
+            opt.step()
+            opt.zero_grad()
+        before = opt.state_digest()
+        saved = opt.state_dict()
+        tracker = saved["muond"]["loss_scaler"]["growth_tracker"]
+        changed = {**saved, "muond": {**saved["muond"],
+                                      "loss_scaler": {**saved["muond"]["loss_scaler"],
+                                                      "growth_tracker": (tracker + 1) % 3}}}
+        opt.load_state_dict(changed)
+        assert opt.state_digest().digest != before.digest
+        opt.load_state_dict(saved)
+        assert opt.state_digest() == before
 
 
 def test_unknown_or_empty_sessions_are_refused(endpoint):
