@@ -8,6 +8,7 @@
 #include "kernels/optim/options.h"
 #include "server/rpc/muond_service.h"
 #include "server/rpc/session_spec_codec.h"
+#include "server/transport/v1/api_conversion.h"
 
 namespace muond::rpc {
 namespace {
@@ -95,6 +96,10 @@ grpc::Status MuondService::ListSessions(grpc::ServerContext* context, const v1::
       summary->set_initialized(session->initialized());
       summary->set_world_size(session->config().world_size);
       summary->set_state_bytes(session->state_bytes());
+      const session::HealthWatch::Latest health = session->LatestHealth();
+      summary->set_telemetry_step(health.step);
+      for (const auto& clip : health.clips) *summary->add_group_clips() = transport::ToProto(clip);
+      for (const auto& t : health.telemetry) *summary->add_group_telemetry() = transport::ToProto(t);
       if (absl::StatusOr<v1::SessionSpec> spec = SpecFromJson(session->config().spec_json); spec.ok()) {
         *summary->mutable_spec() = *std::move(spec);
       }

@@ -87,6 +87,7 @@ void HealthWatch::Observe(const SessionConfig& config, const StepClipping& clipp
       state.residual_high = high;
     }
   }
+  latest_ = {result.step, result.group_clips, result.group_telemetry};
 }
 
 }  // namespace muond::session

@@ -33,6 +33,15 @@ class HealthWatch {
   void Observe(const SessionConfig& config, const StepClipping& clipping, const std::vector<bool>& has_gradient,
                const std::vector<optim::StepTelemetry>& telemetry, StepResult& result);
 
+  // The last applied step observed: its step (0: none yet), and every group's clipping and
+  // telemetry in it.
+  struct Latest {
+    int64_t step = 0;
+    std::vector<StepResult::GroupClip> clips;
+    std::vector<StepResult::GroupTelemetry> telemetry;
+  };
+  const Latest& latest() const { return latest_; }
+
  private:
   struct GroupState {
     int64_t clip_low_steps = 0;  // applied steps in a row with the coefficient under the threshold
@@ -41,6 +50,7 @@ class HealthWatch {
   };
   std::vector<int64_t> steps_without_gradient_;  // by parameter
   std::vector<GroupState> groups_;
+  Latest latest_;
 };
 
 }  // namespace muond::session

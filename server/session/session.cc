@@ -67,6 +67,11 @@ int64_t Session::last_step() const {
   return last_step_;
 }
 
+HealthWatch::Latest Session::LatestHealth() const {
+  absl::ReaderMutexLock lock(&mu_);
+  return health_.latest();
+}
+
 double Session::loss_scale() const {
   absl::ReaderMutexLock lock(&mu_);
   return loss_scaler_.has_value() ? loss_scaler_->scale : 0.0;

@@ -63,6 +63,8 @@ class Session {
   int64_t state_bytes() const { return state_bytes_; }
 
   int64_t last_step() const;
+  // The groups' clipping and telemetry of the last applied step (health_watch.h).
+  HealthWatch::Latest LatestHealth() const;
   bool initialized() const;
 
   // Replaces the masters with `tensors` (every one complete) and resets the optimizer state.

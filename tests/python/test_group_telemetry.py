@@ -159,3 +159,29 @@ def test_telemetry_off_and_bad_options(endpoint):
                                 "warn_clip_below": 0.1}], endpoint=endpoint)
     with pytest.raises(muond.MuondError, match="warn_clip_steps must be in"):
         muond.RemoteOptimizer(groups(TinyNet(seed=9), warn_clip_steps=0), endpoint=endpoint)
+
+
+@pytest.mark.ops
+def test_muondctl_sessions_show_prints_the_last_steps_groups(daemon):
+    from test_ops_muondctl import ctl, ctl_json
+
+    model = TinyNet(seed=10)
+    opt = muond.RemoteOptimizer(groups(model, warn_residual_above=1e-3), endpoint=daemon.endpoint,
+                                session="shown")
+    e = ("--endpoint", daemon.endpoint)
+    assert ctl_json(*e, "sessions", "show", "shown")["telemetry"] == {"step": 0, "groups": []}
+    for step in (1, 2):
+        loss_of(model, step).backward()
+        opt.step()
+        opt.zero_grad()
+    telemetry = ctl_json(*e, "sessions", "show", "shown")["telemetry"]
+    assert telemetry["step"] == 2
+    shown = {g["group"]: g for g in telemetry["groups"]}
+    for name, info in opt.last_info.groups.items():
+        for field in ("grad_norm", "clip_coefficient", "update_rms", "update_ratio", "momentum_norm",
+                      "orthogonality_residual", "stale_parameters"):
+            assert shown[name][field] == getattr(info, field), (name, field)
+        assert tuple(shown[name]["warnings"]) == info.warnings
+    code, out, _ = ctl(*e, "sessions", "show", "shown")
+    assert code == 0 and "telemetry     of step 2" in out and "matrices" in out.split("telemetry")[1]
+    opt.close()

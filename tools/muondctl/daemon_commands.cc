@@ -19,6 +19,7 @@
 #include "proto/wire/dtype_codec.h"
 #include "server/durability/checkpoint.h"
 #include "server/durability/file_util.h"
+#include "tools/muondctl/group_health.h"
 
 namespace muond::ctl {
 namespace {
@@ -168,6 +169,7 @@ Answer ShowSession(const ConnectFlags& flags, const std::string& session_id) {
   Answer answer;
   answer.json = SummaryJson(*s);
   answer.json["spec"] = SpecJson(s->spec());
+  answer.json["telemetry"] = GroupHealthJson(*s);
   answer.text = absl::StrCat("session       ", s->session_id(), "\n",  //
                              "last step     ", s->last_step(), "\n",   //
                              "initialized   ", s->initialized() ? "yes" : "no (parameters not uploaded yet)", "\n",
@@ -191,6 +193,7 @@ Answer ShowSession(const ConnectFlags& flags, const std::string& session_id) {
   for (const v1::ParameterSpec& p : s->spec().parameters()) {
     absl::StrAppend(&answer.text, "  ", p.name(), " [", absl::StrJoin(p.shape(), ", "), "] group ", p.group(), "\n");
   }
+  absl::StrAppend(&answer.text, GroupHealthText(*s));
   return answer;
 }
 

@@ -50,6 +50,14 @@ const char* StreamedOptionInHeader(const v1::StepHeader& header) {
   return nullptr;
 }
 
+v1::GroupClip ToProto(const session::StepResult::GroupClip& clip) {
+  v1::GroupClip out;
+  out.set_group(clip.group);
+  out.set_grad_norm(clip.grad_norm);
+  out.set_coefficient(clip.coefficient);
+  return out;
+}
+
 v1::GroupTelemetry ToProto(const session::StepResult::GroupTelemetry& t) {
   v1::GroupTelemetry out;
   out.set_group(t.group);
@@ -77,12 +85,7 @@ v1::StepResult ToProto(const session::StepResult& result) {
   out.mutable_contributors()->Assign(result.contributors.begin(), result.contributors.end());
   out.set_total_weight(result.total_weight);
   out.set_included(result.included);
-  for (const session::StepResult::GroupClip& clip : result.group_clips) {
-    v1::GroupClip* out_clip = out.add_group_clips();
-    out_clip->set_group(clip.group);
-    out_clip->set_grad_norm(clip.grad_norm);
-    out_clip->set_coefficient(clip.coefficient);
-  }
+  for (const session::StepResult::GroupClip& clip : result.group_clips) *out.add_group_clips() = ToProto(clip);
   for (const session::StepResult::GroupTelemetry& t : result.group_telemetry) *out.add_group_telemetry() = ToProto(t);
   if (result.global_step != 0) {
     out.set_global_step(result.global_step);

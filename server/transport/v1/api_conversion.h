@@ -16,7 +16,8 @@ session::StepRequest StepOptionsOf(const v1::StepEnd& end);
 // Whether `header` sets one of the options a streamed step gives in its StepEnd; its name if so.
 const char* StreamedOptionInHeader(const v1::StepHeader& header);
 v1::StepResult ToProto(const session::StepResult& result);
-// One group's telemetry (StepResult.group_telemetry).
+// One group's clipping and telemetry (StepResult.group_clips, group_telemetry).
+v1::GroupClip ToProto(const session::StepResult::GroupClip& clip);
 v1::GroupTelemetry ToProto(const session::StepResult::GroupTelemetry& telemetry);
 
 inline v1::DType ToProto(session::TensorDType dtype) { return static_cast<v1::DType>(dtype); }
