@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "gmock/gmock.h"
+#include "tests/integration/daemon_fixture.h"
 #include "tests/integration/daemon_process.h"
 #include "tests/integration/metrics_scrape.h"
 #include "tests/integration/rank_gradients.h"
@@ -39,37 +40,17 @@ class HealthTest : public ::testing::Test {
   }
 
   // "w" [8, 4] in a Muon group "matrices"; "b" [4] in an AdamW group "vectors".
-  static v1::SessionSpec Spec() {
-    v1::SessionSpec spec;
-    auto* matrices = spec.add_groups();
-    matrices->set_name("matrices");
-    matrices->mutable_options()->set_optimizer(v1::OPTIMIZER_MUON);
-    auto* vectors = spec.add_groups();
-    vectors->set_name("vectors");
-    vectors->mutable_options()->set_optimizer(v1::OPTIMIZER_ADAMW);
-    for (const auto& [name, group] : {std::pair{"w", "matrices"}, std::pair{"b", "vectors"}}) {
-      auto* p = spec.add_parameters();
-      p->set_name(name);
-      if (std::string(name) == "w") p->add_shape(8);
-      p->add_shape(4);
-      p->set_group(group);
-    }
-    return spec;
-  }
+  static v1::SessionSpec Spec() { return DaemonTest::SmallSpec(); }
   static v1::GroupOptions* Matrices(v1::SessionSpec& spec) { return spec.mutable_groups(0)->mutable_options(); }
   static v1::GroupOptions* Vectors(v1::SessionSpec& spec) { return spec.mutable_groups(1)->mutable_options(); }
 
-  static std::vector<float> Initial(size_t count, float phase) {
-    std::vector<float> v(count);
-    for (size_t i = 0; i < count; ++i) v[i] = 0.1f * std::sin(phase + static_cast<float>(i));
-    return v;
-  }
+  static std::vector<float> Initial(const std::string& name, size_t count) { return DaemonTest::Initial(name, count); }
 
   static std::unique_ptr<client::Session> Open(const std::string& id, const v1::SessionSpec& spec) {
     absl::StatusOr<std::unique_ptr<client::Session>> session = client_->CreateSession(id, spec);
     EXPECT_OK(session.status());
     if (!session.ok()) return nullptr;
-    const std::vector<float> w = Initial(32, 1.0f), b = Initial(4, 2.0f);
+    const std::vector<float> w = Initial("w", 32), b = Initial("b", 4);
     EXPECT_OK((*session)->UploadParameters(std::vector<client::TensorView>{{"w", {8, 4}, w}, {"b", {4}, b}}));
     return std::move(*session);
   }
@@ -129,10 +110,9 @@ TEST_F(HealthTest, TelemetryMatchesTheParametersItDescribes) {
   const v1::GroupTelemetry& m = reply.group_telemetry.at("matrices");
   const v1::GroupTelemetry& v = reply.group_telemetry.at("vectors");
 
-  for (const auto& [name, t, phase] :
-       {std::tuple{std::string("w"), &m, 1.0f}, std::tuple{std::string("b"), &v, 2.0f}}) {
+  for (const auto& [name, t] : {std::pair{std::string("w"), &m}, std::pair{std::string("b"), &v}}) {
     const std::vector<float>& after = reply.parameters.at(name);
-    const std::vector<float> before = Initial(after.size(), phase);
+    const std::vector<float> before = Initial(name, after.size());
     std::vector<double> delta(after.size()), w(after.size());
     for (size_t i = 0; i < after.size(); ++i) {
       delta[i] = static_cast<double>(after[i]) - before[i];
@@ -159,7 +139,7 @@ TEST_F(HealthTest, TelemetryMatchesTheParametersItDescribes) {
   ASSERT_TRUE(m.has_orthogonality_residual());
   EXPECT_EQ(m.residual_parameter(), "w");
   const std::vector<float>& after = reply.parameters.at("w");
-  const std::vector<float> before = Initial(32, 1.0f);
+  const std::vector<float> before = Initial("w", 32);
   double o[8][4];
   for (int r = 0; r < 8; ++r) {
     for (int c = 0; c < 4; ++c) {
