@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <bit>
-#include <cstring>
 #include <span>
 #include <vector>
 
@@ -34,8 +33,9 @@ class Framer {
   durability::Sha256Stream* stream_;
 };
 
-// The bytes of `values` in `dtype`: fp32 as they are; a 16-bit tensor's values were widened from its
-// stored elements exactly, so rounding them back gives those elements again.
+// Hashes `values` as the bytes `dtype` stores them and returns their count: fp32 as they are; a
+// 16-bit tensor's values were widened from its stored elements exactly, so rounding them back gives
+// those elements again.
 uint64_t HashStored(Framer& framer, std::span<const float> values, kernels::StorageDtype dtype) {
   if (dtype == kernels::StorageDtype::kFp32) {
     framer.Raw(values.data(), values.size_bytes());
