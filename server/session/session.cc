@@ -72,6 +72,14 @@ HealthWatch::Latest Session::LatestHealth() const {
   return health_.latest();
 }
 
+bool Session::ClaimHealthReport(int64_t step) {
+  int64_t reported = health_reported_step_.load();
+  while (step > reported) {
+    if (health_reported_step_.compare_exchange_weak(reported, step)) return true;
+  }
+  return false;
+}
+
 double Session::loss_scale() const {
   absl::ReaderMutexLock lock(&mu_);
   return loss_scaler_.has_value() ? loss_scaler_->scale : 0.0;

@@ -24,6 +24,7 @@
 // sent without holding the lock.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -65,6 +66,9 @@ class Session {
   int64_t last_step() const;
   // The groups' clipping and telemetry of the last applied step (health_watch.h).
   HealthWatch::Latest LatestHealth() const;
+  // True for the first caller with a step beyond the last claimed: a step of several ranks is
+  // answered once per rank, and its health warnings are logged and counted once. Thread-safe.
+  bool ClaimHealthReport(int64_t step);
   bool initialized() const;
 
   // Replaces the masters with `tensors` (every one complete) and resets the optimizer state.
@@ -273,7 +277,8 @@ class Session {
   mutable std::shared_ptr<const ParameterSnapshot> snapshot_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<SessionPersistence> persistence_ ABSL_GUARDED_BY(mu_);
   RankGather gather_ ABSL_GUARDED_BY(mu_);
-  HealthWatch health_ ABSL_GUARDED_BY(mu_);  // telemetry and health warnings, step to step
+  HealthWatch health_ ABSL_GUARDED_BY(mu_);       // telemetry and health warnings, step to step
+  std::atomic<int64_t> health_reported_step_{0};  // ClaimHealthReport's last step
   // Asynchronous sessions: each rank's last push (its number, the global step it became and its
   // staleness), by rank; checkpointed (SessionState::pushes).
   std::vector<PushRecord> pushes_ ABSL_GUARDED_BY(mu_);

@@ -11,7 +11,8 @@ namespace muond::transport {
 namespace {
 
 // An applied step's group telemetry into `report`, and each health warning it raised as a log event
-// of its kind (docs/operations.md, Warnings) and into `report`. Not for a replay: it was reported.
+// of its kind (docs/operations.md, Warnings) and into `report`. Once a step: not for a replay, nor
+// for the answers to its other ranks.
 void ReportHealth(const std::string& session, const session::StepResult& result, metrics::StepReport& report) {
   for (size_t g = 0; g < result.group_telemetry.size() && g < result.group_clips.size(); ++g) {
     const session::StepResult::GroupTelemetry& t = result.group_telemetry[g];
@@ -82,7 +83,9 @@ absl::Status RunStep(session::Session& session, session::StepRequest request, Gr
   report.elements = session.config().total_elements;
   report.world_size = session.config().world_size;
   report.session = session.id();
-  if (result.applied && !result.replayed) ReportHealth(session.id(), result, report);
+  if (result.applied && !result.replayed && session.ClaimHealthReport(result.step)) {
+    ReportHealth(session.id(), result, report);
+  }
   metrics.StepAnswered(report);
   return sent;
 }

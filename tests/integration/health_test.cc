@@ -3,6 +3,7 @@
 // own parameters imply, each warning reproduced and raised once when its condition starts, none in a
 // healthy run, the options' checks, and the Prometheus families.
 #include <cmath>
+#include <future>
 
 #include "gmock/gmock.h"
 #include "tests/integration/daemon_fixture.h"
@@ -249,6 +250,26 @@ TEST_F(HealthTest, AResidualAboveTheBoundIsWarnedAbout) {
   EXPECT_THAT(Warnings(replies[0], "matrices"), ElementsAre("residual_high"));
   EXPECT_THAT(Warnings(replies[1], "matrices"), IsEmpty());
   EXPECT_THAT(Warnings(replies[2], "matrices"), IsEmpty());
+  EXPECT_EQ(WarningsCounted("residual_high"), before + 1);
+}
+
+// A step of two ranks is answered twice, each answer with its warning; it is counted once.
+TEST_F(HealthTest, AStepOfTwoRanksCountsItsWarningOnce) {
+  const double before = WarningsCounted("residual_high");
+  v1::SessionSpec spec = Spec();
+  spec.set_world_size(2);
+  Matrices(spec)->set_warn_residual_above(0.01);
+  std::unique_ptr<client::Session> rank0 = Open("two-ranks", spec);
+  ASSERT_NE(rank0, nullptr);
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<client::Session> rank1, client_->CreateSession("two-ranks", spec));
+  const Grads g = GradsOf(1.0f);
+  client::StepOptions as_rank1;
+  as_rank1.rank = 1;
+  auto second = std::async(std::launch::async, [&] { return rank1->Step(1, g.views(), as_rank1); });
+  ASSERT_OK_AND_ASSIGN(client::StepReply first, rank0->Step(1, g.views()));
+  ASSERT_OK_AND_ASSIGN(client::StepReply other, second.get());
+  EXPECT_THAT(Warnings(first, "matrices"), ElementsAre("residual_high"));
+  EXPECT_THAT(Warnings(other, "matrices"), ElementsAre("residual_high"));
   EXPECT_EQ(WarningsCounted("residual_high"), before + 1);
 }
 
