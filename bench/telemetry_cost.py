@@ -61,6 +61,9 @@ def main():
     print(f"step compute with telemetry    {with_:8.3f} s  (median of {args.reps})")
     print(f"step compute without telemetry {without:8.3f} s")
     print(f"with / without                 {with_ / without:8.4f}")
+    fastest_with, fastest_without = min(seconds[True]), min(seconds[False])
+    print(f"fastest: with {fastest_with:.3f} s, without {fastest_without:.3f} s, "
+          f"ratio {fastest_with / fastest_without:.4f} (less sensitive to a busy machine)")
     for name, info in measured.items():
         residual = "-" if info.orthogonality_residual is None else f"{info.orthogonality_residual:.3g}"
         print(f"  group {name}: update_rms {info.update_rms:.3g}, update_ratio {info.update_ratio:.3g}, "

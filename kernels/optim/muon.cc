@@ -377,8 +377,9 @@ absl::Status Muon::Observe(Backend& backend, std::span<const MatrixJob> jobs, st
     telemetry_->smallest_momentum_norm = std::min(telemetry_->smallest_momentum_norm, std::sqrt(sum));
     ++telemetry_->matrices;
   }
-  if (residual_job_ < jobs.data() || residual_job_ >= jobs.data() + jobs.size()) return absl::OkStatus();
-  const size_t i = static_cast<size_t>(residual_job_ - jobs.data());
+  size_t i = 0;
+  while (i < jobs.size() && &jobs[i] != residual_job_) ++i;
+  if (i == jobs.size()) return absl::OkStatus();  // measured in another batch, or not this step
   const size_t mat = static_cast<size_t>(jobs[0].rows * jobs[0].cols);
   MUOND_ASSIGN_OR_RETURN(telemetry_->residual,
                          OrthogonalityResidual(backend, work + i * mat, jobs[0].rows, jobs[0].cols, ws));

@@ -31,6 +31,7 @@ from .client import Connection  # noqa: E402
 from .connection_options import ConnectionOptions  # noqa: E402
 from .diloco import DiLoCo  # noqa: E402
 from .errors import MuondError  # noqa: E402
+from .group_info import GroupInfo  # noqa: E402
 from .local import LocalOptimizer  # noqa: E402
 from .optimizer import RemoteOptimizer  # noqa: E402
 from .param_groups import default_param_groups  # noqa: E402
@@ -39,5 +40,5 @@ from .step_info import StepInfo  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["Connection", "ConnectionOptions", "DiLoCo", "LocalOptimizer", "MuondError",
+__all__ = ["Connection", "ConnectionOptions", "DiLoCo", "GroupInfo", "LocalOptimizer", "MuondError",
            "RemoteOptimizer", "StateDigest", "StepInfo", "default_param_groups", "__version__"]
