@@ -326,12 +326,12 @@ absl::StatusOr<std::unique_ptr<StreamedStep>> Session::BeginStreamedStep(int64_t
   if (absl::Status opened = EnsureTransport(); !opened.ok()) return opened;
   std::unique_ptr<StreamedStep> streamed(new StreamedStep(this, step, options));
   if (transport_->name() != "grpc") return streamed;  // gathered: shared memory moves them at once
-  if (!streamed_steps_.has_value()) {
+  if (!offer_.has_value()) {
     absl::StatusOr<v1::ServerInfo> info = client_->GetServerInfo();
     if (!info.ok()) return info.status();
-    streamed_steps_ = info->streamed_steps();
+    offer_ = *std::move(info);
   }
-  if (!*streamed_steps_) return streamed;  // an older daemon: gathered, sent by Finish
+  if (!offer_->streamed_steps()) return streamed;  // an older daemon: gathered, sent by Finish
   v1::StepHeader header = Header(step, options);
   header.clear_overrides();
   header.clear_max_grad_norm();
@@ -339,6 +339,7 @@ absl::StatusOr<std::unique_ptr<StreamedStep>> Session::BeginStreamedStep(int64_t
   header.clear_grad_scale();
   header.clear_weight();
   header.set_streamed(true);
+  header.set_packed_answer(offer_->packed_chunks());
   header.set_return_dtype(options.return_dtype);
   header.set_max_chunk_bytes(static_cast<uint32_t>(client_->options().chunk_bytes));
   streamed->try_ = std::make_unique<GrpcStreamedTry>(*client_, *this, header);
@@ -362,6 +363,7 @@ absl::StatusOr<StepReply> Session::FinishStreamed(StreamedStep& streamed, const 
   absl::StatusOr<StepReply> reply = streamed.try_->Finish(std::move(end), options);
   streamed.try_.reset();
   if (reply.ok()) return Answered(*std::move(reply), 1);
+  if (reply.status().code() == absl::StatusCode::kUnavailable) offer_.reset();  // ask a restarted daemon again
   if (!IsTransient(reply.status().code()) || client_->options().max_step_attempts <= 1) return reply;
   client_->PauseBeforeRetry(client_->options().retry_backoff);
   return StepFrom(2, *transport_, streamed.step(), payload, options);

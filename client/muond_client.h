@@ -264,7 +264,7 @@ class Session {
   absl::Status EnsureTransport();
   // After an answer: its attempt count, whether this rank was included, the session's last step.
   StepReply Answered(StepReply reply, int attempts);
-  std::optional<bool> streamed_steps_;  // whether the daemon takes streamed steps, once asked
+  std::optional<v1::ServerInfo> offer_;  // the daemon's, asked at the first streamed step
 
   Client* const client_;
   const std::string id_;

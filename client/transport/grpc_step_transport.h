@@ -1,12 +1,14 @@
 // The gRPC step transport: one bidirectional Step stream per try, over byte buffers. Each chunk's
 // payload is encoded from the caller's tensor straight into the slice gRPC sends, and each answer
 // chunk is decoded from gRPC's receive slices straight into its destination; the messages are
-// StepRequest and StepResponse in their protobuf encoding. Always viable; holds no daemon state.
+// StepRequest and StepResponse in their protobuf encoding. Small tensors share PackedChunks
+// messages both ways when the daemon offers them. Always viable; remembers only that offer.
 //
 // Ownership: borrows the Client and the Session (which outlive it). One thread at a time.
 #pragma once
 
 #include <map>
+#include <optional>
 #include <string>
 
 #include "client/transport/transport_choice.h"
@@ -22,6 +24,9 @@ const TransportKind& GrpcTransportKind();
 absl::StatusOr<StepReply> ReadStepAnswer(grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>& stream,
                                          const std::map<std::string, int64_t>& numel, const StepOptions& options);
 
+// Writes one StepRequest message; false once the stream broke.
+bool WriteRequest(grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>& stream, const v1::StepRequest& request);
+
 // The first chunk of `tensor`'s: its name and its shape (so the daemon can refuse a transposed one).
 v1::TensorChunk FirstChunk(const TensorView& tensor);
 
@@ -35,6 +40,7 @@ class GrpcStepTransport : public StepTransport {
  private:
   Client& client_;
   const Session& session_;
+  std::optional<bool> packs_;  // whether the daemon takes packed chunks, asked once (again after UNAVAILABLE)
 };
 
 }  // namespace muond::client

@@ -7,16 +7,6 @@
 #include "proto/wire/dtype_codec.h"
 
 namespace muond::client {
-namespace {
-
-bool WriteRequest(grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>& stream,
-                  const v1::StepRequest& request) {
-  grpc::ByteBuffer buffer;
-  bool own = false;
-  return grpc::SerializationTraits<v1::StepRequest>::Serialize(request, &buffer, &own).ok() && stream.Write(buffer);
-}
-
-}  // namespace
 
 GrpcStreamedTry::GrpcStreamedTry(Client& client, const Session& session, const v1::StepHeader& header)
     : client_(client), session_(session) {

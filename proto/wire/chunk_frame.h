@@ -55,6 +55,11 @@ bool ParseChunkFrame(const grpc::ByteBuffer& buffer, int chunk_field, FramedChun
 // slice is referenced, not copied.
 grpc::ByteBuffer FrameChunk(int chunk_field, const v1::TensorChunk& meta, grpc::Slice payload);
 
+// Packed chunks (docs/protocol.md): a whole tensor of at most 1/kPackedTensorFraction of the chunk
+// size (64 KiB of the default 1 MiB) shares a PackedChunks message with others, by both clients and
+// in the daemon's answers: smaller messages cost more per byte than the copy into a packed one.
+inline constexpr size_t kPackedTensorFraction = 4;
+
 // Elements per chunk of at most `max_chunk_bytes` payload bytes of `dtype` (concrete); at least one.
 size_t ElementsPerChunk(v1::DType dtype, size_t max_chunk_bytes);
 // How many chunks ForEachChunk makes of `numel` elements (at least one, even when it is empty).

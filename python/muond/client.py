@@ -255,9 +255,16 @@ class Connection:
 
     # -- unary calls ---------------------------------------------------------------------------
 
-    def server_info(self) -> pb.ServerInfo:
-        return self._retried("GetServerInfo", lambda: self._stub.GetServerInfo(
-            pb.GetServerInfoRequest(), timeout=self.timeout, metadata=self._metadata))
+    def server_info(self, retried: bool = True) -> pb.ServerInfo:
+        """The daemon's ServerInfo; with ``retried=False`` one try (a step's own retries go on
+        after it fails)."""
+        def ask() -> pb.ServerInfo:
+            return self._stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=self.timeout,
+                                            metadata=self._metadata)
+        if not retried:
+            with translated("GetServerInfo"):
+                return ask()
+        return self._retried("GetServerInfo", ask)
 
     def create_session(self, session_id: str, spec: pb.SessionSpec,
                        rank: Optional[int] = None) -> pb.CreateSessionResponse:
@@ -319,6 +326,9 @@ class Connection:
                     into.add(response)
                 elif response.HasField("result"):
                     result = response.result
+                elif response.HasField("packed"):
+                    for chunk in response.packed.chunks:
+                        into.add(chunk)
                 else:
                     into.add(response.chunk)
             stream.finish(None)

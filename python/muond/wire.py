@@ -104,6 +104,11 @@ def encode(name: str, tensor: torch.Tensor, dtype: str, *, slot: str = "",
         yield chunk
 
 
+def itemsize(dtype: str) -> int:
+    """Bytes per element of ``dtype`` on the wire."""
+    return _ITEMSIZE[dtype]
+
+
 def chunk_count(numel: int, dtype: str, max_chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
     """How many chunks ``encode`` yields for a tensor of ``numel`` elements (at least one)."""
     itemsize = _ITEMSIZE[dtype]

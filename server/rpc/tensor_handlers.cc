@@ -86,7 +86,7 @@ absl::Status MuondService::DoStep(const std::string& caller, grpc::ServerContext
                          AnswerDType(header.return_dtype(), session->config().return_dtype, "header.return_dtype"));
   transport::GrpcGradientSource source(context, stream, header, options_.max_chunk_bytes);
   transport::GrpcParameterSink sink(stream, session->config(), dtype, AnswerChunkBytes(header.max_chunk_bytes()),
-                                    answer_slices_.get());
+                                    answer_slices_.get(), header.packed_answer());
   return transport::RunStep(*session, transport::ToStepRequest(header), source, sink, *options_.metrics);
 }
 

@@ -111,3 +111,29 @@ def test_writing_into_parameters_refuses_what_the_assembler_refuses():
     partial.add(chunks[0])
     with pytest.raises(ValueError, match="4 of 8 elements"):
         partial.finish()
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_step_messages_count_what_they_send_and_pack_only_small_whole_tensors(pack):
+    # 1024-byte chunks: tensors of at most 256 bytes (64 fp32) are packed, up to 1024 bytes a message.
+    grads = [("big", torch.randn(300)), ("a", torch.randn(64)), ("b", torch.randn(10)),
+             ("c", torch.randn(64)), ("d", torch.randn(64)), ("e", torch.randn(64)), ("empty", torch.zeros(0))]
+    count, messages = framing.step_messages(grads, "fp32", 1024, pack)
+    parsed = [pb.StepRequest.FromString(m) for m in messages]
+    assert count == len(parsed)
+    kinds = [p.WhichOneof("kind") for p in parsed]
+    sent = {}
+    for p in parsed:
+        for chunk in (p.packed.chunks if p.WhichOneof("kind") == "packed" else [p.chunk]):
+            values = torch.frombuffer(bytearray(chunk.data), dtype=torch.float32) if chunk.data else torch.zeros(0)
+            sent.setdefault(chunk.name, []).append((chunk.offset, values))
+    for name, g in grads:
+        pieces = sorted(sent[name], key=lambda piece: piece[0])
+        assert torch.equal(torch.cat([v for _, v in pieces]), g), name
+    if not pack:
+        assert "packed" not in kinds and count == 2 + 6  # "big" in two chunks, the rest one each
+        return
+    packed = [p.packed for p in parsed if p.WhichOneof("kind") == "packed"]
+    assert [[c.name for c in m.chunks] for m in packed] == [["a", "b", "c", "d"], ["e"]]
+    assert all(sum(len(c.data) for c in m.chunks) <= 1024 for m in packed)
+    assert count == 2 + 1 + 2  # "big" and "empty" alone, two packed messages

@@ -14,7 +14,7 @@ message is parsed by protobuf. Pure functions.
 
 from __future__ import annotations
 
-from typing import Iterator, Optional, Tuple, Union
+from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -72,6 +72,50 @@ def frame_chunks(name: str, tensor: torch.Tensor, dtype: str,
         inner = meta.SerializeToString() + bytes((_DATA_TAG,)) + _varint(len(piece))
         prefix = bytes((_CHUNK_TAG,)) + _varint(len(inner) + len(piece)) + inner
         yield b"".join((prefix, piece))
+
+
+# A tensor is packed with others when it is at most 1/16 of the chunk size (64 KiB of the default
+# 1 MiB), as the daemon packs its answers: smaller messages cost more per byte than the copy.
+PACKED_TENSOR_FRACTION = 4
+
+
+def step_messages(grads: Sequence[Tuple[str, torch.Tensor]], dtype: str, max_chunk_bytes: int,
+                  pack: bool) -> Tuple[int, Iterator[bytes]]:
+    """(how many, the serialized ``StepRequest`` messages) carrying ``grads``: each tensor's framed
+    chunks; with ``pack``, the small tensors gathered into ``PackedChunks`` messages of at most
+    ``max_chunk_bytes`` of data instead (docs/protocol.md, "Packed chunks"). The messages are made
+    as they are pulled, each from its tensors as they are then."""
+    limit = max_chunk_bytes // PACKED_TENSOR_FRACTION
+    plan: List[Tuple[bool, List[Tuple[str, torch.Tensor]]]] = []  # (packed?, tensors)
+    packing: List[Tuple[str, torch.Tensor]] = []
+    packed_bytes = 0
+    for name, g in grads:
+        nbytes = g.numel() * wire.itemsize(dtype)
+        if not (pack and 0 < nbytes <= limit):
+            plan.append((False, [(name, g)]))
+            continue
+        if packed_bytes + nbytes > max_chunk_bytes:
+            plan.append((True, packing))
+            packing, packed_bytes = [], 0
+        packing.append((name, g))
+        packed_bytes += nbytes
+    if packing:
+        plan.append((True, packing))
+    count = sum(1 if packed else wire.chunk_count(tensors[0][1].numel(), dtype, max_chunk_bytes)
+                for packed, tensors in plan)
+
+    def messages() -> Iterator[bytes]:
+        for packed, tensors in plan:
+            if not packed:
+                yield from frame_chunks(*tensors[0], dtype, max_chunk_bytes=max_chunk_bytes)
+                continue
+            request = pb.StepRequest()
+            for name, g in tensors:
+                for meta, piece in wire.chunk_pieces(name, g, dtype, max_chunk_bytes=max_chunk_bytes):
+                    meta.data = bytes(piece)
+                    request.packed.chunks.append(meta)
+            yield request.SerializeToString()
+    return count, messages()
 
 
 def serialize_step_request(message: Union[bytes, pb.StepRequest]) -> bytes:

@@ -16,12 +16,14 @@ import queue
 import threading
 from typing import Dict, Iterator, Optional, Tuple
 
+import grpc
 import torch
 
 from .. import wire
 from .._stubs import pb
+from ..errors import MuondError
 from . import framing
-from .base import Facts, Grads, StepTransport
+from .base import Facts, Grads, StepTransport, TransportContext
 from .streamed import StreamedTry, check_identity, end_of, identity_of
 
 
@@ -34,23 +36,35 @@ class GrpcTransport(StepTransport):
     def reasons_against(cls, facts: Facts, *, auto: bool) -> Iterator[str]:
         return iter(())  # every daemon serves Step; nothing to ask it
 
+    def __init__(self, ctx: TransportContext, facts: Facts):
+        super().__init__(ctx, facts)
+        self._offer: Optional[pb.ServerInfo] = None  # the daemon's, until a step finds it gone
+
     def step(self, header: pb.StepHeader, grads: Grads,
              out: Optional[Dict[str, torch.Tensor]] = None
              ) -> Tuple[pb.StepResult, Dict[str, torch.Tensor]]:
         ctx = self.ctx
-        header.num_chunks = sum(wire.chunk_count(g.numel(), ctx.wire_dtype, ctx.chunk_bytes)
-                                for _, g in grads)
+        pack = self.offer().packed_chunks
+        header.num_chunks, messages = framing.step_messages(grads, ctx.wire_dtype, ctx.chunk_bytes, pack)
+        header.packed_answer = pack
         into = wire.ChunkAssembler(ctx.sizes, ctx.return_dtype, into=out or ctx.by_name)
-        return ctx.conn.step(header, self._chunks(grads), into), {}  # written in place
+        try:
+            return ctx.conn.step(header, messages, into), {}  # written in place
+        except MuondError as err:
+            if err.code == grpc.StatusCode.UNAVAILABLE:
+                self._offer = None  # a restarted daemon may offer something else
+            raise
 
-    def _chunks(self, grads: Grads) -> Iterator[bytes]:
-        for name, g in grads:
-            yield from framing.frame_chunks(name, g, self.ctx.wire_dtype,
-                                            max_chunk_bytes=self.ctx.chunk_bytes)
+    def offer(self) -> pb.ServerInfo:
+        """The daemon's ServerInfo (packed chunks, streamed steps), asked once, and again after a
+        step found the daemon gone; one try, as part of the step's."""
+        if self._offer is None:
+            self._offer = self.ctx.conn.server_info(retried=False)
+        return self._offer
 
     def begin_streamed(self, header: pb.StepHeader,
                        out: Optional[Dict[str, torch.Tensor]] = None) -> StreamedTry:
-        if not self.ctx.conn.server_info().streamed_steps:
+        if not self.offer().streamed_steps:
             return super().begin_streamed(header, out)  # an older daemon: gathered, sent at the end
         return GrpcStreamedTry(self, header, out)
 
@@ -74,6 +88,7 @@ class GrpcStreamedTry(StreamedTry):
         self._ctx = ctx
         self._begun = identity_of(header)
         self._begun.streamed = True
+        self._begun.packed_answer = transport.offer().packed_chunks
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
         self._input_ended = threading.Event()  # set once the producer let go of every gradient
         self._chunks = 0

@@ -34,6 +34,23 @@ bool WriteMessage(StepStream* stream, const v1::StepResponse& response, int64_t*
          WriteCounted(stream, buffer, bytes);
 }
 
+// The chunks of a PackedChunks message, each checked as any chunk is (a replay's are dropped).
+absl::Status AddPacked(const v1::PackedChunks& packed, size_t max_chunk_bytes, bool replay,
+                       TensorAssembler& assembler) {
+  size_t bytes = 0;
+  for (const v1::TensorChunk& chunk : packed.chunks()) bytes += chunk.data().size();
+  if (bytes > max_chunk_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("packed.chunks: ", bytes,
+                                                   " bytes of data in one message, more than ", max_chunk_bytes,
+                                                   " (--max-chunk-bytes)"));
+  }
+  if (replay) return absl::OkStatus();
+  for (int i = 0; i < packed.chunks_size(); ++i) {
+    MUOND_RETURN_IF_ERROR(assembler.Add(packed.chunks(i), absl::StrCat("packed.chunks[", i, "]")));
+  }
+  return absl::OkStatus();
+}
+
 // A streamed step's options, from its StepEnd; a refusal names the end's field.
 absl::Status TakeStepOptions(const v1::StepEnd& end, session::IncomingStep& step) {
   absl::Status taken = step.TakeStepOptions(StepOptionsOf(end));
@@ -91,10 +108,15 @@ absl::Status GrpcGradientSource::ReadGradients(session::IncomingStep& step) {
       MUOND_RETURN_IF_ERROR(TakeStepOptions(request.end(), step));
       continue;
     }
+    if (request.kind_case() == v1::StepRequest::kPacked) {
+      ++chunks;
+      MUOND_RETURN_IF_ERROR(AddPacked(request.packed(), max_chunk_bytes_, step.replay(), assembler));
+      continue;
+    }
     if (request.kind_case() != v1::StepRequest::kChunk) {
-      return absl::InvalidArgumentError(streamed
-                                            ? "chunk: every message after the header must carry a chunk or end the step"
-                                            : "chunk: every message after the header must carry a chunk");
+      return absl::InvalidArgumentError(
+          streamed ? "chunk: every message after the header must carry a chunk, packed chunks or the step's end"
+                   : "chunk: every message after the header must carry a chunk or packed chunks");
     }
     ++chunks;
     // A replay's gradients are not needed again; they are read only to consume the stream.
@@ -125,7 +147,31 @@ absl::Status GrpcParameterSink::Send(const session::StepOutcome& outcome) {
   *response.mutable_result() = ToProto(outcome.result);
   if (!WriteMessage(stream_, response, &bytes_sent_)) return absl::CancelledError("the client went away");
   if (outcome.parameters == nullptr) return absl::OkStatus();  // a prepare: the result alone
+  // With packing, whole small parameters (wire::kPackedTensorFraction) are gathered into PackedChunks messages
+  // of at most chunk_bytes_ of data; the others go in chunks of their own, in spec order either way.
+  v1::StepResponse packed;
+  size_t packed_bytes = 0;
+  const auto flush = [&] {
+    if (packed_bytes == 0 && packed.packed().chunks_size() == 0) return true;
+    const bool sent = WriteMessage(stream_, packed, &bytes_sent_);
+    packed.Clear();
+    packed_bytes = 0;
+    return sent;
+  };
+  const size_t element_bytes = wire::ElementSize(dtype_);
   for (size_t i = 0; i < config_.parameters.size(); ++i) {
+    const std::span<const float> values = outcome.parameters->values[i];
+    const size_t bytes = values.size() * element_bytes;
+    if (pack_ && !values.empty() && bytes <= chunk_bytes_ / wire::kPackedTensorFraction) {
+      if (packed_bytes + bytes > chunk_bytes_ && !flush()) return absl::CancelledError("the client went away");
+      v1::TensorChunk* chunk = packed.mutable_packed()->add_chunks();
+      chunk->set_name(config_.parameters[i].name);
+      chunk->set_dtype(dtype_);
+      wire::Encode(dtype_, values, chunk->mutable_data());
+      packed_bytes += bytes;
+      continue;
+    }
+    if (!flush()) return absl::CancelledError("the client went away");
     v1::TensorChunk first;
     first.set_name(config_.parameters[i].name);
     const bool sent = wire::ForEachChunk(
@@ -135,6 +181,7 @@ absl::Status GrpcParameterSink::Send(const session::StepOutcome& outcome) {
         });
     if (!sent) return absl::CancelledError("the client went away");
   }
+  if (!flush()) return absl::CancelledError("the client went away");
   return absl::OkStatus();
 }
 

@@ -9,7 +9,9 @@
 // step's client is still in its backward pass, its earlier tensors are already decoded, summed and
 // staged.
 // GrpcParameterSink writes the StepResult and then every parameter in chunks of the requested
-// dtype, each encoded straight from the masters into a pooled payload slice.
+// dtype, each encoded straight from the masters into a pooled payload slice; when the client asked
+// for it, whole small parameters share PackedChunks messages instead. Either side may pack: a
+// PackedChunks request message is taken as its chunks, counted as one message.
 //
 // Both borrow the stream and serve one call on its handler thread.
 #pragma once
@@ -51,9 +53,10 @@ class GrpcGradientSource final : public GradientSource {
 class GrpcParameterSink final : public ParameterSink {
  public:
   // `config` names the parameters and must outlive the sink; payload buffers come from `pool`.
+  // `pack`: the client asked for packed answers (StepHeader.packed_answer).
   GrpcParameterSink(StepStream* stream, const session::SessionConfig& config, v1::DType dtype, size_t chunk_bytes,
-                    wire::SlicePool* pool)
-      : stream_(stream), config_(config), dtype_(dtype), chunk_bytes_(chunk_bytes), pool_(pool) {}
+                    wire::SlicePool* pool, bool pack = false)
+      : stream_(stream), config_(config), dtype_(dtype), chunk_bytes_(chunk_bytes), pool_(pool), pack_(pack) {}
 
   absl::Status Send(const session::StepOutcome& outcome) override;
 
@@ -63,6 +66,7 @@ class GrpcParameterSink final : public ParameterSink {
   const v1::DType dtype_;
   const size_t chunk_bytes_;
   wire::SlicePool* const pool_;
+  const bool pack_;
 };
 
 }  // namespace muond::transport
