@@ -25,6 +25,8 @@ from ..wire import FramedChunk
 _CHUNK_TAG = (2 << 3) | 2  # StepRequest.chunk / StepResponse.chunk, length-delimited
 _DATA_TAG = (4 << 3) | 2   # TensorChunk.data
 _DATA_FIELD = 4
+_PACKED_TAG = (4 << 3) | 2         # StepRequest.packed, length-delimited
+_PACKED_CHUNKS_TAG = (1 << 3) | 2  # PackedChunks.chunks
 
 
 def _varint(value: int) -> bytes:
@@ -109,13 +111,20 @@ def step_messages(grads: Sequence[Tuple[str, torch.Tensor]], dtype: str, max_chu
             if not packed:
                 yield from frame_chunks(*tensors[0], dtype, max_chunk_bytes=max_chunk_bytes)
                 continue
-            request = pb.StepRequest()
-            for name, g in tensors:
-                for meta, piece in wire.chunk_pieces(name, g, dtype, max_chunk_bytes=max_chunk_bytes):
-                    meta.data = bytes(piece)
-                    request.packed.chunks.append(meta)
-            yield request.SerializeToString()
+            yield _packed_message([piece for name, g in tensors
+                                   for piece in wire.chunk_pieces(name, g, dtype, max_chunk_bytes=max_chunk_bytes)])
     return count, messages()
+
+
+def _packed_message(chunks: List[Tuple[pb.TensorChunk, memoryview]]) -> bytes:
+    """The encoding of ``StepRequest{packed: {chunks}}``, each chunk's payload joined straight from
+    its tensor's memory (one copy, as ``frame_chunks``)."""
+    parts: List[Union[bytes, memoryview]] = []
+    for meta, piece in chunks:
+        inner = meta.SerializeToString() + bytes((_DATA_TAG,)) + _varint(len(piece))
+        parts += [bytes((_PACKED_CHUNKS_TAG,)), _varint(len(inner) + len(piece)), inner, piece]
+    body = sum(len(part) for part in parts)
+    return b"".join([bytes((_PACKED_TAG,)), _varint(body), *parts])
 
 
 def serialize_step_request(message: Union[bytes, pb.StepRequest]) -> bytes:
