@@ -68,6 +68,7 @@ from .state_digest import combine as combine_digests
 from .step_info import StepInfo, check_max_grad_norm, group_fields, rank_report
 from .transport.daemon_session import DaemonSession, StreamedStep, copy_in
 from .transport.streamed import IdentityChanged
+from .transport.zero_copy import check_zero_copy
 
 # A step that failed with these may have been applied or not; the daemon answers a resend of the
 # same step number without a second update, so resending is safe.
@@ -138,6 +139,14 @@ class RemoteOptimizer(torch.optim.Optimizer):
             of the parameters and one of the gradients in this process. ``last_info`` describes
             the last step whose parameters were copied in. Not with a loss scaler or
             ``sync_mode="async"``.
+        shm_zero_copy: the model's parameters and gradients live in the session's shared-memory
+            region (docs/transports.md, "Zero copy"): their ``.data`` and ``.grad`` become views
+            of it at construction, backward accumulates there, and the daemon writes the updated
+            parameters straight into the model, so a step copies nothing on this side. Needs the
+            shm transport (a daemon on this host), fp32 CPU parameters, fp32 on the wire both
+            ways and one daemon; not with overlap or delay. Zero the gradients in place
+            (``zero_grad(set_to_none=False)``): a ``.grad`` that backward allocated anew is
+            copied in at the next step (and pointed at the region again).
         connection: a ``muond.ConnectionOptions``: the daemons (``endpoints`` to spread the
             session over several), deadlines, token and TLS, retries (``max_step_attempts``),
             the step ``transport`` ("auto", "grpc", "shm", "cuda_ipc", "nccl") and the chunk
@@ -161,7 +170,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
                  sync_mode: Optional[str] = None, min_ranks: Optional[int] = None,
                  grace_seconds: Optional[float] = None, max_staleness: Optional[int] = None,
                  staleness_scaling: Optional[str] = None, overlap: bool = False,
-                 delay: int = 0, delay_warmup: int = 0, **defaults: Any):
+                 delay: int = 0, delay_warmup: int = 0, shm_zero_copy: bool = False,
+                 **defaults: Any):
         connection, defaults = ConnectionOptions.from_arguments(connection, endpoint, defaults)
         opts.check_defaults(defaults)
         self._user_defaults = dict(defaults)
@@ -208,12 +218,19 @@ class RemoteOptimizer(torch.optim.Optimizer):
         if overlap and len(self.endpoints) > 1:
             raise ValueError("overlap: needs one daemon (a sharded step prepares on every shard "
                              "before anything is applied); got several endpoints")
+        self.shm_zero_copy = bool(shm_zero_copy)
+        if self.shm_zero_copy:
+            self._wanted_transport = check_zero_copy(
+                list(zip(self._names, self._params)), self.wire_dtype, self.return_dtype,
+                self._wanted_transport, len(self.endpoints), overlap=overlap, delay=self.delay)
 
         self._closed = False
         try:
             self._connect(connection)
             ranks.rank_zero_first(self.world_size, self.rank, self._open_session)
             chosen = {daemon.choose_transport(self._wanted_transport) for daemon in self._sessions}
+            if self.shm_zero_copy:
+                self._sessions[0].transport.ready()  # the model's tensors move into the region now
             self.transport = "+".join(sorted(chosen))
             _log.info("session %s: steps travel over %s", self.session_id, self.transport)
             if self.delay:
@@ -261,7 +278,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
             daemon = DaemonSession(connection.connect(address), self.session_id, names_here,
                                    self._by_name, wire_dtype=self.wire_dtype,
                                    return_dtype=self.return_dtype, chunk_bytes=self.chunk_bytes,
-                                   rank=self.rank)
+                                   rank=self.rank, zero_copy=self.shm_zero_copy)
             for name in names_here:
                 shape = self._tensor_shape(name, "moment2")
                 if shape != tuple(self._by_name[name].shape):

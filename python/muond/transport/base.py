@@ -104,7 +104,8 @@ class Facts:
 class TransportContext:
     """What a transport of one session works with: the daemon's connection, the session, its
     parameters (``names`` in order, ``sizes`` elements each, the tensors ``by_name``), the dtypes
-    of gradients and answers, the gRPC chunk size and this trainer's rank."""
+    of gradients and answers, the gRPC chunk size, this trainer's rank, and whether the parameters
+    and gradients are to live in shared memory (``zero_copy``: the shm transport only)."""
     conn: "Connection"
     session_id: str
     names: Sequence[str]
@@ -114,6 +115,7 @@ class TransportContext:
     return_dtype: str
     chunk_bytes: int
     rank: int = 0
+    zero_copy: bool = False
 
     @property
     def endpoint(self) -> str:

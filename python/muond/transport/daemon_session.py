@@ -33,7 +33,7 @@ class DaemonSession:
 
     def __init__(self, conn: Connection, session_id: str, names: Sequence[str],
                  by_name: Dict[str, torch.Tensor], *, wire_dtype: str, return_dtype: str,
-                 chunk_bytes: int, rank: int = 0):
+                 chunk_bytes: int, rank: int = 0, zero_copy: bool = False):
         self.conn = conn
         self.endpoint = conn.endpoint
         self.session_id = session_id
@@ -46,7 +46,8 @@ class DaemonSession:
         self.loss_scale = 0.0  # the session loss scaler's scale when opened (0: none)
         self.chunk_bytes = chunk_bytes
         self._context = TransportContext(conn, session_id, tuple(self.names), self.sizes,
-                                         self.by_name, wire_dtype, return_dtype, chunk_bytes, rank)
+                                         self.by_name, wire_dtype, return_dtype, chunk_bytes, rank,
+                                         zero_copy)
         self._facts = Facts(conn.server_info, Here(self.by_name.values()))
         # gRPC until choose_transport (it needs nothing set up, so it serves before then too)
         self.transport: StepTransport = GrpcTransport(self._context, self._facts)

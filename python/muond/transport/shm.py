@@ -100,12 +100,16 @@ class SharedRegion:
         """A 1-D tensor of ``numel`` elements viewing the region from byte ``offset``."""
         return torch.frombuffer(self._map, dtype=dtype, count=numel, offset=offset)
 
-    def close(self) -> None:
-        """Drops the region here and, by closing the socket, in the daemon. Tensors viewing it
-        must be gone first."""
+    def close(self, keep_mapping: bool = False) -> None:
+        """Drops the region in the daemon (by closing the socket) and here. Tensors viewing it must
+        be gone first, unless ``keep_mapping``: the memory then stays mapped here for as long as a
+        tensor made by ``tensor()`` holds it (torch keeps the mapping object alive, though not
+        from being unmapped by an explicit close)."""
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        if keep_mapping:
+            self._map = None
         if self._map is not None:
             try:
                 self._map.close()

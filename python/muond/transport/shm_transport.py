@@ -1,7 +1,8 @@
 """``ShmTransport``: a session's steps through a shared-memory region on the daemon's host.
 
-The session's region (``shm.SharedRegion``, in the ``slots.py`` layout) is created and registered
-with ``RegisterSharedMemory`` before the first try, and again after the daemon lost it; a try is one
+The session's region (``shm.SharedRegion``, in the ``slots.py`` layout, or with zero copy the
+``zero_copy.py`` one, which the model's tensors live in) is created and registered with
+``RegisterSharedMemory`` before the first try, and again after the daemon lost it; a try is one
 ``StepShared`` call (docs/transports.md, "Shared memory").
 """
 
@@ -17,6 +18,7 @@ from ..errors import MuondError
 from . import shm
 from .base import Facts, Grads, StepTransport, TransportContext
 from .slots import SlotStreamedTry, View, forgotten_when_lost, slot_layout, slot_request
+from .zero_copy import ZeroCopyArea
 
 
 class ShmTransport(StepTransport):
@@ -29,6 +31,10 @@ class ShmTransport(StepTransport):
         self._region: Optional[shm.SharedRegion] = None
         self._region_name = ""
         self.offsets, self._nbytes = slot_layout(ctx.names, ctx.sizes)
+        # With zero copy the model's parameters and gradients live in the region (zero_copy.py).
+        self._area = ZeroCopyArea(ctx) if ctx.zero_copy else None
+        if self._area is not None:
+            self._nbytes = self._area.nbytes
 
     @classmethod
     def reasons_against(cls, facts: Facts, *, auto: bool) -> Iterator[str]:
@@ -58,6 +64,8 @@ class ShmTransport(StepTransport):
             region.close()
             raise
         self._region, self._region_name = region, name
+        if self._area is not None:
+            self._area.adopt(region.tensor)
 
     def ready(self) -> Tuple[str, View]:
         """(the region's name, its view), registering it first when needed."""
@@ -72,8 +80,11 @@ class ShmTransport(StepTransport):
     def step(self, header: pb.StepHeader, grads: Grads,
              out: Optional[Dict[str, torch.Tensor]] = None
              ) -> Tuple[pb.StepResult, Dict[str, torch.Tensor]]:
-        """One try over shared memory; the parameters after it, as views of the region."""
+        """One try over shared memory; the parameters after it, as views of the region (with
+        zero copy, none: they were written into the model's own tensors)."""
         region, view = self.ready()
+        if self._area is not None:
+            return self.send(self._area.request(header, region, grads)), {}
         request, views = slot_request(header, self.ctx, region, self.offsets, view, grads)
         return self.send(request), views
 
@@ -83,5 +94,6 @@ class ShmTransport(StepTransport):
 
     def close(self) -> None:
         if self._region is not None:
-            self._region.close()
+            # With zero copy the model's tensors live in the mapping: it stays until they go.
+            self._region.close(keep_mapping=self._area is not None)
             self._region = None
