@@ -22,25 +22,27 @@ TRAINER = textwrap.dedent("""
     import torch
     import muond
 
-    endpoint, session, ending = sys.argv[1:4]
+    endpoint, session, ending, delay = sys.argv[1:5]
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     opt = muond.RemoteOptimizer(muond.default_param_groups(model), endpoint=endpoint,
-                                session=session)
-    model(torch.randn(5, 4)).square().sum().backward()
-    opt.step()
+                                session=session, delay=int(delay))
+    for _ in range(3 if int(delay) else 1):  # with delay, the last step is in flight at the end
+        model(torch.randn(5, 4)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
     print("stepped", flush=True)
     if ending == "raise":
         raise RuntimeError("the training job crashed")
 """)
 
 
-def _run_trainer(endpoint: str, session: str, ending: str) -> subprocess.CompletedProcess:
+def _run_trainer(endpoint: str, session: str, ending: str, delay: int = 0) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         [str(REPO_ROOT / "python")] + [p for p in sys.path if p and "muond-test-stubs" in p]
         + [env.get("PYTHONPATH", "")])
     try:
-        return subprocess.run([sys.executable, "-c", TRAINER, endpoint, session, ending],
+        return subprocess.run([sys.executable, "-c", TRAINER, endpoint, session, ending, str(delay)],
                               capture_output=True, text=True, env=env, timeout=EXIT_LIMIT_SECONDS)
     except subprocess.TimeoutExpired as hung:
         pytest.fail(f"the trainer ({ending}) did not exit within {EXIT_LIMIT_SECONDS} s after its "
@@ -60,6 +62,23 @@ def test_trainer_exits_without_close(endpoint, ending, status):
     try:
         sessions = {s.session_id: s for s in conn.list_sessions()}
         assert sessions[session].last_step == 1
+        conn.close_session(session)
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("ending,status", [("return", 0), ("raise", 1)])
+def test_a_delayed_step_in_flight_at_exit_is_applied(endpoint, ending, status):
+    # delay=1: step 3 is still on its worker thread when the script ends; the interpreter waits for
+    # it, so the daemon has all three steps, once each.
+    session = f"exit-delayed-{ending}"
+    done = _run_trainer(endpoint, session, ending, delay=1)
+    assert "stepped" in done.stdout, done.stderr
+    assert done.returncode == status, done.stderr
+    conn = Connection(endpoint)
+    try:
+        sessions = {s.session_id: s for s in conn.list_sessions()}
+        assert sessions[session].last_step == 3
         conn.close_session(session)
     finally:
         conn.close()
