@@ -14,6 +14,11 @@ pkg_check_modules(HTTPLIB REQUIRED IMPORTED_TARGET cpp-httplib)  # the metrics e
 set(BLA_VENDOR OpenBLAS)
 find_package(BLAS REQUIRED)
 find_path(MUOND_CBLAS_INCLUDE_DIR cblas.h PATH_SUFFIXES openblas x86_64-linux-gnu/openblas-pthread REQUIRED)
+# oneDNN (libdnnl-dev) for the CPU backend's bf16 GEMMs; it runs on GNU OpenMP (libgomp), whose thread
+# count the backend sets. Found by hand: its CMake package also wants the OpenCL headers of its GPU side.
+find_path(MUOND_DNNL_INCLUDE_DIR oneapi/dnnl/dnnl.hpp REQUIRED)
+find_library(MUOND_DNNL_LIBRARY dnnl REQUIRED)
+find_library(MUOND_GOMP_LIBRARY NAMES gomp libgomp.so.1 REQUIRED)
 
 if(MUOND_BUILD_TESTS)
   find_package(GTest REQUIRED)

@@ -83,7 +83,8 @@ class DeviceToHost {
 
 enum class Transpose { kNo, kYes };
 
-// Precision of the matrix products in Newton–Schulz. The CPU backend always computes in fp32.
+// Precision of the matrix products in Newton–Schulz. The CPU backend computes kBf16 in bf16 only where
+// the CPU has bf16 dot products (kernels/cpu/onednn_bf16_gemm.h), and kTf32 always in fp32.
 enum class MatmulPrecision { kFp32, kTf32, kBf16 };
 
 // Shape of a strided batch of row-major GEMMs: C_i = alpha·op(A_i)·op(B_i) + beta·C_i, i < batch,

@@ -6,7 +6,7 @@ set -euo pipefail
 packages=(
   build-essential cmake pkg-config git clang libclang-rt-14-dev clang-format
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
-  libabsl-dev libspdlog-dev libfmt-dev libopenblas-dev liblapacke-dev
+  libabsl-dev libspdlog-dev libfmt-dev libopenblas-dev liblapacke-dev libdnnl-dev
   libcli11-dev libcpp-httplib-dev nlohmann-json3-dev libssl-dev zlib1g-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-torch python3-grpcio python3-grpc-tools python3-protobuf python3-pytest python3-numpy

@@ -9,11 +9,15 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <memory>
+#include <mutex>
 #include <string>
 
 #include "absl/strings/str_cat.h"
 #include "common/half_float.h"
+#include "common/logging.h"
 #include "kernels/cpu/compute_pool.h"
+#include "kernels/cpu/onednn_bf16_gemm.h"
 
 namespace muond::kernels {
 namespace {
@@ -173,11 +177,15 @@ class CpuBackend final : public Backend {
   std::string Name() const override { return "cpu"; }
   bool HostAddressable() const override { return host_addressable_; }
   std::string Detail() const override {
-    return absl::StrCat("OpenBLAS ", openblas_get_config(), ", ", threads_, " threads");
+    const Bf16Support& bf16 = Bf16GemmSupport();
+    return absl::StrCat(
+        "OpenBLAS ", openblas_get_config(), ", ", threads_, " threads, bf16 GEMMs: ",
+        bf16.available ? absl::StrCat(bf16.library, " ", bf16.kernel) : absl::StrCat("fp32 (", bf16.reason, ")"));
   }
 
   MemoryUse Memory() const override {
-    const int64_t bytes = allocated_bytes_.load(std::memory_order_relaxed);
+    const int64_t bytes =
+        allocated_bytes_.load(std::memory_order_relaxed) + bf16_scratch_bytes_.load(std::memory_order_relaxed);
     return {bytes, bytes};  // freed buffers go back to the system allocator at once
   }
 
@@ -211,10 +219,16 @@ class CpuBackend final : public Backend {
   }
 
   absl::Status Gemm(const GemmShape& s, float alpha, const float* a, const float* b, float beta, float* c,
-                    MatmulPrecision /*precision: the CPU always computes in fp32*/) override {
+                    MatmulPrecision precision) override {
     if (absl::Status st = CheckGemmShape(s); !st.ok()) return st;
     if (s.m == 0 || s.n == 0) return absl::OkStatus();
-    std::unique_lock<std::mutex> gate = pool_.Exclusive();  // OpenBLAS brings its own threads
+    std::unique_lock<std::mutex> gate = pool_.Exclusive();  // OpenBLAS and oneDNN bring their own threads
+    // bf16 through oneDNN where the CPU has bf16 dot products; tf32, and bf16 elsewhere, in fp32.
+    if (precision == MatmulPrecision::kBf16 && s.k > 0 && s.batch > 0 && Bf16Gemm() != nullptr &&
+        bf16_->Run(s, alpha, a, b, beta, c)) {
+      bf16_scratch_bytes_.store(bf16_->scratch_bytes(), std::memory_order_relaxed);
+      return absl::OkStatus();
+    }
     for (int64_t i = 0; i < s.batch; ++i) {
       float* ci = c + i * s.stride_c;
       if (s.k == 0) {
@@ -368,6 +382,22 @@ class CpuBackend final : public Backend {
   }
 
  private:
+  // The bf16 GEMMs, made on the first bf16 request, or null where the CPU has no bf16 kernel; either
+  // way the outcome is logged once. Called under the gate.
+  OnednnBf16Gemm* Bf16Gemm() {
+    std::call_once(bf16_once_, [this] {
+      const Bf16Support& support = Bf16GemmSupport();
+      if (support.available) {
+        bf16_ = std::make_unique<OnednnBf16Gemm>(threads_);
+        MUOND_LOG(info, "CPU backend: matmul_precision bf16 runs bf16 GEMMs with fp32 accumulation ({} {})",
+                  support.library, support.kernel);
+      } else {
+        MUOND_LOG(warn, "CPU backend: matmul_precision bf16 runs in fp32: {}", support.reason);
+      }
+    });
+    return bf16_.get();
+  }
+
   // Sets OpenBLAS's thread count (threads > 0) and returns the count both it and the pool use.
   static int InitThreads(int threads) {
     if (threads > 0) openblas_set_num_threads(threads);
@@ -378,6 +408,9 @@ class CpuBackend final : public Backend {
   int threads_ = 0;
   const bool host_addressable_;
   std::atomic<int64_t> allocated_bytes_{0};  // of the live buffers
+  std::once_flag bf16_once_;
+  std::unique_ptr<OnednnBf16Gemm> bf16_;        // see Bf16Gemm()
+  std::atomic<int64_t> bf16_scratch_bytes_{0};  // its bf16 operands
 };
 
 }  // namespace

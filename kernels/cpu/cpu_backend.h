@@ -1,5 +1,7 @@
 // CpuBackend: the Backend on the host CPU. Buffers are 64-byte aligned host memory; GEMMs go to
-// OpenBLAS (cblas_sgemm, one call per matrix of a strided batch); element-wise steps are loops over
+// OpenBLAS (cblas_sgemm, one call per matrix of a strided batch), except bf16 ones on a CPU with bf16
+// dot products, which go to oneDNN (onednn_bf16_gemm.h; elsewhere bf16, like tf32, computes in fp32
+// and the first bf16 request logs why); element-wise steps are loops over
 // the shared formulas of kernels/elementwise.h, vectorized by the compiler and split over the
 // backend's ComputePool; reductions accumulate in fp64, in order.
 //
@@ -7,7 +9,8 @@
 // Thread-safety: primitives may be called concurrently on distinct buffers. Compute (GEMMs,
 // element-wise steps, reductions) passes one call at a time through the pool's gate, so sessions
 // stepping at once share the --threads cores rather than oversubscribing them; copies do not wait
-// for it. OpenBLAS's global thread count is set once at creation.
+// for it. OpenBLAS's global thread count is set once at creation; oneDNN's OpenMP teams get the same
+// count on every call.
 #pragma once
 
 #include <memory>

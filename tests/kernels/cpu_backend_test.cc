@@ -76,7 +76,7 @@ TEST_F(CpuBackendTest, GemmMatchesNaiveProduct) {
       const std::vector<float> a = Random(s.stride_a * batch), b = Random(s.stride_b * batch);
       const std::vector<float> c0 = Random(m * n * batch);
       auto da = Upload(*backend_, a), db = Upload(*backend_, b), dc = Upload(*backend_, c0);
-      ASSERT_OK(backend_->Gemm(s, 1.5f, da->data(), db->data(), -0.5f, dc->data(), MatmulPrecision::kBf16));
+      ASSERT_OK(backend_->Gemm(s, 1.5f, da->data(), db->data(), -0.5f, dc->data(), MatmulPrecision::kFp32));
       const std::vector<float> c = Download(*backend_, dc->data(), c0.size());
       for (int64_t bi = 0; bi < batch; ++bi) {
         for (int64_t i = 0; i < m; ++i) {

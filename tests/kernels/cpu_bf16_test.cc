@@ -1,0 +1,305 @@
+// The CPU backend's bf16 GEMMs (kernels/cpu/onednn_bf16_gemm.h) and Newton–Schulz with
+// matmul_precision bf16 against fp64 references, on whatever CPU runs the test. Where the CPU (or
+// ONEDNN_MAX_CPU_ISA, which the second ctest registration sets) offers no bf16 kernel, the same tests
+// check the fallback instead — fp32 results bit for bit, one logged reason — and say that the bf16
+// kernel was not exercised. No test asserts a timing.
+//
+// Bounds, with u = 2⁻⁸ the unit roundoff of bf16 (8 significant bits) and u₃₂ = 2⁻²⁴:
+//  - One GEMM entry: rounding both operands moves each product by at most (2u + u²)·|a·b|, and the
+//    product of two bf16 values is exact in fp32, so against the fp64 product of the rounded
+//    operands only fp32 accumulation remains: 2·(k + 2)·u₃₂·Σ|α·a·b| + |β·c| (Higham's γ_k, +2 for
+//    α and β, doubled for headroom), the same as an fp32 GEMM's.
+//  - Newton–Schulz: ‖O_bf16 − O_fp64‖_F / ‖O_fp64‖_F ≤ steps·3·u (5 steps: 15·2⁻⁸ ≈ 5.9e-2): one
+//    relative u per GEMM per step, first order. Each GEMM's result is perturbed by its rounded
+//    operands by ≈ u relative (two independent roundings of 2⁻⁹ average size each), and the
+//    iteration does not amplify those perturbations overall: singular values near 1 are contracted
+//    (|p′(σ)| < 1 there for the default set), and small ones, which p amplifies by a ≈ 3.4, carry
+//    proportionally small errors of their own.
+#include <cblas.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "common/half_float.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/onednn_bf16_gemm.h"
+#include "kernels/optim/newton_schulz.h"
+#include "spdlog/sinks/ostream_sink.h"
+#include "spdlog/spdlog.h"
+#include "tests/kernels/reference.h"
+#include "tests/testing/status_matchers.h"
+
+namespace muond::kernels {
+namespace {
+
+using ::muond::testing::Download;
+using ::muond::testing::Upload;
+
+constexpr double kBf16Unit = 0x1p-8;
+constexpr double kFp32Unit = 0x1p-24;
+
+// Says, in the test's output, which path ran.
+void Announce() {
+  const Bf16Support& s = Bf16GemmSupport();
+  if (s.available) {
+    std::printf("[bf16] kernel exercised: %s %s\n", s.library.c_str(), s.kernel.c_str());
+  } else {
+    std::printf("[bf16] bf16 kernel NOT exercised, the fallback is tested instead: %s\n", s.reason.c_str());
+  }
+}
+
+double RoundBf16(float x) { return Bf16ToFloat(FloatToBf16(x)); }
+
+std::vector<float> Random(std::mt19937& rng, size_t n, float stddev = 1.0f) {
+  std::normal_distribution<float> dist(0.0f, stddev);
+  std::vector<float> v(n);
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+TEST(CpuBf16Gemm, RoundsOperandsAndAccumulatesInFp32) {
+  Announce();
+  const bool bf16 = Bf16GemmSupport().available;
+  std::unique_ptr<Backend> backend = NewCpuBackend(2);
+  std::mt19937 rng(5);
+  struct Case {
+    Transpose ta, tb;
+    int64_t m, n, k, batch;
+    float alpha, beta;
+    bool same_ab;
+  };
+  std::vector<Case> cases;
+  for (Transpose ta : {Transpose::kNo, Transpose::kYes}) {
+    for (Transpose tb : {Transpose::kNo, Transpose::kYes})
+      cases.push_back({ta, tb, 37, 29, 53, 3, 0.75f, -0.5f, false});
+  }
+  cases.push_back({Transpose::kNo, Transpose::kYes, 40, 40, 300, 2, 1.0f, 0.0f, true});  // X·Xᵀ, as Newton–Schulz
+  cases.push_back({Transpose::kNo, Transpose::kNo, 24, 24, 24, 2, -4.775f, 2.0315f, true});  // c·A·A + b·B
+  bool any_rounding_seen = false;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(::testing::Message() << "m=" << c.m << " n=" << c.n << " k=" << c.k
+                                      << " ta=" << (c.ta == Transpose::kYes) << " tb=" << (c.tb == Transpose::kYes)
+                                      << " same=" << c.same_ab);
+    const int64_t a_rows = c.ta == Transpose::kNo ? c.m : c.k, a_cols = c.ta == Transpose::kNo ? c.k : c.m;
+    const int64_t b_rows = c.tb == Transpose::kNo ? c.k : c.n, b_cols = c.tb == Transpose::kNo ? c.n : c.k;
+    // Rows padded by 3 and matrices by 5, so leading dimensions and strides are the caller's.
+    GemmShape s{.trans_a = c.ta, .trans_b = c.tb, .m = c.m, .n = c.n, .k = c.k};
+    s.lda = a_cols + 3;
+    s.ldb = b_cols + 3;
+    s.ldc = c.n + 3;
+    s.stride_a = a_rows * s.lda + 5;
+    s.stride_b = b_rows * s.ldb + 5;
+    s.stride_c = c.m * s.ldc + 5;
+    s.batch = c.batch;
+    if (c.same_ab) {
+      s.ldb = s.lda;
+      s.stride_b = s.stride_a;
+    }
+    const std::vector<float> a = Random(rng, static_cast<size_t>(s.stride_a * c.batch));
+    const std::vector<float> b = c.same_ab ? a : Random(rng, static_cast<size_t>(s.stride_b * c.batch));
+    const std::vector<float> c0 = Random(rng, static_cast<size_t>(s.stride_c * c.batch));
+    auto da = Upload(*backend, a), db = Upload(*backend, b);
+    auto dc16 = Upload(*backend, c0), dc32 = Upload(*backend, c0);
+    const float* b_ptr = c.same_ab ? da->data() : db->data();
+    ASSERT_OK(backend->Gemm(s, c.alpha, da->data(), b_ptr, c.beta, dc16->data(), MatmulPrecision::kBf16));
+    ASSERT_OK(backend->Gemm(s, c.alpha, da->data(), b_ptr, c.beta, dc32->data(), MatmulPrecision::kFp32));
+    const std::vector<float> got = Download(*backend, dc16->data(), c0.size());
+    const std::vector<float> fp32 = Download(*backend, dc32->data(), c0.size());
+    if (!bf16) {
+      // The fallback is the fp32 GEMM itself.
+      for (size_t i = 0; i < got.size(); ++i)
+        ASSERT_EQ(std::bit_cast<uint32_t>(got[i]), std::bit_cast<uint32_t>(fp32[i])) << i;
+      continue;
+    }
+    for (int64_t bi = 0; bi < c.batch; ++bi) {
+      for (int64_t i = 0; i < c.m; ++i) {
+        for (int64_t j = 0; j < c.n; ++j) {
+          double rounded = 0, exact = 0, mag = 0;
+          for (int64_t p = 0; p < c.k; ++p) {
+            const float av =
+                c.ta == Transpose::kNo ? a[bi * s.stride_a + i * s.lda + p] : a[bi * s.stride_a + p * s.lda + i];
+            const float bv =
+                c.tb == Transpose::kNo ? b[bi * s.stride_b + p * s.ldb + j] : b[bi * s.stride_b + j * s.ldb + p];
+            rounded += RoundBf16(av) * RoundBf16(bv);
+            exact += static_cast<double>(av) * bv;
+            mag += std::abs(static_cast<double>(av) * bv);
+          }
+          const size_t at = static_cast<size_t>(bi * s.stride_c + i * s.ldc + j);
+          const double old = c0[at];
+          const double scale = std::abs(c.alpha) * mag + std::abs(c.beta) * std::abs(old);
+          const double fp32_bound = 2.0 * static_cast<double>(c.k + 2) * kFp32Unit * scale;
+          // Against the rounded operands: fp32 accumulation only.
+          ASSERT_NEAR(got[at], c.alpha * rounded + c.beta * old, fp32_bound) << bi << " " << i << " " << j;
+          // Against the exact operands: the operand rounding too.
+          ASSERT_NEAR(got[at], c.alpha * exact + c.beta * old,
+                      fp32_bound + (2 * kBf16Unit + kBf16Unit * kBf16Unit) * std::abs(c.alpha) * mag);
+          if (std::abs(got[at] - (c.alpha * exact + c.beta * old)) > fp32_bound) any_rounding_seen = true;
+        }
+      }
+    }
+    // The padding between rows and matrices is not written.
+    for (int64_t bi = 0; bi < c.batch; ++bi) {
+      for (int64_t i = 0; i < c.m; ++i) {
+        for (int64_t j = c.n; j < s.ldc && bi * s.stride_c + i * s.ldc + j < static_cast<int64_t>(got.size()); ++j) {
+          const size_t at = static_cast<size_t>(bi * s.stride_c + i * s.ldc + j);
+          ASSERT_EQ(got[at], c0[at]) << "padding at " << at;
+        }
+      }
+    }
+  }
+  // The bf16 path really narrowed its operands: beyond what fp32 arithmetic could explain.
+  if (bf16) {
+    EXPECT_TRUE(any_rounding_seen);
+  }
+}
+
+// The outcome of the first bf16 request is logged once per backend, with the reason when it falls
+// back; the backend's Detail() says which GEMMs bf16 gets.
+TEST(CpuBf16Gemm, LogsItsChoiceOnce) {
+  Announce();
+  const Bf16Support& support = Bf16GemmSupport();
+  std::ostringstream log;
+  auto previous = spdlog::default_logger();
+  spdlog::set_default_logger(
+      std::make_shared<spdlog::logger>("bf16_test", std::make_shared<spdlog::sinks::ostream_sink_mt>(log)));
+  {
+    std::unique_ptr<Backend> backend = NewCpuBackend(1);
+    std::mt19937 rng(8);
+    const std::vector<float> a = Random(rng, 16 * 16);
+    auto da = Upload(*backend, a), dc = Upload(*backend, a);
+    const GemmShape s{.m = 16, .n = 16, .k = 16, .lda = 16, .ldb = 16, .ldc = 16};
+    for (int i = 0; i < 3; ++i) {
+      ASSERT_OK(backend->Gemm(s, 1.0f, da->data(), da->data(), 0.0f, dc->data(), MatmulPrecision::kBf16));
+    }
+    const std::string detail = backend->Detail();
+    EXPECT_NE(detail.find("bf16 GEMMs: "), std::string::npos) << detail;
+    EXPECT_NE(detail.find(support.available ? support.kernel : support.reason), std::string::npos) << detail;
+  }
+  spdlog::set_default_logger(previous);
+  const std::string text = log.str();
+  size_t lines = 0;
+  for (size_t at = text.find("matmul_precision bf16"); at != std::string::npos;
+       at = text.find("matmul_precision bf16", at + 1)) {
+    ++lines;
+  }
+  EXPECT_EQ(lines, 1u) << text;
+  if (support.available) {
+    EXPECT_NE(text.find("fp32 accumulation"), std::string::npos) << text;
+  } else {
+    EXPECT_FALSE(support.reason.empty());
+    EXPECT_NE(text.find("runs in fp32: " + support.reason), std::string::npos) << text;
+  }
+}
+
+// docs/algorithms.md, Muon step 2, in fp64 through cblas_dgemm (a 1024×2752 reference takes a
+// second rather than minutes).
+std::vector<double> ReferenceNs(const std::vector<float>& g, int64_t rows, int64_t cols, int steps) {
+  const bool tall = rows > cols;
+  const int64_t m = std::min(rows, cols), n = std::max(rows, cols);
+  std::vector<double> x(static_cast<size_t>(m * n));
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t j = 0; j < cols; ++j) x[tall ? j * rows + i : i * cols + j] = g[i * cols + j];
+  }
+  double norm = 0;
+  for (double v : x) norm += v * v;
+  const double denom = std::sqrt(norm) + 1e-7;
+  for (double& v : x) v /= denom;
+  const optim::NsSchedule schedule;
+  std::vector<double> a(static_cast<size_t>(m * m)), b(a.size()), next(x.size());
+  for (int t = 0; t < steps; ++t) {
+    const optim::NsCoefficient co = schedule.At(t);
+    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, m, n, 1.0, x.data(), n, x.data(), n, 0.0, a.data(), m);
+    b = a;
+    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, m, m, co.c, a.data(), m, a.data(), m, co.b, b.data(), m);
+    next = x;
+    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, m, 1.0, b.data(), m, x.data(), n, co.a, next.data(),
+                n);
+    x.swap(next);
+  }
+  if (!tall) return x;
+  std::vector<double> out(x.size());
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t j = 0; j < cols; ++j) out[i * cols + j] = x[j * rows + i];
+  }
+  return out;
+}
+
+struct Errors {
+  double relative = 0, max_abs = 0;
+};
+Errors Compare(const std::vector<float>& got, const std::vector<double>& want) {
+  double diff = 0, norm = 0;
+  Errors e;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double d = got[i] - want[i];
+    diff += d * d;
+    norm += want[i] * want[i];
+    e.max_abs = std::max(e.max_abs, std::abs(d));
+  }
+  e.relative = std::sqrt(diff / norm);
+  return e;
+}
+
+// Newton–Schulz (5 steps, the default set) in bf16 and fp32 against fp64, on Gaussian inputs and on
+// a decaying spectrum (singular values 1 down to 1e-2, like gradients), up to the 1024×2752 of the
+// README's figures. Prints the errors (docs/algorithms.md quotes them).
+TEST(CpuBf16Gemm, NewtonSchulzWithinBoundOfFp64) {
+  Announce();
+  const bool bf16 = Bf16GemmSupport().available;
+  std::unique_ptr<Backend> backend = NewCpuBackend(2);
+  const int steps = 5;
+  const double bound = steps * 3 * kBf16Unit;
+  std::mt19937 rng(21);
+  struct Shape {
+    int64_t rows, cols;
+    bool decaying;
+  };
+  for (const Shape& sh : {Shape{64, 176, true}, Shape{688, 256, true}, Shape{64, 176, false}, Shape{256, 688, false},
+                          Shape{1024, 2752, false}}) {
+    SCOPED_TRACE(::testing::Message() << sh.rows << "x" << sh.cols << (sh.decaying ? " decaying" : " gaussian"));
+    std::vector<float> g;
+    if (sh.decaying) {
+      const int64_t k = std::min(sh.rows, sh.cols);
+      std::vector<double> sigma(k);
+      for (int64_t i = 0; i < k; ++i) sigma[i] = std::pow(10.0, -2.0 * i / (k - 1));
+      std::mt19937 svd_rng(rng());
+      for (double v : ::muond::testing::MatWithSingularValues(svd_rng, sh.rows, sh.cols, sigma).v) {
+        g.push_back(static_cast<float>(v));
+      }
+    } else {
+      g = Random(rng, static_cast<size_t>(sh.rows * sh.cols));
+    }
+    const std::vector<double> want = ReferenceNs(g, sh.rows, sh.cols, steps);
+    auto in = Upload(*backend, g);
+    auto out16 = Upload(*backend, g), out32 = Upload(*backend, g);
+    optim::NsWorkspace ws;
+    const optim::NsSchedule schedule;
+    ASSERT_OK(optim::NewtonSchulz(*backend, schedule, steps, 1e-7, 1.0, MatmulPrecision::kBf16, in->data(),
+                                  out16->data(), sh.rows, sh.cols, 1, ws));
+    ASSERT_OK(optim::NewtonSchulz(*backend, schedule, steps, 1e-7, 1.0, MatmulPrecision::kFp32, in->data(),
+                                  out32->data(), sh.rows, sh.cols, 1, ws));
+    const std::vector<float> got16 = Download(*backend, out16->data(), g.size());
+    const std::vector<float> got32 = Download(*backend, out32->data(), g.size());
+    const Errors e16 = Compare(got16, want), e32 = Compare(got32, want);
+    std::printf("[bf16] NS %lldx%lld %-8s vs fp64: %s relative %.3e max abs %.3e | fp32 relative %.3e max abs %.3e\n",
+                static_cast<long long>(sh.rows), static_cast<long long>(sh.cols), sh.decaying ? "decaying" : "gaussian",
+                bf16 ? "bf16" : "bf16 (fp32 fallback)", e16.relative, e16.max_abs, e32.relative, e32.max_abs);
+    EXPECT_LT(e16.relative, bound);
+    if (bf16) {
+      // The bf16 result differs from the fp32 one by far more than fp32 rounding could.
+      EXPECT_GT(Compare(got16, ::muond::testing::ToDouble(got32)).relative, 100 * e32.relative + 1e-6);
+    } else {
+      EXPECT_EQ(got16, got32);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace muond::kernels
