@@ -101,6 +101,8 @@ class Muon final : public Optimizer {
 
   absl::Status Step(Backend& backend, const StepHyper& hyper, std::span<ParamState* const> params) override;
 
+  WorkspaceNeed LeastWorkspace(const Backend& backend, std::span<const ParamState* const> params) const override;
+
   static absl::Status CheckTpBlocks(const ParamState& param) {
     const TpBlocks& tp = param.tp;
     if (tp.blocks < 1) return absl::InvalidArgumentError(absl::StrCat("tp_blocks must be >= 1, got ", tp.blocks));
@@ -124,11 +126,21 @@ class Muon final : public Optimizer {
   double Scale(int64_t rows, int64_t cols) const;
   float DecayFactor(const StepHyper& hyper) const;
   void AppendMatrices(ParamState& p, const StepHyper& hyper, std::vector<MatrixJob>& jobs) const;
-  absl::Status Orthogonalize(Backend& backend, std::span<const MatrixJob> jobs);
+  absl::Status Orthogonalize(Backend& backend, std::span<const MatrixJob> jobs, NsWorkspace& ws);
+  // Whether a batch of rows × cols matrices goes through GramNewtonSchulz: ns_algorithm gram, or
+  // auto where PreferGram says so with the backend's square weight.
+  bool UsesGram(const Backend& backend, int64_t rows, int64_t cols) const;
+  // Cuts each shape's jobs into batches of `per_batch[i].second` (in `batches`) and returns the
+  // workspace floats per slot the step needs for them: NewtonSchulz's slots at the largest batch
+  // of each, the gather buffer, NorMuon's copy and the column-block transpose (transposed_floats).
+  std::vector<size_t> PlanBatches(const Backend& backend,
+                                  std::span<const std::pair<const std::vector<MatrixJob>*, size_t>> per_batch,
+                                  size_t transposed_floats, std::vector<std::span<const MatrixJob>>& batches) const;
   absl::Status ReduceVariance(Backend& backend, std::span<const MatrixJob> jobs, float* work, NsWorkspace& ws) const;
   // Column-blocked parameters: their U transposed in place (m × n → n × m, through workspace), so that
   // each column block is a contiguous row block.
-  absl::Status TransposeInPlace(Backend& backend, std::span<ParamState* const> params, bool to_blocks) const;
+  absl::Status TransposeInPlace(Backend& backend, std::span<ParamState* const> params, bool to_blocks,
+                                NsWorkspace& ws) const;
   // W ← β·W − η·D over `count` elements of O at `o` for `job`: D = scale·O, or AdaMuon's
   // x/(√V + ε) with x = scale·O; with cautious decay the decay is per element.
   absl::Status ApplyUpdate(Backend& backend, const MatrixJob& job, float* o, size_t count);
@@ -137,7 +149,7 @@ class Muon final : public Optimizer {
   absl::Status ApplyUpdateRange(Backend& backend, const MatrixJob& job, float* o, size_t count);
   // Transposes a column-blocked parameter's O back and applies the update to all of it at once
   // (every block has the same shape, so one scale).
-  absl::Status ApplyTransposed(Backend& backend, const StepHyper& hyper, ParamState& p);
+  absl::Status ApplyTransposed(Backend& backend, const StepHyper& hyper, ParamState& p, NsWorkspace& ws);
   // Telemetry: the Newton–Schulz inputs' sums of squares of one batch, and the orthogonality
   // residual of its output when it holds the matrix measured this step (residual_job_).
   absl::Status Observe(Backend& backend, std::span<const MatrixJob> jobs, std::span<const double> input_sums,
@@ -145,14 +157,6 @@ class Muon final : public Optimizer {
 
   const double ns_bound_;                    // NsSingularValueBound of this group's iteration
   const MatrixJob* residual_job_ = nullptr;  // the matrix whose residual this step measures
-};
-
-// Newton–Schulz's workspace, one per backend for all its Muon groups and sessions: holding one each
-// would multiply the largest batch's scratch by the number of sessions. `mu` is held from reserving
-// the scratch of a batch to applying its result; compute is one call at a time on a backend anyway.
-struct SharedNsWorkspace {
-  std::mutex mu;
-  NsWorkspace ws;
 };
 
 double Muon::Scale(int64_t rows, int64_t cols) const {
@@ -327,11 +331,79 @@ bool Contiguous(std::span<const MatrixJob> jobs) {
   return true;
 }
 
+bool Muon::UsesGram(const Backend& backend, int64_t rows, int64_t cols) const {
+  switch (options_.ns_algorithm) {
+    case NsAlgorithm::kStandard:
+      return false;
+    case NsAlgorithm::kGram:
+      return true;
+    case NsAlgorithm::kAuto:
+      return PreferGram(rows, cols, options_.ns_schedule, options_.ns_steps, options_.ns_schedule.gram_restarts,
+                        backend.Name() == "cpu" ? kCpuSquareWeight : kCudaSquareWeight);
+  }
+  return false;
+}
+
+std::vector<size_t> Muon::PlanBatches(const Backend& backend,
+                                      std::span<const std::pair<const std::vector<MatrixJob>*, size_t>> per_batch,
+                                      size_t transposed_floats,
+                                      std::vector<std::span<const MatrixJob>>& batches) const {
+  batches.clear();
+  std::vector<size_t> need(kTransposeSlot + 1, 0);
+  for (const auto& [jobs, size] : per_batch) {
+    const int64_t rows = jobs->front().rows, cols = jobs->front().cols;
+    const size_t mat = static_cast<size_t>(rows * cols);
+    const bool gram = UsesGram(backend, rows, cols);
+    for (size_t start = 0; start < jobs->size(); start += size) {
+      const std::span<const MatrixJob> batch = std::span(*jobs).subspan(start, std::min(size, jobs->size() - start));
+      batches.push_back(batch);
+      const auto ns = NsSlotFloats(rows, cols, static_cast<int64_t>(batch.size()), gram);
+      for (size_t slot = 0; slot < ns.size(); ++slot) need[slot] = std::max(need[slot], ns[slot]);
+      if (!Contiguous(batch))
+        need[NsWorkspace::kFirstFreeSlot] = std::max(need[NsWorkspace::kFirstFreeSlot], batch.size() * mat);
+      if (options_.moment2_method == Moment2Method::kNormuon && batch[0].lines_per_column) {
+        need[kNormuonSlot] = std::max(need[kNormuonSlot], batch.size() * mat);  // NorMuon's copy of wide matrices
+      }
+    }
+  }
+  need[kTransposeSlot] = transposed_floats;
+  return need;
+}
+
+// PlanBatches with every batch one matrix, from the shapes alone: a lone matrix is orthogonalized
+// where it lies, so no gather buffer.
+Optimizer::WorkspaceNeed Muon::LeastWorkspace(const Backend& backend, std::span<const ParamState* const> params) const {
+  std::vector<size_t> need(kTransposeSlot + 1, 0);
+  WorkspaceNeed out;
+  for (const ParamState* p : params) {
+    if (!CheckParameter(*p).ok()) continue;  // refused when the session is made
+    std::vector<size_t> own(need.size(), 0);
+    ForEachMatrix(*p, [&](int64_t, int64_t rows, int64_t cols, bool transposed) {
+      const int64_t r = transposed ? cols : rows, c = transposed ? rows : cols;  // as it lies in the buffer
+      const auto ns = NsSlotFloats(r, c, 1, UsesGram(backend, r, c));
+      for (size_t slot = 0; slot < ns.size(); ++slot) own[slot] = std::max(own[slot], ns[slot]);
+      const bool per_column = transposed ? rows >= cols : rows < cols;
+      if (options_.moment2_method == Moment2Method::kNormuon && per_column) {
+        own[kNormuonSlot] = std::max(own[kNormuonSlot], static_cast<size_t>(rows * cols));
+      }
+    });
+    if (WorksTransposed(*p)) own[kTransposeSlot] = static_cast<size_t>(p->numel);
+    size_t own_total = 0;
+    for (size_t slot = 0; slot < need.size(); ++slot) {
+      need[slot] = std::max(need[slot], own[slot]);
+      own_total += own[slot];
+    }
+    if (out.largest == nullptr || own_total > out.largest_floats) {
+      out.largest = p;
+      out.largest_floats = own_total;
+    }
+  }
+  for (size_t n : need) out.floats += n;
+  return out;
+}
+
 // Orthogonalizes one batch of same-shape jobs and applies W ← β·W − η·scale·O to each.
-absl::Status Muon::Orthogonalize(Backend& backend, std::span<const MatrixJob> jobs) {
-  SharedNsWorkspace& shared = backend.Shared<SharedNsWorkspace>();
-  std::lock_guard<std::mutex> lock(shared.mu);
-  NsWorkspace& ws = shared.ws;
+absl::Status Muon::Orthogonalize(Backend& backend, std::span<const MatrixJob> jobs, NsWorkspace& ws) {
   const int64_t rows = jobs[0].rows, cols = jobs[0].cols;
   const size_t mat = static_cast<size_t>(rows * cols);
   const size_t batch = jobs.size();
@@ -344,7 +416,7 @@ absl::Status Muon::Orthogonalize(Backend& backend, std::span<const MatrixJob> jo
   }
   std::vector<double> input_sums(telemetry_ != nullptr ? batch : 0);
   double* sums = telemetry_ != nullptr ? input_sums.data() : nullptr;
-  if (options_.ns_algorithm == NsAlgorithm::kGram) {
+  if (UsesGram(backend, rows, cols)) {
     MUOND_RETURN_IF_ERROR(GramNewtonSchulz(backend, options_.ns_schedule, options_.ns_steps,
                                            options_.ns_schedule.gram_restarts, options_.ns_eps, options_.ns_norm_safety,
                                            options_.matmul_precision, work, work, rows, cols,
@@ -465,13 +537,11 @@ absl::Status Muon::ReduceVariance(Backend& backend, std::span<const MatrixJob> j
   return absl::OkStatus();
 }
 
-absl::Status Muon::TransposeInPlace(Backend& backend, std::span<ParamState* const> params, bool to_blocks) const {
-  if (params.empty()) return absl::OkStatus();
-  SharedNsWorkspace& shared = backend.Shared<SharedNsWorkspace>();
-  std::lock_guard<std::mutex> lock(shared.mu);
+absl::Status Muon::TransposeInPlace(Backend& backend, std::span<ParamState* const> params, bool to_blocks,
+                                    NsWorkspace& ws) const {
   for (ParamState* p : params) {
     const size_t n = static_cast<size_t>(p->numel);
-    MUOND_ASSIGN_OR_RETURN(float* scratch, shared.ws.Get(backend, kTransposeSlot, n));
+    MUOND_ASSIGN_OR_RETURN(float* scratch, ws.Get(backend, kTransposeSlot, n));
     const int64_t rows = to_blocks ? p->shape[0] : p->shape[1], cols = to_blocks ? p->shape[1] : p->shape[0];
     MUOND_RETURN_IF_ERROR(backend.Transpose2D(p->grad->data(), scratch, rows, cols, 1));
     MUOND_RETURN_IF_ERROR(backend.CopyOnDevice(scratch, p->grad->data(), n));
@@ -479,9 +549,9 @@ absl::Status Muon::TransposeInPlace(Backend& backend, std::span<ParamState* cons
   return absl::OkStatus();
 }
 
-absl::Status Muon::ApplyTransposed(Backend& backend, const StepHyper& hyper, ParamState& p) {
+absl::Status Muon::ApplyTransposed(Backend& backend, const StepHyper& hyper, ParamState& p, NsWorkspace& ws) {
   ParamState* const one[] = {&p};
-  MUOND_RETURN_IF_ERROR(TransposeInPlace(backend, one, /*to_blocks=*/false));
+  MUOND_RETURN_IF_ERROR(TransposeInPlace(backend, one, /*to_blocks=*/false, ws));
   // Every block has the same shape, so the whole parameter is one job with the blocks' scale.
   const MatrixJob whole{.update = p.grad->data(),
                         .master = &p.master,
@@ -543,40 +613,43 @@ absl::Status Muon::Step(Backend& backend, const StepHyper& hyper, std::span<Para
     }
   }
   residual_job_ = telemetry_ != nullptr && telemetry_->measure ? ResidualJob(by_shape, params) : nullptr;
-  std::vector<std::span<const MatrixJob>> batches;
-  size_t need_gather = 0;
+  // Newton-Schulz's workspace is held from here to the last batch, so what is reserved below is
+  // there when the batches run.
+  SharedNsWorkspace& shared = BackendNsWorkspace(backend);
+  std::lock_guard<std::mutex> lock(shared.mu);
+  NsWorkspace& ws = shared.ws;
+  // Batches of at most kMaxBatchFloats per matrix buffer; while the scratch of the whole step
+  // (every slot at its largest batch's size) exceeds the workspace bound, the shape with the largest
+  // batches has them halved. Each matrix is computed on its own, so this changes no result.
+  std::vector<std::pair<const std::vector<MatrixJob>*, size_t>> per_batch;
   for (const auto& [key, jobs] : by_shape) {
     const size_t mat = static_cast<size_t>(std::get<0>(key) * std::get<1>(key));
-    const size_t per_batch = std::max<size_t>(1, kMaxBatchFloats / std::max<size_t>(mat, 1));
-    for (size_t start = 0; start < jobs.size(); start += per_batch) {
-      batches.push_back(std::span(jobs).subspan(start, std::min(per_batch, jobs.size() - start)));
-      if (!Contiguous(batches.back())) need_gather = std::max(need_gather, batches.back().size() * mat);
-    }
+    per_batch.emplace_back(&jobs,
+                           std::min(jobs.size(), std::max<size_t>(1, kMaxBatchFloats / std::max<size_t>(mat, 1))));
   }
-  // Allocate all scratch before touching any state, so running out of memory rejects the step
-  // cleanly instead of leaving momentum advanced and weights not. (The workspace only grows, so what
-  // is reserved here is there when the batches run.)
-  SharedNsWorkspace& shared = backend.Shared<SharedNsWorkspace>();
-  std::unique_lock<std::mutex> reserve(shared.mu);
-  NsWorkspace& ws = shared.ws;
-  for (std::span<const MatrixJob> batch : batches) {
-    MUOND_RETURN_IF_ERROR(ws.ReserveFor(backend, batch[0].rows, batch[0].cols, static_cast<int64_t>(batch.size()),
-                                        options_.ns_algorithm == NsAlgorithm::kGram));
-  }
-  if (need_gather > 0) {
-    MUOND_RETURN_IF_ERROR(ws.Get(backend, NsWorkspace::kFirstFreeSlot, need_gather).status());
-  }
-  if (options_.moment2_method == Moment2Method::kNormuon) {
-    size_t normuon_floats = 0;  // NorMuon's copy of a batch of wide matrices
-    for (std::span<const MatrixJob> batch : batches) {
-      if (batch[0].lines_per_column) {
-        normuon_floats = std::max(normuon_floats, batch.size() * static_cast<size_t>(batch[0].rows * batch[0].cols));
+  std::vector<std::span<const MatrixJob>> batches;
+  std::vector<size_t> need;
+  for (;;) {
+    need = PlanBatches(backend, per_batch, transposed_floats, batches);
+    size_t total = 0;
+    for (size_t n : need) total += n;
+    if (ws.limit() == 0 || total <= ws.limit()) break;
+    std::pair<const std::vector<MatrixJob>*, size_t>* largest = nullptr;
+    size_t largest_floats = 0;
+    for (auto& entry : per_batch) {
+      const MatrixJob& job = entry.first->front();
+      const size_t floats = entry.second * static_cast<size_t>(job.rows * job.cols);
+      if (entry.second > 1 && floats > largest_floats) {
+        largest = &entry;
+        largest_floats = floats;
       }
     }
-    if (normuon_floats > 0) MUOND_RETURN_IF_ERROR(ws.Get(backend, kNormuonSlot, normuon_floats).status());
+    if (largest == nullptr) break;  // one matrix per batch already: Fit refuses the step
+    largest->second = (largest->second + 1) / 2;
   }
-  if (transposed_floats > 0) MUOND_RETURN_IF_ERROR(ws.Get(backend, kTransposeSlot, transposed_floats).status());
-  reserve.unlock();
+  // Allocate all scratch before touching any state, so running out of memory (or of the bound)
+  // rejects the step cleanly instead of leaving momentum advanced and weights not.
+  MUOND_RETURN_IF_ERROR(ws.Fit(backend, need));
 
   const kernels::MomentumArgs momentum{
       .beta = static_cast<float>(hyper.momentum), .style = options_.momentum_style, .nesterov = options_.nesterov};
@@ -590,11 +663,11 @@ absl::Status Muon::Step(Backend& backend, const StepHyper& hyper, std::span<Para
     // U overwrites the gradient: it is scratch from here on.
     MUOND_RETURN_IF_ERROR(backend.Momentum(momentum, p->Slot(kMomentumSlot)->Ref(), g, g, n));
   }
-  MUOND_RETURN_IF_ERROR(TransposeInPlace(backend, transposed, /*to_blocks=*/true));
+  MUOND_RETURN_IF_ERROR(TransposeInPlace(backend, transposed, /*to_blocks=*/true, ws));
   for (std::span<const MatrixJob> batch : batches) {
-    MUOND_RETURN_IF_ERROR(Orthogonalize(backend, batch));
+    MUOND_RETURN_IF_ERROR(Orthogonalize(backend, batch, ws));
   }
-  for (ParamState* p : transposed) MUOND_RETURN_IF_ERROR(ApplyTransposed(backend, hyper, *p));
+  for (ParamState* p : transposed) MUOND_RETURN_IF_ERROR(ApplyTransposed(backend, hyper, *p, ws));
   for (ParamState* p : params) {
     if (p->has_grad) ++p->step_count;
   }

@@ -23,10 +23,22 @@ absl::StatusOr<float*> NsWorkspace::Get(Backend& backend, int slot, size_t count
   if (buffers_.size() <= static_cast<size_t>(slot)) buffers_.resize(slot + 1);
   std::unique_ptr<kernels::DeviceBuffer>& buf = buffers_[slot];
   if (buf == nullptr || buf->size() < count) {
-    buf.reset();  // free the old buffer first so peak memory is not old + new
-    MUOND_ASSIGN_OR_RETURN(buf, backend.Allocate(std::max<size_t>(count, 1)));
+    const size_t size = std::max<size_t>(count, 1);
+    const size_t others = held() - (buf ? buf->size() : 0);
+    if (limit() > 0 && others + size > limit()) return Refuse(others + size);
+    Drop(slot);  // free the old buffer first so peak memory is not old + new
+    MUOND_ASSIGN_OR_RETURN(buf, backend.Allocate(size));
+    held_.fetch_add(size, std::memory_order_relaxed);
   }
   return buf->data();
+}
+
+std::array<size_t, NsWorkspace::kFirstFreeSlot> NsSlotFloats(int64_t rows, int64_t cols, int64_t batch, bool gram) {
+  const size_t mat = static_cast<size_t>(rows * cols * batch);
+  const size_t m = static_cast<size_t>(std::min(rows, cols));
+  const size_t gram_size = m * m * static_cast<size_t>(batch);
+  const size_t gram_extra = gram && rows != cols ? gram_size : 0;
+  return {mat, mat, gram_size, gram_size, gram_extra, gram_extra};
 }
 
 // Slots 0 and 1 hold the iterate X and the next one (batch·rows·cols each), 2 and 3 the Gram matrix
@@ -34,25 +46,51 @@ absl::StatusOr<float*> NsWorkspace::Get(Backend& backend, int slot, size_t count
 // its R and Z, and 4 and 5 (batch·m² each) for Q and its scratch; square shapes go to NewtonSchulz
 // and need no more than it does.
 absl::Status NsWorkspace::ReserveFor(Backend& backend, int64_t rows, int64_t cols, int64_t batch, bool gram) {
-  const size_t mat = static_cast<size_t>(rows * cols * batch);
-  const size_t m = static_cast<size_t>(std::min(rows, cols));
-  const size_t gram_size = m * m * static_cast<size_t>(batch);
-  for (int slot : {0, 1}) MUOND_RETURN_IF_ERROR(Get(backend, slot, mat).status());
-  for (int slot : {2, 3}) MUOND_RETURN_IF_ERROR(Get(backend, slot, gram_size).status());
-  if (gram && rows != cols) {
-    for (int slot : {4, 5}) MUOND_RETURN_IF_ERROR(Get(backend, slot, gram_size).status());
+  const std::array<size_t, kFirstFreeSlot> need = NsSlotFloats(rows, cols, batch, gram);
+  for (int slot = 0; slot < kFirstFreeSlot; ++slot) {
+    if (need[slot] > 0) MUOND_RETURN_IF_ERROR(Get(backend, slot, need[slot]).status());
   }
   return absl::OkStatus();
 }
 
-size_t NsWorkspace::held() const {
-  size_t total = 0;
-  for (const auto& buf : buffers_) total += buf ? buf->size() : 0;
-  return total;
+absl::Status NsWorkspace::Fit(Backend& backend, std::span<const size_t> need) {
+  if (backend_ != &backend) {
+    Release();
+    backend_ = &backend;
+  }
+  size_t needed = 0, grown = 0;
+  for (size_t n : need) needed += n;
+  if (limit() > 0 && needed > limit()) return Refuse(needed);
+  for (size_t s = 0; s < std::max(buffers_.size(), need.size()); ++s) {
+    const size_t have = s < buffers_.size() && buffers_[s] ? buffers_[s]->size() : 0;
+    grown += std::max(have, s < need.size() ? need[s] : 0);
+  }
+  if (limit() > 0 && grown > limit()) {
+    for (size_t s = 0; s < buffers_.size(); ++s) {
+      if (buffers_[s] && buffers_[s]->size() > (s < need.size() ? need[s] : 0)) Drop(static_cast<int>(s));
+    }
+  }
+  for (size_t s = 0; s < need.size(); ++s) {
+    if (need[s] > 0) MUOND_RETURN_IF_ERROR(Get(backend, static_cast<int>(s), need[s]).status());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status NsWorkspace::Refuse(size_t floats) const {
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "Newton-Schulz needs ", 4 * floats, " bytes of workspace, more than --ns-workspace-bytes ", 4 * limit()));
+}
+
+void NsWorkspace::Drop(int slot) {
+  std::unique_ptr<kernels::DeviceBuffer>& buf = buffers_[static_cast<size_t>(slot)];
+  if (buf == nullptr) return;
+  held_.fetch_sub(buf->size(), std::memory_order_relaxed);
+  buf.reset();
 }
 
 void NsWorkspace::Release() {
   buffers_.clear();
+  held_.store(0, std::memory_order_relaxed);
   backend_ = nullptr;
 }
 
@@ -329,6 +367,48 @@ absl::StatusOr<double> OrthogonalityResidual(Backend& backend, const float* x, i
   double sum = 0;
   MUOND_RETURN_IF_ERROR(backend.SumSquares(a, gram, 1, &sum));
   return std::sqrt(sum / static_cast<double>(m));
+}
+
+NsWork StandardNsWork(int64_t rows, int64_t cols, const NsSchedule& schedule, int steps) {
+  const double m = static_cast<double>(std::min(rows, cols)), n = static_cast<double>(std::max(rows, cols));
+  NsWork w;
+  for (int t = 0; t < steps; ++t) {
+    w.wide += 2 * m * m * n;                           // A = X·Xᵀ and B·X (or A·X)
+    if (schedule.At(t).c != 0) w.square += m * m * m;  // A·A
+  }
+  return w;
+}
+
+// Counts the products GramNewtonSchulz issues, step by step as it issues them.
+NsWork GramNsWork(int64_t rows, int64_t cols, const NsSchedule& schedule, int steps,
+                  std::span<const int> restart_iterations) {
+  if (rows == cols) return StandardNsWork(rows, cols, schedule, steps);
+  const double m = static_cast<double>(std::min(rows, cols)), n = static_cast<double>(std::max(rows, cols));
+  const auto restarts_at = [&](int t) {
+    return std::find(restart_iterations.begin(), restart_iterations.end(), t) != restart_iterations.end();
+  };
+  NsWork w{.wide = m * m * n};  // R = X·Xᵀ
+  bool have_q = false;
+  for (int t = 0; t < steps; ++t) {
+    if (t != 0 && restarts_at(t)) {
+      w.wide += 2 * m * m * n;  // X ← Q·X; R = X·Xᵀ
+      have_q = false;
+    }
+    if (schedule.At(t).c != 0) w.square += m * m * m;  // R·R
+    if (have_q) w.square += m * m * m;                 // Q·Z
+    have_q = true;
+    if (t + 1 < steps && !restarts_at(t + 1)) w.square += 2 * m * m * m;  // R·Z, Z·RZ
+  }
+  if (have_q) w.wide += m * m * n;  // Q·X
+  return w;
+}
+
+bool PreferGram(int64_t rows, int64_t cols, const NsSchedule& schedule, int steps,
+                std::span<const int> restart_iterations, double square_weight) {
+  if (rows == cols || rows <= 0 || cols <= 0) return false;
+  const NsWork standard = StandardNsWork(rows, cols, schedule, steps);
+  const NsWork gram = GramNsWork(rows, cols, schedule, steps, restart_iterations);
+  return gram.wide + square_weight * gram.square < standard.wide + square_weight * standard.square;
 }
 
 }  // namespace muond::optim

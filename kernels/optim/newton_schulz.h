@@ -11,9 +11,12 @@
 // each.
 #pragma once
 
+#include <array>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <vector>
 
@@ -27,7 +30,8 @@ namespace muond::optim {
 // Backend scratch buffers addressed by slot number, grown on demand and kept between calls so a
 // training loop allocates only on its first step. Slots [0, kFirstFreeSlot) are NewtonSchulz's
 // (0..3) and GramNewtonSchulz's (0..5); callers (Muon's gather buffers) use the slots from
-// kFirstFreeSlot on.
+// kFirstFreeSlot on. The floats held across all slots may be bounded (set_limit): a Get or Fit that
+// would hold more is RESOURCE_EXHAUSTED and holds nothing new.
 class NsWorkspace {
  public:
   static constexpr int kFirstFreeSlot = 6;
@@ -44,14 +48,62 @@ class NsWorkspace {
   // batch needs, so a caller can fail for lack of memory before it changes any state.
   absl::Status ReserveFor(kernels::Backend& backend, int64_t rows, int64_t cols, int64_t batch, bool gram = false);
 
-  // Floats currently held across all slots.
-  size_t held() const;
+  // Makes slot s hold at least need[s] floats for every s < need.size(). When keeping every buffer
+  // held now beside them would exceed the limit, the buffers larger than this call needs (and those
+  // of slots past need.size()) are freed first. RESOURCE_EXHAUSTED when Σ need exceeds the limit.
+  absl::Status Fit(kernels::Backend& backend, std::span<const size_t> need);
+
+  // The most floats held at once; 0 (the default): no bound. Takes effect at the next Get or Fit.
+  void set_limit(size_t floats) { limit_.store(floats, std::memory_order_relaxed); }
+  size_t limit() const { return limit_.load(std::memory_order_relaxed); }
+
+  // Floats currently held across all slots. Safe to read from any thread (metrics).
+  size_t held() const { return held_.load(std::memory_order_relaxed); }
   void Release();
 
  private:
+  absl::Status Refuse(size_t floats) const;
+  void Drop(int slot);
+
   kernels::Backend* backend_ = nullptr;
   std::vector<std::unique_ptr<kernels::DeviceBuffer>> buffers_;
+  std::atomic<size_t> held_{0};
+  std::atomic<size_t> limit_{0};
 };
+
+// Floats each of NewtonSchulz's workspace slots (GramNewtonSchulz's with `gram`) needs for a call
+// on `batch` rows×cols matrices: slots 0 and 1 batch·rows·cols, 2 and 3 batch·m², and with `gram`
+// on a non-square shape 4 and 5 batch·m² (m = min(rows, cols)); the others 0.
+std::array<size_t, NsWorkspace::kFirstFreeSlot> NsSlotFloats(int64_t rows, int64_t cols, int64_t batch, bool gram);
+
+// Newton–Schulz's workspace of one backend, shared by all its Muon groups and sessions (holding
+// one each would multiply the largest batch's scratch by the number of sessions). `mu` is held for
+// the whole Newton–Schulz part of a step, from reserving its scratch to applying its results.
+struct SharedNsWorkspace {
+  std::mutex mu;
+  NsWorkspace ws;
+};
+inline SharedNsWorkspace& BackendNsWorkspace(kernels::Backend& backend) { return backend.Shared<SharedNsWorkspace>(); }
+
+// The cost rule of ns_algorithm = auto (docs/algorithms.md, Muon step 2): multiply-adds of one
+// call per matrix, split into the products that run over the long side n ("wide": X·Xᵀ and M·X,
+// m²·n each) and the m×m products ("square": m³ each), m = min(rows, cols), n = max(rows, cols).
+struct NsWork {
+  double wide = 0, square = 0;
+};
+NsWork StandardNsWork(int64_t rows, int64_t cols, const NsSchedule& schedule, int steps);
+NsWork GramNsWork(int64_t rows, int64_t cols, const NsSchedule& schedule, int steps,
+                  std::span<const int> restart_iterations);
+// Whether GramNewtonSchulz is expected to take less time than NewtonSchulz on this shape: it is
+// when wide + square_weight·square is smaller for it. `square_weight` is a backend's time per
+// multiply-add of the square products (and the Gram iteration's m²-sized copies they bring)
+// relative to the wide ones. Never for a square shape, which GramNewtonSchulz hands to NewtonSchulz.
+bool PreferGram(int64_t rows, int64_t cols, const NsSchedule& schedule, int steps,
+                std::span<const int> restart_iterations, double square_weight);
+// square_weight per backend: the CPU's fitted to the measured crossovers (bench/ns_choice_bench);
+// CUDA's is the plain FLOP count, not measured.
+inline constexpr double kCpuSquareWeight = 1.3;
+inline constexpr double kCudaSquareWeight = 1.0;
 
 // Orthogonalizes `batch` row-major rows×cols matrices stored back to back at `in` (device pointers)
 // and writes the results to `out` (same layout; `out` may equal `in`). Per matrix: X ← G, transposed

@@ -78,6 +78,19 @@ class Optimizer {
   // (no device access) and monotone in every input bound.
   virtual StepBounds BoundStep(const StepHyper& hyper, const ParamState& param, double grad_bound) const = 0;
 
+  // The least Newton–Schulz workspace, in floats, a step of `params` needs on `backend` (every
+  // batch cut to one matrix: what a workspace bound must allow), and the parameter that needs the
+  // most on its own with its need; the element-wise optimizers need none. Shapes only.
+  struct WorkspaceNeed {
+    size_t floats = 0;
+    const ParamState* largest = nullptr;
+    size_t largest_floats = 0;
+  };
+  virtual WorkspaceNeed LeastWorkspace(const kernels::Backend& /*backend*/,
+                                       std::span<const ParamState* const> /*params*/) const {
+    return {};
+  }
+
   // Allocates the parameter's slots, in their formats, and zeroes them.
   absl::Status InitState(kernels::Backend& backend, ParamState& param) const;
 

@@ -22,8 +22,9 @@ enum class Moment2Method { kNone, kAdamuon, kNormuon };
 enum class ScaleMode { kShapeScaling, kSpectral, kUnitRmsNorm };
 enum class CoefficientsAfter { kCycle, kRepeatLast };
 // How Newton–Schulz is computed: on the iterate X (standard) or on the Gram matrix X·Xᵀ (gram,
-// Dao-AILab's Gram Newton–Schulz; square matrices fall back to standard).
-enum class NsAlgorithm { kStandard, kGram };
+// Dao-AILab's Gram Newton–Schulz; square matrices fall back to standard), or per shape, whichever
+// the backend's cost rule expects to be faster (auto: optim::PreferGram).
+enum class NsAlgorithm { kStandard, kGram, kAuto };
 // How a group's gradients are clipped (docs/algorithms.md, Clipping): counted in the global norm and
 // scaled by the global coefficient (global), clipped by their own norm against the group's own
 // max_grad_norm (group), or neither (none).

@@ -448,6 +448,9 @@ class GemmCountingBackend final : public kernels::Backend {
  public:
   explicit GemmCountingBackend(kernels::Backend& inner) : inner_(inner) {}
   int gemms = 0;
+  // Multiply-adds as NsWork splits them: products over the long side (k or n > m) and m³ ones; the
+  // k = 1 products that write a·I are left out.
+  double wide_macs = 0, square_macs = 0;
 
   std::string Name() const override { return inner_.Name(); }
   bool HostAddressable() const override { return inner_.HostAddressable(); }
@@ -469,6 +472,8 @@ class GemmCountingBackend final : public kernels::Backend {
   absl::Status Gemm(const kernels::GemmShape& shape, float alpha, const float* a, const float* b, float beta, float* c,
                     kernels::MatmulPrecision precision) override {
     ++gemms;
+    const double macs = static_cast<double>(shape.m * shape.n * shape.k);
+    if (shape.k > 1) (shape.m == shape.n && shape.n == shape.k ? square_macs : wide_macs) += macs;
     return inner_.Gemm(shape, alpha, a, b, beta, c, precision);
   }
   absl::Status Transpose2D(const float* in, float* out, int64_t rows, int64_t cols, int64_t batch) override {
@@ -539,6 +544,37 @@ TEST_F(NewtonSchulzTest, GramGemmCountAndCubicSkipsRSquared) {
   // A restart at 2 adds Q·X, X·Xᵀ and a·I but drops Q·Z at step 2 and the R update after step 1.
   EXPECT_EQ(count(GramPolarExpress(), {2}), 20 + 3 - 1 - 2);
   EXPECT_EQ(count(Named("cubic5"), {}), 20 - 5);
+}
+
+// StandardNsWork and GramNsWork (the cost rule of ns_algorithm auto) count exactly the
+// multiply-adds the two iterations issue, wide and tall, quintic and cubic, with a restart.
+TEST_F(NewtonSchulzTest, NsWorkCountsTheGemmsIssued) {
+  GemmCountingBackend counting(*backend_);
+  NsWorkspace ws;
+  for (const auto& [set, restarts] :
+       {std::pair<const char*, std::vector<int>>{"simple", {}}, {"gram_polar_express", {2}}, {"cubic5", {}}}) {
+    for (const Shape shape : {Shape{16, 48}, Shape{40, 24}}) {
+      SCOPED_TRACE(::testing::Message() << set << " " << shape.rows << "x" << shape.cols);
+      const NsSchedule s = Named(set);
+      const Mat g = RoundedRandom(rng_, shape.rows, shape.cols);
+      std::vector<float> host(g.v.begin(), g.v.end());
+      auto buf = testing::Upload(counting, host);
+      for (const bool gram : {false, true}) {
+        counting.wide_macs = counting.square_macs = 0;
+        if (gram) {
+          ASSERT_OK(GramNewtonSchulz(counting, s, 5, restarts, 1e-7, 1.0, kernels::MatmulPrecision::kFp32, buf->data(),
+                                     buf->data(), shape.rows, shape.cols, 1, ws));
+        } else {
+          ASSERT_OK(NewtonSchulz(counting, s, 5, 1e-7, 1.0, kernels::MatmulPrecision::kFp32, buf->data(), buf->data(),
+                                 shape.rows, shape.cols, 1, ws));
+        }
+        const NsWork work =
+            gram ? GramNsWork(shape.rows, shape.cols, s, 5, restarts) : StandardNsWork(shape.rows, shape.cols, s, 5);
+        EXPECT_EQ(counting.wide_macs, work.wide) << "gram " << gram;
+        EXPECT_EQ(counting.square_macs, work.square) << "gram " << gram;
+      }
+    }
+  }
 }
 
 TEST_F(NewtonSchulzTest, GramReserveCoversTheCallAndRejectsBadArguments) {
