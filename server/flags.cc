@@ -44,6 +44,12 @@ std::optional<DaemonFlags> ParseFlags(int argc, char** argv, int* exit_code) {
                  "Most optimizer memory all sessions together may take (same units); 0: no limit")
       ->transform(CLI::AsSizeValue(false))
       ->capture_default_str();
+  app.add_option("--ns-workspace-bytes", flags.ns_workspace_bytes,
+                 "Most memory Newton-Schulz's scratch may hold (one per backend, shared by every session); "
+                 "same-shape batches are cut to fit, and a session whose Muon matrices cannot run within it "
+                 "is refused (same units); 0: no bound")
+      ->transform(CLI::AsSizeValue(false))
+      ->capture_default_str();
   app.add_option("--max-tensor-rank", flags.max_tensor_rank, "Most dimensions a parameter may have")
       ->check(CLI::Range(1, 64))
       ->capture_default_str();

@@ -4,6 +4,7 @@
 #include <malloc.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <csignal>
 #include <cstdio>
@@ -23,6 +24,7 @@
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "kernels/backend_factory.h"
+#include "kernels/optim/newton_schulz.h"
 #include "server/durability/session_files.h"
 #include "server/fd_budget.h"
 #include "server/flags.h"
@@ -175,6 +177,10 @@ std::variant<MetricsOutlet, Refused> StartMetrics(const DaemonFlags& flags, kern
   options.backend_memory = [backend] {
     const kernels::Backend::MemoryUse use = backend->Memory();
     return std::make_pair(use.in_use_bytes, use.reserved_bytes);
+  };
+  options.ns_workspace = [backend] {
+    const optim::NsWorkspace& ws = optim::BackendNsWorkspace(*backend).ws;
+    return std::make_pair(static_cast<int64_t>(4 * ws.held()), static_cast<int64_t>(4 * ws.limit()));
   };
   outlet.prometheus = std::make_unique<metrics::PrometheusMetrics>(std::move(options));
   absl::StatusOr<std::unique_ptr<metrics::MetricsEndpoint>> endpoint =
@@ -381,6 +387,8 @@ int Run(int argc, char** argv) {
   const std::optional<kernels::BackendSelection> selection = StartBackend(*flags);
   if (!selection) return 1;
   kernels::Backend* backend = selection->backend.get();
+  optim::BackendNsWorkspace(*backend).ws.set_limit(
+      flags->ns_workspace_bytes > 0 ? std::max<size_t>(1, static_cast<size_t>(flags->ns_workspace_bytes) / 4) : 0);
   const std::optional<Access> access = LoadAccess(*flags);
   if (!access) return 2;
   std::variant<MetricsOutlet, Refused> started_metrics = StartMetrics(*flags, backend);

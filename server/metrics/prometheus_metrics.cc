@@ -138,6 +138,8 @@ std::string PrometheusMetrics::Render() const {
   // scrape never holds up the handlers' reports.
   std::optional<std::pair<int64_t, int64_t>> backend_memory;
   if (options_.backend_memory) backend_memory = options_.backend_memory();
+  std::optional<std::pair<int64_t, int64_t>> ns_workspace;
+  if (options_.ns_workspace) ns_workspace = options_.ns_workspace();
   std::string process;
   RenderProcess(&process);
   std::string out;
@@ -239,6 +241,14 @@ std::string PrometheusMetrics::Render() const {
            "Memory of the compute backend's buffers: in use, and reserved (in use plus cached for reuse).");
     Sample(&out, "muond_backend_memory_bytes", Label("state", "in_use"), static_cast<double>(in_use));
     Sample(&out, "muond_backend_memory_bytes", Label("state", "reserved"), static_cast<double>(reserved));
+  }
+  if (ns_workspace.has_value()) {
+    const auto [held, limit] = *ns_workspace;
+    Family(&out, "muond_ns_workspace_bytes", "gauge",
+           "Newton-Schulz's scratch (part of the backend's memory, shared by every session): held, and its bound "
+           "(--ns-workspace-bytes; left out when unbounded).");
+    Sample(&out, "muond_ns_workspace_bytes", Label("state", "held"), static_cast<double>(held));
+    if (limit > 0) Sample(&out, "muond_ns_workspace_bytes", Label("state", "limit"), static_cast<double>(limit));
   }
   out += process;
   return out;

@@ -51,6 +51,8 @@ struct PrometheusOptions {
   int64_t max_total_bytes = 0;    // --max-total-bytes; 0: none
   // Samples the backend's memory at render time; may be empty.
   std::function<std::pair<int64_t, int64_t>()> backend_memory;  // (in use, reserved) bytes
+  // Samples Newton–Schulz's workspace (part of the backend's memory) at render time; may be empty.
+  std::function<std::pair<int64_t, int64_t>()> ns_workspace;  // (held, --ns-workspace-bytes; 0: none) bytes
 };
 
 class PrometheusMetrics final : public Metrics {

@@ -15,7 +15,7 @@ const std::vector<OptionChoices>& GroupOptionTable() {
       {"weight_decay_mode", {"decoupled", "independent", "l2", "cautious"}},
       {"momentum_style", {"ema", "sum"}},
       {"ns_coefficients_after", {"cycle", "repeat_last"}},
-      {"ns_algorithm", {"standard", "gram"}},
+      {"ns_algorithm", {"standard", "gram", "auto"}},  // optim::NsAlgorithm's order
       {"scale_mode", {"shape_scaling", "spectral", "unit_rms_norm"}},
       {"matmul_precision", {"fp32", "tf32", "bf16"}},  // kernels::MatmulPrecision's order
       {"moment2_method", {"none", "adamuon", "normuon"}},

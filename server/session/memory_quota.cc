@@ -5,7 +5,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/echo.h"
+#include "kernels/optim/newton_schulz.h"
 #include "kernels/optim/optimizer.h"
 
 namespace muond::session {
@@ -50,6 +52,29 @@ absl::Status CheckMemoryQuota(const std::string& session_id, int64_t session_byt
         "session_id '", Echo(session_id), "': the spec needs ", session_bytes,
         " bytes of optimizer memory and the daemon ", "holds ", held_bytes,
         " bytes already; together more than --max-total-bytes ", limits.max_total_bytes, " (close a session first)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckNsWorkspace(const std::string& session_id, const SessionConfig& config, kernels::Backend& backend) {
+  const size_t limit = optim::BackendNsWorkspace(backend).ws.limit();
+  if (limit == 0) return absl::OkStatus();
+  for (size_t g = 0; g < config.groups.size(); ++g) {
+    absl::StatusOr<std::unique_ptr<optim::Optimizer>> optimizer = optim::Optimizer::Create(config.groups[g].options);
+    if (!optimizer.ok()) continue;  // refused elsewhere
+    std::vector<optim::ParamState> states;
+    for (const ParameterConfig& param : config.parameters) {
+      if (param.group == g) states.push_back(ParamStateOf(param));
+    }
+    std::vector<const optim::ParamState*> params;
+    for (const optim::ParamState& state : states) params.push_back(&state);
+    const optim::Optimizer::WorkspaceNeed need = (*optimizer)->LeastWorkspace(backend, params);
+    if (need.floats <= limit) continue;
+    return absl::ResourceExhaustedError(
+        absl::StrCat("session_id '", Echo(session_id), "': group '", Echo(config.groups[g].name), "' needs ",
+                     4 * need.floats, " bytes of Newton-Schulz workspace with one matrix per batch (parameter '",
+                     Echo(need.largest->name), "' of shape [", absl::StrJoin(need.largest->shape, ", "), "] alone ",
+                     4 * need.largest_floats, "), more than --ns-workspace-bytes ", 4 * limit));
   }
   return absl::OkStatus();
 }

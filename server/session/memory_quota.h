@@ -15,6 +15,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "kernels/backend.h"
 #include "kernels/optim/options.h"
 #include "server/session/session_config.h"
 
@@ -32,5 +33,10 @@ int64_t EstimateSessionBytes(const SessionConfig& config);
 // RESOURCE_EXHAUSTED naming the flag and the numbers otherwise.
 absl::Status CheckMemoryQuota(const std::string& session_id, int64_t session_bytes, int64_t held_bytes,
                               const MemoryLimits& limits);
+
+// OK when every Muon group of `config` can step within `backend`'s Newton–Schulz workspace bound
+// (--ns-workspace-bytes) with its batches cut to one matrix; RESOURCE_EXHAUSTED naming the flag,
+// the group and its parameter that needs the most otherwise. OK when the workspace is unbounded.
+absl::Status CheckNsWorkspace(const std::string& session_id, const SessionConfig& config, kernels::Backend& backend);
 
 }  // namespace muond::session

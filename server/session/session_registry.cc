@@ -40,6 +40,7 @@ absl::StatusOr<CreateResult> SessionRegistry::CreateOrAttach(const std::string& 
   }
   MUOND_ASSIGN_OR_RETURN(SessionConfig config, codec_->Parse(spec_json, limits_));
   MUOND_RETURN_IF_ERROR(CheckMemoryQuota(id, EstimateSessionBytes(config), HeldBytesLocked(), memory_));
+  MUOND_RETURN_IF_ERROR(CheckNsWorkspace(id, config, *backend_));
   const int64_t elements = config.total_elements;
   const size_t tensors = config.parameters.size();
   const size_t groups = config.groups.size();

@@ -40,6 +40,7 @@ PrometheusOptions Options() {
   options.max_sessions = 8;
   options.max_total_bytes = 1 << 20;
   options.backend_memory = [] { return std::make_pair<int64_t, int64_t>(100, 250); };
+  options.ns_workspace = [] { return std::make_pair<int64_t, int64_t>(64, 1024); };
   return options;
 }
 
@@ -65,6 +66,7 @@ TEST(PrometheusMetricsTest, EveryFamilyIsThereBeforeAnyReport) {
                              "muond_checkpoint_failures_total",
                              "muond_quarantined_sessions_total",
                              "muond_backend_memory_bytes",
+                             "muond_ns_workspace_bytes",
                              "process_resident_memory_bytes",
                              "process_start_time_seconds"}) {
     EXPECT_THAT(text, HasSubstr(std::string("# TYPE ") + family + " ")) << family;
@@ -78,6 +80,8 @@ TEST(PrometheusMetricsTest, EveryFamilyIsThereBeforeAnyReport) {
   EXPECT_EQ(samples.count(R"(muond_state_bytes_limit{scope="session"})"), 0u);  // no per-session quota set
   EXPECT_EQ(samples.at(R"(muond_backend_memory_bytes{state="in_use"})"), 100);
   EXPECT_EQ(samples.at(R"(muond_backend_memory_bytes{state="reserved"})"), 250);
+  EXPECT_EQ(samples.at(R"(muond_ns_workspace_bytes{state="held"})"), 64);
+  EXPECT_EQ(samples.at(R"(muond_ns_workspace_bytes{state="limit"})"), 1024);
 }
 
 TEST(PrometheusMetricsTest, StepsCountByOutcomeAndTransportWithPhasesAndBytes) {
