@@ -303,6 +303,37 @@ TEST_F(HealthTest, GroupFiguresAreExported) {
       << "a closed session's series go";
 }
 
+// The group series are bounded: at most 16 groups of a session are exported.
+TEST_F(HealthTest, AtMostSixteenGroupsOfASessionAreExported) {
+  v1::SessionSpec spec;
+  std::vector<std::vector<float>> values;
+  for (int g = 0; g < 18; ++g) {
+    auto* group = spec.add_groups();
+    group->set_name("g" + std::to_string(g));
+    group->mutable_options()->set_optimizer(v1::OPTIMIZER_ADAMW);
+    auto* p = spec.add_parameters();
+    p->set_name("p" + std::to_string(g));
+    p->add_shape(2);
+    p->set_group(group->name());
+    values.push_back({0.5f, -0.25f});
+  }
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<client::Session> session, client_->CreateSession("many-groups", spec));
+  std::vector<client::TensorView> views;
+  for (int g = 0; g < 18; ++g) views.push_back({"p" + std::to_string(g), {2}, values[g]});
+  ASSERT_OK(session->UploadParameters(views));
+  ASSERT_OK_AND_ASSIGN(client::StepReply reply, session->Step(1, views));
+  EXPECT_EQ(reply.group_telemetry.size(), 18u) << "the answer has them all";
+  const std::string text = ScrapeMetrics(metrics_address_);
+  int series = 0;
+  for (size_t at = 0; (at = text.find("muond_group_grad_norm{session=\"many-groups\"", at)) != std::string::npos;
+       ++at) {
+    ++series;
+  }
+  EXPECT_EQ(series, 16);
+  EXPECT_NE(text.find("group=\"g15\""), std::string::npos);
+  EXPECT_EQ(text.find("group=\"g16\""), std::string::npos);
+}
+
 TEST_F(HealthTest, BadHealthOptionsAreRefusedNamingTheField) {
   std::vector<std::pair<v1::SessionSpec, std::string>> cases;
   v1::SessionSpec spec = Spec();
