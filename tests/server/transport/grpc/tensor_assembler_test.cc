@@ -149,6 +149,33 @@ TEST(TensorAssemblerTest, DecodeSumSquaresDecodesAndSumsInOnePass) {
   EXPECT_FALSE(std::isfinite(DecodeSumSquares(v1::DTYPE_FP32, bytes, out)));
 }
 
+// The sum of squares has the bits of its definition — eight fp64 partial sums, element i into sum
+// i % 8 (the tail into sum 0), each product rounded before its add, combined pairwise — whatever
+// instructions compute it, for values whose squares span the whole fp32 range.
+TEST(TensorAssemblerTest, TheSumOfSquaresHasTheBitsOfItsDefinition) {
+  for (size_t n : {0, 1, 7, 8, 9, 4095, 4096, 4097, 3 * 4096 + 5}) {
+    std::vector<float> values(n);
+    for (size_t i = 0; i < n; ++i) {
+      values[i] = std::ldexp(std::sin(1.3f * static_cast<float>(i) + 0.1f), static_cast<int>(i % 61) - 30);
+    }
+    double expected = 0;
+    for (size_t begin = 0; begin < n; begin += 4096) {  // DecodeSumSquares' blocks
+      double part[8] = {};
+      const size_t end = std::min(n, begin + 4096);
+      size_t i = begin;
+      for (; i + 8 <= end; i += 8) {
+        for (size_t k = 0; k < 8; ++k) part[k] += static_cast<double>(values[i + k]) * values[i + k];
+      }
+      for (; i < end; ++i) part[0] += static_cast<double>(values[i]) * values[i];
+      expected += ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+    }
+    std::string bytes;
+    wire::Encode(v1::DTYPE_FP32, values, &bytes);
+    std::vector<float> out(n);
+    EXPECT_EQ(DecodeSumSquares(v1::DTYPE_FP32, bytes, out), expected) << n;
+  }
+}
+
 // A payload received in pieces (gRPC's receive slices, cut anywhere, elements straddling two) decodes
 // to the same values and the same bits of the sum as the whole payload: the norm, the clipping and
 // the non-finite skip cannot depend on how the network split a chunk.
