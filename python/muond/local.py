@@ -115,12 +115,49 @@ def muon_scale(mode: str, factor: float, rows: int, cols: int) -> float:
     return factor * math.sqrt(rows / cols)  # unit_rms_norm
 
 
-def _gram_restarts(group: Dict[str, Any]) -> Optional[Tuple[int, ...]]:
-    """None for standard Newton–Schulz; for "gram" the set's restart iterations."""
-    if group.get("ns_algorithm") != "gram":
+# The daemon's CPU backend's weight of an m×m product against a wide one in ns_algorithm "auto"'s
+# cost rule (kernels/optim/newton_schulz.h, kCpuSquareWeight).
+CPU_SQUARE_WEIGHT = 1.3
+
+
+def prefer_gram(rows: int, cols: int, coefficients, after: str, steps: int, restarts: Sequence[int],
+                square_weight: float = CPU_SQUARE_WEIGHT) -> bool:
+    """Whether ns_algorithm "auto" runs the Gram iteration on a rows × cols matrix: its wide
+    (m²n) plus square_weight times its square (m³) multiply-adds are fewer than the standard
+    iteration's (docs/algorithms.md, Muon step 2). Never for a square matrix."""
+    m, n = min(rows, cols), max(rows, cols)
+    if m == n or m <= 0:
+        return False
+    std_wide = std_square = 0.0
+    gram_wide, gram_square, have_q = float(m * m * n), 0.0, False
+    for t in range(steps):
+        c = facts.coefficient_at(coefficients, after, t)[2]
+        std_wide += 2 * m * m * n
+        std_square += m ** 3 if c != 0 else 0
+        if t != 0 and t in restarts:
+            gram_wide += 2 * m * m * n
+            have_q = False
+        gram_square += (m ** 3 if c != 0 else 0) + (m ** 3 if have_q else 0)
+        have_q = True
+        if t + 1 < steps and (t + 1) not in restarts:
+            gram_square += 2 * m ** 3
+    gram_wide += m * m * n if have_q else 0
+    return gram_wide + square_weight * gram_square < std_wide + square_weight * std_square
+
+
+def _gram_restarts(group: Dict[str, Any], rows: int, cols: int) -> Optional[Tuple[int, ...]]:
+    """None for standard Newton–Schulz; for "gram" (or "auto" where it picks Gram on this shape,
+    as the daemon's CPU backend does) the set's restart iterations."""
+    algorithm = group.get("ns_algorithm")
+    if algorithm not in ("gram", "auto"):
         return None
     name = group["ns_coefficients"]
-    return facts.GRAM_RESTARTS.get(name, ()) if isinstance(name, str) else ()
+    restarts = facts.GRAM_RESTARTS.get(name, ()) if isinstance(name, str) else ()
+    if algorithm == "auto":
+        coefficients, after = opts.coefficient_schedule(group)
+        if not prefer_gram(rows, cols, coefficients, after, group["ns_steps"], restarts):
+            return None
+    return restarts
 
 
 def _orthogonalize_scaled(u: torch.Tensor, group: Dict[str, Any]) -> torch.Tensor:
@@ -130,7 +167,7 @@ def _orthogonalize_scaled(u: torch.Tensor, group: Dict[str, Any]) -> torch.Tenso
 
     def ortho(m: torch.Tensor) -> torch.Tensor:
         out = newton_schulz(m, group["ns_steps"], coefficients, after, group["ns_eps"],
-                            group["ns_norm_safety"], _gram_restarts(group))
+                            group["ns_norm_safety"], _gram_restarts(group, m.size(-2), m.size(-1)))
         return out * muon_scale(group["scale_mode"], group["extra_scale_factor"],
                                 m.size(-2), m.size(-1))
 
@@ -184,7 +221,7 @@ def _adaptive_update(u: torch.Tensor, group: Dict[str, Any], moment2: torch.Tens
     for i, (m, o_view) in enumerate(zip(_matrix_views(u, group), _matrix_views(out, group))):
         rows, cols = m.shape
         o = newton_schulz(m, group["ns_steps"], coefficients, after, group["ns_eps"],
-                          group["ns_norm_safety"], _gram_restarts(group))
+                          group["ns_norm_safety"], _gram_restarts(group, rows, cols))
         scale = muon_scale(group["scale_mode"], group["extra_scale_factor"], rows, cols)
         if adamuon:
             x = o * scale

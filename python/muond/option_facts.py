@@ -55,7 +55,7 @@ GRAM_RESTARTS = {"gram_polar_express": (2,)}
 NAMED_VALUES: Dict[str, Tuple[str, ...]] = {
     "weight_decay_mode": ("decoupled", "independent", "l2", "cautious"),
     "moment2_method": ("none", "adamuon", "normuon"),
-    "ns_algorithm": ("standard", "gram"),
+    "ns_algorithm": ("standard", "gram", "auto"),
     "momentum_style": ("ema", "sum"),
     "ns_coefficients_after": ("cycle", "repeat_last"),
     "scale_mode": ("shape_scaling", "spectral", "unit_rms_norm"),

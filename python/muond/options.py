@@ -19,7 +19,9 @@ turns a resolved group into the ``muond.v1.GroupOptions`` message sent when a se
 |                         |              | cubic5 with ns_steps=5, gram_polar_express) or a list    |
 |                         |              | of (a, b, c) tuples (one tuple is accepted as well)       |
 | ns_coefficients_after   | muon         | None: the set's own rule; a custom list cycles            |
-| ns_algorithm            | muon         | "standard" ("gram": on the Gram matrix, gram_polar_express) |
+| ns_algorithm            | muon         | "standard" ("gram": on the Gram matrix, gram_polar_express; |
+|                         |              | "auto": per shape, whichever the daemon's cost rule expects |
+|                         |              | to be faster)                                              |
 | ns_eps, ns_norm_safety  | muon         | 1e-7, 1.0                                                |
 | scale_mode              | muon         | "shape_scaling" ("spectral", "unit_rms_norm")            |
 | extra_scale_factor      | muon         | 1.0                                                      |
