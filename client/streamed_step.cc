@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/transport/grpc_streamed_try.h"
+#include "client/transport/step_transport.h"
 
 namespace muond::client {
 namespace {
@@ -50,7 +51,11 @@ absl::Status StreamedStep::Add(const TensorView& gradient) {
   }
   added_.push_back(gradient);
   // A broken stream is noticed by Finish (its status), which then retries with every gradient.
-  if (try_ != nullptr) try_->Add(gradient);
+  if (try_ != nullptr) {
+    try_->Add(gradient);
+  } else {
+    session_->transport_->StageGradient(gradient);  // shared memory: into its slot now
+  }
   return absl::OkStatus();
 }
 

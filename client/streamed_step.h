@@ -5,8 +5,9 @@
 // On the gRPC transport of a daemon that takes streamed steps, the Step stream opens at once with a
 // header marked `streamed`, and Add() sends each gradient's chunks before it returns, so the
 // transfer overlaps the caller's remaining backward; Finish() sends the closing StepEnd with the
-// step's options and reads the answer. Elsewhere (shared memory, an older daemon) Add() only notes
-// the gradient and Finish() makes an ordinary step of them all. Either way a try that fails
+// step's options and reads the answer. On shared memory Add() writes each gradient into its slot of
+// the session's region at once, and Finish() makes the one StepShared call; elsewhere (an older
+// daemon) Add() only notes the gradient and Finish() makes an ordinary step of them all. Either way a try that fails
 // transiently is retried by Finish() as an ordinary step with the same number and every gradient
 // added, so a step is applied once.
 //

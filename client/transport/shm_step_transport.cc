@@ -80,8 +80,21 @@ void ShmStepTransport::WriteGradients(std::span<const TensorView> gradients, v1:
       continue;  // not written: the daemon refuses the reference, naming the field
     }
     ref->set_offset(slot->second);
-    wire::EncodeTo(dtype, tensor.values, region_->data() + slot->second);
+    if (staged_.count(tensor.name) == 0) wire::EncodeTo(dtype, tensor.values, region_->data() + slot->second);
   }
+}
+
+bool ShmStepTransport::StageGradient(const TensorView& gradient) {
+  if (region_ == nullptr && !SetUpRegion().ok()) return false;  // the try sets it up, or fails
+  auto slot = offsets_.find(gradient.name);
+  auto numel = session_.element_counts().find(gradient.name);
+  if (slot == offsets_.end() || numel == session_.element_counts().end() ||
+      static_cast<int64_t>(gradient.values.size()) != numel->second) {
+    return false;
+  }
+  wire::EncodeTo(session_.WireDType(gradient.name), gradient.values, region_->data() + slot->second);
+  staged_.insert(gradient.name);
+  return true;
 }
 
 absl::StatusOr<StepReply> ShmStepTransport::StepOnce(const v1::StepHeader& header, const StepPayload& payload,
@@ -91,8 +104,10 @@ absl::StatusOr<StepReply> ShmStepTransport::StepOnce(const v1::StepHeader& heade
   }
   v1::StepSharedRequest request;
   *request.mutable_header() = header;
-  // Written before every try: an answer overwrites them with parameters.
+  // Written before every try (an answer overwrites them with parameters), but for those a
+  // streamed step staged for this one.
   WriteGradients(payload.gradients, request);
+  staged_.clear();
   const v1::DType answer = session_.ReturnDType(options);
   for (const auto& [name, numel] : session_.element_counts()) {
     AddReference(request.mutable_parameters(), name, region_name_, offsets_[name],

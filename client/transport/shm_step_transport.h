@@ -2,7 +2,8 @@
 // element of every parameter, so either direction fits in any dtype), registered with the daemon on
 // the first try. Each try writes the gradients into their slots, calls StepShared with references
 // to them, and reads the parameters the daemon wrote back over the same slots. A region the daemon
-// lost (restart) is dropped and the try fails UNAVAILABLE, so the next try registers a new one.
+// lost (restart) is dropped and the try fails UNAVAILABLE, so the next try registers a new one. A
+// streamed step's gradients are written into their slots as they are added (StageGradient).
 //
 // Viable when the daemon offers a socket, runs on this host and its socket is reachable from here.
 // Ownership: owns its region; borrows the Client and the Session. One thread at a time.
@@ -10,6 +11,7 @@
 
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 
 #include "client/shm_region.h"
@@ -25,6 +27,7 @@ class ShmStepTransport : public StepTransport {
   std::string_view name() const override { return "shm"; }
   absl::StatusOr<StepReply> StepOnce(const v1::StepHeader& header, const StepPayload& payload,
                                      const StepOptions& options) override;
+  bool StageGradient(const TensorView& gradient) override;
 
  private:
   // Creates and registers the region.
@@ -37,6 +40,7 @@ class ShmStepTransport : public StepTransport {
   std::unique_ptr<ShmRegion> region_;  // once a try needed it
   std::string region_name_;
   std::map<std::string, uint64_t> offsets_;  // per parameter, into region_
+  std::set<std::string> staged_;             // gradients in their slots already, for the next try
 };
 
 }  // namespace muond::client

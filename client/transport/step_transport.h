@@ -49,6 +49,11 @@ class StepTransport {
   // DEADLINE_EXCEEDED (IsTransient).
   virtual absl::StatusOr<StepReply> StepOnce(const v1::StepHeader& header, const StepPayload& payload,
                                              const StepOptions& options) = 0;
+  // A streamed step's gradient, final for the coming try: copied now to where that try reads it
+  // (shared memory: its slots), so that the try need not. False when this transport has no such
+  // place, or could not set it up (the try then writes the gradient as usual). What was staged
+  // serves the next StepOnce only; a retry writes every gradient again.
+  virtual bool StageGradient(const TensorView& gradient) { return false; }
 };
 
 }  // namespace muond::client
