@@ -1,12 +1,14 @@
 """A session spread over several real daemons (``RemoteOptimizer(endpoints=[...])``).
 
-Sharded training must be the one-daemon training, bit for bit: the same parameters, optimizer
-state, gradient norms and skips after every step — with Muon and AdamW groups, global clipping, a
+Sharded training must be the one-daemon training — bit for bit on the CPU backend, within SAME_BOUND
+on the CUDA backend (see there): the same parameters, optimizer state, gradient norms and skips
+after every step — with Muon and AdamW groups, global clipping, a
 non-finite step, QK-clip, a learning-rate scheduler and two data-parallel ranks — and it must stay so when a shard is killed
 with SIGKILL (journal mode) and restarted, even between its prepare and its commit. A different
 endpoint list for an existing session, and shards restored to different steps, are refused.
 """
 
+import os
 import threading
 import uuid
 
@@ -19,6 +21,41 @@ from muond import placement
 from muond._stubs import pb
 
 HEADS = 2
+
+# How closely sharded training follows one daemon's, per backend. The CPU backend computes each
+# matrix's Newton–Schulz products alone whatever else is in the batch, so the shards' results are
+# bit-identical (None: compared with torch.equal / ==). The CUDA backend multiplies a batch of
+# same-shaped matrices in one cuBLAS strided-batched GEMM, and cuBLAS may choose another algorithm
+# (another order of the k ≤ 48 products of each dot product) for another batch count: one daemon
+# batches wq, wk and wv together, a shard may hold one of them alone. Each fp32 GEMM then differs
+# by at most 2·k·2⁻²⁴ ≈ 6e-6 of Σ|a||b|, and a Newton–Schulz call is 15 GEMMs (5 iterations of 3):
+# about 1e-4 of an update's norm. The iteration's slope (≤ 3.45 at 0 for the default
+# coefficients) can grow the difference along a small singular direction, but such directions
+# carry little of the update's norm, and the 30 steps of lr ≤ 0.05 scale what remains; 1e-3 of
+# each tensor's norm is that estimate with headroom, not a worst case. What follows the
+# parameters (gradients, their norms, AdamW's moments) inherits the difference. The bound is
+# relative in the Frobenius norm, per tensor; step numbers, skips and their reasons stay exact,
+# and a session compared with itself on the same daemons (the state_dict round trip) stays
+# bit-identical on every backend.
+BACKEND = os.environ.get("MUOND_TEST_BACKEND", "cpu")
+SAME_BOUND = None if BACKEND == "cpu" else 1e-3
+
+
+def assert_close(value, other, what):
+    """``value`` equals ``other`` on the CPU backend; on others, within SAME_BOUND relative."""
+    if SAME_BOUND is None:
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, other), f"{what} differs"
+        else:
+            assert value == other, what
+        return
+    if isinstance(value, torch.Tensor):
+        scale = max(value.double().norm().item(), 1e-12)
+        assert (value.double() - other.double()).norm().item() <= SAME_BOUND * scale, f"{what} differs"
+    elif isinstance(value, float):
+        assert abs(value - other) <= SAME_BOUND * max(abs(value), 1e-12), what
+    else:
+        assert value == other, what
 
 
 class AttentionNet(torch.nn.Module):
@@ -123,16 +160,13 @@ def assert_same_state(a, b):
     for i, slots in a["state"].items():
         assert slots.keys() == b["state"][i].keys()
         for slot, value in slots.items():
-            other = b["state"][i][slot]
-            if isinstance(value, torch.Tensor):
-                assert torch.equal(value, other), f"parameter {i} slot {slot} differs"
-            else:
-                assert value == other
+            assert_close(value, b["state"][i][slot], f"parameter {i} slot {slot}")
 
 
 def assert_same_infos(a, b):
     assert [(i.step, i.applied, i.skip_reason) for i in a] == [(i.step, i.applied, i.skip_reason) for i in b]
-    assert [i.grad_norm for i in a[:NAN_STEP - 1]] == [i.grad_norm for i in b[:NAN_STEP - 1]]
+    for x, y in zip(a[:NAN_STEP - 1], b[:NAN_STEP - 1]):
+        assert_close(x.grad_norm, y.grad_norm, f"grad_norm of step {x.step}")
 
 
 @pytest.fixture
@@ -171,7 +205,7 @@ def test_three_daemons_train_bit_identical_to_one(three, start_daemon):
     assert_same_infos(infos, single_infos)
     assert_same_state(state, single_state)
     for (name, p), (_, q) in zip(model.named_parameters(), single_model.named_parameters()):
-        assert torch.equal(p, q), name
+        assert_close(p.detach(), q.detach(), name)
 
 
 def test_every_daemon_holds_whole_parameters_of_the_placement(three):
@@ -243,7 +277,7 @@ def test_a_shard_killed_between_prepare_and_commit_resumes_bit_identical(start_d
     assert_same_infos(infos, expected_infos)
     assert_same_state(state, expected_state)
     for (name, p), (_, q) in zip(model.named_parameters(), expected_model.named_parameters()):
-        assert torch.equal(p, q), name
+        assert_close(p.detach(), q.detach(), name)
 
 
 def test_wrong_endpoint_order_or_count_is_refused(three, start_daemon):
