@@ -1,6 +1,9 @@
 #include "kernels/cpu/onednn_bf16_gemm.h"
 
+#ifdef MUOND_HAVE_DNNL
+#if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
+#endif
 #include <omp.h>
 
 #include <algorithm>
@@ -18,11 +21,15 @@ using dnnl::memory;
 
 // What CPUID says, for the reason given when oneDNN's choice is not a bf16 kernel.
 bool CpuHasBf16DotProducts() {
+#if defined(__x86_64__) || defined(__i386__)
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
   bool avx512_bf16 = false, amx_bf16 = false;
   if (__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx)) avx512_bf16 = (eax >> 5) & 1u;
   if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) amx_bf16 = (edx >> 22) & 1u;
   return avx512_bf16 || amx_bf16;
+#else
+  return false;  // oneDNN 2.x has bf16 matmul kernels for x86 only
+#endif
 }
 
 const char* IsaName(dnnl::cpu_isa isa) {
@@ -185,3 +192,20 @@ bool OnednnBf16Gemm::Run(const GemmShape& s, float alpha, const float* a, const 
 }
 
 }  // namespace muond::kernels
+#else  // built without oneDNN 2.x: every bf16 GEMM is the fp32 one.
+
+namespace muond::kernels {
+
+const Bf16Support& Bf16GemmSupport() {
+  static const Bf16Support support{.reason =
+                                       "muond was built without oneDNN 2.x (libdnnl-dev), which it needs for them"};
+  return support;
+}
+
+struct OnednnBf16Gemm::Primitive {};
+OnednnBf16Gemm::OnednnBf16Gemm(int threads) : threads_(threads) {}
+OnednnBf16Gemm::~OnednnBf16Gemm() = default;
+bool OnednnBf16Gemm::Run(const GemmShape&, float, const float*, const float*, float, float*) { return false; }
+
+}  // namespace muond::kernels
+#endif

@@ -11,8 +11,9 @@
 // Bf16GemmSupport() decides once per process whether the path is used: it asks oneDNN for a bf16
 // matmul and accepts it only when oneDNN picks a kernel that runs on bf16 dot-product instructions
 // (an implementation named for avx512_core_bf16 or AMX). Otherwise `reason` says why (the CPU lacks
-// the instructions; oneDNN capped below them, e.g. by ONEDNN_MAX_CPU_ISA; no bf16 matmul at all),
-// and the CPU backend computes such GEMMs in fp32.
+// the instructions; oneDNN capped below them, e.g. by ONEDNN_MAX_CPU_ISA; no bf16 matmul at all; a
+// build without oneDNN 2.x, where Run always declines), and the CPU backend computes such GEMMs in
+// fp32.
 //
 // Threads: oneDNN runs on OpenMP (Debian's build: libgomp); Run sets the calling thread's OpenMP
 // thread count to the count given at construction (the daemon's --threads) before each call, so the
