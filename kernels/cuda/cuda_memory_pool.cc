@@ -20,10 +20,9 @@ size_t CudaMemoryPool::RoundUp(size_t bytes) {
 }
 
 CudaMemoryPool::~CudaMemoryPool() {
-  std::lock_guard<std::mutex> lock(mu_);
   // Destruction cannot report errors; the owning backend has synchronized its stream already.
-  cudaSetDevice(device_);
-  EmptyCacheLocked();
+  EmptyCache();
+  std::lock_guard<std::mutex> lock(mu_);
   for (const auto& [block, size] : in_use_) cudaFree(block);
   in_use_.clear();
 }
@@ -34,29 +33,36 @@ absl::StatusOr<void*> CudaMemoryPool::Acquire(size_t bytes) {
     return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", bytes, " bytes"));
   }
   const size_t size = RoundUp(bytes);
-  std::lock_guard<std::mutex> lock(mu_);
-  void* block = nullptr;
-  if (auto it = free_.find(size); it != free_.end() && !it->second.empty()) {
-    block = it->second.back();
-    it->second.pop_back();
-  } else {
-    MUOND_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-    cudaError_t error = cudaMalloc(&block, size);
-    if (error == cudaErrorMemoryAllocation) {
-      // Cached blocks of other size classes may be what stands in the way: give them back to the
-      // driver and try once more. cudaGetLastError clears the error the failed call left behind.
-      cudaGetLastError();
-      EmptyCacheLocked();
-      error = cudaMalloc(&block, size);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto it = free_.find(size); it != free_.end() && !it->second.empty()) {
+      void* block = it->second.back();
+      it->second.pop_back();
+      in_use_.emplace(block, size);
+      bytes_in_use_ += size;
+      return block;
     }
-    if (error != cudaSuccess) {
-      cudaGetLastError();
-      return CudaStatus(
-          error, absl::StrCat("cudaMalloc of ", size, " bytes (", bytes_reserved_, " bytes already held by the pool)"));
-    }
-    bytes_reserved_ += size;
-    ++device_allocations_;
   }
+  // The driver is called without mu_: cudaMalloc may wait for the device, and so does emptying
+  // the cache, and neither should hold up a Release or a metrics read meanwhile.
+  MUOND_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  void* block = nullptr;
+  cudaError_t error = cudaMalloc(&block, size);
+  if (error == cudaErrorMemoryAllocation) {
+    // Cached blocks of other size classes may be what stands in the way: give them back to the
+    // driver and try once more. cudaGetLastError clears the error the failed call left behind.
+    cudaGetLastError();
+    EmptyCache();
+    error = cudaMalloc(&block, size);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (error != cudaSuccess) {
+    cudaGetLastError();
+    return CudaStatus(
+        error, absl::StrCat("cudaMalloc of ", size, " bytes (", bytes_reserved_, " bytes already held by the pool)"));
+  }
+  bytes_reserved_ += size;
+  ++device_allocations_;
   in_use_.emplace(block, size);
   bytes_in_use_ += size;
   return block;
@@ -73,18 +79,27 @@ void CudaMemoryPool::Release(void* block) {
   free_[size].push_back(block);
 }
 
-void CudaMemoryPool::EmptyCacheLocked() {
-  if (free_.empty()) return;
+void CudaMemoryPool::EmptyCache() {
+  std::unordered_map<size_t, std::vector<void*>> cached;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    cached.swap(free_);
+  }
+  if (cached.empty()) return;
   // A cached block may still be read or written by work pending on the owner's stream; wait for
-  // it explicitly rather than relying on cudaFree's implicit synchronization.
+  // it explicitly rather than relying on cudaFree's implicit synchronization. The blocks are off
+  // the free lists already, so no one can take them meanwhile, and mu_ is not held while waiting.
+  cudaSetDevice(device_);
   cudaDeviceSynchronize();
-  for (auto& [size, blocks] : free_) {
+  size_t freed = 0;
+  for (auto& [size, blocks] : cached) {
     for (void* block : blocks) {
       cudaFree(block);
-      bytes_reserved_ -= size;
+      freed += size;
     }
   }
-  free_.clear();
+  std::lock_guard<std::mutex> lock(mu_);
+  bytes_reserved_ -= freed;
 }
 
 size_t CudaMemoryPool::bytes_reserved() const {

@@ -54,8 +54,9 @@ class CudaMemoryPool {
   static size_t RoundUp(size_t bytes);
 
  private:
-  // Frees every cached (not borrowed) block. Requires mu_ held.
-  void EmptyCacheLocked();
+  // Frees every cached (not borrowed) block after waiting for the device; takes mu_ only to move
+  // the blocks off the free lists and to count them, never while it waits.
+  void EmptyCache();
 
   const int device_;
   mutable std::mutex mu_;

@@ -164,8 +164,14 @@ absl::StatusOr<std::unique_ptr<PinnedRing>> RingCache::Take() {
 }
 
 void RingCache::Give(std::unique_ptr<PinnedRing> ring) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (idle_.size() < kMaxIdle) idle_.push_back(std::move(ring));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (idle_.size() < kMaxIdle) {
+      idle_.push_back(std::move(ring));
+      return;
+    }
+  }
+  ring.reset();  // here, without mu_: the ring's destructor waits for its stream
 }
 
 absl::StatusOr<std::unique_ptr<HostToDevice>> NewPinnedHostToDevice(RingCache* cache, cudaStream_t compute) {
