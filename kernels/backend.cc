@@ -1,9 +1,12 @@
 // Backend's defaults: synchronous pipelined transfers, for backends whose memory is the host's (the
-// CPU backend), where there is nothing to overlap; per-tensor sums of squares; byte copies with
-// memcpy. The refusals of the GPU transports are PeerPrimitives' (peer_primitives.cc).
+// CPU backend), where there is nothing to overlap; per-tensor sums of squares; normalization with
+// the scales computed on the host; byte copies with memcpy. The refusals of the GPU transports are
+// PeerPrimitives' (peer_primitives.cc).
 #include "kernels/backend.h"
 
+#include <cmath>
 #include <cstring>
+#include <vector>
 
 namespace muond::kernels {
 namespace {
@@ -48,6 +51,22 @@ absl::Status Backend::SumSquaresEach(std::span<const Slice> tensors, double* sum
     if (!status.ok()) return status;
   }
   return absl::OkStatus();
+}
+
+absl::Status Backend::NormalizeBatched(float* x, size_t count, size_t batch, double eps, double norm_safety,
+                                       double* sums) {
+  if (batch == 0) return absl::OkStatus();
+  std::vector<double> host_sums(batch);
+  absl::Status status = SumSquares(x, count, batch, host_sums.data());
+  if (!status.ok()) return status;
+  std::vector<float> scales(batch);
+  for (size_t i = 0; i < batch; ++i) {
+    const double denom = norm_safety * std::sqrt(host_sums[i]) + eps;
+    scales[i] = denom > 0 ? static_cast<float>(1.0 / denom) : 0.0f;
+  }
+  status = ScaleBatched(x, count, batch, scales.data());
+  if (!status.ok() || sums == nullptr) return status;
+  return CopyBytes(host_sums.data(), sums, batch * sizeof(double));
 }
 
 absl::Status Backend::CopyBytes(const void* src, void* dst, size_t bytes) {

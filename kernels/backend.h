@@ -166,6 +166,16 @@ class Backend : public PeerPrimitives {
 
   // Element-wise. x_i *= scales[i] over a batch of `count`-sized slices; `scales` is a host array.
   virtual absl::Status ScaleBatched(float* x, size_t count, size_t batch, const float* scales) = 0;
+  // Scales each `count`-sized slice x_i of a batch to (about) unit Frobenius norm, Newton–Schulz's
+  // first step: s_i = Σ x_i² accumulated like SumSquares, d_i = norm_safety·√s_i + eps in fp64, and
+  // x_i *= fp32(1/d_i), or 0 where d_i ≤ 0 (a zero slice with eps = 0 stays zero, never NaN).
+  // With `sums` (backend memory for `batch` doubles) the s_i are also written there, in order with
+  // the other primitives like any result in backend memory; a caller reads them back when it needs
+  // them (CopyBytes), e.g. once per step. The CUDA backend computes the sums and the scales and
+  // applies them on the device, and waits for nothing. The default is SumSquares, the scales on the
+  // host, ScaleBatched, and CopyBytes of the sums.
+  virtual absl::Status NormalizeBatched(float* x, size_t count, size_t batch, double eps, double norm_safety,
+                                        double* sums = nullptr);
   // y = alpha·x + beta·y. x and y may be 16-bit state (StoredRef), read as fp32 and y rounded when
   // stored.
   virtual absl::Status Axpby(float alpha, StoredRef x, float beta, StoredRef y, size_t count) = 0;

@@ -152,16 +152,28 @@ absl::StatusOr<void*> CudaBackend::GetScratch(Scratch slot, size_t bytes) {
   return block.ptr;
 }
 
-absl::Status CudaBackend::SyncLocked() {
-  MUOND_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
-  return absl::OkStatus();
+absl::Status CudaBackend::SyncUnlocking(std::unique_lock<std::mutex>& lock) {
+  // An event marks the end of the work enqueued so far; the wait for it runs without mu_, so other
+  // callers keep enqueueing meanwhile, and it covers exactly this caller's work and what came
+  // before it (a stream synchronize would also wait for theirs). Faults of earlier kernels are
+  // sticky and reported by the event's wait as by a stream synchronize.
+  cudaEvent_t done = nullptr;
+  MUOND_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+  if (const cudaError_t error = cudaEventRecord(done, stream_); error != cudaSuccess) {
+    cudaEventDestroy(done);
+    return CudaStatus(error, "cudaEventRecord");
+  }
+  lock.unlock();
+  const cudaError_t error = cudaEventSynchronize(done);
+  cudaEventDestroy(done);
+  return error == cudaSuccess ? absl::OkStatus() : CudaStatus(error, "cudaEventSynchronize");
 }
 
 absl::StatusOr<std::unique_ptr<DeviceBuffer>> CudaBackend::Allocate(size_t count) {
   if (count > std::numeric_limits<size_t>::max() / sizeof(float) / 2) {
     return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", count, " floats"));
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   MUOND_RETURN_IF_ERROR(Activate());
   MUOND_ASSIGN_OR_RETURN(void* block, pool_.Acquire(count * sizeof(float)));
   // Zeroed like the CPU backend's buffers, so a reused block never shows its previous owner's data.
@@ -174,42 +186,42 @@ absl::StatusOr<std::unique_ptr<DeviceBuffer>> CudaBackend::Allocate(size_t count
 
 absl::Status CudaBackend::CopyToDevice(const float* host, float* device, size_t count) {
   if (count == 0) return absl::OkStatus();
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   MUOND_RETURN_IF_ERROR(Activate());
   MUOND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(device, host, count * sizeof(float), cudaMemcpyHostToDevice, stream_));
-  return SyncLocked();
+  return SyncUnlocking(lock);
 }
 
 absl::Status CudaBackend::CopyToHost(const float* device, float* host, size_t count) {
   if (count == 0) return absl::OkStatus();
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   MUOND_RETURN_IF_ERROR(Activate());
   MUOND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host, device, count * sizeof(float), cudaMemcpyDeviceToHost, stream_));
-  return SyncLocked();
+  return SyncUnlocking(lock);
 }
 
 absl::Status CudaBackend::CopyBytes(const void* src, void* dst, size_t bytes) {
   if (bytes == 0) return absl::OkStatus();
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   MUOND_RETURN_IF_ERROR(Activate());
   MUOND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_));
-  return SyncLocked();
+  return SyncUnlocking(lock);
 }
 
 absl::Status CudaBackend::Synchronize() {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   MUOND_RETURN_IF_ERROR(Activate());
-  return SyncLocked();
+  return SyncUnlocking(lock);
 }
 
 absl::StatusOr<std::unique_ptr<HostToDevice>> CudaBackend::NewHostToDevice() {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   MUOND_RETURN_IF_ERROR(Activate());
   return NewPinnedHostToDevice(&rings_, stream_);
 }
 
 absl::StatusOr<std::unique_ptr<DeviceToHost>> CudaBackend::NewDeviceToHost() {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   MUOND_RETURN_IF_ERROR(Activate());
   return NewPinnedDeviceToHost(&rings_, stream_);
 }
@@ -217,7 +229,7 @@ absl::StatusOr<std::unique_ptr<DeviceToHost>> CudaBackend::NewDeviceToHost() {
 absl::Status CudaBackend::CopyOnDevice(const float* src, float* dst, size_t count) {
   if (count == 0 || src == dst) return absl::OkStatus();
   const size_t bytes = count * sizeof(float);
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   MUOND_RETURN_IF_ERROR(Activate());
   const bool overlap = src < dst + count && dst < src + count;
   if (!overlap) {
@@ -233,7 +245,7 @@ absl::Status CudaBackend::CopyOnDevice(const float* src, float* dst, size_t coun
 }
 
 absl::Status CudaBackend::Fill(float* x, size_t count, float value) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   MUOND_RETURN_IF_ERROR(Activate());
   return CudaStatus(LaunchFill(x, static_cast<int64_t>(count), value, stream_), "Fill kernel");
 }
@@ -242,7 +254,7 @@ absl::Status CudaBackend::Gemm(const GemmShape& s, float alpha, const float* a, 
                                MatmulPrecision precision) {
   MUOND_RETURN_IF_ERROR(CheckGemmShape(s));
   if (s.m == 0 || s.n == 0 || s.batch == 0) return absl::OkStatus();
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   MUOND_RETURN_IF_ERROR(Activate());
   return GemmLocked(s, alpha, a, b, beta, c, precision);
 }

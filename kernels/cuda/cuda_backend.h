@@ -21,6 +21,8 @@
 // hands out borrow pool memory and must be destroyed before the backend.
 // Thread-safety: every primitive takes the backend's mutex, so concurrent calls are safe and run
 // one after another on the single stream (the stream, the cuBLAS handle and the scratch are shared).
+// A primitive that waits for the device (a read-back, Synchronize) releases the mutex first: the
+// wait is for an event recorded under it (SyncUnlocking).
 // Each call also makes the backend's device current on the calling thread.
 #pragma once
 
@@ -79,7 +81,11 @@ class CudaBackend final : public Backend {
   absl::StatusOr<bool> AllFinite(const float* x, size_t count) override;
   absl::Status SumSquaresEach(std::span<const Slice> tensors, double* sums) override;
 
+  // Up to kInlineScales scales go in the kernel's launch parameters, more through a copy.
   absl::Status ScaleBatched(float* x, size_t count, size_t batch, const float* scales) override;
+  // Sums, scales and scaling on the stream; never waits.
+  absl::Status NormalizeBatched(float* x, size_t count, size_t batch, double eps, double norm_safety,
+                                double* sums) override;
   absl::Status Axpby(float alpha, StoredRef x, float beta, StoredRef y, size_t count) override;
 
   absl::Status Momentum(const MomentumArgs& args, StoredRef momentum, const float* grad, float* update,
@@ -126,8 +132,12 @@ class CudaBackend final : public Backend {
   absl::Status Activate();
   // At least `bytes` bytes of scratch `slot`; contents unspecified. Requires mu_ held.
   absl::StatusOr<void*> GetScratch(Scratch slot, size_t bytes);
-  // Waits for the stream and reports any fault of the work enqueued so far. Requires mu_ held.
-  absl::Status SyncLocked();
+  // Waits for the work enqueued so far and reports any fault of it. Requires `lock` (on mu_) held;
+  // releases it before waiting, so no caller waits for the device under the backend's lock.
+  absl::Status SyncUnlocking(std::unique_lock<std::mutex>& lock);
+  // SumSquares' two kernels into `sums` (device memory for `batch` doubles), with its checks; the
+  // partials in scratch. Requires mu_ held.
+  absl::Status SumSquaresLocked(const float* x, size_t count, size_t batch, double* sums);
   // Gemm with the checks done. Requires mu_ held.
   absl::Status GemmLocked(const GemmShape& s, float alpha, const float* a, const float* b, float beta, float* c,
                           MatmulPrecision precision);

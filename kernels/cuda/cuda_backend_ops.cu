@@ -44,29 +44,32 @@ absl::Status CudaBackend::Transpose2D(const float* in, float* out, int64_t rows,
     return absl::InvalidArgumentError(
         absl::StrCat("Transpose2D: ", rows, " rows exceed the CUDA grid limit of ", kTransposeMaxRows));
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   MUOND_RETURN_IF_ERROR(Activate());
   return CudaStatus(LaunchTranspose(in, out, rows, cols, batch, stream_), "Transpose kernel");
 }
 
-absl::Status CudaBackend::SumSquares(const float* x, size_t count, size_t batch, double* sums) {
-  if (batch == 0) return absl::OkStatus();
+absl::Status CudaBackend::SumSquaresLocked(const float* x, size_t count, size_t batch, double* sums) {
   const int chunks = SumSquaresChunks(static_cast<int64_t>(count));
   // The first pass launches batch·chunks blocks on a one-dimensional grid.
   if (batch > static_cast<size_t>(std::numeric_limits<int>::max() / chunks)) {
     return absl::InvalidArgumentError(absl::StrCat("SumSquares: batch ", batch, " is too large"));
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  MUOND_RETURN_IF_ERROR(Activate());
   MUOND_ASSIGN_OR_RETURN(void* partials, GetScratch(kPartials, batch * chunks * sizeof(double)));
+  return CudaStatus(LaunchSumSquares(x, static_cast<int64_t>(count), static_cast<int64_t>(batch), chunks,
+                                     static_cast<double*>(partials), sums, stream_),
+                    "SumSquares kernels");
+}
+
+absl::Status CudaBackend::SumSquares(const float* x, size_t count, size_t batch, double* sums) {
+  if (batch == 0) return absl::OkStatus();
+  std::unique_lock<std::mutex> lock(mu_);
+  MUOND_RETURN_IF_ERROR(Activate());
   MUOND_ASSIGN_OR_RETURN(void* device_sums, GetScratch(kSums, batch * sizeof(double)));
-  MUOND_RETURN_IF_ERROR(
-      CudaStatus(LaunchSumSquares(x, static_cast<int64_t>(count), static_cast<int64_t>(batch), chunks,
-                                  static_cast<double*>(partials), static_cast<double*>(device_sums), stream_),
-                 "SumSquares kernels"));
+  MUOND_RETURN_IF_ERROR(SumSquaresLocked(x, count, batch, static_cast<double*>(device_sums)));
   MUOND_CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(sums, device_sums, batch * sizeof(double), cudaMemcpyDeviceToHost, stream_));
-  return SyncLocked();
+  return SyncUnlocking(lock);
 }
 
 // SumSquares' two kernels with batch 1 for each tensor, so each sum has the bits SumSquares gives
@@ -78,7 +81,7 @@ absl::Status CudaBackend::SumSquaresEach(std::span<const Slice> tensors, double*
   for (const Slice& tensor : tensors) {
     max_chunks = std::max(max_chunks, SumSquaresChunks(static_cast<int64_t>(tensor.count)));
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   MUOND_RETURN_IF_ERROR(Activate());
   MUOND_ASSIGN_OR_RETURN(void* partials, GetScratch(kPartials, max_chunks * sizeof(double)));
   MUOND_ASSIGN_OR_RETURN(void* device_sums, GetScratch(kSums, tensors.size() * sizeof(double)));
@@ -91,12 +94,12 @@ absl::Status CudaBackend::SumSquaresEach(std::span<const Slice> tensors, double*
   }
   MUOND_CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(sums, device_sums, tensors.size() * sizeof(double), cudaMemcpyDeviceToHost, stream_));
-  return SyncLocked();
+  return SyncUnlocking(lock);
 }
 
 absl::StatusOr<bool> CudaBackend::AllFinite(const float* x, size_t count) {
   if (count == 0) return true;
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   MUOND_RETURN_IF_ERROR(Activate());
   MUOND_ASSIGN_OR_RETURN(void* flag, GetScratch(kFlag, sizeof(int)));
   MUOND_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(flag, 0, sizeof(int), stream_));
@@ -104,13 +107,24 @@ absl::StatusOr<bool> CudaBackend::AllFinite(const float* x, size_t count) {
       LaunchFlagNonFinite(x, static_cast<int64_t>(count), static_cast<int*>(flag), stream_), "FlagNonFinite kernel"));
   int host_flag = 1;
   MUOND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&host_flag, flag, sizeof(int), cudaMemcpyDeviceToHost, stream_));
-  MUOND_RETURN_IF_ERROR(SyncLocked());
+  MUOND_RETURN_IF_ERROR(SyncUnlocking(lock));
   return host_flag == 0;
 }
 
 absl::Status CudaBackend::ScaleBatched(float* x, size_t count, size_t batch, const float* scales) {
   if (count == 0 || batch == 0) return absl::OkStatus();
-  std::lock_guard<std::mutex> lock(mu_);
+  if (batch <= static_cast<size_t>(kInlineScales)) {
+    // Few scales (a head count, a cubic Newton–Schulz coefficient) travel in the launch itself:
+    // no copy, and nothing for the host to wait on.
+    InlineScales inline_scales{};
+    std::copy(scales, scales + batch, inline_scales.v);
+    std::unique_lock<std::mutex> lock(mu_);
+    MUOND_RETURN_IF_ERROR(Activate());
+    return CudaStatus(
+        LaunchScaleBatchedInline(x, static_cast<int64_t>(count), static_cast<int64_t>(batch), inline_scales, stream_),
+        "ScaleBatched kernel");
+  }
+  std::unique_lock<std::mutex> lock(mu_);
   MUOND_RETURN_IF_ERROR(Activate());
   MUOND_ASSIGN_OR_RETURN(void* device_scales, GetScratch(kScales, batch * sizeof(float)));
   // From pageable host memory cudaMemcpyAsync returns only once `scales` has been staged, so the
@@ -122,9 +136,33 @@ absl::Status CudaBackend::ScaleBatched(float* x, size_t count, size_t batch, con
                     "ScaleBatched kernel");
 }
 
+// SumSquares' kernels, the scales from the sums and the scaling, all on the stream, nothing waited
+// for: the sums (in `sums`, or else the kSums scratch) and the scales (kScales) are read by the
+// next kernels on the same stream, and the next user of those scratch blocks reaches them only
+// after these kernels, since one stream orders every primitive.
+absl::Status CudaBackend::NormalizeBatched(float* x, size_t count, size_t batch, double eps, double norm_safety,
+                                           double* sums) {
+  if (batch == 0) return absl::OkStatus();
+  std::unique_lock<std::mutex> lock(mu_);
+  MUOND_RETURN_IF_ERROR(Activate());
+  double* device_sums = sums;
+  if (device_sums == nullptr) {
+    MUOND_ASSIGN_OR_RETURN(void* scratch, GetScratch(kSums, batch * sizeof(double)));
+    device_sums = static_cast<double*>(scratch);
+  }
+  MUOND_ASSIGN_OR_RETURN(void* device_scales, GetScratch(kScales, batch * sizeof(float)));
+  MUOND_RETURN_IF_ERROR(SumSquaresLocked(x, count, batch, device_sums));
+  const auto n = static_cast<int64_t>(count), b = static_cast<int64_t>(batch);
+  MUOND_RETURN_IF_ERROR(
+      CudaStatus(LaunchInverseNormScales(device_sums, b, eps, norm_safety, static_cast<float*>(device_scales), stream_),
+                 "InverseNormScales kernel"));
+  return CudaStatus(LaunchScaleBatched(x, n, b, static_cast<const float*>(device_scales), stream_),
+                    "ScaleBatched kernel");
+}
+
 absl::Status CudaBackend::Widen(StorageDtype dtype, const void* packed, float* out, size_t count) {
   if (dtype == StorageDtype::kFp32) return CopyOnDevice(static_cast<const float*>(packed), out, count);
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   MUOND_RETURN_IF_ERROR(Activate());
   return CudaStatus(LaunchWiden(dtype, static_cast<const uint16_t*>(packed), out, static_cast<int64_t>(count), stream_),
                     "Widen kernel");
@@ -132,21 +170,21 @@ absl::Status CudaBackend::Widen(StorageDtype dtype, const void* packed, float* o
 
 absl::Status CudaBackend::Narrow(StorageDtype dtype, const float* in, void* packed, size_t count) {
   if (dtype == StorageDtype::kFp32) return CopyOnDevice(in, static_cast<float*>(packed), count);
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   MUOND_RETURN_IF_ERROR(Activate());
   return CudaStatus(LaunchNarrow(dtype, in, static_cast<uint16_t*>(packed), static_cast<int64_t>(count), stream_),
                     "Narrow kernel");
 }
 
 absl::Status CudaBackend::Axpby(float alpha, StoredRef x, float beta, StoredRef y, size_t count) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   MUOND_RETURN_IF_ERROR(Activate());
   return CudaStatus(LaunchAxpby(alpha, x, beta, y, static_cast<int64_t>(count), stream_), "Axpby kernel");
 }
 
 absl::Status CudaBackend::Momentum(const MomentumArgs& args, StoredRef momentum, const float* grad, float* update,
                                    size_t count) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   MUOND_RETURN_IF_ERROR(Activate());
   return CudaStatus(LaunchMomentum(args, momentum, grad, update, static_cast<int64_t>(count), stream_),
                     "Momentum kernel");
@@ -154,7 +192,7 @@ absl::Status CudaBackend::Momentum(const MomentumArgs& args, StoredRef momentum,
 
 absl::Status CudaBackend::AdamW(const AdamWArgs& args, StoredRef param, const float* grad, StoredRef exp_avg,
                                 StoredRef exp_avg_sq, size_t count) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   MUOND_RETURN_IF_ERROR(Activate());
   return CudaStatus(LaunchAdamW(args, param, grad, exp_avg, exp_avg_sq, static_cast<int64_t>(count), stream_),
                     "AdamW kernel");
@@ -162,26 +200,26 @@ absl::Status CudaBackend::AdamW(const AdamWArgs& args, StoredRef param, const fl
 
 absl::Status CudaBackend::Lion(const LionArgs& args, StoredRef param, const float* grad, StoredRef exp_avg,
                                size_t count) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   MUOND_RETURN_IF_ERROR(Activate());
   return CudaStatus(LaunchLion(args, param, grad, exp_avg, static_cast<int64_t>(count), stream_), "Lion kernel");
 }
 
 absl::Status CudaBackend::Sgd(const SgdArgs& args, StoredRef param, const float* grad, StoredRef momentum_buffer,
                               size_t count) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   MUOND_RETURN_IF_ERROR(Activate());
   return CudaStatus(LaunchSgd(args, param, grad, momentum_buffer, static_cast<int64_t>(count), stream_), "Sgd kernel");
 }
 
 absl::Status CudaBackend::Adamuon(const AdamuonArgs& args, StoredRef moment2, float* update, size_t count) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   MUOND_RETURN_IF_ERROR(Activate());
   return CudaStatus(LaunchAdamuon(args, moment2, update, static_cast<int64_t>(count), stream_), "Adamuon kernel");
 }
 
 absl::Status CudaBackend::CautiousUpdate(const CautiousArgs& args, const float* update, StoredRef param, size_t count) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   MUOND_RETURN_IF_ERROR(Activate());
   return CudaStatus(LaunchCautiousUpdate(args, update, param, static_cast<int64_t>(count), stream_),
                     "CautiousUpdate kernel");

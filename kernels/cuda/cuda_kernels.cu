@@ -39,6 +39,18 @@ __global__ void ScaleBatchedKernel(float* x, int64_t count, int64_t total, const
   for (int64_t i = FirstIndex(); i < total; i += GridStride()) x[i] *= scales[i / count];
 }
 
+__global__ void ScaleBatchedInlineKernel(float* x, int64_t count, int64_t total, InlineScales scales) {
+  for (int64_t i = FirstIndex(); i < total; i += GridStride()) x[i] *= scales.v[i / count];
+}
+
+__global__ void InverseNormScalesKernel(const double* sums, int64_t batch, double eps, double norm_safety,
+                                        float* scales) {
+  for (int64_t b = FirstIndex(); b < batch; b += GridStride()) {
+    const double denom = norm_safety * sqrt(sums[b]) + eps;
+    scales[b] = denom > 0 ? static_cast<float>(1.0 / denom) : 0.0f;
+  }
+}
+
 __global__ void ScaleMatricesKernel(float* c, int64_t m, int64_t n, int64_t ldc, int64_t stride, int64_t total,
                                     float beta) {
   for (int64_t i = FirstIndex(); i < total; i += GridStride()) {
@@ -203,6 +215,22 @@ cudaError_t LaunchScaleBatched(float* x, int64_t count, int64_t batch, const flo
   const int64_t total = count * batch;
   if (total <= 0) return cudaSuccess;
   ScaleBatchedKernel<<<BlocksFor(total), kThreads, 0, stream>>>(x, count, total, scales);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchScaleBatchedInline(float* x, int64_t count, int64_t batch, const InlineScales& scales,
+                                     cudaStream_t stream) {
+  const int64_t total = count * batch;
+  if (total <= 0) return cudaSuccess;
+  if (batch > kInlineScales) return cudaErrorInvalidValue;
+  ScaleBatchedInlineKernel<<<BlocksFor(total), kThreads, 0, stream>>>(x, count, total, scales);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchInverseNormScales(const double* sums, int64_t batch, double eps, double norm_safety, float* scales,
+                                    cudaStream_t stream) {
+  if (batch <= 0) return cudaSuccess;
+  InverseNormScalesKernel<<<BlocksFor(batch), kThreads, 0, stream>>>(sums, batch, eps, norm_safety, scales);
   return cudaGetLastError();
 }
 

@@ -31,6 +31,20 @@ cudaError_t LaunchWiden(StorageDtype dtype, const uint16_t* packed, float* out, 
 cudaError_t LaunchNarrow(StorageDtype dtype, const float* in, uint16_t* packed, int64_t n, cudaStream_t stream);
 // x[b·count + i] *= scales[b] (scales in device memory)
 cudaError_t LaunchScaleBatched(float* x, int64_t count, int64_t batch, const float* scales, cudaStream_t stream);
+// The same with at most kInlineScales scales passed by value in the launch's parameters, so that no
+// copy from the host precedes the kernel (a pageable copy would stage through the driver).
+constexpr int64_t kInlineScales = 64;
+struct InlineScales {
+  float v[kInlineScales];
+};
+cudaError_t LaunchScaleBatchedInline(float* x, int64_t count, int64_t batch, const InlineScales& scales,
+                                     cudaStream_t stream);
+// scales[b] = fp32(1 / d) with d = norm_safety·√sums[b] + eps in fp64, or 0 where d ≤ 0, b < batch:
+// Backend::NormalizeBatched's scales, computed where the sums are. The same IEEE-rounded fp64
+// operations in the same order as the host's (no contraction under -fmad=false), so the same
+// sums give the same bits.
+cudaError_t LaunchInverseNormScales(const double* sums, int64_t batch, double eps, double norm_safety, float* scales,
+                                    cudaStream_t stream);
 // The k = 0 GEMM: C_b ← beta·C_b for row-major m×n matrices with leading dimension ldc, C_b at
 // c + b·stride; beta = 0 writes zeros without reading C (BLAS semantics: NaN in C does not survive).
 cudaError_t LaunchScaleMatrices(float* c, int64_t m, int64_t n, int64_t ldc, int64_t stride, int64_t batch, float beta,

@@ -53,6 +53,14 @@ const std::string kMoment2Slot = "moment2";
 constexpr int kNormuonSlot = NsWorkspace::kFirstFreeSlot + 1;
 constexpr int kTransposeSlot = NsWorkspace::kFirstFreeSlot + 2;
 
+// The Newton–Schulz inputs' sums of squares of one step's matrices (telemetry's momentum norms),
+// in backend memory until the step reads them all back at once: the batches' normalizations write
+// them on the device and do not wait. One per backend, used under SharedNsWorkspace::mu like the
+// workspace; its buffer holds two floats per double.
+struct StepInputSums {
+  std::unique_ptr<kernels::DeviceBuffer> buffer;
+};
+
 // NorMuon keeps one second-moment value per line along the longer dimension: per row when
 // rows ≥ cols (a mean over each row), per column otherwise.
 int64_t NormuonLength(int64_t rows, int64_t cols) { return std::max(rows, cols); }
@@ -126,7 +134,9 @@ class Muon final : public Optimizer {
   double Scale(int64_t rows, int64_t cols) const;
   float DecayFactor(const StepHyper& hyper) const;
   void AppendMatrices(ParamState& p, const StepHyper& hyper, std::vector<MatrixJob>& jobs) const;
-  absl::Status Orthogonalize(Backend& backend, std::span<const MatrixJob> jobs, NsWorkspace& ws);
+  // `input_sums`: backend memory for jobs.size() doubles, each job's Newton–Schulz input Σ U²
+  // (telemetry), or null.
+  absl::Status Orthogonalize(Backend& backend, std::span<const MatrixJob> jobs, NsWorkspace& ws, double* input_sums);
   // Whether a batch of rows × cols matrices goes through GramNewtonSchulz: ns_algorithm gram, or
   // auto where PreferGram says so with the backend's square weight.
   bool UsesGram(const Backend& backend, int64_t rows, int64_t cols) const;
@@ -150,10 +160,12 @@ class Muon final : public Optimizer {
   // Transposes a column-blocked parameter's O back and applies the update to all of it at once
   // (every block has the same shape, so one scale).
   absl::Status ApplyTransposed(Backend& backend, const StepHyper& hyper, ParamState& p, NsWorkspace& ws);
-  // Telemetry: the Newton–Schulz inputs' sums of squares of one batch, and the orthogonality
-  // residual of its output when it holds the matrix measured this step (residual_job_).
-  absl::Status Observe(Backend& backend, std::span<const MatrixJob> jobs, std::span<const double> input_sums,
-                       const float* work, NsWorkspace& ws);
+  // Telemetry: the orthogonality residual of a batch's output when it holds the matrix measured
+  // this step (residual_job_).
+  absl::Status Observe(Backend& backend, std::span<const MatrixJob> jobs, const float* work, NsWorkspace& ws);
+  // Telemetry: the momentum norms of the step's `matrices` Newton–Schulz inputs, read back from
+  // `input_sums` (backend memory) in one copy, in the order the batches ran.
+  absl::Status ObserveInputSums(Backend& backend, const double* input_sums, size_t matrices);
 
   const double ns_bound_;                    // NsSingularValueBound of this group's iteration
   const MatrixJob* residual_job_ = nullptr;  // the matrix whose residual this step measures
@@ -403,7 +415,8 @@ Optimizer::WorkspaceNeed Muon::LeastWorkspace(const Backend& backend, std::span<
 }
 
 // Orthogonalizes one batch of same-shape jobs and applies W ← β·W − η·scale·O to each.
-absl::Status Muon::Orthogonalize(Backend& backend, std::span<const MatrixJob> jobs, NsWorkspace& ws) {
+absl::Status Muon::Orthogonalize(Backend& backend, std::span<const MatrixJob> jobs, NsWorkspace& ws,
+                                 double* input_sums) {
   const int64_t rows = jobs[0].rows, cols = jobs[0].cols;
   const size_t mat = static_cast<size_t>(rows * cols);
   const size_t batch = jobs.size();
@@ -414,19 +427,17 @@ absl::Status Muon::Orthogonalize(Backend& backend, std::span<const MatrixJob> jo
       MUOND_RETURN_IF_ERROR(backend.CopyOnDevice(jobs[i].update, work + i * mat, mat));
     }
   }
-  std::vector<double> input_sums(telemetry_ != nullptr ? batch : 0);
-  double* sums = telemetry_ != nullptr ? input_sums.data() : nullptr;
   if (UsesGram(backend, rows, cols)) {
     MUOND_RETURN_IF_ERROR(GramNewtonSchulz(backend, options_.ns_schedule, options_.ns_steps,
                                            options_.ns_schedule.gram_restarts, options_.ns_eps, options_.ns_norm_safety,
                                            options_.matmul_precision, work, work, rows, cols,
-                                           static_cast<int64_t>(batch), ws, sums));
+                                           static_cast<int64_t>(batch), ws, input_sums));
   } else {
     MUOND_RETURN_IF_ERROR(NewtonSchulz(backend, options_.ns_schedule, options_.ns_steps, options_.ns_eps,
                                        options_.ns_norm_safety, options_.matmul_precision, work, work, rows, cols,
-                                       static_cast<int64_t>(batch), ws, sums));
+                                       static_cast<int64_t>(batch), ws, input_sums));
   }
-  if (telemetry_ != nullptr) MUOND_RETURN_IF_ERROR(Observe(backend, jobs, input_sums, work, ws));
+  if (telemetry_ != nullptr) MUOND_RETURN_IF_ERROR(Observe(backend, jobs, work, ws));
   if (options_.moment2_method == Moment2Method::kNormuon) {
     MUOND_RETURN_IF_ERROR(ReduceVariance(backend, jobs, work, ws));
   }
@@ -442,13 +453,18 @@ absl::Status Muon::Orthogonalize(Backend& backend, std::span<const MatrixJob> jo
   return absl::OkStatus();
 }
 
-absl::Status Muon::Observe(Backend& backend, std::span<const MatrixJob> jobs, std::span<const double> input_sums,
-                           const float* work, NsWorkspace& ws) {
-  for (double sum : input_sums) {
+absl::Status Muon::ObserveInputSums(Backend& backend, const double* input_sums, size_t matrices) {
+  std::vector<double> sums(matrices);
+  MUOND_RETURN_IF_ERROR(backend.CopyBytes(input_sums, sums.data(), matrices * sizeof(double)));
+  for (double sum : sums) {
     telemetry_->momentum_sum_squares += sum;
     telemetry_->smallest_momentum_norm = std::min(telemetry_->smallest_momentum_norm, std::sqrt(sum));
     ++telemetry_->matrices;
   }
+  return absl::OkStatus();
+}
+
+absl::Status Muon::Observe(Backend& backend, std::span<const MatrixJob> jobs, const float* work, NsWorkspace& ws) {
   size_t i = 0;
   while (i < jobs.size() && &jobs[i] != residual_job_) ++i;
   if (i == jobs.size()) return absl::OkStatus();  // measured in another batch, or not this step
@@ -650,6 +666,17 @@ absl::Status Muon::Step(Backend& backend, const StepHyper& hyper, std::span<Para
   // Allocate all scratch before touching any state, so running out of memory (or of the bound)
   // rejects the step cleanly instead of leaving momentum advanced and weights not.
   MUOND_RETURN_IF_ERROR(ws.Fit(backend, need));
+  size_t matrices = 0;
+  for (std::span<const MatrixJob> batch : batches) matrices += batch.size();
+  double* input_sums = nullptr;
+  if (telemetry_ != nullptr && matrices > 0) {
+    StepInputSums& sums = backend.Shared<StepInputSums>();
+    if (sums.buffer == nullptr || sums.buffer->size() < 2 * matrices) {
+      sums.buffer.reset();
+      MUOND_ASSIGN_OR_RETURN(sums.buffer, backend.Allocate(2 * matrices));
+    }
+    input_sums = reinterpret_cast<double*>(sums.buffer->data());
+  }
 
   const kernels::MomentumArgs momentum{
       .beta = static_cast<float>(hyper.momentum), .style = options_.momentum_style, .nesterov = options_.nesterov};
@@ -664,10 +691,15 @@ absl::Status Muon::Step(Backend& backend, const StepHyper& hyper, std::span<Para
     MUOND_RETURN_IF_ERROR(backend.Momentum(momentum, p->Slot(kMomentumSlot)->Ref(), g, g, n));
   }
   MUOND_RETURN_IF_ERROR(TransposeInPlace(backend, transposed, /*to_blocks=*/true, ws));
+  size_t done = 0;
   for (std::span<const MatrixJob> batch : batches) {
-    MUOND_RETURN_IF_ERROR(Orthogonalize(backend, batch, ws));
+    MUOND_RETURN_IF_ERROR(Orthogonalize(backend, batch, ws, input_sums != nullptr ? input_sums + done : nullptr));
+    done += batch.size();
   }
   for (ParamState* p : transposed) MUOND_RETURN_IF_ERROR(ApplyTransposed(backend, hyper, *p, ws));
+  // The step's one wait for its momentum norms, after all its work was enqueued (under the
+  // workspace's lock, which guards the sums' buffer too).
+  if (input_sums != nullptr) MUOND_RETURN_IF_ERROR(ObserveInputSums(backend, input_sums, matrices));
   for (ParamState* p : params) {
     if (p->has_grad) ++p->step_count;
   }

@@ -109,8 +109,9 @@ absl::Status CheckNsArguments(const char* who, const NsSchedule& schedule, int s
 }
 
 // x ← the wide orientation of `in` (m×n per matrix, transposed when rows > cols), each matrix
-// scaled by 1/(s·‖X‖_F + ε) with the norm accumulated in fp64. A zero matrix keeps scale 0 rather
-// than 0·(1/0) so that eps = 0 cannot produce NaN.
+// scaled by 1/(s·‖X‖_F + ε) with the norm accumulated in fp64 (Backend::NormalizeBatched: a zero
+// matrix keeps scale 0, so eps = 0 cannot produce NaN). Without `input_sum_squares` the norms stay
+// on the backend's device: nothing here waits for the GPU.
 absl::Status LoadNormalized(Backend& backend, const float* in, float* x, int64_t rows, int64_t cols, int64_t batch,
                             double eps, double norm_safety, double* input_sum_squares) {
   const size_t mat = static_cast<size_t>(rows * cols);
@@ -119,15 +120,7 @@ absl::Status LoadNormalized(Backend& backend, const float* in, float* x, int64_t
   } else {
     MUOND_RETURN_IF_ERROR(backend.CopyOnDevice(in, x, mat * static_cast<size_t>(batch)));
   }
-  std::vector<double> sums(batch);
-  MUOND_RETURN_IF_ERROR(backend.SumSquares(x, mat, batch, sums.data()));
-  if (input_sum_squares != nullptr) std::copy(sums.begin(), sums.end(), input_sum_squares);
-  std::vector<float> scales(batch);
-  for (int64_t i = 0; i < batch; ++i) {
-    const double denom = norm_safety * std::sqrt(sums[i]) + eps;
-    scales[i] = denom > 0 ? static_cast<float>(1.0 / denom) : 0.0f;
-  }
-  return backend.ScaleBatched(x, mat, batch, scales.data());
+  return backend.NormalizeBatched(x, mat, static_cast<size_t>(batch), eps, norm_safety, input_sum_squares);
 }
 
 // The batched GEMM shapes of both iterations on a wide m×n X (row-major): gram, X·Xᵀ (op(B) = Xᵀ

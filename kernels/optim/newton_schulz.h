@@ -109,8 +109,10 @@ inline constexpr double kCudaSquareWeight = 1.0;
 // and writes the results to `out` (same layout; `out` may equal `in`). Per matrix: X ← G, transposed
 // when rows > cols so X is wide; X ← X / (norm_safety·‖X‖_F + eps); then for t < steps, with
 // (a, b, c) = schedule.At(t): A = X·Xᵀ; B = b·A + c·A·A; X = a·X + B·X; finally transposed back.
-// A zero matrix gives a zero result (never NaN), even with eps = 0. With `input_sum_squares` (a host
-// array of `batch` values), each input matrix's Σ G² (the sums its normalization reads anyway).
+// A zero matrix gives a zero result (never NaN), even with eps = 0. With `input_sum_squares`
+// (backend memory for `batch` doubles), each input matrix's Σ G² (the sums its normalization reads
+// anyway), written there in order with the backend's work: nothing here waits for a device
+// (Backend::NormalizeBatched).
 absl::Status NewtonSchulz(kernels::Backend& backend, const NsSchedule& schedule, int steps, double eps,
                           double norm_safety, kernels::MatmulPrecision precision, const float* in, float* out,
                           int64_t rows, int64_t cols, int64_t batch, NsWorkspace& ws,

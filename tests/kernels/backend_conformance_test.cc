@@ -1,6 +1,7 @@
 // Backend conformance, primitives: memory, element-wise optimizer steps (bitwise), GEMM (within
-// rounding bounds derived below), SumSquares, AllFinite and Transpose2D, each compared with the CPU
-// backend. Newton–Schulz and whole optimizer steps are in backend_conformance_optim_test.cc.
+// rounding bounds derived below), SumSquares, NormalizeBatched, AllFinite and Transpose2D, each
+// compared with the CPU backend. Newton–Schulz and whole optimizer steps are in
+// backend_conformance_optim_test.cc.
 #include "tests/kernels/backend_conformance.h"
 
 #include <algorithm>
@@ -193,6 +194,13 @@ TEST_P(BackendConformanceTest, ElementwiseStepsMatchCpuBitwise) {
     const float scales[] = {0.5f, -3.25f, 1e-3f};
     return b.ScaleBatched(d[0], 1001, 3, scales);
   });
+  // More scales than the CUDA backend passes in a kernel's launch parameters (64).
+  ExpectSameAsCpu("scale_batched_many", *backend_, *cpu_, {Random(100 * 37)},
+                  [&](Backend& b, const std::vector<float*>& d) {
+                    std::vector<float> scales(100);
+                    for (size_t i = 0; i < scales.size(); ++i) scales[i] = 0.25f + 0.125f * static_cast<float>(i);
+                    return b.ScaleBatched(d[0], 37, scales.size(), scales.data());
+                  });
 }
 
 // The bound on |computed − exact| for one entry of C = α·op(A)·op(B) + β·C, relative to
@@ -319,6 +327,52 @@ TEST_P(BackendConformanceTest, SumSquaresMatchesCpu) {
       EXPECT_NEAR(got[b], cpu[b], tol) << "count " << count << " item " << b;
       if (count == 0) {
         EXPECT_EQ(got[b], 0.0);
+      }
+    }
+  }
+}
+
+// NormalizeBatched is, on every backend, bit for bit its own SumSquares, the scales
+// fp32(1/(s·√Σ + ε)) in fp64 on the host, then its own ScaleBatched — whether the backend computes
+// the scales on the host (CPU) or on the device (CUDA) — and writes the same sums into backend
+// memory when asked. A zero slice with ε = 0 stays zero. Against the CPU the sums differ only by
+// summation order, so the results agree within the SumSquares bound carried through √ and 1/x (a
+// few ulp).
+TEST_P(BackendConformanceTest, NormalizeBatchedIsSumSquaresThenScale) {
+  for (const auto& [count, batch] :
+       std::vector<std::pair<size_t, size_t>>{{4096, 3}, {100003, 2}, {7, 90}, {1, 1}, {300, 0}}) {
+    for (const auto& [eps, safety] : std::vector<std::pair<double, double>>{{1e-7, 1.0}, {0.0, 1.01}}) {
+      SCOPED_TRACE(::testing::Message() << count << " x " << batch << " eps " << eps);
+      std::vector<float> x = Random(std::max<size_t>(count * batch, 1));
+      if (batch > 1) std::fill(x.begin() + static_cast<std::ptrdiff_t>(count), x.begin() + 2 * count, 0.0f);
+      auto fused = Upload(*backend_, x);
+      auto quiet = Upload(*backend_, x);
+      auto manual = Upload(*backend_, x);
+      std::vector<double> sums(batch, -1.0), manual_sums(batch, -1.0);
+      ASSERT_OK_AND_ASSIGN(auto device_sums, backend_->Allocate(2 * batch));  // doubles in backend memory
+      ASSERT_OK(backend_->NormalizeBatched(fused->data(), count, batch, eps, safety,
+                                           reinterpret_cast<double*>(device_sums->data())));
+      ASSERT_OK(backend_->CopyBytes(device_sums->data(), sums.data(), batch * sizeof(double)));
+      ASSERT_OK(backend_->NormalizeBatched(quiet->data(), count, batch, eps, safety));
+      ASSERT_OK(backend_->SumSquares(manual->data(), count, batch, manual_sums.data()));
+      std::vector<float> scales(batch);
+      for (size_t b = 0; b < batch; ++b) {
+        const double denom = safety * std::sqrt(manual_sums[b]) + eps;
+        scales[b] = denom > 0 ? static_cast<float>(1.0 / denom) : 0.0f;
+      }
+      ASSERT_OK(backend_->ScaleBatched(manual->data(), count, batch, scales.data()));
+      const std::vector<float> want = Download(*backend_, manual->data(), x.size());
+      EXPECT_TRUE(BitwiseEqual(Download(*backend_, fused->data(), x.size()), want));
+      EXPECT_TRUE(BitwiseEqual(Download(*backend_, quiet->data(), x.size()), want));
+      for (size_t b = 0; b < batch; ++b) EXPECT_EQ(sums[b], manual_sums[b]) << "item " << b;
+      if (batch > 1) {
+        for (size_t i = count; i < 2 * count; ++i) ASSERT_EQ(Bits(want[i]), 0u) << i;
+      }
+      auto on_cpu = Upload(*cpu_, x);
+      ASSERT_OK(cpu_->NormalizeBatched(on_cpu->data(), count, batch, eps, safety));
+      const std::vector<float> cpu = Download(*cpu_, on_cpu->data(), x.size());
+      for (size_t i = 0; i < x.size(); ++i) {
+        ASSERT_NEAR(want[i], cpu[i], 4 * std::ldexp(std::abs(cpu[i]), -23) + 1e-30) << i;
       }
     }
   }

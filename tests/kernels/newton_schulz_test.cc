@@ -486,6 +486,10 @@ class GemmCountingBackend final : public kernels::Backend {
   absl::Status ScaleBatched(float* x, size_t count, size_t batch, const float* scales) override {
     return inner_.ScaleBatched(x, count, batch, scales);
   }
+  absl::Status NormalizeBatched(float* x, size_t count, size_t batch, double eps, double norm_safety,
+                                double* sums) override {
+    return inner_.NormalizeBatched(x, count, batch, eps, norm_safety, sums);
+  }
   absl::Status Widen(kernels::StorageDtype dtype, const void* packed, float* out, size_t count) override {
     return inner_.Widen(dtype, packed, out, count);
   }
