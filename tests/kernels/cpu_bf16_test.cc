@@ -33,6 +33,7 @@
 #include "kernels/optim/newton_schulz.h"
 #include "spdlog/sinks/ostream_sink.h"
 #include "spdlog/spdlog.h"
+#include "tests/kernels/fp64_ns.h"
 #include "tests/kernels/reference.h"
 #include "tests/testing/status_matchers.h"
 
@@ -198,54 +199,9 @@ TEST(CpuBf16Gemm, LogsItsChoiceOnce) {
   }
 }
 
-// docs/algorithms.md, Muon step 2, in fp64 through cblas_dgemm (a 1024×2752 reference takes a
-// second rather than minutes).
-std::vector<double> ReferenceNs(const std::vector<float>& g, int64_t rows, int64_t cols, int steps) {
-  const bool tall = rows > cols;
-  const int64_t m = std::min(rows, cols), n = std::max(rows, cols);
-  std::vector<double> x(static_cast<size_t>(m * n));
-  for (int64_t i = 0; i < rows; ++i) {
-    for (int64_t j = 0; j < cols; ++j) x[tall ? j * rows + i : i * cols + j] = g[i * cols + j];
-  }
-  double norm = 0;
-  for (double v : x) norm += v * v;
-  const double denom = std::sqrt(norm) + 1e-7;
-  for (double& v : x) v /= denom;
-  const optim::NsSchedule schedule;
-  std::vector<double> a(static_cast<size_t>(m * m)), b(a.size()), next(x.size());
-  for (int t = 0; t < steps; ++t) {
-    const optim::NsCoefficient co = schedule.At(t);
-    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, m, n, 1.0, x.data(), n, x.data(), n, 0.0, a.data(), m);
-    b = a;
-    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, m, m, co.c, a.data(), m, a.data(), m, co.b, b.data(), m);
-    next = x;
-    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, m, 1.0, b.data(), m, x.data(), n, co.a, next.data(),
-                n);
-    x.swap(next);
-  }
-  if (!tall) return x;
-  std::vector<double> out(x.size());
-  for (int64_t i = 0; i < rows; ++i) {
-    for (int64_t j = 0; j < cols; ++j) out[i * cols + j] = x[j * rows + i];
-  }
-  return out;
-}
-
-struct Errors {
-  double relative = 0, max_abs = 0;
-};
-Errors Compare(const std::vector<float>& got, const std::vector<double>& want) {
-  double diff = 0, norm = 0;
-  Errors e;
-  for (size_t i = 0; i < got.size(); ++i) {
-    const double d = got[i] - want[i];
-    diff += d * d;
-    norm += want[i] * want[i];
-    e.max_abs = std::max(e.max_abs, std::abs(d));
-  }
-  e.relative = std::sqrt(diff / norm);
-  return e;
-}
+using ::muond::testing::CompareNs;
+using ::muond::testing::Fp64ReferenceNs;
+using ::muond::testing::NsErrors;
 
 // Newton–Schulz (5 steps, the default set) in bf16 and fp32 against fp64, on Gaussian inputs and on
 // a decaying spectrum (singular values 1 down to 1e-2, like gradients), up to the 1024×2752 of the
@@ -266,17 +222,11 @@ TEST(CpuBf16Gemm, NewtonSchulzWithinBoundOfFp64) {
     SCOPED_TRACE(::testing::Message() << sh.rows << "x" << sh.cols << (sh.decaying ? " decaying" : " gaussian"));
     std::vector<float> g;
     if (sh.decaying) {
-      const int64_t k = std::min(sh.rows, sh.cols);
-      std::vector<double> sigma(k);
-      for (int64_t i = 0; i < k; ++i) sigma[i] = std::pow(10.0, -2.0 * i / (k - 1));
-      std::mt19937 svd_rng(rng());
-      for (double v : ::muond::testing::MatWithSingularValues(svd_rng, sh.rows, sh.cols, sigma).v) {
-        g.push_back(static_cast<float>(v));
-      }
+      g = ::muond::testing::DecayingSpectrum(rng, sh.rows, sh.cols);
     } else {
       g = Random(rng, static_cast<size_t>(sh.rows * sh.cols));
     }
-    const std::vector<double> want = ReferenceNs(g, sh.rows, sh.cols, steps);
+    const std::vector<double> want = Fp64ReferenceNs(g, sh.rows, sh.cols, steps);
     auto in = Upload(*backend, g);
     auto out16 = Upload(*backend, g), out32 = Upload(*backend, g);
     optim::NsWorkspace ws;
@@ -287,14 +237,14 @@ TEST(CpuBf16Gemm, NewtonSchulzWithinBoundOfFp64) {
                                   out32->data(), sh.rows, sh.cols, 1, ws));
     const std::vector<float> got16 = Download(*backend, out16->data(), g.size());
     const std::vector<float> got32 = Download(*backend, out32->data(), g.size());
-    const Errors e16 = Compare(got16, want), e32 = Compare(got32, want);
+    const NsErrors e16 = CompareNs(got16, want), e32 = CompareNs(got32, want);
     std::printf("[bf16] NS %lldx%lld %-8s vs fp64: %s relative %.3e max abs %.3e | fp32 relative %.3e max abs %.3e\n",
                 static_cast<long long>(sh.rows), static_cast<long long>(sh.cols), sh.decaying ? "decaying" : "gaussian",
                 bf16 ? "bf16" : "bf16 (fp32 fallback)", e16.relative, e16.max_abs, e32.relative, e32.max_abs);
     EXPECT_LT(e16.relative, bound);
     if (bf16) {
       // The bf16 result differs from the fp32 one by far more than fp32 rounding could.
-      EXPECT_GT(Compare(got16, ::muond::testing::ToDouble(got32)).relative, 100 * e32.relative + 1e-6);
+      EXPECT_GT(CompareNs(got16, ::muond::testing::ToDouble(got32)).relative, 100 * e32.relative + 1e-6);
     } else {
       EXPECT_EQ(got16, got32);
     }
