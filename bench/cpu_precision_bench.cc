@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <oneapi/dnnl/dnnl.hpp>
 #include <random>
 #include <string>
@@ -107,6 +108,9 @@ int Run(const Flags& flags) {
   const kernels::Bf16Support& bf16 = kernels::Bf16GemmSupport();
   std::printf("CPU backend: %s\n", backend->Detail().c_str());
   if (!bf16.available) std::printf("bf16 GEMMs fall back to fp32 here: %s\n", bf16.reason.c_str());
+  const char* wait_policy = std::getenv("OMP_WAIT_POLICY");
+  std::printf("oneDNN's OpenMP waits: %s\n",
+              wait_policy != nullptr ? wait_policy : "libgomp's default (spin, then sleep; OMP_WAIT_POLICY unset)");
 
   // The NS GEMMs of 1024x2752 (X·Xᵀ, A·A, B·X) and a large square one.
   std::vector<GemmCase> gemms = {{1024, 1024, 2752}, {1024, 1024, 1024}, {1024, 2752, 1024}, {2048, 2048, 2048}};

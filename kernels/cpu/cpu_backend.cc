@@ -389,8 +389,14 @@ class CpuBackend final : public Backend {
       const Bf16Support& support = Bf16GemmSupport();
       if (support.available) {
         bf16_ = std::make_unique<OnednnBf16Gemm>(threads_);
-        MUOND_LOG(info, "CPU backend: matmul_precision bf16 runs bf16 GEMMs with fp32 accumulation ({} {})",
-                  support.library, support.kernel);
+        // libgomp reads its wait policy once, when it loads; spinning waits cost bf16 most of its gain
+        // on a machine whose cores are shared (README, CPU performance).
+        MUOND_LOG(info, "CPU backend: matmul_precision bf16 runs bf16 GEMMs with fp32 accumulation ({} {}){}",
+                  support.library, support.kernel,
+                  std::getenv("OMP_WAIT_POLICY") == nullptr
+                      ? "; OMP_WAIT_POLICY is unset, so its OpenMP threads spin between products: set it to PASSIVE "
+                        "if other work shares these cores"
+                      : "");
       } else {
         MUOND_LOG(warn, "CPU backend: matmul_precision bf16 runs in fp32: {}", support.reason);
       }
