@@ -1,12 +1,15 @@
 // Backend's defaults: synchronous pipelined transfers, for backends whose memory is the host's (the
-// CPU backend), where there is nothing to overlap; per-tensor sums of squares; normalization with
-// the scales computed on the host; byte copies with memcpy. The refusals of the GPU transports are
-// PeerPrimitives' (peer_primitives.cc).
+// CPU backend), where there is nothing to overlap; per-tensor sums of squares; normalization and
+// NorMuon's scales computed on the host; byte copies with memcpy. The refusals of the GPU
+// transports are PeerPrimitives' (peer_primitives.cc).
 #include "kernels/backend.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
+
+#include "absl/strings/str_cat.h"
 
 namespace muond::kernels {
 namespace {
@@ -67,6 +70,45 @@ absl::Status Backend::NormalizeBatched(float* x, size_t count, size_t batch, dou
   status = ScaleBatched(x, count, batch, scales.data());
   if (!status.ok() || sums == nullptr) return status;
   return CopyBytes(host_sums.data(), sums, batch * sizeof(double));
+}
+
+absl::Status Backend::SumSquaresTo(const float* x, size_t count, size_t batch, double* sums) {
+  if (batch == 0) return absl::OkStatus();
+  std::vector<double> host_sums(batch);
+  absl::Status status = SumSquares(x, count, batch, host_sums.data());
+  if (!status.ok()) return status;
+  return CopyBytes(host_sums.data(), sums, batch * sizeof(double));
+}
+
+absl::Status Backend::ScaleBatchedBy(float* x, size_t count, size_t batch, const float* scales) {
+  if (batch == 0) return absl::OkStatus();
+  std::vector<float> host_scales(batch);
+  absl::Status status = CopyBytes(scales, host_scales.data(), batch * sizeof(float));
+  if (!status.ok()) return status;
+  return ScaleBatched(x, count, batch, host_scales.data());
+}
+
+absl::Status Backend::NormuonScales(const NormuonArgs& args, const double* line_sums, StoredRef moment2, float* scales,
+                                    size_t length) {
+  if (!HostAddressable()) {
+    return absl::UnimplementedError(absl::StrCat("NormuonScales: the ", Name(), " backend has no implementation"));
+  }
+  if (length == 0) return absl::OkStatus();
+  std::vector<float> moment(length);
+  absl::Status status = Widen(moment2.dtype, moment2.data, moment.data(), length);
+  if (!status.ok()) return status;
+  std::vector<double> line_scales(length);
+  double norm2 = 0, scaled_norm2 = 0;
+  for (size_t j = 0; j < length; ++j) {
+    const double sum = line_sums[j];
+    moment[j] = NormuonMoment(sum, static_cast<double>(args.count), args.weight, moment[j]);
+    line_scales[j] = NormuonLineScale(moment[j], args.eps);
+    norm2 += sum;
+    scaled_norm2 += line_scales[j] * line_scales[j] * sum;
+  }
+  const double ratio = scaled_norm2 > 0 ? std::sqrt(norm2 / scaled_norm2) : 0.0;
+  for (size_t j = 0; j < length; ++j) scales[j] = static_cast<float>(line_scales[j] * ratio);
+  return Narrow(moment2.dtype, moment.data(), moment2.data, length);
 }
 
 absl::Status Backend::CopyBytes(const void* src, void* dst, size_t bytes) {

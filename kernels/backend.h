@@ -176,6 +176,26 @@ class Backend : public PeerPrimitives {
   // host, ScaleBatched, and CopyBytes of the sums.
   virtual absl::Status NormalizeBatched(float* x, size_t count, size_t batch, double eps, double norm_safety,
                                         double* sums = nullptr);
+  // The same with the sums and scales in backend memory, for reductions whose results the device
+  // consumes: sums[i] (`batch` doubles) = Σ x[i·count + j]² accumulated like SumSquares, and
+  // x_i *= scales[i] (`batch` floats). Neither waits for a device on the CUDA backend. The defaults
+  // go through SumSquares, ScaleBatched and CopyBytes.
+  virtual absl::Status SumSquaresTo(const float* x, size_t count, size_t batch, double* sums);
+  virtual absl::Status ScaleBatchedBy(float* x, size_t count, size_t batch, const float* scales);
+  // NorMuon's line scales of one matrix (docs/algorithms.md, moment2 normuon) from the sums of
+  // squares of its `length` lines of `count` elements each (`line_sums`, backend memory): per line
+  // v̄ = fp32(sum/count), m ← m + weight·(v̄ − m) in fp32 (stored into `moment2` rounded to its
+  // format; the scales use the fp32 value), s = 1/√max(m, eps) in fp64; then, summed in line order
+  // in fp64, ratio = √(Σ sum / Σ s²·sum), 0 when the latter is 0, and scales[j] = fp32(s_j·ratio)
+  // (backend memory, `length` floats). The CUDA backend computes it on the device and waits for
+  // nothing; the default (the CPU backend's) needs a HostAddressable backend.
+  struct NormuonArgs {
+    size_t count = 0;  // elements per line
+    float weight = 0;  // 1 − β2
+    double eps = 0;
+  };
+  virtual absl::Status NormuonScales(const NormuonArgs& args, const double* line_sums, StoredRef moment2, float* scales,
+                                     size_t length);
   // y = alpha·x + beta·y. x and y may be 16-bit state (StoredRef), read as fp32 and y rounded when
   // stored.
   virtual absl::Status Axpby(float alpha, StoredRef x, float beta, StoredRef y, size_t count) = 0;

@@ -50,6 +50,18 @@ MUOND_HD void AdamuonElement(const AdamuonArgs& a, float& v, float& o) {
   o = x / (sqrtf(v) + a.eps);
 }
 
+// NorMuon, per line of an orthogonalized update (Backend::NormuonScales): the second moment
+// m ← m + weight·(v̄ − m) in fp32 with v̄ = fp32(sum/count) the line's mean square (torch
+// lerp_(v̄, 1−β2)), and the line's scale 1/√max(m, eps) in fp64 from that fp32 m.
+MUOND_HD float NormuonMoment(double sum, double count, float weight, float m) {
+  const float mean = static_cast<float>(sum / count);
+  return m + weight * (mean - m);
+}
+MUOND_HD double NormuonLineScale(float m, double eps) {
+  const double v = static_cast<double>(m);
+  return 1.0 / sqrt(v < eps ? eps : v);  // std::max(v, eps), NaN kept
+}
+
 // Cautious weight decay (modded-nanogpt, nanochat): the decoupled decay applies only where the
 // update u and the weight agree in sign. p ← p − decay·p·[u·p ≥ 0] + alpha·u, with alpha = −η·scale
 // (the step along u) and decay = η·λ.

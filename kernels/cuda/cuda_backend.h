@@ -86,6 +86,11 @@ class CudaBackend final : public Backend {
   // Sums, scales and scaling on the stream; never waits.
   absl::Status NormalizeBatched(float* x, size_t count, size_t batch, double eps, double norm_safety,
                                 double* sums) override;
+  // On the stream, reading and writing device memory only: nothing waits.
+  absl::Status SumSquaresTo(const float* x, size_t count, size_t batch, double* sums) override;
+  absl::Status ScaleBatchedBy(float* x, size_t count, size_t batch, const float* scales) override;
+  absl::Status NormuonScales(const NormuonArgs& args, const double* line_sums, StoredRef moment2, float* scales,
+                             size_t length) override;
   absl::Status Axpby(float alpha, StoredRef x, float beta, StoredRef y, size_t count) override;
 
   absl::Status Momentum(const MomentumArgs& args, StoredRef momentum, const float* grad, float* update,

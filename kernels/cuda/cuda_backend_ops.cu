@@ -160,6 +160,29 @@ absl::Status CudaBackend::NormalizeBatched(float* x, size_t count, size_t batch,
                     "ScaleBatched kernel");
 }
 
+absl::Status CudaBackend::SumSquaresTo(const float* x, size_t count, size_t batch, double* sums) {
+  if (batch == 0) return absl::OkStatus();
+  std::unique_lock<std::mutex> lock(mu_);
+  MUOND_RETURN_IF_ERROR(Activate());
+  return SumSquaresLocked(x, count, batch, sums);
+}
+
+absl::Status CudaBackend::ScaleBatchedBy(float* x, size_t count, size_t batch, const float* scales) {
+  std::unique_lock<std::mutex> lock(mu_);
+  MUOND_RETURN_IF_ERROR(Activate());
+  return CudaStatus(LaunchScaleBatched(x, static_cast<int64_t>(count), static_cast<int64_t>(batch), scales, stream_),
+                    "ScaleBatched kernel");
+}
+
+absl::Status CudaBackend::NormuonScales(const NormuonArgs& args, const double* line_sums, StoredRef moment2,
+                                        float* scales, size_t length) {
+  std::unique_lock<std::mutex> lock(mu_);
+  MUOND_RETURN_IF_ERROR(Activate());
+  return CudaStatus(LaunchNormuonScales(line_sums, static_cast<int64_t>(length), static_cast<int64_t>(args.count),
+                                        args.weight, args.eps, moment2, scales, stream_),
+                    "NormuonScales kernel");
+}
+
 absl::Status CudaBackend::Widen(StorageDtype dtype, const void* packed, float* out, size_t count) {
   if (dtype == StorageDtype::kFp32) return CopyOnDevice(static_cast<const float*>(packed), out, count);
   std::unique_lock<std::mutex> lock(mu_);

@@ -122,6 +122,34 @@ __global__ void SumPartialsKernel(const double* partials, int chunks, double* su
   if (threadIdx.x == 0) sums[blockIdx.x] = sum;
 }
 
+// One block for one matrix's lines (Backend::NormuonScales). Pass 1 adds up Σ sum and Σ s²·sum
+// (per thread over its lines, then BlockSum: a fixed order, so the same bits run after run); pass 2
+// recomputes each line's moment and scale from the untouched moment, stores the moment and writes
+// the scale. Each thread's pass-2 lines are its pass-1 lines, so no thread stores a moment another
+// still has to read.
+__global__ void NormuonScalesKernel(const double* line_sums, int64_t length, double count, float weight, double eps,
+                                    StoredRef moment2, float* scales) {
+  double norm2 = 0.0, scaled_norm2 = 0.0;
+  for (int64_t j = threadIdx.x; j < length; j += blockDim.x) {
+    const double sum = line_sums[j];
+    const double s = NormuonLineScale(NormuonMoment(sum, count, weight, LoadElement(moment2, j)), eps);
+    norm2 += sum;
+    scaled_norm2 += s * s * sum;
+  }
+  __shared__ double totals[2];
+  const double total = BlockSum(norm2);
+  if (threadIdx.x == 0) totals[0] = total;  // thread 0 reads its sum before the next BlockSum writes
+  const double scaled_total = BlockSum(scaled_norm2);
+  if (threadIdx.x == 0) totals[1] = scaled_total;
+  __syncthreads();
+  const double ratio = totals[1] > 0 ? sqrt(totals[0] / totals[1]) : 0.0;
+  for (int64_t j = threadIdx.x; j < length; j += blockDim.x) {
+    const float m = NormuonMoment(line_sums[j], count, weight, LoadElement(moment2, j));
+    StoreElement(moment2, j, m);
+    scales[j] = static_cast<float>(NormuonLineScale(m, eps) * ratio);
+  }
+}
+
 __global__ void FlagNonFiniteKernel(const float* x, int64_t n, int* flag) {
   // Every writer stores the same value, so the race between writers is harmless.
   for (int64_t i = FirstIndex(); i < n; i += GridStride()) {
@@ -278,6 +306,14 @@ cudaError_t LaunchSumSquares(const float* x, int64_t count, int64_t batch, int c
   SumSquaresPartialKernel<<<static_cast<unsigned>(batch * chunks), kThreads, 0, stream>>>(x, count, chunks, partials);
   if (cudaError_t error = cudaGetLastError(); error != cudaSuccess) return error;
   SumPartialsKernel<<<static_cast<unsigned>(batch), kThreads, 0, stream>>>(partials, chunks, sums);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchNormuonScales(const double* line_sums, int64_t length, int64_t count, float weight, double eps,
+                                StoredRef moment2, float* scales, cudaStream_t stream) {
+  if (length <= 0) return cudaSuccess;
+  NormuonScalesKernel<<<1, kThreads, 0, stream>>>(line_sums, length, static_cast<double>(count), weight, eps, moment2,
+                                                  scales);
   return cudaGetLastError();
 }
 

@@ -65,6 +65,11 @@ int SumSquaresChunks(int64_t count);
 cudaError_t LaunchSumSquares(const float* x, int64_t count, int64_t batch, int chunks, double* partials, double* sums,
                              cudaStream_t stream);
 
+// Backend::NormuonScales for one matrix of `length` lines of `count` elements: one block, sums
+// in a fixed order (deterministic on a device; not the CPU's order, so within rounding of it).
+cudaError_t LaunchNormuonScales(const double* line_sums, int64_t length, int64_t count, float weight, double eps,
+                                StoredRef moment2, float* scales, cudaStream_t stream);
+
 // Sets *flag = 1 when some x[i] is NaN or ±inf; never writes 0 (the caller zeroes the flag).
 cudaError_t LaunchFlagNonFinite(const float* x, int64_t n, int* flag, cudaStream_t stream);
 

@@ -53,13 +53,22 @@ const std::string kMoment2Slot = "moment2";
 constexpr int kNormuonSlot = NsWorkspace::kFirstFreeSlot + 1;
 constexpr int kTransposeSlot = NsWorkspace::kFirstFreeSlot + 2;
 
-// The Newton–Schulz inputs' sums of squares of one step's matrices (telemetry's momentum norms),
-// in backend memory until the step reads them all back at once: the batches' normalizations write
-// them on the device and do not wait. One per backend, used under SharedNsWorkspace::mu like the
-// workspace; its buffer holds two floats per double.
-struct StepInputSums {
-  std::unique_ptr<kernels::DeviceBuffer> buffer;
+// A step's small device-side values, one set per backend, used under SharedNsWorkspace::mu like
+// the workspace and grown before the step changes any state: the Newton–Schulz inputs' sums of
+// squares of the step's matrices (telemetry's momentum norms), which the batches' normalizations
+// write on the device and the step reads back once at its end; and NorMuon's per-line sums and
+// scales of a batch, which never leave the device. Doubles take two floats of a buffer.
+struct StepScratch {
+  std::unique_ptr<kernels::DeviceBuffer> input_sums, line_sums, line_scales;
 };
+
+// `buffer` holding at least `floats` floats.
+absl::Status Grow(Backend& backend, std::unique_ptr<kernels::DeviceBuffer>& buffer, size_t floats) {
+  if (buffer != nullptr && buffer->size() >= floats) return absl::OkStatus();
+  buffer.reset();
+  MUOND_ASSIGN_OR_RETURN(buffer, backend.Allocate(floats));
+  return absl::OkStatus();
+}
 
 // NorMuon keeps one second-moment value per line along the longer dimension: per row when
 // rows ≥ cols (a mean over each row), per column otherwise.
@@ -146,7 +155,9 @@ class Muon final : public Optimizer {
   std::vector<size_t> PlanBatches(const Backend& backend,
                                   std::span<const std::pair<const std::vector<MatrixJob>*, size_t>> per_batch,
                                   size_t transposed_floats, std::vector<std::span<const MatrixJob>>& batches) const;
-  absl::Status ReduceVariance(Backend& backend, std::span<const MatrixJob> jobs, float* work, NsWorkspace& ws) const;
+  // `scratch`: StepScratch's line buffers, grown for this batch.
+  absl::Status ReduceVariance(Backend& backend, std::span<const MatrixJob> jobs, float* work, NsWorkspace& ws,
+                              StepScratch& scratch) const;
   // Column-blocked parameters: their U transposed in place (m × n → n × m, through workspace), so that
   // each column block is a contiguous row block.
   absl::Status TransposeInPlace(Backend& backend, std::span<ParamState* const> params, bool to_blocks,
@@ -439,7 +450,7 @@ absl::Status Muon::Orthogonalize(Backend& backend, std::span<const MatrixJob> jo
   }
   if (telemetry_ != nullptr) MUOND_RETURN_IF_ERROR(Observe(backend, jobs, work, ws));
   if (options_.moment2_method == Moment2Method::kNormuon) {
-    MUOND_RETURN_IF_ERROR(ReduceVariance(backend, jobs, work, ws));
+    MUOND_RETURN_IF_ERROR(ReduceVariance(backend, jobs, work, ws, backend.Shared<StepScratch>()));
   }
   if (jobs[0].deferred) {
     // Column blocks: O goes back where the block's U was; ApplyTransposed updates the parameter.
@@ -509,10 +520,11 @@ absl::Status Muon::ApplyUpdateRange(Backend& backend, const MatrixJob& job, floa
 // orthogonalized O of the batch, in place: per line (row when rows ≥ cols, else column)
 // v̄ = mean(O²) over the line; m2 ← lerp(m2, v̄, 1−β2); s = 1/√max(m2, ε); O ← O·s·‖O‖_F/‖O·s‖_F, so
 // the update keeps O's Frobenius norm. An all-zero O (a zero gradient and momentum) stays zero
-// rather than 0/0. The sums of squares come back to the host, where the few per-line values are
-// updated in fp64; the norm ratio is folded into the line scales, so O is scaled once.
-absl::Status Muon::ReduceVariance(Backend& backend, std::span<const MatrixJob> jobs, float* work,
-                                  NsWorkspace& ws) const {
+// rather than 0/0. The lines' sums of squares, the per-line values (Backend::NormuonScales, the
+// norm ratio folded into the line scales, so O is scaled once) and the scaling all stay in backend
+// memory: on the CUDA backend nothing here waits for the device.
+absl::Status Muon::ReduceVariance(Backend& backend, std::span<const MatrixJob> jobs, float* work, NsWorkspace& ws,
+                                  StepScratch& scratch) const {
   const int64_t rows = jobs[0].rows, cols = jobs[0].cols;
   const size_t mat = static_cast<size_t>(rows * cols), batch = jobs.size();
   const bool per_column = jobs[0].lines_per_column;
@@ -523,30 +535,17 @@ absl::Status Muon::ReduceVariance(Backend& backend, std::span<const MatrixJob> j
     MUOND_ASSIGN_OR_RETURN(lines, ws.Get(backend, kNormuonSlot, mat * batch));
     MUOND_RETURN_IF_ERROR(backend.Transpose2D(work, lines, rows, cols, static_cast<int64_t>(batch)));
   }
-  std::vector<double> sums(length * batch);
-  MUOND_RETURN_IF_ERROR(backend.SumSquares(lines, count, length * batch, sums.data()));
-  const float weight = static_cast<float>(1.0 - options_.beta2);
-  std::vector<float> moment(length), scales(length * batch);
-  std::vector<double> line_scales(length);
+  double* sums = reinterpret_cast<double*>(scratch.line_sums->data());
+  float* scales = scratch.line_scales->data();
+  MUOND_RETURN_IF_ERROR(backend.SumSquaresTo(lines, count, length * batch, sums));
+  const kernels::Backend::NormuonArgs args{
+      .count = count, .weight = static_cast<float>(1.0 - options_.beta2), .eps = options_.eps};
   for (size_t i = 0; i < batch; ++i) {
-    MUOND_RETURN_IF_ERROR(ReadStored(backend, *jobs[i].moment2, jobs[i].moment2_offset, length, moment.data()));
-    double norm2 = 0, scaled_norm2 = 0;
-    for (size_t j = 0; j < length; ++j) {
-      const double sum = sums[i * length + j];
-      const float mean = static_cast<float>(sum / static_cast<double>(count));
-      moment[j] = moment[j] + weight * (mean - moment[j]);  // torch lerp_(v̄, 1−β2) in fp32
-      line_scales[j] = 1.0 / std::sqrt(std::max(static_cast<double>(moment[j]), options_.eps));
-      norm2 += sum;
-      scaled_norm2 += line_scales[j] * line_scales[j] * sum;
-    }
-    const double ratio = scaled_norm2 > 0 ? std::sqrt(norm2 / scaled_norm2) : 0.0;
-    for (size_t j = 0; j < length; ++j) {
-      scales[i * length + j] = static_cast<float>(line_scales[j] * ratio);  // s·ratio in fp64, rounded once
-    }
-    // Rounded to the slot's format on the way (exp_avg_sq_dtype); the scales used the fp32 values.
-    MUOND_RETURN_IF_ERROR(WriteStored(backend, *jobs[i].moment2, jobs[i].moment2_offset, length, moment.data()));
+    // Rounded to the slot's format on the way (exp_avg_sq_dtype); the scales use the fp32 values.
+    MUOND_RETURN_IF_ERROR(backend.NormuonScales(args, sums + i * length, jobs[i].moment2->Ref(jobs[i].moment2_offset),
+                                                scales + i * length, length));
   }
-  MUOND_RETURN_IF_ERROR(backend.ScaleBatched(lines, count, length * batch, scales.data()));
+  MUOND_RETURN_IF_ERROR(backend.ScaleBatchedBy(lines, count, length * batch, scales));
   if (per_column) {
     MUOND_RETURN_IF_ERROR(backend.Transpose2D(lines, work, cols, rows, static_cast<int64_t>(batch)));
   }
@@ -668,14 +667,19 @@ absl::Status Muon::Step(Backend& backend, const StepHyper& hyper, std::span<Para
   MUOND_RETURN_IF_ERROR(ws.Fit(backend, need));
   size_t matrices = 0;
   for (std::span<const MatrixJob> batch : batches) matrices += batch.size();
+  StepScratch& scratch = backend.Shared<StepScratch>();
   double* input_sums = nullptr;
   if (telemetry_ != nullptr && matrices > 0) {
-    StepInputSums& sums = backend.Shared<StepInputSums>();
-    if (sums.buffer == nullptr || sums.buffer->size() < 2 * matrices) {
-      sums.buffer.reset();
-      MUOND_ASSIGN_OR_RETURN(sums.buffer, backend.Allocate(2 * matrices));
+    MUOND_RETURN_IF_ERROR(Grow(backend, scratch.input_sums, 2 * matrices));
+    input_sums = reinterpret_cast<double*>(scratch.input_sums->data());
+  }
+  if (options_.moment2_method == Moment2Method::kNormuon) {
+    size_t lines = 0;
+    for (std::span<const MatrixJob> batch : batches) {
+      lines = std::max(lines, static_cast<size_t>(NormuonLength(batch[0].rows, batch[0].cols)) * batch.size());
     }
-    input_sums = reinterpret_cast<double*>(sums.buffer->data());
+    MUOND_RETURN_IF_ERROR(Grow(backend, scratch.line_sums, 2 * lines));
+    MUOND_RETURN_IF_ERROR(Grow(backend, scratch.line_scales, lines));
   }
 
   const kernels::MomentumArgs momentum{

@@ -1,6 +1,6 @@
 // Backend conformance, primitives: memory, element-wise optimizer steps (bitwise), GEMM (within
-// rounding bounds derived below), SumSquares, NormalizeBatched, AllFinite and Transpose2D, each
-// compared with the CPU backend. Newton–Schulz and whole optimizer steps are in
+// rounding bounds derived below), SumSquares, NormalizeBatched, NorMuon's scales, AllFinite and
+// Transpose2D, each compared with the CPU backend. Newton–Schulz and whole optimizer steps are in
 // backend_conformance_optim_test.cc.
 #include "tests/kernels/backend_conformance.h"
 
@@ -437,6 +437,51 @@ TEST_P(BackendConformanceTest, WidenAndNarrowMatchCpuBitwise) {
     const auto cpu = RunOn(*cpu_, {x, packed, wide}, op);
     EXPECT_TRUE(BitwiseEqual(device[1], cpu[1])) << StorageDtypeName(dtype) << ": the rounded bits";
     EXPECT_TRUE(BitwiseEqual(device[2], cpu[2])) << StorageDtypeName(dtype) << ": widened back";
+  }
+}
+
+// NorMuon's per-line values (NormuonScales) and the device-side SumSquaresTo and ScaleBatchedBy
+// against the CPU: the moments, computed line by line with the same fp32 formula, are bit-identical
+// in every storage format; the scales differ only through the order of the two fp64 sums over the
+// lines (≤ 2·length·2⁻⁵³ relative, then one fp32 rounding: 1 ulp). All-zero lines give zero scales.
+TEST_P(BackendConformanceTest, NormuonScalesMatchCpu) {
+  const size_t length = 300, count = 37;
+  const Backend::NormuonArgs args{.count = count, .weight = 0.05f, .eps = 1e-10};
+  for (StorageDtype dtype : {StorageDtype::kFp32, StorageDtype::kBf16}) {
+    for (bool zero : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << StorageDtypeName(dtype) << (zero ? " zero lines" : ""));
+      std::vector<float> lines = Random(length * count);
+      if (zero) std::fill(lines.begin(), lines.end(), 0.0f);
+      std::vector<float> moment = Random(length, 0.01f);
+      for (float& m : moment) m = std::abs(m);
+      struct Result {
+        std::vector<float> scales, moment, scaled;
+      };
+      const auto run = [&](Backend& b) {
+        auto x = Upload(b, lines);
+        auto wide = Upload(b, moment);
+        auto packed = b.Allocate(dtype == StorageDtype::kFp32 ? length : (length + 1) / 2).value();
+        EXPECT_OK(b.Narrow(dtype, wide->data(), packed->data(), length));
+        auto sums = b.Allocate(2 * length).value();
+        auto scales = b.Allocate(length).value();
+        double* device_sums = reinterpret_cast<double*>(sums->data());
+        EXPECT_OK(b.SumSquaresTo(x->data(), count, length, device_sums));
+        EXPECT_OK(b.NormuonScales(args, device_sums, StoredRef(packed->data(), dtype), scales->data(), length));
+        EXPECT_OK(b.ScaleBatchedBy(x->data(), count, length, scales->data()));
+        EXPECT_OK(b.Widen(dtype, packed->data(), wide->data(), length));
+        return Result{Download(b, scales->data(), length), Download(b, wide->data(), length),
+                      Download(b, x->data(), lines.size())};
+      };
+      const Result got = run(*backend_), want = run(*cpu_);
+      EXPECT_TRUE(BitwiseEqual(got.moment, want.moment));
+      for (size_t j = 0; j < length; ++j) {
+        ASSERT_NEAR(got.scales[j], want.scales[j], std::ldexp(std::abs(want.scales[j]), -23)) << j;
+        if (zero) ASSERT_EQ(Bits(got.scales[j]), 0u) << j;
+      }
+      for (size_t i = 0; i < lines.size(); ++i) {
+        ASSERT_NEAR(got.scaled[i], want.scaled[i], 2 * std::ldexp(std::abs(want.scaled[i]), -23) + 1e-30) << i;
+      }
+    }
   }
 }
 
