@@ -107,6 +107,9 @@ OnednnBf16Gemm::~OnednnBf16Gemm() = default;
 
 bool OnednnBf16Gemm::Run(const GemmShape& s, float alpha, const float* a, const float* b, float beta, float* c) {
   if (s.batch > 1 && s.stride_c < s.m * s.ldc) return false;  // C matrices overlap: not a matmul's dst
+  // This thread's OpenMP teams, oneDNN's: before any primitive is made, as oneDNN sizes a primitive's
+  // work split (and the team it runs on) by the thread count when it is created.
+  omp_set_num_threads(threads_);
   // Custom coefficient lists could make many (α, β) pairs: keep the cache bounded.
   if (primitives_.size() >= 256) primitives_.clear();
   const bool ta = s.trans_a == Transpose::kYes, tb = s.trans_b == Transpose::kYes;
@@ -177,7 +180,6 @@ bool OnednnBf16Gemm::Run(const GemmShape& s, float alpha, const float* a, const 
   }
   uint16_t* a16 = scratch_.data();
   uint16_t* b16 = shared ? a16 : a16 + a_size;
-  omp_set_num_threads(threads_);  // this thread's OpenMP teams, oneDNN's
   dnnl::stream stream(Engine());
   memory a32(prim.a32, Engine(), const_cast<float*>(a)), a_mem(prim.a, Engine(), a16);
   memory b_mem(prim.b, Engine(), b16), c_mem(prim.c, Engine(), c);

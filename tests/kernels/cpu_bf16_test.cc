@@ -20,10 +20,12 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <filesystem>
 #include <memory>
 #include <random>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/half_float.h"
@@ -197,6 +199,36 @@ TEST(CpuBf16Gemm, LogsItsChoiceOnce) {
     EXPECT_FALSE(support.reason.empty());
     EXPECT_NE(text.find("runs in fp32: " + support.reason), std::string::npos) << text;
   }
+}
+
+size_t ThreadCount() {
+  size_t n = 0;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/task")) n += entry.exists() ? 1 : 0;
+  return n;
+}
+
+// A backend of one thread runs its bf16 GEMMs on the calling thread alone, whatever OpenMP's default
+// team (the number of cores, or OMP_NUM_THREADS) would be. The GEMMs run on a fresh thread, whose
+// OpenMP settings are the defaults, as a daemon's request threads are.
+TEST(CpuBf16Gemm, UsesNoMoreThreadsThanTheBackend) {
+  Announce();
+  std::unique_ptr<Backend> backend = NewCpuBackend(1);
+  std::mt19937 rng(3);
+  const int64_t n = 256;
+  const std::vector<float> a = Random(rng, static_cast<size_t>(n * n));
+  auto da = Upload(*backend, a), dc = Upload(*backend, a);
+  const GemmShape s{.m = n, .n = n, .k = n, .lda = n, .ldb = n, .ldc = n};
+  size_t before = 0, after = 0;
+  absl::Status status;
+  std::thread([&] {
+    before = ThreadCount();
+    for (int i = 0; i < 3 && status.ok(); ++i) {
+      status = backend->Gemm(s, 1.0f, da->data(), da->data(), 0.0f, dc->data(), MatmulPrecision::kBf16);
+    }
+    after = ThreadCount();
+  }).join();
+  ASSERT_OK(status);
+  EXPECT_EQ(after, before) << "threads appeared during bf16 GEMMs of a one-thread backend";
 }
 
 using ::muond::testing::CompareNs;
