@@ -47,8 +47,9 @@ inline kernels::MatmulPrecision ParsePrecision(const std::string& name) {
   return kernels::MatmulPrecision::kBf16;
 }
 
-// The benchmarks' default precision: bf16 on the GPU, fp32 on the CPU (which ignores it anyway). The
-// daemon itself uses fp32 unless a group asks otherwise (docs/algorithms.md, Matmul precision).
+// The benchmarks' default precision: bf16 on the GPU, fp32 on the CPU (whose bf16 needs bf16 dot
+// products; cpu_precision_bench compares the two). The daemon itself uses fp32 unless a group asks
+// otherwise (docs/algorithms.md, Matmul precision).
 inline std::string DefaultPrecision(const kernels::Backend& backend) {
   return backend.Name() == "cuda" ? "bf16" : "fp32";
 }
