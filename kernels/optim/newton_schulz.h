@@ -102,7 +102,7 @@ bool PreferGram(int64_t rows, int64_t cols, const NsSchedule& schedule, int step
                 std::span<const int> restart_iterations, double square_weight);
 // square_weight per backend: the CPU's fitted to the measured crossovers (bench/ns_choice_bench);
 // CUDA's is the plain FLOP count, not measured.
-inline constexpr double kCpuSquareWeight = 1.3;
+inline constexpr double kCpuSquareWeight = 1.1;
 inline constexpr double kCudaSquareWeight = 1.0;
 
 // Orthogonalizes `batch` row-major rows×cols matrices stored back to back at `in` (device pointers)

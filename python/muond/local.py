@@ -117,7 +117,7 @@ def muon_scale(mode: str, factor: float, rows: int, cols: int) -> float:
 
 # The daemon's CPU backend's weight of an m×m product against a wide one in ns_algorithm "auto"'s
 # cost rule (kernels/optim/newton_schulz.h, kCpuSquareWeight).
-CPU_SQUARE_WEIGHT = 1.3
+CPU_SQUARE_WEIGHT = 1.1
 
 
 def prefer_gram(rows: int, cols: int, coefficients, after: str, steps: int, restarts: Sequence[int],

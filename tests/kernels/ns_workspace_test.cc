@@ -197,7 +197,8 @@ TEST(NsWorkspaceBoundTest, CutBatchesGiveTheUnboundedResultsBitForBit) {
       size_t unbounded_held = 0, bounded_held = 0;
       const auto unbounded = RunSteps(o, shapes, 0, 2, &unbounded_held);
       for (size_t limit : {least, least + 1000, (least + unbounded_held) / 2}) {
-        SCOPED_TRACE(::testing::Message() << "limit " << limit << " least " << least << " unbounded " << unbounded_held);
+        SCOPED_TRACE(::testing::Message()
+                     << "limit " << limit << " least " << least << " unbounded " << unbounded_held);
         EXPECT_EQ(RunSteps(o, shapes, limit, 2, &bounded_held), unbounded);
         EXPECT_LE(bounded_held, limit);
       }
