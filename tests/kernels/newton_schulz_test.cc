@@ -10,6 +10,7 @@
 
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "tests/kernels/forwarding_backend.h"
 #include "tests/kernels/reference.h"
 #include "tests/testing/error_bounds.h"
 #include "tests/testing/status_matchers.h"
@@ -442,90 +443,22 @@ TEST_F(NewtonSchulzTest, GramCubicTupleMatchesReference) {
   }
 }
 
-// Counts the GEMMs a wrapped backend runs, forwarding every primitive (a Backend method added later
-// needs its forwarder here too).
-class GemmCountingBackend final : public kernels::Backend {
+// Counts the GEMMs a wrapped backend runs, forwarding every primitive.
+class GemmCountingBackend final : public testing::ForwardingBackend {
  public:
-  explicit GemmCountingBackend(kernels::Backend& inner) : inner_(inner) {}
+  using ForwardingBackend::ForwardingBackend;
   int gemms = 0;
   // Multiply-adds as NsWork splits them: products over the long side (k or n > m) and m³ ones; the
   // k = 1 products that write a·I are left out.
   double wide_macs = 0, square_macs = 0;
 
-  std::string Name() const override { return inner_.Name(); }
-  bool HostAddressable() const override { return inner_.HostAddressable(); }
-  std::string Detail() const override { return inner_.Detail(); }
-  MemoryUse Memory() const override { return inner_.Memory(); }
-  absl::StatusOr<std::unique_ptr<kernels::DeviceBuffer>> Allocate(size_t count) override {
-    return inner_.Allocate(count);
-  }
-  absl::Status CopyToDevice(const float* host, float* device, size_t count) override {
-    return inner_.CopyToDevice(host, device, count);
-  }
-  absl::Status CopyToHost(const float* device, float* host, size_t count) override {
-    return inner_.CopyToHost(device, host, count);
-  }
-  absl::Status CopyOnDevice(const float* src, float* dst, size_t count) override {
-    return inner_.CopyOnDevice(src, dst, count);
-  }
-  absl::Status Fill(float* x, size_t count, float value) override { return inner_.Fill(x, count, value); }
   absl::Status Gemm(const kernels::GemmShape& shape, float alpha, const float* a, const float* b, float beta, float* c,
                     kernels::MatmulPrecision precision) override {
     ++gemms;
     const double macs = static_cast<double>(shape.m * shape.n * shape.k);
     if (shape.k > 1) (shape.m == shape.n && shape.n == shape.k ? square_macs : wide_macs) += macs;
-    return inner_.Gemm(shape, alpha, a, b, beta, c, precision);
+    return ForwardingBackend::Gemm(shape, alpha, a, b, beta, c, precision);
   }
-  absl::Status Transpose2D(const float* in, float* out, int64_t rows, int64_t cols, int64_t batch) override {
-    return inner_.Transpose2D(in, out, rows, cols, batch);
-  }
-  absl::Status SumSquares(const float* x, size_t count, size_t batch, double* sums) override {
-    return inner_.SumSquares(x, count, batch, sums);
-  }
-  absl::StatusOr<bool> AllFinite(const float* x, size_t count) override { return inner_.AllFinite(x, count); }
-  absl::Status ScaleBatched(float* x, size_t count, size_t batch, const float* scales) override {
-    return inner_.ScaleBatched(x, count, batch, scales);
-  }
-  absl::Status NormalizeBatched(float* x, size_t count, size_t batch, double eps, double norm_safety,
-                                double* sums) override {
-    return inner_.NormalizeBatched(x, count, batch, eps, norm_safety, sums);
-  }
-  absl::Status Widen(kernels::StorageDtype dtype, const void* packed, float* out, size_t count) override {
-    return inner_.Widen(dtype, packed, out, count);
-  }
-  absl::Status Narrow(kernels::StorageDtype dtype, const float* in, void* packed, size_t count) override {
-    return inner_.Narrow(dtype, in, packed, count);
-  }
-  absl::Status Axpby(float alpha, kernels::StoredRef x, float beta, kernels::StoredRef y, size_t count) override {
-    return inner_.Axpby(alpha, x, beta, y, count);
-  }
-  absl::Status Momentum(const kernels::MomentumArgs& args, kernels::StoredRef momentum, const float* grad,
-                        float* update, size_t count) override {
-    return inner_.Momentum(args, momentum, grad, update, count);
-  }
-  absl::Status AdamW(const kernels::AdamWArgs& args, kernels::StoredRef param, const float* grad,
-                     kernels::StoredRef exp_avg, kernels::StoredRef exp_avg_sq, size_t count) override {
-    return inner_.AdamW(args, param, grad, exp_avg, exp_avg_sq, count);
-  }
-  absl::Status Lion(const kernels::LionArgs& args, kernels::StoredRef param, const float* grad,
-                    kernels::StoredRef exp_avg, size_t count) override {
-    return inner_.Lion(args, param, grad, exp_avg, count);
-  }
-  absl::Status Sgd(const kernels::SgdArgs& args, kernels::StoredRef param, const float* grad,
-                   kernels::StoredRef momentum_buffer, size_t count) override {
-    return inner_.Sgd(args, param, grad, momentum_buffer, count);
-  }
-  absl::Status Adamuon(const kernels::AdamuonArgs& args, kernels::StoredRef moment2, float* update,
-                       size_t count) override {
-    return inner_.Adamuon(args, moment2, update, count);
-  }
-  absl::Status CautiousUpdate(const kernels::CautiousArgs& args, const float* update, kernels::StoredRef param,
-                              size_t count) override {
-    return inner_.CautiousUpdate(args, update, param, count);
-  }
-
- private:
-  kernels::Backend& inner_;
 };
 
 // The GEMM schedule: X·Xᵀ and Q·X once each (plus two per restart), a·I once per anchor, then per
