@@ -90,13 +90,13 @@ def test_an_event_that_never_completes_fails_the_step_by_its_deadline(cuda_daemo
         train(model, opt, [1])
         opt.zero_grad()
         cuda_loss(model, 2).backward()
-        spin(30)  # the gradients' copies and the event come after this on the stream
+        spin(10)  # the gradients' copies and the event come after this on the stream
         started = time.monotonic()
         with pytest.raises(MuondError) as err:
             opt.step()
         waited = time.monotonic() - started
         assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, err.value
-        assert waited < 15, f"the step waited {waited:.1f} s for an event past its 2 s deadline"
+        assert waited < 8, f"the step waited {waited:.1f} s for an event past its 2 s deadline"
         # The daemon polls the client's event from the host: its own stream is not held up, so
         # another session steps while the client's GPU is still busy.
         other = TinyNet(seed=71)
