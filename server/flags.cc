@@ -45,9 +45,10 @@ std::optional<DaemonFlags> ParseFlags(int argc, char** argv, int* exit_code) {
       ->transform(CLI::AsSizeValue(false))
       ->capture_default_str();
   app.add_option("--ns-workspace-bytes", flags.ns_workspace_bytes,
-                 "Most memory Newton-Schulz's scratch may hold (one per backend, shared by every session); "
-                 "same-shape batches are cut to fit, and a session whose Muon matrices cannot run within it "
-                 "is refused (same units); 0: no bound")
+                 "Most memory Newton-Schulz's scratch may hold (one per backend, shared by every session; same "
+                 "units): same-shape batches are cut to fit. By default the bound is soft (a single matrix that "
+                 "needs more still runs); given explicitly it is hard, and a session whose Muon matrices cannot "
+                 "run within it is refused; 0: no bound")
       ->transform(CLI::AsSizeValue(false))
       ->capture_default_str();
   app.add_option("--max-tensor-rank", flags.max_tensor_rank, "Most dimensions a parameter may have")
@@ -151,6 +152,7 @@ std::optional<DaemonFlags> ParseFlags(int argc, char** argv, int* exit_code) {
   }
   try {
     app.parse(argc, argv);
+    flags.ns_workspace_given = app.get_option("--ns-workspace-bytes")->count() > 0;
   } catch (const CLI::ParseError& e) {
     // --help and --version exit 0; every usage error exits 2, whatever CLI11's own code for it.
     *exit_code = app.exit(e) == 0 ? 0 : 2;

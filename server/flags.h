@@ -20,8 +20,10 @@ struct DaemonFlags {
   int max_sessions = 64;
   int64_t max_session_bytes = 0;  // optimizer memory of one session; 0: no limit
   int64_t max_total_bytes = 0;    // optimizer memory of all sessions together; 0: no limit
-  // Newton–Schulz's workspace (one per backend, shared by every session); 0: no bound.
+  // Newton–Schulz's workspace (one per backend, shared by every session); 0: no bound. The default
+  // is soft (batches cut to fit, one larger matrix still runs); given explicitly it is hard.
   int64_t ns_workspace_bytes = int64_t{256} << 20;
+  bool ns_workspace_given = false;
   int max_tensor_rank = 8;
   int64_t max_tensor_elements = int64_t{1} << 32;
   double rpc_timeout_seconds = 600;  // the daemon's limit on any call; 0: none

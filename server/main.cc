@@ -388,7 +388,8 @@ int Run(int argc, char** argv) {
   if (!selection) return 1;
   kernels::Backend* backend = selection->backend.get();
   optim::BackendNsWorkspace(*backend).ws.set_limit(
-      flags->ns_workspace_bytes > 0 ? std::max<size_t>(1, static_cast<size_t>(flags->ns_workspace_bytes) / 4) : 0);
+      flags->ns_workspace_bytes > 0 ? std::max<size_t>(1, static_cast<size_t>(flags->ns_workspace_bytes) / 4) : 0,
+      /*hard=*/flags->ns_workspace_given);
   const std::optional<Access> access = LoadAccess(*flags);
   if (!access) return 2;
   std::variant<MetricsOutlet, Refused> started_metrics = StartMetrics(*flags, backend);

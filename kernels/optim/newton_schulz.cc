@@ -25,7 +25,7 @@ absl::StatusOr<float*> NsWorkspace::Get(Backend& backend, int slot, size_t count
   if (buf == nullptr || buf->size() < count) {
     const size_t size = std::max<size_t>(count, 1);
     const size_t others = held() - (buf ? buf->size() : 0);
-    if (limit() > 0 && others + size > limit()) return Refuse(others + size);
+    if (hard() && limit() > 0 && others + size > limit()) return Refuse(others + size);
     Drop(slot);  // free the old buffer first so peak memory is not old + new
     MUOND_ASSIGN_OR_RETURN(buf, backend.Allocate(size));
     held_.fetch_add(size, std::memory_order_relaxed);
@@ -60,7 +60,7 @@ absl::Status NsWorkspace::Fit(Backend& backend, std::span<const size_t> need) {
   }
   size_t needed = 0, grown = 0;
   for (size_t n : need) needed += n;
-  if (limit() > 0 && needed > limit()) return Refuse(needed);
+  if (hard() && limit() > 0 && needed > limit()) return Refuse(needed);
   for (size_t s = 0; s < std::max(buffers_.size(), need.size()); ++s) {
     const size_t have = s < buffers_.size() && buffers_[s] ? buffers_[s]->size() : 0;
     grown += std::max(have, s < need.size() ? need[s] : 0);

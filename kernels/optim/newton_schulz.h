@@ -30,8 +30,9 @@ namespace muond::optim {
 // Backend scratch buffers addressed by slot number, grown on demand and kept between calls so a
 // training loop allocates only on its first step. Slots [0, kFirstFreeSlot) are NewtonSchulz's
 // (0..3) and GramNewtonSchulz's (0..5); callers (Muon's gather buffers) use the slots from
-// kFirstFreeSlot on. The floats held across all slots may be bounded (set_limit): a Get or Fit that
-// would hold more is RESOURCE_EXHAUSTED and holds nothing new.
+// kFirstFreeSlot on. The floats held across all slots may be bounded (set_limit): callers cut their
+// batches to fit it; a hard bound makes a Get or Fit that would hold more RESOURCE_EXHAUSTED (holding
+// nothing new), a soft one lets it through (one matrix that needs more than the bound still runs).
 class NsWorkspace {
  public:
   static constexpr int kFirstFreeSlot = 6;
@@ -53,9 +54,16 @@ class NsWorkspace {
   // of slots past need.size()) are freed first. RESOURCE_EXHAUSTED when Σ need exceeds the limit.
   absl::Status Fit(kernels::Backend& backend, std::span<const size_t> need);
 
-  // The most floats held at once; 0 (the default): no bound. Takes effect at the next Get or Fit.
-  void set_limit(size_t floats) { limit_.store(floats, std::memory_order_relaxed); }
+  // The most floats held at once; 0 (the default): no bound. `hard`: more is refused; otherwise the
+  // bound only guides (batches cut to fit, larger buffers dropped first). Takes effect at the next
+  // Get or Fit.
+  void set_limit(size_t floats, bool hard = true) {
+    hard_.store(hard, std::memory_order_relaxed);
+    limit_.store(floats, std::memory_order_relaxed);
+  }
   size_t limit() const { return limit_.load(std::memory_order_relaxed); }
+  // Whether the bound refuses what exceeds it.
+  bool hard() const { return hard_.load(std::memory_order_relaxed); }
 
   // Floats currently held across all slots. Safe to read from any thread (metrics).
   size_t held() const { return held_.load(std::memory_order_relaxed); }
@@ -69,6 +77,7 @@ class NsWorkspace {
   std::vector<std::unique_ptr<kernels::DeviceBuffer>> buffers_;
   std::atomic<size_t> held_{0};
   std::atomic<size_t> limit_{0};
+  std::atomic<bool> hard_{true};
 };
 
 // Floats each of NewtonSchulz's workspace slots (GramNewtonSchulz's with `gram`) needs for a call

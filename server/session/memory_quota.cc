@@ -57,8 +57,9 @@ absl::Status CheckMemoryQuota(const std::string& session_id, int64_t session_byt
 }
 
 absl::Status CheckNsWorkspace(const std::string& session_id, const SessionConfig& config, kernels::Backend& backend) {
-  const size_t limit = optim::BackendNsWorkspace(backend).ws.limit();
-  if (limit == 0) return absl::OkStatus();
+  const optim::NsWorkspace& ws = optim::BackendNsWorkspace(backend).ws;
+  const size_t limit = ws.limit();
+  if (limit == 0 || !ws.hard()) return absl::OkStatus();  // a soft bound refuses nothing
   for (size_t g = 0; g < config.groups.size(); ++g) {
     absl::StatusOr<std::unique_ptr<optim::Optimizer>> optimizer = optim::Optimizer::Create(config.groups[g].options);
     if (!optimizer.ok()) continue;  // refused elsewhere

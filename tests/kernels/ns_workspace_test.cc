@@ -95,6 +95,24 @@ TEST(NsWorkspaceTest, GetAndFitStayWithinTheLimit) {
   EXPECT_EQ(ws.held(), 0u);
 }
 
+// A soft bound (the daemon's default) refuses nothing: what exceeds it is held, and a Fit over it
+// still drops the buffers the call does not need first.
+TEST(NsWorkspaceTest, ASoftBoundRefusesNothingButStillMakesRoom) {
+  auto backend = kernels::NewCpuBackend(1);
+  NsWorkspace ws;
+  ws.set_limit(1000, /*hard=*/false);
+  EXPECT_FALSE(ws.hard());
+  ASSERT_OK(ws.Get(*backend, 0, 600).status());
+  ASSERT_OK(ws.Get(*backend, 1, 900).status());  // past the bound: held all the same
+  EXPECT_EQ(ws.held(), 1500u);
+  const std::vector<size_t> need = {0, 0, 1200};
+  ASSERT_OK(ws.Fit(*backend, need));  // slots 0 and 1 are not needed: dropped to make room
+  EXPECT_EQ(ws.held(), 1200u);
+  ws.set_limit(1000);  // hard again
+  EXPECT_TRUE(ws.hard());
+  EXPECT_THAT(ws.Get(*backend, 3, 100).status(), StatusIs(absl::StatusCode::kResourceExhausted, ""));
+}
+
 // A Muon group's parameters (several of each shape, so they batch) with seeded gradients.
 struct Group {
   std::vector<std::unique_ptr<ParamState>> params;

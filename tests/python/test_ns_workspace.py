@@ -112,3 +112,31 @@ def test_local_optimizer_picks_per_shape_as_the_daemon_does():
         auto = _train_local({"ns_algorithm": "auto"}, shapes)
         chosen = _train_local({"ns_algorithm": variant}, shapes)
         assert all(torch.equal(a, c) for a, c in zip(auto, chosen)), variant
+
+
+def _wide_muon_spec():
+    # One Muon matrix of 2048×20480: one matrix alone needs 2·2048·20480 + 2·2048² floats of
+    # Newton–Schulz workspace, about 369 MB, more than the default bound of 256 MiB.
+    from muond._stubs import pb
+    spec = pb.SessionSpec()
+    group = spec.groups.add(name="matrices")
+    group.options.optimizer = pb.OPTIMIZER_MUON
+    spec.parameters.add(name="wide", shape=[2048, 20480], group="matrices")
+    return spec
+
+
+def test_the_default_bound_is_soft_and_an_explicit_one_hard(start_daemon):
+    from muond.client import Connection
+    for flags, refused in (((), False), (("--ns-workspace-bytes", "256MiB"), True)):
+        conn = Connection(start_daemon(*flags).endpoint)
+        try:
+            if refused:
+                with pytest.raises(muond.MuondError) as err:
+                    conn.create_session("wide", _wide_muon_spec())
+                assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "parameter 'wide' of shape [2048, 20480]" in err.value.details
+            else:
+                conn.create_session("wide", _wide_muon_spec())  # batches cut to one matrix, then past the bound
+                conn.close_session("wide")
+        finally:
+            conn.close()
