@@ -25,7 +25,8 @@ turns a resolved group into the ``muond.v1.GroupOptions`` message sent when a se
 | ns_eps, ns_norm_safety  | muon         | 1e-7, 1.0                                                |
 | scale_mode              | muon         | "shape_scaling" ("spectral", "unit_rms_norm")            |
 | extra_scale_factor      | muon         | 1.0                                                      |
-| matmul_precision        | muon         | None: fp32 on every backend (ask bf16 for GPU tensor cores) |
+| matmul_precision        | muon         | None: fp32 on every backend (ask bf16 for GPU tensor cores, |
+|                         |              | or CPU bf16 GEMMs where the CPU has bf16 dot products)    |
 | qkv_split               | muon         | None; (q, k, v) rows, for every parameter of the group   |
 | num_query_groups        | muon         | None (1 when qkv_split is given)                         |
 | tp_blocks, tp_block_dim | muon         | None, 0; tensor-parallel blockwise Muon: every 2-D       |
