@@ -105,10 +105,15 @@ Optimizer::StateRefs Optimizer::RefsOf(ParamState& param) {
 
 absl::Status Optimizer::StepMeasured(kernels::Backend& backend, const StepHyper& hyper,
                                      std::span<ParamState* const> params, StepTelemetry& telemetry) {
-  if (telemetry.measure) MUOND_RETURN_IF_ERROR(UpdateMeter::Reserve(backend));
+  if (telemetry.measure) MUOND_RETURN_IF_ERROR(UpdateMeter::Reserve(backend, telemetry));
   telemetry_ = &telemetry;
   absl::Status status = Step(backend, hyper, params);
   telemetry_ = nullptr;
+  // The step's one wait for its update measurements, after all its work was enqueued.
+  if (status.ok()) status = UpdateMeter::Collect(backend, telemetry);
+  telemetry.pending_sums.clear();
+  telemetry.pending_count = 0;
+  telemetry.pending_weights.clear();
   return status;
 }
 

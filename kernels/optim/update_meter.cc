@@ -1,8 +1,9 @@
 // UpdateMeter (step_telemetry.h): Σ W² and Σ ΔW² of an update, chunk by chunk, through one scratch
-// buffer per backend.
+// buffer per backend, into backend memory until the step collects them.
 #include <algorithm>
 #include <memory>
 #include <mutex>
+#include <vector>
 
 #include "common/status_macros.h"
 #include "kernels/optim/step_telemetry.h"
@@ -24,15 +25,60 @@ absl::StatusOr<float*> ScratchOf(kernels::Backend& backend, MeterScratch& scratc
   return scratch.buffer->data();
 }
 
+// Doubles per segment of pending sums: 2048 chunks, a step's worth in practice.
+constexpr size_t kSegmentDoubles = 4096;
+
+absl::Status AddSegment(kernels::Backend& backend, StepTelemetry& telemetry) {
+  MUOND_ASSIGN_OR_RETURN(std::unique_ptr<kernels::DeviceBuffer> segment, backend.Allocate(2 * kSegmentDoubles));
+  telemetry.pending_sums.push_back(std::move(segment));
+  return absl::OkStatus();
+}
+
+// Where the next chunk's two sums go (backend memory), growing the segments when full.
+absl::StatusOr<double*> NextPair(kernels::Backend& backend, StepTelemetry& telemetry) {
+  const size_t at = telemetry.pending_count % kSegmentDoubles;
+  if (telemetry.pending_count / kSegmentDoubles >= telemetry.pending_sums.size()) {
+    MUOND_RETURN_IF_ERROR(AddSegment(backend, telemetry));
+  }
+  double* segment =
+      reinterpret_cast<double*>(telemetry.pending_sums[telemetry.pending_count / kSegmentDoubles]->data());
+  telemetry.pending_count += 2;
+  return segment + at;
+}
+
+// Σ before² and Σ (before − after)² of n host floats, in fp64, eight partial sums each: one pass.
+void HostSums(const float* before, const float* after, size_t n, double* sums) {
+  double w[8] = {}, d[8] = {};
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (size_t k = 0; k < 8; ++k) {
+      const double b = before[i + k];
+      const double delta = b - static_cast<double>(after[i + k]);
+      w[k] += b * b;
+      d[k] += delta * delta;
+    }
+  }
+  for (; i < n; ++i) {
+    const double b = before[i];
+    const double delta = b - static_cast<double>(after[i]);
+    w[0] += b * b;
+    d[0] += delta * delta;
+  }
+  sums[0] = ((w[0] + w[1]) + (w[2] + w[3])) + ((w[4] + w[5]) + (w[6] + w[7]));
+  sums[1] = ((d[0] + d[1]) + (d[2] + d[3])) + ((d[4] + d[5]) + (d[6] + d[7]));
+}
+
 }  // namespace
 
-// Small chunks stay in a CPU's cache between reading the master before and after; a device pays a
-// wait for each chunk's sums, so it takes fewer, larger ones. Even, so 16-bit offsets stay aligned.
+// Small chunks stay in a CPU's cache between reading the master before and after; a device pays
+// kernel launches for each chunk's sums, so it takes fewer, larger ones. Even, so 16-bit offsets
+// stay aligned.
 size_t UpdateMeter::ChunkElements(const kernels::Backend& backend) {
   return backend.HostAddressable() ? size_t{1} << 16 : size_t{1} << 22;
 }
 
-absl::Status UpdateMeter::Reserve(kernels::Backend& backend) {
+absl::Status UpdateMeter::Reserve(kernels::Backend& backend, StepTelemetry& telemetry) {
+  if (telemetry.pending_sums.empty()) MUOND_RETURN_IF_ERROR(AddSegment(backend, telemetry));
   MeterScratch& scratch = backend.Shared<MeterScratch>();
   std::lock_guard<std::mutex> lock(scratch.mu);
   return ScratchOf(backend, scratch).status();
@@ -45,20 +91,61 @@ absl::Status UpdateMeter::Measure(kernels::Backend& backend, kernels::StoredRef 
   std::lock_guard<std::mutex> lock(scratch.mu);
   MUOND_ASSIGN_OR_RETURN(float* before, ScratchOf(backend, scratch));
   const size_t chunk = ChunkElements(backend);
-  for (size_t offset = 0; offset < count; offset += chunk) {
-    const size_t n = std::min(chunk, count - offset);
-    const kernels::StoredRef w = master.At(offset);
-    MUOND_RETURN_IF_ERROR(backend.Widen(w.dtype, w.data, before, n));
-    double sums[2] = {0, 0};
-    MUOND_RETURN_IF_ERROR(backend.SumSquares(before, n, 1, &sums[0]));
-    MUOND_RETURN_IF_ERROR(apply(offset, n));
-    // before ← W_before − W_after: −ΔW, the same sum of squares.
-    MUOND_RETURN_IF_ERROR(backend.Axpby(-1.0f, w, 1.0f, before, n));
-    MUOND_RETURN_IF_ERROR(backend.SumSquares(before, n, 1, &sums[1]));
-    telemetry->master_sum_squares += sums[0];
-    telemetry->update_sum_squares += sums[1];
+  const size_t chunks = (count + chunk - 1) / chunk;
+  const size_t measured = std::min(chunks, kMeasuredChunks);
+  // The measured chunks, evenly spaced (each in the middle of its share of the chunks); what they
+  // hold, over the whole, is the weight of their sums.
+  std::vector<size_t> picked(measured);
+  size_t measured_elements = 0;
+  for (size_t i = 0; i < measured; ++i) {
+    picked[i] = (2 * i + 1) * chunks / (2 * measured);
+    measured_elements += std::min(chunk, count - picked[i] * chunk);
   }
+  const double weight = measured_elements > 0 ? static_cast<double>(count) / measured_elements : 1.0;
+  const bool host_fp32 = backend.HostAddressable() && master.dtype == kernels::StorageDtype::kFp32;
+  size_t done = 0;
+  for (size_t c : picked) {
+    const size_t offset = c * chunk;
+    const size_t n = std::min(chunk, count - offset);
+    if (offset > done) MUOND_RETURN_IF_ERROR(apply(done, offset - done));
+    const kernels::StoredRef w = master.At(offset);
+    MUOND_ASSIGN_OR_RETURN(double* sums, NextPair(backend, *telemetry));
+    telemetry->pending_weights.push_back(weight);
+    MUOND_RETURN_IF_ERROR(backend.Widen(w.dtype, w.data, before, n));
+    if (host_fp32) {
+      // Host memory: both sums in one pass after the update, from the copy and the master itself.
+      MUOND_RETURN_IF_ERROR(apply(offset, n));
+      HostSums(before, static_cast<const float*>(w.data), n, sums);
+    } else {
+      MUOND_RETURN_IF_ERROR(backend.SumSquaresTo(before, n, 1, &sums[0]));
+      MUOND_RETURN_IF_ERROR(apply(offset, n));
+      // before ← W_before − W_after: −ΔW, the same sum of squares. The backend orders this after
+      // the first sum's kernels, and the next measurement's Widen after this one's: `before` is
+      // reused only in the backend's own order.
+      MUOND_RETURN_IF_ERROR(backend.Axpby(-1.0f, w, 1.0f, before, n));
+      MUOND_RETURN_IF_ERROR(backend.SumSquaresTo(before, n, 1, &sums[1]));
+    }
+    done = offset + n;
+  }
+  if (done < count) MUOND_RETURN_IF_ERROR(apply(done, count - done));
   telemetry->updated_elements += static_cast<int64_t>(count);
+  return absl::OkStatus();
+}
+
+absl::Status UpdateMeter::Collect(kernels::Backend& backend, StepTelemetry& telemetry) {
+  std::vector<double> sums(telemetry.pending_count);
+  for (size_t first = 0, s = 0; first < sums.size(); first += kSegmentDoubles, ++s) {
+    const size_t n = std::min(kSegmentDoubles, sums.size() - first);
+    MUOND_RETURN_IF_ERROR(backend.CopyBytes(telemetry.pending_sums[s]->data(), &sums[first], n * sizeof(double)));
+  }
+  for (size_t k = 0; k + 1 < sums.size(); k += 2) {
+    const double weight = k / 2 < telemetry.pending_weights.size() ? telemetry.pending_weights[k / 2] : 1.0;
+    telemetry.master_sum_squares += sums[k] * weight;
+    telemetry.update_sum_squares += sums[k + 1] * weight;
+  }
+  telemetry.pending_sums.clear();
+  telemetry.pending_count = 0;
+  telemetry.pending_weights.clear();
   return absl::OkStatus();
 }
 

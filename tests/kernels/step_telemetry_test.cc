@@ -29,6 +29,37 @@ std::vector<float> Read(kernels::Backend& backend, const StoredTensor& t, size_t
   return out;
 }
 
+// A master of more than kMeasuredChunks chunks is updated once everywhere, and measured on a sample
+// of chunks whose sums stand for the whole: exact when every chunk moves alike, as here (2 → 1.5
+// everywhere, with a part chunk at the end), whatever chunks the sample takes.
+TEST(UpdateMeterTest, ALargeMasterIsUpdatedWholeAndMeasuredOnASample) {
+  auto backend = kernels::NewCpuBackend(1);
+  const size_t chunk = UpdateMeter::ChunkElements(*backend);
+  const size_t n = 9 * chunk + 5;
+  ASSERT_OK_AND_ASSIGN(StoredTensor master, AllocateStored(*backend, kernels::StorageDtype::kFp32, n));
+  const std::vector<float> twos(n, 2.0f);
+  ASSERT_OK(WriteStored(*backend, master, 0, n, twos.data()));
+  std::vector<int> updates(n, 0);
+  StepTelemetry t;
+  ASSERT_OK(UpdateMeter::Reserve(*backend, t));
+  ASSERT_OK(UpdateMeter::Measure(
+      *backend, master.Ref(), n,
+      [&](size_t offset, size_t count) {
+        auto* w = static_cast<float*>(master.Ref().At(offset).data);
+        for (size_t i = 0; i < count; ++i) {
+          w[i] -= 0.5f;
+          ++updates[offset + i];
+        }
+        return absl::OkStatus();
+      },
+      &t));
+  ASSERT_OK(UpdateMeter::Collect(*backend, t));
+  for (size_t i = 0; i < n; ++i) ASSERT_EQ(updates[i], 1) << "element " << i;
+  EXPECT_EQ(t.updated_elements, static_cast<int64_t>(n));
+  EXPECT_NEAR(t.master_sum_squares, 4.0 * n, 1e-12 * 4.0 * n);
+  EXPECT_NEAR(t.update_sum_squares, 0.25 * n, 1e-12 * 0.25 * n);
+}
+
 TEST_P(StepMeasuredTest, SameBitsAndTheSumsOfTheChange) {
   auto backend = kernels::NewCpuBackend(1);
   GroupOptions o = DefaultOptions(GetParam().kind);
