@@ -5,7 +5,8 @@
 // caught up, so a step's math must not ask for them per matrix or per batch. Counted on the CPU
 // backend, through a wrapper, so these run everywhere: a step of every optimizer asks for none; a
 // Muon step whose telemetry does not measure asks for one (its momentum norms, read once at the
-// end); a measured step reads its update and residual measurements too (printed, not bounded).
+// end); a measured step adds one for its update measurements and, for Muon, two for the residual
+// of its one measured matrix — whatever the number of tensors.
 #include <cstdio>
 #include <memory>
 #include <random>
@@ -141,6 +142,9 @@ TEST(HostWaitsTest, AStepWaitsForTheDeviceAtMostOnce) {
     ASSERT_OK(optimizer->StepMeasured(backend, optimizer->DefaultHyper(), ptrs, measured));
     std::printf("[waits] %s: a measured step waits %d times for %zu tensors\n", c.name.c_str(), backend.waits,
                 params.size());
+    // The update measurements, read back once; Muon adds its momentum norms and the residual (an
+    // identity matrix uploaded, one sum read).
+    EXPECT_EQ(backend.waits, muon ? 4 : 1) << "a measured step";
   }
 }
 
