@@ -49,6 +49,17 @@ def _run_trainer(endpoint: str, session: str, ending: str, delay: int = 0) -> su
                     f"last statement; output so far:\n{hung.stdout}\n{hung.stderr}")
 
 
+def _assert_left_at(endpoint: str, session: str, step: int) -> None:
+    """The session is on the daemon at `step`; then it is closed."""
+    conn = Connection(endpoint)
+    try:
+        sessions = {s.session_id: s for s in conn.list_sessions()}
+        assert sessions[session].last_step == step
+        conn.close_session(session)
+    finally:
+        conn.close()
+
+
 @pytest.mark.parametrize("ending,status", [("return", 0), ("raise", 1)])
 def test_trainer_exits_without_close(endpoint, ending, status):
     session = f"exit-{ending}"
@@ -58,13 +69,7 @@ def test_trainer_exits_without_close(endpoint, ending, status):
     if ending == "raise":
         assert "the training job crashed" in done.stderr
     # The session was neither closed nor lost: it is there, at step 1, for a restarted trainer.
-    conn = Connection(endpoint)
-    try:
-        sessions = {s.session_id: s for s in conn.list_sessions()}
-        assert sessions[session].last_step == 1
-        conn.close_session(session)
-    finally:
-        conn.close()
+    _assert_left_at(endpoint, session, 1)
 
 
 @pytest.mark.parametrize("ending,status", [("return", 0), ("raise", 1)])
@@ -75,10 +80,4 @@ def test_a_delayed_step_in_flight_at_exit_is_applied(endpoint, ending, status):
     done = _run_trainer(endpoint, session, ending, delay=1)
     assert "stepped" in done.stdout, done.stderr
     assert done.returncode == status, done.stderr
-    conn = Connection(endpoint)
-    try:
-        sessions = {s.session_id: s for s in conn.list_sessions()}
-        assert sessions[session].last_step == 3
-        conn.close_session(session)
-    finally:
-        conn.close()
+    _assert_left_at(endpoint, session, 3)
