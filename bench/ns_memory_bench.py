@@ -6,7 +6,7 @@ Starts the real muond (--backend cpu) once per size and bound, reads its anonymo
 (RssAnon) when idle, opens one session of --matrices square N×N matrices in Muon through the Python
 client and runs --steps steps. Printed per run: the state bytes (fp32 master + gradient + momentum,
 12 bytes per parameter, what the memory quota counts), RssAnon above idle after the last step and
-its ratio to the state, the workspace held (muond_ns_workspace_bytes) and the milliseconds of the
+its ratio to the state, the workspace held (muond_newton_schulz_workspace_bytes) and the milliseconds of the
 last step's compute. The floor is 1.0× the state plus the workspace of one matrix, 4·N²·4 bytes
 (docs/operations.md, Newton–Schulz workspace); the target is ≤ 1.4× for 4 × 4096².
 
@@ -43,7 +43,7 @@ def free_port() -> int:
 
 def workspace_held(address: str) -> int:
     text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
-    match = re.search(r'^muond_ns_workspace_bytes\{state="held"\} (\S+)$', text, re.M)
+    match = re.search(r'^muond_newton_schulz_workspace_bytes\{state="held"\} (\S+)$', text, re.M)
     return int(float(match.group(1))) if match else -1
 
 

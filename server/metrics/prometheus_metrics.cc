@@ -244,11 +244,12 @@ std::string PrometheusMetrics::Render() const {
   }
   if (ns_workspace.has_value()) {
     const auto [held, limit] = *ns_workspace;
-    Family(&out, "muond_ns_workspace_bytes", "gauge",
+    Family(&out, "muond_newton_schulz_workspace_bytes", "gauge",
            "Newton-Schulz's scratch (part of the backend's memory, shared by every session): held, and its bound "
            "(--ns-workspace-bytes; left out when unbounded).");
-    Sample(&out, "muond_ns_workspace_bytes", Label("state", "held"), static_cast<double>(held));
-    if (limit > 0) Sample(&out, "muond_ns_workspace_bytes", Label("state", "limit"), static_cast<double>(limit));
+    Sample(&out, "muond_newton_schulz_workspace_bytes", Label("state", "held"), static_cast<double>(held));
+    if (limit > 0)
+      Sample(&out, "muond_newton_schulz_workspace_bytes", Label("state", "limit"), static_cast<double>(limit));
   }
   out += process;
   return out;

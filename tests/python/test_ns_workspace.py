@@ -73,9 +73,9 @@ def test_batches_cut_to_the_bound_give_the_unbounded_results_bit_for_bit(start_d
         for e, g in zip(expected, got):
             assert torch.equal(e, g), options
     text = scrape(metrics_address(bounded.endpoint))
-    held = sample(text, "muond_ns_workspace_bytes", state="held")
+    held = sample(text, "muond_newton_schulz_workspace_bytes", state="held")
     assert 0 < held <= LEAST_BYTES
-    assert sample(text, "muond_ns_workspace_bytes", state="limit") == LEAST_BYTES
+    assert sample(text, "muond_newton_schulz_workspace_bytes", state="limit") == LEAST_BYTES
 
 
 @CPU_ONLY

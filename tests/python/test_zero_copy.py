@@ -26,7 +26,8 @@ def assert_equal_params(a: nn.Module, b: nn.Module) -> None:
 def pair(endpoint, seed=12, **kwargs):
     plain_model, model = TinyNet(seed=seed), TinyNet(seed=seed)
     plain = muond.RemoteOptimizer(groups(plain_model), endpoint=endpoint, transport="shm")
-    opt = muond.RemoteOptimizer(groups(model), endpoint=endpoint, shm_zero_copy=True, **kwargs)
+    opt = muond.RemoteOptimizer(groups(model), endpoint=endpoint, transport="shm", shm_zero_copy=True,
+                                **kwargs)
     return plain_model, plain, model, opt
 
 
@@ -73,8 +74,9 @@ def test_a_restarted_daemon_gets_a_new_region_and_nothing_is_lost(start_daemon, 
     daemon = start_daemon(*flags)
     plain_model, model = TinyNet(seed=14), TinyNet(seed=14)
     plain = muond.RemoteOptimizer(groups(plain_model), endpoint=endpoint, transport="shm")
-    opt = muond.RemoteOptimizer(groups(model), endpoint=daemon.endpoint, shm_zero_copy=True,
-                                session=f"zero-copy-{uuid.uuid4().hex[:8]}", max_step_attempts=6,
+    opt = muond.RemoteOptimizer(groups(model), endpoint=daemon.endpoint, transport="shm",
+                                shm_zero_copy=True, session=f"zero-copy-{uuid.uuid4().hex[:8]}",
+                                max_step_attempts=6,
                                 retry_backoff=0.05)
     for step in range(1, 3):
         for m, o in ((plain_model, plain), (model, opt)):
@@ -101,6 +103,7 @@ def test_a_restarted_daemon_gets_a_new_region_and_nothing_is_lost(start_daemon, 
     ({"delay": 1}, "delay"),
 ])
 def test_settings_it_cannot_work_with_are_refused_naming_it(endpoint, kwargs, reason):
+    kwargs = {"transport": "shm", **kwargs}
     with pytest.raises(ValueError, match="shm_zero_copy") as refused:
         muond.RemoteOptimizer(groups(TinyNet()), endpoint=endpoint, shm_zero_copy=True, **kwargs)
     assert reason in str(refused.value)
@@ -109,4 +112,4 @@ def test_settings_it_cannot_work_with_are_refused_naming_it(endpoint, kwargs, re
 def test_bf16_parameters_are_refused(endpoint):
     model = TinyNet().to(torch.bfloat16)
     with pytest.raises(ValueError, match="not fp32 on the CPU"):
-        muond.RemoteOptimizer(groups(model), endpoint=endpoint, shm_zero_copy=True)
+        muond.RemoteOptimizer(groups(model), endpoint=endpoint, transport="shm", shm_zero_copy=True)

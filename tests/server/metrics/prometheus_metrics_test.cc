@@ -66,7 +66,7 @@ TEST(PrometheusMetricsTest, EveryFamilyIsThereBeforeAnyReport) {
                              "muond_checkpoint_failures_total",
                              "muond_quarantined_sessions_total",
                              "muond_backend_memory_bytes",
-                             "muond_ns_workspace_bytes",
+                             "muond_newton_schulz_workspace_bytes",
                              "process_resident_memory_bytes",
                              "process_start_time_seconds"}) {
     EXPECT_THAT(text, HasSubstr(std::string("# TYPE ") + family + " ")) << family;
@@ -80,8 +80,8 @@ TEST(PrometheusMetricsTest, EveryFamilyIsThereBeforeAnyReport) {
   EXPECT_EQ(samples.count(R"(muond_state_bytes_limit{scope="session"})"), 0u);  // no per-session quota set
   EXPECT_EQ(samples.at(R"(muond_backend_memory_bytes{state="in_use"})"), 100);
   EXPECT_EQ(samples.at(R"(muond_backend_memory_bytes{state="reserved"})"), 250);
-  EXPECT_EQ(samples.at(R"(muond_ns_workspace_bytes{state="held"})"), 64);
-  EXPECT_EQ(samples.at(R"(muond_ns_workspace_bytes{state="limit"})"), 1024);
+  EXPECT_EQ(samples.at(R"(muond_newton_schulz_workspace_bytes{state="held"})"), 64);
+  EXPECT_EQ(samples.at(R"(muond_newton_schulz_workspace_bytes{state="limit"})"), 1024);
 }
 
 TEST(PrometheusMetricsTest, StepsCountByOutcomeAndTransportWithPhasesAndBytes) {
