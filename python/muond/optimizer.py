@@ -44,7 +44,7 @@ import contextlib
 import logging
 import math
 import time
-from typing import Any, Callable, ContextManager, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterable, List, Optional, Tuple
 
 import grpc
 import torch
@@ -64,9 +64,10 @@ from .errors import PUSH_TOO_STALE, STEP_NOT_PREPARED, MuondError
 from .naming import named_groups
 from .overlap import GradientStream
 from .state_digest import StateDigest
+from .state_transfer import StateTransfer
 from .state_digest import combine as combine_digests
 from .step_info import StepInfo, check_max_grad_norm, group_fields, rank_report
-from .transport.daemon_session import DaemonSession, StreamedStep, copy_in
+from .transport.daemon_session import DaemonSession, StreamedStep
 from .transport.streamed import IdentityChanged
 from .transport.zero_copy import check_zero_copy
 
@@ -74,10 +75,9 @@ from .transport.zero_copy import check_zero_copy
 # same step number without a second update, so resending is safe.
 _RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 _log = logging.getLogger("muond")
-_STATE_FORMAT = 1
 
 
-class RemoteOptimizer(torch.optim.Optimizer):
+class RemoteOptimizer(StateTransfer, torch.optim.Optimizer):
     """A torch optimizer backed by a muond session.
 
     Args:
@@ -743,162 +743,6 @@ class RemoteOptimizer(torch.optim.Optimizer):
         shards = self._on_every_session(
             lambda k, session: StateDigest.from_proto(session.conn.state_digest(session.session_id)))
         return combine_digests(shards, self.endpoints)
-
-    def state_dict(self) -> Dict[str, Any]:
-        """The daemon's whole state in torch's layout: ``state[i]`` holds parameter i's
-        ``master`` and optimizer slots (e.g. ``momentum``, ``exp_avg``), each in the dtype the
-        daemon stores it in (fp32 unless the group's *_dtype options say bf16 or fp16), and its
-        ``step`` count;
-        ``param_groups`` the group options; ``muond`` the session's last step and names, this
-        optimizer's rank and, in an asynchronous session, its push counter (``pushes``), which
-        ``load_state_dict`` restores so that a restarted rank resumes its numbering."""
-        self.flush()
-        parts = self._on_every_session(lambda k, session: session.get_state())
-        last_step = self._common_step([int(header.last_step) for header, _ in parts], "GetState")
-        counts = {c.name: int(c.count) for header, _ in parts for c in header.step_counts}
-        index = self._index
-        state: Dict[int, Dict[str, Any]] = {}
-        for (name, slot), tensor in ((key, t) for _, tensors in parts for key, t in tensors.items()):
-            entry = state.setdefault(index[name], {})
-            slot = slot or "master"
-            entry[slot] = tensor.view(self._tensor_shape(name, slot)).to(self._storage_dtype(name, slot))
-        for name, i in index.items():
-            state.setdefault(i, {})["step"] = counts.get(name, 0)
-        meta = {"format": _STATE_FORMAT, "last_step": last_step, "names": list(self._names),
-                "session": self.session_id, "rank": self.rank}
-        if self._async:
-            meta["pushes"] = self.pushes
-        header = parts[0][0]
-        if header.HasField("loss_scaler"):
-            meta["loss_scaler"] = {"scale": header.loss_scaler.scale,
-                                   "growth_tracker": header.loss_scaler.growth_tracker,
-                                   "hysteresis_tracker": header.loss_scaler.hysteresis_tracker}
-        return {"state": state, "param_groups": self._saved_groups(), "muond": meta}
-
-    def _saved_groups(self) -> List[Dict[str, Any]]:
-        """The groups' options as a state dict holds them, "params" as parameter indices."""
-        groups, start = [], 0
-        for group in self.param_groups:
-            saved = {k: v for k, v in group.items() if k != "params"}
-            saved["params"] = list(range(start, start + len(group["params"])))
-            start += len(group["params"])
-            groups.append(saved)
-        return groups
-
-    def _group_of(self, name: str) -> Dict[str, Any]:
-        return next(g for g in self.param_groups if name in g["param_names"])
-
-    def _storage_dtype(self, name: str, slot: str) -> torch.dtype:
-        """The torch dtype the daemon stores a parameter's master or slot in."""
-        return wire.torch_dtype(opts.storage_dtype(self._group_of(name), slot))
-
-    def _tensor_shape(self, name: str, slot: str) -> Tuple[int, ...]:
-        """The shape of a parameter's master or optimizer slot (``options.slot_shape``)."""
-        shape = tuple(self._by_name[name].shape)
-        if slot == "master":
-            return shape
-        return opts.slot_shape(self._group_of(name), shape, slot)
-
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Replaces the daemon's state (masters, slots, step counters) with ``state_dict`` from
-        ``state_dict()``, copies the masters into the parameters, and restores the groups' lr,
-        momentum and weight decay. The session's other options must match the saved ones.
-
-        In an asynchronous session the daemon's state is shared by ranks that wait for nobody:
-        once the session has applied a push, loading restores this rank's place in it instead —
-        its push counter (``pushes``, so that a restarted rank resumes its numbering: its first
-        push is a resend when the daemon applied it already) — and keeps the daemon's state, which
-        replacing would undo the pushes applied since the save; the model holds the session's
-        latest parameters (read from the daemon), the base of the next push. A session with no
-        push applied (new, or on a daemon that lost it) takes the saved state as in the other
-        modes, and this rank's pushes start at 1 (the daemon's push records went with the
-        session). ValueError for a state dict of another rank (its push counter is not this
-        rank's). docs/ranks.md, Asynchronous."""
-        self.flush()
-        meta = state_dict.get("muond")
-        if not meta or meta.get("format") != _STATE_FORMAT:
-            raise ValueError("not a RemoteOptimizer state dict (no 'muond' section of format 1)")
-        saved_groups = state_dict["param_groups"]
-        self._check_saved_groups(saved_groups)
-        if self._async:
-            saved_rank = meta.get("rank", self.rank)
-            if saved_rank != self.rank:
-                raise ValueError(f"the state dict was saved by rank {saved_rank}, this optimizer is "
-                                 f"rank {self.rank}: in an asynchronous session a rank's push "
-                                 f"counter is its own")
-            session_step = self._sessions[0].refresh()  # never sharded
-            if session_step > 0:
-                self.last_step = session_step
-                # The saved count, even when the daemon's record (asked on attach) is further: the
-                # rank redoes the work after its save, and those pushes are answered as resends.
-                self.pushes = int(meta.get("pushes", 0))
-                self._restore_group_options(saved_groups)
-                _log.info("session %s: rank %d resumes after its push %d at global step %d (the "
-                          "state dict was saved at global step %d; the session's state is kept)",
-                          self.session_id, self.rank, self.pushes, session_step,
-                          int(meta["last_step"]))
-                return
-        state = state_dict["state"]
-        steps = self._on_every_session(
-            lambda k, session: session.set_state(self._state_header(k, meta, state),
-                                                 self._state_chunks(self._indices_of[k], state)))
-        self.last_step = self._common_step(steps, "SetState")
-        if self.loss_scaler is not None and meta.get("loss_scaler") is not None:
-            self.loss_scale = float(meta["loss_scaler"]["scale"])
-        copy_in(self._by_name, {name: state[i]["master"] for i, name in enumerate(self._names)
-                                if "master" in state.get(i, {})})
-        self._restore_group_options(saved_groups)
-
-    def _restore_group_options(self, saved_groups: List[Dict[str, Any]]) -> None:
-        """The groups' lr, momentum and weight decay (and initial_lr) as saved."""
-        for group, saved in zip(self.param_groups, saved_groups):
-            for key in opts.OVERRIDABLE + ("initial_lr",):
-                if key in saved:
-                    group[key] = saved[key]
-
-    def _check_saved_groups(self, saved_groups: List[Dict[str, Any]]) -> None:
-        """ValueError unless the saved groups hold as many parameters as these, with the options
-        the session fixed."""
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(f"the state dict has {len(saved_groups)} parameter groups, this "
-                             f"optimizer {len(self.param_groups)}")
-        for i, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
-            if len(saved["params"]) != len(group["params"]):
-                raise ValueError(f"group {i}: the state dict has {len(saved['params'])} "
-                                 f"parameters, this optimizer {len(group['params'])}")
-            mine, theirs = opts.spec_options(group), opts.spec_options(saved)
-            diff = [k for k in mine if mine[k] != theirs.get(k)]
-            if diff:
-                raise ValueError(f"group {i}: options {diff} differ from the state dict's; they "
-                                 f"are fixed by the session")
-
-    def _state_header(self, k: int, meta: Dict[str, Any],
-                      state: Dict[int, Dict[str, Any]]) -> pb.StateHeader:
-        """The SetState header of daemon ``k``: the last step, the loss scaler, its parameters'
-        step counts."""
-        header = pb.StateHeader(last_step=int(meta["last_step"]))
-        if meta.get("loss_scaler") is not None:
-            header.loss_scaler.CopyFrom(pb.LossScalerState(**meta["loss_scaler"]))
-        for i in self._indices_of[k]:
-            header.step_counts.add(name=self._names[i], count=int(state.get(i, {}).get("step", 0)))
-        return header
-
-    def _state_chunks(self, indices: List[int],
-                      state: Dict[int, Dict[str, Any]]) -> Iterator[pb.TensorChunk]:
-        """The saved tensors of the parameters ``indices``, each checked against its shape and
-        encoded in the format the daemon stores it in (which rounds as the daemon would: 16-bit
-        state travels in half the bytes)."""
-        for i in indices:
-            name = self._names[i]
-            for slot, value in state.get(i, {}).items():
-                if isinstance(value, torch.Tensor) and slot != "step":
-                    expected = self._tensor_shape(name, slot)
-                    if tuple(value.shape) != expected:
-                        raise ValueError(f"state of '{name}' slot '{slot}' has shape "
-                                         f"{tuple(value.shape)}, expected {expected}")
-                    stored = opts.storage_dtype(self._group_of(name), slot)
-                    yield from wire.encode(name, value, stored, slot=slot,
-                                           max_chunk_bytes=self.chunk_bytes)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
