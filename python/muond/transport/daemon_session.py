@@ -67,7 +67,15 @@ class DaemonSession:
         self.loss_scale = float(reply.loss_scale)
         if reply.attached and reply.initialized:
             return True, self.refresh()
-        self.conn.upload(self.session_id, self._param_chunks())
+        try:
+            self.conn.upload(self.session_id, self._param_chunks())
+        except MuondError as err:
+            # Attached to a session another rank created but had not uploaded yet: between the two
+            # calls it uploaded and stepped, so this one's upload comes too late. Its parameters
+            # are the session's: take them, as an attach to an initialized session does.
+            if not (reply.attached and err.code == grpc.StatusCode.FAILED_PRECONDITION):
+                raise
+            return True, self.refresh()
         if any(g.options.master_dtype not in ("", "fp32") for g in spec.groups):
             self.refresh()  # 16-bit masters hold the values rounded: the parameters follow them
         return bool(reply.attached), 0
