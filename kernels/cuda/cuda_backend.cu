@@ -1,6 +1,7 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <utility>
@@ -39,6 +40,20 @@ class CudaBuffer final : public DeviceBuffer {
 int64_t Extent(int64_t rows, int64_t cols, int64_t ld, int64_t stride, int64_t batch) {
   if (rows == 0 || cols == 0 || batch == 0) return 0;
   return (batch - 1) * stride + (rows - 1) * ld + cols;
+}
+
+// Elements of the bf16 copies a kBf16 GEMM makes of its operands: A's (A and B's together when
+// they are the same matrix — Newton–Schulz multiplies one by itself, X·Xᵀ and A·A, and converts it
+// once) and B's (0 when shared).
+struct Bf16Extents {
+  int64_t a = 0, b = 0;
+};
+Bf16Extents Bf16ExtentsOf(const GemmShape& s, bool shared) {
+  const bool ta = s.trans_a == Transpose::kYes, tb = s.trans_b == Transpose::kYes;
+  const int64_t extent_a = Extent(ta ? s.k : s.m, ta ? s.m : s.k, s.lda, s.stride_a, s.batch);
+  const int64_t extent_b = Extent(tb ? s.n : s.k, tb ? s.k : s.n, s.ldb, s.stride_b, s.batch);
+  if (shared) return {std::max(extent_a, extent_b), 0};
+  return {extent_a, extent_b};
 }
 
 absl::Status CheckGemmShape(const GemmShape& s) {
@@ -152,6 +167,52 @@ absl::StatusOr<void*> CudaBackend::GetScratch(Scratch slot, size_t bytes) {
   return block.ptr;
 }
 
+absl::StatusOr<std::unique_lock<std::mutex>> CudaBackend::LockWithScratch(std::initializer_list<ScratchNeed> needs) {
+  std::unique_lock<std::mutex> lock(mu_);
+  MUOND_RETURN_IF_ERROR(Activate());
+  for (;;) {
+    const ScratchNeed* short_one = nullptr;
+    for (const ScratchNeed& need : needs) {
+      if (scratch_[need.slot].bytes < need.bytes) {
+        short_one = &need;
+        break;
+      }
+    }
+    if (short_one == nullptr) return lock;
+    // Grown with mu_ released: other callers keep enqueueing meanwhile (and may grow this or
+    // another block), so everything is checked again once mu_ is back.
+    lock.unlock();
+    absl::StatusOr<void*> block = pool_.Acquire(short_one->bytes);
+    lock.lock();
+    ScratchBlock& slot = scratch_[short_one->slot];
+    if (!block.ok()) {
+      if (slot.ptr == nullptr) return block.status();
+      // The device may be short of memory: give the old block back, so that the pool can free
+      // it, and try once more (work still pending on it runs before any new owner's: one stream).
+      pool_.Release(slot.ptr);
+      slot = ScratchBlock{};
+      continue;
+    }
+    if (slot.bytes < short_one->bytes) {
+      pool_.Release(slot.ptr);
+      slot = ScratchBlock{*block, short_one->bytes};
+    } else {
+      pool_.Release(*block);  // another caller grew it meanwhile
+    }
+  }
+}
+
+absl::Status CudaBackend::FinishReadBack(std::unique_lock<std::mutex>& lock, PinnedBlocks::Lease& pinned,
+                                         const void* src, void* dst, size_t bytes) {
+  MUOND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(pinned.data(), src, bytes, cudaMemcpyDeviceToHost, stream_));
+  if (absl::Status status = SyncUnlocking(lock); !status.ok()) {
+    pinned.Discard();  // the copy into it may not have finished
+    return status;
+  }
+  std::memcpy(dst, pinned.data(), bytes);
+  return absl::OkStatus();
+}
+
 absl::Status CudaBackend::SyncUnlocking(std::unique_lock<std::mutex>& lock) {
   // An event marks the end of the work enqueued so far; the wait for it runs without mu_, so other
   // callers keep enqueueing meanwhile, and it covers exactly this caller's work and what came
@@ -173,9 +234,13 @@ absl::StatusOr<std::unique_ptr<DeviceBuffer>> CudaBackend::Allocate(size_t count
   if (count > std::numeric_limits<size_t>::max() / sizeof(float) / 2) {
     return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", count, " floats"));
   }
-  std::unique_lock<std::mutex> lock(mu_);
-  MUOND_RETURN_IF_ERROR(Activate());
+  // From the pool before mu_ is taken: it may call cudaMalloc, which waits for the device.
   MUOND_ASSIGN_OR_RETURN(void* block, pool_.Acquire(count * sizeof(float)));
+  std::unique_lock<std::mutex> lock(mu_);
+  if (absl::Status status = Activate(); !status.ok()) {
+    pool_.Release(block);
+    return status;
+  }
   // Zeroed like the CPU backend's buffers, so a reused block never shows its previous owner's data.
   if (const cudaError_t error = cudaMemsetAsync(block, 0, count * sizeof(float), stream_); error != cudaSuccess) {
     pool_.Release(block);
@@ -184,28 +249,73 @@ absl::StatusOr<std::unique_ptr<DeviceBuffer>> CudaBackend::Allocate(size_t count
   return std::unique_ptr<DeviceBuffer>(new CudaBuffer(&pool_, static_cast<float*>(block), count));
 }
 
+// Host memory is the caller's pageable memory: a copy from or to it directly would wait for the
+// device under mu_, so both go through a pinned ring, whose waits take no lock of the backend.
 absl::Status CudaBackend::CopyToDevice(const float* host, float* device, size_t count) {
   if (count == 0) return absl::OkStatus();
-  std::unique_lock<std::mutex> lock(mu_);
-  MUOND_RETURN_IF_ERROR(Activate());
-  MUOND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(device, host, count * sizeof(float), cudaMemcpyHostToDevice, stream_));
-  return SyncUnlocking(lock);
+  MUOND_ASSIGN_OR_RETURN(std::unique_ptr<HostToDevice> transfer, NewHostToDevice());
+  MUOND_RETURN_IF_ERROR(transfer->Enqueue(host, device, count));
+  return transfer->Wait();
 }
 
 absl::Status CudaBackend::CopyToHost(const float* device, float* host, size_t count) {
   if (count == 0) return absl::OkStatus();
-  std::unique_lock<std::mutex> lock(mu_);
-  MUOND_RETURN_IF_ERROR(Activate());
-  MUOND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host, device, count * sizeof(float), cudaMemcpyDeviceToHost, stream_));
-  return SyncUnlocking(lock);
+  MUOND_ASSIGN_OR_RETURN(std::unique_ptr<DeviceToHost> transfer, NewDeviceToHost());
+  MUOND_RETURN_IF_ERROR(transfer->Enqueue(device, host, count));
+  return transfer->Wait();
 }
+
+namespace {
+
+// Whether `ptr` is host memory the CUDA driver has not pinned (a copy to or from it is not
+// asynchronous).
+bool IsPageableHost(const void* ptr) {
+  cudaPointerAttributes attributes{};
+  if (cudaPointerGetAttributes(&attributes, ptr) != cudaSuccess) {
+    cudaGetLastError();  // older drivers report unknown host pointers as an error
+    return true;
+  }
+  return attributes.type == cudaMemoryTypeUnregistered;
+}
+
+}  // namespace
 
 absl::Status CudaBackend::CopyBytes(const void* src, void* dst, size_t bytes) {
   if (bytes == 0) return absl::OkStatus();
-  std::unique_lock<std::mutex> lock(mu_);
-  MUOND_RETURN_IF_ERROR(Activate());
-  MUOND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_));
-  return SyncUnlocking(lock);
+  const bool from_host = IsPageableHost(src), to_host = IsPageableHost(dst);
+  if (!from_host && !to_host) {
+    std::unique_lock<std::mutex> lock(mu_);
+    MUOND_RETURN_IF_ERROR(Activate());
+    MUOND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_));
+    return SyncUnlocking(lock);
+  }
+  if (from_host && to_host) {
+    MUOND_RETURN_IF_ERROR(Synchronize());
+    std::memcpy(dst, src, bytes);
+    return absl::OkStatus();
+  }
+  // One side pageable: piece by piece through a pinned block, each piece queued under mu_ and
+  // waited for without it.
+  const size_t piece = std::min(bytes, PinnedBlocks::kMaxBlockBytes);
+  MUOND_ASSIGN_OR_RETURN(PinnedBlocks::Lease pinned, pinned_.Take(piece));
+  const auto* in = static_cast<const char*>(src);
+  auto* out = static_cast<char*>(dst);
+  for (size_t done = 0; done < bytes; done += piece) {
+    const size_t n = std::min(piece, bytes - done);
+    std::unique_lock<std::mutex> lock(mu_);
+    MUOND_RETURN_IF_ERROR(Activate());
+    if (to_host) {
+      MUOND_RETURN_IF_ERROR(FinishReadBack(lock, pinned, in + done, out + done, n));
+      continue;
+    }
+    std::memcpy(pinned.data(), in + done, n);
+    MUOND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(out + done, pinned.data(), n, cudaMemcpyDefault, stream_));
+    if (absl::Status status = SyncUnlocking(lock); !status.ok()) {
+      pinned.Discard();
+      return status;
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status CudaBackend::Synchronize() {
@@ -214,28 +324,38 @@ absl::Status CudaBackend::Synchronize() {
   return SyncUnlocking(lock);
 }
 
+// The ring is taken before mu_: a new one pins memory, which may wait for the device.
 absl::StatusOr<std::unique_ptr<HostToDevice>> CudaBackend::NewHostToDevice() {
+  MUOND_ASSIGN_OR_RETURN(std::unique_ptr<PinnedRing> ring, rings_.Take());
   std::unique_lock<std::mutex> lock(mu_);
-  MUOND_RETURN_IF_ERROR(Activate());
-  return NewPinnedHostToDevice(&rings_, stream_);
+  if (absl::Status status = Activate(); !status.ok()) {
+    rings_.Give(std::move(ring));
+    return status;
+  }
+  return NewPinnedHostToDevice(&rings_, std::move(ring), stream_);
 }
 
 absl::StatusOr<std::unique_ptr<DeviceToHost>> CudaBackend::NewDeviceToHost() {
+  MUOND_ASSIGN_OR_RETURN(std::unique_ptr<PinnedRing> ring, rings_.Take());
   std::unique_lock<std::mutex> lock(mu_);
-  MUOND_RETURN_IF_ERROR(Activate());
-  return NewPinnedDeviceToHost(&rings_, stream_);
+  if (absl::Status status = Activate(); !status.ok()) {
+    rings_.Give(std::move(ring));
+    return status;
+  }
+  return NewPinnedDeviceToHost(&rings_, std::move(ring), stream_);
 }
 
 absl::Status CudaBackend::CopyOnDevice(const float* src, float* dst, size_t count) {
   if (count == 0 || src == dst) return absl::OkStatus();
   const size_t bytes = count * sizeof(float);
-  std::unique_lock<std::mutex> lock(mu_);
-  MUOND_RETURN_IF_ERROR(Activate());
   const bool overlap = src < dst + count && dst < src + count;
   if (!overlap) {
+    std::unique_lock<std::mutex> lock(mu_);
+    MUOND_RETURN_IF_ERROR(Activate());
     MUOND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
     return absl::OkStatus();
   }
+  MUOND_ASSIGN_OR_RETURN(std::unique_lock<std::mutex> lock, LockWithScratch({{kStaging, bytes}}));
   // cudaMemcpy leaves overlapping ranges undefined; the CPU backend has memmove semantics, so go
   // through a staging block.
   MUOND_ASSIGN_OR_RETURN(void* staging, GetScratch(kStaging, bytes));
@@ -254,8 +374,15 @@ absl::Status CudaBackend::Gemm(const GemmShape& s, float alpha, const float* a, 
                                MatmulPrecision precision) {
   MUOND_RETURN_IF_ERROR(CheckGemmShape(s));
   if (s.m == 0 || s.n == 0 || s.batch == 0) return absl::OkStatus();
-  std::unique_lock<std::mutex> lock(mu_);
-  MUOND_RETURN_IF_ERROR(Activate());
+  if (precision != MatmulPrecision::kBf16 || s.k == 0) {
+    std::unique_lock<std::mutex> lock(mu_);
+    MUOND_RETURN_IF_ERROR(Activate());
+    return GemmLocked(s, alpha, a, b, beta, c, precision);
+  }
+  const Bf16Extents extents = Bf16ExtentsOf(s, a == b);
+  MUOND_ASSIGN_OR_RETURN(std::unique_lock<std::mutex> lock,
+                         LockWithScratch({{kBf16A, static_cast<size_t>(extents.a) * sizeof(__nv_bfloat16)},
+                                          {kBf16B, static_cast<size_t>(extents.b) * sizeof(__nv_bfloat16)}}));
   return GemmLocked(s, alpha, a, b, beta, c, precision);
 }
 
@@ -279,19 +406,15 @@ absl::Status CudaBackend::GemmLocked(const GemmShape& s, float alpha, const floa
     case MatmulPrecision::kBf16: {
       // Round the stored range of each operand (gaps between rows included) into bf16 scratch at
       // the same offsets, so leading dimensions and strides carry over unchanged.
-      const bool ta = s.trans_a == Transpose::kYes, tb = s.trans_b == Transpose::kYes;
-      const int64_t extent_a = Extent(ta ? s.k : s.m, ta ? s.m : s.k, s.lda, s.stride_a, s.batch);
-      const int64_t extent_b = Extent(tb ? s.n : s.k, tb ? s.k : s.n, s.ldb, s.stride_b, s.batch);
-      // Newton–Schulz multiplies a matrix by itself (X·Xᵀ, A·A): convert it once.
-      const int64_t extent_shared = a == b ? std::max(extent_a, extent_b) : extent_a;
-      MUOND_ASSIGN_OR_RETURN(void* a16, GetScratch(kBf16A, extent_shared * sizeof(__nv_bfloat16)));
+      const Bf16Extents extents = Bf16ExtentsOf(s, a == b);
+      MUOND_ASSIGN_OR_RETURN(void* a16, GetScratch(kBf16A, extents.a * sizeof(__nv_bfloat16)));
       MUOND_RETURN_IF_ERROR(
-          CudaStatus(LaunchToBf16(a, static_cast<__nv_bfloat16*>(a16), extent_shared, stream_), "ToBf16 kernel"));
+          CudaStatus(LaunchToBf16(a, static_cast<__nv_bfloat16*>(a16), extents.a, stream_), "ToBf16 kernel"));
       a_op = b_op = a16;
       if (a != b) {
-        MUOND_ASSIGN_OR_RETURN(void* b16, GetScratch(kBf16B, extent_b * sizeof(__nv_bfloat16)));
+        MUOND_ASSIGN_OR_RETURN(void* b16, GetScratch(kBf16B, extents.b * sizeof(__nv_bfloat16)));
         MUOND_RETURN_IF_ERROR(
-            CudaStatus(LaunchToBf16(b, static_cast<__nv_bfloat16*>(b16), extent_b, stream_), "ToBf16 kernel"));
+            CudaStatus(LaunchToBf16(b, static_cast<__nv_bfloat16*>(b16), extents.b, stream_), "ToBf16 kernel"));
         b_op = b16;
       }
       input_type = CUDA_R_16BF;  // with CUBLAS_COMPUTE_32F and fp32 C: fp32 accumulation

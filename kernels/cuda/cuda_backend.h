@@ -4,9 +4,11 @@
 // never calls cudaMalloc or cudaFree. All work is enqueued on one stream; GEMMs go to cuBLAS
 // (cublasGemmStridedBatchedEx on that stream, with its own workspace), everything else to the
 // kernels of cuda_kernels.cu. Primitives that return data to the host (CopyToHost, SumSquares,
-// AllFinite) and CopyToDevice synchronize the stream before they return, which is also where
-// asynchronous faults of earlier kernels are reported. NewHostToDevice/NewDeviceToHost transfers
-// run on copy streams of their own, ordered after the compute stream's work at their creation.
+// AllFinite, CopyBytes) and CopyToDevice wait for the device before they return, which is also
+// where asynchronous faults of earlier kernels are reported. Results come back through pinned
+// blocks (PinnedBlocks), CopyToHost and CopyToDevice through the pinned rings of the
+// NewHostToDevice/NewDeviceToHost transfers, which run on copy streams of their own, ordered after
+// the compute stream's work at their creation.
 // The GPU transports (kernels/peer_exchange.h) live in cuda_peer.cc (CUDA IPC memory and events) and
 // cuda_nccl.cc (the NCCL channel); they order their work with the stream through OnStream.
 //
@@ -21,8 +23,10 @@
 // hands out borrow pool memory and must be destroyed before the backend.
 // Thread-safety: every primitive takes the backend's mutex, so concurrent calls are safe and run
 // one after another on the single stream (the stream, the cuBLAS handle and the scratch are shared).
-// A primitive that waits for the device (a read-back, Synchronize) releases the mutex first: the
-// wait is for an event recorded under it (SyncUnlocking).
+// No primitive waits for the device under the mutex: a read-back or Synchronize records an event
+// under it and waits for the event without it (SyncUnlocking); memory that may need cudaMalloc or
+// cudaMallocHost (a scratch block growing, a pinned block, a transfer's ring) is obtained with the
+// mutex released (LockWithScratch, PinnedBlocks, RingCache).
 // Each call also makes the backend's device current on the calling thread.
 #pragma once
 
@@ -42,6 +46,7 @@
 #include "kernels/backend.h"
 #include "kernels/cuda/cuda_memory_pool.h"
 #include "kernels/cuda/cuda_transfer.h"
+#include "kernels/cuda/pinned_blocks.h"
 
 namespace muond::kernels::cuda {
 
@@ -81,7 +86,7 @@ class CudaBackend final : public Backend {
   absl::StatusOr<bool> AllFinite(const float* x, size_t count) override;
   absl::Status SumSquaresEach(std::span<const Slice> tensors, double* sums) override;
 
-  // Up to kInlineScales scales go in the kernel's launch parameters, more through a copy.
+  // The scales go in the kernels' launch parameters, kInlineScales per launch: nothing waits.
   absl::Status ScaleBatched(float* x, size_t count, size_t batch, const float* scales) override;
   // Sums, scales and scaling on the stream; never waits.
   absl::Status NormalizeBatched(float* x, size_t count, size_t batch, double eps, double norm_safety,
@@ -108,7 +113,8 @@ class CudaBackend final : public Backend {
   absl::StatusOr<std::unique_ptr<PeerEvent>> OpenPeerEvent(std::string_view handle) override;
   absl::StatusOr<NcclUniqueId> NewNcclUniqueId() override;
   absl::StatusOr<std::unique_ptr<PeerChannel>> OpenPeerChannel(const NcclUniqueId& id) override;
-  // cudaMemcpyDefault on the stream (unified addressing tells the directions apart), then a wait.
+  // cudaMemcpyDefault on the stream (unified addressing tells the directions apart), then a wait;
+  // pageable host memory on either side goes through pinned blocks, piece by piece.
   absl::Status CopyBytes(const void* src, void* dst, size_t bytes) override;
   absl::Status Synchronize() override;
 
@@ -130,13 +136,28 @@ class CudaBackend final : public Backend {
   // Scratch blocks kept between calls, grown on demand from the pool.
   enum Scratch { kBf16A, kBf16B, kPartials, kSums, kScales, kFlag, kStaging, kNumScratch };
 
-  explicit CudaBackend(int device) : device_(device), pool_(device), rings_(device) {}
+  struct ScratchNeed {
+    Scratch slot;
+    size_t bytes;
+  };
+
+  explicit CudaBackend(int device) : device_(device), pool_(device), rings_(device), pinned_(device) {}
 
   // Makes device_ current on the calling thread (CUDA's current device is per thread, and gRPC
   // handlers run on many). Requires mu_ held.
   absl::Status Activate();
-  // At least `bytes` bytes of scratch `slot`; contents unspecified. Requires mu_ held.
+  // Takes mu_ with the device current and every listed scratch block at least its size. A block
+  // that must grow is taken from the pool with mu_ released (cudaMalloc may wait for the device),
+  // and the check starts over, so all of them are in place, together, once it returns.
+  absl::StatusOr<std::unique_lock<std::mutex>> LockWithScratch(std::initializer_list<ScratchNeed> needs = {});
+  // Scratch `slot`, at least `bytes` bytes (reserved by LockWithScratch; a block that is not is
+  // grown here, under mu_); contents unspecified. Requires mu_ held.
   absl::StatusOr<void*> GetScratch(Scratch slot, size_t bytes);
+  // Enqueues a copy of `bytes` from device memory `src` into `pinned`, waits for it (and the work
+  // before it) with `lock` released, then copies the bytes on to host memory `dst`. Requires `lock`
+  // (on mu_) held.
+  absl::Status FinishReadBack(std::unique_lock<std::mutex>& lock, PinnedBlocks::Lease& pinned, const void* src,
+                              void* dst, size_t bytes);
   // Waits for the work enqueued so far and reports any fault of it. Requires `lock` (on mu_) held;
   // releases it before waiting, so no caller waits for the device under the backend's lock.
   absl::Status SyncUnlocking(std::unique_lock<std::mutex>& lock);
@@ -163,6 +184,7 @@ class CudaBackend final : public Backend {
   ScratchBlock scratch_[kNumScratch];
   // Idle pinned rings of finished transfers (has its own lock).
   RingCache rings_;
+  PinnedBlocks pinned_;  // read-backs and small host-side staging
 };
 
 }  // namespace muond::kernels::cuda

@@ -49,13 +49,24 @@ absl::Status CudaBackend::Transpose2D(const float* in, float* out, int64_t rows,
   return CudaStatus(LaunchTranspose(in, out, rows, cols, batch, stream_), "Transpose kernel");
 }
 
-absl::Status CudaBackend::SumSquaresLocked(const float* x, size_t count, size_t batch, double* sums) {
+namespace {
+
+// Bytes of partial sums SumSquares' first pass writes for `batch` slices of `count` elements,
+// after checking the pass can launch (batch·chunks blocks on a one-dimensional grid).
+absl::StatusOr<size_t> PartialsBytes(size_t count, size_t batch) {
   const int chunks = SumSquaresChunks(static_cast<int64_t>(count));
-  // The first pass launches batch·chunks blocks on a one-dimensional grid.
   if (batch > static_cast<size_t>(std::numeric_limits<int>::max() / chunks)) {
     return absl::InvalidArgumentError(absl::StrCat("SumSquares: batch ", batch, " is too large"));
   }
-  MUOND_ASSIGN_OR_RETURN(void* partials, GetScratch(kPartials, batch * chunks * sizeof(double)));
+  return batch * chunks * sizeof(double);
+}
+
+}  // namespace
+
+absl::Status CudaBackend::SumSquaresLocked(const float* x, size_t count, size_t batch, double* sums) {
+  const int chunks = SumSquaresChunks(static_cast<int64_t>(count));
+  MUOND_ASSIGN_OR_RETURN(const size_t partials_bytes, PartialsBytes(count, batch));
+  MUOND_ASSIGN_OR_RETURN(void* partials, GetScratch(kPartials, partials_bytes));
   return CudaStatus(LaunchSumSquares(x, static_cast<int64_t>(count), static_cast<int64_t>(batch), chunks,
                                      static_cast<double*>(partials), sums, stream_),
                     "SumSquares kernels");
@@ -63,13 +74,14 @@ absl::Status CudaBackend::SumSquaresLocked(const float* x, size_t count, size_t 
 
 absl::Status CudaBackend::SumSquares(const float* x, size_t count, size_t batch, double* sums) {
   if (batch == 0) return absl::OkStatus();
-  std::unique_lock<std::mutex> lock(mu_);
-  MUOND_RETURN_IF_ERROR(Activate());
-  MUOND_ASSIGN_OR_RETURN(void* device_sums, GetScratch(kSums, batch * sizeof(double)));
+  const size_t bytes = batch * sizeof(double);
+  MUOND_ASSIGN_OR_RETURN(const size_t partials_bytes, PartialsBytes(count, batch));
+  MUOND_ASSIGN_OR_RETURN(PinnedBlocks::Lease pinned, pinned_.Take(bytes));
+  MUOND_ASSIGN_OR_RETURN(std::unique_lock<std::mutex> lock,
+                         LockWithScratch({{kSums, bytes}, {kPartials, partials_bytes}}));
+  MUOND_ASSIGN_OR_RETURN(void* device_sums, GetScratch(kSums, bytes));
   MUOND_RETURN_IF_ERROR(SumSquaresLocked(x, count, batch, static_cast<double*>(device_sums)));
-  MUOND_CUDA_RETURN_IF_ERROR(
-      cudaMemcpyAsync(sums, device_sums, batch * sizeof(double), cudaMemcpyDeviceToHost, stream_));
-  return SyncUnlocking(lock);
+  return FinishReadBack(lock, pinned, device_sums, sums, bytes);
 }
 
 // SumSquares' two kernels with batch 1 for each tensor, so each sum has the bits SumSquares gives
@@ -81,10 +93,12 @@ absl::Status CudaBackend::SumSquaresEach(std::span<const Slice> tensors, double*
   for (const Slice& tensor : tensors) {
     max_chunks = std::max(max_chunks, SumSquaresChunks(static_cast<int64_t>(tensor.count)));
   }
-  std::unique_lock<std::mutex> lock(mu_);
-  MUOND_RETURN_IF_ERROR(Activate());
-  MUOND_ASSIGN_OR_RETURN(void* partials, GetScratch(kPartials, max_chunks * sizeof(double)));
-  MUOND_ASSIGN_OR_RETURN(void* device_sums, GetScratch(kSums, tensors.size() * sizeof(double)));
+  const size_t bytes = tensors.size() * sizeof(double), partials_bytes = max_chunks * sizeof(double);
+  MUOND_ASSIGN_OR_RETURN(PinnedBlocks::Lease pinned, pinned_.Take(bytes));
+  MUOND_ASSIGN_OR_RETURN(std::unique_lock<std::mutex> lock,
+                         LockWithScratch({{kSums, bytes}, {kPartials, partials_bytes}}));
+  MUOND_ASSIGN_OR_RETURN(void* partials, GetScratch(kPartials, partials_bytes));
+  MUOND_ASSIGN_OR_RETURN(void* device_sums, GetScratch(kSums, bytes));
   for (size_t i = 0; i < tensors.size(); ++i) {
     const int64_t count = static_cast<int64_t>(tensors[i].count);
     MUOND_RETURN_IF_ERROR(
@@ -92,48 +106,37 @@ absl::Status CudaBackend::SumSquaresEach(std::span<const Slice> tensors, double*
                                     static_cast<double*>(device_sums) + i, stream_),
                    "SumSquares kernels"));
   }
-  MUOND_CUDA_RETURN_IF_ERROR(
-      cudaMemcpyAsync(sums, device_sums, tensors.size() * sizeof(double), cudaMemcpyDeviceToHost, stream_));
-  return SyncUnlocking(lock);
+  return FinishReadBack(lock, pinned, device_sums, sums, bytes);
 }
 
 absl::StatusOr<bool> CudaBackend::AllFinite(const float* x, size_t count) {
   if (count == 0) return true;
-  std::unique_lock<std::mutex> lock(mu_);
-  MUOND_RETURN_IF_ERROR(Activate());
+  MUOND_ASSIGN_OR_RETURN(PinnedBlocks::Lease pinned, pinned_.Take(sizeof(int)));
+  MUOND_ASSIGN_OR_RETURN(std::unique_lock<std::mutex> lock, LockWithScratch({{kFlag, sizeof(int)}}));
   MUOND_ASSIGN_OR_RETURN(void* flag, GetScratch(kFlag, sizeof(int)));
   MUOND_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(flag, 0, sizeof(int), stream_));
   MUOND_RETURN_IF_ERROR(CudaStatus(
       LaunchFlagNonFinite(x, static_cast<int64_t>(count), static_cast<int*>(flag), stream_), "FlagNonFinite kernel"));
   int host_flag = 1;
-  MUOND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&host_flag, flag, sizeof(int), cudaMemcpyDeviceToHost, stream_));
-  MUOND_RETURN_IF_ERROR(SyncUnlocking(lock));
+  MUOND_RETURN_IF_ERROR(FinishReadBack(lock, pinned, flag, &host_flag, sizeof(int)));
   return host_flag == 0;
 }
 
 absl::Status CudaBackend::ScaleBatched(float* x, size_t count, size_t batch, const float* scales) {
   if (count == 0 || batch == 0) return absl::OkStatus();
-  if (batch <= static_cast<size_t>(kInlineScales)) {
-    // Few scales (a head count, a cubic Newton–Schulz coefficient) travel in the launch itself:
-    // no copy, and nothing for the host to wait on.
-    InlineScales inline_scales{};
-    std::copy(scales, scales + batch, inline_scales.v);
-    std::unique_lock<std::mutex> lock(mu_);
-    MUOND_RETURN_IF_ERROR(Activate());
-    return CudaStatus(
-        LaunchScaleBatchedInline(x, static_cast<int64_t>(count), static_cast<int64_t>(batch), inline_scales, stream_),
-        "ScaleBatched kernel");
-  }
+  // The scales travel in the launches themselves, kInlineScales at a time: no copy from the host,
+  // so nothing for the host to wait on however many there are.
   std::unique_lock<std::mutex> lock(mu_);
   MUOND_RETURN_IF_ERROR(Activate());
-  MUOND_ASSIGN_OR_RETURN(void* device_scales, GetScratch(kScales, batch * sizeof(float)));
-  // From pageable host memory cudaMemcpyAsync returns only once `scales` has been staged, so the
-  // caller may reuse its array as soon as this returns.
-  MUOND_CUDA_RETURN_IF_ERROR(
-      cudaMemcpyAsync(device_scales, scales, batch * sizeof(float), cudaMemcpyHostToDevice, stream_));
-  return CudaStatus(LaunchScaleBatched(x, static_cast<int64_t>(count), static_cast<int64_t>(batch),
-                                       static_cast<const float*>(device_scales), stream_),
-                    "ScaleBatched kernel");
+  for (size_t first = 0; first < batch; first += kInlineScales) {
+    const size_t n = std::min(batch - first, static_cast<size_t>(kInlineScales));
+    InlineScales inline_scales{};
+    std::copy(scales + first, scales + first + n, inline_scales.v);
+    MUOND_RETURN_IF_ERROR(CudaStatus(LaunchScaleBatchedInline(x + first * count, static_cast<int64_t>(count),
+                                                              static_cast<int64_t>(n), inline_scales, stream_),
+                                     "ScaleBatched kernel"));
+  }
+  return absl::OkStatus();
 }
 
 // SumSquares' kernels, the scales from the sums and the scaling, all on the stream, nothing waited
@@ -143,8 +146,11 @@ absl::Status CudaBackend::ScaleBatched(float* x, size_t count, size_t batch, con
 absl::Status CudaBackend::NormalizeBatched(float* x, size_t count, size_t batch, double eps, double norm_safety,
                                            double* sums) {
   if (batch == 0) return absl::OkStatus();
-  std::unique_lock<std::mutex> lock(mu_);
-  MUOND_RETURN_IF_ERROR(Activate());
+  MUOND_ASSIGN_OR_RETURN(const size_t partials_bytes, PartialsBytes(count, batch));
+  MUOND_ASSIGN_OR_RETURN(std::unique_lock<std::mutex> lock,
+                         LockWithScratch({{kSums, sums == nullptr ? batch * sizeof(double) : 0},
+                                          {kScales, batch * sizeof(float)},
+                                          {kPartials, partials_bytes}}));
   double* device_sums = sums;
   if (device_sums == nullptr) {
     MUOND_ASSIGN_OR_RETURN(void* scratch, GetScratch(kSums, batch * sizeof(double)));
@@ -162,8 +168,8 @@ absl::Status CudaBackend::NormalizeBatched(float* x, size_t count, size_t batch,
 
 absl::Status CudaBackend::SumSquaresTo(const float* x, size_t count, size_t batch, double* sums) {
   if (batch == 0) return absl::OkStatus();
-  std::unique_lock<std::mutex> lock(mu_);
-  MUOND_RETURN_IF_ERROR(Activate());
+  MUOND_ASSIGN_OR_RETURN(const size_t partials_bytes, PartialsBytes(count, batch));
+  MUOND_ASSIGN_OR_RETURN(std::unique_lock<std::mutex> lock, LockWithScratch({{kPartials, partials_bytes}}));
   return SumSquaresLocked(x, count, batch, sums);
 }
 

@@ -11,8 +11,8 @@
 // host until the client's recorded work is done (the backend's shared stream never waits on it).
 //
 // Ownership: the caller owns each object, which must not outlive its backend.
-// Thread-safety: both only touch the backend through CudaBackend::OnStream (its mutex), so either
-// may be used from several threads.
+// Thread-safety: both only touch the backend through CudaBackend::OnStream (its mutex) and
+// Synchronize, so either may be used from several threads.
 #include <cuda.h>  // CUresult and CUdeviceptr, for the driver function's signature; nothing is linked
 #include <cudaTypedefs.h>
 #include <cuda_runtime_api.h>
@@ -86,16 +86,13 @@ class IpcMemory final : public PeerMemory {
  public:
   IpcMemory(CudaBackend* backend, void* data) : backend_(backend), data_(data) {}
   ~IpcMemory() override {
-    // Work the backend enqueued on the memory completes before the mapping goes away. Errors cannot
-    // be reported from here.
-    backend_
-        ->OnStream([this](cudaStream_t stream) {
-          cudaStreamSynchronize(stream);
-          cudaIpcCloseMemHandle(data_);
-          cudaGetLastError();
-          return absl::OkStatus();
-        })
-        .IgnoreError();
+    // Work the backend enqueued on the memory completes before the mapping goes away; the wait
+    // takes no lock of the backend (Synchronize waits for an event outside it), and no one enqueues
+    // work on this memory any more. Errors cannot be reported from here.
+    backend_->Synchronize().IgnoreError();
+    cudaSetDevice(backend_->device());
+    cudaIpcCloseMemHandle(data_);
+    cudaGetLastError();
   }
   IpcMemory(const IpcMemory&) = delete;
   IpcMemory& operator=(const IpcMemory&) = delete;

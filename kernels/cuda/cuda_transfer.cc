@@ -12,12 +12,23 @@ namespace {
 
 constexpr size_t kSlotFloats = PinnedRing::kSlotBytes / sizeof(float);
 
-// Takes a ring, makes its copy stream wait for the work enqueued on `compute` so far.
-absl::StatusOr<std::unique_ptr<PinnedRing>> StartRing(RingCache* cache, cudaStream_t compute) {
-  MUOND_ASSIGN_OR_RETURN(std::unique_ptr<PinnedRing> ring, cache->Take());
-  MUOND_CUDA_RETURN_IF_ERROR(cudaSetDevice(ring->device));
-  MUOND_CUDA_RETURN_IF_ERROR(cudaEventRecord(ring->start, compute));
-  MUOND_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(ring->stream, ring->start, 0));
+// The ring's copy stream waits for an event recorded on `compute` now.
+absl::Status StartOn(PinnedRing& ring, cudaStream_t compute) {
+  MUOND_CUDA_RETURN_IF_ERROR(cudaSetDevice(ring.device));
+  MUOND_CUDA_RETURN_IF_ERROR(cudaEventRecord(ring.start, compute));
+  MUOND_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(ring.stream, ring.start, 0));
+  return absl::OkStatus();
+}
+
+// Makes the ring's copy stream wait for the work enqueued on `compute` so far; on failure the
+// ring goes back to `cache` (it was not used).
+absl::StatusOr<std::unique_ptr<PinnedRing>> StartRing(RingCache* cache, std::unique_ptr<PinnedRing> ring,
+                                                      cudaStream_t compute) {
+  absl::Status status = StartOn(*ring, compute);
+  if (!status.ok()) {
+    cache->Give(std::move(ring));
+    return status;
+  }
   return ring;
 }
 
@@ -174,13 +185,15 @@ void RingCache::Give(std::unique_ptr<PinnedRing> ring) {
   ring.reset();  // here, without mu_: the ring's destructor waits for its stream
 }
 
-absl::StatusOr<std::unique_ptr<HostToDevice>> NewPinnedHostToDevice(RingCache* cache, cudaStream_t compute) {
-  MUOND_ASSIGN_OR_RETURN(std::unique_ptr<PinnedRing> ring, StartRing(cache, compute));
+absl::StatusOr<std::unique_ptr<HostToDevice>> NewPinnedHostToDevice(RingCache* cache, std::unique_ptr<PinnedRing> ring,
+                                                                    cudaStream_t compute) {
+  MUOND_ASSIGN_OR_RETURN(ring, StartRing(cache, std::move(ring), compute));
   return std::unique_ptr<HostToDevice>(new PinnedHostToDevice(cache, std::move(ring)));
 }
 
-absl::StatusOr<std::unique_ptr<DeviceToHost>> NewPinnedDeviceToHost(RingCache* cache, cudaStream_t compute) {
-  MUOND_ASSIGN_OR_RETURN(std::unique_ptr<PinnedRing> ring, StartRing(cache, compute));
+absl::StatusOr<std::unique_ptr<DeviceToHost>> NewPinnedDeviceToHost(RingCache* cache, std::unique_ptr<PinnedRing> ring,
+                                                                    cudaStream_t compute) {
+  MUOND_ASSIGN_OR_RETURN(ring, StartRing(cache, std::move(ring), compute));
   return std::unique_ptr<DeviceToHost>(new PinnedDeviceToHost(cache, std::move(ring)));
 }
 

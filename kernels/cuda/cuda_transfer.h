@@ -76,8 +76,13 @@ class RingCache {
   std::vector<std::unique_ptr<PinnedRing>> idle_;
 };
 
-// Transfers ordered after the work enqueued on `compute` so far (see the header comment).
-absl::StatusOr<std::unique_ptr<HostToDevice>> NewPinnedHostToDevice(RingCache* cache, cudaStream_t compute);
-absl::StatusOr<std::unique_ptr<DeviceToHost>> NewPinnedDeviceToHost(RingCache* cache, cudaStream_t compute);
+// Transfers through `ring` (taken from `cache`, to which they give it back), ordered after the
+// work enqueued on `compute` so far (see the header comment). The ring is taken beforehand, apart
+// from this, because a new one pins memory, which may wait for the device: the caller takes it
+// without its stream's lock and creates the transfer under it.
+absl::StatusOr<std::unique_ptr<HostToDevice>> NewPinnedHostToDevice(RingCache* cache, std::unique_ptr<PinnedRing> ring,
+                                                                    cudaStream_t compute);
+absl::StatusOr<std::unique_ptr<DeviceToHost>> NewPinnedDeviceToHost(RingCache* cache, std::unique_ptr<PinnedRing> ring,
+                                                                    cudaStream_t compute);
 
 }  // namespace muond::kernels::cuda
