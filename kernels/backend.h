@@ -151,6 +151,9 @@ class Backend : public PeerPrimitives {
                             MatmulPrecision precision) = 0;
   // out_i = in_iᵀ for a batch of rows×cols matrices stored back to back.
   virtual absl::Status Transpose2D(const float* in, float* out, int64_t rows, int64_t cols, int64_t batch) = 0;
+  // a_i[j][j] += value, j < m, for a batch of m×m matrices stored back to back (X·Xᵀ − I without
+  // an identity uploaded). The default needs a HostAddressable backend.
+  virtual absl::Status AddToDiagonal(float* a, int64_t m, int64_t batch, float value);
 
   // Reductions, accumulated in fp64 and returned to the host.
   // sums[i] = Σ x[i·count + j]², j < count, for i < batch. `sums` is a host array of `batch` values.

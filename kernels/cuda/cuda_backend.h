@@ -81,6 +81,7 @@ class CudaBackend final : public Backend {
   absl::Status Gemm(const GemmShape& shape, float alpha, const float* a, const float* b, float beta, float* c,
                     MatmulPrecision precision) override;
   absl::Status Transpose2D(const float* in, float* out, int64_t rows, int64_t cols, int64_t batch) override;
+  absl::Status AddToDiagonal(float* a, int64_t m, int64_t batch, float value) override;
 
   absl::Status SumSquares(const float* x, size_t count, size_t batch, double* sums) override;
   absl::StatusOr<bool> AllFinite(const float* x, size_t count) override;

@@ -49,6 +49,13 @@ absl::Status CudaBackend::Transpose2D(const float* in, float* out, int64_t rows,
   return CudaStatus(LaunchTranspose(in, out, rows, cols, batch, stream_), "Transpose kernel");
 }
 
+absl::Status CudaBackend::AddToDiagonal(float* a, int64_t m, int64_t batch, float value) {
+  if (m < 0 || batch < 0) return absl::InvalidArgumentError("AddToDiagonal: negative size");
+  std::unique_lock<std::mutex> lock(mu_);
+  MUOND_RETURN_IF_ERROR(Activate());
+  return CudaStatus(LaunchAddToDiagonal(a, m, batch, value, stream_), "AddToDiagonal kernel");
+}
+
 namespace {
 
 // Bytes of partial sums SumSquares' first pass writes for `batch` slices of `count` elements,

@@ -26,6 +26,13 @@ __global__ void FillKernel(float* x, int64_t n, float value) {
   for (int64_t i = FirstIndex(); i < n; i += GridStride()) x[i] = value;
 }
 
+__global__ void AddToDiagonalKernel(float* a, int64_t m, int64_t n, float value) {
+  for (int64_t i = FirstIndex(); i < n; i += GridStride()) {
+    const int64_t b = i / m, j = i % m;
+    a[(b * m + j) * m + j] += value;
+  }
+}
+
 // The state arguments (StoredRef) are loaded as fp32 and stored rounded to their format
 // (LoadElement / StoreElement); the branch on the format is the same for every thread.
 __global__ void AxpbyKernel(float alpha, StoredRef x, float beta, StoredRef y, int64_t n) {
@@ -230,6 +237,13 @@ __global__ void SgdKernel(SgdArgs args, StoredRef param, const float* grad, Stor
 cudaError_t LaunchFill(float* x, int64_t n, float value, cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   FillKernel<<<BlocksFor(n), kThreads, 0, stream>>>(x, n, value);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchAddToDiagonal(float* a, int64_t m, int64_t batch, float value, cudaStream_t stream) {
+  const int64_t n = m * batch;
+  if (n <= 0) return cudaSuccess;
+  AddToDiagonalKernel<<<BlocksFor(n), kThreads, 0, stream>>>(a, m, n, value);
   return cudaGetLastError();
 }
 

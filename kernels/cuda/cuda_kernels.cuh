@@ -23,6 +23,8 @@ namespace muond::kernels::cuda {
 
 // x[i] = value
 cudaError_t LaunchFill(float* x, int64_t n, float value, cudaStream_t stream);
+// a_b[j][j] += value for a batch of m×m matrices stored back to back.
+cudaError_t LaunchAddToDiagonal(float* a, int64_t m, int64_t batch, float value, cudaStream_t stream);
 // y[i] = alpha·x[i] + beta·y[i] (x and y in their storage formats)
 cudaError_t LaunchAxpby(float alpha, StoredRef x, float beta, StoredRef y, int64_t n, cudaStream_t stream);
 // out[i] = widen(packed[i]) and packed[i] = round(in[i]) for a 16-bit StorageDtype (kBf16, kFp16),

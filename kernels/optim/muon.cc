@@ -54,12 +54,10 @@ constexpr int kNormuonSlot = NsWorkspace::kFirstFreeSlot + 1;
 constexpr int kTransposeSlot = NsWorkspace::kFirstFreeSlot + 2;
 
 // A step's small device-side values, one set per backend, used under SharedNsWorkspace::mu like
-// the workspace and grown before the step changes any state: the Newton–Schulz inputs' sums of
-// squares of the step's matrices (telemetry's momentum norms), which the batches' normalizations
-// write on the device and the step reads back once at its end; and NorMuon's per-line sums and
-// scales of a batch, which never leave the device. Doubles take two floats of a buffer.
+// the workspace and grown before the step changes any state: NorMuon's per-line sums and scales of
+// a batch, which never leave the device. Doubles take two floats of a buffer.
 struct StepScratch {
-  std::unique_ptr<kernels::DeviceBuffer> input_sums, line_sums, line_scales;
+  std::unique_ptr<kernels::DeviceBuffer> line_sums, line_scales;
 };
 
 // `buffer` holding at least `floats` floats.
@@ -172,14 +170,17 @@ class Muon final : public Optimizer {
   // (every block has the same shape, so one scale).
   absl::Status ApplyTransposed(Backend& backend, const StepHyper& hyper, ParamState& p, NsWorkspace& ws);
   // Telemetry: the orthogonality residual of a batch's output when it holds the matrix measured
-  // this step (residual_job_).
+  // this step (residual_job_), into residual_sum_.
   absl::Status Observe(Backend& backend, std::span<const MatrixJob> jobs, const float* work, NsWorkspace& ws);
-  // Telemetry: the momentum norms of the step's `matrices` Newton–Schulz inputs, read back from
-  // `input_sums` (backend memory) in one copy, in the order the batches ran.
-  absl::Status ObserveInputSums(Backend& backend, const double* input_sums, size_t matrices);
+  // Telemetry: backend memory in the step's pending sums (read back once, at the step's end) for
+  // the Σ U² of each of the step's `matrices` Newton–Schulz inputs, in the order the batches run,
+  // followed by the residual's sum when residual_job_ is set (residual_sum_); reserved before the
+  // step changes any state.
+  absl::StatusOr<double*> ReserveTelemetrySums(Backend& backend, size_t matrices);
 
   const double ns_bound_;                    // NsSingularValueBound of this group's iteration
   const MatrixJob* residual_job_ = nullptr;  // the matrix whose residual this step measures
+  double* residual_sum_ = nullptr;           // where its ‖X·Xᵀ − I‖² goes (backend memory)
 };
 
 double Muon::Scale(int64_t rows, int64_t cols) const {
@@ -464,24 +465,34 @@ absl::Status Muon::Orthogonalize(Backend& backend, std::span<const MatrixJob> jo
   return absl::OkStatus();
 }
 
-absl::Status Muon::ObserveInputSums(Backend& backend, const double* input_sums, size_t matrices) {
-  std::vector<double> sums(matrices);
-  MUOND_RETURN_IF_ERROR(backend.CopyBytes(input_sums, sums.data(), matrices * sizeof(double)));
-  for (double sum : sums) {
-    telemetry_->momentum_sum_squares += sum;
-    telemetry_->smallest_momentum_norm = std::min(telemetry_->smallest_momentum_norm, std::sqrt(sum));
-    ++telemetry_->matrices;
-  }
-  return absl::OkStatus();
+absl::StatusOr<double*> Muon::ReserveTelemetrySums(Backend& backend, size_t matrices) {
+  StepTelemetry* telemetry = telemetry_;
+  const bool residual = residual_job_ != nullptr;
+  const double residual_m = residual ? static_cast<double>(std::min(residual_job_->rows, residual_job_->cols)) : 1.0;
+  MUOND_ASSIGN_OR_RETURN(double* sums, telemetry->pending.Reserve(
+                                           backend, matrices + (residual ? 1 : 0),
+                                           [telemetry, matrices, residual, residual_m](std::span<const double> values) {
+                                             for (size_t i = 0; i < matrices; ++i) {
+                                               telemetry->momentum_sum_squares += values[i];
+                                               telemetry->smallest_momentum_norm =
+                                                   std::min(telemetry->smallest_momentum_norm, std::sqrt(values[i]));
+                                               ++telemetry->matrices;
+                                             }
+                                             if (residual)
+                                               telemetry->residual = std::sqrt(values[matrices] / residual_m);
+                                           }));
+  residual_sum_ = residual ? sums + matrices : nullptr;
+  return sums;
 }
 
 absl::Status Muon::Observe(Backend& backend, std::span<const MatrixJob> jobs, const float* work, NsWorkspace& ws) {
   size_t i = 0;
   while (i < jobs.size() && &jobs[i] != residual_job_) ++i;
-  if (i == jobs.size()) return absl::OkStatus();  // measured in another batch, or not this step
+  // Measured in another batch, or not this step.
+  if (i == jobs.size() || residual_sum_ == nullptr) return absl::OkStatus();
   const size_t mat = static_cast<size_t>(jobs[0].rows * jobs[0].cols);
-  MUOND_ASSIGN_OR_RETURN(telemetry_->residual,
-                         OrthogonalityResidual(backend, work + i * mat, jobs[0].rows, jobs[0].cols, ws));
+  MUOND_RETURN_IF_ERROR(
+      OrthogonalitySumSquares(backend, work + i * mat, jobs[0].rows, jobs[0].cols, ws, residual_sum_));
   telemetry_->residual_parameter = residual_job_->param->name;
   return absl::OkStatus();
 }
@@ -628,6 +639,7 @@ absl::Status Muon::Step(Backend& backend, const StepHyper& hyper, std::span<Para
     }
   }
   residual_job_ = telemetry_ != nullptr && telemetry_->measure ? ResidualJob(by_shape, params) : nullptr;
+  residual_sum_ = nullptr;
   // Newton-Schulz's workspace is held from here to the last batch, so what is reserved below is
   // there when the batches run.
   SharedNsWorkspace& shared = BackendNsWorkspace(backend);
@@ -670,8 +682,7 @@ absl::Status Muon::Step(Backend& backend, const StepHyper& hyper, std::span<Para
   StepScratch& scratch = backend.Shared<StepScratch>();
   double* input_sums = nullptr;
   if (telemetry_ != nullptr && matrices > 0) {
-    MUOND_RETURN_IF_ERROR(Grow(backend, scratch.input_sums, 2 * matrices));
-    input_sums = reinterpret_cast<double*>(scratch.input_sums->data());
+    MUOND_ASSIGN_OR_RETURN(input_sums, ReserveTelemetrySums(backend, matrices));
   }
   if (options_.moment2_method == Moment2Method::kNormuon) {
     size_t lines = 0;
@@ -701,9 +712,6 @@ absl::Status Muon::Step(Backend& backend, const StepHyper& hyper, std::span<Para
     done += batch.size();
   }
   for (ParamState* p : transposed) MUOND_RETURN_IF_ERROR(ApplyTransposed(backend, hyper, *p, ws));
-  // The step's one wait for its momentum norms, after all its work was enqueued (under the
-  // workspace's lock, which guards the sums' buffer too).
-  if (input_sums != nullptr) MUOND_RETURN_IF_ERROR(ObserveInputSums(backend, input_sums, matrices));
   for (ParamState* p : params) {
     if (p->has_grad) ++p->step_count;
   }

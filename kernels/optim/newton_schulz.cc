@@ -332,17 +332,14 @@ absl::Status GramNewtonSchulz(Backend& backend, const NsSchedule& schedule, int 
   return backend.Gemm(apply_shape, 1.0f, q, x, 0.0f, out, precision);
 }
 
-absl::StatusOr<double> OrthogonalityResidual(Backend& backend, const float* x, int64_t rows, int64_t cols,
-                                             NsWorkspace& ws) {
+absl::Status OrthogonalitySumSquares(Backend& backend, const float* x, int64_t rows, int64_t cols, NsWorkspace& ws,
+                                     double* sum) {
   if (rows <= 0 || cols <= 0) return absl::InvalidArgumentError("OrthogonalityResidual: an empty matrix");
   const int64_t m = std::min(rows, cols);
   const size_t gram = static_cast<size_t>(m * m);
   MUOND_ASSIGN_OR_RETURN(float* a, ws.Get(backend, 2, gram));
-  std::vector<float> identity(gram, 0.0f);
-  for (int64_t i = 0; i < m; ++i) identity[static_cast<size_t>(i * m + i)] = 1.0f;
-  MUOND_RETURN_IF_ERROR(backend.CopyToDevice(identity.data(), a, gram));
   // Wide: X·Xᵀ (op(B) reads X transposed); tall: Xᵀ·X (op(A) does). Either way the m×m Gram
-  // matrix, minus I preloaded in C.
+  // matrix, then I subtracted on the device (no identity uploaded, nothing waits).
   const bool wide = rows <= cols;
   const GemmShape shape{.trans_a = wide ? Transpose::kNo : Transpose::kYes,
                         .trans_b = wide ? Transpose::kYes : Transpose::kNo,
@@ -356,10 +353,20 @@ absl::StatusOr<double> OrthogonalityResidual(Backend& backend, const float* x, i
                         .stride_b = 0,
                         .stride_c = 0,
                         .batch = 1};
-  MUOND_RETURN_IF_ERROR(backend.Gemm(shape, 1.0f, x, x, -1.0f, a, kernels::MatmulPrecision::kFp32));
-  double sum = 0;
-  MUOND_RETURN_IF_ERROR(backend.SumSquares(a, gram, 1, &sum));
-  return std::sqrt(sum / static_cast<double>(m));
+  MUOND_RETURN_IF_ERROR(backend.Gemm(shape, 1.0f, x, x, 0.0f, a, kernels::MatmulPrecision::kFp32));
+  MUOND_RETURN_IF_ERROR(backend.AddToDiagonal(a, m, 1, -1.0f));
+  return backend.SumSquaresTo(a, gram, 1, sum);
+}
+
+absl::StatusOr<double> OrthogonalityResidual(Backend& backend, const float* x, int64_t rows, int64_t cols,
+                                             NsWorkspace& ws) {
+  if (rows <= 0 || cols <= 0) return absl::InvalidArgumentError("OrthogonalityResidual: an empty matrix");
+  MUOND_ASSIGN_OR_RETURN(std::unique_ptr<kernels::DeviceBuffer> device_sum, backend.Allocate(2));  // one double
+  double* sum = reinterpret_cast<double*>(device_sum->data());
+  MUOND_RETURN_IF_ERROR(OrthogonalitySumSquares(backend, x, rows, cols, ws, sum));
+  double host_sum = 0;
+  MUOND_RETURN_IF_ERROR(backend.CopyBytes(sum, &host_sum, sizeof(double)));
+  return std::sqrt(host_sum / static_cast<double>(std::min(rows, cols)));
 }
 
 NsWork StandardNsWork(int64_t rows, int64_t cols, const NsSchedule& schedule, int steps) {

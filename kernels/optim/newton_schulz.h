@@ -156,8 +156,13 @@ absl::Status GramNewtonSchulz(kernels::Backend& backend, const NsSchedule& sched
 // ‖X·Xᵀ − I‖_F/√m of one row-major rows×cols matrix X in backend memory, m = min(rows, cols) (the
 // Gram matrix on the smaller side): 0 for orthonormal rows (or columns), the RMS of σᵢ² − 1 over X's
 // m singular values. One m×m fp32 GEMM (whatever the group's matmul_precision) and one sum; it
-// uses workspace slot 2, so it must not run while a Newton–Schulz call needs that slot.
+// uses workspace slot 2, so it must not run while a Newton–Schulz call needs that slot. Waits for
+// the device (the sum is read back).
 absl::StatusOr<double> OrthogonalityResidual(kernels::Backend& backend, const float* x, int64_t rows, int64_t cols,
                                              NsWorkspace& ws);
+// The same without waiting: ‖X·Xᵀ − I‖_F² into `sum` (backend memory for one double), in order with
+// the backend's other work; the residual is √(sum/m).
+absl::Status OrthogonalitySumSquares(kernels::Backend& backend, const float* x, int64_t rows, int64_t cols,
+                                     NsWorkspace& ws, double* sum);
 
 }  // namespace muond::optim

@@ -109,11 +109,9 @@ absl::Status Optimizer::StepMeasured(kernels::Backend& backend, const StepHyper&
   telemetry_ = &telemetry;
   absl::Status status = Step(backend, hyper, params);
   telemetry_ = nullptr;
-  // The step's one wait for its update measurements, after all its work was enqueued.
-  if (status.ok()) status = UpdateMeter::Collect(backend, telemetry);
-  telemetry.pending_sums.clear();
-  telemetry.pending_count = 0;
-  telemetry.pending_weights.clear();
+  // The step's one wait for what it measured, after all its work was enqueued.
+  if (status.ok()) return telemetry.pending.Collect(backend);
+  telemetry.pending.Clear();
   return status;
 }
 

@@ -4,8 +4,8 @@
 // The optimizer fills a StepTelemetry it is handed (Optimizer::StepMeasured); the owner reads it
 // after the step. UpdateMeter works through one scratch buffer per backend (Backend::Shared), held
 // under its own mutex for the length of one measured update, so concurrent sessions on a backend
-// take turns; its memory is fixed (a chunk) whatever the size of the parameter. Its sums stay in
-// backend memory until the end of the step (Collect).
+// take turns; its memory is fixed (a chunk) whatever the size of the parameter. Every sum a step
+// measures stays in backend memory until the end of the step (`pending`, read back once).
 #pragma once
 
 #include <cstddef>
@@ -19,6 +19,7 @@
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "kernels/backend.h"
+#include "kernels/optim/pending_sums.h"
 
 namespace muond::optim {
 
@@ -43,12 +44,9 @@ struct StepTelemetry {
   std::optional<double> residual;
   std::string residual_parameter;
 
-  // UpdateMeter's: the measured chunks' Σ W² and Σ ΔW² (two doubles a chunk, in segments of
-  // backend memory) until Collect reads them back, once per step, into the sums above.
-  std::vector<std::shared_ptr<kernels::DeviceBuffer>> pending_sums;
-  size_t pending_count = 0;  // doubles written
-  // Per pair of pending sums: what it stands for (elements of its tensor over elements measured).
-  std::vector<double> pending_weights;
+  // The sums above as the step's kernels write them (backend memory), until the step reads them
+  // back once at its end (Optimizer::StepMeasured) and adds them in.
+  PendingSums pending;
 };
 
 class UpdateMeter {
@@ -63,17 +61,14 @@ class UpdateMeter {
   static absl::Status Reserve(kernels::Backend& backend, StepTelemetry& telemetry);
   // Runs apply(offset, count) over [0, count) of a master (`master` its first element). When
   // telemetry.measure, up to kMeasuredChunks chunks of it, evenly spaced, are updated one by one with
-  // their Σ W² before and Σ ΔW² after computed into `telemetry`'s pending sums (nothing waits for a
-  // device), and the ranges between them in one call each: a master of at most kMeasuredChunks
-  // chunks is measured whole, a larger one by that sample, its sums scaled to the whole (an
-  // estimate; docs/algorithms.md, Telemetry). `apply` must update elements [offset, offset + count)
-  // only.
+  // their Σ W² before and Σ ΔW² after computed into `telemetry.pending` (nothing waits for a
+  // device; read back, they add into master_sum_squares and update_sum_squares), and the ranges between them in one
+  // call each: a master of at most kMeasuredChunks chunks is measured whole, a larger one by that sample, its sums
+  // scaled to the whole (an estimate; docs/algorithms.md, Telemetry). `apply` must update elements [offset, offset +
+  // count) only.
   static absl::Status Measure(kernels::Backend& backend, kernels::StoredRef master, size_t count,
                               absl::FunctionRef<absl::Status(size_t offset, size_t count)> apply,
                               StepTelemetry* telemetry);
-  // Reads the pending sums back (one copy per segment, one in practice) and adds them, chunk by
-  // chunk in the order measured, into master_sum_squares and update_sum_squares; drops them.
-  static absl::Status Collect(kernels::Backend& backend, StepTelemetry& telemetry);
 };
 
 }  // namespace muond::optim

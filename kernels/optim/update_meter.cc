@@ -1,5 +1,5 @@
 // UpdateMeter (step_telemetry.h): Σ W² and Σ ΔW² of an update, chunk by chunk, through one scratch
-// buffer per backend, into backend memory until the step collects them.
+// buffer per backend, into the step's pending sums (backend memory).
 #include <algorithm>
 #include <memory>
 #include <mutex>
@@ -23,27 +23,6 @@ absl::StatusOr<float*> ScratchOf(kernels::Backend& backend, MeterScratch& scratc
     MUOND_ASSIGN_OR_RETURN(scratch.buffer, backend.Allocate(chunk));
   }
   return scratch.buffer->data();
-}
-
-// Doubles per segment of pending sums: 2048 chunks, a step's worth in practice.
-constexpr size_t kSegmentDoubles = 4096;
-
-absl::Status AddSegment(kernels::Backend& backend, StepTelemetry& telemetry) {
-  MUOND_ASSIGN_OR_RETURN(std::unique_ptr<kernels::DeviceBuffer> segment, backend.Allocate(2 * kSegmentDoubles));
-  telemetry.pending_sums.push_back(std::move(segment));
-  return absl::OkStatus();
-}
-
-// Where the next chunk's two sums go (backend memory), growing the segments when full.
-absl::StatusOr<double*> NextPair(kernels::Backend& backend, StepTelemetry& telemetry) {
-  const size_t at = telemetry.pending_count % kSegmentDoubles;
-  if (telemetry.pending_count / kSegmentDoubles >= telemetry.pending_sums.size()) {
-    MUOND_RETURN_IF_ERROR(AddSegment(backend, telemetry));
-  }
-  double* segment =
-      reinterpret_cast<double*>(telemetry.pending_sums[telemetry.pending_count / kSegmentDoubles]->data());
-  telemetry.pending_count += 2;
-  return segment + at;
 }
 
 // Σ before² and Σ (before − after)² of n host floats, in fp64, eight partial sums each: one pass.
@@ -78,7 +57,7 @@ size_t UpdateMeter::ChunkElements(const kernels::Backend& backend) {
 }
 
 absl::Status UpdateMeter::Reserve(kernels::Backend& backend, StepTelemetry& telemetry) {
-  if (telemetry.pending_sums.empty()) MUOND_RETURN_IF_ERROR(AddSegment(backend, telemetry));
+  MUOND_RETURN_IF_ERROR(telemetry.pending.Prepare(backend));
   MeterScratch& scratch = backend.Shared<MeterScratch>();
   std::lock_guard<std::mutex> lock(scratch.mu);
   return ScratchOf(backend, scratch).status();
@@ -109,8 +88,12 @@ absl::Status UpdateMeter::Measure(kernels::Backend& backend, kernels::StoredRef 
     const size_t n = std::min(chunk, count - offset);
     if (offset > done) MUOND_RETURN_IF_ERROR(apply(done, offset - done));
     const kernels::StoredRef w = master.At(offset);
-    MUOND_ASSIGN_OR_RETURN(double* sums, NextPair(backend, *telemetry));
-    telemetry->pending_weights.push_back(weight);
+    // Σ W² before and Σ ΔW², scaled to the whole master.
+    MUOND_ASSIGN_OR_RETURN(double* sums,
+                           telemetry->pending.Reserve(backend, 2, [telemetry, weight](std::span<const double> s) {
+                             telemetry->master_sum_squares += s[0] * weight;
+                             telemetry->update_sum_squares += s[1] * weight;
+                           }));
     MUOND_RETURN_IF_ERROR(backend.Widen(w.dtype, w.data, before, n));
     if (host_fp32) {
       // Host memory: both sums in one pass after the update, from the copy and the master itself.
@@ -129,23 +112,6 @@ absl::Status UpdateMeter::Measure(kernels::Backend& backend, kernels::StoredRef 
   }
   if (done < count) MUOND_RETURN_IF_ERROR(apply(done, count - done));
   telemetry->updated_elements += static_cast<int64_t>(count);
-  return absl::OkStatus();
-}
-
-absl::Status UpdateMeter::Collect(kernels::Backend& backend, StepTelemetry& telemetry) {
-  std::vector<double> sums(telemetry.pending_count);
-  for (size_t first = 0, s = 0; first < sums.size(); first += kSegmentDoubles, ++s) {
-    const size_t n = std::min(kSegmentDoubles, sums.size() - first);
-    MUOND_RETURN_IF_ERROR(backend.CopyBytes(telemetry.pending_sums[s]->data(), &sums[first], n * sizeof(double)));
-  }
-  for (size_t k = 0; k + 1 < sums.size(); k += 2) {
-    const double weight = k / 2 < telemetry.pending_weights.size() ? telemetry.pending_weights[k / 2] : 1.0;
-    telemetry.master_sum_squares += sums[k] * weight;
-    telemetry.update_sum_squares += sums[k + 1] * weight;
-  }
-  telemetry.pending_sums.clear();
-  telemetry.pending_count = 0;
-  telemetry.pending_weights.clear();
   return absl::OkStatus();
 }
 

@@ -417,6 +417,49 @@ TEST_P(BackendConformanceTest, Transpose2DIsExact) {
   }
 }
 
+// X·Xᵀ − I without an identity uploaded: only the diagonals move, by exactly `value`'s fp32 sum.
+TEST_P(BackendConformanceTest, AddToDiagonalTouchesOnlyTheDiagonals) {
+  for (const auto& [m, batch] : std::vector<std::pair<int64_t, int64_t>>{{5, 3}, {1, 1}, {64, 2}, {0, 4}}) {
+    const std::vector<float> x = Random(std::max<size_t>(static_cast<size_t>(m * m * batch), 1));
+    const DeviceOp op = [&](Backend& b, const std::vector<float*>& d) {
+      return b.AddToDiagonal(d[0], m, batch, -1.0f);
+    };
+    const std::vector<float> got = RunOn(*backend_, {x}, op)[0];
+    std::vector<float> want = x;
+    for (int64_t b = 0; b < batch; ++b) {
+      for (int64_t j = 0; j < m; ++j) want[static_cast<size_t>((b * m + j) * m + j)] -= 1.0f;
+    }
+    EXPECT_TRUE(BitwiseEqual(got, want)) << m << " x " << m << " batch " << batch;
+  }
+}
+
+// More scales than one kernel launch carries (64 on CUDA): the same bits as the CPU's.
+TEST_P(BackendConformanceTest, ScaleBatchedWithManyScales) {
+  for (const auto& [count, batch] : std::vector<std::pair<size_t, size_t>>{{3, 200}, {257, 65}, {1, 64}}) {
+    const std::vector<float> x = Random(count * batch);
+    std::vector<float> scales = Random(batch);
+    const DeviceOp op = [&](Backend& b, const std::vector<float*>& d) {
+      return b.ScaleBatched(d[0], count, batch, scales.data());
+    };
+    EXPECT_TRUE(BitwiseEqual(RunOn(*backend_, {x}, op)[0], RunOn(*cpu_, {x}, op)[0])) << count << " x " << batch;
+  }
+}
+
+// CopyBytes between host and backend memory, in both directions and past one pinned staging piece
+// (1 MiB on CUDA), and between two buffers of the backend: every byte lands.
+TEST_P(BackendConformanceTest, CopyBytesAnyDirectionAnySize) {
+  for (size_t floats : {size_t{1}, size_t{1000}, (size_t{3} << 18) + 5}) {
+    const std::vector<float> x = Random(floats);
+    ASSERT_OK_AND_ASSIGN(auto first, backend_->Allocate(floats));
+    ASSERT_OK_AND_ASSIGN(auto second, backend_->Allocate(floats));
+    ASSERT_OK(backend_->CopyBytes(x.data(), first->data(), floats * sizeof(float)));
+    ASSERT_OK(backend_->CopyBytes(first->data(), second->data(), floats * sizeof(float)));
+    std::vector<float> back(floats, -1.0f);
+    ASSERT_OK(backend_->CopyBytes(second->data(), back.data(), floats * sizeof(float)));
+    EXPECT_TRUE(BitwiseEqual(back, x)) << floats << " floats";
+  }
+}
+
 TEST_P(BackendConformanceTest, WidenAndNarrowMatchCpuBitwise) {
   // Values across every exponent, midpoints of the 16-bit grids (ties), fp16 subnormals and
   // overflow, signed zeros, infinities and NaN.

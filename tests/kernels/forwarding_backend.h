@@ -34,6 +34,9 @@ class ForwardingBackend : public kernels::Backend {
     return inner_.CopyOnDevice(src, dst, count);
   }
   absl::Status Fill(float* x, size_t count, float value) override { return inner_.Fill(x, count, value); }
+  absl::Status AddToDiagonal(float* a, int64_t m, int64_t batch, float value) override {
+    return inner_.AddToDiagonal(a, m, batch, value);
+  }
   absl::Status Widen(kernels::StorageDtype dtype, const void* packed, float* out, size_t count) override {
     return inner_.Widen(dtype, packed, out, count);
   }

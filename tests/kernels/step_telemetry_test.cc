@@ -53,7 +53,7 @@ TEST(UpdateMeterTest, ALargeMasterIsUpdatedWholeAndMeasuredOnASample) {
         return absl::OkStatus();
       },
       &t));
-  ASSERT_OK(UpdateMeter::Collect(*backend, t));
+  ASSERT_OK(t.pending.Collect(*backend));
   for (size_t i = 0; i < n; ++i) ASSERT_EQ(updates[i], 1) << "element " << i;
   EXPECT_EQ(t.updated_elements, static_cast<int64_t>(n));
   EXPECT_NEAR(t.master_sum_squares, 4.0 * n, 1e-12 * 4.0 * n);
