@@ -111,16 +111,8 @@ absl::Status Backend::NormuonScales(const NormuonArgs& args, const double* line_
   return Narrow(moment2.dtype, moment.data(), moment2.data, length);
 }
 
-absl::Status Backend::AddToDiagonal(float* a, int64_t m, int64_t batch, float value) {
-  if (!HostAddressable()) {
-    return absl::UnimplementedError(absl::StrCat("AddToDiagonal: the ", Name(), " backend has no implementation"));
-  }
-  if (m < 0 || batch < 0) return absl::InvalidArgumentError("AddToDiagonal: negative size");
-  for (int64_t b = 0; b < batch; ++b) {
-    float* matrix = a + b * m * m;
-    for (int64_t j = 0; j < m; ++j) matrix[j * m + j] += value;
-  }
-  return absl::OkStatus();
+absl::Status Backend::AddToDiagonal(float*, int64_t, int64_t, float) {
+  return absl::UnimplementedError(absl::StrCat("AddToDiagonal: the ", Name(), " backend has no implementation"));
 }
 
 absl::Status Backend::CopyBytes(const void* src, void* dst, size_t bytes) {

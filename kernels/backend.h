@@ -152,7 +152,7 @@ class Backend : public PeerPrimitives {
   // out_i = in_iᵀ for a batch of rows×cols matrices stored back to back.
   virtual absl::Status Transpose2D(const float* in, float* out, int64_t rows, int64_t cols, int64_t batch) = 0;
   // a_i[j][j] += value, j < m, for a batch of m×m matrices stored back to back (X·Xᵀ − I without
-  // an identity uploaded). The default needs a HostAddressable backend.
+  // an identity uploaded). The CPU and CUDA backends have it; the default refuses.
   virtual absl::Status AddToDiagonal(float* a, int64_t m, int64_t batch, float value);
 
   // Reductions, accumulated in fp64 and returned to the host.

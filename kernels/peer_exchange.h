@@ -12,7 +12,8 @@
 // once the peer's latest record of it has completed, so everything the backend enqueues afterwards
 // follows the peer's work. It polls the event from the host (once per step, never per tensor) rather
 // than making the backend's stream wait on it: the stream is shared by every session, and a peer
-// whose work never completes must fail its own step at the deadline, not stall the daemon.
+// whose work never completes must fail its own step at the deadline, not stall the daemon; a peer
+// whose call was abandoned (the client died, its connection closed) fails it at the next poll.
 // PeerChannel: a two-rank NCCL communicator between this backend (rank 0) and one peer (rank 1),
 // created non-blocking; Receive and Send move lists of byte ranges in one group each (uint8 counts,
 // so both ends always agree on datatype and count), on a stream ordered with the backend's work, and
@@ -28,10 +29,12 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/time/time.h"
 
 namespace muond::kernels {
@@ -51,9 +54,13 @@ class PeerMemory {
 class PeerEvent {
  public:
   virtual ~PeerEvent() = default;
-  // OK once the peer's last record of the event (before this call) has completed; DEADLINE_EXCEEDED
-  // naming the event when it has not by `deadline`.
-  virtual absl::Status Await(absl::Time deadline) = 0;
+  // Whether the peer's last record of the event (before the call) has completed; an error when the
+  // event cannot be queried. Never waits.
+  virtual absl::StatusOr<bool> Poll() = 0;
+  // Polls until the event has completed (OK): 20 µs between polls at first, doubling to 1 ms.
+  // DEADLINE_EXCEEDED naming the event when it has not by `deadline`; CANCELLED as soon as
+  // `caller_gone` (polled as often; may be empty) says the call waiting for it was abandoned.
+  absl::Status Await(absl::Time deadline, const std::function<bool()>& caller_gone);
 };
 
 // A piece of device memory a PeerChannel moves.

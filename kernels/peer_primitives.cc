@@ -1,9 +1,13 @@
-// PeerPrimitives' defaults: a backend without GPU transports refuses each, saying why.
+// PeerPrimitives' defaults: a backend without GPU transports refuses each, saying why. And
+// PeerEvent::Await's polling (kernels/peer_exchange.h).
 #include "kernels/peer_primitives.h"
+
+#include <algorithm>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/clock.h"
 
 namespace muond::kernels {
 namespace {
@@ -15,6 +19,28 @@ absl::Status NoPeerTransport(const PeerPrimitives& backend, absl::string_view wh
 }
 
 }  // namespace
+
+absl::Status PeerEvent::Await(absl::Time deadline, const std::function<bool()>& caller_gone) {
+  // Polled without any lock of the backend: other sessions' work goes on meanwhile.
+  absl::Duration pause = absl::Microseconds(20);
+  for (;;) {
+    absl::StatusOr<bool> done = Poll();
+    if (!done.ok()) return done.status();
+    if (*done) return absl::OkStatus();
+    if (caller_gone && caller_gone()) {
+      return absl::CancelledError(
+          "event_handle: the client went away (its call was cancelled) before the work it recorded its event after "
+          "completed; nothing was applied");
+    }
+    if (absl::Now() >= deadline) {
+      return absl::DeadlineExceededError(
+          "event_handle: the work the client recorded its event after (writing the gradients) did not complete "
+          "by the step's deadline; nothing was applied");
+    }
+    absl::SleepFor(pause);
+    pause = std::min(pause * 2, absl::Milliseconds(1));
+  }
+}
 
 absl::StatusOr<std::unique_ptr<PeerMemory>> PeerPrimitives::OpenPeerMemory(std::string_view, uint64_t) {
   return NoPeerTransport(*this, "CUDA IPC memory");

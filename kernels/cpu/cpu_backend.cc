@@ -270,6 +270,17 @@ class CpuBackend final : public Backend {
     return absl::OkStatus();
   }
 
+  // Also when the backend stands in for a device (not HostAddressable): its memory is the host's.
+  absl::Status AddToDiagonal(float* a, int64_t m, int64_t batch, float value) override {
+    if (m < 0 || batch < 0) return absl::InvalidArgumentError("AddToDiagonal: negative size");
+    std::unique_lock<std::mutex> gate = pool_.Exclusive();
+    for (int64_t b = 0; b < batch; ++b) {
+      float* matrix = a + b * m * m;
+      for (int64_t j = 0; j < m; ++j) matrix[j * m + j] += value;
+    }
+    return absl::OkStatus();
+  }
+
   absl::Status SumSquares(const float* x, size_t count, size_t batch, double* sums) override {
     std::unique_lock<std::mutex> gate = pool_.Exclusive();  // one fp64 sum in order: the same bits every time
     for (size_t b = 0; b < batch; ++b) {

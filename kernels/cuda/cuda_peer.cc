@@ -121,27 +121,16 @@ class IpcEvent final : public PeerEvent {
   IpcEvent(const IpcEvent&) = delete;
   IpcEvent& operator=(const IpcEvent&) = delete;
 
-  absl::Status Await(absl::Time deadline) override {
-    // Polled without the backend's lock: other sessions' work goes on meanwhile. 20 µs between polls
-    // at first, doubling to 1 ms.
-    absl::Duration pause = absl::Microseconds(20);
-    for (;;) {
-      cudaError_t state = cudaSuccess;
-      MUOND_RETURN_IF_ERROR(backend_->OnStream([&](cudaStream_t) {
-        state = cudaEventQuery(event_);
-        if (state != cudaSuccess && state != cudaErrorNotReady) cudaGetLastError();
-        return absl::OkStatus();
-      }));
-      if (state == cudaSuccess) return absl::OkStatus();
-      if (state != cudaErrorNotReady) return CudaStatus(state, "event_handle: querying the client's event");
-      if (absl::Now() >= deadline) {
-        return absl::DeadlineExceededError(
-            "event_handle: the work the client recorded its event after (writing the gradients) did not complete "
-            "by the step's deadline; nothing was applied");
-      }
-      absl::SleepFor(pause);
-      pause = std::min(pause * 2, absl::Milliseconds(1));
-    }
+  absl::StatusOr<bool> Poll() override {
+    cudaError_t state = cudaSuccess;
+    MUOND_RETURN_IF_ERROR(backend_->OnStream([&](cudaStream_t) {
+      state = cudaEventQuery(event_);
+      if (state != cudaSuccess && state != cudaErrorNotReady) cudaGetLastError();
+      return absl::OkStatus();
+    }));
+    if (state == cudaSuccess) return true;
+    if (state == cudaErrorNotReady) return false;
+    return CudaStatus(state, "event_handle: querying the client's event");
   }
 
  private:

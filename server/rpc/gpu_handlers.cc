@@ -59,10 +59,11 @@ grpc::Status MuondService::StepCuda(grpc::ServerContext* context, const v1::Step
     MUOND_ASSIGN_OR_RETURN(std::vector<transport::CudaTensorPlace> parameters,
                            transport::ResolveCudaTensors(session->config(), *regions, caller, session->id(),
                                                          request->parameters(), "parameters", /*require_all=*/true));
-    // The client's event must complete by the call's deadline.
-    const absl::Time deadline = CallDeadline(*context);
-    transport::CudaIpcGradientSource source(backend_, std::move(gradients), deadline);
-    transport::CudaIpcParameterSink sink(session.get(), backend_, std::move(parameters), deadline);
+    // The client's event must complete by the call's deadline; a client that went away (its call
+    // cancelled: it died, or gave up) ends the wait at once.
+    const transport::EventWait wait(CallDeadline(*context), [context] { return context->IsCancelled(); });
+    transport::CudaIpcGradientSource source(backend_, std::move(gradients), wait);
+    transport::CudaIpcParameterSink sink(session.get(), backend_, std::move(parameters), wait);
     // Written device to device: nothing read back to the host.
     return RunOutOfBandStep(*session, header, /*device_answer=*/true, source, sink, *options_.metrics, response);
   });

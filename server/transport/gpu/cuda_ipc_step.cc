@@ -23,10 +23,12 @@ absl::StatusOr<std::vector<CudaTensorPlace>> ResolveCudaTensors(
   return places;
 }
 
-absl::Status AwaitClientEvents(const std::vector<CudaTensorPlace>& places, absl::Time deadline) {
+absl::Status AwaitClientEvents(const std::vector<CudaTensorPlace>& places, const EventWait& wait) {
   std::set<const CudaRegion*> awaited;
   for (const CudaTensorPlace& place : places) {
-    if (awaited.insert(place.region.get()).second) MUOND_RETURN_IF_ERROR(place.region->event->Await(deadline));
+    if (awaited.insert(place.region.get()).second) {
+      MUOND_RETURN_IF_ERROR(place.region->event->Await(wait.deadline, wait.caller_gone));
+    }
   }
   return absl::OkStatus();
 }
@@ -34,7 +36,7 @@ absl::Status AwaitClientEvents(const std::vector<CudaTensorPlace>& places, absl:
 absl::Status CudaIpcGradientSource::ReadGradients(session::IncomingStep& step) {
   if (step.replay()) return absl::OkStatus();  // applied already: the gradients are not needed again
   // The client recorded its event after writing the gradients.
-  MUOND_RETURN_IF_ERROR(AwaitClientEvents(places_, deadline_));
+  MUOND_RETURN_IF_ERROR(AwaitClientEvents(places_, wait_));
   for (const CudaTensorPlace& place : places_) {
     MUOND_RETURN_IF_ERROR(TakeDeviceGradient(*backend_, step, place.ref.index, place.ref.dtype, place.data(),
                                              place.ref.bytes, host_bytes_));
@@ -47,7 +49,7 @@ absl::Status CudaIpcParameterSink::Send(const session::StepOutcome& outcome) {
   if (outcome.parameters != nullptr) {
     // Once more for a replay (whose gradients were not read): what the client wrote before its
     // event must land before the answer, not on top of it.
-    MUOND_RETURN_IF_ERROR(AwaitClientEvents(places_, deadline_));
+    MUOND_RETURN_IF_ERROR(AwaitClientEvents(places_, wait_));
     for (const CudaTensorPlace& place : places_) {
       if (outcome.parameters->on_device) {
         MUOND_RETURN_IF_ERROR(session_->CopyParameterOnDevice(*outcome.parameters, place.ref.index,

@@ -14,8 +14,10 @@
 // as soon as the answer arrives. Both hold their regions until destroyed. One step, one thread.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/time/time.h"
@@ -35,8 +37,18 @@ struct CudaTensorPlace {
   void* data() const { return static_cast<char*>(region->memory->data()) + ref.offset; }
 };
 
+// How long a step waits for its client's events: until `deadline`, or until `caller_gone` (may be
+// empty) says the call was abandoned — the client died or cancelled, so its event may never
+// complete and the session must not stay held until the deadline.
+struct EventWait {
+  EventWait(absl::Time deadline, std::function<bool()> caller_gone = {})  // NOLINT: a deadline alone is a wait
+      : deadline(deadline), caller_gone(std::move(caller_gone)) {}
+  absl::Time deadline;
+  std::function<bool()> caller_gone;
+};
+
 // Waits for the event of every region `places` name, once each.
-absl::Status AwaitClientEvents(const std::vector<CudaTensorPlace>& places, absl::Time deadline);
+absl::Status AwaitClientEvents(const std::vector<CudaTensorPlace>& places, const EventWait& wait);
 
 absl::StatusOr<std::vector<CudaTensorPlace>> ResolveCudaTensors(
     const session::SessionConfig& config, const CudaMemoryRegions& regions, const std::string& caller,
@@ -45,23 +57,23 @@ absl::StatusOr<std::vector<CudaTensorPlace>> ResolveCudaTensors(
 
 class CudaIpcGradientSource final : public GradientSource {
  public:
-  CudaIpcGradientSource(kernels::Backend* backend, std::vector<CudaTensorPlace> places, absl::Time deadline)
-      : backend_(backend), places_(std::move(places)), deadline_(deadline) {}
+  CudaIpcGradientSource(kernels::Backend* backend, std::vector<CudaTensorPlace> places, EventWait wait)
+      : backend_(backend), places_(std::move(places)), wait_(std::move(wait)) {}
   absl::Status ReadGradients(session::IncomingStep& step) override;
   std::string_view transport() const override { return "cuda_ipc"; }
 
  private:
   kernels::Backend* const backend_;
   const std::vector<CudaTensorPlace> places_;
-  const absl::Time deadline_;
+  const EventWait wait_;
   std::string host_bytes_;
 };
 
 class CudaIpcParameterSink final : public ParameterSink {
  public:
   CudaIpcParameterSink(const session::Session* session, kernels::Backend* backend, std::vector<CudaTensorPlace> places,
-                       absl::Time deadline)
-      : session_(session), backend_(backend), places_(std::move(places)), deadline_(deadline) {}
+                       EventWait wait)
+      : session_(session), backend_(backend), places_(std::move(places)), wait_(std::move(wait)) {}
   absl::Status Send(const session::StepOutcome& outcome) override;
   const v1::StepResult& result() const { return result_; }
 
@@ -69,7 +81,7 @@ class CudaIpcParameterSink final : public ParameterSink {
   const session::Session* const session_;
   kernels::Backend* const backend_;
   const std::vector<CudaTensorPlace> places_;
-  const absl::Time deadline_;
+  const EventWait wait_;
   std::string host_bytes_;
   v1::StepResult result_;
 };

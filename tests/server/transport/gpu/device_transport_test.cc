@@ -226,9 +226,9 @@ class HostPeerMemory final : public kernels::PeerMemory {
 class CountingPeerEvent final : public kernels::PeerEvent {
  public:
   explicit CountingPeerEvent(int* waits) : waits_(waits) {}
-  absl::Status Await(absl::Time) override {
+  absl::StatusOr<bool> Poll() override {
     ++*waits_;
-    return absl::OkStatus();
+    return true;
   }
 
  private:
@@ -300,6 +300,64 @@ TEST(CudaIpcStepTest, GradientsInAndParametersOutOfTheRegionInTheirDtypes) {
   std::vector<float> got_b(kB);
   std::memcpy(got_b.data(), base + w_bytes, b_bytes);
   EXPECT_EQ(got_b, now[1]);
+}
+
+// An event that never completes: the step ends at its deadline, or at once when its caller is gone
+// (the client died mid-step and its call was cancelled); either way nothing is applied and the
+// session steps on afterwards.
+class NeverCompletingEvent final : public kernels::PeerEvent {
+ public:
+  absl::StatusOr<bool> Poll() override {
+    ++polls;
+    return false;
+  }
+  int polls = 0;
+};
+
+TEST(CudaIpcStepTest, AnEventThatNeverCompletesEndsAtTheDeadlineOrWhenTheCallerIsGone) {
+  auto device_like = kernels::NewCpuBackend(1, /*host_addressable=*/false);
+  auto ipc = NewSession("ipc", device_like.get());
+  auto region = std::make_shared<CudaRegion>();
+  region->session_id = "ipc";
+  region->memory = std::make_unique<HostPeerMemory>((kW + kB) * 4);
+  auto* event = new NeverCompletingEvent;
+  region->event.reset(event);
+  const std::string wb = Encoded(v1::DTYPE_FP32, Values(kW, 0.3f)), bb = Encoded(v1::DTYPE_FP32, Values(kB, 0.1f));
+  char* base = static_cast<char*>(region->memory->data());
+  std::memcpy(base, wb.data(), wb.size());
+  std::memcpy(base + wb.size(), bb.data(), bb.size());
+  const std::vector<CudaTensorPlace> places = {
+      CudaTensorPlace{TensorRef{0, 0, wb.size(), v1::DTYPE_FP32}, region},
+      CudaTensorPlace{TensorRef{1, wb.size(), bb.size(), v1::DTYPE_FP32}, region}};
+  int64_t last = -1;
+  const auto before = session::CopyValues(*ipc->Parameters(&last));
+  session::StepRequest request;
+  request.step = 1;
+  {
+    CudaIpcGradientSource source(device_like.get(), places, absl::Now());
+    CudaIpcParameterSink sink(ipc.get(), device_like.get(), places, absl::Now());
+    EXPECT_THAT(RunStep(*ipc, request, source, sink, *metrics::NoMetrics()),
+                ::muond::testing::StatusIs(absl::StatusCode::kDeadlineExceeded, "event_handle"));
+  }
+  {
+    int asked = 0;
+    const EventWait wait(absl::InfiniteFuture(), [&asked] { return ++asked >= 3; });
+    CudaIpcGradientSource source(device_like.get(), places, wait);
+    CudaIpcParameterSink sink(ipc.get(), device_like.get(), places, wait);
+    const int polls_before = event->polls;
+    EXPECT_THAT(RunStep(*ipc, request, source, sink, *metrics::NoMetrics()),
+                ::muond::testing::StatusIs(absl::StatusCode::kCancelled, "the client went away"));
+    EXPECT_EQ(event->polls - polls_before, 3) << "the caller is asked after every poll";
+  }
+  EXPECT_EQ(ipc->last_step(), 0);
+  EXPECT_EQ(session::CopyValues(*ipc->Parameters(&last)), before) << "nothing was applied";
+  // The session is free: a client whose event completes steps it.
+  int waits = 0;
+  region->event = std::make_unique<CountingPeerEvent>(&waits);
+  CudaIpcGradientSource source(device_like.get(), places, absl::InfiniteFuture());
+  CudaIpcParameterSink sink(ipc.get(), device_like.get(), places, absl::InfiniteFuture());
+  ASSERT_OK(RunStep(*ipc, request, source, sink, *metrics::NoMetrics()));
+  EXPECT_TRUE(sink.result().applied());
 }
 
 // Answers from 16-bit masters on the device: in their own format (bytes), widened, and converted to
