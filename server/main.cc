@@ -13,6 +13,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <utility>
 #include <variant>
 #include <vector>
@@ -256,7 +257,12 @@ std::optional<Transports> StartTransports(const DaemonFlags& flags, kernels::Bac
   shm_limits.max_connections = fd_budget.shm_connections;
   shm_limits.max_pending = fd_budget.shm_pending;
   shm_limits.pending_timeout = absl::Seconds(flags.shm_ticket_timeout_seconds);
-  transports.shm_regions = std::make_unique<transport::SharedMemoryRegions>(shm_limits);
+  // Steps copy gradients out of the regions and parameters into them on as many threads as compute
+  // has (--threads), a pool of their own; without a socket nothing is copied.
+  const int copy_threads = flags.shm_socket == "none" ? 1
+                           : flags.threads > 0        ? flags.threads
+                                                      : static_cast<int>(std::thread::hardware_concurrency());
+  transports.shm_regions = std::make_unique<transport::SharedMemoryRegions>(shm_limits, copy_threads);
   transports.cuda_regions = std::make_unique<transport::CudaMemoryRegions>(backend, transports.shm_regions.get());
   transports.shm_regions->OnConnectionClosed([cuda_regions = transports.cuda_regions.get()](uint64_t connection) {
     cuda_regions->DropConnection(connection);

@@ -66,8 +66,8 @@ grpc::Status MuondService::StepShared(grpc::ServerContext* context, const v1::St
     MUOND_ASSIGN_OR_RETURN(std::vector<transport::SharedTensorPlace> parameters,
                            transport::ResolveSharedTensors(session->config(), *regions, caller, request->parameters(),
                                                            "parameters", /*require_all=*/true));
-    transport::ShmGradientSource source(std::move(gradients));
-    transport::ShmParameterSink sink(std::move(parameters));
+    transport::ShmGradientSource source(std::move(gradients), &regions->copy_pool());
+    transport::ShmParameterSink sink(std::move(parameters), &regions->copy_pool());
     return RunOutOfBandStep(*session, header, /*device_answer=*/false, source, sink, *options_.metrics, response);
   });
 }

@@ -18,6 +18,10 @@
 // daemon-wide (each holds a descriptor), and `max_regions_per_caller` regions per caller
 // (RESOURCE_EXHAUSTED beyond); a ticket not claimed within `pending_timeout` expires
 // (ExpirePending, called by the socket's thread). `max_connections` is the socket server's.
+//
+// The table also holds the threads that steps over its regions copy with (copy_pool(): `copy_threads`
+// in all, a step's own thread included; the daemon gives it --threads): the copies out of and into
+// the regions are split over them (shm_step.h).
 // Thread-safety: thread-safe.
 #pragma once
 
@@ -32,6 +36,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "kernels/cpu/compute_pool.h"
 #include "server/transport/liveness_tickets.h"
 #include "server/transport/region_table.h"
 #include "server/transport/shm/shared_mapping.h"
@@ -55,9 +60,12 @@ struct RegionStatus {
 
 class SharedMemoryRegions : public LivenessTickets {
  public:
-  explicit SharedMemoryRegions(SharedMemoryLimits limits = {}) : limits_(limits) {}
+  explicit SharedMemoryRegions(SharedMemoryLimits limits = {}, int copy_threads = 1)
+      : limits_(limits), copy_pool_(copy_threads) {}
 
   const SharedMemoryLimits& limits() const { return limits_; }
+  // The threads steps copy with; one copy at a time passes through it.
+  kernels::ComputePool& copy_pool() { return copy_pool_; }
 
   // The socket side. A connection id for a new connection.
   uint64_t OpenConnection();
@@ -93,6 +101,7 @@ class SharedMemoryRegions : public LivenessTickets {
                             std::vector<SealedMemfd>& dropped_pending) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const SharedMemoryLimits limits_;
+  kernels::ComputePool copy_pool_;
   mutable absl::Mutex mu_;
   uint64_t next_connection_ ABSL_GUARDED_BY(mu_) = 1;
   absl::flat_hash_map<std::string, Pending> pending_ ABSL_GUARDED_BY(mu_);  // by ticket

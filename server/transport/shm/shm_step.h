@@ -11,7 +11,9 @@
 // while its sum of squares is taken; everything after (finiteness, clipping, the optimizer) reads
 // that copy, so a client writing its region during the step can change nothing but its own data.
 // ShmParameterSink encodes the parameters into the regions (one copy) and keeps the result for the
-// RPC's response. Both hold their regions (shared_ptr) until destroyed. One step, one thread.
+// RPC's response. Both split their copies over `pool`'s threads (bulk_codec.h: the sums of squares
+// have the same bits whatever its thread count; null: the step's thread alone), and hold their
+// regions (shared_ptr) until destroyed. One step, one calling thread.
 #pragma once
 
 #include <memory>
@@ -24,6 +26,10 @@
 #include "server/session/session_config.h"
 #include "server/transport/shm/shared_memory_regions.h"
 #include "server/transport/step_transport.h"
+
+namespace muond::kernels {
+class ComputePool;
+}
 
 namespace muond::transport {
 
@@ -41,22 +47,26 @@ absl::StatusOr<std::vector<SharedTensorPlace>> ResolveSharedTensors(
 
 class ShmGradientSource final : public GradientSource {
  public:
-  explicit ShmGradientSource(std::vector<SharedTensorPlace> places) : places_(std::move(places)) {}
+  ShmGradientSource(std::vector<SharedTensorPlace> places, kernels::ComputePool* pool)
+      : places_(std::move(places)), pool_(pool) {}
   absl::Status ReadGradients(session::IncomingStep& step) override;
   std::string_view transport() const override { return "shm"; }
 
  private:
   const std::vector<SharedTensorPlace> places_;
+  kernels::ComputePool* const pool_;
 };
 
 class ShmParameterSink final : public ParameterSink {
  public:
-  explicit ShmParameterSink(std::vector<SharedTensorPlace> places) : places_(std::move(places)) {}
+  ShmParameterSink(std::vector<SharedTensorPlace> places, kernels::ComputePool* pool)
+      : places_(std::move(places)), pool_(pool) {}
   absl::Status Send(const session::StepOutcome& outcome) override;
   const v1::StepResult& result() const { return result_; }
 
  private:
   const std::vector<SharedTensorPlace> places_;
+  kernels::ComputePool* const pool_;
   v1::StepResult result_;
 };
 
