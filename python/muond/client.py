@@ -312,25 +312,36 @@ class Connection:
             return stream.finish(self._stub.UploadParameters(stream, timeout=self.timeout,
                                                              metadata=self._metadata))
 
-    def step(self, header: pb.StepHeader, chunks: Iterable[bytes], into: ChunkAssembler) -> pb.StepResult:
+    def step(self, header: pb.StepHeader, chunks: Iterable[bytes], into: ChunkAssembler,
+             on_result: Optional[Callable[[pb.StepResult], None]] = None) -> pb.StepResult:
         """Runs one step: sends the header and the gradient chunks (serialized ``StepRequest``
         messages, ``framing.frame_chunks``), half-closes, then reads the StepResult and hands the
-        returned parameter chunks to ``into``, each as a view of the received bytes."""
+        returned parameter chunks to ``into``, each as a view of the received bytes.
+        ``on_result`` is called with the StepResult as soon as it arrives, before the parameters
+        that follow it."""
         def requests():
             yield pb.StepRequest(header=header)
             yield from chunks
         result = None
         with _RequestStream(requests()) as stream, translated("Step"):
-            for response in self._step(stream, timeout=self.timeout, metadata=self._metadata):
-                if isinstance(response, FramedChunk):
-                    into.add(response)
-                elif response.HasField("result"):
-                    result = response.result
-                elif response.HasField("packed"):
-                    for chunk in response.packed.chunks:
-                        into.add(chunk)
-                else:
-                    into.add(response.chunk)
+            call = self._step(stream, timeout=self.timeout, metadata=self._metadata)
+            try:
+                for response in call:
+                    if isinstance(response, FramedChunk):
+                        into.add(response)
+                    elif response.HasField("result"):
+                        result = response.result
+                        if on_result is not None:
+                            on_result(result)
+                    elif response.HasField("packed"):
+                        for chunk in response.packed.chunks:
+                            into.add(chunk)
+                    else:
+                        into.add(response.chunk)
+            finally:
+                # An answer left unread (``into`` refused a chunk) ends here, not once the
+                # exception holding this frame is collected: the daemon stops sending it.
+                call.cancel()
             stream.finish(None)
         if result is None:
             raise MuondError(grpc.StatusCode.INTERNAL, "the daemon's step answer had no StepResult",
