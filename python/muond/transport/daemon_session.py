@@ -24,7 +24,7 @@ from ..errors import MuondError
 from .base import Facts, Grads, Here, StepTransport, TransportContext
 from .choice import open_transport
 from .grpc_transport import GrpcTransport
-from .streamed import StreamedTry
+from .streamed import Landing, StreamedTry
 
 
 class DaemonSession:
@@ -189,6 +189,13 @@ class StreamedStep:
         result, values = self._try.result()
         copy_in(self._out or self._session.by_name, values)
         return result
+
+    def answer(self) -> Tuple[pb.StepResult, Landing]:
+        """The result as soon as it is in, and the landing of the parameters still arriving
+        (``StreamedTry.answer``); values a transport hands back are copied in first."""
+        result, values, landing = self._try.answer()
+        copy_in(self._out or self._session.by_name, values)
+        return result, landing
 
     def cancel(self) -> None:
         self._try.cancel()

@@ -6,7 +6,9 @@ decoded straight into the parameter tensors (``wire.ChunkAssembler`` with ``into
 
 A streamed try (``GrpcStreamedTry``) opens the stream with a header marked ``streamed`` at the first
 gradient and sends each gradient's chunks while backward goes on; the count and the step's options
-follow in a closing ``StepEnd`` (docs/protocol.md, "Streamed steps").
+follow in a closing ``StepEnd`` (docs/protocol.md, "Streamed steps"). Its ``answer()`` returns as
+soon as the ``StepResult`` is in; each parameter is reported to the try's ``Landing`` once its last
+chunk is written, while the rest are still arriving (``RemoteOptimizer(land_in_forward=)``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from .._stubs import pb
 from ..errors import MuondError
 from . import framing
 from .base import Facts, Grads, StepTransport, TransportContext
-from .streamed import StreamedTry, check_identity, end_of, identity_of
+from .streamed import Landing, StreamedTry, check_identity, end_of, identity_of
 
 
 class GrpcTransport(StepTransport):
@@ -69,6 +71,32 @@ class GrpcTransport(StepTransport):
         return GrpcStreamedTry(self, header, out)
 
 
+class _LandingAssembler(wire.ChunkAssembler):
+    """A ``ChunkAssembler`` writing into ``into`` that reports each tensor to ``landing`` once its
+    last chunk is written where it belongs (a tensor that is not contiguous is copied in then,
+    not at ``finish``), so that nothing is written to a tensor after it arrived."""
+
+    def __init__(self, sizes: Dict[str, int], dtype: str, into: Dict[str, torch.Tensor],
+                 landing: Landing):
+        super().__init__(sizes, dtype, into=into)
+        self._landing = landing
+
+    def add(self, chunk) -> None:
+        super().add(chunk)
+        meta = chunk.meta if isinstance(chunk, wire.FramedChunk) else chunk
+        key = (meta.name, meta.slot)
+        if self._filled[key] != self._size(key):
+            return
+        flat, target = self._buffers[key], self._into.get(meta.name)
+        if target is not None and not meta.slot and flat.data_ptr() != target.data_ptr():
+            with torch.no_grad():
+                target.copy_(flat.view(target.shape))
+        self._landing.arrived(meta.name)
+
+    def finish(self) -> None:
+        self.tensors()  # only the check: every tensor was written in as it completed
+
+
 class _Abandoned(Exception):
     """Raised into the request stream to cancel a streamed try's call."""
 
@@ -93,11 +121,24 @@ class GrpcStreamedTry(StreamedTry):
         self._input_ended = threading.Event()  # set once the producer let go of every gradient
         self._chunks = 0
         self._ended = False
-        into = wire.ChunkAssembler(ctx.sizes, ctx.return_dtype, into=out or ctx.by_name)
+        self._landing = Landing(ctx.names)
+        self._result: Optional[pb.StepResult] = None
+        self._answered = threading.Event()  # set once the result is in, or the call ended
+        into = _LandingAssembler(ctx.sizes, ctx.return_dtype, out or ctx.by_name, self._landing)
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="muond-stream")
-        self._call = self._worker.submit(ctx.conn.step, self._begun, self._requests(), into)
+        self._call = self._worker.submit(ctx.conn.step, self._begun, self._requests(), into,
+                                         self._on_result)
         # A call that ends early (refused, broken) reads no more gradients either.
-        self._call.add_done_callback(lambda _: self._input_ended.set())
+        self._call.add_done_callback(self._call_ended)
+
+    def _on_result(self, result: pb.StepResult) -> None:
+        self._result = result
+        self._answered.set()
+
+    def _call_ended(self, call: concurrent.futures.Future) -> None:
+        self._input_ended.set()
+        self._landing.end(None if call.cancelled() else call.exception())
+        self._answered.set()
 
     def _requests(self) -> Iterator[object]:
         try:
@@ -136,6 +177,17 @@ class GrpcStreamedTry(StreamedTry):
             return self._call.result(), {}  # written in place
         finally:
             self._worker.shutdown(wait=False)
+
+    def answer(self) -> Tuple[pb.StepResult, Dict[str, torch.Tensor], Landing]:
+        """Returns once the ``StepResult`` is in; the parameters go on landing on the worker (an
+        ordinary thread: interpreter exit waits for it). A call that failed before its result
+        raises here, as ``result()`` would; one that fails after it fails the landing."""
+        self._answered.wait()
+        if self._result is None:
+            result, values = self.result()  # ended without a result: raises its failure
+            return result, values, Landing.landed()
+        self._worker.shutdown(wait=False)
+        return self._result, {}, self._landing
 
     def cancel(self) -> None:
         self._ended = True

@@ -11,11 +11,16 @@ names (its identity: session, step, rank, answer format; no options, no chunk co
   no gradient tensor is read again.
 - ``result()`` waits for the answer: what ``StepTransport.step`` returns. The parameters go into
   ``out`` (None: the parameter tensors) or come back as views to copy.
+- ``answer()`` waits for the step's result only: (the result, the values to copy as ``result()``
+  gives them, a ``Landing`` of the parameters still arriving). A transport that receives the
+  answer tensor by tensor (gRPC) returns as soon as the result is in and the parameters land after
+  it, in the order the daemon sends them; the default waits for all of them (``result()``) and
+  returns a landing already complete. Used by ``RemoteOptimizer(land_in_forward=)``.
 - ``cancel()`` abandons the try: nothing of it is applied. Safe at any point, and more than once.
 
-Whatever the ending, a try is ended by ``result()`` or ``cancel()``. A header whose identity
-differs from the one the try began with raises ``IdentityChanged`` from ``send_rest`` (the caller
-cancels and runs an ordinary try). ``GatheredTry``, the default, only collects the gradients and
+Whatever the ending, a try is ended by ``result()``, ``answer()`` or ``cancel()``. A header whose
+identity differs from the one the try began with raises ``IdentityChanged`` from ``send_rest`` (the
+caller cancels and runs an ordinary try). ``GatheredTry``, the default, only collects the gradients and
 runs one ordinary try at the end: a transport that cannot start early still serves streamed steps.
 
 Used by one thread at a time, except ``add``, which backward may call from its own thread.
@@ -24,7 +29,8 @@ Used by one thread at a time, except ``add``, which backward may call from its o
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+import threading
+from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 
@@ -72,6 +78,78 @@ def check_identity(begun: pb.StepHeader, header: pb.StepHeader) -> None:
         raise IdentityChanged(f"the step began as step {begun.step} and ends as step {header.step}")
 
 
+class Landing:
+    """The parameters of an answered step arriving one tensor at a time, on the thread that
+    receives them: ``arrived(name)`` once a tensor is wholly written where it belongs, then
+    ``end(failure)`` when the answer is over (``failure`` None: every tensor came). The trainer
+    waits with ``wait(names)``; the first failure is raised by every wait after it is known.
+
+    A tensor said to have arrived is never written again by this answer."""
+
+    def __init__(self, names: Iterable[str]):
+        self._cond = threading.Condition()
+        self._order = list(names)
+        self._missing: Set[str] = set(self._order)
+        self._total = len(self._missing)
+        self._ended = False
+        self._failure: Optional[BaseException] = None
+
+    @classmethod
+    def landed(cls) -> "Landing":
+        """A landing with nothing left to arrive."""
+        done = cls(())
+        done._ended = True
+        return done
+
+    def arrived(self, name: str) -> None:
+        with self._cond:
+            self._missing.discard(name)
+            self._cond.notify_all()
+
+    def end(self, failure: Optional[BaseException] = None) -> None:
+        with self._cond:
+            if self._ended:
+                return
+            self._ended = True
+            if failure is None:
+                self._missing.clear()  # a tensor the answer left out keeps its value
+            elif self._missing:  # a failure after the last tensor left nothing behind
+                self._failure = failure
+            self._cond.notify_all()
+
+    @property
+    def done(self) -> bool:
+        """Whether the answer is over (every tensor in, or a failure)."""
+        with self._cond:
+            return self._ended
+
+    @property
+    def failure(self) -> Optional[BaseException]:
+        with self._cond:
+            return self._failure
+
+    def missing(self) -> List[str]:
+        """The tensors that have not arrived (after a failure: the ones that never will), in the
+        order they were named."""
+        with self._cond:
+            return [name for name in self._order if name in self._missing]
+
+    @property
+    def total(self) -> int:
+        return self._total
+
+    def wait(self, names: Optional[Iterable[str]] = None) -> None:
+        """Waits until ``names`` (None: all) have arrived or the answer is over; raises the
+        failure once one is known."""
+        wanted = None if names is None else set(names)
+        with self._cond:
+            while not self._ended and (self._missing if wanted is None
+                                       else not wanted.isdisjoint(self._missing)):
+                self._cond.wait()
+            if self._failure is not None:
+                raise self._failure
+
+
 class StreamedTry(abc.ABC):
     """One streamed try (see the module's docstring)."""
 
@@ -86,6 +164,12 @@ class StreamedTry(abc.ABC):
 
     @abc.abstractmethod
     def cancel(self) -> None: ...
+
+    def answer(self) -> Tuple[pb.StepResult, Dict[str, torch.Tensor], Landing]:
+        """The result as soon as it is in, the values to copy, and the parameters' landing (see
+        the module's docstring). By default the whole answer is waited for."""
+        result, values = self.result()
+        return result, values, Landing.landed()
 
     def finish(self, header: pb.StepHeader, more: "Grads"
                ) -> Tuple[pb.StepResult, Dict[str, torch.Tensor]]:
