@@ -61,14 +61,15 @@ from .client import Connection
 from .connection_options import ConnectionOptions
 from .delayed import DelayedUpdate, check_delay
 from .errors import PUSH_TOO_STALE, STEP_NOT_PREPARED, MuondError
+from .landing import ForwardLanding, check_land_in_forward
 from .naming import named_groups
 from .overlap import GradientStream
 from .state_digest import StateDigest
 from .state_transfer import StateTransfer
 from .state_digest import combine as combine_digests
 from .step_info import StepInfo, check_max_grad_norm, group_fields, rank_report
-from .transport.daemon_session import DaemonSession, StreamedStep
-from .transport.streamed import IdentityChanged
+from .transport.daemon_session import DaemonSession, StreamedStep, copy_in
+from .transport.streamed import IdentityChanged, Landing
 from .transport.zero_copy import check_zero_copy
 
 # A step that failed with these may have been applied or not; the daemon answers a resend of the
@@ -131,6 +132,16 @@ class RemoteOptimizer(StateTransfer, torch.optim.Optimizer):
             result; a gradient changed after backward (clipped or unscaled by hand) makes the
             step send them all again. With gradient accumulation, run the micro-batches but the
             last inside ``no_sync()``. One daemon only (not with several ``endpoints``).
+        land_in_forward: with ``overlap=True``, the model (a ``torch.nn.Module``) whose next
+            forward the parameters' way back overlaps (docs/overlap.md, "Landing during the next
+            forward"): ``step()`` returns once the daemon's result is in (``last_info``,
+            ``last_step`` and ``loss_scale`` are set), and each module's forward waits only for
+            the parameters it holds, as they arrive, like ZeRO-3's parameter prefetch. Exactly
+            the plain step's parameters, but a parameter read outside its module's forward
+            before that forward ran may be stale: call ``flush()`` first (every call of this
+            optimizer waits for them itself). A parameter no module of the model holds lands
+            before ``step()`` returns. Over gRPC; on other transports the parameters are in
+            place when ``step()`` returns. Not with ``delay`` or ``sync_mode="async"``.
         delay, delay_warmup: ``delay=1`` (ZeRO-Offload's delayed parameter update): after
             ``delay_warmup`` (default 0) ordinary steps, ``step()`` returns as soon as the step's
             gradients are taken, and the parameters after step k are copied in at step k+1's
@@ -171,7 +182,7 @@ class RemoteOptimizer(StateTransfer, torch.optim.Optimizer):
                  grace_seconds: Optional[float] = None, max_staleness: Optional[int] = None,
                  staleness_scaling: Optional[str] = None, overlap: bool = False,
                  delay: int = 0, delay_warmup: int = 0, shm_zero_copy: bool = False,
-                 **defaults: Any):
+                 land_in_forward: Optional[torch.nn.Module] = None, **defaults: Any):
         connection, defaults = ConnectionOptions.from_arguments(connection, endpoint, defaults)
         opts.check_defaults(defaults)
         self._user_defaults = dict(defaults)
@@ -208,6 +219,8 @@ class RemoteOptimizer(StateTransfer, torch.optim.Optimizer):
         self._index_parameters(names, qk_clip)
         self._stream: Optional[GradientStream] = None
         self._delayed: Optional[DelayedUpdate] = None
+        self._forward: Optional[ForwardLanding] = None
+        self._answer_landing: Optional[Landing] = None  # the answer's, until step() hands it on
         self.delay, self.delay_warmup = check_delay(delay, delay_warmup, self.loss_scaler,
                                                     self.sync.mode)
         self._steps_sent = 0  # steps this optimizer has sent (delay_warmup counts them)
@@ -218,6 +231,7 @@ class RemoteOptimizer(StateTransfer, torch.optim.Optimizer):
         if overlap and len(self.endpoints) > 1:
             raise ValueError("overlap: needs one daemon (a sharded step prepares on every shard "
                              "before anything is applied); got several endpoints")
+        check_land_in_forward(land_in_forward, overlap, self.delay, self.sync.mode)
         self.shm_zero_copy = bool(shm_zero_copy)
         if self.shm_zero_copy:
             self._wanted_transport = check_zero_copy(
@@ -235,9 +249,13 @@ class RemoteOptimizer(StateTransfer, torch.optim.Optimizer):
             _log.info("session %s: steps travel over %s", self.session_id, self.transport)
             if self.delay:
                 self._delayed = DelayedUpdate(dict(zip(self._names, self._params)))
+            if land_in_forward is not None:
+                self._forward = ForwardLanding(land_in_forward, self._by_name,
+                                               self._read_back_parameters)
             if overlap:
-                self._stream = GradientStream(list(zip(self._names, self._params)),
-                                              self._begin_stream)
+                self._stream = GradientStream(
+                    list(zip(self._names, self._params)), self._begin_stream,
+                    self._forward.observe if self._forward is not None else None)
         except BaseException:
             self._shut_down(end_session=False)
             raise
@@ -471,6 +489,13 @@ class RemoteOptimizer(StateTransfer, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_open()
+        if self._forward is not None:
+            try:  # the last step's parameters are all in before anything reads or writes them
+                self._forward.wait_all()
+                self._forward.check_use()
+            except BaseException:
+                self._cancel_stream()
+                raise
         logits = qk.logits_of(qk_logits, self.qk_clip, self._params, self._names)
         grads = self._grads()
         if self._delayed is not None:
@@ -485,7 +510,11 @@ class RemoteOptimizer(StateTransfer, torch.optim.Optimizer):
                               loss_scale.check_grad_scale(grad_scale), weight)
         self._steps_sent += 1
         if not delayed:
+            self._answer_landing = None
             self._run_step(header, grads, streamed, rest, None, weight)()
+            landing, self._answer_landing = self._answer_landing, None
+            if self._forward is not None:  # the parameters may still be arriving
+                self._forward.begin(landing or Landing.landed(), self.last_step)
             return loss
         # The step runs on while the trainer goes on: what it sends, and sends again on a retry,
         # is a copy, since the trainer's next backward overwrites .grad.
@@ -535,7 +564,10 @@ class RemoteOptimizer(StateTransfer, torch.optim.Optimizer):
                         first.send_rest(header, rest)
                 except IdentityChanged:
                     return plain()
-                answered = first.result()
+                if self._forward is not None and out is None:
+                    answered, self._answer_landing = first.answer()
+                else:
+                    answered = first.result()
                 self.streamed_steps += 1
                 return answered
             except MuondError as err:
@@ -624,10 +656,24 @@ class RemoteOptimizer(StateTransfer, torch.optim.Optimizer):
 
     def flush(self) -> None:
         """With ``delay``: waits for the step in flight and copies its parameters into the model
-        (before evaluating, say); raises that step's failure. Nothing otherwise."""
+        (before evaluating, say); raises that step's failure. With ``land_in_forward``: waits
+        until every parameter of the last step has landed (before reading parameters outside
+        the model's forward); raises a failed landing. Nothing otherwise."""
         self._check_open()
         if self._delayed is not None:
             self._delayed.land()
+        if self._forward is not None:
+            self._forward.wait_all()
+
+    def _read_back_parameters(self) -> None:
+        """Reads every parameter from the daemon in the answers' dtype, as a step's answer
+        would have brought them (after a landing that failed)."""
+        session = self._sessions[0]
+        into = wire.ChunkAssembler(session.sizes, self.return_dtype)
+        session.conn.get_parameters(session.session_id, into,
+                                    dtype=wire.dtype_enum(self.return_dtype),
+                                    max_chunk_bytes=self.chunk_bytes)
+        copy_in(session.by_name, {name: t for (name, _), t in into.tensors().items()})
 
     def _pushed(self, header: pb.StepHeader, result: pb.StepResult, seconds: float, attempts: int,
                 weight: Optional[float]) -> None:
@@ -759,6 +805,12 @@ class RemoteOptimizer(StateTransfer, torch.optim.Optimizer):
         failure: Optional[BaseException] = None
         if self._stream is not None:
             self._stream.remove()
+        if self._forward is not None:
+            try:
+                self._forward.wait_all()  # the parameters are in before anything closes
+            except BaseException as err:  # noqa: BLE001 - raised once everything is closed
+                failure = err
+            self._forward.remove()
         if self._delayed is not None:
             try:
                 self._delayed.land()  # the step in flight is answered before anything closes

@@ -13,6 +13,10 @@ trainer clipped or unscaled ``.grad`` by hand, or ran a second backward without 
 or when a parameter was sent whose gradient is gone. Within ``no_sync()`` (gradient accumulation
 over micro-batches, like DDP's) nothing is sent; the backward after it sends the sums.
 
+``observe``, when given, is told every parameter whose gradient backward accumulated, inside
+``no_sync()`` too (``RemoteOptimizer(land_in_forward=)`` checks there that a forward waited for
+each parameter it used).
+
 The hooks run on backward's threads; a lock orders them against ``take()`` and ``cancel()``.
 """
 
@@ -35,8 +39,10 @@ class GradientStream:
     """Hooks on ``params`` (names and tensors, in the optimizer's order) that feed the streamed
     try ``begin()`` opens (an object with ``add``, ``send_rest``, ``result`` and ``cancel``)."""
 
-    def __init__(self, params: Sequence[Tuple[str, torch.Tensor]], begin: Callable[[], Any]):
+    def __init__(self, params: Sequence[Tuple[str, torch.Tensor]], begin: Callable[[], Any],
+                 observe: Optional[Callable[[str], None]] = None):
         self._begin = begin
+        self._observe = observe
         self._lock = threading.Lock()
         self._syncing = True
         self._open: Optional[Any] = None
@@ -59,6 +65,8 @@ class GradientStream:
         self._accumulators.append(accumulator)
 
     def _on_gradient(self, name: str, param: torch.Tensor) -> None:
+        if self._observe is not None:
+            self._observe(name)
         grad = param.grad
         with self._lock:
             if not self._syncing or self._broken or grad is None:
