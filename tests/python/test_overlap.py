@@ -5,15 +5,21 @@ suite's step transport (MUOND_TRANSPORT: shm and gRPC).
 Every comparison is bit for bit: a streamed step sends the same gradients as a plain one, and a
 delayed step applies the same update one step later, so nothing may differ at all."""
 
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 import uuid
 
+import grpc
 import pytest
 import torch
 import torch.nn as nn
 
 import muond
 from helpers import TinyNet, loss_of
+from muond.client import Connection
 
 STEPS = 5
 
@@ -350,3 +356,316 @@ def test_a_delayed_sharded_session_applies_the_same_updates(start_daemon):
     assert opt.state_dict()["muond"]["last_step"] == STEPS
     plain.close()
     opt.close()
+
+
+# -- parameters landing during the next forward (land_in_forward) --------------------------------
+
+class Chain(nn.Module):
+    """Three linear layers, registered in the order the forward uses them: one AdamW group
+    answers their parameters in forward order."""
+
+    def __init__(self, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.first = nn.Linear(8, 32)
+        self.mid = nn.Linear(32, 32)
+        self.last = nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.last(torch.tanh(self.mid(torch.tanh(self.first(x)))))
+
+
+def chain_groups(model, extra=()):
+    return [{"params": list(model.named_parameters()) + list(extra), "optimizer": "adamw",
+             "lr": 0.01}]
+
+
+def chain_batch(step):
+    gen = torch.Generator().manual_seed(500 + step)
+    return torch.randn(16, 8, generator=gen), torch.randn(16, 4, generator=gen)
+
+
+def chain_loss(model, step):
+    x, y = chain_batch(step)
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def chain_step(model, opt, step):
+    chain_loss(model, step).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def chains(endpoint, seed, transport=None, model_type=None):
+    """(plain model, its optimizer, model, optimizer with land_in_forward), equal models; over
+    gRPC when asked (the transport whose answers land tensor by tensor), else the suite's."""
+    make = model_type or Chain
+    plain_model, model = make(seed), make(seed)
+    kwargs = {"transport": transport} if transport else {}
+    plain = muond.RemoteOptimizer(chain_groups(plain_model), endpoint=endpoint, **kwargs)
+    opt = muond.RemoteOptimizer(chain_groups(model), endpoint=endpoint, overlap=True,
+                                land_in_forward=model, **kwargs)
+    return plain_model, plain, model, opt
+
+
+def chunk_name(chunk):
+    from muond import wire
+    return (chunk.meta if isinstance(chunk, wire.FramedChunk) else chunk).name
+
+
+class HeldBack:
+    """Over gRPC: every answer stops before the tensor ``name`` until something waits for that
+    tensor to land (a module's forward, ``step()``, ``flush()``, ``close()``...): a return leg as
+    slow as can be, timed by events alone. ``released`` is set by that wait; clear it to hold
+    the next answer back too."""
+
+    def __init__(self, monkeypatch, name):
+        from muond.transport import grpc_transport, streamed
+        self.released = threading.Event()
+        add, wait = grpc_transport._LandingAssembler.add, streamed.Landing.wait
+
+        def held_add(assembler, chunk):
+            if chunk_name(chunk) == name:
+                self.released.wait(timeout=300)  # a safety net only: a wait releases it
+            add(assembler, chunk)
+
+        def releasing_wait(landing, names=None):
+            if (names is None or name in list(names)) and name in landing.missing():
+                self.released.set()
+            wait(landing, names)
+        monkeypatch.setattr(grpc_transport._LandingAssembler, "add", held_add)
+        monkeypatch.setattr(streamed.Landing, "wait", releasing_wait)
+
+
+def test_parameters_landing_in_forward_equal_plain_steps(endpoint):
+    # TinyNet in Muon and AdamW groups: the answer's order is not the forward's, which only
+    # changes how long a module waits.
+    plain_model, model = TinyNet(seed=33), TinyNet(seed=33)
+    plain = muond.RemoteOptimizer(groups(plain_model), endpoint=endpoint)
+    opt = muond.RemoteOptimizer(groups(model), endpoint=endpoint, overlap=True,
+                                land_in_forward=model)
+    for step in range(1, STEPS + 1):
+        plain_loss, loss = loss_of(plain_model, step), loss_of(model, step)
+        assert torch.equal(loss, plain_loss)  # every module's forward waited for its parameters
+        assert_equal_params(model, plain_model)  # every module ran: all of them landed
+        plain_loss.backward()
+        plain.step()
+        plain.zero_grad()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        # The step's result is in when step() returns, the parameters perhaps not yet.
+        assert opt.last_step == plain.last_step == step
+        assert opt.last_info.grad_norm == plain.last_info.grad_norm
+    opt.flush()
+    assert_equal_params(model, plain_model)
+    assert opt.streamed_steps == STEPS
+    plain.close()
+    opt.close()
+
+
+def test_a_module_forward_waits_for_its_own_parameters_only(endpoint, monkeypatch):
+    plain_model, plain, model, opt = chains(endpoint, 5, transport="grpc")
+    held = HeldBack(monkeypatch, "last.weight")
+    seen = []
+
+    def at_mid(module, inputs):  # runs after the optimizer's hook on mid: mid's are in
+        seen.append((held.released.is_set(), model.last.weight.detach().clone()))
+    model.mid.register_forward_pre_hook(at_mid)
+    for step in range(1, STEPS + 1):
+        plain_loss, loss = chain_loss(plain_model, step), chain_loss(model, step)
+        assert torch.equal(loss, plain_loss)
+        if step > 1:
+            released_at_mid, weight_at_mid = seen[-1]
+            # first and mid ran while last.weight was still held back, the step before's ...
+            assert not released_at_mid and torch.equal(weight_at_mid, stale)
+            # ... and last's forward waited for it, which released it.
+            assert held.released.is_set()
+            assert not torch.equal(model.last.weight.detach(), stale)
+        assert_equal_params(model, plain_model)
+        plain_loss.backward()
+        plain.step()
+        plain.zero_grad()
+        loss.backward()
+        stale = model.last.weight.detach().clone()
+        held.released.clear()
+        opt.step()
+        opt.zero_grad()
+    opt.flush()
+    assert_equal_params(model, plain_model)
+    plain.close()
+    opt.close()
+
+
+def test_a_parameter_no_module_holds_lands_before_step_returns(endpoint, monkeypatch):
+    plain_model, model = Chain(6), Chain(6)
+    scales = [nn.Parameter(torch.ones(4)), nn.Parameter(torch.ones(4))]
+    plain = muond.RemoteOptimizer(chain_groups(plain_model, [("scale", scales[0])]),
+                                  endpoint=endpoint)
+    opt = muond.RemoteOptimizer(chain_groups(model, [("scale", scales[1])]), endpoint=endpoint,
+                                overlap=True, land_in_forward=model)
+    held = HeldBack(monkeypatch, "scale")  # the answer's last tensor, over gRPC
+    for step in range(1, STEPS + 1):
+        for m, o, scale in ((plain_model, plain, scales[0]), (model, opt, scales[1])):
+            x, y = chain_batch(step)
+            torch.nn.functional.mse_loss(m(x) * scale, y).backward()
+            held.released.clear()
+            o.step()
+            o.zero_grad()
+        assert torch.equal(scales[1].detach(), scales[0].detach())  # read with no flush()
+    opt.flush()
+    assert_equal_params(model, plain_model)
+    plain.close()
+    opt.close()
+
+
+class FunctionalHead(nn.Module):
+    """A head module that is never called: its weight is used by the model's own forward."""
+
+    def __init__(self, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.body = nn.Linear(8, 32)
+        self.head = nn.Linear(32, 4, bias=False)
+
+    def forward(self, x):
+        return torch.nn.functional.linear(torch.tanh(self.body(x)), self.head.weight)
+
+
+def test_a_weight_used_without_its_module_stops_the_next_step(endpoint):
+    plain_model, plain, model, opt = chains(endpoint, 8, model_type=FunctionalHead)
+    for m, o in ((plain_model, plain), (model, opt)):  # nothing is landing before step 1
+        chain_step(m, o, 1)
+    chain_loss(model, 2).backward()  # head.weight may have been read before it landed: caught
+    with pytest.raises(RuntimeError, match="'head.weight'.*no forward waited"):
+        opt.step()
+    opt.zero_grad()
+    assert opt.last_step == 1 and opt.state_dict()["muond"]["last_step"] == 1  # nothing sent
+    for step in range(2, 4):  # flush() before such a forward, and training goes on
+        for m, o in ((plain_model, plain), (model, opt)):
+            o.flush()
+            chain_step(m, o, step)
+        opt.flush()
+        assert_equal_params(model, plain_model)
+    plain.close()
+    opt.close()
+
+
+def test_a_return_leg_cut_off_is_raised_at_the_next_wait_and_read_back(endpoint, monkeypatch):
+    from muond.transport import grpc_transport
+    plain_model, plain, model, opt = chains(endpoint, 9, transport="grpc")
+    add = grpc_transport._LandingAssembler.add
+    cut = threading.Event()
+
+    def cut_off_add(assembler, chunk):
+        if cut.is_set() and chunk_name(chunk) == "mid.weight":
+            cut.clear()
+            raise muond.MuondError(grpc.StatusCode.UNAVAILABLE, "the answer was cut off on purpose",
+                                   "Step")
+        add(assembler, chunk)
+    monkeypatch.setattr(grpc_transport._LandingAssembler, "add", cut_off_add)
+    for step in range(1, STEPS + 1):
+        chain_step(plain_model, plain, step)
+        chain_loss(model, step).backward()
+        if step == 2:
+            cut.set()
+        opt.step()  # step 2 is applied on the daemon, and its answer breaks after first.*
+        opt.zero_grad()
+        assert opt.last_step == step
+        if step == 2:
+            with pytest.raises(muond.MuondError, match="after step 2 did not all land: 4 of 6 cut "
+                               "off, first 'mid.weight'; every parameter was read back.*on purpose"
+                               ) as raised:
+                chain_loss(model, 3)  # mid's forward waits for mid.weight: the failure
+            assert raised.value.code == grpc.StatusCode.UNAVAILABLE
+        opt.flush()
+        assert_equal_params(model, plain_model)  # step 2's were read back from the daemon
+    plain.close()
+    opt.close()
+
+
+@pytest.mark.parametrize("call", ["close", "flush", "state_dict", "state_digest"])
+def test_calls_through_the_optimizer_wait_for_the_landing(endpoint, monkeypatch, call):
+    plain_model, plain, model, opt = chains(endpoint, 10, transport="grpc")
+    held = HeldBack(monkeypatch, "last.bias")  # the answer's last tensor
+    for step in (1, 2):
+        chain_step(plain_model, plain, step)
+        chain_loss(model, step).backward()
+        held.released.clear()
+        opt.step()
+        opt.zero_grad()
+    assert not held.released.is_set()  # step 2's last.bias is still held back
+    assert not torch.equal(model.last.bias.detach(), plain_model.last.bias.detach())
+    if call == "close":
+        opt.close(keep_session=True)
+    else:
+        getattr(opt, call)()
+    assert held.released.is_set()
+    assert_equal_params(model, plain_model)
+    if call == "close":
+        again = muond.RemoteOptimizer(chain_groups(Chain(0)), endpoint=endpoint,
+                                      session=opt.session_id)
+        assert again.last_step == 2
+        again.close()
+    else:
+        opt.close()
+    plain.close()
+
+
+LANDING_TRAINER = textwrap.dedent("""
+    import atexit, sys
+    import torch
+    import muond
+
+    endpoint, session = sys.argv[1:3]
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
+    plain_model, model = make(), make()
+    plain = muond.RemoteOptimizer(muond.default_param_groups(plain_model), endpoint=endpoint,
+                                  transport="grpc")
+    opt = muond.RemoteOptimizer(muond.default_param_groups(model), endpoint=endpoint,
+                                session=session, transport="grpc", overlap=True,
+                                land_in_forward=model)
+    for step in range(3):
+        x = torch.randn(8, 256, generator=torch.Generator().manual_seed(step))
+        for m, o in ((plain_model, plain), (model, opt)):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+
+    @atexit.register
+    def landed():  # after the interpreter joined the thread the answer lands on
+        same = all(torch.equal(p, q) for p, q in zip(model.parameters(), plain_model.parameters()))
+        print("landed" if same else "NOT landed", flush=True)
+    print("stepped", flush=True)
+""")
+
+
+def test_interpreter_exit_waits_for_the_landing(endpoint):
+    # The script ends right after its last step(), without flush() or close().
+    session = f"exit-landing-{uuid.uuid4().hex[:8]}"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", LANDING_TRAINER, endpoint, session],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["stepped", "landed"], done.stderr
+    conn = Connection(endpoint)
+    try:
+        assert {s.session_id: s for s in conn.list_sessions()}[session].last_step == 3
+        conn.close_session(session)
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("kwargs, error, field", [
+    ({}, ValueError, "overlap=True"),
+    ({"overlap": True, "delay": 1}, ValueError, "delay"),
+    ({"overlap": True, "land_in_forward": "model"}, TypeError, "torch.nn.Module"),
+])
+def test_bad_land_in_forward_is_refused_naming_it(endpoint, kwargs, error, field):
+    model = TinyNet()
+    kwargs.setdefault("land_in_forward", model)
+    with pytest.raises(error, match=f"land_in_forward.*{field}"):
+        muond.RemoteOptimizer(groups(model), endpoint=endpoint, **kwargs)
