@@ -1,23 +1,41 @@
 """Overlap and delay across a slow link: iteration time of local torch, a remote step, a remote step
-with overlap=True, with delay=1 and with both, against the real CPU daemon behind a rate-limited
-link (docs/overlap.md).
+with overlap=True, with overlap=True and land_in_forward, with delay=1 and with overlap and delay,
+against the real CPU daemon behind a rate-limited link (docs/overlap.md).
 
 The daemon runs in its own network namespace, reached over a veth pair whose both ends are limited
 with `tc qdisc ... tbf` to --rate (netem is not needed: tbf shapes the rate, which is what a slow
 link between a trainer and its optimizer daemon is about). The trainer is this process, on the
 host side, over gRPC. The model is an MLP of --layers square matrices of --width (AdamW on every
-parameter, so that the daemon's compute stays small beside the transfer) trained on random batches
-of --batch rows; by default the batch is chosen here so that backward takes as long as sending the
-gradients over the measured link (backward's time per row is measured first).
+parameter, one group, so that the daemon's compute stays small beside the transfer and its answer
+comes back in forward order) trained on random batches of --batch rows; by default the batch is
+chosen here so that backward takes as long as sending the gradients over the measured link
+(backward's time per row is measured first).
+
+Pinning (unless --no-pin, with two CPUs or more): this process — the trainer, torch's threads
+(its BLAS may start one per CPU it can use) and gRPC's threads — runs on the first CPU it may
+use, the daemon (started under `taskset`) on the second. The daemon stands for a machine across
+the link: unpinned, on a two-CPU machine, its work takes CPU time from backward while the
+gradients arrive, which a trainer whose daemon is elsewhere does not pay. The trainer's own
+sending (framing the chunks, its gRPC threads) stays on the trainer's CPU, as it would there;
+"to bwd end" shows what it costs backward. --no-pin measures the shared case.
+
+Other work on the machine slows whatever runs beside it, so the modes take turns: --rounds rounds,
+each running every mode for one untimed iteration and --iters timed ones in a row (an iteration
+begins while the last one's parameters may still be landing, as in training); each figure is the
+median over the rounds, and each ratio the median of the ratios within a round. The load average
+is printed at the start and at the end.
 
 Printed, from the same run:
+  - what is pinned where, and the load average;
   - the link's measured throughput (a raw TCP transfer across the same veth pair);
   - forward + backward alone, and a remote step alone (transfer + daemon compute + transfer);
-  - each mode's mean iteration time and its ratio to the plain remote iteration;
+  - each mode's iteration time, its ratio to the plain remote iteration, the time inside
+    step() and the time from the iteration's start to the end of backward (with overlap, what
+    sending the gradients costs backward; with land_in_forward, what the forward waited);
   - the targets: overlap <= 0.75 x remote; delay <= 1.15 x max(fwd+bwd, transfer+compute).
 
 Needs root (ip netns, tc); without it, or without tbf, it says why and exits 0 having measured
-nothing. Usage: sudo python3 bench/overlap_bench.py [--rate 1gbit] [--iters 12]
+nothing. Usage: sudo python3 bench/overlap_bench.py [--rate 1gbit] [--rounds 5] [--iters 5] [--no-pin]
 """
 
 import argparse
@@ -102,10 +120,11 @@ def link_throughput(megabytes: int = 64) -> float:
 
 
 @contextlib.contextmanager
-def daemon_in_namespace(binary: Path, threads: int):
+def daemon_in_namespace(binary: Path, threads: int, prefix=()):
+    """The daemon in the namespace, its command line after `prefix` (taskset); its endpoint."""
     with tempfile.TemporaryDirectory() as tmp:
         port_file = Path(tmp) / "port"
-        proc = subprocess.Popen(["ip", "netns", "exec", NS, str(binary), "--listen", f"{NS_IP}:0",
+        proc = subprocess.Popen(["ip", "netns", "exec", NS, *prefix, str(binary), "--listen", f"{NS_IP}:0",
                                  "--port-file", str(port_file), "--backend", "cpu", "--threads",
                                  str(threads), "--log-level", "warn", "--shm-socket", "none"],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
@@ -145,14 +164,36 @@ def backward_per_row(width: int, layers: int, rows: int = 256) -> float:
     return sorted(times[1:])[2] / rows
 
 
-def timed(iters, one) -> float:
-    """Mean seconds of `one(step)` over `iters`, after two untimed iterations."""
-    for step in range(2):
-        one(step)
-    started = time.perf_counter()
-    for step in range(2, 2 + iters):
-        one(step)
-    return (time.perf_counter() - started) / iters
+def loadavg() -> str:
+    """The 1, 5 and 15 minute load averages (other work on the machine shows there)."""
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "?"
+
+
+def pin_this_process(cpu: int) -> None:
+    """Every thread of this process, and so every thread it starts later (gRPC's, torch's), on
+    `cpu` alone."""
+    for task in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(task), {cpu})
+
+
+class Mode:
+    """One way of training, its model and optimizer kept over the rounds. `one(step)` is an
+    iteration; `blocks` collects the mean iteration of each round's block, `in_step` and
+    `to_backward_end` the time inside step() and from the iteration's start to the end of
+    backward, of every iteration."""
+
+    def __init__(self, name, one, settle=lambda: None, close=lambda: None):
+        self.name, self.one, self.settle, self.close = name, one, settle, close
+        self.blocks, self.in_step, self.to_backward_end = [], [], []
+
+
+def median(values):
+    values = sorted(values)
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
 
 
 def main() -> None:
@@ -163,9 +204,17 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--batch", type=int, default=0,
                         help="rows per batch (0: backward as long as the gradients' transfer)")
-    parser.add_argument("--iters", type=int, default=12)
+    parser.add_argument("--iters", type=int, default=5, help="timed iterations per mode and round")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds over every mode")
     parser.add_argument("--threads", type=int, default=1, help="the daemon's --threads")
+    parser.add_argument("--no-pin", dest="pin", action="store_false",
+                        help="leave the trainer and the daemon free to share every CPU")
     args = parser.parse_args()
+    cpus = sorted(os.sched_getaffinity(0))
+    pinned = args.pin and len(cpus) >= 2
+    if pinned:
+        trainer_cpu, daemon_cpu = cpus[0], cpus[1]
+        pin_this_process(trainer_cpu)  # before gRPC starts any thread
     sys.path[:0] = [str(REPO / "python"), str(REPO / "build" / "python")]
     import muond  # noqa: E402 - after the path is set
 
@@ -173,6 +222,14 @@ def main() -> None:
     print(f"overlap_bench: MLP {args.layers} x {args.width}^2 = {params / 1e6:.1f} M params "
           f"({4 * params / 1e6:.0f} MB of fp32 gradients), AdamW; link "
           f"{args.rate} each way (tc tbf); torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if pinned:
+        print(f"  pinned: the trainer (torch, its gRPC threads) on CPU {trainer_cpu}, the daemon "
+              f"(--threads {args.threads}) on CPU {daemon_cpu}: the daemon stands for a machine "
+              f"across the link, so it takes no CPU from backward")
+    else:
+        print(f"  not pinned: the trainer and the daemon (--threads {args.threads}) share CPUs "
+              f"{','.join(map(str, cpus))}")
+    print(f"  load average at start: {loadavg()}")
     with shaped_namespace(args.rate):
         gbps = link_throughput()
         transfer = 4 * params / gbps / 1e9
@@ -180,63 +237,103 @@ def main() -> None:
         if args.batch == 0:
             args.batch = max(16, round(transfer / backward_per_row(args.width, args.layers)))
             print(f"  batch {args.batch}: backward about as long as the gradients' transfer")
+        prefix = ["taskset", "-c", str(daemon_cpu)] if pinned else []
+        with daemon_in_namespace(args.binary, args.threads, prefix) as endpoint:
+            modes = [local_mode("forward + backward", args, None),
+                     local_mode("local torch AdamW", args, torch.optim.AdamW)]
+            for name, kwargs in (("remote", {}), ("remote, overlap", {"overlap": True}),
+                                 ("remote, overlap + land", {"overlap": True, "land": True}),
+                                 ("remote, delay=1", {"delay": 1}),
+                                 ("remote, overlap + delay", {"overlap": True, "delay": 1})):
+                modes.append(remote_mode(name, args, muond, endpoint, **kwargs))
+            try:
+                for _ in range(args.rounds):
+                    for mode in modes:
+                        run_block(mode, args.iters)
+            finally:
+                for mode in modes:
+                    mode.close()
+    report(modes, args)
+    print(f"  load average at end: {loadavg()}")
 
-        def local_torch():
-            model = make_model(args.width, args.layers)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-            def one(step):
-                loss_of(model, args.batch, args.width, step).backward()
-                opt.step()
-                opt.zero_grad()
-            return timed(args.iters, one)
+def run_block(mode: Mode, iters: int) -> None:
+    """One untimed iteration, then `iters` timed ones in a row (each begins while the last one's
+    step may still be landing, as in training); what is in flight is settled after, untimed."""
+    mode.one(0)
+    started = time.perf_counter()
+    for step in range(1, 1 + iters):
+        mode.one(step)
+    mode.blocks.append((time.perf_counter() - started) / iters)
+    mode.settle()
 
-        def forward_backward():
-            model = make_model(args.width, args.layers)
 
-            def one(step):
-                loss_of(model, args.batch, args.width, step).backward()
-                model.zero_grad()
-            return timed(args.iters, one)
+def local_mode(name, args, optimizer) -> Mode:
+    model = make_model(args.width, args.layers)
+    opt = optimizer(model.parameters(), lr=1e-3) if optimizer is not None else None
+    mode = Mode(name, None)
 
-        fwd_bwd = forward_backward()
-        local = local_torch()
-        with daemon_in_namespace(args.binary, args.threads) as endpoint:
-            def remote(**kwargs):
-                model = make_model(args.width, args.layers)
-                opt = muond.RemoteOptimizer([{"params": list(model.parameters()), "optimizer": "adamw",
-                                              "lr": 1e-3}], endpoint=endpoint, transport="grpc", **kwargs)
-                step_seconds = []
+    def one(step):
+        started = time.perf_counter()
+        loss_of(model, args.batch, args.width, step).backward()
+        mode.to_backward_end.append(time.perf_counter() - started)
+        if opt is not None:
+            opt.step()
+        model.zero_grad()
+    mode.one = one
+    return mode
 
-                def one(step):
-                    loss_of(model, args.batch, args.width, step).backward()
-                    started = time.perf_counter()
-                    opt.step()
-                    step_seconds.append(time.perf_counter() - started)
-                    opt.zero_grad()
-                try:
-                    return timed(args.iters, one), sum(step_seconds[2:]) / args.iters
-                finally:
-                    opt.close()
 
-            plain, step_alone = remote()
-            overlap, overlap_step = remote(overlap=True)
-            delay, delay_step = remote(delay=1)
-            both, both_step = remote(overlap=True, delay=1)
-        bound = max(fwd_bwd, step_alone)
-        print(f"  forward + backward:       {fwd_bwd * 1e3:8.1f} ms")
-        print(f"  remote step alone:        {step_alone * 1e3:8.1f} ms (transfer + daemon compute)")
-        print(f"  {'mode':<24}{'ms/iter':>10}{'x remote':>10}{'in step()':>12}")
-        for name, seconds, in_step in (("local torch", local, None), ("remote", plain, step_alone),
-                                       ("remote, overlap", overlap, overlap_step),
-                                       ("remote, delay=1", delay, delay_step),
-                                       ("remote, overlap + delay", both, both_step)):
-            inside = "" if in_step is None else f"{in_step * 1e3:10.1f} ms"
-            print(f"  {name:<24}{seconds * 1e3:10.1f}{seconds / plain:10.2f}{inside:>12}")
-        print(f"  target overlap <= 0.75 x remote: {overlap / plain:.2f} "
-              f"({'met' if overlap <= 0.75 * plain else 'not met'})")
-        print(f"  target delay <= 1.15 x max(fwd+bwd, step) = {1.15 * bound * 1e3:.1f} ms: "
-              f"{delay * 1e3:.1f} ms ({'met' if delay <= 1.15 * bound else 'not met'})")
+def remote_mode(name, args, muond, endpoint, land=False, **kwargs) -> Mode:
+    model = make_model(args.width, args.layers)
+    if land:
+        kwargs["land_in_forward"] = model
+    opt = muond.RemoteOptimizer([{"params": list(model.parameters()), "optimizer": "adamw",
+                                  "lr": 1e-3}], endpoint=endpoint, transport="grpc", **kwargs)
+    mode = Mode(name, None, opt.flush, opt.close)
+
+    def one(step):
+        started = time.perf_counter()
+        loss_of(model, args.batch, args.width, step).backward()
+        backward_end = time.perf_counter()
+        opt.step()
+        mode.in_step.append(time.perf_counter() - backward_end)
+        mode.to_backward_end.append(backward_end - started)
+        opt.zero_grad()
+    mode.one = one
+    return mode
+
+
+def report(modes, args) -> None:
+    by_name = {mode.name: mode for mode in modes}
+    plain = by_name["remote"]
+    timed = args.iters  # per block; the untimed first iteration of each block is left out
+
+    def inside(values):
+        kept = [v for k, v in enumerate(values) if k % (timed + 1)]  # drop each block's first
+        return median(kept) if kept else None
+    fwd_bwd = median(by_name["forward + backward"].blocks)
+    step_alone = inside(plain.in_step)
+    print(f"  {args.rounds} rounds of every mode in turn, {args.iters} timed iterations each; "
+          f"medians over the rounds")
+    print(f"  forward + backward:       {fwd_bwd * 1e3:8.1f} ms")
+    print(f"  remote step alone:        {step_alone * 1e3:8.1f} ms (transfer + daemon compute + transfer)")
+    print(f"  {'mode':<26}{'ms/iter':>9}{'x remote':>10}{'in step()':>12}{'to bwd end':>12}")
+    ratios = {}
+    for mode in modes[1:]:
+        seconds = median(mode.blocks)
+        ratios[mode.name] = median([b / p for b, p in zip(mode.blocks, plain.blocks)])
+        in_step = inside(mode.in_step)
+        step_text = "" if in_step is None else f"{in_step * 1e3:9.1f} ms"
+        print(f"  {mode.name:<26}{seconds * 1e3:9.1f}{ratios[mode.name]:10.2f}{step_text:>12}"
+              f"{inside(mode.to_backward_end) * 1e3:9.1f} ms")
+    bound = max(fwd_bwd, step_alone)
+    delay = median(by_name["remote, delay=1"].blocks)
+    for name in ("remote, overlap", "remote, overlap + land"):
+        print(f"  target {name} <= 0.75 x remote: {ratios[name]:.2f} "
+              f"({'met' if ratios[name] <= 0.75 else 'not met'})")
+    print(f"  target delay <= 1.15 x max(fwd+bwd, step) = {1.15 * bound * 1e3:.1f} ms: "
+          f"{delay * 1e3:.1f} ms ({'met' if delay <= 1.15 * bound else 'not met'})")
 
 
 if __name__ == "__main__":
