@@ -532,11 +532,15 @@ class FunctionalHead(nn.Module):
         return torch.nn.functional.linear(torch.tanh(self.body(x)), self.head.weight)
 
 
-def test_a_weight_used_without_its_module_stops_the_next_step(endpoint):
+def test_a_weight_used_without_its_module_stops_the_next_step(endpoint, monkeypatch):
     plain_model, plain, model, opt = chains(endpoint, 8, model_type=FunctionalHead)
+    # Over gRPC head.weight stays on its way until step() waits for it: the forward below reads
+    # the old one (were it written between that read and backward, autograd would refuse the
+    # backward instead: the weight saved for it changed in place).
+    HeldBack(monkeypatch, "head.weight")
     for m, o in ((plain_model, plain), (model, opt)):  # nothing is landing before step 1
         chain_step(m, o, 1)
-    chain_loss(model, 2).backward()  # head.weight may have been read before it landed: caught
+    chain_loss(model, 2).backward()  # head.weight was read before it landed: caught
     with pytest.raises(RuntimeError, match="'head.weight'.*no forward waited"):
         opt.step()
     opt.zero_grad()
