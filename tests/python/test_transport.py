@@ -80,6 +80,33 @@ def test_shm_steps_equal_grpc_steps_bit_for_bit(endpoint, wire_dtype):
                 assert torch.equal(pa, pb_), f"step {step}: {name}"
 
 
+@pytest.mark.parametrize("wire_dtype", ["fp32", "bf16"])
+def test_shm_steps_of_large_tensors_equal_grpc_steps_bit_for_bit(start_daemon, wire_dtype):
+    # Tensors of several segments: the daemon copies them out of the region on its threads (three
+    # here, whatever the cores), one segment (1 MiB of payload, the clients' default chunk) a
+    # thread, and adds the segments' sums of squares in order: the norm has the bits of the gRPC
+    # step's.
+    endpoint = start_daemon("--threads", "3").endpoint
+    torch.manual_seed(7)
+    shapes = {"w": (1100, 1000), "b": (300_001,), "small": (5,)}
+    a = {name: torch.nn.Parameter(torch.randn(shape) * 0.02) for name, shape in shapes.items()}
+    b = {name: torch.nn.Parameter(p.detach().clone()) for name, p in a.items()}
+    kwargs = dict(endpoint=endpoint, wire_dtype=wire_dtype, max_grad_norm=1.0)
+    with muond.RemoteOptimizer([{"params": list(a.values()), "optimizer": "adamw"}],
+                               transport="grpc", **kwargs) as over_grpc, \
+         muond.RemoteOptimizer([{"params": list(b.values()), "optimizer": "adamw"}],
+                               transport="shm", **kwargs) as over_shm:
+        for step in range(1, 3):
+            for name, shape in shapes.items():
+                grad = torch.randn(shape) * 10.0 ** (step - 3)
+                a[name].grad, b[name].grad = grad.clone(), grad.clone()
+            over_grpc.step()
+            over_shm.step()
+            assert over_shm.last_info.grad_norm == over_grpc.last_info.grad_norm
+            for name in shapes:
+                assert torch.equal(a[name], b[name]), f"step {step}: {name}"
+
+
 def test_a_process_that_dies_leaves_no_region(endpoint, tmp_path):
     script = textwrap.dedent(f"""
         import os, sys

@@ -21,6 +21,7 @@ from .. import wire
 from .._stubs import pb
 from ..client import Connection
 from ..errors import MuondError
+from . import host_copy
 from .base import Facts, Grads, Here, StepTransport, TransportContext
 from .choice import open_transport
 from .grpc_transport import GrpcTransport
@@ -203,7 +204,7 @@ class StreamedStep:
 
 @torch.no_grad()
 def copy_in(by_name: Dict[str, torch.Tensor], values: Dict[str, torch.Tensor]) -> None:
-    """Copies each of ``values`` into the parameter of that name, in place."""
-    for name, value in values.items():
-        param = by_name[name]
-        param.copy_(value.view(param.shape), non_blocking=False)
+    """Copies each of ``values`` into the parameter of that name, in place (large host copies
+    split over threads, ``host_copy.py``)."""
+    host_copy.copy_all([(by_name[name], value.view(by_name[name].shape))
+                        for name, value in values.items()])

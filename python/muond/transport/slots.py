@@ -19,6 +19,7 @@ import torch
 from .. import wire
 from .._stubs import pb
 from ..errors import REGION_NOT_FOUND, MuondError
+from . import host_copy
 from .base import Grads, TransportContext
 from .streamed import StreamedTry, check_identity, identity_of
 
@@ -44,12 +45,18 @@ def slot_layout(names: Sequence[str], sizes: Dict[str, int]) -> Tuple[Dict[str, 
 View = Callable[[int, int, torch.dtype], torch.Tensor]  # (byte offset, elements, dtype) → tensor
 
 
-@torch.no_grad()
+def gradient_copy(ctx: TransportContext, offsets: Dict[str, int], view: View, name: str,
+                  grad: torch.Tensor) -> host_copy.Pair:
+    """(its slots, the gradient): the copy that writes one gradient into its slots, in the wire
+    dtype."""
+    slots = view(offsets[name], grad.numel(), wire.torch_dtype(ctx.wire_dtype))
+    return slots, grad.detach().reshape(-1)
+
+
 def write_gradient(ctx: TransportContext, offsets: Dict[str, int], view: View, name: str,
                    grad: torch.Tensor) -> None:
     """Writes one gradient into its slots, in the wire dtype."""
-    slots = view(offsets[name], grad.numel(), wire.torch_dtype(ctx.wire_dtype))
-    slots.copy_(grad.detach().reshape(-1))
+    host_copy.copy_all([gradient_copy(ctx, offsets, view, name, grad)])
 
 
 @torch.no_grad()
@@ -64,9 +71,9 @@ def slot_request(header: pb.StepHeader, ctx: TransportContext, region: str,
     request.header.ClearField("return_dtype")
     request.header.ClearField("num_chunks")
     grad_itemsize = torch.empty(0, dtype=wire.torch_dtype(ctx.wire_dtype)).element_size()
+    host_copy.copy_all([gradient_copy(ctx, offsets, view, name, g)
+                        for name, g in grads if name not in written])
     for name, g in grads:
-        if name not in written:
-            write_gradient(ctx, offsets, view, name, g)
         request.gradients.add(name=name, region=region, offset=offsets[name],
                               byte_size=g.numel() * grad_itemsize,
                               dtype=wire.dtype_enum(ctx.wire_dtype))

@@ -21,6 +21,7 @@ import torch
 
 from .. import wire
 from .._stubs import pb
+from . import host_copy
 from .base import Grads, TransportContext
 from .slots import SLOT_BYTES, View
 
@@ -51,15 +52,18 @@ class ZeroCopyArea:
     def adopt(self, view: View) -> None:
         """Moves every parameter, and every gradient there is, into the region ``view`` sees."""
         self._view = view
+        copies = []
         for name in self._ctx.names:
             param = self._ctx.by_name[name]
-            slots = self._param_view(name)
-            slots.copy_(param.detach().reshape(-1))
-            param.data = slots.view(param.shape)
+            copies.append((self._param_view(name), param.detach().reshape(-1)))
             if param.grad is not None:
-                grad_slots = self._grad_view(name)
-                grad_slots.copy_(param.grad.detach().reshape(-1))
-                param.grad = grad_slots.view(param.shape)
+                copies.append((self._grad_view(name), param.grad.detach().reshape(-1)))
+        host_copy.copy_all(copies)
+        for name in self._ctx.names:
+            param = self._ctx.by_name[name]
+            param.data = self._param_view(name).view(param.shape)
+            if param.grad is not None:
+                param.grad = self._grad_view(name).view(param.shape)
 
     @torch.no_grad()
     def request(self, header: pb.StepHeader, region: str, grads: Grads) -> pb.StepSharedRequest:
@@ -70,13 +74,14 @@ class ZeroCopyArea:
         request.header.ClearField("return_dtype")
         request.header.ClearField("num_chunks")
         fp32 = wire.dtype_enum("fp32")
+        moved = [(name, g) for name, g in grads
+                 if g.data_ptr() != self._grad_view(name).data_ptr()]
+        host_copy.copy_all([(self._grad_view(name), g.detach().reshape(-1)) for name, g in moved])
+        for name, g in moved:
+            param = self._ctx.by_name[name]
+            if param.grad is g:
+                param.grad = self._grad_view(name).view(param.shape)
         for name, g in grads:
-            slots = self._grad_view(name)
-            if g.data_ptr() != slots.data_ptr():
-                slots.copy_(g.detach().reshape(-1))
-                param = self._ctx.by_name[name]
-                if param.grad is g:
-                    param.grad = slots.view(param.shape)
             request.gradients.add(name=name, region=region, offset=self.grad_offsets[name],
                                   byte_size=SLOT_BYTES * g.numel(), dtype=fp32)
         for name in self._ctx.names:

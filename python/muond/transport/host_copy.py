@@ -1,0 +1,99 @@
+"""Copies between a trainer's tensors and a shared-memory region, split over threads.
+
+A shm step copies every gradient into the region and every parameter out of it (``slots.py``).
+torch's ``copy_`` runs on torch's intra-op threads, often fewer than the cores this process may use
+(torch counts physical cores; on some virtual machines it counts one), and one thread copies at
+about half the bandwidth two do: the copies were the largest part of such a step on the trainer's
+side. ``copy_all`` splits large CPU copies into pieces run on a few threads of its own — as many
+as make torch's threads times them the cores this process may use (``os.sched_getaffinity``) —
+and leaves torch's own settings as they are. torch releases the GIL while it copies.
+
+Small copies (under ``MIN_PIECE`` elements a piece) and anything not on the CPU are copied as
+before, on the calling thread. Thread-safe; the pool is made on first use (again in a forked
+child, whose threads did not survive the fork).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+MIN_PIECE = 1 << 20  # elements: below this a piece costs more to hand over than to copy
+
+Pair = Tuple[torch.Tensor, torch.Tensor]  # (destination, source), of one shape
+
+_lock = threading.Lock()
+_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+_pool_pid = 0
+_pool_workers = 0
+
+
+def threads() -> int:
+    """How many threads a large copy is split over (this one included)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, cpus // max(1, torch.get_num_threads()))
+
+
+def _executor(workers: int) -> concurrent.futures.ThreadPoolExecutor:
+    global _pool, _pool_pid, _pool_workers
+    with _lock:
+        if _pool is None or _pool_pid != os.getpid() or _pool_workers < workers:
+            # The old pool (a smaller one, or one a fork left without threads) is dropped, not
+            # waited for: its threads, if any, end when it is collected.
+            _pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers,
+                                                          thread_name_prefix="muond-copy")
+            _pool_pid, _pool_workers = os.getpid(), workers
+        return _pool
+
+
+def _splittable(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    return (dst.device.type == "cpu" and src.device.type == "cpu" and dst.is_contiguous()
+            and src.is_contiguous() and dst.numel() == src.numel())
+
+
+@torch.no_grad()
+def _run(pieces: List[Pair]) -> None:
+    for dst, src in pieces:
+        dst.copy_(src)
+
+
+@torch.no_grad()
+def copy_all(pairs: Sequence[Pair]) -> None:
+    """``dst.copy_(src)`` for every pair, the large CPU ones split over ``threads()`` threads.
+    Returns when every copy is done; raises the first failure after all have ended."""
+    splittable = [_splittable(dst, src) for dst, src in pairs]
+    large = [pair for pair, split in zip(pairs, splittable) if split]
+    total = sum(dst.numel() for dst, _ in large)
+    parts = min(threads(), total // MIN_PIECE)
+    if parts < 2:
+        _run(list(pairs))
+        return
+    rest = [pair for pair, split in zip(pairs, splittable) if not split]
+    # The large copies' elements laid end to end, cut into `parts` equal shares.
+    share = -(-total // parts)
+    work: List[List[Pair]] = [[] for _ in range(parts)]
+    at = 0
+    for dst, src in large:
+        flat_dst, flat_src = dst.view(-1), src.view(-1)
+        begin, numel = 0, flat_dst.numel()
+        while begin < numel:
+            k = (at + begin) // share
+            end = min(numel, (k + 1) * share - at)
+            work[k].append((flat_dst[begin:end], flat_src[begin:end]))
+            begin = end
+        at += numel
+    pool = _executor(parts - 1)
+    futures = [pool.submit(_run, pieces) for pieces in work[1:]]
+    try:
+        _run(rest + work[0])
+    finally:
+        concurrent.futures.wait(futures)
+    for future in futures:
+        future.result()  # raises a worker's failure
