@@ -26,7 +26,7 @@ done
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 echo "== $(uname -m), $(nproc) CPUs: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); load $(cut -d' ' -f1-3 /proc/loadavg)"
 echo "== shared memory against its copy floor"
-"$PYTHON" bench/shm_floor_bench.py --binary "$BUILD/muond" --threads "$THREADS"
+"$PYTHON" bench/shm_floor_bench.py --binary "$BUILD/muond" --threads "$THREADS" --phases
 echo "== many small tensors over gRPC against raw TCP"
 "$PYTHON" bench/small_tensors_bench.py --binary "$BUILD/muond" --threads "$THREADS"
 if [[ -x $BUILD/cpu_precision_bench ]]; then

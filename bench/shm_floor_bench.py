@@ -7,16 +7,27 @@ The floor is the bytes each path must move per parameter over AdamW's own: AdamW
 28 bytes per fp32 parameter (parameter, gradient, two moments); the ordinary path adds four copies
 of 8 bytes (the client's gradient into the region, the daemon's read of it with its sum of squares,
 the daemon's write of the parameter, the client's copy out): 60 / 28 = 2.14; zero copy keeps the
-daemon's two: 44 / 28 = 1.57. Targets: 2.3 and 1.7. Also printed: this machine's copy bandwidth
-(torch copy_ of the same size) and the daemon's AdamW rate in ns per parameter.
+daemon's two: 44 / 28 = 1.57. Targets: 2.3 and 1.7. Also printed: the machine and its load, this
+machine's copy bandwidth (torch copy_ of the same size, on torch's threads and split over the
+client's copy threads) and the daemon's AdamW rate in ns per parameter.
 
-    python3 bench/shm_floor_bench.py [--binary build/muond] [--threads 2] [--reps 6] [--large]
+--phases splits each step (medians, ms): the client's side (its copies into and out of the region
+and its Python: opt.step() less the StepShared call), the call's own cost (gRPC and the handler: the
+call less the daemon's phases) and the daemon's phases from its metrics (--metrics-listen): receive
+(the gradients copied out of the region with their sums of squares), compute (AdamW), send (the
+parameters written into the region).
+
+    python3 bench/shm_floor_bench.py [--binary build/muond] [--threads 2] [--reps 10] [--large] [--phases]
 """
 
 import argparse
+import os
+import re
+import socket
 import statistics
 import sys
 import time
+import urllib.request
 
 import torch
 
@@ -24,12 +35,13 @@ from bench_daemon import REPO, add_daemon_flags, cpu_daemon
 
 FLOOR = {False: 60 / 28, True: 44 / 28}
 TARGET = {False: 2.3, True: 1.7}
+PHASES = ("receive", "compute", "send")
 
 
-def copy_bandwidth(n: int) -> float:
-    """GB/s (read + write) of torch's copy_ of `n` fp32 values, the best of five."""
+def copy_bandwidth(n: int, copy) -> float:
+    """GB/s (read + write) of `copy(dst, src)` of `n` fp32 values, the best of five."""
     src, dst = torch.randn(n), torch.empty(n)
-    best = min(_timed(lambda: dst.copy_(src)) for _ in range(5))
+    best = min(_timed(lambda: copy(dst, src)) for _ in range(5))
     return 8 * n / best / 1e9
 
 
@@ -39,21 +51,70 @@ def _timed(call) -> float:
     return time.perf_counter() - started
 
 
+def machine() -> str:
+    model = "unknown CPU"
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    with open("/proc/loadavg") as f:
+        load = " ".join(f.read().split()[:3])
+    return f"{model}, {len(os.sched_getaffinity(0))} CPUs, load {load}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def phase_sums(port: int) -> dict:
+    """The daemon's shm phase totals so far, seconds."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    sums = {}
+    for phase in PHASES:
+        found = re.search(r'muond_step_phase_duration_seconds_sum\{phase="%s",transport="shm"\} (\S+)' % phase, text)
+        sums[phase] = float(found.group(1)) if found else 0.0
+    return sums
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_daemon_flags(parser)
-    parser.add_argument("--reps", type=int, default=6)
+    parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--large", action="store_true", help="also 256 M parameters (about 8 GiB in all)")
+    parser.add_argument("--phases", action="store_true", help="split each step into the client's, the call's "
+                        "and the daemon's phases")
     args = parser.parse_args()
     sys.path[:0] = [str(REPO / "python"), str(REPO / "build" / "python")]
     import muond  # noqa: E402 - after the path is set
+    from muond.transport import host_copy, shm_transport  # noqa: E402
+
+    # The StepShared call, timed around the transport's send (--phases).
+    calls = []
+    send = shm_transport.ShmTransport.send
+
+    def timed_send(self, request):
+        started = time.perf_counter()
+        try:
+            return send(self, request)
+        finally:
+            calls.append(time.perf_counter() - started)
+
+    shm_transport.ShmTransport.send = timed_send
 
     sizes = [16_000_000, 64_000_000] + ([256_000_000] if args.large else [])
-    print(f"AdamW over shm; daemon --threads {args.threads or 'all'}, torch {torch.get_num_threads()} threads; "
-          f"copy bandwidth {copy_bandwidth(sizes[0]):.1f} GB/s (torch copy_, read + write)")
+    print(f"machine: {machine()}")
+    print(f"AdamW over shm; daemon --threads {args.threads or 'all'}, torch {torch.get_num_threads()} threads, "
+          f"client copies on {host_copy.threads()}; copy bandwidth {copy_bandwidth(sizes[0], torch.Tensor.copy_):.1f} "
+          f"GB/s (torch copy_), {copy_bandwidth(sizes[0], lambda d, s: host_copy.copy_all([(d, s)])):.1f} GB/s "
+          f"(the client's copies), read + write")
     print(f"  {'params':>8} {'path':<10}{'step ms':>9}{'compute ms':>12}{'ns/param':>10}{'ratio':>7}"
           f"{'floor':>7}{'target':>8}")
-    with cpu_daemon(args.binary, args.threads) as (_, endpoint):
+    port = free_port()
+    extra = ["--metrics-listen", f"127.0.0.1:{port}"] if args.phases else []
+    with cpu_daemon(args.binary, args.threads, extra) as (_, endpoint):
         for n in sizes:
             for zero_copy in (False, True):
                 torch.manual_seed(0)
@@ -61,17 +122,30 @@ def main():
                 param.grad = torch.randn(n) * 1e-3
                 with muond.RemoteOptimizer([{"params": [param], "optimizer": "adamw"}], endpoint=endpoint,
                                            transport="shm", shm_zero_copy=zero_copy) as opt:
-                    walls, computes = [], []
+                    walls, computes, rpcs, daemon = [], [], [], {phase: [] for phase in PHASES}
                     for i in range(args.reps + 1):
+                        before = phase_sums(port) if args.phases else None
+                        calls.clear()
                         wall = _timed(opt.step)
                         if i:
                             walls.append(wall)
                             computes.append(opt.last_info.compute_seconds)
+                            rpcs.append(sum(calls))
+                            if args.phases:
+                                after = phase_sums(port)
+                                for phase in PHASES:
+                                    daemon[phase].append(after[phase] - before[phase])
                 wall, compute = statistics.median(walls), statistics.median(computes)
                 ratio = wall / compute
                 print(f"  {n / 1e6:7.0f}M {'zero copy' if zero_copy else 'copies':<10}{wall * 1e3:9.1f}"
                       f"{compute * 1e3:12.1f}{compute / n * 1e9:10.2f}{ratio:7.2f}{FLOOR[zero_copy]:7.2f}"
                       f"{TARGET[zero_copy]:8.1f}{'' if ratio <= TARGET[zero_copy] else '  (not met)'}", flush=True)
+                if args.phases:
+                    client = statistics.median(w - r for w, r in zip(walls, rpcs))
+                    own = statistics.median(r - sum(p) for r, *p in zip(rpcs, *daemon.values()))
+                    parts = " ".join(f"{phase} {statistics.median(daemon[phase]) * 1e3:.1f}" for phase in PHASES)
+                    print(f"             ms: client {client * 1e3:.1f}, call {own * 1e3:.1f}, daemon {parts}",
+                          flush=True)
                 del param, opt
 
 
