@@ -22,7 +22,8 @@ std::optional<DaemonFlags> ParseFlags(int argc, char** argv, int* exit_code) {
   app.add_option("--device", flags.device, "CUDA device index for --backend cuda/auto")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
-  app.add_option("--threads", flags.threads, "Compute threads of the CPU backend (0: one per core)")
+  app.add_option("--threads", flags.threads,
+                 "Compute threads of the CPU backend, and the threads shared-memory steps copy on (0: one per core)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   app.add_option("--log-level", flags.log_level, "trace, debug, info, warn, error or off")

@@ -2,9 +2,8 @@
 
 A shm step copies every gradient into the region and every parameter out of it (``slots.py``).
 torch's ``copy_`` runs on torch's intra-op threads, often fewer than the cores this process may use
-(torch counts physical cores; on some virtual machines it counts one), and one thread copies at
-about half the bandwidth two do: the copies were the largest part of such a step on the trainer's
-side. ``copy_all`` splits large CPU copies into pieces run on a few threads of its own — as many
+(torch counts physical cores; on some virtual machines it counts one), and two threads copy about
+1.5 times as fast as one: the copies were the largest part of such a step on the trainer's side. ``copy_all`` splits large CPU copies into pieces run on a few threads of its own — as many
 as make torch's threads times them the cores this process may use (``os.sched_getaffinity``) —
 and leaves torch's own settings as they are. torch releases the GIL while it copies.
 
