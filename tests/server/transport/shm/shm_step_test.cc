@@ -1,0 +1,134 @@
+// ShmGradientSource and ShmParameterSink: a step read from and answered into a region gives the
+// same norm, to the bit, and the same parameters whatever the number of copy threads, and on a
+// backend whose memory is not the host's, where the gradients are staged in batches of 16 MiB
+// (a tensor larger than a batch is cut at a whole segment, its sum carried on).
+#include "server/transport/shm/shm_step.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "kernels/cpu/compute_pool.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "proto/wire/dtype_codec.h"
+#include "server/metrics/metrics.h"
+#include "server/session/session.h"
+#include "server/transport/shm/shared_mapping.h"
+#include "tests/server/session/session_test_util.h"
+#include "tests/testing/status_matchers.h"
+
+namespace muond::transport {
+namespace {
+
+constexpr size_t kBig = 5'000'003;  // 20 MB of fp32: more than one staging batch
+constexpr size_t kSmall = 7;
+
+v1::SessionSpec Spec() {
+  v1::SessionSpec spec;
+  auto* group = spec.add_groups();
+  group->set_name("adamw");
+  group->mutable_options()->set_optimizer(v1::OPTIMIZER_ADAMW);
+  for (const auto& [name, numel] : {std::pair<const char*, size_t>{"big", kBig}, {"small", kSmall}}) {
+    auto* p = spec.add_parameters();
+    p->set_name(name);
+    p->add_shape(static_cast<int64_t>(numel));
+    p->set_group("adamw");
+  }
+  return spec;
+}
+
+std::vector<float> Values(size_t n, float phase, int spread) {
+  std::vector<float> v(n);
+  for (size_t i = 0; i < n; ++i) {
+    v[i] = std::ldexp(std::sin(phase + 0.37f * static_cast<float>(i)), static_cast<int>(i % spread) - spread / 2);
+  }
+  return v;
+}
+
+// A sealed memfd of `bytes`, mapped as the daemon maps a client's.
+std::shared_ptr<SharedMapping> Region(size_t bytes) {
+  const int fd = ::memfd_create("shm-step-test", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  EXPECT_GE(fd, 0);
+  EXPECT_EQ(::ftruncate(fd, static_cast<off_t>(bytes)), 0);
+  EXPECT_EQ(::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), 0);
+  absl::StatusOr<std::shared_ptr<SharedMapping>> mapping = SharedMapping::Map(fd, bytes);
+  EXPECT_TRUE(mapping.ok()) << mapping.status();
+  return *std::move(mapping);
+}
+
+struct Answers {
+  std::vector<double> norms;
+  std::vector<std::vector<float>> answered;  // the last step's parameters, read from the region
+};
+
+// Two steps of a session on `backend`, the gradients in `dtype` in a region laid out as the clients
+// lay it out (a 4-byte slot per element, parameters answered as fp32 over the gradients), copied on
+// `threads` threads.
+Answers Steps(kernels::Backend* backend, int threads, v1::DType dtype) {
+  Answers run;
+  std::unique_ptr<session::Session> session = session::session_testing::NewSession(backend, Spec());
+  EXPECT_NE(session, nullptr);
+  if (session == nullptr) return run;
+  EXPECT_OK(session->Upload({session::session_testing::Tensor(Values(kBig, 0.5f, 9)),
+                             session::session_testing::Tensor(Values(kSmall, 0.9f, 9))}));
+  const std::shared_ptr<SharedMapping> region = Region(4 * (kBig + kSmall));
+  const uint64_t offsets[2] = {0, 4 * kBig};  // "small" starts on no 16-byte boundary
+  kernels::ComputePool pool(threads);
+  for (int step = 1; step <= 2; ++step) {
+    std::vector<SharedTensorPlace> gradients, parameters;
+    for (size_t i = 0; i < 2; ++i) {
+      const size_t numel = i == 0 ? kBig : kSmall;
+      const std::vector<float> grad = Values(numel, 0.1f * static_cast<float>(step) + static_cast<float>(i), 41);
+      wire::EncodeTo(dtype, grad, region->data() + offsets[i]);
+      gradients.push_back({i, region, offsets[i], numel * wire::ElementSize(dtype), dtype});
+      parameters.push_back({i, region, offsets[i], 4 * numel, v1::DTYPE_FP32});
+    }
+    ShmGradientSource source(std::move(gradients), &pool);
+    ShmParameterSink sink(std::move(parameters), &pool);
+    session::StepRequest request = session::session_testing::Request(step);
+    request.max_grad_norm = 1.0;  // the norm decides the clipping: its bits matter
+    EXPECT_OK(RunStep(*session, std::move(request), source, sink, *metrics::NoMetrics()));
+    EXPECT_TRUE(sink.result().applied()) << sink.result().skip_reason();
+    run.norms.push_back(sink.result().grad_norm());
+  }
+  for (size_t i = 0; i < 2; ++i) {
+    std::vector<float> values(i == 0 ? kBig : kSmall);
+    std::memcpy(values.data(), region->data() + offsets[i], 4 * values.size());
+    run.answered.push_back(std::move(values));
+  }
+  int64_t last_step = 0;
+  EXPECT_EQ(run.answered, session::CopyValues(*session->Parameters(&last_step)));
+  return run;
+}
+
+bool SameBits(const std::vector<double>& a, const std::vector<double>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(double)) == 0;
+}
+
+class ShmStepTest : public ::testing::TestWithParam<v1::DType> {};
+
+TEST_P(ShmStepTest, NormsAndParametersDoNotDependOnThreadsOrStaging) {
+  auto host = kernels::NewCpuBackend(1);
+  auto device_like = kernels::NewCpuBackend(1, /*host_addressable=*/false);
+  const Answers one = Steps(host.get(), 1, GetParam());
+  ASSERT_EQ(one.norms.size(), 2u);
+  for (const auto& [backend, threads] :
+       {std::pair{host.get(), 3}, std::pair{device_like.get(), 1}, std::pair{device_like.get(), 2}}) {
+    const Answers other = Steps(backend, threads, GetParam());
+    EXPECT_TRUE(SameBits(other.norms, one.norms)) << threads << " threads, " << backend->HostAddressable();
+    EXPECT_EQ(other.answered, one.answered) << threads << " threads, " << backend->HostAddressable();
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, ShmStepTest, ::testing::Values(v1::DTYPE_FP32, v1::DTYPE_BF16),
+                         [](const auto& param_info) { return std::string(wire::DTypeName(param_info.param)); });
+
+}  // namespace
+}  // namespace muond::transport
