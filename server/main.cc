@@ -25,6 +25,7 @@
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "kernels/backend_factory.h"
+#include "kernels/cpu/cpu_backend.h"
 #include "kernels/optim/newton_schulz.h"
 #include "server/durability/session_files.h"
 #include "server/fd_budget.h"
@@ -257,12 +258,14 @@ std::optional<Transports> StartTransports(const DaemonFlags& flags, kernels::Bac
   shm_limits.max_connections = fd_budget.shm_connections;
   shm_limits.max_pending = fd_budget.shm_pending;
   shm_limits.pending_timeout = absl::Seconds(flags.shm_ticket_timeout_seconds);
-  // Steps copy gradients out of the regions and parameters into them on as many threads as compute
-  // has (--threads), a pool of their own; without a socket nothing is copied.
+  // Steps copy gradients out of the regions and parameters into them on the threads compute has
+  // (--threads): the CPU backend's own pool, whose gate they then share with compute; a pool of as
+  // many for another backend; without a socket nothing is copied.
   const int copy_threads = flags.shm_socket == "none" ? 1
                            : flags.threads > 0        ? flags.threads
                                                       : static_cast<int>(std::thread::hardware_concurrency());
-  transports.shm_regions = std::make_unique<transport::SharedMemoryRegions>(shm_limits, copy_threads);
+  transports.shm_regions =
+      std::make_unique<transport::SharedMemoryRegions>(shm_limits, kernels::CpuComputePool(*backend), copy_threads);
   transports.cuda_regions = std::make_unique<transport::CudaMemoryRegions>(backend, transports.shm_regions.get());
   transports.shm_regions->OnConnectionClosed([cuda_regions = transports.cuda_regions.get()](uint64_t connection) {
     cuda_regions->DropConnection(connection);

@@ -174,6 +174,8 @@ class CpuBackend final : public Backend {
   }
   ~CpuBackend() override { ReleaseShared(); }
 
+  ComputePool& pool() { return pool_; }  // CpuComputePool
+
   std::string Name() const override { return "cpu"; }
   bool HostAddressable() const override { return host_addressable_; }
   std::string Detail() const override {
@@ -434,6 +436,11 @@ class CpuBackend final : public Backend {
 
 std::unique_ptr<Backend> NewCpuBackend(int threads, bool host_addressable) {
   return std::make_unique<CpuBackend>(threads, host_addressable);
+}
+
+ComputePool* CpuComputePool(Backend& backend) {
+  auto* cpu = dynamic_cast<CpuBackend*>(&backend);
+  return cpu != nullptr ? &cpu->pool() : nullptr;
 }
 
 }  // namespace muond::kernels

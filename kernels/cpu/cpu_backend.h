@@ -26,4 +26,10 @@ namespace muond::kernels {
 // tested, on the CPU.
 std::unique_ptr<Backend> NewCpuBackend(int threads, bool host_addressable = true);
 
+class ComputePool;
+// The threads and gate of a backend NewCpuBackend made, or null for any other backend: host work
+// that should share the cores with compute, one call at a time (the shm transport's copies), runs
+// on it. Lives as long as the backend.
+ComputePool* CpuComputePool(Backend& backend);
+
 }  // namespace muond::kernels

@@ -19,9 +19,11 @@
 // (RESOURCE_EXHAUSTED beyond); a ticket not claimed within `pending_timeout` expires
 // (ExpirePending, called by the socket's thread). `max_connections` is the socket server's.
 //
-// The table also holds the threads that steps over its regions copy with (copy_pool(): `copy_threads`
-// in all, a step's own thread included; the daemon gives it --threads): the copies out of and into
-// the regions are split over them (shm_step.h).
+// The table also names the threads that steps over its regions copy with (copy_pool()): the copies
+// out of and into the regions are split over them (shm_step.h). The daemon on the CPU backend passes
+// the backend's own pool, so copies and compute share its --threads threads and its gate (one call
+// at a time, never more threads than --threads); otherwise the table makes a pool of `copy_threads`
+// (a step's own thread included) for itself.
 // Thread-safety: thread-safe.
 #pragma once
 
@@ -60,12 +62,16 @@ struct RegionStatus {
 
 class SharedMemoryRegions : public LivenessTickets {
  public:
-  explicit SharedMemoryRegions(SharedMemoryLimits limits = {}, int copy_threads = 1)
-      : limits_(limits), copy_pool_(copy_threads) {}
+  // `copy_pool`, when given, must outlive the table.
+  explicit SharedMemoryRegions(SharedMemoryLimits limits = {}, kernels::ComputePool* copy_pool = nullptr,
+                               int copy_threads = 1)
+      : limits_(limits),
+        own_copy_pool_(copy_pool == nullptr ? std::make_unique<kernels::ComputePool>(copy_threads) : nullptr),
+        copy_pool_(copy_pool != nullptr ? copy_pool : own_copy_pool_.get()) {}
 
   const SharedMemoryLimits& limits() const { return limits_; }
-  // The threads steps copy with; one copy at a time passes through it.
-  kernels::ComputePool& copy_pool() { return copy_pool_; }
+  // The threads steps copy with; one call at a time passes through its gate.
+  kernels::ComputePool& copy_pool() { return *copy_pool_; }
 
   // The socket side. A connection id for a new connection.
   uint64_t OpenConnection();
@@ -101,7 +107,8 @@ class SharedMemoryRegions : public LivenessTickets {
                             std::vector<SealedMemfd>& dropped_pending) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const SharedMemoryLimits limits_;
-  kernels::ComputePool copy_pool_;
+  const std::unique_ptr<kernels::ComputePool> own_copy_pool_;
+  kernels::ComputePool* const copy_pool_;
   mutable absl::Mutex mu_;
   uint64_t next_connection_ ABSL_GUARDED_BY(mu_) = 1;
   absl::flat_hash_map<std::string, Pending> pending_ ABSL_GUARDED_BY(mu_);  // by ticket
