@@ -318,7 +318,7 @@ TEST_F(CudaPeerTest, OpensAPeersMemoryAndEvent) {
     ASSERT_OK_AND_ASSIGN(std::unique_ptr<PeerMemory> memory, backend_->OpenPeerMemory(mem_handle, kBytes));
     EXPECT_GE(memory->size(), kBytes);
     ASSERT_OK_AND_ASSIGN(std::unique_ptr<PeerEvent> event, backend_->OpenPeerEvent(event_handle));
-    ASSERT_OK(event->Await(absl::Now() + absl::Seconds(30)));
+    ASSERT_OK(event->Await(absl::Now() + absl::Seconds(30), /*caller_gone=*/{}));
     std::vector<float> host(kFloats);
     ASSERT_OK(backend_->CopyBytes(memory->data(), host.data(), kBytes));
     for (size_t i = 0; i < kFloats; ++i) ASSERT_EQ(host[i], Pattern(i)) << i;
