@@ -204,7 +204,9 @@ absl::StatusOr<std::unique_lock<std::mutex>> CudaBackend::LockWithScratch(std::i
 
 absl::Status CudaBackend::FinishReadBack(std::unique_lock<std::mutex>& lock, PinnedBlocks::Lease& pinned,
                                          const void* src, void* dst, size_t bytes) {
-  MUOND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(pinned.data(), src, bytes, cudaMemcpyDeviceToHost, stream_));
+  // cudaMemcpyDefault: CopyBytes also reads back from pinned host or managed memory, for which an
+  // explicit device-to-host kind would not match the source.
+  MUOND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(pinned.data(), src, bytes, cudaMemcpyDefault, stream_));
   if (absl::Status status = SyncUnlocking(lock); !status.ok()) {
     pinned.Discard();  // the copy into it may not have finished
     return status;
@@ -282,6 +284,9 @@ bool IsPageableHost(const void* ptr) {
 
 absl::Status CudaBackend::CopyBytes(const void* src, void* dst, size_t bytes) {
   if (bytes == 0) return absl::OkStatus();
+  // The device current first: on a fresh thread cudaPointerGetAttributes would otherwise start a
+  // context on device 0.
+  MUOND_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   const bool from_host = IsPageableHost(src), to_host = IsPageableHost(dst);
   if (!from_host && !to_host) {
     std::unique_lock<std::mutex> lock(mu_);

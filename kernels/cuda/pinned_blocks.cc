@@ -56,7 +56,10 @@ absl::StatusOr<PinnedBlocks::Lease> PinnedBlocks::Take(size_t bytes) {
   }
   MUOND_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   void* block = nullptr;
-  MUOND_CUDA_RETURN_IF_ERROR(cudaMallocHost(&block, size));
+  if (const cudaError_t error = cudaMallocHost(&block, size); error != cudaSuccess) {
+    cudaGetLastError();  // not sticky: keep it from surfacing as a later launch's error
+    return CudaStatus(error, "cudaMallocHost");
+  }
   return Lease(this, block, size);
 }
 
