@@ -27,15 +27,16 @@ absl::Status PeerEvent::Await(absl::Time deadline, const std::function<bool()>& 
     absl::StatusOr<bool> done = Poll();
     if (!done.ok()) return done.status();
     if (*done) return absl::OkStatus();
-    if (caller_gone && caller_gone()) {
-      return absl::CancelledError(
-          "event_handle: the client went away (its call was cancelled) before the work it recorded its event after "
-          "completed; nothing was applied");
-    }
+    // The deadline first: a call past its deadline is also cancelled, and should say why.
     if (absl::Now() >= deadline) {
       return absl::DeadlineExceededError(
           "event_handle: the work the client recorded its event after (writing the gradients) did not complete "
           "by the step's deadline; nothing was applied");
+    }
+    if (caller_gone && caller_gone()) {
+      return absl::CancelledError(
+          "event_handle: the client went away (its call was cancelled) before the work it recorded its event after "
+          "completed; nothing was applied");
     }
     absl::SleepFor(pause);
     pause = std::min(pause * 2, absl::Milliseconds(1));

@@ -299,21 +299,34 @@ absl::Status CudaBackend::CopyBytes(const void* src, void* dst, size_t bytes) {
     std::memcpy(dst, src, bytes);
     return absl::OkStatus();
   }
-  // One side pageable: piece by piece through a pinned block, each piece queued under mu_ and
-  // waited for without it.
+  // One side pageable. Past one pinned block, whole floats go through a transfer's ring, whose
+  // pieces overlap their copies and wait for nothing under mu_.
+  if (bytes > PinnedBlocks::kMaxBlockBytes && bytes % sizeof(float) == 0) {
+    const size_t count = bytes / sizeof(float);
+    if (to_host) {
+      MUOND_ASSIGN_OR_RETURN(std::unique_ptr<DeviceToHost> transfer, NewDeviceToHost());
+      MUOND_RETURN_IF_ERROR(transfer->Enqueue(static_cast<const float*>(src), static_cast<float*>(dst), count));
+      return transfer->Wait();
+    }
+    MUOND_ASSIGN_OR_RETURN(std::unique_ptr<HostToDevice> transfer, NewHostToDevice());
+    MUOND_RETURN_IF_ERROR(transfer->Enqueue(static_cast<const float*>(src), static_cast<float*>(dst), count));
+    return transfer->Wait();
+  }
+  // Otherwise piece by piece through a pinned block, each piece queued under mu_ and waited for
+  // without it.
   const size_t piece = std::min(bytes, PinnedBlocks::kMaxBlockBytes);
   MUOND_ASSIGN_OR_RETURN(PinnedBlocks::Lease pinned, pinned_.Take(piece));
   const auto* in = static_cast<const char*>(src);
   auto* out = static_cast<char*>(dst);
   for (size_t done = 0; done < bytes; done += piece) {
     const size_t n = std::min(piece, bytes - done);
+    if (!to_host) std::memcpy(pinned.data(), in + done, n);  // before mu_: the last piece's copy is done
     std::unique_lock<std::mutex> lock(mu_);
     MUOND_RETURN_IF_ERROR(Activate());
     if (to_host) {
       MUOND_RETURN_IF_ERROR(FinishReadBack(lock, pinned, in + done, out + done, n));
       continue;
     }
-    std::memcpy(pinned.data(), in + done, n);
     MUOND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(out + done, pinned.data(), n, cudaMemcpyDefault, stream_));
     if (absl::Status status = SyncUnlocking(lock); !status.ok()) {
       pinned.Discard();
