@@ -40,11 +40,10 @@ Thread-safety: like every torch optimizer, one instance is used from one thread 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import logging
 import math
 import time
-from typing import Any, Callable, ContextManager, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import grpc
 import torch
@@ -66,9 +65,10 @@ from .naming import named_groups
 from .overlap import GradientStream
 from .state_digest import StateDigest
 from .state_transfer import StateTransfer
+from .stream_controls import StreamControls
 from .state_digest import combine as combine_digests
 from .step_info import StepInfo, check_max_grad_norm, group_fields, rank_report
-from .transport.daemon_session import DaemonSession, StreamedStep, copy_in
+from .transport.daemon_session import DaemonSession, StreamedStep
 from .transport.streamed import IdentityChanged, Landing
 from .transport.zero_copy import check_zero_copy
 
@@ -78,7 +78,7 @@ _RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 _log = logging.getLogger("muond")
 
 
-class RemoteOptimizer(StateTransfer, torch.optim.Optimizer):
+class RemoteOptimizer(StateTransfer, StreamControls, torch.optim.Optimizer):
     """A torch optimizer backed by a muond session.
 
     Args:
@@ -614,66 +614,6 @@ class RemoteOptimizer(StateTransfer, torch.optim.Optimizer):
                       result.step, self.rank, header.step, result.step, result.step + 1)
         if not result.contributors and not result.replayed:  # a new step: an older daemon
             self._warn_old_daemon(weight)
-
-    # -- overlap and delay ---------------------------------------------------------------------
-
-    def _begin_stream(self) -> StreamedStep:
-        """A streamed try of the coming step, opened by backward's first gradient (overlap). A
-        delayed step still in flight is waited for first: the daemon takes steps in order."""
-        delayed = self._delay_now()
-        if delayed:
-            self._delayed.wait()
-        out = self._delayed.staging() if delayed else None
-        return self._sessions[0].begin_streamed(self._header(self._next_number(), {}), out)
-
-    def _take_stream(self, grads: List[Tuple[str, torch.Tensor]]
-                     ) -> Tuple[Optional[StreamedStep], List[Tuple[str, torch.Tensor]]]:
-        """The streamed try backward opened for this step, if it can be used, and the gradients
-        it has yet to get."""
-        if self._stream is None:
-            return None, grads
-        streamed, rest, why = self._stream.take(grads)
-        if why and streamed is None:
-            _log.debug("session %s: step %d sends every gradient at once: %s", self.session_id,
-                       self._next_number(), why)
-        return streamed, rest
-
-    @property
-    def gradients_in_flight(self) -> int:
-        """With ``overlap=True``: the gradients of the coming step that backward has handed to
-        the daemon so far (0 after ``step()``)."""
-        return self._stream.in_flight if self._stream is not None else 0
-
-    def _cancel_stream(self) -> None:
-        if self._stream is not None:
-            self._stream.cancel()
-
-    def no_sync(self) -> ContextManager[None]:
-        """With ``overlap=True``: backward passes inside send no gradient (accumulate
-        micro-batches inside it, all but the last, as with DDP's ``no_sync``). Without overlap
-        it does nothing."""
-        return self._stream.no_sync() if self._stream is not None else contextlib.nullcontext()
-
-    def flush(self) -> None:
-        """With ``delay``: waits for the step in flight and copies its parameters into the model
-        (before evaluating, say); raises that step's failure. With ``land_in_forward``: waits
-        until every parameter of the last step has landed (before reading parameters outside
-        the model's forward); raises a failed landing. Nothing otherwise."""
-        self._check_open()
-        if self._delayed is not None:
-            self._delayed.land()
-        if self._forward is not None:
-            self._forward.wait_all()
-
-    def _read_back_parameters(self) -> None:
-        """Reads every parameter from the daemon in the answers' dtype, as a step's answer
-        would have brought them (after a landing that failed)."""
-        session = self._sessions[0]
-        into = wire.ChunkAssembler(session.sizes, self.return_dtype)
-        session.conn.get_parameters(session.session_id, into,
-                                    dtype=wire.dtype_enum(self.return_dtype),
-                                    max_chunk_bytes=self.chunk_bytes)
-        copy_in(session.by_name, {name: t for (name, _), t in into.tensors().items()})
 
     def _pushed(self, header: pb.StepHeader, result: pb.StepResult, seconds: float, attempts: int,
                 weight: Optional[float]) -> None:
