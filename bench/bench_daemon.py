@@ -1,10 +1,11 @@
 """Shared pieces of the Python benchmarks that drive the real daemon (memory_bench.py,
-concurrency_bench.py): their common flags, a CPU daemon on loopback for the length of a `with`
-block, and sessions of a two-layer MLP (matrices in Muon, biases in AdamW) through the Python client.
+concurrency_bench.py and the others): their common flags, a CPU daemon (on loopback, or wherever a
+prefix puts it) for the length of a `with` block, a free port, and sessions of a two-layer MLP (matrices in Muon, biases in AdamW) through the Python client.
 """
 
 import argparse
 import contextlib
+import socket
 import subprocess
 import sys
 import tempfile
@@ -25,12 +26,14 @@ def add_daemon_flags(parser: argparse.ArgumentParser) -> None:
 
 
 @contextlib.contextmanager
-def cpu_daemon(binary: Path, threads: int, extra_flags: Sequence[str] = (), log_level: str = "warn"):
-    """Yields (process, endpoint) of `muond --backend cpu` (plus `extra_flags`) on a free loopback
-    port; stops it after."""
+def cpu_daemon(binary: Path, threads: int, extra_flags: Sequence[str] = (), log_level: str = "warn",
+               prefix: Sequence[str] = (), host: str = "127.0.0.1"):
+    """Yields (process, endpoint) of `muond --backend cpu` (plus `extra_flags`) on a free port of
+    `host` (loopback by default), its command line after `prefix` (e.g. `ip netns exec`, taskset);
+    stops it after."""
     with tempfile.TemporaryDirectory() as tmp:
         port_file = Path(tmp) / "port"
-        proc = subprocess.Popen([str(binary), "--listen", "127.0.0.1:0", "--port-file", str(port_file),
+        proc = subprocess.Popen([*prefix, str(binary), "--listen", f"{host}:0", "--port-file", str(port_file),
                                  "--backend", "cpu", "--threads", str(threads), "--log-level", log_level,
                                  *extra_flags],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
@@ -40,10 +43,17 @@ def cpu_daemon(binary: Path, threads: int, extra_flags: Sequence[str] = (), log_
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError("muond did not start")
                 time.sleep(0.02)
-            yield proc, f"127.0.0.1:{int(port_file.read_text())}"
+            yield proc, f"{host}:{int(port_file.read_text())}"
         finally:
             proc.terminate()
             proc.wait()
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (for a daemon's --metrics-listen)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def open_sessions(endpoint: str, count: int, width: int, prefix: str):

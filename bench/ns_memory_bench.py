@@ -15,14 +15,13 @@ last step's compute. The floor is 1.0× the state plus the workspace of one matr
 
 import argparse
 import re
-import socket
 import sys
 import time
 import urllib.request
 
 import torch
 
-from bench_daemon import REPO, cpu_daemon
+from bench_daemon import REPO, cpu_daemon, free_port
 
 DEFAULT_BOUND = 256 << 20
 
@@ -34,11 +33,6 @@ def rss_anon(pid: int) -> int:
                 return int(line.split()[1]) * 1024
     raise RuntimeError("no RssAnon")
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def workspace_held(address: str) -> int:

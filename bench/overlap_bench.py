@@ -44,13 +44,14 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from bench_daemon import cpu_daemon
 
 REPO = Path(__file__).resolve().parents[1]
 NS = f"muondbench{os.getpid()}"
@@ -122,22 +123,9 @@ def link_throughput(megabytes: int = 64) -> float:
 @contextlib.contextmanager
 def daemon_in_namespace(binary: Path, threads: int, prefix=()):
     """The daemon in the namespace, its command line after `prefix` (taskset); its endpoint."""
-    with tempfile.TemporaryDirectory() as tmp:
-        port_file = Path(tmp) / "port"
-        proc = subprocess.Popen(["ip", "netns", "exec", NS, *prefix, str(binary), "--listen", f"{NS_IP}:0",
-                                 "--port-file", str(port_file), "--backend", "cpu", "--threads",
-                                 str(threads), "--log-level", "warn", "--shm-socket", "none"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + 30
-            while not (port_file.exists() and port_file.read_text().strip()):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("muond did not start in the namespace")
-                time.sleep(0.02)
-            yield f"{NS_IP}:{int(port_file.read_text())}"
-        finally:
-            proc.terminate()
-            proc.wait()
+    with cpu_daemon(binary, threads, ["--shm-socket", "none"], prefix=["ip", "netns", "exec", NS, *prefix],
+                    host=NS_IP) as (_, endpoint):
+        yield endpoint
 
 
 def make_model(width: int, layers: int) -> torch.nn.Module:

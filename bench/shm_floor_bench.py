@@ -23,7 +23,6 @@ parameters written into the region).
 import argparse
 import os
 import re
-import socket
 import statistics
 import sys
 import time
@@ -31,7 +30,7 @@ import urllib.request
 
 import torch
 
-from bench_daemon import REPO, add_daemon_flags, cpu_daemon
+from bench_daemon import REPO, add_daemon_flags, cpu_daemon, free_port
 
 FLOOR = {False: 60 / 28, True: 44 / 28}
 TARGET = {False: 2.3, True: 1.7}
@@ -62,11 +61,6 @@ def machine() -> str:
         load = " ".join(f.read().split()[:3])
     return f"{model}, {len(os.sched_getaffinity(0))} CPUs, load {load}"
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def phase_sums(port: int) -> dict:
