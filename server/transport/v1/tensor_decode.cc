@@ -74,12 +74,12 @@ inline void CopyTail(const char* src, float* dst, size_t i, size_t n, double& pa
   }
 }
 
-double SumSquaresSse2(const float* x, size_t n) {
-  double part[8] = {};
-  size_t i = 0;
+// SumSquaresPlain's eight partial sums in four SSE2 registers, two lanes each.
+struct Sse2Squares {
   __m128d s01 = _mm_setzero_pd(), s23 = _mm_setzero_pd(), s45 = _mm_setzero_pd(), s67 = _mm_setzero_pd();
-  for (; i + 8 <= n; i += 8) {
-    const __m128 lo = _mm_loadu_ps(x + i), hi = _mm_loadu_ps(x + i + 4);
+
+  // Elements i..i+7 (lo: the first four): each into its own partial sum.
+  void Add(__m128 lo, __m128 hi) {
     const __m128d x01 = _mm_cvtps_pd(lo), x23 = _mm_cvtps_pd(_mm_movehl_ps(lo, lo));
     const __m128d x45 = _mm_cvtps_pd(hi), x67 = _mm_cvtps_pd(_mm_movehl_ps(hi, hi));
     s01 = _mm_add_pd(s01, _mm_mul_pd(x01, x01));
@@ -87,10 +87,20 @@ double SumSquaresSse2(const float* x, size_t n) {
     s45 = _mm_add_pd(s45, _mm_mul_pd(x45, x45));
     s67 = _mm_add_pd(s67, _mm_mul_pd(x67, x67));
   }
-  _mm_storeu_pd(part, s01);
-  _mm_storeu_pd(part + 2, s23);
-  _mm_storeu_pd(part + 4, s45);
-  _mm_storeu_pd(part + 6, s67);
+  void StoreTo(double part[8]) const {
+    _mm_storeu_pd(part, s01);
+    _mm_storeu_pd(part + 2, s23);
+    _mm_storeu_pd(part + 4, s45);
+    _mm_storeu_pd(part + 6, s67);
+  }
+};
+
+double SumSquaresSse2(const float* x, size_t n) {
+  double part[8] = {};
+  size_t i = 0;
+  Sse2Squares sums;
+  for (; i + 8 <= n; i += 8) sums.Add(_mm_loadu_ps(x + i), _mm_loadu_ps(x + i + 4));
+  sums.StoreTo(part);
   for (; i < n; ++i) part[0] += static_cast<double>(x[i]) * x[i];
   return Combine(part);
 }
@@ -99,7 +109,7 @@ template <Store kStore>
 double CopySumSquaresSse2(const char* src, float* dst, size_t n) {
   double part[8] = {};
   size_t i = 0;
-  __m128d s01 = _mm_setzero_pd(), s23 = _mm_setzero_pd(), s45 = _mm_setzero_pd(), s67 = _mm_setzero_pd();
+  Sse2Squares sums;
   for (; i + 8 <= n; i += 8) {
     __m128 lo = _mm_loadu_ps(reinterpret_cast<const float*>(src + 4 * i));
     __m128 hi = _mm_loadu_ps(reinterpret_cast<const float*>(src + 4 * i + 16));
@@ -112,32 +122,27 @@ double CopySumSquaresSse2(const char* src, float* dst, size_t n) {
       _mm_stream_ps(dst + i, lo);
       _mm_stream_ps(dst + i + 4, hi);
     }
-    const __m128d x01 = _mm_cvtps_pd(lo), x23 = _mm_cvtps_pd(_mm_movehl_ps(lo, lo));
-    const __m128d x45 = _mm_cvtps_pd(hi), x67 = _mm_cvtps_pd(_mm_movehl_ps(hi, hi));
-    s01 = _mm_add_pd(s01, _mm_mul_pd(x01, x01));
-    s23 = _mm_add_pd(s23, _mm_mul_pd(x23, x23));
-    s45 = _mm_add_pd(s45, _mm_mul_pd(x45, x45));
-    s67 = _mm_add_pd(s67, _mm_mul_pd(x67, x67));
+    sums.Add(lo, hi);
   }
-  _mm_storeu_pd(part, s01);
-  _mm_storeu_pd(part + 2, s23);
-  _mm_storeu_pd(part + 4, s45);
-  _mm_storeu_pd(part + 6, s67);
+  sums.StoreTo(part);
   CopyTail(src, dst, i, n, part[0]);
   return Combine(part);
 }
 
 // AVX2 where the CPU has it (chosen at run time; the build targets the baseline instruction set).
 // AVX2 alone enables no fused multiply-add, so each product is rounded before its add, as defined.
+// Elements i..i+7 (lo: the first four) into the eight partial sums, four lanes to a register.
+__attribute__((target("avx2"))) inline void AddSquaresAvx2(__m128 lo, __m128 hi, __m256d& s0123, __m256d& s4567) {
+  const __m256d x0123 = _mm256_cvtps_pd(lo), x4567 = _mm256_cvtps_pd(hi);
+  s0123 = _mm256_add_pd(s0123, _mm256_mul_pd(x0123, x0123));
+  s4567 = _mm256_add_pd(s4567, _mm256_mul_pd(x4567, x4567));
+}
+
 __attribute__((target("avx2"))) double SumSquaresAvx2(const float* x, size_t n) {
   double part[8] = {};
   size_t i = 0;
   __m256d s0123 = _mm256_setzero_pd(), s4567 = _mm256_setzero_pd();
-  for (; i + 8 <= n; i += 8) {
-    const __m256d lo = _mm256_cvtps_pd(_mm_loadu_ps(x + i)), hi = _mm256_cvtps_pd(_mm_loadu_ps(x + i + 4));
-    s0123 = _mm256_add_pd(s0123, _mm256_mul_pd(lo, lo));
-    s4567 = _mm256_add_pd(s4567, _mm256_mul_pd(hi, hi));
-  }
+  for (; i + 8 <= n; i += 8) AddSquaresAvx2(_mm_loadu_ps(x + i), _mm_loadu_ps(x + i + 4), s0123, s4567);
   _mm256_storeu_pd(part, s0123);
   _mm256_storeu_pd(part + 4, s4567);
   for (; i < n; ++i) part[0] += static_cast<double>(x[i]) * x[i];
@@ -167,9 +172,7 @@ __attribute__((target("avx2"))) double CopySumSquaresAvx2(const char* src, float
     } else {
       _mm256_stream_ps(dst + i, v);
     }
-    const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
-    s0123 = _mm256_add_pd(s0123, _mm256_mul_pd(lo, lo));
-    s4567 = _mm256_add_pd(s4567, _mm256_mul_pd(hi, hi));
+    AddSquaresAvx2(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1), s0123, s4567);
   }
   if constexpr (kStore == Store::kStream16) {
     if (i > 0) _mm_stream_ps(dst + i - 4, pending);
