@@ -2,6 +2,9 @@
 
     pip install ./python          (from the repository root)
 
+The streaming host copy (muond/_stream_copy.c, plain C loaded with ctypes) is compiled when a C
+compiler is present; without one the package installs without it and copies with torch's copy_.
+
 Stub generation needs grpcio-tools, or protoc plus grpc_python_plugin on PATH (Debian:
 protobuf-compiler and protobuf-compiler-grpc); see muond/_codegen.py.
 """
@@ -11,7 +14,7 @@ import os
 import re
 from pathlib import Path
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 from setuptools.command.build_py import build_py
 from setuptools.command.sdist import sdist
 
@@ -70,5 +73,8 @@ setup(
     python_requires=">=3.8",
     packages=find_packages(include=["muond", "muond.*"]),
     install_requires=["grpcio>=1.40", "protobuf>=3.20", "numpy", "torch>=1.13.0a0"],
+    # Not a Python extension module: a plain shared library that muond.transport.stream_copy loads.
+    ext_modules=[Extension("muond._stream_copy", sources=["muond/_stream_copy.c"],
+                           extra_compile_args=["-O2", "-fvisibility=hidden"], optional=True)],
     cmdclass={"build_py": BuildPyWithStubs, "sdist": SdistWithProto},
 )

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Formats every tracked C++ and CUDA file with clang-format (.clang-format: Google's style
+# Formats every tracked C, C++ and CUDA file with clang-format (.clang-format: Google's style
 # with 120 columns). scripts/format.sh --check changes nothing and fails naming each file that is
 # not formatted (scripts/test.sh runs it first).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
-mapfile -t files < <(git ls-files '*.cc' '*.h' '*.cu' '*.cuh')
+mapfile -t files < <(git ls-files '*.c' '*.cc' '*.h' '*.cu' '*.cuh')
 if [[ ${1:-} == --check ]]; then
   unformatted=()
   for f in "${files[@]}"; do

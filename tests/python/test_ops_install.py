@@ -110,6 +110,8 @@ def test_python_wheel_installs_and_steps(tmp_path, start_daemon):
         opt.step()
         print(muond.__version__, opt.last_step)
         opt.close()
+        from muond.transport import stream_copy  # built from muond/_stream_copy.c by the wheel
+        assert stream_copy.available(), stream_copy.reason()
         """)
     # Only the wheel's folder on the path: not this checkout, not the build tree's stubs.
     out = run(sys.executable, "-c", script, daemon.endpoint, site, cwd=tmp_path,

@@ -7,6 +7,10 @@ torch's ``copy_`` runs on torch's intra-op threads, often fewer than the cores t
 as make torch's threads times them the cores this process may use (``os.sched_getaffinity``) —
 and leaves torch's own settings as they are. torch releases the GIL while it copies.
 
+When the large copies add up to ``STREAMING_BYTES`` or more, their pieces of one dtype are copied
+with streaming stores (``stream_copy``: 1.3 to 1.4 times as fast as ``copy_`` at these sizes,
+since no destination line is read first) where the native copy was built; ``copy_`` otherwise.
+
 Small copies (under ``MIN_PIECE`` elements a piece) and anything not on the CPU are copied as
 before, on the calling thread. Thread-safe; the pool is made on first use (again in a forked
 child, whose threads did not survive the fork).
@@ -21,7 +25,12 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from . import stream_copy
+
 MIN_PIECE = 1 << 20  # elements: below this a piece costs more to hand over than to copy
+# Bytes: from this much copied in one call, what a copy writes would be evicted before it is read
+# again anyway (the daemon streams from the same size, server/transport/v1/bulk_codec.cc).
+STREAMING_BYTES = 16 << 20
 
 Pair = Tuple[torch.Tensor, torch.Tensor]  # (destination, source), of one shape
 
@@ -58,9 +67,12 @@ def _splittable(dst: torch.Tensor, src: torch.Tensor) -> bool:
 
 
 @torch.no_grad()
-def _run(pieces: List[Pair]) -> None:
+def _run(pieces: List[Pair], stream: bool = False) -> None:
     for dst, src in pieces:
-        dst.copy_(src)
+        if stream and stream_copy.fits(dst, src):
+            stream_copy.copy(dst, src)
+        else:
+            dst.copy_(src)
 
 
 @torch.no_grad()
@@ -70,11 +82,14 @@ def copy_all(pairs: Sequence[Pair]) -> None:
     splittable = [_splittable(dst, src) for dst, src in pairs]
     large = [pair for pair, split in zip(pairs, splittable) if split]
     total = sum(dst.numel() for dst, _ in large)
+    stream = (sum(dst.numel() * dst.element_size() for dst, _ in large) >= STREAMING_BYTES
+              and stream_copy.available())
     parts = min(threads(), total // MIN_PIECE)
-    if parts < 2:
-        _run(list(pairs))
-        return
     rest = [pair for pair, split in zip(pairs, splittable) if not split]
+    if parts < 2:
+        _run(rest)
+        _run(large, stream)
+        return
     # The large copies' elements laid end to end, cut into `parts` equal shares.
     share = -(-total // parts)
     work: List[List[Pair]] = [[] for _ in range(parts)]
@@ -89,9 +104,10 @@ def copy_all(pairs: Sequence[Pair]) -> None:
             begin = end
         at += numel
     pool = _executor(parts - 1)
-    futures = [pool.submit(_run, pieces) for pieces in work[1:]]
+    futures = [pool.submit(_run, pieces, stream) for pieces in work[1:]]
     try:
-        _run(rest + work[0])
+        _run(rest)
+        _run(work[0], stream)
     finally:
         concurrent.futures.wait(futures)
     for future in futures:
