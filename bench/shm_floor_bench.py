@@ -11,6 +11,12 @@ daemon's two: 44 / 28 = 1.57. Targets: 2.3 and 1.7. Also printed: the machine an
 machine's copy bandwidth (torch copy_ of the same size, on torch's threads and split over the
 client's copy threads) and the daemon's AdamW rate in ns per parameter.
 
+Those floors count bytes as if a copy's moved as fast as AdamW's; on machines where copies (half
+writes) run slower than AdamW (mostly reads), the time the copies must take is more. "bw floor" is
+that time: the run's AdamW compute plus each copy of the path (4 or 2, 8 bytes a parameter) at the
+bandwidth of the client's copies of that size, measured just before (the daemon's copies stream the
+same way on as many threads), over the compute.
+
 --phases splits each step (medians, ms): the client's side (its copies into and out of the region
 and its Python: opt.step() less the StepShared call), the call's own cost (gRPC and the handler: the
 call less the daemon's phases) and the daemon's phases from its metrics (--metrics-listen): receive
@@ -33,6 +39,7 @@ import torch
 from bench_daemon import REPO, add_daemon_flags, cpu_daemon, free_port
 
 FLOOR = {False: 60 / 28, True: 44 / 28}
+COPIES = {False: 4, True: 2}  # copies of 8 bytes a parameter each path adds to AdamW's 28
 TARGET = {False: 2.3, True: 1.7}
 PHASES = ("receive", "compute", "send")
 
@@ -98,18 +105,22 @@ def main():
 
     shm_transport.ShmTransport.send = timed_send
 
+    from muond.transport import stream_copy  # noqa: E402
+    streaming = (f"streaming ({stream_copy.kind()})" if stream_copy.available()
+                 else f"not streaming ({stream_copy.reason()})")
     sizes = [16_000_000, 64_000_000] + ([256_000_000] if args.large else [])
     print(f"machine: {machine()}")
     print(f"AdamW over shm; daemon --threads {args.threads or 'all'}, torch {torch.get_num_threads()} threads, "
-          f"client copies on {host_copy.threads()}; copy bandwidth {copy_bandwidth(sizes[0], torch.Tensor.copy_):.1f} "
+          f"client copies on {host_copy.threads()}, {streaming}; copy bandwidth {copy_bandwidth(sizes[0], torch.Tensor.copy_):.1f} "
           f"GB/s (torch copy_), {copy_bandwidth(sizes[0], lambda d, s: host_copy.copy_all([(d, s)])):.1f} GB/s "
           f"(the client's copies), read + write")
     print(f"  {'params':>8} {'path':<10}{'step ms':>9}{'compute ms':>12}{'ns/param':>10}{'ratio':>7}"
-          f"{'floor':>7}{'target':>8}")
+          f"{'floor':>7}{'bw floor':>10}{'target':>8}")
     port = free_port()
     extra = ["--metrics-listen", f"127.0.0.1:{port}"] if args.phases else []
     with cpu_daemon(args.binary, args.threads, extra) as (_, endpoint):
         for n in sizes:
+            copy_gbs = copy_bandwidth(n, lambda d, s: host_copy.copy_all([(d, s)]))
             for zero_copy in (False, True):
                 torch.manual_seed(0)
                 param = torch.nn.Parameter(torch.randn(n) * 0.02)
@@ -131,15 +142,16 @@ def main():
                                     daemon[phase].append(after[phase] - before[phase])
                 wall, compute = statistics.median(walls), statistics.median(computes)
                 ratio = wall / compute
+                bw_floor = (compute + COPIES[zero_copy] * 8 * n / (copy_gbs * 1e9)) / compute
                 print(f"  {n / 1e6:7.0f}M {'zero copy' if zero_copy else 'copies':<10}{wall * 1e3:9.1f}"
                       f"{compute * 1e3:12.1f}{compute / n * 1e9:10.2f}{ratio:7.2f}{FLOOR[zero_copy]:7.2f}"
-                      f"{TARGET[zero_copy]:8.1f}{'' if ratio <= TARGET[zero_copy] else '  (not met)'}", flush=True)
+                      f"{bw_floor:10.2f}{TARGET[zero_copy]:8.1f}{'' if ratio <= TARGET[zero_copy] else '  (not met)'}", flush=True)
                 if args.phases:
                     client = statistics.median(w - r for w, r in zip(walls, rpcs))
                     own = statistics.median(r - sum(p) for r, *p in zip(rpcs, *daemon.values()))
                     parts = " ".join(f"{phase} {statistics.median(daemon[phase]) * 1e3:.1f}" for phase in PHASES)
-                    print(f"             ms: client {client * 1e3:.1f}, call {own * 1e3:.1f}, daemon {parts}",
-                          flush=True)
+                    print(f"             ms: client {client * 1e3:.1f}, call {own * 1e3:.1f}, daemon {parts}; "
+                          f"copies at {copy_gbs:.1f} GB/s", flush=True)
                 del param, opt
 
 
