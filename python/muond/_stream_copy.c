@@ -74,10 +74,11 @@ MUOND_EXPORT const char* muond_stream_copy_kind(void) {
 }
 
 /* memcpy(dst, src, bytes) with streaming stores; the regions must not overlap. Every store is
- * globally visible when it returns (a store fence), like memcpy's. */
-MUOND_EXPORT void muond_stream_copy(void* dst, const void* src, size_t bytes) {
+ * globally visible when it returns (a store fence), like memcpy's. `sse2_only` keeps to 16-byte
+ * stores on a CPU that has AVX (what a CPU without it runs). */
+MUOND_EXPORT void muond_stream_copy(void* dst, const void* src, size_t bytes, int sse2_only) {
 #ifdef MUOND_X86
-  const size_t width = has_avx() ? 32 : 16;
+  const size_t width = has_avx() && !sse2_only ? 32 : 16;
   size_t head = (width - ((uintptr_t)dst & (width - 1))) & (width - 1);
   if (head > bytes) head = bytes;
   memcpy(dst, src, head);
@@ -90,6 +91,7 @@ MUOND_EXPORT void muond_stream_copy(void* dst, const void* src, size_t bytes) {
   }
   _mm_sfence();
 #else
+  (void)sse2_only;
   memcpy(dst, src, bytes);
 #endif
 }

@@ -54,11 +54,15 @@ def test_streaming_copy_is_built_and_found():
     assert stream_copy.kind() in ("avx", "sse2", "memcpy")
 
 
+@pytest.mark.parametrize("sse2_only", [0, 1])
 @pytest.mark.parametrize("dst_shift,src_shift", [(0, 0), (1, 0), (0, 3), (5, 7), (7, 1)])
-def test_streaming_copy_equals_copy_at_any_alignment_and_length(dst_shift, src_shift):
+def test_streaming_copy_equals_copy_at_any_alignment_and_length(dst_shift, src_shift, sse2_only, monkeypatch):
     # Shifts in elements of 2 bytes move either side off every 16/32-byte boundary; the lengths
     # cover an empty copy, shorter than one aligned head, and every remainder of a 128-byte block.
+    # Both store widths run here (MUOND_STREAM_COPY=sse2 sets the same flag).
     from muond.transport import stream_copy
+    assert stream_copy.available(), stream_copy.reason()
+    monkeypatch.setattr(stream_copy, "_sse2_only", sse2_only)
     torch.manual_seed(5)
     base_src = torch.randn(5000).to(torch.bfloat16)
     for length in (0, 1, 7, 15, 16, 17, 63, 64, 65, 127, 129, 1000, 4093):
@@ -95,6 +99,23 @@ def test_streamed_split_copies_equal_copy(split, monkeypatch):
     for got, want in zip(dests, sources):
         assert torch.equal(got, want.to(got.dtype))
     assert sum(calls) == 12_345 + 7000  # the two contiguous same-dtype pairs, in pieces
+
+
+@pytest.mark.parametrize("setting,kind", [("sse2", "sse2"), ("fast", "")])
+def test_stream_copy_setting(setting, kind, tmp_path):
+    import os
+    import subprocess
+    import sys
+    script = ("from muond.transport import stream_copy\n"
+              "print(stream_copy.kind() or '-', stream_copy.reason() or '-')\n")
+    out = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, MUOND_STREAM_COPY=setting),
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    got_kind, reason = out.stdout.split(" ", 1)
+    if kind:
+        assert got_kind in (kind, "memcpy") and reason.strip() == "-"  # memcpy: not x86-64
+    else:
+        assert got_kind == "-" and "MUOND_STREAM_COPY='fast' is none of 0, 1, sse2" in reason
 
 
 def test_without_the_streaming_copy_copies_fall_back_to_copy(tmp_path):

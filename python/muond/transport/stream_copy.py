@@ -3,8 +3,8 @@
 ``muond/_stream_copy.c`` is built with the package (``pip install ./python``, where it is optional:
 without a C compiler the package installs without it) and by the CMake build (into
 ``build/python/muond``). This module finds it beside the package and loads it with ctypes, which
-releases the GIL around each call. When it is missing, or ``MUOND_STREAM_COPY=0`` is set,
-``available()`` is false, ``reason()`` says why (logged once at INFO on ``muond``) and callers copy
+releases the GIL around each call. ``MUOND_STREAM_COPY=sse2`` keeps it to 16-byte stores (what a
+CPU without AVX runs). When it is missing, or ``MUOND_STREAM_COPY=0`` is set, ``available()`` is false, ``reason()`` says why (logged once at INFO on ``muond``) and callers copy
 with torch's ``copy_`` as before.
 
 ``copy(dst, src)`` takes two contiguous CPU tensors of the same dtype and size, not overlapping.
@@ -30,6 +30,7 @@ _loaded = False
 _copy = None
 _kind = ""
 _reason = ""
+_sse2_only = 0
 
 
 def _library_paths():
@@ -41,12 +42,15 @@ def _library_paths():
 
 
 def _load() -> None:
-    global _loaded, _copy, _kind, _reason
+    global _loaded, _copy, _kind, _reason, _sse2_only
     with _lock:
         if _loaded:
             return
-        if os.environ.get(ENV, "1") == "0":
+        setting = os.environ.get(ENV, "1")
+        if setting == "0":
             _reason = f"{ENV}=0"
+        elif setting not in ("1", "sse2"):
+            _reason = f"{ENV}={setting!r} is none of 0, 1, sse2"
         else:
             paths = list(_library_paths())
             if not paths:
@@ -58,12 +62,14 @@ def _load() -> None:
                     _reason = f"{path}: {err}"
                     continue
                 copy = library.muond_stream_copy
-                copy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+                copy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
                 copy.restype = None
                 kind = library.muond_stream_copy_kind
                 kind.argtypes = []
                 kind.restype = ctypes.c_char_p
                 _copy, _kind, _reason = copy, kind().decode(), ""
+                if setting == "sse2" and _kind == "avx":
+                    _kind, _sse2_only = "sse2", 1
                 break
         if _copy is None:
             logging.getLogger("muond").info("streaming host copies unavailable (%s); copying with "
@@ -102,4 +108,4 @@ def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
         raise RuntimeError(f"streaming host copies unavailable: {_reason}")
     if not fits(dst, src):
         raise ValueError("stream_copy.copy needs contiguous CPU tensors of one dtype and size")
-    _copy(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size())
+    _copy(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size(), _sse2_only)
