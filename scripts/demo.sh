@@ -7,9 +7,9 @@
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build=${MUOND_BUILD_DIR:-$root/build}
-# Only what the demo runs: the daemon, the C++ example and the Python stubs (scripts/test.sh builds
-# the rest).
-MUOND_BUILD_TARGETS="muond mlp_trainer muond_python_stubs" "$root/scripts/build.sh"
+# Only what the demo runs: the daemon, the C++ example, the Python stubs and the client's streaming
+# copy (scripts/test.sh builds the rest).
+MUOND_BUILD_TARGETS="muond mlp_trainer muond_python_stubs muond_stream_copy" "$root/scripts/build.sh"
 
 port_file=$(mktemp)
 rm -f "$port_file"
