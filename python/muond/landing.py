@@ -1,8 +1,9 @@
 """``ForwardLanding``: a step's parameters landing while the model's next forward runs
 (``RemoteOptimizer(overlap=True, land_in_forward=model)``, docs/overlap.md).
 
-The step's answer is a ``StepResult`` followed by every parameter in the daemon's order; with this
-mode ``step()`` returns once the result is in, and the parameters arrive on the answer's receiving
+The step's answer is a ``StepResult`` followed by every parameter, in the order ``answer_first``
+asks the daemon for (the order the modules ran forward, as first seen); with this mode ``step()``
+returns once the result is in, and the parameters arrive on the answer's receiving
 thread afterwards (a ``transport.streamed.Landing``). ZeRO-3 prefetches its parameters the same
 way: each module of the model gets a forward pre-hook that waits for the parameters the module
 itself holds, so a module's forward starts as soon as its own parameters are in while the later
@@ -79,6 +80,7 @@ class ForwardLanding:
         self._misused: Dict[str, None] = {}  # given a gradient while unwaited (ordered)
         self._needs_read_back = False
         self._handles: List[Any] = []
+        self._forward_order: Dict[str, None] = {}  # held parameters, by their module's first forward
         name_of = {id(p): name for name, p in by_name.items()}
         held: Dict[str, None] = {}
         for module in model.modules():
@@ -93,11 +95,26 @@ class ForwardLanding:
         self.unheld = [name for name in by_name if name not in held]
 
     def _hook(self, names: List[str]) -> Callable[..., None]:
+        recorded = []  # non-empty once this module's forward has run
+
         def before_forward(module: torch.nn.Module, inputs: Any) -> None:
+            if not recorded:
+                recorded.append(True)
+                with self._lock:
+                    self._forward_order.update(dict.fromkeys(names))
             if self._landing is None and not self._needs_read_back:
                 return
             self._wait(names)
         return before_forward
+
+    def answer_first(self) -> List[str]:
+        """The parameters in the order the trainer wants them back (``StepHeader.answer_order``):
+        those no module holds (``step()`` waits for them), then the others in the order their
+        modules first ran forward. Parameters of modules that never ran are left to the daemon's
+        order, after these."""
+        with self._lock:
+            seen = list(self._forward_order)
+        return self.unheld + seen
 
     @property
     def in_flight(self) -> bool:

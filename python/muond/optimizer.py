@@ -296,7 +296,8 @@ class RemoteOptimizer(StateTransfer, StreamControls, torch.optim.Optimizer):
             daemon = DaemonSession(connection.connect(address), self.session_id, names_here,
                                    self._by_name, wire_dtype=self.wire_dtype,
                                    return_dtype=self.return_dtype, chunk_bytes=self.chunk_bytes,
-                                   rank=self.rank, zero_copy=self.shm_zero_copy)
+                                   rank=self.rank, zero_copy=self.shm_zero_copy,
+                                   answer_first=self._answer_first)
             for name in names_here:
                 shape = self._tensor_shape(name, "moment2")
                 if shape != tuple(self._by_name[name].shape):

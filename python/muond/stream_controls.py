@@ -24,6 +24,12 @@ _log = logging.getLogger("muond")
 class StreamControls:
     """The overlap-and-delay half of ``RemoteOptimizer`` (see the module's docstring)."""
 
+    def _answer_first(self) -> List[str]:
+        """The parameters a streamed answer should bring first: with ``land_in_forward``, in the
+        order the model's forward uses them (``ForwardLanding.answer_first``); else none."""
+        forward = self._forward
+        return forward.answer_first() if forward is not None else []
+
     def _begin_stream(self) -> StreamedStep:
         """A streamed try of the coming step, opened by backward's first gradient (overlap). A
         delayed step still in flight is waited for first: the daemon takes steps in order."""

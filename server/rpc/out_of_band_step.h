@@ -29,11 +29,18 @@ inline absl::StatusOr<std::shared_ptr<session::Session>> FindStepSession(session
   return registry.Find(header.session_id(), caller, "header.session_id");
 }
 
-// INVALID_ARGUMENT naming header.return_dtype when it is set: `a_step` ("a CUDA IPC step") answers
-// in parameters[].dtype.
-inline absl::Status CheckNoReturnDtype(const v1::StepHeader& header, absl::string_view a_step) {
-  if (header.return_dtype() == v1::DTYPE_UNSPECIFIED) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat("header.return_dtype: ", a_step, " answers in parameters[].dtype"));
+// INVALID_ARGUMENT naming a header option of the Step stream's answer when it is set: `a_step` ("a
+// CUDA IPC step") answers in parameters[].dtype (not header.return_dtype), every parameter at once
+// (not in header.answer_order).
+inline absl::Status CheckNoStreamAnswerOptions(const v1::StepHeader& header, absl::string_view a_step) {
+  if (header.return_dtype() != v1::DTYPE_UNSPECIFIED) {
+    return absl::InvalidArgumentError(absl::StrCat("header.return_dtype: ", a_step, " answers in parameters[].dtype"));
+  }
+  if (header.answer_order_size() > 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("header.answer_order: ", a_step, " answers every parameter at once (Step only)"));
+  }
+  return absl::OkStatus();
 }
 
 // Runs the step `header` asks for on `source` and `sink` and puts its result into `response`.

@@ -58,7 +58,7 @@ grpc::Status MuondService::StepShared(grpc::ServerContext* context, const v1::St
     MUOND_ASSIGN_OR_RETURN(transport::SharedMemoryRegions * regions, ShmRegions());
     const v1::StepHeader& header = request->header();
     MUOND_ASSIGN_OR_RETURN(std::shared_ptr<session::Session> session, FindStepSession(*registry_, header, caller));
-    MUOND_RETURN_IF_ERROR(CheckNoReturnDtype(header, "a shared-memory step"));
+    MUOND_RETURN_IF_ERROR(CheckNoStreamAnswerOptions(header, "a shared-memory step"));
     // Every place is checked before the step begins: an applied step always has somewhere to go.
     MUOND_ASSIGN_OR_RETURN(std::vector<transport::SharedTensorPlace> gradients,
                            transport::ResolveSharedTensors(session->config(), *regions, caller, request->gradients(),

@@ -84,9 +84,11 @@ absl::Status MuondService::DoStep(const std::string& caller, grpc::ServerContext
                          registry_->Find(header.session_id(), caller, "header.session_id"));
   MUOND_ASSIGN_OR_RETURN(v1::DType dtype,
                          AnswerDType(header.return_dtype(), session->config().return_dtype, "header.return_dtype"));
+  MUOND_ASSIGN_OR_RETURN(std::vector<size_t> order,
+                         transport::AnswerOrder(header, session->config().parameters.size()));
   transport::GrpcGradientSource source(context, stream, header, options_.max_chunk_bytes);
   transport::GrpcParameterSink sink(stream, session->config(), dtype, AnswerChunkBytes(header.max_chunk_bytes()),
-                                    answer_slices_.get(), header.packed_answer());
+                                    answer_slices_.get(), header.packed_answer(), std::move(order));
   return transport::RunStep(*session, transport::ToStepRequest(header), source, sink, *options_.metrics);
 }
 

@@ -504,7 +504,7 @@ def test_a_parameter_no_module_holds_lands_before_step_returns(endpoint, monkeyp
                                   endpoint=endpoint)
     opt = muond.RemoteOptimizer(chain_groups(model, [("scale", scales[1])]), endpoint=endpoint,
                                 overlap=True, land_in_forward=model)
-    held = HeldBack(monkeypatch, "scale")  # the answer's last tensor, over gRPC
+    held = HeldBack(monkeypatch, "scale")  # over gRPC, until step() waits for it
     for step in range(1, STEPS + 1):
         for m, o, scale in ((plain_model, plain, scales[0]), (model, opt, scales[1])):
             x, y = chain_batch(step)

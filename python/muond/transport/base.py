@@ -105,7 +105,8 @@ class TransportContext:
     """What a transport of one session works with: the daemon's connection, the session, its
     parameters (``names`` in order, ``sizes`` elements each, the tensors ``by_name``), the dtypes
     of gradients and answers, the gRPC chunk size, this trainer's rank, and whether the parameters
-    and gradients are to live in shared memory (``zero_copy``: the shm transport only)."""
+    and gradients are to live in shared memory (``zero_copy``: the shm transport only), and which
+    parameters to answer first (``answer_first``: the gRPC transport only)."""
     conn: "Connection"
     session_id: str
     names: Sequence[str]
@@ -116,6 +117,9 @@ class TransportContext:
     chunk_bytes: int
     rank: int = 0
     zero_copy: bool = False
+    # The parameters the trainer wants back first, in that order (names; others of this session's
+    # follow in its order): asked again at every step, for transports that answer in a stream.
+    answer_first: Callable[[], Sequence[str]] = tuple
 
     @property
     def endpoint(self) -> str:

@@ -12,7 +12,7 @@ session at a time.
 
 from __future__ import annotations
 
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import grpc
 import torch
@@ -30,11 +30,13 @@ from .streamed import Landing, StreamedTry
 
 class DaemonSession:
     """The session ``session_id`` on the daemon behind ``conn``, holding the parameters
-    ``names`` (a subset of ``by_name``, in the optimizer's order), for trainer rank ``rank``."""
+    ``names`` (a subset of ``by_name``, in the optimizer's order), for trainer rank ``rank``;
+    ``answer_first`` says which parameters a streamed answer should bring first (names)."""
 
     def __init__(self, conn: Connection, session_id: str, names: Sequence[str],
                  by_name: Dict[str, torch.Tensor], *, wire_dtype: str, return_dtype: str,
-                 chunk_bytes: int, rank: int = 0, zero_copy: bool = False):
+                 chunk_bytes: int, rank: int = 0, zero_copy: bool = False,
+                 answer_first: Callable[[], Sequence[str]] = tuple):
         self.conn = conn
         self.endpoint = conn.endpoint
         self.session_id = session_id
@@ -48,7 +50,7 @@ class DaemonSession:
         self.chunk_bytes = chunk_bytes
         self._context = TransportContext(conn, session_id, tuple(self.names), self.sizes,
                                          self.by_name, wire_dtype, return_dtype, chunk_bytes, rank,
-                                         zero_copy)
+                                         zero_copy, answer_first)
         self._facts = Facts(conn.server_info, Here(self.by_name.values()))
         # gRPC until choose_transport (it needs nothing set up, so it serves before then too)
         self.transport: StepTransport = GrpcTransport(self._context, self._facts)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import queue
 import threading
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import grpc
 import torch
@@ -41,6 +41,13 @@ class GrpcTransport(StepTransport):
     def __init__(self, ctx: TransportContext, facts: Facts):
         super().__init__(ctx, facts)
         self._offer: Optional[pb.ServerInfo] = None  # the daemon's, until a step finds it gone
+        self._index = {name: i for i, name in enumerate(ctx.names)}
+
+    def answer_order(self) -> List[int]:
+        """``StepHeader.answer_order``: the indices, in this session, of ``ctx.answer_first()``'s
+        parameters that it holds. A daemon that predates the field answers in its own order."""
+        index = self._index
+        return [index[name] for name in self.ctx.answer_first() if name in index]
 
     def step(self, header: pb.StepHeader, grads: Grads,
              out: Optional[Dict[str, torch.Tensor]] = None
@@ -49,6 +56,7 @@ class GrpcTransport(StepTransport):
         pack = self.offer().packed_chunks
         header.num_chunks, messages = framing.step_messages(grads, ctx.wire_dtype, ctx.chunk_bytes, pack)
         header.packed_answer = pack
+        header.answer_order[:] = self.answer_order()
         into = wire.ChunkAssembler(ctx.sizes, ctx.return_dtype, into=out or ctx.by_name)
         try:
             return ctx.conn.step(header, messages, into), {}  # written in place
@@ -117,6 +125,7 @@ class GrpcStreamedTry(StreamedTry):
         self._begun = identity_of(header)
         self._begun.streamed = True
         self._begun.packed_answer = transport.offer().packed_chunks
+        self._begun.answer_order[:] = transport.answer_order()
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
         self._input_ended = threading.Event()  # set once the producer let go of every gradient
         self._chunks = 0

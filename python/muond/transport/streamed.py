@@ -69,11 +69,12 @@ def end_of(header: pb.StepHeader, num_chunks: int) -> pb.StepEnd:
 
 def check_identity(begun: pb.StepHeader, header: pb.StepHeader) -> None:
     """IdentityChanged unless ``header`` is the step ``begun`` (what the transport set on the
-    begun header aside: the session id, streamed, packed_answer)."""
+    begun header aside: the session id, streamed, packed_answer, answer_order)."""
     final = identity_of(header)
     final.session_id = begun.session_id
     final.streamed = begun.streamed
     final.packed_answer = begun.packed_answer
+    final.answer_order[:] = begun.answer_order
     if final.SerializeToString(deterministic=True) != begun.SerializeToString(deterministic=True):
         raise IdentityChanged(f"the step began as step {begun.step} and ends as step {header.step}")
 

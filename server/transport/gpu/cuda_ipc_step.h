@@ -41,8 +41,8 @@ struct CudaTensorPlace {
 // empty) says the call was abandoned — the client died or cancelled, so its event may never
 // complete and the session must not stay held until the deadline.
 struct EventWait {
-  EventWait(absl::Time deadline, std::function<bool()> caller_gone = {})  // NOLINT: a deadline alone is a wait
-      : deadline(deadline), caller_gone(std::move(caller_gone)) {}
+  EventWait(absl::Time until, std::function<bool()> gone = {})  // NOLINT: a deadline alone is a wait
+      : deadline(until), caller_gone(std::move(gone)) {}
   absl::Time deadline;
   std::function<bool()> caller_gone;
 };

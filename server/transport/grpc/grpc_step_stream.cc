@@ -51,6 +51,33 @@ absl::Status AddPacked(const v1::PackedChunks& packed, size_t max_chunk_bytes, b
   return absl::OkStatus();
 }
 
+}  // namespace
+
+absl::StatusOr<std::vector<size_t>> AnswerOrder(const v1::StepHeader& header, size_t count) {
+  std::vector<size_t> order;
+  order.reserve(count);
+  std::vector<bool> listed(count, false);
+  for (int k = 0; k < header.answer_order_size(); ++k) {
+    const size_t index = header.answer_order(k);
+    if (index >= count) {
+      return absl::InvalidArgumentError(absl::StrCat("header.answer_order[", k, "]: ", index,
+                                                     " is not a parameter index (the session has ", count, ")"));
+    }
+    if (listed[index]) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("header.answer_order[", k, "]: parameter ", index, " is listed already"));
+    }
+    listed[index] = true;
+    order.push_back(index);
+  }
+  for (size_t i = 0; i < count; ++i) {
+    if (!listed[i]) order.push_back(i);
+  }
+  return order;
+}
+
+namespace {
+
 // A streamed step's options, from its StepEnd; a refusal names the end's field.
 absl::Status TakeStepOptions(const v1::StepEnd& end, session::IncomingStep& step) {
   absl::Status taken = step.TakeStepOptions(StepOptionsOf(end));
@@ -159,7 +186,8 @@ absl::Status GrpcParameterSink::Send(const session::StepOutcome& outcome) {
     return sent;
   };
   const size_t element_bytes = wire::ElementSize(dtype_);
-  for (size_t i = 0; i < config_.parameters.size(); ++i) {
+  for (size_t k = 0; k < config_.parameters.size(); ++k) {
+    const size_t i = order_.empty() ? k : order_[k];
     const std::span<const float> values = outcome.parameters->values[i];
     const size_t bytes = values.size() * element_bytes;
     if (pack_ && !values.empty() && bytes <= chunk_bytes_ / wire::kPackedTensorFraction) {
@@ -175,9 +203,8 @@ absl::Status GrpcParameterSink::Send(const session::StepOutcome& outcome) {
     v1::TensorChunk first;
     first.set_name(config_.parameters[i].name);
     const bool sent = wire::ForEachChunk(
-        first, outcome.parameters->values[i], dtype_, chunk_bytes_,
-        [&](const v1::TensorChunk& meta, std::span<const float> values) {
-          return WriteCounted(stream_, wire::EncodeChunk(wire::kChunkField, meta, values, *pool_), &bytes_sent_);
+        first, values, dtype_, chunk_bytes_, [&](const v1::TensorChunk& meta, std::span<const float> piece) {
+          return WriteCounted(stream_, wire::EncodeChunk(wire::kChunkField, meta, piece, *pool_), &bytes_sent_);
         });
     if (!sent) return absl::CancelledError("the client went away");
   }

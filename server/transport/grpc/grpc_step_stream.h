@@ -18,6 +18,7 @@
 
 #include <cstddef>
 #include <memory>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "grpcpp/server_context.h"
@@ -33,6 +34,11 @@ using StepStream = grpc::ServerReaderWriterInterface<grpc::ByteBuffer, grpc::Byt
 
 // Reads the step's first message, which must be its header.
 absl::StatusOr<v1::StepHeader> ReadStepHeader(StepStream* stream);
+
+// The order in which the answer sends the session's `count` parameters: header.answer_order's
+// indices first, then the others in the session's order. An index out of range or given twice is
+// refused naming it (INVALID_ARGUMENT).
+absl::StatusOr<std::vector<size_t>> AnswerOrder(const v1::StepHeader& header, size_t count);
 
 class GrpcGradientSource final : public GradientSource {
  public:
@@ -53,10 +59,17 @@ class GrpcGradientSource final : public GradientSource {
 class GrpcParameterSink final : public ParameterSink {
  public:
   // `config` names the parameters and must outlive the sink; payload buffers come from `pool`.
-  // `pack`: the client asked for packed answers (StepHeader.packed_answer).
+  // `pack`: the client asked for packed answers (StepHeader.packed_answer). `order`: the parameters'
+  // indices in the order to send them (AnswerOrder); empty: the session's order.
   GrpcParameterSink(StepStream* stream, const session::SessionConfig& config, v1::DType dtype, size_t chunk_bytes,
-                    wire::SlicePool* pool, bool pack = false)
-      : stream_(stream), config_(config), dtype_(dtype), chunk_bytes_(chunk_bytes), pool_(pool), pack_(pack) {}
+                    wire::SlicePool* pool, bool pack = false, std::vector<size_t> order = {})
+      : stream_(stream),
+        config_(config),
+        dtype_(dtype),
+        chunk_bytes_(chunk_bytes),
+        pool_(pool),
+        pack_(pack),
+        order_(std::move(order)) {}
 
   absl::Status Send(const session::StepOutcome& outcome) override;
 
@@ -67,6 +80,7 @@ class GrpcParameterSink final : public ParameterSink {
   const size_t chunk_bytes_;
   wire::SlicePool* const pool_;
   const bool pack_;
+  const std::vector<size_t> order_;
 };
 
 }  // namespace muond::transport
