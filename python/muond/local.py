@@ -30,6 +30,7 @@ from . import qk_clip as qk
 from . import ranks
 from . import wire
 from .naming import named_groups
+from .group_info import GroupInfo
 from .step_info import GroupClip, StepInfo, check_max_grad_norm
 
 
@@ -408,7 +409,9 @@ class LocalOptimizer(torch.optim.Optimizer):
         elapsed = time.perf_counter() - started
         self.last_info = StepInfo(self.last_step, True, False, "", norm, elapsed, elapsed,
                                   num_zeros_in_grad=zeros, loss_scale=self.loss_scale,
-                                  total_weight=total_weight, group_clips=clips.by_name)
+                                  total_weight=total_weight, group_clips=clips.by_name,
+                                  groups={name: GroupInfo(c.grad_norm, c.coefficient)
+                                          for name, c in clips.by_name.items()})
         return loss
 
     def _clipping(self, named, sums, unscale: float) -> "_Clipping":

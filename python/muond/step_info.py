@@ -53,7 +53,7 @@ class StepInfo:
     group_clips: Mapping[str, "GroupClip"] = field(default_factory=dict)
     # Each group's clipping, telemetry and health warnings this step, by group name
     # (``muond.group_info.GroupInfo``; docs/algorithms.md, Telemetry). Empty when the daemon does
-    # not say, and from ``LocalOptimizer``.
+    # not say. ``LocalOptimizer`` gives the clipping alone (its telemetry fields None, no warnings).
     groups: Mapping[str, GroupInfo] = field(default_factory=dict)
 
 

@@ -40,6 +40,10 @@ def test_daemon_and_local_optimizer_clip_each_group_alike(endpoint, muon_scope, 
         for name in daemon:
             assert rel_err_scalar(daemon[name].grad_norm, mine[name].grad_norm) < 1e-6, name
             assert rel_err_scalar(daemon[name].coefficient, mine[name].coefficient) < 1e-6, name
+            # StepInfo.groups: the same clipping; LocalOptimizer measures no telemetry.
+            group = local.last_info.groups[name]
+            assert (group.grad_norm, group.clip_coefficient) == tuple(mine[name])
+            assert group.update_rms is None and group.warnings == ()
         scopes = {"matrices": muon_scope or "global", "vectors": adamw_scope or "global"}
         for name, scope in scopes.items():
             clip = daemon[name]
