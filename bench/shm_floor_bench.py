@@ -110,9 +110,11 @@ def main():
                  else f"not streaming ({stream_copy.reason()})")
     sizes = [16_000_000, 64_000_000] + ([256_000_000] if args.large else [])
     print(f"machine: {machine()}")
+    client_copies = lambda d, s: host_copy.copy_all([(d, s)])  # noqa: E731
+    first_copy_gbs = copy_bandwidth(sizes[0], client_copies)
     print(f"AdamW over shm; daemon --threads {args.threads or 'all'}, torch {torch.get_num_threads()} threads, "
           f"client copies on {host_copy.threads()}, {streaming}; copy bandwidth {copy_bandwidth(sizes[0], torch.Tensor.copy_):.1f} "
-          f"GB/s (torch copy_), {copy_bandwidth(sizes[0], lambda d, s: host_copy.copy_all([(d, s)])):.1f} GB/s "
+          f"GB/s (torch copy_), {first_copy_gbs:.1f} GB/s "
           f"(the client's copies), read + write")
     print(f"  {'params':>8} {'path':<10}{'step ms':>9}{'compute ms':>12}{'ns/param':>10}{'ratio':>7}"
           f"{'floor':>7}{'bw floor':>10}{'target':>8}")
@@ -120,7 +122,7 @@ def main():
     extra = ["--metrics-listen", f"127.0.0.1:{port}"] if args.phases else []
     with cpu_daemon(args.binary, args.threads, extra) as (_, endpoint):
         for n in sizes:
-            copy_gbs = copy_bandwidth(n, lambda d, s: host_copy.copy_all([(d, s)]))
+            copy_gbs = first_copy_gbs if n == sizes[0] else copy_bandwidth(n, client_copies)
             for zero_copy in (False, True):
                 torch.manual_seed(0)
                 param = torch.nn.Parameter(torch.randn(n) * 0.02)

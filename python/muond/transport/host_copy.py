@@ -68,8 +68,10 @@ def _splittable(dst: torch.Tensor, src: torch.Tensor) -> bool:
 
 @torch.no_grad()
 def _run(pieces: List[Pair], stream: bool = False) -> None:
+    """Copies each pair; with ``stream``, the pairs (contiguous CPU ones, ``_splittable``) of one
+    dtype with streaming stores, those that convert with ``copy_``."""
     for dst, src in pieces:
-        if stream and stream_copy.fits(dst, src):
+        if stream and dst.dtype == src.dtype:
             stream_copy.copy(dst, src)
         else:
             dst.copy_(src)

@@ -4,8 +4,9 @@
 without a C compiler the package installs without it) and by the CMake build (into
 ``build/python/muond``). This module finds it beside the package and loads it with ctypes, which
 releases the GIL around each call. ``MUOND_STREAM_COPY=sse2`` keeps it to 16-byte stores (what a
-CPU without AVX runs). When it is missing, or ``MUOND_STREAM_COPY=0`` is set, ``available()`` is false, ``reason()`` says why (logged once at INFO on ``muond``) and callers copy
-with torch's ``copy_`` as before.
+CPU without AVX runs). When it is missing, or ``MUOND_STREAM_COPY=0`` is set, ``available()`` is
+false, ``reason()`` says why (logged once at INFO on ``muond``) and callers copy with torch's
+``copy_`` as before.
 
 ``copy(dst, src)`` takes two contiguous CPU tensors of the same dtype and size, not overlapping.
 Thread-safe; the library is loaded on first use.
@@ -19,7 +20,6 @@ import importlib.machinery
 import logging
 import os
 import threading
-from typing import Optional
 
 import torch
 

@@ -55,6 +55,7 @@ absl::Status AddPacked(const v1::PackedChunks& packed, size_t max_chunk_bytes, b
 
 absl::StatusOr<std::vector<size_t>> AnswerOrder(const v1::StepHeader& header, size_t count) {
   std::vector<size_t> order;
+  if (header.answer_order_size() == 0) return order;  // the session's order, nothing to lay out
   order.reserve(count);
   std::vector<bool> listed(count, false);
   for (int k = 0; k < header.answer_order_size(); ++k) {

@@ -36,8 +36,8 @@ using StepStream = grpc::ServerReaderWriterInterface<grpc::ByteBuffer, grpc::Byt
 absl::StatusOr<v1::StepHeader> ReadStepHeader(StepStream* stream);
 
 // The order in which the answer sends the session's `count` parameters: header.answer_order's
-// indices first, then the others in the session's order. An index out of range or given twice is
-// refused naming it (INVALID_ARGUMENT).
+// indices first, then the others in the session's order; empty when the header gives none (the
+// session's order). An index out of range or given twice is refused naming it (INVALID_ARGUMENT).
 absl::StatusOr<std::vector<size_t>> AnswerOrder(const v1::StepHeader& header, size_t count);
 
 class GrpcGradientSource final : public GradientSource {
