@@ -24,8 +24,14 @@ namespace muond::kernels::cuda {
 
 // Out-of-memory becomes RESOURCE_EXHAUSTED (the caller may free something and retry); a missing or
 // unusable driver or device FAILED_PRECONDITION; everything else INTERNAL.
+//
+// A failed runtime call also leaves its error as the calling thread's "last error", which the next
+// kernel launch's cudaGetLastError would report as its own: the daemon's threads serve every
+// session, so one refused call would fail later, unrelated steps. A non-sticky error is cleared
+// here; a sticky one (the context is lost) stays, as it must.
 inline absl::Status CudaStatus(cudaError_t error, absl::string_view what) {
   if (error == cudaSuccess) return absl::OkStatus();
+  cudaGetLastError();
   const std::string message = absl::StrCat(what, ": ", cudaGetErrorName(error), ": ", cudaGetErrorString(error));
   switch (error) {
     case cudaErrorMemoryAllocation:

@@ -345,12 +345,14 @@ StepBounds Muon::BoundStep(const StepHyper& hyper, const ParamState& param, doub
   return out;
 }
 
-// Matrices already back to back in memory (the experts of one parameter, a lone matrix) are
-// orthogonalized where they lie; others are gathered into workspace first.
+// Matrices already back to back in one parameter's buffer (its experts, a lone matrix) are
+// orthogonalized where they lie; others are gathered into workspace first. Two parameters' buffers
+// are separate allocations even when one happens to end where the other begins (a device allocator
+// often places them so), and one copy or kernel may not span two allocations.
 bool Contiguous(std::span<const MatrixJob> jobs) {
   const size_t mat = static_cast<size_t>(jobs[0].rows * jobs[0].cols);
   for (size_t i = 1; i < jobs.size(); ++i) {
-    if (jobs[i].update != jobs[0].update + i * mat) return false;
+    if (jobs[i].param != jobs[0].param || jobs[i].update != jobs[0].update + i * mat) return false;
   }
   return true;
 }

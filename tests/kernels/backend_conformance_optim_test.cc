@@ -196,6 +196,53 @@ TEST_P(BackendConformanceTest, MuonAndAdamWStepsMatchCpu) {
   }
 }
 
+// Same-shape parameters, batched into one Newton–Schulz call, with gradient buffers allocated one
+// after another as the daemon's gradient pool does. A device allocator often places such buffers
+// back to back; they are still separate allocations, and a batch must be gathered, not read as one
+// range (a device-to-device copy spanning two allocations is refused). Results match the CPU.
+TEST_P(BackendConformanceTest, SameShapeParametersInSeparateBuffersMatchCpu) {
+  const std::vector<ParamSpec> specs = {{{64, 128}}, {{64, 128}}, {{64, 128}}, {{64, 128}},
+                                        {{128, 64}}, {{128, 64}}, {{128, 64}}};
+  optim::GroupOptions options = optim::DefaultOptions(optim::OptimizerKind::kMuon);
+  options.matmul_precision = MatmulPrecision::kFp32;
+  ASSERT_OK_AND_ASSIGN(auto dev, optim::Optimizer::Create(options));
+  ASSERT_OK_AND_ASSIGN(auto cpu, optim::Optimizer::Create(options));
+  std::vector<std::vector<float>> w0;
+  for (size_t i = 0; i < specs.size(); ++i) w0.push_back(Random(64 * 128, 0.05f));
+  Model d = MakeModel(*backend_, *dev, specs, w0);
+  Model c = MakeModel(*cpu_, *cpu, specs, w0);
+  for (optim::ParamState& p : d.params) p.grad.reset();
+  int back_to_back = 0;
+  for (size_t i = 0; i < d.params.size(); ++i) {
+    ASSERT_OK_AND_ASSIGN(d.params[i].grad, backend_->Allocate(static_cast<size_t>(d.params[i].numel)));
+    if (i > 0 && d.params[i].grad->data() == d.params[i - 1].grad->data() + d.params[i - 1].numel) ++back_to_back;
+  }
+  RecordProperty("back_to_back_gradient_buffers", back_to_back);
+  for (int step = 0; step < 2; ++step) {
+    for (size_t i = 0; i < specs.size(); ++i) {
+      const std::vector<float> g = Random(static_cast<size_t>(d.params[i].numel), 0.1f);
+      ASSERT_OK(backend_->CopyToDevice(g.data(), d.params[i].grad->data(), g.size()));
+      ASSERT_OK(cpu_->CopyToDevice(g.data(), c.params[i].grad->data(), g.size()));
+      d.params[i].has_grad = c.params[i].has_grad = true;
+    }
+    ASSERT_OK(dev->Step(*backend_, dev->DefaultHyper(), d.ptrs)) << back_to_back << " buffers back to back";
+    ASSERT_OK(cpu->Step(*cpu_, cpu->DefaultHyper(), c.ptrs));
+  }
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const optim::ParamState &pd = d.params[i], &pc = c.params[i];
+    EXPECT_TRUE(BitwiseEqual(Download(*backend_, pd.slots[0].tensor.buffer->data(), static_cast<size_t>(pd.numel)),
+                             Download(*cpu_, pc.slots[0].tensor.buffer->data(), static_cast<size_t>(pc.numel))))
+        << "param " << i << " momentum";
+    std::vector<float> moved_d = Download(*backend_, pd.master.buffer->data(), static_cast<size_t>(pd.numel));
+    std::vector<float> moved_c = Download(*cpu_, pc.master.buffer->data(), static_cast<size_t>(pc.numel));
+    for (size_t j = 0; j < moved_d.size(); ++j) {
+      moved_d[j] -= w0[i][j];
+      moved_c[j] -= w0[i][j];
+    }
+    EXPECT_LT(RelativeFrobenius(moved_d, moved_c), 1e-4) << "param " << i;
+  }
+}
+
 // Precision-aware state (16-bit masters and slots, loaded as fp32 and rounded on store): element-wise
 // steps over 16-bit state match the CPU bit for bit, on a large parameter too.
 TEST_P(BackendConformanceTest, SixteenBitStateStepsMatchCpuBitwise) {
