@@ -33,6 +33,7 @@ from .diloco import DiLoCo  # noqa: E402
 from .errors import MuondError  # noqa: E402
 from .group_info import GroupInfo  # noqa: E402
 from .local import LocalOptimizer  # noqa: E402
+from . import partition  # noqa: E402
 from .optimizer import RemoteOptimizer  # noqa: E402
 from .param_groups import default_param_groups  # noqa: E402
 from .state_digest import StateDigest  # noqa: E402

@@ -301,11 +301,15 @@ class Connection:
 
     # -- streams -------------------------------------------------------------------------------
 
-    def upload(self, session_id: str,
-               chunks: Iterable[pb.TensorChunk]) -> pb.UploadParametersResponse:
-        """Uploads the initial parameters (every parameter whole)."""
+    def upload(self, session_id: str, chunks: Iterable[pb.TensorChunk],
+               rank: Optional[int] = None) -> pb.UploadParametersResponse:
+        """Uploads the initial parameters (every parameter whole; with ``rank``, that rank's
+        parts of the partitioned ones)."""
         def requests():
-            yield pb.UploadParametersRequest(session_id=session_id)
+            first = pb.UploadParametersRequest(session_id=session_id)
+            if rank is not None:
+                first.rank = rank
+            yield first
             for chunk in chunks:
                 yield pb.UploadParametersRequest(chunk=chunk)
         with _RequestStream(requests()) as stream, translated("UploadParameters"):
@@ -409,11 +413,14 @@ class Connection:
 
     def get_parameters(self, session_id: str, into: ChunkAssembler,
                        names: Sequence[str] = (), dtype: int = pb.DTYPE_FP32,
-                       max_chunk_bytes: int = 0) -> int:
-        """Reads parameters into ``into``; returns the session's last applied step. A read cut
-        off by ``UNAVAILABLE`` is retried from the start."""
+                       max_chunk_bytes: int = 0, rank: Optional[int] = None) -> int:
+        """Reads parameters into ``into`` (with ``rank``: its parts of the partitioned ones);
+        returns the session's last applied step. A read cut off by ``UNAVAILABLE`` is retried
+        from the start."""
         request = pb.GetParametersRequest(session_id=session_id, names=list(names), dtype=dtype,
                                           max_chunk_bytes=max_chunk_bytes)
+        if rank is not None:
+            request.rank = rank
 
         def read() -> int:
             into.clear()

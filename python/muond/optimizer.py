@@ -50,6 +50,7 @@ import torch
 
 from . import loss_scale
 from . import options as opts
+from . import partition as parts
 from . import qk_clip as qk
 from . import ranks
 from . import session_spec
@@ -232,6 +233,8 @@ class RemoteOptimizer(StateTransfer, StreamControls, torch.optim.Optimizer):
             raise ValueError("overlap: needs one daemon (a sharded step prepares on every shard "
                              "before anything is applied); got several endpoints")
         check_land_in_forward(land_in_forward, overlap, self.delay, self.sync.mode)
+        self._check_partitions(overlap=overlap, shm_zero_copy=shm_zero_copy,
+                               land_in_forward=land_in_forward)
         self.shm_zero_copy = bool(shm_zero_copy)
         if self.shm_zero_copy:
             self._wanted_transport = check_zero_copy(
@@ -277,6 +280,13 @@ class RemoteOptimizer(StateTransfer, StreamControls, torch.optim.Optimizer):
         groups are sealed from here on."""
         self._params: List[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
         self._names: List[str] = names
+        # Global shapes: a partitioned group's from its partition, the others' from the tensors.
+        self._global_shapes: Dict[str, Tuple[int, ...]] = {}
+        for group in self.param_groups:
+            partition = group.get("partition")
+            for k, (name, p) in enumerate(zip(group["param_names"], group["params"])):
+                self._global_shapes[name] = (partition.shapes[k] if partition is not None
+                                             else tuple(p.shape))
         self._index: Dict[str, int] = {name: i for i, name in enumerate(names)}
         self._by_name: Dict[str, torch.Tensor] = dict(zip(names, self._params))
         self._sizes: Dict[str, int] = {n: p.numel() for n, p in zip(names, self._params)}
@@ -295,6 +305,7 @@ class RemoteOptimizer(StateTransfer, StreamControls, torch.optim.Optimizer):
             names_here = [self._names[i] for i in self._indices_of[k]]
             daemon = DaemonSession(connection.connect(address), self.session_id, names_here,
                                    self._by_name, wire_dtype=self.wire_dtype,
+                                   partitioned=self.partitioned,
                                    return_dtype=self.return_dtype, chunk_bytes=self.chunk_bytes,
                                    rank=self.rank, zero_copy=self.shm_zero_copy,
                                    answer_first=self._answer_first)
@@ -325,13 +336,50 @@ class RemoteOptimizer(StateTransfer, StreamControls, torch.optim.Optimizer):
                 raise TypeError(f"parameters must be tensors, got {type(p).__name__}")
             if not p.is_leaf:
                 raise ValueError("can't optimize a non-leaf tensor")
-            if resolved["optimizer"] == "muon" and p.dim() < 2:
+        partition = resolved.get("partition")
+        if partition is not None:
+            if not isinstance(partition, parts.Partition):
+                raise TypeError(f"a group's partition must be a muond.partition.Partition, got "
+                                f"{type(partition).__name__}")
+            if len(partition.shapes) != len(params):
+                raise ValueError(f"partition: {len(partition.shapes)} global shapes for the group's "
+                                 f"{len(params)} parameters")
+        for k, p in enumerate(params):
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"parameters must be tensors, got {type(p).__name__}")
+            if not p.is_leaf:
+                raise ValueError("can't optimize a non-leaf tensor")
+            # A partitioned group's local tensors are parts: the rules read the global shape.
+            shape = partition.shapes[k] if partition is not None else tuple(p.shape)
+            if resolved["optimizer"] == "muon" and len(shape) < 2:
                 raise ValueError(
-                    f"Muon needs matrices; a parameter of shape {tuple(p.shape)} must go to an "
+                    f"Muon needs matrices; a parameter of shape {shape} must go to an "
                     f"AdamW group (see muond.default_param_groups)")
             if resolved["optimizer"] == "muon":
-                opts.check_parameter(resolved, tuple(p.shape))
+                opts.check_parameter(resolved, shape)
         super().add_param_group(resolved)
+
+    def _check_partitions(self, **features: Any) -> None:
+        """With partitioned groups: every local tensor is its part, and nothing that needs whole
+        tensors on this side is asked for (ValueError naming it)."""
+        self.partitioned = any(g.get("partition") is not None for g in self.param_groups)
+        if not self.partitioned:
+            return
+        for group in self.param_groups:
+            if group.get("partition") is not None:
+                parts.check_local(group["partition"], group["params"], group["param_names"],
+                                  self.world_size, self.rank)
+        if len(self.endpoints) > 1:
+            raise ValueError("partition: needs one daemon (a session sharded over daemons takes whole "
+                             "tensors); got several endpoints")
+        if self.sync.mode != "lockstep":
+            raise ValueError(f"partition: lock-step only (a missing rank's part is a missing piece "
+                             f"of the gradient); got sync_mode {self.sync.mode!r}")
+        if self.delay:
+            raise ValueError("partition: delay is not available with partitioned groups")
+        for name, value in features.items():
+            if value:
+                raise ValueError(f"partition: {name} is not available with partitioned groups")
 
     def _assign_group_names(self) -> List[str]:
         names = [g.get("name") or f"g{i}" for i, g in enumerate(self.param_groups)]
@@ -342,7 +390,8 @@ class RemoteOptimizer(StateTransfer, StreamControls, torch.optim.Optimizer):
     def _shard_spec(self, shard: int) -> pb.SessionSpec:
         """The spec of daemon ``shard``'s session (the whole spec with one daemon)."""
         whole = session_spec.whole_spec(
-            self.param_groups, self._group_names, self.qk_clip, world_size=self.world_size,
+            self.param_groups, self._group_names, self.qk_clip, shapes=self._global_shapes,
+            world_size=self.world_size,
             wire_dtype=self.wire_dtype, return_dtype=self.return_dtype,
             loss_scaler=self.loss_scaler, sync=self.sync)
         if len(self.endpoints) == 1:
@@ -446,6 +495,8 @@ class RemoteOptimizer(StateTransfer, StreamControls, torch.optim.Optimizer):
             if g.shape != p.shape:
                 raise ValueError(f"parameter '{name}': gradient shape {tuple(g.shape)} differs "
                                  f"from the parameter's {tuple(p.shape)}")
+            if g.numel() == 0:
+                continue  # a part holding none of its parameter: nothing to send
             grads.append((name, g))
         return grads
 

@@ -83,7 +83,7 @@ _DTYPE_OPTION = {"master": "master_dtype", "momentum": "momentum_dtype",
 
 ALL_OPTIONS = frozenset(k for d in DEFAULTS.values() for k in d)
 # Keys a group may carry besides options: torch's own, lr schedulers', and a display name.
-_PASSTHROUGH = frozenset({"params", "param_names", "initial_lr", "name"})
+_PASSTHROUGH = frozenset({"params", "param_names", "initial_lr", "name", "partition"})
 # Options a step may override (GroupOverride); every other option is fixed by the session.
 OVERRIDABLE = ("lr", "momentum", "weight_decay")
 

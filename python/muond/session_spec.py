@@ -10,9 +10,10 @@ whose query it holds and the placement itself (docs/sharding.md).
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from . import options as opts
+from . import partition
 from . import placement
 from . import wire
 from .ranks import Sync
@@ -21,13 +22,18 @@ from ._stubs import pb
 
 def whole_spec(param_groups: Sequence[Dict[str, Any]], group_names: Sequence[str],
                qk_clip: Sequence[Any], *, world_size: int, wire_dtype: str, return_dtype: str,
-               loss_scaler: Optional[Dict[str, Any]], sync: Sync = Sync()) -> pb.SessionSpec:
-    """The spec of the whole session."""
+               loss_scaler: Optional[Dict[str, Any]], sync: Sync = Sync(),
+               shapes: Optional[Dict[str, Tuple[int, ...]]] = None) -> pb.SessionSpec:
+    """The spec of the whole session; ``shapes``: the parameters' global shapes by name (a
+    partitioned group's local tensors are parts), else the tensors' own."""
     spec = pb.SessionSpec(world_size=world_size, return_dtype=wire.dtype_enum(return_dtype))
     for group, gname in zip(param_groups, group_names):
-        spec.groups.add(name=gname, options=opts.group_options_proto(group))
+        added = spec.groups.add(name=gname, options=opts.group_options_proto(group))
+        if group.get("partition") is not None:
+            added.partition.CopyFrom(partition.to_proto(group["partition"], group["param_names"], pb))
         for p, pname in zip(group["params"], group["param_names"]):
-            ps = spec.parameters.add(name=pname, shape=list(p.shape), group=gname,
+            shape = shapes[pname] if shapes is not None else tuple(p.shape)
+            ps = spec.parameters.add(name=pname, shape=list(shape), group=gname,
                                      wire_dtype=wire.dtype_enum(wire_dtype))
             if group.get("qkv_split") is not None:
                 ps.qkv_split.extend(group["qkv_split"])
@@ -86,9 +92,10 @@ def place(param_groups: Sequence[Dict[str, Any]], together: List[tuple],
     tensors = []
     for group in param_groups:
         split = group.get("qkv_split")
-        for p in group["params"]:
+        given = group.get("partition")  # a partitioned group's tensors are parts: its shapes are global
+        for k, p in enumerate(group["params"]):
             tensors.append(placement.Tensor(
-                tuple(p.shape), group["optimizer"] == "muon",
+                given.shapes[k] if given is not None else tuple(p.shape), group["optimizer"] == "muon",
                 tuple(split) if split is not None else None,
                 group.get("num_query_groups") or 1))
     return placement.place(tensors, num_daemons, together)

@@ -52,6 +52,7 @@ grpc::Status MuondService::StepCuda(grpc::ServerContext* context, const v1::Step
     const v1::StepHeader& header = request->header();
     MUOND_ASSIGN_OR_RETURN(std::shared_ptr<session::Session> session, FindStepSession(*registry_, header, caller));
     MUOND_RETURN_IF_ERROR(CheckNoStreamAnswerOptions(header, "a CUDA IPC step"));
+    MUOND_RETURN_IF_ERROR(CheckWholeTensors(*session, "a CUDA IPC step"));
     // Every place is checked before the step begins: an applied step always has somewhere to go.
     MUOND_ASSIGN_OR_RETURN(std::vector<transport::CudaTensorPlace> gradients,
                            transport::ResolveCudaTensors(session->config(), *regions, caller, session->id(),
@@ -128,6 +129,7 @@ grpc::Status MuondService::StepNccl(grpc::ServerContext* context, const v1::Step
       if (!keep_channel) channels->Drop(caller, request->channel());
     };
     MUOND_RETURN_IF_ERROR(CheckNoStreamAnswerOptions(header, "an NCCL step"));
+    MUOND_RETURN_IF_ERROR(CheckWholeTensors(*session, "an NCCL step"));
     if (header.rank() != channel->rank) {
       return absl::InvalidArgumentError(absl::StrCat("header.rank: channel '", Echo(request->channel()), "' is rank ",
                                                      channel->rank, "'s, not rank ", header.rank(), "'s"));

@@ -12,6 +12,7 @@
 #include "google/protobuf/util/json_util.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "proto/wire/dtype_codec.h"
+#include "server/session/partition.h"
 
 namespace muond::rpc {
 namespace {
@@ -250,6 +251,70 @@ absl::Status ParseSync(const v1::SyncSpec& sync, SessionConfig& config) {
   }
 }
 
+// spec.groups[g].partition: each group's rule, laid out into config.parts (session/partition.h).
+// Needs the parameters, world_size, sync and shard parsed.
+absl::Status ParsePartitions(const v1::SessionSpec& spec, SessionConfig& config) {
+  std::vector<session::PartitionRule> rules(static_cast<size_t>(spec.groups_size()));
+  std::string first_partitioned;
+  for (int g = 0; g < spec.groups_size(); ++g) {
+    const v1::Partition& given = spec.groups(g).partition();
+    session::PartitionRule& rule = rules[static_cast<size_t>(g)];
+    rule.field = absl::StrCat("spec.groups[", g, "].partition");
+    switch (given.kind()) {
+      case v1::PARTITION_KIND_UNSPECIFIED:
+      case v1::PARTITION_KIND_REPLICATED:
+        rule.kind = session::PartitionKind::kReplicated;
+        break;
+      case v1::PARTITION_KIND_ROWS:
+        rule.kind = session::PartitionKind::kRows;
+        break;
+      case v1::PARTITION_KIND_FLAT:
+        rule.kind = session::PartitionKind::kFlat;
+        break;
+      case v1::PARTITION_KIND_EXPLICIT:
+        rule.kind = session::PartitionKind::kExplicit;
+        break;
+      default:
+        return Invalid(rule.field + ".kind", absl::StrCat("unknown kind ", static_cast<int>(given.kind())));
+    }
+    if (given.alignment() != 0 && rule.kind != session::PartitionKind::kFlat) {
+      return Invalid(rule.field + ".alignment", "applies to kind flat only");
+    }
+    if (given.alignment() < 0) {
+      return Invalid(rule.field + ".alignment", absl::StrCat("must be >= 0, got ", given.alignment()));
+    }
+    rule.alignment = std::max<int64_t>(1, given.alignment());
+    if (given.ranks_size() > 0 && rule.kind != session::PartitionKind::kExplicit) {
+      return Invalid(rule.field + ".ranks", "applies to kind explicit only");
+    }
+    for (int r = 0; r < given.ranks_size(); ++r) {
+      std::vector<session::PartitionRule::Range>& ranges = rule.ranks.emplace_back();
+      for (int i = 0; i < given.ranks(r).ranges_size(); ++i) {
+        const v1::ParameterRange& range = given.ranks(r).ranges(i);
+        const std::string at = absl::StrCat(rule.field, ".ranks[", r, "].ranges[", i, "]");
+        auto it = config.parameter_index.find(range.parameter());
+        if (it == config.parameter_index.end()) {
+          return Invalid(at + ".parameter", absl::StrCat("unknown parameter '", Echo(range.parameter()), "'"));
+        }
+        ranges.push_back({it->second, {range.begin(), range.end()}, at});
+      }
+    }
+    if (rule.kind != session::PartitionKind::kReplicated && first_partitioned.empty()) first_partitioned = rule.field;
+  }
+  if (first_partitioned.empty()) return absl::OkStatus();
+  if (config.sync.mode != SyncMode::kLockstep) {
+    return Invalid("spec.sync.mode",
+                   absl::StrCat("lock-step only with partitioned groups (", first_partitioned,
+                                "): a missing rank's part is a missing piece of the gradient, not a smaller batch"));
+  }
+  if (config.shard.count > 0) {
+    return Invalid(first_partitioned,
+                   "not available on a sharded session: spread the parameters over daemons, or partition them "
+                   "over ranks, not both");
+  }
+  return session::LayOutParts(rules, config);
+}
+
 }  // namespace
 
 absl::StatusOr<SessionConfig> ParseSessionSpec(const v1::SessionSpec& spec, const SpecLimits& limits) {
@@ -359,6 +424,7 @@ absl::StatusOr<SessionConfig> ParseSessionSpec(const v1::SessionSpec& spec, cons
   MUOND_RETURN_IF_ERROR(ParseShard(spec, config));
   MUOND_RETURN_IF_ERROR(ParseLossScaler(spec, config));
   MUOND_RETURN_IF_ERROR(ParseSync(spec.sync(), config));
+  MUOND_RETURN_IF_ERROR(ParsePartitions(spec, config));
   if (config.shard.count > 0) {
     // A shard sees its own groups' norms only; the global norm comes decided over every shard.
     for (size_t g = 0; g < config.groups.size(); ++g) {

@@ -62,10 +62,10 @@ grpc::Status MuondService::StepShared(grpc::ServerContext* context, const v1::St
     // Every place is checked before the step begins: an applied step always has somewhere to go.
     MUOND_ASSIGN_OR_RETURN(std::vector<transport::SharedTensorPlace> gradients,
                            transport::ResolveSharedTensors(session->config(), *regions, caller, request->gradients(),
-                                                           "gradients", /*require_all=*/false));
+                                                           "gradients", /*require_all=*/false, header.rank()));
     MUOND_ASSIGN_OR_RETURN(std::vector<transport::SharedTensorPlace> parameters,
                            transport::ResolveSharedTensors(session->config(), *regions, caller, request->parameters(),
-                                                           "parameters", /*require_all=*/true));
+                                                           "parameters", /*require_all=*/true, header.rank()));
     transport::ShmGradientSource source(std::move(gradients), &regions->copy_pool());
     transport::ShmParameterSink sink(std::move(parameters), &regions->copy_pool());
     return RunOutOfBandStep(*session, header, /*device_answer=*/false, source, sink, *options_.metrics, response);

@@ -7,6 +7,7 @@
 #include "grpcpp/support/method_handler.h"
 #include "proto/wire/dtype_codec.h"
 #include "server/rpc/muond_service.h"
+#include "server/session/partition.h"
 #include "server/transport/grpc/chunk_stream.h"
 #include "server/transport/grpc/grpc_step_stream.h"
 #include "server/transport/grpc/tensor_assembler.h"
@@ -42,15 +43,27 @@ absl::Status MuondService::DoUpload(const std::string& caller, grpc::ServerReade
   }
   MUOND_RETURN_IF_ERROR(session::CheckSessionId(request.session_id()));
   MUOND_ASSIGN_OR_RETURN(std::shared_ptr<session::Session> session, registry_->Find(request.session_id(), caller));
-  transport::TensorAssembler assembler(session->config(), options_.max_chunk_bytes);
+  const int world_size = session->config().world_size;
+  if (request.has_rank() && (request.rank() < 0 || request.rank() >= world_size)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank: must be in [0, ", world_size, ") for this session, got ", request.rank()));
+  }
+  const int rank = request.has_rank() ? request.rank() : -1;
+  transport::TensorAssembler assembler(session->config(), options_.max_chunk_bytes, rank);
   while (reader->Read(&request)) {
     if (request.kind_case() != v1::UploadParametersRequest::kChunk) {
       return absl::InvalidArgumentError("chunk: every message after the first must carry a chunk");
     }
     MUOND_RETURN_IF_ERROR(assembler.Add(request.chunk()));
   }
-  MUOND_RETURN_IF_ERROR(assembler.Finish(/*require_all=*/true));
-  MUOND_RETURN_IF_ERROR(session->Upload(std::move(assembler.tensors())));
+  if (rank >= 0) {
+    // A rank holding none of a partitioned parameter has nothing of it to send.
+    MUOND_RETURN_IF_ERROR(assembler.Finish(/*require_all=*/false));
+    MUOND_RETURN_IF_ERROR(session->UploadParts(rank, std::move(assembler.tensors())));
+  } else {
+    MUOND_RETURN_IF_ERROR(assembler.Finish(/*require_all=*/true));
+    MUOND_RETURN_IF_ERROR(session->Upload(std::move(assembler.tensors())));
+  }
   response->set_num_tensors(static_cast<int32_t>(session->config().parameters.size()));
   response->set_num_parameters(session->config().total_elements);
   MUOND_EVENT(info, "parameters_uploaded", session->id(), -1, "session {} parameters uploaded ({} elements)",
@@ -120,8 +133,14 @@ absl::Status MuondService::DoGetParameters(const std::string& caller, grpc::Serv
   if (wanted.empty()) {
     for (size_t i = 0; i < config.parameters.size(); ++i) wanted.push_back(i);
   }
+  if (request.has_rank() && (request.rank() < 0 || request.rank() >= config.world_size)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank: must be in [0, ", config.world_size, ") for this session, got ", request.rank()));
+  }
   MUOND_ASSIGN_OR_RETURN(const session::Session::LatestParameters latest, session->ReadLatestParameters());
-  const session::ParameterSnapshot& snapshot = *latest.snapshot;
+  const std::shared_ptr<const session::ParameterSnapshot> view =
+      request.has_rank() ? session::RankView(config, latest.snapshot, request.rank()) : latest.snapshot;
+  const session::ParameterSnapshot& snapshot = *view;
   const int64_t last_step = latest.last_step;
   if (snapshot.on_device) {
     return absl::UnavailableError(

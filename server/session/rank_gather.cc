@@ -1,5 +1,7 @@
 #include "server/session/rank_gather.h"
 
+#include "server/session/partition.h"
+
 namespace muond::session {
 
 uint64_t RankGather::Add(StepPlan plan, std::vector<HostTensor> gradients, absl::Time now) {
@@ -20,9 +22,14 @@ absl::Time RankGather::reached(int n) const {
   return arrival_times_[n - 1];
 }
 
-std::pair<StepPlan, std::vector<HostTensor>> RankGather::TakeAverage(size_t num_parameters) {
+std::pair<StepPlan, std::vector<HostTensor>> RankGather::TakeAverage(const SessionConfig& config) {
+  const size_t num_parameters = config.parameters.size();
   std::vector<HostTensor> mean(num_parameters);
+  std::vector<const std::vector<HostTensor>*> by_rank;
+  for (const auto& rank : ranks_) by_rank.push_back(rank ? &rank->second : nullptr);
+  AssembleParts(config, by_rank, mean);
   for (size_t p = 0; p < num_parameters; ++p) {
+    if (IsPartitioned(config, p)) continue;  // assembled from its parts above
     std::vector<double> sum;
     double weights = 0;
     for (const auto& rank : ranks_) {

@@ -5,7 +5,8 @@
 // averaged with the ranks' weights — per parameter, sum(w_r * g_r) / sum(w_r) over the ranks that
 // sent it, summed in rank order in fp64 and rounded once to fp32, so the result does not depend on
 // arrival order (with every weight 1 it is the plain mean) — and the step is applied once with the
-// plan of the lowest rank that arrived. A rank that resends while it waits replaces its part.
+// plan of the lowest rank that arrived. Parameters of partitioned groups are assembled from each
+// rank's part instead of averaged. A rank that resends while it waits replaces its part.
 //
 // The generation changes whenever a gathering ends (applied or aborted), so waiting ranks can tell
 // an abort from a spurious wake-up. Owned by its session and used under the session's lock; not
@@ -20,6 +21,7 @@
 
 #include "absl/time/time.h"
 #include "common/host_tensor.h"
+#include "server/session/session_config.h"
 #include "server/session/step_plan.h"
 
 namespace muond::session {
@@ -38,8 +40,9 @@ class RankGather {
   uint64_t generation() const { return generation_; }
 
   // Ends the gathering with what arrived: the lowest arrived rank's plan (with contributors and
-  // total_weight set) and the weighted average of the gradients.
-  std::pair<StepPlan, std::vector<HostTensor>> TakeAverage(size_t num_parameters);
+  // total_weight set) and the weighted average of the gradients — of a partitioned parameter, the
+  // whole gradient assembled from the ranks' parts instead (session/partition.h).
+  std::pair<StepPlan, std::vector<HostTensor>> TakeAverage(const SessionConfig& config);
   // The ranks not yet arrived; then ends the gathering (an abort).
   std::vector<int> Abort();
 

@@ -3,11 +3,13 @@
 // and out in session_state.cc, the parameters answers read in session_parameters.cc. See session.h.
 #include "server/session/session.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "server/session/memory_quota.h"
+#include "server/session/partition.h"
 #include "server/session/value_rules.h"
 
 namespace muond::session {
@@ -121,6 +123,50 @@ absl::Status Session::Upload(std::vector<HostTensor> tensors) {
       optim::ParamState& state = params_[i];
       MUOND_RETURN_IF_ERROR(optim::WriteStored(*backend_, state.master, 0, state.numel, tensors[i].values.data()));
       state.master_bound = bounds[i];
+      state.slots.clear();
+      state.step_count = 0;
+      MUOND_RETURN_IF_ERROR(optimizers_[config_.parameters[i].group]->InitState(*backend_, state));
+    }
+    MUOND_ASSIGN_OR_RETURN(snapshot_, ReadBack(0));
+  }
+  initialized_ = true;
+  if (persistence_) MUOND_RETURN_IF_ERROR(CheckpointLocked());
+  return absl::OkStatus();
+}
+
+absl::Status Session::UploadParts(int rank, std::vector<HostTensor> tensors) {
+  for (size_t i = 0; i < config_.parameters.size(); ++i) {
+    const ElementRange part = PartOf(config_, i, rank);
+    if (part.size() > 0 && !tensors[i].present()) {
+      return absl::InvalidArgumentError(absl::StrCat("chunk.name: rank ", rank, " holds elements [", part.begin, ", ",
+                                                     part.end, ") of '", config_.parameters[i].name,
+                                                     "' and uploaded none; every part must be sent"));
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  if (last_step_ > 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("session '", id_, "' has applied ", last_step_,
+                     " steps; initial parameters can only be uploaded before the first step (use SetState to replace a "
+                     "trained state)"));
+  }
+  std::vector<double> bounds(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    MUOND_ASSIGN_OR_RETURN(bounds[i], CheckTensorValues("chunk.data", params_[i].name, tensors[i].values,
+                                                        /*non_negative=*/false, params_[i].master.dtype));
+  }
+  {
+    absl::MutexLock masters(&masters_mu_);
+    ++masters_version_;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const ElementRange part = PartOf(config_, i, rank);
+      optim::ParamState& state = params_[i];
+      if (part.size() > 0) {
+        MUOND_RETURN_IF_ERROR(optim::WriteStored(*backend_, state.master, static_cast<size_t>(part.begin),
+                                                 static_cast<size_t>(part.size()), tensors[i].values.data()));
+      }
+      // The bound covers every part written so far (parts of a parameter arrive from several ranks).
+      state.master_bound = IsPartitioned(config_, i) ? std::max(state.master_bound, bounds[i]) : bounds[i];
       state.slots.clear();
       state.step_count = 0;
       MUOND_RETURN_IF_ERROR(optimizers_[config_.parameters[i].group]->InitState(*backend_, state));

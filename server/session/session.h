@@ -74,6 +74,11 @@ class Session {
   // Replaces the masters with `tensors` (every one complete) and resets the optimizer state.
   // Refused with FAILED_PRECONDITION once a step has been applied.
   absl::Status Upload(std::vector<HostTensor> tensors);
+  // `rank`'s upload of its parts (docs/ranks.md, Ranks that hold parts): each partitioned
+  // parameter's part written into its range, each replicated parameter whole (every one of them
+  // present, each part of the rank's size); the optimizer state of every parameter reset. Refused
+  // once a step has been applied.
+  absl::Status UploadParts(int rank, std::vector<HostTensor> tensors);
 
   // Checks `request` and classifies it (next step or replay) before its gradients are read.
   absl::StatusOr<std::unique_ptr<IncomingStep>> BeginStep(StepRequest request);

@@ -56,9 +56,22 @@ inline optim::ParamState ParamStateOf(const ParameterConfig& pc) {
   return state;
 }
 
+// Which elements of a group's parameters each rank of a multi-rank session sends and gets back
+// (docs/ranks.md, Ranks that hold parts; the rules are in session/partition.h).
+enum class PartitionKind { kReplicated, kRows, kFlat, kExplicit };
+
+// Elements [begin, end) of a parameter's row-major flattening.
+struct ElementRange {
+  int64_t begin = 0;
+  int64_t end = 0;
+  int64_t size() const { return end - begin; }
+  bool operator==(const ElementRange&) const = default;
+};
+
 struct GroupConfig {
   std::string name;
   optim::GroupOptions options;
+  PartitionKind partition = PartitionKind::kReplicated;
 };
 
 // A query/key pair of the spec's qk_clip list, by parameter index.
@@ -98,6 +111,9 @@ struct SessionConfig {
   std::vector<QkClipConfig> qk_clip;
   ShardConfig shard;
   std::optional<optim::LossScalerOptions> loss_scaler;  // a daemon-side dynamic loss scaler
+  // parts[p][r]: the range of parameter p that rank r holds, for parameters of partitioned groups;
+  // parts[p] is empty for a replicated parameter, and parts is empty when no group is partitioned.
+  std::vector<std::vector<ElementRange>> parts;
   int64_t total_elements = 0;
   absl::flat_hash_map<std::string, size_t> parameter_index;
   absl::flat_hash_map<std::string, size_t> group_index;

@@ -17,6 +17,7 @@
 #include "common/error_reason.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "server/session/partition.h"
 #include "server/session/session.h"
 
 namespace muond::session {
@@ -270,7 +271,7 @@ bool Session::GatherReadyLocked(absl::Time now) const {
 }
 
 absl::StatusOr<StepOutcome> Session::TakeGatheredLocked(bool prepare, uint64_t generation) {
-  auto [applied_plan, mean] = gather_.TakeAverage(config_.parameters.size());
+  auto [applied_plan, mean] = gather_.TakeAverage(config_);
   if (prepare) return PrepareLocked(std::move(applied_plan), std::move(mean), generation);
   return ApplyLocked(applied_plan, mean, nullptr);
 }
@@ -279,6 +280,9 @@ absl::StatusOr<StepOutcome> Session::GatherLocked(StepPlan plan, std::vector<Hos
   const int64_t step = plan.request.step;
   const int rank = plan.request.rank;
   const bool prepare = plan.request.phase == StepPhase::kPrepare;
+  // A rank's part of a partitioned parameter is a piece of the gradient, not a whole one: refused
+  // here, before it joins, so the others' step is still to come.
+  MUOND_RETURN_IF_ERROR(CheckRankParts(config_, rank, gradients));
   const absl::Time arrived_at = absl::Now();
   const uint64_t generation = gather_.Add(std::move(plan), std::move(gradients), arrived_at);
   const int64_t last_step_before = last_step_;

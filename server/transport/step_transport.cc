@@ -5,6 +5,7 @@
 
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "server/session/partition.h"
 
 namespace muond::transport {
 
@@ -33,6 +34,7 @@ absl::Status RunStep(session::Session& session, session::StepRequest request, Gr
   using Clock = std::chrono::steady_clock;  // durations: immune to wall-clock steps
   const Clock::time_point start = Clock::now();
   const bool device_answer = request.device_answer;
+  const int rank = request.rank;
   MUOND_ASSIGN_OR_RETURN(std::unique_ptr<session::IncomingStep> step, session.BeginStep(std::move(request)));
   MUOND_RETURN_IF_ERROR(source.ReadGradients(*step));
   const Clock::time_point received = Clock::now();
@@ -65,7 +67,14 @@ absl::Status RunStep(session::Session& session, session::StepRequest request, Gr
     if (still.ok() && outcome.parameters->on_device && !device_answer) {
       still = absl::InternalError("parameters left on the device for a transport that answers from the host");
     }
-    sent = still.ok() ? sink.Send(outcome) : still.status();
+    if (still.ok()) {
+      // A rank that holds parts of partitioned parameters gets those parts back, and the rest whole.
+      session::StepOutcome mine = outcome;
+      mine.parameters = session::RankView(session.config(), outcome.parameters, rank);
+      sent = sink.Send(mine);
+    } else {
+      sent = still.status();
+    }
   }
   // Reported even when the answer could not be sent: the step was applied (or replayed) all the same.
   metrics::StepReport report;

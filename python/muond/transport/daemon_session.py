@@ -36,8 +36,11 @@ class DaemonSession:
     def __init__(self, conn: Connection, session_id: str, names: Sequence[str],
                  by_name: Dict[str, torch.Tensor], *, wire_dtype: str, return_dtype: str,
                  chunk_bytes: int, rank: int = 0, zero_copy: bool = False,
-                 answer_first: Callable[[], Sequence[str]] = tuple):
+                 answer_first: Callable[[], Sequence[str]] = tuple, partitioned: bool = False):
         self.conn = conn
+        # The session has partitioned groups: this rank uploads and reads back its parts.
+        self.partitioned = partitioned
+        self.rank = rank
         self.endpoint = conn.endpoint
         self.session_id = session_id
         self.names: List[str] = list(names)
@@ -68,10 +71,12 @@ class DaemonSession:
         # sharded attach rolls back, and nothing else.
         self.created = not reply.attached
         self.loss_scale = float(reply.loss_scale)
-        if reply.attached and reply.initialized:
+        # Under a partition every rank uploads its own parts, until the first step is applied.
+        if reply.attached and reply.initialized and not (self.partitioned and reply.last_step == 0):
             return True, self.refresh()
         try:
-            self.conn.upload(self.session_id, self._param_chunks())
+            self.conn.upload(self.session_id, self._param_chunks(),
+                             rank=self.rank if self.partitioned else None)
         except MuondError as err:
             # Attached to a session another rank created but had not uploaded yet: between the two
             # calls it uploaded and stepped, so this one's upload comes too late. Its parameters
@@ -96,13 +101,16 @@ class DaemonSession:
 
     def _param_chunks(self) -> Iterator[pb.TensorChunk]:
         for name in self.names:
+            if self.partitioned and self.by_name[name].numel() == 0:
+                continue  # a part holding none of its parameter
             yield from wire.encode(name, self.by_name[name], "fp32", max_chunk_bytes=self.chunk_bytes)
 
     def refresh(self) -> int:
         """Copies the daemon's masters into the parameters; returns the session's last step."""
         into = wire.ChunkAssembler(self.sizes)
         last_step = self.conn.get_parameters(self.session_id, into, dtype=pb.DTYPE_FP32,
-                                             max_chunk_bytes=self.chunk_bytes)
+                                             max_chunk_bytes=self.chunk_bytes,
+                                             rank=self.rank if self.partitioned else None)
         copy_in(self.by_name, {name: t for (name, _), t in into.tensors().items()})
         return last_step
 

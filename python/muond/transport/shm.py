@@ -97,7 +97,10 @@ class SharedRegion:
         return read_line(self._sock)
 
     def tensor(self, offset: int, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """A 1-D tensor of ``numel`` elements viewing the region from byte ``offset``."""
+        """A 1-D tensor of ``numel`` elements viewing the region from byte ``offset`` (an empty
+        one for none: a rank's empty part of a partitioned parameter)."""
+        if numel == 0:
+            return torch.empty(0, dtype=dtype)
         return torch.frombuffer(self._map, dtype=dtype, count=numel, offset=offset)
 
     def close(self, keep_mapping: bool = False) -> None:

@@ -13,7 +13,7 @@ absl::StatusOr<std::vector<CudaTensorPlace>> ResolveCudaTensors(
     const std::string& session_id, const google::protobuf::RepeatedPtrField<v1::SharedTensor>& refs,
     absl::string_view field, bool require_all) {
   MUOND_ASSIGN_OR_RETURN(auto checked, ResolveRegionTensors<CudaRegion>(
-                                           config, refs, field, require_all, /*aligned=*/true,
+                                           config, refs, field, require_all, /*aligned=*/true, /*rank=*/-1,
                                            [&](const std::string& region, const std::string& at) {
                                              return regions.Find(caller, region, session_id, at);
                                            },

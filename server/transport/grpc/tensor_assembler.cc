@@ -1,6 +1,7 @@
 #include "server/transport/grpc/tensor_assembler.h"
 
 #include <algorithm>
+#include <limits>
 #include <span>
 
 #include "absl/strings/str_cat.h"
@@ -9,6 +10,7 @@
 #include "common/status_macros.h"
 #include "proto/wire/chunk_frame.h"
 #include "proto/wire/dtype_codec.h"
+#include "server/session/partition.h"
 #include "server/transport/v1/tensor_decode.h"
 
 namespace muond::transport {
@@ -33,11 +35,23 @@ absl::Status CheckChunkPayload(size_t bytes, v1::DType dtype, size_t max_chunk_b
   return absl::OkStatus();
 }
 
-TensorAssembler::TensorAssembler(const session::SessionConfig& config, size_t max_chunk_bytes)
-    : config_(config), max_chunk_bytes_(max_chunk_bytes), own_(config.parameters.size()), tensors_(&own_) {}
+TensorAssembler::TensorAssembler(const session::SessionConfig& config, size_t max_chunk_bytes, int rank)
+    : config_(config),
+      max_chunk_bytes_(max_chunk_bytes),
+      own_(config.parameters.size()),
+      tensors_(&own_),
+      rank_(rank) {}
 
 TensorAssembler::TensorAssembler(session::IncomingStep* step, size_t max_chunk_bytes)
-    : config_(step->config()), max_chunk_bytes_(max_chunk_bytes), tensors_(&step->gradients()), step_(step) {}
+    : config_(step->config()),
+      max_chunk_bytes_(max_chunk_bytes),
+      tensors_(&step->gradients()),
+      step_(step),
+      rank_(step->plan().request.rank) {}
+
+int64_t TensorAssembler::Expected(size_t index) const {
+  return rank_ < 0 ? config_.parameters[index].numel : session::PartElements(config_, index, rank_);
+}
 
 absl::Status TensorAssembler::Add(const v1::TensorChunk& chunk, absl::string_view field) {
   const absl::string_view data = chunk.data();
@@ -66,7 +80,21 @@ absl::Status TensorAssembler::Add(const v1::TensorChunk& chunk, std::span<const 
         absl::StrCat(field, ".dtype: unknown dtype ", static_cast<int>(chunk.dtype()), " for '", name, "'"));
   }
   MUOND_RETURN_IF_ERROR(CheckChunkPayload(bytes, dtype, max_chunk_bytes_, field, name));
-  if (chunk.shape_size() > 0) {
+  const int64_t expected = Expected(it->second);
+  const bool part = rank_ >= 0 && session::IsPartitioned(config_, it->second);
+  if (chunk.shape_size() > 0 && part) {
+    // A part: any shape of its element count (a row block, or a flat range).
+    int64_t elements = 1;
+    for (int64_t d : chunk.shape()) {
+      const bool overflows = d < 0 || (d > 0 && elements > std::numeric_limits<int64_t>::max() / d);
+      elements = overflows ? -1 : elements * d;
+    }
+    if (elements != expected) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ".shape: '", name, "' was sent with shape [",
+                                                     absl::StrJoin(chunk.shape(), ", "), "]; rank ", rank_,
+                                                     "'s part of it has ", expected, " elements"));
+    }
+  } else if (chunk.shape_size() > 0) {
     const std::vector<int64_t> shape(chunk.shape().begin(), chunk.shape().end());
     if (shape != param.shape) {
       return absl::InvalidArgumentError(absl::StrCat(field, ".shape: '", name, "' was sent with shape [",
@@ -80,12 +108,13 @@ absl::Status TensorAssembler::Add(const v1::TensorChunk& chunk, std::span<const 
                                                    " (chunks of a tensor must arrive in order, once)"));
   }
   const int64_t count = static_cast<int64_t>(bytes / element_size);
-  if (count > param.numel - tensor.received) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ".data: '", name, "' has ", param.numel,
-                                                   " elements; this chunk would end at element ",
-                                                   tensor.received + count));
+  if (count > expected - tensor.received) {
+    const std::string what = part ? absl::StrCat("rank ", rank_, "'s part of '", name, "' has ", expected, " elements")
+                                  : absl::StrCat("'", name, "' has ", expected, " elements");
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".data: ", what, "; this chunk would end at element ", tensor.received + count));
   }
-  if (tensor.values.empty()) tensor.values.resize(param.numel);
+  if (tensor.values.empty()) tensor.values.resize(expected);
   std::span<float> out(tensor.values.data() + tensor.received, count);
   tensor.sum_squares += DecodeSumSquares(dtype, pieces, out);
   if (step_ != nullptr) MUOND_RETURN_IF_ERROR(step_->Stage(it->second, tensor.received, out.size()));
@@ -97,14 +126,15 @@ absl::Status TensorAssembler::Finish(bool require_all) const {
   for (size_t i = 0; i < tensors_->size(); ++i) {
     const ParameterConfig& param = config_.parameters[i];
     const HostTensor& tensor = (*tensors_)[i];
-    if (tensor.received == param.numel) continue;
+    const int64_t expected = Expected(i);
+    if (tensor.received == expected) continue;
     if (tensor.received == 0 && !require_all) continue;
     if (tensor.received == 0) {
       return absl::InvalidArgumentError(
           absl::StrCat("chunk.name: parameter '", param.name, "' is missing; every parameter must be sent"));
     }
-    return absl::InvalidArgumentError(absl::StrCat("chunk.data: '", param.name, "' is incomplete: ", tensor.received,
-                                                   " of ", param.numel, " elements"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("chunk.data: '", param.name, "' is incomplete: ", tensor.received, " of ", expected, " elements"));
   }
   return absl::OkStatus();
 }

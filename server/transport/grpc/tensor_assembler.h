@@ -5,8 +5,9 @@
 // slot; the dtype is known; the bytes are at least one whole element, a whole number of elements
 // and no more than the chunk limit; chunks of a tensor
 // arrive in order without gaps or overlap; a tensor never grows past its element count; an optional
-// shape matches the spec. Finish() checks that every started tensor is complete (and, when all are
-// required, that every parameter arrived).
+// shape matches the spec. A step's tensor of a partitioned parameter is the sending rank's part
+// (session/partition.h): its element count and shape are the part's. Finish() checks that every started tensor is
+// complete (and, when all are required, that every parameter arrived).
 //
 // While decoding it accumulates each tensor's sum of squares in fp64, which gives the gradient norm
 // and detects non-finite values without a second pass. Given a step (IncomingStep), it decodes into
@@ -43,8 +44,9 @@ inline absl::Status CheckChunkPayload(const v1::TensorChunk& chunk, v1::DType dt
 
 class TensorAssembler {
  public:
-  // Assembles into tensors of its own (uploads, state).
-  TensorAssembler(const session::SessionConfig& config, size_t max_chunk_bytes);
+  // Assembles into tensors of its own (uploads, state); `rank` >= 0: that rank's parts of the
+  // partitioned parameters (an upload of parts).
+  TensorAssembler(const session::SessionConfig& config, size_t max_chunk_bytes, int rank = -1);
   // Assembles into `step`'s gradients and stages each chunk (not owned; outlives this assembler).
   TensorAssembler(session::IncomingStep* step, size_t max_chunk_bytes);
 
@@ -68,6 +70,10 @@ class TensorAssembler {
   std::vector<HostTensor> own_;       // used without a step
   std::vector<HostTensor>* tensors_;  // own_ or the step's gradients
   session::IncomingStep* step_ = nullptr;
+  int rank_ = -1;  // the step's rank: its parts of partitioned parameters; -1 (no step): whole tensors
+
+  // The elements parameter `index` arrives with: the rank's part, or the whole parameter.
+  int64_t Expected(size_t index) const;
 };
 
 }  // namespace muond::transport

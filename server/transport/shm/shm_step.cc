@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "proto/wire/dtype_codec.h"
+#include "server/session/partition.h"
 #include "server/transport/v1/api_conversion.h"
 #include "server/transport/v1/bulk_codec.h"
 #include "server/transport/v1/tensor_refs.h"
@@ -16,11 +17,12 @@ namespace muond::transport {
 
 absl::StatusOr<std::vector<SharedTensorPlace>> ResolveSharedTensors(
     const session::SessionConfig& config, const SharedMemoryRegions& regions, const std::string& caller,
-    const google::protobuf::RepeatedPtrField<v1::SharedTensor>& refs, absl::string_view field, bool require_all) {
+    const google::protobuf::RepeatedPtrField<v1::SharedTensor>& refs, absl::string_view field, bool require_all,
+    int rank) {
   MUOND_ASSIGN_OR_RETURN(
       auto checked,
       ResolveRegionTensors<SharedMapping>(
-          config, refs, field, require_all, /*aligned=*/false,
+          config, refs, field, require_all, /*aligned=*/false, rank,
           [&](const std::string& region, const std::string& at) { return regions.Find(caller, region, at); },
           [](const SharedMapping& mapping) { return static_cast<uint64_t>(mapping.size()); }));
   std::vector<SharedTensorPlace> places;
@@ -59,7 +61,8 @@ absl::Status ShmGradientSource::ReadGradients(session::IncomingStep& step) {
   };
   for (const SharedTensorPlace& place : places_) {
     HostTensor& tensor = step.gradients()[place.index];
-    const size_t numel = static_cast<size_t>(step.config().parameters[place.index].numel);
+    const size_t numel =
+        static_cast<size_t>(session::PartElements(step.config(), place.index, step.plan().request.rank));
     if (tensor.values.size() != numel) tensor.values.resize(numel);
     tensor.sum_squares = 0.0;
     tensor.received = static_cast<int64_t>(numel);

@@ -43,7 +43,8 @@ struct SharedTensorPlace {
 
 absl::StatusOr<std::vector<SharedTensorPlace>> ResolveSharedTensors(
     const session::SessionConfig& config, const SharedMemoryRegions& regions, const std::string& caller,
-    const google::protobuf::RepeatedPtrField<v1::SharedTensor>& refs, absl::string_view field, bool require_all);
+    const google::protobuf::RepeatedPtrField<v1::SharedTensor>& refs, absl::string_view field, bool require_all,
+    int rank);
 
 class ShmGradientSource final : public GradientSource {
  public:

@@ -4,6 +4,7 @@
 #include "common/echo.h"
 #include "common/status_macros.h"
 #include "proto/wire/dtype_codec.h"
+#include "server/session/partition.h"
 
 namespace muond::transport {
 
@@ -28,13 +29,16 @@ absl::StatusOr<std::vector<TensorRef>> ResolveTensorRefs(
     if (!wire::IsConcrete(dtype)) {
       return absl::InvalidArgumentError(absl::StrCat(at, ".dtype: unknown dtype ", static_cast<int>(ref.dtype)));
     }
-    const uint64_t numel = static_cast<uint64_t>(config.parameters[it->second].numel);
+    const bool part = ref.rank >= 0 && session::IsPartitioned(config, it->second);
+    const uint64_t numel = static_cast<uint64_t>(part ? session::PartElements(config, it->second, ref.rank)
+                                                      : config.parameters[it->second].numel);
     const uint64_t element = wire::ElementSize(dtype);
     const uint64_t want = numel * element;
     if (ref.byte_size != want) {
-      return absl::InvalidArgumentError(absl::StrCat(at, ".byte_size: '", ref.name, "' has ", numel, " elements, ",
-                                                     want, " bytes in ", wire::DTypeName(dtype), "; got ",
-                                                     ref.byte_size));
+      const std::string what =
+          part ? absl::StrCat("rank ", ref.rank, "'s part of '", ref.name, "'") : absl::StrCat("'", ref.name, "'");
+      return absl::InvalidArgumentError(absl::StrCat(at, ".byte_size: ", what, " has ", numel, " elements, ", want,
+                                                     " bytes in ", wire::DTypeName(dtype), "; got ", ref.byte_size));
     }
     if (ref.region != nullptr) {
       MUOND_ASSIGN_OR_RETURN(const uint64_t size, region_size(*ref.region, absl::StrCat(at, ".region")));

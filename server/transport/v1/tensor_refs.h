@@ -1,9 +1,9 @@
 // The checks every transport that names tensors out of band makes before a step begins (shared
 // memory, CUDA IPC, NCCL): each reference names a parameter that exists, at most once (for answers:
 // every parameter exactly once), in a concrete dtype, with byte_size exactly the parameter's elements
-// in that dtype — and, for a reference into a region, bytes that lie within it (overflow-safe). So a step is never
-// applied and then found to have nowhere to put its answer. Device memory also needs offsets aligned to the dtype. Each
-// error names the field ("gradients[2].byte_size", "parameters").
+// (the rank's part of a partitioned one) in that dtype — and, for a reference into a region, bytes that lie within it
+// (overflow-safe). So a step is never applied and then found to have nowhere to put its answer. Device memory also
+// needs offsets aligned to the dtype. Each error names the field ("gradients[2].byte_size", "parameters").
 //
 // Stateless; the callbacks are called on the caller's thread.
 #pragma once
@@ -40,6 +40,9 @@ struct RefFields {
   const std::string* region = nullptr;  // null: the transport has no regions
   uint64_t offset = 0;
   bool aligned = false;  // the offset must be a multiple of the element size (device memory)
+  // The rank whose step this is: its parts of partitioned parameters (session/partition.h) are what
+  // byte_size counts; -1: whole parameters.
+  int rank = -1;
 };
 
 // Checks refs[0..count) (`at(i)` gives the i-th) as described above. `region_size(region, field)`
@@ -51,11 +54,11 @@ absl::StatusOr<std::vector<TensorRef>> ResolveTensorRefs(
 
 // ResolveTensorRefs for `SharedTensor`s, whose regions `find(region, field)` looks up (a region the
 // caller may use, or the error naming `field`) and `size_of` measures; each checked reference comes
-// with its region. `aligned`: see RefFields.
+// with its region. `aligned`, `rank`: see RefFields.
 template <typename Region>
 absl::StatusOr<std::vector<std::pair<TensorRef, std::shared_ptr<Region>>>> ResolveRegionTensors(
     const session::SessionConfig& config, const google::protobuf::RepeatedPtrField<v1::SharedTensor>& refs,
-    absl::string_view field, bool require_all, bool aligned,
+    absl::string_view field, bool require_all, bool aligned, int rank,
     absl::FunctionRef<absl::StatusOr<std::shared_ptr<Region>>(const std::string& region, const std::string& field)>
         find,
     absl::FunctionRef<uint64_t(const Region&)> size_of) {
@@ -66,6 +69,7 @@ absl::StatusOr<std::vector<std::pair<TensorRef, std::shared_ptr<Region>>>> Resol
         const v1::SharedTensor& ref = refs[i];
         RefFields fields{ref.name(), ref.dtype(), ref.byte_size(), &ref.region(), ref.offset()};
         fields.aligned = aligned;
+        fields.rank = rank;
         return fields;
       },
       field, require_all,

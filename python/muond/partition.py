@@ -1,0 +1,257 @@
+"""Ranks that hold parts of the parameters (docs/ranks.md, Ranks that hold parts).
+
+A trainer that shards its parameters (FSDP, ZeRO, DTensor) gives each ``RemoteOptimizer`` rank only
+its local part of each parameter and of its reduced gradient; the daemon assembles the whole
+gradient, steps on whole matrices (Muon needs them) and answers each rank its part. A parameter
+group says how its parameters are cut with a ``Partition``, which also carries their global shapes
+(the local tensors cannot tell them)::
+
+    groups = [{"params": local_matrices, "partition": muond.partition.rows(global_shapes)}, ...]
+    opt = muond.RemoteOptimizer(groups, endpoint, world_size=N, rank=r)
+
+The rules, the same as the daemon's (it checks every size again):
+
+- ``rows`` (DTensor ``Shard(0)``, FSDP2): rank r holds rows [r·c, min(m, (r+1)·c)) of m rows,
+  c = ⌈m/N⌉ (``torch.chunk`` on dim 0); a 1-D parameter is cut the same way.
+- ``flat`` (ZeRO, flat parameters): the group's parameters flattened in order, each padded to a
+  multiple of ``alignment`` elements, the whole padded to a multiple of N and cut into N equal
+  ranges; a range may cut through parameters.
+- ``explicit``: each rank's range of each parameter, as given; together they cover every element
+  once.
+
+A rank's part of a parameter is one contiguous range of its row-major flattening, possibly empty.
+Adapters: ``from_dtensor`` (a DTensor's local tensor and global shape), ``from_fsdp1`` (an FSDP1
+``FlatParameter``'s layout as an explicit partition) and ``shard_parameters`` (cuts a model's
+parameters for rank r, for a trainer without FSDP).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+KINDS = ("rows", "flat", "explicit")
+Shape = Tuple[int, ...]
+Range = Tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Partition:
+    """How a group's parameters are cut over the ranks: ``kind`` (one of ``KINDS``), the global
+    ``shapes`` of the group's parameters in order, ``alignment`` (flat) and ``ranges`` (explicit:
+    one mapping per rank from a parameter's position in the group to its [begin, end))."""
+
+    kind: str
+    shapes: Tuple[Shape, ...]
+    alignment: int = 0
+    ranges: Optional[Tuple[Tuple[Tuple[int, Range], ...], ...]] = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"partition kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        for shape in self.shapes:
+            if any(int(d) <= 0 for d in shape):
+                raise ValueError(f"partition shapes: every dimension must be positive, got {shape}")
+        if self.alignment < 0:
+            raise ValueError(f"partition alignment must be >= 0, got {self.alignment}")
+        if self.alignment and self.kind != "flat":
+            raise ValueError("partition alignment applies to kind 'flat' only")
+        if (self.ranges is not None) != (self.kind == "explicit"):
+            raise ValueError("partition ranges are given for kind 'explicit', and only for it")
+
+    def numel(self, k: int) -> int:
+        return math.prod(self.shapes[k])
+
+    def parts(self, world_size: int) -> List[List[Range]]:
+        """parts[k][r]: the range of the group's k-th parameter that rank r holds."""
+        if self.kind == "rows":
+            return [_row_parts(shape, world_size) for shape in self.shapes]
+        if self.kind == "flat":
+            return _flat_parts([self.numel(k) for k in range(len(self.shapes))],
+                               max(1, self.alignment), world_size)
+        return _explicit_parts(self, world_size)
+
+    def part(self, k: int, world_size: int, rank: int) -> Range:
+        return self.parts(world_size)[k][rank]
+
+    def local_shape(self, k: int, world_size: int, rank: int) -> Shape:
+        """The shape of rank ``rank``'s part of parameter k: a block of rows under ``rows``,
+        otherwise flat."""
+        begin, end = self.part(k, world_size, rank)
+        shape = self.shapes[k]
+        if self.kind == "rows" and len(shape) >= 1:
+            row = math.prod(shape[1:])
+            return ((end - begin) // row, *shape[1:])
+        return (end - begin,)
+
+
+def _row_parts(shape: Sequence[int], world_size: int) -> List[Range]:
+    rows = shape[0] if len(shape) else 1
+    row = math.prod(shape[1:]) if len(shape) else 1
+    c = -(-rows // world_size)
+    return [(min(rows, r * c) * row, min(rows, (r + 1) * c) * row) for r in range(world_size)]
+
+
+def _flat_parts(numels: Sequence[int], alignment: int, world_size: int) -> List[List[Range]]:
+    starts, end = [], 0
+    for n in numels:
+        starts.append(end)
+        end = -(-(end + n) // alignment) * alignment
+    chunk = -(-end // world_size)
+    out = []
+    for start, n in zip(starts, numels):
+        ranks = []
+        for r in range(world_size):
+            first = min(max(r * chunk - start, 0), n)
+            last = min(max((r + 1) * chunk - start, 0), n)
+            ranks.append((first, max(first, last)))
+        out.append(ranks)
+    return out
+
+
+def _explicit_parts(partition: Partition, world_size: int) -> List[List[Range]]:
+    assert partition.ranges is not None
+    if len(partition.ranges) != world_size:
+        raise ValueError(f"explicit partition: needs one entry per rank (world_size {world_size}), "
+                         f"got {len(partition.ranges)}")
+    out: List[List[Range]] = [[(0, 0)] * world_size for _ in partition.shapes]
+    for r, given in enumerate(partition.ranges):
+        for k, (begin, end) in given:
+            out[k][r] = (begin, end)
+    return out
+
+
+def rows(shapes: Iterable[Sequence[int]]) -> Partition:
+    """DTensor ``Shard(0)`` / FSDP2: each rank holds a block of rows (``torch.chunk``'s rule)."""
+    return Partition("rows", tuple(tuple(int(d) for d in s) for s in shapes))
+
+
+def flat(shapes: Iterable[Sequence[int]], alignment: int = 0) -> Partition:
+    """ZeRO / flat parameters: the flattened group cut into world_size equal ranges, each
+    parameter first padded to a multiple of ``alignment`` elements (0: none)."""
+    return Partition("flat", tuple(tuple(int(d) for d in s) for s in shapes), int(alignment))
+
+
+def explicit(shapes: Iterable[Sequence[int]],
+             ranges: Sequence[Mapping[int, Sequence[int]]]) -> Partition:
+    """Each rank's range of each parameter: ``ranges[r][k] = (begin, end)`` for the group's k-th
+    parameter (a parameter a rank does not list: none of it)."""
+    shapes = tuple(tuple(int(d) for d in s) for s in shapes)
+    given = []
+    for per_rank in ranges:
+        entries = []
+        for k, (begin, end) in sorted(per_rank.items()):
+            if not 0 <= int(k) < len(shapes):
+                raise ValueError(f"explicit partition: parameter position {k} is outside the group's "
+                                 f"{len(shapes)} parameters")
+            entries.append((int(k), (int(begin), int(end))))
+        given.append(tuple(entries))
+    return Partition("explicit", shapes, ranges=tuple(given))
+
+
+def to_proto(partition: Partition, names: Sequence[str], pb: Any) -> Any:
+    """The ``muond.v1.Partition`` message of ``partition`` for a group whose parameters are
+    ``names``."""
+    kinds = {"rows": pb.PARTITION_KIND_ROWS, "flat": pb.PARTITION_KIND_FLAT,
+             "explicit": pb.PARTITION_KIND_EXPLICIT}
+    message = pb.Partition(kind=kinds[partition.kind], alignment=partition.alignment)
+    for per_rank in partition.ranges or ():
+        entry = message.ranks.add()
+        for k, (begin, end) in per_rank:
+            entry.ranges.add(parameter=names[k], begin=begin, end=end)
+    return message
+
+
+def check_local(partition: Partition, tensors: Sequence[torch.Tensor], names: Sequence[str],
+                world_size: int, rank: int) -> None:
+    """ValueError naming the first local tensor whose element count is not its part's."""
+    if len(tensors) != len(partition.shapes):
+        raise ValueError(f"partition: {len(partition.shapes)} global shapes for the group's "
+                         f"{len(tensors)} parameters")
+    parts = partition.parts(world_size)
+    for k, (tensor, name) in enumerate(zip(tensors, names)):
+        begin, end = parts[k][rank]
+        if tensor.numel() != end - begin:
+            raise ValueError(f"parameter '{name}': rank {rank} holds elements [{begin}, {end}) of its "
+                             f"global shape {partition.shapes[k]} under a {partition.kind} partition "
+                             f"({end - begin} elements); the local tensor has {tensor.numel()}")
+
+
+def cut(whole: torch.Tensor, partition: Partition, k: int, world_size: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s part of the group's k-th parameter, from its whole value (a copy)."""
+    begin, end = partition.part(k, world_size, rank)
+    local = whole.detach().reshape(-1)[begin:end].clone()
+    return local.view(partition.local_shape(k, world_size, rank))
+
+
+def shard_parameters(named: Iterable[Tuple[str, torch.Tensor]], world_size: int, rank: int,
+                     kind: str = "rows", alignment: int = 0
+                     ) -> Tuple[List[Tuple[str, torch.Tensor]], Partition]:
+    """Cuts whole parameters for rank ``rank``: their local parts as new leaf tensors (named as
+    the originals, for a group's ``params``) and the partition that describes them. For a
+    pure-torch trainer that shards without FSDP: it reduce-scatters (or all-reduces and slices)
+    its gradients into these parts' ``.grad``."""
+    named = list(named)
+    shapes = [tuple(t.shape) for _, t in named]
+    partition = rows(shapes) if kind == "rows" else flat(shapes, alignment) if kind == "flat" else None
+    if partition is None:
+        raise ValueError(f"shard_parameters: kind must be 'rows' or 'flat', got {kind!r}")
+    local = [(name, cut(t, partition, k, world_size, rank).requires_grad_(t.requires_grad))
+             for k, (name, t) in enumerate(named)]
+    return local, partition
+
+
+def from_dtensor(param: Any) -> Tuple[torch.Tensor, Shape]:
+    """A DTensor sharded ``Shard(0)`` on a one-dimensional mesh (FSDP2's layout): its local tensor
+    and global shape, for a ``rows`` partition. ValueError for another placement or mesh."""
+    placements = tuple(getattr(param, "placements", ()))
+    mesh = getattr(param, "device_mesh", None)
+    if len(placements) != 1 or mesh is None or getattr(mesh, "ndim", 1) != 1:
+        raise ValueError(f"from_dtensor: needs a DTensor on a one-dimensional mesh with one placement, "
+                         f"got placements {placements}")
+    placement = placements[0]
+    if type(placement).__name__ != "Shard" or getattr(placement, "dim", None) != 0:
+        raise ValueError(f"from_dtensor: only Shard(0) maps to a rows partition, got {placement}")
+    local = param.to_local()
+    shape = tuple(int(d) for d in param.shape)
+    world_size = int(mesh.size())
+    rank = int(mesh.get_local_rank())
+    want = rows([shape]).local_shape(0, world_size, rank)
+    if tuple(local.shape) != want:
+        raise ValueError(f"from_dtensor: the local tensor has shape {tuple(local.shape)}; rank {rank} "
+                         f"of {world_size} holds {want} of {shape} under torch.chunk's rule (uneven "
+                         f"sharding other than torch.chunk's is not a rows partition)")
+    return local, shape
+
+
+def from_fsdp1(flat_param: Any, world_size: int) -> Partition:
+    """An FSDP1 ``FlatParameter``'s layout as an explicit partition of its original parameters:
+    ``_shapes`` (their global shapes), ``_numels_with_padding`` and ``_is_padding_mask`` (the flat
+    layout, alignment padding included), cut into world_size equal ranges after padding the whole
+    to a multiple of world_size, as FSDP1 does. The ranks' local parts are the views
+    ``use_orig_params=True`` gives (each ``param.data`` of this rank, flattened)."""
+    shapes = [tuple(int(d) for d in s) for s in flat_param._shapes]
+    numels = [int(n) for n in flat_param._numels_with_padding]
+    padding = [bool(p) for p in flat_param._is_padding_mask]
+    if len(numels) != len(padding) or sum(1 for p in padding if not p) != len(shapes):
+        raise ValueError("from_fsdp1: _numels_with_padding, _is_padding_mask and _shapes disagree")
+    total = sum(numels)
+    chunk = -(-total // world_size)
+    ranges: List[Dict[int, Range]] = [dict() for _ in range(world_size)]
+    offset, k = 0, 0
+    for n, is_padding in zip(numels, padding):
+        if not is_padding:
+            if n != math.prod(shapes[k]):
+                raise ValueError(f"from_fsdp1: parameter {k} has {n} elements in the flat layout, "
+                                 f"its shape {shapes[k]} has {math.prod(shapes[k])}")
+            for r in range(world_size):
+                first = min(max(r * chunk - offset, 0), n)
+                last = min(max((r + 1) * chunk - offset, 0), n)
+                if last > first:
+                    ranges[r][k] = (first, last)
+            k += 1
+        offset += n
+    return explicit(shapes, ranges)

@@ -1,0 +1,231 @@
+#include "server/session/partition.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace muond::session {
+
+namespace {
+
+absl::Status Invalid(const std::string& field, const std::string& message) {
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", message));
+}
+
+std::string RangeText(ElementRange r) { return absl::StrCat("[", r.begin, ", ", r.end, ")"); }
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// torch.chunk along dim 0: rank r holds rows [r·c, min(m, (r+1)·c)), c = ⌈m/N⌉.
+std::vector<ElementRange> RowParts(const ParameterConfig& param, int world_size) {
+  const int64_t rows = param.shape.empty() ? 1 : param.shape[0];
+  const int64_t row_elements = param.numel / rows;
+  const int64_t c = CeilDiv(rows, world_size);
+  std::vector<ElementRange> parts;
+  for (int r = 0; r < world_size; ++r) {
+    const int64_t first = std::min(rows, r * c), last = std::min(rows, (r + 1) * c);
+    parts.push_back({first * row_elements, last * row_elements});
+  }
+  return parts;
+}
+
+// The group's parameters flattened in spec order, each padded to a multiple of `alignment`, the
+// whole padded to a multiple of N and cut into N equal ranges; each rank's range of each parameter
+// is the overlap of the two.
+absl::Status FlatParts(const PartitionRule& rule, const std::vector<size_t>& members, SessionConfig& config) {
+  if (rule.alignment < 1 || rule.alignment > (int64_t{1} << 30)) {
+    return Invalid(rule.field + ".alignment", absl::StrCat("must be between 0 and 2^30, got ", rule.alignment));
+  }
+  const int n = config.world_size;
+  std::vector<int64_t> starts;
+  int64_t end = 0;
+  for (size_t p : members) {
+    starts.push_back(end);
+    end = CeilDiv(end + config.parameters[p].numel, rule.alignment) * rule.alignment;
+  }
+  const int64_t chunk = CeilDiv(end, n);
+  for (size_t k = 0; k < members.size(); ++k) {
+    const int64_t start = starts[k], numel = config.parameters[members[k]].numel;
+    std::vector<ElementRange>& parts = config.parts[members[k]];
+    for (int r = 0; r < n; ++r) {
+      const int64_t first = std::clamp(r * chunk - start, int64_t{0}, numel);
+      const int64_t last = std::clamp((r + 1) * chunk - start, int64_t{0}, numel);
+      parts.push_back({first, std::max(first, last)});
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ExplicitParts(const PartitionRule& rule, const std::vector<size_t>& members, size_t group,
+                           SessionConfig& config) {
+  const int n = config.world_size;
+  if (static_cast<int>(rule.ranks.size()) != n) {
+    return Invalid(rule.field + ".ranks",
+                   absl::StrCat("needs one entry per rank (world_size ", n, "), got ", rule.ranks.size()));
+  }
+  for (size_t p : members) config.parts[p].assign(n, ElementRange{});
+  std::vector<std::vector<bool>> listed(config.parameters.size(), std::vector<bool>(n, false));
+  for (int r = 0; r < n; ++r) {
+    for (const PartitionRule::Range& given : rule.ranks[r]) {
+      const ParameterConfig& param = config.parameters[given.parameter];
+      if (param.group != group) {
+        return Invalid(given.field + ".parameter",
+                       absl::StrCat("'", param.name, "' is in group '", config.groups[param.group].name,
+                                    "', not in this one ('", config.groups[group].name, "')"));
+      }
+      if (given.range.begin < 0 || given.range.end < given.range.begin || given.range.end > param.numel) {
+        return Invalid(given.field, absl::StrCat("range ", RangeText(given.range), " is outside '", param.name,
+                                                 "', which has elements [0, ", param.numel, ")"));
+      }
+      if (listed[given.parameter][r]) {
+        return Invalid(given.field + ".parameter",
+                       absl::StrCat("rank ", r, " lists '", param.name,
+                                    "' twice; a rank holds one contiguous range of a parameter"));
+      }
+      listed[given.parameter][r] = true;
+      config.parts[given.parameter][r] = given.range;
+    }
+  }
+  // Every element held by exactly one rank.
+  for (size_t p : members) {
+    const ParameterConfig& param = config.parameters[p];
+    std::vector<std::pair<ElementRange, int>> held;
+    for (int r = 0; r < n; ++r) {
+      if (config.parts[p][r].size() > 0) held.emplace_back(config.parts[p][r], r);
+    }
+    std::sort(held.begin(), held.end(), [](const auto& a, const auto& b) { return a.first.begin < b.first.begin; });
+    int64_t covered = 0;
+    int previous = -1;
+    for (const auto& [range, r] : held) {
+      if (range.begin < covered) {
+        return Invalid(rule.field + ".ranks",
+                       absl::StrCat("ranks ", previous, " and ", r, " both claim elements ",
+                                    RangeText({range.begin, std::min(covered, range.end)}), " of '", param.name, "'"));
+      }
+      if (range.begin > covered) {
+        return Invalid(rule.field + ".ranks", absl::StrCat("elements ", RangeText({covered, range.begin}), " of '",
+                                                           param.name, "' are held by no rank"));
+      }
+      covered = range.end;
+      previous = r;
+    }
+    if (covered < param.numel) {
+      return Invalid(rule.field + ".ranks", absl::StrCat("elements ", RangeText({covered, param.numel}), " of '",
+                                                         param.name, "' are held by no rank"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status LayOutParts(const std::vector<PartitionRule>& rules, SessionConfig& config) {
+  config.parts.clear();
+  bool any = false;
+  for (const PartitionRule& rule : rules) any = any || rule.kind != PartitionKind::kReplicated;
+  if (!any) return absl::OkStatus();
+  config.parts.assign(config.parameters.size(), {});
+  for (size_t g = 0; g < config.groups.size() && g < rules.size(); ++g) {
+    const PartitionRule& rule = rules[g];
+    config.groups[g].partition = rule.kind;
+    std::vector<size_t> members;
+    for (size_t p = 0; p < config.parameters.size(); ++p) {
+      if (config.parameters[p].group == g) members.push_back(p);
+    }
+    switch (rule.kind) {
+      case PartitionKind::kReplicated:
+        break;
+      case PartitionKind::kRows:
+        for (size_t p : members) config.parts[p] = RowParts(config.parameters[p], config.world_size);
+        break;
+      case PartitionKind::kFlat:
+        if (absl::Status s = FlatParts(rule, members, config); !s.ok()) return s;
+        break;
+      case PartitionKind::kExplicit:
+        if (absl::Status s = ExplicitParts(rule, members, g, config); !s.ok()) return s;
+        break;
+    }
+  }
+  return absl::OkStatus();
+}
+
+bool IsPartitioned(const SessionConfig& config, size_t index) {
+  return index < config.parts.size() && !config.parts[index].empty();
+}
+
+ElementRange PartOf(const SessionConfig& config, size_t index, int rank) {
+  if (!IsPartitioned(config, index) || rank < 0 || rank >= static_cast<int>(config.parts[index].size())) {
+    return {0, config.parameters[index].numel};
+  }
+  return config.parts[index][static_cast<size_t>(rank)];
+}
+
+int64_t PartElements(const SessionConfig& config, size_t index, int rank) { return PartOf(config, index, rank).size(); }
+
+absl::Status CheckRankParts(const SessionConfig& config, int rank, const std::vector<HostTensor>& gradients) {
+  for (size_t p = 0; p < config.parts.size() && p < gradients.size(); ++p) {
+    if (!IsPartitioned(config, p)) continue;
+    const ElementRange part = PartOf(config, p, rank);
+    const HostTensor& g = gradients[p];
+    const std::string& name = config.parameters[p].name;
+    if (part.size() == 0) {
+      if (g.present()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("gradients: rank ", rank, " holds no elements of '", name, "' but sent ", g.received));
+      }
+      continue;
+    }
+    if (!g.present()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "gradients: rank ", rank, " holds elements ", RangeText(part), " of '", name,
+          "' and sent none; under a partition every rank sends its part of every parameter it holds, each step"));
+    }
+    if (g.received != part.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("gradients: rank ", rank, " sent ", g.received, " elements of '",
+                                                     name, "'; its part ", RangeText(part), " has ", part.size()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+void AssembleParts(const SessionConfig& config, const std::vector<const std::vector<HostTensor>*>& by_rank,
+                   std::vector<HostTensor>& out) {
+  for (size_t p = 0; p < config.parts.size(); ++p) {
+    if (!IsPartitioned(config, p)) continue;
+    HostTensor whole;
+    whole.values.assign(static_cast<size_t>(config.parameters[p].numel), 0.0f);
+    for (size_t r = 0; r < by_rank.size(); ++r) {
+      const ElementRange part = config.parts[p][r];
+      if (by_rank[r] == nullptr || part.size() == 0) continue;
+      const HostTensor& g = (*by_rank[r])[p];
+      std::copy(g.values.begin(), g.values.begin() + part.size(), whole.values.begin() + part.begin);
+    }
+    for (float v : whole.values) whole.sum_squares += static_cast<double>(v) * v;
+    whole.received = config.parameters[p].numel;
+    out[p] = std::move(whole);
+  }
+}
+
+std::shared_ptr<const ParameterSnapshot> RankView(const SessionConfig& config,
+                                                  std::shared_ptr<const ParameterSnapshot> snapshot, int rank) {
+  if (config.parts.empty() || snapshot == nullptr || snapshot->values.empty()) return snapshot;
+  struct Holder {
+    std::shared_ptr<const ParameterSnapshot> whole;
+    ParameterSnapshot view;
+  };
+  auto holder = std::make_shared<Holder>();
+  holder->view.step = snapshot->step;
+  holder->view.views = snapshot->views;
+  holder->view.generation = snapshot->generation;
+  holder->view.on_device = snapshot->on_device;
+  for (size_t p = 0; p < snapshot->values.size(); ++p) {
+    const ElementRange part = PartOf(config, p, rank);
+    holder->view.values.push_back(
+        snapshot->values[p].subspan(static_cast<size_t>(part.begin), static_cast<size_t>(part.size())));
+  }
+  holder->whole = std::move(snapshot);
+  return std::shared_ptr<const ParameterSnapshot>(holder, &holder->view);
+}
+
+}  // namespace muond::session

@@ -1,0 +1,71 @@
+// Partitions: which elements of a parameter each rank of a multi-rank session holds, when the
+// trainer shards its parameters (FSDP, ZeRO, DTensor) and each rank sends only its part of the
+// reduced gradient and gets back only its part of the new parameters (docs/ranks.md, Ranks that
+// hold parts). A rank holds one contiguous range of each parameter (possibly empty); the ranges of
+// all ranks cover every element exactly once. The rules:
+//
+//   rows      rank r holds rows [r·c, min(m, (r+1)·c)) of m rows, c = ⌈m/N⌉ (torch.chunk on dim 0)
+//   flat      the group's parameters flattened in spec order, each padded to a multiple of the
+//             alignment, the whole padded to a multiple of N, cut into N equal ranges
+//   explicit  the ranges the spec lists, checked to cover each parameter once
+//
+// LayOutParts computes SessionConfig::parts once, at creation; everything else reads them. The
+// daemon assembles the whole gradient from the parts (no averaging: each element has one owner)
+// and runs the step on whole matrices. Plain functions over an immutable config: thread-safe.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "common/host_tensor.h"
+#include "server/session/session_config.h"
+#include "server/session/step_types.h"
+
+namespace muond::session {
+
+// A group's partition as the spec gives it; `field` names it in refusals ("spec.groups[1].partition").
+struct PartitionRule {
+  struct Range {
+    size_t parameter = 0;  // index into SessionConfig::parameters
+    ElementRange range;
+    std::string field;  // where the spec lists it
+  };
+  PartitionKind kind = PartitionKind::kReplicated;
+  int64_t alignment = 1;                  // flat
+  std::vector<std::vector<Range>> ranks;  // explicit: one list per rank
+  std::string field;
+};
+
+// Fills config.parts from rules[g] for each group g (the parameters, groups and world size already
+// parsed). INVALID_ARGUMENT naming the field for a rule that cannot hold: explicit ranges outside
+// their parameter, overlapping, leaving elements to no rank, or listed for the wrong group.
+absl::Status LayOutParts(const std::vector<PartitionRule>& rules, SessionConfig& config);
+
+bool IsPartitioned(const SessionConfig& config, size_t index);
+// The range of parameter `index` that `rank` holds: the whole parameter when it is replicated.
+ElementRange PartOf(const SessionConfig& config, size_t index, int rank);
+// The elements `rank` sends and receives of parameter `index`.
+int64_t PartElements(const SessionConfig& config, size_t index, int rank);
+
+// `rank`'s gradients against its parts: a partitioned parameter of which the rank holds elements is
+// there with exactly its part's size, one of which it holds none is absent. INVALID_ARGUMENT naming
+// the parameter, the expected range and what came, otherwise.
+absl::Status CheckRankParts(const SessionConfig& config, int rank, const std::vector<HostTensor>& gradients);
+
+// Writes the whole gradient of each partitioned parameter into out[p] from the ranks' parts
+// (by_rank[r] is rank r's gradients, all present under lock-step), with its fp64 sum of squares
+// taken in element order. Replicated parameters are left alone.
+void AssembleParts(const SessionConfig& config, const std::vector<const std::vector<HostTensor>*>& by_rank,
+                   std::vector<HostTensor>& out);
+
+// The answer `rank` gets: the same result, each parameter's values narrowed to the rank's part
+// (views into `snapshot`, which the returned one keeps alive). `snapshot` itself when nothing is
+// partitioned.
+std::shared_ptr<const ParameterSnapshot> RankView(const SessionConfig& config,
+                                                  std::shared_ptr<const ParameterSnapshot> snapshot, int rank);
+
+}  // namespace muond::session
