@@ -9,6 +9,7 @@ the assembled gradient, a rank killed and restarted mid-step, and the refusals.
 
 import io
 import multiprocessing
+import threading
 import traceback
 import uuid
 
@@ -18,6 +19,9 @@ import torch
 
 import muond
 from muond import partition as part
+from muond._stubs import pb
+from muond.transport import framing
+from muond import wire
 
 WORLD = 3
 WAIT = 300  # seconds: a bound on waiting for an event, never an expected duration
@@ -72,13 +76,21 @@ def whole_grads(step):
     return {n: torch.randn(s, generator=gen) for n, s in SHAPES.items()}
 
 
-def _run_rank(rank, world, endpoint, session, kinds, transport, options, steps, out):
+def _run_rank(rank, world, endpoint, session, kinds, transport, options, steps, out, hold_after=None,
+              keep=False):
+    """A rank's process: steps the gradients of the session's next steps up to ``max(steps)``
+    (a restarted rank continues after the session's last step), then answers its parameters and
+    the session's digest. ``hold_after``: after that step, says so and waits to be killed."""
     torch.set_num_threads(1)
     try:
         groups, _ = groups_for(world, rank, kinds)
         opt = muond.RemoteOptimizer(groups, endpoint=endpoint, session=session, world_size=world,
                                     rank=rank, transport=transport, **options)
-        for step in steps:
+        while opt.last_step < max(steps):
+            step = opt.last_step + 1
+            if hold_after is not None and step > hold_after:
+                out.put((rank, "held", b""))
+                threading.Event().wait()
             grads = whole_grads(step)
             for group in opt.param_groups:
                 partition = group.get("partition")
@@ -87,7 +99,9 @@ def _run_rank(rank, world, endpoint, session, kinds, transport, options, steps, 
                     p.grad = g.view(p.shape)
             opt.step()
         params = {n: p.detach().clone() for n, p in zip(opt._names, opt._params)}
-        opt.close()
+        if rank == 0:  # rank 0 ends the session when it closes: the others may be done before
+            params["digest"] = torch.tensor(list(bytes.fromhex(opt.state_digest().digest)), dtype=torch.uint8)
+        opt.close(keep_session=keep)
         buffer = io.BytesIO()
         torch.save(params, buffer)
         out.put((rank, "ok", buffer.getvalue()))
@@ -95,25 +109,38 @@ def _run_rank(rank, world, endpoint, session, kinds, transport, options, steps, 
         out.put((rank, "error", traceback.format_exc()))
 
 
-def run_ranks(endpoint, kinds, transport="grpc", world=WORLD, options=None, steps=range(1, STEPS + 1)):
-    """Every rank in a process of its own, all stepping ``steps``; their final local parameters."""
+def run_ranks(endpoint, kinds, transport="grpc", world=WORLD, options=None, steps=range(1, STEPS + 1),
+              session=None, keep=False, hold=None):
+    """Every rank in a process of its own, stepping up to ``max(steps)``; their final local
+    parameters (and "digest"). ``hold``: (rank, step) — that rank stops after the step and is
+    SIGKILLed while the others wait in the next one, then a new process of it attaches and
+    continues."""
     context = multiprocessing.get_context("spawn")
     out = context.Queue()
-    session = f"part-{uuid.uuid4().hex[:8]}"
-    processes = [context.Process(target=_run_rank, daemon=True,
-                                 args=(r, world, endpoint, session, kinds, transport, options or {},
-                                       list(steps), out)) for r in range(world)]
-    for p in processes:
-        p.start()
+    session = session or f"part-{uuid.uuid4().hex[:8]}"
+
+    def start(r, hold_after=None):
+        process = context.Process(target=_run_rank, daemon=True,
+                                  args=(r, world, endpoint, session, kinds, transport, options or {},
+                                        list(steps), out, hold_after, keep))
+        process.start()
+        return process
+
+    processes = {r: start(r, hold[1] if hold and hold[0] == r else None) for r in range(world)}
     results = {}
     try:
-        for _ in processes:
+        while len(results) < world:
             rank, status, body = out.get(timeout=WAIT)
+            if status == "held":
+                processes[rank].kill()
+                processes[rank].join(WAIT)
+                processes[rank] = start(rank)
+                continue
             assert status == "ok", f"rank {rank} failed:\n{body}"
             results[rank] = torch.load(io.BytesIO(body))
     finally:
-        for p in processes:
-            if len(results) < len(processes):
+        for p in processes.values():
+            if len(results) < world:
                 p.kill()  # the others wait for the failed rank's part: no point waiting for them
             p.join(WAIT)
     return results
@@ -127,11 +154,13 @@ def reference(endpoint, options=None, steps=range(1, STEPS + 1)):
 
 def expect_parts(results, want, kinds, world=WORLD):
     groups, _ = groups_for(world, 0, kinds)
+    assert bytes(results[0]["digest"].tolist()) == bytes(want["digest"].tolist()), \
+        "the state digest differs from the whole session's"
     for rank, got in results.items():
         rank_groups, _ = groups_for(world, rank, kinds)
         for group in rank_groups:
             partition = group.get("partition")
-            for k, (name, _) in enumerate(group["params"]):
+            for k, (name, _) in enumerate(group["params"]):  # noqa: B007
                 expected = want[name] if partition is None else part.cut(want[name], partition, k, world, rank)
                 assert got[name].shape == expected.shape, (rank, name)
                 assert torch.equal(got[name], expected), f"rank {rank}: '{name}' differs from the whole session's"
@@ -169,7 +198,6 @@ def test_a_part_of_the_wrong_size_is_refused_naming_it(endpoint):
 
 
 def _spec(world, partition):
-    from muond._stubs import pb
     spec = pb.SessionSpec(world_size=world)
     group = spec.groups.add(name="g", options=pb.GroupOptions(optimizer=pb.OPTIMIZER_ADAMW))
     group.partition.CopyFrom(partition)
@@ -186,7 +214,6 @@ def _spec(world, partition):
     ([[("a", 0, 12)], [("c", 0, 5)]], r"unknown parameter 'c'"),
 ])
 def test_bad_explicit_ranges_are_refused_at_creation(endpoint, ranges, message):
-    from muond._stubs import pb
     given = pb.Partition(kind=pb.PARTITION_KIND_EXPLICIT)
     for per_rank in ranges:
         entry = given.ranks.add()
@@ -200,7 +227,6 @@ def test_bad_explicit_ranges_are_refused_at_creation(endpoint, ranges, message):
 
 
 def test_quorum_and_async_are_refused_with_a_partition(endpoint):
-    from muond._stubs import pb
     spec = _spec(2, pb.Partition(kind=pb.PARTITION_KIND_ROWS))
     spec.sync.mode = pb.SYNC_MODE_QUORUM
     conn = muond.Connection(endpoint)
@@ -210,3 +236,154 @@ def test_quorum_and_async_are_refused_with_a_partition(endpoint):
     with pytest.raises(ValueError, match="partition: lock-step only"):
         muond.RemoteOptimizer(groups, endpoint=endpoint, session="async-part", world_size=WORLD, rank=0,
                               sync_mode="async", max_staleness=2)
+
+
+def test_a_rank_killed_mid_step_and_restarted_resends_its_part(endpoint):
+    want = reference(endpoint)
+    kinds = ["rows", "rows", "flat", "explicit"]
+    # Rank 2 stops after step 1 and is SIGKILLed while ranks 0 and 1 wait in step 2; a new process
+    # of it attaches, reads its parts back and sends step 2.
+    expect_parts(run_ranks(endpoint, kinds, hold=(2, 1)), want, kinds)
+
+
+def test_the_daemon_killed_under_the_journal_comes_back_with_every_part(start_daemon, tmp_path):
+    flags = ("--state-dir", tmp_path / "state", "--durability", "journal")
+    daemon = start_daemon(*flags, workdir=tmp_path / "d")
+    want = reference(daemon.endpoint)
+    kinds = ["rows", "rows", "flat", "explicit"]
+    session = "journaled-parts"
+    run_ranks(daemon.endpoint, kinds, steps=range(1, 3), session=session, keep=True)
+    daemon.kill()
+    daemon = start_daemon(*flags, workdir=tmp_path / "d")
+    expect_parts(run_ranks(daemon.endpoint, kinds, session=session), want, kinds)
+
+
+# -- refusals over the wire --------------------------------------------------------------------------
+
+SMALL = {"a": (4, 3), "t": (2, 3), "r": (5,)}
+
+
+def _small_spec(world, kind=pb.PARTITION_KIND_ROWS):
+    spec = pb.SessionSpec(world_size=world)
+    group = spec.groups.add(name="g", options=pb.GroupOptions(optimizer=pb.OPTIMIZER_ADAMW))
+    group.partition.kind = kind
+    spec.groups.add(name="whole", options=pb.GroupOptions(optimizer=pb.OPTIMIZER_ADAMW))
+    spec.parameters.add(name="a", shape=[4, 3], group="g")
+    spec.parameters.add(name="t", shape=[2, 3], group="g")
+    spec.parameters.add(name="r", shape=[5], group="whole")
+    return spec
+
+
+def _raw_step(conn, session, rank, step, grads):
+    header = pb.StepHeader(session_id=session, step=step, rank=rank)
+    header.num_chunks, messages = framing.step_messages(list(grads.items()), "fp32", 1 << 20, False)
+    sizes = {"a": (6, 6, 0)[rank], "t": (3, 3, 0)[rank], "r": 5}
+    return conn.step(header, messages, wire.ChunkAssembler(sizes))
+
+
+def test_bad_parts_are_refused_naming_the_field_and_the_step_stays_to_come(endpoint):
+    world = 3  # 'a' (4 rows): ranks hold 2, 2, 0 rows; 't' (2 rows): 1, 1, 0
+    session = f"raw-{uuid.uuid4().hex[:6]}"
+    conns = [muond.Connection(endpoint) for _ in range(world)]
+    conns[0].create_session(session, _small_spec(world))
+    whole = {n: torch.arange(torch.Size(s).numel(), dtype=torch.float32).view(s) / 10 for n, s in SMALL.items()}
+    for r in range(world):
+        conns[r].create_session(session, _small_spec(world))
+        rows_a = slice(2 * r, min(4, 2 * r + 2))
+        rows_t = slice(r, min(2, r + 1))
+        chunks = [c for name, value in (("a", whole["a"][rows_a]), ("t", whole["t"][rows_t]), ("r", whole["r"]))
+                  if value.numel() for c in wire.encode(name, value, "fp32")]
+        conns[r].upload(session, chunks, rank=r)
+    good = {0: {"a": torch.ones(2, 3), "t": torch.ones(1, 3), "r": torch.ones(5)},
+            1: {"a": torch.ones(2, 3), "t": torch.ones(1, 3), "r": torch.ones(5)},
+            2: {"r": torch.ones(5)}}
+    refusals = [
+        (0, {"a": torch.ones(7), "t": torch.ones(3), "r": torch.ones(5)}, r"'a'.*rank 0's part of (it|'a') has 6 elements"),
+        (2, {"t": torch.ones(3), "r": torch.ones(5)}, r"'t'.*rank 2's part of (it|'t') has 0 elements"),
+        (1, {"t": torch.ones(3), "r": torch.ones(5)}, r"rank 1 holds elements \[6, 12\) of 'a' and sent none"),
+        (0, {"a": torch.ones(6), "t": torch.ones(3), "r": torch.ones(4)}, r"'r' was sent with shape \[4\], the session has \[5\]"),
+    ]
+    for rank, grads, message in refusals:
+        with pytest.raises(muond.MuondError, match=message) as err:
+            _raw_step(conns[rank], session, rank, 1, grads)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    # Nothing was applied for anyone: step 1 is still to come, and goes through once every rank sends.
+    results = {}
+    threads = [threading.Thread(target=lambda r=r: results.__setitem__(r, _raw_step(conns[r], session, r, 1, good[r])))
+               for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT)
+    assert all(results[r].step == 1 and results[r].applied for r in range(world))
+
+
+def test_partitions_that_disagree_across_ranks_are_refused_at_attach(endpoint):
+    session = f"disagree-{uuid.uuid4().hex[:6]}"
+    conn = muond.Connection(endpoint)
+    conn.create_session(session, _small_spec(2, pb.PARTITION_KIND_ROWS))
+    with pytest.raises(muond.MuondError, match="partition") as err:
+        conn.create_session(session, _small_spec(2, pb.PARTITION_KIND_FLAT))
+    assert err.value.code == grpc.StatusCode.ALREADY_EXISTS
+
+
+# -- the adapters, on plain objects carrying a DTensor's and an FSDP1 FlatParameter's facts ------------
+
+class Shard:
+    def __init__(self, dim):
+        self.dim = dim
+
+
+class Mesh:
+    ndim = 1
+
+    def __init__(self, size, rank):
+        self._size, self._rank = size, rank
+
+    def size(self):
+        return self._size
+
+    def get_local_rank(self):
+        return self._rank
+
+
+class FakeDTensor:
+    def __init__(self, whole, world, rank, placement):
+        self.shape = whole.shape
+        self.placements = (placement,)
+        self.device_mesh = Mesh(world, rank)
+        self._local = whole.chunk(world)[rank] if rank < len(whole.chunk(world)) else whole[:0]
+
+    def to_local(self):
+        return self._local
+
+
+def test_from_dtensor_maps_shard0_to_rows_and_refuses_other_placements():
+    whole = torch.arange(14.0).view(7, 2)
+    for rank in range(3):
+        local, shape = part.from_dtensor(FakeDTensor(whole, 3, rank, Shard(0)))
+        assert shape == (7, 2)
+        assert torch.equal(local, part.cut(whole, part.rows([shape]), 0, 3, rank))
+    with pytest.raises(ValueError, match="only Shard\\(0\\)"):
+        part.from_dtensor(FakeDTensor(whole, 3, 0, Shard(1)))
+
+
+def test_from_fsdp1_reads_the_flat_layout_with_its_padding():
+    class Flat:
+        _shapes = [(3, 2), (5,)]
+        _numels_with_padding = [6, 2, 5]  # 2 elements of alignment padding between the two
+        _is_padding_mask = [False, True, False]
+
+    partition = part.from_fsdp1(Flat(), 2)  # 13 elements: ranks hold [0, 7) and [7, 13) of the flat layout
+    assert partition.kind == "explicit" and partition.shapes == ((3, 2), (5,))
+    assert partition.parts(2) == [[(0, 6), (0, 0)], [(0, 0), (0, 5)]]
+
+
+def test_shard_parameters_cuts_a_model_for_each_rank():
+    model = torch.nn.Linear(3, 5)
+    pieces = [part.shard_parameters(model.named_parameters(), 2, r, kind="flat", alignment=4)
+              for r in range(2)]
+    weight = torch.cat([dict(local)["weight"].reshape(-1) for local, _ in pieces])
+    assert torch.equal(weight, model.weight.detach().reshape(-1))
+    assert all(t.requires_grad and t.is_leaf for local, _ in pieces for _, t in local)
+    assert pieces[0][1] == pieces[1][1] == part.flat([(5, 3), (5,)], alignment=4)
