@@ -51,3 +51,20 @@ def test_ddp_example_trains_with_two_ranks(endpoint):
     final = float(proc.stdout.split("final loss on all data: ")[1].split()[0])
     assert "2 ranks" in proc.stdout
     assert final < 0.5 * first, proc.stdout
+
+
+def test_sharded_example_trains_with_two_ranks_holding_parts(endpoint):
+    """examples/train_sharded.py: two gloo ranks, each holding half of every parameter, step
+    through one session and the loss comes down."""
+    cmd = [sys.executable, str(REPO_ROOT / "examples" / "train_sharded.py"), "--endpoint", endpoint,
+           "--ranks", "2", "--steps", "40"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
+    first = float(lines[0].split("batch) ")[1].split()[0])
+    final = float(proc.stdout.split("final loss on all data: ")[1].split()[0])
+    held, whole = (int(n) for n in proc.stdout.split("rank 0 holds ")[1].split(" elements")[0].split(" of "))
+    assert held < 0.6 * whole, proc.stdout  # about half of every parameter
+    assert "2 ranks" in proc.stdout
+    assert final < 0.5 * first, proc.stdout
