@@ -77,7 +77,7 @@ def whole_grads(step):
 
 
 def _run_rank(rank, world, endpoint, session, kinds, transport, options, steps, out, hold_after=None,
-              keep=False):
+              keep=False, held=None):
     """A rank's process: steps the gradients of the session's next steps up to ``max(steps)``
     (a restarted rank continues after the session's last step), then answers its parameters and
     the session's digest. ``hold_after``: after that step, says so and waits to be killed."""
@@ -89,7 +89,7 @@ def _run_rank(rank, world, endpoint, session, kinds, transport, options, steps, 
         while opt.last_step < max(steps):
             step = opt.last_step + 1
             if hold_after is not None and step > hold_after:
-                out.put((rank, "held", b""))
+                held.set()  # not through `out`: a process killed while it holds the queue's lock blocks it
                 threading.Event().wait()
             grads = whole_grads(step)
             for group in opt.param_groups:
@@ -119,23 +119,25 @@ def run_ranks(endpoint, kinds, transport="grpc", world=WORLD, options=None, step
     out = context.Queue()
     session = session or f"part-{uuid.uuid4().hex[:8]}"
 
+    held = context.Event()
+
     def start(r, hold_after=None):
         process = context.Process(target=_run_rank, daemon=True,
                                   args=(r, world, endpoint, session, kinds, transport, options or {},
-                                        list(steps), out, hold_after, keep))
+                                        list(steps), out, hold_after, keep, held))
         process.start()
         return process
 
     processes = {r: start(r, hold[1] if hold and hold[0] == r else None) for r in range(world)}
     results = {}
     try:
+        if hold:
+            assert held.wait(WAIT), f"rank {hold[0]} did not reach step {hold[1] + 1}"
+            processes[hold[0]].kill()
+            processes[hold[0]].join(WAIT)
+            processes[hold[0]] = start(hold[0])
         while len(results) < world:
             rank, status, body = out.get(timeout=WAIT)
-            if status == "held":
-                processes[rank].kill()
-                processes[rank].join(WAIT)
-                processes[rank] = start(rank)
-                continue
             assert status == "ok", f"rank {rank} failed:\n{body}"
             results[rank] = torch.load(io.BytesIO(body))
     finally:
@@ -387,3 +389,13 @@ def test_shard_parameters_cuts_a_model_for_each_rank():
     assert torch.equal(weight, model.weight.detach().reshape(-1))
     assert all(t.requires_grad and t.is_leaf for local, _ in pieces for _, t in local)
     assert pieces[0][1] == pieces[1][1] == part.flat([(5, 3), (5,)], alignment=4)
+
+
+def test_state_dict_is_refused_with_partitioned_groups_saying_why(endpoint):
+    groups, _ = groups_for(1, 0, ["rows", "rows", "flat", None])
+    with muond.RemoteOptimizer(groups, endpoint=endpoint, session=f"sd-{uuid.uuid4().hex[:6]}", world_size=1,
+                               rank=0) as opt:
+        with pytest.raises(NotImplementedError, match="state_dict: not available with partitioned groups"):
+            opt.state_dict()
+        with pytest.raises(NotImplementedError, match="load_state_dict: not available"):
+            opt.load_state_dict({})
