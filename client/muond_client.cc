@@ -11,6 +11,7 @@
 #include "client/transport/parameter_output.h"
 #include "client/transport/step_transport.h"
 #include "client/transport/transport_choice.h"
+#include "common/partition_rules.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/wire/chunk_frame.h"
@@ -266,6 +267,56 @@ v1::DType Session::ReturnDType(const StepOptions& options) const {
   return spec_.return_dtype() != v1::DTYPE_UNSPECIFIED ? spec_.return_dtype() : v1::DTYPE_FP32;
 }
 
+absl::Status Session::HoldParts(int rank) {
+  const int world_size = spec_.world_size() == 0 ? 1 : spec_.world_size();
+  if (rank < 0 || rank >= world_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("HoldParts: rank must be in [0, ", world_size, ") for this session, got ", rank));
+  }
+  std::map<std::string, int64_t> counts = ElementCounts(spec_);
+  for (const v1::ParameterGroup& group : spec_.groups()) {
+    std::vector<const v1::ParameterSpec*> members;
+    for (const v1::ParameterSpec& p : spec_.parameters()) {
+      if (p.group() == group.name()) members.push_back(&p);
+    }
+    const v1::Partition& partition = group.partition();
+    switch (partition.kind()) {
+      case v1::PARTITION_KIND_ROWS:
+        for (const v1::ParameterSpec* p : members) {
+          const std::vector<int64_t> shape(p->shape().begin(), p->shape().end());
+          counts[p->name()] = RowParts(shape, world_size)[static_cast<size_t>(rank)].size();
+        }
+        break;
+      case v1::PARTITION_KIND_FLAT: {
+        std::vector<int64_t> numels;
+        for (const v1::ParameterSpec* p : members) numels.push_back(counts[p->name()]);
+        const std::vector<std::vector<ElementRange>> parts =
+            FlatParts(numels, std::max<int64_t>(1, partition.alignment()), world_size);
+        for (size_t k = 0; k < members.size(); ++k)
+          counts[members[k]->name()] = parts[k][static_cast<size_t>(rank)].size();
+        break;
+      }
+      case v1::PARTITION_KIND_EXPLICIT: {
+        if (partition.ranks_size() != world_size) {
+          return absl::InvalidArgumentError(absl::StrCat("HoldParts: group '", group.name(), "' lists ",
+                                                         partition.ranks_size(), " ranks' ranges for world_size ",
+                                                         world_size));
+        }
+        for (const v1::ParameterSpec* p : members) counts[p->name()] = 0;
+        for (const v1::ParameterRange& range : partition.ranks(rank).ranges()) {
+          counts[range.parameter()] = range.end() - range.begin();
+        }
+        break;
+      }
+      default:
+        break;  // replicated: whole
+    }
+  }
+  numel_ = std::move(counts);
+  parts_rank_ = rank;
+  return absl::OkStatus();
+}
+
 absl::Status Session::UploadParameters(std::span<const TensorView> parameters) {
   grpc::ClientContext context;
   client_->PrepareContext(context);
@@ -273,9 +324,11 @@ absl::Status Session::UploadParameters(std::span<const TensorView> parameters) {
   auto writer = client_->stub().UploadParameters(&context, &response);
   v1::UploadParametersRequest request;
   request.set_session_id(id_);
+  if (parts_rank_.has_value()) request.set_rank(*parts_rank_);
   bool ok = writer->Write(request);
   for (const TensorView& tensor : parameters) {
     if (!ok) break;
+    if (parts_rank_.has_value() && tensor.values.empty()) continue;  // an empty part: nothing to send
     const v1::DType dtype = WireDType(tensor.name);
     ok = wire::ForEachChunk(FirstChunk(tensor), tensor.values, dtype, client_->options().chunk_bytes,
                             [&](const v1::TensorChunk& meta, std::span<const float> values) {
@@ -319,7 +372,16 @@ absl::StatusOr<StepReply> Session::Step(int64_t step, std::span<const TensorView
                                         const StepOptions& options) {
   if (absl::Status fits = CheckParametersOut(options); !fits.ok()) return fits;
   if (absl::Status opened = EnsureTransport(); !opened.ok()) return opened;
-  return StepThrough(*transport_, step, StepPayload{.gradients = gradients}, options);
+  if (!parts_rank_.has_value()) return StepThrough(*transport_, step, StepPayload{.gradients = gradients}, options);
+  if (options.rank != *parts_rank_) {
+    return absl::InvalidArgumentError(absl::StrCat("options.rank: this session holds rank ", *parts_rank_,
+                                                   "'s parts (HoldParts), the step names rank ", options.rank));
+  }
+  std::vector<TensorView> held;  // an empty part has nothing to send
+  for (const TensorView& g : gradients) {
+    if (!g.values.empty()) held.push_back(g);
+  }
+  return StepThrough(*transport_, step, StepPayload{.gradients = held}, options);
 }
 
 absl::StatusOr<std::unique_ptr<StreamedStep>> Session::BeginStreamedStep(int64_t step, const StepOptions& options) {
@@ -442,6 +504,7 @@ absl::StatusOr<ParameterMap> Session::GetParametersOnce(int64_t* last_step, cons
   v1::GetParametersRequest request;
   request.set_session_id(id_);
   request.set_max_chunk_bytes(static_cast<uint32_t>(client_->options().chunk_bytes));
+  if (parts_rank_.has_value()) request.set_rank(*parts_rank_);
   for (const std::string& name : names) request.add_names(name);
   auto reader = client_->stub().GetParameters(&context, request);
   ParameterMap parameters;

@@ -220,7 +220,18 @@ class Session {
   // loss is multiplied by); 0 without one. Each StepReply::loss_scale gives the next.
   double loss_scale() const { return loss_scale_; }
 
-  // Uploads every parameter's initial value (each in its wire dtype).
+  // Makes this a rank that holds parts (docs/ranks.md, Ranks that hold parts): from here on every
+  // parameter of a partitioned group counts only `rank`'s part of it (element_counts()), uploads
+  // and reads carry `rank`'s parts, and steps must name `rank` (StepOptions::rank). An empty part is
+  // left out of uploads and steps. The parts follow the spec's partitions with the daemon's rules
+  // (common/partition_rules.h). INVALID_ARGUMENT for a rank outside [0, world_size) or explicit
+  // ranges the spec does not give for every rank.
+  absl::Status HoldParts(int rank);
+  // The rank HoldParts made this; nullopt: whole tensors.
+  std::optional<int> parts_rank() const { return parts_rank_; }
+
+  // Uploads every parameter's initial value (each in its wire dtype); a rank that holds parts
+  // uploads its parts, and every rank does so before its first step.
   absl::Status UploadParameters(std::span<const TensorView> parameters);
 
   // Sends the gradients of step `step` (a parameter left out has no gradient this step) and returns
@@ -271,6 +282,7 @@ class Session {
   const v1::SessionSpec spec_;
   std::map<std::string, v1::DType> wire_dtypes_;
   std::map<std::string, int64_t> numel_;
+  std::optional<int> parts_rank_;
   std::unique_ptr<StepTransport> transport_;  // the Client's kind, once a step needed it
   bool attached_ = false;
   bool initialized_ = false;

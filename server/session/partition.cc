@@ -15,45 +15,14 @@ absl::Status Invalid(const std::string& field, const std::string& message) {
 
 std::string RangeText(ElementRange r) { return absl::StrCat("[", r.begin, ", ", r.end, ")"); }
 
-int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-// torch.chunk along dim 0: rank r holds rows [r·c, min(m, (r+1)·c)), c = ⌈m/N⌉.
-std::vector<ElementRange> RowParts(const ParameterConfig& param, int world_size) {
-  const int64_t rows = param.shape.empty() ? 1 : param.shape[0];
-  const int64_t row_elements = param.numel / rows;
-  const int64_t c = CeilDiv(rows, world_size);
-  std::vector<ElementRange> parts;
-  for (int r = 0; r < world_size; ++r) {
-    const int64_t first = std::min(rows, r * c), last = std::min(rows, (r + 1) * c);
-    parts.push_back({first * row_elements, last * row_elements});
-  }
-  return parts;
-}
-
-// The group's parameters flattened in spec order, each padded to a multiple of `alignment`, the
-// whole padded to a multiple of N and cut into N equal ranges; each rank's range of each parameter
-// is the overlap of the two.
 absl::Status FlatParts(const PartitionRule& rule, const std::vector<size_t>& members, SessionConfig& config) {
   if (rule.alignment < 1 || rule.alignment > (int64_t{1} << 30)) {
     return Invalid(rule.field + ".alignment", absl::StrCat("must be between 0 and 2^30, got ", rule.alignment));
   }
-  const int n = config.world_size;
-  std::vector<int64_t> starts;
-  int64_t end = 0;
-  for (size_t p : members) {
-    starts.push_back(end);
-    end = CeilDiv(end + config.parameters[p].numel, rule.alignment) * rule.alignment;
-  }
-  const int64_t chunk = CeilDiv(end, n);
-  for (size_t k = 0; k < members.size(); ++k) {
-    const int64_t start = starts[k], numel = config.parameters[members[k]].numel;
-    std::vector<ElementRange>& parts = config.parts[members[k]];
-    for (int r = 0; r < n; ++r) {
-      const int64_t first = std::clamp(r * chunk - start, int64_t{0}, numel);
-      const int64_t last = std::clamp((r + 1) * chunk - start, int64_t{0}, numel);
-      parts.push_back({first, std::max(first, last)});
-    }
-  }
+  std::vector<int64_t> numels;
+  for (size_t p : members) numels.push_back(config.parameters[p].numel);
+  std::vector<std::vector<ElementRange>> parts = muond::FlatParts(numels, rule.alignment, config.world_size);
+  for (size_t k = 0; k < members.size(); ++k) config.parts[members[k]] = std::move(parts[k]);
   return absl::OkStatus();
 }
 
@@ -137,7 +106,7 @@ absl::Status LayOutParts(const std::vector<PartitionRule>& rules, SessionConfig&
       case PartitionKind::kReplicated:
         break;
       case PartitionKind::kRows:
-        for (size_t p : members) config.parts[p] = RowParts(config.parameters[p], config.world_size);
+        for (size_t p : members) config.parts[p] = muond::RowParts(config.parameters[p].shape, config.world_size);
         break;
       case PartitionKind::kFlat:
         if (absl::Status s = FlatParts(rule, members, config); !s.ok()) return s;

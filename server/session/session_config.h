@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "common/partition_rules.h"
 #include "kernels/optim/loss_scaler.h"
 #include "kernels/optim/options.h"
 #include "kernels/optim/param_state.h"
@@ -60,13 +61,7 @@ inline optim::ParamState ParamStateOf(const ParameterConfig& pc) {
 // (docs/ranks.md, Ranks that hold parts; the rules are in session/partition.h).
 enum class PartitionKind { kReplicated, kRows, kFlat, kExplicit };
 
-// Elements [begin, end) of a parameter's row-major flattening.
-struct ElementRange {
-  int64_t begin = 0;
-  int64_t end = 0;
-  int64_t size() const { return end - begin; }
-  bool operator==(const ElementRange&) const = default;
-};
+using ElementRange = muond::ElementRange;  // common/partition_rules.h
 
 struct GroupConfig {
   std::string name;

@@ -1,0 +1,168 @@
+// Ranks that hold parts, from the C++ client (docs/ranks.md, Ranks that hold parts): the real
+// daemon, one client handle per rank, each HoldParts(rank); every rank uploads and steps only its
+// part of each partitioned parameter and gets back only that part, equal bit for bit to the same
+// part of a one-rank session stepping the whole gradient. Runs once per step transport.
+#include <future>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "common/partition_rules.h"
+#include "gmock/gmock.h"
+#include "tests/integration/daemon_fixture.h"
+#include "tests/testing/status_matchers.h"
+
+namespace muond::testing {
+namespace {
+
+constexpr int kWorld = 3;
+
+struct Param {
+  std::string name;
+  std::vector<int64_t> shape;
+  int64_t numel() const {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    return n;
+  }
+};
+
+// "w" (5 rows over 3 ranks: 2, 2, 1) and "t" (2 rows: rank 2 holds none) cut by rows; "b" and "c"
+// by a flat partition with alignment 4 (7 and 5 elements padded to 8 each, cut into ranges of 6).
+const std::vector<Param> kRows = {{"w", {5, 4}}, {"t", {2, 4}}};
+const std::vector<Param> kFlat = {{"b", {7}}, {"c", {5}}};
+
+v1::SessionSpec Spec(bool partitioned) {
+  v1::SessionSpec spec;
+  spec.set_world_size(partitioned ? kWorld : 1);
+  auto* rows = spec.add_groups();
+  rows->set_name("rows");
+  rows->mutable_options()->set_optimizer(v1::OPTIMIZER_MUON);
+  auto* flat = spec.add_groups();
+  flat->set_name("flat");
+  flat->mutable_options()->set_optimizer(v1::OPTIMIZER_ADAMW);
+  if (partitioned) {
+    rows->mutable_partition()->set_kind(v1::PARTITION_KIND_ROWS);
+    flat->mutable_partition()->set_kind(v1::PARTITION_KIND_FLAT);
+    flat->mutable_partition()->set_alignment(4);
+  }
+  for (const auto& [params, group] : {std::pair{&kRows, "rows"}, std::pair{&kFlat, "flat"}}) {
+    for (const Param& p : *params) {
+      auto* added = spec.add_parameters();
+      added->set_name(p.name);
+      for (int64_t d : p.shape) added->add_shape(d);
+      added->set_group(group);
+    }
+  }
+  return spec;
+}
+
+std::vector<float> Values(const std::string& name, int64_t n, int step) {
+  std::vector<float> v(static_cast<size_t>(n));
+  for (size_t i = 0; i < v.size(); ++i) {
+    v[i] =
+        0.1f * std::sin(0.7f * static_cast<float>(i) + static_cast<float>(name[0]) + 1.3f * static_cast<float>(step));
+  }
+  return v;
+}
+
+// Rank r's range of each parameter, by the daemon's rules.
+std::map<std::string, ElementRange> PartsOf(int rank) {
+  std::map<std::string, ElementRange> parts;
+  for (const Param& p : kRows) parts[p.name] = RowParts(p.shape, kWorld)[static_cast<size_t>(rank)];
+  const std::vector<std::vector<ElementRange>> flat = FlatParts({7, 5}, 4, kWorld);
+  for (size_t k = 0; k < kFlat.size(); ++k) parts[kFlat[k].name] = flat[k][static_cast<size_t>(rank)];
+  return parts;
+}
+
+std::vector<float> Slice(const std::vector<float>& whole, ElementRange range) {
+  return {whole.begin() + range.begin, whole.begin() + range.end};
+}
+
+class PartitionTest : public DaemonTest {};
+
+TEST_F(PartitionTest, RanksThatHoldPartsStepBitForBitLikeOneRank) {
+  constexpr int kSteps = 3;
+  std::vector<Param> all = kRows;
+  all.insert(all.end(), kFlat.begin(), kFlat.end());
+
+  // The reference: one rank, whole tensors, the whole gradients.
+  ASSERT_OK_AND_ASSIGN(auto single, client_->CreateSession("parts-whole", Spec(false)));
+  std::map<std::string, std::vector<float>> initial;
+  std::vector<client::TensorView> views;
+  for (const Param& p : all) initial[p.name] = Values(p.name, p.numel(), 0);
+  for (const Param& p : all) views.push_back({p.name, p.shape, initial[p.name]});
+  ASSERT_OK(single->UploadParameters(views));
+  client::ParameterMap want;
+  for (int step = 1; step <= kSteps; ++step) {
+    std::map<std::string, std::vector<float>> grads;
+    std::vector<client::TensorView> g;
+    for (const Param& p : all) grads[p.name] = Values(p.name, p.numel(), step);
+    for (const Param& p : all) g.push_back({p.name, p.shape, grads[p.name]});
+    ASSERT_OK_AND_ASSIGN(client::StepReply reply, single->Step(step, g));
+    want = reply.parameters;
+  }
+
+  // kWorld ranks, each with its own handle holding its parts.
+  std::vector<std::unique_ptr<client::Session>> ranks;
+  for (int r = 0; r < kWorld; ++r) {
+    ASSERT_OK_AND_ASSIGN(auto session, client_->CreateSession("parts", Spec(true)));
+    ASSERT_OK(session->HoldParts(r));
+    const std::map<std::string, ElementRange> parts = PartsOf(r);
+    std::map<std::string, std::vector<float>> mine;
+    std::vector<client::TensorView> upload;
+    for (const Param& p : all) mine[p.name] = Slice(initial[p.name], parts.at(p.name));
+    for (const Param& p : all) upload.push_back({p.name, {parts.at(p.name).size()}, mine[p.name]});
+    ASSERT_OK(session->UploadParameters(upload));
+    for (const Param& p : all) EXPECT_EQ(session->element_counts().at(p.name), parts.at(p.name).size()) << p.name;
+    ranks.push_back(std::move(session));
+  }
+  std::vector<client::ParameterMap> got(kWorld);
+  for (int step = 1; step <= kSteps; ++step) {
+    std::vector<std::future<absl::StatusOr<client::StepReply>>> sent;
+    for (int r = 0; r < kWorld; ++r) {
+      sent.push_back(std::async(std::launch::async, [&, r, step] {
+        const std::map<std::string, ElementRange> parts = PartsOf(r);
+        std::map<std::string, std::vector<float>> grads;
+        std::vector<client::TensorView> g;
+        for (const Param& p : all) grads[p.name] = Slice(Values(p.name, p.numel(), step), parts.at(p.name));
+        for (const Param& p : all) g.push_back({p.name, {parts.at(p.name).size()}, grads[p.name]});
+        client::StepOptions options;
+        options.rank = r;
+        return ranks[static_cast<size_t>(r)]->Step(step, g, options);
+      }));
+    }
+    for (int r = 0; r < kWorld; ++r) {
+      absl::StatusOr<client::StepReply> reply = sent[static_cast<size_t>(r)].get();
+      ASSERT_OK(reply.status()) << "rank " << r << " step " << step;
+      EXPECT_TRUE(reply->applied);
+      got[static_cast<size_t>(r)] = reply->parameters;
+    }
+  }
+  for (int r = 0; r < kWorld; ++r) {
+    const std::map<std::string, ElementRange> parts = PartsOf(r);
+    for (const Param& p : all) {
+      EXPECT_EQ(got[static_cast<size_t>(r)].at(p.name), Slice(want.at(p.name), parts.at(p.name)))
+          << "rank " << r << " '" << p.name << "'";
+    }
+    // A restarted rank reads its parts back.
+    ASSERT_OK_AND_ASSIGN(auto reread, client_->CreateSession("parts", Spec(true)));
+    ASSERT_OK(reread->HoldParts(r));
+    ASSERT_OK_AND_ASSIGN(client::ParameterMap back, reread->GetParameters());
+    EXPECT_EQ(back, got[static_cast<size_t>(r)]) << "rank " << r;
+  }
+}
+
+TEST_F(PartitionTest, AStepNamingAnotherRankIsRefusedBeforeItIsSent) {
+  ASSERT_OK_AND_ASSIGN(auto session, client_->CreateSession("parts-rank", Spec(true)));
+  ASSERT_OK(session->HoldParts(1));
+  client::StepOptions options;
+  options.rank = 2;
+  absl::StatusOr<client::StepReply> reply = session->Step(1, {}, options);
+  EXPECT_EQ(reply.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(reply.status().message()), ::testing::HasSubstr("options.rank"));
+  EXPECT_EQ(session->HoldParts(kWorld).code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace muond::testing
