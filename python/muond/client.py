@@ -435,12 +435,15 @@ class Connection:
         return self._retried("GetParameters", read)
 
     def get_state(self, session_id: str, into: ChunkAssembler,
-                  max_chunk_bytes: int = 0) -> pb.StateHeader:
+                  max_chunk_bytes: int = 0, rank: Optional[int] = None) -> pb.StateHeader:
         """Reads the whole optimizer state (masters and slots) into ``into``, each tensor sent in
-        the format the session stores it in (16-bit tensors as such, exactly). A read cut off by
-        ``UNAVAILABLE`` is retried from the start."""
+        the format the session stores it in (16-bit tensors as such, exactly); with ``rank``, that
+        rank's parts of the partitioned parameters'. A read cut off by ``UNAVAILABLE`` is retried
+        from the start."""
         request = pb.GetStateRequest(session_id=session_id, max_chunk_bytes=max_chunk_bytes,
                                      stored_dtypes=True)
+        if rank is not None:
+            request.rank = rank
 
         def read() -> Optional[pb.StateHeader]:
             into.clear()
@@ -459,10 +462,14 @@ class Connection:
         return header
 
     def set_state(self, session_id: str, header: pb.StateHeader,
-                  chunks: Iterable[pb.TensorChunk]) -> int:
-        """Replaces the session's state; returns its last step."""
+                  chunks: Iterable[pb.TensorChunk], rank: Optional[int] = None) -> int:
+        """Replaces the session's state (with ``rank``: that rank's parts); returns its last
+        step."""
         def requests():
-            yield pb.SetStateRequest(session_id=session_id)
+            first = pb.SetStateRequest(session_id=session_id)
+            if rank is not None:
+                first.rank = rank
+            yield first
             yield pb.SetStateRequest(header=header)
             for chunk in chunks:
                 yield pb.SetStateRequest(chunk=chunk)

@@ -33,7 +33,6 @@ class StateTransfer:
         ``param_groups`` the group options; ``muond`` the session's last step and names, this
         optimizer's rank and, in an asynchronous session, its push counter (``pushes``), which
         ``load_state_dict`` restores so that a restarted rank resumes its numbering."""
-        self._check_whole_state("state_dict")
         self.flush()
         parts = self._on_every_session(lambda k, session: session.get_state())
         last_step = self._common_step([int(header.last_step) for header, _ in parts], "GetState")
@@ -48,6 +47,8 @@ class StateTransfer:
             state.setdefault(i, {})["step"] = counts.get(name, 0)
         meta = {"format": _STATE_FORMAT, "last_step": last_step, "names": list(self._names),
                 "session": self.session_id, "rank": self.rank}
+        if self.partitioned:
+            meta["parts"] = True  # this rank's parts of the partitioned parameters' state
         if self._async:
             meta["pushes"] = self.pushes
         header = parts[0][0]
@@ -56,13 +57,6 @@ class StateTransfer:
                                    "growth_tracker": header.loss_scaler.growth_tracker,
                                    "hysteresis_tracker": header.loss_scaler.hysteresis_tracker}
         return {"state": state, "param_groups": self._saved_groups(), "muond": meta}
-
-    def _check_whole_state(self, what: str) -> None:
-        """NotImplementedError with partitioned groups (docs/ranks.md, What is not there yet)."""
-        if getattr(self, "partitioned", False):
-            raise NotImplementedError(
-                f"{what}: not available with partitioned groups yet (each rank would need its part of "
-                "the state); the daemon's whole state is in its checkpoints (--state-dir)")
 
     def _saved_groups(self) -> List[Dict[str, Any]]:
         """The groups' options as a state dict holds them, "params" as parameter indices."""
@@ -83,10 +77,13 @@ class StateTransfer:
 
     def _tensor_shape(self, name: str, slot: str) -> Tuple[int, ...]:
         """The shape of a parameter's master or optimizer slot (``options.slot_shape``)."""
-        shape = tuple(self._by_name[name].shape)
+        local = tuple(self._by_name[name].shape)
         if slot == "master":
-            return shape
-        return opts.slot_shape(self._group_of(name), shape, slot)
+            return local
+        whole = tuple(self._global_shapes.get(name, local))
+        shape = tuple(opts.slot_shape(self._group_of(name), whole, slot))
+        # A partitioned parameter's slot of its own size comes as this rank's part, like the master.
+        return local if shape == whole else shape
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Replaces the daemon's state (masters, slots, step counters) with ``state_dict`` from
@@ -103,13 +100,16 @@ class StateTransfer:
         modes, and this rank's pushes start at 1 (the daemon's push records went with the
         session). ValueError for a state dict of another rank (its push counter is not this
         rank's). docs/ranks.md, Asynchronous."""
-        self._check_whole_state("load_state_dict")
         self.flush()
         meta = state_dict.get("muond")
         if not meta or meta.get("format") != _STATE_FORMAT:
             raise ValueError("not a RemoteOptimizer state dict (no 'muond' section of format 1)")
         saved_groups = state_dict["param_groups"]
         self._check_saved_groups(saved_groups)
+        if self.partitioned and (not meta.get("parts") or meta.get("rank") != self.rank):
+            held = f"rank {meta.get('rank')}'s parts" if meta.get("parts") else "whole tensors"
+            raise ValueError(f"the state dict holds {held}; this optimizer is rank {self.rank} of a "
+                             f"session with partitioned groups: each rank loads the state dict it saved")
         if self._async:
             saved_rank = meta.get("rank", self.rank)
             if saved_rank != self.rank:
@@ -186,6 +186,8 @@ class StateTransfer:
                     if tuple(value.shape) != expected:
                         raise ValueError(f"state of '{name}' slot '{slot}' has shape "
                                          f"{tuple(value.shape)}, expected {expected}")
+                    if value.numel() == 0:
+                        continue  # a rank's empty part
                     stored = opts.storage_dtype(self._group_of(name), slot)
                     yield from wire.encode(name, value, stored, slot=slot,
                                            max_chunk_bytes=self.chunk_bytes)

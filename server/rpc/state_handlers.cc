@@ -11,6 +11,7 @@
 #include "common/status_macros.h"
 #include "proto/wire/dtype_codec.h"
 #include "server/rpc/muond_service.h"
+#include "server/session/partition.h"
 #include "server/session/state_digest.h"
 #include "server/transport/grpc/chunk_stream.h"
 #include "server/transport/grpc/tensor_assembler.h"
@@ -51,6 +52,10 @@ absl::Status MuondService::DoGetState(const std::string& caller, const v1::GetSt
   MUOND_ASSIGN_OR_RETURN(std::shared_ptr<session::Session> session, registry_->Find(request.session_id(), caller));
   MUOND_ASSIGN_OR_RETURN(SessionState state, session->ExportState());
   const SessionConfig& config = session->config();
+  if (request.has_rank() && (request.rank() < 0 || request.rank() >= config.world_size)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank: must be in [0, ", config.world_size, ") for this session, got ", request.rank()));
+  }
   v1::GetStateResponse response;
   v1::StateHeader* header = response.mutable_header();
   header->set_last_step(state.last_step);
@@ -68,11 +73,18 @@ absl::Status MuondService::DoGetState(const std::string& caller, const v1::GetSt
   if (!writer->Write(response)) return absl::CancelledError("the client went away");
   const size_t chunk_bytes = AnswerChunkBytes(request.max_chunk_bytes());
   for (const StateTensor& tensor : state.tensors) {
-    // The first chunk of each tensor carries its shape (a slot's own, e.g. NorMuon's (rows, 1)).
-    const std::vector<int64_t> shape = session->TensorShape(tensor.parameter, tensor.slot);
+    // The first chunk of each tensor carries its shape (a slot's own, e.g. NorMuon's (rows, 1));
+    // a rank's part of one, flat.
+    const session::ElementRange part =
+        session::StatePartOf(config, tensor.parameter, tensor.values.size(), request.has_rank() ? request.rank() : -1);
+    std::vector<int64_t> shape = session->TensorShape(tensor.parameter, tensor.slot);
+    if (part.size() != static_cast<int64_t>(tensor.values.size())) shape = {part.size()};
+    const std::span<const float> values =
+        std::span<const float>(tensor.values)
+            .subspan(static_cast<size_t>(part.begin), static_cast<size_t>(part.size()));
     const v1::DType dtype = request.stored_dtypes() ? WireDtypeOf(tensor.dtype) : v1::DTYPE_FP32;
     const bool sent = transport::EmitChunks(
-        config.parameters[tensor.parameter].name, tensor.slot, tensor.values, dtype, chunk_bytes,
+        config.parameters[tensor.parameter].name, tensor.slot, values, dtype, chunk_bytes,
         [&](v1::TensorChunk&& chunk) {
           response.Clear();
           *response.mutable_chunk() = std::move(chunk);
@@ -99,6 +111,11 @@ absl::Status MuondService::DoSetState(const std::string& caller, grpc::ServerRea
   MUOND_RETURN_IF_ERROR(session::CheckSessionId(request.session_id()));
   MUOND_ASSIGN_OR_RETURN(std::shared_ptr<session::Session> session, registry_->Find(request.session_id(), caller));
   const SessionConfig& config = session->config();
+  if (request.has_rank() && (request.rank() < 0 || request.rank() >= config.world_size)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank: must be in [0, ", config.world_size, ") for this session, got ", request.rank()));
+  }
+  const int rank = request.has_rank() ? request.rank() : -1;
   if (!reader->Read(&request) || request.kind_case() != v1::SetStateRequest::kHeader) {
     return absl::InvalidArgumentError("header: the second message of a state upload must be its header");
   }
@@ -162,7 +179,7 @@ absl::Status MuondService::DoSetState(const std::string& caller, grpc::ServerRea
     values.resize(values.size() + count);
     wire::Decode(dtype, chunk.data(), std::span<float>(values.data() + values.size() - count, count));
   }
-  MUOND_RETURN_IF_ERROR(session->ImportState(std::move(state)));
+  MUOND_RETURN_IF_ERROR(session->ImportState(std::move(state), rank));
   response->set_last_step(session->last_step());
   MUOND_EVENT(info, "state_replaced", session->id(), response->last_step(), "session {} state replaced at step {}",
               session->id(), response->last_step());

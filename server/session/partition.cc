@@ -132,6 +132,12 @@ ElementRange PartOf(const SessionConfig& config, size_t index, int rank) {
 
 int64_t PartElements(const SessionConfig& config, size_t index, int rank) { return PartOf(config, index, rank).size(); }
 
+ElementRange StatePartOf(const SessionConfig& config, size_t index, size_t numel, int rank) {
+  const bool element_wise = static_cast<int64_t>(numel) == config.parameters[index].numel;
+  if (rank < 0 || !element_wise || !IsPartitioned(config, index)) return {0, static_cast<int64_t>(numel)};
+  return PartOf(config, index, rank);
+}
+
 absl::Status CheckRankParts(const SessionConfig& config, int rank, const std::vector<HostTensor>& gradients) {
   for (size_t p = 0; p < config.parts.size() && p < gradients.size(); ++p) {
     if (!IsPartitioned(config, p)) continue;

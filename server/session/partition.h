@@ -51,6 +51,11 @@ ElementRange PartOf(const SessionConfig& config, size_t index, int rank);
 // The elements `rank` sends and receives of parameter `index`.
 int64_t PartElements(const SessionConfig& config, size_t index, int rank);
 
+// The range of a state tensor of parameter `index` with `numel` elements that `rank` holds: its
+// part when the parameter is partitioned and the tensor is of the parameter's size (the master, an
+// element-wise slot); otherwise the whole tensor [0, numel).
+ElementRange StatePartOf(const SessionConfig& config, size_t index, size_t numel, int rank);
+
 // `rank`'s gradients against its parts: a partitioned parameter of which the rank holds elements is
 // there with exactly its part's size, one of which it holds none is absent. INVALID_ARGUMENT naming
 // the parameter, the expected range and what came, otherwise.

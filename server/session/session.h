@@ -151,7 +151,10 @@ class Session {
 
   absl::StatusOr<SessionState> ExportState() const;
   // Replaces masters, slots and counters at once after checking that `state` is complete.
-  absl::Status ImportState(SessionState state);
+  // `rank` >= 0: the tensors are that rank's parts of the partitioned parameters' masters and
+  // element-wise slots (StatePartOf), written into their ranges; an empty part may be absent. Every
+  // rank loads its parts with the same header before its next step.
+  absl::Status ImportState(SessionState state, int rank = -1);
 
   // Makes the session durable from now on; restored sessions attach it after their replay.
   void AttachPersistence(std::unique_ptr<SessionPersistence> persistence);

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/echo.h"
 #include "common/status_macros.h"
+#include "server/session/partition.h"
 #include "server/session/session.h"
 #include "server/session/value_rules.h"
 
@@ -51,7 +52,7 @@ absl::StatusOr<SessionState> Session::ExportStateLocked() const {
   return state;
 }
 
-absl::Status Session::ImportState(SessionState state) {
+absl::Status Session::ImportState(SessionState state, int rank) {
   MUOND_RETURN_IF_ERROR(CheckStepNumber("header.last_step", state.last_step, 0));
   if (state.step_counts.size() != config_.parameters.size()) {
     return absl::InvalidArgumentError(absl::StrCat("header.step_counts: expected one count for each of the ",
@@ -101,8 +102,9 @@ absl::Status Session::ImportState(SessionState state) {
       return absl::InvalidArgumentError(
           absl::StrCat("chunk.slot: '", Echo(t.slot), "' is not a state slot of '", pc.name, "' or was sent twice"));
     }
-    const size_t numel = t.slot == kMasterSlot ? static_cast<size_t>(pc.numel)
+    const size_t whole = t.slot == kMasterSlot ? static_cast<size_t>(pc.numel)
                                                : optimizers_[pc.group]->SlotNumel(params_[t.parameter], t.slot);
+    const size_t numel = static_cast<size_t>(StatePartOf(config_, t.parameter, whole, rank).size());
     if (t.values.size() != numel) {
       return absl::InvalidArgumentError(
           absl::StrCat("chunk.data: ", pc.name, "/", t.slot, " has ", t.values.size(), " of ", numel, " elements"));
@@ -113,6 +115,14 @@ absl::Status Session::ImportState(SessionState state) {
                                              t.slot == kMasterSlot ? config_.groups[pc.group].options.master_dtype
                                                                    : optimizers_[pc.group]->SlotDtype(t.slot)));
   }
+  // A rank's empty part of a tensor has nothing to send.
+  absl::erase_if(expected, [&](const std::pair<size_t, std::string>& left) {
+    const ParameterConfig& pc = config_.parameters[left.first];
+    const size_t whole = left.second == kMasterSlot
+                             ? static_cast<size_t>(pc.numel)
+                             : optimizers_[pc.group]->SlotNumel(params_[left.first], left.second);
+    return StatePartOf(config_, left.first, whole, rank).size() == 0;
+  });
   if (!expected.empty()) {
     const auto& [index, slot] = *expected.begin();
     return absl::InvalidArgumentError(
@@ -130,13 +140,20 @@ absl::Status Session::ImportState(SessionState state) {
   for (const StateTensor& t : state.tensors) {
     optim::ParamState& param = params_[t.parameter];
     optim::StoredTensor& target = t.slot == kMasterSlot ? param.master : *param.Slot(t.slot);
-    MUOND_RETURN_IF_ERROR(optim::WriteStored(*backend_, target, 0, t.values.size(), t.values.data()));
+    const size_t whole = t.slot == kMasterSlot
+                             ? static_cast<size_t>(param.numel)
+                             : optimizers_[config_.parameters[t.parameter].group]->SlotNumel(param, t.slot);
+    const ElementRange part = StatePartOf(config_, t.parameter, whole, rank);
+    MUOND_RETURN_IF_ERROR(
+        optim::WriteStored(*backend_, target, static_cast<size_t>(part.begin), t.values.size(), t.values.data()));
+    // A part's bound joins the others' (every rank loads its own): it covers the whole tensor.
+    const bool partial = static_cast<size_t>(part.size()) != whole;
     const double bound = bounds[&t - state.tensors.data()];
     if (t.slot == kMasterSlot) {
-      param.master_bound = bound;
+      param.master_bound = partial ? std::max(param.master_bound, bound) : bound;
     } else {
       for (optim::StateSlot& slot : param.slots) {
-        if (slot.name == t.slot) slot.bound = bound;
+        if (slot.name == t.slot) slot.bound = partial ? std::max(slot.bound, bound) : bound;
       }
     }
   }

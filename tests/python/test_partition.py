@@ -77,7 +77,7 @@ def whole_grads(step):
 
 
 def _run_rank(rank, world, endpoint, session, kinds, transport, options, steps, out, hold_after=None,
-              keep=False, held=None):
+              keep=False, held=None, reload_at=None):
     """A rank's process: steps the gradients of the session's next steps up to ``max(steps)``
     (a restarted rank continues after the session's last step), then answers its parameters and
     the session's digest. ``hold_after``: after that step, says so and waits to be killed."""
@@ -86,6 +86,7 @@ def _run_rank(rank, world, endpoint, session, kinds, transport, options, steps, 
         groups, _ = groups_for(world, rank, kinds)
         opt = muond.RemoteOptimizer(groups, endpoint=endpoint, session=session, world_size=world,
                                     rank=rank, transport=transport, **options)
+        saved = None
         while opt.last_step < max(steps):
             step = opt.last_step + 1
             if hold_after is not None and step > hold_after:
@@ -98,6 +99,12 @@ def _run_rank(rank, world, endpoint, session, kinds, transport, options, steps, 
                     g = grads[name] if partition is None else part.cut(grads[name], partition, k, world, rank)
                     p.grad = g.view(p.shape)
             opt.step()
+            if reload_at is not None and opt.last_step == reload_at:
+                saved = opt.state_dict()
+            if reload_at is not None and opt.last_step == reload_at + 1 and saved is not None:
+                opt.load_state_dict(saved)  # back to step reload_at: the next step is redone
+                assert opt.last_step == reload_at
+                saved = None
         params = {n: p.detach().clone() for n, p in zip(opt._names, opt._params)}
         if rank == 0:  # rank 0 ends the session when it closes: the others may be done before
             params["digest"] = torch.tensor(list(bytes.fromhex(opt.state_digest().digest)), dtype=torch.uint8)
@@ -110,7 +117,7 @@ def _run_rank(rank, world, endpoint, session, kinds, transport, options, steps, 
 
 
 def run_ranks(endpoint, kinds, transport="grpc", world=WORLD, options=None, steps=range(1, STEPS + 1),
-              session=None, keep=False, hold=None):
+              session=None, keep=False, hold=None, reload_at=None):
     """Every rank in a process of its own, stepping up to ``max(steps)``; their final local
     parameters (and "digest"). ``hold``: (rank, step) — that rank stops after the step and is
     SIGKILLed while the others wait in the next one, then a new process of it attaches and
@@ -124,7 +131,7 @@ def run_ranks(endpoint, kinds, transport="grpc", world=WORLD, options=None, step
     def start(r, hold_after=None):
         process = context.Process(target=_run_rank, daemon=True,
                                   args=(r, world, endpoint, session, kinds, transport, options or {},
-                                        list(steps), out, hold_after, keep, held))
+                                        list(steps), out, hold_after, keep, held, reload_at))
         process.start()
         return process
 
@@ -391,11 +398,20 @@ def test_shard_parameters_cuts_a_model_for_each_rank():
     assert pieces[0][1] == pieces[1][1] == part.flat([(5, 3), (5,)], alignment=4)
 
 
-def test_state_dict_is_refused_with_partitioned_groups_saying_why(endpoint):
+def test_each_rank_saves_and_loads_its_parts_of_the_state(endpoint):
+    # Every rank saves its state_dict after step 2, steps 3, loads the saved parts (the session goes
+    # back to step 2) and steps 3 again: the parts and the digest are the one-rank session's after 3.
+    want = reference(endpoint)
+    kinds = ["rows", "rows", "flat", "explicit"]
+    expect_parts(run_ranks(endpoint, kinds, options={}, reload_at=2), want, kinds)
+
+
+def test_a_state_dict_of_another_rank_is_refused(endpoint):
     groups, _ = groups_for(1, 0, ["rows", "rows", "flat", None])
     with muond.RemoteOptimizer(groups, endpoint=endpoint, session=f"sd-{uuid.uuid4().hex[:6]}", world_size=1,
                                rank=0) as opt:
-        with pytest.raises(NotImplementedError, match="state_dict: not available with partitioned groups"):
-            opt.state_dict()
-        with pytest.raises(NotImplementedError, match="load_state_dict: not available"):
-            opt.load_state_dict({})
+        saved = opt.state_dict()
+        assert saved["muond"]["parts"] and saved["muond"]["rank"] == 0
+        saved["muond"]["rank"] = 1
+        with pytest.raises(ValueError, match="holds rank 1's parts; this optimizer is rank 0"):
+            opt.load_state_dict(saved)

@@ -152,11 +152,13 @@ class DaemonSession:
 
     def get_state(self) -> Tuple[pb.StateHeader, Dict[Tuple[str, str], torch.Tensor]]:
         into = wire.ChunkAssembler(self.sizes, slot_sizes=self.slot_sizes)
-        header = self.conn.get_state(self.session_id, into, max_chunk_bytes=self.chunk_bytes)
+        header = self.conn.get_state(self.session_id, into, max_chunk_bytes=self.chunk_bytes,
+                                     rank=self.rank if self.partitioned else None)
         return header, into.tensors()
 
     def set_state(self, header: pb.StateHeader, chunks: Iterator[pb.TensorChunk]) -> int:
-        return self.conn.set_state(self.session_id, header, chunks)
+        return self.conn.set_state(self.session_id, header, chunks,
+                                   rank=self.rank if self.partitioned else None)
 
     def close(self, end_session: bool) -> None:
         """Ends the session when ``end_session`` (a session already gone is fine), then closes
