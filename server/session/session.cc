@@ -103,44 +103,17 @@ absl::Status Session::NotInitializedError() const {
       absl::StrCat("session '", id_, "' has no parameters yet: upload them first (UploadParameters)"));
 }
 
-absl::Status Session::Upload(std::vector<HostTensor> tensors) {
-  absl::MutexLock lock(&mu_);
-  if (last_step_ > 0) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("session '", id_, "' has applied ", last_step_,
-                     " steps; initial parameters can only be uploaded before the first step (use SetState to replace a "
-                     "trained state)"));
-  }
-  std::vector<double> bounds(params_.size());
-  for (size_t i = 0; i < params_.size(); ++i) {
-    MUOND_ASSIGN_OR_RETURN(bounds[i], CheckTensorValues("chunk.data", params_[i].name, tensors[i].values,
-                                                        /*non_negative=*/false, params_[i].master.dtype));
-  }
-  {
-    absl::MutexLock masters(&masters_mu_);
-    ++masters_version_;
-    for (size_t i = 0; i < params_.size(); ++i) {
-      optim::ParamState& state = params_[i];
-      MUOND_RETURN_IF_ERROR(optim::WriteStored(*backend_, state.master, 0, state.numel, tensors[i].values.data()));
-      state.master_bound = bounds[i];
-      state.slots.clear();
-      state.step_count = 0;
-      MUOND_RETURN_IF_ERROR(optimizers_[config_.parameters[i].group]->InitState(*backend_, state));
-    }
-    MUOND_ASSIGN_OR_RETURN(snapshot_, ReadBack(0));
-  }
-  initialized_ = true;
-  if (persistence_) MUOND_RETURN_IF_ERROR(CheckpointLocked());
-  return absl::OkStatus();
-}
+absl::Status Session::Upload(std::vector<HostTensor> tensors) { return UploadParts(-1, std::move(tensors)); }
 
 absl::Status Session::UploadParts(int rank, std::vector<HostTensor> tensors) {
   for (size_t i = 0; i < config_.parameters.size(); ++i) {
     const ElementRange part = PartOf(config_, i, rank);
     if (part.size() > 0 && !tensors[i].present()) {
-      return absl::InvalidArgumentError(absl::StrCat("chunk.name: rank ", rank, " holds elements [", part.begin, ", ",
-                                                     part.end, ") of '", config_.parameters[i].name,
-                                                     "' and uploaded none; every part must be sent"));
+      const std::string& name = config_.parameters[i].name;
+      return absl::InvalidArgumentError(
+          rank < 0 ? absl::StrCat("chunk.name: parameter '", name, "' is missing; every parameter must be sent")
+                   : absl::StrCat("chunk.name: rank ", rank, " holds elements [", part.begin, ", ", part.end, ") of '",
+                                  name, "' and uploaded none; every part must be sent"));
     }
   }
   absl::MutexLock lock(&mu_);
@@ -165,8 +138,8 @@ absl::Status Session::UploadParts(int rank, std::vector<HostTensor> tensors) {
         MUOND_RETURN_IF_ERROR(optim::WriteStored(*backend_, state.master, static_cast<size_t>(part.begin),
                                                  static_cast<size_t>(part.size()), tensors[i].values.data()));
       }
-      // The bound covers every part written so far (parts of a parameter arrive from several ranks).
-      state.master_bound = IsPartitioned(config_, i) ? std::max(state.master_bound, bounds[i]) : bounds[i];
+      // A part's bound joins the other parts' (they arrive from several ranks); a whole one replaces it.
+      state.master_bound = part.size() < state.numel ? std::max(state.master_bound, bounds[i]) : bounds[i];
       state.slots.clear();
       state.step_count = 0;
       MUOND_RETURN_IF_ERROR(optimizers_[config_.parameters[i].group]->InitState(*backend_, state));

@@ -77,7 +77,7 @@ class Session {
   // `rank`'s upload of its parts (docs/ranks.md, Ranks that hold parts): each partitioned
   // parameter's part written into its range, each replicated parameter whole (every one of them
   // present, each part of the rank's size); the optimizer state of every parameter reset. Refused
-  // once a step has been applied.
+  // once a step has been applied. Rank -1: every parameter whole (Upload).
   absl::Status UploadParts(int rank, std::vector<HostTensor> tensors);
 
   // Checks `request` and classifies it (next step or replay) before its gradients are read.

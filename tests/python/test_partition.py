@@ -38,20 +38,30 @@ SHAPES = {
 EXPLICIT = [{0: (0, 5), 1: (3, 5)}, {0: (5, 12)}, {1: (0, 3)}]
 
 
-def groups_for(world, rank, kinds):
+# The second model: a QK-clip pair (2 heads of 4 rows) and a tensor-parallel weight in column blocks.
+QK_SHAPES = {"q": (8, 6), "k": (8, 6), "tp": (6, 8)}
+QK_OPTIONS = {"qk_clip": [("q", "k", 2)], "qk_clip_threshold": 1.0}
+QK_LOGITS = {"q": [5.0, 0.5]}  # head 0 above the threshold: clipped every step
+
+
+def groups_for(world, rank, kinds, model="main"):
     """The parameter groups of rank ``rank`` (its parts, or whole tensors for ``kinds`` None) and
-    the whole initial values. ``kinds``: the partition kind of each of the four groups."""
+    the whole initial values. ``kinds``: the partition kind of each group of ``model``."""
     gen = torch.Generator().manual_seed(7)
-    whole = {n: torch.randn(s, generator=gen) * 0.1 for n, s in SHAPES.items()}
+    shapes_of = SHAPES if model == "main" else QK_SHAPES
+    whole = {n: torch.randn(s, generator=gen) * 0.1 for n, s in shapes_of.items()}
     layout = [
         (["w1", "tiny", "experts"], {"optimizer": "muon"}),
         (["qkv"], {"optimizer": "muon", "qkv_split": (4, 2, 2), "num_query_groups": 2}),
         (["emb", "bias", "scale"], {"optimizer": "adamw"}),
         (["ex1", "ex2"], {"optimizer": "adamw", "lr": 3e-3}),
+    ] if model == "main" else [
+        (["q", "k"], {"optimizer": "muon"}),
+        (["tp"], {"optimizer": "muon", "tp_blocks": 2, "tp_block_dim": 1}),
     ]
     groups = []
-    for (names, options), kind in zip(layout, kinds or [None] * 4):
-        shapes = [SHAPES[n] for n in names]
+    for (names, options), kind in zip(layout, kinds or [None] * len(layout)):
+        shapes = [shapes_of[n] for n in names]
         if kind is None:
             partition = None
         elif kind == "rows":
@@ -71,34 +81,35 @@ def groups_for(world, rank, kinds):
     return groups, whole
 
 
-def whole_grads(step):
+def whole_grads(step, model="main"):
     gen = torch.Generator().manual_seed(100 + step)
-    return {n: torch.randn(s, generator=gen) for n, s in SHAPES.items()}
+    return {n: torch.randn(s, generator=gen) for n, s in (SHAPES if model == "main" else QK_SHAPES).items()}
 
 
 def _run_rank(rank, world, endpoint, session, kinds, transport, options, steps, out, hold_after=None,
-              keep=False, held=None, reload_at=None):
+              keep=False, held=None, reload_at=None, model="main"):
     """A rank's process: steps the gradients of the session's next steps up to ``max(steps)``
     (a restarted rank continues after the session's last step), then answers its parameters and
     the session's digest. ``hold_after``: after that step, says so and waits to be killed."""
     torch.set_num_threads(1)
     try:
-        groups, _ = groups_for(world, rank, kinds)
+        groups, _ = groups_for(world, rank, kinds, model)
+        chosen = {"transport": transport} if transport else {}  # unset: $MUOND_TRANSPORT, as ctest runs both
         opt = muond.RemoteOptimizer(groups, endpoint=endpoint, session=session, world_size=world,
-                                    rank=rank, transport=transport, **options)
+                                    rank=rank, **chosen, **options)
         saved = None
         while opt.last_step < max(steps):
             step = opt.last_step + 1
             if hold_after is not None and step > hold_after:
                 held.set()  # not through `out`: a process killed while it holds the queue's lock blocks it
                 threading.Event().wait()
-            grads = whole_grads(step)
+            grads = whole_grads(step, model)
             for group in opt.param_groups:
                 partition = group.get("partition")
                 for k, (name, p) in enumerate(zip(group["param_names"], group["params"])):
                     g = grads[name] if partition is None else part.cut(grads[name], partition, k, world, rank)
                     p.grad = g.view(p.shape)
-            opt.step()
+            opt.step(qk_logits=QK_LOGITS if model == "qk" else None)
             if reload_at is not None and opt.last_step == reload_at:
                 saved = opt.state_dict()
             if reload_at is not None and opt.last_step == reload_at + 1 and saved is not None:
@@ -116,8 +127,8 @@ def _run_rank(rank, world, endpoint, session, kinds, transport, options, steps, 
         out.put((rank, "error", traceback.format_exc()))
 
 
-def run_ranks(endpoint, kinds, transport="grpc", world=WORLD, options=None, steps=range(1, STEPS + 1),
-              session=None, keep=False, hold=None, reload_at=None):
+def run_ranks(endpoint, kinds, transport=None, world=WORLD, options=None, steps=range(1, STEPS + 1),
+              session=None, keep=False, hold=None, reload_at=None, model="main"):
     """Every rank in a process of its own, stepping up to ``max(steps)``; their final local
     parameters (and "digest"). ``hold``: (rank, step) — that rank stops after the step and is
     SIGKILLed while the others wait in the next one, then a new process of it attaches and
@@ -131,7 +142,7 @@ def run_ranks(endpoint, kinds, transport="grpc", world=WORLD, options=None, step
     def start(r, hold_after=None):
         process = context.Process(target=_run_rank, daemon=True,
                                   args=(r, world, endpoint, session, kinds, transport, options or {},
-                                        list(steps), out, hold_after, keep, held, reload_at))
+                                        list(steps), out, hold_after, keep, held, reload_at, model))
         process.start()
         return process
 
@@ -155,18 +166,17 @@ def run_ranks(endpoint, kinds, transport="grpc", world=WORLD, options=None, step
     return results
 
 
-def reference(endpoint, options=None, steps=range(1, STEPS + 1)):
+def reference(endpoint, options=None, steps=range(1, STEPS + 1), model="main"):
     """A one-rank session with whole tensors stepping the whole gradients."""
-    results = run_ranks(endpoint, None, world=1, options=options, steps=steps)
+    results = run_ranks(endpoint, None, world=1, options=options, steps=steps, model=model)
     return results[0]
 
 
-def expect_parts(results, want, kinds, world=WORLD):
-    groups, _ = groups_for(world, 0, kinds)
+def expect_parts(results, want, kinds, world=WORLD, model="main"):
     assert bytes(results[0]["digest"].tolist()) == bytes(want["digest"].tolist()), \
         "the state digest differs from the whole session's"
     for rank, got in results.items():
-        rank_groups, _ = groups_for(world, rank, kinds)
+        rank_groups, _ = groups_for(world, rank, kinds, model)
         for group in rank_groups:
             partition = group.get("partition")
             for k, (name, _) in enumerate(group["params"]):  # noqa: B007
@@ -187,6 +197,14 @@ def test_mixed_partitions_and_clipping_on_the_assembled_gradient(endpoint):
     want = reference(endpoint, options)
     kinds = ["flat", "rows", None, "explicit"]  # a replicated group beside partitioned ones
     expect_parts(run_ranks(endpoint, kinds, options=options), want, kinds)
+
+
+def test_qk_clip_and_tensor_parallel_blocks_run_on_the_whole_matrices(endpoint):
+    # q and k cut by rows over 3 ranks (3, 3, 2 rows) cut through the heads (4 rows each); tp's
+    # column blocks are orthogonalized on whole columns. All on the assembled whole matrices.
+    want = reference(endpoint, QK_OPTIONS, model="qk")
+    kinds = ["rows", "flat"]
+    expect_parts(run_ranks(endpoint, kinds, options=QK_OPTIONS, model="qk"), want, kinds, model="qk")
 
 
 def test_rules_agree_with_the_daemon_layout():
