@@ -38,7 +38,7 @@ struct NsShape {
 // seconds. ns_throughput.py has the same two lists.
 inline std::vector<NsShape> NsShapes(bool quick) {
   if (quick) return {{256, 256, 1}, {1024, 1024, 1}, {192, 768, 1}, {1024, 2752, 1}, {192, 768, 6}};
-  return {{1024, 1024, 1}, {4096, 4096, 1}, {768, 3072, 1}, {4096, 11008, 1}, {768, 3072, 24}};
+  return {{1024, 1024, 1}, {4096, 4096, 1}, {768, 3072, 1}, {1024, 2752, 1}, {4096, 11008, 1}, {768, 3072, 24}};
 }
 
 inline kernels::MatmulPrecision ParsePrecision(const std::string& name) {

@@ -27,7 +27,7 @@ def ns_shapes(quick):
     # (rows, cols, batch); the same lists as NsShapes() in bench_common.h.
     if quick:
         return [(256, 256, 1), (1024, 1024, 1), (192, 768, 1), (1024, 2752, 1), (192, 768, 6)]
-    return [(1024, 1024, 1), (4096, 4096, 1), (768, 3072, 1), (4096, 11008, 1), (768, 3072, 24)]
+    return [(1024, 1024, 1), (4096, 4096, 1), (768, 3072, 1), (1024, 2752, 1), (4096, 11008, 1), (768, 3072, 24)]
 
 
 def shape_name(rows, cols, batch):

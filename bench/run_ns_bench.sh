@@ -2,11 +2,12 @@
 # Runs the torch peer (ns_throughput.py) and muond's benchmarks (ns_bench, step_bench) one after
 # another on this machine and prints them side by side with the ratio.
 #
-#   bench/run_ns_bench.sh [--cpu] [--quick] [--build DIR] [--threads N] [--reps N]
+#   bench/run_ns_bench.sh [--cpu] [--quick] [--precision bf16|fp32] [--build DIR] [--threads N] [--reps N]
 #
 # Default: the GPU (torch on cuda in bf16, muond's CUDA backend with bf16 GEMMs). --cpu compares
-# torch on the CPU in fp32 with muond's CPU backend (fp32); --threads sets both sides' CPU threads
-# (on a shared or small machine 1 gives the steadiest figures). --quick uses the small shapes.
+# torch on the CPU in fp32 with muond's CPU backend (fp32); --precision sets both sides' GEMM dtype
+# (e.g. fp32 on the GPU); --threads sets both sides' CPU threads (on a shared or small machine 1
+# gives the steadiest figures). --quick uses the small shapes.
 # PYTHON picks the interpreter with torch (default python3). Ratios are muond/torch throughput:
 # above 1 muond is faster.
 set -euo pipefail
@@ -16,6 +17,8 @@ DEVICE=cuda
 QUICK=()
 THREADS=0
 REPS=()
+PRECISION=()
+TORCH_DTYPE=()
 PYTHON=${PYTHON:-python3}
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -24,7 +27,10 @@ while [[ $# -gt 0 ]]; do
     --build) BUILD=$2; shift ;;
     --threads) THREADS=$2; shift ;;
     --reps) REPS=(--reps "$2"); shift ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    --precision)
+      [[ $2 == bf16 || $2 == fp32 ]] || { echo "--precision: bf16 or fp32, got $2" >&2; exit 2; }
+      PRECISION=(--precision "$2"); TORCH_DTYPE=(--dtype "$2"); shift ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
   shift
@@ -45,9 +51,10 @@ OUT=$(mktemp -d)
 trap 'rm -rf "$OUT"' EXIT
 echo "torch ($PYTHON, $DEVICE)..." >&2
 "$PYTHON" "$HERE/ns_throughput.py" --device "$DEVICE" --threads "$THREADS" --json "${QUICK[@]}" \
-  "${REPS[@]}" > "$OUT/torch.jsonl"
+  "${REPS[@]}" "${TORCH_DTYPE[@]}" > "$OUT/torch.jsonl"
 echo "muond ns_bench..." >&2
-"$NS_BENCH" --backend "$DEVICE" --threads "$THREADS" --json "${QUICK[@]}" "${REPS[@]}" > "$OUT/muond.jsonl"
+"$NS_BENCH" --backend "$DEVICE" --threads "$THREADS" --json "${QUICK[@]}" "${REPS[@]}" "${PRECISION[@]}" \
+  > "$OUT/muond.jsonl"
 echo "muond step_bench..." >&2
 "$STEP_BENCH" --backend "$DEVICE" --threads "$THREADS" --json "${QUICK[@]}" >> "$OUT/muond.jsonl"
 

@@ -162,6 +162,7 @@ python_tests() {
 
 bench() {
   step ns-bench 200 "$ROOT/bench/run_ns_bench.sh" --build "$GPU_DIR/bin"
+  step ns-bench-fp32 200 "$ROOT/bench/run_ns_bench.sh" --build "$GPU_DIR/bin" --precision fp32
   step elementwise-fp32 90 "$GPU_DIR/bin/elementwise_bench" --backend cuda
   step elementwise-bf16 90 "$GPU_DIR/bin/elementwise_bench" --backend cuda --state-dtype bf16
   step gpu-transport-bench 150 env PYTHONPATH="$PY_PATH" PYTHON="$PYTHON" \

@@ -87,7 +87,7 @@ def whole_grads(step, model="main"):
 
 
 def _run_rank(rank, world, endpoint, session, kinds, transport, options, steps, out, hold_after=None,
-              keep=False, held=None, reload_at=None, model="main"):
+              keep=False, held=None, reload_at=None, model="main", together=None):
     """A rank's process: steps the gradients of the session's next steps up to ``max(steps)``
     (a restarted rank continues after the session's last step), then answers its parameters and
     the session's digest. ``hold_after``: after that step, says so and waits to be killed."""
@@ -113,6 +113,9 @@ def _run_rank(rank, world, endpoint, session, kinds, transport, options, steps, 
             if reload_at is not None and opt.last_step == reload_at:
                 saved = opt.state_dict()
             if reload_at is not None and opt.last_step == reload_at + 1 and saved is not None:
+                # As a trainer loads a checkpoint: every rank has its answer first (a load replaces
+                # the parameters an answer still being sent would read), then each loads its parts.
+                together.wait(WAIT)
                 opt.load_state_dict(saved)  # back to step reload_at: the next step is redone
                 assert opt.last_step == reload_at
                 saved = None
@@ -138,11 +141,13 @@ def run_ranks(endpoint, kinds, transport=None, world=WORLD, options=None, steps=
     session = session or f"part-{uuid.uuid4().hex[:8]}"
 
     held = context.Event()
+    together = context.Barrier(world)
 
     def start(r, hold_after=None):
         process = context.Process(target=_run_rank, daemon=True,
                                   args=(r, world, endpoint, session, kinds, transport, options or {},
-                                        list(steps), out, hold_after, keep, held, reload_at, model))
+                                        list(steps), out, hold_after, keep, held, reload_at, model,
+                                        together))
         process.start()
         return process
 
