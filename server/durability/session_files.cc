@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -70,7 +71,17 @@ absl::StatusOr<std::vector<std::string>> ListSessionFolders(const StateDirOption
   std::vector<std::string> dirs;
   for (const std::string& name : names) {
     const std::string dir = options.state_dir + "/" + name;
-    if (!CheckSessionId(name).ok() || !env->IsDirectory(dir)) continue;
+    if (!env->IsDirectory(dir)) continue;
+    if (name == kQuarantineFolder || name == "lost+found") continue;  // known, not sessions
+    if (!CheckSessionId(name).ok()) {
+      // Left alone, but said (the name escaped): an operator who renamed a session's folder learns
+      // why it did not come back.
+      MUOND_LOG(warn,
+                "ignoring {}/{}: the folder's name is not a session id (1 to 128 of [A-Za-z0-9._-]); a session's "
+                "folder is named by its id",
+                options.state_dir, absl::CHexEscape(name.substr(0, 256)));
+      continue;
+    }
     if (env->IsLink(dir)) {
       dirs.push_back(dir);  // LoadSessionFolder refuses it; nothing is removed through a link
       continue;

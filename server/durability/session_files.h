@@ -93,8 +93,9 @@ struct SessionFolder {
 
 // The session folders of the state directory (creating it if needed), sorted. Folders without a
 // checkpoint (sessions that never received their parameters) are removed, with a log line; entries
-// whose name is not a session id (kQuarantineFolder, lost+found) are left alone. A symbolic link is
-// listed, for LoadSessionFolder to refuse.
+// whose name is not a session id are left alone — kQuarantineFolder and lost+found quietly, any
+// other folder with one warning naming it (escaped). A symbolic link is listed, for
+// LoadSessionFolder to refuse.
 absl::StatusOr<std::vector<std::string>> ListSessionFolders(const StateDirOptions& options);
 
 // The element count of each of a session's parameters, from its checkpoint's spec.
