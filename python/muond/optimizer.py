@@ -233,8 +233,10 @@ class RemoteOptimizer(StateTransfer, StreamControls, torch.optim.Optimizer):
             raise ValueError("overlap: needs one daemon (a sharded step prepares on every shard "
                              "before anything is applied); got several endpoints")
         check_land_in_forward(land_in_forward, overlap, self.delay, self.sync.mode)
-        self._check_partitions(overlap=overlap, shm_zero_copy=shm_zero_copy,
-                               land_in_forward=land_in_forward)
+        self.partitioned = parts.check_groups(
+            self.param_groups, self.world_size, self.rank, endpoints=len(self.endpoints),
+            sync_mode=self.sync.mode, delay=self.delay, overlap=overlap, shm_zero_copy=shm_zero_copy,
+            land_in_forward=land_in_forward)
         self.shm_zero_copy = bool(shm_zero_copy)
         if self.shm_zero_copy:
             self._wanted_transport = check_zero_copy(
@@ -280,13 +282,9 @@ class RemoteOptimizer(StateTransfer, StreamControls, torch.optim.Optimizer):
         groups are sealed from here on."""
         self._params: List[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
         self._names: List[str] = names
-        # Global shapes: a partitioned group's from its partition, the others' from the tensors.
-        self._global_shapes: Dict[str, Tuple[int, ...]] = {}
-        for group in self.param_groups:
-            partition = group.get("partition")
-            for k, (name, p) in enumerate(zip(group["param_names"], group["params"])):
-                self._global_shapes[name] = (partition.shapes[k] if partition is not None
-                                             else tuple(p.shape))
+        self._global_shapes: Dict[str, Tuple[int, ...]] = {
+            name: shape for g in self.param_groups
+            for name, shape in zip(g["param_names"], parts.global_shapes(g))}
         self._index: Dict[str, int] = {name: i for i, name in enumerate(names)}
         self._by_name: Dict[str, torch.Tensor] = dict(zip(names, self._params))
         self._sizes: Dict[str, int] = {n: p.numel() for n, p in zip(names, self._params)}
@@ -359,28 +357,6 @@ class RemoteOptimizer(StateTransfer, StreamControls, torch.optim.Optimizer):
                 opts.check_parameter(resolved, shape)
         super().add_param_group(resolved)
 
-    def _check_partitions(self, **features: Any) -> None:
-        """With partitioned groups: every local tensor is its part, and nothing that needs whole
-        tensors on this side is asked for (ValueError naming it)."""
-        self.partitioned = any(g.get("partition") is not None for g in self.param_groups)
-        if not self.partitioned:
-            return
-        for group in self.param_groups:
-            if group.get("partition") is not None:
-                parts.check_local(group["partition"], group["params"], group["param_names"],
-                                  self.world_size, self.rank)
-        if len(self.endpoints) > 1:
-            raise ValueError("partition: needs one daemon (a session sharded over daemons takes whole "
-                             "tensors); got several endpoints")
-        if self.sync.mode != "lockstep":
-            raise ValueError(f"partition: lock-step only (a missing rank's part is a missing piece "
-                             f"of the gradient); got sync_mode {self.sync.mode!r}")
-        if self.delay:
-            raise ValueError("partition: delay is not available with partitioned groups")
-        for name, value in features.items():
-            if value:
-                raise ValueError(f"partition: {name} is not available with partitioned groups")
-
     def _assign_group_names(self) -> List[str]:
         names = [g.get("name") or f"g{i}" for i, g in enumerate(self.param_groups)]
         if len(set(names)) != len(names):
@@ -390,8 +366,7 @@ class RemoteOptimizer(StateTransfer, StreamControls, torch.optim.Optimizer):
     def _shard_spec(self, shard: int) -> pb.SessionSpec:
         """The spec of daemon ``shard``'s session (the whole spec with one daemon)."""
         whole = session_spec.whole_spec(
-            self.param_groups, self._group_names, self.qk_clip, shapes=self._global_shapes,
-            world_size=self.world_size,
+            self.param_groups, self._group_names, self.qk_clip, world_size=self.world_size,
             wire_dtype=self.wire_dtype, return_dtype=self.return_dtype,
             loss_scaler=self.loss_scaler, sync=self.sync)
         if len(self.endpoints) == 1:

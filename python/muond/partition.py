@@ -255,3 +255,34 @@ def from_fsdp1(flat_param: Any, world_size: int) -> Partition:
             k += 1
         offset += n
     return explicit(shapes, ranges)
+
+
+def global_shapes(group: Mapping[str, Any]) -> List[Shape]:
+    """The global shapes of a parameter group's parameters: its partition's (the tensors are
+    parts), else the tensors' own."""
+    given = group.get("partition")
+    if given is not None:
+        return list(given.shapes)
+    return [tuple(p.shape) for p in group["params"]]
+
+
+def check_groups(groups: Sequence[Mapping[str, Any]], world_size: int, rank: int, *, endpoints: int,
+                 sync_mode: str, **features: Any) -> bool:
+    """Whether any group is partitioned; with one, ValueError unless every local tensor is its
+    part and nothing that needs whole tensors on the client's side is asked for (``features``
+    named by their argument, e.g. ``overlap=True``)."""
+    if not any(g.get("partition") is not None for g in groups):
+        return False
+    for group in groups:
+        if group.get("partition") is not None:
+            check_local(group["partition"], group["params"], group["param_names"], world_size, rank)
+    if endpoints > 1:
+        raise ValueError("partition: needs one daemon (a session sharded over daemons takes whole "
+                         "tensors); got several endpoints")
+    if sync_mode != "lockstep":
+        raise ValueError(f"partition: lock-step only (a missing rank's part is a missing piece "
+                         f"of the gradient); got sync_mode {sync_mode!r}")
+    for name, value in features.items():
+        if value:
+            raise ValueError(f"partition: {name} is not available with partitioned groups")
+    return True

@@ -10,7 +10,7 @@ whose query it holds and the placement itself (docs/sharding.md).
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 from . import options as opts
 from . import partition
@@ -22,17 +22,14 @@ from ._stubs import pb
 
 def whole_spec(param_groups: Sequence[Dict[str, Any]], group_names: Sequence[str],
                qk_clip: Sequence[Any], *, world_size: int, wire_dtype: str, return_dtype: str,
-               loss_scaler: Optional[Dict[str, Any]], sync: Sync = Sync(),
-               shapes: Optional[Dict[str, Tuple[int, ...]]] = None) -> pb.SessionSpec:
-    """The spec of the whole session; ``shapes``: the parameters' global shapes by name (a
-    partitioned group's local tensors are parts), else the tensors' own."""
+               loss_scaler: Optional[Dict[str, Any]], sync: Sync = Sync()) -> pb.SessionSpec:
+    """The spec of the whole session (global shapes: a partitioned group's tensors are parts)."""
     spec = pb.SessionSpec(world_size=world_size, return_dtype=wire.dtype_enum(return_dtype))
     for group, gname in zip(param_groups, group_names):
         added = spec.groups.add(name=gname, options=opts.group_options_proto(group))
         if group.get("partition") is not None:
             added.partition.CopyFrom(partition.to_proto(group["partition"], group["param_names"], pb))
-        for p, pname in zip(group["params"], group["param_names"]):
-            shape = shapes[pname] if shapes is not None else tuple(p.shape)
+        for shape, pname in zip(partition.global_shapes(group), group["param_names"]):
             ps = spec.parameters.add(name=pname, shape=list(shape), group=gname,
                                      wire_dtype=wire.dtype_enum(wire_dtype))
             if group.get("qkv_split") is not None:
@@ -92,10 +89,9 @@ def place(param_groups: Sequence[Dict[str, Any]], together: List[tuple],
     tensors = []
     for group in param_groups:
         split = group.get("qkv_split")
-        given = group.get("partition")  # a partitioned group's tensors are parts: its shapes are global
-        for k, p in enumerate(group["params"]):
+        for shape in partition.global_shapes(group):
             tensors.append(placement.Tensor(
-                given.shapes[k] if given is not None else tuple(p.shape), group["optimizer"] == "muon",
+                shape, group["optimizer"] == "muon",
                 tuple(split) if split is not None else None,
                 group.get("num_query_groups") or 1))
     return placement.place(tensors, num_daemons, together)

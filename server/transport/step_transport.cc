@@ -67,14 +67,10 @@ absl::Status RunStep(session::Session& session, session::StepRequest request, Gr
     if (still.ok() && outcome.parameters->on_device && !device_answer) {
       still = absl::InternalError("parameters left on the device for a transport that answers from the host");
     }
-    if (still.ok()) {
-      // A rank that holds parts of partitioned parameters gets those parts back, and the rest whole.
-      session::StepOutcome mine = outcome;
-      mine.parameters = session::RankView(session.config(), outcome.parameters, rank);
-      sent = sink.Send(mine);
-    } else {
-      sent = still.status();
-    }
+    // A rank that holds parts of partitioned parameters gets those parts back, and the rest whole
+    // (the same snapshot, untouched, when nothing is partitioned).
+    if (still.ok()) outcome.parameters = session::RankView(session.config(), std::move(outcome.parameters), rank);
+    sent = still.ok() ? sink.Send(outcome) : still.status();
   }
   // Reported even when the answer could not be sent: the step was applied (or replayed) all the same.
   metrics::StepReport report;
