@@ -27,7 +27,9 @@ class CudaIpcStepper {
  public:
   // For `session` of `client`, on CUDA device `device`; the copies run on `stream` (a
   // cudaStream_t; null: the default stream). FAILED_PRECONDITION naming `transport` when the daemon
-  // offers no CUDA IPC or is not on this host; the CUDA runtime's error otherwise.
+  // offers no CUDA IPC or is not on this host; the CUDA runtime's error otherwise. A rank that
+  // holds parts calls Session::HoldParts first: the buffer is sized for its parts, and each
+  // DeviceTensor then counts the rank's part (an empty part: numel 0, data may be null).
   static absl::StatusOr<std::unique_ptr<CudaIpcStepper>> Create(Client* client, Session* session, int device,
                                                                 void* stream = nullptr);
   ~CudaIpcStepper();

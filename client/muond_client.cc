@@ -373,10 +373,6 @@ absl::StatusOr<StepReply> Session::Step(int64_t step, std::span<const TensorView
   if (absl::Status fits = CheckParametersOut(options); !fits.ok()) return fits;
   if (absl::Status opened = EnsureTransport(); !opened.ok()) return opened;
   if (!parts_rank_.has_value()) return StepThrough(*transport_, step, StepPayload{.gradients = gradients}, options);
-  if (options.rank != *parts_rank_) {
-    return absl::InvalidArgumentError(absl::StrCat("options.rank: this session holds rank ", *parts_rank_,
-                                                   "'s parts (HoldParts), the step names rank ", options.rank));
-  }
   std::vector<TensorView> held;  // an empty part has nothing to send
   for (const TensorView& g : gradients) {
     if (!g.values.empty()) held.push_back(g);
@@ -433,6 +429,10 @@ absl::StatusOr<StepReply> Session::FinishStreamed(StreamedStep& streamed, const 
 
 absl::StatusOr<StepReply> Session::StepThrough(StepTransport& transport, int64_t step, const StepPayload& payload,
                                                const StepOptions& options) {
+  if (parts_rank_.has_value() && options.rank != *parts_rank_) {
+    return absl::InvalidArgumentError(absl::StrCat("options.rank: this session holds rank ", *parts_rank_,
+                                                   "'s parts (HoldParts), the step names rank ", options.rank));
+  }
   return StepFrom(1, transport, step, payload, options);
 }
 

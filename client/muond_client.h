@@ -246,7 +246,8 @@ class Session {
 
   // Step `step` through `transport` (a transport of this session): the header is built here, and
   // transient failures are retried with the same step number. Session::Step uses the Client's
-  // transport; CudaIpcStepper its own.
+  // transport; CudaIpcStepper its own. A session that holds parts (HoldParts) steps as its rank
+  // only: INVALID_ARGUMENT naming options.rank otherwise.
   absl::StatusOr<StepReply> StepThrough(StepTransport& transport, int64_t step, const StepPayload& payload,
                                         const StepOptions& options);
 

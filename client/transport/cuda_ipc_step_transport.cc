@@ -150,6 +150,10 @@ absl::Status CudaIpcStepTransport::WriteGradients(std::span<const DeviceTensor> 
   for (const DeviceTensor& t : gradients) {
     const uint64_t bytes = static_cast<uint64_t>(t.numel) * wire::ElementSize(t.dtype);
     const uint64_t offset = slots_.at(t.name);
+    if (bytes == 0) {  // a rank's empty part: nothing to copy, an empty reference
+      AddReference(request.mutable_gradients(), t.name, region_name_, offset, 0, t.dtype);
+      continue;
+    }
     if (absl::Status copied =
             CudaError(cudaMemcpyAsync(base + offset, t.data, bytes, cudaMemcpyDeviceToDevice, cuda_->stream),
                       absl::StrCat("copying gradient '", t.name, "'"));
@@ -166,6 +170,7 @@ absl::Status CudaIpcStepTransport::ReadParameters(std::span<const DeviceTensor> 
   const char* base = static_cast<const char*>(cuda_->buffer);
   for (const DeviceTensor& t : parameters_out) {
     const uint64_t bytes = static_cast<uint64_t>(t.numel) * wire::ElementSize(t.dtype);
+    if (bytes == 0) continue;  // a rank's empty part
     if (absl::Status copied =
             CudaError(cudaMemcpyAsync(t.data, base + slots_.at(t.name), bytes, cudaMemcpyDeviceToDevice, cuda_->stream),
                       absl::StrCat("copying parameter '", t.name, "'"));

@@ -52,14 +52,15 @@ grpc::Status MuondService::StepCuda(grpc::ServerContext* context, const v1::Step
     const v1::StepHeader& header = request->header();
     MUOND_ASSIGN_OR_RETURN(std::shared_ptr<session::Session> session, FindStepSession(*registry_, header, caller));
     MUOND_RETURN_IF_ERROR(CheckNoStreamAnswerOptions(header, "a CUDA IPC step"));
-    MUOND_RETURN_IF_ERROR(CheckWholeTensors(*session, "a CUDA IPC step"));
     // Every place is checked before the step begins: an applied step always has somewhere to go.
-    MUOND_ASSIGN_OR_RETURN(std::vector<transport::CudaTensorPlace> gradients,
-                           transport::ResolveCudaTensors(session->config(), *regions, caller, session->id(),
-                                                         request->gradients(), "gradients", /*require_all=*/false));
-    MUOND_ASSIGN_OR_RETURN(std::vector<transport::CudaTensorPlace> parameters,
-                           transport::ResolveCudaTensors(session->config(), *regions, caller, session->id(),
-                                                         request->parameters(), "parameters", /*require_all=*/true));
+    MUOND_ASSIGN_OR_RETURN(
+        std::vector<transport::CudaTensorPlace> gradients,
+        transport::ResolveCudaTensors(session->config(), *regions, caller, session->id(), request->gradients(),
+                                      "gradients", /*require_all=*/false, header.rank()));
+    MUOND_ASSIGN_OR_RETURN(
+        std::vector<transport::CudaTensorPlace> parameters,
+        transport::ResolveCudaTensors(session->config(), *regions, caller, session->id(), request->parameters(),
+                                      "parameters", /*require_all=*/true, header.rank()));
     // The client's event must complete by the call's deadline; a client that went away (its call
     // cancelled: it died, or gave up) ends the wait at once.
     const transport::EventWait wait(CallDeadline(*context), [context] { return context->IsCancelled(); });
@@ -129,7 +130,6 @@ grpc::Status MuondService::StepNccl(grpc::ServerContext* context, const v1::Step
       if (!keep_channel) channels->Drop(caller, request->channel());
     };
     MUOND_RETURN_IF_ERROR(CheckNoStreamAnswerOptions(header, "an NCCL step"));
-    MUOND_RETURN_IF_ERROR(CheckWholeTensors(*session, "an NCCL step"));
     if (header.rank() != channel->rank) {
       return absl::InvalidArgumentError(absl::StrCat("header.rank: channel '", Echo(request->channel()), "' is rank ",
                                                      channel->rank, "'s, not rank ", header.rank(), "'s"));
@@ -137,10 +137,10 @@ grpc::Status MuondService::StepNccl(grpc::ServerContext* context, const v1::Step
     const bool prepare = header.phase() == v1::STEP_PHASE_PREPARE;
     MUOND_ASSIGN_OR_RETURN(std::vector<transport::TensorRef> gradients,
                            transport::ResolveNcclTensors(session->config(), request->gradients(), "gradients",
-                                                         /*require_all=*/false));
+                                                         /*require_all=*/false, header.rank()));
     MUOND_ASSIGN_OR_RETURN(std::vector<transport::TensorRef> parameters,
                            transport::ResolveNcclTensors(session->config(), request->parameters(), "parameters",
-                                                         /*require_all=*/!prepare));
+                                                         /*require_all=*/!prepare, header.rank()));
     if (prepare && !parameters.empty()) {
       return absl::InvalidArgumentError("parameters: a prepare answers no parameters; list none");
     }

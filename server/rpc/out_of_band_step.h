@@ -43,16 +43,6 @@ inline absl::Status CheckNoStreamAnswerOptions(const v1::StepHeader& header, abs
   return absl::OkStatus();
 }
 
-// FAILED_PRECONDITION when `session` has partitioned groups (docs/ranks.md, Ranks that hold parts):
-// `a_step` ("a CUDA IPC step") carries whole tensors only, so such a session steps over gRPC or
-// shared memory.
-inline absl::Status CheckWholeTensors(const session::Session& session, absl::string_view a_step) {
-  if (session.config().parts.empty()) return absl::OkStatus();
-  return absl::FailedPreconditionError(
-      absl::StrCat("transport: ", a_step, " carries whole tensors, and session '", session.id(),
-                   "' has partitioned groups whose ranks send parts; step it over gRPC or shared memory"));
-}
-
 // Runs the step `header` asks for on `source` and `sink` and puts its result into `response`.
 // `device_answer`: see StepRequest::device_answer.
 template <typename Sink>

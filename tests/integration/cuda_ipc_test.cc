@@ -1,15 +1,18 @@
 // The C++ client's CUDA IPC steps (client/cuda_ipc_stepper.h) against the real daemon. On a daemon
 // without a GPU the stepper is refused up front, naming the transport; on `muond --backend cuda`
 // (skipped, with the daemon's reason, without a usable GPU) steps from device memory train exactly as
-// the same steps over gRPC, a retried step is a replay, and bad references are refused naming the
-// field with nothing applied.
+// the same steps over gRPC, a retried step is a replay, bad references are refused naming the
+// field with nothing applied, and ranks that hold parts (docs/ranks.md) step their parts from device
+// memory bit for bit like one rank stepping the whole gradients over gRPC.
 #include <cuda_runtime_api.h>
 
 #include <cmath>
+#include <future>
 #include <string>
 #include <vector>
 
 #include "client/cuda_ipc_stepper.h"
+#include "common/partition_rules.h"
 #include "gmock/gmock.h"
 #include "tests/integration/daemon_fixture.h"
 #include "tests/testing/gpu_skip.h"
@@ -119,6 +122,85 @@ TEST(CudaIpcStepperTest, TrainsExactlyAsGrpcAndARetryIsAReplay) {
   EXPECT_EQ(daemon.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(daemon.error_message(), HasSubstr("gradients[0].byte_size"));
   EXPECT_EQ(over_ipc->last_step(), 5);
+}
+
+// Three ranks, both groups cut by rows: w's 8 rows as 3, 3, 2; b's 4 elements as 2, 2 and none for
+// rank 2, whose DeviceTensor of b is empty.
+TEST(CudaIpcStepperTest, RanksThatHoldPartsStepLikeOneRankOverGrpc) {
+  DaemonProcess gpu;
+  std::string error;
+  if (!gpu.Start({"--backend", "cuda"}, &error)) MUOND_SKIP_WITHOUT_GPU() << "no usable GPU: " << error;
+  constexpr int kWorld = 3;
+  client::ClientOptions options = TestClientOptions();
+  options.endpoint = gpu.endpoint();
+  options.transport = "grpc";
+  ASSERT_OK_AND_ASSIGN(auto client, client::Client::Connect(options));
+  ASSERT_OK_AND_ASSIGN(auto whole, client->CreateSession("parts-reference", Spec()));
+  v1::SessionSpec parted = Spec();
+  parted.set_world_size(kWorld);
+  for (v1::ParameterGroup& group : *parted.mutable_groups()) {
+    group.mutable_partition()->set_kind(v1::PARTITION_KIND_ROWS);
+  }
+  const std::vector<float> w0 = Wave(kW, 0.1f), b0 = Wave(kB, 0.2f);
+  ASSERT_OK(whole->UploadParameters(std::vector<client::TensorView>{{"w", {8, 4}, w0}, {"b", {kB}, b0}}));
+  const auto part_of = [](const std::vector<float>& v, std::vector<int64_t> shape, int rank) {
+    const ElementRange range = RowParts(shape, kWorld)[static_cast<size_t>(rank)];
+    return std::vector<float>(v.begin() + range.begin, v.begin() + range.end);
+  };
+  struct Rank {
+    std::unique_ptr<client::Session> session;
+    std::unique_ptr<client::CudaIpcStepper> stepper;
+    std::unique_ptr<DeviceVector> w_out, b_out;
+  };
+  std::vector<Rank> ranks(kWorld);
+  for (int r = 0; r < kWorld; ++r) {
+    Rank& rank = ranks[static_cast<size_t>(r)];
+    ASSERT_OK_AND_ASSIGN(rank.session, client->CreateSession("parts-over-ipc", parted));
+    ASSERT_OK(rank.session->HoldParts(r));
+    const std::vector<float> w = part_of(w0, {8, 4}, r), b = part_of(b0, {kB}, r);
+    ASSERT_OK(rank.session->UploadParameters(std::vector<client::TensorView>{
+        {"w", {static_cast<int64_t>(w.size())}, w}, {"b", {static_cast<int64_t>(b.size())}, b}}));
+    ASSERT_OK_AND_ASSIGN(rank.stepper, client::CudaIpcStepper::Create(client.get(), rank.session.get(), 0));
+    rank.w_out = std::make_unique<DeviceVector>(w);
+    rank.b_out = std::make_unique<DeviceVector>(b);
+  }
+  for (int step = 1; step <= 3; ++step) {
+    const std::vector<float> gw = Wave(kW, 1.0f + step), gb = Wave(kB, 2.0f + step);
+    ASSERT_OK_AND_ASSIGN(client::StepReply want,
+                         whole->Step(step, std::vector<client::TensorView>{{"w", {8, 4}, gw}, {"b", {kB}, gb}}));
+    std::vector<std::future<absl::StatusOr<client::StepReply>>> sent;
+    std::vector<std::unique_ptr<DeviceVector>> grads;
+    for (int r = 0; r < kWorld; ++r) {
+      grads.push_back(std::make_unique<DeviceVector>(part_of(gw, {8, 4}, r)));
+      grads.push_back(std::make_unique<DeviceVector>(part_of(gb, {kB}, r)));
+    }
+    for (int r = 0; r < kWorld; ++r) {
+      sent.push_back(std::async(std::launch::async, [&, r] {
+        Rank& rank = ranks[static_cast<size_t>(r)];
+        const DeviceVector& dw = *grads[2 * static_cast<size_t>(r)];
+        const DeviceVector& db = *grads[2 * static_cast<size_t>(r) + 1];
+        const std::vector<client::DeviceTensor> g = {{"w", dw.data, static_cast<int64_t>(dw.numel)},
+                                                     {"b", db.data, static_cast<int64_t>(db.numel)}};
+        const std::vector<client::DeviceTensor> out = {
+            {"w", rank.w_out->data, static_cast<int64_t>(rank.w_out->numel)},
+            {"b", rank.b_out->data, static_cast<int64_t>(rank.b_out->numel)}};
+        client::StepOptions step_options;
+        step_options.rank = r;
+        return rank.stepper->Step(step, g, out, step_options);
+      }));
+    }
+    for (int r = 0; r < kWorld; ++r) {
+      absl::StatusOr<client::StepReply> reply = sent[static_cast<size_t>(r)].get();
+      ASSERT_OK(reply.status()) << "rank " << r << " step " << step;
+      EXPECT_TRUE(reply->applied);
+    }
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    for (int r = 0; r < kWorld; ++r) {
+      const Rank& rank = ranks[static_cast<size_t>(r)];
+      EXPECT_EQ(rank.w_out->Read(), part_of(want.parameters.at("w"), {8, 4}, r)) << "rank " << r << " step " << step;
+      EXPECT_EQ(rank.b_out->Read(), part_of(want.parameters.at("b"), {kB}, r)) << "rank " << r << " step " << step;
+    }
+  }
 }
 
 }  // namespace

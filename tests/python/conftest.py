@@ -162,6 +162,25 @@ def start_daemon(tmp_path):
         process.stop()
 
 
+@pytest.fixture
+def cuda_daemon(start_daemon, monkeypatch):
+    """``cuda_daemon(*flags)``: a daemon on the cuda backend (device 0 unless told), which must
+    offer CUDA IPC, and its ``ServerInfo``."""
+    def start(*flags):
+        import muond  # noqa: PLC0415 - importable once the session has started (_make_muond_importable)
+        monkeypatch.setenv("MUOND_TEST_BACKEND", "cuda")
+        daemon = start_daemon(*flags)
+        conn = muond.Connection(daemon.endpoint)
+        try:
+            info = conn.server_info()
+        finally:
+            conn.close()
+        assert info.backend == "cuda" and info.cuda_ipc, \
+            f"needs a CUDA GPU and a daemon on the cuda backend: {info}"
+        return daemon, info
+    return start
+
+
 def _openssl(*args, cwd: Path) -> None:
     result = subprocess.run(["openssl", *args], cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)

@@ -334,6 +334,15 @@ def test_an_abort_requested_between_transfers_is_taken_at_the_next_one():
     assert fake.calls.count("abort") == 1
 
 
+def test_a_transfer_leaves_out_empty_parts_as_the_daemon_does():
+    # A rank's empty part of a partitioned parameter: the daemon posts no transfer for it, and a
+    # zero-byte send would still wait for a matching receive.
+    fake = _FakeNccl(blocks=False)
+    comm = _communicator(fake)
+    comm.transfer([(1, 8), (0, 0), (3, 4)], [(0, 0), (5, 8)], 0, 0)
+    assert fake.calls == ["start", "send", "send", "recv", "end"]
+
+
 def test_an_abort_requested_while_waiting_for_the_peer_ends_the_wait():
     fake = _FakeNccl(blocks=True)
     comm = _communicator(fake)
@@ -372,22 +381,6 @@ def test_an_abort_requested_while_the_group_is_built_still_ends_the_wait():
 
 
 # -- with a GPU ----------------------------------------------------------------------------------
-
-@pytest.fixture
-def cuda_daemon(start_daemon, monkeypatch):
-    """A daemon on the cuda backend (device 0 unless told), which must offer CUDA IPC."""
-    def start(*flags):
-        monkeypatch.setenv("MUOND_TEST_BACKEND", "cuda")
-        daemon = start_daemon(*flags)
-        conn = muond.Connection(daemon.endpoint)
-        try:
-            info = conn.server_info()
-        finally:
-            conn.close()
-        assert info.backend == "cuda" and info.cuda_ipc, f"{GPU_REASON}: {info}"
-        return daemon, info
-    return start
-
 
 def _cuda_loss(model, step):
     x, y = [t.cuda(next(model.parameters()).device) for t in batch(step)]

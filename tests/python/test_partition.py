@@ -23,6 +23,8 @@ from muond._stubs import pb
 from muond.transport import framing
 from muond import wire
 
+from helpers import no_gpu
+
 WORLD = 3
 WAIT = 300  # seconds: a bound on waiting for an event, never an expected duration
 STEPS = 3
@@ -87,13 +89,16 @@ def whole_grads(step, model="main"):
 
 
 def _run_rank(rank, world, endpoint, session, kinds, transport, options, steps, out, hold_after=None,
-              keep=False, held=None, reload_at=None, model="main", together=None):
+              keep=False, held=None, reload_at=None, model="main", together=None, device="cpu"):
     """A rank's process: steps the gradients of the session's next steps up to ``max(steps)``
     (a restarted rank continues after the session's last step), then answers its parameters and
-    the session's digest. ``hold_after``: after that step, says so and waits to be killed."""
+    the session's digest. ``hold_after``: after that step, says so and waits to be killed.
+    ``device``: where the rank's parameters and gradients live (a GPU transport's are on CUDA)."""
     torch.set_num_threads(1)
     try:
         groups, _ = groups_for(world, rank, kinds, model)
+        for group in groups:
+            group["params"] = [(n, p.detach().to(device).requires_grad_()) for n, p in group["params"]]
         chosen = {"transport": transport} if transport else {}  # unset: $MUOND_TRANSPORT, as ctest runs both
         opt = muond.RemoteOptimizer(groups, endpoint=endpoint, session=session, world_size=world,
                                     rank=rank, **chosen, **options)
@@ -108,7 +113,7 @@ def _run_rank(rank, world, endpoint, session, kinds, transport, options, steps, 
                 partition = group.get("partition")
                 for k, (name, p) in enumerate(zip(group["param_names"], group["params"])):
                     g = grads[name] if partition is None else part.cut(grads[name], partition, k, world, rank)
-                    p.grad = g.view(p.shape)
+                    p.grad = g.view(p.shape).to(device)
             opt.step(qk_logits=QK_LOGITS if model == "qk" else None)
             if reload_at is not None and opt.last_step == reload_at:
                 saved = opt.state_dict()
@@ -119,7 +124,7 @@ def _run_rank(rank, world, endpoint, session, kinds, transport, options, steps, 
                 opt.load_state_dict(saved)  # back to step reload_at: the next step is redone
                 assert opt.last_step == reload_at
                 saved = None
-        params = {n: p.detach().clone() for n, p in zip(opt._names, opt._params)}
+        params = {n: p.detach().cpu().clone() for n, p in zip(opt._names, opt._params)}
         if rank == 0:  # rank 0 ends the session when it closes: the others may be done before
             params["digest"] = torch.tensor(list(bytes.fromhex(opt.state_digest().digest)), dtype=torch.uint8)
         opt.close(keep_session=keep)
@@ -131,7 +136,7 @@ def _run_rank(rank, world, endpoint, session, kinds, transport, options, steps, 
 
 
 def run_ranks(endpoint, kinds, transport=None, world=WORLD, options=None, steps=range(1, STEPS + 1),
-              session=None, keep=False, hold=None, reload_at=None, model="main"):
+              session=None, keep=False, hold=None, reload_at=None, model="main", device="cpu"):
     """Every rank in a process of its own, stepping up to ``max(steps)``; their final local
     parameters (and "digest"). ``hold``: (rank, step) — that rank stops after the step and is
     SIGKILLed while the others wait in the next one, then a new process of it attaches and
@@ -147,7 +152,7 @@ def run_ranks(endpoint, kinds, transport=None, world=WORLD, options=None, steps=
         process = context.Process(target=_run_rank, daemon=True,
                                   args=(r, world, endpoint, session, kinds, transport, options or {},
                                         list(steps), out, hold_after, keep, held, reload_at, model,
-                                        together))
+                                        together, device))
         process.start()
         return process
 
@@ -195,6 +200,30 @@ def test_rows_flat_and_explicit_parts_step_bit_for_bit_like_one_rank(endpoint, t
     want = reference(endpoint)
     kinds = ["rows", "rows", "flat", "explicit"]
     expect_parts(run_ranks(endpoint, kinds, transport), want, kinds)
+
+
+@pytest.mark.skipif(no_gpu(), reason="needs a CUDA GPU and a daemon on the cuda backend")
+def test_parts_over_cuda_ipc_step_bit_for_bit_like_one_rank(cuda_daemon):
+    # Each rank's parts live on the GPU and travel through its own device buffer; rank 2 holds
+    # nothing of "tiny" and of some flat and explicit parameters (empty slots).
+    endpoint = cuda_daemon()[0].endpoint
+    want = reference(endpoint)
+    kinds = ["rows", "rows", "flat", "explicit"]
+    expect_parts(run_ranks(endpoint, kinds, "cuda_ipc", device="cuda:0"), want, kinds)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs 2 CUDA GPUs and a daemon on the cuda backend (NCCL refuses two "
+                           "ranks on one GPU before 2.30, and without NCCL_MULTI_RANK_GPU_ENABLE=1)")
+def test_parts_over_nccl_step_bit_for_bit_like_one_rank(cuda_daemon):
+    # Every rank on cuda:0 opens its own channel with the daemon on cuda:1; an empty part is no
+    # transfer on either side.
+    daemon, info = cuda_daemon("--device", "1")
+    endpoint = daemon.endpoint
+    assert info.nccl_version > 0, f"the daemon on cuda:1 reports no NCCL: {info}"
+    want = reference(endpoint)
+    kinds = ["rows", "rows", "flat", "explicit"]
+    expect_parts(run_ranks(endpoint, kinds, "nccl", device="cuda:0"), want, kinds)
 
 
 def test_mixed_partitions_and_clipping_on_the_assembled_gradient(endpoint):

@@ -141,7 +141,9 @@ class Communicator:
     def transfer(self, sends: Sequence[Tuple[int, int]], recvs: Sequence[Tuple[int, int]],
                  peer: int, stream: int) -> None:
         """``ncclSend`` of every (pointer, bytes) in ``sends`` then ``ncclRecv`` into every one of
-        ``recvs``, to and from ``peer``, as one group enqueued on ``stream`` (uint8 counts)."""
+        ``recvs``, to and from ``peer``, as one group enqueued on ``stream`` (uint8 counts). An
+        entry of no bytes (a rank's empty part) is left out, as the daemon leaves it out: NCCL
+        would still pair a zero-byte send with a receive."""
         with self._lock:
             comm = self._comm
         if self.abort_requested:
@@ -154,10 +156,10 @@ class Communicator:
         lib, handle, s = self._nccl.lib, ctypes.c_void_p(comm), ctypes.c_void_p(stream)
         self._nccl.group_start()
         try:
-            for ptr, nbytes in sends:
+            for ptr, nbytes in ((p, n) for p, n in sends if n):
                 self._nccl.check("ncclSend", lib.ncclSend(ctypes.c_void_p(ptr), int(nbytes),
                                                           NCCL_UINT8, int(peer), handle, s))
-            for ptr, nbytes in recvs:
+            for ptr, nbytes in ((p, n) for p, n in recvs if n):
                 self._nccl.check("ncclRecv", lib.ncclRecv(ctypes.c_void_p(ptr), int(nbytes),
                                                           NCCL_UINT8, int(peer), handle, s))
         finally:

@@ -11,9 +11,9 @@ namespace muond::transport {
 absl::StatusOr<std::vector<CudaTensorPlace>> ResolveCudaTensors(
     const session::SessionConfig& config, const CudaMemoryRegions& regions, const std::string& caller,
     const std::string& session_id, const google::protobuf::RepeatedPtrField<v1::SharedTensor>& refs,
-    absl::string_view field, bool require_all) {
+    absl::string_view field, bool require_all, int rank) {
   MUOND_ASSIGN_OR_RETURN(auto checked, ResolveRegionTensors<CudaRegion>(
-                                           config, refs, field, require_all, /*aligned=*/true, /*rank=*/-1,
+                                           config, refs, field, require_all, /*aligned=*/true, rank,
                                            [&](const std::string& region, const std::string& at) {
                                              return regions.Find(caller, region, session_id, at);
                                            },

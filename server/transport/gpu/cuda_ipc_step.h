@@ -2,7 +2,8 @@
 // after the step written to, device memory the caller registered (CudaMemoryRegions).
 //
 // ResolveCudaTensors makes the checks of every out-of-band transport (transport/tensor_refs.h),
-// with offsets aligned to the dtype, against the caller's regions of the stepping session.
+// with offsets aligned to the dtype, against the caller's regions of the stepping session; `rank`'s
+// references to partitioned parameters carry its parts (RefFields::rank).
 // CudaIpcGradientSource first waits for the client's event (recorded once it wrote the gradients;
 // DEADLINE_EXCEEDED at `deadline`, nothing applied), then takes each gradient device to device
 // (TakeDeviceGradient): nothing crosses the host when the step takes device gradients. A replay
@@ -53,7 +54,7 @@ absl::Status AwaitClientEvents(const std::vector<CudaTensorPlace>& places, const
 absl::StatusOr<std::vector<CudaTensorPlace>> ResolveCudaTensors(
     const session::SessionConfig& config, const CudaMemoryRegions& regions, const std::string& caller,
     const std::string& session_id, const google::protobuf::RepeatedPtrField<v1::SharedTensor>& refs,
-    absl::string_view field, bool require_all);
+    absl::string_view field, bool require_all, int rank);
 
 class CudaIpcGradientSource final : public GradientSource {
  public:

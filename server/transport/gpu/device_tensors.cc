@@ -2,6 +2,7 @@
 
 #include "common/status_macros.h"
 #include "proto/wire/dtype_codec.h"
+#include "server/session/partition.h"
 #include "server/transport/v1/tensor_decode.h"
 
 namespace muond::transport {
@@ -17,10 +18,19 @@ kernels::StorageDtype StorageOf(v1::DType dtype) {
   }
 }
 
+size_t RankElements(const session::IncomingStep& step, size_t index) {
+  return static_cast<size_t>(session::PartElements(step.config(), index, step.plan().request.rank));
+}
+
+bool GoesToDevice(session::IncomingStep& step, size_t index) {
+  return step.takes_device_gradients() &&
+         static_cast<int64_t>(RankElements(step, index)) == step.config().parameters[index].numel;
+}
+
 absl::Status TakeDeviceGradient(kernels::Backend& backend, session::IncomingStep& step, size_t index, v1::DType dtype,
                                 const void* src, uint64_t bytes, std::string& host_bytes) {
-  const size_t numel = static_cast<size_t>(step.config().parameters[index].numel);
-  if (step.takes_device_gradients()) {
+  const size_t numel = RankElements(step, index);
+  if (GoesToDevice(step, index)) {
     float* dst = step.DeviceGradient(index);
     if (dtype == v1::DTYPE_FP32) {
       MUOND_RETURN_IF_ERROR(backend.CopyOnDevice(static_cast<const float*>(src), dst, numel));
@@ -31,7 +41,7 @@ absl::Status TakeDeviceGradient(kernels::Backend& backend, session::IncomingStep
     return absl::OkStatus();
   }
   host_bytes.resize(bytes);
-  MUOND_RETURN_IF_ERROR(backend.CopyBytes(src, host_bytes.data(), bytes));
+  if (bytes > 0) MUOND_RETURN_IF_ERROR(backend.CopyBytes(src, host_bytes.data(), bytes));
   HostTensor& tensor = step.gradients()[index];
   if (tensor.values.size() != numel) tensor.values.resize(numel);
   tensor.sum_squares =

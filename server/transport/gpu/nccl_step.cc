@@ -16,11 +16,13 @@ absl::StatusOr<std::unique_ptr<kernels::DeviceBuffer>> AllocateBytes(kernels::Ba
 
 absl::StatusOr<std::vector<TensorRef>> ResolveNcclTensors(
     const session::SessionConfig& config, const google::protobuf::RepeatedPtrField<v1::NcclTensor>& refs,
-    absl::string_view field, bool require_all) {
+    absl::string_view field, bool require_all, int rank) {
   return ResolveTensorRefs(
       config, refs.size(),
       [&](int i) {
-        return RefFields{refs[i].name(), refs[i].dtype(), refs[i].byte_size()};
+        RefFields fields{refs[i].name(), refs[i].dtype(), refs[i].byte_size()};
+        fields.rank = rank;
+        return fields;
       },
       field, require_all,
       [](const std::string&, const std::string& at) -> absl::StatusOr<uint64_t> {
@@ -37,7 +39,9 @@ absl::Status NcclGradientSource::ReadGradients(session::IncomingStep& step) {
   std::vector<kernels::ByteRange> ranges;
   for (size_t i = 0; i < refs_.size(); ++i) {
     const TensorRef& ref = refs_[i];
-    if (!step.replay() && step.takes_device_gradients() && ref.dtype == v1::DTYPE_FP32) {
+    if (ref.bytes == 0) {  // a rank's empty part: no transfer (the client sends none)
+      ranges.push_back({nullptr, 0});
+    } else if (!step.replay() && GoesToDevice(step, ref.index) && ref.dtype == v1::DTYPE_FP32) {
       ranges.push_back({step.DeviceGradient(ref.index), ref.bytes});
     } else {
       MUOND_ASSIGN_OR_RETURN(own[i], AllocateBytes(*backend_, ref.bytes));
@@ -49,11 +53,11 @@ absl::Status NcclGradientSource::ReadGradients(session::IncomingStep& step) {
   if (step.replay()) return absl::OkStatus();  // applied already: received, and dropped
   for (size_t i = 0; i < refs_.size(); ++i) {
     const TensorRef& ref = refs_[i];
-    if (own[i] == nullptr) {
+    if (own[i] == nullptr && ref.bytes > 0) {
       step.MarkDeviceGradient(ref.index);
     } else {
       MUOND_RETURN_IF_ERROR(
-          TakeDeviceGradient(*backend_, step, ref.index, ref.dtype, own[i]->data(), ref.bytes, host_bytes_));
+          TakeDeviceGradient(*backend_, step, ref.index, ref.dtype, ranges[i].data, ref.bytes, host_bytes_));
     }
   }
   // The widened copies read `own` on the backend's stream: done before it is freed.
@@ -65,6 +69,7 @@ absl::Status NcclParameterSink::Send(const session::StepOutcome& outcome) {
     std::vector<std::unique_ptr<kernels::DeviceBuffer>> buffers;
     std::vector<kernels::ByteRange> ranges;
     for (const TensorRef& ref : refs_) {
+      if (ref.bytes == 0) continue;  // a rank's empty part: no transfer (the client awaits none)
       MUOND_ASSIGN_OR_RETURN(std::unique_ptr<kernels::DeviceBuffer> buffer, AllocateBytes(*backend_, ref.bytes));
       if (outcome.parameters->on_device) {
         MUOND_RETURN_IF_ERROR(

@@ -1,7 +1,9 @@
 // The NCCL transport of a step (the StepNccl RPC): gradients and parameters travel as byte buffers
 // over the step's channel (NcclChannels), in the order the request lists them.
 //
-// ResolveNcclTensors makes the checks of every out-of-band transport (transport/tensor_refs.h).
+// ResolveNcclTensors makes the checks of every out-of-band transport (transport/tensor_refs.h);
+// `rank`'s references to partitioned parameters carry its parts (RefFields::rank). A part of no
+// elements travels as no transfer at all, on both sides.
 // NcclGradientSource waits for the channel to be joined, then receives every listed gradient in one
 // group: an fp32 gradient straight into the step's backend buffer when the step takes device
 // gradients, anything else into a device buffer of its own and from there into the step
@@ -37,7 +39,7 @@ inline absl::Time TransferDeadline(absl::Time call_deadline, absl::Duration time
 
 absl::StatusOr<std::vector<TensorRef>> ResolveNcclTensors(
     const session::SessionConfig& config, const google::protobuf::RepeatedPtrField<v1::NcclTensor>& refs,
-    absl::string_view field, bool require_all);
+    absl::string_view field, bool require_all, int rank);
 
 class NcclGradientSource final : public GradientSource {
  public:
