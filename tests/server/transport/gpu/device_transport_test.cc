@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstring>
 #include <deque>
+#include <thread>
 
 #include "gmock/gmock.h"
 #include "kernels/cpu/cpu_backend.h"
@@ -405,9 +406,11 @@ TEST(CudaIpcStepTest, SixteenBitMastersAnswerInEveryDtype) {
 class QueuedPeerChannel final : public kernels::PeerChannel {
  public:
   absl::Status Ready(absl::Time) override { return absl::OkStatus(); }
+  // A range of no bytes is no transfer, as on the CUDA backend's NCCL channel.
   absl::Status Receive(std::span<const kernels::ByteRange> ranges, absl::Time deadline) override {
     receive_deadline = deadline;
     for (const kernels::ByteRange& range : ranges) {
+      if (range.bytes == 0) continue;
       if (incoming.empty() || incoming.front().size() != range.bytes) {
         return absl::DataLossError("the peer sent something else");
       }
@@ -418,7 +421,9 @@ class QueuedPeerChannel final : public kernels::PeerChannel {
   }
   absl::Status Send(std::span<const kernels::ByteRange> ranges, absl::Time deadline) override {
     send_deadline = deadline;
-    for (const kernels::ByteRange& range : ranges) sent.emplace_back(static_cast<const char*>(range.data), range.bytes);
+    for (const kernels::ByteRange& range : ranges) {
+      if (range.bytes > 0) sent.emplace_back(static_cast<const char*>(range.data), range.bytes);
+    }
     return absl::OkStatus();
   }
   void Abort() override {
@@ -467,10 +472,11 @@ TEST(NcclStepTest, ReceivesInOrderSendsEveryParameterAndAReplayDrainsTheGradient
     request.step = k == 3 ? 2 : k;  // the third is a replay of step 2
     request.device_answer = true;
     NcclGradientSource source(device_like.get(), &channel,
-                              ResolveNcclTensors(config, grads, "gradients", false).value(), deadline,
+                              ResolveNcclTensors(config, grads, "gradients", false, -1).value(), deadline,
                               absl::Seconds(60));
     NcclParameterSink sink(nccl.get(), device_like.get(), &channel,
-                           ResolveNcclTensors(config, params, "parameters", true).value(), deadline, absl::Seconds(60));
+                           ResolveNcclTensors(config, params, "parameters", true, -1).value(), deadline,
+                           absl::Seconds(60));
     ASSERT_OK(RunStep(*nccl, request, source, sink, *metrics::NoMetrics()));
     EXPECT_TRUE(queue->incoming.empty()) << "every gradient is received, a replay's too";
     // Each transfer has --nccl-timeout from its own start: the answer's clock starts after the step.
@@ -488,6 +494,99 @@ TEST(NcclStepTest, ReceivesInOrderSendsEveryParameterAndAReplayDrainsTheGradient
       EXPECT_TRUE(sink.result().replayed());
     }
   }
+}
+
+// Four ranks that hold rows (docs/ranks.md, Ranks that hold parts) step over NCCL: each receives and
+// sends its parts only, rank 3 holds none of b (no transfer for it on either side), and the parts
+// are those of one rank stepping the whole gradients.
+TEST(NcclStepTest, RanksThatHoldPartsSendAndReceiveOnlyTheirParts) {
+  constexpr int kRanks = 4;  // w: 8 rows of 6 → 2 rows each; b: 6 → 2, 2, 2, none
+  auto device_like = kernels::NewCpuBackend(1, /*host_addressable=*/false);
+  v1::SessionSpec spec = Spec(kRanks);
+  for (v1::ParameterGroup& group : *spec.mutable_groups()) group.mutable_partition()->set_kind(v1::PARTITION_KIND_ROWS);
+  std::unique_ptr<session::Session> parts =
+      session::Session::Create("parts", rpc::ParseSessionSpec(spec, session::SpecLimits{}).value(), device_like.get())
+          .value();
+  std::vector<HostTensor> initial(2);
+  initial[0].values = Values(kW, 1.0f);
+  initial[0].received = kW;
+  initial[1].values = Values(kB, 2.0f);
+  initial[1].received = kB;
+  ASSERT_OK(parts->Upload(std::move(initial)));
+  auto whole = NewSession("whole", device_like.get());
+  const session::SessionConfig& config = parts->config();
+  const auto part_of = [](const std::vector<float>& v, size_t rank, size_t per) {
+    const size_t begin = std::min(v.size(), rank * per), end = std::min(v.size(), (rank + 1) * per);
+    return std::vector<float>(v.begin() + static_cast<std::ptrdiff_t>(begin),
+                              v.begin() + static_cast<std::ptrdiff_t>(end));
+  };
+  std::vector<NcclChannel> channels(kRanks);
+  std::vector<QueuedPeerChannel*> queues;
+  for (NcclChannel& channel : channels) {
+    auto peer = std::make_unique<QueuedPeerChannel>();
+    queues.push_back(peer.get());
+    channel.peer = std::move(peer);
+  }
+  for (int k = 1; k <= 2; ++k) {
+    const std::vector<float> w = Values(kW, 0.3f * k), b = Values(kB, 0.8f * k);
+    std::vector<absl::Status> done(kRanks);
+    std::vector<std::thread> ranks;
+    for (int r = 0; r < kRanks; ++r) {
+      const std::vector<float> w_part = part_of(w, r, 12), b_part = part_of(b, r, 2);
+      google::protobuf::RepeatedPtrField<v1::NcclTensor> grads, params;
+      for (auto* list : {&grads, &params}) {
+        for (const auto& [name, numel] : {std::pair{"w", w_part.size()}, std::pair{"b", b_part.size()}}) {
+          v1::NcclTensor* t = list->Add();
+          t->set_name(name);
+          t->set_dtype(v1::DTYPE_FP32);
+          t->set_byte_size(numel * 4);
+        }
+      }
+      queues[r]->incoming.clear();
+      queues[r]->sent.clear();
+      queues[r]->incoming.push_back(Encoded(v1::DTYPE_FP32, w_part));
+      if (!b_part.empty()) queues[r]->incoming.push_back(Encoded(v1::DTYPE_FP32, b_part));
+      ranks.emplace_back([&, r, grads, params] {
+        absl::StatusOr<std::vector<TensorRef>> in = ResolveNcclTensors(config, grads, "gradients", false, r);
+        absl::StatusOr<std::vector<TensorRef>> out = ResolveNcclTensors(config, params, "parameters", true, r);
+        if (!in.ok() || !out.ok()) {
+          done[r] = in.ok() ? out.status() : in.status();
+          return;
+        }
+        session::StepRequest request;
+        request.step = k;
+        request.rank = r;
+        NcclGradientSource source(device_like.get(), &channels[r], *std::move(in), absl::InfiniteFuture(),
+                                  absl::Seconds(60));
+        NcclParameterSink sink(parts.get(), device_like.get(), &channels[r], *std::move(out), absl::InfiniteFuture(),
+                               absl::Seconds(60));
+        done[r] = RunStep(*parts, request, source, sink, *metrics::NoMetrics());
+      });
+    }
+    for (std::thread& t : ranks) t.join();
+    session::StepRequest one;
+    one.step = k;
+    const session::StepOutcome expected = HostStep(*whole, one, v1::DTYPE_FP32, w, b);
+    const auto want = session::CopyValues(*expected.parameters);
+    for (int r = 0; r < kRanks; ++r) {
+      ASSERT_OK(done[r]) << "rank " << r;
+      EXPECT_TRUE(queues[r]->incoming.empty()) << "rank " << r;
+      const std::vector<float> b_part = part_of(want[1], r, 2);
+      ASSERT_EQ(queues[r]->sent.size(), b_part.empty() ? 1u : 2u) << "rank " << r << ": an empty part is no transfer";
+      EXPECT_EQ(queues[r]->sent[0], Encoded(v1::DTYPE_FP32, part_of(want[0], r, 12))) << "rank " << r << " step " << k;
+      if (!b_part.empty()) EXPECT_EQ(queues[r]->sent[1], Encoded(v1::DTYPE_FP32, b_part)) << "rank " << r;
+    }
+  }
+  // A part of the wrong size is refused naming the field and the rank's part.
+  google::protobuf::RepeatedPtrField<v1::NcclTensor> wrong;
+  v1::NcclTensor* t = wrong.Add();
+  t->set_name("b");
+  t->set_dtype(v1::DTYPE_FP32);
+  t->set_byte_size(kB * 4);
+  const absl::Status refused = ResolveNcclTensors(config, wrong, "gradients", false, 3).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.message(), HasSubstr("gradients[0].byte_size"));
+  EXPECT_THAT(refused.message(), HasSubstr("rank 3's part of 'b'"));
 }
 
 // A backend that only opens channels (QueuedPeerChannels), each recorded: what NcclChannels needs.
