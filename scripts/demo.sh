@@ -13,12 +13,25 @@ MUOND_BUILD_TARGETS="muond mlp_trainer muond_python_stubs muond_stream_copy" "$r
 
 port_file=$(mktemp)
 rm -f "$port_file"
-"$build/muond" --listen 127.0.0.1:0 --port-file "$port_file" --backend cpu --log-level info &
+# The daemon writes its log to a file, so that nothing but the trainers writes to this terminal (their
+# progress bars stay whole); its warnings, if any, are summarized at the end.
+log=${MUOND_DEMO_LOG:-$build/demo/muond.log}
+mkdir -p "$(dirname "$log")"
+"$build/muond" --listen 127.0.0.1:0 --port-file "$port_file" --backend cpu --log-level info --log-format json \
+  >"$log" 2>&1 &
 daemon=$!
-trap 'kill -TERM $daemon 2>/dev/null; wait $daemon 2>/dev/null || true; rm -f "$port_file"' EXIT
+summarize() {
+  kill -TERM $daemon 2>/dev/null
+  wait $daemon 2>/dev/null || true
+  rm -f "$port_file"
+  echo
+  /usr/bin/python3 "$root/scripts/log_summary.py" "$log"
+}
+trap summarize EXIT
 for _ in $(seq 200); do [ -s "$port_file" ] && break; sleep 0.05; done
-[ -s "$port_file" ] || { echo "demo: muond did not start" >&2; exit 1; }
+[ -s "$port_file" ] || { echo "demo: muond did not start; its log ($log):" >&2; tail -20 "$log" >&2; exit 1; }
 endpoint=127.0.0.1:$(cat "$port_file")
+echo "muond runs at $endpoint with the CPU backend; its log: $log"
 
 echo "== C++ trainer: two-layer MLP through muond at $endpoint"
 "$build/mlp_trainer" --endpoint "$endpoint" --steps 150 | awk 'NR <= 3 || /^step/ && ($2 % 25 == 0) || /->/'

@@ -174,13 +174,13 @@ class Muon final : public Optimizer {
   absl::Status Observe(Backend& backend, std::span<const MatrixJob> jobs, const float* work, NsWorkspace& ws);
   // Telemetry: backend memory in the step's pending sums (read back once, at the step's end) for
   // the Σ U² of each of the step's `matrices` Newton–Schulz inputs, in the order the batches run,
-  // followed by the residual's sum when residual_job_ is set (residual_sum_); reserved before the
+  // followed by the residual's two sums when residual_job_ is set (residual_sum_); reserved before the
   // step changes any state.
   absl::StatusOr<double*> ReserveTelemetrySums(Backend& backend, size_t matrices);
 
   const double ns_bound_;                    // NsSingularValueBound of this group's iteration
   const MatrixJob* residual_job_ = nullptr;  // the matrix whose residual this step measures
-  double* residual_sum_ = nullptr;           // where its ‖X·Xᵀ − I‖² goes (backend memory)
+  double* residual_sum_ = nullptr;           // where its ‖G² − G‖² and ‖G‖² go (backend memory)
 };
 
 double Muon::Scale(int64_t rows, int64_t cols) const {
@@ -470,19 +470,23 @@ absl::Status Muon::Orthogonalize(Backend& backend, std::span<const MatrixJob> jo
 absl::StatusOr<double*> Muon::ReserveTelemetrySums(Backend& backend, size_t matrices) {
   StepTelemetry* telemetry = telemetry_;
   const bool residual = residual_job_ != nullptr;
-  const double residual_m = residual ? static_cast<double>(std::min(residual_job_->rows, residual_job_->cols)) : 1.0;
-  MUOND_ASSIGN_OR_RETURN(double* sums, telemetry->pending.Reserve(
-                                           backend, matrices + (residual ? 1 : 0),
-                                           [telemetry, matrices, residual, residual_m](std::span<const double> values) {
-                                             for (size_t i = 0; i < matrices; ++i) {
-                                               telemetry->momentum_sum_squares += values[i];
-                                               telemetry->smallest_momentum_norm =
-                                                   std::min(telemetry->smallest_momentum_norm, std::sqrt(values[i]));
-                                               ++telemetry->matrices;
-                                             }
-                                             if (residual)
-                                               telemetry->residual = std::sqrt(values[matrices] / residual_m);
-                                           }));
+  MUOND_ASSIGN_OR_RETURN(
+      double* sums,
+      telemetry->pending.Reserve(
+          backend, matrices + (residual ? 2 : 0), [telemetry, matrices, residual](std::span<const double> values) {
+            for (size_t i = 0; i < matrices; ++i) {
+              telemetry->momentum_sum_squares += values[i];
+              ++telemetry->matrices;
+              const double norm = std::sqrt(values[i]);
+              telemetry->smallest_momentum_norm = std::min(telemetry->smallest_momentum_norm, norm);
+              // A momentum of exactly zero never had a non-zero gradient: not a norm
+              // that fell (docs/operations.md, Warnings).
+              if (norm > 0) {
+                telemetry->smallest_nonzero_momentum_norm = std::min(telemetry->smallest_nonzero_momentum_norm, norm);
+              }
+            }
+            if (residual) telemetry->residual = ResidualFromSums(values[matrices], values[matrices + 1]);
+          }));
   residual_sum_ = residual ? sums + matrices : nullptr;
   return sums;
 }

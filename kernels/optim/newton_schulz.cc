@@ -333,13 +333,14 @@ absl::Status GramNewtonSchulz(Backend& backend, const NsSchedule& schedule, int 
 }
 
 absl::Status OrthogonalitySumSquares(Backend& backend, const float* x, int64_t rows, int64_t cols, NsWorkspace& ws,
-                                     double* sum) {
+                                     double* sums) {
   if (rows <= 0 || cols <= 0) return absl::InvalidArgumentError("OrthogonalityResidual: an empty matrix");
   const int64_t m = std::min(rows, cols);
   const size_t gram = static_cast<size_t>(m * m);
   MUOND_ASSIGN_OR_RETURN(float* a, ws.Get(backend, 2, gram));
+  MUOND_ASSIGN_OR_RETURN(float* b, ws.Get(backend, 3, gram));
   // Wide: X·Xᵀ (op(B) reads X transposed); tall: Xᵀ·X (op(A) does). Either way the m×m Gram
-  // matrix, then I subtracted on the device (no identity uploaded, nothing waits).
+  // matrix G, then G·G − G (G copied into the product's output, beta −1): nothing waits.
   const bool wide = rows <= cols;
   const GemmShape shape{.trans_a = wide ? Transpose::kNo : Transpose::kYes,
                         .trans_b = wide ? Transpose::kYes : Transpose::kNo,
@@ -354,19 +355,37 @@ absl::Status OrthogonalitySumSquares(Backend& backend, const float* x, int64_t r
                         .stride_c = 0,
                         .batch = 1};
   MUOND_RETURN_IF_ERROR(backend.Gemm(shape, 1.0f, x, x, 0.0f, a, kernels::MatmulPrecision::kFp32));
-  MUOND_RETURN_IF_ERROR(backend.AddToDiagonal(a, m, 1, -1.0f));
-  return backend.SumSquaresTo(a, gram, 1, sum);
+  MUOND_RETURN_IF_ERROR(backend.SumSquaresTo(a, gram, 1, sums + 1));
+  MUOND_RETURN_IF_ERROR(backend.CopyOnDevice(a, b, gram));
+  const GemmShape square{.trans_a = Transpose::kNo,
+                         .trans_b = Transpose::kNo,
+                         .m = m,
+                         .n = m,
+                         .k = m,
+                         .lda = m,
+                         .ldb = m,
+                         .ldc = m,
+                         .stride_a = 0,
+                         .stride_b = 0,
+                         .stride_c = 0,
+                         .batch = 1};
+  MUOND_RETURN_IF_ERROR(backend.Gemm(square, 1.0f, a, a, -1.0f, b, kernels::MatmulPrecision::kFp32));
+  return backend.SumSquaresTo(b, gram, 1, sums);
+}
+
+double ResidualFromSums(double gram_minus_square, double gram) {
+  return gram > 0 ? std::sqrt(gram_minus_square / gram) : 0.0;
 }
 
 absl::StatusOr<double> OrthogonalityResidual(Backend& backend, const float* x, int64_t rows, int64_t cols,
                                              NsWorkspace& ws) {
   if (rows <= 0 || cols <= 0) return absl::InvalidArgumentError("OrthogonalityResidual: an empty matrix");
-  MUOND_ASSIGN_OR_RETURN(std::unique_ptr<kernels::DeviceBuffer> device_sum, backend.Allocate(2));  // one double
-  double* sum = reinterpret_cast<double*>(device_sum->data());
-  MUOND_RETURN_IF_ERROR(OrthogonalitySumSquares(backend, x, rows, cols, ws, sum));
-  double host_sum = 0;
-  MUOND_RETURN_IF_ERROR(backend.CopyBytes(sum, &host_sum, sizeof(double)));
-  return std::sqrt(host_sum / static_cast<double>(std::min(rows, cols)));
+  MUOND_ASSIGN_OR_RETURN(std::unique_ptr<kernels::DeviceBuffer> device_sums, backend.Allocate(4));  // two doubles
+  double* sums = reinterpret_cast<double*>(device_sums->data());
+  MUOND_RETURN_IF_ERROR(OrthogonalitySumSquares(backend, x, rows, cols, ws, sums));
+  double host_sums[2] = {0, 0};
+  MUOND_RETURN_IF_ERROR(backend.CopyBytes(sums, host_sums, sizeof(host_sums)));
+  return ResidualFromSums(host_sums[0], host_sums[1]);
 }
 
 NsWork StandardNsWork(int64_t rows, int64_t cols, const NsSchedule& schedule, int steps) {

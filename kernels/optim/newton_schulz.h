@@ -153,16 +153,19 @@ absl::Status GramNewtonSchulz(kernels::Backend& backend, const NsSchedule& sched
                               kernels::MatmulPrecision precision, const float* in, float* out, int64_t rows,
                               int64_t cols, int64_t batch, NsWorkspace& ws, double* input_sum_squares = nullptr);
 
-// ‖X·Xᵀ − I‖_F/√m of one row-major rows×cols matrix X in backend memory, m = min(rows, cols) (the
-// Gram matrix on the smaller side): 0 for orthonormal rows (or columns), the RMS of σᵢ² − 1 over X's
-// m singular values. One m×m fp32 GEMM (whatever the group's matmul_precision) and one sum; it
-// uses workspace slot 2, so it must not run while a Newton–Schulz call needs that slot. Waits for
-// the device (the sum is read back).
+// The orthogonality residual of one row-major rows×cols matrix X in backend memory on the directions
+// X has (docs/algorithms.md, Telemetry): with G the m×m Gram matrix on the smaller side
+// (m = min(rows, cols)) and λᵢ = σᵢ² its eigenvalues, ‖G² − G‖_F / ‖G‖_F = √(Σ λᵢ²(λᵢ − 1)² / Σ λᵢ²),
+// the RMS of σᵢ² − 1 weighted by σᵢ⁴: 0 for orthonormal rows (or columns) and for any partial
+// isometry (the zero singular values of a rank-deficient X weigh nothing), 0 for X = 0. Two fp32
+// GEMMs (m×m×max and m×m×m, whatever the group's matmul_precision) and two sums; it uses workspace
+// slots 2 and 3, so it must not run while a Newton–Schulz call needs them. Waits for the device.
 absl::StatusOr<double> OrthogonalityResidual(kernels::Backend& backend, const float* x, int64_t rows, int64_t cols,
                                              NsWorkspace& ws);
-// The same without waiting: ‖X·Xᵀ − I‖_F² into `sum` (backend memory for one double), in order with
-// the backend's other work; the residual is √(sum/m).
+// The same without waiting: ‖G² − G‖_F² into sums[0] and ‖G‖_F² into sums[1] (backend memory for two
+// doubles), in order with the backend's other work; ResidualFromSums gives the residual.
 absl::Status OrthogonalitySumSquares(kernels::Backend& backend, const float* x, int64_t rows, int64_t cols,
-                                     NsWorkspace& ws, double* sum);
+                                     NsWorkspace& ws, double* sums);
+double ResidualFromSums(double gram_minus_square, double gram);
 
 }  // namespace muond::optim

@@ -221,6 +221,35 @@ double NsSingularValueBound(const NsSchedule& schedule, int steps, double norm_s
   return 2 * largest;
 }
 
+NsBand NsOutputBand(const NsSchedule& schedule, int steps, double norm_safety) {
+  constexpr int kPoints = 4097;
+  constexpr double kLowest = 1.0 / 128;
+  NsBand band{std::numeric_limits<double>::infinity(), 0};
+  for (int i = 0; i < kPoints; ++i) {
+    double sigma = std::pow(kLowest, 1.0 - static_cast<double>(i) / (kPoints - 1)) / norm_safety;
+    for (int t = 0; t < steps && Finite(sigma); ++t) {
+      const NsCoefficient co = schedule.At(t);
+      const double s2 = sigma * sigma;
+      sigma = sigma * (co.a + s2 * (co.b + s2 * co.c));
+    }
+    if (!Finite(sigma)) return {0, std::numeric_limits<double>::infinity()};
+    band.lo = std::min(band.lo, std::abs(sigma));
+    band.hi = std::max(band.hi, std::abs(sigma));
+  }
+  return band;
+}
+
+double NsResidualThreshold(const NsSchedule& schedule, int steps, double norm_safety) {
+  const NsBand band = NsOutputBand(schedule, steps, norm_safety);
+  const double worst = std::max(1 - band.lo * band.lo, band.hi * band.hi - 1);
+  return std::min((worst + 1) / 2, kMaxResidualThreshold);
+}
+
+double ResidualThreshold(const GroupOptions& options) {
+  if (options.warn_residual_above.has_value()) return *options.warn_residual_above;
+  return NsResidualThreshold(options.ns_schedule, options.ns_steps, options.ns_norm_safety);
+}
+
 namespace {
 
 // The thresholds of the health warnings (docs/operations.md, Warnings).
@@ -235,7 +264,8 @@ absl::Status ValidateHealthOptions(const GroupOptions& o) {
       return absl::InvalidArgumentError(absl::StrCat(name, " must be in [1, ", kMaxWarnSteps, "], got ", value));
     }
   }
-  return CheckPositive("warn_residual_above", o.warn_residual_above);
+  if (!o.warn_residual_above.has_value()) return absl::OkStatus();
+  return CheckPositive("warn_residual_above", *o.warn_residual_above);
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 // their validation. A plain value type: copy freely; no shared state.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -81,11 +82,13 @@ struct GroupOptions {
   ClipScope clip_scope = ClipScope::kGlobal;
   double max_grad_norm = 0;  // clip_scope group: the group's own limit; 0: the step's max_grad_norm
   // Telemetry and health warnings (docs/algorithms.md, Telemetry; docs/operations.md, Warnings).
-  bool telemetry = true;             // measure the update and the orthogonality residual
-  double warn_clip_below = 0.01;     // muon: a clip coefficient below this ...
-  int warn_clip_steps = 10;          // ... for this many steps in a row warns
-  int warn_stale_steps = 100;        // a parameter without a gradient for this many steps warns
-  double warn_residual_above = 0.8;  // muon: an orthogonality residual above this warns
+  bool telemetry = true;          // measure the update and the orthogonality residual
+  double warn_clip_below = 0.01;  // muon: a clip coefficient below this ...
+  int warn_clip_steps = 10;       // ... for this many steps in a row warns
+  int warn_stale_steps = 100;     // a parameter without a gradient for this many steps warns
+  // muon: an orthogonality residual above this warns; unset: NsResidualThreshold of the group's
+  // Newton–Schulz (ResidualThreshold).
+  std::optional<double> warn_residual_above;
 };
 
 // The defaults of docs/algorithms.md (Group options) for `kind` (lr, weight decay, momentum,
@@ -114,6 +117,25 @@ absl::Status ValidateStepHyper(const GroupOptions& options, double lr, double mo
 // range NewtonSchulz's normalization leaves), times 2 for the points between and for rounding.
 // Infinity when the iteration overflows.
 double NsSingularValueBound(const NsSchedule& schedule, int steps, double norm_safety);
+
+// Where the iteration puts the directions a momentum has (docs/algorithms.md, Telemetry): the range
+// [lo, hi] of |σ| after `steps` steps for inputs σ in [2⁻⁷, 1]/norm_safety — the largest singular
+// value of a normalized momentum of fewer than 2¹⁴ rows or columns lies there — evaluated on 4097
+// points of a log scale.
+struct NsBand {
+  double lo = 0;
+  double hi = 0;
+};
+NsBand NsOutputBand(const NsSchedule& schedule, int steps, double norm_safety);
+
+// The orthogonality residual a healthy step of this iteration stays under: with b = max(1 − lo²,
+// hi² − 1), the worst |σ² − 1| inside the band, halfway from b to 1 (what an iteration that did
+// nothing leaves on a full-rank matrix), and at most kMaxResidualThreshold, so that an iteration
+// that cannot orthogonalize at all is still told.
+inline constexpr double kMaxResidualThreshold = 0.9;
+double NsResidualThreshold(const NsSchedule& schedule, int steps, double norm_safety);
+// The group's own warn_residual_above, else NsResidualThreshold of its Newton–Schulz.
+double ResidualThreshold(const GroupOptions& options);
 
 // What a group's 16-bit state cannot hold, in words, one line per problem (empty when none): an fp16
 // exp_avg_sq loses every (1−β2)·g² below fp16's smallest value, and a 16-bit moment whose decay

@@ -34,13 +34,16 @@ struct StepTelemetry {
   int64_t updated_elements = 0;
 
   // Muon: Σ U² of the matrices Newton–Schulz received (the momentum, Nesterov's combination
-  // included), and the smallest Frobenius norm of one of them (+inf when none).
+  // included), the smallest Frobenius norm of one of them and the smallest that is not zero (+inf
+  // when none; a momentum of exactly zero is a matrix whose gradients have all been zero so far).
   double momentum_sum_squares = 0;
   double smallest_momentum_norm = std::numeric_limits<double>::infinity();
+  double smallest_nonzero_momentum_norm = std::numeric_limits<double>::infinity();
   int64_t matrices = 0;
 
-  // Muon, with `measure`: ‖X·Xᵀ − I‖_F/√m of one Newton–Schulz output X (m its smaller dimension),
-  // a different matrix each step in turn, and the parameter it belongs to.
+  // Muon, with `measure`: the orthogonality residual of one Newton–Schulz output X on the directions
+  // it has (OrthogonalityResidual), a different matrix each step in turn, and the parameter it
+  // belongs to.
   std::optional<double> residual;
   std::string residual_parameter;
 

@@ -18,7 +18,8 @@ class GroupInfo:
     update_rms: Optional[float] = None
     update_ratio: Optional[float] = None
     # Muon: the norm of what Newton-Schulz received (the momentum), of its smallest matrix, and
-    # ||X X^T - I||_F / sqrt(m) of one Newton-Schulz output (a different matrix each step).
+    # the orthogonality residual ||G^2 - G||_F / ||G||_F (G = X X^T) of one Newton-Schulz output X
+    # on the directions it has (a different matrix each step; docs/algorithms.md, Telemetry).
     momentum_norm: Optional[float] = None
     smallest_momentum_norm: Optional[float] = None
     orthogonality_residual: Optional[float] = None

@@ -83,7 +83,7 @@ DEFAULTS: Dict[str, Dict[str, Any]] = {
         "master_dtype": None, "momentum_dtype": None, "exp_avg_sq_dtype": None,
         "clip_scope": None, "max_grad_norm": None,
         "telemetry": True, "warn_clip_below": 0.01, "warn_clip_steps": 10,
-        "warn_stale_steps": 100, "warn_residual_above": 0.8,
+        "warn_stale_steps": 100, "warn_residual_above": None,
     },
     "adamw": {"lr": 1e-3, "weight_decay": 0.01, "weight_decay_mode": "decoupled", "betas": (0.9, 0.999),
               "eps": 1e-8, "master_dtype": None, "exp_avg_dtype": None, "exp_avg_sq_dtype": None,

@@ -46,7 +46,7 @@ turns a resolved group into the ``muond.v1.GroupOptions`` message sent when a se
 | telemetry               | all          | True; False: no update figures, no orthogonality residual |
 | warn_clip_below/_steps  | muon         | 0.01, 10: a clip coefficient under it for that many steps |
 | warn_stale_steps        | all          | 100: a parameter without a gradient for that many steps  |
-| warn_residual_above     | muon         | 0.8: an orthogonality residual above it                  |
+| warn_residual_above     | muon         | None: the bound its Newton–Schulz derives (~0.5–0.85)    |
 
 The *_dtype options choose how the daemon stores masters and optimizer state (Megatron-Core's
 precision-aware optimizer); every step still computes in fp32 and rounds to nearest even when it

@@ -50,7 +50,7 @@ void GroupSeries::Render(std::string* out) const {
       {"muond_group_momentum_norm", "Muon: norm of the momentum Newton-Schulz received in the last step.",
        [](const Latest& l) { return l.momentum_norm; }},
       {"muond_group_orthogonality_residual",
-       "Muon: ||X X^T - I||_F / sqrt(m) of the Newton-Schulz output measured in the last step.",
+       "Muon: ||G^2 - G||_F / ||G||_F (G = X X^T) of the Newton-Schulz output measured in the last step.",
        [](const Latest& l) { return l.residual; }},
       {"muond_group_stale_parameters", "Parameters of the group without a gradient for warn_stale_steps steps or more.",
        [](const Latest& l) { return std::optional<double>(static_cast<double>(l.stale_parameters)); }},

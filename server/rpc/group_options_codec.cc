@@ -61,7 +61,6 @@ void CopyValues(const v1::GroupOptions& in, optim::GroupOptions& out) {
            std::tuple{in.has_eps(), in.eps(), &out.eps},
            std::tuple{in.has_max_grad_norm(), in.max_grad_norm(), &out.max_grad_norm},
            std::tuple{in.has_warn_clip_below(), in.warn_clip_below(), &out.warn_clip_below},
-           std::tuple{in.has_warn_residual_above(), in.warn_residual_above(), &out.warn_residual_above},
        }) {
     if (has) *target = value;
   }
@@ -70,6 +69,7 @@ void CopyValues(const v1::GroupOptions& in, optim::GroupOptions& out) {
   if (in.has_telemetry()) out.telemetry = in.telemetry();
   if (in.has_warn_clip_steps()) out.warn_clip_steps = in.warn_clip_steps();
   if (in.has_warn_stale_steps()) out.warn_stale_steps = in.warn_stale_steps();
+  if (in.has_warn_residual_above()) out.warn_residual_above = in.warn_residual_above();
 }
 
 absl::Status ParseNames(const v1::GroupOptions& in, const std::string& field, optim::GroupOptions& out) {

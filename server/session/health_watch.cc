@@ -4,6 +4,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/optim/options.h"
 
 namespace muond::session {
 namespace {
@@ -64,12 +65,14 @@ void HealthWatch::Observe(const SessionConfig& config, const StepClipping& clipp
       out.momentum_norm = std::sqrt(t.momentum_sum_squares);
       out.smallest_momentum_norm = t.smallest_momentum_norm;
       // Newton–Schulz divides by norm_safety·‖U‖ + eps: at or under eps the update shrinks with
-      // the momentum instead of being normalized.
-      const bool low = options.ns_norm_safety * t.smallest_momentum_norm < options.ns_eps;
+      // the momentum instead of being normalized. A momentum of exactly zero is a matrix whose
+      // gradients have all been zero so far (a zero-initialized layer's inputs at the start): its
+      // update is rightly zero, and nothing fell.
+      const bool low = options.ns_norm_safety * t.smallest_nonzero_momentum_norm < options.ns_eps;
       if (low && !state.momentum_low) {
         Raise(kHealthWarningKinds[1], out.group,
-              absl::StrCat("a momentum norm of ", t.smallest_momentum_norm, " under ns_eps ", options.ns_eps), out,
-              result);
+              absl::StrCat("a momentum norm of ", t.smallest_nonzero_momentum_norm, " under ns_eps ", options.ns_eps),
+              out, result);
       }
       state.momentum_low = low;
     }
@@ -77,11 +80,13 @@ void HealthWatch::Observe(const SessionConfig& config, const StepClipping& clipp
     if (t.residual.has_value()) {
       out.residual = t.residual;
       out.residual_parameter = t.residual_parameter;
-      const bool high = *t.residual > options.warn_residual_above;
+      if (!state.residual_threshold.has_value()) state.residual_threshold = optim::ResidualThreshold(options);
+      const bool high = *t.residual > *state.residual_threshold;
       if (high && !state.residual_high) {
         Raise(kHealthWarningKinds[3], out.group,
               absl::StrCat("orthogonality residual ", *t.residual, " of '", t.residual_parameter, "' above ",
-                           options.warn_residual_above),
+                           *state.residual_threshold,
+                           options.warn_residual_above.has_value() ? "" : " (this Newton-Schulz's own bound)"),
               out, result);
       }
       state.residual_high = high;

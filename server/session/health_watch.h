@@ -2,8 +2,9 @@
 // of each group (docs/algorithms.md, Telemetry) assembled from the step's clipping and what each
 // optimizer measured, and the health warnings of the known silent failures (docs/operations.md,
 // Warnings): a Muon group whose clip coefficient stays under warn_clip_below for warn_clip_steps
-// steps, a Muon matrix whose momentum falls under Newton–Schulz's eps, a parameter without a
-// gradient for warn_stale_steps steps, an orthogonality residual above warn_residual_above.
+// steps, a Muon matrix whose non-zero momentum falls under Newton–Schulz's eps, a parameter without
+// a gradient for warn_stale_steps steps, an orthogonality residual above warn_residual_above (or
+// the bound the group's Newton–Schulz derives, optim::ResidualThreshold).
 //
 // A warning is raised when its condition starts (again), not on every step it lasts. The counters
 // live in memory: a restarted daemon starts them afresh. Owned by the session; not thread-safe (the
@@ -12,6 +13,7 @@
 
 #include <array>
 #include <cstdint>
+#include <optional>
 #include <string_view>
 #include <vector>
 
@@ -44,9 +46,10 @@ class HealthWatch {
 
  private:
   struct GroupState {
-    int64_t clip_low_steps = 0;  // applied steps in a row with the coefficient under the threshold
-    bool momentum_low = false;   // the last step had a matrix under ns_eps
-    bool residual_high = false;  // the last residual measured was above the bound
+    int64_t clip_low_steps = 0;                // applied steps in a row with the coefficient under the threshold
+    bool momentum_low = false;                 // the last step had a matrix under ns_eps
+    bool residual_high = false;                // the last residual measured was above the bound
+    std::optional<double> residual_threshold;  // optim::ResidualThreshold of the group, once known
   };
   std::vector<int64_t> steps_without_gradient_;  // by parameter
   std::vector<GroupState> groups_;

@@ -201,8 +201,8 @@ std::vector<float> Gaussian(std::mt19937& rng, size_t n) {
 // Newton–Schulz at the shapes of a 7B model's MLP (4096×11008, both orientations, so the
 // transposes run on 45M elements) and of a large square layer (8192²), in fp32 and bf16. The fp32
 // result is finite and as orthogonal as five steps of the default set make a Gaussian matrix: over
-// the Marchenko–Pastur law of its singular values the residual ‖XXᵀ − I‖_F/√m comes to 0.38
-// (4096×11008) and 0.42 (8192², whose smallest singular values stay below the set's band), so it
+// the Marchenko–Pastur law of its singular values the residual ‖G² − G‖_F/‖G‖_F (G = XXᵀ) comes to
+// 0.32 for both (8192²'s smallest singular values stay below the set's band, but weigh little), so it
 // must be < 0.5. The bf16 result is within 2·(steps·3·2⁻⁸) ≈ 0.12 of the fp32 one relative (each
 // is within the bound of Bf16NewtonSchulzWithinBoundOfFp64, fp32 far closer): a wrong transpose,
 // stride or leading dimension in either path breaks one of the two.

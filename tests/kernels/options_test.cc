@@ -241,6 +241,37 @@ TEST(ValidateOptionsTest, NamedSetsKeepSingularValuesNearOne) {
   }
 }
 
+// The band each set maps the directions of a momentum into, and the residual bound derived from it
+// (docs/algorithms.md, Telemetry): `simple` maps [2⁻⁷, 1] into about [0.68, 1.13], so its bound is
+// (1 + (1 − 0.68²))/2 ≈ 0.77; a converged iteration's band is {1} and its bound 0.5; an iteration
+// that does nothing keeps the cap, so that it is still told.
+TEST(ResidualThresholdTest, DerivedFromEachSetsBand) {
+  ASSERT_OK_AND_ASSIGN(NsSchedule simple, NamedSchedule("simple"));
+  const NsBand band = NsOutputBand(simple, 5, 1.0);
+  EXPECT_NEAR(band.lo, 0.682, 1e-3);
+  EXPECT_NEAR(band.hi, 1.134, 1e-3);
+  EXPECT_NEAR(NsResidualThreshold(simple, 5, 1.0), (2 - band.lo * band.lo) / 2, 1e-12);
+  ASSERT_OK_AND_ASSIGN(NsSchedule polar, NamedSchedule("polar_express"));
+  EXPECT_NEAR(NsResidualThreshold(polar, 8, 1.0), 0.5, 1e-3);
+  ASSERT_OK_AND_ASSIGN(NsSchedule deepseek, NamedSchedule("deepseekv4"));
+  EXPECT_NEAR(NsResidualThreshold(deepseek, 10, 1.0), 0.5, 1e-2);
+  NsSchedule nothing;
+  nothing.name = "custom";
+  nothing.tuples = {{1.0, 0.0, 0.0}};
+  EXPECT_EQ(NsResidualThreshold(nothing, 5, 1.0), kMaxResidualThreshold);
+  for (const std::string& name : NamedScheduleNames()) {
+    ASSERT_OK_AND_ASSIGN(NsSchedule schedule, NamedSchedule(name));
+    const double bound = NsResidualThreshold(schedule, 5, 1.0);
+    EXPECT_GE(bound, 0.5) << name;
+    EXPECT_LE(bound, kMaxResidualThreshold) << name;
+  }
+  GroupOptions o = DefaultOptions(OptimizerKind::kMuon);
+  EXPECT_FALSE(o.warn_residual_above.has_value()) << "derived unless given";
+  EXPECT_EQ(ResidualThreshold(o), NsResidualThreshold(o.ns_schedule, o.ns_steps, o.ns_norm_safety));
+  o.warn_residual_above = 0.25;
+  EXPECT_EQ(ResidualThreshold(o), 0.25);
+}
+
 TEST(ValidateOptionsTest, Cubic5TakesExactlyFiveSteps) {
   GroupOptions o = DefaultOptions(OptimizerKind::kMuon);
   ASSERT_OK_AND_ASSIGN(o.ns_schedule, NamedSchedule("cubic5"));

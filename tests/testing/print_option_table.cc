@@ -47,25 +47,26 @@ json Defaults() {
   for (optim::OptimizerKind kind : {optim::OptimizerKind::kMuon, optim::OptimizerKind::kAdamW,
                                     optim::OptimizerKind::kLion, optim::OptimizerKind::kSgd}) {
     const optim::GroupOptions o = optim::DefaultOptions(kind);
-    const json all = {{"lr", o.lr},
-                      {"weight_decay", o.weight_decay},
-                      {"momentum", o.momentum},
-                      {"nesterov", o.nesterov},
-                      {"ns_steps", o.ns_steps},
-                      {"ns_coefficients", o.ns_schedule.name},
-                      {"ns_eps", o.ns_eps},
-                      {"ns_norm_safety", o.ns_norm_safety},
-                      {"extra_scale_factor", o.extra_scale_factor},
-                      {"qk_clip_threshold", o.qk_clip_threshold},
-                      {"qk_clip_alpha", o.qk_clip_alpha},
-                      {"beta1", o.beta1},
-                      {"beta2", o.beta2},
-                      {"eps", o.eps},
-                      {"telemetry", o.telemetry},
-                      {"warn_clip_below", o.warn_clip_below},
-                      {"warn_clip_steps", o.warn_clip_steps},
-                      {"warn_stale_steps", o.warn_stale_steps},
-                      {"warn_residual_above", o.warn_residual_above}};
+    const json all = {
+        {"lr", o.lr},
+        {"weight_decay", o.weight_decay},
+        {"momentum", o.momentum},
+        {"nesterov", o.nesterov},
+        {"ns_steps", o.ns_steps},
+        {"ns_coefficients", o.ns_schedule.name},
+        {"ns_eps", o.ns_eps},
+        {"ns_norm_safety", o.ns_norm_safety},
+        {"extra_scale_factor", o.extra_scale_factor},
+        {"qk_clip_threshold", o.qk_clip_threshold},
+        {"qk_clip_alpha", o.qk_clip_alpha},
+        {"beta1", o.beta1},
+        {"beta2", o.beta2},
+        {"eps", o.eps},
+        {"telemetry", o.telemetry},
+        {"warn_clip_below", o.warn_clip_below},
+        {"warn_clip_steps", o.warn_clip_steps},
+        {"warn_stale_steps", o.warn_stale_steps},
+        {"warn_residual_above", o.warn_residual_above.has_value() ? json(*o.warn_residual_above) : json(nullptr)}};
     json mine = json::object();
     for (const auto& [name, value] : all.items()) {
       if (optim::OptionApplies(kind, name)) mine[name] = value;
