@@ -2,6 +2,7 @@
 transports, a skipped step and a journal; the exposition passes `promtool check metrics`; and a real
 Prometheus server scraping the daemon returns muond_steps_total through its HTTP API."""
 
+import contextlib
 import json
 import re
 import shutil
@@ -16,7 +17,7 @@ import torch
 
 import muond
 
-from conftest import tied_to_this_process
+from conftest import REPO_ROOT, tied_to_this_process
 from helpers import TinyNet, loss_of
 
 pytestmark = pytest.mark.ops
@@ -155,47 +156,115 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_a_real_prometheus_scrapes_the_daemon(metered, tmp_path):
+@contextlib.contextmanager
+def prometheus_scraping(address: str, tmp_path):
+    """A real Prometheus scraping the daemon's metrics at `address` every second; yields the address
+    of its HTTP API."""
     prometheus = shutil.which("prometheus")
     if prometheus is None:
         pytest.fail("prometheus is missing: scripts/setup.sh installs Debian's prometheus package")
-    address = metrics_address(metered.endpoint)
-    train(metered.endpoint, "scraped", "grpc", steps=3)
-
     config = tmp_path / "prometheus.yml"
     config.write_text(
         "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
         "scrape_configs:\n  - job_name: muond\n    static_configs:\n"
         f"      - targets: ['{address}']\n")
     # Port 0 is not an option for Prometheus' web listener; a port that was just free is taken
-    # again at once, and a clash shows up as Prometheus exiting, which the wait below reports.
+    # again at once, and a clash shows up as Prometheus exiting, which the waits report.
     web = f"127.0.0.1:{free_port()}"
-    log = open(tmp_path / "prometheus.log", "wb")
+    log_path = tmp_path / "prometheus.log"
+    log = open(log_path, "wb")
     server = subprocess.Popen(tied_to_this_process([prometheus, f"--config.file={config}",
                                                     f"--web.listen-address={web}",
                                                     f"--storage.tsdb.path={tmp_path / 'tsdb'}"]),
                               stdout=log, stderr=subprocess.STDOUT)
+    server.log_path = log_path
     try:
-        query = urllib.parse.urlencode({"query": 'sum(muond_steps_total{outcome="applied"})'})
+        yield web, server
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        log.close()
+
+
+def query(web: str, server, expr: str):
+    """The result of instant query `expr` (None while Prometheus is not listening yet)."""
+    if server.poll() is not None:
+        pytest.fail(f"prometheus exited: {server.log_path.read_text()[-2000:]}")
+    try:
+        with urllib.request.urlopen(f"http://{web}/api/v1/query?" + urllib.parse.urlencode({"query": expr}),
+                                    timeout=5) as response:
+            return json.load(response)["data"]["result"]
+    except OSError:
+        return None
+
+
+def test_a_real_prometheus_scrapes_the_daemon(metered, tmp_path):
+    address = metrics_address(metered.endpoint)
+    train(metered.endpoint, "scraped", "grpc", steps=3)
+    with prometheus_scraping(address, tmp_path) as (web, server):
         value = None
         deadline = time.monotonic() + 120
         while value is None:
-            if server.poll() is not None:
-                pytest.fail(f"prometheus exited: {(tmp_path / 'prometheus.log').read_text()[-2000:]}")
             assert time.monotonic() < deadline, "prometheus returned no muond_steps_total within 120 s"
-            try:
-                with urllib.request.urlopen(f"http://{web}/api/v1/query?{query}", timeout=5) as response:
-                    result = json.load(response)["data"]["result"]
-                value = float(result[0]["value"][1]) if result else None
-            except OSError:
-                pass  # not listening yet
+            result = query(web, server, 'sum(muond_steps_total{outcome="applied"})')
+            value = float(result[0]["value"][1]) if result else None
             if value is None:
                 time.sleep(0.2)
         assert value == 3
         with urllib.request.urlopen(f"http://{web}/api/v1/targets", timeout=5) as response:
             targets = json.load(response)["data"]["activeTargets"]
         assert [t["health"] for t in targets] == ["up"], targets
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
-        log.close()
+
+
+DASHBOARD = REPO_ROOT / "deploy" / "grafana" / "muond-dashboard.json"
+
+
+def dashboard_queries():
+    """(panel title, PromQL) of every target of deploy/grafana/muond-dashboard.json, with its
+    variables as "All" gives them and the rate interval at 1m."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    names = {v["name"] for v in dashboard["templating"]["list"]}
+    assert {"datasource", "instance", "session"} <= names
+    found = []
+    for panel in dashboard["panels"]:
+        assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            expr = (target["expr"].replace("$__rate_interval", "1m")
+                    .replace("$instance", ".*").replace("$session", ".*"))
+            assert "$" not in expr, expr
+            found.append((panel["title"], expr))
+    return found
+
+
+def test_every_dashboard_panel_returns_a_series(metered, tmp_path):
+    # A training daemon: steps over both transports, a Muon group measured, a health warning (a
+    # Newton–Schulz that does nothing) and a refused call; every query of every panel must then
+    # answer at least one series through Prometheus' HTTP API.
+    queries = dashboard_queries()
+    assert len({title for title, _ in queries}) >= 10
+    address = metrics_address(metered.endpoint)
+    with prometheus_scraping(address, tmp_path) as (web, server):
+        train(metered.endpoint, "dash-grpc", "grpc", steps=4)
+        train(metered.endpoint, "dash-shm", "shm", steps=4)
+        torch.manual_seed(8)
+        w = torch.nn.Parameter(torch.randn(64, 64) * 0.05)
+        groups = [{"params": [w], "param_names": ["w"], "optimizer": "muon",
+                   "ns_coefficients": [(1.0, 0.0, 0.0)]}]
+        with muond.RemoteOptimizer(groups, endpoint=metered.endpoint, session="dash-fault") as opt:
+            w.grad = torch.randn(64, 64)  # full rank: normalizing alone leaves it far from orthogonal
+            opt.step()
+            assert opt.last_info.groups["g0"].warnings == ("residual_high",)
+        conn = muond.Connection(metered.endpoint)
+        try:
+            with pytest.raises(muond.MuondError):
+                conn.checkpoint("no-such-session")
+        finally:
+            conn.close()
+        empty = queries
+        deadline = time.monotonic() + 120
+        while empty and time.monotonic() < deadline:
+            empty = [(title, expr) for title, expr in empty if not query(web, server, expr)]
+            if empty:
+                time.sleep(0.5)
+        assert not empty, f"panels without a series after 120 s: {empty}"
