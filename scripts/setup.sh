@@ -12,7 +12,7 @@ packages=(
   python3 python3-torch python3-grpcio python3-grpc-tools python3-protobuf python3-pytest python3-numpy
   python3-tqdm python3-pip
   openssl util-linux
-  prometheus curl python3-yaml python3-wheel python3-setuptools systemd
+  prometheus curl python3-yaml python3-wheel python3-setuptools systemd tmux
 )
 
 # `scripts/setup.sh containers` also installs what scripts/container-check.sh needs.

@@ -101,6 +101,18 @@ grpc::Status MuondService::ListSessions(grpc::ServerContext* context, const v1::
       summary->set_telemetry_step(health.step);
       for (const auto& clip : health.clips) *summary->add_group_clips() = transport::ToProto(clip);
       for (const auto& t : health.telemetry) *summary->add_group_telemetry() = transport::ToProto(t);
+      for (size_t g = 0; g < health.history.size() && g < health.telemetry.size(); ++g) {
+        v1::GroupHistory* history = summary->add_group_history();
+        history->set_group(health.telemetry[g].group);
+        history->mutable_grad_norm()->Add(health.history[g].grad_norm.begin(), health.history[g].grad_norm.end());
+        history->mutable_update_rms()->Add(health.history[g].update_rms.begin(), health.history[g].update_rms.end());
+      }
+      const session::Session::Activity activity = session->activity();
+      summary->set_last_transport(activity.last_transport);
+      const absl::Time now = absl::Now();
+      for (const absl::Time seen : activity.rank_seen) {
+        summary->add_rank_idle_seconds(seen == absl::InfinitePast() ? -1.0 : absl::ToDoubleSeconds(now - seen));
+      }
       if (absl::StatusOr<v1::SessionSpec> spec = SpecFromJson(session->config().spec_json); spec.ok()) {
         *summary->mutable_spec() = *std::move(spec);
       }

@@ -92,7 +92,17 @@ void HealthWatch::Observe(const SessionConfig& config, const StepClipping& clipp
       state.residual_high = high;
     }
   }
-  latest_ = {result.step, result.group_clips, result.group_telemetry};
+  history_.resize(groups);
+  for (size_t g = 0; g < groups; ++g) {
+    GroupHistory& h = history_[g];
+    if (h.grad_norm.size() == kHistorySteps) {
+      h.grad_norm.erase(h.grad_norm.begin());
+      h.update_rms.erase(h.update_rms.begin());
+    }
+    h.grad_norm.push_back(g < clipping.group_norms.size() ? clipping.group_norms[g] : std::nan(""));
+    h.update_rms.push_back(result.group_telemetry[g].update_rms.value_or(std::nan("")));
+  }
+  latest_ = {result.step, result.group_clips, result.group_telemetry, history_};
 }
 
 }  // namespace muond::session

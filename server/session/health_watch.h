@@ -35,12 +35,21 @@ class HealthWatch {
   void Observe(const SessionConfig& config, const StepClipping& clipping, const std::vector<bool>& has_gradient,
                const std::vector<optim::StepTelemetry>& telemetry, StepResult& result);
 
-  // The last applied step observed: its step (0: none yet), and every group's clipping and
-  // telemetry in it.
+  // Steps a group's history holds.
+  static constexpr size_t kHistorySteps = 60;
+  // One group's gradient norm and update RMS (NaN where not measured) in its last kHistorySteps
+  // applied steps, oldest first.
+  struct GroupHistory {
+    std::vector<double> grad_norm;
+    std::vector<double> update_rms;
+  };
+  // The last applied step observed: its step (0: none yet), every group's clipping and telemetry in
+  // it, and every group's history.
   struct Latest {
     int64_t step = 0;
     std::vector<StepResult::GroupClip> clips;
     std::vector<StepResult::GroupTelemetry> telemetry;
+    std::vector<GroupHistory> history;
   };
   const Latest& latest() const { return latest_; }
 
@@ -53,6 +62,7 @@ class HealthWatch {
   };
   std::vector<int64_t> steps_without_gradient_;  // by parameter
   std::vector<GroupState> groups_;
+  std::vector<GroupHistory> history_;  // by group
   Latest latest_;
 };
 

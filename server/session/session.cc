@@ -74,6 +74,20 @@ HealthWatch::Latest Session::LatestHealth() const {
   return health_.latest();
 }
 
+void Session::NoteStepArrived(int rank, std::string_view transport) {
+  absl::MutexLock lock(&activity_mu_);
+  activity_.last_transport = std::string(transport);
+  if (activity_.rank_seen.empty()) activity_.rank_seen.assign(config_.world_size, absl::InfinitePast());
+  if (rank >= 0 && rank < static_cast<int>(activity_.rank_seen.size())) activity_.rank_seen[rank] = absl::Now();
+}
+
+Session::Activity Session::activity() const {
+  absl::MutexLock lock(&activity_mu_);
+  Activity copy = activity_;
+  if (copy.rank_seen.empty()) copy.rank_seen.assign(config_.world_size, absl::InfinitePast());
+  return copy;
+}
+
 bool Session::ClaimHealthReport(int64_t step) {
   int64_t reported = health_reported_step_.load();
   while (step > reported) {

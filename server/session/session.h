@@ -30,12 +30,14 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "common/host_tensor.h"
 #include "kernels/backend.h"
 #include "kernels/optim/optimizer.h"
@@ -66,6 +68,15 @@ class Session {
   int64_t last_step() const;
   // The groups' clipping and telemetry of the last applied step (health_watch.h).
   HealthWatch::Latest LatestHealth() const;
+  // What a live view shows of the session's traffic (muondctl top): a step of `rank` arrived over
+  // `transport` ("grpc", "shm", …), refused or not. Activity: the last step's transport, and when
+  // each rank's last step arrived (absl::InfinitePast() for none yet). Thread-safe.
+  void NoteStepArrived(int rank, std::string_view transport);
+  struct Activity {
+    std::string last_transport;
+    std::vector<absl::Time> rank_seen;  // by rank
+  };
+  Activity activity() const;
   // True for the first caller with a step beyond the last claimed: a step of several ranks is
   // answered once per rank, and its health warnings are logged and counted once. Thread-safe.
   bool ClaimHealthReport(int64_t step);
@@ -287,6 +298,8 @@ class Session {
   RankGather gather_ ABSL_GUARDED_BY(mu_);
   HealthWatch health_ ABSL_GUARDED_BY(mu_);       // telemetry and health warnings, step to step
   std::atomic<int64_t> health_reported_step_{0};  // ClaimHealthReport's last step
+  mutable absl::Mutex activity_mu_;               // guards activity_ alone; taken after nothing
+  Activity activity_ ABSL_GUARDED_BY(activity_mu_);
   // Asynchronous sessions: each rank's last push (its number, the global step it became and its
   // staleness), by rank; checkpointed (SessionState::pushes).
   std::vector<PushRecord> pushes_ ABSL_GUARDED_BY(mu_);

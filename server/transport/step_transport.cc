@@ -35,6 +35,7 @@ absl::Status RunStep(session::Session& session, session::StepRequest request, Gr
   const Clock::time_point start = Clock::now();
   const bool device_answer = request.device_answer;
   const int rank = request.rank;
+  session.NoteStepArrived(rank, source.transport());
   MUOND_ASSIGN_OR_RETURN(std::unique_ptr<session::IncomingStep> step, session.BeginStep(std::move(request)));
   MUOND_RETURN_IF_ERROR(source.ReadGradients(*step));
   const Clock::time_point received = Clock::now();

@@ -64,6 +64,12 @@ absl::StatusOr<std::unique_ptr<client::Client>> Connect(const ConnectFlags& flag
   return client::Client::Connect(std::move(options));
 }
 
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<client::Client>> ConnectDaemon(const ConnectFlags& flags) { return Connect(flags); }
+
+namespace {
+
 // The summary of `session_id` among the caller's sessions, or NOT_FOUND.
 absl::StatusOr<v1::SessionSummary> FindSession(client::Client& client, const std::string& session_id) {
   absl::StatusOr<std::vector<v1::SessionSummary>> sessions = client.ListSessions();

@@ -4,8 +4,11 @@
 // checkpoint` and `sessions close`.
 #pragma once
 
+#include <memory>
 #include <string>
 
+#include "absl/status/statusor.h"
+#include "client/muond_client.h"
 #include "tools/muondctl/ctl_output.h"
 
 namespace muond::ctl {
@@ -20,6 +23,9 @@ struct ConnectFlags {
   std::string tls_server_name;  // verify the daemon's certificate against this name
   std::string auth_token_file;  // first non-comment line is the token; else $MUOND_AUTH_TOKEN
 };
+
+// A client of the daemon `flags` name, with their TLS and token, that never retries.
+absl::StatusOr<std::unique_ptr<client::Client>> ConnectDaemon(const ConnectFlags& flags);
 
 // grpc.health.v1: {"status": "SERVING" | "NOT_SERVING"}; exit 0 only when serving.
 Answer Health(const ConnectFlags& flags);

@@ -1,6 +1,6 @@
 // muondctl: the operator's command-line tool for muond. Parses the command line (CLI11) and runs one
-// command: daemon_commands.h (health, info, sessions, export over gRPC) or state_commands.h (offline
-// reading of a --state-dir). Output and exit codes: ctl_output.h.
+// command: daemon_commands.h (health, info, sessions, export over gRPC), top_command.h (a live view)
+// or state_commands.h (offline reading of a --state-dir). Output and exit codes: ctl_output.h.
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
@@ -11,6 +11,7 @@
 #include "tools/muondctl/ctl_output.h"
 #include "tools/muondctl/daemon_commands.h"
 #include "tools/muondctl/state_commands.h"
+#include "tools/muondctl/top_command.h"
 
 namespace muond::ctl {
 namespace {
@@ -69,6 +70,19 @@ int Run(int argc, char** argv) {
   CLI::App* close = sessions->add_subcommand("close", "Close a session: its state and its files are dropped");
   close->add_option("SESSION", session_id, "Session id")->required();
   close->callback([&] { command = [&] { return CloseSession(connect, session_id); }; });
+
+  TopFlags top_flags;
+  CLI::App* top = app.add_subcommand(
+      "top",
+      "A live view of the daemon's sessions and groups, refreshed until q or Ctrl-C (plain lines when "
+      "stdout is not a terminal); exit 3 when the daemon goes away");
+  top->add_option("--interval", top_flags.interval_seconds, "Seconds between refreshes")
+      ->check(CLI::Range(0.1, 3600.0))
+      ->capture_default_str();
+  top->add_option("--iterations,-n", top_flags.iterations, "Stop after this many refreshes (0: never)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  top->callback([&] { command = [&] { return Top(connect, top_flags); }; });
 
   std::string export_to;
   std::string export_state_dir;
