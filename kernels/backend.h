@@ -119,6 +119,11 @@ class Backend : public PeerPrimitives {
   // answers can be encoded from the masters themselves and host values (BorrowedBuffer) given to
   // the backend's operations without a copy.
   virtual bool HostAddressable() const { return false; }
+  // Whether AdamW, Lion and Sgd measure their own update (docs/algorithms.md, Telemetry): with an
+  // fp32 master and args.measure set, they write Σ W_before² and Σ ΔW² (fp64) of the elements they
+  // update to measure[0] and measure[1], in the update's own pass. Otherwise args.measure is ignored
+  // and the update is measured around the call (optim::UpdateMeter).
+  virtual bool MeasuresUpdatesInPass() const { return false; }
   virtual std::string Detail() const = 0;  // library versions, device name, threads
 
   // Memory the backend's buffers take now: in use (held by buffers and scratch) and reserved (also

@@ -91,6 +91,8 @@ struct AdamWArgs {
   // Adam with coupled L2 (torch.optim.Adam's weight_decay, Megatron's decoupled_weight_decay=False):
   // g ← g + λ·p before the moments. Zero for AdamW, whose decay is weight_decay above.
   float l2_weight_decay = 0.0f;
+  // Backend::MeasuresUpdatesInPass: where Σ W_before² and Σ ΔW² go (null: not measured).
+  double* measure = nullptr;
 };
 
 MUOND_HD void AdamWElement(const AdamWArgs& a, float& p, float g, float& m, float& v) {
@@ -108,6 +110,7 @@ struct LionArgs {
   float lr = 1e-4f;
   float beta1 = 0.9f, beta2 = 0.99f;
   float weight_decay = 0.0f;
+  double* measure = nullptr;  // as AdamWArgs::measure
 };
 
 MUOND_HD void LionElement(const LionArgs& a, float& p, float g, float& m) {
@@ -126,6 +129,7 @@ struct SgdArgs {
   float weight_decay = 0.0f;
   bool nesterov = false;
   bool first_step = true;
+  double* measure = nullptr;  // as AdamWArgs::measure
 };
 
 MUOND_HD void SgdElement(const SgdArgs& a, float& p, float g, float& b) {

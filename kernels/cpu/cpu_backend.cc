@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -52,36 +53,68 @@ class CpuBuffer final : public BorrowedBuffer {
 #define MUOND_ELEMENTWISE_CLONES
 #endif
 
+// An update that measures itself (Backend::MeasuresUpdatesInPass): element(i) updates p[i] for i in
+// [begin, end), and Σ p_before² and Σ (p_before − p_after)² are added to sums[0] and sums[1] in the
+// same loop. The sums run in fp32 over pieces of kMeasuredPiece elements (vectorized: reassociated
+// within a piece, so each partial holds at most a few hundred terms, within 2⁻¹⁶ relative), added up
+// in fp64 piece by piece. The difference is fp32's, exact where W changed by less than half its value
+// (Sterbenz). Without `sums` (null) the plain loop.
+constexpr size_t kMeasuredPiece = 2048;
+template <typename Element>
+inline __attribute__((always_inline)) void UpdateLoop(float* __restrict p, size_t begin, size_t end, double* sums,
+                                                      Element element) {
+  if (sums == nullptr) {
+    for (size_t i = begin; i < end; ++i) element(i);
+    return;
+  }
+  for (size_t at = begin; at < end; at += kMeasuredPiece) {
+    const size_t stop = std::min(end, at + kMeasuredPiece);
+    float w = 0.0f, d = 0.0f;
+#pragma omp simd reduction(+ : w, d)
+    for (size_t i = at; i < stop; ++i) {
+      const float before = p[i];
+      element(i);
+      const float delta = before - p[i];
+      w += before * before;
+      d += delta * delta;
+    }
+    sums[0] += w;
+    sums[1] += d;
+  }
+}
+
 // The element-wise loops over one range. Arguments by value and __restrict pointers let the compiler
 // keep the coefficients in registers and vectorize without alias checks (the buffers of one call
 // never overlap, except Momentum's grad and update and Axpby's x and y, which may, and are read
-// before written per element).
+// before written per element). `sums`: see UpdateLoop.
 MUOND_ELEMENTWISE_CLONES void AdamWRange(const AdamWArgs a, float* __restrict p, const float* __restrict g,
-                                         float* __restrict m, float* __restrict v, size_t begin, size_t end) {
-  for (size_t i = begin; i < end; ++i) AdamWElement(a, p[i], g[i], m[i], v[i]);
+                                         float* __restrict m, float* __restrict v, size_t begin, size_t end,
+                                         double* sums) {
+  UpdateLoop(p, begin, end, sums, [&](size_t i) { AdamWElement(a, p[i], g[i], m[i], v[i]); });
 }
 MUOND_ELEMENTWISE_CLONES void LionRange(const LionArgs a, float* __restrict p, const float* __restrict g,
-                                        float* __restrict m, size_t begin, size_t end) {
-  for (size_t i = begin; i < end; ++i) LionElement(a, p[i], g[i], m[i]);
+                                        float* __restrict m, size_t begin, size_t end, double* sums) {
+  UpdateLoop(p, begin, end, sums, [&](size_t i) { LionElement(a, p[i], g[i], m[i]); });
 }
 // SGD's options are fixed for a call: one loop per combination, each with its branches folded away
 // (kMomentum false means momentum is 0, which SgdElement then never reads).
 template <bool kMomentum, bool kFirstStep, bool kNesterov>
-void SgdLoop(SgdArgs a, float* __restrict p, const float* __restrict g, float* __restrict b, size_t begin, size_t end) {
+inline __attribute__((always_inline)) void SgdLoop(SgdArgs a, float* __restrict p, const float* __restrict g,
+                                                   float* __restrict b, size_t begin, size_t end, double* sums) {
   if (!kMomentum) a.momentum = 0.0f;
   a.first_step = kFirstStep;
   a.nesterov = kNesterov;
-  for (size_t i = begin; i < end; ++i) SgdElement(a, p[i], g[i], b[i]);
+  UpdateLoop(p, begin, end, sums, [&](size_t i) { SgdElement(a, p[i], g[i], b[i]); });
 }
 MUOND_ELEMENTWISE_CLONES void SgdRange(const SgdArgs a, float* __restrict p, const float* __restrict g,
-                                       float* __restrict b, size_t begin, size_t end) {
-  if (a.momentum == 0.0f) return SgdLoop<false, false, false>(a, p, g, b, begin, end);
+                                       float* __restrict b, size_t begin, size_t end, double* sums) {
+  if (a.momentum == 0.0f) return SgdLoop<false, false, false>(a, p, g, b, begin, end, sums);
   if (a.first_step) {
-    return a.nesterov ? SgdLoop<true, true, true>(a, p, g, b, begin, end)
-                      : SgdLoop<true, true, false>(a, p, g, b, begin, end);
+    return a.nesterov ? SgdLoop<true, true, true>(a, p, g, b, begin, end, sums)
+                      : SgdLoop<true, true, false>(a, p, g, b, begin, end, sums);
   }
-  return a.nesterov ? SgdLoop<true, false, true>(a, p, g, b, begin, end)
-                    : SgdLoop<true, false, false>(a, p, g, b, begin, end);
+  return a.nesterov ? SgdLoop<true, false, true>(a, p, g, b, begin, end, sums)
+                    : SgdLoop<true, false, false>(a, p, g, b, begin, end, sums);
 }
 MUOND_ELEMENTWISE_CLONES void MomentumRange(const MomentumArgs a, float* __restrict m, const float* g, float* u,
                                             size_t begin, size_t end) {
@@ -178,6 +211,7 @@ class CpuBackend final : public Backend {
 
   std::string Name() const override { return "cpu"; }
   bool HostAddressable() const override { return host_addressable_; }
+  bool MeasuresUpdatesInPass() const override { return true; }
   std::string Detail() const override {
     const Bf16Support& bf16 = Bf16GemmSupport();
     return absl::StrCat(
@@ -351,29 +385,30 @@ class CpuBackend final : public Backend {
   }
   absl::Status AdamW(const AdamWArgs& args, StoredRef param, const float* grad, StoredRef exp_avg, StoredRef exp_avg_sq,
                      size_t count) override {
-    pool_.Run(count, [&](size_t begin, size_t end) {
+    RunUpdate(count, args.measure, param, [&](size_t begin, size_t end, double* sums) {
       Blockwise<3>({param, exp_avg, exp_avg_sq}, 0b111, begin, end,
                    [&](const std::array<float*, 3>& v, size_t at, size_t n) {
-                     AdamWRange(args, v[0], grad + at, v[1], v[2], 0, n);
+                     AdamWRange(args, v[0], grad + at, v[1], v[2], 0, n, sums);
                    });
     });
     return absl::OkStatus();
   }
   absl::Status Lion(const LionArgs& args, StoredRef param, const float* grad, StoredRef exp_avg,
                     size_t count) override {
-    pool_.Run(count, [&](size_t begin, size_t end) {
+    RunUpdate(count, args.measure, param, [&](size_t begin, size_t end, double* sums) {
       Blockwise<2>({param, exp_avg}, 0b11, begin, end, [&](const std::array<float*, 2>& v, size_t at, size_t n) {
-        LionRange(args, v[0], grad + at, v[1], 0, n);
+        LionRange(args, v[0], grad + at, v[1], 0, n, sums);
       });
     });
     return absl::OkStatus();
   }
   absl::Status Sgd(const SgdArgs& args, StoredRef param, const float* grad, StoredRef momentum_buffer,
                    size_t count) override {
-    pool_.Run(count, [&](size_t begin, size_t end) {
-      Blockwise<2>(
-          {param, momentum_buffer}, 0b11, begin, end,
-          [&](const std::array<float*, 2>& v, size_t at, size_t n) { SgdRange(args, v[0], grad + at, v[1], 0, n); });
+    RunUpdate(count, args.measure, param, [&](size_t begin, size_t end, double* sums) {
+      Blockwise<2>({param, momentum_buffer}, 0b11, begin, end,
+                   [&](const std::array<float*, 2>& v, size_t at, size_t n) {
+                     SgdRange(args, v[0], grad + at, v[1], 0, n, sums);
+                   });
     });
     return absl::OkStatus();
   }
@@ -395,6 +430,31 @@ class CpuBackend final : public Backend {
   }
 
  private:
+  // pool_.Run of range(begin, end, sums) over [0, count) of an update of `master`: sums null, or,
+  // with `measure` and an fp32 master, two doubles the range adds its Σ W_before² and Σ ΔW² to
+  // (UpdateLoop); every range's sums then written to measure[0] and measure[1], added in the order of
+  // the ranges (the same bits however the threads interleave).
+  template <typename Range>
+  void RunUpdate(size_t count, double* measure, StoredRef master, Range&& range) {
+    if (measure == nullptr || !master.is_fp32()) {
+      pool_.Run(count, [&](size_t begin, size_t end) { range(begin, end, nullptr); });
+      return;
+    }
+    std::mutex mu;
+    std::map<size_t, std::array<double, 2>> by_range;
+    pool_.Run(count, [&](size_t begin, size_t end) {
+      std::array<double, 2> sums = {0, 0};
+      range(begin, end, sums.data());
+      std::lock_guard<std::mutex> lock(mu);
+      by_range[begin] = sums;
+    });
+    measure[0] = measure[1] = 0;
+    for (const auto& [begin, sums] : by_range) {
+      measure[0] += sums[0];
+      measure[1] += sums[1];
+    }
+  }
+
   // The bf16 GEMMs, made on the first bf16 request, or null where the CPU has no bf16 kernel; either
   // way the outcome is logged once. Called under the gate.
   OnednnBf16Gemm* Bf16Gemm() {

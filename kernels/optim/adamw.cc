@@ -62,9 +62,11 @@ class AdamW final : public Optimizer {
           .one_minus_beta2 = static_cast<float>(1.0 - options_.beta2),
           .l2_weight_decay = Coupled() ? static_cast<float>(hyper.weight_decay) : 0.0f,
       };
-      MUOND_RETURN_IF_ERROR(
-          ApplyElementwise(backend, *p, [&](const StateRefs& refs, const float* g, size_t n) {  // exp_avg, exp_avg_sq
-            return backend.AdamW(args, refs.master, g, refs.slots[0], refs.slots[1], n);
+      MUOND_RETURN_IF_ERROR(ApplyElementwise(
+          backend, *p, [&](const StateRefs& refs, const float* g, size_t n, double* measure) {  // exp_avg, exp_avg_sq
+            kernels::AdamWArgs measured = args;
+            measured.measure = measure;
+            return backend.AdamW(measured, refs.master, g, refs.slots[0], refs.slots[1], n);
           }));
       ++p->step_count;
     }

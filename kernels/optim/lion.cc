@@ -38,9 +38,11 @@ class Lion final : public Optimizer {
                                  .weight_decay = static_cast<float>(hyper.weight_decay)};
     for (ParamState* p : params) {
       if (!p->has_grad) continue;
-      MUOND_RETURN_IF_ERROR(
-          ApplyElementwise(backend, *p, [&](const StateRefs& refs, const float* g, size_t n) {  // exp_avg
-            return backend.Lion(args, refs.master, g, refs.slots[0], n);
+      MUOND_RETURN_IF_ERROR(ApplyElementwise(
+          backend, *p, [&](const StateRefs& refs, const float* g, size_t n, double* measure) {  // exp_avg
+            kernels::LionArgs measured = args;
+            measured.measure = measure;
+            return backend.Lion(measured, refs.master, g, refs.slots[0], n);
           }));
       ++p->step_count;
     }

@@ -506,13 +506,13 @@ absl::Status Muon::Observe(Backend& backend, std::span<const MatrixJob> jobs, co
 absl::Status Muon::ApplyUpdate(Backend& backend, const MatrixJob& job, float* o, size_t count) {
   return UpdateMeter::Measure(
       backend, job.master->Ref(job.master_offset), count,
-      [&](size_t offset, size_t n) {
+      [&](size_t offset, size_t n, double*) {
         MatrixJob part = job;
         part.master_offset += offset;
         if (options_.moment2_method == Moment2Method::kAdamuon) part.moment2_offset += offset;
         return ApplyUpdateRange(backend, part, o + offset, n);
       },
-      telemetry_);
+      telemetry_, /*in_pass=*/false);  // several kernels apply Muon's update: measured around them
 }
 
 absl::Status Muon::ApplyUpdateRange(Backend& backend, const MatrixJob& job, float* o, size_t count) {

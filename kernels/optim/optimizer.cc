@@ -120,15 +120,15 @@ absl::Status Optimizer::ApplyElementwise(kernels::Backend& backend, ParamState& 
   const float* g = param.grad->data();
   return UpdateMeter::Measure(
       backend, refs.master, static_cast<size_t>(param.numel),
-      [&](size_t offset, size_t count) {
-        if (offset == 0 && count == static_cast<size_t>(param.numel)) return apply(refs, g, count);
+      [&](size_t offset, size_t count, double* measure) {
+        if (offset == 0 && count == static_cast<size_t>(param.numel)) return apply(refs, g, count, measure);
         StateRefs part{refs.master.At(offset), {}};
         for (size_t s = 0; s < refs.slots.size(); ++s) {
           if (refs.slots[s].data != nullptr) part.slots[s] = refs.slots[s].At(offset);
         }
-        return apply(part, g + offset, count);
+        return apply(part, g + offset, count, measure);
       },
-      telemetry_);
+      telemetry_, /*in_pass=*/true);
 }
 
 }  // namespace muond::optim

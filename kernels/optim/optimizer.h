@@ -123,7 +123,8 @@ class Optimizer {
   // Runs an element-wise update of `param` (apply(refs, gradient, count) on the state from element
   // `offset` of StateRefs on), measured by UpdateMeter during StepMeasured. Every slot must have
   // the parameter's shape.
-  using ElementwiseUpdate = absl::FunctionRef<absl::Status(const StateRefs&, const float*, size_t)>;
+  // (refs, gradient, count, measure): `measure` goes into the kernel's args (Backend::MeasuresUpdatesInPass).
+  using ElementwiseUpdate = absl::FunctionRef<absl::Status(const StateRefs&, const float*, size_t, double*)>;
   absl::Status ApplyElementwise(kernels::Backend& backend, ParamState& param, ElementwiseUpdate apply);
   GroupOptions options_;
   // The telemetry of the step in progress when it runs through StepMeasured; null otherwise.

@@ -47,9 +47,11 @@ class Sgd final : public Optimizer {
                                   .weight_decay = static_cast<float>(hyper.weight_decay),
                                   .nesterov = options_.nesterov,
                                   .first_step = p->step_count == 0};
-      MUOND_RETURN_IF_ERROR(
-          ApplyElementwise(backend, *p, [&](const StateRefs& refs, const float* g, size_t n) {  // momentum_buffer
-            return backend.Sgd(args, refs.master, g, refs.slots[0], n);
+      MUOND_RETURN_IF_ERROR(ApplyElementwise(
+          backend, *p, [&](const StateRefs& refs, const float* g, size_t n, double* measure) {  // momentum_buffer
+            kernels::SgdArgs measured = args;
+            measured.measure = measure;
+            return backend.Sgd(measured, refs.master, g, refs.slots[0], n);
           }));
       ++p->step_count;
     }

@@ -62,16 +62,19 @@ class UpdateMeter {
   // Allocates the backend's scratch and the first segment of `telemetry`'s pending sums, so that a
   // step can fail for lack of memory before it changes any state.
   static absl::Status Reserve(kernels::Backend& backend, StepTelemetry& telemetry);
-  // Runs apply(offset, count) over [0, count) of a master (`master` its first element). When
-  // telemetry.measure, up to kMeasuredChunks chunks of it, evenly spaced, are updated one by one with
-  // their Σ W² before and Σ ΔW² after computed into `telemetry.pending` (nothing waits for a
-  // device; read back, they add into master_sum_squares and update_sum_squares), and the ranges between them in one
-  // call each: a master of at most kMeasuredChunks chunks is measured whole, a larger one by that sample, its sums
-  // scaled to the whole (an estimate; docs/algorithms.md, Telemetry). `apply` must update elements [offset, offset +
-  // count) only.
+  // Runs apply(offset, count, measure) over [0, count) of a master (`master` its first element). When
+  // telemetry.measure, the master's Σ W² before and Σ ΔW² go into `telemetry.pending` (nothing waits
+  // for a device; read back, they add into master_sum_squares and update_sum_squares):
+  //  - with `in_pass`, on a backend that MeasuresUpdatesInPass and an fp32 master: one call whose
+  //    `measure` (two doubles of backend memory) the update writes its own exact sums to;
+  //  - otherwise (measure null): up to kMeasuredChunks chunks, evenly spaced, updated one by one with
+  //    their sums computed around them, and the ranges between them in one call each; a master of at
+  //    most kMeasuredChunks chunks is measured whole, a larger one by that sample, its sums scaled to
+  //    the whole (an estimate; docs/algorithms.md, Telemetry).
+  // `apply` must update elements [offset, offset + count) only.
   static absl::Status Measure(kernels::Backend& backend, kernels::StoredRef master, size_t count,
-                              absl::FunctionRef<absl::Status(size_t offset, size_t count)> apply,
-                              StepTelemetry* telemetry);
+                              absl::FunctionRef<absl::Status(size_t offset, size_t count, double* measure)> apply,
+                              StepTelemetry* telemetry, bool in_pass);
 };
 
 }  // namespace muond::optim

@@ -1,5 +1,6 @@
-// UpdateMeter (step_telemetry.h): Σ W² and Σ ΔW² of an update, chunk by chunk, through one scratch
-// buffer per backend, into the step's pending sums (backend memory).
+// UpdateMeter (step_telemetry.h): Σ W² and Σ ΔW² of an update into the step's pending sums (backend
+// memory): by the update itself where the backend measures in its own pass, else chunk by chunk
+// through one scratch buffer per backend.
 #include <algorithm>
 #include <memory>
 #include <mutex>
@@ -64,8 +65,19 @@ absl::Status UpdateMeter::Reserve(kernels::Backend& backend, StepTelemetry& tele
 }
 
 absl::Status UpdateMeter::Measure(kernels::Backend& backend, kernels::StoredRef master, size_t count,
-                                  absl::FunctionRef<absl::Status(size_t, size_t)> apply, StepTelemetry* telemetry) {
-  if (telemetry == nullptr || !telemetry->measure) return apply(0, count);
+                                  absl::FunctionRef<absl::Status(size_t, size_t, double*)> apply,
+                                  StepTelemetry* telemetry, bool in_pass) {
+  if (telemetry == nullptr || !telemetry->measure) return apply(0, count, nullptr);
+  if (in_pass && backend.MeasuresUpdatesInPass() && master.dtype == kernels::StorageDtype::kFp32) {
+    // The update measures itself, every element, in its own pass: nothing sampled, no extra pass.
+    MUOND_ASSIGN_OR_RETURN(double* sums, telemetry->pending.Reserve(backend, 2, [telemetry](std::span<const double> s) {
+      telemetry->master_sum_squares += s[0];
+      telemetry->update_sum_squares += s[1];
+    }));
+    MUOND_RETURN_IF_ERROR(apply(0, count, sums));
+    telemetry->updated_elements += static_cast<int64_t>(count);
+    return absl::OkStatus();
+  }
   MeterScratch& scratch = backend.Shared<MeterScratch>();
   std::lock_guard<std::mutex> lock(scratch.mu);
   MUOND_ASSIGN_OR_RETURN(float* before, ScratchOf(backend, scratch));
@@ -86,7 +98,7 @@ absl::Status UpdateMeter::Measure(kernels::Backend& backend, kernels::StoredRef 
   for (size_t c : picked) {
     const size_t offset = c * chunk;
     const size_t n = std::min(chunk, count - offset);
-    if (offset > done) MUOND_RETURN_IF_ERROR(apply(done, offset - done));
+    if (offset > done) MUOND_RETURN_IF_ERROR(apply(done, offset - done, nullptr));
     const kernels::StoredRef w = master.At(offset);
     // Σ W² before and Σ ΔW², scaled to the whole master.
     MUOND_ASSIGN_OR_RETURN(double* sums,
@@ -97,11 +109,11 @@ absl::Status UpdateMeter::Measure(kernels::Backend& backend, kernels::StoredRef 
     MUOND_RETURN_IF_ERROR(backend.Widen(w.dtype, w.data, before, n));
     if (host_fp32) {
       // Host memory: both sums in one pass after the update, from the copy and the master itself.
-      MUOND_RETURN_IF_ERROR(apply(offset, n));
+      MUOND_RETURN_IF_ERROR(apply(offset, n, nullptr));
       HostSums(before, static_cast<const float*>(w.data), n, sums);
     } else {
       MUOND_RETURN_IF_ERROR(backend.SumSquaresTo(before, n, 1, &sums[0]));
-      MUOND_RETURN_IF_ERROR(apply(offset, n));
+      MUOND_RETURN_IF_ERROR(apply(offset, n, nullptr));
       // before ← W_before − W_after: −ΔW, the same sum of squares. The backend orders this after
       // the first sum's kernels, and the next measurement's Widen after this one's: `before` is
       // reused only in the backend's own order.
@@ -110,7 +122,7 @@ absl::Status UpdateMeter::Measure(kernels::Backend& backend, kernels::StoredRef 
     }
     done = offset + n;
   }
-  if (done < count) MUOND_RETURN_IF_ERROR(apply(done, count - done));
+  if (done < count) MUOND_RETURN_IF_ERROR(apply(done, count - done, nullptr));
   telemetry->updated_elements += static_cast<int64_t>(count);
   return absl::OkStatus();
 }
