@@ -15,7 +15,7 @@ from __future__ import annotations
 import abc
 import functools
 from dataclasses import dataclass
-from typing import (TYPE_CHECKING, Any, Callable, ClassVar, Dict, Iterable, Iterator, List,
+from typing import (TYPE_CHECKING, Any, Callable, ClassVar, Dict, Iterable, Iterator,
                     Optional, Sequence, Tuple)
 
 import torch
@@ -23,9 +23,10 @@ import torch
 from .._stubs import pb
 from . import shm
 
+from .streamed import GatheredTry, Grads, StreamedTry
+
 if TYPE_CHECKING:  # client.py imports this package's framing: no import of it at run time here
     from ..client import Connection
-    from .streamed import StreamedTry
 
 
 def parameter_device(tensors: Iterable[torch.Tensor]) -> Tuple[Optional[int], str]:
@@ -126,9 +127,6 @@ class TransportContext:
         return self.conn.endpoint
 
 
-Grads = List[Tuple[str, torch.Tensor]]
-
-
 class StepTransport(abc.ABC):
     """One session's step transport. ``name`` is what ``transport=`` calls it.
 
@@ -172,7 +170,6 @@ class StepTransport(abc.ABC):
                        out: Optional[Dict[str, torch.Tensor]] = None) -> "StreamedTry":
         """A try of the step ``header`` names whose gradients are handed over as they are
         produced (``streamed.py``). By default they are gathered and sent at the end."""
-        from .streamed import GatheredTry  # noqa: PLC0415 - streamed.py imports this module
         return GatheredTry(self, header, out)
 
     def close(self) -> None:

@@ -11,7 +11,7 @@ A streamed try (``SlotStreamedTry``) writes each gradient into its slots as back
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, AbstractSet, Callable, Dict, Iterator, Optional, Sequence, Tuple, Union
+from typing import AbstractSet, Callable, Dict, Iterator, Optional, Protocol, Sequence, Tuple
 
 import grpc
 import torch
@@ -23,10 +23,6 @@ from . import host_copy
 from .base import Grads, TransportContext
 from .streamed import StreamedTry, check_identity, identity_of
 
-if TYPE_CHECKING:
-    from .shm_transport import ShmTransport
-    from .cuda_ipc_transport import CudaIpcTransport
-    SlotTransport = Union[ShmTransport, CudaIpcTransport]
 
 SLOT_BYTES = 4  # one slot per element: fp32 at most, in either direction
 
@@ -43,6 +39,19 @@ def slot_layout(names: Sequence[str], sizes: Dict[str, int]) -> Tuple[Dict[str, 
 
 
 View = Callable[[int, int, torch.dtype], torch.Tensor]  # (byte offset, elements, dtype) → tensor
+
+
+class SlotTransport(Protocol):
+    """What a slot transport (ShmTransport, CudaIpcTransport) gives its streamed tries."""
+
+    ctx: TransportContext
+    offsets: Dict[str, int]
+
+    def ready(self) -> Tuple[str, View]:
+        """(the block's registered name, its view), registering it first when needed."""
+
+    def send(self, request: pb.StepSharedRequest) -> pb.StepResult:
+        """Runs one step call over the block."""
 
 
 def gradient_copy(ctx: TransportContext, offsets: Dict[str, int], view: View, name: str,
@@ -111,7 +120,7 @@ class SlotStreamedTry(StreamedTry):
     transport provides ``ready()`` → (block name, view), registering the block when needed,
     ``send(request)`` → StepResult, and ``offsets``."""
 
-    def __init__(self, transport: "SlotTransport", header: pb.StepHeader,
+    def __init__(self, transport: SlotTransport, header: pb.StepHeader,
                  out: Optional[Dict[str, torch.Tensor]]):
         self._transport = transport
         self._begun = identity_of(header)

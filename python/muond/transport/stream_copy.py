@@ -19,6 +19,7 @@ import glob
 import importlib.machinery
 import logging
 import os
+import sys
 import threading
 
 import torch
@@ -34,9 +35,11 @@ _sse2_only = 0
 
 
 def _library_paths():
-    import muond  # the package may span a source and a build folder (muond/__init__.py)
+    # The package may span a source and a build folder (muond/__init__.py extends its __path__); it
+    # is imported before any of its modules, so it is read here, not imported.
+    package = sys.modules[__name__.split(".", 1)[0]]
     suffixes = importlib.machinery.EXTENSION_SUFFIXES
-    for folder in muond.__path__:
+    for folder in package.__path__:
         for suffix in suffixes:
             yield from sorted(glob.glob(os.path.join(folder, "_stream_copy" + suffix)))
 

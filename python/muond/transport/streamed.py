@@ -30,14 +30,21 @@ from __future__ import annotations
 
 import abc
 import threading
-from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Dict, Iterable, List, Optional, Protocol, Set, Tuple
 
 import torch
 
 from .._stubs import pb
 
-if TYPE_CHECKING:
-    from .base import Grads, StepTransport
+# One step's gradients: (parameter name, gradient) pairs.
+Grads = List[Tuple[str, torch.Tensor]]
+
+
+class OneTry(Protocol):
+    """What a gathered try needs of its transport (base.StepTransport has it): one ordinary try."""
+
+    def step(self, header: pb.StepHeader, grads: Grads, out: Optional[Dict[str, torch.Tensor]] = None
+             ) -> Tuple[pb.StepResult, Dict[str, torch.Tensor]]: ...
 
 # The StepHeader fields a streamed step gives in its StepEnd (docs/protocol.md, "Streamed steps").
 OPTION_FIELDS = ("overrides", "max_grad_norm", "qk_logits", "grad_scale", "weight")
@@ -158,7 +165,7 @@ class StreamedTry(abc.ABC):
     def add(self, name: str, grad: torch.Tensor) -> None: ...
 
     @abc.abstractmethod
-    def send_rest(self, header: pb.StepHeader, more: "Grads") -> None: ...
+    def send_rest(self, header: pb.StepHeader, more: Grads) -> None: ...
 
     @abc.abstractmethod
     def result(self) -> Tuple[pb.StepResult, Dict[str, torch.Tensor]]: ...
@@ -172,7 +179,7 @@ class StreamedTry(abc.ABC):
         result, values = self.result()
         return result, values, Landing.landed()
 
-    def finish(self, header: pb.StepHeader, more: "Grads"
+    def finish(self, header: pb.StepHeader, more: Grads
                ) -> Tuple[pb.StepResult, Dict[str, torch.Tensor]]:
         """``send_rest`` then ``result``; cancelled when ``send_rest`` fails."""
         try:
@@ -187,7 +194,7 @@ class GatheredTry(StreamedTry):
     """Collects the gradients and runs one ordinary try of ``transport`` when the input ends. The
     gradients are copied when added, so the trainer may change them afterwards."""
 
-    def __init__(self, transport: "StepTransport", header: pb.StepHeader,
+    def __init__(self, transport: OneTry, header: pb.StepHeader,
                  out: Optional[Dict[str, torch.Tensor]]):
         self._transport = transport
         self._begun = identity_of(header)
@@ -199,7 +206,7 @@ class GatheredTry(StreamedTry):
         with torch.no_grad():
             self._grads.append((name, grad.detach().clone()))
 
-    def send_rest(self, header: pb.StepHeader, more: "Grads") -> None:
+    def send_rest(self, header: pb.StepHeader, more: Grads) -> None:
         check_identity(self._begun, header)
         with torch.no_grad():
             self._grads.extend((name, g.detach().clone()) for name, g in more)
