@@ -15,9 +15,9 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "common/compute_pool.h"
 #include "common/half_float.h"
 #include "common/logging.h"
-#include "kernels/cpu/compute_pool.h"
 #include "kernels/cpu/onednn_bf16_gemm.h"
 
 namespace muond::kernels {

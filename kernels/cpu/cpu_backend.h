@@ -17,6 +17,10 @@
 
 #include "kernels/backend.h"
 
+namespace muond {
+class ComputePool;  // common/compute_pool.h
+}  // namespace muond
+
 namespace muond::kernels {
 
 // threads > 0 sets OpenBLAS's thread count (process-wide); threads <= 0 keeps OpenBLAS's default
@@ -26,7 +30,6 @@ namespace muond::kernels {
 // tested, on the CPU.
 std::unique_ptr<Backend> NewCpuBackend(int threads, bool host_addressable = true);
 
-class ComputePool;
 // The threads and gate of a backend NewCpuBackend made, or null for any other backend: host work
 // that should share the cores with compute, one call at a time (the shm transport's copies), runs
 // on it. Lives as long as the backend.

@@ -7,8 +7,8 @@
 #include <random>
 #include <vector>
 
+#include "common/compute_pool.h"
 #include "gtest/gtest.h"
-#include "kernels/cpu/compute_pool.h"
 #include "tests/kernels/reference.h"
 #include "tests/testing/status_matchers.h"
 

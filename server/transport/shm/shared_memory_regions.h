@@ -38,7 +38,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "kernels/cpu/compute_pool.h"
+#include "common/compute_pool.h"
 #include "server/transport/liveness_tickets.h"
 #include "server/transport/region_table.h"
 #include "server/transport/shm/shared_mapping.h"
@@ -63,15 +63,14 @@ struct RegionStatus {
 class SharedMemoryRegions : public LivenessTickets {
  public:
   // `copy_pool`, when given, must outlive the table.
-  explicit SharedMemoryRegions(SharedMemoryLimits limits = {}, kernels::ComputePool* copy_pool = nullptr,
-                               int copy_threads = 1)
+  explicit SharedMemoryRegions(SharedMemoryLimits limits = {}, ComputePool* copy_pool = nullptr, int copy_threads = 1)
       : limits_(limits),
-        own_copy_pool_(copy_pool == nullptr ? std::make_unique<kernels::ComputePool>(copy_threads) : nullptr),
+        own_copy_pool_(copy_pool == nullptr ? std::make_unique<ComputePool>(copy_threads) : nullptr),
         copy_pool_(copy_pool != nullptr ? copy_pool : own_copy_pool_.get()) {}
 
   const SharedMemoryLimits& limits() const { return limits_; }
   // The threads steps copy with; one call at a time passes through its gate.
-  kernels::ComputePool& copy_pool() { return *copy_pool_; }
+  ComputePool& copy_pool() { return *copy_pool_; }
 
   // The socket side. A connection id for a new connection.
   uint64_t OpenConnection();
@@ -107,8 +106,8 @@ class SharedMemoryRegions : public LivenessTickets {
                             std::vector<SealedMemfd>& dropped_pending) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const SharedMemoryLimits limits_;
-  const std::unique_ptr<kernels::ComputePool> own_copy_pool_;
-  kernels::ComputePool* const copy_pool_;
+  const std::unique_ptr<ComputePool> own_copy_pool_;
+  ComputePool* const copy_pool_;
   mutable absl::Mutex mu_;
   uint64_t next_connection_ ABSL_GUARDED_BY(mu_) = 1;
   absl::flat_hash_map<std::string, Pending> pending_ ABSL_GUARDED_BY(mu_);  // by ticket

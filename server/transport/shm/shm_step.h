@@ -27,7 +27,7 @@
 #include "server/transport/shm/shared_memory_regions.h"
 #include "server/transport/step_transport.h"
 
-namespace muond::kernels {
+namespace muond {
 class ComputePool;
 }
 
@@ -48,26 +48,26 @@ absl::StatusOr<std::vector<SharedTensorPlace>> ResolveSharedTensors(
 
 class ShmGradientSource final : public GradientSource {
  public:
-  ShmGradientSource(std::vector<SharedTensorPlace> places, kernels::ComputePool* pool)
+  ShmGradientSource(std::vector<SharedTensorPlace> places, ComputePool* pool)
       : places_(std::move(places)), pool_(pool) {}
   absl::Status ReadGradients(session::IncomingStep& step) override;
   std::string_view transport() const override { return "shm"; }
 
  private:
   const std::vector<SharedTensorPlace> places_;
-  kernels::ComputePool* const pool_;
+  ComputePool* const pool_;
 };
 
 class ShmParameterSink final : public ParameterSink {
  public:
-  ShmParameterSink(std::vector<SharedTensorPlace> places, kernels::ComputePool* pool)
+  ShmParameterSink(std::vector<SharedTensorPlace> places, ComputePool* pool)
       : places_(std::move(places)), pool_(pool) {}
   absl::Status Send(const session::StepOutcome& outcome) override;
   const v1::StepResult& result() const { return result_; }
 
  private:
   const std::vector<SharedTensorPlace> places_;
-  kernels::ComputePool* const pool_;
+  ComputePool* const pool_;
   v1::StepResult result_;
 };
 

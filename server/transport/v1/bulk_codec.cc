@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <vector>
 
-#include "kernels/cpu/compute_pool.h"
+#include "common/compute_pool.h"
 #include "proto/wire/dtype_codec.h"
 #include "server/transport/v1/tensor_decode.h"
 
@@ -15,7 +15,7 @@ namespace {
 constexpr size_t kStreamingBytes = size_t{16} << 20;
 
 template <typename Body>
-void Run(kernels::ComputePool* pool, size_t count, const Body& body) {
+void Run(ComputePool* pool, size_t count, const Body& body) {
   if (pool != nullptr) {
     pool->Run(count, body);
   } else if (count > 0) {
@@ -25,7 +25,7 @@ void Run(kernels::ComputePool* pool, size_t count, const Body& body) {
 
 }  // namespace
 
-void DecodeAll(std::span<DecodeItem> items, kernels::ComputePool* pool) {
+void DecodeAll(std::span<DecodeItem> items, ComputePool* pool) {
   // Every segment of every item, numbered by its first element among the items' elements laid end to
   // end; the pool's ranges split those elements, and each range decodes the segments starting in it.
   struct Segment {
@@ -61,7 +61,7 @@ void DecodeAll(std::span<DecodeItem> items, kernels::ComputePool* pool) {
   for (size_t k = 0; k < segments.size(); ++k) items[segments[k].item].sum_squares += sums[k];  // in order
 }
 
-void EncodeAll(std::span<const EncodeItem> items, kernels::ComputePool* pool) {
+void EncodeAll(std::span<const EncodeItem> items, ComputePool* pool) {
   std::vector<size_t> starts;  // each item's first element among all items' elements
   size_t total = 0;
   for (const EncodeItem& item : items) {

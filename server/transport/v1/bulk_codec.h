@@ -1,5 +1,5 @@
 // Whole tensors decoded from, and encoded into, memory the daemon addresses directly (a client's
-// shared-memory region), split over the threads of a ComputePool (kernels/cpu/compute_pool.h).
+// shared-memory region), split over the threads of a ComputePool (common/compute_pool.h).
 //
 // The sum of squares of a tensor decoded this way is the sum, in order, of the sums of its
 // segments — kSegmentBytes of payload from its first element, each summed as DecodeSumSquares sums
@@ -17,7 +17,7 @@
 
 #include "muond/v1/muond.pb.h"
 
-namespace muond::kernels {
+namespace muond {
 class ComputePool;
 }
 
@@ -37,7 +37,7 @@ struct DecodeItem {
 
 // Decodes every item into its `out` and sums its squares, over `pool`'s threads (null: the calling
 // thread alone). Each element of `src` is read once: what is stored is what is summed.
-void DecodeAll(std::span<DecodeItem> items, kernels::ComputePool* pool);
+void DecodeAll(std::span<DecodeItem> items, ComputePool* pool);
 
 struct EncodeItem {
   v1::DType dtype = v1::DTYPE_FP32;  // concrete
@@ -46,6 +46,6 @@ struct EncodeItem {
 };
 
 // Encodes every item's values into its `dst`, over `pool`'s threads (null: the calling thread alone).
-void EncodeAll(std::span<const EncodeItem> items, kernels::ComputePool* pool);
+void EncodeAll(std::span<const EncodeItem> items, ComputePool* pool);
 
 }  // namespace muond::transport

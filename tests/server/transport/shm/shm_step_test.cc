@@ -14,8 +14,8 @@
 #include <string>
 #include <vector>
 
+#include "common/compute_pool.h"
 #include "gmock/gmock.h"
-#include "kernels/cpu/compute_pool.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "proto/wire/dtype_codec.h"
 #include "server/metrics/metrics.h"
@@ -80,7 +80,7 @@ Answers Steps(kernels::Backend* backend, int threads, v1::DType dtype) {
                              session::session_testing::Tensor(Values(kSmall, 0.9f, 9))}));
   const std::shared_ptr<SharedMapping> region = Region(4 * (kBig + kSmall));
   const uint64_t offsets[2] = {0, 4 * kBig};  // "small" starts on no 16-byte boundary
-  kernels::ComputePool pool(threads);
+  ComputePool pool(threads);
   for (int step = 1; step <= 2; ++step) {
     std::vector<SharedTensorPlace> gradients, parameters;
     for (size_t i = 0; i < 2; ++i) {

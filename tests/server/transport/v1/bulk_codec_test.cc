@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "common/compute_pool.h"
 #include "gmock/gmock.h"
-#include "kernels/cpu/compute_pool.h"
 #include "proto/wire/dtype_codec.h"
 #include "server/transport/v1/tensor_decode.h"
 
@@ -67,8 +67,7 @@ TEST(BulkCodecTest, DecodedValuesAndSumsDoNotDependOnTheThreadCount) {
       payloads.push_back(std::make_unique<Payload>(bytes.back(), t % 4));
     }
     for (int threads : {0, 1, 2, 3, 4}) {  // 0: no pool
-      std::unique_ptr<kernels::ComputePool> pool =
-          threads > 0 ? std::make_unique<kernels::ComputePool>(threads) : nullptr;
+      std::unique_ptr<ComputePool> pool = threads > 0 ? std::make_unique<ComputePool>(threads) : nullptr;
       std::vector<std::vector<float>> out(sizes.size());
       std::vector<DecodeItem> items;
       for (size_t t = 0; t < sizes.size(); ++t) {
@@ -96,7 +95,7 @@ TEST(BulkCodecTest, PiecesAndStreamingCopiesSumLikeTheWholeTensor) {
   std::string bytes;
   wire::Encode(v1::DTYPE_FP32, values, &bytes);
   const double expected = SegmentedSum(v1::DTYPE_FP32, bytes);
-  kernels::ComputePool pool(2);
+  ComputePool pool(2);
   for (size_t shift : {0, 1, 4}) {  // floats: 32-, 4- and 16-byte aligned destinations
     std::vector<float> storage(n + 8);
     float* base = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(storage.data()) + 31) / 32 * 32) + shift;
@@ -147,7 +146,7 @@ TEST(BulkCodecTest, ANonFiniteValueMakesTheSumNonFinite) {
   std::string bytes;
   wire::Encode(v1::DTYPE_FP32, values, &bytes);
   std::vector<float> out(values.size());
-  kernels::ComputePool pool(2);
+  ComputePool pool(2);
   std::vector<DecodeItem> items = {{v1::DTYPE_FP32, bytes.data(), out}};
   DecodeAll(items, &pool);
   EXPECT_FALSE(std::isfinite(items[0].sum_squares));
@@ -159,8 +158,7 @@ TEST(BulkCodecTest, EncodedBytesAreTheWireEncodingWhateverTheThreads) {
     std::vector<std::vector<float>> values;
     for (size_t t = 0; t < sizes.size(); ++t) values.push_back(Values(sizes[t], 0.5f * static_cast<float>(t)));
     for (int threads : {0, 1, 2, 3}) {
-      std::unique_ptr<kernels::ComputePool> pool =
-          threads > 0 ? std::make_unique<kernels::ComputePool>(threads) : nullptr;
+      std::unique_ptr<ComputePool> pool = threads > 0 ? std::make_unique<ComputePool>(threads) : nullptr;
       std::vector<std::vector<char>> regions;
       std::vector<EncodeItem> items;
       for (size_t t = 0; t < sizes.size(); ++t) {
@@ -182,7 +180,7 @@ TEST(BulkCodecTest, EncodedBytesAreTheWireEncodingWhateverTheThreads) {
   // Large enough to stream (over 16 MiB), to a destination aligned to an element only.
   const std::vector<float> big = Values(17 * kFp32Segment + 3, 0.9f);
   std::vector<float> storage(big.size() + 8);
-  kernels::ComputePool pool(2);
+  ComputePool pool(2);
   std::vector<EncodeItem> items = {{v1::DTYPE_FP32, big, reinterpret_cast<char*>(storage.data() + 1)}};
   EncodeAll(items, &pool);
   EXPECT_TRUE(std::equal(big.begin(), big.end(), storage.begin() + 1));

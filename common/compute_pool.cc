@@ -1,8 +1,8 @@
-#include "kernels/cpu/compute_pool.h"
+#include "common/compute_pool.h"
 
 #include <algorithm>
 
-namespace muond::kernels {
+namespace muond {
 
 ComputePool::ComputePool(int threads) {
   for (int i = 1; i < std::max(threads, 1); ++i) workers_.emplace_back([this, i] { Work(static_cast<size_t>(i)); });
@@ -62,4 +62,4 @@ void ComputePool::Work(size_t index) {
   }
 }
 
-}  // namespace muond::kernels
+}  // namespace muond

@@ -1,5 +1,7 @@
-// ComputePool: the CPU backend's worker threads for element-wise work, and the one gate all of a
-// daemon's compute passes through.
+// ComputePool: worker threads for host work split into ranges — the CPU backend's element-wise work,
+// whose pool is also the one gate all of a daemon's compute passes through, and the shared-memory
+// transport's copies (on that same pool in the daemon). Here, below both, so neither reaches into
+// the other.
 //
 // Run(count, body) splits [0, count) into one contiguous range per thread (ranges of at least
 // kMinRangeElements, rounded to 16 elements so threads never share a cache line of the output) and
@@ -19,7 +21,7 @@
 #include <thread>
 #include <vector>
 
-namespace muond::kernels {
+namespace muond {
 
 class ComputePool {
  public:
@@ -53,4 +55,4 @@ class ComputePool {
   std::vector<std::thread> workers_;
 };
 
-}  // namespace muond::kernels
+}  // namespace muond
