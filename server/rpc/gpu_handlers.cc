@@ -9,8 +9,8 @@
 #include "common/status_macros.h"
 #include "server/rpc/muond_service.h"
 #include "server/rpc/out_of_band_step.h"
-#include "server/transport/gpu/cuda_ipc_step.h"
-#include "server/transport/gpu/nccl_step.h"
+#include "server/transport/cuda_ipc/cuda_ipc_step.h"
+#include "server/transport/nccl/nccl_step.h"
 
 namespace muond::rpc {
 

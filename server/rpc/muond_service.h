@@ -26,8 +26,8 @@
 #include "server/rpc/call_scope.h"
 #include "server/security/token_table.h"
 #include "server/session/session_registry.h"
-#include "server/transport/gpu/cuda_memory_regions.h"
-#include "server/transport/gpu/nccl_channels.h"
+#include "server/transport/cuda_ipc/cuda_memory_regions.h"
+#include "server/transport/nccl/nccl_channels.h"
 #include "server/transport/shm/shared_memory_regions.h"
 
 namespace muond::rpc {

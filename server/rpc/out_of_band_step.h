@@ -16,8 +16,8 @@
 #include "server/metrics/metrics.h"
 #include "server/session/session.h"
 #include "server/session/session_registry.h"
+#include "server/transport/api_codec/api_conversion.h"
 #include "server/transport/step_transport.h"
-#include "server/transport/v1/api_conversion.h"
 
 namespace muond::rpc {
 

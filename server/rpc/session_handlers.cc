@@ -8,7 +8,7 @@
 #include "kernels/optim/options.h"
 #include "server/rpc/muond_service.h"
 #include "server/rpc/session_spec_codec.h"
-#include "server/transport/v1/api_conversion.h"
+#include "server/transport/api_codec/api_conversion.h"
 
 namespace muond::rpc {
 namespace {

@@ -8,11 +8,11 @@
 #include "proto/wire/dtype_codec.h"
 #include "server/rpc/muond_service.h"
 #include "server/session/partition.h"
+#include "server/transport/api_codec/api_conversion.h"
 #include "server/transport/grpc/chunk_stream.h"
 #include "server/transport/grpc/grpc_step_stream.h"
 #include "server/transport/grpc/tensor_assembler.h"
 #include "server/transport/step_transport.h"
-#include "server/transport/v1/api_conversion.h"
 
 namespace muond::rpc {
 namespace {

@@ -29,7 +29,7 @@ from . import stream_copy
 
 MIN_PIECE = 1 << 20  # elements: below this a piece costs more to hand over than to copy
 # Bytes: from this much copied in one call, what a copy writes would be evicted before it is read
-# again anyway (the daemon streams from the same size, server/transport/v1/bulk_codec.cc).
+# again anyway (the daemon streams from the same size, server/transport/api_codec/bulk_codec.cc).
 STREAMING_BYTES = 16 << 20
 
 Pair = Tuple[torch.Tensor, torch.Tensor]  # (destination, source), of one shape

@@ -7,8 +7,8 @@
 #include "common/status_macros.h"
 #include "grpcpp/impl/codegen/proto_utils.h"
 #include "proto/wire/dtype_codec.h"
+#include "server/transport/api_codec/api_conversion.h"
 #include "server/transport/grpc/tensor_assembler.h"
-#include "server/transport/v1/api_conversion.h"
 
 namespace muond::transport {
 namespace {

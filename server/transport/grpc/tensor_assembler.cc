@@ -11,7 +11,7 @@
 #include "proto/wire/chunk_frame.h"
 #include "proto/wire/dtype_codec.h"
 #include "server/session/partition.h"
-#include "server/transport/v1/tensor_decode.h"
+#include "server/transport/api_codec/tensor_decode.h"
 
 namespace muond::transport {
 

@@ -28,7 +28,7 @@
 #include "muond/v1/muond.pb.h"
 #include "server/session/incoming_step.h"
 #include "server/session/session_config.h"
-#include "server/transport/v1/tensor_decode.h"
+#include "server/transport/api_codec/tensor_decode.h"
 
 namespace muond::transport {
 

@@ -9,9 +9,9 @@
 #include "common/status_macros.h"
 #include "proto/wire/dtype_codec.h"
 #include "server/session/partition.h"
-#include "server/transport/v1/api_conversion.h"
-#include "server/transport/v1/bulk_codec.h"
-#include "server/transport/v1/tensor_refs.h"
+#include "server/transport/api_codec/api_conversion.h"
+#include "server/transport/api_codec/bulk_codec.h"
+#include "server/transport/api_codec/tensor_refs.h"
 
 namespace muond::transport {
 

@@ -1,8 +1,8 @@
-#include "server/transport/gpu/nccl_step.h"
+#include "server/transport/nccl/nccl_step.h"
 
 #include "common/status_macros.h"
-#include "server/transport/gpu/device_tensors.h"
-#include "server/transport/v1/api_conversion.h"
+#include "server/transport/api_codec/api_conversion.h"
+#include "server/transport/device/device_tensors.h"
 
 namespace muond::transport {
 namespace {

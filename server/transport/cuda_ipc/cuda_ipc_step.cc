@@ -1,10 +1,10 @@
-#include "server/transport/gpu/cuda_ipc_step.h"
+#include "server/transport/cuda_ipc/cuda_ipc_step.h"
 
 #include <set>
 
 #include "common/status_macros.h"
-#include "server/transport/gpu/device_tensors.h"
-#include "server/transport/v1/api_conversion.h"
+#include "server/transport/api_codec/api_conversion.h"
+#include "server/transport/device/device_tensors.h"
 
 namespace muond::transport {
 

@@ -43,7 +43,7 @@ struct DaemonFlags {
   std::string shm_socket = "auto";
   uint64_t shm_max_region_bytes = uint64_t{1} << 40;
   // Descriptors: the soft RLIMIT_NOFILE set at start (0: the hard limit), and the shared-memory
-  // socket's share of it (0: derived from the limit, server/fd_budget.h).
+  // socket's share of it (0: derived from the limit, server/process/fd_budget.h).
   uint64_t max_open_files = 0;
   int shm_max_connections = 0;
   int shm_max_pending_fds = 0;

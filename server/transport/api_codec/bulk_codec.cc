@@ -1,11 +1,11 @@
-#include "server/transport/v1/bulk_codec.h"
+#include "server/transport/api_codec/bulk_codec.h"
 
 #include <algorithm>
 #include <vector>
 
 #include "common/compute_pool.h"
 #include "proto/wire/dtype_codec.h"
-#include "server/transport/v1/tensor_decode.h"
+#include "server/transport/api_codec/tensor_decode.h"
 
 namespace muond::transport {
 namespace {

@@ -1,4 +1,4 @@
-#include "server/grpc_listener_watch.h"
+#include "server/process/grpc_listener_watch.h"
 
 #include <atomic>
 #include <cstring>

@@ -1,9 +1,9 @@
-#include "server/transport/gpu/device_tensors.h"
+#include "server/transport/device/device_tensors.h"
 
 #include "common/status_macros.h"
 #include "proto/wire/dtype_codec.h"
 #include "server/session/partition.h"
-#include "server/transport/v1/tensor_decode.h"
+#include "server/transport/api_codec/tensor_decode.h"
 
 namespace muond::transport {
 

@@ -1,4 +1,4 @@
-#include "server/transport/gpu/cuda_memory_regions.h"
+#include "server/transport/cuda_ipc/cuda_memory_regions.h"
 
 #include <vector>
 

@@ -1,4 +1,4 @@
-#include "server/transport/v1/api_conversion.h"
+#include "server/transport/api_codec/api_conversion.h"
 
 namespace muond::transport {
 

@@ -1,4 +1,4 @@
-#include "server/flags.h"
+#include "server/process/flags.h"
 
 #include <cctype>
 #include <cstdio>

@@ -26,9 +26,9 @@
 #include "kernels/backend.h"
 #include "muond/v1/muond.pb.h"
 #include "server/session/session_config.h"
-#include "server/transport/gpu/nccl_channels.h"
+#include "server/transport/api_codec/tensor_refs.h"
+#include "server/transport/nccl/nccl_channels.h"
 #include "server/transport/step_transport.h"
-#include "server/transport/v1/tensor_refs.h"
 
 namespace muond::transport {
 

@@ -1,4 +1,4 @@
-#include "server/fd_budget.h"
+#include "server/process/fd_budget.h"
 
 #include <sys/resource.h>
 

@@ -1,4 +1,4 @@
-#include "server/transport/v1/tensor_decode.h"
+#include "server/transport/api_codec/tensor_decode.h"
 
 #include <algorithm>
 #include <cstdint>

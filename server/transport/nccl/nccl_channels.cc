@@ -1,4 +1,4 @@
-#include "server/transport/gpu/nccl_channels.h"
+#include "server/transport/nccl/nccl_channels.h"
 
 #include <vector>
 

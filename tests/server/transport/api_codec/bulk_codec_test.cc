@@ -1,7 +1,7 @@
 // DecodeAll and EncodeAll: whole tensors copied out of and into shared memory over a pool's threads,
 // with sums of squares whose bits depend on the values alone — not on the thread count, on how a
 // tensor is split into pieces, on alignment, or on whether the copy streams around the caches.
-#include "server/transport/v1/bulk_codec.h"
+#include "server/transport/api_codec/bulk_codec.h"
 
 #include <cmath>
 #include <cstring>
@@ -12,7 +12,7 @@
 #include "common/compute_pool.h"
 #include "gmock/gmock.h"
 #include "proto/wire/dtype_codec.h"
-#include "server/transport/v1/tensor_decode.h"
+#include "server/transport/api_codec/tensor_decode.h"
 
 namespace muond::transport {
 namespace {

@@ -1,4 +1,4 @@
-#include "server/transport/v1/tensor_refs.h"
+#include "server/transport/api_codec/tensor_refs.h"
 
 #include "absl/strings/str_cat.h"
 #include "common/echo.h"
