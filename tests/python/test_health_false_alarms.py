@@ -2,12 +2,14 @@
 
 Healthy runs raise no warning at all: the demo's transformer (examples/train_gpt.py) at its
 defaults, at batch size 1, with zero-initialized output projections (modded-nanogpt's), with bf16
-matmuls, and under every named coefficient set at its own step count. And each warning still fires
+matmuls, and under every named coefficient set at its own step count; and the other examples (the
+C++ MLP, DDP, ranks that hold parts, DiLoCo) at their defaults. And each warning still fires
 within a few steps on its fault: Newton–Schulz made a no-op (custom coefficients (1, 0, 0)) on
 full-rank gradients, a momentum that falls under ns_eps, a parameter that never gets a gradient, and
 clipping that keeps a Muon group's gradients under 1% for warn_clip_steps steps.
 """
 
+import os
 import sys
 
 import pytest
@@ -172,3 +174,29 @@ def test_the_log_summary_the_demo_prints(start_daemon):
     summary = log_summary.summarize(str(faulty.log_path))
     assert "1 warning or error" in summary and "warning residual_high x1" in summary, summary
     assert "orthogonality residual" in summary
+
+
+def test_the_examples_at_their_defaults_raise_no_warning(start_daemon):
+    # examples/* as scripts/demo.sh and their READMEs run them (fewer steps where the default is
+    # long): the C++ MLP, DDP ranks, ranks that hold parts, DiLoCo workers. The daemon's log, JSON,
+    # must hold no warning at all.
+    import subprocess  # noqa: PLC0415
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    import log_summary  # noqa: PLC0415
+    from conftest import _daemon_binary  # noqa: PLC0415
+
+    daemon = start_daemon("--log-level", "info", "--log-format", "json")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    mlp = _daemon_binary().parent / "mlp_trainer"
+    assert mlp.is_file(), f"{mlp} is missing: scripts/build.sh builds the examples"
+    runs = [[str(mlp), "--endpoint", daemon.endpoint, "--steps", "150"]]
+    for script, extra in (("train_ddp.py", ["--ranks", "2", "--steps", "40"]),
+                          ("train_sharded.py", ["--ranks", "2", "--steps", "40"]),
+                          ("train_diloco.py", ["--steps", "60"])):
+        runs.append([sys.executable, str(REPO_ROOT / "examples" / script), "--endpoint", daemon.endpoint, *extra])
+    for command in runs:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    daemon.stop()
+    summary = log_summary.summarize(str(daemon.log_path))
+    assert summary.endswith("no warnings, no errors"), summary
