@@ -29,7 +29,7 @@ class AdamW final : public Optimizer {
     const bool coupled = Coupled();
     if (coupled) g = (g + hyper.weight_decay * param.master_bound) * kBoundRounding;
     const double decay = coupled ? 1.0 : std::abs(1.0 - hyper.lr * hyper.weight_decay);
-    const double b1 = options_.beta1, b2 = options_.beta2;
+    const double b1 = hyper.beta1, b2 = hyper.beta2;
     const double bc1 = 1.0 - std::pow(b1, static_cast<double>(param.step_count + 1));
     StepBounds out;
     const double m_next = (b1 * m + (1 - b1) * g) * kBoundRounding;
@@ -52,14 +52,14 @@ class AdamW final : public Optimizer {
       const double t = static_cast<double>(p->step_count + 1);
       const kernels::AdamWArgs args{
           .lr = static_cast<float>(hyper.lr),
-          .beta1 = static_cast<float>(options_.beta1),
-          .beta2 = static_cast<float>(options_.beta2),
+          .beta1 = static_cast<float>(hyper.beta1),
+          .beta2 = static_cast<float>(hyper.beta2),
           .eps = static_cast<float>(options_.eps),
           .weight_decay = Coupled() ? 0.0f : static_cast<float>(hyper.weight_decay),
-          .bias_correction1 = static_cast<float>(1.0 - std::pow(options_.beta1, t)),
-          .bias_correction2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(options_.beta2, t))),
-          .one_minus_beta1 = static_cast<float>(1.0 - options_.beta1),
-          .one_minus_beta2 = static_cast<float>(1.0 - options_.beta2),
+          .bias_correction1 = static_cast<float>(1.0 - std::pow(hyper.beta1, t)),
+          .bias_correction2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(hyper.beta2, t))),
+          .one_minus_beta1 = static_cast<float>(1.0 - hyper.beta1),
+          .one_minus_beta2 = static_cast<float>(1.0 - hyper.beta2),
           .l2_weight_decay = Coupled() ? static_cast<float>(hyper.weight_decay) : 0.0f,
       };
       MUOND_RETURN_IF_ERROR(ApplyElementwise(

@@ -21,7 +21,7 @@ class Lion final : public Optimizer {
   StepBounds BoundStep(const StepHyper& hyper, const ParamState& param, double g) const override {
     const double m = SlotBound(param, "exp_avg");
     StepBounds out;
-    const double m_next = (options_.beta2 * m + (1 - options_.beta2) * g) * kBoundRounding;
+    const double m_next = (hyper.beta2 * m + (1 - hyper.beta2) * g) * kBoundRounding;
     out.master = (std::abs(1.0 - hyper.lr * hyper.weight_decay) * param.master_bound + hyper.lr) * kBoundRounding;
     out.slots = {m_next};
     out.peak = std::max({out.master, m_next, m + g});
@@ -33,8 +33,8 @@ class Lion final : public Optimizer {
       if (p->has_grad) MUOND_RETURN_IF_ERROR(CheckStepInputs(*p));
     }
     const kernels::LionArgs args{.lr = static_cast<float>(hyper.lr),
-                                 .beta1 = static_cast<float>(options_.beta1),
-                                 .beta2 = static_cast<float>(options_.beta2),
+                                 .beta1 = static_cast<float>(hyper.beta1),
+                                 .beta2 = static_cast<float>(hyper.beta2),
                                  .weight_decay = static_cast<float>(hyper.weight_decay)};
     for (ParamState* p : params) {
       if (!p->has_grad) continue;

@@ -27,7 +27,11 @@ absl::StatusOr<std::unique_ptr<Optimizer>> Optimizer::Create(const GroupOptions&
 }
 
 StepHyper Optimizer::DefaultHyper() const {
-  return StepHyper{.lr = options_.lr, .momentum = options_.momentum, .weight_decay = options_.weight_decay};
+  return StepHyper{.lr = options_.lr,
+                   .momentum = options_.momentum,
+                   .weight_decay = options_.weight_decay,
+                   .beta1 = options_.beta1,
+                   .beta2 = options_.beta2};
 }
 
 absl::Status Optimizer::CheckElementwiseParameter(const ParamState& param) {

@@ -28,6 +28,9 @@ struct StepHyper {
   double lr = 0;
   double momentum = 0;
   double weight_decay = 0;
+  // AdamW and Lion: (β1, β2), which a step may override as torch's schedulers change `betas`.
+  double beta1 = 0;
+  double beta2 = 0;
 };
 
 // Upper bounds on magnitudes after one step of one parameter (docs/algorithms.md, Finite steps):

@@ -271,7 +271,7 @@ class LocalOptimizer(torch.optim.Optimizer):
         self._user_defaults = dict(defaults)
         groups, names = named_groups(params)
         super().__init__(groups, {})
-        self.defaults = dict(defaults)
+        self.defaults = opts.resolved_defaults(self.param_groups, defaults)  # as torch lists them
         with torch.no_grad():  # 16-bit masters hold the parameters rounded, as the daemon's upload
             for group in self.param_groups:
                 for p in group["params"]:

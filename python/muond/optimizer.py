@@ -193,7 +193,9 @@ class RemoteOptimizer(StateTransfer, StreamControls, torch.optim.Optimizer):
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
         groups, names = named_groups(params)
         super().__init__(groups, {})
-        self.defaults = dict(defaults)
+        # Every option's resolved default, as torch's optimizers list them: schedulers read it
+        # (OneCycleLR and CyclicLR cycle momentum, or betas when it is here).
+        self.defaults = opts.resolved_defaults(self.param_groups, defaults)
 
         self.wire_dtype = wire.dtype_name(wire_dtype)
         self.return_dtype = wire.dtype_name(return_dtype)
@@ -446,6 +448,8 @@ class RemoteOptimizer(StateTransfer, StreamControls, torch.optim.Optimizer):
                                max_chunk_bytes=self.chunk_bytes)
         if self._async:
             header.base_step = self.last_step
+        for index, (group, created) in enumerate(zip(self.param_groups, self._created)):
+            opts.check_unchanged(index, group, created)
         for group, created, gname in zip(self.param_groups, self._created, self._group_names):
             header.overrides.add(group=gname, **opts.overrides_of(group, created))
         if self.max_grad_norm is not None:

@@ -61,7 +61,7 @@ Pure functions; no shared state.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Mapping, Tuple
+from typing import Any, Dict, Mapping, Sequence, Tuple
 
 from ._stubs import pb
 from .option_facts import (COEFFICIENT_SETS, COEFFICIENTS_AFTER, DEFAULTS, GRAM_RESTARTS,
@@ -84,8 +84,11 @@ _DTYPE_OPTION = {"master": "master_dtype", "momentum": "momentum_dtype",
 ALL_OPTIONS = frozenset(k for d in DEFAULTS.values() for k in d)
 # Keys a group may carry besides options: torch's own, lr schedulers', and a display name.
 _PASSTHROUGH = frozenset({"params", "param_names", "initial_lr", "name", "partition"})
-# Options a step may override (GroupOverride); every other option is fixed by the session.
-OVERRIDABLE = ("lr", "momentum", "weight_decay")
+# Options a step may override (GroupOverride): what torch's schedulers and trainers change between
+# steps (betas only where they are AdamW's and Lion's). Every other option is fixed by the session:
+# changing one raises at the next step (check_unchanged).
+OVERRIDABLE = ("lr", "momentum", "weight_decay", "betas")
+_BETAS_OVERRIDABLE = ("adamw", "lion")
 
 
 def optimizer_of(group: Mapping[str, Any], defaults: Mapping[str, Any]) -> str:
@@ -291,12 +294,66 @@ def check_parameter(group: Mapping[str, Any], shape: Tuple[int, ...]) -> None:
 
 
 def overrides_of(group: Mapping[str, Any], created: Mapping[str, Any]) -> Dict[str, float]:
-    """Per-step overrides of a group: always its current lr, plus momentum and weight decay when
-    they differ from their values at session creation (``created``)."""
+    """Per-step overrides of a group: always its current lr, plus momentum, weight decay and (AdamW,
+    Lion) betas when they differ from their values at session creation (``created``)."""
     out = {"lr": float(_check_value("lr", group["lr"]))}
     for key in ("momentum", "weight_decay"):
         if key in created and group.get(key) != created[key]:
             out[key] = float(group[key])
+    if created.get("optimizer") in _BETAS_OVERRIDABLE and "betas" in created:
+        betas = _check_value("betas", group["betas"])
+        if betas != tuple(created["betas"]):
+            for name, value in zip(("beta1", "beta2"), betas):
+                if not 0.0 <= value < 1.0:
+                    raise ValueError(f"betas must each be in [0, 1), got {group['betas']!r}")
+                out[name] = value
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def check_unchanged(index: int, group: Mapping[str, Any], created: Mapping[str, Any]) -> None:
+    """ValueError naming the first option of param_groups[index] that changed since the session
+    was created and that no step may change (all but OVERRIDABLE): raised before a step sends
+    anything, so that no change is ignored silently."""
+    optimizer = created.get("optimizer")
+    for key in group:
+        if key in ALL_OPTIONS and key not in DEFAULTS.get(optimizer, {}) and key not in created:
+            raise ValueError(
+                f"param_groups[{index}][{key!r}] was set, but {key!r} is not an option of {optimizer}; "
+                f"a scheduler that cycles one key over groups of different optimizers (OneCycleLR, "
+                f"CyclicLR) needs cycle_momentum=False here")
+    for key in DEFAULTS.get(optimizer, {}):
+        if key not in created or key not in group:
+            continue
+        if key in OVERRIDABLE and (key != "betas" or optimizer in _BETAS_OVERRIDABLE):
+            continue
+        if not _same(group[key], created[key]):
+            raise ValueError(
+                f"param_groups[{index}][{key!r}] changed from {created[key]!r} to {group[key]!r}, but the "
+                f"session fixed it at creation; between steps only lr, momentum, weight_decay and (adamw, "
+                f"lion) betas may change")
+
+
+def resolved_defaults(groups: Sequence[Mapping[str, Any]], given: Mapping[str, Any]) -> Dict[str, Any]:
+    """``optimizer.defaults`` as torch's optimizers have it: the resolved default of every option
+    that applies to every group (one optimizer: all of its options; Muon with AdamW: those they
+    share, so a scheduler finds momentum or betas only where every group has it), the constructor's
+    keyword where one is given (else the first group's optimizer's default), and the constructor's
+    other keywords that are not options of only some groups."""
+    names = list(dict.fromkeys(g["optimizer"] for g in groups))
+    out: Dict[str, Any] = {}
+    if names:
+        for key, fallback in DEFAULTS[names[0]].items():
+            if all(key in DEFAULTS[n] for n in names):
+                out[key] = given.get(key, fallback)
+    for key, value in given.items():
+        if key not in ALL_OPTIONS or all(key in DEFAULTS[n] for n in names):
+            out.setdefault(key, value)
     return out
 
 

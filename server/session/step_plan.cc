@@ -19,9 +19,14 @@ namespace {
 absl::Status ApplyOverride(const GroupOverride& o, const std::string& field, const optim::GroupOptions& options,
                            optim::StepHyper& h) {
   const std::pair<const char*, const std::optional<double>*> fields[] = {
-      {"lr", &o.lr}, {"momentum", &o.momentum}, {"weight_decay", &o.weight_decay}};
+      {"lr", &o.lr}, {"momentum", &o.momentum}, {"weight_decay", &o.weight_decay}, {"beta1", &o.beta1},
+      {"beta2", &o.beta2}};
+  // Betas a step may change only where they are AdamW's and Lion's (Muon's beta2 is its second
+  // moment's, fixed by the session).
+  const bool betas = options.optimizer == optim::OptimizerKind::kAdamW || options.optimizer == optim::OptimizerKind::kLion;
   for (const auto& [name, value] : fields) {
-    if (value->has_value() && !optim::OptionApplies(options.optimizer, name)) {
+    const bool beta = name[0] == 'b';
+    if (value->has_value() && (beta ? !betas : !optim::OptionApplies(options.optimizer, name))) {
       return absl::InvalidArgumentError(absl::StrCat(field, ".", name, ": does not apply to optimizer ",
                                                      std::string(optim::OptimizerName(options.optimizer)), " (group '",
                                                      o.group, "')"));
@@ -31,8 +36,15 @@ absl::Status ApplyOverride(const GroupOverride& o, const std::string& field, con
   if (o.lr.has_value()) next.lr = *o.lr;
   if (o.momentum.has_value()) next.momentum = *o.momentum;
   if (o.weight_decay.has_value()) next.weight_decay = *o.weight_decay;
+  if (o.beta1.has_value()) next.beta1 = *o.beta1;
+  if (o.beta2.has_value()) next.beta2 = *o.beta2;
   absl::Status valid = optim::ValidateStepHyper(options, next.lr, next.momentum, next.weight_decay);
   if (!valid.ok()) return absl::InvalidArgumentError(absl::StrCat(field, ".", valid.message()));
+  for (const auto& [name, value] : {std::pair{"beta1", next.beta1}, std::pair{"beta2", next.beta2}}) {
+    if (!(value >= 0 && value < 1)) {  // NaN too
+      return absl::InvalidArgumentError(absl::StrCat(field, ".", name, " must be in [0, 1), got ", value));
+    }
+  }
   h = next;
   return absl::OkStatus();
 }

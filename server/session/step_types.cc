@@ -29,6 +29,8 @@ std::string EncodeStepRequest(const StepRequest& request) {
     PutOptional(entry, "lr", o.lr);
     PutOptional(entry, "momentum", o.momentum);
     PutOptional(entry, "weight_decay", o.weight_decay);
+    PutOptional(entry, "beta1", o.beta1);
+    PutOptional(entry, "beta2", o.beta2);
     overrides.push_back(std::move(entry));
   }
   out["overrides"] = std::move(overrides);
@@ -72,6 +74,8 @@ absl::StatusOr<StepRequest> DecodeStepRequest(absl::string_view bytes) {
       o.lr = GetOptional<double>(entry, "lr");
       o.momentum = GetOptional<double>(entry, "momentum");
       o.weight_decay = GetOptional<double>(entry, "weight_decay");
+      o.beta1 = GetOptional<double>(entry, "beta1");  // absent in older records
+      o.beta2 = GetOptional<double>(entry, "beta2");
       request.overrides.push_back(std::move(o));
     }
     request.max_grad_norm = GetOptional<double>(in, "max_grad_norm");

@@ -23,6 +23,7 @@ struct GroupOverride {
   std::optional<double> lr;
   std::optional<double> momentum;
   std::optional<double> weight_decay;
+  std::optional<double> beta1, beta2;  // adamw, lion
 };
 
 // The per-head maximum attention logits of one QK-clip pair, named by its query weight.

@@ -13,6 +13,8 @@ session::StepRequest ToStepRequest(const v1::StepHeader& header) {
     if (o.has_lr()) out.lr = o.lr();
     if (o.has_momentum()) out.momentum = o.momentum();
     if (o.has_weight_decay()) out.weight_decay = o.weight_decay();
+    if (o.has_beta1()) out.beta1 = o.beta1();
+    if (o.has_beta2()) out.beta2 = o.beta2();
     request.overrides.push_back(std::move(out));
   }
   if (header.has_max_grad_norm()) request.max_grad_norm = header.max_grad_norm();

@@ -1,0 +1,119 @@
+"""torch.optim's contract for ``param_groups`` and ``defaults``, which torch's schedulers rely on,
+against the real daemon and torch's own optimizers: OneCycleLR at its defaults cycles AdamW's
+betas[0] (sent with each step), CyclicLR cycles SGD's momentum, LambdaLR scales lr, all tracking
+torch's AdamW and SGD; a group option changed by hand that no step may change raises at the next
+step, naming it, with nothing sent; and a model of Muon and AdamW groups lists in ``defaults`` only
+what every group has."""
+
+import pytest
+import torch
+
+import muond
+
+STEPS = 30
+
+
+def model_pair(seed=11):
+    torch.manual_seed(seed)
+    a = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    b = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    b.load_state_dict(a.state_dict())
+    return a, b
+
+
+def loss_of(model, step):
+    gen = torch.Generator().manual_seed(1000 + step)
+    x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def train_side_by_side(ours, theirs, a, b, scheduler_of):
+    """Steps both optimizers STEPS times under the same scheduler; the largest parameter difference
+    and the last step's (lr, betas or momentum) of group 0 of each."""
+    s_ours, s_theirs = scheduler_of(ours), scheduler_of(theirs)
+    for step in range(1, STEPS + 1):
+        for model, opt in ((a, ours), (b, theirs)):
+            opt.zero_grad()
+            loss_of(model, step).backward()
+            opt.step()
+        s_ours.step()
+        s_theirs.step()
+    worst = max((pa - pb).abs().max().item() for pa, pb in zip(a.parameters(), b.parameters()))
+    keys = ("lr", "betas", "momentum")
+    return worst, ({k: ours.param_groups[0].get(k) for k in keys}, {k: theirs.param_groups[0].get(k) for k in keys})
+
+
+def test_one_cycle_at_its_defaults_cycles_adamws_betas(endpoint):
+    a, b = model_pair()
+    # The group carries its own options, as muond.default_param_groups builds them.
+    ours = muond.RemoteOptimizer([{"params": list(a.parameters()), "optimizer": "adamw", "lr": 1e-3,
+                                   "betas": (0.9, 0.999), "weight_decay": 0.01}], endpoint=endpoint)
+    theirs = torch.optim.AdamW(b.parameters(), lr=1e-3, betas=(0.9, 0.999), weight_decay=0.01)
+    assert "betas" in ours.defaults and "momentum" not in ours.defaults
+    with ours:
+        worst, (mine, torchs) = train_side_by_side(
+            ours, theirs, a, b, lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=STEPS))
+    print(f"OneCycleLR, AdamW: largest parameter difference {worst:.2e}; betas {mine['betas']} / {torchs['betas']}")
+    assert mine["betas"] == torchs["betas"] and mine["betas"][0] != 0.9, "betas[0] was cycled"
+    # The daemon's fp32 AdamW against torch's: ≲ 1e-6 relative a step, on parameters of ~0.5.
+    assert worst < 1e-5
+
+
+def test_cyclic_lr_cycles_sgds_momentum(endpoint):
+    a, b = model_pair(12)
+    ours = muond.RemoteOptimizer([{"params": list(a.parameters()), "optimizer": "sgd", "lr": 0.01,
+                                   "momentum": 0.9}], endpoint=endpoint)
+    theirs = torch.optim.SGD(b.parameters(), lr=0.01, momentum=0.9)
+    with ours:
+        worst, (mine, torchs) = train_side_by_side(
+            ours, theirs, a, b,
+            lambda o: torch.optim.lr_scheduler.CyclicLR(o, base_lr=0.001, max_lr=0.05, step_size_up=7))
+    print(f"CyclicLR, SGD: largest parameter difference {worst:.2e}; momentum {mine['momentum']}")
+    assert mine["momentum"] == torchs["momentum"] and mine["momentum"] != 0.9
+    assert worst < 1e-5
+
+
+def test_lambda_lr_scales_the_learning_rate(endpoint):
+    a, b = model_pair(13)
+    ours = muond.RemoteOptimizer(a.parameters(), endpoint=endpoint, optimizer="adamw", lr=3e-3)
+    theirs = torch.optim.AdamW(b.parameters(), lr=3e-3)
+    with ours:
+        worst, (mine, torchs) = train_side_by_side(
+            ours, theirs, a, b, lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 0.9 ** s))
+    assert mine["lr"] == torchs["lr"] and worst < 1e-5
+
+
+def test_a_fixed_option_changed_by_hand_raises_naming_it(endpoint):
+    a, _ = model_pair(14)
+    with muond.RemoteOptimizer(a.parameters(), endpoint=endpoint, optimizer="adamw") as opt:
+        loss_of(a, 1).backward()
+        opt.step()
+        opt.param_groups[0]["eps"] = 1e-6  # torch's AdamW would use it; muond's session fixed it
+        loss_of(a, 2).backward()
+        with pytest.raises(ValueError, match=r"param_groups\[0\]\['eps'\] changed from 1e-08 to 1e-06"):
+            opt.step()
+        assert opt.last_step == 1, "nothing was sent"
+        opt.param_groups[0]["eps"] = 1e-8
+        opt.param_groups[0]["betas"] = (0.85, 0.99)  # betas may change: sent with the step
+        opt.step()
+        assert opt.last_step == 2 and opt.last_info.applied
+
+
+def test_mixed_groups_list_only_what_every_group_has(endpoint):
+    torch.manual_seed(15)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+    with muond.RemoteOptimizer(muond.default_param_groups(model), endpoint=endpoint) as opt:
+        assert "lr" in opt.defaults and "weight_decay" in opt.defaults
+        assert "momentum" not in opt.defaults and "betas" not in opt.defaults
+        # torch's own refusal, naming the way out, instead of a silent half-cycled momentum.
+        with pytest.raises(ValueError, match="cycle_momentum"):
+            torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=10)
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=10, cycle_momentum=False)
+        loss_of(model, 1).backward()
+        opt.step()
+        scheduler.step()
+        assert opt.last_info.applied
+        # A key of another optimizer set on a group raises, naming it.
+        opt.param_groups[1]["momentum"] = 0.9
+        with pytest.raises(ValueError, match=r"'momentum' is not an option of adamw"):
+            opt.step()
