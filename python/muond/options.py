@@ -52,6 +52,10 @@ The *_dtype options choose how the daemon stores masters and optimizer state (Me
 precision-aware optimizer); every step still computes in fp32 and rounds to nearest even when it
 stores.
 
+Between steps a trainer or a scheduler may change a group's ``lr``, ``momentum``, ``weight_decay``
+and (adamw, lion) ``betas``: each step sends them (``overrides_of``). Every other option is fixed by
+the session; ``check_unchanged`` raises at the next step when one changed.
+
 The facts these checks use (defaults, coefficient sets, named values, matrix and slot shapes) are
 ``option_facts``'; this module holds the checks and the conversion to the wire.
 
