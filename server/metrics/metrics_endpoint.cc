@@ -21,22 +21,6 @@
 namespace muond::metrics {
 namespace {
 
-// After accept4 fails for want of descriptors, the listener is left alone this long (polling a
-// readable listener again at once would spin).
-constexpr absl::Duration kAcceptBackoff = absl::Milliseconds(100);
-
-// One connection: reading its request head, then writing the answer, then (a refusal whose peer may
-// still be sending) discarding what arrives until the peer closes, so the answer is not lost to a reset.
-struct Connection {
-  enum class Phase { kReading, kWriting, kDraining };
-  int fd = -1;
-  absl::Time deadline;
-  Phase phase = Phase::kReading;
-  std::string in = {};
-  std::string out = {};
-  size_t sent = 0;
-};
-
 // A listening socket bound to host:port (port 0: any free one); -1 with *bound_port untouched on failure.
 int Listen(const std::string& host, int port, int* bound_port) {
   addrinfo hints{};
@@ -70,6 +54,18 @@ int Listen(const std::string& host, int port, int* bound_port) {
 
 }  // namespace
 
+// One connection: reading its request head, then writing the answer, then (a refusal whose peer may
+// still be sending) discarding what arrives until the peer closes, so the answer is not lost to a reset.
+struct MetricsEndpoint::Connection {
+  enum class Phase { kReading, kWriting, kDraining };
+  int fd = -1;
+  absl::Time deadline;
+  Phase phase = Phase::kReading;
+  std::string in = {};
+  std::string out = {};
+  size_t sent = 0;
+};
+
 absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(const std::string& listen,
                                                                         std::function<std::string()> render,
                                                                         EndpointLimits limits) {
@@ -88,134 +84,120 @@ absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(const st
     return absl::UnavailableError(
         absl::StrCat("--metrics-listen: cannot listen on ", listen, " (address in use or not valid)"));
   }
-  int wake[2];
-  if (::pipe2(wake, O_CLOEXEC) != 0) {
-    ::close(fd);
-    return absl::InternalError(absl::StrCat("pipe: ", std::strerror(errno)));
-  }
-  std::unique_ptr<MetricsEndpoint> endpoint(new MetricsEndpoint(fd, wake[0], wake[1], std::move(render), limits));
+  std::unique_ptr<MetricsEndpoint> endpoint(new MetricsEndpoint(std::move(render), limits));
   endpoint->address_ = absl::StrCat(listen.substr(0, colon), ":", bound);
-  endpoint->thread_ = std::thread([e = endpoint.get()] { e->Loop(); });
+  MetricsEndpoint* e = endpoint.get();
+  absl::StatusOr<std::unique_ptr<ListenerLoop>> loop =
+      ListenerLoop::Start("metrics endpoint", fd, SOCK_NONBLOCK,
+                          {.prepare = [e](absl::Time now, std::vector<pollfd>& fds) { return e->Prepare(now, fds); },
+                           .serve = [e](std::span<const pollfd> fds) { e->Serve(fds); },
+                           .accept = [e](int connection) { e->Accept(connection); },
+                           .stop = [e] { e->CloseAll(); }});
+  if (!loop.ok()) return loop.status();
+  endpoint->loop_ = *std::move(loop);
   return endpoint;
 }
 
-MetricsEndpoint::~MetricsEndpoint() {
-  const char stop = 'x';
-  (void)!::write(wake_write_, &stop, 1);
-  if (thread_.joinable()) thread_.join();
-  ::close(listen_fd_);
-  ::close(wake_read_);
-  ::close(wake_write_);
+MetricsEndpoint::MetricsEndpoint(std::function<std::string()> render, EndpointLimits limits)
+    : render_(std::move(render)), limits_(limits) {}
+
+MetricsEndpoint::~MetricsEndpoint() = default;  // loop_ first (the last member): its thread is joined
+
+absl::Time MetricsEndpoint::Prepare(absl::Time now, std::vector<pollfd>& fds) {
+  absl::Time wake = absl::InfiniteFuture();
+  for (auto it = connections_.begin(); it != connections_.end();) {
+    if (it->deadline <= now) {
+      ::close(it->fd);
+      it = connections_.erase(it);
+      continue;
+    }
+    wake = std::min(wake, it->deadline);
+    fds.push_back({it->fd, static_cast<short>(it->phase == Connection::Phase::kWriting ? POLLOUT : POLLIN), 0});
+    ++it;
+  }
+  return wake;
 }
 
-void MetricsEndpoint::Loop() {
-  std::list<Connection> connections;  // oldest first
-  LogThrottle evictions, accept_failures;
-  absl::Time accept_again = absl::InfinitePast();
-  const auto close_connection = [&](std::list<Connection>::iterator it) {
-    ::close(it->fd);
-    return connections.erase(it);
-  };
+void MetricsEndpoint::Serve(std::span<const pollfd> fds) {
   const auto answer = [](Connection& c, std::string response) {
     c.out = std::move(response);
     c.in.clear();
     c.in.shrink_to_fit();
     c.phase = Connection::Phase::kWriting;
   };
-  for (;;) {
-    const absl::Time now = absl::Now();
-    for (auto it = connections.begin(); it != connections.end();) {
-      it = it->deadline <= now ? close_connection(it) : std::next(it);
+  size_t i = 0;  // the pollfds follow the list's order
+  for (auto it = connections_.begin(); it != connections_.end() && i < fds.size(); ++i) {
+    Connection& c = *it;
+    const short revents = fds[i].revents;
+    bool done = false;
+    if (revents == 0) {
+      ++it;
+      continue;
     }
-    const bool accepting = now >= accept_again;
-    absl::Time wake = accepting ? absl::InfiniteFuture() : accept_again;
-    for (const Connection& c : connections) wake = std::min(wake, c.deadline);
-    const int timeout_ms =
-        wake == absl::InfiniteFuture()
-            ? -1
-            : static_cast<int>(std::clamp<int64_t>(absl::ToInt64Milliseconds(wake - now) + 1, 0, 60'000));
-    std::vector<pollfd> fds = {{wake_read_, POLLIN, 0}, {accepting ? listen_fd_ : -1, POLLIN, 0}};
-    for (const Connection& c : connections) {
-      fds.push_back({c.fd, static_cast<short>(c.phase == Connection::Phase::kWriting ? POLLOUT : POLLIN), 0});
-    }
-    if (::poll(fds.data(), fds.size(), timeout_ms) < 0) {
-      if (errno == EINTR) continue;
-      MUOND_LOG(error, "metrics endpoint: poll failed: {}", std::strerror(errno));
-      break;
-    }
-    if (fds[0].revents != 0) break;
-    // Connections first (their pollfds follow the list's order), then the listener.
-    size_t i = 2;
-    for (auto it = connections.begin(); it != connections.end(); ++i) {
-      Connection& c = *it;
-      const short revents = fds[i].revents;
-      bool done = false;
-      if (revents == 0) {
-        ++it;
-        continue;
+    if (c.phase == Connection::Phase::kWriting) {
+      const ssize_t n = ::send(c.fd, c.out.data() + c.sent, c.out.size() - c.sent, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (n < 0 && errno != EAGAIN && errno != EINTR) {
+        done = true;
+      } else if (n > 0 && (c.sent += static_cast<size_t>(n)) == c.out.size()) {
+        ::shutdown(c.fd, SHUT_WR);
+        c.out.clear();
+        c.out.shrink_to_fit();
+        c.phase = Connection::Phase::kDraining;
       }
-      if (c.phase == Connection::Phase::kWriting) {
-        const ssize_t n = ::send(c.fd, c.out.data() + c.sent, c.out.size() - c.sent, MSG_NOSIGNAL | MSG_DONTWAIT);
-        if (n < 0 && errno != EAGAIN && errno != EINTR) {
-          done = true;
-        } else if (n > 0 && (c.sent += static_cast<size_t>(n)) == c.out.size()) {
-          ::shutdown(c.fd, SHUT_WR);
-          c.out.clear();
-          c.out.shrink_to_fit();
-          c.phase = Connection::Phase::kDraining;
-        }
-      } else {
-        char buffer[4096];
-        const size_t room =
-            c.phase == Connection::Phase::kReading ? limits_.max_request_bytes + 1 - c.in.size() : sizeof(buffer);
-        const ssize_t n = ::recv(c.fd, buffer, std::min(room, sizeof(buffer)), MSG_DONTWAIT);
-        if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
-          done = true;  // the peer closed (or broke) the connection
-        } else if (n > 0 && c.phase == Connection::Phase::kReading) {
-          c.in.append(buffer, static_cast<size_t>(n));
-          if (const size_t end = RequestHeadEnd(c.in); end != std::string::npos) {
-            answer(c, AnswerRequest(absl::string_view(c.in).substr(0, end), render_));
-          } else if (c.in.size() > limits_.max_request_bytes) {
-            answer(c,
-                   ErrorResponse("431 Request Header Fields Too Large",
-                                 absl::StrCat("the request head is limited to ", limits_.max_request_bytes, " bytes")));
-          }
+    } else {
+      char buffer[4096];
+      const size_t room =
+          c.phase == Connection::Phase::kReading ? limits_.max_request_bytes + 1 - c.in.size() : sizeof(buffer);
+      const ssize_t n = ::recv(c.fd, buffer, std::min(room, sizeof(buffer)), MSG_DONTWAIT);
+      if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
+        done = true;  // the peer closed (or broke) the connection
+      } else if (n > 0 && c.phase == Connection::Phase::kReading) {
+        c.in.append(buffer, static_cast<size_t>(n));
+        if (const size_t end = RequestHeadEnd(c.in); end != std::string::npos) {
+          answer(c, AnswerRequest(absl::string_view(c.in).substr(0, end), render_));
+        } else if (c.in.size() > limits_.max_request_bytes) {
+          answer(c,
+                 ErrorResponse("431 Request Header Fields Too Large",
+                               absl::StrCat("the request head is limited to ", limits_.max_request_bytes, " bytes")));
         }
       }
-      it = done ? close_connection(it) : std::next(it);
     }
-    if (fds[1].revents & POLLIN) {
-      const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
-      int64_t held = 0;
-      if (fd < 0 && errno != EAGAIN && errno != EINTR && errno != ECONNABORTED) {
-        if (accept_failures.Allow(&held)) {
-          MUOND_LOG(error, "metrics endpoint: cannot accept a connection: {} ({} more since)", std::strerror(errno),
-                    held);
-        }
-        accept_again = absl::Now() + kAcceptBackoff;
-      } else if (fd >= 0) {
-        if (connections.size() >= static_cast<size_t>(limits_.max_connections)) {
-          // Full: the oldest connection not yet answered makes room; when every one is being answered,
-          // the newcomer is turned away.
-          auto oldest = std::find_if(connections.begin(), connections.end(),
-                                     [](const Connection& c) { return c.phase != Connection::Phase::kWriting; });
-          if (evictions.Allow(&held)) {
-            MUOND_LOG(warn,
-                      "metrics endpoint: {} connections, the limit (--metrics-max-connections): closing "
-                      "the oldest ({} more since the last line)",
-                      connections.size(), held);
-          }
-          if (oldest != connections.end()) close_connection(oldest);
-        }
-        if (connections.size() < static_cast<size_t>(limits_.max_connections)) {
-          connections.push_back(Connection{.fd = fd, .deadline = absl::Now() + limits_.request_timeout});
-        } else {
-          ::close(fd);
-        }
-      }
+    if (done) {
+      ::close(c.fd);
+      it = connections_.erase(it);
+    } else {
+      ++it;
     }
   }
-  while (!connections.empty()) close_connection(connections.begin());
+}
+
+void MetricsEndpoint::Accept(int fd) {
+  if (connections_.size() >= static_cast<size_t>(limits_.max_connections)) {
+    // Full: the oldest connection not yet answered makes room; when every one is being answered, the
+    // newcomer is turned away.
+    auto oldest = std::find_if(connections_.begin(), connections_.end(),
+                               [](const Connection& c) { return c.phase != Connection::Phase::kWriting; });
+    if (int64_t held = 0; evictions_.Allow(&held)) {
+      MUOND_LOG(warn,
+                "metrics endpoint: {} connections, the limit (--metrics-max-connections): closing the oldest ({} "
+                "more since the last line)",
+                connections_.size(), held);
+    }
+    if (oldest != connections_.end()) {
+      ::close(oldest->fd);
+      connections_.erase(oldest);
+    }
+  }
+  if (connections_.size() < static_cast<size_t>(limits_.max_connections)) {
+    connections_.push_back(Connection{.fd = fd, .deadline = absl::Now() + limits_.request_timeout});
+  } else {
+    ::close(fd);
+  }
+}
+
+void MetricsEndpoint::CloseAll() {
+  for (const Connection& c : connections_) ::close(c.fd);
+  connections_.clear();
 }
 
 }  // namespace muond::metrics

@@ -22,9 +22,6 @@ namespace muond::transport {
 namespace {
 
 constexpr int kMaxFdsPerMessage = 4;
-// After accept4 fails for want of descriptors (EMFILE, ENFILE) or memory, the listener is left alone
-// this long: it stays readable, and polling it at once again would spin.
-constexpr absl::Duration kAcceptBackoff = absl::Milliseconds(100);
 
 // sockaddr_un for `address` ("@name": abstract); its length in *length.
 absl::StatusOr<sockaddr_un> SocketAddress(const std::string& address, socklen_t* length) {
@@ -45,7 +42,7 @@ void Reply(int fd, const std::string& line) { ::send(fd, line.data(), line.size(
 
 // Reads one message; false when the connection is finished (closed by the peer or broken).
 // `refusals` throttles the log of memfds refused at the daemon's limits.
-bool Serve(int fd, uint64_t connection, SharedMemoryRegions& regions, LogThrottle& refusals) {
+bool ServeOne(int fd, uint64_t connection, SharedMemoryRegions& regions, LogThrottle& refusals) {
   char byte = 0;
   iovec iov{&byte, 1};
   alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFdsPerMessage)];
@@ -117,89 +114,72 @@ absl::StatusOr<std::unique_ptr<ShmSocketServer>> ShmSocketServer::Start(const st
     return absl::UnavailableError(absl::StrCat("--shm-socket: cannot listen on '", address, "': ", error));
   }
   if (!abstract) ::chmod(address.c_str(), 0666);  // the socket grants nothing; RPCs authenticate
-  int wake[2];
-  if (::pipe2(wake, O_CLOEXEC) != 0) {
-    ::close(fd);
-    return absl::InternalError(absl::StrCat("pipe: ", std::strerror(errno)));
+  std::unique_ptr<ShmSocketServer> server(new ShmSocketServer(address, regions));
+  ShmSocketServer* s = server.get();
+  absl::StatusOr<std::unique_ptr<ListenerLoop>> loop =
+      ListenerLoop::Start("shm socket", fd, /*accept_flags=*/0,
+                          {.prepare = [s](absl::Time, std::vector<pollfd>& fds) { return s->Prepare(fds); },
+                           .serve = [s](std::span<const pollfd> fds) { s->Serve(fds); },
+                           .accept = [s](int connection) { s->Accept(connection); },
+                           .stop = [s] { s->CloseAll(); }});
+  if (!loop.ok()) {
+    if (!abstract) ::unlink(address.c_str());
+    return loop.status();
   }
-  std::unique_ptr<ShmSocketServer> server(new ShmSocketServer(address, fd, wake[0], wake[1], regions));
-  server->thread_ = std::thread([s = server.get()] { s->Loop(); });
+  server->loop_ = *std::move(loop);
   return server;
 }
 
+ShmSocketServer::ShmSocketServer(std::string address, SharedMemoryRegions* regions)
+    : address_(std::move(address)), regions_(regions) {}
+
 ShmSocketServer::~ShmSocketServer() {
-  const char stop = 'x';
-  (void)!::write(wake_write_, &stop, 1);
-  if (thread_.joinable()) thread_.join();
-  ::close(listen_fd_);
-  ::close(wake_read_);
-  ::close(wake_write_);
+  loop_.reset();  // joins the thread, closes the listener and every connection
   if (address_[0] != '@') ::unlink(address_.c_str());
 }
 
-void ShmSocketServer::Loop() {
-  std::map<int, uint64_t> connections;  // fd -> connection id
-  auto drop = [&](int fd) {
-    regions_->CloseConnection(connections[fd]);
-    connections.erase(fd);
-    ::close(fd);
-  };
-  const size_t max_connections = static_cast<size_t>(regions_->limits().max_connections);
-  LogThrottle refused_connections, refused_memfds, accept_failures, expiries;
-  int64_t expired = 0;                             // tickets expired since the last line about them
-  absl::Time accept_again = absl::InfinitePast();  // backing off after accept4 ran out of descriptors
-  for (;;) {
-    const absl::Time now = absl::Now();
-    const bool accepting = now >= accept_again;
-    // Wake for the next ticket to expire, or the end of a back-off, whichever comes first.
-    const absl::Time wake = std::min(regions_->NextExpiry(), accepting ? absl::InfiniteFuture() : accept_again);
-    const int timeout_ms =
-        wake == absl::InfiniteFuture()
-            ? -1
-            : static_cast<int>(std::clamp<int64_t>(absl::ToInt64Milliseconds(wake - now) + 1, 0, 60'000));
-    std::vector<pollfd> fds = {{wake_read_, POLLIN, 0}, {accepting ? listen_fd_ : -1, POLLIN, 0}};
-    for (const auto& [fd, id] : connections) fds.push_back({fd, POLLIN, 0});
-    if (::poll(fds.data(), fds.size(), timeout_ms) < 0) {
-      if (errno == EINTR) continue;
-      MUOND_LOG(error, "shm socket: poll failed: {}", std::strerror(errno));
-      break;
-    }
-    if (fds[0].revents != 0) break;
-    expired += regions_->ExpirePending(absl::Now());
-    if (int64_t held = 0; expired > 0 && expiries.Allow(&held)) {
-      MUOND_LOG(info, "shm socket: {} unclaimed regions expired (not registered within --shm-ticket-timeout)",
-                std::exchange(expired, 0));
-    }
-    if (fds[1].revents & POLLIN) {
-      const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-      int64_t held = 0;
-      if (fd < 0 && errno != EAGAIN && errno != EINTR && errno != ECONNABORTED) {
-        if (accept_failures.Allow(&held)) {
-          MUOND_LOG(error, "shm socket: cannot accept a connection: {}; retrying in {} ({} more since)",
-                    std::strerror(errno), absl::FormatDuration(kAcceptBackoff), held);
-        }
-        accept_again = absl::Now() + kAcceptBackoff;
-      } else if (fd >= 0 && connections.size() >= max_connections) {
-        // Refused at once: the descriptor is held only for this reply.
-        Reply(fd, "error the daemon has too many shared-memory connections\n");
-        ::close(fd);
-        if (refused_connections.Allow(&held)) {
-          MUOND_LOG(warn,
-                    "shm socket: connection refused: {} open, the limit (--shm-max-connections) ({} more "
-                    "refusals since the last line)",
-                    connections.size(), held);
-        }
-      } else if (fd >= 0) {
-        connections[fd] = regions_->OpenConnection();
-      }
-    }
-    for (size_t i = 2; i < fds.size(); ++i) {
-      if (fds[i].revents == 0) continue;
-      const int fd = fds[i].fd;
-      if ((fds[i].revents & POLLIN) == 0 || !Serve(fd, connections[fd], *regions_, refused_memfds)) drop(fd);
-    }
+absl::Time ShmSocketServer::Prepare(std::vector<pollfd>& fds) {
+  for (const auto& [fd, id] : connections_) fds.push_back({fd, POLLIN, 0});
+  return regions_->NextExpiry();  // wake for the next ticket to expire
+}
+
+void ShmSocketServer::Serve(std::span<const pollfd> fds) {
+  expired_ += regions_->ExpirePending(absl::Now());
+  if (int64_t held = 0; expired_ > 0 && expiries_.Allow(&held)) {
+    MUOND_LOG(info, "shm socket: {} unclaimed regions expired (not registered within --shm-ticket-timeout)",
+              std::exchange(expired_, 0));
   }
-  while (!connections.empty()) drop(connections.begin()->first);
+  for (const pollfd& p : fds) {
+    if (p.revents == 0) continue;
+    if ((p.revents & POLLIN) == 0 || !ServeOne(p.fd, connections_[p.fd], *regions_, refused_memfds_)) Drop(p.fd);
+  }
+}
+
+void ShmSocketServer::Accept(int fd) {
+  const size_t max_connections = static_cast<size_t>(regions_->limits().max_connections);
+  if (connections_.size() >= max_connections) {
+    // Refused at once: the descriptor is held only for this reply.
+    Reply(fd, "error the daemon has too many shared-memory connections\n");
+    ::close(fd);
+    if (int64_t held = 0; refused_connections_.Allow(&held)) {
+      MUOND_LOG(warn,
+                "shm socket: connection refused: {} open, the limit (--shm-max-connections) ({} more refusals since "
+                "the last line)",
+                connections_.size(), held);
+    }
+    return;
+  }
+  connections_[fd] = regions_->OpenConnection();
+}
+
+void ShmSocketServer::Drop(int fd) {
+  regions_->CloseConnection(connections_[fd]);
+  connections_.erase(fd);
+  ::close(fd);
+}
+
+void ShmSocketServer::CloseAll() {
+  while (!connections_.empty()) Drop(connections_.begin()->first);
 }
 
 }  // namespace muond::transport

@@ -10,7 +10,8 @@
 //
 // The address is "@name" for Linux's abstract namespace (reachable from the daemon's network
 // namespace only, which is what "the same host" means for a container) or a filesystem path
-// (created mode 0666, removed when the server stops). One thread serves every connection with poll.
+// (created mode 0666, removed when the server stops). One thread serves every connection with poll
+// (common/listener_loop.h).
 //
 // Descriptors are a daemon-wide budget (gRPC needs its share): at most `regions->limits()`'s
 // max_connections connections and max_pending unclaimed memfds are held; beyond, a connection is
@@ -22,11 +23,18 @@
 // the thread and closes every connection. Thread-safe as far as its public methods go.
 #pragma once
 
+#include <poll.h>
+
+#include <cstdint>
+#include <map>
 #include <memory>
+#include <span>
 #include <string>
-#include <thread>
+#include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/listener_loop.h"
+#include "common/log_throttle.h"
 #include "server/transport/shm/shared_memory_regions.h"
 
 namespace muond::transport {
@@ -42,19 +50,20 @@ class ShmSocketServer {
   const std::string& address() const { return address_; }
 
  private:
-  ShmSocketServer(std::string address, int listen_fd, int wake_read, int wake_write, SharedMemoryRegions* regions)
-      : address_(std::move(address)),
-        listen_fd_(listen_fd),
-        wake_read_(wake_read),
-        wake_write_(wake_write),
-        regions_(regions) {}
-  void Loop();
+  ShmSocketServer(std::string address, SharedMemoryRegions* regions);
+  // The loop's Handler (common/listener_loop.h), on its thread.
+  absl::Time Prepare(std::vector<pollfd>& fds);
+  void Serve(std::span<const pollfd> fds);
+  void Accept(int fd);
+  void CloseAll();
+  void Drop(int fd);
 
   const std::string address_;
-  const int listen_fd_;
-  const int wake_read_, wake_write_;  // a pipe that ends the loop
   SharedMemoryRegions* const regions_;
-  std::thread thread_;
+  std::map<int, uint64_t> connections_;  // fd → connection id; the loop's thread only
+  LogThrottle refused_connections_, refused_memfds_, expiries_;
+  int64_t expired_ = 0;                 // tickets expired since the last line about them
+  std::unique_ptr<ListenerLoop> loop_;  // last: stopped before anything it uses goes
 };
 
 // The default address of a daemon: an abstract name unique to this process.
