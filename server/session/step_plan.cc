@@ -18,12 +18,15 @@ namespace {
 // not use and values outside optim::ValidateStepHyper's ranges.
 absl::Status ApplyOverride(const GroupOverride& o, const std::string& field, const optim::GroupOptions& options,
                            optim::StepHyper& h) {
-  const std::pair<const char*, const std::optional<double>*> fields[] = {
-      {"lr", &o.lr}, {"momentum", &o.momentum}, {"weight_decay", &o.weight_decay}, {"beta1", &o.beta1},
-      {"beta2", &o.beta2}};
+  const std::pair<const char*, const std::optional<double>*> fields[] = {{"lr", &o.lr},
+                                                                         {"momentum", &o.momentum},
+                                                                         {"weight_decay", &o.weight_decay},
+                                                                         {"beta1", &o.beta1},
+                                                                         {"beta2", &o.beta2}};
   // Betas a step may change only where they are AdamW's and Lion's (Muon's beta2 is its second
   // moment's, fixed by the session).
-  const bool betas = options.optimizer == optim::OptimizerKind::kAdamW || options.optimizer == optim::OptimizerKind::kLion;
+  const bool betas =
+      options.optimizer == optim::OptimizerKind::kAdamW || options.optimizer == optim::OptimizerKind::kLion;
   for (const auto& [name, value] : fields) {
     const bool beta = name[0] == 'b';
     if (value->has_value() && (beta ? !betas : !optim::OptionApplies(options.optimizer, name))) {
