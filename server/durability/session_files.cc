@@ -62,6 +62,14 @@ void SessionFiles::Discard() {
   }
 }
 
+bool IsKnownNonSessionFolder(const std::string& name) { return name == kQuarantineFolder || name == "lost+found"; }
+
+std::string ForeignFolderMessage(const std::string& state_dir, const std::string& name) {
+  return absl::StrCat("ignoring ", state_dir, "/", absl::CHexEscape(name.substr(0, 256)),
+                      ": the folder's name is not a session id (1 to 128 of [A-Za-z0-9._-]); a session's folder is "
+                      "named by its id");
+}
+
 absl::StatusOr<std::vector<std::string>> ListSessionFolders(const StateDirOptions& options) {
   Env* env = options.env;
   if (absl::Status created = env->CreateDirs(options.state_dir); !created.ok()) {
@@ -72,14 +80,11 @@ absl::StatusOr<std::vector<std::string>> ListSessionFolders(const StateDirOption
   for (const std::string& name : names) {
     const std::string dir = options.state_dir + "/" + name;
     if (!env->IsDirectory(dir)) continue;
-    if (name == kQuarantineFolder || name == "lost+found") continue;  // known, not sessions
+    if (IsKnownNonSessionFolder(name)) continue;
     if (!CheckSessionId(name).ok()) {
       // Left alone, but said (the name escaped): an operator who renamed a session's folder learns
       // why it did not come back.
-      MUOND_LOG(warn,
-                "ignoring {}/{}: the folder's name is not a session id (1 to 128 of [A-Za-z0-9._-]); a session's "
-                "folder is named by its id",
-                options.state_dir, absl::CHexEscape(name.substr(0, 256)));
+      MUOND_LOG(warn, "{}", ForeignFolderMessage(options.state_dir, name));
       continue;
     }
     if (env->IsLink(dir)) {

@@ -98,6 +98,13 @@ struct SessionFolder {
 // LoadSessionFolder to refuse.
 absl::StatusOr<std::vector<std::string>> ListSessionFolders(const StateDirOptions& options);
 
+// Folders of a state directory that are known not to be sessions and pass without a word
+// (`+quarantine`, `lost+found`).
+bool IsKnownNonSessionFolder(const std::string& name);
+// What the daemon logs for any other folder whose name is not a session id, which it leaves alone
+// (the name escaped); `muondctl state verify` fails such a folder with the same words.
+std::string ForeignFolderMessage(const std::string& state_dir, const std::string& name);
+
 // The element count of each of a session's parameters, from its checkpoint's spec.
 using ParameterSizes = std::function<absl::StatusOr<std::vector<int64_t>>(const CheckpointData&)>;
 

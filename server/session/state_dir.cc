@@ -150,7 +150,9 @@ absl::StatusOr<LoadedSession> LoadSession(const durability::StateDirOptions& opt
           absl::StrCat("journal ", folder.journal_path, " is unusable: ", request.status().message()));
     }
     const int64_t step = GlobalStepOf(*request);
-    if (step <= session.last_step()) continue;  // already in the checkpoint
+    // Already in the checkpoint: records from before it wait for the next truncation. After it,
+    // each record follows the one before (a record repeated, or one missing, is damage).
+    if (step <= loaded.checkpoint_step) continue;
     if (step != session.last_step() + 1) {
       return absl::DataLossError(absl::StrCat("journal ", folder.journal_path, " is unusable: step ", step,
                                               " follows step ", session.last_step()));

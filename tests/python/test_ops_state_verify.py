@@ -1,5 +1,6 @@
 """``muondctl state verify`` runs the daemon's own restore checks, so every folder a daemon would
-refuse fails verify, naming the file; ``state inspect`` exits 1 when it prints UNREADABLE; and
+refuse fails verify, naming the file, with the daemon's own words (a repeated journal record, a
+folder whose name is not a session id); ``state inspect`` exits 1 when it prints UNREADABLE; and
 ``export --state-dir`` takes only a valid session id, so it never reads outside the state directory."""
 
 import hashlib
@@ -78,6 +79,13 @@ def shorten_first_gradient(folder: Path) -> None:
     (folder / "journal.log").write_bytes(frame(shorter) + rest)
 
 
+def repeat_second_record(folder: Path) -> None:
+    """The journal's second record written twice (each copy framed and checksummed as muond writes
+    it): steps 1, 2, 2, 3, 4."""
+    payloads = [p for _, p in journal_records(folder)]
+    (folder / "journal.log").write_bytes(b"".join(frame(p) for p in payloads[:2] + payloads[1:]))
+
+
 def inflate_third_length(folder: Path) -> None:
     data = bytearray((folder / "journal.log").read_bytes())
     offset = journal_records(folder)[2][0]
@@ -112,6 +120,7 @@ DAMAGE = {
     "a NaN master": lambda f: rewrite_tensors(f, nan_master),
     "a journal gradient one element short": shorten_first_gradient,
     "an inflated journal length": inflate_third_length,
+    "a repeated journal record": repeat_second_record,
     "a linked journal": lambda f: ((f / "journal.log").unlink(), (f / "journal.log").symlink_to("/dev/zero")),
     "deeply nested JSON": lambda f: (f / "checkpoint.json").write_text("[" * 200000 + "]" * 200000),
 }
@@ -142,6 +151,46 @@ def test_verify_fails_every_folder_the_daemon_refuses(journaled_state, tmp_path,
     code, out, err = ctl("state", "verify", state_dir)
     assert code == 1, f"{damage}: exit {code}: {out}{err}"
     assert "FAIL  run: " in out and str(state_dir / "run") in out, out
+
+
+def restored_by_a_daemon(state_dir, tmp_path):
+    """(the sessions a daemon on `state_dir` restored, its log)."""
+    from conftest import Daemon, _daemon_binary
+    import muond
+    daemon = Daemon(_daemon_binary(), tmp_path / "daemon", ("--state-dir", state_dir, "--log-level", "info"))
+    try:
+        conn = muond.Connection(daemon.endpoint)
+        try:
+            sessions = [s.session_id for s in conn.list_sessions()]
+        finally:
+            conn.close()
+        return sessions, daemon.log_tail(200)
+    finally:
+        daemon.stop()
+
+
+def test_verify_refuses_what_restore_refuses_with_the_same_words(journaled_state, tmp_path):
+    # A repeated journal record: the daemon quarantines the folder, verify fails it, the same message.
+    state_dir = tmp_path / "state"
+    shutil.copytree(journaled_state, state_dir, symlinks=True)
+    repeat_second_record(state_dir / "run")
+    code, out, _ = ctl("state", "verify", state_dir)
+    assert code == 1 and "is unusable: step 2 follows step 2" in out, out
+    sessions, log = restored_by_a_daemon(state_dir, tmp_path)
+    assert sessions == [] and "is unusable: step 2 follows step 2" in log, log
+
+
+def test_verify_fails_a_folder_the_daemon_ignores_with_its_words(journaled_state, tmp_path):
+    state_dir = tmp_path / "state"
+    shutil.copytree(journaled_state, state_dir, symlinks=True)
+    shutil.copytree(state_dir / "run", state_dir / "run copy")  # renamed by hand: not a session id
+    (state_dir / "+quarantine").mkdir()  # known, not a session: passes without a word
+    code, out, _ = ctl("state", "verify", state_dir)
+    message = f"ignoring {state_dir}/run copy: the folder's name is not a session id"
+    assert code == 1 and f"FAIL  {message}" in out and "+quarantine" not in out, out
+    assert "ok    run:" in out, "the session beside it still verifies"
+    sessions, log = restored_by_a_daemon(state_dir, tmp_path)
+    assert sessions == ["run"] and message in log, log
 
 
 def test_inspect_exits_1_when_a_folder_is_unreadable(journaled_state, tmp_path):

@@ -4,6 +4,7 @@
 #include <optional>
 #include <vector>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "kernels/backend_factory.h"
@@ -199,6 +200,21 @@ Answer VerifyState(const std::string& state_dir) {
   }
   Answer answer = StateDirAnswer(state_dir);
   int problems = 0;
+  // A folder whose name is not a session id is left alone by the daemon, which logs why: the same
+  // words fail it here, since the session in it would not come back.
+  absl::StatusOr<std::vector<std::string>> all = durability::Env::Default()->ListDir(state_dir);
+  if (!all.ok()) return ErrorAnswer(all.status());
+  std::sort(all->begin(), all->end());
+  for (const std::string& name : *all) {
+    if (durability::IsKnownNonSessionFolder(name) || durability::CheckSessionId(name).ok() ||
+        !durability::Env::Default()->IsDirectory(absl::StrCat(state_dir, "/", name))) {
+      continue;
+    }
+    const std::string message = durability::ForeignFolderMessage(state_dir, name);
+    ++problems;
+    answer.json["sessions"].push_back({{"folder", absl::CHexEscape(name)}, {"ok", false}, {"problems", {message}}});
+    absl::StrAppend(&answer.text, "FAIL  ", message, "\n");
+  }
   for (const FolderReport& r : *reports) {
     problems += static_cast<int>(r.problems.size());
     answer.json["sessions"].push_back({{"folder", r.name}, {"ok", r.problems.empty()}, {"problems", r.problems}});
