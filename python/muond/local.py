@@ -285,12 +285,7 @@ class LocalOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         resolved = opts.resolve_group(param_group, self._user_defaults)
-        if resolved["optimizer"] == "muon":
-            for p in resolved["params"]:
-                if p.dim() < 2:
-                    raise ValueError(f"Muon needs matrices; a parameter of shape "
-                                     f"{tuple(p.shape)} must go to an AdamW group")
-                opts.check_parameter(resolved, tuple(p.shape))
+        opts.check_shapes(resolved, [tuple(p.shape) for p in resolved["params"]])
         super().add_param_group(resolved)
 
     def state_dict(self) -> Dict[str, Any]:

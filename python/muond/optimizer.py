@@ -330,33 +330,10 @@ class RemoteOptimizer(StateTransfer, StreamControls, torch.optim.Optimizer):
             raise RuntimeError("RemoteOptimizer: the daemon session is fixed at construction; "
                                "create a new RemoteOptimizer to add parameters")
         resolved = opts.resolve_group(param_group, self._user_defaults)
-        params = resolved["params"]
-        for p in params:
-            if not isinstance(p, torch.Tensor):
-                raise TypeError(f"parameters must be tensors, got {type(p).__name__}")
-            if not p.is_leaf:
-                raise ValueError("can't optimize a non-leaf tensor")
-        partition = resolved.get("partition")
-        if partition is not None:
-            if not isinstance(partition, parts.Partition):
-                raise TypeError(f"a group's partition must be a muond.partition.Partition, got "
-                                f"{type(partition).__name__}")
-            if len(partition.shapes) != len(params):
-                raise ValueError(f"partition: {len(partition.shapes)} global shapes for the group's "
-                                 f"{len(params)} parameters")
-        for k, p in enumerate(params):
-            if not isinstance(p, torch.Tensor):
-                raise TypeError(f"parameters must be tensors, got {type(p).__name__}")
-            if not p.is_leaf:
-                raise ValueError("can't optimize a non-leaf tensor")
-            # A partitioned group's local tensors are parts: the rules read the global shape.
-            shape = partition.shapes[k] if partition is not None else tuple(p.shape)
-            if resolved["optimizer"] == "muon" and len(shape) < 2:
-                raise ValueError(
-                    f"Muon needs matrices; a parameter of shape {shape} must go to an "
-                    f"AdamW group (see muond.default_param_groups)")
-            if resolved["optimizer"] == "muon":
-                opts.check_parameter(resolved, shape)
+        opts.check_tensors(resolved["params"])
+        parts.check_partition_of(resolved)
+        # A partitioned group's local tensors are parts: the rules read the global shapes.
+        opts.check_shapes(resolved, parts.global_shapes(resolved))
         super().add_param_group(resolved)
 
     def _assign_group_names(self) -> List[str]:

@@ -67,14 +67,17 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, Mapping, Sequence, Tuple
 
+import torch
+
 from ._stubs import pb
 from .option_facts import (COEFFICIENT_SETS, COEFFICIENTS_AFTER, DEFAULTS, GRAM_RESTARTS,
                            MUON_MOMENT2 as _MUON_MOMENT2, NAMED_VALUES as _CHOICES, OPTIMIZERS,
                            matrix_shapes, slot_shape)
 
 __all__ = ["ALL_OPTIONS", "COEFFICIENT_SETS", "COEFFICIENTS_AFTER", "DEFAULTS", "GRAM_RESTARTS",
-           "OPTIMIZERS", "OVERRIDABLE", "check_defaults", "check_parameter", "coefficient_schedule",
-           "group_options_proto", "matrix_shapes", "optimizer_of", "overrides_of", "resolve_group",
+           "OPTIMIZERS", "OVERRIDABLE", "check_defaults", "check_parameter", "check_shapes",
+           "check_tensors", "check_unchanged", "coefficient_schedule", "group_options_proto",
+           "matrix_shapes", "optimizer_of", "overrides_of", "resolve_group", "resolved_defaults",
            "slot_shape", "spec_options", "storage_dtype"]
 
 # Storage formats by torch's names too (Megatron-Core's configuration takes torch dtypes).
@@ -281,6 +284,27 @@ def group_options_proto(group: Mapping[str, Any]) -> pb.GroupOptions:
             if group.get(key) is not None:
                 setattr(msg, key, group[key])
     return msg
+
+
+def check_tensors(params: Sequence[Any]) -> None:
+    """TypeError or ValueError unless every parameter is a leaf tensor, as torch.optim requires."""
+    for p in params:
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"parameters must be tensors, got {type(p).__name__}")
+        if not p.is_leaf:
+            raise ValueError("can't optimize a non-leaf tensor")
+
+
+def check_shapes(group: Mapping[str, Any], shapes: Sequence[Tuple[int, ...]]) -> None:
+    """ValueError unless a resolved Muon group's parameters, of these global shapes, are matrices
+    its options fit (check_parameter)."""
+    if group["optimizer"] != "muon":
+        return
+    for shape in shapes:
+        if len(shape) < 2:
+            raise ValueError(f"Muon needs matrices; a parameter of shape {tuple(shape)} must go to an "
+                             f"AdamW group (see muond.default_param_groups)")
+        check_parameter(group, tuple(shape))
 
 
 def check_parameter(group: Mapping[str, Any], shape: Tuple[int, ...]) -> None:

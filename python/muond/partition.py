@@ -257,6 +257,19 @@ def from_fsdp1(flat_param: Any, world_size: int) -> Partition:
     return explicit(shapes, ranges)
 
 
+def check_partition_of(group: Mapping[str, Any]) -> None:
+    """TypeError or ValueError unless a group's ``partition``, when it has one, is a Partition with
+    one global shape per parameter."""
+    given = group.get("partition")
+    if given is None:
+        return
+    if not isinstance(given, Partition):
+        raise TypeError(f"a group's partition must be a muond.partition.Partition, got {type(given).__name__}")
+    if len(given.shapes) != len(group["params"]):
+        raise ValueError(f"partition: {len(given.shapes)} global shapes for the group's "
+                         f"{len(group['params'])} parameters")
+
+
 def global_shapes(group: Mapping[str, Any]) -> List[Shape]:
     """The global shapes of a parameter group's parameters: its partition's (the tensors are
     parts), else the tensors' own."""
