@@ -43,10 +43,11 @@ std::vector<float> Values(size_t n, float phase) {
   return v;
 }
 
-std::unique_ptr<session::Session> NewSession(const std::string& id, kernels::Backend* backend, int world_size = 1) {
+// A session of `spec` with w and b uploaded (the same values every time).
+std::unique_ptr<session::Session> SessionOf(const std::string& id, const v1::SessionSpec& spec,
+                                            kernels::Backend* backend) {
   std::unique_ptr<session::Session> session =
-      session::Session::Create(id, rpc::ParseSessionSpec(Spec(world_size), session::SpecLimits{}).value(), backend)
-          .value();
+      session::Session::Create(id, rpc::ParseSessionSpec(spec, session::SpecLimits{}).value(), backend).value();
   std::vector<HostTensor> initial(2);
   initial[0].values = Values(kW, 1.0f);
   initial[0].received = kW;
@@ -54,6 +55,10 @@ std::unique_ptr<session::Session> NewSession(const std::string& id, kernels::Bac
   initial[1].received = kB;
   EXPECT_OK(session->Upload(std::move(initial)));
   return session;
+}
+
+std::unique_ptr<session::Session> NewSession(const std::string& id, kernels::Backend* backend, int world_size = 1) {
+  return SessionOf(id, Spec(world_size), backend);
 }
 
 // Bytes of `values` in `dtype`.
@@ -368,15 +373,7 @@ TEST(CudaIpcStepTest, SixteenBitMastersAnswerInEveryDtype) {
   v1::SessionSpec spec = Spec();
   spec.mutable_groups(0)->mutable_options()->set_master_dtype("fp16");
   spec.mutable_groups(1)->mutable_options()->set_master_dtype("bf16");
-  std::unique_ptr<session::Session> session =
-      session::Session::Create("sixteen", rpc::ParseSessionSpec(spec, session::SpecLimits{}).value(), device_like.get())
-          .value();
-  std::vector<HostTensor> initial(2);
-  initial[0].values = Values(kW, 1.0f);
-  initial[0].received = kW;
-  initial[1].values = Values(kB, 2.0f);
-  initial[1].received = kB;
-  ASSERT_OK(session->Upload(std::move(initial)));
+  std::unique_ptr<session::Session> session = SessionOf("sixteen", spec, device_like.get());
   session::StepRequest request;
   request.step = 1;
   request.device_answer = true;
@@ -504,15 +501,7 @@ TEST(NcclStepTest, RanksThatHoldPartsSendAndReceiveOnlyTheirParts) {
   auto device_like = kernels::NewCpuBackend(1, /*host_addressable=*/false);
   v1::SessionSpec spec = Spec(kRanks);
   for (v1::ParameterGroup& group : *spec.mutable_groups()) group.mutable_partition()->set_kind(v1::PARTITION_KIND_ROWS);
-  std::unique_ptr<session::Session> parts =
-      session::Session::Create("parts", rpc::ParseSessionSpec(spec, session::SpecLimits{}).value(), device_like.get())
-          .value();
-  std::vector<HostTensor> initial(2);
-  initial[0].values = Values(kW, 1.0f);
-  initial[0].received = kW;
-  initial[1].values = Values(kB, 2.0f);
-  initial[1].received = kB;
-  ASSERT_OK(parts->Upload(std::move(initial)));
+  std::unique_ptr<session::Session> parts = SessionOf("parts", spec, device_like.get());
   auto whole = NewSession("whole", device_like.get());
   const session::SessionConfig& config = parts->config();
   const auto part_of = [](const std::vector<float>& v, size_t rank, size_t per) {
