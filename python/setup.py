@@ -55,10 +55,10 @@ class SdistWithProto(sdist):
 
     def make_release_tree(self, base_dir, files):
         super().make_release_tree(base_dir, files)
-        source = _proto_root() / "muond" / "v1" / "muond.proto"
         dest = Path(base_dir) / "proto" / "muond" / "v1"
         dest.mkdir(parents=True, exist_ok=True)
-        (dest / "muond.proto").write_bytes(source.read_bytes())
+        for name in ("muond.proto", "group_options.json"):  # the API and its option table
+            (dest / name).write_bytes((_proto_root() / "muond" / "v1" / name).read_bytes())
 
 
 VERSION = re.search(r'^__version__ = "([^"]+)"', (HERE / "muond" / "__init__.py").read_text(),

@@ -1,5 +1,6 @@
-// Options of one parameter group, in the vocabulary of docs/algorithms.md's Group options table, and
-// their validation. A plain value type: copy freely; no shared state.
+// Options of one parameter group, and their validation. Their names, defaults, choices and ranges are
+// the option table's (option_table.h, proto/muond/v1/group_options.json); each row's member is
+// named in option_fields.h. A plain value type: copy freely; no shared state.
 #pragma once
 
 #include <optional>
@@ -37,7 +38,8 @@ struct NsCoefficient {
 
 // A Newton–Schulz coefficient schedule: coefficients(t) for step t.
 struct NsSchedule {
-  // Defaults to the `simple` set so a default-constructed GroupOptions is valid as it stands.
+  // The `simple` set, so that a default-constructed GroupOptions is valid as it stands (DefaultOptions
+  // takes the table's default set).
   std::string name = "simple";  // "simple", "quintic", "polar_express", "cans", "aol" or "custom"
   std::vector<NsCoefficient> tuples = {{3.4445, -4.7750, 2.0315}};
   CoefficientsAfter after = CoefficientsAfter::kCycle;
@@ -48,7 +50,7 @@ struct NsSchedule {
   NsCoefficient At(int step) const;
 };
 
-// The named sets of docs/algorithms.md (Coefficient sets); NOT_FOUND-free: an unknown name is
+// The named sets of the option table (coefficient_sets); NOT_FOUND-free: an unknown name is
 // INVALID_ARGUMENT naming `ns_coefficients`.
 absl::StatusOr<NsSchedule> NamedSchedule(std::string_view name);
 std::vector<std::string> NamedScheduleNames();
@@ -80,7 +82,7 @@ struct GroupOptions {
   kernels::StorageDtype exp_avg_dtype = kernels::StorageDtype::kFp32;     // adamw, lion
   kernels::StorageDtype exp_avg_sq_dtype = kernels::StorageDtype::kFp32;  // adamw; muon's moment2
   ClipScope clip_scope = ClipScope::kGlobal;
-  double max_grad_norm = 0;  // clip_scope group: the group's own limit; 0: the step's max_grad_norm
+  std::optional<double> max_grad_norm;  // clip_scope group: the group's own limit; unset: the step's
   // Telemetry and health warnings (docs/algorithms.md, Telemetry; docs/operations.md, Warnings).
   bool telemetry = true;          // measure the update and the orthogonality residual
   double warn_clip_below = 0.01;  // muon: a clip coefficient below this ...
@@ -91,19 +93,15 @@ struct GroupOptions {
   std::optional<double> warn_residual_above;
 };
 
-// The defaults of docs/algorithms.md (Group options) for `kind` (lr, weight decay, momentum,
-// nesterov, betas differ).
+// The option table's defaults for `kind` (lr, weight decay, momentum, nesterov, betas differ).
 GroupOptions DefaultOptions(OptimizerKind kind);
 
-// Upper limits of docs/algorithms.md (Ranges): values beyond them are refused as nothing a user
-// means, and they keep every factor of a step far from the fp32 range.
-inline constexpr double kMaxLr = 100;
-inline constexpr double kMaxWeightDecay = 100;
-inline constexpr double kMaxScaleFactor = 1000;  // extra_scale_factor
-inline constexpr double kMaxNormSafety = 100;    // ns_norm_safety
-inline constexpr double kMaxNsGrowth = 1000;     // NsSingularValueBound of a group's iteration
+// The largest NsSingularValueBound a group's iteration may have (the ranges of single options are
+// the table's).
+inline constexpr double kMaxNsGrowth = 1000;
 
-// Checks ranges (lr ≥ 0, 0 ≤ momentum < 1, ns_steps ≥ 1, …). The message names the option, e.g.
+// Checks the table's range of every option (lr in [0, 100], momentum in [0, 1), ns_steps >= 1, …)
+// and the rules that tie options together. The message names the option, e.g.
 // "ns_steps must be >= 1, got 0"; callers prefix the path of the group.
 absl::Status ValidateOptions(const GroupOptions& options);
 
@@ -143,8 +141,8 @@ double ResidualThreshold(const GroupOptions& options);
 // the daemon logs these when a session is created.
 std::vector<std::string> PrecisionCaveats(const GroupOptions& options);
 
-// Which optimizers read each option of docs/algorithms.md's Group options table, by the option's
-// API name (the wire's spelling of names and values lives in server/rpc/group_option_table.h).
+// Which optimizers read each option the wire's GroupOptions carries, by the option's API name (the
+// option table's rows of carrier group).
 struct OptionUse {
   std::string_view name;
   std::vector<OptimizerKind> applies_to;

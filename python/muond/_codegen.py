@@ -7,6 +7,7 @@ subpackage ``muond._proto`` written under ``OUT/muond/_proto/``:
     muond_pb2.py       messages (from protoc --python_out)
     muond_pb2_grpc.py  the service stub (from the gRPC Python plugin), importing muond_pb2
                        relatively so it works wherever the package is installed
+    group_options.json the option table, copied from proto/muond/v1/ (muond.option_facts reads it)
 
 Two toolchains are tried in order, the first that succeeds wins:
 
@@ -30,6 +31,8 @@ import tempfile
 from pathlib import Path
 
 PROTO_FILE = "muond/v1/muond.proto"
+# The option table (docs/architecture.md, One table of group options), copied beside the stubs.
+TABLE_FILE = "muond/v1/group_options.json"
 PACKAGE_DIR = Path("muond") / "_proto"
 
 _INIT = '"""Generated gRPC stubs of the muond.v1 API (made at build or install time)."""\n'
@@ -97,6 +100,7 @@ def generate(proto_root: os.PathLike | str, out: os.PathLike | str) -> Path:
         shutil.copyfile(generated / "muond_pb2.py", target / "muond_pb2.py")
         grpc_module = (generated / "muond_pb2_grpc.py").read_text()
         (target / "muond_pb2_grpc.py").write_text(_fix_imports(grpc_module))
+    shutil.copyfile(proto_root / TABLE_FILE, target / Path(TABLE_FILE).name)
     return target
 
 

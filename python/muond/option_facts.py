@@ -1,103 +1,104 @@
-"""The facts of a parameter group's options, in one place for the Python client: the optimizers,
-each optimizer's options with their defaults, the Newton–Schulz coefficient sets, the names each
-named option accepts, and the shapes of the matrices Muon orthogonalizes and of the optimizer slots.
+"""The facts of a parameter group's options for the Python client: the optimizers, each optimizer's
+options with their defaults, which of them a step may change, the Newton–Schulz coefficient sets,
+the names each named option accepts, and the shapes of the matrices Muon orthogonalizes and of the
+optimizer slots.
 
-They are the daemon's facts (kernels/optim/options.cc, server/rpc/group_option_table.cc, the
-optimizers' shape rules), written once here for ``options`` (the client's early checks),
-``local`` (the in-process reference optimizer) and ``optimizer``; tests/python/test_option_table.py
-compares them with what the daemon's print_option_table tool prints.
+Every fact about an option comes from the one option table, proto/muond/v1/group_options.json,
+which the package carries beside its gRPC stubs (``muond._proto``) and the daemon embeds; only the
+Python client's spelling is decided here (``betas`` for beta1 and beta2 where an optimizer reads
+both; the per-parameter options of carrier "parameter" given per group). ``options`` (the client's
+early checks), ``local`` (the in-process reference optimizer) and ``optimizer`` read these names;
+tests/python/test_option_table.py compares them with the daemon's use of the same table.
 
 Constants and pure functions; no shared state.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any, Dict, Mapping, Sequence, Tuple
 
-OPTIMIZERS = ("muon", "adamw", "lion", "sgd")
+from ._stubs import pb
 
+# Beside the stubs, in muond._proto (copied there by _codegen.py).
+TABLE_FILE = Path(pb.__file__).with_name("group_options.json")
+TABLE: Dict[str, Any] = json.loads(TABLE_FILE.read_text(encoding="utf-8"))
+
+OPTIMIZERS: Tuple[str, ...] = tuple(TABLE["optimizers"])
+# Rows of the table by name, in its order.
+ROWS: Dict[str, Dict[str, Any]] = {row["name"]: row for row in TABLE["options"]}
+
+
+def _applies(row: Mapping[str, Any], optimizer: str) -> bool:
+    return row["applies_to"] == "all" or optimizer in row["applies_to"]
+
+
+def _default(row: Mapping[str, Any], optimizer: str) -> Any:
+    value = row["default"]
+    return value.get(optimizer) if isinstance(value, dict) else value
+
+
+def _fold(tuples: Sequence[Sequence[float]], safety: float) -> Tuple[Tuple[float, float, float], ...]:
+    if safety == 1.0:
+        return tuple((float(a), float(b), float(c)) for a, b, c in tuples)
+    return tuple((a / safety, b / safety ** 3, c / safety ** 5) for a, b, c in tuples)
+
+
+# The named Newton–Schulz sets, each with its safety factor folded in as (a/s, b/s³, c/s⁵).
 COEFFICIENT_SETS: Dict[str, Tuple[Tuple[float, float, float], ...]] = {
-    "simple": ((3.4445, -4.7750, 2.0315),),
-    "quintic": ((4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377), (3.7418, -5.5913, 2.3037),
-                (2.8769, -3.1427, 1.2046), (2.8366, -3.0525, 1.2012)),
-    "polar_express": ((8.2051, -22.9019, 16.4607), (4.0664, -2.8612, 0.5184),
-                      (3.9096, -2.8234, 0.5250), (3.2856, -2.4153, 0.4853),
-                      (2.2779, -1.6198, 0.3985), (1.8726, -1.2307, 0.3585),
-                      (1.8564, -1.2132, 0.3568), (1.8750, -1.2500, 0.3750)),
-    "cans": ((8.4703, -25.1081, 18.6293), (4.1828, -3.1087, 0.5806), (3.9619, -2.9541, 0.5630),
-             (3.2866, -2.4647, 0.5074), (2.2737, -1.6447, 0.4162)),
-    "aol": ((4.0098, -7.0585, 2.4635), (3.4585, -5.5479, 2.5959), (2.7573, -3.2939, 1.4254),
-            (2.7215, -3.0494, 1.3169)),
-    # Keller Jordan's tuple ×8, then (2, -1.5, 0.5) ×2; meant for ns_steps=10.
-    "deepseekv4": ((3.4445, -4.7750, 2.0315),) * 8 + ((2.0, -1.5, 0.5),) * 2,
-    # The Polar Express paper's first five tuples with safety 1.05 folded in (a/1.05, b/1.05**3,
-    # c/1.05**5), for ns_algorithm="gram", which restarts before iteration 2.
-    "gram_polar_express": tuple(
-        (a / 1.05, b / 1.05 ** 3, c / 1.05 ** 5) for a, b, c in (
-            (8.28721201814563, -23.595886519098837, 17.300387312530933),
-            (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
-            (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
-            (3.3184196573706015, -2.488488024314874, 0.51004894012372),
-            (2.300652019954817, -1.6689039845747493, 0.4188073119525673))),
-    # Cubic steps (c = 0), tuned for exactly ns_steps=5.
-    "cubic5": ((3.3656576, -3.3420992, 0.0), (2.5744352, -1.4957376, 0.0), (2.5368962, -1.4312570, 0.0),
-               (2.4418906, -1.2764040, 0.0), (2.2230472, -0.9630650, 0.0)),
-}
+    s["name"]: _fold(s["tuples"], s.get("safety", 1.0)) for s in TABLE["coefficient_sets"]}
 # What happens after a named list ends.
-COEFFICIENTS_AFTER = {"simple": "cycle", "quintic": "cycle", "polar_express": "repeat_last",
-                      "cans": "repeat_last", "aol": "cycle", "deepseekv4": "repeat_last",
-                      "cubic5": "repeat_last", "gram_polar_express": "repeat_last"}
+COEFFICIENTS_AFTER: Dict[str, str] = {s["name"]: s["after"] for s in TABLE["coefficient_sets"]}
 # Iterations before which ns_algorithm="gram" restarts from X (a named set's own schedule).
-GRAM_RESTARTS = {"gram_polar_express": (2,)}
+GRAM_RESTARTS: Dict[str, Tuple[int, ...]] = {
+    s["name"]: tuple(s["gram_restarts"]) for s in TABLE["coefficient_sets"] if s.get("gram_restarts")}
+# The only ns_steps a set is tuned for.
+SET_STEPS: Dict[str, int] = {s["name"]: s["steps"] for s in TABLE["coefficient_sets"] if "steps" in s}
 
-# The names each named option accepts, in the order of the daemon's enums
-# (server/rpc/group_option_table.cc).
+# The names each named option accepts, in the order of the daemon's enums.
 NAMED_VALUES: Dict[str, Tuple[str, ...]] = {
-    "weight_decay_mode": ("decoupled", "independent", "l2", "cautious"),
-    "moment2_method": ("none", "adamuon", "normuon"),
-    "ns_algorithm": ("standard", "gram", "auto"),
-    "momentum_style": ("ema", "sum"),
-    "ns_coefficients_after": ("cycle", "repeat_last"),
-    "scale_mode": ("shape_scaling", "spectral", "unit_rms_norm"),
-    "matmul_precision": ("fp32", "tf32", "bf16"),
-    "master_dtype": ("fp32", "bf16", "fp16"),
-    "momentum_dtype": ("fp32", "bf16", "fp16"),
-    "exp_avg_dtype": ("fp32", "bf16", "fp16"),
-    "exp_avg_sq_dtype": ("fp32", "bf16", "fp16"),
-    "clip_scope": ("global", "group", "none"),
-}
+    row["name"]: tuple(row["choices"]) for row in TABLE["options"]
+    if row["type"] == "choice" and row.get("python", True) is not False}
 
-# Each optimizer's options and their defaults, by the Python client's names (betas for beta1 and
-# beta2; qkv_split, num_query_groups, tp_blocks and tp_block_dim travel with each parameter). None:
-# left unset on the wire, so the daemon's default applies.
-DEFAULTS: Dict[str, Dict[str, Any]] = {
-    "muon": {
-        "lr": 0.02, "weight_decay": 0.0, "weight_decay_mode": "decoupled", "momentum": 0.95,
-        "nesterov": True, "momentum_style": "ema", "ns_steps": 5, "ns_coefficients": "simple",
-        "ns_algorithm": "standard",
-        "ns_coefficients_after": None, "ns_eps": 1e-7, "ns_norm_safety": 1.0,
-        "scale_mode": "shape_scaling", "extra_scale_factor": 1.0, "matmul_precision": None,
-        "qkv_split": None, "num_query_groups": None, "tp_blocks": None, "tp_block_dim": 0,
-        "qk_clip_threshold": 100.0,
-        "qk_clip_alpha": 0.5, "moment2_method": None, "beta2": 0.95, "eps": 1e-8,
-        "master_dtype": None, "momentum_dtype": None, "exp_avg_sq_dtype": None,
-        "clip_scope": None, "max_grad_norm": None,
-        "telemetry": True, "warn_clip_below": 0.01, "warn_clip_steps": 10,
-        "warn_stale_steps": 100, "warn_residual_above": None,
-    },
-    "adamw": {"lr": 1e-3, "weight_decay": 0.01, "weight_decay_mode": "decoupled", "betas": (0.9, 0.999),
-              "eps": 1e-8, "master_dtype": None, "exp_avg_dtype": None, "exp_avg_sq_dtype": None,
-              "clip_scope": None, "max_grad_norm": None,
-              "telemetry": True, "warn_stale_steps": 100},
-    "lion": {"lr": 1e-4, "weight_decay": 0.0, "betas": (0.9, 0.99), "master_dtype": None,
-             "exp_avg_dtype": None, "clip_scope": None, "max_grad_norm": None,
-             "telemetry": True, "warn_stale_steps": 100},
-    "sgd": {"lr": 1e-2, "weight_decay": 0.0, "momentum": 0.0, "nesterov": False, "master_dtype": None,
-            "momentum_dtype": None, "clip_scope": None, "max_grad_norm": None,
-            "telemetry": True, "warn_stale_steps": 100},
-}
+
+def _python_options(optimizer: str) -> Dict[str, Any]:
+    """The Python client's options of ``optimizer`` and their defaults, in the table's order: beta1
+    and beta2 become ``betas`` where the optimizer reads both; None leaves the field unset, so the
+    daemon's default applies."""
+    out: Dict[str, Any] = {}
+    pair = all(_applies(ROWS[name], optimizer) for name in ("beta1", "beta2"))
+    for row in TABLE["options"]:
+        if row.get("python", True) is False or not _applies(row, optimizer):
+            continue
+        value = None if row.get("unset_in_client") else _default(row, optimizer)
+        if pair and str(row.get("python", "")).startswith("betas["):
+            out["betas"] = (_default(ROWS["beta1"], optimizer), _default(ROWS["beta2"], optimizer))
+            continue
+        out[row["name"]] = value
+    return out
+
+
+# Each optimizer's options and their defaults, by the Python client's names. None: left unset on
+# the wire, so the daemon's default applies.
+DEFAULTS: Dict[str, Dict[str, Any]] = {name: _python_options(name) for name in OPTIMIZERS}
 # Options of a Muon group that only its second moment (moment2_method) reads.
-MUON_MOMENT2 = ("beta2", "eps", "exp_avg_sq_dtype")
+MUON_MOMENT2: Tuple[str, ...] = tuple(
+    row["name"] for row in TABLE["options"] if row.get("muon_needs") == "moment2_method")
+
+
+def _per_step(row: Mapping[str, Any]) -> Tuple[str, ...]:
+    value = row.get("per_step", False)
+    return OPTIMIZERS if value is True else tuple(value or ())
+
+
+# Options a step may override (GroupOverride), by the Python client's names, and for which
+# optimizers: what torch's schedulers and trainers change between steps.
+PER_STEP: Dict[str, Tuple[str, ...]] = {}
+for _row in TABLE["options"]:
+    if _per_step(_row):
+        _name = "betas" if str(_row.get("python", "")).startswith("betas[") else _row["name"]
+        PER_STEP[_name] = tuple(dict.fromkeys(PER_STEP.get(_name, ()) + _per_step(_row)))
 
 
 def coefficient_at(coefficients: Sequence[Tuple[float, float, float]], after: str,

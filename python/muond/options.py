@@ -5,56 +5,20 @@ group's optimizer with the documented default, checks names and values, and reje
 do not apply (``momentum`` in an AdamW group, a typo such as ``ns_step``). ``group_options_proto``
 turns a resolved group into the ``muond.v1.GroupOptions`` message sent when a session is created.
 
-| option                  | applies to   | default                                                  |
-|-------------------------|--------------|----------------------------------------------------------|
-| optimizer / use_muon    | all          | "muon" (``use_muon=False`` means "adamw")                 |
-| lr                      | all          | muon 0.02, adamw 1e-3, lion 1e-4, sgd 1e-2               |
-| weight_decay            | all          | muon 0, adamw 0.01, lion 0, sgd 0                        |
-| weight_decay_mode       | muon, adamw  | "decoupled" (muon: "independent", "l2", "cautious";      |
-|                         |              | adamw: "l2", i.e. Adam with coupled L2 as torch.optim.Adam) |
-| momentum, nesterov      | muon, sgd    | muon 0.95 / True, sgd 0 / False                          |
-| momentum_style          | muon         | "ema" ("sum")                                            |
-| ns_steps                | muon         | 5                                                        |
-| ns_coefficients         | muon         | "simple" (quintic, polar_express, cans, aol, deepseekv4, |
-|                         |              | cubic5 with ns_steps=5, gram_polar_express) or a list    |
-|                         |              | of (a, b, c) tuples (one tuple is accepted as well)       |
-| ns_coefficients_after   | muon         | None: the set's own rule; a custom list cycles            |
-| ns_algorithm            | muon         | "standard" ("gram": on the Gram matrix, gram_polar_express; |
-|                         |              | "auto": per shape, whichever the daemon's cost rule expects |
-|                         |              | to be faster)                                              |
-| ns_eps, ns_norm_safety  | muon         | 1e-7, 1.0                                                |
-| scale_mode              | muon         | "shape_scaling" ("spectral", "unit_rms_norm")            |
-| extra_scale_factor      | muon         | 1.0                                                      |
-| matmul_precision        | muon         | None: fp32 on every backend (ask bf16 for GPU tensor cores, |
-|                         |              | or CPU bf16 GEMMs where the CPU has bf16 dot products)    |
-| qkv_split               | muon         | None; (q, k, v) rows, for every parameter of the group   |
-| num_query_groups        | muon         | None (1 when qkv_split is given)                         |
-| tp_blocks, tp_block_dim | muon         | None, 0; tensor-parallel blockwise Muon: every 2-D       |
-|                         |              | parameter is tp_blocks shards along dim 0 (rows) or 1    |
-| qk_clip_threshold/alpha | muon         | 100.0, 0.5                                               |
-| moment2_method          | muon         | None ("adamuon", "normuon": a second moment on the update) |
-| beta2, eps (muon)       | muon         | 0.95, 1e-8; only with a moment2_method                   |
-| betas                   | adamw, lion  | adamw (0.9, 0.999), lion (0.9, 0.99)                     |
-| eps                     | adamw        | 1e-8                                                     |
-| master_dtype            | all          | None = "fp32" ("bf16", "fp16"; or torch.bfloat16, ...)   |
-| momentum_dtype          | muon, sgd    | None = "fp32"; the momentum slot's storage format        |
-| exp_avg_dtype           | adamw, lion  | None = "fp32"                                            |
-| exp_avg_sq_dtype        | adamw, muon  | None = "fp32"; muon: only with a moment2_method (moment2) |
-| clip_scope              | all          | None = "global" ("group": its own norm and max_grad_norm;  |
-|                         |              | "none": neither counted nor clipped)                     |
-| max_grad_norm           | all          | None; the group's own limit, with clip_scope "group" only |
-| telemetry               | all          | True; False: no update figures, no orthogonality residual |
-| warn_clip_below/_steps  | muon         | 0.01, 10: a clip coefficient under it for that many steps |
-| warn_stale_steps        | all          | 100: a parameter without a gradient for that many steps  |
-| warn_residual_above     | muon         | None: the bound its Newton–Schulz derives (~0.5–0.85)    |
+Every option, the optimizers it applies to, its values and its default are the option table's
+(proto/muond/v1/group_options.json, through ``option_facts``); docs/algorithms.md, Group options,
+shows it as a table. The Python client spells beta1 and beta2 as ``betas`` where an optimizer reads
+both, takes ``optimizer="adamw"`` or ``use_muon=False``, and takes the per-parameter options
+(qkv_split, num_query_groups, tp_blocks, tp_block_dim) per group.
 
 The *_dtype options choose how the daemon stores masters and optimizer state (Megatron-Core's
 precision-aware optimizer); every step still computes in fp32 and rounds to nearest even when it
 stores.
 
 Between steps a trainer or a scheduler may change a group's ``lr``, ``momentum``, ``weight_decay``
-and (adamw, lion) ``betas``: each step sends them (``overrides_of``). Every other option is fixed by
-the session; ``check_unchanged`` raises at the next step when one changed.
+and (adamw, lion) ``betas`` (the table's ``per_step``): each step sends them (``overrides_of``).
+Every other option is fixed by the session; ``check_unchanged`` raises at the next step when one
+changed.
 
 The facts these checks use (defaults, coefficient sets, named values, matrix and slot shapes) are
 ``option_facts``'; this module holds the checks and the conversion to the wire.
@@ -72,7 +36,7 @@ import torch
 from ._stubs import pb
 from .option_facts import (COEFFICIENT_SETS, COEFFICIENTS_AFTER, DEFAULTS, GRAM_RESTARTS,
                            MUON_MOMENT2 as _MUON_MOMENT2, NAMED_VALUES as _CHOICES, OPTIMIZERS,
-                           matrix_shapes, slot_shape)
+                           PER_STEP, ROWS, SET_STEPS, matrix_shapes, slot_shape)
 
 __all__ = ["ALL_OPTIONS", "COEFFICIENT_SETS", "COEFFICIENTS_AFTER", "DEFAULTS", "GRAM_RESTARTS",
            "OPTIMIZERS", "OVERRIDABLE", "check_defaults", "check_parameter", "check_shapes",
@@ -94,8 +58,8 @@ _PASSTHROUGH = frozenset({"params", "param_names", "initial_lr", "name", "partit
 # Options a step may override (GroupOverride): what torch's schedulers and trainers change between
 # steps (betas only where they are AdamW's and Lion's). Every other option is fixed by the session:
 # changing one raises at the next step (check_unchanged).
-OVERRIDABLE = ("lr", "momentum", "weight_decay", "betas")
-_BETAS_OVERRIDABLE = ("adamw", "lion")
+OVERRIDABLE = tuple(PER_STEP)
+_BETAS_OVERRIDABLE = PER_STEP["betas"]
 
 
 def optimizer_of(group: Mapping[str, Any], defaults: Mapping[str, Any]) -> str:
@@ -214,9 +178,11 @@ def resolve_group(group: Mapping[str, Any], defaults: Mapping[str, Any]) -> Dict
             if resolved["moment2_method"] is None and key in group:
                 raise ValueError(f"option {key!r} applies to a muon group only with moment2_method "
                                  "'adamuon' or 'normuon'")
-    if name == "muon" and resolved["ns_coefficients"] == "cubic5" and resolved["ns_steps"] != 5:
-        raise ValueError("ns_steps must be 5 with ns_coefficients cubic5 (its coefficients are tuned "
-                         f"for exactly 5 steps), got {resolved['ns_steps']}")
+    steps = SET_STEPS.get(resolved["ns_coefficients"]) if name == "muon" and isinstance(
+        resolved["ns_coefficients"], str) else None
+    if steps is not None and resolved["ns_steps"] != steps:
+        raise ValueError(f"ns_steps must be {steps} with ns_coefficients {resolved['ns_coefficients']} "
+                         f"(its coefficients are tuned for exactly {steps} steps), got {resolved['ns_steps']}")
     if name == "muon" and resolved["tp_block_dim"] != 0 and (resolved["tp_blocks"] or 1) == 1:
         raise ValueError("tp_block_dim applies only with tp_blocks > 1")
     limit = resolved.get("max_grad_norm")
@@ -257,12 +223,13 @@ def coefficient_schedule(group: Mapping[str, Any]) -> Tuple[Tuple[Tuple[float, f
 
 _KIND = {"muon": pb.OPTIMIZER_MUON, "adamw": pb.OPTIMIZER_ADAMW, "lion": pb.OPTIMIZER_LION,
          "sgd": pb.OPTIMIZER_SGD}
-_SCALAR_FIELDS = ("lr", "weight_decay", "weight_decay_mode", "momentum", "nesterov",
-                  "momentum_style", "ns_steps", "ns_coefficients_after", "ns_eps", "ns_norm_safety",
-                  "scale_mode", "extra_scale_factor", "matmul_precision", "qk_clip_threshold",
-                  "qk_clip_alpha", "moment2_method", "ns_algorithm", "master_dtype",
-                  "momentum_dtype", "exp_avg_dtype", "clip_scope", "max_grad_norm", "telemetry",
-                  "warn_clip_below", "warn_clip_steps", "warn_stale_steps", "warn_residual_above")
+# The GroupOptions fields a resolved group's own value fills as it is (betas, the second moment's
+# options and ns_coefficients are converted below).
+_SCALAR_FIELDS = tuple(
+    name for name, row in ROWS.items()
+    if row["carrier"] == "group" and row.get("python", True) is not False and name != "optimizer"
+    and row["type"] in ("float", "int", "bool", "choice") and not row.get("muon_needs")
+    and not str(row.get("python", "")).startswith("betas["))
 
 
 def group_options_proto(group: Mapping[str, Any]) -> pb.GroupOptions:

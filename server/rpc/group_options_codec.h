@@ -1,5 +1,5 @@
 // One parameter group's muond.v1 options read into optim::GroupOptions: the codec converts names
-// (GroupOptionTable) and refuses what the wire spelling alone makes wrong (an option its optimizer
+// (kernels/optim/option_table.h) and refuses what the wire spelling alone makes wrong (an option its optimizer
 // does not read, a named set beside a custom list); every rule on values is optim::ValidateOptions'.
 // Errors are INVALID_ARGUMENT with the option's path, e.g. "spec.groups[1].options.lr must be in
 // [0, 100], got -1". Stateless; thread-safe.

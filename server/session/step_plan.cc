@@ -177,7 +177,7 @@ StepClipping PlanClipping(const SessionConfig& config, const StepPlan& plan, con
       coefficient = global;
     } else if (options.clip_scope == optim::ClipScope::kGroup) {
       const std::optional<double> limit =
-          options.max_grad_norm > 0 ? std::optional<double>(options.max_grad_norm) : plan.request.max_grad_norm;
+          options.max_grad_norm.has_value() ? options.max_grad_norm : plan.request.max_grad_norm;
       if (limit.has_value()) coefficient = std::min(1.0, *limit / (norm + 1e-6));
     }
     clipping.group_norms.push_back(norm);

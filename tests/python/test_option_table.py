@@ -1,11 +1,13 @@
-"""The Python client's option facts (muond.option_facts) against the daemon's (kernels/optim/options.h
-and server/rpc/group_option_table.h, printed by the print_option_table tool the build makes): the
-optimizers, the coefficient sets tuple for tuple, the accepted values of every named option in the
-daemon's order, which optimizer each option applies to, and every default. And GetServerInfo's lists
-against the same table."""
+"""The Python client's option facts (muond.option_facts) against the daemon's use of the same option
+table (kernels/optim/option_table.h, option_fields.h, options.h; printed by the print_option_table
+tool the build makes): the optimizers, the coefficient sets tuple for tuple, the accepted values of
+every named option in the daemon's order, which optimizer each option applies to, and every default
+as DefaultOptions sets it. And GetServerInfo's lists against the same table, and the package's copy
+of the table against proto/'s."""
 import json
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -54,11 +56,20 @@ def test_coefficient_sets_tuple_for_tuple(table):
 
 
 def test_defaults(table):
+    """The defaults the daemon's DefaultOptions sets, each through its own GroupOptions member, are
+    the Python client's; where the client leaves an option unset (None), the table's default is
+    what the daemon applies."""
     for optimizer, daemon in table["defaults"].items():
         ours = dict(option_facts.DEFAULTS[optimizer])
         if "betas" in ours:
             ours["beta1"], ours["beta2"] = ours.pop("betas")
+        for name, value in ours.items():
+            if value is None and name in daemon:
+                row = option_facts.ROWS[name]
+                ours[name] = row["default"].get(optimizer) if isinstance(row["default"], dict) \
+                    else row["default"]
         assert {name: ours[name] for name in daemon} == daemon, optimizer
+        assert any(v is None for v in option_facts.DEFAULTS[optimizer].values()), optimizer
 
 
 def test_which_optimizer_each_option_applies_to(table):
@@ -78,3 +89,9 @@ def test_server_info_lists_the_table(table, endpoint):
         info = pb_grpc.MuondStub(channel).GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
     assert list(info.optimizers) == table["options"]["optimizer"]["choices"]
     assert list(info.ns_coefficient_sets) == table["coefficient_sets"]
+
+
+def test_the_package_carries_the_tables_own_copy():
+    source = Path(__file__).resolve().parents[2] / "proto" / "muond" / "v1" / "group_options.json"
+    assert option_facts.TABLE_FILE.read_bytes() == source.read_bytes()
+    assert option_facts.TABLE_FILE.parent.name == "_proto"

@@ -1,13 +1,16 @@
 // Prints the daemon's option facts as JSON, for the Python client's test that its own facts agree:
 // {"options": {name: {"applies_to": [...], "choices": [...]}}, "coefficient_sets": [...],
 //  "coefficients": {set: {"tuples": [[a, b, c], ...], "after": ..., "gram_restarts": [...]}},
-//  "defaults": {optimizer: {option: value}}}. Which optimizer reads an option and the defaults are the
-// kernels' (kernels/optim/options.h); the named values are the wire's (server/rpc/group_option_table.h).
+//  "defaults": {optimizer: {option: value}}}. Both sides read the option table; what this checks is
+// the daemon's use of it: each option's GroupOptions member (option_fields.h), the defaults
+// DefaultOptions sets, the schedules NamedSchedule builds.
 #include <cstdio>
+#include <type_traits>
 
+#include "kernels/optim/option_fields.h"
+#include "kernels/optim/option_table.h"
 #include "kernels/optim/options.h"
 #include "nlohmann/json.hpp"
-#include "server/rpc/group_option_table.h"
 
 namespace {
 
@@ -20,8 +23,8 @@ json Options() {
     json applies = json::array();
     for (optim::OptimizerKind kind : option.applies_to) applies.push_back(optim::OptimizerName(kind));
     json choices = json::array();
-    if (const auto* names = muond::rpc::ChoicesOf(option.name)) {
-      for (std::string_view choice : *names) choices.push_back(choice);
+    if (const auto* names = optim::ChoicesOf(option.name)) {
+      for (const std::string& choice : *names) choices.push_back(choice);
     }
     options[std::string(option.name)] = {{"applies_to", applies}, {"choices", choices}};
   }
@@ -41,35 +44,28 @@ json Coefficients() {
   return sets;
 }
 
-// Each optimizer's defaults, for the options it reads (by their API names).
+// Each optimizer's defaults as DefaultOptions sets them, for the options it reads (by their API
+// names; named values by their names).
 json Defaults() {
   json defaults = json::object();
   for (optim::OptimizerKind kind : {optim::OptimizerKind::kMuon, optim::OptimizerKind::kAdamW,
                                     optim::OptimizerKind::kLion, optim::OptimizerKind::kSgd}) {
     const optim::GroupOptions o = optim::DefaultOptions(kind);
-    const json all = {
-        {"lr", o.lr},
-        {"weight_decay", o.weight_decay},
-        {"momentum", o.momentum},
-        {"nesterov", o.nesterov},
-        {"ns_steps", o.ns_steps},
-        {"ns_coefficients", o.ns_schedule.name},
-        {"ns_eps", o.ns_eps},
-        {"ns_norm_safety", o.ns_norm_safety},
-        {"extra_scale_factor", o.extra_scale_factor},
-        {"qk_clip_threshold", o.qk_clip_threshold},
-        {"qk_clip_alpha", o.qk_clip_alpha},
-        {"beta1", o.beta1},
-        {"beta2", o.beta2},
-        {"eps", o.eps},
-        {"telemetry", o.telemetry},
-        {"warn_clip_below", o.warn_clip_below},
-        {"warn_clip_steps", o.warn_clip_steps},
-        {"warn_stale_steps", o.warn_stale_steps},
-        {"warn_residual_above", o.warn_residual_above.has_value() ? json(*o.warn_residual_above) : json(nullptr)}};
-    json mine = json::object();
-    for (const auto& [name, value] : all.items()) {
-      if (optim::OptionApplies(kind, name)) mine[name] = value;
+    json mine = {{"ns_coefficients", o.ns_schedule.name}};
+    optim::VisitOptionFields(o, [&](std::string_view name, const auto& member) {
+      using Member = std::decay_t<decltype(member)>;
+      json value;
+      if constexpr (std::is_enum_v<Member>) {
+        value = (*optim::ChoicesOf(name))[static_cast<size_t>(member)];
+      } else if constexpr (std::is_same_v<Member, std::optional<double>>) {
+        value = member.has_value() ? json(*member) : json(nullptr);
+      } else {
+        value = member;
+      }
+      mine[std::string(name)] = value;
+    });
+    for (auto it = mine.begin(); it != mine.end();) {
+      it = optim::OptionApplies(kind, it.key()) ? std::next(it) : mine.erase(it);
     }
     defaults[std::string(optim::OptimizerName(kind))] = mine;
   }

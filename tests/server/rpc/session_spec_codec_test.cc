@@ -2,7 +2,13 @@
 // spec comparison for attach.
 #include "server/rpc/session_spec_codec.h"
 
+#include <set>
+#include <string>
+
 #include "gmock/gmock.h"
+#include "kernels/optim/option_fields.h"
+#include "kernels/optim/option_table.h"
+#include "server/rpc/group_options_codec.h"
 #include "tests/testing/status_matchers.h"
 
 namespace muond::rpc {
@@ -26,6 +32,76 @@ v1::SessionSpec Spec() {
   w->add_shape(5);
   w->set_group("m");
   return spec;
+}
+
+// The wire's GroupOptions (what the C++ client fills) and the option table name the same options, with
+// the same types: the codec reads each row's field by its name.
+TEST(GroupOptionTableTest, EveryWireFieldIsARowOfItsType) {
+  using google::protobuf::FieldDescriptor;
+  const google::protobuf::Descriptor* message = v1::GroupOptions::descriptor();
+  std::set<std::string> fields;
+  for (int i = 0; i < message->field_count(); ++i) {
+    const FieldDescriptor* field = message->field(i);
+    fields.insert(field->name());
+    const optim::OptionSpec* row = optim::FindOption(field->name());
+    ASSERT_NE(row, nullptr) << field->name() << " is in muond.proto but not in the option table";
+    EXPECT_EQ(row->carrier, optim::OptionCarrier::kGroup) << field->name();
+    FieldDescriptor::CppType expected = FieldDescriptor::CPPTYPE_STRING;
+    switch (row->type) {
+      case optim::OptionType::kFloat:
+        expected = FieldDescriptor::CPPTYPE_DOUBLE;
+        break;
+      case optim::OptionType::kInt:
+        expected = FieldDescriptor::CPPTYPE_INT32;
+        break;
+      case optim::OptionType::kBool:
+        expected = FieldDescriptor::CPPTYPE_BOOL;
+        break;
+      case optim::OptionType::kCoefficientList:
+        expected = FieldDescriptor::CPPTYPE_MESSAGE;
+        break;
+      default:
+        break;
+    }
+    if (field->name() == "optimizer") expected = FieldDescriptor::CPPTYPE_ENUM;
+    EXPECT_EQ(field->cpp_type(), expected) << field->name();
+    EXPECT_EQ(field->is_repeated(), row->type == optim::OptionType::kCoefficientList) << field->name();
+    EXPECT_TRUE(field->has_presence() || field->is_repeated() || field->name() == "optimizer") << field->name();
+  }
+  for (const optim::OptionSpec& row : optim::GroupOptionTable().options) {
+    if (row.carrier == optim::OptionCarrier::kGroup) {
+      EXPECT_EQ(fields.count(row.name), 1u) << row.name << " is in the option table but not in muond.proto";
+    }
+  }
+}
+
+// Each row's value arrives in its own member: a value off the default, set on the wire by name,
+// comes back from the parsed options under the same name (print_option_table's walk, reversed).
+TEST(GroupOptionTableTest, EachWireValueLandsInItsMember) {
+  v1::GroupOptions options;
+  options.set_moment2_method("adamuon");
+  options.set_clip_scope("group");
+  ASSERT_OK_AND_ASSIGN(optim::GroupOptions defaults, ParseGroupOptions(options, "g"));
+  const google::protobuf::Reflection* reflection = options.GetReflection();
+  optim::VisitOptionFields(defaults, [&](std::string_view name, const auto& member) {
+    using Member = std::decay_t<decltype(member)>;
+    v1::GroupOptions one = options;
+    const auto* field = v1::GroupOptions::descriptor()->FindFieldByName(std::string(name));
+    if constexpr (std::is_enum_v<Member>) {
+      const auto& choices = *optim::ChoicesOf(name);
+      const std::string& other = choices[(static_cast<size_t>(member) + 1) % choices.size()];
+      reflection->SetString(&one, field, other);
+      absl::StatusOr<optim::GroupOptions> parsed = ParseGroupOptions(one, "g");
+      if (!parsed.ok()) return;  // a combination refused on its own (e.g. weight_decay_mode independent)
+      bool landed = false;
+      optim::VisitOptionFields(*parsed, [&](std::string_view n, const auto& m) {
+        if constexpr (std::is_same_v<std::decay_t<decltype(m)>, Member>) {
+          if (n == name) landed = choices[static_cast<size_t>(m)] == other;
+        }
+      });
+      EXPECT_TRUE(landed) << name;
+    }
+  });
 }
 
 TEST(SessionConfigTest, FillsTheDefaultsOfEachOptimizer) {

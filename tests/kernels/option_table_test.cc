@@ -1,0 +1,124 @@
+// The option table's reader (kernels/optim/option_table.h) and the daemon's use of it: the embedded
+// table parses, damaged tables are refused naming the row, every row of carrier group has exactly
+// one GroupOptions member of its type (option_fields.h), and range refusals read as documented.
+#include "kernels/optim/option_table.h"
+
+#include <set>
+#include <string>
+#include <type_traits>
+
+#include "gtest/gtest.h"
+#include "kernels/optim/option_fields.h"
+#include "kernels/optim/options.h"
+#include "tests/testing/status_matchers.h"
+
+namespace muond::optim {
+namespace {
+
+using ::muond::testing::StatusIs;
+
+// A table of one row, `row` spliced in.
+std::string TableWith(const std::string& row) {
+  return R"({"optimizers": ["muon", "adamw", "lion", "sgd"], "options": [)" + row + R"(], "coefficient_sets": [
+    {"name": "simple", "after": "cycle", "tuples": [[3.4445, -4.7750, 2.0315]], "doc": "d"}]})";
+}
+
+TEST(OptionTableTest, TheEmbeddedTableParses) {
+  const OptionTable& table = GroupOptionTable();
+  EXPECT_EQ(table.optimizers, OptimizerNames());
+  for (OptimizerKind kind : {OptimizerKind::kMuon, OptimizerKind::kAdamW, OptimizerKind::kLion, OptimizerKind::kSgd}) {
+    EXPECT_EQ(table.optimizers[static_cast<size_t>(kind)], OptimizerName(kind));
+  }
+  EXPECT_GE(table.options.size(), 30u);
+  EXPECT_EQ(table.coefficient_sets.size(), NamedScheduleNames().size());
+}
+
+TEST(OptionTableTest, DamagedTablesAreRefusedNamingTheRow) {
+  const std::string good = R"({"name": "x", "carrier": "group", "applies_to": "all", "type": "float",
+                               "default": 1.0, "range": "[0, 2]", "doc": "d"})";
+  EXPECT_TRUE(ParseOptionTable(TableWith(good)).ok());
+  EXPECT_THAT(ParseOptionTable(TableWith(good + "," + good)), StatusIs(absl::StatusCode::kInvalidArgument, "x: named twice"));
+  EXPECT_THAT(ParseOptionTable("{"), StatusIs(absl::StatusCode::kInvalidArgument, "not a JSON object"));
+  for (const auto& [row, message] : std::vector<std::pair<std::string, std::string>>{
+           {R"({"name": "x", "carrier": "group", "applies_to": "all", "type": "real", "default": 1, "doc": "d"})",
+            "unknown type real"},
+           {R"({"name": "x", "carrier": "group", "applies_to": "all", "type": "float", "default": 3, "range": "[0, 2]",
+                "doc": "d"})",
+            "option x: default out of range"},
+           {R"({"name": "x", "carrier": "group", "applies_to": ["muon", "adam"], "type": "float", "default": 1,
+                "doc": "d"})",
+            "unknown optimizer \"adam\""},
+           {R"({"name": "x", "carrier": "group", "applies_to": "all", "type": "choice", "choices": ["a", "b"],
+                "default": "c", "doc": "d"})",
+            "default c is no choice"},
+           {R"({"name": "x", "carrier": "group", "applies_to": "all", "type": "float", "default": "a", "doc": "d"})",
+            "does not fit the type"},
+           {R"({"name": "x", "carrier": "group", "applies_to": "all", "type": "float", "default": 1, "range": "~ 2",
+                "doc": "d"})",
+            "option x: ~ 2"},
+           {R"({"name": "x", "carrier": "wire", "applies_to": "all", "type": "float", "default": 1, "doc": "d"})",
+            "carrier wire"},
+           {R"({"name": "x", "carrier": "group", "applies_to": "all", "type": "float", "default": 1})", "doc"},
+       }) {
+    EXPECT_THAT(ParseOptionTable(TableWith(row)), StatusIs(absl::StatusCode::kInvalidArgument, message)) << row;
+  }
+}
+
+// Each member's type against its row's: the codec reads the wire's field of that type by name.
+template <typename Member>
+bool Fits(OptionType type) {
+  if constexpr (std::is_enum_v<Member>) return type == OptionType::kChoice;
+  if constexpr (std::is_same_v<Member, bool>) return type == OptionType::kBool;
+  if constexpr (std::is_same_v<Member, int>) return type == OptionType::kInt;
+  if constexpr (std::is_same_v<Member, double> || std::is_same_v<Member, std::optional<double>>) {
+    return type == OptionType::kFloat;
+  }
+  return false;
+}
+
+TEST(OptionTableTest, EveryGroupRowHasOneMemberOfItsType) {
+  GroupOptions o;
+  std::set<std::string> visited;
+  VisitOptionFields(o, [&](std::string_view name, auto& member) {
+    const OptionSpec* spec = FindOption(name);
+    ASSERT_NE(spec, nullptr) << name;
+    EXPECT_TRUE(Fits<std::decay_t<decltype(member)>>(spec->type)) << name;
+    EXPECT_TRUE(visited.insert(std::string(name)).second) << name << " visited twice";
+  });
+  // The optimizer and Newton–Schulz's schedule are converted on their own (options.h, NsSchedule).
+  const std::set<std::string> own_rules = {"optimizer", "ns_coefficients", "ns_custom_coefficients",
+                                           "ns_coefficients_after"};
+  for (const OptionSpec& spec : GroupOptionTable().options) {
+    if (spec.carrier != OptionCarrier::kGroup || own_rules.count(spec.name) > 0) continue;
+    EXPECT_EQ(visited.count(spec.name), 1u) << spec.name << " has no GroupOptions member";
+  }
+}
+
+TEST(OptionTableTest, RangeRefusalsNameTheOptionAndItsRange) {
+  EXPECT_THAT(CheckRange(*FindOption("lr"), -1), StatusIs(absl::StatusCode::kInvalidArgument, "lr must be in [0, 100], got -1"));
+  EXPECT_THAT(CheckRange(*FindOption("ns_steps"), 0), StatusIs(absl::StatusCode::kInvalidArgument, "ns_steps must be >= 1, got 0"));
+  EXPECT_THAT(CheckRange(*FindOption("ns_steps"), 101),
+              StatusIs(absl::StatusCode::kInvalidArgument, "ns_steps must be <= 100, got 101"));
+  EXPECT_THAT(CheckRange(*FindOption("qk_clip_threshold"), std::nan("")),
+              StatusIs(absl::StatusCode::kInvalidArgument, "qk_clip_threshold must be > 0, got nan"));
+  EXPECT_THAT(CheckRange(*FindOption("beta1"), 1.0),
+              StatusIs(absl::StatusCode::kInvalidArgument, "betas[0] must be in [0, 1), got 1"));
+  EXPECT_TRUE(CheckRange(*FindOption("momentum"), 0.0).ok());
+  EXPECT_TRUE(CheckRange(*FindOption("telemetry"), 1.0).ok());  // no range
+}
+
+TEST(OptionTableTest, ChoicesAreTheEnumsInOrder) {
+  EXPECT_EQ(*ChoiceIndex("clip_scope", "none"), static_cast<int>(ClipScope::kNone));
+  EXPECT_EQ(*ChoiceIndex("ns_algorithm", "auto"), static_cast<int>(NsAlgorithm::kAuto));
+  EXPECT_EQ(*ChoiceIndex("weight_decay_mode", "cautious"), static_cast<int>(WeightDecayMode::kCautious));
+  EXPECT_EQ(*ChoiceIndex("moment2_method", "normuon"), static_cast<int>(Moment2Method::kNormuon));
+  EXPECT_EQ(*ChoiceIndex("matmul_precision", "bf16"), static_cast<int>(kernels::MatmulPrecision::kBf16));
+  EXPECT_EQ(*ChoiceIndex("master_dtype", "fp16"), static_cast<int>(kernels::StorageDtype::kFp16));
+  EXPECT_THAT(ChoiceIndex("scale_mode", "spectrall"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "unknown value 'spectrall'; expected one of shape_scaling, spectral, unit_rms_norm"));
+  EXPECT_EQ(ChoicesOf("lr"), nullptr);
+}
+
+}  // namespace
+}  // namespace muond::optim
