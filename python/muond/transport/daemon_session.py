@@ -78,12 +78,14 @@ class DaemonSession:
             self.conn.upload(self.session_id, self._param_chunks(),
                              rank=self.rank if self.partitioned else None)
         except MuondError as err:
-            # Attached to a session another rank created but had not uploaded yet: between the two
-            # calls it uploaded and stepped, so this one's upload comes too late. Its parameters
-            # are the session's: take them, as an attach to an initialized session does.
-            if not (reply.attached and err.code == grpc.StatusCode.FAILED_PRECONDITION):
+            # Another rank uploaded and stepped between this open's two calls (it attached to the
+            # session this one created, or created the one this one attached to, before either
+            # had uploaded; an asynchronous or quorum rank steps without waiting for this one), so
+            # this upload comes too late. The session's parameters are the ranks' common start:
+            # take them, as an attach to an initialized session does.
+            if err.code != grpc.StatusCode.FAILED_PRECONDITION:
                 raise
-            return True, self.refresh()
+            return bool(reply.attached), self.refresh()
         if any(g.options.master_dtype not in ("", "fp32") for g in spec.groups):
             self.refresh()  # 16-bit masters hold the values rounded: the parameters follow them
         return bool(reply.attached), 0
