@@ -13,7 +13,8 @@ on a muond daemon that holds the fp32 master parameters and the optimizer state:
             opt.zero_grad()
 
 ``ConnectionOptions`` groups how the optimizer reaches its daemons (endpoints, deadlines, token and
-TLS, retries, the step transport). ``LocalOptimizer`` runs the same optimizers in-process;
+TLS, retries, the step transport); ``RankOptions``, ``TimingOptions``, ``WireOptions`` and
+``StepOptions`` the rest of its infrastructure (``muond.optimizer_options``). ``LocalOptimizer`` runs the same optimizers in-process;
 ``Connection`` is the protocol layer (one method per RPC); ``MuondError`` is what a failed daemon
 call raises (``.code`` is a ``grpc.StatusCode``, ``.details`` the daemon's message).
 
@@ -35,6 +36,7 @@ from .group_info import GroupInfo  # noqa: E402
 from .local import LocalOptimizer  # noqa: E402
 from . import partition  # noqa: E402
 from .optimizer import RemoteOptimizer  # noqa: E402
+from .optimizer_options import RankOptions, StepOptions, TimingOptions, WireOptions  # noqa: E402
 from .param_groups import default_param_groups  # noqa: E402
 from .state_digest import StateDigest  # noqa: E402
 from .step_info import StepInfo  # noqa: E402
@@ -42,4 +44,5 @@ from .step_info import StepInfo  # noqa: E402
 __version__ = "0.1.0"
 
 __all__ = ["Connection", "ConnectionOptions", "DiLoCo", "GroupInfo", "LocalOptimizer", "MuondError",
-           "RemoteOptimizer", "StateDigest", "StepInfo", "default_param_groups", "__version__"]
+           "RankOptions", "RemoteOptimizer", "StateDigest", "StepInfo", "StepOptions",
+           "TimingOptions", "WireOptions", "default_param_groups", "__version__"]

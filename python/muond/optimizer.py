@@ -52,23 +52,25 @@ from . import loss_scale
 from . import options as opts
 from . import partition as parts
 from . import qk_clip as qk
-from . import ranks
+from . import ranks as ranks_of
 from . import session_spec
 from . import shard_step
 from . import wire
 from ._stubs import pb
 from .client import Connection
 from .connection_options import ConnectionOptions
-from .delayed import DelayedUpdate, check_delay
+from .delayed import DelayedUpdate
 from .errors import PUSH_TOO_STALE, STEP_NOT_PREPARED, MuondError
-from .landing import ForwardLanding, check_land_in_forward
+from .landing import ForwardLanding
 from .naming import named_groups
+from .optimizer_options import (RankOptions, Setup, StepOptions, TimingOptions, WireOptions,
+                                setup_of)
 from .overlap import GradientStream
 from .state_digest import StateDigest
 from .state_transfer import StateTransfer
 from .stream_controls import StreamControls
 from .state_digest import combine as combine_digests
-from .step_info import StepInfo, check_max_grad_norm, group_fields, rank_report
+from .step_info import StepInfo, rank_report
 from .transport.daemon_session import DaemonSession, StreamedStep
 from .transport.streamed import IdentityChanged, Landing
 from .transport.zero_copy import check_zero_copy
@@ -88,12 +90,33 @@ class RemoteOptimizer(StateTransfer, StreamControls, torch.optim.Optimizer):
             or ``use_muon=True|False`` (MuonWithAuxAdam style) and may set any option of the
             table in ``muond.options`` (``lr``, ``momentum``, ``betas``, ``ns_steps``, ...).
             ``muond.default_param_groups(model)`` builds the usual Muon + AdamW split.
-        endpoint: the daemon's "host:port"; default ``$MUOND_ENDPOINT`` or 127.0.0.1:50051. One
-            of the ``connection`` options, like ``endpoints``, ``timeout`` and ``transport``.
+        endpoint: the daemon's "host:port"; default ``$MUOND_ENDPOINT`` or 127.0.0.1:50051 (a
+            shorthand for ``connection=ConnectionOptions(endpoint=...)``).
         session: session id to create or attach to; None makes a fresh random one.
+        wire_dtype: a shorthand for ``wire=WireOptions(wire_dtype=...)``.
+
+    The infrastructure comes in five option objects (``muond.optimizer_options``); each of their
+    fields may instead be given as a keyword of its own, a shorthand for the object with that field
+    set (giving one both ways is a TypeError naming it):
+
+        connection: a ``muond.ConnectionOptions``: the daemons (``endpoints`` to spread the
+            session over several), deadlines, token and TLS, retries (``max_step_attempts``),
+            the step ``transport`` ("auto", "grpc", "shm", "cuda_ipc", "nccl") and the chunk
+            size.
+        ranks: a ``muond.RankOptions``: ``world_size``, ``rank``, ``sync_mode``, ``min_ranks``,
+            ``grace_seconds``, ``max_staleness``, ``staleness_scaling`` (below).
+        timing: a ``muond.TimingOptions``: ``overlap``, ``land_in_forward``, ``delay``,
+            ``delay_warmup`` (below).
+        wire: a ``muond.WireOptions``: ``wire_dtype``, ``return_dtype``, ``shm_zero_copy`` (below).
+        step: a ``muond.StepOptions``: ``max_grad_norm``, ``log_num_zeros_in_grad``,
+            ``loss_scaler``, ``qk_clip`` (below).
+
+    Their fields:
+
         wire_dtype: dtype of gradients on the wire: "fp32" (default) or "bf16" (or "fp16").
         return_dtype: dtype of the returned parameters: "fp32" (default) or "bf16"/"fp16".
-        max_grad_norm: clip the global gradient norm on the daemon before each step.
+        max_grad_norm: clip the global gradient norm on the daemon before each step (a group's
+            own limit is the group option of that name, with ``clip_scope="group"``).
         log_num_zeros_in_grad: count the gradient elements that are exactly 0 each step
             (Megatron-Core's option of that name); ``last_info.num_zeros_in_grad`` has the count.
         loss_scaler: a daemon-side dynamic loss scaler for fp16 training (``muond.loss_scale``):
@@ -159,11 +182,6 @@ class RemoteOptimizer(StateTransfer, StreamControls, torch.optim.Optimizer):
             ways and one daemon; not with overlap or delay. Zero the gradients in place
             (``zero_grad(set_to_none=False)``): a ``.grad`` that backward allocated anew is
             copied in at the next step (and pointed at the region again).
-        connection: a ``muond.ConnectionOptions``: the daemons (``endpoints`` to spread the
-            session over several), deadlines, token and TLS, retries (``max_step_attempts``),
-            the step ``transport`` ("auto", "grpc", "shm", "cuda_ipc", "nccl") and the chunk
-            size. Each of its fields may be given here as a keyword instead (``endpoint=...,
-            timeout=...``), as before; giving one both ways is a TypeError naming it.
         **defaults: options applied to every group that leaves them unset and whose optimizer
             they apply to (e.g. ``lr=0.02, weight_decay=0.1``).
 
@@ -173,20 +191,14 @@ class RemoteOptimizer(StateTransfer, StreamControls, torch.optim.Optimizer):
     """
 
     def __init__(self, params: Iterable[Any], endpoint: Optional[str] = None,
-                 session: Optional[str] = None, wire_dtype: wire.DTypeLike = "fp32", *,
-                 connection: Optional[ConnectionOptions] = None,
-                 return_dtype: wire.DTypeLike = "fp32", max_grad_norm: Optional[float] = None,
-                 world_size: Optional[int] = None, rank: Optional[int] = None,
-                 qk_clip: Optional[Iterable[Tuple[Any, Any, int]]] = None,
-                 log_num_zeros_in_grad: bool = False, loss_scaler: Any = None,
-                 sync_mode: Optional[str] = None, min_ranks: Optional[int] = None,
-                 grace_seconds: Optional[float] = None, max_staleness: Optional[int] = None,
-                 staleness_scaling: Optional[str] = None, overlap: bool = False,
-                 delay: int = 0, delay_warmup: int = 0, shm_zero_copy: bool = False,
-                 land_in_forward: Optional[torch.nn.Module] = None, **defaults: Any):
-        connection, defaults = ConnectionOptions.from_arguments(connection, endpoint, defaults)
-        opts.check_defaults(defaults)
-        self._user_defaults = dict(defaults)
+                 session: Optional[str] = None, wire_dtype: Optional[wire.DTypeLike] = None, *,
+                 connection: Optional[ConnectionOptions] = None, ranks: Optional[RankOptions] = None,
+                 timing: Optional[TimingOptions] = None, wire: Optional[WireOptions] = None,
+                 step: Optional[StepOptions] = None, **defaults: Any):
+        setup = setup_of(defaults, endpoint=endpoint, wire_dtype=wire_dtype, connection=connection,
+                         ranks=ranks, timing=timing, wire=wire, step=step)
+        opts.check_defaults(setup.defaults)
+        self._user_defaults = dict(setup.defaults)
         self._sealed = False
         self._closed = True
         self._sessions: List[DaemonSession] = []
@@ -195,22 +207,33 @@ class RemoteOptimizer(StateTransfer, StreamControls, torch.optim.Optimizer):
         super().__init__(groups, {})
         # Every option's resolved default, as torch's optimizers list them: schedulers read it
         # (OneCycleLR and CyclicLR cycle momentum, or betas when it is here).
-        self.defaults = opts.resolved_defaults(self.param_groups, defaults)
+        self.defaults = opts.resolved_defaults(self.param_groups, setup.defaults)
+        self._take_setup(setup, session)
+        self._index_parameters(names, setup.step.qk_clip)
+        self._check_layout(setup)
+        self._closed = False
+        try:
+            self._start(setup)
+        except BaseException:
+            self._shut_down(end_session=False)
+            raise
 
-        self.wire_dtype = wire.dtype_name(wire_dtype)
-        self.return_dtype = wire.dtype_name(return_dtype)
-        self.max_grad_norm = check_max_grad_norm(max_grad_norm)
-        self.log_num_zeros_in_grad = bool(log_num_zeros_in_grad)
-        self.loss_scaler = loss_scale.resolve(loss_scaler)
+    # -- construction helpers ------------------------------------------------------------------
+
+    def _take_setup(self, setup: Setup, session: Optional[str]) -> None:
+        """The infrastructure's settings as this optimizer keeps them, each object checked, and
+        the counters of a fresh optimizer; nothing is sent."""
+        self.wire_dtype, self.return_dtype = setup.wire.dtypes()
+        self.max_grad_norm, self.loss_scaler = setup.step.resolve()
+        self.log_num_zeros_in_grad = bool(setup.step.log_num_zeros_in_grad)
         # The scale to multiply the next loss by, with a loss scaler (from the daemon's answers).
         self.loss_scale: Optional[float] = None
-        self._resolve_connection(connection)
-        self.world_size, self.rank = ranks.ranks(world_size, rank)
-        self.sync = ranks.sync_of(sync_mode, min_ranks, grace_seconds, world_size=self.world_size,
-                                  num_daemons=len(self.endpoints), max_staleness=max_staleness,
-                                  staleness_scaling=staleness_scaling)
+        self._resolve_connection(setup.connection)
+        self.world_size, self.rank, self.sync = setup.ranks.resolve(len(self.endpoints))
+        self.delay, self.delay_warmup = setup.timing.resolve(
+            loss_scaler=self.loss_scaler, sync_mode=self.sync.mode, num_daemons=len(self.endpoints))
         self._warned_old_daemon = False
-        self.session_id = ranks.shared_session_id(session, self.world_size)
+        self.session_id = ranks_of.shared_session_id(session, self.world_size)
         # The step of the parameters the model holds: the session's step (in an asynchronous
         # session, the global step: the base_step of the next push).
         self.last_step = 0
@@ -219,55 +242,48 @@ class RemoteOptimizer(StateTransfer, StreamControls, torch.optim.Optimizer):
         self.pushes = 0
         self.stale_pushes = 0
         self.last_info: Optional[StepInfo] = None
-        self._index_parameters(names, qk_clip)
         self._stream: Optional[GradientStream] = None
         self._delayed: Optional[DelayedUpdate] = None
         self._forward: Optional[ForwardLanding] = None
         self._answer_landing: Optional[Landing] = None  # the answer's, until step() hands it on
-        self.delay, self.delay_warmup = check_delay(delay, delay_warmup, self.loss_scaler,
-                                                    self.sync.mode)
         self._steps_sent = 0  # steps this optimizer has sent (delay_warmup counts them)
         # The step last answered while its parameters wait to be copied in (delay); None otherwise.
         self._answered_step: Optional[int] = None
         # Steps whose gradients went out during backward (overlap) and were applied from there.
         self.streamed_steps = 0
-        if overlap and len(self.endpoints) > 1:
-            raise ValueError("overlap: needs one daemon (a sharded step prepares on every shard "
-                             "before anything is applied); got several endpoints")
-        check_land_in_forward(land_in_forward, overlap, self.delay, self.sync.mode)
+
+    def _check_layout(self, setup: Setup) -> None:
+        """The checks that need the parameters: parts held by ranks, and the zero-copy region."""
+        timing = setup.timing
         self.partitioned = parts.check_groups(
             self.param_groups, self.world_size, self.rank, endpoints=len(self.endpoints),
-            sync_mode=self.sync.mode, delay=self.delay, overlap=overlap, shm_zero_copy=shm_zero_copy,
-            land_in_forward=land_in_forward)
-        self.shm_zero_copy = bool(shm_zero_copy)
+            sync_mode=self.sync.mode, delay=self.delay, overlap=timing.overlap,
+            shm_zero_copy=setup.wire.shm_zero_copy, land_in_forward=timing.land_in_forward)
+        self.shm_zero_copy = bool(setup.wire.shm_zero_copy)
         if self.shm_zero_copy:
             self._wanted_transport = check_zero_copy(
                 list(zip(self._names, self._params)), self.wire_dtype, self.return_dtype,
-                self._wanted_transport, len(self.endpoints), overlap=overlap, delay=self.delay)
+                self._wanted_transport, len(self.endpoints), overlap=timing.overlap, delay=self.delay)
 
-        self._closed = False
-        try:
-            self._connect(connection)
-            ranks.rank_zero_first(self.world_size, self.rank, self._open_session)
-            chosen = {daemon.choose_transport(self._wanted_transport) for daemon in self._sessions}
-            if self.shm_zero_copy:
-                self._sessions[0].transport.ready()  # the model's tensors move into the region now
-            self.transport = "+".join(sorted(chosen))
-            _log.info("session %s: steps travel over %s", self.session_id, self.transport)
-            if self.delay:
-                self._delayed = DelayedUpdate(dict(zip(self._names, self._params)))
-            if land_in_forward is not None:
-                self._forward = ForwardLanding(land_in_forward, self._by_name,
-                                               self._read_back_parameters)
-            if overlap:
-                self._stream = GradientStream(
-                    list(zip(self._names, self._params)), self._begin_stream,
-                    self._forward.observe if self._forward is not None else None)
-        except BaseException:
-            self._shut_down(end_session=False)
-            raise
-
-    # -- construction helpers ------------------------------------------------------------------
+    def _start(self, setup: Setup) -> None:
+        """Connects, opens the session (rank 0 first), chooses the transport and sets up the
+        overlap, landing and delay machinery."""
+        self._connect(setup.connection)
+        ranks_of.rank_zero_first(self.world_size, self.rank, self._open_session)
+        chosen = {daemon.choose_transport(self._wanted_transport) for daemon in self._sessions}
+        if self.shm_zero_copy:
+            self._sessions[0].transport.ready()  # the model's tensors move into the region now
+        self.transport = "+".join(sorted(chosen))
+        _log.info("session %s: steps travel over %s", self.session_id, self.transport)
+        if self.delay:
+            self._delayed = DelayedUpdate(dict(zip(self._names, self._params)))
+        if setup.timing.land_in_forward is not None:
+            self._forward = ForwardLanding(setup.timing.land_in_forward, self._by_name,
+                                           self._read_back_parameters)
+        if setup.timing.overlap:
+            self._stream = GradientStream(
+                list(zip(self._names, self._params)), self._begin_stream,
+                self._forward.observe if self._forward is not None else None)
 
     def _resolve_connection(self, connection: ConnectionOptions) -> None:
         """The connection options this optimizer keeps, checked (before anything is sent)."""
@@ -461,7 +477,6 @@ class RemoteOptimizer(StateTransfer, StreamControls, torch.optim.Optimizer):
              weight: Optional[float] = None) -> Any:
         """Sends the gradients, applies the daemon's update to the parameters in place and
         returns the closure's loss (None without a closure).
-
         ``qk_logits``: for QK-clip pairs (``qk_clip=`` at construction), ``{query: max_logits}``
         with the query weight (tensor or name) and its heads' maximum attention logits of this
         step's forward pass (a 1-D tensor or a list, one value per head). It is read after the
@@ -491,41 +506,49 @@ class RemoteOptimizer(StateTransfer, StreamControls, torch.optim.Optimizer):
         nothing: its gradients are dropped, the model takes the session's latest parameters
         (read from the daemon), ``last_info`` says ``stale`` True and ``applied`` False,
         ``stale_pushes`` counts it, and its push number stays free for the next call."""
-        weight = ranks.check_weight(weight)
+        weight = ranks_of.check_weight(weight)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self._check_open()
-        if self._forward is not None:
-            try:  # the last step's parameters are all in before anything reads or writes them
-                self._forward.wait_all()
-                self._forward.check_use()
-            except BaseException:
-                self._cancel_stream()
-                raise
+        if self._forward is not None:  # the last step's parameters are all in before anything runs
+            self._land_before_step(self._forward.wait_all, self._forward.check_use)
         logits = qk.logits_of(qk_logits, self.qk_clip, self._params, self._names)
         grads = self._grads()
-        if self._delayed is not None:
-            try:
-                self._delayed.land()  # the step before's parameters, before this step goes out
-            except BaseException:
-                self._cancel_stream()
-                raise
+        if self._delayed is not None:  # the step before's, before this step goes out
+            self._land_before_step(self._delayed.land)
         streamed, rest = self._take_stream(grads)
-        delayed = self._delay_now()
         header = self._header(self._next_number(), logits,
                               loss_scale.check_grad_scale(grad_scale), weight)
+        delayed = self._delay_now()
         self._steps_sent += 1
-        if not delayed:
-            self._answer_landing = None
-            self._run_step(header, grads, streamed, rest, None, weight)()
-            landing, self._answer_landing = self._answer_landing, None
-            if self._forward is not None:  # the parameters may still be arriving
-                self._forward.begin(landing or Landing.landed(), self.last_step)
+        if delayed:
+            self._send_delayed(header, grads, streamed, rest, weight)
             return loss
-        # The step runs on while the trainer goes on: what it sends, and sends again on a retry,
-        # is a copy, since the trainer's next backward overwrites .grad.
+        self._answer_landing = None
+        self._run_step(header, grads, streamed, rest, None, weight)()
+        landing, self._answer_landing = self._answer_landing, None
+        if self._forward is not None:  # the parameters may still be arriving
+            self._forward.begin(landing or Landing.landed(), self.last_step)
+        return loss
+
+    def _land_before_step(self, *calls: Callable[[], None]) -> None:
+        """Runs ``calls`` (the last step's parameters coming in: the forward landing's, or the
+        delayed step's) before this step reads or sends anything; a failure cancels the stream
+        backward opened."""
+        try:
+            for call in calls:
+                call()
+        except BaseException:
+            self._cancel_stream()
+            raise
+
+    def _send_delayed(self, header: pb.StepHeader, grads: List[Tuple[str, torch.Tensor]],
+                      streamed: Optional[StreamedStep], rest: Optional[List[Tuple[str, torch.Tensor]]],
+                      weight: Optional[float]) -> None:
+        """Sends a delayed step: it runs on while the trainer goes on, so what it sends, and sends
+        again on a retry, is a copy, since the trainer's next backward overwrites .grad."""
         with torch.no_grad():
             kept = [(name, g.detach().clone()) for name, g in grads]
         if streamed is not None:
@@ -534,7 +557,6 @@ class RemoteOptimizer(StateTransfer, StreamControls, torch.optim.Optimizer):
             except IdentityChanged:
                 streamed = None
         self._delayed.submit(lambda out: self._run_step(header, kept, streamed, None, out, weight))
-        return loss
 
     def _next_number(self) -> int:
         """The number of the next step (of this rank's next push, asynchronously): after the step
@@ -607,13 +629,11 @@ class RemoteOptimizer(StateTransfer, StreamControls, torch.optim.Optimizer):
         # The answer's step, which a quorum session's answer to a rank it went on without (its
         # parameters are those after the session's last step) names: the next step follows it.
         self.last_step = result.step
-        contributors, total_weight, included = rank_report(result, self.sync.mode == "quorum")
-        self.last_info = StepInfo(result.step, result.applied, result.replayed, result.skip_reason,
-                                  result.grad_norm, result.compute_seconds, seconds, attempts,
-                                  result.num_zeros_in_grad if self.log_num_zeros_in_grad else None,
-                                  result.loss_scale if self.loss_scaler is not None else None,
-                                  contributors, total_weight, included,
-                                  **group_fields(result))
+        report = rank_report(result, self.sync.mode == "quorum")
+        included = report[2]
+        self.last_info = StepInfo.of_result(result, seconds=seconds, attempts=attempts,
+                                            count_zeros=self.log_num_zeros_in_grad,
+                                            scaled=self.loss_scaler is not None, ranks=report)
         if self.loss_scaler is not None:
             self.loss_scale = result.loss_scale
         if not included:
@@ -633,17 +653,13 @@ class RemoteOptimizer(StateTransfer, StreamControls, torch.optim.Optimizer):
         if result.replayed:
             # The answer carries the session's last result, whoever pushed it; the push was this
             # rank's own, alone.
-            contributors, total_weight = (self.rank,), 1.0 if weight is None else weight
+            report = ((self.rank,), 1.0 if weight is None else weight, True)
         else:
-            contributors, total_weight, _ = rank_report(result, False)
-        self.last_info = StepInfo(result.step, result.applied, result.replayed, result.skip_reason,
-                                  result.grad_norm, result.compute_seconds, seconds, attempts,
-                                  result.num_zeros_in_grad if self.log_num_zeros_in_grad else None,
-                                  result.loss_scale if self.loss_scaler is not None else None,
-                                  contributors, total_weight, True,
-                                  global_step=int(result.global_step),
-                                  staleness=int(result.staleness),
-                                  **group_fields(result))
+            report = rank_report(result, False)[:2] + (True,)
+        self.last_info = StepInfo.of_result(result, seconds=seconds, attempts=attempts,
+                                            count_zeros=self.log_num_zeros_in_grad,
+                                            scaled=self.loss_scaler is not None, ranks=report,
+                                            asynchronous=True)
         if self.loss_scaler is not None:
             self.loss_scale = result.loss_scale
 
@@ -654,9 +670,8 @@ class RemoteOptimizer(StateTransfer, StreamControls, torch.optim.Optimizer):
         self.last_step = self._sessions[0].refresh()
         self.stale_pushes += 1
         staleness = self.last_step - int(header.base_step)
-        self.last_info = StepInfo(self.last_step, False, False, "push too stale", math.nan, 0.0,
-                                  seconds, attempts, None, self.loss_scale, (), 0.0, False,
-                                  global_step=None, staleness=staleness, stale=True)
+        self.last_info = StepInfo.stale_push(self.last_step, staleness, seconds=seconds,
+                                             attempts=attempts, loss_scale=self.loss_scale)
         _log.info("session %s: rank %d's push %d was computed on global step %d, %d global steps "
                   "behind, more than max_staleness %d: its gradients were dropped; the model "
                   "holds the parameters of global step %d now", self.session_id, self.rank,

@@ -2,14 +2,14 @@
 whole state (masters, optimizer slots, step counters, the loss scaler) in torch's layout, read with
 ``GetState`` and written back with ``SetState``.
 
-A mixin: it uses the optimizer's sessions, names, groups and step counters, and has no state of its
-own. Used by one thread at a time, as the optimizer is.
+A mixin on the protocol ``OptimizerCore`` (optimizer_core.py): it uses the optimizer's sessions,
+names, groups and step counters, and has no state of its own. Used by one thread at a time, as the optimizer is.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Tuple
 
 import torch
 
@@ -22,7 +22,13 @@ _log = logging.getLogger("muond")
 _STATE_FORMAT = 1
 
 
-class StateTransfer:
+if TYPE_CHECKING:  # the members of RemoteOptimizer this mixin uses (optimizer_core.py)
+    from .optimizer_core import OptimizerCore as _Core
+else:
+    _Core = object
+
+
+class StateTransfer(_Core):
     """The state-dict half of ``RemoteOptimizer`` (see the module's docstring)."""
 
     def state_dict(self) -> Dict[str, Any]:

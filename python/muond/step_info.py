@@ -3,6 +3,7 @@ account of the same things). Immutable; no dependencies, so the local optimizer 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, NamedTuple, Optional, Tuple
 
@@ -55,6 +56,32 @@ class StepInfo:
     # (``muond.group_info.GroupInfo``; docs/algorithms.md, Telemetry). Empty when the daemon does
     # not say. ``LocalOptimizer`` gives the clipping alone (its telemetry fields None, no warnings).
     groups: Mapping[str, GroupInfo] = field(default_factory=dict)
+
+    @classmethod
+    def of_result(cls, result: Any, *, seconds: float, attempts: int, count_zeros: bool,
+                  scaled: bool, ranks: Tuple[Tuple[int, ...], float, bool],
+                  asynchronous: bool = False) -> "StepInfo":
+        """The ``StepInfo`` of a daemon's ``StepResult``: ``seconds`` and ``attempts`` as seen
+        from here, ``num_zeros_in_grad`` when ``count_zeros``, ``loss_scale`` when ``scaled`` (a
+        loss scaler), ``ranks`` the (contributors, total_weight, included) of ``rank_report``,
+        and an asynchronous push's ``global_step`` and ``staleness``."""
+        contributors, total_weight, included = ranks
+        return cls(result.step, result.applied, result.replayed, result.skip_reason,
+                   result.grad_norm, result.compute_seconds, seconds, attempts,
+                   num_zeros_in_grad=result.num_zeros_in_grad if count_zeros else None,
+                   loss_scale=result.loss_scale if scaled else None,
+                   contributors=contributors, total_weight=total_weight, included=included,
+                   global_step=int(result.global_step) if asynchronous else None,
+                   staleness=int(result.staleness) if asynchronous else None,
+                   **group_fields(result))
+
+    @classmethod
+    def stale_push(cls, step: int, staleness: int, *, seconds: float, attempts: int,
+                   loss_scale: Optional[float]) -> "StepInfo":
+        """A push refused as too stale: nothing applied; the model holds global step ``step``."""
+        return cls(step, False, False, "push too stale", math.nan, 0.0, seconds, attempts,
+                   loss_scale=loss_scale, contributors=(), total_weight=0.0, included=False,
+                   staleness=staleness, stale=True)
 
 
 class GroupClip(NamedTuple):

@@ -2,16 +2,16 @@
 streamed try backward opens (``overlap=True``), ``no_sync``, ``gradients_in_flight``, ``flush`` and
 the read-back after a failed landing (docs/overlap.md).
 
-A mixin: it uses the optimizer's sessions, header, stream (``GradientStream``), delayed update
-(``DelayedUpdate``) and forward landing (``ForwardLanding``), and has no state of its own. Used
-from the optimizer's thread; ``_begin_stream`` also from backward's first gradient hook.
+A mixin on the protocol ``OptimizerCore`` (optimizer_core.py): it uses the optimizer's sessions,
+header, stream (``GradientStream``), delayed update (``DelayedUpdate``) and forward landing
+(``ForwardLanding``), and has no state of its own. Used from the optimizer's thread; ``_begin_stream`` also from backward's first gradient hook.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from typing import ContextManager, List, Optional, Tuple
+from typing import TYPE_CHECKING, ContextManager, List, Optional, Tuple
 
 import torch
 
@@ -21,7 +21,13 @@ from .transport.daemon_session import StreamedStep, copy_in
 _log = logging.getLogger("muond")
 
 
-class StreamControls:
+if TYPE_CHECKING:  # the members of RemoteOptimizer this mixin uses (optimizer_core.py)
+    from .optimizer_core import OptimizerCore as _Core
+else:
+    _Core = object
+
+
+class StreamControls(_Core):
     """The overlap-and-delay half of ``RemoteOptimizer`` (see the module's docstring)."""
 
     def _answer_first(self) -> List[str]:

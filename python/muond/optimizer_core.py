@@ -1,0 +1,87 @@
+"""``OptimizerCore``: what ``RemoteOptimizer`` provides to the two mixins it is built from.
+
+``RemoteOptimizer`` (optimizer.py: construction, steps, sessions) is completed by two mixins, each
+a half of its public surface with no state of its own:
+
+- ``StateTransfer`` (state_transfer.py): ``state_dict`` and ``load_state_dict``;
+- ``StreamControls`` (stream_controls.py): overlapped and delayed steps — ``no_sync``,
+  ``gradients_in_flight``, ``flush`` and the streamed try backward opens.
+
+They read and call the members below, and nothing else of the optimizer; the optimizer sets every
+attribute in its constructor and keeps it for its life (``last_step``, ``pushes`` and
+``loss_scale`` change with each step). A type checker holds the optimizer to this protocol (the
+mixins annotate ``self`` with it), and a test checks that every member exists on a built optimizer
+(tests/python/test_optimizer_options.py). Used from the optimizer's thread, as the optimizer is.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol, Tuple
+
+import torch
+
+if TYPE_CHECKING:
+    from .delayed import DelayedUpdate
+    from .landing import ForwardLanding
+    from .overlap import GradientStream
+    from .ranks import Sync
+    from .transport.daemon_session import DaemonSession
+
+
+class OptimizerCore(Protocol):
+    """The members of ``RemoteOptimizer`` its mixins use (see the module's docstring)."""
+
+    # torch.optim.Optimizer's.
+    param_groups: List[Dict[str, Any]]
+
+    # The session and this rank's place in it.
+    session_id: str
+    rank: int
+    sync: "Sync"
+    partitioned: bool           # some group's parameters are held in parts by the ranks
+    last_step: int              # the step of the parameters the model holds
+    pushes: int                 # asynchronous sessions: this rank's pushes so far
+    loss_scaler: Optional[Dict[str, float]]
+    loss_scale: Optional[float]
+    chunk_bytes: int
+    return_dtype: str
+
+    # The parameters: names in session order, by name, their index, their global shapes (a
+    # rank holding parts holds less), and per daemon the indices of its parameters.
+    _names: List[str]
+    _by_name: Dict[str, torch.Tensor]
+    _index: Dict[str, int]
+    _global_shapes: Dict[str, Tuple[int, ...]]
+    _indices_of: List[List[int]]
+
+    # One DaemonSession per daemon (several: a sharded session), and the machinery of overlapped,
+    # landed and delayed steps (None when not asked for).
+    _sessions: List["DaemonSession"]
+    _stream: Optional["GradientStream"]
+    _forward: Optional["ForwardLanding"]
+    _delayed: Optional["DelayedUpdate"]
+
+    @property
+    def _async(self) -> bool:
+        """Whether the session's ranks push asynchronously."""
+
+    def _check_open(self) -> None:
+        """RuntimeError once the optimizer was closed."""
+
+    def _next_number(self) -> int:
+        """The number of the next step (of this rank's next push, asynchronously)."""
+
+    def _delay_now(self) -> bool:
+        """Whether the coming step is a delayed one."""
+
+    def _header(self, step: int, qk_logits: Dict[str, List[float]],
+                grad_scale: Optional[float] = None, weight: Optional[float] = None) -> Any:
+        """The ``StepHeader`` of step ``step``: every group's overrides and the step's options."""
+
+    def _common_step(self, steps: List[int], rpc: str) -> int:
+        """The one step every daemon of a sharded session reports; MuondError naming ``rpc``
+        when they differ."""
+
+    def _on_every_session(self, call: Callable[[int, "DaemonSession"], Any]) -> List[Any]:
+        """``call(k, daemon)`` for every daemon, in parallel on a sharded session; the answers
+        in daemon order."""
