@@ -26,14 +26,13 @@ absl::Status Bad(absl::string_view where, absl::string_view what) {
 }
 
 absl::StatusOr<OptionType> ParseType(const std::string& type) {
-  static const std::pair<const char*, OptionType> kTypes[] = {
-      {"float", OptionType::kFloat},
-      {"int", OptionType::kInt},
-      {"bool", OptionType::kBool},
-      {"choice", OptionType::kChoice},
-      {"coefficients", OptionType::kCoefficients},
-      {"coefficient_list", OptionType::kCoefficientList},
-      {"rows3", OptionType::kRows3}};
+  static const std::pair<const char*, OptionType> kTypes[] = {{"float", OptionType::kFloat},
+                                                              {"int", OptionType::kInt},
+                                                              {"bool", OptionType::kBool},
+                                                              {"choice", OptionType::kChoice},
+                                                              {"coefficients", OptionType::kCoefficients},
+                                                              {"coefficient_list", OptionType::kCoefficientList},
+                                                              {"rows3", OptionType::kRows3}};
   for (const auto& [name, value] : kTypes) {
     if (type == name) return value;
   }
@@ -42,7 +41,8 @@ absl::StatusOr<OptionType> ParseType(const std::string& type) {
 
 absl::StatusOr<double> Number(absl::string_view text, absl::string_view where) {
   double value = 0;
-  if (!absl::SimpleAtod(absl::StripAsciiWhitespace(text), &value)) return Bad(where, absl::StrCat("not a number: ", text));
+  if (!absl::SimpleAtod(absl::StripAsciiWhitespace(text), &value))
+    return Bad(where, absl::StrCat("not a number: ", text));
   return value;
 }
 
@@ -155,7 +155,8 @@ absl::StatusOr<OptionSpec> ParseOption(const json& row, const std::vector<std::s
       for (const std::string& choice : spec.choices) known = known || choice == spec.defaults[i].name;
       if (!known) return Bad(where, absl::StrCat("default ", spec.defaults[i].name, " is no choice"));
     }
-    if (spec.defaults[i].number.has_value() && spec.range.has_value() && !InRange(*spec.range, *spec.defaults[i].number)) {
+    if (spec.defaults[i].number.has_value() && spec.range.has_value() &&
+        !InRange(*spec.range, *spec.defaults[i].number)) {
       return Bad(where, "default out of range");
     }
   }
@@ -249,14 +250,17 @@ bool InRange(const OptionRange& range, double value) {
 
 absl::Status CheckRange(const OptionSpec& option, double value) {
   if (!option.range.has_value() || InRange(*option.range, value)) return absl::OkStatus();
-  const std::string got =
-      option.type == OptionType::kInt && std::isfinite(value) ? absl::StrCat(static_cast<int64_t>(value)) : absl::StrCat(value);
+  const std::string got = option.type == OptionType::kInt && std::isfinite(value)
+                              ? absl::StrCat(static_cast<int64_t>(value))
+                              : absl::StrCat(value);
   if (!option.range->interval.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(option.label, " must be in ", option.range->interval, ", got ", got));
+    return absl::InvalidArgumentError(
+        absl::StrCat(option.label, " must be in ", option.range->interval, ", got ", got));
   }
   for (const OptionBound& bound : option.range->bounds) {
     if (std::isfinite(value) && Holds(bound, value)) continue;
-    return absl::InvalidArgumentError(absl::StrCat(option.label, " must be ", bound.op, " ", bound.value, ", got ", got));
+    return absl::InvalidArgumentError(
+        absl::StrCat(option.label, " must be ", bound.op, " ", bound.value, ", got ", got));
   }
   return absl::OkStatus();
 }
@@ -273,7 +277,8 @@ absl::StatusOr<int> ChoiceIndex(std::string_view option, std::string_view value)
     if (value == (*choices)[i]) return static_cast<int>(i);
     absl::StrAppend(&known, known.empty() ? "" : ", ", (*choices)[i]);
   }
-  return absl::InvalidArgumentError(absl::StrCat("unknown value '", Echo(std::string(value)), "'; expected one of ", known));
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown value '", Echo(std::string(value)), "'; expected one of ", known));
 }
 
 }  // namespace muond::optim

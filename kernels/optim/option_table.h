@@ -62,8 +62,8 @@ struct CoefficientSetSpec {
   std::vector<std::array<double, 3>> tuples;  // as the table writes them (before `safety`)
   std::string after;                          // "cycle" or "repeat_last"
   std::vector<int> gram_restarts;
-  std::optional<int> steps;       // the only ns_steps the set is tuned for
-  std::optional<double> safety;   // folded in as (a/s, b/s³, c/s⁵)
+  std::optional<int> steps;      // the only ns_steps the set is tuned for
+  std::optional<double> safety;  // folded in as (a/s, b/s³, c/s⁵)
 };
 
 struct OptionTable {

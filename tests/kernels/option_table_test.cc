@@ -37,7 +37,8 @@ TEST(OptionTableTest, DamagedTablesAreRefusedNamingTheRow) {
   const std::string good = R"({"name": "x", "carrier": "group", "applies_to": "all", "type": "float",
                                "default": 1.0, "range": "[0, 2]", "doc": "d"})";
   EXPECT_TRUE(ParseOptionTable(TableWith(good)).ok());
-  EXPECT_THAT(ParseOptionTable(TableWith(good + "," + good)), StatusIs(absl::StatusCode::kInvalidArgument, "x: named twice"));
+  EXPECT_THAT(ParseOptionTable(TableWith(good + "," + good)),
+              StatusIs(absl::StatusCode::kInvalidArgument, "x: named twice"));
   EXPECT_THAT(ParseOptionTable("{"), StatusIs(absl::StatusCode::kInvalidArgument, "not a JSON object"));
   for (const auto& [row, message] : std::vector<std::pair<std::string, std::string>>{
            {R"({"name": "x", "carrier": "group", "applies_to": "all", "type": "real", "default": 1, "doc": "d"})",
@@ -95,8 +96,10 @@ TEST(OptionTableTest, EveryGroupRowHasOneMemberOfItsType) {
 }
 
 TEST(OptionTableTest, RangeRefusalsNameTheOptionAndItsRange) {
-  EXPECT_THAT(CheckRange(*FindOption("lr"), -1), StatusIs(absl::StatusCode::kInvalidArgument, "lr must be in [0, 100], got -1"));
-  EXPECT_THAT(CheckRange(*FindOption("ns_steps"), 0), StatusIs(absl::StatusCode::kInvalidArgument, "ns_steps must be >= 1, got 0"));
+  EXPECT_THAT(CheckRange(*FindOption("lr"), -1),
+              StatusIs(absl::StatusCode::kInvalidArgument, "lr must be in [0, 100], got -1"));
+  EXPECT_THAT(CheckRange(*FindOption("ns_steps"), 0),
+              StatusIs(absl::StatusCode::kInvalidArgument, "ns_steps must be >= 1, got 0"));
   EXPECT_THAT(CheckRange(*FindOption("ns_steps"), 101),
               StatusIs(absl::StatusCode::kInvalidArgument, "ns_steps must be <= 100, got 101"));
   EXPECT_THAT(CheckRange(*FindOption("qk_clip_threshold"), std::nan("")),
