@@ -111,6 +111,14 @@ absl::Status Backend::NormuonScales(const NormuonArgs& args, const double* line_
   return Narrow(moment2.dtype, moment.data(), moment2.data, length);
 }
 
+absl::Status Backend::InverseRootScales(const double* sums, float* scales, size_t length, double eps) {
+  if (!HostAddressable()) {
+    return absl::UnimplementedError(absl::StrCat("InverseRootScales: the ", Name(), " backend has no implementation"));
+  }
+  for (size_t j = 0; j < length; ++j) scales[j] = static_cast<float>(1.0 / std::sqrt(sums[j] + eps));
+  return absl::OkStatus();
+}
+
 absl::Status Backend::AddToDiagonal(float*, int64_t, int64_t, float) {
   return absl::UnimplementedError(absl::StrCat("AddToDiagonal: the ", Name(), " backend has no implementation"));
 }

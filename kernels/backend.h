@@ -204,6 +204,11 @@ class Backend : public PeerPrimitives {
   };
   virtual absl::Status NormuonScales(const NormuonArgs& args, const double* line_sums, StoredRef moment2, float* scales,
                                      size_t length);
+  // The scales that bring lines to unit L2 norm (MuonEq's and Muon+'s, docs/algorithms.md) from their
+  // sums of squares: scales[j] = fp32(1/√(sums[j] + eps)) computed in fp64, for `length` lines (both
+  // in backend memory); eps > 0 keeps a zero line zero. The CUDA backend computes them on the device
+  // and waits for nothing; the default (the CPU backend's) needs a HostAddressable backend.
+  virtual absl::Status InverseRootScales(const double* sums, float* scales, size_t length, double eps);
   // y = alpha·x + beta·y. x and y may be 16-bit state (StoredRef), read as fp32 and y rounded when
   // stored.
   virtual absl::Status Axpby(float alpha, StoredRef x, float beta, StoredRef y, size_t count) = 0;

@@ -196,6 +196,13 @@ absl::Status CudaBackend::NormuonScales(const NormuonArgs& args, const double* l
                     "NormuonScales kernel");
 }
 
+absl::Status CudaBackend::InverseRootScales(const double* sums, float* scales, size_t length, double eps) {
+  std::unique_lock<std::mutex> lock(mu_);
+  MUOND_RETURN_IF_ERROR(Activate());
+  return CudaStatus(LaunchInverseRootScales(sums, static_cast<int64_t>(length), eps, scales, stream_),
+                    "InverseRootScales kernel");
+}
+
 absl::Status CudaBackend::Widen(StorageDtype dtype, const void* packed, float* out, size_t count) {
   if (dtype == StorageDtype::kFp32) return CopyOnDevice(static_cast<const float*>(packed), out, count);
   std::unique_lock<std::mutex> lock(mu_);

@@ -157,6 +157,12 @@ __global__ void NormuonScalesKernel(const double* line_sums, int64_t length, dou
   }
 }
 
+// Backend::InverseRootScales: one thread per line.
+__global__ void InverseRootScalesKernel(const double* sums, int64_t length, double eps, float* scales) {
+  for (int64_t j = FirstIndex(); j < length; j += GridStride())
+    scales[j] = static_cast<float>(1.0 / sqrt(sums[j] + eps));
+}
+
 __global__ void FlagNonFiniteKernel(const float* x, int64_t n, int* flag) {
   // Every writer stores the same value, so the race between writers is harmless.
   for (int64_t i = FirstIndex(); i < n; i += GridStride()) {
@@ -328,6 +334,13 @@ cudaError_t LaunchNormuonScales(const double* line_sums, int64_t length, int64_t
   if (length <= 0) return cudaSuccess;
   NormuonScalesKernel<<<1, kThreads, 0, stream>>>(line_sums, length, static_cast<double>(count), weight, eps, moment2,
                                                   scales);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchInverseRootScales(const double* sums, int64_t length, double eps, float* scales,
+                                    cudaStream_t stream) {
+  if (length <= 0) return cudaSuccess;
+  InverseRootScalesKernel<<<BlocksFor(length), kThreads, 0, stream>>>(sums, length, eps, scales);
   return cudaGetLastError();
 }
 

@@ -72,6 +72,9 @@ cudaError_t LaunchSumSquares(const float* x, int64_t count, int64_t batch, int c
 cudaError_t LaunchNormuonScales(const double* line_sums, int64_t length, int64_t count, float weight, double eps,
                                 StoredRef moment2, float* scales, cudaStream_t stream);
 
+// Backend::InverseRootScales: scales[j] = fp32(1/√(sums[j] + eps)), one thread per line.
+cudaError_t LaunchInverseRootScales(const double* sums, int64_t length, double eps, float* scales, cudaStream_t stream);
+
 // Sets *flag = 1 when some x[i] is NaN or ±inf; never writes 0 (the caller zeroes the flag).
 cudaError_t LaunchFlagNonFinite(const float* x, int64_t n, int* flag, cudaStream_t stream);
 

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
+#include "kernels/optim/line_normalization.h"
 #include "kernels/optim/newton_schulz.h"
 #include "kernels/optim/optimizer_impls.h"
 
@@ -139,6 +140,15 @@ class Muon final : public Optimizer {
 
  private:
   double Scale(int64_t rows, int64_t cols) const;
+  // Whether MuonEq's or Muon+'s normalization scales columns of a matrix stored as its own shape or
+  // (`transposed`) as its transpose: they go through a transposed copy in kNormuonSlot.
+  bool CopiesForLines(bool transposed) const {
+    return ScalesColumns(OrderOf(options_.momentum_normalization, transposed)) ||
+           ScalesColumns(OrderOf(options_.post_normalization, transposed));
+  }
+  // The line scratch of a batch of `floats` floats normalized in `order`: StepScratch's line buffers
+  // (grown by Step) and, when columns are scaled, the kNormuonSlot copy (reserved by PlanBatches).
+  static absl::StatusOr<LineScratch> LineScratchOf(Backend& backend, NsWorkspace& ws, size_t floats, LineOrder order);
   float DecayFactor(const StepHyper& hyper) const;
   void AppendMatrices(ParamState& p, const StepHyper& hyper, std::vector<MatrixJob>& jobs) const;
   // `input_sums`: backend memory for jobs.size() doubles, each job's Newton–Schulz input Σ U²
@@ -311,7 +321,9 @@ StepBounds Muon::BoundStep(const StepHyper& hyper, const ParamState& param, doub
   double scale = 0;
   ForEachMatrix(param, [&](int64_t, int64_t rows, int64_t cols, bool) { scale = std::max(scale, Scale(rows, cols)); });
   // The largest element of the update W moves along, over η: scale·O for plain Muon (|O_ij| ≤ σ_max).
-  double step = scale * ns_bound_;
+  // Muon+'s lines at unit norm hold elements below 1.
+  double step =
+      scale * (options_.post_normalization != PostNormalization::kNone ? std::max(ns_bound_, 1.0) : ns_bound_);
   double moment2 = 0, moment2_peak = 0;
   const double v = SlotBound(param, kMoment2Slot);
   int64_t min_dim = 0;
@@ -341,7 +353,9 @@ StepBounds Muon::BoundStep(const StepHyper& hyper, const ParamState& param, doub
       (std::abs(static_cast<double>(DecayFactor(hyper))) * param.master_bound + hyper.lr * step) * kBoundRounding;
   out.slots = {m_next};
   if (options_.moment2_method != Moment2Method::kNone) out.slots.push_back(moment2);
-  out.peak = std::max({out.master, m_next, u, g_decayed + m, moment2_peak, step});
+  // MuonEq's lines at unit norm: elements below 1 whatever the momentum's size.
+  const double normalized = options_.momentum_normalization != MomentumNormalization::kNone ? 1.0 : 0.0;
+  out.peak = std::max({out.master, m_next, u, g_decayed + m, moment2_peak, step, normalized});
   return out;
 }
 
@@ -387,8 +401,10 @@ std::vector<size_t> Muon::PlanBatches(const Backend& backend,
       for (size_t slot = 0; slot < ns.size(); ++slot) need[slot] = std::max(need[slot], ns[slot]);
       if (!Contiguous(batch))
         need[NsWorkspace::kFirstFreeSlot] = std::max(need[NsWorkspace::kFirstFreeSlot], batch.size() * mat);
-      if (options_.moment2_method == Moment2Method::kNormuon && batch[0].lines_per_column) {
-        need[kNormuonSlot] = std::max(need[kNormuonSlot], batch.size() * mat);  // NorMuon's copy of wide matrices
+      if ((options_.moment2_method == Moment2Method::kNormuon && batch[0].lines_per_column) ||
+          CopiesForLines(batch[0].deferred)) {
+        // NorMuon's copy of wide matrices, or the transposed copy that scales columns.
+        need[kNormuonSlot] = std::max(need[kNormuonSlot], batch.size() * mat);
       }
     }
   }
@@ -409,7 +425,7 @@ Optimizer::WorkspaceNeed Muon::LeastWorkspace(const Backend& backend, std::span<
       const auto ns = NsSlotFloats(r, c, 1, UsesGram(backend, r, c));
       for (size_t slot = 0; slot < ns.size(); ++slot) own[slot] = std::max(own[slot], ns[slot]);
       const bool per_column = transposed ? rows >= cols : rows < cols;
-      if (options_.moment2_method == Moment2Method::kNormuon && per_column) {
+      if ((options_.moment2_method == Moment2Method::kNormuon && per_column) || CopiesForLines(transposed)) {
         own[kNormuonSlot] = std::max(own[kNormuonSlot], static_cast<size_t>(rows * cols));
       }
     });
@@ -441,6 +457,12 @@ absl::Status Muon::Orthogonalize(Backend& backend, std::span<const MatrixJob> jo
       MUOND_RETURN_IF_ERROR(backend.CopyOnDevice(jobs[i].update, work + i * mat, mat));
     }
   }
+  const bool transposed = jobs[0].deferred;
+  if (const LineOrder before = OrderOf(options_.momentum_normalization, transposed); before != LineOrder::kNone) {
+    MUOND_ASSIGN_OR_RETURN(const LineScratch lines, LineScratchOf(backend, ws, mat * batch, before));
+    MUOND_RETURN_IF_ERROR(NormalizeLines(backend, before, kMomentumNormalizationEps, work, rows, cols,
+                                         static_cast<int64_t>(batch), lines));
+  }
   if (UsesGram(backend, rows, cols)) {
     MUOND_RETURN_IF_ERROR(GramNewtonSchulz(backend, options_.ns_schedule, options_.ns_steps,
                                            options_.ns_schedule.gram_restarts, options_.ns_eps, options_.ns_norm_safety,
@@ -452,6 +474,11 @@ absl::Status Muon::Orthogonalize(Backend& backend, std::span<const MatrixJob> jo
                                        static_cast<int64_t>(batch), ws, input_sums));
   }
   if (telemetry_ != nullptr) MUOND_RETURN_IF_ERROR(Observe(backend, jobs, work, ws));
+  if (const LineOrder after = OrderOf(options_.post_normalization, transposed); after != LineOrder::kNone) {
+    MUOND_ASSIGN_OR_RETURN(const LineScratch lines, LineScratchOf(backend, ws, mat * batch, after));
+    MUOND_RETURN_IF_ERROR(
+        NormalizeLines(backend, after, kPostNormalizationEps, work, rows, cols, static_cast<int64_t>(batch), lines));
+  }
   if (options_.moment2_method == Moment2Method::kNormuon) {
     MUOND_RETURN_IF_ERROR(ReduceVariance(backend, jobs, work, ws, backend.Shared<StepScratch>()));
   }
@@ -540,6 +567,18 @@ absl::Status Muon::ApplyUpdateRange(Backend& backend, const MatrixJob& job, floa
 // rather than 0/0. The lines' sums of squares, the per-line values (Backend::NormuonScales, the
 // norm ratio folded into the line scales, so O is scaled once) and the scaling all stay in backend
 // memory: on the CUDA backend nothing here waits for the device.
+absl::StatusOr<LineScratch> Muon::LineScratchOf(Backend& backend, NsWorkspace& ws, size_t floats, LineOrder order) {
+  StepScratch& scratch = backend.Shared<StepScratch>();
+  if (scratch.line_sums == nullptr || scratch.line_scales == nullptr) {
+    return absl::InternalError("muon: the line scratch was not grown before the step");
+  }
+  LineScratch out{.sums = reinterpret_cast<double*>(scratch.line_sums->data()), .scales = scratch.line_scales->data()};
+  if (ScalesColumns(order)) {
+    MUOND_ASSIGN_OR_RETURN(out.copy, ws.Get(backend, kNormuonSlot, floats));
+  }
+  return out;
+}
+
 absl::Status Muon::ReduceVariance(Backend& backend, std::span<const MatrixJob> jobs, float* work, NsWorkspace& ws,
                                   StepScratch& scratch) const {
   const int64_t rows = jobs[0].rows, cols = jobs[0].cols;
@@ -690,10 +729,14 @@ absl::Status Muon::Step(Backend& backend, const StepHyper& hyper, std::span<Para
   if (telemetry_ != nullptr && matrices > 0) {
     MUOND_ASSIGN_OR_RETURN(input_sums, ReserveTelemetrySums(backend, matrices));
   }
-  if (options_.moment2_method == Moment2Method::kNormuon) {
+  const bool normalizes_lines = options_.momentum_normalization != MomentumNormalization::kNone ||
+                                options_.post_normalization != PostNormalization::kNone;
+  if (options_.moment2_method == Moment2Method::kNormuon || normalizes_lines) {
     size_t lines = 0;
     for (std::span<const MatrixJob> batch : batches) {
-      lines = std::max(lines, static_cast<size_t>(NormuonLength(batch[0].rows, batch[0].cols)) * batch.size());
+      const int64_t rows = batch[0].rows, cols = batch[0].cols, count = static_cast<int64_t>(batch.size());
+      lines = std::max(lines, normalizes_lines ? LineCount(rows, cols, count)
+                                               : static_cast<size_t>(NormuonLength(rows, cols)) * batch.size());
     }
     MUOND_RETURN_IF_ERROR(Grow(backend, scratch.line_sums, 2 * lines));
     MUOND_RETURN_IF_ERROR(Grow(backend, scratch.line_scales, lines));

@@ -1,7 +1,8 @@
 // The GroupOptions member behind each row of the option table (option_table.h) that is one value:
 // VisitOptionFields calls f(name, member) for each, so that defaults, ranges and the wire's plain
 // values are applied by name in one loop each. The optimizer and Newton–Schulz's schedule
-// (ns_coefficients, ns_custom_coefficients, ns_coefficients_after) are not among them. A function template over a plain value type; no state.
+// (ns_coefficients, ns_custom_coefficients, ns_coefficients_after) are not among them. A function template over a plain
+// value type; no state.
 #pragma once
 
 #include <string_view>
@@ -31,6 +32,8 @@ void VisitOptionFields(Options& o, F&& f) {
   f(std::string_view("qk_clip_threshold"), o.qk_clip_threshold);
   f(std::string_view("qk_clip_alpha"), o.qk_clip_alpha);
   f(std::string_view("moment2_method"), o.moment2_method);
+  f(std::string_view("momentum_normalization"), o.momentum_normalization);
+  f(std::string_view("post_normalization"), o.post_normalization);
   f(std::string_view("beta1"), o.beta1);
   f(std::string_view("beta2"), o.beta2);
   f(std::string_view("eps"), o.eps);

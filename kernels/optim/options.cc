@@ -232,6 +232,11 @@ absl::Status ValidateOptions(const GroupOptions& o) {
     return absl::InvalidArgumentError(
         "exp_avg_sq_dtype applies to a muon group only with moment2_method adamuon or normuon (its second moment)");
   }
+  if (o.post_normalization != PostNormalization::kNone && o.moment2_method == Moment2Method::kNormuon) {
+    return absl::InvalidArgumentError(
+        "post_normalization applies without moment2_method normuon (NorMuon rescales the same lines of the "
+        "orthogonalized update after Newton-Schulz)");
+  }
   if (o.optimizer == OptimizerKind::kSgd && o.nesterov && o.momentum <= 0) {
     return absl::InvalidArgumentError("nesterov needs momentum > 0 (torch.optim.SGD semantics)");
   }

@@ -27,6 +27,12 @@ enum class CoefficientsAfter { kCycle, kRepeatLast };
 // Dao-AILab's Gram Newton–Schulz; square matrices fall back to standard), or per shape, whichever
 // the backend's cost rule expects to be faster (auto: optim::PreferGram).
 enum class NsAlgorithm { kStandard, kGram, kAuto };
+// MuonEq (docs/algorithms.md, MuonEq): the momentum U's rows, columns, or both (each scale taken
+// from the same U) at unit L2 norm before Newton–Schulz.
+enum class MomentumNormalization { kNone, kRow, kCol, kRowCol };
+// Muon+ (docs/algorithms.md, Muon+): the orthogonalized update's rows and/or columns at unit L2
+// norm, one after the other; muon_plus is row then column.
+enum class PostNormalization { kNone, kMuonPlus, kRow, kCol, kRowCol, kColRow };
 // How a group's gradients are clipped (docs/algorithms.md, Clipping): counted in the global norm and
 // scaled by the global coefficient (global), clipped by their own norm against the group's own
 // max_grad_norm (group), or neither (none).
@@ -73,9 +79,11 @@ struct GroupOptions {
   kernels::MatmulPrecision matmul_precision = kernels::MatmulPrecision::kFp32;
   double qk_clip_threshold = 100.0;
   double qk_clip_alpha = 0.5;
-  Moment2Method moment2_method = Moment2Method::kNone;  // muon
-  double beta1 = 0.9, beta2 = 0.999;                    // muon with a moment2_method: beta2 (default 0.95)
-  double eps = 1e-8;                                    // adamw; muon with a moment2_method
+  Moment2Method moment2_method = Moment2Method::kNone;                          // muon
+  MomentumNormalization momentum_normalization = MomentumNormalization::kNone;  // muon
+  PostNormalization post_normalization = PostNormalization::kNone;              // muon
+  double beta1 = 0.9, beta2 = 0.999;  // muon with a moment2_method: beta2 (default 0.95)
+  double eps = 1e-8;                  // adamw; muon with a moment2_method
   // Storage formats (the precision-aware optimizer); the arithmetic is fp32 whatever they are.
   kernels::StorageDtype master_dtype = kernels::StorageDtype::kFp32;      // every optimizer
   kernels::StorageDtype momentum_dtype = kernels::StorageDtype::kFp32;    // muon, sgd

@@ -161,15 +161,53 @@ def _gram_restarts(group: Dict[str, Any], rows: int, cols: int) -> Optional[Tupl
     return restarts
 
 
+# The epsilons of MuonEq's and Muon+'s references (docs/algorithms.md, MuonEq and Muon+).
+_MOMENTUM_NORMALIZATION_EPS = 1e-8
+_POST_NORMALIZATION_EPS = 1e-7
+# Muon+'s orders of lines: -1 scales rows, -2 columns.
+_POST_ORDERS = {"row": (-1,), "col": (-2,), "row_col": (-1, -2), "muon_plus": (-1, -2), "col_row": (-2, -1)}
+
+
+def _line_scales(m: torch.Tensor, dim: int, eps: float) -> torch.Tensor:
+    """fp32(1/√(Σ m² + eps)) along ``dim`` (-1: each row, -2: each column), summed in fp64 as the
+    daemon does."""
+    return (m.double().square().sum(dim=dim, keepdim=True) + eps).rsqrt().float()
+
+
+def _momentum_normalized(m: torch.Tensor, mode: Optional[str]) -> torch.Tensor:
+    """MuonEq: U's rows, columns, or both (both scales from the same U, rows applied first) at
+    unit norm."""
+    if mode in (None, "none"):
+        return m
+    rows = _line_scales(m, -1, _MOMENTUM_NORMALIZATION_EPS) if mode in ("row", "rowcol") else None
+    cols = _line_scales(m, -2, _MOMENTUM_NORMALIZATION_EPS) if mode in ("col", "rowcol") else None
+    out = m * rows if rows is not None else m
+    return out * cols if cols is not None else out
+
+
+def _post_normalized(o: torch.Tensor, mode: Optional[str]) -> torch.Tensor:
+    """Muon+: the orthogonalized update's rows and/or columns at unit norm, one after the other."""
+    for dim in _POST_ORDERS.get(mode or "none", ()):
+        o = o * _line_scales(o, dim, _POST_NORMALIZATION_EPS)
+    return o
+
+
+def _polar(m: torch.Tensor, group: Dict[str, Any], coefficients, after: str) -> torch.Tensor:
+    """The matrices ``m`` (one, or a batch on the first dim) through MuonEq's normalization,
+    Newton–Schulz and Muon+'s normalization, as the group asks."""
+    m = _momentum_normalized(m, group.get("momentum_normalization"))
+    out = newton_schulz(m, group["ns_steps"], coefficients, after, group["ns_eps"],
+                        group["ns_norm_safety"], _gram_restarts(group, m.size(-2), m.size(-1)))
+    return _post_normalized(out, group.get("post_normalization"))
+
+
 def _orthogonalize_scaled(u: torch.Tensor, group: Dict[str, Any]) -> torch.Tensor:
     """NS(U) times its scale, for the parameter shapes of docs/algorithms.md, Shapes (2-D, 4-D
     conv as (O, I·kh·kw), 3-D experts one by one, fused QKV block by block)."""
     coefficients, after = opts.coefficient_schedule(group)
 
     def ortho(m: torch.Tensor) -> torch.Tensor:
-        out = newton_schulz(m, group["ns_steps"], coefficients, after, group["ns_eps"],
-                            group["ns_norm_safety"], _gram_restarts(group, m.size(-2), m.size(-1)))
-        return out * muon_scale(group["scale_mode"], group["extra_scale_factor"],
+        return _polar(m, group, coefficients, after) * muon_scale(group["scale_mode"], group["extra_scale_factor"],
                                 m.size(-2), m.size(-1))
 
     shape = u.shape
@@ -221,8 +259,7 @@ def _adaptive_update(u: torch.Tensor, group: Dict[str, Any], moment2: torch.Tens
     line = 0
     for i, (m, o_view) in enumerate(zip(_matrix_views(u, group), _matrix_views(out, group))):
         rows, cols = m.shape
-        o = newton_schulz(m, group["ns_steps"], coefficients, after, group["ns_eps"],
-                          group["ns_norm_safety"], _gram_restarts(group, rows, cols))
+        o = _polar(m, group, coefficients, after)
         scale = muon_scale(group["scale_mode"], group["extra_scale_factor"], rows, cols)
         if adamuon:
             x = o * scale

@@ -183,6 +183,10 @@ def resolve_group(group: Mapping[str, Any], defaults: Mapping[str, Any]) -> Dict
     if steps is not None and resolved["ns_steps"] != steps:
         raise ValueError(f"ns_steps must be {steps} with ns_coefficients {resolved['ns_coefficients']} "
                          f"(its coefficients are tuned for exactly {steps} steps), got {resolved['ns_steps']}")
+    if name == "muon" and resolved["post_normalization"] not in (None, "none") and \
+            resolved["moment2_method"] == "normuon":
+        raise ValueError("post_normalization applies without moment2_method normuon (NorMuon rescales "
+                         "the same lines of the orthogonalized update after Newton-Schulz)")
     if name == "muon" and resolved["tp_block_dim"] != 0 and (resolved["tp_blocks"] or 1) == 1:
         raise ValueError("tp_block_dim applies only with tp_blocks > 1")
     limit = resolved.get("max_grad_norm")

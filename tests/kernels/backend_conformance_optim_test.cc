@@ -295,9 +295,9 @@ TEST_P(BackendConformanceTest, SixteenBitStateStepsMatchCpuBitwise) {
   }
 }
 
-// The Muon variants of this release (Gram Newton–Schulz with restarts, adaptive second moments,
-// cautious decay, tensor-parallel blocks) on both backends, fp32 matmuls: the weights' total change
-// within the fp32 Newton–Schulz bound (adaptive moments divide by √v, so 1e-3), momentum bitwise.
+// The Muon variants (Gram Newton–Schulz with restarts, adaptive second moments, cautious decay,
+// tensor-parallel blocks, MuonEq's and Muon+'s normalizations) on both backends, fp32 matmuls: the weights' total
+// change within the fp32 Newton–Schulz bound (adaptive moments divide by √v, so 1e-3), momentum bitwise.
 TEST_P(BackendConformanceTest, MuonVariantsMatchCpu) {
   struct Variant {
     const char* name;
@@ -315,6 +315,17 @@ TEST_P(BackendConformanceTest, MuonVariantsMatchCpu) {
          o.weight_decay_mode = optim::WeightDecayMode::kCautious;
        }},
       {"adamuon", [](optim::GroupOptions& o) { o.moment2_method = optim::Moment2Method::kAdamuon; }},
+      // MuonEq and Muon+: line scales through SumSquaresTo, InverseRootScales and ScaleBatchedBy.
+      {"muoneq_rowcol_muon_plus",
+       [](optim::GroupOptions& o) {
+         o.momentum_normalization = optim::MomentumNormalization::kRowCol;
+         o.post_normalization = optim::PostNormalization::kMuonPlus;
+       }},
+      {"muoneq_col_post_col_row",
+       [](optim::GroupOptions& o) {
+         o.momentum_normalization = optim::MomentumNormalization::kCol;
+         o.post_normalization = optim::PostNormalization::kColRow;
+       }},
   };
   const std::vector<ParamSpec> specs = {{{48, 80}},
                                         {{80, 48}},

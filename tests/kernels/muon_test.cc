@@ -109,6 +109,63 @@ std::vector<double> RefAdaptive(const GroupOptions& o, const Block& b, const Mat
   return upd;
 }
 
+// Each row (rows) or column of x scaled by (Σ x² + eps)^(-1/2), from the sums of x as given.
+std::vector<double> LineScales(const Mat& x, bool rows, double eps) {
+  const int64_t lines = rows ? x.rows : x.cols, count = rows ? x.cols : x.rows;
+  std::vector<double> scales(lines);
+  for (int64_t l = 0; l < lines; ++l) {
+    double sum = 0;
+    for (int64_t k = 0; k < count; ++k) {
+      const double v = rows ? x.v[l * x.cols + k] : x.v[k * x.cols + l];
+      sum += v * v;
+    }
+    scales[l] = 1 / std::sqrt(sum + eps);
+  }
+  return scales;
+}
+void ScaleLines(Mat& x, const std::vector<double>& scales, bool rows) {
+  for (int64_t i = 0; i < x.rows; ++i) {
+    for (int64_t j = 0; j < x.cols; ++j) x.v[i * x.cols + j] *= scales[rows ? i : j];
+  }
+}
+
+// MuonEq (MaeChd/muon-eq, llm-opt-baseline-npu/llama2_pretrain/optimizers/muon_variants/muoneq.py
+// at 99b6c8b, _row_normalize/_col_normalize/_rowcol_normalize with the default exponent −1/2):
+// U·diag-scaled by (Σ u² + 1e-8)^(-1/2) per row, column, or both, both scales from the same U.
+void RefMomentumNormalization(MomentumNormalization mode, Mat& x) {
+  constexpr double kEps = 1e-8;
+  const bool rows = mode == MomentumNormalization::kRow || mode == MomentumNormalization::kRowCol;
+  const bool cols = mode == MomentumNormalization::kCol || mode == MomentumNormalization::kRowCol;
+  const std::vector<double> row_scales = LineScales(x, true, kEps), col_scales = LineScales(x, false, kEps);
+  if (rows) ScaleLines(x, row_scales, true);
+  if (cols) ScaleLines(x, col_scales, false);
+}
+
+// Muon+ (K1seki221/MuonPlus as in MaeChd/muon-eq's muon_plus.py at 99b6c8b, apply_post_polar_norm):
+// each row and/or column divided by √(Σ u² + 1e-7), one after the other.
+void RefPostNormalization(PostNormalization mode, Mat& x) {
+  constexpr double kEps = 1e-7;
+  std::vector<bool> order;  // true: rows
+  switch (mode) {
+    case PostNormalization::kNone:
+      break;
+    case PostNormalization::kRow:
+      order = {true};
+      break;
+    case PostNormalization::kCol:
+      order = {false};
+      break;
+    case PostNormalization::kMuonPlus:
+    case PostNormalization::kRowCol:
+      order = {true, false};
+      break;
+    case PostNormalization::kColRow:
+      order = {false, true};
+      break;
+  }
+  for (bool rows : order) ScaleLines(x, LineScales(x, rows, kEps), rows);
+}
+
 // One Muon step in fp64 on host vectors w (master), mom (momentum) and m2 (the second moment, when
 // the options have one).
 void RefStep(const GroupOptions& o, const StepHyper& h, const ParamSpec& p, std::vector<double> g,
@@ -139,7 +196,9 @@ void RefStep(const GroupOptions& o, const StepHyper& h, const ParamSpec& p, std:
     for (int64_t i = 0; i < b.rows; ++i) {
       for (int64_t j = 0; j < b.cols; ++j) x.v[i * b.cols + j] = u[b.At(i, j)];
     }
-    const Mat out = testing::ReferenceNs(x, o.ns_schedule, o.ns_steps, o.ns_eps, o.ns_norm_safety);
+    RefMomentumNormalization(o.momentum_normalization, x);
+    Mat out = testing::ReferenceNs(x, o.ns_schedule, o.ns_steps, o.ns_eps, o.ns_norm_safety);
+    RefPostNormalization(o.post_normalization, out);
     std::vector<double> block_adamuon;  // AdaMuon's moment of the block, gathered and put back
     double* block_m2 = nullptr;
     if (o.moment2_method == Moment2Method::kAdamuon) {
@@ -193,6 +252,13 @@ GroupOptions Adaptive(Moment2Method method, WeightDecayMode wd_mode, ScaleMode s
   o.moment2_method = method;
   o.beta2 = 0.9;
   return o;
+}
+
+// MuonEq's and Muon+'s normalizations, over `base`.
+GroupOptions Normalized(GroupOptions base, MomentumNormalization before, PostNormalization after) {
+  base.momentum_normalization = before;
+  base.post_normalization = after;
+  return base;
 }
 
 // Gram Newton–Schulz computes the standard iteration's map: the reference is the standard one.
@@ -355,6 +421,50 @@ INSTANTIATE_TEST_SUITE_P(
                  {ParamSpec{{12, 40}, {}, TpBlocks{.blocks = 4, .dim = 1}},
                   ParamSpec{{16, 16}, {}, TpBlocks{.blocks = 2, .dim = 1}},
                   ParamSpec{{8, 24}, {}, TpBlocks{.blocks = 3, .dim = 1}}}},
+        // MuonEq and Muon+ on square, tall, wide, expert, conv, QKV and tensor-parallel blocks (the
+        // column blocks are stored transposed: their rows are the stored columns).
+        MuonCase{
+            "muoneq_row",
+            Normalized(Opts(MomentumStyle::kSum, true, WeightDecayMode::kDecoupled, ScaleMode::kSpectral, 0.1, 0.2),
+                       MomentumNormalization::kRow, PostNormalization::kNone),
+            {k2d, kTall, ParamSpec{{16, 16}}, ParamSpec{{3, 12, 20}}, ParamSpec{{6, 4, 3, 3}}}},
+        MuonCase{"muoneq_col",
+                 Normalized(Opts(MomentumStyle::kEma, true, WeightDecayMode::kDecoupled, ScaleMode::kShapeScaling),
+                            MomentumNormalization::kCol, PostNormalization::kNone),
+                 {k2d, kTall, ParamSpec{{12, 40}, {}, TpBlocks{.blocks = 4, .dim = 1}}}},
+        MuonCase{"muoneq_rowcol",
+                 Normalized(Opts(MomentumStyle::kEma, false, WeightDecayMode::kCautious, ScaleMode::kShapeScaling, 0.5),
+                            MomentumNormalization::kRowCol, PostNormalization::kNone),
+                 {k2d, kTall, ParamSpec{{40, 24}, QkvSplit{.q = 16, .k = 2, .v = 2, .num_query_groups = 2}},
+                  ParamSpec{{16, 16}, {}, TpBlocks{.blocks = 2, .dim = 1}}, ParamSpec{{2, 20, 12}}}},
+        MuonCase{"muon_plus",
+                 Normalized(Opts(MomentumStyle::kSum, true, WeightDecayMode::kDecoupled, ScaleMode::kShapeScaling),
+                            MomentumNormalization::kNone, PostNormalization::kMuonPlus),
+                 {k2d, kTall, ParamSpec{{16, 16}}, ParamSpec{{3, 12, 20}}, ParamSpec{{6, 4, 3, 3}},
+                  ParamSpec{{12, 40}, {}, TpBlocks{.blocks = 4, .dim = 1}}}},
+        MuonCase{"post_col_row",
+                 Normalized(Opts(MomentumStyle::kEma, true, WeightDecayMode::kDecoupled, ScaleMode::kUnitRmsNorm),
+                            MomentumNormalization::kNone, PostNormalization::kColRow),
+                 {k2d, kTall, ParamSpec{{24, 20}, {}, TpBlocks{.blocks = 2, .dim = 0}}}},
+        MuonCase{"post_row",
+                 Normalized(Opts(MomentumStyle::kEma, true, WeightDecayMode::kDecoupled, ScaleMode::kShapeScaling),
+                            MomentumNormalization::kNone, PostNormalization::kRow),
+                 {k2d, kTall, ParamSpec{{16, 16}, {}, TpBlocks{.blocks = 2, .dim = 1}}}},
+        MuonCase{"post_col",
+                 Normalized(Opts(MomentumStyle::kEma, true, WeightDecayMode::kL2, ScaleMode::kShapeScaling, 0.5),
+                            MomentumNormalization::kNone, PostNormalization::kCol),
+                 {k2d, kTall, ParamSpec{{2, 16, 24}}}},
+        MuonCase{"muoneq_muon_plus_adamuon",
+                 Normalized(Adaptive(Moment2Method::kAdamuon, WeightDecayMode::kDecoupled),
+                            MomentumNormalization::kRowCol, PostNormalization::kRowCol),
+                 {k2d, kTall, ParamSpec{{3, 12, 20}}}},
+        MuonCase{"muoneq_normuon",
+                 Normalized(Adaptive(Moment2Method::kNormuon, WeightDecayMode::kDecoupled), MomentumNormalization::kRow,
+                            PostNormalization::kNone),
+                 {k2d, kTall, ParamSpec{{12, 40}, {}, TpBlocks{.blocks = 4, .dim = 1}}}},
+        MuonCase{"muoneq_muon_plus_gram",
+                 Normalized(Gram("gram_polar_express"), MomentumNormalization::kRow, PostNormalization::kMuonPlus),
+                 {k2d, kTall, ParamSpec{{3, 12, 20}}}},
         MuonCase{"mixed_batch",
                  Opts(MomentumStyle::kEma, false, WeightDecayMode::kDecoupled, ScaleMode::kShapeScaling),
                  {k2d, kTall, ParamSpec{{2, 16, 24}}, ParamSpec{{16, 4, 2, 3}},

@@ -1,0 +1,183 @@
+"""MuonEq (momentum_normalization) and Muon+ (post_normalization) on the daemon, against each
+method's reference step written here as its own code has it, and LocalOptimizer against the daemon.
+
+References (facts read from the public code; the steps below are written for these tests):
+- MuonEq: MaeChd/muon-eq at 99b6c8b, llm-opt-baseline-npu/llama2_pretrain/optimizers/muon_variants/
+  muoneq.py, class MuonEq: buf ← μ·buf + g; Nesterov u = g + μ·buf; per normalize_mode the row
+  and/or column scales (Σ u² + 1e-8)^(-1/2), both taken from the same u (rowcol); Newton–Schulz
+  (Keller Jordan's tuple, 5 steps, X/(‖X‖_F + 1e-7), transposed when tall); W ← W·(1 − lr·wd) −
+  lr·0.2·√max(m, n)·O. The reference runs Newton–Schulz in bf16; here it is fp32 on both sides.
+- Muon+: the same repository's muon_variants/muon_plus.py (as K1seki221/MuonPlus), class MuonPlus:
+  the same momentum and Newton–Schulz, then apply_post_polar_norm: each row and/or column divided by
+  √(Σ u² + 1e-7) (its norm_eps argument is not used there), one after the other; W ← W·(1 − lr·wd)
+  − lr·√(m/n)·O (rms_scaling: fan_out over fan_in, no max).
+
+Both sides compute in fp32 and sum in other orders, as in test_equivalence.py, whose bound (1e-4
+relative after a few steps) is derived there; the normalizations add one rounded sum and product
+per line. A wrong orientation, order, eps placement or scale is off by a percent or more."""
+
+import math
+
+import pytest
+import torch
+
+import muond
+
+TOLERANCE = 1e-4
+SIMPLE = (3.4445, -4.7750, 2.0315)
+SHAPES = {"square": (16, 16), "tall": (24, 12), "wide": (12, 24), "experts": (3, 8, 12),
+          "conv": (8, 3, 3, 3)}
+
+
+def keller_ns(g, steps=5):
+    a, b, c = SIMPLE
+    x = g.float()
+    tall = x.size(0) > x.size(1)
+    if tall:
+        x = x.T
+    x = x / (x.norm() + 1e-7)
+    for _ in range(steps):
+        m = x @ x.T
+        x = a * x + (b * m + c * m @ m) @ x
+    return x.T if tall else x
+
+
+def muoneq_normalize(u, mode):
+    sq = u.square()
+    row = (sq.sum(dim=1) + 1e-8).rsqrt()
+    col = (sq.sum(dim=0) + 1e-8).rsqrt()
+    if mode == "row":
+        return u * row[:, None]
+    if mode == "col":
+        return u * col[None, :]
+    out = u * row[:, None]
+    out.mul_(col[None, :])
+    return out
+
+
+def post_polar_norm(u, mode):
+    order = {"row": ("row",), "col": ("col",), "row_col": ("row", "col"), "muon_plus": ("row", "col"),
+             "col_row": ("col", "row")}[mode]
+    for line in order:
+        dim = -1 if line == "row" else -2
+        u = u / torch.sqrt((u * u).sum(dim=dim, keepdim=True) + 1e-7)
+    return u
+
+
+class ReferenceStep:
+    """One reference optimizer for 2-D matrices; a 3-D stack is its experts one by one and a 4-D
+    filter is viewed as (out, rest), as the references' own reshape does."""
+
+    def __init__(self, method, mode, lr, momentum, weight_decay):
+        self.method, self.mode = method, mode
+        self.lr, self.mu, self.wd = lr, momentum, weight_decay
+        self.buffers = {}
+
+    def matrices(self, t):
+        if t.dim() == 3:
+            return [t[e] for e in range(t.size(0))]
+        return [t.reshape(t.size(0), -1)]
+
+    def step(self, name, w, g):
+        buf = self.buffers.setdefault(name, torch.zeros_like(g))
+        buf.mul_(self.mu).add_(g)
+        u = g.add(buf, alpha=self.mu)
+        w.mul_(1 - self.lr * self.wd)
+        for wm, um in zip(self.matrices(w), self.matrices(u)):
+            rows, cols = um.shape
+            if self.method == "muoneq":
+                o = keller_ns(muoneq_normalize(um, self.mode))
+                ratio = 0.2 * math.sqrt(max(rows, cols))
+            else:
+                o = post_polar_norm(keller_ns(um), self.mode)
+                ratio = math.sqrt(rows / cols)
+            wm.add_(o, alpha=-self.lr * ratio)
+
+
+def daemon_options(method, mode):
+    common = {"momentum_style": "sum", "nesterov": True, "lr": 0.02, "momentum": 0.9,
+              "weight_decay": 0.1}
+    if method == "muoneq":
+        return dict(common, momentum_normalization=mode, scale_mode="spectral", extra_scale_factor=0.2)
+    return dict(common, post_normalization=mode, scale_mode="unit_rms_norm")
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("method,mode", [("muoneq", "row"), ("muoneq", "col"), ("muoneq", "rowcol"),
+                                         ("muon_plus", "muon_plus"), ("muon_plus", "row"),
+                                         ("muon_plus", "col"), ("muon_plus", "col_row")])
+def test_daemon_and_local_match_the_reference(endpoint, method, mode):
+    gen = torch.Generator().manual_seed(5)
+    start = {n: 0.1 * torch.randn(*s, generator=gen) for n, s in SHAPES.items()}
+    remote_params = {n: torch.nn.Parameter(t.clone()) for n, t in start.items()}
+    local_params = {n: torch.nn.Parameter(t.clone()) for n, t in start.items()}
+    reference = {n: t.clone() for n, t in start.items()}
+    options = daemon_options(method, mode)
+    ref = ReferenceStep(method, mode, options["lr"], options["momentum"], options["weight_decay"])
+
+    def groups(params):
+        return [dict(options, params=list(params.items()))]
+
+    remote = muond.RemoteOptimizer(groups(remote_params), endpoint=endpoint)
+    local = muond.LocalOptimizer(groups(local_params))
+    for _ in range(6):
+        for name, shape in SHAPES.items():
+            g = torch.randn(*shape, generator=gen)
+            remote_params[name].grad, local_params[name].grad = g.clone(), g.clone()
+            ref.step(name, reference[name], g)
+        remote.step()
+        local.step()
+    remote.close()
+    for name in SHAPES:
+        ours = remote_params[name].detach()
+        assert rel_err(ours, reference[name]) < TOLERANCE, (name, rel_err(ours, reference[name]))
+        assert rel_err(local_params[name].detach(), ours) < TOLERANCE, name
+        moved = rel_err(start[name], reference[name])
+        assert moved > 100 * TOLERANCE, f"{name} hardly moved ({moved}): the check would not tell"
+
+
+def test_the_normalizations_change_the_update(endpoint):
+    """Each mode makes a different update from plain Muon's and from the others (so a mode that
+    were ignored would fail above)."""
+    gen = torch.Generator().manual_seed(9)
+    start, g = 0.1 * torch.randn(12, 24, generator=gen), torch.randn(12, 24, generator=gen)
+    results = {}
+    for key, options in {"plain": {}, "row": {"momentum_normalization": "row"},
+                         "col": {"momentum_normalization": "col"},
+                         "rowcol": {"momentum_normalization": "rowcol"},
+                         "muon_plus": {"post_normalization": "muon_plus"},
+                         "col_row": {"post_normalization": "col_row"}}.items():
+        p = torch.nn.Parameter(start.clone())
+        opt = muond.RemoteOptimizer([dict(options, params=[("w", p)])], endpoint=endpoint)
+        p.grad = g.clone()
+        opt.step()
+        opt.close()
+        results[key] = p.detach().clone()
+    keys = list(results)
+    for i, a in enumerate(keys):
+        for b in keys[i + 1:]:
+            assert rel_err(results[a], results[b]) > 1e-3, (a, b)
+
+
+def test_refusals_name_the_option(endpoint):
+    w = torch.nn.Parameter(torch.zeros(8, 8))
+    with pytest.raises(ValueError, match="momentum_normalization must be one of none, row, col, rowcol"):
+        muond.RemoteOptimizer([{"params": [w], "momentum_normalization": "diag"}], endpoint=endpoint)
+    with pytest.raises(ValueError, match="post_normalization applies without moment2_method normuon"):
+        muond.RemoteOptimizer([{"params": [w], "post_normalization": "muon_plus",
+                                "moment2_method": "normuon"}], endpoint=endpoint)
+    with pytest.raises(ValueError, match="option 'post_normalization' does not apply to optimizer 'adamw'"):
+        muond.RemoteOptimizer([{"params": [w], "optimizer": "adamw", "post_normalization": "row"}],
+                              endpoint=endpoint)
+    # The daemon's own refusal, for a client that skips the Python checks.
+    conn = muond.Connection(endpoint)
+    spec = muond._stubs.pb.SessionSpec()
+    group = spec.groups.add(name="g")
+    group.options.post_normalization = "row"
+    group.options.moment2_method = "normuon"
+    spec.parameters.add(name="w", shape=[8, 8], group="g")
+    with pytest.raises(muond.MuondError, match=r"spec\.groups\[0\]\.options\.post_normalization applies"):
+        conn.create_session("variants-refused", spec)
