@@ -96,6 +96,7 @@ class Muon final : public Optimizer {
                                                      absl::StrJoin(param.shape, ", "), "]"));
     }
     MUOND_RETURN_IF_ERROR(CheckTpBlocks(param));
+    MUOND_RETURN_IF_ERROR(CheckHeads(param));
     const QkvSplit& s = param.qkv;
     if (!s.enabled()) return absl::OkStatus();
     if (param.shape.size() != 2) {
@@ -118,6 +119,36 @@ class Muon final : public Optimizer {
   absl::Status Step(Backend& backend, const StepHyper& hyper, std::span<ParamState* const> params) override;
 
   WorkspaceNeed LeastWorkspace(const Backend& backend, std::span<const ParamState* const> params) const override;
+
+  // num_heads against a parameter: 2-D, not with tp_blocks, and heads of whole rows (with a fused
+  // QKV weight: num_query_groups divides num_heads, and the query heads' size divides q, k and v).
+  absl::Status CheckHeads(const ParamState& param) const {
+    const int64_t heads = options_.num_heads;
+    if (heads == 1) return absl::OkStatus();
+    const std::string shape = absl::StrJoin(param.shape, ", ");
+    if (param.shape.size() != 2) {
+      return absl::InvalidArgumentError(absl::StrCat("num_heads needs 2-D parameters, got shape [", shape, "]"));
+    }
+    if (param.tp.enabled()) return absl::InvalidArgumentError("num_heads and tp_blocks cannot be combined");
+    const QkvSplit& s = param.qkv;
+    if (!s.enabled()) {
+      if (param.shape[0] % heads == 0) return absl::OkStatus();
+      return absl::InvalidArgumentError(
+          absl::StrCat("num_heads ", heads, " does not divide the ", param.shape[0], " rows of shape [", shape, "]"));
+    }
+    if (s.num_query_groups < 1 || heads % s.num_query_groups != 0 || s.q % (heads / s.num_query_groups) != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("num_heads ", heads, " with qkv_split (", s.q, ", ", s.k, ", ",
+                                                     s.v, ") and num_query_groups ", s.num_query_groups,
+                                                     ": each query group's q rows must hold num_heads / "
+                                                     "num_query_groups heads of equal size"));
+    }
+    const int64_t head_rows = s.q / (heads / s.num_query_groups);
+    if (s.k % head_rows != 0 || s.v % head_rows != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("num_heads ", heads, " gives heads of ", head_rows,
+                                                     " rows, which do not divide qkv_split's k ", s.k, " and v ", s.v));
+    }
+    return absl::OkStatus();
+  }
 
   static absl::Status CheckTpBlocks(const ParamState& param) {
     const TpBlocks& tp = param.tp;
@@ -227,10 +258,22 @@ float Muon::DecayFactor(const StepHyper& hyper) const {
 // tensor-parallel row-parallel weight, which are rows of the transposed parameter). Together they
 // cover the whole parameter exactly once, so the decay factor folded into each matrix's update
 // decays all of W once.
+//
+// With `heads` > 1 (num_heads), each matrix of a 2-D parameter is cut into heads of its rows: a plain
+// matrix into `heads` equal blocks; a fused QKV weight into blocks of the query heads' size
+// (q / (heads / num_query_groups) rows), its k and v blocks too (CheckHeads refuses what does not
+// divide).
 template <typename Visit>
-void ForEachMatrix(const ParamState& p, Visit&& visit) {
+void ForEachMatrix(const ParamState& p, Visit&& visit, int64_t heads = 1) {
   const std::vector<int64_t>& s = p.shape;
   if (p.numel == 0) return;
+  if (heads > 1 && s.size() == 2 && !p.tp.enabled()) {
+    const int64_t n = s[1];
+    const int64_t head_rows = p.qkv.enabled() ? p.qkv.q / (heads / p.qkv.num_query_groups) : s[0] / heads;
+    if (head_rows < 1) return;  // refused by CheckHeads
+    for (int64_t row = 0; row + head_rows <= s[0]; row += head_rows) visit(row * n, head_rows, n, false);
+    return;
+  }
   if (s.size() == 2 && p.tp.enabled()) {
     const int64_t blocks = p.tp.blocks;
     if (p.tp.dim == 0) {
@@ -267,12 +310,14 @@ bool WorksTransposed(const ParamState& p) { return p.shape.size() == 2 && p.tp.e
 std::vector<int64_t> Muon::SlotShape(const ParamState& param, std::string_view slot) const {
   if (slot != kMoment2Slot || options_.moment2_method != Moment2Method::kNormuon) return param.shape;
   const std::vector<int64_t>& s = param.shape;
-  if (s.size() == 2 && !param.qkv.enabled() && !param.tp.enabled()) {
+  if (s.size() == 2 && !param.qkv.enabled() && !param.tp.enabled() && options_.num_heads == 1) {
     // One matrix: torch's keepdim shape, (rows, 1) or (1, cols), as Megatron-Core stores it.
     return s[0] >= s[1] ? std::vector<int64_t>{s[0], 1} : std::vector<int64_t>{1, s[1]};
   }
   int64_t length = 0;
-  ForEachMatrix(param, [&](int64_t, int64_t rows, int64_t cols, bool) { length += NormuonLength(rows, cols); });
+  ForEachMatrix(
+      param, [&](int64_t, int64_t rows, int64_t cols, bool) { length += NormuonLength(rows, cols); },
+      options_.num_heads);
   return {length};
 }
 
@@ -284,21 +329,24 @@ void Muon::AppendMatrices(ParamState& p, const StepHyper& hyper, std::vector<Mat
                           ? static_cast<float>(hyper.lr * hyper.weight_decay)
                           : 0.0f;
   int64_t line = 0;  // NorMuon: where this matrix's lines start in the slot
-  ForEachMatrix(p, [&](int64_t offset, int64_t rows, int64_t cols, bool transposed) {
-    size_t m2 = 0;
-    if (options_.moment2_method == Moment2Method::kAdamuon) m2 = static_cast<size_t>(offset);
-    if (options_.moment2_method == Moment2Method::kNormuon) {
-      m2 = static_cast<size_t>(line);
-      line += NormuonLength(rows, cols);
-    }
-    // NorMuon's lines run along the longer side, per row of a square matrix: in the stored
-    // transpose a row of the block is a column.
-    const bool per_column = transposed ? rows >= cols : rows < cols;
-    jobs.push_back(MatrixJob{u + offset, &p.master, static_cast<size_t>(offset), moment2, m2, transposed ? cols : rows,
-                             transposed ? rows : cols, hyper.lr, Scale(rows, cols), beta, decay, transposed,
-                             per_column});
-    jobs.back().param = &p;
-  });
+  ForEachMatrix(
+      p,
+      [&](int64_t offset, int64_t rows, int64_t cols, bool transposed) {
+        size_t m2 = 0;
+        if (options_.moment2_method == Moment2Method::kAdamuon) m2 = static_cast<size_t>(offset);
+        if (options_.moment2_method == Moment2Method::kNormuon) {
+          m2 = static_cast<size_t>(line);
+          line += NormuonLength(rows, cols);
+        }
+        // NorMuon's lines run along the longer side, per row of a square matrix: in the stored
+        // transpose a row of the block is a column.
+        const bool per_column = transposed ? rows >= cols : rows < cols;
+        jobs.push_back(MatrixJob{u + offset, &p.master, static_cast<size_t>(offset), moment2, m2,
+                                 transposed ? cols : rows, transposed ? rows : cols, hyper.lr, Scale(rows, cols), beta,
+                                 decay, transposed, per_column});
+        jobs.back().param = &p;
+      },
+      options_.num_heads);
 }
 
 // Momentum (kernels::MomentumElement) then W ← β·W − η·scale·O, where every singular value of O,
@@ -319,7 +367,9 @@ StepBounds Muon::BoundStep(const StepHyper& hyper, const ParamState& param, doub
     u = options_.nesterov ? (g_decayed + mu * m_next) * kBoundRounding : m_next;
   }
   double scale = 0;
-  ForEachMatrix(param, [&](int64_t, int64_t rows, int64_t cols, bool) { scale = std::max(scale, Scale(rows, cols)); });
+  ForEachMatrix(
+      param, [&](int64_t, int64_t rows, int64_t cols, bool) { scale = std::max(scale, Scale(rows, cols)); },
+      options_.num_heads);
   // The largest element of the update W moves along, over η: scale·O for plain Muon (|O_ij| ≤ σ_max).
   // Muon+'s lines at unit norm hold elements below 1.
   double step =
@@ -327,8 +377,9 @@ StepBounds Muon::BoundStep(const StepHyper& hyper, const ParamState& param, doub
   double moment2 = 0, moment2_peak = 0;
   const double v = SlotBound(param, kMoment2Slot);
   int64_t min_dim = 0;
-  ForEachMatrix(param,
-                [&](int64_t, int64_t rows, int64_t cols, bool) { min_dim = std::max(min_dim, std::min(rows, cols)); });
+  ForEachMatrix(
+      param, [&](int64_t, int64_t rows, int64_t cols, bool) { min_dim = std::max(min_dim, std::min(rows, cols)); },
+      options_.num_heads);
   switch (options_.moment2_method) {
     case Moment2Method::kNone:
       break;
@@ -420,15 +471,18 @@ Optimizer::WorkspaceNeed Muon::LeastWorkspace(const Backend& backend, std::span<
   for (const ParamState* p : params) {
     if (!CheckParameter(*p).ok()) continue;  // refused when the session is made
     std::vector<size_t> own(need.size(), 0);
-    ForEachMatrix(*p, [&](int64_t, int64_t rows, int64_t cols, bool transposed) {
-      const int64_t r = transposed ? cols : rows, c = transposed ? rows : cols;  // as it lies in the buffer
-      const auto ns = NsSlotFloats(r, c, 1, UsesGram(backend, r, c));
-      for (size_t slot = 0; slot < ns.size(); ++slot) own[slot] = std::max(own[slot], ns[slot]);
-      const bool per_column = transposed ? rows >= cols : rows < cols;
-      if ((options_.moment2_method == Moment2Method::kNormuon && per_column) || CopiesForLines(transposed)) {
-        own[kNormuonSlot] = std::max(own[kNormuonSlot], static_cast<size_t>(rows * cols));
-      }
-    });
+    ForEachMatrix(
+        *p,
+        [&](int64_t, int64_t rows, int64_t cols, bool transposed) {
+          const int64_t r = transposed ? cols : rows, c = transposed ? rows : cols;  // as it lies in the buffer
+          const auto ns = NsSlotFloats(r, c, 1, UsesGram(backend, r, c));
+          for (size_t slot = 0; slot < ns.size(); ++slot) own[slot] = std::max(own[slot], ns[slot]);
+          const bool per_column = transposed ? rows >= cols : rows < cols;
+          if ((options_.moment2_method == Moment2Method::kNormuon && per_column) || CopiesForLines(transposed)) {
+            own[kNormuonSlot] = std::max(own[kNormuonSlot], static_cast<size_t>(rows * cols));
+          }
+        },
+        options_.num_heads);
     if (WorksTransposed(*p)) own[kTransposeSlot] = static_cast<size_t>(p->numel);
     size_t own_total = 0;
     for (size_t slot = 0; slot < need.size(); ++slot) {

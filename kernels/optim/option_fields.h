@@ -34,6 +34,7 @@ void VisitOptionFields(Options& o, F&& f) {
   f(std::string_view("moment2_method"), o.moment2_method);
   f(std::string_view("momentum_normalization"), o.momentum_normalization);
   f(std::string_view("post_normalization"), o.post_normalization);
+  f(std::string_view("num_heads"), o.num_heads);
   f(std::string_view("beta1"), o.beta1);
   f(std::string_view("beta2"), o.beta2);
   f(std::string_view("eps"), o.eps);

@@ -82,6 +82,7 @@ struct GroupOptions {
   Moment2Method moment2_method = Moment2Method::kNone;                          // muon
   MomentumNormalization momentum_normalization = MomentumNormalization::kNone;  // muon
   PostNormalization post_normalization = PostNormalization::kNone;              // muon
+  int num_heads = 1;                  // muon: each 2-D parameter's rows cut into this many heads (Shapes)
   double beta1 = 0.9, beta2 = 0.999;  // muon with a moment2_method: beta2 (default 0.95)
   double eps = 1e-8;                  // adamw; muon with a moment2_method
   // Storage formats (the precision-aware optimizer); the arithmetic is fp32 whatever they are.

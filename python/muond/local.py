@@ -211,6 +211,9 @@ def _orthogonalize_scaled(u: torch.Tensor, group: Dict[str, Any]) -> torch.Tenso
                                 m.size(-2), m.size(-1))
 
     shape = u.shape
+    if (group.get("num_heads") or 1) > 1 and u.dim() == 2:  # heads, each on its own shape
+        rows = facts.head_rows(group, tuple(shape))
+        return ortho(u.reshape(-1, rows, shape[1])).reshape(shape)
     if (group.get("tp_blocks") or 1) > 1:  # tensor-parallel blocks, each on its own shape
         parts = torch.chunk(u, group["tp_blocks"], dim=group.get("tp_block_dim", 0))
         return torch.cat([ortho(part) for part in parts], dim=group.get("tp_block_dim", 0))
@@ -229,6 +232,8 @@ def _matrix_views(t: torch.Tensor, group: Dict[str, Any]) -> list:
     """2-D views of ``t`` (contiguous, a parameter's shape) over the matrices Muon orthogonalizes,
     in the daemon's order (``option_facts.matrix_shapes``)."""
     shapes = facts.matrix_shapes(group, tuple(t.shape))
+    if (group.get("num_heads") or 1) > 1 and t.dim() == 2:
+        return list(t.reshape(len(shapes), shapes[0][0], t.size(1)).unbind(0))
     if (group.get("tp_blocks") or 1) > 1:
         return list(torch.chunk(t, group["tp_blocks"], dim=group.get("tp_block_dim", 0)))
     if group.get("qkv_split") is not None:

@@ -112,9 +112,12 @@ def coefficient_at(coefficients: Sequence[Tuple[float, float, float]], after: st
 
 def matrix_shapes(group: Mapping[str, Any], shape: Tuple[int, ...]) -> list:
     """The (rows, cols) of each matrix Muon orthogonalizes in a parameter of ``shape``, in the
-    daemon's order: tensor-parallel blocks, QKV blocks per query group, each expert of a 3-D
-    stack, else (O, rest)."""
+    daemon's order: heads (num_heads), tensor-parallel blocks, QKV blocks per query group, each
+    expert of a 3-D stack, else (O, rest)."""
     shape = tuple(int(d) for d in shape)
+    heads = group.get("num_heads") or 1
+    if heads > 1 and len(shape) == 2:
+        return [(head_rows(group, shape), shape[1])] * (shape[0] // head_rows(group, shape))
     blocks = group.get("tp_blocks") or 1
     if blocks > 1:
         if group.get("tp_block_dim", 0) == 0:
@@ -132,6 +135,15 @@ def matrix_shapes(group: Mapping[str, Any], shape: Tuple[int, ...]) -> list:
     return [(shape[0], numel // shape[0])]
 
 
+def head_rows(group: Mapping[str, Any], shape: Tuple[int, ...]) -> int:
+    """The rows of one head of a 2-D parameter under num_heads: rows / num_heads, or with a fused
+    QKV weight the query heads' size, q / (num_heads / num_query_groups)."""
+    heads = group.get("num_heads") or 1
+    if group.get("qkv_split") is not None:
+        return group["qkv_split"][0] // max(1, heads // (group.get("num_query_groups") or 1))
+    return int(shape[0]) // heads
+
+
 def slot_shape(group: Mapping[str, Any], shape: Tuple[int, ...], slot: str) -> Tuple[int, ...]:
     """The shape of optimizer slot ``slot`` of a parameter of ``shape`` in ``group``: the
     parameter's, except NorMuon's second moment (one value per row, or per column of a wide
@@ -139,6 +151,7 @@ def slot_shape(group: Mapping[str, Any], shape: Tuple[int, ...], slot: str) -> T
     shape = tuple(int(d) for d in shape)
     if slot != "moment2" or group.get("moment2_method") != "normuon":
         return shape
-    if len(shape) == 2 and group.get("qkv_split") is None and (group.get("tp_blocks") or 1) == 1:
+    if len(shape) == 2 and group.get("qkv_split") is None and (group.get("tp_blocks") or 1) == 1 \
+            and (group.get("num_heads") or 1) == 1:
         return (shape[0], 1) if shape[0] >= shape[1] else (1, shape[1])
     return (sum(max(r, c) for r, c in matrix_shapes(group, shape)),)

@@ -114,14 +114,14 @@ def _check_value(key: str, value: Any) -> Any:
         return value
     if key == "ns_coefficients":
         return _coefficients(value)
-    if key in ("nesterov", "telemetry"):
+    kind = ROWS[key]["type"] if key in ROWS else None
+    if kind == "bool":
         return bool(value)
     if key == "tp_blocks" and (int(value) != value or value < 1):
         raise ValueError(f"tp_blocks must be an integer >= 1, got {value!r}")
     if key == "tp_block_dim" and value not in (0, 1):
         raise ValueError(f"tp_block_dim must be 0 (rows) or 1 (columns), got {value!r}")
-    if key in ("ns_steps", "num_query_groups", "tp_blocks", "tp_block_dim", "warn_clip_steps",
-               "warn_stale_steps"):
+    if kind == "int":
         if int(value) != value:
             raise ValueError(f"{key} must be an integer, got {value!r}")
         return int(value)
@@ -279,7 +279,9 @@ def check_shapes(group: Mapping[str, Any], shapes: Sequence[Tuple[int, ...]]) ->
 
 
 def check_parameter(group: Mapping[str, Any], shape: Tuple[int, ...]) -> None:
-    """The daemon's checks of a Muon parameter's tp_blocks against its shape; ValueError."""
+    """The daemon's checks of a Muon parameter's tp_blocks and num_heads against its shape;
+    ValueError."""
+    _check_heads(group, tuple(shape))
     blocks = group.get("tp_blocks") or 1
     if blocks == 1:
         return
@@ -290,6 +292,30 @@ def check_parameter(group: Mapping[str, Any], shape: Tuple[int, ...]) -> None:
     dim = group.get("tp_block_dim", 0)
     if shape[dim] % blocks:
         raise ValueError(f"tp_blocks {blocks} does not divide dimension {dim} of shape {tuple(shape)}")
+
+
+def _check_heads(group: Mapping[str, Any], shape: Tuple[int, ...]) -> None:
+    heads = group.get("num_heads") or 1
+    if heads == 1:
+        return
+    if len(shape) != 2:
+        raise ValueError(f"num_heads needs 2-D parameters, got shape {shape}")
+    if (group.get("tp_blocks") or 1) > 1:
+        raise ValueError("num_heads and tp_blocks cannot be combined")
+    split = group.get("qkv_split")
+    if split is None:
+        if shape[0] % heads:
+            raise ValueError(f"num_heads {heads} does not divide the {shape[0]} rows of shape {shape}")
+        return
+    q, k, v = split
+    groups = group.get("num_query_groups") or 1
+    if heads % groups or q % (heads // groups):
+        raise ValueError(f"num_heads {heads} with qkv_split {tuple(split)} and num_query_groups {groups}: "
+                         "each query group's q rows must hold num_heads / num_query_groups heads of equal size")
+    rows = q // (heads // groups)
+    if k % rows or v % rows:
+        raise ValueError(f"num_heads {heads} gives heads of {rows} rows, which do not divide qkv_split's "
+                         f"k {k} and v {v}")
 
 
 def overrides_of(group: Mapping[str, Any], created: Mapping[str, Any]) -> Dict[str, float]:

@@ -31,10 +31,29 @@ struct Block {
   int64_t offset, rows, cols, ld = 0;
   int64_t At(int64_t i, int64_t j) const { return offset + i * (ld ? ld : cols) + j; }
 };
-std::vector<Block> Blocks(const ParamSpec& p) {
+// With `heads` (num_heads) > 1: every q, k and v block of a fused QKV weight, or the plain matrix,
+// cut into heads of the query heads' rows.
+std::vector<Block> Blocks(const ParamSpec& p, int64_t heads = 1) {
   int64_t numel = 1;
   for (int64_t d : p.shape) numel *= d;
   std::vector<Block> blocks;
+  if (heads > 1) {
+    const int64_t n = p.shape[1];
+    const int64_t head = p.qkv.enabled() ? p.qkv.q / (heads / p.qkv.num_query_groups) : p.shape[0] / heads;
+    std::vector<int64_t> sizes;
+    for (int64_t g = 0; g < (p.qkv.enabled() ? p.qkv.num_query_groups : 1); ++g) {
+      for (int64_t rows :
+           p.qkv.enabled() ? std::vector<int64_t>{p.qkv.q, p.qkv.k, p.qkv.v} : std::vector<int64_t>{p.shape[0]}) {
+        for (int64_t r = 0; r < rows; r += head) sizes.push_back(head);
+      }
+    }
+    int64_t row = 0;
+    for (int64_t rows : sizes) {
+      blocks.push_back({row * n, rows, n});
+      row += rows;
+    }
+    return blocks;
+  }
   if (p.tp.enabled()) {
     const int64_t m = p.shape[0], n = p.shape[1], t = p.tp.blocks;
     for (int64_t b = 0; b < t; ++b) {
@@ -191,7 +210,7 @@ void RefStep(const GroupOptions& o, const StepHyper& h, const ParamSpec& p, std:
     if (o.weight_decay_mode == WeightDecayMode::kIndependent) w[i] -= wd * w_before[i];
   }
   int64_t line = 0;  // NorMuon's lines of earlier blocks
-  for (const Block& b : Blocks(p)) {
+  for (const Block& b : Blocks(p, o.num_heads)) {
     Mat x(b.rows, b.cols);
     for (int64_t i = 0; i < b.rows; ++i) {
       for (int64_t j = 0; j < b.cols; ++j) x.v[i * b.cols + j] = u[b.At(i, j)];
@@ -465,6 +484,24 @@ INSTANTIATE_TEST_SUITE_P(
         MuonCase{"muoneq_muon_plus_gram",
                  Normalized(Gram("gram_polar_express"), MomentumNormalization::kRow, PostNormalization::kMuonPlus),
                  {k2d, kTall, ParamSpec{{3, 12, 20}}}},
+        // Per-head Newton–Schulz: plain matrices, and a fused QKV weight of 2 query groups with 4
+        // query heads of 4 rows in all (2 per group; k and v one head each), batched with same-shape heads.
+        MuonCase{"heads",
+                 [] {
+                   GroupOptions o = Opts(MomentumStyle::kEma, true, WeightDecayMode::kDecoupled, ScaleMode::kShapeScaling);
+                   o.num_heads = 4;
+                   return o;
+                 }(),
+                 {ParamSpec{{16, 24}}, ParamSpec{{32, 8}},
+                  ParamSpec{{32, 16}, QkvSplit{.q = 8, .k = 4, .v = 4, .num_query_groups = 2}}}},
+        MuonCase{"heads_normuon_muon_plus",
+                 [] {
+                   GroupOptions o = Normalized(Adaptive(Moment2Method::kNormuon, WeightDecayMode::kCautious),
+                                               MomentumNormalization::kRowCol, PostNormalization::kNone);
+                   o.num_heads = 2;
+                   return o;
+                 }(),
+                 {ParamSpec{{16, 24}}, ParamSpec{{24, 12}}}},
         MuonCase{"mixed_batch",
                  Opts(MomentumStyle::kEma, false, WeightDecayMode::kDecoupled, ScaleMode::kShapeScaling),
                  {k2d, kTall, ParamSpec{{2, 16, 24}}, ParamSpec{{16, 4, 2, 3}},
@@ -508,6 +545,31 @@ TEST_F(MuonTest, CheckParameterRejectsBadQkvSplit) {
   EXPECT_OK(Muon()->CheckParameter(p));
   p.shape = {40, 4, 4};
   EXPECT_THAT(Muon()->CheckParameter(p), StatusIs(absl::StatusCode::kInvalidArgument, "qkv_split"));
+}
+
+TEST_F(MuonTest, CheckParameterRefusesHeadsThatDoNotFit) {
+  GroupOptions o = DefaultOptions(OptimizerKind::kMuon);
+  o.num_heads = 4;
+  ASSERT_OK_AND_ASSIGN(auto opt, Optimizer::Create(o));
+  ParamState p;
+  p.shape = {12, 8};
+  EXPECT_OK(opt->CheckParameter(p));
+  p.shape = {10, 8};
+  EXPECT_THAT(opt->CheckParameter(p),
+              StatusIs(absl::StatusCode::kInvalidArgument, "num_heads 4 does not divide the 10 rows"));
+  p.shape = {2, 4, 8};
+  EXPECT_THAT(opt->CheckParameter(p), StatusIs(absl::StatusCode::kInvalidArgument, "num_heads needs 2-D parameters"));
+  p.shape = {12, 8};
+  p.tp = TpBlocks{.blocks = 2, .dim = 0};
+  EXPECT_THAT(opt->CheckParameter(p), StatusIs(absl::StatusCode::kInvalidArgument, "num_heads and tp_blocks"));
+  p.tp = {};
+  p.shape = {24, 16};
+  p.qkv = QkvSplit{.q = 8, .k = 2, .v = 2, .num_query_groups = 2};
+  EXPECT_THAT(opt->CheckParameter(p),
+              StatusIs(absl::StatusCode::kInvalidArgument, "which do not divide qkv_split's k 2"));
+  p.qkv.num_query_groups = 3;
+  p.shape = {36, 16};
+  EXPECT_THAT(opt->CheckParameter(p), StatusIs(absl::StatusCode::kInvalidArgument, "num_heads / num_query_groups"));
 }
 
 TEST_F(MuonTest, CheckParameterRefusesTpBlocksThatDoNotFit) {

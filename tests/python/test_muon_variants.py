@@ -181,3 +181,59 @@ def test_refusals_name_the_option(endpoint):
     spec.parameters.add(name="w", shape=[8, 8], group="g")
     with pytest.raises(muond.MuondError, match=r"spec\.groups\[0\]\.options\.post_normalization applies"):
         conn.create_session("variants-refused", spec)
+
+
+@pytest.mark.parametrize("layout", ["plain", "qkv"])
+def test_per_head_newton_schulz_is_a_muon_per_head(endpoint, layout):
+    """num_heads (dion's per-head Newton–Schulz, microsoft/dion megabatch_base.py at 01287d7:
+    rows cut into num_heads equal blocks, each orthogonalized and scaled on its own shape) on the
+    daemon equals a session whose heads are parameters of their own; LocalOptimizer agrees. With a
+    fused QKV weight (2 query groups of 2 query heads of 4 rows, k and v one head each) the query
+    heads' size cuts q, k and v."""
+    gen = torch.Generator().manual_seed(11)
+    if layout == "plain":
+        shape, extra, head = (16, 12), {"num_heads": 4}, 4
+    else:
+        shape, head = (32, 12), 4
+        extra = {"num_heads": 4, "qkv_split": (8, 4, 4), "num_query_groups": 2}
+    start = 0.1 * torch.randn(*shape, generator=gen)
+    whole = torch.nn.Parameter(start.clone())
+    local_whole = torch.nn.Parameter(start.clone())
+    heads = [torch.nn.Parameter(part.clone()) for part in start.split(head)]
+    options = {"lr": 0.02, "weight_decay": 0.1, "moment2_method": "normuon", "beta2": 0.9}
+    by_head = muond.RemoteOptimizer([dict(options, params=[(f"h{i}", h) for i, h in enumerate(heads)])],
+                                    endpoint=endpoint)
+    cut = muond.RemoteOptimizer([dict(options, params=[("w", whole)], **extra)], endpoint=endpoint)
+    local = muond.LocalOptimizer([dict(options, params=[("w", local_whole)], **extra)])
+    for _ in range(5):
+        g = torch.randn(*shape, generator=gen)
+        whole.grad, local_whole.grad = g.clone(), g.clone()
+        for h, part in zip(heads, g.split(head)):
+            h.grad = part.clone()
+        for opt in (by_head, cut, local):
+            opt.step()
+    moment2 = cut.state_dict()["state"][0]["moment2"]
+    by_head.close()
+    cut.close()
+    joined = torch.cat([h.detach() for h in heads])
+    assert rel_err(whole.detach(), joined) < TOLERANCE
+    assert rel_err(local_whole.detach(), whole.detach()) < TOLERANCE
+    # NorMuon: one value per line along each head's longer side, flat.
+    assert moment2.shape == (shape[0] // head * max(head, shape[1]),)
+    assert rel_err(whole.detach(), start) > 100 * TOLERANCE
+
+
+def test_num_heads_refusals(endpoint):
+    w = torch.nn.Parameter(torch.zeros(10, 8))
+    with pytest.raises(ValueError, match="num_heads 4 does not divide the 10 rows"):
+        muond.RemoteOptimizer([{"params": [w], "num_heads": 4}], endpoint=endpoint)
+    experts = torch.nn.Parameter(torch.zeros(2, 8, 8))
+    with pytest.raises(ValueError, match="num_heads needs 2-D parameters"):
+        muond.RemoteOptimizer([{"params": [experts], "num_heads": 2}], endpoint=endpoint)
+    conn = muond.Connection(endpoint)
+    spec = muond._stubs.pb.SessionSpec()
+    group = spec.groups.add(name="g")
+    group.options.num_heads = 0
+    spec.parameters.add(name="w", shape=[8, 8], group="g")
+    with pytest.raises(muond.MuondError, match=r"spec\.groups\[0\]\.options\.num_heads must be >= 1, got 0"):
+        conn.create_session("heads-refused", spec)
