@@ -314,6 +314,10 @@ absl::StatusOr<StepOutcome> Session::GatherLocked(StepPlan plan, std::vector<Hos
   if (last_step_ >= step) {
     StepOutcome outcome{last_result_, prepare ? nullptr : snapshot_};
     outcome.result.included = IncludedLocked(step, rank);
+    // A sharded step another rank prepared for every rank and then committed while this rank's
+    // prepare waited: answered as a prepare after the commit is, with the decision the shard applied
+    // (replayed), so this rank's decision is that one and not one summed from a commit's result.
+    if (prepare) outcome.result.replayed = true;
     return outcome;
   }
   if (prepare && prepared_.has_value() && prepared_->generation == generation) {
