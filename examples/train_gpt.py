@@ -22,6 +22,7 @@ text file instead.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import math
 import os
@@ -265,10 +266,22 @@ class GPT(nn.Module):
 # ---------------------------------------------------------------------------------------------
 # Training.
 
+def muon_option(text: str):
+    """KEY=VALUE of --muon-option: the value as a Python literal (4, 0.5, True), else the string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value
+
+
 def param_groups(model: nn.Module, args):
+    muon = {"lr": args.muon_lr, "momentum": 0.95, "weight_decay": args.weight_decay}
+    muon.update(dict(args.muon_option))
     return muond.default_param_groups(
-        model,
-        muon={"lr": args.muon_lr, "momentum": 0.95, "weight_decay": args.weight_decay},
+        model, muon=muon,
         adamw={"lr": args.adamw_lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0})
 
 
@@ -412,6 +425,9 @@ def parse_args(argv=None):
     p.add_argument("--muon-lr", type=float, default=0.02)
     p.add_argument("--adamw-lr", type=float, default=3e-3)
     p.add_argument("--weight-decay", type=float, default=0.0, help="Muon groups' weight decay")
+    p.add_argument("--muon-option", type=muon_option, action="append", default=[], metavar="KEY=VALUE",
+                   help="another Muon group option, e.g. momentum_normalization=row or num_heads=4 "
+                        "(repeatable)")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--eval-every", type=int, default=100, help="0: only at the end")
