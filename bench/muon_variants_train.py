@@ -1,5 +1,5 @@
 """A small fixed-seed training comparison of the Muon variants (docs/algorithms.md: MuonEq, Muon+,
-per-head Newton–Schulz) against plain Muon: examples/train_gpt.py (a 3-layer character-level
+per-head Newton–Schulz, Turbo-Muon) against plain Muon: examples/train_gpt.py (a 3-layer character-level
 transformer on its built-in corpus, AdamW for embeddings and norms) for --steps steps with the same
 seed, data order and learning rates, each variant only changing the Muon groups' options. Each run
 spawns its own muond (CPU backend). Printed: the mean of the last 10 training losses and the
@@ -25,6 +25,7 @@ VARIANTS = {
     "MuonEq (momentum_normalization=row)": ["momentum_normalization=row"],
     "Muon+ (post_normalization=muon_plus)": ["post_normalization=muon_plus"],
     "per-head NS (num_heads=4)": ["num_heads=4"],
+    "Turbo-Muon (ns_preconditioner=aol)": ["ns_preconditioner=aol"],
 }
 
 
@@ -47,9 +48,13 @@ def main():
     parser.add_argument("--binary", default=str(REPO / "build" / "muond"))
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--only", help="comma-separated prefixes of the variants to run (Muon is always run)")
     args = parser.parse_args()
+    wanted = [w.strip() for w in args.only.split(",")] if args.only else None
     rows = []
     for name, options in VARIANTS.items():
+        if wanted and name != "Muon" and not any(name.startswith(w) for w in wanted):
+            continue
         train, val, seconds = run(args.binary, args.steps, args.threads, options)
         rows.append((name, train, val, seconds))
         print(f"{name}: train {train:.4f}, val {val:.4f}, {1000 * seconds:.0f} ms/step", flush=True)

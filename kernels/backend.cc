@@ -119,6 +119,18 @@ absl::Status Backend::InverseRootScales(const double* sums, float* scales, size_
   return absl::OkStatus();
 }
 
+absl::Status Backend::AolScales(const float* gram, int64_t m, int64_t batch, double floor, float* scales) {
+  if (!HostAddressable()) {
+    return absl::UnimplementedError(absl::StrCat("AolScales: the ", Name(), " backend has no implementation"));
+  }
+  for (int64_t row = 0; row < m * batch; ++row) {
+    double sum = 0;
+    for (int64_t j = 0; j < m; ++j) sum += std::abs(static_cast<double>(gram[row * m + j]));
+    scales[row] = static_cast<float>(1.0 / std::sqrt(std::max(sum, floor)));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Backend::AddToDiagonal(float*, int64_t, int64_t, float) {
   return absl::UnimplementedError(absl::StrCat("AddToDiagonal: the ", Name(), " backend has no implementation"));
 }

@@ -209,6 +209,11 @@ class Backend : public PeerPrimitives {
   // in backend memory); eps > 0 keeps a zero line zero. The CUDA backend computes them on the device
   // and waits for nothing; the default (the CPU backend's) needs a HostAddressable backend.
   virtual absl::Status InverseRootScales(const double* sums, float* scales, size_t length, double eps);
+  // Turbo-Muon's AOL scales of `batch` m×m Gram matrices A (backend memory, back to back): per row i,
+  // scales[i] = fp32((max(Σ_j |A_ij|, floor))^(-1/2)), the sum in fp64. The CUDA backend computes
+  // them on the device and waits for nothing; the default (the CPU backend's) needs a
+  // HostAddressable backend.
+  virtual absl::Status AolScales(const float* gram, int64_t m, int64_t batch, double floor, float* scales);
   // y = alpha·x + beta·y. x and y may be 16-bit state (StoredRef), read as fp32 and y rounded when
   // stored.
   virtual absl::Status Axpby(float alpha, StoredRef x, float beta, StoredRef y, size_t count) = 0;

@@ -98,6 +98,7 @@ class CudaBackend final : public Backend {
   absl::Status NormuonScales(const NormuonArgs& args, const double* line_sums, StoredRef moment2, float* scales,
                              size_t length) override;
   absl::Status InverseRootScales(const double* sums, float* scales, size_t length, double eps) override;
+  absl::Status AolScales(const float* gram, int64_t m, int64_t batch, double floor, float* scales) override;
   absl::Status Axpby(float alpha, StoredRef x, float beta, StoredRef y, size_t count) override;
 
   absl::Status Momentum(const MomentumArgs& args, StoredRef momentum, const float* grad, float* update,

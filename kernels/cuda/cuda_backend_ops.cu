@@ -203,6 +203,12 @@ absl::Status CudaBackend::InverseRootScales(const double* sums, float* scales, s
                     "InverseRootScales kernel");
 }
 
+absl::Status CudaBackend::AolScales(const float* gram, int64_t m, int64_t batch, double floor, float* scales) {
+  std::unique_lock<std::mutex> lock(mu_);
+  MUOND_RETURN_IF_ERROR(Activate());
+  return CudaStatus(LaunchAolScales(gram, m, batch, floor, scales, stream_), "AolScales kernel");
+}
+
 absl::Status CudaBackend::Widen(StorageDtype dtype, const void* packed, float* out, size_t count) {
   if (dtype == StorageDtype::kFp32) return CopyOnDevice(static_cast<const float*>(packed), out, count);
   std::unique_lock<std::mutex> lock(mu_);

@@ -163,6 +163,15 @@ __global__ void InverseRootScalesKernel(const double* sums, int64_t length, doub
     scales[j] = static_cast<float>(1.0 / sqrt(sums[j] + eps));
 }
 
+// Backend::AolScales: one thread per row of the batch's Gram matrices.
+__global__ void AolScalesKernel(const float* gram, int64_t m, int64_t rows, double floor, float* scales) {
+  for (int64_t row = FirstIndex(); row < rows; row += GridStride()) {
+    double sum = 0.0;
+    for (int64_t j = 0; j < m; ++j) sum += fabs(static_cast<double>(gram[row * m + j]));
+    scales[row] = static_cast<float>(1.0 / sqrt(fmax(sum, floor)));
+  }
+}
+
 __global__ void FlagNonFiniteKernel(const float* x, int64_t n, int* flag) {
   // Every writer stores the same value, so the race between writers is harmless.
   for (int64_t i = FirstIndex(); i < n; i += GridStride()) {
@@ -341,6 +350,14 @@ cudaError_t LaunchInverseRootScales(const double* sums, int64_t length, double e
                                     cudaStream_t stream) {
   if (length <= 0) return cudaSuccess;
   InverseRootScalesKernel<<<BlocksFor(length), kThreads, 0, stream>>>(sums, length, eps, scales);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchAolScales(const float* gram, int64_t m, int64_t batch, double floor, float* scales,
+                            cudaStream_t stream) {
+  const int64_t rows = m * batch;
+  if (rows <= 0) return cudaSuccess;
+  AolScalesKernel<<<BlocksFor(rows), kThreads, 0, stream>>>(gram, m, rows, floor, scales);
   return cudaGetLastError();
 }
 

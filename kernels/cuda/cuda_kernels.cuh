@@ -75,6 +75,10 @@ cudaError_t LaunchNormuonScales(const double* line_sums, int64_t length, int64_t
 // Backend::InverseRootScales: scales[j] = fp32(1/√(sums[j] + eps)), one thread per line.
 cudaError_t LaunchInverseRootScales(const double* sums, int64_t length, double eps, float* scales, cudaStream_t stream);
 
+// Backend::AolScales, one thread per row.
+cudaError_t LaunchAolScales(const float* gram, int64_t m, int64_t batch, double floor, float* scales,
+                            cudaStream_t stream);
+
 // Sets *flag = 1 when some x[i] is NaN or ±inf; never writes 0 (the caller zeroes the flag).
 cudaError_t LaunchFlagNonFinite(const float* x, int64_t n, int* flag, cudaStream_t stream);
 

@@ -77,7 +77,7 @@ class Muon final : public Optimizer {
  public:
   explicit Muon(GroupOptions options)
       : Optimizer(std::move(options)),
-        ns_bound_(NsSingularValueBound(options_.ns_schedule, options_.ns_steps, options_.ns_norm_safety)) {}
+        ns_bound_(NsSingularValueBound(options_.ns_schedule, options_.ns_steps, NsInputSafety(options_))) {}
 
   std::vector<std::string> SlotNames() const override {
     if (options_.moment2_method == Moment2Method::kNone) return {kMomentumSlot};
@@ -423,6 +423,7 @@ bool Contiguous(std::span<const MatrixJob> jobs) {
 }
 
 bool Muon::UsesGram(const Backend& backend, int64_t rows, int64_t cols) const {
+  if (options_.ns_preconditioner == NsPreconditioner::kAol) return false;  // AOL's first step is standard's
   switch (options_.ns_algorithm) {
     case NsAlgorithm::kStandard:
       return false;
@@ -525,7 +526,7 @@ absl::Status Muon::Orthogonalize(Backend& backend, std::span<const MatrixJob> jo
   } else {
     MUOND_RETURN_IF_ERROR(NewtonSchulz(backend, options_.ns_schedule, options_.ns_steps, options_.ns_eps,
                                        options_.ns_norm_safety, options_.matmul_precision, work, work, rows, cols,
-                                       static_cast<int64_t>(batch), ws, input_sums));
+                                       static_cast<int64_t>(batch), ws, input_sums, options_.ns_preconditioner));
   }
   if (telemetry_ != nullptr) MUOND_RETURN_IF_ERROR(Observe(backend, jobs, work, ws));
   if (const LineOrder after = OrderOf(options_.post_normalization, transposed); after != LineOrder::kNone) {

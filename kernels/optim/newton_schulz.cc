@@ -169,7 +169,7 @@ NsGemmShapes GemmShapesFor(int64_t m, int64_t n, int64_t batch) {
 
 absl::Status NewtonSchulz(Backend& backend, const NsSchedule& schedule, int steps, double eps, double norm_safety,
                           kernels::MatmulPrecision precision, const float* in, float* out, int64_t rows, int64_t cols,
-                          int64_t batch, NsWorkspace& ws, double* input_sum_squares) {
+                          int64_t batch, NsWorkspace& ws, double* input_sum_squares, NsPreconditioner preconditioner) {
   MUOND_RETURN_IF_ERROR(CheckNsArguments("NewtonSchulz", schedule, steps, rows, cols, batch));
   if (rows == 0 || cols == 0 || batch == 0) return absl::OkStatus();
 
@@ -184,17 +184,39 @@ absl::Status NewtonSchulz(Backend& backend, const NsSchedule& schedule, int step
   MUOND_ASSIGN_OR_RETURN(float* x_next, ws.Get(backend, 1, total));
   MUOND_ASSIGN_OR_RETURN(float* a_mat, ws.Get(backend, 2, gram * batch));
   MUOND_ASSIGN_OR_RETURN(float* b_mat, ws.Get(backend, 3, gram * batch));
-  MUOND_RETURN_IF_ERROR(LoadNormalized(backend, in, x, rows, cols, batch, eps, norm_safety, input_sum_squares));
-
+  const bool aol = preconditioner == NsPreconditioner::kAol;
   // A = X·Xᵀ; B = c·A·A + b·B with B preloaded with A; X' = B·X + a·X' with X' preloaded with X (the
   // GEMM cannot read and write X in place).
   const NsGemmShapes shapes = GemmShapesFor(m, n, batch);
   const GemmShape& gram_shape = shapes.gram;
   const GemmShape& square_shape = shapes.square;
   const GemmShape& update_shape = shapes.apply;
+  if (!aol) {
+    MUOND_RETURN_IF_ERROR(LoadNormalized(backend, in, x, rows, cols, batch, eps, norm_safety, input_sum_squares));
+  } else {
+    if (transposed) {
+      MUOND_RETURN_IF_ERROR(backend.Transpose2D(in, x, rows, cols, batch));
+    } else {
+      MUOND_RETURN_IF_ERROR(backend.CopyOnDevice(in, x, total));
+    }
+    if (input_sum_squares != nullptr) {
+      MUOND_RETURN_IF_ERROR(backend.SumSquaresTo(x, mat, static_cast<size_t>(batch), input_sum_squares));
+    }
+    // The row scales go through X' (free until the first iteration); A becomes diag(s)·A·diag(s),
+    // rows first (as the reference multiplies), the columns as rows of its transpose (A is symmetric).
+    float* scales = x_next;
+    const size_t lines = static_cast<size_t>(m * batch);
+    MUOND_RETURN_IF_ERROR(backend.Gemm(gram_shape, 1.0f, x, x, 0.0f, a_mat, precision));
+    MUOND_RETURN_IF_ERROR(backend.AolScales(a_mat, m, batch, eps > 0 ? eps : 1e-30, scales));
+    MUOND_RETURN_IF_ERROR(backend.ScaleBatchedBy(x, static_cast<size_t>(n), lines, scales));
+    MUOND_RETURN_IF_ERROR(backend.ScaleBatchedBy(a_mat, static_cast<size_t>(m), lines, scales));
+    MUOND_RETURN_IF_ERROR(backend.Transpose2D(a_mat, b_mat, m, m, batch));
+    MUOND_RETURN_IF_ERROR(backend.ScaleBatchedBy(b_mat, static_cast<size_t>(m), lines, scales));
+    MUOND_RETURN_IF_ERROR(backend.CopyOnDevice(b_mat, a_mat, gram * batch));
+  }
   for (int t = 0; t < steps; ++t) {
     const NsCoefficient co = schedule.At(t);
-    MUOND_RETURN_IF_ERROR(backend.Gemm(gram_shape, 1.0f, x, x, 0.0f, a_mat, precision));
+    if (!(aol && t == 0)) MUOND_RETURN_IF_ERROR(backend.Gemm(gram_shape, 1.0f, x, x, 0.0f, a_mat, precision));
     if (co.c == 0) {
       // A cubic step (cubic5): X' = b·A·X + a·X, one GEMM fewer (Emerging-Optimizers' cubic path).
       MUOND_RETURN_IF_ERROR(backend.CopyOnDevice(x, x_next, total));

@@ -122,10 +122,16 @@ inline constexpr double kCudaSquareWeight = 1.0;
 // (backend memory for `batch` doubles), each input matrix's Σ G² (the sums its normalization reads
 // anyway), written there in order with the backend's work: nothing here waits for a device
 // (Backend::NormalizeBatched).
+//
+// With `preconditioner` kAol (Turbo-Muon, docs/algorithms.md): instead of the Frobenius scaling,
+// A = X·Xᵀ, s_i = (max(Σ_j |A_ij|, eps))^(-1/2) (eps 0 taken as 1e-30), X ← diag(s)·X, and the
+// first iteration uses diag(s)·A·diag(s) (= the scaled X's X·Xᵀ) rather than computing it again;
+// norm_safety is not used. `input_sum_squares` are then the sums of the unscaled input.
 absl::Status NewtonSchulz(kernels::Backend& backend, const NsSchedule& schedule, int steps, double eps,
                           double norm_safety, kernels::MatmulPrecision precision, const float* in, float* out,
                           int64_t rows, int64_t cols, int64_t batch, NsWorkspace& ws,
-                          double* input_sum_squares = nullptr);
+                          double* input_sum_squares = nullptr,
+                          NsPreconditioner preconditioner = NsPreconditioner::kFrobenius);
 
 // Gram Newton–Schulz: the same polynomial map as NewtonSchulz (same normalization, schedule and
 // `steps`; same arguments and layout), computed on the m×m Gram matrix R = X·Xᵀ,

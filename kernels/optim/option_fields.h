@@ -24,6 +24,7 @@ void VisitOptionFields(Options& o, F&& f) {
   f(std::string_view("momentum_style"), o.momentum_style);
   f(std::string_view("ns_steps"), o.ns_steps);
   f(std::string_view("ns_algorithm"), o.ns_algorithm);
+  f(std::string_view("ns_preconditioner"), o.ns_preconditioner);
   f(std::string_view("ns_eps"), o.ns_eps);
   f(std::string_view("ns_norm_safety"), o.ns_norm_safety);
   f(std::string_view("scale_mode"), o.scale_mode);

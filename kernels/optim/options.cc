@@ -156,9 +156,13 @@ double NsResidualThreshold(const NsSchedule& schedule, int steps, double norm_sa
   return std::min((worst + 1) / 2, kMaxResidualThreshold);
 }
 
+double NsInputSafety(const GroupOptions& options) {
+  return options.ns_preconditioner == NsPreconditioner::kAol ? 1.0 : options.ns_norm_safety;
+}
+
 double ResidualThreshold(const GroupOptions& options) {
   if (options.warn_residual_above.has_value()) return *options.warn_residual_above;
-  return NsResidualThreshold(options.ns_schedule, options.ns_steps, options.ns_norm_safety);
+  return NsResidualThreshold(options.ns_schedule, options.ns_steps, NsInputSafety(options));
 }
 
 namespace {
@@ -199,7 +203,12 @@ absl::Status ValidateSchedule(const GroupOptions& o) {
     }
   }
   if (o.optimizer != OptimizerKind::kMuon) return absl::OkStatus();
-  const double growth = NsSingularValueBound(o.ns_schedule, o.ns_steps, o.ns_norm_safety);
+  if (o.ns_preconditioner == NsPreconditioner::kAol && o.ns_algorithm == NsAlgorithm::kGram) {
+    return absl::InvalidArgumentError(
+        "ns_preconditioner aol applies with ns_algorithm standard or auto (its first iteration reuses X·Xᵀ of "
+        "the standard iteration)");
+  }
+  const double growth = NsSingularValueBound(o.ns_schedule, o.ns_steps, NsInputSafety(o));
   if (!(growth <= kMaxNsGrowth)) {
     return absl::InvalidArgumentError(absl::StrCat("ns_coefficients: with ", o.ns_steps, " steps and ns_norm_safety ",
                                                    o.ns_norm_safety, " the iteration grows singular values to about ",

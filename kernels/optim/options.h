@@ -33,6 +33,9 @@ enum class MomentumNormalization { kNone, kRow, kCol, kRowCol };
 // Muon+ (docs/algorithms.md, Muon+): the orthogonalized update's rows and/or columns at unit L2
 // norm, one after the other; muon_plus is row then column.
 enum class PostNormalization { kNone, kMuonPlus, kRow, kCol, kRowCol, kColRow };
+// How Newton–Schulz's input is scaled (docs/algorithms.md, Turbo-Muon): by its Frobenius norm, or
+// by AOL's per-row scales of |X·Xᵀ| with the first iteration reusing X·Xᵀ.
+enum class NsPreconditioner { kFrobenius, kAol };
 // How a group's gradients are clipped (docs/algorithms.md, Clipping): counted in the global norm and
 // scaled by the global coefficient (global), clipped by their own norm against the group's own
 // max_grad_norm (group), or neither (none).
@@ -72,6 +75,7 @@ struct GroupOptions {
   int ns_steps = 5;
   NsSchedule ns_schedule;  // default: simple
   NsAlgorithm ns_algorithm = NsAlgorithm::kStandard;
+  NsPreconditioner ns_preconditioner = NsPreconditioner::kFrobenius;
   double ns_eps = 1e-7;
   double ns_norm_safety = 1.0;
   ScaleMode scale_mode = ScaleMode::kShapeScaling;
@@ -141,6 +145,9 @@ NsBand NsOutputBand(const NsSchedule& schedule, int steps, double norm_safety);
 // that cannot orthogonalize at all is still told.
 inline constexpr double kMaxResidualThreshold = 0.9;
 double NsResidualThreshold(const NsSchedule& schedule, int steps, double norm_safety);
+// The factor Newton–Schulz's input lies under 1 by: ns_norm_safety after the Frobenius scaling; 1
+// after AOL's (its scaled X has spectral norm at most 1).
+double NsInputSafety(const GroupOptions& options);
 // The group's own warn_residual_above, else NsResidualThreshold of its Newton–Schulz.
 double ResidualThreshold(const GroupOptions& options);
 

@@ -61,17 +61,23 @@ def _round_master(p: torch.Tensor, group: Dict[str, Any]) -> None:
 
 def newton_schulz(u: torch.Tensor, steps: int, coefficients: Sequence[Tuple[float, float, float]],
                   after: str, eps: float, norm_safety: float,
-                  gram_restarts: Optional[Sequence[int]] = None) -> torch.Tensor:
+                  gram_restarts: Optional[Sequence[int]] = None, aol: bool = False) -> torch.Tensor:
     """Orthogonalizes the last two dims of ``u`` (fp32): X ← U (wide), X ← X/(s‖X‖_F + ε), then
     ``steps`` times X ← aX + (bA + cA²)X with A = XXᵀ, (a, b, c) from ``coefficients``.
 
     With ``gram_restarts`` (a sequence, possibly empty) the same map is computed as the daemon's
     ns_algorithm "gram" does, on the Gram matrix R = XXᵀ with Q accumulating the polynomials and
-    a restart X ← QX before each listed iteration; square matrices use the standard form."""
+    a restart X ← QX before each listed iteration; square matrices use the standard form.
+
+    With ``aol`` (Turbo-Muon) X is scaled instead by s_i = max(Σ_j |A_ij|, eps)^(-1/2) per row, A =
+    XXᵀ, and the first iteration reuses diag(s)·A·diag(s), as the daemon does."""
     x = u.to(torch.float32)
     tall = x.size(-2) > x.size(-1)
     if tall:
         x = x.transpose(-2, -1)
+    if aol:
+        return _aol_iterations(x, steps, coefficients, after, eps).transpose(-2, -1) if tall else \
+            _aol_iterations(x, steps, coefficients, after, eps)
     norm = torch.linalg.norm(x, dim=(-2, -1), keepdim=True) if x.dim() > 2 else torch.linalg.norm(x)
     x = x / (norm_safety * norm + eps)
     if gram_restarts is not None and x.size(-2) != x.size(-1):
@@ -87,6 +93,24 @@ def newton_schulz(u: torch.Tensor, steps: int, coefficients: Sequence[Tuple[floa
             x = a * x + poly @ x
     if tall:
         x = x.transpose(-2, -1)
+    return x
+
+
+def _aol_iterations(x: torch.Tensor, steps: int, coefficients, after: str, eps: float) -> torch.Tensor:
+    """Turbo-Muon's iterations on a wide ``x``: AOL's row scales, then the standard steps with the
+    first one's A reused."""
+    gram = x @ x.transpose(-2, -1)
+    s = gram.double().abs().sum(dim=-1).clamp_min(eps if eps > 0 else 1e-30).rsqrt().float()
+    x = x * s.unsqueeze(-1)
+    gram = gram * s.unsqueeze(-1) * s.unsqueeze(-2)
+    for t in range(steps):
+        a, b, c = facts.coefficient_at(coefficients, after, t)
+        if t > 0:
+            gram = x @ x.transpose(-2, -1)
+        if c == 0:
+            x = a * x + b * (gram @ x)
+            continue
+        x = a * x + (b * gram + c * (gram @ gram)) @ x
     return x
 
 
@@ -196,8 +220,10 @@ def _polar(m: torch.Tensor, group: Dict[str, Any], coefficients, after: str) -> 
     """The matrices ``m`` (one, or a batch on the first dim) through MuonEq's normalization,
     Newton–Schulz and Muon+'s normalization, as the group asks."""
     m = _momentum_normalized(m, group.get("momentum_normalization"))
+    aol = group.get("ns_preconditioner") == "aol"
     out = newton_schulz(m, group["ns_steps"], coefficients, after, group["ns_eps"],
-                        group["ns_norm_safety"], _gram_restarts(group, m.size(-2), m.size(-1)))
+                        group["ns_norm_safety"],
+                        None if aol else _gram_restarts(group, m.size(-2), m.size(-1)), aol=aol)
     return _post_normalized(out, group.get("post_normalization"))
 
 

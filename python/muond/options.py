@@ -166,6 +166,14 @@ def resolve_group(group: Mapping[str, Any], defaults: Mapping[str, Any]) -> Dict
         else:
             value = fallback
         resolved[key] = _check_value(key, value)
+    if name == "muon" and resolved["ns_preconditioner"] == "aol":
+        # Turbo-Muon's defaults, as the daemon's: the aol set and 4 steps unless given.
+        for key, value in (("ns_coefficients", "aol"), ("ns_steps", 4)):
+            if key not in group and key not in defaults:
+                resolved[key] = value
+        if resolved["ns_algorithm"] == "gram":
+            raise ValueError("ns_preconditioner aol applies with ns_algorithm standard or auto (its first "
+                             "iteration reuses X·Xᵀ of the standard iteration)")
     if name == "muon":
         if resolved["moment2_method"] == "none":
             resolved["moment2_method"] = None

@@ -321,6 +321,12 @@ TEST_P(BackendConformanceTest, MuonVariantsMatchCpu) {
          o.momentum_normalization = optim::MomentumNormalization::kRowCol;
          o.post_normalization = optim::PostNormalization::kMuonPlus;
        }},
+      {"turbo_muon",
+       [](optim::GroupOptions& o) {
+         o.ns_preconditioner = optim::NsPreconditioner::kAol;
+         o.ns_schedule = *optim::NamedSchedule("aol");
+         o.ns_steps = 4;
+       }},
       {"muoneq_col_post_col_row",
        [](optim::GroupOptions& o) {
          o.momentum_normalization = optim::MomentumNormalization::kCol;

@@ -216,7 +216,9 @@ void RefStep(const GroupOptions& o, const StepHyper& h, const ParamSpec& p, std:
       for (int64_t j = 0; j < b.cols; ++j) x.v[i * b.cols + j] = u[b.At(i, j)];
     }
     RefMomentumNormalization(o.momentum_normalization, x);
-    Mat out = testing::ReferenceNs(x, o.ns_schedule, o.ns_steps, o.ns_eps, o.ns_norm_safety);
+    Mat out = o.ns_preconditioner == NsPreconditioner::kAol
+                  ? testing::ReferenceAolNs(x, o.ns_schedule, o.ns_steps, o.ns_eps)
+                  : testing::ReferenceNs(x, o.ns_schedule, o.ns_steps, o.ns_eps, o.ns_norm_safety);
     RefPostNormalization(o.post_normalization, out);
     std::vector<double> block_adamuon;  // AdaMuon's moment of the block, gathered and put back
     double* block_m2 = nullptr;
@@ -502,6 +504,27 @@ INSTANTIATE_TEST_SUITE_P(
                    return o;
                  }(),
                  {ParamSpec{{16, 24}}, ParamSpec{{24, 12}}}},
+        // Turbo-Muon: AOL preconditioning, the aol set, 4 steps; with MuonEq and on every shape.
+        MuonCase{"turbo_muon",
+                 [] {
+                   GroupOptions o = Opts(MomentumStyle::kEma, true, WeightDecayMode::kDecoupled, ScaleMode::kShapeScaling);
+                   o.ns_preconditioner = NsPreconditioner::kAol;
+                   o.ns_schedule = *NamedSchedule("aol");
+                   o.ns_steps = 4;
+                   return o;
+                 }(),
+                 {k2d, kTall, ParamSpec{{16, 16}}, ParamSpec{{3, 12, 20}}, ParamSpec{{6, 4, 3, 3}},
+                  ParamSpec{{12, 40}, {}, TpBlocks{.blocks = 4, .dim = 1}}}},
+        MuonCase{"turbo_muon_muoneq_normuon",
+                 [] {
+                   GroupOptions o = Normalized(Adaptive(Moment2Method::kNormuon, WeightDecayMode::kDecoupled),
+                                               MomentumNormalization::kRow, PostNormalization::kNone);
+                   o.ns_preconditioner = NsPreconditioner::kAol;
+                   o.ns_schedule = *NamedSchedule("aol");
+                   o.ns_steps = 4;
+                   return o;
+                 }(),
+                 {k2d, kTall, ParamSpec{{40, 24}, QkvSplit{.q = 16, .k = 2, .v = 2, .num_query_groups = 2}}}},
         MuonCase{"mixed_batch",
                  Opts(MomentumStyle::kEma, false, WeightDecayMode::kDecoupled, ScaleMode::kShapeScaling),
                  {k2d, kTall, ParamSpec{{2, 16, 24}}, ParamSpec{{16, 4, 2, 3}},

@@ -62,6 +62,13 @@ class NewtonSchulzTest : public ::testing::Test {
                               data, rows, cols, batch, ws_);
     });
   }
+  // The same with Turbo-Muon's AOL preconditioning.
+  std::vector<Mat> RunAol(const std::vector<Mat>& in, const NsSchedule& schedule, int steps) {
+    return RunWith(in, [&](float* data, int64_t rows, int64_t cols, int64_t batch) {
+      return NewtonSchulz(*backend_, schedule, steps, 1e-7, 1.0, kernels::MatmulPrecision::kFp32, data, data, rows,
+                          cols, batch, ws_, nullptr, NsPreconditioner::kAol);
+    });
+  }
   Mat RunOne(const Mat& in, const NsSchedule& schedule, int steps, double eps = 1e-7) {
     return Run({in}, schedule, steps, eps)[0];
   }
@@ -530,6 +537,31 @@ TEST_F(NewtonSchulzTest, GramReserveCoversTheCallAndRejectsBadArguments) {
   EXPECT_FALSE(GramNewtonSchulz(*backend_, empty, 5, {}, 1e-7, 1.0, kernels::MatmulPrecision::kFp32, &dummy, &dummy, 1,
                                 2, 1, ws_)
                    .ok());
+}
+
+// Turbo-Muon's AOL Newton–Schulz (4 steps of the aol set) against its fp64 reference on wide, tall,
+// square and batched matrices; no singular value leaves the iteration's range. The tolerance: AOL's
+// scaled X has spectral norm ≤ 1 like the Frobenius-scaled one, so its fp32 rounding follows the
+// same bound; 2e-4 is NsBound's cap range for these sizes (SimpleFiveStepsApproximatesPolarFactor),
+// while a scale on the wrong side, a missed reuse of A or a wrong tuple moves entries by ≥ 1e-2.
+TEST_F(NewtonSchulzTest, AolMatchesItsReferenceAndOrthogonalizesInFourSteps) {
+  const NsSchedule aol = Named("aol");
+  for (const auto& [rows, cols, batch] :
+       std::vector<std::tuple<int64_t, int64_t, int64_t>>{{24, 64, 1}, {64, 24, 1}, {32, 32, 1}, {16, 40, 3}}) {
+    std::vector<Mat> in;
+    for (int64_t b = 0; b < batch; ++b)
+      in.push_back(MatWithSingularValues(rng_, rows, cols, Decade(std::min(rows, cols))));
+    const std::vector<Mat> out = RunAol(in, aol, 4);
+    for (int64_t b = 0; b < batch; ++b) {
+      const Mat expected = testing::ReferenceAolNs(in[b], aol, 4);
+      EXPECT_TRUE(testing::WithinBound("ns.aol_vs_fp64", testing::MaxAbsDiff(out[b], expected), 2e-4))
+          << rows << "x" << cols << " #" << b;
+      for (double s : ComputeSvd(out[b]).s) EXPECT_LT(s, 1.3) << rows << "x" << cols;
+    }
+  }
+  // A zero matrix stays zero (the eps floor keeps the scale finite).
+  const std::vector<Mat> zero = RunAol({Mat(8, 12)}, aol, 4);
+  for (double v : zero[0].v) EXPECT_EQ(v, 0.0);
 }
 
 }  // namespace

@@ -118,6 +118,34 @@ inline Mat ReferenceNs(const Mat& g, const optim::NsSchedule& schedule, int step
   return tall ? Transposed(x) : x;
 }
 
+// Turbo-Muon's AOL Newton–Schulz in fp64 (thib-s/flash-newton-schulz, gradient-exploration/ns_variants/
+// flash_ns.py at 1aa1f31, newton_schulz_triton_aol): wide X; A = X·Xᵀ; s_i = 1/√max(Σ_j |A_ij|, eps);
+// X ← diag(s)·X; the first iteration with diag(s)·A·diag(s); then the usual iterations.
+inline Mat ReferenceAolNs(const Mat& g, const optim::NsSchedule& schedule, int steps, double eps = 1e-7) {
+  const bool tall = g.rows > g.cols;
+  Mat x = tall ? Transposed(g) : g;
+  Mat a = MatMul(x, Transposed(x));
+  std::vector<double> s(x.rows);
+  for (int64_t i = 0; i < x.rows; ++i) {
+    double sum = 0;
+    for (int64_t j = 0; j < x.rows; ++j) sum += std::abs(a.v[i * x.rows + j]);
+    s[i] = 1 / std::sqrt(std::max(sum, eps));
+  }
+  for (int64_t i = 0; i < x.rows; ++i) {
+    for (int64_t j = 0; j < x.cols; ++j) x.v[i * x.cols + j] *= s[i];
+    for (int64_t j = 0; j < x.rows; ++j) a.v[i * x.rows + j] *= s[i] * s[j];
+  }
+  for (int t = 0; t < steps; ++t) {
+    const optim::NsCoefficient co = schedule.At(t);
+    if (t > 0) a = MatMul(x, Transposed(x));
+    Mat b = MatMul(a, a);
+    for (size_t i = 0; i < b.v.size(); ++i) b.v[i] = co.b * a.v[i] + co.c * b.v[i];
+    const Mat bx = MatMul(b, x);
+    for (size_t i = 0; i < x.v.size(); ++i) x.v[i] = co.a * x.v[i] + bx.v[i];
+  }
+  return tall ? Transposed(x) : x;
+}
+
 // The scalar map σ ↦ p_T(…p_1(σ)) of `steps` iterations: NS acts on each singular value alone.
 inline double ScalarNs(double sigma, const optim::NsSchedule& schedule, int steps) {
   for (int t = 0; t < steps; ++t) {

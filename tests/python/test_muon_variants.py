@@ -1,5 +1,6 @@
-"""MuonEq (momentum_normalization) and Muon+ (post_normalization) on the daemon, against each
-method's reference step written here as its own code has it, and LocalOptimizer against the daemon.
+"""MuonEq (momentum_normalization), Muon+ (post_normalization), Turbo-Muon (ns_preconditioner aol)
+and per-head Newton–Schulz (num_heads) on the daemon, against each method's reference step written
+here as its own code has it, and LocalOptimizer against the daemon.
 
 References (facts read from the public code; the steps below are written for these tests):
 - MuonEq: MaeChd/muon-eq at 99b6c8b, llm-opt-baseline-npu/llama2_pretrain/optimizers/muon_variants/
@@ -39,6 +40,28 @@ def keller_ns(g, steps=5):
     for _ in range(steps):
         m = x @ x.T
         x = a * x + (b * m + c * m @ m) @ x
+    return x.T if tall else x
+
+
+def aol_ns(g, steps=4):
+    """Turbo-Muon (thib-s/flash-newton-schulz, gradient-exploration/ns_variants/flash_ns.py at
+    1aa1f31, newton_schulz_triton_aol), in fp32 rather than its bf16, with the aol tuples: wide X;
+    A = X·Xᵀ; s = rsqrt(clamp_min(Σ|A|, 1e-7)) per row; X ← X·s; A ← A·s_i·s_j; the first iteration
+    with that A."""
+    tuples = muond.option_facts.COEFFICIENT_SETS["aol"]
+    x = g.float()
+    tall = x.size(0) > x.size(1)
+    if tall:
+        x = x.T
+    a_mat = x @ x.T
+    s = torch.rsqrt(torch.clamp_min(a_mat.abs().sum(dim=-1), min=1e-7))
+    x = x * s.unsqueeze(-1)
+    a_mat = a_mat * s.unsqueeze(-1) * s.unsqueeze(-2)
+    for t in range(steps):
+        a, b, c = tuples[t % len(tuples)]
+        if t > 0:
+            a_mat = x @ x.T
+        x = a * x + (b * a_mat + c * a_mat @ a_mat) @ x
     return x.T if tall else x
 
 
@@ -88,6 +111,9 @@ class ReferenceStep:
             if self.method == "muoneq":
                 o = keller_ns(muoneq_normalize(um, self.mode))
                 ratio = 0.2 * math.sqrt(max(rows, cols))
+            elif self.method == "turbo":
+                o = aol_ns(um)
+                ratio = 0.2 * math.sqrt(max(rows, cols))
             else:
                 o = post_polar_norm(keller_ns(um), self.mode)
                 ratio = math.sqrt(rows / cols)
@@ -99,6 +125,8 @@ def daemon_options(method, mode):
               "weight_decay": 0.1}
     if method == "muoneq":
         return dict(common, momentum_normalization=mode, scale_mode="spectral", extra_scale_factor=0.2)
+    if method == "turbo":  # the aol set and 4 steps are ns_preconditioner aol's defaults
+        return dict(common, ns_preconditioner="aol", scale_mode="spectral", extra_scale_factor=0.2)
     return dict(common, post_normalization=mode, scale_mode="unit_rms_norm")
 
 
@@ -108,7 +136,8 @@ def rel_err(a, b):
 
 @pytest.mark.parametrize("method,mode", [("muoneq", "row"), ("muoneq", "col"), ("muoneq", "rowcol"),
                                          ("muon_plus", "muon_plus"), ("muon_plus", "row"),
-                                         ("muon_plus", "col"), ("muon_plus", "col_row")])
+                                         ("muon_plus", "col"), ("muon_plus", "col_row"),
+                                         ("turbo", "aol")])
 def test_daemon_and_local_match_the_reference(endpoint, method, mode):
     gen = torch.Generator().manual_seed(5)
     start = {n: 0.1 * torch.randn(*s, generator=gen) for n, s in SHAPES.items()}
@@ -149,7 +178,8 @@ def test_the_normalizations_change_the_update(endpoint):
                          "col": {"momentum_normalization": "col"},
                          "rowcol": {"momentum_normalization": "rowcol"},
                          "muon_plus": {"post_normalization": "muon_plus"},
-                         "col_row": {"post_normalization": "col_row"}}.items():
+                         "col_row": {"post_normalization": "col_row"},
+                         "aol": {"ns_preconditioner": "aol"}}.items():
         p = torch.nn.Parameter(start.clone())
         opt = muond.RemoteOptimizer([dict(options, params=[("w", p)])], endpoint=endpoint)
         p.grad = g.clone()

@@ -104,6 +104,28 @@ TEST(GroupOptionTableTest, EachWireValueLandsInItsMember) {
   });
 }
 
+// Turbo-Muon: ns_preconditioner aol brings the aol set and 4 steps unless the request gives them.
+TEST(SessionConfigTest, AolBringsItsCoefficientsAndStepsUnlessGiven) {
+  v1::GroupOptions options;
+  options.set_ns_preconditioner("aol");
+  ASSERT_OK_AND_ASSIGN(optim::GroupOptions parsed, ParseGroupOptions(options, "g"));
+  EXPECT_EQ(parsed.ns_preconditioner, optim::NsPreconditioner::kAol);
+  EXPECT_EQ(parsed.ns_schedule.name, "aol");
+  EXPECT_EQ(parsed.ns_steps, 4);
+  options.set_ns_steps(5);
+  options.set_ns_coefficients("quintic");
+  ASSERT_OK_AND_ASSIGN(parsed, ParseGroupOptions(options, "g"));
+  EXPECT_EQ(parsed.ns_schedule.name, "quintic");
+  EXPECT_EQ(parsed.ns_steps, 5);
+  options.set_ns_algorithm("gram");
+  EXPECT_THAT(ParseGroupOptions(options, "g"), StatusIs(absl::StatusCode::kInvalidArgument,
+                                                        "g.ns_preconditioner aol applies with ns_algorithm standard"));
+  v1::GroupOptions plain;
+  ASSERT_OK_AND_ASSIGN(parsed, ParseGroupOptions(plain, "g"));
+  EXPECT_EQ(parsed.ns_schedule.name, "simple");
+  EXPECT_EQ(parsed.ns_steps, 5);
+}
+
 TEST(SessionConfigTest, FillsTheDefaultsOfEachOptimizer) {
   ASSERT_OK_AND_ASSIGN(SessionConfig config, ParseSessionSpec(Spec(), SpecLimits{}));
   ASSERT_EQ(config.groups.size(), 2u);
