@@ -70,22 +70,25 @@ def newton_schulz(u: torch.Tensor, steps: int, coefficients: Sequence[Tuple[floa
     a restart X ← QX before each listed iteration; square matrices use the standard form.
 
     With ``aol`` (Turbo-Muon) X is scaled instead by s_i = max(Σ_j |A_ij|, eps)^(-1/2) per row, A =
-    XXᵀ, and the first iteration reuses diag(s)·A·diag(s), as the daemon does."""
+    XXᵀ, and the first iteration reuses diag(s)·A·diag(s), as the daemon does (always the standard
+    form: ``gram_restarts`` is ignored, as the daemon refuses or never picks the Gram form then)."""
     x = u.to(torch.float32)
     tall = x.size(-2) > x.size(-1)
     if tall:
         x = x.transpose(-2, -1)
+    gram = None  # the first iteration's A, when the scaling computed it already (AOL)
     if aol:
-        return _aol_iterations(x, steps, coefficients, after, eps).transpose(-2, -1) if tall else \
-            _aol_iterations(x, steps, coefficients, after, eps)
-    norm = torch.linalg.norm(x, dim=(-2, -1), keepdim=True) if x.dim() > 2 else torch.linalg.norm(x)
-    x = x / (norm_safety * norm + eps)
-    if gram_restarts is not None and x.size(-2) != x.size(-1):
+        x, gram = _aol_scaled(x, eps)
+    else:
+        norm = torch.linalg.norm(x, dim=(-2, -1), keepdim=True) if x.dim() > 2 else torch.linalg.norm(x)
+        x = x / (norm_safety * norm + eps)
+    if gram_restarts is not None and not aol and x.size(-2) != x.size(-1):
         x = _gram_iterations(x, steps, coefficients, after, gram_restarts)
     else:
         for t in range(steps):
             a, b, c = facts.coefficient_at(coefficients, after, t)
-            gram = x @ x.transpose(-2, -1)
+            if t > 0 or gram is None:
+                gram = x @ x.transpose(-2, -1)
             if c == 0:  # a cubic step (cubic5): one product fewer, as the daemon computes it
                 x = a * x + b * (gram @ x)
                 continue
@@ -96,22 +99,12 @@ def newton_schulz(u: torch.Tensor, steps: int, coefficients: Sequence[Tuple[floa
     return x
 
 
-def _aol_iterations(x: torch.Tensor, steps: int, coefficients, after: str, eps: float) -> torch.Tensor:
-    """Turbo-Muon's iterations on a wide ``x``: AOL's row scales, then the standard steps with the
-    first one's A reused."""
+def _aol_scaled(x: torch.Tensor, eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Turbo-Muon's AOL scaling of a wide ``x``: (diag(s)·X, diag(s)·A·diag(s)) with A = XXᵀ and
+    s_i = max(Σ_j |A_ij|, eps)^(-1/2) (eps 0 taken as 1e-30), summed in fp64 as the daemon does."""
     gram = x @ x.transpose(-2, -1)
     s = gram.double().abs().sum(dim=-1).clamp_min(eps if eps > 0 else 1e-30).rsqrt().float()
-    x = x * s.unsqueeze(-1)
-    gram = gram * s.unsqueeze(-1) * s.unsqueeze(-2)
-    for t in range(steps):
-        a, b, c = facts.coefficient_at(coefficients, after, t)
-        if t > 0:
-            gram = x @ x.transpose(-2, -1)
-        if c == 0:
-            x = a * x + b * (gram @ x)
-            continue
-        x = a * x + (b * gram + c * (gram @ gram)) @ x
-    return x
+    return x * s.unsqueeze(-1), gram * s.unsqueeze(-1) * s.unsqueeze(-2)
 
 
 def _gram_iterations(x: torch.Tensor, steps: int, coefficients, after: str, restarts) -> torch.Tensor:
@@ -220,10 +213,9 @@ def _polar(m: torch.Tensor, group: Dict[str, Any], coefficients, after: str) -> 
     """The matrices ``m`` (one, or a batch on the first dim) through MuonEq's normalization,
     Newton–Schulz and Muon+'s normalization, as the group asks."""
     m = _momentum_normalized(m, group.get("momentum_normalization"))
-    aol = group.get("ns_preconditioner") == "aol"
     out = newton_schulz(m, group["ns_steps"], coefficients, after, group["ns_eps"],
-                        group["ns_norm_safety"],
-                        None if aol else _gram_restarts(group, m.size(-2), m.size(-1)), aol=aol)
+                        group["ns_norm_safety"], _gram_restarts(group, m.size(-2), m.size(-1)),
+                        aol=group.get("ns_preconditioner") == "aol")
     return _post_normalized(out, group.get("post_normalization"))
 
 
