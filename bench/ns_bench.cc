@@ -5,10 +5,15 @@
 // grow the workspace first; the timed calls run back to back and the backend is synchronized once
 // at the end, so the figure is the throughput of a stream of calls, as in a training loop.
 //
-// Output: a human-readable table, or with --json one JSON object per line (run_ns_bench.sh reads
-// those next to the torch figures of ns_throughput.py).
+// --preconditioner aol (Turbo-Muon) and --coefficients NAME pick the iteration's variant, --shapes
+// the shapes (ROWSxCOLS, comma-separated), and each row also gives the orthogonality residual of
+// the last output (docs/algorithms.md, Telemetry), measured after the timing.
+//
+// Output: a human-readable table, or with --json one JSON object per line (run_ns_bench.sh and
+// run_ns_variants_bench.sh read those next to the torch figures of ns_throughput.py).
 #include <cstdio>
 #include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -29,7 +34,26 @@ struct Flags {
   int threads = 0;
   int steps = 5;
   std::string algorithm = "standard";
+  std::string preconditioner = "frobenius";
+  std::string coefficients;  // empty: simple (standard) or gram_polar_express (gram)
+  std::string shapes;        // empty: bench_common.h's
 };
+
+std::vector<NsShape> ShapesOf(const Flags& flags) {
+  if (flags.shapes.empty()) return NsShapes(flags.quick);
+  std::vector<NsShape> out;
+  std::stringstream list(flags.shapes);
+  std::string item;
+  while (std::getline(list, item, ',')) {
+    const size_t x = item.find('x');
+    if (x == std::string::npos) {
+      std::fprintf(stderr, "--shapes: %s is not ROWSxCOLS\n", item.c_str());
+      std::exit(2);
+    }
+    out.push_back({std::stoll(item.substr(0, x)), std::stoll(item.substr(x + 1)), 1});
+  }
+  return out;
+}
 
 int Run(const Flags& flags) {
   std::unique_ptr<kernels::Backend> backend = BackendOrDie(flags.backend, flags.threads);
@@ -38,11 +62,12 @@ int Run(const Flags& flags) {
   if (!flags.json) {
     std::printf("muond Newton-Schulz (%s) on %s (%s), %s GEMMs, %d steps, %d timed reps\n", flags.algorithm.c_str(),
                 backend->Name().c_str(), backend->Detail().c_str(), precision_name.c_str(), flags.steps, flags.reps);
-    std::printf("%-20s %12s %10s\n", "shape", "ms/call", "TFLOP/s");
+    std::printf("%-20s %12s %10s %10s\n", "shape", "ms/call", "TFLOP/s", "residual");
   }
   std::mt19937 rng(1);
   std::normal_distribution<float> normal(0.0f, 1.0f);
-  for (const NsShape& shape : NsShapes(flags.quick)) {
+  const bool aol = flags.preconditioner == "aol";
+  for (const NsShape& shape : ShapesOf(flags)) {
     const size_t total = static_cast<size_t>(shape.rows * shape.cols * shape.batch);
     std::vector<float> host(total);
     for (float& x : host) x = normal(rng);
@@ -53,7 +78,10 @@ int Run(const Flags& flags) {
     CheckOk(backend->CopyToDevice(host.data(), (*in)->data(), total), "upload");
     optim::NsWorkspace ws;
     const bool gram = flags.algorithm == "gram";
-    const optim::NsSchedule schedule = gram ? *optim::NamedSchedule("gram_polar_express") : optim::NsSchedule{};
+    const std::string set = !flags.coefficients.empty() ? flags.coefficients : gram ? "gram_polar_express" : "simple";
+    const absl::StatusOr<optim::NsSchedule> named = optim::NamedSchedule(set);
+    CheckOk(named.status(), "--coefficients");
+    const optim::NsSchedule schedule = *named;
     auto call = [&] {
       if (gram) {
         CheckOk(optim::GramNewtonSchulz(*backend, schedule, flags.steps, schedule.gram_restarts, 1e-7, 1.0, precision,
@@ -62,7 +90,8 @@ int Run(const Flags& flags) {
         return;
       }
       CheckOk(optim::NewtonSchulz(*backend, schedule, flags.steps, 1e-7, 1.0, precision, (*in)->data(), (*out)->data(),
-                                  shape.rows, shape.cols, shape.batch, ws),
+                                  shape.rows, shape.cols, shape.batch, ws, nullptr,
+                                  aol ? optim::NsPreconditioner::kAol : optim::NsPreconditioner::kFrobenius),
               "NewtonSchulz");
     };
     for (int i = 0; i < flags.warmup; ++i) call();
@@ -72,14 +101,18 @@ int Run(const Flags& flags) {
     Sync(*backend, (*out)->data());
     const double seconds = (NowSeconds() - start) / flags.reps;
     const double tflops = shape.Flops(flags.steps) / seconds / 1e12;
+    const absl::StatusOr<double> residual =
+        optim::OrthogonalityResidual(*backend, (*out)->data(), shape.rows, shape.cols, ws);
+    CheckOk(residual.status(), "residual");
     if (flags.json) {
       std::printf(
-          "{\"bench\": \"ns\", \"impl\": \"muond\", \"algorithm\": \"%s\", \"shape\": \"%s\", "
-          "\"backend\": \"%s\", \"precision\": \"%s\", \"ms\": %.4f, \"tflops\": %.4f}\n",
-          flags.algorithm.c_str(), shape.Name().c_str(), backend->Name().c_str(), precision_name.c_str(), seconds * 1e3,
-          tflops);
+          "{\"bench\": \"ns\", \"impl\": \"muond\", \"algorithm\": \"%s\", \"preconditioner\": \"%s\", "
+          "\"coefficients\": \"%s\", \"steps\": %d, \"shape\": \"%s\", \"backend\": \"%s\", "
+          "\"precision\": \"%s\", \"ms\": %.4f, \"tflops\": %.4f, \"residual\": %.5f}\n",
+          flags.algorithm.c_str(), flags.preconditioner.c_str(), set.c_str(), flags.steps, shape.Name().c_str(),
+          backend->Name().c_str(), precision_name.c_str(), seconds * 1e3, tflops, *residual);
     } else {
-      std::printf("%-20s %12.3f %10.3f\n", shape.Name().c_str(), seconds * 1e3, tflops);
+      std::printf("%-20s %12.3f %10.3f %10.4f\n", shape.Name().c_str(), seconds * 1e3, tflops, *residual);
     }
     std::fflush(stdout);
   }
@@ -108,6 +141,12 @@ int main(int argc, char** argv) {
                  "standard, or gram (GramNewtonSchulz with the "
                  "gram_polar_express set)")
       ->check(CLI::IsMember({"standard", "gram"}));
+  app.add_option("--preconditioner", flags.preconditioner, "frobenius, or aol (Turbo-Muon; standard only)")
+      ->check(CLI::IsMember({"frobenius", "aol"}));
+  app.add_option("--coefficients", flags.coefficients,
+                 "a named coefficient set (default: simple, or with gram "
+                 "gram_polar_express)");
+  app.add_option("--shapes", flags.shapes, "ROWSxCOLS,... (default: bench_common.h's shapes)");
   CLI11_PARSE(app, argc, argv);
   return muond::bench::Run(flags);
 }

@@ -111,6 +111,27 @@ absl::Status Backend::NormuonScales(const NormuonArgs& args, const double* line_
   return Narrow(moment2.dtype, moment.data(), moment2.data, length);
 }
 
+absl::Status Backend::NamoScales(const NamoArgs& args, const double* grad_sums, const double* update_sums,
+                                 StoredRef moment2, float* scales, size_t lines) {
+  if (!HostAddressable()) {
+    return absl::UnimplementedError(absl::StrCat("NamoScales: the ", Name(), " backend has no implementation"));
+  }
+  if (lines == 0) return absl::OkStatus();
+  std::vector<float> moment(lines);
+  absl::Status status = Widen(moment2.dtype, moment2.data, moment.data(), lines);
+  if (!status.ok()) return status;
+  std::vector<double> line_scales(lines);
+  double total = 0;
+  for (size_t j = 0; j < lines; ++j) {
+    moment[j] = NormuonMoment(grad_sums[j], 1.0, args.weight, moment[j]);
+    line_scales[j] = NamoLineScale(args, update_sums[j], moment[j]);
+    total += line_scales[j];
+  }
+  const double mean = total / static_cast<double>(lines);
+  for (size_t j = 0; j < lines; ++j) scales[j] = static_cast<float>(NamoClamped(line_scales[j], mean, args.clamp));
+  return Narrow(moment2.dtype, moment.data(), moment2.data, lines);
+}
+
 absl::Status Backend::InverseRootScales(const double* sums, float* scales, size_t length, double eps) {
   if (!HostAddressable()) {
     return absl::UnimplementedError(absl::StrCat("InverseRootScales: the ", Name(), " backend has no implementation"));

@@ -209,6 +209,15 @@ class Backend : public PeerPrimitives {
   // in backend memory); eps > 0 keeps a zero line zero. The CUDA backend computes them on the device
   // and waits for nothing; the default (the CPU backend's) needs a HostAddressable backend.
   virtual absl::Status InverseRootScales(const double* sums, float* scales, size_t length, double eps);
+  // NAMO's and NAMO-D's scales of one matrix of `lines` lines (docs/algorithms.md, NAMO and NAMO-D):
+  // per line j, from the raw gradient's Σ G² (`grad_sums`) and the momentum's Σ M̃² (`update_sums`)
+  // over the line (both `lines` doubles in backend memory), v_j ← NamoMoment (stored into
+  // `moment2` rounded to its format; the scales use the fp32 value), d_j = NamoLineScale; then
+  // with the mean d̄ of the d_j summed in line order in fp64, scales[j] = fp32(NamoClamped(d_j,
+  // d̄, clamp)) (backend memory, `lines` floats). The CUDA backend computes it on the device and
+  // waits for nothing; the default (the CPU backend's) needs a HostAddressable backend.
+  virtual absl::Status NamoScales(const NamoArgs& args, const double* grad_sums, const double* update_sums,
+                                  StoredRef moment2, float* scales, size_t lines);
   // Turbo-Muon's AOL scales of `batch` m×m Gram matrices A (backend memory, back to back): per row i,
   // scales[i] = fp32((max(Σ_j |A_ij|, floor))^(-1/2)), the sum in fp64. The CUDA backend computes
   // them on the device and waits for nothing; the default (the CPU backend's) needs a

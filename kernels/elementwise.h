@@ -62,6 +62,31 @@ MUOND_HD double NormuonLineScale(float m, double eps) {
   return 1.0 / sqrt(v < eps ? eps : v);  // std::max(v, eps), NaN kept
 }
 
+// NAMO and NAMO-D, per line of a matrix (Backend::NamoScales): one line is the whole matrix
+// (NAMO) or one of its columns (NAMO-D). The second moment v ← v + weight·(s − v) in fp32 with
+// s = fp32(Σ G²) over the line of the raw gradient (NormuonMoment with count 1); the line's
+// unclamped scale from Σ M̃² over the same line of the momentum Newton–Schulz takes, in fp64:
+// √ΣM̃²/(√v + eps) (NAMO, Emerging-Optimizers) or √ΣM̃²/√(v + eps) (NAMO-D, the authors' code),
+// times `bias`.
+struct NamoArgs {
+  float weight = 0;          // 1 − β2
+  double eps = 0;            // > 0
+  bool eps_in_root = false;  // NAMO-D's placement
+  double bias = 1;           // NAMO-D: √(1 − β2ᵗ)/(1 − β1ᵗ); NAMO: 1
+  double clamp = 0;          // NAMO-D: each scale kept in [c·mean, mean/c] when 0 < c ≤ 1
+};
+MUOND_HD double NamoLineScale(const NamoArgs& a, double update_sum, float v) {
+  const double root = a.eps_in_root ? sqrt(static_cast<double>(v) + a.eps) : sqrt(static_cast<double>(v)) + a.eps;
+  return a.bias * sqrt(update_sum) / root;
+}
+// The clamp toward the mean of a matrix's line scales (the authors' `col_state_clamp_c`): off
+// unless 0 < c ≤ 1 and the mean is finite and positive.
+MUOND_HD double NamoClamped(double scale, double mean, double c) {
+  if (!(c > 0 && c <= 1) || !(mean > 0 && mean < HUGE_VAL)) return scale;
+  const double lo = mean * c, hi = mean / c;
+  return scale < lo ? lo : (scale > hi ? hi : scale);
+}
+
 // Cautious weight decay (modded-nanogpt, nanochat): the decoupled decay applies only where the
 // update u and the weight agree in sign. p ← p − decay·p·[u·p ≥ 0] + alpha·u, with alpha = −η·scale
 // (the step along u) and decay = η·λ.

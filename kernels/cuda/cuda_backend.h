@@ -97,6 +97,8 @@ class CudaBackend final : public Backend {
   absl::Status ScaleBatchedBy(float* x, size_t count, size_t batch, const float* scales) override;
   absl::Status NormuonScales(const NormuonArgs& args, const double* line_sums, StoredRef moment2, float* scales,
                              size_t length) override;
+  absl::Status NamoScales(const NamoArgs& args, const double* grad_sums, const double* update_sums, StoredRef moment2,
+                          float* scales, size_t lines) override;
   absl::Status InverseRootScales(const double* sums, float* scales, size_t length, double eps) override;
   absl::Status AolScales(const float* gram, int64_t m, int64_t batch, double floor, float* scales) override;
   absl::Status Axpby(float alpha, StoredRef x, float beta, StoredRef y, size_t count) override;

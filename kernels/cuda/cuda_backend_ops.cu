@@ -196,6 +196,15 @@ absl::Status CudaBackend::NormuonScales(const NormuonArgs& args, const double* l
                     "NormuonScales kernel");
 }
 
+absl::Status CudaBackend::NamoScales(const NamoArgs& args, const double* grad_sums, const double* update_sums,
+                                     StoredRef moment2, float* scales, size_t lines) {
+  std::unique_lock<std::mutex> lock(mu_);
+  MUOND_RETURN_IF_ERROR(Activate());
+  return CudaStatus(
+      LaunchNamoScales(args, grad_sums, update_sums, static_cast<int64_t>(lines), moment2, scales, stream_),
+      "NamoScales kernel");
+}
+
 absl::Status CudaBackend::InverseRootScales(const double* sums, float* scales, size_t length, double eps) {
   std::unique_lock<std::mutex> lock(mu_);
   MUOND_RETURN_IF_ERROR(Activate());

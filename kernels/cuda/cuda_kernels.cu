@@ -157,6 +157,28 @@ __global__ void NormuonScalesKernel(const double* line_sums, int64_t length, dou
   }
 }
 
+// One block for one matrix's lines (Backend::NamoScales). Pass 1 adds up the unclamped scales
+// (per thread over its lines, then BlockSum: a fixed order); pass 2 recomputes each line's moment
+// and scale from the untouched moment, stores the moment and writes the clamped scale. Each
+// thread's pass-2 lines are its pass-1 lines, so no thread stores a moment another still reads.
+__global__ void NamoScalesKernel(NamoArgs args, const double* grad_sums, const double* update_sums, int64_t lines,
+                                 StoredRef moment2, float* scales) {
+  double total = 0.0;
+  for (int64_t j = threadIdx.x; j < lines; j += blockDim.x) {
+    total +=
+        NamoLineScale(args, update_sums[j], NormuonMoment(grad_sums[j], 1.0, args.weight, LoadElement(moment2, j)));
+  }
+  __shared__ double mean;
+  const double sum = BlockSum(total);
+  if (threadIdx.x == 0) mean = sum / static_cast<double>(lines);
+  __syncthreads();
+  for (int64_t j = threadIdx.x; j < lines; j += blockDim.x) {
+    const float v = NormuonMoment(grad_sums[j], 1.0, args.weight, LoadElement(moment2, j));
+    StoreElement(moment2, j, v);
+    scales[j] = static_cast<float>(NamoClamped(NamoLineScale(args, update_sums[j], v), mean, args.clamp));
+  }
+}
+
 // Backend::InverseRootScales: one thread per line.
 __global__ void InverseRootScalesKernel(const double* sums, int64_t length, double eps, float* scales) {
   for (int64_t j = FirstIndex(); j < length; j += GridStride())
@@ -343,6 +365,13 @@ cudaError_t LaunchNormuonScales(const double* line_sums, int64_t length, int64_t
   if (length <= 0) return cudaSuccess;
   NormuonScalesKernel<<<1, kThreads, 0, stream>>>(line_sums, length, static_cast<double>(count), weight, eps, moment2,
                                                   scales);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchNamoScales(const NamoArgs& args, const double* grad_sums, const double* update_sums, int64_t lines,
+                             StoredRef moment2, float* scales, cudaStream_t stream) {
+  if (lines <= 0) return cudaSuccess;
+  NamoScalesKernel<<<1, kThreads, 0, stream>>>(args, grad_sums, update_sums, lines, moment2, scales);
   return cudaGetLastError();
 }
 

@@ -72,6 +72,11 @@ cudaError_t LaunchSumSquares(const float* x, int64_t count, int64_t batch, int c
 cudaError_t LaunchNormuonScales(const double* line_sums, int64_t length, int64_t count, float weight, double eps,
                                 StoredRef moment2, float* scales, cudaStream_t stream);
 
+// Backend::NamoScales for one matrix of `lines` lines: one block, the mean summed in a fixed
+// order (deterministic on a device; not the CPU's order, so within rounding of it).
+cudaError_t LaunchNamoScales(const NamoArgs& args, const double* grad_sums, const double* update_sums, int64_t lines,
+                             StoredRef moment2, float* scales, cudaStream_t stream);
+
 // Backend::InverseRootScales: scales[j] = fp32(1/√(sums[j] + eps)), one thread per line.
 cudaError_t LaunchInverseRootScales(const double* sums, int64_t length, double eps, float* scales, cudaStream_t stream);
 

@@ -11,6 +11,7 @@
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
 #include "kernels/optim/line_normalization.h"
+#include "kernels/optim/namo.h"
 #include "kernels/optim/newton_schulz.h"
 #include "kernels/optim/optimizer_impls.h"
 
@@ -27,7 +28,7 @@ struct MatrixJob {
   StoredTensor* master;
   size_t master_offset;
   StoredTensor* moment2;  // null without a moment2_method
-  size_t moment2_offset;  // where this matrix's region (adamuon) or lines (normuon) start
+  size_t moment2_offset;  // where this matrix's region (adamuon) or lines (normuon, namo) start
   int64_t rows, cols;     // as it lies in `update` (the transpose of its own shape when `deferred`)
   double lr;              // η of this step
   double scale;           // the Muon scale, computed on this matrix's own shape
@@ -59,6 +60,9 @@ constexpr int kTransposeSlot = NsWorkspace::kFirstFreeSlot + 2;
 // a batch, which never leave the device. Doubles take two floats of a buffer.
 struct StepScratch {
   std::unique_ptr<kernels::DeviceBuffer> line_sums, line_scales;
+  // NAMO: the raw gradient's Σ G² of each line of the step, in batch order (taken before the
+  // momentum overwrites it), and a batch's Σ M̃² and step sizes.
+  std::unique_ptr<kernels::DeviceBuffer> namo_grad_sums, namo_update_sums, namo_scales;
 };
 
 // `buffer` holding at least `floats` floats.
@@ -183,8 +187,17 @@ class Muon final : public Optimizer {
   float DecayFactor(const StepHyper& hyper) const;
   void AppendMatrices(ParamState& p, const StepHyper& hyper, std::vector<MatrixJob>& jobs) const;
   // `input_sums`: backend memory for jobs.size() doubles, each job's Newton–Schulz input Σ U²
-  // (telemetry), or null.
-  absl::Status Orthogonalize(Backend& backend, std::span<const MatrixJob> jobs, NsWorkspace& ws, double* input_sums);
+  // (telemetry), or null. `namo_grad_sums`: NAMO's raw-gradient sums of the batch's lines.
+  absl::Status Orthogonalize(Backend& backend, const StepHyper& hyper, std::span<const MatrixJob> jobs, NsWorkspace& ws,
+                             double* input_sums, const double* namo_grad_sums);
+  // NAMO: each job's raw-gradient Σ G² per line into `sums` (backend memory, the step's lines in
+  // batch order), before the momentum overwrites the gradient.
+  absl::Status NamoGradientSums(Backend& backend, std::span<ParamState* const> params,
+                                std::span<const std::span<const MatrixJob>> batches, NsWorkspace& ws, double* sums);
+  // NAMO: the batch's step sizes (advancing its second moment) and O scaled by them.
+  absl::Status ApplyNamo(Backend& backend, const StepHyper& hyper, std::span<const MatrixJob> jobs, float* work,
+                         NsWorkspace& ws, const double* grad_sums);
+  kernels::NamoArgs NamoArgsOf(const StepHyper& hyper, const ParamState& param) const;
   // Whether a batch of rows × cols matrices goes through GramNewtonSchulz: ns_algorithm gram, or
   // auto where PreferGram says so with the backend's square weight.
   bool UsesGram(const Backend& backend, int64_t rows, int64_t cols) const;
@@ -308,6 +321,15 @@ void ForEachMatrix(const ParamState& p, Visit&& visit, int64_t heads = 1) {
 bool WorksTransposed(const ParamState& p) { return p.shape.size() == 2 && p.tp.enabled() && p.tp.dim == 1; }
 
 std::vector<int64_t> Muon::SlotShape(const ParamState& param, std::string_view slot) const {
+  if (slot == kMoment2Slot && IsNamo(options_.moment2_method)) {
+    // One value per matrix (NAMO; Emerging-Optimizers' shape [1] for a lone matrix) or per column
+    // of each (NAMO-D; the authors' [n]).
+    int64_t length = 0;
+    ForEachMatrix(
+        param, [&](int64_t, int64_t, int64_t cols, bool) { length += NamoLines(options_.moment2_method, cols); },
+        options_.num_heads);
+    return {length};
+  }
   if (slot != kMoment2Slot || options_.moment2_method != Moment2Method::kNormuon) return param.shape;
   const std::vector<int64_t>& s = param.shape;
   if (s.size() == 2 && !param.qkv.enabled() && !param.tp.enabled() && options_.num_heads == 1) {
@@ -337,6 +359,10 @@ void Muon::AppendMatrices(ParamState& p, const StepHyper& hyper, std::vector<Mat
         if (options_.moment2_method == Moment2Method::kNormuon) {
           m2 = static_cast<size_t>(line);
           line += NormuonLength(rows, cols);
+        }
+        if (IsNamo(options_.moment2_method)) {
+          m2 = static_cast<size_t>(line);
+          line += NamoLines(options_.moment2_method, cols);
         }
         // NorMuon's lines run along the longer side, per row of a square matrix: in the stored
         // transpose a row of the block is a column.
@@ -376,9 +402,14 @@ StepBounds Muon::BoundStep(const StepHyper& hyper, const ParamState& param, doub
       scale * (options_.post_normalization != PostNormalization::kNone ? std::max(ns_bound_, 1.0) : ns_bound_);
   double moment2 = 0, moment2_peak = 0;
   const double v = SlotBound(param, kMoment2Slot);
-  int64_t min_dim = 0;
+  int64_t min_dim = 0, most_rows = 0, most_elements = 0;
   ForEachMatrix(
-      param, [&](int64_t, int64_t rows, int64_t cols, bool) { min_dim = std::max(min_dim, std::min(rows, cols)); },
+      param,
+      [&](int64_t, int64_t rows, int64_t cols, bool) {
+        min_dim = std::max(min_dim, std::min(rows, cols));
+        most_rows = std::max(most_rows, rows);
+        most_elements = std::max(most_elements, rows * cols);
+      },
       options_.num_heads);
   switch (options_.moment2_method) {
     case Moment2Method::kNone:
@@ -398,6 +429,21 @@ StepBounds Muon::BoundStep(const StepHyper& hyper, const ParamState& param, doub
       moment2_peak = moment2;
       step *= std::sqrt(static_cast<double>(min_dim)) * kBoundRounding;
       break;
+    case Moment2Method::kNamo:
+    case Moment2Method::kNamoD: {
+      // v' ≤ max(v, Σ G²) over the largest line. A step size is √ΣM̃²/(√v' + ε) ≤ √n·u/ε (NAMO, n
+      // elements of a matrix) or bias·√rows·u/√ε (NAMO-D, bias ≤ 1/(1 − β1)); the clamp keeps each
+      // between the smallest and the largest of them. Loose where v' is small, as it must be for a
+      // state restored from anywhere.
+      const bool diagonal = options_.moment2_method == Moment2Method::kNamoD;
+      const double line = static_cast<double>(diagonal ? most_rows : most_elements);
+      moment2 = std::max(v, line * g * g) * kBoundRounding;
+      moment2_peak = moment2;
+      const double size = std::sqrt(line) * u;
+      const double alpha = diagonal ? size / std::sqrt(options_.eps) / std::max(1.0 - mu, 1e-300) : size / options_.eps;
+      step *= alpha * kBoundRounding;
+      break;
+    }
   }
   StepBounds out;
   out.master =
@@ -454,7 +500,7 @@ std::vector<size_t> Muon::PlanBatches(const Backend& backend,
       if (!Contiguous(batch))
         need[NsWorkspace::kFirstFreeSlot] = std::max(need[NsWorkspace::kFirstFreeSlot], batch.size() * mat);
       if ((options_.moment2_method == Moment2Method::kNormuon && batch[0].lines_per_column) ||
-          CopiesForLines(batch[0].deferred)) {
+          CopiesForLines(batch[0].deferred) || NamoCopies(options_.moment2_method, batch[0].deferred)) {
         // NorMuon's copy of wide matrices, or the transposed copy that scales columns.
         need[kNormuonSlot] = std::max(need[kNormuonSlot], batch.size() * mat);
       }
@@ -479,7 +525,8 @@ Optimizer::WorkspaceNeed Muon::LeastWorkspace(const Backend& backend, std::span<
           const auto ns = NsSlotFloats(r, c, 1, UsesGram(backend, r, c));
           for (size_t slot = 0; slot < ns.size(); ++slot) own[slot] = std::max(own[slot], ns[slot]);
           const bool per_column = transposed ? rows >= cols : rows < cols;
-          if ((options_.moment2_method == Moment2Method::kNormuon && per_column) || CopiesForLines(transposed)) {
+          if ((options_.moment2_method == Moment2Method::kNormuon && per_column) || CopiesForLines(transposed) ||
+              NamoCopies(options_.moment2_method, transposed)) {
             own[kNormuonSlot] = std::max(own[kNormuonSlot], static_cast<size_t>(rows * cols));
           }
         },
@@ -500,8 +547,8 @@ Optimizer::WorkspaceNeed Muon::LeastWorkspace(const Backend& backend, std::span<
 }
 
 // Orthogonalizes one batch of same-shape jobs and applies W ← β·W − η·scale·O to each.
-absl::Status Muon::Orthogonalize(Backend& backend, std::span<const MatrixJob> jobs, NsWorkspace& ws,
-                                 double* input_sums) {
+absl::Status Muon::Orthogonalize(Backend& backend, const StepHyper& hyper, std::span<const MatrixJob> jobs,
+                                 NsWorkspace& ws, double* input_sums, const double* namo_grad_sums) {
   const int64_t rows = jobs[0].rows, cols = jobs[0].cols;
   const size_t mat = static_cast<size_t>(rows * cols);
   const size_t batch = jobs.size();
@@ -513,6 +560,18 @@ absl::Status Muon::Orthogonalize(Backend& backend, std::span<const MatrixJob> jo
     }
   }
   const bool transposed = jobs[0].deferred;
+  const NamoBatch shape{
+      .stored_rows = rows, .stored_cols = cols, .batch = static_cast<int64_t>(batch), .transposed = transposed};
+  if (IsNamo(options_.moment2_method)) {
+    // ‖M̃‖ of each line, before MuonEq's normalization changes it.
+    float* copy = nullptr;
+    if (NamoCopies(options_.moment2_method, transposed)) {
+      MUOND_ASSIGN_OR_RETURN(copy, ws.Get(backend, kNormuonSlot, mat * batch));
+    }
+    MUOND_RETURN_IF_ERROR(
+        NamoLineSums(backend, options_.moment2_method, work, shape, copy,
+                     reinterpret_cast<double*>(backend.Shared<StepScratch>().namo_update_sums->data())));
+  }
   if (const LineOrder before = OrderOf(options_.momentum_normalization, transposed); before != LineOrder::kNone) {
     MUOND_ASSIGN_OR_RETURN(const LineScratch lines, LineScratchOf(backend, ws, mat * batch, before));
     MUOND_RETURN_IF_ERROR(NormalizeLines(backend, before, kMomentumNormalizationEps, work, rows, cols,
@@ -537,6 +596,7 @@ absl::Status Muon::Orthogonalize(Backend& backend, std::span<const MatrixJob> jo
   if (options_.moment2_method == Moment2Method::kNormuon) {
     MUOND_RETURN_IF_ERROR(ReduceVariance(backend, jobs, work, ws, backend.Shared<StepScratch>()));
   }
+  if (IsNamo(options_.moment2_method)) MUOND_RETURN_IF_ERROR(ApplyNamo(backend, hyper, jobs, work, ws, namo_grad_sums));
   if (jobs[0].deferred) {
     // Column blocks: O goes back where the block's U was; ApplyTransposed updates the parameter.
     if (work != jobs[0].update) {
@@ -659,6 +719,81 @@ absl::Status Muon::ReduceVariance(Backend& backend, std::span<const MatrixJob> j
   MUOND_RETURN_IF_ERROR(backend.ScaleBatchedBy(lines, count, length * batch, scales));
   if (per_column) {
     MUOND_RETURN_IF_ERROR(backend.Transpose2D(lines, work, cols, rows, static_cast<int64_t>(batch)));
+  }
+  return absl::OkStatus();
+}
+
+// NAMO follows Emerging-Optimizers (ε outside the root, no bias correction); NAMO-D the authors'
+// code (ε inside, Adam's bias corrections of β1 = the momentum and β2 at the parameter's step t).
+kernels::NamoArgs Muon::NamoArgsOf(const StepHyper& hyper, const ParamState& param) const {
+  kernels::NamoArgs args{.weight = static_cast<float>(1.0 - options_.beta2), .eps = options_.eps};
+  if (options_.moment2_method == Moment2Method::kNamoD) {
+    const double t = static_cast<double>(param.step_count + 1);
+    args.eps_in_root = true;
+    args.bias = std::sqrt(1.0 - std::pow(options_.beta2, t)) / (1.0 - std::pow(hyper.momentum, t));
+    args.clamp = options_.namo_clamp;
+  }
+  return args;
+}
+
+absl::Status Muon::ApplyNamo(Backend& backend, const StepHyper& hyper, std::span<const MatrixJob> jobs, float* work,
+                             NsWorkspace& ws, const double* grad_sums) {
+  const bool transposed = jobs[0].deferred;
+  const NamoBatch shape{.stored_rows = jobs[0].rows,
+                        .stored_cols = jobs[0].cols,
+                        .batch = static_cast<int64_t>(jobs.size()),
+                        .transposed = transposed};
+  const size_t lines = static_cast<size_t>(shape.Lines(options_.moment2_method));
+  StepScratch& scratch = backend.Shared<StepScratch>();
+  const double* update_sums = reinterpret_cast<const double*>(scratch.namo_update_sums->data());
+  float* scales = scratch.namo_scales->data();
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    // Rounded to the slot's format on the way (exp_avg_sq_dtype); the step sizes use fp32 values.
+    MUOND_RETURN_IF_ERROR(backend.NamoScales(NamoArgsOf(hyper, *jobs[i].param), grad_sums + i * lines,
+                                             update_sums + i * lines, jobs[i].moment2->Ref(jobs[i].moment2_offset),
+                                             scales + i * lines, lines));
+  }
+  float* copy = nullptr;
+  if (NamoCopies(options_.moment2_method, transposed)) {
+    MUOND_ASSIGN_OR_RETURN(
+        copy, ws.Get(backend, kNormuonSlot, static_cast<size_t>(shape.stored_rows * shape.stored_cols) * jobs.size()));
+  }
+  return NamoScale(backend, options_.moment2_method, work, shape, copy, scales);
+}
+
+// A job's raw gradient lies where its U will: at the same offset of the gradient buffer, or, for a
+// column-blocked parameter (worked on transposed), of the gradient's transpose.
+absl::Status Muon::NamoGradientSums(Backend& backend, std::span<ParamState* const> params,
+                                    std::span<const std::span<const MatrixJob>> batches, NsWorkspace& ws,
+                                    double* sums) {
+  std::map<const ParamState*, std::vector<std::pair<const MatrixJob*, size_t>>> by_param;
+  size_t line = 0;
+  for (std::span<const MatrixJob> batch : batches) {
+    for (const MatrixJob& job : batch) {
+      by_param[job.param].emplace_back(&job, line);
+      line += static_cast<size_t>(NamoLines(options_.moment2_method, job.deferred ? job.rows : job.cols));
+    }
+  }
+  for (ParamState* p : params) {
+    auto it = by_param.find(p);
+    if (!p->has_grad || it == by_param.end()) continue;
+    const float* g = p->grad->data();
+    const float* raw = g;
+    if (WorksTransposed(*p)) {
+      MUOND_ASSIGN_OR_RETURN(float* t, ws.Get(backend, kTransposeSlot, static_cast<size_t>(p->numel)));
+      MUOND_RETURN_IF_ERROR(backend.Transpose2D(g, t, p->shape[0], p->shape[1], 1));
+      raw = t;
+    }
+    for (const auto& [job, at] : it->second) {
+      float* copy = nullptr;
+      if (NamoCopies(options_.moment2_method, job->deferred)) {
+        MUOND_ASSIGN_OR_RETURN(copy, ws.Get(backend, kNormuonSlot, static_cast<size_t>(job->rows * job->cols)));
+      }
+      const NamoBatch shape{
+          .stored_rows = job->rows, .stored_cols = job->cols, .batch = 1, .transposed = job->deferred};
+      MUOND_RETURN_IF_ERROR(
+          NamoLineSums(backend, options_.moment2_method, raw + (job->update - g), shape, copy, sums + at));
+    }
   }
   return absl::OkStatus();
 }
@@ -796,6 +931,24 @@ absl::Status Muon::Step(Backend& backend, const StepHyper& hyper, std::span<Para
     MUOND_RETURN_IF_ERROR(Grow(backend, scratch.line_sums, 2 * lines));
     MUOND_RETURN_IF_ERROR(Grow(backend, scratch.line_scales, lines));
   }
+  double* namo_grad_sums = nullptr;
+  if (IsNamo(options_.moment2_method)) {
+    size_t total = 0, most = 0;
+    for (std::span<const MatrixJob> batch : batches) {
+      const NamoBatch shape{.stored_rows = batch[0].rows,
+                            .stored_cols = batch[0].cols,
+                            .batch = static_cast<int64_t>(batch.size()),
+                            .transposed = batch[0].deferred};
+      const size_t lines = static_cast<size_t>(shape.Lines(options_.moment2_method)) * batch.size();
+      total += lines;
+      most = std::max(most, lines);
+    }
+    MUOND_RETURN_IF_ERROR(Grow(backend, scratch.namo_grad_sums, 2 * std::max<size_t>(total, 1)));
+    MUOND_RETURN_IF_ERROR(Grow(backend, scratch.namo_update_sums, 2 * std::max<size_t>(most, 1)));
+    MUOND_RETURN_IF_ERROR(Grow(backend, scratch.namo_scales, std::max<size_t>(most, 1)));
+    namo_grad_sums = reinterpret_cast<double*>(scratch.namo_grad_sums->data());
+    MUOND_RETURN_IF_ERROR(NamoGradientSums(backend, params, batches, ws, namo_grad_sums));
+  }
 
   const kernels::MomentumArgs momentum{
       .beta = static_cast<float>(hyper.momentum), .style = options_.momentum_style, .nesterov = options_.nesterov};
@@ -810,10 +963,16 @@ absl::Status Muon::Step(Backend& backend, const StepHyper& hyper, std::span<Para
     MUOND_RETURN_IF_ERROR(backend.Momentum(momentum, p->Slot(kMomentumSlot)->Ref(), g, g, n));
   }
   MUOND_RETURN_IF_ERROR(TransposeInPlace(backend, transposed, /*to_blocks=*/true, ws));
-  size_t done = 0;
+  size_t done = 0, namo_done = 0;
   for (std::span<const MatrixJob> batch : batches) {
-    MUOND_RETURN_IF_ERROR(Orthogonalize(backend, batch, ws, input_sums != nullptr ? input_sums + done : nullptr));
+    MUOND_RETURN_IF_ERROR(Orthogonalize(backend, hyper, batch, ws, input_sums != nullptr ? input_sums + done : nullptr,
+                                        namo_grad_sums != nullptr ? namo_grad_sums + namo_done : nullptr));
     done += batch.size();
+    if (namo_grad_sums != nullptr) {
+      namo_done +=
+          static_cast<size_t>(NamoLines(options_.moment2_method, batch[0].deferred ? batch[0].rows : batch[0].cols)) *
+          batch.size();
+    }
   }
   for (ParamState* p : transposed) MUOND_RETURN_IF_ERROR(ApplyTransposed(backend, hyper, *p, ws));
   for (ParamState* p : params) {

@@ -239,7 +239,14 @@ absl::Status ValidateOptions(const GroupOptions& o) {
   if (o.optimizer == OptimizerKind::kMuon && o.moment2_method == Moment2Method::kNone &&
       o.exp_avg_sq_dtype != kernels::StorageDtype::kFp32) {
     return absl::InvalidArgumentError(
-        "exp_avg_sq_dtype applies to a muon group only with moment2_method adamuon or normuon (its second moment)");
+        "exp_avg_sq_dtype applies to a muon group only with a moment2_method (its second moment)");
+  }
+  const bool namo = o.moment2_method == Moment2Method::kNamo || o.moment2_method == Moment2Method::kNamoD;
+  if (o.optimizer == OptimizerKind::kMuon && namo && o.weight_decay_mode == WeightDecayMode::kL2) {
+    // Emerging-Optimizers refuses it too: the second moment would track the decayed gradient.
+    return absl::InvalidArgumentError(absl::StrCat("weight_decay_mode l2 cannot be combined with moment2_method ",
+                                                   o.moment2_method == Moment2Method::kNamo ? "namo" : "namo_d",
+                                                   " (its second moment is of the raw gradient's norm)"));
   }
   if (o.post_normalization != PostNormalization::kNone && o.moment2_method == Moment2Method::kNormuon) {
     return absl::InvalidArgumentError(
@@ -339,7 +346,7 @@ absl::Status CheckOptionApplies(const GroupOptions& o, std::string_view option) 
   const bool second_moment_only = spec != nullptr && spec->muon_needs == "moment2_method";
   if (o.optimizer == OptimizerKind::kMuon && o.moment2_method == Moment2Method::kNone && second_moment_only) {
     return absl::InvalidArgumentError(
-        absl::StrCat(std::string(option), ": applies to a muon group only with moment2_method adamuon or normuon"));
+        absl::StrCat(std::string(option), ": applies to a muon group only with a moment2_method"));
   }
   return absl::OkStatus();
 }

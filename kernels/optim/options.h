@@ -19,8 +19,10 @@ enum class OptimizerKind { kMuon, kAdamW, kLion, kSgd };
 // decoupled decay applied only where the update and the weight agree in sign.
 enum class WeightDecayMode { kDecoupled, kIndependent, kL2, kCautious };
 // Muon's adaptive second moment on the orthogonalized update: none (plain Muon), adamuon (an
-// element-wise moment, as Adam's), normuon (one moment per row or column, norm preserving).
-enum class Moment2Method { kNone, kAdamuon, kNormuon };
+// element-wise moment, as Adam's), normuon (one moment per row or column, norm preserving), namo
+// (one scalar step size per matrix from ‖M̃‖ and a moment of ‖G‖²), namo_d (one per column, clamped
+// toward their mean).
+enum class Moment2Method { kNone, kAdamuon, kNormuon, kNamo, kNamoD };
 enum class ScaleMode { kShapeScaling, kSpectral, kUnitRmsNorm };
 enum class CoefficientsAfter { kCycle, kRepeatLast };
 // How Newton–Schulz is computed: on the iterate X (standard) or on the Gram matrix X·Xᵀ (gram,
@@ -89,6 +91,7 @@ struct GroupOptions {
   int num_heads = 1;                  // muon: each 2-D parameter's rows cut into this many heads (Shapes)
   double beta1 = 0.9, beta2 = 0.999;  // muon with a moment2_method: beta2 (default 0.95)
   double eps = 1e-8;                  // adamw; muon with a moment2_method
+  double namo_clamp = 0.75;           // muon with moment2_method namo_d: the columns' clamp c
   // Storage formats (the precision-aware optimizer); the arithmetic is fp32 whatever they are.
   kernels::StorageDtype master_dtype = kernels::StorageDtype::kFp32;      // every optimizer
   kernels::StorageDtype momentum_dtype = kernels::StorageDtype::kFp32;    // muon, sgd

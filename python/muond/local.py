@@ -266,6 +266,41 @@ def _matrix_views(t: torch.Tensor, group: Dict[str, Any]) -> list:
     return [t.reshape(shapes[0])]
 
 
+def _namo_update(u: torch.Tensor, g: torch.Tensor, group: Dict[str, Any], moment2: torch.Tensor,
+                 step: int) -> torch.Tensor:
+    """NAMO (Emerging-Optimizers) and NAMO-D (the authors' code), matrix by matrix in the daemon's
+    order (docs/algorithms.md, NAMO and NAMO-D), advancing ``moment2`` in place; the step is lr
+    times it. Per line (the matrix, or each column): v ← lerp(v, Σ G², 1−β2); NAMO: α = ‖M̃‖/(√v + ε);
+    NAMO-D: d = bias·‖M̃_col‖/√(v + ε), clamped to [c·mean, mean/c]; then scale·NS(M̃)·α (or ·D)."""
+    coefficients, after = opts.coefficient_schedule(group)
+    beta2, eps = group["beta2"], group["eps"]
+    diagonal = group["moment2_method"] == "namo_d"
+    out = torch.empty_like(u)
+    flat = moment2.reshape(-1)
+    line = 0
+    for m, raw, o_view in zip(_matrix_views(u, group), _matrix_views(g.contiguous(), group),
+                              _matrix_views(out, group)):
+        rows, cols = m.shape
+        lines = cols if diagonal else 1
+        v = flat[line:line + lines]
+        line += lines
+        g_sums = raw.double().square().sum(dim=0) if diagonal else raw.double().square().sum().reshape(1)
+        m_sums = m.double().square().sum(dim=0) if diagonal else m.double().square().sum().reshape(1)
+        v.lerp_(g_sums.float(), 1 - beta2)
+        if diagonal:
+            bias = math.sqrt(1 - beta2 ** step) / (1 - group["momentum"] ** step)
+            d = bias * m_sums.sqrt() / (v.double() + eps).sqrt()
+            c, mean = group["namo_clamp"], float(d.mean())
+            if 0 < c <= 1 and 0 < mean < math.inf:
+                d = d.clamp(mean * c, mean / c)
+        else:
+            d = m_sums.sqrt() / (v.double().sqrt() + eps)
+        o = _polar(m, group, coefficients, after)
+        scale = muon_scale(group["scale_mode"], group["extra_scale_factor"], rows, cols)
+        o_view.copy_(o * d.float()[None, :] * scale if diagonal else o * float(d.float()) * scale)
+    return out
+
+
 def _adaptive_update(u: torch.Tensor, group: Dict[str, Any], moment2: torch.Tensor) -> torch.Tensor:
     """The update of a Muon group with a second moment, matrix by matrix in the daemon's order
     (docs/algorithms.md, Adaptive Muon), advancing ``moment2`` in place; the step is lr times it.
@@ -518,7 +553,10 @@ class LocalOptimizer(torch.optim.Optimizer):
                 moment2 = state["moment2"] = torch.zeros(
                     facts.slot_shape(group, tuple(p.shape), "moment2"), dtype=torch.float32,
                     device=p.device)
-            update = _adaptive_update(u.contiguous(), group, moment2)
+            if group["moment2_method"] in ("namo", "namo_d"):
+                update = _namo_update(u.contiguous(), g, group, moment2, state["step"])
+            else:
+                update = _adaptive_update(u.contiguous(), group, moment2)
         if mode == "decoupled":
             p.mul_(1 - lr * wd)
         elif mode == "independent":

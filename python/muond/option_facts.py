@@ -147,8 +147,12 @@ def head_rows(group: Mapping[str, Any], shape: Tuple[int, ...]) -> int:
 def slot_shape(group: Mapping[str, Any], shape: Tuple[int, ...], slot: str) -> Tuple[int, ...]:
     """The shape of optimizer slot ``slot`` of a parameter of ``shape`` in ``group``: the
     parameter's, except NorMuon's second moment (one value per row, or per column of a wide
-    matrix; torch's keepdim shape for a plain matrix, flat otherwise)."""
+    matrix; torch's keepdim shape for a plain matrix, flat otherwise; NAMO's one value per matrix and
+    NAMO-D's one per column of each, flat)."""
     shape = tuple(int(d) for d in shape)
+    if slot == "moment2" and group.get("moment2_method") in ("namo", "namo_d"):
+        per_column = group["moment2_method"] == "namo_d"
+        return (sum(c if per_column else 1 for _, c in matrix_shapes(group, shape)),)
     if slot != "moment2" or group.get("moment2_method") != "normuon":
         return shape
     if len(shape) == 2 and group.get("qkv_split") is None and (group.get("tp_blocks") or 1) == 1 \

@@ -184,8 +184,10 @@ def resolve_group(group: Mapping[str, Any], defaults: Mapping[str, Any]) -> Dict
             if method not in (None, "none") and key not in group and key in defaults:
                 resolved[key] = _check_value(key, defaults[key])
             if resolved["moment2_method"] is None and key in group:
-                raise ValueError(f"option {key!r} applies to a muon group only with moment2_method "
-                                 "'adamuon' or 'normuon'")
+                raise ValueError(f"option {key!r} applies to a muon group only with a moment2_method")
+        if resolved["moment2_method"] in ("namo", "namo_d") and resolved["weight_decay_mode"] == "l2":
+            raise ValueError(f"weight_decay_mode l2 cannot be combined with moment2_method "
+                             f"{resolved['moment2_method']} (its second moment is of the raw gradient's norm)")
     steps = SET_STEPS.get(resolved["ns_coefficients"]) if name == "muon" and isinstance(
         resolved["ns_coefficients"], str) else None
     if steps is not None and resolved["ns_steps"] != steps:

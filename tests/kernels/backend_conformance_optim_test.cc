@@ -315,6 +315,13 @@ TEST_P(BackendConformanceTest, MuonVariantsMatchCpu) {
          o.weight_decay_mode = optim::WeightDecayMode::kCautious;
        }},
       {"adamuon", [](optim::GroupOptions& o) { o.moment2_method = optim::Moment2Method::kAdamuon; }},
+      // NAMO and NAMO-D: the raw gradient's and the momentum's line sums, NamoScales, the scaling.
+      {"namo", [](optim::GroupOptions& o) { o.moment2_method = optim::Moment2Method::kNamo; }},
+      {"namo_d_muoneq",
+       [](optim::GroupOptions& o) {
+         o.moment2_method = optim::Moment2Method::kNamoD;
+         o.momentum_normalization = optim::MomentumNormalization::kRow;
+       }},
       // MuonEq and Muon+: line scales through SumSquaresTo, InverseRootScales and ScaleBatchedBy.
       {"muoneq_rowcol_muon_plus",
        [](optim::GroupOptions& o) {

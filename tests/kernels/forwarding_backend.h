@@ -74,6 +74,10 @@ class ForwardingBackend : public kernels::Backend {
                              float* scales, size_t length) override {
     return inner_.NormuonScales(args, line_sums, moment2, scales, length);
   }
+  absl::Status NamoScales(const kernels::NamoArgs& args, const double* grad_sums, const double* update_sums,
+                          kernels::StoredRef moment2, float* scales, size_t lines) override {
+    return inner_.NamoScales(args, grad_sums, update_sums, moment2, scales, lines);
+  }
   absl::Status Axpby(float alpha, kernels::StoredRef x, float beta, kernels::StoredRef y, size_t count) override {
     return inner_.Axpby(alpha, x, beta, y, count);
   }

@@ -80,6 +80,12 @@ std::vector<Case> Cases() {
   Case adamuon{"adamuon", optim::DefaultOptions(optim::OptimizerKind::kMuon), matrices};
   adamuon.options.moment2_method = optim::Moment2Method::kAdamuon;
   cases.push_back(adamuon);
+  for (optim::Moment2Method method : {optim::Moment2Method::kNamo, optim::Moment2Method::kNamoD}) {
+    Case namo{method == optim::Moment2Method::kNamo ? "namo" : "namo_d",
+              optim::DefaultOptions(optim::OptimizerKind::kMuon), matrices};
+    namo.options.moment2_method = method;
+    cases.push_back(namo);
+  }
   cases.push_back({"adamw", optim::DefaultOptions(optim::OptimizerKind::kAdamW), tensors});
   cases.push_back({"lion", optim::DefaultOptions(optim::OptimizerKind::kLion), tensors});
   cases.push_back({"sgd", optim::DefaultOptions(optim::OptimizerKind::kSgd), tensors});

@@ -1,6 +1,7 @@
 // Muon against an fp64 reference written from the formulas of docs/algorithms.md (momentum,
 // Newton–Schulz, scale, weight decay, update), over several steps and every option that changes the
 // math.
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <string>
@@ -128,6 +129,42 @@ std::vector<double> RefAdaptive(const GroupOptions& o, const Block& b, const Mat
   return upd;
 }
 
+// NAMO (Emerging-Optimizers) and NAMO-D (the NAMO authors' code) on one block, after
+// Newton–Schulz: per line (the block, or each of its columns) v ← v + (1−β2)(Σ g² − v) over the raw
+// gradient; NAMO α = ‖M̃‖/(√v + ε); NAMO-D d = bias·‖M̃_col‖/√(v + ε) with bias = √(1−β2ᵗ)/(1−β1ᵗ),
+// clamped to [c·mean, mean/c]; out scaled by them. `u` is the block's M̃ before any normalization.
+void RefNamo(const GroupOptions& o, double beta1, int64_t t, const Block& b, const std::vector<double>& g,
+             const std::vector<double>& u, Mat& out, double* m2) {
+  const bool diagonal = o.moment2_method == Moment2Method::kNamoD;
+  const int64_t lines = diagonal ? b.cols : 1;
+  std::vector<double> gs(lines, 0.0), us(lines, 0.0), d(lines);
+  for (int64_t i = 0; i < b.rows; ++i) {
+    for (int64_t j = 0; j < b.cols; ++j) {
+      const int64_t l = diagonal ? j : 0;
+      gs[l] += g[b.At(i, j)] * g[b.At(i, j)];
+      us[l] += u[b.At(i, j)] * u[b.At(i, j)];
+    }
+  }
+  double mean = 0;
+  for (int64_t l = 0; l < lines; ++l) {
+    m2[l] += (1 - o.beta2) * (gs[l] - m2[l]);
+    if (diagonal) {
+      const double bias = std::sqrt(1 - std::pow(o.beta2, t)) / (1 - std::pow(beta1, t));
+      d[l] = bias * std::sqrt(us[l]) / std::sqrt(m2[l] + o.eps);
+    } else {
+      d[l] = std::sqrt(us[l]) / (std::sqrt(m2[l]) + o.eps);
+    }
+    mean += d[l] / static_cast<double>(lines);
+  }
+  const double c = o.namo_clamp;
+  for (int64_t l = 0; l < lines; ++l) {
+    if (diagonal && c > 0 && c <= 1 && mean > 0) d[l] = std::clamp(d[l], c * mean, mean / c);
+  }
+  for (int64_t i = 0; i < b.rows; ++i) {
+    for (int64_t j = 0; j < b.cols; ++j) out.v[i * b.cols + j] *= d[diagonal ? j : 0];
+  }
+}
+
 // Each row (rows) or column of x scaled by (Σ x² + eps)^(-1/2), from the sums of x as given.
 std::vector<double> LineScales(const Mat& x, bool rows, double eps) {
   const int64_t lines = rows ? x.rows : x.cols, count = rows ? x.cols : x.rows;
@@ -188,7 +225,7 @@ void RefPostNormalization(PostNormalization mode, Mat& x) {
 // One Muon step in fp64 on host vectors w (master), mom (momentum) and m2 (the second moment, when
 // the options have one).
 void RefStep(const GroupOptions& o, const StepHyper& h, const ParamSpec& p, std::vector<double> g,
-             std::vector<double>& w, std::vector<double>& mom, std::vector<double>& m2) {
+             std::vector<double>& w, std::vector<double>& mom, std::vector<double>& m2, int64_t t = 1) {
   const double beta = h.momentum, lr = h.lr, wd = h.weight_decay;
   const size_t n = w.size();
   if (o.weight_decay_mode == WeightDecayMode::kL2) {
@@ -220,6 +257,10 @@ void RefStep(const GroupOptions& o, const StepHyper& h, const ParamSpec& p, std:
                   ? testing::ReferenceAolNs(x, o.ns_schedule, o.ns_steps, o.ns_eps)
                   : testing::ReferenceNs(x, o.ns_schedule, o.ns_steps, o.ns_eps, o.ns_norm_safety);
     RefPostNormalization(o.post_normalization, out);
+    if (o.moment2_method == Moment2Method::kNamo || o.moment2_method == Moment2Method::kNamoD) {
+      RefNamo(o, beta, t, b, g, u, out, m2.data() + line);
+      line += o.moment2_method == Moment2Method::kNamoD ? b.cols : 1;
+    }
     std::vector<double> block_adamuon;  // AdaMuon's moment of the block, gathered and put back
     double* block_m2 = nullptr;
     if (o.moment2_method == Moment2Method::kAdamuon) {
@@ -328,7 +369,7 @@ TEST_P(MuonReferenceTest, MatchesFp64ReferenceOverSteps) {
       for (float& x : g) x = static_cast<float>(normal(rng));
       ASSERT_OK(backend->CopyToDevice(g.data(), states[i].grad->data(), g.size()));
       states[i].has_grad = true;
-      RefStep(c.options, hyper, c.params[i], testing::ToDouble(g), ref_w[i], ref_m[i], ref_m2[i]);
+      RefStep(c.options, hyper, c.params[i], testing::ToDouble(g), ref_w[i], ref_m[i], ref_m2[i], step + 1);
     }
     ASSERT_OK(opt->Step(*backend, hyper, ptrs));
     for (size_t i = 0; i < states.size(); ++i) {
@@ -421,6 +462,27 @@ INSTANTIATE_TEST_SUITE_P(
                  Adaptive(Moment2Method::kNormuon, WeightDecayMode::kCautious),
                  {ParamSpec{{40, 24}, QkvSplit{.q = 16, .k = 2, .v = 2, .num_query_groups = 2}},
                   ParamSpec{{6, 4, 3, 3}}, ParamSpec{{2, 20, 12}}, k2d}},
+        // NAMO and NAMO-D: the raw gradient's lines are taken before the momentum overwrites it, in
+        // each layout (experts, flattened filters, QKV blocks, column blocks worked on transposed).
+        MuonCase{"namo", Adaptive(Moment2Method::kNamo, WeightDecayMode::kDecoupled), {k2d, kTall}},
+        MuonCase{"namo_qkv_conv_experts",
+                 Adaptive(Moment2Method::kNamo, WeightDecayMode::kCautious, ScaleMode::kSpectral),
+                 {ParamSpec{{40, 24}, QkvSplit{.q = 16, .k = 2, .v = 2, .num_query_groups = 2}},
+                  ParamSpec{{6, 4, 3, 3}}, ParamSpec{{2, 20, 12}}, k2d}},
+        MuonCase{"namo_d", Adaptive(Moment2Method::kNamoD, WeightDecayMode::kDecoupled), {k2d, kTall, ParamSpec{{16, 16}}}},
+        MuonCase{"namo_d_unclamped_momentum_normalized",
+                 [] {
+                   GroupOptions o = Normalized(Adaptive(Moment2Method::kNamoD, WeightDecayMode::kDecoupled),
+                                               MomentumNormalization::kRow, PostNormalization::kMuonPlus);
+                   o.namo_clamp = 0;
+                   return o;
+                 }(),
+                 {k2d, kTall}},
+        MuonCase{"namo_d_qkv_conv_experts_tp",
+                 Adaptive(Moment2Method::kNamoD, WeightDecayMode::kIndependent, ScaleMode::kSpectral),
+                 {ParamSpec{{40, 24}, QkvSplit{.q = 16, .k = 2, .v = 2, .num_query_groups = 2}},
+                  ParamSpec{{6, 4, 3, 3}}, ParamSpec{{2, 20, 12}}, ParamSpec{{16, 24}, {}, TpBlocks{.blocks = 2, .dim = 1}},
+                  ParamSpec{{16, 24}, {}, TpBlocks{.blocks = 2, .dim = 0}}}},
         MuonCase{"cautious",
                  Opts(MomentumStyle::kEma, true, WeightDecayMode::kCautious, ScaleMode::kShapeScaling, 0.5),
                  {k2d, kTall}},

@@ -167,7 +167,7 @@ def test_local_gram_newton_schulz_matches_the_standard_map(coefficients):
 
 def test_adaptive_muon_refusals(endpoint):
     model = TinyNet(seed=22)
-    with pytest.raises(ValueError, match="'beta2' applies to a muon group only with moment2_method"):
+    with pytest.raises(ValueError, match="'beta2' applies to a muon group only with a moment2_method"):
         muond.RemoteOptimizer(muond.default_param_groups(model, muon={"beta2": 0.9}), endpoint=endpoint)
     with pytest.raises(ValueError, match="option 'moment2_method' does not apply to optimizer 'adamw'"):
         muond.RemoteOptimizer(muond.default_param_groups(model, adamw={"moment2_method": "adamuon"}),
