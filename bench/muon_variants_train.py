@@ -1,5 +1,5 @@
 """A small fixed-seed training comparison of the Muon variants (docs/algorithms.md: MuonEq, Muon+,
-per-head Newton–Schulz, Turbo-Muon) against plain Muon: examples/train_gpt.py (a 3-layer character-level
+per-head Newton–Schulz, Turbo-Muon, NAMO, NAMO-D, Dion2) against plain Muon: examples/train_gpt.py (a 3-layer character-level
 transformer on its built-in corpus, AdamW for embeddings and norms) for --steps steps with the same
 seed, data order and learning rates, each variant only changing the Muon groups' options. Each run
 spawns its own muond (CPU backend). Printed: the mean of the last 10 training losses and the
@@ -26,6 +26,10 @@ VARIANTS = {
     "Muon+ (post_normalization=muon_plus)": ["post_normalization=muon_plus"],
     "per-head NS (num_heads=4)": ["num_heads=4"],
     "Turbo-Muon (ns_preconditioner=aol)": ["ns_preconditioner=aol"],
+    "NAMO (moment2_method=namo)": ["moment2_method=namo"],
+    "NAMO-D (moment2_method=namo_d)": ["moment2_method=namo_d"],
+    # Dion2 with the Muon group's lr and decay, its own defaults otherwise (fraction 0.25).
+    "Dion2 (optimizer=dion2)": ["optimizer=dion2"],
 }
 
 

@@ -28,7 +28,8 @@ namespace {
 bool IsMuon(const v1::SessionSpec& spec, const std::string& group) {
   for (const v1::ParameterGroup& g : spec.groups()) {
     if (g.name() == group) {
-      return g.options().optimizer() == v1::OPTIMIZER_UNSPECIFIED || g.options().optimizer() == v1::OPTIMIZER_MUON;
+      return g.options().optimizer() == v1::OPTIMIZER_UNSPECIFIED || g.options().optimizer() == v1::OPTIMIZER_MUON ||
+             g.options().optimizer() == v1::OPTIMIZER_DION2;
     }
   }
   return false;

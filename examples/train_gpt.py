@@ -280,6 +280,8 @@ def muon_option(text: str):
 def param_groups(model: nn.Module, args):
     muon = {"lr": args.muon_lr, "momentum": 0.95, "weight_decay": args.weight_decay}
     muon.update(dict(args.muon_option))
+    if muon.get("optimizer") == "dion2":
+        del muon["momentum"]  # Dion2's momentum sums the gradients (docs/algorithms.md, Dion2)
     return muond.default_param_groups(
         model, muon=muon,
         adamw={"lr": args.adamw_lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0})
@@ -426,8 +428,8 @@ def parse_args(argv=None):
     p.add_argument("--adamw-lr", type=float, default=3e-3)
     p.add_argument("--weight-decay", type=float, default=0.0, help="Muon groups' weight decay")
     p.add_argument("--muon-option", type=muon_option, action="append", default=[], metavar="KEY=VALUE",
-                   help="another Muon group option, e.g. momentum_normalization=row or num_heads=4 "
-                        "(repeatable)")
+                   help="another Muon group option, e.g. momentum_normalization=row, num_heads=4 or "
+                        "optimizer=dion2 (repeatable)")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--eval-every", type=int, default=100, help="0: only at the end")

@@ -111,6 +111,18 @@ absl::Status Backend::NormuonScales(const NormuonArgs& args, const double* line_
   return Narrow(moment2.dtype, moment.data(), moment2.data, length);
 }
 
+absl::Status Backend::SumAbs(const float* x, size_t count, size_t batch, double* sums) {
+  if (!HostAddressable()) {
+    return absl::UnimplementedError(absl::StrCat("SumAbs: the ", Name(), " backend has no implementation"));
+  }
+  for (size_t b = 0; b < batch; ++b) {
+    double acc = 0;
+    for (size_t i = 0; i < count; ++i) acc += std::abs(static_cast<double>(x[b * count + i]));
+    sums[b] = acc;
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Backend::NamoScales(const NamoArgs& args, const double* grad_sums, const double* update_sums,
                                  StoredRef moment2, float* scales, size_t lines) {
   if (!HostAddressable()) {

@@ -164,6 +164,9 @@ class Backend : public PeerPrimitives {
   // sums[i] = Σ x[i·count + j]², j < count, for i < batch. `sums` is a host array of `batch` values.
   virtual absl::Status SumSquares(const float* x, size_t count, size_t batch, double* sums) = 0;
   virtual absl::StatusOr<bool> AllFinite(const float* x, size_t count) = 0;
+  // sums[i] = Σ |x[i·count + j]|, j < count, in fp64, like SumSquares (Dion2's line norms). The
+  // CUDA backend sums on the device and waits once; the default needs a HostAddressable backend.
+  virtual absl::Status SumAbs(const float* x, size_t count, size_t batch, double* sums);
   // sums[i] = Σ tensors[i]², each accumulated like SumSquares, with one wait for them all (the
   // default calls SumSquares for each). `sums` is a host array of tensors.size() values.
   struct Slice {

@@ -84,6 +84,7 @@ class CudaBackend final : public Backend {
   absl::Status AddToDiagonal(float* a, int64_t m, int64_t batch, float value) override;
 
   absl::Status SumSquares(const float* x, size_t count, size_t batch, double* sums) override;
+  absl::Status SumAbs(const float* x, size_t count, size_t batch, double* sums) override;
   absl::StatusOr<bool> AllFinite(const float* x, size_t count) override;
   absl::Status SumSquaresEach(std::span<const Slice> tensors, double* sums) override;
 
@@ -168,7 +169,9 @@ class CudaBackend final : public Backend {
   absl::Status SyncUnlocking(std::unique_lock<std::mutex>& lock);
   // SumSquares' two kernels into `sums` (device memory for `batch` doubles), with its checks; the
   // partials in scratch. Requires mu_ held.
-  absl::Status SumSquaresLocked(const float* x, size_t count, size_t batch, double* sums);
+  absl::Status SumSquaresLocked(const float* x, size_t count, size_t batch, double* sums, bool absolute = false);
+  // SumSquares (or with `absolute` SumAbs) into host `sums`, one wait.
+  absl::Status SumReadBack(const float* x, size_t count, size_t batch, double* sums, bool absolute);
   // Gemm with the checks done. Requires mu_ held.
   absl::Status GemmLocked(const GemmShape& s, float alpha, const float* a, const float* b, float beta, float* c,
                           MatmulPrecision precision);

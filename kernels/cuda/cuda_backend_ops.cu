@@ -70,16 +70,24 @@ absl::StatusOr<size_t> PartialsBytes(size_t count, size_t batch) {
 
 }  // namespace
 
-absl::Status CudaBackend::SumSquaresLocked(const float* x, size_t count, size_t batch, double* sums) {
+absl::Status CudaBackend::SumSquaresLocked(const float* x, size_t count, size_t batch, double* sums, bool absolute) {
   const int chunks = SumSquaresChunks(static_cast<int64_t>(count));
   MUOND_ASSIGN_OR_RETURN(const size_t partials_bytes, PartialsBytes(count, batch));
   MUOND_ASSIGN_OR_RETURN(void* partials, GetScratch(kPartials, partials_bytes));
   return CudaStatus(LaunchSumSquares(x, static_cast<int64_t>(count), static_cast<int64_t>(batch), chunks,
-                                     static_cast<double*>(partials), sums, stream_),
+                                     static_cast<double*>(partials), sums, stream_, absolute),
                     "SumSquares kernels");
 }
 
 absl::Status CudaBackend::SumSquares(const float* x, size_t count, size_t batch, double* sums) {
+  return SumReadBack(x, count, batch, sums, /*absolute=*/false);
+}
+
+absl::Status CudaBackend::SumAbs(const float* x, size_t count, size_t batch, double* sums) {
+  return SumReadBack(x, count, batch, sums, /*absolute=*/true);
+}
+
+absl::Status CudaBackend::SumReadBack(const float* x, size_t count, size_t batch, double* sums, bool absolute) {
   if (batch == 0) return absl::OkStatus();
   const size_t bytes = batch * sizeof(double);
   MUOND_ASSIGN_OR_RETURN(const size_t partials_bytes, PartialsBytes(count, batch));
@@ -87,7 +95,7 @@ absl::Status CudaBackend::SumSquares(const float* x, size_t count, size_t batch,
   MUOND_ASSIGN_OR_RETURN(std::unique_lock<std::mutex> lock,
                          LockWithScratch({{kSums, bytes}, {kPartials, partials_bytes}}));
   MUOND_ASSIGN_OR_RETURN(void* device_sums, GetScratch(kSums, bytes));
-  MUOND_RETURN_IF_ERROR(SumSquaresLocked(x, count, batch, static_cast<double*>(device_sums)));
+  MUOND_RETURN_IF_ERROR(SumSquaresLocked(x, count, batch, static_cast<double*>(device_sums), absolute));
   return FinishReadBack(lock, pinned, device_sums, sums, bytes);
 }
 

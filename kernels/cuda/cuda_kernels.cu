@@ -108,13 +108,15 @@ __device__ double BlockSum(double value) {
 
 // Block blockIdx.x = b·chunks + chunk sums the elements chunk·kThreads + tid + j·chunks·kThreads
 // of item b, so the blocks of one item interleave and together cover it exactly once.
+// kAbsolute: Σ |x| instead of Σ x² (Backend::SumAbs).
+template <bool kAbsolute>
 __global__ void SumSquaresPartialKernel(const float* x, int64_t count, int chunks, double* partials) {
   const int64_t b = blockIdx.x / chunks, chunk = blockIdx.x % chunks;
   const float* item = x + b * count;
   double acc = 0.0;
   for (int64_t i = chunk * kThreads + threadIdx.x; i < count; i += static_cast<int64_t>(chunks) * kThreads) {
     const double v = item[i];
-    acc += v * v;
+    acc += kAbsolute ? fabs(v) : v * v;
   }
   const double sum = BlockSum(acc);
   if (threadIdx.x == 0) partials[blockIdx.x] = sum;
@@ -352,9 +354,15 @@ int SumSquaresChunks(int64_t count) {
 }
 
 cudaError_t LaunchSumSquares(const float* x, int64_t count, int64_t batch, int chunks, double* partials, double* sums,
-                             cudaStream_t stream) {
+                             cudaStream_t stream, bool absolute) {
   if (batch <= 0) return cudaSuccess;
-  SumSquaresPartialKernel<<<static_cast<unsigned>(batch * chunks), kThreads, 0, stream>>>(x, count, chunks, partials);
+  if (absolute) {
+    SumSquaresPartialKernel<true>
+        <<<static_cast<unsigned>(batch * chunks), kThreads, 0, stream>>>(x, count, chunks, partials);
+  } else {
+    SumSquaresPartialKernel<false>
+        <<<static_cast<unsigned>(batch * chunks), kThreads, 0, stream>>>(x, count, chunks, partials);
+  }
   if (cudaError_t error = cudaGetLastError(); error != cudaSuccess) return error;
   SumPartialsKernel<<<static_cast<unsigned>(batch), kThreads, 0, stream>>>(partials, chunks, sums);
   return cudaGetLastError();

@@ -62,10 +62,10 @@ cudaError_t LaunchTranspose(const float* in, float* out, int64_t rows, int64_t c
 
 // sums[b] = Σ_i x[b·count + i]² in fp64, b < batch, in two passes: `chunks` blocks per batch item
 // write partial sums to `partials` (batch·chunks doubles), then one block per item adds them up.
-// Deterministic: the same input gives the same bits on the same device.
+// Deterministic: the same input gives the same bits on the same device. `absolute`: Σ |x| instead.
 int SumSquaresChunks(int64_t count);
 cudaError_t LaunchSumSquares(const float* x, int64_t count, int64_t batch, int chunks, double* partials, double* sums,
-                             cudaStream_t stream);
+                             cudaStream_t stream, bool absolute = false);
 
 // Backend::NormuonScales for one matrix of `length` lines of `count` elements: one block, sums
 // in a fixed order (deterministic on a device; not the CPU's order, so within rounding of it).

@@ -237,19 +237,7 @@ class Muon final : public Optimizer {
   double* residual_sum_ = nullptr;           // where its ‖G² − G‖² and ‖G‖² go (backend memory)
 };
 
-double Muon::Scale(int64_t rows, int64_t cols) const {
-  const double m = static_cast<double>(rows), n = static_cast<double>(cols);
-  const double k = options_.extra_scale_factor;
-  switch (options_.scale_mode) {
-    case ScaleMode::kShapeScaling:
-      return k * std::sqrt(std::max(1.0, m / n));
-    case ScaleMode::kSpectral:
-      return k * std::sqrt(std::max(m, n));
-    case ScaleMode::kUnitRmsNorm:
-      return k * std::sqrt(m / n);
-  }
-  return k;
-}
+double Muon::Scale(int64_t rows, int64_t cols) const { return UpdateScale(options_, rows, cols); }
 
 float Muon::DecayFactor(const StepHyper& hyper) const {
   switch (options_.weight_decay_mode) {

@@ -22,6 +22,8 @@ absl::StatusOr<std::unique_ptr<Optimizer>> Optimizer::Create(const GroupOptions&
       return NewLion(options);
     case OptimizerKind::kSgd:
       return NewSgd(options);
+    case OptimizerKind::kDion2:
+      return NewDion2(options);
   }
   return absl::InvalidArgumentError("optimizer: unknown kind");
 }

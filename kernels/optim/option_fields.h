@@ -34,6 +34,9 @@ void VisitOptionFields(Options& o, F&& f) {
   f(std::string_view("qk_clip_alpha"), o.qk_clip_alpha);
   f(std::string_view("moment2_method"), o.moment2_method);
   f(std::string_view("namo_clamp"), o.namo_clamp);
+  f(std::string_view("dion2_fraction"), o.dion2_fraction);
+  f(std::string_view("dion2_select"), o.dion2_select);
+  f(std::string_view("dion2_ef_decay"), o.dion2_ef_decay);
   f(std::string_view("momentum_normalization"), o.momentum_normalization);
   f(std::string_view("post_normalization"), o.post_normalization);
   f(std::string_view("num_heads"), o.num_heads);

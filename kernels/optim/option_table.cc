@@ -190,7 +190,8 @@ absl::StatusOr<OptionTable> ParseOptionTable(std::string_view text) {
   OptionTable table;
   try {
     table.optimizers = doc.at("optimizers").get<std::vector<std::string>>();
-    if (table.optimizers.size() != kOptimizerCount) return Bad("optimizers", "four optimizers");
+    if (table.optimizers.size() != kOptimizerCount)
+      return Bad("optimizers", absl::StrCat(kOptimizerCount, " optimizers"));
     for (const json& row : doc.at("options")) {
       absl::StatusOr<OptionSpec> spec = ParseOption(row, table.optimizers);
       if (!spec.ok()) return spec.status();

@@ -17,7 +17,7 @@
 namespace muond::optim {
 
 // An optimizer's index in the table's "optimizers" (and OptimizerKind's order).
-inline constexpr int kOptimizerCount = 4;
+inline constexpr int kOptimizerCount = 5;
 
 enum class OptionCarrier { kGroup, kParameter };
 enum class OptionType { kFloat, kInt, kBool, kChoice, kCoefficients, kCoefficientList, kRows3 };

@@ -96,7 +96,8 @@ absl::Status ValidateStepHyper(const GroupOptions& o, double lr, double momentum
   }
   // The factor the weights are multiplied by each step must stay in [0, 1]: beyond it a step flips
   // the weights' sign and grows them.
-  const bool independent = o.optimizer == OptimizerKind::kMuon && o.weight_decay_mode == WeightDecayMode::kIndependent;
+  const bool independent = (o.optimizer == OptimizerKind::kMuon || o.optimizer == OptimizerKind::kDion2) &&
+                           o.weight_decay_mode == WeightDecayMode::kIndependent;
   // Coupled L2 (muon, adamw) has no decay factor: the fp32 guard bounds what the decay adds.
   const bool coupled = (o.optimizer == OptimizerKind::kMuon || o.optimizer == OptimizerKind::kAdamW) &&
                        o.weight_decay_mode == WeightDecayMode::kL2;
@@ -156,6 +157,20 @@ double NsResidualThreshold(const NsSchedule& schedule, int steps, double norm_sa
   return std::min((worst + 1) / 2, kMaxResidualThreshold);
 }
 
+double UpdateScale(const GroupOptions& options, int64_t rows, int64_t cols) {
+  const double m = static_cast<double>(rows), n = static_cast<double>(cols);
+  const double k = options.extra_scale_factor;
+  switch (options.scale_mode) {
+    case ScaleMode::kShapeScaling:
+      return k * std::sqrt(std::max(1.0, m / n));
+    case ScaleMode::kSpectral:
+      return k * std::sqrt(std::max(m, n));
+    case ScaleMode::kUnitRmsNorm:
+      return k * std::sqrt(m / n);
+  }
+  return k;
+}
+
 double NsInputSafety(const GroupOptions& options) {
   return options.ns_preconditioner == NsPreconditioner::kAol ? 1.0 : options.ns_norm_safety;
 }
@@ -202,7 +217,7 @@ absl::Status ValidateSchedule(const GroupOptions& o) {
           absl::StrCat("ns_coefficients[", i, "] must be finite, got (", t.a, ", ", t.b, ", ", t.c, ")"));
     }
   }
-  if (o.optimizer != OptimizerKind::kMuon) return absl::OkStatus();
+  if (o.optimizer != OptimizerKind::kMuon && o.optimizer != OptimizerKind::kDion2) return absl::OkStatus();
   if (o.ns_preconditioner == NsPreconditioner::kAol && o.ns_algorithm == NsAlgorithm::kGram) {
     return absl::InvalidArgumentError(
         "ns_preconditioner aol applies with ns_algorithm standard or auto (its first iteration reuses X·Xᵀ of "
@@ -231,6 +246,12 @@ absl::Status ValidateOptions(const GroupOptions& o) {
     return absl::InvalidArgumentError(absl::StrCat(
         "weight_decay_mode ", o.weight_decay_mode == WeightDecayMode::kIndependent ? "independent" : "cautious",
         " applies to muon only; adamw takes decoupled (AdamW) or l2 (Adam with coupled L2)"));
+  }
+  if (o.optimizer == OptimizerKind::kDion2 && o.weight_decay_mode != WeightDecayMode::kDecoupled &&
+      o.weight_decay_mode != WeightDecayMode::kIndependent) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("weight_decay_mode ", o.weight_decay_mode == WeightDecayMode::kL2 ? "l2" : "cautious",
+                     " does not apply to dion2, which takes decoupled (dion's) or independent"));
   }
   if (o.optimizer != OptimizerKind::kMuon && o.moment2_method != Moment2Method::kNone) {
     return absl::InvalidArgumentError(

@@ -14,7 +14,7 @@
 
 namespace muond::optim {
 
-enum class OptimizerKind { kMuon, kAdamW, kLion, kSgd };
+enum class OptimizerKind { kMuon, kAdamW, kLion, kSgd, kDion2 };
 // muon: all four; adamw: kDecoupled (AdamW) or kL2 (Adam with coupled L2). kCautious is the
 // decoupled decay applied only where the update and the weight agree in sign.
 enum class WeightDecayMode { kDecoupled, kIndependent, kL2, kCautious };
@@ -23,6 +23,9 @@ enum class WeightDecayMode { kDecoupled, kIndependent, kL2, kCautious };
 // (one scalar step size per matrix from ‖M̃‖ and a moment of ‖G‖²), namo_d (one per column, clamped
 // toward their mean).
 enum class Moment2Method { kNone, kAdamuon, kNormuon, kNamo, kNamoD };
+// Which lines of a matrix Dion2 chooses from: the shorter side's (auto: rows when rows ≤ cols, as
+// microsoft/dion's dion2.py), the rows, or the columns.
+enum class Dion2Select { kAuto, kRows, kCols };
 enum class ScaleMode { kShapeScaling, kSpectral, kUnitRmsNorm };
 enum class CoefficientsAfter { kCycle, kRepeatLast };
 // How Newton–Schulz is computed: on the iterate X (standard) or on the Gram matrix X·Xᵀ (gram,
@@ -92,6 +95,9 @@ struct GroupOptions {
   double beta1 = 0.9, beta2 = 0.999;  // muon with a moment2_method: beta2 (default 0.95)
   double eps = 1e-8;                  // adamw; muon with a moment2_method
   double namo_clamp = 0.75;           // muon with moment2_method namo_d: the columns' clamp c
+  double dion2_fraction = 0.25;       // dion2: the share of lines orthogonalized each step
+  Dion2Select dion2_select = Dion2Select::kAuto;
+  double dion2_ef_decay = 0.95;  // dion2: the chosen lines' momentum is multiplied by it
   // Storage formats (the precision-aware optimizer); the arithmetic is fp32 whatever they are.
   kernels::StorageDtype master_dtype = kernels::StorageDtype::kFp32;      // every optimizer
   kernels::StorageDtype momentum_dtype = kernels::StorageDtype::kFp32;    // muon, sgd
@@ -151,6 +157,10 @@ double NsResidualThreshold(const NsSchedule& schedule, int steps, double norm_sa
 // The factor Newton–Schulz's input lies under 1 by: ns_norm_safety after the Frobenius scaling; 1
 // after AOL's (its scaled X has spectral norm at most 1).
 double NsInputSafety(const GroupOptions& options);
+
+// Muon's and Dion2's scale of an orthogonalized update of a rows × cols matrix: `scale_mode`'s
+// formula times `extra_scale_factor` (docs/algorithms.md, Muon step 3).
+double UpdateScale(const GroupOptions& options, int64_t rows, int64_t cols);
 // The group's own warn_residual_above, else NsResidualThreshold of its Newton–Schulz.
 double ResidualThreshold(const GroupOptions& options);
 

@@ -477,6 +477,8 @@ class LocalOptimizer(torch.optim.Optimizer):
                     state[slot] = state[slot].float()
                 if kind == "muon":
                     self._muon(p, g, state, group)
+                elif kind == "dion2":
+                    self._dion2(p, g, state, group)
                 elif kind == "adamw":
                     self._adamw(p, g, state, group)
                 elif kind == "lion":
@@ -563,6 +565,40 @@ class LocalOptimizer(torch.optim.Optimizer):
             p.mul_(1 - wd)
         elif mode == "cautious":  # decay only where the update and the weight agree in sign
             p.sub_(p * (update * p >= 0).to(p.dtype), alpha=lr * wd)
+        p.add_(update.to(p.dtype), alpha=-lr)
+
+    @staticmethod
+    def _dion2(p: torch.Tensor, g: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any]):
+        """Dion2 (docs/algorithms.md, Dion2): M ← M + G; per matrix the ⌈fraction·lines⌉ rows or
+        columns of largest L1 norm (ties to the lower index) are orthogonalized together, their
+        momentum lines decay by dion2_ef_decay, and W ← β·W − lr·scale·U with U = O on them, 0
+        elsewhere, the scale on the whole matrix's shape."""
+        m = state.get("momentum")
+        if m is None:
+            m = state["momentum"] = torch.zeros_like(g)
+        m.add_(g)
+        stored = opts.storage_dtype(group, "momentum")
+        if stored != "fp32":  # the sum is stored before the lines are chosen, as the daemon does
+            m.copy_(m.to(wire.torch_dtype(stored)))
+        coefficients, after = opts.coefficient_schedule(group)
+        update = torch.zeros_like(m)
+        stacks = (m, update) if m.dim() == 3 else (m.reshape(1, m.size(0), -1), update.reshape(1, m.size(0), -1))
+        for mv, uv in zip(*(s.unbind(0) for s in stacks)):
+            rows, cols = mv.shape
+            select = group["dion2_select"]
+            columns = select == "cols" or (select == "auto" and rows > cols)
+            lines, target = (mv.T, uv.T) if columns else (mv, uv)
+            k = max(1, min(lines.size(0), math.ceil(group["dion2_fraction"] * lines.size(0))))
+            order = torch.sort(lines.double().abs().sum(dim=1), descending=True, stable=True).indices
+            chosen = torch.sort(order[:k]).values
+            picked = lines[chosen].clone()
+            lines[chosen] = picked * group["dion2_ef_decay"]
+            target[chosen] = newton_schulz(picked, group["ns_steps"], coefficients, after, group["ns_eps"],
+                                           group["ns_norm_safety"], None,
+                                           aol=group.get("ns_preconditioner") == "aol")
+            uv.mul_(muon_scale(group["scale_mode"], group["extra_scale_factor"], rows, cols))
+        lr, wd = group["lr"], group["weight_decay"]
+        p.mul_(1 - wd if group["weight_decay_mode"] == "independent" else 1 - lr * wd)
         p.add_(update.to(p.dtype), alpha=-lr)
 
     @staticmethod

@@ -86,8 +86,9 @@ class RemoteOptimizer(StateTransfer, StreamControls, torch.optim.Optimizer):
 
     Args:
         params: tensors, ``(name, tensor)`` pairs (e.g. ``model.named_parameters()``), or param
-            group dicts. A group picks its optimizer with ``optimizer="muon"|"adamw"|"lion"|"sgd"``
-            or ``use_muon=True|False`` (MuonWithAuxAdam style) and may set any option of the
+            group dicts. A group picks its optimizer with
+            ``optimizer="muon"|"adamw"|"lion"|"sgd"|"dion2"`` or ``use_muon=True|False``
+            (MuonWithAuxAdam style) and may set any option of the
             option table (docs/algorithms.md, Group options: ``lr``, ``momentum``, ``betas``, ...).
             ``muond.default_param_groups(model)`` builds the usual Muon + AdamW split.
         endpoint: the daemon's "host:port"; default ``$MUOND_ENDPOINT`` or 127.0.0.1:50051 (a

@@ -166,12 +166,12 @@ def resolve_group(group: Mapping[str, Any], defaults: Mapping[str, Any]) -> Dict
         else:
             value = fallback
         resolved[key] = _check_value(key, value)
-    if name == "muon" and resolved["ns_preconditioner"] == "aol":
+    if name in ("muon", "dion2") and resolved["ns_preconditioner"] == "aol":
         # Turbo-Muon's defaults, as the daemon's: the aol set and 4 steps unless given.
         for key, value in (("ns_coefficients", "aol"), ("ns_steps", 4)):
             if key not in group and key not in defaults:
                 resolved[key] = value
-        if resolved["ns_algorithm"] == "gram":
+        if resolved.get("ns_algorithm") == "gram":
             raise ValueError("ns_preconditioner aol applies with ns_algorithm standard or auto (its first "
                              "iteration reuses X·Xᵀ of the standard iteration)")
     if name == "muon":
@@ -188,11 +188,14 @@ def resolve_group(group: Mapping[str, Any], defaults: Mapping[str, Any]) -> Dict
         if resolved["moment2_method"] in ("namo", "namo_d") and resolved["weight_decay_mode"] == "l2":
             raise ValueError(f"weight_decay_mode l2 cannot be combined with moment2_method "
                              f"{resolved['moment2_method']} (its second moment is of the raw gradient's norm)")
-    steps = SET_STEPS.get(resolved["ns_coefficients"]) if name == "muon" and isinstance(
+    steps = SET_STEPS.get(resolved["ns_coefficients"]) if name in ("muon", "dion2") and isinstance(
         resolved["ns_coefficients"], str) else None
     if steps is not None and resolved["ns_steps"] != steps:
         raise ValueError(f"ns_steps must be {steps} with ns_coefficients {resolved['ns_coefficients']} "
                          f"(its coefficients are tuned for exactly {steps} steps), got {resolved['ns_steps']}")
+    if name == "dion2" and resolved["weight_decay_mode"] not in ("decoupled", "independent"):
+        raise ValueError(f"weight_decay_mode {resolved['weight_decay_mode']} does not apply to dion2, which takes "
+                         "decoupled (dion's) or independent")
     if name == "muon" and resolved["post_normalization"] not in (None, "none") and \
             resolved["moment2_method"] == "normuon":
         raise ValueError("post_normalization applies without moment2_method normuon (NorMuon rescales "
@@ -236,7 +239,7 @@ def coefficient_schedule(group: Mapping[str, Any]) -> Tuple[Tuple[Tuple[float, f
 
 
 _KIND = {"muon": pb.OPTIMIZER_MUON, "adamw": pb.OPTIMIZER_ADAMW, "lion": pb.OPTIMIZER_LION,
-         "sgd": pb.OPTIMIZER_SGD}
+         "sgd": pb.OPTIMIZER_SGD, "dion2": pb.OPTIMIZER_DION2}
 # The GroupOptions fields a resolved group's own value fills as it is (betas, the second moment's
 # options and ns_coefficients are converted below).
 _SCALAR_FIELDS = tuple(
@@ -279,6 +282,12 @@ def check_tensors(params: Sequence[Any]) -> None:
 def check_shapes(group: Mapping[str, Any], shapes: Sequence[Tuple[int, ...]]) -> None:
     """ValueError unless a resolved Muon group's parameters, of these global shapes, are matrices
     its options fit (check_parameter)."""
+    if group["optimizer"] == "dion2":
+        for shape in shapes:
+            if len(shape) < 2:
+                raise ValueError(f"Dion2 needs matrices; a parameter of shape {tuple(shape)} must go to an "
+                                 f"AdamW group (see muond.default_param_groups)")
+        return
     if group["optimizer"] != "muon":
         return
     for shape in shapes:

@@ -91,7 +91,7 @@ def place(param_groups: Sequence[Dict[str, Any]], together: List[tuple],
         split = group.get("qkv_split")
         for shape in partition.global_shapes(group):
             tensors.append(placement.Tensor(
-                shape, group["optimizer"] == "muon",
+                shape, group["optimizer"] in ("muon", "dion2"),
                 tuple(split) if split is not None else None,
                 group.get("num_query_groups") or 1))
     return placement.place(tensors, num_daemons, together)

@@ -34,6 +34,8 @@ absl::StatusOr<OptimizerKind> ParseOptimizer(v1::OptimizerKind kind, const std::
       return OptimizerKind::kLion;
     case v1::OPTIMIZER_SGD:
       return OptimizerKind::kSgd;
+    case v1::OPTIMIZER_DION2:
+      return OptimizerKind::kDion2;
     default:
       return Invalid(field + ".optimizer", absl::StrCat("unknown optimizer ", static_cast<int>(kind)));
   }

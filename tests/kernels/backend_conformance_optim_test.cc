@@ -13,6 +13,7 @@
 // The 2e-2 bound does not hold for Gaussian inputs with bf16 GEMM operands, which is why it is
 // asserted on a decaying spectrum (what gradients look like) and Gaussian inputs get 6e-2.
 #include <cmath>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
@@ -295,6 +296,48 @@ TEST_P(BackendConformanceTest, SixteenBitStateStepsMatchCpuBitwise) {
   }
 }
 
+// Three steps of `options` on `backend` and on the CPU from the same weights (`weights(n)`) and
+// gradients (`gradients(n)`): the momentum (the first slot) bitwise, the weights' total change within
+// 1e-3 relative (the fp32 Newton–Schulz bound; adaptive moments divide by √v).
+void StepBothAndCompare(Backend& backend, Backend& cpu_backend, const optim::GroupOptions& options,
+                        const std::vector<ParamSpec>& specs, const std::function<std::vector<float>(size_t)>& weights,
+                        const std::function<std::vector<float>(size_t)>& gradients) {
+  ASSERT_OK_AND_ASSIGN(auto dev, optim::Optimizer::Create(options));
+  ASSERT_OK_AND_ASSIGN(auto cpu, optim::Optimizer::Create(options));
+  std::vector<std::vector<float>> w0;
+  for (const ParamSpec& s : specs) {
+    int64_t n = 1;
+    for (int64_t d : s.shape) n *= d;
+    w0.push_back(weights(static_cast<size_t>(n)));
+  }
+  Model d = MakeModel(backend, *dev, specs, w0);
+  Model c = MakeModel(cpu_backend, *cpu, specs, w0);
+  for (int step = 0; step < 3; ++step) {
+    for (size_t i = 0; i < specs.size(); ++i) {
+      const std::vector<float> g = gradients(static_cast<size_t>(d.params[i].numel));
+      ASSERT_OK(backend.CopyToDevice(g.data(), d.params[i].grad->data(), g.size()));
+      ASSERT_OK(cpu_backend.CopyToDevice(g.data(), c.params[i].grad->data(), g.size()));
+      d.params[i].has_grad = c.params[i].has_grad = true;
+    }
+    ASSERT_OK(dev->Step(backend, dev->DefaultHyper(), d.ptrs));
+    ASSERT_OK(cpu->Step(cpu_backend, cpu->DefaultHyper(), c.ptrs));
+  }
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const optim::ParamState &pd = d.params[i], &pc = c.params[i];
+    const size_t n = static_cast<size_t>(pd.numel);
+    EXPECT_TRUE(BitwiseEqual(Download(backend, pd.slots[0].tensor.fp32(), n),
+                             Download(cpu_backend, pc.slots[0].tensor.fp32(), n)))
+        << "param " << i << " momentum";
+    std::vector<float> moved_d = Download(backend, pd.master.fp32(), n);
+    std::vector<float> moved_c = Download(cpu_backend, pc.master.fp32(), n);
+    for (size_t j = 0; j < n; ++j) {
+      moved_d[j] -= w0[i][j];
+      moved_c[j] -= w0[i][j];
+    }
+    EXPECT_LT(RelativeFrobenius(moved_d, moved_c), 1e-3) << "param " << i;
+  }
+}
+
 // The Muon variants (Gram Newton–Schulz with restarts, adaptive second moments, cautious decay,
 // tensor-parallel blocks, MuonEq's and Muon+'s normalizations) on both backends, fp32 matmuls: the weights' total
 // change within the fp32 Newton–Schulz bound (adaptive moments divide by √v, so 1e-3), momentum bitwise.
@@ -351,41 +394,22 @@ TEST_P(BackendConformanceTest, MuonVariantsMatchCpu) {
     options.matmul_precision = MatmulPrecision::kFp32;
     options.weight_decay = 0.1;
     v.set(options);
-    ASSERT_OK_AND_ASSIGN(auto dev, optim::Optimizer::Create(options));
-    ASSERT_OK_AND_ASSIGN(auto cpu, optim::Optimizer::Create(options));
-    std::vector<std::vector<float>> w0;
-    for (const ParamSpec& s : specs) {
-      int64_t n = 1;
-      for (int64_t d : s.shape) n *= d;
-      w0.push_back(Random(static_cast<size_t>(n), 0.05f));
-    }
-    Model d = MakeModel(*backend_, *dev, specs, w0);
-    Model c = MakeModel(*cpu_, *cpu, specs, w0);
-    for (int step = 0; step < 3; ++step) {
-      for (size_t i = 0; i < specs.size(); ++i) {
-        const std::vector<float> g = Random(static_cast<size_t>(d.params[i].numel), 0.1f);
-        ASSERT_OK(backend_->CopyToDevice(g.data(), d.params[i].grad->data(), g.size()));
-        ASSERT_OK(cpu_->CopyToDevice(g.data(), c.params[i].grad->data(), g.size()));
-        d.params[i].has_grad = c.params[i].has_grad = true;
-      }
-      ASSERT_OK(dev->Step(*backend_, dev->DefaultHyper(), d.ptrs));
-      ASSERT_OK(cpu->Step(*cpu_, cpu->DefaultHyper(), c.ptrs));
-    }
-    for (size_t i = 0; i < specs.size(); ++i) {
-      const optim::ParamState &pd = d.params[i], &pc = c.params[i];
-      const size_t n = static_cast<size_t>(pd.numel);
-      EXPECT_TRUE(BitwiseEqual(Download(*backend_, pd.slots[0].tensor.fp32(), n),
-                               Download(*cpu_, pc.slots[0].tensor.fp32(), n)))
-          << "param " << i << " momentum";
-      std::vector<float> moved_d = Download(*backend_, pd.master.fp32(), n);
-      std::vector<float> moved_c = Download(*cpu_, pc.master.fp32(), n);
-      for (size_t j = 0; j < n; ++j) {
-        moved_d[j] -= w0[i][j];
-        moved_c[j] -= w0[i][j];
-      }
-      EXPECT_LT(RelativeFrobenius(moved_d, moved_c), 1e-3) << "param " << i;
-    }
+    StepBothAndCompare(
+        *backend_, *cpu_, options, specs, [this](size_t n) { return Random(n, 0.05f); },
+        [this](size_t n) { return Random(n, 0.1f); });
   }
+}
+
+// Dion2 on both backends (SumAbs's line norms, the chosen lines' copies, ScaleBatched's error
+// feedback, batched Newton–Schulz on the chosen lines): the same lines are chosen (the norms are of
+// bitwise-equal momenta), so the momentum matches bitwise and the weights' change within the fp32
+// Newton–Schulz bound.
+TEST_P(BackendConformanceTest, Dion2MatchesCpu) {
+  optim::GroupOptions options = optim::DefaultOptions(optim::OptimizerKind::kDion2);
+  options.matmul_precision = MatmulPrecision::kFp32;
+  StepBothAndCompare(
+      *backend_, *cpu_, options, {{{48, 80}}, {{80, 48}}, {{3, 32, 40}}}, [this](size_t n) { return Random(n, 0.05f); },
+      [this](size_t n) { return Random(n, 0.1f); });
 }
 
 }  // namespace

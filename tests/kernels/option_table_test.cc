@@ -19,14 +19,15 @@ using ::muond::testing::StatusIs;
 
 // A table of one row, `row` spliced in.
 std::string TableWith(const std::string& row) {
-  return R"({"optimizers": ["muon", "adamw", "lion", "sgd"], "options": [)" + row + R"(], "coefficient_sets": [
+  return R"({"optimizers": ["muon", "adamw", "lion", "sgd", "dion2"], "options": [)" + row + R"(], "coefficient_sets": [
     {"name": "simple", "after": "cycle", "tuples": [[3.4445, -4.7750, 2.0315]], "doc": "d"}]})";
 }
 
 TEST(OptionTableTest, TheEmbeddedTableParses) {
   const OptionTable& table = GroupOptionTable();
   EXPECT_EQ(table.optimizers, OptimizerNames());
-  for (OptimizerKind kind : {OptimizerKind::kMuon, OptimizerKind::kAdamW, OptimizerKind::kLion, OptimizerKind::kSgd}) {
+  for (OptimizerKind kind : {OptimizerKind::kMuon, OptimizerKind::kAdamW, OptimizerKind::kLion, OptimizerKind::kSgd,
+                             OptimizerKind::kDion2}) {
     EXPECT_EQ(table.optimizers[static_cast<size_t>(kind)], OptimizerName(kind));
   }
   EXPECT_GE(table.options.size(), 30u);
