@@ -166,3 +166,36 @@ def test_refusals_name_the_option(endpoint):
     with pytest.raises(ValueError, match="Dion2 needs matrices"):
         muond.RemoteOptimizer([{"params": [torch.nn.Parameter(torch.zeros(8))], "optimizer": "dion2"}],
                               endpoint=endpoint)
+
+
+def test_over_two_daemons_as_on_one(start_daemon):
+    """A Dion2 group and a NAMO-D group whose parameters are placed over two daemons step
+    bit-identically to one daemon (each daemon holds whole parameters), and their state_dict
+    holds the same momenta and second moments."""
+    gen = torch.Generator().manual_seed(8)
+    shapes = {"a": (16, 24), "b": (24, 16), "c": (3, 8, 12), "d": (12, 12)}
+    start = {n: 0.1 * torch.randn(*s, generator=gen) for n, s in shapes.items()}
+    grads = [{n: torch.randn(*s, generator=gen) for n, s in shapes.items()} for _ in range(4)]
+
+    def run(endpoints):
+        params = {n: torch.nn.Parameter(t.clone()) for n, t in start.items()}
+        opt = muond.RemoteOptimizer(
+            [{"name": "dion2", "optimizer": "dion2", "params": [("a", params["a"]), ("b", params["b"])]},
+             {"name": "namo_d", "moment2_method": "namo_d", "params": [("c", params["c"]), ("d", params["d"])]}],
+            endpoints=endpoints)
+        for step in grads:
+            for n, p in params.items():
+                p.grad = step[n].clone()
+            opt.step()
+        state = opt.state_dict()["state"]
+        opt.close()
+        return params, state
+
+    one, one_state = run([start_daemon().endpoint])
+    two, two_state = run([start_daemon().endpoint, start_daemon().endpoint])
+    for n in shapes:
+        assert torch.equal(one[n].detach(), two[n].detach()), n
+    for i, slots in one_state.items():
+        for slot, value in slots.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, two_state[i][slot]), (i, slot)

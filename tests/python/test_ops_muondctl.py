@@ -75,7 +75,7 @@ def test_health_and_info(endpoint):
     assert ctl_json("--endpoint", endpoint, "health") == {"status": "SERVING"}
     info = ctl_json("-e", endpoint, "info")
     assert info["version"] == muond.__version__ and info["backend"] == "cpu"
-    assert info["optimizers"] == ["muon", "adamw", "lion", "sgd"]
+    assert info["optimizers"] == ["muon", "adamw", "lion", "sgd", "dion2"]
     assert info["max_sessions"] == 64 and info["durability"] == "" and info["metrics_address"] == ""
     code, out, _ = ctl("-e", endpoint, "info")
     assert code == 0 and "backend       cpu" in out and "metrics       off" in out

@@ -77,7 +77,7 @@ def test_which_optimizer_each_option_applies_to(table):
         wire_names = set()
         for name in options.DEFAULTS[optimizer]:
             wire_names.update(_PYTHON_TO_WIRE.get(name, (name,)))
-        if optimizer == "muon":
+        if optimizer in ("muon", "dion2"):
             wire_names.add("ns_custom_coefficients")  # ns_coefficients=[(a, b, c), ...]
         expected = {name for name, o in table["options"].items()
                     if optimizer in o["applies_to"] and name != "optimizer"}
