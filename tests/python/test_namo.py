@@ -176,3 +176,39 @@ def test_refusals_name_the_option(endpoint):
     spec.parameters.add(name="w", shape=[8, 8], group="g")
     with pytest.raises(muond.MuondError, match=r"spec\.groups\[0\]\.options\.weight_decay_mode l2 cannot"):
         conn.create_session("namo-refused", spec)
+
+
+@pytest.mark.parametrize("method,extra", [
+    ("namo", {"exp_avg_sq_dtype": "bf16", "ns_algorithm": "gram", "ns_coefficients": "gram_polar_express"}),
+    ("namo_d", {"momentum_normalization": "rowcol", "post_normalization": "row_col",
+                "scale_mode": "unit_rms_norm", "weight_decay_mode": "independent", "weight_decay": 0.01}),
+    ("namo_d", {"num_heads": 2, "momentum_style": "sum", "nesterov": False, "weight_decay_mode": "cautious",
+                "weight_decay": 0.1}),
+])
+def test_compositions_match_local(endpoint, method, extra):
+    """NAMO with a 16-bit second moment and the Gram iteration; NAMO-D with MuonEq, Muon+, another
+    scale and decay mode; NAMO-D per head with sum momentum and cautious decay: the daemon and
+    LocalOptimizer agree (each composes as docs/algorithms.md, NAMO and NAMO-D, says)."""
+    gen = torch.Generator().manual_seed(12)
+    shapes = {"wide": (12, 24), "tall": (24, 12), "experts": (2, 8, 12)}
+    if extra.get("num_heads"):
+        shapes = {"wide": (12, 24), "tall": (24, 12)}
+    start = {n: 0.1 * torch.randn(*s, generator=gen) for n, s in shapes.items()}
+    remote_params = {n: torch.nn.Parameter(t.clone()) for n, t in start.items()}
+    local_params = {n: torch.nn.Parameter(t.clone()) for n, t in start.items()}
+    opts = dict({"moment2_method": method, "lr": 0.02}, **extra)
+    remote = muond.RemoteOptimizer([dict(opts, params=list(remote_params.items()))], endpoint=endpoint)
+    local = muond.LocalOptimizer([dict(opts, params=list(local_params.items()))])
+    for _ in range(4):
+        for name, shape in shapes.items():
+            g = torch.randn(*shape, generator=gen) * float(torch.rand(1, generator=gen) * 3 + 0.1)
+            remote_params[name].grad, local_params[name].grad = g.clone(), g.clone()
+        remote.step()
+        local.step()
+    remote.close()
+    # A bf16 second moment rounds V (2⁻⁸ relative) on both sides alike; the step sizes then differ
+    # by the fp32 sums' order only.
+    for name in shapes:
+        ours = remote_params[name].detach()
+        assert rel_err(local_params[name].detach(), ours) < TOLERANCE, name
+        assert rel_err(start[name], ours) > 100 * TOLERANCE, name
