@@ -16,6 +16,11 @@ if(TARGET muond_kernels_cuda)
 endif()
 
 set_target_properties(muond_client PROPERTIES EXPORT_NAME client)
+# A sanitized build's libraries call the sanitizers' runtimes: a trainer that links them must link
+# those runtimes too, so the package says so (scripts/test.sh --sanitize installs one).
+if(MUOND_SANITIZE)
+  target_link_options(muond_client INTERFACE "$<INSTALL_INTERFACE:-fsanitize=${MUOND_SANITIZE}>")
+endif()
 set_target_properties(muond_proto PROPERTIES EXPORT_NAME proto)
 set_target_properties(muond_wire PROPERTIES EXPORT_NAME wire)
 install(TARGETS muond_client muond_proto muond_wire

@@ -11,6 +11,8 @@
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
 #include "kernels/optim/line_normalization.h"
+#include "kernels/optim/muon_jobs.h"
+#include "kernels/optim/muon_shapes.h"
 #include "kernels/optim/namo.h"
 #include "kernels/optim/newton_schulz.h"
 #include "kernels/optim/optimizer_impls.h"
@@ -20,28 +22,6 @@ namespace {
 
 using kernels::Backend;
 
-// One matrix Newton–Schulz sees: a view into a parameter's update (the gradient buffer, which holds
-// U after momentum) and the matching regions of its master and second moment (in their storage
-// formats).
-struct MatrixJob {
-  float* update;
-  StoredTensor* master;
-  size_t master_offset;
-  StoredTensor* moment2;  // null without a moment2_method
-  size_t moment2_offset;  // where this matrix's region (adamuon) or lines (normuon, namo) start
-  int64_t rows, cols;     // as it lies in `update` (the transpose of its own shape when `deferred`)
-  double lr;              // η of this step
-  double scale;           // the Muon scale, computed on this matrix's own shape
-  float beta;             // the weight decay factor applied to the master region (1 for cautious decay)
-  float decay;            // cautious decay only: η·λ, applied where the update and the weight agree in sign
-  // A column block of a tensor-parallel weight, orthogonalized as a row block of the transposed
-  // parameter: O goes back into `update`, and the whole parameter is updated once it is transposed
-  // back (ApplyTransposed).
-  bool deferred = false;
-  bool lines_per_column = false;      // NorMuon: its lines are columns of the stored matrix
-  const ParamState* param = nullptr;  // whose matrix it is (for telemetry)
-};
-
 // Caps the floats gathered for one batched Newton–Schulz call (256 MiB of fp32) so that many large
 // same-shape parameters do not double the memory footprint at once; always at least one matrix.
 // (The gather buffer and Newton–Schulz's two iterates each hold this much: 768 MiB at most.)
@@ -49,21 +29,6 @@ constexpr size_t kMaxBatchFloats = size_t{1} << 26;
 
 const std::string kMomentumSlot = "momentum";
 const std::string kMoment2Slot = "moment2";
-
-// Workspace slot of NorMuon's transposed copy of a batch (wide matrices), after the gather buffer,
-// and the slot a column-blocked parameter is transposed through.
-constexpr int kNormuonSlot = NsWorkspace::kFirstFreeSlot + 1;
-constexpr int kTransposeSlot = NsWorkspace::kFirstFreeSlot + 2;
-
-// A step's small device-side values, one set per backend, used under SharedNsWorkspace::mu like
-// the workspace and grown before the step changes any state: NorMuon's per-line sums and scales of
-// a batch, which never leave the device. Doubles take two floats of a buffer.
-struct StepScratch {
-  std::unique_ptr<kernels::DeviceBuffer> line_sums, line_scales;
-  // NAMO: the raw gradient's Σ G² of each line of the step, in batch order (taken before the
-  // momentum overwrites it), and a batch's Σ M̃² and step sizes.
-  std::unique_ptr<kernels::DeviceBuffer> namo_grad_sums, namo_update_sums, namo_scales;
-};
 
 // `buffer` holding at least `floats` floats.
 absl::Status Grow(Backend& backend, std::unique_ptr<kernels::DeviceBuffer>& buffer, size_t floats) {
@@ -95,83 +60,12 @@ class Muon final : public Optimizer {
   StepBounds BoundStep(const StepHyper& hyper, const ParamState& param, double grad_bound) const override;
 
   absl::Status CheckParameter(const ParamState& param) const override {
-    if (param.shape.size() < 2) {
-      return absl::InvalidArgumentError(absl::StrCat("muon needs a parameter with at least 2 dimensions, got shape [",
-                                                     absl::StrJoin(param.shape, ", "), "]"));
-    }
-    MUOND_RETURN_IF_ERROR(CheckTpBlocks(param));
-    MUOND_RETURN_IF_ERROR(CheckHeads(param));
-    const QkvSplit& s = param.qkv;
-    if (!s.enabled()) return absl::OkStatus();
-    if (param.shape.size() != 2) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("qkv_split needs a 2-D parameter, got shape [", absl::StrJoin(param.shape, ", "), "]"));
-    }
-    if (s.q < 1 || s.k < 1 || s.v < 1 || s.num_query_groups < 1) {
-      return absl::InvalidArgumentError(absl::StrCat("qkv_split (", s.q, ", ", s.k, ", ", s.v,
-                                                     ") and num_query_groups ", s.num_query_groups,
-                                                     " must all be >= 1"));
-    }
-    if (s.num_query_groups * (s.q + s.k + s.v) != param.shape[0]) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "qkv_split (", s.q, ", ", s.k, ", ", s.v, ") times num_query_groups ", s.num_query_groups, " gives ",
-          s.num_query_groups * (s.q + s.k + s.v), " rows, but the parameter has ", param.shape[0]));
-    }
-    return absl::OkStatus();
+    return CheckMuonParameter(param, options_.num_heads);
   }
 
   absl::Status Step(Backend& backend, const StepHyper& hyper, std::span<ParamState* const> params) override;
 
   WorkspaceNeed LeastWorkspace(const Backend& backend, std::span<const ParamState* const> params) const override;
-
-  // num_heads against a parameter: 2-D, not with tp_blocks, and heads of whole rows (with a fused
-  // QKV weight: num_query_groups divides num_heads, and the query heads' size divides q, k and v).
-  absl::Status CheckHeads(const ParamState& param) const {
-    const int64_t heads = options_.num_heads;
-    if (heads == 1) return absl::OkStatus();
-    const std::string shape = absl::StrJoin(param.shape, ", ");
-    if (param.shape.size() != 2) {
-      return absl::InvalidArgumentError(absl::StrCat("num_heads needs 2-D parameters, got shape [", shape, "]"));
-    }
-    if (param.tp.enabled()) return absl::InvalidArgumentError("num_heads and tp_blocks cannot be combined");
-    const QkvSplit& s = param.qkv;
-    if (!s.enabled()) {
-      if (param.shape[0] % heads == 0) return absl::OkStatus();
-      return absl::InvalidArgumentError(
-          absl::StrCat("num_heads ", heads, " does not divide the ", param.shape[0], " rows of shape [", shape, "]"));
-    }
-    if (s.num_query_groups < 1 || heads % s.num_query_groups != 0 || s.q % (heads / s.num_query_groups) != 0) {
-      return absl::InvalidArgumentError(absl::StrCat("num_heads ", heads, " with qkv_split (", s.q, ", ", s.k, ", ",
-                                                     s.v, ") and num_query_groups ", s.num_query_groups,
-                                                     ": each query group's q rows must hold num_heads / "
-                                                     "num_query_groups heads of equal size"));
-    }
-    const int64_t head_rows = s.q / (heads / s.num_query_groups);
-    if (s.k % head_rows != 0 || s.v % head_rows != 0) {
-      return absl::InvalidArgumentError(absl::StrCat("num_heads ", heads, " gives heads of ", head_rows,
-                                                     " rows, which do not divide qkv_split's k ", s.k, " and v ", s.v));
-    }
-    return absl::OkStatus();
-  }
-
-  static absl::Status CheckTpBlocks(const ParamState& param) {
-    const TpBlocks& tp = param.tp;
-    if (tp.blocks < 1) return absl::InvalidArgumentError(absl::StrCat("tp_blocks must be >= 1, got ", tp.blocks));
-    if (!tp.enabled()) return absl::OkStatus();
-    if (param.shape.size() != 2) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("tp_blocks needs a 2-D parameter, got shape [", absl::StrJoin(param.shape, ", "), "]"));
-    }
-    if (param.qkv.enabled()) return absl::InvalidArgumentError("tp_blocks and qkv_split cannot be combined");
-    if (tp.dim != 0 && tp.dim != 1) {
-      return absl::InvalidArgumentError(absl::StrCat("tp_block_dim must be 0 or 1, got ", tp.dim));
-    }
-    if (param.shape[tp.dim] % tp.blocks != 0) {
-      return absl::InvalidArgumentError(absl::StrCat("tp_blocks ", tp.blocks, " does not divide dimension ", tp.dim,
-                                                     " of shape [", absl::StrJoin(param.shape, ", "), "]"));
-    }
-    return absl::OkStatus();
-  }
 
  private:
   double Scale(int64_t rows, int64_t cols) const;
@@ -190,14 +84,6 @@ class Muon final : public Optimizer {
   // (telemetry), or null. `namo_grad_sums`: NAMO's raw-gradient sums of the batch's lines.
   absl::Status Orthogonalize(Backend& backend, const StepHyper& hyper, std::span<const MatrixJob> jobs, NsWorkspace& ws,
                              double* input_sums, const double* namo_grad_sums);
-  // NAMO: each job's raw-gradient Σ G² per line into `sums` (backend memory, the step's lines in
-  // batch order), before the momentum overwrites the gradient.
-  absl::Status NamoGradientSums(Backend& backend, std::span<ParamState* const> params,
-                                std::span<const std::span<const MatrixJob>> batches, NsWorkspace& ws, double* sums);
-  // NAMO: the batch's step sizes (advancing its second moment) and O scaled by them.
-  absl::Status ApplyNamo(Backend& backend, const StepHyper& hyper, std::span<const MatrixJob> jobs, float* work,
-                         NsWorkspace& ws, const double* grad_sums);
-  kernels::NamoArgs NamoArgsOf(const StepHyper& hyper, const ParamState& param) const;
   // Whether a batch of rows × cols matrices goes through GramNewtonSchulz: ns_algorithm gram, or
   // auto where PreferGram says so with the backend's square weight.
   bool UsesGram(const Backend& backend, int64_t rows, int64_t cols) const;
@@ -252,61 +138,6 @@ float Muon::DecayFactor(const StepHyper& hyper) const {
   }
   return 1.0f;
 }
-
-// Calls visit(offset, rows, cols, transposed) for each matrix Newton–Schulz orthogonalizes in `p`,
-// rows × cols being its own shape. It lies at `offset` of the working buffer as a row-major
-// rows × cols matrix, or, when `transposed`, as its cols × rows transpose (the column blocks of a
-// tensor-parallel row-parallel weight, which are rows of the transposed parameter). Together they
-// cover the whole parameter exactly once, so the decay factor folded into each matrix's update
-// decays all of W once.
-//
-// With `heads` > 1 (num_heads), each matrix of a 2-D parameter is cut into heads of its rows: a plain
-// matrix into `heads` equal blocks; a fused QKV weight into blocks of the query heads' size
-// (q / (heads / num_query_groups) rows), its k and v blocks too (CheckHeads refuses what does not
-// divide).
-template <typename Visit>
-void ForEachMatrix(const ParamState& p, Visit&& visit, int64_t heads = 1) {
-  const std::vector<int64_t>& s = p.shape;
-  if (p.numel == 0) return;
-  if (heads > 1 && s.size() == 2 && !p.tp.enabled()) {
-    const int64_t n = s[1];
-    const int64_t head_rows = p.qkv.enabled() ? p.qkv.q / (heads / p.qkv.num_query_groups) : s[0] / heads;
-    if (head_rows < 1) return;  // refused by CheckHeads
-    for (int64_t row = 0; row + head_rows <= s[0]; row += head_rows) visit(row * n, head_rows, n, false);
-    return;
-  }
-  if (s.size() == 2 && p.tp.enabled()) {
-    const int64_t blocks = p.tp.blocks;
-    if (p.tp.dim == 0) {
-      const int64_t rows = s[0] / blocks;  // contiguous row blocks
-      for (int64_t b = 0; b < blocks; ++b) visit(b * rows * s[1], rows, s[1], false);
-    } else {
-      const int64_t cols = s[1] / blocks;  // row blocks of the transposed (n × m) parameter
-      for (int64_t b = 0; b < blocks; ++b) visit(b * cols * s[0], s[0], cols, true);
-    }
-  } else if (s.size() == 2 && p.qkv.enabled()) {
-    // (groups, q+k+v, n): each block of a group is contiguous rows of the row-major parameter.
-    const int64_t n = s[1];
-    int64_t row = 0;
-    for (int64_t g = 0; g < p.qkv.num_query_groups; ++g) {
-      for (int64_t block : {p.qkv.q, p.qkv.k, p.qkv.v}) {
-        visit(row * n, block, n, false);
-        row += block;
-      }
-    }
-  } else if (s.size() == 3) {
-    // Experts (E, m, n): one matrix per expert.
-    for (int64_t e = 0; e < s[0]; ++e) visit(e * s[1] * s[2], s[1], s[2], false);
-  } else {
-    // 2-D as is; 4-D convolution (O, I, kh, kw) and higher ranks flattened to (O, I·kh·kw), scaled
-    // by the flattened shape.
-    visit(0, s[0], p.numel / s[0], false);
-  }
-}
-
-// Whether the working buffer holds the parameter transposed while Newton–Schulz runs (column
-// blocks): the update is then applied to the whole parameter after it is transposed back.
-bool WorksTransposed(const ParamState& p) { return p.shape.size() == 2 && p.tp.enabled() && p.tp.dim == 1; }
 
 std::vector<int64_t> Muon::SlotShape(const ParamState& param, std::string_view slot) const {
   if (slot == kMoment2Slot && IsNamo(options_.moment2_method)) {
@@ -584,7 +415,9 @@ absl::Status Muon::Orthogonalize(Backend& backend, const StepHyper& hyper, std::
   if (options_.moment2_method == Moment2Method::kNormuon) {
     MUOND_RETURN_IF_ERROR(ReduceVariance(backend, jobs, work, ws, backend.Shared<StepScratch>()));
   }
-  if (IsNamo(options_.moment2_method)) MUOND_RETURN_IF_ERROR(ApplyNamo(backend, hyper, jobs, work, ws, namo_grad_sums));
+  if (IsNamo(options_.moment2_method)) {
+    MUOND_RETURN_IF_ERROR(ApplyNamo(backend, options_, hyper, jobs, work, ws, namo_grad_sums));
+  }
   if (jobs[0].deferred) {
     // Column blocks: O goes back where the block's U was; ApplyTransposed updates the parameter.
     if (work != jobs[0].update) {
@@ -707,81 +540,6 @@ absl::Status Muon::ReduceVariance(Backend& backend, std::span<const MatrixJob> j
   MUOND_RETURN_IF_ERROR(backend.ScaleBatchedBy(lines, count, length * batch, scales));
   if (per_column) {
     MUOND_RETURN_IF_ERROR(backend.Transpose2D(lines, work, cols, rows, static_cast<int64_t>(batch)));
-  }
-  return absl::OkStatus();
-}
-
-// NAMO follows Emerging-Optimizers (ε outside the root, no bias correction); NAMO-D the authors'
-// code (ε inside, Adam's bias corrections of β1 = the momentum and β2 at the parameter's step t).
-kernels::NamoArgs Muon::NamoArgsOf(const StepHyper& hyper, const ParamState& param) const {
-  kernels::NamoArgs args{.weight = static_cast<float>(1.0 - options_.beta2), .eps = options_.eps};
-  if (options_.moment2_method == Moment2Method::kNamoD) {
-    const double t = static_cast<double>(param.step_count + 1);
-    args.eps_in_root = true;
-    args.bias = std::sqrt(1.0 - std::pow(options_.beta2, t)) / (1.0 - std::pow(hyper.momentum, t));
-    args.clamp = options_.namo_clamp;
-  }
-  return args;
-}
-
-absl::Status Muon::ApplyNamo(Backend& backend, const StepHyper& hyper, std::span<const MatrixJob> jobs, float* work,
-                             NsWorkspace& ws, const double* grad_sums) {
-  const bool transposed = jobs[0].deferred;
-  const NamoBatch shape{.stored_rows = jobs[0].rows,
-                        .stored_cols = jobs[0].cols,
-                        .batch = static_cast<int64_t>(jobs.size()),
-                        .transposed = transposed};
-  const size_t lines = static_cast<size_t>(shape.Lines(options_.moment2_method));
-  StepScratch& scratch = backend.Shared<StepScratch>();
-  const double* update_sums = reinterpret_cast<const double*>(scratch.namo_update_sums->data());
-  float* scales = scratch.namo_scales->data();
-  for (size_t i = 0; i < jobs.size(); ++i) {
-    // Rounded to the slot's format on the way (exp_avg_sq_dtype); the step sizes use fp32 values.
-    MUOND_RETURN_IF_ERROR(backend.NamoScales(NamoArgsOf(hyper, *jobs[i].param), grad_sums + i * lines,
-                                             update_sums + i * lines, jobs[i].moment2->Ref(jobs[i].moment2_offset),
-                                             scales + i * lines, lines));
-  }
-  float* copy = nullptr;
-  if (NamoCopies(options_.moment2_method, transposed)) {
-    MUOND_ASSIGN_OR_RETURN(
-        copy, ws.Get(backend, kNormuonSlot, static_cast<size_t>(shape.stored_rows * shape.stored_cols) * jobs.size()));
-  }
-  return NamoScale(backend, options_.moment2_method, work, shape, copy, scales);
-}
-
-// A job's raw gradient lies where its U will: at the same offset of the gradient buffer, or, for a
-// column-blocked parameter (worked on transposed), of the gradient's transpose.
-absl::Status Muon::NamoGradientSums(Backend& backend, std::span<ParamState* const> params,
-                                    std::span<const std::span<const MatrixJob>> batches, NsWorkspace& ws,
-                                    double* sums) {
-  std::map<const ParamState*, std::vector<std::pair<const MatrixJob*, size_t>>> by_param;
-  size_t line = 0;
-  for (std::span<const MatrixJob> batch : batches) {
-    for (const MatrixJob& job : batch) {
-      by_param[job.param].emplace_back(&job, line);
-      line += static_cast<size_t>(NamoLines(options_.moment2_method, job.deferred ? job.rows : job.cols));
-    }
-  }
-  for (ParamState* p : params) {
-    auto it = by_param.find(p);
-    if (!p->has_grad || it == by_param.end()) continue;
-    const float* g = p->grad->data();
-    const float* raw = g;
-    if (WorksTransposed(*p)) {
-      MUOND_ASSIGN_OR_RETURN(float* t, ws.Get(backend, kTransposeSlot, static_cast<size_t>(p->numel)));
-      MUOND_RETURN_IF_ERROR(backend.Transpose2D(g, t, p->shape[0], p->shape[1], 1));
-      raw = t;
-    }
-    for (const auto& [job, at] : it->second) {
-      float* copy = nullptr;
-      if (NamoCopies(options_.moment2_method, job->deferred)) {
-        MUOND_ASSIGN_OR_RETURN(copy, ws.Get(backend, kNormuonSlot, static_cast<size_t>(job->rows * job->cols)));
-      }
-      const NamoBatch shape{
-          .stored_rows = job->rows, .stored_cols = job->cols, .batch = 1, .transposed = job->deferred};
-      MUOND_RETURN_IF_ERROR(
-          NamoLineSums(backend, options_.moment2_method, raw + (job->update - g), shape, copy, sums + at));
-    }
   }
   return absl::OkStatus();
 }
@@ -935,7 +693,7 @@ absl::Status Muon::Step(Backend& backend, const StepHyper& hyper, std::span<Para
     MUOND_RETURN_IF_ERROR(Grow(backend, scratch.namo_update_sums, 2 * std::max<size_t>(most, 1)));
     MUOND_RETURN_IF_ERROR(Grow(backend, scratch.namo_scales, std::max<size_t>(most, 1)));
     namo_grad_sums = reinterpret_cast<double*>(scratch.namo_grad_sums->data());
-    MUOND_RETURN_IF_ERROR(NamoGradientSums(backend, params, batches, ws, namo_grad_sums));
+    MUOND_RETURN_IF_ERROR(NamoGradientSums(backend, options_.moment2_method, params, batches, ws, namo_grad_sums));
   }
 
   const kernels::MomentumArgs momentum{
