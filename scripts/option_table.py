@@ -43,7 +43,8 @@ def applies_to(row: dict) -> str:
     names = "all" if row["applies_to"] == "all" else ", ".join(row["applies_to"])
     if row.get("muon_needs"):
         others = [n for n in row["applies_to"] if n != "muon"]
-        names = ", ".join(others) + f"; muon with a `{row['muon_needs']}`"
+        needs = f"muon with a `{row['muon_needs']}`"
+        names = ", ".join(others) + f"; {needs}" if others else needs
     if row["carrier"] == "parameter":
         names += ", per parameter"
     return names
