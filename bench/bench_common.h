@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -39,6 +40,23 @@ struct NsShape {
 inline std::vector<NsShape> NsShapes(bool quick) {
   if (quick) return {{256, 256, 1}, {1024, 1024, 1}, {192, 768, 1}, {1024, 2752, 1}, {192, 768, 6}};
   return {{1024, 1024, 1}, {4096, 4096, 1}, {768, 3072, 1}, {1024, 2752, 1}, {4096, 11008, 1}, {768, 3072, 24}};
+}
+
+// The shapes of a --shapes list, "ROWSxCOLS,..." (batch 1 each); exits with the bad item otherwise.
+inline std::vector<NsShape> ParseShapes(const std::string& list) {
+  std::vector<NsShape> out;
+  std::stringstream items(list);
+  std::string item;
+  while (std::getline(items, item, ',')) {
+    const size_t x = item.find('x');
+    if (x == std::string::npos || x == 0 || x + 1 == item.size() ||
+        item.find_first_not_of("0123456789x") != std::string::npos) {
+      std::fprintf(stderr, "--shapes: %s is not ROWSxCOLS\n", item.c_str());
+      std::exit(2);
+    }
+    out.push_back({std::stoll(item.substr(0, x)), std::stoll(item.substr(x + 1)), 1});
+  }
+  return out;
 }
 
 inline kernels::MatmulPrecision ParsePrecision(const std::string& name) {

@@ -6,7 +6,6 @@
 // for both, and the backend is synchronized after the last.
 #include <cstdio>
 #include <random>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -72,11 +71,8 @@ int Run(const Flags& flags) {
   std::printf("muond optimizer step of one parameter on %s (%s GEMMs), `simple` x5, %d timed steps\n",
               backend->Name().c_str(), precision_name.c_str(), flags.reps);
   std::printf("%-12s %14s %16s %10s\n", "shape", "muon ms/step", "dion2 ms/step", "muon/dion2");
-  std::stringstream list(flags.shapes);
-  std::string item;
-  while (std::getline(list, item, ',')) {
-    const size_t x = item.find('x');
-    const int64_t rows = std::stoll(item.substr(0, x)), cols = std::stoll(item.substr(x + 1));
+  for (const NsShape& shape : ParseShapes(flags.shapes)) {
+    const int64_t rows = shape.rows, cols = shape.cols;
     optim::GroupOptions muon = optim::DefaultOptions(optim::OptimizerKind::kMuon);
     optim::GroupOptions dion2 = optim::DefaultOptions(optim::OptimizerKind::kDion2);
     for (optim::GroupOptions* o : {&muon, &dion2}) {
@@ -88,7 +84,7 @@ int Run(const Flags& flags) {
     dion2.dion2_fraction = flags.fraction;
     const double a = StepSeconds(*backend, muon, rows, cols, flags);
     const double b = StepSeconds(*backend, dion2, rows, cols, flags);
-    std::printf("%-12s %14.2f %16.2f %9.2fx\n", item.c_str(), a * 1e3, b * 1e3, a / b);
+    std::printf("%-12s %14.2f %16.2f %9.2fx\n", shape.Name().c_str(), a * 1e3, b * 1e3, a / b);
     std::fflush(stdout);
   }
   return 0;

@@ -13,7 +13,6 @@
 // run_ns_variants_bench.sh read those next to the torch figures of ns_throughput.py).
 #include <cstdio>
 #include <random>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -40,19 +39,7 @@ struct Flags {
 };
 
 std::vector<NsShape> ShapesOf(const Flags& flags) {
-  if (flags.shapes.empty()) return NsShapes(flags.quick);
-  std::vector<NsShape> out;
-  std::stringstream list(flags.shapes);
-  std::string item;
-  while (std::getline(list, item, ',')) {
-    const size_t x = item.find('x');
-    if (x == std::string::npos) {
-      std::fprintf(stderr, "--shapes: %s is not ROWSxCOLS\n", item.c_str());
-      std::exit(2);
-    }
-    out.push_back({std::stoll(item.substr(0, x)), std::stoll(item.substr(x + 1)), 1});
-  }
-  return out;
+  return flags.shapes.empty() ? NsShapes(flags.quick) : ParseShapes(flags.shapes);
 }
 
 int Run(const Flags& flags) {

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import muond
-from test_muon_variants import rel_err
+from test_muon_variants import assert_local_matches_daemon, rel_err
 
 TOLERANCE = 1e-4
 SHAPES = {"square": (16, 16), "tall": (24, 12), "wide": (12, 24), "experts": (3, 8, 12)}
@@ -114,25 +114,8 @@ def test_daemon_and_local_match_the_reference(endpoint):
 def test_local_matches_the_daemon(endpoint, extra):
     """Forced sides, 16-bit momentum, independent decay, AOL Newton–Schulz, a conv filter
     (flattened to (out, rest), as Muon's)."""
-    gen = torch.Generator().manual_seed(4)
-    shapes = dict(SHAPES, conv=(8, 3, 3, 3))
-    start = {n: 0.1 * torch.randn(*s, generator=gen) for n, s in shapes.items()}
-    remote_params = {n: torch.nn.Parameter(t.clone()) for n, t in start.items()}
-    local_params = {n: torch.nn.Parameter(t.clone()) for n, t in start.items()}
-    opts = {"optimizer": "dion2", "lr": 0.02, **extra}
-    remote = muond.RemoteOptimizer([dict(opts, params=list(remote_params.items()))], endpoint=endpoint)
-    local = muond.LocalOptimizer([dict(opts, params=list(local_params.items()))])
-    for _ in range(4):
-        for name, shape in shapes.items():
-            g = torch.randn(*shape, generator=gen)
-            remote_params[name].grad, local_params[name].grad = g.clone(), g.clone()
-        remote.step()
-        local.step()
-    remote.close()
-    for name in shapes:
-        ours = remote_params[name].detach()
-        assert rel_err(local_params[name].detach(), ours) < TOLERANCE, name
-        assert rel_err(start[name], ours) > 100 * TOLERANCE, name
+    assert_local_matches_daemon(endpoint, {"optimizer": "dion2", "lr": 0.02, **extra},
+                                dict(SHAPES, conv=(8, 3, 3, 3)), 4, torch.Generator().manual_seed(4))
 
 
 def test_only_the_chosen_lines_move_without_decay(endpoint):

@@ -134,6 +134,30 @@ def rel_err(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+def assert_local_matches_daemon(endpoint, options, shapes, steps, gen, scaled=False):
+    """Steps one group of ``options`` over parameters of ``shapes`` on the daemon and in
+    LocalOptimizer with the same gradients (each scaled by a random factor when ``scaled``), then
+    asserts the two agree within TOLERANCE and that every parameter moved well beyond it."""
+    start = {n: 0.1 * torch.randn(*s, generator=gen) for n, s in shapes.items()}
+    remote_params = {n: torch.nn.Parameter(t.clone()) for n, t in start.items()}
+    local_params = {n: torch.nn.Parameter(t.clone()) for n, t in start.items()}
+    remote = muond.RemoteOptimizer([dict(options, params=list(remote_params.items()))], endpoint=endpoint)
+    local = muond.LocalOptimizer([dict(options, params=list(local_params.items()))])
+    for _ in range(steps):
+        for name, shape in shapes.items():
+            g = torch.randn(*shape, generator=gen)
+            if scaled:
+                g = g * float(torch.rand(1, generator=gen) * 3 + 0.1)
+            remote_params[name].grad, local_params[name].grad = g.clone(), g.clone()
+        remote.step()
+        local.step()
+    remote.close()
+    for name in shapes:
+        ours = remote_params[name].detach()
+        assert rel_err(local_params[name].detach(), ours) < TOLERANCE, name
+        assert rel_err(start[name], ours) > 100 * TOLERANCE, name
+
+
 @pytest.mark.parametrize("method,mode", [("muoneq", "row"), ("muoneq", "col"), ("muoneq", "rowcol"),
                                          ("muon_plus", "muon_plus"), ("muon_plus", "row"),
                                          ("muon_plus", "col"), ("muon_plus", "col_row"),
