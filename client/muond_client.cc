@@ -1,5 +1,6 @@
 #include "client/muond_client.h"
 
+#include <cstdio>
 #include <fstream>
 #include <sstream>
 #include <thread>
@@ -194,6 +195,16 @@ absl::StatusOr<v1::ServerInfo> Client::GetServerInfo() {
   return info;
 }
 
+absl::StatusOr<std::string> Client::SharedMemoryGrant(const v1::ServerInfo& info) {
+  if (!info.shm_grants()) return std::string();
+  grpc::ClientContext context;
+  PrepareContext(context);
+  v1::GrantSharedMemoryResponse response;
+  absl::Status granted = FromGrpcStatus(stub_->GrantSharedMemory(&context, v1::GrantSharedMemoryRequest(), &response));
+  if (!granted.ok()) return granted;
+  return response.grant();
+}
+
 absl::StatusOr<std::unique_ptr<Session>> Client::CreateSession(const std::string& session_id,
                                                                const v1::SessionSpec& spec, std::optional<int> rank) {
   v1::CreateSessionRequest request;
@@ -365,19 +376,42 @@ absl::Status Session::EnsureTransport() {
   absl::StatusOr<std::unique_ptr<StepTransport>> opened = client_->OpenTransport(*this);
   if (!opened.ok()) return opened.status();
   transport_ = *std::move(opened);
+  transport_->Prepare().IgnoreError();  // a failure is the first try's too, or a refusal
+  FellBackToGrpc();
   return absl::OkStatus();
 }
+
+bool Session::FellBackToGrpc() {
+  const absl::Status refusal = transport_ == nullptr ? absl::OkStatus() : transport_->refusal();
+  if (refusal.ok() || client_->options().transport != "auto") return false;
+  const std::string line = absl::StrCat("muond: session ", id_, ": transport ", std::string(transport_->name()),
+                                        " refused by the daemon (", refusal.ToString(), "); its steps go over grpc");
+  if (client_->options().warn) {
+    client_->options().warn(line);
+  } else {
+    std::fprintf(stderr, "%s\n", line.c_str());
+  }
+  transport_ = GrpcTransportKind().open(*client_, *this);
+  return true;
+}
+
+std::string Session::transport_name() const { return transport_ == nullptr ? "" : std::string(transport_->name()); }
 
 absl::StatusOr<StepReply> Session::Step(int64_t step, std::span<const TensorView> gradients,
                                         const StepOptions& options) {
   if (absl::Status fits = CheckParametersOut(options); !fits.ok()) return fits;
   if (absl::Status opened = EnsureTransport(); !opened.ok()) return opened;
-  if (!parts_rank_.has_value()) return StepThrough(*transport_, step, StepPayload{.gradients = gradients}, options);
   std::vector<TensorView> held;  // an empty part has nothing to send
-  for (const TensorView& g : gradients) {
-    if (!g.values.empty()) held.push_back(g);
+  if (parts_rank_.has_value()) {
+    for (const TensorView& g : gradients) {
+      if (!g.values.empty()) held.push_back(g);
+    }
   }
-  return StepThrough(*transport_, step, StepPayload{.gradients = held}, options);
+  const StepPayload payload{.gradients = parts_rank_.has_value() ? std::span<const TensorView>(held) : gradients};
+  absl::StatusOr<StepReply> reply = StepThrough(*transport_, step, payload, options);
+  // Refused before anything was sent (the region, registered again after a restart): over gRPC.
+  if (!reply.ok() && FellBackToGrpc()) reply = StepThrough(*transport_, step, payload, options);
+  return reply;
 }
 
 absl::StatusOr<std::unique_ptr<StreamedStep>> Session::BeginStreamedStep(int64_t step, const StepOptions& options) {

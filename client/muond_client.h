@@ -16,6 +16,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -66,6 +67,9 @@ struct ClientOptions {
   // this host and offer it) or "auto" (shared memory when the daemon is on this host and its socket
   // is reachable, else gRPC). Client::transport() says which was chosen. Control calls always use gRPC.
   std::string transport = "auto";
+  // Where the client's warnings go, one line each (a session whose "auto" transport was refused by
+  // the daemon and goes on over gRPC); unset: standard error.
+  std::function<void(const std::string&)> warn;
 };
 
 // A named tensor owned by the caller.
@@ -156,6 +160,10 @@ class Client {
   static absl::StatusOr<std::unique_ptr<Client>> Connect(ClientOptions options);
 
   absl::StatusOr<v1::ServerInfo> GetServerInfo();
+  // A one-time grant for the daemon's shared-memory socket (GrantSharedMemory), which a connection
+  // presents before it passes descriptors; empty for a daemon that takes them without one (`info`
+  // without shm_grants). Not retried: a registration fails as one try.
+  absl::StatusOr<std::string> SharedMemoryGrant(const v1::ServerInfo& info);
   // Creates the session, or attaches when one with this id and an identical spec exists. With
   // `rank`, an asynchronous session also says that rank's last push (Session::last_push).
   absl::StatusOr<std::unique_ptr<Session>> CreateSession(const std::string& session_id, const v1::SessionSpec& spec,
@@ -204,6 +212,9 @@ class Session {
 
   const std::string& id() const { return id_; }
   const v1::SessionSpec& spec() const { return spec_; }
+  // The transport this session's steps use: the Client's (Client::Transport), or "grpc" after the
+  // daemon refused the region of an "auto" shared-memory one; empty before the first step.
+  std::string transport_name() const;
   // Each parameter's element count, by name.
   const std::map<std::string, int64_t>& element_counts() const { return numel_; }
   // The dtype parameter `name`'s gradients travel in (its spec's wire_dtype; fp32 by default).
@@ -284,7 +295,10 @@ class Session {
   std::map<std::string, v1::DType> wire_dtypes_;
   std::map<std::string, int64_t> numel_;
   std::optional<int> parts_rank_;
-  std::unique_ptr<StepTransport> transport_;  // the Client's kind, once a step needed it
+  // Under "auto", when the daemon refused what transport_ needs (its region): one warning, and
+  // transport_ becomes gRPC. True when it did.
+  bool FellBackToGrpc();
+  std::unique_ptr<StepTransport> transport_;  // the Client's kind (or gRPC after a refusal), once a step needed it
   bool attached_ = false;
   bool initialized_ = false;
   int64_t last_step_ = 0;

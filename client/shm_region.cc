@@ -44,6 +44,20 @@ absl::StatusOr<int> ConnectShmSocket(const std::string& address) {
   return fd;
 }
 
+absl::Status PresentGrant(int socket, const std::string& grant) {
+  if (grant.empty()) return absl::OkStatus();
+  const std::string message = absl::StrCat("G", grant);
+  if (::send(socket, message.data(), message.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(message.size())) {
+    return Errno("presenting the grant");
+  }
+  absl::StatusOr<std::string> answer = ReadAnswer(socket);
+  if (!answer.ok()) return answer.status();
+  if (*answer != "ok") {
+    return absl::FailedPreconditionError(absl::StrCat("shared memory: the daemon refused the grant: ", *answer));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::string> PassDescriptor(int socket, int memfd) {
   char byte = 'R';
   iovec iov{&byte, 1};
@@ -87,7 +101,8 @@ absl::StatusOr<std::string> ReadAnswer(int socket) {
   return line;
 }
 
-absl::StatusOr<std::unique_ptr<ShmRegion>> ShmRegion::Create(const std::string& socket_address, size_t bytes) {
+absl::StatusOr<std::unique_ptr<ShmRegion>> ShmRegion::Create(const std::string& socket_address, size_t bytes,
+                                                             const std::string& grant) {
   if (bytes == 0) return absl::InvalidArgumentError("shared memory: a region has at least one byte");
   const int memfd = ::memfd_create("muond-region", MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (memfd < 0) return Errno("memfd_create");
@@ -103,6 +118,7 @@ absl::StatusOr<std::unique_ptr<ShmRegion>> ShmRegion::Create(const std::string& 
   if (data == MAP_FAILED) return fail(Errno("mmap"));
   absl::StatusOr<int> socket = ConnectShmSocket(socket_address);
   if (!socket.ok()) return fail(socket.status(), -1, data);
+  if (absl::Status presented = PresentGrant(*socket, grant); !presented.ok()) return fail(presented, *socket, data);
   absl::StatusOr<std::string> answer = PassDescriptor(*socket, memfd);
   if (!answer.ok()) return fail(answer.status(), *socket, data);
   std::vector<std::string> words = absl::StrSplit(*answer, absl::MaxSplits(' ', 2));

@@ -1,6 +1,7 @@
 // ShmRegion: the client's side of muond's shared-memory transport — a memfd the client maps and
-// passes to the daemon over the daemon's Unix-domain socket (ServerInfo.shm_socket), which answers
-// with a one-time ticket to claim through RegisterSharedMemory.
+// passes to the daemon over the daemon's Unix-domain socket (ServerInfo.shm_socket), on a connection
+// that first presented a grant (Client::SharedMemoryGrant); the daemon answers with a one-time ticket
+// to claim through RegisterSharedMemory.
 //
 // The memfd is sized once and sealed against shrinking and growing (the daemon refuses anything it
 // could be made to fault on). The socket connection stays open as long as the region: the daemon
@@ -22,8 +23,10 @@ namespace muond::client {
 class ShmRegion {
  public:
   // Creates a region of `bytes` bytes and passes it to the daemon listening on `socket_address`
-  // ("@name": Linux's abstract namespace).
-  static absl::StatusOr<std::unique_ptr<ShmRegion>> Create(const std::string& socket_address, size_t bytes);
+  // ("@name": Linux's abstract namespace) after presenting `grant` (none when empty: a daemon
+  // without ServerInfo.shm_grants).
+  static absl::StatusOr<std::unique_ptr<ShmRegion>> Create(const std::string& socket_address, size_t bytes,
+                                                           const std::string& grant);
   ~ShmRegion();
   ShmRegion(const ShmRegion&) = delete;
   ShmRegion& operator=(const ShmRegion&) = delete;
@@ -44,10 +47,13 @@ class ShmRegion {
   const std::string ticket_;
 };
 
-// The protocol's two halves, for callers that pass descriptors themselves: a connection to the
-// daemon's socket (owned by the caller; closing it drops what it passed), and one descriptor passed
-// on it with the daemon's one-line answer ("ok <ticket> <bytes>" or "error <reason>").
+// The protocol's parts, for callers that pass descriptors themselves: a connection to the daemon's
+// socket (owned by the caller; closing it drops what it passed), the grant presented on it ('G';
+// nothing when `grant` is empty; FAILED_PRECONDITION with the daemon's reason when refused), and one
+// descriptor passed on it with the daemon's one-line answer ("ok <ticket> <bytes>" or
+// "error <reason>").
 absl::StatusOr<int> ConnectShmSocket(const std::string& socket_address);
+absl::Status PresentGrant(int socket, const std::string& grant);
 absl::StatusOr<std::string> PassDescriptor(int socket, int fd);
 // A liveness ticket naming the connection `socket` ('L'): what registered with it lives as long as the
 // connection (CUDA IPC memory).

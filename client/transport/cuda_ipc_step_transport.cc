@@ -112,6 +112,9 @@ absl::Status CudaIpcStepTransport::Register() {
     absl::StatusOr<int> socket = ConnectShmSocket(info->shm_socket());
     if (!socket.ok()) return socket.status();
     cuda_->socket = *socket;
+    absl::StatusOr<std::string> grant = client_.SharedMemoryGrant(*info);
+    if (!grant.ok()) return grant.status();
+    if (absl::Status presented = PresentGrant(*socket, *grant); !presented.ok()) return presented;
     absl::StatusOr<std::string> ticket = RequestLivenessTicket(*socket);
     if (!ticket.ok()) return ticket.status();
     request.set_liveness_ticket(*ticket);

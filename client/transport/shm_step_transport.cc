@@ -32,6 +32,13 @@ const TransportKind& ShmTransportKind() {
 }
 
 absl::Status ShmStepTransport::SetUpRegion() {
+  absl::Status status = TrySetUpRegion();
+  // A daemon that is away is another try's business; anything else is the daemon saying no.
+  refusal_ = status.ok() || IsTransient(status.code()) ? absl::OkStatus() : status;
+  return status;
+}
+
+absl::Status ShmStepTransport::TrySetUpRegion() {
   region_.reset();
   // One try: a daemon that is down makes this step attempt fail, and the session's retries go on.
   v1::ServerInfo info;
@@ -50,8 +57,10 @@ absl::Status ShmStepTransport::SetUpRegion() {
     offsets_[name] = bytes;
     bytes += static_cast<uint64_t>(numel) * sizeof(float);  // fits every dtype, in or out
   }
+  absl::StatusOr<std::string> grant = client_.SharedMemoryGrant(info);
+  if (!grant.ok()) return grant.status();
   absl::StatusOr<std::unique_ptr<ShmRegion>> region =
-      ShmRegion::Create(info.shm_socket(), std::max<uint64_t>(bytes, 1));
+      ShmRegion::Create(info.shm_socket(), std::max<uint64_t>(bytes, 1), *grant);
   if (!region.ok()) return region.status();
   const std::string name = absl::StrCat(session_.id(), "/", (*region)->ticket().substr(0, 8));
   grpc::ClientContext context;

@@ -54,6 +54,12 @@ class StepTransport {
   // place, or could not set it up (the try then writes the gradient as usual). What was staged
   // serves the next StepOnce only; a retry writes every gradient again.
   virtual bool StageGradient(const TensorView& gradient) { return false; }
+  // Sets up what the first try needs (shared memory: its region) ahead of it; a failure here is
+  // also the first try's, which sets up again.
+  virtual absl::Status Prepare() { return absl::OkStatus(); }
+  // Why the daemon refused what this transport needs, as opposed to being away: set by the last
+  // setup that failed so (its region, its grant); OK otherwise. "auto" then falls back to gRPC.
+  virtual absl::Status refusal() const { return absl::OkStatus(); }
 };
 
 }  // namespace muond::client

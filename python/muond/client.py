@@ -353,6 +353,16 @@ class Connection:
         into.finish()
         return result
 
+    def grant_shared_memory(self, info: "pb.ServerInfo") -> str:
+        """A one-time grant that a connection to the daemon's shared-memory socket presents before
+        it passes a memfd (``GrantSharedMemory``); ``""`` for a daemon that takes memfds without
+        one (``info.shm_grants`` unset)."""
+        if not info.shm_grants:
+            return ""
+        with translated("GrantSharedMemory"):
+            return self._stub.GrantSharedMemory(pb.GrantSharedMemoryRequest(), timeout=self.timeout,
+                                                metadata=self._metadata).grant
+
     def register_shared_memory(self, name: str, ticket: str) -> int:
         """Claims a region passed on the daemon's socket under ``name``; returns its size."""
         with translated("RegisterSharedMemory"):

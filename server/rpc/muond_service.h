@@ -88,6 +88,8 @@ class MuondService final : public v1::Muond::Service {
   grpc::Status SetState(grpc::ServerContext*, grpc::ServerReader<v1::SetStateRequest>*, v1::SetStateResponse*) override;
   grpc::Status Checkpoint(grpc::ServerContext*, const v1::CheckpointRequest*, v1::CheckpointResponse*) override;
   grpc::Status GetStateDigest(grpc::ServerContext*, const v1::GetStateDigestRequest*, v1::StateDigest*) override;
+  grpc::Status GrantSharedMemory(grpc::ServerContext*, const v1::GrantSharedMemoryRequest*,
+                                 v1::GrantSharedMemoryResponse*) override;
   grpc::Status RegisterSharedMemory(grpc::ServerContext*, const v1::RegisterSharedMemoryRequest*,
                                     v1::RegisterSharedMemoryResponse*) override;
   grpc::Status UnregisterSharedMemory(grpc::ServerContext*, const v1::UnregisterSharedMemoryRequest*,

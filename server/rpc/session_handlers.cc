@@ -35,7 +35,10 @@ grpc::Status MuondService::GetServerInfo(grpc::ServerContext* context, const v1:
     for (const std::string& name : optim::OptimizerNames()) info->add_optimizers(name);
     for (const std::string& name : optim::NamedScheduleNames()) info->add_ns_coefficient_sets(name);
     info->set_num_sessions(static_cast<int32_t>(registry_->size()));
-    if (options_.transports.shm_regions != nullptr) info->set_shm_socket(options_.transports.shm_socket);
+    if (options_.transports.shm_regions != nullptr) {
+      info->set_shm_socket(options_.transports.shm_socket);
+      info->set_shm_grants(true);
+    }
     info->set_host_id(options_.host_id);
     info->set_metrics_address(options_.metrics_address);
     info->set_durability(options_.durability);

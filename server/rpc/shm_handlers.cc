@@ -1,4 +1,4 @@
-// MuondService's shared-memory calls: RegisterSharedMemory, UnregisterSharedMemory,
+// MuondService's shared-memory calls: GrantSharedMemory, RegisterSharedMemory, UnregisterSharedMemory,
 // SharedMemoryStatus and StepShared (docs/transports.md).
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -14,6 +14,17 @@ absl::StatusOr<transport::SharedMemoryRegions*> MuondService::ShmRegions() const
         "the daemon offers no shared-memory transport (started with --shm-socket none); use the gRPC transport");
   }
   return options_.transports.shm_regions;
+}
+
+grpc::Status MuondService::GrantSharedMemory(grpc::ServerContext* context, const v1::GrantSharedMemoryRequest*,
+                                             v1::GrantSharedMemoryResponse* response) {
+  return Serve(calls_, context, "GrantSharedMemory", [&](const std::string& caller) -> absl::Status {
+    MUOND_ASSIGN_OR_RETURN(transport::SharedMemoryRegions * regions, ShmRegions());
+    response->set_grant(regions->Grant(caller));
+    response->set_expires_in_seconds(absl::ToDoubleSeconds(regions->limits().pending_timeout));
+    response->set_max_pending_memfds(regions->limits().max_pending_per_connection);
+    return absl::OkStatus();
+  });
 }
 
 grpc::Status MuondService::RegisterSharedMemory(grpc::ServerContext* context,

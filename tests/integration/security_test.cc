@@ -223,7 +223,10 @@ TEST_F(TokenAuthTest, SharedMemoryRegionsArePrivateToTheirCaller) {
     v1::RegisterSharedMemoryResponse response;
     return client::FromGrpcStatus(client.stub().RegisterSharedMemory(&context, request, &response));
   };
-  ASSERT_OK_AND_ASSIGN(auto alices, client::ShmRegion::Create(info.shm_socket(), 32 * 4));
+  ASSERT_OK_AND_ASSIGN(std::string alices_grant, alice->SharedMemoryGrant(info));
+  ASSERT_OK_AND_ASSIGN(auto alices, client::ShmRegion::Create(info.shm_socket(), 32 * 4, alices_grant));
+  // A ticket passed on Alice's connection is hers to claim: Bob cannot, even knowing it.
+  EXPECT_THAT(register_as(*bob, *alices), StatusIs(absl::StatusCode::kNotFound, "ticket"));
   ASSERT_OK(register_as(*alice, *alices));
   ASSERT_OK_AND_ASSIGN(auto session, bob->CreateSession("bobs-shm", Spec()));
   const std::vector<float> w(32, 0.25f);
@@ -243,7 +246,8 @@ TEST_F(TokenAuthTest, SharedMemoryRegionsArePrivateToTheirCaller) {
   EXPECT_THAT(client::FromGrpcStatus(bob->stub().StepShared(&context, step, &response)),
               StatusIs(absl::StatusCode::kNotFound, "gradients[0].region"));
   // Bob's own region of the same name is his, and works.
-  ASSERT_OK_AND_ASSIGN(auto bobs, client::ShmRegion::Create(info.shm_socket(), 32 * 4));
+  ASSERT_OK_AND_ASSIGN(std::string bobs_grant, bob->SharedMemoryGrant(info));
+  ASSERT_OK_AND_ASSIGN(auto bobs, client::ShmRegion::Create(info.shm_socket(), 32 * 4, bobs_grant));
   ASSERT_OK(register_as(*bob, *bobs));
   grpc::ClientContext again;
   bob->PrepareContext(again);

@@ -39,9 +39,20 @@ class ShmTest : public DaemonTest {
     return info.ok() ? info->shm_socket() : "";
   }
 
+  // A one-time grant for the socket (GrantSharedMemory).
+  static std::string Grant() {
+    absl::StatusOr<v1::ServerInfo> info = client_->GetServerInfo();
+    EXPECT_TRUE(info.ok()) << info.status();
+    if (!info.ok()) return "";
+    EXPECT_TRUE(info->shm_grants());
+    absl::StatusOr<std::string> grant = client_->SharedMemoryGrant(*info);
+    EXPECT_TRUE(grant.ok()) << grant.status();
+    return grant.ok() ? *grant : "";
+  }
+
   // A region of `bytes` passed to the daemon and registered as `name`.
   std::unique_ptr<client::ShmRegion> Register(const std::string& name, size_t bytes) {
-    absl::StatusOr<std::unique_ptr<client::ShmRegion>> region = client::ShmRegion::Create(Socket(), bytes);
+    absl::StatusOr<std::unique_ptr<client::ShmRegion>> region = client::ShmRegion::Create(Socket(), bytes, Grant());
     EXPECT_TRUE(region.ok()) << region.status();
     if (!region.ok()) return nullptr;
     v1::RegisterSharedMemoryRequest request;
@@ -207,7 +218,7 @@ TEST_F(ShmTest, RegionsAreRefusedWithTheFieldNamed) {
     EXPECT_THAT(client::FromGrpcStatus(client_->stub().RegisterSharedMemory(&context, request, &response)),
                 StatusIs(absl::StatusCode::kNotFound, "ticket"));
   }
-  absl::StatusOr<std::unique_ptr<client::ShmRegion>> second = client::ShmRegion::Create(Socket(), 64);
+  absl::StatusOr<std::unique_ptr<client::ShmRegion>> second = client::ShmRegion::Create(Socket(), 64, Grant());
   ASSERT_OK(second.status());
   {
     v1::RegisterSharedMemoryRequest request;
@@ -299,6 +310,7 @@ TEST_F(ShmTest, MemoryThatCouldShrinkOrIsNotAMemfdIsRefused) {
     absl::StatusOr<int> socket = client::ConnectShmSocket(address);
     EXPECT_OK(socket.status());
     if (!socket.ok()) return "";
+    EXPECT_OK(client::PresentGrant(*socket, Grant()));
     absl::StatusOr<std::string> answer = client::PassDescriptor(*socket, fd);
     ::close(*socket);
     EXPECT_OK(answer.status());
@@ -317,6 +329,47 @@ TEST_F(ShmTest, MemoryThatCouldShrinkOrIsNotAMemfdIsRefused) {
   EXPECT_FALSE(daemon_->Exited());
 }
 
+// Only a connection that presented a grant from the authenticated GrantSharedMemory holds a
+// descriptor: a client that passes one without (an older client, or a peer that did not
+// authenticate) is told what to upgrade and let go; a grant binds one connection, once.
+TEST_F(ShmTest, ADescriptorNeedsAGrantFirst) {
+  const std::string address = Socket();
+  ASSERT_FALSE(address.empty());
+  const int memfd = ::memfd_create("no-grant", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  ASSERT_EQ(::ftruncate(memfd, 4096), 0);
+  ASSERT_EQ(::fcntl(memfd, F_ADD_SEALS, F_SEAL_SHRINK), 0);
+  {
+    ASSERT_OK_AND_ASSIGN(int socket, client::ConnectShmSocket(address));
+    ASSERT_OK_AND_ASSIGN(std::string answer, client::PassDescriptor(socket, memfd));
+    EXPECT_THAT(answer, HasSubstr("GrantSharedMemory"));
+    EXPECT_THAT(answer, HasSubstr("upgrade the muond client"));
+    char byte;
+    EXPECT_EQ(::read(socket, &byte, 1), 0) << "the daemon closed the connection";
+    ::close(socket);
+  }
+  {
+    ASSERT_OK_AND_ASSIGN(int socket, client::ConnectShmSocket(address));
+    EXPECT_THAT(client::RequestLivenessTicket(socket), StatusIs(absl::StatusCode::kUnavailable, "GrantSharedMemory"));
+    ::close(socket);
+  }
+  const std::string grant = Grant();
+  {
+    ASSERT_OK_AND_ASSIGN(int socket, client::ConnectShmSocket(address));
+    EXPECT_THAT(client::PresentGrant(socket, "0123456789abcdef0123456789abcdef"),
+                StatusIs(absl::StatusCode::kFailedPrecondition, "unknown, used or expired"));
+    ::close(socket);
+  }
+  ASSERT_OK_AND_ASSIGN(int first, client::ConnectShmSocket(address));
+  ASSERT_OK(client::PresentGrant(first, grant));
+  ASSERT_OK_AND_ASSIGN(std::string answer, client::PassDescriptor(first, memfd));
+  EXPECT_THAT(answer, ::testing::StartsWith("ok "));
+  EXPECT_OK(client::RequestLivenessTicket(first).status());
+  ASSERT_OK_AND_ASSIGN(int second, client::ConnectShmSocket(address));
+  EXPECT_THAT(client::PresentGrant(second, grant), StatusIs(absl::StatusCode::kFailedPrecondition, "used"));
+  for (int fd : {first, second, memfd}) ::close(fd);
+  EXPECT_FALSE(daemon_->Exited());
+}
+
 TEST_F(ShmTest, AClientThatGoesAwayLeavesNoRegionBehind) {
   std::unique_ptr<client::ShmRegion> region = Register("goes-away", 1 << 20);
   ASSERT_NE(region, nullptr);
@@ -332,7 +385,7 @@ TEST_F(ShmTest, AClientThatGoesAwayLeavesNoRegionBehind) {
   // close) dropped with the connection all the same.
   std::string ticket;
   {
-    absl::StatusOr<std::unique_ptr<client::ShmRegion>> unclaimed = client::ShmRegion::Create(Socket(), 64);
+    absl::StatusOr<std::unique_ptr<client::ShmRegion>> unclaimed = client::ShmRegion::Create(Socket(), 64, Grant());
     ASSERT_OK(unclaimed.status());
     ticket = (*unclaimed)->ticket();
   }

@@ -87,10 +87,17 @@ def test_the_shm_socket_issues_liveness_tickets(endpoint):
         info = conn.server_info()
     finally:
         conn.close()
-    ticket = LivenessTicket(info.shm_socket)
+    with pytest.raises(ConnectionError, match="GrantSharedMemory"):
+        LivenessTicket(info.shm_socket)  # a connection without a grant
+    conn = muond.Connection(endpoint)
+    try:
+        grants = [conn.grant_shared_memory(info) for _ in range(2)]
+    finally:
+        conn.close()
+    ticket = LivenessTicket(info.shm_socket, grants[0])
     try:
         assert ticket.ticket and ticket.ticket.isprintable() and " " not in ticket.ticket
-        again = LivenessTicket(info.shm_socket)
+        again = LivenessTicket(info.shm_socket, grants[1])
         assert again.ticket != ticket.ticket
         again.close()
     finally:

@@ -63,6 +63,60 @@ def test_shm_is_refused_when_the_daemon_offers_none(start_daemon):
         assert opt.transport == "grpc"  # auto falls back
 
 
+def _refusals(caplog):
+    """The muond logger's warnings that the shm transport gave way to gRPC."""
+    return [r.getMessage() for r in caplog.records
+            if r.name == "muond" and r.levelname == "WARNING" and "transport shm" in r.getMessage()]
+
+
+def test_a_refused_region_falls_back_to_grpc_under_auto(start_daemon, caplog):
+    # A region beyond --shm-max-region-bytes: the daemon refuses the memfd on its socket.
+    daemon = start_daemon("--shm-max-region-bytes", "64")
+    model = TinyNet(seed=44)
+    with pytest.raises(ConnectionError, match="limit of 64"):
+        muond.RemoteOptimizer(muond.default_param_groups(model), endpoint=daemon.endpoint,
+                              transport="shm")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="muond"):
+        with muond.RemoteOptimizer(muond.default_param_groups(model), endpoint=daemon.endpoint,
+                                   transport="auto") as opt:
+            assert opt.transport == "grpc"
+            for step in range(1, 3):
+                opt.zero_grad()
+                loss_of(model, step).backward()
+                opt.step()
+                assert opt.last_info.applied
+    refusals = _refusals(caplog)
+    assert len(refusals) == 1 and "limit of 64" in refusals[0], refusals
+
+
+def test_a_region_refused_after_a_restart_falls_back_to_grpc_under_auto(start_daemon, tmp_path,
+                                                                        caplog):
+    # The daemon restarts (its state kept) with a limit the session's region is beyond: the retry
+    # that registers the region again is refused, and that step and the next go over gRPC.
+    work = tmp_path / "restarted"
+    state = str(work / "state")
+    daemon = start_daemon("--state-dir", state, workdir=work)
+    model = TinyNet(seed=45)
+    kwargs = dict(endpoint=daemon.endpoint, session="refused-later")
+    with muond.RemoteOptimizer(muond.default_param_groups(model), transport="auto", **kwargs) as opt:
+        assert opt.transport == "shm"
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="muond"):
+            for step in range(1, 4):
+                if step == 2:
+                    daemon.stop()
+                    daemon = start_daemon("--state-dir", state, "--shm-max-region-bytes", "64",
+                                          listen=daemon.endpoint, workdir=work)
+                opt.zero_grad()
+                loss_of(model, step).backward()
+                opt.step()
+                # Applied once each: the refused try sent nothing.
+                assert opt.last_info.applied and opt.last_info.step == step
+        refusals = _refusals(caplog)
+        assert len(refusals) == 1 and "limit of 64" in refusals[0], refusals
+
+
 @pytest.mark.parametrize("wire_dtype", ["fp32", "bf16"])
 def test_shm_steps_equal_grpc_steps_bit_for_bit(endpoint, wire_dtype):
     a = TinyNet(seed=42)

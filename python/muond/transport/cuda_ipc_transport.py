@@ -34,18 +34,14 @@ _log = logging.getLogger("muond")
 
 
 class LivenessTicket:
-    """A connection to the daemon's ``shm_socket`` that keeps a registration alive: the byte
-    ``L`` (no descriptor attached), answered ``ok <ticket>``. Closing it (or exiting) drops what
-    was registered with the ticket."""
+    """A connection to the daemon's ``shm_socket`` that keeps a registration alive: after the
+    ``grant`` (``Connection.grant_shared_memory``), the byte ``L`` (no descriptor attached),
+    answered ``ok <ticket>``. Closing it (or exiting) drops what was registered with the ticket."""
 
-    def __init__(self, socket_address: str):
-        self._sock: Optional[socket.socket] = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    def __init__(self, socket_address: str, grant: str = ""):
+        self._sock: Optional[socket.socket] = None
+        self._sock = shm.connect(socket_address, grant)
         try:
-            try:
-                self._sock.connect(shm._address(socket_address))
-            except OSError as err:
-                raise ConnectionError(f"cannot connect to the daemon's socket "
-                                      f"'{socket_address}': {err}") from None
             self._sock.sendall(b"L")
             answer = self._read_line()
         except BaseException:
@@ -102,9 +98,10 @@ class CudaIpcTransport(StepTransport):
         ticket = ""
         if self.shm_socket:
             try:
-                self._liveness = LivenessTicket(self.shm_socket)
+                grant = self.ctx.conn.grant_shared_memory(self.ctx.conn.server_info())
+                self._liveness = LivenessTicket(self.shm_socket, grant)
                 ticket = self._liveness.ticket
-            except (ConnectionError, OSError) as err:
+            except (ConnectionError, OSError, MuondError) as err:
                 _log.debug("session %s: no liveness ticket for its CUDA memory (%s); it lives "
                            "until unregistered or the session closes", self.ctx.session_id, err)
         name = f"{self.ctx.session_id}/cuda-{secrets.token_hex(4)}"

@@ -12,6 +12,7 @@ session at a time.
 
 from __future__ import annotations
 
+import logging
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import grpc
@@ -25,7 +26,10 @@ from . import host_copy
 from .base import Facts, Grads, Here, StepTransport, TransportContext
 from .choice import open_transport
 from .grpc_transport import GrpcTransport
+from .shm import RegionRefused
 from .streamed import Landing, StreamedTry
+
+_log = logging.getLogger("muond")
 
 
 class DaemonSession:
@@ -57,6 +61,7 @@ class DaemonSession:
         self._facts = Facts(conn.server_info, Here(self.by_name.values()))
         # gRPC until choose_transport (it needs nothing set up, so it serves before then too)
         self.transport: StepTransport = GrpcTransport(self._context, self._facts)
+        self._wanted = "grpc"
         self.created = False  # open() made the session (rather than attaching to one)
 
     # -- the session -----------------------------------------------------------------------------
@@ -122,8 +127,19 @@ class DaemonSession:
         """Opens the transport ``wanted`` (a name of ``choice.NAMES``) and returns its name.
         RuntimeError when one asked for by name is impossible, saying why."""
         self.transport.close()
+        self._wanted = wanted
         self.transport = open_transport(wanted, self._context, self._facts)
         return self.transport.name
+
+    def _fall_back(self, err: Exception) -> None:
+        """After the daemon refused what the transport needs (``shm.RegionRefused``): "auto"
+        goes on over gRPC, saying why once; a transport asked for by name raises ``err``."""
+        if self._wanted != "auto":
+            raise err
+        _log.warning("session %s on %s: transport %s refused (%s); its steps go over grpc",
+                     self.session_id, self.endpoint, self.transport.name, err)
+        self.transport.close()
+        self.transport = GrpcTransport(self._context, self._facts)
 
     # -- one try of a step -----------------------------------------------------------------------
 
@@ -131,7 +147,11 @@ class DaemonSession:
              out: Optional[Dict[str, torch.Tensor]] = None) -> pb.StepResult:
         """One try of the step ``header`` with this session's ``grads``; the parameters it
         answers (none for a prepare) are copied into ``out`` (None: the parameter tensors)."""
-        result, values = self.transport.step(self._own(header), grads, out)
+        try:
+            result, values = self.transport.step(self._own(header), grads, out)
+        except RegionRefused as err:  # before anything was sent: the try goes over gRPC instead
+            self._fall_back(err)
+            result, values = self.transport.step(self._own(header), grads, out)
         if header.phase != pb.STEP_PHASE_PREPARE:
             copy_in(out or self.by_name, values)
         return result
@@ -139,7 +159,12 @@ class DaemonSession:
     def begin_streamed(self, header: pb.StepHeader,
                        out: Optional[Dict[str, torch.Tensor]] = None) -> "StreamedStep":
         """A streamed try of the step ``header`` names (its options come at the end)."""
-        return StreamedStep(self, self.transport.begin_streamed(self._own(header), out), out)
+        try:
+            streamed = self.transport.begin_streamed(self._own(header), out)
+        except RegionRefused as err:
+            self._fall_back(err)
+            streamed = self.transport.begin_streamed(self._own(header), out)
+        return StreamedStep(self, streamed, out)
 
     def _own(self, header: pb.StepHeader) -> pb.StepHeader:
         """A copy of ``header`` naming this daemon's session."""

@@ -1,8 +1,9 @@
 """The client side of muond's shared-memory transport.
 
 A ``SharedRegion`` is a memfd this process maps and passes to the daemon over the daemon's
-Unix-domain socket (``ServerInfo.shm_socket``); the daemon answers with a one-time ticket that
-``RegisterSharedMemory`` claims. The memfd is sealed against shrinking and growing (the daemon
+Unix-domain socket (``ServerInfo.shm_socket``), on a connection that first presented a grant from
+``GrantSharedMemory``; the daemon answers with a one-time ticket that ``RegisterSharedMemory``
+claims, by the same caller. The memfd is sealed against shrinking and growing (the daemon
 refuses memory it could be made to fault on). The socket stays open as long as the region: when it
 closes, because the region was closed or this process exited or crashed, the daemon drops every
 region it passed. Nothing is named where another process could find it.
@@ -47,6 +48,33 @@ def socket_reachable(socket_address: str) -> bool:
         return False
 
 
+class RegionRefused(ConnectionError):
+    """The daemon answered a refusal on its socket (a grant or a memfd it will not take), or
+    refused to register the region: not a daemon that is away, so trying again will not help."""
+
+
+def connect(socket_address: str, grant: str) -> socket.socket:
+    """A connection to the daemon's socket that presented ``grant`` (none when ``""``: a daemon
+    without ``ServerInfo.shm_grants``). ConnectionError when the socket cannot be reached,
+    RegionRefused when the daemon refuses the grant."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        try:
+            sock.connect(_address(socket_address))
+        except OSError as err:
+            raise ConnectionError(f"cannot connect to the daemon's shared-memory socket "
+                                  f"'{socket_address}': {err}") from None
+        if grant:
+            sock.sendall(b"G" + grant.encode("ascii"))
+            answer = read_line(sock)
+            if answer != "ok":
+                raise RegionRefused(f"the daemon refused the shared-memory grant: {answer}")
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 def read_line(sock: socket.socket) -> str:
     """One answer line of the daemon's socket, without its newline."""
     data = b""
@@ -59,9 +87,10 @@ def read_line(sock: socket.socket) -> str:
 
 
 class SharedRegion:
-    """``nbytes`` of memory shared with the daemon listening on ``socket_address``."""
+    """``nbytes`` of memory shared with the daemon listening on ``socket_address``, passed on a
+    connection that presented ``grant`` (``Connection.grant_shared_memory``)."""
 
-    def __init__(self, socket_address: str, nbytes: int):
+    def __init__(self, socket_address: str, nbytes: int, grant: str = ""):
         if nbytes <= 0:
             raise ValueError("a shared-memory region has at least one byte")
         self.nbytes = int(nbytes)
@@ -74,12 +103,7 @@ class SharedRegion:
                         fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
             self._map = mmap.mmap(fd, self.nbytes, flags=mmap.MAP_SHARED,
                                   prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                self._sock.connect(_address(socket_address))
-            except OSError as err:
-                raise ConnectionError(f"cannot connect to the daemon's shared-memory socket "
-                                      f"'{socket_address}': {err}") from None
+            self._sock = connect(socket_address, grant)
             socket.send_fds(self._sock, [b"R"], [fd])
             answer = self._read_line()
         except BaseException:
@@ -90,7 +114,7 @@ class SharedRegion:
         words = answer.split(" ", 2)
         if len(words) != 3 or words[0] != "ok" or int(words[2]) != self.nbytes:
             self.close()
-            raise ConnectionError(f"the daemon refused the shared-memory region: {answer}")
+            raise RegionRefused(f"the daemon refused the shared-memory region: {answer}")
         self.ticket = words[1]
 
     def _read_line(self) -> str:

@@ -2,8 +2,10 @@
 
 The session's region (``shm.SharedRegion``, in the ``slots.py`` layout, or with zero copy the
 ``zero_copy.py`` one, which the model's tensors live in) is created and registered with
-``RegisterSharedMemory`` before the first try, and again after the daemon lost it; a try is one
-``StepShared`` call (docs/transports.md, "Shared memory").
+``RegisterSharedMemory`` when the transport opens, and again after the daemon lost it; a try is one
+``StepShared`` call (docs/transports.md, "Shared memory"). A refusal of the region (its grant, the
+memfd, or the registration: ``shm.RegionRefused``) is told apart from a daemon that is away, so
+that "auto" can fall back to gRPC over it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,12 @@ from . import shm
 from .base import Facts, Grads, StepTransport, TransportContext
 from .slots import SlotStreamedTry, View, forgotten_when_lost, slot_layout, slot_request
 from .zero_copy import ZeroCopyArea
+
+
+def _refused(err: MuondError) -> bool:
+    """Whether ``err`` refused the region, rather than came from a daemon that is away (which a
+    later try gets past)."""
+    return err.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 class ShmTransport(StepTransport):
@@ -47,19 +55,32 @@ class ShmTransport(StepTransport):
         elif not shm.socket_reachable(info.shm_socket):
             yield f"the daemon's socket {info.shm_socket} cannot be reached from here"
 
+    def open(self) -> None:
+        """Registers the region now: a daemon that refuses it refuses it before the first step."""
+        self._register()
+
     def _register(self) -> None:
-        """Creates and registers this session's region; at the first try rather than in
-        ``open``, so that a region that cannot be had fails that step (and "auto" never falls
-        back to gRPC over it)."""
+        """Creates and registers this session's region. ``shm.RegionRefused`` when the daemon
+        refuses it; a daemon that cannot be reached is a ConnectionError or a MuondError."""
         self.close()
         info = self.ctx.conn.server_info()
         if not info.shm_socket:
-            raise MuondError(grpc.StatusCode.FAILED_PRECONDITION,
-                             "the daemon no longer offers shared memory", "StepShared")
-        region = shm.SharedRegion(info.shm_socket, max(self._nbytes, 1))
+            raise shm.RegionRefused("the daemon no longer offers shared memory")
+        try:
+            grant = self.ctx.conn.grant_shared_memory(info)
+            region = shm.SharedRegion(info.shm_socket, max(self._nbytes, 1), grant)
+        except MuondError as err:
+            if not _refused(err):
+                raise
+            raise shm.RegionRefused(f"{err.rpc}: {err.details}") from err
         name = f"{self.ctx.session_id}/{region.ticket[:8]}"
         try:
             self.ctx.conn.register_shared_memory(name, region.ticket)
+        except MuondError as err:
+            region.close()
+            if not _refused(err):
+                raise
+            raise shm.RegionRefused(f"{err.rpc}: {err.details}") from err
         except BaseException:
             region.close()
             raise

@@ -117,11 +117,13 @@ def forgotten_when_lost(forget: Callable[[], None], what: str, rpc: str) -> Iter
 class SlotStreamedTry(StreamedTry):
     """A streamed try of a slot transport: each gradient is written into its slots as it comes
     (on the caller's thread and stream), and the step call at the end names them all. The
-    transport provides ``ready()`` → (block name, view), registering the block when needed,
+    transport provides ``ready()`` → (block name, view), registering the block when needed (at
+    the try's beginning, before any gradient: a refusal then leaves nothing half done),
     ``send(request)`` → StepResult, and ``offsets``."""
 
     def __init__(self, transport: SlotTransport, header: pb.StepHeader,
                  out: Optional[Dict[str, torch.Tensor]]):
+        transport.ready()
         self._transport = transport
         self._begun = identity_of(header)
         self._written: Dict[str, torch.Tensor] = {}

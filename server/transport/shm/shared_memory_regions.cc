@@ -1,32 +1,99 @@
 #include "server/transport/shm/shared_memory_regions.h"
 
 #include <algorithm>
+#include <optional>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "common/echo.h"
 
 namespace muond::transport {
+
+std::string SharedMemoryRegions::Grant(const std::string& caller, absl::Time now) {
+  std::string grant = RandomTicket();
+  absl::MutexLock lock(&mu_);
+  // Grants hold no descriptor, but still a caller's outstanding ones are bounded: the oldest goes.
+  int held = 0;
+  auto oldest = grants_.end();
+  for (auto it = grants_.begin(); it != grants_.end(); ++it) {
+    if (it->second.caller != caller) continue;
+    ++held;
+    if (oldest == grants_.end() || it->second.expires < oldest->second.expires) oldest = it;
+  }
+  if (held >= SharedMemoryLimits::kMaxGrantsPerCaller) grants_.erase(oldest);
+  grants_.emplace(grant, GrantEntry{caller, now + limits_.pending_timeout});
+  return grant;
+}
 
 uint64_t SharedMemoryRegions::OpenConnection() {
   absl::MutexLock lock(&mu_);
   return next_connection_++;
 }
 
-absl::StatusOr<std::string> SharedMemoryRegions::AddPending(uint64_t connection, SealedMemfd memfd, absl::Time now) {
+absl::Status SharedMemoryRegions::Bind(uint64_t connection, const std::string& grant, absl::Time now) {
   absl::MutexLock lock(&mu_);
-  if (pending_.size() >= static_cast<size_t>(limits_.max_pending)) {
-    return absl::ResourceExhaustedError(absl::StrCat("the daemon holds ", pending_.size(),
-                                                     " unclaimed regions, its limit (--shm-max-pending-fds); "
-                                                     "register them first or try again later"));
+  if (bound_.contains(connection)) return absl::FailedPreconditionError("grant: this connection presented one already");
+  auto it = grants_.find(grant);
+  if (it == grants_.end() || it->second.expires <= now) {
+    if (it != grants_.end()) grants_.erase(it);
+    return absl::PermissionDeniedError(
+        "grant: unknown, used or expired (ask GrantSharedMemory for one and present it at once)");
   }
+  const std::string caller = std::move(it->second.caller);
+  grants_.erase(it);
+  const int share = std::max(1, limits_.max_connections / 4);
   int held = 0;
-  for (const auto& [ticket, pending] : pending_) held += pending.connection == connection ? 1 : 0;
+  for (const auto& [id, owner] : bound_) held += owner == caller ? 1 : 0;
+  if (held >= share) {
+    return absl::ResourceExhaustedError(absl::StrCat("grant: this caller holds ", held,
+                                                     " shared-memory connections, its share (a quarter of "
+                                                     "--shm-max-connections); close some first"));
+  }
+  bound_.emplace(connection, caller);
+  return absl::OkStatus();
+}
+
+bool SharedMemoryRegions::IsBound(uint64_t connection) const {
+  absl::MutexLock lock(&mu_);
+  return bound_.contains(connection);
+}
+
+absl::StatusOr<std::string> SharedMemoryRegions::AddPending(uint64_t connection, SealedMemfd memfd, absl::Time now,
+                                                            int* evicted) {
+  std::optional<SealedMemfd> dropped;  // closed after `lock`
+  absl::MutexLock lock(&mu_);
+  auto bound = bound_.find(connection);
+  if (bound == bound_.end()) {
+    return absl::FailedPreconditionError("grant: this connection presented no grant; a memfd needs one");
+  }
+  const std::string& caller = bound->second;
+  int held = 0;
+  absl::flat_hash_map<std::string, int> per_caller;
+  for (const auto& [ticket, pending] : pending_) {
+    held += pending.connection == connection ? 1 : 0;
+    ++per_caller[pending.caller];
+  }
   if (held >= limits_.max_pending_per_connection) {
     return absl::ResourceExhaustedError(
         absl::StrCat("this connection holds ", held, " unclaimed regions already; register them first"));
   }
+  if (!pending_.empty() && pending_.size() >= static_cast<size_t>(limits_.max_pending)) {
+    // Full: the caller holding the most gives up its oldest, so no caller can lock another out.
+    auto largest = std::max_element(per_caller.begin(), per_caller.end(),
+                                    [](const auto& a, const auto& b) { return a.second < b.second; });
+    auto oldest = pending_.end();
+    for (auto it = pending_.begin(); it != pending_.end(); ++it) {
+      if (it->second.caller == largest->first &&
+          (oldest == pending_.end() || it->second.expires < oldest->second.expires)) {
+        oldest = it;
+      }
+    }
+    dropped.emplace(std::move(oldest->second.memfd));
+    pending_.erase(oldest);
+    if (evicted != nullptr) ++*evicted;
+  }
   std::string ticket = RandomTicket();
-  pending_.emplace(ticket, Pending{connection, std::move(memfd), now + limits_.pending_timeout});
+  pending_.emplace(ticket, Pending{connection, caller, std::move(memfd), now + limits_.pending_timeout});
   return ticket;
 }
 
@@ -41,6 +108,7 @@ int SharedMemoryRegions::ExpirePending(absl::Time now) {
       ++it;
     }
   }
+  absl::erase_if(grants_, [now](const auto& grant) { return grant.second.expires <= now; });
   return static_cast<int>(expired.size());
 }
 
@@ -78,6 +146,7 @@ void SharedMemoryRegions::DropConnectionLocked(uint64_t connection,
     }
   }
   for (auto& mapping : regions_.TakeConnection(connection)) dropped.push_back(std::move(mapping));
+  bound_.erase(connection);
 }
 
 absl::StatusOr<uint64_t> SharedMemoryRegions::Register(const std::string& caller, const std::string& name,
@@ -85,7 +154,7 @@ absl::StatusOr<uint64_t> SharedMemoryRegions::Register(const std::string& caller
   if (absl::Status ok = CheckRegionName(name); !ok.ok()) return ok;
   absl::MutexLock lock(&mu_);
   auto pending = pending_.find(ticket);
-  if (pending == pending_.end()) {
+  if (pending == pending_.end() || pending->second.caller != caller) {
     return absl::NotFoundError("ticket: no region was passed under this ticket, or it was claimed already");
   }
   if (regions_.contains(caller, name)) {

@@ -22,6 +22,7 @@ namespace muond::transport {
 namespace {
 
 constexpr int kMaxFdsPerMessage = 4;
+constexpr size_t kGrantLength = 32;  // RandomTicket()'s
 
 // sockaddr_un for `address` ("@name": abstract); its length in *length.
 absl::StatusOr<sockaddr_un> SocketAddress(const std::string& address, socklen_t* length) {
@@ -39,61 +40,6 @@ absl::StatusOr<sockaddr_un> SocketAddress(const std::string& address, socklen_t*
 }
 
 void Reply(int fd, const std::string& line) { ::send(fd, line.data(), line.size(), MSG_NOSIGNAL | MSG_DONTWAIT); }
-
-// Reads one message; false when the connection is finished (closed by the peer or broken).
-// `refusals` throttles the log of memfds refused at the daemon's limits.
-bool ServeOne(int fd, uint64_t connection, SharedMemoryRegions& regions, LogThrottle& refusals) {
-  char byte = 0;
-  iovec iov{&byte, 1};
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFdsPerMessage)];
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = control;
-  msg.msg_controllen = sizeof(control);
-  const ssize_t n = ::recvmsg(fd, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
-  if (n < 0) return errno == EAGAIN || errno == EINTR;
-  std::vector<int> fds;
-  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
-    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
-    const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-    for (size_t i = 0; i < count; ++i) {
-      int received;
-      std::memcpy(&received, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
-      fds.push_back(received);
-    }
-  }
-  if (n == 0 && fds.empty()) return false;  // closed
-  if (byte == 'L' && fds.empty() && (msg.msg_flags & MSG_CTRUNC) == 0) {
-    // A liveness ticket: what a client registers with its CUDA IPC memory, which then lives as long
-    // as this connection.
-    Reply(fd, absl::StrCat("ok ", regions.AddLivenessTicket(connection), "\n"));
-    return true;
-  }
-  if ((msg.msg_flags & MSG_CTRUNC) != 0 || fds.size() != 1 || byte != 'R') {
-    for (int received : fds) ::close(received);
-    Reply(fd, "error send one byte 'R' with exactly one memfd attached, or 'L' alone for a liveness ticket\n");
-    return n > 0;
-  }
-  // Checked, not mapped: only an authenticated RegisterSharedMemory maps it.
-  absl::StatusOr<SealedMemfd> memfd = SealedMemfd::Check(fds[0], regions.limits().max_region_bytes);
-  if (!memfd.ok()) {
-    Reply(fd, absl::StrCat("error ", memfd.status().message(), "\n"));
-    return true;
-  }
-  const uint64_t size = memfd->size();
-  absl::StatusOr<std::string> ticket = regions.AddPending(connection, *std::move(memfd));
-  if (!ticket.ok()) {
-    if (int64_t held = 0; absl::IsResourceExhausted(ticket.status()) && refusals.Allow(&held)) {
-      MUOND_LOG(warn, "shm socket: memfd refused: {} ({} more refusals since the last line)", ticket.status().message(),
-                held);
-    }
-    Reply(fd, absl::StrCat("error ", ticket.status().message(), "\n"));
-    return true;
-  }
-  Reply(fd, absl::StrCat("ok ", *ticket, " ", size, "\n"));
-  return true;
-}
 
 }  // namespace
 
@@ -139,8 +85,19 @@ ShmSocketServer::~ShmSocketServer() {
 }
 
 absl::Time ShmSocketServer::Prepare(std::vector<pollfd>& fds) {
-  for (const auto& [fd, id] : connections_) fds.push_back({fd, POLLIN, 0});
-  return regions_->NextExpiry();  // wake for the next ticket to expire
+  const absl::Time now = absl::Now();
+  absl::Time wake = regions_->NextExpiry();  // wake for the next ticket to expire
+  std::vector<int> overdue;
+  for (const auto& [fd, c] : connections_) {
+    if (!c.bound && c.grant_deadline <= now) {
+      overdue.push_back(fd);
+      continue;
+    }
+    fds.push_back({fd, POLLIN, 0});
+    if (!c.bound) wake = std::min(wake, c.grant_deadline);
+  }
+  for (int fd : overdue) Drop(fd);  // no grant within kGrantTimeout
+  return wake;
 }
 
 void ShmSocketServer::Serve(std::span<const pollfd> fds) {
@@ -151,29 +108,143 @@ void ShmSocketServer::Serve(std::span<const pollfd> fds) {
   }
   for (const pollfd& p : fds) {
     if (p.revents == 0) continue;
-    if ((p.revents & POLLIN) == 0 || !ServeOne(p.fd, connections_[p.fd], *regions_, refused_memfds_)) Drop(p.fd);
+    if ((p.revents & POLLIN) == 0 || !ServeOne(p.fd, connections_[p.fd])) Drop(p.fd);
   }
+}
+
+bool ShmSocketServer::ServeOne(int fd, Connection& c) {
+  if (c.reading_grant) return ReadGrant(fd, c);
+  char byte = 0;
+  iovec iov{&byte, 1};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFdsPerMessage)];
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  const ssize_t n = ::recvmsg(fd, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+  if (n < 0) return errno == EAGAIN || errno == EINTR;
+  std::vector<int> fds;
+  for (cmsghdr* m = CMSG_FIRSTHDR(&msg); m != nullptr; m = CMSG_NXTHDR(&msg, m)) {
+    if (m->cmsg_level != SOL_SOCKET || m->cmsg_type != SCM_RIGHTS) continue;
+    const size_t count = (m->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (size_t i = 0; i < count; ++i) {
+      int received;
+      std::memcpy(&received, CMSG_DATA(m) + i * sizeof(int), sizeof(int));
+      fds.push_back(received);
+    }
+  }
+  if (n == 0 && fds.empty()) return false;  // closed
+  const bool truncated = (msg.msg_flags & MSG_CTRUNC) != 0;
+  if (byte == 'G' && fds.empty() && !truncated) {
+    c.reading_grant = true;
+    c.grant.clear();
+    return ReadGrant(fd, c);
+  }
+  if (!c.bound && (byte == 'R' || byte == 'L')) return RefuseUnbound(fd, fds);
+  if (byte == 'L' && fds.empty() && !truncated) {
+    // A liveness ticket: what a client registers with its CUDA IPC memory, which then lives as long
+    // as this connection.
+    Reply(fd, absl::StrCat("ok ", regions_->AddLivenessTicket(c.id), "\n"));
+    return true;
+  }
+  if (truncated || fds.size() != 1 || byte != 'R') {
+    for (int received : fds) ::close(received);
+    Reply(fd,
+          "error send 'G' with a grant first, then one byte 'R' with exactly one memfd attached, or 'L' alone for "
+          "a liveness ticket\n");
+    return n > 0;
+  }
+  // Checked, not mapped: only an authenticated RegisterSharedMemory maps it.
+  absl::StatusOr<SealedMemfd> memfd = SealedMemfd::Check(fds[0], regions_->limits().max_region_bytes);
+  if (!memfd.ok()) {
+    Reply(fd, absl::StrCat("error ", memfd.status().message(), "\n"));
+    return true;
+  }
+  const uint64_t size = memfd->size();
+  int evicted = 0;
+  absl::StatusOr<std::string> ticket = regions_->AddPending(c.id, *std::move(memfd), absl::Now(), &evicted);
+  if (int64_t held = 0; evicted > 0 && evictions_.Allow(&held)) {
+    MUOND_LOG(warn,
+              "shm socket: the daemon holds --shm-max-pending-fds unclaimed regions; the oldest of the caller holding "
+              "the most was dropped to make room ({} more since the last line)",
+              held);
+  }
+  if (!ticket.ok()) {
+    if (int64_t held = 0; absl::IsResourceExhausted(ticket.status()) && refused_memfds_.Allow(&held)) {
+      MUOND_LOG(warn, "shm socket: memfd refused: {} ({} more refusals since the last line)", ticket.status().message(),
+                held);
+    }
+    Reply(fd, absl::StrCat("error ", ticket.status().message(), "\n"));
+    return true;
+  }
+  Reply(fd, absl::StrCat("ok ", *ticket, " ", size, "\n"));
+  return true;
+}
+
+bool ShmSocketServer::ReadGrant(int fd, Connection& c) {
+  char rest[kGrantLength];
+  const ssize_t n = ::recv(fd, rest, kGrantLength - c.grant.size(), MSG_DONTWAIT);
+  if (n < 0) return errno == EAGAIN || errno == EINTR;
+  if (n == 0) return false;
+  c.grant.append(rest, static_cast<size_t>(n));
+  if (c.grant.size() < kGrantLength) return true;  // the rest comes later, within kGrantTimeout
+  c.reading_grant = false;
+  absl::Status bound = regions_->Bind(c.id, std::exchange(c.grant, ""));
+  if (!bound.ok()) {
+    Reply(fd, absl::StrCat("error ", bound.message(), "\n"));
+    return absl::IsFailedPrecondition(bound);  // presented twice: the connection stays as it was
+  }
+  c.bound = true;
+  Reply(fd, "ok\n");
+  return true;
+}
+
+bool ShmSocketServer::RefuseUnbound(int fd, const std::vector<int>& fds) {
+  for (int received : fds) ::close(received);
+  Reply(fd,
+        "error grant: this daemon takes a memfd or a liveness request only on a connection that presented a grant "
+        "from GrantSharedMemory first; upgrade the muond client\n");
+  if (int64_t held = 0; unbound_.Allow(&held)) {
+    MUOND_LOG(info,
+              "shm socket: a connection without a grant passed a memfd or asked for a liveness ticket: refused and "
+              "closed (an older client, or a peer that did not authenticate) ({} more since the last line)",
+              held);
+  }
+  return false;
 }
 
 void ShmSocketServer::Accept(int fd) {
   const size_t max_connections = static_cast<size_t>(regions_->limits().max_connections);
+  if (connections_.size() >= max_connections) {
+    // The oldest connection without a grant makes room: peers that never authenticate cannot lock
+    // anyone out.
+    auto oldest = connections_.end();
+    for (auto it = connections_.begin(); it != connections_.end(); ++it) {
+      if (!it->second.bound &&
+          (oldest == connections_.end() || it->second.grant_deadline < oldest->second.grant_deadline)) {
+        oldest = it;
+      }
+    }
+    if (oldest != connections_.end()) Drop(oldest->first);
+  }
   if (connections_.size() >= max_connections) {
     // Refused at once: the descriptor is held only for this reply.
     Reply(fd, "error the daemon has too many shared-memory connections\n");
     ::close(fd);
     if (int64_t held = 0; refused_connections_.Allow(&held)) {
       MUOND_LOG(warn,
-                "shm socket: connection refused: {} open, the limit (--shm-max-connections) ({} more refusals since "
-                "the last line)",
+                "shm socket: connection refused: {} open, each with a grant, the limit (--shm-max-connections) ({} "
+                "more refusals since the last line)",
                 connections_.size(), held);
     }
     return;
   }
-  connections_[fd] = regions_->OpenConnection();
+  connections_[fd] = Connection{.id = regions_->OpenConnection(), .grant_deadline = absl::Now() + kGrantTimeout};
 }
 
 void ShmSocketServer::Drop(int fd) {
-  regions_->CloseConnection(connections_[fd]);
+  regions_->CloseConnection(connections_[fd].id);
   connections_.erase(fd);
   ::close(fd);
 }

@@ -30,10 +30,17 @@ SealedMemfd SealedRegion(size_t bytes) {
   return *std::move(memfd);
 }
 
+// A new connection bound to `caller` with a grant, as the socket binds one.
+uint64_t BoundConnection(SharedMemoryRegions& regions, const std::string& caller, absl::Time now = absl::Now()) {
+  const uint64_t connection = regions.OpenConnection();
+  EXPECT_OK(regions.Bind(connection, regions.Grant(caller, now), now));
+  return connection;
+}
+
 // Registers a region of `bytes` as `name` for `caller` on a new connection; returns the connection.
 uint64_t RegisterRegion(SharedMemoryRegions& regions, const std::string& caller, const std::string& name,
                         size_t bytes) {
-  const uint64_t connection = regions.OpenConnection();
+  const uint64_t connection = BoundConnection(regions, caller);
   absl::StatusOr<std::string> ticket = regions.AddPending(connection, SealedRegion(bytes));
   EXPECT_TRUE(ticket.ok()) << ticket.status();
   EXPECT_TRUE(regions.Register(caller, name, *ticket).ok());
@@ -84,33 +91,97 @@ TEST(SharedMemoryRegionsTest, AClientThatGoesAwayMidStepLeavesItsRegionToTheStep
   EXPECT_TRUE(watch.expired());
 }
 
-TEST(SharedMemoryRegionsTest, UnclaimedMemfdsAreBoundedDaemonWideAndExpire) {
+TEST(SharedMemoryRegionsTest, UnclaimedMemfdsAreBoundedAndExpire) {
   SharedMemoryLimits limits;
   limits.max_pending = 3;
   limits.max_pending_per_connection = 2;
   limits.pending_timeout = absl::Seconds(30);
   SharedMemoryRegions regions(limits);
   const absl::Time start = absl::FromUnixSeconds(1000);
-  // Two connections fill the daemon's three places; a third connection is refused, not just a fourth
-  // memfd of one connection.
-  const uint64_t first = regions.OpenConnection(), second = regions.OpenConnection();
+  const uint64_t first = BoundConnection(regions, "alice", start), second = BoundConnection(regions, "alice", start);
   ASSERT_OK(regions.AddPending(first, SealedRegion(64), start).status());
   ASSERT_OK(regions.AddPending(first, SealedRegion(64), start).status());
+  EXPECT_THAT(regions.AddPending(first, SealedRegion(64), start),
+              StatusIs(absl::StatusCode::kResourceExhausted, "this connection holds 2"));
   absl::StatusOr<std::string> late = regions.AddPending(second, SealedRegion(64), start + absl::Seconds(10));
   ASSERT_OK(late.status());
-  EXPECT_THAT(regions.AddPending(regions.OpenConnection(), SealedRegion(64), start),
-              StatusIs(absl::StatusCode::kResourceExhausted, "--shm-max-pending-fds"));
   EXPECT_EQ(regions.PendingCount(), 3);
   EXPECT_EQ(regions.NextExpiry(), start + absl::Seconds(30));
 
-  // The first two expire; the late one is still claimable, and there is room again.
+  // The first two expire; the late one is still claimable.
   EXPECT_EQ(regions.ExpirePending(start + absl::Seconds(30)), 2);
   EXPECT_EQ(regions.PendingCount(), 1);
   EXPECT_EQ(regions.NextExpiry(), start + absl::Seconds(40));
-  ASSERT_OK(regions.AddPending(regions.OpenConnection(), SealedRegion(64), start).status());
   EXPECT_OK(regions.Register("alice", "late", *late).status());
-  EXPECT_EQ(regions.ExpirePending(absl::InfiniteFuture()), 1);
+  EXPECT_EQ(regions.ExpirePending(absl::InfiniteFuture()), 0);
   EXPECT_EQ(regions.NextExpiry(), absl::InfiniteFuture());
+}
+
+TEST(SharedMemoryRegionsTest, AConnectionWithoutAGrantHoldsNoDescriptor) {
+  SharedMemoryRegions regions;
+  const absl::Time now = absl::FromUnixSeconds(1000);
+  const uint64_t connection = regions.OpenConnection();
+  EXPECT_THAT(regions.AddPending(connection, SealedRegion(64), now),
+              StatusIs(absl::StatusCode::kFailedPrecondition, "presented no grant"));
+  EXPECT_EQ(regions.PendingCount(), 0);
+  EXPECT_FALSE(regions.IsBound(connection));
+  // An unknown grant, an expired one, and one used twice bind nothing.
+  EXPECT_THAT(regions.Bind(connection, "0123456789abcdef0123456789abcdef", now),
+              StatusIs(absl::StatusCode::kPermissionDenied, "grant"));
+  const std::string expired = regions.Grant("alice", now);
+  EXPECT_THAT(regions.Bind(connection, expired, now + regions.limits().pending_timeout),
+              StatusIs(absl::StatusCode::kPermissionDenied, "expired"));
+  const std::string grant = regions.Grant("alice", now);
+  ASSERT_OK(regions.Bind(connection, grant, now));
+  EXPECT_TRUE(regions.IsBound(connection));
+  EXPECT_THAT(regions.Bind(regions.OpenConnection(), grant, now),
+              StatusIs(absl::StatusCode::kPermissionDenied, "used"));
+  EXPECT_THAT(regions.Bind(connection, regions.Grant("alice", now), now),
+              StatusIs(absl::StatusCode::kFailedPrecondition, "presented one already"));
+  // What the connection passed is Alice's to claim, nobody else's.
+  absl::StatusOr<std::string> ticket = regions.AddPending(connection, SealedRegion(64), now);
+  ASSERT_OK(ticket.status());
+  EXPECT_THAT(regions.Register("mallory", "stolen", *ticket), StatusIs(absl::StatusCode::kNotFound, "ticket"));
+  EXPECT_OK(regions.Register("alice", "mine", *ticket).status());
+  // Closed, the connection is unbound again (its id is never reused).
+  regions.CloseConnection(connection);
+  EXPECT_FALSE(regions.IsBound(connection));
+}
+
+TEST(SharedMemoryRegionsTest, OneCallerCannotLockAnotherOut) {
+  SharedMemoryLimits limits;
+  limits.max_pending = 4;
+  limits.max_connections = 8;  // a caller's share: 2 connections
+  SharedMemoryRegions regions(limits);
+  const absl::Time start = absl::FromUnixSeconds(1000);
+  // Mallory fills every place the daemon has for unclaimed memfds, on her share of connections.
+  const uint64_t m1 = BoundConnection(regions, "mallory", start), m2 = BoundConnection(regions, "mallory", start);
+  const uint64_t m3 = regions.OpenConnection();
+  EXPECT_THAT(regions.Bind(m3, regions.Grant("mallory", start), start),
+              StatusIs(absl::StatusCode::kResourceExhausted, "--shm-max-connections"));
+  std::vector<std::string> mallorys;
+  for (int i = 0; i < 4; ++i) {
+    absl::StatusOr<std::string> ticket =
+        regions.AddPending(i % 2 == 0 ? m1 : m2, SealedRegion(64), start + absl::Seconds(i));
+    ASSERT_OK(ticket.status());
+    mallorys.push_back(*ticket);
+  }
+  // Alice still gets a connection and a place: Mallory's oldest memfd makes room.
+  const uint64_t alice = BoundConnection(regions, "alice", start);
+  int evicted = 0;
+  absl::StatusOr<std::string> ticket = regions.AddPending(alice, SealedRegion(64), start + absl::Seconds(5), &evicted);
+  ASSERT_OK(ticket.status());
+  EXPECT_EQ(evicted, 1);
+  EXPECT_EQ(regions.PendingCount(), 4);
+  EXPECT_OK(regions.Register("alice", "grads", *ticket).status());
+  EXPECT_THAT(regions.Register("mallory", "first", mallorys[0]), StatusIs(absl::StatusCode::kNotFound, "ticket"));
+  EXPECT_OK(regions.Register("mallory", "second", mallorys[1]).status());
+  // Grants hold no descriptor but are bounded all the same: the oldest of a caller goes.
+  const std::string oldest = regions.Grant("mallory", start);
+  for (int i = 0; i < SharedMemoryLimits::kMaxGrantsPerCaller; ++i) regions.Grant("mallory", start + absl::Seconds(1));
+  regions.CloseConnection(m1);
+  EXPECT_THAT(regions.Bind(regions.OpenConnection(), oldest, start + absl::Seconds(2)),
+              StatusIs(absl::StatusCode::kPermissionDenied, "grant"));
 }
 
 TEST(SharedMemoryRegionsTest, AMemfdIsMappedOnlyWhenAnAuthenticatedCallClaimsIt) {
@@ -119,7 +190,7 @@ TEST(SharedMemoryRegionsTest, AMemfdIsMappedOnlyWhenAnAuthenticatedCallClaimsIt)
   SharedMemoryLimits limits;
   limits.max_pending_per_connection = 100;
   SharedMemoryRegions regions(limits);
-  const uint64_t connection = regions.OpenConnection();
+  const uint64_t connection = BoundConnection(regions, "alice");
   std::vector<std::string> tickets;
   for (int i = 0; i < 100; ++i) {  // 100 TiB of the 128 a process can map, were they mapped
     const int fd = ::memfd_create("huge", MFD_CLOEXEC | MFD_ALLOW_SEALING);
