@@ -134,6 +134,38 @@ def reference_diloco(workers: int, steps: int, sync_every: int, fragments, outer
     return [{n: p.detach().clone() for n, p in loc.items()} for loc in locals_], global_params
 
 
+def reference_diloco_per_worker(sync_every, syncs: int, outer):
+    """Pure-torch DiLoCo whose worker r takes ``sync_every[r]`` inner steps between syncs (one
+    fragment): each outer step averages the workers' Δ weighted by their tokens since the last
+    sync, H_r · SIZES[r]. Returns (each worker's local parameters, the global parameters)."""
+    workers = len(sync_every)
+    init = TinyNet(seed=SEED)
+    global_params = {n: p.detach().clone() for n, p in init.named_parameters()}
+    models = [TinyNet(seed=SEED) for _ in range(workers)]
+    inners = [torch.optim.AdamW(m.parameters(), **INNER) for m in models]
+    locals_ = [dict(m.named_parameters()) for m in models]
+    t = [0] * workers
+    for _ in range(syncs):
+        for r in range(workers):
+            for _ in range(sync_every[r]):
+                t[r] += 1
+                inner_step(models[r], inners[r], r, t[r])
+                inners[r].step()
+        weights = [float(sync_every[r] * SIZES[r]) for r in range(workers)]
+        averages = {}
+        for name, g in global_params.items():
+            acc = torch.zeros_like(g, dtype=torch.float64)
+            for r in range(workers):
+                acc += weights[r] * (g - locals_[r][name].detach()).double()
+            averages[name] = (acc / sum(weights)).float()
+        outer(global_params, averages)
+        with torch.no_grad():
+            for r in range(workers):
+                for name, g in global_params.items():
+                    locals_[r][name].copy_(g)
+    return [{n: p.detach().clone() for n, p in loc.items()} for loc in locals_], global_params
+
+
 # -- DiLoCo workers --------------------------------------------------------------------------------
 
 def _process_worker(rank, world, endpoint, session, out, sync_every, fragments, steps):
@@ -157,13 +189,16 @@ def _process_worker(rank, world, endpoint, session, out, sync_every, fragments, 
 def run_threads(endpoint, workers, steps, sync_every, fragments=1, outer=None, record=None,
                 **kwargs):
     """``workers`` DiLoCo workers in threads of this process, each its own rank of one session;
-    rank 0 opens the session first. ``record(rank, t, diloco)`` runs after every step."""
+    rank 0 opens the session first. ``steps`` and ``sync_every`` are one number for every worker
+    or a list of each worker's. ``record(rank, t, diloco)`` runs after every step."""
     session = session_name()
+    steps = list(steps) if isinstance(steps, (list, tuple)) else [steps] * workers
+    every = list(sync_every) if isinstance(sync_every, (list, tuple)) else [sync_every] * workers
     runs = []
     for r in range(workers):
         model = TinyNet(seed=SEED)
         inner = torch.optim.AdamW(model.parameters(), **INNER)
-        runs.append((model, muond.DiLoCo(model, inner, sync_every=sync_every, endpoint=endpoint,
+        runs.append((model, muond.DiLoCo(model, inner, sync_every=every[r], endpoint=endpoint,
                                          session=session, world_size=workers, rank=r,
                                          fragments=fragments,
                                          outer=outer(model) if callable(outer) else outer,
@@ -171,7 +206,7 @@ def run_threads(endpoint, workers, steps, sync_every, fragments=1, outer=None, r
 
     def train(r):
         model, diloco = runs[r]
-        for t in range(1, steps + 1):
+        for t in range(1, steps[r] + 1):
             inner_step(model, diloco.inner, r, t)
             diloco.step(tokens=SIZES[r])
             if record is not None:
@@ -219,6 +254,25 @@ def test_three_worker_processes_equal_pure_torch_diloco(endpoint, tmp_path):
         assert_bitwise(saved["global"], global_params, f"worker {r}'s global parameters")
         assert_bitwise(saved["local"], locals_[r], f"worker {r}'s local parameters")
         assert_bitwise(saved["local"], global_params, f"worker {r} after the last sync")
+
+
+def test_workers_with_their_own_sync_every_equal_the_token_weighted_reference(endpoint):
+    # Mixed hardware: worker 1 is three times as fast as worker 0, so it takes 3× the inner steps
+    # between syncs (each a batch of its own size); every sync is one lock-step outer step, and each
+    # Δ weighs the tokens behind it.
+    sync_every, syncs = [2, 6, 4], 3
+    weights = []
+
+    def record(rank, t, diloco):
+        if rank == 0 and diloco.last_sync is not None:
+            weights.append(diloco.last_info.total_weight)
+
+    got = run_threads(endpoint, 3, [h * syncs for h in sync_every], sync_every, record=record)
+    locals_, global_params = reference_diloco_per_worker(sync_every, syncs, NesterovSGD())
+    assert weights == [float(sum(h * n for h, n in zip(sync_every, SIZES)))] * syncs
+    for r, (local, glob) in enumerate(got):
+        assert_bitwise(local, locals_[r], f"worker {r}'s local parameters")
+        assert_bitwise(glob, global_params, f"worker {r}'s global parameters")
 
 
 def test_outer_muon_equals_muond_muon_on_the_averaged_pseudo_gradient(endpoint):
