@@ -61,7 +61,8 @@ def train(rank: int, args: argparse.Namespace) -> None:
     inner = torch.optim.AdamW(model.parameters(), lr=args.inner_lr, weight_decay=0.1, betas=(0.9, 0.95))
     outer = "muon" if args.outer == "muon" else None  # None: DiLoCo's Nesterov SGD (0.7, 0.9)
     diloco = muond.DiLoCo(model, inner, sync_every=args.sync_every, fragments=args.fragments, outer=outer,
-                          endpoint=args.endpoint, session=args.session, world_size=args.world_size, rank=rank)
+                          endpoint=args.endpoint, session=args.session, world_size=args.world_size, rank=rank,
+                          wire_dtype=args.wire_dtype)
     x, y = make_data()
     xs, ys = x[rank::args.world_size], y[rank::args.world_size]  # this worker's share of the examples
     batch = args.batch + 16 * rank  # workers may differ in batch size: the weights follow the samples
@@ -79,8 +80,10 @@ def train(rank: int, args: argparse.Namespace) -> None:
                   f"global loss {loss_with(model, diloco.global_parameters(), x, y):.4f}", flush=True)
     if rank == 0:
         final = loss_with(model, diloco.global_parameters(), x, y)
-        print(f"final loss on all data: {final:.4f} (global parameters; session {diloco.session_id}, "
+        print(f"final loss on all data: {final:.5f} (global parameters; session {diloco.session_id}, "
               f"{args.world_size} workers)")
+        syncs = max(1, diloco.remote.last_step)
+        print(f"pseudo-gradient bytes per outer step ({args.wire_dtype}): {diloco.sync_bytes / syncs:.0f}")
     diloco.close(keep_session=True)  # the launcher ends the session once every worker is done
 
 
@@ -97,6 +100,8 @@ def main() -> None:
     parser.add_argument("--outer", choices=["sgd", "muon"], default="sgd")
     parser.add_argument("--inner-lr", type=float, default=3e-3)
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--wire-dtype", choices=["fp32", "bf16", "int8", "int4"], default="fp32",
+                        help="the pseudo-gradients on the wire (int8/int4: block-quantized, error feedback)")
     args = parser.parse_args()
     if args.rank is not None:
         if args.world_size is None or args.session is None:

@@ -26,6 +26,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 import torch
 from torch import nn
 
+from . import quantize, wire
 from .optimizer import RemoteOptimizer
 from .param_groups import default_param_groups
 
@@ -119,7 +120,11 @@ class DiLoCo:
             one group (``muond.default_param_groups(model)`` output works). A group that names no
             optimizer is SGD, and an SGD group gets ``OUTER_SGD``'s lr, momentum and nesterov
             for those it leaves unset (and the keyword options below do not set).
-        endpoint, session, world_size, rank, wire_dtype: as ``RemoteOptimizer``'s. Every worker
+        wire_dtype: the pseudo-gradients' dtype on the wire: "fp32" (default), "bf16", or
+            block-quantized "int8" or "int4" (``muond/quantize.py``; over gRPC), with error
+            feedback: what the quantization rounds away is added to this worker's next
+            pseudo-gradient of the same parameter (kept in ``state_dict``).
+        endpoint, session, world_size, rank: as ``RemoteOptimizer``'s. Every worker
             is one rank of the session: K workers give ``world_size=K`` and the same ``session``
             (or an initialized ``torch.distributed``). The worker that opens the session first
             uploads its parameters; the others attach and take the session's values, so start
@@ -158,6 +163,7 @@ class DiLoCo:
             raise ValueError(f"fragments: sync_every ({self.sync_every}) must be a multiple of "
                              f"fragments ({self.fragments}), so that each fragment syncs every "
                              f"sync_every inner steps")
+        self.wire_dtype = wire.gradient_dtype_name(wire_dtype)
         self.model = model
         self.inner = inner_optimizer
         self.names: List[str] = [n for n, _ in named]
@@ -184,6 +190,10 @@ class DiLoCo:
         self._since_sync = [0.0] * self.fragments  # tokens since each fragment's last sync
         self.last_sync: Optional[int] = None       # the fragment the last step() synced
         self._deltas: Dict[int, torch.Tensor] = {}  # Δ buffers, made at a parameter's first sync
+        # Error feedback of quantized syncs: what the last sync of each parameter rounded away.
+        self._feedback: Dict[int, torch.Tensor] = {}
+        self.last_sync_bytes = 0  # payload bytes of the pseudo-gradients the last sync sent
+        self.sync_bytes = 0       # ... of every sync so far
         self._take_globals(range(len(self._params)))  # an attached worker starts from the session's
 
     # -- construction helpers ----------------------------------------------------------------------
@@ -312,9 +322,14 @@ class DiLoCo:
                 if delta is None:
                     delta = self._deltas[i] = torch.empty_like(g)
                 torch.sub(g, self._params[i].detach(), out=delta)
+                if i in self._feedback:
+                    delta.add_(self._feedback[i])
                 g.grad = delta
         sent = self.remote.last_step + 1
         self.remote.step(weight=weight)
+        self.last_sync_bytes = sum(wire.payload_bytes(self._params[i].numel(), self.wire_dtype)
+                                   for i in members)
+        self.sync_bytes += self.last_sync_bytes
         for g in self._globals:
             g.grad = None
         info = self.remote.last_info
@@ -330,8 +345,21 @@ class DiLoCo:
             _log.warning("DiLoCo rank %d: outer step %d skipped (%s); fragment %d goes back to "
                          "its global values", self.remote.rank, info.step, info.skip_reason,
                          fragment)
+        elif quantize.is_quantized(self.wire_dtype):
+            self._keep_rounding(members)
         self._take_globals(members)
         self._since_sync[fragment] = 0.0
+
+    @torch.no_grad()
+    def _keep_rounding(self, members: Iterable[int]) -> None:
+        """Error feedback: e ← (Δ + e) − what the daemon decoded of it, for the next sync."""
+        for i in members:
+            sent = self._deltas[i]
+            received = quantize.round_trip(sent, self.wire_dtype).view_as(sent).to(sent.device)
+            feedback = self._feedback.get(i)
+            if feedback is None:
+                feedback = self._feedback[i] = torch.empty_like(sent)
+            torch.sub(sent, received, out=feedback)
 
     @torch.no_grad()
     def _take_globals(self, indices: Iterable[int]) -> None:
@@ -356,7 +384,7 @@ class DiLoCo:
 
     def state_dict(self) -> Dict[str, Any]:
         """This worker's state: the inner optimizer's state dict, the global parameters at the
-        last sync, the local parameters, and the counters. The outer optimizer's state stays in
+        last sync, the local parameters, the error feedback of quantized syncs, and the counters. The outer optimizer's state stays in
         the daemon's session (``remote.checkpoint()`` with a ``--state-dir`` daemon makes it
         durable); the model's buffers are not included."""
         meta = {"format": _STATE_FORMAT, "session": self.remote.session_id,
@@ -364,10 +392,11 @@ class DiLoCo:
                 "tokens": self.tokens, "tokens_since_sync": list(self._since_sync),
                 "sync_every": self.sync_every, "fragments": self.fragments,
                 "names": list(self.names), "rank": self.remote.rank,
-                "world_size": self.remote.world_size}
+                "world_size": self.remote.world_size, "wire_dtype": self.wire_dtype}
         return {"diloco": meta, "inner": self.inner.state_dict(),
                 "global": {n: g.detach().clone() for n, g in zip(self.names, self._globals)},
-                "local": {n: p.detach().clone() for n, p in zip(self.names, self._params)}}
+                "local": {n: p.detach().clone() for n, p in zip(self.names, self._params)},
+                "error_feedback": {self.names[i]: e.clone() for i, e in self._feedback.items()}}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restores ``state_dict()``'s state onto this worker, attached to the same session at the
@@ -394,6 +423,9 @@ class DiLoCo:
         with torch.no_grad():
             for name, p in zip(self.names, self._params):
                 p.copy_(state_dict["local"][name])
+        index = {name: i for i, name in enumerate(self.names)}
+        self._feedback = {index[name]: e.to(self._params[index[name]].device, torch.float32).clone()
+                          for name, e in state_dict.get("error_feedback", {}).items()}
         self.inner_steps = int(meta["inner_steps"])
         self.tokens = float(meta["tokens"])
         self._since_sync = [float(t) for t in meta["tokens_since_sync"]]

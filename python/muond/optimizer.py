@@ -114,7 +114,9 @@ class RemoteOptimizer(StateTransfer, StreamControls, torch.optim.Optimizer):
 
     Their fields:
 
-        wire_dtype: dtype of gradients on the wire: "fp32" (default) or "bf16" (or "fp16").
+        wire_dtype: dtype of gradients on the wire: "fp32" (default) or "bf16" (or "fp16"), or
+            block-quantized "int8"/"int4" (gRPC only; what rounds away is lost unless the caller
+            feeds it back, as ``muond.DiLoCo`` does).
         return_dtype: dtype of the returned parameters: "fp32" (default) or "bf16"/"fp16".
         max_grad_norm: clip the global gradient norm on the daemon before each step (a group's
             own limit is the group option of that name, with ``clip_scope="group"``).

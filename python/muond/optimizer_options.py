@@ -92,8 +92,9 @@ class TimingOptions:
 
 @dataclass(frozen=True)
 class WireOptions:
-    """The dtypes of gradients on the wire (``wire_dtype``) and of the returned parameters
-    (``return_dtype``): "fp32" (default), "bf16" or "fp16"; ``shm_zero_copy``: the model's tensors
+    """The dtypes of gradients on the wire (``wire_dtype``: "fp32" (default), "bf16", "fp16", or
+    block-quantized "int8" or "int4", over gRPC only: ``muond/quantize.py``) and of the returned
+    parameters (``return_dtype``: "fp32", "bf16" or "fp16"); ``shm_zero_copy``: the model's tensors
     live in the session's shared-memory region (docs/transports.md, Zero copy)."""
     wire_dtype: wire_dtypes.DTypeLike = "fp32"
     return_dtype: wire_dtypes.DTypeLike = "fp32"
@@ -101,7 +102,8 @@ class WireOptions:
 
     def dtypes(self) -> Tuple[str, str]:
         """(wire_dtype, return_dtype) by name; ValueError for an unknown dtype."""
-        return wire_dtypes.dtype_name(self.wire_dtype), wire_dtypes.dtype_name(self.return_dtype)
+        return (wire_dtypes.gradient_dtype_name(self.wire_dtype),
+                wire_dtypes.dtype_name(self.return_dtype))
 
 
 @dataclass(frozen=True)

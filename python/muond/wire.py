@@ -6,6 +6,9 @@ CUDA gradient crosses PCIe already in the wire dtype) and then copies to host me
 Reassembly decodes every chunk once, straight into one fp32 host buffer per tensor or into the
 tensor it updates (a parameter).
 
+A step's gradients may also travel block-quantized (``int8``, ``int4``: ``quantize.py``); those
+names are gradient dtypes only (``gradient_dtype_name``), and a session declares them as fp32.
+
 Pure functions plus ``ChunkAssembler``, which is not thread-safe: use one per call.
 """
 
@@ -18,6 +21,7 @@ from typing import Dict, Iterable, Iterator, NamedTuple, Optional, Tuple, Union
 import numpy as np
 import torch
 
+from . import quantize
 from ._stubs import pb
 
 DEFAULT_CHUNK_BYTES = 1 << 20
@@ -58,9 +62,22 @@ def dtype_name(value: DTypeLike) -> str:
     return name
 
 
+def gradient_dtype_name(value: DTypeLike) -> str:
+    """``dtype_name`` for gradients on the wire, which may also be block-quantized: "int8" or
+    "int4" (``quantize.py``)."""
+    if isinstance(value, str) and value.lower() in quantize.BITS:
+        return value.lower()
+    try:
+        return dtype_name(value)
+    except ValueError:
+        raise ValueError(f"unsupported gradient wire dtype {value!r}; use 'fp32', 'bf16', 'fp16', "
+                         f"'int8' or 'int4'") from None
+
+
 def dtype_enum(name: str) -> int:
-    """The ``muond.v1.DType`` value of a canonical dtype name."""
-    return _ENUM[name]
+    """The ``muond.v1.DType`` value of a canonical dtype name; a quantized one is declared fp32
+    (the daemon decodes its chunks to fp32 values)."""
+    return pb.DTYPE_FP32 if quantize.is_quantized(name) else _ENUM[name]
 
 
 def host_bytes(tensor: torch.Tensor, dtype: str) -> memoryview:
@@ -80,7 +97,14 @@ def host_bytes(tensor: torch.Tensor, dtype: str) -> memoryview:
 def chunk_pieces(name: str, tensor: torch.Tensor, dtype: str, *, slot: str = "",
                  max_chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[Tuple[pb.TensorChunk, memoryview]]:
     """Yields each chunk of one tensor as (the chunk without its data, its payload as a view of the
-    tensor's host bytes); the first carries the shape. An empty tensor is one chunk."""
+    tensor's host bytes); the first carries the shape. An empty tensor is one chunk (fp32 when
+    ``dtype`` is quantized: it has no block)."""
+    if quantize.is_quantized(dtype):
+        if tensor.numel():
+            yield from quantize.chunk_pieces(name, tensor, dtype, with_shape=_CHUNK_HAS_SHAPE,
+                                             max_chunk_bytes=max_chunk_bytes)
+            return
+        dtype = "fp32"
     data = host_bytes(tensor, dtype)
     itemsize = _ITEMSIZE[dtype]
     per_chunk = max(1, max_chunk_bytes // itemsize) * itemsize
@@ -105,12 +129,20 @@ def encode(name: str, tensor: torch.Tensor, dtype: str, *, slot: str = "",
 
 
 def itemsize(dtype: str) -> int:
-    """Bytes per element of ``dtype`` on the wire."""
+    """Bytes per element of ``dtype`` on the wire (not for a quantized one: ``payload_bytes``)."""
     return _ITEMSIZE[dtype]
+
+
+def payload_bytes(numel: int, dtype: str) -> int:
+    """Bytes of payload a tensor of ``numel`` elements puts on the wire in ``dtype``."""
+    return quantize.payload_bytes(numel, dtype) if quantize.is_quantized(dtype) \
+        else numel * _ITEMSIZE[dtype]
 
 
 def chunk_count(numel: int, dtype: str, max_chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
     """How many chunks ``encode`` yields for a tensor of ``numel`` elements (at least one)."""
+    if quantize.is_quantized(dtype):
+        return quantize.chunk_count(numel, dtype, max_chunk_bytes) if numel else 1
     itemsize = _ITEMSIZE[dtype]
     per_chunk = max(1, max_chunk_bytes // itemsize) * itemsize
     return max(1, -(-numel * itemsize // per_chunk))

@@ -159,6 +159,9 @@ absl::Status MuondService::DoSetState(const std::string& caller, grpc::ServerRea
     if (it == config.parameter_index.end()) {
       return absl::NotFoundError(absl::StrCat("chunk.name: unknown parameter '", Echo(chunk.name()), "'"));
     }
+    if (chunk.has_quantized()) {
+      return absl::InvalidArgumentError("chunk.quantized: only a step's gradients may be quantized");
+    }
     // fp32, or a 16-bit dtype (for a tensor stored in 16 bits, exact; for another, rounded).
     const v1::DType dtype = chunk.dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_FP32 : chunk.dtype();
     if (!wire::IsConcrete(dtype)) {

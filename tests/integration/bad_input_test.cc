@@ -1,5 +1,8 @@
 // Bad input: every malformed request gets the documented status code with the offending field in
 // its message, leaves the session exactly as it was, and the daemon keeps serving.
+#include <cmath>
+#include <string>
+
 #include "gmock/gmock.h"
 #include "tests/integration/daemon_fixture.h"
 #include "tests/testing/status_matchers.h"
@@ -39,6 +42,67 @@ class BadInputTest : public DaemonTest {
   std::unique_ptr<client::Session> session_;
   client::ParameterMap before_;
 };
+
+// A block-quantized chunk of all 32 elements of "w" (muond.v1.BlockQuantized): 8 bits, blocks of
+// 16, every integer 1, scales 0.5 and 0.25.
+v1::TensorChunk QuantizedChunk() {
+  v1::TensorChunk chunk;
+  chunk.set_name("w");
+  chunk.set_data(std::string(32, '\x01'));
+  v1::BlockQuantized* quantized = chunk.mutable_quantized();
+  quantized->set_bits(8);
+  quantized->set_block(16);
+  quantized->set_count(32);
+  const float scales[2] = {0.5f, 0.25f};
+  quantized->set_scales(std::string(reinterpret_cast<const char*>(scales), sizeof(scales)));
+  return chunk;
+}
+
+TEST_F(BadInputTest, AMalformedQuantizedChunkIsRefusedNamingTheField) {
+  struct Case {
+    const char* what;
+    void (*spoil)(v1::TensorChunk&);
+    const char* field;
+  };
+  const Case cases[] = {
+      {"bits 3", [](v1::TensorChunk& c) { c.mutable_quantized()->set_bits(3); }, "chunk.quantized.bits"},
+      {"block 0", [](v1::TensorChunk& c) { c.mutable_quantized()->set_block(0); }, "chunk.quantized.block"},
+      {"count 0", [](v1::TensorChunk& c) { c.mutable_quantized()->set_count(0); }, "chunk.quantized.count"},
+      {"count beyond the data", [](v1::TensorChunk& c) { c.mutable_quantized()->set_count(uint64_t{1} << 62); },
+       "chunk.data"},
+      {"a byte short", [](v1::TensorChunk& c) { c.mutable_data()->pop_back(); }, "chunk.data"},
+      {"one scale", [](v1::TensorChunk& c) { c.mutable_quantized()->mutable_scales()->resize(4); },
+       "chunk.quantized.scales"},
+      {"4 bits in 32 bytes", [](v1::TensorChunk& c) { c.mutable_quantized()->set_bits(4); }, "chunk.data"},
+  };
+  for (const Case& bad : cases) {
+    v1::TensorChunk chunk = QuantizedChunk();
+    bad.spoil(chunk);
+    grpc::Status status = RawStep(Header(), {chunk});
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << bad.what;
+    EXPECT_THAT(status.error_message(), HasSubstr(bad.field)) << bad.what;
+  }
+  // Blocks count from the tensor's first element: a second chunk must start on a block.
+  v1::TensorChunk first = QuantizedChunk(), second = QuantizedChunk();
+  first.mutable_quantized()->set_count(8);
+  first.mutable_data()->resize(8);
+  first.mutable_quantized()->mutable_scales()->resize(4);
+  second.set_offset(8);
+  second.mutable_quantized()->set_count(24);
+  second.mutable_data()->resize(24);
+  grpc::Status status = RawStep(Header(), {first, second});
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(), HasSubstr("chunk.offset: 8 is not a multiple of the block (16)"));
+  ExpectUnchangedAndServing();
+}
+
+TEST_F(BadInputTest, AQuantizedChunkIsAStepsGradientOnly) {
+  // The same chunk as a step's gradient is taken (each element its integer times its scale).
+  v1::StepResult result;
+  ASSERT_TRUE(RawStep(Header(), {QuantizedChunk()}, &result).ok());
+  EXPECT_TRUE(result.applied());
+  EXPECT_DOUBLE_EQ(result.grad_norm(), std::sqrt(16 * 0.25 + 16 * 0.0625));
+}
 
 TEST_F(BadInputTest, WrongShapeIsInvalidArgumentNamingTheShape) {
   v1::TensorChunk chunk = Chunk("w", Gradient("w", 2, 32), v1::DTYPE_FP32);

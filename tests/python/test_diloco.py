@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import muond
+from muond import quantize
 from muond.diloco import muon_outer_groups, split_fragments
 
 from conftest import REPO_ROOT
@@ -99,8 +100,12 @@ class MuondOuter:
             globals_[name].copy_(self.params[name].detach())
 
 
-def reference_diloco(workers: int, steps: int, sync_every: int, fragments, outer):
-    """Pure-torch DiLoCo: returns (each worker's local parameters, the global parameters)."""
+def reference_diloco(workers: int, steps: int, sync_every: int, fragments, outer,
+                     wire_dtype: str = "fp32"):
+    """Pure-torch DiLoCo: returns (each worker's local parameters, the global parameters). With a
+    quantized ``wire_dtype`` each worker sends Δ + e, the daemon takes it as ``quantize`` rounds
+    it, and e becomes what was rounded away (error feedback)."""
+    feedback = [{} for _ in range(workers)]
     init = TinyNet(seed=SEED)
     global_params = {n: p.detach().clone() for n, p in init.named_parameters()}
     models = [TinyNet(seed=SEED) for _ in range(workers)]
@@ -123,6 +128,11 @@ def reference_diloco(workers: int, steps: int, sync_every: int, fragments, outer
             acc = torch.zeros_like(global_params[name], dtype=torch.float64)
             for r in range(workers):  # rank order, fp64, each weight times the fp32 Δ
                 delta = global_params[name] - locals_[r][name].detach()
+                if quantize.is_quantized(wire_dtype):
+                    delta = delta + feedback[r].get(name, torch.zeros_like(delta))
+                    sent = quantize.round_trip(delta, wire_dtype).view_as(delta)
+                    feedback[r][name] = delta - sent
+                    delta = sent
                 acc += since[r][f] * delta.double()
             averages[name] = (acc / total).float()
         outer(global_params, averages)
@@ -273,6 +283,40 @@ def test_workers_with_their_own_sync_every_equal_the_token_weighted_reference(en
     for r, (local, glob) in enumerate(got):
         assert_bitwise(local, locals_[r], f"worker {r}'s local parameters")
         assert_bitwise(glob, global_params, f"worker {r}'s global parameters")
+
+
+@pytest.mark.parametrize("wire_dtype", ["int8", "int4"])
+def test_quantized_pseudo_gradients_with_error_feedback_equal_the_reference(endpoint, wire_dtype):
+    workers, steps, sync_every = 3, 12, 3
+    sizes = []
+    got = run_threads(endpoint, workers, steps, sync_every, wire_dtype=wire_dtype,
+                      record=lambda r, t, d: sizes.append(d.last_sync_bytes)
+                      if r == 0 and d.last_sync is not None else None)
+    names = [n for n, _ in TinyNet(seed=SEED).named_parameters()]
+    locals_, global_params = reference_diloco(workers, steps, sync_every, [names],
+                                              NesterovSGD(), wire_dtype=wire_dtype)
+    for r, (local, glob) in enumerate(got):
+        assert_bitwise(local, locals_[r], f"worker {r}'s local parameters")
+        assert_bitwise(glob, global_params, f"worker {r}'s global parameters")
+    numel = sum(p.numel() for p in TinyNet(seed=SEED).parameters())
+    assert sizes and all(size < numel * 4 / (7 if wire_dtype == "int4" else 3.5) for size in sizes)
+
+
+def test_error_feedback_is_part_of_the_state_dict(endpoint):
+    model = TinyNet(seed=SEED)
+    inner = torch.optim.AdamW(model.parameters(), **INNER)
+    with muond.DiLoCo(model, inner, sync_every=2, endpoint=endpoint, wire_dtype="int4") as diloco:
+        for t in range(1, 3):
+            inner_step(model, inner, 0, t)
+            diloco.step()
+        state = diloco.state_dict()
+        assert state["diloco"]["wire_dtype"] == "int4"
+        assert set(state["error_feedback"]) == set(diloco.names)
+        assert any(e.abs().sum() > 0 for e in state["error_feedback"].values())
+        diloco._feedback.clear()
+        diloco.load_state_dict(state)
+        for i, name in enumerate(diloco.names):
+            assert torch.equal(diloco._feedback[i], state["error_feedback"][name])
 
 
 def test_outer_muon_equals_muond_muon_on_the_averaged_pseudo_gradient(endpoint):

@@ -18,7 +18,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 import grpc
 import torch
 
-from .. import wire
+from .. import quantize, wire
 from .._stubs import pb
 from ..client import Connection
 from ..errors import MuondError
@@ -128,6 +128,14 @@ class DaemonSession:
         RuntimeError when one asked for by name is impossible, saying why."""
         self.transport.close()
         self._wanted = wanted
+        if quantize.is_quantized(self._context.wire_dtype):
+            # Block-quantized gradients are chunks of the gRPC stream: the other transports write
+            # whole elements into place.
+            if wanted not in ("auto", "grpc"):
+                raise RuntimeError(f"transport='{wanted}' is not possible with wire_dtype "
+                                   f"'{self._context.wire_dtype}': quantized gradients travel "
+                                   f"over grpc only")
+            wanted = "grpc"
         self.transport = open_transport(wanted, self._context, self._facts)
         return self.transport.name
 

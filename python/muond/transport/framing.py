@@ -92,7 +92,7 @@ def step_messages(grads: Sequence[Tuple[str, torch.Tensor]], dtype: str, max_chu
     packing: List[Tuple[str, torch.Tensor]] = []
     packed_bytes = 0
     for name, g in grads:
-        nbytes = g.numel() * wire.itemsize(dtype)
+        nbytes = wire.payload_bytes(g.numel(), dtype)
         if not (pack and 0 < nbytes <= limit):
             plan.append((False, [(name, g)]))
             continue

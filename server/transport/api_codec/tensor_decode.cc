@@ -3,11 +3,13 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <string>
 
 #if defined(__SSE2__)
 #include <immintrin.h>
 #endif
 
+#include "absl/strings/str_cat.h"
 #include "proto/wire/chunk_frame.h"
 
 namespace muond::transport {
@@ -224,6 +226,65 @@ double DecodeSumSquares(v1::DType dtype, std::span<const absl::string_view> piec
     std::span<float> block = out.subspan(begin, std::min(kBlock, out.size() - begin));
     reader.Read(dtype, block);  // the caller checked the byte count
     sum += SumSquares(block.data(), block.size());
+  }
+  return sum;
+}
+
+absl::Status CheckBlockQuantized(const v1::BlockQuantized& quantized, uint64_t offset, size_t data_bytes,
+                                 absl::string_view field) {
+  const std::string at = absl::StrCat(field, ".quantized.");
+  if (quantized.bits() != 8 && quantized.bits() != 4) {
+    return absl::InvalidArgumentError(absl::StrCat(at, "bits: ", quantized.bits(), " is not 8 or 4"));
+  }
+  if (quantized.block() < 1 || quantized.block() > 65536) {
+    return absl::InvalidArgumentError(absl::StrCat(at, "block: ", quantized.block(), " is not in [1, 65536]"));
+  }
+  if (quantized.count() < 1)
+    return absl::InvalidArgumentError(absl::StrCat(at, "count: a chunk has at least 1 element"));
+  if (offset % quantized.block() != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".offset: ", offset, " is not a multiple of the block (",
+                                                   quantized.block(), "): blocks start at the tensor's first element"));
+  }
+  // count is bounded by the data's size before anything is multiplied by it.
+  const uint64_t count = quantized.count();
+  if (count / (8 / quantized.bits()) > data_bytes || (count * quantized.bits() + 7) / 8 != data_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".data: ", data_bytes, " bytes do not hold ", count,
+                                                   " elements of ", quantized.bits(), " bits"));
+  }
+  const uint64_t blocks = (count + quantized.block() - 1) / quantized.block();
+  if (quantized.scales().size() != blocks * 4) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(at, "scales: ", quantized.scales().size(), " bytes for ", blocks, " blocks; one fp32 per block"));
+  }
+  return absl::OkStatus();
+}
+
+double DecodeQuantizedSumSquares(const v1::BlockQuantized& quantized, std::span<const absl::string_view> pieces,
+                                 std::span<float> out) {
+  std::string joined;  // a chunk split over several receive slices, in one piece
+  absl::string_view data = pieces.empty() ? absl::string_view() : pieces[0];
+  if (pieces.size() > 1) {
+    for (absl::string_view piece : pieces) joined.append(piece.data(), piece.size());
+    data = joined;
+  }
+  const absl::string_view scales = quantized.scales();
+  const size_t block = quantized.block();
+  const bool nibbles = quantized.bits() == 4;
+  for (size_t i = 0; i < out.size(); ++i) {
+    float scale;
+    std::memcpy(&scale, scales.data() + 4 * (i / block), 4);
+    int value;
+    if (nibbles) {
+      const int nibble = (static_cast<uint8_t>(data[i / 2]) >> (4 * (i % 2))) & 0xF;
+      value = nibble >= 8 ? nibble - 16 : nibble;
+    } else {
+      value = static_cast<int8_t>(data[i]);
+    }
+    out[i] = static_cast<float>(value) * scale;
+  }
+  double sum = 0.0;
+  for (size_t begin = 0; begin < out.size(); begin += kBlock) {
+    sum += SumSquares(out.data() + begin, std::min(kBlock, out.size() - begin));
   }
   return sum;
 }

@@ -4,8 +4,10 @@
 // Pure functions; thread-safe.
 #pragma once
 
+#include <cstdint>
 #include <span>
 
+#include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "muond/v1/muond.pb.h"
 
@@ -21,6 +23,17 @@ double DecodeSumSquares(v1::DType dtype, std::span<const absl::string_view> piec
 inline double DecodeSumSquares(v1::DType dtype, absl::string_view bytes, std::span<float> out) {
   return DecodeSumSquares(dtype, std::span<const absl::string_view>(&bytes, 1), out);
 }
+
+// A block-quantized chunk (v1::BlockQuantized) of `data_bytes` bytes at element `offset`: OK when its
+// fields hold together (bits 8 or 4, block 1 to 65536, count >= 1, offset a multiple of block, the
+// data and scales of count elements), else INVALID_ARGUMENT naming `field`.quantized.<field>.
+absl::Status CheckBlockQuantized(const v1::BlockQuantized& quantized, uint64_t offset, size_t data_bytes,
+                                 absl::string_view field);
+// Decodes a checked block-quantized payload, split into `pieces` at any byte boundary, into `out`
+// (quantized.count() elements; element i is data[i] · scales[i / block] in fp32) and returns its sum
+// of squares as DecodeSumSquares would for those fp32 values.
+double DecodeQuantizedSumSquares(const v1::BlockQuantized& quantized, std::span<const absl::string_view> pieces,
+                                 std::span<float> out);
 
 // DecodeSumSquares of out.size() fp32 elements at `src` (any alignment), with the same bits, for
 // memory another process may write while it is read (shared memory): each element is loaded once, and

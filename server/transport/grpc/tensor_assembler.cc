@@ -74,12 +74,24 @@ absl::Status TensorAssembler::Add(const v1::TensorChunk& chunk, std::span<const 
 
   const v1::DType dtype =
       chunk.dtype() == v1::DTYPE_UNSPECIFIED ? static_cast<v1::DType>(param.wire_dtype) : chunk.dtype();
+  const bool quantized = chunk.has_quantized();
   const size_t element_size = wire::ElementSize(dtype);
-  if (element_size == 0) {
+  if (quantized) {
+    if (step_ == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".quantized: given for '", name, "'; only a step's gradients may be quantized"));
+    }
+    if (bytes > max_chunk_bytes_) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ".data: ", bytes, " bytes for '", name,
+                                                     "' exceed the chunk limit of ", max_chunk_bytes_, " bytes"));
+    }
+    MUOND_RETURN_IF_ERROR(CheckBlockQuantized(chunk.quantized(), chunk.offset(), bytes, field));
+  } else if (element_size == 0) {
     return absl::InvalidArgumentError(
         absl::StrCat(field, ".dtype: unknown dtype ", static_cast<int>(chunk.dtype()), " for '", name, "'"));
+  } else {
+    MUOND_RETURN_IF_ERROR(CheckChunkPayload(bytes, dtype, max_chunk_bytes_, field, name));
   }
-  MUOND_RETURN_IF_ERROR(CheckChunkPayload(bytes, dtype, max_chunk_bytes_, field, name));
   const int64_t expected = Expected(it->second);
   const bool part = rank_ >= 0 && session::IsPartitioned(config_, it->second);
   if (chunk.shape_size() > 0 && part) {
@@ -107,7 +119,8 @@ absl::Status TensorAssembler::Add(const v1::TensorChunk& chunk, std::span<const 
                                                    "', got ", chunk.offset(),
                                                    " (chunks of a tensor must arrive in order, once)"));
   }
-  const int64_t count = static_cast<int64_t>(bytes / element_size);
+  const int64_t count =
+      quantized ? static_cast<int64_t>(chunk.quantized().count()) : static_cast<int64_t>(bytes / element_size);
   if (count > expected - tensor.received) {
     const std::string what = part ? absl::StrCat("rank ", rank_, "'s part of '", name, "' has ", expected, " elements")
                                   : absl::StrCat("'", name, "' has ", expected, " elements");
@@ -116,7 +129,8 @@ absl::Status TensorAssembler::Add(const v1::TensorChunk& chunk, std::span<const 
   }
   if (tensor.values.empty()) tensor.values.resize(expected);
   std::span<float> out(tensor.values.data() + tensor.received, count);
-  tensor.sum_squares += DecodeSumSquares(dtype, pieces, out);
+  tensor.sum_squares +=
+      quantized ? DecodeQuantizedSumSquares(chunk.quantized(), pieces, out) : DecodeSumSquares(dtype, pieces, out);
   if (step_ != nullptr) MUOND_RETURN_IF_ERROR(step_->Stage(it->second, tensor.received, out.size()));
   tensor.received += count;
   return absl::OkStatus();
