@@ -39,7 +39,8 @@ Modes (each on a fresh daemon):
              the others) ~ 7 to 10 steps behind, so the default 16 keeps them.
 
 --modes (default lockstep,quorum,quorum:3,async,async:inverse) takes "quorum:Q" for another
-min_ranks and "async:none" / "async:inverse" for either staleness scaling. The optimizer and its
+min_ranks and "async:none" / "async:inverse" / "async:polynomial:a" / "async:hinge:a:b" for a
+staleness scaling (docs/ranks.md). The optimizer and its
 options (Muon lr --lr, AdamW lr --adam-lr) are the same in every mode; --repeats N runs the modes in
 turn N times and prints the medians.
 
@@ -132,7 +133,9 @@ class Shared:
 
 def sync_options(args, mode):
     """The RemoteOptimizer options of a mode: "lockstep", "quorum" (min_ranks --quorum) or
-    "quorum:Q", "async" (staleness scaling --staleness-scaling) or "async:none|inverse"."""
+    "quorum:Q", "async" (staleness scaling --staleness-scaling) or "async:none|inverse|polynomial|
+    hinge", the last two with their parameters after more colons ("async:polynomial:2",
+    "async:hinge:1:4")."""
     kind, _, variant = mode.partition(":")
     if kind == "lockstep":
         return {"sync_mode": "lockstep"}
@@ -140,8 +143,10 @@ def sync_options(args, mode):
         return {"sync_mode": "quorum", "min_ranks": int(variant or args.quorum),
                 "grace_seconds": args.grace}
     if kind == "async":
+        name, *params = (variant or args.staleness_scaling).split(":")
+        scaling = (name, *[float(params[0]), *[int(p) for p in params[1:]]]) if params else name
         return {"sync_mode": "async", "max_staleness": args.max_staleness,
-                "staleness_scaling": variant or args.staleness_scaling}
+                "staleness_scaling": scaling}
     raise ValueError(f"--modes: unknown mode {mode!r}")
 
 

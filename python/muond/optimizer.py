@@ -147,7 +147,9 @@ class RemoteOptimizer(StateTransfer, StreamControls, torch.optim.Optimizer):
             (required, an int >= 0): a push computed on parameters more than S global steps old
             is dropped (``last_info.stale``; the model takes the latest parameters; no
             exception). ``staleness_scaling``: "none" (default), or "inverse": every group's lr
-            times 1 / (1 + s) for a push s global steps behind (Zhang et al., IJCAI 2016).
+            times 1 / (1 + s) for a push s global steps behind (Zhang et al., IJCAI 2016), or
+            FedAsync's (Xie et al., arXiv 1903.03934) ("polynomial", a): (1 + s)^-a, or
+            ("hinge", a, b): 1 for s <= b, else 1 / (a (s - b) + 1).
         qk_clip: QK-clip (MuonClip) pairs ``[(query, key, num_heads), ...]``, each weight a
             parameter tensor of this optimizer (or its name): (num_heads·head_dim, d) matrices in
             Muon groups. A step then takes ``qk_logits`` (see ``step``); τ and α are the query

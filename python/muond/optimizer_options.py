@@ -51,14 +51,15 @@ class RankOptions:
     """Ranks (docs/ranks.md). ``world_size``, ``rank``: default from an initialized
     ``torch.distributed``, else 1 and 0. ``sync_mode``: "lockstep" (default), "quorum" (with
     ``min_ranks``, default world_size, and ``grace_seconds``, default 0) or "async" (with
-    ``max_staleness``, required, and ``staleness_scaling``: "none" or "inverse")."""
+    ``max_staleness``, required, and ``staleness_scaling``: "none", "inverse",
+    ("polynomial", a) or ("hinge", a, b))."""
     world_size: Optional[int] = None
     rank: Optional[int] = None
     sync_mode: Optional[str] = None
     min_ranks: Optional[int] = None
     grace_seconds: Optional[float] = None
     max_staleness: Optional[int] = None
-    staleness_scaling: Optional[str] = None
+    staleness_scaling: Optional[Any] = None
 
     def resolve(self, num_daemons: int) -> Tuple[int, int, rank_rules.Sync]:
         """(world_size, rank, sync), checked; ValueError or TypeError naming the field."""

@@ -67,7 +67,7 @@ def rank_zero_first(world_size: int, rank: int, open_session: Callable[[], None]
 
 
 SYNC_MODES = ("lockstep", "quorum", "async")
-STALENESS_SCALINGS = ("none", "inverse")
+STALENESS_SCALINGS = ("none", "inverse", "polynomial", "hinge")
 
 
 @dataclass(frozen=True)
@@ -77,12 +77,16 @@ class Sync:
     ``min_ranks``-th arrived (or once every rank sent it), and answers a rank that came later
     ``included=False``; ``async`` applies every rank's push on arrival as the next global step,
     refusing one more than ``max_staleness`` global steps behind, its lrs scaled by
-    ``staleness_scaling`` ("none", or "inverse": 1 / (1 + staleness))."""
+    ``staleness_scaling`` ("none"; "inverse": 1 / (1 + s); FedAsync's "polynomial":
+    (1 + s)^-a, or "hinge": 1 for s <= b, else 1 / (a (s - b) + 1), with ``staleness_a``
+    and ``staleness_b``)."""
     mode: str = "lockstep"
     min_ranks: int = 0         # quorum: Q, 1 <= Q <= world_size; otherwise 0
     grace_seconds: float = 0.0  # quorum: >= 0; otherwise 0
     max_staleness: int = 0     # async: S >= 0; otherwise 0
-    staleness_scaling: str = "none"  # async: "none" or "inverse"
+    staleness_scaling: str = "none"  # async: "none", "inverse", "polynomial" or "hinge"
+    staleness_a: float = 0.0         # polynomial, hinge: a > 0
+    staleness_b: int = 0             # hinge: b >= 0
 
 
 def sync_of(sync_mode: Optional[str], min_ranks: Any, grace_seconds: Any, *, world_size: int,
@@ -115,8 +119,9 @@ def sync_of(sync_mode: Optional[str], min_ranks: Any, grace_seconds: Any, *, wor
         raise ValueError(f"sync_mode: {kind} steps are not available on a sharded session "
                          f"(several endpoints); use sync_mode='lockstep'")
     if mode == "async":
-        return Sync("async", max_staleness=_max_staleness(max_staleness),
-                    staleness_scaling=_staleness_scaling(staleness_scaling))
+        name, a, b = _staleness_scaling(staleness_scaling)
+        return Sync("async", max_staleness=_max_staleness(max_staleness), staleness_scaling=name,
+                    staleness_a=a, staleness_b=b)
     if min_ranks is None:
         min_ranks = world_size
     if isinstance(min_ranks, bool) or not isinstance(min_ranks, numbers.Integral):
@@ -142,13 +147,35 @@ def _max_staleness(value: Any) -> int:
     return int(value)
 
 
-def _staleness_scaling(value: Any) -> str:
-    """"none" (the default) or "inverse" (the daemon's spec.sync.staleness_scaling)."""
+# The parameters FedAsync's functions take: (a,) and (a, b). None has a default that suits every
+# number and speed of ranks, so they are given with the name.
+STALENESS_PARAMETERS = {"polynomial": ("a",), "hinge": ("a", "b")}
+
+
+def _staleness_scaling(value: Any) -> Tuple[str, float, int]:
+    """(name, a, b) of the daemon's spec.sync.staleness_scaling from "none" (the default),
+    "inverse", ("polynomial", a) or ("hinge", a, b)."""
     if value is None:
-        return "none"
-    if not isinstance(value, str) or value.lower() not in STALENESS_SCALINGS:
-        raise ValueError(f"staleness_scaling: must be 'none' or 'inverse', got {value!r}")
-    return value.lower()
+        return "none", 0.0, 0
+    name, params = (value, ()) if isinstance(value, str) else \
+        (value[0], tuple(value[1:])) if isinstance(value, tuple) and value else (None, ())
+    if not isinstance(name, str) or name.lower() not in STALENESS_SCALINGS:
+        raise ValueError(f"staleness_scaling: must be 'none', 'inverse', ('polynomial', a) or "
+                         f"('hinge', a, b), got {value!r}")
+    name = name.lower()
+    wanted = STALENESS_PARAMETERS.get(name, ())
+    if len(params) != len(wanted):
+        form = f"('{name}', {', '.join(wanted)})" if wanted else f"'{name}'"
+        raise ValueError(f"staleness_scaling: give {form}, got {value!r}")
+    a = _real("staleness_scaling", params[0]) if params else 0.0
+    if params and not (math.isfinite(a) and a > 0):
+        raise ValueError(f"staleness_scaling: a must be finite and > 0, got {params[0]!r}")
+    b = 0
+    if len(params) == 2:
+        if isinstance(params[1], bool) or not isinstance(params[1], numbers.Integral) or params[1] < 0:
+            raise ValueError(f"staleness_scaling: b must be an int >= 0, got {params[1]!r}")
+        b = int(params[1])
+    return name, a, b
 
 
 def check_weight(weight: Any) -> Optional[float]:

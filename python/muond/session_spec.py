@@ -56,10 +56,13 @@ def whole_spec(param_groups: Sequence[Dict[str, Any]], group_names: Sequence[str
         spec.sync.mode = pb.SYNC_MODE_ASYNC
         spec.sync.max_staleness = sync.max_staleness
         spec.sync.staleness_scaling = _SCALINGS[sync.staleness_scaling]
+        spec.sync.staleness_a = sync.staleness_a
+        spec.sync.staleness_b = sync.staleness_b
     return spec
 
 
-_SCALINGS = {"none": pb.STALENESS_SCALING_NONE, "inverse": pb.STALENESS_SCALING_INVERSE}
+_SCALINGS = {"none": pb.STALENESS_SCALING_NONE, "inverse": pb.STALENESS_SCALING_INVERSE,
+             "polynomial": pb.STALENESS_SCALING_POLYNOMIAL, "hinge": pb.STALENESS_SCALING_HINGE}
 
 
 def shard_spec(whole: pb.SessionSpec, shard: int, mine: Sequence[int],

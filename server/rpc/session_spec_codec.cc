@@ -188,6 +188,8 @@ absl::Status CheckNoAsyncFields(const v1::SyncSpec& sync) {
   if (sync.staleness_scaling() != v1::STALENESS_SCALING_UNSPECIFIED) {
     return Invalid("spec.sync.staleness_scaling", "applies to mode async only");
   }
+  if (sync.staleness_a() != 0) return Invalid("spec.sync.staleness_a", "applies to mode async only");
+  if (sync.staleness_b() != 0) return Invalid("spec.sync.staleness_b", "applies to mode async only");
   return absl::OkStatus();
 }
 
@@ -219,15 +221,37 @@ absl::Status ParseSync(const v1::SyncSpec& sync, SessionConfig& config) {
         case v1::STALENESS_SCALING_INVERSE:
           scaling = StalenessScaling::kInverse;
           break;
+        case v1::STALENESS_SCALING_POLYNOMIAL:
+          scaling = StalenessScaling::kPolynomial;
+          break;
+        case v1::STALENESS_SCALING_HINGE:
+          scaling = StalenessScaling::kHinge;
+          break;
         default:
           return Invalid("spec.sync.staleness_scaling",
                          absl::StrCat("unknown scaling ", static_cast<int>(sync.staleness_scaling())));
+      }
+      const bool uses_a = scaling == StalenessScaling::kPolynomial || scaling == StalenessScaling::kHinge;
+      if (uses_a && !(std::isfinite(sync.staleness_a()) && sync.staleness_a() > 0)) {
+        return Invalid("spec.sync.staleness_a",
+                       absl::StrCat("must be finite and > 0 with this staleness_scaling, got ", sync.staleness_a()));
+      }
+      if (!uses_a && sync.staleness_a() != 0) {
+        return Invalid("spec.sync.staleness_a", "applies to staleness_scaling polynomial and hinge only");
+      }
+      if (scaling == StalenessScaling::kHinge && sync.staleness_b() < 0) {
+        return Invalid("spec.sync.staleness_b", absl::StrCat("must be >= 0, got ", sync.staleness_b()));
+      }
+      if (scaling != StalenessScaling::kHinge && sync.staleness_b() != 0) {
+        return Invalid("spec.sync.staleness_b", "applies to staleness_scaling hinge only");
       }
       config.sync = SyncConfig{.mode = SyncMode::kAsync,
                                .min_ranks = 0,
                                .grace_seconds = 0,
                                .max_staleness = sync.max_staleness(),
-                               .staleness_scaling = scaling};
+                               .staleness_scaling = scaling,
+                               .staleness_a = sync.staleness_a(),
+                               .staleness_b = sync.staleness_b()};
       return absl::OkStatus();
     }
     case v1::SYNC_MODE_QUORUM: {

@@ -8,6 +8,7 @@
 // can store it.
 #pragma once
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
@@ -86,7 +87,7 @@ struct ShardConfig {
 
 // How the ranks of a multi-rank session make a step (docs/ranks.md).
 enum class SyncMode { kLockstep, kQuorum, kAsync };
-enum class StalenessScaling { kNone, kInverse };
+enum class StalenessScaling { kNone, kInverse, kPolynomial, kHinge };
 
 struct SyncConfig {
   SyncMode mode = SyncMode::kLockstep;
@@ -94,7 +95,27 @@ struct SyncConfig {
   double grace_seconds = 0;   // quorum: how long after the Q-th rank arrived the step waits for the rest
   int64_t max_staleness = 0;  // async: the most global steps a push's base_step may be behind
   StalenessScaling staleness_scaling = StalenessScaling::kNone;  // async
+  double staleness_a = 0;                                        // async, polynomial and hinge: a > 0
+  int64_t staleness_b = 0;                                       // async, hinge: b >= 0
 };
+
+// The factor on an asynchronous push's lrs at staleness s (docs/ranks.md, Asynchronous).
+inline double StalenessFactor(const SyncConfig& sync, int64_t staleness) {
+  const double s = static_cast<double>(staleness);
+  switch (sync.staleness_scaling) {
+    case StalenessScaling::kInverse:
+      return 1.0 / (1.0 + s);
+    case StalenessScaling::kPolynomial:
+      return std::pow(1.0 + s, -sync.staleness_a);
+    case StalenessScaling::kHinge:
+      return staleness <= sync.staleness_b
+                 ? 1.0
+                 : 1.0 / (sync.staleness_a * static_cast<double>(staleness - sync.staleness_b) + 1.0);
+    case StalenessScaling::kNone:
+      break;
+  }
+  return 1.0;
+}
 
 struct SessionConfig {
   std::vector<ParameterConfig> parameters;

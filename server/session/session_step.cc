@@ -82,8 +82,8 @@ absl::StatusOr<StepOutcome> Session::PushLocked(StepPlan plan, std::vector<HostT
 }
 
 absl::StatusOr<StepOutcome> Session::ApplyPushLocked(StepPlan plan, std::vector<HostTensor>& gradients) {
-  if (config_.sync.staleness_scaling == StalenessScaling::kInverse) {
-    const double factor = 1.0 / (1.0 + static_cast<double>(plan.request.staleness));
+  if (config_.sync.staleness_scaling != StalenessScaling::kNone) {
+    const double factor = StalenessFactor(config_.sync, plan.request.staleness);
     for (optim::StepHyper& hyper : plan.hyper) hyper.lr *= factor;
   }
   MUOND_ASSIGN_OR_RETURN(StepOutcome outcome, ApplyLocked(plan, gradients, nullptr));

@@ -210,7 +210,23 @@ TEST_F(AsyncRanksTest, AnAsyncSpecOutOfRangeIsRefusedNamingTheField) {
   staleness_in_lockstep.mutable_sync()->set_max_staleness(3);
   v1::SessionSpec quorum_fields = AsyncSpec(2, 1);
   quorum_fields.mutable_sync()->set_min_ranks(1);
+  v1::SessionSpec polynomial_without_a = AsyncSpec(2, 1, v1::STALENESS_SCALING_POLYNOMIAL);
+  v1::SessionSpec hinge_negative_b = AsyncSpec(2, 1, v1::STALENESS_SCALING_HINGE);
+  hinge_negative_b.mutable_sync()->set_staleness_a(1.0);
+  hinge_negative_b.mutable_sync()->set_staleness_b(-1);
+  v1::SessionSpec a_with_inverse = AsyncSpec(2, 1, v1::STALENESS_SCALING_INVERSE);
+  a_with_inverse.mutable_sync()->set_staleness_a(0.5);
+  v1::SessionSpec b_with_polynomial = AsyncSpec(2, 1, v1::STALENESS_SCALING_POLYNOMIAL);
+  b_with_polynomial.mutable_sync()->set_staleness_a(0.5);
+  b_with_polynomial.mutable_sync()->set_staleness_b(2);
+  v1::SessionSpec a_in_lockstep = LrSpec();
+  a_in_lockstep.mutable_sync()->set_staleness_a(0.5);
   const std::pair<v1::SessionSpec, std::string> cases[] = {
+      {polynomial_without_a, "spec.sync.staleness_a: must be finite and > 0"},
+      {hinge_negative_b, "spec.sync.staleness_b: must be >= 0, got -1"},
+      {a_with_inverse, "spec.sync.staleness_a: applies to staleness_scaling polynomial and hinge only"},
+      {b_with_polynomial, "spec.sync.staleness_b: applies to staleness_scaling hinge only"},
+      {a_in_lockstep, "spec.sync.staleness_a: applies to mode async only"},
       {negative, "spec.sync.max_staleness: must be >= 0"},
       {unknown, "spec.sync.staleness_scaling: unknown scaling 7"},
       {staleness_in_lockstep, "spec.sync.max_staleness: applies to mode async only"},

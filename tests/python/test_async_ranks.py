@@ -185,7 +185,16 @@ def one_rank():
 
 
 def factor(scaling, staleness):
-    return 1.0 / (1.0 + staleness) if scaling == "inverse" else 1.0
+    """The lr factor of a push ``staleness`` behind, as docs/ranks.md writes it."""
+    name, *params = (scaling,) if isinstance(scaling, str) else scaling
+    if name == "inverse":
+        return 1.0 / (1.0 + staleness)
+    if name == "polynomial":  # FedAsync's
+        return (1.0 + staleness) ** -params[0]
+    if name == "hinge":  # FedAsync's
+        a, b = params
+        return 1.0 if staleness <= b else 1.0 / (a * (staleness - b) + 1.0)
+    return 1.0
 
 
 def assert_pushed(seen, *, global_step, staleness, rank, pushes, weight=1.0):
@@ -200,10 +209,11 @@ def assert_pushed(seen, *, global_step, staleness, rank, pushes, weight=1.0):
 
 # -- the order, the bound, resends ---------------------------------------------------------------
 
-@pytest.mark.parametrize("scaling", ["none", "inverse"])
+@pytest.mark.parametrize("scaling", ["none", "inverse", ("polynomial", 0.5), ("polynomial", 2),
+                                     ("hinge", 0.5, 1)])
 def test_every_push_is_the_next_global_step_once_and_equals_one_rank(endpoint, rank_processes,
                                                                       one_rank, scaling):
-    session = fresh_session(f"async-{scaling}")
+    session = fresh_session(f"async-{scaling if isinstance(scaling, str) else scaling[0]}")
     ranks = [rank_processes(r, endpoint, session, **asynchronous(3, scaling))
              for r in range(WORLD)]
     for rank in ranks:
@@ -494,8 +504,15 @@ def test_a_state_dict_loads_whole_into_a_session_without_pushes(endpoint, one_ra
     (asynchronous(1.5), TypeError, r"^max_staleness: must be an int, got float"),
     (asynchronous(True), TypeError, r"^max_staleness: must be an int, got bool"),
     (asynchronous(2, "linear"), ValueError,
-     r"^staleness_scaling: must be 'none' or 'inverse', got 'linear'"),
-    (asynchronous(2, 1), ValueError, r"^staleness_scaling: must be 'none' or 'inverse', got 1"),
+     r"^staleness_scaling: must be 'none', 'inverse', \('polynomial', a\) .*got 'linear'"),
+    (asynchronous(2, 1), ValueError, r"^staleness_scaling: must be 'none', .*got 1"),
+    (asynchronous(2, ("polynomial", -1)), ValueError,
+     r"^staleness_scaling: a must be finite and > 0, got -1"),
+    (asynchronous(2, "polynomial"), ValueError,
+     r"^staleness_scaling: give \('polynomial', a\), got 'polynomial'"),
+    (asynchronous(2, ("hinge", 1.0)), ValueError, r"^staleness_scaling: give \('hinge', a, b\)"),
+    (asynchronous(2, ("hinge", 1.0, -1)), ValueError, r"^staleness_scaling: b must be an int >= 0"),
+    (asynchronous(2, ("inverse", 1.0)), ValueError, r"^staleness_scaling: give 'inverse'"),
     (asynchronous(2, min_ranks=2), ValueError, r"^min_ranks: applies to sync_mode='quorum' only"),
     (asynchronous(2, grace_seconds=1.0), ValueError,
      r"^grace_seconds: applies to sync_mode='quorum' only"),
@@ -527,8 +544,10 @@ def test_the_daemons_refusal_passes_through(endpoint, monkeypatch):
 def test_the_spec_carries_the_async_fields():
     named, _ = named_groups(muond.default_param_groups(TinyNet(seed=SEED)))
     groups = [dict(options.resolve_group(g, {}), param_names=g["param_names"]) for g in named]
-    for scaling, enum in (("none", pb.STALENESS_SCALING_NONE),
-                          ("INVERSE", pb.STALENESS_SCALING_INVERSE)):
+    for scaling, enum, a, b in (("none", pb.STALENESS_SCALING_NONE, 0.0, 0),
+                                ("INVERSE", pb.STALENESS_SCALING_INVERSE, 0.0, 0),
+                                (("polynomial", 0.5), pb.STALENESS_SCALING_POLYNOMIAL, 0.5, 0),
+                                (("hinge", 2.0, 3), pb.STALENESS_SCALING_HINGE, 2.0, 3)):
         sync = ranks_module.sync_of("async", None, None, world_size=WORLD, num_daemons=1,
                                     max_staleness=5, staleness_scaling=scaling)
         spec = session_spec.whole_spec(groups, [f"g{i}" for i in range(len(groups))], [],
@@ -536,3 +555,4 @@ def test_the_spec_carries_the_async_fields():
                                        loss_scaler=None, sync=sync)
         assert (spec.sync.mode, spec.sync.max_staleness, spec.sync.staleness_scaling,
                 spec.sync.min_ranks, spec.sync.grace_seconds) == (pb.SYNC_MODE_ASYNC, 5, enum, 0, 0.0)
+        assert (spec.sync.staleness_a, spec.sync.staleness_b) == (a, b)
