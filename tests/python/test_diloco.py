@@ -289,7 +289,8 @@ def test_workers_with_their_own_sync_every_equal_the_token_weighted_reference(en
 def test_quantized_pseudo_gradients_with_error_feedback_equal_the_reference(endpoint, wire_dtype):
     workers, steps, sync_every = 3, 12, 3
     sizes = []
-    got = run_threads(endpoint, workers, steps, sync_every, wire_dtype=wire_dtype,
+    # transport "grpc" whatever $MUOND_TRANSPORT says: quantized chunks travel over gRPC only.
+    got = run_threads(endpoint, workers, steps, sync_every, wire_dtype=wire_dtype, transport="grpc",
                       record=lambda r, t, d: sizes.append(d.last_sync_bytes)
                       if r == 0 and d.last_sync is not None else None)
     names = [n for n, _ in TinyNet(seed=SEED).named_parameters()]
@@ -305,7 +306,8 @@ def test_quantized_pseudo_gradients_with_error_feedback_equal_the_reference(endp
 def test_error_feedback_is_part_of_the_state_dict(endpoint):
     model = TinyNet(seed=SEED)
     inner = torch.optim.AdamW(model.parameters(), **INNER)
-    with muond.DiLoCo(model, inner, sync_every=2, endpoint=endpoint, wire_dtype="int4") as diloco:
+    with muond.DiLoCo(model, inner, sync_every=2, endpoint=endpoint, wire_dtype="int4",
+                      transport="grpc") as diloco:
         for t in range(1, 3):
             inner_step(model, inner, 0, t)
             diloco.step()

@@ -98,7 +98,7 @@ def test_client_side_misuse_raises_before_sending():
     with pytest.raises(ValueError, match="scale_mode"):
         muond.RemoteOptimizer([w], endpoint=unused, scale_mode="rms")
     with pytest.raises(ValueError, match="wire dtype"):
-        muond.RemoteOptimizer([w], endpoint=unused, wire_dtype="int8")
+        muond.RemoteOptimizer([w], endpoint=unused, wire_dtype="int2")
 
 
 def test_muond_error_pickles():
