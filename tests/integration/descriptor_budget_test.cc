@@ -29,6 +29,7 @@
 #include "gtest/gtest.h"
 #include "muond/v1/muond.grpc.pb.h"
 #include "tests/integration/daemon_process.h"
+#include "tests/integration/one_parameter_spec.h"
 #include "tests/testing/status_matchers.h"
 
 namespace muond::testing {
@@ -62,20 +63,6 @@ int SealedMemfd(uint64_t bytes) {
   EXPECT_EQ(::ftruncate(fd, static_cast<off_t>(bytes)), 0);
   EXPECT_EQ(::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), 0);
   return fd;
-}
-
-// A session of one n×n matrix "w" under `optimizer`.
-v1::SessionSpec SquareMatrixSpec(v1::OptimizerKind optimizer, int n) {
-  v1::SessionSpec spec;
-  auto* group = spec.add_groups();
-  group->set_name("g");
-  group->mutable_options()->set_optimizer(optimizer);
-  auto* w = spec.add_parameters();
-  w->set_name("w");
-  w->add_shape(n);
-  w->add_shape(n);
-  w->set_group("g");
-  return spec;
 }
 
 class DescriptorBudgetTest : public ::testing::Test {
@@ -241,7 +228,7 @@ TEST_F(DescriptorBudgetTest, OnePeerFloodsWhileAnotherRegisters) {
 // client that insists on "shm" gets the refusal.
 TEST_F(DescriptorBudgetTest, ARefusedRegionFallsBackToGrpcUnderAuto) {
   Start({"--shm-max-region-bytes", "64"});
-  const v1::SessionSpec spec = SquareMatrixSpec(v1::OPTIMIZER_SGD, 32);
+  const v1::SessionSpec spec = OneParameterSpec({32, 32}, v1::OPTIMIZER_SGD);
   const std::vector<float> values(32 * 32, 0.5f), gradient(32 * 32, 1.0f);
   const std::vector<client::TensorView> upload = {{"w", {32, 32}, values}};
   const std::vector<client::TensorView> gradients = {{"w", {32, 32}, gradient}};
@@ -295,7 +282,7 @@ TEST_F(DescriptorBudgetTest, UnclaimedHugeMemfdsTakeNoAddressSpace) {
   ::close(memfd);
   EXPECT_EQ(tickets.size(), 192u);
   // An ordinary session still gets its 16 MiB.
-  const v1::SessionSpec spec = SquareMatrixSpec(v1::OPTIMIZER_ADAMW, 2048);
+  const v1::SessionSpec spec = OneParameterSpec({2048, 2048}, v1::OPTIMIZER_ADAMW);
   ASSERT_OK_AND_ASSIGN(auto session, client_->CreateSession("after-the-flood", spec));
   const std::vector<float> values(2048 * 2048, 0.5f);
   const std::vector<client::TensorView> upload = {{"w", {2048, 2048}, values}};

@@ -12,6 +12,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "tests/integration/daemon_process.h"
+#include "tests/integration/one_parameter_spec.h"
 #include "tests/testing/status_matchers.h"
 
 namespace muond::testing {
@@ -19,19 +20,6 @@ namespace {
 
 using ::testing::HasSubstr;
 using ::testing::Not;
-
-// One parameter "w" of `shape` in a group of `optimizer`.
-v1::SessionSpec Spec(std::vector<int64_t> shape, v1::OptimizerKind optimizer = v1::OPTIMIZER_MUON) {
-  v1::SessionSpec spec;
-  auto* group = spec.add_groups();
-  group->set_name("g");
-  group->mutable_options()->set_optimizer(optimizer);
-  auto* w = spec.add_parameters();
-  w->set_name("w");
-  for (int64_t d : shape) w->add_shape(d);
-  w->set_group("g");
-  return spec;
-}
 
 class LimitsTest : public ::testing::Test {
  protected:
@@ -76,62 +64,62 @@ constexpr int64_t kAdamW16x16 = 16 * 16 * 4 * 4;  // 4096
 
 TEST_F(LimitsTest, SessionOverTheSessionQuotaIsRefusedNamingIt) {
   Start({"--max-session-bytes", std::to_string(kAdamW16x16)});
-  EXPECT_OK(client_->CreateSession("fits", Spec({16, 16}, v1::OPTIMIZER_ADAMW)));
+  EXPECT_OK(client_->CreateSession("fits", OneParameterSpec({16, 16}, v1::OPTIMIZER_ADAMW)));
   // AdamW keeps two slots: 16×17 elements × 4 bytes × 4 buffers = 4352 bytes.
-  const auto refused = client_->CreateSession("too-big", Spec({16, 17}, v1::OPTIMIZER_ADAMW));
+  const auto refused = client_->CreateSession("too-big", OneParameterSpec({16, 17}, v1::OPTIMIZER_ADAMW));
   EXPECT_THAT(refused, StatusIs(absl::StatusCode::kResourceExhausted, "--max-session-bytes 4096"));
   EXPECT_THAT(refused, StatusIs(absl::StatusCode::kResourceExhausted, "needs 4352 bytes"));
   EXPECT_THAT(refused, StatusIs(absl::StatusCode::kResourceExhausted, "session_id 'too-big'"));
   // The same element count fits under Muon (one slot).
-  EXPECT_OK(client_->CreateSession("muon-fits", Spec({16, 17})));
+  EXPECT_OK(client_->CreateSession("muon-fits", OneParameterSpec({16, 17})));
   EXPECT_THAT(SessionIds(), Not(::testing::Contains("too-big")));
 }
 
 TEST_F(LimitsTest, TotalQuotaIsSharedAndClosingASessionFreesItsShare) {
   Start({"--max-total-bytes", std::to_string(3 * kMuon16x16 + 100)});
-  for (const char* id : {"a", "b", "c"}) ASSERT_OK(client_->CreateSession(id, Spec({16, 16})));
-  const auto refused = client_->CreateSession("d", Spec({16, 16}));
+  for (const char* id : {"a", "b", "c"}) ASSERT_OK(client_->CreateSession(id, OneParameterSpec({16, 16})));
+  const auto refused = client_->CreateSession("d", OneParameterSpec({16, 16}));
   EXPECT_THAT(refused, StatusIs(absl::StatusCode::kResourceExhausted, "--max-total-bytes 9316"));
   EXPECT_THAT(refused, StatusIs(absl::StatusCode::kResourceExhausted, "holds 9216 bytes"));
   EXPECT_THAT(SessionIds(), Not(::testing::Contains("d")));
   // Attaching to a held session takes nothing more.
-  ASSERT_OK_AND_ASSIGN(auto attached, client_->CreateSession("b", Spec({16, 16})));
+  ASSERT_OK_AND_ASSIGN(auto attached, client_->CreateSession("b", OneParameterSpec({16, 16})));
   EXPECT_TRUE(attached->attached());
   // A smaller session still fits in what is left.
-  EXPECT_OK(client_->CreateSession("small", Spec({2, 4})));
+  EXPECT_OK(client_->CreateSession("small", OneParameterSpec({2, 4})));
   EXPECT_OK(client_->CloseSession("small"));
 
   ASSERT_OK(client_->CloseSession("a"));
-  ASSERT_OK_AND_ASSIGN(auto d, client_->CreateSession("d", Spec({16, 16})));
+  ASSERT_OK_AND_ASSIGN(auto d, client_->CreateSession("d", OneParameterSpec({16, 16})));
   EXPECT_FALSE(d->attached());
-  EXPECT_THAT(client_->CreateSession("e", Spec({16, 16})),
+  EXPECT_THAT(client_->CreateSession("e", OneParameterSpec({16, 16})),
               StatusIs(absl::StatusCode::kResourceExhausted, "--max-total-bytes"));
 }
 
 TEST_F(LimitsTest, QuotaSuffixesAreAccepted) {
   Start({"--max-session-bytes", "4KiB", "--max-total-bytes", "1MiB"});
-  EXPECT_OK(client_->CreateSession("fits", Spec({16, 16}, v1::OPTIMIZER_ADAMW)));
-  EXPECT_THAT(client_->CreateSession("too-big", Spec({16, 17}, v1::OPTIMIZER_ADAMW)),
+  EXPECT_OK(client_->CreateSession("fits", OneParameterSpec({16, 16}, v1::OPTIMIZER_ADAMW)));
+  EXPECT_THAT(client_->CreateSession("too-big", OneParameterSpec({16, 17}, v1::OPTIMIZER_ADAMW)),
               StatusIs(absl::StatusCode::kResourceExhausted, "--max-session-bytes 4096"));
 }
 
 TEST_F(LimitsTest, RankAndElementLimitsNameTheSpecField) {
   Start({"--max-tensor-rank", "3", "--max-tensor-elements", "1000"});
-  EXPECT_THAT(client_->CreateSession("rank4", Spec({2, 2, 2, 2})),
+  EXPECT_THAT(client_->CreateSession("rank4", OneParameterSpec({2, 2, 2, 2})),
               StatusIs(absl::StatusCode::kInvalidArgument, "spec.parameters[0].shape: rank 4 exceeds the limit of 3"));
-  EXPECT_THAT(client_->CreateSession("rank4", Spec({2, 2, 2, 2})),
+  EXPECT_THAT(client_->CreateSession("rank4", OneParameterSpec({2, 2, 2, 2})),
               StatusIs(absl::StatusCode::kInvalidArgument, "--max-tensor-rank"));
-  EXPECT_THAT(client_->CreateSession("large", Spec({40, 40})),
+  EXPECT_THAT(client_->CreateSession("large", OneParameterSpec({40, 40})),
               StatusIs(absl::StatusCode::kInvalidArgument, "spec.parameters[0].shape: more than 1000 elements"));
-  EXPECT_THAT(client_->CreateSession("large", Spec({40, 40})),
+  EXPECT_THAT(client_->CreateSession("large", OneParameterSpec({40, 40})),
               StatusIs(absl::StatusCode::kInvalidArgument, "--max-tensor-elements"));
-  EXPECT_OK(client_->CreateSession("rank3", Spec({10, 10, 10})));
+  EXPECT_OK(client_->CreateSession("rank3", OneParameterSpec({10, 10, 10})));
   EXPECT_THAT(SessionIds(), ::testing::ElementsAre("rank3"));
 }
 
 TEST_F(LimitsTest, SilentUploadStreamEndsWithDeadlineExceeded) {
   Start({"--rpc-timeout", "1"});
-  ASSERT_OK(client_->CreateSession("slow", Spec({8, 4})));
+  ASSERT_OK(client_->CreateSession("slow", OneParameterSpec({8, 4})));
   grpc::ClientContext context;
   client_->PrepareContext(context);  // the client's own deadline is minutes away
   v1::UploadParametersResponse response;
@@ -148,7 +136,7 @@ TEST_F(LimitsTest, SilentUploadStreamEndsWithDeadlineExceeded) {
   EXPECT_THAT(status.error_message(), HasSubstr("--rpc-timeout"));
 
   // The daemon is fine, and the session is untouched.
-  ASSERT_OK_AND_ASSIGN(auto session, client_->CreateSession("slow", Spec({8, 4})));
+  ASSERT_OK_AND_ASSIGN(auto session, client_->CreateSession("slow", OneParameterSpec({8, 4})));
   EXPECT_FALSE(session->initialized());
   const std::vector<float> w(32, 0.5f);
   EXPECT_OK(session->UploadParameters(std::vector<client::TensorView>{{"w", {8, 4}, w}}));
@@ -156,7 +144,7 @@ TEST_F(LimitsTest, SilentUploadStreamEndsWithDeadlineExceeded) {
 
 TEST_F(LimitsTest, SilentStepStreamEndsWithDeadlineExceeded) {
   Start({"--rpc-timeout", "1"});
-  ASSERT_OK_AND_ASSIGN(auto session, client_->CreateSession("slow-step", Spec({8, 4})));
+  ASSERT_OK_AND_ASSIGN(auto session, client_->CreateSession("slow-step", OneParameterSpec({8, 4})));
   const std::vector<float> w(32, 0.5f);
   ASSERT_OK(session->UploadParameters(std::vector<client::TensorView>{{"w", {8, 4}, w}}));
   grpc::ClientContext context;

@@ -270,17 +270,20 @@ double DecodeQuantizedSumSquares(const v1::BlockQuantized& quantized, std::span<
   const absl::string_view scales = quantized.scales();
   const size_t block = quantized.block();
   const bool nibbles = quantized.bits() == 4;
-  for (size_t i = 0; i < out.size(); ++i) {
-    float scale;
-    std::memcpy(&scale, scales.data() + 4 * (i / block), 4);
-    int value;
-    if (nibbles) {
-      const int nibble = (static_cast<uint8_t>(data[i / 2]) >> (4 * (i % 2))) & 0xF;
-      value = nibble >= 8 ? nibble - 16 : nibble;
-    } else {
-      value = static_cast<int8_t>(data[i]);
+  for (size_t begin = 0; begin < out.size(); begin += block) {
+    float scale;  // one load per block
+    std::memcpy(&scale, scales.data() + 4 * (begin / block), 4);
+    const size_t end = std::min(out.size(), begin + block);
+    for (size_t i = begin; i < end; ++i) {
+      int value;
+      if (nibbles) {
+        const int nibble = (static_cast<uint8_t>(data[i / 2]) >> (4 * (i % 2))) & 0xF;
+        value = nibble >= 8 ? nibble - 16 : nibble;
+      } else {
+        value = static_cast<int8_t>(data[i]);
+      }
+      out[i] = static_cast<float>(value) * scale;
     }
-    out[i] = static_cast<float>(value) * scale;
   }
   double sum = 0.0;
   for (size_t begin = 0; begin < out.size(); begin += kBlock) {
