@@ -39,8 +39,7 @@ class LivenessTicket:
     answered ``ok <ticket>``. Closing it (or exiting) drops what was registered with the ticket."""
 
     def __init__(self, socket_address: str, grant: str = ""):
-        self._sock: Optional[socket.socket] = None
-        self._sock = shm.connect(socket_address, grant)
+        self._sock: Optional[socket.socket] = shm.connect(socket_address, grant)
         try:
             self._sock.sendall(b"L")
             answer = self._read_line()
