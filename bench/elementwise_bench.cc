@@ -1,7 +1,9 @@
 // elementwise_bench: throughput of muond's element-wise optimizer steps (AdamW, Lion, SGD with
 // momentum 0.9) through Optimizer::Step on a backend, over 8 tensors holding --params parameters in
-// all, and a STREAM-style triad (a = b + s·c, fp32, 12 bytes per element, split over the same
-// number of std::threads) as this machine's bandwidth limit. elementwise_torch.py times torch's
+// all, and the memory's bandwidth limit beside them: on a host backend a STREAM-style triad (a = b +
+// s·c, fp32, 12 bytes per element, split over the same number of std::threads); on a device backend
+// (a GPU) a device-to-device copy through the backend (8 bytes per element), the floor its steps
+// move their bytes against. elementwise_torch.py times torch's
 // optimizers on the same tensors; run_elementwise_bench.sh prints them side by side.
 //
 // Bytes per parameter, as STREAM counts them (reads + writes, no write-allocate): AdamW reads p, g,
@@ -83,6 +85,24 @@ double Triad(int64_t n, int threads, int reps) {
   return 12.0 * n / Median(seconds) / 1e9;
 }
 
+// A device-to-device copy of n fp32 elements through the backend: GB/s counting the read and the
+// write (8 bytes per element), the median of `reps` after one warm-up.
+double DeviceCopy(kernels::Backend& backend, int64_t n, int reps) {
+  auto src = backend.Allocate(n);
+  auto dst = backend.Allocate(n);
+  CheckOk(src.status(), "allocate");
+  CheckOk(dst.status(), "allocate");
+  CheckOk(backend.Fill((*src)->data(), n, 1.0f), "fill");
+  std::vector<double> seconds;
+  for (int r = 0; r < reps + 1; ++r) {
+    const double start = NowSeconds();
+    CheckOk(backend.CopyOnDevice((*src)->data(), (*dst)->data(), n), "copy");
+    Sync(backend, (*dst)->data());
+    if (r > 0) seconds.push_back(NowSeconds() - start);
+  }
+  return 8.0 * n / Median(seconds) / 1e9;
+}
+
 int Run(const Flags& flags) {
   std::unique_ptr<kernels::Backend> backend = BackendOrDie(flags.backend, flags.threads);
   const int threads = flags.threads > 0 ? flags.threads : static_cast<int>(std::thread::hardware_concurrency());
@@ -99,12 +119,14 @@ int Run(const Flags& flags) {
     std::printf("%-8s %12s %12s %12s\n", "step", "params", "Gparam/s", "GB/s");
   }
   for (int64_t total : flags.params) {
-    const double triad = Triad(total, threads, flags.reps);
+    const bool host = backend->HostAddressable();
+    const char* floor_name = host ? "triad" : "d2d-copy";
+    const double floor = host ? Triad(total, threads, flags.reps) : DeviceCopy(*backend, total, flags.reps);
     if (flags.json) {
-      std::printf("{\"bench\": \"triad\", \"params\": %lld, \"threads\": %d, \"gbps\": %.3f}\n",
-                  static_cast<long long>(total), threads, triad);
+      std::printf("{\"bench\": \"%s\", \"params\": %lld, \"threads\": %d, \"gbps\": %.3f}\n", floor_name,
+                  static_cast<long long>(total), threads, floor);
     } else {
-      std::printf("%-8s %12lld %12s %12.2f\n", "triad", static_cast<long long>(total), "", triad);
+      std::printf("%-8s %12lld %12s %12.2f\n", floor_name, static_cast<long long>(total), "", floor);
     }
     for (const Case& c : cases) {
       optim::GroupOptions options = optim::DefaultOptions(c.kind);

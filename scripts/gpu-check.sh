@@ -6,8 +6,8 @@
 #                                            CUDA library, the GPU test binaries, the benchmarks and
 #                                            the Python package (with its generated stubs), through
 #                                            the bundler named by $GPU_BUNDLE (default
-#                                            ../shared/tools/gpu-bundle.sh); libraries over 4 MiB are
-#                                            gzip-compressed. Refuses a bundle over 60 MiB.
+#                                            ../shared/tools/gpu-bundle.sh); libraries over 1 MiB are
+#                                            xz-compressed. Refuses a bundle over 60 MiB.
 #   scripts/gpu-check.sh run PHASE [OUT]     on the GPU machine, from the repository root, one phase
 #                                            per call so that each fits well under ten minutes:
 #       probe    the environment: GPU, driver, compute mode, `ldd` of every carried binary, the
@@ -18,11 +18,14 @@
 #       python   the Python SDK's tests against a --backend cuda daemon (GPU transports included)
 #       bench    the benchmarks with torch beside them
 #       all      the four in order (for a machine without a per-call limit)
+#       lease    one call of a short lease: probe, the C++ programs at once, the Python suite, then
+#                the benchmarks while MUOND_GPU_DEADLINE (default 540) seconds last
 #
-# Every log and the summary go into OUT (default $OUT, else gpu-check-out): only what is written
-# there comes back from a lent GPU machine. Each step is bounded by a timeout, runs even when an
-# earlier one failed, and adds a line to OUT/summary.txt with its exit status and its PASS, FAIL and
-# SKIP counts. MUOND_REQUIRE_GPU=1 is set for every step: a test that finds no usable GPU fails
+# The summary (OUT/summary.txt) and every log, packed (OUT/logs.tgz, since a lent machine returns
+# at most 8 files), go into OUT (default $OUT, else gpu-check-out); the logs are written under
+# MUOND_GPU_WORK (default /tmp/muond-gpu-check) and repacked after each phase. Each step is bounded
+# by a timeout, runs even when an earlier one failed, and adds a line to the summary with its exit
+# status and its PASS, FAIL and SKIP counts. MUOND_REQUIRE_GPU=1 is set for every step: a test that finds no usable GPU fails
 # instead of skipping, so a broken GPU path cannot pass as "skipped". Python runs with the
 # machine's pytest and PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 (the carried pytest only where the machine
 # has none). Exits 1 when any step of the phase failed.
@@ -61,8 +64,10 @@ for module in (pytest, _pytest, pluggy, iniconfig, packaging, py):
     shutil.copytree(source, os.path.join(sys.argv[1], os.path.basename(source)),
                     ignore=shutil.ignore_patterns("__pycache__"))
 PY
-  # Large libraries (OpenBLAS, gRPC) travel compressed; `run` unpacks them. gzip: every machine has it.
-  find "$GPU_DIR/lib" -type f -size +4M -exec gzip -6 {} \;
+  # Libraries over 1 MiB (OpenBLAS, oneDNN, gRPC) travel xz-compressed, about a third smaller than
+  # gzip: the bundle and the tree must fit one 64 MiB transfer. `run` unpacks them (xz, else python3's
+  # lzma module).
+  find "$GPU_DIR/lib" -type f -size +1M -exec xz -9 -T2 {} \;
   local mib
   mib=$(du -sm "$GPU_DIR" | awk '{print $1}')
   echo "gpu-check: bundle ${mib} MiB in $GPU_DIR"
@@ -97,8 +102,14 @@ PY
 
 unpack() {
   [[ -d $GPU_DIR ]] || { echo "gpu-check: no $GPU_DIR: run 'scripts/gpu-check.sh bundle' on the build machine" >&2; exit 2; }
-  find "$GPU_DIR/lib" -name '*.gz' -exec gzip -d -f {} \;
-  find "$GPU_DIR/lib" -name '*.xz' -exec xz -d -f {} \;  # bundles made before gzip
+  find "$GPU_DIR/lib" -name '*.gz' -exec gzip -d -f {} \;  # bundles made before xz
+  if command -v xz >/dev/null; then
+    find "$GPU_DIR/lib" -name '*.xz' -exec xz -d -f {} \;
+  else
+    find "$GPU_DIR/lib" -name '*.xz' -exec python3 -c 'import lzma, os, shutil, sys
+with lzma.open(sys.argv[1]) as packed, open(sys.argv[1][:-3], "wb") as plain: shutil.copyfileobj(packed, plain)
+os.remove(sys.argv[1])' {} \;
+  fi
   # shellcheck disable=SC1091
   source "$GPU_DIR/env.sh"
   export MUOND_BINARY="$GPU_DIR/bin/muond" MUOND_REQUIRE_GPU=1 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
@@ -107,15 +118,34 @@ unpack() {
   "$PYTHON" -c 'import pytest' 2>/dev/null || PY_PATH="$PY_PATH:$GPU_DIR/pytest"
 }
 
-# step NAME SECONDS COMMAND...: runs it into OUT/NAME.log under a timeout, adds its summary line.
+# step NAME SECONDS COMMAND...: runs it into WORK/NAME.log under a timeout, adds its summary line.
 step() {
-  local name=$1 seconds=$2 log="$OUT_DIR/$1.log"
+  local name=$1 seconds=$2 log="$WORK_DIR/$1.log"
   shift 2
   echo "== $name: $*" >"$log"
   timeout --kill-after=10 "$seconds" "$@" >>"$log" 2>&1
   local rc=$?
   ((rc == 124 || rc == 137)) && echo "gpu-check: $name ran past ${seconds} s and was stopped" >>"$log"
-  printf '%-22s exit %3d  %s  (%s)\n' "$name" "$rc" "$(counts "$log")" "$name.log" | tee -a "$OUT_DIR/summary.txt"
+  printf '%-22s exit %3d  %s  (%s)\n' "$name" "$rc" "$(counts "$log")" "$name.log" | tee -a "$WORK_DIR/summary.txt"
+}
+
+pack() {
+  cp "$WORK_DIR/summary.txt" "$OUT_DIR/summary.txt" 2>/dev/null
+  tar czf "$OUT_DIR/logs.tgz" -C "$WORK_DIR" . 2>/dev/null
+}
+
+# lease: every phase in one call, bounded by MUOND_GPU_DEADLINE seconds in all. The C++ programs run
+# at once, the Python suite alone after them, the benchmarks last and alone (their figures are
+# timings), each phase stopped where the deadline falls.
+lease() {
+  local deadline=${MUOND_GPU_DEADLINE:-540} start=$SECONDS
+  local -x MUOND_GPU_WORK=$WORK_DIR
+  left() { echo $((deadline - (SECONDS - start))); }
+  probe
+  MUOND_GPU_PARALLEL=1 timeout -k 5 "$(left)" "$0" run cpp "$OUT_DIR"
+  (($(left) > 30)) && timeout -k 5 $(($(left) - 10)) "$0" run python "$OUT_DIR"
+  (($(left) > 30)) && timeout -k 5 "$(left)" "$0" run bench "$OUT_DIR"
+  echo "gpu-check: lease done in $((SECONDS - start)) s"
 }
 
 probe() {
@@ -139,11 +169,16 @@ print("muond", muond.__version__, "stubs from", muond._stubs.__file__)'
 }
 
 cpp() {
-  step cuda-backend-tests 240 "$GPU_DIR/bin/cuda_backend_test" --gtest_brief=1
-  step conformance 240 "$GPU_DIR/bin/backend_conformance_test" --gtest_brief=1
-  step cuda-peer 120 "$GPU_DIR/bin/cuda_peer_test" --gtest_brief=1
-  step gpu-daemon 120 "$GPU_DIR/bin/integration_test" --gtest_filter='*GpuDaemon*'
-  step cuda-ipc-client 120 "$GPU_DIR/bin/cuda_ipc_integration_test"
+  # MUOND_GPU_PARALLEL=1 runs the five programs at once (they share the GPU; none times anything):
+  # a lease's minutes go further.
+  local bg=
+  [[ ${MUOND_GPU_PARALLEL:-0} == 1 ]] && bg='&'
+  eval "step cuda-backend-tests 240 \"\$GPU_DIR/bin/cuda_backend_test\" --gtest_brief=1 $bg"
+  eval "step conformance 240 \"\$GPU_DIR/bin/backend_conformance_test\" --gtest_brief=1 $bg"
+  eval "step cuda-peer 120 \"\$GPU_DIR/bin/cuda_peer_test\" --gtest_brief=1 $bg"
+  eval "step gpu-daemon 120 \"\$GPU_DIR/bin/integration_test\" --gtest_filter='*GpuDaemon*' $bg"
+  eval "step cuda-ipc-client 120 \"\$GPU_DIR/bin/cuda_ipc_integration_test\" $bg"
+  wait
 }
 
 python_tests() {
@@ -172,23 +207,26 @@ bench() {
 run() {
   local phase=${1:-}
   OUT_DIR=${2:-${OUT:-$ROOT/gpu-check-out}}
-  mkdir -p "$OUT_DIR"
+  WORK_DIR=${MUOND_GPU_WORK:-/tmp/muond-gpu-check}
+  mkdir -p "$OUT_DIR" "$WORK_DIR"
+  trap pack EXIT
   unpack
   local before=0
-  [[ -f $OUT_DIR/summary.txt ]] && before=$(wc -l <"$OUT_DIR/summary.txt")
+  [[ -f $WORK_DIR/summary.txt ]] && before=$(wc -l <"$WORK_DIR/summary.txt")
   case "$phase" in
     probe) probe ;;
     cpp) cpp ;;
     python) python_tests ;;
     bench) bench ;;
     all) probe; cpp; python_tests; bench ;;
-    *) echo "gpu-check: run PHASE: probe, cpp, python, bench or all" >&2; exit 2 ;;
+    lease) lease ;;
+    *) echo "gpu-check: run PHASE: probe, cpp, python, bench, all or lease" >&2; exit 2 ;;
   esac
-  ! tail -n +"$((before + 1))" "$OUT_DIR/summary.txt" | grep -qE 'exit +[1-9]'
+  ! tail -n +"$((before + 1))" "$WORK_DIR/summary.txt" | grep -qE 'exit +[1-9]'
 }
 
 case "${1:-}" in
   bundle) shift; bundle "$@" ;;
   run) shift; run "$@" ;;
-  *) sed -n '2,29p' "$0"; exit 2 ;;
+  *) sed -n '2,33p' "$0"; exit 2 ;;
 esac
