@@ -40,7 +40,16 @@ Modes (each on a fresh daemon):
 
 --modes (default lockstep,quorum,quorum:3,async,async:inverse) takes "quorum:Q" for another
 min_ranks and "async:none" / "async:inverse" / "async:polynomial:a" / "async:hinge:a:b" for a
-staleness scaling (docs/ranks.md). The optimizer and its
+staleness scaling (docs/ranks.md).
+
+DiLoCo modes ("diloco:lockstep", "diloco:quorum[:Q]", "diloco:async[:scaling...]"): the same four
+workers, speeds and death, as muond.DiLoCo workers (docs/diloco.md): each inner step is a local
+AdamW step (lr --inner-lr) on the worker's batch, and every --sync-every inner steps the worker
+syncs its pseudo-gradient through the daemon's outer Nesterov SGD (lr 0.7, momentum 0.9; delayed
+Nesterov with N = 4 asynchronously), weighted by its samples. Rank 0 evaluates the global
+parameters after each of its syncs. A sync's samples count as applied when the sync used them.
+Lock-step DiLoCo restarts at world size 3 when rank 3 dies, as lock-step does (the survivors open a
+new session from rank 0's global parameters; the outer momentum starts afresh). The optimizer and its
 options (Muon lr --lr, AdamW lr --adam-lr) are the same in every mode; --repeats N runs the modes in
 turn N times and prints the medians.
 
@@ -142,6 +151,8 @@ def sync_options(args, mode):
     if kind == "quorum":
         return {"sync_mode": "quorum", "min_ranks": int(variant or args.quorum),
                 "grace_seconds": args.grace}
+    if kind == "diloco":
+        return sync_options(args, variant or "lockstep")
     if kind == "async":
         name, *params = (variant or args.staleness_scaling).split(":")
         scaling = (name, *[float(params[0]), *[int(p) for p in params[1:]]]) if params else name
@@ -150,7 +161,23 @@ def sync_options(args, mode):
     raise ValueError(f"--modes: unknown mode {mode!r}")
 
 
+def compute_gradients(model, optimizer, teacher, data, batch, period):
+    """One step's gradients of ``model`` on the next ``batch`` samples of the rank's stream, the
+    step filled with a sleep to ``period`` seconds."""
+    import torch
+
+    started = time.monotonic()
+    x = torch.randn(batch, D_IN, generator=data)
+    y = teacher(x) + NOISE_STD * torch.randn(batch, D_OUT, generator=data)
+    optimizer.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    time.sleep(max(0.0, period - (time.monotonic() - started)))
+
+
 def worker(rank, mode, args, endpoint, shared):
+    if mode.startswith("diloco"):
+        diloco_worker(rank, mode, args, endpoint, shared)
+        return
     sys.path[:0] = [str(REPO / "python"), str(REPO / "build" / "python")]
     import grpc
     import torch
@@ -179,12 +206,7 @@ def worker(rank, mode, args, endpoint, shared):
 
     period = SPEEDS[rank] * args.period
     while not shared.stop.is_set():
-        started = time.monotonic()
-        x = torch.randn(args.batch, D_IN, generator=data)
-        y = teacher(x) + NOISE_STD * torch.randn(args.batch, D_OUT, generator=data)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        time.sleep(max(0.0, period - (time.monotonic() - started)))
+        compute_gradients(model, opt, teacher, data, args.batch, period)
         shared.computed[rank] += args.batch
         try:
             opt.step(weight=args.batch)
@@ -224,6 +246,75 @@ def worker(rank, mode, args, endpoint, shared):
         if info.included:
             shared.applied[rank] += args.batch
     opt.close(keep_session=True)
+
+
+def diloco_worker(rank, mode, args, endpoint, shared):
+    """One DiLoCo worker (see the module's docstring, DiLoCo modes)."""
+    sys.path[:0] = [str(REPO / "python"), str(REPO / "build" / "python")]
+    import grpc
+    import torch
+
+    import muond  # noqa: E402 - after the path is set
+
+    torch.set_num_threads(1)
+    teacher, model, eval_x, eval_y = make_problem()
+    _, evaluator, _, _ = make_problem()
+    data = torch.Generator().manual_seed(1000 + rank)
+    session = f"hetero-{mode.replace(':', '-')}"
+    options = sync_options(args, mode)
+    inner = torch.optim.AdamW(model.parameters(), lr=args.inner_lr)
+
+    def open_worker(name, world_size):
+        return muond.DiLoCo(model, inner, sync_every=args.sync_every, endpoint=endpoint,
+                            session=name, world_size=world_size, rank=rank,
+                            transport=args.transport, **options)
+
+    if rank != 0:
+        shared.opened.wait()
+    diloco = open_worker(session, WORLD)
+    if rank == 0:
+        shared.opened.set()
+    shared.ready.wait()
+
+    period = SPEEDS[rank] * args.period
+    pending = 0.0  # samples computed since this worker's last sync
+    while not shared.stop.is_set():
+        compute_gradients(model, inner, teacher, data, args.batch, period)
+        shared.computed[rank] += args.batch
+        pending += args.batch
+        try:
+            diloco.step(tokens=args.batch)
+        except muond.MuondError as err:
+            if err.code != grpc.StatusCode.ABORTED or options["sync_mode"] != "lockstep":
+                raise
+            # Rank 3 is gone: restart at world size 3 from rank 0's global parameters.
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    p.copy_(diloco.global_parameters()[name])
+            diloco.close(keep_session=True)
+            if rank == 0:
+                shared.restarts.value += 1
+                diloco = open_worker(session + "-world3", WORLD - 1)
+                shared.reopened.set()
+            else:
+                shared.reopened.wait()
+                diloco = open_worker(session + "-world3", WORLD - 1)
+            pending = 0.0
+            continue
+        if diloco.last_sync is None:
+            continue
+        info = diloco.last_info
+        if info.included and info.applied:
+            shared.applied[rank] += pending
+        pending = 0.0
+        if rank == 0:
+            with torch.no_grad():
+                for name, p in evaluator.named_parameters():
+                    p.copy_(diloco.global_parameters()[name])
+                loss = torch.nn.functional.mse_loss(evaluator(eval_x), eval_y).item()
+            shared.eval[1], shared.eval[2] = time.monotonic(), diloco.remote.last_step
+            shared.eval[0] = loss
+    diloco.close(keep_session=True)
 
 
 def resend(opt, muond, grpc, tries=20):
@@ -304,6 +395,8 @@ def main():
     parser.add_argument("--staleness-scaling", default="none", choices=("none", "inverse"))
     parser.add_argument("--repeats", type=int, default=1, help="runs of each mode (medians printed)")
     parser.add_argument("--max-seconds", type=float, default=300)
+    parser.add_argument("--sync-every", type=int, default=8, help="DiLoCo modes: H, inner steps per sync")
+    parser.add_argument("--inner-lr", type=float, default=3e-3, help="DiLoCo modes: the inner AdamW's lr")
     parser.add_argument("--transport", default="auto", help="the step transport (auto: shm on loopback)")
     args = parser.parse_args()
     for mode in args.modes.split(","):
@@ -334,9 +427,12 @@ def main():
         values = [r[key] for r in runs[mode]]
         return None if any(v is None for v in values) else statistics.median(values)
 
-    base = "lockstep" if "lockstep" in runs else None
+    def base_of(mode):
+        base = "diloco:lockstep" if mode.startswith("diloco") else "lockstep"
+        return base if base in runs else None
     print(f"median of {args.repeats} run(s) ('-': a run never reached the target); 'vs lock': time to "
-          f"target lock-step / mode, end loss mode / lock-step, goodput mode / lock-step")
+          f"target lock-step / mode, end loss mode / lock-step, goodput mode / lock-step (DiLoCo "
+          f"modes against DiLoCo lock-step)")
     print(f"{'mode':<14} {'to target s':>11} {'vs lock':>7} {'end s':>6} {'end loss':>8} {'vs lock':>7} "
           f"{'steps':>6} {'computed/s':>10} {'applied/s':>9} {'used':>5} {'vs lock':>7}")
     for mode in modes:
@@ -344,6 +440,7 @@ def main():
         computed = statistics.median(r["computed"] / r["end_s"] for r in runs[mode])
         used = statistics.median(r["applied"] / r["computed"] for r in runs[mode])
         speedup = loss_ratio = goodput_ratio = None
+        base = base_of(mode)
         if base:
             base_target = median(base, "target_s")
             speedup = base_target / target_s if base_target and target_s else None

@@ -21,6 +21,8 @@ void VisitOptionFields(Options& o, F&& f) {
   f(std::string_view("weight_decay_mode"), o.weight_decay_mode);
   f(std::string_view("momentum"), o.momentum);
   f(std::string_view("nesterov"), o.nesterov);
+  f(std::string_view("nesterov_delay"), o.nesterov_delay);
+  f(std::string_view("momentum_activation"), o.momentum_activation);
   f(std::string_view("momentum_style"), o.momentum_style);
   f(std::string_view("ns_steps"), o.ns_steps);
   f(std::string_view("ns_algorithm"), o.ns_algorithm);

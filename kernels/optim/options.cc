@@ -107,6 +107,10 @@ absl::Status ValidateStepHyper(const GroupOptions& o, double lr, double momentum
                      "stays in [0, 1]), got ",
                      weight_decay));
   }
+  if (o.optimizer == OptimizerKind::kSgd && o.nesterov_delay > 1 && weight_decay != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "weight_decay: nesterov_delay > 1 takes none (delayed Nesterov has no weight decay), got ", weight_decay));
+  }
   if (!independent && !coupled && lr * weight_decay > 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("lr * weight_decay must be <= 1 (the decay factor 1 - lr * "
@@ -276,6 +280,16 @@ absl::Status ValidateOptions(const GroupOptions& o) {
   }
   if (o.optimizer == OptimizerKind::kSgd && o.nesterov && o.momentum <= 0) {
     return absl::InvalidArgumentError("nesterov needs momentum > 0 (torch.optim.SGD semantics)");
+  }
+  if (o.optimizer == OptimizerKind::kSgd && o.nesterov_delay > 1) {
+    if (!o.nesterov) return absl::InvalidArgumentError("nesterov_delay > 1 needs nesterov (delayed Nesterov)");
+  }
+  if (o.optimizer == OptimizerKind::kSgd && o.momentum_activation > 0) {
+    if (o.nesterov_delay <= 1) return absl::InvalidArgumentError("momentum_activation > 0 needs nesterov_delay > 1");
+    if (o.momentum_activation * o.nesterov_delay > 1) {
+      return absl::InvalidArgumentError(absl::StrCat("momentum_activation must be at most 1/nesterov_delay (",
+                                                     1.0 / o.nesterov_delay, "), got ", o.momentum_activation));
+    }
   }
   MUOND_RETURN_IF_ERROR(ValidateSchedule(o));
   // Muon's second moment divides by √max(V, ε) or √V + ε in fp32: ε must stay a normal fp32 number.

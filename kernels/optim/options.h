@@ -76,6 +76,8 @@ struct GroupOptions {
   WeightDecayMode weight_decay_mode = WeightDecayMode::kDecoupled;
   double momentum = 0.95;
   bool nesterov = true;
+  int nesterov_delay = 1;            // sgd: delayed Nesterov's N (1: plain Nesterov)
+  double momentum_activation = 0.0;  // sgd: delayed Nesterov's c
   kernels::MomentumStyle momentum_style = kernels::MomentumStyle::kEma;
   int ns_steps = 5;
   NsSchedule ns_schedule;  // default: simple

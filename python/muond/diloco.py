@@ -104,6 +104,18 @@ def _check_tokens(tokens: Any) -> float:
     return value
 
 
+def _workers(world_size: Optional[int]) -> int:
+    """The number of workers of an asynchronous DiLoCo: ``world_size``, else torch.distributed's."""
+    if world_size is not None:
+        return int(world_size)
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    raise ValueError("world_size: asynchronous DiLoCo needs the number of workers (world_size, or "
+                     "an initialized torch.distributed) for its delayed Nesterov's default "
+                     "nesterov_delay")
+
+
 class DiLoCo:
     """A DiLoCo worker: the inner optimizer steps every call, the daemon takes the outer step.
 
@@ -129,11 +141,11 @@ class DiLoCo:
             (or an initialized ``torch.distributed``). The worker that opens the session first
             uploads its parameters; the others attach and take the session's values, so start
             every worker from the same parameters or let rank 0 open first (torch.distributed).
-        sync_mode: "lockstep" (default) or "quorum" (with ``min_ranks``, ``grace_seconds`` among
-            the keyword options), as ``RemoteOptimizer``'s. Not "async": applying each worker's
-            pseudo-gradient on arrival with the outer momentum is the naive asynchronous
-            Local-SGD that converges slower than the synchronous one (docs/diloco.md,
-            Asynchronous outer steps).
+        sync_mode: "lockstep" (default), "quorum" (with ``min_ranks``, ``grace_seconds`` among
+            the keyword options) or "async" (with ``max_staleness``, ``staleness_scaling``), as
+            ``RemoteOptimizer``'s. Asynchronous: each worker's pseudo-gradient is applied on
+            arrival, and the outer SGD is delayed Nesterov (``nesterov_delay``, by default the
+            number of workers; docs/diloco.md, Asynchronous outer steps). Not with fragments > 1.
         fragments: F, the fragments the parameters are split into (Streaming DiLoCo): 1 to the
             number of trained parameters, and H must be a multiple of F. ``split_fragments``
             says which parameters form each fragment; ``fragment_names`` lists them.
@@ -174,13 +186,18 @@ class DiLoCo:
         # The global parameters at the last sync: fp32, on the parameters' devices.
         self._globals: List[torch.Tensor] = [
             torch.empty_like(p, dtype=torch.float32).copy_(p.detach()) for p in self._params]
-        groups = self._outer_groups(outer, model, remote_optimizer_kwargs)
+        if sync_mode is not None and sync_mode not in ("lockstep", "quorum", "async"):
+            raise ValueError(f"sync_mode: DiLoCo syncs in 'lockstep', 'quorum' or 'async', got "
+                             f"{sync_mode!r}")
+        self.asynchronous = sync_mode == "async"
+        if self.asynchronous and self.fragments > 1:
+            raise ValueError(f"fragments: asynchronous DiLoCo syncs every parameter at once, got "
+                             f"fragments={self.fragments} (an asynchronous answer carries every "
+                             f"global parameter, which would overwrite the other fragments' values "
+                             f"of their own last syncs; docs/diloco.md, Asynchronous outer steps)")
+        delay = _workers(world_size) if self.asynchronous else None
+        groups = self._outer_groups(outer, model, remote_optimizer_kwargs, delay)
         if sync_mode is not None:
-            if sync_mode not in ("lockstep", "quorum"):
-                why = (" (asynchronous outer steps are not offered: docs/diloco.md says why)"
-                       if sync_mode == "async" else "")
-                raise ValueError(f"sync_mode: DiLoCo syncs in 'lockstep' or 'quorum', got "
-                                 f"{sync_mode!r}{why}")
             remote_optimizer_kwargs["sync_mode"] = sync_mode
         self.remote = RemoteOptimizer(groups, endpoint=endpoint, session=session,
                                       wire_dtype=wire_dtype, world_size=world_size, rank=rank,
@@ -198,8 +215,8 @@ class DiLoCo:
 
     # -- construction helpers ----------------------------------------------------------------------
 
-    def _outer_groups(self, outer: OuterSpec, model: nn.Module,
-                      kwargs: Mapping[str, Any]) -> List[Dict[str, Any]]:
+    def _outer_groups(self, outer: OuterSpec, model: nn.Module, kwargs: Mapping[str, Any],
+                      delay: Optional[int]) -> List[Dict[str, Any]]:
         """The outer groups over the global copies, each model parameter in exactly one."""
         if outer is None or (isinstance(outer, str) and outer.lower() in ("sgd", "nesterov")):
             given: List[Mapping[str, Any]] = [{"params": list(self.names), **OUTER_SGD}]
@@ -228,7 +245,7 @@ class DiLoCo:
                                      f"{group_of[i]} and {g}")
                 group_of[i] = g
             options = {k: v for k, v in group.items() if k not in ("params", "param_names")}
-            groups.append({**self._sgd_defaults(options, kwargs),
+            groups.append({**self._sgd_defaults(options, kwargs, delay),
                            "params": [self._globals[i] for i in members],
                            "param_names": [self.names[i] for i in members]})
         missing = [n for i, n in enumerate(self.names) if i not in group_of]
@@ -251,14 +268,17 @@ class DiLoCo:
                          f"the model")
 
     @staticmethod
-    def _sgd_defaults(options: Dict[str, Any], kwargs: Mapping[str, Any]) -> Dict[str, Any]:
+    def _sgd_defaults(options: Dict[str, Any], kwargs: Mapping[str, Any],
+                      delay: Optional[int]) -> Dict[str, Any]:
         """``options`` with DiLoCo's outer SGD settings for what neither it nor the keyword
-        options set, when the group is SGD (a group that names no optimizer is)."""
+        options set, when the group is SGD (a group that names no optimizer is); asynchronously,
+        also ``nesterov_delay`` = ``delay`` (the number of workers)."""
         named = [s for s in (options, kwargs) if "optimizer" in s or "use_muon" in s]
         if named and str(named[0].get("optimizer", "")).lower() != "sgd":
             return options
         filled = dict(options)
-        for key, value in OUTER_SGD.items():
+        defaults = dict(OUTER_SGD, **({"nesterov_delay": delay} if delay is not None else {}))
+        for key, value in defaults.items():
             if key not in options and key not in kwargs:
                 filled[key] = value
         return filled
@@ -333,6 +353,17 @@ class DiLoCo:
         for g in self._globals:
             g.grad = None
         info = self.remote.last_info
+        if self.asynchronous and info is not None and info.stale:
+            # Too stale (more than max_staleness global steps behind): nothing was applied and the
+            # session's latest parameters are in the global copies.
+            _log.warning("DiLoCo rank %d: push dropped as too stale (%d global steps behind); "
+                         "taking the session's parameters, local progress since the last sync "
+                         "is dropped", self.remote.rank, info.staleness)
+            self._take_globals(range(len(self._params)))
+            self._since_sync = [0.0] * self.fragments
+            return
+        if self.asynchronous:
+            sent = info.step if info is not None else sent  # the answer's global step, whoever pushed
         if info is not None and (info.step != sent or not getattr(info, "included", True)):
             # A quorum step went on without this worker: take the session's parameters whole.
             _log.warning("DiLoCo rank %d: sync step %d went on without this worker (the session "
@@ -400,7 +431,12 @@ class DiLoCo:
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restores ``state_dict()``'s state onto this worker, attached to the same session at the
-        same outer step (ValueError otherwise, before anything changes)."""
+        same outer step (ValueError otherwise, before anything changes). Not for an asynchronous
+        worker (ValueError): its session moves on without it."""
+        if self.asynchronous:
+            raise ValueError("load_state_dict: an asynchronous DiLoCo worker does not resume from a "
+                             "state dict (the session moves on without it); start it afresh: it "
+                             "attaches and takes the session's latest parameters")
         meta = state_dict.get("diloco") if isinstance(state_dict, Mapping) else None
         if not meta or meta.get("format") != _STATE_FORMAT:
             raise ValueError("not a DiLoCo state dict (no 'diloco' section of format 1)")

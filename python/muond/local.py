@@ -634,6 +634,22 @@ class LocalOptimizer(torch.optim.Optimizer):
     @staticmethod
     def _sgd(p: torch.Tensor, g: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any]):
         lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+        delay = group.get("nesterov_delay") or 1
+        if delay > 1:  # delayed Nesterov (docs/algorithms.md, SGD); the daemon refuses weight decay
+            c = group.get("momentum_activation") or 0.0
+            t = state.get("delay_step", 0)
+            sums = state.setdefault("delay_buffer", torch.zeros_like(g, dtype=torch.float32))
+            buf = state.setdefault("momentum_buffer", torch.zeros_like(g, dtype=torch.float32))
+            sums.add_(g)
+            if (t + 1) % delay == 0:
+                buf.mul_(mu).add_(sums, alpha=1.0 / delay)
+                p.add_(buf.to(p.dtype), alpha=-lr * (1.0 - c * delay + c) * mu)
+                sums.zero_()
+            elif c:
+                p.add_(buf.to(p.dtype), alpha=-lr * c * mu)
+            p.add_(g.to(p.dtype), alpha=-lr / delay)
+            state["delay_step"] = t + 1
+            return
         d = g + wd * p.float() if wd else g
         if mu:
             buf = state.get("momentum_buffer")

@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/optim/optimizer.h"
@@ -125,6 +126,101 @@ INSTANTIATE_TEST_SUITE_P(Variants, SgdTest,
                                            SgdCase{"momentum", 0.9, 0.0, false},
                                            SgdCase{"nesterov_decay", 0.9, 0.05, true}),
                          [](const auto& param_info) { return param_info.param.name; });
+
+// Delayed Nesterov (docs/algorithms.md, SGD), N = 3, c = 0.2, per parameter by its own step count
+// (the second parameter starts a step late, so its boundaries fall one call later), against fp64.
+TEST(DelayedNesterovTest, MatchesReference) {
+  GroupOptions o = DefaultOptions(OptimizerKind::kSgd);
+  o.lr = 0.7;
+  o.momentum = 0.9;
+  o.nesterov = true;
+  o.nesterov_delay = 3;
+  o.momentum_activation = 0.2;
+  auto backend = kernels::NewCpuBackend(1);
+  ASSERT_OK_AND_ASSIGN(auto opt, Optimizer::Create(o));
+  EXPECT_EQ(opt->SlotNames(), (std::vector<std::string>{"momentum_buffer", "delay_buffer"}));
+  std::mt19937 rng(5);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  const int64_t sizes[] = {42, 19};
+  std::vector<ParamState> states(2);
+  struct Host {
+    std::vector<double> p, m, d;
+    int64_t t = 0;
+  };
+  std::vector<Host> refs(2);
+  for (size_t i = 0; i < states.size(); ++i) {
+    ParamState& s = states[i];
+    s.shape = {sizes[i]};
+    s.numel = sizes[i];
+    std::vector<float> w(s.numel);
+    for (float& x : w) x = static_cast<float>(normal(rng));
+    refs[i] = {testing::ToDouble(w), std::vector<double>(s.numel, 0.0), std::vector<double>(s.numel, 0.0)};
+    s.master = testing::Upload(*backend, w);
+    ASSERT_OK_AND_ASSIGN(s.grad, backend->Allocate(s.numel));
+    ASSERT_OK(opt->InitState(*backend, s));
+  }
+  std::vector<ParamState*> ptrs = {&states[0], &states[1]};
+  const double n = 3, c = 0.2, beta = 0.9, lr = 0.7;
+  for (int step = 0; step < 10; ++step) {
+    const StepHyper h = opt->DefaultHyper();
+    for (size_t i = 0; i < states.size(); ++i) {
+      states[i].has_grad = !(i == 1 && step == 0);
+      if (!states[i].has_grad) continue;
+      std::vector<float> g(states[i].numel);
+      for (float& x : g) x = static_cast<float>(0.01 * normal(rng));
+      ASSERT_OK(backend->CopyToDevice(g.data(), states[i].grad->data(), g.size()));
+      Host& r = refs[i];
+      const bool boundary = (r.t + 1) % 3 == 0;
+      for (int64_t j = 0; j < states[i].numel; ++j) {
+        r.d[j] += g[j];
+        if (boundary) {
+          r.m[j] = beta * r.m[j] + r.d[j] / n;
+          r.p[j] -= lr * (1 - c * n + c) * beta * r.m[j];
+          r.d[j] = 0;
+        } else {
+          r.p[j] -= lr * c * beta * r.m[j];
+        }
+        r.p[j] -= lr / n * g[j];
+      }
+      ++r.t;
+    }
+    ASSERT_OK(opt->Step(*backend, h, ptrs));
+    for (size_t i = 0; i < states.size(); ++i) {
+      EXPECT_EQ(states[i].step_count, refs[i].t);
+      const auto p = testing::Download(*backend, states[i].master.fp32(), states[i].numel);
+      const auto m = testing::Download(*backend, states[i].Slot("momentum_buffer")->fp32(), states[i].numel);
+      const auto d = testing::Download(*backend, states[i].Slot("delay_buffer")->fp32(), states[i].numel);
+      for (int64_t j = 0; j < states[i].numel; ++j) {
+        ASSERT_NEAR(p[j], refs[i].p[j], 1e-6) << "param " << i << " elem " << j << " step " << step;
+        ASSERT_NEAR(m[j], refs[i].m[j], 1e-7) << "param " << i << " elem " << j << " step " << step;
+        ASSERT_NEAR(d[j], refs[i].d[j], 1e-7) << "param " << i << " elem " << j << " step " << step;
+      }
+    }
+  }
+}
+
+TEST(DelayedNesterovTest, RefusesWhatItCannotDoNamingTheOption) {
+  struct Case {
+    int delay;
+    double activation, weight_decay;
+    bool nesterov;
+    std::string words;
+  };
+  for (const Case& c : {Case{2, 0.0, 0.1, true, "nesterov_delay > 1 takes none"},
+                        Case{2, 0.0, 0.0, false, "nesterov_delay > 1 needs nesterov"},
+                        Case{1, 0.1, 0.0, true, "momentum_activation > 0 needs nesterov_delay > 1"},
+                        Case{4, 0.3, 0.0, true, "momentum_activation must be at most 1/nesterov_delay"}}) {
+    GroupOptions o = DefaultOptions(OptimizerKind::kSgd);
+    o.momentum = 0.9;
+    o.nesterov = c.nesterov;
+    o.nesterov_delay = c.delay;
+    o.momentum_activation = c.activation;
+    o.weight_decay = c.weight_decay;
+    const absl::Status status = ValidateOptions(o);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << c.words;
+    EXPECT_THAT(std::string(status.message()), ::testing::HasSubstr(c.words));
+  }
+}
 
 }  // namespace
 }  // namespace muond::optim

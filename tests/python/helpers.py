@@ -164,3 +164,12 @@ def params_of(model):
 
 def clone_model(model):
     return copy.deepcopy(model)
+
+
+def assert_bitwise(got, want, what):
+    """Each tensor of ``got`` equals ``want``'s of the same name bit for bit; the message names the
+    first that does not, how many elements differ and by how much."""
+    for name, value in want.items():
+        assert torch.equal(got[name], value), (
+            f"{what}: {name} differs in {(got[name] != value).sum().item()} of {value.numel()} "
+            f"elements, by up to {(got[name] - value).abs().max().item():.3e}")

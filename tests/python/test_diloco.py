@@ -24,7 +24,7 @@ from muond import quantize
 from muond.diloco import muon_outer_groups, split_fragments
 
 from conftest import REPO_ROOT
-from helpers import TinyNet, batch
+from helpers import TinyNet, assert_bitwise, batch
 
 SEED = 70
 SIZES = (8, 16, 24)             # worker r's batch size, and the tokens of each of its steps
@@ -232,13 +232,6 @@ def run_threads(endpoint, workers, steps, sync_every, fragments=1, outer=None, r
         diloco.close(keep_session=True)
     end_session(endpoint, session)
     return result
-
-
-def assert_bitwise(got, want, what):
-    for name, value in want.items():
-        assert torch.equal(got[name], value), (
-            f"{what}: {name} differs in {(got[name] != value).sum().item()} of {value.numel()} "
-            f"elements, by up to {(got[name] - value).abs().max().item():.3e}")
 
 
 # -- tests -----------------------------------------------------------------------------------------
@@ -490,7 +483,7 @@ def test_bad_arguments_are_refused_naming_them(endpoint):
             (dict(sync_every=9, fragments=9), "fragments: must be in \\[1, 8\\]"),
             (dict(sync_every=6, fragments=4), "fragments: sync_every \\(6\\) must be a multiple"),
             (dict(sync_every=4, outer="adam"), "outer: unknown outer optimizer"),
-            (dict(sync_every=4, sync_mode="async"), "sync_mode: DiLoCo syncs in"),
+            (dict(sync_every=4, sync_mode="sideways"), "sync_mode: DiLoCo syncs in"),
             (dict(sync_every=4, outer=[{"params": [model.up.weight]}]), "outer: the parameters"),
             (dict(sync_every=4, outer=[{"params": ["up.weight", "up.weight"]}]),
              "outer: parameter 'up.weight'"),

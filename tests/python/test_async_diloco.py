@@ -1,0 +1,209 @@
+"""Asynchronous DiLoCo (``muond.DiLoCo(..., sync_mode="async")``) against the real daemon: each
+worker's pseudo-gradient is applied on arrival as the next global step, by delayed Nesterov (Liu et
+al., arXiv 2401.09135) with the session's staleness scaling. Three workers, each its own rank of one
+session, are driven from one thread in a pinned arrival order, and must equal, bit for bit, a
+pure-torch reference of the same rule written here. Also: a push more than ``max_staleness``
+behind is dropped and its worker takes the session's parameters; what asynchronous DiLoCo refuses,
+naming the argument or option."""
+
+import uuid
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import muond
+
+from helpers import TinyNet, assert_bitwise, batch
+
+SEED = 71
+SIZES = (8, 16, 24)             # worker r's batch size
+SYNC_EVERY = (2, 5, 3)          # worker r's inner steps between two of its pushes
+INNER = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
+# The order in which the workers push: worker 1 (the slowest) pushes on bases 3 and 4 global steps
+# old, worker 0 (the fastest) on bases 0 to 2 old.
+ORDER = (0, 2, 0, 1, 0, 2, 0, 0, 1, 2, 0)
+
+
+def backward(model, inner, rank: int, t: int) -> None:
+    """Worker ``rank``'s gradients of its inner step ``t``, on its own data."""
+    inner.zero_grad()
+    x, y = batch(200 * rank + t, size=SIZES[rank])
+    F.cross_entropy(model(x), y).backward()
+
+
+def staleness_factor(scaling, s: int) -> float:
+    if scaling is None:
+        return 1.0
+    kind, a = scaling
+    assert kind == "polynomial"
+    return (1.0 + s) ** -a
+
+
+class DelayedNesterov:
+    """The reference rule (docs/algorithms.md, SGD, delayed Nesterov), one arrival at a time, N =
+    ``delay``, c = ``activation``, β the momentum, η the push's lr (the group's times its staleness
+    factor), t the arrivals before this one:
+        D ← D + g
+        (t + 1) mod N = 0:  m ← β·m + D/N;  W ← W − η(1 − cN + c)β·m − (η/N)·g;  D ← 0
+        otherwise:          W ← W − ηcβ·m − (η/N)·g
+    every product rounded to fp32 before the sum it enters (each factor an fp32 number)."""
+
+    def __init__(self, delay: int, activation: float):
+        self.delay, self.activation, self.t = delay, activation, 0
+        self.m, self.sums = {}, {}
+
+    def __call__(self, weights, grads, lr: float) -> None:
+        n, c, beta = self.delay, self.activation, OUTER_MOMENTUM
+        f32 = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
+        boundary = (self.t + 1) % n == 0
+        for name, g in grads.items():
+            m = self.m.setdefault(name, torch.zeros_like(g))
+            d = self.sums.setdefault(name, torch.zeros_like(g))
+            d = d + g
+            w = weights[name]
+            if boundary:
+                m = d * f32(1.0 / n) + m * f32(beta)
+                w = w + m * f32(-lr * (1.0 - c * n + c) * beta)
+            elif c != 0:
+                w = w + m * f32(-lr * c * beta)
+            w = w + g * f32(-lr / n)
+            self.m[name] = m
+            self.sums[name] = torch.zeros_like(g) if boundary else d
+            weights[name] = w
+        self.t += 1
+
+
+def reference(order, delay, activation, scaling, max_staleness=None):
+    """Pure-torch asynchronous DiLoCo over ``order``: returns each worker's local parameters, the
+    global parameters, and the pushes dropped as too stale (rank, staleness)."""
+    init = TinyNet(seed=SEED)
+    weights = {n: p.detach().clone() for n, p in init.named_parameters()}
+    outer = DelayedNesterov(delay, activation)
+    models, inners, bases, base_weights, steps = [], [], [], [], []
+    for r in range(3):
+        model = TinyNet(seed=SEED)
+        models.append(model)
+        inners.append(torch.optim.AdamW(model.parameters(), **INNER))
+        bases.append(0)
+        base_weights.append({n: w.clone() for n, w in weights.items()})
+        steps.append(0)
+    global_step, dropped = 0, []
+    for r in order:
+        model = models[r]
+        for _ in range(SYNC_EVERY[r]):
+            steps[r] += 1
+            backward(model, inners[r], r, steps[r])
+            inners[r].step()
+        staleness = global_step - bases[r]
+        if max_staleness is not None and staleness > max_staleness:
+            dropped.append((r, staleness))
+        else:
+            grads = {n: base_weights[r][n] - p.detach() for n, p in model.named_parameters()}
+            outer(weights, grads, OUTER_LR * staleness_factor(scaling, staleness))
+            global_step += 1
+        bases[r] = global_step
+        base_weights[r] = {n: w.clone() for n, w in weights.items()}
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(weights[n])
+    return [{n: p.detach().clone() for n, p in m.named_parameters()} for m in models], weights, dropped
+
+
+def run(endpoint, order, delay=None, activation=0.0, scaling=None, max_staleness=8):
+    """The same run through muond: three DiLoCo workers of one asynchronous session."""
+    session = f"async-diloco-{uuid.uuid4().hex[:12]}"
+    outer = {"momentum_activation": activation} if activation else {}
+    if delay is not None:
+        outer["nesterov_delay"] = delay
+    async_options = dict(max_staleness=max_staleness)
+    if scaling is not None:
+        async_options["staleness_scaling"] = scaling
+    workers = []
+    for r in range(3):
+        model = TinyNet(seed=SEED)
+        inner = torch.optim.AdamW(model.parameters(), **INNER)
+        workers.append((model, muond.DiLoCo(model, inner, sync_every=SYNC_EVERY[r], outer=outer,
+                                           endpoint=endpoint, session=session, world_size=3,
+                                           rank=r, sync_mode="async", **async_options)))
+    steps = [0, 0, 0]
+    infos = []
+    for r in order:
+        model, diloco = workers[r]
+        for _ in range(SYNC_EVERY[r]):
+            steps[r] += 1
+            backward(model, diloco.inner, r, steps[r])
+            diloco.step(tokens=SIZES[r])  # the inner step, and the push after the last
+        infos.append(diloco.last_info)
+    result = ([{n: p.detach().clone() for n, p in m.named_parameters()} for m, _ in workers],
+              {n: g.clone() for n, g in workers[0][1].global_parameters().items()}, infos,
+              [d.remote.param_groups for _, d in workers])
+    for _, diloco in workers:
+        diloco.close()
+    return result
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)
+
+
+@pytest.mark.parametrize("delay,activation,scaling", [
+    (None, 0.0, None),                  # N = the number of workers (3), c = 0
+    (2, 0.25, ("polynomial", 0.5)),     # momentum activation and a staleness correction
+])
+def test_pushes_in_a_pinned_order_equal_the_delayed_nesterov_reference(endpoint, delay, activation,
+                                                                      scaling):
+    locals_, globals_, infos, groups = run(endpoint, ORDER, delay, activation, scaling)
+    want_locals, want_globals, dropped = reference(ORDER, 3 if delay is None else delay,
+                                                   activation, scaling)
+    assert dropped == []
+    assert groups[0][0]["nesterov_delay"] == (3 if delay is None else delay)
+    # Every push was applied as the next global step, at the staleness the order gives it.
+    assert [i.global_step for i in infos] == list(range(1, len(ORDER) + 1))
+    stalenesses = [i.staleness for i in infos]
+    assert stalenesses == [0, 1, 1, 3, 1, 3, 1, 0, 4, 3, 2]
+    assert_bitwise(globals_, want_globals, "global parameters")
+    for r in range(3):
+        assert_bitwise(locals_[r], want_locals[r], f"worker {r}'s parameters")
+
+
+def test_a_push_too_stale_is_dropped_and_its_worker_takes_the_session_parameters(endpoint):
+    """max_staleness 2: the pushes of workers 1 and 2 that are 3 or more global steps behind are
+    dropped (nothing applied, the delayed Nesterov count unchanged); each such worker drops its
+    local progress, takes the session's latest parameters and goes on from them."""
+    locals_, globals_, infos, _ = run(endpoint, ORDER, max_staleness=2)
+    want_locals, want_globals, dropped = reference(ORDER, 3, 0.0, None, max_staleness=2)
+    assert dropped and all(s > 2 for _, s in dropped)
+    stale = [(ORDER[i], info.staleness) for i, info in enumerate(infos) if info.stale]
+    assert stale == dropped
+    assert all(not info.applied for info in infos if info.stale)
+    assert_bitwise(globals_, want_globals, "global parameters")
+    for r in range(3):
+        assert_bitwise(locals_[r], want_locals[r], f"worker {r}'s parameters")
+
+
+def test_what_asynchronous_diloco_refuses_is_named(endpoint):
+    model = TinyNet(seed=SEED)
+    inner = torch.optim.AdamW(model.parameters())
+    common = dict(sync_every=4, endpoint=endpoint, sync_mode="async", max_staleness=4)
+    with pytest.raises(ValueError, match="fragments: asynchronous DiLoCo syncs every parameter"):
+        muond.DiLoCo(model, inner, fragments=2, world_size=2, rank=0, **common)
+    with pytest.raises(ValueError, match="world_size: asynchronous DiLoCo needs the number of "
+                                         "workers"):
+        muond.DiLoCo(model, inner, **common)
+    for outer, words in (({"nesterov_delay": 3, "momentum_activation": 0.5},
+                          "momentum_activation must be at most 1/nesterov_delay"),
+                         ({"nesterov_delay": 2, "weight_decay": 0.1},
+                          "nesterov_delay > 1 takes none"),
+                         ({"nesterov_delay": 2, "nesterov": False},
+                          "nesterov_delay > 1 needs nesterov"),
+                         ({"nesterov_delay": 0}, "nesterov_delay")):
+        with pytest.raises((ValueError, muond.MuondError), match=words):
+            muond.DiLoCo(model, inner, outer=outer, world_size=2, rank=0,
+                         session=f"refused-{uuid.uuid4().hex[:8]}", **common)
+    with muond.DiLoCo(model, inner, world_size=1, rank=0, **common) as diloco:
+        state = diloco.state_dict()
+        with pytest.raises(ValueError, match="load_state_dict: an asynchronous DiLoCo worker"):
+            diloco.load_state_dict(state)
