@@ -45,8 +45,8 @@ staleness scaling (docs/ranks.md).
 DiLoCo modes ("diloco:lockstep", "diloco:quorum[:Q]", "diloco:async[:scaling...]"): the same four
 workers, speeds and death, as muond.DiLoCo workers (docs/diloco.md): each inner step is a local
 AdamW step (lr --inner-lr) on the worker's batch, and every --sync-every inner steps the worker
-syncs its pseudo-gradient through the daemon's outer Nesterov SGD (lr 0.7, momentum 0.9; delayed
-Nesterov with N = 4 asynchronously), weighted by its samples. Rank 0 evaluates the global
+syncs its pseudo-gradient through the daemon's outer Nesterov SGD (lr --outer-lr, momentum 0.9;
+delayed Nesterov with N = 4 asynchronously), weighted by its samples. Rank 0 evaluates the global
 parameters after each of its syncs. A sync's samples count as applied when the sync used them.
 Lock-step DiLoCo restarts at world size 3 when rank 3 dies, as lock-step does (the survivors open a
 new session from rank 0's global parameters; the outer momentum starts afresh). The optimizer and its
@@ -265,8 +265,11 @@ def diloco_worker(rank, mode, args, endpoint, shared):
     inner = torch.optim.AdamW(model.parameters(), lr=args.inner_lr)
 
     def open_worker(name, world_size):
-        return muond.DiLoCo(model, inner, sync_every=args.sync_every, endpoint=endpoint,
-                            session=name, world_size=world_size, rank=rank,
+        outer = {"lr": args.outer_lr}
+        if options["sync_mode"] == "async" and args.nesterov_delay:
+            outer["nesterov_delay"] = args.nesterov_delay
+        return muond.DiLoCo(model, inner, sync_every=args.sync_every, outer=outer,
+                            endpoint=endpoint, session=name, world_size=world_size, rank=rank,
                             transport=args.transport, **options)
 
     if rank != 0:
@@ -397,6 +400,9 @@ def main():
     parser.add_argument("--max-seconds", type=float, default=300)
     parser.add_argument("--sync-every", type=int, default=8, help="DiLoCo modes: H, inner steps per sync")
     parser.add_argument("--inner-lr", type=float, default=3e-3, help="DiLoCo modes: the inner AdamW's lr")
+    parser.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo modes: the outer SGD's lr")
+    parser.add_argument("--nesterov-delay", type=int, default=0,
+                        help="async DiLoCo: delayed Nesterov's N (0: DiLoCo's default, the 4 workers)")
     parser.add_argument("--transport", default="auto", help="the step transport (auto: shm on loopback)")
     args = parser.parse_args()
     for mode in args.modes.split(","):
