@@ -168,16 +168,19 @@ print("muond", muond.__version__, "stubs from", muond._stubs.__file__)'
   step probe-daemon 60 "$GPU_DIR/bin/muond" --version
 }
 
+# cpp_step ARGS...: step ARGS, in the background under MUOND_GPU_PARALLEL=1.
+cpp_step() {
+  if [[ ${MUOND_GPU_PARALLEL:-0} == 1 ]]; then step "$@" & else step "$@"; fi
+}
+
 cpp() {
   # MUOND_GPU_PARALLEL=1 runs the five programs at once (they share the GPU; none times anything):
   # a lease's minutes go further.
-  local bg=
-  [[ ${MUOND_GPU_PARALLEL:-0} == 1 ]] && bg='&'
-  eval "step cuda-backend-tests 240 \"\$GPU_DIR/bin/cuda_backend_test\" --gtest_brief=1 $bg"
-  eval "step conformance 240 \"\$GPU_DIR/bin/backend_conformance_test\" --gtest_brief=1 $bg"
-  eval "step cuda-peer 120 \"\$GPU_DIR/bin/cuda_peer_test\" --gtest_brief=1 $bg"
-  eval "step gpu-daemon 120 \"\$GPU_DIR/bin/integration_test\" --gtest_filter='*GpuDaemon*' $bg"
-  eval "step cuda-ipc-client 120 \"\$GPU_DIR/bin/cuda_ipc_integration_test\" $bg"
+  cpp_step cuda-backend-tests 240 "$GPU_DIR/bin/cuda_backend_test" --gtest_brief=1
+  cpp_step conformance 240 "$GPU_DIR/bin/backend_conformance_test" --gtest_brief=1
+  cpp_step cuda-peer 120 "$GPU_DIR/bin/cuda_peer_test" --gtest_brief=1
+  cpp_step gpu-daemon 120 "$GPU_DIR/bin/integration_test" --gtest_filter='*GpuDaemon*'
+  cpp_step cuda-ipc-client 120 "$GPU_DIR/bin/cuda_ipc_integration_test"
   wait
 }
 

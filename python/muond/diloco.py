@@ -362,9 +362,10 @@ class DiLoCo:
             self._take_globals(range(len(self._params)))
             self._since_sync = [0.0] * self.fragments
             return
-        if self.asynchronous:
-            sent = info.step if info is not None else sent  # the answer's global step, whoever pushed
-        if info is not None and (info.step != sent or not getattr(info, "included", True)):
+        # Lock-step or quorum: an answer for another step than this worker's means the step went
+        # on without it. An asynchronous answer names the latest global step, whoever pushed it.
+        moved_on = not self.asynchronous and info is not None and info.step != sent
+        if info is not None and (moved_on or not getattr(info, "included", True)):
             # A quorum step went on without this worker: take the session's parameters whole.
             _log.warning("DiLoCo rank %d: sync step %d went on without this worker (the session "
                          "is at step %d); taking the session's parameters, local progress since "
