@@ -46,7 +46,8 @@ DiLoCo modes ("diloco:lockstep", "diloco:quorum[:Q]", "diloco:async[:scaling...]
 workers, speeds and death, as muond.DiLoCo workers (docs/diloco.md): each inner step is a local
 AdamW step (lr --inner-lr) on the worker's batch, and every --sync-every inner steps the worker
 syncs its pseudo-gradient through the daemon's outer Nesterov SGD (lr --outer-lr, momentum 0.9;
-delayed Nesterov with N = 4 asynchronously), weighted by its samples. Rank 0 evaluates the global
+delayed Nesterov with N = 4 asynchronously; --outer-option NAME=VALUE adds an option to the outer
+group, e.g. heloco=true for HeLoCo's correction), weighted by its samples. Rank 0 evaluates the global
 parameters after each of its syncs. A sync's samples count as applied when the sync used them.
 Lock-step DiLoCo restarts at world size 3 when rank 3 dies, as lock-step does (the survivors open a
 new session from rank 0's global parameters; the outer momentum starts afresh). The optimizer and its
@@ -248,6 +249,23 @@ def worker(rank, mode, args, endpoint, shared):
     opt.close(keep_session=True)
 
 
+def outer_option(text):
+    """NAME=VALUE of --outer-option: true/false, an int or a float."""
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    if value in ("true", "false"):
+        return name, value == "true"
+    try:
+        return name, int(value)
+    except ValueError:
+        pass
+    try:
+        return name, float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{name}: expected true, false or a number, got {value!r}") from None
+
+
 def diloco_worker(rank, mode, args, endpoint, shared):
     """One DiLoCo worker (see the module's docstring, DiLoCo modes)."""
     sys.path[:0] = [str(REPO / "python"), str(REPO / "build" / "python")]
@@ -268,6 +286,7 @@ def diloco_worker(rank, mode, args, endpoint, shared):
         outer = {"lr": args.outer_lr}
         if options["sync_mode"] == "async" and args.nesterov_delay:
             outer["nesterov_delay"] = args.nesterov_delay
+        outer.update(args.outer_option)
         return muond.DiLoCo(model, inner, sync_every=args.sync_every, outer=outer,
                             endpoint=endpoint, session=name, world_size=world_size, rank=rank,
                             transport=args.transport, **options)
@@ -403,6 +422,9 @@ def main():
     parser.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo modes: the outer SGD's lr")
     parser.add_argument("--nesterov-delay", type=int, default=0,
                         help="async DiLoCo: delayed Nesterov's N (0: DiLoCo's default, the 4 workers)")
+    parser.add_argument("--outer-option", type=outer_option, action="append", default=[],
+                        metavar="NAME=VALUE",
+                        help="DiLoCo: one more option of the outer SGD group, e.g. heloco=true (repeatable)")
     parser.add_argument("--transport", default="auto", help="the step transport (auto: shm on loopback)")
     args = parser.parse_args()
     for mode in args.modes.split(","):

@@ -123,6 +123,23 @@ absl::Status Backend::SumAbs(const float* x, size_t count, size_t batch, double*
   return absl::OkStatus();
 }
 
+absl::Status Backend::Dot(const float* x, const float* y, size_t count, double* dot) {
+  *dot = 0;
+  if (count == 0) return absl::OkStatus();
+  auto sum_buffer = Allocate(count);
+  if (!sum_buffer.ok()) return sum_buffer.status();
+  float* sum = (*sum_buffer)->data();
+  absl::Status status = CopyOnDevice(y, sum, count);
+  if (status.ok()) status = Axpby(1.0f, x, 1.0f, sum, count);
+  double squares[3] = {0, 0, 0};  // |x + y|², |x|², |y|²
+  if (status.ok()) status = SumSquares(sum, count, 1, &squares[0]);
+  if (status.ok()) status = SumSquares(x, count, 1, &squares[1]);
+  if (status.ok()) status = SumSquares(y, count, 1, &squares[2]);
+  if (!status.ok()) return status;
+  *dot = 0.5 * (squares[0] - squares[1] - squares[2]);
+  return absl::OkStatus();
+}
+
 absl::Status Backend::NamoScales(const NamoArgs& args, const double* grad_sums, const double* update_sums,
                                  StoredRef moment2, float* scales, size_t lines) {
   if (!HostAddressable()) {

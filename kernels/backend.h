@@ -167,6 +167,11 @@ class Backend : public PeerPrimitives {
   // sums[i] = Σ |x[i·count + j]|, j < count, in fp64, like SumSquares (Dion2's line norms). The
   // CUDA backend sums on the device and waits once; the default needs a HostAddressable backend.
   virtual absl::Status SumAbs(const float* x, size_t count, size_t batch, double* sums);
+  // *dot = Σ x[j]·y[j], j < count, accumulated in fp64 (HeLoCo's cosine, momentum_alignment.h). The
+  // CPU backend sums the products in order. The default, for device backends, goes through
+  // primitives they have: |x + y|² − |x|² − |y|², halved, with x + y rounded to fp32 per element
+  // (its error is about 2⁻²⁴·(|x|² + |y|²)). `dot` is a host double.
+  virtual absl::Status Dot(const float* x, const float* y, size_t count, double* dot);
   // sums[i] = Σ tensors[i]², each accumulated like SumSquares, with one wait for them all (the
   // default calls SumSquares for each). `sums` is a host array of tensors.size() values.
   struct Slice {

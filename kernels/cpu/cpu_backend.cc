@@ -328,6 +328,14 @@ class CpuBackend final : public Backend {
     return absl::OkStatus();
   }
 
+  absl::Status Dot(const float* x, const float* y, size_t count, double* dot) override {
+    std::unique_lock<std::mutex> gate = pool_.Exclusive();  // in order, like SumSquares
+    double acc = 0.0;
+    for (size_t i = 0; i < count; ++i) acc += static_cast<double>(x[i]) * y[i];
+    *dot = acc;
+    return absl::OkStatus();
+  }
+
   absl::StatusOr<bool> AllFinite(const float* x, size_t count) override {
     for (size_t i = 0; i < count; ++i) {
       if (!std::isfinite(x[i])) return false;

@@ -121,9 +121,10 @@ absl::Status Optimizer::StepMeasured(kernels::Backend& backend, const StepHyper&
   return status;
 }
 
-absl::Status Optimizer::ApplyElementwise(kernels::Backend& backend, ParamState& param, ElementwiseUpdate apply) {
+absl::Status Optimizer::ApplyElementwise(kernels::Backend& backend, ParamState& param, ElementwiseUpdate apply,
+                                         const float* grad) {
   const StateRefs refs = RefsOf(param);
-  const float* g = param.grad->data();
+  const float* g = grad != nullptr ? grad : param.grad->data();
   return UpdateMeter::Measure(
       backend, refs.master, static_cast<size_t>(param.numel),
       [&](size_t offset, size_t count, double* measure) {

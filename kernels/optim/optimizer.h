@@ -125,10 +125,12 @@ class Optimizer {
   static double SlotBound(const ParamState& param, std::string_view name);
   // Runs an element-wise update of `param` (apply(refs, gradient, count) on the state from element
   // `offset` of StateRefs on), measured by UpdateMeter during StepMeasured. Every slot must have
-  // the parameter's shape.
+  // the parameter's shape. `grad`: the gradient to apply, of the parameter's size, when not
+  // param.grad (SGD's HeLoCo-corrected copy).
   // (refs, gradient, count, measure): `measure` goes into the kernel's args (Backend::MeasuresUpdatesInPass).
   using ElementwiseUpdate = absl::FunctionRef<absl::Status(const StateRefs&, const float*, size_t, double*)>;
-  absl::Status ApplyElementwise(kernels::Backend& backend, ParamState& param, ElementwiseUpdate apply);
+  absl::Status ApplyElementwise(kernels::Backend& backend, ParamState& param, ElementwiseUpdate apply,
+                                const float* grad = nullptr);
   GroupOptions options_;
   // The telemetry of the step in progress when it runs through StepMeasured; null otherwise.
   StepTelemetry* telemetry_ = nullptr;

@@ -23,6 +23,12 @@ void VisitOptionFields(Options& o, F&& f) {
   f(std::string_view("nesterov"), o.nesterov);
   f(std::string_view("nesterov_delay"), o.nesterov_delay);
   f(std::string_view("momentum_activation"), o.momentum_activation);
+  f(std::string_view("heloco"), o.heloco);
+  f(std::string_view("heloco_keep_cosine"), o.heloco_keep_cosine);
+  f(std::string_view("heloco_shrink"), o.heloco_shrink);
+  f(std::string_view("heloco_shrink_max"), o.heloco_shrink_max);
+  f(std::string_view("heloco_reorient"), o.heloco_reorient);
+  f(std::string_view("heloco_kappa"), o.heloco_kappa);
   f(std::string_view("momentum_style"), o.momentum_style);
   f(std::string_view("ns_steps"), o.ns_steps);
   f(std::string_view("ns_algorithm"), o.ns_algorithm);

@@ -284,6 +284,9 @@ absl::Status ValidateOptions(const GroupOptions& o) {
   if (o.optimizer == OptimizerKind::kSgd && o.nesterov_delay > 1) {
     if (!o.nesterov) return absl::InvalidArgumentError("nesterov_delay > 1 needs nesterov (delayed Nesterov)");
   }
+  if (o.optimizer == OptimizerKind::kSgd && o.heloco && o.momentum <= 0) {
+    return absl::InvalidArgumentError("heloco needs momentum > 0 (the correction's reference is the momentum buffer)");
+  }
   if (o.optimizer == OptimizerKind::kSgd && o.momentum_activation > 0) {
     if (o.nesterov_delay <= 1) return absl::InvalidArgumentError("momentum_activation > 0 needs nesterov_delay > 1");
     if (o.momentum_activation * o.nesterov_delay > 1) {

@@ -78,6 +78,12 @@ struct GroupOptions {
   bool nesterov = true;
   int nesterov_delay = 1;            // sgd: delayed Nesterov's N (1: plain Nesterov)
   double momentum_activation = 0.0;  // sgd: delayed Nesterov's c
+  bool heloco = false;               // sgd: HeLoCo's correction against the momentum (momentum_alignment.h)
+  double heloco_keep_cosine = 0.1;   // its c_ok
+  double heloco_shrink = 1.0;        // its k_s
+  double heloco_shrink_max = 1.0;    // its β_max
+  double heloco_reorient = 1.0;      // its k_d
+  double heloco_kappa = 1.0;         // its κ
   kernels::MomentumStyle momentum_style = kernels::MomentumStyle::kEma;
   int ns_steps = 5;
   NsSchedule ns_schedule;  // default: simple

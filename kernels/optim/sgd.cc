@@ -1,11 +1,13 @@
 // SGD with torch.optim.SGD semantics (dampening 0); formula in kernels::SgdElement. With
 // nesterov_delay N > 1, delayed Nesterov (Liu et al., arXiv 2401.09135, the outer optimizer of
-// asynchronous DiLoCo), written with the backend's Axpby (docs/algorithms.md, SGD).
+// asynchronous DiLoCo), written with the backend's Axpby (docs/algorithms.md, SGD). With `heloco`,
+// each gradient is first corrected against the momentum (momentum_alignment.h).
 #include <algorithm>
 #include <cmath>
 #include <utility>
 
 #include "common/status_macros.h"
+#include "kernels/optim/momentum_alignment.h"
 #include "kernels/optim/optimizer_impls.h"
 #include "kernels/optim/step_telemetry.h"
 
@@ -28,6 +30,9 @@ class Sgd final : public Optimizer {
   // kernels::SgdElement: g ← g + λ·p; b ← μ·b + g; d = nesterov ? g + μ·b : b (μ = 0: d = g);
   // p ← p − η·d.
   StepBounds BoundStep(const StepHyper& hyper, const ParamState& param, double g) const override {
+    // HeLoCo's correction keeps |g|₂ ≤ √n·bound (reoriented) or adds at most β_max·|g|₂ ≤ √n·bound
+    // along the unit momentum (shrunk): each element stays within (1 + √n)·bound either way.
+    if (options_.heloco) g *= (1 + std::sqrt(static_cast<double>(param.numel))) * kBoundRounding;
     if (Delayed()) return BoundDelayed(hyper, param, g);
     const double b = SlotBound(param, "momentum_buffer");
     const double mu = hyper.momentum;
@@ -51,6 +56,7 @@ class Sgd final : public Optimizer {
     if (Delayed()) return StepDelayed(backend, hyper, params);
     for (ParamState* p : params) {
       if (!p->has_grad) continue;
+      MUOND_ASSIGN_OR_RETURN(const AlignedGradient grad, Aligned(backend, *p));
       // torch creates the buffer as a copy of the first gradient; step_count == 0 marks that step.
       const kernels::SgdArgs args{.lr = static_cast<float>(hyper.lr),
                                   .momentum = static_cast<float>(hyper.momentum),
@@ -58,11 +64,13 @@ class Sgd final : public Optimizer {
                                   .nesterov = options_.nesterov,
                                   .first_step = p->step_count == 0};
       MUOND_RETURN_IF_ERROR(ApplyElementwise(
-          backend, *p, [&](const StateRefs& refs, const float* g, size_t n, double* measure) {  // momentum_buffer
+          backend, *p,
+          [&](const StateRefs& refs, const float* g, size_t n, double* measure) {  // momentum_buffer
             kernels::SgdArgs measured = args;
             measured.measure = measure;
             return backend.Sgd(measured, refs.master, g, refs.slots[0], n);
-          }));
+          },
+          grad.data));
       ++p->step_count;
     }
     return absl::OkStatus();
@@ -70,6 +78,18 @@ class Sgd final : public Optimizer {
 
  private:
   bool Delayed() const { return options_.nesterov_delay > 1; }
+
+  // The gradient the step applies: p.grad, or with `heloco` its correction against the momentum
+  // buffer as it stands before the step (slot 0).
+  absl::StatusOr<AlignedGradient> Aligned(kernels::Backend& backend, ParamState& p) const {
+    const float* g = p.grad->data();
+    if (!options_.heloco) {
+      AlignedGradient unchanged;
+      unchanged.data = g;
+      return unchanged;
+    }
+    return AlignWithMomentum(backend, options_, g, RefsOf(p).slots[0], static_cast<size_t>(p.numel));
+  }
 
   // Delayed Nesterov, per parameter, its step t counted from 0 (step_count), N = nesterov_delay,
   // β = momentum, c = momentum_activation, η = lr:
@@ -88,7 +108,8 @@ class Sgd final : public Optimizer {
       if (!p->has_grad) continue;
       const bool boundary = (p->step_count + 1) % n == 0;
       const StateRefs refs = RefsOf(*p);
-      const float* g = p->grad->data();
+      MUOND_ASSIGN_OR_RETURN(const AlignedGradient grad, Aligned(backend, *p));
+      const float* g = grad.data;
       const kernels::StoredRef m = refs.slots[0], sum = refs.slots[1];
       auto apply = [&](size_t offset, size_t count, double*) -> absl::Status {
         const kernels::StoredRef w = refs.master.At(offset), mo = m.At(offset), d = sum.At(offset);

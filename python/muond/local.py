@@ -185,6 +185,33 @@ _POST_NORMALIZATION_EPS = 1e-7
 _POST_ORDERS = {"row": (-1,), "col": (-2,), "row_col": (-1, -2), "muon_plus": (-1, -2), "col_row": (-2, -1)}
 
 
+def heloco_aligned(g: torch.Tensor, m: Optional[torch.Tensor], group: Dict[str, Any]) -> torch.Tensor:
+    """HeLoCo's correction of the gradient ``g`` against the momentum buffer ``m`` (arXiv 2606.00271;
+    docs/algorithms.md, SGD, HeLoCo; the daemon's kernels/optim/momentum_alignment.h): kept when
+    their cosine c ≥ heloco_keep_cosine, shrunk along the momentum when c < 0, partly turned toward
+    it otherwise. Norms and the cosine in fp64; the result a·g + b·m in fp32."""
+    if m is None:
+        return g
+    g64, m64 = g.double().flatten(), m.double().flatten()
+    g_norm, m_norm = g64.norm().item(), m64.norm().item()
+    if not (g_norm > 0 and m_norm > 0):
+        return g
+    c = min(max(torch.dot(g64, m64).item() / (g_norm * m_norm), -1.0), 1.0)
+    keep = group["heloco_keep_cosine"]
+    if c >= keep:
+        return g
+    eps = 1e-12
+    confidence = g_norm / (g_norm + group["heloco_kappa"] * m_norm + eps)
+    if c < 0:
+        beta = min(group["heloco_shrink"] * -c * confidence, group["heloco_shrink_max"])
+        a, b = 1.0, -beta * c * g_norm / m_norm
+    else:
+        lam = min(group["heloco_reorient"] * (keep - c) * confidence, 1.0)
+        u_norm = max(math.sqrt((1 - lam) ** 2 + lam ** 2 + 2 * lam * (1 - lam) * c), eps)
+        a, b = (1 - lam) / u_norm, lam * g_norm / (m_norm * u_norm)
+    return g.float() * a + m.float() * b
+
+
 def _line_scales(m: torch.Tensor, dim: int, eps: float) -> torch.Tensor:
     """fp32(1/√(Σ m² + eps)) along ``dim`` (-1: each row, -2: each column), summed in fp64 as the
     daemon does."""
@@ -634,6 +661,8 @@ class LocalOptimizer(torch.optim.Optimizer):
     @staticmethod
     def _sgd(p: torch.Tensor, g: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any]):
         lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+        if group.get("heloco"):
+            g = heloco_aligned(g, state.get("momentum_buffer"), group)
         delay = group.get("nesterov_delay") or 1
         if delay > 1:  # delayed Nesterov (docs/algorithms.md, SGD); the daemon refuses weight decay
             c = group.get("momentum_activation") or 0.0

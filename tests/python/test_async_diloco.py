@@ -41,6 +41,34 @@ def staleness_factor(scaling, s: int) -> float:
     return (1.0 + s) ** -a
 
 
+def heloco(g, m, opts, seen):
+    """HeLoCo's correction (docs/algorithms.md, SGD, HeLoCo) of pseudo-gradient ``g`` against the
+    momentum ``m`` before it: norms and cosine in fp64, the result a·g + b·m with fp32 factors;
+    ``seen`` counts the cases taken."""
+    g64, m64 = g.double().flatten(), m.double().flatten()
+    gn, mn = g64.norm().item(), m64.norm().item()
+    if gn == 0 or mn == 0:
+        seen["kept"] += 1
+        return g
+    c = torch.dot(g64, m64).item() / (gn * mn)
+    keep = opts["heloco_keep_cosine"]
+    if c >= keep:
+        seen["kept"] += 1
+        return g
+    conf = gn / (gn + opts["heloco_kappa"] * mn + 1e-12)
+    if c < 0:
+        seen["shrunk"] += 1
+        beta = min(opts["heloco_shrink"] * -c * conf, opts["heloco_shrink_max"])
+        a, b = 1.0, -beta * c * gn / mn
+    else:
+        seen["reoriented"] += 1
+        lam = min(opts["heloco_reorient"] * (keep - c) * conf, 1.0)
+        u = ((1 - lam) ** 2 + lam ** 2 + 2 * lam * (1 - lam) * c) ** 0.5
+        a, b = (1 - lam) / u, lam * gn / (mn * u)
+    f32 = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
+    return g * f32(a) + m * f32(b)
+
+
 class DelayedNesterov:
     """The reference rule (docs/algorithms.md, SGD, delayed Nesterov), one arrival at a time, N =
     ``delay``, c = ``activation``, β the momentum, η the push's lr (the group's times its staleness
@@ -50,9 +78,11 @@ class DelayedNesterov:
         otherwise:          W ← W − ηcβ·m − (η/N)·g
     every product rounded to fp32 before the sum it enters (each factor an fp32 number)."""
 
-    def __init__(self, delay: int, activation: float):
+    def __init__(self, delay: int, activation: float, heloco_options=None):
         self.delay, self.activation, self.t = delay, activation, 0
         self.m, self.sums = {}, {}
+        self.heloco = heloco_options  # with HeLoCo: each g corrected against m first
+        self.seen = {"kept": 0, "reoriented": 0, "shrunk": 0}
 
     def __call__(self, weights, grads, lr: float) -> None:
         n, c, beta = self.delay, self.activation, OUTER_MOMENTUM
@@ -61,6 +91,8 @@ class DelayedNesterov:
         for name, g in grads.items():
             m = self.m.setdefault(name, torch.zeros_like(g))
             d = self.sums.setdefault(name, torch.zeros_like(g))
+            if self.heloco is not None:
+                g = heloco(g, m, self.heloco, self.seen)
             d = d + g
             w = weights[name]
             if boundary:
@@ -75,12 +107,13 @@ class DelayedNesterov:
         self.t += 1
 
 
-def reference(order, delay, activation, scaling, max_staleness=None):
+def reference(order, delay, activation, scaling, max_staleness=None, heloco_options=None):
     """Pure-torch asynchronous DiLoCo over ``order``: returns each worker's local parameters, the
-    global parameters, and the pushes dropped as too stale (rank, staleness)."""
+    global parameters, and the pushes dropped as too stale (rank, staleness); with
+    ``heloco_options``, also the count of each HeLoCo case."""
     init = TinyNet(seed=SEED)
     weights = {n: p.detach().clone() for n, p in init.named_parameters()}
-    outer = DelayedNesterov(delay, activation)
+    outer = DelayedNesterov(delay, activation, heloco_options)
     models, inners, bases, base_weights, steps = [], [], [], [], []
     for r in range(3):
         model = TinyNet(seed=SEED)
@@ -108,15 +141,20 @@ def reference(order, delay, activation, scaling, max_staleness=None):
         with torch.no_grad():
             for n, p in model.named_parameters():
                 p.copy_(weights[n])
-    return [{n: p.detach().clone() for n, p in m.named_parameters()} for m in models], weights, dropped
+    locals_ = [{n: p.detach().clone() for n, p in m.named_parameters()} for m in models]
+    if heloco_options is not None:
+        return locals_, weights, dropped, outer.seen
+    return locals_, weights, dropped
 
 
 def run(endpoint, order, delay=None, activation=0.0, scaling=None, max_staleness=8, after=None,
-        **options):
+        outer_options=None, **options):
     """The same run through muond: three DiLoCo workers of one asynchronous session;
     ``after(i)`` runs after the i-th push (from 1)."""
     session = f"async-diloco-{uuid.uuid4().hex[:12]}"
-    outer = {"momentum_activation": activation} if activation else {}
+    outer = dict(outer_options or {})
+    if activation:
+        outer["momentum_activation"] = activation
     if delay is not None:
         outer["nesterov_delay"] = delay
     async_options = dict(max_staleness=max_staleness, **options)
@@ -171,6 +209,28 @@ def test_pushes_in_a_pinned_order_equal_the_delayed_nesterov_reference(endpoint,
     assert_bitwise(globals_, want_globals, "global parameters")
     for r in range(3):
         assert_bitwise(locals_[r], want_locals[r], f"worker {r}'s parameters")
+
+
+def test_heloco_corrects_the_pushes_as_the_reference_does(endpoint):
+    """HeLoCo on the outer SGD (docs/algorithms.md, SGD, HeLoCo): each pseudo-gradient is corrected
+    against the outer momentum before delayed Nesterov takes it. The pinned order against the
+    reference, which counts the cases: the pushes after the first momentum update are reoriented or
+    shrunk, so the run differs from the uncorrected one. Not bit for bit: the daemon sums the norms
+    and the dot product in element order, torch in its own, so a factor can differ in its last fp32
+    bit; the tolerance is a few fp32 ulps of the weights (all of order 1)."""
+    opts = dict(heloco=True, heloco_keep_cosine=0.9, heloco_shrink=1.0, heloco_shrink_max=1.0,
+                heloco_reorient=1.0, heloco_kappa=1.0)
+    locals_, globals_, infos, groups = run(endpoint, ORDER, outer_options=opts)
+    want_locals, want_globals, dropped, seen = reference(ORDER, 3, 0.0, None, heloco_options=opts)
+    _, plain_globals, _ = reference(ORDER, 3, 0.0, None)
+    assert dropped == [] and groups[0][0]["heloco"] is True
+    assert seen["reoriented"] + seen["shrunk"] > 0, seen
+    assert any(not torch.equal(want_globals[n], plain_globals[n]) for n in want_globals)
+    for name, want in want_globals.items():
+        torch.testing.assert_close(globals_[name], want, rtol=0, atol=1e-6)
+    for r in range(3):
+        for name, want in want_locals[r].items():
+            torch.testing.assert_close(locals_[r][name], want, rtol=0, atol=1e-6)
 
 
 def test_a_push_too_stale_is_dropped_and_its_worker_takes_the_session_parameters(endpoint):

@@ -310,6 +310,30 @@ def test_sgd_group_matches_torch_sgd(endpoint):
         assert rel_err(p.detach(), q.detach()) < TOLERANCE, name
 
 
+def test_local_sgd_with_heloco_matches_the_daemon(endpoint):
+    """LocalOptimizer's HeLoCo (docs/algorithms.md, SGD, HeLoCo) against the daemon's, with a keep
+    threshold high enough that gradients are reoriented or shrunk, not all kept: without the
+    correction the same run ends elsewhere."""
+    options = dict(optimizer="sgd", lr=0.1, momentum=0.9, nesterov=True, heloco=True,
+                   heloco_keep_cosine=0.95)
+    remote_model, local_model, plain_model = TinyNet(seed=8), TinyNet(seed=8), TinyNet(seed=8)
+    remote = muond.RemoteOptimizer(remote_model.parameters(), endpoint=endpoint, **options)
+    local = muond.LocalOptimizer([{"params": list(local_model.parameters()), **options}])
+    plain = muond.LocalOptimizer([{"params": list(plain_model.parameters()),
+                                   **dict(options, heloco=False)}])
+    for step in range(1, 9):
+        for model, opt in ((remote_model, remote), (local_model, local), (plain_model, plain)):
+            loss_of(model, step).backward()
+            opt.step()
+            opt.zero_grad()
+    remote.close()
+    locals_ = dict(local_model.named_parameters())
+    plains = dict(plain_model.named_parameters())
+    for name, p in remote_model.named_parameters():
+        assert rel_err(p.detach(), locals_[name].detach()) < TOLERANCE, name
+    assert max(rel_err(locals_[n].detach(), plains[n].detach()) for n in locals_) > 100 * TOLERANCE
+
+
 def test_lion_group_matches_design(endpoint):
     model = TinyNet(seed=9)
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
