@@ -94,8 +94,20 @@ SPEEDS = {r: 3.0 if r == SLOW_RANK else 1.0 for r in range(WORLD)}  # step time 
 
 # -- the problem ----------------------------------------------------------------------------------
 
-def make_problem():
-    """(teacher, model, eval inputs, eval targets); the same in every process and mode."""
+def input_shift(rank, non_iid):
+    """Worker ``rank``'s input mean under --non-iid S: S along input coordinate ``rank`` (None: IID)."""
+    import torch
+
+    if not non_iid:
+        return None
+    shift = torch.zeros(D_IN)
+    shift[rank] = non_iid
+    return shift
+
+
+def make_problem(non_iid=0.0):
+    """(teacher, model, eval inputs, eval targets); the same in every process and mode. Under
+    --non-iid the evaluation inputs are the workers' distributions in equal parts."""
     import torch
 
     gen = torch.Generator().manual_seed(123)
@@ -119,6 +131,8 @@ def make_problem():
     torch.manual_seed(0)
     model = Net()
     eval_x = torch.randn(EVAL_SAMPLES, D_IN, generator=torch.Generator().manual_seed(7))
+    if non_iid:
+        eval_x[torch.arange(EVAL_SAMPLES), torch.arange(EVAL_SAMPLES) % WORLD] += non_iid
     return teacher, model, eval_x, teacher(eval_x)
 
 
@@ -162,13 +176,15 @@ def sync_options(args, mode):
     raise ValueError(f"--modes: unknown mode {mode!r}")
 
 
-def compute_gradients(model, optimizer, teacher, data, batch, period):
-    """One step's gradients of ``model`` on the next ``batch`` samples of the rank's stream, the
-    step filled with a sleep to ``period`` seconds."""
+def compute_gradients(model, optimizer, teacher, data, batch, period, shift=None):
+    """One step's gradients of ``model`` on the next ``batch`` samples of the rank's stream (inputs
+    moved by ``shift``, input_shift), the step filled with a sleep to ``period`` seconds."""
     import torch
 
     started = time.monotonic()
     x = torch.randn(batch, D_IN, generator=data)
+    if shift is not None:
+        x += shift
     y = teacher(x) + NOISE_STD * torch.randn(batch, D_OUT, generator=data)
     optimizer.zero_grad()
     torch.nn.functional.mse_loss(model(x), y).backward()
@@ -186,7 +202,7 @@ def worker(rank, mode, args, endpoint, shared):
     import muond  # noqa: E402 - after the path is set
 
     torch.set_num_threads(1)
-    teacher, model, eval_x, eval_y = make_problem()
+    teacher, model, eval_x, eval_y = make_problem(args.non_iid)
     data = torch.Generator().manual_seed(1000 + rank)
     session = f"hetero-{mode.replace(':', '-')}"
     lockstep = sync_options(args, mode)["sync_mode"] == "lockstep"
@@ -207,7 +223,7 @@ def worker(rank, mode, args, endpoint, shared):
 
     period = SPEEDS[rank] * args.period
     while not shared.stop.is_set():
-        compute_gradients(model, opt, teacher, data, args.batch, period)
+        compute_gradients(model, opt, teacher, data, args.batch, period, input_shift(rank, args.non_iid))
         shared.computed[rank] += args.batch
         try:
             opt.step(weight=args.batch)
@@ -249,6 +265,19 @@ def worker(rank, mode, args, endpoint, shared):
     opt.close(keep_session=True)
 
 
+def sync_every_list(text):
+    """--sync-every: one H for every worker, or WORLD of them separated by commas."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers, got {text!r}") from None
+    if len(values) == 1:
+        values *= WORLD
+    if len(values) != WORLD or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected 1 or {WORLD} integers >= 1, got {text!r}")
+    return values
+
+
 def outer_option(text):
     """NAME=VALUE of --outer-option: true/false, an int or a float."""
     name, sep, value = text.partition("=")
@@ -275,8 +304,8 @@ def diloco_worker(rank, mode, args, endpoint, shared):
     import muond  # noqa: E402 - after the path is set
 
     torch.set_num_threads(1)
-    teacher, model, eval_x, eval_y = make_problem()
-    _, evaluator, _, _ = make_problem()
+    teacher, model, eval_x, eval_y = make_problem(args.non_iid)
+    _, evaluator, _, _ = make_problem(args.non_iid)
     data = torch.Generator().manual_seed(1000 + rank)
     session = f"hetero-{mode.replace(':', '-')}"
     options = sync_options(args, mode)
@@ -287,7 +316,7 @@ def diloco_worker(rank, mode, args, endpoint, shared):
         if options["sync_mode"] == "async" and args.nesterov_delay:
             outer["nesterov_delay"] = args.nesterov_delay
         outer.update(args.outer_option)
-        return muond.DiLoCo(model, inner, sync_every=args.sync_every, outer=outer,
+        return muond.DiLoCo(model, inner, sync_every=args.sync_every[rank], outer=outer,
                             endpoint=endpoint, session=name, world_size=world_size, rank=rank,
                             transport=args.transport, **options)
 
@@ -301,7 +330,7 @@ def diloco_worker(rank, mode, args, endpoint, shared):
     period = SPEEDS[rank] * args.period
     pending = 0.0  # samples computed since this worker's last sync
     while not shared.stop.is_set():
-        compute_gradients(model, inner, teacher, data, args.batch, period)
+        compute_gradients(model, inner, teacher, data, args.batch, period, input_shift(rank, args.non_iid))
         shared.computed[rank] += args.batch
         pending += args.batch
         try:
@@ -417,7 +446,9 @@ def main():
     parser.add_argument("--staleness-scaling", default="none", choices=("none", "inverse"))
     parser.add_argument("--repeats", type=int, default=1, help="runs of each mode (medians printed)")
     parser.add_argument("--max-seconds", type=float, default=300)
-    parser.add_argument("--sync-every", type=int, default=8, help="DiLoCo modes: H, inner steps per sync")
+    parser.add_argument("--sync-every", type=sync_every_list, default=[8] * WORLD,
+                        help="DiLoCo modes: H, inner steps per sync; one for all workers, or one per "
+                             "worker (\"8,8,3,8\")")
     parser.add_argument("--inner-lr", type=float, default=3e-3, help="DiLoCo modes: the inner AdamW's lr")
     parser.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo modes: the outer SGD's lr")
     parser.add_argument("--nesterov-delay", type=int, default=0,
@@ -425,6 +456,9 @@ def main():
     parser.add_argument("--outer-option", type=outer_option, action="append", default=[],
                         metavar="NAME=VALUE",
                         help="DiLoCo: one more option of the outer SGD group, e.g. heloco=true (repeatable)")
+    parser.add_argument("--non-iid", type=float, default=0.0, metavar="S",
+                        help="worker r's inputs drawn around S along input coordinate r, the evaluation "
+                             "set from all four (0: every worker draws from the same distribution)")
     parser.add_argument("--transport", default="auto", help="the step transport (auto: shm on loopback)")
     args = parser.parse_args()
     for mode in args.modes.split(","):
