@@ -149,6 +149,7 @@ class Shared:
         self.eval[0] = math.inf
         self.lost_answers = ctx.RawArray("i", WORLD)  # async: answers lost to the daemon's race
         self.restarts = ctx.RawValue("i", 0)
+        self.heloco = ctx.RawArray("q", 3 * WORLD)    # DiLoCo with heloco: rank r's kept, reoriented, shrunk
         self.opened = ctx.Event()       # rank 0 created the session (the others attach after it)
         self.reopened = ctx.Event()     # lock-step: rank 0 opened the world-size-3 session
         self.ready = ctx.Barrier(WORLD + 1)
@@ -357,6 +358,11 @@ def diloco_worker(rank, mode, args, endpoint, shared):
         info = diloco.last_info
         if info.included and info.applied:
             shared.applied[rank] += pending
+        # HeLoCo's cases: every push of an asynchronous session; a shared step once (rank 0's answer).
+        for group in info.groups.values() if options["sync_mode"] == "async" or rank == 0 else ():
+            if group.heloco is not None:
+                for case, count in enumerate(group.heloco):
+                    shared.heloco[3 * rank + case] += count
         pending = 0.0
         if rank == 0:
             with torch.no_grad():
@@ -420,7 +426,8 @@ def run_mode(mode, args):
         result = {"mode": mode, "target_s": target_at, "end_s": elapsed, "killed_s": killed_at,
                   "loss": shared.eval[0], "steps": int(shared.eval[2]),
                   "computed": sum(shared.computed), "applied": applied,
-                  "restarts": shared.restarts.value, "lost_answers": sum(shared.lost_answers)}
+                  "restarts": shared.restarts.value, "lost_answers": sum(shared.lost_answers),
+                  "heloco": [sum(shared.heloco[3 * r + c] for r in range(WORLD)) for c in range(3)]}
         shared.stop.set()
         for p in procs:
             p.kill()
@@ -481,7 +488,9 @@ def main():
                   f"{r['end_s']:.1f} s, end loss {r['loss']:.4f}, {r['goodput']:.0f} applied samples/s"
                   + (f", rank 3 killed at {r['killed_s']:.1f} s, {r['restarts']} restart at world "
                      f"size 3" if r["restarts"] else "")
-                  + (f", {r['lost_answers']} answers lost and the push resent" if r["lost_answers"] else ""),
+                  + (f", {r['lost_answers']} answers lost and the push resent" if r["lost_answers"] else "")
+                  + (", HeLoCo kept/reoriented/shrunk {}/{}/{} parameter pushes".format(*r["heloco"])
+                     if any(r["heloco"]) else ""),
                   flush=True)
 
     def median(mode, key):

@@ -80,15 +80,30 @@ class Sgd final : public Optimizer {
   bool Delayed() const { return options_.nesterov_delay > 1; }
 
   // The gradient the step applies: p.grad, or with `heloco` its correction against the momentum
-  // buffer as it stands before the step (slot 0).
-  absl::StatusOr<AlignedGradient> Aligned(kernels::Backend& backend, ParamState& p) const {
+  // buffer as it stands before the step (slot 0), counted in the step's telemetry.
+  absl::StatusOr<AlignedGradient> Aligned(kernels::Backend& backend, ParamState& p) {
     const float* g = p.grad->data();
     if (!options_.heloco) {
       AlignedGradient unchanged;
       unchanged.data = g;
       return unchanged;
     }
-    return AlignWithMomentum(backend, options_, g, RefsOf(p).slots[0], static_cast<size_t>(p.numel));
+    MUOND_ASSIGN_OR_RETURN(AlignedGradient aligned,
+                           AlignWithMomentum(backend, options_, g, RefsOf(p).slots[0], static_cast<size_t>(p.numel)));
+    if (telemetry_ != nullptr) {
+      switch (aligned.plan.kind) {
+        case Alignment::kKept:
+          ++telemetry_->heloco_kept;
+          break;
+        case Alignment::kReoriented:
+          ++telemetry_->heloco_reoriented;
+          break;
+        case Alignment::kShrunk:
+          ++telemetry_->heloco_shrunk;
+          break;
+      }
+    }
+    return aligned;
   }
 
   // Delayed Nesterov, per parameter, its step t counted from 0 (step_count), N = nesterov_delay,

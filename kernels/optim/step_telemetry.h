@@ -47,6 +47,10 @@ struct StepTelemetry {
   std::optional<double> residual;
   std::string residual_parameter;
 
+  // SGD with heloco: the parameters whose gradient HeLoCo kept, reoriented and shrunk this step
+  // (momentum_alignment.h).
+  int64_t heloco_kept = 0, heloco_reoriented = 0, heloco_shrunk = 0;
+
   // The sums above as the step's kernels write them (backend memory), until the step reads them
   // back once at its end (Optimizer::StepMeasured) and adds them in.
   PendingSums pending;

@@ -32,7 +32,7 @@ from .client import Connection  # noqa: E402
 from .connection_options import ConnectionOptions  # noqa: E402
 from .diloco import DiLoCo  # noqa: E402
 from .errors import MuondError  # noqa: E402
-from .group_info import GroupInfo  # noqa: E402
+from .group_info import GroupInfo, HelocoCounts  # noqa: E402
 from .local import LocalOptimizer  # noqa: E402
 from . import partition  # noqa: E402
 from .optimizer import RemoteOptimizer  # noqa: E402
@@ -43,6 +43,6 @@ from .step_info import StepInfo  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["Connection", "ConnectionOptions", "DiLoCo", "GroupInfo", "LocalOptimizer", "MuondError",
-           "RankOptions", "RemoteOptimizer", "StateDigest", "StepInfo", "StepOptions",
+__all__ = ["Connection", "ConnectionOptions", "DiLoCo", "GroupInfo", "HelocoCounts", "LocalOptimizer",
+           "MuondError", "RankOptions", "RemoteOptimizer", "StateDigest", "StepInfo", "StepOptions",
            "TimingOptions", "WireOptions", "default_param_groups", "__version__"]

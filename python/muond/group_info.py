@@ -5,7 +5,15 @@ raised for it (docs/operations.md, Warnings). Immutable; built from a daemon's `
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, NamedTuple, Optional, Tuple
+
+
+class HelocoCounts(NamedTuple):
+    """SGD with heloco: how many of the group's parameters had their gradient kept, reoriented and
+    shrunk by HeLoCo's correction this step (docs/algorithms.md, SGD, HeLoCo)."""
+    kept: int
+    reoriented: int
+    shrunk: int
 
 
 @dataclass(frozen=True)
@@ -27,6 +35,7 @@ class GroupInfo:
     stale_parameters: int = 0     # parameters without a gradient for warn_stale_steps steps or more
     # Kinds raised this step: "clip_stall", "momentum_below_eps", "parameter_stale", "residual_high".
     warnings: Tuple[str, ...] = ()
+    heloco: Optional[HelocoCounts] = None  # SGD with the group option heloco
 
 
 def _optional(message: Any, name: str) -> Optional[float]:
@@ -50,5 +59,7 @@ def groups_of(result: Any) -> Dict[str, GroupInfo]:
             smallest_momentum_norm=_optional(t, "smallest_momentum_norm"),
             orthogonality_residual=_optional(t, "orthogonality_residual"),
             residual_parameter=t.residual_parameter, stale_parameters=int(t.stale_parameters),
-            warnings=tuple(t.warnings))
+            warnings=tuple(t.warnings),
+            heloco=(HelocoCounts(int(t.heloco.kept), int(t.heloco.reoriented), int(t.heloco.shrunk))
+                    if t.HasField("heloco") else None))
     return groups

@@ -18,7 +18,7 @@ void GroupSeries::Record(const StepReport& report) {
   for (const GroupFigures& g : report.groups) {
     if (latest.size() == kMaxGroupsPerSession) break;
     latest.push_back({std::string(g.group), g.grad_norm, g.clip_coefficient, g.update_rms, g.update_ratio,
-                      g.momentum_norm, g.residual, g.stale_parameters});
+                      g.momentum_norm, g.residual, g.stale_parameters, g.heloco});
   }
   const auto it = sessions_.find(report.session);
   if (it == sessions_.end()) {
@@ -62,6 +62,19 @@ void GroupSeries::Render(std::string* out) const {
         const std::optional<double> value = gauge.value(l);
         if (value.has_value())
           Sample(out, gauge.name, Label("session", session) + "," + Label("group", l.group), *value);
+      }
+    }
+  }
+  static constexpr std::string_view kHelocoCases[] = {"kept", "reoriented", "shrunk"};
+  Family(out, "muond_group_heloco_parameters", "gauge",
+         "SGD with heloco: parameters whose gradient HeLoCo kept, reoriented or shrunk in the last step.");
+  for (const auto& [session, groups] : sessions_) {
+    for (const Latest& l : groups) {
+      if (!l.heloco.has_value()) continue;
+      for (size_t c = 0; c < 3; ++c) {
+        Sample(out, "muond_group_heloco_parameters",
+               Label("session", session) + "," + Label("group", l.group) + "," + Label("case", kHelocoCases[c]),
+               static_cast<double>((*l.heloco)[c]));
       }
     }
   }

@@ -35,6 +35,7 @@ class GroupSeries {
     double grad_norm = 0, clip_coefficient = 1;
     std::optional<double> update_rms, update_ratio, momentum_norm, residual;
     int64_t stale_parameters = 0;
+    std::optional<std::array<int64_t, 3>> heloco;
   };
   std::map<std::string, std::vector<Latest>, std::less<>> sessions_;  // by session id
   std::array<uint64_t, kWarningKinds.size()> warnings_ = {};

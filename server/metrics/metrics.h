@@ -9,6 +9,7 @@
 // Metrics object and keeps it alive until every call has ended.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <string_view>
@@ -26,6 +27,8 @@ struct GroupFigures {
   double clip_coefficient = 1;
   std::optional<double> update_rms, update_ratio, momentum_norm, residual;
   int64_t stale_parameters = 0;
+  // SGD with heloco: its parameters whose gradient was kept, reoriented, shrunk (in that order).
+  std::optional<std::array<int64_t, 3>> heloco;
 };
 
 // One answered step of a session, as it went through the transport seam.

@@ -50,6 +50,9 @@ void HealthWatch::Observe(const SessionConfig& config, const StepClipping& clipp
                          : t.update_sum_squares > 0 ? HUGE_VAL
                                                     : 0.0;
     }
+    if (options.optimizer == optim::OptimizerKind::kSgd && options.heloco) {
+      out.heloco = StepResult::GroupTelemetry::HelocoCounts{t.heloco_kept, t.heloco_reoriented, t.heloco_shrunk};
+    }
     if (options.optimizer != optim::OptimizerKind::kMuon) continue;
 
     const double coefficient = clipping.clipped[g];

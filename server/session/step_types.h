@@ -110,6 +110,11 @@ struct StepResult {
     std::string residual_parameter;
     int64_t stale_parameters = 0;
     std::vector<std::string> warnings;  // kinds raised this step
+    // SGD with heloco: its parameters whose gradient HeLoCo kept, reoriented, shrunk.
+    struct HelocoCounts {
+      int64_t kept = 0, reoriented = 0, shrunk = 0;
+    };
+    std::optional<HelocoCounts> heloco;
   };
   std::vector<GroupTelemetry> group_telemetry;
   struct HealthWarning {

@@ -312,6 +312,38 @@ TEST_F(HealthTest, GroupFiguresAreExported) {
       << "a closed session's series go";
 }
 
+// An SGD group with heloco counts its parameters in each case of HeLoCo's correction (one parameter
+// "b" here: one case a step; the first step's momentum is zero, so its gradient is kept), in the
+// answer and in Prometheus; a group without it has no counts.
+TEST_F(HealthTest, HelocoCountsItsCasesInTheAnswerAndInPrometheus) {
+  v1::SessionSpec spec = Spec();
+  v1::GroupOptions* vectors = Vectors(spec);
+  vectors->set_optimizer(v1::OPTIMIZER_SGD);
+  vectors->set_momentum(0.9);
+  vectors->set_nesterov(true);
+  vectors->set_heloco(true);
+  vectors->set_heloco_keep_cosine(1.0);  // nothing short of the momentum's own direction is kept
+  std::unique_ptr<client::Session> session = Open("heloco", spec);
+  ASSERT_NE(session, nullptr);
+  const std::vector<client::StepReply> replies = Run(*session, 3);
+  ASSERT_EQ(replies.size(), 3u);
+  for (size_t i = 0; i < replies.size(); ++i) {
+    const v1::GroupTelemetry& t = replies[i].group_telemetry.at("vectors");
+    ASSERT_TRUE(t.has_heloco()) << i;
+    EXPECT_EQ(t.heloco().kept() + t.heloco().reoriented() + t.heloco().shrunk(), 1) << i;
+    EXPECT_EQ(t.heloco().kept(), i == 0 ? 1 : 0) << i;
+    EXPECT_FALSE(replies[i].group_telemetry.at("matrices").has_heloco());
+  }
+  const std::string text = ScrapeMetrics(metrics_address_);
+  const v1::HelocoCounts& last = replies.back().group_telemetry.at("vectors").heloco();
+  const std::string labels = "session=\"heloco\",group=\"vectors\",case=";
+  EXPECT_EQ(SumOfSamples(text, "muond_group_heloco_parameters", labels + "\"kept\""), last.kept());
+  EXPECT_EQ(SumOfSamples(text, "muond_group_heloco_parameters", labels + "\"reoriented\""), last.reoriented());
+  EXPECT_EQ(SumOfSamples(text, "muond_group_heloco_parameters", labels + "\"shrunk\""), last.shrunk());
+  EXPECT_EQ(SumOfSamples(text, "muond_group_heloco_parameters", "session=\"heloco\",group=\"matrices\""), -1);
+  ASSERT_OK(client_->CloseSession("heloco"));
+}
+
 // The group series are bounded: at most 16 groups of a session are exported.
 TEST_F(HealthTest, AtMostSixteenGroupsOfASessionAreExported) {
   v1::SessionSpec spec;

@@ -215,7 +215,8 @@ def test_heloco_corrects_the_pushes_as_the_reference_does(endpoint):
     """HeLoCo on the outer SGD (docs/algorithms.md, SGD, HeLoCo): each pseudo-gradient is corrected
     against the outer momentum before delayed Nesterov takes it. The pinned order against the
     reference, which counts the cases: the pushes after the first momentum update are reoriented or
-    shrunk, so the run differs from the uncorrected one. Not bit for bit: the daemon sums the norms
+    shrunk, so the run differs from the uncorrected one, and the answers count the cases as the
+    reference takes them. Not bit for bit: the daemon sums the norms
     and the dot product in element order, torch in its own, so a factor can differ in its last fp32
     bit; the tolerance is a few fp32 ulps of the weights (all of order 1)."""
     opts = dict(heloco=True, heloco_keep_cosine=0.9, heloco_shrink=1.0, heloco_shrink_max=1.0,
@@ -225,6 +226,13 @@ def test_heloco_corrects_the_pushes_as_the_reference_does(endpoint):
     _, plain_globals, _ = reference(ORDER, 3, 0.0, None)
     assert dropped == [] and groups[0][0]["heloco"] is True
     assert seen["reoriented"] + seen["shrunk"] > 0, seen
+    # Each push's answer counts its parameters in each case, as the reference took them.
+    counted = {"kept": 0, "reoriented": 0, "shrunk": 0}
+    for info in infos:
+        for group in info.groups.values():
+            for case in counted:
+                counted[case] += getattr(group.heloco, case)
+    assert counted == seen
     assert any(not torch.equal(want_globals[n], plain_globals[n]) for n in want_globals)
     for name, want in want_globals.items():
         torch.testing.assert_close(globals_[name], want, rtol=0, atol=1e-6)

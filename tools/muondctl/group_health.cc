@@ -49,7 +49,11 @@ ordered_json GroupHealthJson(const v1::SessionSummary& s) {
                       {"orthogonality_residual", Value(t.has_orthogonality_residual(), t.orthogonality_residual())},
                       {"residual_parameter", t.residual_parameter()},
                       {"stale_parameters", t.stale_parameters()},
-                      {"warnings", std::vector<std::string>(t.warnings().begin(), t.warnings().end())}});
+                      {"warnings", std::vector<std::string>(t.warnings().begin(), t.warnings().end())},
+                      {"heloco", t.has_heloco() ? ordered_json{{"kept", t.heloco().kept()},
+                                                               {"reoriented", t.heloco().reoriented()},
+                                                               {"shrunk", t.heloco().shrunk()}}
+                                                : ordered_json(nullptr)}});
   }
   return {{"step", s.telemetry_step()}, {"groups", std::move(groups)}};
 }

@@ -71,6 +71,12 @@ v1::GroupTelemetry ToProto(const session::StepResult::GroupTelemetry& t) {
   out.set_residual_parameter(t.residual_parameter);
   out.set_stale_parameters(t.stale_parameters);
   for (const std::string& warning : t.warnings) out.add_warnings(warning);
+  if (t.heloco.has_value()) {
+    v1::HelocoCounts* counts = out.mutable_heloco();
+    counts->set_kept(t.heloco->kept);
+    counts->set_reoriented(t.heloco->reoriented);
+    counts->set_shrunk(t.heloco->shrunk);
+  }
   return out;
 }
 
