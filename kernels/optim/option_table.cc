@@ -1,5 +1,6 @@
 #include "kernels/optim/option_table.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -10,6 +11,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "common/echo.h"
+#include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 
 namespace muond::optim {
@@ -166,6 +168,29 @@ absl::StatusOr<OptionSpec> ParseOption(const json& row, const std::vector<std::s
   return spec;
 }
 
+// A row's "choice_defaults", once every row is known (each value parsed by its own row's type).
+absl::Status ParseChoiceDefaults(const json& row, OptionTable& table, OptionSpec& spec) {
+  if (!row.contains("choice_defaults")) return absl::OkStatus();
+  const std::string where = absl::StrCat("option ", spec.name, " choice_defaults");
+  const json& all = row.at("choice_defaults");
+  if (!all.is_object()) return Bad(where, "not an object");
+  for (const auto& [choice, options] : all.items()) {
+    if (std::find(spec.choices.begin(), spec.choices.end(), choice) == spec.choices.end())
+      return Bad(where, absl::StrCat(choice, " is no choice"));
+    if (!options.is_object()) return Bad(where, absl::StrCat(choice, ": not an object"));
+    for (const auto& [name, value] : options.items()) {
+      const auto target = std::find_if(table.options.begin(), table.options.end(),
+                                       [&](const OptionSpec& other) { return other.name == name; });
+      if (target == table.options.end()) return Bad(where, absl::StrCat("unknown option ", name));
+      absl::StatusOr<OptionDefault> parsed = ParseDefault(value, target->type, where);
+      if (!parsed.ok()) return parsed.status();
+      if (!parsed->is_set()) return Bad(where, absl::StrCat(name, ": no value"));
+      spec.choice_defaults.push_back({choice, name, *std::move(parsed)});
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<CoefficientSetSpec> ParseSet(const json& row) {
   CoefficientSetSpec set;
   set.name = row.at("name").get<std::string>();
@@ -204,6 +229,15 @@ absl::StatusOr<OptionTable> ParseOptionTable(std::string_view text) {
       absl::StatusOr<CoefficientSetSpec> set = ParseSet(row);
       if (!set.ok()) return set.status();
       table.coefficient_sets.push_back(*std::move(set));
+    }
+    for (size_t i = 0; i < table.options.size(); ++i) {
+      MUOND_RETURN_IF_ERROR(ParseChoiceDefaults(doc.at("options")[i], table, table.options[i]));
+      for (const OptionSpec::ChoiceDefault& d : table.options[i].choice_defaults) {
+        const bool is_set_name = std::any_of(table.coefficient_sets.begin(), table.coefficient_sets.end(),
+                                             [&](const CoefficientSetSpec& set) { return set.name == d.value.name; });
+        if (!d.value.name.empty() && d.option == "ns_coefficients" && !is_set_name)
+          return Bad(table.options[i].name, absl::StrCat("choice_defaults: no coefficient set ", d.value.name));
+      }
     }
   } catch (const json::exception& e) {
     return Bad("json", e.what());

@@ -55,6 +55,13 @@ struct OptionSpec {
   std::string label;  // the name a range refusal uses
   std::array<bool, kOptimizerCount> per_step = {};
   std::string doc;
+  // kChoice: per choice, the options it sets when a group leaves them unset (name, value); each
+  // names a row of the table and fits its type.
+  struct ChoiceDefault {
+    std::string choice, option;
+    OptionDefault value;
+  };
+  std::vector<ChoiceDefault> choice_defaults;
 };
 
 struct CoefficientSetSpec {

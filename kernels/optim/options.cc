@@ -89,6 +89,29 @@ GroupOptions DefaultOptions(OptimizerKind kind) {
   return o;
 }
 
+void ApplyChoiceDefaults(GroupOptions& o, absl::FunctionRef<bool(std::string_view)> given) {
+  for (const OptionSpec& spec : GroupOptionTable().options) {
+    if (spec.choice_defaults.empty()) continue;
+    std::string_view chosen;
+    VisitOptionFields(o, [&](std::string_view name, const auto& member) {
+      using Member = std::decay_t<decltype(member)>;
+      if constexpr (std::is_enum_v<Member>) {
+        if (name == spec.name) chosen = spec.choices[static_cast<size_t>(member)];
+      }
+    });
+    for (const OptionSpec::ChoiceDefault& d : spec.choice_defaults) {
+      if (d.choice != chosen || given(d.option)) continue;
+      if (d.option == "ns_coefficients") {
+        o.ns_schedule = *NamedSchedule(d.value.name);  // the table's check: a set it names
+        continue;
+      }
+      VisitOptionFields(o, [&](std::string_view name, auto& member) {
+        if (name == d.option) SetDefault(name, d.value, member);
+      });
+    }
+  }
+}
+
 absl::Status ValidateStepHyper(const GroupOptions& o, double lr, double momentum, double weight_decay) {
   for (const auto& [name, value] :
        {std::pair<std::string_view, double>{"lr", lr}, {"weight_decay", weight_decay}, {"momentum", momentum}}) {

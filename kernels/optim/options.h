@@ -8,6 +8,7 @@
 #include <string_view>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kernels/backend.h"
@@ -125,6 +126,10 @@ struct GroupOptions {
 
 // The option table's defaults for `kind` (lr, weight decay, momentum, nesterov, betas differ).
 GroupOptions DefaultOptions(OptimizerKind kind);
+
+// The options a choice brings (the table's choice_defaults: ns_preconditioner aol sets the aol
+// coefficients and 4 steps) into `o`, each unless `given(name)` says the group set it itself.
+void ApplyChoiceDefaults(GroupOptions& o, absl::FunctionRef<bool(std::string_view)> given);
 
 // The largest NsSingularValueBound a group's iteration may have (the ranges of single options are
 // the table's).

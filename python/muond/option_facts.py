@@ -82,6 +82,10 @@ def _python_options(optimizer: str) -> Dict[str, Any]:
 # Each optimizer's options and their defaults, by the Python client's names. None: left unset on
 # the wire, so the daemon's default applies.
 DEFAULTS: Dict[str, Dict[str, Any]] = {name: _python_options(name) for name in OPTIMIZERS}
+# What a choice brings: {option: {choice: {other option: value}}} (ns_preconditioner aol: the aol
+# set and 4 steps), applied to the options a group leaves unset, as the daemon applies them.
+CHOICE_DEFAULTS: Dict[str, Dict[str, Dict[str, Any]]] = {
+    row["name"]: row["choice_defaults"] for row in TABLE["options"] if "choice_defaults" in row}
 # Options of a Muon group that only its second moment (moment2_method) reads.
 MUON_MOMENT2: Tuple[str, ...] = tuple(
     row["name"] for row in TABLE["options"] if row.get("muon_needs") == "moment2_method")

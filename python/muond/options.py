@@ -34,6 +34,7 @@ from typing import Any, Dict, Mapping, Sequence, Tuple
 import torch
 
 from ._stubs import pb
+from . import option_facts as facts
 from .option_facts import (COEFFICIENT_SETS, COEFFICIENTS_AFTER, DEFAULTS, GRAM_RESTARTS,
                            MUON_MOMENT2 as _MUON_MOMENT2, NAMED_VALUES as _CHOICES, OPTIMIZERS,
                            PER_STEP, ROWS, SET_STEPS, matrix_shapes, slot_shape)
@@ -166,11 +167,11 @@ def resolve_group(group: Mapping[str, Any], defaults: Mapping[str, Any]) -> Dict
         else:
             value = fallback
         resolved[key] = _check_value(key, value)
+    for key, brings in facts.CHOICE_DEFAULTS.items():  # e.g. Turbo-Muon's set and steps with aol
+        for other, value in brings.get(resolved.get(key), {}).items():
+            if other not in group and other not in defaults:
+                resolved[other] = value
     if name in ("muon", "dion2") and resolved["ns_preconditioner"] == "aol":
-        # Turbo-Muon's defaults, as the daemon's: the aol set and 4 steps unless given.
-        for key, value in (("ns_coefficients", "aol"), ("ns_steps", 4)):
-            if key not in group and key not in defaults:
-                resolved[key] = value
         if resolved.get("ns_algorithm") == "gram":
             raise ValueError("ns_preconditioner aol applies with ns_algorithm standard or auto (its first "
                              "iteration reuses X·Xᵀ of the standard iteration)")

@@ -17,7 +17,6 @@ namespace {
 using optim::OptimizerKind;
 
 // Turbo-Muon's step count with its aol coefficient set (arXiv 2512.04632: one step fewer than 5).
-constexpr int kAolSteps = 4;
 
 absl::Status Invalid(const std::string& field, absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
@@ -119,12 +118,12 @@ absl::StatusOr<optim::GroupOptions> ParseGroupOptions(const v1::GroupOptions& in
   optim::GroupOptions out = optim::DefaultOptions(kind);
   MUOND_RETURN_IF_ERROR(CopyValues(in, field, out));
   MUOND_RETURN_IF_ERROR(ParseCoefficients(in, field, out));
-  // Turbo-Muon's defaults: with AOL and neither given, the aol set and 4 steps.
-  if (out.ns_preconditioner == optim::NsPreconditioner::kAol) {
-    if (!in.has_ns_coefficients() && in.ns_custom_coefficients_size() == 0)
-      out.ns_schedule = *optim::NamedSchedule("aol");
-    if (!in.has_ns_steps()) out.ns_steps = kAolSteps;
-  }
+  // What a choice brings when the group leaves it unset (Turbo-Muon's set and steps with AOL).
+  optim::ApplyChoiceDefaults(out, [&](std::string_view name) {
+    if (name == "ns_coefficients") return in.has_ns_coefficients() || in.ns_custom_coefficients_size() > 0;
+    const google::protobuf::FieldDescriptor* f = in.GetDescriptor()->FindFieldByName(std::string(name));
+    return f != nullptr && in.GetReflection()->HasField(in, f);
+  });
   // Refuse options this group does not read, naming the first one set, rather than ignore them.
   std::vector<const google::protobuf::FieldDescriptor*> set_fields;
   in.GetReflection()->ListFields(in, &set_fields);

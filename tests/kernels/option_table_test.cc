@@ -61,9 +61,35 @@ TEST(OptionTableTest, DamagedTablesAreRefusedNamingTheRow) {
            {R"({"name": "x", "carrier": "wire", "applies_to": "all", "type": "float", "default": 1, "doc": "d"})",
             "carrier wire"},
            {R"({"name": "x", "carrier": "group", "applies_to": "all", "type": "float", "default": 1})", "doc"},
+           {R"({"name": "x", "carrier": "group", "applies_to": "all", "type": "choice", "choices": ["a", "b"],
+                "default": "a", "choice_defaults": {"c": {"x": "a"}}, "doc": "d"})",
+            "option x choice_defaults: c is no choice"},
+           {R"({"name": "x", "carrier": "group", "applies_to": "all", "type": "choice", "choices": ["a", "b"],
+                "default": "a", "choice_defaults": {"b": {"y": 1}}, "doc": "d"})",
+            "option x choice_defaults: unknown option y"},
+           {R"({"name": "x", "carrier": "group", "applies_to": "all", "type": "choice", "choices": ["a", "b"],
+                "default": "a", "choice_defaults": {"b": {"x": 1}}, "doc": "d"})",
+            "does not fit the type"},
        }) {
     EXPECT_THAT(ParseOptionTable(TableWith(row)), StatusIs(absl::StatusCode::kInvalidArgument, message)) << row;
   }
+}
+
+// ns_preconditioner aol brings Turbo-Muon's set and 4 steps (the table's choice_defaults), each
+// only where the group left it unset.
+TEST(OptionTableTest, AChoiceBringsItsDefaultsWhereTheGroupLeftThemUnset) {
+  GroupOptions o = DefaultOptions(OptimizerKind::kMuon);
+  o.ns_preconditioner = NsPreconditioner::kAol;
+  GroupOptions given = o;
+  ApplyChoiceDefaults(o, [](std::string_view) { return false; });
+  EXPECT_EQ(o.ns_schedule.name, "aol");
+  EXPECT_EQ(o.ns_steps, 4);
+  ApplyChoiceDefaults(given, [](std::string_view name) { return name == "ns_steps"; });
+  EXPECT_EQ(given.ns_schedule.name, "aol");
+  EXPECT_EQ(given.ns_steps, 5) << "the group's own ns_steps stays";
+  GroupOptions frobenius = DefaultOptions(OptimizerKind::kMuon);
+  ApplyChoiceDefaults(frobenius, [](std::string_view) { return false; });
+  EXPECT_EQ(frobenius.ns_schedule.name, "simple");
 }
 
 // Each member's type against its row's: the codec reads the wire's field of that type by name.
