@@ -178,7 +178,9 @@ absl::Status ParseChoiceDefaults(const json& row, OptionTable& table, OptionSpec
     if (std::find(spec.choices.begin(), spec.choices.end(), choice) == spec.choices.end())
       return Bad(where, absl::StrCat(choice, " is no choice"));
     if (!options.is_object()) return Bad(where, absl::StrCat(choice, ": not an object"));
-    for (const auto& [name, value] : options.items()) {
+    for (const auto& entry : options.items()) {
+      const std::string name = entry.key();  // a copy the lambda can capture (not a structured binding)
+      const json& value = entry.value();
       const auto target = std::find_if(table.options.begin(), table.options.end(),
                                        [&](const OptionSpec& other) { return other.name == name; });
       if (target == table.options.end()) return Bad(where, absl::StrCat("unknown option ", name));
