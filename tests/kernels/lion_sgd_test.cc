@@ -36,17 +36,13 @@ void RunAgainstReference(const GroupOptions& o, const std::string& slot, const R
   std::vector<ParamState> states(shapes.size());
   std::vector<Ref> refs(shapes.size());
   for (size_t i = 0; i < shapes.size(); ++i) {
-    ParamState& s = states[i];
-    s.shape = shapes[i];
-    s.numel = 1;
-    for (int64_t d : s.shape) s.numel *= d;
-    std::vector<float> w(s.numel);
+    int64_t numel = 1;
+    for (int64_t d : shapes[i]) numel *= d;
+    std::vector<float> w(numel);
     for (float& x : w) x = static_cast<float>(normal(rng));
     refs[i].p = testing::ToDouble(w);
-    refs[i].buf.assign(s.numel, 0.0);
-    s.master = testing::Upload(*backend, w);
-    ASSERT_OK_AND_ASSIGN(s.grad, backend->Allocate(s.numel));
-    ASSERT_OK(opt->InitState(*backend, s));
+    refs[i].buf.assign(numel, 0.0);
+    ASSERT_NO_FATAL_FAILURE(testing::SetUpParameter(*backend, *opt, shapes[i], w, states[i]));
   }
   std::vector<ParamState*> ptrs;
   for (ParamState& s : states) ptrs.push_back(&s);
@@ -149,15 +145,10 @@ TEST(DelayedNesterovTest, MatchesReference) {
   };
   std::vector<Host> refs(2);
   for (size_t i = 0; i < states.size(); ++i) {
-    ParamState& s = states[i];
-    s.shape = {sizes[i]};
-    s.numel = sizes[i];
-    std::vector<float> w(s.numel);
+    std::vector<float> w(sizes[i]);
     for (float& x : w) x = static_cast<float>(normal(rng));
-    refs[i] = {testing::ToDouble(w), std::vector<double>(s.numel, 0.0), std::vector<double>(s.numel, 0.0)};
-    s.master = testing::Upload(*backend, w);
-    ASSERT_OK_AND_ASSIGN(s.grad, backend->Allocate(s.numel));
-    ASSERT_OK(opt->InitState(*backend, s));
+    refs[i] = {testing::ToDouble(w), std::vector<double>(w.size(), 0.0), std::vector<double>(w.size(), 0.0)};
+    ASSERT_NO_FATAL_FAILURE(testing::SetUpParameter(*backend, *opt, {sizes[i]}, w, states[i]));
   }
   std::vector<ParamState*> ptrs = {&states[0], &states[1]};
   const double n = 3, c = 0.2, beta = 0.9, lr = 0.7;

@@ -116,16 +116,11 @@ TEST(MomentumAlignmentTest, SgdStepsMatchTheReference) {
   };
   std::vector<Host> refs(2);
   for (size_t i = 0; i < states.size(); ++i) {
-    ParamState& s = states[i];
-    s.shape = {sizes[i]};
-    s.numel = sizes[i];
-    std::vector<float> w(s.numel);
+    std::vector<float> w(sizes[i]);
     for (float& x : w) x = static_cast<float>(normal(rng));
     refs[i].p = testing::ToDouble(w);
-    refs[i].m.assign(s.numel, 0.0);
-    s.master = testing::Upload(*backend, w);
-    ASSERT_OK_AND_ASSIGN(s.grad, backend->Allocate(s.numel));
-    ASSERT_OK(opt->InitState(*backend, s));
+    refs[i].m.assign(w.size(), 0.0);
+    ASSERT_NO_FATAL_FAILURE(testing::SetUpParameter(*backend, *opt, {sizes[i]}, w, states[i]));
   }
   std::vector<ParamState*> ptrs = {&states[0], &states[1]};
   int seen[3] = {0, 0, 0};

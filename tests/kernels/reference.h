@@ -11,11 +11,14 @@
 #include <cstdint>
 #include <memory>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
+#include "kernels/optim/optimizer.h"
 #include "kernels/optim/options.h"
+#include "tests/testing/status_matchers.h"
 
 namespace muond::testing {
 
@@ -270,5 +273,19 @@ inline std::vector<float> Download(kernels::Backend& backend, const float* devic
 
 inline std::vector<float> ToFloat(const std::vector<double>& v) { return {v.begin(), v.end()}; }
 inline std::vector<double> ToDouble(const std::vector<float>& v) { return {v.begin(), v.end()}; }
+
+// Makes `s` a parameter of `shape` holding `weights` on `backend`, with its gradient buffer and
+// `opt`'s slots (the setup of an optimizer test against a host reference). Call it inside
+// ASSERT_NO_FATAL_FAILURE.
+inline void SetUpParameter(kernels::Backend& backend, const optim::Optimizer& opt, std::vector<int64_t> shape,
+                           const std::vector<float>& weights, optim::ParamState& s) {
+  s.shape = std::move(shape);
+  s.numel = 1;
+  for (int64_t d : s.shape) s.numel *= d;
+  ASSERT_EQ(static_cast<size_t>(s.numel), weights.size());
+  s.master = Upload(backend, weights);
+  ASSERT_OK_AND_ASSIGN(s.grad, backend.Allocate(s.numel));
+  ASSERT_OK(opt.InitState(backend, s));
+}
 
 }  // namespace muond::testing
