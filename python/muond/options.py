@@ -34,10 +34,9 @@ from typing import Any, Dict, Mapping, Sequence, Tuple
 import torch
 
 from ._stubs import pb
-from . import option_facts as facts
-from .option_facts import (COEFFICIENT_SETS, COEFFICIENTS_AFTER, DEFAULTS, GRAM_RESTARTS,
-                           MUON_MOMENT2 as _MUON_MOMENT2, NAMED_VALUES as _CHOICES, OPTIMIZERS,
-                           PER_STEP, ROWS, SET_STEPS, matrix_shapes, slot_shape)
+from .option_facts import (CHOICE_DEFAULTS, COEFFICIENT_SETS, COEFFICIENTS_AFTER, DEFAULTS,
+                           GRAM_RESTARTS, MUON_MOMENT2 as _MUON_MOMENT2, NAMED_VALUES as _CHOICES,
+                           OPTIMIZERS, PER_STEP, ROWS, SET_STEPS, matrix_shapes, slot_shape)
 
 __all__ = ["ALL_OPTIONS", "COEFFICIENT_SETS", "COEFFICIENTS_AFTER", "DEFAULTS", "GRAM_RESTARTS",
            "OPTIMIZERS", "OVERRIDABLE", "check_defaults", "check_parameter", "check_shapes",
@@ -167,7 +166,7 @@ def resolve_group(group: Mapping[str, Any], defaults: Mapping[str, Any]) -> Dict
         else:
             value = fallback
         resolved[key] = _check_value(key, value)
-    for key, brings in facts.CHOICE_DEFAULTS.items():  # e.g. Turbo-Muon's set and steps with aol
+    for key, brings in CHOICE_DEFAULTS.items():  # e.g. Turbo-Muon's set and steps with aol
         for other, value in brings.get(resolved.get(key), {}).items():
             if other not in group and other not in defaults:
                 resolved[other] = value
