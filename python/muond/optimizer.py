@@ -42,7 +42,6 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import math
-import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import grpc
@@ -54,13 +53,12 @@ from . import partition as parts
 from . import qk_clip as qk
 from . import ranks as ranks_of
 from . import session_spec
-from . import shard_step
 from . import wire
 from ._stubs import pb
 from .client import Connection
 from .connection_options import ConnectionOptions
 from .delayed import DelayedUpdate
-from .errors import PUSH_TOO_STALE, STEP_NOT_PREPARED, MuondError
+from .errors import MuondError
 from .landing import ForwardLanding
 from .naming import named_groups
 from .optimizer_options import (RankOptions, Setup, StepOptions, TimingOptions, WireOptions,
@@ -70,18 +68,16 @@ from .state_digest import StateDigest
 from .state_transfer import StateTransfer
 from .stream_controls import StreamControls
 from .state_digest import combine as combine_digests
-from .step_info import StepInfo, rank_report
+from .step_info import StepInfo
+from .step_tries import StepTries
 from .transport.daemon_session import DaemonSession, StreamedStep
 from .transport.streamed import IdentityChanged, Landing
 from .transport.zero_copy import check_zero_copy
 
-# A step that failed with these may have been applied or not; the daemon answers a resend of the
-# same step number without a second update, so resending is safe.
-_RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 _log = logging.getLogger("muond")
 
 
-class RemoteOptimizer(StateTransfer, StreamControls, torch.optim.Optimizer):
+class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Optimizer):
     """A torch optimizer backed by a muond session.
 
     Args:
@@ -573,168 +569,6 @@ class RemoteOptimizer(StateTransfer, StreamControls, torch.optim.Optimizer):
     def _delay_now(self) -> bool:
         """Whether the coming step is a delayed one (past delay_warmup)."""
         return self._delayed is not None and self._steps_sent >= self.delay_warmup
-
-    def _run_step(self, header: pb.StepHeader, grads: List[Tuple[str, torch.Tensor]],
-                  streamed: Optional[StreamedStep], rest: Optional[List[Tuple[str, torch.Tensor]]],
-                  out: Optional[Dict[str, torch.Tensor]], weight: Optional[float]
-                  ) -> Callable[[], None]:
-        """The step ``header`` with ``grads``, every try and retry; returns what notes its answer
-        (``last_step``, ``last_info``), to call once its parameters are in the model.
-        The first try finishes ``streamed`` when there is one (sending ``rest`` first, unless
-        None: sent already); the others, and a stream begun as another step, send ``grads``.
-        The parameters go into ``out`` (None: the model)."""
-        def plain() -> pb.StepResult:
-            if len(self._sessions) == 1:
-                return self._sessions[0].step(header, grads, out)
-            return self._sharded_step(header, self._grads_by_session(grads), out)
-
-        def once() -> Optional[pb.StepResult]:
-            nonlocal streamed
-            first, streamed = streamed, None
-            try:
-                if first is None:
-                    return plain()
-                try:
-                    if rest is not None:
-                        first.send_rest(header, rest)
-                except IdentityChanged:
-                    return plain()
-                if self._forward is not None and out is None:
-                    answered, self._answer_landing = first.answer()
-                else:
-                    answered = first.result()
-                self.streamed_steps += 1
-                return answered
-            except MuondError as err:
-                if self._async and err.reason == PUSH_TOO_STALE:
-                    return None
-                raise
-
-        try:
-            result, seconds, attempts = self._try_step(once)
-        finally:
-            if streamed is not None:
-                streamed.cancel()
-        if result is not None:
-            self._answered_step = int(result.step)
-
-        def note() -> None:
-            self._answered_step = None
-            if not self._async:
-                self._stepped(header, result, seconds, attempts, weight)
-            elif result is None:
-                self._dropped_as_stale(header, seconds, attempts)
-            else:
-                self._pushed(header, result, seconds, attempts, weight)
-        return note
-
-    def _stepped(self, header: pb.StepHeader, result: pb.StepResult, seconds: float,
-                 attempts: int, weight: Optional[float]) -> None:
-        """A step answered: the model holds the parameters after step ``result.step``."""
-        # The answer's step, which a quorum session's answer to a rank it went on without (its
-        # parameters are those after the session's last step) names: the next step follows it.
-        self.last_step = result.step
-        report = rank_report(result, self.sync.mode == "quorum")
-        included = report[2]
-        self.last_info = StepInfo.of_result(result, seconds=seconds, attempts=attempts,
-                                            count_zeros=self.log_num_zeros_in_grad,
-                                            scaled=self.loss_scaler is not None, ranks=report)
-        if self.loss_scaler is not None:
-            self.loss_scale = result.loss_scale
-        if not included:
-            _log.info("session %s: step %d went on without rank %d (it sent step %d); the "
-                      "parameters are those after step %d, the next step is %d", self.session_id,
-                      result.step, self.rank, header.step, result.step, result.step + 1)
-        if not result.contributors and not result.replayed:  # a new step: an older daemon
-            self._warn_old_daemon(weight)
-
-    def _pushed(self, header: pb.StepHeader, result: pb.StepResult, seconds: float, attempts: int,
-                weight: Optional[float]) -> None:
-        """An asynchronous push answered: applied as global step ``result.global_step`` now, or
-        before (a resend, answered from the rank's record). The model holds the parameters after
-        global step ``result.step`` (the latest), the base of the next push."""
-        self.pushes = int(header.step)
-        self.last_step = int(result.step)
-        if result.replayed:
-            # The answer carries the session's last result, whoever pushed it; the push was this
-            # rank's own, alone.
-            report = ((self.rank,), 1.0 if weight is None else weight, True)
-        else:
-            report = rank_report(result, False)[:2] + (True,)
-        self.last_info = StepInfo.of_result(result, seconds=seconds, attempts=attempts,
-                                            count_zeros=self.log_num_zeros_in_grad,
-                                            scaled=self.loss_scaler is not None, ranks=report,
-                                            asynchronous=True)
-        if self.loss_scaler is not None:
-            self.loss_scale = result.loss_scale
-
-    def _dropped_as_stale(self, header: pb.StepHeader, seconds: float, attempts: int) -> None:
-        """An asynchronous push refused as too stale (PUSH_TOO_STALE): nothing was applied and its
-        push number stays free. The model takes the session's latest parameters, which become
-        the base of the next push."""
-        self.last_step = self._sessions[0].refresh()
-        self.stale_pushes += 1
-        staleness = self.last_step - int(header.base_step)
-        self.last_info = StepInfo.stale_push(self.last_step, staleness, seconds=seconds,
-                                             attempts=attempts, loss_scale=self.loss_scale)
-        _log.info("session %s: rank %d's push %d was computed on global step %d, %d global steps "
-                  "behind, more than max_staleness %d: its gradients were dropped; the model "
-                  "holds the parameters of global step %d now", self.session_id, self.rank,
-                  header.step, header.base_step, staleness, self.sync.max_staleness,
-                  self.last_step)
-
-    def _warn_old_daemon(self, weight: Optional[float]) -> None:
-        """Says once that a daemon that reports no contributors (older than weights and quorum
-        steps) ignored what this optimizer asked of them."""
-        if self._warned_old_daemon or (weight is None and self.sync.mode == "lockstep"):
-            return
-        self._warned_old_daemon = True
-        _log.warning("session %s: the daemon reports no contributors (a version without weights "
-                     "or quorum steps): it ignored step(weight=) and sync_mode=%r and averaged "
-                     "every rank's gradients in lock-step", self.session_id, self.sync.mode)
-
-    def _grads_by_session(self, grads: List[Tuple[str, torch.Tensor]]
-                       ) -> List[List[Tuple[str, torch.Tensor]]]:
-        by_session: List[List[Tuple[str, torch.Tensor]]] = [[] for _ in self._sessions]
-        for name, g in grads:
-            by_session[self.placement.shard_of[self._index[name]]].append((name, g))
-        return by_session
-
-    def _sharded_step(self, header: pb.StepHeader, by_session: List[List[Tuple[str, torch.Tensor]]],
-                      out: Optional[Dict[str, torch.Tensor]] = None) -> pb.StepResult:
-        """One try of a step over every shard: prepare everywhere, decide, commit everywhere
-        (``shard_step.py``). Safe to repeat as a whole after any failure."""
-        prepares = [shard_step.prepare_header(header, session.by_name)
-                    for session in self._sessions]
-        prepared = self._on_every_session(
-            lambda k, session: session.step(prepares[k], by_session[k]))
-        commit = shard_step.commit_header(
-            header, shard_step.decide(prepared, self._indices_of, self._names))
-        committed = self._on_every_session(lambda k, session: session.step(commit, [], out))
-        # Every shard answers the step it committed (lock-step only: a quorum session is never
-        # sharded), so they agree; a disagreement is named rather than averaged away.
-        step = self._common_step([int(r.step) for r in committed], "Step")
-        return shard_step.result_of(commit, committed, step)
-
-    def _try_step(self, once: Callable[[], Optional[pb.StepResult]]
-                  ) -> Tuple[Optional[pb.StepResult], float, int]:
-        """Runs ``once`` up to max_step_attempts times on transient failures (the same step
-        number each time); returns (result, seconds, attempts). A sharded step is also tried
-        again when a shard lost its prepared step (a restart between prepare and commit)."""
-        started = time.perf_counter()
-        backoff = self.retry_backoff
-        for attempt in range(1, self.max_step_attempts + 1):
-            try:
-                result = once()
-                return result, time.perf_counter() - started, attempt
-            except MuondError as err:
-                lost_prepare = err.reason == STEP_NOT_PREPARED
-                if (err.code not in _RETRIED and not lost_prepare) or attempt == self.max_step_attempts:
-                    raise
-            pause = backoff
-            self._on_every_session(lambda k, session: session.conn.pause_before_retry(pause))
-            backoff *= 2
-        raise AssertionError("unreachable")
 
     # -- state ---------------------------------------------------------------------------------
 

@@ -1,17 +1,21 @@
-"""``OptimizerCore``: what ``RemoteOptimizer`` provides to the two mixins it is built from.
+"""``OptimizerCore``: what ``RemoteOptimizer`` provides to the three mixins it is built from.
 
-``RemoteOptimizer`` (optimizer.py: construction, steps, sessions) is completed by two mixins, each
-a half of its public surface with no state of its own:
+``RemoteOptimizer`` (optimizer.py: construction, the step's gradients and header, sessions) is
+completed by three mixins, each with no state of its own:
 
 - ``StateTransfer`` (state_transfer.py): ``state_dict`` and ``load_state_dict``;
 - ``StreamControls`` (stream_controls.py): overlapped and delayed steps — ``no_sync``,
-  ``gradients_in_flight``, ``flush`` and the streamed try backward opens.
+  ``gradients_in_flight``, ``flush`` and the streamed try backward opens;
+- ``StepTries`` (step_tries.py): every try and retry of a step, over one daemon or the shards, and
+  what its answer leaves in the optimizer.
 
 They read and call the members below, and nothing else of the optimizer; the optimizer sets every
-attribute in its constructor and keeps it for its life (``last_step``, ``pushes`` and
-``loss_scale`` change with each step). A type checker holds the optimizer to this protocol (the
+attribute in its constructor and keeps it for its life (``last_step``, ``pushes``, ``last_info``,
+``stale_pushes``, ``streamed_steps``, ``loss_scale`` and the step's bookkeeping below change with
+each step). A type checker holds the optimizer to this protocol (the
 mixins annotate ``self`` with it), and a test checks that every member exists on a built optimizer
-(tests/python/test_optimizer_options.py). Used from the optimizer's thread, as the optimizer is.
+(tests/python/test_optimizer_options.py). Used from the optimizer's thread, as the optimizer is;
+a delayed step's tries run on the delayed update's thread, one step at a time.
 """
 
 from __future__ import annotations
@@ -24,7 +28,10 @@ if TYPE_CHECKING:
     from .delayed import DelayedUpdate
     from .landing import ForwardLanding
     from .overlap import GradientStream
+    from .placement import Placement
     from .ranks import Sync
+    from .step_info import StepInfo
+    from .transport.streamed import Landing
     from .transport.daemon_session import DaemonSession
 
 
@@ -45,6 +52,12 @@ class OptimizerCore(Protocol):
     loss_scale: Optional[float]
     chunk_bytes: int
     return_dtype: str
+    last_info: Optional["StepInfo"]  # the last step's answer
+    stale_pushes: int               # asynchronous sessions: pushes dropped as too stale
+    streamed_steps: int             # steps whose first try was streamed (overlap)
+    log_num_zeros_in_grad: bool
+    max_step_attempts: int          # tries of a step on transient failures
+    retry_backoff: float            # seconds before the second try, doubled after each
 
     # The parameters: names in session order, by name, their index, their global shapes (a
     # rank holding parts holds less), and per daemon the indices of its parameters.
@@ -53,6 +66,13 @@ class OptimizerCore(Protocol):
     _index: Dict[str, int]
     _global_shapes: Dict[str, Tuple[int, ...]]
     _indices_of: List[List[int]]
+    placement: "Placement"      # which daemon holds which parameter
+
+    # A step's bookkeeping: the step its answer named, until the answer is noted; the answer's
+    # landing (land_in_forward), until step() hands it on; whether an older daemon was warned of.
+    _answered_step: Optional[int]
+    _answer_landing: Optional["Landing"]
+    _warned_old_daemon: bool
 
     # One DaemonSession per daemon (several: a sharded session), and the machinery of overlapped,
     # landed and delayed steps (None when not asked for).
