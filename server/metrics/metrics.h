@@ -33,7 +33,7 @@ struct GroupFigures {
 
 // One answered step of a session, as it went through the transport seam.
 struct StepReport {
-  std::string_view transport = "grpc";  // "grpc" | "shm": how the gradients came and the answer left
+  std::string_view transport = "grpc";  // "grpc", "shm", "cuda_ipc", "nccl": how the step travelled
   bool applied = true;                  // false: skipped (a non-finite gradient, the fp32 guard)
   bool replayed = false;                // a retry answered from the last result; nothing was computed
   bool prepared = false;                // the first phase of a sharded step: nothing was applied

@@ -74,7 +74,7 @@ size_t PrometheusMetrics::TransportIndex(std::string_view transport) {
   for (size_t i = 0; i < kTransports.size(); ++i) {
     if (kTransports[i] == transport) return i;
   }
-  return 0;  // unknown transports count as gRPC: the set stays bounded
+  return 0;  // an unknown name counts as gRPC: the set stays bounded
 }
 
 void PrometheusMetrics::CallStarted(std::string_view method) {

@@ -72,7 +72,9 @@ class PrometheusMetrics final : public Metrics {
   std::string Render() const;
 
  private:
-  static constexpr std::array<std::string_view, 2> kTransports = {"grpc", "shm"};
+  // Every step transport's name (GradientSource::transport()), so each has its own series; the
+  // GPU transports' stay at 0 on a daemon without them.
+  static constexpr std::array<std::string_view, 4> kTransports = {"grpc", "shm", "cuda_ipc", "nccl"};
   static constexpr std::array<std::string_view, 4> kOutcomes = {"applied", "skipped", "replayed", "prepared"};
   static constexpr std::array<std::string_view, 3> kPhases = {"receive", "compute", "send"};
 

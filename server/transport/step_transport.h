@@ -26,7 +26,7 @@ class GradientSource {
   // Reads the step's gradients into `step` — all of them, or an error naming the field; a replay's
   // gradients are read and dropped (the transport must still consume them).
   virtual absl::Status ReadGradients(session::IncomingStep& step) = 0;
-  // The transport's name in metrics ("grpc", "shm").
+  // The transport's name in metrics ("grpc", "shm", "cuda_ipc", "nccl").
   virtual std::string_view transport() const = 0;
   // Bytes taken in so far (payload and framing), for metrics.
   int64_t bytes_received() const { return bytes_received_; }

@@ -7,6 +7,7 @@
 #include <regex>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "httplib.h"
@@ -123,6 +124,36 @@ TEST(PrometheusMetricsTest, StepsCountByOutcomeAndTransportWithPhasesAndBytes) {
   EXPECT_EQ(s.at(R"(muond_step_received_bytes_total{transport="shm"})"), 400);
   EXPECT_EQ(s.at(R"(muond_step_sent_bytes_total{transport="shm"})"), 300);
   EXPECT_EQ(s.at(R"(muond_step_duration_seconds_count{transport="grpc"})"), 3);
+}
+
+TEST(PrometheusMetricsTest, EachGpuTransportHasItsOwnSeriesAndAnUnknownNameCountsAsGrpc) {
+  PrometheusMetrics metrics(Options());
+  const auto before = Samples(metrics.Render());
+  for (const char* transport : {"cuda_ipc", "nccl"}) {
+    EXPECT_EQ(before.at(absl::StrCat(R"(muond_steps_total{outcome="applied",transport=")", transport, R"("})")), 0)
+        << transport;
+  }
+  StepReport cuda_ipc;
+  cuda_ipc.transport = "cuda_ipc";
+  cuda_ipc.bytes_received = 64;
+  metrics.StepAnswered(cuda_ipc);
+  StepReport nccl;
+  nccl.transport = "nccl";
+  nccl.replayed = true;
+  metrics.StepAnswered(nccl);
+  StepReport unknown;
+  unknown.transport = "carrier-pigeon";
+  metrics.StepAnswered(unknown);
+
+  const auto s = Samples(metrics.Render());
+  EXPECT_EQ(s.at(R"(muond_steps_total{outcome="applied",transport="cuda_ipc"})"), 1);
+  EXPECT_EQ(s.at(R"(muond_step_received_bytes_total{transport="cuda_ipc"})"), 64);
+  EXPECT_EQ(s.at(R"(muond_steps_total{outcome="replayed",transport="nccl"})"), 1);
+  EXPECT_EQ(s.at(R"(muond_steps_total{outcome="applied",transport="nccl"})"), 0);
+  EXPECT_EQ(s.at(R"(muond_steps_total{outcome="applied",transport="grpc"})"), 1);
+  for (const auto& [series, value] : s) {
+    EXPECT_EQ(series.find("carrier-pigeon"), std::string::npos) << series;
+  }
 }
 
 TEST(PrometheusMetricsTest, CallsSessionsAndDurableWrites) {
