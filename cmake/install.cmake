@@ -32,16 +32,22 @@ if(TARGET muond_client_cuda)
   install(FILES client/cuda_ipc_stepper.h DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/muond/client)
 endif()
 # Headers keep their repository paths under include/muond/ ("client/muond_client.h"); the generated
-# API sits at include/muond/v1/ ("muond/v1/muond.pb.h" from include/).
+# API sits at include/muond/v1/ ("muond/v1/muond.pb.h" from include/, which includes the headers of
+# the files of messages it imports), and its .proto files under share/muond/proto/.
 install(FILES client/muond_client.h client/error_reason.h client/sharded_session.h client/shard_placement.h
               client/shm_region.h client/state_digest.h client/streamed_step.h
   DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/muond/client)
 install(FILES client/transport/step_transport.h DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/muond/client/transport)
 install(FILES proto/wire/chunk_frame.h proto/wire/dtype_codec.h
   DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/muond/proto/wire)
-install(FILES ${PROJECT_BINARY_DIR}/proto/gen/muond/v1/muond.pb.h ${PROJECT_BINARY_DIR}/proto/gen/muond/v1/muond.grpc.pb.h
-  DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/muond/v1)
-install(FILES proto/muond/v1/muond.proto DESTINATION ${CMAKE_INSTALL_DATADIR}/muond/proto/muond/v1)
+set(_api_headers ${PROJECT_BINARY_DIR}/proto/gen/muond/v1/muond.grpc.pb.h)
+set(_api_protos)
+foreach(_name ${MUOND_API_PROTOS})
+  list(APPEND _api_headers ${PROJECT_BINARY_DIR}/proto/gen/${_name}.pb.h)
+  list(APPEND _api_protos proto/${_name}.proto)
+endforeach()
+install(FILES ${_api_headers} DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/muond/v1)
+install(FILES ${_api_protos} DESTINATION ${CMAKE_INSTALL_DATADIR}/muond/proto/muond/v1)
 
 install(EXPORT muondTargets NAMESPACE muond:: DESTINATION ${MUOND_INSTALL_CMAKEDIR})
 configure_package_config_file(cmake/muondConfig.cmake.in ${PROJECT_BINARY_DIR}/muondConfig.cmake

@@ -3,7 +3,7 @@
 // which sends it as a google.rpc.ErrorInfo in the gRPC status details. The reason travels as an absl
 // payload, so it survives MUOND_RETURN_IF_ERROR and any rewording of the message.
 //
-// The names are those of muond.v1.ErrorReason (proto/muond/v1/muond.proto); a test keeps the two
+// The names are those of muond.v1.ErrorReason (proto/muond/v1/error_details.proto); a test keeps the two
 // lists equal. docs/protocol.md, Error reasons, says when each is sent and what a client does.
 #pragma once
 

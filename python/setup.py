@@ -57,8 +57,9 @@ class SdistWithProto(sdist):
         super().make_release_tree(base_dir, files)
         dest = Path(base_dir) / "proto" / "muond" / "v1"
         dest.mkdir(parents=True, exist_ok=True)
-        for name in ("muond.proto", "group_options.json"):  # the API and its option table
-            (dest / name).write_bytes((_proto_root() / "muond" / "v1" / name).read_bytes())
+        source = _proto_root() / "muond" / "v1"
+        for path in sorted(source.glob("*.proto")) + [source / "group_options.json"]:  # the API, its option table
+            (dest / path.name).write_bytes(path.read_bytes())
 
 
 VERSION = re.search(r'^__version__ = "([^"]+)"', (HERE / "muond" / "__init__.py").read_text(),

@@ -4,10 +4,14 @@ The stubs are never checked in: ``setup.py`` runs this at install time and CMake
 (``python3 python/muond/_codegen.py --proto-root proto --out build/python``). The result is the
 subpackage ``muond._proto`` written under ``OUT/muond/_proto/``:
 
-    muond_pb2.py       messages (from protoc --python_out)
+    muond_pb2.py       the calls' messages (from protoc --python_out); it imports the API's
+                       other files publicly, so every message of the API is one of its names
+    session_spec_pb2.py, step_pb2.py, device_transport_pb2.py, error_details_pb2.py
+                       the messages of those files (one module per file of proto/muond/v1/)
     muond_pb2_grpc.py  the service stub (from the gRPC Python plugin), importing muond_pb2
-                       relatively so it works wherever the package is installed
     group_options.json the option table, copied from proto/muond/v1/ (muond.option_facts reads it)
+
+Every module imports its siblings relatively, so the package works wherever it is installed.
 
 Two toolchains are tried in order, the first that succeeds wins:
 
@@ -30,7 +34,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-PROTO_FILE = "muond/v1/muond.proto"
+PROTO_FILE = "muond/v1/muond.proto"  # the service; it imports the other files of PROTO_DIR
+PROTO_DIR = "muond/v1"
 # The option table (docs/architecture.md, One table of group options), copied beside the stubs.
 TABLE_FILE = "muond/v1/group_options.json"
 PACKAGE_DIR = Path("muond") / "_proto"
@@ -51,8 +56,8 @@ def _run(cmd: list[str]) -> tuple[bool, str]:
 
 
 def _toolchains(proto_root: Path, out: Path) -> list[tuple[str, list[str]]]:
-    common = [f"-I{proto_root}", f"--python_out={out}", f"--grpc_python_out={out}",
-              str(proto_root / PROTO_FILE)]
+    common = [f"-I{proto_root}", f"--python_out={out}", f"--grpc_python_out={out}"]
+    common += [str(path) for path in sorted((proto_root / PROTO_DIR).glob("*.proto"))]
     chains = [("grpc_tools.protoc", [sys.executable, "-m", "grpc_tools.protoc"] + common)]
     protoc = shutil.which("protoc")
     plugin = shutil.which("grpc_python_plugin")
@@ -62,18 +67,20 @@ def _toolchains(proto_root: Path, out: Path) -> list[tuple[str, list[str]]]:
     return chains
 
 
-def _fix_imports(grpc_module: str) -> str:
-    # protoc writes `from muond.v1 import muond_pb2 as ...`, which would resolve against the muond
-    # package itself; the two modules live side by side, so import relatively instead.
-    fixed, count = re.subn(r"^from muond\.v1 import muond_pb2 as", "from . import muond_pb2 as",
-                           grpc_module, flags=re.MULTILINE)
-    if count != 1:
-        raise CodegenError("unexpected import layout in the generated muond_pb2_grpc.py")
+def _fix_imports(module: str, name: str) -> str:
+    # protoc writes `from muond.v1 import step_pb2 as ...` for an imported file, and
+    # `from muond.v1.step_pb2 import *` for a public import; both would resolve against the muond
+    # package itself. The modules live side by side, so they import each other relatively instead.
+    fixed = re.sub(r"^from muond\.v1 import (\w+_pb2) as", r"from . import \1 as", module, flags=re.MULTILINE)
+    fixed = re.sub(r"^from muond\.v1\.(\w+_pb2) import \*", r"from .\1 import *", fixed, flags=re.MULTILINE)
+    if re.search(r"^(from|import) muond\.v1", fixed, flags=re.MULTILINE) or (
+            name == "muond_pb2_grpc.py" and "\nfrom . import muond_pb2 as" not in fixed):
+        raise CodegenError(f"unexpected import layout in the generated {name}")
     return fixed
 
 
 def generate(proto_root: os.PathLike | str, out: os.PathLike | str) -> Path:
-    """Writes ``OUT/muond/_proto/`` from ``PROTO_ROOT/muond/v1/muond.proto``; returns that folder.
+    """Writes ``OUT/muond/_proto/`` from ``PROTO_ROOT/muond/v1/*.proto``; returns that folder.
 
     Raises CodegenError naming every toolchain tried and why it failed.
     """
@@ -97,16 +104,15 @@ def generate(proto_root: os.PathLike | str, out: os.PathLike | str) -> Path:
                                  "protobuf-compiler-grpc (apt)")
         target.mkdir(parents=True, exist_ok=True)
         (target / "__init__.py").write_text(_INIT)
-        shutil.copyfile(generated / "muond_pb2.py", target / "muond_pb2.py")
-        grpc_module = (generated / "muond_pb2_grpc.py").read_text()
-        (target / "muond_pb2_grpc.py").write_text(_fix_imports(grpc_module))
+        for module in sorted(generated.glob("*_pb2.py")) + [generated / "muond_pb2_grpc.py"]:
+            (target / module.name).write_text(_fix_imports(module.read_text(), module.name))
     shutil.copyfile(proto_root / TABLE_FILE, target / Path(TABLE_FILE).name)
     return target
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--proto-root", required=True, help="folder holding muond/v1/muond.proto")
+    parser.add_argument("--proto-root", required=True, help="folder holding muond/v1/*.proto")
     parser.add_argument("--out", required=True, help="folder to receive muond/_proto/")
     args = parser.parse_args(argv)
     try:

@@ -41,9 +41,11 @@ def prefix(tmp_path_factory):
 
 
 def test_install_lays_out_the_package(prefix):
+    api = ("muond", "session_spec", "step", "device_transport", "error_details")
     for path in ("bin/muond", "bin/muondctl", "include/muond/client/muond_client.h",
-                 "include/muond/v1/muond.pb.h", "include/muond/v1/muond.grpc.pb.h",
-                 "share/muond/proto/muond/v1/muond.proto", "share/doc/muond/README.md"):
+                 "include/muond/v1/muond.grpc.pb.h", "share/doc/muond/README.md",
+                 *(f"include/muond/v1/{name}.pb.h" for name in api),
+                 *(f"share/muond/proto/muond/v1/{name}.proto" for name in api)):
         assert (prefix / path).is_file(), path
     libdir = next(p for p in (prefix / "lib", prefix / "lib64") if (p / "cmake" / "muond").is_dir())
     assert (libdir / "libmuond_client.a").is_file()

@@ -2,6 +2,7 @@
 mapping, default parameter groups, the in-process optimizer, the generated stubs."""
 
 import importlib.util
+import re
 
 import pytest
 import torch
@@ -305,8 +306,14 @@ def test_generated_stubs_import_as_a_subpackage(tmp_path):
     codegen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(codegen)
     target = codegen.generate(REPO_ROOT / "proto", tmp_path)
-    text = (target / "muond_pb2_grpc.py").read_text()
-    assert "from . import muond_pb2" in text and "from muond.v1" not in text
-    assert {p.name for p in target.iterdir()} >= {"__init__.py", "muond_pb2.py",
-                                                  "muond_pb2_grpc.py"}
+    files = {"muond_pb2.py", "session_spec_pb2.py", "step_pb2.py", "device_transport_pb2.py",
+             "error_details_pb2.py", "muond_pb2_grpc.py"}
+    assert {p.name for p in target.iterdir()} >= files | {"__init__.py", "group_options.json"}
+    for name in files:  # every module imports its siblings relatively
+        assert not re.search(r"^(from|import) muond\.v1", (target / name).read_text(), re.MULTILINE), name
+    assert "from . import muond_pb2" in (target / "muond_pb2_grpc.py").read_text()
+    assert "from .step_pb2 import *" in (target / "muond_pb2.py").read_text()
     assert "muond._proto" in muond._stubs.pb.__name__
+    # The public imports make every message of the API a name of muond_pb2.
+    for message in ("SessionSpec", "StepHeader", "StepSharedRequest", "ErrorInfo", "ServerInfo"):
+        assert hasattr(muond._stubs.pb, message), message

@@ -44,7 +44,7 @@ TEST(GroupOptionTableTest, EveryWireFieldIsARowOfItsType) {
     const FieldDescriptor* field = message->field(i);
     fields.insert(field->name());
     const optim::OptionSpec* row = optim::FindOption(field->name());
-    ASSERT_NE(row, nullptr) << field->name() << " is in muond.proto but not in the option table";
+    ASSERT_NE(row, nullptr) << field->name() << " is in GroupOptions but not in the option table";
     EXPECT_EQ(row->carrier, optim::OptionCarrier::kGroup) << field->name();
     FieldDescriptor::CppType expected = FieldDescriptor::CPPTYPE_STRING;
     switch (row->type) {
@@ -70,7 +70,7 @@ TEST(GroupOptionTableTest, EveryWireFieldIsARowOfItsType) {
   }
   for (const optim::OptionSpec& row : optim::GroupOptionTable().options) {
     if (row.carrier == optim::OptionCarrier::kGroup) {
-      EXPECT_EQ(fields.count(row.name), 1u) << row.name << " is in the option table but not in muond.proto";
+      EXPECT_EQ(fields.count(row.name), 1u) << row.name << " is in the option table but not in GroupOptions";
     }
   }
 }
