@@ -7,7 +7,9 @@
 //   c < 0         shrunk:      g − β·c·|g|·m/|m|,  β = min(k_s·(−c)·conf, β_max)
 //   0 ≤ c < c_ok  reoriented:  |g|·u/|u|,  u = (1 − λ)·g/|g| + λ·m/|m|,  λ = min(k_d·(c_ok − c)·conf, 1)
 // Each corrected gradient is a·g + b·m for two scalars, written with the backend's Axpby. A zero g
-// or m keeps g. Stateless functions; the caller owns the gradient and the momentum.
+// keeps g; so does an m with no usable direction: |m| below fp32's smallest normal number, or so
+// small against |g| that b is beyond fp32's range (b·m would overflow to ±inf and 0·inf to NaN). Stateless functions;
+// the caller owns the gradient and the momentum.
 #pragma once
 
 #include <cstddef>

@@ -130,6 +130,12 @@ absl::Status ValidateStepHyper(const GroupOptions& o, double lr, double momentum
                      "stays in [0, 1]), got ",
                      weight_decay));
   }
+  // At creation and in every step's override: a step with momentum 0 leaves the buffer as it is, and
+  // HeLoCo would turn gradients toward a direction training no longer takes.
+  if (o.optimizer == OptimizerKind::kSgd && o.heloco && !(momentum > 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "momentum: heloco needs momentum > 0 (the correction's reference is the momentum buffer), got ", momentum));
+  }
   if (o.optimizer == OptimizerKind::kSgd && o.nesterov_delay > 1 && weight_decay != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "weight_decay: nesterov_delay > 1 takes none (delayed Nesterov has no weight decay), got ", weight_decay));
@@ -306,9 +312,6 @@ absl::Status ValidateOptions(const GroupOptions& o) {
   }
   if (o.optimizer == OptimizerKind::kSgd && o.nesterov_delay > 1) {
     if (!o.nesterov) return absl::InvalidArgumentError("nesterov_delay > 1 needs nesterov (delayed Nesterov)");
-  }
-  if (o.optimizer == OptimizerKind::kSgd && o.heloco && o.momentum <= 0) {
-    return absl::InvalidArgumentError("heloco needs momentum > 0 (the correction's reference is the momentum buffer)");
   }
   if (o.optimizer == OptimizerKind::kSgd && o.momentum_activation > 0) {
     if (o.nesterov_delay <= 1) return absl::InvalidArgumentError("momentum_activation > 0 needs nesterov_delay > 1");

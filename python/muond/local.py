@@ -180,6 +180,8 @@ def _gram_restarts(group: Dict[str, Any], rows: int, cols: int) -> Optional[Tupl
 
 # The epsilons of MuonEq's and Muon+'s references (docs/algorithms.md, MuonEq and Muon+).
 _MOMENTUM_NORMALIZATION_EPS = 1e-8
+_FP32_TINY = torch.finfo(torch.float32).tiny  # the smallest normal fp32
+_FP32_MAX = torch.finfo(torch.float32).max
 _POST_NORMALIZATION_EPS = 1e-7
 # Muon+'s orders of lines: -1 scales rows, -2 columns.
 _POST_ORDERS = {"row": (-1,), "col": (-2,), "row_col": (-1, -2), "muon_plus": (-1, -2), "col_row": (-2, -1)}
@@ -194,7 +196,7 @@ def heloco_aligned(g: torch.Tensor, m: Optional[torch.Tensor], group: Dict[str, 
         return g
     g64, m64 = g.double().flatten(), m.double().flatten()
     g_norm, m_norm = g64.norm().item(), m64.norm().item()
-    if not (g_norm > 0 and m_norm > 0):
+    if not (g_norm > 0 and m_norm >= _FP32_TINY):  # no momentum, or no usable direction in it
         return g
     c = min(max(torch.dot(g64, m64).item() / (g_norm * m_norm), -1.0), 1.0)
     keep = group["heloco_keep_cosine"]
@@ -209,6 +211,8 @@ def heloco_aligned(g: torch.Tensor, m: Optional[torch.Tensor], group: Dict[str, 
         lam = min(group["heloco_reorient"] * (keep - c) * confidence, 1.0)
         u_norm = max(math.sqrt((1 - lam) ** 2 + lam ** 2 + 2 * lam * (1 - lam) * c), eps)
         a, b = (1 - lam) / u_norm, lam * g_norm / (m_norm * u_norm)
+    if abs(b) > _FP32_MAX:  # |m| negligible against |g|: b·m would overflow in fp32
+        return g
     return g.float() * a + m.float() * b
 
 
@@ -457,6 +461,10 @@ class LocalOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         total_weight = ranks.check_weight(weight) or 1.0
+        for group in self.param_groups:  # the daemon's check of a step's momentum, before any change
+            if group.get("heloco") and not group["momentum"] > 0:
+                raise ValueError(f"momentum: heloco needs momentum > 0 (the correction's reference "
+                                 f"is the momentum buffer), got {group['momentum']}")
         logits = qk.logits_of(qk_logits, self.qk_clip, self._params, self._names)
         grad_scale = loss_scale.check_grad_scale(grad_scale)
         if self._scaler is not None:

@@ -175,6 +175,36 @@ TEST(MomentumAlignmentTest, Bf16MomentumIsWidenedFirst) {
   EXPECT_EQ(testing::Download(*backend, grad->data(), g.size()), g);  // the gradient itself untouched
 }
 
+// A momentum that decayed to subnormals (a parameter without gradients for many steps), or one so
+// small against the gradient that b·m would overflow fp32, has no usable direction: the gradient
+// is kept, and the step stays finite.
+TEST(MomentumAlignmentTest, AMomentumWithNoUsableDirectionKeepsTheGradient) {
+  auto backend = kernels::NewCpuBackend(1);
+  const GroupOptions o = HelocoSgd();
+  struct Case {
+    const char* what;
+    float g1, m0;  // g = (0, g1, 0, 0) is orthogonal to m = (m0, 0, 0, 0): reoriented, were m usable
+  };
+  for (const Case& c : {Case{"subnormal", 1.0f, 2.3e-41f}, Case{"normal, b beyond fp32", 100.0f, 1.5e-38f}}) {
+    const std::vector<float> g = {0.0f, c.g1, 0.0f, 0.0f}, m = {c.m0, 0.0f, 0.0f, 0.0f};
+    const AlignmentPlan plan = PlanAlignment(o, c.g1, double{c.m0}, 0.0);
+    EXPECT_EQ(plan.kind, Alignment::kKept) << c.what;
+    auto grad = testing::Upload(*backend, g);
+    auto momentum = testing::Upload(*backend, m);
+    ASSERT_OK_AND_ASSIGN(AlignedGradient aligned,
+                         AlignWithMomentum(*backend, o, grad->data(), momentum->data(), g.size()));
+    EXPECT_EQ(aligned.plan.kind, Alignment::kKept) << c.what;
+    EXPECT_EQ(testing::Download(*backend, aligned.data, g.size()), g) << c.what;
+  }
+  // Shrunk too: against a tiny normal momentum, b = β·|c|·|g|/|m| beyond fp32.
+  const AlignmentPlan shrunk = PlanAlignment(o, 1e3, 1.5e-38, -0.5 * 1e3 * 1.5e-38);
+  EXPECT_EQ(shrunk.kind, Alignment::kKept);
+  // The smallest momentum still used: b stays a finite fp32.
+  const AlignmentPlan used = PlanAlignment(o, 1.0, 1e-30, 0.0);
+  EXPECT_EQ(used.kind, Alignment::kReoriented);
+  EXPECT_TRUE(std::isfinite(static_cast<float>(used.momentum_scale)));
+}
+
 // The backend's default Dot (|x + y|² − |x|² − |y|², for device backends) against the CPU's exact
 // sum, within its stated error 2⁻²⁴·(|x|² + |y|²) and some.
 TEST(MomentumAlignmentTest, DefaultDotIsWithinItsBound) {

@@ -334,6 +334,53 @@ def test_local_sgd_with_heloco_matches_the_daemon(endpoint):
     assert max(rel_err(locals_[n].detach(), plains[n].detach()) for n in locals_) > 100 * TOLERANCE
 
 
+def test_heloco_keeps_the_gradient_against_a_momentum_decayed_to_subnormals(endpoint):
+    """A parameter without gradients for many steps: its momentum decays to subnormals (0.5¹³⁵ is
+    about 2e-41), which have no usable direction. HeLoCo keeps the next gradient there, on the
+    daemon and in LocalOptimizer alike, and the step stays finite (docs/algorithms.md, SGD,
+    HeLoCo), where scaling the momentum to the gradient's size would overflow fp32."""
+    options = dict(optimizer="sgd", lr=0.1, momentum=0.5, heloco=True)
+    start = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    remote_w, local_w = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    remote = muond.RemoteOptimizer([{"params": [remote_w], **options}], endpoint=endpoint)
+    local = muond.LocalOptimizer([{"params": [local_w], **options}])
+    gradients = [torch.tensor([1.0, 0.0, 0.0, 0.0])] + [torch.zeros(4)] * 135
+    gradients.append(torch.tensor([0.0, 1.0, 0.0, 0.0]))  # orthogonal to the momentum's last direction
+    for g in gradients:
+        for w, opt in ((remote_w, remote), (local_w, local)):
+            w.grad = g.clone()
+            opt.step()
+    counts = next(iter(remote.last_info.groups.values())).heloco
+    remote.close()
+    assert torch.isfinite(remote_w.detach()).all(), remote_w
+    assert torch.equal(remote_w.detach(), local_w.detach())
+    assert (counts.kept, counts.reoriented, counts.shrunk) == (1, 0, 0)
+
+
+def test_a_step_with_momentum_0_in_a_heloco_group_is_refused_naming_momentum(endpoint):
+    """Momentum 0 for one step (a scheduler's override) would leave the buffer as it is and HeLoCo
+    turning gradients toward it: refused by the daemon naming `momentum`, with nothing changed (the
+    same step with the momentum back goes through), and by LocalOptimizer before any change."""
+    options = dict(optimizer="sgd", lr=0.1, momentum=0.9, heloco=True)
+    remote_w, local_w = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
+    remote = muond.RemoteOptimizer([{"params": [remote_w], **options}], endpoint=endpoint)
+    local = muond.LocalOptimizer([{"params": [local_w], **options}])
+    for w, opt in ((remote_w, remote), (local_w, local)):
+        w.grad = torch.tensor([1.0, 0.0, 0.0, 0.0])
+        opt.step()
+        opt.param_groups[0]["momentum"] = 0.0
+        w.grad = torch.tensor([0.0, 1.0, 0.0, 0.0])
+        before = w.detach().clone()
+        with pytest.raises((muond.MuondError, ValueError), match="momentum: heloco needs momentum > 0"):
+            opt.step()
+        assert torch.equal(w.detach(), before)
+        opt.param_groups[0]["momentum"] = 0.9
+        opt.step()
+    assert remote.last_step == local.last_step == 2
+    remote.close()
+    assert rel_err(remote_w.detach(), local_w.detach()) < TOLERANCE  # norms summed in another order
+
+
 def test_lion_group_matches_design(endpoint):
     model = TinyNet(seed=9)
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
