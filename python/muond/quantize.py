@@ -65,7 +65,10 @@ def payload_bytes(numel: int, dtype: str) -> int:
 
 
 def _elements_per_chunk(dtype: str, max_chunk_bytes: int) -> int:
-    return max(BLOCK, (max_chunk_bytes * 8 // BITS[dtype]) // BLOCK * BLOCK)
+    """Whole blocks whose integers and scales together fit in ``max_chunk_bytes`` (at least one):
+    the daemon's message limit counts both."""
+    block_bytes = BLOCK * BITS[dtype] // 8 + 4
+    return max(1, max_chunk_bytes // block_bytes) * BLOCK
 
 
 def chunk_count(numel: int, dtype: str, max_chunk_bytes: int) -> int:

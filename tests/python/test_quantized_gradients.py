@@ -56,6 +56,16 @@ def test_chunks_cut_at_blocks_and_pack_the_integers(dtype):
         wire.payload_bytes(2100, dtype)
 
 
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_a_chunks_integers_and_scales_together_fit_its_bytes(dtype):
+    """The daemon's message limit counts the scales too: 515 bytes hold one int8 block (256 + 4
+    bytes), not the two whose integers alone would fit, and three int4 blocks (3 · 132), not four."""
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(5))
+    chunks = list(wire.chunk_pieces("w", x, dtype, max_chunk_bytes=515))
+    assert all(len(data) + len(chunk.quantized.scales) <= 515 for chunk, data in chunks)
+    assert chunks[1][0].offset == quantize.BLOCK * (1 if dtype == "int8" else 3)
+
+
 def test_int4_is_at_most_a_seventh_of_fp32():
     for numel in (4096, 1 << 20, 12345):
         assert quantize.payload_bytes(numel, "int4") * 7 <= numel * 4
