@@ -187,7 +187,13 @@ absl::Status WriteCheckpoint(Env* env, const std::string& dir, const CheckpointD
                                {"growth_tracker", data.loss_scaler->growth_tracker},
                                {"hysteresis_tracker", data.loss_scaler->hysteresis_tracker}};
   }
-  if (!data.pushes.empty()) metadata["pushes"] = data.pushes;
+  if (!data.pushes.empty()) {
+    nlohmann::json pushes = nlohmann::json::array();
+    for (const CheckpointPush& p : data.pushes) {
+      pushes.push_back({p.push, p.global_step, p.staleness, p.applied, p.skip_reason});
+    }
+    metadata["pushes"] = std::move(pushes);
+  }
   metadata["metadata_sha256"] = MetadataDigest(metadata);
   MUOND_RETURN_IF_ERROR(WriteFileAtomically(env, dir + "/" + kCheckpointMetadataFile, metadata.dump(2) + "\n"));
 
@@ -253,10 +259,25 @@ absl::StatusOr<CheckpointData> ReadCheckpoint(Env* env, const std::string& dir) 
   if (auto pushes = metadata.find("pushes"); pushes != metadata.end()) {
     if (!pushes->is_array()) return CheckpointCorrupt(metadata_file, "pushes is not a list");
     for (const auto& record : *pushes) {
-      const bool typed = record.is_array() && record.size() == 3 &&
-                         std::all_of(record.begin(), record.end(), [](const auto& v) { return v.is_number_integer(); });
-      if (!typed) return CheckpointCorrupt(metadata_file, "a push record is not [push, global_step, staleness]");
-      data.pushes.push_back({record[0].get<int64_t>(), record[1].get<int64_t>(), record[2].get<int64_t>()});
+      const bool numbers =
+          record.is_array() && (record.size() == 3 || record.size() == 5) &&
+          std::all_of(record.begin(), record.begin() + 3, [](const auto& v) { return v.is_number_integer(); });
+      const bool outcome = numbers && (record.size() == 3 ||
+                                       (record[3].is_boolean() && record[4].is_string() &&
+                                        record[4].get_ref<const std::string&>().size() <= kMaxCheckpointSkipReason));
+      if (!outcome) {
+        return CheckpointCorrupt(metadata_file,
+                                 "a push record is not [push, global_step, staleness, applied, skip_reason]");
+      }
+      CheckpointPush push;
+      push.push = record[0].get<int64_t>();
+      push.global_step = record[1].get<int64_t>();
+      push.staleness = record[2].get<int64_t>();
+      if (record.size() == 5) {
+        push.applied = record[3].get<bool>();
+        push.skip_reason = record[4].get<std::string>();
+      }
+      data.pushes.push_back(std::move(push));
     }
   }
 

@@ -42,6 +42,16 @@ struct CheckpointLossScaler {
   int64_t hysteresis_tracker = 0;
 };
 
+// An asynchronous session's record of one rank's last push (session::PushRecord).
+struct CheckpointPush {
+  int64_t push = 0;
+  int64_t global_step = 0;  // 0: not known (the state was replaced since)
+  int64_t staleness = 0;
+  bool applied = true;      // false: skipped (skip_reason says why)
+  std::string skip_reason;  // at most kMaxCheckpointSkipReason bytes
+};
+inline constexpr size_t kMaxCheckpointSkipReason = 4096;
+
 struct CheckpointData {
   std::string session_id;
   std::string owner;      // the identity that created the session; empty without authentication
@@ -51,9 +61,10 @@ struct CheckpointData {
   std::vector<std::pair<std::string, int64_t>> step_counts;  // parameter name → its step count
   std::vector<CheckpointTensor> tensors;
   std::optional<CheckpointLossScaler> loss_scaler;  // sessions with a loss scaler
-  // Asynchronous sessions: per rank, its last push, the global step it became and its staleness
-  // (checkpoint.json's "pushes": [[push, global_step, staleness], ...]); empty otherwise.
-  std::vector<std::array<int64_t, 3>> pushes;
+  // Asynchronous sessions: per rank, its last push, the global step it became, its staleness and its
+  // outcome (checkpoint.json's "pushes": [[push, global_step, staleness, applied, skip_reason], ...];
+  // a record of the first three alone, as older daemons wrote, was applied); empty otherwise.
+  std::vector<CheckpointPush> pushes;
 };
 
 inline constexpr char kCheckpointMetadataFile[] = "checkpoint.json";

@@ -159,7 +159,13 @@ absl::Status Session::ImportState(SessionState state, int rank) {
   }
   last_step_ = state.last_step;
   if (state.loss_scaler.has_value()) loss_scaler_ = state.loss_scaler;
-  if (!state.pushes.empty()) pushes_ = state.pushes;
+  if (!state.pushes.empty()) {
+    pushes_ = state.pushes;
+  } else {
+    // A state from SetState (which carries no push records): each rank's numbering goes on, but the
+    // global steps its last push became belong to the state replaced.
+    for (PushRecord& p : pushes_) p.global_step = p.staleness = 0;
+  }
   initialized_ = true;
   DropPreparedLocked();  // prepared for a state that is gone
   last_result_ = StepResult();

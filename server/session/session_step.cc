@@ -36,23 +36,38 @@ absl::StatusOr<Session::StepKind> Session::ClassifyRequestLocked(const StepReque
   if (config_.sync.mode != SyncMode::kAsync) return ClassifyLocked(request.step);
   if (request.rank < 0 || request.rank >= config_.world_size) return StepKind::kNext;  // PlanStep refuses it
   const PushRecord& last = pushes_[request.rank];
-  if (request.step == last.push && last.push > 0) return StepKind::kReplay;
+  // A rank's pushes are numbered 1, 2, … and each was taken (applied, or skipped) before the next
+  // could be: any number up to the record's is a resend.
+  if (request.step >= 1 && request.step <= last.push) return StepKind::kReplay;
   if (request.step == last.push + 1) return StepKind::kNext;
-  return absl::FailedPreconditionError(
-      absl::StrCat("header.step: rank ", request.rank, "'s next push is ", last.push + 1,
-                   last.push > 0 ? absl::StrCat(" (or ", last.push, " to resend the last one)") : std::string(),
-                   ", got ", request.step));
+  return absl::FailedPreconditionError(absl::StrCat(
+      "header.step: rank ", request.rank, "'s next push is ", last.push + 1,
+      last.push > 0 ? absl::StrCat(" (or 1 to ", last.push, " to resend one already taken)") : std::string(), ", got ",
+      request.step));
 }
 
 absl::StatusOr<StepOutcome> Session::ResendOutcomeLocked(const StepRequest& request) {
   if (!request.device_answer) MUOND_RETURN_IF_ERROR(HostSnapshotLocked());
   const PushRecord& record = pushes_[request.rank];
-  StepOutcome resend{last_result_, snapshot_};
-  resend.result.replayed = true;
-  resend.result.included = true;
-  resend.result.global_step = record.global_step;
-  resend.result.staleness = record.staleness;
-  return resend;
+  // The session's latest parameters and step, with the outcome of the push resent as far as the
+  // record knows it; the measurements of the step (norms, clipping, telemetry) are not kept.
+  StepResult result;
+  result.step = last_result_.step;
+  result.loss_scale = last_result_.loss_scale;
+  result.replayed = true;
+  result.included = true;
+  result.contributors = {request.rank};
+  if (request.step == record.push) {
+    result.applied = record.applied;
+    result.skip_reason = record.skip_reason;
+    result.global_step = record.global_step;
+    result.staleness = record.staleness;
+  } else {
+    result.applied = false;
+    result.skip_reason = absl::StrCat("push ", request.step, " was taken before rank ", request.rank, "'s push ",
+                                      record.push, "; its outcome is not kept, and nothing was applied now");
+  }
+  return StepOutcome{std::move(result), snapshot_};
 }
 
 absl::StatusOr<StepOutcome> Session::PushLocked(StepPlan plan, std::vector<HostTensor>& gradients) {
@@ -87,7 +102,8 @@ absl::StatusOr<StepOutcome> Session::ApplyPushLocked(StepPlan plan, std::vector<
     for (optim::StepHyper& hyper : plan.hyper) hyper.lr *= factor;
   }
   MUOND_ASSIGN_OR_RETURN(StepOutcome outcome, ApplyLocked(plan, gradients, nullptr));
-  pushes_[plan.request.rank] = PushRecord{plan.request.step, plan.request.global_step, plan.request.staleness};
+  pushes_[plan.request.rank] = PushRecord{plan.request.step, plan.request.global_step, plan.request.staleness,
+                                          outcome.result.applied, outcome.result.skip_reason};
   outcome.result.global_step = plan.request.global_step;
   outcome.result.staleness = plan.request.staleness;
   last_result_.global_step = outcome.result.global_step;

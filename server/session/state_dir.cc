@@ -22,7 +22,9 @@ absl::StatusOr<SessionState> StateFromCheckpoint(durability::CheckpointData& dat
                                                .growth_tracker = data.loss_scaler->growth_tracker,
                                                .hysteresis_tracker = data.loss_scaler->hysteresis_tracker};
   }
-  for (const auto& [push, global_step, staleness] : data.pushes) state.pushes.push_back({push, global_step, staleness});
+  for (const durability::CheckpointPush& p : data.pushes) {
+    state.pushes.push_back({p.push, p.global_step, p.staleness, p.applied, p.skip_reason});
+  }
   state.step_counts.assign(config.parameters.size(), -1);
   for (const auto& [name, count] : data.step_counts) {
     auto it = config.parameter_index.find(name);
@@ -96,7 +98,9 @@ absl::Status FilePersistence::SaveCheckpoint(SessionState state) {
     data.loss_scaler = durability::CheckpointLossScaler{state.loss_scaler->scale, state.loss_scaler->growth_tracker,
                                                         state.loss_scaler->hysteresis_tracker};
   }
-  for (const PushRecord& p : state.pushes) data.pushes.push_back({p.push, p.global_step, p.staleness});
+  for (const PushRecord& p : state.pushes) {
+    data.pushes.push_back({p.push, p.global_step, p.staleness, p.applied, p.skip_reason});
+  }
   for (StateTensor& t : state.tensors) {
     const ParameterConfig& param = config.parameters[t.parameter];
     std::vector<int64_t> shape = session_.TensorShape(t.parameter, t.slot);

@@ -131,11 +131,13 @@ inline int64_t GlobalStepOf(const StepRequest& request) {
   return request.global_step > 0 ? request.global_step : request.step;
 }
 
-// An asynchronous session's record of one rank's last push.
+// An asynchronous session's record of one rank's last push: what a resend of it is answered.
 struct PushRecord {
-  int64_t push = 0;  // 0: none yet
-  int64_t global_step = 0;
+  int64_t push = 0;         // 0: none yet
+  int64_t global_step = 0;  // 0: not known (SetState replaced the state since)
   int64_t staleness = 0;
+  bool applied = true;  // false: skipped (a non-finite gradient, the fp32 guard)
+  std::string skip_reason;
 };
 
 // Every parameter after some step, as answers read it: one span per parameter. On a backend with

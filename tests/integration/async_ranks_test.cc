@@ -200,6 +200,58 @@ TEST_F(AsyncRanksTest, ACrashReplaysTheSameGlobalOrderAndKeepsEveryRanksRecord) 
   EXPECT_EQ(next.parameters, Reference("journal-reference", {{g[0], 1}, {g[1], 1}, {g[2], 1}, {g[3], 1}, {g[0], 1}}));
 }
 
+// A resend answers its own push's outcome, never another rank's: an applied push is applied, a
+// skipped one skipped with its reason, after a checkpoint and a restart too. A push older than the
+// rank's last (a rank back from a state dict saved a few pushes ago) was taken as well: it is
+// answered as a resend that applied nothing, and the rank's numbering goes on after the record.
+TEST_F(AsyncRanksTest, AResendAnswersItsOwnPushsOutcomeAndAnOlderPushIsOneToo) {
+  Start({"--state-dir", daemon_.dir() + "/state"});
+  auto ranks = Ranks("async-outcomes", AsyncSpec(2, 8));
+  const Grads g0 = GradsOf(0.1f), g1 = GradsOf(1.3f), g2 = GradsOf(2.9f);
+  Grads bad = GradsOf(0.5f);
+  bad.w[3] = std::nanf("");
+  const std::vector<Push> pushes = {{0, 1, 0, g0}, {0, 2, 1, g1}, {1, 1, 2, bad}, {0, 3, 2, g2}};
+  client::StepReply last;
+  for (const Push& p : pushes) {
+    ASSERT_OK_AND_ASSIGN(last, Send(*ranks[p.rank], p));
+  }
+  EXPECT_EQ(last.global_step, 4);
+  const client::ParameterMap after = last.parameters;
+  for (int round = 0; round < 2; ++round) {
+    SCOPED_TRACE(round == 0 ? "before the restart" : "after a checkpoint and a restart");
+    ASSERT_OK_AND_ASSIGN(client::StepReply skipped, Send(*ranks[1], pushes[2]));
+    EXPECT_TRUE(skipped.replayed);
+    EXPECT_FALSE(skipped.applied);
+    EXPECT_THAT(skipped.skip_reason, ::testing::HasSubstr("non-finite"));
+    EXPECT_EQ(skipped.global_step, 3);
+    EXPECT_THAT(skipped.contributors, ElementsAre(1));
+    ASSERT_OK_AND_ASSIGN(client::StepReply applied, Send(*ranks[0], pushes[3]));
+    EXPECT_TRUE(applied.replayed && applied.applied);
+    EXPECT_EQ(applied.skip_reason, "");
+    EXPECT_EQ(applied.global_step, 4);
+    for (const Push& older : {pushes[0], pushes[1]}) {
+      ASSERT_OK_AND_ASSIGN(client::StepReply again, Send(*ranks[0], older));
+      EXPECT_TRUE(again.replayed);
+      EXPECT_FALSE(again.applied);
+      EXPECT_THAT(again.skip_reason, ::testing::HasSubstr("nothing was applied now"));
+      EXPECT_EQ(again.global_step, 0);  // not kept
+      EXPECT_EQ(again.step, 4);
+      EXPECT_EQ(again.parameters, after);
+    }
+    if (round == 0) {
+      ASSERT_OK(ranks[0]->Checkpoint().status());
+      Restart();
+      ranks = Ranks("async-outcomes", AsyncSpec(2, 8), /*upload=*/false);
+      ASSERT_EQ(ranks.size(), 2u);
+    }
+  }
+  EXPECT_THAT(Send(*ranks[0], {0, 5, 4, g0}),
+              StatusIs(absl::StatusCode::kFailedPrecondition, "header.step: rank 0's next push is 4 (or 1 to 3"));
+  ASSERT_OK_AND_ASSIGN(client::StepReply next, Send(*ranks[0], {0, 4, 4, g0}));
+  EXPECT_TRUE(next.applied && !next.replayed);
+  EXPECT_EQ(next.global_step, 5);
+}
+
 TEST_F(AsyncRanksTest, AnAsyncSpecOutOfRangeIsRefusedNamingTheField) {
   Start();
   EXPECT_THAT(client_->CreateSession("bad-rank", AsyncSpec(2, 1), 2),

@@ -421,6 +421,76 @@ def test_ranks_pushing_at_once_get_the_latest_parameters_never_an_error(endpoint
     print("answers carrying a later step's parameters:", [newer for _, _, newer, _ in results])
 
 
+def test_a_rank_restarted_from_a_state_dict_two_pushes_back_redoes_them_as_resends(
+        endpoint, rank_processes, one_rank):
+    """Saved after push 1, a rank pushed 2 and 3 before it died. From that state dict it redoes
+    pushes 2 and 3: both were taken, so both are resends that apply nothing (push 2, older than the
+    record, with its global step not kept; push 3 from the record), and push 4 goes on."""
+    session = fresh_session("async-two-back")
+    options = asynchronous(8)
+    ranks = [rank_processes(r, endpoint, session, **options) for r in range(2)]
+    reference = one_rank(endpoint)
+    ranks[1].push(1)
+    reference.step(grads_of(1, 1))
+    saved = ranks[1].save()
+    for r, data in ((1, 2), (0, 1), (1, 3)):
+        ranks[r].push(data)
+        latest = reference.step(grads_of(r, data))
+    ranks[1].kill()
+    ranks[1] = rank_processes(1, endpoint, session, **options)
+    assert ranks[1].load(saved)["pushes"] == 1
+    older = ranks[1].push(2)
+    assert older["info"]["replayed"] and not older["info"]["applied"]
+    assert older["info"]["global_step"] == 0 and (older["last_step"], older["pushes"]) == (4, 2)
+    assert_params(older["params"], latest, "the resend of an older push")
+    last = ranks[1].push(3)
+    assert last["info"]["replayed"] and last["info"]["applied"] and last["info"]["global_step"] == 4
+    assert_params(last["params"], latest, "the resend of the last push")
+    seen = ranks[1].push(4)
+    assert_pushed(seen, global_step=5, staleness=0, rank=1, pushes=4)
+    assert_params(seen["params"], reference.step(grads_of(1, 4)), "after global step 5")
+
+
+def test_set_state_on_an_async_session_keeps_the_numbering_and_survives_a_restart(start_daemon,
+                                                                                   tmp_path):
+    """SetState (which carries no push records) replaces the state of an asynchronous session
+    with one of global step 1: the rank's numbering goes on, its record forgets the global step
+    its last push became (0 in a resend's answer), and the checkpoint written then restores after
+    a crash instead of being refused. The Python client never sends SetState once a push was
+    applied; the optimizer's own state-transfer calls send it raw here."""
+    flags = ("--state-dir", tmp_path / "state")
+    daemon = start_daemon(*flags)
+    model = TinyNet(seed=SEED)
+    opt = muond.RemoteOptimizer(muond.default_param_groups(model), endpoint=daemon.endpoint,
+                                session=fresh_session("async-set-state"), **asynchronous(8),
+                                **RETRIES)
+
+    def push():
+        model(torch.arange(8)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    push()
+    saved = opt.state_dict()
+    state, meta = saved["state"], saved["muond"]
+    push()
+    push()
+    assert opt.last_step == 3
+    step = opt._sessions[0].set_state(opt._state_header(0, meta, state),  # pylint: disable=protected-access
+                                      opt._state_chunks(opt._indices_of[0], state))  # pylint: disable=protected-access
+    assert step == 1
+    daemon.kill()  # SetState wrote a checkpoint; only it remains
+    daemon = start_daemon(*flags, listen=daemon.endpoint, workdir=daemon.workdir)
+    assert opt._sessions[0].refresh() == 1  # pylint: disable=protected-access
+    opt.pushes = 2  # resend push 3, the record's
+    push()
+    assert opt.last_info.replayed and opt.last_info.applied and opt.last_info.global_step == 0
+    assert (opt.pushes, opt.last_step) == (3, 1)
+    push()
+    assert not opt.last_info.replayed and (opt.last_info.global_step, opt.pushes) == (2, 4)
+    opt.close()
+
+
 def test_a_restarted_rank_without_its_state_dict_continues_its_numbering(endpoint):
     """A rank that attaches again hears its last push from the daemon (CreateSession with its
     rank): without any saved state it continues with the next number, and a second rank that never

@@ -83,6 +83,36 @@ TEST_F(CheckpointTest, FieldsOfTheWrongTypeAreRefusedNotThrown) {
   }
 }
 
+// An asynchronous session's push records keep their outcome; a record of three numbers (as older
+// daemons wrote them) reads as applied; a record of another shape is refused, not read.
+TEST_F(CheckpointTest, PushRecordsKeepTheirOutcomeAndOlderRecordsReadAsApplied) {
+  data_.pushes = {{3, 5, 1, true, ""}, {2, 4, 0, false, "non-finite gradient in 'w'"}};
+  ASSERT_OK(WriteCheckpoint(Env::Default(), dir_, data_));
+  ASSERT_OK_AND_ASSIGN(CheckpointData read, ReadCheckpoint(Env::Default(), dir_));
+  ASSERT_EQ(read.pushes.size(), 2u);
+  EXPECT_EQ(read.pushes[0].push, 3);
+  EXPECT_EQ(read.pushes[0].global_step, 5);
+  EXPECT_EQ(read.pushes[0].staleness, 1);
+  EXPECT_TRUE(read.pushes[0].applied);
+  EXPECT_FALSE(read.pushes[1].applied);
+  EXPECT_EQ(read.pushes[1].skip_reason, "non-finite gradient in 'w'");
+
+  EditMetadata([](json& m) { m["pushes"] = json::array({json::array({3, 5, 1}), json::array({2, 4, 0})}); });
+  ASSERT_OK_AND_ASSIGN(read, ReadCheckpoint(Env::Default(), dir_));
+  ASSERT_EQ(read.pushes.size(), 2u);
+  EXPECT_TRUE(read.pushes[0].applied && read.pushes[1].applied);
+  EXPECT_EQ(read.pushes[1].skip_reason, "");
+
+  for (const json& record : {json::array({3, 5}), json::array({3, 5, 1, true}), json::array({3, 5, 1, 1, ""}),
+                             json::array({3, 5, 1, false, 7}), json::array({3, "5", 1, true, ""}),
+                             json::array({3, 5, 1, false, std::string(kMaxCheckpointSkipReason + 1, 'x')})}) {
+    EditMetadata([&](json& m) { m["pushes"] = json::array({record}); });
+    EXPECT_THAT(ReadCheckpoint(Env::Default(), dir_),
+                StatusIs(absl::StatusCode::kDataLoss, "a push record is not [push, global_step, staleness"))
+        << record.dump();
+  }
+}
+
 TEST_F(CheckpointTest, AlteredOrTruncatedFilesAreRefusedNamingThem) {
   const std::string path = dir_ + "/" + kCheckpointMetadataFile;
   std::string text = Env::Default()->ReadFile(path, kNoReadLimit).value();
