@@ -1,11 +1,13 @@
 // MuondService's state transfer: GetState streams every master and optimizer slot of a session;
 // SetState receives them (fp32 only) and replaces the session's state in one go; GetStateDigest
 // answers the digest of the state (server/session/state_digest.h).
+#include <algorithm>
 #include <cstring>
 #include <map>
 #include <span>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/echo.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
@@ -170,14 +172,34 @@ absl::Status MuondService::DoSetState(const std::string& caller, grpc::ServerRea
     const ParameterConfig& param = config.parameters[it->second];
     MUOND_RETURN_IF_ERROR(transport::CheckChunkPayload(chunk, dtype, options_.max_chunk_bytes, "chunk",
                                                        absl::StrCat(param.name, "/", chunk.slot())));
+    if (chunk.shape_size() > 0) {  // optional: the tensor's shape, or any of a rank's part's element count
+      const std::vector<int64_t> expected = session->TensorShape(it->second, chunk.slot());
+      const int64_t whole = session::ShapeElements(expected);
+      const session::ElementRange part = session::StatePartOf(config, it->second, static_cast<size_t>(whole), rank);
+      const bool fits =
+          part.size() != whole
+              ? session::ShapeElements({chunk.shape().data(), static_cast<size_t>(chunk.shape_size())}) == part.size()
+              : std::equal(expected.begin(), expected.end(), chunk.shape().begin(), chunk.shape().end());
+      if (!fits) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "chunk.shape: ", param.name, "/", chunk.slot(), " is [", absl::StrJoin(expected, ", "), "]",
+            part.size() != whole ? absl::StrCat(", rank ", rank, "'s part of it ", part.size(), " elements")
+                                 : std::string(),
+            " here, got [", absl::StrJoin(chunk.shape(), ", "), "]"));
+      }
+    }
     auto [slot, inserted] = index.try_emplace({it->second, chunk.slot()}, state.tensors.size());
     if (inserted) state.tensors.push_back({it->second, chunk.slot(), {}});
     std::vector<float>& values = state.tensors[slot->second].values;
     const size_t count = chunk.data().size() / wire::ElementSize(dtype);
-    if (chunk.offset() != values.size() || values.size() + count > static_cast<size_t>(param.numel)) {
+    if (chunk.offset() != values.size()) {
       return absl::InvalidArgumentError(absl::StrCat("chunk.offset: ", param.name, "/", chunk.slot(),
-                                                     " expected offset ", values.size(), " within ", param.numel,
-                                                     " elements, got ", chunk.offset()));
+                                                     " expected offset ", values.size(), ", got ", chunk.offset()));
+    }
+    if (values.size() + count > static_cast<size_t>(param.numel)) {
+      return absl::InvalidArgumentError(absl::StrCat("chunk.data: ", param.name, "/", chunk.slot(), " has at most ",
+                                                     param.numel, " elements; this chunk brings it to ",
+                                                     values.size() + count));
     }
     values.resize(values.size() + count);
     wire::Decode(dtype, chunk.data(), std::span<float>(values.data() + values.size() - count, count));

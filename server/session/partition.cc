@@ -1,6 +1,7 @@
 #include "server/session/partition.h"
 
 #include <algorithm>
+#include <limits>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -131,6 +132,15 @@ ElementRange PartOf(const SessionConfig& config, size_t index, int rank) {
 }
 
 int64_t PartElements(const SessionConfig& config, size_t index, int rank) { return PartOf(config, index, rank).size(); }
+
+int64_t ShapeElements(std::span<const int64_t> shape) {
+  int64_t elements = 1;
+  for (int64_t d : shape) {
+    if (d < 0 || (d > 0 && elements > std::numeric_limits<int64_t>::max() / d)) return -1;
+    elements *= d;
+  }
+  return elements;
+}
 
 ElementRange StatePartOf(const SessionConfig& config, size_t index, size_t numel, int rank) {
   const bool element_wise = static_cast<int64_t>(numel) == config.parameters[index].numel;

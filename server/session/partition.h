@@ -17,6 +17,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -50,6 +51,10 @@ bool IsPartitioned(const SessionConfig& config, size_t index);
 ElementRange PartOf(const SessionConfig& config, size_t index, int rank);
 // The elements `rank` sends and receives of parameter `index`.
 int64_t PartElements(const SessionConfig& config, size_t index, int rank);
+
+// The elements of a tensor of shape `shape` as a sender wrote it; -1 for a negative dimension or a
+// count beyond int64. A part travels in any shape of its element count (a row block, a flat range).
+int64_t ShapeElements(std::span<const int64_t> shape);
 
 // The range of a state tensor of parameter `index` with `numel` elements that `rank` holds: its
 // part when the parameter is partitioned and the tensor is of the parameter's size (the master, an

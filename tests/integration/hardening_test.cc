@@ -79,6 +79,35 @@ TEST_F(HostileInputTest, EmptyChunksAreRefused) {
   ExpectIntactAndServing();
 }
 
+// SetState took a tensor of the right size in any shape, and named an overrun as an offset: a
+// shape that is not the tensor's is refused naming chunk.shape; elements beyond the tensor name
+// chunk.data, and a gap or overlap chunk.offset.
+TEST_F(HostileInputTest, SetStateChecksTheShapeAndNamesAnOverrunAsData) {
+  std::vector<v1::SetStateRequest> transposed = OtherState();
+  for (v1::SetStateRequest& message : transposed) {
+    if (!message.has_chunk()) continue;
+    v1::TensorChunk* chunk = message.mutable_chunk();
+    if (chunk->name() == "w" && chunk->slot() == "momentum" && chunk->offset() == 0) {
+      chunk->clear_shape();
+      chunk->add_shape(kCols);
+      chunk->add_shape(kRows);
+    }
+  }
+  ExpectRefused(SetState(transposed), grpc::StatusCode::INVALID_ARGUMENT,
+                "chunk.shape: w/momentum is [64, 32] here, got [32, 64]");
+  for (const auto& [offset, text] :
+       {std::pair<int64_t, std::string>{kBias,
+                                        "chunk.data: b/master has at most 32 elements; this chunk brings it to 33"},
+        {5, "chunk.offset: b/master expected offset 32, got 5"}}) {
+    std::vector<v1::SetStateRequest> state = OtherState();
+    const std::vector<float> one = {1.0f};
+    *state.emplace_back().mutable_chunk() = Chunk("b", one, offset);
+    state.back().mutable_chunk()->set_slot("master");
+    ExpectRefused(SetState(state), grpc::StatusCode::INVALID_ARGUMENT, text);
+  }
+  ExpectIntactAndServing();
+}
+
 // A scalar parameter: its one element cannot be replaced by zero bytes either.
 TEST_F(HostileInputTest, AnEmptyChunkDoesNotLeaveOutAScalar) {
   v1::SessionSpec spec;

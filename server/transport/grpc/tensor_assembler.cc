@@ -1,7 +1,6 @@
 #include "server/transport/grpc/tensor_assembler.h"
 
 #include <algorithm>
-#include <limits>
 #include <span>
 
 #include "absl/strings/str_cat.h"
@@ -96,12 +95,7 @@ absl::Status TensorAssembler::Add(const v1::TensorChunk& chunk, std::span<const 
   const bool part = rank_ >= 0 && session::IsPartitioned(config_, it->second);
   if (chunk.shape_size() > 0 && part) {
     // A part: any shape of its element count (a row block, or a flat range).
-    int64_t elements = 1;
-    for (int64_t d : chunk.shape()) {
-      const bool overflows = d < 0 || (d > 0 && elements > std::numeric_limits<int64_t>::max() / d);
-      elements = overflows ? -1 : elements * d;
-    }
-    if (elements != expected) {
+    if (session::ShapeElements({chunk.shape().data(), static_cast<size_t>(chunk.shape_size())}) != expected) {
       return absl::InvalidArgumentError(absl::StrCat(field, ".shape: '", name, "' was sent with shape [",
                                                      absl::StrJoin(chunk.shape(), ", "), "]; rank ", rank_,
                                                      "'s part of it has ", expected, " elements"));
