@@ -37,8 +37,9 @@ class StepInfo:
     # session's last step, and the next ``step()`` sends ``step + 1`` (docs/ranks.md).
     included: bool = True
     # Asynchronous sessions (``sync_mode="async"``; None otherwise). ``global_step``: the global
-    # step this push became (for a resend, the one it became the first time); None for a stale
-    # push, which became none. ``staleness``: the global steps applied between the push's
+    # step this push became (for a resend of the rank's last push, the one it became the first
+    # time; 0 where the daemon no longer knows it: an older push resent, or a state replaced since);
+    # None for a stale push, which became none. ``staleness``: the global steps applied between the push's
     # base_step and it (for a stale push: between its base_step and the parameters it was given
     # instead, more than max_staleness). ``step`` is the global step of the parameters the model
     # now holds, the base_step of the next push.
