@@ -75,7 +75,10 @@ class Dion2 final : public Optimizer {
     out.master =
         (std::abs(static_cast<double>(DecayFactor(hyper))) * param.master_bound + hyper.lr * step) * kBoundRounding;
     out.slots = {m_next};
-    out.peak = std::max({out.master, m_next, step});
+    // Turbo-Muon's AOL forms the Gram matrix of the chosen lines of M′ itself, unscaled.
+    const double gram =
+        options_.ns_preconditioner == NsPreconditioner::kAol ? AolGramBound(mat.rows, mat.cols, m_next) : 0.0;
+    out.peak = std::max({out.master, m_next, step, gram});
     return out;
   }
 

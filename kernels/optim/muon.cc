@@ -271,7 +271,16 @@ StepBounds Muon::BoundStep(const StepHyper& hyper, const ParamState& param, doub
   if (options_.moment2_method != Moment2Method::kNone) out.slots.push_back(moment2);
   // MuonEq's lines at unit norm: elements below 1 whatever the momentum's size.
   const double normalized = options_.momentum_normalization != MomentumNormalization::kNone ? 1.0 : 0.0;
-  out.peak = std::max({out.master, m_next, u, g_decayed + m, moment2_peak, step, normalized});
+  // Turbo-Muon's AOL forms the Gram matrix of Newton–Schulz's input itself, unscaled.
+  double gram = 0;
+  if (options_.ns_preconditioner == NsPreconditioner::kAol) {
+    const double input = normalized > 0 ? 1.0 : u;
+    ForEachMatrix(
+        param,
+        [&](int64_t, int64_t rows, int64_t cols, bool) { gram = std::max(gram, AolGramBound(rows, cols, input)); },
+        options_.num_heads);
+  }
+  out.peak = std::max({out.master, m_next, u, g_decayed + m, moment2_peak, step, normalized, gram});
   return out;
 }
 

@@ -167,6 +167,12 @@ NsGemmShapes GemmShapesFor(int64_t m, int64_t n, int64_t batch) {
 
 }  // namespace
 
+double AolGramBound(int64_t rows, int64_t cols, double input_bound) {
+  // n products each below input_bound², summed in fp32: n·(1 + n·2⁻²⁴) bounds the rounding; the
+  // factor 2 covers it for any n below 2²⁴.
+  return 2.0 * static_cast<double>(std::max(rows, cols)) * input_bound * input_bound;
+}
+
 absl::Status NewtonSchulz(Backend& backend, const NsSchedule& schedule, int steps, double eps, double norm_safety,
                           kernels::MatmulPrecision precision, const float* in, float* out, int64_t rows, int64_t cols,
                           int64_t batch, NsWorkspace& ws, double* input_sum_squares, NsPreconditioner preconditioner) {

@@ -126,12 +126,19 @@ inline constexpr double kCudaSquareWeight = 1.0;
 // With `preconditioner` kAol (Turbo-Muon, docs/algorithms.md): instead of the Frobenius scaling,
 // A = X·Xᵀ, s_i = (max(Σ_j |A_ij|, eps))^(-1/2) (eps 0 taken as 1e-30), X ← diag(s)·X, and the
 // first iteration uses diag(s)·A·diag(s) (= the scaled X's X·Xᵀ) rather than computing it again;
-// norm_safety is not used. `input_sum_squares` are then the sums of the unscaled input.
+// norm_safety is not used. `input_sum_squares` are then the sums of the unscaled input. A is formed
+// in fp32 from the unscaled input, so its entries reach n·max|G|² (AolGramBound): the finite-step
+// guard skips a step whose input could overflow it rather than let 0·inf give NaN.
 absl::Status NewtonSchulz(kernels::Backend& backend, const NsSchedule& schedule, int steps, double eps,
                           double norm_safety, kernels::MatmulPrecision precision, const float* in, float* out,
                           int64_t rows, int64_t cols, int64_t batch, NsWorkspace& ws,
                           double* input_sum_squares = nullptr,
                           NsPreconditioner preconditioner = NsPreconditioner::kFrobenius);
+
+// The largest magnitude AOL's Gram matrix A = X·Xᵀ can hold for a rows×cols input whose elements
+// are at most `input_bound`: a row of the wide X has max(rows, cols) elements, so |A_ij| ≤
+// max(rows, cols)·input_bound² (one rounding margin included). For the optimizers' BoundStep.
+double AolGramBound(int64_t rows, int64_t cols, double input_bound);
 
 // Gram Newton–Schulz: the same polynomial map as NewtonSchulz (same normalization, schedule and
 // `steps`; same arguments and layout), computed on the m×m Gram matrix R = X·Xᵀ,

@@ -170,6 +170,49 @@ TEST(FiniteGuardTest, AStepThatCouldLeaveTheFp32RangeIsNotApplied) {
   EXPECT_FLOAT_EQ(CopyValues(*next.parameters)[0][0], 1.0f - 100.0f * 0.01f);
 }
 
+// Turbo-Muon's AOL forms X·Xᵀ from Newton–Schulz's unscaled input: elements of 1e20 on a 16×32
+// matrix give Gram entries of 3.2e41, which overflow fp32, and s = 1/√inf = 0 times inf is NaN. The
+// guard bounds that Gram matrix (AolGramBound) and skips the step, for Muon and for Dion2, where
+// plain Muon, which scales in fp64 first, applies it finitely.
+TEST(FiniteGuardTest, AnAolGramMatrixThatCouldOverflowSkipsTheStep) {
+  std::unique_ptr<kernels::Backend> backend = kernels::NewCpuBackend(1);
+  std::vector<float> huge(16 * 32), initial(16 * 32, 0.5f);
+  for (size_t i = 0; i < huge.size(); ++i) huge[i] = (i % 3 == 0 ? -1e20f : 1e20f) * (1.0f + 0.01f * (i % 7));
+  struct Case {
+    const char* what;
+    v1::OptimizerKind optimizer;
+    bool aol;
+    bool applied;
+  };
+  for (const Case& c :
+       {Case{"muon aol", v1::OPTIMIZER_MUON, true, false}, Case{"dion2 aol", v1::OPTIMIZER_DION2, true, false},
+        Case{"muon", v1::OPTIMIZER_MUON, false, true}}) {
+    v1::SessionSpec spec;
+    auto* group = spec.add_groups();
+    group->set_name("g");
+    group->mutable_options()->set_optimizer(c.optimizer);
+    if (c.aol) group->mutable_options()->set_ns_preconditioner("aol");
+    auto* p = spec.add_parameters();
+    p->set_name("w");
+    p->add_shape(16);
+    p->add_shape(32);
+    p->set_group("g");
+    std::unique_ptr<Session> session = NewSession(backend.get(), spec);
+    ASSERT_NE(session, nullptr) << c.what;
+    ASSERT_OK(session->Upload({Tensor(initial)}));
+    ASSERT_OK_AND_ASSIGN(StepOutcome outcome, RunStep(*session, Request(1), {Tensor(huge)}));
+    EXPECT_EQ(outcome.result.applied, c.applied) << c.what << ": " << outcome.result.skip_reason;
+    ASSERT_OK_AND_ASSIGN(SessionState state, session->ExportState());
+    for (const StateTensor& t : state.tensors) {
+      for (float v : t.values) ASSERT_TRUE(std::isfinite(v)) << c.what << " " << t.slot;
+    }
+    if (!c.applied) {
+      EXPECT_THAT(outcome.result.skip_reason, HasSubstr("the update could take 'w'")) << c.what;
+      EXPECT_EQ(state.tensors[0].values, initial) << c.what;
+    }
+  }
+}
+
 // The first bound uses the gradient's L2 norm (free) in place of its largest element: here 200²
 // elements of 1e33 make a norm of 2e35, which with a master of 9e35 exceeds the limit. The exact
 // magnitudes (largest |g| 1e33) show the step is safe, and it is applied.
