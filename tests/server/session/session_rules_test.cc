@@ -134,6 +134,38 @@ TEST_F(SessionRulesTest, OverridesOutsideTheRangesOrTheirOptimizerAreRefused) {
   ASSERT_OK(RunStep(*session_, fine, Gradients(2)).status());
 }
 
+// Prepare and commit belong to a sharded session, which steps in lock-step: an asynchronous push
+// or a quorum step taking either would apply a prepare, or a commit's gradients with the norm its
+// header claims (its clipping skipped). Refused naming header.phase, nothing applied.
+TEST(SessionPhaseTest, AnAsyncOrQuorumSessionTakesOnlyWholeSteps) {
+  std::unique_ptr<kernels::Backend> backend = kernels::NewCpuBackend(1);
+  for (const v1::SyncMode mode : {v1::SYNC_MODE_ASYNC, v1::SYNC_MODE_QUORUM}) {
+    v1::SessionSpec spec = SmallSpec(2);
+    spec.mutable_sync()->set_mode(mode);
+    if (mode == v1::SYNC_MODE_ASYNC) spec.mutable_sync()->set_max_staleness(4);
+    if (mode == v1::SYNC_MODE_QUORUM) spec.mutable_sync()->set_min_ranks(1);
+    std::unique_ptr<Session> session = NewSession(backend.get(), spec);
+    ASSERT_NE(session, nullptr) << mode;
+    ASSERT_OK(session->Upload(InitialParameters()));
+    for (const StepPhase phase : {StepPhase::kPrepare, StepPhase::kCommit}) {
+      StepRequest request = Request(1);
+      request.base_step = 0;
+      request.phase = phase;
+      if (phase == StepPhase::kCommit) request.decision = ShardDecision{0.0, ""};
+      EXPECT_THAT(RunStep(*session, request, Gradients(1)),
+                  StatusIs(absl::StatusCode::kInvalidArgument, "header.phase: "))
+          << mode;
+    }
+    EXPECT_EQ(session->last_step(), 0) << mode;
+    StepRequest whole = Request(1);
+    whole.base_step = 0;
+    if (mode == v1::SYNC_MODE_ASYNC) {
+      ASSERT_OK_AND_ASSIGN(StepOutcome outcome, RunStep(*session, whole, Gradients(1)));
+      EXPECT_TRUE(outcome.result.applied) << mode;
+    }
+  }
+}
+
 // One SGD parameter of n elements, lr as given, uploaded with `initial`.
 std::unique_ptr<Session> SgdSession(kernels::Backend* backend, int64_t n, double lr, std::vector<float> initial) {
   v1::SessionSpec spec;
