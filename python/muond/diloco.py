@@ -195,6 +195,10 @@ class DiLoCo:
                              f"fragments={self.fragments} (an asynchronous answer carries every "
                              f"global parameter, which would overwrite the other fragments' values "
                              f"of their own last syncs; docs/diloco.md, Asynchronous outer steps)")
+        timing = remote_optimizer_kwargs.get("timing")
+        if remote_optimizer_kwargs.get("delay") or getattr(timing, "delay", 0):
+            raise ValueError("delay: DiLoCo takes no delayed update (each sync reads its answer and "
+                             "the global parameters before the next inner step)")
         delay = _workers(world_size) if self.asynchronous else None
         groups = self._outer_groups(outer, model, remote_optimizer_kwargs, delay)
         if sync_mode is not None:
@@ -345,6 +349,18 @@ class DiLoCo:
                 if i in self._feedback:
                     delta.add_(self._feedback[i])
                 g.grad = delta
+            # The globals are the daemon's (always finite): a non-finite Δ means the local
+            # parameters diverged, and the inner optimizer's state with them. Sent, it would skip
+            # the outer step for every worker, at every sync from here on.
+            bad = next((i for i in members if not torch.isfinite(self._deltas[i]).all()), None)
+        if bad is not None:
+            for g in self._globals:
+                g.grad = None
+            raise RuntimeError(
+                f"DiLoCo rank {self.remote.rank}: the pseudo-gradient of '{self.names[bad]}' is not "
+                f"finite (the local parameters diverged; the inner optimizer's state is likely "
+                f"non-finite too); nothing was sent. Resume this worker from a state dict saved "
+                f"before, or rebuild its inner optimizer and its model from global_parameters()")
         sent = self.remote.last_step + 1
         self.remote.step(weight=weight)
         self.last_sync_bytes = sum(wire.payload_bytes(self._params[i].numel(), self.wire_dtype)
@@ -441,10 +457,11 @@ class DiLoCo:
         meta = state_dict.get("diloco") if isinstance(state_dict, Mapping) else None
         if not meta or meta.get("format") != _STATE_FORMAT:
             raise ValueError("not a DiLoCo state dict (no 'diloco' section of format 1)")
+        saved = dict(meta, wire_dtype=meta.get("wire_dtype", "fp32"))  # states saved before it had one
         for key, mine in (("names", self.names), ("sync_every", self.sync_every),
-                          ("fragments", self.fragments)):
-            if meta[key] != mine:
-                raise ValueError(f"{key}: the state dict has {meta[key]}, this worker {mine}")
+                          ("fragments", self.fragments), ("wire_dtype", self.wire_dtype)):
+            if saved[key] != mine:
+                raise ValueError(f"{key}: the state dict has {saved[key]}, this worker {mine}")
         if meta["outer_step"] != self.remote.last_step:
             raise ValueError(
                 f"the state dict was saved after outer step {meta['outer_step']}, the session "

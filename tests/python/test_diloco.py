@@ -312,6 +312,15 @@ def test_error_feedback_is_part_of_the_state_dict(endpoint):
         diloco.load_state_dict(state)
         for i, name in enumerate(diloco.names):
             assert torch.equal(diloco._feedback[i], state["error_feedback"][name])
+        session = diloco.session_id
+    # A worker of another wire dtype would send that error feedback at every sync, never
+    # replacing it (only a quantized sync does): refused naming wire_dtype, nothing changed.
+    model = TinyNet(seed=SEED)
+    inner = torch.optim.AdamW(model.parameters(), **INNER)
+    with muond.DiLoCo(model, inner, sync_every=2, endpoint=endpoint, session=session) as other:
+        with pytest.raises(ValueError, match="wire_dtype: the state dict has int4, this worker fp32"):
+            other.load_state_dict(state)
+        assert not other._feedback and other.inner_steps == 0  # pylint: disable=protected-access
 
 
 def test_outer_muon_equals_muond_muon_on_the_averaged_pseudo_gradient(endpoint):
@@ -493,6 +502,10 @@ def test_bad_arguments_are_refused_naming_them(endpoint):
             muond.DiLoCo(model, inner, endpoint=endpoint, **kwargs)
     with pytest.raises(TypeError, match="sync_every: must be an integer"):
         muond.DiLoCo(model, inner, sync_every=2.5, endpoint=endpoint)
+    # A delayed update would let each sync read the answer and the globals of the one before.
+    for kwargs in (dict(delay=1), dict(timing=muond.TimingOptions(delay=1))):
+        with pytest.raises(ValueError, match="delay: DiLoCo takes no delayed update"):
+            muond.DiLoCo(model, inner, sync_every=2, endpoint=endpoint, **kwargs)
     with muond.DiLoCo(model, inner, sync_every=2, endpoint=endpoint) as diloco:
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         inner_step(model, inner, 0, 1)
@@ -509,6 +522,23 @@ def test_bad_arguments_are_refused_naming_them(endpoint):
         diloco.step(tokens=3)
         assert (diloco.inner_steps, diloco.remote.last_step) == (2, 1)
         assert diloco.last_info.total_weight == 3.0
+
+
+def test_a_diverged_worker_raises_before_sending_its_pseudo_gradient(endpoint):
+    """A NaN in the local parameters (here: one poisoned inner step, whose AdamW moments stay NaN)
+    would make the daemon skip the outer step for every worker, at every sync from then on. The
+    worker raises, naming the parameter and sending nothing; the session is where it was."""
+    model = TinyNet(seed=SEED)
+    inner = torch.optim.AdamW(model.parameters(), **INNER)
+    with muond.DiLoCo(model, inner, sync_every=2, endpoint=endpoint) as diloco:
+        inner_step(model, inner, 0, 1)
+        diloco.step()
+        inner_step(model, inner, 0, 2)
+        model.up.weight.grad.fill_(float("nan"))  # the inner step of the sync poisons up.weight
+        with pytest.raises(RuntimeError, match="the pseudo-gradient of 'up.weight' is not finite"):
+            diloco.step()
+        assert diloco.remote.last_step == 0
+        assert all(torch.isfinite(g).all() for g in diloco.global_parameters().values())
 
 
 def test_outer_options_default_to_diloco_nesterov(endpoint):
