@@ -411,6 +411,7 @@ class LocalOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         resolved = opts.resolve_group(param_group, self._user_defaults)
+        opts.check_ranges(resolved)
         opts.check_shapes(resolved, [tuple(p.shape) for p in resolved["params"]])
         super().add_param_group(resolved)
 
@@ -461,7 +462,8 @@ class LocalOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         total_weight = ranks.check_weight(weight) or 1.0
-        for group in self.param_groups:  # the daemon's check of a step's momentum, before any change
+        for group in self.param_groups:  # the daemon's checks of a step's values, before any change
+            opts.check_ranges(group)  # a scheduler may have changed lr, momentum, weight decay
             if group.get("heloco") and not group["momentum"] > 0:
                 raise ValueError(f"momentum: heloco needs momentum > 0 (the correction's reference "
                                  f"is the momentum buffer), got {group['momentum']}")

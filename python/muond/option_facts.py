@@ -86,6 +86,49 @@ DEFAULTS: Dict[str, Dict[str, Any]] = {name: _python_options(name) for name in O
 # set and 4 steps), applied to the options a group leaves unset, as the daemon applies them.
 CHOICE_DEFAULTS: Dict[str, Dict[str, Dict[str, Any]]] = {
     row["name"]: row["choice_defaults"] for row in TABLE["options"] if "choice_defaults" in row}
+
+
+def _bounds(text: Any) -> Tuple[str, Tuple[Tuple[str, float], ...]]:
+    """A row's range as (its interval text or "", its bounds (op, value)), read as the daemon reads
+    it (kernels/optim/option_table.cc, ParseRange)."""
+    parts = text if isinstance(text, list) else [text]
+    interval, bounds = "", []
+    for part in (p.strip() for p in parts):
+        if part[0] in "[(":
+            lo, hi = (float(v) for v in part[1:-1].split(","))
+            bounds += [(">=" if part[0] == "[" else ">", lo), ("<=" if part[-1] == "]" else "<", hi)]
+            interval = part
+        else:
+            op = part[:len(part) - len(part.lstrip("<>="))]
+            bounds.append((op, float(part[len(op):])))
+    return interval, tuple(bounds)
+
+
+# Each ranged option's range: (the name its refusals use, its interval text or "", its bounds).
+RANGES: Dict[str, Tuple[str, str, Tuple[Tuple[str, float], ...]]] = {
+    row["name"]: (row.get("label", row["name"]), *_bounds(row["range"]))
+    for row in TABLE["options"] if "range" in row}
+_HOLDS = {">": lambda v, b: v > b, ">=": lambda v, b: v >= b, "<": lambda v, b: v < b,
+          "<=": lambda v, b: v <= b}
+
+
+def range_error(name: str, value: float) -> str:
+    """Why ``value`` is outside option ``name``'s range, in the daemon's words ("" when inside, or
+    for an option without one); every value must also be finite."""
+    if name not in RANGES:
+        return ""
+    label, interval, bounds = RANGES[name]
+    finite = value == value and abs(value) != float("inf")
+    got = int(value) if ROWS[name]["type"] == "int" and finite else f"{value:g}"
+    if interval:
+        inside = finite and all(_HOLDS[op](value, b) for op, b in bounds)
+        return "" if inside else f"{label} must be in {interval}, got {got}"
+    for op, b in bounds:
+        if not (finite and _HOLDS[op](value, b)):
+            return f"{label} must be {op} {b:g}, got {got}"
+    return ""
+
+
 # Options of a Muon group that only its second moment (moment2_method) reads.
 MUON_MOMENT2: Tuple[str, ...] = tuple(
     row["name"] for row in TABLE["options"] if row.get("muon_needs") == "moment2_method")

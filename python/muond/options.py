@@ -36,10 +36,11 @@ import torch
 from ._stubs import pb
 from .option_facts import (CHOICE_DEFAULTS, COEFFICIENT_SETS, COEFFICIENTS_AFTER, DEFAULTS,
                            GRAM_RESTARTS, MUON_MOMENT2 as _MUON_MOMENT2, NAMED_VALUES as _CHOICES,
-                           OPTIMIZERS, PER_STEP, ROWS, SET_STEPS, matrix_shapes, slot_shape)
+                           OPTIMIZERS, PER_STEP, RANGES, ROWS, SET_STEPS, matrix_shapes,
+                           range_error, slot_shape)
 
 __all__ = ["ALL_OPTIONS", "COEFFICIENT_SETS", "COEFFICIENTS_AFTER", "DEFAULTS", "GRAM_RESTARTS",
-           "OPTIMIZERS", "OVERRIDABLE", "check_defaults", "check_parameter", "check_shapes",
+           "OPTIMIZERS", "OVERRIDABLE", "check_defaults", "check_ranges", "check_parameter", "check_shapes",
            "check_tensors", "check_unchanged", "coefficient_schedule", "group_options_proto",
            "matrix_shapes", "optimizer_of", "overrides_of", "resolve_group", "resolved_defaults",
            "slot_shape", "spec_options", "storage_dtype"]
@@ -138,6 +139,19 @@ def _check_value(key: str, value: Any) -> Any:
     if key == "lr" and hasattr(value, "item"):  # a 0-dim tensor lr
         value = value.item()
     return float(value)
+
+
+def check_ranges(group: Mapping[str, Any]) -> None:
+    """ValueError, in the daemon's words, for a resolved group's value outside its option's range
+    in the table (the daemon checks these itself; LocalOptimizer, which has no daemon, here)."""
+    values = [(key, value) for key, value in group.items() if key in RANGES]
+    if isinstance(group.get("betas"), tuple):
+        values += list(zip(("beta1", "beta2"), group["betas"]))
+    for key, value in values:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            error = range_error(key, float(value))
+            if error:
+                raise ValueError(error)
 
 
 def resolve_group(group: Mapping[str, Any], defaults: Mapping[str, Any]) -> Dict[str, Any]:

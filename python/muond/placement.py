@@ -30,7 +30,7 @@ class Tensor:
 def cost(t: Tensor) -> float:
     """The optimizer cost of one parameter (see the module's docstring)."""
     numel = math.prod(t.shape) if t.shape else 1
-    if not t.muon or len(t.shape) < 2:
+    if not t.muon or len(t.shape) < 2 or numel == 0:  # an empty one: the daemon names its shape
         return 4.0 * numel
     cols = numel // t.shape[0]
     if t.qkv_split is not None:

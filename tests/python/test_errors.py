@@ -69,6 +69,15 @@ def test_invalid_option_value_is_invalid_argument(endpoint):
     assert "ns_steps" in info.value.details
 
 
+@pytest.mark.parametrize("shape", [(0, 4), (0, 3, 4), (4, 0)])
+def test_an_empty_parameter_is_refused_by_the_daemon_naming_its_shape(endpoint, shape):
+    """A zero first dimension once divided by zero in the client's placement cost, before the
+    daemon could name the field."""
+    param = torch.nn.Parameter(torch.zeros(shape))
+    with pytest.raises(muond.MuondError, match=r"spec.parameters\[0\].shape: dimension \d is 0"):
+        muond.RemoteOptimizer([{"params": [param], "optimizer": "muon"}], endpoint=endpoint)
+
+
 def test_unreachable_daemon_is_unavailable():
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))

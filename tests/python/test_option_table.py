@@ -95,3 +95,35 @@ def test_the_package_carries_the_tables_own_copy():
     source = Path(__file__).resolve().parents[2] / "proto" / "muond" / "v1" / "group_options.json"
     assert option_facts.TABLE_FILE.read_bytes() == source.read_bytes()
     assert option_facts.TABLE_FILE.parent.name == "_proto"
+
+
+@pytest.mark.parametrize("group,refusal", [
+    (dict(optimizer="dion2", dion2_fraction=1.5), "dion2_fraction must be in (0, 1], got 1.5"),
+    (dict(optimizer="dion2", dion2_ef_decay=-1.0), "dion2_ef_decay must be in [0, 1], got -1"),
+    (dict(optimizer="muon", moment2_method="namo_d", namo_clamp=1.5),
+     "namo_clamp must be in [0, 1], got 1.5"),
+    (dict(optimizer="adamw", betas=(0.9, 1.0)), "betas[1] must be in [0, 1), got 1"),
+    (dict(optimizer="muon", ns_steps=0), "ns_steps must be >= 1, got 0"),
+    (dict(optimizer="adamw", lr=float("inf")), "lr must be in [0, 100], got inf"),
+])
+def test_local_optimizer_refuses_an_option_out_of_range_as_the_daemon_does(endpoint, group,
+                                                                            refusal):
+    """LocalOptimizer has no daemon to check the table's ranges: it checks them itself (and each
+    step's values again), in the daemon's words, where it used to compute with them."""
+    import torch  # noqa: PLC0415 - the rest of this file needs no torch
+    import muond  # noqa: PLC0415
+
+    w = torch.nn.Parameter(torch.ones(8, 4))
+    with pytest.raises((muond.MuondError, ValueError)) as remote:
+        muond.RemoteOptimizer([{"params": [w], **group}], endpoint=endpoint)
+    name, rule = refusal.split(" must ")
+    assert name in str(remote.value) and f" must {rule}" in str(remote.value)  # "beta2 (betas[1]) must"
+    with pytest.raises(ValueError) as local:
+        muond.LocalOptimizer([{"params": [w], **group}])
+    assert str(local.value) == refusal
+    ok = muond.LocalOptimizer([{"params": [w], "optimizer": group["optimizer"]}])
+    ok.param_groups[0]["lr"] = float("inf")  # a scheduler gone wrong: refused at the step
+    w.grad = torch.ones(8, 4)
+    with pytest.raises(ValueError, match="lr must be in"):
+        ok.step()
+    assert torch.equal(w.detach(), torch.ones(8, 4))
