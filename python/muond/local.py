@@ -380,6 +380,9 @@ class LocalOptimizer(torch.optim.Optimizer):
             (Megatron-Core's option of that name); ``last_info.num_zeros_in_grad`` has the count.
         loss_scaler: a dynamic loss scaler, as ``RemoteOptimizer``'s (``muond.loss_scale``).
         **defaults: options for every group that leaves them unset (see ``muond.options``).
+
+    A value outside its option's range in the option table is a ValueError in the daemon's words,
+    at construction and at each step (a scheduler may have changed ``lr``), before any change.
     """
 
     def __init__(self, params: Iterable[Any], *,
