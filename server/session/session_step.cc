@@ -101,9 +101,7 @@ absl::StatusOr<StepOutcome> Session::ApplyPushLocked(StepPlan plan, std::vector<
     const double factor = StalenessFactor(config_.sync, plan.request.staleness);
     for (optim::StepHyper& hyper : plan.hyper) hyper.lr *= factor;
   }
-  MUOND_ASSIGN_OR_RETURN(StepOutcome outcome, ApplyLocked(plan, gradients, nullptr));
-  pushes_[plan.request.rank] = PushRecord{plan.request.step, plan.request.global_step, plan.request.staleness,
-                                          outcome.result.applied, outcome.result.skip_reason};
+  MUOND_ASSIGN_OR_RETURN(StepOutcome outcome, ApplyLocked(plan, gradients, nullptr));  // records the push
   outcome.result.global_step = plan.request.global_step;
   outcome.result.staleness = plan.request.staleness;
   last_result_.global_step = outcome.result.global_step;
@@ -429,6 +427,12 @@ absl::StatusOr<StepOutcome> Session::ApplyLocked(const StepPlan& plan, std::vect
   RememberContributorsLocked(result.step, result.contributors);
   last_step_ = result.step;
   last_result_ = result;
+  if (config_.sync.mode == SyncMode::kAsync) {
+    // The rank's record, before a periodic checkpoint below saves the state: a checkpoint holding
+    // the push's parameters must hold its record, or a resend after a restart would apply it again.
+    pushes_[plan.request.rank] = PushRecord{plan.request.step, plan.request.global_step, plan.request.staleness,
+                                            result.applied, result.skip_reason};
+  }
   if (persistence_ && persistence_->checkpoint_every() > 0 && last_step_ % persistence_->checkpoint_every() == 0) {
     // The step stands either way (the journal, if any, holds it); a failed periodic checkpoint is
     // reported and retried at the next period.

@@ -252,6 +252,25 @@ TEST_F(AsyncRanksTest, AResendAnswersItsOwnPushsOutcomeAndAnOlderPushIsOneToo) {
   EXPECT_EQ(next.global_step, 5);
 }
 
+// A periodic checkpoint (--checkpoint-every) taken on a push's global step holds that push's
+// record: after a crash its resend is answered from the record, never applied a second time.
+TEST_F(AsyncRanksTest, APeriodicCheckpointHoldsThePushItFollows) {
+  Start({"--state-dir", daemon_.dir() + "/state", "--checkpoint-every", "1"});
+  auto ranks = Ranks("async-periodic", AsyncSpec(2, 8));
+  const Grads g0 = GradsOf(0.1f), g1 = GradsOf(1.3f);
+  ASSERT_OK(Send(*ranks[0], {0, 1, 0, g0}).status());
+  ASSERT_OK_AND_ASSIGN(client::StepReply last, Send(*ranks[1], {1, 1, 1, g1}));
+  Restart();  // SIGKILL: only the checkpoint of global step 2 remains
+  ranks = Ranks("async-periodic", AsyncSpec(2, 8), /*upload=*/false);
+  ASSERT_EQ(ranks.size(), 2u);
+  EXPECT_EQ(ranks[1]->last_push(), 1);
+  ASSERT_OK_AND_ASSIGN(client::StepReply resent, Send(*ranks[1], {1, 1, 1, g1}));
+  EXPECT_TRUE(resent.replayed && resent.applied);
+  EXPECT_EQ(resent.global_step, 2);
+  EXPECT_EQ(resent.step, 2);
+  EXPECT_EQ(resent.parameters, last.parameters);
+}
+
 TEST_F(AsyncRanksTest, AnAsyncSpecOutOfRangeIsRefusedNamingTheField) {
   Start();
   EXPECT_THAT(client_->CreateSession("bad-rank", AsyncSpec(2, 1), 2),
