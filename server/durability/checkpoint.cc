@@ -190,7 +190,13 @@ absl::Status WriteCheckpoint(Env* env, const std::string& dir, const CheckpointD
   if (!data.pushes.empty()) {
     nlohmann::json pushes = nlohmann::json::array();
     for (const CheckpointPush& p : data.pushes) {
-      pushes.push_back({p.push, p.global_step, p.staleness, p.applied, p.skip_reason});
+      // An applied push as the three numbers earlier versions write and read; a skipped one with
+      // its outcome.
+      if (p.applied && p.skip_reason.empty()) {
+        pushes.push_back({p.push, p.global_step, p.staleness});
+      } else {
+        pushes.push_back({p.push, p.global_step, p.staleness, p.applied, p.skip_reason});
+      }
     }
     metadata["pushes"] = std::move(pushes);
   }

@@ -62,8 +62,9 @@ struct CheckpointData {
   std::vector<CheckpointTensor> tensors;
   std::optional<CheckpointLossScaler> loss_scaler;  // sessions with a loss scaler
   // Asynchronous sessions: per rank, its last push, the global step it became, its staleness and its
-  // outcome (checkpoint.json's "pushes": [[push, global_step, staleness, applied, skip_reason], ...];
-  // a record of the first three alone, as older daemons wrote, was applied); empty otherwise.
+  // outcome (checkpoint.json's "pushes": [push, global_step, staleness] for an applied push, as
+  // earlier versions wrote them, and [push, global_step, staleness, applied, skip_reason] for a
+  // skipped one); empty otherwise.
   std::vector<CheckpointPush> pushes;
 };
 

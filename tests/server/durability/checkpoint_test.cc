@@ -83,8 +83,8 @@ TEST_F(CheckpointTest, FieldsOfTheWrongTypeAreRefusedNotThrown) {
   }
 }
 
-// An asynchronous session's push records keep their outcome; a record of three numbers (as older
-// daemons wrote them) reads as applied; a record of another shape is refused, not read.
+// An asynchronous session's push records keep their outcome; a record of three numbers (an applied
+// push, as earlier versions write and read them) reads as applied; another shape is refused.
 TEST_F(CheckpointTest, PushRecordsKeepTheirOutcomeAndOlderRecordsReadAsApplied) {
   data_.pushes = {{3, 5, 1, true, ""}, {2, 4, 0, false, "non-finite gradient in 'w'"}};
   ASSERT_OK(WriteCheckpoint(Env::Default(), dir_, data_));
@@ -96,6 +96,11 @@ TEST_F(CheckpointTest, PushRecordsKeepTheirOutcomeAndOlderRecordsReadAsApplied) 
   EXPECT_TRUE(read.pushes[0].applied);
   EXPECT_FALSE(read.pushes[1].applied);
   EXPECT_EQ(read.pushes[1].skip_reason, "non-finite gradient in 'w'");
+  // An applied push is written as the three numbers earlier versions read; a skipped one in full.
+  const json written =
+      json::parse(Env::Default()->ReadFile(dir_ + "/" + kCheckpointMetadataFile, kNoReadLimit).value());
+  EXPECT_EQ(written["pushes"][0], json::array({3, 5, 1}));
+  EXPECT_EQ(written["pushes"][1].size(), 5u);
 
   EditMetadata([](json& m) { m["pushes"] = json::array({json::array({3, 5, 1}), json::array({2, 4, 0})}); });
   ASSERT_OK_AND_ASSIGN(read, ReadCheckpoint(Env::Default(), dir_));
