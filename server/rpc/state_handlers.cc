@@ -175,17 +175,18 @@ absl::Status MuondService::DoSetState(const std::string& caller, grpc::ServerRea
     if (chunk.shape_size() > 0) {  // optional: the tensor's shape, or any of a rank's part's element count
       const std::vector<int64_t> expected = session->TensorShape(it->second, chunk.slot());
       const int64_t whole = session::ShapeElements(expected);
-      const session::ElementRange part = session::StatePartOf(config, it->second, static_cast<size_t>(whole), rank);
+      // A rank's part of a partitioned parameter's master or element-wise slot (StatePartOf's rule)
+      // travels in the rank's own layout, flat or in rows, even when the part is the whole tensor.
+      const bool part = rank >= 0 && session::IsPartitioned(config, it->second) && whole == param.numel;
+      const int64_t elements = session::StatePartOf(config, it->second, static_cast<size_t>(whole), rank).size();
       const bool fits =
-          part.size() != whole
-              ? session::ShapeElements({chunk.shape().data(), static_cast<size_t>(chunk.shape_size())}) == part.size()
-              : std::equal(expected.begin(), expected.end(), chunk.shape().begin(), chunk.shape().end());
+          part ? session::ShapeElements({chunk.shape().data(), static_cast<size_t>(chunk.shape_size())}) == elements
+               : std::equal(expected.begin(), expected.end(), chunk.shape().begin(), chunk.shape().end());
       if (!fits) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "chunk.shape: ", param.name, "/", chunk.slot(), " is [", absl::StrJoin(expected, ", "), "]",
-            part.size() != whole ? absl::StrCat(", rank ", rank, "'s part of it ", part.size(), " elements")
-                                 : std::string(),
-            " here, got [", absl::StrJoin(chunk.shape(), ", "), "]"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("chunk.shape: ", param.name, "/", chunk.slot(), " is [", absl::StrJoin(expected, ", "), "]",
+                         part ? absl::StrCat(", rank ", rank, "'s part of it ", elements, " elements") : std::string(),
+                         " here, got [", absl::StrJoin(chunk.shape(), ", "), "]"));
       }
     }
     auto [slot, inserted] = index.try_emplace({it->second, chunk.slot()}, state.tensors.size());

@@ -458,6 +458,23 @@ def test_each_rank_saves_and_loads_its_parts_of_the_state(endpoint):
     expect_parts(run_ranks(endpoint, kinds, options={}, reload_at=2), want, kinds)
 
 
+def test_a_rank_holding_a_whole_parameter_in_its_flat_layout_loads_its_state(endpoint):
+    """With one rank a flat partition hands it every parameter whole, in its flat layout (emb
+    5x4 as 20 elements): its saved state loads back, shapes and all, as any rank's part does."""
+    groups, _ = groups_for(1, 0, ["rows", "rows", "flat", None])
+    assert tuple(dict(groups[2]["params"])["emb"].shape) == (20,)
+    with muond.RemoteOptimizer(groups, endpoint=endpoint, session=f"sd-{uuid.uuid4().hex[:6]}",
+                               world_size=1, rank=0) as opt:
+        params = [p for g in groups for _, p in g["params"]]
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        saved = opt.state_dict()
+        opt.step()
+        opt.load_state_dict(saved)
+        assert opt.last_step == 1
+
+
 def test_a_state_dict_of_another_rank_is_refused(endpoint):
     groups, _ = groups_for(1, 0, ["rows", "rows", "flat", None])
     with muond.RemoteOptimizer(groups, endpoint=endpoint, session=f"sd-{uuid.uuid4().hex[:6]}", world_size=1,
