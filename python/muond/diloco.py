@@ -352,7 +352,9 @@ class DiLoCo:
             # The globals are the daemon's (always finite): a non-finite Δ means the local
             # parameters diverged, and the inner optimizer's state with them. Sent, it would skip
             # the outer step for every worker, at every sync from here on.
-            bad = next((i for i in members if not torch.isfinite(self._deltas[i]).all()), None)
+            finite = torch.stack([torch.isfinite(self._deltas[i]).all() for i in members]).all()
+            bad = None if bool(finite) else next(  # one device sync a sync; the name only on failure
+                i for i in members if not torch.isfinite(self._deltas[i]).all())
         if bad is not None:
             for g in self._globals:
                 g.grad = None

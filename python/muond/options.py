@@ -145,13 +145,18 @@ def check_ranges(group: Mapping[str, Any]) -> None:
     """ValueError, in the daemon's words, for a resolved group's value outside its option's range
     in the table (the daemon checks these itself; LocalOptimizer, which has no daemon, here)."""
     values = [(key, value) for key, value in group.items() if key in RANGES]
-    if isinstance(group.get("betas"), tuple):
+    if isinstance(group.get("betas"), (tuple, list)) and len(group["betas"]) == 2:
         values += list(zip(("beta1", "beta2"), group["betas"]))
     for key, value in values:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            error = range_error(key, float(value))
-            if error:
-                raise ValueError(error)
+        if isinstance(value, bool) or value is None:
+            continue
+        try:
+            number = float(value)  # a float, an int, a 0-dim tensor (an lr), a numpy scalar
+        except (TypeError, ValueError):
+            continue  # not a number: the option's own check names it
+        error = range_error(key, number)
+        if error:
+            raise ValueError(error)
 
 
 def resolve_group(group: Mapping[str, Any], defaults: Mapping[str, Any]) -> Dict[str, Any]:

@@ -127,7 +127,11 @@ class StateTransfer(_Core):
                 self.last_step = session_step
                 # The saved count, even when the daemon's record (asked on attach) is further: the
                 # rank redoes the work after its save, and those pushes are answered as resends.
-                self.pushes = int(meta.get("pushes", 0))
+                taken, self.pushes = self.pushes, int(meta.get("pushes", 0))
+                if taken > self.pushes:
+                    _log.warning("session %s: rank %d's pushes %d to %d were taken before its state "
+                                 "dict was loaded: redone, they are answered as resends and apply "
+                                 "nothing", self.session_id, self.rank, self.pushes + 1, taken)
                 self._restore_group_options(saved_groups)
                 _log.info("session %s: rank %d resumes after its push %d at global step %d (the "
                           "state dict was saved at global step %d; the session's state is kept)",

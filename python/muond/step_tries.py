@@ -123,8 +123,8 @@ class StepTries(_Core):
         self.pushes = int(header.step)
         self.last_step = int(result.step)
         if result.replayed:
-            # The answer carries the session's last result, whoever pushed it; the push was this
-            # rank's own, alone.
+            # The answer carries the push's own outcome from the rank's record (docs/ranks.md,
+            # Resends): this rank's push, alone.
             report = ((self.rank,), 1.0 if weight is None else weight, True)
         else:
             report = rank_report(result, False)[:2] + (True,)
