@@ -272,7 +272,7 @@ def _orthogonalize_scaled(u: torch.Tensor, group: Dict[str, Any]) -> torch.Tenso
         blocks = u.reshape(groups, q + k + v, -1)
         parts = torch.split(blocks, [q, k, v], dim=1)
         return torch.cat([ortho(part) for part in parts], dim=1).reshape(shape)
-    if u.dim() == 4:
+    if u.dim() >= 4:  # convolutions (conv2d, conv3d, ...) as (out, the rest)
         return ortho(u.reshape(shape[0], -1)).reshape(shape)
     return ortho(u)  # 2-D, or 3-D expert stacks batched over the first dim
 

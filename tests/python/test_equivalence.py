@@ -405,11 +405,11 @@ def test_lion_group_matches_design(endpoint):
 @pytest.mark.parametrize("split,query_groups", [((8, 4, 4), 2), ((16, 16, 16), 1)])
 def test_fused_qkv_experts_and_conv_match_local(endpoint, split, query_groups):
     # The other shapes of docs/algorithms.md, Shapes: fused QKV orthogonalized block by block,
-    # 3-D experts one by one, 4-D convolution filters as (out, in·kh·kw). LocalOptimizer is checked
+    # 3-D experts one by one, 4-D and 5-D convolution filters as (out, the rest). LocalOptimizer is checked
     # against the reference for matrices above; here it stands in for the reference.
     gen = torch.Generator().manual_seed(60)
     rows = sum(split) * query_groups
-    shapes = {"qkv": (rows, 16), "experts": (3, 8, 12), "conv": (8, 3, 3, 3)}
+    shapes = {"qkv": (rows, 16), "experts": (3, 8, 12), "conv": (8, 3, 3, 3), "conv3d": (8, 4, 3, 3, 3)}
     remote_params = {n: torch.nn.Parameter(0.1 * torch.randn(*s, generator=gen))
                      for n, s in shapes.items()}
     local_params = {n: torch.nn.Parameter(p.detach().clone()) for n, p in remote_params.items()}
@@ -417,7 +417,8 @@ def test_fused_qkv_experts_and_conv_match_local(endpoint, split, query_groups):
     def groups(params):
         return [{"params": [("qkv", params["qkv"])], "qkv_split": split,
                  "num_query_groups": query_groups},
-                {"params": [("experts", params["experts"]), ("conv", params["conv"])]}]
+                {"params": [("experts", params["experts"]), ("conv", params["conv"]),
+                            ("conv3d", params["conv3d"])]}]
 
     remote = muond.RemoteOptimizer(groups(remote_params), endpoint=endpoint)
     local = muond.LocalOptimizer(groups(local_params))
