@@ -218,6 +218,7 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
         except BaseException:
             self._shut_down(end_session=False)
             raise
+        self._note_parameters()
 
     # -- construction helpers ------------------------------------------------------------------
 
@@ -485,29 +486,26 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
         daemon scales the heads whose logit exceeds the threshold; pairs left out are not
         clipped this step, nor is any pair when the step is skipped (non-finite gradient).
         ValueError, before anything is sent, for a weight that is not the query of a pair or a
-        wrong number of values.
+        wrong number of values, or for parameters changed in place since the last step
+        (``upload_parameters``).
 
-        ``grad_scale``: the factor the loss was multiplied by (a static loss scale); the daemon
-        divides the gradients by it before the norm, clipping and the non-finite check. With
-        ``loss_scaler=`` leave it unset: the daemon divides by its own scale (``loss_scale``).
+        ``grad_scale``: the factor the loss was multiplied by (a static loss scale), which the
+        daemon divides the gradients by first; unset with ``loss_scaler=`` (``loss_scale``).
 
-        ``weight``: with several ranks, the weight of this rank's gradients (e.g. the tokens or
-        samples behind them); the daemon applies Σ w·g / Σ w over the ranks whose gradients the
-        step uses (docs/ranks.md). Finite and > 0 (ValueError naming ``weight`` otherwise, before
-        anything is sent); None means 1. ``last_info`` reports ``contributors``, ``total_weight``
-        and ``included``: when a quorum step went on without this rank, ``included`` is False,
-        the parameters are those after the session's last step (``last_info.step``), and the next
-        ``step()`` continues after it.
+        ``weight``: with several ranks, this rank's weight (e.g. its tokens); the daemon applies
+        Σ w·g / Σ w over the ranks the step uses (docs/ranks.md). Finite and > 0, else ValueError
+        before anything is sent; None means 1. ``last_info`` reports ``contributors``,
+        ``total_weight`` and ``included``: a quorum step that went on without this rank leaves it
+        False, the parameters those after the session's last step (``last_info.step``), and the
+        next ``step()`` continues after it.
 
-        In an asynchronous session (``sync_mode="async"``) the call is this rank's next push
-        (``pushes`` + 1) with base_step ``last_step``, applied on arrival as the next global step:
-        ``last_info.global_step`` is the global step it became, ``last_info.staleness`` the
-        global steps applied since its base, and ``last_step`` the global step of the parameters
-        the model now holds. A push more than ``max_staleness`` global steps behind raises
-        nothing: its gradients are dropped, the model takes the session's latest parameters
-        (read from the daemon), ``last_info`` says ``stale`` True and ``applied`` False,
-        ``stale_pushes`` counts it, and its push number stays free for the next call."""
+        Asynchronously (``sync_mode="async"``) the call is this rank's push ``pushes`` + 1 from
+        base_step ``last_step``, applied on arrival as global step ``last_info.global_step``
+        (``staleness`` behind). One over ``max_staleness`` behind is dropped without an error:
+        the model takes the latest parameters, ``last_info.stale`` is True, ``stale_pushes``
+        counts it and its push number stays free (docs/ranks.md, Asynchronous)."""
         weight = ranks_of.check_weight(weight)
+        self._check_untouched()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -528,11 +526,59 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
             self._send_delayed(header, grads, streamed, rest, weight)
             return loss
         self._answer_landing = None
-        self._run_step(header, grads, streamed, rest, None, weight)()
+        try:
+            self._run_step(header, grads, streamed, rest, None, weight)()
+        finally:  # the parameters are in (or as they were, after a failure)
+            self._note_parameters()
         landing, self._answer_landing = self._answer_landing, None
         if self._forward is not None:  # the parameters may still be arriving
             self._forward.begin(landing or Landing.landed(), self.last_step)
         return loss
+
+    def _note_parameters(self) -> None:
+        """Records each parameter's version (torch's count of in-place changes) once this
+        optimizer has written it: after construction, load_state_dict and each step whose
+        parameters are in when it returns. With land_in_forward or delay, parameters land
+        later, outside this optimizer's calls, and only what happens before the first step is
+        watched."""
+        watched = self._steps_sent == 0 or (self._forward is None and self._delayed is None)
+        self._versions = [p._version for p in self._params] if watched else None
+
+    def _check_untouched(self) -> None:
+        """ValueError, before anything runs or is sent, for parameters changed in place since
+        this optimizer last wrote them: the daemon holds the masters, and the step's answer
+        would overwrite the change without a word."""
+        versions = getattr(self, "_versions", None)
+        if self._forward is not None or self._delayed is not None:
+            self._versions = None  # from here on parameters land outside this optimizer's calls
+        if versions is None:
+            return
+        changed = [n for n, p, v in zip(self._names, self._params, versions) if p._version != v]
+        if changed:
+            shown = ", ".join(repr(n) for n in changed[:3]) + (" ..." if len(changed) > 3 else "")
+            raise ValueError(
+                f"parameters changed in place since the optimizer last wrote them: {shown} "
+                f"({len(changed)} of {len(self._params)}). The daemon holds their masters and "
+                f"this step's answer would overwrite the change: load weights before creating "
+                f"the optimizer, or call upload_parameters() to make the model's values the "
+                f"masters (python/README.md, Parameters changed by the trainer)")
+
+    def upload_parameters(self) -> None:
+        """Makes the model's current parameter values the daemon's masters (after loading
+        weights, clamping or pruning them in place), keeping the optimizer state (momentum,
+        moments, step counts): the daemon's state is read, its masters replaced by the
+        parameters (rounded to the masters' storage dtype) and written back, as
+        ``load_state_dict`` writes a state dict."""
+        if self._async:
+            raise ValueError("upload_parameters: not in an asynchronous session, whose state ranks "
+                             "that wait for nobody share; load weights before creating the optimizer")
+        saved = self.state_dict()
+        with torch.no_grad():
+            for i, (name, param) in enumerate(zip(self._names, self._params)):
+                entry = saved["state"].get(i)
+                if entry is not None and "master" in entry:
+                    entry["master"] = param.detach().to(entry["master"].dtype).cpu().reshape(entry["master"].shape)
+        self.load_state_dict(saved)
 
     def _land_before_step(self, *calls: Callable[[], None]) -> None:
         """Runs ``calls`` (the last step's parameters coming in: the forward landing's, or the

@@ -105,3 +105,7 @@ class OptimizerCore(Protocol):
     def _on_every_session(self, call: Callable[[int, "DaemonSession"], Any]) -> List[Any]:
         """``call(k, daemon)`` for every daemon, in parallel on a sharded session; the answers
         in daemon order."""
+
+    def _note_parameters(self) -> None:
+        """Records the parameters' versions once this optimizer has written them (their
+        in-place changes are refused at the next step)."""

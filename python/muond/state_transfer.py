@@ -137,6 +137,7 @@ class StateTransfer(_Core):
                           "state dict was saved at global step %d; the session's state is kept)",
                           self.session_id, self.rank, self.pushes, session_step,
                           int(meta["last_step"]))
+                self._note_parameters()
                 return
         state = state_dict["state"]
         steps = self._on_every_session(
@@ -147,6 +148,7 @@ class StateTransfer(_Core):
             self.loss_scale = float(meta["loss_scaler"]["scale"])
         copy_in(self._by_name, {name: state[i]["master"] for i, name in enumerate(self._names)
                                 if "master" in state.get(i, {})})
+        self._note_parameters()
         self._restore_group_options(saved_groups)
 
     def _restore_group_options(self, saved_groups: List[Dict[str, Any]]) -> None:
