@@ -413,14 +413,55 @@ class LocalOptimizer(torch.optim.Optimizer):
                         {n: g["optimizer"] for g in self.param_groups for n in g["param_names"]})
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """torch's ``add_param_group``; after construction the new parameters are named as at
+        construction (``param_names``, ``(name, tensor)`` pairs, else ``p<index>``), checked and
+        stepped like the others."""
+        if param_group.get("partition") is not None:
+            raise ValueError("partition: LocalOptimizer steps whole tensors (a rank's part would be "
+                             "orthogonalized and clipped on its own); give it the whole parameters")
+        constructed = hasattr(self, "_params")
+        if constructed:
+            param_group = self._named_new_group(param_group)
         resolved = opts.resolve_group(param_group, self._user_defaults)
         opts.check_ranges(resolved)
         opts.check_shapes(resolved, [tuple(p.shape) for p in resolved["params"]])
         super().add_param_group(resolved)
+        if constructed:
+            added = self.param_groups[-1]
+            with torch.no_grad():
+                for p in added["params"]:
+                    _round_master(p, added)
+            self._params.extend(added["params"])
+            self._names.extend(added["param_names"])
+            self._by_name.update(zip(added["param_names"], added["params"]))
+
+    def _named_new_group(self, param_group: Dict[str, Any]) -> Dict[str, Any]:
+        """A group added after construction with its tensors and names as ``named_groups`` makes
+        them, unnamed ones numbered after the parameters already held; ValueError for a name or
+        tensor this optimizer already holds."""
+        group = dict(param_group)
+        raw = group["params"]
+        raw = [raw] if isinstance(raw, torch.Tensor) else list(raw)
+        given = list(group.get("param_names") or [None] * len(raw))
+        if len(given) == len(raw):
+            offset = len(self._names)
+            group["param_names"] = [g or (None if isinstance(p, tuple) else f"p{offset + i}")
+                                    for i, (g, p) in enumerate(zip(given, raw))]
+        (group,), names = named_groups([group])
+        held = {id(p): n for n, p in zip(self._names, self._params)}
+        for name, p in zip(names, group["params"]):
+            if name in self._by_name:
+                raise ValueError(f"parameter name '{name}' is used twice")
+            if id(p) in held:
+                raise ValueError(f"parameters '{held[id(p)]}' and '{name}' are the same tensor; give "
+                                 f"each tensor once (tied weights are one parameter)")
+        return group
 
     def state_dict(self) -> Dict[str, Any]:
-        """torch's state dict, plus the loss scaler's state under ``loss_scaler`` when there is one."""
+        """torch's state dict, plus ``last_step`` and the loss scaler's state under
+        ``loss_scaler`` when there is one."""
         out = super().state_dict()
+        out["last_step"] = self.last_step
         if self._scaler is not None:
             out["loss_scaler"] = {"scale": self._scaler.scale,
                                   "growth_tracker": self._scaler.growth_tracker,
@@ -431,7 +472,10 @@ class LocalOptimizer(torch.optim.Optimizer):
         """torch's ``load_state_dict``; a saved ``loss_scaler`` state replaces this one's."""
         state_dict = dict(state_dict)
         scaler = state_dict.pop("loss_scaler", None)
+        last_step = state_dict.pop("last_step", None)
         super().load_state_dict(state_dict)
+        if last_step is not None:
+            self.last_step = int(last_step)
         # torch casts the state to the parameters' dtype: 16-bit slots go back to their storage
         # dtype (rounded, as the daemon's SetState rounds), and 16-bit masters are rounded too.
         with torch.no_grad():

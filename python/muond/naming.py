@@ -66,4 +66,24 @@ def named_groups(params: Iterable[Any]) -> Tuple[List[Dict[str, Any]], List[str]
         if name in seen:
             raise ValueError(f"parameter name '{name}' is used twice")
         seen.add(name)
+    _check_tensors(groups)
     return groups, all_names
+
+
+def _check_tensors(groups: List[Dict[str, Any]]) -> None:
+    """TypeError for a complex tensor (the masters are real fp32: its imaginary part would be
+    dropped), ValueError for one tensor given twice (its gradient would count twice in the norm
+    and its update be applied twice), each naming the parameter."""
+    first_name: Dict[int, str] = {}
+    for group in groups:
+        for tensor, name in zip(group["params"], group["param_names"]):
+            if not isinstance(tensor, torch.Tensor):
+                continue  # torch's own check names the type
+            if tensor.is_complex():
+                raise TypeError(f"parameter '{name}': a complex tensor ({tensor.dtype}); the optimizers "
+                                f"take real tensors (optimize its real and imaginary parts as real "
+                                f"parameters)")
+            other = first_name.setdefault(id(tensor), name)
+            if other != name:
+                raise ValueError(f"parameters '{other}' and '{name}' are the same tensor; give each "
+                                 f"tensor once (tied weights are one parameter)")

@@ -216,6 +216,10 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
         try:
             self._start(setup)
         except BaseException:
+            # Nothing left behind: a session this constructor created (its upload refused, or no
+            # transport for it) goes; one it attached to is never touched.
+            for daemon in self._sessions:
+                daemon.roll_back()
             self._shut_down(end_session=False)
             raise
         self._note_parameters()

@@ -167,7 +167,9 @@ def to_proto(partition: Partition, names: Sequence[str], pb: Any) -> Any:
 
 def check_local(partition: Partition, tensors: Sequence[torch.Tensor], names: Sequence[str],
                 world_size: int, rank: int) -> None:
-    """ValueError naming the first local tensor whose element count is not its part's."""
+    """ValueError naming the first local tensor whose element count is not its part's, whose
+    shape is not its part's where it has the global shape's dimensions (a column block given for
+    rows), or that takes no gradient (every rank's part of each parameter must come each step)."""
     if len(tensors) != len(partition.shapes):
         raise ValueError(f"partition: {len(partition.shapes)} global shapes for the group's "
                          f"{len(tensors)} parameters")
@@ -178,6 +180,16 @@ def check_local(partition: Partition, tensors: Sequence[torch.Tensor], names: Se
             raise ValueError(f"parameter '{name}': rank {rank} holds elements [{begin}, {end}) of its "
                              f"global shape {partition.shapes[k]} under a {partition.kind} partition "
                              f"({end - begin} elements); the local tensor has {tensor.numel()}")
+        expected = tuple(partition.local_shape(k, world_size, rank))
+        if (partition.kind == "rows" and tensor.dim() == len(partition.shapes[k])
+                and tuple(tensor.shape) != expected and tensor.numel() > 0):
+            raise ValueError(f"parameter '{name}': rank {rank}'s part under a {partition.kind} partition "
+                             f"of global shape {partition.shapes[k]} has shape {expected}; the local "
+                             f"tensor has {tuple(tensor.shape)} (a block of other dimensions)")
+        if not tensor.requires_grad:
+            raise ValueError(f"parameter '{name}': requires_grad is False; a partitioned group's "
+                             f"parameters need a gradient from every rank at every step (leave "
+                             f"frozen parameters out of the optimizer)")
 
 
 def cut(whole: torch.Tensor, partition: Partition, k: int, world_size: int, rank: int) -> torch.Tensor:

@@ -110,6 +110,16 @@ class StateTransfer(_Core):
         meta = state_dict.get("muond")
         if not meta or meta.get("format") != _STATE_FORMAT:
             raise ValueError("not a RemoteOptimizer state dict (no 'muond' section of format 1)")
+        saved_names = meta.get("names")
+        if saved_names is not None and list(saved_names) != list(self._names):
+            differ = next(i for i, pair in enumerate(zip(list(saved_names) + [None] * len(self._names),
+                                                         self._names + [None] * len(saved_names)))
+                          if pair[0] != pair[1])
+            raise ValueError(f"the state dict's parameters are named {len(saved_names)} names that "
+                             f"differ from this optimizer's {len(self._names)} from position {differ} "
+                             f"on (saved {saved_names[differ] if differ < len(saved_names) else None!r}, "
+                             f"here {self._names[differ] if differ < len(self._names) else None!r}); "
+                             f"nothing was loaded")
         saved_groups = state_dict["param_groups"]
         self._check_saved_groups(saved_groups)
         if self.partitioned and (not meta.get("parts") or meta.get("rank") != self.rank):

@@ -114,3 +114,30 @@ def test_muond_error_pickles():
     err = muond.MuondError(grpc.StatusCode.NOT_FOUND, "session 'x' not found", "Step")
     copy = pickle.loads(pickle.dumps(err))
     assert copy.code == err.code and copy.details == err.details and str(copy) == str(err)
+
+
+def test_complex_and_repeated_tensors_are_refused_naming_the_parameter(endpoint):
+    # A complex parameter would lose its imaginary part to the real fp32 masters; one tensor given
+    # twice would count twice in the norm and be updated twice. Both before anything is sent.
+    z = torch.nn.Parameter(torch.randn(4, dtype=torch.cfloat))
+    w = torch.nn.Parameter(torch.randn(4, 4))
+    for make in (lambda p: muond.RemoteOptimizer(p, endpoint=endpoint), muond.LocalOptimizer):
+        with pytest.raises(TypeError, match="parameter 'z': a complex tensor"):
+            make([{"params": [("z", z)], "optimizer": "adamw"}])
+        with pytest.raises(ValueError, match="parameters 'w' and 'w2' are the same tensor"):
+            make([{"params": [("w", w), ("w2", w)], "optimizer": "adamw"}])
+
+
+def test_a_refused_construction_leaves_no_session_behind(endpoint):
+    # The upload of a non-finite initial value is refused after the session was created: the
+    # session goes with the failed constructor, and the same id can be created afresh.
+    session = "refused-construction"
+    bad = torch.nn.Parameter(torch.tensor([1.0, float("nan")]))
+    with pytest.raises(muond.MuondError, match="nan"):
+        muond.RemoteOptimizer([{"params": [("w", bad)], "optimizer": "adamw"}], endpoint=endpoint,
+                              session=session)
+    assert session not in {s.session_id for s in Connection(endpoint).list_sessions()}
+    good = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
+    with muond.RemoteOptimizer([{"params": [("w", good)], "optimizer": "adamw"}], endpoint=endpoint,
+                               session=session) as opt:
+        assert not opt.attached

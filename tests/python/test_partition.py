@@ -258,6 +258,21 @@ def test_a_part_of_the_wrong_size_is_refused_naming_it(endpoint):
         muond.RemoteOptimizer(groups, endpoint=endpoint, session="wrong-size", world_size=WORLD, rank=0)
 
 
+def test_a_block_of_other_dimensions_or_a_frozen_part_is_refused(endpoint):
+    # Rank 0's part of w1 (7, 6) under rows is (3, 6); a (6, 3) block of columns (DTensor Shard(1))
+    # has as many elements but would scramble the whole matrix. A part that takes no gradient would
+    # leave every step short of it.
+    groups, _ = groups_for(WORLD, 0, ["rows", "rows", "flat", "explicit"])
+    groups[0]["params"][0] = ("w1", torch.zeros(6, 3, requires_grad=True))
+    with pytest.raises(ValueError, match=r"'w1': rank 0's part .* has shape \(3, 6\); the local tensor has \(6, 3\)"):
+        muond.RemoteOptimizer(groups, endpoint=endpoint, session="column-block", world_size=WORLD, rank=0)
+    groups[0]["params"][0] = ("w1", torch.zeros(3, 6))
+    with pytest.raises(ValueError, match="'w1': requires_grad is False"):
+        muond.RemoteOptimizer(groups, endpoint=endpoint, session="frozen-part", world_size=WORLD, rank=0)
+    with pytest.raises(ValueError, match="partition: LocalOptimizer steps whole tensors"):
+        muond.LocalOptimizer(groups)
+
+
 def _spec(world, partition):
     spec = pb.SessionSpec(world_size=world)
     group = spec.groups.add(name="g", options=pb.GroupOptions(optimizer=pb.OPTIMIZER_ADAMW))

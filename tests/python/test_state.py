@@ -121,3 +121,24 @@ def test_close_ends_the_session(endpoint):
     conn.close()
     with pytest.raises(RuntimeError, match="closed"):
         opt.step()
+
+
+def test_a_state_dict_of_other_names_is_refused(endpoint):
+    # Two parameters of equal shapes saved as (a, b) and loaded where they are (b, a): loading by
+    # position would swap their states without a word.
+    def opt_of(names, seed):
+        torch.manual_seed(seed)
+        params = [(n, torch.nn.Parameter(torch.randn(3, 3))) for n in names]
+        return muond.RemoteOptimizer([{"params": params, "optimizer": "adamw"}], endpoint=endpoint)
+
+    saving = opt_of(["a", "b"], 1)
+    for p in saving._params:
+        p.grad = torch.ones_like(p)
+    saving.step()
+    saved = saving.state_dict()
+    saving.close()
+    loading = opt_of(["b", "a"], 2)
+    with pytest.raises(ValueError, match=r"from position 0 on \(saved 'a', here 'b'\); nothing was loaded"):
+        loading.load_state_dict(saved)
+    assert loading.last_step == 0
+    loading.close()
