@@ -36,8 +36,9 @@ MUOND_HD void MomentumElement(const MomentumArgs& a, float& m, float g, float& u
   }
 }
 
-// AdaMuon's second moment on the orthogonalized update (Megatron-Core / Emerging-Optimizers
-// AdaptiveMuon, moment2_method adamuon): x = scale·O; v ← lerp(v, x², 1−β2); O ← x / (√v + ε).
+// AdaMuon's second moment on the orthogonalized update (Megatron-Core's TensorParallelAdaptiveMuon,
+// whose orthogonalization returns the scaled update; moment2_method adamuon): x = scale·O;
+// v ← lerp(v, x², 1−β2); O ← x / (√v + ε).
 struct AdamuonArgs {
   float scale = 1.0f;             // the Muon scale of the matrix, applied before the moment
   float one_minus_beta2 = 0.05f;  // 1 − β2 rounded from fp64, as torch computes it

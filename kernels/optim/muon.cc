@@ -113,10 +113,10 @@ class Muon final : public Optimizer {
   // this step (residual_job_), into residual_sum_.
   absl::Status Observe(Backend& backend, std::span<const MatrixJob> jobs, const float* work, NsWorkspace& ws);
   // Telemetry: backend memory in the step's pending sums (read back once, at the step's end) for
-  // the Σ U² of each of the step's `matrices` Newton–Schulz inputs, in the order the batches run,
-  // followed by the residual's two sums when residual_job_ is set (residual_sum_); reserved before the
-  // step changes any state.
-  absl::StatusOr<double*> ReserveTelemetrySums(Backend& backend, size_t matrices);
+  // the Σ U² of each Newton–Schulz input of `batches`, in the order the batches run, followed by
+  // the residual's two sums when residual_job_ is set (residual_sum_); reserved before the step
+  // changes any state.
+  absl::StatusOr<double*> ReserveTelemetrySums(Backend& backend, std::span<const std::span<const MatrixJob>> batches);
 
   const double ns_bound_;                    // NsSingularValueBound of this group's iteration
   const MatrixJob* residual_job_ = nullptr;  // the matrix whose residual this step measures
@@ -439,26 +439,36 @@ absl::Status Muon::Orthogonalize(Backend& backend, const StepHyper& hyper, std::
   return absl::OkStatus();
 }
 
-absl::StatusOr<double*> Muon::ReserveTelemetrySums(Backend& backend, size_t matrices) {
+absl::StatusOr<double*> Muon::ReserveTelemetrySums(Backend& backend,
+                                                   std::span<const std::span<const MatrixJob>> batches) {
   StepTelemetry* telemetry = telemetry_;
   const bool residual = residual_job_ != nullptr;
-  MUOND_ASSIGN_OR_RETURN(
-      double* sums,
-      telemetry->pending.Reserve(
-          backend, matrices + (residual ? 2 : 0), [telemetry, matrices, residual](std::span<const double> values) {
-            for (size_t i = 0; i < matrices; ++i) {
-              telemetry->momentum_sum_squares += values[i];
-              ++telemetry->matrices;
-              const double norm = std::sqrt(values[i]);
-              telemetry->smallest_momentum_norm = std::min(telemetry->smallest_momentum_norm, norm);
-              // A momentum of exactly zero never had a non-zero gradient: not a norm
-              // that fell (docs/operations.md, Warnings).
-              if (norm > 0) {
-                telemetry->smallest_nonzero_momentum_norm = std::min(telemetry->smallest_nonzero_momentum_norm, norm);
-              }
-            }
-            if (residual) telemetry->residual = ResidualFromSums(values[matrices], values[matrices + 1]);
-          }));
+  // Matrices whose gradient is all zero this step: their momentum only decays.
+  std::vector<bool> idle;
+  for (std::span<const MatrixJob> batch : batches) {
+    for (const MatrixJob& job : batch) idle.push_back(job.param != nullptr && job.param->grad_is_zero);
+  }
+  const size_t matrices = idle.size();
+  MUOND_ASSIGN_OR_RETURN(double* sums,
+                         telemetry->pending.Reserve(
+                             backend, matrices + (residual ? 2 : 0),
+                             [telemetry, idle = std::move(idle), residual](std::span<const double> values) {
+                               const size_t matrices = idle.size();
+                               for (size_t i = 0; i < matrices; ++i) {
+                                 telemetry->momentum_sum_squares += values[i];
+                                 ++telemetry->matrices;
+                                 const double norm = std::sqrt(values[i]);
+                                 telemetry->smallest_momentum_norm = std::min(telemetry->smallest_momentum_norm, norm);
+                                 // A momentum of exactly zero never had a non-zero gradient, and one without a
+                                 // gradient this step only decays: not a norm that fell (docs/operations.md, Warnings).
+                                 if (norm > 0 && !idle[i]) {
+                                   telemetry->smallest_nonzero_momentum_norm =
+                                       std::min(telemetry->smallest_nonzero_momentum_norm, norm);
+                                 }
+                               }
+                               if (residual)
+                                 telemetry->residual = ResidualFromSums(values[matrices], values[matrices + 1]);
+                             }));
   residual_sum_ = residual ? sums + matrices : nullptr;
   return sums;
 }
@@ -472,6 +482,7 @@ absl::Status Muon::Observe(Backend& backend, std::span<const MatrixJob> jobs, co
   MUOND_RETURN_IF_ERROR(
       OrthogonalitySumSquares(backend, work + i * mat, jobs[0].rows, jobs[0].cols, ws, residual_sum_));
   telemetry_->residual_parameter = residual_job_->param->name;
+  telemetry_->residual_offset = residual_job_->master_offset;
   return absl::OkStatus();
 }
 
@@ -587,7 +598,9 @@ absl::Status Muon::ApplyTransposed(Backend& backend, const StepHyper& hyper, Par
 
 // The matrix whose orthogonality residual a step measures: the group's matrices in turn, in the
 // order the step orthogonalizes them (by shape, then parameter order), the k-th at the group's step
-// k (the step count of its first parameter with a gradient, kept in checkpoints).
+// k (the step count of its first parameter with a gradient, kept in checkpoints). None when that
+// matrix's gradient is all zero: its momentum only decays, and Newton–Schulz rightly stops
+// normalizing it once it is under ns_eps.
 template <typename ByShape>
 const MatrixJob* ResidualJob(const ByShape& by_shape, std::span<ParamState* const> params) {
   size_t total = 0;
@@ -599,7 +612,7 @@ const MatrixJob* ResidualJob(const ByShape& by_shape, std::span<ParamState* cons
   if (total == 0 || first == nullptr) return nullptr;
   size_t k = static_cast<size_t>(first->step_count) % total;
   for (const auto& entry : by_shape) {
-    if (k < entry.second.size()) return &entry.second[k];
+    if (k < entry.second.size()) return entry.second[k].param->grad_is_zero ? nullptr : &entry.second[k];
     k -= entry.second.size();
   }
   return nullptr;
@@ -672,7 +685,7 @@ absl::Status Muon::Step(Backend& backend, const StepHyper& hyper, std::span<Para
   StepScratch& scratch = backend.Shared<StepScratch>();
   double* input_sums = nullptr;
   if (telemetry_ != nullptr && matrices > 0) {
-    MUOND_ASSIGN_OR_RETURN(input_sums, ReserveTelemetrySums(backend, matrices));
+    MUOND_ASSIGN_OR_RETURN(input_sums, ReserveTelemetrySums(backend, batches));
   }
   const bool normalizes_lines = options_.momentum_normalization != MomentumNormalization::kNone ||
                                 options_.post_normalization != PostNormalization::kNone;

@@ -55,8 +55,12 @@ struct ParamState {
   double master_bound = 0;
   std::unique_ptr<kernels::DeviceBuffer> grad;  // filled by the caller before Step
   bool has_grad = false;                        // false: skipped this step (torch's grad=None)
-  std::vector<StateSlot> slots;                 // created by Optimizer::InitState
-  int64_t step_count = 0;                       // steps that updated this parameter
+  // The gradient is exactly zero everywhere (an expert no token reached): the step only decays the
+  // momentum. Set by the caller with `grad`; telemetry reads it (a momentum decaying for want of
+  // gradients is not one that clipping or a loss scale shrank).
+  bool grad_is_zero = false;
+  std::vector<StateSlot> slots;  // created by Optimizer::InitState
+  int64_t step_count = 0;        // steps that updated this parameter
 
   StoredTensor* Slot(const std::string& slot_name);
 };

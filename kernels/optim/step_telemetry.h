@@ -34,8 +34,10 @@ struct StepTelemetry {
   int64_t updated_elements = 0;
 
   // Muon: Σ U² of the matrices Newton–Schulz received (the momentum, Nesterov's combination
-  // included), the smallest Frobenius norm of one of them and the smallest that is not zero (+inf
-  // when none; a momentum of exactly zero is a matrix whose gradients have all been zero so far).
+  // included), the smallest Frobenius norm of one of them and the smallest that is not zero among
+  // the matrices of parameters whose gradient this step is not all zero (+inf when none; a momentum
+  // of exactly zero is a matrix whose gradients have all been zero so far, and one whose gradient is
+  // zero now only decays, as an expert no token reached).
   double momentum_sum_squares = 0;
   double smallest_momentum_norm = std::numeric_limits<double>::infinity();
   double smallest_nonzero_momentum_norm = std::numeric_limits<double>::infinity();
@@ -46,6 +48,7 @@ struct StepTelemetry {
   // belongs to.
   std::optional<double> residual;
   std::string residual_parameter;
+  size_t residual_offset = 0;  // where the measured matrix starts in its parameter's elements
 
   // SGD with heloco: the parameters whose gradient HeLoCo kept, reoriented and shrunk this step
   // (momentum_alignment.h).

@@ -68,13 +68,20 @@ void HealthWatch::Observe(const SessionConfig& config, const StepClipping& clipp
       out.momentum_norm = std::sqrt(t.momentum_sum_squares);
       out.smallest_momentum_norm = t.smallest_momentum_norm;
       // Newton–Schulz divides by norm_safety·‖U‖ + eps: at or under eps the update shrinks with
-      // the momentum instead of being normalized. A momentum of exactly zero is a matrix whose
-      // gradients have all been zero so far (a zero-initialized layer's inputs at the start): its
-      // update is rightly zero, and nothing fell.
-      const bool low = options.ns_norm_safety * t.smallest_nonzero_momentum_norm < options.ns_eps;
+      // the momentum instead of being normalized. Turbo-Muon's AOL divides each row by the root of
+      // its row sum of |U·Uᵀ|, floored at eps: sums of the order of ‖U‖², so there ‖U‖² under eps
+      // is the sign. A momentum of exactly zero is a matrix whose gradients have all been zero so
+      // far (a zero-initialized layer's inputs at the start): its update is rightly zero, and
+      // nothing fell; nor did a momentum whose gradient is all zero this step (not counted).
+      const double norm = t.smallest_nonzero_momentum_norm;
+      const bool aol = options.ns_preconditioner == optim::NsPreconditioner::kAol;
+      const double normalized_by = aol ? norm * norm : options.ns_norm_safety * norm;
+      const bool low = normalized_by < options.ns_eps;
       if (low && !state.momentum_low) {
         Raise(kHealthWarningKinds[1], out.group,
-              absl::StrCat("a momentum norm of ", t.smallest_nonzero_momentum_norm, " under ns_eps ", options.ns_eps),
+              aol ? absl::StrCat("a momentum norm of ", norm, " whose square is under ns_eps ", options.ns_eps,
+                                 " (AOL's row sums floor there)")
+                  : absl::StrCat("a momentum norm of ", norm, " under ns_eps ", options.ns_eps),
               out, result);
       }
       state.momentum_low = low;
@@ -84,15 +91,23 @@ void HealthWatch::Observe(const SessionConfig& config, const StepClipping& clipp
       out.residual = t.residual;
       out.residual_parameter = t.residual_parameter;
       if (!state.residual_threshold.has_value()) state.residual_threshold = optim::ResidualThreshold(options);
+      // One matrix is measured per step, in turn: the group's condition lasts while any matrix
+      // measured high has not been measured low since, and is raised when it starts.
       const bool high = *t.residual > *state.residual_threshold;
-      if (high && !state.residual_high) {
+      const bool was_high = !state.residual_high.empty();
+      const std::pair<std::string, size_t> matrix{t.residual_parameter, t.residual_offset};
+      if (high) {
+        state.residual_high.insert(matrix);
+      } else {
+        state.residual_high.erase(matrix);
+      }
+      if (high && !was_high) {
         Raise(kHealthWarningKinds[3], out.group,
               absl::StrCat("orthogonality residual ", *t.residual, " of '", t.residual_parameter, "' above ",
                            *state.residual_threshold,
                            options.warn_residual_above.has_value() ? "" : " (this Newton-Schulz's own bound)"),
               out, result);
       }
-      state.residual_high = high;
     }
   }
   history_.resize(groups);

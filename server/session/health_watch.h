@@ -6,7 +6,8 @@
 // a gradient for warn_stale_steps steps, an orthogonality residual above warn_residual_above (or
 // the bound the group's Newton–Schulz derives, optim::ResidualThreshold).
 //
-// A warning is raised when its condition starts (again), not on every step it lasts. The counters
+// A warning is raised when its condition starts (again), not on every step it lasts; a residual's
+// condition is the group's, lasting while any of its matrices was last measured above the bound. The counters
 // live in memory: a restarted daemon starts them afresh. Owned by the session; not thread-safe (the
 // session's lock guards it).
 #pragma once
@@ -14,6 +15,8 @@
 #include <array>
 #include <cstdint>
 #include <optional>
+#include <set>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -55,9 +58,10 @@ class HealthWatch {
 
  private:
   struct GroupState {
-    int64_t clip_low_steps = 0;                // applied steps in a row with the coefficient under the threshold
-    bool momentum_low = false;                 // the last step had a matrix under ns_eps
-    bool residual_high = false;                // the last residual measured was above the bound
+    int64_t clip_low_steps = 0;  // applied steps in a row with the coefficient under the threshold
+    bool momentum_low = false;   // the last step had a matrix under ns_eps
+    // The matrices (parameter, offset) whose last measured residual was above the bound.
+    std::set<std::pair<std::string, size_t>> residual_high;
     std::optional<double> residual_threshold;  // optim::ResidualThreshold of the group, once known
   };
   std::vector<int64_t> steps_without_gradient_;  // by parameter

@@ -67,6 +67,7 @@ absl::Status Session::ApplyGradients(const StepPlan& plan, std::vector<HostTenso
     optim::ParamState& state = params_[i];
     HostTensor& gradient = gradients[i];
     state.has_grad = gradient.present();
+    state.grad_is_zero = state.has_grad && gradient.sum_squares == 0;
     if (!state.has_grad) continue;
     const double clip_coefficient = group_coefficients[config_.parameters[i].group];
     const float c = static_cast<float>(clip_coefficient);

@@ -134,6 +134,33 @@ def test_a_zero_momentum_at_the_start_is_not_a_fault(endpoint):
     assert info.groups["g0"].smallest_momentum_norm == 0
 
 
+def test_a_momentum_decaying_on_zero_gradients_is_not_a_fault(endpoint):
+    # An expert no token reaches: one step with a gradient, then all-zero gradients. With momentum
+    # 0.5 its momentum halves each step, from ~30 to under ns_eps within 40 steps; nothing was
+    # scaled down, so nothing is raised (nor is the residual of an update that rightly fades).
+    model = Square()
+    groups = [{"params": [model.w], "param_names": ["w"], "optimizer": "muon", "momentum": 0.5}]
+    raised = []
+    with muond.RemoteOptimizer(groups, endpoint=endpoint) as opt:
+        for step in range(1, 46):
+            model.w.grad = torch.randn(64, 64) if step == 1 else torch.zeros(64, 64)
+            opt.step()
+            raised.append(opt.last_info.groups["g0"].warnings)
+        smallest = opt.last_info.groups["g0"].smallest_momentum_norm
+    assert 0 < smallest < 1e-7, f"the momentum did not fall under ns_eps: {smallest}"
+    assert all(w == () for w in raised), raised
+
+
+def test_a_momentum_under_eps_with_aol_raises_momentum_below_eps(endpoint):
+    # Turbo-Muon's AOL floors U·Uᵀ's row sums (of the order of ‖U‖²) at ns_eps: a momentum norm far
+    # above 1e-7 whose square is far under it no longer gets normalized.
+    warnings, info = fault_run(endpoint, 3, muon={"ns_preconditioner": "aol"}, w_scale=1e-6)
+    norm = info.groups["g0"].smallest_momentum_norm
+    assert 1e-7 < norm and norm * norm < 1e-7, norm
+    assert "momentum_below_eps" in warnings[0]["g0"], warnings
+    assert all("momentum_below_eps" not in w["g0"] for w in warnings[1:]), "raised once while it lasts"
+
+
 def test_a_parameter_that_never_gets_a_gradient_raises_parameter_stale(endpoint):
     warnings, _ = fault_run(endpoint, 4, adamw={"warn_stale_steps": 3}, b_grad=False)
     assert [w["g1"] for w in warnings] == [(), (), ("parameter_stale",), ()], warnings
