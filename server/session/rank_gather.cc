@@ -1,8 +1,34 @@
 #include "server/session/rank_gather.h"
 
+#include <cmath>
+
 #include "server/session/partition.h"
 
 namespace muond::session {
+namespace {
+
+// Each head's largest finite logit over the ranks (each saw its own tokens; MuonClip wants the
+// maximum over the whole batch); a head no rank gave a finite logit for keeps the lowest rank's
+// value. The plan's pairs and the request's (which the journal keeps) stay in step, one for one.
+void MergeQkLogits(const StepPlan& other, StepPlan& plan) {
+  for (size_t j = 0; j < other.qk_logits.size(); ++j) {
+    const auto& [pair, logits] = other.qk_logits[j];
+    size_t k = 0;
+    while (k < plan.qk_logits.size() && plan.qk_logits[k].first != pair) ++k;
+    if (k == plan.qk_logits.size()) {
+      plan.qk_logits.push_back(other.qk_logits[j]);
+      plan.request.qk_logits.push_back(other.request.qk_logits[j]);
+      continue;
+    }
+    std::vector<double>& merged = plan.qk_logits[k].second;
+    for (size_t h = 0; h < merged.size() && h < logits.size(); ++h) {
+      if (std::isfinite(logits[h]) && (!std::isfinite(merged[h]) || logits[h] > merged[h])) merged[h] = logits[h];
+    }
+    plan.request.qk_logits[k].max_logits = merged;
+  }
+}
+
+}  // namespace
 
 uint64_t RankGather::Add(StepPlan plan, std::vector<HostTensor> gradients, absl::Time now) {
   if (step_ != plan.request.step) {
@@ -58,6 +84,7 @@ std::pair<StepPlan, std::vector<HostTensor>> RankGather::TakeAverage(const Sessi
     total_weight += ranks_[r]->first.request.weight;
   }
   StepPlan plan = std::move(ranks_[contributors.front()]->first);
+  for (size_t c = 1; c < contributors.size(); ++c) MergeQkLogits(ranks_[contributors[c]]->first, plan);
   plan.request.contributors = std::move(contributors);
   plan.request.total_weight = total_weight;
   End();

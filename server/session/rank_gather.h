@@ -5,7 +5,8 @@
 // averaged with the ranks' weights — per parameter, sum(w_r * g_r) / sum(w_r) over the ranks that
 // sent it, summed in rank order in fp64 and rounded once to fp32, so the result does not depend on
 // arrival order (with every weight 1 it is the plain mean) — and the step is applied once with the
-// plan of the lowest rank that arrived. Parameters of partitioned groups are assembled from each
+// plan of the lowest rank that arrived, its QK-clip logits the largest finite each head had on any
+// of them (each rank saw its own tokens). Parameters of partitioned groups are assembled from each
 // rank's part instead of averaged. A rank that resends while it waits replaces its part.
 //
 // The generation changes whenever a gathering ends (applied or aborted), so waiting ranks can tell

@@ -315,3 +315,43 @@ def test_bf16_masters_are_clipped_then_rounded(endpoint):
         # One bf16 rounding of the fp32 clip (the reference's pow is fp64, the daemon's scale fp32).
         assert (got - want.to(torch.bfloat16).float()).abs().max() <= 2 ** -7 * want.abs().max(), name
     assert torch.equal(params["wq1"].detach(), stored["wq1"])  # no logits: not clipped
+
+
+def test_two_ranks_clip_by_the_largest_logit_either_saw(endpoint):
+    # Each rank's max logits are over its own tokens; MuonClip wants the maximum over the batch.
+    # Two ranks with different logits (one giving pair 1 alone) equal one rank giving, per head,
+    # the larger finite value: pair 0 from both, pair 1 from rank 1 only.
+    import threading
+    rank_logits = [{"wq0": [5.0, 40.0, 10.0, 12.5]},
+                   {"wq0": [30.0, 20.0, float("inf"), 8.0], "wq1": [50.0, 400.0, 1.0, -3.0]}]
+    merged = {"wq0": [30.0, 40.0, 10.0, 12.5], "wq1": [50.0, 400.0, 1.0, -3.0]}
+
+    def run(world, logits_of_rank, session):
+        results, errors = [None] * world, []
+
+        def rank_main(rank):
+            try:
+                params = attention_params()
+                set_grads(params, 1)
+                with muond.RemoteOptimizer(groups_of(params, lr=0.0), endpoint=endpoint,
+                                           session=session, world_size=world, rank=rank,
+                                           qk_clip=pairs_of(params)) as opt:
+                    opt.step(qk_logits={params[q]: v for q, v in logits_of_rank[rank].items()})
+                results[rank] = {n: p.detach().clone() for n, p in params.items()}
+            except BaseException as err:  # noqa: BLE001 - reported below
+                errors.append(err)
+
+        threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        return results
+
+    two = run(2, rank_logits, "qk-two-ranks")
+    one = run(1, [merged], "qk-one-rank")
+    for name in ("wq0", "wk0", "wq1", "wk1"):
+        assert torch.equal(two[0][name], one[0][name]), name
+        assert torch.equal(two[1][name], one[0][name]), name
+    assert not torch.equal(one[0]["wq1"], attention_params()["wq1"]), "pair 1 was clipped"
