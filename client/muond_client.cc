@@ -415,6 +415,7 @@ absl::StatusOr<StepReply> Session::Step(int64_t step, std::span<const TensorView
 }
 
 absl::StatusOr<std::unique_ptr<StreamedStep>> Session::BeginStreamedStep(int64_t step, const StepOptions& options) {
+  if (absl::Status rank = CheckPartsRank(options); !rank.ok()) return rank;
   if (absl::Status opened = EnsureTransport(); !opened.ok()) return opened;
   std::unique_ptr<StreamedStep> streamed(new StreamedStep(this, step, options));
   if (transport_->name() != "grpc") return streamed;  // gathered: shared memory moves them at once
@@ -461,12 +462,17 @@ absl::StatusOr<StepReply> Session::FinishStreamed(StreamedStep& streamed, const 
   return StepFrom(2, *transport_, streamed.step(), payload, options);
 }
 
-absl::StatusOr<StepReply> Session::StepThrough(StepTransport& transport, int64_t step, const StepPayload& payload,
-                                               const StepOptions& options) {
+absl::Status Session::CheckPartsRank(const StepOptions& options) const {
   if (parts_rank_.has_value() && options.rank != *parts_rank_) {
     return absl::InvalidArgumentError(absl::StrCat("options.rank: this session holds rank ", *parts_rank_,
                                                    "'s parts (HoldParts), the step names rank ", options.rank));
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StepReply> Session::StepThrough(StepTransport& transport, int64_t step, const StepPayload& payload,
+                                               const StepOptions& options) {
+  if (absl::Status rank = CheckPartsRank(options); !rank.ok()) return rank;
   return StepFrom(1, transport, step, payload, options);
 }
 

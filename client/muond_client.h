@@ -284,6 +284,8 @@ class Session {
                                      const StepOptions& options);
   // INVALID_ARGUMENT naming options.parameters_out when one of its buffers does not fit.
   absl::Status CheckParametersOut(const StepOptions& options) const;
+  // INVALID_ARGUMENT naming options.rank when this session holds another rank's parts (HoldParts).
+  absl::Status CheckPartsRank(const StepOptions& options) const;
   absl::Status EnsureTransport();
   // After an answer: its attempt count, whether this rank was included, the session's last step.
   StepReply Answered(StepReply reply, int attempts);

@@ -49,6 +49,9 @@ absl::Status StreamedStep::Add(const TensorView& gradient) {
       return absl::InvalidArgumentError(absl::StrCat("gradient.name: '", gradient.name, "' was added already"));
     }
   }
+  // A rank's empty part of a partitioned parameter is not sent (the daemon expects nothing for it),
+  // as Session::Step leaves it out.
+  if (session_->parts_rank_.has_value() && gradient.values.empty()) return absl::OkStatus();
   added_.push_back(gradient);
   // A broken stream is noticed by Finish (its status), which then retries with every gradient.
   if (try_ != nullptr) {

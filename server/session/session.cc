@@ -142,10 +142,14 @@ absl::Status Session::UploadParts(int rank, std::vector<HostTensor> tensors) {
     MUOND_ASSIGN_OR_RETURN(bounds[i], CheckTensorValues("chunk.data", params_[i].name, tensors[i].values,
                                                         /*non_negative=*/false, params_[i].master.dtype));
   }
+  // The replicated parameters of a partitioned session are rank 0's, as DDP broadcasts rank 0's:
+  // once it has uploaded them, another rank's values for them are checked and left out.
+  const bool keep_replicated = rank > 0 && replicated_from_rank0_;
   {
     absl::MutexLock masters(&masters_mu_);
     ++masters_version_;
     for (size_t i = 0; i < params_.size(); ++i) {
+      if (keep_replicated && !IsPartitioned(config_, i)) continue;
       const ElementRange part = PartOf(config_, i, rank);
       optim::ParamState& state = params_[i];
       if (part.size() > 0) {
@@ -161,6 +165,7 @@ absl::Status Session::UploadParts(int rank, std::vector<HostTensor> tensors) {
     MUOND_ASSIGN_OR_RETURN(snapshot_, ReadBack(0));
   }
   initialized_ = true;
+  if (rank <= 0) replicated_from_rank0_ = true;
   if (persistence_) MUOND_RETURN_IF_ERROR(CheckpointLocked());
   return absl::OkStatus();
 }

@@ -273,6 +273,28 @@ def test_a_block_of_other_dimensions_or_a_frozen_part_is_refused(endpoint):
         muond.LocalOptimizer(groups)
 
 
+def test_replicated_parameters_start_from_rank_0s_values(endpoint):
+    # Rank 1's replicated parameters differ from rank 0's (another seed): as DDP broadcasts rank
+    # 0's, the session keeps rank 0's and rank 1's model takes them when it opens.
+    session = f"part-replicated-{uuid.uuid4().hex[:8]}"
+    opts = []
+    for rank in range(2):
+        groups, _ = groups_for(2, rank, ["rows", None, None, None])
+        with torch.no_grad():
+            for group in groups[1:]:
+                for _, p in group["params"]:
+                    p.add_(float(rank))
+        opts.append(muond.RemoteOptimizer(groups, endpoint=endpoint, session=session, world_size=2,
+                                          rank=rank))
+    rank0 = dict(zip(opts[0]._names, opts[0]._params))
+    rank1 = dict(zip(opts[1]._names, opts[1]._params))
+    for name in ("qkv", "emb", "bias", "scale", "ex1", "ex2"):
+        assert torch.equal(rank1[name].detach(), rank0[name].detach()), name
+    assert not torch.equal(rank1["w1"].detach(), rank0["w1"].detach()), "each rank keeps its own part"
+    opts[1].close(keep_session=True)
+    opts[0].close()
+
+
 def _spec(world, partition):
     spec = pb.SessionSpec(world_size=world)
     group = spec.groups.add(name="g", options=pb.GroupOptions(optimizer=pb.OPTIMIZER_ADAMW))

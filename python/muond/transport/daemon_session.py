@@ -93,6 +93,8 @@ class DaemonSession:
             return bool(reply.attached), self.refresh()
         if any(g.options.master_dtype not in ("", "fp32") for g in spec.groups):
             self.refresh()  # 16-bit masters hold the values rounded: the parameters follow them
+        elif self.partitioned and self.rank:
+            self.refresh()  # the replicated parameters are rank 0's (it uploaded first)
         return bool(reply.attached), 0
 
     def roll_back(self) -> None:
