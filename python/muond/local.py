@@ -469,7 +469,9 @@ class LocalOptimizer(torch.optim.Optimizer):
         return out
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """torch's ``load_state_dict``; a saved ``loss_scaler`` state replaces this one's."""
+        """torch's ``load_state_dict``; a saved ``loss_scaler`` state replaces this one's. A
+        ``RemoteOptimizer`` state dict loads too: its masters (``state[i]["master"]``) become the
+        parameters' values, as ``RemoteOptimizer.load_state_dict`` copies them in."""
         state_dict = dict(state_dict)
         scaler = state_dict.pop("loss_scaler", None)
         last_step = state_dict.pop("last_step", None)
@@ -481,6 +483,9 @@ class LocalOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             for group in self.param_groups:
                 for p in group["params"]:
+                    master = self.state.get(p, {}).pop("master", None)
+                    if master is not None:
+                        p.copy_(master.view(p.shape))
                     _round_master(p, group)
                     _store_slots(group, self.state.get(p, {}))
         if scaler is not None and self._scaler is not None:
@@ -514,6 +519,9 @@ class LocalOptimizer(torch.optim.Optimizer):
             if group.get("heloco") and not group["momentum"] > 0:
                 raise ValueError(f"momentum: heloco needs momentum > 0 (the correction's reference "
                                  f"is the momentum buffer), got {group['momentum']}")
+        for name, p in zip(self._names, self._params):
+            if p.grad is not None and p.grad.is_sparse:  # as RemoteOptimizer says it
+                raise RuntimeError(f"parameter '{name}': sparse gradients are not supported")
         logits = qk.logits_of(qk_logits, self.qk_clip, self._params, self._names)
         grad_scale = loss_scale.check_grad_scale(grad_scale)
         if self._scaler is not None:

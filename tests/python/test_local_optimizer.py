@@ -43,3 +43,38 @@ def test_the_state_dict_keeps_the_step_count():
                                    "optimizer": "adamw"}])
     other.load_state_dict(saved)
     assert other.last_step == 3
+
+
+def test_a_sparse_gradient_is_refused_naming_the_parameter():
+    w = torch.nn.Parameter(torch.zeros(4))
+    opt = muond.LocalOptimizer([{"params": [("w", w)], "optimizer": "sgd", "lr": 0.1}])
+    w.grad = torch.zeros(4).to_sparse()
+    with pytest.raises(RuntimeError, match="parameter 'w': sparse gradients are not supported"):
+        opt.step()
+    assert opt.last_step == 0 and torch.equal(w.detach(), torch.zeros(4))
+
+
+def test_a_remote_optimizers_state_dict_loads_with_its_masters(endpoint):
+    # Saved by RemoteOptimizer, loaded into LocalOptimizer (no daemon at hand): the masters become
+    # the parameters, the momentum comes along, and both go on equally.
+    torch.manual_seed(4)
+    start = torch.randn(6, 4)
+    remote_w = torch.nn.Parameter(start.clone())
+    group = {"optimizer": "muon", "lr": 0.02}
+    remote = muond.RemoteOptimizer([{"params": [("w", remote_w)], **group}], endpoint=endpoint)
+    for step in range(2):
+        remote_w.grad = torch.randn(6, 4)
+        remote.step()
+    saved = remote.state_dict()
+
+    local_w = torch.nn.Parameter(start.clone())
+    local = muond.LocalOptimizer([{"params": [("w", local_w)], **group}])
+    local.load_state_dict(saved)
+    assert torch.equal(local_w.detach(), remote_w.detach())
+    assert "master" not in local.state[local_w]
+    g = torch.randn(6, 4)
+    remote_w.grad, local_w.grad = g.clone(), g.clone()
+    remote.step()
+    local.step()
+    remote.close()
+    assert torch.allclose(local_w.detach(), remote_w.detach(), rtol=1e-5, atol=1e-6)
