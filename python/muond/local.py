@@ -29,7 +29,7 @@ from . import options as opts
 from . import qk_clip as qk
 from . import ranks
 from . import wire
-from .naming import named_groups
+from .naming import named_groups, numbered
 from .group_info import GroupInfo
 from .step_info import GroupClip, StepInfo, check_max_grad_norm
 
@@ -473,8 +473,17 @@ class LocalOptimizer(torch.optim.Optimizer):
         ``RemoteOptimizer`` state dict loads too: its masters (``state[i]["master"]``) become the
         parameters' values, as ``RemoteOptimizer.load_state_dict`` copies them in."""
         state_dict = dict(state_dict)
-        scaler = state_dict.pop("loss_scaler", None)
+        remote = state_dict.pop("muond", None) or {}  # a RemoteOptimizer's section
+        names = remote.get("names")
+        if names is not None and list(names) != list(self._names) and not numbered(names) \
+                and not numbered(self._names):
+            raise ValueError(f"the state dict's parameters are named {list(names)[:4]}..., this "
+                             f"optimizer's {self._names[:4]}...: loading by position would swap "
+                             f"their states; nothing was loaded")
+        scaler = state_dict.pop("loss_scaler", None) or remote.get("loss_scaler")
         last_step = state_dict.pop("last_step", None)
+        if last_step is None:
+            last_step = remote.get("last_step")
         super().load_state_dict(state_dict)
         if last_step is not None:
             self.last_step = int(last_step)

@@ -7,7 +7,7 @@ called ``p<i>`` by their position across all groups. Pure functions.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Tuple
+from typing import Any, Dict, Iterable, List, Sequence, Tuple
 
 import torch
 
@@ -87,3 +87,9 @@ def _check_tensors(groups: List[Dict[str, Any]]) -> None:
             if other != name:
                 raise ValueError(f"parameters '{other}' and '{name}' are the same tensor; give each "
                                  f"tensor once (tied weights are one parameter)")
+
+
+def numbered(names: Sequence[str]) -> bool:
+    """Whether every name is the one ``named_groups`` gives an unnamed parameter (``p<index>``):
+    such names say nothing, and state dicts holding them load by position."""
+    return all(name == f"p{i}" for i, name in enumerate(names))

@@ -106,7 +106,7 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
             ``delay_warmup`` (below).
         wire: a ``muond.WireOptions``: ``wire_dtype``, ``return_dtype``, ``shm_zero_copy`` (below).
         step: a ``muond.StepOptions``: ``max_grad_norm``, ``log_num_zeros_in_grad``,
-            ``loss_scaler``, ``qk_clip`` (below).
+            ``loss_scaler``, ``qk_clip``, ``parameters_changed`` (below).
 
     Their fields:
 
@@ -118,6 +118,11 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
             own limit is the group option of that name, with ``clip_scope="group"``).
         log_num_zeros_in_grad: count the gradient elements that are exactly 0 each step
             (Megatron-Core's option of that name); ``last_info.num_zeros_in_grad`` has the count.
+        parameters_changed: a step after parameters were changed in place since the optimizer
+            last wrote them (the daemon's answer overwrites such a change): ``"raise"`` (default,
+            ValueError before anything is sent; ``upload_parameters()`` takes the change),
+            ``"warn"`` (once) or ``"ignore"`` (a model that changes its weights itself, as
+            ``nn.Embedding(max_norm=)`` does in forward).
         loss_scaler: a daemon-side dynamic loss scaler for fp16 training (``muond.loss_scale``):
             True for Megatron-Core's defaults or a dict of its options. Multiply each loss by
             ``loss_scale`` (``scale_loss(loss)``); the daemon divides the gradients by it.
@@ -232,6 +237,7 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
         self.wire_dtype, self.return_dtype = setup.wire.dtypes()
         self.max_grad_norm, self.loss_scaler = setup.step.resolve()
         self.log_num_zeros_in_grad = bool(setup.step.log_num_zeros_in_grad)
+        self.parameters_changed = setup.step.parameters_changed  # checked by resolve() above
         # The scale to multiply the next loss by, with a loss scaler (from the daemon's answers).
         self.loss_scale: Optional[float] = None
         self._resolve_connection(setup.connection)
@@ -509,12 +515,12 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
         the model takes the latest parameters, ``last_info.stale`` is True, ``stale_pushes``
         counts it and its push number stays free (docs/ranks.md, Asynchronous)."""
         weight = ranks_of.check_weight(weight)
-        self._check_untouched()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self._check_open()
+        self._check_untouched()
         if self._forward is not None:  # the last step's parameters are all in before anything runs
             self._land_before_step(self._forward.wait_all, self._forward.check_use)
         logits = qk.logits_of(qk_logits, self.qk_clip, self._params, self._names)
@@ -555,17 +561,23 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
         versions = getattr(self, "_versions", None)
         if self._forward is not None or self._delayed is not None:
             self._versions = None  # from here on parameters land outside this optimizer's calls
-        if versions is None:
+        if versions is None or self.parameters_changed == "ignore":
             return
         changed = [n for n, p, v in zip(self._names, self._params, versions) if p._version != v]
-        if changed:
-            shown = ", ".join(repr(n) for n in changed[:3]) + (" ..." if len(changed) > 3 else "")
-            raise ValueError(
-                f"parameters changed in place since the optimizer last wrote them: {shown} "
-                f"({len(changed)} of {len(self._params)}). The daemon holds their masters and "
-                f"this step's answer would overwrite the change: load weights before creating "
-                f"the optimizer, or call upload_parameters() to make the model's values the "
-                f"masters (python/README.md, Parameters changed by the trainer)")
+        if not changed:
+            return
+        shown = ", ".join(repr(n) for n in changed[:3]) + (" ..." if len(changed) > 3 else "")
+        message = (f"parameters changed in place since the optimizer last wrote them: {shown} "
+                   f"({len(changed)} of {len(self._params)}). The daemon holds their masters and "
+                   f"this step's answer overwrites the change: load weights before creating the "
+                   f"optimizer, or call upload_parameters() to make the model's values the masters "
+                   f"(python/README.md, Parameters changed by the trainer)")
+        if self.parameters_changed == "warn":
+            _log.warning("session %s: %s", self.session_id, message)
+            self.parameters_changed = "ignore"  # said once
+            return
+        self._cancel_stream()  # what backward sent of this step goes nowhere
+        raise ValueError(message)
 
     def upload_parameters(self) -> None:
         """Makes the model's current parameter values the daemon's masters (after loading
@@ -573,15 +585,21 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
         moments, step counts): the daemon's state is read, its masters replaced by the
         parameters (rounded to the masters' storage dtype) and written back, as
         ``load_state_dict`` writes a state dict."""
-        if self._async:
-            raise ValueError("upload_parameters: not in an asynchronous session, whose state ranks "
-                             "that wait for nobody share; load weights before creating the optimizer")
+        if self.sync.mode != "lockstep":
+            raise ValueError(f"upload_parameters: not in a {self.sync.mode} session, whose other "
+                             f"ranks step on between the state's read and its write; load weights "
+                             f"before creating the optimizer")
         saved = self.state_dict()
         with torch.no_grad():
-            for i, (name, param) in enumerate(zip(self._names, self._params)):
+            for i, param in enumerate(self._params):
                 entry = saved["state"].get(i)
-                if entry is not None and "master" in entry:
-                    entry["master"] = param.detach().to(entry["master"].dtype).cpu().reshape(entry["master"].shape)
+                if entry is None or "master" not in entry:
+                    continue
+                master = entry["master"]
+                value = param.detach().cpu().reshape(master.shape)
+                # Only the elements the trainer changed: the others keep the master's bits, which
+                # a 16-bit model (or answer) holds rounded.
+                entry["master"] = torch.where(value != master.to(value.dtype), value.to(master.dtype), master)
         self.load_state_dict(saved)
 
     def _land_before_step(self, *calls: Callable[[], None]) -> None:

@@ -112,14 +112,20 @@ class StepOptions:
     """What the daemon does in each step besides the update. ``max_grad_norm``: clip the global
     gradient norm; ``loss_scaler``: True or a dict of Megatron-Core's options (``muond.loss_scale``);
     ``qk_clip``: MuonClip pairs ``[(query, key, num_heads), ...]``; ``log_num_zeros_in_grad``:
-    count the gradient's zeros."""
+    count the gradient's zeros; ``parameters_changed``: what a step does about parameters changed
+    in place since the optimizer last wrote them — ``"raise"`` (ValueError), ``"warn"`` (once) or
+    ``"ignore"`` (for a model that changes its weights itself, as ``nn.Embedding(max_norm=)``)."""
     max_grad_norm: Optional[float] = None
     log_num_zeros_in_grad: bool = False
     loss_scaler: Any = None
     qk_clip: Optional[Iterable[Tuple[Any, Any, int]]] = None
+    parameters_changed: str = "raise"
 
     def resolve(self) -> Tuple[Optional[float], Optional[Dict[str, float]]]:
         """(max_grad_norm, the loss scaler's options), checked; ValueError naming the field."""
+        if self.parameters_changed not in ("raise", "warn", "ignore"):
+            raise ValueError(f"parameters_changed: 'raise', 'warn' or 'ignore', got "
+                             f"{self.parameters_changed!r}")
         return check_max_grad_norm(self.max_grad_norm), loss_scale.resolve(self.loss_scaler)
 
 

@@ -78,3 +78,21 @@ def test_a_remote_optimizers_state_dict_loads_with_its_masters(endpoint):
     local.step()
     remote.close()
     assert torch.allclose(local_w.detach(), remote_w.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_remote_state_dict_of_other_names_is_refused_and_numbered_names_load(endpoint):
+    a = torch.nn.Parameter(torch.ones(3))
+    remote = muond.RemoteOptimizer([{"params": [("a", a)], "optimizer": "sgd", "lr": 0.1}],
+                                   endpoint=endpoint)
+    a.grad = torch.ones(3)
+    remote.step()
+    saved = remote.state_dict()
+    remote.close()
+    other = muond.LocalOptimizer([{"params": [("b", torch.nn.Parameter(torch.ones(3)))],
+                                   "optimizer": "sgd", "lr": 0.1}])
+    with pytest.raises(ValueError, match="loading by position would swap their states"):
+        other.load_state_dict(saved)
+    unnamed = torch.nn.Parameter(torch.ones(3))
+    local = muond.LocalOptimizer([{"params": [unnamed], "optimizer": "sgd", "lr": 0.1}])
+    local.load_state_dict(saved)  # p0: loaded by position
+    assert torch.equal(unnamed.detach(), a.detach()) and local.last_step == 1

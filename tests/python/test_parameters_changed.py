@@ -92,3 +92,56 @@ def test_reading_parameters_and_stepping_changes_nothing_to_refuse(endpoint):
     opt.step()
     assert opt.last_step == 4
     opt.close()
+
+
+def test_an_upload_changes_only_the_changed_elements_of_a_bf16_model(endpoint):
+    # The daemon keeps fp32 masters of a bf16 model: an upload after one element was changed
+    # replaces that element's master and keeps every other master's fp32 bits.
+    torch.manual_seed(9)
+    w = torch.nn.Parameter(torch.randn(8, 8).to(torch.bfloat16))
+    opt = muond.RemoteOptimizer([{"params": [("w", w)], "optimizer": "adamw", "lr": 1e-2}],
+                                endpoint=endpoint)
+    w.grad = torch.randn(8, 8).to(torch.bfloat16)
+    opt.step()
+    before = opt.state_dict()["state"][0]["master"].clone()
+    with torch.no_grad():
+        w[0, 0] = 3.0
+    opt.upload_parameters()
+    after = opt.state_dict()["state"][0]["master"]
+    opt.close()
+    assert after[0, 0] == 3.0
+    changed = (after != before).nonzero().tolist()
+    assert changed == [[0, 0]], changed
+    assert not torch.equal(before.to(torch.bfloat16).float(), before), "the masters hold more than bf16"
+
+
+def test_warn_and_ignore_let_the_step_go_on(endpoint, caplog):
+    for mode in ("warn", "ignore"):
+        ours, _, options = sgd_pair()
+        opt = muond.RemoteOptimizer([{"params": [("w", ours[0]), ("b", ours[1])], **options}],
+                                    endpoint=endpoint, parameters_changed=mode)
+        caplog.clear()
+        for step in range(1, 4):
+            with torch.no_grad():
+                ours[1].clamp_(-0.1, 0.1)  # overwritten by each answer, as asked
+            for p, g in zip(ours, gradients(step)):
+                p.grad = g.clone()
+            opt.step()
+        said = [r for r in caplog.records if "changed in place" in r.getMessage()]
+        assert len(said) == (1 if mode == "warn" else 0), (mode, said)
+        assert opt.last_step == 3
+        opt.close()
+    with pytest.raises(ValueError, match="parameters_changed: 'raise', 'warn' or 'ignore'"):
+        muond.RemoteOptimizer([{"params": [("w", ours[0])], **options}], endpoint=endpoint,
+                              parameters_changed="sometimes")
+
+
+def test_upload_parameters_is_lock_step_only(endpoint):
+    ours, _, options = sgd_pair()
+    opt = muond.RemoteOptimizer([{"params": [("w", ours[0]), ("b", ours[1])], **options}],
+                                endpoint=endpoint, session="upload-quorum", world_size=2, rank=0,
+                                sync_mode="quorum",
+                                min_ranks=1)
+    with pytest.raises(ValueError, match="upload_parameters: not in a quorum session"):
+        opt.upload_parameters()
+    opt.close()

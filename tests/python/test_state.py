@@ -138,7 +138,7 @@ def test_a_state_dict_of_other_names_is_refused(endpoint):
     saved = saving.state_dict()
     saving.close()
     loading = opt_of(["b", "a"], 2)
-    with pytest.raises(ValueError, match=r"from position 0 on \(saved 'a', here 'b'\); nothing was loaded"):
+    with pytest.raises(ValueError, match=r"from position 0 on \(saved 'a', here 'b'\).*nothing was loaded"):
         loading.load_state_dict(saved)
     assert loading.last_step == 0
     loading.close()
