@@ -1,6 +1,7 @@
 #include "server/session/health_watch.h"
 
 #include <cmath>
+#include <set>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -94,6 +95,13 @@ void HealthWatch::Observe(const SessionConfig& config, const StepClipping& clipp
       // One matrix is measured per step, in turn: the group's condition lasts while any matrix
       // measured high has not been measured low since, and is raised when it starts.
       const bool high = *t.residual > *state.residual_threshold;
+      // A matrix of a parameter without a gradient this step is not measured in turn: its last
+      // measurement no longer stands.
+      std::erase_if(state.residual_high, [&](const std::pair<std::string, size_t>& m) {
+        const auto index = config.parameter_index.find(m.first);
+        return index != config.parameter_index.end() && index->second < has_gradient.size() &&
+               !has_gradient[index->second];
+      });
       const bool was_high = !state.residual_high.empty();
       const std::pair<std::string, size_t> matrix{t.residual_parameter, t.residual_offset};
       if (high) {

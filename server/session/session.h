@@ -290,8 +290,9 @@ class Session {
   std::vector<std::unique_ptr<optim::Optimizer>> optimizers_ ABSL_GUARDED_BY(mu_);  // per group
   std::vector<optim::ParamState> params_ ABSL_GUARDED_BY(mu_);
   bool initialized_ ABSL_GUARDED_BY(mu_) = false;
-  // Rank 0 (or a whole upload) has written the replicated parameters: another rank's upload of its
-  // parts leaves them as they are, so every rank starts from rank 0's values (in memory only).
+  // Rank 0 (or a whole upload, or a loaded or restored state) has written the replicated parameters:
+  // another rank's upload of its parts leaves them as they are, so every rank starts from rank 0's
+  // values.
   bool replicated_from_rank0_ ABSL_GUARDED_BY(mu_) = false;
   int64_t last_step_ ABSL_GUARDED_BY(mu_) = 0;
   StepResult last_result_ ABSL_GUARDED_BY(mu_);

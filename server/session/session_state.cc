@@ -167,7 +167,8 @@ absl::Status Session::ImportState(SessionState state, int rank) {
     for (PushRecord& p : pushes_) p.global_step = p.staleness = 0;
   }
   initialized_ = true;
-  DropPreparedLocked();  // prepared for a state that is gone
+  replicated_from_rank0_ = true;  // a loaded or restored state holds the replicated values ranks share
+  DropPreparedLocked();           // prepared for a state that is gone
   last_result_ = StepResult();
   last_result_.step = last_step_;
   last_result_.applied = true;

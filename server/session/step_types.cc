@@ -1,5 +1,7 @@
 #include "server/session/step_types.h"
 
+#include <limits>
+
 #include "absl/base/casts.h"
 #include "nlohmann/json.hpp"
 
@@ -81,8 +83,13 @@ absl::StatusOr<StepRequest> DecodeStepRequest(absl::string_view bytes) {
     request.max_grad_norm = GetOptional<double>(in, "max_grad_norm");
     request.grad_scale = GetOptional<double>(in, "grad_scale");  // absent in older records
     for (const json& entry : in.at("qk_logits")) {
-      request.qk_logits.push_back(
-          {entry.at("query").get<std::string>(), entry.at("max_logits").get<std::vector<double>>()});
+      // JSON has no inf or NaN: a non-finite logit (a head QK-clip leaves alone, whichever it was)
+      // is written as null and read back as NaN, which QK-clip leaves alone the same way.
+      std::vector<double> logits;
+      for (const json& value : entry.at("max_logits")) {
+        logits.push_back(value.is_null() ? std::numeric_limits<double>::quiet_NaN() : value.get<double>());
+      }
+      request.qk_logits.push_back({entry.at("query").get<std::string>(), std::move(logits)});
     }
     // Records written before sharded steps existed have neither field: whole steps.
     const int phase = in.value("phase", 0);

@@ -28,6 +28,7 @@ SessionConfig MuonConfig(optim::NsPreconditioner preconditioner = optim::NsPreco
     parameter.name = name;
     parameter.shape = {4, 4};
     parameter.numel = 16;
+    config.parameter_index[name] = config.parameters.size();
     config.parameters.push_back(parameter);
   }
   return config;
@@ -37,14 +38,15 @@ class HealthWatchTest : public ::testing::Test {
  protected:
   // One applied step with `telemetry` for the group (no clipping, every parameter with a gradient);
   // the warnings it raised.
-  std::vector<std::string> Step(const SessionConfig& config, const optim::StepTelemetry& telemetry) {
+  std::vector<std::string> Step(const SessionConfig& config, const optim::StepTelemetry& telemetry,
+                                std::vector<bool> has_gradient = {true, true}) {
     StepClipping clipping;
     clipping.group_norms = {1.0};
     clipping.coefficients = {1.0};
     clipping.clipped = {1.0};
     StepResult result;
     result.step = ++step_;
-    watch_.Observe(config, clipping, {true, true}, {telemetry}, result);
+    watch_.Observe(config, clipping, has_gradient, {telemetry}, result);
     std::vector<std::string> kinds;
     for (const auto& warning : result.warnings) kinds.push_back(warning.kind);
     return kinds;
@@ -84,6 +86,15 @@ TEST_F(HealthWatchTest, OneMatrixAboveTheBoundAmongHealthyOnesIsRaisedOnce) {
   EXPECT_THAT(Step(config, Residual("b", 0.1)), IsEmpty());
   EXPECT_THAT(Step(config, Residual("b", 0.9)), ElementsAre("residual_high"));
   EXPECT_THAT(Step(config, Residual("a", 0.9)), IsEmpty()) << "b still above: the same condition";
+}
+
+// A matrix whose parameter gets no gradient is no longer measured in turn: its last measurement
+// stops holding the condition up, and the next matrix measured above the bound starts it again.
+TEST_F(HealthWatchTest, AMatrixWithoutAGradientNoLongerHoldsTheConditionUp) {
+  const SessionConfig config = MuonConfig();
+  EXPECT_THAT(Step(config, Residual("a", 0.9)), ElementsAre("residual_high"));
+  EXPECT_THAT(Step(config, Residual("b", 0.1), {false, true}), IsEmpty()) << "a has no gradient: ended";
+  EXPECT_THAT(Step(config, Residual("b", 0.9), {false, true}), ElementsAre("residual_high"));
 }
 
 // Two matrices of one parameter (an expert stack) are told apart by where they start.

@@ -2,6 +2,8 @@
 // non-finite skip, two streams of one step, and multi-rank gathering.
 #include "server/session/session.h"
 
+#include <cmath>
+#include <limits>
 #include <thread>
 
 #include "gmock/gmock.h"
@@ -270,6 +272,26 @@ TEST_F(CountZerosTest, TheRequestToCountSurvivesTheJournalEncoding) {
   EXPECT_TRUE(decoded.count_zeros);
   ASSERT_OK_AND_ASSIGN(decoded, DecodeStepRequest(EncodeStepRequest(Request(4))));
   EXPECT_FALSE(decoded.count_zeros);
+}
+
+// QK-clip takes non-finite logits (the heads it leaves alone); JSON writes them as null, which must
+// read back (as NaN, left alone the same way) or a journal holding such a step could not be replayed.
+TEST(StepRequestEncodingTest, NonFiniteQkLogitsSurviveTheJournalEncoding) {
+  StepRequest request;
+  request.session_id = "s";
+  request.step = 2;
+  request.qk_logits.push_back(
+      {"wq",
+       {1.5, std::numeric_limits<double>::infinity(), -300.0, -std::numeric_limits<double>::infinity(), std::nan("")}});
+  ASSERT_OK_AND_ASSIGN(StepRequest decoded, DecodeStepRequest(EncodeStepRequest(request)));
+  ASSERT_EQ(decoded.qk_logits.size(), 1u);
+  const std::vector<double>& logits = decoded.qk_logits[0].max_logits;
+  ASSERT_EQ(logits.size(), 5u);
+  EXPECT_EQ(logits[0], 1.5);
+  EXPECT_TRUE(std::isnan(logits[1]));
+  EXPECT_EQ(logits[2], -300.0);
+  EXPECT_TRUE(std::isnan(logits[3]));
+  EXPECT_TRUE(std::isnan(logits[4]));
 }
 
 }  // namespace
