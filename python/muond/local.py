@@ -29,7 +29,7 @@ from . import options as opts
 from . import qk_clip as qk
 from . import ranks
 from . import wire
-from .naming import named_groups, numbered
+from .naming import check_saved_names, named_groups
 from .group_info import GroupInfo
 from .step_info import GroupClip, StepInfo, check_max_grad_norm
 
@@ -439,22 +439,7 @@ class LocalOptimizer(torch.optim.Optimizer):
         """A group added after construction with its tensors and names as ``named_groups`` makes
         them, unnamed ones numbered after the parameters already held; ValueError for a name or
         tensor this optimizer already holds."""
-        group = dict(param_group)
-        raw = group["params"]
-        raw = [raw] if isinstance(raw, torch.Tensor) else list(raw)
-        given = list(group.get("param_names") or [None] * len(raw))
-        if len(given) == len(raw):
-            offset = len(self._names)
-            group["param_names"] = [g or (None if isinstance(p, tuple) else f"p{offset + i}")
-                                    for i, (g, p) in enumerate(zip(given, raw))]
-        (group,), names = named_groups([group])
-        held = {id(p): n for n, p in zip(self._names, self._params)}
-        for name, p in zip(names, group["params"]):
-            if name in self._by_name:
-                raise ValueError(f"parameter name '{name}' is used twice")
-            if id(p) in held:
-                raise ValueError(f"parameters '{held[id(p)]}' and '{name}' are the same tensor; give "
-                                 f"each tensor once (tied weights are one parameter)")
+        (group,), _ = named_groups([param_group], held=list(zip(self._names, self._params)))
         return group
 
     def state_dict(self) -> Dict[str, Any]:
@@ -474,12 +459,7 @@ class LocalOptimizer(torch.optim.Optimizer):
         parameters' values, as ``RemoteOptimizer.load_state_dict`` copies them in."""
         state_dict = dict(state_dict)
         remote = state_dict.pop("muond", None) or {}  # a RemoteOptimizer's section
-        names = remote.get("names")
-        if names is not None and list(names) != list(self._names) and not numbered(names) \
-                and not numbered(self._names):
-            raise ValueError(f"the state dict's parameters are named {list(names)[:4]}..., this "
-                             f"optimizer's {self._names[:4]}...: loading by position would swap "
-                             f"their states; nothing was loaded")
+        check_saved_names(remote.get("names"), self._names)
         scaler = state_dict.pop("loss_scaler", None) or remote.get("loss_scaler")
         last_step = state_dict.pop("last_step", None)
         if last_step is None:

@@ -7,7 +7,7 @@ called ``p<i>`` by their position across all groups. Pure functions.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -27,11 +27,14 @@ def _group_dicts(params: Iterable[Any]) -> List[Dict[str, Any]]:
     return [dict(g) for g in items]
 
 
-def named_groups(params: Iterable[Any]) -> Tuple[List[Dict[str, Any]], List[str]]:
+def named_groups(params: Iterable[Any], held: Sequence[Tuple[str, torch.Tensor]] = ()
+                 ) -> Tuple[List[Dict[str, Any]], List[str]]:
     """Group dicts whose ``params`` are tensors and whose ``param_names`` are filled in, and the
-    flat list of names in parameter order."""
+    flat list of names in parameter order. ``held``: the (name, tensor) pairs an optimizer holds
+    already, when a group is added to it: unnamed parameters are numbered after them, and their
+    names and tensors may not be given again."""
     groups = _group_dicts(params)
-    all_names: List[str] = []
+    all_names: List[str] = [name for name, _ in held]
     for gi, group in enumerate(groups):
         raw = group["params"]
         if isinstance(raw, torch.Tensor):
@@ -66,15 +69,15 @@ def named_groups(params: Iterable[Any]) -> Tuple[List[Dict[str, Any]], List[str]
         if name in seen:
             raise ValueError(f"parameter name '{name}' is used twice")
         seen.add(name)
-    _check_tensors(groups)
-    return groups, all_names
+    _check_tensors(groups, held)
+    return groups, all_names[len(held):]
 
 
-def _check_tensors(groups: List[Dict[str, Any]]) -> None:
+def _check_tensors(groups: List[Dict[str, Any]], held: Sequence[Tuple[str, torch.Tensor]]) -> None:
     """TypeError for a complex tensor (the masters are real fp32: its imaginary part would be
-    dropped), ValueError for one tensor given twice (its gradient would count twice in the norm
-    and its update be applied twice), each naming the parameter."""
-    first_name: Dict[int, str] = {}
+    dropped), ValueError for one tensor given twice, or given again after ``held`` (its gradient
+    would count twice in the norm and its update be applied twice), each naming the parameter."""
+    first_name: Dict[int, str] = {id(tensor): name for name, tensor in held}
     for group in groups:
         for tensor, name in zip(group["params"], group["param_names"]):
             if not isinstance(tensor, torch.Tensor):
@@ -93,3 +96,19 @@ def numbered(names: Sequence[str]) -> bool:
     """Whether every name is the one ``named_groups`` gives an unnamed parameter (``p<index>``):
     such names say nothing, and state dicts holding them load by position."""
     return all(name == f"p{i}" for i, name in enumerate(names))
+
+
+def check_saved_names(saved: Optional[Sequence[str]], here: Sequence[str]) -> None:
+    """ValueError unless a state dict's parameter names (``saved``; None: it holds none) are the
+    loading optimizer's (``here``), or one side's are ``p<index>``: loading by position would swap
+    the states of equal shapes."""
+    if saved is None or list(saved) == list(here) or numbered(saved) or numbered(here):
+        return
+    saved, here = list(saved), list(here)
+    differ = next(i for i, pair in enumerate(zip(saved + [None] * len(here), here + [None] * len(saved)))
+                  if pair[0] != pair[1])
+    was = saved[differ] if differ < len(saved) else None
+    now = here[differ] if differ < len(here) else None
+    raise ValueError(f"the state dict's {len(saved)} parameter names differ from this optimizer's "
+                     f"{len(here)} from position {differ} on (saved {was!r}, here {now!r}): loading by "
+                     f"position would swap their states; nothing was loaded")

@@ -16,7 +16,7 @@ import torch
 from . import options as opts
 from . import wire
 from ._stubs import pb
-from .naming import numbered
+from .naming import check_saved_names
 from .transport.daemon_session import copy_in
 
 _log = logging.getLogger("muond")
@@ -111,7 +111,7 @@ class StateTransfer(_Core):
         meta = state_dict.get("muond")
         if not meta or meta.get("format") != _STATE_FORMAT:
             raise ValueError("not a RemoteOptimizer state dict (no 'muond' section of format 1)")
-        self._check_saved_names(meta.get("names"))
+        check_saved_names(meta.get("names"), self._names)
         saved_groups = state_dict["param_groups"]
         self._check_saved_groups(saved_groups)
         if self.partitioned and (not meta.get("parts") or meta.get("rank") != self.rank):
@@ -152,21 +152,6 @@ class StateTransfer(_Core):
                                 if "master" in state.get(i, {})})
         self._note_parameters()
         self._restore_group_options(saved_groups)
-
-    def _check_saved_names(self, saved_names: Any) -> None:
-        """ValueError unless a state dict's parameter names are this optimizer's (loading by
-        position would swap the states of equal shapes), or one side's are ``p<index>``."""
-        if saved_names is not None and list(saved_names) != list(self._names) \
-                and not (numbered(saved_names) or numbered(self._names)):
-            differ = next(i for i, pair in enumerate(zip(list(saved_names) + [None] * len(self._names),
-                                                         self._names + [None] * len(saved_names)))
-                          if pair[0] != pair[1])
-            saved = saved_names[differ] if differ < len(saved_names) else None
-            here = self._names[differ] if differ < len(self._names) else None
-            raise ValueError(f"the state dict's {len(saved_names)} parameter names differ from this "
-                             f"optimizer's {len(self._names)} from position {differ} on (saved "
-                             f"{saved!r}, here {here!r}): loading by position would swap their "
-                             f"states; nothing was loaded")
 
     def _restore_group_options(self, saved_groups: List[Dict[str, Any]]) -> None:
         """The groups' lr, momentum and weight decay (and initial_lr) as saved."""
