@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer target over the daemon's request handling (tests/fuzz/request_fuzzer.cc) with
-# clang, ASan and UBSan into build-fuzz/ (or $MUOND_FUZZ_BUILD_DIR), writes its seed corpus and runs
-# it for a bounded time: scripts/fuzz.sh [SECONDS] (default 60). Its output goes to build-fuzz/fuzz.log
-# (the summary is printed). Inputs that add coverage are kept in build-fuzz/corpus/ between runs; a
-# failing input is written to build-fuzz/artifacts/ and the script fails, showing the report. Replay
-# one with build-fuzz/request_fuzzer build-fuzz/artifacts/crash-... (REQUEST_FUZZER_TRACE=1 prints
-# each call the input makes). Extra arguments go to libFuzzer.
+# clang, ASan and UBSan into the sanitized build folder it shares with scripts/test.sh --sanitize
+# (build-sanitize/, or $MUOND_SANITIZE_BUILD_DIR; scripts/sanitized-build-options.sh), writes its seed
+# corpus and runs it for a bounded time: scripts/fuzz.sh [SECONDS] (default 60). Its output goes to
+# build-sanitize/fuzz.log (the summary is printed). Inputs that add coverage are kept in
+# build-sanitize/corpus/ between runs; a failing input is written to build-sanitize/artifacts/ and the
+# script fails, showing the report. Replay one with build-sanitize/request_fuzzer
+# build-sanitize/artifacts/crash-... (REQUEST_FUZZER_TRACE=1 prints each call the input makes). Extra
+# arguments go to libFuzzer.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-build=${MUOND_FUZZ_BUILD_DIR:-$root/build-fuzz}
+source "$root/scripts/sanitized-build-options.sh"
+build=$sanitized_build_dir
 seconds=60
 if [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; then
   seconds=$1
@@ -16,13 +19,14 @@ if [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; then
 fi
 
 "$root/scripts/setup.sh"
-CC=${CC:-clang-14} CXX=${CXX:-clang++-14} cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-  -DMUOND_FUZZ=ON -DMUOND_SANITIZE=address,undefined -DMUOND_ENABLE_CUDA=OFF -DMUOND_BUILD_EXAMPLES=OFF >/dev/null
-# Only the fuzzer and its seed generator: the rest of the tree is built and tested elsewhere.
-echo "fuzz: building request_fuzzer into $build (log: $build/build.log)"
-if ! cmake --build "$build" -j"$(nproc)" --target request_fuzzer request_seeds >"$build/build.log" 2>&1; then
-  tail -n 60 "$build/build.log"
-  echo "fuzz: build FAILED (full log: $build/build.log)" >&2
+mkdir -p "$build"
+cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo "${sanitized_cmake_options[@]}" >"$build/configure.log" 2>&1 ||
+  { tail -n 40 "$build/configure.log"; echo "fuzz: configure FAILED (log: $build/configure.log)" >&2; exit 1; }
+# Only the fuzzer and its seed generator (scripts/test.sh --sanitize builds the rest of the folder).
+echo "fuzz: building request_fuzzer into $build (log: $build/fuzz-build.log)"
+if ! cmake --build "$build" -j"$(nproc)" --target request_fuzzer request_seeds >"$build/fuzz-build.log" 2>&1; then
+  tail -n 60 "$build/fuzz-build.log"
+  echo "fuzz: build FAILED (full log: $build/fuzz-build.log)" >&2
   exit 1
 fi
 

@@ -7,14 +7,15 @@
 # by the C++ client) and the Python SDK's tests (pytest against
 # the real daemon), then a bounded libFuzzer run over the daemon's request handling (scripts/fuzz.sh,
 # MUOND_FUZZ_SECONDS, default 30; 0 skips it). Extra arguments go to ctest, e.g.
-# scripts/test.sh -R integration (a subset: the fuzz run is skipped).
+# scripts/test.sh -R integration (a subset: the fuzz run is skipped, except under --sanitize).
 #
 # Then the numerics-sensitive tests run a second time under another OpenBLAS kernel
 # (scripts/other-blas-kernel.sh names the rule), so that a tolerance that holds for one CPU's kernel
 # only fails here rather than on a user's machine (MUOND_OTHER_KERNEL_PASS=0 skips it).
 #
-# scripts/test.sh --sanitize builds everything with ASan and UBSan into build-sanitize/ and runs the
-# same ctest suite there (the daemon the integration and Python tests start is instrumented too).
+# scripts/test.sh --sanitize builds everything with clang, ASan and UBSan into build-sanitize/
+# (scripts/sanitized-build-options.sh) and runs the same ctest suite there (the daemon the integration
+# and Python tests start is instrumented too), then the bounded fuzzer run from that same build.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 sanitize=0
@@ -24,11 +25,9 @@ if [[ ${1:-} == --sanitize ]]; then
 fi
 
 if [[ $sanitize == 1 ]]; then
-  build=${MUOND_SANITIZE_BUILD_DIR:-$root/build-sanitize}
-  # CUDA off: ASan's shadow memory and the CUDA driver's address-space reservations do not mix.
-  # No benchmarks: nothing in the suite runs them (the examples it does: test_health_false_alarms).
-  MUOND_BUILD_DIR=$build "$root/scripts/build.sh" -DMUOND_SANITIZE=address,undefined -DMUOND_ENABLE_CUDA=OFF \
-    -DMUOND_BUILD_BENCH=OFF -DMUOND_BUILD_EXAMPLES=ON
+  source "$root/scripts/sanitized-build-options.sh"
+  build=$sanitized_build_dir
+  MUOND_BUILD_DIR=$build "$root/scripts/build.sh" "${sanitized_cmake_options[@]}"
   export ASAN_OPTIONS=${ASAN_OPTIONS:-halt_on_error=1:detect_leaks=1:print_stacktrace=1:strict_string_checks=1:detect_stack_use_after_return=1}
   export UBSAN_OPTIONS=${UBSAN_OPTIONS:-halt_on_error=1:print_stacktrace=1}
   export LSAN_OPTIONS=${LSAN_OPTIONS:-suppressions=$root/tests/lsan.supp:print_suppressions=0}
@@ -55,7 +54,10 @@ if [[ $# -eq 0 && ${MUOND_OTHER_KERNEL_PASS:-1} != 0 ]]; then
   unset OPENBLAS_CORETYPE
 fi
 
+# The fuzzer lives in the sanitized build: the plain run builds only it there (scripts/fuzz.sh), the
+# sanitized run has built it already, whatever subset of the suite it was asked for.
 fuzz_seconds=${MUOND_FUZZ_SECONDS:-30}
-if [[ $sanitize == 0 && $# -eq 0 && $fuzz_seconds != 0 ]]; then
-  "$root/scripts/fuzz.sh" "$fuzz_seconds"
+if [[ ($sanitize == 1 || $# -eq 0) && $fuzz_seconds != 0 ]]; then
+  # The fuzzer sets its own sanitizer options (a smaller quarantine, among others).
+  env -u ASAN_OPTIONS -u UBSAN_OPTIONS -u LSAN_OPTIONS "$root/scripts/fuzz.sh" "$fuzz_seconds"
 fi

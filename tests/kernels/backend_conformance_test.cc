@@ -421,7 +421,7 @@ TEST_P(BackendConformanceTest, Transpose2DIsExact) {
 TEST_P(BackendConformanceTest, AddToDiagonalTouchesOnlyTheDiagonals) {
   for (const auto& [m, batch] : std::vector<std::pair<int64_t, int64_t>>{{5, 3}, {1, 1}, {64, 2}, {0, 4}}) {
     const std::vector<float> x = Random(std::max<size_t>(static_cast<size_t>(m * m * batch), 1));
-    const DeviceOp op = [&](Backend& b, const std::vector<float*>& d) {
+    const DeviceOp op = [&, m = m, batch = batch](Backend& b, const std::vector<float*>& d) {
       return b.AddToDiagonal(d[0], m, batch, -1.0f);
     };
     const std::vector<float> got = RunOn(*backend_, {x}, op)[0];
@@ -438,7 +438,7 @@ TEST_P(BackendConformanceTest, ScaleBatchedWithManyScales) {
   for (const auto& [count, batch] : std::vector<std::pair<size_t, size_t>>{{3, 200}, {257, 65}, {1, 64}}) {
     const std::vector<float> x = Random(count * batch);
     std::vector<float> scales = Random(batch);
-    const DeviceOp op = [&](Backend& b, const std::vector<float*>& d) {
+    const DeviceOp op = [&, count = count, batch = batch](Backend& b, const std::vector<float*>& d) {
       return b.ScaleBatched(d[0], count, batch, scales.data());
     };
     EXPECT_TRUE(BitwiseEqual(RunOn(*backend_, {x}, op)[0], RunOn(*cpu_, {x}, op)[0])) << count << " x " << batch;

@@ -228,3 +228,6 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "ops: operations tests (metrics, muondctl, logs, deploy, install); ctest runs them once, "
                    "as python_ops, not per transport")
+    config.addinivalue_line(
+        "markers", "once: does not depend on the step transport, or names its transports itself; ctest runs "
+                   "it in python_sdk_grpc only (tests/python/CMakeLists.txt)")

@@ -6,7 +6,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO_ROOT
+
+# The examples train as a user runs them; the step transports have suites of their own.
+pytestmark = pytest.mark.once
 
 
 def run_example(endpoint, tmp_path, *extra):

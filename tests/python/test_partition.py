@@ -195,6 +195,7 @@ def expect_parts(results, want, kinds, world=WORLD, model="main"):
                 assert torch.equal(got[name], expected), f"rank {rank}: '{name}' differs from the whole session's"
 
 
+@pytest.mark.once  # both transports, named
 @pytest.mark.parametrize("transport", ["grpc", "shm"])
 def test_rows_flat_and_explicit_parts_step_bit_for_bit_like_one_rank(endpoint, transport):
     want = reference(endpoint)
@@ -521,3 +522,4 @@ def test_a_state_dict_of_another_rank_is_refused(endpoint):
         saved["muond"]["rank"] = 1
         with pytest.raises(ValueError, match="holds rank 1's parts; this optimizer is rank 0"):
             opt.load_state_dict(saved)
+

@@ -40,6 +40,7 @@ def _worker(rank: int, world: int, store: str, endpoint: str, out: str, transpor
         dist.destroy_process_group()
 
 
+@pytest.mark.once  # both transports, named
 @pytest.mark.parametrize("transport", ["grpc", "shm"])
 def test_two_ranks_equal_one_process_stepping_their_average(endpoint, tmp_path, transport):
     out = str(tmp_path / "params")

@@ -15,7 +15,7 @@ namespace {
 // U+2581..U+2588, lowest to highest.
 constexpr const char* kBlocks[] = {"▁", "▂", "▃", "▄", "▅", "▆", "▇", "█"};
 
-std::string Figure(bool has, double value, const char* format = "%.3g") {
+std::string Figure(bool has, double value, const absl::FormatSpec<double>& format = "%.3g") {
   return has ? absl::StrFormat(format, value) : std::string("-");
 }
 
