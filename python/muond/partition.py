@@ -169,7 +169,8 @@ def check_local(partition: Partition, tensors: Sequence[torch.Tensor], names: Se
                 world_size: int, rank: int) -> None:
     """ValueError naming the first local tensor whose element count is not its part's, whose
     shape is not its part's where it has the global shape's dimensions (a column block given for
-    rows), or that takes no gradient (every rank's part of each parameter must come each step)."""
+    rows), or that takes no gradient (a parameter's parts come from every rank holding one, or
+    from none)."""
     if len(tensors) != len(partition.shapes):
         raise ValueError(f"partition: {len(partition.shapes)} global shapes for the group's "
                          f"{len(tensors)} parameters")
@@ -187,9 +188,9 @@ def check_local(partition: Partition, tensors: Sequence[torch.Tensor], names: Se
                              f"of global shape {partition.shapes[k]} has shape {expected}; the local "
                              f"tensor has {tuple(tensor.shape)} (a block of other dimensions)")
         if not tensor.requires_grad:
-            raise ValueError(f"parameter '{name}': requires_grad is False; a partitioned group's "
-                             f"parameters need a gradient from every rank at every step (leave "
-                             f"frozen parameters out of the optimizer)")
+            raise ValueError(f"parameter '{name}': requires_grad is False; a part that never takes a "
+                             f"gradient makes every step the other ranks' parts of it come in refused "
+                             f"(leave frozen parameters out of the optimizer)")
 
 
 def cut(whole: torch.Tensor, partition: Partition, k: int, world_size: int, rank: int) -> torch.Tensor:

@@ -3,8 +3,10 @@
 #include <algorithm>
 #include <limits>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 
 namespace muond::session {
 
@@ -124,6 +126,13 @@ bool IsPartitioned(const SessionConfig& config, size_t index) {
   return index < config.parts.size() && !config.parts[index].empty();
 }
 
+bool AnyPartitioned(const SessionConfig& config) {
+  for (size_t i = 0; i < config.parts.size(); ++i) {
+    if (IsPartitioned(config, i)) return true;
+  }
+  return false;
+}
+
 ElementRange PartOf(const SessionConfig& config, size_t index, int rank) {
   if (!IsPartitioned(config, index) || rank < 0 || rank >= static_cast<int>(config.parts[index].size())) {
     return {0, config.parameters[index].numel};
@@ -161,14 +170,32 @@ absl::Status CheckRankParts(const SessionConfig& config, int rank, const std::ve
       }
       continue;
     }
-    if (!g.present()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "gradients: rank ", rank, " holds elements ", RangeText(part), " of '", name,
-          "' and sent none; under a partition every rank sends its part of every parameter it holds, each step"));
-    }
+    if (!g.present()) continue;  // no gradient this step: CheckPartsAgree wants the other holders to agree
     if (g.received != part.size()) {
       return absl::InvalidArgumentError(absl::StrCat("gradients: rank ", rank, " sent ", g.received, " elements of '",
                                                      name, "'; its part ", RangeText(part), " has ", part.size()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckPartsAgree(const SessionConfig& config, const std::vector<const std::vector<HostTensor>*>& by_rank) {
+  for (size_t p = 0; p < config.parts.size(); ++p) {
+    if (!IsPartitioned(config, p)) continue;
+    std::vector<int> sent, left_out;
+    for (size_t r = 0; r < by_rank.size(); ++r) {
+      if (by_rank[r] == nullptr || config.parts[p][r].size() == 0) continue;
+      ((*by_rank[r])[p].present() ? sent : left_out).push_back(static_cast<int>(r));
+    }
+    if (!sent.empty() && !left_out.empty()) {
+      auto ranks = [](const std::vector<int>& list) {
+        return absl::StrCat(list.size() == 1 ? "rank " : "ranks ", absl::StrJoin(list, ", "));
+      };
+      return absl::InvalidArgumentError(
+          absl::StrCat("gradients: '", config.parameters[p].name, "': ", ranks(sent), " sent ",
+                       sent.size() == 1 ? "its" : "their", " part and ", ranks(left_out),
+                       " did not; a partitioned parameter's gradient comes from every rank holding "
+                       "a part of it, or from none (unused this step); no update was applied"));
     }
   }
   return absl::OkStatus();
@@ -178,6 +205,11 @@ void AssembleParts(const SessionConfig& config, const std::vector<const std::vec
                    std::vector<HostTensor>& out) {
   for (size_t p = 0; p < config.parts.size(); ++p) {
     if (!IsPartitioned(config, p)) continue;
+    bool sent = false;
+    for (size_t r = 0; r < by_rank.size(); ++r) {
+      sent = sent || (by_rank[r] != nullptr && config.parts[p][r].size() > 0 && (*by_rank[r])[p].present());
+    }
+    if (!sent) continue;  // unused this step: no gradient, as for a replicated parameter nobody sent
     HostTensor whole;
     whole.values.assign(static_cast<size_t>(config.parameters[p].numel), 0.0f);
     for (size_t r = 0; r < by_rank.size(); ++r) {

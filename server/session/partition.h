@@ -47,6 +47,8 @@ struct PartitionRule {
 absl::Status LayOutParts(const std::vector<PartitionRule>& rules, SessionConfig& config);
 
 bool IsPartitioned(const SessionConfig& config, size_t index);
+// Whether any parameter of the session is partitioned.
+bool AnyPartitioned(const SessionConfig& config);
 // The range of parameter `index` that `rank` holds: the whole parameter when it is replicated.
 ElementRange PartOf(const SessionConfig& config, size_t index, int rank);
 // The elements `rank` sends and receives of parameter `index`.
@@ -62,13 +64,20 @@ int64_t ShapeElements(std::span<const int64_t> shape);
 ElementRange StatePartOf(const SessionConfig& config, size_t index, size_t numel, int rank);
 
 // `rank`'s gradients against its parts: a partitioned parameter of which the rank holds elements is
-// there with exactly its part's size, one of which it holds none is absent. INVALID_ARGUMENT naming
-// the parameter, the expected range and what came, otherwise.
+// there with exactly its part's size or absent (no gradient this step: CheckPartsAgree then wants
+// every rank holding a part of it to leave it out), one of which it holds none is absent.
+// INVALID_ARGUMENT naming the parameter, the expected range and what came, otherwise.
 absl::Status CheckRankParts(const SessionConfig& config, int rank, const std::vector<HostTensor>& gradients);
+
+// Every rank's gradients of one step (by_rank[r], all present under lock-step): each partitioned
+// parameter comes from every rank holding a part of it, or from none (a parameter unused this step,
+// left without a gradient as a replicated one would be). INVALID_ARGUMENT naming the parameter and
+// the ranks that sent their parts and those that did not, otherwise.
+absl::Status CheckPartsAgree(const SessionConfig& config, const std::vector<const std::vector<HostTensor>*>& by_rank);
 
 // Writes the whole gradient of each partitioned parameter into out[p] from the ranks' parts
 // (by_rank[r] is rank r's gradients, all present under lock-step), with its fp64 sum of squares
-// taken in element order. Replicated parameters are left alone.
+// taken in element order. Replicated parameters, and partitioned ones no rank sent, are left alone.
 void AssembleParts(const SessionConfig& config, const std::vector<const std::vector<HostTensor>*>& by_rank,
                    std::vector<HostTensor>& out);
 

@@ -48,12 +48,18 @@ absl::Time RankGather::reached(int n) const {
   return arrival_times_[n - 1];
 }
 
+std::vector<const std::vector<HostTensor>*> RankGather::ByRank() const {
+  std::vector<const std::vector<HostTensor>*> by_rank;
+  for (const auto& rank : ranks_) by_rank.push_back(rank ? &rank->second : nullptr);
+  return by_rank;
+}
+
+absl::Status RankGather::CheckParts(const SessionConfig& config) const { return CheckPartsAgree(config, ByRank()); }
+
 std::pair<StepPlan, std::vector<HostTensor>> RankGather::TakeAverage(const SessionConfig& config) {
   const size_t num_parameters = config.parameters.size();
   std::vector<HostTensor> mean(num_parameters);
-  std::vector<const std::vector<HostTensor>*> by_rank;
-  for (const auto& rank : ranks_) by_rank.push_back(rank ? &rank->second : nullptr);
-  AssembleParts(config, by_rank, mean);
+  AssembleParts(config, ByRank(), mean);
   for (size_t p = 0; p < num_parameters; ++p) {
     if (IsPartitioned(config, p)) continue;  // assembled from its parts above
     std::vector<double> sum;

@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "common/host_tensor.h"
 #include "server/session/session_config.h"
@@ -44,11 +45,16 @@ class RankGather {
   // total_weight set) and the weighted average of the gradients — of a partitioned parameter, the
   // whole gradient assembled from the ranks' parts instead (session/partition.h).
   std::pair<StepPlan, std::vector<HostTensor>> TakeAverage(const SessionConfig& config);
+  // Whether the arrived ranks' parts of each partitioned parameter agree (CheckPartsAgree): every
+  // holder sent its part, or none did.
+  absl::Status CheckParts(const SessionConfig& config) const;
   // The ranks not yet arrived; then ends the gathering (an abort).
   std::vector<int> Abort();
 
  private:
   void End();
+  // Each rank's gradients (null for a rank not arrived).
+  std::vector<const std::vector<HostTensor>*> ByRank() const;
 
   const int world_size_;
   int64_t step_ = 0;  // 0: none

@@ -21,6 +21,7 @@ Session::Session(std::string id, SessionConfig config, kernels::Backend* backend
       state_bytes_(EstimateSessionBytes(config_)),
       backend_(backend),
       gather_(config_.world_size),
+      part_load_(config_.world_size),
       pushes_(config_.sync.mode == SyncMode::kAsync ? config_.world_size : 0) {}
 
 absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::string id, SessionConfig config,

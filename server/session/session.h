@@ -44,6 +44,7 @@
 #include "server/session/gradient_staging.h"
 #include "server/session/health_watch.h"
 #include "server/session/incoming_step.h"
+#include "server/session/part_load.h"
 #include "server/session/rank_gather.h"
 #include "server/session/session_config.h"
 #include "server/session/session_persistence.h"
@@ -300,6 +301,10 @@ class Session {
   mutable std::shared_ptr<const ParameterSnapshot> snapshot_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<SessionPersistence> persistence_ ABSL_GUARDED_BY(mu_);
   RankGather gather_ ABSL_GUARDED_BY(mu_);
+  // The gathering last refused as a whole (a load under way, parts that disagree), and why: the
+  // ranks that waited in it are answered with that refusal.
+  std::pair<uint64_t, absl::Status> gather_refused_ ABSL_GUARDED_BY(mu_);
+  PartLoad part_load_ ABSL_GUARDED_BY(mu_);       // a state partitioned ranks load part by part
   HealthWatch health_ ABSL_GUARDED_BY(mu_);       // telemetry and health warnings, step to step
   std::atomic<int64_t> health_reported_step_{0};  // ClaimHealthReport's last step
   mutable absl::Mutex activity_mu_;               // guards activity_ alone; taken after nothing

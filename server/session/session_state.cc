@@ -88,6 +88,9 @@ absl::Status Session::ImportState(SessionState state, int rank) {
     MUOND_RETURN_IF_ERROR(optim::ValidateLossScalerState(*config_.loss_scaler, *state.loss_scaler));
   }
   absl::MutexLock lock(&mu_);
+  // Ranks holding parts load one state, each its own parts (SetState carries the rank).
+  const bool by_parts = rank >= 0 && AnyPartitioned(config_);
+  if (by_parts) MUOND_RETURN_IF_ERROR(part_load_.CheckLoad(rank, state.last_step, state.step_counts));
   // Every (parameter, slot) pair must arrive exactly once, complete; nothing is written before that
   // has been checked, so a bad request leaves the session as it was.
   absl::flat_hash_set<std::pair<size_t, std::string>> expected;
@@ -157,6 +160,7 @@ absl::Status Session::ImportState(SessionState state, int rank) {
       }
     }
   }
+  if (by_parts) part_load_.Loaded(rank, state.last_step, state.step_counts, last_step_);
   last_step_ = state.last_step;
   if (state.loss_scaler.has_value()) loss_scaler_ = state.loss_scaler;
   if (!state.pushes.empty()) {

@@ -309,6 +309,14 @@ absl::StatusOr<StepOutcome> Session::GatherLocked(StepPlan plan, std::vector<Hos
   // quorum, this rank's straggler timeout.
   for (;;) {
     if (GatherReadyLocked(absl::Now())) {
+      // Refused as a whole: nothing applied, every rank that waited in it answered with the reason.
+      absl::Status refused = part_load_.CheckStep(step);
+      if (refused.ok()) refused = gather_.CheckParts(config_);
+      if (!refused.ok()) {
+        gather_.Abort();
+        gather_refused_ = {generation, refused};
+        return refused;
+      }
       MUOND_ASSIGN_OR_RETURN(StepOutcome outcome, TakeGatheredLocked(prepare, generation));
       outcome.result.included = true;  // this rank arrived: the step used its gradients
       return outcome;
@@ -338,6 +346,7 @@ absl::StatusOr<StepOutcome> Session::GatherLocked(StepPlan plan, std::vector<Hos
     return StepOutcome{prepared_->result, nullptr};  // the last rank prepared the step for every rank
   }
   if (gather_.generation() != generation) {
+    if (gather_refused_.first == generation) return gather_refused_.second;
     return absl::AbortedError(absl::StrCat("step ", step, " was aborted for every rank; no update was applied"));
   }
   // This rank timed out first: abort the step for everyone.

@@ -373,11 +373,29 @@ def _small_spec(world, kind=pb.PARTITION_KIND_ROWS):
     return spec
 
 
-def _raw_step(conn, session, rank, step, grads):
+def _raw_step(conn, session, rank, step, grads, into=None):
     header = pb.StepHeader(session_id=session, step=step, rank=rank)
     header.num_chunks, messages = framing.step_messages(list(grads.items()), "fp32", 1 << 20, False)
     sizes = {"a": (6, 6, 0)[rank], "t": (3, 3, 0)[rank], "r": 5}
-    return conn.step(header, messages, wire.ChunkAssembler(sizes))
+    return conn.step(header, messages, wire.ChunkAssembler(sizes, into=into))
+
+
+def _raw_steps_at_once(conns, session, step, grads_of_rank, into_of_rank=None):
+    """Each rank's raw step in a thread of its own; each rank's result or the error it got."""
+    outcomes = {}
+
+    def one(r):
+        try:
+            outcomes[r] = _raw_step(conns[r], session, r, step, grads_of_rank[r], (into_of_rank or {}).get(r))
+        except muond.MuondError as err:
+            outcomes[r] = err
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(len(conns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT)
+    return outcomes
 
 
 def test_bad_parts_are_refused_naming_the_field_and_the_step_stays_to_come(endpoint):
@@ -399,7 +417,6 @@ def test_bad_parts_are_refused_naming_the_field_and_the_step_stays_to_come(endpo
     refusals = [
         (0, {"a": torch.ones(7), "t": torch.ones(3), "r": torch.ones(5)}, r"'a'.*rank 0's part of (it|'a') has 6 elements"),
         (2, {"t": torch.ones(3), "r": torch.ones(5)}, r"'t'.*rank 2's part of (it|'t') has 0 elements"),
-        (1, {"t": torch.ones(3), "r": torch.ones(5)}, r"rank 1 holds elements \[6, 12\) of 'a' and sent none"),
         (0, {"a": torch.ones(6), "t": torch.ones(3), "r": torch.ones(4)}, r"'r' was sent with shape \[4\], the session has \[5\]"),
     ]
     for rank, grads, message in refusals:
@@ -407,14 +424,27 @@ def test_bad_parts_are_refused_naming_the_field_and_the_step_stays_to_come(endpo
             _raw_step(conns[rank], session, rank, 1, grads)
         assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
     # Nothing was applied for anyone: step 1 is still to come, and goes through once every rank sends.
-    results = {}
-    threads = [threading.Thread(target=lambda r=r: results.__setitem__(r, _raw_step(conns[r], session, r, 1, good[r])))
-               for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(WAIT)
+    results = _raw_steps_at_once(conns, session, 1, good)
     assert all(results[r].step == 1 and results[r].applied for r in range(world))
+    # A partitioned parameter comes from every rank holding a part of it, or from none: rank 1
+    # leaving out 'a' while rank 0 sends its part is refused for every rank, nothing applied.
+    partial = {0: good[0], 1: {"t": torch.ones(1, 3), "r": torch.ones(5)}, 2: good[2]}
+    refused = _raw_steps_at_once(conns, session, 2, partial)
+    for r in range(world):
+        assert isinstance(refused[r], muond.MuondError), (r, refused[r])
+        assert "'a': rank 0 sent its part and rank 1 did not" in str(refused[r]), str(refused[r])
+        assert refused[r].code == grpc.StatusCode.INVALID_ARGUMENT
+    # Unused this step on every rank ('a' has no gradient): the step goes on, 'a' stays as it was.
+    unused = {0: {"t": torch.ones(1, 3), "r": torch.ones(5)}, 1: {"t": torch.ones(1, 3), "r": torch.ones(5)},
+              2: {"r": torch.ones(5)}}
+    a_after_1 = {r: torch.empty(2, 3) for r in (0, 1)}
+    a_after_2 = {r: torch.empty(2, 3) for r in (0, 1)}
+    again = _raw_steps_at_once(conns, session, 1, good, {r: {"a": a_after_1[r]} for r in (0, 1)})  # step 1's answer
+    assert all(again[r].step == 1 for r in range(world))
+    stepped = _raw_steps_at_once(conns, session, 2, unused, {r: {"a": a_after_2[r]} for r in (0, 1)})
+    assert all(stepped[r].step == 2 and stepped[r].applied for r in range(world)), stepped
+    for r in (0, 1):
+        assert torch.equal(a_after_2[r], a_after_1[r]), f"rank {r}: 'a' changed in a step none of its parts came in"
 
 
 def test_partitions_that_disagree_across_ranks_are_refused_at_attach(endpoint):
@@ -523,3 +553,65 @@ def test_a_state_dict_of_another_rank_is_refused(endpoint):
         with pytest.raises(ValueError, match="holds rank 1's parts; this optimizer is rank 0"):
             opt.load_state_dict(saved)
 
+
+def test_ranks_loading_state_dicts_of_different_steps_are_refused(endpoint):
+    # Each rank of a partitioned session loads its own parts. A rank loading a state of another step
+    # than the one another rank has loaded since, or stepping without loading while another rank
+    # has, would leave the session holding two states mixed: both are refused, naming the ranks.
+    world, kinds = 2, ["rows", "rows", "flat", None]
+    session = f"mixed-{uuid.uuid4().hex[:6]}"
+    together = threading.Barrier(world, timeout=WAIT)
+    errors = []
+
+    def set_grads(opt, rank, step):
+        grads = whole_grads(step)
+        for group in opt.param_groups:
+            partition = group.get("partition")
+            for k, (name, p) in enumerate(zip(group["param_names"], group["params"])):
+                g = grads[name] if partition is None else part.cut(grads[name], partition, k, world, rank)
+                p.grad = g.view(p.shape)
+
+    def rank_main(rank):
+        try:
+            groups, _ = groups_for(world, rank, kinds)
+            opt = muond.RemoteOptimizer(groups, endpoint=endpoint, session=session, world_size=world, rank=rank)
+            saved = {}
+            for step in (1, 2):
+                set_grads(opt, rank, step)
+                opt.step()
+                saved[step] = opt.state_dict()
+            together.wait()
+            if rank == 0:
+                opt.load_state_dict(saved[1])  # back to step 1
+            together.wait()
+            if rank == 1:
+                with pytest.raises(muond.MuondError, match=r"rank 1's state is of step 2, but rank 0 loaded its "
+                                                           r"parts of a state of step 1"):
+                    opt.load_state_dict(saved[2])
+                # A rank that attaches again without loading its parts steps 2 with the others.
+                opt.close(keep_session=True)
+                groups, _ = groups_for(world, rank, kinds)
+                opt = muond.RemoteOptimizer(groups, endpoint=endpoint, session=session, world_size=world, rank=rank)
+                assert opt.last_step == 1
+            together.wait()
+            set_grads(opt, rank, 2)
+            with pytest.raises(muond.MuondError, match=r"rank 1 sent it without loading its parts of the state "
+                                                       r"of step 1 that rank 0 loaded"):
+                opt.step()
+            together.wait()
+            if rank == 1:
+                opt.load_state_dict(saved[1])
+            together.wait()
+            opt.step()  # every rank has loaded the state of step 1: step 2 again
+            assert opt.last_step == 2
+            opt.close(keep_session=rank != 0)
+        except BaseException as err:  # noqa: BLE001 - reported below
+            together.abort()
+            errors.append((rank, err))
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors

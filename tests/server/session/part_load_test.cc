@@ -1,0 +1,50 @@
+// PartLoad: ranks of a partitioned session load one state, each its own parts; a load of another
+// state while one is under way, and a step before every rank has loaded, are refused.
+#include "server/session/part_load.h"
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/testing/status_matchers.h"
+
+namespace muond::session {
+namespace {
+
+using ::muond::testing::StatusIs;
+
+TEST(PartLoadTest, NothingUnderWayRefusesNothing) {
+  PartLoad load(3);
+  EXPECT_OK(load.CheckStep(5));
+  EXPECT_OK(load.CheckLoad(1, 4, {4, 4}));
+}
+
+TEST(PartLoadTest, ALoadOfAnotherStepIsRefusedUntilEveryRankHasLoaded) {
+  PartLoad load(3);
+  load.Loaded(0, 2, {2, 1}, 4);
+  EXPECT_THAT(load.CheckLoad(1, 3, {3, 2}),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       "rank 1's state is of step 3, but rank 0 loaded its parts of a state of step 2"));
+  EXPECT_THAT(load.CheckLoad(2, 2, {2, 2}),
+              StatusIs(absl::StatusCode::kFailedPrecondition, "with other per-parameter step counts"));
+  EXPECT_OK(load.CheckLoad(1, 2, {2, 1}));
+  load.Loaded(1, 2, {2, 1}, 2);
+  EXPECT_THAT(load.CheckStep(3),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       "step 3: rank 2 sent it without loading its parts of the state of step 2 that ranks "
+                       "0, 1 loaded"));
+  load.Loaded(2, 2, {2, 1}, 2);
+  EXPECT_OK(load.CheckStep(3));
+  EXPECT_OK(load.CheckLoad(0, 7, {7, 7}));  // over: any state may be loaded next
+}
+
+TEST(PartLoadTest, TheSameStateLoadedAgainBeforeAStepStartsNoNewLoad) {
+  PartLoad load(2);
+  load.Loaded(0, 2, {2, 2}, 5);
+  load.Loaded(1, 2, {2, 2}, 2);
+  load.Loaded(1, 2, {2, 2}, 2);  // a retried SetState: the session is still at the loaded step
+  EXPECT_OK(load.CheckStep(3));
+  load.Loaded(1, 2, {2, 2}, 4);  // after steps, the same state is a new load
+  EXPECT_THAT(load.CheckStep(5), StatusIs(absl::StatusCode::kFailedPrecondition, "rank 0 sent it"));
+}
+
+}  // namespace
+}  // namespace muond::session
