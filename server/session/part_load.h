@@ -28,10 +28,13 @@ class PartLoad {
   absl::Status CheckStep(int64_t step) const;
 
  private:
+  // A load is under way while some rank has not loaded (loaded_ empty before the first load).
+  bool UnderWay() const;
+  // The ranks whose flag in loaded_ is `loaded`.
+  std::vector<int> Ranks(bool loaded) const;
+
   const int world_size_;
-  bool under_way_ = false;
-  // The state of the load under way, or of the last one over (loaded_ then all true; empty before
-  // any).
+  // The state of the load under way, or of the last one over (loaded_ then all true).
   int64_t last_step_ = 0;
   std::vector<int64_t> step_counts_;
   std::vector<bool> loaded_;  // by rank

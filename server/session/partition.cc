@@ -126,6 +126,10 @@ bool IsPartitioned(const SessionConfig& config, size_t index) {
   return index < config.parts.size() && !config.parts[index].empty();
 }
 
+std::string RanksText(const std::vector<int>& ranks) {
+  return absl::StrCat(ranks.size() == 1 ? "rank " : "ranks ", absl::StrJoin(ranks, ", "));
+}
+
 bool AnyPartitioned(const SessionConfig& config) {
   for (size_t i = 0; i < config.parts.size(); ++i) {
     if (IsPartitioned(config, i)) return true;
@@ -188,12 +192,9 @@ absl::Status CheckPartsAgree(const SessionConfig& config, const std::vector<cons
       ((*by_rank[r])[p].present() ? sent : left_out).push_back(static_cast<int>(r));
     }
     if (!sent.empty() && !left_out.empty()) {
-      auto ranks = [](const std::vector<int>& list) {
-        return absl::StrCat(list.size() == 1 ? "rank " : "ranks ", absl::StrJoin(list, ", "));
-      };
       return absl::InvalidArgumentError(
-          absl::StrCat("gradients: '", config.parameters[p].name, "': ", ranks(sent), " sent ",
-                       sent.size() == 1 ? "its" : "their", " part and ", ranks(left_out),
+          absl::StrCat("gradients: '", config.parameters[p].name, "': ", RanksText(sent), " sent ",
+                       sent.size() == 1 ? "its" : "their", " part and ", RanksText(left_out),
                        " did not; a partitioned parameter's gradient comes from every rank holding "
                        "a part of it, or from none (unused this step); no update was applied"));
     }

@@ -47,6 +47,8 @@ struct PartitionRule {
 absl::Status LayOutParts(const std::vector<PartitionRule>& rules, SessionConfig& config);
 
 bool IsPartitioned(const SessionConfig& config, size_t index);
+// "rank 2" or "ranks 0, 1", for refusals that name ranks.
+std::string RanksText(const std::vector<int>& ranks);
 // Whether any parameter of the session is partitioned.
 bool AnyPartitioned(const SessionConfig& config);
 // The range of parameter `index` that `rank` holds: the whole parameter when it is replicated.

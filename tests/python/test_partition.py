@@ -380,6 +380,16 @@ def _raw_step(conn, session, rank, step, grads, into=None):
     return conn.step(header, messages, wire.ChunkAssembler(sizes, into=into))
 
 
+def _in_threads(world, body):
+    """body(rank) for every rank, each in a thread of its own, all started before any is joined."""
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT)
+    assert not any(t.is_alive() for t in threads), f"a rank's thread did not finish within {WAIT} s"
+
+
 def _raw_steps_at_once(conns, session, step, grads_of_rank, into_of_rank=None):
     """Each rank's raw step in a thread of its own; each rank's result or the error it got."""
     outcomes = {}
@@ -390,11 +400,7 @@ def _raw_steps_at_once(conns, session, step, grads_of_rank, into_of_rank=None):
         except muond.MuondError as err:
             outcomes[r] = err
 
-    threads = [threading.Thread(target=one, args=(r,)) for r in range(len(conns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(WAIT)
+    _in_threads(len(conns), one)
     return outcomes
 
 
@@ -609,9 +615,5 @@ def test_ranks_loading_state_dicts_of_different_steps_are_refused(endpoint):
             together.abort()
             errors.append((rank, err))
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _in_threads(world, rank_main)
     assert not errors, errors
