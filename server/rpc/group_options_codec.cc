@@ -12,15 +12,14 @@
 #include "kernels/optim/option_table.h"
 
 namespace muond::rpc {
+
+absl::Status InvalidField(const std::string& field, absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
+}
+
 namespace {
 
 using optim::OptimizerKind;
-
-// Turbo-Muon's step count with its aol coefficient set (arXiv 2512.04632: one step fewer than 5).
-
-absl::Status Invalid(const std::string& field, absl::string_view what) {
-  return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
-}
 
 absl::StatusOr<OptimizerKind> ParseOptimizer(v1::OptimizerKind kind, const std::string& field) {
   switch (kind) {
@@ -36,7 +35,7 @@ absl::StatusOr<OptimizerKind> ParseOptimizer(v1::OptimizerKind kind, const std::
     case v1::OPTIMIZER_DION2:
       return OptimizerKind::kDion2;
     default:
-      return Invalid(field + ".optimizer", absl::StrCat("unknown optimizer ", static_cast<int>(kind)));
+      return InvalidField(field + ".optimizer", absl::StrCat("unknown optimizer ", static_cast<int>(kind)));
   }
 }
 
@@ -53,7 +52,7 @@ absl::Status CopyValues(const v1::GroupOptions& in, const std::string& field, op
     if constexpr (std::is_enum_v<Member>) {
       absl::StatusOr<int> index = optim::ChoiceIndex(name, reflection->GetString(in, f));
       if (!index.ok()) {
-        status = Invalid(absl::StrCat(field, ".", std::string(name)), index.status().message());
+        status = InvalidField(absl::StrCat(field, ".", std::string(name)), index.status().message());
         return;
       }
       member = static_cast<Member>(*index);
@@ -72,18 +71,18 @@ absl::Status CopyValues(const v1::GroupOptions& in, const std::string& field, op
 absl::Status ParseCoefficients(const v1::GroupOptions& in, const std::string& field, optim::GroupOptions& out) {
   const bool custom = in.ns_custom_coefficients_size() > 0;
   if (custom && in.has_ns_coefficients() && in.ns_coefficients() != "custom") {
-    return Invalid(field + ".ns_coefficients", "give either a named set or ns_custom_coefficients, not both");
+    return InvalidField(field + ".ns_coefficients", "give either a named set or ns_custom_coefficients, not both");
   }
   if (!custom) {
     if (in.has_ns_coefficients_after()) {
-      return Invalid(field + ".ns_coefficients_after", "applies only to ns_custom_coefficients");
+      return InvalidField(field + ".ns_coefficients_after", "applies only to ns_custom_coefficients");
     }
     if (!in.has_ns_coefficients()) return absl::OkStatus();
     if (in.ns_coefficients() == "custom") {
-      return Invalid(field + ".ns_coefficients", "'custom' needs ns_custom_coefficients");
+      return InvalidField(field + ".ns_coefficients", "'custom' needs ns_custom_coefficients");
     }
     absl::StatusOr<optim::NsSchedule> schedule = optim::NamedSchedule(in.ns_coefficients());
-    if (!schedule.ok()) return Invalid(field + ".ns_coefficients", schedule.status().message());
+    if (!schedule.ok()) return InvalidField(field + ".ns_coefficients", schedule.status().message());
     out.ns_schedule = *std::move(schedule);
     return absl::OkStatus();
   }
@@ -95,7 +94,7 @@ absl::Status ParseCoefficients(const v1::GroupOptions& in, const std::string& fi
   out.ns_schedule.after = optim::CoefficientsAfter::kCycle;
   if (!in.has_ns_coefficients_after()) return absl::OkStatus();
   absl::StatusOr<int> after = optim::ChoiceIndex("ns_coefficients_after", in.ns_coefficients_after());
-  if (!after.ok()) return Invalid(field + ".ns_coefficients_after", after.status().message());
+  if (!after.ok()) return InvalidField(field + ".ns_coefficients_after", after.status().message());
   out.ns_schedule.after = static_cast<optim::CoefficientsAfter>(*after);
   return absl::OkStatus();
 }

@@ -7,11 +7,16 @@
 
 #include <string>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "kernels/optim/options.h"
 #include "muond/v1/muond.pb.h"
 
 namespace muond::rpc {
+
+// INVALID_ARGUMENT "<field>: <what>": how the spec codecs refuse a field.
+absl::Status InvalidField(const std::string& field, absl::string_view what);
 
 // Converts one group's wire options; `field` is the path used in error messages.
 absl::StatusOr<optim::GroupOptions> ParseGroupOptions(const v1::GroupOptions& options, const std::string& field);

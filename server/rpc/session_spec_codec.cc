@@ -28,10 +28,6 @@ using session::TensorDType;
 
 using optim::OptimizerKind;
 
-absl::Status Invalid(const std::string& field, absl::string_view what) {
-  return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
-}
-
 // Parameter and group names: 1 to 256 bytes of UTF-8 (protobuf checks the encoding) without
 // control characters (U+0000–U+001F, U+007F), which no name is meant to hold and which would garble
 // logs and error messages.
@@ -50,8 +46,8 @@ absl::Status ParseQkClip(const v1::SessionSpec& spec, SessionConfig& config) {
     const v1::QkClipPair& pair = spec.qk_clip(i);
     const std::string field = absl::StrCat("spec.qk_clip[", i, "]");
     if (pair.num_heads() < 1) {
-      return Invalid(field + ".num_heads",
-                     absl::StrCat("must be >= 1, got ", pair.num_heads(), " (QK-clip needs the attention heads)"));
+      return InvalidField(field + ".num_heads",
+                          absl::StrCat("must be >= 1, got ", pair.num_heads(), " (QK-clip needs the attention heads)"));
     }
     QkClipConfig clip;
     clip.num_heads = pair.num_heads();
@@ -60,31 +56,32 @@ absl::Status ParseQkClip(const v1::SessionSpec& spec, SessionConfig& config) {
           {"key", pair.key(), &clip.key}}) {
       auto it = config.parameter_index.find(name);
       if (it == config.parameter_index.end()) {
-        return Invalid(absl::StrCat(field, ".", role), absl::StrCat("unknown parameter '", Echo(name), "'"));
+        return InvalidField(absl::StrCat(field, ".", role), absl::StrCat("unknown parameter '", Echo(name), "'"));
       }
       const ParameterConfig& param = config.parameters[it->second];
       if (config.groups[param.group].options.optimizer != OptimizerKind::kMuon || param.shape.size() != 2) {
-        return Invalid(absl::StrCat(field, ".", role),
-                       absl::StrCat("'", Echo(name), "' must be a matrix in a Muon group"));
+        return InvalidField(absl::StrCat(field, ".", role),
+                            absl::StrCat("'", Echo(name), "' must be a matrix in a Muon group"));
       }
       if (param.shape[0] % clip.num_heads != 0) {
-        return Invalid(field + ".num_heads", absl::StrCat("'", Echo(name), "' has ", param.shape[0],
-                                                          " rows, not a multiple of ", clip.num_heads, " heads"));
+        return InvalidField(field + ".num_heads", absl::StrCat("'", Echo(name), "' has ", param.shape[0],
+                                                               " rows, not a multiple of ", clip.num_heads, " heads"));
       }
       if (pair.has_mla()) {
         const v1::MlaLayout& mla = pair.mla();
         if (mla.qk_nope_head_dim() < 1 || mla.qk_rope_head_dim() < 0 || mla.v_head_dim() < 0) {
-          return Invalid(field + ".mla", absl::StrCat("qk_nope_head_dim must be >= 1 and qk_rope_head_dim, v_head_dim "
-                                                      ">= 0, got (",
-                                                      mla.qk_nope_head_dim(), ", ", mla.qk_rope_head_dim(), ", ",
-                                                      mla.v_head_dim(), ")"));
+          return InvalidField(
+              field + ".mla",
+              absl::StrCat("qk_nope_head_dim must be >= 1 and qk_rope_head_dim, v_head_dim "
+                           ">= 0, got (",
+                           mla.qk_nope_head_dim(), ", ", mla.qk_rope_head_dim(), ", ", mla.v_head_dim(), ")"));
         }
         // Compared against the rows each head has (never multiplied or added: no overflow).
         const bool is_query = std::string(role) == "query";
         const int64_t rows_per_head = param.shape[0] / clip.num_heads;
         const int64_t rest = is_query ? mla.qk_rope_head_dim() : mla.v_head_dim();
         if (mla.qk_nope_head_dim() > rows_per_head || rest != rows_per_head - mla.qk_nope_head_dim()) {
-          return Invalid(
+          return InvalidField(
               field + ".mla",
               absl::StrCat("'", Echo(name), "' has ", param.shape[0], " rows (", clip.num_heads, " heads of ",
                            rows_per_head, "); the MLA layout does not add up to it",
@@ -93,7 +90,8 @@ absl::Status ParseQkClip(const v1::SessionSpec& spec, SessionConfig& config) {
         clip.mla = optim::MlaLayout{mla.qk_nope_head_dim(), mla.qk_rope_head_dim(), mla.v_head_dim()};
       }
       if (!used.emplace(it->second, i).second) {
-        return Invalid(absl::StrCat(field, ".", role), absl::StrCat("'", Echo(name), "' is already in a qk_clip pair"));
+        return InvalidField(absl::StrCat(field, ".", role),
+                            absl::StrCat("'", Echo(name), "' is already in a qk_clip pair"));
       }
       *index = it->second;
     }
@@ -127,31 +125,32 @@ absl::Status ParseShard(const v1::SessionSpec& spec, SessionConfig& config) {
   const v1::ShardPlacement& shard = spec.shard();
   constexpr int kMaxShards = 1024;
   if (shard.endpoints_size() < 1 || shard.endpoints_size() > kMaxShards) {
-    return Invalid("spec.shard.endpoints",
-                   absl::StrCat("needs 1 to ", kMaxShards, " daemons, got ", shard.endpoints_size()));
+    return InvalidField("spec.shard.endpoints",
+                        absl::StrCat("needs 1 to ", kMaxShards, " daemons, got ", shard.endpoints_size()));
   }
   for (int i = 0; i < shard.endpoints_size(); ++i) {
     if (shard.endpoints(i).empty() || shard.endpoints(i).size() > 1024) {
-      return Invalid(absl::StrCat("spec.shard.endpoints[", i, "]"), "must be 1 to 1024 characters");
+      return InvalidField(absl::StrCat("spec.shard.endpoints[", i, "]"), "must be 1 to 1024 characters");
     }
   }
   if (shard.index() < 0 || shard.index() >= shard.endpoints_size()) {
-    return Invalid("spec.shard.index",
-                   absl::StrCat("must be in [0, ", shard.endpoints_size(), "), got ", shard.index()));
+    return InvalidField("spec.shard.index",
+                        absl::StrCat("must be in [0, ", shard.endpoints_size(), "), got ", shard.index()));
   }
   if (shard.parameters_size() != spec.parameters_size()) {
-    return Invalid("spec.shard.parameters", absl::StrCat("needs one index per parameter (", spec.parameters_size(),
-                                                         "), got ", shard.parameters_size()));
+    return InvalidField("spec.shard.parameters", absl::StrCat("needs one index per parameter (", spec.parameters_size(),
+                                                              "), got ", shard.parameters_size()));
   }
   if (shard.num_parameters() < spec.parameters_size()) {
-    return Invalid("spec.shard.num_parameters", absl::StrCat("must be at least this shard's ", spec.parameters_size(),
-                                                             " parameters, got ", shard.num_parameters()));
+    return InvalidField("spec.shard.num_parameters",
+                        absl::StrCat("must be at least this shard's ", spec.parameters_size(), " parameters, got ",
+                                     shard.num_parameters()));
   }
   for (int i = 0; i < shard.parameters_size(); ++i) {
     const int index = shard.parameters(i);
     const int previous = i == 0 ? -1 : shard.parameters(i - 1);
     if (index <= previous || index >= shard.num_parameters()) {
-      return Invalid(
+      return InvalidField(
           absl::StrCat("spec.shard.parameters[", i, "]"),
           absl::StrCat("must increase and stay below num_parameters (", shard.num_parameters(), "), got ", index));
     }
@@ -184,12 +183,12 @@ std::string ShardDifference(const v1::SessionSpec& existing, const v1::SessionSp
 }
 
 absl::Status CheckNoAsyncFields(const v1::SyncSpec& sync) {
-  if (sync.max_staleness() != 0) return Invalid("spec.sync.max_staleness", "applies to mode async only");
+  if (sync.max_staleness() != 0) return InvalidField("spec.sync.max_staleness", "applies to mode async only");
   if (sync.staleness_scaling() != v1::STALENESS_SCALING_UNSPECIFIED) {
-    return Invalid("spec.sync.staleness_scaling", "applies to mode async only");
+    return InvalidField("spec.sync.staleness_scaling", "applies to mode async only");
   }
-  if (sync.staleness_a() != 0) return Invalid("spec.sync.staleness_a", "applies to mode async only");
-  if (sync.staleness_b() != 0) return Invalid("spec.sync.staleness_b", "applies to mode async only");
+  if (sync.staleness_a() != 0) return InvalidField("spec.sync.staleness_a", "applies to mode async only");
+  if (sync.staleness_b() != 0) return InvalidField("spec.sync.staleness_b", "applies to mode async only");
   return absl::OkStatus();
 }
 
@@ -198,19 +197,20 @@ absl::Status ParseSync(const v1::SyncSpec& sync, SessionConfig& config) {
   switch (sync.mode()) {
     case v1::SYNC_MODE_UNSPECIFIED:
     case v1::SYNC_MODE_LOCKSTEP:
-      if (sync.min_ranks() != 0) return Invalid("spec.sync.min_ranks", "applies to mode quorum only");
-      if (sync.grace_seconds() != 0) return Invalid("spec.sync.grace_seconds", "applies to mode quorum only");
+      if (sync.min_ranks() != 0) return InvalidField("spec.sync.min_ranks", "applies to mode quorum only");
+      if (sync.grace_seconds() != 0) return InvalidField("spec.sync.grace_seconds", "applies to mode quorum only");
       MUOND_RETURN_IF_ERROR(CheckNoAsyncFields(sync));
       config.sync.mode = SyncMode::kLockstep;
       return absl::OkStatus();
     case v1::SYNC_MODE_ASYNC: {
       if (config.shard.count > 0) {
-        return Invalid("spec.sync.mode", "asynchronous steps are not available on a sharded session (lock-step only)");
+        return InvalidField("spec.sync.mode",
+                            "asynchronous steps are not available on a sharded session (lock-step only)");
       }
-      if (sync.min_ranks() != 0) return Invalid("spec.sync.min_ranks", "applies to mode quorum only");
-      if (sync.grace_seconds() != 0) return Invalid("spec.sync.grace_seconds", "applies to mode quorum only");
+      if (sync.min_ranks() != 0) return InvalidField("spec.sync.min_ranks", "applies to mode quorum only");
+      if (sync.grace_seconds() != 0) return InvalidField("spec.sync.grace_seconds", "applies to mode quorum only");
       if (sync.max_staleness() < 0) {
-        return Invalid("spec.sync.max_staleness", absl::StrCat("must be >= 0, got ", sync.max_staleness()));
+        return InvalidField("spec.sync.max_staleness", absl::StrCat("must be >= 0, got ", sync.max_staleness()));
       }
       StalenessScaling scaling;
       switch (sync.staleness_scaling()) {
@@ -228,22 +228,23 @@ absl::Status ParseSync(const v1::SyncSpec& sync, SessionConfig& config) {
           scaling = StalenessScaling::kHinge;
           break;
         default:
-          return Invalid("spec.sync.staleness_scaling",
-                         absl::StrCat("unknown scaling ", static_cast<int>(sync.staleness_scaling())));
+          return InvalidField("spec.sync.staleness_scaling",
+                              absl::StrCat("unknown scaling ", static_cast<int>(sync.staleness_scaling())));
       }
       const bool uses_a = scaling == StalenessScaling::kPolynomial || scaling == StalenessScaling::kHinge;
       if (uses_a && !(std::isfinite(sync.staleness_a()) && sync.staleness_a() > 0)) {
-        return Invalid("spec.sync.staleness_a",
-                       absl::StrCat("must be finite and > 0 with this staleness_scaling, got ", sync.staleness_a()));
+        return InvalidField(
+            "spec.sync.staleness_a",
+            absl::StrCat("must be finite and > 0 with this staleness_scaling, got ", sync.staleness_a()));
       }
       if (!uses_a && sync.staleness_a() != 0) {
-        return Invalid("spec.sync.staleness_a", "applies to staleness_scaling polynomial and hinge only");
+        return InvalidField("spec.sync.staleness_a", "applies to staleness_scaling polynomial and hinge only");
       }
       if (scaling == StalenessScaling::kHinge && sync.staleness_b() < 0) {
-        return Invalid("spec.sync.staleness_b", absl::StrCat("must be >= 0, got ", sync.staleness_b()));
+        return InvalidField("spec.sync.staleness_b", absl::StrCat("must be >= 0, got ", sync.staleness_b()));
       }
       if (scaling != StalenessScaling::kHinge && sync.staleness_b() != 0) {
-        return Invalid("spec.sync.staleness_b", "applies to staleness_scaling hinge only");
+        return InvalidField("spec.sync.staleness_b", "applies to staleness_scaling hinge only");
       }
       config.sync = SyncConfig{.mode = SyncMode::kAsync,
                                .min_ranks = 0,
@@ -257,21 +258,22 @@ absl::Status ParseSync(const v1::SyncSpec& sync, SessionConfig& config) {
     case v1::SYNC_MODE_QUORUM: {
       MUOND_RETURN_IF_ERROR(CheckNoAsyncFields(sync));
       if (config.shard.count > 0) {
-        return Invalid("spec.sync.mode", "quorum steps are not available on a sharded session (lock-step only)");
+        return InvalidField("spec.sync.mode", "quorum steps are not available on a sharded session (lock-step only)");
       }
       const int q = sync.min_ranks() == 0 ? config.world_size : sync.min_ranks();
       if (q < 1 || q > config.world_size) {
-        return Invalid("spec.sync.min_ranks",
-                       absl::StrCat("must be between 1 and world_size (", config.world_size, "), got ", q));
+        return InvalidField("spec.sync.min_ranks",
+                            absl::StrCat("must be between 1 and world_size (", config.world_size, "), got ", q));
       }
       if (!std::isfinite(sync.grace_seconds()) || sync.grace_seconds() < 0) {
-        return Invalid("spec.sync.grace_seconds", absl::StrCat("must be finite and >= 0, got ", sync.grace_seconds()));
+        return InvalidField("spec.sync.grace_seconds",
+                            absl::StrCat("must be finite and >= 0, got ", sync.grace_seconds()));
       }
       config.sync = SyncConfig{.mode = SyncMode::kQuorum, .min_ranks = q, .grace_seconds = sync.grace_seconds()};
       return absl::OkStatus();
     }
     default:
-      return Invalid("spec.sync.mode", absl::StrCat("unknown mode ", static_cast<int>(sync.mode())));
+      return InvalidField("spec.sync.mode", absl::StrCat("unknown mode ", static_cast<int>(sync.mode())));
   }
 }
 
@@ -299,17 +301,17 @@ absl::Status ParsePartitions(const v1::SessionSpec& spec, SessionConfig& config)
         rule.kind = session::PartitionKind::kExplicit;
         break;
       default:
-        return Invalid(rule.field + ".kind", absl::StrCat("unknown kind ", static_cast<int>(given.kind())));
+        return InvalidField(rule.field + ".kind", absl::StrCat("unknown kind ", static_cast<int>(given.kind())));
     }
     if (given.alignment() != 0 && rule.kind != session::PartitionKind::kFlat) {
-      return Invalid(rule.field + ".alignment", "applies to kind flat only");
+      return InvalidField(rule.field + ".alignment", "applies to kind flat only");
     }
     if (given.alignment() < 0) {
-      return Invalid(rule.field + ".alignment", absl::StrCat("must be >= 0, got ", given.alignment()));
+      return InvalidField(rule.field + ".alignment", absl::StrCat("must be >= 0, got ", given.alignment()));
     }
     rule.alignment = std::max<int64_t>(1, given.alignment());
     if (given.ranks_size() > 0 && rule.kind != session::PartitionKind::kExplicit) {
-      return Invalid(rule.field + ".ranks", "applies to kind explicit only");
+      return InvalidField(rule.field + ".ranks", "applies to kind explicit only");
     }
     for (int r = 0; r < given.ranks_size(); ++r) {
       std::vector<session::PartitionRule::Range>& ranges = rule.ranks.emplace_back();
@@ -318,7 +320,7 @@ absl::Status ParsePartitions(const v1::SessionSpec& spec, SessionConfig& config)
         const std::string at = absl::StrCat(rule.field, ".ranks[", r, "].ranges[", i, "]");
         auto it = config.parameter_index.find(range.parameter());
         if (it == config.parameter_index.end()) {
-          return Invalid(at + ".parameter", absl::StrCat("unknown parameter '", Echo(range.parameter()), "'"));
+          return InvalidField(at + ".parameter", absl::StrCat("unknown parameter '", Echo(range.parameter()), "'"));
         }
         ranges.push_back({it->second, {range.begin(), range.end()}, at});
       }
@@ -327,14 +329,15 @@ absl::Status ParsePartitions(const v1::SessionSpec& spec, SessionConfig& config)
   }
   if (first_partitioned.empty()) return absl::OkStatus();
   if (config.sync.mode != SyncMode::kLockstep) {
-    return Invalid("spec.sync.mode",
-                   absl::StrCat("lock-step only with partitioned groups (", first_partitioned,
-                                "): a missing rank's part is a missing piece of the gradient, not a smaller batch"));
+    return InvalidField(
+        "spec.sync.mode",
+        absl::StrCat("lock-step only with partitioned groups (", first_partitioned,
+                     "): a missing rank's part is a missing piece of the gradient, not a smaller batch"));
   }
   if (config.shard.count > 0) {
-    return Invalid(first_partitioned,
-                   "not available on a sharded session: spread the parameters over daemons, or partition them "
-                   "over ranks, not both");
+    return InvalidField(first_partitioned,
+                        "not available on a sharded session: spread the parameters over daemons, or partition them "
+                        "over ranks, not both");
   }
   return session::LayOutParts(rules, config);
 }
@@ -345,54 +348,55 @@ absl::StatusOr<SessionConfig> ParseSessionSpec(const v1::SessionSpec& spec, cons
   SessionConfig config;
   config.world_size = spec.world_size() == 0 ? 1 : spec.world_size();
   if (config.world_size < 1 || config.world_size > limits.max_world_size) {
-    return Invalid("spec.world_size", absl::StrCat("must be between 1 and ", limits.max_world_size,
-                                                   " on this daemon, got ", spec.world_size()));
+    return InvalidField("spec.world_size", absl::StrCat("must be between 1 and ", limits.max_world_size,
+                                                        " on this daemon, got ", spec.world_size()));
   }
   config.straggler_timeout_seconds = limits.straggler_timeout_seconds;
   const v1::DType return_dtype = spec.return_dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_FP32 : spec.return_dtype();
   config.return_dtype = static_cast<TensorDType>(return_dtype);
   if (!wire::IsConcrete(return_dtype)) {
-    return Invalid("spec.return_dtype", absl::StrCat("unknown dtype ", static_cast<int>(spec.return_dtype())));
+    return InvalidField("spec.return_dtype", absl::StrCat("unknown dtype ", static_cast<int>(spec.return_dtype())));
   }
 
-  if (spec.groups_size() == 0) return Invalid("spec.groups", "at least one group is required");
+  if (spec.groups_size() == 0) return InvalidField("spec.groups", "at least one group is required");
   for (int i = 0; i < spec.groups_size(); ++i) {
     const auto& group = spec.groups(i);
     const std::string field = absl::StrCat("spec.groups[", i, "]");
-    if (!ValidName(group.name())) return Invalid(field + ".name", "must be 1 to 256 bytes without control characters");
+    if (!ValidName(group.name()))
+      return InvalidField(field + ".name", "must be 1 to 256 bytes without control characters");
     if (!config.group_index.emplace(group.name(), config.groups.size()).second) {
-      return Invalid(field + ".name", absl::StrCat("duplicate group '", Echo(group.name()), "'"));
+      return InvalidField(field + ".name", absl::StrCat("duplicate group '", Echo(group.name()), "'"));
     }
     MUOND_ASSIGN_OR_RETURN(optim::GroupOptions options, ParseGroupOptions(group.options(), field + ".options"));
     config.groups.push_back({group.name(), std::move(options)});
   }
 
-  if (spec.parameters_size() == 0) return Invalid("spec.parameters", "at least one parameter is required");
+  if (spec.parameters_size() == 0) return InvalidField("spec.parameters", "at least one parameter is required");
   if (spec.parameters_size() > limits.max_parameters) {
-    return Invalid("spec.parameters",
-                   absl::StrCat(spec.parameters_size(), " parameters exceed the limit of ", limits.max_parameters));
+    return InvalidField("spec.parameters", absl::StrCat(spec.parameters_size(), " parameters exceed the limit of ",
+                                                        limits.max_parameters));
   }
   for (int i = 0; i < spec.parameters_size(); ++i) {
     const auto& p = spec.parameters(i);
     const std::string field = absl::StrCat("spec.parameters[", i, "]");
     ParameterConfig param;
     param.name = p.name();
-    if (!ValidName(p.name())) return Invalid(field + ".name", "must be 1 to 256 bytes without control characters");
+    if (!ValidName(p.name())) return InvalidField(field + ".name", "must be 1 to 256 bytes without control characters");
     if (config.parameter_index.contains(p.name())) {
-      return Invalid(field + ".name", absl::StrCat("duplicate parameter '", Echo(p.name()), "'"));
+      return InvalidField(field + ".name", absl::StrCat("duplicate parameter '", Echo(p.name()), "'"));
     }
     if (p.shape_size() > limits.max_rank) {
-      return Invalid(field + ".shape", absl::StrCat("rank ", p.shape_size(), " exceeds the limit of ", limits.max_rank,
-                                                    " (--max-tensor-rank)"));
+      return InvalidField(field + ".shape", absl::StrCat("rank ", p.shape_size(), " exceeds the limit of ",
+                                                         limits.max_rank, " (--max-tensor-rank)"));
     }
     param.numel = 1;
     for (int d = 0; d < p.shape_size(); ++d) {
       if (p.shape(d) <= 0) {
-        return Invalid(field + ".shape", absl::StrCat("dimension ", d, " is ", p.shape(d), "; must be positive"));
+        return InvalidField(field + ".shape", absl::StrCat("dimension ", d, " is ", p.shape(d), "; must be positive"));
       }
       if (param.numel > limits.max_tensor_elements / p.shape(d)) {
-        return Invalid(field + ".shape",
-                       absl::StrCat("more than ", limits.max_tensor_elements, " elements (--max-tensor-elements)"));
+        return InvalidField(field + ".shape", absl::StrCat("more than ", limits.max_tensor_elements,
+                                                           " elements (--max-tensor-elements)"));
       }
       param.numel *= p.shape(d);
       param.shape.push_back(p.shape(d));
@@ -400,43 +404,44 @@ absl::StatusOr<SessionConfig> ParseSessionSpec(const v1::SessionSpec& spec, cons
     const v1::DType wire_dtype = p.wire_dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_FP32 : p.wire_dtype();
     param.wire_dtype = static_cast<TensorDType>(wire_dtype);
     if (!wire::IsConcrete(wire_dtype)) {
-      return Invalid(field + ".wire_dtype", absl::StrCat("unknown dtype ", static_cast<int>(p.wire_dtype())));
+      return InvalidField(field + ".wire_dtype", absl::StrCat("unknown dtype ", static_cast<int>(p.wire_dtype())));
     }
     auto group = config.group_index.find(p.group());
     if (group == config.group_index.end()) {
-      return Invalid(field + ".group", absl::StrCat("unknown group '", Echo(p.group()), "'"));
+      return InvalidField(field + ".group", absl::StrCat("unknown group '", Echo(p.group()), "'"));
     }
     param.group = group->second;
     if (p.qkv_split_size() != 0) {
       if (p.qkv_split_size() != 3) {
-        return Invalid(field + ".qkv_split", absl::StrCat("needs 3 sizes (q, k, v), got ", p.qkv_split_size()));
+        return InvalidField(field + ".qkv_split", absl::StrCat("needs 3 sizes (q, k, v), got ", p.qkv_split_size()));
       }
       param.qkv = {p.qkv_split(0), p.qkv_split(1), p.qkv_split(2),
                    p.num_query_groups() == 0 ? 1 : p.num_query_groups()};
       if (param.qkv.q <= 0 || param.qkv.k <= 0 || param.qkv.v <= 0 || param.qkv.num_query_groups <= 0) {
-        return Invalid(field + ".qkv_split", "sizes and num_query_groups must be positive");
+        return InvalidField(field + ".qkv_split", "sizes and num_query_groups must be positive");
       }
       // Bounded by the rows before anything multiplies them (the optimizer checks the exact sum).
       const int64_t rows = param.shape.empty() ? 0 : param.shape[0];
       if (param.qkv.q > rows || param.qkv.k > rows || param.qkv.v > rows || param.qkv.num_query_groups > rows) {
-        return Invalid(field + ".qkv_split",
-                       absl::StrCat("sizes and num_query_groups must be at most the ", rows, " rows"));
+        return InvalidField(field + ".qkv_split",
+                            absl::StrCat("sizes and num_query_groups must be at most the ", rows, " rows"));
       }
     } else if (p.num_query_groups() != 0) {
-      return Invalid(field + ".num_query_groups", "applies only with qkv_split");
+      return InvalidField(field + ".num_query_groups", "applies only with qkv_split");
     }
-    if (p.tp_blocks() < 0) return Invalid(field + ".tp_blocks", absl::StrCat("must be >= 0, got ", p.tp_blocks()));
+    if (p.tp_blocks() < 0) return InvalidField(field + ".tp_blocks", absl::StrCat("must be >= 0, got ", p.tp_blocks()));
     if (p.tp_block_dim() != 0 && p.tp_blocks() <= 1) {
-      return Invalid(field + ".tp_block_dim", "applies only with tp_blocks > 1");
+      return InvalidField(field + ".tp_block_dim", "applies only with tp_blocks > 1");
     }
     if (p.tp_blocks() > 1) {
       if (param.shape.size() != 2 || (p.tp_block_dim() != 0 && p.tp_block_dim() != 1)) {
-        return Invalid(field + ".tp_blocks", "needs a 2-D parameter and tp_block_dim 0 or 1");
+        return InvalidField(field + ".tp_blocks", "needs a 2-D parameter and tp_block_dim 0 or 1");
       }
       const int64_t extent = param.shape[static_cast<size_t>(p.tp_block_dim())];
       if (p.tp_blocks() > extent || extent % p.tp_blocks() != 0) {
-        return Invalid(field + ".tp_blocks", absl::StrCat("tp_blocks ", p.tp_blocks(), " does not divide dimension ",
-                                                          p.tp_block_dim(), " (", extent, ")"));
+        return InvalidField(field + ".tp_blocks",
+                            absl::StrCat("tp_blocks ", p.tp_blocks(), " does not divide dimension ", p.tp_block_dim(),
+                                         " (", extent, ")"));
       }
     }
     param.tp = {std::max<int64_t>(p.tp_blocks(), 1), p.tp_block_dim()};
@@ -453,8 +458,8 @@ absl::StatusOr<SessionConfig> ParseSessionSpec(const v1::SessionSpec& spec, cons
     // A shard sees its own groups' norms only; the global norm comes decided over every shard.
     for (size_t g = 0; g < config.groups.size(); ++g) {
       if (config.groups[g].options.clip_scope != optim::ClipScope::kGlobal) {
-        return Invalid(absl::StrCat("spec.groups[", g, "].options.clip_scope"),
-                       "only global on a sharded session (each shard sees its own part of a group)");
+        return InvalidField(absl::StrCat("spec.groups[", g, "].options.clip_scope"),
+                            "only global on a sharded session (each shard sees its own part of a group)");
       }
     }
   }

@@ -89,4 +89,9 @@ inline double RelativeFrobenius(const std::vector<float>& got, const std::vector
   return norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff);
 }
 
+// A matmul precision's name, for test parameter names and messages.
+inline const char* PrecisionName(MatmulPrecision p) {
+  return p == MatmulPrecision::kFp32 ? "fp32" : p == MatmulPrecision::kTf32 ? "tf32" : "bf16";
+}
+
 }  // namespace muond::kernels

@@ -30,10 +30,6 @@ namespace {
 using ::muond::testing::Download;
 using ::muond::testing::Upload;
 
-const char* PrecisionName(MatmulPrecision p) {
-  return p == MatmulPrecision::kFp32 ? "fp32" : p == MatmulPrecision::kTf32 ? "tf32" : "bf16";
-}
-
 // Newton–Schulz of `g` (batch rows×cols matrices) on `backend`, 5 steps of the simple set.
 std::vector<float> RunNs(Backend& backend, const std::vector<float>& g, int64_t rows, int64_t cols, int64_t batch,
                          MatmulPrecision precision) {

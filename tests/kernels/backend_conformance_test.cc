@@ -221,10 +221,6 @@ double GemmTolerance(MatmulPrecision precision, int64_t k) {
   return 0;
 }
 
-const char* PrecisionName(MatmulPrecision p) {
-  return p == MatmulPrecision::kFp32 ? "fp32" : p == MatmulPrecision::kTf32 ? "tf32" : "bf16";
-}
-
 // Every transpose combination, padded leading dimensions and strides, α, β (β = 0 ignoring NaN in
 // C), k = 0, and A = B (the shared bf16 conversion), against fp64 and against the CPU backend.
 TEST_P(BackendConformanceTest, GemmWithinRoundingBounds) {

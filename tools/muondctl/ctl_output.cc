@@ -49,6 +49,10 @@ int Print(const Answer& answer, bool json) {
   return answer.exit_code;
 }
 
+std::string OptionalFigure(bool has, double value, const absl::FormatSpec<double>& format) {
+  return has ? absl::StrFormat(format, value) : std::string("-");
+}
+
 std::string HumanBytes(double bytes) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
   int unit = 0;

@@ -15,6 +15,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_format.h"
 #include "nlohmann/json.hpp"
 
 namespace muond::ctl {
@@ -46,5 +47,8 @@ int Print(const Answer& answer, bool json);
 
 // "1.50 GiB"-style sizes for text output.
 std::string HumanBytes(double bytes);
+
+// A figure of text output that may be absent: `value` in `format`, or "-".
+std::string OptionalFigure(bool has, double value, const absl::FormatSpec<double>& format = "%.4g");
 
 }  // namespace muond::ctl

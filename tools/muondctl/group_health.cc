@@ -31,8 +31,6 @@ std::vector<Row> Rows(const v1::SessionSummary& s) {
 
 ordered_json Value(bool has, double value) { return has ? ordered_json(value) : ordered_json(nullptr); }
 
-std::string Figure(bool has, double value) { return has ? absl::StrFormat("%.4g", value) : "-"; }
-
 }  // namespace
 
 ordered_json GroupHealthJson(const v1::SessionSummary& s) {
@@ -66,14 +64,14 @@ std::string GroupHealthText(const v1::SessionSummary& s) {
   for (const Row& row : Rows(s)) {
     const v1::GroupTelemetry& t = row.telemetry;
     absl::StrAppend(
-        &out,
-        absl::StrFormat("  %-16s %10s %10s %10s %10s %10s %10s %6d  %s\n", row.group,
-                        Figure(row.clip.has_value(), row.clip ? row.clip->grad_norm() : 0),
-                        Figure(row.clip.has_value(), row.clip ? row.clip->coefficient() : 0),
-                        Figure(t.has_update_rms(), t.update_rms()), Figure(t.has_update_ratio(), t.update_ratio()),
-                        Figure(t.has_momentum_norm(), t.momentum_norm()),
-                        Figure(t.has_orthogonality_residual(), t.orthogonality_residual()), t.stale_parameters(),
-                        t.warnings().empty() ? "-" : absl::StrJoin(t.warnings(), ",")));
+        &out, absl::StrFormat("  %-16s %10s %10s %10s %10s %10s %10s %6d  %s\n", row.group,
+                              OptionalFigure(row.clip.has_value(), row.clip ? row.clip->grad_norm() : 0),
+                              OptionalFigure(row.clip.has_value(), row.clip ? row.clip->coefficient() : 0),
+                              OptionalFigure(t.has_update_rms(), t.update_rms()),
+                              OptionalFigure(t.has_update_ratio(), t.update_ratio()),
+                              OptionalFigure(t.has_momentum_norm(), t.momentum_norm()),
+                              OptionalFigure(t.has_orthogonality_residual(), t.orthogonality_residual()),
+                              t.stale_parameters(), t.warnings().empty() ? "-" : absl::StrJoin(t.warnings(), ",")));
   }
   return out;
 }

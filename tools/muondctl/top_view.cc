@@ -15,10 +15,6 @@ namespace {
 // U+2581..U+2588, lowest to highest.
 constexpr const char* kBlocks[] = {"▁", "▂", "▃", "▄", "▅", "▆", "▇", "█"};
 
-std::string Figure(bool has, double value, const absl::FormatSpec<double>& format = "%.3g") {
-  return has ? absl::StrFormat(format, value) : std::string("-");
-}
-
 // Columns `line` takes on a terminal: UTF-8 continuation bytes take none.
 size_t Columns(const std::string& line) {
   size_t columns = 0;
@@ -117,13 +113,14 @@ std::vector<std::string> RenderTop(const TopFrame& frame, size_t width) {
       const std::string warnings = t.warnings().empty() ? "-" : absl::StrJoin(t.warnings(), ",");
       std::string norm_line = Sparkline(norms, 20);
       norm_line += std::string(20 - std::min<size_t>(20, Columns(norm_line)), ' ');
-      lines.push_back(absl::StrFormat("  %-16s %10s %7s %10s %9s %8s  %-20s %s  %s", t.group(),
-                                      Figure(clip != nullptr, clip ? clip->grad_norm() : 0),
-                                      Figure(clip != nullptr, clip ? clip->coefficient() : 0, "%.3f"),
-                                      Figure(t.has_update_rms(), t.update_rms()),
-                                      Figure(t.has_update_ratio(), t.update_ratio()),
-                                      Figure(t.has_orthogonality_residual(), t.orthogonality_residual(), "%.2f"),
-                                      warnings, norm_line, Sparkline(rms, 20)));
+      lines.push_back(
+          absl::StrFormat("  %-16s %10s %7s %10s %9s %8s  %-20s %s  %s", t.group(),
+                          OptionalFigure(clip != nullptr, clip ? clip->grad_norm() : 0, "%.3g"),
+                          OptionalFigure(clip != nullptr, clip ? clip->coefficient() : 0, "%.3f"),
+                          OptionalFigure(t.has_update_rms(), t.update_rms(), "%.3g"),
+                          OptionalFigure(t.has_update_ratio(), t.update_ratio(), "%.3g"),
+                          OptionalFigure(t.has_orthogonality_residual(), t.orthogonality_residual(), "%.2f"), warnings,
+                          norm_line, Sparkline(rms, 20)));
     }
   }
   for (std::string& line : lines) line = Cut(line, width);

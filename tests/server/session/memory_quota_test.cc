@@ -12,7 +12,7 @@ using ::muond::rpc::ParseSessionSpec;
 using ::muond::testing::StatusIs;
 
 // Two groups (muon, adamw) with one parameter each.
-v1::SessionSpec Spec() {
+v1::SessionSpec TwoGroupSpec() {
   v1::SessionSpec spec;
   auto* muon = spec.add_groups();
   muon->set_name("m");
@@ -34,12 +34,12 @@ v1::SessionSpec Spec() {
 
 TEST(MemoryQuotaTest, EstimateCountsMasterGradientAndSlots) {
   // Muon: master, gradient, momentum; AdamW: master, gradient, two moments.
-  ASSERT_OK_AND_ASSIGN(SessionConfig config, ParseSessionSpec(Spec(), SpecLimits{}));
+  ASSERT_OK_AND_ASSIGN(SessionConfig config, ParseSessionSpec(TwoGroupSpec(), SpecLimits{}));
   EXPECT_EQ(EstimateSessionBytes(config), 200 * 4 * 3 + 7 * 4 * 4);
 }
 
 TEST(MemoryQuotaTest, EstimateCountsSecondMomentsAtTheirSize) {
-  v1::SessionSpec spec = Spec();
+  v1::SessionSpec spec = TwoGroupSpec();
   spec.mutable_groups(0)->mutable_options()->set_moment2_method("adamuon");
   ASSERT_OK_AND_ASSIGN(SessionConfig adamuon, ParseSessionSpec(spec, SpecLimits{}));
   EXPECT_EQ(EstimateSessionBytes(adamuon), 200 * 4 * 4 + 7 * 4 * 4);

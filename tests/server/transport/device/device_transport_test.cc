@@ -563,7 +563,9 @@ TEST(NcclStepTest, RanksThatHoldPartsSendAndReceiveOnlyTheirParts) {
       const std::vector<float> b_part = part_of(want[1], r, 2);
       ASSERT_EQ(queues[r]->sent.size(), b_part.empty() ? 1u : 2u) << "rank " << r << ": an empty part is no transfer";
       EXPECT_EQ(queues[r]->sent[0], Encoded(v1::DTYPE_FP32, part_of(want[0], r, 12))) << "rank " << r << " step " << k;
-      if (!b_part.empty()) EXPECT_EQ(queues[r]->sent[1], Encoded(v1::DTYPE_FP32, b_part)) << "rank " << r;
+      if (!b_part.empty()) {
+        EXPECT_EQ(queues[r]->sent[1], Encoded(v1::DTYPE_FP32, b_part)) << "rank " << r;
+      }
     }
   }
   // A part of the wrong size is refused naming the field and the rank's part.
