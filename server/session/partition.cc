@@ -203,7 +203,7 @@ absl::Status CheckPartsAgree(const SessionConfig& config, const std::vector<cons
 }
 
 void AssembleParts(const SessionConfig& config, const std::vector<const std::vector<HostTensor>*>& by_rank,
-                   std::vector<HostTensor>& out) {
+                   const std::vector<double>& rescale, std::vector<HostTensor>& out) {
   for (size_t p = 0; p < config.parts.size(); ++p) {
     if (!IsPartitioned(config, p)) continue;
     bool sent = false;
@@ -217,7 +217,9 @@ void AssembleParts(const SessionConfig& config, const std::vector<const std::vec
       const ElementRange part = config.parts[p][r];
       if (by_rank[r] == nullptr || part.size() == 0) continue;
       const HostTensor& g = (*by_rank[r])[p];
-      std::copy(g.values.begin(), g.values.begin() + part.size(), whole.values.begin() + part.begin);
+      const double factor = rescale[r];
+      std::transform(g.values.begin(), g.values.begin() + part.size(), whole.values.begin() + part.begin,
+                     [factor](float v) { return factor == 1.0 ? v : static_cast<float>(factor * v); });
     }
     for (float v : whole.values) whole.sum_squares += static_cast<double>(v) * v;
     whole.received = config.parameters[p].numel;

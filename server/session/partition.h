@@ -78,10 +78,12 @@ absl::Status CheckRankParts(const SessionConfig& config, int rank, const std::ve
 absl::Status CheckPartsAgree(const SessionConfig& config, const std::vector<const std::vector<HostTensor>*>& by_rank);
 
 // Writes the whole gradient of each partitioned parameter into out[p] from the ranks' parts
-// (by_rank[r] is rank r's gradients, all present under lock-step), with its fp64 sum of squares
-// taken in element order. Replicated parameters, and partitioned ones no rank sent, are left alone.
+// (by_rank[r] is rank r's gradients, all present under lock-step), each part multiplied by its
+// rank's rescale[r] (in fp64, rounded once to fp32; a factor of 1 copies the values as they are),
+// with its fp64 sum of squares taken in element order. Replicated parameters, and partitioned ones
+// no rank sent, are left alone.
 void AssembleParts(const SessionConfig& config, const std::vector<const std::vector<HostTensor>*>& by_rank,
-                   std::vector<HostTensor>& out);
+                   const std::vector<double>& rescale, std::vector<HostTensor>& out);
 
 // The answer `rank` gets: the same result, each parameter's values narrowed to the rank's part
 // (views into `snapshot`, which the returned one keeps alive). `snapshot` itself when nothing is

@@ -30,16 +30,19 @@ void MergeQkLogits(const StepPlan& other, StepPlan& plan) {
 
 }  // namespace
 
-uint64_t RankGather::Add(StepPlan plan, std::vector<HostTensor> gradients, absl::Time now) {
+uint64_t RankGather::Add(StepPlan plan, std::vector<HostTensor> gradients, double grad_scale, absl::Time now) {
   if (step_ != plan.request.step) {
     step_ = plan.request.step;
     arrival_times_.clear();
     ranks_.assign(world_size_, std::nullopt);
+    grad_scales_.assign(world_size_, 1.0);
     ++generation_;
   }
-  auto& slot = ranks_[plan.request.rank];
+  const int rank = plan.request.rank;
+  auto& slot = ranks_[rank];
   if (!slot) arrival_times_.push_back(now);
   slot.emplace(std::move(plan), std::move(gradients));
+  grad_scales_[rank] = grad_scale;
   return generation_;
 }
 
@@ -58,19 +61,27 @@ absl::Status RankGather::CheckParts(const SessionConfig& config) const { return 
 
 std::pair<StepPlan, std::vector<HostTensor>> RankGather::TakeAverage(const SessionConfig& config) {
   const size_t num_parameters = config.parameters.size();
+  int lowest = 0;
+  while (!ranks_[lowest]) ++lowest;  // taken only once a rank arrived
+  // Each rank's gradients brought to the lowest rank's scale: exactly 1 when the scales agree.
+  std::vector<double> rescale(world_size_, 1.0);
+  for (int r = 0; r < world_size_; ++r) {
+    if (ranks_[r] && grad_scales_[r] != grad_scales_[lowest]) rescale[r] = grad_scales_[lowest] / grad_scales_[r];
+  }
   std::vector<HostTensor> mean(num_parameters);
-  AssembleParts(config, ByRank(), mean);
+  AssembleParts(config, ByRank(), rescale, mean);
   for (size_t p = 0; p < num_parameters; ++p) {
     if (IsPartitioned(config, p)) continue;  // assembled from its parts above
     std::vector<double> sum;
     double weights = 0;
-    for (const auto& rank : ranks_) {
-      if (!rank) continue;
-      const HostTensor& g = rank->second[p];
+    for (int r = 0; r < world_size_; ++r) {
+      if (!ranks_[r]) continue;
+      const HostTensor& g = ranks_[r]->second[p];
       if (!g.present()) continue;
-      const double w = rank->first.request.weight;
+      const double w = ranks_[r]->first.request.weight;
+      const double scaled_w = w * rescale[r];  // w itself when the scales agree
       if (sum.empty()) sum.assign(g.values.size(), 0.0);
-      for (size_t i = 0; i < sum.size(); ++i) sum[i] += w * g.values[i];
+      for (size_t i = 0; i < sum.size(); ++i) sum[i] += scaled_w * g.values[i];
       weights += w;
     }
     if (weights == 0) continue;

@@ -6,8 +6,11 @@
 // sent it, summed in rank order in fp64 and rounded once to fp32, so the result does not depend on
 // arrival order (with every weight 1 it is the plain mean) — and the step is applied once with the
 // plan of the lowest rank that arrived, its QK-clip logits the largest finite each head had on any
-// of them (each rank saw its own tokens). Parameters of partitioned groups are assembled from each
-// rank's part instead of averaged. A rank that resends while it waits replaces its part.
+// of them (each rank saw its own tokens). Each rank's gradients carry its own loss scale s_r; they
+// enter the average multiplied by s_low / s_r, so the average carries the scale of the lowest
+// rank's plan, which the step divides out (a factor of exactly 1 when the scales agree: the sum is
+// then the one without scales, bit for bit). Parameters of partitioned groups are assembled from
+// each rank's part instead of averaged. A rank that resends while it waits replaces its part.
 //
 // The generation changes whenever a gathering ends (applied or aborted), so waiting ranks can tell
 // an abort from a spurious wake-up. Owned by its session and used under the session's lock; not
@@ -33,8 +36,9 @@ class RankGather {
   explicit RankGather(int world_size) : world_size_(world_size) {}
 
   // Adds `rank`'s part of step plan.request.step, arrived at `now` (starting a new gathering when
-  // the step differs from the one being gathered); returns the generation of the gathering it joined.
-  uint64_t Add(StepPlan plan, std::vector<HostTensor> gradients, absl::Time now);
+  // the step differs from the one being gathered), its gradients multiplied by `grad_scale` (its
+  // header's, the session loss scaler's, or 1); returns the generation of the gathering it joined.
+  uint64_t Add(StepPlan plan, std::vector<HostTensor> gradients, double grad_scale, absl::Time now);
   bool complete() const { return arrived() == world_size_; }
   int arrived() const { return static_cast<int>(arrival_times_.size()); }
   // When the n-th distinct rank arrived (1-based); InfiniteFuture while fewer have.
@@ -61,6 +65,7 @@ class RankGather {
   uint64_t generation_ = 0;
   std::vector<absl::Time> arrival_times_;  // of each distinct rank, in arrival order
   std::vector<std::optional<std::pair<StepPlan, std::vector<HostTensor>>>> ranks_;
+  std::vector<double> grad_scales_;  // of each arrived rank's gradients, by rank
 };
 
 }  // namespace muond::session

@@ -189,7 +189,8 @@ absl::StatusOr<StepOutcome> Session::FinishStep(std::unique_ptr<IncomingStep> st
     return replay;
   }
   if (phase == StepPhase::kCommit) return CommitLocked(plan, step->gradients());
-  // Each rank's grad_scale against the loss scaler before it joins the others (rank 0's is applied).
+  // Each rank's grad_scale against the loss scaler before it joins the others (each rank's gradients
+  // are brought to the lowest rank's scale when averaged, and that scale is divided out).
   MUOND_RETURN_IF_ERROR(GradScaleLocked(plan).status());
   if (config_.world_size > 1) return GatherLocked(std::move(plan), std::move(step->gradients()));
   if (phase == StepPhase::kPrepare) return PrepareLocked(std::move(plan), std::move(step->gradients()), 0);
@@ -297,8 +298,9 @@ absl::StatusOr<StepOutcome> Session::GatherLocked(StepPlan plan, std::vector<Hos
   // A rank's part of a partitioned parameter is a piece of the gradient, not a whole one: refused
   // here, before it joins, so the others' step is still to come.
   MUOND_RETURN_IF_ERROR(CheckRankParts(config_, rank, gradients));
+  MUOND_ASSIGN_OR_RETURN(const double grad_scale, GradScaleLocked(plan));  // checked by FinishStep
   const absl::Time arrived_at = absl::Now();
-  const uint64_t generation = gather_.Add(std::move(plan), std::move(gradients), arrived_at);
+  const uint64_t generation = gather_.Add(std::move(plan), std::move(gradients), grad_scale, arrived_at);
   const int64_t last_step_before = last_step_;
   const absl::Time straggler_deadline = arrived_at + absl::Seconds(config_.straggler_timeout_seconds);
   const bool quorum = config_.sync.mode == SyncMode::kQuorum;

@@ -3,6 +3,7 @@
 // daemon's own log line that a rank waits, never by sleeping.
 #include <future>
 #include <map>
+#include <optional>
 
 #include "gmock/gmock.h"
 #include "tests/integration/daemon_fixture.h"
@@ -112,6 +113,37 @@ TEST_F(HeterogeneousRanksTest, AWeightedStepIsOneRankSendingTheWeightedMeanBitFo
     EXPECT_TRUE(answer.included);
     EXPECT_THAT(answer.contributors, ElementsAre(0, 1, 2));
     EXPECT_EQ(answer.total_weight, 7.5);
+    EXPECT_EQ(answer.parameters, expected);
+  }
+}
+
+// Each rank multiplied its loss by a scale of its own (one by none): each rank's gradients are
+// divided by its own scale, so the step is the one of the unscaled weighted mean — bit for bit, the
+// scales being powers of two.
+TEST_F(HeterogeneousRanksTest, RanksWithLossScalesOfTheirOwnStepAsIfUnscaled) {
+  auto ranks = Ranks("scaled", Spec(3));
+  const double weights[] = {1.0, 2.0, 1.0};
+  const std::optional<double> scales[] = {1024.0, std::nullopt, 0.25};
+  const Grads g[] = {GradsOf(0.4f), GradsOf(1.7f), GradsOf(2.2f)};
+  std::vector<std::future<absl::StatusOr<client::StepReply>>> replies;
+  for (int r = 0; r < 3; ++r) {
+    replies.push_back(std::async(std::launch::async, [&, r] {
+      Grads scaled = g[r];
+      const float s = static_cast<float>(scales[r].value_or(1.0));
+      for (float& v : scaled.w) v *= s;
+      for (float& v : scaled.b) v *= s;
+      client::StepOptions options;
+      options.rank = r;
+      options.weight = weights[r];
+      options.grad_scale = scales[r];
+      return ranks[r]->Step(1, scaled.views(), options);
+    }));
+  }
+  const client::ParameterMap expected =
+      OneRank("scaled-reference", {WeightedMean({{1.0, g[0]}, {2.0, g[1]}, {1.0, g[2]}})});
+  for (auto& reply : replies) {
+    ASSERT_OK_AND_ASSIGN(client::StepReply answer, reply.get());
+    EXPECT_TRUE(answer.applied);
     EXPECT_EQ(answer.parameters, expected);
   }
 }

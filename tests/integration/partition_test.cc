@@ -2,9 +2,11 @@
 // daemon, one client handle per rank, each HoldParts(rank); every rank uploads and steps only its
 // part of each partitioned parameter and gets back only that part, equal bit for bit to the same
 // part of a one-rank session stepping the whole gradient, whether the step is sent whole or
-// streamed gradient by gradient. Runs once per step transport.
+// streamed gradient by gradient, and whatever loss scale each rank's gradients carry. Runs once per
+// step transport.
 #include <future>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -127,10 +129,17 @@ TEST_F(PartitionTest, RanksThatHoldPartsStepBitForBitLikeOneRank) {
         const std::map<std::string, ElementRange> parts = PartsOf(r);
         std::map<std::string, std::vector<float>> grads;
         std::vector<client::TensorView> g;
-        for (const Param& p : all) grads[p.name] = Slice(Values(p.name, p.numel(), step), parts.at(p.name));
-        for (const Param& p : all) g.push_back({p.name, {parts.at(p.name).size()}, grads[p.name]});
         client::StepOptions options;
         options.rank = r;
+        // Step 3 with a loss scale of each rank's own (rank 1 none): powers of two, divided out exactly.
+        const std::optional<double> scales[kWorld] = {4.0, std::nullopt, 256.0};
+        if (step == 3) options.grad_scale = scales[r];
+        const float scale = static_cast<float>(options.grad_scale.value_or(1.0));
+        for (const Param& p : all) {
+          grads[p.name] = Slice(Values(p.name, p.numel(), step), parts.at(p.name));
+          for (float& v : grads[p.name]) v *= scale;
+        }
+        for (const Param& p : all) g.push_back({p.name, {parts.at(p.name).size()}, grads[p.name]});
         client::Session& session = *ranks[static_cast<size_t>(r)];
         if (step != 2) return session.Step(step, g, options);
         // Step 2 streamed, each gradient added as backward would hand it over (rank 2's empty
