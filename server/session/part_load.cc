@@ -1,4 +1,4 @@
-// PartLoad: the record of a state loaded part by part (part_load.h).
+// PartLoad: the record of parts written rank by rank (part_load.h).
 #include "server/session/part_load.h"
 
 #include <algorithm>
@@ -8,50 +8,88 @@
 #include "server/session/partition.h"
 
 namespace muond::session {
+namespace {
 
-bool PartLoad::UnderWay() const { return std::find(loaded_.begin(), loaded_.end(), false) != loaded_.end(); }
+const char* Their(const std::vector<int>& ranks) { return ranks.size() == 1 ? "its" : "their"; }
 
-std::vector<int> PartLoad::Ranks(bool loaded) const {
+}  // namespace
+
+bool PartLoad::UnderWay() const { return std::find(written_.begin(), written_.end(), false) != written_.end(); }
+
+std::vector<int> PartLoad::Ranks(bool written) const {
   std::vector<int> ranks;
-  for (size_t r = 0; r < loaded_.size(); ++r) {
-    if (loaded_[r] == loaded) ranks.push_back(static_cast<int>(r));
+  for (size_t r = 0; r < written_.size(); ++r) {
+    if (written_[r] == written) ranks.push_back(static_cast<int>(r));
   }
   return ranks;
 }
 
 absl::Status PartLoad::CheckLoad(int rank, int64_t last_step, const std::vector<int64_t>& step_counts) const {
-  if (!UnderWay()) return absl::OkStatus();
-  if (last_step != last_step_ || step_counts != step_counts_) {
+  return Check(rank, Written{.upload = false, .last_step = last_step, .step_counts = step_counts});
+}
+
+absl::Status PartLoad::CheckUpload(int rank) const {
+  return Check(rank, Written{.upload = true, .last_step = 0, .step_counts = {}});
+}
+
+absl::Status PartLoad::Check(int rank, const Written& what) const {
+  if (!UnderWay() || what == what_) return absl::OkStatus();
+  // A load replaces the initial parameters some ranks have not uploaded yet (a rank loading its
+  // checkpoint before the others have opened): it starts its own record, which the step waits for.
+  if (what_.upload && !what.upload) return absl::OkStatus();
+  const std::vector<int> done = Ranks(true);
+  if (!what.upload && !what_.upload) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "header.last_step: rank ", rank, "'s state is of step ", last_step,
-        last_step == last_step_ ? " with other per-parameter step counts" : "", ", but ", RanksText(Ranks(true)),
-        " loaded ", Ranks(true).size() == 1 ? "its" : "their", " parts of a state of step ", last_step_,
+        "header.last_step: rank ", rank, "'s state is of step ", what.last_step,
+        what.last_step == what_.last_step ? " with other per-parameter step counts" : "", ", but ", RanksText(done),
+        " loaded ", Their(done), " parts of a state of step ", what_.last_step,
         " and the other ranks have not loaded theirs yet: every rank loads the state dict it saved at the same "
         "step; nothing was loaded"));
   }
-  return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "rank ", rank, "'s ",
+      what.upload ? "upload of its initial parameters" : absl::StrCat("state of step ", what.last_step),
+      " comes while ", RanksText(done), what_.upload ? " uploaded " : " loaded ", Their(done), " parts of ",
+      what_.upload ? "the initial parameters" : absl::StrCat("a state of step ", what_.last_step),
+      " and the other ranks have not written theirs yet: every rank writes its parts of the same thing (its "
+      "initial parameters before the first step, or the state dict it saved at the same step); nothing was written"));
 }
 
 void PartLoad::Loaded(int rank, int64_t last_step, const std::vector<int64_t>& step_counts, int64_t session_step) {
+  Wrote(rank, Written{.upload = false, .last_step = last_step, .step_counts = step_counts}, session_step);
+}
+
+void PartLoad::Uploaded(int rank) {
+  Wrote(rank, Written{.upload = true, .last_step = 0, .step_counts = {}}, /*session_step=*/0);
+}
+
+void PartLoad::Wrote(int rank, const Written& what, int64_t session_step) {
   if (rank < 0 || rank >= world_size_) return;
-  if (!UnderWay()) {
-    const bool again = !loaded_.empty() && last_step == last_step_ && step_counts == step_counts_ &&
-                       session_step == last_step_;  // steps only raise the session's last step
-    if (again) return;
-    last_step_ = last_step;
-    step_counts_ = step_counts;
-    loaded_.assign(static_cast<size_t>(world_size_), false);
+  // Under way, only what Check let through differs (a load replacing an upload); over, the same
+  // thing again before any step is a retry (steps only raise the session's last step).
+  const bool starts = UnderWay() ? what != what_ : written_.empty() || what != what_ || session_step != what_.last_step;
+  if (starts) {
+    what_ = what;
+    written_.assign(static_cast<size_t>(world_size_), false);
   }
-  loaded_[static_cast<size_t>(rank)] = true;
+  written_[static_cast<size_t>(rank)] = true;
 }
 
 absl::Status PartLoad::CheckStep(int64_t step) const {
   if (!UnderWay()) return absl::OkStatus();
   const std::vector<int> missing = Ranks(false);
+  const std::vector<int> done = Ranks(true);
+  if (what_.upload) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "step ", step, ": ", RanksText(missing), " sent it without uploading ", Their(missing),
+        " parts of the initial parameters, which ", RanksText(done), " uploaded: ", Their(missing),
+        " parts would start from zeros. Every rank uploads its parts before the first step (UploadParameters "
+        "with its rank); no update was applied"));
+  }
   return absl::FailedPreconditionError(
-      absl::StrCat("step ", step, ": ", RanksText(missing), " sent it without loading ",
-                   missing.size() == 1 ? "its" : "their", " parts of the state of step ", last_step_, " that ",
-                   RanksText(Ranks(true)), " loaded: the step would mix that state with the one before. ",
+      absl::StrCat("step ", step, ": ", RanksText(missing), " sent it without loading ", Their(missing),
+                   " parts of the state of step ", what_.last_step, " that ", RanksText(done),
+                   " loaded: the step would mix that state with the one before. ",
                    "Every rank loads the state dict it saved at the same step; no update was applied"));
 }
 

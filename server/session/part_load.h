@@ -1,8 +1,12 @@
-// PartLoad: a state that a session with partitioned groups loads part by part — each rank its own
-// parts, with SetState — and the ranks that have loaded it so far. A session whose ranks loaded
-// states of different steps, or stepped while some ranks had loaded and others had not, would hold
-// two states mixed; PartLoad refuses both, naming the ranks. The record empties once every rank has
-// loaded. Owned by Session and used under its mutex; not thread-safe itself.
+// PartLoad: what the ranks of a session with partitioned groups write part by part — the initial
+// parameters each rank uploads (UploadParameters with its rank), or a saved state each rank loads
+// (SetState with its rank) — and the ranks that have written theirs so far. A session whose ranks
+// loaded states of different steps, or stepped while some ranks had written their parts and others
+// had not (a part never uploaded is zeros; one not loaded is of the state before), would hold two
+// states mixed; PartLoad refuses both, naming the ranks. A load replaces an upload under way (a
+// rank may load its checkpoint before the others have opened); an upload while a load is under
+// way is refused. The record empties once every rank has written, or when a whole upload or load
+// writes every part at once. Owned by Session and used under its mutex; not thread-safe itself.
 #pragma once
 
 #include <cstdint>
@@ -16,28 +20,42 @@ class PartLoad {
  public:
   explicit PartLoad(int world_size) : world_size_(world_size) {}
 
-  // OK unless other ranks have loaded a state of another step (or other per-parameter step counts)
-  // since every rank last loaded: FAILED_PRECONDITION naming them. Changes nothing.
+  // OK unless other ranks have written parts of something else (a state of another step, with
+  // other per-parameter step counts, or the initial parameters) since every rank last wrote:
+  // FAILED_PRECONDITION naming them. Changes nothing.
   absl::Status CheckLoad(int rank, int64_t last_step, const std::vector<int64_t>& step_counts) const;
+  absl::Status CheckUpload(int rank) const;
   // Records `rank`'s load of the state CheckLoad accepted; `session_step` is the session's last
   // step before it. Once every rank has loaded, the load is over; a rank loading that same state
   // again before any step (a retried SetState) starts no new one.
   void Loaded(int rank, int64_t last_step, const std::vector<int64_t>& step_counts, int64_t session_step);
-  // OK when no load is under way; otherwise FAILED_PRECONDITION for step `step`, naming the ranks
-  // that have not loaded their parts and those that have.
+  // Records `rank`'s upload of its initial parts (uploads come before the first step).
+  void Uploaded(int rank);
+  // Every part written at once (a whole upload or load): nothing is under way any more.
+  void WroteWhole() { written_.clear(); }
+  // OK when nothing is under way; otherwise FAILED_PRECONDITION for step `step`, naming the ranks
+  // that have not written their parts and those that have.
   absl::Status CheckStep(int64_t step) const;
 
  private:
-  // A load is under way while some rank has not loaded (loaded_ empty before the first load).
+  // What the ranks write: the initial parameters (upload_) or a state of last_step_.
+  struct Written {
+    bool upload = false;
+    int64_t last_step = 0;
+    std::vector<int64_t> step_counts;
+    bool operator==(const Written&) const = default;
+  };
+  absl::Status Check(int rank, const Written& what) const;
+  void Wrote(int rank, const Written& what, int64_t session_step);
+  // Something is under way while some rank has not written (written_ empty before the first).
   bool UnderWay() const;
-  // The ranks whose flag in loaded_ is `loaded`.
-  std::vector<int> Ranks(bool loaded) const;
+  // The ranks whose flag in written_ is `written`.
+  std::vector<int> Ranks(bool written) const;
 
   const int world_size_;
-  // The state of the load under way, or of the last one over (loaded_ then all true).
-  int64_t last_step_ = 0;
-  std::vector<int64_t> step_counts_;
-  std::vector<bool> loaded_;  // by rank
+  // What is under way, or was last written (written_ then all true).
+  Written what_;
+  std::vector<bool> written_;  // by rank
 };
 
 }  // namespace muond::session

@@ -138,6 +138,9 @@ absl::Status Session::UploadParts(int rank, std::vector<HostTensor> tensors) {
                      " steps; initial parameters can only be uploaded before the first step (use SetState to replace a "
                      "trained state)"));
   }
+  // Ranks holding parts each upload theirs (part_load.h): the first step waits for all of them.
+  const bool by_parts = rank >= 0 && AnyPartitioned(config_);
+  if (by_parts) MUOND_RETURN_IF_ERROR(part_load_.CheckUpload(rank));
   std::vector<double> bounds(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
     MUOND_ASSIGN_OR_RETURN(bounds[i], CheckTensorValues("chunk.data", params_[i].name, tensors[i].values,
@@ -166,6 +169,11 @@ absl::Status Session::UploadParts(int rank, std::vector<HostTensor> tensors) {
     MUOND_ASSIGN_OR_RETURN(snapshot_, ReadBack(0));
   }
   initialized_ = true;
+  if (by_parts) {
+    part_load_.Uploaded(rank);
+  } else {
+    part_load_.WroteWhole();
+  }
   if (rank <= 0) replicated_from_rank0_ = true;
   if (persistence_) MUOND_RETURN_IF_ERROR(CheckpointLocked());
   return absl::OkStatus();

@@ -160,7 +160,11 @@ absl::Status Session::ImportState(SessionState state, int rank) {
       }
     }
   }
-  if (by_parts) part_load_.Loaded(rank, state.last_step, state.step_counts, last_step_);
+  if (by_parts) {
+    part_load_.Loaded(rank, state.last_step, state.step_counts, last_step_);
+  } else {
+    part_load_.WroteWhole();
+  }
   last_step_ = state.last_step;
   if (state.loss_scaler.has_value()) loss_scaler_ = state.loss_scaler;
   if (!state.pushes.empty()) {

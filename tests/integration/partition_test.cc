@@ -83,18 +83,38 @@ std::vector<float> Slice(const std::vector<float>& whole, ElementRange range) {
   return {whole.begin() + range.begin, whole.begin() + range.end};
 }
 
+std::vector<Param> AllParams() {
+  std::vector<Param> all = kRows;
+  all.insert(all.end(), kFlat.begin(), kFlat.end());
+  return all;
+}
+
+std::map<std::string, std::vector<float>> InitialValues() {
+  std::map<std::string, std::vector<float>> initial;
+  for (const Param& p : AllParams()) initial[p.name] = Values(p.name, p.numel(), 0);
+  return initial;
+}
+
+// Rank `rank`'s upload of its parts of `initial` through its handle.
+absl::Status UploadParts(client::Session& session, int rank, const std::map<std::string, std::vector<float>>& initial) {
+  const std::map<std::string, ElementRange> parts = PartsOf(rank);
+  std::map<std::string, std::vector<float>> mine;
+  std::vector<client::TensorView> upload;
+  for (const Param& p : AllParams()) mine[p.name] = Slice(initial.at(p.name), parts.at(p.name));
+  for (const Param& p : AllParams()) upload.push_back({p.name, {parts.at(p.name).size()}, mine[p.name]});
+  return session.UploadParameters(upload);
+}
+
 class PartitionTest : public DaemonTest {};
 
 TEST_F(PartitionTest, RanksThatHoldPartsStepBitForBitLikeOneRank) {
   constexpr int kSteps = 3;
-  std::vector<Param> all = kRows;
-  all.insert(all.end(), kFlat.begin(), kFlat.end());
+  const std::vector<Param> all = AllParams();
 
   // The reference: one rank, whole tensors, the whole gradients.
   ASSERT_OK_AND_ASSIGN(auto single, client_->CreateSession("parts-whole", Spec(false)));
-  std::map<std::string, std::vector<float>> initial;
+  std::map<std::string, std::vector<float>> initial = InitialValues();
   std::vector<client::TensorView> views;
-  for (const Param& p : all) initial[p.name] = Values(p.name, p.numel(), 0);
   for (const Param& p : all) views.push_back({p.name, p.shape, initial[p.name]});
   ASSERT_OK(single->UploadParameters(views));
   client::ParameterMap want;
@@ -112,12 +132,8 @@ TEST_F(PartitionTest, RanksThatHoldPartsStepBitForBitLikeOneRank) {
   for (int r = 0; r < kWorld; ++r) {
     ASSERT_OK_AND_ASSIGN(auto session, client_->CreateSession("parts", Spec(true)));
     ASSERT_OK(session->HoldParts(r));
+    ASSERT_OK(UploadParts(*session, r, initial));
     const std::map<std::string, ElementRange> parts = PartsOf(r);
-    std::map<std::string, std::vector<float>> mine;
-    std::vector<client::TensorView> upload;
-    for (const Param& p : all) mine[p.name] = Slice(initial[p.name], parts.at(p.name));
-    for (const Param& p : all) upload.push_back({p.name, {parts.at(p.name).size()}, mine[p.name]});
-    ASSERT_OK(session->UploadParameters(upload));
     for (const Param& p : all) EXPECT_EQ(session->element_counts().at(p.name), parts.at(p.name).size()) << p.name;
     ranks.push_back(std::move(session));
   }
@@ -170,6 +186,47 @@ TEST_F(PartitionTest, RanksThatHoldPartsStepBitForBitLikeOneRank) {
     ASSERT_OK(reread->HoldParts(r));
     ASSERT_OK_AND_ASSIGN(client::ParameterMap back, reread->GetParameters());
     EXPECT_EQ(back, got[static_cast<size_t>(r)]) << "rank " << r;
+  }
+}
+
+// A rank that never uploaded its parts would start them from zeros: the first step waits for its
+// upload, refused for every rank (naming it) and applied once it has uploaded.
+TEST_F(PartitionTest, TheFirstStepWaitsForEveryRanksUpload) {
+  const std::map<std::string, std::vector<float>> initial = InitialValues();
+  std::vector<std::unique_ptr<client::Session>> ranks;
+  for (int r = 0; r < kWorld; ++r) {
+    ASSERT_OK_AND_ASSIGN(auto session, client_->CreateSession("parts-upload", Spec(true)));
+    ASSERT_OK(session->HoldParts(r));
+    if (r != 2) ASSERT_OK(UploadParts(*session, r, initial));
+    ranks.push_back(std::move(session));
+  }
+  auto step_every_rank = [&] {
+    std::vector<std::future<absl::StatusOr<client::StepReply>>> sent;
+    for (int r = 0; r < kWorld; ++r) {
+      sent.push_back(std::async(std::launch::async, [&, r] {
+        const std::map<std::string, ElementRange> parts = PartsOf(r);
+        std::map<std::string, std::vector<float>> grads;
+        std::vector<client::TensorView> g;
+        for (const Param& p : AllParams()) grads[p.name] = Slice(Values(p.name, p.numel(), 1), parts.at(p.name));
+        for (const Param& p : AllParams()) g.push_back({p.name, {parts.at(p.name).size()}, grads[p.name]});
+        client::StepOptions options;
+        options.rank = r;
+        return ranks[static_cast<size_t>(r)]->Step(1, g, options);
+      }));
+    }
+    std::vector<absl::StatusOr<client::StepReply>> replies;
+    for (auto& reply : sent) replies.push_back(reply.get());
+    return replies;
+  };
+  for (const absl::StatusOr<client::StepReply>& reply : step_every_rank()) {
+    EXPECT_THAT(reply.status(), StatusIs(absl::StatusCode::kFailedPrecondition,
+                                         "step 1: rank 2 sent it without uploading its parts of the initial "
+                                         "parameters, which ranks 0, 1 uploaded"));
+  }
+  ASSERT_OK(UploadParts(*ranks[2], 2, initial));
+  for (const absl::StatusOr<client::StepReply>& reply : step_every_rank()) {
+    ASSERT_OK(reply.status());
+    EXPECT_TRUE(reply->applied);
   }
 }
 

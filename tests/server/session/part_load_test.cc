@@ -1,5 +1,6 @@
-// PartLoad: ranks of a partitioned session load one state, each its own parts; a load of another
-// state while one is under way, and a step before every rank has loaded, are refused.
+// PartLoad: ranks of a partitioned session upload their initial parts, or load one state, each its
+// own parts; a load of another state while one is under way, and a step before every rank has
+// written its parts, are refused.
 #include "server/session/part_load.h"
 
 #include "gmock/gmock.h"
@@ -44,6 +45,44 @@ TEST(PartLoadTest, TheSameStateLoadedAgainBeforeAStepStartsNoNewLoad) {
   EXPECT_OK(load.CheckStep(3));
   load.Loaded(1, 2, {2, 2}, 4);  // after steps, the same state is a new load
   EXPECT_THAT(load.CheckStep(5), StatusIs(absl::StatusCode::kFailedPrecondition, "rank 0 sent it"));
+}
+
+TEST(PartLoadTest, TheFirstStepWaitsForEveryRanksUpload) {
+  PartLoad load(3);
+  load.Uploaded(1);
+  EXPECT_OK(load.CheckUpload(0));
+  load.Uploaded(0);
+  load.Uploaded(0);  // a retried upload
+  EXPECT_THAT(load.CheckStep(1), StatusIs(absl::StatusCode::kFailedPrecondition,
+                                          "step 1: rank 2 sent it without uploading its parts of the initial "
+                                          "parameters, which ranks 0, 1 uploaded: its parts would start from zeros"));
+  load.Uploaded(2);
+  EXPECT_OK(load.CheckStep(1));
+  load.Uploaded(1);  // a rank opening again before the first step: the same upload, nothing under way
+  EXPECT_OK(load.CheckStep(1));
+}
+
+TEST(PartLoadTest, ALoadReplacesAnUploadUnderWayAndAnUploadWaitsForALoad) {
+  PartLoad load(2);
+  load.Uploaded(0);
+  EXPECT_OK(load.CheckLoad(0, 0, {0, 0}));  // rank 0 loads its checkpoint before rank 1 has opened
+  load.Loaded(0, 0, {0, 0}, 0);
+  EXPECT_THAT(load.CheckUpload(1),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       "rank 1's upload of its initial parameters comes while rank 0 loaded its parts of a state of "
+                       "step 0"));
+  EXPECT_THAT(load.CheckStep(1), StatusIs(absl::StatusCode::kFailedPrecondition,
+                                          "rank 1 sent it without loading its parts of the state of step 0"));
+  load.Loaded(1, 0, {0, 0}, 0);
+  EXPECT_OK(load.CheckStep(1));
+}
+
+TEST(PartLoadTest, AWholeWriteEndsWhatIsUnderWay) {
+  PartLoad load(2);
+  load.Loaded(0, 3, {3, 3}, 0);
+  load.WroteWhole();
+  EXPECT_OK(load.CheckStep(4));
+  EXPECT_OK(load.CheckLoad(1, 5, {5, 5}));
 }
 
 }  // namespace
