@@ -13,7 +13,7 @@ The rules, the same as the daemon's (it checks every size again):
 
 - ``rows`` (DTensor ``Shard(0)``, FSDP2): rank r holds rows [r·c, min(m, (r+1)·c)) of m rows,
   c = ⌈m/N⌉ (``torch.chunk`` on dim 0); a 1-D parameter is cut the same way.
-- ``flat`` (ZeRO, flat parameters): the group's parameters flattened in order, each padded to a
+- ``flat`` (flat parameters): the group's parameters flattened in order, each padded to a
   multiple of ``alignment`` elements, the whole padded to a multiple of N and cut into N equal
   ranges; a range may cut through parameters.
 - ``explicit``: each rank's range of each parameter, as given; together they cover every element
@@ -21,8 +21,10 @@ The rules, the same as the daemon's (it checks every size again):
 
 A rank's part of a parameter is one contiguous range of its row-major flattening, possibly empty.
 Adapters: ``from_dtensor`` (a DTensor's local tensor and global shape), ``from_fsdp1`` (an FSDP1
-``FlatParameter``'s layout as an explicit partition) and ``shard_parameters`` (cuts a model's
-parameters for rank r, for a trainer without FSDP).
+``FlatParameter``'s layout as an explicit partition), ``zero`` and ``zero_views`` (DeepSpeed ZeRO's
+layouts, stages 1 to 3, as an explicit partition, and a rank's parts as views into its flat
+partition) and ``shard_parameters`` (cuts a model's parameters for rank r, for a trainer without
+FSDP).
 """
 
 from __future__ import annotations
@@ -101,15 +103,18 @@ def _flat_parts(numels: Sequence[int], alignment: int, world_size: int) -> List[
         starts.append(end)
         end = -(-(end + n) // alignment) * alignment
     chunk = -(-end // world_size)
-    out = []
-    for start, n in zip(starts, numels):
-        ranks = []
-        for r in range(world_size):
-            first = min(max(r * chunk - start, 0), n)
-            last = min(max((r + 1) * chunk - start, 0), n)
-            ranks.append((first, max(first, last)))
-        out.append(ranks)
-    return out
+    return [_chunk_overlaps(start, n, chunk, world_size) for start, n in zip(starts, numels)]
+
+
+def _chunk_overlaps(start: int, n: int, chunk: int, world_size: int) -> List[Range]:
+    """By rank: the range of a parameter of ``n`` elements at offset ``start`` of a flat buffer
+    that rank r's chunk [r·chunk, (r+1)·chunk) of the buffer covers (empty where none)."""
+    ranks = []
+    for r in range(world_size):
+        first = min(max(r * chunk - start, 0), n)
+        last = min(max((r + 1) * chunk - start, 0), n)
+        ranks.append((first, max(first, last)))
+    return ranks
 
 
 def _explicit_parts(partition: Partition, world_size: int) -> List[List[Range]]:
@@ -260,14 +265,91 @@ def from_fsdp1(flat_param: Any, world_size: int) -> Partition:
             if n != math.prod(shapes[k]):
                 raise ValueError(f"from_fsdp1: parameter {k} has {n} elements in the flat layout, "
                                  f"its shape {shapes[k]} has {math.prod(shapes[k])}")
-            for r in range(world_size):
-                first = min(max(r * chunk - offset, 0), n)
-                last = min(max((r + 1) * chunk - offset, 0), n)
+            for r, (first, last) in enumerate(_chunk_overlaps(offset, n, chunk, world_size)):
                 if last > first:
                     ranges[r][k] = (first, last)
             k += 1
         offset += n
     return explicit(shapes, ranges)
+
+
+def _zero_flat_layout(numels: Sequence[int], world_size: int, alignment_factor: int,
+                      round_robin: bool) -> Tuple[List[int], int]:
+    """ZeRO-1/2's flat buffer of one group: each parameter's offset in it (by group position)
+    and the number of elements of each rank's partition."""
+    order = list(range(len(numels)))
+    if round_robin:  # position k goes with the others of k mod world_size, in that order
+        order = [k for j in range(world_size) for k in range(j, len(numels), world_size)]
+    offsets, end = [0] * len(numels), 0
+    for k in order:
+        offsets[k] = end
+        end += numels[k]
+    unit = alignment_factor * world_size
+    return offsets, -(-end // unit) * unit // world_size
+
+
+def _check_zero_arguments(world_size: int, stage: int, alignment_factor: int) -> None:
+    if world_size < 1:
+        raise ValueError(f"zero: world_size must be >= 1, got {world_size}")
+    if stage not in (1, 2, 3):
+        raise ValueError(f"zero: stage must be 1, 2 or 3, got {stage}")
+    if alignment_factor < 1:
+        raise ValueError(f"zero: alignment_factor must be >= 1, got {alignment_factor}")
+
+
+def zero(shapes: Iterable[Sequence[int]], world_size: int, stage: int = 2, *,
+         alignment_factor: int = 2, round_robin: bool = False) -> Partition:
+    """DeepSpeed ZeRO's layout of one parameter group (its trainable parameters, in the
+    optimizer's order) as an explicit partition.
+
+    - stages 1 and 2: the group flattened into one buffer, only the whole padded to a multiple of
+      ``alignment_factor`` × world_size elements (DeepSpeed's ``nccl_start_alignment_factor``, 2),
+      each rank holding one equal contiguous partition of it; ``round_robin`` for
+      ``round_robin_gradients``, which orders the buffer by position modulo world_size. Not the
+      ``flat`` kind, which pads each parameter and the whole to a multiple of world_size only.
+    - stage 3: each parameter on its own, its flattening padded to a multiple of world_size and
+      cut into equal chunks (``ds_tensor``): rank r holds [r·c, (r+1)·c) of it, c = ⌈numel/N⌉.
+
+    A rank's parts are its gradients' pieces per parameter; under stages 1 and 2 they are the
+    pieces of its flat gradient partition that ``zero_views`` cuts."""
+    _check_zero_arguments(world_size, stage, alignment_factor)
+    shapes = [tuple(int(d) for d in s) for s in shapes]
+    numels = [math.prod(s) for s in shapes]
+    if stage == 3:  # each parameter its own buffer
+        placed = [(0, -(-n // world_size)) for n in numels]
+    else:
+        offsets, size = _zero_flat_layout(numels, world_size, alignment_factor, round_robin)
+        placed = [(start, size) for start in offsets]
+    ranges: List[Dict[int, Range]] = [dict() for _ in range(world_size)]
+    for k, (n, (start, chunk)) in enumerate(zip(numels, placed)):
+        for r, (first, last) in enumerate(_chunk_overlaps(start, n, chunk, world_size)):
+            if last > first:
+                ranges[r][k] = (first, last)
+    return explicit(shapes, ranges)
+
+
+def zero_views(flat_part: torch.Tensor, shapes: Iterable[Sequence[int]], world_size: int, rank: int, *,
+               alignment_factor: int = 2, round_robin: bool = False) -> List[torch.Tensor]:
+    """Rank ``rank``'s parts of a group's parameters (in the group's order) as views into its
+    ZeRO-1/2 flat partition ``flat_part`` (e.g. its reduced gradient partition): what the group's
+    ``params`` hold and their ``.grad``s take under ``zero(shapes, world_size, stage=2)`` with the
+    same options. A parameter the rank holds nothing of is an empty view."""
+    _check_zero_arguments(world_size, 2, alignment_factor)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"zero_views: rank must be in [0, {world_size}), got {rank}")
+    shapes = [tuple(int(d) for d in s) for s in shapes]
+    numels = [math.prod(s) for s in shapes]
+    offsets, size = _zero_flat_layout(numels, world_size, alignment_factor, round_robin)
+    flat = flat_part.reshape(-1)
+    if flat.numel() != size:
+        raise ValueError(f"zero_views: rank {rank}'s flat partition has {flat.numel()} elements; the "
+                         f"layout of {len(shapes)} parameters over {world_size} ranks has {size}")
+    views = []
+    for n, start in zip(numels, offsets):
+        first = min(max(start, rank * size), (rank + 1) * size)
+        last = max(first, min(start + n, (rank + 1) * size))
+        views.append(flat[first - rank * size:last - rank * size])
+    return views
 
 
 def check_partition_of(group: Mapping[str, Any]) -> None:

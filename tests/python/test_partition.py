@@ -3,7 +3,7 @@ daemon with one process per rank, over gRPC and shared memory: each rank sends o
 gradient and gets back only its part of the parameters, and every part equals, bit for bit, the
 same part of a one-rank session stepping the whole gradient. Covers ``rows`` with fewer rows than
 ranks (a rank holding nothing), ``flat`` with alignment padding and ranges cutting through
-parameters, ``explicit``, mixed partitions per group, Muon on fused QKV and experts, clipping on
+parameters, ``explicit``, DeepSpeed ZeRO's layouts (``zero``, stages 2 and 3), mixed partitions per group, Muon on fused QKV and experts, clipping on
 the assembled gradient, a rank killed and restarted mid-step, and the refusals.
 """
 
@@ -70,6 +70,8 @@ def groups_for(world, rank, kinds, model="main"):
             partition = part.rows(shapes)
         elif kind == "flat":
             partition = part.flat(shapes, alignment=4)
+        elif kind in ("zero2", "zero3"):
+            partition = part.zero(shapes, world, stage=int(kind[-1]))
         else:
             partition = part.explicit(shapes, EXPLICIT)
         params = []
@@ -250,6 +252,41 @@ def test_rules_agree_with_the_daemon_layout():
     # flat: 7 and 5 elements padded to 8 each, 16 cut into 3 ranges of 6
     assert part.flat([(7,), (5,)], alignment=4).parts(3) == [[(0, 6), (6, 7), (7, 7)],
                                                              [(0, 0), (0, 4), (4, 5)]]
+
+
+def test_deepspeed_zero_layouts_step_bit_for_bit_like_one_rank(endpoint):
+    want = reference(endpoint)
+    kinds = ["zero3", "zero2", "zero2", "zero3"]
+    expect_parts(run_ranks(endpoint, kinds), want, kinds)
+
+
+def test_zero_layouts_follow_deepspeeds_rules():
+    # Stages 1 and 2: only the whole is padded, to a multiple of 2·N; 7 + 5 elements over 3 ranks
+    # are 12, partitions of 4 cutting through the first parameter.
+    assert part.zero([(7,), (5,)], 3).parts(3) == [[(0, 4), (4, 7), (0, 0)], [(0, 0), (0, 1), (1, 5)]]
+    # 13 elements over 2 ranks: padded to 16, partitions of 8, where `flat` pads to 14 (7 each).
+    assert part.zero([(13,)], 2).parts(2) == [[(0, 8), (8, 13)]]
+    assert part.flat([(13,)]).parts(2) == [[(0, 7), (7, 13)]]
+    # round_robin_gradients: positions 0 and 2, then 1 and 3, in the buffer (3 + 5 | 4 + 2).
+    assert part.zero([(3,), (4,), (5,), (2,)], 2, round_robin=True).parts(2) == [
+        [(0, 3), (0, 0)], [(0, 0), (0, 4)], [(0, 5), (0, 0)], [(0, 0), (0, 2)]]
+    # Stage 3: each parameter alone, in chunks of ceil(numel / N).
+    assert part.zero([(2, 3), (5,)], 3, stage=3).parts(3) == [[(0, 2), (2, 4), (4, 6)],
+                                                              [(0, 2), (2, 4), (4, 5)]]
+    # A rank's flat partition (built here as DeepSpeed builds its buffer) cut back into its parts.
+    shapes, world = [(3,), (2, 2), (5,), (2,)], 2
+    wholes = [torch.arange(float(torch.Size(s).numel())).view(s) + 100 * k for k, s in enumerate(shapes)]
+    for round_robin, order in ((False, [0, 1, 2, 3]), (True, [0, 2, 1, 3])):
+        partition = part.zero(shapes, world, round_robin=round_robin)
+        buffer = torch.cat([wholes[k].reshape(-1) for k in order] + [torch.full((2,), -1.0)])  # 14 → 16
+        for rank in range(world):
+            views = part.zero_views(buffer[8 * rank:8 * (rank + 1)], shapes, world, rank, round_robin=round_robin)
+            for k, view in enumerate(views):
+                assert torch.equal(view, part.cut(wholes[k], partition, k, world, rank).reshape(-1)), (rank, k)
+    with pytest.raises(ValueError, match="rank 1's flat partition has 7 elements; .* has 8"):
+        part.zero_views(torch.zeros(7), shapes, world, 1)
+    with pytest.raises(ValueError, match="stage must be 1, 2 or 3"):
+        part.zero(shapes, world, stage=4)
 
 
 def test_a_part_of_the_wrong_size_is_refused_naming_it(endpoint):
