@@ -9,6 +9,7 @@ names, groups and step counters, and has no state of its own. Used by one thread
 from __future__ import annotations
 
 import logging
+import math
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Tuple
 
 import torch
@@ -89,8 +90,14 @@ class StateTransfer(_Core):
             return local
         whole = tuple(self._global_shapes.get(name, local))
         shape = tuple(opts.slot_shape(self._group_of(name), whole, slot))
-        # A partitioned parameter's slot of its own size comes as this rank's part, like the master.
-        return local if shape == whole else shape
+        # A partitioned parameter's slot of its own size comes as this rank's part, like the master;
+        # of its size means as many elements (the daemon's rule, StatePartOf), whatever the shape:
+        # NAMO-D's per-column moment of a (1, n) matrix is cut too, and is this rank's part, flat.
+        if shape == whole:
+            return local
+        if self._group_of(name).get("partition") is not None and math.prod(shape) == math.prod(whole):
+            return (math.prod(local),)
+        return shape
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Replaces the daemon's state (masters, slots, step counters) with ``state_dict`` from

@@ -586,6 +586,54 @@ def test_a_rank_holding_a_whole_parameter_in_its_flat_layout_loads_its_state(end
         assert opt.last_step == 1
 
 
+def test_a_slot_as_large_as_its_parameter_in_another_shape_saves_and_loads_as_parts(endpoint):
+    """NAMO-D keeps one second moment per column, flat: 8 values for a (1, 8) matrix, as many as it
+    has elements, which the daemon cuts over the ranks as it cuts the master. Each rank saves its
+    parts of it, steps, loads them back and steps again: the same parameters bit for bit."""
+    world, shapes = 2, [(1, 8), (4, 8)]
+    partition = part.flat(shapes)  # 8 + 32 elements: rank 0 holds (1, 8) and 12 of (4, 8)
+    gen = torch.Generator().manual_seed(11)
+    initial = [torch.randn(s, generator=gen) for s in shapes]
+    grads = {step: [torch.randn(s, generator=gen) for s in shapes] for step in (1, 2)}
+    session = f"namo-d-{uuid.uuid4().hex[:6]}"
+    together = threading.Barrier(world, timeout=WAIT)
+    errors, after = [], {}
+
+    def rank_main(rank):
+        try:
+            params = [part.cut(w, partition, k, world, rank).requires_grad_() for k, w in enumerate(initial)]
+            group = {"params": list(zip(["a", "b"], params)), "optimizer": "muon", "moment2_method": "namo_d",
+                     "partition": partition}
+            with muond.RemoteOptimizer([group], endpoint=endpoint, session=session, world_size=world,
+                                       rank=rank) as opt:
+                def step(k):
+                    for i, p in enumerate(params):
+                        p.grad = part.cut(grads[k][i], partition, i, world, rank).view(p.shape)
+                    opt.step()
+                step(1)
+                saved = opt.state_dict()
+                assert saved["state"][0]["moment2"].numel() == partition.parts(world)[0][rank][1] - \
+                    partition.parts(world)[0][rank][0], "the saved moment is this rank's part"
+                step(2)
+                first = [p.detach().clone() for p in params]
+                together.wait()  # every rank has its answer before any load replaces the parameters
+                opt.load_state_dict(saved)
+                assert opt.last_step == 1
+                together.wait()
+                step(2)
+                after[rank] = (first, [p.detach().clone() for p in params])
+                together.wait()  # rank 0 ends the session when it closes
+        except BaseException as err:  # noqa: BLE001 - reported below
+            together.abort()
+            errors.append((rank, err))
+
+    _in_threads(world, rank_main)
+    assert not errors, errors
+    for rank, (first, again) in after.items():
+        for k, (x, y) in enumerate(zip(first, again)):
+            assert torch.equal(x, y), f"rank {rank}: parameter {k} differs after the state was loaded back"
+
+
 def test_a_state_dict_of_another_rank_is_refused(endpoint):
     groups, _ = groups_for(1, 0, ["rows", "rows", "flat", None])
     with muond.RemoteOptimizer(groups, endpoint=endpoint, session=f"sd-{uuid.uuid4().hex[:6]}", world_size=1,
