@@ -7,7 +7,9 @@
 # The sources of each target compile in batches (CMake's unity build: the gRPC, protobuf and abseil
 # headers that take half of each file's compile time are read once per batch): a build from scratch
 # takes about two thirds of the time (761 s against 1168 s on a 2-vCPU machine). MUOND_UNITY_BUILD=OFF
-# compiles each file on its own, for a tree rebuilt file by file.
+# compiles each file on its own, for a tree rebuilt file by file. So a name in a file's anonymous
+# namespace is unique within its target (the batches shift as files come and go); configuring with
+# -DCMAKE_UNITY_BUILD_BATCH_SIZE=0 compiles each target as one batch and shows any clash.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build=${MUOND_BUILD_DIR:-$root/build}

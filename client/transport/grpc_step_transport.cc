@@ -8,16 +8,13 @@
 #include "proto/wire/dtype_codec.h"
 
 namespace muond::client {
-namespace {
-
-std::unique_ptr<StepTransport> Open(Client& client, const Session& session) {
-  return std::make_unique<GrpcStepTransport>(client, session);
-}
-
-}  // namespace
 
 const TransportKind& GrpcTransportKind() {
-  static const TransportKind kind{.name = "grpc", .unviable = nullptr, .open = Open};
+  static const TransportKind kind{.name = "grpc",
+                                  .unviable = nullptr,
+                                  .open = [](Client& client, const Session& session) -> std::unique_ptr<StepTransport> {
+                                    return std::make_unique<GrpcStepTransport>(client, session);
+                                  }};
   return kind;
 }
 

@@ -20,14 +20,14 @@ std::string Unviable(const v1::ServerInfo& info) {
   return "";
 }
 
-std::unique_ptr<StepTransport> Open(Client& client, const Session& session) {
-  return std::make_unique<ShmStepTransport>(client, session);
-}
-
 }  // namespace
 
 const TransportKind& ShmTransportKind() {
-  static const TransportKind kind{.name = "shm", .unviable = Unviable, .open = Open};
+  static const TransportKind kind{.name = "shm",
+                                  .unviable = Unviable,
+                                  .open = [](Client& client, const Session& session) -> std::unique_ptr<StepTransport> {
+                                    return std::make_unique<ShmStepTransport>(client, session);
+                                  }};
   return kind;
 }
 

@@ -23,8 +23,6 @@ namespace {
 
 using kernels::Backend;
 
-const std::string kMomentumSlot = "momentum";
-
 // Workspace past Newton–Schulz's slots: the chosen lines (orthogonalized in place), and the
 // transposed copy through which columns are chosen.
 constexpr int kChosenSlot = NsWorkspace::kFirstFreeSlot;

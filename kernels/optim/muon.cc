@@ -27,9 +27,6 @@ using kernels::Backend;
 // (The gather buffer and Newton–Schulz's two iterates each hold this much: 768 MiB at most.)
 constexpr size_t kMaxBatchFloats = size_t{1} << 26;
 
-const std::string kMomentumSlot = "momentum";
-const std::string kMoment2Slot = "moment2";
-
 // `buffer` holding at least `floats` floats.
 absl::Status Grow(Backend& backend, std::unique_ptr<kernels::DeviceBuffer>& buffer, size_t floats) {
   if (buffer != nullptr && buffer->size() >= floats) return absl::OkStatus();

@@ -35,6 +35,10 @@ struct TpBlocks {
   bool enabled() const { return blocks > 1; }
 };
 
+// Slot names more than one optimizer uses (Muon and Dion2 keep a "momentum").
+inline const std::string kMomentumSlot = "momentum";
+inline const std::string kMoment2Slot = "moment2";  // Muon's second moment (NorMuon, NAMO, AdaMuon)
+
 struct StateSlot {
   std::string name;  // "momentum", "exp_avg", "exp_avg_sq", "momentum_buffer"
   StoredTensor tensor;

@@ -21,7 +21,7 @@ namespace {
 
 constexpr int kWorld = 3;
 
-struct Param {
+struct PartitionedParam {
   std::string name;
   std::vector<int64_t> shape;
   int64_t numel() const {
@@ -33,8 +33,8 @@ struct Param {
 
 // "w" (5 rows over 3 ranks: 2, 2, 1) and "t" (2 rows: rank 2 holds none) cut by rows; "b" and "c"
 // by a flat partition with alignment 4 (7 and 5 elements padded to 8 each, cut into ranges of 6).
-const std::vector<Param> kRows = {{"w", {5, 4}}, {"t", {2, 4}}};
-const std::vector<Param> kFlat = {{"b", {7}}, {"c", {5}}};
+const std::vector<PartitionedParam> kRows = {{"w", {5, 4}}, {"t", {2, 4}}};
+const std::vector<PartitionedParam> kFlat = {{"b", {7}}, {"c", {5}}};
 
 v1::SessionSpec Spec(bool partitioned) {
   v1::SessionSpec spec;
@@ -51,7 +51,7 @@ v1::SessionSpec Spec(bool partitioned) {
     flat->mutable_partition()->set_alignment(4);
   }
   for (const auto& [params, group] : {std::pair{&kRows, "rows"}, std::pair{&kFlat, "flat"}}) {
-    for (const Param& p : *params) {
+    for (const PartitionedParam& p : *params) {
       auto* added = spec.add_parameters();
       added->set_name(p.name);
       for (int64_t d : p.shape) added->add_shape(d);
@@ -73,7 +73,7 @@ std::vector<float> Values(const std::string& name, int64_t n, int step) {
 // Rank r's range of each parameter, by the daemon's rules.
 std::map<std::string, ElementRange> PartsOf(int rank) {
   std::map<std::string, ElementRange> parts;
-  for (const Param& p : kRows) parts[p.name] = RowParts(p.shape, kWorld)[static_cast<size_t>(rank)];
+  for (const PartitionedParam& p : kRows) parts[p.name] = RowParts(p.shape, kWorld)[static_cast<size_t>(rank)];
   const std::vector<std::vector<ElementRange>> flat = FlatParts({7, 5}, 4, kWorld);
   for (size_t k = 0; k < kFlat.size(); ++k) parts[kFlat[k].name] = flat[k][static_cast<size_t>(rank)];
   return parts;
@@ -83,15 +83,15 @@ std::vector<float> Slice(const std::vector<float>& whole, ElementRange range) {
   return {whole.begin() + range.begin, whole.begin() + range.end};
 }
 
-std::vector<Param> AllParams() {
-  std::vector<Param> all = kRows;
+std::vector<PartitionedParam> AllParams() {
+  std::vector<PartitionedParam> all = kRows;
   all.insert(all.end(), kFlat.begin(), kFlat.end());
   return all;
 }
 
 std::map<std::string, std::vector<float>> InitialValues() {
   std::map<std::string, std::vector<float>> initial;
-  for (const Param& p : AllParams()) initial[p.name] = Values(p.name, p.numel(), 0);
+  for (const PartitionedParam& p : AllParams()) initial[p.name] = Values(p.name, p.numel(), 0);
   return initial;
 }
 
@@ -100,8 +100,8 @@ absl::Status UploadParts(client::Session& session, int rank, const std::map<std:
   const std::map<std::string, ElementRange> parts = PartsOf(rank);
   std::map<std::string, std::vector<float>> mine;
   std::vector<client::TensorView> upload;
-  for (const Param& p : AllParams()) mine[p.name] = Slice(initial.at(p.name), parts.at(p.name));
-  for (const Param& p : AllParams()) upload.push_back({p.name, {parts.at(p.name).size()}, mine[p.name]});
+  for (const PartitionedParam& p : AllParams()) mine[p.name] = Slice(initial.at(p.name), parts.at(p.name));
+  for (const PartitionedParam& p : AllParams()) upload.push_back({p.name, {parts.at(p.name).size()}, mine[p.name]});
   return session.UploadParameters(upload);
 }
 
@@ -109,20 +109,20 @@ class PartitionTest : public DaemonTest {};
 
 TEST_F(PartitionTest, RanksThatHoldPartsStepBitForBitLikeOneRank) {
   constexpr int kSteps = 3;
-  const std::vector<Param> all = AllParams();
+  const std::vector<PartitionedParam> all = AllParams();
 
   // The reference: one rank, whole tensors, the whole gradients.
   ASSERT_OK_AND_ASSIGN(auto single, client_->CreateSession("parts-whole", Spec(false)));
   std::map<std::string, std::vector<float>> initial = InitialValues();
   std::vector<client::TensorView> views;
-  for (const Param& p : all) views.push_back({p.name, p.shape, initial[p.name]});
+  for (const PartitionedParam& p : all) views.push_back({p.name, p.shape, initial[p.name]});
   ASSERT_OK(single->UploadParameters(views));
   client::ParameterMap want;
   for (int step = 1; step <= kSteps; ++step) {
     std::map<std::string, std::vector<float>> grads;
     std::vector<client::TensorView> g;
-    for (const Param& p : all) grads[p.name] = Values(p.name, p.numel(), step);
-    for (const Param& p : all) g.push_back({p.name, p.shape, grads[p.name]});
+    for (const PartitionedParam& p : all) grads[p.name] = Values(p.name, p.numel(), step);
+    for (const PartitionedParam& p : all) g.push_back({p.name, p.shape, grads[p.name]});
     ASSERT_OK_AND_ASSIGN(client::StepReply reply, single->Step(step, g));
     want = reply.parameters;
   }
@@ -134,7 +134,8 @@ TEST_F(PartitionTest, RanksThatHoldPartsStepBitForBitLikeOneRank) {
     ASSERT_OK(session->HoldParts(r));
     ASSERT_OK(UploadParts(*session, r, initial));
     const std::map<std::string, ElementRange> parts = PartsOf(r);
-    for (const Param& p : all) EXPECT_EQ(session->element_counts().at(p.name), parts.at(p.name).size()) << p.name;
+    for (const PartitionedParam& p : all)
+      EXPECT_EQ(session->element_counts().at(p.name), parts.at(p.name).size()) << p.name;
     ranks.push_back(std::move(session));
   }
   std::vector<client::ParameterMap> got(kWorld);
@@ -151,11 +152,11 @@ TEST_F(PartitionTest, RanksThatHoldPartsStepBitForBitLikeOneRank) {
         const std::optional<double> scales[kWorld] = {4.0, std::nullopt, 256.0};
         if (step == 3) options.grad_scale = scales[r];
         const float scale = static_cast<float>(options.grad_scale.value_or(1.0));
-        for (const Param& p : all) {
+        for (const PartitionedParam& p : all) {
           grads[p.name] = Slice(Values(p.name, p.numel(), step), parts.at(p.name));
           for (float& v : grads[p.name]) v *= scale;
         }
-        for (const Param& p : all) g.push_back({p.name, {parts.at(p.name).size()}, grads[p.name]});
+        for (const PartitionedParam& p : all) g.push_back({p.name, {parts.at(p.name).size()}, grads[p.name]});
         client::Session& session = *ranks[static_cast<size_t>(r)];
         if (step != 2) return session.Step(step, g, options);
         // Step 2 streamed, each gradient added as backward would hand it over (rank 2's empty
@@ -177,7 +178,7 @@ TEST_F(PartitionTest, RanksThatHoldPartsStepBitForBitLikeOneRank) {
   }
   for (int r = 0; r < kWorld; ++r) {
     const std::map<std::string, ElementRange> parts = PartsOf(r);
-    for (const Param& p : all) {
+    for (const PartitionedParam& p : all) {
       EXPECT_EQ(got[static_cast<size_t>(r)].at(p.name), Slice(want.at(p.name), parts.at(p.name)))
           << "rank " << r << " '" << p.name << "'";
     }
@@ -207,8 +208,9 @@ TEST_F(PartitionTest, TheFirstStepWaitsForEveryRanksUpload) {
         const std::map<std::string, ElementRange> parts = PartsOf(r);
         std::map<std::string, std::vector<float>> grads;
         std::vector<client::TensorView> g;
-        for (const Param& p : AllParams()) grads[p.name] = Slice(Values(p.name, p.numel(), 1), parts.at(p.name));
-        for (const Param& p : AllParams()) g.push_back({p.name, {parts.at(p.name).size()}, grads[p.name]});
+        for (const PartitionedParam& p : AllParams())
+          grads[p.name] = Slice(Values(p.name, p.numel(), 1), parts.at(p.name));
+        for (const PartitionedParam& p : AllParams()) g.push_back({p.name, {parts.at(p.name).size()}, grads[p.name]});
         client::StepOptions options;
         options.rank = r;
         return ranks[static_cast<size_t>(r)]->Step(1, g, options);

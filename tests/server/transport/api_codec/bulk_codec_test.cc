@@ -21,7 +21,7 @@ constexpr size_t kFp32Segment = kSegmentBytes / 4;
 
 // Values whose squares span much of the fp32 range, so that any change in the order of the
 // additions shows in the sum's bits.
-std::vector<float> Values(size_t n, float phase) {
+std::vector<float> SpreadValues(size_t n, float phase) {
   std::vector<float> values(n);
   for (size_t i = 0; i < n; ++i) {
     values[i] = std::ldexp(std::sin(1.3f * static_cast<float>(i) + phase), static_cast<int>(i % 41) - 20);
@@ -61,7 +61,7 @@ TEST(BulkCodecTest, DecodedValuesAndSumsDoNotDependOnTheThreadCount) {
     std::vector<std::string> bytes;
     std::vector<std::unique_ptr<Payload>> payloads;
     for (size_t t = 0; t < sizes.size(); ++t) {
-      values.push_back(Values(sizes[t], 0.1f * static_cast<float>(t)));
+      values.push_back(SpreadValues(sizes[t], 0.1f * static_cast<float>(t)));
       bytes.emplace_back();
       wire::Encode(dtype, values.back(), &bytes.back());
       payloads.push_back(std::make_unique<Payload>(bytes.back(), t % 4));
@@ -91,7 +91,7 @@ TEST(BulkCodecTest, DecodedValuesAndSumsDoNotDependOnTheThreadCount) {
 // into destinations of every alignment the allocator may give.
 TEST(BulkCodecTest, PiecesAndStreamingCopiesSumLikeTheWholeTensor) {
   const size_t n = 17 * kFp32Segment + 5;  // over 16 MiB: streaming stores
-  const std::vector<float> values = Values(n, 0.7f);
+  const std::vector<float> values = SpreadValues(n, 0.7f);
   std::string bytes;
   wire::Encode(v1::DTYPE_FP32, values, &bytes);
   const double expected = SegmentedSum(v1::DTYPE_FP32, bytes);
@@ -121,7 +121,7 @@ TEST(BulkCodecTest, PiecesAndStreamingCopiesSumLikeTheWholeTensor) {
 
 TEST(BulkCodecTest, CopySumSquaresHasTheBitsOfDecodeSumSquares) {
   for (size_t n : {0, 1, 7, 8, 9, 4095, 4096, 4097, 3 * 4096 + 5}) {
-    const std::vector<float> values = Values(n, 0.3f);
+    const std::vector<float> values = SpreadValues(n, 0.3f);
     std::string bytes;
     wire::Encode(v1::DTYPE_FP32, values, &bytes);
     std::vector<float> decoded(n);
@@ -141,7 +141,7 @@ TEST(BulkCodecTest, CopySumSquaresHasTheBitsOfDecodeSumSquares) {
 }
 
 TEST(BulkCodecTest, ANonFiniteValueMakesTheSumNonFinite) {
-  std::vector<float> values = Values(2 * kFp32Segment, 0.2f);
+  std::vector<float> values = SpreadValues(2 * kFp32Segment, 0.2f);
   values[kFp32Segment + 3] = NAN;
   std::string bytes;
   wire::Encode(v1::DTYPE_FP32, values, &bytes);
@@ -156,7 +156,7 @@ TEST(BulkCodecTest, EncodedBytesAreTheWireEncodingWhateverTheThreads) {
   const std::vector<size_t> sizes = {3, 0, 2 * kFp32Segment + 9, 5000, 4 * kFp32Segment + 1};
   for (v1::DType dtype : {v1::DTYPE_FP32, v1::DTYPE_BF16, v1::DTYPE_FP16}) {
     std::vector<std::vector<float>> values;
-    for (size_t t = 0; t < sizes.size(); ++t) values.push_back(Values(sizes[t], 0.5f * static_cast<float>(t)));
+    for (size_t t = 0; t < sizes.size(); ++t) values.push_back(SpreadValues(sizes[t], 0.5f * static_cast<float>(t)));
     for (int threads : {0, 1, 2, 3}) {
       std::unique_ptr<ComputePool> pool = threads > 0 ? std::make_unique<ComputePool>(threads) : nullptr;
       std::vector<std::vector<char>> regions;
@@ -178,7 +178,7 @@ TEST(BulkCodecTest, EncodedBytesAreTheWireEncodingWhateverTheThreads) {
     }
   }
   // Large enough to stream (over 16 MiB), to a destination aligned to an element only.
-  const std::vector<float> big = Values(17 * kFp32Segment + 3, 0.9f);
+  const std::vector<float> big = SpreadValues(17 * kFp32Segment + 3, 0.9f);
   std::vector<float> storage(big.size() + 8);
   ComputePool pool(2);
   std::vector<EncodeItem> items = {{v1::DTYPE_FP32, big, reinterpret_cast<char*>(storage.data() + 1)}};

@@ -30,7 +30,7 @@ namespace {
 constexpr size_t kBig = 5'000'003;  // 20 MB of fp32: more than one staging batch
 constexpr size_t kSmall = 7;
 
-v1::SessionSpec Spec() {
+v1::SessionSpec BigAndSmallSpec() {
   v1::SessionSpec spec;
   auto* group = spec.add_groups();
   group->set_name("adamw");
@@ -73,7 +73,7 @@ struct Answers {
 // `threads` threads.
 Answers Steps(kernels::Backend* backend, int threads, v1::DType dtype) {
   Answers run;
-  std::unique_ptr<session::Session> session = session::session_testing::NewSession(backend, Spec());
+  std::unique_ptr<session::Session> session = session::session_testing::NewSession(backend, BigAndSmallSpec());
   EXPECT_NE(session, nullptr);
   if (session == nullptr) return run;
   EXPECT_OK(session->Upload({session::session_testing::Tensor(Values(kBig, 0.5f, 9)),
