@@ -217,9 +217,14 @@ void AssembleParts(const SessionConfig& config, const std::vector<const std::vec
       const ElementRange part = config.parts[p][r];
       if (by_rank[r] == nullptr || part.size() == 0) continue;
       const HostTensor& g = (*by_rank[r])[p];
+      const auto from = g.values.begin(), to = from + part.size();
       const double factor = rescale[r];
-      std::transform(g.values.begin(), g.values.begin() + part.size(), whole.values.begin() + part.begin,
-                     [factor](float v) { return factor == 1.0 ? v : static_cast<float>(factor * v); });
+      if (factor == 1.0) {
+        std::copy(from, to, whole.values.begin() + part.begin);
+      } else {
+        std::transform(from, to, whole.values.begin() + part.begin,
+                       [factor](float v) { return static_cast<float>(factor * v); });
+      }
     }
     for (float v : whole.values) whole.sum_squares += static_cast<double>(v) * v;
     whole.received = config.parameters[p].numel;

@@ -100,7 +100,7 @@ std::pair<StepPlan, std::vector<HostTensor>> RankGather::TakeAverage(const Sessi
     contributors.push_back(r);
     total_weight += ranks_[r]->first.request.weight;
   }
-  StepPlan plan = std::move(ranks_[contributors.front()]->first);
+  StepPlan plan = std::move(ranks_[lowest]->first);  // contributors.front()
   for (size_t c = 1; c < contributors.size(); ++c) MergeQkLogits(ranks_[contributors[c]]->first, plan);
   plan.request.contributors = std::move(contributors);
   plan.request.total_weight = total_weight;
