@@ -291,30 +291,37 @@ absl::Status Session::HoldParts(int rank) {
       if (p.group() == group.name()) members.push_back(&p);
     }
     const v1::Partition& partition = group.partition();
+    // Under HSDP the rank holds its shard's parts (common/partition_rules.h).
+    if (partition.replicas() > 1 && world_size % partition.replicas() != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("HoldParts: group '", group.name(), "' has ", partition.replicas(),
+                                                     " replicas for world_size ", world_size));
+    }
+    const int shards = ShardCount(world_size, partition.replicas());
+    const int shard = ShardOf(rank, world_size, partition.replicas());
     switch (partition.kind()) {
       case v1::PARTITION_KIND_ROWS:
         for (const v1::ParameterSpec* p : members) {
           const std::vector<int64_t> shape(p->shape().begin(), p->shape().end());
-          counts[p->name()] = RowParts(shape, world_size)[static_cast<size_t>(rank)].size();
+          counts[p->name()] = RowParts(shape, shards)[static_cast<size_t>(shard)].size();
         }
         break;
       case v1::PARTITION_KIND_FLAT: {
         std::vector<int64_t> numels;
         for (const v1::ParameterSpec* p : members) numels.push_back(counts[p->name()]);
         const std::vector<std::vector<ElementRange>> parts =
-            FlatParts(numels, std::max<int64_t>(1, partition.alignment()), world_size);
+            FlatParts(numels, std::max<int64_t>(1, partition.alignment()), shards);
         for (size_t k = 0; k < members.size(); ++k)
-          counts[members[k]->name()] = parts[k][static_cast<size_t>(rank)].size();
+          counts[members[k]->name()] = parts[k][static_cast<size_t>(shard)].size();
         break;
       }
       case v1::PARTITION_KIND_EXPLICIT: {
-        if (partition.ranks_size() != world_size) {
+        if (partition.ranks_size() != shards) {
           return absl::InvalidArgumentError(absl::StrCat("HoldParts: group '", group.name(), "' lists ",
-                                                         partition.ranks_size(), " ranks' ranges for world_size ",
-                                                         world_size));
+                                                         partition.ranks_size(), " shards' ranges for ", shards,
+                                                         " shards (world_size ", world_size, ")"));
         }
         for (const v1::ParameterSpec* p : members) counts[p->name()] = 0;
-        for (const v1::ParameterRange& range : partition.ranks(rank).ranges()) {
+        for (const v1::ParameterRange& range : partition.ranks(shard).ranges()) {
           counts[range.parameter()] = range.end() - range.begin();
         }
         break;

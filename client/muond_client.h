@@ -235,8 +235,9 @@ class Session {
   // parameter of a partitioned group counts only `rank`'s part of it (element_counts()), uploads
   // and reads carry `rank`'s parts, and steps must name `rank` (StepOptions::rank). An empty part is
   // left out of uploads and steps. The parts follow the spec's partitions with the daemon's rules
-  // (common/partition_rules.h). INVALID_ARGUMENT for a rank outside [0, world_size) or explicit
-  // ranges the spec does not give for every rank.
+  // (common/partition_rules.h); under HSDP (`partition.replicas`) the rank holds its shard's parts.
+  // INVALID_ARGUMENT for a rank outside [0, world_size), replicas that do not divide the world size,
+  // or explicit ranges the spec does not give for every shard.
   absl::Status HoldParts(int rank);
   // The rank HoldParts made this; nullopt: whole tensors.
   std::optional<int> parts_rank() const { return parts_rank_; }

@@ -21,6 +21,13 @@ struct ElementRange {
   bool operator==(const ElementRange&) const = default;
 };
 
+// HSDP (docs/ranks.md): a partition repeated over `replicas` groups of world_size / replicas ranks,
+// the shards; rank r holds shard r mod shards, as a (replicate, shard) device mesh numbers its ranks.
+// `replicas` 0 or 1: one copy, every rank its own shard. `replicas` divides world_size (checked by
+// the daemon).
+inline int ShardCount(int world_size, int replicas) { return replicas > 1 ? world_size / replicas : world_size; }
+inline int ShardOf(int rank, int world_size, int replicas) { return rank % ShardCount(world_size, replicas); }
+
 // rows: rank r of `world_size` holds rows [r·c, min(m, (r+1)·c)) of m = shape[0] rows (one row for
 // a scalar), c = ⌈m/N⌉ — torch.chunk on dim 0, as DTensor Shard(0) and FSDP2 cut.
 inline std::vector<ElementRange> RowParts(const std::vector<int64_t>& shape, int world_size) {

@@ -19,6 +19,12 @@ The rules, the same as the daemon's (it checks every size again):
 - ``explicit``: each rank's range of each parameter, as given; together they cover every element
   once.
 
+Any of the three may be repeated over ``replicas`` copies (HSDP: FSDP2's 2-D ``(replicate,
+shard)`` mesh, ``HYBRID_SHARD``): the rule then cuts each parameter over N = world_size / replicas
+shards, rank r holds shard r mod N (the mesh's row-major numbering), and the daemon averages each
+shard's replicas by weight, as it averages replicated ranks, instead of the trainer's all-reduce
+over the replica group.
+
 A rank's part of a parameter is one contiguous range of its row-major flattening, possibly empty.
 Adapters: ``from_dtensor`` (a DTensor's local tensor and global shape), ``from_fsdp1`` (an FSDP1
 ``FlatParameter``'s layout as an explicit partition), ``zero`` and ``zero_views`` (DeepSpeed ZeRO's
@@ -29,6 +35,7 @@ FSDP).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
@@ -43,13 +50,16 @@ Range = Tuple[int, int]
 @dataclass(frozen=True)
 class Partition:
     """How a group's parameters are cut over the ranks: ``kind`` (one of ``KINDS``), the global
-    ``shapes`` of the group's parameters in order, ``alignment`` (flat) and ``ranges`` (explicit:
-    one mapping per rank from a parameter's position in the group to its [begin, end))."""
+    ``shapes`` of the group's parameters in order, ``alignment`` (flat), ``ranges`` (explicit:
+    one mapping per shard from a parameter's position in the group to its [begin, end)) and
+    ``replicas`` (HSDP: copies of the partition, each over world_size / replicas ranks; 0 or 1:
+    none)."""
 
     kind: str
     shapes: Tuple[Shape, ...]
     alignment: int = 0
     ranges: Optional[Tuple[Tuple[Tuple[int, Range], ...], ...]] = None
+    replicas: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -63,18 +73,31 @@ class Partition:
             raise ValueError("partition alignment applies to kind 'flat' only")
         if (self.ranges is not None) != (self.kind == "explicit"):
             raise ValueError("partition ranges are given for kind 'explicit', and only for it")
+        if self.replicas < 0:
+            raise ValueError(f"partition replicas must be >= 0, got {self.replicas}")
 
     def numel(self, k: int) -> int:
         return math.prod(self.shapes[k])
 
+    def shards(self, world_size: int) -> int:
+        """The number of ranks one copy of the partition spans: world_size without replicas.
+        ValueError unless ``replicas`` divides world_size."""
+        copies = max(1, self.replicas)
+        if copies > world_size or world_size % copies:
+            raise ValueError(f"partition replicas must divide world_size ({world_size}), got {self.replicas}")
+        return world_size // copies
+
     def parts(self, world_size: int) -> List[List[Range]]:
-        """parts[k][r]: the range of the group's k-th parameter that rank r holds."""
+        """parts[k][r]: the range of the group's k-th parameter that rank r holds (under HSDP,
+        that of its shard r mod shards)."""
+        n = self.shards(world_size)
         if self.kind == "rows":
-            return [_row_parts(shape, world_size) for shape in self.shapes]
-        if self.kind == "flat":
-            return _flat_parts([self.numel(k) for k in range(len(self.shapes))],
-                               max(1, self.alignment), world_size)
-        return _explicit_parts(self, world_size)
+            by_shard = [_row_parts(shape, n) for shape in self.shapes]
+        elif self.kind == "flat":
+            by_shard = _flat_parts([self.numel(k) for k in range(len(self.shapes))], max(1, self.alignment), n)
+        else:
+            by_shard = _explicit_parts(self, world_size, n)
+        return [[ranges[r % n] for r in range(world_size)] for ranges in by_shard]
 
     def part(self, k: int, world_size: int, rank: int) -> Range:
         return self.parts(world_size)[k][rank]
@@ -117,33 +140,44 @@ def _chunk_overlaps(start: int, n: int, chunk: int, world_size: int) -> List[Ran
     return ranks
 
 
-def _explicit_parts(partition: Partition, world_size: int) -> List[List[Range]]:
+def _explicit_parts(partition: Partition, world_size: int, shards: int) -> List[List[Range]]:
     assert partition.ranges is not None
-    if len(partition.ranges) != world_size:
-        raise ValueError(f"explicit partition: needs one entry per rank (world_size {world_size}), "
-                         f"got {len(partition.ranges)}")
-    out: List[List[Range]] = [[(0, 0)] * world_size for _ in partition.shapes]
+    if len(partition.ranges) != shards:
+        unit = (f"rank (world_size {world_size})" if shards == world_size
+                else f"shard (world_size {world_size} over {partition.replicas} replicas: {shards})")
+        raise ValueError(f"explicit partition: needs one entry per {unit}, got {len(partition.ranges)}")
+    out: List[List[Range]] = [[(0, 0)] * shards for _ in partition.shapes]
     for r, given in enumerate(partition.ranges):
         for k, (begin, end) in given:
             out[k][r] = (begin, end)
     return out
 
 
-def rows(shapes: Iterable[Sequence[int]]) -> Partition:
-    """DTensor ``Shard(0)`` / FSDP2: each rank holds a block of rows (``torch.chunk``'s rule)."""
-    return Partition("rows", tuple(tuple(int(d) for d in s) for s in shapes))
+def rows(shapes: Iterable[Sequence[int]], *, replicas: int = 0) -> Partition:
+    """DTensor ``Shard(0)`` / FSDP2: each rank holds a block of rows (``torch.chunk``'s rule);
+    with ``replicas``, HSDP: each shard's block held by that many ranks."""
+    return Partition("rows", tuple(tuple(int(d) for d in s) for s in shapes), replicas=int(replicas))
 
 
-def flat(shapes: Iterable[Sequence[int]], alignment: int = 0) -> Partition:
-    """ZeRO / flat parameters: the flattened group cut into world_size equal ranges, each
-    parameter first padded to a multiple of ``alignment`` elements (0: none)."""
-    return Partition("flat", tuple(tuple(int(d) for d in s) for s in shapes), int(alignment))
+def flat(shapes: Iterable[Sequence[int]], alignment: int = 0, *, replicas: int = 0) -> Partition:
+    """ZeRO / flat parameters: the flattened group cut into world_size equal ranges (world_size /
+    ``replicas`` under HSDP), each parameter first padded to a multiple of ``alignment`` elements
+    (0: none)."""
+    return Partition("flat", tuple(tuple(int(d) for d in s) for s in shapes), int(alignment),
+                     replicas=int(replicas))
+
+
+def replicated(partition: Partition, replicas: int) -> Partition:
+    """``partition`` (laid out over one replica group's ranks: ``zero``'s or ``from_fsdp1``'s
+    world_size is the shard count) repeated over ``replicas`` copies, HSDP."""
+    return dataclasses.replace(partition, replicas=int(replicas))
 
 
 def explicit(shapes: Iterable[Sequence[int]],
-             ranges: Sequence[Mapping[int, Sequence[int]]]) -> Partition:
+             ranges: Sequence[Mapping[int, Sequence[int]]], *, replicas: int = 0) -> Partition:
     """Each rank's range of each parameter: ``ranges[r][k] = (begin, end)`` for the group's k-th
-    parameter (a parameter a rank does not list: none of it)."""
+    parameter (a parameter a rank does not list: none of it); with ``replicas``, one entry per
+    shard."""
     shapes = tuple(tuple(int(d) for d in s) for s in shapes)
     given = []
     for per_rank in ranges:
@@ -154,7 +188,7 @@ def explicit(shapes: Iterable[Sequence[int]],
                                  f"{len(shapes)} parameters")
             entries.append((int(k), (int(begin), int(end))))
         given.append(tuple(entries))
-    return Partition("explicit", shapes, ranges=tuple(given))
+    return Partition("explicit", shapes, ranges=tuple(given), replicas=int(replicas))
 
 
 def to_proto(partition: Partition, names: Sequence[str], pb: Any) -> Any:
@@ -162,7 +196,8 @@ def to_proto(partition: Partition, names: Sequence[str], pb: Any) -> Any:
     ``names``."""
     kinds = {"rows": pb.PARTITION_KIND_ROWS, "flat": pb.PARTITION_KIND_FLAT,
              "explicit": pb.PARTITION_KIND_EXPLICIT}
-    message = pb.Partition(kind=kinds[partition.kind], alignment=partition.alignment)
+    message = pb.Partition(kind=kinds[partition.kind], alignment=partition.alignment,
+                           replicas=partition.replicas)
     for per_rank in partition.ranges or ():
         entry = message.ranks.add()
         for k, (begin, end) in per_rank:
@@ -206,15 +241,16 @@ def cut(whole: torch.Tensor, partition: Partition, k: int, world_size: int, rank
 
 
 def shard_parameters(named: Iterable[Tuple[str, torch.Tensor]], world_size: int, rank: int,
-                     kind: str = "rows", alignment: int = 0
+                     kind: str = "rows", alignment: int = 0, replicas: int = 0
                      ) -> Tuple[List[Tuple[str, torch.Tensor]], Partition]:
     """Cuts whole parameters for rank ``rank``: their local parts as new leaf tensors (named as
-    the originals, for a group's ``params``) and the partition that describes them. For a
-    pure-torch trainer that shards without FSDP: it reduce-scatters (or all-reduces and slices)
-    its gradients into these parts' ``.grad``."""
+    the originals, for a group's ``params``) and the partition that describes them (HSDP with
+    ``replicas``). For a pure-torch trainer that shards without FSDP: it reduce-scatters (or
+    all-reduces and slices) its gradients into these parts' ``.grad``."""
     named = list(named)
     shapes = [tuple(t.shape) for _, t in named]
-    partition = rows(shapes) if kind == "rows" else flat(shapes, alignment) if kind == "flat" else None
+    partition = (rows(shapes, replicas=replicas) if kind == "rows"
+                 else flat(shapes, alignment, replicas=replicas) if kind == "flat" else None)
     if partition is None:
         raise ValueError(f"shard_parameters: kind must be 'rows' or 'flat', got {kind!r}")
     local = [(name, cut(t, partition, k, world_size, rank).requires_grad_(t.requires_grad))
@@ -223,20 +259,26 @@ def shard_parameters(named: Iterable[Tuple[str, torch.Tensor]], world_size: int,
 
 
 def from_dtensor(param: Any) -> Tuple[torch.Tensor, Shape]:
-    """A DTensor sharded ``Shard(0)`` on a one-dimensional mesh (FSDP2's layout): its local tensor
-    and global shape, for a ``rows`` partition. ValueError for another placement or mesh."""
+    """A DTensor sharded ``Shard(0)`` on a one-dimensional mesh (FSDP2's layout), or placed
+    ``(Replicate(), Shard(0))`` on a two-dimensional one (HSDP's): its local tensor and global
+    shape, for a ``rows`` partition — under HSDP ``rows(shapes, replicas=mesh.size(0))``, the
+    session's world size the mesh's. ValueError for another placement or mesh."""
     placements = tuple(getattr(param, "placements", ()))
     mesh = getattr(param, "device_mesh", None)
-    if len(placements) != 1 or mesh is None or getattr(mesh, "ndim", 1) != 1:
-        raise ValueError(f"from_dtensor: needs a DTensor on a one-dimensional mesh with one placement, "
-                         f"got placements {placements}")
-    placement = placements[0]
+    ndim = getattr(mesh, "ndim", 1)
+    if mesh is None or ndim not in (1, 2) or len(placements) != ndim:
+        raise ValueError(f"from_dtensor: needs a DTensor on a one-dimensional mesh with one placement "
+                         f"or a two-dimensional one with two, got placements {placements}")
+    if ndim == 2 and type(placements[0]).__name__ != "Replicate":
+        raise ValueError(f"from_dtensor: on a two-dimensional mesh only (Replicate(), Shard(0)) (HSDP) "
+                         f"maps to a rows partition, got {placements}")
+    placement = placements[-1]
     if type(placement).__name__ != "Shard" or getattr(placement, "dim", None) != 0:
         raise ValueError(f"from_dtensor: only Shard(0) maps to a rows partition, got {placement}")
     local = param.to_local()
     shape = tuple(int(d) for d in param.shape)
-    world_size = int(mesh.size())
-    rank = int(mesh.get_local_rank())
+    world_size = int(mesh.size(ndim - 1)) if ndim == 2 else int(mesh.size())
+    rank = int(mesh.get_local_rank(mesh_dim=ndim - 1)) if ndim == 2 else int(mesh.get_local_rank())
     want = rows([shape]).local_shape(0, world_size, rank)
     if tuple(local.shape) != want:
         raise ValueError(f"from_dtensor: the local tensor has shape {tuple(local.shape)}; rank {rank} "

@@ -310,6 +310,13 @@ absl::Status ParsePartitions(const v1::SessionSpec& spec, SessionConfig& config)
       return InvalidField(rule.field + ".alignment", absl::StrCat("must be >= 0, got ", given.alignment()));
     }
     rule.alignment = std::max<int64_t>(1, given.alignment());
+    if (given.replicas() < 0) {
+      return InvalidField(rule.field + ".replicas", absl::StrCat("must be >= 0, got ", given.replicas()));
+    }
+    if (given.replicas() > 1 && rule.kind == session::PartitionKind::kReplicated) {
+      return InvalidField(rule.field + ".replicas", "applies to kinds rows, flat and explicit only");
+    }
+    rule.replicas = std::max(1, given.replicas());
     if (given.ranks_size() > 0 && rule.kind != session::PartitionKind::kExplicit) {
       return InvalidField(rule.field + ".ranks", "applies to kind explicit only");
     }

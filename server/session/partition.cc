@@ -18,23 +18,27 @@ absl::Status Invalid(const std::string& field, const std::string& message) {
 
 std::string RangeText(ElementRange r) { return absl::StrCat("[", r.begin, ", ", r.end, ")"); }
 
-absl::Status FlatParts(const PartitionRule& rule, const std::vector<size_t>& members, SessionConfig& config) {
+absl::Status FlatParts(const PartitionRule& rule, const std::vector<size_t>& members, int shards,
+                       SessionConfig& config) {
   if (rule.alignment < 1 || rule.alignment > (int64_t{1} << 30)) {
     return Invalid(rule.field + ".alignment", absl::StrCat("must be between 0 and 2^30, got ", rule.alignment));
   }
   std::vector<int64_t> numels;
   for (size_t p : members) numels.push_back(config.parameters[p].numel);
-  std::vector<std::vector<ElementRange>> parts = muond::FlatParts(numels, rule.alignment, config.world_size);
+  std::vector<std::vector<ElementRange>> parts = muond::FlatParts(numels, rule.alignment, shards);
   for (size_t k = 0; k < members.size(); ++k) config.parts[members[k]] = std::move(parts[k]);
   return absl::OkStatus();
 }
 
-absl::Status ExplicitParts(const PartitionRule& rule, const std::vector<size_t>& members, size_t group,
+absl::Status ExplicitParts(const PartitionRule& rule, const std::vector<size_t>& members, size_t group, int shards,
                            SessionConfig& config) {
-  const int n = config.world_size;
+  const int n = shards;
   if (static_cast<int>(rule.ranks.size()) != n) {
     return Invalid(rule.field + ".ranks",
-                   absl::StrCat("needs one entry per rank (world_size ", n, "), got ", rule.ranks.size()));
+                   n == config.world_size
+                       ? absl::StrCat("needs one entry per rank (world_size ", n, "), got ", rule.ranks.size())
+                       : absl::StrCat("needs one entry per shard (world_size ", config.world_size, " over ",
+                                      rule.replicas, " replicas: ", n, "), got ", rule.ranks.size()));
   }
   for (size_t p : members) config.parts[p].assign(n, ElementRange{});
   std::vector<std::vector<bool>> listed(config.parameters.size(), std::vector<bool>(n, false));
@@ -105,18 +109,29 @@ absl::Status LayOutParts(const std::vector<PartitionRule>& rules, SessionConfig&
     for (size_t p = 0; p < config.parameters.size(); ++p) {
       if (config.parameters[p].group == g) members.push_back(p);
     }
+    if (rule.replicas < 1 || rule.replicas > config.world_size || config.world_size % rule.replicas != 0) {
+      return Invalid(rule.field + ".replicas",
+                     absl::StrCat("must divide world_size (", config.world_size, "), got ", rule.replicas));
+    }
+    // Laid out over the shards, then each shard's ranges given to its replicas.
+    const int shards = muond::ShardCount(config.world_size, rule.replicas);
     switch (rule.kind) {
       case PartitionKind::kReplicated:
         break;
       case PartitionKind::kRows:
-        for (size_t p : members) config.parts[p] = muond::RowParts(config.parameters[p].shape, config.world_size);
+        for (size_t p : members) config.parts[p] = muond::RowParts(config.parameters[p].shape, shards);
         break;
       case PartitionKind::kFlat:
-        if (absl::Status s = FlatParts(rule, members, config); !s.ok()) return s;
+        if (absl::Status s = FlatParts(rule, members, shards, config); !s.ok()) return s;
         break;
       case PartitionKind::kExplicit:
-        if (absl::Status s = ExplicitParts(rule, members, g, config); !s.ok()) return s;
+        if (absl::Status s = ExplicitParts(rule, members, g, shards, config); !s.ok()) return s;
         break;
+    }
+    if (rule.kind == PartitionKind::kReplicated || shards == config.world_size) continue;
+    for (size_t p : members) {
+      std::vector<ElementRange>& parts = config.parts[p];
+      for (int r = shards; r < config.world_size; ++r) parts.push_back(parts[static_cast<size_t>(r % shards)]);
     }
   }
   return absl::OkStatus();
@@ -145,6 +160,15 @@ ElementRange PartOf(const SessionConfig& config, size_t index, int rank) {
 }
 
 int64_t PartElements(const SessionConfig& config, size_t index, int rank) { return PartOf(config, index, rank).size(); }
+
+int FirstHolder(const SessionConfig& config, size_t index, int rank) {
+  if (!IsPartitioned(config, index)) return 0;
+  const ElementRange part = PartOf(config, index, rank);
+  for (int r = 0; r < rank; ++r) {
+    if (part.size() > 0 && config.parts[index][static_cast<size_t>(r)] == part) return r;
+  }
+  return rank;
+}
 
 int64_t ShapeElements(std::span<const int64_t> shape) {
   int64_t elements = 1;
@@ -203,7 +227,8 @@ absl::Status CheckPartsAgree(const SessionConfig& config, const std::vector<cons
 }
 
 void AssembleParts(const SessionConfig& config, const std::vector<const std::vector<HostTensor>*>& by_rank,
-                   const std::vector<double>& rescale, std::vector<HostTensor>& out) {
+                   const std::vector<double>& weight, const std::vector<double>& rescale,
+                   std::vector<HostTensor>& out) {
   for (size_t p = 0; p < config.parts.size(); ++p) {
     if (!IsPartitioned(config, p)) continue;
     bool sent = false;
@@ -216,15 +241,36 @@ void AssembleParts(const SessionConfig& config, const std::vector<const std::vec
     for (size_t r = 0; r < by_rank.size(); ++r) {
       const ElementRange part = config.parts[p][r];
       if (by_rank[r] == nullptr || part.size() == 0) continue;
-      const HostTensor& g = (*by_rank[r])[p];
-      const auto from = g.values.begin(), to = from + part.size();
-      const double factor = rescale[r];
-      if (factor == 1.0) {
-        std::copy(from, to, whole.values.begin() + part.begin);
-      } else {
-        std::transform(from, to, whole.values.begin() + part.begin,
-                       [factor](float v) { return static_cast<float>(factor * v); });
+      // The ranks holding this part (its replicas under HSDP), taken once, at the lowest.
+      std::vector<int> holders;
+      for (size_t q = 0; q < by_rank.size(); ++q) {
+        if (by_rank[q] != nullptr && config.parts[p][q] == part) holders.push_back(static_cast<int>(q));
       }
+      if (holders.front() != static_cast<int>(r)) continue;
+      const auto into = whole.values.begin() + part.begin;
+      if (holders.size() == 1) {
+        const HostTensor& g = (*by_rank[r])[p];
+        const auto from = g.values.begin(), to = from + part.size();
+        const double factor = rescale[r];
+        if (factor == 1.0) {
+          std::copy(from, to, into);
+        } else {
+          std::transform(from, to, into, [factor](float v) { return static_cast<float>(factor * v); });
+        }
+        continue;
+      }
+      // Replicas: each one's reduced gradient of its own batch, averaged by weight as whole
+      // gradients of replicated ranks are (rank_gather.cc).
+      std::vector<double> sum(static_cast<size_t>(part.size()), 0.0);
+      double weights = 0;
+      for (int q : holders) {
+        const std::vector<float>& g = (*by_rank[static_cast<size_t>(q)])[p].values;
+        const double scaled_w = weight[static_cast<size_t>(q)] * rescale[static_cast<size_t>(q)];
+        for (size_t i = 0; i < sum.size(); ++i) sum[i] += scaled_w * g[i];
+        weights += weight[static_cast<size_t>(q)];
+      }
+      for (size_t i = 0; i < sum.size(); ++i)
+        into[static_cast<std::ptrdiff_t>(i)] = static_cast<float>(sum[i] / weights);
     }
     for (float v : whole.values) whole.sum_squares += static_cast<double>(v) * v;
     whole.received = config.parameters[p].numel;

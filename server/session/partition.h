@@ -2,16 +2,19 @@
 // trainer shards its parameters (FSDP, ZeRO, DTensor) and each rank sends only its part of the
 // reduced gradient and gets back only its part of the new parameters (docs/ranks.md, Ranks that
 // hold parts). A rank holds one contiguous range of each parameter (possibly empty); the ranges of
-// all ranks cover every element exactly once. The rules:
+// the N shards cover every element exactly once. The rules:
 //
-//   rows      rank r holds rows [r·c, min(m, (r+1)·c)) of m rows, c = ⌈m/N⌉ (torch.chunk on dim 0)
+//   rows      shard s holds rows [s·c, min(m, (s+1)·c)) of m rows, c = ⌈m/N⌉ (torch.chunk on dim 0)
 //   flat      the group's parameters flattened in spec order, each padded to a multiple of the
 //             alignment, the whole padded to a multiple of N, cut into N equal ranges
 //   explicit  the ranges the spec lists, checked to cover each parameter once
 //
+// Without replicas every rank is its own shard (N = world_size). With R replicas (HSDP), N =
+// world_size / R and rank r holds shard r mod N: the R ranks holding a shard are its replicas.
 // LayOutParts computes SessionConfig::parts once, at creation; everything else reads them. The
-// daemon assembles the whole gradient from the parts (no averaging: each element has one owner)
-// and runs the step on whole matrices. Plain functions over an immutable config: thread-safe.
+// daemon assembles the whole gradient from the parts (an element with one holder is copied, one
+// with replicas is their weighted average) and runs the step on whole matrices. Plain functions
+// over an immutable config: thread-safe.
 #pragma once
 
 #include <cstddef>
@@ -37,13 +40,15 @@ struct PartitionRule {
   };
   PartitionKind kind = PartitionKind::kReplicated;
   int64_t alignment = 1;                  // flat
-  std::vector<std::vector<Range>> ranks;  // explicit: one list per rank
+  int replicas = 1;                       // HSDP: copies of the partition over the ranks
+  std::vector<std::vector<Range>> ranks;  // explicit: one list per shard
   std::string field;
 };
 
 // Fills config.parts from rules[g] for each group g (the parameters, groups and world size already
-// parsed). INVALID_ARGUMENT naming the field for a rule that cannot hold: explicit ranges outside
-// their parameter, overlapping, leaving elements to no rank, or listed for the wrong group.
+// parsed). INVALID_ARGUMENT naming the field for a rule that cannot hold: replicas that do not
+// divide the world size, explicit ranges outside their parameter, overlapping, leaving elements to
+// no rank, or listed for the wrong group.
 absl::Status LayOutParts(const std::vector<PartitionRule>& rules, SessionConfig& config);
 
 bool IsPartitioned(const SessionConfig& config, size_t index);
@@ -55,6 +60,10 @@ bool AnyPartitioned(const SessionConfig& config);
 ElementRange PartOf(const SessionConfig& config, size_t index, int rank);
 // The elements `rank` sends and receives of parameter `index`.
 int64_t PartElements(const SessionConfig& config, size_t index, int rank);
+// The lowest rank holding the same elements of parameter `index` as `rank` (rank 0 for a replicated
+// parameter; under HSDP, the rank's replica in the first copy); `rank` itself when it is the lowest.
+// Initial values are that rank's, as DDP broadcasts rank 0's.
+int FirstHolder(const SessionConfig& config, size_t index, int rank);
 
 // The elements of a tensor of shape `shape` as a sender wrote it; -1 for a negative dimension or a
 // count beyond int64. A part travels in any shape of its element count (a row block, a flat range).
@@ -78,12 +87,14 @@ absl::Status CheckRankParts(const SessionConfig& config, int rank, const std::ve
 absl::Status CheckPartsAgree(const SessionConfig& config, const std::vector<const std::vector<HostTensor>*>& by_rank);
 
 // Writes the whole gradient of each partitioned parameter into out[p] from the ranks' parts
-// (by_rank[r] is rank r's gradients, all present under lock-step), each part multiplied by its
-// rank's rescale[r] (in fp64, rounded once to fp32; a factor of 1 copies the values as they are),
-// with its fp64 sum of squares taken in element order. Replicated parameters, and partitioned ones
-// no rank sent, are left alone.
+// (by_rank[r] is rank r's gradients, all present under lock-step), with its fp64 sum of squares
+// taken in element order. A part one rank holds is multiplied by its rank's rescale[r] (in fp64,
+// rounded once to fp32; a factor of 1 copies the values as they are). A part held by replicas is
+// their average as a replicated parameter's: Σ weight[r]·rescale[r]·g_r / Σ weight[r] over its
+// holders, in fp64 in rank order, rounded once. Replicated parameters, and partitioned ones no rank
+// sent, are left alone.
 void AssembleParts(const SessionConfig& config, const std::vector<const std::vector<HostTensor>*>& by_rank,
-                   const std::vector<double>& rescale, std::vector<HostTensor>& out);
+                   const std::vector<double>& weight, const std::vector<double>& rescale, std::vector<HostTensor>& out);
 
 // The answer `rank` gets: the same result, each parameter's values narrowed to the rank's part
 // (views into `snapshot`, which the returned one keeps alive). `snapshot` itself when nothing is

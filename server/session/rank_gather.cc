@@ -64,12 +64,14 @@ std::pair<StepPlan, std::vector<HostTensor>> RankGather::TakeAverage(const Sessi
   int lowest = 0;
   while (!ranks_[lowest]) ++lowest;  // taken only once a rank arrived
   // Each rank's gradients brought to the lowest rank's scale: exactly 1 when the scales agree.
-  std::vector<double> rescale(world_size_, 1.0);
+  std::vector<double> rescale(world_size_, 1.0), weight(world_size_, 0.0);
   for (int r = 0; r < world_size_; ++r) {
-    if (ranks_[r] && grad_scales_[r] != grad_scales_[lowest]) rescale[r] = grad_scales_[lowest] / grad_scales_[r];
+    if (!ranks_[r]) continue;
+    if (grad_scales_[r] != grad_scales_[lowest]) rescale[r] = grad_scales_[lowest] / grad_scales_[r];
+    weight[r] = ranks_[r]->first.request.weight;
   }
   std::vector<HostTensor> mean(num_parameters);
-  AssembleParts(config, ByRank(), rescale, mean);
+  AssembleParts(config, ByRank(), weight, rescale, mean);
   for (size_t p = 0; p < num_parameters; ++p) {
     if (IsPartitioned(config, p)) continue;  // assembled from its parts above
     std::vector<double> sum;
@@ -78,7 +80,7 @@ std::pair<StepPlan, std::vector<HostTensor>> RankGather::TakeAverage(const Sessi
       if (!ranks_[r]) continue;
       const HostTensor& g = ranks_[r]->second[p];
       if (!g.present()) continue;
-      const double w = ranks_[r]->first.request.weight;
+      const double w = weight[r];
       const double scaled_w = w * rescale[r];  // w itself when the scales agree
       if (sum.empty()) sum.assign(g.values.size(), 0.0);
       for (size_t i = 0; i < sum.size(); ++i) sum[i] += scaled_w * g.values[i];

@@ -10,7 +10,8 @@
 // enter the average multiplied by s_low / s_r, so the average carries the scale of the lowest
 // rank's plan, which the step divides out (a factor of exactly 1 when the scales agree: the sum is
 // then the one without scales, bit for bit). Parameters of partitioned groups are assembled from
-// each rank's part instead of averaged. A rank that resends while it waits replaces its part.
+// each rank's part instead (a part held by several replicas, HSDP, averaged among them by the same
+// rule). A rank that resends while it waits replaces its part.
 //
 // The generation changes whenever a gathering ends (applied or aborted), so waiting ranks can tell
 // an abort from a spurious wake-up. Owned by its session and used under the session's lock; not

@@ -146,14 +146,18 @@ absl::Status Session::UploadParts(int rank, std::vector<HostTensor> tensors) {
     MUOND_ASSIGN_OR_RETURN(bounds[i], CheckTensorValues("chunk.data", params_[i].name, tensors[i].values,
                                                         /*non_negative=*/false, params_[i].master.dtype));
   }
-  // The replicated parameters of a partitioned session are rank 0's, as DDP broadcasts rank 0's:
-  // once it has uploaded them, another rank's values for them are checked and left out.
-  const bool keep_replicated = rank > 0 && replicated_from_rank0_;
+  // The replicated parameters of a partitioned session are rank 0's, as DDP broadcasts rank 0's,
+  // and an HSDP replica's parts its first replica's: once that rank has uploaded them, another
+  // rank's values for them are checked and left out.
+  uploaded_by_rank_.resize(static_cast<size_t>(config_.world_size), false);
   {
     absl::MutexLock masters(&masters_mu_);
     ++masters_version_;
     for (size_t i = 0; i < params_.size(); ++i) {
-      if (keep_replicated && !IsPartitioned(config_, i)) continue;
+      if (rank > 0) {
+        const int first = FirstHolder(config_, i, rank);
+        if (first != rank && uploaded_by_rank_[static_cast<size_t>(first)]) continue;
+      }
       const ElementRange part = PartOf(config_, i, rank);
       optim::ParamState& state = params_[i];
       if (part.size() > 0) {
@@ -174,7 +178,11 @@ absl::Status Session::UploadParts(int rank, std::vector<HostTensor> tensors) {
   } else {
     part_load_.WroteWhole();
   }
-  if (rank <= 0) replicated_from_rank0_ = true;
+  if (rank < 0) {
+    uploaded_by_rank_.assign(static_cast<size_t>(config_.world_size), true);
+  } else {
+    uploaded_by_rank_[static_cast<size_t>(rank)] = true;
+  }
   if (persistence_) MUOND_RETURN_IF_ERROR(CheckpointLocked());
   return absl::OkStatus();
 }

@@ -291,10 +291,11 @@ class Session {
   std::vector<std::unique_ptr<optim::Optimizer>> optimizers_ ABSL_GUARDED_BY(mu_);  // per group
   std::vector<optim::ParamState> params_ ABSL_GUARDED_BY(mu_);
   bool initialized_ ABSL_GUARDED_BY(mu_) = false;
-  // Rank 0 (or a whole upload, or a loaded or restored state) has written the replicated parameters:
-  // another rank's upload of its parts leaves them as they are, so every rank starts from rank 0's
-  // values.
-  bool replicated_from_rank0_ ABSL_GUARDED_BY(mu_) = false;
+  // By rank: it uploaded its parts (all set by a whole upload or a loaded or restored state). A rank
+  // holding the same elements as a lower rank that has (every rank holds a replicated parameter, an
+  // HSDP replica its shard) leaves them as they are: every rank starts from the lowest's values, as
+  // DDP broadcasts rank 0's (partition.h, FirstHolder).
+  std::vector<bool> uploaded_by_rank_ ABSL_GUARDED_BY(mu_);
   int64_t last_step_ ABSL_GUARDED_BY(mu_) = 0;
   StepResult last_result_ ABSL_GUARDED_BY(mu_);
   // Mutable: an on-device snapshot is replaced by its host copy when first read (HostSnapshotLocked).

@@ -175,8 +175,9 @@ absl::Status Session::ImportState(SessionState state, int rank) {
     for (PushRecord& p : pushes_) p.global_step = p.staleness = 0;
   }
   initialized_ = true;
-  replicated_from_rank0_ = true;  // a loaded or restored state holds the replicated values ranks share
-  DropPreparedLocked();           // prepared for a state that is gone
+  // A loaded or restored state holds the values the ranks share.
+  uploaded_by_rank_.assign(static_cast<size_t>(config_.world_size), true);
+  DropPreparedLocked();  // prepared for a state that is gone
   last_result_ = StepResult();
   last_result_.step = last_step_;
   last_result_.applied = true;

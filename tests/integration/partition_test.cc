@@ -2,8 +2,9 @@
 // daemon, one client handle per rank, each HoldParts(rank); every rank uploads and steps only its
 // part of each partitioned parameter and gets back only that part, equal bit for bit to the same
 // part of a one-rank session stepping the whole gradient, whether the step is sent whole or
-// streamed gradient by gradient, and whatever loss scale each rank's gradients carry. Runs once per
-// step transport.
+// streamed gradient by gradient, and whatever loss scale each rank's gradients carry; HSDP
+// replicas of the partitions step the weighted mean of their parts. Runs once per step transport.
+#include <functional>
 #include <future>
 #include <map>
 #include <optional>
@@ -12,6 +13,7 @@
 
 #include "client/streamed_step.h"
 #include "common/partition_rules.h"
+#include "common/status_macros.h"
 #include "gmock/gmock.h"
 #include "tests/integration/daemon_fixture.h"
 #include "tests/testing/status_matchers.h"
@@ -105,27 +107,39 @@ absl::Status UploadParts(client::Session& session, int rank, const std::map<std:
   return session.UploadParameters(upload);
 }
 
+// The reference: one rank stepping whole tensors from InitialValues(), step k with the whole
+// gradients grads(p, k); its parameters after `steps` steps.
+absl::StatusOr<client::ParameterMap> OneRankSteps(
+    client::Client& client, const std::string& id, int steps,
+    const std::function<std::vector<float>(const PartitionedParam&, int)>& grads) {
+  MUOND_ASSIGN_OR_RETURN(auto single, client.CreateSession(id, Spec(false)));
+  std::map<std::string, std::vector<float>> initial = InitialValues();
+  std::vector<client::TensorView> views;
+  for (const PartitionedParam& p : AllParams()) views.push_back({p.name, p.shape, initial[p.name]});
+  MUOND_RETURN_IF_ERROR(single->UploadParameters(views));
+  client::ParameterMap last;
+  for (int step = 1; step <= steps; ++step) {
+    std::map<std::string, std::vector<float>> given;
+    std::vector<client::TensorView> g;
+    for (const PartitionedParam& p : AllParams()) given[p.name] = grads(p, step);
+    for (const PartitionedParam& p : AllParams()) g.push_back({p.name, p.shape, given[p.name]});
+    MUOND_ASSIGN_OR_RETURN(client::StepReply reply, single->Step(step, g));
+    last = std::move(reply.parameters);
+  }
+  return last;
+}
+
 class PartitionTest : public DaemonTest {};
 
 TEST_F(PartitionTest, RanksThatHoldPartsStepBitForBitLikeOneRank) {
   constexpr int kSteps = 3;
   const std::vector<PartitionedParam> all = AllParams();
 
-  // The reference: one rank, whole tensors, the whole gradients.
-  ASSERT_OK_AND_ASSIGN(auto single, client_->CreateSession("parts-whole", Spec(false)));
-  std::map<std::string, std::vector<float>> initial = InitialValues();
-  std::vector<client::TensorView> views;
-  for (const PartitionedParam& p : all) views.push_back({p.name, p.shape, initial[p.name]});
-  ASSERT_OK(single->UploadParameters(views));
-  client::ParameterMap want;
-  for (int step = 1; step <= kSteps; ++step) {
-    std::map<std::string, std::vector<float>> grads;
-    std::vector<client::TensorView> g;
-    for (const PartitionedParam& p : all) grads[p.name] = Values(p.name, p.numel(), step);
-    for (const PartitionedParam& p : all) g.push_back({p.name, p.shape, grads[p.name]});
-    ASSERT_OK_AND_ASSIGN(client::StepReply reply, single->Step(step, g));
-    want = reply.parameters;
-  }
+  ASSERT_OK_AND_ASSIGN(const client::ParameterMap want,
+                       OneRankSteps(*client_, "parts-whole", kSteps, [](const PartitionedParam& p, int step) {
+                         return Values(p.name, p.numel(), step);
+                       }));
+  const std::map<std::string, std::vector<float>> initial = InitialValues();
 
   // kWorld ranks, each with its own handle holding its parts.
   std::vector<std::unique_ptr<client::Session>> ranks;
@@ -230,6 +244,111 @@ TEST_F(PartitionTest, TheFirstStepWaitsForEveryRanksUpload) {
     ASSERT_OK(reply.status());
     EXPECT_TRUE(reply->applied);
   }
+}
+
+// HSDP: two replicas of the partitions over 4 ranks (rank r holds shard r mod 2). Each replica's
+// ranks send their own batch's gradients with the replica's weight; every part steps with the
+// weighted mean of its replicas' parts — bit for bit one rank stepping that mean (fp64, replica
+// order, rounded once) — and starts from its first replica's upload.
+TEST_F(PartitionTest, HsdpReplicasStepTheWeightedMeanOfTheirParts) {
+  constexpr int kRanks = 4, kReplicas = 2, kShards = kRanks / kReplicas, kSteps = 2;
+  constexpr double kWeights[kReplicas] = {1.0, 3.0};
+  const std::vector<PartitionedParam> all = AllParams();
+  auto replica_grads = [](const PartitionedParam& p, int step, int replica) {
+    return Values(p.name, p.numel(), step + 100 * replica);
+  };
+  std::map<std::string, ElementRange> shard_parts[kShards];
+  for (int s = 0; s < kShards; ++s) {
+    for (const PartitionedParam& p : kRows) shard_parts[s][p.name] = RowParts(p.shape, kShards)[static_cast<size_t>(s)];
+    const std::vector<std::vector<ElementRange>> flat = FlatParts({7, 5}, 4, kShards);
+    for (size_t k = 0; k < kFlat.size(); ++k) shard_parts[s][kFlat[k].name] = flat[k][static_cast<size_t>(s)];
+  }
+
+  // The reference steps the replicas' mean as the daemon takes it: fp64, replica order, rounded once.
+  ASSERT_OK_AND_ASSIGN(const client::ParameterMap want,
+                       OneRankSteps(*client_, "hsdp-whole", kSteps, [&](const PartitionedParam& p, int step) {
+                         std::vector<double> sum(static_cast<size_t>(p.numel()), 0.0);
+                         for (int replica = 0; replica < kReplicas; ++replica) {
+                           const std::vector<float> grads = replica_grads(p, step, replica);
+                           for (size_t i = 0; i < sum.size(); ++i) sum[i] += kWeights[replica] * grads[i];
+                         }
+                         std::vector<float> mean;
+                         for (double v : sum) mean.push_back(static_cast<float>(v / (kWeights[0] + kWeights[1])));
+                         return mean;
+                       }));
+  const std::map<std::string, std::vector<float>> initial = InitialValues();
+
+  v1::SessionSpec spec = Spec(true);
+  spec.set_world_size(kRanks);
+  for (v1::ParameterGroup& group : *spec.mutable_groups()) group.mutable_partition()->set_replicas(kReplicas);
+  std::vector<std::unique_ptr<client::Session>> ranks;
+  for (int r = 0; r < kRanks; ++r) {
+    ASSERT_OK_AND_ASSIGN(auto session, client_->CreateSession("hsdp", spec));
+    ASSERT_OK(session->HoldParts(r));
+    const std::map<std::string, ElementRange>& parts = shard_parts[r % kShards];
+    // The second replica uploads other values: its parts keep the first replica's.
+    std::map<std::string, std::vector<float>> mine;
+    std::vector<client::TensorView> upload;
+    for (const PartitionedParam& p : all) {
+      mine[p.name] = Slice(initial.at(p.name), parts.at(p.name));
+      for (float& v : mine[p.name]) v += static_cast<float>(r / kShards);
+      EXPECT_EQ(session->element_counts().at(p.name), parts.at(p.name).size()) << p.name;
+    }
+    for (const PartitionedParam& p : all) upload.push_back({p.name, {parts.at(p.name).size()}, mine[p.name]});
+    ASSERT_OK(session->UploadParameters(upload));
+    ranks.push_back(std::move(session));
+  }
+  for (int r = 0; r < kRanks; ++r) {
+    ASSERT_OK_AND_ASSIGN(client::ParameterMap start, ranks[static_cast<size_t>(r)]->GetParameters());
+    for (const PartitionedParam& p : all) {
+      EXPECT_EQ(start.at(p.name), Slice(initial.at(p.name), shard_parts[r % kShards].at(p.name)))
+          << "rank " << r << " '" << p.name << "'";
+    }
+  }
+  std::vector<client::ParameterMap> got(kRanks);
+  for (int step = 1; step <= kSteps; ++step) {
+    std::vector<std::future<absl::StatusOr<client::StepReply>>> sent;
+    for (int r = 0; r < kRanks; ++r) {
+      sent.push_back(std::async(std::launch::async, [&, r, step] {
+        const int replica = r / kShards;
+        const std::map<std::string, ElementRange>& parts = shard_parts[r % kShards];
+        std::map<std::string, std::vector<float>> grads;
+        std::vector<client::TensorView> g;
+        for (const PartitionedParam& p : all) grads[p.name] = Slice(replica_grads(p, step, replica), parts.at(p.name));
+        for (const PartitionedParam& p : all) g.push_back({p.name, {parts.at(p.name).size()}, grads[p.name]});
+        client::StepOptions options;
+        options.rank = r;
+        options.weight = kWeights[replica];
+        return ranks[static_cast<size_t>(r)]->Step(step, g, options);
+      }));
+    }
+    for (int r = 0; r < kRanks; ++r) {
+      absl::StatusOr<client::StepReply> reply = sent[static_cast<size_t>(r)].get();
+      ASSERT_OK(reply.status()) << "rank " << r << " step " << step;
+      EXPECT_TRUE(reply->applied);
+      EXPECT_EQ(reply->total_weight, 2 * (kWeights[0] + kWeights[1]));
+      got[static_cast<size_t>(r)] = reply->parameters;
+    }
+  }
+  for (int r = 0; r < kRanks; ++r) {
+    for (const PartitionedParam& p : all) {
+      EXPECT_EQ(got[static_cast<size_t>(r)].at(p.name), Slice(want.at(p.name), shard_parts[r % kShards].at(p.name)))
+          << "rank " << r << " '" << p.name << "'";
+    }
+  }
+}
+
+TEST_F(PartitionTest, ReplicasThatDoNotDivideTheRanksAreRefused) {
+  v1::SessionSpec spec = Spec(true);
+  spec.mutable_groups(0)->mutable_partition()->set_replicas(2);  // world_size 3
+  EXPECT_THAT(client_->CreateSession("hsdp-bad", spec).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "spec.groups[0].partition.replicas: must divide world_size (3), got 2"));
+  spec = Spec(false);
+  spec.mutable_groups(1)->mutable_partition()->set_replicas(2);
+  EXPECT_THAT(client_->CreateSession("hsdp-bad", spec).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "spec.groups[1].partition.replicas: applies to kinds rows, flat and explicit only"));
 }
 
 TEST_F(PartitionTest, AStepNamingAnotherRankIsRefusedBeforeItIsSent) {

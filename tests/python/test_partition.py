@@ -3,8 +3,9 @@ daemon with one process per rank, over gRPC and shared memory: each rank sends o
 gradient and gets back only its part of the parameters, and every part equals, bit for bit, the
 same part of a one-rank session stepping the whole gradient. Covers ``rows`` with fewer rows than
 ranks (a rank holding nothing), ``flat`` with alignment padding and ranges cutting through
-parameters, ``explicit``, DeepSpeed ZeRO's layouts (``zero``, stages 2 and 3), mixed partitions per group, Muon on fused QKV and experts, clipping on
-the assembled gradient, a rank killed and restarted mid-step, and the refusals.
+parameters, ``explicit``, DeepSpeed ZeRO's layouts (``zero``, stages 2 and 3), HSDP (replicas of a
+partition, averaged by weight), mixed partitions per group, Muon on fused QKV and experts, clipping
+on the assembled gradient, a rank killed and restarted mid-step, and the refusals.
 """
 
 import io
@@ -64,16 +65,20 @@ def groups_for(world, rank, kinds, model="main"):
     groups = []
     for (names, options), kind in zip(layout, kinds or [None] * len(layout)):
         shapes = [shapes_of[n] for n in names]
-        if kind is None:
+        base = kind[len("hsdp_"):] if kind and kind.startswith("hsdp_") else kind  # HSDP: 2 replicas of it
+        shards = world // 2 if base != kind else world
+        if base is None:
             partition = None
-        elif kind == "rows":
+        elif base == "rows":
             partition = part.rows(shapes)
-        elif kind == "flat":
+        elif base == "flat":
             partition = part.flat(shapes, alignment=4)
-        elif kind in ("zero2", "zero3"):
-            partition = part.zero(shapes, world, stage=int(kind[-1]))
+        elif base in ("zero2", "zero3"):
+            partition = part.zero(shapes, shards, stage=int(base[-1]))
         else:
             partition = part.explicit(shapes, EXPLICIT)
+        if base != kind:
+            partition = part.replicated(partition, 2)
         params = []
         for k, n in enumerate(names):
             value = whole[n] if partition is None else part.cut(whole[n], partition, k, world, rank)
@@ -85,17 +90,32 @@ def groups_for(world, rank, kinds, model="main"):
     return groups, whole
 
 
-def whole_grads(step, model="main"):
-    gen = torch.Generator().manual_seed(100 + step)
+def whole_grads(step, model="main", replica=0):
+    gen = torch.Generator().manual_seed(100 + step + 1000 * replica)
     return {n: torch.randn(s, generator=gen) for n, s in (SHAPES if model == "main" else QK_SHAPES).items()}
 
 
+# HSDP: each replica's ranks reduce their own batch, another one per replica, with its weight; a
+# part steps with the weighted mean of its replicas' parts, as one rank stepping that mean does.
+HSDP_WEIGHTS = (1.0, 3.0)
+
+
+def hsdp_mean(step, model="main"):
+    """The replicas' gradients averaged as the daemon averages them: in fp64, in replica order,
+    rounded once to fp32."""
+    grads = [whole_grads(step, model, replica) for replica in range(len(HSDP_WEIGHTS))]
+    total = sum(HSDP_WEIGHTS)
+    return {n: (sum(w * g[n].double() for w, g in zip(HSDP_WEIGHTS, grads)) / total).float() for n in grads[0]}
+
+
 def _run_rank(rank, world, endpoint, session, kinds, transport, options, steps, out, hold_after=None,
-              keep=False, held=None, reload_at=None, model="main", together=None, device="cpu"):
+              keep=False, held=None, reload_at=None, model="main", together=None, device="cpu", hsdp=False):
     """A rank's process: steps the gradients of the session's next steps up to ``max(steps)``
     (a restarted rank continues after the session's last step), then answers its parameters and
     the session's digest. ``hold_after``: after that step, says so and waits to be killed.
-    ``device``: where the rank's parameters and gradients live (a GPU transport's are on CUDA)."""
+    ``device``: where the rank's parameters and gradients live (a GPU transport's are on CUDA).
+    ``hsdp``: the ranks are two replicas (the first and second half), each with its own gradients
+    and weight; one rank steps their mean."""
     torch.set_num_threads(1)
     try:
         groups, _ = groups_for(world, rank, kinds, model)
@@ -110,13 +130,15 @@ def _run_rank(rank, world, endpoint, session, kinds, transport, options, steps, 
             if hold_after is not None and step > hold_after:
                 held.set()  # not through `out`: a process killed while it holds the queue's lock blocks it
                 threading.Event().wait()
-            grads = whole_grads(step, model)
+            replica = rank * 2 // world if hsdp and world > 1 else 0
+            grads = hsdp_mean(step, model) if hsdp and world == 1 else whole_grads(step, model, replica)
             for group in opt.param_groups:
                 partition = group.get("partition")
                 for k, (name, p) in enumerate(zip(group["param_names"], group["params"])):
                     g = grads[name] if partition is None else part.cut(grads[name], partition, k, world, rank)
                     p.grad = g.view(p.shape).to(device)
-            opt.step(qk_logits=QK_LOGITS if model == "qk" else None)
+            opt.step(qk_logits=QK_LOGITS if model == "qk" else None,
+                     weight=HSDP_WEIGHTS[replica] if hsdp and world > 1 else None)
             if reload_at is not None and opt.last_step == reload_at:
                 saved = opt.state_dict()
             if reload_at is not None and opt.last_step == reload_at + 1 and saved is not None:
@@ -138,7 +160,7 @@ def _run_rank(rank, world, endpoint, session, kinds, transport, options, steps, 
 
 
 def run_ranks(endpoint, kinds, transport=None, world=WORLD, options=None, steps=range(1, STEPS + 1),
-              session=None, keep=False, hold=None, reload_at=None, model="main", device="cpu"):
+              session=None, keep=False, hold=None, reload_at=None, model="main", device="cpu", hsdp=False):
     """Every rank in a process of its own, stepping up to ``max(steps)``; their final local
     parameters (and "digest"). ``hold``: (rank, step) — that rank stops after the step and is
     SIGKILLed while the others wait in the next one, then a new process of it attaches and
@@ -154,7 +176,7 @@ def run_ranks(endpoint, kinds, transport=None, world=WORLD, options=None, steps=
         process = context.Process(target=_run_rank, daemon=True,
                                   args=(r, world, endpoint, session, kinds, transport, options or {},
                                         list(steps), out, hold_after, keep, held, reload_at, model,
-                                        together, device))
+                                        together, device, hsdp))
         process.start()
         return process
 
@@ -178,9 +200,10 @@ def run_ranks(endpoint, kinds, transport=None, world=WORLD, options=None, steps=
     return results
 
 
-def reference(endpoint, options=None, steps=range(1, STEPS + 1), model="main"):
-    """A one-rank session with whole tensors stepping the whole gradients."""
-    results = run_ranks(endpoint, None, world=1, options=options, steps=steps, model=model)
+def reference(endpoint, options=None, steps=range(1, STEPS + 1), model="main", hsdp=False):
+    """A one-rank session with whole tensors stepping the whole gradients (``hsdp``: the
+    replicas' weighted mean)."""
+    results = run_ranks(endpoint, None, world=1, options=options, steps=steps, model=model, hsdp=hsdp)
     return results[0]
 
 
@@ -252,6 +275,63 @@ def test_rules_agree_with_the_daemon_layout():
     # flat: 7 and 5 elements padded to 8 each, 16 cut into 3 ranges of 6
     assert part.flat([(7,), (5,)], alignment=4).parts(3) == [[(0, 6), (6, 7), (7, 7)],
                                                              [(0, 0), (0, 4), (4, 5)]]
+
+
+def test_hsdp_replicas_average_their_parts_bit_for_bit_like_one_rank(endpoint):
+    # Two replicas of 3-way partitions over 6 ranks (rank r holds shard r mod 3): rows, flat with
+    # padding, explicit, where a shard holds nothing of "tiny" and of ex2. Each replica's gradients
+    # are its own batch's, weighted 1 and 3: every part steps with their weighted mean, bit for bit
+    # as one rank stepping that mean, with the same state digest.
+    want = reference(endpoint, hsdp=True)
+    kinds = ["hsdp_rows", "hsdp_rows", "hsdp_flat", "hsdp_explicit"]
+    expect_parts(run_ranks(endpoint, kinds, world=6, hsdp=True), want, kinds, world=6)
+
+
+def test_hsdp_rules_repeat_the_partition_over_the_replicas():
+    # rank r holds shard r mod (world_size / replicas): a (replicate, shard) mesh's numbering
+    assert part.rows([(2, 6)], replicas=2).parts(6)[0] == [(0, 6), (6, 12), (12, 12)] * 2
+    assert part.flat([(7,), (5,)], alignment=4, replicas=3).parts(6) == [[(0, 7), (7, 7)] * 3,
+                                                                          [(0, 0), (0, 5)] * 3]
+    assert part.replicated(part.zero([(13,)], 2), 2).parts(4) == [[(0, 8), (8, 13)] * 2]
+    message = part.to_proto(part.rows([(4, 3)], replicas=2), ["a"], pb)
+    assert message.replicas == 2 and message.kind == pb.PARTITION_KIND_ROWS
+    with pytest.raises(ValueError, match=r"replicas must divide world_size \(6\), got 4"):
+        part.rows([(4, 3)], replicas=4).parts(6)
+    with pytest.raises(ValueError, match=r"one entry per shard \(world_size 4 over 2 replicas: 2\), got 3"):
+        part.explicit([(4, 3), (5,)], EXPLICIT, replicas=2).parts(4)
+
+
+def test_hsdp_replicas_start_from_the_first_replicas_parts(endpoint):
+    # Rank 3 (shard 1 of the second replica) uploads other values than rank 1: as the replicated
+    # parameters are rank 0's, a replicated part is its first replica's, and rank 3 takes them.
+    session = f"part-hsdp-{uuid.uuid4().hex[:8]}"
+    opts = []
+    for rank in range(4):
+        groups, _ = groups_for(4, rank, ["hsdp_rows", None, None, None])
+        with torch.no_grad():
+            for _, p in groups[0]["params"]:
+                p.add_(float(rank))
+        opts.append(muond.RemoteOptimizer(groups, endpoint=endpoint, session=session, world_size=4, rank=rank))
+    params = [dict(zip(o._names, o._params)) for o in opts]
+    for name in ("w1", "experts"):
+        assert torch.equal(params[2][name].detach(), params[0][name].detach()), name
+        assert torch.equal(params[3][name].detach(), params[1][name].detach()), name
+        assert not torch.equal(params[1][name].detach(), params[0][name].detach()), name
+    for o in reversed(opts):
+        o.close(keep_session=o is not opts[0])
+
+
+@pytest.mark.parametrize("replicas,message", [
+    (4, r"replicas: must divide world_size \(6\), got 4"),
+    (-1, r"replicas: must be >= 0, got -1"),
+])
+def test_replicas_that_do_not_divide_the_ranks_are_refused(endpoint, replicas, message):
+    conn = muond.Connection(endpoint)
+    with pytest.raises(muond.MuondError, match=message) as err:
+        conn.create_session(f"bad-{uuid.uuid4().hex[:6]}", _spec(6, pb.Partition(kind=pb.PARTITION_KIND_ROWS,
+                                                                                 replicas=replicas)))
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "spec.groups[0].partition.replicas" in err.value.details
 
 
 def test_deepspeed_zero_layouts_step_bit_for_bit_like_one_rank(endpoint):
@@ -538,6 +618,36 @@ def test_from_dtensor_maps_shard0_to_rows_and_refuses_other_placements():
         assert torch.equal(local, part.cut(whole, part.rows([shape]), 0, 3, rank))
     with pytest.raises(ValueError, match="only Shard\\(0\\)"):
         part.from_dtensor(FakeDTensor(whole, 3, 0, Shard(1)))
+
+
+class Replicate:
+    pass
+
+
+class HsdpMesh:
+    ndim = 2
+
+    def __init__(self, replicas, shards, rank):
+        self._sizes, self._rank = (replicas, shards), rank
+
+    def size(self, mesh_dim):
+        return self._sizes[mesh_dim]
+
+    def get_local_rank(self, mesh_dim):
+        return (self._rank // self._sizes[1], self._rank % self._sizes[1])[mesh_dim]
+
+
+def test_from_dtensor_maps_hsdps_replicate_shard0_to_rows_with_replicas():
+    # A (replicate, shard) mesh of 2 × 3: rank 4 is shard 1 of the second replica.
+    whole = torch.arange(14.0).view(7, 2)
+    dtensor = FakeDTensor(whole, 3, 1, Shard(0))
+    dtensor.placements, dtensor.device_mesh = (Replicate(), Shard(0)), HsdpMesh(2, 3, 4)
+    local, shape = part.from_dtensor(dtensor)
+    assert shape == (7, 2)
+    assert torch.equal(local, part.cut(whole, part.rows([shape], replicas=2), 0, 6, 4))
+    dtensor.placements = (Shard(0), Shard(0))
+    with pytest.raises(ValueError, match=r"only \(Replicate\(\), Shard\(0\)\) \(HSDP\)"):
+        part.from_dtensor(dtensor)
 
 
 def test_from_fsdp1_reads_the_flat_layout_with_its_padding():
