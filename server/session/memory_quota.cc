@@ -9,6 +9,7 @@
 #include "common/echo.h"
 #include "kernels/optim/newton_schulz.h"
 #include "kernels/optim/optimizer.h"
+#include "server/session/partition.h"
 
 namespace muond::session {
 
@@ -20,11 +21,16 @@ int64_t EstimateSessionBytes(const SessionConfig& config) {
     absl::StatusOr<std::unique_ptr<optim::Optimizer>> optimizer = optim::Optimizer::Create(group.options);
     optimizers.push_back(optimizer.ok() ? *std::move(optimizer) : nullptr);
   }
+  // Lock-step and quorum sessions of several ranks hold each rank's gradients (or its parts) until
+  // the step is taken, beside the averaged one.
+  const bool gathers = config.world_size > 1 && config.sync.mode != SyncMode::kAsync;
   int64_t bytes = 0;
-  for (const ParameterConfig& param : config.parameters) {
+  for (size_t index = 0; index < config.parameters.size(); ++index) {
+    const ParameterConfig& param = config.parameters[index];
     const optim::ParamState shape_only = ParamStateOf(param);
     const optim::Optimizer* optimizer = optimizers[param.group].get();
     bytes += 4 * param.numel;  // gradient
+    for (int rank = 0; gathers && rank < config.world_size; ++rank) bytes += 4 * PartElements(config, index, rank);
     if (optimizer == nullptr) {
       bytes += 3 * 4 * param.numel;  // options no optimizer accepts: an fp32 master and the largest state of any
       continue;

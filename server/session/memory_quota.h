@@ -5,8 +5,12 @@
 // master, the fp32 gradient buffer (on the CPU backend the host tensors steps decode into, which the
 // optimizer reads in place; on a GPU the session's one GradientSet) and the optimizer's fp32 slots
 // (Muon 1: momentum; AdamW 2: the two moments; Lion 1; SGD 1, its momentum buffer, which a per-step
-// momentum override may need). Not counted: the gradients of a second step streaming into the same
-// session at once (transient), the host tensors a GPU session decodes into, and the Newton–Schulz
+// momentum override may need). A lock-step or quorum session of N > 1 ranks also holds each rank's
+// fp32 gradients (of a partitioned parameter, its part) on the host until the step is taken, which
+// count too: N whole gradients of a replicated parameter, one (one per replica under HSDP) of a
+// partitioned one. Not counted: the gradients of a second step streaming into the same session at
+// once, and an asynchronous session's pushes being decoded at once (transient), the host tensors a
+// one-rank GPU session decodes into, and the Newton–Schulz
 // scratch, which is one per backend, shared by every session and sized by the largest matrix
 // (README, "CPU performance", states the daemon's fixed overhead). Pure functions; thread-safe.
 #pragma once

@@ -49,6 +49,28 @@ TEST(MemoryQuotaTest, EstimateCountsSecondMomentsAtTheirSize) {
   EXPECT_EQ(EstimateSessionBytes(normuon), 200 * 4 * 3 + 20 * 4 + 7 * 4 * 4);
 }
 
+TEST(MemoryQuotaTest, EstimateCountsTheGradientsARankGatherHolds) {
+  // Four lock-step ranks: each rank's whole gradients wait for the step beside the averaged one.
+  v1::SessionSpec spec = TwoGroupSpec();
+  spec.set_world_size(4);
+  ASSERT_OK_AND_ASSIGN(SessionConfig lockstep, ParseSessionSpec(spec, SpecLimits{}));
+  EXPECT_EQ(EstimateSessionBytes(lockstep), 200 * 4 * (3 + 4) + 7 * 4 * (4 + 4));
+  // A partitioned group: the ranks' parts make one whole gradient; two HSDP replicas, two.
+  spec.mutable_groups(0)->mutable_partition()->set_kind(v1::PARTITION_KIND_ROWS);
+  ASSERT_OK_AND_ASSIGN(SessionConfig parts, ParseSessionSpec(spec, SpecLimits{}));
+  EXPECT_EQ(EstimateSessionBytes(parts), 200 * 4 * (3 + 1) + 7 * 4 * (4 + 4));
+  spec.mutable_groups(0)->mutable_partition()->set_replicas(2);
+  ASSERT_OK_AND_ASSIGN(SessionConfig hsdp, ParseSessionSpec(spec, SpecLimits{}));
+  EXPECT_EQ(EstimateSessionBytes(hsdp), 200 * 4 * (3 + 2) + 7 * 4 * (4 + 4));
+  // Asynchronous pushes are applied one by one as they come: nothing is gathered.
+  spec = TwoGroupSpec();
+  spec.set_world_size(4);
+  spec.mutable_sync()->set_mode(v1::SYNC_MODE_ASYNC);
+  spec.mutable_sync()->set_max_staleness(2);
+  ASSERT_OK_AND_ASSIGN(SessionConfig async, ParseSessionSpec(spec, SpecLimits{}));
+  EXPECT_EQ(EstimateSessionBytes(async), 200 * 4 * 3 + 7 * 4 * 4);
+}
+
 TEST(MemoryQuotaTest, ChecksBothLimitsAndNamesThem) {
   const MemoryLimits none;
   EXPECT_OK(CheckMemoryQuota("s", int64_t{1} << 40, int64_t{1} << 40, none));
