@@ -2,6 +2,8 @@
 // ⌈fraction·lines⌉ rows or columns of largest L1 norm are orthogonalized together and applied, and
 // their momentum lines decay by dion2_ef_decay (error feedback); the other lines keep theirs whole
 // for later steps. Written from microsoft/dion's dion/dion2.py (single device, flatten=False).
+// Telemetry as Muon's (docs/algorithms.md, Telemetry): the norm of each matrix's chosen lines, the
+// input Newton–Schulz normalizes, and one output's orthogonality residual a step, in turn.
 //
 // Thread-safety: as every Optimizer, one step at a time; the Newton–Schulz workspace is the
 // backend's shared one, held for the step.
@@ -114,9 +116,11 @@ class Dion2 final : public Optimizer {
     std::lock_guard<std::mutex> lock(shared.mu);
     // All scratch before any state changes, so that running out of memory rejects the step cleanly.
     MUOND_RETURN_IF_ERROR(shared.ws.Fit(backend, need));
+    MUOND_ASSIGN_OR_RETURN(Measured measured, ReserveTelemetry(backend, params));
     for (ParamState* p : params) {
       if (!p->has_grad) continue;
-      MUOND_RETURN_IF_ERROR(StepParameter(backend, hyper, *p, shared.ws));
+      MUOND_RETURN_IF_ERROR(StepParameter(backend, hyper, *p, shared.ws, measured));
+      if (measured.input_sums != nullptr) measured.input_sums += MatricesOf(*p).batch;
       ++p->step_count;
     }
     return absl::OkStatus();
@@ -179,7 +183,54 @@ class Dion2 final : public Optimizer {
     return out;
   }
 
-  absl::Status StepParameter(Backend& backend, const StepHyper& hyper, ParamState& p, NsWorkspace& ws) {
+  // Where a step's telemetry goes (backend memory, StepTelemetry::pending): each matrix's Σ U² of
+  // its chosen lines in step order, from `input_sums` on; and the residual's two sums of matrix
+  // `residual_matrix` of parameter `residual_param`, the group's matrices measured in turn as Muon's.
+  struct Measured {
+    double* input_sums = nullptr;
+    const ParamState* residual_param = nullptr;
+    int64_t residual_matrix = 0;
+    double* residual_sums = nullptr;
+  };
+
+  absl::StatusOr<Measured> ReserveTelemetry(Backend& backend, std::span<ParamState* const> params) {
+    Measured out;
+    StepTelemetry* telemetry = telemetry_;
+    if (telemetry == nullptr) return out;
+    std::vector<bool> idle;  // by matrix: its gradient is all zero this step, its momentum only decays
+    const ParamState* first = nullptr;
+    for (const ParamState* p : params) {
+      if (!p->has_grad || p->numel == 0) continue;
+      if (first == nullptr) first = p;
+      idle.insert(idle.end(), static_cast<size_t>(MatricesOf(*p).batch), p->grad_is_zero);
+    }
+    if (idle.empty()) return out;
+    if (telemetry->measure) {
+      int64_t k = first->step_count % static_cast<int64_t>(idle.size());
+      for (const ParamState* p : params) {
+        if (!p->has_grad || p->numel == 0) continue;
+        const int64_t batch = MatricesOf(*p).batch;
+        if (k < batch) {
+          if (!p->grad_is_zero) out.residual_param = p;
+          out.residual_matrix = k;
+          break;
+        }
+        k -= batch;
+      }
+    }
+    const bool residual = out.residual_param != nullptr;
+    const size_t matrices = idle.size();
+    MUOND_ASSIGN_OR_RETURN(out.input_sums, telemetry->pending.Reserve(backend, matrices + (residual ? 2 : 0),
+                                                                      [telemetry, idle = std::move(idle),
+                                                                       residual](std::span<const double> values) {
+                                                                        telemetry->AddNsInputs(values, idle, residual);
+                                                                      }));
+    if (residual) out.residual_sums = out.input_sums + matrices;
+    return out;
+  }
+
+  absl::Status StepParameter(Backend& backend, const StepHyper& hyper, ParamState& p, NsWorkspace& ws,
+                             const Measured& measured) {
     const size_t n = static_cast<size_t>(p.numel);
     if (n == 0) return absl::OkStatus();
     const Matrices mat = MatricesOf(p);
@@ -211,7 +262,15 @@ class Dion2 final : public Optimizer {
     // O of each matrix's chosen lines, together: batch matrices of chosen × length.
     MUOND_RETURN_IF_ERROR(NewtonSchulz(backend, options_.ns_schedule, options_.ns_steps, options_.ns_eps,
                                        options_.ns_norm_safety, options_.matmul_precision, picked, picked, l.chosen,
-                                       l.length, mat.batch, ws, nullptr, options_.ns_preconditioner));
+                                       l.length, mat.batch, ws, measured.input_sums, options_.ns_preconditioner));
+    if (measured.residual_param == &p) {
+      const size_t lines_of_one = chosen.size() / static_cast<size_t>(mat.batch);
+      MUOND_RETURN_IF_ERROR(OrthogonalitySumSquares(
+          backend, picked + static_cast<size_t>(measured.residual_matrix) * lines_of_one * length, l.chosen, l.length,
+          ws, measured.residual_sums));
+      telemetry_->residual_parameter = p.name;
+      telemetry_->residual_offset = static_cast<size_t>(measured.residual_matrix * mat.rows * mat.cols);
+    }
     // The update: O on the chosen lines, 0 elsewhere.
     MUOND_RETURN_IF_ERROR(backend.Fill(lines, n, 0.0f));
     for (size_t i = 0; i < chosen.size(); ++i) {

@@ -446,26 +446,11 @@ absl::StatusOr<double*> Muon::ReserveTelemetrySums(Backend& backend,
     for (const MatrixJob& job : batch) idle.push_back(job.param != nullptr && job.param->grad_is_zero);
   }
   const size_t matrices = idle.size();
-  MUOND_ASSIGN_OR_RETURN(double* sums,
-                         telemetry->pending.Reserve(
-                             backend, matrices + (residual ? 2 : 0),
-                             [telemetry, idle = std::move(idle), residual](std::span<const double> values) {
-                               const size_t matrices = idle.size();
-                               for (size_t i = 0; i < matrices; ++i) {
-                                 telemetry->momentum_sum_squares += values[i];
-                                 ++telemetry->matrices;
-                                 const double norm = std::sqrt(values[i]);
-                                 telemetry->smallest_momentum_norm = std::min(telemetry->smallest_momentum_norm, norm);
-                                 // A momentum of exactly zero never had a non-zero gradient, and one without a
-                                 // gradient this step only decays: not a norm that fell (docs/operations.md, Warnings).
-                                 if (norm > 0 && !idle[i]) {
-                                   telemetry->smallest_nonzero_momentum_norm =
-                                       std::min(telemetry->smallest_nonzero_momentum_norm, norm);
-                                 }
-                               }
-                               if (residual)
-                                 telemetry->residual = ResidualFromSums(values[matrices], values[matrices + 1]);
-                             }));
+  MUOND_ASSIGN_OR_RETURN(double* sums, telemetry->pending.Reserve(backend, matrices + (residual ? 2 : 0),
+                                                                  [telemetry, idle = std::move(idle),
+                                                                   residual](std::span<const double> values) {
+                                                                    telemetry->AddNsInputs(values, idle, residual);
+                                                                  }));
   residual_sum_ = residual ? sums + matrices : nullptr;
   return sums;
 }

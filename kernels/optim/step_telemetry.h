@@ -13,6 +13,7 @@
 #include <limits>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -57,6 +58,11 @@ struct StepTelemetry {
   // The sums above as the step's kernels write them (backend memory), until the step reads them
   // back once at its end (Optimizer::StepMeasured) and adds them in.
   PendingSums pending;
+
+  // Adds Newton–Schulz's inputs as read back: `values` holds each matrix's Σ U² (idle[i]: the
+  // matrix's gradient is all zero this step, its momentum only decays), then, with `residual`, the
+  // two sums of OrthogonalitySumSquares. Muon's and Dion2's.
+  void AddNsInputs(std::span<const double> values, const std::vector<bool>& idle, bool with_residual);
 };
 
 class UpdateMeter {

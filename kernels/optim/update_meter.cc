@@ -1,12 +1,14 @@
 // UpdateMeter (step_telemetry.h): Σ W² and Σ ΔW² of an update into the step's pending sums (backend
 // memory): by the update itself where the backend measures in its own pass, else chunk by chunk
-// through one scratch buffer per backend.
+// through one scratch buffer per backend; and StepTelemetry::AddNsInputs.
 #include <algorithm>
+#include <cmath>
 #include <memory>
 #include <mutex>
 #include <vector>
 
 #include "common/status_macros.h"
+#include "kernels/optim/newton_schulz.h"
 #include "kernels/optim/step_telemetry.h"
 
 namespace muond::optim {
@@ -125,6 +127,20 @@ absl::Status UpdateMeter::Measure(kernels::Backend& backend, kernels::StoredRef 
   if (done < count) MUOND_RETURN_IF_ERROR(apply(done, count - done, nullptr));
   telemetry->updated_elements += static_cast<int64_t>(count);
   return absl::OkStatus();
+}
+
+void StepTelemetry::AddNsInputs(std::span<const double> values, const std::vector<bool>& idle, bool with_residual) {
+  const size_t count = idle.size();
+  for (size_t i = 0; i < count; ++i) {
+    momentum_sum_squares += values[i];
+    ++matrices;
+    const double norm = std::sqrt(values[i]);
+    smallest_momentum_norm = std::min(smallest_momentum_norm, norm);
+    // A momentum of exactly zero never had a non-zero gradient, and one without a gradient this
+    // step only decays: not a norm that fell (docs/operations.md, Warnings).
+    if (norm > 0 && !idle[i]) smallest_nonzero_momentum_norm = std::min(smallest_nonzero_momentum_norm, norm);
+  }
+  if (with_residual) residual = ResidualFromSums(values[count], values[count + 1]);
 }
 
 }  // namespace muond::optim

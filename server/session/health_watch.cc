@@ -54,15 +54,20 @@ void HealthWatch::Observe(const SessionConfig& config, const StepClipping& clipp
     if (options.optimizer == optim::OptimizerKind::kSgd && options.heloco) {
       out.heloco = StepResult::GroupTelemetry::HelocoCounts{t.heloco_kept, t.heloco_reoriented, t.heloco_shrunk};
     }
-    if (options.optimizer != optim::OptimizerKind::kMuon) continue;
+    // Newton–Schulz's groups: Muon's, and Dion2's on its chosen lines (the same telemetry).
+    if (options.optimizer != optim::OptimizerKind::kMuon && options.optimizer != optim::OptimizerKind::kDion2) {
+      continue;
+    }
 
-    const double coefficient = clipping.clipped[g];
-    state.clip_low_steps = coefficient < options.warn_clip_below ? state.clip_low_steps + 1 : 0;
-    if (state.clip_low_steps == options.warn_clip_steps) {
-      Raise(kHealthWarningKinds[0], out.group,
-            absl::StrCat("clip coefficient ", coefficient, " under ", options.warn_clip_below, " for ",
-                         state.clip_low_steps, " steps (gradient norm ", clipping.group_norms[g], ")"),
-            out, result);
+    if (options.optimizer == optim::OptimizerKind::kMuon) {
+      const double coefficient = clipping.clipped[g];
+      state.clip_low_steps = coefficient < options.warn_clip_below ? state.clip_low_steps + 1 : 0;
+      if (state.clip_low_steps == options.warn_clip_steps) {
+        Raise(kHealthWarningKinds[0], out.group,
+              absl::StrCat("clip coefficient ", coefficient, " under ", options.warn_clip_below, " for ",
+                           state.clip_low_steps, " steps (gradient norm ", clipping.group_norms[g], ")"),
+              out, result);
+      }
     }
 
     if (t.matrices > 0) {

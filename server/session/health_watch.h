@@ -2,7 +2,8 @@
 // of each group (docs/algorithms.md, Telemetry) assembled from the step's clipping and what each
 // optimizer measured, and the health warnings of the known silent failures (docs/operations.md,
 // Warnings): a Muon group whose clip coefficient stays under warn_clip_below for warn_clip_steps
-// steps, a Muon matrix whose non-zero momentum falls under Newton–Schulz's eps, a parameter without
+// steps, a Muon or Dion2 matrix whose non-zero momentum (Dion2: its chosen lines) falls under
+// Newton–Schulz's eps, a parameter without
 // a gradient for warn_stale_steps steps, an orthogonality residual above warn_residual_above (or
 // the bound the group's Newton–Schulz derives, optim::ResidualThreshold).
 //

@@ -2,9 +2,11 @@
 // bits Step leaves, in every optimizer and storage format, over parameters of several meter chunks;
 // its sums are those of the masters before and after; Newton–Schulz's input sums and the
 // orthogonality residual are those of the matrices.
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -67,17 +69,17 @@ TEST_P(StepMeasuredTest, SameBitsAndTheSumsOfTheChange) {
   o.weight_decay = 0.1;
   ASSERT_OK_AND_ASSIGN(auto plain, Optimizer::Create(o));
   ASSERT_OK_AND_ASSIGN(auto measured, Optimizer::Create(o));
-  // Element-wise parameters over three meter chunks and a part; Muon's two same-shape matrices and
-  // an expert stack.
+  // Element-wise parameters over three meter chunks and a part; Muon's (and Dion2's) two same-shape
+  // matrices and an expert stack.
+  const bool matrices = o.optimizer == OptimizerKind::kMuon || o.optimizer == OptimizerKind::kDion2;
   const size_t chunk = UpdateMeter::ChunkElements(*backend);
   const std::vector<std::vector<int64_t>> shapes =
-      o.optimizer == OptimizerKind::kMuon
-          ? std::vector<std::vector<int64_t>>{{64, 48}, {64, 48}, {3, 16, 40}}
-          : std::vector<std::vector<int64_t>>{{static_cast<int64_t>(3 * chunk + 11)}, {5, 7}};
+      matrices ? std::vector<std::vector<int64_t>>{{64, 48}, {64, 48}, {3, 16, 40}}
+               : std::vector<std::vector<int64_t>>{{static_cast<int64_t>(3 * chunk + 11)}, {5, 7}};
   std::mt19937 rng(7);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::vector<ParamState> a(shapes.size()), b(shapes.size());
-  std::vector<std::vector<float>> before(shapes.size());
+  std::vector<std::vector<float>> before(shapes.size()), grads(shapes.size());
   for (size_t i = 0; i < shapes.size(); ++i) {
     for (ParamState* s : {&a[i], &b[i]}) {
       s->name = "p" + std::to_string(i);
@@ -89,6 +91,7 @@ TEST_P(StepMeasuredTest, SameBitsAndTheSumsOfTheChange) {
     std::vector<float> w(n), g(n);
     for (float& x : w) x = normal(rng);
     for (float& x : g) x = normal(rng);
+    grads[i] = g;
     for (ParamState* s : {&a[i], &b[i]}) {
       ASSERT_OK_AND_ASSIGN(s->master, AllocateStored(*backend, o.master_dtype, n));
       ASSERT_OK(WriteStored(*backend, s->master, 0, n, w.data()));
@@ -130,7 +133,7 @@ TEST_P(StepMeasuredTest, SameBitsAndTheSumsOfTheChange) {
   EXPECT_EQ(t.updated_elements, elements);
   // The CPU backend measures an element-wise update of an fp32 master in its own pass, in eight
   // fp32 lanes over pieces of 1024 (each lane ≤ 128 terms: within 2⁻¹⁷ relative); otherwise in fp64.
-  const bool in_pass = o.optimizer != OptimizerKind::kMuon && o.master_dtype == kernels::StorageDtype::kFp32;
+  const bool in_pass = !matrices && o.master_dtype == kernels::StorageDtype::kFp32;
   EXPECT_NEAR(t.master_sum_squares, w2, (in_pass ? 1e-5 : 1e-12) * w2);
   EXPECT_NEAR(t.update_sum_squares, d2, (in_pass ? 1e-5 : 1e-6) * d2);
   EXPECT_GT(t.update_sum_squares, 0);
@@ -144,6 +147,40 @@ TEST_P(StepMeasuredTest, SameBitsAndTheSumsOfTheChange) {
     EXPECT_LT(*t.residual, 0.8);
     EXPECT_GT(t.momentum_sum_squares, 0);
     EXPECT_LE(t.smallest_momentum_norm * t.smallest_momentum_norm, t.momentum_sum_squares);
+  } else if (o.optimizer == OptimizerKind::kDion2) {
+    // Newton–Schulz's input is each matrix's chosen lines of M = G: the ⌈0.25·lines⌉ of largest L1
+    // norm, columns of the tall 64×48 matrices (12 of 48), rows of the wide 16×40 experts (4 of 16).
+    EXPECT_EQ(t.matrices, 5);
+    double chosen = 0;
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      const bool experts = shapes[i].size() == 3;
+      const int64_t count = experts ? shapes[i][0] : 1, rows = shapes[i][experts ? 1 : 0],
+                    cols = shapes[i][experts ? 2 : 1];
+      const bool columns = rows > cols;
+      const int64_t lines = columns ? cols : rows, length = columns ? rows : cols;
+      for (int64_t e = 0; e < count; ++e) {
+        std::vector<std::pair<double, double>> by_line;  // (L1, Σ²) of each line
+        for (int64_t l = 0; l < lines; ++l) {
+          double l1 = 0, squares = 0;
+          for (int64_t k = 0; k < length; ++k) {
+            const double v = grads[i][static_cast<size_t>(e * rows * cols + (columns ? k * cols + l : l * cols + k))];
+            l1 += std::abs(v);
+            squares += v * v;
+          }
+          by_line.emplace_back(l1, squares);
+        }
+        std::sort(by_line.begin(), by_line.end(), [](const auto& x, const auto& y) { return x.first > y.first; });
+        for (int64_t l = 0; l < (lines + 3) / 4; ++l) chosen += by_line[static_cast<size_t>(l)].second;
+      }
+    }
+    EXPECT_NEAR(t.momentum_sum_squares, chosen, 1e-6 * chosen);
+    EXPECT_LE(t.smallest_momentum_norm * t.smallest_momentum_norm, t.momentum_sum_squares);
+    // Step 0 measures the group's first matrix, in parameter order: p0's.
+    ASSERT_TRUE(t.residual.has_value());
+    EXPECT_EQ(t.residual_parameter, "p0");
+    EXPECT_EQ(t.residual_offset, 0u);
+    EXPECT_GT(*t.residual, 0);
+    EXPECT_LT(*t.residual, 0.8);
   } else {
     EXPECT_EQ(t.matrices, 0);
     EXPECT_FALSE(t.residual.has_value());
@@ -156,6 +193,8 @@ INSTANTIATE_TEST_SUITE_P(Optimizers, StepMeasuredTest,
                                            Case{OptimizerKind::kAdamW, kernels::StorageDtype::kFp32},
                                            Case{OptimizerKind::kAdamW, kernels::StorageDtype::kBf16},
                                            Case{OptimizerKind::kLion, kernels::StorageDtype::kFp16},
+                                           Case{OptimizerKind::kDion2, kernels::StorageDtype::kFp32},
+                                           Case{OptimizerKind::kDion2, kernels::StorageDtype::kBf16},
                                            Case{OptimizerKind::kSgd, kernels::StorageDtype::kFp32}));
 
 // Rows s·eᵢ (wide) or their transpose (tall): X·Xᵀ (or Xᵀ·X) = s²·I, so the residual is |s² − 1|

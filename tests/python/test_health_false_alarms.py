@@ -2,11 +2,12 @@
 
 Healthy runs raise no warning at all: the demo's transformer (examples/train_gpt.py) at its
 defaults, at batch size 1, with zero-initialized output projections (modded-nanogpt's), with bf16
-matmuls, and under every named coefficient set at its own step count; and the other examples (the
+matmuls, with Dion2 for its matrices, and under every named coefficient set at its own step count; and the other examples (the
 C++ MLP, DDP, ranks that hold parts, DiLoCo) at their defaults. And each warning still fires
 within a few steps on its fault: Newton–Schulz made a no-op (custom coefficients (1, 0, 0)) on
 full-rank gradients, a momentum that falls under ns_eps, a parameter that never gets a gradient, and
-clipping that keeps a Muon group's gradients under 1% for warn_clip_steps steps.
+clipping that keeps a Muon group's gradients under 1% for warn_clip_steps steps; Dion2's first two
+on its chosen lines.
 """
 
 import os
@@ -44,6 +45,8 @@ def train_demo(endpoint, steps=STEPS, batch_size=None, zero_projections=False, *
     for group in groups:
         if group.get("optimizer") == "muon":
             group.update(muon_options)
+            if group["optimizer"] == "dion2":
+                del group["momentum"]  # Dion2's momentum sums the gradients, as the demo's own option does
     raised, residuals = [], {}
     batches = data.batches(args.batch_size)
     with muond.RemoteOptimizer(groups, endpoint=endpoint) as opt:
@@ -64,7 +67,8 @@ def train_demo(endpoint, steps=STEPS, batch_size=None, zero_projections=False, *
     {"batch_size": 1},
     {"zero_projections": True},
     {"matmul_precision": "bf16"},
-], ids=["defaults", "batch-1", "zero-projections", "bf16-matmul"])
+    {"optimizer": "dion2"},
+], ids=["defaults", "batch-1", "zero-projections", "bf16-matmul", "dion2"])
 def test_the_demo_raises_no_warning(endpoint, variant):
     raised, residuals = train_demo(endpoint, **variant)
     print(f"{variant}: largest residual by group {residuals}")
@@ -125,6 +129,18 @@ def test_newton_schulz_made_a_no_op_raises_residual_high(endpoint):
 def test_a_momentum_under_eps_raises_momentum_below_eps(endpoint):
     # Gradients of 1e-12 a element: a momentum norm of ~1e-11, far under ns_eps 1e-7.
     warnings, info = fault_run(endpoint, 5, w_scale=1e-12)
+    assert "momentum_below_eps" in warnings[0]["g0"], warnings
+    assert all("momentum_below_eps" not in w["g0"] for w in warnings[1:]), "raised once while it lasts"
+    assert 0 < info.groups["g0"].smallest_momentum_norm < 1e-7
+
+
+def test_dion2_newton_schulz_made_a_no_op_or_a_momentum_under_eps_is_warned_about(endpoint):
+    # Dion2 orthogonalizes each matrix's chosen lines (16 of 64 here): the same two faults there.
+    warnings, info = fault_run(endpoint, 3, muon={"optimizer": "dion2", "ns_coefficients": [(1.0, 0.0, 0.0)]})
+    assert warnings[0]["g0"] == ("residual_high",), warnings
+    assert info.groups["g0"].orthogonality_residual > 0.9
+    assert info.groups["g0"].residual_parameter == "w"
+    warnings, info = fault_run(endpoint, 5, muon={"optimizer": "dion2"}, w_scale=1e-12)
     assert "momentum_below_eps" in warnings[0]["g0"], warnings
     assert all("momentum_below_eps" not in w["g0"] for w in warnings[1:]), "raised once while it lasts"
     assert 0 < info.groups["g0"].smallest_momentum_norm < 1e-7
