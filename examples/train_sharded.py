@@ -10,8 +10,13 @@ The matrices are cut by rows (DTensor ``Shard(0)``, FSDP2), the biases by a flat
 gloo has no reduce-scatter on CPU here, so the gradients are all-reduced and sliced, and the
 parameters all-gathered by an all-reduce of zero-padded parts; an FSDP trainer has both done for it.
 
+With ``--replicas R`` it is HSDP: R replicas of the model, each sharded over ranks / R ranks (rank r
+holds shard r mod ranks/R). The collectives stay within a replica; the averaging across replicas,
+HSDP's all-reduce over the replica group, is the daemon's (docs/ranks.md, HSDP).
+
     muond --listen 127.0.0.1:50051 --backend cpu &
     python3 examples/train_sharded.py --endpoint 127.0.0.1:50051 --ranks 2 --steps 50
+    python3 examples/train_sharded.py --endpoint 127.0.0.1:50051 --ranks 4 --replicas 2
 """
 
 from __future__ import annotations
@@ -39,8 +44,8 @@ def make_data(seed: int, n: int = 4096):
     return x, torch.tanh(x @ w / 32 ** 0.5)
 
 
-def gather_whole(model: nn.Module, groups, world: int, rank: int) -> None:
-    """Every rank's parts into the model's whole parameters (an all-gather)."""
+def gather_whole(model: nn.Module, groups, world: int, rank: int, replica) -> None:
+    """The parts of this rank's replica into the model's whole parameters (an all-gather)."""
     with torch.no_grad():
         for group in groups:
             ranges = group["partition"].parts(world)
@@ -48,31 +53,37 @@ def gather_whole(model: nn.Module, groups, world: int, rank: int) -> None:
                 whole = torch.zeros(group["partition"].numel(k))
                 begin, end = ranges[k][rank]
                 whole[begin:end] = local.reshape(-1)
-                dist.all_reduce(whole)
+                dist.all_reduce(whole, group=replica)
                 model.get_parameter(name).copy_(whole.view(group["partition"].shapes[k]))
 
 
-def keep_my_gradients(model: nn.Module, groups, world: int, rank: int) -> None:
-    """The mean gradient over the ranks, of which each rank keeps its part (a reduce-scatter)."""
+def keep_my_gradients(model: nn.Module, groups, world: int, rank: int, replica, shards: int) -> None:
+    """The mean gradient over this rank's replica, of which each rank keeps its part (a
+    reduce-scatter). Across replicas the daemon averages the parts."""
     for group in groups:
         for k, (name, local) in enumerate(group["params"]):
             grad = model.get_parameter(name).grad
-            dist.all_reduce(grad)
-            grad /= world
+            dist.all_reduce(grad, group=replica)
+            grad /= shards
             local.grad = partition.cut(grad, group["partition"], k, world, rank).view(local.shape)
 
 
 def train(rank: int, args: argparse.Namespace, store: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=args.ranks)
+    # The ranks of each replica, as a (replicate, shard) mesh numbers them; every rank makes every group.
+    shards = args.ranks // args.replicas
+    replicas = [dist.new_group(list(range(i * shards, (i + 1) * shards))) for i in range(args.replicas)]
+    replica = replicas[rank // shards]
     torch.manual_seed(0)  # every rank builds the same initial model, then keeps its parts of it
     model = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 8))
     named = list(model.named_parameters())
-    matrices, _ = partition.shard_parameters([(n, p) for n, p in named if p.dim() >= 2], args.ranks, rank, "rows")
-    biases, _ = partition.shard_parameters([(n, p) for n, p in named if p.dim() < 2], args.ranks, rank, "flat")
+    matrices, rows = partition.shard_parameters([(n, p) for n, p in named if p.dim() >= 2], args.ranks, rank,
+                                                "rows", replicas=args.replicas)
+    biases, flat = partition.shard_parameters([(n, p) for n, p in named if p.dim() < 2], args.ranks, rank,
+                                              "flat", replicas=args.replicas)
     groups = [
-        {"params": matrices, "partition": partition.rows([model.get_parameter(n).shape for n, _ in matrices])},
-        {"params": biases, "optimizer": "adamw", "lr": 3e-3,
-         "partition": partition.flat([model.get_parameter(n).shape for n, _ in biases])},
+        {"params": matrices, "partition": rows},
+        {"params": biases, "optimizer": "adamw", "lr": 3e-3, "partition": flat},
     ]
     opt = muond.RemoteOptimizer(groups, endpoint=args.endpoint, lr=0.02)
     x, y = make_data(seed=1)
@@ -83,21 +94,22 @@ def train(rank: int, args: argparse.Namespace, store: str) -> None:
     if rank == 0:
         print(f"rank 0 holds {sent} of {whole} elements; steps travel over {opt.transport}", flush=True)
     for step in range(1, args.steps + 1):
-        gather_whole(model, groups, args.ranks, rank)
+        gather_whole(model, groups, args.ranks, rank, replica)
         idx = torch.randint(0, xs.shape[0], (args.batch,), generator=torch.Generator().manual_seed(step * 97 + rank))
         loss = nn.functional.mse_loss(model(xs[idx]), ys[idx])
         model.zero_grad()
         loss.backward()
-        keep_my_gradients(model, groups, args.ranks, rank)
+        keep_my_gradients(model, groups, args.ranks, rank, replica, shards)
         opt.step()  # this rank's parts out, its parts of the new parameters back
         if rank == 0 and (step % 10 == 0 or step == 1):
             print(f"step {step:4d}  loss(rank 0 batch) {loss.item():.4f}  grad norm {opt.last_info.grad_norm:.3f}",
                   flush=True)
-    gather_whole(model, groups, args.ranks, rank)
+    gather_whole(model, groups, args.ranks, rank, replica)
     with torch.no_grad():
         full = nn.functional.mse_loss(model(x), y).item()
     if rank == 0:
-        print(f"final loss on all data: {full:.4f} (session {opt.session_id}, {args.ranks} ranks)")
+        layout = f", {args.replicas} replicas of {shards} shards" if args.replicas > 1 else ""
+        print(f"final loss on all data: {full:.4f} (session {opt.session_id}, {args.ranks} ranks{layout})")
     dist.barrier()  # every rank is done before rank 0 ends the shared session
     opt.close()
     dist.destroy_process_group()
@@ -109,7 +121,10 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--replicas", type=int, default=1, help="HSDP: replicas of the sharded model")
     args = parser.parse_args()
+    if args.replicas < 1 or args.ranks % args.replicas:
+        parser.error(f"--replicas must divide --ranks ({args.ranks}), got {args.replicas}")
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(train, args=(args, os.path.join(tmp, "store")), nprocs=args.ranks, join=True)

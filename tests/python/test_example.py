@@ -58,11 +58,11 @@ def test_ddp_example_trains_with_two_ranks(endpoint):
     assert final < 0.5 * first, proc.stdout
 
 
-def test_sharded_example_trains_with_two_ranks_holding_parts(endpoint):
-    """examples/train_sharded.py: two gloo ranks, each holding half of every parameter, step
-    through one session and the loss comes down."""
+def run_sharded(endpoint, *args):
+    """examples/train_sharded.py with ``args`` for 40 steps: its output, the first batch loss, the
+    final loss on all data, and the elements rank 0 holds of the whole."""
     cmd = [sys.executable, str(REPO_ROOT / "examples" / "train_sharded.py"), "--endpoint", endpoint,
-           "--ranks", "2", "--steps", "40"]
+           *args, "--steps", "40"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -70,6 +70,22 @@ def test_sharded_example_trains_with_two_ranks_holding_parts(endpoint):
     first = float(lines[0].split("batch) ")[1].split()[0])
     final = float(proc.stdout.split("final loss on all data: ")[1].split()[0])
     held, whole = (int(n) for n in proc.stdout.split("rank 0 holds ")[1].split(" elements")[0].split(" of "))
-    assert held < 0.6 * whole, proc.stdout  # about half of every parameter
-    assert "2 ranks" in proc.stdout
-    assert final < 0.5 * first, proc.stdout
+    return proc.stdout, first, final, held, whole
+
+
+def test_sharded_example_trains_with_two_ranks_holding_parts(endpoint):
+    """examples/train_sharded.py: two gloo ranks, each holding half of every parameter, step
+    through one session and the loss comes down."""
+    out, first, final, held, whole = run_sharded(endpoint, "--ranks", "2")
+    assert held < 0.6 * whole, out  # about half of every parameter
+    assert "2 ranks" in out
+    assert final < 0.5 * first, out
+
+
+def test_sharded_example_trains_as_hsdp_with_two_replicas(endpoint):
+    """examples/train_sharded.py --replicas 2: four gloo ranks, two replicas of a model sharded
+    over two, whose replicas the daemon averages; the loss comes down."""
+    out, first, final, held, whole = run_sharded(endpoint, "--ranks", "4", "--replicas", "2")
+    assert held < 0.6 * whole, out  # about half of every parameter: one of two shards
+    assert "4 ranks, 2 replicas of 2 shards" in out
+    assert final < 0.5 * first, out
