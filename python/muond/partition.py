@@ -429,9 +429,11 @@ def check_groups(groups: Sequence[Mapping[str, Any]], world_size: int, rank: int
     if endpoints > 1:
         raise ValueError("partition: needs one daemon (a session sharded over daemons takes whole "
                          "tensors); got several endpoints")
-    if sync_mode != "lockstep":
+    replicated = all(g["partition"].replicas > 1 for g in groups if g.get("partition") is not None)
+    if sync_mode != "lockstep" and not (sync_mode == "quorum" and replicated):
         raise ValueError(f"partition: lock-step only (a missing rank's part is a missing piece "
-                         f"of the gradient); got sync_mode {sync_mode!r}")
+                         f"of the gradient), or quorum with replicas of every partition (HSDP); got "
+                         f"sync_mode {sync_mode!r}")
     for name, value in features.items():
         if value:
             raise ValueError(f"partition: {name} is not available with partitioned groups")

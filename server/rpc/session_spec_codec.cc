@@ -281,7 +281,7 @@ absl::Status ParseSync(const v1::SyncSpec& sync, SessionConfig& config) {
 // Needs the parameters, world_size, sync and shard parsed.
 absl::Status ParsePartitions(const v1::SessionSpec& spec, SessionConfig& config) {
   std::vector<session::PartitionRule> rules(static_cast<size_t>(spec.groups_size()));
-  std::string first_partitioned;
+  std::string first_partitioned, first_unreplicated;
   for (int g = 0; g < spec.groups_size(); ++g) {
     const v1::Partition& given = spec.groups(g).partition();
     session::PartitionRule& rule = rules[static_cast<size_t>(g)];
@@ -333,13 +333,21 @@ absl::Status ParsePartitions(const v1::SessionSpec& spec, SessionConfig& config)
       }
     }
     if (rule.kind != session::PartitionKind::kReplicated && first_partitioned.empty()) first_partitioned = rule.field;
+    if (rule.kind != session::PartitionKind::kReplicated && rule.replicas < 2 && first_unreplicated.empty()) {
+      first_unreplicated = rule.field;
+    }
   }
   if (first_partitioned.empty()) return absl::OkStatus();
-  if (config.sync.mode != SyncMode::kLockstep) {
+  // A missing rank's part is a missing piece of the gradient, unless another replica holds it (HSDP):
+  // quorum steps then go on without whole replicas, never without a shard (Session::QuorumReachedLocked).
+  const bool quorum_over_replicas = config.sync.mode == SyncMode::kQuorum && first_unreplicated.empty();
+  if (config.sync.mode != SyncMode::kLockstep && !quorum_over_replicas) {
     return InvalidField(
         "spec.sync.mode",
-        absl::StrCat("lock-step only with partitioned groups (", first_partitioned,
-                     "): a missing rank's part is a missing piece of the gradient, not a smaller batch"));
+        absl::StrCat("lock-step only with partitioned groups (",
+                     first_unreplicated.empty() ? first_partitioned : first_unreplicated,
+                     "): a missing rank's part is a missing piece of the gradient, not a smaller batch",
+                     config.sync.mode == SyncMode::kQuorum ? " (quorum needs replicas of every partition, HSDP)" : ""));
   }
   if (config.shard.count > 0) {
     return InvalidField(first_partitioned,

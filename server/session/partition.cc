@@ -226,6 +226,20 @@ absl::Status CheckPartsAgree(const SessionConfig& config, const std::vector<cons
   return absl::OkStatus();
 }
 
+bool PartsCovered(const SessionConfig& config, const std::vector<const std::vector<HostTensor>*>& by_rank) {
+  for (size_t p = 0; p < config.parts.size(); ++p) {
+    if (!IsPartitioned(config, p)) continue;
+    for (size_t r = 0; r < config.parts[p].size(); ++r) {
+      const ElementRange part = config.parts[p][r];
+      if (part.size() == 0 || (r < by_rank.size() && by_rank[r] != nullptr)) continue;
+      bool held = false;
+      for (size_t q = 0; q < by_rank.size() && !held; ++q) held = by_rank[q] != nullptr && config.parts[p][q] == part;
+      if (!held) return false;
+    }
+  }
+  return true;
+}
+
 void AssembleParts(const SessionConfig& config, const std::vector<const std::vector<HostTensor>*>& by_rank,
                    const std::vector<double>& weight, const std::vector<double>& rescale,
                    std::vector<HostTensor>& out) {

@@ -86,6 +86,11 @@ absl::Status CheckRankParts(const SessionConfig& config, int rank, const std::ve
 // the ranks that sent their parts and those that did not, otherwise.
 absl::Status CheckPartsAgree(const SessionConfig& config, const std::vector<const std::vector<HostTensor>*>& by_rank);
 
+// Whether the ranks present in by_rank (non-null) hold every element of every partitioned parameter
+// between them: with HSDP replicas, a quorum step may go on without some replicas, never without a
+// shard.
+bool PartsCovered(const SessionConfig& config, const std::vector<const std::vector<HostTensor>*>& by_rank);
+
 // Writes the whole gradient of each partitioned parameter into out[p] from the ranks' parts
 // (by_rank[r] is rank r's gradients, all present under lock-step), with its fp64 sum of squares
 // taken in element order. A part one rank holds is multiplied by its rank's rescale[r] (in fp64,

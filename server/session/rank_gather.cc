@@ -59,6 +59,8 @@ std::vector<const std::vector<HostTensor>*> RankGather::ByRank() const {
 
 absl::Status RankGather::CheckParts(const SessionConfig& config) const { return CheckPartsAgree(config, ByRank()); }
 
+bool RankGather::CoversParts(const SessionConfig& config) const { return PartsCovered(config, ByRank()); }
+
 std::pair<StepPlan, std::vector<HostTensor>> RankGather::TakeAverage(const SessionConfig& config) {
   const size_t num_parameters = config.parameters.size();
   int lowest = 0;

@@ -53,6 +53,8 @@ class RankGather {
   // Whether the arrived ranks' parts of each partitioned parameter agree (CheckPartsAgree): every
   // holder sent its part, or none did.
   absl::Status CheckParts(const SessionConfig& config) const;
+  // Whether the arrived ranks hold every part of every partitioned parameter (PartsCovered).
+  bool CoversParts(const SessionConfig& config) const;
   // The ranks not yet arrived; then ends the gathering (an abort).
   std::vector<int> Abort();
 

@@ -213,6 +213,8 @@ class Session {
   // Whether the gathering of a multi-rank step can be taken now: every rank arrived, or (quorum)
   // min_ranks have and the grace time since the min_ranks-th has passed.
   bool GatherReadyLocked(absl::Time now) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Quorum sessions: min_ranks have arrived, holding every part of every partitioned parameter.
+  bool QuorumReachedLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Takes the gathering and applies (or prepares) it.
   absl::StatusOr<StepOutcome> TakeGatheredLocked(bool prepare, uint64_t generation) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Reads the parameters back to the host when the snapshot is on the device (the last step's answer

@@ -281,8 +281,14 @@ absl::StatusOr<StepOutcome> Session::ApplyJournaledStep(StepRequest request, std
 
 bool Session::GatherReadyLocked(absl::Time now) const {
   if (gather_.complete()) return true;
-  const SyncConfig& sync = config_.sync;
-  return sync.mode == SyncMode::kQuorum && now >= gather_.reached(sync.min_ranks) + absl::Seconds(sync.grace_seconds);
+  return QuorumReachedLocked() &&
+         now >= gather_.reached(config_.sync.min_ranks) + absl::Seconds(config_.sync.grace_seconds);
+}
+
+bool Session::QuorumReachedLocked() const {
+  // HSDP replicas (partition.replicas) may be left out of a quorum step, but every shard must be there.
+  return config_.sync.mode == SyncMode::kQuorum && gather_.arrived() >= config_.sync.min_ranks &&
+         gather_.CoversParts(config_);
 }
 
 absl::StatusOr<StepOutcome> Session::TakeGatheredLocked(bool prepare, uint64_t generation) {
@@ -303,7 +309,6 @@ absl::StatusOr<StepOutcome> Session::GatherLocked(StepPlan plan, std::vector<Hos
   const uint64_t generation = gather_.Add(std::move(plan), std::move(gradients), grad_scale, arrived_at);
   const int64_t last_step_before = last_step_;
   const absl::Time straggler_deadline = arrived_at + absl::Seconds(config_.straggler_timeout_seconds);
-  const bool quorum = config_.sync.mode == SyncMode::kQuorum;
   MUOND_LOG(debug, "session {}: step {} has {} of {} ranks; rank {} waits up to {} s for the rest", id_, step,
             gather_.arrived(), config_.world_size, rank, config_.straggler_timeout_seconds);
   // Waits for: the step taken by another rank (or aborted), another rank arriving (which may
@@ -327,7 +332,7 @@ absl::StatusOr<StepOutcome> Session::GatherLocked(StepPlan plan, std::vector<Hos
     auto changed = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       return last_step_ != last_step_before || gather_.generation() != generation || gather_.arrived() != arrived;
     };
-    const bool quorum_reached = quorum && arrived >= config_.sync.min_ranks;
+    const bool quorum_reached = QuorumReachedLocked();
     const absl::Time deadline =
         quorum_reached ? gather_.reached(config_.sync.min_ranks) + absl::Seconds(config_.sync.grace_seconds)
                        : straggler_deadline;

@@ -1,9 +1,11 @@
 // Ranks that differ: weighted averages, and quorum steps that go on without a late or absent rank.
 // The real daemon, one C++ client handle per rank; arrival order is pinned by waiting for the
 // daemon's own log line that a rank waits, never by sleeping.
+#include <algorithm>
 #include <future>
 #include <map>
 #include <optional>
+#include <utility>
 
 #include "gmock/gmock.h"
 #include "tests/integration/daemon_fixture.h"
@@ -244,6 +246,81 @@ TEST_F(HeterogeneousRanksTest, ARankArrivingWithinTheGraceCounts) {
   ASSERT_OK(r0.get().status());
   ASSERT_OK(r1.get().status());
   EXPECT_EQ(r2.parameters, OneRank("grace-reference", {WeightedMean({{1, g[0]}, {1, g[1]}, {2, g[2]}})}));
+}
+
+// HSDP under quorum: 4 ranks as 2 replicas of a 2-way rows partition (rank r holds shard r mod 2:
+// rows [0, 4) of w and [0, 2) of b, or the rest), min_ranks 2, no grace. Ranks 0 and 2, both shard 0,
+// are two ranks but not a whole gradient: the step waits. Rank 3 brings shard 1 and the step is
+// taken with ranks 0, 2 and 3 — shard 0 the mean of its two replicas, shard 1 rank 3's alone — and
+// rank 1, late, is answered its part of the parameters after it.
+TEST_F(HeterogeneousRanksTest, AnHsdpQuorumGoesOnWithoutAReplicaButNeverWithoutAShard) {
+  const std::string id = "hsdp-quorum";
+  v1::SessionSpec spec = Spec(4, v1::SYNC_MODE_QUORUM, 2, 0);
+  for (v1::ParameterGroup& group : *spec.mutable_groups()) {
+    group.mutable_partition()->set_kind(v1::PARTITION_KIND_ROWS);
+    group.mutable_partition()->set_replicas(2);
+  }
+  auto ranks = Ranks(id, spec);  // a whole upload writes every rank's parts
+  ASSERT_EQ(ranks.size(), 4u);
+  for (int r = 0; r < 4; ++r) ASSERT_OK(ranks[static_cast<size_t>(r)]->HoldParts(r));
+  const Grads g[] = {GradsOf(0.1f), GradsOf(1.3f), GradsOf(2.9f), GradsOf(4.2f)};
+  // Shard s of a whole tensor: w's rows [4s, 4s + 4), b's elements [2s, 2s + 2).
+  auto shard_of = [](const Grads& whole, int s) {
+    return Grads{{whole.w.begin() + 16 * s, whole.w.begin() + 16 * (s + 1)},
+                 {whole.b.begin() + 2 * s, whole.b.begin() + 2 * (s + 1)}};
+  };
+  auto send = [&](int rank) {
+    return std::async(std::launch::async, [&, rank] {
+      const Grads part = shard_of(g[rank], rank % 2);
+      client::StepOptions options;
+      options.rank = rank;
+      const std::vector<client::TensorView> views = {{"w", {4, 4}, part.w}, {"b", {2}, part.b}};
+      return ranks[static_cast<size_t>(rank)]->Step(1, views, options);
+    });
+  };
+  auto r0 = send(0);
+  ASSERT_TRUE(daemon_.WaitForLog("session hsdp-quorum: step 1 has 1 of ")) << daemon_.ReadStderr();
+  auto r2 = send(2);
+  ASSERT_TRUE(daemon_.WaitForLog("session hsdp-quorum: step 1 has 2 of ")) << daemon_.ReadStderr();
+  auto r3 = send(3);
+  ASSERT_OK_AND_ASSIGN(client::StepReply by3, r3.get());
+  EXPECT_THAT(by3.contributors, ElementsAre(0, 2, 3));
+  EXPECT_TRUE(by3.included);
+  ASSERT_OK(r0.get().status());
+  ASSERT_OK(r2.get().status());
+  ASSERT_OK_AND_ASSIGN(client::StepReply late, send(1).get());
+  EXPECT_FALSE(late.included);
+  EXPECT_EQ(late.step, 1);
+
+  const Grads replicas_of_0 = WeightedMean({{1, g[0]}, {1, g[2]}}), whole_1 = g[3];
+  Grads assembled = g[0];
+  std::copy(replicas_of_0.w.begin(), replicas_of_0.w.begin() + 16, assembled.w.begin());
+  std::copy(whole_1.w.begin() + 16, whole_1.w.end(), assembled.w.begin() + 16);
+  std::copy(replicas_of_0.b.begin(), replicas_of_0.b.begin() + 2, assembled.b.begin());
+  std::copy(whole_1.b.begin() + 2, whole_1.b.end(), assembled.b.begin() + 2);
+  const client::ParameterMap want = OneRank("hsdp-quorum-reference", {assembled});
+  for (const auto& [reply, s] : {std::pair{&by3, 1}, std::pair{&late, 1}}) {
+    EXPECT_EQ(reply->parameters.at("w"),
+              std::vector<float>(want.at("w").begin() + 16 * s, want.at("w").begin() + 16 * (s + 1)));
+    EXPECT_EQ(reply->parameters.at("b"),
+              std::vector<float>(want.at("b").begin() + 2 * s, want.at("b").begin() + 2 * (s + 1)));
+  }
+}
+
+TEST_F(HeterogeneousRanksTest, QuorumNeedsReplicasOfEveryPartition) {
+  v1::SessionSpec spec = Spec(4, v1::SYNC_MODE_QUORUM, 2, 0);
+  spec.mutable_groups(0)->mutable_partition()->set_kind(v1::PARTITION_KIND_ROWS);
+  spec.mutable_groups(0)->mutable_partition()->set_replicas(2);
+  spec.mutable_groups(1)->mutable_partition()->set_kind(v1::PARTITION_KIND_ROWS);
+  EXPECT_THAT(client_->CreateSession("hsdp-quorum-bad", spec).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "spec.sync.mode: lock-step only with partitioned groups (spec.groups[1].partition)"));
+  spec.mutable_groups(1)->mutable_partition()->set_replicas(2);
+  spec.mutable_sync()->set_mode(v1::SYNC_MODE_ASYNC);
+  spec.mutable_sync()->clear_min_ranks();
+  spec.mutable_sync()->clear_grace_seconds();
+  EXPECT_THAT(client_->CreateSession("hsdp-async-bad", spec).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, "spec.sync.mode: lock-step only with partitioned groups"));
 }
 
 }  // namespace

@@ -287,15 +287,20 @@ def test_hsdp_replicas_average_their_parts_bit_for_bit_like_one_rank(endpoint):
     expect_parts(run_ranks(endpoint, kinds, world=6, hsdp=True), want, kinds, world=6)
 
 
-@pytest.mark.parametrize("extra", [{"reload_at": 2}, {"hold": (4, 1)}], ids=["state-dicts", "rank-killed"])
+@pytest.mark.parametrize("extra", [
+    {"reload_at": 2},
+    {"hold": (4, 1)},
+    {"options": {"sync_mode": "quorum", "min_ranks": 6, "grace_seconds": 0}},
+], ids=["state-dicts", "rank-killed", "quorum"])
 def test_hsdp_ranks_load_their_state_dicts_and_restart_like_other_ranks(endpoint, extra):
     # Every rank of both replicas saves its parts of the state after step 2, steps 3, loads them and
     # steps 3 again; or rank 4 (shard 1 of the second replica) is SIGKILLed while the others wait in
-    # step 2, and a new process of it reads its parts back and sends step 2. The same parts and
-    # digest as one rank stepping the replicas' mean.
+    # step 2, and a new process of it reads its parts back and sends step 2; or the session is a
+    # quorum one (which HSDP allows), every rank in every step. The same parts and digest as one
+    # rank stepping the replicas' mean.
     want = reference(endpoint, hsdp=True)
     kinds = ["hsdp_rows", "hsdp_rows", "hsdp_flat", "hsdp_explicit"]
-    expect_parts(run_ranks(endpoint, kinds, world=6, hsdp=True, options={}, **extra), want, kinds, world=6)
+    expect_parts(run_ranks(endpoint, kinds, world=6, hsdp=True, **{"options": {}, **extra}), want, kinds, world=6)
 
 
 def test_hsdp_rules_repeat_the_partition_over_the_replicas():
