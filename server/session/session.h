@@ -220,7 +220,9 @@ class Session {
   // Reads the parameters back to the host when the snapshot is on the device (the last step's answer
   // went over a GPU transport).
   absl::Status HostSnapshotLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::StatusOr<StepOutcome> GatherLocked(StepPlan plan, std::vector<HostTensor> gradients)
+  // A multi-rank step's rank joins the gathering with its gradients and their loss scale (checked by
+  // FinishStep, GradScaleLocked), and waits for the step to be taken.
+  absl::StatusOr<StepOutcome> GatherLocked(StepPlan plan, std::vector<HostTensor> gradients, double grad_scale)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The gradients' squares summed in parameter order (how the step's norm is defined), and why a
   // non-finite one skips the step ("" when every one is finite).

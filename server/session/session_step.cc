@@ -191,8 +191,8 @@ absl::StatusOr<StepOutcome> Session::FinishStep(std::unique_ptr<IncomingStep> st
   if (phase == StepPhase::kCommit) return CommitLocked(plan, step->gradients());
   // Each rank's grad_scale against the loss scaler before it joins the others (each rank's gradients
   // are brought to the lowest rank's scale when averaged, and that scale is divided out).
-  MUOND_RETURN_IF_ERROR(GradScaleLocked(plan).status());
-  if (config_.world_size > 1) return GatherLocked(std::move(plan), std::move(step->gradients()));
+  MUOND_ASSIGN_OR_RETURN(const double grad_scale, GradScaleLocked(plan));
+  if (config_.world_size > 1) return GatherLocked(std::move(plan), std::move(step->gradients()), grad_scale);
   if (phase == StepPhase::kPrepare) return PrepareLocked(std::move(plan), std::move(step->gradients()), 0);
   return ApplyLocked(plan, step->gradients(), step->staged());
 }
@@ -297,14 +297,13 @@ absl::StatusOr<StepOutcome> Session::TakeGatheredLocked(bool prepare, uint64_t g
   return ApplyLocked(applied_plan, mean, nullptr);
 }
 
-absl::StatusOr<StepOutcome> Session::GatherLocked(StepPlan plan, std::vector<HostTensor> gradients) {
+absl::StatusOr<StepOutcome> Session::GatherLocked(StepPlan plan, std::vector<HostTensor> gradients, double grad_scale) {
   const int64_t step = plan.request.step;
   const int rank = plan.request.rank;
   const bool prepare = plan.request.phase == StepPhase::kPrepare;
   // A rank's part of a partitioned parameter is a piece of the gradient, not a whole one: refused
   // here, before it joins, so the others' step is still to come.
   MUOND_RETURN_IF_ERROR(CheckRankParts(config_, rank, gradients));
-  MUOND_ASSIGN_OR_RETURN(const double grad_scale, GradScaleLocked(plan));  // checked by FinishStep
   const absl::Time arrived_at = absl::Now();
   const uint64_t generation = gather_.Add(std::move(plan), std::move(gradients), grad_scale, arrived_at);
   const int64_t last_step_before = last_step_;
