@@ -120,7 +120,8 @@ class Dion2 final : public Optimizer {
     for (ParamState* p : params) {
       if (!p->has_grad) continue;
       MUOND_RETURN_IF_ERROR(StepParameter(backend, hyper, *p, shared.ws, measured));
-      if (measured.input_sums != nullptr) measured.input_sums += MatricesOf(*p).batch;
+      // As ReserveTelemetry counted them: the matrices of parameters with elements.
+      if (measured.input_sums != nullptr && p->numel > 0) measured.input_sums += MatricesOf(*p).batch;
       ++p->step_count;
     }
     return absl::OkStatus();

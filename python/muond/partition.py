@@ -262,7 +262,9 @@ def from_dtensor(param: Any) -> Tuple[torch.Tensor, Shape]:
     """A DTensor sharded ``Shard(0)`` on a one-dimensional mesh (FSDP2's layout), or placed
     ``(Replicate(), Shard(0))`` on a two-dimensional one (HSDP's): its local tensor and global
     shape, for a ``rows`` partition — under HSDP ``rows(shapes, replicas=mesh.size(0))``, the
-    session's world size the mesh's. ValueError for another placement or mesh."""
+    session's world size the mesh's and each rank's muond rank its position in the mesh's row-major
+    order (``mesh.mesh.flatten()``: replica · shards + shard). ValueError for another placement or
+    mesh."""
     placements = tuple(getattr(param, "placements", ()))
     mesh = getattr(param, "device_mesh", None)
     ndim = getattr(mesh, "ndim", 1)

@@ -14,7 +14,19 @@ const char* Their(const std::vector<int>& ranks) { return ranks.size() == 1 ? "i
 
 }  // namespace
 
-bool PartLoad::UnderWay() const { return std::find(written_.begin(), written_.end(), false) != written_.end(); }
+bool PartLoad::UnderWay() const { return !written_.empty() && !Missing().empty(); }
+
+std::vector<int> PartLoad::Missing() const {
+  std::vector<bool> replica_wrote(written_.size(), false);
+  for (size_t r = 0; r < written_.size(); ++r) {
+    if (written_[r]) replica_wrote[static_cast<size_t>(replica_of_[r])] = true;
+  }
+  std::vector<int> missing;
+  for (size_t r = 0; r < written_.size(); ++r) {
+    if (!replica_wrote[static_cast<size_t>(replica_of_[r])]) missing.push_back(static_cast<int>(r));
+  }
+  return missing;
+}
 
 std::vector<int> PartLoad::Ranks(bool written) const {
   std::vector<int> ranks;
@@ -77,7 +89,7 @@ void PartLoad::Wrote(int rank, const Written& what, int64_t session_step) {
 
 absl::Status PartLoad::CheckStep(int64_t step) const {
   if (!UnderWay()) return absl::OkStatus();
-  const std::vector<int> missing = Ranks(false);
+  const std::vector<int> missing = Missing();
   const std::vector<int> done = Ranks(true);
   if (what_.upload) {
     return absl::FailedPreconditionError(absl::StrCat(

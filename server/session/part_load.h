@@ -6,10 +6,12 @@
 // states mixed; PartLoad refuses both, naming the ranks. A load replaces an upload under way (a
 // rank may load its checkpoint before the others have opened); an upload while a load is under
 // way is refused. The record empties once every rank has written, or when a whole upload or load
-// writes every part at once. Owned by Session and used under its mutex; not thread-safe itself.
+// writes every part at once. Under HSDP the replicas of a shard are interchangeable: one of them
+// writing counts for all. Owned by Session and used under its mutex; not thread-safe itself.
 #pragma once
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -18,7 +20,13 @@ namespace muond::session {
 
 class PartLoad {
  public:
-  explicit PartLoad(int world_size) : world_size_(world_size) {}
+  explicit PartLoad(int world_size) : PartLoad(std::vector<int>()) {
+    for (int r = 0; r < world_size; ++r) replica_of_.push_back(r);
+    world_size_ = world_size;
+  }
+  // replica_of[r]: the lowest rank holding what rank r holds (partition.h, ReplicaOf).
+  explicit PartLoad(std::vector<int> replica_of)
+      : world_size_(static_cast<int>(replica_of.size())), replica_of_(std::move(replica_of)) {}
 
   // OK unless other ranks have written parts of something else (a state of another step, with
   // other per-parameter step counts, or the initial parameters) since every rank last wrote:
@@ -47,12 +55,16 @@ class PartLoad {
   };
   absl::Status Check(int rank, const Written& what) const;
   void Wrote(int rank, const Written& what, int64_t session_step);
-  // Something is under way while some rank has not written (written_ empty before the first).
+  // Something is under way while some rank has not written, nor has any of its replicas (written_
+  // empty before the first).
   bool UnderWay() const;
   // The ranks whose flag in written_ is `written`.
   std::vector<int> Ranks(bool written) const;
+  // The ranks none of whose replicas has written (written_ not empty).
+  std::vector<int> Missing() const;
 
-  const int world_size_;
+  int world_size_;
+  std::vector<int> replica_of_;
   // What is under way, or was last written (written_ then all true).
   Written what_;
   std::vector<bool> written_;  // by rank

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <limits>
+#include <map>
+#include <set>
 #include <utility>
 #include <vector>
 
@@ -161,13 +163,29 @@ ElementRange PartOf(const SessionConfig& config, size_t index, int rank) {
 
 int64_t PartElements(const SessionConfig& config, size_t index, int rank) { return PartOf(config, index, rank).size(); }
 
-int FirstHolder(const SessionConfig& config, size_t index, int rank) {
-  if (!IsPartitioned(config, index)) return 0;
+std::vector<int> SameHolders(const SessionConfig& config, size_t index, int rank) {
+  std::vector<int> holders;
   const ElementRange part = PartOf(config, index, rank);
-  for (int r = 0; r < rank; ++r) {
-    if (part.size() > 0 && config.parts[index][static_cast<size_t>(r)] == part) return r;
+  if (!IsPartitioned(config, index) || part.size() == 0) return holders;
+  for (size_t r = 0; r < config.parts[index].size(); ++r) {
+    if (config.parts[index][r] == part) holders.push_back(static_cast<int>(r));
   }
-  return rank;
+  return holders;
+}
+
+std::vector<int> ReplicaOf(const SessionConfig& config) {
+  std::map<std::vector<std::pair<int64_t, int64_t>>, int> first;
+  std::vector<int> replica_of;
+  for (int r = 0; r < config.world_size; ++r) {
+    std::vector<std::pair<int64_t, int64_t>> held;
+    for (size_t p = 0; p < config.parts.size(); ++p) {
+      if (!IsPartitioned(config, p)) continue;
+      const ElementRange part = PartOf(config, p, r);
+      held.emplace_back(part.begin, part.end);
+    }
+    replica_of.push_back(first.try_emplace(std::move(held), r).first->second);
+  }
+  return replica_of;
 }
 
 int64_t ShapeElements(std::span<const int64_t> shape) {
@@ -229,12 +247,12 @@ absl::Status CheckPartsAgree(const SessionConfig& config, const std::vector<cons
 bool PartsCovered(const SessionConfig& config, const std::vector<const std::vector<HostTensor>*>& by_rank) {
   for (size_t p = 0; p < config.parts.size(); ++p) {
     if (!IsPartitioned(config, p)) continue;
-    for (size_t r = 0; r < config.parts[p].size(); ++r) {
-      const ElementRange part = config.parts[p][r];
-      if (part.size() == 0 || (r < by_rank.size() && by_rank[r] != nullptr)) continue;
-      bool held = false;
-      for (size_t q = 0; q < by_rank.size() && !held; ++q) held = by_rank[q] != nullptr && config.parts[p][q] == part;
-      if (!held) return false;
+    std::set<std::pair<int64_t, int64_t>> held;
+    for (size_t r = 0; r < by_rank.size() && r < config.parts[p].size(); ++r) {
+      if (by_rank[r] != nullptr) held.emplace(config.parts[p][r].begin, config.parts[p][r].end);
+    }
+    for (const ElementRange& part : config.parts[p]) {
+      if (part.size() > 0 && !held.contains({part.begin, part.end})) return false;
     }
   }
   return true;
@@ -252,39 +270,43 @@ void AssembleParts(const SessionConfig& config, const std::vector<const std::vec
     if (!sent) continue;  // unused this step: no gradient, as for a replicated parameter nobody sent
     HostTensor whole;
     whole.values.assign(static_cast<size_t>(config.parameters[p].numel), 0.0f);
-    for (size_t r = 0; r < by_rank.size(); ++r) {
+    // Each part's holders in rank order (its replicas under HSDP), and those of them that arrived.
+    std::map<std::pair<int64_t, int64_t>, std::pair<int, std::vector<int>>> parts;
+    for (size_t r = 0; r < config.parts[p].size(); ++r) {
       const ElementRange part = config.parts[p][r];
-      if (by_rank[r] == nullptr || part.size() == 0) continue;
-      // The ranks holding this part (its replicas under HSDP), taken once, at the lowest.
-      std::vector<int> holders;
-      for (size_t q = 0; q < by_rank.size(); ++q) {
-        if (by_rank[q] != nullptr && config.parts[p][q] == part) holders.push_back(static_cast<int>(q));
-      }
-      if (holders.front() != static_cast<int>(r)) continue;
-      const auto into = whole.values.begin() + part.begin;
-      if (holders.size() == 1) {
-        const HostTensor& g = (*by_rank[r])[p];
-        const auto from = g.values.begin(), to = from + part.size();
-        const double factor = rescale[r];
+      if (part.size() == 0) continue;
+      auto& [holders, arrived] = parts[{part.begin, part.end}];
+      ++holders;
+      if (r < by_rank.size() && by_rank[r] != nullptr) arrived.push_back(static_cast<int>(r));
+    }
+    for (const auto& [range, holders_arrived] : parts) {
+      const auto& [holders, arrived] = holders_arrived;
+      if (arrived.empty()) continue;  // a quorum step has every part (PartsCovered); lock-step every rank
+      const auto into = whole.values.begin() + range.first;
+      const auto length = static_cast<size_t>(range.second - range.first);
+      if (holders == 1) {  // one owner: its values, brought to the lowest rank's loss scale
+        const int r = arrived.front();
+        const HostTensor& g = (*by_rank[static_cast<size_t>(r)])[p];
+        const double factor = rescale[static_cast<size_t>(r)];
         if (factor == 1.0) {
-          std::copy(from, to, into);
+          std::copy(g.values.begin(), g.values.begin() + static_cast<std::ptrdiff_t>(length), into);
         } else {
-          std::transform(from, to, into, [factor](float v) { return static_cast<float>(factor * v); });
+          std::transform(g.values.begin(), g.values.begin() + static_cast<std::ptrdiff_t>(length), into,
+                         [factor](float v) { return static_cast<float>(factor * v); });
         }
         continue;
       }
       // Replicas: each one's reduced gradient of its own batch, averaged by weight as whole
-      // gradients of replicated ranks are (rank_gather.cc).
-      std::vector<double> sum(static_cast<size_t>(part.size()), 0.0);
+      // gradients of replicated ranks are (rank_gather.cc), however many of them arrived.
+      std::vector<double> sum(length, 0.0);
       double weights = 0;
-      for (int q : holders) {
+      for (int q : arrived) {
         const std::vector<float>& g = (*by_rank[static_cast<size_t>(q)])[p].values;
         const double scaled_w = weight[static_cast<size_t>(q)] * rescale[static_cast<size_t>(q)];
-        for (size_t i = 0; i < sum.size(); ++i) sum[i] += scaled_w * g[i];
+        for (size_t i = 0; i < length; ++i) sum[i] += scaled_w * g[i];
         weights += weight[static_cast<size_t>(q)];
       }
-      for (size_t i = 0; i < sum.size(); ++i)
-        into[static_cast<std::ptrdiff_t>(i)] = static_cast<float>(sum[i] / weights);
+      for (size_t i = 0; i < length; ++i) into[static_cast<std::ptrdiff_t>(i)] = static_cast<float>(sum[i] / weights);
     }
     for (float v : whole.values) whole.sum_squares += static_cast<double>(v) * v;
     whole.received = config.parameters[p].numel;

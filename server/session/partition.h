@@ -60,10 +60,14 @@ bool AnyPartitioned(const SessionConfig& config);
 ElementRange PartOf(const SessionConfig& config, size_t index, int rank);
 // The elements `rank` sends and receives of parameter `index`.
 int64_t PartElements(const SessionConfig& config, size_t index, int rank);
-// The lowest rank holding the same elements of parameter `index` as `rank` (rank 0 for a replicated
-// parameter; under HSDP, the rank's replica in the first copy); `rank` itself when it is the lowest.
-// Initial values are that rank's, as DDP broadcasts rank 0's.
-int FirstHolder(const SessionConfig& config, size_t index, int rank);
+// The ranks holding the same elements of partitioned parameter `index` as `rank`, itself included,
+// in rank order: the replicas of its shard under HSDP, `rank` alone otherwise (none when it holds
+// nothing of it).
+std::vector<int> SameHolders(const SessionConfig& config, size_t index, int rank);
+// By rank: the lowest rank holding the same elements of every partitioned parameter (under HSDP the
+// rank's replica in the first copy; the rank itself otherwise). Ranks that map to one rank are
+// interchangeable for what each holds.
+std::vector<int> ReplicaOf(const SessionConfig& config);
 
 // The elements of a tensor of shape `shape` as a sender wrote it; -1 for a negative dimension or a
 // count beyond int64. A part travels in any shape of its element count (a row block, a flat range).

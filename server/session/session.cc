@@ -21,7 +21,7 @@ Session::Session(std::string id, SessionConfig config, kernels::Backend* backend
       state_bytes_(EstimateSessionBytes(config_)),
       backend_(backend),
       gather_(config_.world_size),
-      part_load_(config_.world_size),
+      part_load_(ReplicaOf(config_)),
       pushes_(config_.sync.mode == SyncMode::kAsync ? config_.world_size : 0) {}
 
 absl::StatusOr<std::unique_ptr<Session>> Session::Create(std::string id, SessionConfig config,
@@ -120,6 +120,15 @@ absl::Status Session::NotInitializedError() const {
 
 absl::Status Session::Upload(std::vector<HostTensor> tensors) { return UploadParts(-1, std::move(tensors)); }
 
+bool Session::KeepsUploadedValuesLocked(size_t index, int rank) const {
+  if (rank < 0) return false;  // a whole upload writes everything
+  if (!IsPartitioned(config_, index)) return rank > 0 && uploaded_by_rank_[0];
+  for (int holder : SameHolders(config_, index, rank)) {
+    if (holder != rank && uploaded_by_rank_[static_cast<size_t>(holder)]) return true;
+  }
+  return false;
+}
+
 absl::Status Session::UploadParts(int rank, std::vector<HostTensor> tensors) {
   for (size_t i = 0; i < config_.parameters.size(); ++i) {
     const ElementRange part = PartOf(config_, i, rank);
@@ -146,18 +155,15 @@ absl::Status Session::UploadParts(int rank, std::vector<HostTensor> tensors) {
     MUOND_ASSIGN_OR_RETURN(bounds[i], CheckTensorValues("chunk.data", params_[i].name, tensors[i].values,
                                                         /*non_negative=*/false, params_[i].master.dtype));
   }
-  // The replicated parameters of a partitioned session are rank 0's, as DDP broadcasts rank 0's,
-  // and an HSDP replica's parts its first replica's: once that rank has uploaded them, another
-  // rank's values for them are checked and left out.
+  // The replicated parameters of a partitioned session are rank 0's, as DDP broadcasts rank 0's, and
+  // an HSDP part the first of its replicas' to upload it: another rank's values for them are then
+  // checked and left out.
   uploaded_by_rank_.resize(static_cast<size_t>(config_.world_size), false);
   {
     absl::MutexLock masters(&masters_mu_);
     ++masters_version_;
     for (size_t i = 0; i < params_.size(); ++i) {
-      if (rank > 0) {
-        const int first = FirstHolder(config_, i, rank);
-        if (first != rank && uploaded_by_rank_[static_cast<size_t>(first)]) continue;
-      }
+      if (KeepsUploadedValuesLocked(i, rank)) continue;
       const ElementRange part = PartOf(config_, i, rank);
       optim::ParamState& state = params_[i];
       if (part.size() > 0) {

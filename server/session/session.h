@@ -212,7 +212,13 @@ class Session {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Whether the gathering of a multi-rank step can be taken now: every rank arrived, or (quorum)
   // min_ranks have and the grace time since the min_ranks-th has passed.
+  // Whether the gathering step is taken now: every rank arrived, or the quorum (with every part
+  // there) and its grace.
   bool GatherReadyLocked(absl::Time now) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Whether rank `rank`'s upload leaves parameter `index` as it is, every rank starting from one set of
+  // values: a replicated parameter once rank 0 uploaded it (as DDP broadcasts rank 0's), an HSDP part
+  // once another of its replicas did (partition.h, SameHolders). uploaded_by_rank_ sized first.
+  bool KeepsUploadedValuesLocked(size_t index, int rank) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Quorum sessions: min_ranks have arrived, holding every part of every partitioned parameter.
   bool QuorumReachedLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Takes the gathering and applies (or prepares) it.
@@ -295,10 +301,8 @@ class Session {
   std::vector<std::unique_ptr<optim::Optimizer>> optimizers_ ABSL_GUARDED_BY(mu_);  // per group
   std::vector<optim::ParamState> params_ ABSL_GUARDED_BY(mu_);
   bool initialized_ ABSL_GUARDED_BY(mu_) = false;
-  // By rank: it uploaded its parts (all set by a whole upload or a loaded or restored state). A rank
-  // holding the same elements as a lower rank that has (every rank holds a replicated parameter, an
-  // HSDP replica its shard) leaves them as they are: every rank starts from the lowest's values, as
-  // DDP broadcasts rank 0's (partition.h, FirstHolder).
+  // By rank: it uploaded its parts (all set by a whole upload or a loaded or restored state); read by
+  // KeepsUploadedValuesLocked.
   std::vector<bool> uploaded_by_rank_ ABSL_GUARDED_BY(mu_);
   int64_t last_step_ ABSL_GUARDED_BY(mu_) = 0;
   StepResult last_result_ ABSL_GUARDED_BY(mu_);

@@ -249,7 +249,7 @@ TEST_F(PartitionTest, TheFirstStepWaitsForEveryRanksUpload) {
 // HSDP: two replicas of the partitions over 4 ranks (rank r holds shard r mod 2). Each replica's
 // ranks send their own batch's gradients with the replica's weight; every part steps with the
 // weighted mean of its replicas' parts — bit for bit one rank stepping that mean (fp64, replica
-// order, rounded once) — and starts from its first replica's upload.
+// order, rounded once) — and starts from the first upload of it, whichever replica's.
 TEST_F(PartitionTest, HsdpReplicasStepTheWeightedMeanOfTheirParts) {
   constexpr int kRanks = 4, kReplicas = 2, kShards = kRanks / kReplicas, kSteps = 2;
   constexpr double kWeights[kReplicas] = {1.0, 3.0};
@@ -281,22 +281,22 @@ TEST_F(PartitionTest, HsdpReplicasStepTheWeightedMeanOfTheirParts) {
   v1::SessionSpec spec = Spec(true);
   spec.set_world_size(kRanks);
   for (v1::ParameterGroup& group : *spec.mutable_groups()) group.mutable_partition()->set_replicas(kReplicas);
-  std::vector<std::unique_ptr<client::Session>> ranks;
-  for (int r = 0; r < kRanks; ++r) {
+  std::vector<std::unique_ptr<client::Session>> ranks(kRanks);
+  for (int r : {2, 1, 0, 3}) {
     ASSERT_OK_AND_ASSIGN(auto session, client_->CreateSession("hsdp", spec));
     ASSERT_OK(session->HoldParts(r));
     const std::map<std::string, ElementRange>& parts = shard_parts[r % kShards];
-    // The second replica uploads other values: its parts keep the first replica's.
+    // Ranks 0 and 3 upload their shard second, and other values: the first upload stays.
     std::map<std::string, std::vector<float>> mine;
     std::vector<client::TensorView> upload;
     for (const PartitionedParam& p : all) {
       mine[p.name] = Slice(initial.at(p.name), parts.at(p.name));
-      for (float& v : mine[p.name]) v += static_cast<float>(r / kShards);
+      for (float& v : mine[p.name]) v += (r == 0 || r == 3) ? 1.0f : 0.0f;
       EXPECT_EQ(session->element_counts().at(p.name), parts.at(p.name).size()) << p.name;
     }
     for (const PartitionedParam& p : all) upload.push_back({p.name, {parts.at(p.name).size()}, mine[p.name]});
     ASSERT_OK(session->UploadParameters(upload));
-    ranks.push_back(std::move(session));
+    ranks[static_cast<size_t>(r)] = std::move(session);
   }
   for (int r = 0; r < kRanks; ++r) {
     ASSERT_OK_AND_ASSIGN(client::ParameterMap start, ranks[static_cast<size_t>(r)]->GetParameters());

@@ -93,8 +93,10 @@ class DaemonSession:
             return bool(reply.attached), self.refresh()
         if any(g.options.master_dtype not in ("", "fp32") for g in spec.groups):
             self.refresh()  # 16-bit masters hold the values rounded: the parameters follow them
-        elif self.partitioned and self.rank:
-            self.refresh()  # the replicated parameters are rank 0's (it uploaded first)
+        elif self.partitioned and (self.rank or any(g.partition.replicas > 1 for g in spec.groups)):
+            # The replicated parameters are rank 0's (it uploaded first), an HSDP part the first of its
+            # replicas' to upload it, which may be another rank's than rank 0's.
+            self.refresh()
         return bool(reply.attached), 0
 
     def roll_back(self) -> None:

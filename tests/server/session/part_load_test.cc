@@ -3,6 +3,8 @@
 // written its parts, are refused.
 #include "server/session/part_load.h"
 
+#include <vector>
+
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/status_matchers.h"
@@ -35,6 +37,23 @@ TEST(PartLoadTest, ALoadOfAnotherStepIsRefusedUntilEveryRankHasLoaded) {
   load.Loaded(2, 2, {2, 1}, 2);
   EXPECT_OK(load.CheckStep(3));
   EXPECT_OK(load.CheckLoad(0, 7, {7, 7}));  // over: any state may be loaded next
+}
+
+TEST(PartLoadTest, UnderHsdpOneReplicaOfEachShardWritingIsEnough) {
+  // 4 ranks as 2 replicas of 2 shards: ranks 0 and 2 hold shard 0, ranks 1 and 3 shard 1.
+  PartLoad load(std::vector<int>{0, 1, 0, 1});
+  load.Uploaded(0);
+  load.Uploaded(2);
+  EXPECT_THAT(load.CheckStep(1),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       "step 1: ranks 1, 3 sent it without uploading their parts of the initial parameters, which "
+                       "ranks 0, 2 uploaded"));
+  load.Uploaded(3);
+  EXPECT_OK(load.CheckStep(1));  // rank 1's replica wrote shard 1
+  load.Loaded(1, 4, {4, 4}, 4);
+  EXPECT_THAT(load.CheckStep(5), StatusIs(absl::StatusCode::kFailedPrecondition, "ranks 0, 2 sent it without"));
+  load.Loaded(2, 4, {4, 4}, 4);
+  EXPECT_OK(load.CheckStep(5));
 }
 
 TEST(PartLoadTest, TheSameStateLoadedAgainBeforeAStepStartsNoNewLoad) {
