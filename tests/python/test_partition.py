@@ -267,16 +267,6 @@ def test_qk_clip_and_tensor_parallel_blocks_run_on_the_whole_matrices(endpoint):
     expect_parts(run_ranks(endpoint, kinds, options=QK_OPTIONS, model="qk"), want, kinds, model="qk")
 
 
-def test_rules_agree_with_the_daemon_layout():
-    # rows: torch.chunk's rule, a rank may hold nothing
-    assert part.rows([(2, 6)]).parts(3)[0] == [(0, 6), (6, 12), (12, 12)]
-    assert [c.shape[0] for c in torch.arange(7).chunk(3)] == [3, 3, 1]
-    assert part.rows([(7, 2)]).parts(3)[0] == [(0, 6), (6, 12), (12, 14)]
-    # flat: 7 and 5 elements padded to 8 each, 16 cut into 3 ranges of 6
-    assert part.flat([(7,), (5,)], alignment=4).parts(3) == [[(0, 6), (6, 7), (7, 7)],
-                                                             [(0, 0), (0, 4), (4, 5)]]
-
-
 def test_hsdp_replicas_average_their_parts_bit_for_bit_like_one_rank(endpoint):
     # Two replicas of 3-way partitions over 6 ranks (rank r holds shard r mod 3): rows, flat with
     # padding, explicit, where a shard holds nothing of "tiny" and of ex2. Each replica's gradients
@@ -303,38 +293,37 @@ def test_hsdp_ranks_load_their_state_dicts_and_restart_like_other_ranks(endpoint
     expect_parts(run_ranks(endpoint, kinds, world=6, hsdp=True, **{"options": {}, **extra}), want, kinds, world=6)
 
 
-def test_hsdp_rules_repeat_the_partition_over_the_replicas():
-    # rank r holds shard r mod (world_size / replicas): a (replicate, shard) mesh's numbering
-    assert part.rows([(2, 6)], replicas=2).parts(6)[0] == [(0, 6), (6, 12), (12, 12)] * 2
-    assert part.flat([(7,), (5,)], alignment=4, replicas=3).parts(6) == [[(0, 7), (7, 7)] * 3,
-                                                                          [(0, 0), (0, 5)] * 3]
-    assert part.replicated(part.zero([(13,)], 2), 2).parts(4) == [[(0, 8), (8, 13)] * 2]
-    message = part.to_proto(part.rows([(4, 3)], replicas=2), ["a"], pb)
-    assert message.replicas == 2 and message.kind == pb.PARTITION_KIND_ROWS
-    with pytest.raises(ValueError, match=r"replicas must divide world_size \(6\), got 4"):
-        part.rows([(4, 3)], replicas=4).parts(6)
-    with pytest.raises(ValueError, match=r"one entry per shard \(world_size 4 over 2 replicas: 2\), got 3"):
-        part.explicit([(4, 3), (5,)], EXPLICIT, replicas=2).parts(4)
+def open_shifted(endpoint, world, kinds, shifted):
+    """One RemoteOptimizer per rank of a new session, opened in rank order, each rank's parameters
+    of the groups at positions ``shifted`` first raised by its rank (values other than rank 0's);
+    and each rank's parameters by name."""
+    session = f"part-start-{uuid.uuid4().hex[:8]}"
+    opts = []
+    for rank in range(world):
+        groups, _ = groups_for(world, rank, kinds)
+        with torch.no_grad():
+            for g in shifted:
+                for _, p in groups[g]["params"]:
+                    p.add_(float(rank))
+        opts.append(muond.RemoteOptimizer(groups, endpoint=endpoint, session=session, world_size=world, rank=rank))
+    return opts, [{n: p.detach() for n, p in zip(o._names, o._params)} for o in opts]
+
+
+def close_in_reverse(opts):
+    """Closes every rank's optimizer, rank 0's last: it ends the session."""
+    for o in reversed(opts):
+        o.close(keep_session=o is not opts[0])
 
 
 def test_hsdp_replicas_start_from_the_first_replicas_parts(endpoint):
-    # Rank 3 (shard 1 of the second replica) uploads other values than rank 1: as the replicated
-    # parameters are rank 0's, a replicated part is its first replica's, and rank 3 takes them.
-    session = f"part-hsdp-{uuid.uuid4().hex[:8]}"
-    opts = []
-    for rank in range(4):
-        groups, _ = groups_for(4, rank, ["hsdp_rows", None, None, None])
-        with torch.no_grad():
-            for _, p in groups[0]["params"]:
-                p.add_(float(rank))
-        opts.append(muond.RemoteOptimizer(groups, endpoint=endpoint, session=session, world_size=4, rank=rank))
-    params = [dict(zip(o._names, o._params)) for o in opts]
+    # Ranks 2 and 3 (the second replica) upload other values after ranks 0 and 1: a part keeps the
+    # first upload of it, as the replicated parameters are rank 0's, and ranks 2 and 3 take them.
+    opts, params = open_shifted(endpoint, 4, ["hsdp_rows", None, None, None], shifted=[0])
     for name in ("w1", "experts"):
-        assert torch.equal(params[2][name].detach(), params[0][name].detach()), name
-        assert torch.equal(params[3][name].detach(), params[1][name].detach()), name
-        assert not torch.equal(params[1][name].detach(), params[0][name].detach()), name
-    for o in reversed(opts):
-        o.close(keep_session=o is not opts[0])
+        assert torch.equal(params[2][name], params[0][name]), name
+        assert torch.equal(params[3][name], params[1][name]), name
+        assert not torch.equal(params[1][name], params[0][name]), name
+    close_in_reverse(opts)
 
 
 @pytest.mark.parametrize("replicas,message", [
@@ -354,35 +343,6 @@ def test_deepspeed_zero_layouts_step_bit_for_bit_like_one_rank(endpoint):
     want = reference(endpoint)
     kinds = ["zero3", "zero2", "zero2", "zero3"]
     expect_parts(run_ranks(endpoint, kinds), want, kinds)
-
-
-def test_zero_layouts_follow_deepspeeds_rules():
-    # Stages 1 and 2: only the whole is padded, to a multiple of 2·N; 7 + 5 elements over 3 ranks
-    # are 12, partitions of 4 cutting through the first parameter.
-    assert part.zero([(7,), (5,)], 3).parts(3) == [[(0, 4), (4, 7), (0, 0)], [(0, 0), (0, 1), (1, 5)]]
-    # 13 elements over 2 ranks: padded to 16, partitions of 8, where `flat` pads to 14 (7 each).
-    assert part.zero([(13,)], 2).parts(2) == [[(0, 8), (8, 13)]]
-    assert part.flat([(13,)]).parts(2) == [[(0, 7), (7, 13)]]
-    # round_robin_gradients: positions 0 and 2, then 1 and 3, in the buffer (3 + 5 | 4 + 2).
-    assert part.zero([(3,), (4,), (5,), (2,)], 2, round_robin=True).parts(2) == [
-        [(0, 3), (0, 0)], [(0, 0), (0, 4)], [(0, 5), (0, 0)], [(0, 0), (0, 2)]]
-    # Stage 3: each parameter alone, in chunks of ceil(numel / N).
-    assert part.zero([(2, 3), (5,)], 3, stage=3).parts(3) == [[(0, 2), (2, 4), (4, 6)],
-                                                              [(0, 2), (2, 4), (4, 5)]]
-    # A rank's flat partition (built here as DeepSpeed builds its buffer) cut back into its parts.
-    shapes, world = [(3,), (2, 2), (5,), (2,)], 2
-    wholes = [torch.arange(float(torch.Size(s).numel())).view(s) + 100 * k for k, s in enumerate(shapes)]
-    for round_robin, order in ((False, [0, 1, 2, 3]), (True, [0, 2, 1, 3])):
-        partition = part.zero(shapes, world, round_robin=round_robin)
-        buffer = torch.cat([wholes[k].reshape(-1) for k in order] + [torch.full((2,), -1.0)])  # 14 → 16
-        for rank in range(world):
-            views = part.zero_views(buffer[8 * rank:8 * (rank + 1)], shapes, world, rank, round_robin=round_robin)
-            for k, view in enumerate(views):
-                assert torch.equal(view, part.cut(wholes[k], partition, k, world, rank).reshape(-1)), (rank, k)
-    with pytest.raises(ValueError, match="rank 1's flat partition has 7 elements; .* has 8"):
-        part.zero_views(torch.zeros(7), shapes, world, 1)
-    with pytest.raises(ValueError, match="stage must be 1, 2 or 3"):
-        part.zero(shapes, world, stage=4)
 
 
 def test_a_part_of_the_wrong_size_is_refused_naming_it(endpoint):
@@ -410,23 +370,11 @@ def test_a_block_of_other_dimensions_or_a_frozen_part_is_refused(endpoint):
 def test_replicated_parameters_start_from_rank_0s_values(endpoint):
     # Rank 1's replicated parameters differ from rank 0's (another seed): as DDP broadcasts rank
     # 0's, the session keeps rank 0's and rank 1's model takes them when it opens.
-    session = f"part-replicated-{uuid.uuid4().hex[:8]}"
-    opts = []
-    for rank in range(2):
-        groups, _ = groups_for(2, rank, ["rows", None, None, None])
-        with torch.no_grad():
-            for group in groups[1:]:
-                for _, p in group["params"]:
-                    p.add_(float(rank))
-        opts.append(muond.RemoteOptimizer(groups, endpoint=endpoint, session=session, world_size=2,
-                                          rank=rank))
-    rank0 = dict(zip(opts[0]._names, opts[0]._params))
-    rank1 = dict(zip(opts[1]._names, opts[1]._params))
+    opts, (rank0, rank1) = open_shifted(endpoint, 2, ["rows", None, None, None], shifted=[1, 2, 3])
     for name in ("qkv", "emb", "bias", "scale", "ex1", "ex2"):
-        assert torch.equal(rank1[name].detach(), rank0[name].detach()), name
-    assert not torch.equal(rank1["w1"].detach(), rank0["w1"].detach()), "each rank keeps its own part"
-    opts[1].close(keep_session=True)
-    opts[0].close()
+        assert torch.equal(rank1[name], rank0[name]), name
+    assert not torch.equal(rank1["w1"], rank0["w1"]), "each rank keeps its own part"
+    close_in_reverse(opts)
 
 
 def _spec(world, partition):
@@ -593,98 +541,6 @@ def test_partitions_that_disagree_across_ranks_are_refused_at_attach(endpoint):
     with pytest.raises(muond.MuondError, match="partition") as err:
         conn.create_session(session, _small_spec(2, pb.PARTITION_KIND_FLAT))
     assert err.value.code == grpc.StatusCode.ALREADY_EXISTS
-
-
-# -- the adapters, on plain objects carrying a DTensor's and an FSDP1 FlatParameter's facts ------------
-
-class Shard:
-    def __init__(self, dim):
-        self.dim = dim
-
-
-class Mesh:
-    ndim = 1
-
-    def __init__(self, size, rank):
-        self._size, self._rank = size, rank
-
-    def size(self):
-        return self._size
-
-    def get_local_rank(self):
-        return self._rank
-
-
-class FakeDTensor:
-    def __init__(self, whole, world, rank, placement):
-        self.shape = whole.shape
-        self.placements = (placement,)
-        self.device_mesh = Mesh(world, rank)
-        self._local = whole.chunk(world)[rank] if rank < len(whole.chunk(world)) else whole[:0]
-
-    def to_local(self):
-        return self._local
-
-
-def test_from_dtensor_maps_shard0_to_rows_and_refuses_other_placements():
-    whole = torch.arange(14.0).view(7, 2)
-    for rank in range(3):
-        local, shape = part.from_dtensor(FakeDTensor(whole, 3, rank, Shard(0)))
-        assert shape == (7, 2)
-        assert torch.equal(local, part.cut(whole, part.rows([shape]), 0, 3, rank))
-    with pytest.raises(ValueError, match="only Shard\\(0\\)"):
-        part.from_dtensor(FakeDTensor(whole, 3, 0, Shard(1)))
-
-
-class Replicate:
-    pass
-
-
-class HsdpMesh:
-    ndim = 2
-
-    def __init__(self, replicas, shards, rank):
-        self._sizes, self._rank = (replicas, shards), rank
-
-    def size(self, mesh_dim):
-        return self._sizes[mesh_dim]
-
-    def get_local_rank(self, mesh_dim):
-        return (self._rank // self._sizes[1], self._rank % self._sizes[1])[mesh_dim]
-
-
-def test_from_dtensor_maps_hsdps_replicate_shard0_to_rows_with_replicas():
-    # A (replicate, shard) mesh of 2 × 3: rank 4 is shard 1 of the second replica.
-    whole = torch.arange(14.0).view(7, 2)
-    dtensor = FakeDTensor(whole, 3, 1, Shard(0))
-    dtensor.placements, dtensor.device_mesh = (Replicate(), Shard(0)), HsdpMesh(2, 3, 4)
-    local, shape = part.from_dtensor(dtensor)
-    assert shape == (7, 2)
-    assert torch.equal(local, part.cut(whole, part.rows([shape], replicas=2), 0, 6, 4))
-    dtensor.placements = (Shard(0), Shard(0))
-    with pytest.raises(ValueError, match=r"only \(Replicate\(\), Shard\(0\)\) \(HSDP\)"):
-        part.from_dtensor(dtensor)
-
-
-def test_from_fsdp1_reads_the_flat_layout_with_its_padding():
-    class Flat:
-        _shapes = [(3, 2), (5,)]
-        _numels_with_padding = [6, 2, 5]  # 2 elements of alignment padding between the two
-        _is_padding_mask = [False, True, False]
-
-    partition = part.from_fsdp1(Flat(), 2)  # 13 elements: ranks hold [0, 7) and [7, 13) of the flat layout
-    assert partition.kind == "explicit" and partition.shapes == ((3, 2), (5,))
-    assert partition.parts(2) == [[(0, 6), (0, 0)], [(0, 0), (0, 5)]]
-
-
-def test_shard_parameters_cuts_a_model_for_each_rank():
-    model = torch.nn.Linear(3, 5)
-    pieces = [part.shard_parameters(model.named_parameters(), 2, r, kind="flat", alignment=4)
-              for r in range(2)]
-    weight = torch.cat([dict(local)["weight"].reshape(-1) for local, _ in pieces])
-    assert torch.equal(weight, model.weight.detach().reshape(-1))
-    assert all(t.requires_grad and t.is_leaf for local, _ in pieces for _, t in local)
-    assert pieces[0][1] == pieces[1][1] == part.flat([(5, 3), (5,)], alignment=4)
 
 
 def test_each_rank_saves_and_loads_its_parts_of_the_state(endpoint):
