@@ -2,6 +2,7 @@
 #include "server/session/part_load.h"
 
 #include <algorithm>
+#include <numeric>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -12,7 +13,15 @@ namespace {
 
 const char* Their(const std::vector<int>& ranks) { return ranks.size() == 1 ? "its" : "their"; }
 
+std::vector<int> EachItsOwn(int world_size) {
+  std::vector<int> ranks(static_cast<size_t>(std::max(world_size, 0)));
+  std::iota(ranks.begin(), ranks.end(), 0);
+  return ranks;
+}
+
 }  // namespace
+
+PartLoad::PartLoad(int world_size) : PartLoad(EachItsOwn(world_size)) {}
 
 bool PartLoad::UnderWay() const { return !written_.empty() && !Missing().empty(); }
 

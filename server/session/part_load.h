@@ -20,10 +20,8 @@ namespace muond::session {
 
 class PartLoad {
  public:
-  explicit PartLoad(int world_size) : PartLoad(std::vector<int>()) {
-    for (int r = 0; r < world_size; ++r) replica_of_.push_back(r);
-    world_size_ = world_size;
-  }
+  // Every rank its own: each one writes its parts.
+  explicit PartLoad(int world_size);
   // replica_of[r]: the lowest rank holding what rank r holds (partition.h, ReplicaOf).
   explicit PartLoad(std::vector<int> replica_of)
       : world_size_(static_cast<int>(replica_of.size())), replica_of_(std::move(replica_of)) {}
@@ -63,8 +61,8 @@ class PartLoad {
   // The ranks none of whose replicas has written (written_ not empty).
   std::vector<int> Missing() const;
 
-  int world_size_;
-  std::vector<int> replica_of_;
+  const int world_size_;
+  const std::vector<int> replica_of_;
   // What is under way, or was last written (written_ then all true).
   Written what_;
   std::vector<bool> written_;  // by rank
