@@ -164,6 +164,37 @@ absl::Status CheckpointCorrupt(const std::string& file, absl::string_view why) {
   return absl::DataLossError(absl::StrCat("checkpoint ", file, " is unusable: ", why));
 }
 
+namespace {
+
+// checkpoint.json's "parts_written": {"of": "upload", "ranks": [...]} or {"of": "load", "last_step": n,
+// "step_counts": {name: count}, "ranks": [...]}. Whether the ranks and counts fit the session is for
+// the session to judge (Session::ImportState).
+absl::StatusOr<CheckpointPartsWritten> ReadPartsWritten(const json& parts, const std::string& metadata_file) {
+  const std::string of = parts.is_object() ? StringField(parts, "of") : "";
+  auto ranks = parts.is_object() ? parts.find("ranks") : parts.end();
+  const bool typed = (of == "upload" || of == "load") && ranks != parts.end() && ranks->is_array() &&
+                     std::all_of(ranks->begin(), ranks->end(), [](const json& r) { return r.is_number_integer(); });
+  if (!typed) return CheckpointCorrupt(metadata_file, "parts_written is not {of: upload|load, ranks: [...], ...}");
+  CheckpointPartsWritten written;
+  written.upload = of == "upload";
+  for (const json& rank : *ranks) written.ranks.push_back(rank.get<int64_t>());
+  if (written.upload) return written;
+  auto last_step = parts.find("last_step");
+  auto counts = parts.find("step_counts");
+  if (last_step == parts.end() || !last_step->is_number_integer() || counts == parts.end() || !counts->is_object()) {
+    return CheckpointCorrupt(metadata_file, "parts_written of a load lacks its last_step or step_counts");
+  }
+  written.last_step = last_step->get<int64_t>();
+  for (const auto& [name, count] : counts->items()) {
+    if (!count.is_number_integer())
+      return CheckpointCorrupt(metadata_file, "a parts_written step count is not an integer");
+    written.step_counts.emplace_back(name, count.get<int64_t>());
+  }
+  return written;
+}
+
+}  // namespace
+
 absl::Status WriteCheckpoint(Env* env, const std::string& dir, const CheckpointData& data) {
   MUOND_RETURN_IF_ERROR(env->CreateDirs(dir));
   const std::string tensors = EncodeSafetensors(data);
@@ -199,6 +230,17 @@ absl::Status WriteCheckpoint(Env* env, const std::string& dir, const CheckpointD
       }
     }
     metadata["pushes"] = std::move(pushes);
+  }
+  if (data.parts_written.has_value()) {
+    const CheckpointPartsWritten& parts = *data.parts_written;
+    json written = {{"of", parts.upload ? "upload" : "load"}, {"ranks", parts.ranks}};
+    if (!parts.upload) {
+      json load_counts = json::object();
+      for (const auto& [name, count] : parts.step_counts) load_counts[name] = count;
+      written["last_step"] = parts.last_step;
+      written["step_counts"] = std::move(load_counts);
+    }
+    metadata["parts_written"] = std::move(written);
   }
   metadata["metadata_sha256"] = MetadataDigest(metadata);
   MUOND_RETURN_IF_ERROR(WriteFileAtomically(env, dir + "/" + kCheckpointMetadataFile, metadata.dump(2) + "\n"));
@@ -285,6 +327,10 @@ absl::StatusOr<CheckpointData> ReadCheckpoint(Env* env, const std::string& dir) 
       }
       data.pushes.push_back(std::move(push));
     }
+  }
+
+  if (auto parts = metadata.find("parts_written"); parts != metadata.end()) {
+    MUOND_ASSIGN_OR_RETURN(data.parts_written, ReadPartsWritten(*parts, metadata_file));
   }
 
   const std::string tensor_name = StringField(*tensors, "file");

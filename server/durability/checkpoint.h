@@ -52,6 +52,16 @@ struct CheckpointPush {
 };
 inline constexpr size_t kMaxCheckpointSkipReason = 4096;
 
+// What the ranks of a session with partitioned groups were writing part by part when the checkpoint
+// was taken (session::PartsWritten): their initial parameters, or a state of `last_step` with its
+// per-parameter step counts; `ranks` have written theirs (checkpoint.json's "parts_written").
+struct CheckpointPartsWritten {
+  bool upload = false;
+  int64_t last_step = 0;
+  std::vector<std::pair<std::string, int64_t>> step_counts;  // parameter name → count; empty for an upload
+  std::vector<int64_t> ranks;
+};
+
 struct CheckpointData {
   std::string session_id;
   std::string owner;      // the identity that created the session; empty without authentication
@@ -66,6 +76,8 @@ struct CheckpointData {
   // earlier versions wrote them, and [push, global_step, staleness, applied, skip_reason] for a
   // skipped one); empty otherwise.
   std::vector<CheckpointPush> pushes;
+  // Sessions with partitioned groups, once a rank has written its parts.
+  std::optional<CheckpointPartsWritten> parts_written;
 };
 
 inline constexpr char kCheckpointMetadataFile[] = "checkpoint.json";

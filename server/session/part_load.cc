@@ -96,6 +96,60 @@ void PartLoad::Wrote(int rank, const Written& what, int64_t session_step) {
   written_[static_cast<size_t>(rank)] = true;
 }
 
+std::optional<PartsWritten> PartLoad::Record() const {
+  if (written_.empty()) return std::nullopt;
+  return PartsWritten{
+      .upload = what_.upload, .last_step = what_.last_step, .step_counts = what_.step_counts, .ranks = Ranks(true)};
+}
+
+absl::Status PartLoad::CheckRecord(const PartsWritten& record, int64_t last_step,
+                                   const std::vector<int64_t>& step_counts) const {
+  if (record.ranks.empty()) return absl::InvalidArgumentError("parts_written.ranks: no rank has written");
+  for (size_t i = 0; i < record.ranks.size(); ++i) {
+    const int rank = record.ranks[i];
+    if (rank < 0 || rank >= world_size_ || (i > 0 && rank <= record.ranks[i - 1])) {
+      return absl::InvalidArgumentError(absl::StrCat("parts_written.ranks: ", rank, " is not a rank of the session's ",
+                                                     world_size_, " after the one before (ranks ascend, each once)"));
+    }
+  }
+  PartLoad restored = *this;
+  restored.Restore(record);
+  if (record.upload) {
+    if (record.last_step != 0 || !record.step_counts.empty()) {
+      return absl::InvalidArgumentError("parts_written: an upload has no last_step or step_counts");
+    }
+    // Uploads come before the first step.
+    if (restored.UnderWay() && last_step != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("parts_written: an upload of initial parameters under way in a state of step ", last_step));
+    }
+    return absl::OkStatus();
+  }
+  if (record.step_counts.size() != step_counts.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("parts_written.step_counts: ", record.step_counts.size(),
+                                                   " counts for ", step_counts.size(), " parameters"));
+  }
+  for (int64_t count : record.step_counts) {
+    if (count < 0 || count > record.last_step) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("parts_written.step_counts: a count of ", count, " in a state of step ", record.last_step));
+    }
+  }
+  const bool same_state = record.last_step == last_step && record.step_counts == step_counts;
+  if (restored.UnderWay() ? !same_state : record.last_step > last_step) {
+    return absl::InvalidArgumentError(absl::StrCat("parts_written.last_step: a load of the state of step ",
+                                                   record.last_step, restored.UnderWay() ? ", under way," : "",
+                                                   " in a state of step ", last_step));
+  }
+  return absl::OkStatus();
+}
+
+void PartLoad::Restore(const PartsWritten& record) {
+  what_ = Written{.upload = record.upload, .last_step = record.last_step, .step_counts = record.step_counts};
+  written_.assign(static_cast<size_t>(world_size_), false);
+  for (int rank : record.ranks) written_[static_cast<size_t>(rank)] = true;
+}
+
 absl::Status PartLoad::CheckStep(int64_t step) const {
   if (!UnderWay()) return absl::OkStatus();
   const std::vector<int> missing = Missing();

@@ -7,16 +7,31 @@
 // rank may load its checkpoint before the others have opened); an upload while a load is under
 // way is refused. The record empties once every rank has written, or when a whole upload or load
 // writes every part at once. Under HSDP the replicas of a shard are interchangeable: one of them
-// writing counts for all. Owned by Session and used under its mutex; not thread-safe itself.
+// writing counts for all. The record travels in the session's checkpoints (Record, Restore), so a
+// daemon restarted in the middle of an upload or load still waits for the ranks that have not
+// written. Owned by Session and used under its mutex; not thread-safe itself.
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
 
 namespace muond::session {
+
+// PartLoad's record as a checkpoint keeps it (SessionState::parts_written), so that a daemon restarted
+// in the middle of an upload or load goes on waiting for the ranks that have not written: what the
+// ranks write (their initial parameters, or a state of `last_step` with its per-parameter step
+// counts) and the ranks that have written it.
+struct PartsWritten {
+  bool upload = false;
+  int64_t last_step = 0;
+  std::vector<int64_t> step_counts;  // by parameter; empty for an upload
+  std::vector<int> ranks;            // ascending
+  bool operator==(const PartsWritten&) const = default;
+};
 
 class PartLoad {
  public:
@@ -42,6 +57,16 @@ class PartLoad {
   // OK when nothing is under way; otherwise FAILED_PRECONDITION for step `step`, naming the ranks
   // that have not written their parts and those that have.
   absl::Status CheckStep(int64_t step) const;
+
+  // The record, once some rank has written its parts (none before, or after a whole write).
+  std::optional<PartsWritten> Record() const;
+  // OK when `record` could be this session's, in a state of `last_step` with `step_counts` (a load
+  // under way is of that state; a load over, of one at most as recent): INVALID_ARGUMENT naming
+  // parts_written otherwise. Changes nothing.
+  absl::Status CheckRecord(const PartsWritten& record, int64_t last_step,
+                           const std::vector<int64_t>& step_counts) const;
+  // Takes up `record` (CheckRecord accepted it) as the record.
+  void Restore(const PartsWritten& record);
 
  private:
   // What the ranks write: the initial parameters (upload_) or a state of last_step_.

@@ -17,6 +17,7 @@
 #include "common/host_tensor.h"
 #include "kernels/optim/loss_scaler.h"
 #include "kernels/storage_dtype.h"
+#include "server/session/part_load.h"
 #include "server/session/step_types.h"
 
 namespace muond::session {
@@ -39,6 +40,9 @@ struct SessionState {
   std::optional<optim::LossScalerState> loss_scaler;
   // An asynchronous session's push records, by rank (empty otherwise). On import, empty keeps them.
   std::vector<PushRecord> pushes;
+  // A session with partitioned groups: the parts its ranks write (part_load.h), once any has. Kept
+  // by checkpoints, not carried by GetState/SetState; on import, absent leaves no record.
+  std::optional<PartsWritten> parts_written;
 };
 
 class SessionPersistence {

@@ -1,6 +1,7 @@
 // Session: state in and out — tensor shapes, ExportState and ImportState (checked in full before
 // anything is written), and the session's durability (persistence, checkpoints). See session.h.
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -36,6 +37,7 @@ absl::StatusOr<SessionState> Session::ExportStateLocked() const {
   state.last_step = last_step_;
   state.loss_scaler = loss_scaler_;
   state.pushes = pushes_;
+  state.parts_written = part_load_.Record();
   for (size_t i = 0; i < params_.size(); ++i) {
     const optim::ParamState& param = params_[i];
     state.step_counts.push_back(param.step_count);
@@ -91,6 +93,12 @@ absl::Status Session::ImportState(SessionState state, int rank) {
   // Ranks holding parts load one state, each its own parts (SetState carries the rank).
   const bool by_parts = rank >= 0 && AnyPartitioned(config_);
   if (by_parts) MUOND_RETURN_IF_ERROR(part_load_.CheckLoad(rank, state.last_step, state.step_counts));
+  // A restored checkpoint's record of the parts written (whole imports only).
+  const std::optional<PartsWritten> parts_written = by_parts ? std::nullopt : state.parts_written;
+  if (parts_written.has_value()) {
+    if (!AnyPartitioned(config_)) return absl::InvalidArgumentError("parts_written: the session has no partition");
+    MUOND_RETURN_IF_ERROR(part_load_.CheckRecord(*parts_written, state.last_step, state.step_counts));
+  }
   // Every (parameter, slot) pair must arrive exactly once, complete; nothing is written before that
   // has been checked, so a bad request leaves the session as it was.
   absl::flat_hash_set<std::pair<size_t, std::string>> expected;
@@ -162,6 +170,8 @@ absl::Status Session::ImportState(SessionState state, int rank) {
   }
   if (by_parts) {
     part_load_.Loaded(rank, state.last_step, state.step_counts, last_step_);
+  } else if (parts_written.has_value()) {
+    part_load_.Restore(*parts_written);
   } else {
     part_load_.WroteWhole();
   }
@@ -175,8 +185,13 @@ absl::Status Session::ImportState(SessionState state, int rank) {
     for (PushRecord& p : pushes_) p.global_step = p.staleness = 0;
   }
   initialized_ = true;
-  // A loaded or restored state holds the values the ranks share.
+  // A loaded or restored state holds the values the ranks share, unless it was restored in the
+  // middle of an upload: then the ranks that had uploaded theirs hold them.
   uploaded_by_rank_.assign(static_cast<size_t>(config_.world_size), true);
+  if (parts_written.has_value() && parts_written->upload) {
+    uploaded_by_rank_.assign(static_cast<size_t>(config_.world_size), false);
+    for (int r : parts_written->ranks) uploaded_by_rank_[static_cast<size_t>(r)] = true;
+  }
   DropPreparedLocked();  // prepared for a state that is gone
   last_result_ = StepResult();
   last_result_.step = last_step_;

@@ -10,6 +10,18 @@
 namespace muond::session {
 namespace {
 
+// Step counts by parameter name, in the session's parameter order: -1 for a parameter without one
+// (refused by the import), and names the session lacks left out.
+std::vector<int64_t> CountsByParameter(const SessionConfig& config,
+                                       const std::vector<std::pair<std::string, int64_t>>& counts) {
+  std::vector<int64_t> by_parameter(config.parameters.size(), -1);
+  for (const auto& [name, count] : counts) {
+    auto it = config.parameter_index.find(name);
+    if (it != config.parameter_index.end()) by_parameter[it->second] = count;
+  }
+  return by_parameter;
+}
+
 // The checkpoint's tensors in the session's terms, each checked against the shapes the session's
 // spec gives them.
 absl::StatusOr<SessionState> StateFromCheckpoint(durability::CheckpointData& data, const Session& session,
@@ -25,10 +37,17 @@ absl::StatusOr<SessionState> StateFromCheckpoint(durability::CheckpointData& dat
   for (const durability::CheckpointPush& p : data.pushes) {
     state.pushes.push_back({p.push, p.global_step, p.staleness, p.applied, p.skip_reason});
   }
-  state.step_counts.assign(config.parameters.size(), -1);
-  for (const auto& [name, count] : data.step_counts) {
-    auto it = config.parameter_index.find(name);
-    if (it != config.parameter_index.end()) state.step_counts[it->second] = count;
+  state.step_counts = CountsByParameter(config, data.step_counts);
+  if (data.parts_written.has_value()) {
+    const durability::CheckpointPartsWritten& parts = *data.parts_written;
+    PartsWritten& written = state.parts_written.emplace();
+    written.upload = parts.upload;
+    written.last_step = parts.last_step;
+    if (!parts.upload) written.step_counts = CountsByParameter(config, parts.step_counts);
+    for (int64_t rank : parts.ranks) {
+      // Out of range: a rank no session has, refused by the import naming parts_written.ranks.
+      written.ranks.push_back(rank < 0 || rank >= config.world_size ? -1 : static_cast<int>(rank));
+    }
   }
   for (durability::CheckpointTensor& t : data.tensors) {
     auto it = config.parameter_index.find(t.parameter);
@@ -100,6 +119,16 @@ absl::Status FilePersistence::SaveCheckpoint(SessionState state) {
   }
   for (const PushRecord& p : state.pushes) {
     data.pushes.push_back({p.push, p.global_step, p.staleness, p.applied, p.skip_reason});
+  }
+  if (state.parts_written.has_value()) {
+    const PartsWritten& written = *state.parts_written;
+    durability::CheckpointPartsWritten& parts = data.parts_written.emplace();
+    parts.upload = written.upload;
+    parts.last_step = written.last_step;
+    for (size_t i = 0; i < written.step_counts.size(); ++i) {
+      parts.step_counts.emplace_back(config.parameters[i].name, written.step_counts[i]);
+    }
+    parts.ranks.assign(written.ranks.begin(), written.ranks.end());
   }
   for (StateTensor& t : state.tensors) {
     const ParameterConfig& param = config.parameters[t.parameter];

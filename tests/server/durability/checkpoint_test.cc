@@ -118,6 +118,42 @@ TEST_F(CheckpointTest, PushRecordsKeepTheirOutcomeAndOlderRecordsReadAsApplied) 
   }
 }
 
+// The record of parts written rank by rank round-trips, an upload's without a step; a record of
+// another shape is refused. Absent, it reads as absent.
+TEST_F(CheckpointTest, PartsWrittenRoundTripAndAnotherShapeIsRefused) {
+  ASSERT_OK_AND_ASSIGN(CheckpointData read, ReadCheckpoint(Env::Default(), dir_));
+  EXPECT_FALSE(read.parts_written.has_value());
+  data_.parts_written =
+      CheckpointPartsWritten{.upload = false, .last_step = 7, .step_counts = {{"w", 6}}, .ranks = {0, 2}};
+  ASSERT_OK(WriteCheckpoint(Env::Default(), dir_, data_));
+  ASSERT_OK_AND_ASSIGN(read, ReadCheckpoint(Env::Default(), dir_));
+  ASSERT_TRUE(read.parts_written.has_value());
+  EXPECT_FALSE(read.parts_written->upload);
+  EXPECT_EQ(read.parts_written->last_step, 7);
+  EXPECT_EQ(read.parts_written->step_counts, data_.parts_written->step_counts);
+  EXPECT_EQ(read.parts_written->ranks, (std::vector<int64_t>{0, 2}));
+  data_.parts_written = CheckpointPartsWritten{.upload = true, .ranks = {1}};
+  ASSERT_OK(WriteCheckpoint(Env::Default(), dir_, data_));
+  const json written =
+      json::parse(Env::Default()->ReadFile(dir_ + "/" + kCheckpointMetadataFile, kNoReadLimit).value());
+  EXPECT_EQ(written["parts_written"], json({{"of", "upload"}, {"ranks", {1}}}));
+  ASSERT_OK_AND_ASSIGN(read, ReadCheckpoint(Env::Default(), dir_));
+  ASSERT_TRUE(read.parts_written.has_value());
+  EXPECT_TRUE(read.parts_written->upload);
+  EXPECT_EQ(read.parts_written->ranks, (std::vector<int64_t>{1}));
+
+  for (const json& record :
+       {json(3), json({{"of", "upload"}}), json({{"of", "write"}, {"ranks", {0}}}),
+        json({{"of", "upload"}, {"ranks", {"0"}}}), json({{"of", "upload"}, {"ranks", 0}}),
+        json({{"of", "load"}, {"ranks", {0}}}),
+        json({{"of", "load"}, {"ranks", {0}}, {"last_step", "7"}, {"step_counts", json::object()}}),
+        json({{"of", "load"}, {"ranks", {0}}, {"last_step", 7}, {"step_counts", {{"w", 1.5}}}})}) {
+    EditMetadata([&](json& m) { m["parts_written"] = record; });
+    EXPECT_THAT(ReadCheckpoint(Env::Default(), dir_), StatusIs(absl::StatusCode::kDataLoss, "parts_written"))
+        << record.dump();
+  }
+}
+
 TEST_F(CheckpointTest, AlteredOrTruncatedFilesAreRefusedNamingThem) {
   const std::string path = dir_ + "/" + kCheckpointMetadataFile;
   std::string text = Env::Default()->ReadFile(path, kNoReadLimit).value();
