@@ -289,15 +289,37 @@ def from_dtensor(param: Any) -> Tuple[torch.Tensor, Shape]:
     return local, shape
 
 
+def _fsdp1_is_sharded(flat_param: Any, world_size: int) -> bool:
+    """Whether an FSDP1 ``FlatParameter`` is cut over the ranks (not ``NO_SHARD``, where every
+    rank holds all of it). torch >= 2.0 sets ``_sharded_size`` under every strategy, the whole
+    size under ``NO_SHARD``; torch 1.13 sets ``_shard_indices`` under the sharding ones only."""
+    sharded = getattr(flat_param, "_sharded_size", None)
+    if sharded is None:
+        return hasattr(flat_param, "_shard_indices")
+    whole = math.prod(int(d) for d in flat_param._unpadded_unsharded_size)
+    # One element over several ranks is the one size both strategies give: taken as sharded.
+    return world_size == 1 or whole <= 1 or math.prod(int(d) for d in sharded) < whole
+
+
 def from_fsdp1(flat_param: Any, world_size: int) -> Partition:
     """An FSDP1 ``FlatParameter``'s layout as an explicit partition of its original parameters:
-    ``_shapes`` (their global shapes), ``_numels_with_padding`` and ``_is_padding_mask`` (the flat
-    layout, alignment padding included), cut into world_size equal ranges after padding the whole
-    to a multiple of world_size, as FSDP1 does. The ranks' local parts are the views
-    ``use_orig_params=True`` gives (each ``param.data`` of this rank, flattened)."""
+    ``_shapes`` (their shapes as flattened: with tensor parallelism, each one's TP-local shape),
+    ``_numels_with_padding`` and ``_is_padding_mask`` (the flat layout, alignment padding
+    included; torch 1.13, which pads only the whole, has ``_numels`` alone), cut into world_size
+    equal ranges after padding the whole to a multiple of world_size, as FSDP1 does. The ranks'
+    local parts are the views ``use_orig_params=True`` gives (each ``param.data`` of this rank,
+    flattened). ``NO_SHARD`` holds no partition: every rank has every parameter whole, a
+    replicated group."""
+    if not _fsdp1_is_sharded(flat_param, world_size):
+        raise ValueError("from_fsdp1: the FlatParameter is not sharded (ShardingStrategy.NO_SHARD: every "
+                         "rank holds all of it); give its parameters to a group without a partition")
     shapes = [tuple(int(d) for d in s) for s in flat_param._shapes]
-    numels = [int(n) for n in flat_param._numels_with_padding]
-    padding = [bool(p) for p in flat_param._is_padding_mask]
+    if hasattr(flat_param, "_numels_with_padding"):
+        numels = [int(n) for n in flat_param._numels_with_padding]
+        padding = [bool(p) for p in flat_param._is_padding_mask]
+    else:  # torch 1.13: the parameters back to back
+        numels = [int(n) for n in flat_param._numels]
+        padding = [False] * len(numels)
     if len(numels) != len(padding) or sum(1 for p in padding if not p) != len(shapes):
         raise ValueError("from_fsdp1: _numels_with_padding, _is_padding_mask and _shapes disagree")
     total = sum(numels)
@@ -350,7 +372,8 @@ def zero(shapes: Iterable[Sequence[int]], world_size: int, stage: int = 2, *,
       ``alignment_factor`` × world_size elements (DeepSpeed's ``nccl_start_alignment_factor``, 2),
       each rank holding one equal contiguous partition of it; ``round_robin`` for
       ``round_robin_gradients``, which orders the buffer by position modulo world_size. Not the
-      ``flat`` kind, which pads each parameter and the whole to a multiple of world_size only.
+      ``flat`` kind, which pads each parameter to ``alignment`` and only the whole to a multiple
+      of world_size.
     - stage 3: each parameter on its own, its flattening padded to a multiple of world_size and
       cut into equal chunks (``ds_tensor``): rank r holds [r·c, (r+1)·c) of it, c = ⌈numel/N⌉.
 

@@ -140,10 +140,40 @@ def test_from_fsdp1_reads_the_flat_layout_with_its_padding():
         _shapes = [(3, 2), (5,)]
         _numels_with_padding = [6, 2, 5]  # 2 elements of alignment padding between the two
         _is_padding_mask = [False, True, False]
+        _unpadded_unsharded_size = (13,)
+        _sharded_size = (7,)  # set by FlatParamHandle.shard: chunks of 7
 
     partition = part.from_fsdp1(Flat(), 2)  # 13 elements: ranks hold [0, 7) and [7, 13) of the flat layout
     assert partition.kind == "explicit" and partition.shapes == ((3, 2), (5,))
     assert partition.parts(2) == [[(0, 6), (0, 0)], [(0, 0), (0, 5)]]
+
+
+def test_from_fsdp1_reads_torch_1_13s_layout_without_alignment_padding():
+    class Flat:  # torch 1.13: _numels only, sharded (_shard_indices set)
+        _shapes = [(3, 2), (5,)]
+        _numels = [6, 5]
+        _shard_indices = (0, 0)
+
+    # 11 elements in torch.chunk's 3 chunks of 4 (by parameter, then rank): rank 1 holds the end of
+    # one and the start of the other.
+    assert part.from_fsdp1(Flat(), 3).parts(3) == [[(0, 4), (4, 6), (0, 0)], [(0, 0), (0, 2), (2, 5)]]
+
+
+def test_from_fsdp1_refuses_no_shard():
+    class Torch2NoShard:
+        _shapes = [(3, 2)]
+        _numels_with_padding = [6]
+        _is_padding_mask = [False]
+        _unpadded_unsharded_size = (6,)
+        _sharded_size = (6,)  # NO_SHARD: the whole
+
+    class Torch113NoShard:  # no _shard_indices: FlatParamHandle.shard returned before setting them
+        _shapes = [(3, 2)]
+        _numels = [6]
+
+    for flat in (Torch2NoShard(), Torch113NoShard()):
+        with pytest.raises(ValueError, match="not sharded .ShardingStrategy.NO_SHARD"):
+            part.from_fsdp1(flat, 2)
 
 
 def test_shard_parameters_cuts_a_model_for_each_rank():
