@@ -43,6 +43,8 @@ absl::Status ExplicitParts(const PartitionRule& rule, const std::vector<size_t>&
                                       rule.replicas, " replicas: ", n, "), got ", rule.ranks.size()));
   }
   for (size_t p : members) config.parts[p].assign(n, ElementRange{});
+  // Entry r is rank r's, or under HSDP shard r's (held by ranks r, r + n, ...).
+  const char* holder = n == config.world_size ? "rank" : "shard";
   std::vector<std::vector<bool>> listed(config.parameters.size(), std::vector<bool>(n, false));
   for (int r = 0; r < n; ++r) {
     for (const PartitionRule::Range& given : rule.ranks[r]) {
@@ -57,9 +59,8 @@ absl::Status ExplicitParts(const PartitionRule& rule, const std::vector<size_t>&
                                                  "', which has elements [0, ", param.numel, ")"));
       }
       if (listed[given.parameter][r]) {
-        return Invalid(given.field + ".parameter",
-                       absl::StrCat("rank ", r, " lists '", param.name,
-                                    "' twice; a rank holds one contiguous range of a parameter"));
+        return Invalid(given.field + ".parameter", absl::StrCat(holder, " ", r, " lists '", param.name, "' twice; a ",
+                                                                holder, " holds one contiguous range of a parameter"));
       }
       listed[given.parameter][r] = true;
       config.parts[given.parameter][r] = given.range;
@@ -78,19 +79,19 @@ absl::Status ExplicitParts(const PartitionRule& rule, const std::vector<size_t>&
     for (const auto& [range, r] : held) {
       if (range.begin < covered) {
         return Invalid(rule.field + ".ranks",
-                       absl::StrCat("ranks ", previous, " and ", r, " both claim elements ",
+                       absl::StrCat(holder, "s ", previous, " and ", r, " both claim elements ",
                                     RangeText({range.begin, std::min(covered, range.end)}), " of '", param.name, "'"));
       }
       if (range.begin > covered) {
         return Invalid(rule.field + ".ranks", absl::StrCat("elements ", RangeText({covered, range.begin}), " of '",
-                                                           param.name, "' are held by no rank"));
+                                                           param.name, "' are held by no ", holder));
       }
       covered = range.end;
       previous = r;
     }
     if (covered < param.numel) {
       return Invalid(rule.field + ".ranks", absl::StrCat("elements ", RangeText({covered, param.numel}), " of '",
-                                                         param.name, "' are held by no rank"));
+                                                         param.name, "' are held by no ", holder));
     }
   }
   return absl::OkStatus();

@@ -386,22 +386,25 @@ def _spec(world, partition):
     return spec
 
 
+@pytest.mark.parametrize("replicas", [0, 2])
 @pytest.mark.parametrize("ranges,message", [
     ([[("a", 0, 6)], [("a", 6, 13), ("b", 0, 5)]], r"range \[6, 13\) is outside 'a'"),
-    ([[("a", 0, 7)], [("a", 6, 12), ("b", 0, 5)]], r"ranks 0 and 1 both claim elements \[6, 7\) of 'a'"),
-    ([[("a", 0, 6)], [("a", 7, 12), ("b", 0, 5)]], r"elements \[6, 7\) of 'a' are held by no rank"),
-    ([[("a", 0, 6), ("a", 6, 12)], [("b", 0, 5)]], r"rank 0 lists 'a' twice"),
+    ([[("a", 0, 7)], [("a", 6, 12), ("b", 0, 5)]], r"{holder}s 0 and 1 both claim elements \[6, 7\) of 'a'"),
+    ([[("a", 0, 6)], [("a", 7, 12), ("b", 0, 5)]], r"elements \[6, 7\) of 'a' are held by no {holder}"),
+    ([[("a", 0, 6), ("a", 6, 12)], [("b", 0, 5)]], r"{holder} 0 lists 'a' twice"),
     ([[("a", 0, 12)], [("c", 0, 5)]], r"unknown parameter 'c'"),
 ])
-def test_bad_explicit_ranges_are_refused_at_creation(endpoint, ranges, message):
-    given = pb.Partition(kind=pb.PARTITION_KIND_EXPLICIT)
+def test_bad_explicit_ranges_are_refused_at_creation(endpoint, ranges, message, replicas):
+    # Under HSDP the entries are the shards' (2 replicas of 2 shards over 4 ranks).
+    message = message.format(holder="shard" if replicas else "rank")
+    given = pb.Partition(kind=pb.PARTITION_KIND_EXPLICIT, replicas=replicas)
     for per_rank in ranges:
         entry = given.ranks.add()
         for name, begin, end in per_rank:
             entry.ranges.add(parameter=name, begin=begin, end=end)
     conn = muond.Connection(endpoint)
     with pytest.raises(muond.MuondError, match=message) as err:
-        conn.create_session(f"bad-{uuid.uuid4().hex[:6]}", _spec(2, given))
+        conn.create_session(f"bad-{uuid.uuid4().hex[:6]}", _spec(4 if replicas else 2, given))
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "spec.groups[0].partition" in err.value.details
 
