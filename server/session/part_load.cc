@@ -84,12 +84,21 @@ void PartLoad::Uploaded(int rank) {
   Wrote(rank, Written{.upload = true, .last_step = 0, .step_counts = {}}, /*session_step=*/0);
 }
 
-void PartLoad::Wrote(int rank, const Written& what, int64_t session_step) {
-  if (rank < 0 || rank >= world_size_) return;
+bool PartLoad::Starts(const Written& what, int64_t session_step) const {
   // Under way, only what Check let through differs (a load replacing an upload); over, the same
   // thing again before any step is a retry (steps only raise the session's last step).
-  const bool starts = UnderWay() ? what != what_ : written_.empty() || what != what_ || session_step != what_.last_step;
-  if (starts) {
+  return UnderWay() ? what != what_ : written_.empty() || what != what_ || session_step != what_.last_step;
+}
+
+std::vector<int> PartLoad::LoadedWith(int64_t last_step, const std::vector<int64_t>& step_counts,
+                                      int64_t session_step) const {
+  const Written what{.upload = false, .last_step = last_step, .step_counts = step_counts};
+  return Starts(what, session_step) ? std::vector<int>{} : Ranks(true);
+}
+
+void PartLoad::Wrote(int rank, const Written& what, int64_t session_step) {
+  if (rank < 0 || rank >= world_size_) return;
+  if (Starts(what, session_step)) {
     what_ = what;
     written_.assign(static_cast<size_t>(world_size_), false);
   }

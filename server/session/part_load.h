@@ -50,6 +50,9 @@ class PartLoad {
   // step before it. Once every rank has loaded, the load is over; a rank loading that same state
   // again before any step (a retried SetState) starts no new one.
   void Loaded(int rank, int64_t last_step, const std::vector<int64_t>& step_counts, int64_t session_step);
+  // The ranks that have loaded their parts of the load a rank's Loaded with these arguments would
+  // join (the same state, under way or over with no step since); empty when it would start a new one.
+  std::vector<int> LoadedWith(int64_t last_step, const std::vector<int64_t>& step_counts, int64_t session_step) const;
   // Records `rank`'s upload of its initial parts (uploads come before the first step).
   void Uploaded(int rank);
   // Every part written at once (a whole upload or load): nothing is under way any more.
@@ -78,6 +81,8 @@ class PartLoad {
   };
   absl::Status Check(int rank, const Written& what) const;
   void Wrote(int rank, const Written& what, int64_t session_step);
+  // Whether writing `what` now starts a new record rather than joining this one.
+  bool Starts(const Written& what, int64_t session_step) const;
   // Something is under way while some rank has not written, nor has any of its replicas (written_
   // empty before the first).
   bool UnderWay() const;

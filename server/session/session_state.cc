@@ -1,5 +1,6 @@
 // Session: state in and out — tensor shapes, ExportState and ImportState (checked in full before
 // anything is written), and the session's durability (persistence, checkpoints). See session.h.
+#include <algorithm>
 #include <memory>
 #include <optional>
 #include <string>
@@ -52,6 +53,40 @@ absl::StatusOr<SessionState> Session::ExportStateLocked() const {
     }
   }
   return state;
+}
+
+absl::Status Session::CheckAgreesWithLoadedLocked(int rank, const SessionState& state) const {
+  const std::vector<int> before = part_load_.LoadedWith(state.last_step, state.step_counts, last_step_);
+  if (before.empty()) return absl::OkStatus();
+  std::vector<float> held;
+  for (const StateTensor& t : state.tensors) {
+    const ParameterConfig& pc = config_.parameters[t.parameter];
+    const optim::ParamState& param = params_[t.parameter];
+    const optim::StoredTensor* stored = t.slot == kMasterSlot ? &param.master : nullptr;
+    for (const optim::StateSlot& slot : param.slots) {
+      if (slot.name == t.slot) stored = &slot.tensor;
+    }
+    if (stored == nullptr) continue;
+    const size_t whole =
+        t.slot == kMasterSlot ? static_cast<size_t>(pc.numel) : optimizers_[pc.group]->SlotNumel(param, t.slot);
+    const ElementRange mine = StatePartOf(config_, t.parameter, whole, rank);
+    if (mine.size() == 0) continue;
+    auto same = [&](int other) { return other != rank && StatePartOf(config_, t.parameter, whole, other) == mine; };
+    auto other = std::find_if(before.begin(), before.end(), same);
+    if (other == before.end()) continue;
+    held.resize(static_cast<size_t>(mine.size()));
+    MUOND_RETURN_IF_ERROR(
+        optim::ReadStored(*backend_, *stored, static_cast<size_t>(mine.begin), held.size(), held.data()));
+    for (size_t i = 0; i < held.size(); ++i) {
+      if (RoundedToStorage(t.values[i], stored->dtype) == held[i]) continue;
+      return absl::FailedPreconditionError(
+          absl::StrCat("chunk.data: rank ", rank, "'s ", pc.name, "/", t.slot, " differs from what rank ", *other,
+                       ", which holds the same elements, loaded of this state (element ",
+                       mine.begin + static_cast<int64_t>(i), ": ", t.values[i], " against ", held[i],
+                       "): ranks holding the same elements load the same state dict; nothing was loaded"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status Session::ImportState(SessionState state, int rank) {
@@ -139,6 +174,7 @@ absl::Status Session::ImportState(SessionState state, int rank) {
     return absl::InvalidArgumentError(
         absl::StrCat("chunk.slot: ", config_.parameters[index].name, "/", slot, " is missing"));
   }
+  if (by_parts) MUOND_RETURN_IF_ERROR(CheckAgreesWithLoadedLocked(rank, state));
   for (size_t i = 0; i < params_.size(); ++i) {
     optim::ParamState& param = params_[i];
     if (param.slots.empty()) {

@@ -42,15 +42,19 @@ absl::StatusOr<double> CheckTensorValues(absl::string_view field, absl::string_v
   // The bound of what is stored: rounding to 16 bits may raise a magnitude (monotonically, so the
   // largest value rounds to the largest stored one), and a replay from a checkpoint measures the
   // stored values; both must start from the same bound.
+  return RoundedToStorage(largest, dtype);
+}
+
+float RoundedToStorage(float value, kernels::StorageDtype dtype) {
   switch (dtype) {
     case kernels::StorageDtype::kBf16:
-      return Bf16ToFloat(FloatToBf16(largest));
+      return Bf16ToFloat(FloatToBf16(value));
     case kernels::StorageDtype::kFp16:
-      return Fp16ToFloat(FloatToFp16(largest));
+      return Fp16ToFloat(FloatToFp16(value));
     case kernels::StorageDtype::kFp32:
       break;
   }
-  return largest;
+  return value;
 }
 
 double MaxAbs(std::span<const float> values) {

@@ -41,4 +41,7 @@ absl::StatusOr<double> CheckTensorValues(absl::string_view field, absl::string_v
 // The largest |x| of `values` (0 when empty); a magnitude bound for the step's finiteness guard.
 double MaxAbs(std::span<const float> values);
 
+// `value` as a tensor stored in `dtype` holds it (rounded to nearest even for 16 bits).
+float RoundedToStorage(float value, kernels::StorageDtype dtype);
+
 }  // namespace muond::session

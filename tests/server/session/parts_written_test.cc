@@ -20,19 +20,26 @@ namespace {
 using ::muond::testing::StatusIs;
 using namespace ::muond::session::session_testing;
 
-constexpr int kRanks = 2;
-constexpr size_t kRowPart = 24;  // 'w' (8×6) by rows over 2 ranks: 4 rows each; 'b' replicated
+// 'w' (8×6) by rows over 2 shards: 4 rows each; 'b' replicated. Without replicas 2 ranks hold the
+// 2 shards; with 2 replicas, 4 ranks (rank r holds shard r mod 2).
+constexpr int kShards = 2;
+constexpr size_t kRowPart = 24;
 
-v1::SessionSpec PartitionedSpec() {
-  v1::SessionSpec spec = SmallSpec(kRanks);
+v1::SessionSpec PartitionedSpec(int replicas = 1) {
+  v1::SessionSpec spec = SmallSpec(kShards * replicas);
   spec.mutable_groups(0)->mutable_partition()->set_kind(v1::PARTITION_KIND_ROWS);
+  if (replicas > 1) spec.mutable_groups(0)->mutable_partition()->set_replicas(replicas);
   return spec;
+}
+
+std::vector<float> RowsOf(const std::vector<float>& whole, int rank) {
+  const auto begin = whole.begin() + static_cast<std::ptrdiff_t>(kRowPart * static_cast<size_t>(rank % kShards));
+  return {begin, begin + kRowPart};
 }
 
 // Rank `rank`'s parts of whole tensors (SmallSpec's order: 'w', then 'b').
 std::vector<HostTensor> PartsOf(const std::vector<HostTensor>& whole, int rank) {
-  const auto begin = whole[0].values.begin() + static_cast<std::ptrdiff_t>(kRowPart * static_cast<size_t>(rank));
-  return {Tensor({begin, begin + kRowPart}), Tensor(whole[1].values)};
+  return {Tensor(RowsOf(whole[0].values, rank)), Tensor(whole[1].values)};
 }
 
 // Rank `rank`'s parts of a whole exported state: 'w''s master and momentum cut, 'b''s slots whole.
@@ -40,23 +47,32 @@ SessionState StatePartOf(const SessionState& whole, int rank) {
   SessionState part = whole;
   part.parts_written.reset();
   for (StateTensor& t : part.tensors) {
-    if (t.parameter != 0) continue;
-    const auto begin = t.values.begin() + static_cast<std::ptrdiff_t>(kRowPart * static_cast<size_t>(rank));
-    t.values = {begin, begin + kRowPart};
+    if (t.parameter == 0) t.values = RowsOf(t.values, rank);
   }
   return part;
 }
 
 // Every rank sends step `step` (its parts of Gradients(step)) at once; their answers.
 std::vector<absl::StatusOr<StepOutcome>> StepEveryRank(Session& session, int step) {
-  std::vector<absl::StatusOr<StepOutcome>> answers(kRanks, absl::UnknownError("not sent"));
+  const int world = session.config().world_size;
+  std::vector<absl::StatusOr<StepOutcome>> answers(static_cast<size_t>(world), absl::UnknownError("not sent"));
   std::vector<std::thread> ranks;
-  for (int r = 0; r < kRanks; ++r) {
+  for (int r = 0; r < world; ++r) {
     ranks.emplace_back(
         [&, r] { answers[static_cast<size_t>(r)] = RunStep(session, Request(step, r), PartsOf(Gradients(step), r)); });
   }
   for (std::thread& t : ranks) t.join();
   return answers;
+}
+
+// Every rank uploads its parts of InitialParameters(), then every rank sends steps 1 … `steps`.
+void UploadAndStep(Session& session, int steps) {
+  for (int r = 0; r < session.config().world_size; ++r) {
+    ASSERT_OK(session.UploadParts(r, PartsOf(InitialParameters(), r)));
+  }
+  for (int step = 1; step <= steps; ++step) {
+    for (const absl::StatusOr<StepOutcome>& answer : StepEveryRank(session, step)) ASSERT_OK(answer.status());
+  }
 }
 
 class PartRestoreTest : public ::testing::Test {
@@ -127,16 +143,11 @@ TEST_F(PartRestoreTest, AnUploadUnderWayAtARestartIsStillWaitedFor) {
 }
 
 TEST_F(PartRestoreTest, ALoadUnderWayAtARestartIsStillWaitedForAndARetryAfterItIsNoNewLoad) {
-  for (Session* session : {session_.get(), reference_.get()}) {
-    for (int r = 0; r < kRanks; ++r) ASSERT_OK(session->UploadParts(r, PartsOf(InitialParameters(), r)));
-    for (int step = 1; step <= 2; ++step) {
-      for (const absl::StatusOr<StepOutcome>& answer : StepEveryRank(*session, step)) ASSERT_OK(answer.status());
-    }
-  }
-  // Each rank's state dict of step 1 would be saved here; the reference's state of step 1 stands in.
+  UploadAndStep(*session_, 2);
+  UploadAndStep(*reference_, 2);
+  // Each rank's state dict of step 1 would be saved here; a session of one step stands in.
   std::unique_ptr<Session> at_step1 = NewSession(backend_.get(), PartitionedSpec());
-  for (int r = 0; r < kRanks; ++r) ASSERT_OK(at_step1->UploadParts(r, PartsOf(InitialParameters(), r)));
-  for (const absl::StatusOr<StepOutcome>& answer : StepEveryRank(*at_step1, 1)) ASSERT_OK(answer.status());
+  UploadAndStep(*at_step1, 1);
   ASSERT_OK_AND_ASSIGN(const SessionState saved, at_step1->ExportState());
 
   ASSERT_OK(session_->ImportState(StatePartOf(saved, 0), 0));
@@ -157,6 +168,46 @@ TEST_F(PartRestoreTest, ALoadUnderWayAtARestartIsStillWaitedForAndARetryAfterItI
     for (const absl::StatusOr<StepOutcome>& answer : StepEveryRank(*session, 2)) ASSERT_OK(answer.status());
   }
   ExpectTheReferencesParameters();
+}
+
+// HSDP, 2 replicas of 2 shards: rank 2 holds what rank 0 holds. A rank whose part differs from its
+// replica's, or whose replicated parameter differs from another rank's, in the same load is refused
+// and changes nothing; the same values load, and a load of the next state starts afresh.
+TEST(PartsAgreeTest, RanksHoldingTheSameElementsLoadTheSameValues) {
+  auto backend = kernels::NewCpuBackend(1);
+  std::unique_ptr<Session> session = NewSession(backend.get(), PartitionedSpec(/*replicas=*/2));
+  ASSERT_NE(session, nullptr);
+  UploadAndStep(*session, 2);
+  std::unique_ptr<Session> at_step1 = NewSession(backend.get(), PartitionedSpec(2));
+  UploadAndStep(*at_step1, 1);
+  ASSERT_OK_AND_ASSIGN(const SessionState saved, at_step1->ExportState());
+  ASSERT_OK_AND_ASSIGN(const SessionState before, session->ExportState());
+
+  ASSERT_OK(session->ImportState(StatePartOf(saved, 0), 0));
+  SessionState other_replica = StatePartOf(saved, 2);
+  other_replica.tensors[0].values[5] += 0.25f;  // 'w''s master: element 5 of shard 0
+  EXPECT_THAT(session->ImportState(other_replica, 2),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       "chunk.data: rank 2's w/master differs from what rank 0, which holds the same elements, loaded "
+                       "of this state (element 5: "));
+  SessionState replicated = StatePartOf(saved, 1);
+  for (StateTensor& t : replicated.tensors) {
+    if (t.parameter == 1 && t.slot == "exp_avg") t.values[3] = -t.values[3] + 1.0f;
+  }
+  EXPECT_THAT(session->ImportState(replicated, 1),
+              StatusIs(absl::StatusCode::kFailedPrecondition, "rank 1's b/exp_avg differs from what rank 0"));
+  // Nothing of the refused loads was written: rank 1's part of 'w' is still the state before.
+  ASSERT_OK_AND_ASSIGN(const SessionState now, session->ExportState());
+  EXPECT_EQ(RowsOf(now.tensors[0].values, 1), RowsOf(before.tensors[0].values, 1));
+  EXPECT_EQ(RowsOf(now.tensors[0].values, 0), RowsOf(saved.tensors[0].values, 0));
+
+  for (int r = 1; r < 4; ++r) ASSERT_OK(session->ImportState(StatePartOf(saved, r), r));
+  ASSERT_OK_AND_ASSIGN(const SessionState loaded, session->ExportState());
+  for (size_t i = 0; i < saved.tensors.size(); ++i) EXPECT_EQ(loaded.tensors[i].values, saved.tensors[i].values);
+  for (const absl::StatusOr<StepOutcome>& answer : StepEveryRank(*session, 2)) ASSERT_OK(answer.status());
+  // After a step, a load of another state is checked against that load only.
+  ASSERT_OK_AND_ASSIGN(const SessionState at_step2, session->ExportState());
+  ASSERT_OK(session->ImportState(StatePartOf(at_step2, 2), 2));
 }
 
 }  // namespace
