@@ -224,8 +224,8 @@ def test_the_log_summary_the_demo_prints(start_daemon):
 
 def test_the_examples_at_their_defaults_raise_no_warning(start_daemon):
     # examples/* as scripts/demo.sh and their READMEs run them (fewer steps where the default is
-    # long): the C++ MLP, DDP ranks, ranks that hold parts, DiLoCo workers. The daemon's log, JSON,
-    # must hold no warning at all.
+    # long): the C++ MLP, DDP ranks, ranks that hold parts (and HSDP replicas of them), DiLoCo
+    # workers. The daemon's log, JSON, must hold no warning at all.
     import subprocess  # noqa: PLC0415
     sys.path.insert(0, str(REPO_ROOT / "scripts"))
     import log_summary  # noqa: PLC0415
@@ -238,6 +238,7 @@ def test_the_examples_at_their_defaults_raise_no_warning(start_daemon):
     runs = [[str(mlp), "--endpoint", daemon.endpoint, "--steps", "150"]]
     for script, extra in (("train_ddp.py", ["--ranks", "2", "--steps", "40"]),
                           ("train_sharded.py", ["--ranks", "2", "--steps", "40"]),
+                          ("train_sharded.py", ["--ranks", "4", "--replicas", "2", "--steps", "40"]),
                           ("train_diloco.py", ["--steps", "60"])):
         runs.append([sys.executable, str(REPO_ROOT / "examples" / script), "--endpoint", daemon.endpoint, *extra])
     for command in runs:
