@@ -321,7 +321,8 @@ def from_fsdp1(flat_param: Any, world_size: int) -> Partition:
         numels = [int(n) for n in flat_param._numels]
         padding = [False] * len(numels)
     if len(numels) != len(padding) or sum(1 for p in padding if not p) != len(shapes):
-        raise ValueError("from_fsdp1: _numels_with_padding, _is_padding_mask and _shapes disagree")
+        layout = "_numels_with_padding, _is_padding_mask" if hasattr(flat_param, "_numels_with_padding") else "_numels"
+        raise ValueError(f"from_fsdp1: {layout} and _shapes disagree")
     total = sum(numels)
     chunk = -(-total // world_size)
     ranges: List[Dict[int, Range]] = [dict() for _ in range(world_size)]

@@ -76,7 +76,9 @@ absl::Status PartLoad::Check(int rank, const Written& what) const {
       "initial parameters before the first step, or the state dict it saved at the same step); nothing was written"));
 }
 
-void PartLoad::Loaded(int rank, int64_t last_step, const std::vector<int64_t>& step_counts, int64_t session_step) {
+void PartLoad::Loaded(int rank, int64_t last_step, const std::vector<int64_t>& step_counts, int64_t session_step,
+                      bool another_state) {
+  if (another_state) written_.clear();  // starts anew, whatever it would have joined
   Wrote(rank, Written{.upload = false, .last_step = last_step, .step_counts = step_counts}, session_step);
 }
 

@@ -48,8 +48,12 @@ class PartLoad {
   absl::Status CheckUpload(int rank) const;
   // Records `rank`'s load of the state CheckLoad accepted; `session_step` is the session's last
   // step before it. Once every rank has loaded, the load is over; a rank loading that same state
-  // again before any step (a retried SetState) starts no new one.
-  void Loaded(int rank, int64_t last_step, const std::vector<int64_t>& step_counts, int64_t session_step);
+  // again before any step (a retried SetState) starts no new one, unless `another_state` (its
+  // values differ from those loaded: another state of the same step and counts).
+  void Loaded(int rank, int64_t last_step, const std::vector<int64_t>& step_counts, int64_t session_step,
+              bool another_state = false);
+  // Whether some rank has written its parts and another rank holding other parts has not.
+  bool under_way() const { return UnderWay(); }
   // The ranks that have loaded their parts of the load a rank's Loaded with these arguments would
   // join (the same state, under way or over with no step since); empty when it would start a new one.
   std::vector<int> LoadedWith(int64_t last_step, const std::vector<int64_t>& step_counts, int64_t session_step) const;

@@ -282,11 +282,12 @@ class Session {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(masters_mu_);
   absl::StatusOr<SessionState> ExportStateLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   absl::Status CheckpointLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Ranks that loaded this same state before `rank` and hold some of the same elements (the HSDP
-  // replicas of its shard; every rank, for a parameter held whole) have written their values: OK
-  // when `rank`'s equal them once rounded to storage, FAILED_PRECONDITION naming the first that
-  // differs otherwise.
-  absl::Status CheckAgreesWithLoadedLocked(int rank, const SessionState& state) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Ranks that loaded a state of this step and counts before `rank` in the load it would join, and
+  // hold some of the same elements (the HSDP replicas of its shard; every rank, for a parameter held
+  // whole), have written their values: empty when `rank`'s equal them once rounded to storage, else
+  // the first difference, in words.
+  absl::StatusOr<std::string> DifferenceFromLoadedLocked(int rank, const SessionState& state) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
   absl::Status NotInitializedError() const;
 
   const std::string id_;

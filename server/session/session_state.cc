@@ -10,6 +10,7 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/echo.h"
 #include "common/status_macros.h"
 #include "server/session/partition.h"
@@ -55,9 +56,9 @@ absl::StatusOr<SessionState> Session::ExportStateLocked() const {
   return state;
 }
 
-absl::Status Session::CheckAgreesWithLoadedLocked(int rank, const SessionState& state) const {
+absl::StatusOr<std::string> Session::DifferenceFromLoadedLocked(int rank, const SessionState& state) const {
   const std::vector<int> before = part_load_.LoadedWith(state.last_step, state.step_counts, last_step_);
-  if (before.empty()) return absl::OkStatus();
+  if (before.empty()) return std::string();
   std::vector<float> held;
   for (const StateTensor& t : state.tensors) {
     const ParameterConfig& pc = config_.parameters[t.parameter];
@@ -79,14 +80,13 @@ absl::Status Session::CheckAgreesWithLoadedLocked(int rank, const SessionState& 
         optim::ReadStored(*backend_, *stored, static_cast<size_t>(mine.begin), held.size(), held.data()));
     for (size_t i = 0; i < held.size(); ++i) {
       if (RoundedToStorage(t.values[i], stored->dtype) == held[i]) continue;
-      return absl::FailedPreconditionError(
-          absl::StrCat("chunk.data: rank ", rank, "'s ", pc.name, "/", t.slot, " differs from what rank ", *other,
-                       ", which holds the same elements, loaded of this state (element ",
-                       mine.begin + static_cast<int64_t>(i), ": ", t.values[i], " against ", held[i],
-                       "): ranks holding the same elements load the same state dict; nothing was loaded"));
+      return absl::StrCat("rank ", rank, "'s ", pc.name, "/", t.slot, " differs from what rank ", *other,
+                          ", which holds the same elements, loaded of a state of step ", state.last_step, " (element ",
+                          mine.begin + static_cast<int64_t>(i), ": ", absl::StrFormat("%.9g", t.values[i]), " against ",
+                          absl::StrFormat("%.9g", held[i]), ")");
     }
   }
-  return absl::OkStatus();
+  return std::string();
 }
 
 absl::Status Session::ImportState(SessionState state, int rank) {
@@ -174,7 +174,20 @@ absl::Status Session::ImportState(SessionState state, int rank) {
     return absl::InvalidArgumentError(
         absl::StrCat("chunk.slot: ", config_.parameters[index].name, "/", slot, " is missing"));
   }
-  if (by_parts) MUOND_RETURN_IF_ERROR(CheckAgreesWithLoadedLocked(rank, state));
+  // Ranks holding the same elements load the same values. A rank whose values differ while the
+  // load is under way would mix two states; once it is over, it is another state of the same step,
+  // a new load that the other ranks then make too.
+  bool another_state = false;
+  if (by_parts) {
+    MUOND_ASSIGN_OR_RETURN(const std::string difference, DifferenceFromLoadedLocked(rank, state));
+    if (!difference.empty() && part_load_.under_way()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "chunk.data: ", difference,
+          ", and the other ranks have not loaded theirs yet: ranks holding the same elements load the same state "
+          "dict; nothing was loaded"));
+    }
+    another_state = !difference.empty();
+  }
   for (size_t i = 0; i < params_.size(); ++i) {
     optim::ParamState& param = params_[i];
     if (param.slots.empty()) {
@@ -205,7 +218,7 @@ absl::Status Session::ImportState(SessionState state, int rank) {
     }
   }
   if (by_parts) {
-    part_load_.Loaded(rank, state.last_step, state.step_counts, last_step_);
+    part_load_.Loaded(rank, state.last_step, state.step_counts, last_step_, another_state);
   } else if (parts_written.has_value()) {
     part_load_.Restore(*parts_written);
   } else {

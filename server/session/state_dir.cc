@@ -43,10 +43,27 @@ absl::StatusOr<SessionState> StateFromCheckpoint(durability::CheckpointData& dat
     PartsWritten& written = state.parts_written.emplace();
     written.upload = parts.upload;
     written.last_step = parts.last_step;
-    if (!parts.upload) written.step_counts = CountsByParameter(config, parts.step_counts);
+    if (!parts.upload) {
+      // Every parameter's count, and no other name (the import checks their values).
+      if (parts.step_counts.size() != config.parameters.size()) {
+        return durability::CheckpointCorrupt(
+            dir, absl::StrCat("parts_written.step_counts has ", parts.step_counts.size(), " counts for ",
+                              config.parameters.size(), " parameters"));
+      }
+      for (const auto& [name, count] : parts.step_counts) {
+        if (!config.parameter_index.contains(name)) {
+          return durability::CheckpointCorrupt(
+              dir, absl::StrCat("parts_written.step_counts names '", name.substr(0, 200), "', not a parameter"));
+        }
+      }
+      written.step_counts = CountsByParameter(config, parts.step_counts);
+    }
     for (int64_t rank : parts.ranks) {
-      // Out of range: a rank no session has, refused by the import naming parts_written.ranks.
-      written.ranks.push_back(rank < 0 || rank >= config.world_size ? -1 : static_cast<int>(rank));
+      if (rank < 0 || rank >= config.world_size) {
+        return durability::CheckpointCorrupt(
+            dir, absl::StrCat("parts_written.ranks holds ", rank, ", not a rank of the session's ", config.world_size));
+      }
+      written.ranks.push_back(static_cast<int>(rank));
     }
   }
   for (durability::CheckpointTensor& t : data.tensors) {

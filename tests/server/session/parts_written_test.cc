@@ -82,8 +82,12 @@ class PartRestoreTest : public ::testing::Test {
     ASSERT_NE(mkdtemp(pattern), nullptr);
     dir_ = pattern;
     backend_ = kernels::NewCpuBackend(1);
+  }
+  // The session "s" with `replicas` of the partition, and the reference, never restarted.
+  void Start(int replicas = 1) {
+    spec_ = PartitionedSpec(replicas);
     Open();
-    reference_ = NewSession(backend_.get(), PartitionedSpec());
+    reference_ = NewSession(backend_.get(), spec_);
     ASSERT_NE(reference_, nullptr);
   }
   void TearDown() override {
@@ -101,7 +105,7 @@ class PartRestoreTest : public ::testing::Test {
     session_.reset();
     registry_ = std::make_unique<SessionRegistry>(backend_.get(), &codec_, SpecLimits{}, 4);
     ASSERT_OK(registry_->EnablePersistence(options));
-    ASSERT_OK_AND_ASSIGN(CreateResult created, registry_->CreateOrAttach("s", rpc::SpecToJson(PartitionedSpec())));
+    ASSERT_OK_AND_ASSIGN(CreateResult created, registry_->CreateOrAttach("s", rpc::SpecToJson(spec_)));
     session_ = created.session;
   }
 
@@ -114,6 +118,7 @@ class PartRestoreTest : public ::testing::Test {
   }
 
   std::string dir_;
+  v1::SessionSpec spec_;
   rpc::ProtoSpecCodec codec_;
   std::unique_ptr<kernels::Backend> backend_;
   std::unique_ptr<SessionRegistry> registry_;
@@ -122,6 +127,7 @@ class PartRestoreTest : public ::testing::Test {
 };
 
 TEST_F(PartRestoreTest, AnUploadUnderWayAtARestartIsStillWaitedFor) {
+  Start();
   ASSERT_OK(session_->UploadParts(0, PartsOf(InitialParameters(), 0)));
   ASSERT_OK(reference_->UploadParts(0, PartsOf(InitialParameters(), 0)));
   Open();
@@ -143,6 +149,7 @@ TEST_F(PartRestoreTest, AnUploadUnderWayAtARestartIsStillWaitedFor) {
 }
 
 TEST_F(PartRestoreTest, ALoadUnderWayAtARestartIsStillWaitedForAndARetryAfterItIsNoNewLoad) {
+  Start();
   UploadAndStep(*session_, 2);
   UploadAndStep(*reference_, 2);
   // Each rank's state dict of step 1 would be saved here; a session of one step stands in.
@@ -170,9 +177,26 @@ TEST_F(PartRestoreTest, ALoadUnderWayAtARestartIsStillWaitedForAndARetryAfterItI
   ExpectTheReferencesParameters();
 }
 
+// HSDP, 2 replicas of 2 shards: rank 0 uploaded shard 0 before the restart. After it, rank 2's
+// other values of shard 0 are left out (rank 0's came first), and rank 1's of shard 1, which no
+// replica had uploaded, are written: the restored record knows which ranks uploaded.
+TEST_F(PartRestoreTest, UnderHsdpTheRanksThatUploadedAreKnownAfterARestart) {
+  Start(/*replicas=*/2);
+  ASSERT_OK(session_->UploadParts(0, PartsOf(InitialParameters(), 0)));
+  Open();
+  std::vector<HostTensor> rank2 = PartsOf(InitialParameters(), 2);
+  for (float& v : rank2[0].values) v += 1.0f;
+  ASSERT_OK(session_->UploadParts(2, rank2));
+  ASSERT_OK(session_->UploadParts(1, PartsOf(InitialParameters(), 1)));
+  ASSERT_OK_AND_ASSIGN(const SessionState state, session_->ExportState());
+  EXPECT_EQ(state.tensors[0].values, InitialParameters()[0].values);
+  for (const absl::StatusOr<StepOutcome>& answer : StepEveryRank(*session_, 1)) ASSERT_OK(answer.status());
+}
+
 // HSDP, 2 replicas of 2 shards: rank 2 holds what rank 0 holds. A rank whose part differs from its
 // replica's, or whose replicated parameter differs from another rank's, in the same load is refused
-// and changes nothing; the same values load, and a load of the next state starts afresh.
+// and changes nothing; the same values load; once the load is over, another state of the same step
+// is a new load.
 TEST(PartsAgreeTest, RanksHoldingTheSameElementsLoadTheSameValues) {
   auto backend = kernels::NewCpuBackend(1);
   std::unique_ptr<Session> session = NewSession(backend.get(), PartitionedSpec(/*replicas=*/2));
@@ -189,7 +213,7 @@ TEST(PartsAgreeTest, RanksHoldingTheSameElementsLoadTheSameValues) {
   EXPECT_THAT(session->ImportState(other_replica, 2),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        "chunk.data: rank 2's w/master differs from what rank 0, which holds the same elements, loaded "
-                       "of this state (element 5: "));
+                       "of a state of step 1 (element 5: "));
   SessionState replicated = StatePartOf(saved, 1);
   for (StateTensor& t : replicated.tensors) {
     if (t.parameter == 1 && t.slot == "exp_avg") t.values[3] = -t.values[3] + 1.0f;
@@ -204,10 +228,24 @@ TEST(PartsAgreeTest, RanksHoldingTheSameElementsLoadTheSameValues) {
   for (int r = 1; r < 4; ++r) ASSERT_OK(session->ImportState(StatePartOf(saved, r), r));
   ASSERT_OK_AND_ASSIGN(const SessionState loaded, session->ExportState());
   for (size_t i = 0; i < saved.tensors.size(); ++i) EXPECT_EQ(loaded.tensors[i].values, saved.tensors[i].values);
+  // Over, another state of the same step and counts (other values) is a new load, not a retry: its
+  // first rank is taken, the next step waits for the others, and a rank loading the old one now is
+  // refused.
+  SessionState another = saved;
+  for (StateTensor& t : another.tensors) {
+    if (t.slot == kMasterSlot) {
+      for (float& v : t.values) v += 0.5f;
+    }
+  }
+  ASSERT_OK(session->ImportState(StatePartOf(another, 2), 2));
+  EXPECT_THAT(session->ImportState(StatePartOf(saved, 0), 0),
+              StatusIs(absl::StatusCode::kFailedPrecondition, "rank 0's w/master differs from what rank 2"));
+  for (const absl::StatusOr<StepOutcome>& answer : StepEveryRank(*session, 2)) {
+    EXPECT_THAT(answer.status(), StatusIs(absl::StatusCode::kFailedPrecondition,
+                                          "step 2: ranks 1, 3 sent it without loading their parts"));
+  }
+  for (int r : {0, 1, 3}) ASSERT_OK(session->ImportState(StatePartOf(another, r), r));
   for (const absl::StatusOr<StepOutcome>& answer : StepEveryRank(*session, 2)) ASSERT_OK(answer.status());
-  // After a step, a load of another state is checked against that load only.
-  ASSERT_OK_AND_ASSIGN(const SessionState at_step2, session->ExportState());
-  ASSERT_OK(session->ImportState(StatePartOf(at_step2, 2), 2));
 }
 
 }  // namespace
