@@ -182,6 +182,27 @@ TEST_F(RestoreTest, LoadSessionRefusesWhatTheRestoreRefuses) {
       {"a step count above last_step", [](nlohmann::json& m) { m["step_counts"]["w"] = 99; }, "step_counts"},
       {"an unknown optimizer",
        [](nlohmann::json& m) { m["spec"]["groups"][0]["options"]["optimizer"] = "OPTIMIZER_NOPE"; }, "checkpoint"},
+      {"parts written by a rank the session lacks",
+       [](nlohmann::json& m) {
+         m["parts_written"] = {{"of", "upload"}, {"ranks", {7}}};
+       },
+       "parts_written.ranks holds 7, not a rank of the session's 1"},
+      {"parts written of a load, a count missing",
+       [](nlohmann::json& m) {
+         m["parts_written"] = {{"of", "load"}, {"ranks", {0}}, {"last_step", 0}, {"step_counts", {{"w", 0}}}};
+       },
+       "parts_written.step_counts has 1 counts for 2 parameters"},
+      {"parts written of a load, an unknown parameter",
+       [](nlohmann::json& m) {
+         m["parts_written"] = {
+             {"of", "load"}, {"ranks", {0}}, {"last_step", 0}, {"step_counts", {{"w", 0}, {"nope", 0}}}};
+       },
+       "parts_written.step_counts names 'nope'"},
+      {"parts written in a session without a partition",
+       [](nlohmann::json& m) {
+         m["parts_written"] = {{"of", "upload"}, {"ranks", {0}}};
+       },
+       "parts_written: the session has no partition"},
   };
   const std::string saved = ReadAll(dir_ + "/bad/checkpoint.json");
   for (const auto& c : cases) {
