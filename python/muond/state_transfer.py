@@ -30,6 +30,12 @@ else:
     _Core = object
 
 
+def _hooks(optimizer: Any, table: str) -> List[Any]:
+    """The hooks of one of torch's state-dict hook tables (``torch.optim.Optimizer`` sets them up
+    from torch 2.1 on; none before), in their order."""
+    return list(getattr(optimizer, table, {}).values())
+
+
 class StateTransfer(_Core):
     """The state-dict half of ``RemoteOptimizer`` (see the module's docstring)."""
 
@@ -40,7 +46,22 @@ class StateTransfer(_Core):
         ``step`` count;
         ``param_groups`` the group options; ``muond`` the session's last step and names, this
         optimizer's rank and, in an asynchronous session, its push counter (``pushes``), which
-        ``load_state_dict`` restores so that a restarted rank resumes its numbering."""
+        ``load_state_dict`` restores so that a restarted rank resumes its numbering.
+
+        Hooks registered with torch's ``register_state_dict_pre_hook`` and
+        ``register_state_dict_post_hook`` (torch >= 2.1) run as torch runs them: the pre-hooks
+        before the state is read, the post-hooks on the dict, each able to replace it."""
+        for pre_hook in _hooks(self, "_optimizer_state_dict_pre_hooks"):
+            pre_hook(self)
+        out = self._read_state_dict()
+        for post_hook in _hooks(self, "_optimizer_state_dict_post_hooks"):
+            replaced = post_hook(self, out)
+            if replaced is not None:
+                out = replaced
+        return out
+
+    def _read_state_dict(self) -> Dict[str, Any]:
+        """``state_dict`` without the hooks."""
         self.flush()
         parts = self._on_every_session(lambda k, session: session.get_state())
         last_step = self._common_step([int(header.last_step) for header, _ in parts], "GetState")
@@ -113,7 +134,23 @@ class StateTransfer(_Core):
         push applied (new, or on a daemon that lost it) takes the saved state as in the other
         modes, and this rank's pushes start at 1 (the daemon's push records went with the
         session). ValueError for a state dict of another rank (its push counter is not this
-        rank's). docs/ranks.md, Asynchronous."""
+        rank's). docs/ranks.md, Asynchronous.
+
+        Hooks registered with torch's ``register_load_state_dict_pre_hook`` and
+        ``register_load_state_dict_post_hook`` (torch >= 2.1) run as torch runs them: the
+        pre-hooks on a shallow copy of ``state_dict``, each able to replace it, the post-hooks
+        once it is loaded."""
+        state_dict = dict(state_dict)
+        for pre_hook in _hooks(self, "_optimizer_load_state_dict_pre_hooks"):
+            replaced = pre_hook(self, state_dict)
+            if replaced is not None:
+                state_dict = replaced
+        self._load_state_dict(state_dict)
+        for post_hook in _hooks(self, "_optimizer_load_state_dict_post_hooks"):
+            post_hook(self)
+
+    def _load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """``load_state_dict`` without the hooks."""
         self.flush()
         meta = state_dict.get("muond")
         if not meta or meta.get("format") != _STATE_FORMAT:

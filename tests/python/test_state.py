@@ -64,6 +64,37 @@ def test_load_state_dict_restores_group_lr(endpoint):
         assert opt.param_groups[0]["lr"] == 0.005
 
 
+def test_torchs_state_dict_hooks_run_as_torch_runs_them(endpoint):
+    # torch >= 2.1's register_*state_dict*_hook fill these tables (OrderedDicts on the optimizer);
+    # torch 1.13, which runs here, has neither the tables nor the register methods, so the test
+    # fills them as those methods do.
+    from collections import OrderedDict  # noqa: PLC0415
+    model = TinyNet(seed=23)
+    calls = []
+    with muond.RemoteOptimizer(groups(model), endpoint=endpoint) as opt:
+        train(model, opt, range(1, 3))
+
+        def post(o, state_dict):
+            calls.append(("post", o is opt, state_dict["muond"]["last_step"]))
+            return dict(state_dict, extra="added by a hook")
+
+        def load_pre(o, state_dict):
+            calls.append(("load_pre", "extra" in state_dict))
+            del state_dict["extra"]  # in place, on load_state_dict's copy
+            return dict(state_dict, param_groups=[dict(g, lr=0.125) for g in state_dict["param_groups"]])
+
+        opt._optimizer_state_dict_pre_hooks = OrderedDict({0: lambda o: calls.append(("pre", o is opt))})
+        opt._optimizer_state_dict_post_hooks = OrderedDict({0: post})
+        opt._optimizer_load_state_dict_pre_hooks = OrderedDict({0: load_pre})
+        opt._optimizer_load_state_dict_post_hooks = OrderedDict(
+            {0: lambda o: calls.append(("load_post", o.param_groups[0]["lr"]))})
+        saved = opt.state_dict()
+        assert saved["extra"] == "added by a hook"
+        opt.load_state_dict(saved)
+        assert "extra" in saved, "the hooks work on a copy: the caller's dict is unchanged"
+        assert calls == [("pre", True), ("post", True, 2), ("load_pre", True), ("load_post", 0.125)]
+
+
 def test_state_dict_with_different_fixed_options_is_refused(endpoint):
     model = TinyNet(seed=22)
     with muond.RemoteOptimizer(groups(model), endpoint=endpoint) as opt:
