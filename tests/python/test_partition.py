@@ -10,6 +10,7 @@ on the assembled gradient, a rank killed and restarted mid-step, and the refusal
 
 import io
 import multiprocessing
+import re
 import threading
 import traceback
 import uuid
@@ -630,6 +631,74 @@ def test_a_state_dict_of_another_rank_is_refused(endpoint):
             opt.load_state_dict(saved)
 
 
+def _set_part_grads(opt, world, rank, step):
+    """Each parameter's .grad: rank ``rank``'s part of whole_grads(step) (all of it when whole)."""
+    grads = whole_grads(step)
+    for group in opt.param_groups:
+        partition = group.get("partition")
+        for k, (name, p) in enumerate(zip(group["param_names"], group["params"])):
+            g = grads[name] if partition is None else part.cut(grads[name], partition, k, world, rank)
+            p.grad = g.view(p.shape)
+
+
+def test_a_load_under_way_when_the_daemon_restarts_is_still_waited_for(start_daemon, tmp_path):
+    # Rank 0 loads its state dict of step 1, then the daemon is SIGKILLed and restarted from its
+    # state directory: its checkpoint keeps what the ranks were loading, so step 2 still waits for
+    # rank 1's load (rank 1's parts are of step 2), and goes on once rank 1 has loaded.
+    flags = ("--state-dir", tmp_path / "state")
+    daemon = start_daemon(*flags, workdir=tmp_path / "d")
+    world, kinds, session = 2, ["rows", "rows", "flat", None], "restart-mid-load"
+    saved, errors = {}, []
+
+    def open_rank(rank):
+        groups, _ = groups_for(world, rank, kinds)
+        return muond.RemoteOptimizer(groups, endpoint=daemon.endpoint, session=session, world_size=world,
+                                     rank=rank)
+
+    def train(rank):
+        try:
+            opt = open_rank(rank)
+            for step in (1, 2):
+                _set_part_grads(opt, world, rank, step)
+                opt.step()
+                if step == 1:
+                    saved[rank] = opt.state_dict()
+            opt.close(keep_session=True)
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append((rank, err))
+
+    _in_threads(world, train)
+    assert not errors, errors
+    opt = open_rank(0)
+    opt.load_state_dict(saved[0])
+    opt.close(keep_session=True)
+    daemon.kill()
+    daemon = start_daemon(*flags, workdir=tmp_path / "d")
+    opts = {r: open_rank(r) for r in range(world)}
+    assert all(o.last_step == 1 for o in opts.values())
+
+    def step_2(rank):
+        try:
+            _set_part_grads(opts[rank], world, rank, 2)
+            opts[rank].step()
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append((rank, err))
+
+    _in_threads(world, step_2)
+    assert sorted(r for r, _ in errors) == [0, 1], errors
+    for _, err in errors:
+        assert isinstance(err, muond.MuondError) and re.search(
+            r"step 2: rank 1 sent it without loading its parts of the state of step 1 that rank 0 loaded",
+            str(err)), err
+    errors.clear()
+    opts[1].load_state_dict(saved[1])
+    _in_threads(world, step_2)
+    assert not errors, errors
+    assert all(o.last_step == 2 for o in opts.values())
+    for o in opts.values():
+        o.close()
+
+
 def test_ranks_loading_state_dicts_of_different_steps_are_refused(endpoint):
     # Each rank of a partitioned session loads its own parts. A rank loading a state of another step
     # than the one another rank has loaded since, or stepping without loading while another rank
@@ -640,12 +709,7 @@ def test_ranks_loading_state_dicts_of_different_steps_are_refused(endpoint):
     errors = []
 
     def set_grads(opt, rank, step):
-        grads = whole_grads(step)
-        for group in opt.param_groups:
-            partition = group.get("partition")
-            for k, (name, p) in enumerate(zip(group["param_names"], group["params"])):
-                g = grads[name] if partition is None else part.cut(grads[name], partition, k, world, rank)
-                p.grad = g.view(p.shape)
+        _set_part_grads(opt, world, rank, step)
 
     def rank_main(rank):
         try:
