@@ -18,8 +18,8 @@
 #       python   the Python SDK's tests against a --backend cuda daemon (GPU transports included)
 #       bench    the benchmarks with torch beside them
 #       all      the four in order (for a machine without a per-call limit)
-#       lease    one call of a short lease: probe, the C++ programs at once, the Python suite, then
-#                the benchmarks while MUOND_GPU_DEADLINE (default 540) seconds last
+#       lease    one call of a short lease: probe, the C++ programs at once, the benchmarks, then
+#                the Python suite while MUOND_GPU_DEADLINE (default 540) seconds last
 #
 # The summary (OUT/summary.txt) and every log, packed (OUT/logs.tgz, since a lent machine returns
 # at most 8 files), go into OUT (default $OUT, else gpu-check-out); the logs are written under
@@ -39,8 +39,10 @@ bundle() {
   local build=${1:-$ROOT/build}
   local bundler=${GPU_BUNDLE:-$ROOT/../shared/tools/gpu-bundle.sh}
   [[ -x $bundler ]] || { echo "gpu-check: no bundler at $bundler (set GPU_BUNDLE)" >&2; exit 2; }
+  # mlp_trainer: the C++ example, which the Python suite's health check runs beside the daemon.
   local programs=(muond libmuond_cuda.so cuda_backend_test backend_conformance_test integration_test
-                  cuda_peer_test cuda_ipc_integration_test ns_bench step_bench elementwise_bench)
+                  cuda_peer_test cuda_ipc_integration_test ns_bench step_bench elementwise_bench
+                  mlp_trainer)
   local files=()
   for p in "${programs[@]}"; do
     [[ -e $build/$p ]] || { echo "gpu-check: $build/$p is missing: build it first (cmake --build $build)" >&2; exit 2; }
@@ -135,16 +137,19 @@ pack() {
 }
 
 # lease: every phase in one call, bounded by MUOND_GPU_DEADLINE seconds in all. The C++ programs run
-# at once, the Python suite alone after them, the benchmarks last and alone (their figures are
-# timings), each phase stopped where the deadline falls.
+# at once, then the benchmarks alone (their figures are timings; about 3 minutes, bounded), then the
+# Python suite alone with the time left (it is the phase with no fixed length), each phase stopped
+# where the deadline falls.
 lease() {
   local deadline=${MUOND_GPU_DEADLINE:-540} start=$SECONDS
   local -x MUOND_GPU_WORK=$WORK_DIR
   left() { echo $((deadline - (SECONDS - start))); }
   probe
   MUOND_GPU_PARALLEL=1 timeout -k 5 "$(left)" "$0" run cpp "$OUT_DIR"
-  (($(left) > 30)) && timeout -k 5 $(($(left) - 10)) "$0" run python "$OUT_DIR"
   (($(left) > 30)) && timeout -k 5 "$(left)" "$0" run bench "$OUT_DIR"
+  # The Python suite takes what is left, its own step limit a little short of it, so that its
+  # summary line is written and its log (pytest -v: one line per finished test) packed.
+  (($(left) > 30)) && MUOND_GPU_PYTHON_SECONDS=$(($(left) - 15)) timeout -k 5 "$(left)" "$0" run python "$OUT_DIR"
   echo "gpu-check: lease done in $((SECONDS - start)) s"
 }
 
@@ -194,8 +199,12 @@ python_tests() {
   if PYTHONPATH="$PY_PATH" "$PYTHON" -c 'import xdist, pytest_timeout' 2>/dev/null; then
     extra+=(-p xdist.plugin -n "${MUOND_PYTEST_WORKERS:-8}" -p pytest_timeout --timeout 320)
   fi
-  step python-sdk-cuda 480 env MUOND_TEST_BACKEND=cuda PYTHONPATH="$PY_PATH" \
-    "$PYTHON" -m pytest "$ROOT/tests/python" -q -p no:cacheprovider -m "not ops" "${extra[@]}"
+  # MUOND_PYTEST_ARGS adds arguments (e.g. test ids to rerun); -v prints each test as it finishes,
+  # so a run stopped at its limit still says which tests passed.
+  # shellcheck disable=SC2086
+  step python-sdk-cuda "${MUOND_GPU_PYTHON_SECONDS:-480}" env MUOND_TEST_BACKEND=cuda PYTHONPATH="$PY_PATH" \
+    "$PYTHON" -m pytest -v --durations=25 -p no:cacheprovider -m "not ops" "${extra[@]}" \
+    ${MUOND_PYTEST_ARGS:-"$ROOT/tests/python"}
 }
 
 bench() {

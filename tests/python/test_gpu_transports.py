@@ -460,8 +460,9 @@ def test_a_resent_cuda_ipc_step_is_replayed(cuda_daemon):
     # What a retry after a lost answer looks like: the same step number again.
     daemon, _ = cuda_daemon()
     model = TinyNet(seed=65).cuda()
+    # The parameters are changed in place below on purpose, for the replay to overwrite.
     with muond.RemoteOptimizer(muond.default_param_groups(model), endpoint=daemon.endpoint,
-                               transport="cuda_ipc") as opt:
+                               transport="cuda_ipc", parameters_changed="ignore") as opt:
         _cuda_loss(model, 1).backward()
         opt.step()
         after_one = {n: p.detach().clone() for n, p in model.named_parameters()}
