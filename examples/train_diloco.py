@@ -62,7 +62,8 @@ def train(rank: int, args: argparse.Namespace) -> None:
     outer = "muon" if args.outer == "muon" else None  # None: DiLoCo's Nesterov SGD (0.7, 0.9)
     diloco = muond.DiLoCo(model, inner, sync_every=args.sync_every, fragments=args.fragments, outer=outer,
                           endpoint=args.endpoint, session=args.session, world_size=args.world_size, rank=rank,
-                          wire_dtype=args.wire_dtype)
+                          wire_dtype=args.wire_dtype, overlap_steps=args.overlap_steps,
+                          merge_alpha=args.merge_alpha)
     x, y = make_data()
     xs, ys = x[rank::args.world_size], y[rank::args.world_size]  # this worker's share of the examples
     batch = args.batch + 16 * rank  # workers may differ in batch size: the weights follow the samples
@@ -74,9 +75,9 @@ def train(rank: int, args: argparse.Namespace) -> None:
         diloco.zero_grad()
         loss.backward()
         diloco.step(tokens=batch)  # the inner AdamW step; a sync when one is due
-        if rank == 0 and diloco.last_sync is not None:
+        if rank == 0 and diloco.last_merged is not None:  # a sync's answer merged by this step
             info = diloco.last_info
-            print(f"step {step:4d}  sync {info.step} (fragment {diloco.last_sync})  weights {info.total_weight:g}  "
+            print(f"step {step:4d}  sync {info.step} (fragment {diloco.last_merged})  weights {info.total_weight:g}  "
                   f"global loss {loss_with(model, diloco.global_parameters(), x, y):.4f}", flush=True)
     if rank == 0:
         final = loss_with(model, diloco.global_parameters(), x, y)
@@ -97,6 +98,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200, help="inner steps per worker")
     parser.add_argument("--sync-every", type=int, default=20, help="H: inner steps between syncs of a fragment")
     parser.add_argument("--fragments", type=int, default=1, help="F: Streaming DiLoCo fragments (H must be a multiple)")
+    parser.add_argument("--overlap-steps", type=int, default=0,
+                        help="tau: inner steps a sync runs beside before its answer is merged (< H/F)")
+    parser.add_argument("--merge-alpha", type=float, default=0.0,
+                        help="alpha: the share of the local values a merge keeps")
     parser.add_argument("--outer", choices=["sgd", "muon"], default="sgd")
     parser.add_argument("--inner-lr", type=float, default=3e-3)
     parser.add_argument("--batch", type=int, default=32)

@@ -7,13 +7,18 @@ it processed since that sync. The daemon averages the workers' Δ by weight, app
 optimizer (Nesterov SGD by default, or any muond group: Muon for the matrices) and answers every
 worker with the new global parameters, which become its local ones. With ``fragments`` F the
 parameters are split into F fragments that sync in turn, one every H/F inner steps (Streaming
-DiLoCo). docs/diloco.md has the order of operations and the schedule.
+DiLoCo). With ``overlap_steps`` τ a sync runs in a thread of its own beside the next τ inner steps,
+and its answer is merged into the local parameters after them (``merge_alpha`` α keeps α of the
+local values). docs/diloco.md has the order of operations and the schedule.
 
 The global parameters are a separate set of fp32 tensors (one per trained parameter of the model)
 registered with the ``RemoteOptimizer``: a sync puts Δ into their ``.grad`` (``None`` for the
 parameters of fragments that do not sync), steps, and copies the answered values into the model.
 
-Thread-safety: one instance is used from one thread at a time, like a torch optimizer.
+Thread-safety: one instance is used from one thread at a time, like a torch optimizer. With
+``overlap_steps`` a sync's ``RemoteOptimizer`` step runs in a thread the instance starts and joins
+itself; while it runs, the caller's thread touches neither the ``RemoteOptimizer`` nor the global
+parameters.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import logging
 import math
 import numbers
+import threading
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Union
 
 import torch
@@ -104,6 +110,34 @@ def _check_tokens(tokens: Any) -> float:
     return value
 
 
+def _check_alpha(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"merge_alpha: must be a number, got {value!r}")
+    alpha = float(value)
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"merge_alpha: must be in [0, 1], got {value!r}")
+    return alpha
+
+
+class _Sync:
+    """A sync of one fragment from its sending to its merge: the session step it was sent as, the
+    inner step after which it is merged, and, once answered, whether the answer replaces every
+    local parameter (the step went on without this worker) or is merged into the fragment's."""
+
+    def __init__(self, fragment: int, sent: int, weight: float, lands_at: int):
+        self.fragment, self.sent, self.weight, self.lands_at = fragment, sent, weight, lands_at
+        self.thread: Optional[threading.Thread] = None
+        self.error: Optional[BaseException] = None
+        self.answered = False
+        self.whole = False
+
+    def run(self, remote: RemoteOptimizer) -> None:
+        try:
+            remote.step(weight=self.weight)
+        except BaseException as err:  # noqa: BLE001 (re-raised in the caller's thread)
+            self.error = err
+
+
 def _workers(world_size: Optional[int]) -> int:
     """The number of workers of an asynchronous DiLoCo: ``world_size``, else torch.distributed's."""
     if world_size is not None:
@@ -149,6 +183,12 @@ class DiLoCo:
         fragments: F, the fragments the parameters are split into (Streaming DiLoCo): 1 to the
             number of trained parameters, and H must be a multiple of F. ``split_fragments``
             says which parameters form each fragment; ``fragment_names`` lists them.
+        overlap_steps: τ, 0 to H/F − 1 (Streaming DiLoCo's overlap; torchft's
+            ``fragment_sync_delay``): a sync is sent and the next τ inner steps run while the
+            daemon answers it; after them its answer is merged. 0 (default): the answer is taken
+            before the next inner step. Not with ``sync_mode="async"``.
+        merge_alpha: α in [0, 1]: a fragment's local parameters become α·local + (1 − α)·global
+            when its sync's answer is merged (``torch.lerp``). 0 (default): the global values.
         **remote_optimizer_kwargs: the other ``RemoteOptimizer`` options (``connection``,
             ``transport``, ``max_grad_norm``, ``return_dtype``, option defaults for every group).
 
@@ -161,7 +201,8 @@ class DiLoCo:
                  sync_every: int, *, outer: OuterSpec = None, endpoint: Optional[str] = None,
                  session: Optional[str] = None, world_size: Optional[int] = None,
                  rank: Optional[int] = None, sync_mode: Optional[str] = None, fragments: int = 1,
-                 wire_dtype: Any = "fp32", **remote_optimizer_kwargs: Any):
+                 wire_dtype: Any = "fp32", overlap_steps: int = 0, merge_alpha: float = 0.0,
+                 **remote_optimizer_kwargs: Any):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -175,6 +216,11 @@ class DiLoCo:
             raise ValueError(f"fragments: sync_every ({self.sync_every}) must be a multiple of "
                              f"fragments ({self.fragments}), so that each fragment syncs every "
                              f"sync_every inner steps")
+        self.overlap_steps = _check_count(
+            "overlap_steps", overlap_steps, 0, self.sync_every // self.fragments - 1,
+            f" (below sync_every / fragments = {self.sync_every // self.fragments}: a sync is "
+            f"merged before the next one is sent)")
+        self.merge_alpha = _check_alpha(merge_alpha)
         self.wire_dtype = wire.gradient_dtype_name(wire_dtype)
         self.model = model
         self.inner = inner_optimizer
@@ -195,10 +241,13 @@ class DiLoCo:
                              f"fragments={self.fragments} (an asynchronous answer carries every "
                              f"global parameter, which would overwrite the other fragments' values "
                              f"of their own last syncs; docs/diloco.md, Asynchronous outer steps)")
+        if self.asynchronous and self.overlap_steps:
+            raise ValueError(f"overlap_steps: not with sync_mode='async', got {self.overlap_steps} "
+                             f"(an asynchronous push is answered at once, never waited for)")
         timing = remote_optimizer_kwargs.get("timing")
         if remote_optimizer_kwargs.get("delay") or getattr(timing, "delay", 0):
-            raise ValueError("delay: DiLoCo takes no delayed update (each sync reads its answer and "
-                             "the global parameters before the next inner step)")
+            raise ValueError("delay: DiLoCo takes no delayed update (a sync's answer is merged "
+                             "after overlap_steps inner steps, 0 by default)")
         delay = _workers(world_size) if self.asynchronous else None
         groups = self._outer_groups(outer, model, remote_optimizer_kwargs, delay)
         if sync_mode is not None:
@@ -209,7 +258,9 @@ class DiLoCo:
         self.inner_steps = 0                       # calls of step() so far
         self.tokens = 0.0                          # tokens counted by step() so far
         self._since_sync = [0.0] * self.fragments  # tokens since each fragment's last sync
-        self.last_sync: Optional[int] = None       # the fragment the last step() synced
+        self.last_sync: Optional[int] = None       # the fragment the last step() sent
+        self.last_merged: Optional[int] = None     # ... whose answer the last step() merged
+        self._sync_in_flight: Optional[_Sync] = None  # sent, not yet merged (overlap_steps)
         self._deltas: Dict[int, torch.Tensor] = {}  # Δ buffers, made at a parameter's first sync
         # Error feedback of quantized syncs: what the last sync of each parameter rounded away.
         self._feedback: Dict[int, torch.Tensor] = {}
@@ -316,8 +367,9 @@ class DiLoCo:
 
     def step(self, closure: Optional[Callable[[], Any]] = None, *, tokens: Any = None) -> Any:
         """Replaces ``inner_optimizer.step()``: runs it (with ``closure``), counts ``tokens``
-        (the tokens, or samples, this step trained on; None counts 1), and, when a fragment is
-        due (``fragment_due``), syncs it. Returns the closure's loss."""
+        (the tokens, or samples, this step trained on; None counts 1), merges the answer of a sync
+        sent ``overlap_steps`` inner steps ago, and, when a fragment is due (``fragment_due``),
+        syncs it. Returns the closure's loss."""
         amount = _check_tokens(tokens)
         due = self.fragment_due(self.inner_steps + 1)
         if due is not None and self._since_sync[due] + amount <= 0:
@@ -327,14 +379,24 @@ class DiLoCo:
         self.inner_steps += 1
         self.tokens += amount
         self._since_sync = [t + amount for t in self._since_sync]
-        self.last_sync = due
+        self.last_sync, self.last_merged = due, None
+        pending = self._sync_in_flight
+        if pending is not None and self.inner_steps >= pending.lands_at:
+            self._merge(pending)
         if due is not None:
             self._sync(due)
         return loss
 
+    @property
+    def sync_in_flight(self) -> Optional[int]:
+        """The fragment whose sync was sent and is not merged yet (``overlap_steps``), or None."""
+        pending = self._sync_in_flight
+        return None if pending is None else pending.fragment
+
     def _sync(self, fragment: int) -> None:
-        """One outer step of ``fragment``: Δ of its parameters as their gradients, weighted by
-        the tokens since its last sync; the answered global values become the local ones."""
+        """Sends one outer step of ``fragment``: Δ of its parameters as their gradients, weighted
+        by the tokens since its last sync. Its answer is merged at once, or after
+        ``overlap_steps`` inner steps during which the step runs in a thread."""
         weight = self._since_sync[fragment]
         members = self._members[fragment]
         for g in self._globals:
@@ -363,13 +425,37 @@ class DiLoCo:
                 f"finite (the local parameters diverged; the inner optimizer's state is likely "
                 f"non-finite too); nothing was sent. Resume this worker from a state dict saved "
                 f"before, or rebuild its inner optimizer and its model from global_parameters()")
-        sent = self.remote.last_step + 1
-        self.remote.step(weight=weight)
+        sync = _Sync(fragment, self.remote.last_step + 1, weight,
+                     lands_at=self.inner_steps + self.overlap_steps)
         self.last_sync_bytes = sum(wire.payload_bytes(self._params[i].numel(), self.wire_dtype)
                                    for i in members)
         self.sync_bytes += self.last_sync_bytes
+        # The tokens from here on count toward the fragment's next sync.
+        self._since_sync[fragment] = 0.0
+        self._sync_in_flight = sync
+        if self.overlap_steps == 0:
+            sync.run(self.remote)
+            self._merge(sync)
+            return
+        sync.thread = threading.Thread(target=sync.run, args=(self.remote,), daemon=True,
+                                       name=f"muond-diloco-sync-{sync.sent}")
+        sync.thread.start()
+
+    def _wait_for_answer(self, sync: _Sync) -> None:
+        """Joins ``sync``'s step and takes in its answer: the counters and error feedback, and
+        whether the merge takes every parameter. Raises the step's error (the fragment's tokens
+        are counted again, for a retry)."""
+        if sync.answered:
+            return
+        if sync.thread is not None:
+            sync.thread.join()
+        sync.answered = True
         for g in self._globals:
             g.grad = None
+        if sync.error is not None:
+            self._sync_in_flight = None
+            self._since_sync[sync.fragment] += sync.weight
+            raise sync.error
         info = self.remote.last_info
         if self.asynchronous and info is not None and info.stale:
             # Too stale (more than max_staleness global steps behind): nothing was applied and the
@@ -377,28 +463,45 @@ class DiLoCo:
             _log.warning("DiLoCo rank %d: push dropped as too stale (%d global steps behind); "
                          "taking the session's parameters, local progress since the last sync "
                          "is dropped", self.remote.rank, info.staleness)
-            self._take_globals(range(len(self._params)))
-            self._since_sync = [0.0] * self.fragments
+            sync.whole = True
             return
         # Lock-step or quorum: an answer for another step than this worker's means the step went
         # on without it. An asynchronous answer names the latest global step, whoever pushed it.
-        moved_on = not self.asynchronous and info is not None and info.step != sent
+        moved_on = not self.asynchronous and info is not None and info.step != sync.sent
         if info is not None and (moved_on or not getattr(info, "included", True)):
             # A quorum step went on without this worker: take the session's parameters whole.
             _log.warning("DiLoCo rank %d: sync step %d went on without this worker (the session "
                          "is at step %d); taking the session's parameters, local progress since "
-                         "the last sync is dropped", self.remote.rank, sent, info.step)
-            self._take_globals(range(len(self._params)))
-            self._since_sync = [0.0] * self.fragments
+                         "the last sync is dropped", self.remote.rank, sync.sent, info.step)
+            sync.whole = True
             return
         if info is not None and not info.applied:
             _log.warning("DiLoCo rank %d: outer step %d skipped (%s); fragment %d goes back to "
                          "its global values", self.remote.rank, info.step, info.skip_reason,
-                         fragment)
+                         sync.fragment)
         elif quantize.is_quantized(self.wire_dtype):
-            self._keep_rounding(members)
-        self._take_globals(members)
-        self._since_sync[fragment] = 0.0
+            self._keep_rounding(self._members[sync.fragment])
+
+    def _merge(self, sync: _Sync) -> None:
+        """Waits for ``sync``'s answer if need be, then merges it into the local parameters: the
+        fragment's become α·local + (1 − α)·global, or every parameter takes the session's
+        values (the step went on without this worker)."""
+        self._wait_for_answer(sync)
+        self._sync_in_flight = None
+        self.last_merged = sync.fragment
+        if sync.whole:
+            self._take_globals(range(len(self._params)))
+            self._since_sync = [0.0] * self.fragments
+            return
+        members = self._members[sync.fragment]
+        if self.merge_alpha == 0.0:
+            self._take_globals(members)
+            return
+        with torch.no_grad():
+            for i in members:
+                local = self._params[i]
+                local.copy_(torch.lerp(local.detach().float(), self._globals[i],
+                                       1.0 - self.merge_alpha))
 
     @torch.no_grad()
     def _keep_rounding(self, members: Iterable[int]) -> None:
@@ -418,12 +521,14 @@ class DiLoCo:
 
     def global_parameters(self) -> Dict[str, torch.Tensor]:
         """The global parameters at each fragment's last sync (fp32; the tensors themselves, do
-        not modify them)."""
+        not modify them). While a sync is in flight (``sync_in_flight``) its answer may be
+        landing in them."""
         return dict(zip(self.names, self._globals))
 
     @property
     def last_info(self):
-        """The ``StepInfo`` of the last sync (None before the first)."""
+        """The ``StepInfo`` of the last sync answered (None before the first): with
+        ``overlap_steps``, read it after the step that merged it (``last_merged``)."""
         return self.remote.last_info
 
     @property
@@ -434,15 +539,24 @@ class DiLoCo:
 
     def state_dict(self) -> Dict[str, Any]:
         """This worker's state: the inner optimizer's state dict, the global parameters at the
-        last sync, the local parameters, the error feedback of quantized syncs, and the counters. The outer optimizer's state stays in
-        the daemon's session (``remote.checkpoint()`` with a ``--state-dir`` daemon makes it
-        durable); the model's buffers are not included."""
+        last sync, the local parameters, the error feedback of quantized syncs, and the counters.
+        A sync in flight is waited for first; its merge, still to come, is part of the state
+        (``pending_merge``). The outer optimizer's state stays in the daemon's session
+        (``remote.checkpoint()`` with a ``--state-dir`` daemon makes it durable); the model's
+        buffers are not included."""
+        pending = self._sync_in_flight
+        if pending is not None:
+            self._wait_for_answer(pending)
         meta = {"format": _STATE_FORMAT, "session": self.remote.session_id,
                 "outer_step": self.remote.last_step, "inner_steps": self.inner_steps,
                 "tokens": self.tokens, "tokens_since_sync": list(self._since_sync),
                 "sync_every": self.sync_every, "fragments": self.fragments,
                 "names": list(self.names), "rank": self.remote.rank,
-                "world_size": self.remote.world_size, "wire_dtype": self.wire_dtype}
+                "world_size": self.remote.world_size, "wire_dtype": self.wire_dtype,
+                "overlap_steps": self.overlap_steps, "merge_alpha": self.merge_alpha,
+                "pending_merge": None if pending is None else {
+                    "fragment": pending.fragment, "step": pending.sent,
+                    "lands_at": pending.lands_at, "whole": pending.whole}}
         return {"diloco": meta, "inner": self.inner.state_dict(),
                 "global": {n: g.detach().clone() for n, g in zip(self.names, self._globals)},
                 "local": {n: p.detach().clone() for n, p in zip(self.names, self._params)},
@@ -459,11 +573,18 @@ class DiLoCo:
         meta = state_dict.get("diloco") if isinstance(state_dict, Mapping) else None
         if not meta or meta.get("format") != _STATE_FORMAT:
             raise ValueError("not a DiLoCo state dict (no 'diloco' section of format 1)")
-        saved = dict(meta, wire_dtype=meta.get("wire_dtype", "fp32"))  # states saved before it had one
+        # States saved before these keys existed: what they meant then.
+        saved = {"wire_dtype": "fp32", "overlap_steps": 0, "merge_alpha": 0.0, **meta}
         for key, mine in (("names", self.names), ("sync_every", self.sync_every),
-                          ("fragments", self.fragments), ("wire_dtype", self.wire_dtype)):
+                          ("fragments", self.fragments), ("wire_dtype", self.wire_dtype),
+                          ("overlap_steps", self.overlap_steps),
+                          ("merge_alpha", self.merge_alpha)):
             if saved[key] != mine:
                 raise ValueError(f"{key}: the state dict has {saved[key]}, this worker {mine}")
+        if self._sync_in_flight is not None:
+            raise ValueError(f"load_state_dict: this worker's sync of fragment "
+                             f"{self._sync_in_flight.fragment} is in flight; load a state dict "
+                             f"before the first step()")
         if meta["outer_step"] != self.remote.last_step:
             raise ValueError(
                 f"the state dict was saved after outer step {meta['outer_step']}, the session "
@@ -485,11 +606,20 @@ class DiLoCo:
         self.inner_steps = int(meta["inner_steps"])
         self.tokens = float(meta["tokens"])
         self._since_sync = [float(t) for t in meta["tokens_since_sync"]]
+        merge = saved.get("pending_merge")
+        if merge is not None:  # answered before the save, merged after overlap_steps inner steps
+            sync = _Sync(int(merge["fragment"]), int(merge["step"]), 0.0, int(merge["lands_at"]))
+            sync.answered, sync.whole = True, bool(merge["whole"])
+            self._sync_in_flight = sync
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
     def close(self, keep_session: bool = False) -> None:
-        """Closes the ``RemoteOptimizer`` (rank 0 ends the session unless ``keep_session``)."""
+        """Closes the ``RemoteOptimizer`` (rank 0 ends the session unless ``keep_session``),
+        after a sync in flight has been answered (its merge does not happen: training is over)."""
+        pending, self._sync_in_flight = self._sync_in_flight, None
+        if pending is not None and pending.thread is not None:
+            pending.thread.join()
         self.remote.close(keep_session=keep_session)
 
     def __enter__(self) -> "DiLoCo":

@@ -101,10 +101,12 @@ class MuondOuter:
 
 
 def reference_diloco(workers: int, steps: int, sync_every: int, fragments, outer,
-                     wire_dtype: str = "fp32"):
+                     wire_dtype: str = "fp32", overlap: int = 0, alpha: float = 0.0):
     """Pure-torch DiLoCo: returns (each worker's local parameters, the global parameters). With a
     quantized ``wire_dtype`` each worker sends Δ + e, the daemon takes it as ``quantize`` rounds
-    it, and e becomes what was rounded away (error feedback)."""
+    it, and e becomes what was rounded away (error feedback). With ``overlap`` τ a sync's outer
+    step is merged into the workers' local parameters τ inner steps later, as
+    ``torch.lerp(local, global, 1 − alpha)`` (Streaming DiLoCo's overlap and merge)."""
     feedback = [{} for _ in range(workers)]
     init = TinyNet(seed=SEED)
     global_params = {n: p.detach().clone() for n, p in init.named_parameters()}
@@ -112,12 +114,25 @@ def reference_diloco(workers: int, steps: int, sync_every: int, fragments, outer
     inners = [torch.optim.AdamW(m.parameters(), **INNER) for m in models]
     locals_ = [dict(m.named_parameters()) for m in models]
     since = [[0.0] * len(fragments) for _ in range(workers)]
-    interval, syncs = sync_every // len(fragments), 0
+    interval, syncs, pending = sync_every // len(fragments), 0, None  # pending: (fragment, t)
+
+    def merge(f):
+        with torch.no_grad():
+            for r in range(workers):
+                for name in fragments[f]:
+                    local = locals_[r][name]
+                    merged = global_params[name] if alpha == 0 else torch.lerp(
+                        local.detach(), global_params[name], 1.0 - alpha)
+                    local.copy_(merged)
+
     for t in range(1, steps + 1):
         for r in range(workers):
             inner_step(models[r], inners[r], r, t)
             inners[r].step()
             since[r] = [s + SIZES[r] for s in since[r]]
+        if pending is not None and t == pending[1]:
+            merge(pending[0])
+            pending = None
         if t % interval:
             continue
         f = syncs % len(fragments)
@@ -136,11 +151,12 @@ def reference_diloco(workers: int, steps: int, sync_every: int, fragments, outer
                 acc += since[r][f] * delta.double()
             averages[name] = (acc / total).float()
         outer(global_params, averages)
-        with torch.no_grad():
-            for r in range(workers):
-                for name in fragments[f]:
-                    locals_[r][name].copy_(global_params[name])
-                since[r][f] = 0.0
+        for r in range(workers):
+            since[r][f] = 0.0
+        if overlap:
+            pending = (f, t + overlap)
+        else:
+            merge(f)
     return [{n: p.detach().clone() for n, p in loc.items()} for loc in locals_], global_params
 
 
@@ -379,6 +395,70 @@ def test_two_fragments_sync_in_turn_and_equal_streaming_reference(endpoint):
         assert_bitwise(local, locals_[r], f"worker {r}'s local parameters")
 
 
+@pytest.mark.parametrize("fragments,overlap,alpha,steps", [(2, 1, 0.5, 13), (1, 3, 0.0, 15)])
+def test_overlapped_syncs_merge_late_and_equal_the_reference(endpoint, fragments, overlap, alpha,
+                                                             steps):
+    """overlap_steps τ: each sync runs beside the next τ inner steps, whose progress on the
+    fragment the merge then keeps α of. Three workers, H = 4; the last sync (after step 12) is
+    merged after step 12 + τ. Between its sending and its merge the fragment's local parameters
+    are the worker's own; at the merge they become lerp(local, global, 1 − α)."""
+    workers, sync_every = 3, 4
+    seen = {}
+
+    def record(rank, t, diloco):
+        if rank == 0:
+            seen[t] = (diloco.last_sync, diloco.sync_in_flight, diloco.last_merged)
+
+    torch.set_num_threads(1)
+    got = run_threads(endpoint, workers, steps, sync_every, fragments=fragments, record=record,
+                      overlap_steps=overlap, merge_alpha=alpha)
+    interval = sync_every // fragments
+    for t in range(1, steps + 1):
+        sent, in_flight, merged = seen[t]
+        assert (sent is not None) == (t % interval == 0), t
+        assert (in_flight is not None) == (t >= interval and t % interval < overlap), t
+        assert (merged is not None) == (t > interval and t % interval == overlap), t
+    locals_, global_params = reference_diloco(workers, steps, sync_every,
+                                              TWO_FRAGMENTS if fragments == 2 else [
+                                                  TWO_FRAGMENTS[0] + TWO_FRAGMENTS[1]],
+                                              NesterovSGD(), overlap=overlap, alpha=alpha)
+    no_overlap, _ = reference_diloco(workers, steps, sync_every,
+                                     TWO_FRAGMENTS if fragments == 2 else [
+                                         TWO_FRAGMENTS[0] + TWO_FRAGMENTS[1]], NesterovSGD())
+    assert any(not torch.equal(locals_[0][n], no_overlap[0][n]) for n in locals_[0])
+    for r, (local, glob) in enumerate(got):
+        assert_bitwise(glob, global_params, f"worker {r}'s global parameters")
+        assert_bitwise(local, locals_[r], f"worker {r}'s local parameters")
+
+
+def test_a_state_dict_saved_with_a_sync_in_flight_resumes_exactly(start_daemon, tmp_path):
+    """Saved after inner step 6 with overlap_steps 1 (fragment 0's sync sent after step 6, merged
+    after step 7, α = 0.5): the save waits for the answer and keeps the merge to come; a fresh
+    worker on a restarted daemon loads it and ends where an uninterrupted run does, bit for bit."""
+    torch.set_num_threads(1)
+    state_dir, workdir = tmp_path / "state", tmp_path / "daemon"
+    daemon = start_daemon("--state-dir", state_dir, workdir=workdir)
+    options = dict(overlap_steps=1, merge_alpha=0.5)
+    whole = _resumable_run(daemon.endpoint, session_name(), 13, **options)
+    session = session_name()
+    state = _resumable_run(daemon.endpoint, session, 13, stop_at=6, **options)
+    assert state["diloco"]["pending_merge"] == {"fragment": 0, "step": 3, "lands_at": 7,
+                                                "whole": False}
+    assert state["diloco"]["outer_step"] == 3
+    daemon.stop()
+    daemon = start_daemon("--state-dir", state_dir, workdir=workdir)
+    resumed = _resumable_run(daemon.endpoint, session, 13, model_seed=SEED + 1, state=state,
+                             **options)
+    assert resumed[2:] == whole[2:] == (13, 13.0 * SIZES[0], 6)
+    assert_bitwise(resumed[0], whole[0], "local parameters")
+    assert_bitwise(resumed[1], whole[1], "global parameters")
+    model = TinyNet(seed=SEED)
+    with muond.DiLoCo(model, torch.optim.AdamW(model.parameters(), **INNER), sync_every=4,
+                      fragments=2, endpoint=daemon.endpoint, session=session) as other:
+        with pytest.raises(ValueError, match="overlap_steps: the state dict has 1, this worker 0"):
+            other.load_state_dict(state)
+
+
 def test_fragments_follow_the_documented_split(endpoint):
     sizes = [p.numel() for p in TinyNet().parameters()]
     assert split_fragments(sizes, 1) == [0] * 8
@@ -393,13 +473,15 @@ def test_fragments_follow_the_documented_split(endpoint):
         assert [diloco.fragment_due(t) for t in range(1, 5)] == [None, 0, None, 0]  # at step 0
 
 
-def _resumable_run(endpoint, session, steps, model_seed=SEED, state=None, stop_at=None):
-    """One worker (fragments=2, H = 4): from ``state`` when given, until ``stop_at`` (returning
-    its state dict, the session kept) or the end (returning the parameters)."""
+def _resumable_run(endpoint, session, steps, model_seed=SEED, state=None, stop_at=None,
+                   **options):
+    """One worker (fragments=2, H = 4, ``options`` for DiLoCo): from ``state`` when given, until
+    ``stop_at`` (returning its state dict, the session kept) or the end (returning the
+    parameters)."""
     model = TinyNet(seed=model_seed)
     inner = torch.optim.AdamW(model.parameters(), **INNER)
     diloco = muond.DiLoCo(model, inner, sync_every=4, fragments=2, endpoint=endpoint,
-                          session=session)
+                          session=session, **options)
     if state is not None:
         diloco.load_state_dict(state)
     for t in range(diloco.inner_steps + 1, steps + 1):
@@ -497,11 +579,19 @@ def test_bad_arguments_are_refused_naming_them(endpoint):
             (dict(sync_every=4, outer=[{"params": ["up.weight", "up.weight"]}]),
              "outer: parameter 'up.weight'"),
             (dict(sync_every=4, outer=[{"params": [torch.zeros(2)]}]),
-             "outer: group 0 holds a tensor")]:
+             "outer: group 0 holds a tensor"),
+            (dict(sync_every=4, fragments=2, overlap_steps=2),
+             "overlap_steps: must be in \\[0, 1\\] \\(below sync_every / fragments = 2"),
+            (dict(sync_every=4, overlap_steps=-1), "overlap_steps: must be in \\[0, 3\\]"),
+            (dict(sync_every=4, merge_alpha=1.5), "merge_alpha: must be in \\[0, 1\\], got 1.5"),
+            (dict(sync_every=4, overlap_steps=1, sync_mode="async", world_size=1),
+             "overlap_steps: not with sync_mode='async'")]:
         with pytest.raises(ValueError, match=pattern):
             muond.DiLoCo(model, inner, endpoint=endpoint, **kwargs)
     with pytest.raises(TypeError, match="sync_every: must be an integer"):
         muond.DiLoCo(model, inner, sync_every=2.5, endpoint=endpoint)
+    with pytest.raises(TypeError, match="merge_alpha: must be a number"):
+        muond.DiLoCo(model, inner, sync_every=2, endpoint=endpoint, merge_alpha="half")
     # A delayed update would let each sync read the answer and the globals of the one before.
     for kwargs in (dict(delay=1), dict(timing=muond.TimingOptions(delay=1))):
         with pytest.raises(ValueError, match="delay: DiLoCo takes no delayed update"):
@@ -558,13 +648,16 @@ def test_outer_options_default_to_diloco_nesterov(endpoint):
 
 
 def test_example_trains_two_workers(endpoint):
-    """examples/train_diloco.py: two worker processes on one session, the loss comes down."""
+    """examples/train_diloco.py: two worker processes on one session, two fragments whose syncs
+    overlap two inner steps and merge half the local values; the loss comes down."""
     cmd = [sys.executable, str(REPO_ROOT / "examples" / "train_diloco.py"), "--endpoint", endpoint,
-           "--workers", "2", "--steps", "60", "--sync-every", "10", "--fragments", "2"]
+           "--workers", "2", "--steps", "60", "--sync-every", "10", "--fragments", "2",
+           "--overlap-steps", "2", "--merge-alpha", "0.5"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     first = float(proc.stdout.split("initial loss on all data: ")[1].split()[0])
     final = float(proc.stdout.split("final loss on all data: ")[1].split()[0])
     assert "2 workers" in proc.stdout
+    assert "step    7  sync 1 (fragment 0)" in proc.stdout, proc.stdout  # sent after 5, merged after 7
     assert final < 0.5 * first, proc.stdout
