@@ -57,7 +57,8 @@ class PeerEvent {
   // Whether the peer's last record of the event (before the call) has completed; an error when the
   // event cannot be queried. Never waits.
   virtual absl::StatusOr<bool> Poll() = 0;
-  // Polls until the event has completed (OK): 20 µs between polls at first, doubling to 1 ms.
+  // Polls until the event has completed (OK): 10 µs between polls at first, doubling to 100 µs, so
+  // that the step learns of the completion at most about 100 µs (plus the timer's slack) late.
   // DEADLINE_EXCEEDED naming the event when it has not by `deadline`; CANCELLED as soon as
   // `caller_gone` (polled as often; may be empty) says the call waiting for it was abandoned.
   absl::Status Await(absl::Time deadline, const std::function<bool()>& caller_gone);

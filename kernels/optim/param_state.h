@@ -66,7 +66,8 @@ struct ParamState {
   std::vector<StateSlot> slots;  // created by Optimizer::InitState
   int64_t step_count = 0;        // steps that updated this parameter
 
-  StoredTensor* Slot(const std::string& slot_name);
+  StoredTensor* Slot(const std::string& slot_name);  // nullptr: no such slot
+  const StoredTensor* Slot(const std::string& slot_name) const;
 };
 
 }  // namespace muond::optim

@@ -288,6 +288,8 @@ class Session {
   // the first difference, in words.
   absl::StatusOr<std::string> DifferenceFromLoadedLocked(int rank, const SessionState& state) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // The whole element count of a parameter's master (kMasterSlot) or of one of its optimizer slots.
+  size_t StateNumelLocked(size_t parameter, const std::string& slot) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   absl::Status NotInitializedError() const;
 
   const std::string id_;

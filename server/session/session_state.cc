@@ -26,6 +26,12 @@ std::vector<int64_t> Session::TensorShape(size_t parameter, std::string_view slo
   return optimizers_[pc.group]->SlotShape(ParamStateOf(pc), slot);
 }
 
+size_t Session::StateNumelLocked(size_t parameter, const std::string& slot) const {
+  const ParameterConfig& pc = config_.parameters[parameter];
+  if (slot == kMasterSlot) return static_cast<size_t>(pc.numel);
+  return optimizers_[pc.group]->SlotNumel(params_[parameter], slot);
+}
+
 absl::StatusOr<SessionState> Session::ExportState() const {
   absl::ReaderMutexLock lock(&mu_);
   return ExportStateLocked();
@@ -63,13 +69,9 @@ absl::StatusOr<std::string> Session::DifferenceFromLoadedLocked(int rank, const 
   for (const StateTensor& t : state.tensors) {
     const ParameterConfig& pc = config_.parameters[t.parameter];
     const optim::ParamState& param = params_[t.parameter];
-    const optim::StoredTensor* stored = t.slot == kMasterSlot ? &param.master : nullptr;
-    for (const optim::StateSlot& slot : param.slots) {
-      if (slot.name == t.slot) stored = &slot.tensor;
-    }
+    const optim::StoredTensor* stored = t.slot == kMasterSlot ? &param.master : param.Slot(t.slot);
     if (stored == nullptr) continue;
-    const size_t whole =
-        t.slot == kMasterSlot ? static_cast<size_t>(pc.numel) : optimizers_[pc.group]->SlotNumel(param, t.slot);
+    const size_t whole = StateNumelLocked(t.parameter, t.slot);
     const ElementRange mine = StatePartOf(config_, t.parameter, whole, rank);
     if (mine.size() == 0) continue;
     auto same = [&](int other) { return other != rank && StatePartOf(config_, t.parameter, whole, other) == mine; };
@@ -148,8 +150,7 @@ absl::Status Session::ImportState(SessionState state, int rank) {
       return absl::InvalidArgumentError(
           absl::StrCat("chunk.slot: '", Echo(t.slot), "' is not a state slot of '", pc.name, "' or was sent twice"));
     }
-    const size_t whole = t.slot == kMasterSlot ? static_cast<size_t>(pc.numel)
-                                               : optimizers_[pc.group]->SlotNumel(params_[t.parameter], t.slot);
+    const size_t whole = StateNumelLocked(t.parameter, t.slot);
     const size_t numel = static_cast<size_t>(StatePartOf(config_, t.parameter, whole, rank).size());
     if (t.values.size() != numel) {
       return absl::InvalidArgumentError(
@@ -163,11 +164,7 @@ absl::Status Session::ImportState(SessionState state, int rank) {
   }
   // A rank's empty part of a tensor has nothing to send.
   absl::erase_if(expected, [&](const std::pair<size_t, std::string>& left) {
-    const ParameterConfig& pc = config_.parameters[left.first];
-    const size_t whole = left.second == kMasterSlot
-                             ? static_cast<size_t>(pc.numel)
-                             : optimizers_[pc.group]->SlotNumel(params_[left.first], left.second);
-    return StatePartOf(config_, left.first, whole, rank).size() == 0;
+    return StatePartOf(config_, left.first, StateNumelLocked(left.first, left.second), rank).size() == 0;
   });
   if (!expected.empty()) {
     const auto& [index, slot] = *expected.begin();
@@ -200,9 +197,7 @@ absl::Status Session::ImportState(SessionState state, int rank) {
   for (const StateTensor& t : state.tensors) {
     optim::ParamState& param = params_[t.parameter];
     optim::StoredTensor& target = t.slot == kMasterSlot ? param.master : *param.Slot(t.slot);
-    const size_t whole = t.slot == kMasterSlot
-                             ? static_cast<size_t>(param.numel)
-                             : optimizers_[config_.parameters[t.parameter].group]->SlotNumel(param, t.slot);
+    const size_t whole = StateNumelLocked(t.parameter, t.slot);
     const ElementRange part = StatePartOf(config_, t.parameter, whole, rank);
     MUOND_RETURN_IF_ERROR(
         optim::WriteStored(*backend_, target, static_cast<size_t>(part.begin), t.values.size(), t.values.data()));
