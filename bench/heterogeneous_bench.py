@@ -47,8 +47,10 @@ workers, speeds and death, as muond.DiLoCo workers (docs/diloco.md): each inner 
 AdamW step (lr --inner-lr) on the worker's batch, and every --sync-every inner steps the worker
 syncs its pseudo-gradient through the daemon's outer Nesterov SGD (lr --outer-lr, momentum 0.9;
 delayed Nesterov with N = 4 asynchronously; --outer-option NAME=VALUE adds an option to the outer
-group, e.g. heloco=true for HeLoCo's correction), weighted by its samples. Rank 0 evaluates the global
-parameters after each of its syncs. A sync's samples count as applied when the sync used them.
+group, e.g. heloco=true for HeLoCo's correction), weighted by its samples; --overlap-steps τ and
+--merge-alpha α overlap each sync with the next τ inner steps and merge its answer after them.
+Rank 0 evaluates the global parameters after each of its merges. A sync's samples count as applied
+when the sync used them.
 Lock-step DiLoCo restarts at world size 3 when rank 3 dies, as lock-step does (the survivors open a
 new session from rank 0's global parameters; the outer momentum starts afresh). The optimizer and its
 options (Muon lr --lr, AdamW lr --adam-lr) are the same in every mode; --repeats N runs the modes in
@@ -319,7 +321,8 @@ def diloco_worker(rank, mode, args, endpoint, shared):
         outer.update(args.outer_option)
         return muond.DiLoCo(model, inner, sync_every=args.sync_every[rank], outer=outer,
                             endpoint=endpoint, session=name, world_size=world_size, rank=rank,
-                            transport=args.transport, **options)
+                            transport=args.transport, overlap_steps=args.overlap_steps,
+                            merge_alpha=args.merge_alpha, **options)
 
     if rank != 0:
         shared.opened.wait()
@@ -330,6 +333,7 @@ def diloco_worker(rank, mode, args, endpoint, shared):
 
     period = SPEEDS[rank] * args.period
     pending = 0.0  # samples computed since this worker's last sync
+    sent = 0.0     # ... those of the sync in flight (overlap_steps)
     while not shared.stop.is_set():
         compute_gradients(model, inner, teacher, data, args.batch, period, input_shift(rank, args.non_iid))
         shared.computed[rank] += args.batch
@@ -351,19 +355,20 @@ def diloco_worker(rank, mode, args, endpoint, shared):
             else:
                 shared.reopened.wait()
                 diloco = open_worker(session + "-world3", WORLD - 1)
-            pending = 0.0
+            pending = sent = 0.0
             continue
-        if diloco.last_sync is None:
+        if diloco.last_sync is not None:
+            sent, pending = pending, 0.0
+        if diloco.last_merged is None:  # the answer of a sync, merged this step
             continue
         info = diloco.last_info
         if info.included and info.applied:
-            shared.applied[rank] += pending
+            shared.applied[rank] += sent
         # HeLoCo's cases: every push of an asynchronous session; a shared step once (rank 0's answer).
         for group in info.groups.values() if options["sync_mode"] == "async" or rank == 0 else ():
             if group.heloco is not None:
                 for case, count in enumerate(group.heloco):
                     shared.heloco[3 * rank + case] += count
-        pending = 0.0
         if rank == 0:
             with torch.no_grad():
                 for name, p in evaluator.named_parameters():
@@ -458,6 +463,10 @@ def main():
                              "worker (\"8,8,3,8\")")
     parser.add_argument("--inner-lr", type=float, default=3e-3, help="DiLoCo modes: the inner AdamW's lr")
     parser.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo modes: the outer SGD's lr")
+    parser.add_argument("--overlap-steps", type=int, default=0,
+                        help="DiLoCo modes: inner steps a sync runs beside before its merge")
+    parser.add_argument("--merge-alpha", type=float, default=0.0,
+                        help="DiLoCo modes: the share of the local values a merge keeps")
     parser.add_argument("--nesterov-delay", type=int, default=0,
                         help="async DiLoCo: delayed Nesterov's N (0: DiLoCo's default, the 4 workers)")
     parser.add_argument("--outer-option", type=outer_option, action="append", default=[],
