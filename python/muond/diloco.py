@@ -127,13 +127,21 @@ class _Sync:
     def __init__(self, fragment: int, sent: int, weight: float, lands_at: int):
         self.fragment, self.sent, self.weight, self.lands_at = fragment, sent, weight, lands_at
         self.thread: Optional[threading.Thread] = None
+        self.stream: Optional[Any] = None  # the CUDA stream the step's GPU work goes on, if any
         self.error: Optional[BaseException] = None
         self.answered = False
         self.whole = False
 
     def run(self, remote: RemoteOptimizer) -> None:
         try:
-            remote.step(weight=self.weight)
+            if self.stream is None:
+                remote.step(weight=self.weight)
+                return
+            # A side stream: the GPU transports queue their copies (NCCL its receive, which waits
+            # for the daemon's answer) on the current stream, which must not hold up the caller's
+            # inner steps queued meanwhile.
+            with torch.cuda.stream(self.stream):
+                remote.step(weight=self.weight)
         except BaseException as err:  # noqa: BLE001 (re-raised in the caller's thread)
             self.error = err
 
@@ -261,6 +269,7 @@ class DiLoCo:
         self.last_sync: Optional[int] = None       # the fragment the last step() sent
         self.last_merged: Optional[int] = None     # ... whose answer the last step() merged
         self._sync_in_flight: Optional[_Sync] = None  # sent, not yet merged (overlap_steps)
+        self._side_streams: Dict[torch.device, Any] = {}  # by CUDA device, for syncs in flight
         self._deltas: Dict[int, torch.Tensor] = {}  # Δ buffers, made at a parameter's first sync
         # Error feedback of quantized syncs: what the last sync of each parameter rounded away.
         self._feedback: Dict[int, torch.Tensor] = {}
@@ -393,6 +402,17 @@ class DiLoCo:
         pending = self._sync_in_flight
         return None if pending is None else pending.fragment
 
+    def finish_sync(self) -> Optional[int]:
+        """Waits for a sync in flight and merges its answer now, before its ``overlap_steps``
+        inner steps are over: before evaluating the local model, or at the end of training
+        (``close`` does not merge). Returns the fragment merged, or None when none was in flight.
+        Raises the sync's error, as the merge would."""
+        pending = self._sync_in_flight
+        if pending is None:
+            return None
+        self._merge(pending)
+        return pending.fragment
+
     def _sync(self, fragment: int) -> None:
         """Sends one outer step of ``fragment``: Δ of its parameters as their gradients, weighted
         by the tokens since its last sync. Its answer is merged at once, or after
@@ -427,9 +447,6 @@ class DiLoCo:
                 f"before, or rebuild its inner optimizer and its model from global_parameters()")
         sync = _Sync(fragment, self.remote.last_step + 1, weight,
                      lands_at=self.inner_steps + self.overlap_steps)
-        self.last_sync_bytes = sum(wire.payload_bytes(self._params[i].numel(), self.wire_dtype)
-                                   for i in members)
-        self.sync_bytes += self.last_sync_bytes
         # The tokens from here on count toward the fragment's next sync.
         self._since_sync[fragment] = 0.0
         self._sync_in_flight = sync
@@ -437,9 +454,19 @@ class DiLoCo:
             sync.run(self.remote)
             self._merge(sync)
             return
+        device = self._cuda_device()
+        if device is not None:  # the side stream starts once Δ is computed on the caller's
+            sync.stream = self._side_streams.setdefault(device, torch.cuda.Stream(device))
+            sync.stream.wait_stream(torch.cuda.current_stream(device))
         sync.thread = threading.Thread(target=sync.run, args=(self.remote,), daemon=True,
                                        name=f"muond-diloco-sync-{sync.sent}")
         sync.thread.start()
+
+    def _cuda_device(self) -> Optional[torch.device]:
+        """The one CUDA device the global parameters are on, or None (on the CPU, or on several
+        devices, whose syncs then go on each device's current stream)."""
+        devices = {g.device for g in self._globals if g.is_cuda}
+        return devices.pop() if len(devices) == 1 else None
 
     def _wait_for_answer(self, sync: _Sync) -> None:
         """Joins ``sync``'s step and takes in its answer: the counters and error feedback, and
@@ -452,10 +479,15 @@ class DiLoCo:
         sync.answered = True
         for g in self._globals:
             g.grad = None
+        if sync.stream is not None:  # the caller's stream reads what the answer wrote
+            torch.cuda.current_stream(sync.stream.device).wait_stream(sync.stream)
         if sync.error is not None:
             self._sync_in_flight = None
             self._since_sync[sync.fragment] += sync.weight
             raise sync.error
+        self.last_sync_bytes = sum(wire.payload_bytes(self._params[i].numel(), self.wire_dtype)
+                                   for i in self._members[sync.fragment])
+        self.sync_bytes += self.last_sync_bytes
         info = self.remote.last_info
         if self.asynchronous and info is not None and info.stale:
             # Too stale (more than max_staleness global steps behind): nothing was applied and the
@@ -476,9 +508,9 @@ class DiLoCo:
             sync.whole = True
             return
         if info is not None and not info.applied:
-            _log.warning("DiLoCo rank %d: outer step %d skipped (%s); fragment %d goes back to "
-                         "its global values", self.remote.rank, info.step, info.skip_reason,
-                         sync.fragment)
+            _log.warning("DiLoCo rank %d: outer step %d skipped (%s); fragment %d %s its global "
+                         "values", self.remote.rank, info.step, info.skip_reason, sync.fragment,
+                         "goes back to" if self.merge_alpha == 0.0 else "is merged with")
         elif quantize.is_quantized(self.wire_dtype):
             self._keep_rounding(self._members[sync.fragment])
 
@@ -540,8 +572,8 @@ class DiLoCo:
     def state_dict(self) -> Dict[str, Any]:
         """This worker's state: the inner optimizer's state dict, the global parameters at the
         last sync, the local parameters, the error feedback of quantized syncs, and the counters.
-        A sync in flight is waited for first; its merge, still to come, is part of the state
-        (``pending_merge``). The outer optimizer's state stays in the daemon's session
+        A sync in flight is waited for first (its error, if it failed, is raised here and nothing
+        is saved); its merge, still to come, is part of the state (``pending_merge``). The outer optimizer's state stays in the daemon's session
         (``remote.checkpoint()`` with a ``--state-dir`` daemon makes it durable); the model's
         buffers are not included."""
         pending = self._sync_in_flight
@@ -616,10 +648,14 @@ class DiLoCo:
 
     def close(self, keep_session: bool = False) -> None:
         """Closes the ``RemoteOptimizer`` (rank 0 ends the session unless ``keep_session``),
-        after a sync in flight has been answered (its merge does not happen: training is over)."""
+        after a sync in flight has been answered. Its merge does not happen (``finish_sync``
+        first for it), and its error, if it failed, is logged."""
         pending, self._sync_in_flight = self._sync_in_flight, None
         if pending is not None and pending.thread is not None:
             pending.thread.join()
+            if pending.error is not None:
+                _log.warning("DiLoCo rank %d: the sync of fragment %d in flight at close failed: "
+                             "%s", self.remote.rank, pending.fragment, pending.error)
         self.remote.close(keep_session=keep_session)
 
     def __enter__(self) -> "DiLoCo":

@@ -395,36 +395,46 @@ def test_two_fragments_sync_in_turn_and_equal_streaming_reference(endpoint):
         assert_bitwise(local, locals_[r], f"worker {r}'s local parameters")
 
 
-@pytest.mark.parametrize("fragments,overlap,alpha,steps", [(2, 1, 0.5, 13), (1, 3, 0.0, 15)])
+@pytest.mark.parametrize("fragments,overlap,alpha,steps,wire_dtype,save_in_flight", [
+    (2, 1, 0.5, 13, "fp32", False), (1, 3, 0.0, 15, "fp32", False), (2, 1, 0.25, 13, "int8", True)])
 def test_overlapped_syncs_merge_late_and_equal_the_reference(endpoint, fragments, overlap, alpha,
-                                                             steps):
+                                                             steps, wire_dtype, save_in_flight):
     """overlap_steps τ: each sync runs beside the next τ inner steps, whose progress on the
     fragment the merge then keeps α of. Three workers, H = 4; the last sync (after step 12) is
     merged after step 12 + τ. Between its sending and its merge the fragment's local parameters
-    are the worker's own; at the merge they become lerp(local, global, 1 − α)."""
+    are the worker's own; at the merge they become lerp(local, global, 1 − α). With int8 (error
+    feedback), rank 0 also saves a state dict while each of its syncs is in flight, before the
+    other workers may have sent theirs, and trains on: nothing is taken in twice."""
     workers, sync_every = 3, 4
     seen = {}
+
+    merged_bytes = []
 
     def record(rank, t, diloco):
         if rank == 0:
             seen[t] = (diloco.last_sync, diloco.sync_in_flight, diloco.last_merged)
+            if save_in_flight and diloco.sync_in_flight is not None:
+                assert diloco.state_dict()["diloco"]["pending_merge"]["lands_at"] == t + overlap
+            if diloco.last_merged is not None:
+                merged_bytes.append(diloco.last_sync_bytes)
+            if t == steps:  # each sync's bytes counted once, saved in flight or not
+                assert diloco.sync_bytes == sum(merged_bytes) > 0
 
     torch.set_num_threads(1)
+    transport = {"transport": "grpc"} if wire_dtype != "fp32" else {}  # quantized: gRPC only
     got = run_threads(endpoint, workers, steps, sync_every, fragments=fragments, record=record,
-                      overlap_steps=overlap, merge_alpha=alpha)
+                      overlap_steps=overlap, merge_alpha=alpha, wire_dtype=wire_dtype, **transport)
     interval = sync_every // fragments
     for t in range(1, steps + 1):
         sent, in_flight, merged = seen[t]
         assert (sent is not None) == (t % interval == 0), t
         assert (in_flight is not None) == (t >= interval and t % interval < overlap), t
         assert (merged is not None) == (t > interval and t % interval == overlap), t
-    locals_, global_params = reference_diloco(workers, steps, sync_every,
-                                              TWO_FRAGMENTS if fragments == 2 else [
-                                                  TWO_FRAGMENTS[0] + TWO_FRAGMENTS[1]],
-                                              NesterovSGD(), overlap=overlap, alpha=alpha)
-    no_overlap, _ = reference_diloco(workers, steps, sync_every,
-                                     TWO_FRAGMENTS if fragments == 2 else [
-                                         TWO_FRAGMENTS[0] + TWO_FRAGMENTS[1]], NesterovSGD())
+    split = TWO_FRAGMENTS if fragments == 2 else [TWO_FRAGMENTS[0] + TWO_FRAGMENTS[1]]
+    locals_, global_params = reference_diloco(workers, steps, sync_every, split, NesterovSGD(),
+                                              wire_dtype=wire_dtype, overlap=overlap, alpha=alpha)
+    no_overlap, _ = reference_diloco(workers, steps, sync_every, split, NesterovSGD(),
+                                     wire_dtype=wire_dtype)
     assert any(not torch.equal(locals_[0][n], no_overlap[0][n]) for n in locals_[0])
     for r, (local, glob) in enumerate(got):
         assert_bitwise(glob, global_params, f"worker {r}'s global parameters")
@@ -457,6 +467,68 @@ def test_a_state_dict_saved_with_a_sync_in_flight_resumes_exactly(start_daemon, 
                       fragments=2, endpoint=daemon.endpoint, session=session) as other:
         with pytest.raises(ValueError, match="overlap_steps: the state dict has 1, this worker 0"):
             other.load_state_dict(state)
+
+
+def test_a_failed_overlapped_sync_raises_at_its_merge_and_its_tokens_count_again(endpoint,
+                                                                                   caplog):
+    """overlap_steps 1 against the real daemon, the sync's RemoteOptimizer.step made to fail
+    before anything is sent: the error comes at the merge, one inner step later; the fragment's
+    tokens count again, so the next sync sends them with those since, as the session's step 1.
+    A sync that fails while in flight at close() is logged, not lost."""
+    import logging  # noqa: PLC0415
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("injected: the sync did not go out")
+
+    model = TinyNet(seed=SEED)
+    inner = torch.optim.AdamW(model.parameters(), **INNER)
+    with caplog.at_level(logging.WARNING, logger="muond"):
+        with muond.DiLoCo(model, inner, sync_every=2, endpoint=endpoint, overlap_steps=1) as diloco:
+            real_step = diloco.remote.step
+            diloco.remote.step = failing
+            for t in (1, 2):
+                inner_step(model, inner, 0, t)
+                diloco.step(tokens=SIZES[0])
+            assert diloco.sync_in_flight == 0
+            inner_step(model, inner, 0, 3)
+            with pytest.raises(RuntimeError, match="injected"):
+                diloco.step(tokens=SIZES[0])
+            assert (diloco.sync_in_flight, diloco.inner_steps) == (None, 3)
+            assert diloco._since_sync == [3.0 * SIZES[0]]  # pylint: disable=protected-access
+            diloco.remote.step = real_step
+            for t in (4, 5):  # sent after 4, merged after 5
+                inner_step(model, inner, 0, t)
+                diloco.step(tokens=SIZES[0])
+            assert (diloco.last_merged, diloco.last_info.step) == (0, 1)
+            assert diloco.last_info.total_weight == 4.0 * SIZES[0]
+            assert_bitwise({n: p.detach() for n, p in model.named_parameters()},
+                           diloco.global_parameters(), "the merged parameters")
+            diloco.remote.step = failing
+            inner_step(model, inner, 0, 6)
+            diloco.step(tokens=SIZES[0])  # sent after 6, failing in its thread
+            assert diloco.sync_in_flight == 0
+            diloco.remote.step = real_step  # close() ends the session
+    assert "the sync of fragment 0 in flight at close failed: injected" in caplog.text
+
+
+def test_finish_sync_merges_a_sync_in_flight_at_once(endpoint):
+    model = TinyNet(seed=SEED)
+    inner = torch.optim.AdamW(model.parameters(), **INNER)
+    with muond.DiLoCo(model, inner, sync_every=4, endpoint=endpoint, overlap_steps=3,
+                      merge_alpha=0.5) as diloco:
+        assert diloco.finish_sync() is None
+        for t in range(1, 5):
+            inner_step(model, inner, 0, t)
+            diloco.step()
+        local = {n: p.detach().clone() for n, p in model.named_parameters()}
+        assert diloco.finish_sync() == 0 and diloco.sync_in_flight is None
+        for name, p in model.named_parameters():
+            expected = torch.lerp(local[name], diloco.global_parameters()[name], 0.5)
+            assert torch.equal(p.detach(), expected), name
+        for t in range(5, 8):  # nothing left to merge after the next three steps
+            inner_step(model, inner, 0, t)
+            diloco.step()
+            assert diloco.last_merged is None
 
 
 def test_fragments_follow_the_documented_split(endpoint):
@@ -522,21 +594,25 @@ def test_state_dict_resumes_across_a_daemon_restart(start_daemon, tmp_path):
     assert_bitwise(resumed[1], whole[1], "global parameters")
 
 
-def test_quorum_worker_left_out_takes_the_session_parameters(endpoint):
+@pytest.mark.parametrize("overlap", [0, 1])
+def test_quorum_worker_left_out_takes_the_session_parameters(endpoint, overlap):
     """Quorum of 1 without grace: rank 0's sync is taken alone; rank 1, late, is answered with
-    the parameters after that step (included False), takes them whole and starts counting anew."""
+    the parameters after that step (included False), takes them whole and starts counting anew —
+    at once, or with overlap_steps 1 at the merge one inner step later, whose progress it drops."""
     session, runs = session_name(), []
     for r in range(2):
         model = TinyNet(seed=SEED)
         inner = torch.optim.AdamW(model.parameters(), **INNER)
         runs.append((model, muond.DiLoCo(model, inner, sync_every=2, endpoint=endpoint,
                                          session=session, world_size=2, rank=r,
-                                         sync_mode="quorum", min_ranks=1, grace_seconds=0)))
+                                         sync_mode="quorum", min_ranks=1, grace_seconds=0,
+                                         overlap_steps=overlap)))
     try:
         for r, (model, diloco) in enumerate(runs):
-            for t in (1, 2):
+            for t in range(1, 3 + overlap):
                 inner_step(model, diloco.inner, r, t)
                 diloco.step(tokens=SIZES[r])
+            assert diloco.last_merged == 0 and diloco.sync_in_flight is None
         first, late = runs[0][1].last_info, runs[1][1].last_info
         assert (first.step, first.contributors, first.total_weight, first.included) == (
             1, (0,), 2.0 * SIZES[0], True)
