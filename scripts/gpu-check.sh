@@ -20,6 +20,8 @@
 #       all      the four in order (for a machine without a per-call limit)
 #       lease    one call of a short lease: probe, the C++ programs at once, the benchmarks, then
 #                the Python suite while MUOND_GPU_DEADLINE (default 540) seconds last
+#       tests    the same without the benchmarks: probe, the C++ programs, then the whole Python
+#                suite (about 100 s and 420 s on an H200 with 14 workers)
 #
 # The summary (OUT/summary.txt) and every log, packed (OUT/logs.tgz, since a lent machine returns
 # at most 8 files), go into OUT (default $OUT, else gpu-check-out); the logs are written under
@@ -141,12 +143,12 @@ pack() {
 # Python suite alone with the time left (it is the phase with no fixed length), each phase stopped
 # where the deadline falls.
 lease() {
-  local deadline=${MUOND_GPU_DEADLINE:-540} start=$SECONDS
+  local with_bench=${1:-1} deadline=${MUOND_GPU_DEADLINE:-540} start=$SECONDS
   local -x MUOND_GPU_WORK=$WORK_DIR
   left() { echo $((deadline - (SECONDS - start))); }
   probe
   MUOND_GPU_PARALLEL=1 timeout -k 5 "$(left)" "$0" run cpp "$OUT_DIR"
-  (($(left) > 30)) && timeout -k 5 "$(left)" "$0" run bench "$OUT_DIR"
+  ((with_bench)) && (($(left) > 30)) && timeout -k 5 "$(left)" "$0" run bench "$OUT_DIR"
   # The Python suite takes what is left, its own step limit a little short of it, so that its
   # summary line is written and its log (pytest -v: one line per finished test) packed.
   (($(left) > 30)) && MUOND_GPU_PYTHON_SECONDS=$(($(left) - 15)) timeout -k 5 "$(left)" "$0" run python "$OUT_DIR"
@@ -232,7 +234,8 @@ run() {
     bench) bench ;;
     all) probe; cpp; python_tests; bench ;;
     lease) lease ;;
-    *) echo "gpu-check: run PHASE: probe, cpp, python, bench, all or lease" >&2; exit 2 ;;
+    tests) lease 0 ;;
+    *) echo "gpu-check: run PHASE: probe, cpp, python, bench, all, lease or tests" >&2; exit 2 ;;
   esac
   ! tail -n +"$((before + 1))" "$WORK_DIR/summary.txt" | grep -qE 'exit +[1-9]'
 }
