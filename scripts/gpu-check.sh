@@ -138,10 +138,10 @@ pack() {
   tar czf "$OUT_DIR/logs.tgz" -C "$WORK_DIR" . 2>/dev/null
 }
 
-# lease: every phase in one call, bounded by MUOND_GPU_DEADLINE seconds in all. The C++ programs run
-# at once, then the benchmarks alone (their figures are timings; about 3 minutes, bounded), then the
-# Python suite alone with the time left (it is the phase with no fixed length), each phase stopped
-# where the deadline falls.
+# lease [0]: every phase in one call (0: all but the benchmarks, the `tests` phase), bounded by
+# MUOND_GPU_DEADLINE seconds in all. The C++ programs run at once, then the benchmarks alone (their
+# figures are timings; about 3 minutes, bounded), then the Python suite alone with the time left (it
+# is the phase with no fixed length), each phase stopped where the deadline falls.
 lease() {
   local with_bench=${1:-1} deadline=${MUOND_GPU_DEADLINE:-540} start=$SECONDS
   local -x MUOND_GPU_WORK=$WORK_DIR
@@ -201,7 +201,8 @@ python_tests() {
   if PYTHONPATH="$PY_PATH" "$PYTHON" -c 'import xdist, pytest_timeout' 2>/dev/null; then
     extra+=(-p xdist.plugin -n "${MUOND_PYTEST_WORKERS:-8}" -p pytest_timeout --timeout 320)
   fi
-  # MUOND_PYTEST_ARGS adds arguments (e.g. test ids to rerun); -v prints each test as it finishes,
+  # MUOND_PYTEST_ARGS replaces the selection (e.g. test ids to rerun, with options such as
+  # --timeout before them); -v prints each test as it finishes,
   # so a run stopped at its limit still says which tests passed.
   # shellcheck disable=SC2086
   step python-sdk-cuda "${MUOND_GPU_PYTHON_SECONDS:-480}" env MUOND_TEST_BACKEND=cuda PYTHONPATH="$PY_PATH" \

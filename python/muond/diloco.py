@@ -573,9 +573,9 @@ class DiLoCo:
         """This worker's state: the inner optimizer's state dict, the global parameters at the
         last sync, the local parameters, the error feedback of quantized syncs, and the counters.
         A sync in flight is waited for first (its error, if it failed, is raised here and nothing
-        is saved); its merge, still to come, is part of the state (``pending_merge``). The outer optimizer's state stays in the daemon's session
-        (``remote.checkpoint()`` with a ``--state-dir`` daemon makes it durable); the model's
-        buffers are not included."""
+        is saved); its merge, still to come, is part of the state (``pending_merge``). The outer
+        optimizer's state stays in the daemon's session (``remote.checkpoint()`` with a
+        ``--state-dir`` daemon makes it durable); the model's buffers are not included."""
         pending = self._sync_in_flight
         if pending is not None:
             self._wait_for_answer(pending)
