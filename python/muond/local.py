@@ -2,8 +2,10 @@
 
 Same constructor options and param groups as ``RemoteOptimizer``, same math as the daemon's CPU
 backend (docs/algorithms.md, Newton–Schulz in fp32) and the same step semantics: a step with a
-non-finite gradient is skipped whole, ``max_grad_norm`` clips the global norm like
-``torch.nn.utils.clip_grad_norm_``, and ``last_info`` says what happened. The state lives in this
+non-finite gradient is skipped whole, and so is one whose update could take a master or an optimizer
+slot beyond the range that keeps it finite (the daemon's bounds and rule, ``finite_steps.py``),
+``max_grad_norm`` clips the global norm like ``torch.nn.utils.clip_grad_norm_``, and ``last_info``
+says what happened. The state lives in this
 process. It
 is the baseline for side-by-side comparisons (``examples/train_gpt.py --compare-local``) and a
 drop-in fallback when no daemon is running. Masters are the parameter tensors themselves, so keep
@@ -23,6 +25,7 @@ from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Se
 
 import torch
 
+from . import finite_steps
 from . import loss_scale
 from . import option_facts as facts
 from . import options as opts
@@ -398,6 +401,7 @@ class LocalOptimizer(torch.optim.Optimizer):
         self.last_step = 0
         self.last_info: Optional[StepInfo] = None
         self._user_defaults = dict(defaults)
+        self._guard = finite_steps.MagnitudeGuard()
         groups, names = named_groups(params)
         super().__init__(groups, {})
         self.defaults = opts.resolved_defaults(self.param_groups, defaults)  # as torch lists them
@@ -424,6 +428,7 @@ class LocalOptimizer(torch.optim.Optimizer):
             param_group = self._named_new_group(param_group)
         resolved = opts.resolve_group(param_group, self._user_defaults)
         opts.check_ranges(resolved)
+        finite_steps.check_ns_growth(resolved)
         opts.check_shapes(resolved, [tuple(p.shape) for p in resolved["params"]])
         super().add_param_group(resolved)
         if constructed:
@@ -465,6 +470,7 @@ class LocalOptimizer(torch.optim.Optimizer):
         if last_step is None:
             last_step = remote.get("last_step")
         super().load_state_dict(state_dict)
+        self._guard.forget()
         if last_step is not None:
             self.last_step = int(last_step)
         # torch casts the state to the parameters' dtype: 16-bit slots go back to their storage
@@ -532,14 +538,22 @@ class LocalOptimizer(torch.optim.Optimizer):
         norm = clips.global_norm if math.isfinite(sum_squares) else float("nan")
         zeros = (sum(int((g == 0).sum()) for _, g in named) if self.log_num_zeros_in_grad else None)
         if non_finite:
-            if self._scaler is not None:  # an overflow: the scaler backs off
-                self._scaler.update(self.loss_scaler, found_inf=True)
-            self.last_info = StepInfo(self.last_step, False, False,
-                                      f"non-finite gradient in '{non_finite}'", norm,
-                                      time.perf_counter() - started, time.perf_counter() - started,
-                                      num_zeros_in_grad=zeros, loss_scale=self.loss_scale,
-                                      total_weight=total_weight)
-            return loss
+            return self._skipped(f"non-finite gradient in '{non_finite}'", norm, started, zeros, total_weight,
+                                 loss)
+        # The magnitude guard, before anything changes: bounds on what each step could leave.
+        checked = {}
+        norms = {name: math.sqrt(s) for (name, _), s in zip(named, sums)}
+        names = {id(p): name for name, p in zip(self._names, self._params)}
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                reason, checked[id(p)] = self._guard.check(
+                    names[id(p)], p, p.grad, group, state, norms[names[id(p)]], clips.coefficients[gi] * unscale,
+                    state.get("step", 0))
+                if reason:
+                    return self._skipped(reason, norm, started, zeros, total_weight, loss, clips)
         for gi, group in enumerate(self.param_groups):
             kind = group["optimizer"]
             # One fp32 multiply of each gradient, by the group's clip coefficient over the loss scale.
@@ -568,6 +582,7 @@ class LocalOptimizer(torch.optim.Optimizer):
                     self._sgd(p, g, state, group)
                 _store_slots(group, state)
                 _round_master(p, group)
+                self._guard.applied(p, checked[id(p)])
         pairs = {pair.query: pair for pair in self.qk_clip}
         for query, max_logits in logits.items():
             query_weight = self._by_name[query]
@@ -577,6 +592,8 @@ class LocalOptimizer(torch.optim.Optimizer):
                      group["qk_clip_threshold"], group["qk_clip_alpha"], pairs[query].mla)
             _round_master(query_weight, group)
             _round_master(key, next(g for g in self.param_groups if any(p is key for p in g["params"])))
+            self._guard.rewritten(query_weight)  # scaled by factors of at most 1: the bounds hold
+            self._guard.rewritten(key)
         if self._scaler is not None:
             self._scaler.update(self.loss_scaler, found_inf=False)
         elapsed = time.perf_counter() - started
@@ -585,6 +602,20 @@ class LocalOptimizer(torch.optim.Optimizer):
                                   total_weight=total_weight, group_clips=clips.by_name,
                                   groups={name: GroupInfo(c.grad_norm, c.coefficient)
                                           for name, c in clips.by_name.items()})
+        return loss
+
+    def _skipped(self, reason: str, norm: float, started: float, zeros: Optional[int], total_weight: float,
+                 loss: Any, clips: Optional["_Clipping"] = None) -> Any:
+        """Ends a step that changed nothing: ``last_info`` says why, and a loss scaler backs off
+        (an overflow, as the daemon counts a skipped step). Returns ``loss``."""
+        if self._scaler is not None:
+            self._scaler.update(self.loss_scaler, found_inf=True)
+        elapsed = time.perf_counter() - started
+        by_name = clips.by_name if clips is not None else {}
+        self.last_info = StepInfo(self.last_step, False, False, reason, norm, elapsed, elapsed,
+                                  num_zeros_in_grad=zeros, loss_scale=self.loss_scale,
+                                  total_weight=total_weight, group_clips=by_name,
+                                  groups={name: GroupInfo(c.grad_norm, c.coefficient) for name, c in by_name.items()})
         return loss
 
     def _clipping(self, named, sums, unscale: float) -> "_Clipping":

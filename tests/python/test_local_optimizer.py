@@ -96,3 +96,101 @@ def test_a_remote_state_dict_of_other_names_is_refused_and_numbered_names_load(e
     local = muond.LocalOptimizer([{"params": [unnamed], "optimizer": "sgd", "lr": 0.1}])
     local.load_state_dict(saved)  # p0: loaded by position
     assert torch.equal(unnamed.detach(), a.detach()) and local.last_step == 1
+
+
+def _side_by_side(endpoint, start, group, grads, **options):
+    """Steps a RemoteOptimizer (the real daemon) and a LocalOptimizer from the same values with
+    the same gradients; returns their (applied, skip_reason) per step and their final values."""
+    remote_w = torch.nn.Parameter(start.clone())
+    local_w = torch.nn.Parameter(start.clone())
+    remote = muond.RemoteOptimizer([{"params": [("w", remote_w)], **group}], endpoint=endpoint, **options)
+    local = muond.LocalOptimizer([{"params": [("w", local_w)], **group}], **options)
+    said = []
+    try:
+        for g in grads:
+            remote_w.grad, local_w.grad = g.clone(), g.clone()
+            remote.step()
+            local.step()
+            said.append(((remote.last_info.applied, remote.last_info.skip_reason),
+                         (local.last_info.applied, local.last_info.skip_reason)))
+    finally:
+        remote.close()
+    return said, remote_w.detach(), local_w.detach(), local
+
+
+# Each case: the group, the starting values, and gradients of which one is too large for the
+# group's ranges (or the step's intermediate values) and one fits again.
+_OVERFLOWS = {
+    "sgd-master": ({"optimizer": "sgd", "lr": 100.0}, torch.ones(8), [torch.full((8,), 3e38), torch.ones(8)]),
+    "adamw-square": ({"optimizer": "adamw", "lr": 1e-3}, torch.ones(8), [torch.full((8,), 2e19), torch.ones(8)]),
+    "muon-momentum": ({"optimizer": "muon", "lr": 0.02}, torch.ones(4, 6),
+                      [torch.full((4, 6), 3e38), torch.ones(4, 6)]),
+    "muon-fp16-momentum": ({"optimizer": "muon", "lr": 0.02, "momentum_dtype": "fp16"}, torch.ones(4, 6),
+                           [torch.full((4, 6), 3e6), torch.ones(4, 6)]),
+    # The variants' own terms: NAMO's step size grows with the momentum over ε, AOL forms X·Xᵀ of
+    # the unscaled input (2·n·u²), where plain Muon would go on.
+    "muon-namo": ({"optimizer": "muon", "lr": 0.02, "moment2_method": "namo"}, torch.ones(4, 6),
+                  [torch.full((4, 6), 1e30), torch.ones(4, 6)]),
+    "muon-aol": ({"optimizer": "muon", "lr": 0.02, "ns_preconditioner": "aol"}, torch.ones(4, 6),
+                 [torch.full((4, 6), 1e18), torch.ones(4, 6)]),
+    "dion2-aol": ({"optimizer": "dion2", "lr": 0.02, "ns_preconditioner": "aol"}, torch.ones(4, 6),
+                  [torch.full((4, 6), 1e18), torch.ones(4, 6)]),
+    "lion-weights-near-the-limit": ({"optimizer": "lion", "lr": 1.0, "weight_decay": 0.0},
+                                    torch.full((8,), 9.999995e35), [torch.ones(8), -torch.ones(8)]),
+    "sgd-delayed-nesterov": ({"optimizer": "sgd", "lr": 10.0, "momentum": 0.9, "nesterov": True,
+                              "nesterov_delay": 2},
+                             torch.ones(8), [torch.full((8,), 3e37), torch.ones(8)]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_OVERFLOWS))
+def test_a_step_beyond_the_fp32_range_is_skipped_as_the_daemon_skips_it(endpoint, case):
+    # The daemon's finite-step guard (docs/algorithms.md, Finite steps): the same steps are
+    # skipped with the same reason, nothing changes, and the steps after it go on alike.
+    group, start, grads = _OVERFLOWS[case]
+    said, remote_w, local_w, _ = _side_by_side(endpoint, start, group, grads)
+    remote_said = [r for r, _ in said]
+    assert [l for _, l in said] == remote_said
+    assert any(not applied for applied, _ in remote_said), "the case must make the daemon skip a step"
+    assert all(reason.startswith("the update could take 'w' ") for applied, reason in remote_said if not applied)
+    assert torch.allclose(local_w, remote_w, rtol=1e-5, atol=1e-6)
+
+
+def test_a_loose_bound_asks_for_the_exact_magnitudes_and_the_step_goes_on(endpoint):
+    # 2²⁰ elements of 5e17: the gradient's norm (5.1e20) squared passes fp32's range in AdamW's
+    # second moment, its largest element squared (2.5e35) does not. Both apply the step.
+    start = torch.zeros(1 << 20)
+    said, remote_w, local_w, _ = _side_by_side(endpoint, start, {"optimizer": "adamw", "lr": 1e-3},
+                                               [torch.full((1 << 20,), 5e17)])
+    assert said == [((True, ""), (True, ""))]
+    assert torch.allclose(local_w, remote_w, rtol=1e-6, atol=0)
+
+
+def test_a_skipped_step_backs_the_loss_scaler_off_and_a_changed_parameter_is_measured_again():
+    w = torch.nn.Parameter(torch.ones(8))
+    opt = muond.LocalOptimizer([{"params": [("w", w)], "optimizer": "sgd", "lr": 1.0}],
+                               loss_scaler={"initial_scale": 2.0 ** 16, "hysteresis": 1})
+    w.grad = torch.ones(8)
+    opt.step()
+    assert opt.last_info.applied and opt.loss_scale == 2.0 ** 16
+    with torch.no_grad():
+        w.fill_(9.99e35)  # changed in place outside the optimizer: its bound is measured again
+    w.grad = torch.full((8,), 1e37)  # 1e37 / 2¹⁶ ≈ 1.5e32 more: fine
+    opt.step()
+    assert opt.last_info.applied
+    w.grad = torch.full((8,), 3e38)  # 3e38 / 2¹⁶ ≈ 4.6e33 more, from 9.9915e35: beyond 1e36
+    before = w.detach().clone()
+    opt.step()
+    assert not opt.last_info.applied and opt.last_info.skip_reason.startswith("the update could take 'w' ")
+    assert torch.equal(w.detach(), before) and opt.loss_scale == 2.0 ** 15
+
+
+def test_a_schedule_that_grows_singular_values_is_refused_as_the_daemon_refuses_it(endpoint):
+    # σ ← 5σ five times: 3125 times its start, beyond the 1000 the daemon accepts.
+    group = {"optimizer": "muon", "ns_coefficients": [(5.0, 0.0, 0.0)]}
+    with pytest.raises(muond.MuondError) as daemon:
+        muond.RemoteOptimizer([{"params": [torch.nn.Parameter(torch.ones(4, 4))], **group}], endpoint=endpoint)
+    with pytest.raises(ValueError, match="ns_coefficients: with 5 steps and ns_norm_safety .* grows singular values") \
+            as local:
+        muond.LocalOptimizer([{"params": [torch.nn.Parameter(torch.ones(4, 4))], **group}])
+    assert str(local.value) in daemon.value.details
