@@ -8,6 +8,9 @@ PYTHONPATH (the build tree) when present, else they are generated into a tempora
 `daemon` is one plain daemon shared by the session; `start_daemon(*flags)` starts more, each with
 its own flags (TLS, tokens, a state directory), stopped after the test. `tls_files` is a
 throwaway CA with a server and a client certificate made with the `openssl` command.
+
+`--part I/N` keeps every N-th of the selected tests from the I-th on (ctest runs each transport's
+suite as N such parts, so that no part comes near its timeout and ctest spreads them over the cores).
 """
 
 import atexit
@@ -230,4 +233,38 @@ def pytest_configure(config):
                    "as python_ops, not per transport")
     config.addinivalue_line(
         "markers", "once: does not depend on the step transport, or names its transports itself; ctest runs "
-                   "it in python_sdk_grpc only (tests/python/CMakeLists.txt)")
+                   "it in the python_sdk_grpc_* parts only (tests/python/CMakeLists.txt)")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--part", default=None, metavar="I/N",
+                     help="run the I-th of N interleaved parts of the selected tests (1 ≤ I ≤ N)")
+
+
+def _part(config):
+    """(I, N) of ``--part I/N``, or None without it; a malformed value is a usage error."""
+    value = config.getoption("--part")
+    if value is None:
+        return None
+    try:
+        index, count = (int(word) for word in value.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"--part: expected I/N (two integers), got {value!r}") from None
+    if not 1 <= index <= count:
+        raise pytest.UsageError(f"--part: needs 1 ≤ I ≤ N, got {value!r}")
+    return index, count
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected theirs: the parts share what is left
+def pytest_collection_modifyitems(config, items):
+    part = _part(config)
+    if part is None:
+        return
+    index, count = part
+    # Interleaved, not cut into runs: the slow tests of one file (parametrized, mostly) spread over
+    # the parts instead of landing in one.
+    kept = items[index - 1::count]
+    dropped = [item for position, item in enumerate(items) if position % count != index - 1]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+    items[:] = kept
