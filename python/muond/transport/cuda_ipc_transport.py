@@ -28,7 +28,7 @@ from .._stubs import pb
 from ..errors import MuondError
 from . import shm
 from .base import Facts, Grads, StepTransport, TransportContext
-from .slots import SLOT_BYTES, SlotStreamedTry, View, forgotten_when_lost, slot_layout, slot_request
+from .slots import SLOT_BYTES, SlotRequests, SlotStreamedTry, View, forgotten_when_lost, slot_layout
 
 _log = logging.getLogger("muond")
 
@@ -71,6 +71,7 @@ class CudaIpcTransport(StepTransport):
         self.device = int(facts.here.device)
         self.shm_socket = facts.daemon.shm_socket
         self.offsets, self._nbytes = slot_layout(ctx.names, ctx.sizes)
+        self.requests = SlotRequests(ctx, self.offsets)
         self._buffer = None  # cuda_runtime.DeviceBuffer, kept across re-registrations
         self._liveness: Optional[LivenessTicket] = None
         self.region = ""  # the registered name; empty when not registered
@@ -126,6 +127,7 @@ class CudaIpcTransport(StepTransport):
                 _log.debug("session %s: UnregisterCudaMemory %s: %s", self.ctx.session_id,
                            self.region, err)
         self.region = ""
+        self.requests.forget()
         if self._liveness is not None:
             self._liveness.close()
             self._liveness = None
@@ -153,7 +155,7 @@ class CudaIpcTransport(StepTransport):
         """One try; the parameters after it, as views of the device buffer."""
         region, view = self.ready()
         with torch.cuda.device(self.device):
-            request, views = slot_request(header, self.ctx, region, self.offsets, view, grads)
+            request, views = self.requests.request(header, region, view, grads)
         return self.send(request), views
 
     def begin_streamed(self, header: pb.StepHeader,

@@ -180,9 +180,10 @@ class DaemonSession:
 
     def _own(self, header: pb.StepHeader) -> pb.StepHeader:
         """A copy of ``header`` naming this daemon's session."""
-        header = pb.StepHeader.FromString(header.SerializeToString())
-        header.session_id = self.session_id
-        return header
+        own = pb.StepHeader()
+        own.CopyFrom(header)
+        own.session_id = self.session_id
+        return own
 
     # -- state and lifecycle ---------------------------------------------------------------------
 
@@ -257,5 +258,8 @@ class StreamedStep:
 def copy_in(by_name: Dict[str, torch.Tensor], values: Dict[str, torch.Tensor]) -> None:
     """Copies each of ``values`` into the parameter of that name, in place (large host copies
     split over threads, ``host_copy.py``)."""
-    host_copy.copy_all([(by_name[name], value.view(by_name[name].shape))
-                        for name, value in values.items()])
+    pairs = []
+    for name, value in values.items():
+        dst = by_name[name]
+        pairs.append((dst, value if value.shape == dst.shape else value.view(dst.shape)))
+    host_copy.copy_all(pairs)

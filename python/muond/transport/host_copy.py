@@ -81,6 +81,10 @@ def _run(pieces: List[Pair], stream: bool = False) -> None:
 def copy_all(pairs: Sequence[Pair]) -> None:
     """``dst.copy_(src)`` for every pair, the large CPU ones split over ``threads()`` threads.
     Returns when every copy is done; raises the first failure after all have ended."""
+    if (sum(dst.numel() for dst, _ in pairs) < 2 * MIN_PIECE
+            and sum(dst.numel() * dst.element_size() for dst, _ in pairs) < STREAMING_BYTES):
+        _run(list(pairs))  # nothing to split or stream: the many small tensors' path, kept short
+        return
     splittable = [_splittable(dst, src) for dst, src in pairs]
     large = [pair for pair, split in zip(pairs, splittable) if split]
     total = sum(dst.numel() for dst, _ in large)

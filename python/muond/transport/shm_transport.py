@@ -19,7 +19,7 @@ from .._stubs import pb
 from ..errors import MuondError
 from . import shm
 from .base import Facts, Grads, StepTransport, TransportContext
-from .slots import SlotStreamedTry, View, forgotten_when_lost, slot_layout, slot_request
+from .slots import SlotRequests, SlotStreamedTry, View, forgotten_when_lost, slot_layout
 from .zero_copy import ZeroCopyArea
 
 
@@ -39,6 +39,7 @@ class ShmTransport(StepTransport):
         self._region: Optional[shm.SharedRegion] = None
         self._region_name = ""
         self.offsets, self._nbytes = slot_layout(ctx.names, ctx.sizes)
+        self.requests = SlotRequests(ctx, self.offsets)
         # With zero copy the model's parameters and gradients live in the region (zero_copy.py).
         self._area = ZeroCopyArea(ctx) if ctx.zero_copy else None
         if self._area is not None:
@@ -106,7 +107,7 @@ class ShmTransport(StepTransport):
         region, view = self.ready()
         if self._area is not None:
             return self.send(self._area.request(header, region, grads)), {}
-        request, views = slot_request(header, self.ctx, region, self.offsets, view, grads)
+        request, views = self.requests.request(header, region, view, grads)
         return self.send(request), views
 
     def begin_streamed(self, header: pb.StepHeader,
@@ -114,6 +115,7 @@ class ShmTransport(StepTransport):
         return SlotStreamedTry(self, header, out)
 
     def close(self) -> None:
+        self.requests.forget()
         if self._region is not None:
             # With zero copy the model's tensors live in the mapping: it stays until they go.
             self._region.close(keep_mapping=self._area is not None)

@@ -6,12 +6,19 @@ slots (in the wire dtype) and references them in a ``StepSharedRequest``, with e
 slots as where its value goes (in the return dtype); the daemon writes the parameters there, over
 the gradients. A daemon that lost the block (it restarted) has the transport register it again.
 A streamed try (``SlotStreamedTry``) writes each gradient into its slots as backward produces it.
+
+``SlotRequests`` (one per transport, used from the thread stepping its session) keeps what does not
+change from one step to the next: the request's tensor references and the views of the slots, for
+the last few (block, set of gradients) it saw, so that a step costs its copies and one call, not
+two protobuf entries and two tensor views per parameter. Gradients whose slots lie end to end
+(fp32 on the wire, in the session's order) go in with one ``torch.cat`` when they are small
+enough that the threaded copy would not split them, or on a CUDA device (one kernel).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import AbstractSet, Callable, Dict, Iterator, Optional, Protocol, Sequence, Tuple
+from typing import AbstractSet, Callable, Dict, Iterator, NamedTuple, Optional, Protocol, Sequence, Tuple
 
 import grpc
 import torch
@@ -46,6 +53,7 @@ class SlotTransport(Protocol):
 
     ctx: TransportContext
     offsets: Dict[str, int]
+    requests: "SlotRequests"
 
     def ready(self) -> Tuple[str, View]:
         """(the block's registered name, its view), registering it first when needed."""
@@ -68,32 +76,89 @@ def write_gradient(ctx: TransportContext, offsets: Dict[str, int], view: View, n
     host_copy.copy_all([gradient_copy(ctx, offsets, view, name, grad)])
 
 
-@torch.no_grad()
-def slot_request(header: pb.StepHeader, ctx: TransportContext, region: str,
-                 offsets: Dict[str, int], view: View, grads: Grads, written: AbstractSet[str] = frozenset()
-                 ) -> Tuple[pb.StepSharedRequest, Dict[str, torch.Tensor]]:
-    """The request of one try over the block ``region`` (seen through ``view``), with every
-    gradient written into its slots (before every try: an answer overwrites them) unless it is
-    one of ``written`` (a streamed try wrote those as they came), and the views the parameters
-    will be in after it."""
-    request = pb.StepSharedRequest(header=header)
-    request.header.ClearField("return_dtype")
-    request.header.ClearField("num_chunks")
-    grad_itemsize = torch.empty(0, dtype=wire.torch_dtype(ctx.wire_dtype)).element_size()
-    host_copy.copy_all([gradient_copy(ctx, offsets, view, name, g)
-                        for name, g in grads if name not in written])
-    for name, g in grads:
-        request.gradients.add(name=name, region=region, offset=offsets[name],
-                              byte_size=g.numel() * grad_itemsize,
-                              dtype=wire.dtype_enum(ctx.wire_dtype))
-    out_dtype = wire.torch_dtype(ctx.return_dtype)
-    views: Dict[str, torch.Tensor] = {}
-    for name in ctx.names:
-        views[name] = view(offsets[name], ctx.sizes[name], out_dtype)
-        request.parameters.add(name=name, region=region, offset=offsets[name],
-                               byte_size=ctx.sizes[name] * views[name].element_size(),
-                               dtype=wire.dtype_enum(ctx.return_dtype))
-    return request, views
+class _Layout(NamedTuple):
+    """What one (block, gradients) pair's requests share: the tensor references (no header), each
+    gradient's slots, one view over all of them when they lie end to end, and each parameter's
+    slots (where its value comes back)."""
+    template: pb.StepSharedRequest
+    grad_slots: Dict[str, torch.Tensor]
+    all_grads: Optional[torch.Tensor]
+    views: Dict[str, torch.Tensor]
+    owner: object  # what ``view`` views (kept alive, so that its id is not reused)
+
+
+class SlotRequests:
+    """The requests of one slot transport's tries, their unchanging parts kept (module doc)."""
+
+    KEPT = 4  # layouts kept: the usual step has one, steps leaving some gradients out a few more
+
+    def __init__(self, ctx: TransportContext, offsets: Dict[str, int]):
+        self._ctx = ctx
+        self._offsets = offsets
+        self._layouts: Dict[tuple, _Layout] = {}
+
+    def forget(self) -> None:
+        """Drops every layout (the block was closed or lost: its views must not keep it mapped)."""
+        self._layouts.clear()
+
+    def _layout(self, region: str, view: View, names: Tuple[str, ...], numels: Tuple[int, ...]) -> _Layout:
+        owner = getattr(view, "__self__", view)  # a bound method is made anew at every access
+        key = (region, id(owner), names, numels)
+        layout = self._layouts.get(key)
+        if layout is not None:
+            return layout
+        ctx, offsets = self._ctx, self._offsets
+        wire_dtype, out_dtype = wire.torch_dtype(ctx.wire_dtype), wire.torch_dtype(ctx.return_dtype)
+        grad_itemsize = torch.empty(0, dtype=wire_dtype).element_size()
+        template = pb.StepSharedRequest()
+        grad_slots = {}
+        for name, numel in zip(names, numels):
+            grad_slots[name] = view(offsets[name], numel, wire_dtype)
+            template.gradients.add(name=name, region=region, offset=offsets[name], byte_size=numel * grad_itemsize,
+                                   dtype=wire.dtype_enum(ctx.wire_dtype))
+        views: Dict[str, torch.Tensor] = {}
+        for name in ctx.names:
+            views[name] = view(offsets[name], ctx.sizes[name], out_dtype)
+            param = ctx.by_name.get(name)
+            if param is not None and param.numel() == ctx.sizes[name]:
+                views[name] = views[name].view(param.shape)  # as copy_in wants it
+            template.parameters.add(name=name, region=region, offset=offsets[name],
+                                    byte_size=ctx.sizes[name] * views[name].element_size(),
+                                    dtype=wire.dtype_enum(ctx.return_dtype))
+        end_to_end = grad_itemsize == SLOT_BYTES and len(names) > 1 and all(
+            offsets[b] == offsets[a] + SLOT_BYTES * n for a, b, n in zip(names, names[1:], numels))
+        all_grads = view(offsets[names[0]], sum(numels), wire_dtype) if end_to_end else None
+        if len(self._layouts) >= self.KEPT:
+            self._layouts.pop(next(iter(self._layouts)))
+        layout = _Layout(template, grad_slots, all_grads, views, owner)
+        self._layouts[key] = layout
+        return layout
+
+    @torch.no_grad()
+    def request(self, header: pb.StepHeader, region: str, view: View, grads: Grads,
+                written: AbstractSet[str] = frozenset()) -> Tuple[pb.StepSharedRequest, Dict[str, torch.Tensor]]:
+        """The request of one try over the block ``region`` (seen through ``view``), with every
+        gradient written into its slots (before every try: an answer overwrites them) unless it
+        is one of ``written`` (a streamed try wrote those as they came), and the views the
+        parameters will be in after it."""
+        grads = list(grads)
+        names = tuple(name for name, _ in grads)
+        numels = tuple(g.numel() for _, g in grads)
+        layout = self._layout(region, view, names, numels)
+        request = pb.StepSharedRequest()
+        request.CopyFrom(layout.template)
+        request.header.CopyFrom(header)
+        request.header.ClearField("return_dtype")
+        request.header.ClearField("num_chunks")
+        todo = [(name, g.reshape(-1)) for name, g in grads if name not in written]  # (no_grad: untracked)
+        together = layout.all_grads
+        if (together is not None and not written
+                and (together.device.type != "cpu" or together.numel() < host_copy.MIN_PIECE)
+                and all(g.dtype == together.dtype and g.device == together.device for _, g in todo)):
+            torch.cat([g for _, g in todo], out=together)
+        else:
+            host_copy.copy_all([(layout.grad_slots[name], g) for name, g in todo])
+        return request, dict(layout.views)
 
 
 @contextlib.contextmanager
@@ -139,9 +204,8 @@ class SlotStreamedTry(StreamedTry):
         check_identity(self._begun, header)
         region, view = self._transport.ready()
         grads = list(self._written.items()) + list(more)
-        self._request, self._views = slot_request(header, self._transport.ctx, region,
-                                                  self._transport.offsets, view, grads,
-                                                  written=self._written.keys())
+        self._request, self._views = self._transport.requests.request(header, region, view, grads,
+                                                                      written=self._written.keys())
         self._written = {}
 
     def result(self) -> Tuple[pb.StepResult, Dict[str, torch.Tensor]]:
