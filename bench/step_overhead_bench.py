@@ -1,0 +1,99 @@
+"""The fixed cost of a step: tiny steps from the Python client against the cheapest call there is.
+
+Starts the real muond (--backend cpu, with --metrics-listen) on loopback. A session of --tensors
+parameters of --elements fp32 elements each (SGD, so that the daemon's compute is negligible) is
+stepped --warmup times and then --steps timed times per transport. Printed, as medians: the floor
+(a GetServerInfo call on a channel of its own: one unary gRPC round trip on the same loopback,
+nothing in it), each transport's opt.step(), its ratio to the floor, and the part spent in the
+daemon's handler (muond_call_duration_seconds of Step or StepShared, a mean over the timed steps),
+the rest being the client's: the Python around the call and gRPC's own cost.
+
+CUDA IPC steps take the same path as shared-memory ones on the client (a StepShared-like unary
+call, slot views, the step's answer), so the shm row bounds what its fixed cost can fall to.
+
+    python3 bench/step_overhead_bench.py [--binary build/muond] [--steps 500] [--tensors 8]
+"""
+
+import argparse
+import re
+import statistics
+import sys
+import time
+import urllib.request
+
+import torch
+
+from bench_daemon import REPO, cpu_daemon, free_port
+
+_CALL = re.compile(r'muond_call_duration_seconds_(sum|count)\{method="(\w+)"[^}]*\} (\S+)')
+
+
+def handler_seconds(metrics_port: int) -> dict:
+    """{method: (sum, count)} of the daemon's call durations."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    out = {}
+    for kind, method, value in _CALL.findall(text):
+        total, count = out.get(method, (0.0, 0.0))
+        out[method] = (total + float(value), count) if kind == "sum" else (total, count + float(value))
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--binary", default=str(REPO / "build" / "muond"))
+    parser.add_argument("--threads", type=int, default=1, help="the daemon's --threads")
+    parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--tensors", type=int, default=8)
+    parser.add_argument("--elements", type=int, default=64)
+    parser.add_argument("--transports", nargs="+", default=["grpc", "shm"])
+    args = parser.parse_args()
+    sys.path[:0] = [str(REPO / "python"), str(REPO / "build" / "python")]
+    import grpc  # noqa: E402
+    import muond  # noqa: E402 - after the path is set
+    from muond._stubs import pb, pb_grpc  # noqa: E402
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(args.elements)) for _ in range(args.tensors)]
+    metrics_port = free_port()
+    print(f"{args.tensors} tensors of {args.elements} fp32 elements, SGD; daemon --threads {args.threads}; "
+          f"medians of {args.steps} steps")
+    with cpu_daemon(args.binary, args.threads, ["--metrics-listen", f"127.0.0.1:{metrics_port}"]) as (_, endpoint):
+        channel = grpc.insecure_channel(endpoint)
+        stub = pb_grpc.MuondStub(channel)
+        floors = []
+        for i in range(args.warmup + args.steps):
+            started = time.perf_counter()
+            stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+            if i >= args.warmup:
+                floors.append(time.perf_counter() - started)
+        channel.close()
+        floor = statistics.median(floors)
+        print(f"  floor (GetServerInfo round trip)   {floor * 1e3:7.3f} ms")
+        for transport in args.transports:
+            with muond.RemoteOptimizer([{"params": params, "optimizer": "sgd", "lr": 1e-9}], endpoint=endpoint,
+                                       transport=transport, session=f"overhead-{transport}") as opt:
+                for _ in range(args.warmup):
+                    for p in params:
+                        p.grad = torch.ones_like(p)
+                    opt.step()
+                before = handler_seconds(metrics_port)
+                walls = []
+                for _ in range(args.steps):
+                    for p in params:
+                        p.grad = torch.ones_like(p)
+                    started = time.perf_counter()
+                    opt.step()
+                    walls.append(time.perf_counter() - started)
+                after = handler_seconds(metrics_port)
+            method = "Step" if transport == "grpc" else "StepShared"
+            total = after[method][0] - before.get(method, (0.0, 0.0))[0]
+            count = after[method][1] - before.get(method, (0.0, 0.0))[1]
+            wall = statistics.median(walls)
+            handler = total / count if count else float("nan")
+            print(f"  {transport:<5} opt.step()                   {wall * 1e3:7.3f} ms = {wall / floor:5.2f} x the floor; "
+                  f"daemon's handler {handler * 1e3:6.3f} ms, the rest {(wall - handler) * 1e3:6.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
