@@ -41,6 +41,10 @@ class ZeroCopyArea:
             offset += SLOT_BYTES * int(ctx.sizes[name])
         self.nbytes = 2 * SLOT_BYTES * total
         self._view: Optional[View] = None
+        self._grad_ptrs: Dict[str, int] = {}  # where each gradient's slots begin, once adopted
+        # The requests' tensor entries (no header) by (region, gradients named, their sizes): the
+        # same from one step to the next.
+        self._templates: Dict[tuple, pb.StepSharedRequest] = {}
 
     def _param_view(self, name: str) -> torch.Tensor:
         return self._view(self.param_offsets[name], self._ctx.sizes[name], torch.float32)
@@ -59,6 +63,8 @@ class ZeroCopyArea:
             if param.grad is not None:
                 copies.append((self._grad_view(name), param.grad.detach().reshape(-1)))
         host_copy.copy_all(copies)
+        self._grad_ptrs = {name: self._grad_view(name).data_ptr() for name in self._ctx.names}
+        self._templates.clear()
         for name in self._ctx.names:
             param = self._ctx.by_name[name]
             param.data = self._param_view(name).view(param.shape)
@@ -70,24 +76,37 @@ class ZeroCopyArea:
         """The request of one try: each gradient referenced where it lies in the region (copied
         in first, and its ``.grad`` pointed there, when backward put it elsewhere), and every
         parameter's slots as where its value goes, in place in the model."""
-        request = pb.StepSharedRequest(header=header)
-        request.header.ClearField("return_dtype")
-        request.header.ClearField("num_chunks")
-        fp32 = wire.dtype_enum("fp32")
-        moved = [(name, g) for name, g in grads
-                 if g.data_ptr() != self._grad_view(name).data_ptr()]
+        moved = [(name, g) for name, g in grads if g.data_ptr() != self._grad_ptrs[name]]
         host_copy.copy_all([(self._grad_view(name), g.detach().reshape(-1)) for name, g in moved])
         for name, g in moved:
             param = self._ctx.by_name[name]
             if param.grad is g:
                 param.grad = self._grad_view(name).view(param.shape)
-        for name, g in grads:
-            request.gradients.add(name=name, region=region, offset=self.grad_offsets[name],
-                                  byte_size=SLOT_BYTES * g.numel(), dtype=fp32)
-        for name in self._ctx.names:
-            request.parameters.add(name=name, region=region, offset=self.param_offsets[name],
-                                   byte_size=SLOT_BYTES * self._ctx.sizes[name], dtype=fp32)
+        request = pb.StepSharedRequest()
+        request.CopyFrom(self._template(region, grads))
+        request.header.CopyFrom(header)
+        request.header.ClearField("return_dtype")
+        request.header.ClearField("num_chunks")
         return request
+
+    def _template(self, region: str, grads: Grads) -> pb.StepSharedRequest:
+        names = tuple(name for name, _ in grads)
+        numels = tuple(g.numel() for _, g in grads)
+        key = (region, names, numels)
+        template = self._templates.get(key)
+        if template is None:
+            template = pb.StepSharedRequest()
+            fp32 = wire.dtype_enum("fp32")
+            for name, numel in zip(names, numels):
+                template.gradients.add(name=name, region=region, offset=self.grad_offsets[name],
+                                       byte_size=SLOT_BYTES * numel, dtype=fp32)
+            for name in self._ctx.names:
+                template.parameters.add(name=name, region=region, offset=self.param_offsets[name],
+                                        byte_size=SLOT_BYTES * self._ctx.sizes[name], dtype=fp32)
+            if len(self._templates) >= 4:  # the usual step has one; steps leaving gradients out, a few
+                self._templates.pop(next(iter(self._templates)))
+            self._templates[key] = template
+        return template
 
 
 def check_zero_copy(params: List[Tuple[str, torch.Tensor]], wire_dtype: str, return_dtype: str,
