@@ -18,7 +18,6 @@ import sys
 import warnings
 from typing import Dict, Iterable, Iterator, NamedTuple, Optional, Tuple, Union
 
-import numpy as np
 import torch
 
 from . import quantize
@@ -154,16 +153,23 @@ class FramedChunk(NamedTuple):
     payload: memoryview
 
 
-_NUMPY = {"fp32": "<f4", "bf16": "<i2", "fp16": "<f2"}
+_TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_quiet = False  # whether torch has given its one warning about read-only buffers
 
 
 def payload_tensor(payload: memoryview, dtype: str) -> torch.Tensor:
-    """A payload's elements as a tensor viewing its bytes (read-only: only ever read)."""
-    array = np.frombuffer(payload, dtype=_NUMPY[dtype])
+    """A payload's elements (at least one) as a tensor viewing its bytes, read-only: only ever
+    read. The wire is little-endian, as every machine muond builds for."""
+    global _quiet
+    if _quiet:
+        return torch.frombuffer(payload, dtype=_TORCH[dtype])
+    # torch warns that the buffer is not writable once per process, then never again: that once
+    # is kept quiet here (a catch_warnings around every chunk cost more than decoding a small one).
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "not writable": the tensor is only read
-        values = torch.from_numpy(array)
-    return values.view(torch.bfloat16) if dtype == "bf16" else values
+        warnings.simplefilter("ignore", UserWarning)
+        values = torch.frombuffer(payload, dtype=_TORCH[dtype])
+    _quiet = True
+    return values
 
 
 class ChunkAssembler:

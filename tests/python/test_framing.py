@@ -2,6 +2,11 @@
 wire.encode builds, answer chunks parse like protobuf parses them (anything unusual is left to
 protobuf), and the assembler decodes them straight into the parameters it is given."""
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -137,3 +142,24 @@ def test_step_messages_count_what_they_send_and_pack_only_small_whole_tensors(pa
     assert [[c.name for c in m.chunks] for m in packed] == [["a", "b", "c", "d"], ["e"]]
     assert all(sum(len(c.data) for c in m.chunks) <= 1024 for m in packed)
     assert count == 2 + 1 + 2  # "big" and "empty" alone, two packed messages
+
+
+def test_decoding_payloads_warns_nothing_and_reads_every_dtype_from_a_fresh_process():
+    # torch warns once per process about read-only buffers; the decoding keeps that once quiet and
+    # then no longer guards each chunk. A process of its own, so that the once is still to come.
+    script = textwrap.dedent("""
+        import warnings
+        warnings.simplefilter("error")
+        import torch
+        from muond import wire
+        for dtype, torch_dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
+            for _ in range(3):
+                values = torch.tensor([1.5, -2.0, 0.25], dtype=torch_dtype)
+                decoded = wire.payload_tensor(memoryview(values.numpy().tobytes() if dtype != "bf16"
+                                                         else values.view(torch.int16).numpy().tobytes()), dtype)
+                assert decoded.dtype == torch_dtype and torch.equal(decoded, values), dtype
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
