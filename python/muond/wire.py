@@ -224,9 +224,8 @@ class ChunkAssembler:
         if meta.offset + count > flat.numel():
             raise ValueError(f"chunk of '{meta.name}' at offset {meta.offset} overruns its "
                              f"{flat.numel()} elements")
-        if count:
-            with torch.no_grad():
-                flat[meta.offset:meta.offset + count].copy_(payload_tensor(payload, dtype))
+        if count:  # `flat` is detached or the assembler's own: nothing for autograd to record
+            flat[meta.offset:meta.offset + count].copy_(payload_tensor(payload, dtype))
         self._filled[key] += count
 
     def _size(self, key: ChunkKey) -> int:
