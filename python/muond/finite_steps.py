@@ -5,12 +5,14 @@ and optimizer slots, and compute on the way, stay within the limits that keep th
 fp16's 65504 for a tensor stored in fp16). The bounds are the daemon's (``BoundStep`` of
 kernels/optim/muon.cc, dion2.cc, adamw.cc, lion.cc and sgd.cc), term by term in Python floats (fp64).
 
-``MagnitudeGuard`` keeps them as the daemon's sessions do: a bound per master and slot, measured
-exactly when unknown (the first step, after ``load_state_dict``, after the parameter was changed
-in place outside the optimizer), advanced by each applied step's bound, and tried first with the
-gradient's L2 norm bounding every |g|; only when that is not good enough are the exact magnitudes
-read and the largest |g| taken. The loose bound only ever asks for the exact one, so whether a
-step is applied depends on the tensors alone, as on the daemon.
+``MagnitudeGuard`` keeps a bound per optimizer slot as the daemon's sessions do: measured exactly
+when unknown (the first step, after ``load_state_dict``), advanced by each applied step's bound,
+and tried first with the gradient's L2 norm bounding every |g|; only when that is not good enough
+are the slots' exact magnitudes read and the largest |g| taken. The master is the parameter itself
+here, which a trainer may change in ways torch does not count (through ``.data``), so its largest
+|x| is read at every step; and a parameter stored in fewer bits than its ``master_dtype`` says
+(an fp16 model) is held to its own dtype's limit. The loose bound only ever asks for the exact
+one, so whether a step is applied depends on the tensors alone, as on the daemon.
 
 Thread-safety: none; one ``LocalOptimizer`` owns its guard and uses it from one thread.
 """
@@ -265,9 +267,23 @@ def bound_step(group: Mapping[str, Any], shape: Sequence[int], master: float, sl
                                             step_count)
 
 
-def beyond_limits(group: Mapping[str, Any], bounds: StepBounds) -> Tuple[str, StepBounds]:
+_TIGHTNESS = {"fp32": 0, "bf16": 1, "fp16": 2}  # by limit, then by rounding
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def master_dtype(group: Mapping[str, Any], param: Optional[torch.Tensor] = None) -> str:
+    """The format the master is held to: the group's ``master_dtype``, or the parameter's own
+    dtype where that is narrower (a LocalOptimizer's masters are the parameters)."""
+    stored = opts.storage_dtype(group, "master")
+    own = _DTYPE_NAMES.get(param.dtype, "fp32") if param is not None else "fp32"
+    return own if _TIGHTNESS[own] > _TIGHTNESS[stored] else stored
+
+
+def beyond_limits(group: Mapping[str, Any], bounds: StepBounds,
+                  param: Optional[torch.Tensor] = None) -> Tuple[str, StepBounds]:
     """(where ``bounds`` pass a storage limit, in the daemon's words, or "") and the bounds widened
-    by the rounding of storing each tensor in its format, as the daemon keeps them."""
+    by the rounding of storing each tensor in its format, as the daemon keeps them; the master's
+    format is ``master_dtype(group, param)``."""
     def limit(dtype: str, bound: float, what: str) -> Tuple[str, float]:
         bound *= 1.0 + _ROUNDOFF[dtype]
         most = min(MAGNITUDE_LIMIT, _MAX_FINITE[dtype])
@@ -276,7 +292,7 @@ def beyond_limits(group: Mapping[str, Any], bounds: StepBounds) -> Tuple[str, St
         return (f"{what} to magnitudes up to {bound:.6g}, beyond the limit of {most:.6g} that keeps "
                 f"{dtype} finite"), bound
 
-    beyond, master = limit(opts.storage_dtype(group, "master"), bounds.master, "(its master)")
+    beyond, master = limit(master_dtype(group, param), bounds.master, "(its master)")
     slots = dict(bounds.slots)
     for name in slot_names(group):
         if beyond or name not in slots:
@@ -295,55 +311,43 @@ def _max_abs(t: Optional[torch.Tensor]) -> float:
     return float(t.detach().abs().max()) if t is not None and t.numel() > 0 else 0.0
 
 
-class _Known(NamedTuple):
-    version: int  # the parameter's torch version when these bounds were set
-    master: float
-    slots: Dict[str, float]
-
-
 class MagnitudeGuard:
-    """The bounds of one optimizer's parameters between steps, and the check of a step."""
+    """The slots' bounds of one optimizer's parameters between steps, and the check of a step."""
 
     def __init__(self) -> None:
-        self._known: Dict[int, _Known] = {}  # by id() of the parameter
+        self._slots: Dict[int, Dict[str, float]] = {}  # by id() of the parameter
 
     def forget(self) -> None:
         """Drops every bound (the state was replaced): the next step measures again."""
-        self._known.clear()
+        self._slots.clear()
 
     def check(self, name: str, p: torch.Tensor, grad: torch.Tensor, group: Mapping[str, Any],
               state: Mapping[str, Any], grad_norm: float, coefficient: float, step_count: int) -> Tuple[str, Any]:
         """The skip reason of a step of parameter ``p`` ("" when it may go on) and a token for
         ``applied``. ``grad_norm`` is the gradient's L2 norm, ``coefficient`` the factor it is
-        multiplied by (clipping over the loss scale)."""
-        known = self._known.get(id(p))
-        if known is None or known.version != p._version:
-            known = self._measure(p, group, state)
-        bounds = bound_step(group, p.shape, known.master, known.slots, grad_norm * coefficient * ROUNDING,
-                            step_count)
-        beyond, widened = beyond_limits(group, bounds)
+        multiplied by (clipping over the loss scale). Reads ``state``, never changes it."""
+        if p.numel() == 0:  # nothing to take anywhere
+            return "", StepBounds(0.0, {}, 0.0)
+        master = _max_abs(p)
+        slots = self._slots.get(id(p))
+        if slots is None:
+            slots = self._measure(p, group, state)
+        bounds = bound_step(group, p.shape, master, slots, grad_norm * coefficient * ROUNDING, step_count)
+        beyond, widened = beyond_limits(group, bounds, p)
         if beyond:
-            known = self._measure(p, group, state)
-            bounds = bound_step(group, p.shape, known.master, known.slots,
-                                _max_abs(grad) * coefficient * ROUNDING, step_count)
-            beyond, widened = beyond_limits(group, bounds)
+            slots = self._measure(p, group, state)
+            bounds = bound_step(group, p.shape, master, slots, _max_abs(grad) * coefficient * ROUNDING,
+                                step_count)
+            beyond, widened = beyond_limits(group, bounds, p)
             if beyond:
                 return f"the update could take '{name}' {beyond}; nothing was changed", None
         return "", widened
 
     def applied(self, p: torch.Tensor, token: Any) -> None:
-        """Records the bounds a checked step left in ``p`` (call once it is written)."""
-        self._known[id(p)] = _Known(p._version, token.master, dict(token.slots))
+        """Records the slots' bounds a checked step left in ``p`` (call once it is written)."""
+        self._slots[id(p)] = dict(token.slots)
 
-    def rewritten(self, p: torch.Tensor) -> None:
-        """Notes that this optimizer changed ``p`` again (QK-clip's factors, at most 1): the
-        bounds still hold."""
-        known = self._known.get(id(p))
-        if known is not None:
-            self._known[id(p)] = known._replace(version=p._version)
-
-    def _measure(self, p: torch.Tensor, group: Mapping[str, Any], state: Mapping[str, Any]) -> _Known:
+    def _measure(self, p: torch.Tensor, group: Mapping[str, Any], state: Mapping[str, Any]) -> Dict[str, float]:
         slots = {name: _max_abs(state.get(name)) for name in slot_names(group)}
-        known = _Known(p._version, _max_abs(p), slots)
-        self._known[id(p)] = known
-        return known
+        self._slots[id(p)] = slots
+        return slots

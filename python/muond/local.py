@@ -548,7 +548,7 @@ class LocalOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                state = self.state[p]
+                state = self.state.get(p, {})  # (self.state creates an entry for a key it lacks)
                 reason, checked[id(p)] = self._guard.check(
                     names[id(p)], p, p.grad, group, state, norms[names[id(p)]], clips.coefficients[gi] * unscale,
                     state.get("step", 0))
@@ -592,8 +592,6 @@ class LocalOptimizer(torch.optim.Optimizer):
                      group["qk_clip_threshold"], group["qk_clip_alpha"], pairs[query].mla)
             _round_master(query_weight, group)
             _round_master(key, next(g for g in self.param_groups if any(p is key for p in g["params"])))
-            self._guard.rewritten(query_weight)  # scaled by factors of at most 1: the bounds hold
-            self._guard.rewritten(key)
         if self._scaler is not None:
             self._scaler.update(self.loss_scaler, found_inf=False)
         elapsed = time.perf_counter() - started

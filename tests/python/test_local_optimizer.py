@@ -194,3 +194,34 @@ def test_a_schedule_that_grows_singular_values_is_refused_as_the_daemon_refuses_
             as local:
         muond.LocalOptimizer([{"params": [torch.nn.Parameter(torch.ones(4, 4))], **group}])
     assert str(local.value) in daemon.value.details
+
+
+def test_the_parameter_is_its_master_whatever_changed_it_and_whatever_its_dtype():
+    # Changed through .data (which torch does not count): the guard reads the master every step.
+    w = torch.nn.Parameter(torch.ones(4))
+    opt = muond.LocalOptimizer([{"params": [("w", w)], "optimizer": "sgd", "lr": 1.0}])
+    w.grad = torch.ones(4)
+    opt.step()
+    w.data.fill_(3.4e38)
+    w.grad = torch.full((4,), -5e35)
+    opt.step()
+    assert not opt.last_info.applied and "(its master)" in opt.last_info.skip_reason
+    assert torch.isfinite(w.detach()).all()
+
+    # An fp16 model: its parameters hold the masters, so fp16's limit is theirs.
+    h = torch.nn.Parameter(torch.full((4,), 1e4, dtype=torch.float16))
+    opt = muond.LocalOptimizer([{"params": [("h", h)], "optimizer": "sgd", "lr": 1.0}])
+    h.grad = torch.full((4,), -6e4, dtype=torch.float16)  # 1e4 + 6e4 is past fp16's 65504
+    opt.step()
+    assert not opt.last_info.applied and "that keeps fp16 finite" in opt.last_info.skip_reason
+    assert torch.equal(h.detach(), torch.full((4,), 1e4, dtype=torch.float16))
+    assert opt.state_dict()["state"] == {}  # a skipped first step leaves no state behind
+
+
+def test_an_empty_parameter_steps_beside_the_others():
+    e = torch.nn.Parameter(torch.zeros(0, 4))
+    w = torch.nn.Parameter(torch.ones(4, 4))
+    opt = muond.LocalOptimizer([{"params": [("e", e), ("w", w)], "optimizer": "muon", "lr": 0.02}])
+    e.grad, w.grad = torch.zeros(0, 4), torch.ones(4, 4)
+    opt.step()
+    assert opt.last_info.applied
