@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The host step beside its floors, in one run: shared-memory steps against their copy floor
-# (shm_floor_bench.py), many small tensors over gRPC against raw TCP (small_tensors_bench.py),
+# (shm_floor_bench.py), many small tensors over gRPC against raw TCP (small_tensors_bench.py), the
+# fixed cost of tiny steps against one gRPC round trip (step_overhead_bench.py),
 # Newton-Schulz in fp32 and bf16 against the GEMM peaks of the same libraries (cpu_precision_bench),
 # Gram against standard Newton-Schulz and ns_algorithm auto's choice per shape (ns_choice_bench),
 # and a Muon session's memory above idle against its state, bounded and not (ns_memory_bench.py).
@@ -18,7 +19,7 @@ while [[ $# -gt 0 ]]; do
   case "$1" in
     --build) BUILD=$2; shift ;;
     --threads) THREADS=$2; shift ;;
-    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
   shift
@@ -29,6 +30,9 @@ echo "== shared memory against its copy floor"
 "$PYTHON" bench/shm_floor_bench.py --binary "$BUILD/muond" --threads "$THREADS" --phases
 echo "== many small tensors over gRPC against raw TCP"
 "$PYTHON" bench/small_tensors_bench.py --binary "$BUILD/muond" --threads "$THREADS"
+echo "== the fixed cost of a step against one gRPC round trip"
+"$PYTHON" bench/step_overhead_bench.py --binary "$BUILD/muond" --tensors 8
+"$PYTHON" bench/step_overhead_bench.py --binary "$BUILD/muond" --tensors 64
 if [[ -x $BUILD/cpu_precision_bench ]]; then
   echo "== Newton-Schulz in fp32 and bf16 against the GEMM peaks"
   "$BUILD/cpu_precision_bench" --threads "$THREADS"
