@@ -307,6 +307,21 @@ def beyond_limits(group: Mapping[str, Any], bounds: StepBounds,
     return "", widened
 
 
+def largest_magnitudes(tensors: Sequence[torch.Tensor]) -> List[float]:
+    """Each tensor's largest |x| (0 for an empty one), read back once per device rather than once
+    per tensor (a CUDA read is a synchronization)."""
+    out = [0.0] * len(tensors)
+    by_device: Dict[torch.device, List[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.numel() > 0:
+            by_device.setdefault(t.device, []).append(i)
+    for indices in by_device.values():
+        values = torch.stack([tensors[i].detach().abs().max().double() for i in indices]).tolist()
+        for i, value in zip(indices, values):
+            out[i] = value
+    return out
+
+
 def _max_abs(t: Optional[torch.Tensor]) -> float:
     return float(t.detach().abs().max()) if t is not None and t.numel() > 0 else 0.0
 
@@ -322,13 +337,14 @@ class MagnitudeGuard:
         self._slots.clear()
 
     def check(self, name: str, p: torch.Tensor, grad: torch.Tensor, group: Mapping[str, Any],
-              state: Mapping[str, Any], grad_norm: float, coefficient: float, step_count: int) -> Tuple[str, Any]:
+              state: Mapping[str, Any], master: float, grad_norm: float, coefficient: float,
+              step_count: int) -> Tuple[str, Any]:
         """The skip reason of a step of parameter ``p`` ("" when it may go on) and a token for
-        ``applied``. ``grad_norm`` is the gradient's L2 norm, ``coefficient`` the factor it is
-        multiplied by (clipping over the loss scale). Reads ``state``, never changes it."""
+        ``applied``. ``master`` is the parameter's largest |x| (``largest_magnitudes``),
+        ``grad_norm`` the gradient's L2 norm, ``coefficient`` the factor it is multiplied by
+        (clipping over the loss scale). Reads ``state``, never changes it."""
         if p.numel() == 0:  # nothing to take anywhere
             return "", StepBounds(0.0, {}, 0.0)
-        master = _max_abs(p)
         slots = self._slots.get(id(p))
         if slots is None:
             slots = self._measure(p, group, state)

@@ -544,14 +544,16 @@ class LocalOptimizer(torch.optim.Optimizer):
         checked = {}
         norms = {name: math.sqrt(s) for (name, _), s in zip(named, sums)}
         names = {id(p): name for name, p in zip(self._names, self._params)}
+        stepped = [p for p in self._params if p.grad is not None]
+        masters = dict(zip(map(id, stepped), finite_steps.largest_magnitudes(stepped)))
         for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 state = self.state.get(p, {})  # (self.state creates an entry for a key it lacks)
                 reason, checked[id(p)] = self._guard.check(
-                    names[id(p)], p, p.grad, group, state, norms[names[id(p)]], clips.coefficients[gi] * unscale,
-                    state.get("step", 0))
+                    names[id(p)], p, p.grad, group, state, masters[id(p)], norms[names[id(p)]],
+                    clips.coefficients[gi] * unscale, state.get("step", 0))
                 if reason:
                     return self._skipped(reason, norm, started, zeros, total_weight, loss, clips)
         for gi, group in enumerate(self.param_groups):
