@@ -119,16 +119,6 @@ def _aol_gram(rows: int, cols: int, input_bound: float) -> float:
     return 2.0 * max(rows, cols) * input_bound * input_bound
 
 
-def _scale(group: Mapping[str, Any], rows: int, cols: int) -> float:
-    m, n, k = float(rows), float(cols), group["extra_scale_factor"]
-    mode = group["scale_mode"]
-    if mode == "shape_scaling":
-        return k * math.sqrt(max(1.0, m / n))
-    if mode == "spectral":
-        return k * math.sqrt(max(m, n))
-    return k * math.sqrt(m / n)
-
-
 def _muon(group, shape, master: float, slots: Mapping[str, float], g: float, step_count: int) -> StepBounds:
     R = ROUNDING
     mu, wd, lr = group["momentum"], group["weight_decay"], group["lr"]
@@ -143,7 +133,7 @@ def _muon(group, shape, master: float, slots: Mapping[str, float], g: float, ste
         u = (g_decayed + mu * m_next) * R if group["nesterov"] else m_next
     shapes = facts.matrix_shapes(group, shape)
     sigma = ns_bound(group)
-    scale = max([0.0] + [_scale(group, r, c) for r, c in shapes])
+    scale = max([0.0] + [facts.muon_scale(group, r, c) for r, c in shapes])
     step = scale * (max(sigma, 1.0) if _chosen(group, "post_normalization") else sigma)
     moment2 = moment2_peak = 0.0
     v = slots.get("moment2", 0.0)
@@ -197,7 +187,7 @@ def _dion2(group, shape, master: float, slots: Mapping[str, float], g: float, st
     else:
         numel = math.prod(shape)
         rows, cols = shape[0], (numel // shape[0] if shape[0] > 0 else 0)
-    step = _scale(group, rows, cols) * ns_bound(group) * R
+    step = facts.muon_scale(group, rows, cols) * ns_bound(group) * R
     decay = _f32(1.0 - wd) if group["weight_decay_mode"] == "independent" else _f32(1.0 - lr * wd)
     master_next = (abs(decay) * master + lr * step) * R
     gram = _aol_gram(rows, cols, m_next) if group.get("ns_preconditioner") == "aol" else 0.0

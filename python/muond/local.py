@@ -127,15 +127,6 @@ def _gram_iterations(x: torch.Tensor, steps: int, coefficients, after: str, rest
     return x if q is None else q @ x
 
 
-def muon_scale(mode: str, factor: float, rows: int, cols: int) -> float:
-    """The update scale of an (rows × cols) matrix under ``scale_mode``, times ``factor``."""
-    if mode == "shape_scaling":
-        return factor * math.sqrt(max(1.0, rows / cols))
-    if mode == "spectral":
-        return factor * math.sqrt(max(rows, cols))
-    return factor * math.sqrt(rows / cols)  # unit_rms_norm
-
-
 # The daemon's CPU backend's weight of an m×m product against a wide one in ns_algorithm "auto"'s
 # cost rule (kernels/optim/newton_schulz.h, kCpuSquareWeight).
 CPU_SQUARE_WEIGHT = 1.1
@@ -259,8 +250,7 @@ def _orthogonalize_scaled(u: torch.Tensor, group: Dict[str, Any]) -> torch.Tenso
     coefficients, after = opts.coefficient_schedule(group)
 
     def ortho(m: torch.Tensor) -> torch.Tensor:
-        return _polar(m, group, coefficients, after) * muon_scale(group["scale_mode"], group["extra_scale_factor"],
-                                m.size(-2), m.size(-1))
+        return _polar(m, group, coefficients, after) * facts.muon_scale(group, m.size(-2), m.size(-1))
 
     shape = u.shape
     if (group.get("num_heads") or 1) > 1 and u.dim() == 2:  # heads, each on its own shape
@@ -330,7 +320,7 @@ def _namo_update(u: torch.Tensor, g: torch.Tensor, group: Dict[str, Any], moment
         else:
             d = m_sums.sqrt() / (v.double().sqrt() + eps)
         o = _polar(m, group, coefficients, after)
-        scale = muon_scale(group["scale_mode"], group["extra_scale_factor"], rows, cols)
+        scale = facts.muon_scale(group, rows, cols)
         o_view.copy_(o * d.float()[None, :] * scale if diagonal else o * float(d.float()) * scale)
     return out
 
@@ -352,7 +342,7 @@ def _adaptive_update(u: torch.Tensor, group: Dict[str, Any], moment2: torch.Tens
     for i, (m, o_view) in enumerate(zip(_matrix_views(u, group), _matrix_views(out, group))):
         rows, cols = m.shape
         o = _polar(m, group, coefficients, after)
-        scale = muon_scale(group["scale_mode"], group["extra_scale_factor"], rows, cols)
+        scale = facts.muon_scale(group, rows, cols)
         if adamuon:
             x = o * scale
             moments[i].lerp_(x * x, 1 - beta2)
@@ -708,7 +698,7 @@ class LocalOptimizer(torch.optim.Optimizer):
             target[chosen] = newton_schulz(picked, group["ns_steps"], coefficients, after, group["ns_eps"],
                                            group["ns_norm_safety"], None,
                                            aol=group.get("ns_preconditioner") == "aol")
-            uv.mul_(muon_scale(group["scale_mode"], group["extra_scale_factor"], rows, cols))
+            uv.mul_(facts.muon_scale(group, rows, cols))
         lr, wd = group["lr"], group["weight_decay"]
         p.mul_(1 - wd if group["weight_decay_mode"] == "independent" else 1 - lr * wd)
         p.add_(update.to(p.dtype), alpha=-lr)

@@ -16,6 +16,7 @@ Constants and pure functions; no shared state.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any, Dict, Mapping, Sequence, Tuple
 
@@ -206,3 +207,14 @@ def slot_shape(group: Mapping[str, Any], shape: Tuple[int, ...], slot: str) -> T
             and (group.get("num_heads") or 1) == 1:
         return (shape[0], 1) if shape[0] >= shape[1] else (1, shape[1])
     return (sum(max(r, c) for r, c in matrix_shapes(group, shape)),)
+
+
+def muon_scale(group: Mapping[str, Any], rows: int, cols: int) -> float:
+    """The update scale of a (rows × cols) matrix under the group's ``scale_mode``, times its
+    ``extra_scale_factor`` (the daemon's UpdateScale)."""
+    mode, factor = group["scale_mode"], group["extra_scale_factor"]
+    if mode == "shape_scaling":
+        return factor * math.sqrt(max(1.0, rows / cols))
+    if mode == "spectral":
+        return factor * math.sqrt(max(rows, cols))
+    return factor * math.sqrt(rows / cols)  # unit_rms_norm

@@ -150,14 +150,14 @@ class SlotRequests:
         request.header.CopyFrom(header)
         request.header.ClearField("return_dtype")
         request.header.ClearField("num_chunks")
-        todo = [(name, g.reshape(-1)) for name, g in grads if name not in written]  # (no_grad: untracked)
+        to_write = [(name, g.reshape(-1)) for name, g in grads if name not in written]  # (no_grad: untracked)
         together = layout.all_grads
         if (together is not None and not written
                 and (together.device.type != "cpu" or together.numel() < host_copy.MIN_PIECE)
-                and all(g.dtype == together.dtype and g.device == together.device for _, g in todo)):
-            torch.cat([g for _, g in todo], out=together)
+                and all(g.dtype == together.dtype and g.device == together.device for _, g in to_write)):
+            torch.cat([g for _, g in to_write], out=together)
         else:
-            host_copy.copy_all([(layout.grad_slots[name], g) for name, g in todo])
+            host_copy.copy_all([(layout.grad_slots[name], g) for name, g in to_write])
         return request, dict(layout.views)
 
 
