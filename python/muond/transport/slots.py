@@ -18,7 +18,7 @@ enough that the threaded copy would not split them, or on a CUDA device (one ker
 from __future__ import annotations
 
 import contextlib
-from typing import AbstractSet, Callable, Dict, Iterator, NamedTuple, Optional, Protocol, Sequence, Tuple
+from typing import AbstractSet, Any, Callable, Dict, Iterator, NamedTuple, Optional, Protocol, Sequence, Tuple
 
 import grpc
 import torch
@@ -76,6 +76,31 @@ def write_gradient(ctx: TransportContext, offsets: Dict[str, int], view: View, n
     host_copy.copy_all([gradient_copy(ctx, offsets, view, name, grad)])
 
 
+Entry = Tuple[str, int, int]  # (tensor name, byte offset in the block, elements)
+
+
+def template_request(region: str, gradients: Sequence[Entry], wire_dtype: str, parameters: Sequence[Entry],
+                     return_dtype: str) -> pb.StepSharedRequest:
+    """A StepSharedRequest without its header: each gradient's and each parameter's
+    ``SharedTensor`` in the block ``region``, in the wire and the return dtype."""
+    request = pb.StepSharedRequest()
+    for entries, dtype, field in ((gradients, wire_dtype, request.gradients),
+                                  (parameters, return_dtype, request.parameters)):
+        itemsize = torch.empty(0, dtype=wire.torch_dtype(dtype)).element_size()
+        for name, offset, numel in entries:
+            field.add(name=name, region=region, offset=offset, byte_size=numel * itemsize,
+                      dtype=wire.dtype_enum(dtype))
+    return request
+
+
+def keep(cache: Dict[tuple, Any], key: tuple, value: Any, most: int = 4) -> Any:
+    """Puts ``value`` in ``cache`` under ``key``, dropping the oldest entry beyond ``most``."""
+    if len(cache) >= most:
+        cache.pop(next(iter(cache)))
+    cache[key] = value
+    return value
+
+
 class _Layout(NamedTuple):
     """What one (block, gradients) pair's requests share: the tensor references (no header), each
     gradient's slots, one view over all of them when they lie end to end, and each parameter's
@@ -89,8 +114,6 @@ class _Layout(NamedTuple):
 
 class SlotRequests:
     """The requests of one slot transport's tries, their unchanging parts kept (module doc)."""
-
-    KEPT = 4  # layouts kept: the usual step has one, steps leaving some gradients out a few more
 
     def __init__(self, ctx: TransportContext, offsets: Dict[str, int]):
         self._ctx = ctx
@@ -109,30 +132,22 @@ class SlotRequests:
             return layout
         ctx, offsets = self._ctx, self._offsets
         wire_dtype, out_dtype = wire.torch_dtype(ctx.wire_dtype), wire.torch_dtype(ctx.return_dtype)
-        grad_itemsize = torch.empty(0, dtype=wire_dtype).element_size()
-        template = pb.StepSharedRequest()
-        grad_slots = {}
-        for name, numel in zip(names, numels):
-            grad_slots[name] = view(offsets[name], numel, wire_dtype)
-            template.gradients.add(name=name, region=region, offset=offsets[name], byte_size=numel * grad_itemsize,
-                                   dtype=wire.dtype_enum(ctx.wire_dtype))
+        template = template_request(region, [(name, offsets[name], numel) for name, numel in zip(names, numels)],
+                                    ctx.wire_dtype, [(name, offsets[name], ctx.sizes[name]) for name in ctx.names],
+                                    ctx.return_dtype)
+        grad_slots = {name: view(offsets[name], numel, wire_dtype) for name, numel in zip(names, numels)}
         views: Dict[str, torch.Tensor] = {}
         for name in ctx.names:
             views[name] = view(offsets[name], ctx.sizes[name], out_dtype)
             param = ctx.by_name.get(name)
             if param is not None and param.numel() == ctx.sizes[name]:
                 views[name] = views[name].view(param.shape)  # as copy_in wants it
-            template.parameters.add(name=name, region=region, offset=offsets[name],
-                                    byte_size=ctx.sizes[name] * views[name].element_size(),
-                                    dtype=wire.dtype_enum(ctx.return_dtype))
+        grad_itemsize = torch.empty(0, dtype=wire_dtype).element_size()
         end_to_end = grad_itemsize == SLOT_BYTES and len(names) > 1 and all(
             offsets[b] == offsets[a] + SLOT_BYTES * n for a, b, n in zip(names, names[1:], numels))
         all_grads = view(offsets[names[0]], sum(numels), wire_dtype) if end_to_end else None
-        if len(self._layouts) >= self.KEPT:
-            self._layouts.pop(next(iter(self._layouts)))
-        layout = _Layout(template, grad_slots, all_grads, views, owner)
-        self._layouts[key] = layout
-        return layout
+        # The usual step needs one layout; steps leaving some gradients out, a few more.
+        return keep(self._layouts, key, _Layout(template, grad_slots, all_grads, views, owner))
 
     @torch.no_grad()
     def request(self, header: pb.StepHeader, region: str, view: View, grads: Grads,

@@ -19,11 +19,10 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .. import wire
 from .._stubs import pb
 from . import host_copy
 from .base import Grads, TransportContext
-from .slots import SLOT_BYTES, View
+from .slots import SLOT_BYTES, View, keep, template_request
 
 
 class ZeroCopyArea:
@@ -94,18 +93,11 @@ class ZeroCopyArea:
         numels = tuple(g.numel() for _, g in grads)
         key = (region, names, numels)
         template = self._templates.get(key)
-        if template is None:
-            template = pb.StepSharedRequest()
-            fp32 = wire.dtype_enum("fp32")
-            for name, numel in zip(names, numels):
-                template.gradients.add(name=name, region=region, offset=self.grad_offsets[name],
-                                       byte_size=SLOT_BYTES * numel, dtype=fp32)
-            for name in self._ctx.names:
-                template.parameters.add(name=name, region=region, offset=self.param_offsets[name],
-                                        byte_size=SLOT_BYTES * self._ctx.sizes[name], dtype=fp32)
-            if len(self._templates) >= 4:  # the usual step has one; steps leaving gradients out, a few
-                self._templates.pop(next(iter(self._templates)))
-            self._templates[key] = template
+        if template is None:  # the usual step needs one; steps leaving gradients out, a few more
+            sizes = self._ctx.sizes
+            template = keep(self._templates, key, template_request(
+                region, [(name, self.grad_offsets[name], numel) for name, numel in zip(names, numels)], "fp32",
+                [(name, self.param_offsets[name], sizes[name]) for name in self._ctx.names], "fp32"))
         return template
 
 
