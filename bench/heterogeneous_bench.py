@@ -45,9 +45,10 @@ staleness scaling (docs/ranks.md).
 DiLoCo modes ("diloco:lockstep", "diloco:quorum[:Q]", "diloco:async[:scaling...]"): the same four
 workers, speeds and death, as muond.DiLoCo workers (docs/diloco.md): each inner step is a local
 AdamW step (lr --inner-lr) on the worker's batch, and every --sync-every inner steps the worker
-syncs its pseudo-gradient through the daemon's outer Nesterov SGD (lr --outer-lr, momentum 0.9;
-delayed Nesterov with N = 4 asynchronously; --outer-option NAME=VALUE adds an option to the outer
-group, e.g. heloco=true for HeLoCo's correction), weighted by its samples; --overlap-steps τ and
+syncs its pseudo-gradient through the daemon's outer Nesterov SGD (lr --outer-lr; DiLoCo's
+defaults otherwise: momentum 0.9, asynchronously 0.5 with delayed Nesterov N = 4; --outer-option
+NAME=VALUE adds an option to the outer group, e.g. momentum=0.5, or heloco=true for HeLoCo's
+correction), weighted by its samples; --overlap-steps τ and
 --merge-alpha α overlap each sync with the next τ inner steps and merge its answer after them.
 Rank 0 evaluates the global parameters after each of its merges. A sync's samples count as applied
 when the sync used them.

@@ -36,13 +36,16 @@ from . import quantize, wire
 from .optimizer import RemoteOptimizer
 from .param_groups import default_param_groups
 
-__all__ = ["DiLoCo", "OUTER_SGD", "muon_outer_groups", "split_fragments"]
+__all__ = ["ASYNC_OUTER_MOMENTUM", "DiLoCo", "OUTER_SGD", "muon_outer_groups", "split_fragments"]
 
 _log = logging.getLogger("muond")
 _STATE_FORMAT = 1
 
 # DiLoCo's outer optimizer (arXiv 2311.08105, torchft's values): Nesterov SGD, lr 0.7, momentum 0.9.
 OUTER_SGD: Dict[str, Any] = {"optimizer": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True}
+# Asynchronous DiLoCo's default outer momentum in place of OUTER_SGD's 0.9: stale pushes act as
+# momentum of their own, which 0.9 adds to (docs/diloco.md, Asynchronous outer steps, Outer momentum).
+ASYNC_OUTER_MOMENTUM = 0.5
 
 OuterSpec = Union[None, str, Mapping[str, Any], Sequence[Mapping[str, Any]]]
 
@@ -167,12 +170,13 @@ class DiLoCo:
             ``torch.optim.AdamW``, or ``muond.LocalOptimizer`` with Muon groups as in MuLoCo).
         sync_every: H, the inner steps between two syncs of the same parameters (>= 1).
         outer: the outer optimizer, as muond parameter groups over the model's parameters:
-            None or "sgd": Nesterov SGD with DiLoCo's lr 0.7 and momentum 0.9 (``OUTER_SGD``) on
-            every parameter; "muon": ``muon_outer_groups(model)``; a dict of options for one group
-            of every parameter; or a list of group dicts whose ``params`` are the model's
-            parameters (tensors, names or ``(name, tensor)`` pairs), each parameter in exactly
-            one group (``muond.default_param_groups(model)`` output works). A group that names no
-            optimizer is SGD, and an SGD group gets ``OUTER_SGD``'s lr, momentum and nesterov
+            None or "sgd": Nesterov SGD with DiLoCo's lr 0.7 and momentum 0.9 (``OUTER_SGD``;
+            asynchronously momentum ``ASYNC_OUTER_MOMENTUM``) on every parameter; "muon":
+            ``muon_outer_groups(model)``; a dict of options for one group of every parameter; or
+            a list of group dicts whose ``params`` are the model's parameters (tensors, names or
+            ``(name, tensor)`` pairs), each parameter in exactly one group
+            (``muond.default_param_groups(model)`` output works). A group that names no
+            optimizer is SGD, and an SGD group gets those defaults of lr, momentum and nesterov
             for those it leaves unset (and the keyword options below do not set).
         wire_dtype: the pseudo-gradients' dtype on the wire: "fp32" (default), "bf16", or
             block-quantized "int8" or "int4" (``muond/quantize.py``; over gRPC), with error
@@ -187,7 +191,8 @@ class DiLoCo:
             the keyword options) or "async" (with ``max_staleness``, ``staleness_scaling``), as
             ``RemoteOptimizer``'s. Asynchronous: each worker's pseudo-gradient is applied on
             arrival, and the outer SGD is delayed Nesterov (``nesterov_delay``, by default the
-            number of workers; docs/diloco.md, Asynchronous outer steps). Not with fragments > 1.
+            number of workers) with momentum ``ASYNC_OUTER_MOMENTUM`` (0.5) unless given
+            (docs/diloco.md, Asynchronous outer steps). Not with fragments > 1.
         fragments: F, the fragments the parameters are split into (Streaming DiLoCo): 1 to the
             number of trained parameters, and H must be a multiple of F. ``split_fragments``
             says which parameters form each fragment; ``fragment_names`` lists them.
@@ -283,7 +288,7 @@ class DiLoCo:
                       delay: Optional[int]) -> List[Dict[str, Any]]:
         """The outer groups over the global copies, each model parameter in exactly one."""
         if outer is None or (isinstance(outer, str) and outer.lower() in ("sgd", "nesterov")):
-            given: List[Mapping[str, Any]] = [{"params": list(self.names), **OUTER_SGD}]
+            given: List[Mapping[str, Any]] = [{"params": list(self.names)}]  # SGD, filled below
         elif isinstance(outer, str) and outer.lower() == "muon":
             given = muon_outer_groups(model)
         elif isinstance(outer, str):
@@ -336,12 +341,15 @@ class DiLoCo:
                       delay: Optional[int]) -> Dict[str, Any]:
         """``options`` with DiLoCo's outer SGD settings for what neither it nor the keyword
         options set, when the group is SGD (a group that names no optimizer is); asynchronously,
-        also ``nesterov_delay`` = ``delay`` (the number of workers)."""
+        also ``nesterov_delay`` = ``delay`` (the number of workers), and the momentum is
+        ``ASYNC_OUTER_MOMENTUM``."""
         named = [s for s in (options, kwargs) if "optimizer" in s or "use_muon" in s]
         if named and str(named[0].get("optimizer", "")).lower() != "sgd":
             return options
         filled = dict(options)
-        defaults = dict(OUTER_SGD, **({"nesterov_delay": delay} if delay is not None else {}))
+        defaults = dict(OUTER_SGD)
+        if delay is not None:
+            defaults.update(nesterov_delay=delay, momentum=ASYNC_OUTER_MOMENTUM)
         for key, value in defaults.items():
             if key not in options and key not in kwargs:
                 filled[key] = value

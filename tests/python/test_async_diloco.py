@@ -20,7 +20,9 @@ SEED = 71
 SIZES = (8, 16, 24)             # worker r's batch size
 SYNC_EVERY = (2, 5, 3)          # worker r's inner steps between two of its pushes
 INNER = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
-OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
+# The outer SGD asynchronous DiLoCo takes by default: DiLoCo's lr, and momentum 0.5 where
+# synchronous DiLoCo has 0.9 (docs/diloco.md, Asynchronous outer steps, Outer momentum).
+OUTER_LR, OUTER_MOMENTUM = 0.7, 0.5
 # The order in which the workers push: worker 1 (the slowest) pushes on bases 3 and 4 global steps
 # old, worker 0 (the fastest) on bases 0 to 2 old.
 ORDER = (0, 2, 0, 1, 0, 2, 0, 0, 1, 2, 0)
@@ -254,6 +256,26 @@ def test_a_push_too_stale_is_dropped_and_its_worker_takes_the_session_parameters
     assert_bitwise(globals_, want_globals, "global parameters")
     for r in range(3):
         assert_bitwise(locals_[r], want_locals[r], f"worker {r}'s parameters")
+
+
+def test_asynchronous_outer_sgd_defaults_to_momentum_one_half(endpoint):
+    """Asynchronously an outer SGD group's momentum defaults to 0.5 (0.9 in lock-step), with
+    nesterov_delay the number of workers; a momentum the caller gives is kept."""
+    assert muond.diloco.ASYNC_OUTER_MOMENTUM == OUTER_MOMENTUM
+    model = TinyNet(seed=SEED)
+    inner = torch.optim.AdamW(model.parameters())
+    common = dict(sync_every=4, endpoint=endpoint, world_size=2, rank=0)
+    for outer, sync_mode, want in ((None, "async", (0.7, 0.5, True, 2)),
+                                   ("sgd", "async", (0.7, 0.5, True, 2)),
+                                   ({"lr": 0.4}, "async", (0.4, 0.5, True, 2)),
+                                   ({"momentum": 0.9, "nesterov_delay": 3}, "async", (0.7, 0.9, True, 3)),
+                                   (None, "lockstep", (0.7, 0.9, True, 1))):
+        options = {"max_staleness": 4} if sync_mode == "async" else {}
+        with muond.DiLoCo(model, inner, outer=outer, sync_mode=sync_mode,
+                          session=f"defaults-{uuid.uuid4().hex[:8]}", **common, **options) as diloco:
+            (group,) = diloco.remote.param_groups
+            got = (group["lr"], group["momentum"], group["nesterov"], group.get("nesterov_delay", 1))
+            assert (group["optimizer"], *got) == ("sgd", *want), (outer, sync_mode)
 
 
 def test_what_asynchronous_diloco_refuses_is_named(endpoint):
