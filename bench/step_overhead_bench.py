@@ -5,8 +5,11 @@ parameters of --elements fp32 elements each (SGD, so that the daemon's compute i
 stepped --warmup times and then --steps timed times per transport. Printed, as medians: the floor
 (a GetServerInfo call on a channel of its own: one unary gRPC round trip on the same loopback,
 nothing in it), each transport's opt.step(), its ratio to the floor, and the part spent in the
-daemon's handler (muond_call_duration_seconds of Step or StepShared, a mean over the timed steps),
-the rest being the client's: the Python around the call and gRPC's own cost.
+daemon's handler (muond_call_duration_seconds of the call that carried the steps, a mean over the
+timed steps), the rest being the client's: the Python around the call and gRPC's own cost.
+
+"grpc" steps this small go in one StepWhole call (docs/protocol.md, Steps in one call);
+"grpc-stream" forces them onto the Step stream, as larger steps go, for the comparison.
 
 CUDA IPC steps take the same path as shared-memory ones on the client (a StepShared-like unary
 call, slot views, the step's answer), so the shm row bounds what its fixed cost can fall to.
@@ -46,11 +49,12 @@ def main():
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--tensors", type=int, default=8)
     parser.add_argument("--elements", type=int, default=64)
-    parser.add_argument("--transports", nargs="+", default=["grpc", "shm"])
+    parser.add_argument("--transports", nargs="+", default=["grpc-stream", "grpc", "shm"])
     args = parser.parse_args()
     sys.path[:0] = [str(REPO / "python"), str(REPO / "build" / "python")]
     import grpc  # noqa: E402
     import muond  # noqa: E402 - after the path is set
+    from muond.transport import grpc_transport  # noqa: E402
     from muond._stubs import pb, pb_grpc  # noqa: E402
 
     torch.manual_seed(0)
@@ -70,9 +74,12 @@ def main():
         channel.close()
         floor = statistics.median(floors)
         print(f"  floor (GetServerInfo round trip)   {floor * 1e3:7.3f} ms")
-        for transport in args.transports:
+        whole_step_bytes = grpc_transport.WHOLE_STEP_BYTES
+        for name in args.transports:
+            transport = "grpc" if name == "grpc-stream" else name
+            grpc_transport.WHOLE_STEP_BYTES = -1 if name == "grpc-stream" else whole_step_bytes
             with muond.RemoteOptimizer([{"params": params, "optimizer": "sgd", "lr": 1e-9}], endpoint=endpoint,
-                                       transport=transport, session=f"overhead-{transport}") as opt:
+                                       transport=transport, session=f"overhead-{name}") as opt:
                 for _ in range(args.warmup):
                     for p in params:
                         p.grad = torch.ones_like(p)
@@ -86,13 +93,15 @@ def main():
                     opt.step()
                     walls.append(time.perf_counter() - started)
                 after = handler_seconds(metrics_port)
-            method = "Step" if transport == "grpc" else "StepShared"
-            total = after[method][0] - before.get(method, (0.0, 0.0))[0]
-            count = after[method][1] - before.get(method, (0.0, 0.0))[1]
+            # The call that carried the timed steps: the method whose count grew the most.
+            grown = {m: (after[m][0] - before.get(m, (0.0, 0.0))[0], after[m][1] - before.get(m, (0.0, 0.0))[1])
+                     for m in after}
+            method = max(grown, key=lambda m: grown[m][1])
+            total, count = grown[method]
             wall = statistics.median(walls)
             handler = total / count if count else float("nan")
-            print(f"  {transport:<5} opt.step()                   {wall * 1e3:7.3f} ms = {wall / floor:5.2f} x the floor; "
-                  f"daemon's handler {handler * 1e3:6.3f} ms, the rest {(wall - handler) * 1e3:6.3f} ms")
+            print(f"  {name:<11} opt.step() {wall * 1e3:7.3f} ms = {wall / floor:5.2f} x the floor; "
+                  f"{method} handler {handler * 1e3:6.3f} ms, the rest {(wall - handler) * 1e3:6.3f} ms")
 
 
 if __name__ == "__main__":

@@ -35,10 +35,12 @@ import weakref
 from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from ._stubs import pb, pb_grpc
 from .errors import MuondError, translated
-from .transport.framing import parse_step_response, serialize_step_request
+from .transport.framing import (parse_step_response, serialize_step_request, whole_step_answers,
+                                whole_step_request)
 from .wire import ChunkAssembler, FramedChunk
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
@@ -181,6 +183,8 @@ class Connection:
         self._step = self._channel.stream_stream(
             "/muond.v1.Muond/Step", request_serializer=serialize_step_request,
             response_deserializer=parse_step_response)
+        # A whole step in one call (StepWhole): the same messages, framed by framing.py as bytes.
+        self._step_whole = self._channel.unary_unary("/muond.v1.Muond/StepWhole")
         self._closed = False
         _OPEN_CONNECTIONS.add(self)
 
@@ -331,27 +335,31 @@ class Connection:
             call = self._step(stream, timeout=self.timeout, metadata=self._metadata)
             try:
                 for response in call:
-                    if isinstance(response, FramedChunk):
-                        into.add(response)
-                    elif response.HasField("result"):
-                        result = response.result
-                        if on_result is not None:
-                            on_result(result)
-                    elif response.HasField("packed"):
-                        for chunk in response.packed.chunks:
-                            into.add(chunk)
-                    else:
-                        into.add(response.chunk)
+                    result = _take_answer(response, into, result, on_result)
             finally:
                 # An answer left unread (``into`` refused a chunk) ends here, not once the
                 # exception holding this frame is collected: the daemon stops sending it.
                 call.cancel()
             stream.finish(None)
-        if result is None:
-            raise MuondError(grpc.StatusCode.INTERNAL, "the daemon's step answer had no StepResult",
-                             "Step")
-        into.finish()
-        return result
+        return _finished(result, into, "Step")
+
+    def step_whole(self, header: pb.StepHeader, chunks: Iterable[bytes],
+                   into: ChunkAssembler) -> pb.StepResult:
+        """``step`` in one call (StepWhole, docs/protocol.md, Steps in one call): the same
+        messages sent at once and the same answer received at once, without a stream's threads;
+        for steps whose gradients and answer are small."""
+        request = whole_step_request([pb.StepRequest(header=header), *chunks])
+        with translated("StepWhole"):
+            answer = self._step_whole(request, timeout=self.timeout, metadata=self._metadata)
+        try:
+            responses = list(whole_step_answers(answer))
+        except (ValueError, DecodeError) as err:
+            raise MuondError(grpc.StatusCode.INTERNAL, f"the daemon's StepWhole answer is not a "
+                             f"StepAnswers encoding: {err}", "StepWhole") from None
+        result = None
+        for response in responses:
+            result = _take_answer(response, into, result, None)
+        return _finished(result, into, "StepWhole")
 
     def grant_shared_memory(self, info: "pb.ServerInfo") -> str:
         """A one-time grant that a connection to the daemon's shared-memory socket presents before
@@ -486,6 +494,31 @@ class Connection:
         with _RequestStream(requests()) as stream, translated("SetState"):
             return stream.finish(self._stub.SetState(
                 stream, timeout=self.timeout, metadata=self._metadata)).last_step
+
+
+def _take_answer(response, into: ChunkAssembler, result: Optional[pb.StepResult],
+                 on_result: Optional[Callable[[pb.StepResult], None]]) -> Optional[pb.StepResult]:
+    """One message of a step's answer: the StepResult (returned, and handed to ``on_result``), or
+    parameter chunks for ``into``; returns the StepResult seen so far."""
+    if isinstance(response, FramedChunk):
+        into.add(response)
+    elif response.HasField("result"):
+        result = response.result
+        if on_result is not None:
+            on_result(result)
+    elif response.HasField("packed"):
+        for chunk in response.packed.chunks:
+            into.add(chunk)
+    else:
+        into.add(response.chunk)
+    return result
+
+
+def _finished(result: Optional[pb.StepResult], into: ChunkAssembler, rpc: str) -> pb.StepResult:
+    if result is None:
+        raise MuondError(grpc.StatusCode.INTERNAL, "the daemon's step answer had no StepResult", rpc)
+    into.finish()
+    return result
 
 
 class _RequestStream:

@@ -48,7 +48,8 @@ grpc::Status CallScope::Finish(const absl::Status& status) {
   if (!status.ok()) {
     // Every refusal is logged once, here. Steps are the daemon's bulk traffic, so theirs are debug
     // lines; errors of the daemon itself are logged where they happen.
-    const spdlog::level::level_enum level = method_ == "Step" ? spdlog::level::debug : spdlog::level::info;
+    const spdlog::level::level_enum level =
+        method_ == "Step" || method_ == "StepWhole" ? spdlog::level::debug : spdlog::level::info;
     spdlog::log(level, "{} from {} refused: {}", method_, context_->peer(), Echo(status.ToString(), 4096));
   }
   return ToGrpcStatus(status);

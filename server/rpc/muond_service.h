@@ -27,6 +27,7 @@
 #include "server/security/token_table.h"
 #include "server/session/session_registry.h"
 #include "server/transport/cuda_ipc/cuda_memory_regions.h"
+#include "server/transport/grpc/grpc_step_stream.h"
 #include "server/transport/nccl/nccl_channels.h"
 #include "server/transport/shm/shared_memory_regions.h"
 
@@ -81,6 +82,9 @@ class MuondService final : public v1::Muond::Service {
                                 v1::UploadParametersResponse*) override;
   // Step, over byte buffers (StepRequest in, StepResponse out).
   grpc::Status StepOverByteBuffers(grpc::ServerContext*, grpc::ServerReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>*);
+  // StepWhole, over byte buffers (one StepMessages in, one StepAnswers out): the same step as Step's.
+  grpc::Status StepWholeOverByteBuffers(grpc::ServerContext*,
+                                        grpc::ServerReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>*);
   grpc::Status GetParameters(grpc::ServerContext*, const v1::GetParametersRequest*,
                              grpc::ServerWriter<v1::GetParametersResponse>*) override;
   grpc::Status GetState(grpc::ServerContext*, const v1::GetStateRequest*,
@@ -111,10 +115,10 @@ class MuondService final : public v1::Muond::Service {
  private:
   absl::Status DoUpload(const std::string& caller, grpc::ServerReader<v1::UploadParametersRequest>* reader,
                         v1::UploadParametersResponse* response);
-  // Replaces the generated Step handler with one over byte buffers (StepOverByteBuffers).
+  // Replaces the generated Step and StepWhole handlers with ones over byte buffers (StepOverByteBuffers,
+  // StepWholeOverByteBuffers).
   void ServeStepOverByteBuffers();
-  absl::Status DoStep(const std::string& caller, grpc::ServerContext* context,
-                      grpc::ServerReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>* stream);
+  absl::Status DoStep(const std::string& caller, grpc::ServerContext* context, transport::StepStream* stream);
   absl::Status DoGetParameters(const std::string& caller, grpc::ServerContext* context,
                                const v1::GetParametersRequest& request,
                                grpc::ServerWriter<v1::GetParametersResponse>* writer);

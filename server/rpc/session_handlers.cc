@@ -31,6 +31,7 @@ grpc::Status MuondService::GetServerInfo(grpc::ServerContext* context, const v1:
     info->set_max_chunk_bytes(options_.max_chunk_bytes);
     info->set_streamed_steps(true);
     info->set_packed_chunks(true);
+    info->set_whole_steps(true);
     info->set_max_message_bytes(options_.max_message_bytes);
     for (const std::string& name : optim::OptimizerNames()) info->add_optimizers(name);
     for (const std::string& name : optim::NamedScheduleNames()) info->add_ns_coefficient_sets(name);

@@ -1,4 +1,5 @@
-// MuondService's tensor streams: UploadParameters, Step and GetParameters.
+// MuondService's tensor streams: UploadParameters, Step (and StepWhole, a step in one call) and
+// GetParameters.
 #include "absl/strings/str_cat.h"
 #include "common/echo.h"
 #include "common/logging.h"
@@ -12,6 +13,7 @@
 #include "server/transport/grpc/chunk_stream.h"
 #include "server/transport/grpc/grpc_step_stream.h"
 #include "server/transport/grpc/tensor_assembler.h"
+#include "server/transport/grpc/whole_step.h"
 #include "server/transport/step_transport.h"
 
 namespace muond::rpc {
@@ -72,16 +74,23 @@ absl::Status MuondService::DoUpload(const std::string& caller, grpc::ServerReade
 }
 
 void MuondService::ServeStepOverByteBuffers() {
-  // The generated service registers its methods in the order of the proto's service definition.
+  // The generated service registers its methods in the order of the proto's service definition. A
+  // unary method marked streamed is served as a stream of one read and one write (StepWhole).
   const google::protobuf::ServiceDescriptor* descriptor =
       google::protobuf::DescriptorPool::generated_pool()->FindServiceByName("muond.v1.Muond");
-  const int index = descriptor->FindMethodByName("Step")->index();
-  MarkMethodStreamed(index, new grpc::internal::BidiStreamingHandler<MuondService, grpc::ByteBuffer, grpc::ByteBuffer>(
-                                [](MuondService* service, grpc::ServerContext* context,
-                                   grpc::ServerReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>* stream) {
-                                  return service->StepOverByteBuffers(context, stream);
-                                },
-                                this));
+  using ByteBufferStream = grpc::ServerReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>;
+  MarkMethodStreamed(descriptor->FindMethodByName("Step")->index(),
+                     new grpc::internal::BidiStreamingHandler<MuondService, grpc::ByteBuffer, grpc::ByteBuffer>(
+                         [](MuondService* service, grpc::ServerContext* context, ByteBufferStream* stream) {
+                           return service->StepOverByteBuffers(context, stream);
+                         },
+                         this));
+  MarkMethodStreamed(descriptor->FindMethodByName("StepWhole")->index(),
+                     new grpc::internal::BidiStreamingHandler<MuondService, grpc::ByteBuffer, grpc::ByteBuffer>(
+                         [](MuondService* service, grpc::ServerContext* context, ByteBufferStream* stream) {
+                           return service->StepWholeOverByteBuffers(context, stream);
+                         },
+                         this));
 }
 
 grpc::Status MuondService::StepOverByteBuffers(grpc::ServerContext* context,
@@ -89,8 +98,21 @@ grpc::Status MuondService::StepOverByteBuffers(grpc::ServerContext* context,
   return Serve(calls_, context, "Step", [&](const std::string& caller) { return DoStep(caller, context, stream); });
 }
 
+grpc::Status MuondService::StepWholeOverByteBuffers(
+    grpc::ServerContext* context, grpc::ServerReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>* stream) {
+  return Serve(calls_, context, "StepWhole", [&](const std::string& caller) -> absl::Status {
+    grpc::ByteBuffer request;
+    if (!stream->Read(&request)) return absl::CancelledError("the client went away");
+    MUOND_ASSIGN_OR_RETURN(std::vector<grpc::ByteBuffer> messages, transport::ReadWholeStep(request));
+    transport::WholeStepStream whole(std::move(messages));
+    MUOND_RETURN_IF_ERROR(DoStep(caller, context, &whole));
+    if (!stream->Write(whole.Answer())) return absl::CancelledError("the client went away");
+    return absl::OkStatus();
+  });
+}
+
 absl::Status MuondService::DoStep(const std::string& caller, grpc::ServerContext* context,
-                                  grpc::ServerReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>* stream) {
+                                  transport::StepStream* stream) {
   MUOND_ASSIGN_OR_RETURN(const v1::StepHeader header, transport::ReadStepHeader(stream));
   MUOND_RETURN_IF_ERROR(session::CheckSessionId(header.session_id(), "header.session_id"));
   MUOND_ASSIGN_OR_RETURN(std::shared_ptr<session::Session> session,

@@ -306,47 +306,36 @@ class ClientStream final : public Stream {
   bool foreign_chunk_ = false;
 };
 
-class StepStream final : public Stream {
+// What a step call did, checked against the rules: a step on a Step stream or in one StepWhole call.
+class StepCheck {
  public:
-  StepStream() : before_(Take(*TheDaemon().registry)), stream_(TheDaemon().stub->Step(&context_)) {}
+  StepCheck() : before_(Take(*TheDaemon().registry)) {}
 
-  void Write(absl::string_view payload) override {
-    std::optional<v1::StepRequest> request = Parse<v1::StepRequest>(payload);
-    if (!request) return;
-    if (!wrote_any_ && request->has_header()) header_ = request->header();
-    if (request->has_chunk() && ForeignChunk(request->chunk())) foreign_chunk_ = true;
-    wrote_any_ = true;
-    if (open_) open_ = stream_->Write(*request);
+  // Notes one request message of the step, in order.
+  void Note(const v1::StepRequest& request) {
+    if (!noted_any_ && request.has_header()) header_ = request.header();
+    if (request.has_chunk() && ForeignChunk(request.chunk())) foreign_chunk_ = true;
+    noted_any_ = true;
   }
 
-  void End(bool cancel) override {
-    if (cancel) {
-      context_.TryCancel();
-    } else {
-      stream_->WritesDone();
-    }
-    std::optional<v1::StepResult> result;
-    v1::StepResponse response;
-    while (stream_->Read(&response)) {
-      if (response.has_result()) result = response.result();
-    }
-    const grpc::Status status = stream_->Finish();
-    Trace("Step", status,
+  void Finish(const char* name, const grpc::Status& status, const std::optional<v1::StepResult>& result,
+              bool cancelled) const {
+    Trace(name, status,
           result ? absl::StrCat(" step ", result->step(), result->applied() ? " applied" : " skipped",
                                 result->replayed() ? " (replay)" : "")
-                 : std::string(cancel ? " (cancelled by the client)" : ""));
-    CheckInvariants("Step");
+                 : std::string(cancelled ? " (cancelled by the client)" : ""));
+    CheckInvariants(name);
     if (status.error_code() == grpc::StatusCode::CANCELLED) return;
-    if (!status.ok()) return ExpectState(before_, "a refused Step", status);
-    if (!result) Fail("Step succeeded without a result");
-    if (result->replayed()) return ExpectState(before_, "a replayed Step", status);
+    if (!status.ok()) return ExpectState(before_, absl::StrCat("a refused ", name), status);
+    if (!result) Fail(absl::StrCat(name, " succeeded without a result"));
+    if (result->replayed()) return ExpectState(before_, absl::StrCat("a replayed ", name), status);
     CheckAcceptedStep(*result);
     if (!result->applied()) {  // skipped: the counter moves, nothing else
       Fingerprint expected = before_;
       auto it = expected.find(header_.session_id());
       if (it == expected.end()) Fail("a step was skipped in a session that did not exist");
       it->second.last_step = result->step();
-      ExpectState(expected, "a skipped Step", status);
+      ExpectState(expected, absl::StrCat("a skipped ", name), status);
     }
   }
 
@@ -375,13 +364,60 @@ class StepStream final : public Stream {
   }
 
   Fingerprint before_;
-  grpc::ClientContext context_;
-  std::unique_ptr<grpc::ClientReaderWriter<v1::StepRequest, v1::StepResponse>> stream_;
   v1::StepHeader header_;
-  bool wrote_any_ = false;
-  bool open_ = true;
+  bool noted_any_ = false;
   bool foreign_chunk_ = false;
 };
+
+class StepStream final : public Stream {
+ public:
+  StepStream() : stream_(TheDaemon().stub->Step(&context_)) {}
+
+  void Write(absl::string_view payload) override {
+    std::optional<v1::StepRequest> request = Parse<v1::StepRequest>(payload);
+    if (!request) return;
+    check_.Note(*request);
+    if (open_) open_ = stream_->Write(*request);
+  }
+
+  void End(bool cancel) override {
+    if (cancel) {
+      context_.TryCancel();
+    } else {
+      stream_->WritesDone();
+    }
+    std::optional<v1::StepResult> result;
+    v1::StepResponse response;
+    while (stream_->Read(&response)) {
+      if (response.has_result()) result = response.result();
+    }
+    const grpc::Status status = stream_->Finish();
+    check_.Finish("Step", status, result, cancel);
+  }
+
+ private:
+  StepCheck check_;  // first: it takes the state before the stream opens
+  grpc::ClientContext context_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::StepRequest, v1::StepResponse>> stream_;
+  bool open_ = true;
+};
+
+// A whole step in one call: the payload is a StepMessages.
+void StepWhole(absl::string_view payload) {
+  std::optional<v1::StepMessages> request = Parse<v1::StepMessages>(payload);
+  if (!request || request->messages_size() > kMaxMessages) return;
+  StepCheck check;
+  for (const v1::StepRequest& message : request->messages()) check.Note(message);
+  grpc::ClientContext context;
+  v1::StepAnswers answers;
+  const grpc::Status status = TheDaemon().stub->StepWhole(&context, *request, &answers);
+  std::optional<v1::StepResult> result;
+  for (const v1::StepResponse& answer : answers.messages()) {
+    if (answer.has_result()) result = answer.result();
+  }
+  TheDaemon().in_flight->WaitIdle();
+  check.Finish("StepWhole", status, result, /*cancelled=*/false);
+}
 
 // Server-streaming reads: GetParameters, GetState. They must never change anything.
 template <typename Request, typename Response, typename Open>
@@ -487,6 +523,9 @@ void RunScript(const uint8_t* data, size_t size) {
         break;
       case Op::kBeginStep:
         stream = std::make_unique<StepStream>();
+        break;
+      case Op::kStepWhole:
+        StepWhole(record->payload);
         break;
       case Op::kGetParameters:
         ReadAll<v1::GetParametersRequest, v1::GetParametersResponse>(

@@ -37,6 +37,7 @@ enum class Op : uint8_t {
   kFinish,             // half-closes the open stream and reads the answer
   kCheckpoint,         // payload: CheckpointRequest
   kGetStateDigest,     // payload: GetStateDigestRequest
+  kStepWhole,          // payload: StepMessages (a whole step in one call)
   kNumOps,
 };
 

@@ -2,7 +2,8 @@
 // the only argument. Generated from the current protobuf messages so the seeds never drift from the
 // API. Each script is a plausible client session (create, upload, steps in every dtype, state
 // transfer, QK-clip, the option vocabulary) or a typical mistake (a step before the upload, a gap in
-// the chunks, a non-finite gradient, a conflicting attach, a cancelled stream, an oversized chunk),
+// the chunks, a non-finite gradient, a conflicting attach, a cancelled stream, an oversized chunk)
+// or whole steps in one call,
 // from which the fuzzer's mutations start.
 #include <algorithm>
 #include <cmath>
@@ -507,6 +508,42 @@ std::string Hostile() {
   return w.bytes();
 }
 
+// The header and `chunks` as one StepWhole call (a whole step in one call).
+void RawWholeStep(ScriptWriter& w, const v1::StepHeader& header, const std::vector<v1::TensorChunk>& chunks) {
+  v1::StepMessages messages;
+  v1::StepHeader* first = messages.add_messages()->mutable_header();
+  *first = header;
+  first->set_num_chunks(static_cast<uint32_t>(chunks.size()));
+  for (const v1::TensorChunk& chunk : chunks) *messages.add_messages()->mutable_chunk() = chunk;
+  w.Add(Op::kStepWhole, messages);
+}
+
+// Whole steps: two in order, a resend, one that leaves a parameter out, and one announcing a chunk
+// more than it carries.
+std::string Whole() {
+  ScriptWriter w;
+  const v1::SessionSpec spec = SmallSpec();
+  Create(w, "w1", spec);
+  Upload(w, "w1", spec);
+  for (int64_t step : {1, 2, 2}) {
+    std::vector<v1::TensorChunk> chunks;
+    for (const v1::ParameterSpec& p : spec.parameters()) {
+      for (v1::TensorChunk& chunk : Chunks(p, 2.0f + step, v1::DTYPE_FP32, 16)) chunks.push_back(std::move(chunk));
+    }
+    RawWholeStep(w, Header("w1", step), chunks);
+  }
+  std::vector<v1::TensorChunk> only_w = Chunks(spec.parameters(0), 0.5f, v1::DTYPE_BF16, 8);
+  RawWholeStep(w, Header("w1", 3), only_w);
+  v1::StepHeader short_header = Header("w1", 4);
+  v1::StepMessages short_step;
+  *short_step.add_messages()->mutable_header() = short_header;
+  short_step.mutable_messages(0)->mutable_header()->set_num_chunks(static_cast<uint32_t>(only_w.size() + 1));
+  for (const v1::TensorChunk& chunk : only_w) *short_step.add_messages()->mutable_chunk() = chunk;
+  w.Add(Op::kStepWhole, short_step);
+  Reads(w, "w1");
+  return w.bytes();
+}
+
 }  // namespace
 }  // namespace muond::fuzz
 
@@ -520,6 +557,7 @@ int main(int argc, char** argv) {
   const std::pair<const char*, std::string> seeds[] = {
       {"train", muond::fuzz::Train()},     {"state", muond::fuzz::State()},       {"shapes", muond::fuzz::Shapes()},
       {"options", muond::fuzz::Options()}, {"mistakes", muond::fuzz::Mistakes()}, {"hostile", muond::fuzz::Hostile()},
+      {"whole", muond::fuzz::Whole()},
   };
   for (const auto& [name, bytes] : seeds) {
     std::ofstream out(dir / name, std::ios::binary | std::ios::trunc);

@@ -165,6 +165,8 @@ def test_sessions_belong_to_their_token(start_daemon, tmp_path):
         "GetState": lambda: bob.get_state(session, ChunkAssembler(sizes)),
         "Step": lambda: bob.step(pb.StepHeader(session_id=session, step=3), [],
                                  ChunkAssembler(sizes)),
+        "StepWhole": lambda: bob.step_whole(pb.StepHeader(session_id=session, step=3), [],
+                                            ChunkAssembler(sizes)),
         "Checkpoint": lambda: bob.checkpoint(session),
         "GetStateDigest": lambda: bob.state_digest(session),
         "CloseSession": lambda: bob.close_session(session),

@@ -9,12 +9,13 @@ is a view of the received bytes (``wire.FramedChunk``), decoded once, straight i
 The bytes on the wire are exactly the protobuf encoding of ``StepRequest`` and ``StepResponse``.
 
 ``parse_step_response`` takes the fast path only for the plain encoding of one chunk; any other
-message is parsed by protobuf. Pure functions.
+message is parsed by protobuf. ``whole_step_request`` and ``whole_step_answers`` carry the same
+messages in one ``StepMessages`` and one ``StepAnswers`` (StepWhole). Pure functions.
 """
 
 from __future__ import annotations
 
-from typing import Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -27,6 +28,7 @@ _DATA_TAG = (4 << 3) | 2   # TensorChunk.data
 _DATA_FIELD = 4
 _PACKED_TAG = (4 << 3) | 2         # StepRequest.packed, length-delimited
 _PACKED_CHUNKS_TAG = (1 << 3) | 2  # PackedChunks.chunks
+_MESSAGES_TAG = (1 << 3) | 2  # StepMessages.messages / StepAnswers.messages (StepWhole)
 
 
 def _varint(value: int) -> bytes:
@@ -136,6 +138,35 @@ def parse_step_response(data: bytes) -> Union[pb.StepResponse, FramedChunk]:
     """The response deserializer of the Step stream."""
     framed = _parse_chunk(memoryview(data))
     return framed if framed is not None else pb.StepResponse.FromString(data)
+
+
+def whole_step_request(messages: Iterable[Union[bytes, pb.StepRequest]]) -> bytes:
+    """The encoding of ``StepMessages{messages}`` (StepWhole's request): each message as the Step
+    stream would send it (``serialize_step_request``), framed as one entry of the repeated field."""
+    parts: List[bytes] = []
+    for message in messages:
+        data = serialize_step_request(message)
+        parts += [bytes((_MESSAGES_TAG,)), _varint(len(data)), data]
+    return b"".join(parts)
+
+
+def whole_step_answers(data: bytes) -> Iterator[Union[pb.StepResponse, FramedChunk]]:
+    """The messages of a ``StepAnswers`` encoding (StepWhole's answer), each parsed as the Step
+    stream's (``parse_step_response``; a chunk's payload stays a view of ``data``). ValueError for
+    anything but entries of its repeated field."""
+    view = memoryview(data)
+    pos = 0
+    while pos < len(view):
+        tag, pos = _read_varint(view, pos)
+        if tag != _MESSAGES_TAG:
+            raise ValueError(f"field {tag >> 3} of wire type {tag & 7} at byte {pos}")
+        length, pos = _read_varint(view, pos)
+        if pos + length > len(view):
+            raise ValueError(f"an entry of {length} bytes at byte {pos} runs past the end")
+        entry = view[pos:pos + length]
+        framed = _parse_chunk(entry)
+        yield framed if framed is not None else pb.StepResponse.FromString(entry.tobytes())
+        pos += length
 
 
 def _parse_chunk(view: memoryview) -> Optional[FramedChunk]:

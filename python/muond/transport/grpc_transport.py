@@ -3,6 +3,8 @@
 The gradients go as framed chunks (``framing.py``) in the wire dtype, after a header announcing
 their number (so that the daemon tells a stream cut short from a whole one); the answer's chunks are
 decoded straight into the parameter tensors (``wire.ChunkAssembler`` with ``into=``).
+A step whose gradients and answer are small (``WHOLE_STEP_BYTES`` each) sends the same messages in
+one ``StepWhole`` call instead, when the daemon offers it (``ServerInfo.whole_steps``).
 
 A streamed try (``GrpcStreamedTry``) opens the stream with a header marked ``streamed`` at the first
 gradient and sends each gradient's chunks while backward goes on; the count and the step's options
@@ -27,6 +29,12 @@ from ..errors import MuondError
 from . import framing
 from .base import Facts, Grads, StepTransport, TransportContext
 from .streamed import Landing, StreamedTry, check_identity, end_of, identity_of
+
+
+# A step whose gradients and answer each carry at most this much payload goes in one StepWhole call
+# rather than on a Step stream: a stream costs a fixed ~1 ms more (the client's request and channel
+# threads, the daemon's reads and writes one message at a time), which only larger steps amortize.
+WHOLE_STEP_BYTES = 1 << 20
 
 
 class GrpcTransport(StepTransport):
@@ -58,12 +66,23 @@ class GrpcTransport(StepTransport):
         header.packed_answer = pack
         header.answer_order[:] = self.answer_order()
         into = wire.ChunkAssembler(ctx.sizes, ctx.return_dtype, into=out or ctx.by_name)
+        run = ctx.conn.step_whole if self._whole(grads) else ctx.conn.step
         try:
-            return ctx.conn.step(header, messages, into), {}  # written in place
+            return run(header, messages, into), {}  # written in place
         except MuondError as err:
             if err.code == grpc.StatusCode.UNAVAILABLE:
                 self._offer = None  # a restarted daemon may offer something else
             raise
+
+    def _whole(self, grads: Grads) -> bool:
+        """Whether the step goes in one call (StepWhole): the daemon offers it, and the gradients
+        and the answer are each at most ``WHOLE_STEP_BYTES`` of payload."""
+        if not self.offer().whole_steps:
+            return False
+        ctx = self.ctx
+        sent = sum(wire.payload_bytes(g.numel(), ctx.wire_dtype) for _, g in grads)
+        answered = sum(ctx.sizes.values()) * wire.itemsize(ctx.return_dtype)
+        return max(sent, answered) <= WHOLE_STEP_BYTES
 
     def offer(self) -> pb.ServerInfo:
         """The daemon's ServerInfo (packed chunks, streamed steps), asked once, and again after a
