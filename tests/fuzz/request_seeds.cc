@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <span>
 #include <string>
 #include <utility>
@@ -134,15 +135,21 @@ void RawStep(ScriptWriter& w, const v1::StepHeader& header, const std::vector<v1
   w.Add(Op::kFinish);
 }
 
-// A step stream with a gradient for every parameter, or for those in `only` when it is not empty.
-void Step(ScriptWriter& w, const v1::SessionSpec& spec, const v1::StepHeader& header, v1::DType dtype = v1::DTYPE_FP32,
-          int64_t per_chunk = 16, const std::vector<std::string>& only = {}) {
+// Step `step`'s gradient chunks for every parameter, or for those in `only` when it is not empty.
+std::vector<v1::TensorChunk> StepChunks(const v1::SessionSpec& spec, int64_t step, v1::DType dtype, int64_t per_chunk,
+                                        const std::vector<std::string>& only = {}) {
   std::vector<v1::TensorChunk> chunks;
   for (const v1::ParameterSpec& p : spec.parameters()) {
     if (!only.empty() && std::find(only.begin(), only.end(), p.name()) == only.end()) continue;
-    for (v1::TensorChunk& chunk : Chunks(p, 2.0f + header.step(), dtype, per_chunk)) chunks.push_back(std::move(chunk));
+    for (v1::TensorChunk& chunk : Chunks(p, 2.0f + step, dtype, per_chunk)) chunks.push_back(std::move(chunk));
   }
-  RawStep(w, header, chunks);
+  return chunks;
+}
+
+// A step stream with a gradient for every parameter, or for those in `only` when it is not empty.
+void Step(ScriptWriter& w, const v1::SessionSpec& spec, const v1::StepHeader& header, v1::DType dtype = v1::DTYPE_FP32,
+          int64_t per_chunk = 16, const std::vector<std::string>& only = {}) {
+  RawStep(w, header, StepChunks(spec, header.step(), dtype, per_chunk, only));
 }
 
 void Reads(ScriptWriter& w, const std::string& id) {
@@ -509,11 +516,13 @@ std::string Hostile() {
 }
 
 // The header and `chunks` as one StepWhole call (a whole step in one call).
-void RawWholeStep(ScriptWriter& w, const v1::StepHeader& header, const std::vector<v1::TensorChunk>& chunks) {
+// `announced`: the header's num_chunks, when it is to differ from the chunks sent.
+void RawWholeStep(ScriptWriter& w, const v1::StepHeader& header, const std::vector<v1::TensorChunk>& chunks,
+                  std::optional<uint32_t> announced = std::nullopt) {
   v1::StepMessages messages;
   v1::StepHeader* first = messages.add_messages()->mutable_header();
   *first = header;
-  first->set_num_chunks(static_cast<uint32_t>(chunks.size()));
+  first->set_num_chunks(announced.value_or(static_cast<uint32_t>(chunks.size())));
   for (const v1::TensorChunk& chunk : chunks) *messages.add_messages()->mutable_chunk() = chunk;
   w.Add(Op::kStepWhole, messages);
 }
@@ -525,21 +534,10 @@ std::string Whole() {
   const v1::SessionSpec spec = SmallSpec();
   Create(w, "w1", spec);
   Upload(w, "w1", spec);
-  for (int64_t step : {1, 2, 2}) {
-    std::vector<v1::TensorChunk> chunks;
-    for (const v1::ParameterSpec& p : spec.parameters()) {
-      for (v1::TensorChunk& chunk : Chunks(p, 2.0f + step, v1::DTYPE_FP32, 16)) chunks.push_back(std::move(chunk));
-    }
-    RawWholeStep(w, Header("w1", step), chunks);
-  }
+  for (int64_t step : {1, 2, 2}) RawWholeStep(w, Header("w1", step), StepChunks(spec, step, v1::DTYPE_FP32, 16));
   std::vector<v1::TensorChunk> only_w = Chunks(spec.parameters(0), 0.5f, v1::DTYPE_BF16, 8);
   RawWholeStep(w, Header("w1", 3), only_w);
-  v1::StepHeader short_header = Header("w1", 4);
-  v1::StepMessages short_step;
-  *short_step.add_messages()->mutable_header() = short_header;
-  short_step.mutable_messages(0)->mutable_header()->set_num_chunks(static_cast<uint32_t>(only_w.size() + 1));
-  for (const v1::TensorChunk& chunk : only_w) *short_step.add_messages()->mutable_chunk() = chunk;
-  w.Add(Op::kStepWhole, short_step);
+  RawWholeStep(w, Header("w1", 4), only_w, static_cast<uint32_t>(only_w.size() + 1));
   Reads(w, "w1");
   return w.bytes();
 }

@@ -65,15 +65,20 @@ def test_small_steps_go_whole_and_equal_streamed_ones(endpoint, monkeypatch):
     assert_bitwise(whole, streamed, "parameters after whole and streamed steps")
 
 
+def step_messages(session_id, number, pack=False):
+    """Step ``number``'s header and messages: a gradient of 0.5 for every parameter."""
+    grads = [(name, torch.full((size,), 0.5)) for name, size in SIZES.items()]
+    header = pb.StepHeader(session_id=session_id, step=number, packed_answer=pack)
+    header.num_chunks, messages = framing.step_messages(grads, "fp32", 1 << 20, pack)
+    return header, list(messages)
+
+
 def test_a_resent_whole_step_is_answered_from_the_record(endpoint):
     conn = Connection(endpoint)
     opened(conn, "py-whole-resent")
     answers = []
     for _ in range(2):
-        grads = [(name, torch.full((size,), 0.5)) for name, size in SIZES.items()]
-        header = pb.StepHeader(session_id="py-whole-resent", step=1)
-        header.num_chunks, messages = framing.step_messages(grads, "fp32", 1 << 20, True)
-        header.packed_answer = True
+        header, messages = step_messages("py-whole-resent", 1, pack=True)
         into = muond.wire.ChunkAssembler(SIZES)
         answers.append((conn.step_whole(header, messages, into), into.tensors()))
     (first, first_values), (again, again_values) = answers
@@ -111,10 +116,8 @@ def test_a_request_that_is_not_step_messages_is_refused_naming_it(endpoint, requ
 def test_a_whole_step_missing_a_chunk_applies_nothing(endpoint):
     conn = Connection(endpoint)
     opened(conn, "py-whole-short")
-    grads = [(name, torch.full((size,), 0.5)) for name, size in SIZES.items()]
-    header = pb.StepHeader(session_id="py-whole-short", step=1)
-    header.num_chunks, messages = framing.step_messages(grads, "fp32", 1 << 20, False)
-    messages = list(messages)[:-1]  # three announced, two sent
+    header, messages = step_messages("py-whole-short", 1)
+    messages = messages[:-1]  # three announced, two sent
     with pytest.raises(muond.MuondError, match=r"header\.num_chunks: the stream ended after 2 of 3 "
                                                r"announced chunks; the step was not applied"):
         raw_whole(conn, framing.whole_step_request([pb.StepRequest(header=header), *messages]))
@@ -126,9 +129,7 @@ def test_a_whole_step_missing_a_chunk_applies_nothing(endpoint):
 def test_the_answer_framing_is_checked(endpoint):
     conn = Connection(endpoint)
     opened(conn, "py-whole-framing")
-    grads = [(name, torch.full((size,), 0.5)) for name, size in SIZES.items()]
-    header = pb.StepHeader(session_id="py-whole-framing", step=1)
-    header.num_chunks, messages = framing.step_messages(grads, "fp32", 1 << 20, False)
+    header, messages = step_messages("py-whole-framing", 1)
     answer = raw_whole(conn, framing.whole_step_request([pb.StepRequest(header=header), *messages]))
     parsed = list(framing.whole_step_answers(answer))
     assert parsed[0].HasField("result") and parsed[0].result.step == 1
