@@ -134,10 +134,10 @@ def serialize_step_request(message: Union[bytes, pb.StepRequest]) -> bytes:
     return message if isinstance(message, bytes) else message.SerializeToString()
 
 
-def parse_step_response(data: bytes) -> Union[pb.StepResponse, FramedChunk]:
-    """The response deserializer of the Step stream."""
+def parse_step_response(data: Union[bytes, memoryview]) -> Union[pb.StepResponse, FramedChunk]:
+    """The response deserializer of the Step stream (and of each StepWhole answer message)."""
     framed = _parse_chunk(memoryview(data))
-    return framed if framed is not None else pb.StepResponse.FromString(data)
+    return framed if framed is not None else pb.StepResponse.FromString(bytes(data))
 
 
 def whole_step_request(messages: Iterable[Union[bytes, pb.StepRequest]]) -> bytes:
@@ -163,9 +163,7 @@ def whole_step_answers(data: bytes) -> Iterator[Union[pb.StepResponse, FramedChu
         length, pos = _read_varint(view, pos)
         if pos + length > len(view):
             raise ValueError(f"an entry of {length} bytes at byte {pos} runs past the end")
-        entry = view[pos:pos + length]
-        framed = _parse_chunk(entry)
-        yield framed if framed is not None else pb.StepResponse.FromString(entry.tobytes())
+        yield parse_step_response(view[pos:pos + length])
         pos += length
 
 
