@@ -10,11 +10,17 @@
 // the median of the reps.
 // Targets (README, Transports): grpc ≥ 0.7× tcp, shm ≥ 0.5× memcpy.
 //
+// A second table gives the fixed cost of a small step (--small-tensors: steps of that many tensors
+// of 64 fp32 elements, SGD): the median wall milliseconds of a step over gRPC in one StepWhole call,
+// over a Step stream (ClientOptions::whole_step_bytes 0) and over shared memory, each beside the
+// floor, a GetServerInfo round trip on the same channel.
+//
 // Wall time on a shared virtual machine moves a lot between runs; the CPU time an exchange costs
 // does not. With --daemon-pid, a second table gives the CPU milliseconds per exchange: this
 // process (both ends of the TCP echo; the client of the steps) plus the daemon.
 //
 //   transport_bench --endpoint HOST:PORT [--sizes-mb 8 32 128 512] [--reps 5] [--daemon-pid PID]
+//                   [--small-tensors 8 64] [--small-reps 500]
 // (bench/run_transport_bench.sh starts the daemon and runs this.)
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -203,6 +209,81 @@ Timing StepExchange(const std::string& endpoint, const std::string& transport, s
   return {Median(times), cpu};
 }
 
+// Median wall seconds of a GetServerInfo round trip: the least a call costs on this channel.
+double InfoFloor(const std::string& endpoint, int reps) {
+  muond::client::ClientOptions options;
+  options.endpoint = endpoint;
+  auto client = muond::client::Client::Connect(options);
+  if (!client.ok()) return 0;
+  std::vector<double> times;
+  for (int r = 0; r < reps + 20; ++r) {
+    const double start = Now();
+    if (!(*client)->GetServerInfo().ok()) return 0;
+    if (r >= 20) times.push_back(Now() - start);
+  }
+  return Median(times);
+}
+
+// Median wall seconds of a step of `count` tensors of 64 fp32 elements (SGD) over `transport`, with
+// whole steps up to `whole_step_bytes` (0: every step on a stream).
+double SmallStep(const std::string& endpoint, const std::string& transport, size_t whole_step_bytes, int count,
+                 int reps) {
+  muond::client::ClientOptions options;
+  options.endpoint = endpoint;
+  options.transport = transport;
+  options.whole_step_bytes = whole_step_bytes;
+  auto client = muond::client::Client::Connect(options);
+  if (!client.ok()) {
+    std::fprintf(stderr, "%s: %s\n", transport.c_str(), client.status().ToString().c_str());
+    return 0;
+  }
+  constexpr int64_t kElements = 64;
+  muond::v1::SessionSpec spec;
+  auto* group = spec.add_groups();
+  group->set_name("sgd");
+  group->mutable_options()->set_optimizer(muond::v1::OPTIMIZER_SGD);
+  group->mutable_options()->set_lr(1e-9);
+  std::vector<std::string> names;
+  for (int i = 0; i < count; ++i) {
+    names.push_back("t" + std::to_string(i));
+    auto* p = spec.add_parameters();
+    p->set_name(names.back());
+    p->add_shape(kElements);
+    p->set_group("sgd");
+  }
+  const std::string id =
+      "transport-bench-small-" + transport + "-" + std::to_string(whole_step_bytes) + "-" + std::to_string(count);
+  auto session = (*client)->CreateSession(id, spec);
+  if (!session.ok()) {
+    std::fprintf(stderr, "%s\n", session.status().ToString().c_str());
+    return 0;
+  }
+  std::vector<float> values(kElements, 0.5f);
+  std::vector<std::vector<float>> after(static_cast<size_t>(count), std::vector<float>(kElements));
+  std::vector<muond::client::TensorView> tensors;
+  muond::client::StepOptions step_options;
+  for (int i = 0; i < count; ++i) {
+    tensors.push_back({names[i], {kElements}, values});
+    step_options.parameters_out[names[i]] = after[i];
+  }
+  if (auto s = (*session)->UploadParameters(tensors); !s.ok()) {
+    std::fprintf(stderr, "%s\n", s.ToString().c_str());
+    return 0;
+  }
+  std::vector<double> times;
+  for (int r = 0; r < reps + 20; ++r) {  // 20 untimed steps first
+    const double start = Now();
+    auto reply = (*session)->Step(r + 1, tensors, step_options);
+    if (!reply.ok()) {
+      std::fprintf(stderr, "%s\n", reply.status().ToString().c_str());
+      return 0;
+    }
+    if (r >= 20) times.push_back(Now() - start);
+  }
+  (void)(*session)->Close();
+  return Median(times);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -216,6 +297,10 @@ int main(int argc, char** argv) {
   app.add_option("--reps", reps, "Timed repetitions (median)");
   app.add_flag("--json", json, "One JSON object per size");
   app.add_option("--daemon-pid", g_daemon_pid, "The daemon's process id: adds its CPU time to the steps' CPU figures");
+  std::vector<int> small_tensors = {8, 64};
+  int small_reps = 500;
+  app.add_option("--small-tensors", small_tensors, "Tensors per small step (64 fp32 elements each); 0: none");
+  app.add_option("--small-reps", small_reps, "Timed small steps (median)");
   CLI11_PARSE(app, argc, argv);
   if (!json) {
     std::printf("%8s %9s %9s %9s %9s %9s %9s\n", "MiB", "tcp", "grpc", "shm", "memcpy", "grpc/", "shm/");
@@ -253,6 +338,29 @@ int main(int argc, char** argv) {
       std::printf("%8d %9.1f %9.1f %9.1f %9.1f %9.2f %9.2f\n", row.mb, 1e3 * row.tcp.cpu, 1e3 * row.grpc.cpu,
                   1e3 * row.shm.cpu, 1e3 * row.copy.cpu, row.grpc.cpu / row.tcp.cpu, row.shm.cpu / row.copy.cpu);
     }
+  }
+  const double floor = InfoFloor(endpoint, small_reps);
+  if (!json && !small_tensors.empty() && small_tensors.front() > 0) {
+    std::printf("\nSmall steps: ms per step (median of %d) and × the floor (a GetServerInfo round trip, %.3f ms)\n",
+                small_reps, 1e3 * floor);
+    std::printf("%8s %9s %9s %9s %9s %9s %9s\n", "tensors", "grpc", "grpc/", "stream", "stream/", "shm", "shm/");
+  }
+  for (int count : small_tensors) {
+    if (count <= 0) continue;
+    const double whole =
+        SmallStep(endpoint, "grpc", muond::client::ClientOptions().whole_step_bytes, count, small_reps);
+    const double stream = SmallStep(endpoint, "grpc", 0, count, small_reps);
+    const double shm = SmallStep(endpoint, "shm", 0, count, small_reps);
+    if (json) {
+      std::printf(
+          "{\"small_tensors\": %d, \"floor_ms\": %.4f, \"grpc_ms\": %.4f, \"grpc_stream_ms\": %.4f, "
+          "\"shm_ms\": %.4f}\n",
+          count, 1e3 * floor, 1e3 * whole, 1e3 * stream, 1e3 * shm);
+    } else {
+      std::printf("%8d %9.3f %9.2f %9.3f %9.2f %9.3f %9.2f\n", count, 1e3 * whole, whole / floor, 1e3 * stream,
+                  stream / floor, 1e3 * shm, shm / floor);
+    }
+    std::fflush(stdout);
   }
   return 0;
 }

@@ -23,6 +23,7 @@ namespace {
 
 // The Step method of muond.v1.Muond, called over byte buffers (Session::StepOnce).
 constexpr char kStepMethod[] = "/muond.v1.Muond/Step";
+constexpr char kWholeStepMethod[] = "/muond.v1.Muond/StepWhole";
 
 std::map<std::string, int64_t> ElementCounts(const v1::SessionSpec& spec) {
   std::map<std::string, int64_t> counts;
@@ -118,6 +119,7 @@ Client::Client(ClientOptions options, std::shared_ptr<grpc::Channel> channel)
       channel_(std::move(channel)),
       stub_(v1::Muond::NewStub(channel_)),
       step_method_(kStepMethod, grpc::internal::RpcMethod::BIDI_STREAMING, channel_),
+      whole_step_method_(kWholeStepMethod, grpc::internal::RpcMethod::NORMAL_RPC, channel_),
       slice_pool_(wire::SlicePool::Create(options_.chunk_bytes)) {}
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {

@@ -46,6 +46,10 @@ struct ClientOptions {
   std::string endpoint = "127.0.0.1:50051";
   size_t chunk_bytes = 1u << 20;     // payload per chunk sent; the daemon's limit is 4 MiB by default
   int max_message_bytes = 64 << 20;  // gRPC message limits, set explicitly on the channel
+  // A gRPC step whose gradients and answer each carry at most this much payload goes in one
+  // StepWhole call when the daemon offers it (docs/protocol.md, "Steps in one call"): a Step stream
+  // costs a fixed ~1 ms more, which only larger steps amortize. 0: every step on a Step stream.
+  size_t whole_step_bytes = 1u << 20;
   std::chrono::milliseconds rpc_timeout{std::chrono::minutes(10)};
   int max_step_attempts = 4;                     // tries of a step (or an idempotent call) on transient failures
   std::chrono::milliseconds retry_backoff{100};  // doubled after each failed try
@@ -175,9 +179,10 @@ class Client {
   absl::StatusOr<bool> Serving();
 
   v1::Muond::Stub& stub() { return *stub_; }
-  // For calls made over byte buffers (Step): the channel, the Step method, the payload buffers.
+  // For calls made over byte buffers (Step, StepWhole): the channel, the methods, the payload buffers.
   grpc::ChannelInterface* channel();
   const grpc::internal::RpcMethod& step_method() const { return step_method_; }
+  const grpc::internal::RpcMethod& whole_step_method() const { return whole_step_method_; }
   wire::SlicePool& slice_pool() { return *slice_pool_; }
   const ClientOptions& options() const { return options_; }
   // "grpc" or "shm": the transport steps use (ClientOptions::transport). Settled by the first step
@@ -202,6 +207,7 @@ class Client {
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Muond::Stub> stub_;
   grpc::internal::RpcMethod step_method_;
+  grpc::internal::RpcMethod whole_step_method_;
   std::shared_ptr<wire::SlicePool> slice_pool_;
 };
 

@@ -1,8 +1,10 @@
-// The gRPC step transport: one bidirectional Step stream per try, over byte buffers. Each chunk's
-// payload is encoded from the caller's tensor straight into the slice gRPC sends, and each answer
-// chunk is decoded from gRPC's receive slices straight into its destination; the messages are
-// StepRequest and StepResponse in their protobuf encoding. Small tensors share PackedChunks
-// messages both ways when the daemon offers them. Always viable; remembers only that offer.
+// The gRPC step transport: one bidirectional Step stream per try, over byte buffers, or one StepWhole
+// call carrying the same messages when the gradients and the answer are small
+// (ClientOptions::whole_step_bytes) and the daemon offers it. Each chunk's payload is encoded from
+// the caller's tensor straight into the slice gRPC sends, and each answer chunk is decoded from
+// gRPC's receive slices straight into its destination; the messages are StepRequest and
+// StepResponse in their protobuf encoding. Small tensors share PackedChunks
+// messages both ways when the daemon offers them. Always viable; remembers only the daemon's offer.
 //
 // Ownership: borrows the Client and the Session (which outlive it). One thread at a time.
 #pragma once
@@ -10,6 +12,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "client/transport/transport_choice.h"
 #include "grpcpp/support/byte_buffer.h"
@@ -38,9 +41,16 @@ class GrpcStepTransport : public StepTransport {
                                      const StepOptions& options) override;
 
  private:
+  // Whether this try goes in one StepWhole call.
+  bool Whole(const StepPayload& payload, const StepOptions& options) const;
+  // The StepWhole call of `messages` (the header's StepRequest first) and its answer.
+  absl::StatusOr<StepReply> CallWhole(grpc::ClientContext& context, const std::vector<grpc::ByteBuffer>& messages,
+                                      const StepOptions& options);
+
   Client& client_;
   const Session& session_;
-  std::optional<bool> packs_;  // whether the daemon takes packed chunks, asked once (again after UNAVAILABLE)
+  // The daemon's ServerInfo (packed chunks, whole steps), asked once (again after UNAVAILABLE).
+  std::optional<v1::ServerInfo> offer_;
 };
 
 }  // namespace muond::client

@@ -3,9 +3,10 @@
 // StepAnswers. WholeStepStream is a StepStream over those lists, so that the step runs through the
 // same GrpcGradientSource and GrpcParameterSink, with every rule of the stream, as a streamed one.
 //
-// ReadWholeStep splits the request's encoding into its messages (each as received: a chunk's payload
-// is decoded from it as from a stream's message), refusing anything but field 1 of length-delimited
-// type. A WholeStepStream is owned by the call's handler and used on its thread only.
+// ReadWholeStep splits the request's encoding into its messages (proto/wire/message_list.h: views of
+// one copy at most; a chunk's payload is decoded from them as from a stream's message), refusing
+// anything but field 1 of length-delimited type. A WholeStepStream is owned by the call's handler and used on its
+// thread only.
 #pragma once
 
 #include <cstddef>
