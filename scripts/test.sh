@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds muond, checks the C++ and CUDA formatting (scripts/format.sh --check), that python/muond has no
 # import circle (scripts/check_imports.py) and that docs/architecture.md names only paths that exist
-# (scripts/check_doc_paths.py), that the docs' option tables are the option table's
+# (scripts/check_doc_paths.py) and that every Markdown code block closes (scripts/check_doc_fences.py),
+# that the docs' option tables are the option table's
 # (scripts/option_table.py --check), and runs every test:
 # kernel unit tests, daemon unit tests, the integration tests (the real daemon on loopback driven
 # by the C++ client) and the Python SDK's tests (pytest against
@@ -37,6 +38,7 @@ else
   "$root/scripts/format.sh" --check
   /usr/bin/python3 "$root/scripts/check_imports.py"  # no import circle in python/muond
   /usr/bin/python3 "$root/scripts/check_doc_paths.py"  # every path docs/architecture.md names exists
+  /usr/bin/python3 "$root/scripts/check_doc_fences.py"  # every Markdown code block closes
   /usr/bin/python3 "$root/scripts/option_table.py" --check  # the docs' option tables are the table's
 fi
 cd "$build"
