@@ -507,8 +507,7 @@ def _take_answer(response, into: ChunkAssembler, result: Optional[pb.StepResult]
         if on_result is not None:
             on_result(result)
     elif response.HasField("packed"):
-        for chunk in response.packed.chunks:
-            into.add(chunk)
+        into.add_packed(response.packed.chunks)
     else:
         into.add(response.chunk)
     return result

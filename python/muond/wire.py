@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sys
 import warnings
-from typing import Dict, Iterable, Iterator, NamedTuple, Optional, Tuple, Union
+from typing import Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -37,7 +37,7 @@ _FROM_ENUM = {v: k for k, v in _ENUM.items()}
 _ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
 # TensorChunk.shape (the sender's shape, checked by the daemon) is newer than the first API
 # version; stubs generated from an older proto simply don't send it.
-_CHUNK_HAS_SHAPE = "shape" in pb.TensorChunk.DESCRIPTOR.fields_by_name
+CHUNK_HAS_SHAPE = "shape" in pb.TensorChunk.DESCRIPTOR.fields_by_name
 
 DTypeLike = Union[str, torch.dtype]
 ChunkKey = Tuple[str, str]  # (tensor name, state slot or "")
@@ -93,6 +93,16 @@ def host_bytes(tensor: torch.Tensor, dtype: str) -> memoryview:
     return memoryview(array).cast("B")
 
 
+def host_bytes_of(tensors: Sequence[torch.Tensor], dtype: str) -> memoryview:
+    """The elements of ``tensors``, one tensor after the other, as ``host_bytes`` gives one's: one
+    concatenation (on their device, when they share it and a dtype), one conversion and one copy to
+    the host for them all."""
+    flats = [t.detach().reshape(-1) for t in tensors]
+    if len({(f.device, f.dtype) for f in flats}) > 1:
+        flats = [f.to(device="cpu", dtype=_TORCH[dtype]) for f in flats]
+    return host_bytes(torch.cat(flats), dtype)
+
+
 def chunk_pieces(name: str, tensor: torch.Tensor, dtype: str, *, slot: str = "",
                  max_chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[Tuple[pb.TensorChunk, memoryview]]:
     """Yields each chunk of one tensor as (the chunk without its data, its payload as a view of the
@@ -100,7 +110,7 @@ def chunk_pieces(name: str, tensor: torch.Tensor, dtype: str, *, slot: str = "",
     ``dtype`` is quantized: it has no block)."""
     if quantize.is_quantized(dtype):
         if tensor.numel():
-            yield from quantize.chunk_pieces(name, tensor, dtype, with_shape=_CHUNK_HAS_SHAPE,
+            yield from quantize.chunk_pieces(name, tensor, dtype, with_shape=CHUNK_HAS_SHAPE,
                                              max_chunk_bytes=max_chunk_bytes)
             return
         dtype = "fp32"
@@ -111,7 +121,7 @@ def chunk_pieces(name: str, tensor: torch.Tensor, dtype: str, *, slot: str = "",
     start = 0
     while True:
         meta = pb.TensorChunk(name=name, offset=start // itemsize, dtype=enum, slot=slot)
-        if start == 0 and _CHUNK_HAS_SHAPE:
+        if start == 0 and CHUNK_HAS_SHAPE:
             meta.shape.extend(tensor.shape)
         yield meta, data[start:start + per_chunk]
         start += per_chunk
@@ -227,6 +237,31 @@ class ChunkAssembler:
         if count:  # `flat` is detached or the assembler's own: nothing for autograd to record
             flat[meta.offset:meta.offset + count].copy_(payload_tensor(payload, dtype))
         self._filled[key] += count
+
+    def add_packed(self, chunks: Iterable[pb.TensorChunk]) -> None:
+        """The chunks of one ``PackedChunks`` message, as ``add`` takes each. The whole tensors
+        among them in one dtype (a first chunk at offset 0 with every element) are decoded
+        together: one conversion of their joined payloads, then one ``copy_`` each."""
+        whole: List[Tuple[torch.Tensor, bytes]] = []
+        whole_dtype = None
+        for chunk in chunks:
+            key = (chunk.name, chunk.slot)
+            dtype = _FROM_ENUM.get(chunk.dtype, self._default)
+            data = chunk.data
+            if (chunk.offset or not data or key in self._buffers or chunk.name not in self._sizes
+                    or (whole_dtype is not None and dtype != whole_dtype)
+                    or len(data) != self._size(key) * _ITEMSIZE[dtype]):
+                self.add(chunk)
+                continue
+            flat = self._destination(key)
+            self._filled[key] = flat.numel()
+            whole.append((flat, data))
+            whole_dtype = dtype
+        if not whole:
+            return
+        values = payload_tensor(memoryview(b"".join(data for _, data in whole)), whole_dtype)
+        for (flat, _), piece in zip(whole, values.split([flat.numel() for flat, _ in whole])):
+            flat.copy_(piece)
 
     def _size(self, key: ChunkKey) -> int:
         return self._slot_sizes.get(key, self._sizes[key[0]])

@@ -144,6 +144,63 @@ def test_step_messages_count_what_they_send_and_pack_only_small_whole_tensors(pa
     assert count == 2 + 1 + 2  # "big" and "empty" alone, two packed messages
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16", "int8", "int4"])
+def test_a_packed_message_is_the_protobuf_encoding_of_each_tensors_chunk(dtype):
+    # Made from one host copy of all the tensors and prefixes kept between steps, the message must
+    # still parse as the chunks wire.encode builds one tensor at a time (each payload after its
+    # chunk's other fields, as frame_chunks puts it); a transposed tensor, a 1-element one and a
+    # float64 one among them, and the prefixes reused a second time.
+    torch.manual_seed(3)
+    grads = [("w", torch.randn(4, 8)), ("t", torch.randn(8, 3).t()), ("one", torch.randn(1)),
+             ("bias", torch.randn(16, dtype=torch.float64))]
+    for _ in range(2):
+        count, messages = framing.step_messages(grads, dtype, 1 << 20, True)
+        (message,) = list(messages)
+        assert count == 1
+        expected = pb.StepRequest()
+        for name, g in grads:
+            (chunk,) = wire.encode(name, g, dtype)
+            expected.packed.chunks.add().CopyFrom(chunk)
+        assert pb.StepRequest.FromString(message) == expected
+        grads = [(name, g * 2) for name, g in grads]
+
+
+def test_a_packed_answer_is_decoded_as_its_chunks_one_by_one():
+    # Whole tensors of one dtype are decoded together; a chunk of another dtype, one that is part
+    # of a tensor, a slot, a non-contiguous parameter and an empty one take the one-by-one path.
+    # Both must leave the same tensors.
+    torch.manual_seed(4)
+    sizes = {"a": 6, "b": 4, "c": 8, "d": 10, "e": 0, "t": 6}
+    values = {name: torch.randn(n) for name, n in sizes.items()}
+    chunks = [next(wire.encode("a", values["a"], "fp32")), next(wire.encode("b", values["b"], "bf16")),
+              *wire.encode("c", values["c"], "fp32", max_chunk_bytes=16),
+              next(wire.encode("d", values["d"], "fp32")), next(wire.encode("d", values["d"][:3], "fp32", slot="m")),
+              next(wire.encode("e", values["e"], "fp32")), next(wire.encode("t", values["t"], "fp32"))]
+
+    def assembled(packed):
+        params = {name: torch.zeros(n) for name, n in sizes.items()}
+        params["t"] = torch.zeros(2, 3).t()
+        writer = wire.ChunkAssembler(sizes, into=params, slot_sizes={("d", "m"): 3})
+        writer.add_packed(chunks) if packed else writer.add_all(chunks)
+        writer.finish()
+        return params, writer.tensors()
+
+    (packed, packed_all), (single, single_all) = assembled(True), assembled(False)
+    for name in sizes:
+        assert torch.equal(packed[name], single[name]), name
+    assert torch.equal(packed_all[("d", "m")], single_all[("d", "m")])
+    assert torch.equal(packed["a"], values["a"]) and torch.equal(packed["t"].reshape(-1), values["t"])
+    with pytest.raises(ValueError, match="unknown tensor 'x'"):
+        wire.ChunkAssembler(sizes).add_packed([next(wire.encode("x", torch.ones(2), "fp32"))])
+    twice = wire.ChunkAssembler(sizes)
+    with pytest.raises(ValueError, match="chunk of 'a' at offset 0, expected 6"):
+        twice.add_packed([chunks[0], chunks[0]])
+    short = wire.ChunkAssembler(sizes)
+    short.add_packed([next(wire.encode("a", values["a"][:4], "fp32"))])
+    with pytest.raises(ValueError, match="4 of 6 elements"):
+        short.finish()
+
+
 def test_decoding_payloads_warns_nothing_and_reads_every_dtype_from_a_fresh_process():
     # torch warns once per process about read-only buffers; the decoding keeps that once quiet and
     # then no longer guards each chunk. A process of its own, so that the once is still to come.

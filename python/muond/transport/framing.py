@@ -15,12 +15,13 @@ messages in one ``StepMessages`` and one ``StepAnswers`` (StepWhole). Pure funct
 
 from __future__ import annotations
 
+import functools
 from typing import Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from .._stubs import pb
-from .. import wire
+from .. import quantize, wire
 from ..wire import FramedChunk
 
 _CHUNK_TAG = (2 << 3) | 2  # StepRequest.chunk / StepResponse.chunk, length-delimited
@@ -113,20 +114,48 @@ def step_messages(grads: Sequence[Tuple[str, torch.Tensor]], dtype: str, max_chu
             if not packed:
                 yield from frame_chunks(*tensors[0], dtype, max_chunk_bytes=max_chunk_bytes)
                 continue
-            yield _packed_message([piece for name, g in tensors
-                                   for piece in wire.chunk_pieces(name, g, dtype, max_chunk_bytes=max_chunk_bytes)])
+            yield _packed_message(tensors, dtype, max_chunk_bytes)
     return count, messages()
 
 
-def _packed_message(chunks: List[Tuple[pb.TensorChunk, memoryview]]) -> bytes:
-    """The encoding of ``StepRequest{packed: {chunks}}``, each chunk's payload joined straight from
-    its tensor's memory (one copy, as ``frame_chunks``)."""
-    parts: List[Union[bytes, memoryview]] = []
-    for meta, piece in chunks:
-        inner = meta.SerializeToString() + bytes((_DATA_TAG,)) + _varint(len(piece))
-        parts += [bytes((_PACKED_CHUNKS_TAG,)), _varint(len(inner) + len(piece)), inner, piece]
-    body = sum(len(part) for part in parts)
-    return b"".join([bytes((_PACKED_TAG,)), _varint(body), *parts])
+def _packed_message(tensors: List[Tuple[str, torch.Tensor]], dtype: str, max_chunk_bytes: int) -> bytes:
+    """The encoding of ``StepRequest{packed: {chunks}}`` of whole small tensors, each chunk's
+    payload joined from one host copy of them all (``wire.host_bytes_of``), behind the prefix its
+    name, shape and size always get (``_packed_chunk_prefix``)."""
+    if quantize.is_quantized(dtype):  # each tensor's blocks are its own
+        pieces = [piece for name, g in tensors
+                  for piece in wire.chunk_pieces(name, g, dtype, max_chunk_bytes=max_chunk_bytes)]
+        return _packed_encoding([(_packed_chunk_prefix_of(meta, len(data)), data) for meta, data in pieces])
+    data = wire.host_bytes_of([g for _, g in tensors], dtype)
+    itemsize = wire.itemsize(dtype)
+    chunks = []
+    start = 0
+    for name, g in tensors:
+        size = g.numel() * itemsize
+        chunks.append((_packed_chunk_prefix(name, tuple(g.shape), dtype, size), data[start:start + size]))
+        start += size
+    return _packed_encoding(chunks)
+
+
+def _packed_encoding(chunks: List[Tuple[bytes, memoryview]]) -> bytes:
+    body = sum(len(prefix) + len(piece) for prefix, piece in chunks)
+    return b"".join([bytes((_PACKED_TAG,)), _varint(body), *(part for chunk in chunks for part in chunk)])
+
+
+@functools.lru_cache(maxsize=4096)
+def _packed_chunk_prefix(name: str, shape: Tuple[int, ...], dtype: str, size: int) -> bytes:
+    """What precedes a whole tensor's payload of ``size`` bytes in a ``PackedChunks``: the entry's
+    tag and length, then its ``TensorChunk`` up to the data's tag and length. The same every step
+    for the same tensor, so made once."""
+    meta = pb.TensorChunk(name=name, offset=0, dtype=wire.dtype_enum(dtype))
+    if wire.CHUNK_HAS_SHAPE:
+        meta.shape.extend(shape)
+    return _packed_chunk_prefix_of(meta, size)
+
+
+def _packed_chunk_prefix_of(meta: pb.TensorChunk, size: int) -> bytes:
+    inner = meta.SerializeToString() + bytes((_DATA_TAG,)) + _varint(size)
+    return bytes((_PACKED_CHUNKS_TAG,)) + _varint(len(inner) + size) + inner
 
 
 def serialize_step_request(message: Union[bytes, pb.StepRequest]) -> bytes:

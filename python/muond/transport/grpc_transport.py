@@ -120,6 +120,10 @@ class _LandingAssembler(wire.ChunkAssembler):
                 target.copy_(flat.view(target.shape))
         self._landing.arrived(meta.name)
 
+    def add_packed(self, chunks) -> None:
+        for chunk in chunks:  # each reported as it lands
+            self.add(chunk)
+
     def finish(self) -> None:
         self.tensors()  # only the check: every tensor was written in as it completed
 
