@@ -215,7 +215,7 @@ class CpuBackend final : public Backend {
   std::string Detail() const override {
     const Bf16Support& bf16 = Bf16GemmSupport();
     return absl::StrCat(
-        "OpenBLAS ", openblas_get_config(), ", ", threads_, " threads, bf16 GEMMs: ",
+        openblas_get_config(), ", ", threads_, " threads, bf16 GEMMs: ",
         bf16.available ? absl::StrCat(bf16.library, " ", bf16.kernel) : absl::StrCat("fp32 (", bf16.reason, ")"));
   }
 

@@ -25,6 +25,7 @@
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "kernels/backend_factory.h"
+#include "kernels/cpu/blas_kernel.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/optim/newton_schulz.h"
 #include "server/durability/session_files.h"
@@ -115,6 +116,10 @@ std::optional<FdBudget> BudgetDescriptors(const DaemonFlags& flags) {
   return fd_budget;
 }
 
+// StartOnTheBestBlasKernel's result in main(): why the daemon could not start again under a better
+// OpenBLAS kernel, if it could not (kernels/cpu/blas_kernel.h).
+int g_blas_exec_errno = 0;
+
 std::optional<kernels::BackendSelection> StartBackend(const DaemonFlags& flags) {
   absl::StatusOr<kernels::BackendSelection> selection =
       kernels::CreateBackend(flags.backend, flags.device, flags.threads);
@@ -123,6 +128,14 @@ std::optional<kernels::BackendSelection> StartBackend(const DaemonFlags& flags) 
     return std::nullopt;
   }
   if (!selection->note.empty()) MUOND_LOG(info, "{}", selection->note);
+  if (const kernels::BlasKernelNote note = kernels::DescribeBlasKernel(g_blas_exec_errno);
+      selection->backend->Name() == "cpu" && !note.text.empty()) {
+    if (note.warning) {
+      MUOND_LOG(warn, "CPU backend: {}", note.text);
+    } else {
+      MUOND_LOG(info, "CPU backend: {}", note.text);
+    }
+  }
   return *std::move(selection);
 }
 
@@ -454,6 +467,7 @@ void SteadyMalloc() {
 }
 
 int main(int argc, char** argv) {
+  muond::server::g_blas_exec_errno = muond::kernels::StartOnTheBestBlasKernel(argv);
   SteadyMalloc();
   return muond::server::Run(argc, argv);
 }

@@ -3,12 +3,15 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <random>
 #include <vector>
 
 #include "common/compute_pool.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/cpu/blas_kernel.h"
 #include "tests/kernels/reference.h"
 #include "tests/testing/status_matchers.h"
 
@@ -37,6 +40,56 @@ TEST_F(CpuBackendTest, NameAndDetail) {
   EXPECT_EQ(backend_->Name(), "cpu");
   EXPECT_NE(backend_->Detail().find("OpenBLAS"), std::string::npos) << backend_->Detail();
   EXPECT_NE(backend_->Detail().find("threads"), std::string::npos) << backend_->Detail();
+}
+
+TEST(BlasKernelTest, KernelsRankByTheInstructionsTheyUse) {
+  EXPECT_EQ(KernelTier("Prescott"), SimdTier::kSse);
+  EXPECT_EQ(KernelTier("NEHALEM"), SimdTier::kSse);
+  EXPECT_EQ(KernelTier("Sandybridge"), SimdTier::kAvx);
+  EXPECT_EQ(KernelTier("Haswell"), SimdTier::kAvx2);
+  EXPECT_EQ(KernelTier("Zen"), SimdTier::kAvx2);
+  EXPECT_EQ(KernelTier("SkylakeX"), SimdTier::kAvx512);
+  EXPECT_EQ(KernelTier("Cooperlake"), SimdTier::kAvx512);
+  EXPECT_EQ(KernelTier("SapphireRapids"), SimdTier::kAvx512);
+  EXPECT_EQ(KernelTier("Zen5"), std::nullopt);  // a newer OpenBLAS's: left alone
+  EXPECT_EQ(KernelTier(""), std::nullopt);
+}
+
+TEST(BlasKernelTest, OnlyAKernelBelowTheCpusTierIsReplaced) {
+  // The case that matters: Debian 12's OpenBLAS falls back to Prescott on Sapphire Rapids.
+  EXPECT_EQ(KernelToForce("Prescott", SimdTier::kAvx512, /*cpu_has_avx512_bf16=*/true), "Cooperlake");
+  EXPECT_EQ(KernelToForce("Prescott", SimdTier::kAvx512, false), "SkylakeX");
+  EXPECT_EQ(KernelToForce("Haswell", SimdTier::kAvx512, true), "Cooperlake");
+  EXPECT_EQ(KernelToForce("Core2", SimdTier::kAvx2, false), "Haswell");
+  EXPECT_EQ(KernelToForce("Prescott", SimdTier::kAvx, false), "Sandybridge");
+  // As good as the CPU, or better than it (a kernel forced by hand), or unknown: kept.
+  EXPECT_EQ(KernelToForce("SkylakeX", SimdTier::kAvx512, true), std::nullopt);
+  EXPECT_EQ(KernelToForce("Cooperlake", SimdTier::kAvx512, true), std::nullopt);
+  EXPECT_EQ(KernelToForce("Zen", SimdTier::kAvx2, false), std::nullopt);
+  EXPECT_EQ(KernelToForce("SkylakeX", SimdTier::kAvx2, false), std::nullopt);
+  EXPECT_EQ(KernelToForce("Prescott", SimdTier::kSse, false), std::nullopt);
+  EXPECT_EQ(KernelToForce("Zen5", SimdTier::kAvx512, true), std::nullopt);
+}
+
+TEST(BlasKernelTest, TheLoadedLibrarysChoiceIsReadAndNeverReplacedByItself) {
+  const BlasKernel kernel = InspectBlasKernel();
+  EXPECT_FALSE(kernel.chosen.empty());
+  EXPECT_NE(kernel.config.find(kernel.chosen), std::string::npos) << kernel.config;
+  if (kernel.better.has_value()) {
+    EXPECT_NE(*kernel.better, kernel.chosen);
+    EXPECT_GT(KernelTier(*kernel.better), KernelTier(kernel.chosen));
+  }
+}
+
+TEST(BlasKernelTest, AProgramStartedAgainSaysWhatOpenBlasHadChosenOnce) {
+  // StartOnTheBestBlasKernel hands the kernel OpenBLAS had chosen to the program it starts again.
+  setenv("MUOND_OPENBLAS_CHOSE", "Prescott", 1);
+  const BlasKernelNote note = DescribeBlasKernel(0);
+  EXPECT_FALSE(note.warning);
+  EXPECT_THAT(note.text, ::testing::StartsWith("OpenBLAS chose its Prescott kernels, below what this CPU runs"));
+  EXPECT_THAT(note.text, ::testing::HasSubstr("its GEMMs run the " + InspectBlasKernel().chosen + " kernels"));
+  EXPECT_EQ(std::getenv("MUOND_OPENBLAS_CHOSE"), nullptr) << "left for the program's children";
+  EXPECT_THAT(DescribeBlasKernel(0).text, ::testing::Not(::testing::HasSubstr("started again")));
 }
 
 TEST_F(CpuBackendTest, AllocateZeroedAlignedAndCopies) {

@@ -8,6 +8,7 @@
 
 #include "CLI/CLI.hpp"
 #include "common/config.h"
+#include "kernels/cpu/blas_kernel.h"
 #include "tools/muondctl/ctl_output.h"
 #include "tools/muondctl/daemon_commands.h"
 #include "tools/muondctl/state_commands.h"
@@ -130,4 +131,9 @@ int Run(int argc, char** argv) {
 }  // namespace
 }  // namespace muond::ctl
 
-int main(int argc, char** argv) { return muond::ctl::Run(argc, argv); }
+int main(int argc, char** argv) {
+  // Offline restores replay steps on a CPU backend: on the daemon's OpenBLAS kernels, so that they sum
+  // as it did (kernels/cpu/blas_kernel.h). A note would only clutter the output; the daemon logs one.
+  muond::kernels::StartOnTheBestBlasKernel(argv);
+  return muond::ctl::Run(argc, argv);
+}
