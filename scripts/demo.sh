@@ -32,12 +32,11 @@ for _ in $(seq 200); do [ -s "$port_file" ] && break; sleep 0.05; done
 [ -s "$port_file" ] || { echo "demo: muond did not start; its log ($log):" >&2; tail -20 "$log" >&2; exit 1; }
 endpoint=127.0.0.1:$(cat "$port_file")
 echo "muond runs at $endpoint with the CPU backend; its log: $log"
-# Where OpenBLAS chose kernels below this CPU's, the daemon started itself again under
-# OPENBLAS_CORETYPE (docs/operations.md, "OpenBLAS's kernels"); the transformer's torch loads the
-# same OpenBLAS, so it takes the daemon's choice unless one was given.
+# The transformer's torch loads the same OpenBLAS as the daemon, which on a CPU newer than it knows
+# falls back to SSE3 kernels: it takes the kernels the daemon runs (docs/operations.md, "OpenBLAS's
+# kernels") unless OPENBLAS_CORETYPE was given.
 if [ -z "${OPENBLAS_CORETYPE:-}" ]; then
-  coretype=$(tr '\0' '\n' <"/proc/$daemon/environ" 2>/dev/null | sed -n 's/^OPENBLAS_CORETYPE=//p' || true)
-  [ -n "$coretype" ] && export OPENBLAS_CORETYPE=$coretype
+  OPENBLAS_CORETYPE=$("$build/muond" --print-blas-kernel) && export OPENBLAS_CORETYPE
 fi
 
 echo "== C++ trainer: two-layer MLP through muond at $endpoint"

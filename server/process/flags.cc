@@ -14,6 +14,9 @@ std::optional<DaemonFlags> ParseFlags(int argc, char** argv, int* exit_code) {
       "muond — optimizer-as-a-service daemon: holds fp32 master parameters and optimizer state, "
       "receives gradients over gRPC, runs Muon / AdamW / Lion / SGD steps and returns the parameters."};
   app.set_version_flag("--version", std::string("muond ") + MUOND_VERSION);
+  app.add_flag("--print-blas-kernel", flags.print_blas_kernel,
+               "Print the OpenBLAS kernels the CPU backend's GEMMs run (this CPU's best unless OPENBLAS_CORETYPE "
+               "chose; docs/operations.md) and exit: an OPENBLAS_CORETYPE for other programs on this machine");
   app.add_option("--listen", flags.listen, "Address to serve on, host:port (port 0 picks a free one)")
       ->capture_default_str();
   app.add_option("--backend", flags.backend, "Compute backend: auto (CUDA when usable, else CPU), cpu or cuda")
@@ -146,7 +149,7 @@ std::optional<DaemonFlags> ParseFlags(int argc, char** argv, int* exit_code) {
   // containers and units; the command line wins.
   for (CLI::Option* option : app.get_options()) {
     const std::string name = option->get_single_name();
-    if (name.empty() || name == "help" || name == "version") continue;
+    if (name.empty() || name == "help" || name == "version" || name == "print-blas-kernel") continue;
     std::string env = "MUOND_";
     for (char c : name) env += c == '-' ? '_' : static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
     option->envname(env);

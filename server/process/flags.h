@@ -9,6 +9,7 @@
 namespace muond::server {
 
 struct DaemonFlags {
+  bool print_blas_kernel = false;  // print the OpenBLAS kernels the CPU backend runs, and exit
   std::string listen = "127.0.0.1:50051";
   std::string backend = "auto";
   int device = 0;

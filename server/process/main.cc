@@ -400,6 +400,10 @@ int Run(int argc, char** argv) {
   int exit_code = 0;
   std::optional<DaemonFlags> flags = ParseFlags(argc, argv, &exit_code);
   if (!flags) return exit_code;
+  if (flags->print_blas_kernel) {
+    std::printf("%s\n", kernels::InspectBlasKernel().chosen.c_str());
+    return 0;
+  }
   if (absl::Status s = ConfigureLogging(flags->log_level, flags->log_format); !s.ok()) {
     std::fprintf(stderr, "muond: %s\n", std::string(s.message()).c_str());
     return 2;

@@ -1,10 +1,11 @@
 // The daemon's GEMMs run OpenBLAS's best kernels for this CPU (kernels/cpu/blas_kernel.h): started
 // without OPENBLAS_CORETYPE, the kernel its CPU backend reports is the one this CPU should run — on a
 // CPU newer than the OpenBLAS (Sapphire Rapids under Debian 12's 0.3.21, which falls back to Prescott)
-// that is the daemon started again under OPENBLAS_CORETYPE, elsewhere OpenBLAS's own choice; and an
-// OPENBLAS_CORETYPE given by whoever starts it is kept.
+// that is the daemon started again under OPENBLAS_CORETYPE, elsewhere OpenBLAS's own choice; an
+// OPENBLAS_CORETYPE given by whoever starts it is kept; `muond --print-blas-kernel` names the same.
 #include "kernels/cpu/blas_kernel.h"
 
+#include <cstdio>
 #include <cstdlib>
 #include <sstream>
 
@@ -70,6 +71,26 @@ TEST(BlasKernelTest, TheDaemonRunsTheKernelsThisCpuShould) {
   } else {
     EXPECT_THAT(log, ::testing::Not(HasSubstr("OPENBLAS_CORETYPE")));
   }
+}
+
+// What `muond --print-blas-kernel` prints, under `coretype` as OPENBLAS_CORETYPE (unset when empty).
+std::string PrintedKernel(const std::string& coretype) {
+  const std::string command =
+      (coretype.empty() ? std::string("env -u OPENBLAS_CORETYPE ") : "env OPENBLAS_CORETYPE=" + coretype + " ") +
+      MUOND_BINARY + " --print-blas-kernel";
+  FILE* pipe = popen(command.c_str(), "r");
+  if (pipe == nullptr) return "";
+  std::string out;
+  char buffer[256];
+  while (std::fgets(buffer, sizeof buffer, pipe) != nullptr) out += buffer;
+  EXPECT_EQ(pclose(pipe), 0) << command;
+  return out;
+}
+
+TEST(BlasKernelTest, PrintBlasKernelNamesTheKernelsADaemonRuns) {
+  std::string log;
+  EXPECT_EQ(PrintedKernel(""), KernelOfADaemonStartedWith("", &log) + "\n") << log;
+  EXPECT_EQ(PrintedKernel("Sandybridge"), "Sandybridge\n");
 }
 
 TEST(BlasKernelTest, AKernelGivenInTheEnvironmentIsKept) {

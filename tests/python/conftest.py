@@ -49,6 +49,29 @@ def _make_muond_importable():
 _make_muond_importable()
 
 
+def _run_on_the_daemons_blas_kernels():
+    """The tests' torch loads the same OpenBLAS as the daemon, which on a CPU newer than it knows
+    falls back to its SSE3 kernels (docs/operations.md, OpenBLAS's kernels): the tests' own forward
+    and backward passes, and their references, take the kernels the daemon runs (`muond
+    --print-blas-kernel`), unless OPENBLAS_CORETYPE was given. Before anything loads OpenBLAS; the
+    daemons and tools the tests start inherit the choice."""
+    if "OPENBLAS_CORETYPE" in os.environ:
+        return
+    binary = os.environ.get("MUOND_BINARY") or str(REPO_ROOT / "build" / "muond")
+    if not os.path.isfile(binary):
+        return  # the daemon tests skip or fail, saying why (_daemon_binary)
+    try:
+        kernel = subprocess.run([binary, "--print-blas-kernel"], capture_output=True, text=True, timeout=60,
+                                check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return  # a binary that cannot say: OpenBLAS's own choice
+    if kernel:
+        os.environ["OPENBLAS_CORETYPE"] = kernel
+
+
+_run_on_the_daemons_blas_kernels()
+
+
 def tied_to_this_process(command):
     """The command line that runs `command` so that the kernel kills it (SIGKILL) when this test
     process dies, as a run that ctest times out or kills would: util-linux's setpriv sets
