@@ -46,6 +46,12 @@ find_binary() {
 }
 NS_BENCH=$(find_binary ns_bench)
 STEP_BENCH=$(find_binary step_bench)
+# On the CPU both sides run OpenBLAS's GEMMs (torch through Debian's build): the kernels the daemon
+# runs (docs/operations.md, OpenBLAS's kernels), unless OPENBLAS_CORETYPE chose.
+if [[ $DEVICE == cpu && -z ${OPENBLAS_CORETYPE:-} && -x $BUILD/muond ]]; then
+  OPENBLAS_CORETYPE=$("$BUILD/muond" --print-blas-kernel) && export OPENBLAS_CORETYPE
+  echo "OpenBLAS kernels for both sides: $OPENBLAS_CORETYPE" >&2
+fi
 
 OUT=$(mktemp -d)
 trap 'rm -rf "$OUT"' EXIT

@@ -118,8 +118,9 @@ BlasKernelNote DescribeBlasKernel(int exec_errno) {
                                  ", and the program could not start again under OPENBLAS_CORETYPE=", *kernel.better,
                                  " (", std::strerror(exec_errno), "): its GEMMs run the slower kernels")};
   }
-  return {.text = absl::StrCat("OPENBLAS_CORETYPE=", forced == nullptr ? "" : forced, " runs OpenBLAS's ",
-                               kernel.chosen, " kernels; this CPU runs its ", *kernel.better, " ones")};
+  return {.text = absl::StrCat(forced == nullptr ? std::string("OpenBLAS chose its")
+                                                 : absl::StrCat("OPENBLAS_CORETYPE=", forced, " runs OpenBLAS's"),
+                               " ", kernel.chosen, " kernels; this CPU runs its ", *kernel.better, " ones")};
 }
 
 }  // namespace muond::kernels
