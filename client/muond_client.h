@@ -46,9 +46,9 @@ struct ClientOptions {
   std::string endpoint = "127.0.0.1:50051";
   size_t chunk_bytes = 1u << 20;     // payload per chunk sent; the daemon's limit is 4 MiB by default
   int max_message_bytes = 64 << 20;  // gRPC message limits, set explicitly on the channel
-  // A gRPC step whose gradients and answer each carry at most this much payload goes in one
-  // StepWhole call when the daemon offers it (docs/protocol.md, "Steps in one call"): a Step stream
-  // costs a fixed ~1 ms more, which only larger steps amortize. 0: every step on a Step stream.
+  // A gRPC step whose gradients and answer each carry at most this much payload, and fit the daemon's
+  // message limit, goes in one StepWhole call when the daemon offers it (docs/protocol.md, "Steps in
+  // one call"): a Step stream costs the daemon more per step. 0: every step on a Step stream.
   size_t whole_step_bytes = 1u << 20;
   std::chrono::milliseconds rpc_timeout{std::chrono::minutes(10)};
   int max_step_attempts = 4;                     // tries of a step (or an idempotent call) on transient failures

@@ -89,14 +89,29 @@ std::optional<grpc::ByteBuffer> Serialized(const v1::StepRequest& request) {
 bool GrpcStepTransport::Whole(const StepPayload& payload, const StepOptions& options) const {
   const size_t limit = client_.options().whole_step_bytes;
   if (limit == 0 || !offer_->whole_steps()) return false;
-  size_t sent = 0;
+  // Each direction's payload, and its size against the daemon's message limit (a daemon with a small
+  // --max-chunk-bytes has a limit of little more than 1 MiB, which a stream keeps message by message):
+  // per chunk its fields and framing but the name, per parameter an answer_order entry or a sum of
+  // squares, and the header or the StepResult with its groups' telemetry.
+  constexpr size_t kChunkOverhead = 96, kParameterOverhead = 16, kFixedOverhead = 64 << 10;
+  const size_t chunk_bytes = client_.options().chunk_bytes;
+  size_t sent = 0, sent_size = kFixedOverhead;
   for (const TensorView& tensor : payload.gradients) {
-    sent += tensor.values.size() * wire::ElementSize(session_.WireDType(tensor.name));
+    const v1::DType dtype = session_.WireDType(tensor.name);
+    const size_t bytes = tensor.values.size() * wire::ElementSize(dtype);
+    sent += bytes;
+    sent_size += bytes + kParameterOverhead +
+                 wire::ChunkCount(tensor.values.size(), dtype, chunk_bytes) * (tensor.name.size() + kChunkOverhead);
   }
-  const size_t returned = wire::IsConcrete(options.return_dtype) ? wire::ElementSize(options.return_dtype) : 4;
-  size_t answered = 0;
-  for (const auto& [name, numel] : session_.element_counts()) answered += static_cast<size_t>(numel) * returned;
-  return std::max(sent, answered) <= limit;
+  const v1::DType returned = wire::IsConcrete(options.return_dtype) ? options.return_dtype : v1::DTYPE_FP32;
+  size_t answered = 0, answer_size = kFixedOverhead;
+  for (const auto& [name, numel] : session_.element_counts()) {
+    const size_t bytes = static_cast<size_t>(numel) * wire::ElementSize(returned);
+    answered += bytes;
+    answer_size += bytes + kParameterOverhead +
+                   wire::ChunkCount(static_cast<size_t>(numel), returned, chunk_bytes) * (name.size() + kChunkOverhead);
+  }
+  return std::max(sent, answered) <= limit && std::max(sent_size, answer_size) <= offer_->max_message_bytes();
 }
 
 absl::StatusOr<StepReply> GrpcStepTransport::StepOnce(const v1::StepHeader& header, const StepPayload& payload,

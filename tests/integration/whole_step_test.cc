@@ -1,8 +1,9 @@
 // Whole steps from the C++ client (docs/protocol.md, "Steps in one call") against the real daemon,
 // whose Prometheus endpoint counts the calls that carried them: a small step goes in one StepWhole
 // call and equals the same step on a Step stream bit for bit; ClientOptions::whole_step_bytes is
-// the bound on the gradients' and on the answer's payload, 0 sending every step on a stream; a
-// resent step is answered from the daemon's record in one call too; a refused one changes nothing.
+// the bound on the gradients' and on the answer's payload, 0 sending every step on a stream, and a
+// step that would not fit the daemon's message limit takes the stream; a resent step is answered
+// from the daemon's record in one call too; a refused one changes nothing.
 // Over gRPC only: shared-memory steps carry no chunks.
 #include "gmock/gmock.h"
 #include "tests/integration/daemon_fixture.h"
@@ -182,6 +183,51 @@ TEST_F(WholeStepTest, ARefusedWholeStepNamesTheFieldAndChangesNothing) {
   EXPECT_EQ(last_step, 1);
   EXPECT_EQ(now, applied.parameters);
   ASSERT_OK(session->Close());
+}
+
+TEST_F(WholeStepTest, AWholeStepFitsTheDaemonsMessageLimit) {
+  // --max-chunk-bytes 4096 limits that daemon's messages to 1 MiB + 4 KiB: 800 KB of gradients in
+  // 4 KiB chunks still fit one call; 1 MiB with its chunks' fields does not and takes the stream (a
+  // StepWhole of it would be refused RESOURCE_EXHAUSTED). Both are answered in full.
+  DaemonProcess small;
+  std::string error;
+  ASSERT_TRUE(small.Start({"--backend", "cpu", "--max-chunk-bytes", "4096", "--metrics-listen", "127.0.0.1:0"}, &error))
+      << error;
+  client::ClientOptions options;
+  options.endpoint = small.endpoint();
+  options.transport = "grpc";
+  options.chunk_bytes = 4096;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<client::Client> client, client::Client::Connect(options));
+  ASSERT_OK_AND_ASSIGN(v1::ServerInfo info, client->GetServerInfo());
+  const auto calls = [&](const std::string& method) {
+    const double count = SumOfSamples(ScrapeMetrics(info.metrics_address()), "muond_call_duration_seconds_count",
+                                      "method=\"" + method + "\"");
+    return count < 0 ? 0 : count;
+  };
+  for (const auto& [elements, whole] : std::vector<std::pair<int64_t, bool>>{{200000, true}, {262144, false}}) {
+    v1::SessionSpec spec;
+    v1::ParameterGroup* group = spec.add_groups();
+    group->set_name("sgd");
+    group->mutable_options()->set_optimizer(v1::OPTIMIZER_SGD);
+    group->mutable_options()->set_lr(0.5);
+    v1::ParameterSpec* p = spec.add_parameters();
+    p->set_name("p");
+    p->add_shape(elements);
+    p->set_group("sgd");
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<client::Session> session,
+                         client->CreateSession("limit-" + std::to_string(elements), spec));
+    const std::vector<float> zeros(static_cast<size_t>(elements), 0.0f), ones(static_cast<size_t>(elements), 1.0f);
+    ASSERT_OK(session->UploadParameters(std::vector<client::TensorView>{{"p", {elements}, zeros}}));
+    const double wholes = calls("StepWhole"), streams = calls("Step");
+    ASSERT_OK_AND_ASSIGN(client::StepReply reply,
+                         session->Step(1, std::vector<client::TensorView>{{"p", {elements}, ones}}));
+    EXPECT_EQ(reply.parameters.at("p"), std::vector<float>(static_cast<size_t>(elements), -0.5f)) << elements;
+    EXPECT_TRUE(Eventually([&] {
+      return calls("StepWhole") == wholes + (whole ? 1 : 0) && calls("Step") == streams + (whole ? 0 : 1);
+    })) << elements
+        << " elements: StepWhole " << calls("StepWhole") << ", Step " << calls("Step");
+    ASSERT_OK(session->Close());
+  }
 }
 
 }  // namespace

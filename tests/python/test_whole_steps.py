@@ -1,7 +1,7 @@
 """StepWhole: a small step's Step-stream messages in one call and its answer in one, against the
 real daemon. The gRPC transport takes it for steps whose gradients and answer are each at most
-``WHOLE_STEP_BYTES``, and the Step stream for larger ones; both give the same parameters bit for
-bit. A whole step keeps every rule of the stream (a resent step is answered from the record, a
+``WHOLE_STEP_BYTES`` and fit the daemon's message limit, and the Step stream for larger ones; both
+give the same parameters bit for bit. A whole step keeps every rule of the stream (a resent step is answered from the record, a
 missing chunk applies nothing), and a request that is not a StepMessages is refused naming it,
 with nothing applied."""
 
@@ -63,6 +63,22 @@ def test_small_steps_go_whole_and_equal_streamed_ones(endpoint, monkeypatch):
     streamed = train(endpoint)
     assert (calls.wholes, calls.streams) == (4, 4)
     assert_bitwise(whole, streamed, "parameters after whole and streamed steps")
+
+
+@pytest.mark.parametrize("elements, calls", [(200_000, (1, 0)), (262_144, (0, 1))], ids=["800KB", "1MiB"])
+def test_a_whole_step_fits_the_daemons_message_limit(start_daemon, monkeypatch, elements, calls):
+    # --max-chunk-bytes 4096 limits the daemon's messages to 1 MiB + 4 KiB: 800 KB of gradients in
+    # 4 KiB chunks still fit one call, 1 MiB with its chunks' fields does not and takes the stream
+    # (a StepWhole of it was refused RESOURCE_EXHAUSTED), both answered in full.
+    daemon = start_daemon("--max-chunk-bytes", "4096")
+    counted = Calls(monkeypatch)
+    param = torch.nn.Parameter(torch.zeros(elements))
+    with muond.RemoteOptimizer([{"params": [param], "optimizer": "sgd", "lr": 0.5}], endpoint=daemon.endpoint,
+                               transport="grpc", chunk_bytes=4096) as opt:
+        param.grad = torch.ones(elements)
+        opt.step()
+    assert (counted.wholes, counted.streams) == calls
+    assert torch.equal(param.detach(), torch.full((elements,), -0.5))
 
 
 def step_messages(session_id, number, pack=False):

@@ -35,6 +35,14 @@ from .streamed import Landing, StreamedTry, check_identity, end_of, identity_of
 # rather than on a Step stream: a stream costs a fixed ~1 ms more (the client's request and channel
 # threads, the daemon's reads and writes one message at a time), which only larger steps amortize.
 WHOLE_STEP_BYTES = 1 << 20
+# What a whole step's request and answer are taken to carry beyond their payload, against the daemon's
+# message limit (ServerInfo.max_message_bytes): per chunk, its TensorChunk's fields and framing
+# without the name (offset, dtype, a shape of up to 4 dimensions, the data's tag and length, the
+# message's and the list entry's tags and lengths), per parameter an answer_order entry or a sum of
+# squares, and the header or the StepResult with its groups' telemetry.
+WHOLE_STEP_CHUNK_OVERHEAD = 96
+WHOLE_STEP_PARAMETER_OVERHEAD = 16
+WHOLE_STEP_FIXED_OVERHEAD = 64 << 10
 
 
 class GrpcTransport(StepTransport):
@@ -75,14 +83,28 @@ class GrpcTransport(StepTransport):
             raise
 
     def _whole(self, grads: Grads) -> bool:
-        """Whether the step goes in one call (StepWhole): the daemon offers it, and the gradients
-        and the answer are each at most ``WHOLE_STEP_BYTES`` of payload."""
-        if not self.offer().whole_steps:
+        """Whether the step goes in one call (StepWhole): the daemon offers it, the gradients and
+        the answer are each at most ``WHOLE_STEP_BYTES`` of payload, and each fits the daemon's
+        message limit with the overheads above (a daemon with a small ``--max-chunk-bytes`` has a
+        limit of little more than 1 MiB, which a stream's messages keep one by one)."""
+        offer = self.offer()
+        if not offer.whole_steps:
             return False
         ctx = self.ctx
         sent = sum(wire.payload_bytes(g.numel(), ctx.wire_dtype) for _, g in grads)
         answered = sum(ctx.sizes.values()) * wire.itemsize(ctx.return_dtype)
-        return max(sent, answered) <= WHOLE_STEP_BYTES
+        if max(sent, answered) > WHOLE_STEP_BYTES:
+            return False
+
+        def overhead(tensors) -> int:
+            return WHOLE_STEP_FIXED_OVERHEAD + sum(
+                (len(name.encode()) + WHOLE_STEP_CHUNK_OVERHEAD) * chunks + WHOLE_STEP_PARAMETER_OVERHEAD
+                for name, chunks in tensors)
+
+        sent += overhead((name, wire.chunk_count(g.numel(), ctx.wire_dtype, ctx.chunk_bytes)) for name, g in grads)
+        answered += overhead((name, wire.chunk_count(n, ctx.return_dtype, ctx.chunk_bytes))
+                             for name, n in ctx.sizes.items())
+        return max(sent, answered) <= offer.max_message_bytes
 
     def offer(self) -> pb.ServerInfo:
         """The daemon's ServerInfo (packed chunks, streamed steps), asked once, and again after a
