@@ -1,9 +1,9 @@
 // Which of OpenBLAS's kernels the CPU backend's fp32 GEMMs run, and whether a better one exists.
 //
 // OpenBLAS built with DYNAMIC_ARCH (Debian's) picks its kernels as it loads, from the CPU's model
-// number, and falls back to the oldest (Prescott, SSE3) for a model newer than it knows: Debian 12's
-// 0.3.21 knows no Intel server CPU after Ice Lake, so on Sapphire Rapids and later its GEMMs run at a
-// fifth of what its own AVX-512 kernels reach there. OPENBLAS_CORETYPE overrides the choice, read only
+// number, and may fall back to its oldest (Prescott, SSE3) for a model newer than it knows: Debian
+// 12's 0.3.21 did so on an Emerald Rapids Xeon (family 6, model 207), where its own AVX-512 kernels
+// ran GEMMs about five times faster. OPENBLAS_CORETYPE overrides the choice, read only
 // as the library loads; the programs that run the CPU backend (the daemon, muondctl's offline
 // restores) therefore start themselves again under it (StartOnTheBestBlasKernel) when the choice
 // falls below what the CPU runs, and never when OPENBLAS_CORETYPE is already set.

@@ -1,6 +1,6 @@
 // The daemon's GEMMs run OpenBLAS's best kernels for this CPU (kernels/cpu/blas_kernel.h): started
 // without OPENBLAS_CORETYPE, the kernel its CPU backend reports is the one this CPU should run — on a
-// CPU newer than the OpenBLAS (Sapphire Rapids under Debian 12's 0.3.21, which falls back to Prescott)
+// CPU newer than the OpenBLAS (an Emerald Rapids Xeon under Debian 12's 0.3.21, which fell back to Prescott)
 // that is the daemon started again under OPENBLAS_CORETYPE, elsewhere OpenBLAS's own choice; an
 // OPENBLAS_CORETYPE given by whoever starts it is kept; `muond --print-blas-kernel` names the same.
 #include "kernels/cpu/blas_kernel.h"

@@ -56,7 +56,7 @@ TEST(BlasKernelTest, KernelsRankByTheInstructionsTheyUse) {
 }
 
 TEST(BlasKernelTest, OnlyAKernelBelowTheCpusTierIsReplaced) {
-  // The case that matters: Debian 12's OpenBLAS falls back to Prescott on Sapphire Rapids.
+  // The case that matters: Debian 12's OpenBLAS fell back to Prescott on an Emerald Rapids Xeon.
   EXPECT_EQ(KernelToForce("Prescott", SimdTier::kAvx512, /*cpu_has_avx512_bf16=*/true), "Cooperlake");
   EXPECT_EQ(KernelToForce("Prescott", SimdTier::kAvx512, false), "SkylakeX");
   EXPECT_EQ(KernelToForce("Haswell", SimdTier::kAvx512, true), "Cooperlake");
