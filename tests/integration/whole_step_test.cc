@@ -204,7 +204,8 @@ TEST_F(WholeStepTest, AWholeStepFitsTheDaemonsMessageLimit) {
                                       "method=\"" + method + "\"");
     return count < 0 ? 0 : count;
   };
-  for (const auto& [elements, whole] : std::vector<std::pair<int64_t, bool>>{{200000, true}, {262144, false}}) {
+  for (const auto& [elements, one_call] : std::vector<std::pair<int64_t, bool>>{{200000, true}, {262144, false}}) {
+    const bool whole = one_call;  // a copy the lambda below can capture (clang 14 captures no binding)
     v1::SessionSpec spec;
     v1::ParameterGroup* group = spec.add_groups();
     group->set_name("sgd");
