@@ -116,6 +116,7 @@ void CopyResult(const v1::StepResult& r, StepReply* reply) {
 
 Client::Client(ClientOptions options, std::shared_ptr<grpc::Channel> channel)
     : options_(std::move(options)),
+      chunk_bytes_(options_.chunk_bytes),
       channel_(std::move(channel)),
       stub_(v1::Muond::NewStub(channel_)),
       step_method_(kStepMethod, grpc::internal::RpcMethod::BIDI_STREAMING, channel_),
@@ -197,6 +198,17 @@ absl::StatusOr<v1::ServerInfo> Client::GetServerInfo() {
   return info;
 }
 
+absl::Status Client::FitChunksToDaemon() {
+  std::lock_guard<std::mutex> lock(chunk_mu_);
+  if (chunk_limit_asked_) return absl::OkStatus();
+  absl::StatusOr<v1::ServerInfo> info = GetServerInfo();
+  if (!info.ok()) return info.status();
+  const size_t limit = info->max_chunk_bytes();
+  if (limit > 0 && limit < chunk_bytes()) chunk_bytes_.store(limit, std::memory_order_relaxed);
+  chunk_limit_asked_ = true;
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::string> Client::SharedMemoryGrant(const v1::ServerInfo& info) {
   if (!info.shm_grants()) return std::string();
   grpc::ClientContext context;
@@ -209,6 +221,7 @@ absl::StatusOr<std::string> Client::SharedMemoryGrant(const v1::ServerInfo& info
 
 absl::StatusOr<std::unique_ptr<Session>> Client::CreateSession(const std::string& session_id,
                                                                const v1::SessionSpec& spec, std::optional<int> rank) {
+  if (absl::Status fitted = FitChunksToDaemon(); !fitted.ok()) return fitted;
   v1::CreateSessionRequest request;
   request.set_session_id(session_id);
   *request.mutable_spec() = spec;
@@ -350,7 +363,7 @@ absl::Status Session::UploadParameters(std::span<const TensorView> parameters) {
     if (!ok) break;
     if (parts_rank_.has_value() && tensor.values.empty()) continue;  // an empty part: nothing to send
     const v1::DType dtype = WireDType(tensor.name);
-    ok = wire::ForEachChunk(FirstChunk(tensor), tensor.values, dtype, client_->options().chunk_bytes,
+    ok = wire::ForEachChunk(FirstChunk(tensor), tensor.values, dtype, client_->chunk_bytes(),
                             [&](const v1::TensorChunk& meta, std::span<const float> values) {
                               request.Clear();
                               v1::TensorChunk* chunk = request.mutable_chunk();
@@ -443,7 +456,7 @@ absl::StatusOr<std::unique_ptr<StreamedStep>> Session::BeginStreamedStep(int64_t
   header.set_streamed(true);
   header.set_packed_answer(offer_->packed_chunks());
   header.set_return_dtype(options.return_dtype);
-  header.set_max_chunk_bytes(static_cast<uint32_t>(client_->options().chunk_bytes));
+  header.set_max_chunk_bytes(static_cast<uint32_t>(client_->chunk_bytes()));
   streamed->try_ = std::make_unique<GrpcStreamedTry>(*client_, *this, header);
   return streamed;
 }
@@ -552,7 +565,7 @@ absl::StatusOr<ParameterMap> Session::GetParametersOnce(int64_t* last_step, cons
   client_->PrepareContext(context);
   v1::GetParametersRequest request;
   request.set_session_id(id_);
-  request.set_max_chunk_bytes(static_cast<uint32_t>(client_->options().chunk_bytes));
+  request.set_max_chunk_bytes(static_cast<uint32_t>(client_->chunk_bytes()));
   if (parts_rank_.has_value()) request.set_rank(*parts_rank_);
   for (const std::string& name : names) request.add_names(name);
   auto reader = client_->stub().GetParameters(&context, request);

@@ -14,6 +14,7 @@
 // Thread-safety: a Client may be shared by threads; a Session must be used by one thread at a time.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -185,6 +186,9 @@ class Client {
   const grpc::internal::RpcMethod& whole_step_method() const { return whole_step_method_; }
   wire::SlicePool& slice_pool() { return *slice_pool_; }
   const ClientOptions& options() const { return options_; }
+  // The payload per chunk sent: ClientOptions::chunk_bytes, or the daemon's chunk limit
+  // (ServerInfo::max_chunk_bytes) when that is smaller, which the first CreateSession asks for.
+  size_t chunk_bytes() const { return chunk_bytes_.load(std::memory_order_relaxed); }
   // "grpc" or "shm": the transport steps use (ClientOptions::transport). Settled by the first step
   // (or the first call of this), not by Connect, so that connecting makes no call of its own.
   absl::StatusOr<std::string> Transport();
@@ -201,7 +205,12 @@ class Client {
   Client(ClientOptions options, std::shared_ptr<grpc::Channel> channel);
   // The transport options_.transport and the daemon's offer give (transport_choice.h), settled once.
   absl::StatusOr<const TransportKind*> SettledTransport();
+  // Lowers chunk_bytes_ to the daemon's chunk limit, asked once (a daemon refuses larger chunks).
+  absl::Status FitChunksToDaemon();
   ClientOptions options_;
+  std::mutex chunk_mu_;
+  bool chunk_limit_asked_ = false;  // guarded by chunk_mu_
+  std::atomic<size_t> chunk_bytes_;
   std::mutex transport_mu_;
   const TransportKind* transport_ = nullptr;  // null until settled
   std::shared_ptr<grpc::Channel> channel_;

@@ -94,7 +94,7 @@ bool GrpcStepTransport::Whole(const StepPayload& payload, const StepOptions& opt
   // per chunk its fields and framing but the name, per parameter an answer_order entry or a sum of
   // squares, and the header or the StepResult with its groups' telemetry.
   constexpr size_t kChunkOverhead = 96, kParameterOverhead = 16, kFixedOverhead = 64 << 10;
-  const size_t chunk_bytes = client_.options().chunk_bytes;
+  const size_t chunk_bytes = client_.chunk_bytes();
   size_t sent = 0, sent_size = kFixedOverhead;
   for (const TensorView& tensor : payload.gradients) {
     const v1::DType dtype = session_.WireDType(tensor.name);
@@ -116,7 +116,7 @@ bool GrpcStepTransport::Whole(const StepPayload& payload, const StepOptions& opt
 
 absl::StatusOr<StepReply> GrpcStepTransport::StepOnce(const v1::StepHeader& header, const StepPayload& payload,
                                                       const StepOptions& options) {
-  const size_t chunk_bytes = client_.options().chunk_bytes;
+  const size_t chunk_bytes = client_.chunk_bytes();
   if (!offer_.has_value()) {
     // Asked once per try at most, and not retried here: a daemon that cannot be reached fails this
     // try like the step itself would, and the session's retries go on.

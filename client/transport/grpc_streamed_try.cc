@@ -26,7 +26,7 @@ GrpcStreamedTry::~GrpcStreamedTry() {
 
 bool GrpcStreamedTry::Add(const TensorView& gradient) {
   if (!ok_) return false;
-  const size_t chunk_bytes = client_.options().chunk_bytes;
+  const size_t chunk_bytes = client_.chunk_bytes();
   wire::SlicePool& pool = client_.slice_pool();
   ok_ = wire::ForEachChunk(FirstChunk(gradient), gradient.values, session_.WireDType(gradient.name), chunk_bytes,
                            [&](const v1::TensorChunk& meta, std::span<const float> values) {

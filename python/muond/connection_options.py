@@ -71,7 +71,8 @@ class ConnectionOptions:
             saying why. ``opt.transport`` says which was chosen (also logged on the "muond"
             logger; with several daemons, each chooses its own, e.g. "grpc+shm"). Every step
             semantic is the same on all of them (retries, replays, ranks, shards).
-        chunk_bytes: size of the tensor chunks sent and asked for.
+        chunk_bytes: size of the tensor chunks sent and asked for; a daemon that takes smaller
+            ones (``muond --max-chunk-bytes``) gets chunks of its limit instead.
     """
     endpoint: Optional[str] = None
     endpoints: Optional[Sequence[str]] = None

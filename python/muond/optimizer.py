@@ -328,15 +328,21 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
         self._indices_of = [self.placement.parameters_of(k) for k in range(len(self.endpoints))]
 
     def _connect(self, connection: ConnectionOptions) -> None:
-        """One ``DaemonSession`` per daemon, connected (waiting up to ``connect_timeout``)."""
-        for k, address in enumerate(self.endpoints):
+        """One ``DaemonSession`` per daemon, connected (waiting up to ``connect_timeout``), with
+        chunks no larger than every daemon takes."""
+        conns = [connection.connect(address) for address in self.endpoints]
+        for conn in conns:
+            conn.wait_ready(connection.connect_timeout)
+        infos = [conn.server_info() for conn in conns]
+        self._fit_chunks_to(conns, infos)
+        for k, (conn, info) in enumerate(zip(conns, infos)):
             names_here = [self._names[i] for i in self._indices_of[k]]
-            daemon = DaemonSession(connection.connect(address), self.session_id, names_here,
+            daemon = DaemonSession(conn, self.session_id, names_here,
                                    self._by_name, wire_dtype=self.wire_dtype,
                                    partitioned=self.partitioned,
                                    return_dtype=self.return_dtype, chunk_bytes=self.chunk_bytes,
                                    rank=self.rank, zero_copy=self.shm_zero_copy,
-                                   answer_first=self._answer_first)
+                                   answer_first=self._answer_first, server_info=info)
             for name in names_here:
                 shape = self._tensor_shape(name, "moment2")
                 if shape != tuple(self._by_name[name].shape):
@@ -345,8 +351,17 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
         if len(self._sessions) > 1:
             self._pool = concurrent.futures.ThreadPoolExecutor(
                 max_workers=len(self._sessions), thread_name_prefix="muond-shard")
-        for daemon in self._sessions:
-            daemon.conn.wait_ready(connection.connect_timeout)
+
+    def _fit_chunks_to(self, conns: List[Connection], infos: List[pb.ServerInfo]) -> None:
+        """Lowers ``chunk_bytes`` to the smallest chunk limit of the daemons
+        (``--max-chunk-bytes``, ``ServerInfo.max_chunk_bytes``), which refuse larger chunks."""
+        limits = [(info.max_chunk_bytes, conn.endpoint) for conn, info in zip(conns, infos)
+                  if 0 < info.max_chunk_bytes < self.chunk_bytes]
+        if limits:
+            limit, endpoint = min(limits)
+            _log.info("chunks of %d bytes, not %d: the daemon at %s takes no larger ones",
+                      limit, self.chunk_bytes, endpoint)
+            self.chunk_bytes = limit
 
     @property
     def _conn(self) -> Connection:

@@ -76,6 +76,25 @@ TEST_F(HostileInputTest, APackedStepEqualsTheSameStepInChunks) {
   ASSERT_OK(twin->Close());
 }
 
+TEST_F(HostileInputTest, AClientSendsChunksNoLargerThanTheDaemonTakes) {
+  // The client's default chunks (1 MiB) exceed this daemon's limit, and "w" (8 KiB) in one chunk would
+  // be refused: the client asks for the limit at its first CreateSession and sends chunks of it, and
+  // trains exactly like the fixture's session (1 KiB chunks).
+  client::ClientOptions options = testing::TestClientOptions();
+  options.endpoint = daemon_->endpoint();
+  ASSERT_GT(options.chunk_bytes, kMaxChunkBytes);
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<client::Client> client, client::Client::Connect(options));
+  EXPECT_EQ(client->chunk_bytes(), options.chunk_bytes);
+  ASSERT_OK_AND_ASSIGN(auto twin, client->CreateSession(session_->id() + "-limit", Spec()));
+  EXPECT_EQ(client->chunk_bytes(), kMaxChunkBytes);
+  ASSERT_OK(twin->UploadParameters(Views(0)));
+  for (int s = 1; s <= kTrainedSteps; ++s) ASSERT_OK(twin->Step(s, Views(s)).status());
+  ASSERT_OK_AND_ASSIGN(client::ParameterMap got, twin->GetParameters());
+  ASSERT_OK_AND_ASSIGN(client::ParameterMap want, session_->GetParameters());
+  EXPECT_EQ(got, want);
+  ASSERT_OK(twin->Close());
+}
+
 TEST_F(HostileInputTest, AnAnswerIsPackedOnlyWhenAsked) {
   std::vector<v1::StepRequest> messages;
   for (const v1::TensorChunk& chunk : TensorChunks(kTrainedSteps + 1, 512)) messages.push_back(Single(chunk));

@@ -2,12 +2,12 @@
 bit-identical to steps over gRPC, and a process that dies leaving no region in the daemon. (ctest
 runs this whole suite twice, with MUOND_TRANSPORT=shm and =grpc, so every other test covers both.)"""
 
+import logging
 import subprocess
 import sys
 import textwrap
 import time
 
-import grpc
 import pytest
 import torch
 
@@ -16,7 +16,7 @@ from muond._stubs import pb
 from muond.client import Connection
 from muond.errors import translated
 
-from helpers import TinyNet, loss_of, params_of, clone_model
+from helpers import TinyNet, assert_bitwise, loss_of, params_of, clone_model
 
 
 def regions(endpoint):
@@ -159,6 +159,41 @@ def test_shm_steps_of_large_tensors_equal_grpc_steps_bit_for_bit(start_daemon, w
             assert over_shm.last_info.grad_norm == over_grpc.last_info.grad_norm
             for name in shapes:
                 assert torch.equal(a[name], b[name]), f"step {step}: {name}"
+
+
+def _train_in_two_shards(endpoints):
+    """Two AdamW steps, the state read and loaded again, a third step, in a session sharded over
+    ``endpoints``: (the chunk size used, the parameters, the state read)."""
+    torch.manual_seed(11)
+    params = {"w": torch.nn.Parameter(torch.randn(300, 300)), "v": torch.nn.Parameter(torch.randn(200, 300))}
+    with muond.RemoteOptimizer([{"params": list(params.values()), "optimizer": "adamw", "lr": 0.01}],
+                               endpoints=endpoints) as opt:
+        for step in range(1, 4):
+            for p in params.values():
+                p.grad = torch.randn(p.shape) * step
+            opt.step()
+            if step == 2:
+                state = opt.state_dict()
+                opt.load_state_dict(state)
+        return opt.chunk_bytes, {n: p.detach().clone() for n, p in params.items()}, state
+
+
+def test_chunks_fit_daemons_with_smaller_chunk_limits(endpoint, start_daemon, caplog):
+    # Daemons taking chunks of at most 4 and 8 KiB refuse the clients' default 1 MiB ones
+    # ("chunk.data: 360000 bytes for 'w' exceed the chunk limit"): the client sends chunks of the
+    # smaller limit to both, in the upload, the steps and the loaded state, and trains as against a
+    # daemon with the default limit, bit for bit.
+    small = [start_daemon("--max-chunk-bytes", str(limit)).endpoint for limit in (8192, 4096)]
+    with caplog.at_level(logging.INFO, logger="muond"):
+        chunk_bytes, got, got_state = _train_in_two_shards(small)
+    assert chunk_bytes == 4096
+    assert f"chunks of 4096 bytes, not 1048576: the daemon at {small[1]} takes no larger ones" in caplog.text
+    default_chunk_bytes, want, want_state = _train_in_two_shards([endpoint, start_daemon().endpoint])
+    assert default_chunk_bytes == 1 << 20
+    assert_bitwise(got, want, "parameters after steps in 4 KiB chunks")
+    for index, slots in want_state["state"].items():
+        for slot, value in slots.items():
+            assert torch.equal(torch.as_tensor(got_state["state"][index][slot]), torch.as_tensor(value)), (index, slot)
 
 
 def test_a_process_that_dies_leaves_no_region(endpoint, tmp_path):

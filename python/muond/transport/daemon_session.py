@@ -35,12 +35,14 @@ _log = logging.getLogger("muond")
 class DaemonSession:
     """The session ``session_id`` on the daemon behind ``conn``, holding the parameters
     ``names`` (a subset of ``by_name``, in the optimizer's order), for trainer rank ``rank``;
-    ``answer_first`` says which parameters a streamed answer should bring first (names)."""
+    ``answer_first`` says which parameters a streamed answer should bring first (names);
+    ``server_info``, the daemon's ``ServerInfo`` when the caller has asked for it already."""
 
     def __init__(self, conn: Connection, session_id: str, names: Sequence[str],
                  by_name: Dict[str, torch.Tensor], *, wire_dtype: str, return_dtype: str,
                  chunk_bytes: int, rank: int = 0, zero_copy: bool = False,
-                 answer_first: Callable[[], Sequence[str]] = tuple, partitioned: bool = False):
+                 answer_first: Callable[[], Sequence[str]] = tuple, partitioned: bool = False,
+                 server_info: Optional[pb.ServerInfo] = None):
         self.conn = conn
         # The session has partitioned groups: this rank uploads and reads back its parts.
         self.partitioned = partitioned
@@ -58,7 +60,9 @@ class DaemonSession:
         self._context = TransportContext(conn, session_id, tuple(self.names), self.sizes,
                                          self.by_name, wire_dtype, return_dtype, chunk_bytes, rank,
                                          zero_copy, answer_first)
-        self._facts = Facts(conn.server_info, Here(self.by_name.values()))
+        # The daemon's ServerInfo: the one given (already asked), else asked when first needed.
+        self._facts = Facts(conn.server_info if server_info is None else lambda: server_info,
+                            Here(self.by_name.values()))
         # gRPC until choose_transport (it needs nothing set up, so it serves before then too)
         self.transport: StepTransport = GrpcTransport(self._context, self._facts)
         self._wanted = "grpc"
