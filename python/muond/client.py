@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple, TypeVar
+from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple, TypeVar, Union
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -185,6 +185,12 @@ class Connection:
             response_deserializer=parse_step_response)
         # A whole step in one call (StepWhole): the same messages, framed by framing.py as bytes.
         self._step_whole = self._channel.unary_unary("/muond.v1.Muond/StepWhole")
+        # Steps over shared memory and CUDA IPC, taking their requests encoded (transport/slots.py
+        # keeps the encoding of what does not change between steps).
+        self._step_shared = self._channel.unary_unary(
+            "/muond.v1.Muond/StepShared", response_deserializer=pb.StepSharedResponse.FromString)
+        self._step_cuda = self._channel.unary_unary(
+            "/muond.v1.Muond/StepCuda", response_deserializer=pb.StepSharedResponse.FromString)
         self._closed = False
         _OPEN_CONNECTIONS.add(self)
 
@@ -379,11 +385,12 @@ class Connection:
                 metadata=self._metadata)
         return reply.byte_size
 
-    def step_shared(self, request: pb.StepSharedRequest) -> pb.StepResult:
-        """Runs one step whose tensors are in registered shared-memory regions."""
+    def step_shared(self, request: Union[bytes, pb.StepSharedRequest]) -> pb.StepResult:
+        """Runs one step whose tensors are in registered shared-memory regions (``request``: the
+        message or its encoding)."""
         with translated("StepShared"):
-            return self._stub.StepShared(request, timeout=self.timeout,
-                                         metadata=self._metadata).result
+            return self._step_shared(_encoded(request), timeout=self.timeout,
+                                     metadata=self._metadata).result
 
     def register_cuda_memory(self, request: "pb.RegisterCudaMemoryRequest") -> int:
         """Registers an exported device allocation (CUDA IPC); returns its size."""
@@ -396,10 +403,12 @@ class Connection:
             self._stub.UnregisterCudaMemory(pb.UnregisterCudaMemoryRequest(name=name),
                                             timeout=self.timeout, metadata=self._metadata)
 
-    def step_cuda(self, request: pb.StepSharedRequest) -> pb.StepResult:
-        """Runs one step whose tensors are in registered CUDA IPC regions."""
+    def step_cuda(self, request: Union[bytes, pb.StepSharedRequest]) -> pb.StepResult:
+        """Runs one step whose tensors are in registered CUDA IPC regions (``request``: the message
+        or its encoding)."""
         with translated("StepCuda"):
-            return self._stub.StepCuda(request, timeout=self.timeout, metadata=self._metadata).result
+            return self._step_cuda(_encoded(request), timeout=self.timeout,
+                                   metadata=self._metadata).result
 
     def open_nccl_channel(self, session_id: str, rank: int) -> "pb.OpenNcclChannelResponse":
         """Has the daemon create a two-rank NCCL communicator for this trainer rank; the answer
@@ -494,6 +503,10 @@ class Connection:
         with _RequestStream(requests()) as stream, translated("SetState"):
             return stream.finish(self._stub.SetState(
                 stream, timeout=self.timeout, metadata=self._metadata)).last_step
+
+
+def _encoded(request: Union[bytes, pb.StepSharedRequest]) -> bytes:
+    return request if isinstance(request, bytes) else request.SerializeToString()
 
 
 def _take_answer(response, into: ChunkAssembler, result: Optional[pb.StepResult],

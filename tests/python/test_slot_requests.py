@@ -1,6 +1,6 @@
 """The requests of the slot transports (shared memory, CUDA IPC) with their unchanging parts kept
-between steps (muond/transport/slots.py, SlotRequests): each one names every slot as a request
-built from scratch does, and every gradient lands in its slots, whichever way it was copied."""
+between steps, encoded (muond/transport/slots.py, SlotRequests): each one reads as the request built
+from scratch, and every gradient lands in its slots, whichever way it was copied."""
 
 import torch
 
@@ -40,6 +40,10 @@ def _expected(ctx, offsets, region, grads):
     return request
 
 
+def _read(request: bytes) -> pb.StepSharedRequest:
+    return pb.StepSharedRequest.FromString(request)
+
+
 def _grads(step, names=tuple(SHAPES)):
     return [(name, torch.arange(torch.Size(SHAPES[name]).numel(), dtype=torch.float32).view(SHAPES[name])
              + 100 * step + 10 * i) for i, name in enumerate(names)]
@@ -57,7 +61,7 @@ def test_kept_requests_name_every_slot_and_every_gradient_lands_in_its_slots():
             expected.header.CopyFrom(header)
             expected.header.ClearField("return_dtype")
             expected.header.ClearField("num_chunks")
-            assert request == expected, (wire_dtype, names)
+            assert _read(request) == expected, (wire_dtype, names)
             for name, g in grads:
                 slots = view(offsets[name], g.numel(), wire.torch_dtype(wire_dtype))
                 assert torch.equal(slots, g.reshape(-1).to(slots.dtype)), (wire_dtype, name)
@@ -72,16 +76,17 @@ def test_gradients_a_streamed_try_wrote_are_not_written_again_and_another_block_
     requests = SlotRequests(ctx, offsets)
     grads = _grads(0)
     before = view(offsets["b"], 4, torch.float32).clone()
-    request, _ = requests.request(pb.StepHeader(step=1), "region-1", view, grads, written={"b"})
+    request = _read(requests.request(pb.StepHeader(step=1), "region-1", view, grads, written={"b"})[0])
     assert torch.equal(view(offsets["b"], 4, torch.float32), before)  # left as the streamed try wrote it
     assert torch.equal(view(offsets["a"], 3, torch.float32), grads[0][1])
     assert [g.name for g in request.gradients] == ["a", "b", "c"]  # b named all the same
 
     _, other_block, other_view = _setup()[1:]  # a block registered anew (the daemon restarted)
-    request, views = requests.request(pb.StepHeader(step=2), "region-2", other_view, _grads(1))
+    encoded, views = requests.request(pb.StepHeader(step=2), "region-2", other_view, _grads(1))
+    request = _read(encoded)
     assert {g.region for g in request.gradients} | {p.region for p in request.parameters} == {"region-2"}
     assert views["a"].data_ptr() == other_block.data_ptr() + offsets["a"]
     assert torch.equal(other_view(offsets["c"], 5, torch.float32), _grads(1)[2][1])
     # The same memory registered again under another name (CUDA IPC keeps its buffer).
-    request, _ = requests.request(pb.StepHeader(step=3), "region-3", other_view, _grads(2))
+    request = _read(requests.request(pb.StepHeader(step=3), "region-3", other_view, _grads(2))[0])
     assert {g.region for g in request.gradients} | {p.region for p in request.parameters} == {"region-3"}

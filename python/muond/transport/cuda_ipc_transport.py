@@ -140,7 +140,7 @@ class CudaIpcTransport(StepTransport):
             self.open()
         return self.region, self._buffer.view
 
-    def send(self, request: pb.StepSharedRequest) -> pb.StepResult:
+    def send(self, request: bytes) -> pb.StepResult:
         """Runs ``request`` once the work on this device's current stream (the gradients'
         copies into the buffer) is done: the daemon waits for the recorded event."""
         from .cuda_runtime import current_stream_handle  # noqa: PLC0415 - needs CUDA

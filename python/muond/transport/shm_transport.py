@@ -95,7 +95,7 @@ class ShmTransport(StepTransport):
             self._register()
         return self._region_name, self._region.tensor
 
-    def send(self, request: pb.StepSharedRequest) -> pb.StepResult:
+    def send(self, request: bytes) -> pb.StepResult:
         with forgotten_when_lost(self.close, "region", "StepShared"):
             return self.ctx.conn.step_shared(request)
 

@@ -8,9 +8,9 @@ the gradients. A daemon that lost the block (it restarted) has the transport reg
 A streamed try (``SlotStreamedTry``) writes each gradient into its slots as backward produces it.
 
 ``SlotRequests`` (one per transport, used from the thread stepping its session) keeps what does not
-change from one step to the next: the request's tensor references and the views of the slots, for
-the last few (block, set of gradients) it saw, so that a step costs its copies and one call, not
-two protobuf entries and two tensor views per parameter. Gradients whose slots lie end to end
+change from one step to the next: the request's tensor references, encoded, and the views of the
+slots, for the last few (block, set of gradients) it saw, so that a step costs its copies, one small
+header's encoding and one call, not two protobuf entries and two tensor views per parameter. Gradients whose slots lie end to end
 (fp32 on the wire, in the session's order) go in with one ``torch.cat`` when they are small
 enough that the threaded copy would not split them, or on a CUDA device (one kernel).
 """
@@ -58,8 +58,8 @@ class SlotTransport(Protocol):
     def ready(self) -> Tuple[str, View]:
         """(the block's registered name, its view), registering it first when needed."""
 
-    def send(self, request: pb.StepSharedRequest) -> pb.StepResult:
-        """Runs one step call over the block."""
+    def send(self, request: bytes) -> pb.StepResult:
+        """Runs one step call over the block (``request``: a StepSharedRequest's encoding)."""
 
 
 def gradient_copy(ctx: TransportContext, offsets: Dict[str, int], view: View, name: str,
@@ -79,10 +79,10 @@ def write_gradient(ctx: TransportContext, offsets: Dict[str, int], view: View, n
 Entry = Tuple[str, int, int]  # (tensor name, byte offset in the block, elements)
 
 
-def template_request(region: str, gradients: Sequence[Entry], wire_dtype: str, parameters: Sequence[Entry],
-                     return_dtype: str) -> pb.StepSharedRequest:
-    """A StepSharedRequest without its header: each gradient's and each parameter's
-    ``SharedTensor`` in the block ``region``, in the wire and the return dtype."""
+def encoded_entries(region: str, gradients: Sequence[Entry], wire_dtype: str, parameters: Sequence[Entry],
+                    return_dtype: str) -> bytes:
+    """The encoding of a StepSharedRequest without its header: each gradient's and each
+    parameter's ``SharedTensor`` in the block ``region``, in the wire and the return dtype."""
     request = pb.StepSharedRequest()
     for entries, dtype, field in ((gradients, wire_dtype, request.gradients),
                                   (parameters, return_dtype, request.parameters)):
@@ -90,7 +90,16 @@ def template_request(region: str, gradients: Sequence[Entry], wire_dtype: str, p
         for name, offset, numel in entries:
             field.add(name=name, region=region, offset=offset, byte_size=numel * itemsize,
                       dtype=wire.dtype_enum(dtype))
-    return request
+    return request.SerializeToString()
+
+
+def shared_request(header: pb.StepHeader, entries: bytes) -> bytes:
+    """The encoding of one try's StepSharedRequest: ``header``, less the fields of chunked steps,
+    then ``entries`` (``encoded_entries``'s). Protobuf reads the two as one message."""
+    request = pb.StepSharedRequest(header=header)
+    request.header.ClearField("return_dtype")
+    request.header.ClearField("num_chunks")
+    return request.SerializeToString() + entries
 
 
 def keep(cache: Dict[tuple, Any], key: tuple, value: Any, most: int = 4) -> Any:
@@ -102,10 +111,10 @@ def keep(cache: Dict[tuple, Any], key: tuple, value: Any, most: int = 4) -> Any:
 
 
 class _Layout(NamedTuple):
-    """What one (block, gradients) pair's requests share: the tensor references (no header), each
+    """What one (block, gradients) pair's requests share: the tensor references (encoded), each
     gradient's slots, one view over all of them when they lie end to end, and each parameter's
     slots (where its value comes back)."""
-    template: pb.StepSharedRequest
+    entries: bytes
     grad_slots: Dict[str, torch.Tensor]
     all_grads: Optional[torch.Tensor]
     views: Dict[str, torch.Tensor]
@@ -132,7 +141,7 @@ class SlotRequests:
             return layout
         ctx, offsets = self._ctx, self._offsets
         wire_dtype, out_dtype = wire.torch_dtype(ctx.wire_dtype), wire.torch_dtype(ctx.return_dtype)
-        template = template_request(region, [(name, offsets[name], numel) for name, numel in zip(names, numels)],
+        entries = encoded_entries(region, [(name, offsets[name], numel) for name, numel in zip(names, numels)],
                                     ctx.wire_dtype, [(name, offsets[name], ctx.sizes[name]) for name in ctx.names],
                                     ctx.return_dtype)
         grad_slots = {name: view(offsets[name], numel, wire_dtype) for name, numel in zip(names, numels)}
@@ -147,12 +156,12 @@ class SlotRequests:
             offsets[b] == offsets[a] + SLOT_BYTES * n for a, b, n in zip(names, names[1:], numels))
         all_grads = view(offsets[names[0]], sum(numels), wire_dtype) if end_to_end else None
         # The usual step needs one layout; steps leaving some gradients out, a few more.
-        return keep(self._layouts, key, _Layout(template, grad_slots, all_grads, views, owner))
+        return keep(self._layouts, key, _Layout(entries, grad_slots, all_grads, views, owner))
 
     @torch.no_grad()
     def request(self, header: pb.StepHeader, region: str, view: View, grads: Grads,
-                written: AbstractSet[str] = frozenset()) -> Tuple[pb.StepSharedRequest, Dict[str, torch.Tensor]]:
-        """The request of one try over the block ``region`` (seen through ``view``), with every
+                written: AbstractSet[str] = frozenset()) -> Tuple[bytes, Dict[str, torch.Tensor]]:
+        """The request of one try (encoded) over the block ``region`` (seen through ``view``), with every
         gradient written into its slots (before every try: an answer overwrites them) unless it
         is one of ``written`` (a streamed try wrote those as they came), and the views the
         parameters will be in after it."""
@@ -160,11 +169,7 @@ class SlotRequests:
         names = tuple(name for name, _ in grads)
         numels = tuple(g.numel() for _, g in grads)
         layout = self._layout(region, view, names, numels)
-        request = pb.StepSharedRequest()
-        request.CopyFrom(layout.template)
-        request.header.CopyFrom(header)
-        request.header.ClearField("return_dtype")
-        request.header.ClearField("num_chunks")
+        request = shared_request(header, layout.entries)
         to_write = [(name, g.reshape(-1)) for name, g in grads if name not in written]  # (no_grad: untracked)
         together = layout.all_grads
         if (together is not None and not written
@@ -207,7 +212,7 @@ class SlotStreamedTry(StreamedTry):
         self._transport = transport
         self._begun = identity_of(header)
         self._written: Dict[str, torch.Tensor] = {}
-        self._request: Optional[pb.StepSharedRequest] = None
+        self._request: Optional[bytes] = None
         self._views: Dict[str, torch.Tensor] = {}
 
     def add(self, name: str, grad: torch.Tensor) -> None:

@@ -22,7 +22,7 @@ import torch
 from .._stubs import pb
 from . import host_copy
 from .base import Grads, TransportContext
-from .slots import SLOT_BYTES, View, keep, template_request
+from .slots import SLOT_BYTES, View, encoded_entries, keep, shared_request
 
 
 class ZeroCopyArea:
@@ -41,9 +41,9 @@ class ZeroCopyArea:
         self.nbytes = 2 * SLOT_BYTES * total
         self._view: Optional[View] = None
         self._grad_ptrs: Dict[str, int] = {}  # where each gradient's slots begin, once adopted
-        # The requests' tensor entries (no header) by (region, gradients named, their sizes): the
-        # same from one step to the next.
-        self._templates: Dict[tuple, pb.StepSharedRequest] = {}
+        # The requests' tensor entries (encoded, no header) by (region, gradients named, their
+        # sizes): the same from one step to the next.
+        self._templates: Dict[tuple, bytes] = {}
 
     def _param_view(self, name: str) -> torch.Tensor:
         return self._view(self.param_offsets[name], self._ctx.sizes[name], torch.float32)
@@ -71,8 +71,8 @@ class ZeroCopyArea:
                 param.grad = self._grad_view(name).view(param.shape)
 
     @torch.no_grad()
-    def request(self, header: pb.StepHeader, region: str, grads: Grads) -> pb.StepSharedRequest:
-        """The request of one try: each gradient referenced where it lies in the region (copied
+    def request(self, header: pb.StepHeader, region: str, grads: Grads) -> bytes:
+        """The request of one try (encoded): each gradient referenced where it lies in the region (copied
         in first, and its ``.grad`` pointed there, when backward put it elsewhere), and every
         parameter's slots as where its value goes, in place in the model."""
         moved = [(name, g) for name, g in grads if g.data_ptr() != self._grad_ptrs[name]]
@@ -81,21 +81,16 @@ class ZeroCopyArea:
             param = self._ctx.by_name[name]
             if param.grad is g:
                 param.grad = self._grad_view(name).view(param.shape)
-        request = pb.StepSharedRequest()
-        request.CopyFrom(self._template(region, grads))
-        request.header.CopyFrom(header)
-        request.header.ClearField("return_dtype")
-        request.header.ClearField("num_chunks")
-        return request
+        return shared_request(header, self._template(region, grads))
 
-    def _template(self, region: str, grads: Grads) -> pb.StepSharedRequest:
+    def _template(self, region: str, grads: Grads) -> bytes:
         names = tuple(name for name, _ in grads)
         numels = tuple(g.numel() for _, g in grads)
         key = (region, names, numels)
         template = self._templates.get(key)
         if template is None:  # the usual step needs one; steps leaving gradients out, a few more
             sizes = self._ctx.sizes
-            template = keep(self._templates, key, template_request(
+            template = keep(self._templates, key, encoded_entries(
                 region, [(name, self.grad_offsets[name], numel) for name, numel in zip(names, numels)], "fp32",
                 [(name, self.param_offsets[name], sizes[name]) for name in self._ctx.names], "fp32"))
         return template
