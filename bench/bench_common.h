@@ -1,6 +1,6 @@
-// Shared pieces of the C++ benchmarks (ns_bench, step_bench): backend creation from flags, a
-// device sync, wall-clock timing, and the shapes, so that the torch script (ns_throughput.py) can
-// mirror them exactly. Header-only; not thread-safe (one benchmark thread).
+// Shared pieces of the C++ benchmarks (ns_bench, step_bench): the daemon's OpenBLAS kernels, backend
+// creation from flags, a device sync, wall-clock timing, and the shapes, so that the torch script
+// (ns_throughput.py) can mirror them exactly. Header-only; not thread-safe (one benchmark thread).
 #pragma once
 
 #include <algorithm>
@@ -16,8 +16,17 @@
 #include "absl/status/status.h"
 #include "kernels/backend.h"
 #include "kernels/backend_factory.h"
+#include "kernels/cpu/blas_kernel.h"
 
 namespace muond::bench {
+
+// Call first in main(): the CPU backend's GEMMs then run the OpenBLAS kernels the daemon's would
+// (kernels/cpu/blas_kernel.h: it starts again under a better kernel than OpenBLAS's own choice), so a
+// CPU figure is the daemon's; what changed is said on standard error.
+inline void StartOnTheDaemonsBlasKernel(char** argv) {
+  const kernels::BlasKernelNote note = kernels::DescribeBlasKernel(kernels::StartOnTheBestBlasKernel(argv));
+  if (!note.text.empty()) std::fprintf(stderr, "%s\n", note.text.c_str());
+}
 
 // One Newton–Schulz problem: `batch` matrices of rows×cols.
 struct NsShape {

@@ -151,6 +151,7 @@ int Run(const Flags& flags) {
 }  // namespace muond::bench
 
 int main(int argc, char** argv) {
+  muond::bench::StartOnTheDaemonsBlasKernel(argv);
   muond::bench::Flags flags;
   CLI::App app{"CPU GEMM peaks (OpenBLAS fp32, oneDNN fp32 and bf16) and muond's Newton-Schulz in fp32 and bf16"};
   app.add_option("--threads", flags.threads, "threads for the backend, OpenBLAS and oneDNN")

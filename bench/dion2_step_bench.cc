@@ -94,6 +94,7 @@ int Run(const Flags& flags) {
 }  // namespace muond::bench
 
 int main(int argc, char** argv) {
+  muond::bench::StartOnTheDaemonsBlasKernel(argv);
   muond::bench::Flags flags;
   CLI::App app{"One optimizer step: Dion2 at a fraction against full Muon"};
   app.add_option("--backend", flags.backend, "cpu, cuda or auto")->check(CLI::IsMember({"auto", "cpu", "cuda"}));

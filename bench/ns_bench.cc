@@ -110,6 +110,7 @@ int Run(const Flags& flags) {
 }  // namespace muond::bench
 
 int main(int argc, char** argv) {
+  muond::bench::StartOnTheDaemonsBlasKernel(argv);
   muond::bench::Flags flags;
   CLI::App app{"Newton-Schulz throughput of muond's backends (TFLOP/s)"};
   app.add_option("--backend", flags.backend, "cpu, cuda or auto")->check(CLI::IsMember({"auto", "cpu", "cuda"}));

@@ -159,6 +159,7 @@ int Run(const Flags& flags) {
 }  // namespace muond::bench
 
 int main(int argc, char** argv) {
+  muond::bench::StartOnTheDaemonsBlasKernel(argv);
   muond::bench::Flags flags;
   CLI::App app{"The crossover of ns_algorithm auto: Gram against standard Newton-Schulz per shape"};
   app.add_option("--backend", flags.backend, "cpu, cuda or auto")->check(CLI::IsMember({"auto", "cpu", "cuda"}));

@@ -158,6 +158,7 @@ int Run(const Flags& flags) {
 }  // namespace muond::bench
 
 int main(int argc, char** argv) {
+  muond::bench::StartOnTheDaemonsBlasKernel(argv);
   muond::bench::Flags flags;
   CLI::App app{"Whole optimizer step (Muon + AdamW) of muond on a GPT-2-small parameter set"};
   app.add_option("--backend", flags.backend, "cpu, cuda or auto")->check(CLI::IsMember({"auto", "cpu", "cuda"}));

@@ -45,8 +45,9 @@ cd "$build"
 ctest --output-on-failure --timeout 900 -j"$(nproc)" "$@"
 
 if [[ $# -eq 0 && ${MUOND_OTHER_KERNEL_PASS:-1} != 0 ]]; then
-  kernel=$("$root/scripts/other-blas-kernel.sh")
-  echo "test: the numerics-sensitive tests again under OpenBLAS's $kernel kernel ($("$root/scripts/other-blas-kernel.sh" --why))"
+  kernel=$(MUOND_BINARY="$build/muond" "$root/scripts/other-blas-kernel.sh")
+  echo "test: the numerics-sensitive tests again under OpenBLAS's $kernel kernel" \
+    "($(MUOND_BINARY="$build/muond" "$root/scripts/other-blas-kernel.sh" --why))"
   export OPENBLAS_CORETYPE=$kernel
   ctest --output-on-failure --timeout 900 -j"$(nproc)" -L numerics
   # Bounded like ctest's Python tests (900 s), so that a hang fails the run instead of stalling it.
