@@ -16,9 +16,10 @@ chunk is written, while the rest are still arriving (``RemoteOptimizer(land_in_f
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import queue
 import threading
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 import grpc
 import torch
@@ -43,6 +44,14 @@ WHOLE_STEP_BYTES = 1 << 20
 WHOLE_STEP_CHUNK_OVERHEAD = 96
 WHOLE_STEP_PARAMETER_OVERHEAD = 16
 WHOLE_STEP_FIXED_OVERHEAD = 64 << 10
+
+
+def _overhead(tensors: Iterable[Tuple[str, int]]) -> int:
+    """What a whole step's request or answer carries beyond the payload of ``tensors`` (name,
+    chunks), by the allowances above."""
+    return WHOLE_STEP_FIXED_OVERHEAD + sum(
+        (len(name.encode()) + WHOLE_STEP_CHUNK_OVERHEAD) * chunks + WHOLE_STEP_PARAMETER_OVERHEAD
+        for name, chunks in tensors)
 
 
 class GrpcTransport(StepTransport):
@@ -92,19 +101,20 @@ class GrpcTransport(StepTransport):
             return False
         ctx = self.ctx
         sent = sum(wire.payload_bytes(g.numel(), ctx.wire_dtype) for _, g in grads)
-        answered = sum(ctx.sizes.values()) * wire.itemsize(ctx.return_dtype)
-        if max(sent, answered) > WHOLE_STEP_BYTES:
+        answer_payload, answer_size = self._answer_bytes
+        if max(sent, answer_payload) > WHOLE_STEP_BYTES:
             return False
+        sent += _overhead((name, wire.chunk_count(g.numel(), ctx.wire_dtype, ctx.chunk_bytes)) for name, g in grads)
+        return max(sent, answer_size) <= offer.max_message_bytes
 
-        def overhead(tensors) -> int:
-            return WHOLE_STEP_FIXED_OVERHEAD + sum(
-                (len(name.encode()) + WHOLE_STEP_CHUNK_OVERHEAD) * chunks + WHOLE_STEP_PARAMETER_OVERHEAD
-                for name, chunks in tensors)
-
-        sent += overhead((name, wire.chunk_count(g.numel(), ctx.wire_dtype, ctx.chunk_bytes)) for name, g in grads)
-        answered += overhead((name, wire.chunk_count(n, ctx.return_dtype, ctx.chunk_bytes))
-                             for name, n in ctx.sizes.items())
-        return max(sent, answered) <= offer.max_message_bytes
+    @functools.cached_property
+    def _answer_bytes(self) -> Tuple[int, int]:
+        """(payload, payload and overheads) of a whole step's answer: every parameter of the
+        session in the answers' dtype, the same at every step."""
+        ctx = self.ctx
+        payload = sum(ctx.sizes.values()) * wire.itemsize(ctx.return_dtype)
+        return payload, payload + _overhead((name, wire.chunk_count(n, ctx.return_dtype, ctx.chunk_bytes))
+                                            for name, n in ctx.sizes.items())
 
     def offer(self) -> pb.ServerInfo:
         """The daemon's ServerInfo (packed chunks, streamed steps), asked once, and again after a
