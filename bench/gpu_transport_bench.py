@@ -9,7 +9,11 @@ SGD session with a tiny lr (so the daemon's compute is negligible) is stepped --
 parameters are in place on the device). Printed per size, as medians: the copy figure (the
 gradients to the daemon's device and the parameters back, two torch copies of the same bytes: what
 any transport has to move), each transport's step, the daemon's compute time, and for cuda_ipc the
-ratio copy / step (target: at least 0.8).
+ratio copy / step (target: at least 0.8). Then, per size and transport, where a step's time went:
+the daemon's handler of the call that carried it and its phases (receive: the gradients, for CUDA
+IPC the wait for the client's event; compute; send: the answer, for CUDA IPC the final
+synchronize), as means from the daemon's metrics (daemon_metrics.py), and the rest (the client and
+the call).
 
     python3 bench/gpu_transport_bench.py [--binary build/muond] [--sizes-m 1 16 64] [--steps 20]
 """
@@ -25,18 +29,24 @@ from pathlib import Path
 
 import torch
 
+import daemon_metrics
+from bench_daemon import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 @contextlib.contextmanager
 def cuda_daemon(binary: Path, device: int):
-    """Yields the endpoint of `muond --backend cuda --device DEVICE` on a free loopback port."""
+    """Yields (the endpoint, the metrics port) of `muond --backend cuda --device DEVICE` on free
+    loopback ports."""
     with tempfile.TemporaryDirectory() as tmp:
         port_file = Path(tmp) / "port"
         log = Path(tmp) / "muond.log"
+        metrics_port = free_port()
         with open(log, "wb") as out:
             proc = subprocess.Popen([str(binary), "--listen", "127.0.0.1:0", "--port-file", str(port_file),
-                                     "--backend", "cuda", "--device", str(device), "--log-level", "warn"],
+                                     "--backend", "cuda", "--device", str(device), "--log-level", "warn",
+                                     "--metrics-listen", f"127.0.0.1:{metrics_port}"],
                                     stdout=out, stderr=subprocess.STDOUT)
             try:
                 deadline = time.monotonic() + 60
@@ -45,7 +55,7 @@ def cuda_daemon(binary: Path, device: int):
                         raise RuntimeError(f"muond --backend cuda --device {device} did not start:\n"
                                            + log.read_text(errors="replace")[-4000:])
                     time.sleep(0.02)
-                yield f"127.0.0.1:{int(port_file.read_text())}"
+                yield f"127.0.0.1:{int(port_file.read_text())}", metrics_port
             finally:
                 proc.terminate()
                 proc.wait()
@@ -64,10 +74,13 @@ def make_params(total: int, tensors: int, device: torch.device):
     return params
 
 
-def median_seconds(fn, warmup: int, steps: int, device: torch.device):
+def median_seconds(fn, warmup: int, steps: int, device: torch.device, timed_start=lambda: None):
+    """The median time of `steps` calls of `fn` after `warmup` untimed ones (`timed_start` is
+    called between them)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize(device)
+    timed_start()
     times = []
     for _ in range(steps):
         start = time.perf_counter()
@@ -91,9 +104,11 @@ def copy_figure(total: int, device: torch.device, peer: torch.device, warmup: in
     return median_seconds(both_ways, warmup, steps, device)
 
 
-def step_time(muond, endpoint: str, transport: str, params, warmup: int, steps: int, device):
+def step_time(muond, endpoint: str, transport: str, params, warmup: int, steps: int, device,
+              timed_start=lambda: None):
     """(median step seconds, median daemon compute seconds, chosen transport) of an SGD session
-    over `transport`, or None with the reason when it cannot be used."""
+    over `transport`, or None with the reason when it cannot be used; `timed_start` is called
+    before the timed steps."""
     groups = [{"params": params, "optimizer": "sgd", "lr": 1e-12}]
     try:
         opt = muond.RemoteOptimizer(groups, endpoint=endpoint, transport=transport,
@@ -105,7 +120,7 @@ def step_time(muond, endpoint: str, transport: str, params, warmup: int, steps: 
         def one():
             opt.step()
             computes.append(opt.last_info.compute_seconds)
-        seconds = median_seconds(one, warmup, steps, device)
+        seconds = median_seconds(one, warmup, steps, device, timed_start)
         return (seconds, statistics.median(computes[warmup:]), opt.transport), ""
     finally:
         opt.close()
@@ -141,16 +156,16 @@ def main():
           f"torch {torch.__version__}; {args.tensors} tensors, median of {args.steps} steps", flush=True)
 
     with contextlib.ExitStack() as stack:
-        main_endpoint = stack.enter_context(cuda_daemon(args.binary, args.daemon_device))
-        nccl_endpoint = None
+        main_endpoint, main_metrics = stack.enter_context(cuda_daemon(args.binary, args.daemon_device))
+        nccl_endpoint, nccl_metrics = None, None
         if "nccl" in args.transports and nccl_device is not None:
-            nccl_endpoint = stack.enter_context(cuda_daemon(args.binary, nccl_device))
+            nccl_endpoint, nccl_metrics = stack.enter_context(cuda_daemon(args.binary, nccl_device))
         header = f"{'elements':>9} {'MiB/way':>8} {'copy ms':>8}"
         for t in args.transports:
             header += f" {t + ' ms':>12}"
         header += f" {'compute ms':>10} {'copy/ipc':>8} {'ipc GB/s':>8}"
         print(header, flush=True)
-        notes = []
+        notes, spent = [], []
         for size_m in args.sizes_m:
             total = int(size_m * 1_000_000)
             params = make_params(total, args.tensors, device)
@@ -164,13 +179,21 @@ def main():
                     row += f" {'n/a':>12}"
                     notes.append(f"{transport}: needs a second GPU for the daemon")
                     continue
-                timing, why = step_time(muond, endpoint, transport, params, args.warmup, args.steps, device)
+                metrics_port = nccl_metrics if transport == "nccl" else main_metrics
+                read = {}
+                timing, why = step_time(muond, endpoint, transport, params, args.warmup, args.steps, device,
+                                        lambda port=metrics_port: read.update(before=daemon_metrics.read(port)))
+
                 if timing is None:
                     row += f" {'n/a':>12}"
                     notes.append(f"{total / 1e6:.0f}M {transport}: {why}")
                     continue
-                seconds, daemon_compute, _ = timing
+                seconds, daemon_compute, chosen = timing
                 row += f" {seconds * 1e3:>12.2f}"
+                # Means over the timed steps (and the session's close, which is no step).
+                where = daemon_metrics.breakdown(read["before"], daemon_metrics.read(metrics_port), chosen)
+                spent.append(f"{total / 1e6:>8.0f}M {chosen:<9} step {seconds * 1e3:8.3f} ms: {where.describe()}, "
+                             f"the rest {(seconds - where.handler) * 1e3:.3f} ms")
                 if transport == "cuda_ipc":
                     ipc_s, compute = seconds, daemon_compute
                 elif compute is None:
@@ -183,6 +206,10 @@ def main():
             torch.cuda.empty_cache()
         for note in dict.fromkeys(notes):
             print(f"  note: {note}")
+        print("where a step went (the step a median; the handler and its phases means over the timed steps, "
+              "from the daemon's metrics; the rest: the client and the call):")
+        for line in spent:
+            print(f"  {line}")
     print("copy/ipc: the copy figure over the cuda_ipc step (target >= 0.8); ipc GB/s: both ways' "
           "bytes over the cuda_ipc step")
 

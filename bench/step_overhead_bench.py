@@ -6,7 +6,8 @@ stepped --warmup times and then --steps timed times per transport. Printed, as m
 (a GetServerInfo call on a channel of its own: one unary gRPC round trip on the same loopback,
 nothing in it), each transport's opt.step(), its ratio to the floor, and the part spent in the
 daemon's handler (muond_call_duration_seconds of the call that carried the steps, a mean over the
-timed steps), the rest being the client's: the Python around the call and gRPC's own cost.
+timed steps) with its step phases (daemon_metrics.py), the rest being the client's: the Python around
+the call and gRPC's own cost.
 
 "grpc" steps this small go in one StepWhole call (docs/protocol.md, Steps in one call);
 "grpc-stream" forces them onto the Step stream, as larger steps go, for the comparison.
@@ -18,27 +19,14 @@ call, slot views, the step's answer), so the shm row bounds what its fixed cost 
 """
 
 import argparse
-import re
 import statistics
 import sys
 import time
-import urllib.request
 
 import torch
 
+import daemon_metrics
 from bench_daemon import REPO, cpu_daemon, free_port
-
-_CALL = re.compile(r'muond_call_duration_seconds_(sum|count)\{method="(\w+)"[^}]*\} (\S+)')
-
-
-def handler_seconds(metrics_port: int) -> dict:
-    """{method: (sum, count)} of the daemon's call durations."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
-    out = {}
-    for kind, method, value in _CALL.findall(text):
-        total, count = out.get(method, (0.0, 0.0))
-        out[method] = (total + float(value), count) if kind == "sum" else (total, count + float(value))
-    return out
 
 
 def main():
@@ -84,7 +72,7 @@ def main():
                     for p in params:
                         p.grad = torch.ones_like(p)
                     opt.step()
-                before = handler_seconds(metrics_port)
+                before = daemon_metrics.read(metrics_port)
                 walls = []
                 for _ in range(args.steps):
                     for p in params:
@@ -92,16 +80,11 @@ def main():
                     started = time.perf_counter()
                     opt.step()
                     walls.append(time.perf_counter() - started)
-                after = handler_seconds(metrics_port)
-            # The call that carried the timed steps: the method whose count grew the most.
-            grown = {m: (after[m][0] - before.get(m, (0.0, 0.0))[0], after[m][1] - before.get(m, (0.0, 0.0))[1])
-                     for m in after}
-            method = max(grown, key=lambda m: grown[m][1])
-            total, count = grown[method]
+                after = daemon_metrics.read(metrics_port)
+            spent = daemon_metrics.breakdown(before, after, transport)
             wall = statistics.median(walls)
-            handler = total / count if count else float("nan")
             print(f"  {name:<11} opt.step() {wall * 1e3:7.3f} ms = {wall / floor:5.2f} x the floor; "
-                  f"{method} handler {handler * 1e3:6.3f} ms, the rest {(wall - handler) * 1e3:6.3f} ms")
+                  f"{spent.describe()}, the rest {(wall - spent.handler) * 1e3:6.3f} ms")
 
 
 if __name__ == "__main__":
