@@ -11,6 +11,7 @@ throwaway CA with a server and a client certificate made with the `openssl` comm
 
 `--part I/N` keeps every N-th of the selected tests from the I-th on (ctest runs each transport's
 suite as N such parts, so that no part comes near its timeout and ctest spreads them over the cores).
+Tests marked `slow` are collected first.
 """
 
 import atexit
@@ -257,6 +258,9 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "once: does not depend on the step transport, or names its transports itself; ctest runs "
                    "it in the python_sdk_grpc_* parts only (tests/python/CMakeLists.txt)")
+    config.addinivalue_line(
+        "markers", "slow: takes tens of seconds (several daemons, restarts, whole example runs); collected "
+                   "first, so that parallel runs start it early rather than finish with it")
 
 
 def pytest_addoption(parser):
@@ -280,6 +284,10 @@ def _part(config):
 
 @pytest.hookimpl(trylast=True)  # after -m and -k have deselected theirs: the parts share what is left
 def pytest_collection_modifyitems(config, items):
+    # The slow tests first, each file's others after in their order: pytest-xdist's workers (the GPU
+    # run's) then start them at once instead of ending on one of them, and the parts below each
+    # take a share of them.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     part = _part(config)
     if part is None:
         return

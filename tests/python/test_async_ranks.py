@@ -209,6 +209,7 @@ def assert_pushed(seen, *, global_step, staleness, rank, pushes, weight=1.0):
 
 # -- the order, the bound, resends ---------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scaling", ["none", "inverse", ("polynomial", 0.5), ("polynomial", 2),
                                      ("hinge", 0.5, 1)])
 def test_every_push_is_the_next_global_step_once_and_equals_one_rank(endpoint, rank_processes,
@@ -263,6 +264,7 @@ def test_a_stale_push_is_dropped_and_the_rank_takes_the_latest_parameters(endpoi
     assert_params(seen["params"], reference.step(grads_of(2, 2)), "after global step 3")
 
 
+@pytest.mark.slow
 def test_a_resend_is_answered_from_the_record_and_not_applied_again(endpoint, rank_processes,
                                                                    one_rank):
     session = fresh_session("async-resend")
@@ -290,6 +292,7 @@ def test_a_resend_is_answered_from_the_record_and_not_applied_again(endpoint, ra
 
 # -- restarts --------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_daemon_restarts_keep_the_global_order_and_every_ranks_record(start_daemon, endpoint,
                                                                       rank_processes, one_rank,
                                                                       tmp_path):
@@ -338,6 +341,7 @@ def test_daemon_restarts_keep_the_global_order_and_every_ranks_record(start_daem
     push(1, 2, 7, 2, 2)  # based on global step 4 (its resend's answer)
 
 
+@pytest.mark.slow
 def test_a_killed_rank_restarts_from_its_state_dict_exactly_once(endpoint, rank_processes,
                                                                   one_rank):
     session = fresh_session("async-rank-restart")
@@ -398,6 +402,7 @@ def _pushing_rank_main(rank, endpoint, session, pushes, queue):
         queue.put((rank, 0, 0, traceback.format_exc()))
 
 
+@pytest.mark.slow
 def test_ranks_pushing_at_once_get_the_latest_parameters_never_an_error(endpoint):
     """Pushes racing each other: every push is applied once and answered, with the parameters after
     its own global step or a later one (then ``step`` names it); none fails because another rank's
@@ -421,6 +426,7 @@ def test_ranks_pushing_at_once_get_the_latest_parameters_never_an_error(endpoint
     print("answers carrying a later step's parameters:", [newer for _, _, newer, _ in results])
 
 
+@pytest.mark.slow
 def test_a_rank_restarted_from_a_state_dict_two_pushes_back_redoes_them_as_resends(
         endpoint, rank_processes, one_rank):
     """Saved after push 1, a rank pushed 2 and 3 before it died. From that state dict it redoes

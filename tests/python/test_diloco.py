@@ -252,6 +252,7 @@ def run_threads(endpoint, workers, steps, sync_every, fragments=1, outer=None, r
 
 # -- tests -----------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_three_worker_processes_equal_pure_torch_diloco(endpoint, tmp_path):
     """K = 3 processes, H = 4, 16 inner steps: 4 outer steps of Nesterov SGD (0.7, 0.9) on the
     token-weighted average of the pseudo-gradients (weights 32, 64, 96 per sync)."""
@@ -723,6 +724,7 @@ def test_outer_options_default_to_diloco_nesterov(endpoint):
         assert diloco.remote.param_groups[0]["param_names"] == ["up.weight", "down.weight"]
 
 
+@pytest.mark.slow
 def test_example_trains_two_workers(endpoint):
     """examples/train_diloco.py: two worker processes on one session, two fragments whose syncs
     overlap two inner steps and merge half the local values; the loss comes down."""

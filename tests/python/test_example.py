@@ -11,7 +11,7 @@ import pytest
 from conftest import REPO_ROOT
 
 # The examples train as a user runs them; the step transports have suites of their own.
-pytestmark = pytest.mark.once
+pytestmark = [pytest.mark.once, pytest.mark.slow]
 
 
 def run_example(endpoint, tmp_path, *extra):

@@ -69,6 +69,7 @@ def train_demo(endpoint, steps=STEPS, batch_size=None, zero_projections=False, *
     {"matmul_precision": "bf16"},
     {"optimizer": "dion2"},
 ], ids=["defaults", "batch-1", "zero-projections", "bf16-matmul", "dion2"])
+@pytest.mark.slow
 def test_the_demo_raises_no_warning(endpoint, variant):
     raised, residuals = train_demo(endpoint, **variant)
     print(f"{variant}: largest residual by group {residuals}")
@@ -81,6 +82,7 @@ OWN_STEPS = {"simple": 5, "quintic": 5, "polar_express": 8, "cans": 5, "aol": 4,
              "cubic5": 5, "gram_polar_express": 5}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(OWN_STEPS))
 def test_every_coefficient_set_at_its_own_step_count_raises_no_warning(endpoint, name):
     options = {"ns_coefficients": name, "ns_steps": OWN_STEPS[name]}
@@ -202,6 +204,7 @@ def test_clipping_under_one_percent_raises_clip_stall(endpoint):
 
 # -- the demo's terminal --------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_the_log_summary_the_demo_prints(start_daemon):
     # scripts/demo.sh writes the daemon's log (--log-format json) to a file and prints this summary
     # at the end: nothing for a healthy run, each kind with its first message for a faulty one.
@@ -222,6 +225,7 @@ def test_the_log_summary_the_demo_prints(start_daemon):
     assert "orthogonality residual" in summary
 
 
+@pytest.mark.slow
 def test_the_examples_at_their_defaults_raise_no_warning(start_daemon):
     # examples/* as scripts/demo.sh and their READMEs run them (fewer steps where the default is
     # long): the C++ MLP, DDP ranks, ranks that hold parts (and HSDP replicas of them), DiLoCo

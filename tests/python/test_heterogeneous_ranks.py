@@ -236,6 +236,7 @@ def quorum(min_ranks=2, grace_seconds=0.0):
 
 # -- weighted averages ---------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_weighted_ranks_equal_one_rank_sending_the_weighted_mean(endpoint, rank_processes):
     session = fresh_session("weighted")
     ranks = [rank_processes(r, endpoint, session) for r in range(WORLD)]
@@ -285,6 +286,7 @@ def assert_all(params_by_rank, expected, what):
         assert_params(params, expected, f"rank {rank} {what}")
 
 
+@pytest.mark.slow
 def test_quorum_goes_on_without_a_late_rank_and_a_killed_rank_rejoins(start_daemon, endpoint,
                                                                        rank_processes):
     daemon = start_daemon(*DEBUG_FLAGS)
@@ -330,6 +332,7 @@ def test_quorum_goes_on_without_a_late_rank_and_a_killed_rank_rejoins(start_daem
                "after step 6")
 
 
+@pytest.mark.slow
 def test_quorum_rank_arriving_within_the_grace_counts(start_daemon, endpoint, rank_processes):
     daemon = start_daemon(*DEBUG_FLAGS)
     session = fresh_session("grace")
@@ -345,6 +348,7 @@ def test_quorum_rank_arriving_within_the_grace_counts(start_daemon, endpoint, ra
     assert_all({r: params for r, (_, _, params) in answers.items()}, expected, "after step 1")
 
 
+@pytest.mark.slow
 def test_quorum_through_daemon_restarts(start_daemon, endpoint, rank_processes, tmp_path):
     flags = ("--state-dir", tmp_path / "state", "--durability", "journal", *DEBUG_FLAGS)
     daemon = start_daemon(*flags)

@@ -221,6 +221,7 @@ def expect_parts(results, want, kinds, world=WORLD, model="main"):
                 assert torch.equal(got[name], expected), f"rank {rank}: '{name}' differs from the whole session's"
 
 
+@pytest.mark.slow
 @pytest.mark.once  # both transports, named
 @pytest.mark.parametrize("transport", ["grpc", "shm"])
 def test_rows_flat_and_explicit_parts_step_bit_for_bit_like_one_rank(endpoint, transport):
@@ -253,6 +254,7 @@ def test_parts_over_nccl_step_bit_for_bit_like_one_rank(cuda_daemon):
     expect_parts(run_ranks(endpoint, kinds, "nccl", device="cuda:0"), want, kinds)
 
 
+@pytest.mark.slow
 def test_mixed_partitions_and_clipping_on_the_assembled_gradient(endpoint):
     options = {"max_grad_norm": 0.5}
     want = reference(endpoint, options)
@@ -268,6 +270,7 @@ def test_qk_clip_and_tensor_parallel_blocks_run_on_the_whole_matrices(endpoint):
     expect_parts(run_ranks(endpoint, kinds, options=QK_OPTIONS, model="qk"), want, kinds, model="qk")
 
 
+@pytest.mark.slow
 def test_hsdp_replicas_average_their_parts_bit_for_bit_like_one_rank(endpoint):
     # Two replicas of 3-way partitions over 6 ranks (rank r holds shard r mod 3): rows, flat with
     # padding, explicit, where a shard holds nothing of "tiny" and of ex2. Each replica's gradients
@@ -283,6 +286,7 @@ def test_hsdp_replicas_average_their_parts_bit_for_bit_like_one_rank(endpoint):
     {"hold": (4, 1)},
     {"options": {"sync_mode": "quorum", "min_ranks": 6, "grace_seconds": 0}},
 ], ids=["state-dicts", "rank-killed", "quorum"])
+@pytest.mark.slow
 def test_hsdp_ranks_load_their_state_dicts_and_restart_like_other_ranks(endpoint, extra):
     # Every rank of both replicas saves its parts of the state after step 2, steps 3, loads them and
     # steps 3 again; or rank 4 (shard 1 of the second replica) is SIGKILLed while the others wait in
@@ -422,6 +426,7 @@ def test_quorum_and_async_are_refused_with_a_partition(endpoint):
                               sync_mode="async", max_staleness=2)
 
 
+@pytest.mark.slow
 def test_a_rank_killed_mid_step_and_restarted_resends_its_part(endpoint):
     want = reference(endpoint)
     kinds = ["rows", "rows", "flat", "explicit"]
@@ -430,6 +435,7 @@ def test_a_rank_killed_mid_step_and_restarted_resends_its_part(endpoint):
     expect_parts(run_ranks(endpoint, kinds, hold=(2, 1)), want, kinds)
 
 
+@pytest.mark.slow
 def test_the_daemon_killed_under_the_journal_comes_back_with_every_part(start_daemon, tmp_path):
     flags = ("--state-dir", tmp_path / "state", "--durability", "journal")
     daemon = start_daemon(*flags, workdir=tmp_path / "d")
