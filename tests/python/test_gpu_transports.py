@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import muond
 from muond._stubs import pb
 from muond.errors import MuondError
-from muond.transport import choice, cuda_runtime, nccl, shm
+from muond.transport import choice, cuda_runtime, nccl, shm, slots
 from muond.transport.base import Facts, Here, parameter_device
 from muond.transport.cuda_ipc_transport import LivenessTicket
 from muond.transport.nccl_transport import several_ranks_per_gpu
@@ -124,6 +124,13 @@ def test_a_daemon_without_a_gpu_refuses_the_gpu_calls(endpoint):
                 call()
             assert err.value.rpc == rpc
             assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION, err.value
+        # A step encoded as the CUDA IPC transport sends it (transport/slots.py: the header's
+        # encoding, then the entries'): the daemon reads both, finds the session the header names
+        # and refuses the first entry's parameter, which the session does not have.
+        entries = slots.encoded_entries(f"{opt.session_id}/cuda", [("nope", 0, 4)], "fp32", [], "fp32")
+        with pytest.raises(MuondError, match=r"gradients\[0\]\.name: unknown parameter 'nope'") as err:
+            conn.step_cuda(slots.shared_request(pb.StepHeader(session_id=opt.session_id, step=1), entries))
+        assert (err.value.rpc, err.value.code) == ("StepCuda", grpc.StatusCode.NOT_FOUND)
         # Nothing was left behind: the session still steps.
         loss_of(model, 1).backward()
         opt.step()
