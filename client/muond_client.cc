@@ -204,7 +204,12 @@ absl::Status Client::FitChunksToDaemon() {
   absl::StatusOr<v1::ServerInfo> info = GetServerInfo();
   if (!info.ok()) return info.status();
   const size_t limit = info->max_chunk_bytes();
-  if (limit > 0 && limit < chunk_bytes()) chunk_bytes_.store(limit, std::memory_order_relaxed);
+  if (limit > 0 && limit < chunk_bytes()) {
+    chunk_bytes_.store(limit, std::memory_order_relaxed);
+    // Payload buffers of the chunks' size (the pool gives none smaller than its own): no session, so
+    // no step drawing on the pool, exists before the first CreateSession has come here.
+    slice_pool_ = wire::SlicePool::Create(limit);
+  }
   chunk_limit_asked_ = true;
   return absl::OkStatus();
 }

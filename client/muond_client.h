@@ -205,7 +205,8 @@ class Client {
   Client(ClientOptions options, std::shared_ptr<grpc::Channel> channel);
   // The transport options_.transport and the daemon's offer give (transport_choice.h), settled once.
   absl::StatusOr<const TransportKind*> SettledTransport();
-  // Lowers chunk_bytes_ to the daemon's chunk limit, asked once (a daemon refuses larger chunks).
+  // Lowers chunk_bytes_ to the daemon's chunk limit, asked once (a daemon refuses larger chunks), and
+  // sizes slice_pool_'s buffers to it.
   absl::Status FitChunksToDaemon();
   ClientOptions options_;
   std::mutex chunk_mu_;

@@ -331,9 +331,14 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
         """One ``DaemonSession`` per daemon, connected (waiting up to ``connect_timeout``), with
         chunks no larger than every daemon takes."""
         conns = [connection.connect(address) for address in self.endpoints]
-        for conn in conns:
-            conn.wait_ready(connection.connect_timeout)
-        infos = [conn.server_info() for conn in conns]
+        try:
+            for conn in conns:
+                conn.wait_ready(connection.connect_timeout)
+            infos = [conn.server_info() for conn in conns]
+        except BaseException:
+            for conn in conns:  # no session holds them yet: nothing else would close them
+                conn.close()
+            raise
         self._fit_chunks_to(conns, infos)
         for k, (conn, info) in enumerate(zip(conns, infos)):
             names_here = [self._names[i] for i in self._indices_of[k]]

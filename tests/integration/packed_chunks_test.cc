@@ -2,6 +2,7 @@
 // 4096): a step whose tensors share PackedChunks messages equals the same step in chunks; packed
 // messages that break a rule are refused naming the field and change nothing; the answer packs
 // small parameters only when the header asks.
+#include "proto/wire/chunk_frame.h"
 #include "tests/integration/hostile_input_fixture.h"
 
 namespace muond::testing::hostile {
@@ -87,6 +88,7 @@ TEST_F(HostileInputTest, AClientSendsChunksNoLargerThanTheDaemonTakes) {
   EXPECT_EQ(client->chunk_bytes(), options.chunk_bytes);
   ASSERT_OK_AND_ASSIGN(auto twin, client->CreateSession(session_->id() + "-limit", Spec()));
   EXPECT_EQ(client->chunk_bytes(), kMaxChunkBytes);
+  EXPECT_EQ(client->slice_pool().buffer_bytes(), kMaxChunkBytes);  // payload buffers of that size
   ASSERT_OK(twin->UploadParameters(Views(0)));
   for (int s = 1; s <= kTrainedSteps; ++s) ASSERT_OK(twin->Step(s, Views(s)).status());
   ASSERT_OK_AND_ASSIGN(client::ParameterMap got, twin->GetParameters());

@@ -131,10 +131,12 @@ def test_mutual_tls(start_daemon, tls_files):
 def test_missing_or_unknown_token_is_unauthenticated(start_daemon, tmp_path):
     daemon = start_daemon("--auth-token-file", token_file(tmp_path))
     for token in (None, "not-a-token"):
+        open_before = set(muond.client._OPEN_CONNECTIONS)
         with pytest.raises(muond.MuondError) as info:
             muond.RemoteOptimizer(groups(TinyNet()), endpoint=daemon.endpoint, auth_token=token)
         assert info.value.code == grpc.StatusCode.UNAUTHENTICATED, info.value
         assert info.value.rpc == "GetServerInfo"  # the first call: the daemon's chunk limit
+        assert set(muond.client._OPEN_CONNECTIONS) == open_before  # the refused one was closed
         assert TOKENS["alice"] not in info.value.details
     conn = muond.Connection(daemon.endpoint)
     with pytest.raises(muond.MuondError) as info:

@@ -90,7 +90,7 @@ class Here:
 
 class Facts:
     """What decides which transports can carry one daemon's steps: ``daemon``, its ``ServerInfo``
-    (asked for on first use, so choosing ``grpc`` by name costs no call), and ``here``."""
+    (from ``server_info`` on first use: choosing ``grpc`` by name needs none), and ``here``."""
 
     def __init__(self, server_info: Callable[[], Any], here: Here):
         self._server_info = server_info
