@@ -146,6 +146,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
                          : " (if the daemon serves TLS, set tls_ca_file or use_tls)"));
   }
   if (absl::Status named = CheckTransportName(options.transport); !named.ok()) return named;
+  if (options.chunk_bytes == 0) return absl::InvalidArgumentError("chunk_bytes: must be at least 1 byte, got 0");
   return std::unique_ptr<Client>(new Client(std::move(options), std::move(channel)));
 }
 

@@ -45,7 +45,9 @@ struct TransportKind;
 
 struct ClientOptions {
   std::string endpoint = "127.0.0.1:50051";
-  size_t chunk_bytes = 1u << 20;     // payload per chunk sent; the daemon's limit is 4 MiB by default
+  // Payload per chunk sent (at least 1), lowered to the daemon's limit (4 MiB by default) when that is
+  // smaller: Client::chunk_bytes().
+  size_t chunk_bytes = 1u << 20;
   int max_message_bytes = 64 << 20;  // gRPC message limits, set explicitly on the channel
   // A gRPC step whose gradients and answer each carry at most this much payload, and fit the daemon's
   // message limit, goes in one StepWhole call when the daemon offers it (docs/protocol.md, "Steps in

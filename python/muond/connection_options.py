@@ -15,6 +15,7 @@ environment (``$MUOND_ENDPOINT``, ``$MUOND_TRANSPORT``) and check the values.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -71,8 +72,9 @@ class ConnectionOptions:
             saying why. ``opt.transport`` says which was chosen (also logged on the "muond"
             logger; with several daemons, each chooses its own, e.g. "grpc+shm"). Every step
             semantic is the same on all of them (retries, replays, ranks, shards).
-        chunk_bytes: size of the tensor chunks sent and asked for; a daemon that takes smaller
-            ones (``muond --max-chunk-bytes``) gets chunks of its limit instead.
+        chunk_bytes: size of the tensor chunks sent and asked for (a whole number of bytes, at
+            least 1); a daemon that takes smaller ones (``muond --max-chunk-bytes``) gets chunks of
+            its limit instead.
     """
     endpoint: Optional[str] = None
     endpoints: Optional[Sequence[str]] = None
@@ -130,6 +132,13 @@ class ConnectionOptions:
                 raise ValueError(f"endpoints[{i}]: '{address}' is listed twice "
                                  f"(endpoints[{listed.index(address)}])")
         return listed
+
+    def chunk_size(self) -> int:
+        """``chunk_bytes``; ValueError unless it is a whole number of at least 1."""
+        size = self.chunk_bytes
+        if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1:
+            raise ValueError(f"chunk_bytes: must be a whole number of bytes, at least 1, got {size!r}")
+        return int(size)
 
     def step_attempts(self) -> int:
         """``max_step_attempts``, or its default; ValueError below 1."""

@@ -300,7 +300,7 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
     def _resolve_connection(self, connection: ConnectionOptions) -> None:
         """The connection options this optimizer keeps, checked (before anything is sent)."""
         self.connection = connection
-        self.chunk_bytes = int(connection.chunk_bytes)
+        self.chunk_bytes = connection.chunk_size()
         self.max_step_attempts = connection.step_attempts()
         self.retry_backoff = float(connection.retry_backoff)
         self._wanted_transport = connection.transport_name()

@@ -81,6 +81,9 @@ def test_a_field_given_twice_or_a_wrong_object_is_a_type_error(kwargs, named):
     ({"wire": muond.WireOptions(return_dtype="int3")}, "int3"),
     ({"step": muond.StepOptions(max_grad_norm=-1.0)}, "max_grad_norm must be finite and > 0"),
     ({"wire": muond.WireOptions(shm_zero_copy=True, wire_dtype="bf16")}, "shm_zero_copy:"),
+    ({"chunk_bytes": 0}, "chunk_bytes: must be a whole number of bytes, at least 1, got 0"),
+    ({"chunk_bytes": 1.5}, "chunk_bytes: .* got 1.5"),
+    ({"chunk_bytes": "4096"}, "chunk_bytes: .* got '4096'"),
 ])
 def test_each_object_refuses_naming_the_field(kwargs, named):
     if "endpoints" not in kwargs:
