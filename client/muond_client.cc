@@ -4,6 +4,7 @@
 #include <fstream>
 #include <sstream>
 #include <thread>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "client/streamed_step.h"
@@ -123,7 +124,37 @@ Client::Client(ClientOptions options, std::shared_ptr<grpc::Channel> channel)
       whole_step_method_(kWholeStepMethod, grpc::internal::RpcMethod::NORMAL_RPC, channel_),
       slice_pool_(wire::SlicePool::Create(options_.chunk_bytes)) {}
 
+namespace {
+
+// INVALID_ARGUMENT naming the first option that cannot work, before anything connects.
+absl::Status CheckOptions(const ClientOptions& options) {
+  if (absl::Status named = CheckTransportName(options.transport); !named.ok()) return named;
+  if (options.chunk_bytes == 0) return absl::InvalidArgumentError("chunk_bytes: must be at least 1 byte, got 0");
+  if (options.max_message_bytes <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_message_bytes: must be above 0, got ", options.max_message_bytes));
+  }
+  if (options.max_step_attempts < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_step_attempts: must be at least 1, got ", options.max_step_attempts));
+  }
+  for (const auto& [name, duration, zero] :
+       {std::tuple{"rpc_timeout", options.rpc_timeout, false},
+        std::tuple{"connect_timeout", options.connect_timeout, false},
+        std::tuple{"retry_backoff", options.retry_backoff, true},
+        std::tuple{"max_reconnect_backoff", options.max_reconnect_backoff, false}}) {
+    if (duration.count() < 0 || (duration.count() == 0 && !zero)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ": must be ", zero ? "at least 0" : "above 0", " ms, got ", duration.count()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
+  if (absl::Status checked = CheckOptions(options); !checked.ok()) return checked;
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(options.max_message_bytes);
   args.SetMaxSendMessageSize(options.max_message_bytes);
@@ -145,8 +176,6 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
                            "TLS, the client certificate)"
                          : " (if the daemon serves TLS, set tls_ca_file or use_tls)"));
   }
-  if (absl::Status named = CheckTransportName(options.transport); !named.ok()) return named;
-  if (options.chunk_bytes == 0) return absl::InvalidArgumentError("chunk_bytes: must be at least 1 byte, got 0");
   return std::unique_ptr<Client>(new Client(std::move(options), std::move(channel)));
 }
 

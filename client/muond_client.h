@@ -162,8 +162,9 @@ class Session;
 
 class Client {
  public:
-  // Connects and waits until the daemon answers (up to connect_timeout). INVALID_ARGUMENT naming
-  // the option when a TLS file cannot be read.
+  // Connects and waits until the daemon answers (up to connect_timeout). INVALID_ARGUMENT naming the
+  // option, before connecting, when one cannot work (a chunk size of 0, a timeout not above 0, fewer
+  // than one try, an unknown transport) or a TLS file cannot be read.
   static absl::StatusOr<std::unique_ptr<Client>> Connect(ClientOptions options);
 
   absl::StatusOr<v1::ServerInfo> GetServerInfo();

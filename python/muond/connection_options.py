@@ -15,6 +15,7 @@ environment (``$MUOND_ENDPOINT``, ``$MUOND_TRANSPORT``) and check the values.
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 import os
 from dataclasses import dataclass
@@ -133,6 +134,27 @@ class ConnectionOptions:
                                  f"(endpoints[{listed.index(address)}])")
         return listed
 
+    def check(self) -> None:
+        """ValueError or TypeError naming the first field that cannot work, before anything
+        connects: addresses and files that are not text, times that are not positive numbers of
+        seconds, counts that are not whole numbers, an unknown transport."""
+        for name in ("endpoint", "auth_token", "tls_ca_file", "tls_client_cert_file", "tls_client_key_file",
+                     "tls_server_name"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (str, os.PathLike)):
+                raise TypeError(f"{name}: a string, not {type(value).__name__}")
+        if not isinstance(self.use_tls, bool):
+            raise TypeError(f"use_tls: True or False, not {self.use_tls!r}")
+        if self.credentials is not None and not isinstance(self.credentials, grpc.ChannelCredentials):
+            raise TypeError(f"credentials: a grpc.ChannelCredentials, not {type(self.credentials).__name__}")
+        _check_seconds("timeout", self.timeout, optional=True)
+        _check_seconds("connect_timeout", self.connect_timeout)
+        _check_seconds("retry_backoff", self.retry_backoff, zero=True)
+        self.endpoint_list()
+        self.chunk_size()
+        self.step_attempts()
+        self.transport_name()
+
     def chunk_size(self) -> int:
         """``chunk_bytes``; ValueError unless it is a whole number of at least 1."""
         size = self.chunk_bytes
@@ -142,11 +164,10 @@ class ConnectionOptions:
 
     def step_attempts(self) -> int:
         """``max_step_attempts``, or its default; ValueError below 1."""
-        attempts = (DEFAULT_MAX_ATTEMPTS if self.max_step_attempts is None
-                    else int(self.max_step_attempts))
-        if attempts < 1:
-            raise ValueError(f"max_step_attempts must be at least 1, got {attempts}")
-        return attempts
+        attempts = DEFAULT_MAX_ATTEMPTS if self.max_step_attempts is None else self.max_step_attempts
+        if isinstance(attempts, bool) or not isinstance(attempts, numbers.Integral) or attempts < 1:
+            raise ValueError(f"max_step_attempts must be at least 1 (a whole number), got {attempts!r}")
+        return int(attempts)
 
     def transport_name(self) -> str:
         """``transport``, else ``$MUOND_TRANSPORT``, else "auto"; ValueError for an unknown one."""
@@ -165,3 +186,14 @@ class ConnectionOptions:
                           tls_server_name=self.tls_server_name,
                           max_attempts=self.step_attempts(),
                           retry_backoff=float(self.retry_backoff))
+
+
+def _check_seconds(name: str, value: Any, *, optional: bool = False, zero: bool = False) -> None:
+    """ValueError naming ``name`` unless ``value`` is a finite number of seconds above 0 (or 0 too
+    with ``zero``; or None with ``optional``)."""
+    if value is None and optional:
+        return
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
+            or value < 0 or (value == 0 and not zero)):
+        bound = "at least 0" if zero else "above 0"
+        raise ValueError(f"{name}: must be a finite number of seconds {bound}, got {value!r}")

@@ -299,6 +299,7 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
 
     def _resolve_connection(self, connection: ConnectionOptions) -> None:
         """The connection options this optimizer keeps, checked (before anything is sent)."""
+        connection.check()
         self.connection = connection
         self.chunk_bytes = connection.chunk_size()
         self.max_step_attempts = connection.step_attempts()

@@ -1,9 +1,15 @@
 // The daemon end to end through the C++ client: a full session, attach, list, close, exactly-once
 // steps under retries, and step ordering.
+#include <chrono>
 #include <cmath>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "gmock/gmock.h"
 #include "tests/integration/daemon_fixture.h"
+#include "tests/integration/test_transport.h"
 #include "tests/testing/status_matchers.h"
 
 namespace muond::testing {
@@ -18,6 +24,33 @@ TEST_F(DaemonTest, ServerInfoDescribesTheDaemon) {
   EXPECT_GE(info.max_chunk_bytes(), 1024u);
   EXPECT_THAT(info.optimizers(), ::testing::Contains("muon"));
   EXPECT_THAT(info.ns_coefficient_sets(), ::testing::Contains("simple"));
+}
+
+TEST_F(DaemonTest, ConnectRefusesOptionsThatCannotWorkNamingThem) {
+  using Change = std::function<void(client::ClientOptions&)>;
+  using std::chrono::milliseconds;
+  const std::vector<std::pair<Change, std::string>> cases = {
+      {[](client::ClientOptions& o) { o.chunk_bytes = 0; }, "chunk_bytes: must be at least 1 byte, got 0"},
+      {[](client::ClientOptions& o) { o.max_message_bytes = 0; }, "max_message_bytes: must be above 0, got 0"},
+      {[](client::ClientOptions& o) { o.max_step_attempts = 0; }, "max_step_attempts: must be at least 1, got 0"},
+      {[](client::ClientOptions& o) { o.rpc_timeout = milliseconds(0); }, "rpc_timeout: must be above 0 ms, got 0"},
+      {[](client::ClientOptions& o) { o.connect_timeout = milliseconds(-5); },
+       "connect_timeout: must be above 0 ms, got -5"},
+      {[](client::ClientOptions& o) { o.retry_backoff = milliseconds(-1); },
+       "retry_backoff: must be at least 0 ms, got -1"},
+      {[](client::ClientOptions& o) { o.transport = "pigeon"; }, "transport: 'pigeon' is not one of"},
+  };
+  for (const auto& [change, message] : cases) {
+    client::ClientOptions options = TestClientOptions();
+    options.endpoint = daemon_->endpoint();
+    change(options);
+    EXPECT_THAT(client::Client::Connect(options).status(), StatusIs(absl::StatusCode::kInvalidArgument, message))
+        << message;
+  }
+  client::ClientOptions options = TestClientOptions();
+  options.endpoint = daemon_->endpoint();
+  options.retry_backoff = milliseconds(0);  // no pause between tries is allowed
+  EXPECT_OK(client::Client::Connect(options).status());
 }
 
 TEST_F(DaemonTest, FullSessionTrainsAndReportsEveryStep) {

@@ -84,11 +84,27 @@ def test_a_field_given_twice_or_a_wrong_object_is_a_type_error(kwargs, named):
     ({"chunk_bytes": 0}, "chunk_bytes: must be a whole number of bytes, at least 1, got 0"),
     ({"chunk_bytes": 1.5}, "chunk_bytes: .* got 1.5"),
     ({"chunk_bytes": "4096"}, "chunk_bytes: .* got '4096'"),
+    ({"timeout": -1}, "timeout: must be a finite number of seconds above 0, got -1"),
+    ({"connect_timeout": float("nan")}, "connect_timeout: .* got nan"),
+    ({"retry_backoff": "1"}, "retry_backoff: must be a finite number of seconds at least 0, got '1'"),
+    ({"max_step_attempts": 2.5}, r"max_step_attempts must be at least 1 \(a whole number\), got 2.5"),
 ])
 def test_each_object_refuses_naming_the_field(kwargs, named):
     if "endpoints" not in kwargs:
         kwargs["endpoint"] = "127.0.0.1:9"
     with pytest.raises(ValueError, match=named):
+        muond.RemoteOptimizer(muond.default_param_groups(model()), **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    ({"endpoint": 5}, "endpoint: a string, not int"),
+    ({"auth_token": b"token"}, "auth_token: a string, not bytes"),
+    ({"use_tls": "yes"}, "use_tls: True or False, not 'yes'"),
+    ({"credentials": "tls"}, "credentials: a grpc.ChannelCredentials, not str"),
+])
+def test_connection_fields_of_the_wrong_type_are_refused_naming_them(kwargs, named):
+    kwargs.setdefault("endpoint", "127.0.0.1:9")
+    with pytest.raises(TypeError, match=named):
         muond.RemoteOptimizer(muond.default_param_groups(model()), **kwargs)
 
 
