@@ -323,6 +323,9 @@ std::unique_ptr<grpc::Server> StartServer(const DaemonFlags& flags, const Access
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   builder.AddListeningPort(flags.listen, access.credentials, port);
+  // Never SO_REUSEPORT (gRPC's default on Linux): a second daemon given the same --listen would share
+  // its connections, a trainer's steps reaching either and its session held by one. It fails instead.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.SetMaxReceiveMessageSize(static_cast<int>(service_options.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(service_options.max_message_bytes));
   builder.RegisterService(&service);

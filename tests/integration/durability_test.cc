@@ -380,5 +380,22 @@ TEST(DurabilityTest, ARestoredSessionKeepsItsOwner) {
   EXPECT_EQ(attached->last_step(), 1);
 }
 
+// Two daemons on one address would share its connections (SO_REUSEPORT, gRPC's default on Linux):
+// a trainer's steps would reach either, its session held by one (found as a restarted daemon's
+// step answered NOT_FOUND by a daemon that had taken the port meanwhile). The second one fails at
+// start-up instead, and the first serves on.
+TEST(ListenTest, ASecondDaemonOnTheSamePortFailsAtStartUp) {
+  DaemonProcess first, second;
+  std::string error;
+  ASSERT_TRUE(first.Start({"--backend", "cpu"}, &error)) << error;
+  EXPECT_FALSE(second.Start({"--backend", "cpu"}, &error, first.port()));
+  EXPECT_THAT(error, HasSubstr("cannot listen on 127.0.0.1:" + std::to_string(first.port())));
+  client::ClientOptions options = testing::TestClientOptions();
+  options.endpoint = first.endpoint();
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<client::Client> client, client::Client::Connect(options));
+  EXPECT_OK(client->GetServerInfo().status());
+  EXPECT_FALSE(first.Exited());
+}
+
 }  // namespace
 }  // namespace muond::testing
