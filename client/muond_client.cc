@@ -7,6 +7,7 @@
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
+#include "client/error_reason.h"
 #include "client/streamed_step.h"
 #include "client/transport/grpc_step_transport.h"
 #include "client/transport/grpc_streamed_try.h"
@@ -242,6 +243,19 @@ absl::Status Client::FitChunksToDaemon() {
   }
   chunk_limit_asked_ = true;
   return absl::OkStatus();
+}
+
+bool Client::RefitChunksAfter(const absl::Status& refusal) {
+  if (ReasonOf(refusal) != v1::CHUNK_TOO_LARGE && refusal.code() != absl::StatusCode::kResourceExhausted) {
+    return false;
+  }
+  std::lock_guard<std::mutex> lock(chunk_mu_);
+  absl::StatusOr<v1::ServerInfo> info = GetServerInfo();
+  if (!info.ok() || info->max_chunk_bytes() == 0 || info->max_chunk_bytes() >= chunk_bytes()) return false;
+  // The pool's buffers, of the larger size, hold the smaller chunks as they are; steps in flight
+  // may be drawing on it, so it stays.
+  chunk_bytes_.store(info->max_chunk_bytes(), std::memory_order_relaxed);
+  return true;
 }
 
 absl::StatusOr<std::string> Client::SharedMemoryGrant(const v1::ServerInfo& info) {
@@ -514,6 +528,7 @@ absl::StatusOr<StepReply> Session::FinishStreamed(StreamedStep& streamed, const 
   streamed.try_.reset();
   if (reply.ok()) return Answered(*std::move(reply), 1);
   if (reply.status().code() == absl::StatusCode::kUnavailable) offer_.reset();  // ask a restarted daemon again
+  if (client_->RefitChunksAfter(reply.status())) return StepFrom(1, *transport_, streamed.step(), payload, options);
   if (!IsTransient(reply.status().code()) || client_->options().max_step_attempts <= 1) return reply;
   client_->PauseBeforeRetry(client_->options().retry_backoff);
   return StepFrom(2, *transport_, streamed.step(), payload, options);
@@ -540,6 +555,10 @@ absl::StatusOr<StepReply> Session::StepFrom(int first, StepTransport& transport,
   for (int attempt = first;; ++attempt) {
     absl::StatusOr<StepReply> reply = transport.StepOnce(header, payload, options);
     if (reply.ok()) return Answered(*std::move(reply), attempt);
+    if (client_->RefitChunksAfter(reply.status())) {
+      --attempt;  // refused whole for its chunks' size, not a failed try: made again with smaller ones
+      continue;
+    }
     if (!IsTransient(reply.status().code()) || attempt >= client_->options().max_step_attempts) return reply;
     client_->PauseBeforeRetry(backoff);
     backoff *= 2;

@@ -192,6 +192,10 @@ class Client {
   // The payload per chunk sent: ClientOptions::chunk_bytes, or the daemon's chunk limit
   // (ServerInfo::max_chunk_bytes) when that is smaller, which the first CreateSession asks for.
   size_t chunk_bytes() const { return chunk_bytes_.load(std::memory_order_relaxed); }
+  // Whether `refusal` refused chunks larger than the daemon takes (CHUNK_TOO_LARGE, or gRPC's own
+  // message limit: a daemon restarted with a smaller --max-chunk-bytes) and asking its limit again
+  // lowered chunk_bytes(). The refused call changed nothing; the caller makes it again.
+  bool RefitChunksAfter(const absl::Status& refusal);
   // "grpc" or "shm": the transport steps use (ClientOptions::transport). Settled by the first step
   // (or the first call of this), not by Connect, so that connecting makes no call of its own.
   absl::StatusOr<std::string> Transport();

@@ -23,6 +23,8 @@ absl::string_view ReasonName(ErrorReason reason) {
       return "SESSION_NOT_FOUND";
     case ErrorReason::kPushTooStale:
       return "PUSH_TOO_STALE";
+    case ErrorReason::kChunkTooLarge:
+      return "CHUNK_TOO_LARGE";
   }
   return "";
 }

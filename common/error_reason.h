@@ -20,12 +20,13 @@ enum class ErrorReason {
   kStepNotPrepared,  // a sharded commit whose step this shard does not hold prepared
   kSessionNotFound,  // no session has the id
   kPushTooStale,     // an asynchronous push more than max_staleness global steps behind
+  kChunkTooLarge,    // a chunk or packed message larger than the daemon's --max-chunk-bytes
 };
 
 // Every reason, for tests that walk them all.
-inline constexpr ErrorReason kAllErrorReasons[] = {ErrorReason::kRegionNotFound, ErrorReason::kChannelNotFound,
+inline constexpr ErrorReason kAllErrorReasons[] = {ErrorReason::kRegionNotFound,  ErrorReason::kChannelNotFound,
                                                    ErrorReason::kStepNotPrepared, ErrorReason::kSessionNotFound,
-                                                   ErrorReason::kPushTooStale};
+                                                   ErrorReason::kPushTooStale,    ErrorReason::kChunkTooLarge};
 
 // The wire name, e.g. "REGION_NOT_FOUND".
 absl::string_view ReasonName(ErrorReason reason);

@@ -29,6 +29,7 @@ CHANNEL_NOT_FOUND = pb.ErrorReason.Name(pb.CHANNEL_NOT_FOUND)
 STEP_NOT_PREPARED = pb.ErrorReason.Name(pb.STEP_NOT_PREPARED)
 SESSION_NOT_FOUND = pb.ErrorReason.Name(pb.SESSION_NOT_FOUND)
 PUSH_TOO_STALE = pb.ErrorReason.Name(pb.PUSH_TOO_STALE)
+CHUNK_TOO_LARGE = pb.ErrorReason.Name(pb.CHUNK_TOO_LARGE)
 
 _DETAILS_KEY = "grpc-status-details-bin"
 _ERROR_INFO_TYPE_URL = "type.googleapis.com/google.rpc.ErrorInfo"

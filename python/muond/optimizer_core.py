@@ -20,7 +20,7 @@ a delayed step's tries run on the delayed update's thread, one step at a time.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol, Tuple, TypeVar
 
 import torch
 
@@ -33,6 +33,8 @@ if TYPE_CHECKING:
     from .step_info import StepInfo
     from .transport.streamed import Landing
     from .transport.daemon_session import DaemonSession
+
+_T = TypeVar("_T")
 
 
 class OptimizerCore(Protocol):
@@ -105,6 +107,10 @@ class OptimizerCore(Protocol):
     def _on_every_session(self, call: Callable[[int, "DaemonSession"], Any]) -> List[Any]:
         """``call(k, daemon)`` for every daemon, in parallel on a sharded session; the answers
         in daemon order."""
+
+    def _with_chunks_fitted(self, call: Callable[[], _T]) -> _T:
+        """``call()``, made again with smaller chunks when a daemon refuses them as larger than
+        it takes (a daemon restarted with a smaller ``--max-chunk-bytes``)."""
 
     def _note_parameters(self) -> None:
         """Records the parameters' versions once this optimizer has written them (their

@@ -186,9 +186,9 @@ class StateTransfer(_Core):
                 self._note_parameters()
                 return
         state = state_dict["state"]
-        steps = self._on_every_session(
+        steps = self._with_chunks_fitted(lambda: self._on_every_session(
             lambda k, session: session.set_state(self._state_header(k, meta, state),
-                                                 self._state_chunks(self._indices_of[k], state)))
+                                                 self._state_chunks(self._indices_of[k], state))))
         self.last_step = self._common_step(steps, "SetState")
         if self.loss_scaler is not None and meta.get("loss_scaler") is not None:
             self.loss_scale = float(meta["loss_scaler"]["scale"])

@@ -192,7 +192,7 @@ class StepTries(_Core):
         backoff = self.retry_backoff
         for attempt in range(1, self.max_step_attempts + 1):
             try:
-                result = once()
+                result = self._with_chunks_fitted(once)
                 return result, time.perf_counter() - started, attempt
             except MuondError as err:
                 lost_prepare = err.reason == STEP_NOT_PREPARED

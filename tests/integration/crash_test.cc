@@ -9,8 +9,10 @@
 #include <random>
 #include <thread>
 
+#include "client/streamed_step.h"
 #include "gmock/gmock.h"
 #include "tests/integration/daemon_fixture.h"
+#include "tests/integration/one_parameter_spec.h"
 #include "tests/testing/status_matchers.h"
 
 namespace muond::testing {
@@ -172,6 +174,75 @@ TEST(CrashTest, AStepRightAfterARestartSucceedsWithinTheClientsRetries) {
     EXPECT_GE(reply->attempts, 2) << "the first try cannot have reached the new daemon";
     last = *std::move(reply);
   }
+}
+
+// A daemon restarted with a smaller --max-chunk-bytes than the client fitted its chunks to refuses
+// them (CHUNK_TOO_LARGE): the client asks the limit again and sends the same step in smaller chunks,
+// streamed (the try is made again whole) and plain alike, and the steps are applied once each, as in a
+// session that never had larger chunks.
+TEST(CrashTest, ADaemonRestartedWithASmallerChunkLimitGetsSmallerChunks) {
+  DaemonProcess daemon;
+  std::vector<std::string> flags = JournalFlags(daemon);
+  std::string error;
+  ASSERT_TRUE(daemon.Start(flags, &error)) << error;
+  const int port = daemon.port();
+  client::ClientOptions options = testing::TestClientOptions();
+  options.endpoint = daemon.endpoint();
+  options.transport = "grpc";  // the transport that sends chunks
+  ASSERT_OK_AND_ASSIGN(auto client, client::Client::Connect(options));
+  const v1::SessionSpec spec = OneParameterSpec({64, 64}, v1::OPTIMIZER_ADAMW);  // 16 KiB of fp32
+  const std::vector<float> initial = DaemonTest::Initial("w", 64 * 64);
+  auto views = [](const std::vector<float>& values) {
+    return std::vector<client::TensorView>{{"w", {64, 64}, values}};
+  };
+  auto open = [&](const std::string& id) -> std::unique_ptr<client::Session> {
+    auto session = client->CreateSession(id, spec);
+    if (!session.ok() || !(*session)->UploadParameters(views(initial)).ok()) return nullptr;
+    return std::move(*session);
+  };
+  auto gradient = [](int step) {
+    std::vector<float> g(64 * 64);
+    for (size_t i = 0; i < g.size(); ++i) g[i] = std::sin(0.01f * static_cast<float>(i) + 0.7f * step);
+    return g;
+  };
+  std::unique_ptr<client::Session> session = open("shrinking-chunks");
+  ASSERT_NE(session, nullptr);
+  ASSERT_EQ(client->chunk_bytes(), options.chunk_bytes);
+  std::vector<float> g = gradient(1);
+  ASSERT_OK(session->Step(1, views(g)).status());
+
+  // Restarted taking 8 KiB chunks: a streamed step, whose stream carried 16 KiB ones.
+  ASSERT_EQ(daemon.Stop(), 0);
+  flags.push_back("--max-chunk-bytes=8192");
+  ASSERT_TRUE(daemon.Start(flags, &error, port)) << error;
+  g = gradient(2);
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<client::StreamedStep> streamed, session->BeginStreamedStep(2, {}));
+  const absl::Status added = streamed->Add({"w", {64, 64}, g});  // refused here or at Finish
+  absl::StatusOr<client::StepReply> reply = streamed->Finish();
+  ASSERT_TRUE(reply.ok()) << reply.status() << " (Add: " << added << ")";
+  EXPECT_TRUE(reply->applied);
+  EXPECT_EQ(client->chunk_bytes(), 8192u);
+
+  // Restarted taking 2 KiB chunks: an ordinary step.
+  ASSERT_EQ(daemon.Stop(), 0);
+  flags.back() = "--max-chunk-bytes=2048";
+  ASSERT_TRUE(daemon.Start(flags, &error, port)) << error;
+  g = gradient(3);
+  ASSERT_OK_AND_ASSIGN(reply, session->Step(3, views(g)));
+  EXPECT_TRUE(reply->applied);
+  EXPECT_EQ(reply->attempts, 1) << "a try refused for its chunks' size is no try";
+  EXPECT_EQ(client->chunk_bytes(), 2048u);
+
+  // Each step once: a session stepped in 2 KiB chunks throughout ends with the same parameters.
+  std::unique_ptr<client::Session> twin = open("small-chunks-throughout");
+  ASSERT_NE(twin, nullptr);
+  for (int step = 1; step <= 3; ++step) {
+    g = gradient(step);
+    ASSERT_OK(twin->Step(step, views(g)).status());
+  }
+  ASSERT_OK_AND_ASSIGN(client::ParameterMap got, session->GetParameters());
+  ASSERT_OK_AND_ASSIGN(client::ParameterMap want, twin->GetParameters());
+  EXPECT_EQ(got, want);
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 // 4096): a step whose tensors share PackedChunks messages equals the same step in chunks; packed
 // messages that break a rule are refused naming the field and change nothing; the answer packs
 // small parameters only when the header asks.
+#include "client/error_reason.h"
 #include "proto/wire/chunk_frame.h"
 #include "tests/integration/hostile_input_fixture.h"
 
@@ -114,6 +115,7 @@ TEST_F(HostileInputTest, PackedChunksOverTheChunkLimitAreRefusedAndChangeNothing
   EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(status.error_message(), HasSubstr("packed.chunks"));
   EXPECT_THAT(status.error_message(), HasSubstr("--max-chunk-bytes"));
+  EXPECT_EQ(client::ReasonOf(client::FromGrpcStatus(status)), v1::CHUNK_TOO_LARGE);
   ExpectIntactAndServing();
 }
 

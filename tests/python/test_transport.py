@@ -196,6 +196,53 @@ def test_chunks_fit_daemons_with_smaller_chunk_limits(endpoint, start_daemon, ca
             assert torch.equal(torch.as_tensor(got_state["state"][index][slot]), torch.as_tensor(value)), (index, slot)
 
 
+def _restarting_run(start_daemon, tmp_path, restart_limits):
+    """Four AdamW steps over gRPC, the state read after step 1 and loaded again before step 2; with
+    ``restart_limits``, the daemon is restarted (same port and state folder) before the load with
+    the first ``--max-chunk-bytes`` and before step 4 with the second. Returns (the chunk sizes the
+    optimizer used, the parameters, the steps' answers)."""
+    torch.manual_seed(12)
+    params = {"w": torch.nn.Parameter(torch.randn(100, 100)), "v": torch.nn.Parameter(torch.randn(50, 100))}
+    daemon = start_daemon("--state-dir", tmp_path / "state", workdir=tmp_path / "daemon")
+    sizes, answers, saved = [], [], {}
+    with muond.RemoteOptimizer([{"params": list(params.values()), "optimizer": "adamw", "lr": 0.01}],
+                               endpoint=daemon.endpoint, transport="grpc", session="shrinking") as opt:
+        for step in range(1, 5):
+            if restart_limits and step in (2, 4):
+                daemon.stop()
+                limit = restart_limits[0 if step == 2 else 1]
+                daemon = start_daemon("--state-dir", tmp_path / "state", "--max-chunk-bytes", limit,
+                                      listen=daemon.endpoint, workdir=tmp_path / "daemon")
+            if step == 2:
+                opt.load_state_dict(saved)
+                sizes.append(opt.chunk_bytes)
+            for p in params.values():
+                p.grad = torch.randn(p.shape) * step
+            opt.step()
+            answers.append((opt.last_info.step, opt.last_info.applied, opt.last_info.attempts))
+            sizes.append(opt.chunk_bytes)
+            if step == 1:
+                saved = opt.state_dict()
+    return sizes, {n: p.detach().clone() for n, p in params.items()}, answers
+
+
+def test_a_daemon_restarted_with_a_smaller_chunk_limit_gets_smaller_chunks(start_daemon, tmp_path, caplog):
+    # The optimizer fitted its chunks (1 MiB) to the daemon when it connected; restarted with
+    # --max-chunk-bytes 8192, then 2048, the daemon refuses them (CHUNK_TOO_LARGE). The client asks
+    # the limit again and sends the same call in smaller chunks: the loaded state (40 KB for "w")
+    # and a step. Each step is applied once, in one try, and the run ends as one never restarted.
+    with caplog.at_level(logging.INFO, logger="muond"):
+        sizes, got, answers = _restarting_run(start_daemon, tmp_path / "restarted", (8192, 2048))
+    assert sizes == [1 << 20, 8192, 8192, 8192, 2048]
+    assert "chunks of 8192 bytes, not 1048576" in caplog.text
+    assert "chunks of 2048 bytes, not 8192" in caplog.text
+    want_sizes, want, want_answers = _restarting_run(start_daemon, tmp_path / "uninterrupted", ())
+    assert want_sizes == [1 << 20] * 5
+    assert [(step, applied) for step, applied, _ in answers] == [(s, True) for s in range(1, 5)]
+    assert answers[3][2] == want_answers[3][2] == 1, "a try refused for its chunks' size is no try"
+    assert_bitwise(got, want, "parameters after a daemon's chunk limit fell twice")
+
+
 def test_a_process_that_dies_leaves_no_region(endpoint, tmp_path):
     script = textwrap.dedent(f"""
         import os, sys

@@ -12,6 +12,7 @@ session at a time.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -128,6 +129,15 @@ class DaemonSession:
                                              rank=self.rank if self.partitioned else None)
         copy_in(self.by_name, {name: t for (name, _), t in into.tensors().items()})
         return last_step
+
+    def use_chunk_bytes(self, chunk_bytes: int) -> None:
+        """Cuts what it sends into chunks of at most ``chunk_bytes`` from now on (the daemon
+        takes no larger ones)."""
+        self.chunk_bytes = chunk_bytes
+        self._context = dataclasses.replace(self._context, chunk_bytes=chunk_bytes)
+        if isinstance(self.transport, GrpcTransport):  # the one transport that sends chunks
+            self.transport.close()
+            self.transport = GrpcTransport(self._context, self._facts)
 
     # -- the transport ---------------------------------------------------------------------------
 

@@ -40,9 +40,7 @@ absl::Status AddPacked(const v1::PackedChunks& packed, size_t max_chunk_bytes, b
   size_t bytes = 0;
   for (const v1::TensorChunk& chunk : packed.chunks()) bytes += chunk.data().size();
   if (bytes > max_chunk_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat("packed.chunks: ", bytes,
-                                                   " bytes of data in one message, more than ", max_chunk_bytes,
-                                                   " (--max-chunk-bytes)"));
+    return ChunkTooLarge(absl::StrCat("packed.chunks: ", bytes, " bytes of data in one message"), max_chunk_bytes);
   }
   if (replay) return absl::OkStatus();
   for (int i = 0; i < packed.chunks_size(); ++i) {

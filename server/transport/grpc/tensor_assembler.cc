@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/echo.h"
+#include "common/error_reason.h"
 #include "common/status_macros.h"
 #include "proto/wire/chunk_frame.h"
 #include "proto/wire/dtype_codec.h"
@@ -16,6 +17,12 @@ namespace muond::transport {
 
 using session::ParameterConfig;
 
+absl::Status ChunkTooLarge(absl::string_view what, size_t max_chunk_bytes) {
+  return WithReason(absl::InvalidArgumentError(absl::StrCat(what, " exceed the chunk limit of ", max_chunk_bytes,
+                                                            " bytes (--max-chunk-bytes)")),
+                    ErrorReason::kChunkTooLarge);
+}
+
 absl::Status CheckChunkPayload(size_t bytes, v1::DType dtype, size_t max_chunk_bytes, absl::string_view field,
                                absl::string_view name) {
   if (bytes == 0) {
@@ -24,8 +31,7 @@ absl::Status CheckChunkPayload(size_t bytes, v1::DType dtype, size_t max_chunk_b
                                                    "sent whole or not at all)"));
   }
   if (bytes > max_chunk_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ".data: ", bytes, " bytes for '", name,
-                                                   "' exceed the chunk limit of ", max_chunk_bytes, " bytes"));
+    return ChunkTooLarge(absl::StrCat(field, ".data: ", bytes, " bytes for '", name, "'"), max_chunk_bytes);
   }
   if (bytes % wire::ElementSize(dtype) != 0) {
     return absl::InvalidArgumentError(absl::StrCat(field, ".data: ", bytes, " bytes is not a whole number of ",
@@ -81,8 +87,7 @@ absl::Status TensorAssembler::Add(const v1::TensorChunk& chunk, std::span<const 
           absl::StrCat(field, ".quantized: given for '", name, "'; only a step's gradients may be quantized"));
     }
     if (bytes > max_chunk_bytes_) {
-      return absl::InvalidArgumentError(absl::StrCat(field, ".data: ", bytes, " bytes for '", name,
-                                                     "' exceed the chunk limit of ", max_chunk_bytes_, " bytes"));
+      return ChunkTooLarge(absl::StrCat(field, ".data: ", bytes, " bytes for '", name, "'"), max_chunk_bytes_);
     }
     MUOND_RETURN_IF_ERROR(CheckBlockQuantized(chunk.quantized(), chunk.offset(), bytes, field));
   } else if (element_size == 0) {

@@ -42,6 +42,11 @@ inline absl::Status CheckChunkPayload(const v1::TensorChunk& chunk, v1::DType dt
   return CheckChunkPayload(chunk.data().size(), dtype, max_chunk_bytes, field, name);
 }
 
+// INVALID_ARGUMENT with the reason CHUNK_TOO_LARGE: `what` (a field and the data it holds) carries
+// more bytes than the daemon's limit. A client that sized its chunks for a daemon that took
+// larger ones asks ServerInfo.max_chunk_bytes again and sends smaller ones (docs/protocol.md).
+absl::Status ChunkTooLarge(absl::string_view what, size_t max_chunk_bytes);
+
 class TensorAssembler {
  public:
   // Assembles into tensors of its own (uploads, state); `rank` >= 0: that rank's parts of the

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "common/error_reason.h"
 #include "gmock/gmock.h"
 #include "proto/wire/dtype_codec.h"
 #include "server/rpc/session_spec_codec.h"
@@ -70,8 +71,9 @@ TEST(TensorAssemblerTest, RefusesWhatDoesNotFit) {
   const SessionConfig config = TwoParameters();
   TensorAssembler assembler(config, 16);
   EXPECT_THAT(assembler.Add(Chunk("zz", {1}, 0)), StatusIs(absl::StatusCode::kNotFound, "chunk.name"));
-  EXPECT_THAT(assembler.Add(Chunk("a", {1, 2, 3, 4, 5}, 0)),
-              StatusIs(absl::StatusCode::kInvalidArgument, "exceed the chunk limit of 16"));
+  const absl::Status too_large = assembler.Add(Chunk("a", {1, 2, 3, 4, 5}, 0));
+  EXPECT_THAT(too_large, StatusIs(absl::StatusCode::kInvalidArgument, "exceed the chunk limit of 16"));
+  EXPECT_EQ(ReasonOf(too_large), "CHUNK_TOO_LARGE");
   EXPECT_THAT(assembler.Add(Chunk("a", {1}, 1)), StatusIs(absl::StatusCode::kInvalidArgument, "chunk.offset"));
   ASSERT_OK(assembler.Add(Chunk("a", {1, 2, 3, 4}, 0)));
   EXPECT_THAT(assembler.Add(Chunk("a", {1, 2, 3}, 4)),
