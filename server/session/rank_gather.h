@@ -45,6 +45,8 @@ class RankGather {
   // When the n-th distinct rank arrived (1-based); InfiniteFuture while fewer have.
   absl::Time reached(int n) const;
   uint64_t generation() const { return generation_; }
+  // The step being gathered; 0 when none is.
+  int64_t step() const { return step_; }
 
   // Ends the gathering with what arrived: the lowest arrived rank's plan (with contributors and
   // total_weight set) and the weighted average of the gradients — of a partitioned parameter, the

@@ -219,6 +219,18 @@ absl::Status Session::ImportState(SessionState state, int rank) {
   } else {
     part_load_.WroteWhole();
   }
+  if (gather_.arrived() > 0 && gather_.step() != state.last_step + 1) {
+    // Ranks wait for the others in a step that is no longer the next one: it is aborted for them
+    // (GatherLocked answers the refusal), nothing of it applied. A step that follows the loaded
+    // state goes on gathering: ranks that load the same state dict before their next step (a
+    // lock-step load_state_dict) step on it, whichever loads last.
+    const uint64_t generation = gather_.generation();
+    const std::string why = absl::StrCat(
+        "step ", gather_.step(), ": a SetState replaced the session's state with that of step ", state.last_step,
+        " while ranks waited in it; no update was applied, send step ", state.last_step + 1, " instead");
+    gather_.Abort();
+    gather_refused_ = {generation, absl::AbortedError(why)};
+  }
   last_step_ = state.last_step;
   if (state.loss_scaler.has_value()) loss_scaler_ = state.loss_scaler;
   if (!state.pushes.empty()) {

@@ -339,6 +339,10 @@ absl::StatusOr<StepOutcome> Session::GatherLocked(StepPlan plan, std::vector<Hos
     if (last_step_ != last_step_before || gather_.generation() != generation) break;  // taken or aborted
     if (!quorum_reached && gather_.arrived() == arrived && absl::Now() >= straggler_deadline) break;
   }
+  // Refused or aborted as a whole (a SetState may also have moved last_step_ past the step).
+  if (gather_.generation() != generation && gather_refused_.first == generation && !gather_refused_.second.ok()) {
+    return gather_refused_.second;
+  }
   if (last_step_ >= step) {
     StepOutcome outcome{last_result_, prepare ? nullptr : snapshot_};
     outcome.result.included = IncludedLocked(step, rank);
@@ -352,7 +356,6 @@ absl::StatusOr<StepOutcome> Session::GatherLocked(StepPlan plan, std::vector<Hos
     return StepOutcome{prepared_->result, nullptr};  // the last rank prepared the step for every rank
   }
   if (gather_.generation() != generation) {
-    if (gather_refused_.first == generation) return gather_refused_.second;
     return absl::AbortedError(absl::StrCat("step ", step, " was aborted for every rank; no update was applied"));
   }
   // This rank timed out first: abort the step for everyone.

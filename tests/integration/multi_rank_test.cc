@@ -6,6 +6,7 @@
 #include <csignal>
 #include <future>
 
+#include "client/error_reason.h"
 #include "gmock/gmock.h"
 #include "tests/integration/daemon_fixture.h"
 #include "tests/testing/status_matchers.h"
@@ -133,6 +134,87 @@ TEST_F(MultiRankDrainTest, SigtermDrainsAStepInFlight) {
   const int status = daemon_.Stop();
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
   EXPECT_THAT(daemon_.ReadStderr(), ::testing::HasSubstr("draining in-flight requests"));
+}
+
+// The session's whole state as SetState takes it, with `last_step` in its header.
+std::vector<v1::SetStateRequest> StateOf(client::Client& client, const std::string& id, int64_t last_step) {
+  grpc::ClientContext context;
+  client.PrepareContext(context);
+  v1::GetStateRequest request;
+  request.set_session_id(id);
+  auto reader = client.stub().GetState(&context, request);
+  std::vector<v1::SetStateRequest> messages(1);
+  messages[0].set_session_id(id);
+  v1::GetStateResponse response;
+  while (reader->Read(&response)) {
+    if (response.has_header()) {
+      *messages.emplace_back().mutable_header() = response.header();
+      messages.back().mutable_header()->set_last_step(last_step);
+    } else {
+      *messages.emplace_back().mutable_chunk() = response.chunk();
+    }
+  }
+  EXPECT_TRUE(reader->Finish().ok());
+  return messages;
+}
+
+absl::Status SetState(client::Client& client, const std::vector<v1::SetStateRequest>& messages) {
+  grpc::ClientContext context;
+  client.PrepareContext(context);
+  v1::SetStateResponse response;
+  auto writer = client.stub().SetState(&context, &response);
+  for (const v1::SetStateRequest& message : messages) {
+    if (!writer->Write(message)) break;
+  }
+  writer->WritesDone();
+  return client::FromGrpcStatus(writer->Finish());
+}
+
+// A SetState that moves the session past the step a rank waits in: that rank is answered ABORTED,
+// not as if its step had been applied, and nothing of its gradients is; the session goes on from
+// the loaded state.
+TEST_F(MultiRankDrainTest, ASetStatePastAWaitingStepAbortsItAndAppliesNothing) {
+  TwoRanks("loaded-past", TwoRankSpec());
+  const std::vector<v1::SetStateRequest> at_five = StateOf(*client_, "loaded-past", 5);
+  const std::vector<float> w0 = Grad(32, 0.1f), b0 = Grad(4, 0.2f);
+  const std::vector<client::TensorView> g0 = {{"w", {8, 4}, w0}, {"b", {4}, b0}};
+  auto first = std::async(std::launch::async, [&] { return rank0_->Step(1, g0); });
+  ASSERT_TRUE(daemon_.WaitForLog("step 1 has 1 of 2 ranks; rank 0 waits")) << daemon_.ReadStderr();
+  ASSERT_OK(SetState(*client_, at_five));
+  EXPECT_THAT(first.get(), StatusIs(absl::StatusCode::kAborted,
+                                    "step 1: a SetState replaced the session's state "
+                                    "with that of step 5 while ranks waited in it"));
+  ASSERT_OK_AND_ASSIGN(client::ParameterMap params, rank0_->GetParameters());
+  EXPECT_EQ(params["w"], DaemonTest::Initial("w", 32));
+  EXPECT_EQ(params["b"], DaemonTest::Initial("b", 4));
+  client::StepOptions as_rank1;
+  as_rank1.rank = 1;
+  auto second = std::async(std::launch::async, [&] { return rank1_->Step(6, g0, as_rank1); });
+  ASSERT_OK_AND_ASSIGN(client::StepReply reply, rank0_->Step(6, g0));
+  EXPECT_TRUE(reply.applied);
+  EXPECT_EQ(reply.step, 6);
+  ASSERT_OK(second.get().status());
+}
+
+// Ranks that each load the same state before their next step (a lock-step load_state_dict): the
+// step one of them waits in follows the loaded state, so a later load leaves it waiting, and it is
+// applied once every rank has sent it.
+TEST_F(MultiRankDrainTest, RanksLoadingTheSameStateBeforeTheirStepStepOnIt) {
+  TwoRanks("loaded-alike", TwoRankSpec());
+  const std::vector<v1::SetStateRequest> at_three = StateOf(*client_, "loaded-alike", 3);
+  const std::vector<float> w0 = Grad(32, 0.1f), b0 = Grad(4, 0.2f);
+  const std::vector<client::TensorView> g0 = {{"w", {8, 4}, w0}, {"b", {4}, b0}};
+  ASSERT_OK(SetState(*client_, at_three));  // rank 0's load
+  auto first = std::async(std::launch::async, [&] { return rank0_->Step(4, g0); });
+  ASSERT_TRUE(daemon_.WaitForLog("step 4 has 1 of 2 ranks; rank 0 waits")) << daemon_.ReadStderr();
+  ASSERT_OK(SetState(*client_, at_three));  // rank 1's
+  client::StepOptions as_rank1;
+  as_rank1.rank = 1;
+  ASSERT_OK_AND_ASSIGN(client::StepReply second, rank1_->Step(4, g0, as_rank1));
+  ASSERT_OK_AND_ASSIGN(client::StepReply first_reply, first.get());
+  EXPECT_TRUE(first_reply.applied);
+  EXPECT_TRUE(second.applied);
+  EXPECT_EQ(first_reply.parameters, second.parameters);
 }
 
 TEST_F(MultiRankTest, RankOutsideTheWorldIsInvalidArgument) {
