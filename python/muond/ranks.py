@@ -178,14 +178,20 @@ def _staleness_scaling(value: Any) -> Tuple[str, float, int]:
     return name, a, b
 
 
+# The largest weight the daemon takes (kMaxStepWeight, server/session/step_plan.h): the weighted
+# sums of any number of ranks' gradients stay finite below it.
+MAX_WEIGHT = 1e30
+
+
 def check_weight(weight: Any) -> Optional[float]:
-    """None, or the weight of this rank's gradients in a step (``step(weight=)``): a finite number
-    > 0, as the daemon requires of ``header.weight``; ValueError or TypeError naming ``weight``."""
+    """None, or the weight of this rank's gradients in a step (``step(weight=)``): a number > 0 and
+    at most ``MAX_WEIGHT``, as the daemon requires of ``header.weight``; ValueError or TypeError
+    naming ``weight``."""
     if weight is None:
         return None
     value = _real("weight", weight)
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"weight: must be finite and > 0, got {value}")
+    if not (0 < value <= MAX_WEIGHT):
+        raise ValueError(f"weight: must be > 0 and at most {MAX_WEIGHT:g}, got {value}")
     return value
 
 

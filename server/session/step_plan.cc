@@ -145,8 +145,9 @@ absl::StatusOr<StepPlan> PlanStep(const SessionConfig& config, const std::vector
     return absl::InvalidArgumentError(absl::StrCat("header.grad_scale: must be in [", optim::kMinLossScale, ", ",
                                                    optim::kMaxLossScale, "], got ", *request.grad_scale));
   }
-  if (!(std::isfinite(request.weight) && request.weight > 0)) {
-    return absl::InvalidArgumentError(absl::StrCat("header.weight: must be finite and > 0, got ", request.weight));
+  if (!(request.weight > 0 && request.weight <= kMaxStepWeight)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("header.weight: must be > 0 and at most ", kMaxStepWeight, ", got ", request.weight));
   }
   if (request.rank < 0 || request.rank >= config.world_size) {
     return absl::InvalidArgumentError(

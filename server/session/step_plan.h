@@ -19,6 +19,11 @@
 
 namespace muond::session {
 
+// The largest header.weight: the weighted sums of 1024 ranks' fp32 gradients (Σ w·g, Σ w, in fp64)
+// stay finite below it, so a step of valid weights is never skipped as non-finite. The Python
+// client's ranks.MAX_WEIGHT is the same (a test reads this line).
+inline constexpr double kMaxStepWeight = 1e30;
+
 struct StepPlan {
   StepRequest request;
   std::vector<optim::StepHyper> hyper;                            // per group

@@ -119,6 +119,20 @@ TEST_F(HeterogeneousRanksTest, AWeightedStepIsOneRankSendingTheWeightedMeanBitFo
   }
 }
 
+// The largest weights there are: their sums stay finite, so the step is the weighted mean's, not one
+// skipped as non-finite (weights of 1e308 each, once taken, overflowed the sum).
+TEST_F(HeterogeneousRanksTest, TheLargestWeightsStillMakeTheWeightedMean) {
+  auto ranks = Ranks("heaviest", Spec(2));
+  const Grads g[] = {GradsOf(0.3f), GradsOf(2.1f)};
+  auto first = std::async(std::launch::async, [&] { return Send(*ranks[0], 0, 1, g[0], 1e30); });
+  ASSERT_OK_AND_ASSIGN(client::StepReply second, Send(*ranks[1], 1, 1, g[1], 1e30));
+  ASSERT_OK_AND_ASSIGN(client::StepReply answer, first.get());
+  EXPECT_TRUE(answer.applied) << answer.skip_reason;
+  EXPECT_EQ(answer.total_weight, 2e30);
+  EXPECT_EQ(answer.parameters, second.parameters);
+  EXPECT_EQ(answer.parameters, OneRank("heaviest-reference", {WeightedMean({{1e30, g[0]}, {1e30, g[1]}})}));
+}
+
 // Each rank multiplied its loss by a scale of its own (one by none): each rank's gradients are
 // divided by its own scale, so the step is the one of the unscaled weighted mean — bit for bit, the
 // scales being powers of two.
@@ -152,9 +166,9 @@ TEST_F(HeterogeneousRanksTest, RanksWithLossScalesOfTheirOwnStepAsIfUnscaled) {
 
 TEST_F(HeterogeneousRanksTest, ABadWeightIsRefusedNamingTheFieldAndChangesNothing) {
   auto ranks = Ranks("bad-weight", Spec(1));
-  for (double weight : {0.0, -1.0, std::nan(""), std::numeric_limits<double>::infinity()}) {
+  for (double weight : {0.0, -1.0, std::nan(""), std::numeric_limits<double>::infinity(), 1.0000001e30, 1e308}) {
     EXPECT_THAT(Send(*ranks[0], 0, 1, GradsOf(0.5f), weight),
-                StatusIs(absl::StatusCode::kInvalidArgument, "header.weight: must be finite and > 0"));
+                StatusIs(absl::StatusCode::kInvalidArgument, "header.weight: must be > 0 and at most 1e+30"));
   }
   int64_t last_step = -1;
   ASSERT_OK(ranks[0]->GetParameters(&last_step).status());

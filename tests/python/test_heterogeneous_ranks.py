@@ -16,9 +16,11 @@ import dataclasses
 import io
 import math
 import multiprocessing
+import re
 import time
 import traceback
 import uuid
+from pathlib import Path
 
 import grpc
 import pytest
@@ -406,19 +408,19 @@ def test_bad_weights_are_refused_naming_weight_and_change_nothing(endpoint, monk
         before = params_of(model)
         for name, p in model.named_parameters():
             p.grad = grads_of(0, 1)[name]
-        for weight in (0.0, -1.0, math.nan, math.inf, -math.inf):
-            with pytest.raises(ValueError, match=r"^weight: must be finite and > 0"):
+        for weight in (0.0, -1.0, math.nan, math.inf, -math.inf, 1.0000001e30, 1e308):
+            with pytest.raises(ValueError, match=r"^weight: must be > 0 and at most 1e\+30, got"):
                 opt.step(weight=weight)
         for weight in ("2", True, [1.0]):
             with pytest.raises(TypeError, match=r"^weight: must be a number"):
                 opt.step(weight=weight)
         # What the check lets through, the daemon refuses the same way; the error passes through.
         monkeypatch.setattr(ranks_module, "check_weight", lambda w: w)
-        for weight in (0.0, -1.0, math.nan, math.inf):
+        for weight in (0.0, -1.0, math.nan, math.inf, 1e308):
             with pytest.raises(muond.MuondError) as err:
                 opt.step(weight=weight)
             assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
-            assert "header.weight: must be finite and > 0" in err.value.details
+            assert "header.weight: must be > 0 and at most 1e+30" in err.value.details
         monkeypatch.undo()
         assert opt.last_step == 0 and opt.last_info is None
         assert opt.state_dict()["muond"]["last_step"] == 0
@@ -430,9 +432,18 @@ def test_bad_weights_are_refused_naming_weight_and_change_nothing(endpoint, monk
     assert_params(params_of(model), one_rank(endpoint, [grads_of(0, 1)]), "a weighted one-rank step")
 
     local = muond.LocalOptimizer(muond.default_param_groups(TinyNet(seed=SEED)))
-    with pytest.raises(ValueError, match=r"^weight: must be finite and > 0"):
+    with pytest.raises(ValueError, match=r"^weight: must be > 0 and at most 1e\+30"):
         local.step(weight=0.0)
     assert local.last_step == 0
+
+
+def test_the_clients_largest_weight_is_the_daemons():
+    # One bound, written in the daemon's header and repeated by the Python client, which refuses
+    # a larger weight before anything is sent.
+    header = (Path(__file__).resolve().parents[2] / "server" / "session" / "step_plan.h").read_text()
+    bound = re.search(r"inline constexpr double kMaxStepWeight = ([0-9.e+]+);", header)
+    assert bound is not None, "kMaxStepWeight is not in server/session/step_plan.h"
+    assert float(bound.group(1)) == ranks_module.MAX_WEIGHT
 
 
 @pytest.mark.parametrize("options, error, message", [
