@@ -19,8 +19,6 @@ namespace {
 using nlohmann::json;
 
 constexpr char kFormat[] = "muond.checkpoint.v1";
-// checkpoint.json holds the spec and a step count per parameter: a few MiB for the largest spec.
-constexpr uint64_t kMaxMetadataBytes = uint64_t{64} << 20;
 
 // Bytes per element of a safetensors dtype muond writes; 0 for any other.
 size_t DtypeBytes(const json& dtype) {
@@ -243,7 +241,14 @@ absl::Status WriteCheckpoint(Env* env, const std::string& dir, const CheckpointD
     metadata["parts_written"] = std::move(written);
   }
   metadata["metadata_sha256"] = MetadataDigest(metadata);
-  MUOND_RETURN_IF_ERROR(WriteFileAtomically(env, dir + "/" + kCheckpointMetadataFile, metadata.dump(2) + "\n"));
+  // Compact: an indented spec of many explicit ranges takes ten times the bytes.
+  const std::string text = metadata.dump() + "\n";
+  if (text.size() > kMaxCheckpointMetadataBytes) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "checkpoint of session '", data.session_id, "': ", kCheckpointMetadataFile, " would hold ", text.size(),
+        " bytes, more than the ", kMaxCheckpointMetadataBytes, " a restore reads; not written"));
+  }
+  MUOND_RETURN_IF_ERROR(WriteFileAtomically(env, dir + "/" + kCheckpointMetadataFile, text));
 
   // The new checkpoint is committed; older tensor files are garbage now.
   absl::StatusOr<std::vector<std::string>> names = env->ListDir(dir);
@@ -255,13 +260,34 @@ absl::Status WriteCheckpoint(Env* env, const std::string& dir, const CheckpointD
   return absl::OkStatus();
 }
 
+absl::Status CheckCheckpointRoom(absl::string_view spec_json, const std::vector<std::string>& names, int world_size) {
+  const json spec = json::parse(spec_json, nullptr, /*allow_exceptions=*/false);
+  uint64_t bytes = 4096 + (spec.is_discarded() ? spec_json.size() : spec.dump().size());  // the spec, the rest
+  constexpr uint64_t kNumber = 21;                                                        // an int64 and its comma
+  size_t longest_name = 0;
+  for (const std::string& name : names) {
+    const size_t quoted = json(name).dump().size();
+    longest_name = std::max(longest_name, quoted);
+    bytes += 2 * (quoted + 1 + kNumber);  // "name":count, in step_counts and in parts_written
+  }
+  // A push record [push, global_step, staleness, applied, "non-finite gradient in 'name'"] per rank.
+  bytes += static_cast<uint64_t>(std::max(world_size, 1)) * (3 * kNumber + 8 + 32 + longest_name) +
+           static_cast<uint64_t>(std::max(world_size, 1)) * kNumber;  // and its rank in parts_written
+  if (bytes <= kMaxCheckpointMetadataBytes) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("spec: a checkpoint of this session could take ", bytes, " bytes of ", kCheckpointMetadataFile,
+                   ", more than the ", kMaxCheckpointMetadataBytes,
+                   " a restore reads (--state-dir), so it could never be restored; use fewer parameters, shorter "
+                   "names or fewer explicit ranges"));
+}
+
 absl::StatusOr<CheckpointData> ReadCheckpoint(Env* env, const std::string& dir) {
   if (env->IsLink(dir)) {
     return absl::FailedPreconditionError(
         absl::StrCat("session folder ", dir, " is a symbolic link (state files are never reached through links)"));
   }
   const std::string metadata_file = dir + "/" + kCheckpointMetadataFile;
-  MUOND_ASSIGN_OR_RETURN(std::string text, env->ReadFile(metadata_file, kMaxMetadataBytes));
+  MUOND_ASSIGN_OR_RETURN(std::string text, env->ReadFile(metadata_file, kMaxCheckpointMetadataBytes));
   if (!JsonDepthWithin(text)) {
     return CheckpointCorrupt(metadata_file, absl::StrCat("nests deeper than ", kMaxJsonDepth, " levels"));
   }

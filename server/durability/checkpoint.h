@@ -81,8 +81,18 @@ struct CheckpointData {
 };
 
 inline constexpr char kCheckpointMetadataFile[] = "checkpoint.json";
+// The most bytes of checkpoint.json a restore reads; WriteCheckpoint writes no more.
+inline constexpr uint64_t kMaxCheckpointMetadataBytes = uint64_t{64} << 20;
 
+// FAILED_PRECONDITION, writing nothing, when checkpoint.json would pass kMaxCheckpointMetadataBytes
+// (CheckCheckpointRoom keeps sessions from getting there).
 absl::Status WriteCheckpoint(Env* env, const std::string& dir, const CheckpointData& data);
+
+// OK when every checkpoint of a session with this spec (its JSON, its parameters' names, its world
+// size) fits in kMaxCheckpointMetadataBytes, whatever its state: the spec, a step count per parameter
+// (twice while ranks load their parts) and an asynchronous push record per rank, each at its largest.
+// Otherwise INVALID_ARGUMENT naming `spec`: such a session could be checkpointed but never restored.
+absl::Status CheckCheckpointRoom(absl::string_view spec_json, const std::vector<std::string>& names, int world_size);
 
 // The tensors of `data` as one safetensors file (F32 tensors "<parameter>/<slot>", and the session id,
 // last step and backend in __metadata__): the bytes a checkpoint's tensors file holds.

@@ -8,6 +8,7 @@
 #include "common/error_reason.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "server/durability/checkpoint.h"
 #include "server/security/caller_identity.h"
 #include "server/session/state_dir.h"
 
@@ -17,6 +18,15 @@ namespace {
 // The one ownership check of the daemon. Without authentication every caller and owner is "".
 absl::Status CheckSessionOwner(const Session& session, const std::string& caller) {
   return security::CheckOwner(session.owner(), caller, session.id());
+}
+
+// A session whose checkpoints a restore could not read is refused before it exists (with a state
+// directory, where its checkpoints are what it survives by).
+absl::Status CheckCheckpointRoom(const SessionConfig& config) {
+  std::vector<std::string> names;
+  names.reserve(config.parameters.size());
+  for (const ParameterConfig& parameter : config.parameters) names.push_back(parameter.name);
+  return durability::CheckCheckpointRoom(config.spec_json, names, config.world_size);
 }
 
 }  // namespace
@@ -39,6 +49,7 @@ absl::StatusOr<CreateResult> SessionRegistry::CreateOrAttach(const std::string& 
                                                      "); close one first"));
   }
   MUOND_ASSIGN_OR_RETURN(SessionConfig config, codec_->Parse(spec_json, limits_));
+  if (persistence_) MUOND_RETURN_IF_ERROR(CheckCheckpointRoom(config));
   MUOND_RETURN_IF_ERROR(CheckMemoryQuota(id, EstimateSessionBytes(config), HeldBytesLocked(), memory_));
   MUOND_RETURN_IF_ERROR(CheckNsWorkspace(id, config, *backend_));
   const int64_t elements = config.total_elements;

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <filesystem>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "nlohmann/json.hpp"
 #include "server/durability/file_util.h"
@@ -213,6 +214,60 @@ TEST_F(CheckpointTest, AFifoInPlaceOfAFileDoesNotHang) {
   ASSERT_EQ(mkfifo(metadata.c_str(), 0600), 0);
   EXPECT_THAT(ReadCheckpoint(Env::Default(), dir_),
               StatusIs(absl::StatusCode::kFailedPrecondition, metadata + ": not a regular file"));
+}
+
+// A spec of explicit ranges, nested four levels deep: an indented checkpoint.json took about ten
+// times its bytes and passed what a restore reads while the spec was well under it. The metadata
+// costs the spec's compact JSON and little more.
+TEST_F(CheckpointTest, TheMetadataTakesTheSpecsCompactSizeAndIsRead) {
+  json ranks = json::array();
+  for (int r = 0; r < 64; ++r) {
+    json ranges = json::array();
+    for (int p = 0; p < 64; ++p) ranges.push_back({{"parameter", "w"}, {"begin", "0"}, {"end", "1"}});
+    ranks.push_back({{"ranges", ranges}});
+  }
+  json spec = json::parse(data_.spec_json);
+  spec["groups"] =
+      json::array({{{"name", "g"}, {"partition", {{"kind", "PARTITION_KIND_EXPLICIT"}, {"ranks", ranks}}}}});
+  data_.spec_json = spec.dump();
+  ASSERT_OK(WriteCheckpoint(Env::Default(), dir_, data_));
+  ASSERT_OK_AND_ASSIGN(std::string written,
+                       Env::Default()->ReadFile(dir_ + "/" + kCheckpointMetadataFile, kNoReadLimit));
+  EXPECT_LT(written.size(), data_.spec_json.size() + 1024);
+  ASSERT_OK_AND_ASSIGN(CheckpointData read, ReadCheckpoint(Env::Default(), dir_));
+  EXPECT_EQ(json::parse(read.spec_json), spec);
+}
+
+// What a restore would refuse to read is never written: the checkpoint before it stays.
+TEST_F(CheckpointTest, MetadataPastWhatARestoreReadsIsNotWritten) {
+  CheckpointData huge = data_;
+  huge.last_step = 8;
+  huge.spec_json =
+      json({{"parameters", json::array()}, {"note", std::string(kMaxCheckpointMetadataBytes, 'x')}}).dump();
+  EXPECT_THAT(WriteCheckpoint(Env::Default(), dir_, huge),
+              StatusIs(absl::StatusCode::kFailedPrecondition, "a restore reads; not written"));
+  ASSERT_OK_AND_ASSIGN(CheckpointData read, ReadCheckpoint(Env::Default(), dir_));
+  EXPECT_EQ(read.last_step, 7);
+}
+
+// A session whose checkpoints could not all be read back is refused before it exists: the spec, a
+// count per parameter twice and a push record per rank, each at its largest.
+TEST(CheckpointRoomTest, ASpecWhoseCheckpointsCouldNotBeReadIsRefusedNamingTheSpec) {
+  const std::string small_spec = R"({"parameters":[{"name":"w","shape":["2","3"]}]})";
+  EXPECT_OK(CheckCheckpointRoom(small_spec, {"w"}, 1024));
+  // 100 000 parameters of 256-byte names: their counts alone take about 56 MB, the spec most of the rest.
+  std::vector<std::string> names;
+  json parameters = json::array();
+  for (int i = 0; i < 100000; ++i) {
+    names.push_back(absl::StrCat(i, std::string(250, 'n')).substr(0, 256));
+    parameters.push_back({{"name", names.back()}, {"shape", {"1"}}, {"group", "g"}});
+  }
+  const std::string many = json({{"parameters", parameters}}).dump();
+  EXPECT_THAT(CheckCheckpointRoom(many, names, 1),
+              StatusIs(absl::StatusCode::kInvalidArgument, "spec: a checkpoint of this session could take"));
+  names.resize(50000);  // half of them fit
+  parameters.erase(parameters.begin() + 50000, parameters.end());
+  EXPECT_OK(CheckCheckpointRoom(json({{"parameters", parameters}}).dump(), names, 1024));
 }
 
 }  // namespace

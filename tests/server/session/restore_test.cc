@@ -11,6 +11,7 @@
 #include <functional>
 #include <set>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "nlohmann/json.hpp"
@@ -132,6 +133,27 @@ TEST_F(RestoreTest, ADamagedFolderIsQuarantinedAndTheOthersAreServed) {
   ASSERT_OK(Restore(durability::DamagedState::kQuarantine));
   EXPECT_EQ(registry_->size(), 1u);
   EXPECT_THAT(Quarantined(), SizeIs(1));
+}
+
+// With a state directory, a session whose checkpoints a restore could not read (100 000
+// parameters with 256-byte names: over 64 MiB of checkpoint.json) is refused naming the spec, and
+// nothing of it is created.
+TEST_F(RestoreTest, ASessionThatCouldNotBeRestoredIsNotCreated) {
+  ASSERT_OK(Restore(durability::DamagedState::kQuarantine));
+  v1::SessionSpec spec;
+  auto* group = spec.add_groups();
+  group->set_name("g");
+  group->mutable_options()->set_optimizer(v1::OPTIMIZER_ADAMW);
+  for (int i = 0; i < 100000; ++i) {
+    v1::ParameterSpec* parameter = spec.add_parameters();
+    parameter->set_name(absl::StrCat(i, std::string(256, 'p')).substr(0, 256));
+    parameter->add_shape(1);
+    parameter->set_group("g");
+  }
+  EXPECT_THAT(registry_->CreateOrAttach("unrestorable", rpc::SpecToJson(spec)),
+              StatusIs(absl::StatusCode::kInvalidArgument, "spec: a checkpoint of this session could take"));
+  EXPECT_FALSE(fs::exists(dir_ + "/unrestorable"));
+  EXPECT_THAT(registry_->Find("unrestorable"), StatusIs(absl::StatusCode::kNotFound, ""));
 }
 
 TEST_F(RestoreTest, FailStopNamesTheFileAndMovesNothing) {
