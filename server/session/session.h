@@ -210,6 +210,9 @@ class Session {
   // Applies a taken push: its staleness scaling, then the step; records the push.
   absl::StatusOr<StepOutcome> ApplyPushLocked(StepPlan plan, std::vector<HostTensor>& gradients)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A journal's push before it replays: FAILED_PRECONDITION unless it is what PushLocked made of the
+  // rank's next push at the next global step (a damaged record is refused, never replayed).
+  absl::Status CheckJournaledPushLocked(const StepRequest& push) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Whether the gathering of a multi-rank step can be taken now: every rank arrived, or (quorum)
   // min_ranks have and the grace time since the min_ranks-th has passed.
   // Whether the gathering step is taken now: every rank arrived, or the quorum (with every part

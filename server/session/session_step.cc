@@ -260,15 +260,36 @@ void Session::DropPreparedLocked() {
   prepared_.reset();
 }
 
+absl::Status Session::CheckJournaledPushLocked(const StepRequest& push) const {
+  // The record must be what PushLocked made of the push when it was taken (a record altered on
+  // disk would otherwise replay with another learning rate, numbering or outcome).
+  const std::string what = absl::StrCat("rank ", push.rank, "'s push ", push.step, " recorded as global step ",
+                                        push.global_step, " with staleness ", push.staleness);
+  if (push.global_step != last_step_ + 1) {
+    return absl::FailedPreconditionError(absl::StrCat(what, ": it does not follow global step ", last_step_));
+  }
+  if (push.step != pushes_[push.rank].push + 1) {
+    return absl::FailedPreconditionError(absl::StrCat(what, ": the rank's last push was ", pushes_[push.rank].push));
+  }
+  const int64_t base = push.base_step.value_or(-1);
+  if (base < 0 || base > last_step_ || push.staleness != last_step_ - base ||
+      push.staleness > config_.sync.max_staleness) {
+    return absl::FailedPreconditionError(absl::StrCat(what, ": its base_step ", base,
+                                                      " does not give that staleness within max_staleness ",
+                                                      config_.sync.max_staleness));
+  }
+  if (push.contributors != std::vector<int>{push.rank} || push.total_weight != push.weight) {
+    return absl::FailedPreconditionError(absl::StrCat(what, ": its contributors or total weight are not its own"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<StepOutcome> Session::ApplyJournaledStep(StepRequest request, std::vector<HostTensor> gradients) {
   MUOND_ASSIGN_OR_RETURN(StepPlan plan, PlanStep(config_, default_hyper_, std::move(request)));
   absl::MutexLock lock(&mu_);
   if (config_.sync.mode == SyncMode::kAsync) {
     // Replayed in the recorded global order, each push with the staleness it had.
-    if (plan.request.global_step != last_step_ + 1) {
-      return absl::FailedPreconditionError(absl::StrCat("push recorded as global step ", plan.request.global_step,
-                                                        " does not follow global step ", last_step_));
-    }
+    MUOND_RETURN_IF_ERROR(CheckJournaledPushLocked(plan.request));
     return ApplyPushLocked(std::move(plan), gradients);
   }
   MUOND_ASSIGN_OR_RETURN(StepKind kind, ClassifyLocked(plan.request.step));

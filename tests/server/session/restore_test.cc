@@ -16,6 +16,7 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "nlohmann/json.hpp"
 #include "server/durability/file_util.h"
+#include "server/durability/step_journal.h"
 #include "server/rpc/session_spec_codec.h"
 #include "server/session/session_registry.h"
 #include "server/session/state_dir.h"
@@ -154,6 +155,62 @@ TEST_F(RestoreTest, ASessionThatCouldNotBeRestoredIsNotCreated) {
               StatusIs(absl::StatusCode::kInvalidArgument, "spec: a checkpoint of this session could take"));
   EXPECT_FALSE(fs::exists(dir_ + "/unrestorable"));
   EXPECT_THAT(registry_->Find("unrestorable"), StatusIs(absl::StatusCode::kNotFound, ""));
+}
+
+// A journal record of an asynchronous push altered on disk, its checksums made to match: a staleness
+// its base step does not give (which scaled the learning rate by 1/(1 + s) with s = -1), a push out
+// of the rank's order, or contributors other than the pusher. The record is refused, the session
+// quarantined naming the journal, never restored with the push applied otherwise; the record as
+// written replays.
+TEST_F(RestoreTest, AnAlteredAsynchronousPushRecordIsRefusedNotReplayed) {
+  v1::SessionSpec spec = SmallSpec();
+  spec.set_world_size(2);
+  spec.mutable_sync()->set_mode(v1::SYNC_MODE_ASYNC);
+  spec.mutable_sync()->set_max_staleness(4);
+  spec.mutable_sync()->set_staleness_scaling(v1::STALENESS_SCALING_INVERSE);
+  const std::vector<std::pair<std::string, std::function<void(nlohmann::json&)>>> alterations = {
+      {"as-written", [](nlohmann::json&) {}},
+      {"negative-staleness", [](nlohmann::json& r) { r["staleness"] = -1; }},
+      {"push-out-of-order", [](nlohmann::json& r) { r["step"] = 3; }},
+      {"other-contributors", [](nlohmann::json& r) { r["contributors"] = {1}; }},
+  };
+  for (const auto& [id, alter] : alterations) {
+    SCOPED_TRACE(id);
+    ASSERT_OK(Restore(durability::DamagedState::kQuarantine));
+    ASSERT_OK_AND_ASSIGN(CreateResult created, registry_->CreateOrAttach(id, rpc::SpecToJson(spec)));
+    ASSERT_OK(created.session->Upload(InitialParameters()));
+    StepRequest push = Request(1);
+    push.session_id = id;
+    push.base_step = 0;
+    ASSERT_OK(RunStep(*created.session, push, Gradients(1)).status());
+    created.session.reset();
+    registry_.reset();
+
+    const std::string journal = dir_ + "/" + id + "/journal.log";
+    ASSERT_OK_AND_ASSIGN(durability::JournalContents contents,
+                         durability::StepJournal::Read(durability::Env::Default(), journal, {48, 6}));
+    ASSERT_THAT(contents.records, SizeIs(1));
+    nlohmann::json request = nlohmann::json::parse(contents.records[0].request);
+    alter(request);
+    fs::remove(journal);
+    durability::StepJournal rewritten(durability::Env::Default());
+    ASSERT_OK(rewritten.Open(journal));
+    ASSERT_OK(rewritten.Append(request.dump(), contents.records[0].gradients));
+    rewritten.Close();
+
+    const int quarantined = metrics_.quarantined;
+    ASSERT_OK(Restore(durability::DamagedState::kQuarantine));
+    if (id == "as-written") {
+      ASSERT_OK_AND_ASSIGN(std::shared_ptr<Session> restored, registry_->Find(id));
+      EXPECT_EQ(restored->last_step(), 1);
+      EXPECT_EQ(metrics_.quarantined, quarantined);
+    } else {
+      EXPECT_THAT(registry_->Find(id), StatusIs(absl::StatusCode::kNotFound, id));
+      EXPECT_EQ(metrics_.quarantined, quarantined + 1);
+      EXPECT_FALSE(fs::exists(dir_ + "/" + id));
+    }
+    registry_.reset();
+  }
 }
 
 TEST_F(RestoreTest, FailStopNamesTheFileAndMovesNothing) {
