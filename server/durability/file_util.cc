@@ -21,6 +21,9 @@ std::string ParentFolder(const std::string& path) {
 
 absl::Status WriteFileAtomically(Env* env, const std::string& path, absl::string_view contents) {
   const std::string temp = path + ".tmp";
+  // What a crash (or anyone) left at the temporary name goes first: a file, a link or a FIFO, which
+  // the create below would refuse (a link or FIFO) forever after. A folder there stays, and fails it.
+  env->RemoveFile(temp).IgnoreError();
   absl::StatusOr<std::unique_ptr<WritableFile>> file = env->NewWritableFile(temp);
   if (!file.ok()) return file.status();
   absl::Status status = (*file)->Append(contents);

@@ -119,6 +119,11 @@ absl::StatusOr<SessionFolder> LoadSessionFolder(const StateDirOptions& options, 
 absl::StatusOr<std::string> QuarantineSessionFolder(const StateDirOptions& options, const std::string& dir) {
   Env* env = options.env;
   const std::string quarantine = options.state_dir + "/" + kQuarantineFolder;
+  // Never moved out of the state directory through a link put in the quarantine's place.
+  if (env->IsLink(quarantine)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(quarantine, " is a symbolic link (state files are never reached through links)"));
+  }
   MUOND_RETURN_IF_ERROR(env->CreateDirs(quarantine));
   const std::string name = dir.substr(dir.rfind('/') + 1);
   const std::string stamp = absl::FormatTime("%Y%m%dT%H%M%E3SZ", absl::Now(), absl::UTCTimeZone());

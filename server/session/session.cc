@@ -189,8 +189,7 @@ absl::Status Session::UploadParts(int rank, std::vector<HostTensor> tensors) {
   } else {
     uploaded_by_rank_[static_cast<size_t>(rank)] = true;
   }
-  if (persistence_) MUOND_RETURN_IF_ERROR(CheckpointLocked());
-  return absl::OkStatus();
+  return SaveReplacedStateLocked("the upload");
 }
 
 }  // namespace muond::session

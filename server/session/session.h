@@ -285,6 +285,11 @@ class Session {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(masters_mu_);
   absl::StatusOr<SessionState> ExportStateLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   absl::Status CheckpointLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // After an upload or SetState changed the state: its checkpoint, or UNAVAILABLE saying the state is
+  // in place but not saved (unsaved_ set: steps wait for a checkpoint that succeeds).
+  absl::Status SaveReplacedStateLocked(absl::string_view what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // FAILED_PRECONDITION while unsaved_ is set.
+  absl::Status UnsavedLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Ranks that loaded a state of this step and counts before `rank` in the load it would join, and
   // hold some of the same elements (the HSDP replicas of its shard; every rank, for a parameter held
   // whole), have written their values: empty when `rank`'s equal them once rounded to storage, else
@@ -320,6 +325,10 @@ class Session {
   // Mutable: an on-device snapshot is replaced by its host copy when first read (HostSnapshotLocked).
   mutable std::shared_ptr<const ParameterSnapshot> snapshot_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<SessionPersistence> persistence_ ABSL_GUARDED_BY(mu_);
+  // Why the state an upload or SetState put in place could not be checkpointed; empty once a
+  // checkpoint succeeds. While set, no step is applied: its journal record would follow records of the
+  // state replaced, which is what a restart would restore (UnsavedLocked).
+  std::string unsaved_ ABSL_GUARDED_BY(mu_);
   RankGather gather_ ABSL_GUARDED_BY(mu_);
   // The gathering last refused as a whole (a load under way, parts that disagree), and why: the
   // ranks that waited in it are answered with that refusal.

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/echo.h"
+#include "common/logging.h"
 #include "common/status_macros.h"
 #include "server/session/partition.h"
 #include "server/session/session.h"
@@ -254,8 +255,7 @@ absl::Status Session::ImportState(SessionState state, int rank) {
   last_result_.applied = true;
   last_result_.loss_scale = loss_scaler_.has_value() ? loss_scaler_->scale : 0.0;
   MUOND_ASSIGN_OR_RETURN(snapshot_, ReadBack(last_step_));
-  if (persistence_) MUOND_RETURN_IF_ERROR(CheckpointLocked());
-  return absl::OkStatus();
+  return SaveReplacedStateLocked("SetState");
 }
 
 void Session::AttachPersistence(std::unique_ptr<SessionPersistence> persistence) {
@@ -265,7 +265,28 @@ void Session::AttachPersistence(std::unique_ptr<SessionPersistence> persistence)
 
 absl::Status Session::CheckpointLocked() {
   MUOND_ASSIGN_OR_RETURN(SessionState state, ExportStateLocked());
-  return persistence_->SaveCheckpoint(std::move(state));
+  MUOND_RETURN_IF_ERROR(persistence_->SaveCheckpoint(std::move(state)));
+  unsaved_.clear();
+  return absl::OkStatus();
+}
+
+absl::Status Session::SaveReplacedStateLocked(absl::string_view what) {
+  if (!persistence_) return absl::OkStatus();
+  const absl::Status saved = CheckpointLocked();
+  if (saved.ok()) return saved;
+  unsaved_ = std::string(saved.message());
+  MUOND_EVENT(error, "checkpoint_failed", id_, last_step_, "session {}: the state {} put in place was not saved: {}",
+              id_, what, unsaved_);
+  return absl::UnavailableError(
+      absl::StrCat("session '", id_, "': the state ", what, " put in place could not be saved (", unsaved_,
+                   "); no step is applied until a checkpoint succeeds: send it again, or call Checkpoint"));
+}
+
+absl::Status Session::UnsavedLocked() const {
+  if (unsaved_.empty()) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "session '", id_, "': the state the last upload or SetState put in place is not saved (", unsaved_,
+      "); no step is applied until a checkpoint succeeds: send that upload or SetState again, or call Checkpoint"));
 }
 
 absl::StatusOr<int64_t> Session::Checkpoint() {

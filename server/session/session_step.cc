@@ -135,6 +135,7 @@ absl::StatusOr<std::unique_ptr<IncomingStep>> Session::BeginStep(StepRequest req
     absl::ReaderMutexLock lock(&mu_);
     if (!initialized_) return NotInitializedError();
     MUOND_ASSIGN_OR_RETURN(kind, ClassifyRequestLocked(request));
+    if (kind == StepKind::kNext) MUOND_RETURN_IF_ERROR(UnsavedLocked());
     journaled = persistence_ != nullptr && persistence_->records_gradients();
   }
   MUOND_ASSIGN_OR_RETURN(StepPlan plan, PlanStep(config_, default_hyper_, std::move(request)));
@@ -395,7 +396,8 @@ absl::StatusOr<StepOutcome> Session::ApplyLocked(const StepPlan& plan, std::vect
   // A step that is not applied answers with the parameters as they are: on the host, for a transport
   // that answers from there, even when the last step's answer left them on the device.
   if (!plan.request.device_answer) MUOND_RETURN_IF_ERROR(HostSnapshotLocked());
-  // The step is durable (journal mode) before it changes anything.
+  // The step is durable (journal mode) before it changes anything, and journaled only on a saved state.
+  MUOND_RETURN_IF_ERROR(UnsavedLocked());
   if (persistence_) MUOND_RETURN_IF_ERROR(persistence_->RecordStep(plan.request, gradients));
 
   const auto start = std::chrono::steady_clock::now();

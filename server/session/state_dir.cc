@@ -254,8 +254,15 @@ absl::StatusOr<std::vector<std::shared_ptr<Session>>> RestoreSessions(const dura
     MUOND_ASSIGN_OR_RETURN(std::unique_ptr<FilePersistence> persistence,
                            FilePersistence::Open(options, *session, metrics));
     session->AttachPersistence(std::move(persistence));
-    // Fold the replayed steps into a fresh checkpoint, which also empties the journal.
-    MUOND_RETURN_IF_ERROR(session->Checkpoint().status());
+    // Fold the replayed steps into a fresh checkpoint, which also empties the journal. Should it fail
+    // (a full disk, an entry in the way of its files), the checkpoint and journal read stay as they
+    // were, and the journal goes on from them: the session is served all the same.
+    if (absl::Status folded = session->Checkpoint().status(); !folded.ok()) {
+      if (IsDaemonTrouble(folded)) return folded;
+      MUOND_EVENT(warn, "checkpoint_failed", session->id(), session->last_step(),
+                  "session {}: restored, but its checkpoint could not be written ({}); its journal keeps the steps",
+                  session->id(), folded.message());
+    }
     MUOND_EVENT(info, "session_restored", session->id(), session->last_step(),
                 "session {} restored at step {} (checkpoint at step {} + {} journaled steps)", session->id(),
                 session->last_step(), loaded->checkpoint_step, loaded->replayed);

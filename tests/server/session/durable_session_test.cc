@@ -137,6 +137,40 @@ TEST_F(DurableSessionTest, ACheckpointFaultKeepsThePreviousCheckpointLoadable) {
   ExpectRestoreHoldsEveryAcknowledgedStep();
 }
 
+// A SetState whose checkpoint cannot be written (a full disk) is answered UNAVAILABLE: the state is in
+// place but not saved, so no step is applied on it until a checkpoint succeeds — a step journaled on
+// it would follow the journal's records of the state replaced, and a restart would refuse the lot.
+// Once the checkpoint is written the steps go on, and a restart finds every acknowledged one.
+TEST_F(DurableSessionTest, AStateThatCouldNotBeSavedTakesNoStepUntilACheckpointSucceeds) {
+  ASSERT_OK(Step(1));
+  ASSERT_OK_AND_ASSIGN(SessionState loaded, session_->ExportState());  // a state dict saved at step 1
+  ASSERT_OK(Step(2));
+  ASSERT_OK(Step(3));
+  env_.FailAppend("checkpoint.json", durability::AppendFault::kNoSpace);
+  EXPECT_THAT(session_->ImportState(loaded), StatusIs(absl::StatusCode::kUnavailable, "could not be saved"));
+  ASSERT_OK(reference_->ImportState(loaded));
+  EXPECT_THAT(RunStep(*session_, Request(2), Gradients(2)),
+              StatusIs(absl::StatusCode::kFailedPrecondition, "no step is applied until a checkpoint succeeds"));
+  EXPECT_EQ(session_->last_step(), 1);
+  ASSERT_OK(session_->Checkpoint().status());
+  ASSERT_OK(Step(2));
+  ASSERT_OK(Step(3));
+  ExpectRestoreHoldsEveryAcknowledgedStep();
+}
+
+// The same for an upload: a session whose first parameters were not saved takes no step until the
+// upload is sent again and saved (a journal without a checkpoint beside it would be dropped at restore).
+TEST_F(DurableSessionTest, AnUploadThatCouldNotBeSavedTakesNoStepUntilSentAgain) {
+  ASSERT_OK_AND_ASSIGN(CreateResult created, registry_->CreateOrAttach("u", rpc::SpecToJson(SmallSpec())));
+  env_.FailAppend("checkpoint.json", durability::AppendFault::kNoSpace);
+  EXPECT_THAT(created.session->Upload(InitialParameters()),
+              StatusIs(absl::StatusCode::kUnavailable, "the upload put in place could not be saved"));
+  EXPECT_THAT(RunStep(*created.session, Request(1), Gradients(1)),
+              StatusIs(absl::StatusCode::kFailedPrecondition, "is not saved"));
+  ASSERT_OK(created.session->Upload(InitialParameters()));
+  ASSERT_OK(RunStep(*created.session, Request(1), Gradients(1)).status());
+}
+
 TEST_F(DurableSessionTest, ACheckpointAfterAFailedAppendStartsFromAnEmptyJournal) {
   ASSERT_OK(Step(1));
   env_.FailAppend("journal.log", durability::AppendFault::kShortWrite);

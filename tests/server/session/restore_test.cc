@@ -213,6 +213,53 @@ TEST_F(RestoreTest, AnAlteredAsynchronousPushRecordIsRefusedNotReplayed) {
   }
 }
 
+// Something in the way of a checkpoint's temporary file: a link or a FIFO left at its name is
+// removed (the link's target untouched) and the restore's checkpoint is written; a folder there
+// makes that checkpoint fail, and the session is served from its checkpoint and journal all the
+// same, the other sessions too, instead of the daemon not starting at all.
+TEST_F(RestoreTest, AnEntryInTheWayOfACheckpointStopsNeitherTheSessionNorTheDaemon) {
+  const std::string outside = root_ + "/outside";
+  std::ofstream(outside) << "not muond's";
+  fs::create_symlink(outside, dir_ + "/good/checkpoint.json.tmp");
+  fs::create_directory(dir_ + "/bad/checkpoint.json.tmp");
+  ASSERT_OK(Restore(durability::DamagedState::kQuarantine));
+  for (const char* id : {"good", "bad"}) {
+    ASSERT_OK_AND_ASSIGN(std::shared_ptr<Session> session, registry_->Find(id));
+    EXPECT_EQ(session->last_step(), 3) << id;
+  }
+  EXPECT_EQ(ReadAll(outside), "not muond's");
+  EXPECT_FALSE(fs::exists(fs::symlink_status(dir_ + "/good/checkpoint.json.tmp")));
+  EXPECT_EQ(ReadAll(dir_ + "/good/journal.log"), "") << "the restore's checkpoint emptied the journal";
+  EXPECT_NE(ReadAll(dir_ + "/bad/journal.log"), "") << "without a checkpoint the journal keeps the steps";
+
+  // "bad" steps on, journaled after the records it was restored from, and comes back again.
+  ASSERT_OK_AND_ASSIGN(std::shared_ptr<Session> bad, registry_->Find("bad"));
+  StepRequest next = Request(4);
+  next.session_id = "bad";
+  ASSERT_OK(RunStep(*bad, next, Gradients(4)).status());
+  bad.reset();
+  registry_.reset();
+  ASSERT_OK(Restore(durability::DamagedState::kQuarantine));
+  ASSERT_OK_AND_ASSIGN(bad, registry_->Find("bad"));
+  EXPECT_EQ(bad->last_step(), 4);
+}
+
+// A quarantine folder that is a link is never followed out of the state directory: the damaged
+// folder stays where it is and the start fails, saying why.
+TEST_F(RestoreTest, AQuarantineThatIsALinkIsNotFollowed) {
+  const std::string outside = root_ + "/outside";
+  fs::create_directory(outside);
+  fs::create_directory_symlink(outside, dir_ + "/+quarantine");
+  const std::string journal = dir_ + "/bad/journal.log";
+  std::string bytes = ReadAll(journal);
+  bytes[30] ^= 0x01;
+  std::ofstream(journal, std::ios::binary | std::ios::trunc) << bytes;
+  EXPECT_THAT(Restore(durability::DamagedState::kQuarantine),
+              StatusIs(absl::StatusCode::kInternal, "+quarantine is a symbolic link"));
+  EXPECT_TRUE(fs::is_empty(outside));
+  EXPECT_TRUE(fs::exists(dir_ + "/bad/checkpoint.json"));
+}
+
 TEST_F(RestoreTest, FailStopNamesTheFileAndMovesNothing) {
   // Step 2's payload length inflated in a journal followed by step 3: no torn tail.
   const std::string journal = dir_ + "/bad/journal.log";
