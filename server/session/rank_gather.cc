@@ -36,9 +36,11 @@ uint64_t RankGather::Add(StepPlan plan, std::vector<HostTensor> gradients, doubl
     arrival_times_.clear();
     ranks_.assign(world_size_, std::nullopt);
     grad_scales_.assign(world_size_, 1.0);
+    sends_.assign(world_size_, 0);
     ++generation_;
   }
   const int rank = plan.request.rank;
+  sends_[rank] = ++sends_made_;
   auto& slot = ranks_[rank];
   if (!slot) arrival_times_.push_back(now);
   slot.emplace(std::move(plan), std::move(gradients));
@@ -108,8 +110,16 @@ std::pair<StepPlan, std::vector<HostTensor>> RankGather::TakeAverage(const Sessi
   for (size_t c = 1; c < contributors.size(); ++c) MergeQkLogits(ranks_[contributors[c]]->first, plan);
   plan.request.contributors = std::move(contributors);
   plan.request.total_weight = total_weight;
+  taken_sends_[generation_] = sends_;
+  constexpr size_t kRememberedGatherings = 16;
+  while (taken_sends_.size() > kRememberedGatherings) taken_sends_.erase(taken_sends_.begin());
   End();
   return {std::move(plan), std::move(mean)};
+}
+
+bool RankGather::Superseded(uint64_t generation, int rank, uint64_t send) const {
+  auto it = taken_sends_.find(generation);
+  return it != taken_sends_.end() && it->second[static_cast<size_t>(rank)] != send;
 }
 
 std::vector<int> RankGather::Abort() {

@@ -11,7 +11,9 @@
 // rank's plan, which the step divides out (a factor of exactly 1 when the scales agree: the sum is
 // then the one without scales, bit for bit). Parameters of partitioned groups are assembled from
 // each rank's part instead (a part held by several replicas, HSDP, averaged among them by the same
-// rule). A rank that resends while it waits replaces its part.
+// rule). A rank that resends while it waits replaces its part: each send has a number (last_send),
+// and Superseded says whether a send's part was replaced in a gathering that was taken, so its
+// waiter is not told its gradients were used.
 //
 // The generation changes whenever a gathering ends (applied or aborted), so waiting ranks can tell
 // an abort from a spurious wake-up. Owned by its session and used under the session's lock; not
@@ -20,6 +22,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -45,6 +48,12 @@ class RankGather {
   // When the n-th distinct rank arrived (1-based); InfiniteFuture while fewer have.
   absl::Time reached(int n) const;
   uint64_t generation() const { return generation_; }
+  // The number of the send Add took last (each Add gets the next).
+  uint64_t last_send() const { return sends_made_; }
+  // Whether `rank`'s send `send` in gathering `generation` is not the one its part came from: the
+  // rank sent again while it waited. False for a gathering still under way or long gone (the last 16
+  // taken are remembered), and for one aborted.
+  bool Superseded(uint64_t generation, int rank, uint64_t send) const;
   // The step being gathered; 0 when none is.
   int64_t step() const { return step_; }
 
@@ -68,7 +77,10 @@ class RankGather {
   const int world_size_;
   int64_t step_ = 0;  // 0: none
   uint64_t generation_ = 0;
-  std::vector<absl::Time> arrival_times_;  // of each distinct rank, in arrival order
+  uint64_t sends_made_ = 0;
+  std::vector<uint64_t> sends_;                            // per rank, the send its part is from (0: none)
+  std::map<uint64_t, std::vector<uint64_t>> taken_sends_;  // generation → sends_, of the last taken
+  std::vector<absl::Time> arrival_times_;                  // of each distinct rank, in arrival order
   std::vector<std::optional<std::pair<StepPlan, std::vector<HostTensor>>>> ranks_;
   std::vector<double> grad_scales_;  // of each arrived rank's gradients, by rank
 };

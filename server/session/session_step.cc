@@ -328,6 +328,7 @@ absl::StatusOr<StepOutcome> Session::GatherLocked(StepPlan plan, std::vector<Hos
   MUOND_RETURN_IF_ERROR(CheckRankParts(config_, rank, gradients));
   const absl::Time arrived_at = absl::Now();
   const uint64_t generation = gather_.Add(std::move(plan), std::move(gradients), grad_scale, arrived_at);
+  const uint64_t send = gather_.last_send();
   const int64_t last_step_before = last_step_;
   const absl::Time straggler_deadline = arrived_at + absl::Seconds(config_.straggler_timeout_seconds);
   MUOND_LOG(debug, "session {}: step {} has {} of {} ranks; rank {} waits up to {} s for the rest", id_, step,
@@ -346,7 +347,8 @@ absl::StatusOr<StepOutcome> Session::GatherLocked(StepPlan plan, std::vector<Hos
         return refused;
       }
       MUOND_ASSIGN_OR_RETURN(StepOutcome outcome, TakeGatheredLocked(prepare, generation));
-      outcome.result.included = true;  // this rank arrived: the step used its gradients
+      // This rank arrived: the step used its gradients, unless it sent the step again meanwhile.
+      outcome.result.included = !gather_.Superseded(generation, rank, send);
       return outcome;
     }
     const int arrived = gather_.arrived();
@@ -367,7 +369,8 @@ absl::StatusOr<StepOutcome> Session::GatherLocked(StepPlan plan, std::vector<Hos
   }
   if (last_step_ >= step) {
     StepOutcome outcome{last_result_, prepare ? nullptr : snapshot_};
-    outcome.result.included = IncludedLocked(step, rank);
+    // A send whose gradients the rank replaced by sending the step again while it waited was not used.
+    outcome.result.included = IncludedLocked(step, rank) && !gather_.Superseded(generation, rank, send);
     // A sharded step another rank prepared for every rank and then committed while this rank's
     // prepare waited: answered as a prepare after the commit is, with the decision the shard applied
     // (replayed), so this rank's decision is that one and not one summed from a commit's result.

@@ -217,6 +217,42 @@ TEST_F(MultiRankDrainTest, RanksLoadingTheSameStateBeforeTheirStepStepOnIt) {
   EXPECT_EQ(first_reply.parameters, second.parameters);
 }
 
+// A rank that sends its step again while the first send waits (a retry on a new stream): the second
+// send's gradients replace the first's, and the first send's answer says its gradients were not used
+// (included false) rather than that they were; the step is the one of the second send's.
+TEST_F(MultiRankDrainTest, ASendReplacedByTheSameRanksResendIsNotToldItWasUsed) {
+  TwoRanks("resent", TwoRankSpec());
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<client::Session> rank0_again, client_->CreateSession("resent", TwoRankSpec()));
+  const std::vector<float> w_first = Grad(32, 0.1f), w_again = Grad(32, 0.7f), w1 = Grad(32, 1.3f);
+  const std::vector<client::TensorView> first = {{"w", {8, 4}, w_first}}, again = {{"w", {8, 4}, w_again}},
+                                        other = {{"w", {8, 4}, w1}};
+  auto first_send = std::async(std::launch::async, [&] { return rank0_->Step(1, first); });
+  ASSERT_TRUE(daemon_.WaitForLog("step 1 has 1 of 2 ranks; rank 0 waits")) << daemon_.ReadStderr();
+  auto second_send = std::async(std::launch::async, [&] { return rank0_again->Step(1, again); });
+  ASSERT_TRUE(daemon_.WaitForLog("step 1 has 1 of 2 ranks; rank 0 waits", 2)) << daemon_.ReadStderr();
+  client::StepOptions as_rank1;
+  as_rank1.rank = 1;
+  ASSERT_OK_AND_ASSIGN(client::StepReply rank1, rank1_->Step(1, other, as_rank1));
+  ASSERT_OK_AND_ASSIGN(client::StepReply replaced, first_send.get());
+  ASSERT_OK_AND_ASSIGN(client::StepReply used, second_send.get());
+  EXPECT_TRUE(rank1.included);
+  EXPECT_TRUE(used.included);
+  EXPECT_FALSE(replaced.included) << "its gradients were replaced by the second send's";
+  EXPECT_TRUE(replaced.applied);
+  EXPECT_EQ(replaced.parameters, used.parameters);
+
+  // The step is one of the second send's gradients averaged with rank 1's.
+  ASSERT_OK_AND_ASSIGN(auto single, client_->CreateSession("resent-reference", DaemonTest::SmallSpec()));
+  const std::vector<float> w = DaemonTest::Initial("w", 32), b = DaemonTest::Initial("b", 4);
+  const std::vector<client::TensorView> initial = {{"w", {8, 4}, w}, {"b", {4}, b}};
+  ASSERT_OK(single->UploadParameters(initial));
+  std::vector<float> mean(32);
+  for (int i = 0; i < 32; ++i) mean[i] = static_cast<float>((double(w_again[i]) + w1[i]) / 2);
+  const std::vector<client::TensorView> mean_step = {{"w", {8, 4}, mean}};
+  ASSERT_OK_AND_ASSIGN(client::StepReply expected, single->Step(1, mean_step));
+  EXPECT_EQ(used.parameters, expected.parameters);
+}
+
 TEST_F(MultiRankTest, RankOutsideTheWorldIsInvalidArgument) {
   TwoRanks("bad-rank", TwoRankSpec());
   const std::vector<float> w0 = Grad(32, 0.1f);
