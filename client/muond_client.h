@@ -190,7 +190,8 @@ class Client {
   wire::SlicePool& slice_pool() { return *slice_pool_; }
   const ClientOptions& options() const { return options_; }
   // The payload per chunk sent: ClientOptions::chunk_bytes, or the daemon's chunk limit
-  // (ServerInfo::max_chunk_bytes) when that is smaller, which the first CreateSession asks for.
+  // (ServerInfo::max_chunk_bytes) when that is smaller, which the first CreateSession asks for and
+  // RefitChunksAfter asks again.
   size_t chunk_bytes() const { return chunk_bytes_.load(std::memory_order_relaxed); }
   // Whether `refusal` refused chunks larger than the daemon takes (CHUNK_TOO_LARGE, or gRPC's own
   // message limit: a daemon restarted with a smaller --max-chunk-bytes) and asking its limit again

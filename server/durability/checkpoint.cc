@@ -196,8 +196,14 @@ absl::StatusOr<CheckpointPartsWritten> ReadPartsWritten(const json& parts, const
 absl::Status WriteCheckpoint(Env* env, const std::string& dir, const CheckpointData& data) {
   MUOND_RETURN_IF_ERROR(env->CreateDirs(dir));
   const std::string tensors = EncodeSafetensors(data);
-  const std::string tensor_file = TensorFileName(data.last_step);
-  MUOND_RETURN_IF_ERROR(WriteFileAtomically(env, dir + "/" + tensor_file, tensors));
+  const std::string tensors_sha256 = Sha256Hex(tensors);
+  // Never written over the tensor file the checkpoint in place may name (another checkpoint of the
+  // same step: ranks uploading or loading parts, a SetState of the current step): should this one
+  // fail, that one must still read back. A name of its contents instead.
+  std::string tensor_file = TensorFileName(data.last_step);
+  if (env->FileExists(dir + "/" + tensor_file) || env->IsLink(dir + "/" + tensor_file)) {
+    tensor_file = absl::StrFormat("checkpoint-%012d-%s.safetensors", data.last_step, tensors_sha256.substr(0, 16));
+  }
 
   json spec = json::parse(data.spec_json, nullptr, /*allow_exceptions=*/false);
   if (spec.is_discarded()) return absl::InternalError("the session spec is not JSON");
@@ -210,7 +216,7 @@ absl::Status WriteCheckpoint(Env* env, const std::string& dir, const CheckpointD
                    {"step_counts", counts},
                    {"backend", data.backend},
                    {"spec", std::move(spec)},
-                   {"tensors", {{"file", tensor_file}, {"bytes", tensors.size()}, {"sha256", Sha256Hex(tensors)}}}};
+                   {"tensors", {{"file", tensor_file}, {"bytes", tensors.size()}, {"sha256", tensors_sha256}}}};
   if (data.loss_scaler.has_value()) {
     metadata["loss_scaler"] = {{"scale", data.loss_scaler->scale},
                                {"growth_tracker", data.loss_scaler->growth_tracker},
@@ -248,6 +254,7 @@ absl::Status WriteCheckpoint(Env* env, const std::string& dir, const CheckpointD
         "checkpoint of session '", data.session_id, "': ", kCheckpointMetadataFile, " would hold ", text.size(),
         " bytes, more than the ", kMaxCheckpointMetadataBytes, " a restore reads; not written"));
   }
+  MUOND_RETURN_IF_ERROR(WriteFileAtomically(env, dir + "/" + tensor_file, tensors));
   MUOND_RETURN_IF_ERROR(WriteFileAtomically(env, dir + "/" + kCheckpointMetadataFile, text));
 
   // The new checkpoint is committed; older tensor files are garbage now.
@@ -260,18 +267,22 @@ absl::Status WriteCheckpoint(Env* env, const std::string& dir, const CheckpointD
   return absl::OkStatus();
 }
 
-absl::Status CheckCheckpointRoom(absl::string_view spec_json, const std::vector<std::string>& names, int world_size) {
+absl::Status CheckCheckpointRoom(absl::string_view spec_json, const std::vector<std::string>& names, int world_size,
+                                 absl::string_view owner) {
   const json spec = json::parse(spec_json, nullptr, /*allow_exceptions=*/false);
-  uint64_t bytes = 4096 + (spec.is_discarded() ? spec_json.size() : spec.dump().size());  // the spec, the rest
-  constexpr uint64_t kNumber = 21;                                                        // an int64 and its comma
+  uint64_t bytes = 4096 + json(std::string(owner)).dump().size() +
+                   (spec.is_discarded() ? spec_json.size() : spec.dump().size());  // the spec, the owner, the rest
+  constexpr uint64_t kNumber = 21;                                                 // an int64 and its comma
   size_t longest_name = 0;
   for (const std::string& name : names) {
     const size_t quoted = json(name).dump().size();
     longest_name = std::max(longest_name, quoted);
     bytes += 2 * (quoted + 1 + kNumber);  // "name":count, in step_counts and in parts_written
   }
-  // A push record [push, global_step, staleness, applied, "non-finite gradient in 'name'"] per rank.
-  bytes += static_cast<uint64_t>(std::max(world_size, 1)) * (3 * kNumber + 8 + 32 + longest_name) +
+  // A push record [push, global_step, staleness, applied, skip_reason] per rank; the longest reason (the
+  // magnitude guard's) names a parameter and a slot in about 200 more bytes.
+  constexpr uint64_t kSkipReason = 256 + 64;
+  bytes += static_cast<uint64_t>(std::max(world_size, 1)) * (3 * kNumber + 8 + kSkipReason + longest_name) +
            static_cast<uint64_t>(std::max(world_size, 1)) * kNumber;  // and its rank in parts_written
   if (bytes <= kMaxCheckpointMetadataBytes) return absl::OkStatus();
   return absl::InvalidArgumentError(

@@ -1,5 +1,6 @@
 // Checkpoints of a session in its folder of the state directory:
-//   checkpoint-<step>.safetensors  every master and optimizer slot as F32 tensors named
+//   checkpoint-<step>.safetensors  every master and optimizer slot as F32 tensors named (or
+//                                  checkpoint-<step>-<sha>.safetensors: WriteCheckpoint)
 //                                  "<parameter>/<slot>" (slot: master, momentum, exp_avg, ...)
 //   checkpoint.json                the spec, step counters, backend, and the SHA-256 of the tensors
 //                                  file and of itself
@@ -85,14 +86,17 @@ inline constexpr char kCheckpointMetadataFile[] = "checkpoint.json";
 inline constexpr uint64_t kMaxCheckpointMetadataBytes = uint64_t{64} << 20;
 
 // FAILED_PRECONDITION, writing nothing, when checkpoint.json would pass kMaxCheckpointMetadataBytes
-// (CheckCheckpointRoom keeps sessions from getting there).
+// (CheckCheckpointRoom keeps sessions from getting there). The tensor file is checkpoint-<step>
+// .safetensors, or checkpoint-<step>-<sha>.safetensors when that name is taken (by the checkpoint in
+// place, of the same step): a failed write never spoils the checkpoint before it.
 absl::Status WriteCheckpoint(Env* env, const std::string& dir, const CheckpointData& data);
 
 // OK when every checkpoint of a session with this spec (its JSON, its parameters' names, its world
-// size) fits in kMaxCheckpointMetadataBytes, whatever its state: the spec, a step count per parameter
+// size) and owner fits in kMaxCheckpointMetadataBytes, whatever its state: the spec, a step count per parameter
 // (twice while ranks load their parts) and an asynchronous push record per rank, each at its largest.
 // Otherwise INVALID_ARGUMENT naming `spec`: such a session could be checkpointed but never restored.
-absl::Status CheckCheckpointRoom(absl::string_view spec_json, const std::vector<std::string>& names, int world_size);
+absl::Status CheckCheckpointRoom(absl::string_view spec_json, const std::vector<std::string>& names, int world_size,
+                                 absl::string_view owner = "");
 
 // The tensors of `data` as one safetensors file (F32 tensors "<parameter>/<slot>", and the session id,
 // last step and backend in __metadata__): the bytes a checkpoint's tensors file holds.

@@ -22,11 +22,11 @@ absl::Status CheckSessionOwner(const Session& session, const std::string& caller
 
 // A session whose checkpoints a restore could not read is refused before it exists (with a state
 // directory, where its checkpoints are what it survives by).
-absl::Status CheckCheckpointRoom(const SessionConfig& config) {
+absl::Status CheckCheckpointRoom(const SessionConfig& config, const std::string& owner) {
   std::vector<std::string> names;
   names.reserve(config.parameters.size());
   for (const ParameterConfig& parameter : config.parameters) names.push_back(parameter.name);
-  return durability::CheckCheckpointRoom(config.spec_json, names, config.world_size);
+  return durability::CheckCheckpointRoom(config.spec_json, names, config.world_size, owner);
 }
 
 }  // namespace
@@ -49,7 +49,7 @@ absl::StatusOr<CreateResult> SessionRegistry::CreateOrAttach(const std::string& 
                                                      "); close one first"));
   }
   MUOND_ASSIGN_OR_RETURN(SessionConfig config, codec_->Parse(spec_json, limits_));
-  if (persistence_) MUOND_RETURN_IF_ERROR(CheckCheckpointRoom(config));
+  if (persistence_) MUOND_RETURN_IF_ERROR(CheckCheckpointRoom(config, caller));
   MUOND_RETURN_IF_ERROR(CheckMemoryQuota(id, EstimateSessionBytes(config), HeldBytesLocked(), memory_));
   MUOND_RETURN_IF_ERROR(CheckNsWorkspace(id, config, *backend_));
   const int64_t elements = config.total_elements;

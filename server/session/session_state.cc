@@ -277,9 +277,16 @@ absl::Status Session::SaveReplacedStateLocked(absl::string_view what) {
   unsaved_ = std::string(saved.message());
   MUOND_EVENT(error, "checkpoint_failed", id_, last_step_, "session {}: the state {} put in place was not saved: {}",
               id_, what, unsaved_);
-  return absl::UnavailableError(
+  if (gather_.arrived() > 0) {  // ranks waiting in the next step: it cannot be applied now
+    gather_refused_ = {gather_.generation(), UnsavedLocked()};
+    gather_.Abort();
+  }
+  const std::string message =
       absl::StrCat("session '", id_, "': the state ", what, " put in place could not be saved (", unsaved_,
-                   "); no step is applied until a checkpoint succeeds: send it again, or call Checkpoint"));
+                   "); no step is applied until a checkpoint succeeds: send it again, or call Checkpoint");
+  // A checkpoint too large to be read back stays so; a disk may recover.
+  return saved.code() == absl::StatusCode::kFailedPrecondition ? absl::FailedPreconditionError(message)
+                                                               : absl::UnavailableError(message);
 }
 
 absl::Status Session::UnsavedLocked() const {

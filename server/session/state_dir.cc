@@ -255,8 +255,9 @@ absl::StatusOr<std::vector<std::shared_ptr<Session>>> RestoreSessions(const dura
                            FilePersistence::Open(options, *session, metrics));
     session->AttachPersistence(std::move(persistence));
     // Fold the replayed steps into a fresh checkpoint, which also empties the journal. Should it fail
-    // (a full disk, an entry in the way of its files), the checkpoint and journal read stay as they
-    // were, and the journal goes on from them: the session is served all the same.
+    // for this session's own files (an entry in the way of them), the checkpoint and journal read stay
+    // as they were, and the journal goes on from them: the session is served all the same. A full
+    // disk or a shortage of memory is the daemon's trouble, and stops the start as before.
     if (absl::Status folded = session->Checkpoint().status(); !folded.ok()) {
       if (IsDaemonTrouble(folded)) return folded;
       MUOND_EVENT(warn, "checkpoint_failed", session->id(), session->last_step(),

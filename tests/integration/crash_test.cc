@@ -215,6 +215,7 @@ TEST(CrashTest, ADaemonRestartedWithASmallerChunkLimitGetsSmallerChunks) {
   ASSERT_EQ(daemon.Stop(), 0);
   flags.push_back("--max-chunk-bytes=8192");
   ASSERT_TRUE(daemon.Start(flags, &error, port)) << error;
+  ASSERT_OK(client->GetServerInfo().status());  // the channel on the new daemon before the measured call
   g = gradient(2);
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<client::StreamedStep> streamed, session->BeginStreamedStep(2, {}));
   const absl::Status added = streamed->Add({"w", {64, 64}, g});  // refused here or at Finish
@@ -227,6 +228,7 @@ TEST(CrashTest, ADaemonRestartedWithASmallerChunkLimitGetsSmallerChunks) {
   ASSERT_EQ(daemon.Stop(), 0);
   flags.back() = "--max-chunk-bytes=2048";
   ASSERT_TRUE(daemon.Start(flags, &error, port)) << error;
+  ASSERT_OK(client->GetServerInfo().status());
   g = gradient(3);
   ASSERT_OK_AND_ASSIGN(reply, session->Step(3, views(g)));
   EXPECT_TRUE(reply->applied);

@@ -213,6 +213,7 @@ def _restarting_run(start_daemon, tmp_path, restart_limits):
                 limit = restart_limits[0 if step == 2 else 1]
                 daemon = start_daemon("--state-dir", tmp_path / "state", "--max-chunk-bytes", limit,
                                       listen=daemon.endpoint, workdir=tmp_path / "daemon")
+                opt._conn.server_info()  # the channel on the new daemon before the measured call
             if step == 2:
                 opt.load_state_dict(saved)
                 sizes.append(opt.chunk_bytes)

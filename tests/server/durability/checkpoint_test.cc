@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "nlohmann/json.hpp"
+#include "server/durability/fault_injecting_env.h"
 #include "server/durability/file_util.h"
 #include "tests/testing/status_matchers.h"
 
@@ -248,6 +249,29 @@ TEST_F(CheckpointTest, MetadataPastWhatARestoreReadsIsNotWritten) {
               StatusIs(absl::StatusCode::kFailedPrecondition, "a restore reads; not written"));
   ASSERT_OK_AND_ASSIGN(CheckpointData read, ReadCheckpoint(Env::Default(), dir_));
   EXPECT_EQ(read.last_step, 7);
+}
+
+// Another checkpoint of the same step (ranks uploading or loading their parts, a SetState of the
+// current step) never writes over the tensor file the checkpoint in place names: when its
+// checkpoint.json cannot be written, the one before still reads back whole.
+TEST_F(CheckpointTest, AFailedCheckpointOfTheSameStepLeavesThePreviousOneReadable) {
+  FaultInjectingEnv env(Env::Default());
+  CheckpointData other = data_;
+  other.tensors[0].values = {6, 5, 4, 3, 2, 1};
+  env.FailAppend(kCheckpointMetadataFile, AppendFault::kNoSpace);
+  EXPECT_FALSE(WriteCheckpoint(&env, dir_, other).ok());
+  ASSERT_OK_AND_ASSIGN(CheckpointData read, ReadCheckpoint(Env::Default(), dir_));
+  EXPECT_EQ(read.tensors[0].values, data_.tensors[0].values);
+
+  // Written, it takes a name of its contents beside the step's; the next one of the step the plain one.
+  ASSERT_OK(WriteCheckpoint(Env::Default(), dir_, other));
+  ASSERT_OK_AND_ASSIGN(read, ReadCheckpoint(Env::Default(), dir_));
+  EXPECT_EQ(read.tensors[0].values, other.tensors[0].values);
+  EXPECT_FALSE(std::filesystem::exists(dir_ + "/checkpoint-000000000007.safetensors"));
+  ASSERT_OK(WriteCheckpoint(Env::Default(), dir_, data_));
+  ASSERT_OK_AND_ASSIGN(read, ReadCheckpoint(Env::Default(), dir_));
+  EXPECT_EQ(read.tensors[0].values, data_.tensors[0].values);
+  EXPECT_TRUE(std::filesystem::exists(dir_ + "/checkpoint-000000000007.safetensors"));
 }
 
 // A session whose checkpoints could not all be read back is refused before it exists: the spec, a
