@@ -210,6 +210,8 @@ class Session {
   // Applies a taken push: its staleness scaling, then the step; records the push.
   absl::StatusOr<StepOutcome> ApplyPushLocked(StepPlan plan, std::vector<HostTensor>& gradients)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ends the gathering under way, its waiting ranks answered with `why` (gather_refused_).
+  void RefuseGatheringLocked(absl::Status why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A journal's push before it replays: FAILED_PRECONDITION unless it is what PushLocked made of the
   // rank's next push at the next global step (a damaged record is refused, never replayed).
   absl::Status CheckJournaledPushLocked(const StepRequest& push) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
@@ -330,8 +332,8 @@ class Session {
   // state replaced, which is what a restart would restore (UnsavedLocked).
   std::string unsaved_ ABSL_GUARDED_BY(mu_);
   RankGather gather_ ABSL_GUARDED_BY(mu_);
-  // The gathering last refused as a whole (a load under way, parts that disagree), and why: the
-  // ranks that waited in it are answered with that refusal.
+  // The gathering last refused as a whole (a load under way, parts that disagree, a state replaced
+  // or not saved under it), and why: the ranks that waited in it are answered with that refusal.
   std::pair<uint64_t, absl::Status> gather_refused_ ABSL_GUARDED_BY(mu_);
   PartLoad part_load_ ABSL_GUARDED_BY(mu_);       // a state partitioned ranks load part by part
   HealthWatch health_ ABSL_GUARDED_BY(mu_);       // telemetry and health warnings, step to step

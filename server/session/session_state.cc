@@ -225,12 +225,10 @@ absl::Status Session::ImportState(SessionState state, int rank) {
     // (GatherLocked answers the refusal), nothing of it applied. A step that follows the loaded
     // state goes on gathering: ranks that load the same state dict before their next step (a
     // lock-step load_state_dict) step on it, whichever loads last.
-    const uint64_t generation = gather_.generation();
     const std::string why = absl::StrCat(
         "step ", gather_.step(), ": a SetState replaced the session's state with that of step ", state.last_step,
         " while ranks waited in it; no update was applied, send step ", state.last_step + 1, " instead");
-    gather_.Abort();
-    gather_refused_ = {generation, absl::AbortedError(why)};
+    RefuseGatheringLocked(absl::AbortedError(why));
   }
   last_step_ = state.last_step;
   if (state.loss_scaler.has_value()) loss_scaler_ = state.loss_scaler;
@@ -278,8 +276,7 @@ absl::Status Session::SaveReplacedStateLocked(absl::string_view what) {
   MUOND_EVENT(error, "checkpoint_failed", id_, last_step_, "session {}: the state {} put in place was not saved: {}",
               id_, what, unsaved_);
   if (gather_.arrived() > 0) {  // ranks waiting in the next step: it cannot be applied now
-    gather_refused_ = {gather_.generation(), UnsavedLocked()};
-    gather_.Abort();
+    RefuseGatheringLocked(UnsavedLocked());
   }
   const std::string message =
       absl::StrCat("session '", id_, "': the state ", what, " put in place could not be saved (", unsaved_,

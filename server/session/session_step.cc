@@ -313,6 +313,11 @@ bool Session::QuorumReachedLocked() const {
          gather_.CoversParts(config_);
 }
 
+void Session::RefuseGatheringLocked(absl::Status why) {
+  gather_refused_ = {gather_.generation(), std::move(why)};
+  gather_.Abort();
+}
+
 absl::StatusOr<StepOutcome> Session::TakeGatheredLocked(bool prepare, uint64_t generation) {
   auto [applied_plan, mean] = gather_.TakeAverage(config_);
   if (prepare) return PrepareLocked(std::move(applied_plan), std::move(mean), generation);
@@ -342,8 +347,7 @@ absl::StatusOr<StepOutcome> Session::GatherLocked(StepPlan plan, std::vector<Hos
       absl::Status refused = part_load_.CheckStep(step);
       if (refused.ok()) refused = gather_.CheckParts(config_);
       if (!refused.ok()) {
-        gather_.Abort();
-        gather_refused_ = {generation, refused};
+        RefuseGatheringLocked(refused);
         return refused;
       }
       MUOND_ASSIGN_OR_RETURN(StepOutcome outcome, TakeGatheredLocked(prepare, generation));

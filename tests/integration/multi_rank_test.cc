@@ -33,13 +33,24 @@ class MultiRankTest : public ::testing::Test {
     ASSERT_OK_AND_ASSIGN(client_, client::Client::Connect(options));
   }
 
+  static std::vector<client::TensorView> Initial() {
+    static const std::vector<float> w = DaemonTest::Initial("w", 32), b = DaemonTest::Initial("b", 4);
+    return {{"w", {8, 4}, w}, {"b", {4}, b}};
+  }
+
   // Creates the session (rank 0) and attaches a second handle (rank 1).
   void TwoRanks(const std::string& id, v1::SessionSpec spec) {
     ASSERT_OK_AND_ASSIGN(rank0_, client_->CreateSession(id, spec));
-    const std::vector<float> w = DaemonTest::Initial("w", 32), b = DaemonTest::Initial("b", 4);
-    const std::vector<client::TensorView> initial = {{"w", {8, 4}, w}, {"b", {4}, b}};
-    ASSERT_OK(rank0_->UploadParameters(initial));
+    ASSERT_OK(rank0_->UploadParameters(Initial()));
     ASSERT_OK_AND_ASSIGN(rank1_, client_->CreateSession(id, spec));
+  }
+
+  // The answer of a one-rank session `id` from the initial parameters to step 1 with `mean`.
+  absl::StatusOr<client::StepReply> OneRankStep(const std::string& id, const std::vector<client::TensorView>& mean) {
+    absl::StatusOr<std::unique_ptr<client::Session>> single = client_->CreateSession(id, DaemonTest::SmallSpec());
+    if (!single.ok()) return single.status();
+    if (absl::Status uploaded = (*single)->UploadParameters(Initial()); !uploaded.ok()) return uploaded;
+    return (*single)->Step(1, mean);
   }
 
   static std::vector<float> Grad(size_t n, float phase) {
@@ -70,15 +81,11 @@ TEST_F(MultiRankTest, EveryRankGetsTheStepOfTheAveragedGradients) {
   EXPECT_EQ(first_reply.parameters, second_reply.parameters);
 
   // The same step in a one-rank session fed the mean (computed as the daemon does: fp64 sum / 2).
-  ASSERT_OK_AND_ASSIGN(auto single, client_->CreateSession("one-rank", DaemonTest::SmallSpec()));
-  const std::vector<float> w = DaemonTest::Initial("w", 32), b = DaemonTest::Initial("b", 4);
-  const std::vector<client::TensorView> initial = {{"w", {8, 4}, w}, {"b", {4}, b}};
-  ASSERT_OK(single->UploadParameters(initial));
   std::vector<float> wm(32), bm(4);
   for (int i = 0; i < 32; ++i) wm[i] = static_cast<float>((double(w0[i]) + w1[i]) / 2);
   for (int i = 0; i < 4; ++i) bm[i] = static_cast<float>((double(b0[i]) + b1[i]) / 2);
   const std::vector<client::TensorView> mean = {{"w", {8, 4}, wm}, {"b", {4}, bm}};
-  ASSERT_OK_AND_ASSIGN(client::StepReply expected, single->Step(1, mean));
+  ASSERT_OK_AND_ASSIGN(client::StepReply expected, OneRankStep("one-rank", mean));
   EXPECT_EQ(first_reply.parameters, expected.parameters);
   EXPECT_DOUBLE_EQ(first_reply.grad_norm, expected.grad_norm);
 
@@ -242,14 +249,9 @@ TEST_F(MultiRankDrainTest, ASendReplacedByTheSameRanksResendIsNotToldItWasUsed) 
   EXPECT_EQ(replaced.parameters, used.parameters);
 
   // The step is one of the second send's gradients averaged with rank 1's.
-  ASSERT_OK_AND_ASSIGN(auto single, client_->CreateSession("resent-reference", DaemonTest::SmallSpec()));
-  const std::vector<float> w = DaemonTest::Initial("w", 32), b = DaemonTest::Initial("b", 4);
-  const std::vector<client::TensorView> initial = {{"w", {8, 4}, w}, {"b", {4}, b}};
-  ASSERT_OK(single->UploadParameters(initial));
   std::vector<float> mean(32);
   for (int i = 0; i < 32; ++i) mean[i] = static_cast<float>((double(w_again[i]) + w1[i]) / 2);
-  const std::vector<client::TensorView> mean_step = {{"w", {8, 4}, mean}};
-  ASSERT_OK_AND_ASSIGN(client::StepReply expected, single->Step(1, mean_step));
+  ASSERT_OK_AND_ASSIGN(client::StepReply expected, OneRankStep("resent-reference", {{"w", {8, 4}, mean}}));
   EXPECT_EQ(used.parameters, expected.parameters);
 }
 
