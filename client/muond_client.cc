@@ -232,15 +232,11 @@ absl::StatusOr<v1::ServerInfo> Client::GetServerInfo() {
 absl::Status Client::FitChunksToDaemon() {
   std::lock_guard<std::mutex> lock(chunk_mu_);
   if (chunk_limit_asked_) return absl::OkStatus();
-  absl::StatusOr<v1::ServerInfo> info = GetServerInfo();
-  if (!info.ok()) return info.status();
-  const size_t limit = info->max_chunk_bytes();
-  if (limit > 0 && limit < chunk_bytes()) {
-    chunk_bytes_.store(limit, std::memory_order_relaxed);
-    // Payload buffers of the chunks' size (the pool gives none smaller than its own): no session, so
-    // no step drawing on the pool, exists before the first CreateSession has come here.
-    slice_pool_ = wire::SlicePool::Create(limit);
-  }
+  absl::StatusOr<bool> lowered = LowerChunksToDaemonsLimitLocked();
+  if (!lowered.ok()) return lowered.status();
+  // Payload buffers of the chunks' size (the pool gives none smaller than its own): no session, so
+  // no step drawing on the pool, exists before the first CreateSession has come here.
+  if (*lowered) slice_pool_ = wire::SlicePool::Create(chunk_bytes());
   chunk_limit_asked_ = true;
   return absl::OkStatus();
 }
@@ -250,11 +246,18 @@ bool Client::RefitChunksAfter(const absl::Status& refusal) {
     return false;
   }
   std::lock_guard<std::mutex> lock(chunk_mu_);
-  absl::StatusOr<v1::ServerInfo> info = GetServerInfo();
-  if (!info.ok() || info->max_chunk_bytes() == 0 || info->max_chunk_bytes() >= chunk_bytes()) return false;
   // The pool's buffers, of the larger size, hold the smaller chunks as they are; steps in flight
   // may be drawing on it, so it stays.
-  chunk_bytes_.store(info->max_chunk_bytes(), std::memory_order_relaxed);
+  absl::StatusOr<bool> lowered = LowerChunksToDaemonsLimitLocked();
+  return lowered.ok() && *lowered;
+}
+
+absl::StatusOr<bool> Client::LowerChunksToDaemonsLimitLocked() {
+  absl::StatusOr<v1::ServerInfo> info = GetServerInfo();
+  if (!info.ok()) return info.status();
+  const size_t limit = info->max_chunk_bytes();
+  if (limit == 0 || limit >= chunk_bytes()) return false;
+  chunk_bytes_.store(limit, std::memory_order_relaxed);
   return true;
 }
 

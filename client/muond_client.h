@@ -216,6 +216,9 @@ class Client {
   // Lowers chunk_bytes_ to the daemon's chunk limit, asked once (a daemon refuses larger chunks), and
   // sizes slice_pool_'s buffers to it.
   absl::Status FitChunksToDaemon();
+  // Asks the daemon's chunk limit and lowers chunk_bytes_ to it when smaller; whether it did. Under
+  // chunk_mu_.
+  absl::StatusOr<bool> LowerChunksToDaemonsLimitLocked();
   ClientOptions options_;
   std::mutex chunk_mu_;
   bool chunk_limit_asked_ = false;  // guarded by chunk_mu_
