@@ -287,8 +287,9 @@ class Session {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(masters_mu_);
   absl::StatusOr<SessionState> ExportStateLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   absl::Status CheckpointLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // After an upload or SetState changed the state: its checkpoint, or UNAVAILABLE saying the state is
-  // in place but not saved (unsaved_ set: steps wait for a checkpoint that succeeds).
+  // After an upload or SetState changed the state: its checkpoint, or UNAVAILABLE (FAILED_PRECONDITION
+  // for a checkpoint that can never be written) saying the state is in place but not saved (unsaved_
+  // set: steps wait for a checkpoint that succeeds, and ranks waiting in one are refused).
   absl::Status SaveReplacedStateLocked(absl::string_view what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // FAILED_PRECONDITION while unsaved_ is set.
   absl::Status UnsavedLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
