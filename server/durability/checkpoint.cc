@@ -213,6 +213,7 @@ absl::Status WriteCheckpoint(Env* env, const std::string& dir, const CheckpointD
                    {"session_id", data.session_id},
                    {"owner", data.owner},
                    {"last_step", data.last_step},
+                   {"generation", data.generation},
                    {"step_counts", counts},
                    {"backend", data.backend},
                    {"spec", std::move(spec)},
@@ -325,6 +326,10 @@ absl::StatusOr<CheckpointData> ReadCheckpoint(Env* env, const std::string& dir) 
   data.backend = StringField(metadata, "backend");
   data.spec_json = spec->dump();
   data.last_step = last_step->get<int64_t>();
+  if (auto generation = metadata.find("generation"); generation != metadata.end()) {
+    if (!IsUnsigned(*generation)) return CheckpointCorrupt(metadata_file, "generation is not a count");
+    data.generation = generation->get<uint64_t>();
+  }
   for (const auto& [name, count] : counts->items()) {
     if (!count.is_number_integer()) return CheckpointCorrupt(metadata_file, "a step count is not an integer");
     data.step_counts.emplace_back(name, count.get<int64_t>());

@@ -69,6 +69,11 @@ struct CheckpointData {
   std::string spec_json;  // the session's spec in the API's JSON form
   std::string backend;
   int64_t last_step = 0;
+  // Counts the checkpoints the session has tried to write, this one included (0 in a checkpoint of an
+  // earlier version); journal records name the generation they follow, so that records written before
+  // this checkpoint are never replayed onto it, whatever their step (a SetState that moved the
+  // session back, whose journal could not be emptied).
+  uint64_t generation = 0;
   std::vector<std::pair<std::string, int64_t>> step_counts;  // parameter name → its step count
   std::vector<CheckpointTensor> tensors;
   std::optional<CheckpointLossScaler> loss_scaler;  // sessions with a loss scaler

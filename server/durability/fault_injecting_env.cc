@@ -17,7 +17,7 @@
 
 namespace muond::durability {
 
-// Forwards to the base file, letting the Env decide on every Append and Sync whether to fail it, so
+// Forwards to the base file, letting the Env decide on every Append, Sync and Truncate whether to fail it, so
 // that faults armed after the file was opened still apply.
 class FaultInjectingEnv::FaultyWritableFile final : public WritableFile {
  public:
@@ -25,7 +25,7 @@ class FaultInjectingEnv::FaultyWritableFile final : public WritableFile {
 
   absl::Status Append(absl::string_view data) override { return env_->Append(*base_, data); }
   absl::Status Sync() override { return env_->Sync(*base_); }
-  absl::Status Truncate() override { return base_->Truncate(); }
+  absl::Status Truncate() override { return env_->Truncate(*base_); }
   absl::Status Close() override { return base_->Close(); }
   const std::string& path() const override { return base_->path(); }
 
@@ -49,6 +49,10 @@ void FaultInjectingEnv::FailSync(absl::string_view path_substring, int after_syn
 
 void FaultInjectingEnv::FailRename(absl::string_view to_substring, bool sticky) {
   Arm(Fault{Operation::kRename, std::string(to_substring), AppendFault::kShortWrite, 0, sticky});
+}
+
+void FaultInjectingEnv::FailTruncate(absl::string_view path_substring, bool sticky) {
+  Arm(Fault{Operation::kTruncate, std::string(path_substring), AppendFault::kShortWrite, 0, sticky});
 }
 
 void FaultInjectingEnv::ClearFaults() {
@@ -111,6 +115,13 @@ absl::Status FaultInjectingEnv::Sync(WritableFile& base_file) {
     return ErrnoStatus(absl::StrCat("cannot fsync ", base_file.path()), EIO);
   }
   return base_file.Sync();
+}
+
+absl::Status FaultInjectingEnv::Truncate(WritableFile& base_file) {
+  if (Trigger(Operation::kTruncate, base_file.path()).has_value()) {
+    return ErrnoStatus(absl::StrCat("cannot truncate ", base_file.path()), EIO);
+  }
+  return base_file.Truncate();
 }
 
 absl::StatusOr<std::unique_ptr<WritableFile>> FaultInjectingEnv::NewWritableFile(const std::string& path) {

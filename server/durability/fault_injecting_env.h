@@ -1,6 +1,6 @@
 // FaultInjectingEnv: an Env for tests that passes everything through to a base Env, except the
 // faults a test arms: an Append that writes only half its data or hits a full disk, a failed fsync
-// (of a file or a folder), a failed rename. A fault targets the files whose path contains a given
+// (of a file or a folder), a failed rename, a failed truncation. A fault targets the files whose path contains a given
 // substring (an empty substring matches every path).
 //
 // A fault fires once and is then disarmed, unless armed with sticky = true, in which case it keeps
@@ -50,6 +50,9 @@ class FaultInjectingEnv : public Env {
   // The next RenameFile whose destination contains `to_substring` fails with INTERNAL
   // "cannot rename <from> to <to>: Input/output error" and renames nothing.
   void FailRename(absl::string_view to_substring, bool sticky = false);
+  // The next Truncate of a matching file fails with INTERNAL "cannot truncate <path>: Input/output
+  // error" and leaves the file as it was.
+  void FailTruncate(absl::string_view path_substring, bool sticky = false);
   // Disarms every fault, sticky or not. faults_triggered() is kept.
   void ClearFaults();
   // How many times a fault has fired since construction (a sticky fault counts every failure).
@@ -72,7 +75,7 @@ class FaultInjectingEnv : public Env {
  private:
   class FaultyWritableFile;
 
-  enum class Operation { kAppend, kSync, kRename };
+  enum class Operation { kAppend, kSync, kRename, kTruncate };
 
   struct Fault {
     Operation operation;
@@ -88,6 +91,7 @@ class FaultInjectingEnv : public Env {
 
   absl::Status Append(WritableFile& base_file, absl::string_view data);
   absl::Status Sync(WritableFile& base_file);
+  absl::Status Truncate(WritableFile& base_file);
 
   Env* const base_;
   mutable absl::Mutex mu_;

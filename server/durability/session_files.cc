@@ -31,12 +31,13 @@ absl::Status CheckSessionId(const std::string& id, absl::string_view field) {
 }
 
 absl::StatusOr<std::unique_ptr<SessionFiles>> SessionFiles::Open(const StateDirOptions& options,
-                                                                 const std::string& session_id) {
+                                                                 const std::string& session_id,
+                                                                 uint64_t checkpoint_generation) {
   MUOND_RETURN_IF_ERROR(CheckSessionId(session_id));
   const std::string dir = options.state_dir + "/" + session_id;
   if (options.env->IsLink(dir)) return LinkedFolder(dir);
   MUOND_RETURN_IF_ERROR(options.env->CreateDirs(dir));
-  std::unique_ptr<SessionFiles> files(new SessionFiles(options, dir));
+  std::unique_ptr<SessionFiles> files(new SessionFiles(options, dir, checkpoint_generation));
   if (options.durability == Durability::kJournal) {
     MUOND_RETURN_IF_ERROR(files->journal_.Open(dir + "/" + kJournalFile));
   }
@@ -45,13 +46,20 @@ absl::StatusOr<std::unique_ptr<SessionFiles>> SessionFiles::Open(const StateDirO
 
 absl::Status SessionFiles::RecordStep(absl::string_view request, const std::vector<HostTensor>& gradients) {
   if (options_.durability != Durability::kJournal) return absl::OkStatus();
-  return journal_.Append(request, gradients);
+  return journal_.Append(checkpoint_generation_, request, gradients);
 }
 
-absl::Status SessionFiles::SaveCheckpoint(const CheckpointData& data) {
+absl::Status SessionFiles::SaveCheckpoint(CheckpointData data) {
+  data.generation = ++checkpoint_generation_;
   MUOND_RETURN_IF_ERROR(WriteCheckpoint(options_.env, dir_, data));
-  // The checkpoint holds every journaled step now.
-  if (options_.durability == Durability::kJournal) MUOND_RETURN_IF_ERROR(journal_.Clear());
+  // The checkpoint holds every journaled step now, or replaced them (a SetState).
+  if (options_.durability == Durability::kJournal) {
+    if (absl::Status cleared = journal_.Clear(); !cleared.ok()) {
+      MUOND_LOG(warn,
+                "session {}: checkpoint written, but its journal could not be emptied ({}); its records predate it",
+                data.session_id, cleared.message());
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -113,6 +121,12 @@ absl::StatusOr<SessionFolder> LoadSessionFolder(const StateDirOptions& options, 
   MUOND_ASSIGN_OR_RETURN(folder.checkpoint, ReadCheckpoint(options.env, dir));
   MUOND_ASSIGN_OR_RETURN(std::vector<int64_t> numel, parameter_sizes(folder.checkpoint));
   MUOND_ASSIGN_OR_RETURN(folder.journal, StepJournal::Read(options.env, folder.journal_path, numel));
+  std::vector<JournalRecord>& records = folder.journal.records;
+  const auto older = std::remove_if(records.begin(), records.end(), [&](const JournalRecord& record) {
+    return record.checkpoint_generation < folder.checkpoint.generation;
+  });
+  folder.records_before_checkpoint = static_cast<size_t>(records.end() - older);
+  records.erase(older, records.end());
   return folder;
 }
 

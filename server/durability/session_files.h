@@ -61,26 +61,36 @@ absl::Status CheckSessionId(const std::string& id, absl::string_view field = "se
 class SessionFiles {
  public:
   // Creates the session's folder if needed and, in journal mode, opens its journal.
+  // `checkpoint_generation` is that of the checkpoint in the folder (0 for a new session).
   static absl::StatusOr<std::unique_ptr<SessionFiles>> Open(const StateDirOptions& options,
-                                                            const std::string& session_id);
+                                                            const std::string& session_id,
+                                                            uint64_t checkpoint_generation = 0);
 
   const StateDirOptions& options() const { return options_; }
   const std::string& dir() const { return dir_; }
 
-  // Journal mode: appends the step durably. Snapshot mode: nothing to do.
+  // Journal mode: appends the step durably, naming the generation of the last checkpoint tried.
+  // Snapshot mode: nothing to do.
   absl::Status RecordStep(absl::string_view request, const std::vector<HostTensor>& gradients);
-  // Writes `data` as the folder's checkpoint, then empties the journal (it holds nothing newer).
-  absl::Status SaveCheckpoint(const CheckpointData& data);
+  // Writes `data` as the folder's checkpoint, of the next generation, then empties the journal (it
+  // holds nothing newer). A journal that cannot be emptied is logged, not an error: its records name
+  // an older generation, which a restore skips. The generation counts tries, failed ones included:
+  // a write that failed may yet have put its checkpoint in place, and the steps after it follow it.
+  absl::Status SaveCheckpoint(CheckpointData data);
   // Removes the folder and everything in it.
   void Discard();
 
  private:
-  SessionFiles(StateDirOptions options, std::string dir)
-      : options_(std::move(options)), dir_(std::move(dir)), journal_(options_.env) {}
+  SessionFiles(StateDirOptions options, std::string dir, uint64_t checkpoint_generation)
+      : options_(std::move(options)),
+        dir_(std::move(dir)),
+        journal_(options_.env),
+        checkpoint_generation_(checkpoint_generation) {}
 
   const StateDirOptions options_;
   const std::string dir_;
   StepJournal journal_;
+  uint64_t checkpoint_generation_;  // of the last checkpoint tried
 };
 
 // What a session folder holds at start-up.
@@ -88,7 +98,8 @@ struct SessionFolder {
   std::string dir;
   std::string journal_path;
   CheckpointData checkpoint;
-  JournalContents journal;
+  JournalContents journal;               // the records written since the checkpoint was tried
+  size_t records_before_checkpoint = 0;  // records of an older generation, left out of `journal`
 };
 
 // The session folders of the state directory (creating it if needed), sorted. Folders without a
@@ -110,6 +121,7 @@ using ParameterSizes = std::function<absl::StatusOr<std::vector<int64_t>>(const 
 
 // Reads a folder's checkpoint and journal; the journal's records are checked against the parameter
 // sizes, which come from the checkpoint's spec, hence the callback: parse the spec, return them.
+// Records of a generation older than the checkpoint's were written before it and are left out.
 // Refuses a folder that is a symbolic link.
 absl::StatusOr<SessionFolder> LoadSessionFolder(const StateDirOptions& options, const std::string& dir,
                                                 const ParameterSizes& parameter_sizes);

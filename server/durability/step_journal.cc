@@ -14,10 +14,11 @@
 namespace muond::durability {
 namespace {
 
-constexpr char kMagic[4] = {'M', 'J', 'R', '3'};
+constexpr char kMagic[4] = {'M', 'J', 'R', '4'};
+constexpr char kMagicWithoutGeneration[4] = {'M', 'J', 'R', '3'};  // the same header, no generation
 constexpr char kPreviousMagic[4] = {'M', 'J', 'R', '2'};
 constexpr char kOldMagic[4] = {'M', 'J', 'R', '1'};
-constexpr size_t kHeader = 20;          // magic, u64 length, payload CRC, header CRC
+constexpr size_t kHeader = 20;          // MJR4, MJR3: magic, u64 length, payload CRC, header CRC
 constexpr size_t kPreviousHeader = 12;  // MJR2: magic, u32 length, payload CRC
 // A step request is a small JSON object (overrides per group, QK-clip logits per head).
 constexpr uint64_t kMaxRequestBytes = uint64_t{16} << 20;
@@ -42,10 +43,10 @@ uint32_t Crc(const char* data, size_t size) {
   return static_cast<uint32_t>(crc32_z(0L, reinterpret_cast<const Bytef*>(data), size));
 }
 
-// The largest payload a record of a session with these parameters can have: the request and every
-// gradient present once.
+// The largest payload a record of a session with these parameters can have: the generation, the
+// request and every gradient present once.
 uint64_t MaxPayloadBytes(const std::vector<int64_t>& numel) {
-  uint64_t bytes = 4 + kMaxRequestBytes + 4;
+  uint64_t bytes = 8 + 4 + kMaxRequestBytes + 4;
   for (const int64_t n : numel) bytes += kGradientEntryBytes + 4 * static_cast<uint64_t>(std::max<int64_t>(n, 0));
   return bytes;
 }
@@ -70,9 +71,11 @@ absl::Status StepJournal::CutTornTail() {
   return absl::OkStatus();
 }
 
-absl::Status StepJournal::Append(absl::string_view request, const std::vector<HostTensor>& gradients) {
+absl::Status StepJournal::Append(uint64_t checkpoint_generation, absl::string_view request,
+                                 const std::vector<HostTensor>& gradients) {
   if (file_ == nullptr) MUOND_RETURN_IF_ERROR(CutTornTail());
   std::string payload;
+  Put<uint64_t>(payload, checkpoint_generation);
   Put<uint32_t>(payload, static_cast<uint32_t>(request.size()));
   payload.append(request.data(), request.size());
   uint32_t present = 0;
@@ -137,7 +140,8 @@ absl::StatusOr<JournalContents> StepJournal::Read(Env* env, const std::string& p
       contents.dropped_torn_tail = true;
       break;
     }
-    const bool current = std::memcmp(bytes.data() + pos, kMagic, 4) == 0;
+    const bool generationed = std::memcmp(bytes.data() + pos, kMagic, 4) == 0;
+    const bool current = generationed || std::memcmp(bytes.data() + pos, kMagicWithoutGeneration, 4) == 0;
     const bool previous = std::memcmp(bytes.data() + pos, kPreviousMagic, 4) == 0;
     if (std::memcmp(bytes.data() + pos, kOldMagic, 4) == 0) {
       return corrupt(start, "is in the format of an earlier muond (MJR1); restore it with that version");
@@ -174,6 +178,7 @@ absl::StatusOr<JournalContents> StepJournal::Read(Env* env, const std::string& p
     if (Crc(bytes.data() + pos, length) != crc) return corrupt(start, "fails its CRC (altered)");
     const size_t end = pos + length;
     JournalRecord record;
+    if (generationed && !Get(bytes, &pos, end, &record.checkpoint_generation)) return corrupt(start, "is truncated");
     uint32_t request_length = 0, present = 0;
     if (!Get(bytes, &pos, end, &request_length) || end - pos < request_length) {
       return corrupt(start, "has a bad step request");

@@ -5,9 +5,11 @@
 // checkpoint empties the journal.
 //
 // Record (after leveldb's log format, with the header checked on its own): a 20-byte header — magic
-// "MJR3" | payload length (u64) | CRC-32 of the payload (u32) | CRC-32 of the 16 bytes before it (u32)
-// — then the payload: request length (u32) | request (JSON) | gradient count (u32) | per gradient:
-// parameter index (u32), element count (u64), sum of squares (f64), the fp32 values.
+// "MJR4" | payload length (u64) | CRC-32 of the payload (u32) | CRC-32 of the 16 bytes before it (u32)
+// — then the payload: checkpoint generation (u64) | request length (u32) | request (JSON) | gradient
+// count (u32) | per gradient: parameter index (u32), element count (u64), sum of squares (f64), the
+// fp32 values. The generation is that of the last checkpoint the session tried to write before the
+// step (checkpoint.h): a record older than the checkpoint in place predates it, whatever its step.
 //
 // Reading: only a record cut short at the very end of the file — fewer than 20 bytes left, or a header
 // whose own CRC verifies and whose payload runs past the end — is the trace of a crash during an
@@ -15,9 +17,10 @@
 // with DATA_LOSS naming the file and the record's offset: a bad marker or header CRC (an altered
 // length is caught here, so it can never pass for a torn tail), a length above what the session's
 // parameters allow, a payload CRC that does not match, a gradient of the wrong size. Reading changes
-// nothing on disk. Records in the previous format ("MJR2": a 12-byte header of magic, u32 length and
-// payload CRC, the same payload) are still read; their length past the end counts as a torn tail only
-// within the same plausible bound. "MJR1" journals are refused with a message saying so.
+// nothing on disk. Records of the earlier formats are still read, as of generation 0: "MJR3" (the
+// same header, a payload without the generation) and "MJR2" (a 12-byte header of magic, u32 length
+// and payload CRC, the MJR3 payload), whose length past the end counts as a torn tail only within
+// the same plausible bound. "MJR1" journals are refused with a message saying so.
 //
 // Not thread-safe: the owning session serializes appends.
 #pragma once
@@ -34,8 +37,9 @@
 namespace muond::durability {
 
 struct JournalRecord {
-  std::string request;                // as given to Append
-  std::vector<HostTensor> gradients;  // indexed like the session's parameters; absent ones empty
+  uint64_t checkpoint_generation = 0;  // as given to Append; 0 in the earlier formats
+  std::string request;                 // as given to Append
+  std::vector<HostTensor> gradients;   // indexed like the session's parameters; absent ones empty
 };
 
 struct JournalContents {
@@ -52,7 +56,8 @@ class StepJournal {
   // Appends one step and syncs it: on OK the record survives a crash. On an error the file may end
   // in a partial record (which Read drops as a torn tail if the daemon stops now); the next Append
   // first cuts the file back to its last complete record, so no record ever follows a torn one.
-  absl::Status Append(absl::string_view request, const std::vector<HostTensor>& gradients);
+  absl::Status Append(uint64_t checkpoint_generation, absl::string_view request,
+                      const std::vector<HostTensor>& gradients);
   // Empties the journal durably.
   absl::Status Clear();
   void Close();

@@ -99,9 +99,10 @@ std::string_view SafetensorsDtype(kernels::StorageDtype dtype) {
 
 absl::StatusOr<std::unique_ptr<FilePersistence>> FilePersistence::Open(const durability::StateDirOptions& options,
                                                                        const Session& session,
-                                                                       metrics::Metrics* metrics) {
+                                                                       metrics::Metrics* metrics,
+                                                                       uint64_t checkpoint_generation) {
   MUOND_ASSIGN_OR_RETURN(std::unique_ptr<durability::SessionFiles> files,
-                         durability::SessionFiles::Open(options, session.id()));
+                         durability::SessionFiles::Open(options, session.id(), checkpoint_generation));
   return std::unique_ptr<FilePersistence>(new FilePersistence(std::move(files), session, metrics));
 }
 
@@ -154,7 +155,7 @@ absl::Status FilePersistence::SaveCheckpoint(SessionState state) {
         {param.name, std::move(t.slot), std::move(shape), std::move(t.values), std::string(SafetensorsDtype(t.dtype))});
   }
   const auto start = std::chrono::steady_clock::now();
-  absl::Status saved = files_->SaveCheckpoint(data);
+  absl::Status saved = files_->SaveCheckpoint(std::move(data));
   metrics_->CheckpointWritten(absl::FromChrono(std::chrono::steady_clock::now() - start), saved.ok());
   return saved;
 }
@@ -184,6 +185,8 @@ absl::StatusOr<LoadedSession> LoadSession(const durability::StateDirOptions& opt
   loaded.session = std::move(unique);
   loaded.journal_path = folder.journal_path;
   loaded.dropped_torn_tail = folder.journal.dropped_torn_tail;
+  loaded.checkpoint_generation = folder.checkpoint.generation;
+  loaded.records_before_checkpoint = folder.records_before_checkpoint;
   Session& session = *loaded.session;
   MUOND_ASSIGN_OR_RETURN(SessionState state, StateFromCheckpoint(folder.checkpoint, session, dir));
   absl::Status imported = session.ImportState(std::move(state));
@@ -192,7 +195,8 @@ absl::StatusOr<LoadedSession> LoadSession(const durability::StateDirOptions& opt
   }
   loaded.checkpoint_step = session.last_step();
 
-  // The journal's reader has checked each record's framing, CRCs and gradient sizes against the spec.
+  // The journal's reader has checked each record's framing, CRCs and gradient sizes against the spec,
+  // and left out the records written before the checkpoint was tried.
   for (durability::JournalRecord& record : folder.journal.records) {
     absl::StatusOr<StepRequest> request = DecodeStepRequest(record.request);
     if (!request.ok()) {
@@ -251,8 +255,13 @@ absl::StatusOr<std::vector<std::shared_ptr<Session>>> RestoreSessions(const dura
                 "dropped it",
                 loaded->journal_path);
     }
+    if (loaded->records_before_checkpoint > 0) {
+      MUOND_LOG(info,
+                "journal {}: {} records written before the checkpoint in place (which replaced them) not replayed",
+                loaded->journal_path, loaded->records_before_checkpoint);
+    }
     MUOND_ASSIGN_OR_RETURN(std::unique_ptr<FilePersistence> persistence,
-                           FilePersistence::Open(options, *session, metrics));
+                           FilePersistence::Open(options, *session, metrics, loaded->checkpoint_generation));
     session->AttachPersistence(std::move(persistence));
     // Fold the replayed steps into a fresh checkpoint, which also empties the journal. Should it fail
     // for this session's own files (an entry in the way of them), the checkpoint and journal read stay

@@ -263,7 +263,7 @@ TEST(DurabilityTest, AnInflatedJournalLengthStopsTheRestoreAndKeepsTheJournal) {
   daemon.process().Kill();
   const std::string journal = daemon.state_dir() + "/inflated/journal.log";
   std::string bytes = ReadWholeFileForTest(journal);
-  // Each record: a 20-byte header ("MJR3", u64 payload length, two CRCs) and its payload.
+  // Each record: a 20-byte header ("MJR4", u64 payload length, two CRCs) and its payload.
   size_t third = 0;
   for (int record = 0; record < 2; ++record) {
     uint64_t length = 0;

@@ -53,7 +53,7 @@ def journal_records(folder: Path):
     data = (folder / "journal.log").read_bytes()
     records, pos = [], 0
     while pos < len(data):
-        assert data[pos:pos + 4] == b"MJR3"
+        assert data[pos:pos + 4] == b"MJR4"
         (length,) = struct.unpack("<Q", data[pos + 4:pos + 12])
         records.append((pos, data[pos + 20:pos + 20 + length]))
         pos += 20 + length
@@ -61,7 +61,7 @@ def journal_records(folder: Path):
 
 
 def frame(payload: bytes) -> bytes:
-    head = b"MJR3" + struct.pack("<QI", len(payload), zlib.crc32(payload))
+    head = b"MJR4" + struct.pack("<QI", len(payload), zlib.crc32(payload))
     return head + struct.pack("<I", zlib.crc32(head)) + payload
 
 
@@ -70,8 +70,10 @@ def shorten_first_gradient(folder: Path) -> None:
     checksummed as muond writes it, so only the size is wrong)."""
     records = journal_records(folder)
     payload = records[0][1]
-    (request_length,) = struct.unpack("<I", payload[:4])
-    pos = 4 + request_length + 4
+    # The payload: the checkpoint generation (u64), the request's length (u32) and the request, the
+    # gradient count (u32), then the gradients.
+    (request_length,) = struct.unpack("<I", payload[8:12])
+    pos = 8 + 4 + request_length + 4
     index, count = struct.unpack("<IQ", payload[pos:pos + 12])
     shorter = payload[:pos] + struct.pack("<IQ", index, count - 1) + payload[pos + 12:pos + 20 + 4 * (count - 1)] + \
         payload[pos + 20 + 4 * count:]

@@ -105,7 +105,9 @@ FolderReport ReadFolder(const std::string& state_dir, const std::string& name) {
     records.push_back(
         {{"step", step}, {"rank", request.is_object() ? request.value("rank", 0) : 0}, {"gradients", gradients}});
   }
-  report.json["journal"] = {{"records", records}, {"torn_tail_dropped", folder->journal.dropped_torn_tail}};
+  report.json["journal"] = {{"records", records},
+                            {"torn_tail_dropped", folder->journal.dropped_torn_tail},
+                            {"records_before_checkpoint", folder->records_before_checkpoint}};
   // What a daemon restoring this folder would resume from: the journal's steps follow the checkpoint's.
   int64_t expected = c.last_step + 1;
   for (int64_t step : report.journal_steps) {
@@ -155,6 +157,9 @@ std::string FolderText(const FolderReport& r) {
     absl::StrAppend(&text, " (steps ", r.journal_steps.front(), "–", r.journal_steps.back(), ")");
   }
   if (r.json["journal"]["torn_tail_dropped"].get<bool>()) absl::StrAppend(&text, ", a torn last record (dropped)");
+  if (const size_t before = r.json["journal"]["records_before_checkpoint"].get<size_t>(); before > 0) {
+    absl::StrAppend(&text, ", ", before, " written before the checkpoint (not replayed)");
+  }
   return text + "\n";
 }
 

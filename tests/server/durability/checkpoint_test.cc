@@ -32,6 +32,7 @@ class CheckpointTest : public ::testing::Test {
     data_.spec_json = R"({"parameters":[{"name":"w","shape":["2","3"]}]})";
     data_.backend = "cpu";
     data_.last_step = 7;
+    data_.generation = 12;
     data_.step_counts = {{"w", 7}};
     data_.tensors = {{"w", "master", {2, 3}, {1, 2, 3, 4, 5, 6}}, {"w", "momentum", {2, 3}, {0, 0, 1, 0, 0, -1}}};
     ASSERT_OK(WriteCheckpoint(Env::Default(), dir_, data_));
@@ -58,6 +59,7 @@ TEST_F(CheckpointTest, ARoundTripKeepsEverything) {
   EXPECT_EQ(read.owner, "alice");
   EXPECT_EQ(json::parse(read.spec_json), json::parse(data_.spec_json));
   EXPECT_EQ(read.last_step, 7);
+  EXPECT_EQ(read.generation, 12u);
   EXPECT_EQ(read.step_counts, data_.step_counts);
   ASSERT_EQ(read.tensors.size(), 2u);
   EXPECT_EQ(read.tensors[1].slot, "momentum");
@@ -76,6 +78,8 @@ TEST_F(CheckpointTest, FieldsOfTheWrongTypeAreRefusedNotThrown) {
            [](json& m) { m["tensors"] = "file"; },
            [](json& m) { m["tensors"]["bytes"] = -1; },
            [](json& m) { m["spec"] = 3; },
+           [](json& m) { m["generation"] = -1; },
+           [](json& m) { m["generation"] = "12"; },
        }) {
     TearDown();
     SetUp();  // a fresh checkpoint for each edit
@@ -83,6 +87,15 @@ TEST_F(CheckpointTest, FieldsOfTheWrongTypeAreRefusedNotThrown) {
     EXPECT_THAT(ReadCheckpoint(Env::Default(), dir_),
                 StatusIs(absl::StatusCode::kDataLoss, "checkpoint.json is unusable"));
   }
+}
+
+// A checkpoint of an earlier version has no generation: it reads as generation 0, which every
+// journal record of that version has too.
+TEST_F(CheckpointTest, ACheckpointWithoutAGenerationReadsAsGenerationZero) {
+  EditMetadata([](json& m) { m.erase("generation"); });
+  ASSERT_OK_AND_ASSIGN(CheckpointData read, ReadCheckpoint(Env::Default(), dir_));
+  EXPECT_EQ(read.generation, 0u);
+  EXPECT_EQ(read.last_step, 7);
 }
 
 // An asynchronous session's push records keep their outcome; a record of three numbers (an applied

@@ -2,7 +2,7 @@
 // file is a torn tail; an inflated length, an altered header or payload, a length no step of the
 // session could have, or a gradient of the wrong size refuses the journal (DATA_LOSS naming the file
 // and the record's offset) and leaves its bytes as they were; journals of the previous format (MJR2)
-// are still read.
+// and the one before the checkpoint generation (MJR3) are still read.
 #include "server/durability/step_journal.h"
 
 #include <zlib.h>
@@ -52,7 +52,8 @@ class StepJournalTest : public ::testing::Test {
     for (int step = 1; step <= n; ++step) {
       offsets.push_back(fs::file_size(path_));
       const std::vector<HostTensor> gradients = {Gradient({1, 2, 3, 4, 5, static_cast<float>(step)}), Gradient({7, 8})};
-      EXPECT_OK(journal.Append("{\"step\":" + std::to_string(step) + "}", gradients));
+      EXPECT_OK(
+          journal.Append(/*checkpoint_generation=*/step / 2, "{\"step\":" + std::to_string(step) + "}", gradients));
     }
     journal.Close();
     return offsets;
@@ -75,6 +76,8 @@ TEST_F(StepJournalTest, RecordsRoundTrip) {
   ASSERT_EQ(contents.records.size(), 3u);
   EXPECT_FALSE(contents.dropped_torn_tail);
   EXPECT_EQ(contents.records[2].request, "{\"step\":3}");
+  EXPECT_EQ(contents.records[0].checkpoint_generation, 0u);
+  EXPECT_EQ(contents.records[2].checkpoint_generation, 1u);
   EXPECT_EQ(contents.records[2].gradients[0].values, (std::vector<float>{1, 2, 3, 4, 5, 3}));
   EXPECT_EQ(contents.records[2].gradients[1].sum_squares, 1.5);
 }
@@ -137,7 +140,7 @@ TEST_F(StepJournalTest, AlteredHeadersPayloadsAndMarkersAreRefused) {
 TEST_F(StepJournalTest, AGradientOfTheWrongSizeIsRefused) {
   StepJournal journal(Env::Default());
   ASSERT_OK(journal.Open(path_));
-  ASSERT_OK(journal.Append("{}", {Gradient({1, 2, 3, 4, 5}), Gradient({7, 8})}));  // one element short
+  ASSERT_OK(journal.Append(0, "{}", {Gradient({1, 2, 3, 4, 5}), Gradient({7, 8})}));  // one element short
   journal.Close();
   EXPECT_THAT(Read(), StatusIs(absl::StatusCode::kDataLoss, "a gradient of 5 elements for parameter 0"));
 }
@@ -151,18 +154,12 @@ TEST_F(StepJournalTest, ALinkedOrDanglingJournalIsRefusedAndNothingIsCreatedOuts
   EXPECT_FALSE(fs::exists(dir_ + "/outside/journal.log"));
 }
 
-// The previous format: "MJR2" | u32 length | CRC-32 of the payload | payload.
-std::string PreviousFormatRecord(const std::string& payload) {
-  std::string record = "MJR2";
-  const uint32_t length = static_cast<uint32_t>(payload.size());
-  const uint32_t crc =
-      static_cast<uint32_t>(crc32_z(0, reinterpret_cast<const Bytef*>(payload.data()), payload.size()));
-  record.append(reinterpret_cast<const char*>(&length), 4);
-  record.append(reinterpret_cast<const char*>(&crc), 4);
-  return record + payload;
+uint32_t Crc(absl::string_view bytes) {
+  return static_cast<uint32_t>(crc32_z(0, reinterpret_cast<const Bytef*>(bytes.data()), bytes.size()));
 }
 
-TEST_F(StepJournalTest, ThePreviousFormatIsStillReadWithinThePlausibleBound) {
+// The payload of the earlier formats (no generation): a request "{}" and parameter 1's gradient.
+std::string PayloadWithoutGeneration() {
   std::string payload;
   const uint32_t request_length = 2, present = 1, index = 1;
   const uint64_t count = 2;
@@ -172,6 +169,49 @@ TEST_F(StepJournalTest, ThePreviousFormatIsStillReadWithinThePlausibleBound) {
   payload.append(reinterpret_cast<const char*>(&present), 4).append(reinterpret_cast<const char*>(&index), 4);
   payload.append(reinterpret_cast<const char*>(&count), 8).append(reinterpret_cast<const char*>(&sum_squares), 8);
   payload.append(reinterpret_cast<const char*>(values), 8);
+  return payload;
+}
+
+// The previous format: "MJR2" | u32 length | CRC-32 of the payload | payload.
+std::string PreviousFormatRecord(const std::string& payload) {
+  std::string record = "MJR2";
+  const uint32_t length = static_cast<uint32_t>(payload.size());
+  const uint32_t crc = Crc(payload);
+  record.append(reinterpret_cast<const char*>(&length), 4);
+  record.append(reinterpret_cast<const char*>(&crc), 4);
+  return record + payload;
+}
+
+// The format before the generation: "MJR3" | u64 length | CRC-32 of the payload | CRC-32 of the
+// header's 16 bytes before it | payload.
+std::string FormatWithoutGenerationRecord(const std::string& payload) {
+  std::string record = "MJR3";
+  const uint64_t length = payload.size();
+  const uint32_t crc = Crc(payload);
+  record.append(reinterpret_cast<const char*>(&length), 8);
+  record.append(reinterpret_cast<const char*>(&crc), 4);
+  const uint32_t header_crc = Crc(record);
+  record.append(reinterpret_cast<const char*>(&header_crc), 4);
+  return record + payload;
+}
+
+TEST_F(StepJournalTest, RecordsWithoutAGenerationAreReadAsGenerationZero) {
+  Write(3);  // generations 0, 1, 1
+  const std::string old_record = FormatWithoutGenerationRecord(PayloadWithoutGeneration());
+  SetBytes(old_record + Bytes() + old_record);
+  ASSERT_OK_AND_ASSIGN(JournalContents contents, Read());
+  ASSERT_EQ(contents.records.size(), 5u);
+  EXPECT_EQ(contents.records[0].checkpoint_generation, 0u);
+  EXPECT_EQ(contents.records[0].request, "{}");
+  EXPECT_EQ(contents.records[0].gradients[1].values, (std::vector<float>{7, 8}));
+  EXPECT_FALSE(contents.records[0].gradients[0].present());
+  EXPECT_EQ(contents.records[3].checkpoint_generation, 1u);
+  EXPECT_EQ(contents.records[3].request, "{\"step\":3}");
+  EXPECT_EQ(contents.records[4].checkpoint_generation, 0u);
+}
+
+TEST_F(StepJournalTest, ThePreviousFormatIsStillReadWithinThePlausibleBound) {
+  const std::string payload = PayloadWithoutGeneration();
   const std::string record = PreviousFormatRecord(payload);
   SetBytes(record + record);
   ASSERT_OK_AND_ASSIGN(JournalContents contents, Read());

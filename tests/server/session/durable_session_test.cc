@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <filesystem>
 
+#include "common/status_macros.h"
 #include "gmock/gmock.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "server/durability/fault_injecting_env.h"
@@ -58,6 +59,15 @@ class DurableSessionTest : public ::testing::Test {
       EXPECT_OK(RunStep(*reference_, Request(step), Gradients(step)).status());
     }
     return outcome.status();
+  }
+
+  // Steps 1, 2 and 3; returns the state after step 1 (a state dict saved then, to load back).
+  absl::StatusOr<SessionState> ThreeStepsKeepingTheFirstState() {
+    MUOND_RETURN_IF_ERROR(Step(1));
+    MUOND_ASSIGN_OR_RETURN(SessionState first, session_->ExportState());
+    MUOND_RETURN_IF_ERROR(Step(2));
+    MUOND_RETURN_IF_ERROR(Step(3));
+    return first;
   }
 
   std::vector<std::vector<float>> ParametersOf(const Session& session) {
@@ -122,6 +132,11 @@ TEST_F(DurableSessionTest, ACheckpointFaultKeepsThePreviousCheckpointLoadable) {
        [](auto& env) { env.FailAppend("checkpoint.json", durability::AppendFault::kNoSpace); }},
       {"failed fsync of the tensors", [](auto& env) { env.FailSync("safetensors"); }},
       {"failed rename of the metadata", [](auto& env) { env.FailRename("checkpoint.json"); }},
+      // The tensor file's fsync, the folder's, the metadata's pass; the folder's after the metadata's
+      // rename fails: the checkpoint is in place though the write failed, and the steps after it
+      // must follow it at a restore.
+      {"failed fsync of the folder after the metadata's rename",
+       [this](auto& env) { env.FailSync(dir_ + "/s", /*after_syncs=*/3); }},
   };
   int step = 0;
   for (const auto& fault : faults) {
@@ -133,7 +148,22 @@ TEST_F(DurableSessionTest, ACheckpointFaultKeepsThePreviousCheckpointLoadable) {
     EXPECT_THAT(checkpoint.status().message(), HasSubstr(dir_)) << "the error names the file";
     ASSERT_OK(Step(++step)) << "steps go on; the journal still holds them";
   }
-  EXPECT_EQ(env_.faults_triggered(), 4);
+  EXPECT_EQ(env_.faults_triggered(), 5);
+  ExpectRestoreHoldsEveryAcknowledgedStep();
+}
+
+// A SetState back to step 1 whose checkpoint is written but whose journal cannot be emptied: the
+// journal still holds steps 1 to 3 of the state replaced, after the new checkpoint's step. They were
+// written before it (an older checkpoint generation), so a restart never replays them onto it; the
+// steps taken on the loaded state, appended after them, are replayed.
+TEST_F(DurableSessionTest, StepsOfAStateReplacedAreNotReplayedOntoItsReplacement) {
+  ASSERT_OK_AND_ASSIGN(SessionState loaded, ThreeStepsKeepingTheFirstState());
+  env_.FailTruncate("journal.log");
+  ASSERT_OK(session_->ImportState(loaded)) << "the checkpoint is written; the journal's records predate it";
+  ASSERT_OK(reference_->ImportState(loaded));
+  EXPECT_EQ(env_.faults_triggered(), 1);
+  ASSERT_OK(Step(2));
+  ASSERT_OK(Step(3));
   ExpectRestoreHoldsEveryAcknowledgedStep();
 }
 
@@ -142,10 +172,7 @@ TEST_F(DurableSessionTest, ACheckpointFaultKeepsThePreviousCheckpointLoadable) {
 // it would follow the journal's records of the state replaced, and a restart would refuse the lot.
 // Once the checkpoint is written the steps go on, and a restart finds every acknowledged one.
 TEST_F(DurableSessionTest, AStateThatCouldNotBeSavedTakesNoStepUntilACheckpointSucceeds) {
-  ASSERT_OK(Step(1));
-  ASSERT_OK_AND_ASSIGN(SessionState loaded, session_->ExportState());  // a state dict saved at step 1
-  ASSERT_OK(Step(2));
-  ASSERT_OK(Step(3));
+  ASSERT_OK_AND_ASSIGN(SessionState loaded, ThreeStepsKeepingTheFirstState());
   env_.FailAppend("checkpoint.json", durability::AppendFault::kNoSpace);
   EXPECT_THAT(session_->ImportState(loaded), StatusIs(absl::StatusCode::kUnavailable, "could not be saved"));
   ASSERT_OK(reference_->ImportState(loaded));

@@ -195,7 +195,8 @@ TEST_F(RestoreTest, AnAlteredAsynchronousPushRecordIsRefusedNotReplayed) {
     fs::remove(journal);
     durability::StepJournal rewritten(durability::Env::Default());
     ASSERT_OK(rewritten.Open(journal));
-    ASSERT_OK(rewritten.Append(request.dump(), contents.records[0].gradients));
+    ASSERT_OK(
+        rewritten.Append(contents.records[0].checkpoint_generation, request.dump(), contents.records[0].gradients));
     rewritten.Close();
 
     const int quarantined = metrics_.quarantined;
@@ -264,7 +265,7 @@ TEST_F(RestoreTest, FailStopNamesTheFileAndMovesNothing) {
   // Step 2's payload length inflated in a journal followed by step 3: no torn tail.
   const std::string journal = dir_ + "/bad/journal.log";
   std::string bytes = ReadAll(journal);
-  ASSERT_EQ(bytes.substr(0, 4), "MJR3");
+  ASSERT_EQ(bytes.substr(0, 4), "MJR4");
   uint64_t first_length = 0;
   std::memcpy(&first_length, bytes.data() + 4, 8);
   const size_t second = 20 + first_length;
