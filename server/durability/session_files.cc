@@ -65,12 +65,23 @@ absl::Status SessionFiles::SaveCheckpoint(CheckpointData data) {
 
 void SessionFiles::Discard() {
   journal_.Close();
-  if (absl::Status removed = options_.env->RemoveTree(dir_); !removed.ok()) {
-    MUOND_LOG(warn, "cannot remove {}: {}", dir_, removed.message());
+  // Out of the sessions' names first, in one rename made durable: a crash while the files are removed
+  // one by one must not leave a folder that a restart takes for the session (without its journal, or
+  // its checkpoint).
+  std::string doomed = dir_;
+  if (absl::StatusOr<std::string> moved = MoveSessionFolderInto(options_, dir_, kClosedFolder); moved.ok()) {
+    doomed = *moved;
+  } else {
+    MUOND_LOG(warn, "cannot move {} aside before removing it: {}", dir_, moved.status().message());
+  }
+  if (absl::Status removed = options_.env->RemoveTree(doomed); !removed.ok()) {
+    MUOND_LOG(warn, "cannot remove {}: {}", doomed, removed.message());
   }
 }
 
-bool IsKnownNonSessionFolder(const std::string& name) { return name == kQuarantineFolder || name == "lost+found"; }
+bool IsKnownNonSessionFolder(const std::string& name) {
+  return name == kQuarantineFolder || name == kClosedFolder || name == "lost+found";
+}
 
 std::string ForeignFolderMessage(const std::string& state_dir, const std::string& name) {
   return absl::StrCat("ignoring ", state_dir, "/", absl::CHexEscape(name.substr(0, 256)),
@@ -88,6 +99,13 @@ absl::StatusOr<std::vector<std::string>> ListSessionFolders(const StateDirOption
   for (const std::string& name : names) {
     const std::string dir = options.state_dir + "/" + name;
     if (!env->IsDirectory(dir)) continue;
+    if (name == kClosedFolder && !env->IsLink(dir)) {
+      // Closed sessions whose removal a stop cut short.
+      if (absl::Status removed = env->RemoveTree(dir); !removed.ok()) {
+        MUOND_LOG(warn, "cannot remove {}: {}", dir, removed.message());
+      }
+      continue;
+    }
     if (IsKnownNonSessionFolder(name)) continue;
     if (!CheckSessionId(name).ok()) {
       // Left alone, but said (the name escaped): an operator who renamed a session's folder learns
@@ -131,24 +149,29 @@ absl::StatusOr<SessionFolder> LoadSessionFolder(const StateDirOptions& options, 
 }
 
 absl::StatusOr<std::string> QuarantineSessionFolder(const StateDirOptions& options, const std::string& dir) {
+  return MoveSessionFolderInto(options, dir, kQuarantineFolder);
+}
+
+absl::StatusOr<std::string> MoveSessionFolderInto(const StateDirOptions& options, const std::string& dir,
+                                                  absl::string_view folder) {
   Env* env = options.env;
-  const std::string quarantine = options.state_dir + "/" + kQuarantineFolder;
-  // Never moved out of the state directory through a link put in the quarantine's place.
-  if (env->IsLink(quarantine)) {
+  const std::string into = absl::StrCat(options.state_dir, "/", folder);
+  // Never moved out of the state directory through a link put in the folder's place.
+  if (env->IsLink(into)) {
     return absl::FailedPreconditionError(
-        absl::StrCat(quarantine, " is a symbolic link (state files are never reached through links)"));
+        absl::StrCat(into, " is a symbolic link (state files are never reached through links)"));
   }
-  MUOND_RETURN_IF_ERROR(env->CreateDirs(quarantine));
+  MUOND_RETURN_IF_ERROR(env->CreateDirs(into));
   const std::string name = dir.substr(dir.rfind('/') + 1);
   const std::string stamp = absl::FormatTime("%Y%m%dT%H%M%E3SZ", absl::Now(), absl::UTCTimeZone());
-  std::string target = absl::StrCat(quarantine, "/", name, ".", stamp);
-  // Two damaged folders of one name in the same millisecond cannot happen in one start, but a
-  // restart within it could meet an earlier one: never replace what is already there.
+  std::string target = absl::StrCat(into, "/", name, ".", stamp);
+  // Never replace what is already there: a restart, or a session of the same id closed again, within
+  // the same millisecond.
   for (int n = 1; env->FileExists(target) || env->IsLink(target); ++n) {
-    target = absl::StrCat(quarantine, "/", name, ".", stamp, ".", n);
+    target = absl::StrCat(into, "/", name, ".", stamp, ".", n);
   }
   MUOND_RETURN_IF_ERROR(env->RenameFile(dir, target));
-  MUOND_RETURN_IF_ERROR(env->SyncDir(quarantine));
+  MUOND_RETURN_IF_ERROR(env->SyncDir(into));
   MUOND_RETURN_IF_ERROR(env->SyncDir(options.state_dir));
   return target;
 }

@@ -53,6 +53,9 @@ inline constexpr char kJournalFile[] = "journal.log";
 // The folder of the state directory that damaged session folders are moved into, as
 // <id>.<UTC time>. Not a valid session id, so it never collides with a session's folder.
 inline constexpr char kQuarantineFolder[] = "+quarantine";
+// The folder a closed session's folder is moved into, in one rename, before its files are removed;
+// start-up removes what a stop left there. Not a valid session id either.
+inline constexpr char kClosedFolder[] = "+closed";
 
 // OK when `id` is a valid session id ([A-Za-z0-9._-]{1,128}, not "." or ".."), which is also what
 // makes it a safe folder name; INVALID_ARGUMENT naming `field` otherwise.
@@ -77,7 +80,8 @@ class SessionFiles {
   // an older generation, which a restore skips. The generation counts tries, failed ones included:
   // a write that failed may yet have put its checkpoint in place, and the steps after it follow it.
   absl::Status SaveCheckpoint(CheckpointData data);
-  // Removes the folder and everything in it.
+  // Removes the folder and everything in it: moved into kClosedFolder first (durably), so that a
+  // crash halfway through the removal leaves no folder a restart would take for the session.
   void Discard();
 
  private:
@@ -105,12 +109,12 @@ struct SessionFolder {
 // The session folders of the state directory (creating it if needed), sorted. Folders without a
 // checkpoint (sessions that never received their parameters) are removed, with a log line; entries
 // whose name is not a session id are left alone — kQuarantineFolder and lost+found quietly, any
-// other folder with one warning naming it (escaped). A symbolic link is listed, for
-// LoadSessionFolder to refuse.
+// other folder with one warning naming it (escaped) — except kClosedFolder, whose leftovers are
+// removed. A symbolic link is listed, for LoadSessionFolder to refuse.
 absl::StatusOr<std::vector<std::string>> ListSessionFolders(const StateDirOptions& options);
 
 // Folders of a state directory that are known not to be sessions and pass without a word
-// (`+quarantine`, `lost+found`).
+// (`+quarantine`, `+closed`, `lost+found`).
 bool IsKnownNonSessionFolder(const std::string& name);
 // What the daemon logs for any other folder whose name is not a session id, which it leaves alone
 // (the name escaped); `muondctl state verify` fails such a folder with the same words.
@@ -129,5 +133,9 @@ absl::StatusOr<SessionFolder> LoadSessionFolder(const StateDirOptions& options, 
 // Moves the session folder `dir` into <state_dir>/kQuarantineFolder/<name>.<UTC time> (never deletes
 // anything) and makes the move durable. Returns the new path.
 absl::StatusOr<std::string> QuarantineSessionFolder(const StateDirOptions& options, const std::string& dir);
+// Moves the session folder `dir` into <state_dir>/<folder>/<name>.<UTC time>[.<n>] (creating it; never
+// through a link in its place, never over an entry there) and makes the move durable.
+absl::StatusOr<std::string> MoveSessionFolderInto(const StateDirOptions& options, const std::string& dir,
+                                                  absl::string_view folder);
 
 }  // namespace muond::durability

@@ -8,24 +8,25 @@
 
 namespace muond::metrics {
 
+void GroupSeries::Open(std::string_view session) {
+  if (!sessions_.contains(session)) sessions_.emplace(std::string(session), std::vector<Latest>{});
+}
+
 void GroupSeries::Record(const StepReport& report) {
   for (std::string_view kind : report.warnings) {
     const auto it = std::find(kWarningKinds.begin(), kWarningKinds.end(), kind);
     if (it != kWarningKinds.end()) ++warnings_[static_cast<size_t>(it - kWarningKinds.begin())];
   }
-  if (report.groups.empty() || report.session.empty()) return;
+  if (report.groups.empty()) return;
+  const auto it = sessions_.find(report.session);
+  if (it == sessions_.end()) return;  // closed (or never opened)
   std::vector<Latest> latest;
   for (const GroupFigures& g : report.groups) {
     if (latest.size() == kMaxGroupsPerSession) break;
     latest.push_back({std::string(g.group), g.grad_norm, g.clip_coefficient, g.update_rms, g.update_ratio,
                       g.momentum_norm, g.residual, g.stale_parameters, g.heloco});
   }
-  const auto it = sessions_.find(report.session);
-  if (it == sessions_.end()) {
-    sessions_.emplace(std::string(report.session), std::move(latest));
-  } else {
-    it->second = std::move(latest);
-  }
+  it->second = std::move(latest);
 }
 
 void GroupSeries::Drop(std::string_view session) {

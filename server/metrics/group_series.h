@@ -3,7 +3,9 @@
 //
 // Label cardinality is bounded: a group's series carry session and group labels, for at most
 // kMaxGroupsPerSession groups of a session (the first in spec order) and the sessions the daemon
-// holds (--max-sessions); a closed session's series go. Warning kinds are a fixed set.
+// holds (--max-sessions): a step reports only about a session opened and not closed since, so a
+// closed session's series go and a step answered after its close brings none back. Warning kinds are
+// a fixed set.
 //
 // Not thread-safe: PrometheusMetrics calls it under its own mutex.
 #pragma once
@@ -25,6 +27,7 @@ class GroupSeries {
   static constexpr std::array<std::string_view, 4> kWarningKinds = {"clip_stall", "momentum_below_eps",
                                                                     "parameter_stale", "residual_high"};
 
+  void Open(std::string_view session);
   void Record(const StepReport& report);
   void Drop(std::string_view session);
   void Render(std::string* out) const;
@@ -37,7 +40,8 @@ class GroupSeries {
     int64_t stale_parameters = 0;
     std::optional<std::array<int64_t, 3>> heloco;
   };
-  std::map<std::string, std::vector<Latest>, std::less<>> sessions_;  // by session id
+  // By session id, every open session (no series until its first step).
+  std::map<std::string, std::vector<Latest>, std::less<>> sessions_;
   std::array<uint64_t, kWarningKinds.size()> warnings_ = {};
 };
 

@@ -71,7 +71,10 @@ class Metrics {
   // At start-up, a session folder that could not be restored was moved into the state directory's
   // quarantine. Not pure: most implementations have nothing to do with it.
   virtual void SessionQuarantined() {}
-  // A session was closed: what was reported about it alone may go. Not pure either.
+  // A session was created or restored: steps may report about it from now on. Not pure either.
+  virtual void SessionOpened(std::string_view session) {}
+  // A session was closed: what was reported about it alone goes, and a step answered after this (a
+  // call that held the session) adds nothing about it. Not pure either.
   virtual void SessionClosed(std::string_view session) {}
 };
 

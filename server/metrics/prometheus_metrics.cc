@@ -107,6 +107,11 @@ void PrometheusMetrics::StepAnswered(const StepReport& report) {
   groups_.Record(report);
 }
 
+void PrometheusMetrics::SessionOpened(std::string_view session) {
+  absl::MutexLock lock(&mu_);
+  groups_.Open(session);
+}
+
 void PrometheusMetrics::SessionClosed(std::string_view session) {
   absl::MutexLock lock(&mu_);
   groups_.Drop(session);

@@ -54,10 +54,11 @@ absl::Status CheckMemoryQuota(const std::string& session_id, int64_t session_byt
         limits.max_session_bytes));
   }
   if (limits.max_total_bytes > 0 && held_bytes + session_bytes > limits.max_total_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "session_id '", Echo(session_id), "': the spec needs ", session_bytes,
-        " bytes of optimizer memory and the daemon ", "holds ", held_bytes,
-        " bytes already; together more than --max-total-bytes ", limits.max_total_bytes, " (close a session first)"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("session_id '", Echo(session_id), "': the spec needs ", session_bytes,
+                     " bytes of optimizer memory and the daemon ", "holds ", held_bytes,
+                     " bytes already; together more than --max-total-bytes ", limits.max_total_bytes,
+                     " (close a session first; a closed session counts until the calls using it end)"));
   }
   return absl::OkStatus();
 }

@@ -172,8 +172,10 @@ class Session {
   void AttachPersistence(std::unique_ptr<SessionPersistence> persistence);
   // Writes a checkpoint now and returns its step; FAILED_PRECONDITION without a state directory.
   absl::StatusOr<int64_t> Checkpoint();
-  // Closing: removes the session's files (the session must not be used afterwards).
-  void DiscardPersistence();
+  // Closes the session: every later step, upload, SetState and checkpoint is refused (NOT_FOUND,
+  // SESSION_NOT_FOUND, "was closed"), ranks waiting in a step are answered with that refusal, and the
+  // session's files are removed. Calls that looked the session up before may still read it.
+  void Close();
 
  private:
   enum class StepKind { kNext, kReplay };
@@ -293,6 +295,10 @@ class Session {
   absl::Status SaveReplacedStateLocked(absl::string_view what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // FAILED_PRECONDITION while unsaved_ is set.
   absl::Status UnsavedLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // NOT_FOUND (SESSION_NOT_FOUND) once the session is closed.
+  absl::Status ClosedLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // What stops any step from being applied now: ClosedLocked(), then UnsavedLocked().
+  absl::Status RefusesStepsLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Ranks that loaded a state of this step and counts before `rank` in the load it would join, and
   // hold some of the same elements (the HSDP replicas of its shard; every rank, for a parameter held
   // whole), have written their values: empty when `rank`'s equal them once rounded to storage, else
@@ -332,6 +338,7 @@ class Session {
   // checkpoint succeeds. While set, no step is applied: its journal record would follow records of the
   // state replaced, which is what a restart would restore (UnsavedLocked).
   std::string unsaved_ ABSL_GUARDED_BY(mu_);
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;
   RankGather gather_ ABSL_GUARDED_BY(mu_);
   // The gathering last refused as a whole (a load under way, parts that disagree, a state replaced
   // or not saved under it), and why: the ranks that waited in it are answered with that refusal.

@@ -43,6 +43,11 @@ absl::StatusOr<CreateResult> SessionRegistry::CreateOrAttach(const std::string& 
                 it->second->last_step());
     return CreateResult{it->second, true};
   }
+  if (closing_.contains(id)) {
+    return absl::UnavailableError(absl::StrCat("session_id '", Echo(id),
+                                               "': the session of that id is still being closed (a call on it is "
+                                               "running); try again"));
+  }
   if (static_cast<int>(sessions_.size()) >= max_sessions_) {
     return absl::ResourceExhaustedError(absl::StrCat("session_id '", Echo(id), "': the daemon already holds ",
                                                      sessions_.size(), " sessions (--max-sessions ", max_sessions_,
@@ -50,7 +55,8 @@ absl::StatusOr<CreateResult> SessionRegistry::CreateOrAttach(const std::string& 
   }
   MUOND_ASSIGN_OR_RETURN(SessionConfig config, codec_->Parse(spec_json, limits_));
   if (persistence_) MUOND_RETURN_IF_ERROR(CheckCheckpointRoom(config, caller));
-  MUOND_RETURN_IF_ERROR(CheckMemoryQuota(id, EstimateSessionBytes(config), HeldBytesLocked(), memory_));
+  MUOND_RETURN_IF_ERROR(
+      CheckMemoryQuota(id, EstimateSessionBytes(config), HeldBytesLocked() + ClosedButHeldBytesLocked(), memory_));
   MUOND_RETURN_IF_ERROR(CheckNsWorkspace(id, config, *backend_));
   const int64_t elements = config.total_elements;
   const size_t tensors = config.parameters.size();
@@ -64,6 +70,7 @@ absl::StatusOr<CreateResult> SessionRegistry::CreateOrAttach(const std::string& 
   }
   sessions_.emplace(id, shared);
   ReportLocked();
+  metrics_->SessionOpened(id);
   MUOND_EVENT(info, "session_created", id, 0, "session {} created: {} tensors, {} parameters, {} groups", id, tensors,
               elements, groups);
   for (const GroupConfig& group : shared->config().groups) {
@@ -87,19 +94,30 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Find(const std::string
 }
 
 absl::Status SessionRegistry::Close(const std::string& id, const std::string& caller) {
-  absl::MutexLock lock(&mu_);
-  auto it = sessions_.find(id);
-  if (it == sessions_.end()) {
-    return WithReason(absl::NotFoundError(absl::StrCat("session_id: no session '", Echo(id), "'")),
-                      ErrorReason::kSessionNotFound);
+  std::shared_ptr<Session> session;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = sessions_.find(id);
+    if (it == sessions_.end()) {
+      return WithReason(absl::NotFoundError(absl::StrCat("session_id: no session '", Echo(id), "'")),
+                        ErrorReason::kSessionNotFound);
+    }
+    MUOND_RETURN_IF_ERROR(CheckSessionOwner(*it->second, caller));
+    session = std::move(it->second);
+    sessions_.erase(it);
+    closing_.insert(id);
+    ClosedButHeldBytesLocked();  // forgets the released ones
+    closed_.push_back(session);
+    ReportLocked();
   }
-  MUOND_RETURN_IF_ERROR(CheckSessionOwner(*it->second, caller));
-  MUOND_EVENT(info, "session_closed", id, it->second->last_step(), "session {} closed at step {}", id,
-              it->second->last_step());
-  it->second->DiscardPersistence();
-  sessions_.erase(it);
-  ReportLocked();
   metrics_->SessionClosed(id);
+  // Waits for a call that holds the session's lock (a step sending its answer, a checkpoint), with
+  // the registry free for every other session.
+  session->Close();
+  MUOND_EVENT(info, "session_closed", id, session->last_step(), "session {} closed at step {}", id,
+              session->last_step());
+  absl::MutexLock lock(&mu_);
+  closing_.erase(id);
   return absl::OkStatus();
 }
 
@@ -111,6 +129,7 @@ absl::Status SessionRegistry::EnablePersistence(const durability::StateDirOption
   for (std::shared_ptr<Session>& session : restored) {
     const std::string id = session->id();
     sessions_.emplace(id, std::move(session));
+    metrics_->SessionOpened(id);
   }
   ReportLocked();
   return absl::OkStatus();
@@ -159,6 +178,15 @@ int64_t SessionRegistry::HeldBytesLocked() const {
   // leaves the map, whichever path removed it.
   int64_t bytes = 0;
   for (const auto& [id, session] : sessions_) bytes += session->state_bytes();
+  return bytes;
+}
+
+int64_t SessionRegistry::ClosedButHeldBytesLocked() {
+  std::erase_if(closed_, [](const std::weak_ptr<Session>& closed) { return closed.expired(); });
+  int64_t bytes = 0;
+  for (const std::weak_ptr<Session>& closed : closed_) {
+    if (std::shared_ptr<Session> held = closed.lock()) bytes += held->state_bytes();
+  }
   return bytes;
 }
 

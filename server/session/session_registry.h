@@ -3,7 +3,7 @@
 //
 // Owns the sessions through shared_ptr so a call that looked a session up keeps it alive even if it
 // is closed meanwhile. Borrows the backend, the spec codec and the metrics, which must outlive it.
-// Thread-safe: one mutex guards the map; session work happens outside it.
+// Thread-safe: one mutex guards the map; session work (closing included) happens outside it.
 #pragma once
 
 #include <memory>
@@ -13,6 +13,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
@@ -57,7 +58,11 @@ class SessionRegistry {
   absl::StatusOr<std::shared_ptr<Session>> Find(const std::string& id, const std::string& caller = "",
                                                 absl::string_view field = "session_id") const;
 
-  // Drops the session; its memory no longer counts against --max-total-bytes.
+  // Drops the session from the map at once (later lookups are NOT_FOUND), then closes it
+  // (Session::Close: calls still holding it are refused from then on, its files removed) outside the
+  // registry's lock: closing waits for a call that holds the session's own lock, never stopping the
+  // other sessions. Until that is done, creating a session of the same id is UNAVAILABLE. Its memory
+  // counts against --max-total-bytes for as long as a call still holds the session.
   absl::Status Close(const std::string& id, const std::string& caller = "");
 
   // The sessions `caller` owns, by id.
@@ -71,7 +76,10 @@ class SessionRegistry {
   size_t size() const;
 
  private:
+  // The open sessions' backend memory.
   int64_t HeldBytesLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // That of closed sessions that calls in flight still hold; forgets those released.
+  int64_t ClosedButHeldBytesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Tells the metrics what is held now.
   void ReportLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -83,6 +91,8 @@ class SessionRegistry {
   metrics::Metrics* const metrics_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_set<std::string> closing_ ABSL_GUARDED_BY(mu_);    // ids being closed now
+  std::vector<std::weak_ptr<Session>> closed_ ABSL_GUARDED_BY(mu_);  // closed, maybe still held
   std::optional<durability::StateDirOptions> persistence_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/echo.h"
+#include "common/error_reason.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "server/session/partition.h"
@@ -128,6 +129,7 @@ absl::Status Session::ImportState(SessionState state, int rank) {
     MUOND_RETURN_IF_ERROR(optim::ValidateLossScalerState(*config_.loss_scaler, *state.loss_scaler));
   }
   absl::MutexLock lock(&mu_);
+  MUOND_RETURN_IF_ERROR(ClosedLocked());
   // Ranks holding parts load one state, each its own parts (SetState carries the rank).
   const bool by_parts = rank >= 0 && AnyPartitioned(config_);
   if (by_parts) MUOND_RETURN_IF_ERROR(part_load_.CheckLoad(rank, state.last_step, state.step_counts));
@@ -293,9 +295,21 @@ absl::Status Session::UnsavedLocked() const {
       "); no step is applied until a checkpoint succeeds: send that upload or SetState again, or call Checkpoint"));
 }
 
+absl::Status Session::ClosedLocked() const {
+  if (!closed_) return absl::OkStatus();
+  return WithReason(absl::NotFoundError(absl::StrCat("session '", Echo(id_), "' was closed")),
+                    ErrorReason::kSessionNotFound);
+}
+
+absl::Status Session::RefusesStepsLocked() const {
+  MUOND_RETURN_IF_ERROR(ClosedLocked());
+  return UnsavedLocked();
+}
+
 absl::StatusOr<int64_t> Session::Checkpoint() {
   // Exclusive: no step may be journaled between the export and the journal being emptied.
   absl::MutexLock lock(&mu_);
+  MUOND_RETURN_IF_ERROR(ClosedLocked());
   if (!persistence_) {
     return absl::FailedPreconditionError("checkpoints need a state directory: start muond with --state-dir");
   }
@@ -306,8 +320,10 @@ absl::StatusOr<int64_t> Session::Checkpoint() {
   return last_step_;
 }
 
-void Session::DiscardPersistence() {
+void Session::Close() {
   absl::MutexLock lock(&mu_);
+  closed_ = true;
+  if (gather_.arrived() > 0) RefuseGatheringLocked(ClosedLocked());
   if (persistence_) persistence_->Discard();
   persistence_.reset();
 }

@@ -133,6 +133,7 @@ absl::StatusOr<std::unique_ptr<IncomingStep>> Session::BeginStep(StepRequest req
   bool journaled = false;
   {
     absl::ReaderMutexLock lock(&mu_);
+    MUOND_RETURN_IF_ERROR(ClosedLocked());  // a replay too: the session is gone
     if (!initialized_) return NotInitializedError();
     MUOND_ASSIGN_OR_RETURN(kind, ClassifyRequestLocked(request));
     if (kind == StepKind::kNext) MUOND_RETURN_IF_ERROR(UnsavedLocked());
@@ -173,6 +174,7 @@ absl::StatusOr<double> Session::GradScaleLocked(const StepPlan& plan) const {
 absl::StatusOr<StepOutcome> Session::FinishStep(std::unique_ptr<IncomingStep> step) {
   MUOND_RETURN_IF_ERROR(step->FinishStaging(*backend_));
   absl::MutexLock lock(&mu_);
+  MUOND_RETURN_IF_ERROR(ClosedLocked());  // closed since BeginStep
   // The state may have moved since BeginStep (another stream of the same step, say): classify again
   // under the lock, where the answer holds until the step is applied.
   StepPlan& plan = step->mutable_plan();
@@ -403,8 +405,9 @@ absl::StatusOr<StepOutcome> Session::ApplyLocked(const StepPlan& plan, std::vect
   // A step that is not applied answers with the parameters as they are: on the host, for a transport
   // that answers from there, even when the last step's answer left them on the device.
   if (!plan.request.device_answer) MUOND_RETURN_IF_ERROR(HostSnapshotLocked());
-  // The step is durable (journal mode) before it changes anything, and journaled only on a saved state.
-  MUOND_RETURN_IF_ERROR(UnsavedLocked());
+  // The step is durable (journal mode) before it changes anything, and journaled only on a saved state
+  // of a session still open.
+  MUOND_RETURN_IF_ERROR(RefusesStepsLocked());
   if (persistence_) MUOND_RETURN_IF_ERROR(persistence_->RecordStep(plan.request, gradients));
 
   const auto start = std::chrono::steady_clock::now();

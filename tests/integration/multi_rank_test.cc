@@ -203,6 +203,18 @@ TEST_F(MultiRankDrainTest, ASetStatePastAWaitingStepAbortsItAndAppliesNothing) {
   ASSERT_OK(second.get().status());
 }
 
+// A session closed while a rank waits in its step: the rank is told at once that the session was
+// closed (not, after the straggler timeout, to send the step again).
+TEST_F(MultiRankDrainTest, ARankWaitingInAStepOfAClosedSessionIsToldAtOnce) {
+  TwoRanks("closed-waiting", TwoRankSpec());
+  const std::vector<float> w0 = Grad(32, 0.1f), b0 = Grad(4, 0.2f);
+  const std::vector<client::TensorView> g0 = {{"w", {8, 4}, w0}, {"b", {4}, b0}};
+  auto first = std::async(std::launch::async, [&] { return rank0_->Step(1, g0); });
+  ASSERT_TRUE(daemon_.WaitForLog("step 1 has 1 of 2 ranks; rank 0 waits")) << daemon_.ReadStderr();
+  ASSERT_OK(client_->CloseSession("closed-waiting"));
+  EXPECT_THAT(first.get(), StatusIs(absl::StatusCode::kNotFound, "session 'closed-waiting' was closed"));
+}
+
 // Ranks that each load the same state before their next step (a lock-step load_state_dict): the
 // step one of them waits in follows the loaded state, so a later load leaves it waiting, and it is
 // applied once every rank has sent it.

@@ -188,6 +188,28 @@ TEST(PrometheusMetricsTest, CallsSessionsAndDurableWrites) {
   EXPECT_EQ(s.at("muond_quarantined_sessions_total"), 2);
 }
 
+// A group's series exist for an open session only: a step answered after its session was closed (a
+// call that held it) brings none back, so the series stay bounded by the sessions held.
+TEST(PrometheusMetricsTest, GroupSeriesFollowTheSessionsOpen) {
+  PrometheusMetrics metrics(Options());
+  StepReport report;
+  report.session = "s";
+  report.groups = {GroupFigures{.group = "matrices", .grad_norm = 2.5}};
+  const std::string series = R"(muond_group_grad_norm{session="s",group="matrices"})";
+  metrics.StepAnswered(report);
+  EXPECT_FALSE(Samples(metrics.Render()).contains(series)) << "a session never opened";
+  metrics.SessionOpened("s");
+  EXPECT_FALSE(Samples(metrics.Render()).contains(series)) << "no step yet";
+  metrics.StepAnswered(report);
+  EXPECT_EQ(Samples(metrics.Render()).at(series), 2.5);
+  metrics.SessionClosed("s");
+  EXPECT_FALSE(Samples(metrics.Render()).contains(series));
+  metrics.StepAnswered(report);
+  EXPECT_FALSE(Samples(metrics.Render()).contains(series)) << "a step answered after the close";
+  EXPECT_EQ(Samples(metrics.Render()).at(R"(muond_steps_total{outcome="applied",transport="grpc"})"), 3)
+      << "the step itself still counts";
+}
+
 TEST(PrometheusMetricsTest, LabelValuesAreEscaped) {
   PrometheusOptions options = Options();
   options.version = "1.0 \"dev\"\\x\ny";

@@ -1,5 +1,6 @@
 // SessionRegistry in process: create-or-attach, a conflicting spec, ownership, --max-sessions and
-// closing.
+// closing (a closed session held by a call refuses to change and still counts against the memory
+// quota).
 #include "gmock/gmock.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "server/rpc/session_spec_codec.h"
@@ -58,6 +59,38 @@ TEST_F(RegistryTest, LimitsAndClosing) {
   EXPECT_THAT(registry_.Find("a"), StatusIs(absl::StatusCode::kNotFound, "no session 'a'"));
   ASSERT_OK(registry_.CreateOrAttach("c", rpc::SpecToJson(SmallSpec())).status());
   EXPECT_EQ(registry_.size(), 2u);
+}
+
+// A call that looked a session up before it was closed still holds it: whatever it tries next that
+// would change the session is refused as NOT_FOUND, and the memory it keeps alive counts against
+// --max-total-bytes until the call lets it go.
+TEST_F(RegistryTest, AClosedSessionHeldByACallChangesNoMoreAndCountsUntilReleased) {
+  ASSERT_OK_AND_ASSIGN(SessionConfig config, codec_.Parse(rpc::SpecToJson(SmallSpec()), SpecLimits{}));
+  const int64_t one = EstimateSessionBytes(config);
+  SessionRegistry registry(backend_.get(), &codec_, SpecLimits{}, /*max_sessions=*/4,
+                           MemoryLimits{.max_total_bytes = one + one / 2});
+  ASSERT_OK_AND_ASSIGN(CreateResult created, registry.CreateOrAttach("a", rpc::SpecToJson(SmallSpec())));
+  std::shared_ptr<Session> held = created.session;  // as a call in flight holds it
+  created.session.reset();
+  ASSERT_OK(held->Upload(InitialParameters()));
+  ASSERT_OK(RunStep(*held, Request(1), Gradients(1)).status());
+  ASSERT_OK(registry.Close("a"));
+
+  const auto closed = [](absl::Status status) {
+    EXPECT_THAT(status, StatusIs(absl::StatusCode::kNotFound, "session 'a' was closed"));
+  };
+  closed(RunStep(*held, Request(2), Gradients(2)).status());
+  closed(RunStep(*held, Request(1), Gradients(1)).status());  // a replay of the step applied
+  closed(held->Upload(InitialParameters()));
+  ASSERT_OK_AND_ASSIGN(SessionState state, held->ExportState());  // reading it is harmless
+  closed(held->ImportState(state));
+  closed(held->Checkpoint().status());
+  EXPECT_EQ(held->last_step(), 1);
+
+  EXPECT_THAT(registry.CreateOrAttach("b", rpc::SpecToJson(SmallSpec())),
+              StatusIs(absl::StatusCode::kResourceExhausted, "b"));
+  held.reset();
+  ASSERT_OK(registry.CreateOrAttach("b", rpc::SpecToJson(SmallSpec())).status());
 }
 
 }  // namespace

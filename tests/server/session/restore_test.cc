@@ -247,6 +247,27 @@ TEST_F(RestoreTest, AnEntryInTheWayOfACheckpointStopsNeitherTheSessionNorTheDaem
 
 // A quarantine folder that is a link is never followed out of the state directory: the damaged
 // folder stays where it is and the start fails, saying why.
+// Closing moves the session's folder out of the sessions' names in one rename before removing its
+// files, so a crash halfway through the removal leaves a folder in +closed, which the next start
+// removes, rather than a session folder without its journal that it would restore.
+TEST_F(RestoreTest, AClosedSessionDoesNotComeBackFromAHalfRemovedFolder) {
+  ASSERT_OK(Restore(durability::DamagedState::kFail));
+  ASSERT_OK(registry_->Close("good"));
+  EXPECT_FALSE(fs::exists(dir_ + "/good"));
+  EXPECT_TRUE(!fs::exists(dir_ + "/+closed") || fs::is_empty(dir_ + "/+closed"));
+  registry_.reset();
+
+  // "bad" as a crash during its removal leaves it: moved aside, its journal already gone.
+  fs::create_directories(dir_ + "/+closed");
+  fs::rename(dir_ + "/bad", dir_ + "/+closed/bad.20261130T120000.000Z");
+  fs::remove(dir_ + "/+closed/bad.20261130T120000.000Z/journal.log");
+  ASSERT_OK(Restore(durability::DamagedState::kFail));
+  EXPECT_THAT(registry_->Find("bad"), StatusIs(absl::StatusCode::kNotFound, "bad"));
+  EXPECT_THAT(registry_->Find("good"), StatusIs(absl::StatusCode::kNotFound, "good"));
+  EXPECT_FALSE(fs::exists(dir_ + "/+closed")) << "the leftovers of closed sessions are removed at start";
+  EXPECT_EQ(metrics_.quarantined, 0);
+}
+
 TEST_F(RestoreTest, AQuarantineThatIsALinkIsNotFollowed) {
   const std::string outside = root_ + "/outside";
   fs::create_directory(outside);
