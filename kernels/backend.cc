@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/elementwise.h"
 
 namespace muond::kernels {
 namespace {
@@ -63,10 +64,7 @@ absl::Status Backend::NormalizeBatched(float* x, size_t count, size_t batch, dou
   absl::Status status = SumSquares(x, count, batch, host_sums.data());
   if (!status.ok()) return status;
   std::vector<float> scales(batch);
-  for (size_t i = 0; i < batch; ++i) {
-    const double denom = norm_safety * std::sqrt(host_sums[i]) + eps;
-    scales[i] = denom > 0 ? static_cast<float>(1.0 / denom) : 0.0f;
-  }
+  for (size_t i = 0; i < batch; ++i) scales[i] = InverseNormScale(host_sums[i], eps, norm_safety);
   status = ScaleBatched(x, count, batch, scales.data());
   if (!status.ok() || sums == nullptr) return status;
   return CopyBytes(host_sums.data(), sums, batch * sizeof(double));

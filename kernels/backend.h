@@ -184,7 +184,8 @@ class Backend : public PeerPrimitives {
   virtual absl::Status ScaleBatched(float* x, size_t count, size_t batch, const float* scales) = 0;
   // Scales each `count`-sized slice x_i of a batch to (about) unit Frobenius norm, Newton–Schulz's
   // first step: s_i = Σ x_i² accumulated like SumSquares, d_i = norm_safety·√s_i + eps in fp64, and
-  // x_i *= fp32(1/d_i), or 0 where d_i ≤ 0 (a zero slice with eps = 0 stays zero, never NaN).
+  // x_i *= InverseNormScale (elementwise.h): fp32(1/d_i), or 0 where d_i ≤ 0 or 1/d_i passes fp32's
+  // largest value (a zero or all-subnormal slice with eps = 0 becomes zero, never inf or NaN).
   // With `sums` (backend memory for `batch` doubles) the s_i are also written there, in order with
   // the other primitives like any result in backend memory; a caller reads them back when it needs
   // them (CopyBytes), e.g. once per step. The CUDA backend computes the sums and the scales and

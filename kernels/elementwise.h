@@ -18,6 +18,16 @@ namespace muond::kernels {
 
 enum class MomentumStyle { kEma, kSum };
 
+// Newton–Schulz's normalization of one matrix (Backend::NormalizeBatched): fp32(1/d) with
+// d = norm_safety·√(Σx²) + eps in fp64, or 0 where that is no finite positive fp32 — d ≤ 0 (a zero
+// matrix with eps 0), or d below 1/FLT_MAX (every element subnormal in fp32: a momentum decayed
+// towards zero with eps 0). Such a matrix counts as zero; never x·inf, nor 0·inf = NaN.
+MUOND_HD float InverseNormScale(double sum_squares, double eps, double norm_safety) {
+  constexpr double kLargestFloat = 3.4028234663852886e38;
+  const double denom = norm_safety * sqrt(sum_squares) + eps;
+  return denom > 0 && 1.0 / denom <= kLargestFloat ? static_cast<float>(1.0 / denom) : 0.0f;
+}
+
 // Muon momentum: ema  M ← β·M + (1−β)·G;  U ← nesterov ? (1−β)·G + β·M : M
 //                sum  M ← β·M + G;        U ← nesterov ? G + β·M : M
 struct MomentumArgs {

@@ -52,10 +52,7 @@ __global__ void ScaleBatchedInlineKernel(float* x, int64_t count, int64_t total,
 
 __global__ void InverseNormScalesKernel(const double* sums, int64_t batch, double eps, double norm_safety,
                                         float* scales) {
-  for (int64_t b = FirstIndex(); b < batch; b += GridStride()) {
-    const double denom = norm_safety * sqrt(sums[b]) + eps;
-    scales[b] = denom > 0 ? static_cast<float>(1.0 / denom) : 0.0f;
-  }
+  for (int64_t b = FirstIndex(); b < batch; b += GridStride()) scales[b] = InverseNormScale(sums[b], eps, norm_safety);
 }
 
 __global__ void ScaleMatricesKernel(float* c, int64_t m, int64_t n, int64_t ldc, int64_t stride, int64_t total,
