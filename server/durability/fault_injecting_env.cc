@@ -40,19 +40,22 @@ FaultInjectingEnv::~FaultInjectingEnv() = default;
 
 void FaultInjectingEnv::FailAppend(absl::string_view path_substring, AppendFault fault, int after_appends,
                                    bool sticky) {
-  Arm(Fault{Operation::kAppend, std::string(path_substring), fault, std::max(after_appends, 0), sticky});
+  Arm(Fault{Operation::kAppend, std::string(path_substring), fault, TruncateFault::kNothingTruncated,
+            std::max(after_appends, 0), sticky});
 }
 
 void FaultInjectingEnv::FailSync(absl::string_view path_substring, int after_syncs, bool sticky) {
-  Arm(Fault{Operation::kSync, std::string(path_substring), AppendFault::kShortWrite, std::max(after_syncs, 0), sticky});
+  Arm(Fault{Operation::kSync, std::string(path_substring), AppendFault::kShortWrite, TruncateFault::kNothingTruncated,
+            std::max(after_syncs, 0), sticky});
 }
 
 void FaultInjectingEnv::FailRename(absl::string_view to_substring, bool sticky) {
-  Arm(Fault{Operation::kRename, std::string(to_substring), AppendFault::kShortWrite, 0, sticky});
+  Arm(Fault{Operation::kRename, std::string(to_substring), AppendFault::kShortWrite, TruncateFault::kNothingTruncated,
+            0, sticky});
 }
 
-void FaultInjectingEnv::FailTruncate(absl::string_view path_substring, bool sticky) {
-  Arm(Fault{Operation::kTruncate, std::string(path_substring), AppendFault::kShortWrite, 0, sticky});
+void FaultInjectingEnv::FailTruncate(absl::string_view path_substring, TruncateFault fault, bool sticky) {
+  Arm(Fault{Operation::kTruncate, std::string(path_substring), AppendFault::kShortWrite, fault, 0, sticky});
 }
 
 void FaultInjectingEnv::ClearFaults() {
@@ -118,10 +121,14 @@ absl::Status FaultInjectingEnv::Sync(WritableFile& base_file) {
 }
 
 absl::Status FaultInjectingEnv::Truncate(WritableFile& base_file) {
-  if (Trigger(Operation::kTruncate, base_file.path()).has_value()) {
+  const std::optional<Fault> fault = Trigger(Operation::kTruncate, base_file.path());
+  if (!fault.has_value()) return base_file.Truncate();
+  if (fault->truncate_fault == TruncateFault::kNothingTruncated) {
     return ErrnoStatus(absl::StrCat("cannot truncate ", base_file.path()), EIO);
   }
-  return base_file.Truncate();
+  absl::Status truncated = base_file.Truncate();
+  if (!truncated.ok()) return truncated;
+  return ErrnoStatus(absl::StrCat("cannot fsync ", base_file.path()), EIO);
 }
 
 absl::StatusOr<std::unique_ptr<WritableFile>> FaultInjectingEnv::NewWritableFile(const std::string& path) {

@@ -36,6 +36,11 @@ enum class AppendFault {
   kNoSpace,     // nothing is written; RESOURCE_EXHAUSTED "...: No space left on device"
 };
 
+enum class TruncateFault {
+  kNothingTruncated,    // the file is left as it was; INTERNAL "cannot truncate <path>: ..."
+  kTruncatedNotSynced,  // the file is emptied, then its fsync fails: INTERNAL "cannot fsync <path>: ..."
+};
+
 class FaultInjectingEnv : public Env {
  public:
   explicit FaultInjectingEnv(Env* base);
@@ -50,9 +55,9 @@ class FaultInjectingEnv : public Env {
   // The next RenameFile whose destination contains `to_substring` fails with INTERNAL
   // "cannot rename <from> to <to>: Input/output error" and renames nothing.
   void FailRename(absl::string_view to_substring, bool sticky = false);
-  // The next Truncate of a matching file fails with INTERNAL "cannot truncate <path>: Input/output
-  // error" and leaves the file as it was.
-  void FailTruncate(absl::string_view path_substring, bool sticky = false);
+  // The next Truncate of a matching file fails (with Input/output error), as `fault` says.
+  void FailTruncate(absl::string_view path_substring, TruncateFault fault = TruncateFault::kNothingTruncated,
+                    bool sticky = false);
   // Disarms every fault, sticky or not. faults_triggered() is kept.
   void ClearFaults();
   // How many times a fault has fired since construction (a sticky fault counts every failure).
@@ -80,8 +85,9 @@ class FaultInjectingEnv : public Env {
   struct Fault {
     Operation operation;
     std::string path_substring;
-    AppendFault append_fault;  // only for kAppend
-    int passes_left;           // matching operations that still succeed before it fires
+    AppendFault append_fault;      // only for kAppend
+    TruncateFault truncate_fault;  // only for kTruncate
+    int passes_left;               // matching operations that still succeed before it fires
     bool sticky;
   };
 

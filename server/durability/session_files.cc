@@ -18,6 +18,14 @@ absl::Status LinkedFolder(const std::string& dir) {
       absl::StrCat("session folder ", dir, " is a symbolic link (state files are never reached through links)"));
 }
 
+// Removes the records of a generation older than `generation` (written before that checkpoint);
+// returns how many.
+size_t LeaveOutRecordsBefore(uint64_t generation, std::vector<JournalRecord>& records) {
+  const size_t before = records.size();
+  std::erase_if(records, [&](const JournalRecord& record) { return record.checkpoint_generation < generation; });
+  return before - records.size();
+}
+
 }  // namespace
 
 absl::Status CheckSessionId(const std::string& id, absl::string_view field) {
@@ -32,12 +40,12 @@ absl::Status CheckSessionId(const std::string& id, absl::string_view field) {
 
 absl::StatusOr<std::unique_ptr<SessionFiles>> SessionFiles::Open(const StateDirOptions& options,
                                                                  const std::string& session_id,
-                                                                 uint64_t checkpoint_generation) {
+                                                                 uint64_t last_generation) {
   MUOND_RETURN_IF_ERROR(CheckSessionId(session_id));
   const std::string dir = options.state_dir + "/" + session_id;
   if (options.env->IsLink(dir)) return LinkedFolder(dir);
   MUOND_RETURN_IF_ERROR(options.env->CreateDirs(dir));
-  std::unique_ptr<SessionFiles> files(new SessionFiles(options, dir, checkpoint_generation));
+  std::unique_ptr<SessionFiles> files(new SessionFiles(options, dir, last_generation));
   if (options.durability == Durability::kJournal) {
     MUOND_RETURN_IF_ERROR(files->journal_.Open(dir + "/" + kJournalFile));
   }
@@ -68,13 +76,17 @@ void SessionFiles::Discard() {
   // Out of the sessions' names first, in one rename made durable: a crash while the files are removed
   // one by one must not leave a folder that a restart takes for the session (without its journal, or
   // its checkpoint).
+  Env* env = options_.env;
   std::string doomed = dir_;
   if (absl::StatusOr<std::string> moved = MoveSessionFolderInto(options_, dir_, kClosedFolder); moved.ok()) {
     doomed = *moved;
   } else {
+    // Removed in place, its checkpoint first and durably: a folder left without one is removed at the
+    // next start, never restored.
     MUOND_LOG(warn, "cannot move {} aside before removing it: {}", dir_, moved.status().message());
+    if (env->RemoveFile(dir_ + "/" + kCheckpointMetadataFile).ok()) env->SyncDir(dir_).IgnoreError();
   }
-  if (absl::Status removed = options_.env->RemoveTree(doomed); !removed.ok()) {
+  if (absl::Status removed = env->RemoveTree(doomed); !removed.ok()) {
     MUOND_LOG(warn, "cannot remove {}: {}", doomed, removed.message());
   }
 }
@@ -139,12 +151,11 @@ absl::StatusOr<SessionFolder> LoadSessionFolder(const StateDirOptions& options, 
   MUOND_ASSIGN_OR_RETURN(folder.checkpoint, ReadCheckpoint(options.env, dir));
   MUOND_ASSIGN_OR_RETURN(std::vector<int64_t> numel, parameter_sizes(folder.checkpoint));
   MUOND_ASSIGN_OR_RETURN(folder.journal, StepJournal::Read(options.env, folder.journal_path, numel));
-  std::vector<JournalRecord>& records = folder.journal.records;
-  const auto older = std::remove_if(records.begin(), records.end(), [&](const JournalRecord& record) {
-    return record.checkpoint_generation < folder.checkpoint.generation;
-  });
-  folder.records_before_checkpoint = static_cast<size_t>(records.end() - older);
-  records.erase(older, records.end());
+  folder.last_generation = folder.checkpoint.generation;
+  for (const JournalRecord& record : folder.journal.records) {
+    folder.last_generation = std::max(folder.last_generation, record.checkpoint_generation);
+  }
+  folder.records_before_checkpoint = LeaveOutRecordsBefore(folder.checkpoint.generation, folder.journal.records);
   return folder;
 }
 
@@ -171,8 +182,13 @@ absl::StatusOr<std::string> MoveSessionFolderInto(const StateDirOptions& options
     target = absl::StrCat(into, "/", name, ".", stamp, ".", n);
   }
   MUOND_RETURN_IF_ERROR(env->RenameFile(dir, target));
-  MUOND_RETURN_IF_ERROR(env->SyncDir(into));
-  MUOND_RETURN_IF_ERROR(env->SyncDir(options.state_dir));
+  // Moved: the caller goes on with the new path whether or not the move is durable yet.
+  for (const std::string& folder_moved : {into, options.state_dir}) {
+    if (absl::Status synced = env->SyncDir(folder_moved); !synced.ok()) {
+      MUOND_LOG(warn, "moved {} to {}, but the move may not survive a crash: {}", dir, target, synced.message());
+      break;
+    }
+  }
   return target;
 }
 

@@ -64,10 +64,11 @@ absl::Status CheckSessionId(const std::string& id, absl::string_view field = "se
 class SessionFiles {
  public:
   // Creates the session's folder if needed and, in journal mode, opens its journal.
-  // `checkpoint_generation` is that of the checkpoint in the folder (0 for a new session).
+  // `last_generation`: the highest checkpoint generation the folder's files name
+  // (SessionFolder::last_generation; 0 for a new session); the next checkpoint takes the one after.
   static absl::StatusOr<std::unique_ptr<SessionFiles>> Open(const StateDirOptions& options,
                                                             const std::string& session_id,
-                                                            uint64_t checkpoint_generation = 0);
+                                                            uint64_t last_generation = 0);
 
   const StateDirOptions& options() const { return options_; }
   const std::string& dir() const { return dir_; }
@@ -85,11 +86,11 @@ class SessionFiles {
   void Discard();
 
  private:
-  SessionFiles(StateDirOptions options, std::string dir, uint64_t checkpoint_generation)
+  SessionFiles(StateDirOptions options, std::string dir, uint64_t last_generation)
       : options_(std::move(options)),
         dir_(std::move(dir)),
         journal_(options_.env),
-        checkpoint_generation_(checkpoint_generation) {}
+        checkpoint_generation_(last_generation) {}
 
   const StateDirOptions options_;
   const std::string dir_;
@@ -104,6 +105,9 @@ struct SessionFolder {
   CheckpointData checkpoint;
   JournalContents journal;               // the records written since the checkpoint was tried
   size_t records_before_checkpoint = 0;  // records of an older generation, left out of `journal`
+  // The highest generation the checkpoint or any journal record names: tries that failed before a
+  // stop count, so that a generation is never given twice.
+  uint64_t last_generation = 0;
 };
 
 // The session folders of the state directory (creating it if needed), sorted. Folders without a
@@ -134,7 +138,8 @@ absl::StatusOr<SessionFolder> LoadSessionFolder(const StateDirOptions& options, 
 // anything) and makes the move durable. Returns the new path.
 absl::StatusOr<std::string> QuarantineSessionFolder(const StateDirOptions& options, const std::string& dir);
 // Moves the session folder `dir` into <state_dir>/<folder>/<name>.<UTC time>[.<n>] (creating it; never
-// through a link in its place, never over an entry there) and makes the move durable.
+// through a link in its place, never over an entry there) and makes the move durable. Once the folder
+// has moved, its new path is returned even if making that durable failed (logged).
 absl::StatusOr<std::string> MoveSessionFolderInto(const StateDirOptions& options, const std::string& dir,
                                                   absl::string_view folder);
 

@@ -111,9 +111,16 @@ absl::Status StepJournal::Clear() {
   if (file_ == nullptr) {
     MUOND_ASSIGN_OR_RETURN(file_, env_->NewAppendableFile(path_));
   }
-  MUOND_RETURN_IF_ERROR(file_->Truncate());
+  absl::Status truncated = file_->Truncate();
+  // Called once a checkpoint holds every record, so none of them is kept either way. On an error the
+  // file may be whole, empty, or empty but not durably so: the next Append rewrites it with no record
+  // (CutTornTail) before it appends.
   committed_bytes_ = 0;
-  return absl::OkStatus();
+  if (!truncated.ok()) {
+    file_->Close().IgnoreError();
+    file_.reset();
+  }
+  return truncated;
 }
 
 void StepJournal::Close() {

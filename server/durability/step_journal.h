@@ -58,7 +58,8 @@ class StepJournal {
   // first cuts the file back to its last complete record, so no record ever follows a torn one.
   absl::Status Append(uint64_t checkpoint_generation, absl::string_view request,
                       const std::vector<HostTensor>& gradients);
-  // Empties the journal durably.
+  // Empties the journal durably (every record is in a checkpoint). On an error the next Append
+  // empties it first.
   absl::Status Clear();
   void Close();
 

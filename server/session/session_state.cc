@@ -321,11 +321,15 @@ absl::StatusOr<int64_t> Session::Checkpoint() {
 }
 
 void Session::Close() {
-  absl::MutexLock lock(&mu_);
-  closed_ = true;
-  if (gather_.arrived() > 0) RefuseGatheringLocked(ClosedLocked());
-  if (persistence_) persistence_->Discard();
-  persistence_.reset();
+  std::unique_ptr<SessionPersistence> persistence;
+  {
+    absl::MutexLock lock(&mu_);
+    closed_ = true;
+    if (gather_.arrived() > 0) RefuseGatheringLocked(ClosedLocked());
+    persistence = std::move(persistence_);  // nothing journals or checkpoints from now on
+  }
+  // Outside the lock: removing a large folder must not hold up calls that still read the session.
+  if (persistence) persistence->Discard();
 }
 
 }  // namespace muond::session

@@ -24,12 +24,12 @@ namespace muond::session {
 class FilePersistence final : public SessionPersistence {
  public:
   // `session` must outlive the persistence (the session owns it); so must `metrics`, which hears of
-  // every journal append and checkpoint. `checkpoint_generation`: that of the checkpoint a restored
-  // session was loaded from (durability::CheckpointData); 0 for a new session.
+  // every journal append and checkpoint. `last_generation`: the highest checkpoint generation a
+  // restored session's files name (durability::SessionFolder); 0 for a new session.
   static absl::StatusOr<std::unique_ptr<FilePersistence>> Open(const durability::StateDirOptions& options,
                                                                const Session& session,
                                                                metrics::Metrics* metrics = metrics::NoMetrics(),
-                                                               uint64_t checkpoint_generation = 0);
+                                                               uint64_t last_generation = 0);
 
   absl::Status RecordStep(const StepRequest& request, const std::vector<HostTensor>& gradients) override;
   absl::Status SaveCheckpoint(SessionState state) override;
@@ -51,7 +51,7 @@ class FilePersistence final : public SessionPersistence {
 struct LoadedSession {
   std::shared_ptr<Session> session;
   int64_t checkpoint_step = 0;
-  uint64_t checkpoint_generation = 0;
+  uint64_t last_generation = 0;          // durability::SessionFolder's
   int64_t replayed = 0;                  // journaled steps applied after the checkpoint
   size_t records_before_checkpoint = 0;  // journal records written before it, not replayed
   bool dropped_torn_tail = false;        // the journal ended in a record cut short by a crash

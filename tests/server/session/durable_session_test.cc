@@ -154,16 +154,57 @@ TEST_F(DurableSessionTest, ACheckpointFaultKeepsThePreviousCheckpointLoadable) {
 
 // A SetState back to step 1 whose checkpoint is written but whose journal cannot be emptied: the
 // journal still holds steps 1 to 3 of the state replaced, after the new checkpoint's step. They were
-// written before it (an older checkpoint generation), so a restart never replays them onto it; the
-// steps taken on the loaded state, appended after them, are replayed.
+// written before it (an older checkpoint generation), so a restart never replays them onto it.
 TEST_F(DurableSessionTest, StepsOfAStateReplacedAreNotReplayedOntoItsReplacement) {
   ASSERT_OK_AND_ASSIGN(SessionState loaded, ThreeStepsKeepingTheFirstState());
   env_.FailTruncate("journal.log");
   ASSERT_OK(session_->ImportState(loaded)) << "the checkpoint is written; the journal's records predate it";
   ASSERT_OK(reference_->ImportState(loaded));
   EXPECT_EQ(env_.faults_triggered(), 1);
+  ExpectRestoreHoldsEveryAcknowledgedStep();
+}
+
+// The same truncation emptying the file but failing its fsync: the steps after it are journaled
+// from an empty file, a torn append among them is cut off, and a restart finds every one.
+TEST_F(DurableSessionTest, AJournalEmptiedButNotSyncedTakesItsNextStepsWhole) {
+  ASSERT_OK_AND_ASSIGN(SessionState loaded, ThreeStepsKeepingTheFirstState());
+  env_.FailTruncate("journal.log", durability::TruncateFault::kTruncatedNotSynced);
+  ASSERT_OK(session_->ImportState(loaded));
+  ASSERT_OK(reference_->ImportState(loaded));
   ASSERT_OK(Step(2));
+  env_.FailAppend("journal.log", durability::AppendFault::kShortWrite);
+  EXPECT_THAT(Step(3), StatusIs(absl::StatusCode::kUnavailable, "journal"));
   ASSERT_OK(Step(3));
+  ASSERT_OK(Step(4));
+  EXPECT_EQ(env_.faults_triggered(), 2);
+  ExpectRestoreHoldsEveryAcknowledgedStep();
+}
+
+// Checkpoint tries that failed before a stop count after it: their generations are in the journal,
+// and the restored session goes on from the highest. Had it started again from its checkpoint's, a
+// later SetState back (whose journal could not be emptied) would take a generation that records of
+// the history it replaced already carry, and a restart would replay them onto it.
+TEST_F(DurableSessionTest, GenerationsTriedBeforeAStopAreNotGivenAgain) {
+  ASSERT_OK(Step(1));
+  ASSERT_OK(Step(2));
+  for (int step = 3; step <= 5; step += 2) {
+    env_.FailRename("checkpoint.json");  // fails before the rename: the checkpoint of the upload stays
+    EXPECT_FALSE(session_->Checkpoint().ok());
+    ASSERT_OK(Step(step));
+    ASSERT_OK(Step(step + 1));
+  }
+  env_.FailRename("checkpoint.json");  // the restart's own checkpoint fails as well
+  session_.reset();
+  ASSERT_OK_AND_ASSIGN(session_, Open(&env_));
+  ASSERT_EQ(session_->last_step(), 6) << "restored from the upload's checkpoint and the journal";
+  // A state dict saved at step 4 (the reference stepped alike), loaded back.
+  std::unique_ptr<Session> at_step_four = NewSession(backend_.get());
+  ASSERT_OK(at_step_four->Upload(InitialParameters()));
+  for (int step = 1; step <= 4; ++step) ASSERT_OK(RunStep(*at_step_four, Request(step), Gradients(step)).status());
+  ASSERT_OK_AND_ASSIGN(SessionState loaded, at_step_four->ExportState());
+  env_.FailTruncate("journal.log");
+  ASSERT_OK(session_->ImportState(loaded));
+  ASSERT_OK(reference_->ImportState(loaded));
   ExpectRestoreHoldsEveryAcknowledgedStep();
 }
 

@@ -268,6 +268,17 @@ TEST_F(RestoreTest, AClosedSessionDoesNotComeBackFromAHalfRemovedFolder) {
   EXPECT_EQ(metrics_.quarantined, 0);
 }
 
+// With a file in the way of +closed, a closed session's folder is deleted in place, and the file is
+// left alone.
+TEST_F(RestoreTest, AClosedSessionIsRemovedInPlaceWhenItCannotBeMovedAside) {
+  std::ofstream(dir_ + "/+closed") << "not a folder";
+  ASSERT_OK(Restore(durability::DamagedState::kFail));
+  ASSERT_OK(registry_->Close("good"));
+  EXPECT_FALSE(fs::exists(dir_ + "/good"));
+  EXPECT_EQ(ReadAll(dir_ + "/+closed"), "not a folder");
+  EXPECT_OK(registry_->Find("bad").status());
+}
+
 TEST_F(RestoreTest, AQuarantineThatIsALinkIsNotFollowed) {
   const std::string outside = root_ + "/outside";
   fs::create_directory(outside);
