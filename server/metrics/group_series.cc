@@ -8,8 +8,8 @@
 
 namespace muond::metrics {
 
-void GroupSeries::Open(std::string_view session) {
-  if (!sessions_.contains(session)) sessions_.emplace(std::string(session), std::vector<Latest>{});
+void GroupSeries::Open(std::string_view session, uint64_t serial) {
+  sessions_.insert_or_assign(std::string(session), OpenSession{serial, {}});
 }
 
 void GroupSeries::Record(const StepReport& report) {
@@ -19,14 +19,14 @@ void GroupSeries::Record(const StepReport& report) {
   }
   if (report.groups.empty()) return;
   const auto it = sessions_.find(report.session);
-  if (it == sessions_.end()) return;  // closed (or never opened)
+  if (it == sessions_.end() || it->second.serial != report.session_serial) return;  // closed (or never opened)
   std::vector<Latest> latest;
   for (const GroupFigures& g : report.groups) {
     if (latest.size() == kMaxGroupsPerSession) break;
     latest.push_back({std::string(g.group), g.grad_norm, g.clip_coefficient, g.update_rms, g.update_ratio,
                       g.momentum_norm, g.residual, g.stale_parameters, g.heloco});
   }
-  it->second = std::move(latest);
+  it->second.groups = std::move(latest);
 }
 
 void GroupSeries::Drop(std::string_view session) {
@@ -58,8 +58,8 @@ void GroupSeries::Render(std::string* out) const {
   };
   for (const Gauge& gauge : gauges) {
     Family(out, gauge.name, "gauge", gauge.help);
-    for (const auto& [session, groups] : sessions_) {
-      for (const Latest& l : groups) {
+    for (const auto& [session, open] : sessions_) {
+      for (const Latest& l : open.groups) {
         const std::optional<double> value = gauge.value(l);
         if (value.has_value())
           Sample(out, gauge.name, Label("session", session) + "," + Label("group", l.group), *value);
@@ -69,8 +69,8 @@ void GroupSeries::Render(std::string* out) const {
   static constexpr std::string_view kHelocoCases[] = {"kept", "reoriented", "shrunk"};
   Family(out, "muond_group_heloco_parameters", "gauge",
          "SGD with heloco: parameters whose gradient HeLoCo kept, reoriented or shrunk in the last step.");
-  for (const auto& [session, groups] : sessions_) {
-    for (const Latest& l : groups) {
+  for (const auto& [session, open] : sessions_) {
+    for (const Latest& l : open.groups) {
       if (!l.heloco.has_value()) continue;
       for (size_t c = 0; c < 3; ++c) {
         Sample(out, "muond_group_heloco_parameters",

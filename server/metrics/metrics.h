@@ -46,6 +46,7 @@ struct StepReport {
   int64_t elements = 0;  // parameters of the session
   int world_size = 1;
   std::string_view session;
+  uint64_t session_serial = 0;  // Session::serial: which session of that id
   // An applied step's groups (spec order) and the kinds of health warning it raised
   // (docs/operations.md, Warnings); empty otherwise.
   std::vector<GroupFigures> groups;
@@ -71,8 +72,9 @@ class Metrics {
   // At start-up, a session folder that could not be restored was moved into the state directory's
   // quarantine. Not pure: most implementations have nothing to do with it.
   virtual void SessionQuarantined() {}
-  // A session was created or restored: steps may report about it from now on. Not pure either.
-  virtual void SessionOpened(std::string_view session) {}
+  // A session was created or restored (`serial`: Session::serial): steps of it may report about it
+  // from now on. Not pure either.
+  virtual void SessionOpened(std::string_view session, uint64_t serial) {}
   // A session was closed: what was reported about it alone goes, and a step answered after this (a
   // call that held the session) adds nothing about it. Not pure either.
   virtual void SessionClosed(std::string_view session) {}

@@ -107,9 +107,9 @@ void PrometheusMetrics::StepAnswered(const StepReport& report) {
   groups_.Record(report);
 }
 
-void PrometheusMetrics::SessionOpened(std::string_view session) {
+void PrometheusMetrics::SessionOpened(std::string_view session, uint64_t serial) {
   absl::MutexLock lock(&mu_);
-  groups_.Open(session);
+  groups_.Open(session, serial);
 }
 
 void PrometheusMetrics::SessionClosed(std::string_view session) {

@@ -373,7 +373,17 @@ absl::StatusOr<SessionConfig> ParseSessionSpec(const v1::SessionSpec& spec, cons
     return InvalidField("spec.return_dtype", absl::StrCat("unknown dtype ", static_cast<int>(spec.return_dtype())));
   }
 
+  // The counts first: a spec refused for them costs nothing to check further.
+  if (spec.parameters_size() == 0) return InvalidField("spec.parameters", "at least one parameter is required");
+  if (spec.parameters_size() > limits.max_parameters) {
+    return InvalidField("spec.parameters", absl::StrCat(spec.parameters_size(), " parameters exceed the limit of ",
+                                                        limits.max_parameters));
+  }
   if (spec.groups_size() == 0) return InvalidField("spec.groups", "at least one group is required");
+  if (spec.groups_size() > limits.max_groups) {
+    return InvalidField("spec.groups",
+                        absl::StrCat(spec.groups_size(), " groups exceed the limit of ", limits.max_groups));
+  }
   for (int i = 0; i < spec.groups_size(); ++i) {
     const auto& group = spec.groups(i);
     const std::string field = absl::StrCat("spec.groups[", i, "]");
@@ -386,11 +396,6 @@ absl::StatusOr<SessionConfig> ParseSessionSpec(const v1::SessionSpec& spec, cons
     config.groups.push_back({group.name(), std::move(options)});
   }
 
-  if (spec.parameters_size() == 0) return InvalidField("spec.parameters", "at least one parameter is required");
-  if (spec.parameters_size() > limits.max_parameters) {
-    return InvalidField("spec.parameters", absl::StrCat(spec.parameters_size(), " parameters exceed the limit of ",
-                                                        limits.max_parameters));
-  }
   for (int i = 0; i < spec.parameters_size(); ++i) {
     const auto& p = spec.parameters(i);
     const std::string field = absl::StrCat("spec.parameters[", i, "]");

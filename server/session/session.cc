@@ -4,6 +4,7 @@
 #include "server/session/session.h"
 
 #include <algorithm>
+#include <atomic>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -14,11 +15,21 @@
 
 namespace muond::session {
 
+namespace {
+
+uint64_t NextSerial() {
+  static std::atomic<uint64_t> next{1};
+  return next.fetch_add(1, std::memory_order_relaxed);
+}
+
+}  // namespace
+
 Session::Session(std::string id, SessionConfig config, kernels::Backend* backend, std::string owner)
     : id_(std::move(id)),
       owner_(std::move(owner)),
       config_(std::move(config)),
       state_bytes_(EstimateSessionBytes(config_)),
+      serial_(NextSerial()),
       backend_(backend),
       gather_(config_.world_size),
       part_load_(ReplicaOf(config_)),

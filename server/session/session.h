@@ -65,6 +65,9 @@ class Session {
   // Backend memory the session holds, as the quotas count it (EstimateSessionBytes of its config,
   // computed once at creation).
   int64_t state_bytes() const { return state_bytes_; }
+  // Distinct for every session the process creates: a closed session and a new one of the same id
+  // differ (what the metrics tell them apart by).
+  uint64_t serial() const { return serial_; }
 
   int64_t last_step() const;
   // The groups' clipping and telemetry of the last applied step (health_watch.h).
@@ -313,6 +316,7 @@ class Session {
   const std::string owner_;
   const SessionConfig config_;
   const int64_t state_bytes_;
+  const uint64_t serial_;
   kernels::Backend* const backend_;
   std::vector<optim::StepHyper> default_hyper_;    // per group; set by Create, immutable afterwards
   std::unique_ptr<GradientPool> gradient_pool_;    // set by Create; thread-safe itself

@@ -32,6 +32,7 @@ struct SpecLimits {
   int max_rank = 8;
   int64_t max_tensor_elements = int64_t{1} << 32;
   int max_parameters = 100000;
+  int max_groups = 4096;  // each Muon group's iteration is checked at creation: up to milliseconds
   int max_world_size = 1024;
   double straggler_timeout_seconds = 120;  // how long a multi-rank step waits for its last rank
 };

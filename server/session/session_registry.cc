@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "common/echo.h"
@@ -34,51 +35,106 @@ absl::Status CheckCheckpointRoom(const SessionConfig& config, const std::string&
 absl::StatusOr<CreateResult> SessionRegistry::CreateOrAttach(const std::string& id, const std::string& spec_json,
                                                              const std::string& caller) {
   MUOND_RETURN_IF_ERROR(CheckSessionId(id));
-  absl::MutexLock lock(&mu_);
-  if (auto it = sessions_.find(id); it != sessions_.end()) {
-    MUOND_RETURN_IF_ERROR(CheckSessionOwner(*it->second, caller));
-    absl::Status same = codec_->CheckSame(it->second->config().spec_json, spec_json);
-    if (!same.ok()) return absl::AlreadyExistsError(absl::StrCat("session_id '", Echo(id), "': ", same.message()));
-    MUOND_EVENT(info, "session_attached", id, it->second->last_step(), "session {} attached at step {}", id,
-                it->second->last_step());
-    return CreateResult{it->second, true};
+  std::shared_ptr<Session> existing;
+  std::optional<durability::StateDirOptions> persistence;
+  {
+    absl::MutexLock lock(&mu_);
+    existing = FindOnceCreatedLocked(id);
+    if (!existing) MUOND_RETURN_IF_ERROR(CheckRoomLocked(id, 0));
+    persistence = persistence_;
   }
-  if (closing_.contains(id)) {
-    return absl::UnavailableError(absl::StrCat("session_id '", Echo(id),
-                                               "': the session of that id is still being closed (a call on it is "
-                                               "running); try again"));
-  }
-  if (static_cast<int>(sessions_.size()) >= max_sessions_) {
-    return absl::ResourceExhaustedError(absl::StrCat("session_id '", Echo(id), "': the daemon already holds ",
-                                                     sessions_.size(), " sessions (--max-sessions ", max_sessions_,
-                                                     "); close one first"));
-  }
+  if (existing) return Attach(std::move(existing), spec_json, caller);
+  // Parsed and checked without the registry's lock: a large spec takes a while, and the other
+  // sessions' calls go on meanwhile.
   MUOND_ASSIGN_OR_RETURN(SessionConfig config, codec_->Parse(spec_json, limits_));
-  if (persistence_) MUOND_RETURN_IF_ERROR(CheckCheckpointRoom(config, caller));
-  MUOND_RETURN_IF_ERROR(
-      CheckMemoryQuota(id, EstimateSessionBytes(config), HeldBytesLocked() + ClosedButHeldBytesLocked(), memory_));
-  MUOND_RETURN_IF_ERROR(CheckNsWorkspace(id, config, *backend_));
-  const int64_t elements = config.total_elements;
-  const size_t tensors = config.parameters.size();
-  const size_t groups = config.groups.size();
-  MUOND_ASSIGN_OR_RETURN(std::unique_ptr<Session> session, Session::Create(id, std::move(config), backend_, caller));
-  std::shared_ptr<Session> shared = std::move(session);
-  if (persistence_) {
-    MUOND_ASSIGN_OR_RETURN(std::unique_ptr<FilePersistence> files,
-                           FilePersistence::Open(*persistence_, *shared, metrics_));
-    shared->AttachPersistence(std::move(files));
+  if (persistence) MUOND_RETURN_IF_ERROR(CheckCheckpointRoom(config, caller));
+  const int64_t bytes = EstimateSessionBytes(config);
+  {
+    absl::MutexLock lock(&mu_);
+    existing = FindOnceCreatedLocked(id);  // another call created it meanwhile
+    if (!existing) {
+      MUOND_RETURN_IF_ERROR(CheckRoomLocked(id, bytes));
+      MUOND_RETURN_IF_ERROR(CheckNsWorkspace(id, config, *backend_));
+      creating_.emplace(id, bytes);  // counted against the limits from now on
+    }
   }
+  if (existing) return Attach(std::move(existing), spec_json, caller);
+  // Allocated (and its folder made) without the registry's lock as well. The id stops being created
+  // whatever happens, an exception included, so the calls waiting for it never wait for ever.
+  bool settled = false;
+  absl::Cleanup unsettle = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    if (settled) return;
+    absl::MutexLock lock(&mu_);
+    creating_.erase(id);
+  };
+  absl::StatusOr<std::shared_ptr<Session>> created = NewSession(id, std::move(config), caller, persistence);
+  absl::MutexLock lock(&mu_);
+  settled = true;
+  creating_.erase(id);
+  if (!created.ok()) return created.status();
+  std::shared_ptr<Session> shared = *std::move(created);
   sessions_.emplace(id, shared);
   ReportLocked();
-  metrics_->SessionOpened(id);
-  MUOND_EVENT(info, "session_created", id, 0, "session {} created: {} tensors, {} parameters, {} groups", id, tensors,
-              elements, groups);
-  for (const GroupConfig& group : shared->config().groups) {
+  metrics_->SessionOpened(id, shared->serial());
+  const SessionConfig& made = shared->config();
+  MUOND_EVENT(info, "session_created", id, 0, "session {} created: {} tensors, {} parameters, {} groups", id,
+              made.parameters.size(), made.total_elements, made.groups.size());
+  for (const GroupConfig& group : made.groups) {
     for (const std::string& caveat : optim::PrecisionCaveats(group.options)) {
       MUOND_EVENT(warn, "precision_caveat", id, 0, "session {} group '{}': {}", id, group.name, caveat);
     }
   }
   return CreateResult{std::move(shared), false};
+}
+
+std::shared_ptr<Session> SessionRegistry::FindOnceCreatedLocked(const std::string& id) {
+  auto created = [this, &id]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !creating_.contains(id); };
+  mu_.Await(absl::Condition(&created));
+  auto it = sessions_.find(id);
+  return it == sessions_.end() ? nullptr : it->second;
+}
+
+absl::StatusOr<CreateResult> SessionRegistry::Attach(std::shared_ptr<Session> session, const std::string& spec_json,
+                                                     const std::string& caller) const {
+  MUOND_RETURN_IF_ERROR(CheckSessionOwner(*session, caller));
+  const std::string& id = session->id();
+  absl::Status same = codec_->CheckSame(session->config().spec_json, spec_json);
+  if (!same.ok()) return absl::AlreadyExistsError(absl::StrCat("session_id '", Echo(id), "': ", same.message()));
+  MUOND_EVENT(info, "session_attached", id, session->last_step(), "session {} attached at step {}", id,
+              session->last_step());
+  return CreateResult{std::move(session), true};
+}
+
+absl::Status SessionRegistry::CheckRoomLocked(const std::string& id, int64_t bytes) {
+  if (closing_.contains(id)) {
+    return absl::UnavailableError(absl::StrCat("session_id '", Echo(id),
+                                               "': the session of that id is still being closed (a call on it is "
+                                               "running); try again"));
+  }
+  const size_t held = sessions_.size() + creating_.size();
+  if (static_cast<int>(held) >= max_sessions_) {
+    return absl::ResourceExhaustedError(absl::StrCat("session_id '", Echo(id), "': the daemon already holds ", held,
+                                                     " sessions (--max-sessions ", max_sessions_,
+                                                     "); close one first"));
+  }
+  if (bytes == 0) return absl::OkStatus();
+  PruneClosedLocked();
+  int64_t creating = 0;
+  for (const auto& [other, other_bytes] : creating_) creating += other_bytes;
+  return CheckMemoryQuota(id, bytes, HeldBytesLocked() + creating + ClosedButHeldBytesLocked(), memory_);
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::NewSession(
+    const std::string& id, SessionConfig config, const std::string& caller,
+    const std::optional<durability::StateDirOptions>& persistence) const {
+  MUOND_ASSIGN_OR_RETURN(std::unique_ptr<Session> session, Session::Create(id, std::move(config), backend_, caller));
+  std::shared_ptr<Session> shared = std::move(session);
+  if (persistence) {
+    MUOND_ASSIGN_OR_RETURN(std::unique_ptr<FilePersistence> files,
+                           FilePersistence::Open(*persistence, *shared, metrics_));
+    shared->AttachPersistence(std::move(files));
+  }
+  return shared;
 }
 
 absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Find(const std::string& id, const std::string& caller,
@@ -106,13 +162,13 @@ absl::Status SessionRegistry::Close(const std::string& id, const std::string& ca
     session = std::move(it->second);
     sessions_.erase(it);
     closing_.insert(id);
-    ClosedButHeldBytesLocked();  // forgets the released ones
-    closed_.push_back(session);
+    PruneClosedLocked();
+    closed_.emplace_back(session, session->state_bytes());
     ReportLocked();
   }
   metrics_->SessionClosed(id);
-  // Waits for a call that holds the session's lock (a step sending its answer, a checkpoint), with
-  // the registry free for every other session.
+  // Waits for a call that holds the session's lock (a step being applied, a checkpoint, an upload or
+  // SetState), with the registry free for every other session.
   session->Close();
   MUOND_EVENT(info, "session_closed", id, session->last_step(), "session {} closed at step {}", id,
               session->last_step());
@@ -127,9 +183,9 @@ absl::Status SessionRegistry::EnablePersistence(const durability::StateDirOption
   absl::MutexLock lock(&mu_);
   persistence_ = options;
   for (std::shared_ptr<Session>& session : restored) {
+    metrics_->SessionOpened(session->id(), session->serial());
     const std::string id = session->id();
     sessions_.emplace(id, std::move(session));
-    metrics_->SessionOpened(id);
   }
   ReportLocked();
   return absl::OkStatus();
@@ -181,13 +237,16 @@ int64_t SessionRegistry::HeldBytesLocked() const {
   return bytes;
 }
 
-int64_t SessionRegistry::ClosedButHeldBytesLocked() {
-  std::erase_if(closed_, [](const std::weak_ptr<Session>& closed) { return closed.expired(); });
+int64_t SessionRegistry::ClosedButHeldBytesLocked() const {
   int64_t bytes = 0;
-  for (const std::weak_ptr<Session>& closed : closed_) {
-    if (std::shared_ptr<Session> held = closed.lock()) bytes += held->state_bytes();
+  for (const auto& [closed, closed_bytes] : closed_) {
+    if (!closed.expired()) bytes += closed_bytes;
   }
   return bytes;
+}
+
+void SessionRegistry::PruneClosedLocked() {
+  std::erase_if(closed_, [](const auto& closed) { return closed.first.expired(); });
 }
 
 }  // namespace muond::session

@@ -3,7 +3,8 @@
 //
 // Owns the sessions through shared_ptr so a call that looked a session up keeps it alive even if it
 // is closed meanwhile. Borrows the backend, the spec codec and the metrics, which must outlive it.
-// Thread-safe: one mutex guards the map; session work (closing included) happens outside it.
+// Thread-safe: one mutex guards the map; session work (parsing a spec, creating and closing a
+// session included) happens outside it.
 #pragma once
 
 #include <memory>
@@ -49,7 +50,9 @@ class SessionRegistry {
 
   // A new id creates the session owned by `caller` from `spec_json` (parsed by the codec), if the
   // memory quotas allow (checked before anything is allocated); an existing id with an identical
-  // spec attaches to it; a different spec is ALREADY_EXISTS naming the difference.
+  // spec attaches to it; a different spec is ALREADY_EXISTS naming the difference. The spec is parsed
+  // and the session allocated without the registry's lock; a call for an id another call is creating
+  // waits for it, then attaches.
   absl::StatusOr<CreateResult> CreateOrAttach(const std::string& id, const std::string& spec_json,
                                               const std::string& caller = "");
 
@@ -76,10 +79,25 @@ class SessionRegistry {
   size_t size() const;
 
  private:
+  // The session of `id`, once no call is creating it (waiting for one that is), or null.
+  std::shared_ptr<Session> FindOnceCreatedLocked(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // CreateOrAttach's attaching: the caller's ownership and the same spec.
+  absl::StatusOr<CreateResult> Attach(std::shared_ptr<Session> session, const std::string& spec_json,
+                                      const std::string& caller) const;
+  // OK when a session `id` of `bytes` may be added: no session of that id being closed, below
+  // --max-sessions (counting those being created) and, for bytes > 0, within the memory quotas
+  // (counting those being created and closed ones still held).
+  absl::Status CheckRoomLocked(const std::string& id, int64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A session of `config`, with its files under `persistence` when given.
+  absl::StatusOr<std::shared_ptr<Session>> NewSession(
+      const std::string& id, SessionConfig config, const std::string& caller,
+      const std::optional<durability::StateDirOptions>& persistence) const;
   // The open sessions' backend memory.
   int64_t HeldBytesLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // That of closed sessions that calls in flight still hold; forgets those released.
-  int64_t ClosedButHeldBytesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // That of closed sessions that calls in flight still hold.
+  int64_t ClosedButHeldBytesLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Forgets the closed sessions no call holds any more.
+  void PruneClosedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Tells the metrics what is held now.
   void ReportLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -91,8 +109,11 @@ class SessionRegistry {
   metrics::Metrics* const metrics_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_set<std::string> closing_ ABSL_GUARDED_BY(mu_);    // ids being closed now
-  std::vector<std::weak_ptr<Session>> closed_ ABSL_GUARDED_BY(mu_);  // closed, maybe still held
+  absl::flat_hash_set<std::string> closing_ ABSL_GUARDED_BY(mu_);            // ids being closed now
+  absl::flat_hash_map<std::string, int64_t> creating_ ABSL_GUARDED_BY(mu_);  // ids being created, their bytes
+  // Closed sessions, maybe still held, with their bytes (never taken from a held pointer here, so the
+  // registry's lock is never the one a session is destroyed under).
+  std::vector<std::pair<std::weak_ptr<Session>, int64_t>> closed_ ABSL_GUARDED_BY(mu_);
   std::optional<durability::StateDirOptions> persistence_ ABSL_GUARDED_BY(mu_);
 };
 

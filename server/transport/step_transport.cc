@@ -92,6 +92,7 @@ absl::Status RunStep(session::Session& session, session::StepRequest request, Gr
   report.elements = session.config().total_elements;
   report.world_size = session.config().world_size;
   report.session = session.id();
+  report.session_serial = session.serial();
   if (result.applied && !result.replayed && session.ClaimHealthReport(result.step)) {
     ReportHealth(session.id(), result, report);
   }

@@ -189,16 +189,18 @@ TEST(PrometheusMetricsTest, CallsSessionsAndDurableWrites) {
 }
 
 // A group's series exist for an open session only: a step answered after its session was closed (a
-// call that held it) brings none back, so the series stay bounded by the sessions held.
+// call that held it) brings none back, so the series stay bounded by the sessions held, nor shows on
+// a new session of the same id.
 TEST(PrometheusMetricsTest, GroupSeriesFollowTheSessionsOpen) {
   PrometheusMetrics metrics(Options());
   StepReport report;
   report.session = "s";
+  report.session_serial = 7;
   report.groups = {GroupFigures{.group = "matrices", .grad_norm = 2.5}};
   const std::string series = R"(muond_group_grad_norm{session="s",group="matrices"})";
   metrics.StepAnswered(report);
   EXPECT_FALSE(Samples(metrics.Render()).contains(series)) << "a session never opened";
-  metrics.SessionOpened("s");
+  metrics.SessionOpened("s", 7);
   EXPECT_FALSE(Samples(metrics.Render()).contains(series)) << "no step yet";
   metrics.StepAnswered(report);
   EXPECT_EQ(Samples(metrics.Render()).at(series), 2.5);
@@ -206,7 +208,13 @@ TEST(PrometheusMetricsTest, GroupSeriesFollowTheSessionsOpen) {
   EXPECT_FALSE(Samples(metrics.Render()).contains(series));
   metrics.StepAnswered(report);
   EXPECT_FALSE(Samples(metrics.Render()).contains(series)) << "a step answered after the close";
-  EXPECT_EQ(Samples(metrics.Render()).at(R"(muond_steps_total{outcome="applied",transport="grpc"})"), 3)
+  metrics.SessionOpened("s", 8);  // a new session of the same id
+  metrics.StepAnswered(report);
+  EXPECT_FALSE(Samples(metrics.Render()).contains(series)) << "the closed one's step on the new one";
+  report.session_serial = 8;
+  metrics.StepAnswered(report);
+  EXPECT_EQ(Samples(metrics.Render()).at(series), 2.5);
+  EXPECT_EQ(Samples(metrics.Render()).at(R"(muond_steps_total{outcome="applied",transport="grpc"})"), 5)
       << "the step itself still counts";
 }
 

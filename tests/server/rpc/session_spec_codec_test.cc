@@ -328,6 +328,15 @@ TEST(SessionConfigTest, RefusesBadSpecsNamingTheField) {
   spec.clear_groups();
   EXPECT_THAT(ParseSessionSpec(spec, SpecLimits{}), StatusIs(absl::StatusCode::kInvalidArgument, "spec.groups"));
   spec = Spec();
+  SpecLimits few_groups;
+  few_groups.max_groups = spec.groups_size() - 1;
+  EXPECT_THAT(ParseSessionSpec(spec, few_groups),
+              StatusIs(absl::StatusCode::kInvalidArgument, "spec.groups: 2 groups exceed the limit of 1"));
+  // Counted before any group is checked: groups without parameters are refused for the parameters.
+  spec.clear_parameters();
+  EXPECT_THAT(ParseSessionSpec(spec, SpecLimits{}),
+              StatusIs(absl::StatusCode::kInvalidArgument, "spec.parameters: at least one parameter"));
+  spec = Spec();
   spec.mutable_parameters(0)->add_qkv_split(1);
   EXPECT_THAT(ParseSessionSpec(spec, SpecLimits{}),
               StatusIs(absl::StatusCode::kInvalidArgument, "spec.parameters[0].qkv_split"));

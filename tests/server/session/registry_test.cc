@@ -1,6 +1,9 @@
 // SessionRegistry in process: create-or-attach, a conflicting spec, ownership, --max-sessions and
 // closing (a closed session held by a call refuses to change and still counts against the memory
 // quota).
+#include <thread>
+#include <vector>
+
 #include "gmock/gmock.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "server/rpc/session_spec_codec.h"
@@ -59,6 +62,26 @@ TEST_F(RegistryTest, LimitsAndClosing) {
   EXPECT_THAT(registry_.Find("a"), StatusIs(absl::StatusCode::kNotFound, "no session 'a'"));
   ASSERT_OK(registry_.CreateOrAttach("c", rpc::SpecToJson(SmallSpec())).status());
   EXPECT_EQ(registry_.size(), 2u);
+}
+
+// Ranks creating the same session at once (each parses the spec without the registry's lock): one
+// creates it, the others wait for it and attach to that one.
+TEST_F(RegistryTest, CallsCreatingTheSameSessionAtOnceGetOneSession) {
+  constexpr int kCalls = 8;
+  std::vector<absl::StatusOr<CreateResult>> results(kCalls, absl::UnknownError("not run"));
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kCalls; ++i) {
+    threads.emplace_back([&, i] { results[i] = registry_.CreateOrAttach("same", rpc::SpecToJson(SmallSpec())); });
+  }
+  for (std::thread& thread : threads) thread.join();
+  int created = 0;
+  for (const absl::StatusOr<CreateResult>& result : results) {
+    ASSERT_OK(result.status());
+    created += result->attached ? 0 : 1;
+    EXPECT_EQ(result->session, results[0]->session);
+  }
+  EXPECT_EQ(created, 1);
+  EXPECT_EQ(registry_.size(), 1u);
 }
 
 // A call that looked a session up before it was closed still holds it: whatever it tries next that
