@@ -2,6 +2,7 @@
 
 #include <cctype>
 #include <cstdio>
+#include <cstdlib>
 
 #include "CLI/CLI.hpp"
 #include "common/config.h"
@@ -153,6 +154,16 @@ std::optional<DaemonFlags> ParseFlags(int argc, char** argv, int* exit_code) {
     std::string env = "MUOND_";
     for (char c : name) env += c == '-' ? '_' : static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
     option->envname(env);
+    // CLI11 takes an empty variable for an absent one. For the flags that turn on TLS or
+    // authentication that would fail open: MUOND_AUTH_TOKEN_FILE= serving everyone.
+    const bool secures =
+        name == "auth-token-file" || name == "tls-cert" || name == "tls-key" || name == "tls-client-ca";
+    if (const char* value = std::getenv(env.c_str()); secures && value != nullptr && *value == '\0') {
+      std::fprintf(stderr, "%s is set but empty: give --%s a file, or unset %s\n", env.c_str(), name.c_str(),
+                   env.c_str());
+      *exit_code = 2;
+      return std::nullopt;
+    }
   }
   try {
     app.parse(argc, argv);

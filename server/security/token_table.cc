@@ -8,11 +8,28 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "openssl/evp.h"
 
 namespace muond::security {
 namespace {
 
 constexpr absl::string_view kBearer = "bearer ";
+constexpr absl::string_view kByteOrderMark = "\xEF\xBB\xBF";
+
+// A bare token's identity: "token-" and the first 16 hex digits of its SHA-256, the same wherever
+// its line is; the digest reveals nothing usable about the token.
+std::string BareTokenName(absl::string_view token) {
+  unsigned char digest[EVP_MAX_MD_SIZE];
+  unsigned int size = 0;
+  EVP_Digest(token.data(), token.size(), digest, &size, EVP_sha256(), nullptr);
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string name = "token-";
+  for (unsigned int i = 0; i < 8 && i < size; ++i) {
+    name += kHex[digest[i] >> 4];
+    name += kHex[digest[i] & 15];
+  }
+  return name;
+}
 
 }  // namespace
 
@@ -30,21 +47,25 @@ bool ConstantTimeEquals(absl::string_view a, absl::string_view b) {
 
 absl::StatusOr<TokenTable> TokenTable::Parse(absl::string_view text, absl::string_view source) {
   TokenTable table;
+  absl::ConsumePrefix(&text, kByteOrderMark);
+  std::vector<int> lines;  // each entry's line, for the checks across lines
+  std::vector<bool> bare;
   int line_number = 0;
   for (absl::string_view line : absl::StrSplit(text, '\n')) {
     ++line_number;
     line = absl::StripAsciiWhitespace(line);
     if (line.empty() || line.front() == '#') continue;
     Entry entry;
-    if (const size_t colon = line.find(':'); colon != absl::string_view::npos) {
+    const size_t colon = line.find(':');
+    if (colon != absl::string_view::npos) {
       entry.name = std::string(absl::StripAsciiWhitespace(line.substr(0, colon)));
       entry.token = std::string(absl::StripAsciiWhitespace(line.substr(colon + 1)));
       if (entry.name.empty()) {
         return absl::InvalidArgumentError(absl::StrCat(source, ":", line_number, ": empty name before ':'"));
       }
     } else {
-      entry.name = absl::StrCat("token-", line_number);
       entry.token = std::string(line);
+      entry.name = BareTokenName(entry.token);
     }
     if (entry.token.empty()) {
       return absl::InvalidArgumentError(absl::StrCat(source, ":", line_number, ": empty token"));
@@ -54,9 +75,29 @@ absl::StatusOr<TokenTable> TokenTable::Parse(absl::string_view text, absl::strin
       return absl::InvalidArgumentError(absl::StrCat(source, ":", line_number, ": a token may not contain spaces"));
     }
     table.entries_.push_back(std::move(entry));
+    lines.push_back(line_number);
+    bare.push_back(colon == absl::string_view::npos);
   }
   if (table.entries_.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(source, ": no tokens (one per line: 'name:token' or 'token')"));
+  }
+  // One token is one identity: the first line would always win, so the second name could never be
+  // used; and a name given to a line must not be one a bare token is known by, or two tokens would
+  // own each other's sessions.
+  for (size_t i = 0; i < table.entries_.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) {
+      const Entry& a = table.entries_[j];
+      const Entry& b = table.entries_[i];
+      if (a.token == b.token && a.name != b.name) {
+        return absl::InvalidArgumentError(absl::StrCat(source, ":", lines[i], ": the token of line ", lines[j],
+                                                       " under another name; one token is one identity"));
+      }
+      if (a.name == b.name && bare[i] != bare[j]) {
+        return absl::InvalidArgumentError(absl::StrCat(source, ":", lines[i], ": the name '", b.name,
+                                                       "' is that of the bare token on line ",
+                                                       bare[j] ? lines[j] : lines[i], "; choose another"));
+      }
+    }
   }
   return table;
 }

@@ -1,10 +1,13 @@
 // Bearer-token authentication of the daemon's callers.
 //
 // A TokenTable holds the tokens read from --auth-token-file: one per line, either `name:token` or a
-// bare `token` (named "token-<line>"); blank lines and lines starting with '#' are skipped. A call
-// proves who it is with the metadata `authorization: Bearer <token>`; the matching line's name is
-// the caller's identity, the plain string the session registry records as a session's owner. Two
-// lines may share a name (a token being rotated), and then both tokens own the same sessions.
+// bare `token`, named after the token itself, "token-<the first 16 hex digits of its SHA-256>" (so
+// that lines added, removed or reordered never hand one token's sessions to another); blank lines
+// and lines starting with '#' are skipped, and a UTF-8 byte order mark at the start is ignored. A
+// call proves who it is with the metadata `authorization: Bearer <token>`; the matching line's name
+// is the caller's identity, the plain string the session registry records as a session's owner. Two
+// lines may share a name (a token being rotated), and then both tokens own the same sessions; one
+// token under two names, or a name that is another line's bare token's, is refused at load.
 //
 // Tokens are compared in time independent of where they differ, and every line is compared on
 // every call, so the timing of a refusal does not reveal a token prefix or which line nearly
@@ -25,7 +28,8 @@ namespace muond::security {
 class TokenTable {
  public:
   // Parses the text of a token file; INVALID_ARGUMENT naming the line when one is malformed (an
-  // empty name or token) and when no token is left.
+  // empty name or token), gives a token a second name or takes a bare token's name, and when no
+  // token is left.
   static absl::StatusOr<TokenTable> Parse(absl::string_view text, absl::string_view source);
   // Reads and parses `path` (NOT_FOUND / PERMISSION_DENIED when it cannot be read).
   static absl::StatusOr<TokenTable> Load(const std::string& path);

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <condition_variable>
+#include <cstdlib>
 #include <fstream>
 #include <memory>
 #include <mutex>
@@ -31,7 +32,7 @@ using ::testing::Not;
 constexpr char kAliceToken[] = "alice-7c1f0b2e9d";
 constexpr char kBobToken[] = "bob-44aa90e1c3";
 constexpr char kBareToken[] = "ci-0d9e51f7";
-// Line 5 holds the bare token, so its identity is "token-5".
+// Line 5 holds the bare token, whose identity is "token-" and its SHA-256's first 16 hex digits.
 constexpr char kTokenFile[] = "# muond bearer tokens\nalice:alice-7c1f0b2e9d\nbob: bob-44aa90e1c3\n\nci-0d9e51f7\n";
 
 v1::SessionSpec Spec() {
@@ -602,6 +603,15 @@ TEST(SecurityStartupTest, BadSecurityFlagsStopStartup) {
   EXPECT_FALSE(daemon.Start({"--backend", "cpu", "--tls-cert", not_pem, "--tls-key", not_pem}, &error));
   EXPECT_THAT(error, HasSubstr("--tls-cert"));
   EXPECT_THAT(error, HasSubstr("no PEM certificate"));
+
+  // An empty variable for a flag that turns authentication on stops the start: taken as absent, it
+  // would serve every caller.
+  ASSERT_EQ(setenv("MUOND_AUTH_TOKEN_FILE", "", 1), 0);
+  error.clear();
+  const bool started = daemon.Start({"--backend", "cpu"}, &error);
+  unsetenv("MUOND_AUTH_TOKEN_FILE");
+  EXPECT_FALSE(started);
+  EXPECT_THAT(error, HasSubstr("MUOND_AUTH_TOKEN_FILE is set but empty"));
 }
 
 }  // namespace

@@ -24,7 +24,22 @@ TEST(TokenTableTest, ParsesNamedAndBareTokensSkippingCommentsAndBlankLines) {
   EXPECT_EQ(table.size(), 3u);
   EXPECT_EQ(*table.Authenticate("Bearer tok-a"), "alice");
   EXPECT_EQ(*table.Authenticate("bearer  tok-b "), "bob");
-  EXPECT_EQ(*table.Authenticate("Bearer tok-c"), "token-5");
+  // A bare token is known by its SHA-256 (sha256("tok-c") begins 1236183d37679658), not its line.
+  EXPECT_EQ(*table.Authenticate("Bearer tok-c"), "token-1236183d37679658");
+}
+
+// Lines added, removed or reordered never hand one bare token's sessions to another: its identity
+// is its own, wherever it stands.
+TEST(TokenTableTest, ABareTokenKeepsItsIdentityWhereverItsLineIs) {
+  ASSERT_OK_AND_ASSIGN(TokenTable before, TokenTable::Parse("tok-a\ntok-b\n", "tokens"));
+  ASSERT_OK_AND_ASSIGN(TokenTable after, TokenTable::Parse("# tok-a revoked\ntok-b\n", "tokens"));
+  EXPECT_EQ(*before.Authenticate("Bearer tok-b"), *after.Authenticate("Bearer tok-b"));
+  EXPECT_NE(*before.Authenticate("Bearer tok-a"), *before.Authenticate("Bearer tok-b"));
+  // A byte order mark before the first line is not part of its name.
+  ASSERT_OK_AND_ASSIGN(TokenTable marked, TokenTable::Parse("\xEF\xBB\xBF"
+                                                            "alice:one\nalice:two\n",
+                                                            "tokens"));
+  EXPECT_EQ(*marked.Authenticate("Bearer one"), "alice");
 }
 
 TEST(TokenTableTest, SharedNameMeansSameOwner) {
@@ -39,6 +54,13 @@ TEST(TokenTableTest, RefusesMalformedFiles) {
   EXPECT_THAT(TokenTable::Parse("ok\n:tok\n", "f"), StatusIs(absl::StatusCode::kInvalidArgument, "f:2: empty name"));
   EXPECT_THAT(TokenTable::Parse("alice:\n", "f"), StatusIs(absl::StatusCode::kInvalidArgument, "f:1: empty token"));
   EXPECT_THAT(TokenTable::Parse("alice:a b\n", "f"), StatusIs(absl::StatusCode::kInvalidArgument, "spaces"));
+  // One token under two names (the first would always win), and a name that is a bare token's.
+  EXPECT_THAT(TokenTable::Parse("carol:same\ndave:same\n", "f"),
+              StatusIs(absl::StatusCode::kInvalidArgument, "f:2: the token of line 1 under another name"));
+  EXPECT_THAT(
+      TokenTable::Parse("tok-c\ntoken-1236183d37679658:other\n", "f"),
+      StatusIs(absl::StatusCode::kInvalidArgument, "f:2: the name 'token-1236183d37679658' is that of the bare"));
+  EXPECT_OK(TokenTable::Parse("same\nsame\nci:x\nci:x\n", "f").status()) << "a line repeated is harmless";
   EXPECT_THAT(TokenTable::Load("/nonexistent/muond-tokens"),
               StatusIs(absl::StatusCode::kNotFound, "--auth-token-file"));
 }
