@@ -9,9 +9,10 @@
 // lines may share a name (a token being rotated), and then both tokens own the same sessions; one
 // token under two names, or a name that is another line's bare token's, is refused at load.
 //
-// Tokens are compared in time independent of where they differ, and every line is compared on
-// every call, so the timing of a refusal does not reveal a token prefix or which line nearly
-// matched. Tokens never appear in log lines or error messages.
+// Tokens are compared by their SHA-256, in time independent of where they differ, and every line is
+// compared on every call, so the timing of a refusal does not reveal a token prefix or which line
+// nearly matched, and a long presented token costs one digest, not a pass over every line. Tokens
+// are not kept once read and never appear in log lines or error messages.
 //
 // Immutable once loaded; safe to share between threads.
 #pragma once
@@ -43,7 +44,7 @@ class TokenTable {
  private:
   struct Entry {
     std::string name;
-    std::string token;
+    std::string digest;  // the token's SHA-256 (32 bytes); the token itself is not kept
   };
   std::vector<Entry> entries_;
 };
