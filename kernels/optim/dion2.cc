@@ -49,9 +49,7 @@ struct Lines {
 
 class Dion2 final : public Optimizer {
  public:
-  explicit Dion2(GroupOptions options)
-      : Optimizer(std::move(options)),
-        ns_bound_(NsSingularValueBound(options_.ns_schedule, options_.ns_steps, NsInputSafety(options_))) {}
+  explicit Dion2(GroupOptions options) : Optimizer(std::move(options)), ns_bound_(NsSingularValueBound(options_)) {}
 
   std::vector<std::string> SlotNames() const override { return {kMomentumSlot}; }
 

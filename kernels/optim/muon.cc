@@ -41,9 +41,7 @@ int64_t NormuonLength(int64_t rows, int64_t cols) { return std::max(rows, cols);
 
 class Muon final : public Optimizer {
  public:
-  explicit Muon(GroupOptions options)
-      : Optimizer(std::move(options)),
-        ns_bound_(NsSingularValueBound(options_.ns_schedule, options_.ns_steps, NsInputSafety(options_))) {}
+  explicit Muon(GroupOptions options) : Optimizer(std::move(options)), ns_bound_(NsSingularValueBound(options_)) {}
 
   std::vector<std::string> SlotNames() const override {
     if (options_.moment2_method == Moment2Method::kNone) return {kMomentumSlot};

@@ -149,21 +149,40 @@ absl::Status ValidateStepHyper(const GroupOptions& o, double lr, double momentum
   return absl::OkStatus();
 }
 
-double NsSingularValueBound(const NsSchedule& schedule, int steps, double norm_safety) {
+NsRounding NsRoundingOf(kernels::MatmulPrecision precision) {
+  constexpr double kStep = 0x1p-20;
+  switch (precision) {
+    case kernels::MatmulPrecision::kBf16:
+      return {0x1p-7, kStep};
+    case kernels::MatmulPrecision::kTf32:
+      return {0x1p-10, kStep};
+    case kernels::MatmulPrecision::kFp32:
+      break;
+  }
+  return {0x1p-16, kStep};
+}
+
+double NsSingularValueBound(const NsSchedule& schedule, int steps, double norm_safety, NsRounding rounding) {
   constexpr int kPoints = 4097;
-  const double top = 1.0 / norm_safety;
+  const double top = (1 + rounding.input) / norm_safety;
+  const double step_rounding = 1 + rounding.step;
   double largest = top;
   for (int i = 0; i < kPoints; ++i) {
     double sigma = top * i / (kPoints - 1);
     for (int t = 0; t < steps; ++t) {
       const NsCoefficient co = schedule.At(t);
       const double s2 = sigma * sigma;
-      sigma = sigma * (co.a + s2 * (co.b + s2 * co.c));
+      sigma = sigma * (co.a + s2 * (co.b + s2 * co.c)) * step_rounding;
       if (!Finite(sigma)) return std::numeric_limits<double>::infinity();
       largest = std::max(largest, std::abs(sigma));
     }
   }
   return 2 * largest;
+}
+
+double NsSingularValueBound(const GroupOptions& options) {
+  return NsSingularValueBound(options.ns_schedule, options.ns_steps, NsInputSafety(options),
+                              NsRoundingOf(options.matmul_precision));
 }
 
 NsBand NsOutputBand(const NsSchedule& schedule, int steps, double norm_safety) {
@@ -231,6 +250,20 @@ absl::Status CheckRanges(const GroupOptions& o) {
   return status;
 }
 
+// What the refusal of a growing iteration suggests: the smallest of a few ns_norm_safety values above
+// the group's own that keeps it bounded, if one does (with the Frobenius scaling only; AOL's input
+// range is its own).
+std::string SafetyHint(const GroupOptions& o) {
+  if (o.ns_preconditioner != NsPreconditioner::kFrobenius) return "";
+  for (const double safety : {1.001, 1.002, 1.005, 1.01, 1.02, 1.05, 1.1, 1.2, 1.5, 2.0}) {
+    if (safety <= o.ns_norm_safety) continue;
+    if (NsSingularValueBound(o.ns_schedule, o.ns_steps, safety, NsRoundingOf(o.matmul_precision)) <= kMaxNsGrowth) {
+      return absl::StrCat("; ns_norm_safety ", safety, " keeps them bounded");
+    }
+  }
+  return "; no ns_norm_safety up to 2 keeps them bounded";
+}
+
 // The rules of Newton–Schulz's coefficients: a set tuned for one step count gets it, a list is
 // finite, and the iteration keeps singular values bounded.
 absl::Status ValidateSchedule(const GroupOptions& o) {
@@ -256,12 +289,14 @@ absl::Status ValidateSchedule(const GroupOptions& o) {
         "ns_preconditioner aol applies with ns_algorithm standard or auto (its first iteration reuses X·Xᵀ of "
         "the standard iteration)");
   }
-  const double growth = NsSingularValueBound(o.ns_schedule, o.ns_steps, NsInputSafety(o));
+  const double growth = NsSingularValueBound(o);
   if (!(growth <= kMaxNsGrowth)) {
-    return absl::InvalidArgumentError(absl::StrCat("ns_coefficients: with ", o.ns_steps, " steps and ns_norm_safety ",
-                                                   o.ns_norm_safety, " the iteration grows singular values to about ",
-                                                   growth, "; at most ", kMaxNsGrowth,
-                                                   " is accepted (Newton-Schulz must keep them near 1)"));
+    const std::string& precision = (*ChoicesOf("matmul_precision"))[static_cast<int>(o.matmul_precision)];
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ns_coefficients: with ", o.ns_steps, " steps, ns_norm_safety ", o.ns_norm_safety, " and matmul_precision ",
+        precision, " the iteration grows singular values to about ", growth, "; at most ", kMaxNsGrowth,
+        " is accepted (Newton-Schulz must keep them near 1, also for inputs that rounding puts up to ",
+        NsRoundingOf(o.matmul_precision).input, " above 1/ns_norm_safety)", SafetyHint(o)));
   }
   return absl::OkStatus();
 }

@@ -145,11 +145,25 @@ absl::Status ValidateOptions(const GroupOptions& options);
 // ValidateOptions applies it to the group's own values; the step planner to each override.
 absl::Status ValidateStepHyper(const GroupOptions& options, double lr, double momentum, double weight_decay);
 
+// How far rounding can carry Newton–Schulz's singular values (docs/algorithms.md, Finite steps):
+// the normalized input's largest one up to a factor 1 + `input` above 1/norm_safety (its products'
+// operands keep 8 bits in bf16, 11 in tf32, and fp32 sums over the long side drift by about √n·2⁻²⁴,
+// 2⁻¹⁶ for the widest layers), then each step's result by up to 1 + `step` (2⁻²⁰: a handful of fp32
+// roundings).
+struct NsRounding {
+  double input = 0;
+  double step = 0;
+};
+NsRounding NsRoundingOf(kernels::MatmulPrecision precision);
+
 // An estimate of the largest singular value any Newton–Schulz iterate reaches: the scalar map
-// σ ← aσ + bσ³ + cσ⁵ of each of `steps` steps applied to 4097 points of [0, 1/norm_safety] (the
-// range NewtonSchulz's normalization leaves), times 2 for the points between and for rounding.
-// Infinity when the iteration overflows.
-double NsSingularValueBound(const NsSchedule& schedule, int steps, double norm_safety);
+// σ ← (aσ + bσ³ + cσ⁵)·(1 + rounding.step) of each of `steps` steps applied to 4097 points of
+// [0, (1 + rounding.input)/norm_safety] (the range NewtonSchulz's normalization leaves, widened by
+// rounding), times 2 for the points between. Infinity when the iteration overflows. Sets tuned to
+// take their whole input range to the top (cans, gram_polar_express) are sensitive just above it.
+double NsSingularValueBound(const NsSchedule& schedule, int steps, double norm_safety, NsRounding rounding);
+// The bound of a Muon or Dion2 group's own iteration (its set, steps, input safety and precision).
+double NsSingularValueBound(const GroupOptions& options);
 
 // Where the iteration puts the directions a momentum has (docs/algorithms.md, Telemetry): the range
 // [lo, hi] of |σ| after `steps` steps for inputs σ in [2⁻⁷, 1]/norm_safety — the largest singular

@@ -49,21 +49,30 @@ def _f32(x: float) -> float:
     return struct.unpack("f", struct.pack("f", x))[0]
 
 
+# How far rounding can carry Newton–Schulz's singular values (the daemon's ``NsRoundingOf``): the
+# normalized input's largest one up to a factor 1 + input above 1/norm_safety, each step's result
+# by up to 1 + step.
+NS_INPUT_ROUNDING = {"fp32": 2.0 ** -16, "tf32": 2.0 ** -10, "bf16": 2.0 ** -7}
+NS_STEP_ROUNDING = 2.0 ** -20
+_SAFETY_LADDER = (1.001, 1.002, 1.005, 1.01, 1.02, 1.05, 1.1, 1.2, 1.5, 2.0)
+
+
 @functools.lru_cache(maxsize=64)
 def ns_singular_value_bound(coefficients: Tuple[Tuple[float, float, float], ...], after: str, steps: int,
-                            norm_safety: float) -> float:
-    """Twice the largest |σ| the scalar map σ ← aσ + bσ³ + cσ⁵ of the schedule reaches over 4097
-    points of [0, 1/norm_safety] in ``steps`` steps (infinity when it overflows): a bound on the
-    singular values of Newton–Schulz's output."""
+                            norm_safety: float, input_rounding: float = 0.0, step_rounding: float = 0.0) -> float:
+    """Twice the largest |σ| the scalar map σ ← (aσ + bσ³ + cσ⁵)·(1 + step_rounding) of the
+    schedule reaches over 4097 points of [0, (1 + input_rounding)/norm_safety] in ``steps`` steps
+    (infinity when it overflows): a bound on the singular values of Newton–Schulz's output."""
     points = 4097
-    top = 1.0 / norm_safety
+    top = (1.0 + input_rounding) / norm_safety
+    grow = 1.0 + step_rounding
     largest = top
     for i in range(points):
         sigma = top * i / (points - 1)
         for t in range(steps):
             a, b, c = facts.coefficient_at(coefficients, after, t)
             s2 = sigma * sigma
-            sigma = sigma * (a + s2 * (b + s2 * c))
+            sigma = sigma * (a + s2 * (b + s2 * c)) * grow
             if not math.isfinite(sigma):
                 return math.inf
             largest = max(largest, abs(sigma))
@@ -74,11 +83,30 @@ def _input_safety(group: Mapping[str, Any]) -> float:
     return 1.0 if group.get("ns_preconditioner") == "aol" else group["ns_norm_safety"]
 
 
-def ns_bound(group: Mapping[str, Any]) -> float:
-    """``ns_singular_value_bound`` of a Muon or Dion2 group's iteration."""
+def _precision(group: Mapping[str, Any]) -> str:
+    return group.get("matmul_precision") or "fp32"
+
+
+def _group_bound(group: Mapping[str, Any], safety: float) -> float:
     coefficients, after = opts.coefficient_schedule(group)
     return ns_singular_value_bound(tuple(tuple(float(v) for v in co) for co in coefficients), after,
-                                   int(group["ns_steps"]), float(_input_safety(group)))
+                                   int(group["ns_steps"]), float(safety), NS_INPUT_ROUNDING[_precision(group)],
+                                   NS_STEP_ROUNDING)
+
+
+def ns_bound(group: Mapping[str, Any]) -> float:
+    """``ns_singular_value_bound`` of a Muon or Dion2 group's iteration, with its precision's
+    rounding."""
+    return _group_bound(group, _input_safety(group))
+
+
+def _safety_hint(group: Mapping[str, Any]) -> str:
+    if group.get("ns_preconditioner") == "aol":
+        return ""
+    for safety in _SAFETY_LADDER:
+        if safety > group["ns_norm_safety"] and _group_bound(group, safety) <= MAX_NS_GROWTH:
+            return f"; ns_norm_safety {safety:g} keeps them bounded"
+    return "; no ns_norm_safety up to 2 keeps them bounded"
 
 
 def check_ns_growth(group: Mapping[str, Any]) -> None:
@@ -88,10 +116,12 @@ def check_ns_growth(group: Mapping[str, Any]) -> None:
         return
     growth = ns_bound(group)
     if not growth <= MAX_NS_GROWTH:
-        raise ValueError(f"ns_coefficients: with {group['ns_steps']} steps and ns_norm_safety "
-                         f"{group['ns_norm_safety']:g} the iteration grows singular values to about "
-                         f"{growth:g}; at most {MAX_NS_GROWTH:g} is accepted (Newton-Schulz must keep "
-                         f"them near 1)")
+        precision = _precision(group)
+        raise ValueError(f"ns_coefficients: with {group['ns_steps']} steps, ns_norm_safety "
+                         f"{group['ns_norm_safety']:g} and matmul_precision {precision} the iteration grows "
+                         f"singular values to about {growth:g}; at most {MAX_NS_GROWTH:g} is accepted "
+                         f"(Newton-Schulz must keep them near 1, also for inputs that rounding puts up to "
+                         f"{NS_INPUT_ROUNDING[precision]:g} above 1/ns_norm_safety){_safety_hint(group)}")
 
 
 def slot_names(group: Mapping[str, Any]) -> List[str]:

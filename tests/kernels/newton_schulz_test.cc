@@ -242,6 +242,33 @@ TEST_F(NewtonSchulzTest, NormSafetyAndEpsEnterTheNormalization) {
                           NsBound(g, s, 3, 3, 0.5, 1.02)));
 }
 
+// The rounding the growth check allows for (NsRoundingOf, docs/algorithms.md, Finite steps), on the
+// real fp32 iteration of rank-1 inputs, whose largest singular value the normalization puts exactly
+// at the top of the range: within the range cans stays under the fp32 bound, but an input 2⁻¹⁰ above
+// it (what tf32 operands can leave) runs away, as the bound for tf32 says it may.
+TEST_F(NewtonSchulzTest, CansRunsAwayJustAboveItsRangeAsItsBoundSays) {
+  const NsSchedule cans = Named("cans");
+  const double fp32_bound = NsSingularValueBound(cans, 5, 1.0, NsRoundingOf(kernels::MatmulPrecision::kFp32));
+  const double tf32_bound = NsSingularValueBound(cans, 5, 1.0, NsRoundingOf(kernels::MatmulPrecision::kTf32));
+  ASSERT_LT(fp32_bound, kMaxNsGrowth);
+  ASSERT_GT(tf32_bound, kMaxNsGrowth);
+  std::normal_distribution<double> normal;
+  for (const Shape shape : {Shape{16, 256}, Shape{256, 16}, Shape{1, 64}, Shape{48, 48}}) {
+    Mat g(shape.rows, shape.cols);
+    std::vector<double> u(shape.rows), v(shape.cols);
+    for (double& x : u) x = normal(rng_);
+    for (double& x : v) x = normal(rng_);
+    for (int64_t i = 0; i < shape.rows; ++i)
+      for (int64_t j = 0; j < shape.cols; ++j) g.v[i * shape.cols + j] = static_cast<float>(u[i] * v[j]);
+    const double within = ComputeSvd(Run({g}, cans, 5, 0.0, 1.0)[0]).s[0];
+    EXPECT_GT(within, 0.5) << shape.rows << "x" << shape.cols;
+    EXPECT_LT(within, fp32_bound) << shape.rows << "x" << shape.cols;
+    const Mat above = Run({g}, cans, 5, 0.0, 1.0 / (1.0 + 0x1p-10))[0];
+    const bool finite = std::all_of(above.v.begin(), above.v.end(), [](double x) { return std::isfinite(x); });
+    if (finite) EXPECT_GT(ComputeSvd(above).s[0], kMaxNsGrowth) << shape.rows << "x" << shape.cols;
+  }
+}
+
 TEST_F(NewtonSchulzTest, RejectsBadArguments) {
   float dummy = 0;
   EXPECT_FALSE(NewtonSchulz(*backend_, Named("simple"), 5, 1e-7, 1.0, kernels::MatmulPrecision::kFp32, &dummy, &dummy,
