@@ -13,6 +13,16 @@
 #include "server/transport/nccl/nccl_step.h"
 
 namespace muond::rpc {
+namespace {
+
+transport::BoundSession BoundTo(const session::Session& session) { return {session.id(), session.serial()}; }
+
+}  // namespace
+
+bool MuondService::StillOpen(const transport::BoundSession& bound, const std::string& caller) const {
+  absl::StatusOr<std::shared_ptr<session::Session>> now = registry_->Find(bound.id, caller);
+  return now.ok() && (*now)->serial() == bound.serial;
+}
 
 grpc::Status MuondService::RegisterCudaMemory(grpc::ServerContext* context,
                                               const v1::RegisterCudaMemoryRequest* request,
@@ -20,14 +30,15 @@ grpc::Status MuondService::RegisterCudaMemory(grpc::ServerContext* context,
   return Serve(calls_, context, "RegisterCudaMemory", [&](const std::string& caller) -> absl::Status {
     MUOND_ASSIGN_OR_RETURN(transport::CudaMemoryRegions * regions, CudaRegions());
     MUOND_RETURN_IF_ERROR(session::CheckSessionId(request->session_id(), "session_id"));
-    MUOND_RETURN_IF_ERROR(registry_->Find(request->session_id(), caller).status());
+    MUOND_ASSIGN_OR_RETURN(std::shared_ptr<session::Session> session, registry_->Find(request->session_id(), caller));
     if (request->device() < 0) {
       return absl::InvalidArgumentError(absl::StrCat("device: a CUDA device ordinal, got ", request->device()));
     }
-    MUOND_ASSIGN_OR_RETURN(uint64_t bytes, regions->Register(caller, *request));
+    const transport::BoundSession bound = BoundTo(*session);
+    MUOND_ASSIGN_OR_RETURN(uint64_t bytes, regions->Register(caller, *request, bound));
     // Closed meanwhile: what CloseSession dropped did not include this.
-    if (!registry_->Find(request->session_id(), caller).ok()) {
-      regions->DropSession(request->session_id());
+    if (!StillOpen(bound, caller)) {
+      regions->DropSession(bound);
       return absl::NotFoundError(absl::StrCat("session_id: session '", Echo(request->session_id()),
                                               "' was closed while its CUDA memory was registered"));
     }
@@ -55,11 +66,11 @@ grpc::Status MuondService::StepCuda(grpc::ServerContext* context, const v1::Step
     // Every place is checked before the step begins: an applied step always has somewhere to go.
     MUOND_ASSIGN_OR_RETURN(
         std::vector<transport::CudaTensorPlace> gradients,
-        transport::ResolveCudaTensors(session->config(), *regions, caller, session->id(), request->gradients(),
+        transport::ResolveCudaTensors(session->config(), *regions, caller, BoundTo(*session), request->gradients(),
                                       "gradients", /*require_all=*/false, header.rank()));
     MUOND_ASSIGN_OR_RETURN(
         std::vector<transport::CudaTensorPlace> parameters,
-        transport::ResolveCudaTensors(session->config(), *regions, caller, session->id(), request->parameters(),
+        transport::ResolveCudaTensors(session->config(), *regions, caller, BoundTo(*session), request->parameters(),
                                       "parameters", /*require_all=*/true, header.rank()));
     // The client's event must complete by the call's deadline; a client that went away (its call
     // cancelled: it died, or gave up) ends the wait at once.
@@ -83,9 +94,9 @@ grpc::Status MuondService::OpenNcclChannel(grpc::ServerContext* context, const v
           absl::StrCat("rank: ", request->rank(), " is not a rank of a session of ", world_size));
     }
     MUOND_ASSIGN_OR_RETURN(transport::NcclChannels::Opened opened,
-                           channels->Open(caller, session->id(), request->rank()));
+                           channels->Open(caller, BoundTo(*session), request->rank()));
     // Closed meanwhile: what CloseSession dropped did not include this.
-    if (!registry_->Find(request->session_id(), caller).ok()) {
+    if (!StillOpen(BoundTo(*session), caller)) {
       channels->Drop(caller, opened.name);
       return absl::NotFoundError(absl::StrCat("session_id: session '", Echo(request->session_id()),
                                               "' was closed while its NCCL channel was opened"));
@@ -115,7 +126,7 @@ grpc::Status MuondService::StepNccl(grpc::ServerContext* context, const v1::Step
     const v1::StepHeader& header = request->header();
     MUOND_ASSIGN_OR_RETURN(std::shared_ptr<session::Session> session, FindStepSession(*registry_, header, caller));
     MUOND_ASSIGN_OR_RETURN(std::shared_ptr<transport::NcclChannel> channel,
-                           channels->Find(caller, request->channel(), session->id(), "channel"));
+                           channels->Find(caller, request->channel(), BoundTo(*session), "channel"));
     if (!channel->busy.TryLock()) {
       // Left alone: the step using it goes on.
       return absl::FailedPreconditionError(

@@ -132,6 +132,9 @@ class MuondService final : public v1::Muond::Service {
   // The GPU transports' tables, or FAILED_PRECONDITION when the daemon offers none.
   absl::StatusOr<transport::CudaMemoryRegions*> CudaRegions() const;
   absl::StatusOr<transport::NcclChannels*> NcclChannels() const;
+  // Whether the session a GPU transport was bound to is still open to `caller`: neither closed nor
+  // closed and created again under its id.
+  bool StillOpen(const transport::BoundSession& bound, const std::string& caller) const;
   // When a call that waits on a peer gives up: its deadline, or --rpc-timeout from now.
   absl::Time CallDeadline(const grpc::ServerContext& context) const;
   // Chunk size for an answer: the client's wish bounded by the server's limit.

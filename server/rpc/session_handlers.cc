@@ -79,12 +79,12 @@ grpc::Status MuondService::CreateSession(grpc::ServerContext* context, const v1:
 grpc::Status MuondService::CloseSession(grpc::ServerContext* context, const v1::CloseSessionRequest* request,
                                         v1::CloseSessionResponse*) {
   return Serve(calls_, context, "CloseSession", [&](const std::string& caller) -> absl::Status {
-    MUOND_RETURN_IF_ERROR(registry_->Close(request->session_id(), caller));
-    // Its GPU transports go with it: CUDA IPC handles closed, NCCL communicators aborted.
-    if (options_.transports.cuda_regions != nullptr)
-      options_.transports.cuda_regions->DropSession(request->session_id());
-    if (options_.transports.nccl_channels != nullptr)
-      options_.transports.nccl_channels->DropSession(request->session_id());
+    MUOND_ASSIGN_OR_RETURN(const uint64_t serial, registry_->Close(request->session_id(), caller));
+    // Its GPU transports go with it (CUDA IPC handles closed, NCCL communicators aborted), not those
+    // of a session created under the same id since.
+    const transport::BoundSession closed{request->session_id(), serial};
+    if (options_.transports.cuda_regions != nullptr) options_.transports.cuda_regions->DropSession(closed);
+    if (options_.transports.nccl_channels != nullptr) options_.transports.nccl_channels->DropSession(closed);
     return absl::OkStatus();
   });
 }

@@ -149,7 +149,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Find(const std::string
   return it->second;
 }
 
-absl::Status SessionRegistry::Close(const std::string& id, const std::string& caller) {
+absl::StatusOr<uint64_t> SessionRegistry::Close(const std::string& id, const std::string& caller) {
   std::shared_ptr<Session> session;
   {
     absl::MutexLock lock(&mu_);
@@ -174,7 +174,7 @@ absl::Status SessionRegistry::Close(const std::string& id, const std::string& ca
               session->last_step());
   absl::MutexLock lock(&mu_);
   closing_.erase(id);
-  return absl::OkStatus();
+  return session->serial();
 }
 
 absl::Status SessionRegistry::EnablePersistence(const durability::StateDirOptions& options) {

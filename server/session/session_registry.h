@@ -65,8 +65,9 @@ class SessionRegistry {
   // (Session::Close: calls still holding it are refused from then on, its files removed) outside the
   // registry's lock: closing waits for a call that holds the session's own lock, never stopping the
   // other sessions. Until that is done, creating a session of the same id is UNAVAILABLE. Its memory
-  // counts against --max-total-bytes for as long as a call still holds the session.
-  absl::Status Close(const std::string& id, const std::string& caller = "");
+  // counts against --max-total-bytes for as long as a call still holds the session. Answers the
+  // closed session's serial (what the transports bound to it are dropped by).
+  absl::StatusOr<uint64_t> Close(const std::string& id, const std::string& caller = "");
 
   // The sessions `caller` owns, by id.
   std::vector<std::shared_ptr<Session>> ListOwnedBy(const std::string& caller) const;

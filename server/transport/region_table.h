@@ -1,9 +1,11 @@
 // RegionTable<T>: the table under every transport whose resources a caller registers and then names
 // out of band — shared-memory regions, CUDA IPC memory, NCCL channels. Entries are keyed by (caller,
 // name), so a name is private to its caller; each has its owner: the caller, the session it is bound
-// to (empty: none) and the liveness connection it lives on (0: none). The table answers a lookup to
-// the owner only (and, for a bound entry, for its session only), counts a caller's entries for the
-// capacity limits, and takes entries out by name, by session, by connection or by any predicate.
+// to (empty: none) and the liveness connection it lives on (0: none). A session is named by its id and
+// its serial, so that an entry of a session closed and then created again under the same id is
+// neither the new session's nor taken out with it. The table answers a lookup to the owner only (and,
+// for a bound entry, for its session only), counts a caller's entries for the capacity limits, and
+// takes entries out by name, by session, by connection or by any predicate.
 //
 // Entries are shared_ptrs: a step that found one keeps it alive. What the table takes out is handed
 // back, not destroyed, so that its owner releases it (unmaps, closes handles, aborts) after dropping
@@ -31,9 +33,17 @@ namespace muond::transport {
 // A region name: 1 to 128 characters, no control characters (INVALID_ARGUMENT naming `name`).
 absl::Status CheckRegionName(const std::string& name);
 
+// The session an entry is bound to: its id (empty: none) and its serial (session::Session::serial,
+// which a session created again under the same id does not share).
+struct BoundSession {
+  std::string id;
+  uint64_t serial = 0;
+  bool operator==(const BoundSession&) const = default;
+};
+
 struct RegionOwner {
   std::string caller;
-  std::string session_id;   // empty: not bound to a session
+  BoundSession session;     // id empty: not bound to a session
   uint64_t connection = 0;  // the liveness connection; 0: none
 };
 
@@ -61,19 +71,26 @@ class RegionTable {
     return entries_.emplace(std::move(key), Entry{std::move(owner), std::move(value)}).second;
   }
 
-  // The caller's entry `name`, for a step of `session_id` (null: any session). NOT_FOUND
-  // "<field>: no <noun> '<name>'<missing>"; FAILED_PRECONDITION when it is bound to another session.
-  absl::StatusOr<Ptr> Find(const std::string& caller, const std::string& name, const std::string* session_id,
+  // The caller's entry `name`, for a step of `session` (null: any session). NOT_FOUND
+  // "<field>: no <noun> '<name>'<missing>", or when it is bound to an earlier session of the same id;
+  // FAILED_PRECONDITION when it is bound to another session.
+  absl::StatusOr<Ptr> Find(const std::string& caller, const std::string& name, const BoundSession* session,
                            const std::string& field, absl::string_view missing) const {
     auto it = entries_.find({caller, name});
     if (it == entries_.end()) {
       return WithReason(absl::NotFoundError(absl::StrCat(field, ": no ", noun_, " '", Echo(name), "'", missing)),
                         missing_);
     }
-    const std::string& bound = it->second.owner.session_id;
-    if (session_id != nullptr && bound != *session_id) {
+    const BoundSession& bound = it->second.owner.session;
+    if (session != nullptr && bound.id != session->id) {
       return absl::FailedPreconditionError(absl::StrCat(field, ": ", noun_, " '", Echo(name), "' belongs to session '",
-                                                        bound, "', not '", Echo(*session_id), "'"));
+                                                        bound.id, "', not '", Echo(session->id), "'"));
+    }
+    if (session != nullptr && bound.serial != session->serial) {
+      return WithReason(
+          absl::NotFoundError(absl::StrCat(field, ": ", noun_, " '", Echo(name), "' belongs to an earlier session '",
+                                           bound.id, "', closed since; register it again")),
+          missing_);
     }
     return it->second.value;
   }
@@ -101,8 +118,8 @@ class RegionTable {
     }
     return taken;
   }
-  std::vector<Ptr> TakeSession(const std::string& session_id) {
-    return TakeIf([&](const RegionOwner& owner, const T&) { return owner.session_id == session_id; });
+  std::vector<Ptr> TakeSession(const BoundSession& session) {
+    return TakeIf([&](const RegionOwner& owner, const T&) { return owner.session == session; });
   }
   std::vector<Ptr> TakeConnection(uint64_t connection) {
     return TakeIf([&](const RegionOwner& owner, const T&) { return owner.connection == connection; });

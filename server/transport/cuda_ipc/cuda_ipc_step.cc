@@ -10,12 +10,12 @@ namespace muond::transport {
 
 absl::StatusOr<std::vector<CudaTensorPlace>> ResolveCudaTensors(
     const session::SessionConfig& config, const CudaMemoryRegions& regions, const std::string& caller,
-    const std::string& session_id, const google::protobuf::RepeatedPtrField<v1::SharedTensor>& refs,
+    const BoundSession& session, const google::protobuf::RepeatedPtrField<v1::SharedTensor>& refs,
     absl::string_view field, bool require_all, int rank) {
   MUOND_ASSIGN_OR_RETURN(auto checked, ResolveRegionTensors<CudaRegion>(
                                            config, refs, field, require_all, /*aligned=*/true, rank,
                                            [&](const std::string& region, const std::string& at) {
-                                             return regions.Find(caller, region, session_id, at);
+                                             return regions.Find(caller, region, session, at);
                                            },
                                            [](const CudaRegion& region) { return region.memory->size(); }));
   std::vector<CudaTensorPlace> places;

@@ -53,7 +53,7 @@ absl::Status AwaitClientEvents(const std::vector<CudaTensorPlace>& places, const
 
 absl::StatusOr<std::vector<CudaTensorPlace>> ResolveCudaTensors(
     const session::SessionConfig& config, const CudaMemoryRegions& regions, const std::string& caller,
-    const std::string& session_id, const google::protobuf::RepeatedPtrField<v1::SharedTensor>& refs,
+    const BoundSession& session, const google::protobuf::RepeatedPtrField<v1::SharedTensor>& refs,
     absl::string_view field, bool require_all, int rank);
 
 class CudaIpcGradientSource final : public GradientSource {

@@ -9,7 +9,8 @@
 namespace muond::transport {
 
 absl::StatusOr<uint64_t> CudaMemoryRegions::Register(const std::string& caller,
-                                                     const v1::RegisterCudaMemoryRequest& request) {
+                                                     const v1::RegisterCudaMemoryRequest& request,
+                                                     const BoundSession& session) {
   MUOND_RETURN_IF_ERROR(CheckRegionName(request.name()));
   if (request.mem_handle().size() != kernels::kIpcHandleBytes) {
     return absl::InvalidArgumentError(absl::StrCat("mem_handle: a cudaIpcMemHandle_t has ", kernels::kIpcHandleBytes,
@@ -43,14 +44,14 @@ absl::StatusOr<uint64_t> CudaMemoryRegions::Register(const std::string& caller,
   }
   // Opened outside the lock: opening maps memory into the daemon's device, which takes a while.
   auto region = std::make_shared<CudaRegion>();
-  region->session_id = request.session_id();
+  region->session = session;
   region->connection = connection;
   MUOND_ASSIGN_OR_RETURN(region->memory, backend_->OpenPeerMemory(request.mem_handle(), request.byte_size()));
   MUOND_ASSIGN_OR_RETURN(region->event, backend_->OpenPeerEvent(request.event_handle()));
   const uint64_t size = region->memory->size();
   {
     absl::MutexLock lock(&mu_);
-    if (!regions_.Insert({caller, region->session_id, connection}, request.name(), region)) {
+    if (!regions_.Insert({caller, region->session, connection}, request.name(), region)) {
       return absl::AlreadyExistsError(
           absl::StrCat("name: CUDA memory '", Echo(request.name()), "' was registered meanwhile"));
     }
@@ -74,17 +75,17 @@ absl::Status CudaMemoryRegions::Unregister(const std::string& caller, const std:
 }
 
 absl::StatusOr<std::shared_ptr<CudaRegion>> CudaMemoryRegions::Find(const std::string& caller, const std::string& name,
-                                                                    const std::string& session_id,
+                                                                    const BoundSession& session,
                                                                     const std::string& field) const {
   absl::MutexLock lock(&mu_);
-  return regions_.Find(caller, name, &session_id, field,
+  return regions_.Find(caller, name, &session, field,
                        " is registered (RegisterCudaMemory; a restarted daemon has none)");
 }
 
-void CudaMemoryRegions::DropSession(const std::string& session_id) {
+void CudaMemoryRegions::DropSession(const BoundSession& session) {
   std::vector<std::shared_ptr<CudaRegion>> dropped;  // closed after the lock
   absl::MutexLock lock(&mu_);
-  dropped = regions_.TakeSession(session_id);
+  dropped = regions_.TakeSession(session);
 }
 
 void CudaMemoryRegions::DropConnection(uint64_t connection) {

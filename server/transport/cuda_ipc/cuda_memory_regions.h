@@ -28,7 +28,7 @@
 namespace muond::transport {
 
 struct CudaRegion {
-  std::string session_id;
+  BoundSession session;
   uint64_t connection = 0;  // the liveness connection; 0: none
   std::unique_ptr<kernels::PeerMemory> memory;
   std::unique_ptr<kernels::PeerEvent> event;
@@ -41,15 +41,17 @@ class CudaMemoryRegions {
   CudaMemoryRegions(kernels::Backend* backend, LivenessTickets* liveness, int max_regions_per_caller = 64)
       : backend_(backend), liveness_(liveness), max_regions_per_caller_(max_regions_per_caller) {}
 
-  // Opens and files the request's memory and event under (caller, name) for its session (which the
-  // caller has checked is theirs). Errors name the request's fields; ALREADY_EXISTS for a name in
-  // use; RESOURCE_EXHAUSTED beyond the per-caller limit.
-  absl::StatusOr<uint64_t> Register(const std::string& caller, const v1::RegisterCudaMemoryRequest& request);
+  // Opens and files the request's memory and event under (caller, name) for `session` (the request's,
+  // which the caller has checked is theirs). Errors name the request's fields; ALREADY_EXISTS for a
+  // name in use; RESOURCE_EXHAUSTED beyond the per-caller limit.
+  absl::StatusOr<uint64_t> Register(const std::string& caller, const v1::RegisterCudaMemoryRequest& request,
+                                    const BoundSession& session);
   absl::Status Unregister(const std::string& caller, const std::string& name);
-  // The caller's region `name` for a step of `session_id`; errors name `field`.
+  // The caller's region `name` for a step of `session`; errors name `field`.
   absl::StatusOr<std::shared_ptr<CudaRegion>> Find(const std::string& caller, const std::string& name,
-                                                   const std::string& session_id, const std::string& field) const;
-  void DropSession(const std::string& session_id);
+                                                   const BoundSession& session, const std::string& field) const;
+  // The regions of `session` (not those of a later session of the same id).
+  void DropSession(const BoundSession& session);
   void DropConnection(uint64_t connection);
   size_t size() const;
 

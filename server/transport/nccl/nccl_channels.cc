@@ -40,13 +40,13 @@ std::vector<std::shared_ptr<NcclChannel>> NcclChannels::TakeExpiredLocked(absl::
 }
 
 std::vector<std::shared_ptr<NcclChannel>> NcclChannels::TakeRankLocked(const std::string& caller,
-                                                                       const std::string& session_id, int rank) {
+                                                                       const BoundSession& session, int rank) {
   return channels_.TakeIf([&](const RegionOwner& owner, const NcclChannel& channel) {
-    return owner.caller == caller && owner.session_id == session_id && channel.rank == rank;
+    return owner.caller == caller && owner.session == session && channel.rank == rank;
   });
 }
 
-absl::StatusOr<NcclChannels::Opened> NcclChannels::Open(const std::string& caller, const std::string& session_id,
+absl::StatusOr<NcclChannels::Opened> NcclChannels::Open(const std::string& caller, const BoundSession& session,
                                                         int rank) {
   std::vector<std::shared_ptr<NcclChannel>> dropped;  // aborted outside the lock
   absl::Cleanup abort_dropped = [&] { AbortAll(dropped); };
@@ -54,7 +54,7 @@ absl::StatusOr<NcclChannels::Opened> NcclChannels::Open(const std::string& calle
     absl::MutexLock lock(&mu_);
     // A rank opens a new channel when its trainer restarted (or its last step failed): the old one
     // is of no use any more.
-    dropped = TakeRankLocked(caller, session_id, rank);
+    dropped = TakeRankLocked(caller, session, rank);
     if (channels_.size() + opening_ >= static_cast<size_t>(limits_.max_channels)) {
       std::vector<std::shared_ptr<NcclChannel>> expired = TakeExpiredLocked(absl::Now());
       dropped.insert(dropped.end(), expired.begin(), expired.end());
@@ -74,13 +74,13 @@ absl::StatusOr<NcclChannels::Opened> NcclChannels::Open(const std::string& calle
   MUOND_ASSIGN_OR_RETURN(kernels::NcclUniqueId id, backend_->NewNcclUniqueId());
   auto channel = std::make_shared<NcclChannel>();
   channel->caller = caller;
-  channel->session_id = session_id;
+  channel->session = session;
   channel->rank = rank;
   channel->join_deadline = absl::Now() + limits_.join_timeout;
   MUOND_ASSIGN_OR_RETURN(channel->peer, backend_->OpenPeerChannel(id));
   Opened opened{absl::StrCat("nccl-", RandomTicket()), id};
   absl::MutexLock lock(&mu_);
-  channels_.Insert({caller, session_id, 0}, opened.name, std::move(channel));
+  channels_.Insert({caller, session, 0}, opened.name, std::move(channel));
   return opened;
 }
 
@@ -96,10 +96,10 @@ absl::Status NcclChannels::Close(const std::string& caller, const std::string& n
 }
 
 absl::StatusOr<std::shared_ptr<NcclChannel>> NcclChannels::Find(const std::string& caller, const std::string& name,
-                                                                const std::string& session_id,
+                                                                const BoundSession& session,
                                                                 const std::string& field) const {
   absl::MutexLock lock(&mu_);
-  return channels_.Find(caller, name, &session_id, field,
+  return channels_.Find(caller, name, &session, field,
                         " (closed after a failed step, or the daemon restarted): open a new one");
 }
 
@@ -110,11 +110,11 @@ void NcclChannels::Drop(const std::string& caller, const std::string& name) {
   if (std::shared_ptr<NcclChannel> channel = channels_.Take(caller, name)) dropped.push_back(std::move(channel));
 }
 
-void NcclChannels::DropSession(const std::string& session_id) {
+void NcclChannels::DropSession(const BoundSession& session) {
   std::vector<std::shared_ptr<NcclChannel>> dropped;
   absl::Cleanup abort_dropped = [&] { AbortAll(dropped); };
   absl::MutexLock lock(&mu_);
-  dropped = channels_.TakeSession(session_id);
+  dropped = channels_.TakeSession(session);
 }
 
 size_t NcclChannels::size() const {

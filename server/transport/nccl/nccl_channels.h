@@ -29,7 +29,7 @@ namespace muond::transport {
 
 struct NcclChannel {
   std::string caller;
-  std::string session_id;
+  BoundSession session;
   int rank = 0;
   absl::Time join_deadline;
   std::unique_ptr<kernels::PeerChannel> peer;
@@ -54,22 +54,23 @@ class NcclChannels {
     std::string name;
     kernels::NcclUniqueId unique_id;
   };
-  // A new channel for rank `rank` of `session_id` (checked by the caller).
-  absl::StatusOr<Opened> Open(const std::string& caller, const std::string& session_id, int rank);
+  // A new channel for rank `rank` of `session` (checked by the caller).
+  absl::StatusOr<Opened> Open(const std::string& caller, const BoundSession& session, int rank);
   absl::Status Close(const std::string& caller, const std::string& name);
-  // The caller's channel `name`, for a step of `session_id`; errors name `field`.
+  // The caller's channel `name`, for a step of `session`; errors name `field`.
   absl::StatusOr<std::shared_ptr<NcclChannel>> Find(const std::string& caller, const std::string& name,
-                                                    const std::string& session_id, const std::string& field) const;
+                                                    const BoundSession& session, const std::string& field) const;
   // Aborts the caller's channel `name` and forgets it (after a failed step).
   void Drop(const std::string& caller, const std::string& name);
-  void DropSession(const std::string& session_id);
+  // The channels of `session` (not those of a later session of the same id).
+  void DropSession(const BoundSession& session);
   size_t size() const;
 
  private:
   // Idle channels past their time, taken out of the table (aborted by the caller, outside the lock).
   std::vector<std::shared_ptr<NcclChannel>> TakeExpiredLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The channels of `rank` of `session_id` opened by `caller`, taken out of the table.
-  std::vector<std::shared_ptr<NcclChannel>> TakeRankLocked(const std::string& caller, const std::string& session_id,
+  // The channels of `rank` of `session` opened by `caller`, taken out of the table.
+  std::vector<std::shared_ptr<NcclChannel>> TakeRankLocked(const std::string& caller, const BoundSession& session,
                                                            int rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   kernels::Backend* const backend_;

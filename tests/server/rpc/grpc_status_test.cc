@@ -60,13 +60,17 @@ TEST(GrpcStatusTest, AStatusWithoutAReasonHasNoDetails) {
 TEST(GrpcStatusTest, RegionTablesAnswerAMissingEntryWithTheirReason) {
   transport::RegionTable<int> regions("shared-memory region", ErrorReason::kRegionNotFound);
   transport::RegionTable<int> channels("NCCL channel", ErrorReason::kChannelNotFound);
-  const std::string session = "s";
+  const transport::BoundSession session{"s", 2};
   EXPECT_EQ(ReasonIn(ToGrpcStatus(regions.Find("caller", "r", nullptr, "gradients[0].region", "").status())),
             "REGION_NOT_FOUND");
   EXPECT_EQ(ReasonIn(ToGrpcStatus(channels.Find("caller", "c", &session, "channel", "").status())),
             "CHANNEL_NOT_FOUND");
+  // One of an earlier session of the same id is as good as missing.
+  ASSERT_TRUE(channels.Insert({"caller", {"s", 1}, 0}, "earlier", std::make_shared<int>(1)));
+  EXPECT_EQ(ReasonIn(ToGrpcStatus(channels.Find("caller", "earlier", &session, "channel", "").status())),
+            "CHANNEL_NOT_FOUND");
   // A lookup refused for another reason carries none.
-  ASSERT_TRUE(channels.Insert({"caller", "other-session", 0}, "c", std::make_shared<int>(1)));
+  ASSERT_TRUE(channels.Insert({"caller", {"other-session", 1}, 0}, "c", std::make_shared<int>(1)));
   EXPECT_EQ(ReasonIn(ToGrpcStatus(channels.Find("caller", "c", &session, "channel", "").status())), "");
 }
 

@@ -248,7 +248,7 @@ TEST(CudaIpcStepTest, GradientsInAndParametersOutOfTheRegionInTheirDtypes) {
   // One region, laid out as the clients do: a 4-byte slot per element; w in bf16, b in fp32.
   const size_t w_bytes = kW * 4, b_bytes = kB * 4;
   auto region = std::make_shared<CudaRegion>();
-  region->session_id = "ipc";
+  region->session = {"ipc", 1};
   region->memory = std::make_unique<HostPeerMemory>(w_bytes + b_bytes);
   int waits = 0;
   region->event = std::make_unique<CountingPeerEvent>(&waits);
@@ -324,7 +324,7 @@ TEST(CudaIpcStepTest, AnEventThatNeverCompletesEndsAtTheDeadlineOrWhenTheCallerI
   auto device_like = kernels::NewCpuBackend(1, /*host_addressable=*/false);
   auto ipc = NewSession("ipc", device_like.get());
   auto region = std::make_shared<CudaRegion>();
-  region->session_id = "ipc";
+  region->session = {"ipc", 1};
   region->memory = std::make_unique<HostPeerMemory>((kW + kB) * 4);
   auto* event = new NeverCompletingEvent;
   region->event.reset(event);
@@ -637,41 +637,60 @@ class ChannelOnlyBackend final : public kernels::Backend {
 TEST(NcclChannelsTest, ACapOnChannelsAndANewChannelPerRank) {
   ChannelOnlyBackend backend;
   NcclChannels channels(&backend, {/*max_channels=*/2, /*join_timeout=*/absl::Hours(1)});
-  ASSERT_OK_AND_ASSIGN(NcclChannels::Opened r0, channels.Open("alice", "s", 0));
-  ASSERT_OK_AND_ASSIGN(NcclChannels::Opened r1, channels.Open("alice", "s", 1));
+  ASSERT_OK_AND_ASSIGN(NcclChannels::Opened r0, channels.Open("alice", {"s", 1}, 0));
+  ASSERT_OK_AND_ASSIGN(NcclChannels::Opened r1, channels.Open("alice", {"s", 1}, 1));
   // Rank 0 again (its trainer restarted): the old channel is aborted and replaced.
-  ASSERT_OK_AND_ASSIGN(NcclChannels::Opened r0_again, channels.Open("alice", "s", 0));
+  ASSERT_OK_AND_ASSIGN(NcclChannels::Opened r0_again, channels.Open("alice", {"s", 1}, 0));
   EXPECT_TRUE(*backend.aborted[0]);
-  EXPECT_EQ(channels.Find("alice", r0.name, "s", "channel").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(channels.Find("alice", r0.name, {"s", 1}, "channel").status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(channels.size(), 2u);
   // Full, and no channel idle past the timeout: a third is refused.
-  const absl::Status full = channels.Open("bob", "t", 0).status();
+  const absl::Status full = channels.Open("bob", {"t", 1}, 0).status();
   EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(full.message(), HasSubstr("--max-nccl-channels"));
   // Another caller's channel is neither found nor closed by name; nor is one of another session.
-  EXPECT_EQ(channels.Find("bob", r1.name, "s", "channel").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(channels.Find("bob", r1.name, {"s", 1}, "channel").status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(channels.Close("bob", r1.name).code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ(channels.Find("alice", r1.name, "t", "channel").status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(channels.Find("alice", r1.name, {"t", 1}, "channel").status().code(),
+            absl::StatusCode::kFailedPrecondition);
   ASSERT_OK(channels.Close("alice", r1.name));
   EXPECT_TRUE(*backend.aborted[1]);
-  channels.DropSession("s");
+  channels.DropSession({"s", 1});
   EXPECT_TRUE(*backend.aborted[2]);
   EXPECT_EQ(channels.size(), 0u);
   EXPECT_FALSE(r0_again.name.empty());
 }
 
+// A session closed and created again under its id (a new serial): closing the first drops only its
+// own channels, and a channel of the first is not the second's.
+TEST(NcclChannelsTest, ASessionCreatedAgainUnderItsIdKeepsItsChannelsWhenTheFirstIsDropped) {
+  ChannelOnlyBackend backend;
+  NcclChannels channels(&backend, {/*max_channels=*/4, /*join_timeout=*/absl::Hours(1)});
+  ASSERT_OK_AND_ASSIGN(NcclChannels::Opened first, channels.Open("alice", {"s", 1}, 0));
+  ASSERT_OK_AND_ASSIGN(NcclChannels::Opened second, channels.Open("alice", {"s", 2}, 0));
+  EXPECT_FALSE(*backend.aborted[0]) << "rank 0 of another session of the id: not a restarted trainer";
+  const absl::Status earlier = channels.Find("alice", first.name, {"s", 2}, "channel").status();
+  EXPECT_THAT(earlier, ::muond::testing::StatusIs(absl::StatusCode::kNotFound,
+                                                  "belongs to an earlier session 's', closed since"));
+  channels.DropSession({"s", 1});
+  EXPECT_TRUE(*backend.aborted[0]);
+  EXPECT_FALSE(*backend.aborted[1]);
+  EXPECT_OK(channels.Find("alice", second.name, {"s", 2}, "channel").status());
+  EXPECT_EQ(channels.size(), 1u);
+}
+
 TEST(NcclChannelsTest, AtTheCapIdleChannelsMakeRoomButNotOneInUse) {
   ChannelOnlyBackend backend;
   NcclChannels channels(&backend, {/*max_channels=*/2, /*join_timeout=*/absl::Milliseconds(1)});
-  ASSERT_OK_AND_ASSIGN(NcclChannels::Opened idle, channels.Open("alice", "s", 0));
-  ASSERT_OK_AND_ASSIGN(NcclChannels::Opened used, channels.Open("alice", "s", 1));
-  ASSERT_OK_AND_ASSIGN(std::shared_ptr<NcclChannel> in_use, channels.Find("alice", used.name, "s", "channel"));
+  ASSERT_OK_AND_ASSIGN(NcclChannels::Opened idle, channels.Open("alice", {"s", 1}, 0));
+  ASSERT_OK_AND_ASSIGN(NcclChannels::Opened used, channels.Open("alice", {"s", 1}, 1));
+  ASSERT_OK_AND_ASSIGN(std::shared_ptr<NcclChannel> in_use, channels.Find("alice", used.name, {"s", 1}, "channel"));
   in_use->busy.Lock();                    // a step is using it
   absl::SleepFor(absl::Milliseconds(5));  // both past the timeout since their opening
-  ASSERT_OK_AND_ASSIGN(NcclChannels::Opened fresh, channels.Open("bob", "t", 0));
+  ASSERT_OK_AND_ASSIGN(NcclChannels::Opened fresh, channels.Open("bob", {"t", 1}, 0));
   EXPECT_TRUE(*backend.aborted[0]) << "the idle channel made room";
   EXPECT_FALSE(*backend.aborted[1]) << "a channel in use never expires";
-  EXPECT_EQ(channels.Find("alice", idle.name, "s", "channel").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(channels.Find("alice", idle.name, {"s", 1}, "channel").status().code(), absl::StatusCode::kNotFound);
   in_use->busy.Unlock();
   EXPECT_EQ(channels.size(), 2u);
   EXPECT_FALSE(fresh.name.empty());
@@ -725,27 +744,27 @@ TEST(GpuTablesTest, ABackendWithoutAGpuRefusesAfterTheRequestIsChecked) {
   request.set_byte_size(1024);
   request.set_mem_handle(std::string(10, 'x'));
   request.set_event_handle(std::string(64, 'e'));
-  EXPECT_THAT(regions.Register("", request).status().message(),
+  EXPECT_THAT(regions.Register("", request, {"s", 1}).status().message(),
               HasSubstr("mem_handle: a cudaIpcMemHandle_t has 64 bytes"));
   request.set_mem_handle(std::string(64, 'm'));
   request.set_event_handle("");
-  EXPECT_THAT(regions.Register("", request).status().message(), HasSubstr("event_handle"));
+  EXPECT_THAT(regions.Register("", request, {"s", 1}).status().message(), HasSubstr("event_handle"));
   request.set_event_handle(std::string(64, 'e'));
   request.set_liveness_ticket("not-issued");
-  EXPECT_EQ(regions.Register("", request).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(regions.Register("", request, {"s", 1}).status().code(), absl::StatusCode::kNotFound);
   request.clear_liveness_ticket();
-  const absl::Status refused = regions.Register("", request).status();
+  const absl::Status refused = regions.Register("", request, {"s", 1}).status();
   EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(refused.message(), HasSubstr("the cpu backend has no CUDA IPC memory"));
   EXPECT_EQ(regions.size(), 0u);
-  EXPECT_EQ(regions.Find("", "grads", "s", "gradients[0].region").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(regions.Find("", "grads", {"s", 1}, "gradients[0].region").status().code(), absl::StatusCode::kNotFound);
 
   NcclChannels channels(backend.get(), {});
-  const absl::Status no_nccl = channels.Open("", "s", 0).status();
+  const absl::Status no_nccl = channels.Open("", {"s", 1}, 0).status();
   EXPECT_EQ(no_nccl.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(no_nccl.message(), HasSubstr("NCCL"));
   EXPECT_EQ(channels.size(), 0u);
-  EXPECT_EQ(channels.Find("", "nccl-x", "s", "channel").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(channels.Find("", "nccl-x", {"s", 1}, "channel").status().code(), absl::StatusCode::kNotFound);
 }
 
 TEST(GpuTablesTest, LivenessTicketsLastAsLongAsTheirConnection) {
