@@ -1,9 +1,18 @@
 #include "server/security/caller_identity.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
 
 namespace muond::security {
+
+std::string CertificateIdentity(std::vector<std::string> names) {
+  for (std::string& name : names) name = absl::StrReplaceAll(name, {{"\\", "\\\\"}, {",", "\\,"}});
+  std::sort(names.begin(), names.end());
+  return absl::StrCat("x509:", absl::StrJoin(names, ","));
+}
 
 absl::StatusOr<std::string> IdentifyCaller(const CallCredentials& credentials, const TokenTable* tokens) {
   if (tokens != nullptr) {
@@ -11,7 +20,7 @@ absl::StatusOr<std::string> IdentifyCaller(const CallCredentials& credentials, c
     return tokens->Authenticate(absl::string_view(*credentials.authorization));
   }
   if (!credentials.peer_verified) return std::string();
-  return absl::StrCat("x509:", absl::StrJoin(credentials.peer_names, ","));
+  return CertificateIdentity(credentials.peer_names);
 }
 
 absl::Status CheckOwner(const std::string& owner, const std::string& caller, const std::string& session_id) {

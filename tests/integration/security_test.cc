@@ -506,6 +506,33 @@ TEST_F(MutualTlsTest, ASessionBelongsToTheCertificateThatCreatedIt) {
   EXPECT_OK(attached->Close());
 }
 
+// A certificate reissued with its names in another order is the same caller; one whose single name
+// holds the separator ("alice.test,bob.test") is not the certificate of the two names.
+TEST_F(MutualTlsTest, ACertificateIsItsSetOfNamesWhateverTheirOrder) {
+  const auto connect = [&](const std::string& name) {
+    client::ClientOptions options = Options(*daemon_);
+    options.tls_ca_file = pki_.ca_cert;
+    options.tls_client_cert_file = pki_.named_clients.at(name).first;
+    options.tls_client_key_file = pki_.named_clients.at(name).second;
+    return client::Client::Connect(options);
+  };
+  ASSERT_OK_AND_ASSIGN(auto two_names, connect("two-names"));
+  ASSERT_OK_AND_ASSIGN(auto reversed, connect("two-names-reversed"));
+  ASSERT_OK_AND_ASSIGN(auto comma, connect("comma-name"));
+  ASSERT_OK_AND_ASSIGN(auto mine, NewSession(*two_names, "named-run"));
+  const std::vector<float> grad = Values(1.0f);
+  const std::vector<client::TensorView> gradients = {{"w", {8, 4}, grad}};
+  ASSERT_OK(mine->Step(1, gradients));
+  ExpectEverySessionCallDenied(*comma, "named-run");
+  ASSERT_OK_AND_ASSIGN(auto attached, reversed->CreateSession("named-run", Spec()));
+  EXPECT_EQ(attached->last_step(), 1);
+  ASSERT_OK(attached->Step(2, gradients));
+  ASSERT_OK_AND_ASSIGN(std::vector<v1::SessionSummary> listed, reversed->ListSessions());
+  EXPECT_TRUE(std::any_of(listed.begin(), listed.end(),
+                          [](const v1::SessionSummary& s) { return s.session_id() == "named-run"; }));
+  EXPECT_OK(attached->Close());
+}
+
 TEST_F(MutualTlsTest, ClientWithoutCertificateIsRefused) {
   client::ClientOptions options = Options(*daemon_);
   options.tls_ca_file = pki_.ca_cert;

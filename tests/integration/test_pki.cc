@@ -25,6 +25,20 @@ extendedKeyUsage = serverAuth
 [client_ext]
 basicConstraints = CA:FALSE
 extendedKeyUsage = clientAuth
+[two_names_ext]
+basicConstraints = CA:FALSE
+extendedKeyUsage = clientAuth
+subjectAltName = DNS:alice.test,DNS:bob.test
+[two_names_reversed_ext]
+basicConstraints = CA:FALSE
+extendedKeyUsage = clientAuth
+subjectAltName = DNS:bob.test,DNS:alice.test
+[comma_name_ext]
+basicConstraints = CA:FALSE
+extendedKeyUsage = clientAuth
+subjectAltName = @comma_name
+[comma_name]
+DNS.1 = alice.test,bob.test
 )";
 
 std::string Quote(const std::string& s) { return "'" + s + "'"; }
@@ -64,6 +78,9 @@ bool MakeTestPki(const std::string& dir, TestPki* pki, std::string* error) {
       make_leaf("server", "ca", "server_ext", "/CN=localhost", 2),
       make_leaf("client", "ca", "client_ext", "/CN=muond test client", 3),
       make_leaf("second-client", "ca", "client_ext", "/CN=muond second client", 5),
+      make_leaf("two-names", "ca", "two_names_ext", "/CN=muond two names", 6),
+      make_leaf("two-names-reversed", "ca", "two_names_reversed_ext", "/CN=muond two names reversed", 7),
+      make_leaf("comma-name", "ca", "comma_name_ext", "/CN=muond comma name", 8),
       make_ca("rogue-ca", "/CN=untrusted test CA"),
       make_leaf("rogue-client", "rogue-ca", "client_ext", "/CN=untrusted client", 4),
   };
@@ -82,6 +99,9 @@ bool MakeTestPki(const std::string& dir, TestPki* pki, std::string* error) {
   pki->client_key = path("client.key");
   pki->second_client_cert = path("second-client.pem");
   pki->second_client_key = path("second-client.key");
+  for (const char* name : {"two-names", "two-names-reversed", "comma-name"}) {
+    pki->named_clients[name] = {path(std::string(name) + ".pem"), path(std::string(name) + ".key")};
+  }
   pki->rogue_client_cert = path("rogue-client.pem");
   pki->rogue_client_key = path("rogue-client.key");
   return true;
