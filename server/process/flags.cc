@@ -40,6 +40,11 @@ std::optional<DaemonFlags> ParseFlags(int argc, char** argv, int* exit_code) {
   app.add_option("--max-sessions", flags.max_sessions, "Most sessions held at once")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  app.add_option("--max-calls-per-caller", flags.max_calls_per_caller,
+                 "Most calls one authenticated caller (a token's name or a client certificate) has in flight at "
+                 "once; each holds a daemon thread; 0: no cap")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   app.add_option("--max-session-bytes", flags.max_session_bytes,
                  "Most optimizer memory one session may take (masters, gradients, optimizer state); "
                  "units such as 512MiB or 2GiB are accepted; 0: no limit")

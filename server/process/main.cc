@@ -312,6 +312,7 @@ rpc::ServiceOptions ServiceOptionsOf(const DaemonFlags& flags, const Access& acc
   service_options.metrics_address = outlet.endpoint ? outlet.endpoint->address() : "";
   service_options.durability = flags.state_dir.empty() ? "" : flags.durability;
   service_options.max_sessions = flags.max_sessions;
+  service_options.max_calls_per_caller = flags.max_calls_per_caller;
   return service_options;
 }
 

@@ -32,7 +32,15 @@ CallScope::CallScope(CallServices& services, grpc::ServerContext* context, std::
       start_(std::chrono::steady_clock::now()),
       deadline_(services.deadlines.Watch(context)),
       caller_(CallerOf(*context, services.tokens)) {
-  services_.metrics->CallStarted(method_);
+  if (caller_.ok()) {
+    absl::StatusOr<CallerSlots::Slot> slot = services_.slots.Take(*caller_);
+    if (slot.ok()) {
+      slot_ = *std::move(slot);
+    } else {
+      caller_ = slot.status();
+    }
+  }
+  services_.metrics->CallStarted(method_);  // after the slot: a started call holds its slot
 }
 
 CallScope::~CallScope() {

@@ -1,12 +1,12 @@
 // CallScope: what every handler of the daemon does around its work, in one place — the
 // --rpc-timeout watch (and the count of calls in flight that shutdown drains), authentication of the
-// caller, the per-method metrics, the log line of a refusal and the single conversion of the
-// handler's absl::Status into the call's gRPC status.
+// caller, the cap on one caller's calls in flight (CallerSlots), the per-method metrics, the log line
+// of a refusal and the single conversion of the handler's absl::Status into the call's gRPC status.
 //
 // A handler is written as
 //   return Serve(context, "CloseSession", [&](const std::string& caller) -> absl::Status { ... });
 // and never builds a grpc::Status itself. CallServices holds what the scopes share (deadlines,
-// tokens, metrics); it is owned by the service and outlives every scope. A CallScope lives on the
+// tokens, metrics, the callers' slots); it is owned by the service and outlives every scope. A CallScope lives on the
 // handler's stack for the whole call; thread-safe as its parts are.
 #pragma once
 
@@ -20,18 +20,21 @@
 #include "grpcpp/server_context.h"
 #include "grpcpp/support/status.h"
 #include "server/metrics/metrics.h"
+#include "server/rpc/caller_slots.h"
 #include "server/rpc/rpc_deadline.h"
 #include "server/security/token_table.h"
 
 namespace muond::rpc {
 
 struct CallServices {
-  CallServices(absl::Duration rpc_timeout, const security::TokenTable* token_table, metrics::Metrics* sink)
-      : deadlines(rpc_timeout), tokens(token_table), metrics(sink) {}
+  CallServices(absl::Duration rpc_timeout, const security::TokenTable* token_table, metrics::Metrics* sink,
+               int max_calls_per_caller = 0)
+      : deadlines(rpc_timeout), tokens(token_table), metrics(sink), slots(max_calls_per_caller) {}
 
   RpcDeadlines deadlines;
   const security::TokenTable* const tokens;  // null: no bearer tokens; not owned
   metrics::Metrics* const metrics;           // not owned
+  CallerSlots slots;                         // --max-calls-per-caller
 };
 
 // The identity behind `context` (security::IdentifyCaller over what gRPC knows of the call).
@@ -46,7 +49,8 @@ class CallScope {
   CallScope(const CallScope&) = delete;
   CallScope& operator=(const CallScope&) = delete;
 
-  // The authenticated caller; UNAUTHENTICATED (as a status) when its credentials do not hold.
+  // The authenticated caller; UNAUTHENTICATED (as a status) when its credentials do not hold,
+  // RESOURCE_EXHAUSTED when it has --max-calls-per-caller calls in flight already.
   const absl::StatusOr<std::string>& caller() const { return caller_; }
 
   // Ends the call with `status`: reports it, logs a refusal and converts it.
@@ -59,6 +63,7 @@ class CallScope {
   const std::chrono::steady_clock::time_point start_;  // a call's latency, immune to clock steps
   RpcDeadlines::Scope deadline_;
   absl::StatusOr<std::string> caller_;
+  CallerSlots::Slot slot_;  // held until the call ends
   bool finished_ = false;
 };
 

@@ -57,6 +57,7 @@ struct ServiceOptions {
   std::string metrics_address;
   std::string durability;
   int max_sessions = 0;
+  int max_calls_per_caller = 0;  // --max-calls-per-caller; 0: no cap
 };
 
 class MuondService final : public v1::Muond::Service {
@@ -65,7 +66,7 @@ class MuondService final : public v1::Muond::Service {
       : registry_(registry),
         backend_(backend),
         options_(options),
-        calls_(options.rpc_timeout, options.tokens, options.metrics),
+        calls_(options.rpc_timeout, options.tokens, options.metrics, options.max_calls_per_caller),
         answer_slices_(wire::SlicePool::Create(options.default_chunk_bytes)) {
     ServeStepOverByteBuffers();
   }

@@ -57,13 +57,14 @@ class CountingMetrics final : public metrics::Metrics {
 
 class CallScopeTest : public ::testing::Test {
  protected:
-  void Start(absl::Duration rpc_timeout, const security::TokenTable* tokens = nullptr) {
+  void Start(absl::Duration rpc_timeout, const security::TokenTable* tokens = nullptr, int max_calls_per_caller = 0) {
     backend_ = kernels::NewCpuBackend(1);
     registry_ = std::make_unique<session::SessionRegistry>(backend_.get(), &codec_, session::SpecLimits{}, 4);
     ServiceOptions options;
     options.rpc_timeout = rpc_timeout;
     options.tokens = tokens;
     options.metrics = &metrics_;
+    options.max_calls_per_caller = max_calls_per_caller;
     service_ = std::make_unique<MuondService>(registry_.get(), backend_.get(), options);
     grpc::ServerBuilder builder;
     builder.RegisterService(service_.get());
@@ -123,6 +124,62 @@ TEST_F(CallScopeTest, EveryCallIsAuthenticatedAndReported) {
                   std::pair<std::string, absl::StatusCode>{"ListSessions", absl::StatusCode::kUnauthenticated},
                   std::pair<std::string, absl::StatusCode>{"ListSessions", absl::StatusCode::kOk},
                   std::pair<std::string, absl::StatusCode>{"GetServerInfo", absl::StatusCode::kOk}));
+}
+
+// One caller's calls in flight are capped (--max-calls-per-caller); another caller's are not touched,
+// and a call that ends gives its place back.
+TEST_F(CallScopeTest, ACallerHasAtMostItsCapOfCallsInFlight) {
+  absl::StatusOr<security::TokenTable> tokens = security::TokenTable::Parse("alice:secret-a\nbob:secret-b\n", "test");
+  ASSERT_OK(tokens.status());
+  Start(absl::Seconds(60), &*tokens, /*max_calls_per_caller=*/2);
+  const auto list = [&](const char* token) {
+    grpc::ClientContext context;
+    context.AddMetadata("authorization", std::string("Bearer ") + token);
+    v1::ListSessionsResponse response;
+    return stub_->ListSessions(&context, v1::ListSessionsRequest(), &response);
+  };
+  // Two uploads that send nothing: each stays in flight, holding its place, until it is closed.
+  grpc::ClientContext first_context, second_context;
+  first_context.AddMetadata("authorization", "Bearer secret-a");
+  second_context.AddMetadata("authorization", "Bearer secret-a");
+  v1::UploadParametersResponse first_response, second_response;
+  auto first = stub_->UploadParameters(&first_context, &first_response);
+  auto second = stub_->UploadParameters(&second_context, &second_response);
+  metrics_.AwaitStarted(2);  // a started call holds its place
+  const grpc::Status third = list("secret-a");
+  EXPECT_EQ(third.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(third.error_message(), HasSubstr("this caller has 2 calls in flight"));
+  EXPECT_THAT(third.error_message(), HasSubstr("--max-calls-per-caller"));
+  EXPECT_TRUE(list("secret-b").ok()) << "another caller is served";
+  first->WritesDone();
+  EXPECT_EQ(first->Finish().error_code(), grpc::StatusCode::INVALID_ARGUMENT);  // an empty upload
+  EXPECT_TRUE(list("secret-a").ok()) << "the ended call gave its place back";
+  second->WritesDone();
+  EXPECT_EQ(second->Finish().error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+}
+
+TEST(CallerSlotsTest, SlotsAreCountedPerCallerAndGivenBackWhenDestroyed) {
+  CallerSlots slots(1);
+  {
+    ASSERT_OK_AND_ASSIGN(CallerSlots::Slot alice, slots.Take("alice"));
+    EXPECT_EQ(slots.InFlight("alice"), 1);
+    EXPECT_THAT(slots.Take("alice"),
+                ::muond::testing::StatusIs(absl::StatusCode::kResourceExhausted, "--max-calls-per-caller"));
+    ASSERT_OK_AND_ASSIGN(CallerSlots::Slot bob, slots.Take("bob"));
+    CallerSlots::Slot moved = std::move(alice);  // a moved slot is held once
+    EXPECT_EQ(slots.InFlight("alice"), 1);
+  }
+  EXPECT_EQ(slots.InFlight("alice"), 0);
+  EXPECT_EQ(slots.InFlight("bob"), 0);
+  EXPECT_OK(slots.Take("alice").status());
+  // The anonymous caller (no authentication) and a cap of 0 count nothing.
+  std::vector<CallerSlots::Slot> anonymous;
+  for (int i = 0; i < 3; ++i) anonymous.push_back(*slots.Take(""));
+  EXPECT_EQ(slots.InFlight(""), 0);
+  CallerSlots uncapped(0);
+  std::vector<CallerSlots::Slot> many;
+  for (int i = 0; i < 3; ++i) many.push_back(*uncapped.Take("alice"));
+  EXPECT_EQ(uncapped.InFlight("alice"), 0);
 }
 
 TEST(CallScopeEndTest, AHandlerThatThrowsStillEndsTheCallInTheMetrics) {
