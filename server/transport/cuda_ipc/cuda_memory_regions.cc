@@ -51,7 +51,8 @@ absl::StatusOr<uint64_t> CudaMemoryRegions::Register(const std::string& caller,
   const uint64_t size = region->memory->size();
   {
     absl::MutexLock lock(&mu_);
-    if (!regions_.Insert({caller, region->session, connection}, request.name(), region)) {
+    if (!regions_.Insert({.caller = caller, .session = region->session, .connection = connection}, request.name(),
+                         region)) {
       return absl::AlreadyExistsError(
           absl::StrCat("name: CUDA memory '", Echo(request.name()), "' was registered meanwhile"));
     }

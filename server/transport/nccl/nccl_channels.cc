@@ -80,7 +80,7 @@ absl::StatusOr<NcclChannels::Opened> NcclChannels::Open(const std::string& calle
   MUOND_ASSIGN_OR_RETURN(channel->peer, backend_->OpenPeerChannel(id));
   Opened opened{absl::StrCat("nccl-", RandomTicket()), id};
   absl::MutexLock lock(&mu_);
-  channels_.Insert({caller, session, 0}, opened.name, std::move(channel));
+  channels_.Insert({.caller = caller, .session = session, .connection = 0}, opened.name, std::move(channel));
   return opened;
 }
 

@@ -172,7 +172,7 @@ absl::StatusOr<uint64_t> SharedMemoryRegions::Register(const std::string& caller
   absl::StatusOr<std::shared_ptr<SharedMapping>> mapping = std::move(memfd).Map();
   if (!mapping.ok()) return absl::Status(mapping.status().code(), absl::StrCat("ticket: ", mapping.status().message()));
   const uint64_t size = (*mapping)->size();
-  regions_.Insert({caller, "", connection}, name, *std::move(mapping));
+  regions_.Insert({.caller = caller, .session = {}, .connection = connection}, name, *std::move(mapping));
   return size;
 }
 
