@@ -25,6 +25,8 @@ std::string ErrnoText(int error_number) {
 
 WritableFile::~WritableFile() = default;
 
+ReadableFile::~ReadableFile() = default;
+
 Env::~Env() = default;
 
 absl::Status ErrnoStatus(absl::string_view context, int error_number) {

@@ -58,6 +58,20 @@ class WritableFile {
   virtual const std::string& path() const = 0;
 };
 
+// A regular file open for reading at any offset. Used by one thread at a time.
+class ReadableFile {
+ public:
+  ReadableFile() = default;
+  ReadableFile(const ReadableFile&) = delete;
+  ReadableFile& operator=(const ReadableFile&) = delete;
+  virtual ~ReadableFile();
+
+  // The file's size when it was opened.
+  virtual uint64_t size() const = 0;
+  // Reads up to `n` bytes from `offset` into `out`; fewer only where the file ends (the count read).
+  virtual absl::StatusOr<size_t> ReadAt(uint64_t offset, char* out, size_t n) = 0;
+};
+
 // ReadFile's limit for a file whose size only the disk bounds (a journal): the file must still be a
 // regular file, read up to the size it had when opened.
 inline constexpr uint64_t kNoReadLimit = std::numeric_limits<uint64_t>::max();
@@ -81,6 +95,9 @@ class Env {
   // OUT_OF_RANGE naming the file, its size and the limit). Never follows a link in `path`'s
   // own name, never blocks on a FIFO, and reads no more than the size the file had when opened.
   virtual absl::StatusOr<std::string> ReadFile(const std::string& path, uint64_t max_bytes) = 0;
+  // The regular file `path` open for reading piece by piece (a journal, whose size only the disk
+  // bounds, read a record at a time); refuses what ReadFile refuses.
+  virtual absl::StatusOr<std::unique_ptr<ReadableFile>> NewReadableFile(const std::string& path) = 0;
   // rename(2): atomically replaces `to` if it exists.
   virtual absl::Status RenameFile(const std::string& from, const std::string& to) = 0;
   // Removes one file (not a folder); a missing file is NOT_FOUND.

@@ -147,6 +147,10 @@ absl::StatusOr<std::string> FaultInjectingEnv::ReadFile(const std::string& path,
   return base_->ReadFile(path, max_bytes);
 }
 
+absl::StatusOr<std::unique_ptr<ReadableFile>> FaultInjectingEnv::NewReadableFile(const std::string& path) {
+  return base_->NewReadableFile(path);
+}
+
 absl::Status FaultInjectingEnv::RenameFile(const std::string& from, const std::string& to) {
   if (Trigger(Operation::kRename, to).has_value()) {
     return ErrnoStatus(absl::StrCat("cannot rename ", from, " to ", to), EIO);

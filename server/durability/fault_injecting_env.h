@@ -66,6 +66,7 @@ class FaultInjectingEnv : public Env {
   absl::StatusOr<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path) override;
   absl::StatusOr<std::unique_ptr<WritableFile>> NewAppendableFile(const std::string& path) override;
   absl::StatusOr<std::string> ReadFile(const std::string& path, uint64_t max_bytes) override;
+  absl::StatusOr<std::unique_ptr<ReadableFile>> NewReadableFile(const std::string& path) override;
   absl::Status RenameFile(const std::string& from, const std::string& to) override;
   absl::Status RemoveFile(const std::string& path) override;
   absl::Status RemoveTree(const std::string& path) override;

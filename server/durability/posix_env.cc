@@ -69,6 +69,32 @@ absl::StatusOr<int> OpenStateFile(absl::string_view what, const std::string& pat
   return fd;
 }
 
+class PosixReadableFile final : public ReadableFile {
+ public:
+  PosixReadableFile(std::string path, int fd, uint64_t size) : path_(std::move(path)), fd_(fd), size_(size) {}
+  ~PosixReadableFile() override { ::close(fd_); }
+
+  uint64_t size() const override { return size_; }
+  absl::StatusOr<size_t> ReadAt(uint64_t offset, char* out, size_t n) override {
+    size_t done = 0;
+    while (done < n) {
+      const ssize_t got = ::pread(fd_, out + done, n - done, static_cast<off_t>(offset + done));
+      if (got < 0) {
+        if (errno == EINTR) continue;
+        return PathError("cannot read", path_, errno);
+      }
+      if (got == 0) break;  // the end of the file
+      done += static_cast<size_t>(got);
+    }
+    return done;
+  }
+
+ private:
+  const std::string path_;
+  const int fd_;
+  const uint64_t size_;
+};
+
 class PosixWritableFile final : public WritableFile {
  public:
   PosixWritableFile(std::string path, int fd) : path_(std::move(path)), fd_(fd) {}
@@ -188,6 +214,12 @@ class PosixEnv final : public Env {
     ::close(fd);
     contents.resize(done);
     return contents;
+  }
+
+  absl::StatusOr<std::unique_ptr<ReadableFile>> NewReadableFile(const std::string& path) override {
+    uint64_t size = 0;
+    MUOND_ASSIGN_OR_RETURN(const int fd, OpenStateFile("cannot read", path, O_RDONLY, &size));
+    return std::make_unique<PosixReadableFile>(path, fd, size);
   }
 
   absl::Status RenameFile(const std::string& from, const std::string& to) override {

@@ -3,6 +3,7 @@
 #include <zlib.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 
@@ -37,6 +38,25 @@ bool Get(const std::string& in, size_t* pos, size_t end, T* value) {
   std::memcpy(value, in.data() + *pos, sizeof(T));
   *pos += sizeof(T);
   return true;
+}
+
+// Why a record's gradient and its stored sum of squares cannot be what the daemon wrote (empty when
+// they can): the daemon journals the sum the step clips and skips by, taken in fp64 over the values
+// in blocks, so the sum is non-finite exactly when a value is, and otherwise within a rounding of
+// this fp64 sum in another order (at most n·2⁻⁵³ apart relatively, below 10⁻⁶ for n < 2³²).
+std::string SumSquaresMismatch(const std::vector<float>& values, double stored) {
+  double sum = 0;
+  bool finite = true;
+  for (const float v : values) {
+    finite = finite && std::isfinite(v);
+    sum += static_cast<double>(v) * v;
+  }
+  if (!finite) return std::isfinite(stored) ? "a value that is not finite, but a finite sum of squares" : "";
+  if (!std::isfinite(stored)) return absl::StrCat("finite values, but a sum of squares of ", stored);
+  if (!(std::abs(stored - sum) <= 1e-6 * sum)) {
+    return absl::StrCat("values whose sum of squares is ", sum, ", but a recorded sum of ", stored);
+  }
+  return "";
 }
 
 uint32_t Crc(const char* data, size_t size) {
@@ -132,75 +152,91 @@ absl::StatusOr<JournalContents> StepJournal::Read(Env* env, const std::string& p
                                                   const std::vector<int64_t>& numel) {
   JournalContents contents;
   if (!env->FileExists(path) && !env->IsLink(path)) return contents;
-  MUOND_ASSIGN_OR_RETURN(std::string bytes, env->ReadFile(path, kNoReadLimit));
+  // A record at a time: memory for one record's payload (at most what a step of this session can
+  // hold) besides the records kept, never for the file, whose size only the disk bounds (and a
+  // sparse file can claim without holding).
+  MUOND_ASSIGN_OR_RETURN(std::unique_ptr<ReadableFile> file, env->NewReadableFile(path));
+  const uint64_t size = file->size();
   const uint64_t max_payload = MaxPayloadBytes(numel);
-  size_t pos = 0;
-  auto corrupt = [&](size_t at, absl::string_view why) {
+  auto corrupt = [&](uint64_t at, absl::string_view why) {
     return absl::DataLossError(absl::StrCat("journal ", path, " is unusable: record at byte ", at, " ", why));
   };
-  while (pos < bytes.size()) {
-    const size_t start = pos;
-    const size_t left = bytes.size() - pos;
-    if (left < 4) {
+  std::string head(kHeader, '\0');
+  std::string payload;
+  uint64_t pos = 0;
+  while (pos < size) {
+    const uint64_t start = pos;
+    const size_t want = static_cast<size_t>(std::min<uint64_t>(size - pos, kHeader));
+    MUOND_ASSIGN_OR_RETURN(const size_t got, file->ReadAt(pos, head.data(), want));
+    if (got < 4) {
       // A few bytes of a header at the very end: what an append cut short leaves, if they begin one.
-      if (std::memcmp(bytes.data() + pos, kMagic, left) != 0) return corrupt(start, "has no record marker (altered)");
+      if (std::memcmp(head.data(), kMagic, got) != 0) return corrupt(start, "has no record marker (altered)");
       contents.dropped_torn_tail = true;
       break;
     }
-    const bool generationed = std::memcmp(bytes.data() + pos, kMagic, 4) == 0;
-    const bool current = generationed || std::memcmp(bytes.data() + pos, kMagicWithoutGeneration, 4) == 0;
-    const bool previous = std::memcmp(bytes.data() + pos, kPreviousMagic, 4) == 0;
-    if (std::memcmp(bytes.data() + pos, kOldMagic, 4) == 0) {
+    const bool generationed = std::memcmp(head.data(), kMagic, 4) == 0;
+    const bool current = generationed || std::memcmp(head.data(), kMagicWithoutGeneration, 4) == 0;
+    const bool previous = std::memcmp(head.data(), kPreviousMagic, 4) == 0;
+    if (std::memcmp(head.data(), kOldMagic, 4) == 0) {
       return corrupt(start, "is in the format of an earlier muond (MJR1); restore it with that version");
     }
     if (!current && !previous) return corrupt(start, "has no record marker (altered)");
     const size_t header = current ? kHeader : kPreviousHeader;
-    if (left < header) {
+    if (got < header) {
       contents.dropped_torn_tail = true;  // the header itself cut short at the end of the file
       break;
     }
-    pos += 4;
+    size_t at = 4;
     uint64_t length = 0;
     uint32_t crc = 0;
     if (current) {
       uint32_t header_crc = 0;
-      Get(bytes, &pos, bytes.size(), &length);
-      Get(bytes, &pos, bytes.size(), &crc);
-      Get(bytes, &pos, bytes.size(), &header_crc);
-      if (Crc(bytes.data() + start, kHeader - 4) != header_crc) return corrupt(start, "fails its header CRC (altered)");
+      Get(head, &at, header, &length);
+      Get(head, &at, header, &crc);
+      Get(head, &at, header, &header_crc);
+      if (Crc(head.data(), kHeader - 4) != header_crc) return corrupt(start, "fails its header CRC (altered)");
     } else {
       uint32_t length32 = 0;
-      Get(bytes, &pos, bytes.size(), &length32);
-      Get(bytes, &pos, bytes.size(), &crc);
+      Get(head, &at, header, &length32);
+      Get(head, &at, header, &crc);
       length = length32;
     }
     if (length > max_payload) {
       return corrupt(start, absl::StrCat("declares ", length, " payload bytes, more than the ", max_payload,
                                          " a step of this session can hold (altered)"));
     }
-    if (bytes.size() - pos < length) {
+    pos += header;
+    if (size - pos < length) {
       contents.dropped_torn_tail = true;  // cut short by a crash during its append, at the end of the file
       break;
     }
-    if (Crc(bytes.data() + pos, length) != crc) return corrupt(start, "fails its CRC (altered)");
-    const size_t end = pos + length;
+    payload.resize(static_cast<size_t>(length));
+    MUOND_ASSIGN_OR_RETURN(const size_t read, file->ReadAt(pos, payload.data(), payload.size()));
+    if (read < payload.size()) {
+      contents.dropped_torn_tail = true;  // the file shrank while it was read
+      break;
+    }
+    pos += length;
+    if (Crc(payload.data(), payload.size()) != crc) return corrupt(start, "fails its CRC (altered)");
+    const size_t end = payload.size();
+    size_t p = 0;
     JournalRecord record;
-    if (generationed && !Get(bytes, &pos, end, &record.checkpoint_generation)) return corrupt(start, "is truncated");
+    if (generationed && !Get(payload, &p, end, &record.checkpoint_generation)) return corrupt(start, "is truncated");
     uint32_t request_length = 0, present = 0;
-    if (!Get(bytes, &pos, end, &request_length) || end - pos < request_length) {
+    if (!Get(payload, &p, end, &request_length) || end - p < request_length) {
       return corrupt(start, "has a bad step request");
     }
-    record.request.assign(bytes.data() + pos, request_length);
+    record.request.assign(payload.data() + p, request_length);
     if (!JsonDepthWithin(record.request)) return corrupt(start, "has a step request nested too deeply");
-    pos += request_length;
+    p += request_length;
     record.gradients.resize(numel.size());
-    if (!Get(bytes, &pos, end, &present)) return corrupt(start, "is truncated");
+    if (!Get(payload, &p, end, &present)) return corrupt(start, "is truncated");
     for (uint32_t t = 0; t < present; ++t) {
       uint32_t index = 0;
       uint64_t count = 0;
       double sum_squares = 0;
-      if (!Get(bytes, &pos, end, &index) || !Get(bytes, &pos, end, &count) || !Get(bytes, &pos, end, &sum_squares) ||
-          index >= numel.size() || (end - pos) / sizeof(float) < count) {
+      if (!Get(payload, &p, end, &index) || !Get(payload, &p, end, &count) || !Get(payload, &p, end, &sum_squares) ||
+          index >= numel.size() || (end - p) / sizeof(float) < count) {
         return corrupt(start, "has a bad gradient entry");
       }
       HostTensor& g = record.gradients[index];
@@ -210,12 +246,15 @@ absl::StatusOr<JournalContents> StepJournal::Read(Env* env, const std::string& p
                                            ", whose spec gives ", numel[index]));
       }
       g.values.resize(count);
-      std::memcpy(g.values.data(), bytes.data() + pos, count * sizeof(float));
+      std::memcpy(g.values.data(), payload.data() + p, count * sizeof(float));
       g.received = static_cast<int64_t>(count);
       g.sum_squares = sum_squares;
-      pos += count * sizeof(float);
+      p += count * sizeof(float);
+      if (const std::string mismatch = SumSquaresMismatch(g.values, sum_squares); !mismatch.empty()) {
+        return corrupt(start, absl::StrCat("holds a gradient of parameter ", index, " with ", mismatch, " (altered)"));
+      }
     }
-    if (pos != end) return corrupt(start, "has trailing bytes");
+    if (p != end) return corrupt(start, "has trailing bytes");
     contents.records.push_back(std::move(record));
   }
   return contents;

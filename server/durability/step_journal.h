@@ -63,9 +63,11 @@ class StepJournal {
   absl::Status Clear();
   void Close();
 
-  // Reads every record. `numel` is the element count of each of the session's parameters: it bounds
-  // the parameter indices, fixes each gradient's size and bounds a record's plausible length. A
-  // missing file is empty; a link or a file other than a regular one is refused.
+  // Reads every record, one at a time (memory for the records, not for the file's size). `numel` is
+  // the element count of each of the session's parameters: it bounds the parameter indices, fixes
+  // each gradient's size and bounds a record's plausible length. A gradient whose stored sum of
+  // squares cannot be its values' (the replay skips and clips by it) is refused. A missing file is
+  // empty; a link or a file other than a regular one is refused.
   static absl::StatusOr<JournalContents> Read(Env* env, const std::string& path, const std::vector<int64_t>& numel);
 
  private:

@@ -22,6 +22,31 @@ std::vector<int64_t> CountsByParameter(const SessionConfig& config,
   return by_parameter;
 }
 
+// Every parameter of the spec has its master in the checkpoint, with the spec's shape; the masters'
+// values were read from the tensor file, so the spec asks for no more memory than that file held.
+absl::Status CheckMastersHaveTheSpecsShapes(const SessionConfig& config, const durability::CheckpointData& data,
+                                            const std::string& metadata_file) {
+  std::vector<bool> found(config.parameters.size(), false);
+  for (const durability::CheckpointTensor& t : data.tensors) {
+    if (t.slot != kMasterSlot) continue;
+    auto it = config.parameter_index.find(t.parameter);
+    if (it == config.parameter_index.end()) continue;  // named in StateFromCheckpoint's refusal
+    if (t.shape != config.parameters[it->second].shape) {
+      return durability::CheckpointCorrupt(metadata_file,
+                                           absl::StrCat("tensor '", t.parameter.substr(0, 200), "/", kMasterSlot,
+                                                        "' does not have the shape its spec gives the parameter"));
+    }
+    found[it->second] = true;
+  }
+  for (size_t i = 0; i < found.size(); ++i) {
+    if (!found[i]) {
+      return durability::CheckpointCorrupt(
+          metadata_file, absl::StrCat("parameter '", config.parameters[i].name, "' has no master tensor"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 // The checkpoint's tensors in the session's terms, each checked against the shapes the session's
 // spec gives them.
 absl::StatusOr<SessionState> StateFromCheckpoint(durability::CheckpointData& data, const Session& session,
@@ -178,6 +203,9 @@ absl::StatusOr<LoadedSession> LoadSession(const durability::StateDirOptions& opt
                                          absl::StrCat("session_id '", folder.checkpoint.session_id.substr(0, 140),
                                                       "' is not the folder's name '", folder_name, "'"));
   }
+  // The spec sizes what the session allocates: a spec its own tensor file contradicts is refused
+  // here, before that allocation, not by the shape checks after it.
+  MUOND_RETURN_IF_ERROR(CheckMastersHaveTheSpecsShapes(*config, folder.checkpoint, metadata_file));
   MUOND_ASSIGN_OR_RETURN(
       std::unique_ptr<Session> unique,
       Session::Create(folder.checkpoint.session_id, *std::move(config), backend, folder.checkpoint.owner));

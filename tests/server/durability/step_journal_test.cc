@@ -10,9 +10,11 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/status_matchers.h"
@@ -29,8 +31,8 @@ const std::vector<int64_t> kNumel = {6, 2};  // the session's two parameters
 HostTensor Gradient(std::vector<float> values) {
   HostTensor g;
   g.received = static_cast<int64_t>(values.size());
+  for (const float v : values) g.sum_squares += static_cast<double>(v) * v;
   g.values = std::move(values);
-  g.sum_squares = 1.5;
   return g;
 }
 
@@ -79,7 +81,7 @@ TEST_F(StepJournalTest, RecordsRoundTrip) {
   EXPECT_EQ(contents.records[0].checkpoint_generation, 0u);
   EXPECT_EQ(contents.records[2].checkpoint_generation, 1u);
   EXPECT_EQ(contents.records[2].gradients[0].values, (std::vector<float>{1, 2, 3, 4, 5, 3}));
-  EXPECT_EQ(contents.records[2].gradients[1].sum_squares, 1.5);
+  EXPECT_EQ(contents.records[2].gradients[1].sum_squares, 113);  // 7² + 8², kept as written
 }
 
 TEST_F(StepJournalTest, OnlyARecordCutShortAtTheEndIsATornTail) {
@@ -159,16 +161,14 @@ uint32_t Crc(absl::string_view bytes) {
 }
 
 // The payload of the earlier formats (no generation): a request "{}" and parameter 1's gradient.
-std::string PayloadWithoutGeneration() {
+std::string PayloadWithoutGeneration(std::vector<float> values = {7, 8}, double sum_squares = 113) {
   std::string payload;
   const uint32_t request_length = 2, present = 1, index = 1;
   const uint64_t count = 2;
-  const double sum_squares = 113;
-  const float values[2] = {7, 8};
   payload.append(reinterpret_cast<const char*>(&request_length), 4).append("{}");
   payload.append(reinterpret_cast<const char*>(&present), 4).append(reinterpret_cast<const char*>(&index), 4);
   payload.append(reinterpret_cast<const char*>(&count), 8).append(reinterpret_cast<const char*>(&sum_squares), 8);
-  payload.append(reinterpret_cast<const char*>(values), 8);
+  payload.append(reinterpret_cast<const char*>(values.data()), 8);
   return payload;
 }
 
@@ -223,6 +223,54 @@ TEST_F(StepJournalTest, ThePreviousFormatIsStillReadWithinThePlausibleBound) {
   std::memcpy(inflated.data() + 4, &length, 4);
   SetBytes(inflated + record);
   EXPECT_THAT(Read(), StatusIs(absl::StatusCode::kDataLoss, "record at byte 0 declares 2147483647 payload bytes"));
+}
+
+// The replay skips a step and clips it by the sums of squares a record keeps, not by its values: a
+// record whose sum cannot be its values' (checksums made to match) is refused, the values' sum
+// taken again in fp64. A non-finite value has a non-finite sum, and a finite one a sum within
+// rounding of Σv² (113 for 7, 8).
+TEST_F(StepJournalTest, ARecordWhoseSumOfSquaresIsNotItsValuesIsRefused) {
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  const struct {
+    std::vector<float> values;
+    double sum_squares;
+  } refused[] = {{{7, 8}, std::numeric_limits<double>::quiet_NaN()},  // would skip an applied step
+                 {{7, 8}, 0},                                         // would not clip
+                 {{7, 8}, -1},
+                 {{7, 8}, 113 * (1 + 1e-5)},
+                 {{nan, 8}, 64},  // would apply NaN
+                 {{inf, 8}, 113},
+                 {{1e30f, 8}, 113}};
+  for (const auto& c : refused) {
+    SetBytes(FormatWithoutGenerationRecord(PayloadWithoutGeneration(c.values, c.sum_squares)));
+    EXPECT_THAT(Read(), StatusIs(absl::StatusCode::kDataLoss, "record at byte 0 holds a gradient of parameter 1 with"))
+        << c.values[0] << " " << c.sum_squares;
+  }
+  const struct {
+    std::vector<float> values;
+    double sum_squares;
+  } accepted[] = {{{7, 8}, 113 * (1 + 1e-9)},
+                  {{nan, 8}, std::numeric_limits<double>::quiet_NaN()},
+                  {{inf, 8}, std::numeric_limits<double>::infinity()},
+                  {{0, 0}, 0}};
+  for (const auto& c : accepted) {
+    SetBytes(FormatWithoutGenerationRecord(PayloadWithoutGeneration(c.values, c.sum_squares)));
+    EXPECT_OK(Read().status()) << c.values[0] << " " << c.sum_squares;
+  }
+}
+
+// The journal is read a record at a time: a file that claims 64 GiB past its last record (sparse,
+// holding almost nothing) is refused at the first bytes that are no record, without memory for its
+// size.
+TEST_F(StepJournalTest, AJournalIsReadARecordAtATime) {
+  const std::vector<size_t> offsets = Write(2);
+  const uintmax_t written = fs::file_size(path_);
+  fs::resize_file(path_, written + (uintmax_t{64} << 30));
+  EXPECT_THAT(Read(),
+              StatusIs(absl::StatusCode::kDataLoss, absl::StrCat("record at byte ", written, " has no record marker")));
+  fs::resize_file(path_, written);
+  ASSERT_OK_AND_ASSIGN(JournalContents contents, Read());
+  EXPECT_EQ(contents.records.size(), offsets.size());
 }
 
 }  // namespace

@@ -357,6 +357,12 @@ TEST_F(RestoreTest, LoadSessionRefusesWhatTheRestoreRefuses) {
              {"of", "load"}, {"ranks", {0}}, {"last_step", 0}, {"step_counts", {{"w", 0}, {"nope", 0}}}};
        },
        "parts_written.step_counts names 'nope'"},
+      // Refused before the session is made from the spec: the spec sizes its memory.
+      {"a spec shape its tensor file contradicts",
+       [](nlohmann::json& m) {
+         m["spec"]["parameters"][1]["shape"] = {3, 2};
+       },
+       "tensor 'b/master' does not have the shape its spec gives the parameter"},
       {"parts written in a session without a partition",
        [](nlohmann::json& m) {
          m["parts_written"] = {{"of", "upload"}, {"ranks", {0}}};
