@@ -1,6 +1,10 @@
 // SessionRegistry in process: create-or-attach, a conflicting spec, ownership, --max-sessions and
 // closing (a closed session held by a call refuses to change and still counts against the memory
 // quota).
+#include <atomic>
+#include <chrono>
+#include <future>
+#include <new>
 #include <thread>
 #include <vector>
 
@@ -8,6 +12,7 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "server/rpc/session_spec_codec.h"
 #include "server/session/session_registry.h"
+#include "tests/kernels/forwarding_backend.h"
 #include "tests/server/session/session_test_util.h"
 #include "tests/testing/status_matchers.h"
 
@@ -114,6 +119,35 @@ TEST_F(RegistryTest, AClosedSessionHeldByACallChangesNoMoreAndCountsUntilRelease
               StatusIs(absl::StatusCode::kResourceExhausted, "b"));
   held.reset();
   ASSERT_OK(registry.CreateOrAttach("b", rpc::SpecToJson(SmallSpec())).status());
+}
+
+// A backend whose next allocation throws, as std::bad_alloc can from deep inside a session's
+// creation.
+class ThrowOnceBackend final : public ::muond::testing::ForwardingBackend {
+ public:
+  using ForwardingBackend::ForwardingBackend;
+  absl::StatusOr<std::unique_ptr<kernels::DeviceBuffer>> Allocate(size_t count) override {
+    if (throw_next.exchange(false)) throw std::bad_alloc();
+    return ForwardingBackend::Allocate(count);
+  }
+  std::atomic<bool> throw_next{false};
+};
+
+// A creation that throws leaves nothing behind: the id is free again (a later call for it would
+// otherwise wait for a creation that never ends) and the place it took counts no more.
+TEST_F(RegistryTest, ACreationThatThrowsLeavesItsIdAndItsPlaceFree) {
+  ThrowOnceBackend backend(*backend_);
+  SessionRegistry registry(&backend, &codec_, SpecLimits{}, /*max_sessions=*/1);
+  backend.throw_next = true;
+  EXPECT_THROW(registry.CreateOrAttach("a", rpc::SpecToJson(SmallSpec())).IgnoreError(), std::bad_alloc);
+  EXPECT_EQ(registry.size(), 0u);
+  // In a thread: a regression shows as a wait, which the test reports rather than hangs on.
+  auto again =
+      std::async(std::launch::async, [&] { return registry.CreateOrAttach("a", rpc::SpecToJson(SmallSpec())); });
+  ASSERT_EQ(again.wait_for(std::chrono::seconds(60)), std::future_status::ready) << "the id stayed marked as created";
+  ASSERT_OK_AND_ASSIGN(CreateResult created, again.get());
+  EXPECT_FALSE(created.attached);
+  EXPECT_EQ(registry.size(), 1u);
 }
 
 }  // namespace
