@@ -1,7 +1,9 @@
 #include "server/durability/checkpoint.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -247,6 +249,12 @@ absl::Status WriteCheckpoint(Env* env, const std::string& dir, const CheckpointD
     }
     metadata["parts_written"] = std::move(written);
   }
+  if (data.last_decision.has_value()) {
+    const CheckpointLastDecision& d = *data.last_decision;
+    metadata["last_decision"] = {{"applied", d.applied},
+                                 {"grad_norm", std::isfinite(d.grad_norm) ? json(d.grad_norm) : json(nullptr)},
+                                 {"skip_reason", d.skip_reason.substr(0, kMaxCheckpointSkipReason)}};
+  }
   metadata["metadata_sha256"] = MetadataDigest(metadata);
   // Compact: an indented spec of many explicit ranges takes ten times the bytes.
   const std::string text = metadata.dump() + "\n";
@@ -285,6 +293,7 @@ absl::Status CheckCheckpointRoom(absl::string_view spec_json, const std::vector<
   constexpr uint64_t kSkipReason = 256 + 64;
   bytes += static_cast<uint64_t>(std::max(world_size, 1)) * (3 * kNumber + 8 + kSkipReason + longest_name) +
            static_cast<uint64_t>(std::max(world_size, 1)) * kNumber;  // and its rank in parts_written
+  bytes += 64 + kNumber + kSkipReason + longest_name;                 // the last step's decision
   if (bytes <= kMaxCheckpointMetadataBytes) return absl::OkStatus();
   return absl::InvalidArgumentError(
       absl::StrCat("spec: a checkpoint of this session could take ", bytes, " bytes of ", kCheckpointMetadataFile,
@@ -373,6 +382,26 @@ absl::StatusOr<CheckpointData> ReadCheckpoint(Env* env, const std::string& dir) 
 
   if (auto parts = metadata.find("parts_written"); parts != metadata.end()) {
     MUOND_ASSIGN_OR_RETURN(data.parts_written, ReadPartsWritten(*parts, metadata_file));
+  }
+
+  if (auto decision = metadata.find("last_decision"); decision != metadata.end()) {
+    const bool typed = decision->is_object() && decision->contains("applied") && (*decision)["applied"].is_boolean() &&
+                       decision->contains("grad_norm") &&
+                       ((*decision)["grad_norm"].is_null() || (*decision)["grad_norm"].is_number()) &&
+                       decision->contains("skip_reason") && (*decision)["skip_reason"].is_string() &&
+                       (*decision)["skip_reason"].get_ref<const std::string&>().size() <= kMaxCheckpointSkipReason;
+    if (!typed) return CheckpointCorrupt(metadata_file, "last_decision is not {applied, grad_norm, skip_reason}");
+    CheckpointLastDecision& d = data.last_decision.emplace();
+    d.applied = (*decision)["applied"].get<bool>();
+    d.grad_norm = (*decision)["grad_norm"].is_null() ? std::numeric_limits<double>::quiet_NaN()
+                                                     : (*decision)["grad_norm"].get<double>();
+    d.skip_reason = (*decision)["skip_reason"].get<std::string>();
+    if (!d.applied && d.skip_reason.empty()) {
+      return CheckpointCorrupt(metadata_file, "last_decision skips the step without a skip_reason");
+    }
+    if (!std::isnan(d.grad_norm) && !(d.grad_norm >= 0 && std::isfinite(d.grad_norm))) {
+      return CheckpointCorrupt(metadata_file, "last_decision.grad_norm is not a norm");
+    }
   }
 
   const std::string tensor_name = StringField(*tensors, "file");

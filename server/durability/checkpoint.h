@@ -63,6 +63,14 @@ struct CheckpointPartsWritten {
   std::vector<int64_t> ranks;
 };
 
+// The decision the last step was taken with (session::LastDecision; checkpoint.json's
+// "last_decision": {"applied", "grad_norm" (null when not finite), "skip_reason"}).
+struct CheckpointLastDecision {
+  bool applied = true;
+  double grad_norm = 0;
+  std::string skip_reason;  // at most kMaxCheckpointSkipReason bytes
+};
+
 struct CheckpointData {
   std::string session_id;
   std::string owner;      // the identity that created the session; empty without authentication
@@ -84,6 +92,7 @@ struct CheckpointData {
   std::vector<CheckpointPush> pushes;
   // Sessions with partitioned groups, once a rank has written its parts.
   std::optional<CheckpointPartsWritten> parts_written;
+  std::optional<CheckpointLastDecision> last_decision;  // absent in a checkpoint of an earlier version
 };
 
 inline constexpr char kCheckpointMetadataFile[] = "checkpoint.json";

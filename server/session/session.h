@@ -335,6 +335,9 @@ class Session {
   std::vector<bool> uploaded_by_rank_ ABSL_GUARDED_BY(mu_);
   int64_t last_step_ ABSL_GUARDED_BY(mu_) = 0;
   StepResult last_result_ ABSL_GUARDED_BY(mu_);
+  // Whether last_result_ says how the last step went: false after a SetState, or a restore from a
+  // checkpoint of an earlier version, until the next step (a resent sharded prepare is then refused).
+  bool last_decision_known_ ABSL_GUARDED_BY(mu_) = true;
   // Mutable: an on-device snapshot is replaced by its host copy when first read (HostSnapshotLocked).
   mutable std::shared_ptr<const ParameterSnapshot> snapshot_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<SessionPersistence> persistence_ ABSL_GUARDED_BY(mu_);

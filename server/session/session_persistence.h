@@ -32,6 +32,15 @@ struct StateTensor {
 
 inline constexpr char kMasterSlot[] = "master";
 
+// How the session's last step went, which a resend of it is answered with (a sharded session's
+// shards take their decision from it, docs/sharding.md): applied or skipped, and the gradient norm it
+// was clipped by.
+struct LastDecision {
+  bool applied = true;
+  double grad_norm = 0;
+  std::string skip_reason;
+};
+
 struct SessionState {
   int64_t last_step = 0;
   std::vector<int64_t> step_counts;  // per parameter
@@ -43,6 +52,9 @@ struct SessionState {
   // A session with partitioned groups: the parts its ranks write (part_load.h), once any has. Kept
   // by checkpoints, not carried by GetState/SetState; on import, absent leaves no record.
   std::optional<PartsWritten> parts_written;
+  // The last step's decision, once a step was taken or restored with it. Kept by checkpoints, not
+  // carried by GetState/SetState; on import, absent leaves it unknown.
+  std::optional<LastDecision> last_decision;
 };
 
 class SessionPersistence {

@@ -48,6 +48,9 @@ absl::StatusOr<SessionState> Session::ExportStateLocked() const {
   state.loss_scaler = loss_scaler_;
   state.pushes = pushes_;
   state.parts_written = part_load_.Record();
+  if (last_decision_known_ && last_step_ > 0) {
+    state.last_decision = LastDecision{last_result_.applied, last_result_.grad_norm, last_result_.skip_reason};
+  }
   for (size_t i = 0; i < params_.size(); ++i) {
     const optim::ParamState& param = params_[i];
     state.step_counts.push_back(param.step_count);
@@ -254,6 +257,13 @@ absl::Status Session::ImportState(SessionState state, int rank) {
   last_result_.step = last_step_;
   last_result_.applied = true;
   last_result_.loss_scale = loss_scaler_.has_value() ? loss_scaler_->scale : 0.0;
+  // A restored checkpoint keeps how its last step went; a SetState's state does not say.
+  last_decision_known_ = state.last_decision.has_value() || last_step_ == 0;
+  if (state.last_decision.has_value()) {
+    last_result_.applied = state.last_decision->applied;
+    last_result_.grad_norm = state.last_decision->grad_norm;
+    last_result_.skip_reason = state.last_decision->skip_reason;
+  }
   MUOND_ASSIGN_OR_RETURN(snapshot_, ReadBack(last_step_));
   return SaveReplacedStateLocked("SetState");
 }

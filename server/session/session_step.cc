@@ -110,6 +110,13 @@ absl::StatusOr<StepOutcome> Session::ApplyPushLocked(StepPlan plan, std::vector<
 }
 
 absl::StatusOr<StepOutcome> Session::ReplayOutcomeLocked(const StepRequest& request) {
+  if (!last_decision_known_ && config_.shard.count > 0 && request.phase == StepPhase::kPrepare) {
+    // The other shards would take the decision from this answer: none rather than a made-up one.
+    return absl::FailedPreconditionError(absl::StrCat(
+        "header.step: step ", request.step, " is this shard's last step, but how it went is not known here (its ",
+        "state was loaded by SetState, or restored from a checkpoint of an earlier version); load the same state ",
+        "into every shard and go on from step ", request.step + 1));
+  }
   if (!request.device_answer) MUOND_RETURN_IF_ERROR(HostSnapshotLocked());
   StepOutcome replay{last_result_, snapshot_};
   replay.result.replayed = true;
@@ -244,6 +251,17 @@ absl::StatusOr<StepOutcome> Session::CommitLocked(const StepPlan& commit, const 
         absl::StrCat("header.step: step ", step, " was not prepared on this shard (", held,
                      "; a restarted daemon holds no prepared step): prepare it again on every shard, then commit"));
     return WithReason(std::move(refused), ErrorReason::kStepNotPrepared);
+  }
+  // The global norm over every shard is at least this shard's own (up to the rounding of a sum in
+  // another order): a decision below it was not summed from this shard's prepare, and applying it
+  // would clip this shard unlike the others.
+  const double own = prepared_->result.grad_norm;
+  if (const std::optional<ShardDecision>& decision = commit.request.decision;
+      decision.has_value() && decision->skip_reason.empty() && std::isfinite(own) &&
+      decision->grad_norm < own * (1 - 1e-9)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "header.decision.grad_norm: ", decision->grad_norm, " is below this shard's own gradient norm ", own,
+        " for step ", step, "; the global norm sums every shard's prepare answer (nothing was applied)"));
   }
   // The prepare's plan (rank 0's overrides, clipping limit and QK-clip logits) with the decision.
   StepPlan plan = prepared_->plan;
@@ -478,6 +496,7 @@ absl::StatusOr<StepOutcome> Session::ApplyLocked(const StepPlan& plan, std::vect
   RememberContributorsLocked(result.step, result.contributors);
   last_step_ = result.step;
   last_result_ = result;
+  last_decision_known_ = true;
   if (config_.sync.mode == SyncMode::kAsync) {
     // The rank's record, before a periodic checkpoint below saves the state: a checkpoint holding
     // the push's parameters must hold its record, or a resend after a restart would apply it again.

@@ -63,6 +63,10 @@ absl::StatusOr<SessionState> StateFromCheckpoint(durability::CheckpointData& dat
     state.pushes.push_back({p.push, p.global_step, p.staleness, p.applied, p.skip_reason});
   }
   state.step_counts = CountsByParameter(config, data.step_counts);
+  if (data.last_decision.has_value()) {
+    state.last_decision =
+        LastDecision{data.last_decision->applied, data.last_decision->grad_norm, data.last_decision->skip_reason};
+  }
   if (data.parts_written.has_value()) {
     const durability::CheckpointPartsWritten& parts = *data.parts_written;
     PartsWritten& written = state.parts_written.emplace();
@@ -162,6 +166,10 @@ absl::Status FilePersistence::SaveCheckpoint(SessionState state) {
   }
   for (const PushRecord& p : state.pushes) {
     data.pushes.push_back({p.push, p.global_step, p.staleness, p.applied, p.skip_reason});
+  }
+  if (state.last_decision.has_value()) {
+    data.last_decision = durability::CheckpointLastDecision{
+        state.last_decision->applied, state.last_decision->grad_norm, state.last_decision->skip_reason};
   }
   if (state.parts_written.has_value()) {
     const PartsWritten& written = *state.parts_written;

@@ -5,6 +5,7 @@
 
 #include <sys/stat.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 
@@ -166,6 +167,41 @@ TEST_F(CheckpointTest, PartsWrittenRoundTripAndAnotherShapeIsRefused) {
     EditMetadata([&](json& m) { m["parts_written"] = record; });
     EXPECT_THAT(ReadCheckpoint(Env::Default(), dir_), StatusIs(absl::StatusCode::kDataLoss, "parts_written"))
         << record.dump();
+  }
+}
+
+// The last step's decision round-trips (a norm that is not finite as null, read back as NaN);
+// absent, it reads as absent; one of another shape, or a skip without its reason, is refused.
+TEST_F(CheckpointTest, TheLastDecisionRoundTripsAndAnotherShapeIsRefused) {
+  ASSERT_OK_AND_ASSIGN(CheckpointData read, ReadCheckpoint(Env::Default(), dir_));
+  EXPECT_FALSE(read.last_decision.has_value());
+  data_.last_decision = CheckpointLastDecision{.applied = true, .grad_norm = 13.000000000000002, .skip_reason = ""};
+  ASSERT_OK(WriteCheckpoint(Env::Default(), dir_, data_));
+  ASSERT_OK_AND_ASSIGN(read, ReadCheckpoint(Env::Default(), dir_));
+  ASSERT_TRUE(read.last_decision.has_value());
+  EXPECT_TRUE(read.last_decision->applied);
+  EXPECT_EQ(read.last_decision->grad_norm, 13.000000000000002) << "every bit of the norm clipping used";
+  data_.last_decision = CheckpointLastDecision{.applied = false, .grad_norm = NAN, .skip_reason = "non-finite"};
+  ASSERT_OK(WriteCheckpoint(Env::Default(), dir_, data_));
+  const json written =
+      json::parse(Env::Default()->ReadFile(dir_ + "/" + kCheckpointMetadataFile, kNoReadLimit).value());
+  EXPECT_EQ(written["last_decision"],
+            json({{"applied", false}, {"grad_norm", nullptr}, {"skip_reason", "non-finite"}}));
+  ASSERT_OK_AND_ASSIGN(read, ReadCheckpoint(Env::Default(), dir_));
+  ASSERT_TRUE(read.last_decision.has_value());
+  EXPECT_FALSE(read.last_decision->applied);
+  EXPECT_TRUE(std::isnan(read.last_decision->grad_norm));
+  EXPECT_EQ(read.last_decision->skip_reason, "non-finite");
+
+  for (const json& decision :
+       {json(3), json({{"applied", true}}), json({{"applied", 1}, {"grad_norm", 2.0}, {"skip_reason", ""}}),
+        json({{"applied", true}, {"grad_norm", "2"}, {"skip_reason", ""}}),
+        json({{"applied", true}, {"grad_norm", -1.0}, {"skip_reason", ""}}),
+        json({{"applied", false}, {"grad_norm", 2.0}, {"skip_reason", ""}}),
+        json({{"applied", true}, {"grad_norm", 2.0}, {"skip_reason", std::string(5000, 'x')}})}) {
+    EditMetadata([&](json& m) { m["last_decision"] = decision; });
+    EXPECT_THAT(ReadCheckpoint(Env::Default(), dir_), StatusIs(absl::StatusCode::kDataLoss, "last_decision"))
+        << decision.dump();
   }
 }
 

@@ -112,17 +112,17 @@ TEST_F(ShardedStepTest, ACommitAppliesThePreparedStepWithTheGlobalNorm) {
 
 TEST_F(ShardedStepTest, CommitsApplyOnceAndAPrepareAfterTheCommitAnswersItsDecision) {
   ASSERT_OK(RunStep(*shard_, Prepare(1), Gradients(1)).status());
-  ASSERT_OK_AND_ASSIGN(StepOutcome committed, RunStep(*shard_, Commit(1, 2.5), {}));
+  ASSERT_OK_AND_ASSIGN(StepOutcome committed, RunStep(*shard_, Commit(1, 12.5), {}));
   const auto after_1 = Parameters(*shard_);
-  ASSERT_OK_AND_ASSIGN(StepOutcome again, RunStep(*shard_, Commit(1, 7.0), {}));
+  ASSERT_OK_AND_ASSIGN(StepOutcome again, RunStep(*shard_, Commit(1, 17.0), {}));
   EXPECT_TRUE(again.result.replayed);
-  EXPECT_EQ(again.result.grad_norm, 2.5);
+  EXPECT_EQ(again.result.grad_norm, 12.5);
   EXPECT_EQ(CopyValues(*again.parameters), after_1);
   // A client that lost the answers prepares again: the shard answers the decision it applied.
   ASSERT_OK_AND_ASSIGN(StepOutcome prepare_again, RunStep(*shard_, Prepare(1), Gradients(5)));
   EXPECT_TRUE(prepare_again.result.replayed);
   EXPECT_FALSE(prepare_again.result.prepared);
-  EXPECT_EQ(prepare_again.result.grad_norm, 2.5);
+  EXPECT_EQ(prepare_again.result.grad_norm, 12.5);
   EXPECT_EQ(prepare_again.parameters, nullptr);
   EXPECT_EQ(Parameters(*shard_), after_1);
   EXPECT_EQ(shard_->last_step(), 1);
@@ -135,6 +135,62 @@ TEST_F(ShardedStepTest, ASkipDecisionSkipsTheStepAndAdvancesTheCounter) {
   EXPECT_EQ(committed.result.skip_reason, "non-finite gradient in 'x'");
   EXPECT_EQ(shard_->last_step(), 1);
   EXPECT_EQ(Parameters(*shard_)[0], InitialParameters()[0].values);
+}
+
+// The global norm sums every shard's prepare answer, so it is never below this shard's own: a
+// commit whose decision is (one a client took from an answer that did not know the step, say) is
+// refused, naming the field, and the prepared step waits for a right one.
+TEST_F(ShardedStepTest, ADecisionBelowTheShardsOwnNormIsRefused) {
+  ASSERT_OK_AND_ASSIGN(StepOutcome prepared, RunStep(*shard_, Prepare(1), Gradients(1)));
+  const double own = prepared.result.grad_norm;
+  ASSERT_GT(own, 0);
+  EXPECT_THAT(RunStep(*shard_, Commit(1, 0.0), {}),
+              StatusIs(absl::StatusCode::kInvalidArgument, "header.decision.grad_norm: 0 is below this shard's own"));
+  EXPECT_THAT(RunStep(*shard_, Commit(1, own * 0.999), {}),
+              StatusIs(absl::StatusCode::kInvalidArgument, "header.decision.grad_norm"));
+  EXPECT_EQ(shard_->last_step(), 0);
+  EXPECT_EQ(Parameters(*shard_)[0], InitialParameters()[0].values);
+  ASSERT_OK_AND_ASSIGN(StepOutcome committed, RunStep(*shard_, Commit(1, own), {}));
+  EXPECT_TRUE(committed.result.applied);
+}
+
+// How the last step went travels with the session's state into a checkpoint (ExportState's
+// last_decision), so that a shard restored from it answers a resent prepare with the decision it
+// applied; a state without it (SetState, a checkpoint of an earlier version) makes the shard refuse
+// the resent prepare rather than answer a made-up decision the other shards would commit with.
+TEST_F(ShardedStepTest, AShardRestoredFromItsStateAnswersTheDecisionItApplied) {
+  for (const bool skip : {false, true}) {
+    SCOPED_TRACE(skip ? "skipped" : "applied");
+    std::unique_ptr<Session> shard = NewSession(backend_.get(), ShardSpec());
+    ASSERT_OK(shard->Upload(InitialParameters()));
+    StepRequest prepare = Prepare(1);
+    prepare.max_grad_norm = 1.0;
+    ASSERT_OK(RunStep(*shard, prepare, Gradients(1)).status());
+    ASSERT_OK(RunStep(*shard, skip ? Commit(1, NAN, "non-finite gradient in 'x'") : Commit(1, 13.0), {}).status());
+    ASSERT_OK_AND_ASSIGN(SessionState state, shard->ExportState());
+    ASSERT_TRUE(state.last_decision.has_value());
+
+    std::unique_ptr<Session> restored = NewSession(backend_.get(), ShardSpec());
+    ASSERT_OK(restored->ImportState(state));
+    ASSERT_OK_AND_ASSIGN(StepOutcome again, RunStep(*restored, prepare, Gradients(1)));
+    EXPECT_TRUE(again.result.replayed);
+    EXPECT_EQ(again.result.applied, !skip);
+    if (skip) {
+      EXPECT_EQ(again.result.skip_reason, "non-finite gradient in 'x'");
+    } else {
+      EXPECT_EQ(again.result.grad_norm, 13.0);
+    }
+
+    state.last_decision.reset();
+    std::unique_ptr<Session> loaded = NewSession(backend_.get(), ShardSpec());
+    ASSERT_OK(loaded->ImportState(state));
+    EXPECT_THAT(RunStep(*loaded, prepare, Gradients(1)),
+                StatusIs(absl::StatusCode::kFailedPrecondition, "how it went is not known here"));
+    // The next step is taken as ever, and is then known.
+    ASSERT_OK_AND_ASSIGN(StepOutcome next, RunStep(*loaded, Prepare(2), Gradients(2)));
+    ASSERT_OK(RunStep(*loaded, Commit(2, next.result.grad_norm), {}).status());
+    ASSERT_OK(RunStep(*loaded, Prepare(2), Gradients(2)).status());
+  }
 }
 
 TEST_F(ShardedStepTest, ANonFiniteGradientIsReportedByThePrepare) {
@@ -164,8 +220,9 @@ TEST_F(ShardedStepTest, WhatCannotBeCommittedIsRefusedAndChangesNothing) {
               StatusIs(absl::StatusCode::kInvalidArgument, "header.num_chunks: a commit carries no gradients"));
   EXPECT_EQ(shard_->last_step(), 0);
   EXPECT_EQ(Parameters(*shard_)[0], InitialParameters()[0].values);
-  // The refusals left the prepared step as it was: it commits now.
-  ASSERT_OK(RunStep(*shard_, Commit(1, 1.0), {}).status());
+  // The refusals left the prepared step as it was: it commits now (with a global norm, which is at
+  // least this shard's own, 3.1).
+  ASSERT_OK(RunStep(*shard_, Commit(1, 10.0), {}).status());
   EXPECT_EQ(shard_->last_step(), 1);
 }
 
@@ -200,9 +257,9 @@ TEST(ShardedMultiRankTest, RanksPrepareTogetherAndOneCommitApplies) {
   EXPECT_TRUE(other->result.prepared);
   EXPECT_EQ(first.result.sum_squares, other->result.sum_squares);
   EXPECT_EQ(session->last_step(), 0);
-  ASSERT_OK_AND_ASSIGN(StepOutcome committed, RunStep(*session, Commit(1, 1.0, "", 1), {}));
+  ASSERT_OK_AND_ASSIGN(StepOutcome committed, RunStep(*session, Commit(1, 5.0, "", 1), {}));  // ≥ its own 1.7
   EXPECT_TRUE(committed.result.applied);
-  ASSERT_OK_AND_ASSIGN(StepOutcome rank0, RunStep(*session, Commit(1, 1.0, "", 0), {}));
+  ASSERT_OK_AND_ASSIGN(StepOutcome rank0, RunStep(*session, Commit(1, 5.0, "", 0), {}));
   EXPECT_TRUE(rank0.result.replayed);
   EXPECT_EQ(CopyValues(*rank0.parameters), CopyValues(*committed.parameters));
   EXPECT_EQ(session->last_step(), 1);
