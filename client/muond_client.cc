@@ -242,7 +242,10 @@ absl::Status Client::FitChunksToDaemon() {
 }
 
 bool Client::RefitChunksAfter(const absl::Status& refusal) {
-  if (ReasonOf(refusal) != v1::CHUNK_TOO_LARGE && refusal.code() != absl::StatusCode::kResourceExhausted) {
+  // gRPC's own message limit carries no reason; another reason (CALLER_BUSY) is no size.
+  const v1::ErrorReason reason = ReasonOf(refusal);
+  if (reason != v1::CHUNK_TOO_LARGE &&
+      (refusal.code() != absl::StatusCode::kResourceExhausted || reason != v1::ERROR_REASON_UNSPECIFIED)) {
     return false;
   }
   std::lock_guard<std::mutex> lock(chunk_mu_);

@@ -25,6 +25,8 @@ absl::string_view ReasonName(ErrorReason reason) {
       return "PUSH_TOO_STALE";
     case ErrorReason::kChunkTooLarge:
       return "CHUNK_TOO_LARGE";
+    case ErrorReason::kCallerBusy:
+      return "CALLER_BUSY";
   }
   return "";
 }

@@ -21,12 +21,14 @@ enum class ErrorReason {
   kSessionNotFound,  // no session has the id
   kPushTooStale,     // an asynchronous push more than max_staleness global steps behind
   kChunkTooLarge,    // a chunk or packed message larger than the daemon's --max-chunk-bytes
+  kCallerBusy,       // the caller has --max-calls-per-caller calls in flight already
 };
 
 // Every reason, for tests that walk them all.
 inline constexpr ErrorReason kAllErrorReasons[] = {ErrorReason::kRegionNotFound,  ErrorReason::kChannelNotFound,
                                                    ErrorReason::kStepNotPrepared, ErrorReason::kSessionNotFound,
-                                                   ErrorReason::kPushTooStale,    ErrorReason::kChunkTooLarge};
+                                                   ErrorReason::kPushTooStale,    ErrorReason::kChunkTooLarge,
+                                                   ErrorReason::kCallerBusy};
 
 // The wire name, e.g. "REGION_NOT_FOUND".
 absl::string_view ReasonName(ErrorReason reason);

@@ -30,6 +30,7 @@ STEP_NOT_PREPARED = pb.ErrorReason.Name(pb.STEP_NOT_PREPARED)
 SESSION_NOT_FOUND = pb.ErrorReason.Name(pb.SESSION_NOT_FOUND)
 PUSH_TOO_STALE = pb.ErrorReason.Name(pb.PUSH_TOO_STALE)
 CHUNK_TOO_LARGE = pb.ErrorReason.Name(pb.CHUNK_TOO_LARGE)
+CALLER_BUSY = pb.ErrorReason.Name(pb.CALLER_BUSY)
 
 _DETAILS_KEY = "grpc-status-details-bin"
 _ERROR_INFO_TYPE_URL = "type.googleapis.com/google.rpc.ErrorInfo"

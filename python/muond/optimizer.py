@@ -384,7 +384,8 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
             try:
                 return call()
             except MuondError as err:
-                if err.reason != CHUNK_TOO_LARGE and err.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                # gRPC's own message limit carries no reason; another reason (CALLER_BUSY) is no size.
+                if err.reason != CHUNK_TOO_LARGE and (err.code != grpc.StatusCode.RESOURCE_EXHAUSTED or err.reason):
                     raise
                 conns = [session.conn for session in self._sessions]
                 if not self._fit_chunks_to(conns, [conn.server_info() for conn in conns]):

@@ -19,9 +19,9 @@ struct DaemonFlags {
   std::string metrics_listen;       // HOST:PORT of the Prometheus endpoint; empty: off
   size_t max_chunk_bytes = 4u << 20;
   int max_sessions = 64;
-  int max_calls_per_caller = 2048;  // calls one authenticated caller has in flight at once; 0: no cap
-  int64_t max_session_bytes = 0;    // optimizer memory of one session; 0: no limit
-  int64_t max_total_bytes = 0;      // optimizer memory of all sessions together; 0: no limit
+  int max_calls_per_caller = 0;   // calls one authenticated caller has in flight at once; 0: no cap
+  int64_t max_session_bytes = 0;  // optimizer memory of one session; 0: no limit
+  int64_t max_total_bytes = 0;    // optimizer memory of all sessions together; 0: no limit
   // Newton–Schulz's workspace (one per backend, shared by every session); 0: no bound. The default
   // is soft (batches cut to fit, one larger matrix still runs); given explicitly it is hard.
   int64_t ns_workspace_bytes = int64_t{256} << 20;

@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/error_reason.h"
 
 namespace muond::rpc {
 
@@ -27,9 +28,10 @@ absl::StatusOr<CallerSlots::Slot> CallerSlots::Take(const std::string& caller) {
   absl::MutexLock lock(&mu_);
   int& held = in_flight_[caller];
   if (held >= max_per_caller_) {
-    return absl::ResourceExhaustedError(absl::StrCat("this caller has ", held,
-                                                     " calls in flight, the most the daemon serves at once "
-                                                     "(--max-calls-per-caller); let one end first"));
+    return WithReason(absl::ResourceExhaustedError(absl::StrCat("this caller has ", held,
+                                                                " calls in flight, the most the daemon serves at "
+                                                                "once (--max-calls-per-caller); let one end first")),
+                      ErrorReason::kCallerBusy);
   }
   ++held;
   return Slot(this, caller);

@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "absl/synchronization/mutex.h"
+#include "common/error_reason.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "kernels/cpu/cpu_backend.h"
@@ -165,6 +166,7 @@ TEST(CallerSlotsTest, SlotsAreCountedPerCallerAndGivenBackWhenDestroyed) {
     EXPECT_EQ(slots.InFlight("alice"), 1);
     EXPECT_THAT(slots.Take("alice"),
                 ::muond::testing::StatusIs(absl::StatusCode::kResourceExhausted, "--max-calls-per-caller"));
+    EXPECT_EQ(ReasonOf(slots.Take("alice").status()), "CALLER_BUSY");
     ASSERT_OK_AND_ASSIGN(CallerSlots::Slot bob, slots.Take("bob"));
     CallerSlots::Slot moved = std::move(alice);  // a moved slot is held once
     EXPECT_EQ(slots.InFlight("alice"), 1);
