@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <exception>
 #include <filesystem>
 
 #include "absl/strings/str_cat.h"
@@ -25,6 +26,10 @@ constexpr size_t kPreviousHeader = 12;  // MJR2: magic, u32 length, payload CRC
 constexpr uint64_t kMaxRequestBytes = uint64_t{16} << 20;
 // Per gradient entry: index (u32), element count (u64), sum of squares (f64).
 constexpr uint64_t kGradientEntryBytes = 20;
+// Payloads above this are checked against their CRC, kPayloadPiece bytes at a time, before they are
+// read into memory.
+constexpr uint64_t kPayloadReadWhole = uint64_t{64} << 20;
+constexpr size_t kPayloadPiece = size_t{1} << 20;
 
 template <typename T>
 void Put(std::string& out, T value) {
@@ -210,7 +215,31 @@ absl::StatusOr<JournalContents> StepJournal::Read(Env* env, const std::string& p
       contents.dropped_torn_tail = true;  // cut short by a crash during its append, at the end of the file
       break;
     }
-    payload.resize(static_cast<size_t>(length));
+    // A forged header can claim any length up to a step's largest: a large payload is checked
+    // against its CRC a piece at a time before memory is taken for it.
+    if (length > kPayloadReadWhole) {
+      std::string piece(kPayloadPiece, '\0');
+      uLong running = crc32_z(0L, Z_NULL, 0);
+      bool torn = false;
+      for (uint64_t done = 0; done < length && !torn;) {
+        const size_t want_piece = static_cast<size_t>(std::min<uint64_t>(length - done, piece.size()));
+        MUOND_ASSIGN_OR_RETURN(const size_t got_piece, file->ReadAt(pos + done, piece.data(), want_piece));
+        running = crc32_z(running, reinterpret_cast<const Bytef*>(piece.data()), got_piece);
+        torn = got_piece < want_piece;
+        done += got_piece;
+      }
+      if (torn) {
+        contents.dropped_torn_tail = true;  // the file shrank while it was read
+        break;
+      }
+      if (static_cast<uint32_t>(running) != crc) return corrupt(start, "fails its CRC (altered)");
+    }
+    try {
+      payload.resize(static_cast<size_t>(length));
+    } catch (const std::exception&) {  // std::bad_alloc, std::length_error
+      return absl::ResourceExhaustedError(
+          absl::StrCat("cannot read journal ", path, ": no memory for its record of ", length, " bytes"));
+    }
     MUOND_ASSIGN_OR_RETURN(const size_t read, file->ReadAt(pos, payload.data(), payload.size()));
     if (read < payload.size()) {
       contents.dropped_torn_tail = true;  // the file shrank while it was read

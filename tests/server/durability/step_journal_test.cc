@@ -273,5 +273,27 @@ TEST_F(StepJournalTest, AJournalIsReadARecordAtATime) {
   EXPECT_EQ(contents.records.size(), offsets.size());
 }
 
+// A payload larger than what is read whole (64 MiB) is checked against its CRC piece by piece first,
+// then read: it round-trips, and one flipped byte in it is refused as altered.
+TEST_F(StepJournalTest, ALargeRecordIsCheckedBeforeItIsRead) {
+  const std::vector<int64_t> numel = {int64_t{20} << 20};  // 80 MiB of fp32
+  std::vector<float> values(static_cast<size_t>(numel[0]));
+  for (size_t i = 0; i < values.size(); ++i) values[i] = static_cast<float>(i % 97) - 48;
+  {
+    StepJournal journal(Env::Default());
+    ASSERT_OK(journal.Open(path_));
+    ASSERT_OK(journal.Append(0, "{\"step\":1}", {Gradient(values)}));
+    journal.Close();
+  }
+  ASSERT_OK_AND_ASSIGN(JournalContents contents, StepJournal::Read(Env::Default(), path_, numel));
+  ASSERT_EQ(contents.records.size(), 1u);
+  EXPECT_EQ(contents.records[0].gradients[0].values, values);
+  std::string bytes = Bytes();
+  bytes[bytes.size() - 1000] ^= 0x40;
+  SetBytes(bytes);
+  EXPECT_THAT(StepJournal::Read(Env::Default(), path_, numel),
+              StatusIs(absl::StatusCode::kDataLoss, "record at byte 0 fails its CRC"));
+}
+
 }  // namespace
 }  // namespace muond::durability
