@@ -28,7 +28,7 @@ struct CallCredentials {
 };
 
 // "x509:" and a certificate's names, sorted and joined by commas, each with its backslashes and
-// commas escaped by a backslash: the same whatever order the certificate lists them in, and two sets
+// commas escaped by a backslash: the same whatever order the certificate lists them in, and two lists
 // of names never share one ("a,b" as one name is "x509:a\,b", as two "x509:a,b"). A single name
 // without either character is itself ("x509:alice").
 std::string CertificateIdentity(std::vector<std::string> names);

@@ -35,10 +35,14 @@ absl::Status CheckRegionName(const std::string& name);
 
 // The session an entry is bound to: its id (empty: none) and its serial (session::Session::serial,
 // which a session created again under the same id does not share).
+// Not an aggregate, so that a brace list meant for RegionOwner cannot fill it by brace elision.
 struct BoundSession {
+  BoundSession() = default;
+  BoundSession(std::string session_id, uint64_t session_serial) : id(std::move(session_id)), serial(session_serial) {}
+  bool operator==(const BoundSession&) const = default;
+
   std::string id;
   uint64_t serial = 0;
-  bool operator==(const BoundSession&) const = default;
 };
 
 struct RegionOwner {
@@ -72,7 +76,7 @@ class RegionTable {
   }
 
   // The caller's entry `name`, for a step of `session` (null: any session). NOT_FOUND
-  // "<field>: no <noun> '<name>'<missing>", or when it is bound to an earlier session of the same id;
+  // "<field>: no <noun> '<name>'<missing>", or when it is bound to another session of the same id;
   // FAILED_PRECONDITION when it is bound to another session.
   absl::StatusOr<Ptr> Find(const std::string& caller, const std::string& name, const BoundSession* session,
                            const std::string& field, absl::string_view missing) const {
@@ -87,10 +91,10 @@ class RegionTable {
                                                         bound.id, "', not '", Echo(session->id), "'"));
     }
     if (session != nullptr && bound.serial != session->serial) {
-      return WithReason(
-          absl::NotFoundError(absl::StrCat(field, ": ", noun_, " '", Echo(name), "' belongs to an earlier session '",
-                                           bound.id, "', closed since; register it again")),
-          missing_);
+      return WithReason(absl::NotFoundError(absl::StrCat(
+                            field, ": ", noun_, " '", Echo(name), "' belongs to another session of the id '", bound.id,
+                            "' (one was closed and the id created again); register it again")),
+                        missing_);
     }
     return it->second.value;
   }

@@ -203,7 +203,7 @@ absl::StatusOr<std::shared_ptr<SharedMapping>> SharedMemoryRegions::Find(const s
                                                                          const std::string& name,
                                                                          const std::string& field) const {
   absl::MutexLock lock(&mu_);
-  return regions_.Find(caller, name, /*session_id=*/nullptr, field, " is registered by this caller");
+  return regions_.Find(caller, name, /*session=*/nullptr, field, " is registered by this caller");
 }
 
 }  // namespace muond::transport

@@ -65,7 +65,7 @@ TEST(GrpcStatusTest, RegionTablesAnswerAMissingEntryWithTheirReason) {
             "REGION_NOT_FOUND");
   EXPECT_EQ(ReasonIn(ToGrpcStatus(channels.Find("caller", "c", &session, "channel", "").status())),
             "CHANNEL_NOT_FOUND");
-  // One of an earlier session of the same id is as good as missing.
+  // One of another session of the same id (closed and created again) is as good as missing.
   ASSERT_TRUE(channels.Insert({"caller", {"s", 1}, 0}, "earlier", std::make_shared<int>(1)));
   EXPECT_EQ(ReasonIn(ToGrpcStatus(channels.Find("caller", "earlier", &session, "channel", "").status())),
             "CHANNEL_NOT_FOUND");
