@@ -20,13 +20,18 @@ std::string ParentFolder(const std::string& path) {
 }  // namespace
 
 absl::Status WriteFileAtomically(Env* env, const std::string& path, absl::string_view contents) {
+  return WriteFileAtomically(env, path, [&](WritableFile& file) { return file.Append(contents); });
+}
+
+absl::Status WriteFileAtomically(Env* env, const std::string& path,
+                                 absl::FunctionRef<absl::Status(WritableFile&)> write) {
   const std::string temp = path + ".tmp";
   // What a crash (or anyone) left at the temporary name goes first: a file, a link or a FIFO, which
   // the create below would refuse (a link or FIFO) forever after. A folder there stays, and fails it.
   env->RemoveFile(temp).IgnoreError();
   absl::StatusOr<std::unique_ptr<WritableFile>> file = env->NewWritableFile(temp);
   if (!file.ok()) return file.status();
-  absl::Status status = (*file)->Append(contents);
+  absl::Status status = write(**file);
   // Sync before the rename: otherwise a crash could leave `path` renamed onto a file whose data never
   // reached the disk.
   if (status.ok()) status = (*file)->Sync();

@@ -6,6 +6,7 @@
 
 #include <string>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "server/durability/env.h"
@@ -18,6 +19,10 @@ namespace muond::durability {
 // temporary file is removed and `path` is untouched. If only the final folder sync fails, `path`
 // already holds `contents` but the rename may not survive a power cut; the error is returned.
 absl::Status WriteFileAtomically(Env* env, const std::string& path, absl::string_view contents);
+// The same, with the contents written by `write` into the temporary file (piece by piece: a file
+// larger than the memory one wants to spend on it).
+absl::Status WriteFileAtomically(Env* env, const std::string& path,
+                                 absl::FunctionRef<absl::Status(WritableFile&)> write);
 
 // SHA-256 of `bytes` as 64 lowercase hex digits.
 std::string Sha256Hex(absl::string_view bytes);

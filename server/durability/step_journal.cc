@@ -89,9 +89,24 @@ absl::Status StepJournal::Open(const std::string& path) {
 }
 
 absl::Status StepJournal::CutTornTail() {
-  MUOND_ASSIGN_OR_RETURN(std::string bytes, env_->ReadFile(path_, kNoReadLimit));
-  bytes.resize(std::min<uint64_t>(bytes.size(), committed_bytes_));
-  MUOND_RETURN_IF_ERROR(WriteFileAtomically(env_, path_, bytes));
+  // The committed records copied a piece at a time into the journal's replacement: memory for a
+  // piece, not for the journal.
+  MUOND_ASSIGN_OR_RETURN(std::unique_ptr<ReadableFile> in, env_->NewReadableFile(path_));
+  const uint64_t keep = std::min<uint64_t>(in->size(), committed_bytes_);
+  MUOND_RETURN_IF_ERROR(WriteFileAtomically(env_, path_, [&](WritableFile& out) -> absl::Status {
+    std::string piece(kPayloadPiece, '\0');
+    for (uint64_t done = 0; done < keep;) {
+      const size_t want = static_cast<size_t>(std::min<uint64_t>(keep - done, piece.size()));
+      MUOND_ASSIGN_OR_RETURN(const size_t got, in->ReadAt(done, piece.data(), want));
+      if (got < want) {
+        return absl::DataLossError(
+            absl::StrCat("journal ", path_, " shrank below its ", keep, " committed bytes while it was cut back"));
+      }
+      MUOND_RETURN_IF_ERROR(out.Append(absl::string_view(piece.data(), got)));
+      done += got;
+    }
+    return absl::OkStatus();
+  }));
   MUOND_ASSIGN_OR_RETURN(file_, env_->NewAppendableFile(path_));
   return absl::OkStatus();
 }
