@@ -89,12 +89,13 @@ absl::Status CheckPhase(const SessionConfig& config, const StepRequest& request)
         absl::StrCat("header.phase: this session is shard ", config.shard.index, " of ", config.shard.count,
                      " (spec.shard); its steps are prepared and then committed on every shard (docs/sharding.md)"));
   }
-  // Prepare and commit are a sharded session's, which steps in lock-step only; a push or a quorum
-  // step taking either would apply a prepare, or a commit's gradients with the norm its header claims.
-  if (request.phase != StepPhase::kWhole && config.sync.mode != SyncMode::kLockstep) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "header.phase: ", config.sync.mode == SyncMode::kAsync ? "an asynchronous" : "a quorum",
-        " session's steps are whole (prepare and commit are a sharded session's, which steps in lock-step)"));
+  // Prepare and commit are a sharded session's (spec.shard), which steps in lock-step only (a quorum
+  // or asynchronous session is never sharded): on any other a commit would apply held gradients with
+  // the norm its header claims.
+  if (request.phase != StepPhase::kWhole && config.shard.count == 0) {
+    return absl::InvalidArgumentError(
+        "header.phase: this session is not sharded (no spec.shard); its steps are whole (prepare and commit are a "
+        "sharded session's, docs/sharding.md)");
   }
   if (request.phase != StepPhase::kCommit) {
     if (request.decision.has_value()) {

@@ -137,9 +137,10 @@ TEST_F(SessionRulesTest, OverridesOutsideTheRangesOrTheirOptimizerAreRefused) {
 // Prepare and commit belong to a sharded session, which steps in lock-step: an asynchronous push
 // or a quorum step taking either would apply a prepare, or a commit's gradients with the norm its
 // header claims (its clipping skipped). Refused naming header.phase, nothing applied.
-TEST(SessionPhaseTest, AnAsyncOrQuorumSessionTakesOnlyWholeSteps) {
+// Prepare and commit are a sharded session's: every other session (lock-step included) refuses them.
+TEST(SessionPhaseTest, AnUnshardedSessionTakesOnlyWholeSteps) {
   std::unique_ptr<kernels::Backend> backend = kernels::NewCpuBackend(1);
-  for (const v1::SyncMode mode : {v1::SYNC_MODE_ASYNC, v1::SYNC_MODE_QUORUM}) {
+  for (const v1::SyncMode mode : {v1::SYNC_MODE_LOCKSTEP, v1::SYNC_MODE_ASYNC, v1::SYNC_MODE_QUORUM}) {
     v1::SessionSpec spec = SmallSpec(2);
     spec.mutable_sync()->set_mode(mode);
     if (mode == v1::SYNC_MODE_ASYNC) spec.mutable_sync()->set_max_staleness(4);
@@ -153,7 +154,7 @@ TEST(SessionPhaseTest, AnAsyncOrQuorumSessionTakesOnlyWholeSteps) {
       request.phase = phase;
       if (phase == StepPhase::kCommit) request.decision = ShardDecision{0.0, ""};
       EXPECT_THAT(RunStep(*session, request, Gradients(1)),
-                  StatusIs(absl::StatusCode::kInvalidArgument, "header.phase: "))
+                  StatusIs(absl::StatusCode::kInvalidArgument, "header.phase: this session is not sharded"))
           << mode;
     }
     EXPECT_EQ(session->last_step(), 0) << mode;
