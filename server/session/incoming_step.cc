@@ -6,20 +6,24 @@
 #include <vector>
 
 #include "common/status_macros.h"
+#include "server/session/session.h"
 
 namespace muond::session {
 
-IncomingStep::IncomingStep(const SessionConfig& config, const std::vector<optim::StepHyper>& defaults, StepPlan plan,
+IncomingStep::IncomingStep(const Session& session, const std::vector<optim::StepHyper>& defaults, StepPlan plan,
                            bool replay, HostGradients* host_store, std::unique_ptr<StagedGradients> staged,
                            bool device_gradients)
-    : config_(config),
+    : session_(session),
+      config_(session.config()),
       defaults_(defaults),
       plan_(std::move(plan)),
       replay_(replay),
       host_store_(host_store),
-      gradients_(host_store != nullptr ? host_store->Take() : std::vector<HostTensor>(config.parameters.size())),
+      gradients_(host_store != nullptr ? host_store->Take() : std::vector<HostTensor>(config_.parameters.size())),
       staged_(std::move(staged)),
       device_gradients_(device_gradients) {}
+
+absl::Status IncomingStep::CheckOpen() const { return session_.CheckOpen(); }
 
 IncomingStep::~IncomingStep() {
   if (host_store_ != nullptr) host_store_->GiveBack(std::move(gradients_));

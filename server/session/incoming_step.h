@@ -16,8 +16,9 @@
 // (takes_device_gradients): the values then never visit the host, and the session takes their sums
 // of squares on the backend. Otherwise — several ranks (averaged on the host), a prepare, a journal
 // that records the gradients' bytes, a zero count, another step holding the buffers — it writes
-// gradients() like any transport. An IncomingStep must not outlive its session. Used by one thread
-// at a time.
+// gradients() like any transport. A transport reading a long stream asks CheckOpen() between pieces,
+// so that a session closed meanwhile stops the stream at once rather than after its last byte. An
+// IncomingStep must not outlive its session. Used by one thread at a time.
 #pragma once
 
 #include <cstddef>
@@ -34,14 +35,16 @@
 
 namespace muond::session {
 
+class Session;
+
 class IncomingStep {
  public:
-  // Made by Session::BeginStep. `host_store`: the session's host tensors to decode into (null: this
+  // Made by `session`'s BeginStep. `host_store`: the session's host tensors to decode into (null: this
   // step's own); `staged`: the session's backend buffers lent to this step (null: the gradients
   // stay on the host until applied); `device_gradients`: nothing needs the gradients' values on the
   // host, so a GPU transport may leave them in the staged buffers.
   // `defaults`: the session's per-group hyperparameters, for TakeStepOptions.
-  IncomingStep(const SessionConfig& config, const std::vector<optim::StepHyper>& defaults, StepPlan plan, bool replay,
+  IncomingStep(const Session& session, const std::vector<optim::StepHyper>& defaults, StepPlan plan, bool replay,
                HostGradients* host_store, std::unique_ptr<StagedGradients> staged, bool device_gradients);
   IncomingStep(const IncomingStep&) = delete;
   IncomingStep& operator=(const IncomingStep&) = delete;
@@ -56,6 +59,8 @@ class IncomingStep {
   // planned again — a refusal names the field as PlanStep does and leaves the plan as it was.
   absl::Status TakeStepOptions(const StepRequest& options);
   const SessionConfig& config() const { return config_; }
+  // OK while the session is open; its NOT_FOUND (SESSION_NOT_FOUND) once it was closed. Lock-free.
+  absl::Status CheckOpen() const;
 
   // Indexed like config().parameters; a transport writes each tensor's values in order.
   std::vector<HostTensor>& gradients() { return gradients_; }
@@ -82,6 +87,7 @@ class IncomingStep {
   absl::Status FinishStaging(kernels::Backend& backend);
 
  private:
+  const Session& session_;
   const SessionConfig& config_;
   const std::vector<optim::StepHyper>& defaults_;
   StepPlan plan_;

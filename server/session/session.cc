@@ -152,7 +152,7 @@ absl::Status Session::UploadParts(int rank, std::vector<HostTensor> tensors) {
     }
   }
   absl::MutexLock lock(&mu_);
-  MUOND_RETURN_IF_ERROR(ClosedLocked());
+  MUOND_RETURN_IF_ERROR(CheckOpen());
   if (last_step_ > 0) {
     return absl::FailedPreconditionError(
         absl::StrCat("session '", id_, "' has applied ", last_step_,

@@ -179,6 +179,8 @@ class Session {
   // SESSION_NOT_FOUND, "was closed"), ranks waiting in a step are answered with that refusal, and the
   // session's files are removed. Calls that looked the session up before may still read it.
   void Close();
+  // OK until Close; then the refusal above. Lock-free: a stream's transport asks between pieces.
+  absl::Status CheckOpen() const;
 
  private:
   enum class StepKind { kNext, kReplay };
@@ -298,9 +300,7 @@ class Session {
   absl::Status SaveReplacedStateLocked(absl::string_view what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // FAILED_PRECONDITION while unsaved_ is set.
   absl::Status UnsavedLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  // NOT_FOUND (SESSION_NOT_FOUND) once the session is closed.
-  absl::Status ClosedLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  // What stops any step from being applied now: ClosedLocked(), then UnsavedLocked().
+  // What stops any step from being applied now: CheckOpen(), then UnsavedLocked().
   absl::Status RefusesStepsLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Ranks that loaded a state of this step and counts before `rank` in the load it would join, and
   // hold some of the same elements (the HSDP replicas of its shard; every rank, for a parameter held
@@ -345,7 +345,8 @@ class Session {
   // checkpoint succeeds. While set, no step is applied: its journal record would follow records of the
   // state replaced, which is what a restart would restore (UnsavedLocked).
   std::string unsaved_ ABSL_GUARDED_BY(mu_);
-  bool closed_ ABSL_GUARDED_BY(mu_) = false;
+  // Set under mu_ by Close; read without it by CheckOpen (a transport between pieces of a stream).
+  std::atomic<bool> closed_ = false;
   RankGather gather_ ABSL_GUARDED_BY(mu_);
   // The gathering last refused as a whole (a load under way, parts that disagree, a state replaced
   // or not saved under it), and why: the ranks that waited in it are answered with that refusal.

@@ -132,7 +132,7 @@ absl::Status Session::ImportState(SessionState state, int rank) {
     MUOND_RETURN_IF_ERROR(optim::ValidateLossScalerState(*config_.loss_scaler, *state.loss_scaler));
   }
   absl::MutexLock lock(&mu_);
-  MUOND_RETURN_IF_ERROR(ClosedLocked());
+  MUOND_RETURN_IF_ERROR(CheckOpen());
   // Ranks holding parts load one state, each its own parts (SetState carries the rank).
   const bool by_parts = rank >= 0 && AnyPartitioned(config_);
   if (by_parts) MUOND_RETURN_IF_ERROR(part_load_.CheckLoad(rank, state.last_step, state.step_counts));
@@ -305,21 +305,21 @@ absl::Status Session::UnsavedLocked() const {
       "); no step is applied until a checkpoint succeeds: send that upload or SetState again, or call Checkpoint"));
 }
 
-absl::Status Session::ClosedLocked() const {
+absl::Status Session::CheckOpen() const {
   if (!closed_) return absl::OkStatus();
   return WithReason(absl::NotFoundError(absl::StrCat("session '", Echo(id_), "' was closed")),
                     ErrorReason::kSessionNotFound);
 }
 
 absl::Status Session::RefusesStepsLocked() const {
-  MUOND_RETURN_IF_ERROR(ClosedLocked());
+  MUOND_RETURN_IF_ERROR(CheckOpen());
   return UnsavedLocked();
 }
 
 absl::StatusOr<int64_t> Session::Checkpoint() {
   // Exclusive: no step may be journaled between the export and the journal being emptied.
   absl::MutexLock lock(&mu_);
-  MUOND_RETURN_IF_ERROR(ClosedLocked());
+  MUOND_RETURN_IF_ERROR(CheckOpen());
   if (!persistence_) {
     return absl::FailedPreconditionError("checkpoints need a state directory: start muond with --state-dir");
   }
@@ -335,7 +335,7 @@ void Session::Close() {
   {
     absl::MutexLock lock(&mu_);
     closed_ = true;
-    if (gather_.arrived() > 0) RefuseGatheringLocked(ClosedLocked());
+    if (gather_.arrived() > 0) RefuseGatheringLocked(CheckOpen());
     persistence = std::move(persistence_);  // nothing journals or checkpoints from now on
   }
   // Outside the lock: removing a large folder must not hold up calls that still read the session.

@@ -140,7 +140,7 @@ absl::StatusOr<std::unique_ptr<IncomingStep>> Session::BeginStep(StepRequest req
   bool journaled = false;
   {
     absl::ReaderMutexLock lock(&mu_);
-    MUOND_RETURN_IF_ERROR(ClosedLocked());  // a replay too: the session is gone
+    MUOND_RETURN_IF_ERROR(CheckOpen());  // a replay too: the session is gone
     if (!initialized_) return NotInitializedError();
     MUOND_ASSIGN_OR_RETURN(kind, ClassifyRequestLocked(request));
     if (kind == StepKind::kNext) MUOND_RETURN_IF_ERROR(UnsavedLocked());
@@ -162,7 +162,7 @@ absl::StatusOr<std::unique_ptr<IncomingStep>> Session::BeginStep(StepRequest req
   }
   // Gradients in device memory may stay there unless something needs their values on the host.
   const bool device_gradients = !journaled && !plan.request.count_zeros;
-  return std::make_unique<IncomingStep>(config_, default_hyper_, std::move(plan), kind == StepKind::kReplay,
+  return std::make_unique<IncomingStep>(*this, default_hyper_, std::move(plan), kind == StepKind::kReplay,
                                         one_rank ? host_gradients_.get() : nullptr, std::move(staged),
                                         device_gradients);
 }
@@ -181,7 +181,7 @@ absl::StatusOr<double> Session::GradScaleLocked(const StepPlan& plan) const {
 absl::StatusOr<StepOutcome> Session::FinishStep(std::unique_ptr<IncomingStep> step) {
   MUOND_RETURN_IF_ERROR(step->FinishStaging(*backend_));
   absl::MutexLock lock(&mu_);
-  MUOND_RETURN_IF_ERROR(ClosedLocked());  // closed since BeginStep
+  MUOND_RETURN_IF_ERROR(CheckOpen());  // closed since BeginStep
   // The state may have moved since BeginStep (another stream of the same step, say): classify again
   // under the lock, where the answer holds until the step is applied.
   StepPlan& plan = step->mutable_plan();

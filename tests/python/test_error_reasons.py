@@ -2,6 +2,9 @@
 (from the google.rpc.ErrorInfo in the status details), refusals no client acts on carry none, and
 the client's recovery follows the reason whatever the message says."""
 
+import threading
+import time
+
 import grpc
 import pytest
 import torch
@@ -79,6 +82,47 @@ def test_a_commit_that_was_not_prepared_is_step_not_prepared(endpoint):
     assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
     assert info.value.reason == errors.STEP_NOT_PREPARED
     conn.close_session("py-reason-commit")
+
+
+def test_a_step_stream_stops_when_its_session_is_closed(endpoint):
+    """A session closed while a step's chunks are still arriving ends that stream at its next chunk
+    with SESSION_NOT_FOUND; it does not wait for the rest of the announced chunks."""
+    conn = Connection(endpoint)
+    spec = pb.SessionSpec()
+    spec.groups.add(name="g0", options=pb.GroupOptions(optimizer=pb.OPTIMIZER_ADAMW))
+    spec.parameters.add(name="b", shape=[3 * 1024], group="g0", wire_dtype=pb.DTYPE_FP32)
+    conn.create_session("py-closed-mid-stream", spec)
+    conn.upload("py-closed-mid-stream", [pb.TensorChunk(name="b", dtype=pb.DTYPE_FP32, data=bytes(3 * 4096))])
+    closed, give_up = threading.Event(), threading.Event()
+
+    def messages():
+        yield pb.StepRequest(header=pb.StepHeader(session_id="py-closed-mid-stream", step=1, num_chunks=3))
+        for k in range(3):
+            if k == 1:
+                closed.wait(timeout=60)
+            if k == 2:  # only a stream that was not stopped waits here, and ends one chunk short
+                give_up.wait(timeout=60)
+                return
+            yield pb.StepRequest(chunk=pb.TensorChunk(name="b", offset=1024 * k, dtype=pb.DTYPE_FP32,
+                                                      data=bytes(4096)))
+
+    answers = conn._stub.Step(messages(), timeout=120)
+    deadline = time.monotonic() + 60
+    while not any(s.session_id == "py-closed-mid-stream" and s.last_transport == "grpc"
+                  for s in conn.list_sessions()):  # the daemon has the step's header
+        assert time.monotonic() < deadline, "the step never reached the daemon"
+        time.sleep(0.01)
+    conn.close_session("py-closed-mid-stream")
+    closed.set()
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            list(answers)
+    finally:
+        give_up.set()
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND, info.value.details()
+    assert "was closed" in info.value.details()
+    assert errors.from_rpc_error(info.value, "Step").reason == errors.SESSION_NOT_FOUND
+    conn.close()
 
 
 def test_the_reason_survives_pickling_and_shard_naming():

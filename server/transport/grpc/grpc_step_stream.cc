@@ -118,6 +118,8 @@ absl::Status GrpcGradientSource::ReadGradients(session::IncomingStep& step) {
   std::optional<uint32_t> ended;  // a streamed step's StepEnd.num_chunks, once it came
   while (stream_->Read(&buffer)) {
     bytes_received_ += static_cast<int64_t>(buffer.Length());
+    // A session closed while its gradients arrive stops the stream here, not after its last chunk.
+    MUOND_RETURN_IF_ERROR(step.CheckOpen());
     if (ended.has_value()) return absl::InvalidArgumentError("end: a streamed step's StepEnd must be its last message");
     if (!streamed && chunks == header_.num_chunks()) {
       return absl::InvalidArgumentError(

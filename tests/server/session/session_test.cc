@@ -116,6 +116,19 @@ TEST_F(SessionTest, TwoStreamsOfOneStepApplyItOnce) {
   EXPECT_EQ(Parameters(), CopyValues(*reference.parameters));
 }
 
+// A step whose gradients are still arriving learns of a close at once (its transport asks between
+// pieces), and the step is not applied.
+TEST_F(SessionTest, AStepUnderWayLearnsOfACloseBeforeItsGradientsEnd) {
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<IncomingStep> step, session_->BeginStep(Request(1)));
+  ASSERT_OK(step->CheckOpen());
+  session_->Close();
+  EXPECT_THAT(step->CheckOpen(), StatusIs(absl::StatusCode::kNotFound, "session 's' was closed"));
+  EXPECT_THAT(session_->CheckOpen(), StatusIs(absl::StatusCode::kNotFound, "was closed"));
+  step->gradients() = Gradients(1);
+  EXPECT_THAT(session_->FinishStep(std::move(step)).status(), StatusIs(absl::StatusCode::kNotFound, "was closed"));
+  EXPECT_EQ(session_->last_step(), 0);
+}
+
 // On the CPU backend answers read the masters themselves (no per-step copy): a snapshot is readable
 // while the masters are as it saw them, and refused, naming the step, once they have changed.
 TEST_F(SessionTest, AnswersReadTheMastersWhileTheyLast) {
