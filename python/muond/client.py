@@ -28,6 +28,7 @@ trainer that ends without ``close()`` — normally or with an uncaught exception
 from __future__ import annotations
 
 import atexit
+import contextlib
 import sys
 import threading
 import time
@@ -192,6 +193,9 @@ class Connection:
         self._step_cuda = self._channel.unary_unary(
             "/muond.v1.Muond/StepCuda", response_deserializer=pb.StepSharedResponse.FromString)
         self._closed = False
+        # The watcher that keeps the channel reconnecting after a call found it unreachable.
+        self._reconnecting: Optional[grpc.Future] = None
+        self._reconnecting_lock = threading.Lock()
         _OPEN_CONNECTIONS.add(self)
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -229,22 +233,61 @@ class Connection:
         hook, e.g. from a ``__del__``) it does nothing, since gRPC's threads may be gone."""
         if self._closed or sys.is_finalizing():
             return
-        self._closed = True
+        with self._reconnecting_lock:
+            self._closed = True
+            watcher, self._reconnecting = self._reconnecting, None
         _OPEN_CONNECTIONS.discard(self)
+        if watcher is not None:
+            watcher.cancel()  # a no-op once it is done
+        self._await_watchers_gone()
         self._channel.close()
 
-    def pause_before_retry(self, seconds: float) -> None:
-        """Waits ``seconds`` before a retry while watching the channel, so that it reconnects
-        meanwhile: gRPC Python drives a connection attempt only while a call or a watcher is
-        active, so a plain sleep could leave a restarted daemon unnoticed for several tries."""
-        deadline = time.monotonic() + seconds
-        watcher = grpc.channel_ready_future(self._channel)
+    def _await_watchers_gone(self) -> None:
+        """Waits (a moment at most: it wakes 5 times a second) for gRPC's thread that polls the
+        channel for its watchers, if one runs, to see them gone and end: closing the channel
+        under it makes it raise "Channel closed!" (a watcher that saw the channel ready, done,
+        leaves the thread running until its next wake)."""
+        state = getattr(self._channel, "_connectivity_state", None)
+        deadline = time.monotonic() + 1.0
+        while getattr(state, "polling", False) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def _keep_reconnecting(self) -> Optional[grpc.Future]:
+        """After a call found the daemon unreachable: a watcher that asks the channel to connect
+        and keeps it polled until it is ready, then ends (None once closed). gRPC Python moves a
+        channel's reconnection along (its backoff, the attempt) only while something polls the
+        channel, a call in flight or a watcher, and a call on a channel whose last attempt failed
+        fails at once and polls nothing: a connection that sat idle while its daemon came back
+        otherwise kept failing for seconds after the daemon was there (about 7 s after a 3 s wait).
+        """
+        with self._reconnecting_lock:
+            if self._closed:
+                return None
+            if self._reconnecting is None or self._reconnecting.done():
+                self._reconnecting = grpc.channel_ready_future(self._channel)
+            return self._reconnecting
+
+    @contextlib.contextmanager
+    def _translated(self, rpc: str) -> Iterator[None]:
+        """``errors.translated``; an UNAVAILABLE call also keeps the channel reconnecting."""
         try:
-            watcher.result(timeout=seconds)
-        except grpc.FutureTimeoutError:
-            pass
-        finally:
-            watcher.cancel()
+            with translated(rpc):
+                yield
+        except MuondError as err:
+            if err.code == grpc.StatusCode.UNAVAILABLE:
+                self._keep_reconnecting()
+            raise
+
+    def pause_before_retry(self, seconds: float) -> None:
+        """Waits ``seconds`` before a retry while the channel reconnects (``_keep_reconnecting``),
+        so that the retry finds a restarted daemon."""
+        deadline = time.monotonic() + seconds
+        watcher = self._keep_reconnecting()
+        if watcher is not None:
+            try:
+                watcher.result(timeout=seconds)
+            except (grpc.FutureTimeoutError, grpc.FutureCancelledError):
+                pass
         remaining = deadline - time.monotonic()
         if remaining > 0:
             time.sleep(remaining)  # connected early: still keep the backoff
@@ -254,7 +297,7 @@ class Connection:
         backoff = self.retry_backoff
         for attempt in range(1, self.max_attempts + 1):
             try:
-                with translated(rpc):
+                with self._translated(rpc):
                     return call()
             except MuondError as err:
                 if err.code != grpc.StatusCode.UNAVAILABLE or attempt == self.max_attempts:
@@ -272,7 +315,7 @@ class Connection:
             return self._stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=self.timeout,
                                             metadata=self._metadata)
         if not retried:
-            with translated("GetServerInfo"):
+            with self._translated("GetServerInfo"):
                 return ask()
         return self._retried("GetServerInfo", ask)
 
@@ -288,7 +331,7 @@ class Connection:
             request, timeout=self.timeout, metadata=self._metadata))
 
     def close_session(self, session_id: str) -> None:
-        with translated("CloseSession"):
+        with self._translated("CloseSession"):
             self._stub.CloseSession(pb.CloseSessionRequest(session_id=session_id),
                                     timeout=self.timeout, metadata=self._metadata)
 
@@ -322,7 +365,7 @@ class Connection:
             yield first
             for chunk in chunks:
                 yield pb.UploadParametersRequest(chunk=chunk)
-        with _RequestStream(requests()) as stream, translated("UploadParameters"):
+        with _RequestStream(requests()) as stream, self._translated("UploadParameters"):
             return stream.finish(self._stub.UploadParameters(stream, timeout=self.timeout,
                                                              metadata=self._metadata))
 
@@ -337,7 +380,7 @@ class Connection:
             yield pb.StepRequest(header=header)
             yield from chunks
         result = None
-        with _RequestStream(requests()) as stream, translated("Step"):
+        with _RequestStream(requests()) as stream, self._translated("Step"):
             call = self._step(stream, timeout=self.timeout, metadata=self._metadata)
             try:
                 for response in call:
@@ -355,7 +398,7 @@ class Connection:
         messages sent at once and the same answer received at once, without a stream's threads;
         for steps whose gradients and answer are small."""
         request = whole_step_request([pb.StepRequest(header=header), *chunks])
-        with translated("StepWhole"):
+        with self._translated("StepWhole"):
             answer = self._step_whole(request, timeout=self.timeout, metadata=self._metadata)
         try:
             responses = list(whole_step_answers(answer))
@@ -373,13 +416,13 @@ class Connection:
         one (``info.shm_grants`` unset)."""
         if not info.shm_grants:
             return ""
-        with translated("GrantSharedMemory"):
+        with self._translated("GrantSharedMemory"):
             return self._stub.GrantSharedMemory(pb.GrantSharedMemoryRequest(), timeout=self.timeout,
                                                 metadata=self._metadata).grant
 
     def register_shared_memory(self, name: str, ticket: str) -> int:
         """Claims a region passed on the daemon's socket under ``name``; returns its size."""
-        with translated("RegisterSharedMemory"):
+        with self._translated("RegisterSharedMemory"):
             reply = self._stub.RegisterSharedMemory(
                 pb.RegisterSharedMemoryRequest(name=name, ticket=ticket), timeout=self.timeout,
                 metadata=self._metadata)
@@ -388,38 +431,38 @@ class Connection:
     def step_shared(self, request: Union[bytes, pb.StepSharedRequest]) -> pb.StepResult:
         """Runs one step whose tensors are in registered shared-memory regions (``request``: the
         message or its encoding)."""
-        with translated("StepShared"):
+        with self._translated("StepShared"):
             return self._step_shared(_encoded(request), timeout=self.timeout,
                                      metadata=self._metadata).result
 
     def register_cuda_memory(self, request: "pb.RegisterCudaMemoryRequest") -> int:
         """Registers an exported device allocation (CUDA IPC); returns its size."""
-        with translated("RegisterCudaMemory"):
+        with self._translated("RegisterCudaMemory"):
             return self._stub.RegisterCudaMemory(request, timeout=self.timeout,
                                                  metadata=self._metadata).byte_size
 
     def unregister_cuda_memory(self, name: str) -> None:
-        with translated("UnregisterCudaMemory"):
+        with self._translated("UnregisterCudaMemory"):
             self._stub.UnregisterCudaMemory(pb.UnregisterCudaMemoryRequest(name=name),
                                             timeout=self.timeout, metadata=self._metadata)
 
     def step_cuda(self, request: Union[bytes, pb.StepSharedRequest]) -> pb.StepResult:
         """Runs one step whose tensors are in registered CUDA IPC regions (``request``: the message
         or its encoding)."""
-        with translated("StepCuda"):
+        with self._translated("StepCuda"):
             return self._step_cuda(_encoded(request), timeout=self.timeout,
                                    metadata=self._metadata).result
 
     def open_nccl_channel(self, session_id: str, rank: int) -> "pb.OpenNcclChannelResponse":
         """Has the daemon create a two-rank NCCL communicator for this trainer rank; the answer
         carries its ncclUniqueId, to join within its timeout."""
-        with translated("OpenNcclChannel"):
+        with self._translated("OpenNcclChannel"):
             return self._stub.OpenNcclChannel(
                 pb.OpenNcclChannelRequest(session_id=session_id, rank=rank),
                 timeout=self.timeout, metadata=self._metadata)
 
     def close_nccl_channel(self, channel: str) -> None:
-        with translated("CloseNcclChannel"):
+        with self._translated("CloseNcclChannel"):
             self._stub.CloseNcclChannel(pb.CloseNcclChannelRequest(channel=channel),
                                         timeout=self.timeout, metadata=self._metadata)
 
@@ -428,12 +471,11 @@ class Connection:
         ``step_nccl_result`` waits for its answer."""
         return self._stub.StepNccl.future(request, timeout=self.timeout, metadata=self._metadata)
 
-    @staticmethod
-    def step_nccl_result(future: grpc.Future) -> pb.StepResult:
+    def step_nccl_result(self, future: grpc.Future) -> pb.StepResult:
         """The StepResult of a ``step_nccl_future`` call; MuondError when it failed (CANCELLED
         when it was cancelled)."""
         try:
-            with translated("StepNccl"):
+            with self._translated("StepNccl"):
                 return future.result().result
         except grpc.FutureCancelledError:
             raise MuondError(grpc.StatusCode.CANCELLED, "the call was cancelled", "StepNccl") from None
@@ -500,7 +542,7 @@ class Connection:
             yield pb.SetStateRequest(header=header)
             for chunk in chunks:
                 yield pb.SetStateRequest(chunk=chunk)
-        with _RequestStream(requests()) as stream, translated("SetState"):
+        with _RequestStream(requests()) as stream, self._translated("SetState"):
             return stream.finish(self._stub.SetState(
                 stream, timeout=self.timeout, metadata=self._metadata)).last_step
 

@@ -5,6 +5,7 @@ and idempotent calls are retried with the same step number across a restart."""
 
 import json
 import threading
+import time
 import uuid
 
 import grpc
@@ -173,6 +174,39 @@ def test_restored_session_keeps_its_owner(start_daemon, tmp_path):
     with muond.RemoteOptimizer(groups(TinyNet(seed=75)), endpoint=daemon.endpoint,
                                session=session, auth_token=TOKENS["alice"]) as opt:
         assert opt.attached and opt.last_step == 2
+
+
+def test_a_connection_finds_its_daemon_back_after_a_restart_it_did_not_watch(start_daemon):
+    """A connection whose calls failed while its daemon was down, and which then sat idle while the
+    daemon came back at the same address, reaches it within the channel's reconnection backoff.
+    Without a watcher, nothing moved the channel's reconnection along between calls that failed at
+    once: calls every 0.5 s kept failing for 10 s after the daemon was back."""
+    daemon = start_daemon()
+    conn = muond.Connection(daemon.endpoint, max_attempts=1)
+    conn.list_sessions()
+    daemon.kill()
+    for _ in range(3):  # a trainer's tries while the daemon is down
+        with pytest.raises(muond.MuondError) as info:
+            conn.list_sessions()
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE
+        time.sleep(0.05)
+    # Started and ready (its port file written) without a gRPC channel of this process touching
+    # it: another channel to the same address would connect the connection's shared subchannel.
+    daemon = start_daemon(listen=daemon.endpoint, workdir=daemon.workdir)
+    # A trainer calling now and then: a channel that keeps reconnecting is connected again within
+    # its longest wait between attempts (muond.client sets gRPC's max_reconnect_backoff_ms, which
+    # gRPC stretches by up to 20 %) and the connection attempt; three times that wait is the bound.
+    longest_backoff = dict(muond.client._RECONNECT_OPTIONS)["grpc.max_reconnect_backoff_ms"] / 1000
+    back = time.monotonic()
+    while True:
+        try:
+            assert len(conn.list_sessions()) == 0
+            break
+        except muond.MuondError as err:
+            assert err.code == grpc.StatusCode.UNAVAILABLE, err
+            assert time.monotonic() - back < 3 * longest_backoff, f"the daemon is back, but: {err}"
+            time.sleep(longest_backoff / 4)
+    conn.close()
 
 
 def test_step_and_checkpoint_are_retried_across_a_restart(start_daemon, tmp_path, endpoint):
