@@ -92,6 +92,7 @@ absl::StatusOr<std::unique_ptr<ShardedSession>> ShardedSession::Open(ClientOptio
     return status;
   };
   if (!steps.ok()) return roll_back(steps.status());
+  self->FinishCutOffStep(*steps);
   absl::StatusOr<int64_t> common = self->CommonStep(*steps);
   if (!common.ok()) return roll_back(common.status());
   self->last_step_ = *common;
@@ -101,6 +102,29 @@ absl::StatusOr<std::unique_ptr<ShardedSession>> ShardedSession::Open(ClientOptio
     self->initialized_ = self->initialized_ && session->initialized();
   }
   return sharded;
+}
+
+void ShardedSession::FinishCutOffStep(std::vector<int64_t>& steps) {
+  const int64_t ahead = *std::max_element(steps.begin(), steps.end());
+  if (*std::min_element(steps.begin(), steps.end()) != ahead - 1) return;
+  // The shards that committed step `ahead` answer a resent prepare of it with their decision.
+  StepOptions prepare;
+  prepare.phase = v1::STEP_PHASE_PREPARE;
+  std::vector<StepReply> replays;
+  for (size_t k = 0; k < steps.size(); ++k) {
+    if (steps[k] != ahead) continue;
+    absl::StatusOr<StepReply> replay = sessions_[k]->Step(ahead, {}, prepare);
+    if (!replay.ok() || !replay->replayed) return;
+    replays.push_back(*std::move(replay));
+  }
+  StepOptions commit;
+  commit.phase = v1::STEP_PHASE_COMMIT;
+  commit.decision = Decide(replays);
+  for (size_t k = 0; k < steps.size(); ++k) {
+    if (steps[k] == ahead) continue;
+    if (!sessions_[k]->Step(ahead, {}, commit).ok()) return;
+    steps[k] = ahead;
+  }
 }
 
 absl::StatusOr<int64_t> ShardedSession::CommonStep(const std::vector<int64_t>& steps) const {

@@ -26,8 +26,10 @@ class ShardedSession {
  public:
   // Connects to every endpoint (options.endpoint is not used), then creates the session on each —
   // or attaches, with the identical spec and endpoint list. A different endpoint list for an
-  // existing session is ALREADY_EXISTS naming it; shards found at different steps are
-  // FAILED_PRECONDITION naming the shards behind.
+  // existing session is ALREADY_EXISTS naming it. A step its trainer left between its commits
+  // (some shards at k, the others at k - 1 holding k prepared) is committed on the others with the
+  // decision of those that committed it, as a resend of the step would; shards found at different
+  // steps otherwise are FAILED_PRECONDITION naming the shards behind.
   static absl::StatusOr<std::unique_ptr<ShardedSession>> Open(ClientOptions options, std::vector<std::string> endpoints,
                                                               const std::string& session_id,
                                                               const v1::SessionSpec& spec);
@@ -59,6 +61,10 @@ class ShardedSession {
   absl::StatusOr<StepReply> StepOnce(int64_t step, const std::vector<std::vector<TensorView>>& gradients,
                                      const StepOptions& options);
   v1::ShardDecision Decide(const std::vector<StepReply>& prepared) const;
+  // Commits a step cut off mid-commit on the shards behind (see Open) and moves them to its number
+  // in `steps`; leaves them as they are when that cannot be done (a shard further behind, one that
+  // lost its prepared step, one that does not know how its step went).
+  void FinishCutOffStep(std::vector<int64_t>& steps);
   // The common step of `steps` (one per shard), else FAILED_PRECONDITION naming the shards behind.
   absl::StatusOr<int64_t> CommonStep(const std::vector<int64_t>& steps) const;
 

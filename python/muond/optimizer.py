@@ -430,7 +430,10 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
             rank = self.rank if self._async else None
             opened = self._on_every_session(lambda k, session: session.open(self._shard_spec(k), rank))
             self.attached = any(attached for attached, _ in opened)
-            self.last_step = self._common_step([step for _, step in opened], "CreateSession")
+            steps = [step for _, step in opened]
+            if len(set(steps)) > 1:
+                steps = self._finish_cut_off_step(steps)
+            self.last_step = self._common_step(steps, "CreateSession")
             if self._async:
                 # A restarted rank continues its own numbering where the daemon's record of it is.
                 self.pushes = self._sessions[0].last_push

@@ -45,6 +45,7 @@ class OptimizerCore(Protocol):
 
     # The session and this rank's place in it.
     session_id: str
+    endpoints: List[str]        # the daemons, in the order the session was created with
     rank: int
     sync: "Sync"
     partitioned: bool           # some group's parameters are held in parts by the ranks

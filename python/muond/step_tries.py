@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
 import grpc
 import torch
 
-from . import shard_step
+from . import shard_step, wire
 from ._stubs import pb
 from .errors import PUSH_TOO_STALE, STEP_NOT_PREPARED, MuondError
 from .step_info import StepInfo, rank_report
@@ -182,6 +182,49 @@ class StepTries(_Core):
         # sharded), so they agree; a disagreement is named rather than averaged away.
         step = self._common_step([int(r.step) for r in committed], "Step")
         return shard_step.result_of(commit, committed, step)
+
+    def _finish_cut_off_step(self, steps: List[int]) -> List[int]:
+        """The shards' steps ``steps`` (as an attach found them) after finishing a step cut off
+        mid-commit: a trainer that stopped between its commits leaves the shards that committed
+        step k at k and the others at k - 1, holding k prepared. The shards ahead answer a resent
+        prepare of k with the decision they applied (docs/sharding.md); the others commit k with
+        it, as the trainer's own resend would have. ``steps`` unchanged when that is not the case
+        (a shard further behind, one that lost its prepared step in a restart, one that does not
+        know its decision): the shards then stay as they are, for the caller to refuse."""
+        ahead = max(steps)
+        if min(steps) != ahead - 1:
+            return steps
+        header = pb.StepHeader(session_id=self.session_id, step=ahead, rank=self.rank,
+                               return_dtype=wire.dtype_enum(self.return_dtype),
+                               max_chunk_bytes=self.chunk_bytes)
+        prepare = shard_step.prepare_header(header, ())
+        done = [k for k, step in enumerate(steps) if step == ahead]
+        try:
+            replays = [self._sessions[k].step(prepare, []) for k in done]
+        except MuondError as err:
+            _log.warning("session %s: step %d was committed on shards %s only, and they cannot "
+                         "say how it went: %s", self.session_id, ahead, done, err)
+            return steps
+        if not all(result.replayed for result in replays):
+            return steps
+        commit = shard_step.commit_header(header, shard_step.decide(replays, [], []))
+        finished = list(steps)
+        for k, step in enumerate(steps):
+            if step == ahead:
+                continue
+            try:
+                result = self._sessions[k].step(commit, [])
+            except MuondError as err:
+                _log.warning("session %s: step %d was committed on shards %s only; shard %d (%s) "
+                             "cannot commit it: %s", self.session_id, ahead, done, k,
+                             self.endpoints[k], err)
+                return finished
+            self._sessions[k].loss_scale = float(result.loss_scale)
+            finished[k] = ahead
+        _log.warning("session %s: step %d was committed on shards %s only (its trainer stopped "
+                     "between the commits); committed it on the others with their decision",
+                     self.session_id, ahead, done)
+        return finished
 
     def _try_step(self, once: Callable[[], Optional[pb.StepResult]]
                   ) -> Tuple[Optional[pb.StepResult], float, int]:

@@ -154,6 +154,68 @@ TEST_F(ShardedSessionTest, ThreeDaemonsTrainBitIdenticalToOne) {
   ASSERT_OK(sharded->Close());
 }
 
+// A trainer that stopped after shard 0 committed a step and before the others did: the next Open
+// commits it on the others with shard 0's decision, and every shard ends as one daemon does.
+TEST_F(ShardedSessionTest, AnOpenFinishesAStepItsTrainerLeftBetweenCommits) {
+  const v1::SessionSpec spec = ModelSpec();
+  const std::vector<std::string> shards(endpoints_.begin(), endpoints_.begin() + 3);
+  ASSERT_OK_AND_ASSIGN(auto sharded, client::ShardedSession::Open(options_, shards, "cut", spec));
+  client::ClientOptions one = options_;
+  one.endpoint = endpoints_[3];
+  ASSERT_OK_AND_ASSIGN(auto client, client::Client::Connect(one));
+  ASSERT_OK_AND_ASSIGN(auto single, client->CreateSession("cut", spec));
+  const Tensors initial(spec, 0, 0.5f);
+  ASSERT_OK(sharded->UploadParameters(initial.views));
+  ASSERT_OK(single->UploadParameters(initial.views));
+  for (int step = 1; step <= 3; ++step) {
+    Tensors grads(spec, 100 * step, 0.3f);
+    ASSERT_OK(sharded->Step(step, grads.views, OptionsOf(step)).status());
+    ASSERT_OK(single->Step(step, grads.views, OptionsOf(step)).status());
+  }
+  // Step 4 as the stopped trainer sent it: prepared on every shard, committed on shard 0 alone
+  // with the decision the three prepares give (one daemon's norm of the same gradients).
+  Tensors grads(spec, 400, 0.3f);
+  ASSERT_OK_AND_ASSIGN(client::StepReply expected, single->Step(4, grads.views, OptionsOf(4)));
+  const client::Placement& placement = sharded->placement();
+  std::vector<std::unique_ptr<client::Client>> clients;
+  std::vector<std::unique_ptr<client::Session>> parts;
+  for (int k = 0; k < 3; ++k) {
+    client::ClientOptions mine = options_;
+    mine.endpoint = shards[k];
+    ASSERT_OK_AND_ASSIGN(auto c, client::Client::Connect(mine));
+    ASSERT_OK_AND_ASSIGN(auto part, c->CreateSession("cut", client::ShardSpec(spec, placement, shards, k)));
+    ASSERT_TRUE(part->attached());
+    std::vector<client::TensorView> mine_grads;
+    for (int i : placement.ParametersOf(k)) mine_grads.push_back(grads.views[i]);
+    client::StepOptions prepare = OptionsOf(4);
+    prepare.phase = v1::STEP_PHASE_PREPARE;
+    prepare.qk_logits.clear();
+    if (k == placement.shard_of[1]) prepare.qk_logits = OptionsOf(4).qk_logits;
+    ASSERT_OK(part->Step(4, mine_grads, prepare).status());
+    clients.push_back(std::move(c));
+    parts.push_back(std::move(part));
+  }
+  client::StepOptions commit;
+  commit.phase = v1::STEP_PHASE_COMMIT;
+  commit.decision.emplace();
+  commit.decision->set_grad_norm(expected.grad_norm);
+  ASSERT_OK(parts[0]->Step(4, {}, commit).status());
+
+  ASSERT_OK_AND_ASSIGN(auto reopened, client::ShardedSession::Open(options_, shards, "cut", spec));
+  EXPECT_EQ(reopened->last_step(), 4);
+  int64_t last_step = 0;
+  ASSERT_OK_AND_ASSIGN(client::ParameterMap now, reopened->GetParameters(&last_step));
+  EXPECT_EQ(last_step, 4);
+  EXPECT_EQ(now, expected.parameters);
+  Tensors next(spec, 500, 0.3f);
+  ASSERT_OK_AND_ASSIGN(client::StepReply got, reopened->Step(5, next.views, OptionsOf(5)));
+  ASSERT_OK_AND_ASSIGN(client::StepReply want, single->Step(5, next.views, OptionsOf(5)));
+  EXPECT_EQ(got.grad_norm, want.grad_norm);
+  EXPECT_EQ(got.parameters, want.parameters);
+
+  ASSERT_OK(reopened->Close());
+}
+
 TEST(ShardPlacementTest, LongestFirstOntoTheLeastLoadedWithPairsTogether) {
   // The example of the Python client's test: the same rule gives the same placement.
   v1::SessionSpec spec;

@@ -280,6 +280,54 @@ def test_a_shard_killed_between_prepare_and_commit_resumes_bit_identical(start_d
         assert_close(p.detach(), q.detach(), name)
 
 
+def test_a_step_its_trainer_left_between_commits_is_finished_by_the_next_attach(three, start_daemon):
+    """A trainer that stops after shard 0 committed step 6 and before the others did leaves the
+    shards at steps 6, 5, 5 with 6 prepared on shards 1 and 2: the next trainer's attach commits it
+    there with shard 0's decision, and training goes on as on one daemon."""
+    expected_model, expected_state, expected_infos = train([start_daemon().endpoint], range(1, 11))
+    endpoints = [d.endpoint for d in three]
+    session = f"cut-off-{uuid.uuid4().hex[:8]}"
+    model = AttentionNet(seed=3)
+    opt = muond.RemoteOptimizer(groups(model), endpoints=endpoints, session=session,
+                                max_grad_norm=0.5, qk_clip=[(model.wq, model.wk, HEADS)])
+    infos = [one_step(model, opt, step, 0) for step in range(1, 6)]
+
+    class Stopped(Exception):
+        """The trainer's end, as its process dying there would be."""
+
+    def stopping_at_commit(real_step):
+        def step(header, grads, *rest):
+            if header.phase == pb.STEP_PHASE_COMMIT:
+                raise Stopped()
+            return real_step(header, grads, *rest)
+        return step
+
+    for k in (1, 2):
+        opt._sessions[k].step = stopping_at_commit(opt._sessions[k].step)
+    with pytest.raises(Stopped):
+        one_step(model, opt, 6, 0)
+    opt.close(keep_session=True)
+    steps = []
+    for endpoint in endpoints:
+        conn = muond.Connection(endpoint)
+        steps += [s.last_step for s in conn.list_sessions() if s.session_id == session]
+        conn.close()
+    assert steps == [6, 5, 5]
+
+    model = AttentionNet(seed=99)
+    opt = muond.RemoteOptimizer(groups(model), endpoints=endpoints, session=session,
+                                max_grad_norm=0.5, qk_clip=[(model.wq, model.wk, HEADS)])
+    assert opt.attached and opt.last_step == 6
+    infos.append(expected_infos[5])  # step 6's answer never reached the stopped trainer
+    infos += [one_step(model, opt, step, 0) for step in range(7, 11)]
+    state = opt.state_dict()
+    opt.close()
+    assert_same_infos(infos, expected_infos)
+    assert_same_state(state, expected_state)
+    for (name, p), (_, q) in zip(model.named_parameters(), expected_model.named_parameters()):
+        assert_close(p.detach(), q.detach(), name)
+
+
 def test_wrong_endpoint_order_or_count_is_refused(three, start_daemon):
     endpoints = [d.endpoint for d in three]
     model = AttentionNet(seed=3)
