@@ -27,11 +27,12 @@ import logging
 import math
 import numbers
 import threading
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
+from . import options as opts
 from . import quantize, wire
 from .optimizer import RemoteOptimizer
 from .param_groups import default_param_groups
@@ -129,6 +130,12 @@ class _Sync:
 
     def __init__(self, fragment: int, sent: int, weight: float, lands_at: int):
         self.fragment, self.sent, self.weight, self.lands_at = fragment, sent, weight, lands_at
+        # Sent again after a try of the same session step failed: that try's weight (its tokens
+        # were counted again into this one's), else None. See DiLoCo._retry_was_applied.
+        self.retry_of: Optional[float] = None
+        # Answered as the replay of an applied first try: this worker is a sync behind the others,
+        # who sent the next session step at the point this retry went out.
+        self.realign = False
         self.thread: Optional[threading.Thread] = None
         self.stream: Optional[Any] = None  # the CUDA stream the step's GPU work goes on, if any
         self.error: Optional[BaseException] = None
@@ -274,6 +281,9 @@ class DiLoCo:
         self.last_sync: Optional[int] = None       # the fragment the last step() sent
         self.last_merged: Optional[int] = None     # ... whose answer the last step() merged
         self._sync_in_flight: Optional[_Sync] = None  # sent, not yet merged (overlap_steps)
+        # The session step and weight of the last sync that failed, until a sync of that step is
+        # answered: the next one is its retry.
+        self._failed: Optional[Tuple[int, float]] = None
         self._side_streams: Dict[torch.device, Any] = {}  # by CUDA device, for syncs in flight
         self._deltas: Dict[int, torch.Tensor] = {}  # Δ buffers, made at a parameter's first sync
         # Error feedback of quantized syncs: what the last sync of each parameter rounded away.
@@ -297,7 +307,11 @@ class DiLoCo:
         elif isinstance(outer, Mapping):
             given = [outer] if "params" in outer else [{"params": list(self.names), **outer}]
         else:
-            given = list(outer)
+            try:
+                given = list(outer)
+            except TypeError:
+                raise TypeError(f"outer: 'sgd', 'muon', a dict of group options or a list of "
+                                f"parameter groups, got {type(outer).__name__}") from None
         index = {name: i for i, name in enumerate(self.names)}
         by_id = {id(p): i for i, p in enumerate(self._params)}
         group_of: Dict[int, int] = {}
@@ -306,7 +320,11 @@ class DiLoCo:
             if not isinstance(group, Mapping) or "params" not in group:
                 raise TypeError(f"outer: group {g} must be a dict with 'params'")
             params = group["params"]
-            params = [params] if isinstance(params, (torch.Tensor, str)) else list(params)
+            try:
+                params = [params] if isinstance(params, (torch.Tensor, str)) else list(params)
+            except TypeError:
+                raise TypeError(f"outer: group {g}'s 'params' must be parameters or their names, "
+                                f"got {type(params).__name__}") from None
             members = [self._member(item, index, by_id, g) for item in params]
             for i in members:
                 if i in group_of:
@@ -314,8 +332,12 @@ class DiLoCo:
                                      f"{group_of[i]} and {g}")
                 group_of[i] = g
             options = {k: v for k, v in group.items() if k not in ("params", "param_names")}
-            groups.append({**self._sgd_defaults(options, kwargs, delay),
-                           "params": [self._globals[i] for i in members],
+            options = self._sgd_defaults(options, kwargs, delay)
+            try:  # the daemon would refuse these too, but only once the session is asked for
+                opts.check_ranges(opts.resolve_group(options, kwargs))
+            except ValueError as err:
+                raise ValueError(f"outer: group {g}: {err}") from None
+            groups.append({**options, "params": [self._globals[i] for i in members],
                            "param_names": [self.names[i] for i in members]})
         missing = [n for i, n in enumerate(self.names) if i not in group_of]
         if missing:
@@ -371,10 +393,16 @@ class DiLoCo:
         """The fragment that syncs after inner step ``inner_step`` (counted from 1, as
         ``inner_steps`` after that step), or None. A sync comes after every ``interval`` inner
         steps; the session's step s carries fragment (s − 1) mod F, so this worker's next sync
-        carries fragment ``remote.last_step mod F``."""
+        carries fragment ``remote.last_step mod F``, or the one after while a sync is in flight."""
         if inner_step < 1 or inner_step % self.interval:
             return None
-        return self.remote.last_step % self.fragments
+        return self._next_session_step() % self.fragments
+
+    def _next_session_step(self) -> int:
+        """The session step this worker's next sync goes after: the last answered one, or the
+        one in flight."""
+        pending = self._sync_in_flight
+        return self.remote.last_step + (0 if pending is None or pending.answered else 1)
 
     # -- the training loop -------------------------------------------------------------------------
 
@@ -421,10 +449,11 @@ class DiLoCo:
         self._merge(pending)
         return pending.fragment
 
-    def _sync(self, fragment: int) -> None:
+    def _sync(self, fragment: int, at_once: bool = False) -> None:
         """Sends one outer step of ``fragment``: Δ of its parameters as their gradients, weighted
-        by the tokens since its last sync. Its answer is merged at once, or after
-        ``overlap_steps`` inner steps during which the step runs in a thread."""
+        by the tokens since its last sync. Its answer is merged at once (``at_once``, or without
+        ``overlap_steps``), or after ``overlap_steps`` inner steps during which the step runs in a
+        thread."""
         weight = self._since_sync[fragment]
         members = self._members[fragment]
         for g in self._globals:
@@ -455,10 +484,12 @@ class DiLoCo:
                 f"before, or rebuild its inner optimizer and its model from global_parameters()")
         sync = _Sync(fragment, self.remote.last_step + 1, weight,
                      lands_at=self.inner_steps + self.overlap_steps)
+        if self._failed is not None and self._failed[0] == sync.sent:
+            sync.retry_of = self._failed[1]
         # The tokens from here on count toward the fragment's next sync.
         self._since_sync[fragment] = 0.0
         self._sync_in_flight = sync
-        if self.overlap_steps == 0:
+        if self.overlap_steps == 0 or at_once:
             sync.run(self.remote)
             self._merge(sync)
             return
@@ -492,7 +523,10 @@ class DiLoCo:
         if sync.error is not None:
             self._sync_in_flight = None
             self._since_sync[sync.fragment] += sync.weight
+            # A retry that failed too: the first try's weight is what a replay would have used.
+            self._failed = (sync.sent, sync.weight if sync.retry_of is None else sync.retry_of)
             raise sync.error
+        self._failed = None
         self.last_sync_bytes = sum(wire.payload_bytes(self._params[i].numel(), self.wire_dtype)
                                    for i in self._members[sync.fragment])
         self.sync_bytes += self.last_sync_bytes
@@ -515,12 +549,31 @@ class DiLoCo:
                          "the last sync is dropped", self.remote.rank, sync.sent, info.step)
             sync.whole = True
             return
+        if sync.retry_of is not None and info is not None and info.replayed:
+            self._retry_was_applied(sync)
+            return
         if info is not None and not info.applied:
             _log.warning("DiLoCo rank %d: outer step %d skipped (%s); fragment %d %s its global "
                          "values", self.remote.rank, info.step, info.skip_reason, sync.fragment,
                          "goes back to" if self.merge_alpha == 0.0 else "is merged with")
         elif quantize.is_quantized(self.wire_dtype):
             self._keep_rounding(self._members[sync.fragment])
+
+    def _retry_was_applied(self, sync: _Sync) -> None:
+        """``sync`` was sent again after its first try failed, and the daemon answers it as a
+        replay: the first try had been applied (its answer was lost), with the first try's Δ and
+        weight; this one's were not used. The tokens counted again go back to what came since the
+        first try, toward the fragment's next sync; the merge takes the step's answer as usual,
+        as an overlapped sync landing this late would; the rounding of a quantized Δ that was
+        not applied is not kept (the first try's is not known here: none is carried)."""
+        self._since_sync[sync.fragment] += sync.weight - sync.retry_of
+        for i in self._members[sync.fragment]:
+            self._feedback.pop(i, None)
+        sync.realign = not self.asynchronous
+        _log.warning("DiLoCo rank %d: sync step %d of fragment %d had been applied before its "
+                     "answer was lost (its retry was answered as a replay); the tokens since "
+                     "its first try count toward the fragment's next sync", self.remote.rank,
+                     sync.sent, sync.fragment)
 
     def _merge(self, sync: _Sync) -> None:
         """Waits for ``sync``'s answer if need be, then merges it into the local parameters: the
@@ -536,12 +589,18 @@ class DiLoCo:
         members = self._members[sync.fragment]
         if self.merge_alpha == 0.0:
             self._take_globals(members)
-            return
-        with torch.no_grad():
-            for i in members:
-                local = self._params[i]
-                local.copy_(torch.lerp(local.detach().float(), self._globals[i],
-                                       1.0 - self.merge_alpha))
+        else:
+            with torch.no_grad():
+                for i in members:
+                    local = self._params[i]
+                    local.copy_(torch.lerp(local.detach().float(), self._globals[i],
+                                           1.0 - self.merge_alpha))
+        if sync.realign:
+            # The others sent the next session step when this retry went out: send it now, and
+            # wait for it, so that this worker's syncs meet theirs again from the next one on.
+            due = self.remote.last_step % self.fragments
+            if self._since_sync[due] > 0:
+                self._sync(due, at_once=True)
 
     @torch.no_grad()
     def _keep_rounding(self, members: Iterable[int]) -> None:
@@ -631,6 +690,7 @@ class DiLoCo:
                 f"'{self.remote.session_id}' is at step {self.remote.last_step}: resume every "
                 f"worker from states saved at the same step, on the session they were saved from "
                 f"(a daemon with --state-dir keeps it across restarts)")
+        self._check_state_tensors(state_dict, saved)
         saved_globals = state_dict["global"]
         for name, g in zip(self.names, self._globals):
             if not torch.equal(saved_globals[name].to(g.device, g.dtype), g):
@@ -651,6 +711,34 @@ class DiLoCo:
             sync = _Sync(int(merge["fragment"]), int(merge["step"]), 0.0, int(merge["lands_at"]))
             sync.answered, sync.whole = True, bool(merge["whole"])
             self._sync_in_flight = sync
+
+    def _check_state_tensors(self, state_dict: Mapping[str, Any], saved: Mapping[str, Any]) -> None:
+        """ValueError, before anything changes, for a state dict of another worker or one whose
+        parts are missing or of other shapes."""
+        for key, mine in (("rank", self.remote.rank), ("world_size", self.remote.world_size)):
+            if key in saved and saved[key] != mine:
+                raise ValueError(f"{key}: the state dict is of a worker with {key} {saved[key]}, "
+                                 f"this worker has {mine}: each worker resumes from its own state")
+        since = saved.get("tokens_since_sync")
+        if not isinstance(since, (list, tuple)) or len(since) != self.fragments:
+            raise ValueError(f"tokens_since_sync: the state dict needs one count per fragment "
+                             f"({self.fragments}), got {since!r}")
+        for key in ("inner", "global", "local"):
+            if not isinstance(state_dict.get(key), Mapping):
+                raise ValueError(f"{key}: the state dict has no '{key}' section")
+        for key in ("global", "local"):
+            for name, p in zip(self.names, self._params):
+                value = state_dict[key].get(name)
+                if not isinstance(value, torch.Tensor) or value.shape != p.shape:
+                    got = tuple(value.shape) if isinstance(value, torch.Tensor) else value
+                    raise ValueError(f"{key}['{name}']: the state dict needs a tensor of shape "
+                                     f"{tuple(p.shape)}, got {got!r}")
+        shapes = dict(zip(self.names, (p.shape for p in self._params)))
+        for name, value in state_dict.get("error_feedback", {}).items():
+            if name not in shapes or not isinstance(value, torch.Tensor) or \
+                    value.shape != shapes[name]:
+                raise ValueError(f"error_feedback['{name}']: not a tensor of one of this worker's "
+                                 f"parameters' shapes")
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
