@@ -162,13 +162,16 @@ absl::Status ParseShard(const v1::SessionSpec& spec, SessionConfig& config) {
 // How two placements differ, in words; empty when they do not.
 std::string ShardDifference(const v1::SessionSpec& existing, const v1::SessionSpec& requested) {
   if (!existing.has_shard() && !requested.has_shard()) return "";
+  auto list = [](const v1::ShardPlacement& p) { return absl::StrCat("[", absl::StrJoin(p.endpoints(), ", "), "]"); };
   if (existing.has_shard() != requested.has_shard()) {
-    return existing.has_shard() ? "spec.shard: the session is one shard of a sharded session; this request is not"
-                                : "spec.shard: the session is not sharded; this request places it as a shard";
+    if (!existing.has_shard()) return "spec.shard: the session is not sharded; this request places it as a shard";
+    // A client given one endpoint sends no placement at all.
+    return absl::StrCat("spec.shard: the session is shard ", existing.shard().index(), " of a session placed on ",
+                        existing.shard().endpoints_size(), " daemons ", list(existing.shard()),
+                        "; this request is not sharded: give the endpoints in the order the session was created with");
   }
   const v1::ShardPlacement& a = existing.shard();
   const v1::ShardPlacement& b = requested.shard();
-  auto list = [](const v1::ShardPlacement& p) { return absl::StrCat("[", absl::StrJoin(p.endpoints(), ", "), "]"); };
   if (a.endpoints_size() != b.endpoints_size() ||
       !std::equal(a.endpoints().begin(), a.endpoints().end(), b.endpoints().begin())) {
     return absl::StrCat("spec.shard.endpoints: the session was placed on ", a.endpoints_size(), " daemons ", list(a),

@@ -341,6 +341,13 @@ def test_wrong_endpoint_order_or_count_is_refused(three, start_daemon):
             assert err.value.code == grpc.StatusCode.ALREADY_EXISTS
             assert "spec.shard.endpoints" in err.value.details
             assert "give the endpoints in the order the session was created with" in err.value.details
+        # One endpoint sends no placement: refused all the same, with the session's endpoints.
+        with pytest.raises(muond.MuondError) as err:
+            muond.RemoteOptimizer(groups(AttentionNet(seed=3)), endpoint=endpoints[0], session=session)
+        assert err.value.code == grpc.StatusCode.ALREADY_EXISTS
+        assert f"spec.shard: the session is shard 0 of a session placed on 3 daemons [{', '.join(endpoints)}]" \
+            in err.value.details
+        assert "give the endpoints in the order the session was created with" in err.value.details
         one_step_plain(model, opt)  # the session is untouched
         assert opt.last_step == 2
     with pytest.raises(ValueError, match=r"endpoints\[1\]: .* listed twice"):
