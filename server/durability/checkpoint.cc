@@ -302,7 +302,7 @@ absl::Status CheckCheckpointRoom(absl::string_view spec_json, const std::vector<
                    "names or fewer explicit ranges"));
 }
 
-absl::StatusOr<CheckpointData> ReadCheckpoint(Env* env, const std::string& dir) {
+absl::StatusOr<CheckpointData> ReadCheckpoint(Env* env, const std::string& dir, const TensorBytesBound& bound) {
   if (env->IsLink(dir)) {
     return absl::FailedPreconditionError(
         absl::StrCat("session folder ", dir, " is a symbolic link (state files are never reached through links)"));
@@ -410,8 +410,18 @@ absl::StatusOr<CheckpointData> ReadCheckpoint(Env* env, const std::string& dir) 
                                                          "' is not a checkpoint-<step>.safetensors beside it"));
   }
   const std::string tensor_file = dir + "/" + tensor_name;
-  // The declared size bounds the read: a larger file is refused before it is read.
+  // The declared size bounds the read: a larger file is refused before it is read. The size is the
+  // metadata's word, so it is bounded in turn by what the spec could fill: a forged size must not
+  // have the whole file read into memory (and a failed allocation stop the daemon's start).
   const uint64_t declared_bytes = (*tensors)["bytes"].get<uint64_t>();
+  if (bound) {
+    MUOND_ASSIGN_OR_RETURN(const uint64_t most, bound(data));
+    if (declared_bytes > most) {
+      return CheckpointCorrupt(metadata_file,
+                               absl::StrCat("tensors.bytes declares ", declared_bytes,
+                                            " bytes, more than its spec's tensors could fill (", most, ")"));
+    }
+  }
   absl::StatusOr<std::string> bytes = env->ReadFile(tensor_file, declared_bytes);
   const bool too_large = !bytes.ok() && bytes.status().code() == absl::StatusCode::kOutOfRange;
   if (!bytes.ok() && !too_large) return bytes.status();

@@ -15,6 +15,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <utility>
@@ -116,9 +117,14 @@ absl::Status CheckCheckpointRoom(absl::string_view spec_json, const std::vector<
 // last step and backend in __metadata__): the bytes a checkpoint's tensors file holds.
 std::string EncodeSafetensors(const CheckpointData& data);
 
-// Reads and verifies the checkpoint in `dir`. DATA_LOSS naming the file when it is unusable; the
-// errors of Env::ReadFile when it cannot be read.
-absl::StatusOr<CheckpointData> ReadCheckpoint(Env* env, const std::string& dir);
+// The most bytes the tensors file of a checkpoint whose metadata is `metadata` (its spec, read
+// first) can hold; an error refuses the checkpoint as it is.
+using TensorBytesBound = std::function<absl::StatusOr<uint64_t>(const CheckpointData& metadata)>;
+
+// Reads and verifies the checkpoint in `dir`. DATA_LOSS naming the file when it is unusable (a
+// tensors file declared larger than `bound` allows among it, refused before it is read); the
+// errors of Env::ReadFile when it cannot be read. Without `bound`, the declared size bounds the read.
+absl::StatusOr<CheckpointData> ReadCheckpoint(Env* env, const std::string& dir, const TensorBytesBound& bound = {});
 
 // DATA_LOSS "checkpoint <file> is unusable: <why>", for callers that find a checkpoint's contents
 // do not fit (`file` is the folder's metadata or tensors file).

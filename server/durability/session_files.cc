@@ -1,6 +1,7 @@
 #include "server/durability/session_files.h"
 
 #include <algorithm>
+#include <optional>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
@@ -143,14 +144,19 @@ absl::StatusOr<std::vector<std::string>> ListSessionFolders(const StateDirOption
 }
 
 absl::StatusOr<SessionFolder> LoadSessionFolder(const StateDirOptions& options, const std::string& dir,
-                                                const ParameterSizes& parameter_sizes) {
+                                                const SpecSizesOf& spec_sizes) {
   if (options.env->IsLink(dir)) return LinkedFolder(dir);
   SessionFolder folder;
   folder.dir = dir;
   folder.journal_path = dir + "/" + kJournalFile;
-  MUOND_ASSIGN_OR_RETURN(folder.checkpoint, ReadCheckpoint(options.env, dir));
-  MUOND_ASSIGN_OR_RETURN(std::vector<int64_t> numel, parameter_sizes(folder.checkpoint));
-  MUOND_ASSIGN_OR_RETURN(folder.journal, StepJournal::Read(options.env, folder.journal_path, numel));
+  std::optional<SpecSizes> sizes;
+  auto bound = [&](const CheckpointData& metadata) -> absl::StatusOr<uint64_t> {
+    MUOND_ASSIGN_OR_RETURN(sizes, spec_sizes(metadata));
+    return sizes->max_tensor_bytes;
+  };
+  MUOND_ASSIGN_OR_RETURN(folder.checkpoint, ReadCheckpoint(options.env, dir, bound));
+  if (!sizes.has_value()) return absl::InternalError("the checkpoint was read without its spec's sizes");
+  MUOND_ASSIGN_OR_RETURN(folder.journal, StepJournal::Read(options.env, folder.journal_path, sizes->numel));
   folder.last_generation = folder.checkpoint.generation;
   for (const JournalRecord& record : folder.journal.records) {
     folder.last_generation = std::max(folder.last_generation, record.checkpoint_generation);

@@ -124,15 +124,20 @@ bool IsKnownNonSessionFolder(const std::string& name);
 // (the name escaped); `muondctl state verify` fails such a folder with the same words.
 std::string ForeignFolderMessage(const std::string& state_dir, const std::string& name);
 
-// The element count of each of a session's parameters, from its checkpoint's spec.
-using ParameterSizes = std::function<absl::StatusOr<std::vector<int64_t>>(const CheckpointData&)>;
+// What a checkpoint's spec says of its session's size: each parameter's element count (the journal's
+// records are checked against them) and the most bytes its tensors file can hold.
+struct SpecSizes {
+  std::vector<int64_t> numel;
+  uint64_t max_tensor_bytes = 0;
+};
+using SpecSizesOf = std::function<absl::StatusOr<SpecSizes>(const CheckpointData&)>;
 
-// Reads a folder's checkpoint and journal; the journal's records are checked against the parameter
-// sizes, which come from the checkpoint's spec, hence the callback: parse the spec, return them.
+// Reads a folder's checkpoint and journal, sized by the checkpoint's spec, hence the callback: parse
+// the spec (called once the metadata is read, before the tensors), return its sizes.
 // Records of a generation older than the checkpoint's were written before it and are left out.
 // Refuses a folder that is a symbolic link.
 absl::StatusOr<SessionFolder> LoadSessionFolder(const StateDirOptions& options, const std::string& dir,
-                                                const ParameterSizes& parameter_sizes);
+                                                const SpecSizesOf& spec_sizes);
 
 // Moves the session folder `dir` into <state_dir>/kQuarantineFolder/<name>.<UTC time> (never deletes
 // anything) and makes the move durable. Returns the new path.

@@ -6,6 +6,7 @@
 #include "absl/time/time.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "server/session/memory_quota.h"
 
 namespace muond::session {
 namespace {
@@ -193,16 +194,28 @@ absl::Status FilePersistence::SaveCheckpoint(SessionState state) {
   return saved;
 }
 
+absl::StatusOr<durability::SpecSizes> CheckpointSpecSizes(const durability::CheckpointData& metadata,
+                                                          const std::string& metadata_file, const SpecCodec& codec,
+                                                          const SpecLimits& limits,
+                                                          absl::StatusOr<SessionConfig>* config) {
+  absl::StatusOr<SessionConfig> parsed = codec.Parse(metadata.spec_json, limits);
+  if (!parsed.ok()) return durability::CheckpointCorrupt(metadata_file, parsed.status().message());
+  durability::SpecSizes sizes;
+  for (const ParameterConfig& p : parsed->parameters) sizes.numel.push_back(p.numel);
+  // Masters and state at their stored widths are within the session's memory estimate (which counts
+  // gradients too); twice it, and the largest header, leave room for any encoding of them.
+  sizes.max_tensor_bytes =
+      2 * static_cast<uint64_t>(EstimateSessionBytes(*parsed)) + durability::kMaxCheckpointMetadataBytes;
+  if (config != nullptr) *config = std::move(parsed);
+  return sizes;
+}
+
 absl::StatusOr<LoadedSession> LoadSession(const durability::StateDirOptions& options, const std::string& dir,
                                           kernels::Backend* backend, const SpecCodec& codec, const SpecLimits& limits) {
   const std::string metadata_file = dir + "/" + durability::kCheckpointMetadataFile;
   absl::StatusOr<SessionConfig> config;
-  auto parse = [&](const durability::CheckpointData& data) -> absl::StatusOr<std::vector<int64_t>> {
-    config = codec.Parse(data.spec_json, limits);
-    if (!config.ok()) return durability::CheckpointCorrupt(metadata_file, config.status().message());
-    std::vector<int64_t> numel;
-    for (const ParameterConfig& p : config->parameters) numel.push_back(p.numel);
-    return numel;
+  auto parse = [&](const durability::CheckpointData& data) {
+    return CheckpointSpecSizes(data, metadata_file, codec, limits, &config);
   };
   MUOND_ASSIGN_OR_RETURN(durability::SessionFolder folder, durability::LoadSessionFolder(options, dir, parse));
   const std::string folder_name = dir.substr(dir.rfind('/') + 1);

@@ -64,6 +64,14 @@ struct LoadedSession {
 absl::StatusOr<LoadedSession> LoadSession(const durability::StateDirOptions& options, const std::string& dir,
                                           kernels::Backend* backend, const SpecCodec& codec, const SpecLimits& limits);
 
+// The sizes the spec of a checkpoint (its metadata, `metadata_file`) gives, parsed as a restore
+// parses it (into `config` when not null): each parameter's element count and the most bytes its
+// tensors file can hold. DATA_LOSS naming `metadata_file` for a spec that does not parse.
+absl::StatusOr<durability::SpecSizes> CheckpointSpecSizes(const durability::CheckpointData& metadata,
+                                                          const std::string& metadata_file, const SpecCodec& codec,
+                                                          const SpecLimits& limits,
+                                                          absl::StatusOr<SessionConfig>* config = nullptr);
+
 // Whether a LoadSession error is the daemon's trouble (memory, a quota) rather than the folder's:
 // such an error stops the start-up whatever options.on_damaged says, and the folder stays in place.
 bool IsDaemonTrouble(const absl::Status& status);

@@ -42,16 +42,6 @@ durability::StateDirOptions OptionsFor(const std::string& state_dir) {
   return options;
 }
 
-// The element count of each parameter, as the daemon parses the checkpoint's spec.
-absl::StatusOr<std::vector<int64_t>> ParameterSizes(const std::string& metadata_file,
-                                                    const durability::CheckpointData& data) {
-  absl::StatusOr<session::SessionConfig> config = rpc::ProtoSpecCodec().Parse(data.spec_json, kLimits);
-  if (!config.ok()) return durability::CheckpointCorrupt(metadata_file, config.status().message());
-  std::vector<int64_t> numel;
-  for (const session::ParameterConfig& p : config->parameters) numel.push_back(p.numel);
-  return numel;
-}
-
 FolderReport ReadFolder(const std::string& state_dir, const std::string& name) {
   durability::Env* env = durability::Env::Default();
   FolderReport report;
@@ -65,9 +55,10 @@ FolderReport ReadFolder(const std::string& state_dir, const std::string& name) {
     report.json["note"] = "no checkpoint: the session never received its parameters (the daemon removes it at start)";
     return report;
   }
-  absl::StatusOr<durability::SessionFolder> folder = durability::LoadSessionFolder(
-      OptionsFor(state_dir), report.dir,
-      [&](const durability::CheckpointData& data) { return ParameterSizes(metadata_file, data); });
+  absl::StatusOr<durability::SessionFolder> folder =
+      durability::LoadSessionFolder(OptionsFor(state_dir), report.dir, [&](const durability::CheckpointData& data) {
+        return session::CheckpointSpecSizes(data, metadata_file, rpc::ProtoSpecCodec(), kLimits);
+      });
   if (!folder.ok()) {
     report.error = folder.status();
     report.problems.push_back(std::string(folder.status().message()));

@@ -363,6 +363,10 @@ TEST_F(RestoreTest, LoadSessionRefusesWhatTheRestoreRefuses) {
          m["spec"]["parameters"][1]["shape"] = {3, 2};
        },
        "tensor 'b/master' does not have the shape its spec gives the parameter"},
+      // Bounded by the spec before the tensors file is read: a forged size is not read into memory.
+      {"a tensors file larger than its spec could fill",
+       [](nlohmann::json& m) { m["tensors"]["bytes"] = uint64_t{1} << 40; },
+       "tensors.bytes declares 1099511627776 bytes, more than its spec's tensors could fill"},
       {"parts written in a session without a partition",
        [](nlohmann::json& m) {
          m["parts_written"] = {{"of", "upload"}, {"ranks", {0}}};
