@@ -195,6 +195,8 @@ v1::ShardDecision ShardedSession::Decide(const std::vector<StepReply>& prepared)
 absl::StatusOr<StepReply> ShardedSession::StepOnce(int64_t step, const std::vector<std::vector<TensorView>>& gradients,
                                                    const StepOptions& options) {
   const size_t n = sessions_.size();
+  // One daemon holds the whole session (ShardSpec gives it no placement): its steps are whole.
+  if (n == 1) return sessions_[0]->Step(step, gradients[0], options);
   std::vector<StepOptions> prepare(n, options), commit(n, options);
   for (size_t k = 0; k < n; ++k) {
     prepare[k].phase = v1::STEP_PHASE_PREPARE;

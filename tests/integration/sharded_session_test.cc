@@ -154,6 +154,27 @@ TEST_F(ShardedSessionTest, ThreeDaemonsTrainBitIdenticalToOne) {
   ASSERT_OK(sharded->Close());
 }
 
+// One endpoint: the session is not sharded (no spec.shard) and its steps are whole ones.
+TEST_F(ShardedSessionTest, OneDaemonStepsAsAPlainSession) {
+  const v1::SessionSpec spec = ModelSpec();
+  ASSERT_OK_AND_ASSIGN(auto sharded, client::ShardedSession::Open(options_, {endpoints_[0]}, "one", spec));
+  client::ClientOptions one = options_;
+  one.endpoint = endpoints_[3];
+  ASSERT_OK_AND_ASSIGN(auto client, client::Client::Connect(one));
+  ASSERT_OK_AND_ASSIGN(auto single, client->CreateSession("one", spec));
+  const Tensors initial(spec, 0, 0.5f);
+  ASSERT_OK(sharded->UploadParameters(initial.views));
+  ASSERT_OK(single->UploadParameters(initial.views));
+  for (int step = 1; step <= 3; ++step) {
+    Tensors grads(spec, 100 * step, 0.3f);
+    ASSERT_OK_AND_ASSIGN(client::StepReply got, sharded->Step(step, grads.views, OptionsOf(step)));
+    ASSERT_OK_AND_ASSIGN(client::StepReply expected, single->Step(step, grads.views, OptionsOf(step)));
+    EXPECT_EQ(got.grad_norm, expected.grad_norm) << step;
+    EXPECT_EQ(got.parameters, expected.parameters) << step;
+  }
+  ASSERT_OK(sharded->Close());
+}
+
 // A trainer that stopped after shard 0 committed a step and before the others did: the next Open
 // commits it on the others with shard 0's decision, and every shard ends as one daemon does.
 TEST_F(ShardedSessionTest, AnOpenFinishesAStepItsTrainerLeftBetweenCommits) {
