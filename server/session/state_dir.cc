@@ -6,6 +6,7 @@
 #include "absl/time/time.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "kernels/optim/optimizer.h"
 #include "server/session/memory_quota.h"
 
 namespace muond::session {
@@ -194,6 +195,29 @@ absl::Status FilePersistence::SaveCheckpoint(SessionState state) {
   return saved;
 }
 
+namespace {
+
+// The most bytes the header of a checkpoint's safetensors file can take for `config`: one JSON entry
+// per tensor "<parameter>/<slot>" (each character escaped to at most 6 bytes), its dtype, shape and
+// offsets, and the __metadata__ strings (bounded as checkpoint.json is).
+uint64_t SafetensorsHeaderBound(const SessionConfig& config) {
+  std::vector<std::vector<std::string>> slots_of;
+  for (const GroupConfig& group : config.groups) {
+    absl::StatusOr<std::unique_ptr<optim::Optimizer>> optimizer = optim::Optimizer::Create(group.options);
+    // Options no optimizer accepts: as many slots as any optimizer has, with long names.
+    slots_of.push_back(optimizer.ok() ? (*optimizer)->SlotNames() : std::vector<std::string>(4, std::string(64, 's')));
+  }
+  uint64_t bytes = 8 + durability::kMaxCheckpointMetadataBytes;
+  for (const ParameterConfig& p : config.parameters) {
+    const uint64_t entry = 128 + 24 * p.shape.size();  // quotes, dtype, shape and offsets
+    bytes += 6 * (p.name.size() + 7) + entry;          // "<name>/master"
+    for (const std::string& slot : slots_of[p.group]) bytes += 6 * (p.name.size() + 1 + slot.size()) + entry;
+  }
+  return bytes;
+}
+
+}  // namespace
+
 absl::StatusOr<durability::SpecSizes> CheckpointSpecSizes(const durability::CheckpointData& metadata,
                                                           const std::string& metadata_file, const SpecCodec& codec,
                                                           const SpecLimits& limits,
@@ -203,9 +227,8 @@ absl::StatusOr<durability::SpecSizes> CheckpointSpecSizes(const durability::Chec
   durability::SpecSizes sizes;
   for (const ParameterConfig& p : parsed->parameters) sizes.numel.push_back(p.numel);
   // Masters and state at their stored widths are within the session's memory estimate (which counts
-  // gradients too); twice it, and the largest header, leave room for any encoding of them.
-  sizes.max_tensor_bytes =
-      2 * static_cast<uint64_t>(EstimateSessionBytes(*parsed)) + durability::kMaxCheckpointMetadataBytes;
+  // gradients too); twice it leaves room for any encoding of them, beside the header's bound.
+  sizes.max_tensor_bytes = 2 * static_cast<uint64_t>(EstimateSessionBytes(*parsed)) + SafetensorsHeaderBound(*parsed);
   if (config != nullptr) *config = std::move(parsed);
   return sizes;
 }
