@@ -7,6 +7,7 @@
 #include <cstring>
 #include <exception>
 #include <filesystem>
+#include <functional>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -68,6 +69,22 @@ uint32_t Crc(const char* data, size_t size) {
   return static_cast<uint32_t>(crc32_z(0L, reinterpret_cast<const Bytef*>(data), size));
 }
 
+// Reads `length` bytes of `file` from `offset`, kPayloadPiece at a time, handing each piece to
+// `take`: memory for a piece, not for the whole. Returns the bytes read, fewer where the file ends.
+absl::StatusOr<uint64_t> ReadInPieces(ReadableFile& file, uint64_t offset, uint64_t length,
+                                      const std::function<absl::Status(absl::string_view)>& take) {
+  std::string piece(static_cast<size_t>(std::min<uint64_t>(length, kPayloadPiece)), '\0');
+  uint64_t done = 0;
+  while (done < length) {
+    const size_t want = static_cast<size_t>(std::min<uint64_t>(length - done, piece.size()));
+    MUOND_ASSIGN_OR_RETURN(const size_t got, file.ReadAt(offset + done, piece.data(), want));
+    MUOND_RETURN_IF_ERROR(take(absl::string_view(piece.data(), got)));
+    done += got;
+    if (got < want) break;
+  }
+  return done;
+}
+
 // The largest payload a record of a session with these parameters can have: the generation, the
 // request and every gradient present once.
 uint64_t MaxPayloadBytes(const std::vector<int64_t>& numel) {
@@ -94,16 +111,11 @@ absl::Status StepJournal::CutTornTail() {
   MUOND_ASSIGN_OR_RETURN(std::unique_ptr<ReadableFile> in, env_->NewReadableFile(path_));
   const uint64_t keep = std::min<uint64_t>(in->size(), committed_bytes_);
   MUOND_RETURN_IF_ERROR(WriteFileAtomically(env_, path_, [&](WritableFile& out) -> absl::Status {
-    std::string piece(kPayloadPiece, '\0');
-    for (uint64_t done = 0; done < keep;) {
-      const size_t want = static_cast<size_t>(std::min<uint64_t>(keep - done, piece.size()));
-      MUOND_ASSIGN_OR_RETURN(const size_t got, in->ReadAt(done, piece.data(), want));
-      if (got < want) {
-        return absl::DataLossError(
-            absl::StrCat("journal ", path_, " shrank below its ", keep, " committed bytes while it was cut back"));
-      }
-      MUOND_RETURN_IF_ERROR(out.Append(absl::string_view(piece.data(), got)));
-      done += got;
+    MUOND_ASSIGN_OR_RETURN(const uint64_t copied,
+                           ReadInPieces(*in, 0, keep, [&](absl::string_view piece) { return out.Append(piece); }));
+    if (copied < keep) {
+      return absl::DataLossError(
+          absl::StrCat("journal ", path_, " shrank below its ", keep, " committed bytes while it was cut back"));
     }
     return absl::OkStatus();
   }));
@@ -233,17 +245,12 @@ absl::StatusOr<JournalContents> StepJournal::Read(Env* env, const std::string& p
     // A forged header can claim any length up to a step's largest: a large payload is checked
     // against its CRC a piece at a time before memory is taken for it.
     if (length > kPayloadReadWhole) {
-      std::string piece(kPayloadPiece, '\0');
       uLong running = crc32_z(0L, Z_NULL, 0);
-      bool torn = false;
-      for (uint64_t done = 0; done < length && !torn;) {
-        const size_t want_piece = static_cast<size_t>(std::min<uint64_t>(length - done, piece.size()));
-        MUOND_ASSIGN_OR_RETURN(const size_t got_piece, file->ReadAt(pos + done, piece.data(), want_piece));
-        running = crc32_z(running, reinterpret_cast<const Bytef*>(piece.data()), got_piece);
-        torn = got_piece < want_piece;
-        done += got_piece;
-      }
-      if (torn) {
+      MUOND_ASSIGN_OR_RETURN(const uint64_t checked, ReadInPieces(*file, pos, length, [&](absl::string_view piece) {
+                               running = crc32_z(running, reinterpret_cast<const Bytef*>(piece.data()), piece.size());
+                               return absl::OkStatus();
+                             }));
+      if (checked < length) {
         contents.dropped_torn_tail = true;  // the file shrank while it was read
         break;
       }
