@@ -206,9 +206,11 @@ class Connection:
         A TLS mismatch (plaintext against a TLS daemon, an untrusted certificate, a missing
         client certificate) looks like an unreachable daemon from here; the message says what
         to check and, where gRPC reports one, the transport's last error."""
+        watcher = grpc.channel_ready_future(self._channel)
         try:
-            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+            watcher.result(timeout=timeout)
         except grpc.FutureTimeoutError:
+            watcher.cancel()  # its polling of the channel ends with it
             hint = (" (TLS: check tls_ca_file, the name in the daemon's certificate and, for "
                     "mutual TLS, the client certificate)" if self.uses_tls else
                     " (if the daemon serves TLS, set tls_ca_file or use_tls)")
