@@ -402,7 +402,7 @@ class DiLoCo:
         """The session step this worker's next sync goes after: the last answered one, or the
         one in flight."""
         pending = self._sync_in_flight
-        return self.remote.last_step + (0 if pending is None or pending.answered else 1)
+        return self.remote.last_step if pending is None or pending.answered else pending.sent
 
     # -- the training loop -------------------------------------------------------------------------
 
@@ -550,8 +550,15 @@ class DiLoCo:
             sync.whole = True
             return
         if sync.retry_of is not None and info is not None and info.replayed:
-            self._retry_was_applied(sync)
-            return
+            if info.attempts == 1:  # the step was applied before this retry began: the first try
+                self._retry_was_applied(sync)
+                return
+            # A later try of the retry answered as a replay: the first try or an earlier try of
+            # this one was applied; which is not known here.
+            _log.warning("DiLoCo rank %d: the retry of sync step %d was answered as a replay after "
+                         "%d tries: taken as the retry's own step (it is the first try's if that "
+                         "was applied before its answer was lost)", self.remote.rank, sync.sent,
+                         info.attempts)
         if info is not None and not info.applied:
             _log.warning("DiLoCo rank %d: outer step %d skipped (%s); fragment %d %s its global "
                          "values", self.remote.rank, info.step, info.skip_reason, sync.fragment,
@@ -655,7 +662,8 @@ class DiLoCo:
                 "overlap_steps": self.overlap_steps, "merge_alpha": self.merge_alpha,
                 "pending_merge": None if pending is None else {
                     "fragment": pending.fragment, "step": pending.sent,
-                    "lands_at": pending.lands_at, "whole": pending.whole}}
+                    "lands_at": pending.lands_at, "whole": pending.whole,
+                    "realign": pending.realign}}
         return {"diloco": meta, "inner": self.inner.state_dict(),
                 "global": {n: g.detach().clone() for n, g in zip(self.names, self._globals)},
                 "local": {n: p.detach().clone() for n, p in zip(self.names, self._params)},
@@ -706,10 +714,12 @@ class DiLoCo:
         self.inner_steps = int(meta["inner_steps"])
         self.tokens = float(meta["tokens"])
         self._since_sync = [float(t) for t in meta["tokens_since_sync"]]
+        self._failed = None  # a sync that failed before the load is not this state's
         merge = saved.get("pending_merge")
         if merge is not None:  # answered before the save, merged after overlap_steps inner steps
             sync = _Sync(int(merge["fragment"]), int(merge["step"]), 0.0, int(merge["lands_at"]))
             sync.answered, sync.whole = True, bool(merge["whole"])
+            sync.realign = bool(merge.get("realign", False))
             self._sync_in_flight = sync
 
     def _check_state_tensors(self, state_dict: Mapping[str, Any], saved: Mapping[str, Any]) -> None:

@@ -456,7 +456,7 @@ def test_a_state_dict_saved_with_a_sync_in_flight_resumes_exactly(start_daemon, 
     session = session_name()
     state = _resumable_run(daemon.endpoint, session, 13, stop_at=6, **options)
     assert state["diloco"]["pending_merge"] == {"fragment": 0, "step": 3, "lands_at": 7,
-                                                "whole": False}
+                                                "whole": False, "realign": False}
     assert state["diloco"]["outer_step"] == 3
     daemon.stop()
     daemon = start_daemon("--state-dir", state_dir, workdir=workdir)
