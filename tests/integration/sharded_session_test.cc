@@ -93,7 +93,23 @@ class ShardedSessionTest : public ::testing::Test {
     options_ = TestClientOptions();
   }
 
+  // `id` sharded over `shards` and, for comparison, on the fourth daemon alone, both uploaded with
+  // the same initial values (`single` stays null when anything fails).
+  void OpenBoth(const std::string& id, const v1::SessionSpec& spec, const std::vector<std::string>& shards,
+                std::unique_ptr<client::ShardedSession>* sharded, std::unique_ptr<client::Session>* single) {
+    ASSERT_OK_AND_ASSIGN(*sharded, client::ShardedSession::Open(options_, shards, id, spec));
+    client::ClientOptions one = options_;
+    one.endpoint = endpoints_[3];
+    ASSERT_OK_AND_ASSIGN(single_client_, client::Client::Connect(one));
+    ASSERT_OK_AND_ASSIGN(auto made, single_client_->CreateSession(id, spec));
+    const Tensors initial(spec, 0, 0.5f);
+    ASSERT_OK((*sharded)->UploadParameters(initial.views));
+    ASSERT_OK(made->UploadParameters(initial.views));
+    *single = std::move(made);
+  }
+
   DaemonProcess daemons_[4];  // three shards, and one daemon for the one-daemon run
+  std::unique_ptr<client::Client> single_client_;
   std::vector<std::string> endpoints_;
   client::ClientOptions options_;
 };
@@ -157,14 +173,10 @@ TEST_F(ShardedSessionTest, ThreeDaemonsTrainBitIdenticalToOne) {
 // One endpoint: the session is not sharded (no spec.shard) and its steps are whole ones.
 TEST_F(ShardedSessionTest, OneDaemonStepsAsAPlainSession) {
   const v1::SessionSpec spec = ModelSpec();
-  ASSERT_OK_AND_ASSIGN(auto sharded, client::ShardedSession::Open(options_, {endpoints_[0]}, "one", spec));
-  client::ClientOptions one = options_;
-  one.endpoint = endpoints_[3];
-  ASSERT_OK_AND_ASSIGN(auto client, client::Client::Connect(one));
-  ASSERT_OK_AND_ASSIGN(auto single, client->CreateSession("one", spec));
-  const Tensors initial(spec, 0, 0.5f);
-  ASSERT_OK(sharded->UploadParameters(initial.views));
-  ASSERT_OK(single->UploadParameters(initial.views));
+  std::unique_ptr<client::ShardedSession> sharded;
+  std::unique_ptr<client::Session> single;
+  OpenBoth("one", spec, {endpoints_[0]}, &sharded, &single);
+  ASSERT_NE(single, nullptr);
   for (int step = 1; step <= 3; ++step) {
     Tensors grads(spec, 100 * step, 0.3f);
     ASSERT_OK_AND_ASSIGN(client::StepReply got, sharded->Step(step, grads.views, OptionsOf(step)));
@@ -180,14 +192,10 @@ TEST_F(ShardedSessionTest, OneDaemonStepsAsAPlainSession) {
 TEST_F(ShardedSessionTest, AnOpenFinishesAStepItsTrainerLeftBetweenCommits) {
   const v1::SessionSpec spec = ModelSpec();
   const std::vector<std::string> shards(endpoints_.begin(), endpoints_.begin() + 3);
-  ASSERT_OK_AND_ASSIGN(auto sharded, client::ShardedSession::Open(options_, shards, "cut", spec));
-  client::ClientOptions one = options_;
-  one.endpoint = endpoints_[3];
-  ASSERT_OK_AND_ASSIGN(auto client, client::Client::Connect(one));
-  ASSERT_OK_AND_ASSIGN(auto single, client->CreateSession("cut", spec));
-  const Tensors initial(spec, 0, 0.5f);
-  ASSERT_OK(sharded->UploadParameters(initial.views));
-  ASSERT_OK(single->UploadParameters(initial.views));
+  std::unique_ptr<client::ShardedSession> sharded;
+  std::unique_ptr<client::Session> single;
+  OpenBoth("cut", spec, shards, &sharded, &single);
+  ASSERT_NE(single, nullptr);
   for (int step = 1; step <= 3; ++step) {
     Tensors grads(spec, 100 * step, 0.3f);
     ASSERT_OK(sharded->Step(step, grads.views, OptionsOf(step)).status());

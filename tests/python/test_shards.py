@@ -169,6 +169,16 @@ def assert_same_infos(a, b):
         assert_close(x.grad_norm, y.grad_norm, f"grad_norm of step {x.step}")
 
 
+def assert_ends_as_expected(model, opt, infos, expected_model, expected_state, expected_infos):
+    """Closes ``opt`` and checks the run against one daemon's: step answers, state, parameters."""
+    state = opt.state_dict()
+    opt.close()
+    assert_same_infos(infos, expected_infos)
+    assert_same_state(state, expected_state)
+    for (name, p), (_, q) in zip(model.named_parameters(), expected_model.named_parameters()):
+        assert_close(p.detach(), q.detach(), name)
+
+
 @pytest.fixture
 def three(start_daemon):
     return [start_daemon() for _ in range(3)]
@@ -272,12 +282,7 @@ def test_a_shard_killed_between_prepare_and_commit_resumes_bit_identical(start_d
                                 max_grad_norm=0.5, qk_clip=[(model.wq, model.wk, HEADS)])
     assert opt.attached and opt.last_step == 15
     infos += [one_step(model, opt, step, 0) for step in range(16, 21)]
-    state = opt.state_dict()
-    opt.close()
-    assert_same_infos(infos, expected_infos)
-    assert_same_state(state, expected_state)
-    for (name, p), (_, q) in zip(model.named_parameters(), expected_model.named_parameters()):
-        assert_close(p.detach(), q.detach(), name)
+    assert_ends_as_expected(model, opt, infos, expected_model, expected_state, expected_infos)
 
 
 def test_a_step_its_trainer_left_between_commits_is_finished_by_the_next_attach(three, start_daemon):
@@ -320,12 +325,7 @@ def test_a_step_its_trainer_left_between_commits_is_finished_by_the_next_attach(
     assert opt.attached and opt.last_step == 6
     infos.append(expected_infos[5])  # step 6's answer never reached the stopped trainer
     infos += [one_step(model, opt, step, 0) for step in range(7, 11)]
-    state = opt.state_dict()
-    opt.close()
-    assert_same_infos(infos, expected_infos)
-    assert_same_state(state, expected_state)
-    for (name, p), (_, q) in zip(model.named_parameters(), expected_model.named_parameters()):
-        assert_close(p.detach(), q.detach(), name)
+    assert_ends_as_expected(model, opt, infos, expected_model, expected_state, expected_infos)
 
 
 def test_wrong_endpoint_order_or_count_is_refused(three, start_daemon):
