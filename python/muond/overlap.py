@@ -119,6 +119,8 @@ class GradientStream:
         if opened is None:
             return None, list(grads), broken
         now = dict(grads)
+        # The version counter sees edits through the tensor, its views and detach(); not through
+        # .data, which counts its own (docs/overlap.md says so).
         changed = [name for name, (grad, version) in sent.items()
                    if now.get(name) is not grad or grad._version != version]
         if changed:
