@@ -452,15 +452,19 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
         """The step every shard is at; MuondError naming the shards behind when they differ."""
         if len(set(steps)) <= 1:
             return steps[0]
+        raise self._common_step_error(steps, rpc)
+
+    def _common_step_error(self, steps: List[int], rpc: str) -> MuondError:
+        """The FAILED_PRECONDITION naming the shards behind the others of ``steps``."""
         ahead = max(steps)
         behind = ", ".join(f"shard {k} ({self.endpoints[k]}) at step {s}"
                            for k, s in enumerate(steps) if s != ahead)
-        raise MuondError(grpc.StatusCode.FAILED_PRECONDITION,
-                         f"session '{self.session_id}': the shards are at different steps: "
-                         f"{behind}, the others at step {ahead} (a daemon restarted from an older "
-                         f"checkpoint, or a step was cut off mid-commit); restore every shard to "
-                         f"one step (load_state_dict of a saved state_dict) before training on",
-                         rpc)
+        return MuondError(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"session '{self.session_id}': the shards are at different steps: "
+                          f"{behind}, the others at step {ahead} (a daemon restarted from an older "
+                          f"checkpoint, or a step was cut off mid-commit); restore every shard to "
+                          f"one step (load_state_dict of a saved state_dict) before training on",
+                          rpc)
 
     def _on_every_session(self, call: Callable[[int, DaemonSession], Any]) -> List[Any]:
         """``call(k, session)`` for every daemon, concurrently when there are several; the

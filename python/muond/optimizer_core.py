@@ -105,6 +105,9 @@ class OptimizerCore(Protocol):
         """The one step every daemon of a sharded session reports; MuondError naming ``rpc``
         when they differ."""
 
+    def _common_step_error(self, steps: List[int], rpc: str) -> Any:
+        """The MuondError naming the shards behind the others of ``steps``."""
+
     def _on_every_session(self, call: Callable[[int, "DaemonSession"], Any]) -> List[Any]:
         """``call(k, daemon)`` for every daemon, in parallel on a sharded session; the answers
         in daemon order."""

@@ -173,8 +173,13 @@ class StepTries(_Core):
         (``shard_step.py``). Safe to repeat as a whole after any failure."""
         prepares = [shard_step.prepare_header(header, session.by_name)
                     for session in self._sessions]
-        prepared = self._on_every_session(
-            lambda k, session: session.step(prepares[k], by_session[k]))
+        try:
+            prepared = self._on_every_session(
+                lambda k, session: session.step(prepares[k], by_session[k]))
+        except MuondError as err:
+            if err.code == grpc.StatusCode.FAILED_PRECONDITION and "header.step" in err.details:
+                self._name_shards_behind(err)
+            raise
         commit = shard_step.commit_header(
             header, shard_step.decide(prepared, self._indices_of, self._names))
         committed = self._on_every_session(lambda k, session: session.step(commit, [], out))
@@ -182,6 +187,23 @@ class StepTries(_Core):
         # sharded), so they agree; a disagreement is named rather than averaged away.
         step = self._common_step([int(r.step) for r in committed], "Step")
         return shard_step.result_of(commit, committed, step)
+
+    def _name_shards_behind(self, refused: MuondError) -> None:
+        """A prepare refused for its step number: when the shards are at different steps (a
+        daemon restored to an older checkpoint), raises the error naming the shards behind
+        instead (docs/sharding.md); returns when they are not, or cannot be asked."""
+        try:
+            steps = []
+            for session in self._sessions:
+                found = [s.last_step for s in session.conn.list_sessions()
+                         if s.session_id == self.session_id]
+                if not found:
+                    return
+                steps.append(int(found[0]))
+        except MuondError:
+            return
+        if len(set(steps)) > 1:
+            raise self._common_step_error(steps, "Step") from refused
 
     def _finish_cut_off_step(self, steps: List[int]) -> List[int]:
         """The shards' steps ``steps`` (as an attach found them) after finishing a step cut off

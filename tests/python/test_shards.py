@@ -405,10 +405,15 @@ def test_a_shard_restored_to_an_older_checkpoint_is_named(start_daemon, tmp_path
     assert opt.checkpoint() == 3  # every shard at step 3
     for _ in range(2):
         one_step_plain(model, opt)
-    opt.close(keep_session=True)
     old = daemons[1]
     old.kill()  # snapshot mode: steps 4 and 5 are lost on shard 1
     start_daemon("--state-dir", tmp_path / "state-1", listen=old.endpoint, workdir=old.workdir)
+    # The trainer stepping on is refused naming the shard behind, not its step number alone.
+    with pytest.raises(muond.MuondError) as err:
+        one_step_plain(model, opt)
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"shard 1 ({endpoints[1]}) at step 3, the others at step 5" in err.value.details
+    opt.close(keep_session=True)
     with pytest.raises(muond.MuondError) as err:
         muond.RemoteOptimizer(groups(AttentionNet(seed=3)), endpoints=endpoints, session=session)
     assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
