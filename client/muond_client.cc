@@ -519,6 +519,7 @@ absl::StatusOr<std::unique_ptr<StreamedStep>> Session::BeginStreamedStep(int64_t
 absl::StatusOr<StepReply> Session::FinishStreamed(StreamedStep& streamed, const StepOptions& options) {
   if (absl::Status fits = CheckParametersOut(options); !fits.ok()) {
     streamed.try_.reset();
+    if (transport_ != nullptr) transport_->DropStaged();  // the step is over: its staging with it
     return fits;
   }
   const StepPayload payload{.gradients = streamed.added_};

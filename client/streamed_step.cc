@@ -72,6 +72,8 @@ absl::StatusOr<StepReply> StreamedStep::Finish(const StepOptions& options) {
 void StreamedStep::Cancel() {
   done_ = true;
   try_.reset();  // cancels the call: nothing of it is applied
+  // What Add staged in shared memory is not for the session's next step, which writes its own.
+  if (session_->transport_ != nullptr) session_->transport_->DropStaged();
 }
 
 }  // namespace muond::client

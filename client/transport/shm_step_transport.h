@@ -29,6 +29,7 @@ class ShmStepTransport : public StepTransport {
   absl::StatusOr<StepReply> StepOnce(const v1::StepHeader& header, const StepPayload& payload,
                                      const StepOptions& options) override;
   bool StageGradient(const TensorView& gradient) override;
+  void DropStaged() override { staged_.clear(); }
   absl::Status Prepare() override { return SetUpRegion(); }
   absl::Status refusal() const override { return refusal_; }
 

@@ -54,6 +54,9 @@ class StepTransport {
   // place, or could not set it up (the try then writes the gradient as usual). What was staged
   // serves the next StepOnce only; a retry writes every gradient again.
   virtual bool StageGradient(const TensorView& gradient) { return false; }
+  // Forgets what was staged: the streamed step it was for was cancelled (or refused before its
+  // first try), so the next StepOnce writes every gradient it is given.
+  virtual void DropStaged() {}
   // Sets up what the first try needs (shared memory: its region) ahead of it; a failure here is
   // also the first try's, which sets up again.
   virtual absl::Status Prepare() { return absl::OkStatus(); }

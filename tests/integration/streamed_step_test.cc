@@ -146,6 +146,32 @@ TEST_F(StreamedStepTest, ACancelledStepAppliesNothingAndItsNumberStaysFree) {
   EXPECT_EQ(b->parameters, a->parameters);
 }
 
+// Over shared memory Add writes each gradient into its slot at once: a streamed step cancelled, or
+// whose Finish was refused, must not leave those values for the next plain step to send.
+TEST_F(StreamedStepTest, AnAbandonedStepLeavesNothingForAPlainStep) {
+  std::unique_ptr<client::Session> plain = NewSession("abandoned-plain");
+  std::unique_ptr<client::Session> session = NewSession("abandoned");
+  {
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<client::StreamedStep> streamed, session->BeginStreamedStep(1));
+    for (const client::TensorView& g : Gradients(9)) ASSERT_OK(streamed->Add(g));
+    streamed->Cancel();
+  }
+  ASSERT_OK_AND_ASSIGN(client::StepReply expected, plain->Step(1, Gradients(1)));
+  ASSERT_OK_AND_ASSIGN(client::StepReply got, session->Step(1, Gradients(1)));
+  EXPECT_EQ(got.parameters, expected.parameters);
+  {
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<client::StreamedStep> streamed, session->BeginStreamedStep(2));
+    for (const client::TensorView& g : Gradients(9)) ASSERT_OK(streamed->Add(g));
+    std::vector<float> too_small(1);
+    client::StepOptions refused;
+    refused.parameters_out["w"] = too_small;
+    EXPECT_THAT(streamed->Finish(refused), StatusIs(absl::StatusCode::kInvalidArgument, "parameters_out"));
+  }
+  ASSERT_OK_AND_ASSIGN(expected, plain->Step(2, Gradients(2)));
+  ASSERT_OK_AND_ASSIGN(got, session->Step(2, Gradients(2)));
+  EXPECT_EQ(got.parameters, expected.parameters);
+}
+
 TEST_F(StreamedStepTest, AStreamWithoutItsEndIsRefusedNamingIt) {
   std::unique_ptr<client::Session> session = NewSession("streamed-no-end");
   grpc::Status status = RawStepMessages({HeaderMessage(StreamedHeader(session->id(), 1)), ChunkMessage("w", 1, 32)});
