@@ -135,6 +135,15 @@ absl::Status CheckOptions(const ClientOptions& options) {
     return absl::InvalidArgumentError(
         absl::StrCat("max_message_bytes: must be above 0, got ", options.max_message_bytes));
   }
+  // A chunk's payload travels with its parameter's name and fields in one gRPC message, sent and
+  // received within max_message_bytes.
+  constexpr size_t kChunkFraming = 64 << 10;
+  if (options.chunk_bytes > static_cast<size_t>(options.max_message_bytes) ||
+      static_cast<size_t>(options.max_message_bytes) - options.chunk_bytes < kChunkFraming) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("chunk_bytes: ", options.chunk_bytes, " bytes and a chunk's framing (up to ", kChunkFraming,
+                     " bytes) must fit in max_message_bytes (", options.max_message_bytes, "); lower chunk_bytes"));
+  }
   if (options.max_step_attempts < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("max_step_attempts: must be at least 1, got ", options.max_step_attempts));
@@ -205,6 +214,10 @@ absl::StatusOr<std::unique_ptr<StepTransport>> Client::OpenTransport(const Sessi
 
 void Client::PauseBeforeRetry(std::chrono::milliseconds backoff) const {
   const auto deadline = std::chrono::steady_clock::now() + backoff;
+  // A channel that has failed to connect for a while waits up to its longest reconnect backoff (2 s)
+  // before trying again, longer than the first pauses of a retry: a daemon back since would be
+  // missed by every try. The retry's own pause is the backoff that counts: try again now.
+  grpc::experimental::ChannelResetConnectionBackoff(channel_.get());
   channel_->WaitForConnected(std::chrono::system_clock::now() + backoff);
   std::this_thread::sleep_until(deadline);  // connected early: still keep the backoff
 }

@@ -46,7 +46,7 @@ struct TransportKind;
 struct ClientOptions {
   std::string endpoint = "127.0.0.1:50051";
   // Payload per chunk sent (at least 1), lowered to the daemon's limit (4 MiB by default) when that is
-  // smaller: Client::chunk_bytes().
+  // smaller: Client::chunk_bytes(). With 64 KiB for a chunk's framing it must fit max_message_bytes.
   size_t chunk_bytes = 1u << 20;
   int max_message_bytes = 64 << 20;  // gRPC message limits, set explicitly on the channel
   // A gRPC step whose gradients and answer each carry at most this much payload, and fit the daemon's

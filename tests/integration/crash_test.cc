@@ -176,6 +176,35 @@ TEST(CrashTest, AStepRightAfterARestartSucceedsWithinTheClientsRetries) {
   }
 }
 
+// A client that kept failing while its daemon was down has a channel waiting its longest reconnect
+// backoff (2 s) between attempts, longer than the default retries' pauses (0.1 + 0.2 + 0.4 s): each
+// retry pause asks for an attempt now, so the first step once the daemon is back finds it.
+TEST(CrashTest, AClientThatKeptCallingThroughAnOutageFindsTheDaemonBack) {
+  DaemonProcess daemon;
+  const std::vector<std::string> flags = JournalFlags(daemon);
+  std::string error;
+  ASSERT_TRUE(daemon.Start(flags, &error)) << error;
+  const int port = daemon.port();
+  client::ClientOptions options = testing::TestClientOptions();
+  options.endpoint = daemon.endpoint();
+  options.retry_backoff = std::chrono::milliseconds(100);
+  options.max_step_attempts = 4;
+  ASSERT_OK_AND_ASSIGN(auto client, client::Client::Connect(options));
+  auto session = Upload(*client, "outage");
+  ASSERT_NE(session, nullptr);
+  std::vector<float> w, b;
+  const client::ParameterMap initial = {{"w", DaemonTest::Initial("w", 32)}, {"b", DaemonTest::Initial("b", 4)}};
+  ASSERT_OK_AND_ASSIGN(client::StepReply last, session->Step(1, Gradients(initial, 1, &w, &b)));
+  daemon.Kill();
+  for (int call = 0; call < 4; ++call) {  // about 3 s of failing tries: the backoff reaches its cap
+    EXPECT_THAT(session->Step(2, Gradients(last.parameters, 2, &w, &b)), StatusIs(absl::StatusCode::kUnavailable, ""));
+  }
+  ASSERT_TRUE(daemon.Start(flags, &error, port)) << error;
+  absl::StatusOr<client::StepReply> reply = session->Step(2, Gradients(last.parameters, 2, &w, &b));
+  ASSERT_TRUE(reply.ok()) << reply.status();
+  EXPECT_TRUE(reply->applied);
+}
+
 // A daemon restarted with a smaller --max-chunk-bytes than the client fitted its chunks to refuses
 // them (CHUNK_TOO_LARGE): the client asks the limit again and sends the same step in smaller chunks,
 // streamed (the try is made again whole) and plain alike, and the steps are applied once each, as in a

@@ -32,6 +32,10 @@ TEST_F(DaemonTest, ConnectRefusesOptionsThatCannotWorkNamingThem) {
   const std::vector<std::pair<Change, std::string>> cases = {
       {[](client::ClientOptions& o) { o.chunk_bytes = 0; }, "chunk_bytes: must be at least 1 byte, got 0"},
       {[](client::ClientOptions& o) { o.max_message_bytes = 0; }, "max_message_bytes: must be above 0, got 0"},
+      {[](client::ClientOptions& o) { o.chunk_bytes = 64 << 20; },
+       "chunk_bytes: 67108864 bytes and a chunk's framing (up to 65536 bytes) must fit in max_message_bytes"},
+      {[](client::ClientOptions& o) { o.max_message_bytes = 1 << 20; },
+       "chunk_bytes: 1048576 bytes and a chunk's framing"},
       {[](client::ClientOptions& o) { o.max_step_attempts = 0; }, "max_step_attempts: must be at least 1, got 0"},
       {[](client::ClientOptions& o) { o.rpc_timeout = milliseconds(0); }, "rpc_timeout: must be above 0 ms, got 0"},
       {[](client::ClientOptions& o) { o.connect_timeout = milliseconds(-5); },
