@@ -8,6 +8,7 @@
 #include <thread>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
@@ -58,6 +59,7 @@ absl::StatusOr<std::unique_ptr<ShardedSession>> ShardedSession::Open(ClientOptio
   if (!placement.ok()) return placement.status();
   std::unique_ptr<ShardedSession> sharded(new ShardedSession());
   sharded->endpoints_ = std::move(endpoints);
+  sharded->session_id_ = session_id;
   sharded->spec_ = spec;
   sharded->placement_ = *std::move(placement);
   for (int i = 0; i < spec.parameters_size(); ++i)
@@ -125,6 +127,23 @@ void ShardedSession::FinishCutOffStep(std::vector<int64_t>& steps) {
     if (!sessions_[k]->Step(ahead, {}, commit).ok()) return;
     steps[k] = ahead;
   }
+}
+
+absl::Status ShardedSession::NameShardsBehind(absl::Status refused) {
+  if (refused.code() != absl::StatusCode::kFailedPrecondition || !absl::StrContains(refused.message(), "header.step")) {
+    return refused;
+  }
+  std::vector<int64_t> steps;
+  for (const std::unique_ptr<Client>& client : clients_) {
+    absl::StatusOr<std::vector<v1::SessionSummary>> sessions = client->ListSessions();
+    if (!sessions.ok()) return refused;
+    auto mine = std::find_if(sessions->begin(), sessions->end(),
+                             [&](const v1::SessionSummary& s) { return s.session_id() == session_id_; });
+    if (mine == sessions->end()) return refused;
+    steps.push_back(mine->last_step());
+  }
+  absl::StatusOr<int64_t> common = CommonStep(steps);
+  return common.ok() ? refused : common.status();
 }
 
 absl::StatusOr<int64_t> ShardedSession::CommonStep(const std::vector<int64_t>& steps) const {
@@ -219,7 +238,7 @@ absl::StatusOr<StepReply> ShardedSession::StepOnce(int64_t step, const std::vect
   }
   absl::StatusOr<std::vector<StepReply>> prepared =
       OnEveryShard<StepReply>([&](int k) { return sessions_[k]->Step(step, gradients[k], prepare[k]); });
-  if (!prepared.ok()) return prepared.status();
+  if (!prepared.ok()) return NameShardsBehind(prepared.status());
   const v1::ShardDecision decision = Decide(*prepared);
   for (StepOptions& o : commit) o.decision = decision;
   static const std::vector<TensorView> kNone;

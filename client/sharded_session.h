@@ -67,8 +67,12 @@ class ShardedSession {
   void FinishCutOffStep(std::vector<int64_t>& steps);
   // The common step of `steps` (one per shard), else FAILED_PRECONDITION naming the shards behind.
   absl::StatusOr<int64_t> CommonStep(const std::vector<int64_t>& steps) const;
+  // A step refused for its number: CommonStep's refusal when the shards are at different steps (one
+  // restored to an older checkpoint), else `refused` as it is.
+  absl::Status NameShardsBehind(absl::Status refused);
 
   std::vector<std::string> endpoints_;
+  std::string session_id_;
   v1::SessionSpec spec_;
   Placement placement_;
   std::map<std::string, int> shard_of_;       // parameter name → its daemon

@@ -9,6 +9,7 @@
 #include <limits>
 #include <set>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "tests/integration/daemon_process.h"
 #include "tests/testing/status_matchers.h"
@@ -243,6 +244,41 @@ TEST_F(ShardedSessionTest, AnOpenFinishesAStepItsTrainerLeftBetweenCommits) {
   EXPECT_EQ(got.parameters, want.parameters);
 
   ASSERT_OK(reopened->Close());
+}
+
+// A shard restored to an older checkpoint (snapshot mode): the next step is refused naming the
+// shards behind, as an Open would be, not by that shard's step number alone.
+TEST_F(ShardedSessionTest, AStepAfterAShardWentBackNamesTheShardsBehind) {
+  const v1::SessionSpec spec = ModelSpec();
+  DaemonProcess shards[3];
+  std::vector<std::string> endpoints;
+  auto flags = [&](DaemonProcess& d) {
+    return std::vector<std::string>{"--backend", "cpu", "--log-level", "warn", "--state-dir", d.dir() + "/state"};
+  };
+  for (DaemonProcess& d : shards) {
+    std::string error;
+    ASSERT_TRUE(d.Start(flags(d), &error)) << error;
+    endpoints.push_back(d.endpoint());
+  }
+  ASSERT_OK_AND_ASSIGN(auto sharded, client::ShardedSession::Open(options_, endpoints, "back", spec));
+  const Tensors initial(spec, 0, 0.5f);
+  ASSERT_OK(sharded->UploadParameters(initial.views));
+  for (int step = 1; step <= 5; ++step) {
+    Tensors grads(spec, 100 * step, 0.3f);
+    ASSERT_OK(sharded->Step(step, grads.views, OptionsOf(step)).status());
+    if (step == 3) {
+      ASSERT_OK_AND_ASSIGN(const int64_t checkpointed, sharded->Checkpoint());
+      ASSERT_EQ(checkpointed, 3);
+    }
+  }
+  const int port = shards[1].port();
+  shards[1].Kill();  // snapshot mode: steps 4 and 5 are lost on shard 1
+  std::string error;
+  ASSERT_TRUE(shards[1].Start(flags(shards[1]), &error, port)) << error;
+  Tensors grads(spec, 600, 0.3f);
+  EXPECT_THAT(sharded->Step(6, grads.views, OptionsOf(6)),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       absl::StrCat("shard 1 (", endpoints[1], ") at step 3, the others at step 5")));
 }
 
 TEST(ShardPlacementTest, LongestFirstOntoTheLeastLoadedWithPairsTogether) {
