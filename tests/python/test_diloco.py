@@ -4,63 +4,26 @@ DiLoCo written here: every worker's inner AdamW on its own data, every H inner s
 the pseudo-gradients weighted by tokens (Σ w·Δ / Σ w summed in rank order in fp64, rounded once to
 fp32, as the daemon averages) and the outer step on the global parameters. Also: outer Muon equals
 muond's own Muon fed the averaged pseudo-gradients, the Streaming DiLoCo schedule of fragments=2,
-resuming from a state dict across a daemon restart, refused arguments, and the example."""
+resuming from a state dict across a daemon restart, and the example. Failures and refusals:
+test_diloco_failures.py."""
 
 import concurrent.futures
-import copy
 import io
 import os
 import subprocess
 import sys
-import threading
-import uuid
 
-import grpc
 import pytest
 import torch
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 
 import muond
 from muond import quantize
 from muond.diloco import muon_outer_groups, split_fragments
 
 from conftest import REPO_ROOT
-from helpers import TinyNet, assert_bitwise, batch
-
-SEED = 70
-SIZES = (8, 16, 24)             # worker r's batch size, and the tokens of each of its steps
-INNER = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
-# TinyNet's parameters split in two by the documented rule (the middle of down.weight lies past
-# half of all elements, so it opens fragment 1).
-TWO_FRAGMENTS = [["emb.weight", "up.weight", "up.bias", "norm.weight", "norm.bias"],
-                 ["down.weight", "down.bias", "head.weight"]]
-
-
-def inner_loss(model, rank: int, t: int):
-    x, y = batch(100 * rank + t, size=SIZES[rank])  # each worker trains on its own data
-    return F.cross_entropy(model(x), y)
-
-
-def inner_step(model, inner, rank: int, t: int) -> None:
-    inner.zero_grad()
-    inner_loss(model, rank, t).backward()
-
-
-def session_name() -> str:
-    return f"diloco-{uuid.uuid4().hex[:12]}"
-
-
-def end_session(endpoint: str, session: str) -> None:
-    """Ends a session the workers kept; one never opened (a worker failed first) is fine."""
-    conn = muond.Connection(endpoint)
-    try:
-        conn.close_session(session)
-    except muond.MuondError as err:
-        if err.code != grpc.StatusCode.NOT_FOUND:
-            raise
-    finally:
-        conn.close()
+from diloco_helpers import INNER, SEED, SIZES, TWO_FRAGMENTS, end_session, inner_step, session_name
+from helpers import TinyNet, assert_bitwise
 
 
 # -- the pure-torch reference ----------------------------------------------------------------------
@@ -472,115 +435,6 @@ def test_a_state_dict_saved_with_a_sync_in_flight_resumes_exactly(start_daemon, 
             other.load_state_dict(state)
 
 
-def test_a_sync_applied_before_its_answer_was_lost_is_not_sent_twice(start_daemon):
-    """Two workers, H = 4, F = 2: the daemon applies session step 3 (after inner step 6), and
-    worker 1's every try of it loses the answer. Its next sync (after inner step 8) sends step 3
-    again, which the daemon answers as a replay: the first try's Δ and weight were applied, so the
-    tokens counted again go back to those since the first try, and the worker sends step 4 at once,
-    as the other worker did there: both end at the same session step, every step's weight the
-    tokens each worker trained on since it last sent that fragment."""
-    daemon = start_daemon("--straggler-timeout", "60")
-    session = session_name()
-    workers = []
-    for rank in range(2):
-        model = TinyNet(seed=SEED)
-        inner = torch.optim.AdamW(model.parameters(), **INNER)
-        workers.append((model, inner, muond.DiLoCo(
-            model, inner, sync_every=4, fragments=2, endpoint=daemon.endpoint, session=session,
-            world_size=2, rank=rank, transport="grpc", retry_backoff=0.01)))
-    attempts = workers[1][2].remote.max_step_attempts
-    lossy = workers[1][2].remote._sessions[0]  # pylint: disable=protected-access
-    real_step, lost = lossy.step, []
-
-    def answer_lost(header, *args, **kwargs):
-        answer = real_step(header, *args, **kwargs)
-        if header.step == 3 and len(lost) < attempts:  # every try of the first sync of step 3
-            lost.append(header.step)
-            raise muond.MuondError(grpc.StatusCode.UNAVAILABLE, "injected: answer lost", "Step")
-        return answer
-
-    lossy.step = answer_lost
-    syncs, errors = [[], []], [[], []]
-
-    def train(rank):
-        model, inner, diloco = workers[rank]
-        for t in range(1, 13):
-            inner_step(model, inner, rank, t)
-            try:
-                diloco.step(tokens=SIZES[rank])
-            except muond.MuondError as err:
-                errors[rank].append((t, err.code))
-                continue
-            if diloco.last_sync is not None:
-                info = diloco.last_info
-                syncs[rank].append((t, info.step, info.total_weight, info.replayed))
-
-    threads = [threading.Thread(target=train, args=(rank,)) for rank in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert lost == [3] * attempts
-    assert errors == [[], [(6, grpc.StatusCode.UNAVAILABLE)]]
-    s0, s1 = SIZES[0], SIZES[1]
-    assert syncs[0] == [(2, 1, 2 * (s0 + s1), False), (4, 2, 4 * (s0 + s1), False),
-                        (6, 3, 4 * (s0 + s1), False), (8, 4, 4 * (s0 + s1), False),
-                        (10, 5, 4 * (s0 + s1), False), (12, 6, 4 * (s0 + s1), False)]
-    # After inner step 8 worker 1 got step 3's replay, then step 4's answer.
-    assert syncs[1] == [(2, 1, 2 * (s0 + s1), False), (4, 2, 4 * (s0 + s1), False),
-                        (8, 4, 4 * (s0 + s1), False), (10, 5, 4 * (s0 + s1), False),
-                        (12, 6, 4 * (s0 + s1), False)]
-    for _, _, diloco in workers:
-        assert diloco.remote.last_step == 6
-    assert_bitwise(workers[0][2].global_parameters(), workers[1][2].global_parameters(),
-                   "the workers' global parameters")
-    for _, _, diloco in workers:
-        diloco.close(keep_session=True)
-    end_session(daemon.endpoint, session)
-
-
-def test_a_failed_overlapped_sync_raises_at_its_merge_and_its_tokens_count_again(endpoint,
-                                                                                   caplog):
-    """overlap_steps 1 against the real daemon, the sync's RemoteOptimizer.step made to fail
-    before anything is sent: the error comes at the merge, one inner step later; the fragment's
-    tokens count again, so the next sync sends them with those since, as the session's step 1.
-    A sync that fails while in flight at close() is logged, not lost."""
-    import logging  # noqa: PLC0415
-
-    def failing(*args, **kwargs):
-        raise RuntimeError("injected: the sync did not go out")
-
-    model = TinyNet(seed=SEED)
-    inner = torch.optim.AdamW(model.parameters(), **INNER)
-    with caplog.at_level(logging.WARNING, logger="muond"):
-        with muond.DiLoCo(model, inner, sync_every=2, endpoint=endpoint, overlap_steps=1) as diloco:
-            real_step = diloco.remote.step
-            diloco.remote.step = failing
-            for t in (1, 2):
-                inner_step(model, inner, 0, t)
-                diloco.step(tokens=SIZES[0])
-            assert diloco.sync_in_flight == 0
-            inner_step(model, inner, 0, 3)
-            with pytest.raises(RuntimeError, match="injected"):
-                diloco.step(tokens=SIZES[0])
-            assert (diloco.sync_in_flight, diloco.inner_steps) == (None, 3)
-            assert diloco._since_sync == [3.0 * SIZES[0]]  # pylint: disable=protected-access
-            diloco.remote.step = real_step
-            for t in (4, 5):  # sent after 4, merged after 5
-                inner_step(model, inner, 0, t)
-                diloco.step(tokens=SIZES[0])
-            assert (diloco.last_merged, diloco.last_info.step) == (0, 1)
-            assert diloco.last_info.total_weight == 4.0 * SIZES[0]
-            assert_bitwise({n: p.detach() for n, p in model.named_parameters()},
-                           diloco.global_parameters(), "the merged parameters")
-            diloco.remote.step = failing
-            inner_step(model, inner, 0, 6)
-            diloco.step(tokens=SIZES[0])  # sent after 6, failing in its thread
-            assert diloco.sync_in_flight == 0
-            diloco.remote.step = real_step  # close() ends the session
-    assert "the sync of fragment 0 in flight at close failed: injected" in caplog.text
-
-
 def test_finish_sync_merges_a_sync_in_flight_at_once(endpoint):
     model = TinyNet(seed=SEED)
     inner = torch.optim.AdamW(model.parameters(), **INNER)
@@ -694,110 +548,6 @@ def test_quorum_worker_left_out_takes_the_session_parameters(endpoint, overlap):
         for _, diloco in runs:
             diloco.close(keep_session=True)
         end_session(endpoint, session)
-
-
-def test_state_dict_refuses_another_step(endpoint):
-    model = TinyNet(seed=SEED)
-    inner = torch.optim.AdamW(model.parameters(), **INNER)
-    with muond.DiLoCo(model, inner, sync_every=2, endpoint=endpoint) as diloco:
-        state = diloco.state_dict()
-        for t in (1, 2):
-            inner_step(model, inner, 0, t)
-            diloco.step()
-        assert diloco.remote.last_step == 1
-        with pytest.raises(ValueError, match="outer step 0.*at step 1"):
-            diloco.load_state_dict(state)
-        with pytest.raises(ValueError, match="not a DiLoCo state dict"):
-            diloco.load_state_dict(inner.state_dict())
-        # Another worker's state, or one missing a part, is refused before anything changes.
-        now = diloco.state_dict()
-        inner_before = copy.deepcopy(inner.state_dict())
-        other_rank = {**now, "diloco": {**now["diloco"], "rank": 1, "world_size": 2}}
-        no_local = {key: value for key, value in now.items() if key != "local"}
-        short = {**now, "diloco": {**now["diloco"], "tokens_since_sync": []}}
-        wrong_shape = {**now, "global": {**now["global"], "up.weight": torch.zeros(3)}}
-        for bad, pattern in ((other_rank, "rank: the state dict is of a worker with rank 1"),
-                             (no_local, "local: the state dict has no 'local' section"),
-                             (short, "tokens_since_sync: the state dict needs one count"),
-                             (wrong_shape, "global\\['up.weight'\\]: the state dict needs a tensor")):
-            with pytest.raises(ValueError, match=pattern):
-                diloco.load_state_dict(bad)
-        after = inner.state_dict()["state"]
-        for index, slots in inner_before["state"].items():
-            for slot, value in slots.items():
-                assert torch.equal(after[index][slot], value), (index, slot)
-
-
-def test_bad_arguments_are_refused_naming_them(endpoint):
-    model = TinyNet(seed=SEED)
-    inner = torch.optim.AdamW(model.parameters())
-    for kwargs, pattern in [
-            (dict(sync_every=0), "sync_every: must be at least 1"),
-            (dict(sync_every=4, fragments=0), "fragments: must be in \\[1, 8\\]"),
-            (dict(sync_every=9, fragments=9), "fragments: must be in \\[1, 8\\]"),
-            (dict(sync_every=6, fragments=4), "fragments: sync_every \\(6\\) must be a multiple"),
-            (dict(sync_every=4, outer="adam"), "outer: unknown outer optimizer"),
-            (dict(sync_every=4, outer={"lr": -1}), "outer: group 0: lr must be in"),
-            (dict(sync_every=4, outer={"momentum": 1.5}), "outer: group 0: momentum must be in"),
-            (dict(sync_every=4, sync_mode="sideways"), "sync_mode: DiLoCo syncs in"),
-            (dict(sync_every=4, outer=[{"params": [model.up.weight]}]), "outer: the parameters"),
-            (dict(sync_every=4, outer=[{"params": ["up.weight", "up.weight"]}]),
-             "outer: parameter 'up.weight'"),
-            (dict(sync_every=4, outer=[{"params": [torch.zeros(2)]}]),
-             "outer: group 0 holds a tensor"),
-            (dict(sync_every=4, fragments=2, overlap_steps=2),
-             "overlap_steps: must be in \\[0, 1\\] \\(below sync_every / fragments = 2"),
-            (dict(sync_every=4, overlap_steps=-1), "overlap_steps: must be in \\[0, 3\\]"),
-            (dict(sync_every=4, merge_alpha=1.5), "merge_alpha: must be in \\[0, 1\\], got 1.5"),
-            (dict(sync_every=4, overlap_steps=1, sync_mode="async", world_size=1),
-             "overlap_steps: not with sync_mode='async'")]:
-        with pytest.raises(ValueError, match=pattern):
-            muond.DiLoCo(model, inner, endpoint=endpoint, **kwargs)
-    for outer, pattern in ((5, "outer: 'sgd', 'muon', a dict"),
-                           ([{"params": 5}], "outer: group 0's 'params' must be")):
-        with pytest.raises(TypeError, match=pattern):
-            muond.DiLoCo(model, inner, sync_every=4, endpoint=endpoint, outer=outer)
-    with pytest.raises(TypeError, match="sync_every: must be an integer"):
-        muond.DiLoCo(model, inner, sync_every=2.5, endpoint=endpoint)
-    with pytest.raises(TypeError, match="merge_alpha: must be a number"):
-        muond.DiLoCo(model, inner, sync_every=2, endpoint=endpoint, merge_alpha="half")
-    # A delayed update would let each sync read the answer and the globals of the one before.
-    for kwargs in (dict(delay=1), dict(timing=muond.TimingOptions(delay=1))):
-        with pytest.raises(ValueError, match="delay: DiLoCo takes no delayed update"):
-            muond.DiLoCo(model, inner, sync_every=2, endpoint=endpoint, **kwargs)
-    with muond.DiLoCo(model, inner, sync_every=2, endpoint=endpoint) as diloco:
-        before = {n: p.detach().clone() for n, p in model.named_parameters()}
-        inner_step(model, inner, 0, 1)
-        for tokens, error in ((-1, ValueError), (float("nan"), ValueError), ("8", TypeError)):
-            with pytest.raises(error, match="tokens: must be"):
-                diloco.step(tokens=tokens)
-        assert diloco.inner_steps == 0  # refused before the inner step ran
-        assert_bitwise({n: p.detach() for n, p in model.named_parameters()}, before, "parameters")
-        diloco.step(tokens=0)
-        inner_step(model, inner, 0, 2)
-        with pytest.raises(ValueError, match="tokens: no tokens counted since fragment 0"):
-            diloco.step(tokens=0)  # a sync of weight 0: refused before the inner step
-        assert (diloco.inner_steps, diloco.remote.last_step) == (1, 0)
-        diloco.step(tokens=3)
-        assert (diloco.inner_steps, diloco.remote.last_step) == (2, 1)
-        assert diloco.last_info.total_weight == 3.0
-
-
-def test_a_diverged_worker_raises_before_sending_its_pseudo_gradient(endpoint):
-    """A NaN in the local parameters (here: one poisoned inner step, whose AdamW moments stay NaN)
-    would make the daemon skip the outer step for every worker, at every sync from then on. The
-    worker raises, naming the parameter and sending nothing; the session is where it was."""
-    model = TinyNet(seed=SEED)
-    inner = torch.optim.AdamW(model.parameters(), **INNER)
-    with muond.DiLoCo(model, inner, sync_every=2, endpoint=endpoint) as diloco:
-        inner_step(model, inner, 0, 1)
-        diloco.step()
-        inner_step(model, inner, 0, 2)
-        model.up.weight.grad.fill_(float("nan"))  # the inner step of the sync poisons up.weight
-        with pytest.raises(RuntimeError, match="the pseudo-gradient of 'up.weight' is not finite"):
-            diloco.step()
-        assert diloco.remote.last_step == 0
-        assert all(torch.isfinite(g).all() for g in diloco.global_parameters().values())
 
 
 def test_outer_options_default_to_diloco_nesterov(endpoint):
