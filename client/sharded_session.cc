@@ -109,19 +109,16 @@ absl::StatusOr<std::unique_ptr<ShardedSession>> ShardedSession::Open(ClientOptio
 void ShardedSession::FinishCutOffStep(std::vector<int64_t>& steps) {
   const int64_t ahead = *std::max_element(steps.begin(), steps.end());
   if (*std::min_element(steps.begin(), steps.end()) != ahead - 1) return;
-  // The shards that committed step `ahead` answer a resent prepare of it with their decision.
+  // A shard that committed step `ahead` answers a resent prepare of it with its decision, which
+  // every shard ahead applied alike: one of them is asked.
+  const size_t done = static_cast<size_t>(std::find(steps.begin(), steps.end(), ahead) - steps.begin());
   StepOptions prepare;
   prepare.phase = v1::STEP_PHASE_PREPARE;
-  std::vector<StepReply> replays;
-  for (size_t k = 0; k < steps.size(); ++k) {
-    if (steps[k] != ahead) continue;
-    absl::StatusOr<StepReply> replay = sessions_[k]->Step(ahead, {}, prepare);
-    if (!replay.ok() || !replay->replayed) return;
-    replays.push_back(*std::move(replay));
-  }
+  absl::StatusOr<StepReply> replay = sessions_[done]->Step(ahead, {}, prepare);
+  if (!replay.ok() || !replay->replayed) return;
   StepOptions commit;
   commit.phase = v1::STEP_PHASE_COMMIT;
-  commit.decision = Decide(replays);
+  commit.decision = Decide({*std::move(replay)});
   for (size_t k = 0; k < steps.size(); ++k) {
     if (steps[k] == ahead) continue;
     if (!sessions_[k]->Step(ahead, {}, commit).ok()) return;

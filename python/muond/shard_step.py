@@ -32,8 +32,7 @@ def decide(prepared: Sequence[pb.StepResult], indices_of: Sequence[Sequence[int]
     it) and a skip when any gradient is not finite or any shard's guard refuses."""
     for result in prepared:
         if result.replayed:
-            return pb.ShardDecision(grad_norm=result.grad_norm,
-                                    skip_reason="" if result.applied else result.skip_reason)
+            return applied_decision(result)
     sums = [0.0] * len(names)
     for k, result in enumerate(prepared):
         for i, value in zip(indices_of[k], result.sum_squares):
@@ -48,6 +47,12 @@ def decide(prepared: Sequence[pb.StepResult], indices_of: Sequence[Sequence[int]
     else:
         reason = next((r.skip_reason for r in prepared if r.skip_reason), "")
     return pb.ShardDecision(grad_norm=math.sqrt(total), skip_reason=reason)
+
+
+def applied_decision(replayed: pb.StepResult) -> pb.ShardDecision:
+    """The decision a shard applied, from its answer to a resent prepare of that step."""
+    return pb.ShardDecision(grad_norm=replayed.grad_norm,
+                            skip_reason="" if replayed.applied else replayed.skip_reason)
 
 
 def commit_header(header: pb.StepHeader, decision: pb.ShardDecision) -> pb.StepHeader:

@@ -219,17 +219,16 @@ class StepTries(_Core):
         header = pb.StepHeader(session_id=self.session_id, step=ahead, rank=self.rank,
                                return_dtype=wire.dtype_enum(self.return_dtype),
                                max_chunk_bytes=self.chunk_bytes)
-        prepare = shard_step.prepare_header(header, ())
         done = [k for k, step in enumerate(steps) if step == ahead]
-        try:
-            replays = [self._sessions[k].step(prepare, []) for k in done]
+        try:  # every shard ahead applied the same decision: one of them says which
+            replay = self._sessions[done[0]].step(shard_step.prepare_header(header, ()), [])
         except MuondError as err:
-            _log.warning("session %s: step %d was committed on shards %s only, and they cannot "
-                         "say how it went: %s", self.session_id, ahead, done, err)
+            _log.warning("session %s: step %d was committed on shards %s only, and shard %d "
+                         "cannot say how it went: %s", self.session_id, ahead, done, done[0], err)
             return steps
-        if not all(result.replayed for result in replays):
+        if not replay.replayed:
             return steps
-        commit = shard_step.commit_header(header, shard_step.decide(replays, [], []))
+        commit = shard_step.commit_header(header, shard_step.applied_decision(replay))
         finished = list(steps)
         for k, step in enumerate(steps):
             if step == ahead:
