@@ -4,6 +4,7 @@
 #include <string>
 
 #include "absl/strings/cord.h"
+#include "absl/strings/str_cat.h"
 
 namespace muond::client {
 namespace {
@@ -49,6 +50,12 @@ absl::Status WithReasonOf(const absl::Status& from, absl::Status status) {
   auto payload = from.GetPayload(kReasonPayload);
   if (payload.has_value() && !status.ok()) status.SetPayload(kReasonPayload, *payload);
   return status;
+}
+
+absl::Status AfterTries(const absl::Status& status, int tries) {
+  if (status.ok() || tries <= 1) return status;
+  return WithReasonOf(
+      status, absl::Status(status.code(), absl::StrCat(status.message(), " (gave up after ", tries, " tries)")));
 }
 
 }  // namespace muond::client

@@ -21,4 +21,8 @@ v1::ErrorReason ReasonOf(const absl::Status& status);
 // `status` with the reason of `from`, for a client that rewrites a refusal's code or message.
 absl::Status WithReasonOf(const absl::Status& from, absl::Status status);
 
+// The last try's failure, saying how many tries were made (with its code and reason), for a call
+// retried until it gave up; `status` itself after one try.
+absl::Status AfterTries(const absl::Status& status, int tries);
+
 }  // namespace muond::client

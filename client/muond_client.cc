@@ -76,13 +76,12 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentials(con
 // Unary calls that are safe to repeat are retried on UNAVAILABLE: the daemon may be restarting, or
 // the connection may have died with the previous daemon process. `call` builds its own context.
 template <typename Call>
-grpc::Status RetryWhileUnavailable(const Client& client, Call&& call) {
+absl::Status RetryWhileUnavailable(const Client& client, Call&& call) {
   std::chrono::milliseconds backoff = client.options().retry_backoff;
   for (int attempt = 1;; ++attempt) {
     grpc::Status status = call();
-    if (status.error_code() != grpc::StatusCode::UNAVAILABLE || attempt >= client.options().max_step_attempts) {
-      return status;
-    }
+    if (status.error_code() != grpc::StatusCode::UNAVAILABLE) return FromGrpcStatus(status);
+    if (attempt >= client.options().max_step_attempts) return AfterTries(FromGrpcStatus(status), attempt);
     client.PauseBeforeRetry(backoff);
     backoff *= 2;
   }
@@ -233,12 +232,12 @@ grpc::ChannelInterface* Client::channel() { return channel_.get(); }
 
 absl::StatusOr<v1::ServerInfo> Client::GetServerInfo() {
   v1::ServerInfo info;
-  grpc::Status status = RetryWhileUnavailable(*this, [&] {
+  absl::Status status = RetryWhileUnavailable(*this, [&] {
     grpc::ClientContext context;
     PrepareContext(context);
     return stub_->GetServerInfo(&context, v1::GetServerInfoRequest(), &info);
   });
-  if (!status.ok()) return FromGrpcStatus(status);
+  if (!status.ok()) return status;
   return info;
 }
 
@@ -296,12 +295,12 @@ absl::StatusOr<std::unique_ptr<Session>> Client::CreateSession(const std::string
   if (rank.has_value()) request.set_rank(*rank);
   v1::CreateSessionResponse response;
   // Create-or-attach is idempotent, so a retry is safe.
-  grpc::Status status = RetryWhileUnavailable(*this, [&] {
+  absl::Status status = RetryWhileUnavailable(*this, [&] {
     grpc::ClientContext context;
     PrepareContext(context);
     return stub_->CreateSession(&context, request, &response);
   });
-  if (!status.ok()) return FromGrpcStatus(status);
+  if (!status.ok()) return status;
   return std::make_unique<Session>(this, session_id, spec, response);
 }
 
@@ -327,12 +326,12 @@ absl::StatusOr<bool> Client::Serving() {
 
 absl::StatusOr<std::vector<v1::SessionSummary>> Client::ListSessions() {
   v1::ListSessionsResponse response;
-  grpc::Status status = RetryWhileUnavailable(*this, [&] {
+  absl::Status status = RetryWhileUnavailable(*this, [&] {
     grpc::ClientContext context;
     PrepareContext(context);
     return stub_->ListSessions(&context, v1::ListSessionsRequest(), &response);
   });
-  if (!status.ok()) return FromGrpcStatus(status);
+  if (!status.ok()) return status;
   return std::vector<v1::SessionSummary>(response.sessions().begin(), response.sessions().end());
 }
 
@@ -579,7 +578,8 @@ absl::StatusOr<StepReply> Session::StepFrom(int first, StepTransport& transport,
       --attempt;  // refused whole for its chunks' size, not a failed try: made again with smaller ones
       continue;
     }
-    if (!IsTransient(reply.status().code()) || attempt >= client_->options().max_step_attempts) return reply;
+    if (!IsTransient(reply.status().code())) return reply;
+    if (attempt >= client_->options().max_step_attempts) return AfterTries(reply.status(), attempt);
     client_->PauseBeforeRetry(backoff);
     backoff *= 2;
   }
@@ -625,10 +625,8 @@ absl::StatusOr<ParameterMap> Session::GetParameters(int64_t* last_step, const st
   std::chrono::milliseconds backoff = client_->options().retry_backoff;
   for (int attempt = 1;; ++attempt) {
     absl::StatusOr<ParameterMap> parameters = GetParametersOnce(last_step, names);
-    if (parameters.ok() || parameters.status().code() != absl::StatusCode::kUnavailable ||
-        attempt >= client_->options().max_step_attempts) {
-      return parameters;
-    }
+    if (parameters.ok() || parameters.status().code() != absl::StatusCode::kUnavailable) return parameters;
+    if (attempt >= client_->options().max_step_attempts) return AfterTries(parameters.status(), attempt);
     client_->PauseBeforeRetry(backoff);
     backoff *= 2;
   }
@@ -662,12 +660,12 @@ absl::StatusOr<int64_t> Session::Checkpoint() {
   v1::CheckpointRequest request;
   request.set_session_id(id_);
   v1::CheckpointResponse response;
-  grpc::Status status = RetryWhileUnavailable(*client_, [&] {
+  absl::Status status = RetryWhileUnavailable(*client_, [&] {
     grpc::ClientContext context;
     client_->PrepareContext(context);
     return client_->stub().Checkpoint(&context, request, &response);
   });
-  if (!status.ok()) return FromGrpcStatus(status);
+  if (!status.ok()) return status;
   return response.step();
 }
 
@@ -675,12 +673,12 @@ absl::StatusOr<StateDigest> Session::GetStateDigest() {
   v1::GetStateDigestRequest request;
   request.set_session_id(id_);
   v1::StateDigest response;
-  grpc::Status status = RetryWhileUnavailable(*client_, [&] {
+  absl::Status status = RetryWhileUnavailable(*client_, [&] {
     grpc::ClientContext context;
     client_->PrepareContext(context);
     return client_->stub().GetStateDigest(&context, request, &response);
   });
-  if (!status.ok()) return FromGrpcStatus(status);
+  if (!status.ok()) return status;
   return FromProto(response);
 }
 

@@ -273,7 +273,8 @@ absl::StatusOr<StepReply> ShardedSession::Step(int64_t step, std::span<const Ten
       last_step_ = step;
       return reply;
     }
-    if (!ResendStep(reply.status()) || attempt >= options_.max_step_attempts) return reply;
+    if (!ResendStep(reply.status())) return reply;
+    if (attempt >= options_.max_step_attempts) return AfterTries(reply.status(), attempt);
     for (const auto& client : clients_) client->PauseBeforeRetry(backoff);
     backoff *= 2;
   }

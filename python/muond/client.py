@@ -13,8 +13,9 @@ loopback channel (gRPC attaches call credentials to secure channels only).
 Retries: the calls that are safe to repeat — GetServerInfo, CreateSession (create-or-attach),
 ListSessions, GetParameters, GetState, Checkpoint — are retried on ``UNAVAILABLE`` (the daemon may
 be restarting) up to ``max_attempts`` tries in all, waiting ``retry_backoff`` seconds, doubled
-after each try. Streams that send data (UploadParameters, SetState, Step) are not retried here;
-``RemoteOptimizer.step`` retries a step itself, with the same step number.
+after each try; the last try's error then ends "(gave up after N tries)". Streams that send data
+(UploadParameters, SetState, Step) are not retried here; ``RemoteOptimizer.step`` retries a step
+itself, with the same step number, and says its tries the same way.
 
 Thread-safety: a ``Connection`` may be shared between threads (gRPC channels are thread-safe);
 each method call is independent.
@@ -39,7 +40,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from ._stubs import pb, pb_grpc
-from .errors import MuondError, translated
+from .errors import MuondError, after_tries, translated
 from .transport.framing import (parse_step_response, serialize_step_request, whole_step_answers,
                                 whole_step_request)
 from .wire import ChunkAssembler, FramedChunk
@@ -302,8 +303,10 @@ class Connection:
                 with self._translated(rpc):
                     return call()
             except MuondError as err:
-                if err.code != grpc.StatusCode.UNAVAILABLE or attempt == self.max_attempts:
+                if err.code != grpc.StatusCode.UNAVAILABLE:
                     raise
+                if attempt == self.max_attempts:
+                    raise after_tries(err, attempt) from err
             self.pause_before_retry(backoff)
             backoff *= 2
         raise AssertionError("unreachable")

@@ -81,6 +81,14 @@ def reason_in_details(details: bytes) -> str:
     return ""
 
 
+def after_tries(err: MuondError, tries: int) -> MuondError:
+    """The last try's failure of a call retried until it gave up, saying how many tries were made
+    (code, call and reason kept); ``err`` itself after one try."""
+    if tries <= 1:
+        return err
+    return MuondError(err.code, f"{err.details} (gave up after {tries} tries)", err.rpc, err.reason)
+
+
 def _reason_of(err: grpc.RpcError) -> str:
     try:
         trailers = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None

@@ -20,7 +20,7 @@ import torch
 
 from . import shard_step, wire
 from ._stubs import pb
-from .errors import PUSH_TOO_STALE, STEP_NOT_PREPARED, MuondError
+from .errors import PUSH_TOO_STALE, STEP_NOT_PREPARED, MuondError, after_tries
 from .step_info import StepInfo, rank_report
 from .transport.daemon_session import StreamedStep
 from .transport.streamed import IdentityChanged
@@ -260,8 +260,10 @@ class StepTries(_Core):
                 return result, time.perf_counter() - started, attempt
             except MuondError as err:
                 lost_prepare = err.reason == STEP_NOT_PREPARED
-                if (err.code not in _RETRIED and not lost_prepare) or attempt == self.max_step_attempts:
+                if err.code not in _RETRIED and not lost_prepare:
                     raise
+                if attempt == self.max_step_attempts:
+                    raise after_tries(err, attempt) from err
             pause = backoff
             self._on_every_session(lambda k, session: session.conn.pause_before_retry(pause))
             backoff *= 2

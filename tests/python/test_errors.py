@@ -89,6 +89,27 @@ def test_unreachable_daemon_is_unavailable():
     assert info.value.code == grpc.StatusCode.UNAVAILABLE
 
 
+def test_a_retry_that_gives_up_says_how_many_tries(start_daemon):
+    daemon = start_daemon()
+    model = TinyNet(seed=33)
+    opt = muond.RemoteOptimizer(muond.default_param_groups(model), endpoint=daemon.endpoint, transport="grpc",
+                                max_step_attempts=3, retry_backoff=0.01)
+    loss_of(model, 1).backward()
+    opt.step()
+    daemon.stop()  # the session goes with it: no close
+    loss_of(model, 2).backward()
+    with pytest.raises(muond.MuondError) as stepped:
+        opt.step()
+    conn = Connection(daemon.endpoint, max_attempts=2, retry_backoff=0.01)
+    with pytest.raises(muond.MuondError) as listed:
+        conn.list_sessions()
+    conn.close()
+    assert stepped.value.code == grpc.StatusCode.UNAVAILABLE
+    assert stepped.value.details.endswith("(gave up after 3 tries)"), stepped.value.details
+    assert listed.value.code == grpc.StatusCode.UNAVAILABLE and listed.value.rpc == "ListSessions"
+    assert listed.value.details.endswith("(gave up after 2 tries)"), listed.value.details
+
+
 def test_client_side_misuse_raises_before_sending():
     w = torch.nn.Parameter(torch.zeros(4, 4))
     b = torch.nn.Parameter(torch.zeros(4))
