@@ -189,7 +189,8 @@ __global__ void AolScalesKernel(const float* gram, int64_t m, int64_t rows, doub
   for (int64_t row = FirstIndex(); row < rows; row += GridStride()) {
     double sum = 0.0;
     for (int64_t j = 0; j < m; ++j) sum += fabs(static_cast<double>(gram[row * m + j]));
-    scales[row] = static_cast<float>(1.0 / sqrt(fmax(sum, floor)));
+    // Not fmax, which drops a NaN: the CPU's std::max keeps it (a NaN row stays NaN there).
+    scales[row] = static_cast<float>(1.0 / sqrt(sum < floor ? floor : sum));
   }
 }
 

@@ -270,6 +270,7 @@ absl::Status NcclChannel::AwaitTransfer(absl::string_view what, absl::Time deadl
   for (;;) {
     const cudaError_t query = cudaEventQuery(done_);
     if (query == cudaSuccess) return absl::OkStatus();
+    cudaGetLastError();  // not ready is the thread's last error too: the next launch would report it
     if (query != cudaErrorNotReady) {
       Abort();
       return CudaStatus(query, absl::StrCat("the NCCL channel's stream while ", what));

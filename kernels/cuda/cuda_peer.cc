@@ -125,7 +125,9 @@ class IpcEvent final : public PeerEvent {
     cudaError_t state = cudaSuccess;
     MUOND_RETURN_IF_ERROR(backend_->OnStream([&](cudaStream_t) {
       state = cudaEventQuery(event_);
-      if (state != cudaSuccess && state != cudaErrorNotReady) cudaGetLastError();
+      // Not ready is recorded as the thread's last error too, which the next launch on this
+      // thread would report as its own: cleared with every other answer but success.
+      if (state != cudaSuccess) cudaGetLastError();
       return absl::OkStatus();
     }));
     if (state == cudaSuccess) return true;

@@ -527,6 +527,34 @@ TEST_P(BackendConformanceTest, NormuonScalesMatchCpu) {
   }
 }
 
+// AOL's row scales 1/sqrt(max(sum |row|, floor)): a row under the floor takes the floor, and a row
+// with a NaN stays NaN on every backend (a max that drops NaN would turn it into the floor's scale).
+TEST_P(BackendConformanceTest, AolScalesMatchCpuWithNanAndFloor) {
+  const int64_t m = 6, batch = 3, rows = m * batch;
+  std::vector<float> gram = Random(static_cast<size_t>(rows * m));
+  gram[1 * m + 2] = std::numeric_limits<float>::quiet_NaN();
+  gram[4 * m + 0] = std::numeric_limits<float>::infinity();
+  std::fill(gram.begin() + 7 * m, gram.begin() + 8 * m, 1e-30f);  // far under the floor
+  const double floor = 1e-12;
+  const auto run = [&](Backend& b) {
+    auto g = Upload(b, gram);
+    auto scales = b.Allocate(rows).value();
+    EXPECT_OK(b.AolScales(g->data(), m, batch, floor, scales->data()));
+    return Download(b, scales->data(), rows);
+  };
+  const std::vector<float> got = run(*backend_), want = run(*cpu_);
+  EXPECT_TRUE(std::isnan(want[1]));
+  EXPECT_EQ(want[4], 0.0f);
+  EXPECT_EQ(want[7], static_cast<float>(1.0 / std::sqrt(floor)));
+  for (int64_t r = 0; r < rows; ++r) {
+    if (std::isnan(want[r])) {
+      EXPECT_TRUE(std::isnan(got[r])) << r << ": " << got[r];
+    } else {
+      EXPECT_NEAR(got[r], want[r], std::ldexp(std::abs(want[r]), -23)) << r;
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, BackendConformanceTest, ::testing::Values("cpu", "cuda"),
                          [](const ::testing::TestParamInfo<std::string>& param_info) { return param_info.param; });
 
