@@ -16,13 +16,18 @@ from diloco_helpers import INNER, SEED, SIZES, end_session, inner_step, session_
 from helpers import TinyNet, assert_bitwise
 
 
-def test_a_sync_applied_before_its_answer_was_lost_is_not_sent_twice(start_daemon):
+@pytest.mark.parametrize("overlap_steps,wire_dtype", [(0, "fp32"), (1, "fp32"), (0, "int8")])
+def test_a_sync_applied_before_its_answer_was_lost_is_not_sent_twice(start_daemon, overlap_steps,
+                                                                     wire_dtype):
     """Two workers, H = 4, F = 2: the daemon applies session step 3 (after inner step 6), and
     worker 1's every try of it loses the answer. Its next sync (after inner step 8) sends step 3
     again, which the daemon answers as a replay: the first try's Δ and weight were applied, so the
     tokens counted again go back to those since the first try, and the worker sends step 4 at once,
     as the other worker did there: both end at the same session step, every step's weight the
-    tokens each worker trained on since it last sent that fragment."""
+    tokens each worker trained on since it last sent that fragment. With τ = 1 the failure and the
+    replay are seen at the merges, one inner step after the sends: worker 1 sends step 4 after inner
+    step 9, its Δ of fragment 1 five inner steps' worth (weight 5·s1) and its next one three. A
+    quantized Δ's rounding that was not applied is dropped (the daemon's parameters still agree)."""
     daemon = start_daemon("--straggler-timeout", "60")
     session = session_name()
     workers = []
@@ -30,8 +35,9 @@ def test_a_sync_applied_before_its_answer_was_lost_is_not_sent_twice(start_daemo
         model = TinyNet(seed=SEED)
         inner = torch.optim.AdamW(model.parameters(), **INNER)
         workers.append((model, inner, muond.DiLoCo(
-            model, inner, sync_every=4, fragments=2, endpoint=daemon.endpoint, session=session,
-            world_size=2, rank=rank, transport="grpc", retry_backoff=0.01)))
+            model, inner, sync_every=4, fragments=2, overlap_steps=overlap_steps,
+            wire_dtype=wire_dtype, endpoint=daemon.endpoint, session=session, world_size=2,
+            rank=rank, transport="grpc", retry_backoff=0.01)))
     attempts = workers[1][2].remote.max_step_attempts
     lossy = workers[1][2].remote._sessions[0]  # pylint: disable=protected-access
     real_step, lost = lossy.step, []
@@ -44,36 +50,36 @@ def test_a_sync_applied_before_its_answer_was_lost_is_not_sent_twice(start_daemo
         return answer
 
     lossy.step = answer_lost
-    syncs, errors = [[], []], [[], []]
+    merges, errors = [[], []], [[], []]
 
     def train(rank):
         model, inner, diloco = workers[rank]
-        for t in range(1, 13):
+        for t in range(1, 13 + overlap_steps):  # the last sync (after inner step 12) merged too
             inner_step(model, inner, rank, t)
             try:
                 diloco.step(tokens=SIZES[rank])
             except muond.MuondError as err:
                 errors[rank].append((t, err.code))
                 continue
-            if diloco.last_sync is not None:
+            if diloco.last_merged is not None:
                 info = diloco.last_info
-                syncs[rank].append((t, info.step, info.total_weight, info.replayed))
+                merges[rank].append((t, info.step, info.total_weight, info.replayed))
 
     threads = [threading.Thread(target=train, args=(rank,)) for rank in range(2)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
+    tau = overlap_steps
     assert lost == [3] * attempts
-    assert errors == [[], [(6, grpc.StatusCode.UNAVAILABLE)]]
+    assert errors == [[], [(6 + tau, grpc.StatusCode.UNAVAILABLE)]]
     s0, s1 = SIZES[0], SIZES[1]
-    assert syncs[0] == [(2, 1, 2 * (s0 + s1), False), (4, 2, 4 * (s0 + s1), False),
-                        (6, 3, 4 * (s0 + s1), False), (8, 4, 4 * (s0 + s1), False),
-                        (10, 5, 4 * (s0 + s1), False), (12, 6, 4 * (s0 + s1), False)]
-    # After inner step 8 worker 1 got step 3's replay, then step 4's answer.
-    assert syncs[1] == [(2, 1, 2 * (s0 + s1), False), (4, 2, 4 * (s0 + s1), False),
-                        (8, 4, 4 * (s0 + s1), False), (10, 5, 4 * (s0 + s1), False),
-                        (12, 6, 4 * (s0 + s1), False)]
+    weights = [2 * (s0 + s1)] + [4 * (s0 + s1)] * 5
+    if tau:
+        weights[3], weights[5] = 4 * s0 + 5 * s1, 4 * s0 + 3 * s1
+    assert merges[0] == [(2 * k + tau, k, weights[k - 1], False) for k in range(1, 7)]
+    # After inner step 8 (+ τ) worker 1 got step 3's replay, then step 4's answer.
+    assert merges[1] == [(2 * k + tau, k, weights[k - 1], False) for k in (1, 2, 4, 5, 6)]
     for _, _, diloco in workers:
         assert diloco.remote.last_step == 6
     assert_bitwise(workers[0][2].global_parameters(), workers[1][2].global_parameters(),
