@@ -305,12 +305,20 @@ absl::StatusOr<std::unique_ptr<Session>> Client::CreateSession(const std::string
 }
 
 absl::Status Client::CloseSession(const std::string& session_id) {
-  grpc::ClientContext context;
-  PrepareContext(context);
   v1::CloseSessionRequest request;
   request.set_session_id(session_id);
   v1::CloseSessionResponse response;
-  return FromGrpcStatus(stub_->CloseSession(&context, request, &response));
+  int tries = 0;
+  absl::Status status = RetryWhileUnavailable(*this, [&] {
+    ++tries;
+    grpc::ClientContext context;
+    PrepareContext(context);
+    return stub_->CloseSession(&context, request, &response);
+  });
+  // A retry that finds no session: an earlier try closed it and its answer was lost, or the daemon
+  // restarted without it.
+  if (tries > 1 && status.code() == absl::StatusCode::kNotFound) return absl::OkStatus();
+  return status;
 }
 
 absl::StatusOr<bool> Client::Serving() {

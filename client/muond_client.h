@@ -176,6 +176,9 @@ class Client {
   // `rank`, an asynchronous session also says that rank's last push (Session::last_push).
   absl::StatusOr<std::unique_ptr<Session>> CreateSession(const std::string& session_id, const v1::SessionSpec& spec,
                                                          std::optional<int> rank = std::nullopt);
+  // Ends the session. Retried on UNAVAILABLE; a retry that finds no session is taken as done (an
+  // earlier try closed it, its answer lost, or the daemon restarted without it): NOT_FOUND only
+  // from a first try.
   absl::Status CloseSession(const std::string& session_id);
   absl::StatusOr<std::vector<v1::SessionSummary>> ListSessions();
   // The daemon's grpc.health.v1 status for the whole server: true when SERVING (false while it

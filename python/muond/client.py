@@ -11,7 +11,7 @@ it is per-call metadata rather than gRPC call credentials, so it also works over
 loopback channel (gRPC attaches call credentials to secure channels only).
 
 Retries: the calls that are safe to repeat — GetServerInfo, CreateSession (create-or-attach),
-ListSessions, GetParameters, GetState, Checkpoint — are retried on ``UNAVAILABLE`` (the daemon may
+ListSessions, GetParameters, GetState, Checkpoint, CloseSession — are retried on ``UNAVAILABLE`` (the daemon may
 be restarting) up to ``max_attempts`` tries in all, waiting ``retry_backoff`` seconds, doubled
 after each try; the last try's error then ends "(gave up after N tries)". Streams that send data
 (UploadParameters, SetState, Step) are not retried here; ``RemoteOptimizer.step`` retries a step
@@ -336,9 +336,21 @@ class Connection:
             request, timeout=self.timeout, metadata=self._metadata))
 
     def close_session(self, session_id: str) -> None:
-        with self._translated("CloseSession"):
+        """Ends the session (its state and files are dropped). Retried on UNAVAILABLE; a retry
+        that finds no session is taken as done: an earlier try closed it and its answer was lost,
+        or the daemon restarted without it. ``NOT_FOUND`` on the first try."""
+        tries = 0
+
+        def close() -> None:
+            nonlocal tries
+            tries += 1
             self._stub.CloseSession(pb.CloseSessionRequest(session_id=session_id),
                                     timeout=self.timeout, metadata=self._metadata)
+        try:
+            self._retried("CloseSession", close)
+        except MuondError as err:
+            if err.code != grpc.StatusCode.NOT_FOUND or tries == 1:
+                raise
 
     def list_sessions(self) -> List[pb.SessionSummary]:
         return list(self._retried("ListSessions", lambda: self._stub.ListSessions(

@@ -179,6 +179,13 @@ TEST(CrashTest, AStepRightAfterARestartSucceedsWithinTheClientsRetries) {
     EXPECT_GE(reply->attempts, 2) << "the first try cannot have reached the new daemon";
     last = *std::move(reply);
   }
+  // Closing is retried too; a session that is not there is NOT_FOUND when the first try says so.
+  daemon.Kill();
+  EXPECT_THAT(session->Close(), StatusIs(absl::StatusCode::kUnavailable,
+                                         "(gave up after " + std::to_string(options.max_step_attempts) + " tries)"));
+  ASSERT_TRUE(daemon.Start(flags, &error, port)) << error;
+  EXPECT_OK(session->Close());
+  EXPECT_THAT(session->Close(), StatusIs(absl::StatusCode::kNotFound, "restarted"));
 }
 
 // A daemon restarted with a smaller --max-chunk-bytes than the client fitted its chunks to refuses

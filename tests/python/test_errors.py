@@ -110,6 +110,28 @@ def test_a_retry_that_gives_up_says_how_many_tries(start_daemon):
     assert listed.value.details.endswith("(gave up after 2 tries)"), listed.value.details
 
 
+def test_a_close_whose_answer_was_lost_is_done_when_its_retry_finds_no_session(endpoint):
+    conn = Connection(endpoint, retry_backoff=0.01)
+    conn.create_session("closed-once", spec_of((3, 4)))
+    real_close, calls = conn._stub.CloseSession, []
+
+    def answer_lost(*args, **kwargs):  # the first try closes the session; its answer never comes
+        calls.append(args[0].session_id)
+        answer = real_close(*args, **kwargs)
+        if len(calls) == 1:
+            raise muond.MuondError(grpc.StatusCode.UNAVAILABLE, "injected: answer lost", "CloseSession")
+        return answer
+
+    conn._stub.CloseSession = answer_lost
+    conn.close_session("closed-once")  # the retry's NOT_FOUND: the first try's close
+    assert calls == ["closed-once", "closed-once"]
+    assert "closed-once" not in [s.session_id for s in conn.list_sessions()]
+    with pytest.raises(muond.MuondError) as first:  # a first try's NOT_FOUND is the caller's
+        conn.close_session("closed-once")
+    assert first.value.code == grpc.StatusCode.NOT_FOUND and "closed-once" in first.value.details
+    conn.close()
+
+
 def test_client_side_misuse_raises_before_sending():
     w = torch.nn.Parameter(torch.zeros(4, 4))
     b = torch.nn.Parameter(torch.zeros(4))
