@@ -123,6 +123,7 @@ v1::SessionSpec ShardSpec(const v1::SessionSpec& whole, const Placement& placeme
   }
   // Every shard keeps the same scaler: each sees the same commit decisions, so their scales agree.
   if (whole.has_loss_scaler()) *spec.mutable_loss_scaler() = whole.loss_scaler();
+  *spec.mutable_labels() = whole.labels();
   v1::ShardPlacement* out = spec.mutable_shard();
   for (const std::string& e : endpoints) out->add_endpoints(e);
   out->set_index(shard);

@@ -168,6 +168,21 @@ def _workers(world_size: Optional[int]) -> int:
                      "nesterov_delay")
 
 
+FRAGMENTS_LABEL = "diloco.fragments"
+
+
+def _label_fragments(remote_optimizer_kwargs: Dict[str, Any], fragments: int) -> None:
+    """Adds F to the session's labels (``RemoteOptimizer(labels=)``): the daemon refuses a worker
+    whose F differs from the session's, whose fragments would not be the others'
+    (docs/diloco.md). Labels of another type are left for the optimizer to refuse."""
+    given = remote_optimizer_kwargs.get("labels")
+    if given is not None and not isinstance(given, dict):
+        return
+    if given and FRAGMENTS_LABEL in given:
+        raise ValueError(f"labels: '{FRAGMENTS_LABEL}' is DiLoCo's own (from fragments)")
+    remote_optimizer_kwargs["labels"] = dict(given or {}, **{FRAGMENTS_LABEL: str(fragments)})
+
+
 class DiLoCo:
     """A DiLoCo worker: the inner optimizer steps every call, the daemon takes the outer step.
 
@@ -272,6 +287,7 @@ class DiLoCo:
         groups = self._outer_groups(outer, model, remote_optimizer_kwargs, delay)
         if sync_mode is not None:
             remote_optimizer_kwargs["sync_mode"] = sync_mode
+        _label_fragments(remote_optimizer_kwargs, self.fragments)
         self.remote = RemoteOptimizer(groups, endpoint=endpoint, session=session,
                                       wire_dtype=wire_dtype, world_size=world_size, rank=rank,
                                       **remote_optimizer_kwargs)

@@ -102,7 +102,7 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
             the step ``transport`` ("auto", "grpc", "shm", "cuda_ipc", "nccl") and the chunk
             size.
         ranks: a ``muond.RankOptions``: ``world_size``, ``rank``, ``sync_mode``, ``min_ranks``,
-            ``grace_seconds``, ``max_staleness``, ``staleness_scaling`` (below).
+            ``grace_seconds``, ``max_staleness``, ``staleness_scaling``, ``labels`` (below).
         timing: a ``muond.TimingOptions``: ``overlap``, ``land_in_forward``, ``delay``,
             ``delay_warmup`` (below).
         wire: a ``muond.WireOptions``: ``wire_dtype``, ``return_dtype``, ``shm_zero_copy`` (below).
@@ -152,6 +152,11 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
             times 1 / (1 + s) for a push s global steps behind (Zhang et al., IJCAI 2016), or
             FedAsync's (Xie et al., arXiv 1903.03934) ("polynomial", a): (1 + s)^-a, or
             ("hinge", a, b): 1 for s <= b, else 1 / (a (s - b) + 1).
+        labels: a dict of str to str that every client of the session must agree on and the
+            daemon does not use (DiLoCo's fragments, a run's name; at most 16, keys of a-z, 0-9,
+            '.', '_' and '-'): an attach whose labels differ from the session's is refused
+            (``ALREADY_EXISTS`` naming the label); a session or client without labels attaches
+            as before.
         qk_clip: QK-clip (MuonClip) pairs ``[(query, key, num_heads), ...]``, each weight a
             parameter tensor of this optimizer (or its name): (num_heads·head_dim, d) matrices in
             Muon groups. A step then takes ``qk_logits`` (see ``step``); τ and α are the query
@@ -242,7 +247,7 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
         # The scale to multiply the next loss by, with a loss scaler (from the daemon's answers).
         self.loss_scale: Optional[float] = None
         self._resolve_connection(setup.connection)
-        self.world_size, self.rank, self.sync = setup.ranks.resolve(len(self.endpoints))
+        self.world_size, self.rank, self.sync, self.labels = setup.ranks.resolve(len(self.endpoints))
         self.delay, self.delay_warmup = setup.timing.resolve(
             loss_scaler=self.loss_scaler, sync_mode=self.sync.mode, num_daemons=len(self.endpoints))
         self._warned_old_daemon = False
@@ -420,7 +425,7 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
         whole = session_spec.whole_spec(
             self.param_groups, self._group_names, self.qk_clip, world_size=self.world_size,
             wire_dtype=self.wire_dtype, return_dtype=self.return_dtype,
-            loss_scaler=self.loss_scaler, sync=self.sync)
+            loss_scaler=self.loss_scaler, sync=self.sync, labels=self.labels)
         if len(self.endpoints) == 1:
             return whole
         return session_spec.shard_spec(whole, shard, self._indices_of[shard], self.endpoints)

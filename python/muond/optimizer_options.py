@@ -52,7 +52,9 @@ class RankOptions:
     ``torch.distributed``, else 1 and 0. ``sync_mode``: "lockstep" (default), "quorum" (with
     ``min_ranks``, default world_size, and ``grace_seconds``, default 0) or "async" (with
     ``max_staleness``, required, and ``staleness_scaling``: "none", "inverse",
-    ("polynomial", a) or ("hinge", a, b))."""
+    ("polynomial", a) or ("hinge", a, b)). ``labels``: a dict of str to str that every client of
+    the session must agree on and the daemon does not use (DiLoCo's fragments, a run's name): an
+    attach whose labels differ is refused naming the label."""
     world_size: Optional[int] = None
     rank: Optional[int] = None
     sync_mode: Optional[str] = None
@@ -60,15 +62,16 @@ class RankOptions:
     grace_seconds: Optional[float] = None
     max_staleness: Optional[int] = None
     staleness_scaling: Optional[Any] = None
+    labels: Optional[Dict[str, str]] = None
 
-    def resolve(self, num_daemons: int) -> Tuple[int, int, rank_rules.Sync]:
-        """(world_size, rank, sync), checked; ValueError or TypeError naming the field."""
+    def resolve(self, num_daemons: int) -> Tuple[int, int, rank_rules.Sync, Dict[str, str]]:
+        """(world_size, rank, sync, labels), checked; ValueError or TypeError naming the field."""
         world_size, rank = rank_rules.ranks(self.world_size, self.rank)
         sync = rank_rules.sync_of(self.sync_mode, self.min_ranks, self.grace_seconds,
                                   world_size=world_size, num_daemons=num_daemons,
                                   max_staleness=self.max_staleness,
                                   staleness_scaling=self.staleness_scaling)
-        return world_size, rank, sync
+        return world_size, rank, sync, rank_rules.labels_of(self.labels)
 
 
 @dataclass(frozen=True)

@@ -3,16 +3,18 @@
 Every rank sends its own gradients for the same step and the daemon applies their weighted average
 once (docs/ranks.md). Here: the world size and this rank (given, else from an initialized
 ``torch.distributed``), the session id they share, the order they open it in, how they synchronize
-(``Sync``: lock-step, quorum or asynchronous) and the check of a step's ``weight``.
+(``Sync``: lock-step, quorum or asynchronous), the labels every rank must agree on and the check of
+a step's ``weight``.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import re
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 import torch.distributed
@@ -87,6 +89,30 @@ class Sync:
     staleness_scaling: str = "none"  # async: "none", "inverse", "polynomial" or "hinge"
     staleness_a: float = 0.0         # polynomial, hinge: a > 0
     staleness_b: int = 0             # hinge: b >= 0
+
+
+_LABEL_KEY = re.compile(r"[a-z0-9._-]{1,64}")
+
+
+def labels_of(labels: Any) -> Dict[str, str]:
+    """``RemoteOptimizer(labels=)`` checked as the daemon checks ``spec.labels``, naming the
+    argument: a dict of at most 16 labels, each key 1 to 64 characters of a-z, 0-9, '.', '_' and
+    '-', each value a str of at most 256 bytes without control characters. None: no labels."""
+    if labels is None:
+        return {}
+    if not isinstance(labels, dict):
+        raise TypeError(f"labels: must be a dict of str to str, got {type(labels).__name__}")
+    if len(labels) > 16:
+        raise ValueError(f"labels: {len(labels)} labels exceed the limit of 16")
+    for key, value in labels.items():
+        if not isinstance(key, str) or not _LABEL_KEY.fullmatch(key):
+            raise ValueError(f"labels: key {key!r} must be 1 to 64 characters of a-z, 0-9, '.', "
+                             f"'_' and '-'")
+        if not isinstance(value, str):
+            raise TypeError(f"labels[{key!r}]: must be a str, got {type(value).__name__}")
+        if len(value.encode()) > 256 or any(ord(c) < 0x20 or ord(c) == 0x7f for c in value):
+            raise ValueError(f"labels[{key!r}]: must be at most 256 bytes without control characters")
+    return dict(labels)
 
 
 def sync_of(sync_mode: Optional[str], min_ranks: Any, grace_seconds: Any, *, world_size: int,

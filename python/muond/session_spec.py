@@ -22,9 +22,11 @@ from ._stubs import pb
 
 def whole_spec(param_groups: Sequence[Dict[str, Any]], group_names: Sequence[str],
                qk_clip: Sequence[Any], *, world_size: int, wire_dtype: str, return_dtype: str,
-               loss_scaler: Optional[Dict[str, Any]], sync: Sync = Sync()) -> pb.SessionSpec:
+               loss_scaler: Optional[Dict[str, Any]], sync: Sync = Sync(),
+               labels: Optional[Dict[str, str]] = None) -> pb.SessionSpec:
     """The spec of the whole session (global shapes: a partitioned group's tensors are parts)."""
     spec = pb.SessionSpec(world_size=world_size, return_dtype=wire.dtype_enum(return_dtype))
+    spec.labels.update(labels or {})
     for group, gname in zip(param_groups, group_names):
         added = spec.groups.add(name=gname, options=opts.group_options_proto(group))
         if group.get("partition") is not None:
@@ -78,6 +80,7 @@ def shard_spec(whole: pb.SessionSpec, shard: int, mine: Sequence[int],
         spec.loss_scaler.CopyFrom(whole.loss_scaler)
     if whole.HasField("sync"):
         spec.sync.CopyFrom(whole.sync)
+    spec.labels.update(whole.labels)
     spec.shard.endpoints.extend(endpoints)
     spec.shard.index = shard
     spec.shard.num_parameters = len(whole.parameters)

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
+#include <string>
 #include <tuple>
 #include <utility>
 
@@ -37,6 +39,55 @@ bool ValidName(absl::string_view name) {
     const auto byte = static_cast<unsigned char>(c);
     return byte < 0x20 || byte == 0x7f;
   });
+}
+
+// spec.labels: few, with short keys of a plain alphabet and values without control characters (a
+// label is echoed in the refusal of an attach that disagrees with it). Keys in sorted order, so that
+// a spec with several bad labels is refused the same way every time.
+absl::Status CheckLabels(const v1::SessionSpec& spec) {
+  constexpr int kMaxLabels = 16;
+  constexpr size_t kMaxKeyBytes = 64, kMaxValueBytes = 256;
+  if (spec.labels_size() > kMaxLabels) {
+    return InvalidField("spec.labels", absl::StrCat(spec.labels_size(), " labels exceed the limit of ", kMaxLabels));
+  }
+  const std::map<std::string, std::string> labels(spec.labels().begin(), spec.labels().end());
+  for (const auto& [key, value] : labels) {
+    const bool plain = std::all_of(key.begin(), key.end(), [](char c) {
+      return (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '.' || c == '_' || c == '-';
+    });
+    if (key.empty() || key.size() > kMaxKeyBytes || !plain) {
+      return InvalidField("spec.labels", absl::StrCat("key '", Echo(key), "': must be 1 to ", kMaxKeyBytes,
+                                                      " bytes of a-z, 0-9, '.', '_' and '-'"));
+    }
+    if (value.size() > kMaxValueBytes || (!value.empty() && !ValidName(value))) {
+      return InvalidField(absl::StrCat("spec.labels['", key, "']"),
+                          absl::StrCat("must be at most ", kMaxValueBytes, " bytes without control characters"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// How two specs' labels differ, in words; empty when they agree or either has none.
+std::string LabelDifference(const v1::SessionSpec& existing, const v1::SessionSpec& requested) {
+  if (existing.labels().empty() || requested.labels().empty()) return "";
+  const std::map<std::string, std::string> have(existing.labels().begin(), existing.labels().end());
+  const std::map<std::string, std::string> want(requested.labels().begin(), requested.labels().end());
+  for (const auto& [key, value] : have) {
+    auto other = want.find(key);
+    if (other == want.end()) {
+      return absl::StrCat("spec.labels['", key, "']: the session's is '", Echo(value), "', this request has none");
+    }
+    if (other->second != value) {
+      return absl::StrCat("spec.labels['", key, "']: the session's is '", Echo(value), "', this request's '",
+                          Echo(other->second), "'");
+    }
+  }
+  for (const auto& [key, value] : want) {
+    if (!have.contains(key)) {
+      return absl::StrCat("spec.labels['", key, "']: the session has none, this request's is '", Echo(value), "'");
+    }
+  }
+  return "";
 }
 
 // spec.qk_clip: both weights exist, are matrices in Muon groups, and split evenly into the heads.
@@ -472,6 +523,7 @@ absl::StatusOr<SessionConfig> ParseSessionSpec(const v1::SessionSpec& spec, cons
     config.parameter_index.emplace(param.name, config.parameters.size());
     config.parameters.push_back(std::move(param));
   }
+  MUOND_RETURN_IF_ERROR(CheckLabels(spec));
   MUOND_RETURN_IF_ERROR(ParseQkClip(spec, config));
   MUOND_RETURN_IF_ERROR(ParseShard(spec, config));
   MUOND_RETURN_IF_ERROR(ParseLossScaler(spec, config));
@@ -493,10 +545,17 @@ absl::Status CheckSameSpec(const v1::SessionSpec& existing, const v1::SessionSpe
   google::protobuf::util::MessageDifferencer differencer;
   std::string differences;
   differencer.ReportDifferencesToString(&differences);
-  if (differencer.Compare(existing, requested)) return absl::OkStatus();
+  // Labels are compared on their own (LabelDifference), and not at all when either side has none.
+  differencer.IgnoreField(v1::SessionSpec::descriptor()->FindFieldByName("labels"));
+  const std::string labels = LabelDifference(existing, requested);
+  if (differencer.Compare(existing, requested) && labels.empty()) return absl::OkStatus();
   // A different placement explains every other difference of a shard's spec: name it first.
   if (std::string shard = ShardDifference(existing, requested); !shard.empty()) {
     return absl::AlreadyExistsError(absl::StrCat("session exists with a different spec (", shard, ")"));
+  }
+  if (!labels.empty()) {
+    return absl::AlreadyExistsError(absl::StrCat("session exists with a different spec (", labels,
+                                                 "); every client of the session must agree on its labels"));
   }
   // Keep the message to the first difference: it is what a user needs to fix.
   const size_t end = differences.find('\n');

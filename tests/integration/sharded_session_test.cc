@@ -305,6 +305,10 @@ TEST(ShardPlacementTest, LongestFirstOntoTheLeastLoadedWithPairsTogether) {
   EXPECT_DOUBLE_EQ(placement.Imbalance(),
                    3 * placement.loads[0] / (placement.loads[0] + placement.loads[1] + placement.loads[2]));
   EXPECT_THAT(client::PlaceSpec(spec, 0), StatusIs(absl::StatusCode::kInvalidArgument, "endpoints"));
+  // Every shard's spec carries the session's labels, which each daemon compares at attach.
+  (*spec.mutable_labels())["run"] = "r42";
+  const std::vector<std::string> three = {"a:1", "b:2", "c:3"};
+  for (int k = 0; k < 3; ++k) EXPECT_EQ(client::ShardSpec(spec, placement, three, k).labels().at("run"), "r42") << k;
 }
 
 TEST_F(ShardedSessionTest, ARefusedOpenRollsBackTheSessionsItCreated) {

@@ -233,3 +233,33 @@ def test_a_diverged_worker_raises_before_sending_its_pseudo_gradient(endpoint):
             diloco.step()
         assert diloco.remote.last_step == 0
         assert all(torch.isfinite(g).all() for g in diloco.global_parameters().values())
+
+
+def test_a_worker_with_other_fragments_is_refused_at_attach(endpoint):
+    """Workers split the parameters by their own F; one whose F differs from the session's would
+    send other fragments at each session step and stall the others. The session carries F as a
+    label (``diloco.fragments``) and the daemon refuses the attach, naming it; the label beside a
+    user's own is kept, and a user cannot set DiLoCo's."""
+    session = session_name()
+    models = [TinyNet(seed=SEED) for _ in range(3)]
+    inners = [torch.optim.AdamW(m.parameters(), **INNER) for m in models]
+    first = muond.DiLoCo(models[0], inners[0], sync_every=4, fragments=2, endpoint=endpoint,
+                         session=session, world_size=2, rank=0, labels={"run": "r1"})
+    try:
+        assert first.remote.labels == {"run": "r1", "diloco.fragments": "2"}
+        with pytest.raises(muond.MuondError) as refused:
+            muond.DiLoCo(models[1], inners[1], sync_every=4, fragments=1, endpoint=endpoint,
+                         session=session, world_size=2, rank=1, labels={"run": "r1"})
+        assert refused.value.code == grpc.StatusCode.ALREADY_EXISTS
+        assert "spec.labels['diloco.fragments']: the session's is '2', this request's '1'" in (
+            refused.value.details)
+        second = muond.DiLoCo(models[2], inners[2], sync_every=4, fragments=2, endpoint=endpoint,
+                              session=session, world_size=2, rank=1, labels={"run": "r1"})
+        assert second.remote.attached and second.remote.labels == first.remote.labels
+        second.close(keep_session=True)
+    finally:
+        first.close(keep_session=True)
+        end_session(endpoint, session)
+    with pytest.raises(ValueError, match="labels: 'diloco.fragments' is DiLoCo's own"):
+        muond.DiLoCo(models[0], inners[0], sync_every=2, endpoint=endpoint,
+                     labels={"diloco.fragments": "1"})

@@ -132,6 +132,26 @@ def test_a_close_whose_answer_was_lost_is_done_when_its_retry_finds_no_session(e
     conn.close()
 
 
+def test_labels_are_checked_before_sending_and_an_attach_must_agree_with_them(endpoint):
+    params = lambda: [("w", torch.nn.Parameter(torch.zeros(3, 4)))]  # noqa: E731
+    for labels, error, message in (({"Run": "a"}, ValueError, "labels: key 'Run'"),
+                                   ({"run": 1}, TypeError, "labels\\['run'\\]: must be a str"),
+                                   ({"run": "a\nb"}, ValueError, "control characters"),
+                                   (["run"], TypeError, "labels: must be a dict")):
+        with pytest.raises(error, match=message):
+            muond.RemoteOptimizer(params(), endpoint=endpoint, labels=labels)
+    with muond.RemoteOptimizer(params(), endpoint=endpoint, labels={"run": "a"}) as first:
+        with pytest.raises(muond.MuondError) as refused:
+            muond.RemoteOptimizer(params(), endpoint=endpoint, session=first.session_id,
+                                  labels={"run": "b"})
+        assert refused.value.code == grpc.StatusCode.ALREADY_EXISTS
+        assert "spec.labels['run']: the session's is 'a', this request's 'b'" in refused.value.details
+        # A client that gives no labels (or one from before them) attaches as before.
+        other = muond.RemoteOptimizer(params(), endpoint=endpoint, session=first.session_id)
+        assert other.attached and other.labels == {}
+        other.close(keep_session=True)
+
+
 def test_client_side_misuse_raises_before_sending():
     w = torch.nn.Parameter(torch.zeros(4, 4))
     b = torch.nn.Parameter(torch.zeros(4))

@@ -5,6 +5,7 @@
 #include <set>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "kernels/optim/option_fields.h"
 #include "kernels/optim/option_table.h"
@@ -367,6 +368,52 @@ TEST(SessionConfigTest, SameSpecAttachesAndADifferentOneNamesTheField) {
   other.mutable_groups(0)->mutable_options()->set_lr(0.1);
   EXPECT_THAT(CheckSameSpec(Spec(), other),
               StatusIs(absl::StatusCode::kAlreadyExists, "groups[0].options: { lr: 0.1 }"));
+}
+
+// Labels: bounded and plain, compared at attach when both specs carry some (a session or a client
+// from before labels has none, and attaches as before).
+TEST(SessionConfigTest, LabelsAreBoundedAndComparedWhenBothSidesHaveThem) {
+  v1::SessionSpec labelled = Spec();
+  (*labelled.mutable_labels())["diloco.fragments"] = "2";
+  EXPECT_OK(ParseSessionSpec(labelled, SpecLimits{}).status());
+  EXPECT_OK(CheckSameSpec(labelled, labelled));
+  EXPECT_OK(CheckSameSpec(Spec(), labelled));
+  EXPECT_OK(CheckSameSpec(labelled, Spec()));
+
+  v1::SessionSpec other = labelled;
+  (*other.mutable_labels())["diloco.fragments"] = "1";
+  EXPECT_THAT(CheckSameSpec(labelled, other),
+              StatusIs(absl::StatusCode::kAlreadyExists,
+                       "spec.labels['diloco.fragments']: the session's is '2', this request's '1'"));
+  v1::SessionSpec more = labelled;
+  (*more.mutable_labels())["run"] = "a";
+  EXPECT_THAT(CheckSameSpec(labelled, more),
+              StatusIs(absl::StatusCode::kAlreadyExists, "spec.labels['run']: the session has none"));
+  EXPECT_THAT(
+      CheckSameSpec(more, labelled),
+      StatusIs(absl::StatusCode::kAlreadyExists, "spec.labels['run']: the session's is 'a', this request has none"));
+  // Another difference beside equal labels is named as before.
+  other = labelled;
+  other.mutable_groups(0)->mutable_options()->set_lr(0.1);
+  EXPECT_THAT(CheckSameSpec(labelled, other), StatusIs(absl::StatusCode::kAlreadyExists, "lr: 0.1"));
+
+  for (const std::string& key : {std::string(), std::string("Fragments"), std::string("a b"), std::string(65, 'k')}) {
+    v1::SessionSpec bad = Spec();
+    (*bad.mutable_labels())[key] = "1";
+    EXPECT_THAT(ParseSessionSpec(bad, SpecLimits{}), StatusIs(absl::StatusCode::kInvalidArgument, "spec.labels: key '"))
+        << key;
+  }
+  v1::SessionSpec bad_value = Spec();
+  (*bad_value.mutable_labels())["k"] = "a\nb";
+  EXPECT_THAT(ParseSessionSpec(bad_value, SpecLimits{}),
+              StatusIs(absl::StatusCode::kInvalidArgument, "spec.labels['k']: must be at most 256 bytes"));
+  (*bad_value.mutable_labels())["k"] = std::string(257, 'v');
+  EXPECT_THAT(ParseSessionSpec(bad_value, SpecLimits{}),
+              StatusIs(absl::StatusCode::kInvalidArgument, "spec.labels['k']"));
+  v1::SessionSpec many = Spec();
+  for (int i = 0; i < 17; ++i) (*many.mutable_labels())[absl::StrCat("k", i)] = "v";
+  EXPECT_THAT(ParseSessionSpec(many, SpecLimits{}),
+              StatusIs(absl::StatusCode::kInvalidArgument, "spec.labels: 17 labels exceed the limit of 16"));
 }
 
 }  // namespace
