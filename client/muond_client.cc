@@ -128,6 +128,8 @@ namespace {
 
 // INVALID_ARGUMENT naming the first option that cannot work, before anything connects.
 absl::Status CheckOptions(const ClientOptions& options) {
+  // gRPC takes an empty target and waits out connect_timeout failing to resolve it.
+  if (options.endpoint.empty()) return absl::InvalidArgumentError("endpoint: empty; give the daemon's host:port");
   if (absl::Status named = CheckTransportName(options.transport); !named.ok()) return named;
   if (options.chunk_bytes == 0) return absl::InvalidArgumentError("chunk_bytes: must be at least 1 byte, got 0");
   if (options.max_message_bytes <= 0) {

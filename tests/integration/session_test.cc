@@ -43,6 +43,7 @@ TEST_F(DaemonTest, ConnectRefusesOptionsThatCannotWorkNamingThem) {
       {[](client::ClientOptions& o) { o.retry_backoff = milliseconds(-1); },
        "retry_backoff: must be at least 0 ms, got -1"},
       {[](client::ClientOptions& o) { o.transport = "pigeon"; }, "transport: 'pigeon' is not one of"},
+      {[](client::ClientOptions& o) { o.endpoint.clear(); }, "endpoint: empty"},  // not after connect_timeout
   };
   for (const auto& [change, message] : cases) {
     client::ClientOptions options = TestClientOptions();

@@ -101,6 +101,27 @@ def test_usage_errors_exit_2():
     assert ctl("frobnicate")[0] == 2
     assert ctl("export", "s")[0] == 2  # --to is required
     assert ctl("--timeout", "-1", "health")[0] == 2
+    for timeout in ("nan", "1e300", "1e-9"):  # each once converted to a nonsense of milliseconds
+        code, _, err = ctl("--timeout", timeout, "health")
+        assert code == 2 and "--timeout: must be between 0.001 and 86400 seconds" in err, err
+    code, _, err = ctl("-e", "", "health")  # at once, not after the connect timeout
+    assert code == 2 and "--endpoint: empty" in err, err
+
+
+def test_names_are_printed_without_their_control_characters(endpoint):
+    # A group name is any UTF-8 without C0 controls: C1 controls and bidi overrides reach the text
+    # output escaped, so that they cannot drive the terminal; --json keeps them as they are.
+    odd = "g\u009b31m\u202eevil"
+    w = torch.nn.Parameter(torch.zeros(4, 4))
+    with muond.RemoteOptimizer([{"params": [("w", w)], "name": odd, "optimizer": "sgd", "lr": 0.1}],
+                               endpoint=endpoint) as opt:
+        w.grad = torch.ones(4, 4)
+        opt.step()
+        code, out, _ = ctl("-e", endpoint, "sessions", "show", opt.session_id)
+        assert code == 0 and "g\\u{009b}31m\\u{202e}evil" in out, out
+        assert "\u009b" not in out and "\u202e" not in out
+        shown = ctl_json("-e", endpoint, "sessions", "show", opt.session_id)
+        assert odd in json.dumps(shown, ensure_ascii=False)
 
 
 def test_sessions_list_show_checkpoint_close(start_daemon, tmp_path):

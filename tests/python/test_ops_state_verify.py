@@ -88,6 +88,19 @@ def repeat_second_record(folder: Path) -> None:
     (folder / "journal.log").write_bytes(b"".join(frame(p) for p in payloads[:2] + payloads[1:]))
 
 
+def retype_first_step(folder: Path) -> None:
+    """The journal's first record with its request's step a string (framed and checksummed as muond
+    writes it, so only the type is wrong)."""
+    records = [p for _, p in journal_records(folder)]
+    payload = records[0]
+    (request_length,) = struct.unpack("<I", payload[8:12])
+    request = json.loads(payload[12:12 + request_length])
+    request["step"] = "x"
+    text = json.dumps(request).encode()
+    retyped = payload[:8] + struct.pack("<I", len(text)) + text + payload[12 + request_length:]
+    (folder / "journal.log").write_bytes(b"".join(frame(p) for p in [retyped] + records[1:]))
+
+
 def inflate_third_length(folder: Path) -> None:
     data = bytearray((folder / "journal.log").read_bytes())
     offset = journal_records(folder)[2][0]
@@ -123,6 +136,7 @@ DAMAGE = {
     "a journal gradient one element short": shorten_first_gradient,
     "an inflated journal length": inflate_third_length,
     "a repeated journal record": repeat_second_record,
+    "a journal step that is no number": retype_first_step,
     "a linked journal": lambda f: ((f / "journal.log").unlink(), (f / "journal.log").symlink_to("/dev/zero")),
     "deeply nested JSON": lambda f: (f / "checkpoint.json").write_text("[" * 200000 + "]" * 200000),
 }
@@ -203,6 +217,31 @@ def test_inspect_exits_1_when_a_folder_is_unreadable(journaled_state, tmp_path):
     code, out, _ = ctl("state", "inspect", state_dir)
     assert code == 1 and "run: UNREADABLE: " in out and "journal.log" in out, out
     assert ctl("--json", "state", "inspect", state_dir)[0] == 1
+
+
+def test_a_journal_record_of_the_wrong_types_is_named_by_every_command(journaled_state, tmp_path):
+    # Decoded as a restore decodes it: exit 1 naming the record, where inspect and verify aborted.
+    state_dir = tmp_path / "state"
+    shutil.copytree(journaled_state, state_dir, symlinks=True)
+    retype_first_step(state_dir / "run")
+    for command in ("inspect", "verify", "digest"):
+        code, out, err = ctl("state", command, state_dir)
+        assert code == 1 and "the step request does not decode" in out, f"{command}: exit {code}: {out}{err}"
+    assert "journal.log: record 1: " in ctl("state", "inspect", state_dir)[1]
+
+
+def test_a_linked_checkpoint_is_refused_by_every_command(journaled_state, tmp_path):
+    # The daemon quarantines a folder whose checkpoint.json is a link: no command calls it empty.
+    state_dir = tmp_path / "state"
+    shutil.copytree(journaled_state, state_dir, symlinks=True)
+    metadata = state_dir / "run" / "checkpoint.json"
+    metadata.unlink()
+    metadata.symlink_to(tmp_path / "nowhere.json")
+    for args in (("state", "digest", state_dir), ("state", "verify", state_dir), ("state", "inspect", state_dir),
+                 ("export", "run", "--state-dir", state_dir, "--to", tmp_path / "out.safetensors")):
+        code, out, err = ctl(*args)
+        assert code == 1 and "symbolic link" in out + err, f"{args}: exit {code}: {out}{err}"
+    assert not (tmp_path / "out.safetensors").exists()
 
 
 def test_export_takes_only_a_session_id(journaled_state, tmp_path):

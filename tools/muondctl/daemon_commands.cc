@@ -15,6 +15,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 #include "client/muond_client.h"
+#include "common/echo.h"
 #include "google/protobuf/util/json_util.h"
 #include "proto/wire/dtype_codec.h"
 #include "server/durability/checkpoint.h"
@@ -44,6 +45,9 @@ absl::StatusOr<std::string> ReadToken(const ConnectFlags& flags) {
 }
 
 absl::StatusOr<std::unique_ptr<client::Client>> Connect(const ConnectFlags& flags) {
+  if (flags.endpoint.empty()) {
+    return absl::InvalidArgumentError("--endpoint: empty; give the daemon's host:port (or set $MUOND_ENDPOINT)");
+  }
   client::ClientOptions options;
   options.endpoint = flags.endpoint;
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(flags.timeout_seconds * 1000));
@@ -264,6 +268,10 @@ Answer ExportSession(const ConnectFlags& flags, const std::string& session_id, c
   data.backend = "export";
   std::map<std::pair<std::string, std::string>, size_t> index;  // (parameter, slot) → data.tensors
   std::map<size_t, size_t> received;                            // data.tensors index → elements the daemon sent
+  // Every stored element takes at least 2 bytes of the session's estimate (state_bytes): what the
+  // answer's shapes may claim in all, before anything is allocated for them.
+  const int64_t max_elements = std::max<int64_t>(summary->state_bytes(), 0) / 2;
+  int64_t claimed = 0;
   v1::GetStateRequest request;
   request.set_session_id(session_id);
   request.set_stored_dtypes(true);  // 16-bit tensors come, and are written, as such
@@ -303,6 +311,13 @@ Answer ExportSession(const ConnectFlags& flags, const std::string& session_id, c
           return ErrorAnswer(absl::InternalError(absl::StrCat("the daemon sent a bad shape for '", chunk.name(), "'")));
         }
         numel *= d;
+      }
+      claimed += numel;
+      if (claimed > max_elements) {
+        context.TryCancel();
+        return ErrorAnswer(absl::InternalError(
+            absl::StrCat("the daemon sent more state than its session's state_bytes (", summary->state_bytes(),
+                         ") holds, at '", Echo(chunk.name()), "' (", numel, " elements)")));
       }
       const v1::DType dtype = chunk.dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_FP32 : chunk.dtype();
       if (!wire::IsConcrete(dtype)) {

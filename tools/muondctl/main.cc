@@ -34,7 +34,13 @@ int Run(int argc, char** argv) {
   app.add_flag("--json", json, "Print one JSON document instead of text");
   app.add_option("--endpoint,-e", connect.endpoint, "The daemon, host:port ($MUOND_ENDPOINT)")->capture_default_str();
   app.add_option("--timeout", connect.timeout_seconds, "Seconds to connect, and for each call")
-      ->check(CLI::PositiveNumber)
+      ->check(CLI::Validator(
+          [](std::string& text) -> std::string {
+            // Written so that NaN fails too (every comparison with it is false).
+            const double seconds = std::strtod(text.c_str(), nullptr);
+            return seconds >= 0.001 && seconds <= 86400 ? "" : "must be between 0.001 and 86400 seconds";
+          },
+          "SECONDS"))
       ->capture_default_str();
   app.add_flag("--tls", connect.use_tls, "Use TLS with the system's roots (implied by the --tls-* files)");
   app.add_option("--tls-ca-file", connect.tls_ca_file, "PEM roots that verify the daemon")->check(CLI::ExistingFile);

@@ -1,6 +1,7 @@
 #include "tools/muondctl/state_commands.h"
 
 #include <algorithm>
+#include <limits>
 #include <optional>
 #include <vector>
 
@@ -14,6 +15,7 @@
 #include "server/rpc/session_spec_codec.h"
 #include "server/session/state_digest.h"
 #include "server/session/state_dir.h"
+#include "server/session/step_types.h"
 
 namespace muond::ctl {
 namespace {
@@ -42,6 +44,14 @@ durability::StateDirOptions OptionsFor(const std::string& state_dir) {
   return options;
 }
 
+// Whether the session folder `dir` has a checkpoint to read: its metadata file, or a link in its
+// place (which the reading refuses, as a restore does: the daemon quarantines such a folder).
+bool HasCheckpoint(const std::string& dir) {
+  durability::Env* env = durability::Env::Default();
+  const std::string metadata_file = dir + "/" + durability::kCheckpointMetadataFile;
+  return env->FileExists(metadata_file) || env->IsLink(metadata_file);
+}
+
 FolderReport ReadFolder(const std::string& state_dir, const std::string& name) {
   durability::Env* env = durability::Env::Default();
   FolderReport report;
@@ -49,7 +59,7 @@ FolderReport ReadFolder(const std::string& state_dir, const std::string& name) {
   report.dir = state_dir + "/" + name;
   report.json["folder"] = name;
   const std::string metadata_file = report.dir + "/" + durability::kCheckpointMetadataFile;
-  if (!env->FileExists(metadata_file) && !env->IsLink(metadata_file)) {
+  if (!HasCheckpoint(report.dir)) {
     report.has_checkpoint = false;
     report.json["checkpoint"] = nullptr;
     report.json["note"] = "no checkpoint: the session never received its parameters (the daemon removes it at start)";
@@ -83,28 +93,37 @@ FolderReport ReadFolder(const std::string& state_dir, const std::string& name) {
                                {"slots", slots},
                                {"values", values},
                                {"file", metadata.is_object() ? metadata["tensors"].value("file", "") : ""},
-                               {"bytes", metadata.is_object() ? metadata["tensors"].value("bytes", 0) : 0},
+                               // uint64_t: the size may pass 2 GiB (an int default reads it as an int).
+                               {"bytes", metadata.is_object() ? metadata["tensors"].value("bytes", uint64_t{0}) : 0},
                                {"sha256", metadata.is_object() ? metadata["tensors"].value("sha256", "") : ""},
                                {"metadata_sha256", metadata.is_object() ? metadata.value("metadata_sha256", "") : ""}};
   ordered_json records = ordered_json::array();
-  for (const durability::JournalRecord& record : folder->journal.records) {
-    const ordered_json request = ordered_json::parse(record.request, nullptr, false);
-    const int64_t step = request.is_object() ? request.value("step", int64_t{-1}) : -1;
-    report.journal_steps.push_back(step);
+  for (size_t i = 0; i < folder->journal.records.size(); ++i) {
+    const durability::JournalRecord& record = folder->journal.records[i];
+    // Decoded as a restore decodes it: a record it would refuse is this folder's error.
+    absl::StatusOr<session::StepRequest> request = session::DecodeStepRequest(record.request);
+    if (!request.ok()) {
+      report.error = absl::DataLossError(absl::StrCat(report.dir, "/", durability::kJournalFile, ": record ", i + 1,
+                                                      ": ", request.status().message()));
+      report.problems.push_back(std::string(report.error.message()));
+      report.json["error"] = std::string(report.error.message());
+      return report;
+    }
+    report.journal_steps.push_back(request->step);
     size_t gradients = 0;
     for (const HostTensor& g : record.gradients) gradients += !g.values.empty();
-    records.push_back(
-        {{"step", step}, {"rank", request.is_object() ? request.value("rank", 0) : 0}, {"gradients", gradients}});
+    records.push_back({{"step", request->step}, {"rank", request->rank}, {"gradients", gradients}});
   }
   report.json["journal"] = {{"records", records},
                             {"torn_tail_dropped", folder->journal.dropped_torn_tail},
                             {"records_before_checkpoint", folder->records_before_checkpoint}};
   // What a daemon restoring this folder would resume from: the journal's steps follow the checkpoint's.
-  int64_t expected = c.last_step + 1;
+  // Counted without overflow: a forged checkpoint step at the largest int64 is shown as it is.
+  int64_t last = c.last_step;
   for (int64_t step : report.journal_steps) {
-    if (step == expected) ++expected;
+    if (last < std::numeric_limits<int64_t>::max() && step == last + 1) last = step;
   }
-  report.json["last_step"] = expected - 1;  // what a daemon restoring this folder would resume from
+  report.json["last_step"] = last;  // what a daemon restoring this folder would resume from
   report.folder = *std::move(folder);
   return report;
 }
@@ -253,7 +272,7 @@ Answer DigestStateDir(const std::string& state_dir, const std::string& session_i
   int failed = 0;
   for (const std::string& name : *names) {
     const std::string dir = absl::StrCat(state_dir, "/", name);
-    if (!durability::Env::Default()->FileExists(absl::StrCat(dir, "/", durability::kCheckpointMetadataFile))) {
+    if (!HasCheckpoint(dir)) {
       answer.json["sessions"].push_back({{"folder", name}, {"digest", nullptr}, {"note", "no checkpoint"}});
       absl::StrAppend(&answer.text, name, ": no checkpoint (the session never received its parameters)\n");
       continue;
@@ -293,7 +312,7 @@ Answer ExportFromStateDir(const std::string& state_dir, const std::string& sessi
   if (absl::Status id = durability::CheckSessionId(session_id, "SESSION"); !id.ok()) return ErrorAnswer(id);
   durability::Env* env = durability::Env::Default();
   const std::string dir = state_dir + "/" + session_id;
-  if (!env->FileExists(dir + "/" + durability::kCheckpointMetadataFile)) {
+  if (!HasCheckpoint(dir)) {
     return ErrorAnswer(absl::NotFoundError(absl::StrCat("no checkpoint of session '", session_id, "' in ", state_dir)));
   }
   absl::StatusOr<durability::CheckpointData> data = durability::ReadCheckpoint(env, dir);

@@ -145,7 +145,7 @@ Answer Top(const ConnectFlags& connect, const TopFlags& flags) {
       seen = std::move(next);
       const std::vector<std::string> lines = RenderTop(frame, interactive ? TerminalWidth() : 1000);
       std::string out = interactive ? "\x1b[H\x1b[2J" : (refresh > 1 ? "\n" : "");
-      for (const std::string& line : lines) absl::StrAppend(&out, line, "\n");
+      for (const std::string& line : lines) absl::StrAppend(&out, Printable(line), "\n");
       std::fputs(out.c_str(), stdout);
       std::fflush(stdout);
       if (flags.iterations > 0 && refresh >= flags.iterations) break;
