@@ -79,15 +79,15 @@ size_t PrometheusMetrics::TransportIndex(std::string_view transport) {
 
 void PrometheusMetrics::CallStarted(std::string_view method) {
   absl::MutexLock lock(&mu_);
-  auto it = methods_.find(method);
-  if (it == methods_.end()) it = methods_.emplace(std::string(method), MethodFigures()).first;
+  auto it = recorded_.methods.find(method);
+  if (it == recorded_.methods.end()) it = recorded_.methods.emplace(std::string(method), MethodFigures()).first;
   ++it->second.in_flight;
 }
 
 void PrometheusMetrics::CallEnded(std::string_view method, absl::StatusCode code, absl::Duration latency) {
   absl::MutexLock lock(&mu_);
-  auto it = methods_.find(method);
-  if (it == methods_.end()) it = methods_.emplace(std::string(method), MethodFigures()).first;
+  auto it = recorded_.methods.find(method);
+  if (it == recorded_.methods.end()) it = recorded_.methods.emplace(std::string(method), MethodFigures()).first;
   --it->second.in_flight;
   ++it->second.ended[code];
   it->second.latency.Observe(Seconds(latency));
@@ -95,7 +95,7 @@ void PrometheusMetrics::CallEnded(std::string_view method, absl::StatusCode code
 
 void PrometheusMetrics::StepAnswered(const StepReport& report) {
   absl::MutexLock lock(&mu_);
-  TransportFigures& figures = transports_[TransportIndex(report.transport)];
+  TransportFigures& figures = recorded_.transports[TransportIndex(report.transport)];
   const size_t outcome = report.prepared ? 3 : report.replayed ? 2 : report.applied ? 0 : 1;
   ++figures.steps[outcome];
   figures.phases[0].Observe(report.receive_seconds);
@@ -104,38 +104,38 @@ void PrometheusMetrics::StepAnswered(const StepReport& report) {
   figures.total.Observe(report.receive_seconds + report.compute_seconds + report.send_seconds);
   figures.bytes_received += static_cast<uint64_t>(report.bytes_received);
   figures.bytes_sent += static_cast<uint64_t>(report.bytes_sent);
-  groups_.Record(report);
+  recorded_.groups.Record(report);
 }
 
 void PrometheusMetrics::SessionOpened(std::string_view session, uint64_t serial) {
   absl::MutexLock lock(&mu_);
-  groups_.Open(session, serial);
+  recorded_.groups.Open(session, serial);
 }
 
 void PrometheusMetrics::SessionClosed(std::string_view session) {
   absl::MutexLock lock(&mu_);
-  groups_.Drop(session);
+  recorded_.groups.Drop(session);
 }
 
 void PrometheusMetrics::SessionsHeld(int sessions, int64_t bytes) {
   absl::MutexLock lock(&mu_);
-  sessions_ = sessions;
-  state_bytes_ = bytes;
+  recorded_.sessions = sessions;
+  recorded_.state_bytes = bytes;
 }
 
 void PrometheusMetrics::JournalAppended(absl::Duration latency, bool ok) {
   absl::MutexLock lock(&mu_);
-  journal_.Record(latency, ok);
+  recorded_.journal.Record(latency, ok);
 }
 
 void PrometheusMetrics::CheckpointWritten(absl::Duration latency, bool ok) {
   absl::MutexLock lock(&mu_);
-  checkpoint_.Record(latency, ok);
+  recorded_.checkpoint.Record(latency, ok);
 }
 
 void PrometheusMetrics::SessionQuarantined() {
   absl::MutexLock lock(&mu_);
-  ++quarantined_sessions_;
+  ++recorded_.quarantined_sessions;
 }
 
 std::string PrometheusMetrics::Render() const {
@@ -151,67 +151,70 @@ std::string PrometheusMetrics::Render() const {
   Family(&out, "muond_build_info", "gauge", "Always 1; the daemon's version and compute backend as labels.");
   Sample(&out, "muond_build_info", Label("version", options_.version) + "," + Label("backend", options_.backend), 1);
 
-  absl::MutexLock lock(&mu_);
+  const Recorded r = [this] {
+    absl::MutexLock lock(&mu_);
+    return recorded_;
+  }();
   Family(&out, "muond_steps_total", "counter",
          "Steps answered, by outcome (applied, skipped for a non-finite gradient or the fp32 guard, replayed "
          "for a retry, prepared for the first phase of a sharded step) and transport.");
   for (size_t t = 0; t < kTransports.size(); ++t) {
     for (size_t o = 0; o < kOutcomes.size(); ++o) {
       Sample(&out, "muond_steps_total", Label("outcome", kOutcomes[o]) + "," + Label("transport", kTransports[t]),
-             static_cast<double>(transports_[t].steps[o]));
+             static_cast<double>(r.transports[t].steps[o]));
     }
   }
   Family(&out, "muond_step_duration_seconds", "histogram",
          "Time of an answered step from its first gradient to its last answer byte, by transport.");
   for (size_t t = 0; t < kTransports.size(); ++t) {
-    transports_[t].total.Render("muond_step_duration_seconds", Label("transport", kTransports[t]), &out);
+    r.transports[t].total.Render("muond_step_duration_seconds", Label("transport", kTransports[t]), &out);
   }
   Family(&out, "muond_step_phase_duration_seconds", "histogram",
          "Time of each phase of an answered step, by transport: receive (reading the gradients), compute (from "
          "the last gradient to the answer being ready: rank gathering, journal, optimizer), send (the answer).");
   for (size_t t = 0; t < kTransports.size(); ++t) {
     for (size_t p = 0; p < kPhases.size(); ++p) {
-      transports_[t].phases[p].Render("muond_step_phase_duration_seconds",
-                                      Label("phase", kPhases[p]) + "," + Label("transport", kTransports[t]), &out);
+      r.transports[t].phases[p].Render("muond_step_phase_duration_seconds",
+                                       Label("phase", kPhases[p]) + "," + Label("transport", kTransports[t]), &out);
     }
   }
   Family(&out, "muond_step_received_bytes_total", "counter",
          "Bytes of gradients (payload and framing) taken in by answered steps, by transport.");
   for (size_t t = 0; t < kTransports.size(); ++t) {
     Sample(&out, "muond_step_received_bytes_total", Label("transport", kTransports[t]),
-           static_cast<double>(transports_[t].bytes_received));
+           static_cast<double>(r.transports[t].bytes_received));
   }
   Family(&out, "muond_step_sent_bytes_total", "counter",
          "Bytes of answers (payload and framing) sent by answered steps, by transport.");
   for (size_t t = 0; t < kTransports.size(); ++t) {
     Sample(&out, "muond_step_sent_bytes_total", Label("transport", kTransports[t]),
-           static_cast<double>(transports_[t].bytes_sent));
+           static_cast<double>(r.transports[t].bytes_sent));
   }
 
   Family(&out, "muond_calls_total", "counter", "RPCs ended, by method and gRPC status code.");
-  for (const auto& [method, figures] : methods_) {
+  for (const auto& [method, figures] : r.methods) {
     for (const auto& [code, count] : figures.ended) {
       Sample(&out, "muond_calls_total", Label("method", method) + "," + Label("code", absl::StatusCodeToString(code)),
              static_cast<double>(count));
     }
   }
   Family(&out, "muond_calls_in_flight", "gauge", "RPCs running now, by method.");
-  for (const auto& [method, figures] : methods_) {
+  for (const auto& [method, figures] : r.methods) {
     Sample(&out, "muond_calls_in_flight", Label("method", method), static_cast<double>(figures.in_flight));
   }
   Family(&out, "muond_call_duration_seconds", "histogram", "Time of ended RPCs, by method.");
-  for (const auto& [method, figures] : methods_) {
+  for (const auto& [method, figures] : r.methods) {
     figures.latency.Render("muond_call_duration_seconds", Label("method", method), &out);
   }
 
   Family(&out, "muond_sessions", "gauge", "Sessions held.");
-  Sample(&out, "muond_sessions", "", sessions_);
+  Sample(&out, "muond_sessions", "", r.sessions);
   Family(&out, "muond_sessions_limit", "gauge", "Most sessions held at once (--max-sessions).");
   Sample(&out, "muond_sessions_limit", "", options_.max_sessions);
   Family(&out, "muond_state_bytes", "gauge",
          "Optimizer memory the held sessions are estimated to take (masters, gradients, slots), as the quotas "
          "count it.");
-  Sample(&out, "muond_state_bytes", "", static_cast<double>(state_bytes_));
+  Sample(&out, "muond_state_bytes", "", static_cast<double>(r.state_bytes));
   if (options_.max_session_bytes > 0 || options_.max_total_bytes > 0) {
     Family(&out, "muond_state_bytes_limit", "gauge",
            "Memory quotas: per session (--max-session-bytes) and for all sessions (--max-total-bytes).");
@@ -226,19 +229,19 @@ std::string PrometheusMetrics::Render() const {
 
   Family(&out, "muond_journal_append_duration_seconds", "histogram",
          "Time to append a step to a session's journal and fsync it (journal durability).");
-  journal_.latency.Render("muond_journal_append_duration_seconds", "", &out);
+  r.journal.latency.Render("muond_journal_append_duration_seconds", "", &out);
   Family(&out, "muond_journal_append_failures_total", "counter", "Journal appends that failed (the step was refused).");
-  Sample(&out, "muond_journal_append_failures_total", "", static_cast<double>(journal_.failures));
+  Sample(&out, "muond_journal_append_failures_total", "", static_cast<double>(r.journal.failures));
   Family(&out, "muond_checkpoint_duration_seconds", "histogram",
          "Time to write a session's checkpoint (files written, fsynced and renamed into place).");
-  checkpoint_.latency.Render("muond_checkpoint_duration_seconds", "", &out);
+  r.checkpoint.latency.Render("muond_checkpoint_duration_seconds", "", &out);
   Family(&out, "muond_checkpoint_failures_total", "counter", "Checkpoints that could not be written.");
-  Sample(&out, "muond_checkpoint_failures_total", "", static_cast<double>(checkpoint_.failures));
+  Sample(&out, "muond_checkpoint_failures_total", "", static_cast<double>(r.checkpoint.failures));
   Family(&out, "muond_quarantined_sessions_total", "counter",
          "Session folders that could not be restored at start-up and were moved into the quarantine.");
-  Sample(&out, "muond_quarantined_sessions_total", "", static_cast<double>(quarantined_sessions_));
+  Sample(&out, "muond_quarantined_sessions_total", "", static_cast<double>(r.quarantined_sessions));
 
-  groups_.Render(&out);
+  r.groups.Render(&out);
 
   if (backend_memory.has_value()) {
     const auto [in_use, reserved] = *backend_memory;

@@ -8,7 +8,8 @@
 // prepared); per session only the group telemetry (group_series.h: at most 16 groups of each session
 // held). docs/operations.md lists every family with its meaning.
 //
-// Thread-safe: every report and Render() take one mutex; reports are a few additions each. Gauges that
+// Thread-safe: every report and Render() take one mutex; reports are a few additions each, and
+// Render() holds it only to copy the figures. Gauges that
 // are read rather than reported (backend memory, the process's own figures) are sampled at render.
 #pragma once
 
@@ -108,15 +109,20 @@ class PrometheusMetrics final : public Metrics {
 
   const PrometheusOptions options_;
   const double start_time_seconds_;  // since the Unix epoch
+  // Everything the reports record; Render() copies it under the mutex and formats the copy after,
+  // so that a scrape of many sessions' series holds up the steps' reports for a copy only.
+  struct Recorded {
+    std::array<TransportFigures, kTransports.size()> transports;
+    std::map<std::string, MethodFigures, std::less<>> methods;
+    int sessions = 0;
+    int64_t state_bytes = 0;
+    DiskWrites journal;
+    DiskWrites checkpoint;
+    uint64_t quarantined_sessions = 0;
+    GroupSeries groups;
+  };
   mutable absl::Mutex mu_;
-  std::array<TransportFigures, kTransports.size()> transports_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, MethodFigures, std::less<>> methods_ ABSL_GUARDED_BY(mu_);
-  int sessions_ ABSL_GUARDED_BY(mu_) = 0;
-  int64_t state_bytes_ ABSL_GUARDED_BY(mu_) = 0;
-  DiskWrites journal_ ABSL_GUARDED_BY(mu_);
-  DiskWrites checkpoint_ ABSL_GUARDED_BY(mu_);
-  uint64_t quarantined_sessions_ ABSL_GUARDED_BY(mu_) = 0;
-  GroupSeries groups_ ABSL_GUARDED_BY(mu_);
+  Recorded recorded_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace muond::metrics

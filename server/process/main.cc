@@ -357,6 +357,10 @@ void LogServing(const DaemonFlags& flags, int port, const kernels::Backend& back
        security::ExposureWarnings(flags.listen, tls.enabled(), !tls.client_ca.empty(), access.tokens.has_value())) {
     MUOND_LOG(warn, "{}", line);
   }
+  for (const std::string& line :
+       security::MetricsExposureWarnings(flags.metrics_listen, !tls.client_ca.empty() || access.tokens.has_value())) {
+    MUOND_LOG(warn, "{}", line);
+  }
 }
 
 // After a stop signal (or a lost listener): NOT_SERVING, the calls in flight given until

@@ -78,4 +78,12 @@ std::vector<std::string> ExposureWarnings(const std::string& listen, bool tls, b
   return lines;
 }
 
+std::vector<std::string> MetricsExposureWarnings(const std::string& metrics_listen, bool authenticated) {
+  if (metrics_listen.empty() || !authenticated || IsLocalListenAddress(metrics_listen)) return {};
+  return {absl::StrCat("!!! SECURITY: /metrics on ", metrics_listen,
+                       " has no authentication: anyone who can reach it reads every client's session ids, group "
+                       "names and step figures, which the gRPC port keeps to their owners."),
+          "!!! Bind --metrics-listen to 127.0.0.1, or to a network only the scraper reaches (docs/operations.md)."};
+}
+
 }  // namespace muond::security

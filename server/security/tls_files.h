@@ -39,4 +39,9 @@ bool IsLocalListenAddress(const std::string& listen);
 // a non-local listener without any authentication, or bearer tokens sent over plaintext.
 std::vector<std::string> ExposureWarnings(const std::string& listen, bool tls, bool client_certificates, bool tokens);
 
+// The lines to log for --metrics-listen `metrics_listen` (empty: none, or nothing to warn about): a
+// non-local metrics port beside an authenticated gRPC one, whose /metrics (no authentication) shows
+// every client's session ids and group names to anyone who reaches it.
+std::vector<std::string> MetricsExposureWarnings(const std::string& metrics_listen, bool authenticated);
+
 }  // namespace muond::security

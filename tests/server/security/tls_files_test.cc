@@ -34,6 +34,13 @@ TEST(TlsConfigTest, WarningsForExposedListeners) {
   const std::vector<std::string> plain_tokens = ExposureWarnings("0.0.0.0:50051", false, false, true);
   ASSERT_EQ(plain_tokens.size(), 1u);
   EXPECT_THAT(plain_tokens[0], HasSubstr("plain text"));
+  // /metrics has no authentication: a non-local one beside an authenticated gRPC port is named.
+  EXPECT_THAT(MetricsExposureWarnings("", true), IsEmpty());
+  EXPECT_THAT(MetricsExposureWarnings("127.0.0.1:9464", true), IsEmpty());
+  EXPECT_THAT(MetricsExposureWarnings("0.0.0.0:9464", false), IsEmpty());  // nothing is kept to owners
+  const std::vector<std::string> metrics = MetricsExposureWarnings("0.0.0.0:9464", true);
+  ASSERT_EQ(metrics.size(), 2u);
+  EXPECT_THAT(metrics[0], HasSubstr("/metrics on 0.0.0.0:9464 has no authentication"));
 }
 
 TEST(TlsConfigTest, FlagsThatDoNotGoTogetherAreRefused) {
