@@ -88,7 +88,7 @@ def test_health_and_info(endpoint):
 
 def test_unreachable_daemon_exits_3(tmp_path):
     code, out, err = ctl("--endpoint", "127.0.0.1:1", "--timeout", "1", "health")
-    assert code == 3 and "cannot reach muond at 127.0.0.1:1" in err
+    assert code == 3 and "cannot reach muond at 127.0.0.1:1 within 1 s" in err and "--tls-ca-file" in err, err
     doc = ctl_json("--endpoint", "127.0.0.1:1", "--timeout", "1", "health", expect=3)
     assert doc["status"] == "UNREACHABLE" and doc["error"]["code"] == "UNAVAILABLE"
     assert ctl("-e", "127.0.0.1:1", "--timeout", "1", "sessions", "list")[0] == 3
@@ -106,6 +106,9 @@ def test_usage_errors_exit_2():
         assert code == 2 and "--timeout: must be between 0.001 and 86400 seconds" in err, err
     code, _, err = ctl("-e", "", "health")  # at once, not after the connect timeout
     assert code == 2 and "--endpoint: empty" in err, err
+    # With --json a usage error is a document too.
+    doc = ctl_json("sessions", "show", expect=2)
+    assert doc["error"]["code"] == "INVALID_ARGUMENT" and "SESSION" in doc["error"]["message"], doc
 
 
 def test_names_are_printed_without_their_control_characters(endpoint):

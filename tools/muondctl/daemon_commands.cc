@@ -65,7 +65,17 @@ absl::StatusOr<std::unique_ptr<client::Client>> Connect(const ConnectFlags& flag
   absl::StatusOr<std::string> token = ReadToken(flags);
   if (!token.ok()) return token.status();
   options.auth_token = *token;
-  return client::Client::Connect(std::move(options));
+  absl::StatusOr<std::unique_ptr<client::Client>> client = client::Client::Connect(std::move(options));
+  // The client's message names its own options; say which flags to check.
+  if (client.status().code() == absl::StatusCode::kUnavailable) {
+    const bool tls = flags.use_tls || !flags.tls_ca_file.empty() || !flags.tls_client_cert_file.empty();
+    return absl::UnavailableError(absl::StrCat(
+        "cannot reach muond at ", flags.endpoint, " within ", flags.timeout_seconds, " s",
+        tls ? " (TLS: check --tls-ca-file, --tls-server-name against the daemon's certificate and, for mutual TLS, "
+              "--tls-client-cert-file)"
+            : " (if the daemon serves TLS, give --tls-ca-file or --tls)"));
+  }
+  return client;
 }
 
 }  // namespace

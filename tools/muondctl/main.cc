@@ -1,10 +1,12 @@
 // muondctl: the operator's command-line tool for muond. Parses the command line (CLI11) and runs one
 // command: daemon_commands.h (health, info, sessions, export over gRPC), top_command.h (a live view)
 // or state_commands.h (offline reading of a --state-dir). Output and exit codes: ctl_output.h.
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <string>
+#include <string_view>
 
 #include "CLI/CLI.hpp"
 #include "common/config.h"
@@ -128,6 +130,10 @@ int Run(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
+    // With --json anywhere, a usage error is a JSON document too (help and --version are text).
+    const bool wants_json =
+        std::any_of(argv + 1, argv + argc, [](const char* arg) { return std::string_view(arg) == "--json"; });
+    if (wants_json && e.get_exit_code() != 0) return Print(ErrorAnswer(absl::InvalidArgumentError(e.what())), true);
     const int code = app.exit(e);
     return code == 0 ? kExitOk : kExitUsage;
   }
