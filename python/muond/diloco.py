@@ -23,6 +23,7 @@ parameters.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import numbers
@@ -35,6 +36,7 @@ from torch import nn
 from . import options as opts
 from . import quantize, wire
 from .optimizer import RemoteOptimizer
+from .optimizer_options import RankOptions, WireOptions
 from .param_groups import default_param_groups
 
 __all__ = ["ASYNC_OUTER_MOMENTUM", "DiLoCo", "OUTER_SGD", "muon_outer_groups", "split_fragments"]
@@ -172,15 +174,44 @@ FRAGMENTS_LABEL = "diloco.fragments"
 
 
 def _label_fragments(remote_optimizer_kwargs: Dict[str, Any], fragments: int) -> None:
-    """Adds F to the session's labels (``RemoteOptimizer(labels=)``): the daemon refuses a worker
-    whose F differs from the session's, whose fragments would not be the others'
-    (docs/diloco.md). Labels of another type are left for the optimizer to refuse."""
-    given = remote_optimizer_kwargs.get("labels")
+    """Adds F to the session's labels (``RemoteOptimizer(labels=)``, a keyword or in ``ranks=``):
+    the daemon refuses a worker whose F differs from the session's, whose fragments would not be
+    the others' (docs/diloco.md). Labels of another type are left for the optimizer to refuse."""
+    ranks = remote_optimizer_kwargs.get("ranks")
+    in_ranks = isinstance(ranks, RankOptions) and "labels" not in remote_optimizer_kwargs
+    given = ranks.labels if in_ranks else remote_optimizer_kwargs.get("labels")
     if given is not None and not isinstance(given, dict):
         return
     if given and FRAGMENTS_LABEL in given:
         raise ValueError(f"labels: '{FRAGMENTS_LABEL}' is DiLoCo's own (from fragments)")
-    remote_optimizer_kwargs["labels"] = dict(given or {}, **{FRAGMENTS_LABEL: str(fragments)})
+    labels = dict(given or {}, **{FRAGMENTS_LABEL: str(fragments)})
+    if in_ranks:
+        remote_optimizer_kwargs["ranks"] = dataclasses.replace(ranks, labels=labels)
+    else:
+        remote_optimizer_kwargs["labels"] = labels
+
+
+# DiLoCo's own arguments that are fields of RemoteOptimizer's option objects, by object.
+_OWN_FIELDS = {"ranks": (RankOptions, ("world_size", "rank", "sync_mode")), "wire": (WireOptions, ("wire_dtype",))}
+
+
+def _fold_own_arguments(remote_optimizer_kwargs: Dict[str, Any], own: Dict[str, Any]) -> None:
+    """Passes DiLoCo's ``own`` arguments on to the optimizer: into ``ranks=`` or ``wire=`` when the
+    caller gave that object (a keyword beside it would be taken as given twice), else as keywords
+    (those left None unsaid). An object that sets one of them itself is a TypeError naming it: DiLoCo
+    reads them (``wire_dtype``, ``world_size``, ``sync_mode``), so they are given to DiLoCo."""
+    for keyword, (cls, fields) in _OWN_FIELDS.items():
+        given = remote_optimizer_kwargs.get(keyword)
+        mine = {f: own.pop(f) for f in fields}
+        if not isinstance(given, cls):
+            remote_optimizer_kwargs.update({f: v for f, v in mine.items() if v is not None})
+            continue
+        default = cls()
+        for f in fields:
+            if getattr(given, f) != getattr(default, f):
+                raise TypeError(f"{keyword}.{f}: give {f} to DiLoCo itself, not in {keyword}=")
+        remote_optimizer_kwargs[keyword] = dataclasses.replace(
+            given, **{f: v for f, v in mine.items() if v is not None})
 
 
 class DiLoCo:
@@ -225,7 +256,10 @@ class DiLoCo:
         merge_alpha: α in [0, 1]: a fragment's local parameters become α·local + (1 − α)·global
             when its sync's answer is merged (``torch.lerp``). 0 (default): the global values.
         **remote_optimizer_kwargs: the other ``RemoteOptimizer`` options (``connection``,
-            ``transport``, ``max_grad_norm``, ``return_dtype``, option defaults for every group).
+            ``transport``, ``max_grad_norm``, ``return_dtype``, ``labels``, option defaults for
+            every group), as keywords or in its option objects (``ranks=``, ``wire=``, ...);
+            ``world_size``, ``rank``, ``sync_mode`` and ``wire_dtype`` are DiLoCo's own and given
+            to it, not in an object. The session's labels also carry F (``diloco.fragments``).
 
     Raises:
         ValueError / TypeError: bad arguments, naming the argument, before anything is sent.
@@ -285,11 +319,10 @@ class DiLoCo:
                              "after overlap_steps inner steps, 0 by default)")
         delay = _workers(world_size) if self.asynchronous else None
         groups = self._outer_groups(outer, model, remote_optimizer_kwargs, delay)
-        if sync_mode is not None:
-            remote_optimizer_kwargs["sync_mode"] = sync_mode
         _label_fragments(remote_optimizer_kwargs, self.fragments)
+        _fold_own_arguments(remote_optimizer_kwargs, {"wire_dtype": wire_dtype, "world_size": world_size,
+                                                      "rank": rank, "sync_mode": sync_mode})
         self.remote = RemoteOptimizer(groups, endpoint=endpoint, session=session,
-                                      wire_dtype=wire_dtype, world_size=world_size, rank=rank,
                                       **remote_optimizer_kwargs)
         self.inner_steps = 0                       # calls of step() so far
         self.tokens = 0.0                          # tokens counted by step() so far

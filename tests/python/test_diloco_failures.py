@@ -253,8 +253,13 @@ def test_a_worker_with_other_fragments_is_refused_at_attach(endpoint):
         assert refused.value.code == grpc.StatusCode.ALREADY_EXISTS
         assert "spec.labels['diloco.fragments']: the session's is '2', this request's '1'" in (
             refused.value.details)
+        # The caller's labels in ranks= (and return_dtype in wire=) this time: the option objects
+        # take DiLoCo's own world_size, rank and wire_dtype; the same labels, so it attaches.
         second = muond.DiLoCo(models[2], inners[2], sync_every=4, fragments=2, endpoint=endpoint,
-                              session=session, world_size=2, rank=1, labels={"run": "r1"})
+                              session=session, world_size=2, rank=1,
+                              ranks=muond.RankOptions(labels={"run": "r1"}),
+                              wire=muond.WireOptions(return_dtype="fp32"))
+        assert (second.remote.world_size, second.remote.rank) == (2, 1)
         assert second.remote.attached and second.remote.labels == first.remote.labels
         second.close(keep_session=True)
     finally:
@@ -263,3 +268,8 @@ def test_a_worker_with_other_fragments_is_refused_at_attach(endpoint):
     with pytest.raises(ValueError, match="labels: 'diloco.fragments' is DiLoCo's own"):
         muond.DiLoCo(models[0], inners[0], sync_every=2, endpoint=endpoint,
                      labels={"diloco.fragments": "1"})
+    with pytest.raises(TypeError, match="ranks.rank: give rank to DiLoCo itself"):
+        muond.DiLoCo(models[0], inners[0], sync_every=2, endpoint=endpoint, ranks=muond.RankOptions(rank=0))
+    with pytest.raises(TypeError, match="wire.wire_dtype: give wire_dtype to DiLoCo itself"):
+        muond.DiLoCo(models[0], inners[0], sync_every=2, endpoint=endpoint,
+                     wire=muond.WireOptions(wire_dtype="bf16"))
