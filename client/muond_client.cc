@@ -558,7 +558,7 @@ absl::StatusOr<StepReply> Session::FinishStreamed(StreamedStep& streamed, const 
   if (reply.ok()) return Answered(*std::move(reply), 1);
   if (reply.status().code() == absl::StatusCode::kUnavailable) offer_.reset();  // ask a restarted daemon again
   if (client_->RefitChunksAfter(reply.status())) return StepFrom(1, *transport_, streamed.step(), payload, options);
-  if (!IsTransient(reply.status().code()) || client_->options().max_step_attempts <= 1) return reply;
+  if (!IsTransient(reply.status().code()) || StepAttempts() <= 1) return reply;
   client_->PauseBeforeRetry(client_->options().retry_backoff);
   return StepFrom(2, *transport_, streamed.step(), payload, options);
 }
@@ -589,11 +589,13 @@ absl::StatusOr<StepReply> Session::StepFrom(int first, StepTransport& transport,
       continue;
     }
     if (!IsTransient(reply.status().code())) return reply;
-    if (attempt >= client_->options().max_step_attempts) return AfterTries(reply.status(), attempt);
+    if (attempt >= StepAttempts()) return AfterTries(reply.status(), attempt);
     client_->PauseBeforeRetry(backoff);
     backoff *= 2;
   }
 }
+
+int Session::StepAttempts() const { return step_attempts_.value_or(client_->options().max_step_attempts); }
 
 StepReply Session::Answered(StepReply reply, int attempts) {
   reply.attempts = attempts;

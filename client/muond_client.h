@@ -178,7 +178,8 @@ class Client {
                                                          std::optional<int> rank = std::nullopt);
   // Ends the session. Retried on UNAVAILABLE; a retry that finds no session is taken as done (an
   // earlier try closed it, its answer lost, or the daemon restarted without it): NOT_FOUND only
-  // from a first try.
+  // from a first try. (A session created again under the same id between two tries would be the one
+  // the retry closes: the request names an id, not one session's life.)
   absl::Status CloseSession(const std::string& session_id);
   absl::StatusOr<std::vector<v1::SessionSummary>> ListSessions();
   // The daemon's grpc.health.v1 status for the whole server: true when SERVING (false while it
@@ -272,6 +273,11 @@ class Session {
   // The rank HoldParts made this; nullopt: whole tensors.
   std::optional<int> parts_rank() const { return parts_rank_; }
 
+  // The tries of each step (Step, StepThrough, a streamed step's Finish): the client's
+  // max_step_attempts unless set. ShardedSession sets 1 on its shards' sessions: it retries whole
+  // steps itself.
+  void set_step_attempts(int attempts) { step_attempts_ = attempts; }
+
   // Uploads every parameter's initial value (each in its wire dtype); a rank that holds parts
   // uploads its parts, and every rank does so before its first step.
   absl::Status UploadParameters(std::span<const TensorView> parameters);
@@ -328,6 +334,8 @@ class Session {
   std::map<std::string, v1::DType> wire_dtypes_;
   std::map<std::string, int64_t> numel_;
   std::optional<int> parts_rank_;
+  std::optional<int> step_attempts_;  // set_step_attempts; nullopt: the client's max_step_attempts
+  int StepAttempts() const;
   // Under "auto", when the daemon refused what transport_ needs (its region): one warning, and
   // transport_ becomes gRPC. True when it did.
   bool FellBackToGrpc();

@@ -82,6 +82,7 @@ absl::StatusOr<std::unique_ptr<ShardedSession>> ShardedSession::Open(ClientOptio
     absl::StatusOr<std::unique_ptr<Session>> session = self->clients_[k]->CreateSession(session_id, mine);
     if (!session.ok()) return session.status();
     self->sessions_[k] = *std::move(session);
+    self->sessions_[k]->set_step_attempts(1);  // Step retries the whole step (both phases), not a shard's part
     return self->sessions_[k]->last_step();
   });
   // A refused open leaves nothing behind: the sessions it created (never ones it attached to) go.

@@ -188,6 +188,24 @@ TEST_F(ShardedSessionTest, OneDaemonStepsAsAPlainSession) {
   ASSERT_OK(sharded->Close());
 }
 
+// A shard that is down: the whole step is tried max_step_attempts times (a shard's part is not
+// retried inside each try), and the error names the shard and its tries once.
+TEST_F(ShardedSessionTest, AStepWithAShardDownGivesUpAfterItsTriesNamingTheShard) {
+  const v1::SessionSpec spec = ModelSpec();
+  options_.retry_backoff = std::chrono::milliseconds(10);
+  const std::vector<std::string> shards(endpoints_.begin(), endpoints_.begin() + 3);
+  ASSERT_OK_AND_ASSIGN(auto sharded, client::ShardedSession::Open(options_, shards, "down", spec));
+  ASSERT_OK(sharded->UploadParameters(Tensors(spec, 0, 0.5f).views));
+  ASSERT_OK(sharded->Step(1, Tensors(spec, 100, 0.3f).views, OptionsOf(1)).status());
+  daemons_[1].Kill();
+  const absl::StatusOr<client::StepReply> reply = sharded->Step(2, Tensors(spec, 200, 0.3f).views, OptionsOf(2));
+  ASSERT_THAT(reply, StatusIs(absl::StatusCode::kUnavailable, "shard 1 (" + endpoints_[1] + ")"));
+  const std::string message(reply.status().message());
+  const std::string tries = "(gave up after " + std::to_string(options_.max_step_attempts) + " tries)";
+  EXPECT_NE(message.find(tries), std::string::npos) << message;
+  EXPECT_EQ(message.find(tries), message.rfind(tries)) << "said twice: " << message;
+}
+
 // A trainer that stopped after shard 0 committed a step and before the others did: the next Open
 // commits it on the others with shard 0's decision, and every shard ends as one daemon does.
 TEST_F(ShardedSessionTest, AnOpenFinishesAStepItsTrainerLeftBetweenCommits) {
