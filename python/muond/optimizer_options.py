@@ -62,7 +62,7 @@ class RankOptions:
     grace_seconds: Optional[float] = None
     max_staleness: Optional[int] = None
     staleness_scaling: Optional[Any] = None
-    labels: Optional[Dict[str, str]] = None
+    labels: Optional[Dict[str, str]] = dataclasses.field(default=None, hash=False)  # a dict: not hashable
 
     def resolve(self, num_daemons: int) -> Tuple[int, int, rank_rules.Sync, Dict[str, str]]:
         """(world_size, rank, sync, labels), checked; ValueError or TypeError naming the field."""

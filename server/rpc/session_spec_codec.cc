@@ -75,16 +75,18 @@ std::string LabelDifference(const v1::SessionSpec& existing, const v1::SessionSp
   for (const auto& [key, value] : have) {
     auto other = want.find(key);
     if (other == want.end()) {
-      return absl::StrCat("spec.labels['", key, "']: the session's is '", Echo(value), "', this request has none");
+      return absl::StrCat("spec.labels['", Echo(key), "']: the session's is '", Echo(value),
+                          "', this request has none");
     }
     if (other->second != value) {
-      return absl::StrCat("spec.labels['", key, "']: the session's is '", Echo(value), "', this request's '",
+      return absl::StrCat("spec.labels['", Echo(key), "']: the session's is '", Echo(value), "', this request's '",
                           Echo(other->second), "'");
     }
   }
   for (const auto& [key, value] : want) {
     if (!have.contains(key)) {
-      return absl::StrCat("spec.labels['", key, "']: the session has none, this request's is '", Echo(value), "'");
+      return absl::StrCat("spec.labels['", Echo(key), "']: the session has none, this request's is '", Echo(value),
+                          "'");
     }
   }
   return "";
@@ -542,6 +544,8 @@ absl::StatusOr<SessionConfig> ParseSessionSpec(const v1::SessionSpec& spec, cons
 }
 
 absl::Status CheckSameSpec(const v1::SessionSpec& existing, const v1::SessionSpec& requested) {
+  // An attach is not parsed as a creation is: its labels are checked here (their words are echoed).
+  MUOND_RETURN_IF_ERROR(CheckLabels(requested));
   google::protobuf::util::MessageDifferencer differencer;
   std::string differences;
   differencer.ReportDifferencesToString(&differences);

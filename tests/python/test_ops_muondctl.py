@@ -4,7 +4,6 @@ the exit codes scripts test."""
 
 import json
 import os
-import shutil
 import struct
 import subprocess
 from pathlib import Path
@@ -117,11 +116,12 @@ def test_names_are_printed_without_their_control_characters(endpoint):
     odd = "g\u009b31m\u202eevil"
     w = torch.nn.Parameter(torch.zeros(4, 4))
     with muond.RemoteOptimizer([{"params": [("w", w)], "name": odd, "optimizer": "sgd", "lr": 0.1}],
-                               endpoint=endpoint) as opt:
+                               endpoint=endpoint, labels={"run": "r7", "a": "b"}) as opt:
         w.grad = torch.ones(4, 4)
         opt.step()
         code, out, _ = ctl("-e", endpoint, "sessions", "show", opt.session_id)
         assert code == 0 and "g\\u{009b}31m\\u{202e}evil" in out, out
+        assert "labels        a=b, run=r7\n" in out, out  # what an attach must agree with
         assert "\u009b" not in out and "\u202e" not in out
         shown = ctl_json("-e", endpoint, "sessions", "show", opt.session_id)
         assert odd in json.dumps(shown, ensure_ascii=False)

@@ -201,6 +201,10 @@ Answer ShowSession(const ConnectFlags& flags, const std::string& session_id) {
                     s->spec().shard().endpoints_size(), " (", absl::StrJoin(s->spec().shard().endpoints(), ", "),
                     ")\n");
   }
+  if (!s->spec().labels().empty()) {
+    const std::map<std::string, std::string> labels(s->spec().labels().begin(), s->spec().labels().end());
+    absl::StrAppend(&answer.text, "labels        ", absl::StrJoin(labels, ", ", absl::PairFormatter("=")), "\n");
+  }
   absl::StrAppend(&answer.text, "groups\n");
   for (const v1::ParameterGroup& group : s->spec().groups()) {
     absl::StrAppend(&answer.text, "  ", group.name(), ": ",

@@ -402,6 +402,10 @@ TEST(SessionConfigTest, LabelsAreBoundedAndComparedWhenBothSidesHaveThem) {
     (*bad.mutable_labels())[key] = "1";
     EXPECT_THAT(ParseSessionSpec(bad, SpecLimits{}), StatusIs(absl::StatusCode::kInvalidArgument, "spec.labels: key '"))
         << key;
+    // An attach is checked too, whether or not the session has labels.
+    EXPECT_THAT(CheckSameSpec(Spec(), bad), StatusIs(absl::StatusCode::kInvalidArgument, "spec.labels: key '")) << key;
+    EXPECT_THAT(CheckSameSpec(labelled, bad), StatusIs(absl::StatusCode::kInvalidArgument, "spec.labels: key '"))
+        << key;
   }
   v1::SessionSpec bad_value = Spec();
   (*bad_value.mutable_labels())["k"] = "a\nb";
