@@ -244,6 +244,38 @@ def test_a_linked_checkpoint_is_refused_by_every_command(journaled_state, tmp_pa
     assert not (tmp_path / "out.safetensors").exists()
 
 
+def test_inspect_counts_an_asynchronous_session_in_global_steps(tmp_path):
+    # Each record of an asynchronous session is a rank's push; the restore replays it as the global
+    # step it made, and inspect says the step a restore resumes from.
+    from conftest import Daemon, _daemon_binary
+    import muond
+    from helpers import TinyNet, loss_of
+    daemon = Daemon(_daemon_binary(), tmp_path / "daemon",
+                    ("--state-dir", tmp_path / "state", "--durability", "journal"), listen="127.0.0.1:0")
+    try:
+        ranks = []
+        for rank in range(2):
+            model = TinyNet(seed=5)
+            ranks.append((model, muond.RemoteOptimizer(
+                muond.default_param_groups(model), endpoint=daemon.endpoint, session="pushes", world_size=2,
+                rank=rank, sync_mode="async", max_staleness=10)))
+        for push in range(1, 4):
+            for model, opt in ranks:
+                loss_of(model, push).backward()
+                opt.step()
+                opt.zero_grad()
+        daemon.kill()
+        for _, opt in ranks:
+            opt.close(keep_session=True)
+    finally:
+        daemon.stop()
+    [session] = ctl_json("state", "inspect", tmp_path / "state")["sessions"]
+    assert [r["step"] for r in session["journal"]["records"]] == [1, 2, 3, 4, 5, 6]
+    assert [r["rank"] for r in session["journal"]["records"]] == [0, 1, 0, 1, 0, 1]
+    assert session["last_step"] == 6
+    assert ctl("state", "verify", tmp_path / "state")[0] == 0
+
+
 def test_export_takes_only_a_session_id(journaled_state, tmp_path):
     state_dir = tmp_path / "state"
     shutil.copytree(journaled_state, state_dir, symlinks=True)

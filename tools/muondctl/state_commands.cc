@@ -109,10 +109,13 @@ FolderReport ReadFolder(const std::string& state_dir, const std::string& name) {
       report.json["error"] = std::string(report.error.message());
       return report;
     }
-    report.journal_steps.push_back(request->step);
+    // The session's step the record makes (an asynchronous push's is its global step, not its
+    // rank's push number), as the restore replays it.
+    const int64_t step = session::GlobalStepOf(*request);
+    report.journal_steps.push_back(step);
     size_t gradients = 0;
     for (const HostTensor& g : record.gradients) gradients += !g.values.empty();
-    records.push_back({{"step", request->step}, {"rank", request->rank}, {"gradients", gradients}});
+    records.push_back({{"step", step}, {"rank", request->rank}, {"gradients", gradients}});
   }
   report.json["journal"] = {{"records", records},
                             {"torn_tail_dropped", folder->journal.dropped_torn_tail},
