@@ -148,8 +148,10 @@ lease() {
   left() { echo $((deadline - (SECONDS - start))); }
   probe
   # `timeout 0` would mean no limit at all: a probe that took the whole deadline ends the lease.
-  (($(left) > 0)) || { echo "gpu-check: the probe used the whole deadline"; return 0; }
-  MUOND_GPU_PARALLEL=1 timeout -k 5 "$(left)" "$0" run cpp "$OUT_DIR"
+  local cpp_seconds
+  cpp_seconds=$(left)
+  ((cpp_seconds > 0)) || { echo "gpu-check: the probe used the whole deadline"; return 0; }
+  MUOND_GPU_PARALLEL=1 timeout -k 5 "$cpp_seconds" "$0" run cpp "$OUT_DIR"
   ((with_bench)) && (($(left) > 30)) && timeout -k 5 "$(left)" "$0" run bench "$OUT_DIR"
   # The Python suite takes what is left, its own step limit a little short of it, so that its
   # summary line is written and its log (pytest -v: one line per finished test) packed.

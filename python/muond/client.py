@@ -155,6 +155,8 @@ class Connection:
                  tls_server_name: Optional[str] = None,
                  max_attempts: int = DEFAULT_MAX_ATTEMPTS,
                  retry_backoff: float = DEFAULT_RETRY_BACKOFF):
+        if not isinstance(endpoint, str) or not endpoint:  # gRPC would wait out a timeout resolving it
+            raise ValueError(f"endpoint: must be the daemon's host:port, got {endpoint!r}")
         self.endpoint = endpoint
         self.timeout = timeout
         if int(max_attempts) < 1:
@@ -303,7 +305,7 @@ class Connection:
                 with self._translated(rpc):
                     return call()
             except MuondError as err:
-                if err.code != grpc.StatusCode.UNAVAILABLE:
+                if err.code != grpc.StatusCode.UNAVAILABLE or attempt == 1 == self.max_attempts:
                     raise
                 if attempt == self.max_attempts:
                     raise after_tries(err, attempt) from err
@@ -338,7 +340,9 @@ class Connection:
     def close_session(self, session_id: str) -> None:
         """Ends the session (its state and files are dropped). Retried on UNAVAILABLE; a retry
         that finds no session is taken as done: an earlier try closed it and its answer was lost,
-        or the daemon restarted without it. ``NOT_FOUND`` on the first try."""
+        or the daemon restarted without it. ``NOT_FOUND`` on the first try. (A session created
+        again under the same id between two tries would be the one the retry closes: the request
+        names an id, not one session's life.)"""
         tries = 0
 
         def close() -> None:

@@ -260,7 +260,7 @@ class StepTries(_Core):
                 return result, time.perf_counter() - started, attempt
             except MuondError as err:
                 lost_prepare = err.reason == STEP_NOT_PREPARED
-                if err.code not in _RETRIED and not lost_prepare:
+                if (err.code not in _RETRIED and not lost_prepare) or attempt == 1 == self.max_step_attempts:
                     raise
                 if attempt == self.max_step_attempts:
                     raise after_tries(err, attempt) from err

@@ -152,6 +152,11 @@ def test_labels_are_checked_before_sending_and_an_attach_must_agree_with_them(en
         other.close(keep_session=True)
 
 
+def test_an_empty_endpoint_is_refused_at_once():
+    with pytest.raises(ValueError, match="endpoint: must be the daemon's host:port, got ''"):
+        Connection("")
+
+
 def test_client_side_misuse_raises_before_sending():
     w = torch.nn.Parameter(torch.zeros(4, 4))
     b = torch.nn.Parameter(torch.zeros(4))
