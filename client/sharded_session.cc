@@ -82,7 +82,6 @@ absl::StatusOr<std::unique_ptr<ShardedSession>> ShardedSession::Open(ClientOptio
     absl::StatusOr<std::unique_ptr<Session>> session = self->clients_[k]->CreateSession(session_id, mine);
     if (!session.ok()) return session.status();
     self->sessions_[k] = *std::move(session);
-    self->sessions_[k]->set_step_attempts(1);  // Step retries the whole step (both phases), not a shard's part
     return self->sessions_[k]->last_step();
   });
   // A refused open leaves nothing behind: the sessions it created (never ones it attached to) go.
@@ -95,7 +94,9 @@ absl::StatusOr<std::unique_ptr<ShardedSession>> ShardedSession::Open(ClientOptio
     return status;
   };
   if (!steps.ok()) return roll_back(steps.status());
-  self->FinishCutOffStep(*steps);
+  self->FinishCutOffStep(*steps);  // its steps retried on each shard as a plain session's are
+  // From here Step retries whole steps (both phases), not a shard's part of one.
+  for (const std::unique_ptr<Session>& session : self->sessions_) session->set_step_attempts(1);
   absl::StatusOr<int64_t> common = self->CommonStep(*steps);
   if (!common.ok()) return roll_back(common.status());
   self->last_step_ = *common;
