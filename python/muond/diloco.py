@@ -161,7 +161,7 @@ class _Sync:
 def _workers(world_size: Optional[int]) -> int:
     """The number of workers of an asynchronous DiLoCo: ``world_size``, else torch.distributed's."""
     if world_size is not None:
-        return int(world_size)
+        return _check_count("world_size", world_size, 1)
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
@@ -171,6 +171,7 @@ def _workers(world_size: Optional[int]) -> int:
 
 
 FRAGMENTS_LABEL = "diloco.fragments"
+_MAX_LABELS = 16  # a session's (docs/protocol.md, Create or attach)
 
 
 def _label_fragments(remote_optimizer_kwargs: Dict[str, Any], fragments: int) -> None:
@@ -184,6 +185,9 @@ def _label_fragments(remote_optimizer_kwargs: Dict[str, Any], fragments: int) ->
         return
     if given and FRAGMENTS_LABEL in given:
         raise ValueError(f"labels: '{FRAGMENTS_LABEL}' is DiLoCo's own (from fragments)")
+    if given and len(given) >= _MAX_LABELS:
+        raise ValueError(f"labels: at most {_MAX_LABELS - 1} with DiLoCo, which adds "
+                         f"'{FRAGMENTS_LABEL}' to them (a session holds {_MAX_LABELS}), got {len(given)}")
     labels = dict(given or {}, **{FRAGMENTS_LABEL: str(fragments)})
     if in_ranks:
         remote_optimizer_kwargs["ranks"] = dataclasses.replace(ranks, labels=labels)
@@ -529,8 +533,11 @@ class DiLoCo:
             raise RuntimeError(
                 f"DiLoCo rank {self.remote.rank}: the pseudo-gradient of '{self.names[bad]}' is not "
                 f"finite (the local parameters diverged; the inner optimizer's state is likely "
-                f"non-finite too); nothing was sent. Resume this worker from a state dict saved "
-                f"before, or rebuild its inner optimizer and its model from global_parameters()")
+                f"non-finite too); nothing was sent. "
+                + ("Rebuild its inner optimizer and its model from global_parameters() (an "
+                   "asynchronous worker does not resume from a state dict)" if self.asynchronous else
+                   "Resume this worker from a state dict saved before, or rebuild its inner "
+                   "optimizer and its model from global_parameters()"))
         sync = _Sync(fragment, self.remote.last_step + 1, weight,
                      lands_at=self.inner_steps + self.overlap_steps)
         if self._failed is not None and self._failed[0] == sync.sent:

@@ -51,6 +51,7 @@ from . import loss_scale
 from . import options as opts
 from . import partition as parts
 from . import qk_clip as qk
+from . import quantize
 from . import ranks as ranks_of
 from . import session_spec
 from . import wire
@@ -247,6 +248,11 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
         # The scale to multiply the next loss by, with a loss scaler (from the daemon's answers).
         self.loss_scale: Optional[float] = None
         self._resolve_connection(setup.connection)
+        if quantize.is_quantized(self.wire_dtype) and self._wanted_transport not in ("auto", "grpc"):
+            # Block-quantized gradients are chunks of the gRPC stream: the other transports write
+            # whole elements into place.
+            raise ValueError(f"transport: '{self._wanted_transport}' is not possible with wire_dtype "
+                             f"'{self.wire_dtype}': quantized gradients travel over grpc only")
         self.world_size, self.rank, self.sync, self.labels = setup.ranks.resolve(len(self.endpoints))
         self.delay, self.delay_warmup = setup.timing.resolve(
             loss_scaler=self.loss_scaler, sync_mode=self.sync.mode, num_daemons=len(self.endpoints))

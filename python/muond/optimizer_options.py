@@ -105,9 +105,14 @@ class WireOptions:
     shm_zero_copy: bool = False
 
     def dtypes(self) -> Tuple[str, str]:
-        """(wire_dtype, return_dtype) by name; ValueError for an unknown dtype."""
-        return (wire_dtypes.gradient_dtype_name(self.wire_dtype),
-                wire_dtypes.dtype_name(self.return_dtype))
+        """(wire_dtype, return_dtype) by name; ValueError naming the field for an unknown dtype."""
+        named = []
+        for field, read in (("wire_dtype", wire_dtypes.gradient_dtype_name), ("return_dtype", wire_dtypes.dtype_name)):
+            try:
+                named.append(read(getattr(self, field)))
+            except ValueError as err:
+                raise ValueError(f"{field}: {err}") from None
+        return named[0], named[1]
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,9 @@ def ranks(world_size: Optional[int], rank: Optional[int]) -> Tuple[int, int]:
         world_size = torch.distributed.get_world_size() if dist_ready() else 1
     if rank is None:
         rank = torch.distributed.get_rank() if dist_ready() else 0
+    for name, value in (("world_size", world_size), ("rank", rank)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name}: must be an int, got {type(value).__name__} {value!r}")
     world_size, rank = int(world_size), int(rank)
     if world_size < 1:
         raise ValueError(f"world_size: must be at least 1, got {world_size}")

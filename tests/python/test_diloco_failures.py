@@ -268,6 +268,14 @@ def test_a_worker_with_other_fragments_is_refused_at_attach(endpoint):
     with pytest.raises(ValueError, match="labels: 'diloco.fragments' is DiLoCo's own"):
         muond.DiLoCo(models[0], inners[0], sync_every=2, endpoint=endpoint,
                      labels={"diloco.fragments": "1"})
+    with pytest.raises(ValueError, match="labels: at most 15 with DiLoCo, which adds 'diloco.fragments'"):
+        muond.DiLoCo(models[0], inners[0], sync_every=2, endpoint=endpoint,
+                     labels={f"k{i}": "v" for i in range(16)})
+    for world_size, error, message in ((0, ValueError, "world_size: must be at least 1, got 0"),
+                                       ("abc", TypeError, "world_size: must be an integer, got 'abc'")):
+        with pytest.raises(error, match=message):
+            muond.DiLoCo(models[0], inners[0], sync_every=2, endpoint=endpoint, sync_mode="async",
+                         world_size=world_size)
     with pytest.raises(TypeError, match="ranks.rank: give rank to DiLoCo itself"):
         muond.DiLoCo(models[0], inners[0], sync_every=2, endpoint=endpoint, ranks=muond.RankOptions(rank=0))
     with pytest.raises(TypeError, match="wire.wire_dtype: give wire_dtype to DiLoCo itself"):

@@ -56,6 +56,8 @@ def test_objects_and_their_shorthands_train_alike(endpoint):
     ({"step": muond.StepOptions(), "max_grad_norm": 1.0}, "'max_grad_norm' was given both"),
     ({"connection": muond.ConnectionOptions(), "timeout": 3.0}, "'timeout' was given both"),
     ({"ranks": {"world_size": 2}}, "ranks: a muond.RankOptions, not dict"),
+    ({"world_size": 2.5}, "^world_size: must be an int, got float 2.5"),
+    ({"world_size": 2, "rank": True}, "^rank: must be an int, got bool True"),
     ({"timing": True}, "timing: a muond.TimingOptions, not bool"),
 ])
 def test_a_field_given_twice_or_a_wrong_object_is_a_type_error(kwargs, named):
@@ -79,6 +81,9 @@ def test_a_field_given_twice_or_a_wrong_object_is_a_type_error(kwargs, named):
     ({"timing": muond.TimingOptions(overlap=True), "endpoints": ["127.0.0.1:9", "127.0.0.1:10"]},
      "overlap: needs one daemon"),
     ({"wire": muond.WireOptions(return_dtype="int3")}, "int3"),
+    ({"return_dtype": "int8"}, "^return_dtype: unsupported wire dtype 'int8'"),
+    ({"wire_dtype": "int8", "transport": "shm"},
+     "^transport: 'shm' is not possible with wire_dtype 'int8': quantized gradients travel over grpc only"),
     ({"step": muond.StepOptions(max_grad_norm=-1.0)}, "max_grad_norm must be finite and > 0"),
     ({"wire": muond.WireOptions(shm_zero_copy=True, wire_dtype="bf16")}, "shm_zero_copy:"),
     ({"chunk_bytes": 0}, "chunk_bytes: must be a whole number of bytes, at least 1, got 0"),

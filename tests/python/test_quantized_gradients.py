@@ -100,9 +100,13 @@ def test_the_daemon_applies_exactly_the_decoded_gradient(endpoint, dtype, chunk_
 
 def test_quantized_dtypes_are_for_gradients_over_grpc_only(endpoint):
     p = torch.nn.Parameter(torch.randn(8, 8))
-    with pytest.raises(RuntimeError, match="quantized gradients travel over grpc only"):
+    conn = muond.Connection(endpoint)
+    before = conn.list_sessions()
+    with pytest.raises(ValueError, match="transport: 'shm' .* quantized gradients travel over grpc only"):
         muond.RemoteOptimizer([p], endpoint=endpoint, wire_dtype="int4", transport="shm")
-    with pytest.raises(ValueError, match="unsupported wire dtype 'int8'"):
+    assert conn.list_sessions() == before  # refused before anything was sent
+    conn.close()
+    with pytest.raises(ValueError, match="return_dtype: unsupported wire dtype 'int8'"):
         muond.RemoteOptimizer([p], endpoint=endpoint, wire=muond.WireOptions(return_dtype="int8"))
     with pytest.raises(ValueError, match="'int8' or 'int4'"):
         muond.RemoteOptimizer([p], endpoint=endpoint, wire_dtype="int2")
