@@ -117,6 +117,9 @@ class ConnectionOptions:
 
     def endpoint_list(self) -> List[str]:
         """The daemons of the session: ``endpoints`` as given, or the one ``endpoint``."""
+        if self.endpoint == "":  # not taken for "unset": a wrong daemon would answer the default
+            raise ValueError("endpoint: empty; give the daemon's host:port, or leave it unset for "
+                             "$MUOND_ENDPOINT or " + DEFAULT_ENDPOINT)
         if self.endpoints is None:
             return [self.endpoint or os.environ.get("MUOND_ENDPOINT") or DEFAULT_ENDPOINT]
         if self.endpoint is not None:

@@ -86,6 +86,7 @@ def test_a_field_given_twice_or_a_wrong_object_is_a_type_error(kwargs, named):
      "^transport: 'shm' is not possible with wire_dtype 'int8': quantized gradients travel over grpc only"),
     ({"step": muond.StepOptions(max_grad_norm=-1.0)}, "max_grad_norm must be finite and > 0"),
     ({"wire": muond.WireOptions(shm_zero_copy=True, wire_dtype="bf16")}, "shm_zero_copy:"),
+    ({"endpoint": ""}, "^endpoint: empty; give the daemon's host:port"),
     ({"chunk_bytes": 0}, "chunk_bytes: must be a whole number of bytes, at least 1, got 0"),
     ({"chunk_bytes": 1.5}, "chunk_bytes: .* got 1.5"),
     ({"chunk_bytes": "4096"}, "chunk_bytes: .* got '4096'"),
@@ -96,7 +97,7 @@ def test_a_field_given_twice_or_a_wrong_object_is_a_type_error(kwargs, named):
 ])
 def test_each_object_refuses_naming_the_field(kwargs, named):
     if "endpoints" not in kwargs:
-        kwargs["endpoint"] = "127.0.0.1:9"
+        kwargs.setdefault("endpoint", "127.0.0.1:9")
     with pytest.raises(ValueError, match=named):
         muond.RemoteOptimizer(muond.default_param_groups(model()), **kwargs)
 
