@@ -31,7 +31,9 @@ int Run(int argc, char** argv) {
   app.fallthrough();
 
   ConnectFlags connect;
-  if (const char* endpoint = std::getenv("MUOND_ENDPOINT")) connect.endpoint = endpoint;
+  if (const char* endpoint = std::getenv("MUOND_ENDPOINT"); endpoint != nullptr && *endpoint != '\0') {
+    connect.endpoint = endpoint;  // set but empty: unset
+  }
   bool json = false;
   app.add_flag("--json", json, "Print one JSON document instead of text");
   app.add_option("--endpoint,-e", connect.endpoint, "The daemon, host:port ($MUOND_ENDPOINT)")->capture_default_str();
