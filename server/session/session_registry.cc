@@ -99,7 +99,8 @@ absl::StatusOr<CreateResult> SessionRegistry::Attach(std::shared_ptr<Session> se
   MUOND_RETURN_IF_ERROR(CheckSessionOwner(*session, caller));
   const std::string& id = session->id();
   absl::Status same = codec_->CheckSame(session->config().spec_json, spec_json);
-  if (!same.ok()) return absl::AlreadyExistsError(absl::StrCat("session_id '", Echo(id), "': ", same.message()));
+  // ALREADY_EXISTS for a different spec; a request refused for itself (its labels) keeps its code.
+  if (!same.ok()) return absl::Status(same.code(), absl::StrCat("session_id '", Echo(id), "': ", same.message()));
   MUOND_EVENT(info, "session_attached", id, session->last_step(), "session {} attached at step {}", id,
               session->last_step());
   return CreateResult{std::move(session), true};

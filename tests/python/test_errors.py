@@ -147,6 +147,20 @@ def test_labels_are_checked_before_sending_and_an_attach_must_agree_with_them(en
         assert refused.value.code == grpc.StatusCode.ALREADY_EXISTS
         assert "spec.labels['run']: the session's is 'a', this request's 'b'" in refused.value.details
         # A client that gives no labels (or one from before them) attaches as before.
+        # Labels the daemon refuses, at an attach too: INVALID_ARGUMENT (a request refused for
+        # itself), not ALREADY_EXISTS (a spec that differs); the session is as it was.
+        conn = Connection(endpoint)
+        [summary] = [s for s in conn.list_sessions() if s.session_id == first.session_id]
+        bad = pb.SessionSpec()
+        bad.CopyFrom(summary.spec)
+        bad.labels["Run\n"] = "a"
+        with pytest.raises(muond.MuondError) as invalid:
+            conn.create_session(first.session_id, bad)
+        assert invalid.value.code == grpc.StatusCode.INVALID_ARGUMENT, invalid.value
+        assert "spec.labels: key 'Run\\x0a'" in invalid.value.details, invalid.value.details
+        [after] = [s for s in conn.list_sessions() if s.session_id == first.session_id]
+        assert dict(after.spec.labels) == {"run": "a"}
+        conn.close()
         other = muond.RemoteOptimizer(params(), endpoint=endpoint, session=first.session_id)
         assert other.attached and other.labels == {}
         other.close(keep_session=True)

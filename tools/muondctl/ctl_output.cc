@@ -4,6 +4,7 @@
 #include <iostream>
 
 #include "absl/strings/str_format.h"
+#include "common/echo.h"
 
 namespace muond::ctl {
 
@@ -37,25 +38,7 @@ Answer ErrorAnswer(const absl::Status& status) {
 }
 
 std::string Printable(std::string_view text) {
-  std::string out;
-  out.reserve(text.size());
-  for (size_t i = 0; i < text.size(); ++i) {
-    const auto byte = static_cast<unsigned char>(text[i]);
-    const auto next = [&](size_t k) { return i + k < text.size() ? static_cast<unsigned char>(text[i + k]) : 0; };
-    if ((byte < 0x20 && byte != '\n' && byte != '\t') || byte == 0x7f) {
-      absl::StrAppendFormat(&out, "\\x%02x", byte);
-    } else if (byte == 0xc2 && next(1) >= 0x80 && next(1) <= 0x9f) {  // C1: U+0080–U+009F
-      absl::StrAppendFormat(&out, "\\u{%04x}", next(1));
-      i += 1;
-    } else if (byte == 0xe2 && ((next(1) == 0x80 && next(2) >= 0xaa && next(2) <= 0xae) ||
-                                (next(1) == 0x81 && next(2) >= 0xa6 && next(2) <= 0xa9))) {
-      absl::StrAppendFormat(&out, "\\u{%04x}", 0x2000 + ((next(1) & 0x3f) << 6) + (next(2) & 0x3f));
-      i += 2;
-    } else {
-      out.push_back(static_cast<char>(byte));
-    }
-  }
-  return out;
+  return EscapeControls(absl::string_view(text.data(), text.size()), /*keep_line_breaks=*/true);
 }
 
 int Print(const Answer& answer, bool json) {

@@ -46,10 +46,9 @@ Answer ErrorAnswer(const absl::Status& status);
 // Prints `answer` (JSON or text) and returns its exit code.
 int Print(const Answer& answer, bool json);
 
-// `text` safe to print on a terminal: control characters other than newline and tab (C0, DEL, C1)
-// and the bidirectional embedding, override and isolate marks (U+202A–U+202E, U+2066–U+2069) are
-// written as escapes ("\x1b", "\u{202e}"), so that a name from a daemon or a state file cannot
-// move the cursor, recolour the terminal or reorder what follows it. Text output and top go through it.
+// `text` safe to print on a terminal (EscapeControls, common/echo.h, keeping newlines and tabs), so
+// that a name from a daemon or a state file cannot move the cursor, recolour the terminal or reorder
+// what follows it. Text output and top go through it.
 std::string Printable(std::string_view text);
 
 // "1.50 GiB"-style sizes for text output.

@@ -407,6 +407,14 @@ TEST(SessionConfigTest, LabelsAreBoundedAndComparedWhenBothSidesHaveThem) {
     EXPECT_THAT(CheckSameSpec(labelled, bad), StatusIs(absl::StatusCode::kInvalidArgument, "spec.labels: key '"))
         << key;
   }
+  // A refused key is echoed with its control characters escaped: no forged log line, no terminal escape.
+  v1::SessionSpec forged = Spec();
+  (*forged.mutable_labels())["x\n2026-12-01T00:00:00.000 info forged\x1b[2J"] = "1";
+  const absl::Status refused = ParseSessionSpec(forged, SpecLimits{}).status();
+  EXPECT_THAT(refused,
+              StatusIs(absl::StatusCode::kInvalidArgument, "key 'x\\x0a2026-12-01T00:00:00.000 info forged\\x1b[2J'"));
+  EXPECT_EQ(refused.message().find('\n'), std::string::npos);
+  EXPECT_EQ(refused.message().find('\x1b'), std::string::npos);
   v1::SessionSpec bad_value = Spec();
   (*bad_value.mutable_labels())["k"] = "a\nb";
   EXPECT_THAT(ParseSessionSpec(bad_value, SpecLimits{}),
