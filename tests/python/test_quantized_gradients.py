@@ -101,10 +101,10 @@ def test_the_daemon_applies_exactly_the_decoded_gradient(endpoint, dtype, chunk_
 def test_quantized_dtypes_are_for_gradients_over_grpc_only(endpoint):
     p = torch.nn.Parameter(torch.randn(8, 8))
     conn = muond.Connection(endpoint)
-    before = conn.list_sessions()
+    before = {s.session_id for s in conn.list_sessions()}  # the shared daemon's other tests' too
     with pytest.raises(ValueError, match="transport: 'shm' .* quantized gradients travel over grpc only"):
         muond.RemoteOptimizer([p], endpoint=endpoint, wire_dtype="int4", transport="shm")
-    assert conn.list_sessions() == before  # refused before anything was sent
+    assert {s.session_id for s in conn.list_sessions()} <= before  # refused before anything was sent
     conn.close()
     with pytest.raises(ValueError, match="return_dtype: unsupported wire dtype 'int8'"):
         muond.RemoteOptimizer([p], endpoint=endpoint, wire=muond.WireOptions(return_dtype="int8"))
