@@ -23,10 +23,7 @@ parameters.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
-import numbers
 import threading
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -36,7 +33,8 @@ from torch import nn
 from . import options as opts
 from . import quantize, wire
 from .optimizer import RemoteOptimizer
-from .optimizer_options import RankOptions, WireOptions
+from .diloco_arguments import (check_alpha, check_count, check_tokens, fold_own_arguments,
+                               label_fragments, workers_of)
 from .param_groups import default_param_groups
 
 __all__ = ["ASYNC_OUTER_MOMENTUM", "DiLoCo", "OUTER_SGD", "muon_outer_groups", "split_fragments"]
@@ -94,37 +92,6 @@ def split_fragments(sizes: Sequence[int], fragments: int) -> List[int]:
     return owner
 
 
-def _check_count(name: str, value: Any, low: int, high: Optional[int] = None,
-                 why: str = "") -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name}: must be an integer, got {value!r}")
-    value = int(value)
-    if value < low or (high is not None and value > high):
-        bound = f"at least {low}" if high is None else f"in [{low}, {high}]"
-        raise ValueError(f"{name}: must be {bound}{why}, got {value}")
-    return value
-
-
-def _check_tokens(tokens: Any) -> float:
-    if tokens is None:
-        return 1.0
-    if isinstance(tokens, bool) or not isinstance(tokens, numbers.Real):
-        raise TypeError(f"tokens: must be a number, got {tokens!r}")
-    value = float(tokens)
-    if not (value >= 0 and math.isfinite(value)):
-        raise ValueError(f"tokens: must be finite and >= 0, got {tokens!r}")
-    return value
-
-
-def _check_alpha(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"merge_alpha: must be a number, got {value!r}")
-    alpha = float(value)
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"merge_alpha: must be in [0, 1], got {value!r}")
-    return alpha
-
-
 class _Sync:
     """A sync of one fragment from its sending to its merge: the session step it was sent as, the
     inner step after which it is merged, and, once answered, whether the answer replaces every
@@ -156,66 +123,6 @@ class _Sync:
                 remote.step(weight=self.weight)
         except BaseException as err:  # noqa: BLE001 (re-raised in the caller's thread)
             self.error = err
-
-
-def _workers(world_size: Optional[int]) -> int:
-    """The number of workers of an asynchronous DiLoCo: ``world_size``, else torch.distributed's."""
-    if world_size is not None:
-        return _check_count("world_size", world_size, 1)
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    raise ValueError("world_size: asynchronous DiLoCo needs the number of workers (world_size, or "
-                     "an initialized torch.distributed) for its delayed Nesterov's default "
-                     "nesterov_delay")
-
-
-FRAGMENTS_LABEL = "diloco.fragments"
-_MAX_LABELS = 16  # a session's (docs/protocol.md, Create or attach)
-
-
-def _label_fragments(remote_optimizer_kwargs: Dict[str, Any], fragments: int) -> None:
-    """Adds F to the session's labels (``RemoteOptimizer(labels=)``, a keyword or in ``ranks=``):
-    the daemon refuses a worker whose F differs from the session's, whose fragments would not be
-    the others' (docs/diloco.md). Labels of another type are left for the optimizer to refuse."""
-    ranks = remote_optimizer_kwargs.get("ranks")
-    in_ranks = isinstance(ranks, RankOptions) and "labels" not in remote_optimizer_kwargs
-    given = ranks.labels if in_ranks else remote_optimizer_kwargs.get("labels")
-    if given is not None and not isinstance(given, dict):
-        return
-    if given and FRAGMENTS_LABEL in given:
-        raise ValueError(f"labels: '{FRAGMENTS_LABEL}' is DiLoCo's own (from fragments)")
-    if given and len(given) >= _MAX_LABELS:
-        raise ValueError(f"labels: at most {_MAX_LABELS - 1} with DiLoCo, which adds "
-                         f"'{FRAGMENTS_LABEL}' to them (a session holds {_MAX_LABELS}), got {len(given)}")
-    labels = dict(given or {}, **{FRAGMENTS_LABEL: str(fragments)})
-    if in_ranks:
-        remote_optimizer_kwargs["ranks"] = dataclasses.replace(ranks, labels=labels)
-    else:
-        remote_optimizer_kwargs["labels"] = labels
-
-
-# DiLoCo's own arguments that are fields of RemoteOptimizer's option objects, by object.
-_OWN_FIELDS = {"ranks": (RankOptions, ("world_size", "rank", "sync_mode")), "wire": (WireOptions, ("wire_dtype",))}
-
-
-def _fold_own_arguments(remote_optimizer_kwargs: Dict[str, Any], own: Dict[str, Any]) -> None:
-    """Passes DiLoCo's ``own`` arguments on to the optimizer: into ``ranks=`` or ``wire=`` when the
-    caller gave that object (a keyword beside it would be taken as given twice), else as keywords
-    (those left None unsaid). An object that sets one of them itself is a TypeError naming it: DiLoCo
-    reads them (``wire_dtype``, ``world_size``, ``sync_mode``), so they are given to DiLoCo."""
-    for keyword, (cls, fields) in _OWN_FIELDS.items():
-        given = remote_optimizer_kwargs.get(keyword)
-        mine = {f: own.pop(f) for f in fields}
-        if not isinstance(given, cls):
-            remote_optimizer_kwargs.update({f: v for f, v in mine.items() if v is not None})
-            continue
-        default = cls()
-        for f in fields:
-            if getattr(given, f) != getattr(default, f):
-                raise TypeError(f"{keyword}.{f}: give {f} to DiLoCo itself, not in {keyword}=")
-        remote_optimizer_kwargs[keyword] = dataclasses.replace(
-            given, **{f: v for f, v in mine.items() if v is not None})
 
 
 class DiLoCo:
@@ -281,19 +188,19 @@ class DiLoCo:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("model: has no parameters with requires_grad")
-        self.sync_every = _check_count("sync_every", sync_every, 1)
-        self.fragments = _check_count(
+        self.sync_every = check_count("sync_every", sync_every, 1)
+        self.fragments = check_count(
             "fragments", fragments, 1, len(named),
             " (at most one fragment per trained parameter of the model)")
         if self.sync_every % self.fragments:
             raise ValueError(f"fragments: sync_every ({self.sync_every}) must be a multiple of "
                              f"fragments ({self.fragments}), so that each fragment syncs every "
                              f"sync_every inner steps")
-        self.overlap_steps = _check_count(
+        self.overlap_steps = check_count(
             "overlap_steps", overlap_steps, 0, self.sync_every // self.fragments - 1,
             f" (below sync_every / fragments = {self.sync_every // self.fragments}: a sync is "
             f"merged before the next one is sent)")
-        self.merge_alpha = _check_alpha(merge_alpha)
+        self.merge_alpha = check_alpha(merge_alpha)
         self.wire_dtype = wire.gradient_dtype_name(wire_dtype)
         self.model = model
         self.inner = inner_optimizer
@@ -321,10 +228,10 @@ class DiLoCo:
         if remote_optimizer_kwargs.get("delay") or getattr(timing, "delay", 0):
             raise ValueError("delay: DiLoCo takes no delayed update (a sync's answer is merged "
                              "after overlap_steps inner steps, 0 by default)")
-        delay = _workers(world_size) if self.asynchronous else None
+        delay = workers_of(world_size) if self.asynchronous else None
         groups = self._outer_groups(outer, model, remote_optimizer_kwargs, delay)
-        _label_fragments(remote_optimizer_kwargs, self.fragments)
-        _fold_own_arguments(remote_optimizer_kwargs, {"wire_dtype": wire_dtype, "world_size": world_size,
+        label_fragments(remote_optimizer_kwargs, self.fragments)
+        fold_own_arguments(remote_optimizer_kwargs, {"wire_dtype": wire_dtype, "world_size": world_size,
                                                       "rank": rank, "sync_mode": sync_mode})
         self.remote = RemoteOptimizer(groups, endpoint=endpoint, session=session,
                                       **remote_optimizer_kwargs)
@@ -468,7 +375,7 @@ class DiLoCo:
         (the tokens, or samples, this step trained on; None counts 1), merges the answer of a sync
         sent ``overlap_steps`` inner steps ago, and, when a fragment is due (``fragment_due``),
         syncs it. Returns the closure's loss."""
-        amount = _check_tokens(tokens)
+        amount = check_tokens(tokens)
         due = self.fragment_due(self.inner_steps + 1)
         if due is not None and self._since_sync[due] + amount <= 0:
             raise ValueError(f"tokens: no tokens counted since fragment {due}'s last sync; the "
