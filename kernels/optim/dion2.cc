@@ -261,7 +261,8 @@ class Dion2 final : public Optimizer {
     // O of each matrix's chosen lines, together: batch matrices of chosen × length.
     MUOND_RETURN_IF_ERROR(NewtonSchulz(backend, options_.ns_schedule, options_.ns_steps, options_.ns_eps,
                                        options_.ns_norm_safety, options_.matmul_precision, picked, picked, l.chosen,
-                                       l.length, mat.batch, ws, measured.input_sums, options_.ns_preconditioner));
+                                       l.length, mat.batch, ws, measured.input_sums, options_.ns_preconditioner,
+                                       /*stored_transposed=*/l.columns));
     if (measured.residual_param == &p) {
       const size_t lines_of_one = chosen.size() / static_cast<size_t>(mat.batch);
       MUOND_RETURN_IF_ERROR(OrthogonalitySumSquares(

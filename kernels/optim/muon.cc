@@ -408,7 +408,8 @@ absl::Status Muon::Orthogonalize(Backend& backend, const StepHyper& hyper, std::
   } else {
     MUOND_RETURN_IF_ERROR(NewtonSchulz(backend, options_.ns_schedule, options_.ns_steps, options_.ns_eps,
                                        options_.ns_norm_safety, options_.matmul_precision, work, work, rows, cols,
-                                       static_cast<int64_t>(batch), ws, input_sums, options_.ns_preconditioner));
+                                       static_cast<int64_t>(batch), ws, input_sums, options_.ns_preconditioner,
+                                       transposed));
   }
   if (telemetry_ != nullptr) MUOND_RETURN_IF_ERROR(Observe(backend, jobs, work, ws));
   if (const LineOrder after = OrderOf(options_.post_normalization, transposed); after != LineOrder::kNone) {

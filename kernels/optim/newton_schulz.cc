@@ -175,13 +175,17 @@ double AolGramBound(int64_t rows, int64_t cols, double input_bound) {
 
 absl::Status NewtonSchulz(Backend& backend, const NsSchedule& schedule, int steps, double eps, double norm_safety,
                           kernels::MatmulPrecision precision, const float* in, float* out, int64_t rows, int64_t cols,
-                          int64_t batch, NsWorkspace& ws, double* input_sum_squares, NsPreconditioner preconditioner) {
+                          int64_t batch, NsWorkspace& ws, double* input_sum_squares, NsPreconditioner preconditioner,
+                          bool stored_transposed) {
   MUOND_RETURN_IF_ERROR(CheckNsArguments("NewtonSchulz", schedule, steps, rows, cols, batch));
   if (rows == 0 || cols == 0 || batch == 0) return absl::OkStatus();
 
   // Work on the wide orientation: the Gram matrix A is then m×m with m = min(rows, cols), which
-  // keeps two of the three GEMMs at the small dimension.
-  const bool transposed = rows > cols;
+  // keeps two of the three GEMMs at the small dimension. AOL scales the rows of a square matrix as
+  // the caller's matrix has them (the reference transposes only a tall one), so a stored transpose
+  // is turned back.
+  const bool aol = preconditioner == NsPreconditioner::kAol;
+  const bool transposed = rows > cols || (aol && rows == cols && stored_transposed);
   const int64_t m = std::min(rows, cols), n = std::max(rows, cols);
   const size_t mat = static_cast<size_t>(m * n), gram = static_cast<size_t>(m * m);
   const size_t total = mat * static_cast<size_t>(batch);
@@ -190,7 +194,6 @@ absl::Status NewtonSchulz(Backend& backend, const NsSchedule& schedule, int step
   MUOND_ASSIGN_OR_RETURN(float* x_next, ws.Get(backend, 1, total));
   MUOND_ASSIGN_OR_RETURN(float* a_mat, ws.Get(backend, 2, gram * batch));
   MUOND_ASSIGN_OR_RETURN(float* b_mat, ws.Get(backend, 3, gram * batch));
-  const bool aol = preconditioner == NsPreconditioner::kAol;
   // A = X·Xᵀ; B = c·A·A + b·B with B preloaded with A; X' = B·X + a·X' with X' preloaded with X (the
   // GEMM cannot read and write X in place).
   const NsGemmShapes shapes = GemmShapesFor(m, n, batch);

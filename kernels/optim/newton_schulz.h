@@ -128,12 +128,16 @@ inline constexpr double kCudaSquareWeight = 1.0;
 // first iteration uses diag(s)·A·diag(s) (= the scaled X's X·Xᵀ) rather than computing it again;
 // norm_safety is not used. `input_sum_squares` are then the sums of the unscaled input. A is formed
 // in fp32 from the unscaled input, so its entries reach n·max|G|² (AolGramBound): the finite-step
-// guard skips a step whose input could overflow it rather than let 0·inf give NaN.
+// guard skips a step whose input could overflow it rather than let 0·inf give NaN. AOL's scales
+// depend on the orientation (unlike the map itself): they go to the rows of the wide orientation,
+// and of a square matrix to its rows as the caller's matrix has them — with `stored_transposed`
+// (`in` holds each matrix's transpose, as column blocks are stored), to the stored columns.
 absl::Status NewtonSchulz(kernels::Backend& backend, const NsSchedule& schedule, int steps, double eps,
                           double norm_safety, kernels::MatmulPrecision precision, const float* in, float* out,
                           int64_t rows, int64_t cols, int64_t batch, NsWorkspace& ws,
                           double* input_sum_squares = nullptr,
-                          NsPreconditioner preconditioner = NsPreconditioner::kFrobenius);
+                          NsPreconditioner preconditioner = NsPreconditioner::kFrobenius,
+                          bool stored_transposed = false);
 
 // The largest magnitude AOL's Gram matrix A = X·Xᵀ can hold for a rows×cols input whose elements
 // are at most `input_bound`: a row of the wide X has max(rows, cols) elements, so |A_ij| ≤

@@ -695,9 +695,12 @@ class LocalOptimizer(torch.optim.Optimizer):
             chosen = torch.sort(order[:k]).values
             picked = lines[chosen].clone()
             lines[chosen] = picked * group["dion2_ef_decay"]
-            target[chosen] = newton_schulz(picked, group["ns_steps"], coefficients, after, group["ns_eps"],
-                                           group["ns_norm_safety"], None,
-                                           aol=group.get("ns_preconditioner") == "aol")
+            # The chosen columns as the parameter has them (rows × k): AOL scales their rows, which
+            # for a square block are not the stored lines' (the daemon's stored_transposed).
+            block = picked.T if columns else picked
+            ortho = newton_schulz(block, group["ns_steps"], coefficients, after, group["ns_eps"],
+                                  group["ns_norm_safety"], None, aol=group.get("ns_preconditioner") == "aol")
+            target[chosen] = ortho.T if columns else ortho
             uv.mul_(facts.muon_scale(group, rows, cols))
         lr, wd = group["lr"], group["weight_decay"]
         p.mul_(1 - wd if group["weight_decay_mode"] == "independent" else 1 - lr * wd)

@@ -63,10 +63,12 @@ class NewtonSchulzTest : public ::testing::Test {
     });
   }
   // The same with Turbo-Muon's AOL preconditioning.
-  std::vector<Mat> RunAol(const std::vector<Mat>& in, const NsSchedule& schedule, int steps) {
+  // `stored_transposed`: each matrix holds the transpose of the one AOL scales (a column block).
+  std::vector<Mat> RunAol(const std::vector<Mat>& in, const NsSchedule& schedule, int steps,
+                          bool stored_transposed = false) {
     return RunWith(in, [&](float* data, int64_t rows, int64_t cols, int64_t batch) {
       return NewtonSchulz(*backend_, schedule, steps, 1e-7, 1.0, kernels::MatmulPrecision::kFp32, data, data, rows,
-                          cols, batch, ws_, nullptr, NsPreconditioner::kAol);
+                          cols, batch, ws_, nullptr, NsPreconditioner::kAol, stored_transposed);
     });
   }
   Mat RunOne(const Mat& in, const NsSchedule& schedule, int steps, double eps = 1e-7) {
@@ -589,6 +591,45 @@ TEST_F(NewtonSchulzTest, AolMatchesItsReferenceAndOrthogonalizesInFourSteps) {
   // A zero matrix stays zero (the eps floor keeps the scale finite).
   const std::vector<Mat> zero = RunAol({Mat(8, 12)}, aol, 4);
   for (double v : zero[0].v) EXPECT_EQ(v, 0.0);
+}
+
+// AOL scales a rank-one matrix, and a single row or column, to spectral norm exactly 1, and brings a
+// dominant singular value close to it: the aol set must keep those directions' sign (a set that maps
+// σ = 1 below zero reverses the update). Singular values do not show a sign, so the check is the
+// output's alignment with the input's top singular pair: u·O·v near p(1) ≈ 0.99 for rank one.
+TEST_F(NewtonSchulzTest, AolKeepsTheSignOfSingularValuesNearOne) {
+  const NsSchedule aol = Named("aol");
+  for (const auto& [rows, cols, noise] : std::vector<std::tuple<int64_t, int64_t, double>>{
+           {1, 16, 0.0}, {16, 1, 0.0}, {8, 12, 0.0}, {12, 8, 0.0}, {16, 24, 0.01}, {24, 16, 0.01}}) {
+    const Mat u = testing::RandomMat(rng_, rows, 1), v = testing::RandomMat(rng_, cols, 1);
+    Mat g = testing::RandomMat(rng_, rows, cols, noise);
+    double u_norm = 0, v_norm = 0;
+    for (double x : u.v) u_norm += x * x;
+    for (double x : v.v) v_norm += x * x;
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t j = 0; j < cols; ++j) g(i, j) += u(i, 0) * v(j, 0) / std::sqrt(u_norm * v_norm);
+    const Mat out = RunAol({g}, aol, 4)[0];
+    double along = 0;  // uᵀ·O·v with unit u, v
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t j = 0; j < cols; ++j) along += u(i, 0) * out(i, j) * v(j, 0);
+    along /= std::sqrt(u_norm * v_norm);
+    EXPECT_GT(along, 0.9) << rows << "x" << cols << " noise " << noise;
+    EXPECT_LT(along, 1.2) << rows << "x" << cols << " noise " << noise;
+  }
+}
+
+// AOL's scales depend on the orientation: a square matrix stored as its transpose (a tensor-parallel
+// column block) is scaled by its own rows, so the result is the transpose of the reference's on the
+// matrix itself, not the reference's on the stored transpose.
+TEST_F(NewtonSchulzTest, AolScalesTheRowsOfASquareMatrixStoredTransposed) {
+  const NsSchedule aol = Named("aol");
+  const Mat g = MatWithSingularValues(rng_, 12, 12, Decade(12));
+  const Mat stored = testing::Transposed(g);
+  const Mat out = RunAol({stored}, aol, 4, /*stored_transposed=*/true)[0];
+  const Mat expected = testing::Transposed(testing::ReferenceAolNs(g, aol, 4));
+  EXPECT_TRUE(testing::WithinBound("ns.aol_transposed_vs_fp64", testing::MaxAbsDiff(out, expected), 2e-4));
+  const Mat of_stored = testing::ReferenceAolNs(stored, aol, 4);
+  EXPECT_GT(testing::MaxAbsDiff(out, of_stored), 1e-2) << "the case must tell the orientations apart";
 }
 
 }  // namespace

@@ -192,6 +192,33 @@ def test_daemon_and_local_match_the_reference(endpoint, method, mode):
         assert moved > 100 * TOLERANCE, f"{name} hardly moved ({moved}): the check would not tell"
 
 
+@pytest.mark.parametrize("dim", [0, 1], ids=["row-blocks", "column-blocks"])
+def test_turbo_on_square_tensor_parallel_blocks_scales_each_blocks_own_rows(endpoint, dim):
+    """AOL's scales depend on the orientation: each square block of a tensor-parallel weight
+    (8×16 in two 8×8 column blocks, or 16×8 in two row blocks) is the reference's AOL step on that
+    block as the parameter has it, though a column block is stored transposed."""
+    gen = torch.Generator().manual_seed(11)
+    shape = (8, 16) if dim == 1 else (16, 8)
+    options = dict(daemon_options("turbo", "aol"), tp_blocks=2, tp_block_dim=dim)
+    start = 0.1 * torch.randn(*shape, generator=gen)
+    remote_w, local_w = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    reference = start.clone()
+    ref = ReferenceStep("turbo", "aol", options["lr"], options["momentum"], options["weight_decay"])
+    remote = muond.RemoteOptimizer([dict(options, params=[("w", remote_w)])], endpoint=endpoint)
+    local = muond.LocalOptimizer([dict(options, params=[("w", local_w)])])
+    for _ in range(3):
+        g = torch.randn(*shape, generator=gen)
+        remote_w.grad, local_w.grad = g.clone(), g.clone()
+        for k, (w_block, g_block) in enumerate(zip(torch.chunk(reference, 2, dim=dim), torch.chunk(g, 2, dim=dim))):
+            ref.step(f"block{k}", w_block, g_block.contiguous())
+        remote.step()
+        local.step()
+    remote.close()
+    assert rel_err(remote_w.detach(), reference) < TOLERANCE, rel_err(remote_w.detach(), reference)
+    assert rel_err(local_w.detach(), reference) < TOLERANCE, rel_err(local_w.detach(), reference)
+    assert rel_err(start, reference) > 100 * TOLERANCE
+
+
 def test_the_normalizations_change_the_update(endpoint):
     """Each mode makes a different update from plain Muon's and from the others (so a mode that
     were ignored would fail above)."""
