@@ -99,8 +99,13 @@ void ApplyChoiceDefaults(GroupOptions& o, absl::FunctionRef<bool(std::string_vie
         if (name == spec.name) chosen = spec.choices[static_cast<size_t>(member)];
       }
     });
+    // A choice's defaults go together (Turbo-Muon's set is tuned for its step count): a group that
+    // gives any of them gets none.
+    bool any_given = false;
+    for (const OptionSpec::ChoiceDefault& d : spec.choice_defaults) any_given |= d.choice == chosen && given(d.option);
+    if (any_given) continue;
     for (const OptionSpec::ChoiceDefault& d : spec.choice_defaults) {
-      if (d.choice != chosen || given(d.option)) continue;
+      if (d.choice != chosen) continue;
       if (d.option == "ns_coefficients") {
         o.ns_schedule = *NamedSchedule(d.value.name);  // the table's check: a set it names
         continue;

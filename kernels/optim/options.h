@@ -128,7 +128,8 @@ struct GroupOptions {
 GroupOptions DefaultOptions(OptimizerKind kind);
 
 // The options a choice brings (the table's choice_defaults: ns_preconditioner aol sets the aol
-// coefficients and 4 steps) into `o`, each unless `given(name)` says the group set it itself.
+// coefficients and 4 steps) into `o`, together: none when `given(name)` says the group set any of
+// them itself.
 void ApplyChoiceDefaults(GroupOptions& o, absl::FunctionRef<bool(std::string_view)> given);
 
 // The largest NsSingularValueBound a group's iteration may have (the ranges of single options are

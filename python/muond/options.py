@@ -186,9 +186,10 @@ def resolve_group(group: Mapping[str, Any], defaults: Mapping[str, Any]) -> Dict
             value = fallback
         resolved[key] = _check_value(key, value)
     for key, brings in CHOICE_DEFAULTS.items():  # e.g. Turbo-Muon's set and steps with aol
-        for other, value in brings.get(resolved.get(key), {}).items():
-            if other not in group and other not in defaults:
-                resolved[other] = value
+        # Together: a group that gives any of them (or whose constructor defaults do) gets none.
+        chosen = brings.get(resolved.get(key), {})
+        if not any(other in group or other in defaults for other in chosen):
+            resolved.update(chosen)
     if name in ("muon", "dion2") and resolved["ns_preconditioner"] == "aol":
         if resolved.get("ns_algorithm") == "gram":
             raise ValueError("ns_preconditioner aol applies with ns_algorithm standard or auto (its first "

@@ -75,18 +75,23 @@ TEST(OptionTableTest, DamagedTablesAreRefusedNamingTheRow) {
   }
 }
 
-// ns_preconditioner aol brings Turbo-Muon's set and 4 steps (the table's choice_defaults), each
-// only where the group left it unset.
-TEST(OptionTableTest, AChoiceBringsItsDefaultsWhereTheGroupLeftThemUnset) {
+// ns_preconditioner aol brings Turbo-Muon's set and 4 steps (the table's choice_defaults), together:
+// a group that gives either gets neither (the set is tuned for its four steps).
+TEST(OptionTableTest, AChoiceBringsItsDefaultsOnlyWhenTheGroupGaveNoneOfThem) {
   GroupOptions o = DefaultOptions(OptimizerKind::kMuon);
   o.ns_preconditioner = NsPreconditioner::kAol;
-  GroupOptions given = o;
+  GroupOptions steps_given = o;
+  GroupOptions set_given = o;
   ApplyChoiceDefaults(o, [](std::string_view) { return false; });
   EXPECT_EQ(o.ns_schedule.name, "aol");
   EXPECT_EQ(o.ns_steps, 4);
-  ApplyChoiceDefaults(given, [](std::string_view name) { return name == "ns_steps"; });
-  EXPECT_EQ(given.ns_schedule.name, "aol");
-  EXPECT_EQ(given.ns_steps, 5) << "the group's own ns_steps stays";
+  ApplyChoiceDefaults(steps_given, [](std::string_view name) { return name == "ns_steps"; });
+  EXPECT_EQ(steps_given.ns_schedule.name, "simple") << "the aol set is for four steps";
+  EXPECT_EQ(steps_given.ns_steps, 5) << "the group's own ns_steps stays";
+  set_given.ns_schedule = *NamedSchedule("quintic");
+  ApplyChoiceDefaults(set_given, [](std::string_view name) { return name == "ns_coefficients"; });
+  EXPECT_EQ(set_given.ns_schedule.name, "quintic");
+  EXPECT_EQ(set_given.ns_steps, 5) << "quintic's five tuples, not aol's four steps";
   GroupOptions frobenius = DefaultOptions(OptimizerKind::kMuon);
   ApplyChoiceDefaults(frobenius, [](std::string_view) { return false; });
   EXPECT_EQ(frobenius.ns_schedule.name, "simple");
