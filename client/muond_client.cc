@@ -335,14 +335,26 @@ absl::StatusOr<bool> Client::Serving() {
 }
 
 absl::StatusOr<std::vector<v1::SessionSummary>> Client::ListSessions() {
-  v1::ListSessionsResponse response;
-  absl::Status status = RetryWhileUnavailable(*this, [&] {
-    grpc::ClientContext context;
-    PrepareContext(context);
-    return stub_->ListSessions(&context, v1::ListSessionsRequest(), &response);
-  });
-  if (!status.ok()) return status;
-  return std::vector<v1::SessionSummary>(response.sessions().begin(), response.sessions().end());
+  std::vector<v1::SessionSummary> sessions;
+  v1::ListSessionsRequest request;
+  while (true) {
+    v1::ListSessionsResponse response;
+    absl::Status status = RetryWhileUnavailable(*this, [&] {
+      grpc::ClientContext context;
+      PrepareContext(context);
+      response.Clear();
+      return stub_->ListSessions(&context, request, &response);
+    });
+    if (!status.ok()) return status;
+    for (auto& summary : *response.mutable_sessions()) sessions.push_back(std::move(summary));
+    if (response.next_page_token().empty()) return sessions;
+    // Ids come in order, so every token passes the one before: anything else would ask forever.
+    if (response.next_page_token() <= request.page_token()) {
+      return absl::InternalError(
+          "ListSessions: the daemon's next_page_token does not follow the page asked for (pages would repeat)");
+    }
+    request.set_page_token(response.next_page_token());
+  }
 }
 
 Session::Session(Client* client, std::string id, v1::SessionSpec spec, const v1::CreateSessionResponse& created)

@@ -181,6 +181,8 @@ class Client {
   // from a first try. (A session created again under the same id between two tries would be the one
   // the retry closes: the request names an id, not one session's life.)
   absl::Status CloseSession(const std::string& session_id);
+  // Every session the caller may see, in id order, asking page after page (each retried on
+  // UNAVAILABLE); a session created or closed meanwhile may or may not be in it.
   absl::StatusOr<std::vector<v1::SessionSummary>> ListSessions();
   // The daemon's grpc.health.v1 status for the whole server: true when SERVING (false while it
   // drains on shutdown). Not retried, and bounded by connect_timeout: a probe wants the answer now.

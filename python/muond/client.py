@@ -357,8 +357,24 @@ class Connection:
                 raise
 
     def list_sessions(self) -> List[pb.SessionSummary]:
-        return list(self._retried("ListSessions", lambda: self._stub.ListSessions(
-            pb.ListSessionsRequest(), timeout=self.timeout, metadata=self._metadata)).sessions)
+        """Every session the caller may see, in id order: the daemon answers in pages (each
+        retried on ``UNAVAILABLE``); a session created or closed meanwhile may or may not be in
+        it."""
+        sessions: List[pb.SessionSummary] = []
+        token = ""
+        while True:
+            request = pb.ListSessionsRequest(page_token=token)
+            page = self._retried("ListSessions", lambda: self._stub.ListSessions(
+                request, timeout=self.timeout, metadata=self._metadata))
+            sessions.extend(page.sessions)
+            if not page.next_page_token:
+                return sessions
+            # Ids come in order, so every token passes the one before; anything else would loop.
+            if page.next_page_token <= token:
+                raise MuondError(grpc.StatusCode.INTERNAL,
+                                 "ListSessions: the daemon's next_page_token does not follow the "
+                                 "page asked for (pages would repeat)")
+            token = page.next_page_token
 
     def checkpoint(self, session_id: str) -> int:
         """Writes a checkpoint of the session on the daemon now; returns the step it holds.

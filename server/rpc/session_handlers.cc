@@ -13,6 +13,47 @@
 namespace muond::rpc {
 namespace {
 constexpr size_t kMinAnswerChunkBytes = 64u << 10;
+// A list entry's framing (field tag and length) beside its summary's own bytes.
+constexpr size_t kListEntryOverhead = 16;
+
+// The summaries one ListSessions answer may carry: the message limit less room for the answer's
+// own fields, or 4 MiB under a service built without a limit.
+size_t ListPageBytes(size_t max_message_bytes) {
+  constexpr size_t kRoom = 64u << 10;
+  if (max_message_bytes == 0) return 4u << 20;
+  return max_message_bytes > 2 * kRoom ? max_message_bytes - kRoom : max_message_bytes / 2;
+}
+
+v1::SessionSummary Summarize(const session::Session& session) {
+  v1::SessionSummary summary;
+  summary.set_session_id(session.id());
+  summary.set_last_step(session.last_step());
+  summary.set_num_tensors(static_cast<int32_t>(session.config().parameters.size()));
+  summary.set_num_parameters(session.config().total_elements);
+  summary.set_initialized(session.initialized());
+  summary.set_world_size(session.config().world_size);
+  summary.set_state_bytes(session.state_bytes());
+  const session::HealthWatch::Latest health = session.LatestHealth();
+  summary.set_telemetry_step(health.step);
+  for (const auto& clip : health.clips) *summary.add_group_clips() = transport::ToProto(clip);
+  for (const auto& t : health.telemetry) *summary.add_group_telemetry() = transport::ToProto(t);
+  for (size_t g = 0; g < health.history.size() && g < health.telemetry.size(); ++g) {
+    v1::GroupHistory* history = summary.add_group_history();
+    history->set_group(health.telemetry[g].group);
+    history->mutable_grad_norm()->Add(health.history[g].grad_norm.begin(), health.history[g].grad_norm.end());
+    history->mutable_update_rms()->Add(health.history[g].update_rms.begin(), health.history[g].update_rms.end());
+  }
+  const session::Session::Activity activity = session.activity();
+  summary.set_last_transport(activity.last_transport);
+  const absl::Time now = absl::Now();
+  for (const absl::Time seen : activity.rank_seen) {
+    summary.add_rank_idle_seconds(seen == absl::InfinitePast() ? -1.0 : absl::ToDoubleSeconds(now - seen));
+  }
+  if (absl::StatusOr<v1::SessionSpec> spec = SpecFromJson(session.config().spec_json); spec.ok()) {
+    *summary.mutable_spec() = *std::move(spec);
+  }
+  return summary;
+}
 }  // namespace
 
 size_t MuondService::AnswerChunkBytes(uint32_t requested) const {
@@ -89,37 +130,29 @@ grpc::Status MuondService::CloseSession(grpc::ServerContext* context, const v1::
   });
 }
 
-grpc::Status MuondService::ListSessions(grpc::ServerContext* context, const v1::ListSessionsRequest*,
+grpc::Status MuondService::ListSessions(grpc::ServerContext* context, const v1::ListSessionsRequest* request,
                                         v1::ListSessionsResponse* response) {
-  return Serve(calls_, context, "ListSessions", [&](const std::string& caller) {
+  return Serve(calls_, context, "ListSessions", [&](const std::string& caller) -> absl::Status {
+    if (request->page_size() < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("page_size: must be 0 (as many as fit) or more, got ", request->page_size()));
+    }
+    const size_t page_size = request->page_size() == 0 ? SIZE_MAX : static_cast<size_t>(request->page_size());
+    const size_t page_bytes = ListPageBytes(options_.max_message_bytes);
+    size_t bytes = 0;
+    // The token is the last id of the page before; ids are listed in order, so sessions created or
+    // closed between two pages never make a page repeat or skip one that stayed.
     for (const auto& session : registry_->ListOwnedBy(caller)) {
-      v1::SessionSummary* summary = response->add_sessions();
-      summary->set_session_id(session->id());
-      summary->set_last_step(session->last_step());
-      summary->set_num_tensors(static_cast<int32_t>(session->config().parameters.size()));
-      summary->set_num_parameters(session->config().total_elements);
-      summary->set_initialized(session->initialized());
-      summary->set_world_size(session->config().world_size);
-      summary->set_state_bytes(session->state_bytes());
-      const session::HealthWatch::Latest health = session->LatestHealth();
-      summary->set_telemetry_step(health.step);
-      for (const auto& clip : health.clips) *summary->add_group_clips() = transport::ToProto(clip);
-      for (const auto& t : health.telemetry) *summary->add_group_telemetry() = transport::ToProto(t);
-      for (size_t g = 0; g < health.history.size() && g < health.telemetry.size(); ++g) {
-        v1::GroupHistory* history = summary->add_group_history();
-        history->set_group(health.telemetry[g].group);
-        history->mutable_grad_norm()->Add(health.history[g].grad_norm.begin(), health.history[g].grad_norm.end());
-        history->mutable_update_rms()->Add(health.history[g].update_rms.begin(), health.history[g].update_rms.end());
+      if (!request->page_token().empty() && session->id() <= request->page_token()) continue;
+      v1::SessionSummary summary = Summarize(*session);
+      const size_t summary_bytes = summary.ByteSizeLong() + kListEntryOverhead;
+      if (response->sessions_size() > 0 &&
+          (static_cast<size_t>(response->sessions_size()) >= page_size || bytes + summary_bytes > page_bytes)) {
+        response->set_next_page_token(response->sessions(response->sessions_size() - 1).session_id());
+        break;
       }
-      const session::Session::Activity activity = session->activity();
-      summary->set_last_transport(activity.last_transport);
-      const absl::Time now = absl::Now();
-      for (const absl::Time seen : activity.rank_seen) {
-        summary->add_rank_idle_seconds(seen == absl::InfinitePast() ? -1.0 : absl::ToDoubleSeconds(now - seen));
-      }
-      if (absl::StatusOr<v1::SessionSpec> spec = SpecFromJson(session->config().spec_json); spec.ok()) {
-        *summary->mutable_spec() = *std::move(spec);
-      }
+      bytes += summary_bytes;
+      *response->add_sessions() = std::move(summary);
     }
     return absl::OkStatus();
   });

@@ -460,8 +460,10 @@ void RunUnary(Op op, absl::string_view payload) {
       return;
     }
     case Op::kListSessions: {
+      std::optional<v1::ListSessionsRequest> request = Parse<v1::ListSessionsRequest>(payload);
+      if (!request) return;
       v1::ListSessionsResponse response;
-      const grpc::Status status = d.stub->ListSessions(&context, v1::ListSessionsRequest(), &response);
+      const grpc::Status status = d.stub->ListSessions(&context, *request, &response);
       Trace("ListSessions", status);
       ExpectState(before, "ListSessions", status);
       return;

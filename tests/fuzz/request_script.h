@@ -25,7 +25,7 @@ namespace muond::fuzz {
 enum class Op : uint8_t {
   kCreateSession = 0,  // payload: CreateSessionRequest
   kCloseSession,       // payload: CloseSessionRequest
-  kListSessions,       // no payload
+  kListSessions,       // payload: ListSessionsRequest (empty: the first page)
   kGetServerInfo,      // no payload
   kGetParameters,      // payload: GetParametersRequest
   kGetState,           // payload: GetStateRequest

@@ -165,6 +165,10 @@ void Reads(ScriptWriter& w, const std::string& id) {
   state.set_max_chunk_bytes(24);
   w.Add(Op::kGetState, state);
   w.Add(Op::kListSessions);
+  v1::ListSessionsRequest page;
+  page.set_page_size(1);
+  page.set_page_token(id);
+  w.Add(Op::kListSessions, page);
   w.Add(Op::kGetServerInfo);
   v1::CheckpointRequest checkpoint;
   checkpoint.set_session_id(id);

@@ -1,6 +1,7 @@
 // The daemon's limits through the C++ client: per-session and total memory quotas (and closing a
 // session giving its share back), tensor rank and element counts, and --rpc-timeout ending a call
-// whose client went silent. Every test starts its own daemon, so quotas start empty.
+// whose client went silent; ListSessions' pages under the message limit. Every test starts its own
+// daemon, so quotas start empty.
 #include <sys/wait.h>
 
 #include <memory>
@@ -8,6 +9,8 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "client/muond_client.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
@@ -115,6 +118,80 @@ TEST_F(LimitsTest, RankAndElementLimitsNameTheSpecField) {
               StatusIs(absl::StatusCode::kInvalidArgument, "--max-tensor-elements"));
   EXPECT_OK(client_->CreateSession("rank3", OneParameterSpec({10, 10, 10})));
   EXPECT_THAT(SessionIds(), ::testing::ElementsAre("rank3"));
+}
+
+// Sessions whose summaries together pass the daemon's message limit (--max-chunk-bytes 1024 makes
+// it 1 MiB + 1 KiB; each session here carries about 5 KiB of labels) are listed in pages.
+TEST_F(LimitsTest, SessionsAreListedInPagesUnderTheMessageLimit) {
+  constexpr int kSessions = 240;
+  Start({"--max-chunk-bytes", "1024", "--max-sessions", std::to_string(kSessions)});
+  v1::SessionSpec spec = OneParameterSpec({2, 2});
+  for (int i = 0; i < 16; ++i) {
+    (*spec.mutable_labels())[absl::StrCat("label-", i, std::string(50, 'k'))] = std::string(256, 'v');
+  }
+  std::vector<std::string> created;
+  for (int i = 0; i < kSessions; ++i) {
+    created.push_back(absl::StrFormat("listed-%03d", i));
+    ASSERT_OK(client_->CreateSession(created.back(), spec));
+  }
+  ASSERT_GT(kSessions * spec.ByteSizeLong(), size_t{1} << 20) << "the sessions would fit in one answer";
+
+  // The client asks page after page: every session once, in id order.
+  EXPECT_EQ(SessionIds(), created);
+
+  // One call answers the first page, under the limit, with a token for the rest.
+  v1::ListSessionsResponse first;
+  {
+    grpc::ClientContext context;
+    client_->PrepareContext(context);
+    const grpc::Status status = client_->stub().ListSessions(&context, v1::ListSessionsRequest(), &first);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+  }
+  EXPECT_GT(first.sessions_size(), 0);
+  EXPECT_LT(first.sessions_size(), kSessions);
+  EXPECT_LE(first.ByteSizeLong(), size_t{1} << 20);
+  EXPECT_EQ(first.next_page_token(), first.sessions(first.sessions_size() - 1).session_id());
+
+  // page_size bounds a page; the pages cover every session once, the last one without a token.
+  std::vector<std::string> paged;
+  v1::ListSessionsRequest request;
+  request.set_page_size(7);
+  int pages = 0;
+  do {
+    v1::ListSessionsResponse page;
+    grpc::ClientContext context;
+    client_->PrepareContext(context);
+    const grpc::Status status = client_->stub().ListSessions(&context, request, &page);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    EXPECT_LE(page.sessions_size(), 7);
+    for (const auto& summary : page.sessions()) paged.push_back(summary.session_id());
+    request.set_page_token(page.next_page_token());
+    ASSERT_LT(++pages, kSessions) << "the pages do not end";
+  } while (!request.page_token().empty());
+  EXPECT_EQ(paged, created);
+  EXPECT_EQ(pages, (kSessions + 6) / 7);
+
+  // A session closed between two pages is simply not listed; the others stay.
+  ASSERT_OK(client_->CloseSession(created[10]));
+  request.set_page_size(10);
+  request.set_page_token(created[5]);
+  v1::ListSessionsResponse after;
+  {
+    grpc::ClientContext context;
+    client_->PrepareContext(context);
+    ASSERT_TRUE(client_->stub().ListSessions(&context, request, &after).ok());
+  }
+  ASSERT_EQ(after.sessions_size(), 10);
+  EXPECT_EQ(after.sessions(0).session_id(), created[6]);
+  EXPECT_EQ(after.sessions(4).session_id(), created[11]);
+
+  request.set_page_size(-1);
+  grpc::ClientContext context;
+  client_->PrepareContext(context);
+  v1::ListSessionsResponse refused;
+  const grpc::Status status = client_->stub().ListSessions(&context, request, &refused);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(), HasSubstr("page_size"));
 }
 
 TEST_F(LimitsTest, SilentUploadStreamEndsWithDeadlineExceeded) {

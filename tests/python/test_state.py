@@ -154,6 +154,42 @@ def test_close_ends_the_session(endpoint):
         opt.step()
 
 
+@pytest.mark.once  # a listing's pages: no step is taken
+def test_sessions_past_one_answer_are_listed_page_by_page(start_daemon):
+    # --max-chunk-bytes 1024 makes the daemon's message limit 1 MiB + 1 KiB; 240 sessions with
+    # about 5 KiB of labels each pass it, so the daemon answers in pages.
+    daemon = start_daemon("--max-chunk-bytes", "1024", "--max-sessions", "240")
+    conn = muond.client.Connection(daemon.endpoint)
+    spec = muond.client.pb.SessionSpec()
+    spec.groups.add(name="g").options.optimizer = muond.client.pb.OPTIMIZER_ADAMW
+    spec.parameters.add(name="w", shape=[2, 2], group="g")
+    for i in range(16):
+        spec.labels[f"label-{i}" + "k" * 50] = "v" * 256
+    ids = [f"listed-{i:03d}" for i in range(240)]
+    for session_id in ids:
+        conn.create_session(session_id, spec)
+    first = conn._stub.ListSessions(muond.client.pb.ListSessionsRequest(), timeout=30)
+    assert 0 < len(first.sessions) < len(ids) and first.next_page_token
+    assert [s.session_id for s in conn.list_sessions()] == ids
+    conn.close()
+
+
+@pytest.mark.once
+def test_a_page_token_that_does_not_advance_is_refused(endpoint, monkeypatch):
+    conn = muond.client.Connection(endpoint)
+    listed = conn._stub.ListSessions
+
+    def looping(request, **kwargs):
+        page = listed(request, **kwargs)
+        page.next_page_token = request.page_token or "a"  # then the same page again
+        return page
+    monkeypatch.setattr(conn._stub, "ListSessions", looping)
+    with pytest.raises(muond.MuondError, match="next_page_token does not follow") as refused:
+        conn.list_sessions()
+    assert refused.value.code == grpc.StatusCode.INTERNAL
+    conn.close()
+
+
 def test_a_state_dict_of_other_names_is_refused(endpoint):
     # Two parameters of equal shapes saved as (a, b) and loaded where they are (b, a): loading by
     # position would swap their states without a word.
