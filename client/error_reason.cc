@@ -58,4 +58,14 @@ absl::Status AfterTries(const absl::Status& status, int tries) {
       status, absl::Status(status.code(), absl::StrCat(status.message(), " (gave up after ", tries, " tries)")));
 }
 
+absl::Status OnLaterTry(const absl::Status& status, int tries, const absl::Status& before) {
+  if (status.ok() || tries <= 1) return status;
+  constexpr size_t kBeforeChars = 160;
+  const absl::string_view met = before.message().substr(0, kBeforeChars);
+  return WithReasonOf(
+      status, absl::Status(status.code(), absl::StrCat(status.message(), " (on try ", tries, "; the try before met ",
+                                                       absl::StatusCodeToString(before.code()), ": ", met,
+                                                       met.size() < before.message().size() ? "…" : "", ")")));
+}
+
 }  // namespace muond::client

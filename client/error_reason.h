@@ -25,4 +25,9 @@ absl::Status WithReasonOf(const absl::Status& from, absl::Status status);
 // retried until it gave up; `status` itself after one try.
 absl::Status AfterTries(const absl::Status& status, int tries);
 
+// A refusal that ended a retried call on a later try, saying so and what the tries before met (say,
+// NOT_FOUND after UNAVAILABLE: the daemon restarted without the session); `status` itself when it
+// is OK or came on the first try. Its code and reason are kept.
+absl::Status OnLaterTry(const absl::Status& status, int tries, const absl::Status& before);
+
 }  // namespace muond::client

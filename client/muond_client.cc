@@ -78,10 +78,13 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentials(con
 template <typename Call>
 absl::Status RetryWhileUnavailable(const Client& client, Call&& call) {
   std::chrono::milliseconds backoff = client.options().retry_backoff;
+  absl::Status before;
   for (int attempt = 1;; ++attempt) {
     grpc::Status status = call();
-    if (status.error_code() != grpc::StatusCode::UNAVAILABLE) return FromGrpcStatus(status);
-    if (attempt >= client.options().max_step_attempts) return AfterTries(FromGrpcStatus(status), attempt);
+    if (status.error_code() != grpc::StatusCode::UNAVAILABLE)
+      return OnLaterTry(FromGrpcStatus(status), attempt, before);
+    before = FromGrpcStatus(status);
+    if (attempt >= client.options().max_step_attempts) return AfterTries(before, attempt);
     client.PauseBeforeRetry(backoff);
     backoff *= 2;
   }
@@ -593,6 +596,7 @@ absl::StatusOr<StepReply> Session::StepFrom(int first, StepTransport& transport,
                                             const StepPayload& payload, const StepOptions& options) {
   const v1::StepHeader header = Header(step, options);
   std::chrono::milliseconds backoff = client_->options().retry_backoff * (1 << (first - 1));
+  absl::Status before;
   for (int attempt = first;; ++attempt) {
     absl::StatusOr<StepReply> reply = transport.StepOnce(header, payload, options);
     if (reply.ok()) return Answered(*std::move(reply), attempt);
@@ -600,7 +604,10 @@ absl::StatusOr<StepReply> Session::StepFrom(int first, StepTransport& transport,
       --attempt;  // refused whole for its chunks' size, not a failed try: made again with smaller ones
       continue;
     }
-    if (!IsTransient(reply.status().code())) return reply;
+    if (!IsTransient(reply.status().code())) {
+      return before.ok() ? reply.status() : OnLaterTry(reply.status(), attempt, before);
+    }
+    before = reply.status();
     if (attempt >= StepAttempts()) return AfterTries(reply.status(), attempt);
     client_->PauseBeforeRetry(backoff);
     backoff *= 2;
@@ -647,9 +654,14 @@ v1::StepHeader Session::Header(int64_t step, const StepOptions& options) const {
 
 absl::StatusOr<ParameterMap> Session::GetParameters(int64_t* last_step, const std::vector<std::string>& names) {
   std::chrono::milliseconds backoff = client_->options().retry_backoff;
+  absl::Status before;
   for (int attempt = 1;; ++attempt) {
     absl::StatusOr<ParameterMap> parameters = GetParametersOnce(last_step, names);
-    if (parameters.ok() || parameters.status().code() != absl::StatusCode::kUnavailable) return parameters;
+    if (parameters.ok()) return parameters;
+    if (parameters.status().code() != absl::StatusCode::kUnavailable) {
+      return OnLaterTry(parameters.status(), attempt, before);
+    }
+    before = parameters.status();
     if (attempt >= client_->options().max_step_attempts) return AfterTries(parameters.status(), attempt);
     client_->PauseBeforeRetry(backoff);
     backoff *= 2;

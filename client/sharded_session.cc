@@ -268,6 +268,7 @@ absl::StatusOr<StepReply> ShardedSession::Step(int64_t step, std::span<const Ten
     by_shard[it == shard_of_.end() ? 0 : it->second].push_back(g);  // an unknown name: refused by shard 0
   }
   std::chrono::milliseconds backoff = options_.retry_backoff;
+  absl::Status before;
   for (int attempt = 1;; ++attempt) {
     absl::StatusOr<StepReply> reply = StepOnce(step, by_shard, options);
     if (reply.ok()) {
@@ -275,7 +276,8 @@ absl::StatusOr<StepReply> ShardedSession::Step(int64_t step, std::span<const Ten
       last_step_ = step;
       return reply;
     }
-    if (!ResendStep(reply.status())) return reply;
+    if (!ResendStep(reply.status())) return OnLaterTry(reply.status(), attempt, before);
+    before = reply.status();
     if (attempt >= options_.max_step_attempts) return AfterTries(reply.status(), attempt);
     for (const auto& client : clients_) client->PauseBeforeRetry(backoff);
     backoff *= 2;

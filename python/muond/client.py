@@ -40,7 +40,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from ._stubs import pb, pb_grpc
-from .errors import MuondError, after_tries, translated
+from .errors import MuondError, after_tries, on_later_try, translated
 from .transport.framing import (parse_step_response, serialize_step_request, whole_step_answers,
                                 whole_step_request)
 from .wire import ChunkAssembler, FramedChunk
@@ -300,15 +300,21 @@ class Connection:
     def _retried(self, rpc: str, call: Callable[[], T]) -> T:
         """Runs ``call`` (a call that is safe to repeat), again on UNAVAILABLE, with backoff."""
         backoff = self.retry_backoff
+        before: Optional[MuondError] = None
         for attempt in range(1, self.max_attempts + 1):
             try:
                 with self._translated(rpc):
                     return call()
             except MuondError as err:
-                if err.code != grpc.StatusCode.UNAVAILABLE or attempt == 1 == self.max_attempts:
+                if err.code != grpc.StatusCode.UNAVAILABLE:
+                    if before is None:
+                        raise
+                    raise on_later_try(err, attempt, before) from err
+                if attempt == 1 == self.max_attempts:
                     raise
                 if attempt == self.max_attempts:
                     raise after_tries(err, attempt) from err
+                before = err
             self.pause_before_retry(backoff)
             backoff *= 2
         raise AssertionError("unreachable")

@@ -17,7 +17,7 @@ Exceptions are plain values, safe to pass between threads.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Iterator, Optional
 
 import grpc
 
@@ -87,6 +87,17 @@ def after_tries(err: MuondError, tries: int) -> MuondError:
     if tries <= 1:
         return err
     return MuondError(err.code, f"{err.details} (gave up after {tries} tries)", err.rpc, err.reason)
+
+
+def on_later_try(err: MuondError, tries: int, before: Optional[MuondError]) -> MuondError:
+    """A refusal that ended a retried call on a later try, saying so and what the try before met
+    (say, NOT_FOUND after UNAVAILABLE: the daemon restarted without the session); code, call and
+    reason kept. ``err`` itself on the first try."""
+    if tries <= 1 or before is None:
+        return err
+    met = before.details if len(before.details) <= 160 else before.details[:160] + "…"
+    return MuondError(err.code, f"{err.details} (on try {tries}; the try before met "
+                                f"{before.code.name}: {met})", err.rpc, err.reason)
 
 
 def _reason_of(err: grpc.RpcError) -> str:

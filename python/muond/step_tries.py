@@ -20,7 +20,7 @@ import torch
 
 from . import shard_step, wire
 from ._stubs import pb
-from .errors import PUSH_TOO_STALE, STEP_NOT_PREPARED, MuondError, after_tries
+from .errors import PUSH_TOO_STALE, STEP_NOT_PREPARED, MuondError, after_tries, on_later_try
 from .step_info import StepInfo, rank_report
 from .transport.daemon_session import StreamedStep
 from .transport.streamed import IdentityChanged
@@ -254,16 +254,22 @@ class StepTries(_Core):
         again when a shard lost its prepared step (a restart between prepare and commit)."""
         started = time.perf_counter()
         backoff = self.retry_backoff
+        before: Optional[MuondError] = None
         for attempt in range(1, self.max_step_attempts + 1):
             try:
                 result = self._with_chunks_fitted(once)
                 return result, time.perf_counter() - started, attempt
             except MuondError as err:
                 lost_prepare = err.reason == STEP_NOT_PREPARED
-                if (err.code not in _RETRIED and not lost_prepare) or attempt == 1 == self.max_step_attempts:
+                if err.code not in _RETRIED and not lost_prepare:
+                    if before is None:
+                        raise
+                    raise on_later_try(err, attempt, before) from err
+                if attempt == 1 == self.max_step_attempts:
                     raise
                 if attempt == self.max_step_attempts:
                     raise after_tries(err, attempt) from err
+                before = err
             pause = backoff
             self._on_every_session(lambda k, session: session.conn.pause_before_retry(pause))
             backoff *= 2

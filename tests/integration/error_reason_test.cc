@@ -148,6 +148,21 @@ TEST(ErrorReasonWording, TheReasonSurvivesAnyMessage) {
             v1::STEP_NOT_PREPARED);
 }
 
+// A retried call's refusal on a later try says what the try before met, keeping its code and reason
+// (the clients' retries: a NOT_FOUND after UNAVAILABLE is a daemon that restarted without the session).
+TEST(ErrorReasonWording, ARefusalOnALaterTrySaysWhatTheTryBeforeMet) {
+  const absl::Status refused =
+      client::FromGrpcStatus(WithDetails(grpc::StatusCode::NOT_FOUND, "session 's' not found", "SESSION_NOT_FOUND"));
+  const absl::Status before = absl::UnavailableError(std::string(200, 'x'));
+  const absl::Status later = client::OnLaterTry(refused, 3, before);
+  EXPECT_EQ(later.code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(client::ReasonOf(later), v1::SESSION_NOT_FOUND);
+  EXPECT_EQ(later.message(),
+            "session 's' not found (on try 3; the try before met UNAVAILABLE: " + std::string(160, 'x') + "…)");
+  EXPECT_EQ(client::OnLaterTry(refused, 1, before), refused);
+  EXPECT_EQ(client::OnLaterTry(absl::OkStatus(), 2, before), absl::OkStatus());
+}
+
 TEST(ErrorReasonWording, OldWordingWithoutTheDetailCarriesNoReason) {
   const absl::Status text_only = client::FromGrpcStatus(
       grpc::Status(grpc::StatusCode::NOT_FOUND, "gradients[0].region: no shared-memory region 'r'"));

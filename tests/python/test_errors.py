@@ -110,6 +110,51 @@ def test_a_retry_that_gives_up_says_how_many_tries(start_daemon):
     assert listed.value.details.endswith("(gave up after 2 tries)"), listed.value.details
 
 
+def test_a_refusal_on_a_later_try_says_what_the_try_before_met(endpoint):
+    # The first try of a step is lost (as a daemon's restart would lose it) and, meanwhile, the
+    # session went (the daemon restarted without it): the retry's NOT_FOUND says it was a retry.
+    model = TinyNet(seed=34)
+    opt = muond.RemoteOptimizer(muond.default_param_groups(model), endpoint=endpoint, retry_backoff=0.01)
+    loss_of(model, 1).backward()
+    opt.step()
+    daemon_session = opt._sessions[0]  # pylint: disable=protected-access
+    real_step = daemon_session.step
+
+    def lost_then_closed(header, *args, **kwargs):
+        daemon_session.step = real_step
+        Connection(endpoint).close_session(opt.session_id)
+        raise muond.MuondError(grpc.StatusCode.UNAVAILABLE, "injected: connection reset", "Step")
+
+    daemon_session.step = lost_then_closed
+    loss_of(model, 2).backward()
+    with pytest.raises(muond.MuondError) as stepped:
+        opt.step()
+    assert stepped.value.code == grpc.StatusCode.NOT_FOUND
+    assert stepped.value.details.endswith(
+        "(on try 2; the try before met UNAVAILABLE: injected: connection reset)"), stepped.value.details
+
+    # The same for the calls the connection retries; a first try's refusal stays as it was.
+    conn = Connection(endpoint, retry_backoff=0.01)
+    real_digest, tries = conn._stub.GetStateDigest, []
+
+    def unreachable_once(*args, **kwargs):
+        tries.append(1)
+        if len(tries) == 1:
+            raise muond.MuondError(grpc.StatusCode.UNAVAILABLE, "injected: " + "x" * 200, "GetStateDigest")
+        return real_digest(*args, **kwargs)
+
+    conn._stub.GetStateDigest = unreachable_once
+    with pytest.raises(muond.MuondError) as digest:
+        conn.state_digest(opt.session_id)
+    assert digest.value.code == grpc.StatusCode.NOT_FOUND and digest.value.rpc == "GetStateDigest"
+    assert digest.value.details.endswith("(on try 2; the try before met UNAVAILABLE: injected: "
+                                         + "x" * 150 + "…)"), digest.value.details
+    with pytest.raises(muond.MuondError) as again:
+        conn.state_digest(opt.session_id)
+    assert "on try" not in again.value.details
+    conn.close()
+
+
 def test_a_close_whose_answer_was_lost_is_done_when_its_retry_finds_no_session(endpoint):
     conn = Connection(endpoint, retry_backoff=0.01)
     conn.create_session("closed-once", spec_of((3, 4)))
