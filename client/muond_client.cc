@@ -1,5 +1,6 @@
 #include "client/muond_client.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -340,6 +341,7 @@ absl::StatusOr<bool> Client::Serving() {
 absl::StatusOr<std::vector<v1::SessionSummary>> Client::ListSessions() {
   std::vector<v1::SessionSummary> sessions;
   v1::ListSessionsRequest request;
+  request.set_max_answer_bytes(std::max(options_.max_message_bytes, 0));  // pages this client can take
   while (true) {
     v1::ListSessionsResponse response;
     absl::Status status = RetryWhileUnavailable(*this, [&] {

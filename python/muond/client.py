@@ -173,6 +173,7 @@ class Connection:
         if tls_server_name and credentials is None:
             raise ValueError("tls_server_name applies to TLS only: set tls_ca_file or use_tls")
         self.uses_tls = credentials is not None
+        self._max_message_bytes = int(max_message_bytes)
         opts = [("grpc.max_send_message_length", max_message_bytes),
                 ("grpc.max_receive_message_length", max_message_bytes)] + _RECONNECT_OPTIONS
         if tls_server_name:
@@ -369,7 +370,8 @@ class Connection:
         sessions: List[pb.SessionSummary] = []
         token = ""
         while True:
-            request = pb.ListSessionsRequest(page_token=token)
+            request = pb.ListSessionsRequest(page_token=token,
+                                             max_answer_bytes=max(self._max_message_bytes, 0))
             page = self._retried("ListSessions", lambda: self._stub.ListSessions(
                 request, timeout=self.timeout, metadata=self._metadata))
             sessions.extend(page.sessions)

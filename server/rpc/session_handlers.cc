@@ -16,8 +16,8 @@ constexpr size_t kMinAnswerChunkBytes = 64u << 10;
 // A list entry's framing (field tag and length) beside its summary's own bytes.
 constexpr size_t kListEntryOverhead = 16;
 
-// The summaries one ListSessions answer may carry: the message limit less room for the answer's
-// own fields, or 4 MiB under a service built without a limit.
+// The summaries one ListSessions answer may carry: a message limit (the daemon's or the caller's)
+// less room for the answer's own fields, or 4 MiB under a service built without a limit.
 size_t ListPageBytes(size_t max_message_bytes) {
   constexpr size_t kRoom = 64u << 10;
   if (max_message_bytes == 0) return 4u << 20;
@@ -137,15 +137,27 @@ grpc::Status MuondService::ListSessions(grpc::ServerContext* context, const v1::
       return absl::InvalidArgumentError(
           absl::StrCat("page_size: must be 0 (as many as fit) or more, got ", request->page_size()));
     }
+    if (request->max_answer_bytes() < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("max_answer_bytes: must be 0 (none given) or more, got ", request->max_answer_bytes()));
+    }
     const size_t page_size = request->page_size() == 0 ? SIZE_MAX : static_cast<size_t>(request->page_size());
-    const size_t page_bytes = ListPageBytes(options_.max_message_bytes);
+    size_t page_bytes = ListPageBytes(options_.max_message_bytes);
+    if (request->max_answer_bytes() > 0) {
+      page_bytes = std::min(page_bytes, ListPageBytes(static_cast<size_t>(request->max_answer_bytes())));
+    }
     size_t bytes = 0;
     // The token is the last id of the page before; ids are listed in order, so sessions created or
     // closed between two pages never make a page repeat or skip one that stayed.
     for (const auto& session : registry_->ListOwnedBy(caller)) {
       if (!request->page_token().empty() && session->id() <= request->page_token()) continue;
       v1::SessionSummary summary = Summarize(*session);
-      const size_t summary_bytes = summary.ByteSizeLong() + kListEntryOverhead;
+      size_t summary_bytes = summary.ByteSizeLong() + kListEntryOverhead;
+      if (summary_bytes > page_bytes) {  // a spec too large for any page: left out, said so
+        summary.clear_spec();
+        summary.set_spec_omitted(true);
+        summary_bytes = summary.ByteSizeLong() + kListEntryOverhead;
+      }
       if (response->sessions_size() > 0 &&
           (static_cast<size_t>(response->sessions_size()) >= page_size || bytes + summary_bytes > page_bytes)) {
         response->set_next_page_token(response->sessions(response->sessions_size() - 1).session_id());

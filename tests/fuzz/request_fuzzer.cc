@@ -465,6 +465,12 @@ void RunUnary(Op op, absl::string_view payload) {
       v1::ListSessionsResponse response;
       const grpc::Status status = d.stub->ListSessions(&context, *request, &response);
       Trace("ListSessions", status);
+      // A page that says more follow holds at least one session, whose id is the token.
+      if (status.ok() && !response.next_page_token().empty() &&
+          (response.sessions_size() == 0 ||
+           response.sessions(response.sessions_size() - 1).session_id() != response.next_page_token())) {
+        Fail("ListSessions: a next_page_token that is not the page's last session");
+      }
       ExpectState(before, "ListSessions", status);
       return;
     }

@@ -194,6 +194,63 @@ TEST_F(LimitsTest, SessionsAreListedInPagesUnderTheMessageLimit) {
   EXPECT_THAT(status.error_message(), HasSubstr("page_size"));
 }
 
+// A page also stays under the caller's own receive limit (max_answer_bytes), and a session whose
+// spec alone would not fit in any page is listed without it, saying so, rather than failing every
+// listing from there on.
+TEST_F(LimitsTest, APageStaysUnderTheCallersLimitAndLeavesOutASpecNoPageHolds) {
+  Start({});
+  ASSERT_OK(client_->CreateSession("a-small", OneParameterSpec({2, 2})));
+  ASSERT_OK(client_->CreateSession("c-small", OneParameterSpec({2, 2})));
+  v1::SessionSpec big = OneParameterSpec({2, 2});
+  for (int i = 1; i < 2000; ++i) {
+    v1::ParameterSpec* p = big.add_parameters();
+    p->set_name(absl::StrFormat("p%04d%s", i, std::string(60, 'x')));
+    p->add_shape(2);
+    p->add_shape(2);
+    p->set_group("g");
+  }
+  ASSERT_GT(big.ByteSizeLong(), size_t{160 - 64} << 10) << "a page under a 160 KiB limit would hold the spec";
+  ASSERT_OK(client_->CreateSession("b-big", big));
+
+  v1::ListSessionsRequest request;
+  request.set_max_answer_bytes(160 << 10);
+  std::vector<v1::SessionSummary> listed;
+  do {
+    v1::ListSessionsResponse page;
+    grpc::ClientContext context;
+    client_->PrepareContext(context);
+    const grpc::Status status = client_->stub().ListSessions(&context, request, &page);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    EXPECT_LE(page.ByteSizeLong(), size_t{160} << 10);
+    ASSERT_GT(page.sessions_size(), 0);
+    listed.insert(listed.end(), page.sessions().begin(), page.sessions().end());
+    request.set_page_token(page.next_page_token());
+  } while (!request.page_token().empty());
+  ASSERT_EQ(listed.size(), 3u);
+  EXPECT_EQ(listed[1].session_id(), "b-big");
+  EXPECT_TRUE(listed[1].spec_omitted());
+  EXPECT_EQ(listed[1].spec().parameters_size(), 0);
+  EXPECT_EQ(listed[1].num_tensors(), 2000) << "the rest of the summary is there";
+  for (const size_t i : {size_t{0}, size_t{2}}) {
+    EXPECT_FALSE(listed[i].spec_omitted()) << listed[i].session_id();
+    EXPECT_EQ(listed[i].spec().parameters_size(), 1) << listed[i].session_id();
+  }
+  // The client's own limit (64 MiB) holds the whole spec.
+  ASSERT_OK_AND_ASSIGN(const std::vector<v1::SessionSummary> all, client_->ListSessions());
+  ASSERT_EQ(all.size(), 3u);
+  EXPECT_FALSE(all[1].spec_omitted());
+  EXPECT_EQ(all[1].spec().parameters_size(), 2000);
+
+  request.set_page_token("");
+  request.set_max_answer_bytes(-1);
+  v1::ListSessionsResponse refused;
+  grpc::ClientContext context;
+  client_->PrepareContext(context);
+  const grpc::Status status = client_->stub().ListSessions(&context, request, &refused);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(), HasSubstr("max_answer_bytes"));
+}
+
 TEST_F(LimitsTest, SilentUploadStreamEndsWithDeadlineExceeded) {
   Start({"--rpc-timeout", "1"});
   ASSERT_OK(client_->CreateSession("slow", OneParameterSpec({8, 4})));

@@ -188,7 +188,8 @@ Answer ShowSession(const ConnectFlags& flags, const std::string& session_id) {
   if (!s.ok()) return ErrorAnswer(s.status());
   Answer answer;
   answer.json = SummaryJson(*s);
-  answer.json["spec"] = SpecJson(s->spec());
+  answer.json["spec"] = s->spec_omitted() ? ordered_json(nullptr) : SpecJson(s->spec());
+  if (s->spec_omitted()) answer.json["spec_omitted"] = true;
   answer.json["telemetry"] = GroupHealthJson(*s);
   answer.text = absl::StrCat("session       ", s->session_id(), "\n",  //
                              "last step     ", s->last_step(), "\n",   //
@@ -196,6 +197,11 @@ Answer ShowSession(const ConnectFlags& flags, const std::string& session_id) {
                              "ranks         ", s->world_size(), "\n",  //
                              "parameters    ", s->num_parameters(), " in ", s->num_tensors(), " tensors\n",
                              "state         ", HumanBytes(static_cast<double>(s->state_bytes())), " (estimated)\n");
+  if (s->spec_omitted()) {
+    absl::StrAppend(&answer.text, "spec          not shown: too large for one ListSessions answer\n",
+                    GroupHealthText(*s));
+    return answer;
+  }
   if (s->spec().has_shard()) {
     absl::StrAppend(&answer.text, "shard         ", s->spec().shard().index(), " of ",
                     s->spec().shard().endpoints_size(), " (", absl::StrJoin(s->spec().shard().endpoints(), ", "),
@@ -273,6 +279,12 @@ Answer ExportSession(const ConnectFlags& flags, const std::string& session_id, c
   if (!client.ok()) return ErrorAnswer(client.status());
   absl::StatusOr<v1::SessionSummary> summary = FindSession(**client, session_id);
   if (!summary.ok()) return ErrorAnswer(summary.status());
+  if (summary->spec_omitted()) {
+    return ErrorAnswer(absl::FailedPreconditionError(
+        absl::StrCat("session '", session_id,
+                     "': its spec, which the export reads its shapes from, is too large for one ListSessions answer; "
+                     "read the state with a client (GetState) instead")));
+  }
   std::map<std::string, std::vector<int64_t>> shapes;
   for (const v1::ParameterSpec& p : summary->spec().parameters())
     shapes[p.name()] = {p.shape().begin(), p.shape().end()};
