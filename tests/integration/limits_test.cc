@@ -57,6 +57,13 @@ class LimitsTest : public ::testing::Test {
     return ids;
   }
 
+  // One ListSessions call through the stub: one page, as the daemon answers it.
+  grpc::Status ListPage(const v1::ListSessionsRequest& request, v1::ListSessionsResponse* page) {
+    grpc::ClientContext context;
+    client_->PrepareContext(context);
+    return client_->stub().ListSessions(&context, request, page);
+  }
+
   DaemonProcess daemon_;
   std::unique_ptr<client::Client> client_;
 };
@@ -142,9 +149,7 @@ TEST_F(LimitsTest, SessionsAreListedInPagesUnderTheMessageLimit) {
   // One call answers the first page, under the limit, with a token for the rest.
   v1::ListSessionsResponse first;
   {
-    grpc::ClientContext context;
-    client_->PrepareContext(context);
-    const grpc::Status status = client_->stub().ListSessions(&context, v1::ListSessionsRequest(), &first);
+    const grpc::Status status = ListPage(v1::ListSessionsRequest(), &first);
     ASSERT_TRUE(status.ok()) << status.error_message();
   }
   EXPECT_GT(first.sessions_size(), 0);
@@ -159,9 +164,7 @@ TEST_F(LimitsTest, SessionsAreListedInPagesUnderTheMessageLimit) {
   int pages = 0;
   do {
     v1::ListSessionsResponse page;
-    grpc::ClientContext context;
-    client_->PrepareContext(context);
-    const grpc::Status status = client_->stub().ListSessions(&context, request, &page);
+    const grpc::Status status = ListPage(request, &page);
     ASSERT_TRUE(status.ok()) << status.error_message();
     EXPECT_LE(page.sessions_size(), 7);
     for (const auto& summary : page.sessions()) paged.push_back(summary.session_id());
@@ -176,20 +179,14 @@ TEST_F(LimitsTest, SessionsAreListedInPagesUnderTheMessageLimit) {
   request.set_page_size(10);
   request.set_page_token(created[5]);
   v1::ListSessionsResponse after;
-  {
-    grpc::ClientContext context;
-    client_->PrepareContext(context);
-    ASSERT_TRUE(client_->stub().ListSessions(&context, request, &after).ok());
-  }
+  { ASSERT_TRUE(ListPage(request, &after).ok()); }
   ASSERT_EQ(after.sessions_size(), 10);
   EXPECT_EQ(after.sessions(0).session_id(), created[6]);
   EXPECT_EQ(after.sessions(4).session_id(), created[11]);
 
   request.set_page_size(-1);
-  grpc::ClientContext context;
-  client_->PrepareContext(context);
   v1::ListSessionsResponse refused;
-  const grpc::Status status = client_->stub().ListSessions(&context, request, &refused);
+  const grpc::Status status = ListPage(request, &refused);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(status.error_message(), HasSubstr("page_size"));
 }
@@ -217,9 +214,7 @@ TEST_F(LimitsTest, APageStaysUnderTheCallersLimitAndLeavesOutASpecNoPageHolds) {
   std::vector<v1::SessionSummary> listed;
   do {
     v1::ListSessionsResponse page;
-    grpc::ClientContext context;
-    client_->PrepareContext(context);
-    const grpc::Status status = client_->stub().ListSessions(&context, request, &page);
+    const grpc::Status status = ListPage(request, &page);
     ASSERT_TRUE(status.ok()) << status.error_message();
     EXPECT_LE(page.ByteSizeLong(), size_t{160} << 10);
     ASSERT_GT(page.sessions_size(), 0);
@@ -244,9 +239,7 @@ TEST_F(LimitsTest, APageStaysUnderTheCallersLimitAndLeavesOutASpecNoPageHolds) {
   request.set_page_token("");
   request.set_max_answer_bytes(-1);
   v1::ListSessionsResponse refused;
-  grpc::ClientContext context;
-  client_->PrepareContext(context);
-  const grpc::Status status = client_->stub().ListSessions(&context, request, &refused);
+  const grpc::Status status = ListPage(request, &refused);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(status.error_message(), HasSubstr("max_answer_bytes"));
 }
