@@ -60,8 +60,14 @@ absl::Status AfterTries(const absl::Status& status, int tries) {
 
 absl::Status OnLaterTry(const absl::Status& status, int tries, const absl::Status& before) {
   if (status.ok() || tries <= 1) return status;
+  // The first 160 characters (UTF-8 code points, as the Python client counts them).
   constexpr size_t kBeforeChars = 160;
-  const absl::string_view met = before.message().substr(0, kBeforeChars);
+  const absl::string_view whole = before.message();
+  size_t cut = 0;
+  for (size_t chars = 0; cut < whole.size(); ++cut) {
+    if ((static_cast<unsigned char>(whole[cut]) & 0xC0) != 0x80 && chars++ == kBeforeChars) break;
+  }
+  const absl::string_view met = whole.substr(0, cut);
   return WithReasonOf(
       status, absl::Status(status.code(), absl::StrCat(status.message(), " (on try ", tries, "; the try before met ",
                                                        absl::StatusCodeToString(before.code()), ": ", met,

@@ -577,7 +577,7 @@ absl::StatusOr<StepReply> Session::FinishStreamed(StreamedStep& streamed, const 
   if (client_->RefitChunksAfter(reply.status())) return StepFrom(1, *transport_, streamed.step(), payload, options);
   if (!IsTransient(reply.status().code()) || StepAttempts() <= 1) return reply;
   client_->PauseBeforeRetry(client_->options().retry_backoff);
-  return StepFrom(2, *transport_, streamed.step(), payload, options);
+  return StepFrom(2, *transport_, streamed.step(), payload, options, reply.status());
 }
 
 absl::Status Session::CheckPartsRank(const StepOptions& options) const {
@@ -595,10 +595,10 @@ absl::StatusOr<StepReply> Session::StepThrough(StepTransport& transport, int64_t
 }
 
 absl::StatusOr<StepReply> Session::StepFrom(int first, StepTransport& transport, int64_t step,
-                                            const StepPayload& payload, const StepOptions& options) {
+                                            const StepPayload& payload, const StepOptions& options,
+                                            absl::Status before) {
   const v1::StepHeader header = Header(step, options);
   std::chrono::milliseconds backoff = client_->options().retry_backoff * (1 << (first - 1));
-  absl::Status before;
   for (int attempt = first;; ++attempt) {
     absl::StatusOr<StepReply> reply = transport.StepOnce(header, payload, options);
     if (reply.ok()) return Answered(*std::move(reply), attempt);

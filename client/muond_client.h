@@ -318,9 +318,10 @@ class Session {
   v1::StepHeader Header(int64_t step, const StepOptions& options) const;
   friend class StreamedStep;
   absl::StatusOr<StepReply> FinishStreamed(StreamedStep& streamed, const StepOptions& options);
-  // Tries from attempt `first` on (earlier ones were made elsewhere), as StepThrough does.
+  // Tries from attempt `first` on (earlier ones were made elsewhere, the last failing with
+  // `before`), as StepThrough does.
   absl::StatusOr<StepReply> StepFrom(int first, StepTransport& transport, int64_t step, const StepPayload& payload,
-                                     const StepOptions& options);
+                                     const StepOptions& options, absl::Status before = absl::OkStatus());
   // INVALID_ARGUMENT naming options.parameters_out when one of its buffers does not fit.
   absl::Status CheckParametersOut(const StepOptions& options) const;
   // INVALID_ARGUMENT naming options.rank when this session holds another rank's parts (HoldParts).

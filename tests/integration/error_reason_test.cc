@@ -159,6 +159,11 @@ TEST(ErrorReasonWording, ARefusalOnALaterTrySaysWhatTheTryBeforeMet) {
   EXPECT_EQ(client::ReasonOf(later), v1::SESSION_NOT_FOUND);
   EXPECT_EQ(later.message(),
             "session 's' not found (on try 3; the try before met UNAVAILABLE: " + std::string(160, 'x') + "…)");
+  // The cut counts characters: a multibyte one is never split.
+  std::string dots;
+  for (int i = 0; i < 200; ++i) dots += "·";
+  EXPECT_EQ(client::OnLaterTry(refused, 2, absl::UnavailableError(dots)).message(),
+            "session 's' not found (on try 2; the try before met UNAVAILABLE: " + dots.substr(0, 2 * 160) + "…)");
   EXPECT_EQ(client::OnLaterTry(refused, 1, before), refused);
   EXPECT_EQ(client::OnLaterTry(absl::OkStatus(), 2, before), absl::OkStatus());
 }
