@@ -84,7 +84,7 @@ def _python_options(optimizer: str) -> Dict[str, Any]:
 # the wire, so the daemon's default applies.
 DEFAULTS: Dict[str, Dict[str, Any]] = {name: _python_options(name) for name in OPTIMIZERS}
 # What a choice brings: {option: {choice: {other option: value}}} (ns_preconditioner aol: the aol
-# set and 4 steps), applied to the options a group leaves unset, as the daemon applies them.
+# set and 4 steps), applied together when a group gives none of them, as the daemon applies them.
 CHOICE_DEFAULTS: Dict[str, Dict[str, Dict[str, Any]]] = {
     row["name"]: row["choice_defaults"] for row in TABLE["options"] if "choice_defaults" in row}
 

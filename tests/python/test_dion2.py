@@ -110,10 +110,12 @@ def test_daemon_and_local_match_the_reference(endpoint):
                                    {"dion2_select": "rows", "momentum_dtype": "bf16",
                                     "weight_decay_mode": "independent", "weight_decay": 0.01},
                                    {"ns_preconditioner": "aol", "scale_mode": "spectral",
-                                    "extra_scale_factor": 0.2}])
+                                    "extra_scale_factor": 0.2},
+                                   {"dion2_select": "cols", "dion2_fraction": 0.5, "ns_preconditioner": "aol"}])
 def test_local_matches_the_daemon(endpoint, extra):
     """Forced sides, 16-bit momentum, independent decay, AOL Newton–Schulz, a conv filter
-    (flattened to (out, rest), as Muon's)."""
+    (flattened to (out, rest), as Muon's); half the columns of a 12×24 matrix are a square block,
+    which AOL scales by its own rows, not the stored lines'."""
     assert_local_matches_daemon(endpoint, {"optimizer": "dion2", "lr": 0.02, **extra},
                                 dict(SHAPES, conv=(8, 3, 3, 3)), 4, torch.Generator().manual_seed(4))
 
