@@ -1,5 +1,6 @@
 #include "server/session/health_watch.h"
 
+#include <algorithm>
 #include <cmath>
 #include <set>
 #include <string>
@@ -14,6 +15,26 @@ void Raise(std::string_view kind, const std::string& group, std::string detail, 
            StepResult& result) {
   out.warnings.emplace_back(kind);
   result.warnings.push_back({std::string(kind), group, std::move(detail)});
+}
+
+// The smallest scale of Newton–Schulz's input (its Frobenius norm, which bounds its largest singular
+// value) that the group's iteration still lifts to half, on 4097 log-spaced points of [2⁻⁴⁰, 1]:
+// under it every singular direction of the update stays small, shrinking with the momentum. Above
+// it the iteration restores at least the largest (the orthogonality residual tells the rest).
+double NsLiftFloor(const optim::GroupOptions& options) {
+  constexpr int kPoints = 4097;
+  constexpr double kLowestLog2 = -40;
+  for (int i = 0; i < kPoints; ++i) {
+    const double start = std::exp2(kLowestLog2 - kLowestLog2 * i / (kPoints - 1));
+    double x = start;
+    for (int t = 0; t < options.ns_steps; ++t) {
+      const optim::NsCoefficient co = options.ns_schedule.At(t);
+      const double x2 = x * x;
+      x = co.a * x + co.b * x * x2 + co.c * x * x2 * x2;
+    }
+    if (std::abs(x) >= 0.5) return start;
+  }
+  return 1.0;
 }
 
 }  // namespace
@@ -73,21 +94,28 @@ void HealthWatch::Observe(const SessionConfig& config, const StepClipping& clipp
     if (t.matrices > 0) {
       out.momentum_norm = std::sqrt(t.momentum_sum_squares);
       out.smallest_momentum_norm = t.smallest_momentum_norm;
-      // Newton–Schulz divides by norm_safety·‖U‖ + eps: at or under eps the update shrinks with
-      // the momentum instead of being normalized. Turbo-Muon's AOL divides each row by the root of
-      // its row sum of |U·Uᵀ|, floored at eps: sums of the order of ‖U‖², so there ‖U‖² under eps
-      // is the sign. A momentum of exactly zero is a matrix whose gradients have all been zero so
-      // far (a zero-initialized layer's inputs at the start): its update is rightly zero, and
-      // nothing fell; nor did a momentum whose gradient is all zero this step (not counted).
+      // Newton–Schulz divides by norm_safety·‖U‖ + eps, so its input has the norm
+      // ‖U‖/(norm_safety·‖U‖ + eps): about 1/norm_safety, and ‖U‖/eps once ‖U‖ falls under eps.
+      // Turbo-Muon's AOL divides each row by the root of its row sum of |U·Uᵀ| (of the order of
+      // ‖U‖²) floored at eps: an input of about ‖U‖/√eps once ‖U‖² falls under eps. The iteration
+      // lifts small inputs (by its slope at 0, the product of the a's): the update shrinks with the
+      // momentum only when even that input's largest singular value stays under what the group's
+      // iteration lifts to half (NsLiftFloor). A momentum of exactly zero is a matrix whose
+      // gradients have all been zero so far (a zero-initialized layer's inputs at the start): its
+      // update is rightly zero, and nothing fell; nor did a momentum whose gradient is all zero
+      // this step (not counted).
       const double norm = t.smallest_nonzero_momentum_norm;
       const bool aol = options.ns_preconditioner == optim::NsPreconditioner::kAol;
-      const double normalized_by = aol ? norm * norm : options.ns_norm_safety * norm;
-      const bool low = normalized_by < options.ns_eps;
+      const double input = aol ? norm / std::sqrt(std::max(norm * norm, options.ns_eps))
+                               : norm / (options.ns_norm_safety * norm + options.ns_eps);
+      if (!state.lift_floor.has_value()) state.lift_floor = NsLiftFloor(options);
+      const bool low = input < *state.lift_floor;
       if (low && !state.momentum_low) {
         Raise(kHealthWarningKinds[1], out.group,
-              aol ? absl::StrCat("a momentum norm of ", norm, " whose square is under ns_eps ", options.ns_eps,
-                                 " (AOL's row sums floor there)")
-                  : absl::StrCat("a momentum norm of ", norm, " under ns_eps ", options.ns_eps),
+              absl::StrCat("a momentum norm of ", norm, " makes Newton–Schulz's input ", input,
+                           aol ? " (AOL's row sums floor at ns_eps " : " (it divides by ‖U‖ + ns_eps ", options.ns_eps,
+                           "), under the ", *state.lift_floor, " its ", options.ns_steps,
+                           " steps lift to half: the update shrinks with the momentum"),
               out, result);
       }
       state.momentum_low = low;

@@ -59,8 +59,9 @@ class HealthWatch {
 
  private:
   struct GroupState {
-    int64_t clip_low_steps = 0;  // applied steps in a row with the coefficient under the threshold
-    bool momentum_low = false;   // the last step had a matrix under ns_eps
+    int64_t clip_low_steps = 0;        // applied steps in a row with the coefficient under the threshold
+    bool momentum_low = false;         // the last step had a matrix whose update shrank with its momentum
+    std::optional<double> lift_floor;  // NsLiftFloor of the group, once known
     // The matrices (parameter, offset) whose last measured residual was above the bound.
     std::set<std::pair<std::string, size_t>> residual_high;
     std::optional<double> residual_threshold;  // optim::ResidualThreshold of the group, once known
