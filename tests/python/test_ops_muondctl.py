@@ -158,6 +158,28 @@ def test_sessions_list_show_checkpoint_close(start_daemon, tmp_path):
     opt.close(keep_session=True)
 
 
+def test_a_session_whose_spec_no_answer_holds_is_shown_without_it(start_daemon, tmp_path):
+    # --max-chunk-bytes 1024: a 1 MiB + 1 KiB message limit, which a spec of ~1 MB fits in (its
+    # CreateSession) but a ListSessions page (the limit less 64 KiB) does not.
+    daemon = start_daemon("--max-chunk-bytes", "1024")
+    spec = muond.client.pb.SessionSpec()
+    spec.groups.add(name="g").options.optimizer = muond.client.pb.OPTIMIZER_ADAMW
+    for i in range(10400):
+        spec.parameters.add(name=f"p{i:05d}" + "x" * 80, shape=[2], group="g")
+    assert 984_064 < spec.ByteSize() < 1_040_000
+    conn = muond.client.Connection(daemon.endpoint)
+    conn.create_session("huge-spec", spec)
+    e = ("--endpoint", daemon.endpoint)
+    shown = ctl_json(*e, "sessions", "show", "huge-spec")
+    assert shown["spec"] is None and shown["spec_omitted"] is True and shown["num_tensors"] == 10400
+    code, out, _ = ctl(*e, "sessions", "show", "huge-spec")
+    assert code == 0 and "spec          not shown: too large for one ListSessions answer" in out
+    code, _, err = ctl(*e, "export", "huge-spec", "--to", tmp_path / "huge.safetensors")
+    assert code == 1 and "too large for one ListSessions answer" in err, err
+    assert [s.session_id for s in conn.list_sessions()] == ["huge-spec"]
+    conn.close()
+
+
 def test_checkpoint_without_state_dir_is_refused_with_exit_1(endpoint):
     _, opt = train(endpoint, "no-state-dir", steps=1)
     try:
