@@ -63,6 +63,13 @@ class LimitsTest : public ::testing::Test {
     client_->PrepareContext(context);
     return client_->stub().ListSessions(&context, request, page);
   }
+  // The message of a page `request` the daemon must refuse as INVALID_ARGUMENT.
+  std::string RefusalOf(const v1::ListSessionsRequest& request) {
+    v1::ListSessionsResponse page;
+    const grpc::Status status = ListPage(request, &page);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+    return status.error_message();
+  }
 
   DaemonProcess daemon_;
   std::unique_ptr<client::Client> client_;
@@ -185,10 +192,7 @@ TEST_F(LimitsTest, SessionsAreListedInPagesUnderTheMessageLimit) {
   EXPECT_EQ(after.sessions(4).session_id(), created[11]);
 
   request.set_page_size(-1);
-  v1::ListSessionsResponse refused;
-  const grpc::Status status = ListPage(request, &refused);
-  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_THAT(status.error_message(), HasSubstr("page_size"));
+  EXPECT_THAT(RefusalOf(request), HasSubstr("page_size"));
 }
 
 // A page also stays under the caller's own receive limit (max_answer_bytes), and a session whose
@@ -238,10 +242,7 @@ TEST_F(LimitsTest, APageStaysUnderTheCallersLimitAndLeavesOutASpecNoPageHolds) {
 
   request.set_page_token("");
   request.set_max_answer_bytes(-1);
-  v1::ListSessionsResponse refused;
-  const grpc::Status status = ListPage(request, &refused);
-  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_THAT(status.error_message(), HasSubstr("max_answer_bytes"));
+  EXPECT_THAT(RefusalOf(request), HasSubstr("max_answer_bytes"));
 }
 
 TEST_F(LimitsTest, SilentUploadStreamEndsWithDeadlineExceeded) {
