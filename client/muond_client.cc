@@ -373,6 +373,9 @@ Session::Session(Client* client, std::string id, v1::SessionSpec spec, const v1:
   last_step_ = created.last_step();
   last_push_ = created.last_push();
   loss_scale_ = created.loss_scale();
+  if (created.last_overrides_known()) {
+    last_overrides_.emplace(created.last_overrides().begin(), created.last_overrides().end());
+  }
 }
 
 Session::~Session() = default;

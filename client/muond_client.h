@@ -263,6 +263,11 @@ class Session {
   // With a session loss scaler: its scale when the session was created or attached (what the first
   // loss is multiplied by); 0 without one. Each StepReply::loss_scale gives the next.
   double loss_scale() const { return loss_scale_; }
+  // What last_step() ran with beyond the groups' options when the session was created or attached:
+  // its overrides (StepOptions::lr among them), one per group that had any; a trainer attaching to
+  // resume starts its schedule from them. nullopt when the daemon does not know them (its state was
+  // replaced, or restored from a checkpoint of an earlier muond, since that step; or it is older).
+  const std::optional<std::vector<v1::GroupOverride>>& last_overrides() const { return last_overrides_; }
 
   // Makes this a rank that holds parts (docs/ranks.md, Ranks that hold parts): from here on every
   // parameter of a partitioned group counts only `rank`'s part of it (element_counts()), uploads
@@ -348,6 +353,7 @@ class Session {
   int64_t last_step_ = 0;
   int64_t last_push_ = 0;
   double loss_scale_ = 0;
+  std::optional<std::vector<v1::GroupOverride>> last_overrides_;
 };
 
 // For step transports: whether a failed call may be

@@ -255,6 +255,14 @@ absl::Status WriteCheckpoint(Env* env, const std::string& dir, const CheckpointD
                                  {"grad_norm", std::isfinite(d.grad_norm) ? json(d.grad_norm) : json(nullptr)},
                                  {"skip_reason", d.skip_reason.substr(0, kMaxCheckpointSkipReason)}};
   }
+  if (data.last_overrides.has_value()) {
+    json overrides = json::parse(*data.last_overrides, nullptr, /*allow_exceptions=*/false);
+    if (!overrides.is_array()) {
+      return absl::InternalError(absl::StrCat("checkpoint of session '", data.session_id,
+                                              "': last_overrides is not a JSON array; not written"));
+    }
+    metadata["last_overrides"] = std::move(overrides);
+  }
   metadata["metadata_sha256"] = MetadataDigest(metadata);
   // Compact: an indented spec of many explicit ranges takes ten times the bytes.
   const std::string text = metadata.dump() + "\n";
@@ -294,6 +302,15 @@ absl::Status CheckCheckpointRoom(absl::string_view spec_json, const std::vector<
   bytes += static_cast<uint64_t>(std::max(world_size, 1)) * (3 * kNumber + 8 + kSkipReason + longest_name) +
            static_cast<uint64_t>(std::max(world_size, 1)) * kNumber;  // and its rank in parts_written
   bytes += 64 + kNumber + kSkipReason + longest_name;                 // the last step's decision
+  // The last step's overrides: at most one entry per group, its name (as in the spec) and five numbers.
+  constexpr uint64_t kOverrideEntry = 64 + 5 * (16 + 32);  // {"group":…, "weight_decay":<a double>, …}
+  if (spec.is_object() && spec.contains("groups") && spec["groups"].is_array()) {
+    for (const json& group : spec["groups"]) {
+      bytes += kOverrideEntry + (group.is_object() && group.contains("name") ? group["name"].dump().size() : 0);
+    }
+  } else {
+    bytes += spec_json.size();  // not the codec's JSON: its whole size bounds the names it holds
+  }
   if (bytes <= kMaxCheckpointMetadataBytes) return absl::OkStatus();
   return absl::InvalidArgumentError(
       absl::StrCat("spec: a checkpoint of this session could take ", bytes, " bytes of ", kCheckpointMetadataFile,
@@ -402,6 +419,12 @@ absl::StatusOr<CheckpointData> ReadCheckpoint(Env* env, const std::string& dir, 
     if (!std::isnan(d.grad_norm) && !(d.grad_norm >= 0 && std::isfinite(d.grad_norm))) {
       return CheckpointCorrupt(metadata_file, "last_decision.grad_norm is not a norm");
     }
+  }
+
+  if (auto overrides = metadata.find("last_overrides"); overrides != metadata.end()) {
+    // Its entries are the session's to read (session::DecodeOverrides), as a journal record's are.
+    if (!overrides->is_array()) return CheckpointCorrupt(metadata_file, "last_overrides is not an array");
+    data.last_overrides = overrides->dump();
   }
 
   const std::string tensor_name = StringField(*tensors, "file");

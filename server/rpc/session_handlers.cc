@@ -108,7 +108,12 @@ grpc::Status MuondService::CreateSession(grpc::ServerContext* context, const v1:
     const session::Session& session = *created.session;
     response->set_session_id(session.id());
     response->set_attached(created.attached);
-    response->set_last_step(session.last_step());
+    const session::Session::LastStepOverrides last = session.LastOverrides();
+    response->set_last_step(last.step);
+    if (last.overrides.has_value()) {
+      for (const session::GroupOverride& o : *last.overrides) *response->add_last_overrides() = transport::ToProto(o);
+      response->set_last_overrides_known(true);
+    }
     response->set_initialized(session.initialized());
     if (const double scale = session.loss_scale(); scale != 0) response->set_loss_scale(scale);
     response->set_num_parameters(session.config().total_elements);

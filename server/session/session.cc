@@ -119,6 +119,11 @@ PushRecord Session::LastPush(int rank) const {
   return pushes_[rank];
 }
 
+Session::LastStepOverrides Session::LastOverrides() const {
+  absl::ReaderMutexLock lock(&mu_);
+  return LastStepOverrides{last_step_, last_overrides_};
+}
+
 bool Session::initialized() const {
   absl::ReaderMutexLock lock(&mu_);
   return initialized_;

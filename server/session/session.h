@@ -163,6 +163,15 @@ class Session {
   // An asynchronous session's record of `rank`'s last push (a zero record otherwise, or for a rank
   // out of range).
   PushRecord LastPush(int rank) const;
+  // The last step and the overrides it ran with beyond the groups' options (SessionState's
+  // last_overrides; nullopt when not known: after a SetState, or a restore from a checkpoint of an
+  // earlier version, until the next step), read together: what an attach answers, so that a
+  // client's schedulers resume from the values the session last ran with.
+  struct LastStepOverrides {
+    int64_t step = 0;
+    std::optional<std::vector<GroupOverride>> overrides;
+  };
+  LastStepOverrides LastOverrides() const;
 
   absl::StatusOr<SessionState> ExportState() const;
   // Replaces masters, slots and counters at once after checking that `state` is complete.
@@ -338,6 +347,7 @@ class Session {
   // Whether last_result_ says how the last step went: false after a SetState, or a restore from a
   // checkpoint of an earlier version, until the next step (a resent sharded prepare is then refused).
   bool last_decision_known_ ABSL_GUARDED_BY(mu_) = true;
+  std::optional<std::vector<GroupOverride>> last_overrides_ ABSL_GUARDED_BY(mu_) = std::vector<GroupOverride>();
   // Mutable: an on-device snapshot is replaced by its host copy when first read (HostSnapshotLocked).
   mutable std::shared_ptr<const ParameterSnapshot> snapshot_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<SessionPersistence> persistence_ ABSL_GUARDED_BY(mu_);

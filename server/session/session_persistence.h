@@ -55,6 +55,10 @@ struct SessionState {
   // The last step's decision, once a step was taken or restored with it. Kept by checkpoints, not
   // carried by GetState/SetState; on import, absent leaves it unknown.
   std::optional<LastDecision> last_decision;
+  // The overrides the last step ran with, one entry per group that had any (OverridesByGroup), once a
+  // step was taken or restored with them; empty at step 0. Kept by checkpoints, not carried by
+  // GetState/SetState; on import, absent leaves them unknown.
+  std::optional<std::vector<GroupOverride>> last_overrides;
 };
 
 class SessionPersistence {

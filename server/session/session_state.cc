@@ -51,6 +51,7 @@ absl::StatusOr<SessionState> Session::ExportStateLocked() const {
   if (last_decision_known_ && last_step_ > 0) {
     state.last_decision = LastDecision{last_result_.applied, last_result_.grad_norm, last_result_.skip_reason};
   }
+  state.last_overrides = last_overrides_;
   for (size_t i = 0; i < params_.size(); ++i) {
     const optim::ParamState& param = params_[i];
     state.step_counts.push_back(param.step_count);
@@ -130,6 +131,11 @@ absl::Status Session::ImportState(SessionState state, int rank) {
       return absl::InvalidArgumentError("header.loss_scaler: the session has no loss scaler (spec.loss_scaler)");
     }
     MUOND_RETURN_IF_ERROR(optim::ValidateLossScalerState(*config_.loss_scaler, *state.loss_scaler));
+  }
+  if (state.last_overrides.has_value()) {
+    // A checkpoint's record of the last step's overrides: values that step could have been sent with.
+    std::vector<optim::StepHyper> hyper = default_hyper_;
+    MUOND_RETURN_IF_ERROR(ApplyOverrides(config_, *state.last_overrides, "last_overrides", hyper));
   }
   absl::MutexLock lock(&mu_);
   MUOND_RETURN_IF_ERROR(CheckOpen());
@@ -259,6 +265,8 @@ absl::Status Session::ImportState(SessionState state, int rank) {
   last_result_.loss_scale = loss_scaler_.has_value() ? loss_scaler_->scale : 0.0;
   // A restored checkpoint keeps how its last step went; a SetState's state does not say.
   last_decision_known_ = state.last_decision.has_value() || last_step_ == 0;
+  // Likewise the last step's overrides (a SetState's state does not carry them: its client has its own).
+  last_overrides_ = last_step_ == 0 ? std::vector<GroupOverride>() : state.last_overrides;
   if (state.last_decision.has_value()) {
     last_result_.applied = state.last_decision->applied;
     last_result_.grad_norm = state.last_decision->grad_norm;

@@ -19,6 +19,7 @@
 #include "common/status_macros.h"
 #include "server/session/partition.h"
 #include "server/session/session.h"
+#include "server/session/value_rules.h"
 
 namespace muond::session {
 
@@ -33,6 +34,8 @@ absl::StatusOr<Session::StepKind> Session::ClassifyLocked(int64_t step) const {
 }
 
 absl::StatusOr<Session::StepKind> Session::ClassifyRequestLocked(const StepRequest& request) const {
+  // A number no session ever reaches is the request's fault, whatever step the session is at.
+  MUOND_RETURN_IF_ERROR(CheckStepNumber("header.step", request.step, 1));
   if (config_.sync.mode != SyncMode::kAsync) return ClassifyLocked(request.step);
   if (request.rank < 0 || request.rank >= config_.world_size) return StepKind::kNext;  // PlanStep refuses it
   const PushRecord& last = pushes_[request.rank];
@@ -497,6 +500,7 @@ absl::StatusOr<StepOutcome> Session::ApplyLocked(const StepPlan& plan, std::vect
   last_step_ = result.step;
   last_result_ = result;
   last_decision_known_ = true;
+  last_overrides_ = OverridesByGroup(config_, plan.request.overrides);
   if (config_.sync.mode == SyncMode::kAsync) {
     // The rank's record, before a periodic checkpoint below saves the state: a checkpoint holding
     // the push's parameters must hold its record, or a resend after a restart would apply it again.

@@ -69,6 +69,13 @@ absl::StatusOr<SessionState> StateFromCheckpoint(durability::CheckpointData& dat
     state.last_decision =
         LastDecision{data.last_decision->applied, data.last_decision->grad_norm, data.last_decision->skip_reason};
   }
+  if (data.last_overrides.has_value()) {
+    absl::StatusOr<std::vector<GroupOverride>> overrides = DecodeOverrides(*data.last_overrides);
+    if (!overrides.ok()) {
+      return durability::CheckpointCorrupt(dir, absl::StrCat("last_overrides: ", overrides.status().message()));
+    }
+    state.last_overrides = *std::move(overrides);  // checked against the groups by the import
+  }
   if (data.parts_written.has_value()) {
     const durability::CheckpointPartsWritten& parts = *data.parts_written;
     PartsWritten& written = state.parts_written.emplace();
@@ -173,6 +180,7 @@ absl::Status FilePersistence::SaveCheckpoint(SessionState state) {
     data.last_decision = durability::CheckpointLastDecision{
         state.last_decision->applied, state.last_decision->grad_norm, state.last_decision->skip_reason};
   }
+  if (state.last_overrides.has_value()) data.last_overrides = EncodeOverrides(*state.last_overrides);
   if (state.parts_written.has_value()) {
     const PartsWritten& written = *state.parts_written;
     durability::CheckpointPartsWritten& parts = data.parts_written.emplace();

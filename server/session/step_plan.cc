@@ -119,21 +119,46 @@ absl::Status CheckPhase(const SessionConfig& config, const StepRequest& request)
 
 }  // namespace
 
+absl::Status ApplyOverrides(const SessionConfig& config, const std::vector<GroupOverride>& overrides,
+                            absl::string_view field, std::vector<optim::StepHyper>& hyper) {
+  std::vector<int64_t> entry_of(config.groups.size(), -1);  // a group's entry, once one names it
+  for (size_t i = 0; i < overrides.size(); ++i) {
+    const GroupOverride& o = overrides[i];
+    const std::string entry = absl::StrCat(field, "[", i, "]");
+    auto it = config.group_index.find(o.group);
+    if (it == config.group_index.end()) {
+      return absl::NotFoundError(absl::StrCat(entry, ".group: unknown group '", Echo(o.group), "'"));
+    }
+    if (entry_of[it->second] >= 0) {
+      return absl::InvalidArgumentError(absl::StrCat(entry, ".group: '", Echo(o.group), "' is given twice (also ",
+                                                     field, "[", entry_of[it->second], "]); one entry per group"));
+    }
+    entry_of[it->second] = static_cast<int64_t>(i);
+    MUOND_RETURN_IF_ERROR(ApplyOverride(o, entry, config.groups[it->second].options, hyper[it->second]));
+  }
+  return absl::OkStatus();
+}
+
+std::vector<GroupOverride> OverridesByGroup(const SessionConfig& config, const std::vector<GroupOverride>& overrides) {
+  std::vector<const GroupOverride*> by_group(config.groups.size(), nullptr);
+  for (const GroupOverride& o : overrides) {
+    auto it = config.group_index.find(o.group);
+    const bool sets = o.lr || o.momentum || o.weight_decay || o.beta1 || o.beta2;
+    if (it != config.group_index.end() && sets) by_group[it->second] = &o;  // ApplyOverrides refused others
+  }
+  std::vector<GroupOverride> out;
+  for (const GroupOverride* o : by_group) {
+    if (o != nullptr) out.push_back(*o);
+  }
+  return out;
+}
+
 absl::StatusOr<StepPlan> PlanStep(const SessionConfig& config, const std::vector<optim::StepHyper>& defaults,
                                   StepRequest request) {
   MUOND_RETURN_IF_ERROR(CheckStepNumber("header.step", request.step, 1));
   StepPlan plan;
   plan.hyper = defaults;
-  for (size_t i = 0; i < request.overrides.size(); ++i) {
-    const GroupOverride& o = request.overrides[i];
-    const std::string field = absl::StrCat("header.overrides[", i, "]");
-    auto it = config.group_index.find(o.group);
-    if (it == config.group_index.end()) {
-      return absl::NotFoundError(absl::StrCat(field, ".group: unknown group '", Echo(o.group), "'"));
-    }
-    absl::Status applied = ApplyOverride(o, field, config.groups[it->second].options, plan.hyper[it->second]);
-    if (!applied.ok()) return applied;
-  }
+  MUOND_RETURN_IF_ERROR(ApplyOverrides(config, request.overrides, "header.overrides", plan.hyper));
   absl::Status logits = ResolveQkLogits(config, request, plan);
   if (!logits.ok()) return logits;
   if (request.max_grad_norm.has_value() && !(std::isfinite(*request.max_grad_norm) && *request.max_grad_norm > 0)) {
@@ -153,6 +178,11 @@ absl::StatusOr<StepPlan> PlanStep(const SessionConfig& config, const std::vector
   if (request.rank < 0 || request.rank >= config.world_size) {
     return absl::InvalidArgumentError(
         absl::StrCat("header.rank: must be in [0, ", config.world_size, "), got ", request.rank));
+  }
+  if (request.base_step.has_value() && config.sync.mode != SyncMode::kAsync) {
+    // Only an asynchronous push says what it was computed on; anywhere else it would go unread.
+    return absl::InvalidArgumentError(
+        "header.base_step: applies to spec.sync.mode async only (the global step a push was computed on)");
   }
   absl::Status phase = CheckPhase(config, request);
   if (!phase.ok()) return phase;

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "common/host_tensor.h"
 #include "kernels/optim/optimizer.h"
 #include "server/session/session_config.h"
@@ -35,6 +36,18 @@ struct StepPlan {
 // "header.max_grad_norm: …", "header.rank: …" (INVALID_ARGUMENT; an unknown group is NOT_FOUND).
 absl::StatusOr<StepPlan> PlanStep(const SessionConfig& config, const std::vector<optim::StepHyper>& defaults,
                                   StepRequest request);
+
+// Applies `overrides` to `hyper` (each group's values, in group order) as a step's are applied;
+// errors name `field`[i]: an unknown group (NOT_FOUND), a group given twice, a value out of its
+// range or of an optimizer that lacks it (INVALID_ARGUMENT). What PlanStep does with the header's,
+// and what a restore checks a checkpoint's record of the last step's with.
+absl::Status ApplyOverrides(const SessionConfig& config, const std::vector<GroupOverride>& overrides,
+                            absl::string_view field, std::vector<optim::StepHyper>& hyper);
+
+// `overrides` (ApplyOverrides accepted them) in group order, without entries that set nothing: what
+// the step ran with beyond the groups' options (Session's record of the last step's, which an
+// attach answers).
+std::vector<GroupOverride> OverridesByGroup(const SessionConfig& config, const std::vector<GroupOverride>& overrides);
 
 // torch.nn.utils.clip_grad_norm_'s coefficient for `norm` under the plan: max_norm / (norm + 1e-6),
 // clamped to 1; 1 without a limit.

@@ -21,21 +21,53 @@ std::optional<T> GetOptional(const json& in, const char* key) {
   return in.at(key).get<T>();
 }
 
-}  // namespace
-
-std::string EncodeStepRequest(const StepRequest& request) {
-  json out = {{"session_id", request.session_id}, {"step", request.step}, {"rank", request.rank}};
-  json overrides = json::array();
-  for (const GroupOverride& o : request.overrides) {
+json OverridesToJson(const std::vector<GroupOverride>& overrides) {
+  json out = json::array();
+  for (const GroupOverride& o : overrides) {
     json entry = {{"group", o.group}};
     PutOptional(entry, "lr", o.lr);
     PutOptional(entry, "momentum", o.momentum);
     PutOptional(entry, "weight_decay", o.weight_decay);
     PutOptional(entry, "beta1", o.beta1);
     PutOptional(entry, "beta2", o.beta2);
-    overrides.push_back(std::move(entry));
+    out.push_back(std::move(entry));
   }
-  out["overrides"] = std::move(overrides);
+  return out;
+}
+
+// Throws json::exception on a value of the wrong shape (the callers turn it into a status).
+std::vector<GroupOverride> OverridesFromJson(const json& in) {
+  std::vector<GroupOverride> out;
+  for (const json& entry : in) {
+    GroupOverride o;
+    o.group = entry.at("group").get<std::string>();
+    o.lr = GetOptional<double>(entry, "lr");
+    o.momentum = GetOptional<double>(entry, "momentum");
+    o.weight_decay = GetOptional<double>(entry, "weight_decay");
+    o.beta1 = GetOptional<double>(entry, "beta1");  // absent in older records
+    o.beta2 = GetOptional<double>(entry, "beta2");
+    out.push_back(std::move(o));
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string EncodeOverrides(const std::vector<GroupOverride>& overrides) { return OverridesToJson(overrides).dump(); }
+
+absl::StatusOr<std::vector<GroupOverride>> DecodeOverrides(absl::string_view bytes) {
+  const json in = json::parse(bytes.begin(), bytes.end(), nullptr, /*allow_exceptions=*/false);
+  if (!in.is_array()) return absl::DataLossError("not a JSON array of group overrides");
+  try {
+    return OverridesFromJson(in);
+  } catch (const json::exception& e) {
+    return absl::DataLossError(std::string("the group overrides do not decode: ") + e.what());
+  }
+}
+
+std::string EncodeStepRequest(const StepRequest& request) {
+  json out = {{"session_id", request.session_id}, {"step", request.step}, {"rank", request.rank}};
+  out["overrides"] = OverridesToJson(request.overrides);
   PutOptional(out, "max_grad_norm", request.max_grad_norm);
   PutOptional(out, "grad_scale", request.grad_scale);
   json logits = json::array();
@@ -70,16 +102,7 @@ absl::StatusOr<StepRequest> DecodeStepRequest(absl::string_view bytes) {
     request.session_id = in.at("session_id").get<std::string>();
     request.step = in.at("step").get<int64_t>();
     request.rank = in.at("rank").get<int>();
-    for (const json& entry : in.at("overrides")) {
-      GroupOverride o;
-      o.group = entry.at("group").get<std::string>();
-      o.lr = GetOptional<double>(entry, "lr");
-      o.momentum = GetOptional<double>(entry, "momentum");
-      o.weight_decay = GetOptional<double>(entry, "weight_decay");
-      o.beta1 = GetOptional<double>(entry, "beta1");  // absent in older records
-      o.beta2 = GetOptional<double>(entry, "beta2");
-      request.overrides.push_back(std::move(o));
-    }
+    request.overrides = OverridesFromJson(in.at("overrides"));
     request.max_grad_norm = GetOptional<double>(in, "max_grad_norm");
     request.grad_scale = GetOptional<double>(in, "grad_scale");  // absent in older records
     for (const json& entry : in.at("qk_logits")) {

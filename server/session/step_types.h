@@ -167,5 +167,9 @@ struct StepOutcome {
 // A request as bytes and back, for the step journal (JSON; doubles round-trip exactly).
 std::string EncodeStepRequest(const StepRequest& request);
 absl::StatusOr<StepRequest> DecodeStepRequest(absl::string_view bytes);
+// Group overrides as bytes and back (a JSON array of the journal's "overrides" entries), for the
+// checkpoint's record of the last step's (SessionState::last_overrides). DATA_LOSS when not such an array.
+std::string EncodeOverrides(const std::vector<GroupOverride>& overrides);
+absl::StatusOr<std::vector<GroupOverride>> DecodeOverrides(absl::string_view bytes);
 
 }  // namespace muond::session

@@ -50,8 +50,9 @@ TEST_F(HostileInputTest, TheLastStepHasNoSuccessor) {
   ASSERT_TRUE(SetState(WithLastStep(OtherState(), kMaxStep)).ok());
   ExpectRefused(RawStep(Header(kMaxStep + 1), TensorChunks(1, 1024)), grpc::StatusCode::INVALID_ARGUMENT,
                 "header.step: must be between 1 and 9007199254740991");
+  // Outside the range a step number may take, whatever step the session is at (docs/protocol.md, Ranges).
   ExpectRefused(RawStep(Header(std::numeric_limits<int64_t>::min()), TensorChunks(1, 1024)),
-                grpc::StatusCode::FAILED_PRECONDITION, "header.step");
+                grpc::StatusCode::INVALID_ARGUMENT, "header.step: must be between 1 and");
   int64_t last_step = 0;
   ASSERT_OK(session_->GetParameters(&last_step).status());
   EXPECT_EQ(last_step, kMaxStep);

@@ -109,6 +109,29 @@ TEST_F(DaemonTest, AttachWithTheSameSpecResumesAtTheLastStep) {
   EXPECT_TRUE(reply.applied);
 }
 
+TEST_F(DaemonTest, AnAttachIsAnsweredWhatTheLastStepRanWith) {
+  auto session = NewSession("last-overrides");
+  ASSERT_NE(session, nullptr);
+  ASSERT_TRUE(session->last_overrides().has_value());
+  EXPECT_TRUE(session->last_overrides()->empty()) << "a new session: no step, nothing overridden";
+  client::StepOptions first;
+  first.lr = {{"matrices", 0.01}, {"vectors", 0.003}};
+  ASSERT_OK(session->Step(1, Gradients(1), first).status());
+  client::StepOptions second;
+  second.lr = {{"vectors", 0.002}};  // the matrices run with their group's lr
+  ASSERT_OK(session->Step(2, Gradients(2), second).status());
+
+  ASSERT_OK_AND_ASSIGN(auto attached, client_->CreateSession("last-overrides", SmallSpec()));
+  EXPECT_EQ(attached->last_step(), 2);
+  ASSERT_TRUE(attached->last_overrides().has_value());
+  ASSERT_EQ(attached->last_overrides()->size(), 1u);
+  const v1::GroupOverride& o = attached->last_overrides()->front();
+  EXPECT_EQ(o.group(), "vectors");
+  EXPECT_TRUE(o.has_lr());
+  EXPECT_EQ(o.lr(), 0.002);
+  EXPECT_FALSE(o.has_momentum() || o.has_weight_decay() || o.has_beta1() || o.has_beta2());
+}
+
 TEST_F(DaemonTest, AttachWithADifferentSpecIsAlreadyExistsNamingTheField) {
   auto session = NewSession("conflict");
   ASSERT_NE(session, nullptr);
@@ -152,7 +175,9 @@ TEST_F(DaemonTest, StepsMustBeConsecutive) {
   auto session = NewSession("ordered");
   ASSERT_NE(session, nullptr);
   EXPECT_THAT(session->Step(2, Gradients(2)), StatusIs(absl::StatusCode::kFailedPrecondition, "expected step 1"));
-  EXPECT_THAT(session->Step(0, Gradients(0)), StatusIs(absl::StatusCode::kFailedPrecondition, "header.step"));
+  // 0 is no step number at all (they run from 1): the request's fault, not the session's order.
+  EXPECT_THAT(session->Step(0, Gradients(0)),
+              StatusIs(absl::StatusCode::kInvalidArgument, "header.step: must be between 1 and"));
   ASSERT_OK(session->Step(1, Gradients(1)).status());
   ASSERT_OK(session->Step(2, Gradients(2)).status());
   EXPECT_THAT(session->Step(1, Gradients(1)),

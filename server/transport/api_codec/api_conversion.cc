@@ -33,6 +33,17 @@ session::StepRequest ToStepRequest(const v1::StepHeader& header) {
   return request;
 }
 
+v1::GroupOverride ToProto(const session::GroupOverride& o) {
+  v1::GroupOverride out;
+  out.set_group(o.group);
+  if (o.lr.has_value()) out.set_lr(*o.lr);
+  if (o.momentum.has_value()) out.set_momentum(*o.momentum);
+  if (o.weight_decay.has_value()) out.set_weight_decay(*o.weight_decay);
+  if (o.beta1.has_value()) out.set_beta1(*o.beta1);
+  if (o.beta2.has_value()) out.set_beta2(*o.beta2);
+  return out;
+}
+
 session::StepRequest StepOptionsOf(const v1::StepEnd& end) {
   v1::StepHeader options;
   *options.mutable_overrides() = end.overrides();

@@ -19,6 +19,8 @@ v1::StepResult ToProto(const session::StepResult& result);
 // One group's clipping and telemetry (StepResult.group_clips, group_telemetry).
 v1::GroupClip ToProto(const session::StepResult::GroupClip& clip);
 v1::GroupTelemetry ToProto(const session::StepResult::GroupTelemetry& telemetry);
+// One group's overrides (StepHeader.overrides, CreateSessionResponse.last_overrides).
+v1::GroupOverride ToProto(const session::GroupOverride& o);
 
 inline v1::DType ToProto(session::TensorDType dtype) { return static_cast<v1::DType>(dtype); }
 inline session::TensorDType FromProto(v1::DType dtype) { return static_cast<session::TensorDType>(dtype); }

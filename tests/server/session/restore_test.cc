@@ -331,6 +331,56 @@ TEST_F(RestoreTest, ALinkedSessionFolderIsQuarantinedAndItsTargetUntouched) {
   EXPECT_EQ(after, before) << "no checkpoint written into, no file pruned from, the outside folder";
 }
 
+// The overrides of `session`'s last step as the daemon keeps them (EncodeOverrides), or "unknown".
+std::string LastOverridesOf(const Session& session, int64_t expected_step) {
+  const Session::LastStepOverrides last = session.LastOverrides();
+  EXPECT_EQ(last.step, expected_step);
+  return last.overrides.has_value() ? EncodeOverrides(*last.overrides) : "unknown";
+}
+
+TEST_F(RestoreTest, TheLastStepsOverridesComeBackFromTheCheckpointAndTheJournal) {
+  ASSERT_OK(Restore(durability::DamagedState::kFail));
+  ASSERT_OK_AND_ASSIGN(CreateResult created, registry_->CreateOrAttach("sched", rpc::SpecToJson(SmallSpec())));
+  ASSERT_OK(created.session->Upload(InitialParameters()));
+  EXPECT_EQ(LastOverridesOf(*created.session, 0), "[]");
+  StepRequest first = Request(1);
+  first.overrides = {{"adamw", std::nullopt, std::nullopt, std::nullopt, 0.85, std::nullopt},
+                     {"muon", 0.01, 0.8, std::nullopt, std::nullopt, std::nullopt}};
+  ASSERT_OK(RunStep(*created.session, first, Gradients(1)).status());
+  const std::string after_first = R"([{"group":"muon","lr":0.01,"momentum":0.8},{"beta1":0.85,"group":"adamw"}])";
+  EXPECT_EQ(LastOverridesOf(*created.session, 1), after_first);
+  ASSERT_OK_AND_ASSIGN(const int64_t checkpointed, created.session->Checkpoint());
+  ASSERT_EQ(checkpointed, 1);
+  EXPECT_EQ(nlohmann::json::parse(ReadAll(dir_ + "/sched/checkpoint.json"))["last_overrides"].dump(), after_first);
+  created.session.reset();
+  registry_.reset();
+
+  // From the checkpoint.
+  ASSERT_OK(Restore(durability::DamagedState::kFail));
+  ASSERT_OK_AND_ASSIGN(std::shared_ptr<Session> restored, registry_->Find("sched"));
+  EXPECT_EQ(LastOverridesOf(*restored, 1), after_first);
+  StepRequest second = Request(2);
+  second.overrides = {
+      {"muon", std::nullopt, std::nullopt, std::nullopt, std::nullopt, std::nullopt},
+      {"adamw", 0.003, std::nullopt, std::nullopt, std::nullopt, std::nullopt}};  // in group order, none empty
+  ASSERT_OK(RunStep(*restored, second, Gradients(2)).status());
+  restored.reset();
+  registry_.reset();
+
+  // From the checkpoint, then the journal's step 2 replayed.
+  ASSERT_OK(Restore(durability::DamagedState::kFail));
+  ASSERT_OK_AND_ASSIGN(restored, registry_->Find("sched"));
+  EXPECT_EQ(LastOverridesOf(*restored, 2), R"([{"group":"adamw","lr":0.003}])");
+
+  // A SetState's state does not carry them: unknown until the next step, which says them again.
+  ASSERT_OK_AND_ASSIGN(SessionState state, restored->ExportState());
+  state.last_overrides.reset();
+  ASSERT_OK(restored->ImportState(std::move(state)));
+  EXPECT_EQ(LastOverridesOf(*restored, 2), "unknown");
+  ASSERT_OK(RunStep(*restored, Request(3), Gradients(3)).status());
+  EXPECT_EQ(LastOverridesOf(*restored, 3), "[]");
+}
+
 TEST_F(RestoreTest, LoadSessionRefusesWhatTheRestoreRefuses) {
   const struct {
     const char* name;
@@ -372,6 +422,32 @@ TEST_F(RestoreTest, LoadSessionRefusesWhatTheRestoreRefuses) {
          m["parts_written"] = {{"of", "upload"}, {"ranks", {0}}};
        },
        "parts_written: the session has no partition"},
+      // The last step's overrides, which an attach answers: what a step would be refused is.
+      {"last overrides that are not an array",
+       [](nlohmann::json& m) {
+         m["last_overrides"] = {{"group", "muon"}, {"lr", 0.1}};
+       },
+       "last_overrides is not an array"},
+      {"a last override without its group",
+       [](nlohmann::json& m) {
+         m["last_overrides"] = nlohmann::json::array({{{"lr", 0.1}}});
+       },
+       "last_overrides: the group overrides do not decode"},
+      {"a last override of an unknown group",
+       [](nlohmann::json& m) {
+         m["last_overrides"] = nlohmann::json::array({{{"group", "nope"}, {"lr", 0.1}}});
+       },
+       "last_overrides[0].group: unknown group 'nope'"},
+      {"a last override out of its range",
+       [](nlohmann::json& m) {
+         m["last_overrides"] = nlohmann::json::array({{{"group", "muon"}, {"lr", -1}}});
+       },
+       "last_overrides[0].lr"},
+      {"a last override the group's optimizer does not have",
+       [](nlohmann::json& m) {
+         m["last_overrides"] = nlohmann::json::array({{{"group", "muon"}, {"beta1", 0.5}}});
+       },
+       "last_overrides[0].beta1: does not apply to optimizer muon"},
   };
   const std::string saved = ReadAll(dir_ + "/bad/checkpoint.json");
   for (const auto& c : cases) {

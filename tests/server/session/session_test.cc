@@ -70,6 +70,21 @@ TEST_F(SessionTest, ABadRequestIsRefusedBeforeAnyGradientAndChangesNothing) {
   StepRequest unknown_group = Request(1);
   unknown_group.overrides.push_back({"nope", 0.1, std::nullopt, std::nullopt});
   EXPECT_THAT(session_->BeginStep(unknown_group), StatusIs(absl::StatusCode::kNotFound, "unknown group 'nope'"));
+  StepRequest twice = Request(1);
+  twice.overrides.push_back({"muon", 0.1, std::nullopt, std::nullopt});
+  twice.overrides.push_back({"adamw", 0.1, std::nullopt, std::nullopt});
+  twice.overrides.push_back({"muon", std::nullopt, 0.9, std::nullopt});
+  EXPECT_THAT(session_->BeginStep(twice),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "header.overrides[2].group: 'muon' is given twice (also header.overrides[0])"));
+  StepRequest lock_step_base = Request(1);
+  lock_step_base.base_step = 0;
+  EXPECT_THAT(session_->BeginStep(lock_step_base),
+              StatusIs(absl::StatusCode::kInvalidArgument, "header.base_step: applies to spec.sync.mode async only"));
+  for (int64_t number : {int64_t{-1}, int64_t{0}, std::numeric_limits<int64_t>::max()}) {
+    EXPECT_THAT(session_->BeginStep(Request(number)), StatusIs(absl::StatusCode::kInvalidArgument, "header.step"))
+        << number;
+  }
   StepRequest bad_clip = Request(1);
   bad_clip.max_grad_norm = 0;
   EXPECT_THAT(session_->BeginStep(bad_clip), StatusIs(absl::StatusCode::kInvalidArgument, "header.max_grad_norm"));
