@@ -2,6 +2,7 @@
 
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/echo.h"
 #include "common/logging.h"
 #include "grpcpp/security/auth_context.h"
@@ -9,6 +10,13 @@
 #include "server/security/caller_identity.h"
 
 namespace muond::rpc {
+
+absl::Status OutOfHostMemory(std::string_view method) {
+  return absl::ResourceExhaustedError(
+      absl::StrCat(std::string(method),
+                   ": a host allocation failed (the daemon is out of memory under its address-space or overcommit "
+                   "limit); a smaller request, or --max-session-bytes to refuse such sessions before they are made"));
+}
 
 absl::StatusOr<std::string> CallerOf(const grpc::ServerContext& context, const security::TokenTable* tokens) {
   security::CallCredentials credentials;

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <chrono>
+#include <new>
 #include <string>
 #include <string_view>
 
@@ -67,12 +68,23 @@ class CallScope {
   bool finished_ = false;
 };
 
+// RESOURCE_EXHAUSTED for a call of `method` during which a host allocation failed.
+absl::Status OutOfHostMemory(std::string_view method);
+
 // Runs `body(caller)` for an authenticated caller within a CallScope and returns the call's status.
+// A host allocation that fails in it (std::bad_alloc: a request too large for the machine's memory
+// under an address-space or overcommit limit) ends the call RESOURCE_EXHAUSTED, not UNKNOWN.
 template <typename Body>
 grpc::Status Serve(CallServices& services, grpc::ServerContext* context, std::string_view method, Body&& body) {
   CallScope scope(services, context, method);
   if (!scope.caller().ok()) return scope.Finish(scope.caller().status());
-  return scope.Finish(body(*scope.caller()));
+  absl::Status status;
+  try {
+    status = body(*scope.caller());
+  } catch (const std::bad_alloc&) {
+    status = OutOfHostMemory(method);
+  }
+  return scope.Finish(status);
 }
 
 }  // namespace muond::rpc

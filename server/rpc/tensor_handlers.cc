@@ -145,11 +145,18 @@ absl::Status MuondService::DoGetParameters(const std::string& caller, grpc::Serv
   const session::SessionConfig& config = session->config();
   MUOND_ASSIGN_OR_RETURN(v1::DType dtype, AnswerDType(request.dtype(), config.return_dtype, "dtype"));
   std::vector<size_t> wanted;
+  std::vector<int> asked_at(config.parameters.size(), -1);  // a parameter's entry in names, once named
   for (int i = 0; i < request.names_size(); ++i) {
     auto it = config.parameter_index.find(request.names(i));
     if (it == config.parameter_index.end()) {
       return absl::NotFoundError(absl::StrCat("names[", i, "]: unknown parameter '", Echo(request.names(i)), "'"));
     }
+    // Each at most once: a short request must not have one tensor streamed back over and over.
+    if (asked_at[it->second] >= 0) {
+      return absl::InvalidArgumentError(absl::StrCat("names[", i, "]: '", Echo(request.names(i)),
+                                                     "' is asked for twice (also names[", asked_at[it->second], "])"));
+    }
+    asked_at[it->second] = i;
     wanted.push_back(it->second);
   }
   if (wanted.empty()) {

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 import muond
+from muond import wire
 from muond._stubs import pb
 from muond.client import Connection
+from conftest import Daemon, _daemon_binary
 from helpers import TinyNet, loss_of
 
 
@@ -269,3 +271,44 @@ def test_a_refused_construction_leaves_no_session_behind(endpoint):
     with muond.RemoteOptimizer([{"params": [("w", good)], "optimizer": "adamw"}], endpoint=endpoint,
                                session=session) as opt:
         assert not opt.attached
+
+
+def test_a_session_larger_than_the_daemons_memory_is_resource_exhausted(tmp_path):
+    """Under an address-space limit of 3 GiB (as a container's or overcommit's would be) a session
+    of 2^31 AdamW elements (24 GiB of state) cannot be allocated: CreateSession answers
+    RESOURCE_EXHAUSTED naming the failed allocation, not UNKNOWN, and the daemon serves on."""
+    limited = tmp_path / "muond-limited"
+    limited.write_text(f"#!/bin/sh\nexec prlimit --as={3 << 30} -- {_daemon_binary()} \"$@\"\n")
+    limited.chmod(0o755)
+    daemon = Daemon(limited, tmp_path / "daemon")
+    try:
+        conn = Connection(daemon.endpoint)
+        with pytest.raises(muond.MuondError) as info:
+            conn.create_session("too-large", spec_of((1 << 31,)))
+        assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value
+        assert "a host allocation failed" in info.value.details
+        assert "too-large" not in {s.session_id for s in conn.list_sessions()}
+        conn.close()
+        model = TinyNet(seed=33)
+        with muond.RemoteOptimizer(muond.default_param_groups(model), endpoint=daemon.endpoint) as opt:
+            loss_of(model, 1).backward()
+            opt.step()
+            assert opt.last_info.applied
+        assert daemon.alive()
+    finally:
+        daemon.stop()
+
+
+def test_a_read_that_asks_for_a_parameter_twice_is_refused(endpoint):
+    """A short GetParameters request must not have the daemon stream one tensor back over and over."""
+    model = TinyNet(seed=34)
+    with muond.RemoteOptimizer(muond.default_param_groups(model), endpoint=endpoint) as opt:
+        name = opt._names[0]
+        conn = Connection(endpoint)
+        into = wire.ChunkAssembler({name: opt._sizes[name]})
+        with pytest.raises(muond.MuondError) as info:
+            conn.get_parameters(opt.session_id, into, names=[name, name])
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"names[1]: '{name}' is asked for twice (also names[0])" in info.value.details
+        assert conn.get_parameters(opt.session_id, into, names=[name]) == 0
+        conn.close()
