@@ -53,6 +53,7 @@ from . import partition as parts
 from . import qk_clip as qk
 from . import quantize
 from . import ranks as ranks_of
+from . import resume
 from . import session_spec
 from . import wire
 from ._stubs import pb
@@ -215,6 +216,8 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
         self._sealed = False
         self._closed = True
         self._sessions: List[DaemonSession] = []
+        # What the last step ran with when this optimizer attached (resume_param_groups), by group.
+        self._last_step_values: Optional[Dict[str, Any]] = None
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
         groups, names = named_groups(params)
         super().__init__(groups, {})
@@ -328,12 +331,18 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
         self._global_shapes: Dict[str, Tuple[int, ...]] = {
             name: shape for g in self.param_groups
             for name, shape in zip(g["param_names"], parts.global_shapes(g))}
+        for name, shape in self._global_shapes.items():
+            if 0 in shape:
+                raise ValueError(
+                    f"parameter {name!r} has no elements (shape {tuple(shape)}); a session holds "
+                    f"parameters of at least one element: leave it out of the optimizer's params")
         self._index: Dict[str, int] = {name: i for i, name in enumerate(names)}
         self._by_name: Dict[str, torch.Tensor] = dict(zip(names, self._params))
         self._sizes: Dict[str, int] = {n: p.numel() for n, p in zip(names, self._params)}
         self._group_names = self._assign_group_names()
         self.qk_clip = qk.pairs_of(qk_clip, self._params, self._names)
         self._created = [dict(g) for g in self.param_groups]  # option values in the spec
+        self._created_params = [tuple(g["params"]) for g in self.param_groups]  # the spec's, in order
         self._sealed = True
         together = [(self._index[pair.query], self._index[pair.key]) for pair in self.qk_clip]
         self.placement = session_spec.place(self.param_groups, together, len(self.endpoints))
@@ -445,6 +454,7 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
             if len(set(steps)) > 1:
                 steps = self._finish_cut_off_step(steps)
             self.last_step = self._common_step(steps, "CreateSession")
+            self._resume_overrides()
             if self._async:
                 # A restarted rank continues its own numbering where the daemon's record of it is.
                 self.pushes = self._sessions[0].last_push
@@ -458,6 +468,51 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
             raise
         if self.loss_scaler is not None:
             self.loss_scale = self._sessions[0].loss_scale
+
+    def _check_same_params(self, index: int, group: Dict[str, Any]) -> None:
+        """ValueError when param_groups[index]["params"] is no longer the list the session was
+        created with (a tensor added, removed or replaced in it): raised before a step sends
+        anything, so that no parameter is silently left out of the optimizer."""
+        now, created = group["params"], self._created_params[index]
+        if len(now) != len(created) or any(a is not b for a, b in zip(now, created)):
+            raise ValueError(
+                f"param_groups[{index}]['params'] changed since the optimizer was created "
+                f"({len(created)} tensors then, {len(now)} now); the session's parameters are fixed "
+                f"at creation: create another RemoteOptimizer (a new session) for other parameters")
+
+    def _resume_overrides(self) -> None:
+        """After an attach to a session that has stepped: keeps the daemon's record of what the
+        last step ran with and sets param_groups from it (``resume_param_groups``)."""
+        self._last_step_values = None
+        if self.last_step == 0:
+            return
+        known = [s.last_overrides for s in self._sessions]
+        if any(k is None for k in known):
+            _log.warning(
+                "session %s: the daemon does not know what its step %d ran with (its state was "
+                "replaced by load_state_dict, or restored from a checkpoint of an earlier muond, "
+                "since; or the daemon is older); param_groups keep the values given here",
+                self.session_id, self.last_step)
+            return
+        self._last_step_values = {name: o for k in known for name, o in k.items()}
+        self.resume_param_groups()
+
+    def resume_param_groups(self, scheduler: Any = None) -> None:
+        """Sets each group's ``lr``, ``momentum``, ``weight_decay`` and ``betas`` to what the
+        session's last step ran with, as the daemon recorded it when this optimizer attached (the
+        constructor does so itself when it attaches to a session that has stepped), as torch's
+        ``load_state_dict`` restores ``param_groups``.
+
+        ``scheduler``: a torch LR scheduler made after the attach and loaded from its state dict.
+        Its step after the session's last step moved the values on: each group's lr is taken from
+        its ``get_last_lr()``, and momentum or betas[0] recomputed for its count where it cycles
+        them (OneCycleLR, CyclicLR). The next ``step()`` then runs with the values of an
+        uninterrupted run (python/README.md, Checkpoints and restarts)."""
+        if self._last_step_values is not None:
+            resume.apply_last_step(self.param_groups, self._created, self._group_names,
+                                   self._last_step_values)
+        if scheduler is not None:
+            resume.apply_scheduler(self, scheduler)
 
     def _common_step(self, steps: List[int], rpc: str) -> int:
         """The step every shard is at; MuondError naming the shards behind when they differ."""
@@ -518,8 +573,13 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
             header.base_step = self.last_step
         for index, (group, created) in enumerate(zip(self.param_groups, self._created)):
             opts.check_unchanged(index, group, created)
-        for group, created, gname in zip(self.param_groups, self._created, self._group_names):
-            header.overrides.add(group=gname, **opts.overrides_of(group, created))
+            self._check_same_params(index, group)
+        for index, (group, created, gname) in enumerate(
+                zip(self.param_groups, self._created, self._group_names)):
+            try:
+                header.overrides.add(group=gname, **opts.overrides_of(group, created))
+            except (TypeError, ValueError) as err:
+                raise type(err)(f"param_groups[{index}]: {err}") from None
         if self.max_grad_norm is not None:
             header.max_grad_norm = float(self.max_grad_norm)
         header.log_num_zeros_in_grad = self.log_num_zeros_in_grad
@@ -578,6 +638,7 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
         the model takes the latest parameters, ``last_info.stale`` is True, ``stale_pushes``
         counts it and its push number stays free (docs/ranks.md, Asynchronous)."""
         weight = ranks_of.check_weight(weight)
+        self._check_open()  # before the closure's forward and backward
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -127,7 +127,9 @@ def _check_value(key: str, value: Any) -> Any:
             raise ValueError(f"{key} must be an integer, got {value!r}")
         return int(value)
     if key == "betas":
-        betas = tuple(float(b) for b in value)
+        if isinstance(value, (str, bytes)):
+            raise TypeError(f"betas must be (beta1, beta2), got {value!r}")
+        betas = tuple(_float(key, b) for b in value)
         if len(betas) != 2:
             raise ValueError(f"betas must be (beta1, beta2), got {value!r}")
         return betas
@@ -138,7 +140,18 @@ def _check_value(key: str, value: Any) -> Any:
         return split
     if key == "lr" and hasattr(value, "item"):  # a 0-dim tensor lr
         value = value.item()
-    return float(value)
+    return _float(key, value)
+
+
+def _float(key: str, value: Any) -> float:
+    """``value`` as a float; TypeError naming ``key`` for one that is not a number (a string
+    included, as torch's optimizers refuse it)."""
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"{key} must be a number, got {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{key} must be a number, got {value!r}") from None
 
 
 def check_ranges(group: Mapping[str, Any]) -> None:
@@ -363,7 +376,7 @@ def overrides_of(group: Mapping[str, Any], created: Mapping[str, Any]) -> Dict[s
     out = {"lr": float(_check_value("lr", group["lr"]))}
     for key in ("momentum", "weight_decay"):
         if key in created and group.get(key) != created[key]:
-            out[key] = float(group[key])
+            out[key] = _check_value(key, group.get(key))
     if created.get("optimizer") in _BETAS_OVERRIDABLE and "betas" in created:
         betas = _check_value("betas", group["betas"])
         if betas != tuple(created["betas"]):

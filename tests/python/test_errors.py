@@ -2,6 +2,7 @@
 client-side misuse is a ValueError/TypeError before anything is sent."""
 
 import pickle
+import re
 import socket
 
 import grpc
@@ -73,12 +74,16 @@ def test_invalid_option_value_is_invalid_argument(endpoint):
 
 
 @pytest.mark.parametrize("shape", [(0, 4), (0, 3, 4), (4, 0)])
-def test_an_empty_parameter_is_refused_by_the_daemon_naming_its_shape(endpoint, shape):
-    """A zero first dimension once divided by zero in the client's placement cost, before the
-    daemon could name the field."""
+def test_an_empty_parameter_is_refused_naming_it(endpoint, shape):
+    """The client names the parameter before anything is sent (a zero first dimension once divided
+    by zero in its placement cost); the daemon refuses such a spec itself, naming its shape."""
     param = torch.nn.Parameter(torch.zeros(shape))
-    with pytest.raises(muond.MuondError, match=r"spec.parameters\[0\].shape: dimension \d is 0"):
+    with pytest.raises(ValueError, match=rf"parameter 'p0' has no elements \(shape {re.escape(str(shape))}\)"):
         muond.RemoteOptimizer([{"params": [param], "optimizer": "muon"}], endpoint=endpoint)
+    conn = Connection(endpoint)
+    with pytest.raises(muond.MuondError, match=r"spec.parameters\[0\].shape: dimension \d is 0"):
+        conn.create_session(f"empty-{len(shape)}-{shape[0]}", spec_of(shape))
+    conn.close()
 
 
 def test_unreachable_daemon_is_unavailable():

@@ -117,3 +117,95 @@ def test_mixed_groups_list_only_what_every_group_has(endpoint):
         opt.param_groups[1]["momentum"] = 0.9
         with pytest.raises(ValueError, match=r"'momentum' is not an option of adamw"):
             opt.step()
+
+
+RESUMED_SCHEDULES = {
+    # Chainable: each lr is computed from the group's lr before it.
+    "step_lr": lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
+    # Sets lr and betas[0] itself when made (its first step's), then computes them from its count.
+    "one_cycle": lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=8),
+}
+
+
+def adamw_on(model, endpoint, session=None):
+    return muond.RemoteOptimizer([{"params": list(model.parameters()), "optimizer": "adamw", "lr": 0.02,
+                                   "betas": (0.9, 0.999), "weight_decay": 0.01}],
+                                 endpoint=endpoint, session=session)
+
+
+def run_schedule(model, opt, scheduler, steps):
+    """Trains ``steps`` under ``scheduler``; the (lr, betas) of group 0 each step ran with."""
+    used = []
+    for step in steps:
+        opt.zero_grad()
+        loss_of(model, step).backward()
+        used.append((opt.param_groups[0]["lr"], tuple(opt.param_groups[0]["betas"])))
+        opt.step()
+        scheduler.step()
+    return used
+
+
+@pytest.mark.parametrize("restart", ["attach", "daemon_restarted"])
+@pytest.mark.parametrize("schedule", sorted(RESUMED_SCHEDULES))
+def test_a_trainer_that_attaches_to_resume_goes_on_with_its_schedule(start_daemon, tmp_path, schedule, restart):
+    # The resume of python/README.md (Checkpoints and restarts): a new trainer attaches to the
+    # session, makes its scheduler, loads the scheduler's state dict and calls
+    # resume_param_groups(); its steps run with the values of an uninterrupted run. After a daemon
+    # restart the record of the last step's values comes from the checkpoint (step 3) and the
+    # journal's replay (step 4).
+    flags = ("--state-dir", tmp_path / "state", "--durability", "journal")
+    daemon = start_daemon(*flags)
+    make = RESUMED_SCHEDULES[schedule]
+    straight, model = model_pair(16)
+    with adamw_on(straight, daemon.endpoint) as opt:
+        expected = run_schedule(straight, opt, make(opt), range(1, 9))
+
+    session = f"resume-{schedule}-{restart}"
+    opt = adamw_on(model, daemon.endpoint, session)
+    scheduler = make(opt)
+    used = run_schedule(model, opt, scheduler, range(1, 4))
+    assert opt.checkpoint() == 3
+    used += run_schedule(model, opt, scheduler, range(4, 5))
+    saved = scheduler.state_dict()
+    opt.close(keep_session=True)
+    if restart == "daemon_restarted":
+        daemon.kill()
+        daemon = start_daemon(*flags, workdir=daemon.workdir)
+
+    restarted, _ = model_pair(17)  # other weights: the session's come back
+    opt = adamw_on(restarted, daemon.endpoint, session)
+    assert opt.attached and opt.last_step == 4
+    assert (opt.param_groups[0]["lr"], opt.param_groups[0]["betas"]) == used[-1], "the last step's values"
+    scheduler = make(opt)
+    scheduler.load_state_dict(saved)
+    opt.resume_param_groups(scheduler)
+    used += run_schedule(restarted, opt, scheduler, range(5, 9))
+    opt.close()
+    assert used == expected
+    assert len(set(used)) > 2, "the schedule moved the values"
+    for p, q in zip(restarted.parameters(), straight.parameters()):
+        assert torch.equal(p.detach(), q.detach())
+
+
+def test_param_groups_edits_no_step_can_carry_raise_before_anything_is_sent(endpoint):
+    a, _ = model_pair(18)
+    with muond.RemoteOptimizer(a.parameters(), endpoint=endpoint, optimizer="sgd", lr=0.1, momentum=0.9) as opt:
+        loss_of(a, 1).backward()
+        # A value of the wrong type, named with its group (torch's optimizers refuse strings too).
+        for key, bad, error in (("lr", "0.01", TypeError), ("weight_decay", "x", TypeError),
+                                ("momentum", None, ValueError)):
+            saved = opt.param_groups[0][key]
+            opt.param_groups[0][key] = bad
+            with pytest.raises(error, match=rf"param_groups\[0\]: .*{key}"):
+                opt.step()
+            opt.param_groups[0][key] = saved
+        # A tensor added to (or taken from) a group's params: the session's parameters are fixed.
+        extra = torch.nn.Parameter(torch.zeros(3))
+        opt.param_groups[0]["params"].append(extra)
+        with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\] changed .*4 tensors then, 5 now"):
+            opt.step()
+        opt.param_groups[0]["params"].pop()
+        assert opt.last_step == 0, "nothing was sent"
+        opt.step()
+        assert opt.last_step == 1 and opt.last_info.applied
+

@@ -152,6 +152,10 @@ def test_close_ends_the_session(endpoint):
     conn.close()
     with pytest.raises(RuntimeError, match="closed"):
         opt.step()
+    calls = []
+    with pytest.raises(RuntimeError, match="closed"):
+        opt.step(lambda: calls.append(1))
+    assert not calls, "a closed optimizer refuses before running the closure's forward and backward"
 
 
 @pytest.mark.once  # a listing's pages: no step is taken

@@ -81,6 +81,9 @@ class DaemonSession:
         # sharded attach rolls back, and nothing else.
         self.created = not reply.attached
         self.loss_scale = float(reply.loss_scale)
+        # What the session's last step ran with beyond its groups' options (None: not known).
+        self.last_overrides = ({o.group: o for o in reply.last_overrides} if reply.last_overrides_known
+                               else None)
         # Under a partition every rank uploads its own parts, until the first step is applied.
         if reply.attached and reply.initialized and not (self.partitioned and reply.last_step == 0):
             return True, self.refresh()

@@ -1,0 +1,53 @@
+"""Resuming a session's per-step values after an attach: each group's lr, momentum, weight decay
+and betas as the session's last step ran with them (the daemon's record, answered to the attach),
+then moved on by a torch LR scheduler loaded from its state dict. What torch's ``load_state_dict``
+restores in ``param_groups``, for a trainer that resumes by attaching instead (python/README.md,
+Checkpoints and restarts). Pure functions over the groups; no calls."""
+
+import warnings
+from typing import Any, Dict, List, Mapping, Sequence
+
+
+def apply_last_step(param_groups: List[Dict[str, Any]], created: Sequence[Mapping[str, Any]],
+                    group_names: Sequence[str], last_step: Mapping[str, Any]) -> None:
+    """Sets each group's values from ``last_step`` (group name → the step's GroupOverride for it;
+    a group without one ran with its options, which are its own)."""
+    for group, at_creation, name in zip(param_groups, created, group_names):
+        o = last_step.get(name)
+        if o is None:
+            continue
+        if o.HasField("lr"):
+            # A scheduler made from here on starts from the session's creation lr, as one made
+            # after torch's load_state_dict does from the initial_lr that state dict holds.
+            group.setdefault("initial_lr", at_creation["lr"])
+        for key in ("lr", "momentum", "weight_decay"):
+            if o.HasField(key):
+                group[key] = getattr(o, key)
+        if o.HasField("beta1") or o.HasField("beta2"):
+            beta1, beta2 = group["betas"]
+            group["betas"] = (o.beta1 if o.HasField("beta1") else beta1,
+                              o.beta2 if o.HasField("beta2") else beta2)
+
+
+def apply_scheduler(optimizer: Any, scheduler: Any) -> None:
+    """Moves the groups' values on as ``scheduler``'s last step did (it was made after the attach
+    and loaded from its state dict): each group's lr from ``get_last_lr()``, and its momentum or
+    betas[0] recomputed for the scheduler's count where it cycles them (OneCycleLR, CyclicLR).
+    ValueError for a scheduler of another optimizer."""
+    if getattr(scheduler, "optimizer", optimizer) is not optimizer:
+        raise ValueError("the scheduler drives another optimizer, not this one")
+    if getattr(scheduler, "cycle_momentum", False):
+        # Its get_lr() sets the groups' momentum (or betas[0]) for its count as its step() did;
+        # outside step() torch warns that get_last_lr() gives the lr, which is what is taken below.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            scheduler.get_lr()
+    try:
+        lrs = scheduler.get_last_lr()
+    except AttributeError:  # one that has not stepped yet: the session's values stand
+        return
+    groups = optimizer.param_groups
+    if len(lrs) != len(groups):
+        raise ValueError(f"the scheduler has {len(lrs)} learning rates for {len(groups)} parameter groups")
+    for group, lr in zip(groups, lrs):
+        group["lr"] = lr
