@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/echo.h"
 #include "common/status_macros.h"
 #include "kernels/optim/option_fields.h"
 #include "kernels/optim/option_table.h"
@@ -46,7 +47,8 @@ absl::StatusOr<NsSchedule> NamedSchedule(std::string_view name) {
   }
   std::string known;
   for (const std::string& n : NamedScheduleNames()) absl::StrAppend(&known, known.empty() ? "" : ", ", n);
-  return absl::InvalidArgumentError(absl::StrCat("ns_coefficients: unknown coefficient set \"", std::string(name),
+  return absl::InvalidArgumentError(absl::StrCat("ns_coefficients: unknown coefficient set \"",
+                                                 Echo(absl::string_view(name.data(), name.size())),
                                                  "\"; known sets are ", known, ", or a list of (a, b, c) tuples"));
 }
 
@@ -361,11 +363,6 @@ absl::Status ValidateOptions(const GroupOptions& o) {
     }
   }
   MUOND_RETURN_IF_ERROR(ValidateSchedule(o));
-  // Muon's second moment divides by √max(V, ε) or √V + ε in fp32: ε must stay a normal fp32 number.
-  if (o.optimizer == OptimizerKind::kMuon && o.moment2_method != Moment2Method::kNone && o.eps < 1e-30) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("eps must be in [1e-30, 1] with a moment2_method (a normal fp32 number), got ", o.eps));
-  }
   return absl::OkStatus();
 }
 

@@ -7,6 +7,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "common/status_macros.h"
 #include "kernels/optim/option_fields.h"
 #include "kernels/optim/option_table.h"
@@ -82,7 +83,11 @@ absl::Status ParseCoefficients(const v1::GroupOptions& in, const std::string& fi
       return InvalidField(field + ".ns_coefficients", "'custom' needs ns_custom_coefficients");
     }
     absl::StatusOr<optim::NsSchedule> schedule = optim::NamedSchedule(in.ns_coefficients());
-    if (!schedule.ok()) return InvalidField(field + ".ns_coefficients", schedule.status().message());
+    if (!schedule.ok()) {
+      absl::string_view why = schedule.status().message();
+      absl::ConsumePrefix(&why, "ns_coefficients: ");  // named by the field path here
+      return InvalidField(field + ".ns_coefficients", why);
+    }
     out.ns_schedule = *std::move(schedule);
     return absl::OkStatus();
   }

@@ -105,6 +105,8 @@ def test_the_package_carries_the_tables_own_copy():
     (dict(optimizer="adamw", betas=(0.9, 1.0)), "betas[1] must be in [0, 1), got 1"),
     (dict(optimizer="muon", ns_steps=0), "ns_steps must be >= 1, got 0"),
     (dict(optimizer="adamw", lr=float("inf")), "lr must be in [0, 100], got inf"),
+    # Under fp32's normal range eps rounds to 0 (or a subnormal) in the kernels: 0/0 on a zero gradient.
+    (dict(optimizer="adamw", eps=1e-46), "eps must be in [1e-30, 1], got 1e-46"),
 ])
 def test_local_optimizer_refuses_an_option_out_of_range_as_the_daemon_does(endpoint, group,
                                                                             refusal):

@@ -283,7 +283,12 @@ TEST(SessionConfigTest, RefusesBadOptionsNamingThem) {
   v1::GroupOptions options;
   options.set_ns_coefficients("nonsense");
   EXPECT_THAT(ParseGroupOptions(options, "spec.groups[0].options"),
-              StatusIs(absl::StatusCode::kInvalidArgument, "spec.groups[0].options.ns_coefficients"));
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "spec.groups[0].options.ns_coefficients: unknown coefficient set \"nonsense\""));
+  // The name is quoted as the daemon quotes a client's strings: bounded.
+  options.set_ns_coefficients(std::string(100000, 'x'));
+  absl::Status long_name = ParseGroupOptions(options, "g").status();
+  EXPECT_LT(long_name.message().size(), 1000u) << long_name;
   options.Clear();
   options.set_scale_mode("huge");
   EXPECT_THAT(ParseGroupOptions(options, "g"),
