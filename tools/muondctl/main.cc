@@ -37,7 +37,8 @@ int Run(int argc, char** argv) {
   bool json = false;
   app.add_flag("--json", json, "Print one JSON document instead of text");
   app.add_option("--endpoint,-e", connect.endpoint, "The daemon, host:port ($MUOND_ENDPOINT)")->capture_default_str();
-  app.add_option("--timeout", connect.timeout_seconds, "Seconds to connect, and for each call")
+  app.add_option("--timeout", connect.timeout_seconds,
+                 "Seconds to connect (and for health); other calls get at least 10 minutes")
       ->check(CLI::Validator(
           [](std::string& text) -> std::string {
             // Written so that NaN fails too (every comparison with it is false).
@@ -53,8 +54,9 @@ int Run(int argc, char** argv) {
   app.add_option("--tls-client-key-file", connect.tls_client_key_file, "PEM key of --tls-client-cert-file")
       ->check(CLI::ExistingFile);
   app.add_option("--tls-server-name", connect.tls_server_name, "Verify the daemon's certificate against this name");
-  app.add_option("--auth-token-file", connect.auth_token_file,
-                 "File whose first line is the bearer token (default: $MUOND_AUTH_TOKEN)")
+  app.add_option(
+         "--auth-token-file", connect.auth_token_file,
+         "File holding the bearer token: its first line that is not blank or a # comment (default: $MUOND_AUTH_TOKEN)")
       ->check(CLI::ExistingFile);
 
   std::function<Answer()> command;
