@@ -112,9 +112,9 @@ struct StepOptions {
   // This rank's weight in a multi-rank step's average (e.g. the tokens behind its gradients): the
   // daemon applies sum(w_r * g_r) / sum(w_r). Finite and > 0; unset: 1.
   std::optional<double> weight;
-  // Asynchronous sessions (required there): the global step whose parameters the gradients were
-  // computed on — the previous answer's StepReply::step (0: the initial parameters). The step
-  // number given to Step() then numbers this rank's own pushes (1, 2, ...).
+  // Asynchronous sessions (required there, refused elsewhere): the global step whose parameters the
+  // gradients were computed on — the previous answer's StepReply::step (0: the initial parameters).
+  // The step number given to Step() then numbers this rank's own pushes (1, 2, ...).
   std::optional<int64_t> base_step;
 };
 

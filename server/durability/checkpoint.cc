@@ -422,8 +422,8 @@ absl::StatusOr<CheckpointData> ReadCheckpoint(Env* env, const std::string& dir, 
   }
 
   if (auto overrides = metadata.find("last_overrides"); overrides != metadata.end()) {
-    // Its entries are the session's to read (session::DecodeOverrides), as a journal record's are.
-    if (!overrides->is_array()) return CheckpointCorrupt(metadata_file, "last_overrides is not an array");
+    // The session's to read (session::DecodeOverrides), as a journal record's request is; what it
+    // cannot use it drops as unknown, since the record only informs an attach's answer.
     data.last_overrides = overrides->dump();
   }
 

@@ -94,9 +94,9 @@ struct CheckpointData {
   // Sessions with partitioned groups, once a rank has written its parts.
   std::optional<CheckpointPartsWritten> parts_written;
   std::optional<CheckpointLastDecision> last_decision;  // absent in a checkpoint of an earlier version
-  // The last step's group overrides (checkpoint.json's "last_overrides", an array kept here as its
-  // JSON text; session::DecodeOverrides reads its entries, as it reads journal records); absent in a
-  // checkpoint of an earlier version.
+  // The last step's group overrides (checkpoint.json's "last_overrides", an array, kept here as its
+  // JSON text whatever it holds: session::DecodeOverrides reads it, as it reads journal records);
+  // absent in a checkpoint of an earlier version.
   std::optional<std::string> last_overrides;
 };
 

@@ -133,9 +133,15 @@ absl::Status Session::ImportState(SessionState state, int rank) {
     MUOND_RETURN_IF_ERROR(optim::ValidateLossScalerState(*config_.loss_scaler, *state.loss_scaler));
   }
   if (state.last_overrides.has_value()) {
-    // A checkpoint's record of the last step's overrides: values that step could have been sent with.
+    // A checkpoint's record of the last step's overrides: values that step could have been sent
+    // with, or dropped as unknown (only an attach's answer reads them; the session stands).
     std::vector<optim::StepHyper> hyper = default_hyper_;
-    MUOND_RETURN_IF_ERROR(ApplyOverrides(config_, *state.last_overrides, "last_overrides", hyper));
+    if (absl::Status fits = ApplyOverrides(config_, *state.last_overrides, "last_overrides", hyper); !fits.ok()) {
+      MUOND_EVENT(warn, "last_overrides_dropped", id_, state.last_step,
+                  "session {}: the checkpoint's last_overrides are dropped (an attach answers them as unknown): {}",
+                  id_, fits.message());
+      state.last_overrides.reset();
+    }
   }
   absl::MutexLock lock(&mu_);
   MUOND_RETURN_IF_ERROR(CheckOpen());

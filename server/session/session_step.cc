@@ -309,6 +309,7 @@ absl::Status Session::CheckJournaledPushLocked(const StepRequest& push) const {
 }
 
 absl::StatusOr<StepOutcome> Session::ApplyJournaledStep(StepRequest request, std::vector<HostTensor> gradients) {
+  NormalizeJournaledRequest(config_, request);  // a record of an earlier muond, as that daemon applied it
   MUOND_ASSIGN_OR_RETURN(StepPlan plan, PlanStep(config_, default_hyper_, std::move(request)));
   absl::MutexLock lock(&mu_);
   if (config_.sync.mode == SyncMode::kAsync) {

@@ -70,11 +70,16 @@ absl::StatusOr<SessionState> StateFromCheckpoint(durability::CheckpointData& dat
         LastDecision{data.last_decision->applied, data.last_decision->grad_norm, data.last_decision->skip_reason};
   }
   if (data.last_overrides.has_value()) {
+    // Only an attach's answer reads it: a record that does not decode is dropped as unknown (the
+    // import drops one that does not fit the groups the same way), not the session with it.
     absl::StatusOr<std::vector<GroupOverride>> overrides = DecodeOverrides(*data.last_overrides);
-    if (!overrides.ok()) {
-      return durability::CheckpointCorrupt(dir, absl::StrCat("last_overrides: ", overrides.status().message()));
+    if (overrides.ok()) {
+      state.last_overrides = *std::move(overrides);
+    } else {
+      MUOND_EVENT(warn, "last_overrides_dropped", data.session_id, data.last_step,
+                  "session {}: {}/{}'s last_overrides are dropped (an attach answers them as unknown): {}",
+                  data.session_id, dir, durability::kCheckpointMetadataFile, overrides.status().message());
     }
-    state.last_overrides = *std::move(overrides);  // checked against the groups by the import
   }
   if (data.parts_written.has_value()) {
     const durability::CheckpointPartsWritten& parts = *data.parts_written;

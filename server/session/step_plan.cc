@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
+#include <map>
 #include <optional>
 #include <string>
 #include <utility>
@@ -151,6 +153,25 @@ std::vector<GroupOverride> OverridesByGroup(const SessionConfig& config, const s
     if (o != nullptr) out.push_back(*o);
   }
   return out;
+}
+
+void NormalizeJournaledRequest(const SessionConfig& config, StepRequest& request) {
+  if (config.sync.mode != SyncMode::kAsync) request.base_step.reset();
+  std::vector<GroupOverride> merged;
+  std::map<std::string, size_t, std::less<>> entry_of;  // group name → its entry in `merged`
+  for (const GroupOverride& o : request.overrides) {
+    auto [it, first] = entry_of.try_emplace(o.group, merged.size());
+    if (first) {
+      merged.push_back(o);
+      continue;
+    }
+    GroupOverride& into = merged[it->second];
+    for (auto field : {&GroupOverride::lr, &GroupOverride::momentum, &GroupOverride::weight_decay,
+                       &GroupOverride::beta1, &GroupOverride::beta2}) {
+      if ((o.*field).has_value()) into.*field = o.*field;
+    }
+  }
+  request.overrides = std::move(merged);
 }
 
 absl::StatusOr<StepPlan> PlanStep(const SessionConfig& config, const std::vector<optim::StepHyper>& defaults,

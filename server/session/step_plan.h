@@ -49,6 +49,12 @@ absl::Status ApplyOverrides(const SessionConfig& config, const std::vector<Group
 // attach answers).
 std::vector<GroupOverride> OverridesByGroup(const SessionConfig& config, const std::vector<GroupOverride>& overrides);
 
+// A journaled request as the daemon that wrote it applied it, in what PlanStep takes now: an
+// earlier muond ignored a base_step outside an asynchronous session (dropped here) and applied a
+// group's override entries in order, a later value winning field by field (merged here, in place
+// of the group's first entry). Records of this muond are left as they are.
+void NormalizeJournaledRequest(const SessionConfig& config, StepRequest& request);
+
 // torch.nn.utils.clip_grad_norm_'s coefficient for `norm` under the plan: max_norm / (norm + 1e-6),
 // clamped to 1; 1 without a limit.
 double ClipCoefficient(const StepPlan& plan, double norm);
