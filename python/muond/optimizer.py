@@ -216,8 +216,10 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
         self._sealed = False
         self._closed = True
         self._sessions: List[DaemonSession] = []
-        # What the last step ran with when this optimizer attached (resume_param_groups), by group.
+        # What the last step ran with when this optimizer attached (resume_param_groups), by group,
+        # and the step it attached at.
         self._last_step_values: Optional[Dict[str, Any]] = None
+        self._resumed_at = 0
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
         groups, names = named_groups(params)
         super().__init__(groups, {})
@@ -451,10 +453,11 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
             opened = self._on_every_session(lambda k, session: session.open(self._shard_spec(k), rank))
             self.attached = any(attached for attached, _ in opened)
             steps = [step for _, step in opened]
+            answered = list(steps)  # the step each shard's attach answer is of
             if len(set(steps)) > 1:
                 steps = self._finish_cut_off_step(steps)
             self.last_step = self._common_step(steps, "CreateSession")
-            self._resume_overrides()
+            self._resume_overrides(answered)
             if self._async:
                 # A restarted rank continues its own numbering where the daemon's record of it is.
                 self.pushes = self._sessions[0].last_push
@@ -480,13 +483,16 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
                 f"({len(created)} tensors then, {len(now)} now); the session's parameters are fixed "
                 f"at creation: create another RemoteOptimizer (a new session) for other parameters")
 
-    def _resume_overrides(self) -> None:
+    def _resume_overrides(self, answered: List[int]) -> None:
         """After an attach to a session that has stepped: keeps the daemon's record of what the
-        last step ran with and sets param_groups from it (``resume_param_groups``)."""
+        last step ran with and sets param_groups from it (``resume_param_groups``). ``answered``:
+        the step each shard's answer is of; a shard whose cut-off step was finished since answered
+        for the step before, and its record is not taken."""
         self._last_step_values = None
+        self._resumed_at = self.last_step
         if self.last_step == 0:
             return
-        known = [s.last_overrides for s in self._sessions]
+        known = [s.last_overrides for s, step in zip(self._sessions, answered) if step == self.last_step]
         if any(k is None for k in known):
             _log.warning(
                 "session %s: the daemon does not know what its step %d ran with (its state was "
@@ -508,6 +514,10 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
         its ``get_last_lr()``, and momentum or betas[0] recomputed for its count where it cycles
         them (OneCycleLR, CyclicLR). The next ``step()`` then runs with the values of an
         uninterrupted run (python/README.md, Checkpoints and restarts)."""
+        if self.last_step != self._resumed_at:
+            raise RuntimeError(f"resume_param_groups() resumes the values of the step this optimizer "
+                               f"attached at ({self._resumed_at}); the session is at step "
+                               f"{self.last_step} since: param_groups already hold what it ran with")
         if self._last_step_values is not None:
             resume.apply_last_step(self.param_groups, self._created, self._group_names,
                                    self._last_step_values)
@@ -643,7 +653,6 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._check_open()
         self._check_untouched()
         if self._forward is not None:  # the last step's parameters are all in before anything runs
             self._land_before_step(self._forward.wait_all, self._forward.check_use)

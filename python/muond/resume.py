@@ -4,6 +4,7 @@ then moved on by a torch LR scheduler loaded from its state dict. What torch's `
 restores in ``param_groups``, for a trainer that resumes by attaching instead (python/README.md,
 Checkpoints and restarts). Pure functions over the groups; no calls."""
 
+import bisect
 import warnings
 from typing import Any, Dict, List, Mapping, Sequence
 
@@ -29,25 +30,41 @@ def apply_last_step(param_groups: List[Dict[str, Any]], created: Sequence[Mappin
                               o.beta2 if o.HasField("beta2") else beta2)
 
 
+def _cycling(scheduler: Any) -> List[Any]:
+    """The schedulers within ``scheduler`` that set momentum or betas[0] at their count: itself
+    (OneCycleLR, CyclicLR with cycle_momentum), the one SequentialLR is at, every one a
+    ChainedScheduler chains."""
+    inner = getattr(scheduler, "_schedulers", None)
+    if inner is None:
+        return [scheduler] if getattr(scheduler, "cycle_momentum", False) else []
+    milestones = getattr(scheduler, "_milestones", None)
+    if milestones is not None:  # SequentialLR: the scheduler after the milestones passed
+        return _cycling(inner[bisect.bisect_right(milestones, scheduler.last_epoch)])
+    return [c for s in inner for c in _cycling(s)]
+
+
 def apply_scheduler(optimizer: Any, scheduler: Any) -> None:
     """Moves the groups' values on as ``scheduler``'s last step did (it was made after the attach
-    and loaded from its state dict): each group's lr from ``get_last_lr()``, and its momentum or
-    betas[0] recomputed for the scheduler's count where it cycles them (OneCycleLR, CyclicLR).
-    ValueError for a scheduler of another optimizer."""
+    and loaded from its state dict): each group's lr from the scheduler's record of its last
+    learning rates (``_last_lr``, which its state dict holds, ReduceLROnPlateau's too), and its
+    momentum or betas[0] recomputed for the count where it cycles them (OneCycleLR, CyclicLR, also
+    inside SequentialLR and ChainedScheduler). ValueError for a scheduler of another optimizer,
+    TypeError for one without that record."""
     if getattr(scheduler, "optimizer", optimizer) is not optimizer:
         raise ValueError("the scheduler drives another optimizer, not this one")
-    if getattr(scheduler, "cycle_momentum", False):
-        # Its get_lr() sets the groups' momentum (or betas[0]) for its count as its step() did;
-        # outside step() torch warns that get_last_lr() gives the lr, which is what is taken below.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            scheduler.get_lr()
-    try:
-        lrs = scheduler.get_last_lr()
-    except AttributeError:  # one that has not stepped yet: the session's values stand
-        return
+    lrs = getattr(scheduler, "_last_lr", None)
+    if lrs is None:
+        raise TypeError(f"{type(scheduler).__name__} keeps no record of its last learning rates "
+                        f"(_last_lr, as torch's schedulers do once they have stepped): it cannot be "
+                        f"resumed from; set param_groups' values by hand")
     groups = optimizer.param_groups
     if len(lrs) != len(groups):
         raise ValueError(f"the scheduler has {len(lrs)} learning rates for {len(groups)} parameter groups")
+    for cycling in _cycling(scheduler):
+        # Its get_lr() sets the groups' momentum (or betas[0]) for its count as its step() did;
+        # outside step() torch warns that get_last_lr() gives the lr, which is taken below.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            cycling.get_lr()
     for group, lr in zip(groups, lrs):
         group["lr"] = lr

@@ -152,6 +152,7 @@ class StateTransfer(_Core):
     def _load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """``load_state_dict`` without the hooks."""
         self.flush()
+        self._last_step_values = None  # param_groups come from the state dict from here on
         meta = state_dict.get("muond")
         if not meta or meta.get("format") != _STATE_FORMAT:
             raise ValueError("not a RemoteOptimizer state dict (no 'muond' section of format 1)")

@@ -5,6 +5,8 @@ torch's AdamW and SGD; a group option changed by hand that no step may change ra
 step, naming it, with nothing sent; and a model of Muon and AdamW groups lists in ``defaults`` only
 what every group has."""
 
+import copy
+
 import pytest
 import torch
 
@@ -149,10 +151,11 @@ def run_schedule(model, opt, scheduler, steps):
 @pytest.mark.parametrize("schedule", sorted(RESUMED_SCHEDULES))
 def test_a_trainer_that_attaches_to_resume_goes_on_with_its_schedule(start_daemon, tmp_path, schedule, restart):
     # The resume of python/README.md (Checkpoints and restarts): a new trainer attaches to the
-    # session, makes its scheduler, loads the scheduler's state dict and calls
-    # resume_param_groups(); its steps run with the values of an uninterrupted run. After a daemon
-    # restart the record of the last step's values comes from the checkpoint (step 3) and the
-    # journal's replay (step 4).
+    # session, makes its scheduler, loads the scheduler's state dict saved with the checkpoint
+    # (step 3), calls resume_param_groups(scheduler) and steps the scheduler over the step the
+    # daemon took after it (4); its steps run with the values of an uninterrupted run. After a
+    # daemon restart the record of the last step's values comes from the checkpoint and the
+    # journal's replay.
     flags = ("--state-dir", tmp_path / "state", "--durability", "journal")
     daemon = start_daemon(*flags)
     make = RESUMED_SCHEDULES[schedule]
@@ -165,8 +168,8 @@ def test_a_trainer_that_attaches_to_resume_goes_on_with_its_schedule(start_daemo
     scheduler = make(opt)
     used = run_schedule(model, opt, scheduler, range(1, 4))
     assert opt.checkpoint() == 3
-    used += run_schedule(model, opt, scheduler, range(4, 5))
-    saved = scheduler.state_dict()
+    saved = {"step": 3, "state": scheduler.state_dict()}  # saved with the checkpoint
+    used += run_schedule(model, opt, scheduler, range(4, 5))  # journaled: the daemon keeps step 4
     opt.close(keep_session=True)
     if restart == "daemon_restarted":
         daemon.kill()
@@ -177,9 +180,13 @@ def test_a_trainer_that_attaches_to_resume_goes_on_with_its_schedule(start_daemo
     assert opt.attached and opt.last_step == 4
     assert (opt.param_groups[0]["lr"], opt.param_groups[0]["betas"]) == used[-1], "the last step's values"
     scheduler = make(opt)
-    scheduler.load_state_dict(saved)
+    scheduler.load_state_dict(saved["state"])
     opt.resume_param_groups(scheduler)
+    for _ in range(opt.last_step - saved["step"]):
+        scheduler.step()  # the step the daemon took after the save
     used += run_schedule(restarted, opt, scheduler, range(5, 9))
+    with pytest.raises(RuntimeError, match=r"attached at \(4\); the session is at step 8"):
+        opt.resume_param_groups()  # the record is of step 4, param_groups have moved on
     opt.close()
     assert used == expected
     assert len(set(used)) > 2, "the schedule moved the values"
@@ -209,3 +216,57 @@ def test_param_groups_edits_no_step_can_carry_raise_before_anything_is_sent(endp
         opt.step()
         assert opt.last_step == 1 and opt.last_info.applied
 
+
+
+RESUMABLE = {
+    "reduce_on_plateau": (lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o, factor=0.5, patience=0), True),
+    "sequential_one_cycle": (lambda o: torch.optim.lr_scheduler.SequentialLR(
+        o, [torch.optim.lr_scheduler.ConstantLR(o, factor=0.5, total_iters=3),
+            torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=20)], milestones=[3]), False),
+    "chained": (lambda o: torch.optim.lr_scheduler.ChainedScheduler(
+        [torch.optim.lr_scheduler.ConstantLR(o, factor=0.5, total_iters=3),
+         torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.9)]), False),
+}  # (CyclicLR's state dict holds a WeakMethod, which torch before 2.0 can neither copy nor save.)
+
+
+@pytest.mark.parametrize("kind", sorted(RESUMABLE))
+def test_resume_takes_each_schedulers_values_for_its_count(kind):
+    """resume.apply_scheduler, the scheduler half of resume_param_groups, against torch's own SGD
+    (no daemon): a run resumed from the scheduler's state at step 5 of 8, with the groups holding
+    what step 8 ran with (an attach's record), stepped over steps 6 to 8, runs step 9 with the
+    values of the uninterrupted run — lr from the scheduler's record (ReduceLROnPlateau's too, whose
+    reduction after the last step no optimizer step has seen), momentum recomputed where a
+    OneCycleLR or CyclicLR inside it cycles it."""
+    from muond import resume  # noqa: PLC0415 - the module under test, beside the daemon's tests
+
+    make, metric = RESUMABLE[kind]
+    losses = [1.0, 1.0, 0.9, 0.9, 0.9, 0.9, 0.8, 0.8, 0.8]  # a plateau: ReduceLROnPlateau reduces
+
+    def run(opt, scheduler, steps):
+        used = []
+        for step in steps:
+            used.append((opt.param_groups[0]["lr"], opt.param_groups[0]["momentum"]))
+            opt.step()
+            scheduler.step(losses[step - 1]) if metric else scheduler.step()
+        return used
+
+    w = torch.nn.Parameter(torch.ones(3))
+    straight = torch.optim.SGD([w], lr=0.02, momentum=0.9)
+    s_straight = make(straight)
+    expected = run(straight, s_straight, range(1, 10))
+
+    first = torch.optim.SGD([w], lr=0.02, momentum=0.9)
+    s_first = make(first)
+    run(first, s_first, range(1, 6))
+    saved = copy.deepcopy(s_first.state_dict())
+    last = run(first, s_first, range(6, 9))[-1]  # step 8's values: what the daemon's record says
+
+    resumed = torch.optim.SGD([w], lr=0.02, momentum=0.9)
+    scheduler = make(resumed)
+    resumed.param_groups[0]["lr"], resumed.param_groups[0]["momentum"] = last
+    scheduler.load_state_dict(saved)
+    resume.apply_scheduler(resumed, scheduler)
+    for step in range(6, 9):
+        scheduler.step(losses[step - 1]) if metric else scheduler.step()
+    assert (resumed.param_groups[0]["lr"], resumed.param_groups[0]["momentum"]) == pytest.approx(expected[8])
+    assert len(set(expected)) > 2, "the schedule moved the values"

@@ -437,3 +437,45 @@ def test_state_dict_round_trips_across_shards(three):
             one_step_plain(model, opt)
         for p, q in zip(model.parameters(), after_5):
             assert torch.equal(p, q)
+
+
+def test_an_attach_that_finishes_a_cut_off_step_resumes_that_steps_values(three):
+    """The shards behind answered the attach with the step before (its overrides); the attach
+    finishes the cut-off step there and takes the values of the step every shard is at."""
+    endpoints = [d.endpoint for d in three]
+    session = f"cut-off-lr-{uuid.uuid4().hex[:8]}"
+    model = AttentionNet(seed=5)
+    opt = muond.RemoteOptimizer(groups(model), endpoints=endpoints, session=session,
+                                qk_clip=[(model.wq, model.wk, HEADS)])
+    lrs = {step: [g["lr"] * (1 - 0.1 * step) for g in opt.param_groups] for step in range(1, 4)}
+
+    def scheduled(step):
+        for group, lr in zip(opt.param_groups, lrs[step]):
+            group["lr"] = lr
+        one_step(model, opt, step, 0)
+
+    for step in (1, 2):
+        scheduled(step)
+
+    class Stopped(Exception):
+        """The trainer's end between shard 0's commit and the others'."""
+
+    def stopping_at_commit(real_step):
+        def step(header, grads, *rest):
+            if header.phase == pb.STEP_PHASE_COMMIT:
+                raise Stopped()
+            return real_step(header, grads, *rest)
+        return step
+
+    for k in (1, 2):
+        opt._sessions[k].step = stopping_at_commit(opt._sessions[k].step)
+    with pytest.raises(Stopped):
+        scheduled(3)
+    opt.close(keep_session=True)
+
+    model = AttentionNet(seed=6)
+    opt = muond.RemoteOptimizer(groups(model), endpoints=endpoints, session=session,
+                                qk_clip=[(model.wq, model.wk, HEADS)])
+    assert opt.attached and opt.last_step == 3
+    assert [g["lr"] for g in opt.param_groups] == lrs[3], "step 3's, not the step before"
+    opt.close()
