@@ -397,7 +397,8 @@ TEST_F(RestoreTest, LastOverridesThatDoNotFitAreDroppedAsUnknown) {
   const std::string saved = ReadAll(dir_ + "/bad/checkpoint.json");
   for (const auto& [name, overrides] : cases) {
     SCOPED_TRACE(name);
-    EditBadCheckpoint([&](nlohmann::json& m) { m["last_overrides"] = overrides; });
+    const nlohmann::json forged = overrides;  // a structured binding cannot be captured before C++20's P1091
+    EditBadCheckpoint([&](nlohmann::json& m) { m["last_overrides"] = forged; });
     ASSERT_OK_AND_ASSIGN(LoadedSession loaded, Load("bad"));
     EXPECT_EQ(loaded.session->last_step(), 3) << "the journal's steps replayed";
     EXPECT_EQ(LastOverridesOf(*loaded.session, 3), "[]") << "step 3's own (none), after the checkpoint's dropped";
