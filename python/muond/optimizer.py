@@ -66,6 +66,7 @@ from .naming import named_groups
 from .optimizer_options import (RankOptions, Setup, StepOptions, TimingOptions, WireOptions,
                                 setup_of)
 from .overlap import GradientStream
+from .param_watch import ParamWatch
 from .state_digest import StateDigest
 from .state_transfer import StateTransfer
 from .stream_controls import StreamControls
@@ -216,10 +217,8 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
         self._sealed = False
         self._closed = True
         self._sessions: List[DaemonSession] = []
-        # What the last step ran with when this optimizer attached (resume_param_groups), by group,
-        # and the step it attached at.
-        self._last_step_values: Optional[Dict[str, Any]] = None
-        self._resumed_at = 0
+        # What the last step ran with when this optimizer attached (resume_param_groups).
+        self._last_step_record = resume.LastStepRecord(0, {})
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
         groups, names = named_groups(params)
         super().__init__(groups, {})
@@ -344,7 +343,7 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
         self._group_names = self._assign_group_names()
         self.qk_clip = qk.pairs_of(qk_clip, self._params, self._names)
         self._created = [dict(g) for g in self.param_groups]  # option values in the spec
-        self._created_params = [tuple(g["params"]) for g in self.param_groups]  # the spec's, in order
+        self._watch = ParamWatch(names, self._params, self.param_groups)
         self._sealed = True
         together = [(self._index[pair.query], self._index[pair.key]) for pair in self.qk_clip]
         self.placement = session_spec.place(self.param_groups, together, len(self.endpoints))
@@ -457,7 +456,14 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
             if len(set(steps)) > 1:
                 steps = self._finish_cut_off_step(steps)
             self.last_step = self._common_step(steps, "CreateSession")
-            self._resume_overrides(answered)
+            self._last_step_record = resume.LastStepRecord.of(
+                [s.last_overrides for s in self._sessions], answered, self.last_step)
+            if self._last_step_record.values is None:
+                _log.warning("session %s: the daemon does not know what its step %d ran with (its "
+                             "state was replaced by load_state_dict, or restored from a checkpoint of "
+                             "an earlier muond, since; or the daemon is older); param_groups keep the "
+                             "values given here", self.session_id, self.last_step)
+            self.resume_param_groups()
             if self._async:
                 # A restarted rank continues its own numbering where the daemon's record of it is.
                 self.pushes = self._sessions[0].last_push
@@ -472,57 +478,18 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
         if self.loss_scaler is not None:
             self.loss_scale = self._sessions[0].loss_scale
 
-    def _check_same_params(self, index: int, group: Dict[str, Any]) -> None:
-        """ValueError when param_groups[index]["params"] is no longer the list the session was
-        created with (a tensor added, removed or replaced in it): raised before a step sends
-        anything, so that no parameter is silently left out of the optimizer."""
-        now, created = group["params"], self._created_params[index]
-        if len(now) != len(created) or any(a is not b for a, b in zip(now, created)):
-            raise ValueError(
-                f"param_groups[{index}]['params'] changed since the optimizer was created "
-                f"({len(created)} tensors then, {len(now)} now); the session's parameters are fixed "
-                f"at creation: create another RemoteOptimizer (a new session) for other parameters")
-
-    def _resume_overrides(self, answered: List[int]) -> None:
-        """After an attach to a session that has stepped: keeps the daemon's record of what the
-        last step ran with and sets param_groups from it (``resume_param_groups``). ``answered``:
-        the step each shard's answer is of; a shard whose cut-off step was finished since answered
-        for the step before, and its record is not taken."""
-        self._last_step_values = None
-        self._resumed_at = self.last_step
-        if self.last_step == 0:
-            return
-        known = [s.last_overrides for s, step in zip(self._sessions, answered) if step == self.last_step]
-        if any(k is None for k in known):
-            _log.warning(
-                "session %s: the daemon does not know what its step %d ran with (its state was "
-                "replaced by load_state_dict, or restored from a checkpoint of an earlier muond, "
-                "since; or the daemon is older); param_groups keep the values given here",
-                self.session_id, self.last_step)
-            return
-        self._last_step_values = {name: o for k in known for name, o in k.items()}
-        self.resume_param_groups()
-
     def resume_param_groups(self, scheduler: Any = None) -> None:
         """Sets each group's ``lr``, ``momentum``, ``weight_decay`` and ``betas`` to what the
         session's last step ran with, as the daemon recorded it when this optimizer attached (the
         constructor does so itself when it attaches to a session that has stepped), as torch's
-        ``load_state_dict`` restores ``param_groups``.
+        ``load_state_dict`` restores ``param_groups``; RuntimeError once the session has stepped on.
 
         ``scheduler``: a torch LR scheduler made after the attach and loaded from its state dict.
         Its step after the session's last step moved the values on: each group's lr is taken from
-        its ``get_last_lr()``, and momentum or betas[0] recomputed for its count where it cycles
-        them (OneCycleLR, CyclicLR). The next ``step()`` then runs with the values of an
-        uninterrupted run (python/README.md, Checkpoints and restarts)."""
-        if self.last_step != self._resumed_at:
-            raise RuntimeError(f"resume_param_groups() resumes the values of the step this optimizer "
-                               f"attached at ({self._resumed_at}); the session is at step "
-                               f"{self.last_step} since: param_groups already hold what it ran with")
-        if self._last_step_values is not None:
-            resume.apply_last_step(self.param_groups, self._created, self._group_names,
-                                   self._last_step_values)
-        if scheduler is not None:
-            resume.apply_scheduler(self, scheduler)
+        its record of its last learning rates, and momentum or betas[0] recomputed for its count
+        where it cycles them (OneCycleLR, CyclicLR). The next ``step()`` then runs with the values
+        of an uninterrupted run (python/README.md, Checkpoints and restarts)."""
+        self._last_step_record.resume(self, self._created, self._group_names, scheduler)
 
     def _common_step(self, steps: List[int], rpc: str) -> int:
         """The step every shard is at; MuondError naming the shards behind when they differ."""
@@ -583,7 +550,7 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
             header.base_step = self.last_step
         for index, (group, created) in enumerate(zip(self.param_groups, self._created)):
             opts.check_unchanged(index, group, created)
-            self._check_same_params(index, group)
+            self._watch.check_same_params(index, group)
         for index, (group, created, gname) in enumerate(
                 zip(self.param_groups, self._created, self._group_names)):
             try:
@@ -684,56 +651,23 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
         parameters are in when it returns. With land_in_forward or delay, parameters land
         later, outside this optimizer's calls, and only what happens before the first step is
         watched."""
-        watched = self._steps_sent == 0 or (self._forward is None and self._delayed is None)
-        self._versions = [p._version for p in self._params] if watched else None
+        self._watch.note(self._steps_sent == 0 or (self._forward is None and self._delayed is None))
 
     def _check_untouched(self) -> None:
         """ValueError, before anything runs or is sent, for parameters changed in place since
         this optimizer last wrote them: the daemon holds the masters, and the step's answer
         would overwrite the change without a word."""
-        versions = getattr(self, "_versions", None)
+        message = None if self.parameters_changed == "ignore" else self._watch.changed_in_place()
         if self._forward is not None or self._delayed is not None:
-            self._versions = None  # from here on parameters land outside this optimizer's calls
-        if versions is None or self.parameters_changed == "ignore":
+            self._watch.note(False)  # from here on parameters land outside this optimizer's calls
+        if message is None:
             return
-        changed = [n for n, p, v in zip(self._names, self._params, versions) if p._version != v]
-        if not changed:
-            return
-        shown = ", ".join(repr(n) for n in changed[:3]) + (" ..." if len(changed) > 3 else "")
-        message = (f"parameters changed in place since the optimizer last wrote them: {shown} "
-                   f"({len(changed)} of {len(self._params)}). The daemon holds their masters and "
-                   f"this step's answer overwrites the change: load weights before creating the "
-                   f"optimizer, or call upload_parameters() to make the model's values the masters "
-                   f"(python/README.md, Parameters changed by the trainer)")
         if self.parameters_changed == "warn":
             _log.warning("session %s: %s", self.session_id, message)
             self.parameters_changed = "ignore"  # said once
             return
         self._cancel_stream()  # what backward sent of this step goes nowhere
         raise ValueError(message)
-
-    def upload_parameters(self) -> None:
-        """Makes the model's current parameter values the daemon's masters (after loading
-        weights, clamping or pruning them in place), keeping the optimizer state (momentum,
-        moments, step counts): the daemon's state is read, its masters replaced by the
-        parameters (rounded to the masters' storage dtype) and written back, as
-        ``load_state_dict`` writes a state dict."""
-        if self.sync.mode != "lockstep":
-            raise ValueError(f"upload_parameters: not in a {self.sync.mode} session, whose other "
-                             f"ranks step on between the state's read and its write; load weights "
-                             f"before creating the optimizer")
-        saved = self.state_dict()
-        with torch.no_grad():
-            for i, param in enumerate(self._params):
-                entry = saved["state"].get(i)
-                if entry is None or "master" not in entry:
-                    continue
-                master = entry["master"]
-                value = param.detach().cpu().reshape(master.shape)
-                # Only the elements the trainer changed: the others keep the master's bits, which
-                # a 16-bit model (or answer) holds rounded.
-                entry["master"] = torch.where(value != master.to(value.dtype), value.to(master.dtype), master)
-        self.load_state_dict(saved)
 
     def _land_before_step(self, *calls: Callable[[], None]) -> None:
         """Runs ``calls`` (the last step's parameters coming in: the forward landing's, or the

@@ -3,7 +3,7 @@
 ``RemoteOptimizer`` (optimizer.py: construction, the step's gradients and header, sessions) is
 completed by three mixins, each with no state of its own:
 
-- ``StateTransfer`` (state_transfer.py): ``state_dict`` and ``load_state_dict``;
+- ``StateTransfer`` (state_transfer.py): ``state_dict``, ``load_state_dict`` and ``upload_parameters``;
 - ``StreamControls`` (stream_controls.py): overlapped and delayed steps — ``no_sync``,
   ``gradients_in_flight``, ``flush`` and the streamed try backward opens;
 - ``StepTries`` (step_tries.py): every try and retry of a step, over one daemon or the shards, and

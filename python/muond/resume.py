@@ -2,11 +2,12 @@
 and betas as the session's last step ran with them (the daemon's record, answered to the attach),
 then moved on by a torch LR scheduler loaded from its state dict. What torch's ``load_state_dict``
 restores in ``param_groups``, for a trainer that resumes by attaching instead (python/README.md,
-Checkpoints and restarts). Pure functions over the groups; no calls."""
+Checkpoints and restarts). ``LastStepRecord`` is owned by the optimizer; the functions work on the
+groups alone; no calls to a daemon."""
 
 import bisect
 import warnings
-from typing import Any, Dict, List, Mapping, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 
 def apply_last_step(param_groups: List[Dict[str, Any]], created: Sequence[Mapping[str, Any]],
@@ -68,3 +69,38 @@ def apply_scheduler(optimizer: Any, scheduler: Any) -> None:
             cycling.get_lr()
     for group, lr in zip(groups, lrs):
         group["lr"] = lr
+
+
+class LastStepRecord:
+    """What the session's last step (``step``) ran with when the optimizer attached: group name →
+    its GroupOverride (``values``; None when the daemon did not know them, or after a
+    load_state_dict replaced the state)."""
+
+    def __init__(self, step: int, values: Optional[Dict[str, Any]]):
+        self.step, self.values = step, values
+
+    @classmethod
+    def of(cls, records: Sequence[Optional[Mapping[str, Any]]], answered: Sequence[int],
+           step: int) -> "LastStepRecord":
+        """The record of ``step`` from each daemon's attach answer (``records``, the step each
+        answered for in ``answered``): a shard whose cut-off step the attach finished since
+        answered for the step before, and its record is not taken."""
+        known = [r for r, at in zip(records, answered) if at == step]
+        if step == 0 or any(r is None for r in known):
+            return cls(step, {} if step == 0 else None)
+        return cls(step, {name: o for r in known for name, o in r.items()})
+
+    def forget(self) -> None:
+        self.values = None
+
+    def resume(self, optimizer: Any, created: Sequence[Mapping[str, Any]], group_names: Sequence[str],
+               scheduler: Any) -> None:
+        """``RemoteOptimizer.resume_param_groups``: the record's values, then ``scheduler``'s."""
+        if optimizer.last_step != self.step:
+            raise RuntimeError(f"resume_param_groups() resumes the values of the step this optimizer "
+                               f"attached at ({self.step}); the session is at step "
+                               f"{optimizer.last_step} since: param_groups already hold what it ran with")
+        if self.values:
+            apply_last_step(optimizer.param_groups, created, group_names, self.values)
+        if scheduler is not None:
+            apply_scheduler(optimizer, scheduler)

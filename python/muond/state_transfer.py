@@ -1,6 +1,6 @@
-"""``StateTransfer``: ``RemoteOptimizer``'s ``state_dict`` and ``load_state_dict`` — the daemon's
-whole state (masters, optimizer slots, step counters, the loss scaler) in torch's layout, read with
-``GetState`` and written back with ``SetState``.
+"""``StateTransfer``: ``RemoteOptimizer``'s ``state_dict``, ``load_state_dict`` and
+``upload_parameters`` — the daemon's whole state (masters, optimizer slots, step counters, the loss
+scaler) in torch's layout, read with ``GetState`` and written back with ``SetState``.
 
 A mixin on the protocol ``OptimizerCore`` (optimizer_core.py): it uses the optimizer's sessions,
 names, groups and step counters, and has no state of its own. Used by one thread at a time, as the optimizer is.
@@ -152,7 +152,7 @@ class StateTransfer(_Core):
     def _load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """``load_state_dict`` without the hooks."""
         self.flush()
-        self._last_step_values = None  # param_groups come from the state dict from here on
+        self._last_step_record.forget()  # param_groups come from the state dict from here on
         meta = state_dict.get("muond")
         if not meta or meta.get("format") != _STATE_FORMAT:
             raise ValueError("not a RemoteOptimizer state dict (no 'muond' section of format 1)")
@@ -220,6 +220,29 @@ class StateTransfer(_Core):
             if diff:
                 raise ValueError(f"group {i}: options {diff} differ from the state dict's; they "
                                  f"are fixed by the session")
+
+    def upload_parameters(self) -> None:
+        """Makes the model's current parameter values the daemon's masters (after loading
+        weights, clamping or pruning them in place), keeping the optimizer state (momentum,
+        moments, step counts): the daemon's state is read, its masters replaced by the
+        parameters (rounded to the masters' storage dtype) and written back, as
+        ``load_state_dict`` writes a state dict."""
+        if self.sync.mode != "lockstep":
+            raise ValueError(f"upload_parameters: not in a {self.sync.mode} session, whose other "
+                             f"ranks step on between the state's read and its write; load weights "
+                             f"before creating the optimizer")
+        saved = self.state_dict()
+        with torch.no_grad():
+            for i, name in enumerate(self._names):
+                entry = saved["state"].get(i)
+                if entry is None or "master" not in entry:
+                    continue
+                master = entry["master"]
+                value = self._by_name[name].detach().cpu().reshape(master.shape)
+                # Only the elements the trainer changed: the others keep the master's bits, which
+                # a 16-bit model (or answer) holds rounded.
+                entry["master"] = torch.where(value != master.to(value.dtype), value.to(master.dtype), master)
+        self.load_state_dict(saved)
 
     def _state_header(self, k: int, meta: Dict[str, Any],
                       state: Dict[int, Dict[str, Any]]) -> pb.StateHeader:

@@ -285,6 +285,19 @@ def test_a_shard_killed_between_prepare_and_commit_resumes_bit_identical(start_d
     assert_ends_as_expected(model, opt, infos, expected_model, expected_state, expected_infos)
 
 
+class Stopped(Exception):
+    """The trainer's end, as its process dying there would be."""
+
+
+def stopping_at_commit(real_step):
+    """A shard's step that stops the trainer when it comes to the commit (the prepare goes through)."""
+    def step(header, grads, *rest):
+        if header.phase == pb.STEP_PHASE_COMMIT:
+            raise Stopped()
+        return real_step(header, grads, *rest)
+    return step
+
+
 def test_a_step_its_trainer_left_between_commits_is_finished_by_the_next_attach(three, start_daemon):
     """A trainer that stops after shard 0 committed step 6 and before the others did leaves the
     shards at steps 6, 5, 5 with 6 prepared on shards 1 and 2: the next trainer's attach commits it
@@ -296,16 +309,6 @@ def test_a_step_its_trainer_left_between_commits_is_finished_by_the_next_attach(
     opt = muond.RemoteOptimizer(groups(model), endpoints=endpoints, session=session,
                                 max_grad_norm=0.5, qk_clip=[(model.wq, model.wk, HEADS)])
     infos = [one_step(model, opt, step, 0) for step in range(1, 6)]
-
-    class Stopped(Exception):
-        """The trainer's end, as its process dying there would be."""
-
-    def stopping_at_commit(real_step):
-        def step(header, grads, *rest):
-            if header.phase == pb.STEP_PHASE_COMMIT:
-                raise Stopped()
-            return real_step(header, grads, *rest)
-        return step
 
     for k in (1, 2):
         opt._sessions[k].step = stopping_at_commit(opt._sessions[k].step)
@@ -456,16 +459,6 @@ def test_an_attach_that_finishes_a_cut_off_step_resumes_that_steps_values(three)
 
     for step in (1, 2):
         scheduled(step)
-
-    class Stopped(Exception):
-        """The trainer's end between shard 0's commit and the others'."""
-
-    def stopping_at_commit(real_step):
-        def step(header, grads, *rest):
-            if header.phase == pb.STEP_PHASE_COMMIT:
-                raise Stopped()
-            return real_step(header, grads, *rest)
-        return step
 
     for k in (1, 2):
         opt._sessions[k].step = stopping_at_commit(opt._sessions[k].step)
