@@ -226,7 +226,7 @@ RESUMABLE = {
     "chained": (lambda o: torch.optim.lr_scheduler.ChainedScheduler(
         [torch.optim.lr_scheduler.ConstantLR(o, factor=0.5, total_iters=3),
          torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.9)]), False),
-}  # (CyclicLR's state dict holds a WeakMethod, which torch before 2.0 can neither copy nor save.)
+}  # (CyclicLR's state dict holds a WeakMethod, which torch 1.13's can neither copy nor pickle.)
 
 
 @pytest.mark.parametrize("kind", sorted(RESUMABLE))
