@@ -16,7 +16,6 @@ so the global order is the order of the calls; nothing waits on time.
 import dataclasses
 import io
 import math
-import multiprocessing
 import traceback
 
 import pytest
@@ -28,6 +27,7 @@ from muond._stubs import pb
 from muond.naming import named_groups
 
 from helpers import TinyNet, params_of
+from processes import rank_context
 from test_heterogeneous_ranks import (SEED, Rank, _packed, assert_params, fresh_session,
                                       grads_of)
 # The bodies of the sync option tests, given the async cases (imported under names pytest does
@@ -96,7 +96,7 @@ class AsyncRank(Rank):
     another process body: its own constructor starts it)."""
 
     def __init__(self, rank, endpoint, session, **options):  # pylint: disable=super-init-not-called
-        context = multiprocessing.get_context("spawn")
+        context = rank_context()
         self.rank = rank
         self.pipe, theirs = context.Pipe()
         self.process = context.Process(target=_async_rank_main, daemon=True,
@@ -408,7 +408,7 @@ def test_ranks_pushing_at_once_get_the_latest_parameters_never_an_error(endpoint
     its own global step or a later one (then ``step`` names it); none fails because another rank's
     push replaced the parameters before its answer was sent."""
     session, pushes = fresh_session("async-race"), 60
-    context = multiprocessing.get_context("spawn")
+    context = rank_context()
     queue = context.Queue()
     processes = [context.Process(target=_pushing_rank_main, args=(r, endpoint, session, pushes, queue))
                  for r in range(WORLD)]

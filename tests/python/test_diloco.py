@@ -15,7 +15,6 @@ import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import muond
 from muond import quantize
@@ -24,6 +23,7 @@ from muond.diloco import muon_outer_groups, split_fragments
 from conftest import REPO_ROOT
 from diloco_helpers import INNER, SEED, SIZES, TWO_FRAGMENTS, end_session, inner_step, session_name
 from helpers import TinyNet, assert_bitwise
+from processes import run_rank_processes
 
 
 # -- the pure-torch reference ----------------------------------------------------------------------
@@ -224,8 +224,8 @@ def test_three_worker_processes_equal_pure_torch_diloco(endpoint, tmp_path):
     workers, steps, sync_every = 3, 16, 4
     session, out = session_name(), str(tmp_path / "worker")
     try:
-        mp.spawn(_process_worker, args=(workers, endpoint, session, out, sync_every, 1, steps),
-                 nprocs=workers, join=True)
+        run_rank_processes(_process_worker, args=(workers, endpoint, session, out, sync_every, 1, steps),
+                           nprocs=workers)
     finally:
         end_session(endpoint, session)
     torch.set_num_threads(1)

@@ -15,7 +15,6 @@ arrive within it.
 import dataclasses
 import io
 import math
-import multiprocessing
 import re
 import time
 import traceback
@@ -34,6 +33,7 @@ from muond._stubs import pb
 from muond.step_info import rank_report
 
 from helpers import TinyNet, params_of
+from processes import rank_context
 
 SEED = 61
 WORLD = 3
@@ -134,7 +134,7 @@ class Rank:
     """The parent's handle of one rank process."""
 
     def __init__(self, rank, endpoint, session, **options):
-        context = multiprocessing.get_context("spawn")
+        context = rank_context()
         self.rank = rank
         self.pipe, theirs = context.Pipe()
         self.process = context.Process(target=_rank_main, daemon=True,

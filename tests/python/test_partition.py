@@ -9,7 +9,6 @@ on the assembled gradient, a rank killed and restarted mid-step, and the refusal
 """
 
 import io
-import multiprocessing
 import re
 import threading
 import traceback
@@ -26,6 +25,7 @@ from muond.transport import framing
 from muond import wire
 
 from helpers import no_gpu
+from processes import rank_context
 
 WORLD = 3
 WAIT = 300  # seconds: a bound on waiting for an event, never an expected duration
@@ -166,7 +166,7 @@ def run_ranks(endpoint, kinds, transport=None, world=WORLD, options=None, steps=
     parameters (and "digest"). ``hold``: (rank, step) — that rank stops after the step and is
     SIGKILLed while the others wait in the next one, then a new process of it attaches and
     continues."""
-    context = multiprocessing.get_context("spawn")
+    context = rank_context()
     out = context.Queue()
     session = session or f"part-{uuid.uuid4().hex[:8]}"
 

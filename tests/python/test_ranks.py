@@ -2,16 +2,14 @@
 gradients to one session and get back parameters bit-identical to one process stepping the average
 of the two ranks' gradients (fp64 sum in rank order, halved, as the daemon averages)."""
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import muond
 
 from helpers import TinyNet, loss_of
+from processes import run_rank_processes
 
 STEPS = 3
 
@@ -44,7 +42,7 @@ def _worker(rank: int, world: int, store: str, endpoint: str, out: str, transpor
 @pytest.mark.parametrize("transport", ["grpc", "shm"])
 def test_two_ranks_equal_one_process_stepping_their_average(endpoint, tmp_path, transport):
     out = str(tmp_path / "params")
-    mp.spawn(_worker, args=(2, str(tmp_path / "store"), endpoint, out, transport), nprocs=2, join=True)
+    run_rank_processes(_worker, args=(2, str(tmp_path / "store"), endpoint, out, transport), nprocs=2)
     rank0, rank1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
 
     torch.set_num_threads(1)
