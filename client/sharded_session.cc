@@ -94,18 +94,39 @@ absl::StatusOr<std::unique_ptr<ShardedSession>> ShardedSession::Open(ClientOptio
     return status;
   };
   if (!steps.ok()) return roll_back(steps.status());
-  self->FinishCutOffStep(*steps);  // its steps retried on each shard as a plain session's are
+  const std::vector<int64_t> answered = *steps;  // the step each shard's attach answer is of
+  // Its steps retried on each shard as a plain session's are.
+  self->FinishCutOffStep(*steps);
   // From here Step retries whole steps (both phases), not a shard's part of one.
   for (const std::unique_ptr<Session>& session : self->sessions_) session->set_step_attempts(1);
   absl::StatusOr<int64_t> common = self->CommonStep(*steps);
   if (!common.ok()) return roll_back(common.status());
   self->last_step_ = *common;
+  self->TakeLastOverrides(answered);
   self->attached_ = self->initialized_ = true;
   for (const auto& session : self->sessions_) {
     self->attached_ = self->attached_ && session->attached();
     self->initialized_ = self->initialized_ && session->initialized();
   }
   return sharded;
+}
+
+void ShardedSession::TakeLastOverrides(const std::vector<int64_t>& answered) {
+  std::vector<v1::GroupOverride> merged;
+  for (size_t k = 0; k < sessions_.size(); ++k) {
+    if (answered[k] != last_step_) continue;
+    const std::optional<std::vector<v1::GroupOverride>>& record = sessions_[k]->last_overrides();
+    if (!record.has_value()) {
+      last_overrides_.reset();
+      return;
+    }
+    for (const v1::GroupOverride& o : *record) {
+      const bool seen =
+          std::any_of(merged.begin(), merged.end(), [&](const v1::GroupOverride& m) { return m.group() == o.group(); });
+      if (!seen) merged.push_back(o);  // every shard ran the step with the same overrides
+    }
+  }
+  last_overrides_ = std::move(merged);
 }
 
 void ShardedSession::FinishCutOffStep(std::vector<int64_t>& steps) {

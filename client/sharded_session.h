@@ -12,6 +12,7 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -39,6 +40,11 @@ class ShardedSession {
   bool attached() const { return attached_; }
   bool initialized() const { return initialized_; }
   int64_t last_step() const { return last_step_; }
+  // What last_step() ran with beyond the groups' options when the session was opened, as
+  // Session::last_overrides(): the records of the shards whose attach answered for that step (a
+  // shard whose cut-off step Open committed answered for the step before), one entry per group;
+  // nullopt when any of them does not know it.
+  const std::optional<std::vector<v1::GroupOverride>>& last_overrides() const { return last_overrides_; }
 
   // Uploads every parameter's initial value, each to its daemon.
   absl::Status UploadParameters(std::span<const TensorView> parameters);
@@ -70,6 +76,8 @@ class ShardedSession {
   // A step refused for its number: CommonStep's refusal when the shards are at different steps (one
   // restored to an older checkpoint), else `refused` as it is.
   absl::Status NameShardsBehind(absl::Status refused);
+  // last_overrides() from the shards' attach answers (`answered`: the step each answered for).
+  void TakeLastOverrides(const std::vector<int64_t>& answered);
 
   std::vector<std::string> endpoints_;
   std::string session_id_;
@@ -83,6 +91,7 @@ class ShardedSession {
   bool attached_ = false;
   bool initialized_ = false;
   int64_t last_step_ = 0;
+  std::optional<std::vector<v1::GroupOverride>> last_overrides_;
 };
 
 }  // namespace muond::client

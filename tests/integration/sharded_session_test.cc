@@ -83,6 +83,16 @@ client::StepOptions OptionsOf(int step) {
   return options;
 }
 
+// The session's record of its last step: the muon group's lr override and nothing else.
+void ExpectLastLr(const client::ShardedSession& session, double lr) {
+  ASSERT_TRUE(session.last_overrides().has_value());
+  ASSERT_EQ(session.last_overrides()->size(), 1u);
+  const v1::GroupOverride& o = session.last_overrides()->front();
+  EXPECT_EQ(o.group(), "muon");
+  EXPECT_EQ(o.lr(), lr);
+  EXPECT_FALSE(o.has_momentum() || o.has_weight_decay() || o.has_beta1() || o.has_beta2());
+}
+
 class ShardedSessionTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -162,6 +172,7 @@ TEST_F(ShardedSessionTest, ThreeDaemonsTrainBitIdenticalToOne) {
   ASSERT_OK_AND_ASSIGN(auto attached, client::ShardedSession::Open(options_, shards, "model", spec));
   EXPECT_TRUE(attached->attached());
   EXPECT_EQ(attached->last_step(), 12);
+  ExpectLastLr(*attached, OptionsOf(12).lr.at("muon"));
   EXPECT_THAT(client::ShardedSession::Open(options_, {shards[2], shards[1], shards[0]}, "model", spec),
               StatusIs(absl::StatusCode::kAlreadyExists, "spec.shard.endpoints"));
   EXPECT_THAT(client::ShardedSession::Open(options_, {shards[0], shards[1]}, "model", spec),
@@ -206,8 +217,9 @@ TEST_F(ShardedSessionTest, AStepWithAShardDownGivesUpAfterItsTriesNamingTheShard
   EXPECT_EQ(message.find(tries), message.rfind(tries)) << "said twice: " << message;
 }
 
-// A trainer that stopped after shard 0 committed a step and before the others did: the next Open
-// commits it on the others with shard 0's decision, and every shard ends as one daemon does.
+// A trainer that stopped after shard 2 committed a step and before the others did: the next Open
+// commits it on the others with shard 2's decision, and every shard ends as one daemon does. What
+// that step ran with comes from shard 2 (the others answered the attach for the step before).
 TEST_F(ShardedSessionTest, AnOpenFinishesAStepItsTrainerLeftBetweenCommits) {
   const v1::SessionSpec spec = ModelSpec();
   const std::vector<std::string> shards(endpoints_.begin(), endpoints_.begin() + 3);
@@ -220,7 +232,7 @@ TEST_F(ShardedSessionTest, AnOpenFinishesAStepItsTrainerLeftBetweenCommits) {
     ASSERT_OK(sharded->Step(step, grads.views, OptionsOf(step)).status());
     ASSERT_OK(single->Step(step, grads.views, OptionsOf(step)).status());
   }
-  // Step 4 as the stopped trainer sent it: prepared on every shard, committed on shard 0 alone
+  // Step 4 as the stopped trainer sent it: prepared on every shard, committed on shard 2 alone
   // with the decision the three prepares give (one daemon's norm of the same gradients).
   Tensors grads(spec, 400, 0.3f);
   ASSERT_OK_AND_ASSIGN(client::StepReply expected, single->Step(4, grads.views, OptionsOf(4)));
@@ -247,10 +259,11 @@ TEST_F(ShardedSessionTest, AnOpenFinishesAStepItsTrainerLeftBetweenCommits) {
   commit.phase = v1::STEP_PHASE_COMMIT;
   commit.decision.emplace();
   commit.decision->set_grad_norm(expected.grad_norm);
-  ASSERT_OK(parts[0]->Step(4, {}, commit).status());
+  ASSERT_OK(parts[2]->Step(4, {}, commit).status());
 
   ASSERT_OK_AND_ASSIGN(auto reopened, client::ShardedSession::Open(options_, shards, "cut", spec));
   EXPECT_EQ(reopened->last_step(), 4);
+  ExpectLastLr(*reopened, OptionsOf(4).lr.at("muon"));
   int64_t last_step = 0;
   ASSERT_OK_AND_ASSIGN(client::ParameterMap now, reopened->GetParameters(&last_step));
   EXPECT_EQ(last_step, 4);
