@@ -41,7 +41,11 @@ def _show(row: dict, value) -> str:
 
 def applies_to(row: dict) -> str:
     names = "all" if row["applies_to"] == "all" else ", ".join(row["applies_to"])
-    if row.get("muon_needs"):
+    if row.get("read_with"):  # read only with another option's value (refused otherwise, docs/protocol.md)
+        gate = row["read_with"]
+        shown = " or ".join(_number(v) if isinstance(v, bool) else f"`{v}`" for v in gate["values"])
+        names += f" with `{gate['option']}` {shown}"
+    elif row.get("muon_needs"):
         others = [n for n in row["applies_to"] if n != "muon"]
         needs = f"muon with a `{row['muon_needs']}`"
         names = ", ".join(others) + f"; {needs}" if others else needs

@@ -193,6 +193,35 @@ absl::Status ParseChoiceDefaults(const json& row, OptionTable& table, OptionSpec
   return absl::OkStatus();
 }
 
+// A row's "read_with", once every row is known (its values parsed by the named row's type).
+absl::Status ParseReadWith(const json& row, const OptionTable& table, OptionSpec& spec) {
+  if (!row.contains("read_with")) return absl::OkStatus();
+  const std::string where = absl::StrCat("option ", spec.name, " read_with");
+  const json& read_with = row.at("read_with");
+  if (!read_with.is_object() || read_with.size() != 2) return Bad(where, "an object of option and values");
+  const std::string option = read_with.at("option").get<std::string>();
+  const auto target = std::find_if(table.options.begin(), table.options.end(),
+                                   [&](const OptionSpec& other) { return other.name == option; });
+  if (target == table.options.end() || option == spec.name) return Bad(where, absl::StrCat("no other option ", option));
+  for (int i = 0; i < kOptimizerCount; ++i) {
+    if (spec.applies_to[i] && !target->applies_to[i])
+      return Bad(where, absl::StrCat(option, " applies to fewer optimizers"));
+  }
+  if (!read_with.at("values").is_array() || read_with.at("values").empty()) return Bad(where, "no values");
+  spec.read_with.option = option;
+  for (const json& value : read_with.at("values")) {
+    absl::StatusOr<OptionDefault> parsed = ParseDefault(value, target->type, where);
+    if (!parsed.ok()) return parsed.status();
+    if (!parsed->is_set()) return Bad(where, "a value is null");
+    if (target->type == OptionType::kChoice &&
+        std::find(target->choices.begin(), target->choices.end(), parsed->name) == target->choices.end()) {
+      return Bad(where, absl::StrCat(parsed->name, " is no choice of ", option));
+    }
+    spec.read_with.values.push_back(*std::move(parsed));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<CoefficientSetSpec> ParseSet(const json& row) {
   CoefficientSetSpec set;
   set.name = row.at("name").get<std::string>();
@@ -234,6 +263,7 @@ absl::StatusOr<OptionTable> ParseOptionTable(std::string_view text) {
     }
     for (size_t i = 0; i < table.options.size(); ++i) {
       MUOND_RETURN_IF_ERROR(ParseChoiceDefaults(doc.at("options")[i], table, table.options[i]));
+      MUOND_RETURN_IF_ERROR(ParseReadWith(doc.at("options")[i], table, table.options[i]));
       for (const OptionSpec::ChoiceDefault& d : table.options[i].choice_defaults) {
         const bool is_set_name = std::any_of(table.coefficient_sets.begin(), table.coefficient_sets.end(),
                                              [&](const CoefficientSetSpec& set) { return set.name == d.value.name; });

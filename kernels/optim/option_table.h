@@ -62,6 +62,14 @@ struct OptionSpec {
     OptionDefault value;
   };
   std::vector<ChoiceDefault> choice_defaults;
+  // The option the group reads this one only with, and the values of it that make it read (e.g.
+  // heloco_kappa with heloco true); `option` empty when it is always read. Each value fits the
+  // named row's type.
+  struct ReadWith {
+    std::string option;
+    std::vector<OptionDefault> values;
+  };
+  ReadWith read_with;
 };
 
 struct CoefficientSetSpec {

@@ -75,7 +75,61 @@ void SetDefault(std::string_view name, const OptionDefault& value, Enum& member)
   member = static_cast<Enum>(*ChoiceIndex(name, value.name));
 }
 
+// A GroupOptions member as the table writes values: a number (bool as 0/1), a choice's name, or
+// none (an unset optional).
+OptionDefault TableValue(const OptionSpec& spec, double member) { return {member, ""}; }
+OptionDefault TableValue(const OptionSpec& spec, int member) { return {static_cast<double>(member), ""}; }
+OptionDefault TableValue(const OptionSpec& spec, bool member) { return {member ? 1.0 : 0.0, ""}; }
+OptionDefault TableValue(const OptionSpec& spec, const std::optional<double>& member) { return {member, ""}; }
+template <typename Enum>
+requires std::is_enum_v<Enum> OptionDefault TableValue(const OptionSpec& spec, Enum member) {
+  return {std::nullopt, spec.choices[static_cast<size_t>(member)]};
+}
+
+bool SameValue(const OptionDefault& a, const OptionDefault& b) { return a.number == b.number && a.name == b.name; }
+
+// How a refusal writes a table value of `spec`: true/false, a number, or a choice's name.
+std::string Written(const OptionSpec& spec, const OptionDefault& value) {
+  if (!value.name.empty()) return value.name;
+  if (!value.number.has_value()) return "unset";
+  if (spec.type == OptionType::kBool) return *value.number != 0 ? "true" : "false";
+  return absl::StrCat(*value.number);
+}
+
 }  // namespace
+
+absl::Status CheckOptionsAreRead(const GroupOptions& o) {
+  const int index = static_cast<int>(o.optimizer);
+  std::vector<std::pair<const OptionSpec*, OptionDefault>> values;  // every one-value option's
+  VisitOptionFields(o, [&](std::string_view name, const auto& member) {
+    const OptionSpec* spec = FindOption(name);
+    values.emplace_back(spec, TableValue(*spec, member));
+  });
+  const auto value_of = [&](std::string_view name) -> const OptionDefault* {
+    for (const auto& [spec, value] : values) {
+      if (spec->name == name) return &value;
+    }
+    return nullptr;
+  };
+  for (const auto& [spec, value] : values) {
+    if (spec->read_with.option.empty() || !spec->applies_to[index]) continue;
+    if (SameValue(value, spec->defaults[index])) continue;  // unread, but changes nothing
+    const OptionSpec& gate = *FindOption(spec->read_with.option);
+    const OptionDefault* gate_value = value_of(gate.name);
+    const bool read = std::any_of(spec->read_with.values.begin(), spec->read_with.values.end(),
+                                  [&](const OptionDefault& v) { return SameValue(v, *gate_value); });
+    if (read) continue;
+    std::string with;
+    for (const OptionDefault& v : spec->read_with.values) {
+      absl::StrAppend(&with, with.empty() ? "" : " or ", Written(gate, v));
+    }
+    return absl::InvalidArgumentError(
+        absl::StrCat(spec->name, ": this ", std::string(OptimizerName(o.optimizer)), " group reads it only with ",
+                     gate.name, " ", with, ", and has ", gate.name, " ", Written(gate, *gate_value), "; set ",
+                     gate.name, " or leave ", spec->name, " at its default ", Written(*spec, spec->defaults[index])));
+  }
+  return absl::OkStatus();
+}
 
 GroupOptions DefaultOptions(OptimizerKind kind) {
   GroupOptions o;

@@ -214,6 +214,12 @@ bool OptionApplies(OptimizerKind kind, std::string_view option);
 // with a second moment (beta2, eps, exp_avg_sq_dtype), "<option>: applies to a muon group only with
 // moment2_method adamuon or normuon". Unknown names are the caller's to refuse.
 absl::Status CheckOptionApplies(const GroupOptions& options, std::string_view option);
+// OK unless an option the group reads only with another one's value (the table's read_with:
+// heloco_* with heloco true, namo_clamp with moment2_method namo_d) holds other than its default
+// while that one has another value: INVALID_ARGUMENT naming both. A default value passes, as the
+// clients send every option's. For a new session's spec (a session created before this check keeps
+// what it was created with).
+absl::Status CheckOptionsAreRead(const GroupOptions& options);
 
 // Names used on the wire and in logs.
 std::string_view OptimizerName(OptimizerKind kind);

@@ -130,6 +130,13 @@ def range_error(name: str, value: float) -> str:
     return ""
 
 
+# Options a group reads only while another holds one of some values (the table's read_with, e.g.
+# heloco_kappa with heloco true): name → (that option, those values).
+READ_WITH: Dict[str, Tuple[str, Tuple[Any, ...]]] = {
+    row["name"]: (row["read_with"]["option"], tuple(row["read_with"]["values"]))
+    for row in TABLE["options"] if "read_with" in row}
+
+
 # Options of a Muon group that only its second moment (moment2_method) reads.
 MUON_MOMENT2: Tuple[str, ...] = tuple(
     row["name"] for row in TABLE["options"] if row.get("muon_needs") == "moment2_method")

@@ -36,7 +36,7 @@ import torch
 from ._stubs import pb
 from .option_facts import (CHOICE_DEFAULTS, COEFFICIENT_SETS, COEFFICIENTS_AFTER, DEFAULTS,
                            GRAM_RESTARTS, MUON_MOMENT2 as _MUON_MOMENT2, NAMED_VALUES as _CHOICES,
-                           OPTIMIZERS, PER_STEP, RANGES, ROWS, SET_STEPS, matrix_shapes,
+                           OPTIMIZERS, PER_STEP, RANGES, READ_WITH as _READ_WITH, ROWS, SET_STEPS, matrix_shapes,
                            range_error, slot_shape)
 
 __all__ = ["ALL_OPTIONS", "COEFFICIENT_SETS", "COEFFICIENTS_AFTER", "DEFAULTS", "GRAM_RESTARTS",
@@ -177,7 +177,8 @@ def resolve_group(group: Mapping[str, Any], defaults: Mapping[str, Any]) -> Dict
 
     Precedence: the group's own value, then ``defaults`` (the optimizer's keyword arguments) when
     the option applies to this group's optimizer, then the table above. An option in the group
-    that does not apply to its optimizer, or that nobody knows, is a ValueError.
+    that does not apply to its optimizer, or that nobody knows, is a ValueError; so is one the group
+    would not read with its other values (heloco_kappa other than its default without heloco).
     """
     name = optimizer_of(group, defaults)
     table = DEFAULTS[name]
@@ -221,6 +222,7 @@ def resolve_group(group: Mapping[str, Any], defaults: Mapping[str, Any]) -> Dict
         if resolved["moment2_method"] in ("namo", "namo_d") and resolved["weight_decay_mode"] == "l2":
             raise ValueError(f"weight_decay_mode l2 cannot be combined with moment2_method "
                              f"{resolved['moment2_method']} (its second moment is of the raw gradient's norm)")
+    _check_read(name, group, resolved)
     steps = SET_STEPS.get(resolved["ns_coefficients"]) if name in ("muon", "dion2") and isinstance(
         resolved["ns_coefficients"], str) else None
     if steps is not None and resolved["ns_steps"] != steps:
@@ -261,6 +263,35 @@ def check_defaults(defaults: Mapping[str, Any]) -> None:
             raise TypeError(f"unexpected keyword argument {key!r}; known options: "
                             f"{', '.join(sorted(ALL_OPTIONS))}")
     optimizer_of({}, defaults)
+
+
+def _written(value: Any) -> str:
+    """A value as the daemon's refusals write it: true/false, a number, a choice's name."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "none"
+    return f"{value:g}" if isinstance(value, (int, float)) else str(value)
+
+
+def _check_read(name: str, group: Mapping[str, Any], resolved: Dict[str, Any]) -> None:
+    """The options ``resolved`` holds that the group reads only with another's value (heloco_kappa
+    with heloco true): one the group gives, other than its default, while that other holds another
+    value is a ValueError, as the daemon refuses it; one from the constructor's defaults goes back to
+    the table's default (it is the other groups')."""
+    table = DEFAULTS[name]
+    for key, (gate, values) in _READ_WITH.items():
+        if key not in resolved or resolved[key] == table[key]:
+            continue
+        has = "none" if resolved[gate] is None else resolved[gate]
+        if has in values:
+            continue
+        if key not in group:
+            resolved[key] = table[key]
+            continue
+        raise ValueError(f"{key}: this {name} group reads it only with {gate} "
+                         f"{' or '.join(_written(v) for v in values)}, and has {gate} "
+                         f"{_written(has)}; set {gate} or leave {key} at its default {_written(table[key])}")
 
 
 def coefficient_schedule(group: Mapping[str, Any]) -> Tuple[Tuple[Tuple[float, float, float], ...], str]:

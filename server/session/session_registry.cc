@@ -9,6 +9,7 @@
 #include "common/error_reason.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "kernels/optim/options.h"
 #include "server/durability/checkpoint.h"
 #include "server/security/caller_identity.h"
 #include "server/session/state_dir.h"
@@ -30,6 +31,18 @@ absl::Status CheckCheckpointRoom(const SessionConfig& config, const std::string&
   return durability::CheckCheckpointRoom(config.spec_json, names, config.world_size, owner);
 }
 
+// A new session's groups set no option to a value they would not read (heloco_kappa without heloco:
+// optim::CheckOptionsAreRead). Only at creation: a session restored or attached to keeps the spec an
+// earlier muond accepted.
+absl::Status CheckEveryOptionIsRead(const SessionConfig& config) {
+  for (size_t g = 0; g < config.groups.size(); ++g) {
+    if (absl::Status read = optim::CheckOptionsAreRead(config.groups[g].options); !read.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("spec.groups[", g, "].options.", read.message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<CreateResult> SessionRegistry::CreateOrAttach(const std::string& id, const std::string& spec_json,
@@ -47,6 +60,7 @@ absl::StatusOr<CreateResult> SessionRegistry::CreateOrAttach(const std::string& 
   // Parsed and checked without the registry's lock: a large spec takes a while, and the other
   // sessions' calls go on meanwhile.
   MUOND_ASSIGN_OR_RETURN(SessionConfig config, codec_->Parse(spec_json, limits_));
+  MUOND_RETURN_IF_ERROR(CheckEveryOptionIsRead(config));
   if (persistence) MUOND_RETURN_IF_ERROR(CheckCheckpointRoom(config, caller));
   const int64_t bytes = EstimateSessionBytes(config);
   {

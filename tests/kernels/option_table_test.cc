@@ -70,9 +70,67 @@ TEST(OptionTableTest, DamagedTablesAreRefusedNamingTheRow) {
            {R"({"name": "x", "carrier": "group", "applies_to": "all", "type": "choice", "choices": ["a", "b"],
                 "default": "a", "choice_defaults": {"b": {"x": 1}}, "doc": "d"})",
             "does not fit the type"},
+           {R"({"name": "x", "carrier": "group", "applies_to": "all", "type": "float", "default": 1,
+                "read_with": {"option": "y", "values": [true]}, "doc": "d"})",
+            "option x read_with: no other option y"},
+           {R"({"name": "x", "carrier": "group", "applies_to": "all", "type": "float", "default": 1,
+                "read_with": {"option": "x", "values": [1]}, "doc": "d"})",
+            "option x read_with: no other option x"},
        }) {
     EXPECT_THAT(ParseOptionTable(TableWith(row)), StatusIs(absl::StatusCode::kInvalidArgument, message)) << row;
   }
+}
+
+// read_with names another row, and its values fit that row: a choice it has, the row's type, and an
+// option that applies wherever this one does.
+TEST(OptionTableTest, ReadWithNamesAnotherRowAndItsValues) {
+  const std::string x = R"({"name": "x", "carrier": "group", "applies_to": ["sgd"], "type": "float", "default": 1,
+                            "read_with": {"option": "y", "values": VALUES}, "doc": "d"})";
+  const auto with = [&](const std::string& y, const std::string& values) {
+    std::string row = x;
+    row.replace(row.find("VALUES"), 6, values);
+    return ParseOptionTable(TableWith(row + "," + y));
+  };
+  const std::string bool_y = R"({"name": "y", "carrier": "group", "applies_to": ["sgd"], "type": "bool",
+                                 "default": false, "doc": "d"})";
+  const std::string choice_y = R"({"name": "y", "carrier": "group", "applies_to": "all", "type": "choice",
+                                   "choices": ["a", "b"], "default": "a", "doc": "d"})";
+  ASSERT_TRUE(with(bool_y, "[true]").ok()) << with(bool_y, "[true]").status();
+  EXPECT_EQ(with(bool_y, "[true]")->options[0].read_with.option, "y");
+  ASSERT_TRUE(with(choice_y, R"(["b"])").ok());
+  EXPECT_EQ(with(choice_y, R"(["b"])")->options[0].read_with.values[0].name, "b");
+  EXPECT_THAT(with(bool_y, "[]"), StatusIs(absl::StatusCode::kInvalidArgument, "option x read_with: no values"));
+  EXPECT_THAT(with(bool_y, R"(["b"])"), StatusIs(absl::StatusCode::kInvalidArgument, "does not fit the type"));
+  EXPECT_THAT(with(choice_y, R"(["c"])"), StatusIs(absl::StatusCode::kInvalidArgument, "c is no choice of y"));
+  std::string muon_y = bool_y;
+  muon_y.replace(muon_y.find("sgd"), 3, "muon");
+  EXPECT_THAT(with(muon_y, "[true]"), StatusIs(absl::StatusCode::kInvalidArgument, "y applies to fewer optimizers"));
+}
+
+// An option the group reads only with another's value, set to other than its default while that one
+// has another: refused naming both; its default, or the other's value that reads it, passes.
+TEST(OptionTableTest, AnOptionTheGroupWouldNotReadIsRefused) {
+  GroupOptions sgd = DefaultOptions(OptimizerKind::kSgd);
+  EXPECT_TRUE(CheckOptionsAreRead(sgd).ok()) << "every default";
+  sgd.heloco_kappa = 2;
+  EXPECT_THAT(CheckOptionsAreRead(sgd),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "heloco_kappa: this sgd group reads it only with heloco true, and has heloco false; set "
+                       "heloco or leave heloco_kappa at its default 1"));
+  sgd.heloco = true;
+  EXPECT_TRUE(CheckOptionsAreRead(sgd).ok());
+  GroupOptions muon = DefaultOptions(OptimizerKind::kMuon);
+  muon.moment2_method = Moment2Method::kNamo;
+  muon.namo_clamp = 0;
+  EXPECT_THAT(CheckOptionsAreRead(muon),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "namo_clamp: this muon group reads it only with moment2_method namo_d, and has "
+                       "moment2_method namo; set moment2_method or leave namo_clamp at its default 0.75"));
+  muon.moment2_method = Moment2Method::kNamoD;
+  EXPECT_TRUE(CheckOptionsAreRead(muon).ok());
+  GroupOptions adamw = DefaultOptions(OptimizerKind::kAdamW);
+  adamw.heloco_kappa = 2;  // a member AdamW does not have a row for: not its to check
+  EXPECT_TRUE(CheckOptionsAreRead(adamw).ok());
 }
 
 // ns_preconditioner aol brings Turbo-Muon's set and 4 steps (the table's choice_defaults), together:

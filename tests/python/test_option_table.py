@@ -129,3 +129,70 @@ def test_local_optimizer_refuses_an_option_out_of_range_as_the_daemon_does(endpo
     with pytest.raises(ValueError, match="lr must be in"):
         ok.step()
     assert torch.equal(w.detach(), torch.ones(8, 4))
+
+
+# An option the group reads only with another one's value (the table's read_with), given a value
+# other than its default while that one has another: (group, the daemon's words, the group's wire
+# options, the same with the option read). The default is accepted, as the clients send it for every
+# group.
+_UNREAD = [
+    (dict(optimizer="sgd", momentum=0.9, heloco_kappa=2.0),
+     "heloco_kappa: this sgd group reads it only with heloco true, and has heloco false; set "
+     "heloco or leave heloco_kappa at its default 1",
+     dict(optimizer=pb.OPTIMIZER_SGD, momentum=0.9, heloco_kappa=2.0),
+     dict(optimizer=pb.OPTIMIZER_SGD, momentum=0.9, heloco_kappa=2.0, heloco=True)),
+    (dict(optimizer="sgd", momentum=0.9, heloco=False, heloco_keep_cosine=0.5),
+     "heloco_keep_cosine: this sgd group reads it only with heloco true, and has heloco false; "
+     "set heloco or leave heloco_keep_cosine at its default 0.1",
+     dict(optimizer=pb.OPTIMIZER_SGD, momentum=0.9, heloco=False, heloco_keep_cosine=0.5),
+     dict(optimizer=pb.OPTIMIZER_SGD, momentum=0.9, heloco=True, heloco_keep_cosine=0.5)),
+    (dict(optimizer="muon", moment2_method="namo", namo_clamp=0.5),
+     "namo_clamp: this muon group reads it only with moment2_method namo_d, and has "
+     "moment2_method namo; set moment2_method or leave namo_clamp at its default 0.75",
+     dict(optimizer=pb.OPTIMIZER_MUON, moment2_method="namo", namo_clamp=0.5),
+     dict(optimizer=pb.OPTIMIZER_MUON, moment2_method="namo_d", namo_clamp=0.5)),
+]
+
+
+@pytest.mark.parametrize("group,refusal,unread,read", _UNREAD, ids=["kappa", "keep-cosine", "namo-clamp"])
+def test_an_option_the_group_would_not_read_is_refused_naming_it(endpoint, group, refusal, unread, read):
+    import torch  # noqa: PLC0415 - the rest of this file needs no torch
+    import muond  # noqa: PLC0415
+
+    w = torch.nn.Parameter(torch.ones(8, 4))
+    for make in (lambda g: muond.RemoteOptimizer(g, endpoint=endpoint), muond.LocalOptimizer):
+        with pytest.raises(ValueError) as refused:
+            make([{"params": [w], **group}])
+        assert str(refused.value) == refusal
+    # The daemon refuses it too, whichever client sends it, and creates nothing.
+    spec = pb.SessionSpec()
+    spec.groups.add(name="g0", options=pb.GroupOptions(**unread))
+    spec.parameters.add(name="w", shape=[8, 4], group="g0", wire_dtype=pb.DTYPE_FP32)
+    with grpc.insecure_channel(endpoint) as channel:
+        stub = pb_grpc.MuondStub(channel)
+        with pytest.raises(grpc.RpcError) as daemon:
+            stub.CreateSession(pb.CreateSessionRequest(session_id="unread", spec=spec), timeout=10)
+        assert daemon.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert daemon.value.details() == f"spec.groups[0].options.{refusal}"
+        listed = stub.ListSessions(pb.ListSessionsRequest(), timeout=10)
+        assert "unread" not in [s.session_id for s in listed.sessions]
+        # Read, or left at its default: created.
+        gated = next(k for k in group if k.startswith(("heloco_", "namo_clamp")))
+        at_default = dict(unread, **{gated: options.DEFAULTS[group["optimizer"]][gated]})
+        for fields in (read, at_default):
+            spec.groups[0].options.CopyFrom(pb.GroupOptions(**fields))
+            stub.CreateSession(pb.CreateSessionRequest(session_id="read", spec=spec), timeout=10)
+            stub.CloseSession(pb.CloseSessionRequest(session_id="read"), timeout=10)
+
+
+def test_a_constructor_default_goes_only_to_the_groups_that_read_it(endpoint):
+    import torch  # noqa: PLC0415
+    import muond  # noqa: PLC0415
+
+    a, b = torch.nn.Parameter(torch.ones(8)), torch.nn.Parameter(torch.ones(8))
+    for make in (lambda g, **kw: muond.RemoteOptimizer(g, endpoint=endpoint, **kw), muond.LocalOptimizer):
+        opt = make([{"params": [a], "heloco": True}, {"params": [b]}], optimizer="sgd", momentum=0.9,
+                   heloco_kappa=2.0)
+        assert [g["heloco_kappa"] for g in opt.param_groups] == [2.0, 1.0]
+        if isinstance(opt, muond.RemoteOptimizer):
+            opt.close()

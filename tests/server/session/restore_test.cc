@@ -95,8 +95,10 @@ class RestoreTest : public ::testing::Test {
     return names;
   }
   // Rewrites the bad session's checkpoint.json through `edit`, with a digest that matches again.
-  void EditBadCheckpoint(const std::function<void(nlohmann::json&)>& edit) {
-    const std::string path = dir_ + "/bad/checkpoint.json";
+  void EditBadCheckpoint(const std::function<void(nlohmann::json&)>& edit) { EditCheckpoint("bad", edit); }
+  // The same for session `id`'s.
+  void EditCheckpoint(const std::string& id, const std::function<void(nlohmann::json&)>& edit) {
+    const std::string path = dir_ + "/" + id + "/checkpoint.json";
     nlohmann::json metadata = nlohmann::json::parse(ReadAll(path));
     edit(metadata);
     metadata.erase("metadata_sha256");
@@ -379,6 +381,34 @@ TEST_F(RestoreTest, TheLastStepsOverridesComeBackFromTheCheckpointAndTheJournal)
   EXPECT_EQ(LastOverridesOf(*restored, 2), "unknown");
   ASSERT_OK(RunStep(*restored, Request(3), Gradients(3)).status());
   EXPECT_EQ(LastOverridesOf(*restored, 3), "[]");
+}
+
+// A session an earlier muond created with an option its group does not read (namo_clamp with
+// moment2_method namo, refused at creation since) comes back at a restart and is attached to with its
+// spec; a new session with that spec is refused naming the option.
+TEST_F(RestoreTest, ASpecOfAnEarlierMuondWithAnUnreadOptionIsRestoredAndAttachedTo) {
+  v1::SessionSpec spec = SmallSpec();
+  spec.mutable_groups(0)->mutable_options()->set_moment2_method("namo");
+  ASSERT_OK(Restore(durability::DamagedState::kFail));
+  ASSERT_OK_AND_ASSIGN(CreateResult created, registry_->CreateOrAttach("namo", rpc::SpecToJson(spec)));
+  ASSERT_OK(created.session->Upload(InitialParameters()));
+  ASSERT_OK(RunStep(*created.session, Request(1), Gradients(1)).status());
+  ASSERT_OK(created.session->Checkpoint().status());
+  created.session.reset();
+  registry_.reset();
+  spec.mutable_groups(0)->mutable_options()->set_namo_clamp(0.5);
+  const std::string earlier = rpc::SpecToJson(spec);
+  EditCheckpoint("namo", [&](nlohmann::json& m) { m["spec"] = nlohmann::json::parse(earlier); });
+
+  ASSERT_OK(Restore(durability::DamagedState::kFail));
+  EXPECT_THAT(Quarantined(), SizeIs(0));
+  ASSERT_OK_AND_ASSIGN(CreateResult attached, registry_->CreateOrAttach("namo", earlier));
+  EXPECT_TRUE(attached.attached);
+  EXPECT_EQ(attached.session->last_step(), 1);
+  ASSERT_OK(RunStep(*attached.session, Request(2), Gradients(2)).status());
+  EXPECT_THAT(registry_->CreateOrAttach("other", earlier),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "spec.groups[0].options.namo_clamp: this muon group reads it only with moment2_method namo_d"));
 }
 
 // The checkpoint's record of the last step's overrides only informs an attach's answer: one that
