@@ -10,6 +10,9 @@
 # compiles each file on its own, for a tree rebuilt file by file. So a name in a file's anonymous
 # namespace is unique within its target (the batches shift as files come and go); configuring with
 # -DCMAKE_UNITY_BUILD_BATCH_SIZE=0 compiles each target as one batch and shows any clash.
+# MUOND_DEBUG_INFO=lines compiles with line tables only (-g1, the CMake option of the same name;
+# .ci/run sets it), full with full debug information (-g, the default); unset, the build folder keeps
+# what it was configured with.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build=${MUOND_BUILD_DIR:-$root/build}
@@ -18,13 +21,15 @@ mkdir -p "$build"
 log="$build/build.log"
 unity=${MUOND_UNITY_BUILD:-ON}
 targets=()
+debug_info=()
+if [[ -n ${MUOND_DEBUG_INFO:-} ]]; then debug_info=(-DMUOND_DEBUG_INFO="$MUOND_DEBUG_INFO"); fi
 for t in ${MUOND_BUILD_TARGETS:-}; do targets+=(--target "$t"); done
 echo "build: configuring and compiling ${MUOND_BUILD_TARGETS:-everything} into $build (log: $log)"
 start=$SECONDS
 if [ "${MUOND_VERBOSE:-0}" = 1 ]; then
-  cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_UNITY_BUILD="$unity" "$@"
+  cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_UNITY_BUILD="$unity" "${debug_info[@]}" "$@"
   cmake --build "$build" -j"$(nproc)" "${targets[@]}"
-elif ! { cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_UNITY_BUILD="$unity" "$@" &&
+elif ! { cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_UNITY_BUILD="$unity" "${debug_info[@]}" "$@" &&
          cmake --build "$build" -j"$(nproc)" "${targets[@]}"; } >"$log" 2>&1; then
   tail -n 60 "$log"
   echo "build: FAILED (full log: $log)" >&2
