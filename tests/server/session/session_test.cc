@@ -65,15 +65,15 @@ TEST_F(SessionTest, OtherStepNumbersNameTheExpectedStep) {
 
 TEST_F(SessionTest, ABadRequestIsRefusedBeforeAnyGradientAndChangesNothing) {
   StepRequest bad_lr = Request(1);
-  bad_lr.overrides.push_back({"muon", -1.0, std::nullopt, std::nullopt});
+  bad_lr.overrides.push_back({"muon", -1.0, std::nullopt, std::nullopt, std::nullopt, std::nullopt});
   EXPECT_THAT(session_->BeginStep(bad_lr), StatusIs(absl::StatusCode::kInvalidArgument, "header.overrides[0].lr"));
   StepRequest unknown_group = Request(1);
-  unknown_group.overrides.push_back({"nope", 0.1, std::nullopt, std::nullopt});
+  unknown_group.overrides.push_back({"nope", 0.1, std::nullopt, std::nullopt, std::nullopt, std::nullopt});
   EXPECT_THAT(session_->BeginStep(unknown_group), StatusIs(absl::StatusCode::kNotFound, "unknown group 'nope'"));
   StepRequest twice = Request(1);
-  twice.overrides.push_back({"muon", 0.1, std::nullopt, std::nullopt});
-  twice.overrides.push_back({"adamw", 0.1, std::nullopt, std::nullopt});
-  twice.overrides.push_back({"muon", std::nullopt, 0.9, std::nullopt});
+  twice.overrides.push_back({"muon", 0.1, std::nullopt, std::nullopt, std::nullopt, std::nullopt});
+  twice.overrides.push_back({"adamw", 0.1, std::nullopt, std::nullopt, std::nullopt, std::nullopt});
+  twice.overrides.push_back({"muon", std::nullopt, 0.9, std::nullopt, std::nullopt, std::nullopt});
   EXPECT_THAT(session_->BeginStep(twice),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        "header.overrides[2].group: 'muon' is given twice (also header.overrides[0])"));
