@@ -418,6 +418,7 @@ class LocalOptimizer(torch.optim.Optimizer):
             param_group = self._named_new_group(param_group)
         resolved = opts.resolve_group(param_group, self._user_defaults)
         opts.check_ranges(resolved)
+        opts.check_read(resolved)
         finite_steps.check_ns_growth(resolved)
         opts.check_shapes(resolved, [tuple(p.shape) for p in resolved["params"]])
         super().add_param_group(resolved)

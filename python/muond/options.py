@@ -40,7 +40,7 @@ from .option_facts import (CHOICE_DEFAULTS, COEFFICIENT_SETS, COEFFICIENTS_AFTER
                            range_error, slot_shape)
 
 __all__ = ["ALL_OPTIONS", "COEFFICIENT_SETS", "COEFFICIENTS_AFTER", "DEFAULTS", "GRAM_RESTARTS",
-           "OPTIMIZERS", "OVERRIDABLE", "check_defaults", "check_ranges", "check_parameter", "check_shapes",
+           "OPTIMIZERS", "OVERRIDABLE", "check_defaults", "check_ranges", "check_parameter", "check_read", "check_shapes",
            "check_tensors", "check_unchanged", "coefficient_schedule", "group_options_proto",
            "matrix_shapes", "optimizer_of", "overrides_of", "resolve_group", "resolved_defaults",
            "slot_shape", "spec_options", "storage_dtype"]
@@ -177,8 +177,7 @@ def resolve_group(group: Mapping[str, Any], defaults: Mapping[str, Any]) -> Dict
 
     Precedence: the group's own value, then ``defaults`` (the optimizer's keyword arguments) when
     the option applies to this group's optimizer, then the table above. An option in the group
-    that does not apply to its optimizer, or that nobody knows, is a ValueError; so is one the group
-    would not read with its other values (heloco_kappa other than its default without heloco).
+    that does not apply to its optimizer, or that nobody knows, is a ValueError.
     """
     name = optimizer_of(group, defaults)
     table = DEFAULTS[name]
@@ -222,7 +221,6 @@ def resolve_group(group: Mapping[str, Any], defaults: Mapping[str, Any]) -> Dict
         if resolved["moment2_method"] in ("namo", "namo_d") and resolved["weight_decay_mode"] == "l2":
             raise ValueError(f"weight_decay_mode l2 cannot be combined with moment2_method "
                              f"{resolved['moment2_method']} (its second moment is of the raw gradient's norm)")
-    _check_read(name, group, resolved)
     steps = SET_STEPS.get(resolved["ns_coefficients"]) if name in ("muon", "dion2") and isinstance(
         resolved["ns_coefficients"], str) else None
     if steps is not None and resolved["ns_steps"] != steps:
@@ -274,22 +272,21 @@ def _written(value: Any) -> str:
     return f"{value:g}" if isinstance(value, (int, float)) else str(value)
 
 
-def _check_read(name: str, group: Mapping[str, Any], resolved: Dict[str, Any]) -> None:
-    """The options ``resolved`` holds that the group reads only with another's value (heloco_kappa
-    with heloco true): one the group gives, other than its default, while that other holds another
-    value is a ValueError, as the daemon refuses it; one from the constructor's defaults goes back to
-    the table's default (it is the other groups')."""
-    table = DEFAULTS[name]
+def check_read(group: Mapping[str, Any]) -> None:
+    """ValueError, in the daemon's words, when a resolved group holds an option it reads only with
+    another one's value (the table's read_with: heloco_kappa with heloco true) at other than its
+    default while that one has another value. The daemon refuses such a group when a session is
+    created (and only then: a session an earlier muond created keeps its spec, which is why
+    RemoteOptimizer sends the group as given and leaves the refusal to the daemon); LocalOptimizer,
+    which has no daemon, calls this."""
+    table = DEFAULTS[group["optimizer"]]
     for key, (gate, values) in _READ_WITH.items():
-        if key not in resolved or resolved[key] == table[key]:
+        if group.get(key) is None or group[key] == table[key]:
             continue
-        has = "none" if resolved[gate] is None else resolved[gate]
+        has = "none" if group[gate] is None else group[gate]
         if has in values:
             continue
-        if key not in group:
-            resolved[key] = table[key]
-            continue
-        raise ValueError(f"{key}: this {name} group reads it only with {gate} "
+        raise ValueError(f"{key}: this {group['optimizer']} group reads it only with {gate} "
                          f"{' or '.join(_written(v) for v in values)}, and has {gate} "
                          f"{_written(has)}; set {gate} or leave {key} at its default {_written(table[key])}")
 

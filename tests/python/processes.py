@@ -3,10 +3,13 @@ but forked from a fork server that has imported torch once, instead of spawned i
 import it each (about 2 CPU-seconds a process on the 2-core build machine, and the suites start
 hundreds of them).
 
-The fork server imports torch and nothing else: it starts no thread, initializes no CUDA device and
-no gRPC channel, so each child begins as a spawned one would (its own gRPC channel, its own device),
-only without the import. The child unpickles its target as under spawn (the test module is
-imported there), so targets and arguments are what `spawn` takes. Safe from any thread of the test.
+The fork server imports torch and nothing else: it opens no CUDA device and no gRPC channel (the
+BLAS library's threads, which torch's import starts, are forked safely by the library's own fork
+handler), so each child begins as a spawned one would (its own gRPC channel, its own device), only
+without the import. The child unpickles its target as under spawn (the test module is imported
+there), so targets and arguments are what `spawn` takes. The children inherit the fork server's
+environment as it was when the first rank_context() call of the test process started it: a variable
+a test sets later reaches its ranks only through their arguments. Safe from any thread of the test.
 """
 
 import multiprocessing

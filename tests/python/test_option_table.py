@@ -133,8 +133,9 @@ def test_local_optimizer_refuses_an_option_out_of_range_as_the_daemon_does(endpo
 
 # An option the group reads only with another one's value (the table's read_with), given a value
 # other than its default while that one has another: (group, the daemon's words, the group's wire
-# options, the same with the option read). The default is accepted, as the clients send it for every
-# group.
+# options, the same with the option read). The daemon refuses it when the session is created (the
+# Python client sends the group as given: a session an earlier muond created keeps its spec), and
+# LocalOptimizer in the same words. The default is accepted, as the clients send it for every group.
 _UNREAD = [
     (dict(optimizer="sgd", momentum=0.9, heloco_kappa=2.0),
      "heloco_kappa: this sgd group reads it only with heloco true, and has heloco false; set "
@@ -160,11 +161,14 @@ def test_an_option_the_group_would_not_read_is_refused_naming_it(endpoint, group
     import muond  # noqa: PLC0415
 
     w = torch.nn.Parameter(torch.ones(8, 4))
-    for make in (lambda g: muond.RemoteOptimizer(g, endpoint=endpoint), muond.LocalOptimizer):
-        with pytest.raises(ValueError) as refused:
-            make([{"params": [w], **group}])
-        assert str(refused.value) == refusal
-    # The daemon refuses it too, whichever client sends it, and creates nothing.
+    with pytest.raises(muond.MuondError) as remote:
+        muond.RemoteOptimizer([{"params": [w], **group}], endpoint=endpoint)
+    assert remote.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert remote.value.details == f"spec.groups[0].options.{refusal}"
+    with pytest.raises(ValueError) as local:
+        muond.LocalOptimizer([{"params": [w], **group}])
+    assert str(local.value) == refusal
+    # Whichever client sends it, and nothing is created.
     spec = pb.SessionSpec()
     spec.groups.add(name="g0", options=pb.GroupOptions(**unread))
     spec.parameters.add(name="w", shape=[8, 4], group="g0", wire_dtype=pb.DTYPE_FP32)
@@ -185,14 +189,24 @@ def test_an_option_the_group_would_not_read_is_refused_naming_it(endpoint, group
             stub.CloseSession(pb.CloseSessionRequest(session_id="read"), timeout=10)
 
 
-def test_a_constructor_default_goes_only_to_the_groups_that_read_it(endpoint):
+def test_a_constructor_default_a_group_would_not_read_is_refused_for_that_group(endpoint):
+    """A constructor default goes to every group it applies to, as torch.optim's do; one that a group
+    would not read is refused for that group, naming it (give it to the groups that read it)."""
     import torch  # noqa: PLC0415
     import muond  # noqa: PLC0415
 
     a, b = torch.nn.Parameter(torch.ones(8)), torch.nn.Parameter(torch.ones(8))
-    for make in (lambda g, **kw: muond.RemoteOptimizer(g, endpoint=endpoint, **kw), muond.LocalOptimizer):
-        opt = make([{"params": [a], "heloco": True}, {"params": [b]}], optimizer="sgd", momentum=0.9,
-                   heloco_kappa=2.0)
+    groups = [{"params": [a], "heloco": True}, {"params": [b]}]
+    words = ("heloco_kappa: this sgd group reads it only with heloco true, and has heloco false; set heloco "
+             "or leave heloco_kappa at its default 1")
+    with pytest.raises(muond.MuondError) as remote:
+        muond.RemoteOptimizer(groups, endpoint=endpoint, optimizer="sgd", momentum=0.9, heloco_kappa=2.0)
+    assert remote.value.details == f"spec.groups[1].options.{words}"
+    with pytest.raises(ValueError, match=f"^{words}$"):
+        muond.LocalOptimizer(groups, optimizer="sgd", momentum=0.9, heloco_kappa=2.0)
+    groups[0]["heloco_kappa"] = 2.0
+    for opt in (muond.RemoteOptimizer(groups, endpoint=endpoint, optimizer="sgd", momentum=0.9),
+                muond.LocalOptimizer(groups, optimizer="sgd", momentum=0.9)):
         assert [g["heloco_kappa"] for g in opt.param_groups] == [2.0, 1.0]
         if isinstance(opt, muond.RemoteOptimizer):
             opt.close()
