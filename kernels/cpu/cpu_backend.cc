@@ -13,6 +13,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/compute_pool.h"
@@ -200,10 +201,26 @@ absl::Status CheckGemmShape(const GemmShape& s) {
   return absl::OkStatus();
 }
 
+// OpenBLAS maps a work buffer of its BUFFER_SIZE (128 MiB in Debian's build) for a calling thread,
+// and for each of its own threads, the first time each takes part in a product; it keeps them, and it
+// retries a map that fails for ever (blas_memory_alloc). Under an address-space limit the sessions had
+// filled, the daemon's first product would spin there, holding the compute pool. One product that
+// every OpenBLAS thread takes part in maps them all as the backend starts, and later products reuse
+// them. OpenBLAS threads a product of m·n·k at least 2^18 per thread and splits its rows among as
+// many threads as get at least its switch ratio of rows each (a kernel parameter, 2 by default, a few
+// dozen at most); here 64 rows and m·n·k of 2^20 per thread. A few milliseconds of compute.
+void MapBlasBuffers(int threads) {
+  const int n = 128, m = 64 * std::max(threads, 1);
+  const std::vector<float> a(static_cast<size_t>(m) * n, 0.0f), b(static_cast<size_t>(n) * n, 0.0f);
+  std::vector<float> c(static_cast<size_t>(m) * n);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, c.data(), n);
+}
+
 class CpuBackend final : public Backend {
  public:
   CpuBackend(int threads, bool host_addressable) : pool_(InitThreads(threads)), host_addressable_(host_addressable) {
     threads_ = pool_.threads();
+    MapBlasBuffers(threads_);
   }
   ~CpuBackend() override { ReleaseShared(); }
 

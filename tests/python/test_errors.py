@@ -1,6 +1,7 @@
 """Rejections surface as muond.MuondError carrying the gRPC status code and the daemon's message;
 client-side misuse is a ValueError/TypeError before anything is sent."""
 
+import concurrent.futures
 import os
 import pickle
 import re
@@ -281,19 +282,29 @@ def test_a_refused_construction_leaves_no_session_behind(endpoint):
         assert not opt.attached
 
 
-@pytest.mark.skipif(bool(os.environ.get("ASAN_OPTIONS")),
-                    reason="AddressSanitizer's allocator ends the process on a failed allocation "
-                           "instead of throwing std::bad_alloc")
-@pytest.mark.skipif(os.environ.get("MUOND_TEST_BACKEND", "cpu") != "cpu",
-                    reason="the CPU backend's host allocations are what the address-space limit bounds")
+def _under_an_address_space_limit(test):
+    """The skips of a test that limits the daemon's address space (prlimit --as)."""
+    test = pytest.mark.skipif(bool(os.environ.get("ASAN_OPTIONS")),
+                              reason="AddressSanitizer's allocator ends the process on a failed allocation "
+                                     "instead of throwing std::bad_alloc")(test)
+    return pytest.mark.skipif(os.environ.get("MUOND_TEST_BACKEND", "cpu") != "cpu",
+                              reason="the CPU backend's host allocations are what the address-space limit "
+                                     "bounds")(test)
+
+
+def _address_space(pid):
+    status = (Path("/proc") / str(pid) / "status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmSize:"))) * 1024
+
+
+@_under_an_address_space_limit
 def test_a_session_larger_than_the_daemons_memory_is_resource_exhausted(tmp_path):
     """With its address space limited to what it holds plus 2 GiB (as a container's or strict
     overcommit's limit would), a daemon cannot allocate a session of 2^31 AdamW elements (24 GiB of
     state): CreateSession answers RESOURCE_EXHAUSTED naming the failed allocation, not UNKNOWN,
     and the daemon serves on."""
     daemon = Daemon(_daemon_binary(), tmp_path / "daemon")
-    status = (Path("/proc") / str(daemon.proc.pid) / "status").read_text()
-    held = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmSize:"))) * 1024
+    held = _address_space(daemon.proc.pid)
     subprocess.run(["prlimit", "--pid", str(daemon.proc.pid), f"--as={held + (2 << 30)}"], check=True)
     try:
         conn = Connection(daemon.endpoint)
@@ -308,6 +319,43 @@ def test_a_session_larger_than_the_daemons_memory_is_resource_exhausted(tmp_path
             loss_of(model, 1).backward()
             opt.step()
             assert opt.last_info.applied
+        assert daemon.alive()
+    finally:
+        daemon.stop()
+
+
+@_under_an_address_space_limit
+def test_a_first_step_after_sessions_filled_the_address_space_is_answered(tmp_path):
+    """OpenBLAS maps a 128 MiB work buffer per thread the first time that thread multiplies, and
+    retries a failed map for ever. A daemon whose address space its sessions filled to under one
+    such buffer must still answer a Muon session's first step (its Newton-Schulz products): the
+    backend maps them as it starts. Without that, the step never came back and held the compute
+    pool, so every other session's steps waited too."""
+    daemon = Daemon(_daemon_binary(), tmp_path / "daemon")
+    try:
+        torch.manual_seed(35)
+        w = torch.nn.Parameter(torch.randn(64, 64))
+        opt = muond.RemoteOptimizer([{"params": [("w", w)], "optimizer": "muon"}], endpoint=daemon.endpoint)
+        limit = _address_space(daemon.proc.pid) + (1 << 30)
+        subprocess.run(["prlimit", "--pid", str(daemon.proc.pid), f"--as={limit}"], check=True)
+        conn = Connection(daemon.endpoint)
+        # AdamW sessions until under 100 MiB are left, keeping about 40 MiB for the step's own
+        # buffers and gRPC's: the first at 32 bytes an element (more than AdamW takes), the next
+        # at what the previous one took.
+        filled, per_element = 0, 32.0
+        while (room := limit - _address_space(daemon.proc.pid)) >= (100 << 20):
+            elements = int((room - (40 << 20)) / per_element)
+            conn.create_session(f"fill-{filled}", spec_of((elements,)))
+            per_element = (room - (limit - _address_space(daemon.proc.pid))) / elements
+            filled += 1
+        assert filled > 0
+        conn.close()
+        w.grad = torch.randn(64, 64)
+        stepped = concurrent.futures.ThreadPoolExecutor(1).submit(opt.step)
+        # The bound only ends a daemon that spins: the step takes milliseconds when it is answered.
+        stepped.result(timeout=120)
+        assert opt.last_info.applied
+        opt.close()
         assert daemon.alive()
     finally:
         daemon.stop()
