@@ -203,6 +203,15 @@ absl::Status ParseReadWith(const json& row, const OptionTable& table, OptionSpec
   const auto target = std::find_if(table.options.begin(), table.options.end(),
                                    [&](const OptionSpec& other) { return other.name == option; });
   if (target == table.options.end() || option == spec.name) return Bad(where, absl::StrCat("no other option ", option));
+  // Both are one value of the group's (a parameter's own options and Newton–Schulz's coefficients
+  // hold no value a group is read with).
+  const auto one_group_value = [](const OptionSpec& o) {
+    return o.carrier == OptionCarrier::kGroup && (o.type == OptionType::kFloat || o.type == OptionType::kInt ||
+                                                  o.type == OptionType::kBool || o.type == OptionType::kChoice);
+  };
+  if (!one_group_value(spec) || !one_group_value(*target)) {
+    return Bad(where, absl::StrCat("this option and ", option, " must each be one value of the group's"));
+  }
   for (int i = 0; i < kOptimizerCount; ++i) {
     if (spec.applies_to[i] && !target->applies_to[i])
       return Bad(where, absl::StrCat(option, " applies to fewer optimizers"));

@@ -105,6 +105,11 @@ TEST(OptionTableTest, ReadWithNamesAnotherRowAndItsValues) {
   std::string muon_y = bool_y;
   muon_y.replace(muon_y.find("sgd"), 3, "muon");
   EXPECT_THAT(with(muon_y, "[true]"), StatusIs(absl::StatusCode::kInvalidArgument, "y applies to fewer optimizers"));
+  std::string parameter_y = bool_y;
+  parameter_y.replace(parameter_y.find("group"), 5, "parameter");
+  EXPECT_THAT(with(parameter_y, "[true]"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "option x read_with: this option and y must each be one value of the group's"));
 }
 
 // An option the group reads only with another's value, set to other than its default while that one
@@ -180,6 +185,11 @@ TEST(OptionTableTest, EveryGroupRowHasOneMemberOfItsType) {
   const std::set<std::string> own_rules = {"optimizer", "ns_coefficients", "ns_custom_coefficients",
                                            "ns_coefficients_after"};
   for (const OptionSpec& spec : GroupOptionTable().options) {
+    // CheckOptionsAreRead reads both values through the members.
+    if (!spec.read_with.option.empty()) {
+      EXPECT_EQ(visited.count(spec.name), 1u) << spec.name << " is read with another option and has no member";
+      EXPECT_EQ(visited.count(spec.read_with.option), 1u) << spec.name << " is read with a row that has no member";
+    }
     if (spec.carrier != OptionCarrier::kGroup || own_rules.count(spec.name) > 0) continue;
     EXPECT_EQ(visited.count(spec.name), 1u) << spec.name << " has no GroupOptions member";
   }
