@@ -45,6 +45,8 @@ def applies_to(row: dict) -> str:
         gate = row["read_with"]
         shown = " or ".join(_number(v) if isinstance(v, bool) else f"`{v}`" for v in gate["values"])
         names += f" with `{gate['option']}` {shown}"
+    elif row.get("read_for") == "qk_clip":  # refused in a session without pairs (docs/protocol.md)
+        names += " with QK-clip pairs"
     elif row.get("muon_needs"):
         others = [n for n in row["applies_to"] if n != "muon"]
         needs = f"muon with a `{row['muon_needs']}`"

@@ -165,6 +165,11 @@ absl::StatusOr<OptionSpec> ParseOption(const json& row, const std::vector<std::s
   absl::StatusOr<OptionDefault> otherwise = ParseDefault(row.value("otherwise", json()), spec.type, where);
   if (!otherwise.ok()) return otherwise.status();
   spec.otherwise = *std::move(otherwise);
+  spec.read_for = row.value("read_for", "");
+  if (!spec.read_for.empty() && spec.read_for != "qk_clip") return Bad(where, absl::StrCat("read_for ", spec.read_for));
+  if (!spec.read_for.empty() && (spec.carrier != OptionCarrier::kGroup || spec.type != OptionType::kFloat)) {
+    return Bad(where, "read_for goes with a group's float");
+  }
   return spec;
 }
 

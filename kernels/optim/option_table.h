@@ -70,6 +70,8 @@ struct OptionSpec {
     std::vector<OptionDefault> values;
   };
   ReadWith read_with;
+  // "qk_clip": read only in a session that names QK-clip pairs (spec.qk_clip); empty otherwise.
+  std::string read_for;
 };
 
 struct CoefficientSetSpec {

@@ -98,7 +98,7 @@ std::string Written(const OptionSpec& spec, const OptionDefault& value) {
 
 }  // namespace
 
-absl::Status CheckOptionsAreRead(const GroupOptions& o) {
+absl::Status CheckOptionsAreRead(const GroupOptions& o, bool qk_clip_reads) {
   const int index = static_cast<int>(o.optimizer);
   std::vector<std::pair<const OptionSpec*, OptionDefault>> values;  // every one-value option's
   VisitOptionFields(o, [&](std::string_view name, const auto& member) {
@@ -112,8 +112,15 @@ absl::Status CheckOptionsAreRead(const GroupOptions& o) {
     return nullptr;
   };
   for (const auto& [spec, value] : values) {
-    if (spec->read_with.option.empty() || !spec->applies_to[index]) continue;
-    if (SameValue(value, spec->defaults[index])) continue;  // unread, but changes nothing
+    if (!spec->applies_to[index] || SameValue(value, spec->defaults[index])) continue;  // unread or default
+    if (spec->read_for == "qk_clip" && !qk_clip_reads) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(spec->name,
+                       ": only QK-clip reads it, and this session names no QK-clip pair (spec.qk_clip); name the "
+                       "query and key weights or leave ",
+                       spec->name, " at its default ", Written(*spec, spec->defaults[index])));
+    }
+    if (spec->read_with.option.empty()) continue;
     const OptionSpec& gate = *FindOption(spec->read_with.option);
     const OptionDefault* gate_value = value_of(gate.name);
     if (gate_value == nullptr) {  // the table's reader allows only such rows (a test checks every one)

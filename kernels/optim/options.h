@@ -217,9 +217,11 @@ absl::Status CheckOptionApplies(const GroupOptions& options, std::string_view op
 // OK unless an option the group reads only with another one's value (the table's read_with:
 // heloco_* with heloco true, namo_clamp with moment2_method namo_d) holds other than its default
 // while that one has another value: INVALID_ARGUMENT naming both. A default value passes, as the
-// clients send every option's. For a new session's spec (a session created before this check keeps
-// what it was created with).
-absl::Status CheckOptionsAreRead(const GroupOptions& options);
+// clients send every option's. So for an option only QK-clip reads (the table's read_for qk_clip:
+// qk_clip_threshold, qk_clip_alpha) when `qk_clip_reads` is false: the session names no QK-clip pair
+// (a shard of a sharded session, which sees only its own pairs, passes true). For a new session's
+// spec (a session created before this check keeps what it was created with).
+absl::Status CheckOptionsAreRead(const GroupOptions& options, bool qk_clip_reads);
 
 // Names used on the wire and in logs.
 std::string_view OptimizerName(OptimizerKind kind);

@@ -403,6 +403,8 @@ class LocalOptimizer(torch.optim.Optimizer):
         self._names = names
         self._by_name = dict(zip(names, self._params))
         self.qk_clip = qk.pairs_of(qk_clip, self._params, self._names)
+        for group in self.param_groups if not self.qk_clip else ():
+            opts.check_read(group, qk_clip_reads=False)
         qk.check_shapes(self.qk_clip, self._by_name,
                         {n: g["optimizer"] for g in self.param_groups for n in g["param_names"]})
 
@@ -418,7 +420,8 @@ class LocalOptimizer(torch.optim.Optimizer):
             param_group = self._named_new_group(param_group)
         resolved = opts.resolve_group(param_group, self._user_defaults)
         opts.check_ranges(resolved)
-        opts.check_read(resolved)
+        # During construction the QK-clip pairs are not known yet: checked once they are (below).
+        opts.check_read(resolved, qk_clip_reads=bool(getattr(self, "qk_clip", True)))
         finite_steps.check_ns_growth(resolved)
         opts.check_shapes(resolved, [tuple(p.shape) for p in resolved["params"]])
         super().add_param_group(resolved)

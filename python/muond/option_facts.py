@@ -136,6 +136,11 @@ READ_WITH: Dict[str, Tuple[str, Tuple[Any, ...]]] = {
     row["name"]: (row["read_with"]["option"], tuple(row["read_with"]["values"]))
     for row in TABLE["options"] if "read_with" in row}
 
+# Options only QK-clip reads (the table's read_for qk_clip): refused at other than their default in
+# a session that names no QK-clip pair.
+READ_FOR_QK_CLIP: Tuple[str, ...] = tuple(
+    row["name"] for row in TABLE["options"] if row.get("read_for") == "qk_clip")
+
 
 # Options of a Muon group that only its second moment (moment2_method) reads.
 MUON_MOMENT2: Tuple[str, ...] = tuple(

@@ -36,7 +36,7 @@ import torch
 from ._stubs import pb
 from .option_facts import (CHOICE_DEFAULTS, COEFFICIENT_SETS, COEFFICIENTS_AFTER, DEFAULTS,
                            GRAM_RESTARTS, MUON_MOMENT2 as _MUON_MOMENT2, NAMED_VALUES as _CHOICES,
-                           OPTIMIZERS, PER_STEP, RANGES, READ_WITH as _READ_WITH, ROWS, SET_STEPS, matrix_shapes,
+                           OPTIMIZERS, PER_STEP, RANGES, READ_FOR_QK_CLIP as _READ_FOR_QK_CLIP, READ_WITH as _READ_WITH, ROWS, SET_STEPS, matrix_shapes,
                            range_error, slot_shape)
 
 __all__ = ["ALL_OPTIONS", "COEFFICIENT_SETS", "COEFFICIENTS_AFTER", "DEFAULTS", "GRAM_RESTARTS",
@@ -272,14 +272,21 @@ def _written(value: Any) -> str:
     return f"{value:g}" if isinstance(value, (int, float)) else str(value)
 
 
-def check_read(group: Mapping[str, Any]) -> None:
+def check_read(group: Mapping[str, Any], qk_clip_reads: bool = True) -> None:
     """ValueError, in the daemon's words, when a resolved group holds an option it reads only with
     another one's value (the table's read_with: heloco_kappa with heloco true) at other than its
-    default while that one has another value. The daemon refuses such a group when a session is
+    default while that one has another value, or, with ``qk_clip_reads`` false (no QK-clip pair), an
+    option only QK-clip reads (qk_clip_threshold, qk_clip_alpha) at other than its default. The
+    daemon refuses such a group when a session is
     created (and only then: a session an earlier muond created keeps its spec, which is why
     RemoteOptimizer sends the group as given and leaves the refusal to the daemon); LocalOptimizer,
     which has no daemon, calls this."""
     table = DEFAULTS[group["optimizer"]]
+    for key in () if qk_clip_reads else _READ_FOR_QK_CLIP:
+        if key in table and group.get(key) is not None and group[key] != table[key]:
+            raise ValueError(f"{key}: only QK-clip reads it, and this session names no QK-clip pair "
+                             f"(spec.qk_clip); name the query and key weights or leave {key} at its "
+                             f"default {_written(table[key])}")
     for key, (gate, values) in _READ_WITH.items():
         if group.get(key) is None or group[key] == table[key]:
             continue

@@ -116,26 +116,50 @@ TEST(OptionTableTest, ReadWithNamesAnotherRowAndItsValues) {
 // has another: refused naming both; its default, or the other's value that reads it, passes.
 TEST(OptionTableTest, AnOptionTheGroupWouldNotReadIsRefused) {
   GroupOptions sgd = DefaultOptions(OptimizerKind::kSgd);
-  EXPECT_TRUE(CheckOptionsAreRead(sgd).ok()) << "every default";
+  EXPECT_TRUE(CheckOptionsAreRead(sgd, true).ok()) << "every default";
   sgd.heloco_kappa = 2;
-  EXPECT_THAT(CheckOptionsAreRead(sgd),
+  EXPECT_THAT(CheckOptionsAreRead(sgd, true),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        "heloco_kappa: this sgd group reads it only with heloco true, and has heloco false; set "
                        "heloco or leave heloco_kappa at its default 1"));
   sgd.heloco = true;
-  EXPECT_TRUE(CheckOptionsAreRead(sgd).ok());
+  EXPECT_TRUE(CheckOptionsAreRead(sgd, true).ok());
   GroupOptions muon = DefaultOptions(OptimizerKind::kMuon);
   muon.moment2_method = Moment2Method::kNamo;
   muon.namo_clamp = 0;
-  EXPECT_THAT(CheckOptionsAreRead(muon),
+  EXPECT_THAT(CheckOptionsAreRead(muon, true),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        "namo_clamp: this muon group reads it only with moment2_method namo_d, and has "
                        "moment2_method namo; set moment2_method or leave namo_clamp at its default 0.75"));
   muon.moment2_method = Moment2Method::kNamoD;
-  EXPECT_TRUE(CheckOptionsAreRead(muon).ok());
+  EXPECT_TRUE(CheckOptionsAreRead(muon, true).ok());
   GroupOptions adamw = DefaultOptions(OptimizerKind::kAdamW);
   adamw.heloco_kappa = 2;  // a member AdamW does not have a row for: not its to check
-  EXPECT_TRUE(CheckOptionsAreRead(adamw).ok());
+  EXPECT_TRUE(CheckOptionsAreRead(adamw, true).ok());
+}
+
+// QK-clip's options are read only in a session that names QK-clip pairs: set to other than their
+// default in a session without, refused naming the option; the defaults, or a session with pairs
+// (or a shard, which sees only its own), pass.
+TEST(OptionTableTest, QkClipOptionsWithoutPairsAreRefused) {
+  GroupOptions muon = DefaultOptions(OptimizerKind::kMuon);
+  EXPECT_TRUE(CheckOptionsAreRead(muon, false).ok()) << "every default";
+  muon.qk_clip_threshold = 50;
+  EXPECT_THAT(CheckOptionsAreRead(muon, false),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "qk_clip_threshold: only QK-clip reads it, and this session names no QK-clip pair "
+                       "(spec.qk_clip); name the query and key weights or leave qk_clip_threshold at its default 100"));
+  EXPECT_TRUE(CheckOptionsAreRead(muon, true).ok());
+  muon.qk_clip_threshold = 100;
+  muon.qk_clip_alpha = 1;
+  EXPECT_THAT(CheckOptionsAreRead(muon, false),
+              StatusIs(absl::StatusCode::kInvalidArgument, "qk_clip_alpha: only QK-clip reads it"));
+  EXPECT_TRUE(ParseOptionTable(TableWith(R"({"name": "x", "carrier": "group", "applies_to": ["muon"],
+                                             "type": "float", "read_for": "qk_clip", "default": 1, "doc": "d"})"))
+                  .ok());
+  EXPECT_THAT(ParseOptionTable(TableWith(R"({"name": "x", "carrier": "group", "applies_to": ["muon"],
+                                             "type": "float", "read_for": "dion", "default": 1, "doc": "d"})")),
+              StatusIs(absl::StatusCode::kInvalidArgument, "option x: read_for dion"));
 }
 
 // ns_preconditioner aol brings Turbo-Muon's set and 4 steps (the table's choice_defaults), together:

@@ -210,3 +210,37 @@ def test_a_constructor_default_a_group_would_not_read_is_refused_for_that_group(
         assert [g["heloco_kappa"] for g in opt.param_groups] == [2.0, 1.0]
         if isinstance(opt, muond.RemoteOptimizer):
             opt.close()
+
+
+def test_qk_clip_options_in_a_session_without_pairs_are_refused(endpoint):
+    """qk_clip_threshold and qk_clip_alpha are read only for a QK-clip pair's query: given to a
+    session that names no pair (qk_clip forgotten), they are refused naming the option, by the
+    daemon and by LocalOptimizer alike. With pairs, a constructor default also reaches the groups
+    that hold no query, as torch.optim's defaults do, and is accepted there."""
+    import torch  # noqa: PLC0415
+    import muond  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    q, k, w = (torch.nn.Parameter(torch.randn(8, 8)) for _ in range(3))
+    groups = [{"params": [("q", q), ("k", k)]}, {"params": [("w", w)]}]
+    words = ("qk_clip_threshold: only QK-clip reads it, and this session names no QK-clip pair (spec.qk_clip); "
+             "name the query and key weights or leave qk_clip_threshold at its default 100")
+    with pytest.raises(muond.MuondError) as remote:
+        muond.RemoteOptimizer(groups, endpoint=endpoint, qk_clip_threshold=50.0)
+    assert remote.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert remote.value.details == f"spec.groups[0].options.{words}"
+    with pytest.raises(ValueError) as local:
+        muond.LocalOptimizer(groups, qk_clip_threshold=50.0)
+    assert str(local.value) == words
+    with pytest.raises(ValueError, match="^qk_clip_alpha: only QK-clip reads it, "):
+        muond.LocalOptimizer(groups, qk_clip_alpha=0.25)
+    pairs = [("q", "k", 2)]
+    remote_opt = muond.RemoteOptimizer(groups, endpoint=endpoint, qk_clip=pairs, qk_clip_threshold=50.0)
+    local_opt = muond.LocalOptimizer(groups, qk_clip=pairs, qk_clip_threshold=50.0)
+    for opt in (remote_opt, local_opt):
+        assert [g["qk_clip_threshold"] for g in opt.param_groups] == [50.0, 50.0]
+    remote_opt.close()
+    # A group added later to a LocalOptimizer without pairs is checked as at construction.
+    plain = muond.LocalOptimizer([{"params": [("w", w)]}])
+    with pytest.raises(ValueError, match="^qk_clip_threshold: only QK-clip reads it, "):
+        plain.add_param_group({"params": [("q", q)], "qk_clip_threshold": 50.0})

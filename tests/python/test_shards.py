@@ -371,12 +371,15 @@ def test_a_refused_sharded_attach_rolls_back_what_it_created(three):
     a, b, c = (d.endpoint for d in three)
     session = f"orphans-{uuid.uuid4().hex[:8]}"
     # b holds an unsharded session of that id, and a already holds another session.
-    model = AttentionNet(seed=4)
-    with muond.RemoteOptimizer(groups(model), endpoint=b, session=session) as plain, \
-            muond.RemoteOptimizer(groups(AttentionNet(seed=5)), endpoint=a, session="kept") as kept:
+    model, other, again = AttentionNet(seed=4), AttentionNet(seed=5), AttentionNet(seed=4)
+    with muond.RemoteOptimizer(groups(model), endpoint=b, session=session,
+                               qk_clip=[(model.wq, model.wk, HEADS)]) as plain, \
+            muond.RemoteOptimizer(groups(other), endpoint=a, session="kept",
+                                  qk_clip=[(other.wq, other.wk, HEADS)]) as kept:
         one_step_plain(model, plain)
         with pytest.raises(muond.MuondError) as err:
-            muond.RemoteOptimizer(groups(AttentionNet(seed=4)), endpoints=[a, b, c], session=session)
+            muond.RemoteOptimizer(groups(again), endpoints=[a, b, c], session=session,
+                                  qk_clip=[(again.wq, again.wk, HEADS)])
         assert err.value.code == grpc.StatusCode.ALREADY_EXISTS
         # a and c keep nothing of the refused attach (it counted against --max-sessions and the
         # quotas); b's session and a's other session are untouched.
