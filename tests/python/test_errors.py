@@ -326,15 +326,16 @@ def test_a_session_larger_than_the_daemons_memory_is_resource_exhausted(tmp_path
 
 @_under_an_address_space_limit
 def test_a_first_step_after_sessions_filled_the_address_space_is_answered(tmp_path):
-    """OpenBLAS maps a 128 MiB work buffer per thread the first time that thread multiplies, and
-    retries a failed map for ever. A daemon whose address space its sessions filled to under one
-    such buffer must still answer a Muon session's first step (its Newton-Schulz products): the
-    backend maps them as it starts. Without that, the step never came back and held the compute
-    pool, so every other session's steps waited too."""
+    """OpenBLAS maps a 128 MiB work buffer for a calling thread at its first product, and retries
+    a failed map for ever. A daemon whose address space its sessions filled to under one such
+    buffer must still answer a Muon session's first step (its Newton-Schulz products): the backend
+    maps it as it starts. Without that, the step never came back and held the compute pool, so
+    every other session's steps waited too. The matrix is large enough for OpenBLAS to multiply it
+    on all its threads."""
     daemon = Daemon(_daemon_binary(), tmp_path / "daemon")
     try:
         torch.manual_seed(35)
-        w = torch.nn.Parameter(torch.randn(64, 64))
+        w = torch.nn.Parameter(torch.randn(256, 256))
         opt = muond.RemoteOptimizer([{"params": [("w", w)], "optimizer": "muon"}], endpoint=daemon.endpoint)
         limit = _address_space(daemon.proc.pid) + (1 << 30)
         subprocess.run(["prlimit", "--pid", str(daemon.proc.pid), f"--as={limit}"], check=True)
@@ -350,7 +351,7 @@ def test_a_first_step_after_sessions_filled_the_address_space_is_answered(tmp_pa
             filled += 1
         assert filled > 0
         conn.close()
-        w.grad = torch.randn(64, 64)
+        w.grad = torch.randn(256, 256)
         stepped = concurrent.futures.ThreadPoolExecutor(1).submit(opt.step)
         # The bound only ends a daemon that spins: the step takes milliseconds when it is answered.
         stepped.result(timeout=120)
