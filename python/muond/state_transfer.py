@@ -123,7 +123,9 @@ class StateTransfer(_Core):
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Replaces the daemon's state (masters, slots, step counters) with ``state_dict`` from
         ``state_dict()``, copies the masters into the parameters, and restores the groups' lr,
-        momentum and weight decay. The session's other options must match the saved ones.
+        momentum and weight decay. The session's other options must match the saved ones. A
+        ``LocalOptimizer``'s state dict loads too: the parameters' current values become the
+        masters, its slots and step counts the daemon's (``_from_local_state_dict``).
 
         In an asynchronous session the daemon's state is shared by ranks that wait for nobody:
         once the session has applied a push, loading restores this rank's place in it instead —
@@ -153,9 +155,12 @@ class StateTransfer(_Core):
         """``load_state_dict`` without the hooks."""
         self.flush()
         self._last_step_record.forget()  # param_groups come from the state dict from here on
+        if "muond" not in state_dict and "last_step" in state_dict:
+            state_dict = self._from_local_state_dict(state_dict)
         meta = state_dict.get("muond")
         if not meta or meta.get("format") != _STATE_FORMAT:
-            raise ValueError("not a RemoteOptimizer state dict (no 'muond' section of format 1)")
+            raise ValueError("not a RemoteOptimizer or LocalOptimizer state dict (no 'muond' section of "
+                             "format 1, no 'last_step')")
         check_saved_names(meta.get("names"), self._names)
         saved_groups = state_dict["param_groups"]
         self._check_saved_groups(saved_groups)
@@ -197,6 +202,29 @@ class StateTransfer(_Core):
                                 if "master" in state.get(i, {})})
         self._note_parameters()
         self._restore_group_options(saved_groups)
+
+    def _from_local_state_dict(self, local: Dict[str, Any]) -> Dict[str, Any]:
+        """A ``LocalOptimizer``'s state dict as one of this optimizer's: its slots and step counts
+        over the daemon's current state (which has every slot, so that a parameter the local
+        optimizer never stepped keeps zeros, as it had there), the parameters' current values as
+        the masters (a ``LocalOptimizer``'s masters are its parameters), its last step and loss
+        scaler."""
+        names = [n for group in local["param_groups"] for n in group.get("param_names", ())]
+        check_saved_names(names or None, self._names)
+        if self.partitioned:
+            raise ValueError("a LocalOptimizer's state dict holds whole tensors; this optimizer is rank "
+                             f"{self.rank} of a session with partitioned groups")
+        current = self._read_state_dict()
+        state = current["state"]
+        for i, name in enumerate(self._names):
+            entry = state.setdefault(i, {})
+            if "master" in entry:
+                master = entry["master"]
+                entry["master"] = self._by_name[name].detach().to("cpu").reshape(master.shape).to(master.dtype)
+            entry.update(local["state"].get(i, {}))
+        meta = dict(current["muond"], last_step=int(local["last_step"]),
+                    loss_scaler=local.get("loss_scaler") or current["muond"].get("loss_scaler"))
+        return {"state": state, "param_groups": local["param_groups"], "muond": meta}
 
     def _restore_group_options(self, saved_groups: List[Dict[str, Any]]) -> None:
         """The groups' lr, momentum and weight decay (and initial_lr) as saved."""

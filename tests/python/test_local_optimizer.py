@@ -235,3 +235,57 @@ def test_an_empty_parameter_steps_beside_the_others():
     e.grad, w.grad = torch.zeros(0, 4), torch.ones(4, 4)
     opt.step()
     assert opt.last_info.applied
+
+
+@pytest.mark.parametrize("group", [{"optimizer": "muon", "lr": 0.02},
+                                   {"optimizer": "adamw", "lr": 0.01, "exp_avg_sq_dtype": "bf16"}],
+                         ids=["muon", "adamw-bf16"])
+def test_a_local_optimizers_state_dict_loads_into_a_remote_one(endpoint, group):
+    """Trained in-process, then moved to a daemon: a RemoteOptimizer on the same parameters loads
+    the LocalOptimizer's state dict (the parameters are the masters; the momentum, moments and step
+    counts come along), and both go on equally. Started afresh instead, the remote one would not:
+    its slots would begin at zero. A parameter the local optimizer never stepped keeps zeros."""
+    torch.manual_seed(5)
+    w = torch.nn.Parameter(torch.randn(6, 4))
+    idle = torch.nn.Parameter(torch.randn(3, 4))
+    local = muond.LocalOptimizer([{"params": [("w", w), ("idle", idle)], **group}])
+    for _ in range(3):
+        w.grad = torch.randn(6, 4)
+        local.step()
+    saved = local.state_dict()
+    remote_w, remote_idle = torch.nn.Parameter(w.detach().clone()), torch.nn.Parameter(idle.detach().clone())
+    fresh_w = torch.nn.Parameter(w.detach().clone())
+    remote = muond.RemoteOptimizer([{"params": [("w", remote_w), ("idle", remote_idle)], **group}],
+                                   endpoint=endpoint)
+    fresh = muond.RemoteOptimizer([{"params": [("w", fresh_w), ("idle", torch.nn.Parameter(idle.detach().clone()))],
+                                    **group}], endpoint=endpoint)
+    remote.load_state_dict(saved)
+    assert remote.last_step == 3
+    loaded = remote.state_dict()["state"]
+    assert loaded[0]["step"] == 3 and loaded[1]["step"] == 0
+    assert all(torch.count_nonzero(t) == 0 for k, t in loaded[1].items() if k not in ("master", "step"))
+    for _ in range(2):
+        g = torch.randn(6, 4)
+        w.grad, remote_w.grad, fresh_w.grad = g.clone(), g.clone(), g.clone()
+        local.step()
+        remote.step()
+        fresh.step()
+    assert remote.last_step == 5
+    assert torch.allclose(remote_w.detach(), w.detach(), rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(fresh_w.detach(), w.detach(), rtol=1e-5, atol=1e-6)
+    assert torch.equal(remote_idle.detach(), idle.detach())
+    remote.close()
+    fresh.close()
+
+
+def test_a_local_state_dict_of_other_names_is_refused_by_a_remote_optimizer(endpoint):
+    a = torch.nn.Parameter(torch.ones(3))
+    local = muond.LocalOptimizer([{"params": [("a", a)], "optimizer": "sgd", "lr": 0.1}])
+    a.grad = torch.ones(3)
+    local.step()
+    remote = muond.RemoteOptimizer([{"params": [("b", torch.nn.Parameter(torch.ones(3)))],
+                                     "optimizer": "sgd", "lr": 0.1}], endpoint=endpoint)
+    with pytest.raises(ValueError, match="loading by position would swap their states"):
+        remote.load_state_dict(local.state_dict())
+    assert remote.last_step == 0
+    remote.close()
