@@ -395,18 +395,20 @@ class LocalOptimizer(torch.optim.Optimizer):
         groups, names = named_groups(params)
         super().__init__(groups, {})
         self.defaults = opts.resolved_defaults(self.param_groups, defaults)  # as torch lists them
-        with torch.no_grad():  # 16-bit masters hold the parameters rounded, as the daemon's upload
-            for group in self.param_groups:
-                for p in group["params"]:
-                    _round_master(p, group)
         self._params = [p for g in self.param_groups for p in g["params"]]
         self._names = names
         self._by_name = dict(zip(names, self._params))
         self.qk_clip = qk.pairs_of(qk_clip, self._params, self._names)
-        for group in self.param_groups if not self.qk_clip else ():
-            opts.check_read(group, qk_clip_reads=False)
         qk.check_shapes(self.qk_clip, self._by_name,
                         {n: g["optimizer"] for g in self.param_groups for n in g["param_names"]})
+        # The daemon's last check of a new session, group by group, now that the pairs are known.
+        for group in self.param_groups:
+            opts.check_read(group, qk_clip_reads=bool(self.qk_clip))
+        # Every check passed: only now are the parameters changed.
+        with torch.no_grad():  # 16-bit masters hold the parameters rounded, as the daemon's upload
+            for group in self.param_groups:
+                for p in group["params"]:
+                    _round_master(p, group)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """torch's ``add_param_group``; after construction the new parameters are named as at
@@ -420,8 +422,8 @@ class LocalOptimizer(torch.optim.Optimizer):
             param_group = self._named_new_group(param_group)
         resolved = opts.resolve_group(param_group, self._user_defaults)
         opts.check_ranges(resolved)
-        # During construction the QK-clip pairs are not known yet: checked once they are (below).
-        opts.check_read(resolved, qk_clip_reads=bool(getattr(self, "qk_clip", True)))
+        if constructed:  # during construction, once the QK-clip pairs are known (__init__)
+            opts.check_read(resolved, qk_clip_reads=bool(self.qk_clip))
         finite_steps.check_ns_growth(resolved)
         opts.check_shapes(resolved, [tuple(p.shape) for p in resolved["params"]])
         super().add_param_group(resolved)

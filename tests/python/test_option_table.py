@@ -240,6 +240,11 @@ def test_qk_clip_options_in_a_session_without_pairs_are_refused(endpoint):
     for opt in (remote_opt, local_opt):
         assert [g["qk_clip_threshold"] for g in opt.param_groups] == [50.0, 50.0]
     remote_opt.close()
+    # Refused before anything changed: a bf16 master would have rounded the parameter in place.
+    exact = q.detach().clone()
+    with pytest.raises(ValueError, match="^qk_clip_threshold: only QK-clip reads it, "):
+        muond.LocalOptimizer([{"params": [("q", q)], "master_dtype": "bf16"}], qk_clip_threshold=50.0)
+    assert torch.equal(q.detach(), exact)
     # A group added later to a LocalOptimizer without pairs is checked as at construction.
     plain = muond.LocalOptimizer([{"params": [("w", w)]}])
     with pytest.raises(ValueError, match="^qk_clip_threshold: only QK-clip reads it, "):

@@ -98,6 +98,12 @@ def groups(model):
             {"name": "adamw", "params": adamw, "optimizer": "adamw", "lr": 0.01}]
 
 
+def sharded(model, **kwargs):
+    """A RemoteOptimizer of the model's groups naming its QK-clip pair, whose query reads the muon
+    group's qk_clip_threshold."""
+    return muond.RemoteOptimizer(groups(model), qk_clip=[(model.wq, model.wk, HEADS)], **kwargs)
+
+
 def batch(step, rank):
     gen = torch.Generator().manual_seed(1000 * rank + step)
     return torch.randint(0, 32, (4, 6), generator=gen)
@@ -335,18 +341,18 @@ def test_wrong_endpoint_order_or_count_is_refused(three, start_daemon):
     endpoints = [d.endpoint for d in three]
     model = AttentionNet(seed=3)
     session = f"order-{uuid.uuid4().hex[:8]}"
-    with muond.RemoteOptimizer(groups(model), endpoints=endpoints, session=session) as opt:
+    with sharded(model, endpoints=endpoints, session=session) as opt:
         one_step_plain(model, opt)
         for wrong in ([endpoints[1], endpoints[0], endpoints[2]], endpoints[:2],
                       endpoints + [start_daemon().endpoint]):
             with pytest.raises(muond.MuondError) as err:
-                muond.RemoteOptimizer(groups(AttentionNet(seed=3)), endpoints=wrong, session=session)
+                sharded(AttentionNet(seed=3), endpoints=wrong, session=session)
             assert err.value.code == grpc.StatusCode.ALREADY_EXISTS
             assert "spec.shard.endpoints" in err.value.details
             assert "give the endpoints in the order the session was created with" in err.value.details
         # One endpoint sends no placement: refused all the same, with the session's endpoints.
         with pytest.raises(muond.MuondError) as err:
-            muond.RemoteOptimizer(groups(AttentionNet(seed=3)), endpoint=endpoints[0], session=session)
+            sharded(AttentionNet(seed=3), endpoint=endpoints[0], session=session)
         assert err.value.code == grpc.StatusCode.ALREADY_EXISTS
         assert f"spec.shard: the session is shard 0 of a session placed on 3 daemons [{', '.join(endpoints)}]" \
             in err.value.details
@@ -392,6 +398,24 @@ def test_a_refused_sharded_attach_rolls_back_what_it_created(three):
         assert kept.last_step == 0
 
 
+def test_a_new_sharded_session_without_pairs_refuses_qk_clip_options(three):
+    """Each daemon sees only its own shard's QK-clip pairs, so the client refuses what an unsharded
+    daemon would: QK-clip's threshold in a session that names no pair. The sessions the open created
+    go; with the pair named, the same id is created afresh."""
+    endpoints = [d.endpoint for d in three]
+    model = AttentionNet(seed=6)
+    session = f"no-pairs-{uuid.uuid4().hex[:8]}"
+    with pytest.raises(muond.MuondError) as err:
+        muond.RemoteOptimizer(groups(model), endpoints=endpoints, session=session)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details == ("spec.groups[0].options.qk_clip_threshold: only QK-clip reads it, and this "
+                                 "session names no QK-clip pair (spec.qk_clip); name the query and key weights "
+                                 "or leave qk_clip_threshold at its default 100")
+    assert all(session not in session_ids(endpoint) for endpoint in endpoints)
+    with sharded(model, endpoints=endpoints, session=session) as opt:
+        assert not opt.attached
+
+
 def one_step_plain(model, opt):
     opt.zero_grad()
     loss, _ = model(batch(opt.last_step + 1, 0))
@@ -405,7 +429,7 @@ def test_a_shard_restored_to_an_older_checkpoint_is_named(start_daemon, tmp_path
     endpoints = [d.endpoint for d in daemons]
     model = AttentionNet(seed=3)
     session = f"behind-{uuid.uuid4().hex[:8]}"
-    opt = muond.RemoteOptimizer(groups(model), endpoints=endpoints, session=session)
+    opt = sharded(model, endpoints=endpoints, session=session)
     for _ in range(3):
         one_step_plain(model, opt)
     assert opt.checkpoint() == 3  # every shard at step 3
@@ -421,7 +445,7 @@ def test_a_shard_restored_to_an_older_checkpoint_is_named(start_daemon, tmp_path
     assert f"shard 1 ({endpoints[1]}) at step 3, the others at step 5" in err.value.details
     opt.close(keep_session=True)
     with pytest.raises(muond.MuondError) as err:
-        muond.RemoteOptimizer(groups(AttentionNet(seed=3)), endpoints=endpoints, session=session)
+        sharded(AttentionNet(seed=3), endpoints=endpoints, session=session)
     assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
     assert f"shard 1 ({endpoints[1]}) at step 3, the others at step 5" in err.value.details
 
@@ -429,7 +453,7 @@ def test_a_shard_restored_to_an_older_checkpoint_is_named(start_daemon, tmp_path
 def test_state_dict_round_trips_across_shards(three):
     endpoints = [d.endpoint for d in three]
     model = AttentionNet(seed=3)
-    with muond.RemoteOptimizer(groups(model), endpoints=endpoints) as opt:
+    with sharded(model, endpoints=endpoints) as opt:
         for _ in range(3):
             one_step_plain(model, opt)
         saved = opt.state_dict()
