@@ -203,12 +203,13 @@ absl::Status CheckGemmShape(const GemmShape& s) {
 
 // OpenBLAS maps a work buffer of its BUFFER_SIZE (128 MiB in Debian's build) for each of its threads
 // as it starts it, and one for a calling thread at that thread's first product, which later callers
-// reuse; it retries a map that fails for ever (blas_memory_alloc). Under an address-space limit the
-// sessions had filled, the daemon's first product spun there, holding the compute pool. One product
-// as the backend starts maps them. It is split among all of OpenBLAS's threads, should a build start
-// them only when a product needs them: OpenBLAS threads a product of m·n·k over 2^18 per thread and
-// gives each thread at least its switch ratio of rows (a few dozen at most); here 2^20 and 64 rows per
-// thread. A few milliseconds.
+// reuse (Gemm runs one product at a time, behind the pool's gate); it retries a map that fails for
+// ever (blas_memory_alloc). Under an address-space limit the sessions had filled, the daemon's first
+// product spun there, holding the compute pool. One product as the backend starts maps them (with
+// Debian's build: one built with USE_TLS keeps a buffer per calling thread instead). It is split among all of
+// OpenBLAS's threads, should a build start them only when a product needs them: OpenBLAS threads a product of m·n·k
+// over 2^18 per thread and gives each thread at least its switch ratio of rows (a few dozen at most); here 2^20 and 64
+// rows per thread. A few milliseconds.
 void MapBlasBuffers(int threads) {
   const int n = 128, m = 64 * std::max(threads, 1);
   const std::vector<float> a(static_cast<size_t>(m) * n, 0.0f), b(static_cast<size_t>(n) * n, 0.0f);

@@ -91,7 +91,7 @@ bool SameValue(const OptionDefault& a, const OptionDefault& b) { return a.number
 // How a refusal writes a table value of `spec`: true/false, a number, or a choice's name.
 std::string Written(const OptionSpec& spec, const OptionDefault& value) {
   if (!value.name.empty()) return value.name;
-  if (!value.number.has_value()) return "unset";
+  if (!value.number.has_value()) return "none";  // as the Python client writes None
   if (spec.type == OptionType::kBool) return *value.number != 0 ? "true" : "false";
   return absl::StrCat(*value.number);
 }
@@ -123,7 +123,9 @@ absl::Status CheckOptionsAreRead(const GroupOptions& o, bool qk_clip_reads) {
     if (spec->read_with.option.empty()) continue;
     const OptionSpec& gate = *FindOption(spec->read_with.option);
     const OptionDefault* gate_value = value_of(gate.name);
-    if (gate_value == nullptr) {  // the table's reader allows only such rows (a test checks every one)
+    // A row read with the optimizer, which no member holds, would pass the table's reader: a test
+    // checks that every row of the embedded table names a member.
+    if (gate_value == nullptr) {
       return absl::InternalError(absl::StrCat(spec->name, ": read with ", gate.name, ", which no group holds"));
     }
     const bool read = std::any_of(spec->read_with.values.begin(), spec->read_with.values.end(),

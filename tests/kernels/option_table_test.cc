@@ -160,6 +160,9 @@ TEST(OptionTableTest, QkClipOptionsWithoutPairsAreRefused) {
   EXPECT_THAT(ParseOptionTable(TableWith(R"({"name": "x", "carrier": "group", "applies_to": ["muon"],
                                              "type": "float", "read_for": "dion", "default": 1, "doc": "d"})")),
               StatusIs(absl::StatusCode::kInvalidArgument, "option x: read_for dion"));
+  EXPECT_THAT(ParseOptionTable(TableWith(R"({"name": "x", "carrier": "group", "applies_to": ["muon"],
+                                             "type": "int", "read_for": "qk_clip", "default": 1, "doc": "d"})")),
+              StatusIs(absl::StatusCode::kInvalidArgument, "option x: read_for goes with a group's float"));
 }
 
 // ns_preconditioner aol brings Turbo-Muon's set and 4 steps (the table's choice_defaults), together:
@@ -210,6 +213,9 @@ TEST(OptionTableTest, EveryGroupRowHasOneMemberOfItsType) {
                                            "ns_coefficients_after"};
   for (const OptionSpec& spec : GroupOptionTable().options) {
     // CheckOptionsAreRead reads both values through the members.
+    if (!spec.read_for.empty()) {
+      EXPECT_EQ(visited.count(spec.name), 1u) << spec.name << " is read only with QK-clip and has no member";
+    }
     if (!spec.read_with.option.empty()) {
       EXPECT_EQ(visited.count(spec.name), 1u) << spec.name << " is read with another option and has no member";
       EXPECT_EQ(visited.count(spec.read_with.option), 1u) << spec.name << " is read with a row that has no member";
