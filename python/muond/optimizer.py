@@ -452,7 +452,9 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
             opened = self._on_every_session(lambda k, session: session.open(self._shard_spec(k), rank))
             self.attached = any(attached for attached, _ in opened)
             if len(self.endpoints) > 1 and not self.attached:
-                self._check_whole_session_reads()
+                # Only for a session this optimizer created: one an earlier client created keeps
+                # the spec it was created with.
+                session_spec.check_sharded_reads(self.param_groups, self.qk_clip)
             steps = [step for _, step in opened]
             answered = list(steps)  # the step each shard's attach answer is of
             if len(set(steps)) > 1:
@@ -479,20 +481,6 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
             raise
         if self.loss_scaler is not None:
             self.loss_scale = self._sessions[0].loss_scale
-
-    def _check_whole_session_reads(self) -> None:
-        """What no daemon of a new sharded session can check, each seeing only its own QK-clip
-        pairs: without any pair, QK-clip's options (qk_clip_threshold, qk_clip_alpha) at other than
-        their defaults are refused as an unsharded daemon refuses them (INVALID_ARGUMENT, in its
-        words); the sessions just created go with the refused open. Only for a session this
-        optimizer created: one an earlier client created keeps the spec it was created with."""
-        if self.qk_clip:
-            return
-        for i, group in enumerate(self.param_groups):
-            try:
-                opts.check_read(group, qk_clip_reads=False)
-            except ValueError as err:
-                raise MuondError(grpc.StatusCode.INVALID_ARGUMENT, f"spec.groups[{i}].options.{err}") from None
 
     def resume_param_groups(self, scheduler: Any = None) -> None:
         """Sets each group's ``lr``, ``momentum``, ``weight_decay`` and ``betas`` to what the
