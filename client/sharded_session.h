@@ -49,7 +49,9 @@ class ShardedSession {
   // Uploads every parameter's initial value, each to its daemon.
   absl::Status UploadParameters(std::span<const TensorView> parameters);
   // One step over every shard (see the class comment); the reply carries every parameter (or writes
-  // those of options.parameters_out) as Session::Step does.
+  // those of options.parameters_out) as Session::Step does. An error after its tries may leave the
+  // step committed on some shards only: send it again with the same number, gradients and options
+  // (other gradients would be committed on the shards behind with the decision the others applied).
   absl::StatusOr<StepReply> Step(int64_t step, std::span<const TensorView> gradients, const StepOptions& options = {});
   absl::StatusOr<ParameterMap> GetParameters(int64_t* last_step = nullptr);
   // Checkpoints every shard; their common step.

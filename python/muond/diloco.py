@@ -105,6 +105,8 @@ class _Sync:
         # Answered as the replay of an applied first try: this worker is a sync behind the others,
         # who sent the next session step at the point this retry went out.
         self.realign = False
+        # A retry sent as its failed try was (the same Δ and weight): over a sharded outer session.
+        self.resent = False
         self.thread: Optional[threading.Thread] = None
         self.stream: Optional[Any] = None  # the CUDA stream the step's GPU work goes on, if any
         self.error: Optional[BaseException] = None
@@ -418,6 +420,11 @@ class DiLoCo:
         members = self._members[fragment]
         for g in self._globals:
             g.grad = None
+        sent = self.remote.last_step + 1
+        retry_of = self._failed[1] if self._failed is not None and self._failed[0] == sent else None
+        if retry_of is not None and len(self.remote.endpoints) > 1:
+            self._resend(fragment, sent, retry_of, at_once)
+            return
         with torch.no_grad():
             for i in members:
                 g = self._globals[i]
@@ -445,12 +452,28 @@ class DiLoCo:
                    "asynchronous worker does not resume from a state dict)" if self.asynchronous else
                    "Resume this worker from a state dict saved before, or rebuild its inner "
                    "optimizer and its model from global_parameters()"))
-        sync = _Sync(fragment, self.remote.last_step + 1, weight,
-                     lands_at=self.inner_steps + self.overlap_steps)
-        if self._failed is not None and self._failed[0] == sync.sent:
-            sync.retry_of = self._failed[1]
+        sync = _Sync(fragment, sent, weight, lands_at=self.inner_steps + self.overlap_steps)
+        sync.retry_of = retry_of
         # The tokens from here on count toward the fragment's next sync.
         self._since_sync[fragment] = 0.0
+        self._send(sync, at_once)
+
+    def _resend(self, fragment: int, sent: int, weight: float, at_once: bool) -> None:
+        """Sends session step ``sent`` of ``fragment`` again as its failed try was sent: the same
+        Δ (its buffers are untouched until this fragment's next sync, which this is) at the same
+        weight. Over a sharded outer session some shards may have committed that try: the others
+        must commit the same gradients (docs/sharding.md, A failed step). The tokens since the
+        failed try count toward the fragment's next sync."""
+        with torch.no_grad():
+            for i in self._members[fragment]:
+                self._globals[i].grad = self._deltas[i]
+        sync = _Sync(fragment, sent, weight, lands_at=self.inner_steps + self.overlap_steps)
+        sync.retry_of, sync.resent = weight, True
+        self._since_sync[fragment] -= weight
+        self._send(sync, at_once)
+
+    def _send(self, sync: _Sync, at_once: bool) -> None:
+        """Runs ``sync``'s step: now, merging its answer, or in a thread (``overlap_steps``)."""
         self._sync_in_flight = sync
         if self.overlap_steps == 0 or at_once:
             sync.run(self.remote)
@@ -512,7 +535,11 @@ class DiLoCo:
                          "the last sync is dropped", self.remote.rank, sync.sent, info.step)
             sync.whole = True
             return
-        if sync.retry_of is not None and info is not None and info.replayed:
+        if sync.resent and info is not None and info.replayed:
+            # The failed try's Δ and weight, applied once whichever try it was; when it was the
+            # first, the others went on to the next session step at this retry's point.
+            sync.realign = not self.asynchronous and info.attempts == 1
+        elif sync.retry_of is not None and info is not None and info.replayed:
             if info.attempts == 1:  # the step was applied before this retry began: the first try
                 self._retry_was_applied(sync)
                 return

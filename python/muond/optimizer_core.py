@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from .placement import Placement
     from .ranks import Sync
     from .step_info import StepInfo
+    from .shard_step import CutOffStep
     from .transport.streamed import Landing
     from .transport.daemon_session import DaemonSession
 
@@ -74,6 +75,7 @@ class OptimizerCore(Protocol):
     # A step's bookkeeping: the step its answer named, until the answer is noted; the answer's
     # landing (land_in_forward), until step() hands it on; whether an older daemon was warned of.
     _answered_step: Optional[int]
+    _cut_off: Optional["CutOffStep"]  # a sharded step that failed in its commit, sent again next
     _answer_landing: Optional["Landing"]
     _warned_old_daemon: bool
 

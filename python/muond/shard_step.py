@@ -3,13 +3,16 @@
 A sharded step (docs/sharding.md) prepares on every shard (gradients in, sums of squares out),
 takes one decision from all the answers (``decide``: the global gradient norm, or a skip) and
 commits it on every shard, so that the update is the one a single daemon would apply, bit for bit.
-Pure functions of messages; ``RemoteOptimizer`` sends them.
+Pure functions of messages, which ``RemoteOptimizer`` sends, and ``CutOffStep``, a step it keeps to
+send again as it was (a step whose commit went out and failed: some shards may have applied it).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Collection, List, Sequence
+from typing import Collection, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
 
 from ._stubs import pb
 
@@ -78,3 +81,11 @@ def result_of(commit: pb.StepHeader, committed: List[pb.StepResult], step: int) 
                          contributors=committed[0].contributors,
                          total_weight=committed[0].total_weight,
                          included=all(r.included for r in committed))
+
+
+class CutOffStep(NamedTuple):
+    """A sharded step that failed after its commit went out: its header (number, options, weight)
+    and copies of its gradients, to send again as they were."""
+    header: pb.StepHeader
+    grads: List[Tuple[str, torch.Tensor]]
+    weight: Optional[float]

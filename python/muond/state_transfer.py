@@ -196,6 +196,7 @@ class StateTransfer(_Core):
             lambda k, session: session.set_state(self._state_header(k, meta, state),
                                                  self._state_chunks(self._indices_of[k], state))))
         self.last_step = self._common_step(steps, "SetState")
+        self._cut_off = None  # a step cut off before the load is not the loaded state's
         if self.loss_scaler is not None and meta.get("loss_scaler") is not None:
             self.loss_scale = float(meta["loss_scaler"]["scale"])
         copy_in(self._by_name, {name: state[i]["master"] for i, name in enumerate(self._names)

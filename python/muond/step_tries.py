@@ -19,6 +19,7 @@ import grpc
 import torch
 
 from . import shard_step, wire
+from .shard_step import CutOffStep
 from ._stubs import pb
 from .errors import PUSH_TOO_STALE, STEP_NOT_PREPARED, MuondError, after_tries, on_later_try
 from .step_info import StepInfo, rank_report
@@ -49,11 +50,20 @@ class StepTries(_Core):
         (``last_step``, ``last_info``), to call once its parameters are in the model.
         The first try finishes ``streamed`` when there is one (sending ``rest`` first, unless
         None: sent already); the others, and a stream begun as another step, send ``grads``.
-        The parameters go into ``out`` (None: the model)."""
+        The parameters go into ``out`` (None: the model).
+        Over several daemons, a step whose commit went out and that failed is kept
+        (``_cut_off``), and the next step of its number is sent as it (``_resend_of_cut_off``)."""
+        header, grads, weight = self._resend_of_cut_off(header, grads, weight)
+        committing = False
+
+        def commit_begins() -> None:
+            nonlocal committing
+            committing = True
+
         def plain() -> pb.StepResult:
             if len(self._sessions) == 1:
                 return self._sessions[0].step(header, grads, out)
-            return self._sharded_step(header, self._grads_by_session(grads), out)
+            return self._sharded_step(header, self._grads_by_session(grads), out, commit_begins)
 
         def once() -> Optional[pb.StepResult]:
             nonlocal streamed
@@ -79,9 +89,14 @@ class StepTries(_Core):
 
         try:
             result, seconds, attempts = self._try_step(once)
+        except BaseException:
+            if committing:
+                self._keep_cut_off(header, grads, weight)
+            raise
         finally:
             if streamed is not None:
                 streamed.cancel()
+        self._cut_off = None
         if result is not None:
             self._answered_step = int(result.step)
 
@@ -94,6 +109,33 @@ class StepTries(_Core):
             else:
                 self._pushed(header, result, seconds, attempts, weight)
         return note
+
+    def _resend_of_cut_off(self, header: pb.StepHeader, grads: List[Tuple[str, torch.Tensor]],
+                           weight: Optional[float]
+                           ) -> Tuple[pb.StepHeader, List[Tuple[str, torch.Tensor]], Optional[float]]:
+        """The step to send for ``header``: itself, or, when a sharded step of its number was cut
+        off (its commit went out, and it failed), that step, with its gradients and options. Some
+        shards may have committed it: they answer the resend with the decision they applied, and
+        the others must commit that decision with the gradients it was computed from, not this
+        call's (docs/sharding.md, A failed step). This call's gradients are not used, as when one
+        daemon answers a resend of a step it applied."""
+        cut_off = self._cut_off
+        if cut_off is None or cut_off.header.step != header.step:
+            return header, grads, weight
+        _log.warning("session %s: step %d was cut off in its commit, which some shards may have "
+                     "applied; it is sent again with its own gradients and options (this call's "
+                     "gradients are not used)", self.session_id, header.step)
+        return cut_off.header, cut_off.grads, cut_off.weight
+
+    def _keep_cut_off(self, header: pb.StepHeader, grads: List[Tuple[str, torch.Tensor]],
+                      weight: Optional[float]) -> None:
+        """Keeps a sharded step that failed once its commit went out, for the next step of its
+        number: copies of its gradients, which the trainer's next backward overwrites."""
+        if self._cut_off is not None and self._cut_off.header is header:
+            return  # a resend that failed too: kept already
+        with torch.no_grad():
+            kept = [(name, g.detach().clone()) for name, g in grads]
+        self._cut_off = CutOffStep(header, kept, weight)
 
     def _stepped(self, header: pb.StepHeader, result: pb.StepResult, seconds: float,
                  attempts: int, weight: Optional[float]) -> None:
@@ -168,9 +210,11 @@ class StepTries(_Core):
         return by_session
 
     def _sharded_step(self, header: pb.StepHeader, by_session: List[List[Tuple[str, torch.Tensor]]],
-                      out: Optional[Dict[str, torch.Tensor]] = None) -> pb.StepResult:
+                      out: Optional[Dict[str, torch.Tensor]] = None,
+                      commit_begins: Callable[[], None] = lambda: None) -> pb.StepResult:
         """One try of a step over every shard: prepare everywhere, decide, commit everywhere
-        (``shard_step.py``). Safe to repeat as a whole after any failure."""
+        (``shard_step.py``). Safe to repeat as a whole after any failure, with the same
+        gradients; ``commit_begins`` is called before the first commit goes out."""
         prepares = [shard_step.prepare_header(header, session.by_name)
                     for session in self._sessions]
         try:
@@ -182,6 +226,7 @@ class StepTries(_Core):
             raise
         commit = shard_step.commit_header(
             header, shard_step.decide(prepared, self._indices_of, self._names))
+        commit_begins()
         committed = self._on_every_session(lambda k, session: session.step(commit, [], out))
         # Every shard answers the step it committed (lock-step only: a quorum session is never
         # sharded), so they agree; a disagreement is named rather than averaged away.

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import muond
+from muond._stubs import pb
 
 from diloco_helpers import INNER, SEED, SIZES, end_session, inner_step, session_name
 from helpers import TinyNet, assert_bitwise
@@ -87,6 +88,71 @@ def test_a_sync_applied_before_its_answer_was_lost_is_not_sent_twice(start_daemo
     for _, _, diloco in workers:
         diloco.close(keep_session=True)
     end_session(daemon.endpoint, session)
+
+
+@pytest.mark.parametrize("overlap_steps", [0, 1])
+def test_a_sync_cut_off_between_the_shards_commits_is_resent_as_it_was(start_daemon,
+                                                                       overlap_steps):
+    """A sharded outer session over two daemons, H = 2: every try of session step 2 fails at
+    shard 1, once its commit is sent (shard 0 committed the step) in one run, at its prepare
+    (nothing committed anywhere) in the other. The next sync sends step 2 again with the failed
+    try's Δ and weight, so shard 1 commits the gradients shard 0 applied: both runs end with the
+    same global parameters, bit for bit, and the tokens since the first try count toward the next
+    sync. Without the resend the cut-off run's shards would apply two different pseudo-gradients
+    under one decision."""
+    daemons = [start_daemon(), start_daemon()]
+    endpoints = [d.endpoint for d in daemons]
+
+    def run(phase):
+        model = TinyNet(seed=SEED)
+        inner = torch.optim.AdamW(model.parameters(), **INNER)
+        session = session_name()
+        diloco = muond.DiLoCo(model, inner, sync_every=2, overlap_steps=overlap_steps,
+                              endpoints=endpoints, session=session, transport="grpc",
+                              retry_backoff=0.01)
+        shard = diloco.remote._sessions[1]  # pylint: disable=protected-access
+        real_step, failing, prepared = shard.step, [True], []
+
+        def unreachable(header, grads, *args, **kwargs):
+            if header.phase == phase and header.step == 2 and failing[0]:
+                raise muond.MuondError(grpc.StatusCode.UNAVAILABLE, "injected", "Step")
+            if header.phase == pb.STEP_PHASE_PREPARE and header.step == 2:
+                prepared.append((header.weight, [g.detach().clone() for _, g in grads]))
+            return real_step(header, grads, *args, **kwargs)
+
+        shard.step = unreachable
+        merges, errors = [], []
+        for t in range(1, 9 + overlap_steps):
+            inner_step(model, inner, 0, t)
+            try:
+                diloco.step(tokens=SIZES[0])
+            except muond.MuondError as err:
+                errors.append((t, err.code))
+                failing[0] = False  # the next sync's step 2 goes through
+                continue
+            if diloco.last_merged is not None:
+                merges.append((t, diloco.last_info.step, diloco.last_info.total_weight))
+        assert errors == [(4 + overlap_steps, grpc.StatusCode.UNAVAILABLE)]
+        assert diloco.remote.last_step == 3
+        # Every prepare of step 2 that reached shard 1 (each try of the first sync when its
+        # commit failed, then the resend) carried the same weight and Δ.
+        assert len(prepared) == (diloco.remote.max_step_attempts + 1
+                                 if phase == pb.STEP_PHASE_COMMIT else 1)
+        for weight, deltas in prepared[1:]:
+            assert weight == prepared[0][0]
+            for a, b in zip(deltas, prepared[0][1]):
+                assert torch.equal(a, b), "a resent Δ differs from the first try's"
+        globals_ = {name: t.clone() for name, t in diloco.global_parameters().items()}
+        diloco.close(keep_session=False)
+        return globals_, merges
+
+    cut_off, cut_merges = run(pb.STEP_PHASE_COMMIT)
+    not_sent, plain_merges = run(pb.STEP_PHASE_PREPARE)
+    tau, s0 = overlap_steps, SIZES[0]
+    # Step 3 weighs the tokens since step 2's first try: those the resend left out and its own.
+    expected = [(2 + tau, 1, 2 * s0), (6 + tau, 2, 2 * s0), (8 + tau, 3, 4 * s0)]
+    assert cut_merges == plain_merges == expected
+    assert_bitwise(cut_off, not_sent, "the global parameters")
 
 
 def test_a_failed_overlapped_sync_raises_at_its_merge_and_its_tokens_count_again(endpoint,

@@ -337,6 +337,55 @@ def test_a_step_its_trainer_left_between_commits_is_finished_by_the_next_attach(
     assert_ends_as_expected(model, opt, infos, expected_model, expected_state, expected_infos)
 
 
+def test_a_step_cut_off_in_its_commit_is_sent_again_with_its_own_gradients(three, start_daemon,
+                                                                            caplog):
+    """Shard 0 commits step 6; every try of the commit on shards 1 and 2 fails before it is sent,
+    so step() raises with step 6 applied on shard 0 only. The trainer's next step() (another
+    batch) sends step 6 again with the gradients and options it was first sent with: shard 0
+    answers with the decision it applied and the others commit that decision with the gradients it
+    was computed from, as one daemon answers a resend of a step it applied. Training goes on as on
+    one daemon, bit for bit; the next batch's gradients were not used."""
+    import logging  # noqa: PLC0415
+
+    expected_model, expected_state, expected_infos = train([start_daemon().endpoint], range(1, 11))
+    model = AttentionNet(seed=3)
+    opt = sharded(model, endpoints=[d.endpoint for d in three], max_grad_norm=0.5,
+                  retry_backoff=0.01)
+    infos = [one_step(model, opt, step, 0) for step in range(1, 6)]
+    refused = []
+
+    def unreachable_at_commit(real_step):
+        def step(header, grads, *rest):
+            if header.phase == pb.STEP_PHASE_COMMIT and header.step == 6:
+                refused.append(header.step)
+                raise muond.MuondError(grpc.StatusCode.UNAVAILABLE, "injected: unreachable", "Step")
+            return real_step(header, grads, *rest)
+        return step
+
+    real_steps = [opt._sessions[k].step for k in (1, 2)]
+    for k in (1, 2):
+        opt._sessions[k].step = unreachable_at_commit(opt._sessions[k].step)
+    with pytest.raises(muond.MuondError) as failed:
+        one_step(model, opt, 6, 0)
+    assert failed.value.code == grpc.StatusCode.UNAVAILABLE
+    assert refused == [6] * 2 * opt.max_step_attempts  # every try's commit, on shards 1 and 2
+    for k, real_step in zip((1, 2), real_steps):
+        opt._sessions[k].step = real_step
+    steps = []
+    for endpoint in opt.endpoints:
+        conn = muond.Connection(endpoint)
+        steps += [s.last_step for s in conn.list_sessions() if s.session_id == opt.session_id]
+        conn.close()
+    assert steps == [6, 5, 5]
+
+    with caplog.at_level(logging.WARNING, logger="muond"):
+        infos.append(one_step(model, opt, 106, 0))  # another batch: not what step 6 applies
+    assert opt.last_step == 6 and opt.last_info.attempts == 1
+    assert "step 6 was cut off in its commit" in caplog.text
+    infos += [one_step(model, opt, step, 0) for step in range(7, 11)]
+    assert_ends_as_expected(model, opt, infos, expected_model, expected_state, expected_infos)
+
+
 def test_wrong_endpoint_order_or_count_is_refused(three, start_daemon):
     endpoints = [d.endpoint for d in three]
     model = AttentionNet(seed=3)
