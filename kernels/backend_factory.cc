@@ -13,13 +13,22 @@
 
 namespace muond::kernels {
 
+namespace {
+
+absl::StatusOr<BackendSelection> Cpu(int threads, std::string note) {
+  if (absl::Status room = CheckBlasBufferRoom(threads); !room.ok()) return room;
+  return BackendSelection{NewCpuBackend(threads), std::move(note)};
+}
+
+}  // namespace
+
 absl::StatusOr<BackendSelection> CreateBackend(std::string_view kind, int device, int threads) {
   if (kind != "cpu" && kind != "cuda" && kind != "auto") {
     return absl::InvalidArgumentError(
         absl::StrCat("--backend must be one of auto, cpu, cuda; got \"", std::string(kind), "\""));
   }
   if (kind == "cpu") {
-    return BackendSelection{NewCpuBackend(threads), ""};
+    return Cpu(threads, "");
   }
 #if MUOND_HAVE_CUDA
   // The CUDA libraries are loaded only when a driver is there to use them.
@@ -39,14 +48,13 @@ absl::StatusOr<BackendSelection> CreateBackend(std::string_view kind, int device
     // as asked: one code, the library's reason in the message.
     return absl::FailedPreconditionError(cuda.status().message());
   }
-  return BackendSelection{NewCpuBackend(threads),
-                          absl::StrCat("CUDA not usable (", cuda.status().message(), "); using the CPU backend")};
+  return Cpu(threads, absl::StrCat("CUDA not usable (", cuda.status().message(), "); using the CPU backend"));
 #else
   (void)device;
   if (kind == "cuda") {
     return absl::FailedPreconditionError("this muond was built without the CUDA backend");
   }
-  return BackendSelection{NewCpuBackend(threads), "CUDA backend not built; using CPU"};
+  return Cpu(threads, "CUDA backend not built; using CPU");
 #endif
 }
 

@@ -22,7 +22,8 @@ struct BackendSelection {
 // kind: "auto" (CUDA when usable, else CPU), "cpu" or "cuda". device: the CUDA device ordinal.
 // threads: CPU threads for OpenBLAS, <= 0 for its default.
 // "auto" falls back to the CPU when CUDA is not built or not usable, and says why in `note`.
-// Errors: INVALID_ARGUMENT for an unknown kind (naming `--backend`); FAILED_PRECONDITION when "cuda"
+// Errors: INVALID_ARGUMENT for an unknown kind (naming `--backend`); RESOURCE_EXHAUSTED when the CPU
+// backend cannot map OpenBLAS's work buffer (CheckBlasBufferRoom); FAILED_PRECONDITION when "cuda"
 // is asked for and cannot be had (not built, no usable device, setup failed), with the reason.
 absl::StatusOr<BackendSelection> CreateBackend(std::string_view kind, int device, int threads);
 

@@ -1,11 +1,16 @@
 #include "kernels/cpu/cpu_backend.h"
 
 #include <cblas.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -216,6 +221,45 @@ void MapBlasBuffers(int threads) {
   std::vector<float> c(static_cast<size_t>(m) * n);
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, c.data(), n);
 }
+
+}  // namespace
+
+absl::Status CheckBlasBufferRoom(int threads) {
+  // Per thread: OpenBLAS's work buffer (BUFFER_SIZE, 128 MiB in Debian's build, and a page: malloc
+  // maps 134225920 bytes), the malloc arena a thread's first allocation reserves (64 MiB) and a
+  // thread's stack (8 MiB), with room to spare. The buffers of OpenBLAS threads started before this
+  // check may not be mapped yet, so every thread's is asked for.
+  constexpr size_t kPerThreadBytes = size_t{208} << 20;
+  const int counted = std::max(threads > 0 ? threads : openblas_get_num_threads(), 1);
+  const size_t bytes = kPerThreadBytes * static_cast<size_t>(counted);
+  void* probe = mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (probe != MAP_FAILED) {
+    munmap(probe, bytes);
+    return absl::OkStatus();
+  }
+  const int error = errno;
+  rlimit limit{};
+  const bool limited = getrlimit(RLIMIT_AS, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY;
+  long pages = 0;
+  if (FILE* statm = std::fopen("/proc/self/statm", "r")) {
+    if (std::fscanf(statm, "%ld", &pages) != 1) pages = 0;
+    std::fclose(statm);
+  }
+  const int64_t used_mib = static_cast<int64_t>(pages) * sysconf(_SC_PAGESIZE) >> 20;
+  const int64_t needed_mib = static_cast<int64_t>(bytes >> 20);
+  return absl::ResourceExhaustedError(
+      absl::StrCat("the CPU backend cannot map ", needed_mib, " MiB for its ", counted,
+                   " threads (--threads; each takes OpenBLAS's 128 MiB work buffer, a malloc arena and a stack) (",
+                   std::strerror(error), "): ",
+                   limited ? absl::StrCat("the process's address-space limit (RLIMIT_AS: ulimit -v, prlimit --as) is ",
+                                          static_cast<int64_t>(limit.rlim_cur >> 20), " MiB and ", used_mib,
+                                          " MiB are mapped already; raise it to at least ", used_mib + needed_mib,
+                                          " MiB and room for the sessions, or run fewer threads")
+                           : absl::StrCat(used_mib, " MiB are mapped already"),
+                   " (OpenBLAS would retry a failed map for ever)"));
+}
+
+namespace {
 
 class CpuBackend final : public Backend {
  public:

@@ -15,6 +15,7 @@
 
 #include <memory>
 
+#include "absl/status/status.h"
 #include "kernels/backend.h"
 
 namespace muond {
@@ -29,6 +30,14 @@ namespace muond::kernels {
 // backend (gradients staged into backend buffers, answers read back into host copies) run, and are
 // tested, on the CPU.
 std::unique_ptr<Backend> NewCpuBackend(int threads, bool host_addressable = true);
+
+// OK when the process has room to map what each of the `threads` (as NewCpuBackend takes them)
+// needs as the backend starts: a 128 MiB OpenBLAS work buffer (the first product maps the calling
+// thread's and those of OpenBLAS threads it starts; OpenBLAS retries a failed map for ever, so under
+// an address-space limit too tight for them the construction would never return), a malloc arena
+// and a stack. What is mapped already is not counted as part of it, so it may ask for a little more
+// than is needed. RESOURCE_EXHAUSTED naming the limit otherwise.
+absl::Status CheckBlasBufferRoom(int threads);
 
 // The threads and gate of a backend NewCpuBackend made, or null for any other backend: host work
 // that should share the cores with compute, one call at a time (the shm transport's copies), runs

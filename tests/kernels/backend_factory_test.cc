@@ -9,8 +9,16 @@
 #include "kernels/cuda_library.h"
 #endif
 
+#include <poll.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <csignal>
+#include <cstdio>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "tests/testing/status_matchers.h"
 
@@ -23,6 +31,77 @@ TEST(BackendFactoryTest, CpuAlwaysWorks) {
   ASSERT_OK_AND_ASSIGN(BackendSelection cpu, CreateBackend("cpu", 0, 1));
   EXPECT_EQ(cpu.backend->Name(), "cpu");
   EXPECT_TRUE(cpu.note.empty());
+}
+
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kAddressSanitizer = true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+constexpr bool kAddressSanitizer = true;
+#else
+constexpr bool kAddressSanitizer = false;
+#endif
+#else
+constexpr bool kAddressSanitizer = false;
+#endif
+
+// What CreateBackend("cpu") answers in a child process whose address space is limited to what it
+// has mapped plus `room_mib`: "OK", or the error's code and message. The child has 120 s (a CPU
+// backend starts in milliseconds): past them it is killed and the answer says it hung.
+std::string CpuBackendUnderALimit(int64_t room_mib) {
+  int fds[2];
+  if (pipe(fds) != 0) return "pipe failed";
+  const pid_t pid = fork();
+  if (pid == 0) {
+    close(fds[0]);
+    long pages = 0;
+    if (FILE* statm = std::fopen("/proc/self/statm", "r")) {
+      if (std::fscanf(statm, "%ld", &pages) != 1) pages = 0;
+      std::fclose(statm);
+    }
+    const rlim_t limit = static_cast<rlim_t>(pages) * sysconf(_SC_PAGESIZE) + (static_cast<rlim_t>(room_mib) << 20);
+    const rlimit as{limit, limit};
+    std::string answer = "setrlimit failed";
+    if (setrlimit(RLIMIT_AS, &as) == 0) {
+      absl::StatusOr<BackendSelection> cpu = CreateBackend("cpu", 0, 1);
+      answer =
+          cpu.ok() ? "OK" : absl::StrCat(absl::StatusCodeToString(cpu.status().code()), ": ", cpu.status().message());
+    }
+    const ssize_t written = write(fds[1], answer.data(), answer.size());
+    _exit(written == static_cast<ssize_t>(answer.size()) ? 0 : 1);
+  }
+  close(fds[1]);
+  std::string answer;
+  pollfd readable{fds[0], POLLIN, 0};
+  char chunk[512];
+  bool hung = false;
+  while (true) {
+    const int ready = poll(&readable, 1, 120'000);
+    if (ready == 0) hung = true;
+    if (ready <= 0) break;
+    const ssize_t got = read(fds[0], chunk, sizeof(chunk));
+    if (got <= 0) break;  // the child wrote its answer and exited
+    answer.append(chunk, static_cast<size_t>(got));
+  }
+  close(fds[0]);
+  if (hung) kill(pid, SIGKILL);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return hung ? "hung: killed after 120 s" : answer;
+}
+
+// OpenBLAS retries a failed map of its 128 MiB work buffer for ever, so a CPU backend made under an
+// address-space limit too tight for it never returned, and the daemon hung at start without a word.
+TEST(BackendFactoryTest, CpuUnderATightAddressSpaceLimitIsRefusedNamingIt) {
+  if (kAddressSanitizer) {
+    GTEST_SKIP()
+        << "AddressSanitizer reserves terabytes of shadow memory: an address-space limit means nothing under it";
+  }
+  const std::string refused = CpuBackendUnderALimit(128);
+  EXPECT_EQ(refused.rfind("RESOURCE_EXHAUSTED: ", 0), 0u) << refused;
+  EXPECT_NE(refused.find("RLIMIT_AS"), std::string::npos) << refused;
+  EXPECT_NE(refused.find("cannot map 208 MiB for its 1 threads (--threads"), std::string::npos) << refused;
+  EXPECT_EQ(CpuBackendUnderALimit(1024), "OK");
 }
 
 TEST(BackendFactoryTest, UnknownKindNamesTheFlag) {
