@@ -509,6 +509,12 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
         ahead = max(steps)
         behind = ", ".join(f"shard {k} ({self.endpoints[k]}) at step {s}"
                            for k, s in enumerate(steps) if s != ahead)
+        if self._cut_off is not None and self._cut_off.header.step == ahead == min(steps) + 1:
+            return MuondError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"session '{self.session_id}': step {ahead} was cut off in its "
+                              f"commit: {behind}, the others at step {ahead}; the next step() "
+                              f"sends it again (with its own gradients) and brings every shard "
+                              f"to step {ahead}", rpc)
         return MuondError(grpc.StatusCode.FAILED_PRECONDITION,
                           f"session '{self.session_id}': the shards are at different steps: "
                           f"{behind}, the others at step {ahead} (a daemon restarted from an older "

@@ -377,6 +377,11 @@ def test_a_step_cut_off_in_its_commit_is_sent_again_with_its_own_gradients(three
         steps += [s.last_step for s in conn.list_sessions() if s.session_id == opt.session_id]
         conn.close()
     assert steps == [6, 5, 5]
+    with pytest.raises(muond.MuondError) as split:  # the shards' state is of no one step yet
+        opt.state_dict()
+    assert split.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "step 6 was cut off in its commit" in split.value.details
+    assert "the next step() sends it again" in split.value.details
 
     with caplog.at_level(logging.WARNING, logger="muond"):
         infos.append(one_step(model, opt, 106, 0))  # another batch: not what step 6 applies
