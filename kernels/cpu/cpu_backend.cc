@@ -247,16 +247,16 @@ absl::Status CheckBlasBufferRoom(int threads) {
   }
   const int64_t used_mib = static_cast<int64_t>(pages) * sysconf(_SC_PAGESIZE) >> 20;
   const int64_t needed_mib = static_cast<int64_t>(bytes >> 20);
-  return absl::ResourceExhaustedError(
-      absl::StrCat("the CPU backend cannot map ", needed_mib, " MiB for its ", counted,
-                   " threads (--threads; each takes OpenBLAS's 128 MiB work buffer, a malloc arena and a stack) (",
-                   std::strerror(error), "): ",
-                   limited ? absl::StrCat("the process's address-space limit (RLIMIT_AS: ulimit -v, prlimit --as) is ",
-                                          static_cast<int64_t>(limit.rlim_cur >> 20), " MiB and ", used_mib,
-                                          " MiB are mapped already; raise it to at least ", used_mib + needed_mib,
-                                          " MiB and room for the sessions, or run fewer threads")
-                           : absl::StrCat(used_mib, " MiB are mapped already"),
-                   " (OpenBLAS would retry a failed map for ever)"));
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "the CPU backend cannot map ", needed_mib, " MiB for its ", counted, counted == 1 ? " thread" : " threads",
+      " (--threads; each takes OpenBLAS's 128 MiB work buffer, a malloc arena and a stack) (", std::strerror(error),
+      "): ",
+      limited ? absl::StrCat("the process's address-space limit (RLIMIT_AS: ulimit -v, prlimit --as) is ",
+                             static_cast<int64_t>(limit.rlim_cur >> 20), " MiB and ", used_mib,
+                             " MiB are mapped already; raise it to at least ", used_mib + needed_mib,
+                             " MiB and room for the sessions, or run fewer threads")
+              : absl::StrCat(used_mib, " MiB are mapped already"),
+      " (OpenBLAS would retry a failed map for ever)"));
 }
 
 namespace {

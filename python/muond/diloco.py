@@ -27,6 +27,7 @@ import logging
 import threading
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
+import grpc
 import torch
 from torch import nn
 
@@ -35,6 +36,7 @@ from . import quantize, wire
 from .optimizer import RemoteOptimizer
 from .diloco_arguments import (check_alpha, check_count, check_tokens, fold_own_arguments,
                                label_fragments, workers_of)
+from .errors import MuondError
 from .param_groups import default_param_groups
 
 __all__ = ["ASYNC_OUTER_MOMENTUM", "DiLoCo", "OUTER_SGD", "muon_outer_groups", "split_fragments"]
@@ -639,10 +641,13 @@ class DiLoCo:
         A sync in flight is waited for first (its error, if it failed, is raised here and nothing
         is saved); its merge, still to come, is part of the state (``pending_merge``). The outer
         optimizer's state stays in the daemon's session (``remote.checkpoint()`` with a
-        ``--state-dir`` daemon makes it durable); the model's buffers are not included."""
+        ``--state-dir`` daemon makes it durable); the model's buffers are not included.
+        MuondError (FAILED_PRECONDITION) between a sync cut off in the commits of a sharded outer
+        session and its resend, when the shards are at two steps."""
         pending = self._sync_in_flight
         if pending is not None:
             self._wait_for_answer(pending)
+        self._check_no_cut_off("state_dict")
         meta = {"format": _STATE_FORMAT, "session": self.remote.session_id,
                 "outer_step": self.remote.last_step, "inner_steps": self.inner_steps,
                 "tokens": self.tokens, "tokens_since_sync": list(self._since_sync),
@@ -659,10 +664,21 @@ class DiLoCo:
                 "local": {n: p.detach().clone() for n, p in zip(self.names, self._params)},
                 "error_feedback": {self.names[i]: e.clone() for i, e in self._feedback.items()}}
 
+    def _check_no_cut_off(self, call: str) -> None:
+        """MuondError (FAILED_PRECONDITION) while the outer session's shards are at two steps: a
+        sync cut off in its commits, which the next sync sends again (docs/diloco.md)."""
+        step = self.remote.cut_off_step
+        if step is not None:
+            raise MuondError(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"{call}: outer step {step} was cut off in the shards' commits (some "
+                             f"applied it); the next sync sends it again: call {call} after it",
+                             "DiLoCo")
+
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restores ``state_dict()``'s state onto this worker, attached to the same session at the
         same outer step (ValueError otherwise, before anything changes). Not for an asynchronous
-        worker (ValueError): its session moves on without it."""
+        worker (ValueError): its session moves on without it. MuondError (FAILED_PRECONDITION)
+        between a sync cut off in a sharded outer session's commits and its resend."""
         if self.asynchronous:
             raise ValueError("load_state_dict: an asynchronous DiLoCo worker does not resume from a "
                              "state dict (the session moves on without it); start it afresh: it "
@@ -678,6 +694,7 @@ class DiLoCo:
                           ("merge_alpha", self.merge_alpha)):
             if saved[key] != mine:
                 raise ValueError(f"{key}: the state dict has {saved[key]}, this worker {mine}")
+        self._check_no_cut_off("load_state_dict")
         if self._sync_in_flight is not None:
             raise ValueError(f"load_state_dict: this worker's sync of fragment "
                              f"{self._sync_in_flight.fragment} is in flight; load a state dict "

@@ -85,7 +85,7 @@ def result_of(commit: pb.StepHeader, committed: List[pb.StepResult], step: int) 
 
 class CutOffStep(NamedTuple):
     """A sharded step that failed after its commit went out: its header (number, options, weight)
-    and copies of its gradients, to send again as they were."""
+    and copies of its gradients, to send again as they were (None: they could not be copied)."""
     header: pb.StepHeader
-    grads: List[Tuple[str, torch.Tensor]]
+    grads: Optional[List[Tuple[str, torch.Tensor]]]
     weight: Optional[float]

@@ -4,7 +4,8 @@ optimizer (``last_step``, ``last_info``, ``pushes``, ``stale_pushes``, ``loss_sc
 
 A mixin on the protocol ``OptimizerCore`` (optimizer_core.py): ``RemoteOptimizer.step`` builds the
 header and reads the gradients, then calls ``_run_step``; the retries resend the same step number,
-which the daemon answers without a second update (docs/protocol.md). It has no state of its own.
+which the daemon answers without a second update (docs/protocol.md). Its one state of its own is
+``_cut_off``: a sharded step that failed once its commit went out, kept to be sent again.
 Used from the optimizer's thread, or from the delayed update's sender thread for a delayed step
 (one step at a time: ``DelayedUpdate`` lands a step before the next is submitted).
 """
@@ -110,6 +111,13 @@ class StepTries(_Core):
                 self._pushed(header, result, seconds, attempts, weight)
         return note
 
+    @property
+    def cut_off_step(self) -> Optional[int]:
+        """The number of a sharded step that failed once its commit went out, which the next
+        step() sends again as it was (docs/sharding.md, A failed step); None when there is none.
+        Until then the shards are at two steps."""
+        return None if self._cut_off is None else int(self._cut_off.header.step)
+
     def _resend_of_cut_off(self, header: pb.StepHeader, grads: List[Tuple[str, torch.Tensor]],
                            weight: Optional[float]
                            ) -> Tuple[pb.StepHeader, List[Tuple[str, torch.Tensor]], Optional[float]]:
@@ -122,6 +130,12 @@ class StepTries(_Core):
         cut_off = self._cut_off
         if cut_off is None or cut_off.header.step != header.step:
             return header, grads, weight
+        if cut_off.grads is None:
+            raise MuondError(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"session '{self.session_id}': step {header.step} was cut off in its "
+                             f"commit and its gradients could not be kept to send it again; "
+                             f"restore every shard to one step (load_state_dict of a saved "
+                             f"state_dict) before training on", "Step")
         _log.warning("session %s: step %d was cut off in its commit, which some shards may have "
                      "applied; it is sent again with its own gradients and options (this call's "
                      "gradients are not used)", self.session_id, header.step)
@@ -133,8 +147,17 @@ class StepTries(_Core):
         number: copies of its gradients, which the trainer's next backward overwrites."""
         if self._cut_off is not None and self._cut_off.header is header:
             return  # a resend that failed too: kept already
-        with torch.no_grad():
-            kept = [(name, g.detach().clone()) for name, g in grads]
+        try:
+            with torch.no_grad():
+                kept: Optional[List[Tuple[str, torch.Tensor]]] = [
+                    (name, g.detach().clone()) for name, g in grads]
+        except Exception as err:  # noqa: BLE001 - the step's own failure is the one raised
+            # Out of memory, say: the step is still kept, so that its number is never sent with
+            # other gradients (the next step of it is refused instead).
+            _log.error("session %s: step %d was cut off in its commit and its gradients cannot be "
+                       "kept (%s): the next step of its number is refused", self.session_id,
+                       header.step, err)
+            kept = None
         self._cut_off = CutOffStep(header, kept, weight)
 
     def _stepped(self, header: pb.StepHeader, result: pb.StepResult, seconds: float,
