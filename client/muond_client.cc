@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
+#include <random>
 #include <sstream>
 #include <thread>
 #include <tuple>
@@ -292,6 +294,21 @@ absl::StatusOr<std::string> Client::SharedMemoryGrant(const v1::ServerInfo& info
   return response.grant();
 }
 
+namespace {
+
+// 16 random bytes: one CreateSession's token, the same on its retries (CreateSessionRequest).
+std::string RandomCreateToken() {
+  std::random_device random;
+  std::string token(16, '\0');
+  for (size_t i = 0; i < token.size(); i += sizeof(uint32_t)) {
+    const uint32_t word = random();
+    std::memcpy(token.data() + i, &word, sizeof(word));
+  }
+  return token;
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<Session>> Client::CreateSession(const std::string& session_id,
                                                                const v1::SessionSpec& spec, std::optional<int> rank) {
   if (absl::Status fitted = FitChunksToDaemon(); !fitted.ok()) return fitted;
@@ -299,8 +316,10 @@ absl::StatusOr<std::unique_ptr<Session>> Client::CreateSession(const std::string
   request.set_session_id(session_id);
   *request.mutable_spec() = spec;
   if (rank.has_value()) request.set_rank(*rank);
+  request.set_create_token(RandomCreateToken());
   v1::CreateSessionResponse response;
-  // Create-or-attach is idempotent, so a retry is safe.
+  // Create-or-attach is idempotent, so a retry is safe; its token has a retry of a create whose answer
+  // was lost answered attached = false, as the first try was.
   absl::Status status = RetryWhileUnavailable(*this, [&] {
     grpc::ClientContext context;
     PrepareContext(context);

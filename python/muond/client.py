@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 import sys
 import threading
 import time
@@ -336,9 +337,11 @@ class Connection:
     def create_session(self, session_id: str, spec: pb.SessionSpec,
                        rank: Optional[int] = None) -> pb.CreateSessionResponse:
         """Creates the session, or attaches to it when it exists with an identical spec. Safe to
-        repeat, hence retried. With ``rank``, an asynchronous session's answer carries that rank's
-        last push (``last_push``)."""
-        request = pb.CreateSessionRequest(session_id=session_id, spec=spec)
+        repeat, hence retried; the tries carry one random ``create_token``, so a retry of a create
+        whose answer was lost is answered ``attached=False`` as the first try was. With ``rank``, an
+        asynchronous session's answer carries that rank's last push (``last_push``)."""
+        request = pb.CreateSessionRequest(session_id=session_id, spec=spec,
+                                          create_token=os.urandom(16))
         if rank is not None:
             request.rank = rank
         return self._retried("CreateSession", lambda: self._stub.CreateSession(

@@ -103,8 +103,9 @@ grpc::Status MuondService::CreateSession(grpc::ServerContext* context, const v1:
       return absl::InvalidArgumentError(
           absl::StrCat("rank: must be in [0, spec.world_size ", world_size, "), got ", request->rank()));
     }
-    MUOND_ASSIGN_OR_RETURN(session::CreateResult created,
-                           registry_->CreateOrAttach(request->session_id(), SpecToJson(request->spec()), caller));
+    MUOND_ASSIGN_OR_RETURN(
+        session::CreateResult created,
+        registry_->CreateOrAttach(request->session_id(), SpecToJson(request->spec()), caller, request->create_token()));
     const session::Session& session = *created.session;
     response->set_session_id(session.id());
     response->set_attached(created.attached);

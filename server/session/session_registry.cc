@@ -48,17 +48,24 @@ absl::Status CheckEveryOptionIsRead(const SessionConfig& config) {
 }  // namespace
 
 absl::StatusOr<CreateResult> SessionRegistry::CreateOrAttach(const std::string& id, const std::string& spec_json,
-                                                             const std::string& caller) {
+                                                             const std::string& caller,
+                                                             const std::string& create_token) {
   MUOND_RETURN_IF_ERROR(CheckSessionId(id));
+  if (create_token.size() > kMaxCreateTokenBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("create_token: at most ", kMaxCreateTokenBytes, " bytes, got ", create_token.size()));
+  }
   std::shared_ptr<Session> existing;
   std::optional<durability::StateDirOptions> persistence;
+  bool retried = false;  // the request that created the session, sent again
   {
     absl::MutexLock lock(&mu_);
     existing = FindOnceCreatedLocked(id);
     if (!existing) MUOND_RETURN_IF_ERROR(CheckRoomLocked(id, 0));
+    retried = existing && CreatedByLocked(id, create_token);
     persistence = persistence_;
   }
-  if (existing) return Attach(std::move(existing), spec_json, caller);
+  if (existing) return Attach(std::move(existing), spec_json, caller, retried);
   // Parsed and checked without the registry's lock: a large spec takes a while, and the other
   // sessions' calls go on meanwhile.
   MUOND_ASSIGN_OR_RETURN(SessionConfig config, codec_->Parse(spec_json, limits_));
@@ -73,8 +80,9 @@ absl::StatusOr<CreateResult> SessionRegistry::CreateOrAttach(const std::string& 
       MUOND_RETURN_IF_ERROR(CheckNsWorkspace(id, config, *backend_));
       creating_.emplace(id, bytes);  // counted against the limits from now on
     }
+    retried = existing && CreatedByLocked(id, create_token);
   }
-  if (existing) return Attach(std::move(existing), spec_json, caller);
+  if (existing) return Attach(std::move(existing), spec_json, caller, retried);
   // Allocated (and its folder made) without the registry's lock as well. The id stops being created
   // whatever happens, an exception included, so the calls waiting for it never wait for ever.
   bool settled = false;
@@ -90,6 +98,7 @@ absl::StatusOr<CreateResult> SessionRegistry::CreateOrAttach(const std::string& 
   if (!created.ok()) return created.status();
   std::shared_ptr<Session> shared = *std::move(created);
   sessions_.emplace(id, shared);
+  if (!create_token.empty()) create_tokens_[id] = create_token;
   ReportLocked();
   metrics_->SessionOpened(id, shared->serial());
   const SessionConfig& made = shared->config();
@@ -110,13 +119,24 @@ std::shared_ptr<Session> SessionRegistry::FindOnceCreatedLocked(const std::strin
   return it == sessions_.end() ? nullptr : it->second;
 }
 
+bool SessionRegistry::CreatedByLocked(const std::string& id, const std::string& create_token) const {
+  if (create_token.empty()) return false;
+  auto it = create_tokens_.find(id);
+  return it != create_tokens_.end() && it->second == create_token;
+}
+
 absl::StatusOr<CreateResult> SessionRegistry::Attach(std::shared_ptr<Session> session, const std::string& spec_json,
-                                                     const std::string& caller) const {
+                                                     const std::string& caller, bool retried) const {
   MUOND_RETURN_IF_ERROR(CheckSessionOwner(*session, caller));
   const std::string& id = session->id();
   absl::Status same = codec_->CheckSame(session->config().spec_json, spec_json);
   // ALREADY_EXISTS for a different spec; a request refused for itself (its labels) keeps its code.
   if (!same.ok()) return absl::Status(same.code(), absl::StrCat("session_id '", Echo(id), "': ", same.message()));
+  if (retried) {
+    MUOND_EVENT(info, "session_create_retried", id, session->last_step(),
+                "session {}: its create was sent again (the answer was lost); answered as created", id);
+    return CreateResult{std::move(session), false};
+  }
   MUOND_EVENT(info, "session_attached", id, session->last_step(), "session {} attached at step {}", id,
               session->last_step());
   return CreateResult{std::move(session), true};
@@ -178,6 +198,7 @@ absl::StatusOr<uint64_t> SessionRegistry::Close(const std::string& id, const std
     MUOND_RETURN_IF_ERROR(CheckSessionOwner(*it->second, caller));
     session = std::move(it->second);
     sessions_.erase(it);
+    create_tokens_.erase(id);
     closing_.insert(id);
     PruneClosedLocked();
     closed_.emplace_back(session, session->state_bytes());

@@ -52,9 +52,12 @@ class SessionRegistry {
   // memory quotas allow (checked before anything is allocated); an existing id with an identical
   // spec attaches to it; a different spec is ALREADY_EXISTS naming the difference. The spec is parsed
   // and the session allocated without the registry's lock; a call for an id another call is creating
-  // waits for it, then attaches.
+  // waits for it, then attaches. `create_token` (the request's, at most kMaxCreateTokenBytes; empty:
+  // none) is remembered with a session it creates, until it is closed: the same token again is a retry
+  // of that request, answered attached = false.
   absl::StatusOr<CreateResult> CreateOrAttach(const std::string& id, const std::string& spec_json,
-                                              const std::string& caller = "");
+                                              const std::string& caller = "", const std::string& create_token = "");
+  static constexpr size_t kMaxCreateTokenBytes = 64;
 
   // NOT_FOUND naming the session id when there is none.
   // `field` names the id in errors ("header.session_id" for a step).
@@ -82,9 +85,12 @@ class SessionRegistry {
  private:
   // The session of `id`, once no call is creating it (waiting for one that is), or null.
   std::shared_ptr<Session> FindOnceCreatedLocked(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // CreateOrAttach's attaching: the caller's ownership and the same spec.
+  // CreateOrAttach's attaching: the caller's ownership and the same spec; `retried` (the request that
+  // created the session, sent again) answers attached = false.
   absl::StatusOr<CreateResult> Attach(std::shared_ptr<Session> session, const std::string& spec_json,
-                                      const std::string& caller) const;
+                                      const std::string& caller, bool retried) const;
+  // Whether a non-empty `create_token` is that of the request that created session `id`.
+  bool CreatedByLocked(const std::string& id, const std::string& create_token) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // OK when a session `id` of `bytes` may be added: no session of that id being closed, below
   // --max-sessions (counting those being created) and, for bytes > 0, within the memory quotas
   // (counting those being created and closed ones still held).
@@ -112,6 +118,8 @@ class SessionRegistry {
   absl::flat_hash_map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_set<std::string> closing_ ABSL_GUARDED_BY(mu_);            // ids being closed now
   absl::flat_hash_map<std::string, int64_t> creating_ ABSL_GUARDED_BY(mu_);  // ids being created, their bytes
+  // The create_token of the request that created each session that had one, by id.
+  absl::flat_hash_map<std::string, std::string> create_tokens_ ABSL_GUARDED_BY(mu_);
   // Closed sessions, maybe still held, with their bytes (never taken from a held pointer here, so the
   // registry's lock is never the one a session is destroyed under).
   std::vector<std::pair<std::weak_ptr<Session>, int64_t>> closed_ ABSL_GUARDED_BY(mu_);

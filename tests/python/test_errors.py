@@ -188,6 +188,47 @@ def test_a_close_whose_answer_was_lost_is_done_when_its_retry_finds_no_session(e
     conn.close()
 
 
+def test_a_create_whose_answer_was_lost_is_still_answered_as_a_create(endpoint, monkeypatch):
+    """The first try of CreateSession creates the session and its answer is lost; the retry carries
+    the same create_token, so the daemon answers it as the create it was (attached False), and the
+    optimizer knows it made the session (a refused open would close it) and uploads its parameters.
+    Another optimizer's open of the same session still attaches."""
+    from muond._stubs import pb_grpc  # noqa: PLC0415
+
+    real_stub, answers = pb_grpc.MuondStub, []
+
+    class AnswerLostOnce(real_stub):
+        def __init__(self, channel):
+            super().__init__(channel)
+            create = self.CreateSession
+
+            def answer_lost(request, **kwargs):
+                answer = create(request, **kwargs)
+                answers.append((request.create_token, answer.attached))
+                if len(answers) == 1:
+                    raise muond.MuondError(grpc.StatusCode.UNAVAILABLE, "injected: answer lost",
+                                           "CreateSession")
+                return answer
+            self.CreateSession = answer_lost
+
+    monkeypatch.setattr(pb_grpc, "MuondStub", AnswerLostOnce)
+    model = TinyNet(seed=5)
+    opt = muond.RemoteOptimizer(muond.default_param_groups(model), endpoint=endpoint,
+                                session="lost-create", retry_backoff=0.01)
+    monkeypatch.setattr(pb_grpc, "MuondStub", real_stub)
+    (token, first), (retry_token, retried) = answers
+    assert len(token) == 16 and retry_token == token
+    assert (first, retried) == (False, False)
+    assert not opt.attached
+    loss_of(model, 1).backward()
+    opt.step()
+    other = muond.RemoteOptimizer(muond.default_param_groups(TinyNet(seed=6)), endpoint=endpoint,
+                                  session="lost-create")
+    assert other.attached and other.last_step == 1
+    other.close(keep_session=True)
+    opt.close()
+
+
 def test_labels_are_checked_before_sending_and_an_attach_must_agree_with_them(endpoint):
     params = lambda: [("w", torch.nn.Parameter(torch.zeros(3, 4)))]  # noqa: E731
     for labels, error, message in (({"Run": "a"}, ValueError, "labels: key 'Run'"),

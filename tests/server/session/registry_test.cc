@@ -41,6 +41,34 @@ TEST_F(RegistryTest, AnIdenticalSpecAttachesAndADifferentOneNamesTheDifference) 
               StatusIs(absl::StatusCode::kAlreadyExists, "parameters[0].shape"));
 }
 
+// A create whose answer was lost is sent again with its token: answered as the create it was, while
+// another request (another token, or none) attaches; the token goes with the session's close.
+TEST_F(RegistryTest, ARetriedCreateIsAnsweredAsCreatedByItsToken) {
+  const std::string spec = rpc::SpecToJson(SmallSpec());
+  ASSERT_OK_AND_ASSIGN(CreateResult created, registry_.CreateOrAttach("a", spec, "alice", "token-1"));
+  EXPECT_FALSE(created.attached);
+  ASSERT_OK_AND_ASSIGN(CreateResult retried, registry_.CreateOrAttach("a", spec, "alice", "token-1"));
+  EXPECT_FALSE(retried.attached);
+  EXPECT_EQ(retried.session, created.session);
+  ASSERT_OK_AND_ASSIGN(CreateResult other, registry_.CreateOrAttach("a", spec, "alice", "token-2"));
+  EXPECT_TRUE(other.attached);
+  ASSERT_OK_AND_ASSIGN(CreateResult untokened, registry_.CreateOrAttach("a", spec, "alice"));
+  EXPECT_TRUE(untokened.attached);
+  // The token of a session closed since is not that of the session made again under its id.
+  ASSERT_OK(registry_.Close("a", "alice").status());
+  ASSERT_OK_AND_ASSIGN(CreateResult again, registry_.CreateOrAttach("a", spec, "alice", "token-3"));
+  EXPECT_FALSE(again.attached);
+  ASSERT_OK_AND_ASSIGN(CreateResult old_token, registry_.CreateOrAttach("a", spec, "alice", "token-1"));
+  EXPECT_TRUE(old_token.attached);
+  // A different spec is refused whatever the token.
+  v1::SessionSpec different = SmallSpec();
+  different.mutable_parameters(0)->set_shape(0, 9);
+  EXPECT_THAT(registry_.CreateOrAttach("a", rpc::SpecToJson(different), "alice", "token-3"),
+              StatusIs(absl::StatusCode::kAlreadyExists, "parameters[0].shape"));
+  EXPECT_THAT(registry_.CreateOrAttach("b", spec, "alice", std::string(65, 'x')),
+              StatusIs(absl::StatusCode::kInvalidArgument, "create_token: at most 64 bytes, got 65"));
+}
+
 TEST_F(RegistryTest, SessionsBelongToTheirCreator) {
   ASSERT_OK(registry_.CreateOrAttach("a", rpc::SpecToJson(SmallSpec()), "alice").status());
   EXPECT_THAT(registry_.Find("a", "bob"), StatusIs(absl::StatusCode::kPermissionDenied, "session 'a'"));
