@@ -278,7 +278,8 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
         self._steps_sent = 0  # steps this optimizer has sent (delay_warmup counts them)
         # The step last answered while its parameters wait to be copied in (delay); None otherwise.
         self._answered_step: Optional[int] = None
-        # A sharded step that failed once its commit went out: the next step of its number resends it.
+        # A sharded step that failed once a shard may have applied it: the next of its number
+        # resends it.
         self._cut_off: Optional[CutOffStep] = None
         # Steps whose gradients went out during backward (overlap) and were applied from there.
         self.streamed_steps = 0

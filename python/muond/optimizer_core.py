@@ -48,6 +48,7 @@ class OptimizerCore(Protocol):
     session_id: str
     endpoints: List[str]        # the daemons, in the order the session was created with
     rank: int
+    world_size: int
     sync: "Sync"
     partitioned: bool           # some group's parameters are held in parts by the ranks
     last_step: int              # the step of the parameters the model holds
@@ -75,7 +76,7 @@ class OptimizerCore(Protocol):
     # A step's bookkeeping: the step its answer named, until the answer is noted; the answer's
     # landing (land_in_forward), until step() hands it on; whether an older daemon was warned of.
     _answered_step: Optional[int]
-    _cut_off: Optional["CutOffStep"]  # a sharded step that failed in its commit, sent again next
+    _cut_off: Optional["CutOffStep"]  # a sharded step some shard may have applied, sent again next
     _answer_landing: Optional["Landing"]
     _warned_old_daemon: bool
 

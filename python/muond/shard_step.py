@@ -4,7 +4,7 @@ A sharded step (docs/sharding.md) prepares on every shard (gradients in, sums of
 takes one decision from all the answers (``decide``: the global gradient norm, or a skip) and
 commits it on every shard, so that the update is the one a single daemon would apply, bit for bit.
 Pure functions of messages, which ``RemoteOptimizer`` sends, and ``CutOffStep``, a step it keeps to
-send again as it was (a step whose commit went out and failed: some shards may have applied it).
+send again as it was (a step that failed once some shard may have applied it).
 """
 
 from __future__ import annotations
@@ -84,8 +84,9 @@ def result_of(commit: pb.StepHeader, committed: List[pb.StepResult], step: int) 
 
 
 class CutOffStep(NamedTuple):
-    """A sharded step that failed after its commit went out: its header (number, options, weight)
-    and copies of its gradients, to send again as they were (None: they could not be copied)."""
+    """A sharded step that failed once some shard may have applied it: its header (number,
+    options, weight) and copies of its gradients, to send again as they were (None: they could
+    not be copied)."""
     header: pb.StepHeader
     grads: Optional[List[Tuple[str, torch.Tensor]]]
     weight: Optional[float]

@@ -5,7 +5,7 @@ optimizer (``last_step``, ``last_info``, ``pushes``, ``stale_pushes``, ``loss_sc
 A mixin on the protocol ``OptimizerCore`` (optimizer_core.py): ``RemoteOptimizer.step`` builds the
 header and reads the gradients, then calls ``_run_step``; the retries resend the same step number,
 which the daemon answers without a second update (docs/protocol.md). Its one state of its own is
-``_cut_off``: a sharded step that failed once its commit went out, kept to be sent again.
+``_cut_off``: a sharded step that failed once some shard may have applied it, kept to be sent again.
 Used from the optimizer's thread, or from the delayed update's sender thread for a delayed step
 (one step at a time: ``DelayedUpdate`` lands a step before the next is submitted).
 """
@@ -52,19 +52,19 @@ class StepTries(_Core):
         The first try finishes ``streamed`` when there is one (sending ``rest`` first, unless
         None: sent already); the others, and a stream begun as another step, send ``grads``.
         The parameters go into ``out`` (None: the model).
-        Over several daemons, a step whose commit went out and that failed is kept
+        Over several daemons, a step that failed once some shard may have applied it is kept
         (``_cut_off``), and the next step of its number is sent as it (``_resend_of_cut_off``)."""
         header, grads, weight = self._resend_of_cut_off(header, grads, weight)
-        committing = False
+        may_be_applied = False
 
-        def commit_begins() -> None:
-            nonlocal committing
-            committing = True
+        def may_apply() -> None:
+            nonlocal may_be_applied
+            may_be_applied = True
 
         def plain() -> pb.StepResult:
             if len(self._sessions) == 1:
                 return self._sessions[0].step(header, grads, out)
-            return self._sharded_step(header, self._grads_by_session(grads), out, commit_begins)
+            return self._sharded_step(header, self._grads_by_session(grads), out, may_apply)
 
         def once() -> Optional[pb.StepResult]:
             nonlocal streamed
@@ -91,7 +91,7 @@ class StepTries(_Core):
         try:
             result, seconds, attempts = self._try_step(once)
         except BaseException:
-            if committing:
+            if may_be_applied:
                 self._keep_cut_off(header, grads, weight)
             raise
         finally:
@@ -113,16 +113,18 @@ class StepTries(_Core):
 
     @property
     def cut_off_step(self) -> Optional[int]:
-        """The number of a sharded step that failed once its commit went out, which the next
-        step() sends again as it was (docs/sharding.md, A failed step); None when there is none.
-        Until then the shards are at two steps."""
+        """The number of a sharded step that failed once some shard may have applied it (its
+        commit went out; with several ranks, its prepare), which the next step() sends again as it
+        was (docs/sharding.md, A failed step); None when there is none. Until then the shards may
+        be at two steps."""
         return None if self._cut_off is None else int(self._cut_off.header.step)
 
     def _resend_of_cut_off(self, header: pb.StepHeader, grads: List[Tuple[str, torch.Tensor]],
                            weight: Optional[float]
                            ) -> Tuple[pb.StepHeader, List[Tuple[str, torch.Tensor]], Optional[float]]:
         """The step to send for ``header``: itself, or, when a sharded step of its number was cut
-        off (its commit went out, and it failed), that step, with its gradients and options. Some
+        off (it failed once some shard may have applied it), that step, with its gradients and
+        options. Some
         shards may have committed it: they answer the resend with the decision they applied, and
         the others must commit that decision with the gradients it was computed from, not this
         call's (docs/sharding.md, A failed step). This call's gradients are not used, as when one
@@ -132,19 +134,20 @@ class StepTries(_Core):
             return header, grads, weight
         if cut_off.grads is None:
             raise MuondError(grpc.StatusCode.FAILED_PRECONDITION,
-                             f"session '{self.session_id}': step {header.step} was cut off in its "
-                             f"commit and its gradients could not be kept to send it again; "
+                             f"session '{self.session_id}': step {header.step} failed once some "
+                             f"shards may have applied it, and its gradients could not be kept to "
+                             f"send it again; "
                              f"restore every shard to one step (load_state_dict of a saved "
                              f"state_dict) before training on", "Step")
-        _log.warning("session %s: step %d was cut off in its commit, which some shards may have "
-                     "applied; it is sent again with its own gradients and options (this call's "
-                     "gradients are not used)", self.session_id, header.step)
+        _log.warning("session %s: step %d failed once some shards may have applied it; it is "
+                     "sent again with its own gradients and options (this call's gradients are "
+                     "not used)", self.session_id, header.step)
         return cut_off.header, cut_off.grads, cut_off.weight
 
     def _keep_cut_off(self, header: pb.StepHeader, grads: List[Tuple[str, torch.Tensor]],
                       weight: Optional[float]) -> None:
-        """Keeps a sharded step that failed once its commit went out, for the next step of its
-        number: copies of its gradients, which the trainer's next backward overwrites."""
+        """Keeps a sharded step that failed once some shard may have applied it, for the next step
+        of its number: copies of its gradients, which the trainer's next backward overwrites."""
         if self._cut_off is not None and self._cut_off.header is header:
             return  # a resend that failed too: kept already
         try:
@@ -154,9 +157,9 @@ class StepTries(_Core):
         except Exception as err:  # noqa: BLE001 - the step's own failure is the one raised
             # Out of memory, say: the step is still kept, so that its number is never sent with
             # other gradients (the next step of it is refused instead).
-            _log.error("session %s: step %d was cut off in its commit and its gradients cannot be "
-                       "kept (%s): the next step of its number is refused", self.session_id,
-                       header.step, err)
+            _log.error("session %s: step %d failed once some shards may have applied it, and its "
+                       "gradients cannot be kept (%s): the next step of its number is refused",
+                       self.session_id, header.step, err)
             kept = None
         self._cut_off = CutOffStep(header, kept, weight)
 
@@ -234,12 +237,17 @@ class StepTries(_Core):
 
     def _sharded_step(self, header: pb.StepHeader, by_session: List[List[Tuple[str, torch.Tensor]]],
                       out: Optional[Dict[str, torch.Tensor]] = None,
-                      commit_begins: Callable[[], None] = lambda: None) -> pb.StepResult:
+                      may_apply: Callable[[], None] = lambda: None) -> pb.StepResult:
         """One try of a step over every shard: prepare everywhere, decide, commit everywhere
         (``shard_step.py``). Safe to repeat as a whole after any failure, with the same
-        gradients; ``commit_begins`` is called before the first commit goes out."""
+        gradients. ``may_apply`` is called before the first message that may have a shard apply
+        this rank's gradients goes out: the first commit, or with several ranks the first prepare
+        (a shard holds a rank's prepared part after its call ends, and another rank's commit
+        applies it)."""
         prepares = [shard_step.prepare_header(header, session.by_name)
                     for session in self._sessions]
+        if self.world_size > 1:
+            may_apply()
         try:
             prepared = self._on_every_session(
                 lambda k, session: session.step(prepares[k], by_session[k]))
@@ -249,7 +257,7 @@ class StepTries(_Core):
             raise
         commit = shard_step.commit_header(
             header, shard_step.decide(prepared, self._indices_of, self._names))
-        commit_begins()
+        may_apply()
         committed = self._on_every_session(lambda k, session: session.step(commit, [], out))
         # Every shard answers the step it committed (lock-step only: a quorum session is never
         # sharded), so they agree; a disagreement is named rather than averaged away.
