@@ -5,6 +5,7 @@ reference side by side on identical gradients."""
 import copy
 import math
 import os
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -173,3 +174,15 @@ def assert_bitwise(got, want, what):
         assert torch.equal(got[name], value), (
             f"{what}: {name} differs in {(got[name] != value).sum().item()} of {value.numel()} "
             f"elements, by up to {(got[name] - value).abs().max().item():.3e}")
+
+
+def run_ranks(rank_loop, world_size, errors):
+    """``rank_loop(rank)`` in a thread per rank; then the first error a rank appended to
+    ``errors``, raised."""
+    threads = [threading.Thread(target=rank_loop, args=(r,)) for r in range(world_size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 import muond
-from helpers import TinyNet, loss_of
+from helpers import TinyNet, loss_of, run_ranks
 from muond.client import Connection
 
 STEPS = 5
@@ -324,13 +324,7 @@ def ranks_train(endpoint, **kwargs):
         except BaseException as err:  # noqa: BLE001 - reported by the test
             errors.append(err)
 
-    threads = [threading.Thread(target=rank_loop, args=(r,)) for r in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
+    run_ranks(rank_loop, 2, errors)
     assert_equal_params(models[0], models[1])
     return models[0]
 

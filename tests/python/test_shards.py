@@ -9,7 +9,6 @@ endpoint list for an existing session, and shards restored to different steps, a
 """
 
 import os
-import threading
 import uuid
 
 import grpc
@@ -19,6 +18,8 @@ import torch
 import muond
 from muond import placement
 from muond._stubs import pb
+
+from helpers import run_ranks
 
 HEADS = 2
 
@@ -150,13 +151,7 @@ def train(endpoints, steps, world_size=1, session=None, scheduled=False, **kwarg
         except BaseException as err:  # noqa: BLE001 - reported by the test
             errors.append(err)
 
-    threads = [threading.Thread(target=rank_loop, args=(r,)) for r in range(world_size)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
+    run_ranks(rank_loop, world_size, errors)
     return models[0], infos.pop(), infos
 
 
@@ -443,13 +438,7 @@ def test_a_rank_whose_prepare_went_out_sends_its_step_again_with_its_own_gradien
         except BaseException as err:  # noqa: BLE001 - reported by the test
             errors.append(err)
 
-    threads = [threading.Thread(target=rank_loop, args=(r,)) for r in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
+    run_ranks(rank_loop, 2, errors)
     assert kept == [2]
     assert len(sent) >= 2
     for resent in sent[1:]:
