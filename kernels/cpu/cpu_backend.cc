@@ -224,6 +224,15 @@ void MapBlasBuffers(int threads) {
 
 }  // namespace
 
+int64_t MappedBytes() {
+  long pages = 0;
+  if (FILE* statm = std::fopen("/proc/self/statm", "r")) {
+    if (std::fscanf(statm, "%ld", &pages) != 1) pages = 0;
+    std::fclose(statm);
+  }
+  return static_cast<int64_t>(pages) * sysconf(_SC_PAGESIZE);
+}
+
 absl::Status CheckBlasBufferRoom(int threads) {
   // Per thread: OpenBLAS's work buffer (BUFFER_SIZE, 128 MiB in Debian's build, and a page: malloc
   // maps 134225920 bytes), the malloc arena a thread's first allocation reserves (64 MiB) and a
@@ -240,12 +249,7 @@ absl::Status CheckBlasBufferRoom(int threads) {
   const int error = errno;
   rlimit limit{};
   const bool limited = getrlimit(RLIMIT_AS, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY;
-  long pages = 0;
-  if (FILE* statm = std::fopen("/proc/self/statm", "r")) {
-    if (std::fscanf(statm, "%ld", &pages) != 1) pages = 0;
-    std::fclose(statm);
-  }
-  const int64_t used_mib = static_cast<int64_t>(pages) * sysconf(_SC_PAGESIZE) >> 20;
+  const int64_t used_mib = MappedBytes() >> 20;
   const int64_t needed_mib = static_cast<int64_t>(bytes >> 20);
   return absl::ResourceExhaustedError(absl::StrCat(
       "the CPU backend cannot map ", needed_mib, " MiB for its ", counted, counted == 1 ? " thread" : " threads",

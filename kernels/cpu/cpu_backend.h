@@ -13,6 +13,7 @@
 // count on every call.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 
 #include "absl/status/status.h"
@@ -38,6 +39,8 @@ std::unique_ptr<Backend> NewCpuBackend(int threads, bool host_addressable = true
 // and a stack. What is mapped already is not counted as part of it, so it may ask for a little more
 // than is needed. RESOURCE_EXHAUSTED naming the limit otherwise.
 absl::Status CheckBlasBufferRoom(int threads);
+// The address space this process has mapped (VmSize, from /proc/self/statm); 0 when unreadable.
+int64_t MappedBytes();
 
 // The threads and gate of a backend NewCpuBackend made, or null for any other backend: host work
 // that should share the cores with compute, one call at a time (the shm transport's copies), runs

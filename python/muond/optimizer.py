@@ -55,6 +55,7 @@ from . import quantize
 from . import ranks as ranks_of
 from . import resume
 from . import session_spec
+from . import shard_step
 from . import wire
 from ._stubs import pb
 from .client import Connection
@@ -511,11 +512,7 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
         behind = ", ".join(f"shard {k} ({self.endpoints[k]}) at step {s}"
                            for k, s in enumerate(steps) if s != ahead)
         if self._cut_off is not None and self._cut_off.header.step == ahead == min(steps) + 1:
-            return MuondError(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"session '{self.session_id}': step {ahead} was cut off in its "
-                              f"commit: {behind}, the others at step {ahead}; the next step() "
-                              f"sends it again (with its own gradients) and brings every shard "
-                              f"to step {ahead}", rpc)
+            return shard_step.cut_off_refusal(self.session_id, ahead, behind, rpc)
         return MuondError(grpc.StatusCode.FAILED_PRECONDITION,
                           f"session '{self.session_id}': the shards are at different steps: "
                           f"{behind}, the others at step {ahead} (a daemon restarted from an older "

@@ -12,9 +12,11 @@ from __future__ import annotations
 import math
 from typing import Collection, List, NamedTuple, Optional, Sequence, Tuple
 
+import grpc
 import torch
 
 from ._stubs import pb
+from .errors import MuondError
 
 
 def prepare_header(header: pb.StepHeader, held: Collection[str]) -> pb.StepHeader:
@@ -90,3 +92,12 @@ class CutOffStep(NamedTuple):
     header: pb.StepHeader
     grads: Optional[List[Tuple[str, torch.Tensor]]]
     weight: Optional[float]
+
+
+def cut_off_refusal(session_id: str, step: int, behind: str, rpc: str) -> MuondError:
+    """The FAILED_PRECONDITION for shards at two steps while this optimizer keeps ``step``, cut
+    off in its commit on the shards ``behind`` (named with their steps)."""
+    return MuondError(grpc.StatusCode.FAILED_PRECONDITION,
+                      f"session '{session_id}': step {step} was cut off in its commit: {behind}, "
+                      f"the others at step {step}; the next step() sends it again (with its own "
+                      f"gradients) and brings every shard to step {step}", rpc)

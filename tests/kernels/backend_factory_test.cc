@@ -17,11 +17,11 @@
 #include <cerrno>
 #include <chrono>
 #include <csignal>
-#include <cstdio>
 #include <string>
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "kernels/cpu/cpu_backend.h"
 #include "tests/testing/status_matchers.h"
 
 namespace muond::kernels {
@@ -63,12 +63,7 @@ std::string CpuBackendUnderALimit(int64_t room_mib) {
   }
   if (pid == 0) {
     close(fds[0]);
-    long pages = 0;
-    if (FILE* statm = std::fopen("/proc/self/statm", "r")) {
-      if (std::fscanf(statm, "%ld", &pages) != 1) pages = 0;
-      std::fclose(statm);
-    }
-    const rlim_t limit = static_cast<rlim_t>(pages) * sysconf(_SC_PAGESIZE) + (static_cast<rlim_t>(room_mib) << 20);
+    const rlim_t limit = static_cast<rlim_t>(MappedBytes()) + (static_cast<rlim_t>(room_mib) << 20);
     const rlimit as{limit, limit};
     std::string answer = "setrlimit failed";
     if (setrlimit(RLIMIT_AS, &as) == 0) {
