@@ -625,22 +625,13 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
         (``staleness`` behind). One over ``max_staleness`` behind is dropped without an error:
         the model takes the latest parameters, ``last_info.stale`` is True, ``stale_pushes``
         counts it and its push number stays free (docs/ranks.md, Asynchronous)."""
-        weight = ranks_of.check_weight(weight)
         self._check_open()  # before the closure's forward and backward
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._check_untouched()
-        if self._forward is not None:  # the last step's parameters are all in before anything runs
-            self._land_before_step(self._forward.wait_all, self._forward.check_use)
-        logits = qk.logits_of(qk_logits, self.qk_clip, self._params, self._names)
-        grads = self._grads()
-        if self._delayed is not None:  # the step before's, before this step goes out
-            self._land_before_step(self._delayed.land)
+        try:  # a step that fails before it goes out cancels what backward streamed of it
+            loss, header, grads = self._before_sending(closure, qk_logits, grad_scale, weight)
+        except BaseException:
+            self._cancel_stream()
+            raise
         streamed, rest = self._take_stream(grads)
-        header = self._header(self._next_number(), logits,
-                              loss_scale.check_grad_scale(grad_scale), weight)
         delayed = self._delay_now()
         self._steps_sent += 1
         if delayed:
@@ -677,19 +668,30 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
             _log.warning("session %s: %s", self.session_id, message)
             self.parameters_changed = "ignore"  # said once
             return
-        self._cancel_stream()  # what backward sent of this step goes nowhere
         raise ValueError(message)
 
-    def _land_before_step(self, *calls: Callable[[], None]) -> None:
-        """Runs ``calls`` (the last step's parameters coming in: the forward landing's, or the
-        delayed step's) before this step reads or sends anything; a failure cancels the stream
-        backward opened."""
-        try:
-            for call in calls:
-                call()
-        except BaseException:
-            self._cancel_stream()
-            raise
+    def _before_sending(self, closure: Optional[Callable[[], Any]],
+                        qk_logits: Optional[Dict[Any, Any]], grad_scale: Optional[float],
+                        weight: Optional[float]
+                        ) -> Tuple[Any, pb.StepHeader, List[Tuple[str, torch.Tensor]]]:
+        """What ``step()`` does before the step goes out: its arguments checked, the closure
+        run, the last step's parameters in; (the closure's loss, the step's header, its
+        gradients). Every check that can refuse the step runs here."""
+        weight = ranks_of.check_weight(weight)
+        grad_scale = loss_scale.check_grad_scale(grad_scale)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_untouched()
+        if self._forward is not None:  # the last step's parameters are all in before anything runs
+            self._forward.wait_all()
+            self._forward.check_use()
+        logits = qk.logits_of(qk_logits, self.qk_clip, self._params, self._names)
+        grads = self._grads()
+        if self._delayed is not None:  # the step before's, before this step goes out
+            self._delayed.land()
+        return loss, self._header(self._next_number(), logits, grad_scale, weight), grads
 
     def _send_delayed(self, header: pb.StepHeader, grads: List[Tuple[str, torch.Tensor]],
                       streamed: Optional[StreamedStep], rest: Optional[List[Tuple[str, torch.Tensor]]],

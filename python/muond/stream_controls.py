@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import TYPE_CHECKING, ContextManager, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, ContextManager, List, Optional, Tuple
 
 import torch
 
@@ -66,6 +66,13 @@ class StreamControls(_Core):
     def _cancel_stream(self) -> None:
         if self._stream is not None:
             self._stream.cancel()
+
+    def zero_grad(self, *args: Any, **kwargs: Any) -> None:
+        """torch's ``zero_grad``; with ``overlap=True`` it also cancels what backward streamed
+        of a step that was not taken (a backward or a step that raised): those gradients are
+        gone, and the next backward streams its own."""
+        self._cancel_stream()
+        super().zero_grad(*args, **kwargs)
 
     def no_sync(self) -> ContextManager[None]:
         """With ``overlap=True``: backward passes inside send no gradient (accumulate

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import uuid
 
 import grpc
@@ -155,16 +156,19 @@ class _FailingBackward(torch.autograd.Function):
         raise RuntimeError("backward failed on purpose")
 
 
-def test_a_backward_that_raises_applies_nothing(endpoint):
-    plain_model, plain, model, opt = plain_and(endpoint, overlap=True)
-    before = [p.detach().clone() for p in model.parameters()]
-    x = torch.arange(32) % 7
-    # The failure sits at the embedding's output: the layers after it have their gradients (and
-    # their hooks sent them) when backward raises.
-    hidden = _FailingBackward.apply(model.emb(x))
+def backward_that_fails(model: TinyNet) -> None:
+    """A backward that raises at the embedding's output: the layers after it have their gradients
+    (and their hooks sent them) when it does."""
+    hidden = _FailingBackward.apply(model.emb(torch.arange(32) % 7))
     out = model.head(torch.tanh(model.down(model.norm(torch.nn.functional.gelu(model.up(hidden))))))
     with pytest.raises(RuntimeError, match="on purpose"):
         out.square().mean().backward()
+
+
+def test_a_backward_that_raises_applies_nothing(endpoint):
+    plain_model, plain, model, opt = plain_and(endpoint, overlap=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    backward_that_fails(model)
     assert opt.gradients_in_flight > 0
     opt.zero_grad()
     assert opt.state_dict()["muond"]["last_step"] == 0  # the daemon applied nothing
@@ -175,6 +179,52 @@ def test_a_backward_that_raises_applies_nothing(endpoint):
         train_step(model, opt, step)
         assert_equal_params(model, plain_model)
     assert opt.last_step == 3
+    plain.close()
+    opt.close()
+
+
+def _wait_for_streams(address: str, count: int) -> None:
+    """Until the daemon counts ``count`` streamed steps (gRPC Step calls) in flight."""
+    from test_ops_metrics import sample, scrape
+    deadline = time.monotonic() + 60
+    while sample(scrape(address), "muond_calls_in_flight", method="Step") != count:
+        assert time.monotonic() < deadline, f"the daemon never had {count} streamed steps open"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("refused", ["grad_scale", "qk_logits", "backward"])
+def test_a_step_refused_before_it_goes_out_leaves_no_stream_open(start_daemon, refused):
+    """What backward streamed of a step that is then refused (a bad argument to step(), or a
+    backward that raised and zero_grad) is cancelled on the daemon at once, not held open until
+    the optimizer closes; the next step streams as usual and training equals plain steps."""
+    from test_ops_metrics import metrics_address
+    daemon = start_daemon("--metrics-listen", "127.0.0.1:0")
+    address = metrics_address(daemon.endpoint)
+    plain_model, plain, model, opt = plain_and(daemon.endpoint, transport="grpc", overlap=True)
+    train_step(plain_model, plain, 1)
+    train_step(model, opt, 1)
+    if refused == "backward":
+        backward_that_fails(model)
+    else:
+        loss_of(model, 2).backward()
+    assert opt.gradients_in_flight > 0
+    _wait_for_streams(address, 1)
+    if refused == "grad_scale":
+        with pytest.raises(ValueError, match="grad_scale"):
+            opt.step(grad_scale=-1.0)
+    elif refused == "qk_logits":
+        with pytest.raises(ValueError, match="qk_logits"):
+            opt.step(qk_logits={"no such weight": [1.0]})
+    if refused != "backward":
+        _wait_for_streams(address, 0)  # step() cancelled it
+    opt.zero_grad()
+    _wait_for_streams(address, 0)
+    assert opt.last_step == 1 and opt.gradients_in_flight == 0
+    for step in (2, 3):
+        train_step(plain_model, plain, step)
+        train_step(model, opt, step)
+        assert_equal_params(model, plain_model)
+    assert opt.last_step == 3 and opt.streamed_steps == 3
     plain.close()
     opt.close()
 
