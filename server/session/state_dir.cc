@@ -163,13 +163,13 @@ absl::Status FilePersistence::RecordStep(const StepRequest& request, const std::
   return absl::OkStatus();
 }
 
-absl::Status FilePersistence::SaveCheckpoint(SessionState state) {
-  const SessionConfig& config = session_.config();
+durability::CheckpointData CheckpointOf(const Session& session, SessionState state, std::string backend) {
+  const SessionConfig& config = session.config();
   durability::CheckpointData data;
-  data.session_id = session_.id();
-  data.owner = session_.owner();
+  data.session_id = session.id();
+  data.owner = session.owner();
   data.spec_json = config.spec_json;
-  data.backend = files_->options().backend_name;
+  data.backend = std::move(backend);
   data.last_step = state.last_step;
   for (size_t i = 0; i < config.parameters.size(); ++i) {
     data.step_counts.emplace_back(config.parameters[i].name, state.step_counts[i]);
@@ -198,10 +198,15 @@ absl::Status FilePersistence::SaveCheckpoint(SessionState state) {
   }
   for (StateTensor& t : state.tensors) {
     const ParameterConfig& param = config.parameters[t.parameter];
-    std::vector<int64_t> shape = session_.TensorShape(t.parameter, t.slot);
+    std::vector<int64_t> shape = session.TensorShape(t.parameter, t.slot);
     data.tensors.push_back(
         {param.name, std::move(t.slot), std::move(shape), std::move(t.values), std::string(SafetensorsDtype(t.dtype))});
   }
+  return data;
+}
+
+absl::Status FilePersistence::SaveCheckpoint(SessionState state) {
+  durability::CheckpointData data = CheckpointOf(session_, std::move(state), files_->options().backend_name);
   const auto start = std::chrono::steady_clock::now();
   absl::Status saved = files_->SaveCheckpoint(std::move(data));
   metrics_->CheckpointWritten(absl::FromChrono(std::chrono::steady_clock::now() - start), saved.ok());

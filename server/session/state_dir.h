@@ -46,6 +46,10 @@ class FilePersistence final : public SessionPersistence {
   metrics::Metrics* const metrics_;
 };
 
+// What a checkpoint of `session` in `state` holds (FilePersistence::SaveCheckpoint writes it), its
+// metadata naming `backend`. Moves the tensors out of `state`.
+durability::CheckpointData CheckpointOf(const Session& session, SessionState state, std::string backend);
+
 // One session folder rebuilt in memory: the checkpoint read and checked against its spec, the
 // journal's records replayed on top. Nothing on disk changes and no persistence is attached.
 struct LoadedSession {

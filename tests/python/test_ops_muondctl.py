@@ -4,6 +4,7 @@ the exit codes scripts test."""
 
 import json
 import os
+import shutil
 import struct
 import subprocess
 from pathlib import Path
@@ -253,10 +254,19 @@ def test_state_inspect_verify_and_offline_export(start_daemon, tmp_path):
         "state_dir": str(state_dir), "sessions": [{"folder": "journaled", "ok": True, "problems": []}],
         "ok": True, "problems": 0}
 
+    # Offline, the session as a daemon restoring the folder holds it: the checkpoint at step 0 and the
+    # four journaled steps replayed, the same file `export` from that daemon writes.
     exported = tmp_path / "offline.safetensors"
     doc = ctl_json("export", "journaled", "--state-dir", state_dir, "--to", exported)
-    assert doc["step"] == 0 and doc["source"] == "checkpoint"
-    assert read_safetensors(exported)[0]["last_step"] == "0"
+    assert (doc["step"], doc["checkpoint_step"], doc["journal_steps_replayed"], doc["source"]) == (4, 0, 4, "state_dir")
+    metadata, tensors = read_safetensors(exported)
+    assert metadata["last_step"] == "4"
+    for name, p in model.named_parameters():
+        assert torch.equal(tensors[f"{name}/master"], p.detach()), name
+    shutil.copytree(state_dir, tmp_path / "copy")
+    restored = start_daemon("--state-dir", tmp_path / "copy")
+    assert ctl_json("-e", restored.endpoint, "export", "journaled", "--to", tmp_path / "online.safetensors")["step"] == 4
+    assert exported.read_bytes() == (tmp_path / "online.safetensors").read_bytes()
 
     # An altered tensors file is found and named; nothing is written to the state directory.
     [tensor_file] = (state_dir / "journaled").glob("checkpoint-*.safetensors")

@@ -284,4 +284,21 @@ def test_export_takes_only_a_session_id(journaled_state, tmp_path):
     code, out, err = ctl("export", "../outside/x", "--state-dir", state_dir, "--to", tmp_path / "out.safetensors")
     assert code == 2 and "SESSION: '../outside/x' is not a session id" in err, f"{out}{err}"
     assert not (tmp_path / "out.safetensors").exists()
-    assert ctl_json("export", "run", "--state-dir", state_dir, "--to", tmp_path / "run.safetensors")["step"] == 0
+    assert ctl_json("export", "run", "--state-dir", state_dir, "--to", tmp_path / "run.safetensors")["step"] == 4
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_export_refuses_every_folder_the_daemon_refuses(journaled_state, tmp_path, damage):
+    """An offline export restores the folder as the daemon does: what the restore refuses is refused,
+    exit 1, naming the folder's file, and no file is written."""
+    state_dir = tmp_path / "state"
+    shutil.copytree(journaled_state, state_dir, symlinks=True)
+    DAMAGE[damage](state_dir / "run")
+    out_file = tmp_path / "run.safetensors"
+    code, out, err = ctl("export", "run", "--state-dir", state_dir, "--to", out_file)
+    assert code == 1 and out == "", f"{damage}: exit {code}: {out}{err}"
+    assert str(state_dir / "run") in err, f"{damage}: {err}"
+    assert not out_file.exists()
+    if "journal" in damage:  # the checkpoint alone comes out of a copy without the journal
+        (state_dir / "run" / "journal.log").unlink()
+        assert ctl_json("export", "run", "--state-dir", state_dir, "--to", out_file)["step"] == 0

@@ -102,10 +102,10 @@ int Run(int argc, char** argv) {
   CLI::App* exporter = app.add_subcommand(
       "export",
       "Write a session's state (masters and every optimizer slot) to a safetensors file: from the daemon, "
-      "or from its last checkpoint in --state-dir without a daemon");
+      "or without one from --state-dir, as a daemon restoring it would hold it (checkpoint and journal)");
   exporter->add_option("SESSION", session_id, "Session id")->required();
   exporter->add_option("--to", export_to, "The .safetensors file to write")->required();
-  exporter->add_option("--state-dir", export_state_dir, "Read the checkpoint from this state directory instead")
+  exporter->add_option("--state-dir", export_state_dir, "Restore the session from this state directory instead")
       ->check(CLI::ExistingDirectory);
   exporter->callback([&] {
     command = [&] {

@@ -313,23 +313,38 @@ Answer DigestStateDir(const std::string& state_dir, const std::string& session_i
 Answer ExportFromStateDir(const std::string& state_dir, const std::string& session_id, const std::string& to) {
   // The daemon's rule for session ids, which is what keeps the folder inside DIR.
   if (absl::Status id = durability::CheckSessionId(session_id, "SESSION"); !id.ok()) return ErrorAnswer(id);
-  durability::Env* env = durability::Env::Default();
   const std::string dir = state_dir + "/" + session_id;
   if (!HasCheckpoint(dir)) {
     return ErrorAnswer(absl::NotFoundError(absl::StrCat("no checkpoint of session '", session_id, "' in ", state_dir)));
   }
-  absl::StatusOr<durability::CheckpointData> data = durability::ReadCheckpoint(env, dir);
-  if (!data.ok()) return ErrorAnswer(data.status());
-  const std::string bytes = durability::EncodeSafetensors(*data);
-  if (absl::Status written = durability::WriteFileAtomically(env, to, bytes); !written.ok()) {
+  // What a daemon restoring DIR would hold, through its own restore (session::LoadSession: every
+  // check, the journal's steps replayed on the checkpoint), on a CPU backend of one thread; written
+  // as `export` from that daemon writes it.
+  absl::StatusOr<kernels::BackendSelection> backend = kernels::CreateBackend("cpu", 0, 1);
+  if (!backend.ok()) return ErrorAnswer(backend.status());
+  absl::StatusOr<session::LoadedSession> loaded =
+      session::LoadSession(OptionsFor(state_dir), dir, backend->backend.get(), rpc::ProtoSpecCodec(), kLimits);
+  if (!loaded.ok()) return ErrorAnswer(loaded.status());
+  absl::StatusOr<session::SessionState> state = loaded->session->ExportState();
+  if (!state.ok()) return ErrorAnswer(state.status());
+  const durability::CheckpointData data = session::CheckpointOf(*loaded->session, *std::move(state), "export");
+  const std::string bytes = durability::EncodeSafetensors(data);
+  if (absl::Status written = durability::WriteFileAtomically(durability::Env::Default(), to, bytes); !written.ok()) {
     return ErrorAnswer(absl::InvalidArgumentError(absl::StrCat("--to: ", written.message())));
   }
   Answer answer;
-  answer.json = {{"session_id", session_id},        {"step", data->last_step}, {"file", to},
-                 {"tensors", data->tensors.size()}, {"bytes", bytes.size()},   {"source", "checkpoint"}};
-  answer.text = absl::StrCat("session ", session_id, " checkpoint at step ", data->last_step,
-                             " (journal not applied): ", data->tensors.size(), " tensors (",
-                             HumanBytes(static_cast<double>(bytes.size())), ") written to ", to, "\n");
+  answer.json = {{"session_id", session_id},
+                 {"step", data.last_step},
+                 {"file", to},
+                 {"tensors", data.tensors.size()},
+                 {"bytes", bytes.size()},
+                 {"source", "state_dir"},
+                 {"checkpoint_step", loaded->checkpoint_step},
+                 {"journal_steps_replayed", loaded->replayed}};
+  answer.text =
+      absl::StrCat("session ", session_id, " at step ", data.last_step, " (checkpoint at step ",
+                   loaded->checkpoint_step, ", ", loaded->replayed, " journal steps replayed): ", data.tensors.size(),
+                   " tensors (", HumanBytes(static_cast<double>(bytes.size())), ") written to ", to, "\n");
   return answer;
 }
 

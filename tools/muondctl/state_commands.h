@@ -10,8 +10,10 @@
 //                       would answer it after restoring the folder: its checkpoint with the journal's
 //                       steps replayed on top (session::LoadSession on a CPU backend, then
 //                       session::DigestSession); exit 1 when a folder cannot be restored
-//   export SESSION --state-dir DIR --to FILE   a session's checkpoint as a safetensors file (SESSION
-//                       checked with the daemon's rule for session ids, so the folder is inside DIR)
+//   export SESSION --state-dir DIR --to FILE   the session as a daemon restoring DIR would hold it
+//                       (session::LoadSession: its checkpoint, the journal's steps replayed, every
+//                       check of a restore), written as `export` from that daemon writes it; SESSION
+//                       checked with the daemon's rule for session ids, so the folder is inside DIR
 #pragma once
 
 #include <string>
