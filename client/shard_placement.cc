@@ -129,6 +129,7 @@ v1::SessionSpec ShardSpec(const v1::SessionSpec& whole, const Placement& placeme
   out->set_index(shard);
   out->set_num_parameters(whole.parameters_size());
   for (int i : mine) out->add_parameters(i);
+  out->set_qk_clip_pairs(whole.qk_clip_size());
   return spec;
 }
 

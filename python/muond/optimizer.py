@@ -456,10 +456,6 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
             rank = self.rank if self._async else None
             opened = self._on_every_session(lambda k, session: session.open(self._shard_spec(k), rank))
             self.attached = any(attached for attached, _ in opened)
-            if len(self.endpoints) > 1 and not self.attached:
-                # Only for a session this optimizer created: one an earlier client created keeps
-                # the spec it was created with.
-                session_spec.check_sharded_reads(self.param_groups, self.qk_clip)
             steps = [step for _, step in opened]
             answered = list(steps)  # the step each shard's attach answer is of
             if len(set(steps)) > 1:

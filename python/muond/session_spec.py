@@ -5,15 +5,13 @@ The whole spec lists every group (its options, ``options.group_options_proto``),
 scaler and how several ranks synchronize (``ranks.Sync``: quorum or asynchronous; lock-step leaves
 ``sync`` unset, as every spec before it did, so that such sessions still attach). With several
 daemons each gets the parameters placed on it (``placement.py``), every group, the QK-clip pairs
-whose query it holds and the placement itself (docs/sharding.md); what only the whole spec shows
-is checked here (``check_sharded_reads``).
+whose query it holds and the placement itself with the whole session's count of pairs, by which
+each daemon checks QK-clip's options (docs/sharding.md).
 """
 
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence
-
-import grpc
 
 from . import options as opts
 from . import partition
@@ -21,7 +19,6 @@ from . import placement
 from . import wire
 from .ranks import Sync
 from ._stubs import pb
-from .errors import MuondError
 
 
 def whole_spec(param_groups: Sequence[Dict[str, Any]], group_names: Sequence[str],
@@ -89,6 +86,7 @@ def shard_spec(whole: pb.SessionSpec, shard: int, mine: Sequence[int],
     spec.shard.index = shard
     spec.shard.num_parameters = len(whole.parameters)
     spec.shard.parameters.extend(mine)
+    spec.shard.qk_clip_pairs = len(whole.qk_clip)
     return spec
 
 
@@ -105,17 +103,3 @@ def place(param_groups: Sequence[Dict[str, Any]], together: List[tuple],
                 tuple(split) if split is not None else None,
                 group.get("num_query_groups") or 1))
     return placement.place(tensors, num_daemons, together)
-
-
-def check_sharded_reads(groups: Sequence[Dict[str, Any]], qk_clip: Sequence[Any]) -> None:
-    """What no daemon of a sharded session can check, each seeing only its own QK-clip pairs: a
-    session without any pair refuses QK-clip's options (qk_clip_threshold, qk_clip_alpha) at other
-    than their defaults, as an unsharded daemon refuses them (MuondError, INVALID_ARGUMENT, in its
-    words). The caller removes the sessions it had just created."""
-    if qk_clip:
-        return
-    for i, group in enumerate(groups):
-        try:
-            opts.check_read(group, qk_clip_reads=False)
-        except ValueError as err:
-            raise MuondError(grpc.StatusCode.INVALID_ARGUMENT, f"spec.groups[{i}].options.{err}") from None

@@ -209,6 +209,15 @@ absl::Status ParseShard(const v1::SessionSpec& spec, SessionConfig& config) {
     }
   }
   config.shard = {shard.index(), shard.endpoints_size()};
+  if (shard.has_qk_clip_pairs()) {
+    if (shard.qk_clip_pairs() < spec.qk_clip_size() || shard.qk_clip_pairs() > shard.num_parameters()) {
+      return InvalidField(
+          "spec.shard.qk_clip_pairs",
+          absl::StrCat("must be at least this shard's ", spec.qk_clip_size(), " pairs and at most num_parameters (",
+                       shard.num_parameters(), "), got ", shard.qk_clip_pairs()));
+    }
+    config.shard.qk_clip_pairs = shard.qk_clip_pairs();
+  }
   return absl::OkStatus();
 }
 

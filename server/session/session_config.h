@@ -84,6 +84,8 @@ struct QkClipConfig {
 struct ShardConfig {
   int index = 0;
   int count = 0;  // 0: not a shard
+  // The whole session's QK-clip pairs (spec.shard.qk_clip_pairs); -1 when the client did not say.
+  int qk_clip_pairs = -1;
 };
 
 // How the ranks of a multi-rank session make a step (docs/ranks.md).

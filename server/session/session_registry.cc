@@ -33,10 +33,11 @@ absl::Status CheckCheckpointRoom(const SessionConfig& config, const std::string&
 
 // A new session's groups set no option to a value they would not read (heloco_kappa without heloco,
 // qk_clip_threshold without QK-clip pairs: optim::CheckOptionsAreRead). A shard of a sharded session
-// sees only its own pairs, so QK-clip's options pass there. Only at creation: a session restored or
+// sees only its own pairs: it goes by the whole session's count its placement gives, and lets
+// QK-clip's options pass when the client did not send one. Only at creation: a session restored or
 // attached to keeps the spec an earlier muond accepted.
 absl::Status CheckEveryOptionIsRead(const SessionConfig& config) {
-  const bool qk_clip_reads = !config.qk_clip.empty() || config.shard.count > 0;
+  const bool qk_clip_reads = !config.qk_clip.empty() || (config.shard.count > 0 && config.shard.qk_clip_pairs != 0);
   for (size_t g = 0; g < config.groups.size(); ++g) {
     if (absl::Status read = optim::CheckOptionsAreRead(config.groups[g].options, qk_clip_reads); !read.ok()) {
       return absl::InvalidArgumentError(absl::StrCat("spec.groups[", g, "].options.", read.message()));

@@ -375,5 +375,31 @@ TEST_F(ShardedSessionTest, ARefusedOpenRollsBackTheSessionsItCreated) {
   EXPECT_THAT(ids(shards[2]), ::testing::IsEmpty());
 }
 
+// Each daemon sees only its own shard's pairs; the placement gives the whole session's count, so a
+// sharded session that names no pair refuses QK-clip's threshold on every shard, as one daemon does,
+// and nothing is left behind. With the pair named the same spec opens.
+TEST_F(ShardedSessionTest, QkClipOptionsWithoutAnyPairAreRefusedAsOneDaemonRefusesThem) {
+  v1::SessionSpec spec = ModelSpec();
+  spec.clear_qk_clip();
+  const std::vector<std::string> shards(endpoints_.begin(), endpoints_.begin() + 3);
+  EXPECT_THAT(client::ShardedSession::Open(options_, shards, "no-pairs", spec),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "spec.groups[0].options.qk_clip_threshold: only QK-clip reads it, and this session names no "
+                       "QK-clip pair"));
+  client::ClientOptions one = options_;
+  one.endpoint = endpoints_[3];
+  ASSERT_OK_AND_ASSIGN(auto single, client::Client::Connect(one));
+  EXPECT_THAT(single->CreateSession("no-pairs", spec).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, "spec.groups[0].options.qk_clip_threshold"));
+  for (const std::string& endpoint : shards) {
+    one.endpoint = endpoint;
+    ASSERT_OK_AND_ASSIGN(auto c, client::Client::Connect(one));
+    ASSERT_OK_AND_ASSIGN(auto sessions, c->ListSessions());
+    EXPECT_TRUE(sessions.empty()) << endpoint;
+  }
+  ASSERT_OK_AND_ASSIGN(auto opened, client::ShardedSession::Open(options_, shards, "no-pairs", ModelSpec()));
+  EXPECT_FALSE(opened->attached());
+}
+
 }  // namespace
 }  // namespace muond::testing

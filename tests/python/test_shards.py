@@ -514,18 +514,19 @@ def test_a_refused_sharded_attach_rolls_back_what_it_created(three):
 
 
 def test_a_new_sharded_session_without_pairs_refuses_qk_clip_options(three):
-    """Each daemon sees only its own shard's QK-clip pairs, so the client refuses what an unsharded
-    daemon would: QK-clip's threshold in a session that names no pair. The sessions the open created
-    go; with the pair named, the same id is created afresh."""
+    """Each daemon sees only its own shard's QK-clip pairs and the whole session's count of them
+    (spec.shard.qk_clip_pairs), so every shard refuses what an unsharded daemon would: QK-clip's
+    threshold in a session that names no pair. Nothing is created; with the pair named, the same
+    id is created afresh."""
     endpoints = [d.endpoint for d in three]
     model = AttentionNet(seed=6)
     session = f"no-pairs-{uuid.uuid4().hex[:8]}"
     with pytest.raises(muond.MuondError) as err:
         muond.RemoteOptimizer(groups(model), endpoints=endpoints, session=session)
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert err.value.details == ("spec.groups[0].options.qk_clip_threshold: only QK-clip reads it, and this "
-                                 "session names no QK-clip pair (spec.qk_clip); name the query and key weights "
-                                 "or leave qk_clip_threshold at its default 100")
+    assert err.value.details == (f"shard 0 ({endpoints[0]}): spec.groups[0].options.qk_clip_threshold: only "
+                                 "QK-clip reads it, and this session names no QK-clip pair (spec.qk_clip); name "
+                                 "the query and key weights or leave qk_clip_threshold at its default 100")
     assert all(session not in session_ids(endpoint) for endpoint in endpoints)
     with sharded(model, endpoints=endpoints, session=session) as opt:
         assert not opt.attached

@@ -224,6 +224,30 @@ TEST(SessionConfigTest, BlockCountsAndLayoutsAreBoundedBeforeAnythingUsesThem) {
   EXPECT_EQ(fits.qk_clip[0].mla->qk_nope_head_dim, 1);
 }
 
+// spec.shard.qk_clip_pairs: the whole session's pairs, at least the shard's own and at most its
+// parameters; unset means the client did not say.
+TEST(SessionConfigTest, AShardsCountOfTheSessionsPairsIsBounded) {
+  v1::SessionSpec spec = Spec();
+  v1::ShardPlacement* shard = spec.mutable_shard();
+  shard->add_endpoints("a:1");
+  shard->add_endpoints("b:2");
+  shard->set_num_parameters(3);
+  shard->add_parameters(1);
+  ASSERT_OK_AND_ASSIGN(SessionConfig unsaid, ParseSessionSpec(spec, SpecLimits{}));
+  EXPECT_EQ(unsaid.shard.qk_clip_pairs, -1);
+  shard->set_qk_clip_pairs(0);
+  ASSERT_OK_AND_ASSIGN(SessionConfig none, ParseSessionSpec(spec, SpecLimits{}));
+  EXPECT_EQ(none.shard.qk_clip_pairs, 0);
+  shard->set_qk_clip_pairs(1);
+  ASSERT_OK_AND_ASSIGN(SessionConfig elsewhere, ParseSessionSpec(spec, SpecLimits{}));
+  EXPECT_EQ(elsewhere.shard.qk_clip_pairs, 1);
+  for (int bad : {-1, 4}) {
+    shard->set_qk_clip_pairs(bad);
+    EXPECT_THAT(ParseSessionSpec(spec, SpecLimits{}),
+                StatusIs(absl::StatusCode::kInvalidArgument, "spec.shard.qk_clip_pairs"));
+  }
+}
+
 TEST(SessionConfigTest, AdaptiveMuonAndItsRefusals) {
   v1::GroupOptions options;
   options.set_moment2_method("normuon");
