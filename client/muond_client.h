@@ -318,6 +318,10 @@ class Session {
 
   absl::Status Close();
 
+  // INVALID_ARGUMENT naming options.parameters_out when one of its buffers does not fit this
+  // session's parameters (Step checks it before anything is sent).
+  absl::Status CheckParametersOut(const StepOptions& options) const;
+
  private:
   absl::StatusOr<ParameterMap> GetParametersOnce(int64_t* last_step, const std::vector<std::string>& names);
   v1::StepHeader Header(int64_t step, const StepOptions& options) const;
@@ -327,8 +331,6 @@ class Session {
   // `before`), as StepThrough does.
   absl::StatusOr<StepReply> StepFrom(int first, StepTransport& transport, int64_t step, const StepPayload& payload,
                                      const StepOptions& options, absl::Status before = absl::OkStatus());
-  // INVALID_ARGUMENT naming options.parameters_out when one of its buffers does not fit.
-  absl::Status CheckParametersOut(const StepOptions& options) const;
   // INVALID_ARGUMENT naming options.rank when this session holds another rank's parts (HoldParts).
   absl::Status CheckPartsRank(const StepOptions& options) const;
   absl::Status EnsureTransport();

@@ -256,6 +256,11 @@ absl::StatusOr<StepReply> ShardedSession::StepOnce(int64_t step, const std::vect
       return absl::InvalidArgumentError(absl::StrCat("parameters_out['", name, "']: no such parameter"));
     commit[it->second].parameters_out[name] = out;
   }
+  // Before any prepare: a commit refused for its output after another shard's commit applied the
+  // step would leave the shards at two steps.
+  for (size_t k = 0; k < n; ++k) {
+    if (absl::Status fits = sessions_[k]->CheckParametersOut(commit[k]); !fits.ok()) return fits;
+  }
   absl::StatusOr<std::vector<StepReply>> prepared =
       OnEveryShard<StepReply>([&](int k) { return sessions_[k]->Step(step, gradients[k], prepare[k]); });
   if (!prepared.ok()) return NameShardsBehind(prepared.status());

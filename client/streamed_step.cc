@@ -22,6 +22,9 @@ absl::Status CheckSameStep(const StepOptions& begun, const StepOptions& now) {
     field = "return_dtype";
   else if (begun.phase != now.phase)
     field = "phase";
+  else if (begun.decision.has_value() != now.decision.has_value() ||
+           (begun.decision.has_value() && begun.decision->SerializeAsString() != now.decision->SerializeAsString()))
+    field = "decision";  // a commit's: the streamed header carries it
   if (field == nullptr) return absl::OkStatus();
   return absl::InvalidArgumentError(
       absl::StrCat("options.", field, ": must be what the streamed step began with (it names the step)"));

@@ -401,5 +401,38 @@ TEST_F(ShardedSessionTest, QkClipOptionsWithoutAnyPairAreRefusedAsOneDaemonRefus
   EXPECT_FALSE(opened->attached());
 }
 
+// An output buffer that does not fit is refused before any shard prepares, so no commit applies the
+// step on some shards while another refuses it: the shards stay at one step and the step goes on.
+TEST_F(ShardedSessionTest, AParametersOutThatDoesNotFitIsRefusedBeforeAnyShardApplies) {
+  const v1::SessionSpec spec = ModelSpec();
+  const std::vector<std::string> shards(endpoints_.begin(), endpoints_.begin() + 2);
+  ASSERT_OK_AND_ASSIGN(auto sharded, client::ShardedSession::Open(options_, shards, "outputs", spec));
+  ASSERT_OK(sharded->UploadParameters(Tensors(spec, 0, 0.5f).views));
+  // A parameter of the last shard, whose commit the client would otherwise make after the first's.
+  int on_last = -1;
+  for (int i = 0; i < spec.parameters_size(); ++i) {
+    if (sharded->placement().shard_of[i] == 1) on_last = i;
+  }
+  ASSERT_GE(on_last, 0);
+  const std::string name = spec.parameters(on_last).name();
+  std::vector<float> short_out(Numel(spec.parameters(on_last)) - 1);
+  client::StepOptions options = OptionsOf(1);
+  options.parameters_out[name] = short_out;
+  const Tensors grads(spec, 1, 0.1f);
+  EXPECT_THAT(sharded->Step(1, grads.views, options),
+              StatusIs(absl::StatusCode::kInvalidArgument, absl::StrCat("parameters_out['", name, "']")));
+  int64_t last = -1;
+  ASSERT_OK(sharded->GetParameters(&last).status());
+  EXPECT_EQ(last, 0);
+  std::vector<float> out(Numel(spec.parameters(on_last)));
+  options.parameters_out[name] = out;
+  ASSERT_OK_AND_ASSIGN(client::StepReply reply, sharded->Step(1, grads.views, options));
+  EXPECT_EQ(reply.step, 1);
+  EXPECT_FALSE(reply.replayed);
+  ASSERT_OK_AND_ASSIGN(client::ParameterMap now, sharded->GetParameters(&last));
+  EXPECT_EQ(last, 1);
+  EXPECT_EQ(now.at(name), out);
+}
+
 }  // namespace
 }  // namespace muond::testing

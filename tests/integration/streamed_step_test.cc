@@ -120,6 +120,10 @@ TEST_F(StreamedStepTest, RefusesAnotherStepAtTheEndAndBadAdds) {
   absl::StatusOr<client::StepReply> refused = (*streamed)->Finish(other);
   EXPECT_THAT(refused.status(), StatusIs(absl::StatusCode::kInvalidArgument, ""));
   EXPECT_THAT(std::string(refused.status().message()), HasSubstr("options.rank"));
+  client::StepOptions decided;
+  decided.decision.emplace().set_grad_norm(1.0);
+  refused = (*streamed)->Finish(decided);
+  EXPECT_THAT(refused.status(), StatusIs(absl::StatusCode::kInvalidArgument, "options.decision"));
   (*streamed)->Cancel();
   EXPECT_EQ(LastStep(*session), 0);
 }
