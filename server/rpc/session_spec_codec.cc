@@ -560,6 +560,11 @@ absl::Status CheckSameSpec(const v1::SessionSpec& existing, const v1::SessionSpe
   differencer.ReportDifferencesToString(&differences);
   // Labels are compared on their own (LabelDifference), and not at all when either side has none.
   differencer.IgnoreField(v1::SessionSpec::descriptor()->FindFieldByName("labels"));
+  // A shard's count of the whole session's QK-clip pairs is compared only when both sides give it:
+  // a session an earlier client placed has none, and a client of either version attaches to it.
+  if (!existing.shard().has_qk_clip_pairs() || !requested.shard().has_qk_clip_pairs()) {
+    differencer.IgnoreField(v1::ShardPlacement::descriptor()->FindFieldByName("qk_clip_pairs"));
+  }
   const std::string labels = LabelDifference(existing, requested);
   if (differencer.Compare(existing, requested) && labels.empty()) return absl::OkStatus();
   // A different placement explains every other difference of a shard's spec: name it first.

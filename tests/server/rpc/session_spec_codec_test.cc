@@ -399,6 +399,27 @@ TEST(SessionConfigTest, SameSpecAttachesAndADifferentOneNamesTheField) {
               StatusIs(absl::StatusCode::kAlreadyExists, "groups[0].options: { lr: 0.1 }"));
 }
 
+// A shard's count of the session's QK-clip pairs: a session placed by a client that did not send it
+// attaches a client that does, and the other way round; two counts are compared.
+TEST(SessionConfigTest, AShardsPairCountIsComparedOnlyWhenBothSidesGiveIt) {
+  v1::SessionSpec unsaid = Spec();
+  unsaid.mutable_shard()->add_endpoints("a:1");
+  unsaid.mutable_shard()->add_endpoints("b:2");
+  unsaid.mutable_shard()->set_num_parameters(3);
+  unsaid.mutable_shard()->add_parameters(1);
+  v1::SessionSpec none = unsaid, one = unsaid;
+  none.mutable_shard()->set_qk_clip_pairs(0);
+  one.mutable_shard()->set_qk_clip_pairs(1);
+  EXPECT_OK(CheckSameSpec(unsaid, none));
+  EXPECT_OK(CheckSameSpec(none, unsaid));
+  EXPECT_OK(CheckSameSpec(none, none));
+  EXPECT_THAT(CheckSameSpec(none, one), StatusIs(absl::StatusCode::kAlreadyExists, "qk_clip_pairs"));
+  // Another difference is still found beside an ignored count.
+  v1::SessionSpec other = none;
+  other.mutable_groups(0)->mutable_options()->set_lr(0.1);
+  EXPECT_THAT(CheckSameSpec(unsaid, other), StatusIs(absl::StatusCode::kAlreadyExists, "lr: 0.1"));
+}
+
 // Labels: bounded and plain, compared at attach when both specs carry some (a session or a client
 // from before labels has none, and attaches as before).
 TEST(SessionConfigTest, LabelsAreBoundedAndComparedWhenBothSidesHaveThem) {
