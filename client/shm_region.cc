@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -23,7 +24,7 @@ absl::Status Errno(const std::string& what) {
 
 }  // namespace
 
-absl::StatusOr<int> ConnectShmSocket(const std::string& address) {
+absl::StatusOr<int> ConnectShmSocket(const std::string& address, std::chrono::milliseconds answer_timeout) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (address.empty() || address.size() >= sizeof(addr.sun_path)) {
@@ -35,6 +36,18 @@ absl::StatusOr<int> ConnectShmSocket(const std::string& address) {
   const auto length = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + address.size() + (abstract ? 0 : 1));
   const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return Errno("socket");
+  if (answer_timeout.count() > 0) {
+    const auto seconds = std::chrono::duration_cast<std::chrono::seconds>(answer_timeout);
+    timeval limit{};
+    limit.tv_sec = static_cast<time_t>(seconds.count());
+    limit.tv_usec = static_cast<suseconds_t>((answer_timeout - seconds).count() * 1000);
+    if (::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &limit, sizeof(limit)) != 0 ||
+        ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &limit, sizeof(limit)) != 0) {
+      absl::Status error = Errno("bounding the shared-memory socket's waits");
+      ::close(fd);
+      return error;
+    }
+  }
   if (::connect(fd, reinterpret_cast<const sockaddr*>(&addr), length) != 0) {
     absl::Status error = Errno(absl::StrCat("cannot connect to the daemon's socket '", address,
                                             "' (is the daemon on this host, in this network namespace?)"));
@@ -94,6 +107,9 @@ absl::StatusOr<std::string> ReadAnswer(int socket) {
   while (line.size() < 4096) {
     const ssize_t n = ::read(socket, &ch, 1);
     if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {  // ConnectShmSocket's answer_timeout passed
+      return absl::UnavailableError("shared memory: the daemon did not answer on its socket within the deadline");
+    }
     if (n <= 0) return absl::UnavailableError("shared memory: the daemon closed its socket without an answer");
     if (ch == '\n') break;
     line.push_back(ch);
@@ -102,7 +118,8 @@ absl::StatusOr<std::string> ReadAnswer(int socket) {
 }
 
 absl::StatusOr<std::unique_ptr<ShmRegion>> ShmRegion::Create(const std::string& socket_address, size_t bytes,
-                                                             const std::string& grant) {
+                                                             const std::string& grant,
+                                                             std::chrono::milliseconds answer_timeout) {
   if (bytes == 0) return absl::InvalidArgumentError("shared memory: a region has at least one byte");
   const int memfd = ::memfd_create("muond-region", MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (memfd < 0) return Errno("memfd_create");
@@ -116,7 +133,7 @@ absl::StatusOr<std::unique_ptr<ShmRegion>> ShmRegion::Create(const std::string& 
   if (::fcntl(memfd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) return fail(Errno("sealing"));
   void* data = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, memfd, 0);
   if (data == MAP_FAILED) return fail(Errno("mmap"));
-  absl::StatusOr<int> socket = ConnectShmSocket(socket_address);
+  absl::StatusOr<int> socket = ConnectShmSocket(socket_address, answer_timeout);
   if (!socket.ok()) return fail(socket.status(), -1, data);
   if (absl::Status presented = PresentGrant(*socket, grant); !presented.ok()) return fail(presented, *socket, data);
   absl::StatusOr<std::string> answer = PassDescriptor(*socket, memfd);

@@ -11,6 +11,7 @@
 // Ownership: the region owns its mapping, its memfd and its socket. Not thread-safe.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -24,9 +25,11 @@ class ShmRegion {
  public:
   // Creates a region of `bytes` bytes and passes it to the daemon listening on `socket_address`
   // ("@name": Linux's abstract namespace) after presenting `grant` (none when empty: a daemon
-  // without ServerInfo.shm_grants).
+  // without ServerInfo.shm_grants); each wait on the socket is bounded by `answer_timeout`
+  // (ConnectShmSocket).
   static absl::StatusOr<std::unique_ptr<ShmRegion>> Create(const std::string& socket_address, size_t bytes,
-                                                           const std::string& grant);
+                                                           const std::string& grant,
+                                                           std::chrono::milliseconds answer_timeout = {});
   ~ShmRegion();
   ShmRegion(const ShmRegion&) = delete;
   ShmRegion& operator=(const ShmRegion&) = delete;
@@ -51,8 +54,10 @@ class ShmRegion {
 // socket (owned by the caller; closing it drops what it passed), the grant presented on it ('G';
 // nothing when `grant` is empty; FAILED_PRECONDITION with the daemon's reason when refused), and one
 // descriptor passed on it with the daemon's one-line answer ("ok <ticket> <bytes>" or
-// "error <reason>").
-absl::StatusOr<int> ConnectShmSocket(const std::string& socket_address);
+// "error <reason>"). `answer_timeout` above zero bounds every wait on the connection (connecting,
+// sending, each answer): a daemon that accepts and never answers is UNAVAILABLE after it, as one
+// that is away; zero waits without a limit.
+absl::StatusOr<int> ConnectShmSocket(const std::string& socket_address, std::chrono::milliseconds answer_timeout = {});
 absl::Status PresentGrant(int socket, const std::string& grant);
 absl::StatusOr<std::string> PassDescriptor(int socket, int fd);
 // A liveness ticket naming the connection `socket` ('L'): what registered with it lives as long as the

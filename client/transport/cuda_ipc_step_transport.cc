@@ -109,7 +109,7 @@ absl::Status CudaIpcStepTransport::Register() {
   cuda_->socket = -1;
   v1::RegisterCudaMemoryRequest request;
   if (!info->shm_socket().empty()) {
-    absl::StatusOr<int> socket = ConnectShmSocket(info->shm_socket());
+    absl::StatusOr<int> socket = ConnectShmSocket(info->shm_socket(), client_.options().rpc_timeout);
     if (!socket.ok()) return socket.status();
     cuda_->socket = *socket;
     absl::StatusOr<std::string> grant = client_.SharedMemoryGrant(*info);

@@ -60,7 +60,7 @@ absl::Status ShmStepTransport::TrySetUpRegion() {
   absl::StatusOr<std::string> grant = client_.SharedMemoryGrant(info);
   if (!grant.ok()) return grant.status();
   absl::StatusOr<std::unique_ptr<ShmRegion>> region =
-      ShmRegion::Create(info.shm_socket(), std::max<uint64_t>(bytes, 1), *grant);
+      ShmRegion::Create(info.shm_socket(), std::max<uint64_t>(bytes, 1), *grant, client_.options().rpc_timeout);
   if (!region.ok()) return region.status();
   const std::string name = absl::StrCat(session_.id(), "/", (*region)->ticket().substr(0, 8));
   grpc::ClientContext context;

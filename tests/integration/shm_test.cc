@@ -4,6 +4,8 @@
 // shm, which carries every other step semantic over shared memory.)
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -418,6 +420,26 @@ TEST_F(ShmTest, UnregisteredRegionsAreGone) {
   grpc::ClientContext again;
   EXPECT_THAT(client::FromGrpcStatus(client_->stub().UnregisterSharedMemory(&again, request, &response)),
               StatusIs(absl::StatusCode::kNotFound, "name"));
+}
+
+// A socket that accepts and never answers (a stopped or wedged daemon) fails a region's set-up as a
+// daemon that is away once the client's deadline passes, instead of waiting on the answer forever.
+TEST(ShmSocketTest, ASocketThatNeverAnswersIsUnavailableAfterTheDeadline) {
+  char dir[] = "/tmp/muond-silent-XXXXXX";
+  ASSERT_NE(::mkdtemp(dir), nullptr);
+  const std::string address = std::string(dir) + "/silent.sock";
+  const int listener = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(listener, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, address.data(), address.size());
+  ASSERT_EQ(::bind(listener, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(listener, 4), 0);  // connections queue; nothing ever reads them
+  EXPECT_THAT(client::ShmRegion::Create(address, 4096, "", std::chrono::milliseconds(300)),
+              StatusIs(absl::StatusCode::kUnavailable, "did not answer on its socket within the deadline"));
+  ::close(listener);
+  ::unlink(address.c_str());
+  ::rmdir(dir);
 }
 
 }  // namespace

@@ -266,3 +266,35 @@ def test_a_process_that_dies_leaves_no_region(endpoint, tmp_path):
     while any(r.name.startswith(f"dies-{tmp_path.name}/") for r in regions(endpoint)):
         assert time.monotonic() < deadline, "the dead client's region is still registered"
         time.sleep(0.01)
+
+
+def test_a_socket_that_never_answers_fails_the_region_within_the_deadline(tmp_path):
+    """A daemon whose shared-memory socket accepts but never answers (a stopped or wedged daemon)
+    fails the region's set-up as a daemon that is away, within the connection's deadline, instead
+    of waiting forever; without a deadline the wait has no limit, as a gRPC call's has none."""
+    import socket
+    import threading
+
+    from muond.transport import shm
+
+    address = str(tmp_path / "silent.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(address)
+    listener.listen(4)
+    outcome = []
+
+    def set_up():
+        try:
+            shm.SharedRegion(address, 4096, grant="g", timeout=0.5)
+            outcome.append("registered")
+        except ConnectionError as err:
+            outcome.append(err)
+
+    trying = threading.Thread(target=set_up, daemon=True)
+    trying.start()
+    trying.join(timeout=60)
+    listener.close()
+    assert not trying.is_alive(), "the set-up still waits for an answer"
+    [err] = outcome
+    assert isinstance(err, ConnectionError)
+    assert "did not answer on its shared-memory socket within 0.5 s" in str(err)

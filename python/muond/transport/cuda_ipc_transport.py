@@ -36,10 +36,11 @@ _log = logging.getLogger("muond")
 class LivenessTicket:
     """A connection to the daemon's ``shm_socket`` that keeps a registration alive: after the
     ``grant`` (``Connection.grant_shared_memory``), the byte ``L`` (no descriptor attached),
-    answered ``ok <ticket>``. Closing it (or exiting) drops what was registered with the ticket."""
+    answered ``ok <ticket>``. Closing it (or exiting) drops what was registered with the ticket.
+    ``timeout``: the seconds each answer on the socket may take (None: no limit)."""
 
-    def __init__(self, socket_address: str, grant: str = ""):
-        self._sock: Optional[socket.socket] = shm.connect(socket_address, grant)
+    def __init__(self, socket_address: str, grant: str = "", timeout: Optional[float] = None):
+        self._sock: Optional[socket.socket] = shm.connect(socket_address, grant, timeout)
         try:
             self._sock.sendall(b"L")
             answer = self._read_line()
@@ -99,7 +100,8 @@ class CudaIpcTransport(StepTransport):
         if self.shm_socket:
             try:
                 grant = self.ctx.conn.grant_shared_memory(self.ctx.conn.server_info())
-                self._liveness = LivenessTicket(self.shm_socket, grant)
+                self._liveness = LivenessTicket(self.shm_socket, grant,
+                                                timeout=self.ctx.conn.timeout)
                 ticket = self._liveness.ticket
             except (ConnectionError, OSError, MuondError) as err:
                 _log.debug("session %s: no liveness ticket for its CUDA memory (%s); it lives "

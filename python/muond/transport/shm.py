@@ -53,12 +53,14 @@ class RegionRefused(ConnectionError):
     refused to register the region: not a daemon that is away, so trying again will not help."""
 
 
-def connect(socket_address: str, grant: str) -> socket.socket:
+def connect(socket_address: str, grant: str, timeout: Optional[float] = None) -> socket.socket:
     """A connection to the daemon's socket that presented ``grant`` (none when ``""``: a daemon
-    without ``ServerInfo.shm_grants``). ConnectionError when the socket cannot be reached,
-    RegionRefused when the daemon refuses the grant."""
+    without ``ServerInfo.shm_grants``). ConnectionError when the socket cannot be reached or does
+    not answer within ``timeout`` seconds (the connection's deadline; None: no limit), RegionRefused
+    when the daemon refuses the grant."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
+        sock.settimeout(timeout)  # every wait on this socket: the connect, sends, each answer
         try:
             sock.connect(_address(socket_address))
         except OSError as err:
@@ -79,7 +81,11 @@ def read_line(sock: socket.socket) -> str:
     """One answer line of the daemon's socket, without its newline."""
     data = b""
     while not data.endswith(b"\n") and len(data) < 4096:
-        piece = sock.recv(4096 - len(data))
+        try:
+            piece = sock.recv(4096 - len(data))
+        except socket.timeout:
+            raise ConnectionError(f"the daemon did not answer on its shared-memory socket within "
+                                  f"{sock.gettimeout():g} s") from None
         if not piece:
             raise ConnectionError("the daemon closed its shared-memory socket without an answer")
         data += piece
@@ -88,9 +94,11 @@ def read_line(sock: socket.socket) -> str:
 
 class SharedRegion:
     """``nbytes`` of memory shared with the daemon listening on ``socket_address``, passed on a
-    connection that presented ``grant`` (``Connection.grant_shared_memory``)."""
+    connection that presented ``grant`` (``Connection.grant_shared_memory``); ``timeout``: the
+    seconds each answer on the socket may take (None: no limit)."""
 
-    def __init__(self, socket_address: str, nbytes: int, grant: str = ""):
+    def __init__(self, socket_address: str, nbytes: int, grant: str = "",
+                 timeout: Optional[float] = None):
         if nbytes <= 0:
             raise ValueError("a shared-memory region has at least one byte")
         self.nbytes = int(nbytes)
@@ -103,7 +111,7 @@ class SharedRegion:
                         fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
             self._map = mmap.mmap(fd, self.nbytes, flags=mmap.MAP_SHARED,
                                   prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            self._sock = connect(socket_address, grant)
+            self._sock = connect(socket_address, grant, timeout)
             socket.send_fds(self._sock, [b"R"], [fd])
             answer = self._read_line()
         except BaseException:

@@ -69,7 +69,8 @@ class ShmTransport(StepTransport):
             raise shm.RegionRefused("the daemon no longer offers shared memory")
         try:
             grant = self.ctx.conn.grant_shared_memory(info)
-            region = shm.SharedRegion(info.shm_socket, max(self._nbytes, 1), grant)
+            region = shm.SharedRegion(info.shm_socket, max(self._nbytes, 1), grant,
+                                      timeout=self.ctx.conn.timeout)
         except MuondError as err:
             if not _refused(err):
                 raise
