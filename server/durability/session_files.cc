@@ -156,7 +156,9 @@ absl::StatusOr<SessionFolder> LoadSessionFolder(const StateDirOptions& options, 
   };
   MUOND_ASSIGN_OR_RETURN(folder.checkpoint, ReadCheckpoint(options.env, dir, bound));
   if (!sizes.has_value()) return absl::InternalError("the checkpoint was read without its spec's sizes");
-  MUOND_ASSIGN_OR_RETURN(folder.journal, StepJournal::Read(options.env, folder.journal_path, sizes->numel));
+  if (options.read_journal) {
+    MUOND_ASSIGN_OR_RETURN(folder.journal, StepJournal::Read(options.env, folder.journal_path, sizes->numel));
+  }
   folder.last_generation = folder.checkpoint.generation;
   for (const JournalRecord& record : folder.journal.records) {
     folder.last_generation = std::max(folder.last_generation, record.checkpoint_generation);

@@ -47,6 +47,9 @@ struct StateDirOptions {
   std::string backend_name;
   DamagedState on_damaged = DamagedState::kQuarantine;
   Env* env = Env::Default();  // not owned
+  // false: LoadSessionFolder reads the checkpoint alone, leaving the journal unread (muondctl's
+  // `export --checkpoint-only`); a daemon always reads it.
+  bool read_journal = true;
 };
 
 inline constexpr char kJournalFile[] = "journal.log";

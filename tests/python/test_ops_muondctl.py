@@ -267,6 +267,12 @@ def test_state_inspect_verify_and_offline_export(start_daemon, tmp_path):
     restored = start_daemon("--state-dir", tmp_path / "copy")
     assert ctl_json("-e", restored.endpoint, "export", "journaled", "--to", tmp_path / "online.safetensors")["step"] == 4
     assert exported.read_bytes() == (tmp_path / "online.safetensors").read_bytes()
+    # The checkpoint alone: the upload's values, the journal left unread.
+    doc = ctl_json("export", "journaled", "--state-dir", state_dir, "--checkpoint-only", "--to", exported)
+    assert (doc["step"], doc["checkpoint_step"], doc["journal_steps_replayed"], doc["source"]) == (0, 0, 0, "checkpoint")
+    assert read_safetensors(exported)[0]["last_step"] == "0"
+    code, _, err = ctl("export", "journaled", "--checkpoint-only", "--to", exported)
+    assert code == 2 and "--checkpoint-only requires --state-dir" in err, err
 
     # An altered tensors file is found and named; nothing is written to the state directory.
     [tensor_file] = (state_dir / "journaled").glob("checkpoint-*.safetensors")

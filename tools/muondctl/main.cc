@@ -99,18 +99,25 @@ int Run(int argc, char** argv) {
 
   std::string export_to;
   std::string export_state_dir;
+  bool export_checkpoint_only = false;
   CLI::App* exporter = app.add_subcommand(
       "export",
       "Write a session's state (masters and every optimizer slot) to a safetensors file: from the daemon, "
       "or without one from --state-dir, as a daemon restoring it would hold it (checkpoint and journal)");
   exporter->add_option("SESSION", session_id, "Session id")->required();
   exporter->add_option("--to", export_to, "The .safetensors file to write")->required();
-  exporter->add_option("--state-dir", export_state_dir, "Restore the session from this state directory instead")
-      ->check(CLI::ExistingDirectory);
+  CLI::Option* from_state_dir =
+      exporter->add_option("--state-dir", export_state_dir, "Restore the session from this state directory instead")
+          ->check(CLI::ExistingDirectory);
+  exporter
+      ->add_flag("--checkpoint-only", export_checkpoint_only,
+                 "With --state-dir: the last checkpoint alone, the journal neither read nor replayed")
+      ->needs(from_state_dir);
   exporter->callback([&] {
     command = [&] {
-      return export_state_dir.empty() ? ExportSession(connect, session_id, export_to)
-                                      : ExportFromStateDir(export_state_dir, session_id, export_to);
+      return export_state_dir.empty()
+                 ? ExportSession(connect, session_id, export_to)
+                 : ExportFromStateDir(export_state_dir, session_id, export_to, export_checkpoint_only);
     };
   });
 

@@ -310,7 +310,8 @@ Answer DigestStateDir(const std::string& state_dir, const std::string& session_i
   return answer;
 }
 
-Answer ExportFromStateDir(const std::string& state_dir, const std::string& session_id, const std::string& to) {
+Answer ExportFromStateDir(const std::string& state_dir, const std::string& session_id, const std::string& to,
+                          bool checkpoint_only) {
   // The daemon's rule for session ids, which is what keeps the folder inside DIR.
   if (absl::Status id = durability::CheckSessionId(session_id, "SESSION"); !id.ok()) return ErrorAnswer(id);
   const std::string dir = state_dir + "/" + session_id;
@@ -318,12 +319,15 @@ Answer ExportFromStateDir(const std::string& state_dir, const std::string& sessi
     return ErrorAnswer(absl::NotFoundError(absl::StrCat("no checkpoint of session '", session_id, "' in ", state_dir)));
   }
   // What a daemon restoring DIR would hold, through its own restore (session::LoadSession: every
-  // check, the journal's steps replayed on the checkpoint), on a CPU backend of one thread; written
-  // as `export` from that daemon writes it.
+  // check, the journal's steps replayed on the checkpoint; with `checkpoint_only` the checkpoint
+  // alone, the journal unread), on a CPU backend of one thread; written as `export` from that
+  // daemon writes it.
   absl::StatusOr<kernels::BackendSelection> backend = kernels::CreateBackend("cpu", 0, 1);
   if (!backend.ok()) return ErrorAnswer(backend.status());
+  durability::StateDirOptions options = OptionsFor(state_dir);
+  options.read_journal = !checkpoint_only;
   absl::StatusOr<session::LoadedSession> loaded =
-      session::LoadSession(OptionsFor(state_dir), dir, backend->backend.get(), rpc::ProtoSpecCodec(), kLimits);
+      session::LoadSession(options, dir, backend->backend.get(), rpc::ProtoSpecCodec(), kLimits);
   if (!loaded.ok()) return ErrorAnswer(loaded.status());
   absl::StatusOr<session::SessionState> state = loaded->session->ExportState();
   if (!state.ok()) return ErrorAnswer(state.status());
@@ -338,13 +342,14 @@ Answer ExportFromStateDir(const std::string& state_dir, const std::string& sessi
                  {"file", to},
                  {"tensors", data.tensors.size()},
                  {"bytes", bytes.size()},
-                 {"source", "state_dir"},
+                 {"source", checkpoint_only ? "checkpoint" : "state_dir"},
                  {"checkpoint_step", loaded->checkpoint_step},
                  {"journal_steps_replayed", loaded->replayed}};
-  answer.text =
-      absl::StrCat("session ", session_id, " at step ", data.last_step, " (checkpoint at step ",
-                   loaded->checkpoint_step, ", ", loaded->replayed, " journal steps replayed): ", data.tensors.size(),
-                   " tensors (", HumanBytes(static_cast<double>(bytes.size())), ") written to ", to, "\n");
+  const std::string journal =
+      checkpoint_only ? "journal not read" : absl::StrCat(loaded->replayed, " journal steps replayed");
+  answer.text = absl::StrCat("session ", session_id, " at step ", data.last_step, " (checkpoint at step ",
+                             loaded->checkpoint_step, ", ", journal, "): ", data.tensors.size(), " tensors (",
+                             HumanBytes(static_cast<double>(bytes.size())), ") written to ", to, "\n");
   return answer;
 }
 

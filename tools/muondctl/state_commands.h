@@ -13,7 +13,8 @@
 //   export SESSION --state-dir DIR --to FILE   the session as a daemon restoring DIR would hold it
 //                       (session::LoadSession: its checkpoint, the journal's steps replayed, every
 //                       check of a restore), written as `export` from that daemon writes it; SESSION
-//                       checked with the daemon's rule for session ids, so the folder is inside DIR
+//                       checked with the daemon's rule for session ids, so the folder is inside DIR;
+//                       --checkpoint-only: the checkpoint alone (no replay; a damaged journal unread)
 #pragma once
 
 #include <string>
@@ -26,6 +27,8 @@ Answer InspectState(const std::string& state_dir);
 Answer VerifyState(const std::string& state_dir);
 // `session_id` empty: every session folder.
 Answer DigestStateDir(const std::string& state_dir, const std::string& session_id);
-Answer ExportFromStateDir(const std::string& state_dir, const std::string& session_id, const std::string& to);
+// `checkpoint_only`: the folder's checkpoint alone, its journal neither read nor replayed.
+Answer ExportFromStateDir(const std::string& state_dir, const std::string& session_id, const std::string& to,
+                          bool checkpoint_only);
 
 }  // namespace muond::ctl
