@@ -295,8 +295,8 @@ class Session {
 
   // Begins step `step` as a streamed step (client/streamed_step.h): its gradients are added as
   // they are ready and StreamedStep::Finish takes its options. `options` names the step (its
-  // rank, base_step, log_num_zeros_in_grad, return_dtype and phase); its other fields wait for
-  // Finish.
+  // rank, base_step, log_num_zeros_in_grad, return_dtype, phase and a commit's decision); its
+  // other fields wait for Finish.
   absl::StatusOr<std::unique_ptr<StreamedStep>> BeginStreamedStep(int64_t step, const StepOptions& options = {});
 
   // Step `step` through `transport` (a transport of this session): the header is built here, and

@@ -154,7 +154,8 @@ ShmRegion::~ShmRegion() {
 }
 
 bool ShmSocketReachable(const std::string& socket_address) {
-  absl::StatusOr<int> socket = ConnectShmSocket(socket_address);
+  // A daemon whose backlog is full takes no connection: waited for a few seconds, not forever.
+  absl::StatusOr<int> socket = ConnectShmSocket(socket_address, std::chrono::seconds(5));
   if (!socket.ok()) return false;
   ::close(*socket);
   return true;

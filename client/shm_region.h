@@ -66,7 +66,8 @@ absl::StatusOr<std::string> RequestLivenessTicket(int socket);
 // The daemon's one-line answer on `socket`, without its newline.
 absl::StatusOr<std::string> ReadAnswer(int socket);
 
-// Whether the daemon's socket accepts a connection from here (same host and network namespace).
+// Whether the daemon's socket accepts a connection from here (same host and network namespace), waiting
+// at most a few seconds for it to be taken.
 bool ShmSocketReachable(const std::string& socket_address);
 
 }  // namespace muond::client

@@ -38,8 +38,8 @@ class StreamedStep {
   // out has no gradient this step). INVALID_ARGUMENT for an unknown or repeated name or a wrong
   // element count, before anything is sent.
   absl::Status Add(const TensorView& gradient);
-  // Ends the step with `options` — its rank, base_step, log_num_zeros_in_grad, return_dtype and
-  // phase must be those it began with (INVALID_ARGUMENT naming the field otherwise); lr,
+  // Ends the step with `options` — its rank, base_step, log_num_zeros_in_grad, return_dtype,
+  // phase and decision must be those it began with (INVALID_ARGUMENT naming the field otherwise); lr,
   // max_grad_norm, qk_logits, grad_scale and weight are taken from here — and returns the answer,
   // as Session::Step does. Once only.
   absl::StatusOr<StepReply> Finish(const StepOptions& options = {});

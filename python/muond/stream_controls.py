@@ -1,6 +1,7 @@
 """``StreamControls``: ``RemoteOptimizer``'s controls of overlapped and delayed steps — the
-streamed try backward opens (``overlap=True``), ``no_sync``, ``gradients_in_flight``, ``flush`` and
-the read-back after a failed landing (docs/overlap.md).
+streamed try backward opens (``overlap=True``), ``no_sync``, ``gradients_in_flight``, ``flush``,
+``zero_grad`` (which cancels a stream no step took) and the read-back after a failed landing
+(docs/overlap.md).
 
 A mixin on the protocol ``OptimizerCore`` (optimizer_core.py): it uses the optimizer's sessions,
 header, stream (``GradientStream``), delayed update (``DelayedUpdate``) and forward landing

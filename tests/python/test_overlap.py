@@ -192,6 +192,7 @@ def _wait_for_streams(address: str, count: int) -> None:
         time.sleep(0.02)
 
 
+@pytest.mark.once  # over gRPC, named: the daemon's in-flight calls show the stream
 @pytest.mark.parametrize("refused", ["grad_scale", "qk_logits", "backward"])
 def test_a_step_refused_before_it_goes_out_leaves_no_stream_open(start_daemon, refused):
     """What backward streamed of a step that is then refused (a bad argument to step(), or a

@@ -268,6 +268,7 @@ def test_a_process_that_dies_leaves_no_region(endpoint, tmp_path):
         time.sleep(0.01)
 
 
+@pytest.mark.once  # no daemon: a socket of the test's own
 def test_a_socket_that_never_answers_fails_the_region_within_the_deadline(tmp_path):
     """A daemon whose shared-memory socket accepts but never answers (a stopped or wedged daemon)
     fails the region's set-up as a daemon that is away, within the connection's deadline, instead
@@ -298,3 +299,41 @@ def test_a_socket_that_never_answers_fails_the_region_within_the_deadline(tmp_pa
     [err] = outcome
     assert isinstance(err, ConnectionError)
     assert "did not answer on its shared-memory socket within 0.5 s" in str(err)
+
+
+@pytest.mark.once  # shared memory, named
+def test_a_silent_socket_during_a_step_fails_the_try_as_a_daemon_away(endpoint, tmp_path, monkeypatch):
+    """A step that registers its region again (the region was dropped) and meets a socket that never
+    answers fails that try with UNAVAILABLE after the connection's deadline, like a daemon that is
+    away — a MuondError the step's tries handle, not a bare socket error — and applies nothing:
+    the next step goes out with the same number."""
+    import socket
+
+    import grpc
+
+    silent_address = str(tmp_path / "silent.sock")
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    silent.bind(silent_address)
+    silent.listen(4)
+    model = TinyNet(seed=46)
+    with muond.RemoteOptimizer(muond.default_param_groups(model), endpoint=endpoint, transport="shm",
+                               max_step_attempts=1) as opt:
+        loss_of(model, 1).backward()
+        opt.step()
+        session = opt._sessions[0]
+        info = pb.ServerInfo()
+        info.CopyFrom(session.conn.server_info())
+        info.shm_socket = silent_address  # the daemon's grant, then a socket that never answers
+        monkeypatch.setattr(session.conn, "server_info", lambda *args, **kwargs: info)
+        monkeypatch.setattr(session.conn, "timeout", 10.0)
+        session.transport.close()  # the region is gone: the next step registers one again
+        opt.zero_grad()
+        loss_of(model, 2).backward()
+        with pytest.raises(muond.MuondError) as err:
+            opt.step()
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE, err.value
+        assert "did not answer on its shared-memory socket within 10 s" in err.value.details
+        monkeypatch.undo()
+        opt.step()
+        assert opt.last_info.step == 2 and opt.last_info.applied and not opt.last_info.replayed
+    silent.close()

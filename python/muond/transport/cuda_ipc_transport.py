@@ -42,7 +42,7 @@ class LivenessTicket:
     def __init__(self, socket_address: str, grant: str = "", timeout: Optional[float] = None):
         self._sock: Optional[socket.socket] = shm.connect(socket_address, grant, timeout)
         try:
-            self._sock.sendall(b"L")
+            shm.send(self._sock, lambda: self._sock.sendall(b"L"))
             answer = self._read_line()
         except BaseException:
             self.close()

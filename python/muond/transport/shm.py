@@ -18,7 +18,7 @@ import fcntl
 import mmap
 import os
 import socket
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -37,11 +37,15 @@ def _address(socket_address: str) -> str:
     return "\0" + socket_address[1:] if socket_address.startswith("@") else socket_address
 
 
+REACHABLE_SECONDS = 5.0  # how long socket_reachable waits for a connection to be taken
+
+
 def socket_reachable(socket_address: str) -> bool:
     """Whether the daemon's socket accepts a connection from here (same host, same network
-    namespace)."""
+    namespace) within REACHABLE_SECONDS."""
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(REACHABLE_SECONDS)
             s.connect(_address(socket_address))
         return True
     except OSError:
@@ -67,7 +71,7 @@ def connect(socket_address: str, grant: str, timeout: Optional[float] = None) ->
             raise ConnectionError(f"cannot connect to the daemon's shared-memory socket "
                                   f"'{socket_address}': {err}") from None
         if grant:
-            sock.sendall(b"G" + grant.encode("ascii"))
+            send(sock, lambda: sock.sendall(b"G" + grant.encode("ascii")))
             answer = read_line(sock)
             if answer != "ok":
                 raise RegionRefused(f"the daemon refused the shared-memory grant: {answer}")
@@ -75,6 +79,16 @@ def connect(socket_address: str, grant: str, timeout: Optional[float] = None) ->
         sock.close()
         raise
     return sock
+
+
+def send(sock: socket.socket, sending: Callable[[], Any]) -> None:
+    """Runs ``sending`` (a send on ``sock``); a socket that cannot take it (closed, or full past
+    its timeout) is a ConnectionError, as a daemon that is away."""
+    try:
+        sending()
+    except OSError as err:
+        raise ConnectionError(f"the daemon's shared-memory socket did not take a request: "
+                              f"{err}") from None
 
 
 def read_line(sock: socket.socket) -> str:
@@ -112,7 +126,7 @@ class SharedRegion:
             self._map = mmap.mmap(fd, self.nbytes, flags=mmap.MAP_SHARED,
                                   prot=mmap.PROT_READ | mmap.PROT_WRITE)
             self._sock = connect(socket_address, grant, timeout)
-            socket.send_fds(self._sock, [b"R"], [fd])
+            send(self._sock, lambda: socket.send_fds(self._sock, [b"R"], [fd]))
             answer = self._read_line()
         except BaseException:
             self.close()

@@ -62,7 +62,8 @@ class ShmTransport(StepTransport):
 
     def _register(self) -> None:
         """Creates and registers this session's region. ``shm.RegionRefused`` when the daemon
-        refuses it; a daemon that cannot be reached is a ConnectionError or a MuondError."""
+        refuses it; a daemon that cannot be reached, or does not answer on its socket, is a
+        MuondError (UNAVAILABLE for the socket), which a step's tries get past as any other."""
         self.close()
         info = self.ctx.conn.server_info()
         if not info.shm_socket:
@@ -71,6 +72,11 @@ class ShmTransport(StepTransport):
             grant = self.ctx.conn.grant_shared_memory(info)
             region = shm.SharedRegion(info.shm_socket, max(self._nbytes, 1), grant,
                                       timeout=self.ctx.conn.timeout)
+        except shm.RegionRefused:
+            raise
+        except ConnectionError as err:  # the socket: gone, closed or silent
+            raise MuondError(grpc.StatusCode.UNAVAILABLE, str(err),
+                             rpc="shared-memory socket") from err
         except MuondError as err:
             if not _refused(err):
                 raise
