@@ -305,7 +305,11 @@ absl::StatusOr<StepReply> ShardedSession::Step(int64_t step, std::span<const Ten
     if (!ResendStep(reply.status())) return OnLaterTry(reply.status(), attempt, before);
     before = reply.status();
     if (attempt >= options_.max_step_attempts) return AfterTries(reply.status(), attempt);
-    for (const auto& client : clients_) client->PauseBeforeRetry(backoff);
+    // Every shard's channel reconnects during one pause, not one pause after another.
+    (void)OnEveryShard<bool>([&](int k) -> absl::StatusOr<bool> {
+      clients_[k]->PauseBeforeRetry(backoff);
+      return true;
+    });
     backoff *= 2;
   }
 }
