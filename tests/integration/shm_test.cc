@@ -425,9 +425,9 @@ TEST_F(ShmTest, UnregisteredRegionsAreGone) {
 // A socket that accepts and never answers (a stopped or wedged daemon) fails a region's set-up as a
 // daemon that is away once the client's deadline passes, instead of waiting on the answer forever.
 TEST(ShmSocketTest, ASocketThatNeverAnswersIsUnavailableAfterTheDeadline) {
-  char dir[] = "/tmp/muond-silent-XXXXXX";
-  ASSERT_NE(::mkdtemp(dir), nullptr);
-  const std::string address = std::string(dir) + "/silent.sock";
+  DaemonProcess scratch;  // never started: its folder, removed with it, holds the socket
+  ASSERT_FALSE(scratch.dir().empty());
+  const std::string address = scratch.dir() + "/silent.sock";
   const int listener = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   ASSERT_GE(listener, 0);
   sockaddr_un addr{};
@@ -438,8 +438,6 @@ TEST(ShmSocketTest, ASocketThatNeverAnswersIsUnavailableAfterTheDeadline) {
   EXPECT_THAT(client::ShmRegion::Create(address, 4096, "", std::chrono::milliseconds(300)),
               StatusIs(absl::StatusCode::kUnavailable, "did not answer on its socket within the deadline"));
   ::close(listener);
-  ::unlink(address.c_str());
-  ::rmdir(dir);
 }
 
 }  // namespace
