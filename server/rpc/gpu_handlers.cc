@@ -75,8 +75,13 @@ grpc::Status MuondService::StepCuda(grpc::ServerContext* context, const v1::Step
     // The client's event must complete by the call's deadline; a client that went away (its call
     // cancelled: it died, or gave up) ends the wait at once.
     const transport::EventWait wait(CallDeadline(*context), [context] { return context->IsCancelled(); });
+    // A call its caller gave up before it began touches no memory: the caller may be using it for
+    // its next try already. One given up later writes no answer (answer_gate.h).
+    if (wait.caller_gone()) return absl::CancelledError("the caller gave this call up before it began");
+    transport::AnswerClaims claims =
+        transport::ClaimCudaRegions(gradients, parameters, header.session_id(), header.rank());
     transport::CudaIpcGradientSource source(backend_, std::move(gradients), wait);
-    transport::CudaIpcParameterSink sink(session.get(), backend_, std::move(parameters), wait);
+    transport::CudaIpcParameterSink sink(session.get(), backend_, std::move(parameters), wait, std::move(claims));
     // Written device to device: nothing read back to the host.
     return RunOutOfBandStep(*session, header, /*device_answer=*/true, source, sink, *options_.metrics, response);
   });

@@ -77,8 +77,15 @@ grpc::Status MuondService::StepShared(grpc::ServerContext* context, const v1::St
     MUOND_ASSIGN_OR_RETURN(std::vector<transport::SharedTensorPlace> parameters,
                            transport::ResolveSharedTensors(session->config(), *regions, caller, request->parameters(),
                                                            "parameters", /*require_all=*/true, header.rank()));
+    // A call its caller gave up before it began (its deadline passed while it queued) touches no
+    // region: the caller may be using them for its next try already. One given up later writes no
+    // answer (answer_gate.h).
+    const auto given_up = [context] { return context->IsCancelled(); };
+    if (given_up()) return absl::CancelledError("the caller gave this call up before it began");
+    transport::AnswerClaims claims =
+        transport::ClaimSharedRegions(gradients, parameters, header.session_id(), header.rank());
     transport::ShmGradientSource source(std::move(gradients), &regions->copy_pool());
-    transport::ShmParameterSink sink(std::move(parameters), &regions->copy_pool());
+    transport::ShmParameterSink sink(std::move(parameters), &regions->copy_pool(), std::move(claims), given_up);
     return RunOutOfBandStep(*session, header, /*device_answer=*/false, source, sink, *options_.metrics, response);
   });
 }

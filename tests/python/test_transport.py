@@ -337,3 +337,62 @@ def test_a_silent_socket_during_a_step_fails_the_try_as_a_daemon_away(endpoint, 
         opt.step()
         assert opt.last_info.step == 2 and opt.last_info.applied and not opt.last_info.replayed
     silent.close()
+
+
+def _second_rank(endpoint, session, go, answered, finish):
+    """Rank 1 of a two-rank session: attaches, steps once when told, sends back its parameters."""
+    torch.set_num_threads(1)
+    model = TinyNet(seed=47)
+    with muond.RemoteOptimizer(muond.default_param_groups(model), endpoint=endpoint, session=session,
+                               world_size=2, rank=1, transport="grpc") as opt:
+        assert go.wait(120)
+        loss_of(model, 101).backward()
+        opt.step()
+        answered.put({n: p.detach().clone() for n, p in model.named_parameters()})
+        assert finish.wait(120)  # the session stays open until rank 0 is done
+
+
+@pytest.mark.once  # shared memory, named
+def test_a_step_call_given_up_never_writes_its_answer_into_the_region(endpoint, tmp_path):
+    """Rank 0's step waits for rank 1 past its deadline: the client gives the call up and gets on
+    with the region (here: bytes of its own). When rank 1 arrives the step is taken, and the call
+    still waiting in the daemon must not write its answer into the region over what the trainer
+    wrote since; rank 0's next try of the step is answered as the step both ranks made."""
+    import grpc
+
+    from processes import rank_context
+
+    session = f"given-up-{tmp_path.name}"
+    context = rank_context()
+    go, finish, answered = context.Event(), context.Event(), context.Queue()
+    model = TinyNet(seed=47)
+    conn = muond.ConnectionOptions(endpoint=endpoint, transport="shm", timeout=3.0, max_step_attempts=1)
+    with muond.RemoteOptimizer(muond.default_param_groups(model), connection=conn, session=session,
+                               world_size=2, rank=0) as opt:
+        second = context.Process(target=_second_rank, args=(endpoint, session, go, answered, finish))
+        second.start()
+        try:
+            loss_of(model, 1).backward()
+            with pytest.raises(muond.MuondError) as err:
+                opt.step()  # rank 1 has not stepped: the call waits past its deadline
+            assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, err.value
+            [region] = [r for r in regions(endpoint) if r.name.startswith(f"{session}/")]
+            assert region.steps_in_flight == 1  # the call given up still waits for rank 1
+            transport = opt._sessions[0].transport
+            view = transport._region.tensor(0, transport._nbytes, torch.uint8)
+            view.fill_(0x5A)  # the trainer's next use of its region
+            go.set()
+            theirs = answered.get(timeout=120)  # the step is taken and rank 1 answered
+            deadline = time.monotonic() + 60
+            while [r.steps_in_flight for r in regions(endpoint) if r.name == region.name] != [0]:
+                assert time.monotonic() < deadline, "the given-up call never ended"
+                time.sleep(0.01)
+            assert bool((view == 0x5A).all()), "the given-up call wrote its answer into the region"
+            opt.step()  # the step again: both ranks' step, answered as a replay
+            assert opt.last_info.step == 1 and opt.last_info.replayed and opt.last_info.included
+            for n, p in model.named_parameters():
+                assert torch.equal(p.detach(), theirs[n]), n
+        finally:
+            finish.set()
+            second.join(timeout=120)
+    assert second.exitcode == 0

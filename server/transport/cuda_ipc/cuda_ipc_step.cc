@@ -23,6 +23,15 @@ absl::StatusOr<std::vector<CudaTensorPlace>> ResolveCudaTensors(
   return places;
 }
 
+AnswerClaims ClaimCudaRegions(const std::vector<CudaTensorPlace>& gradients,
+                              const std::vector<CudaTensorPlace>& parameters, const std::string& session_id, int rank) {
+  std::vector<AnswerGate*> gates;
+  for (const auto* places : {&gradients, &parameters}) {
+    for (const CudaTensorPlace& place : *places) gates.push_back(&place.region->answers);
+  }
+  return AnswerClaims(std::move(gates), session_id, rank);
+}
+
 absl::Status AwaitClientEvents(const std::vector<CudaTensorPlace>& places, const EventWait& wait) {
   std::set<const CudaRegion*> awaited;
   for (const CudaTensorPlace& place : places) {
@@ -50,20 +59,27 @@ absl::Status CudaIpcParameterSink::Send(const session::StepOutcome& outcome) {
     // Once more for a replay (whose gradients were not read): what the client wrote before its
     // event must land before the answer, not on top of it.
     MUOND_RETURN_IF_ERROR(AwaitClientEvents(places_, wait_));
-    for (const CudaTensorPlace& place : places_) {
-      if (outcome.parameters->on_device) {
-        MUOND_RETURN_IF_ERROR(session_->CopyParameterOnDevice(*outcome.parameters, place.ref.index,
-                                                              StorageOf(place.ref.dtype), place.data()));
-      } else {
-        MUOND_RETURN_IF_ERROR(PutDeviceParameter(*backend_, outcome.parameters->values[place.ref.index],
-                                                 place.ref.dtype, place.data(), host_bytes_));
-      }
-      bytes_sent_ += static_cast<int64_t>(place.ref.bytes);
-    }
-    MUOND_RETURN_IF_ERROR(backend_->Synchronize());
+    // Held until the parameters are in the memory: a later call's answer cannot pass this one's.
+    const absl::Status written = claims_.Write([&] { return wait_.caller_gone && wait_.caller_gone(); },
+                                               [&] { return WriteParameters(outcome); }, "CUDA memory");
+    MUOND_RETURN_IF_ERROR(written);
   }
   result_ = ToProto(outcome.result);
   return absl::OkStatus();
+}
+
+absl::Status CudaIpcParameterSink::WriteParameters(const session::StepOutcome& outcome) {
+  for (const CudaTensorPlace& place : places_) {
+    if (outcome.parameters->on_device) {
+      MUOND_RETURN_IF_ERROR(session_->CopyParameterOnDevice(*outcome.parameters, place.ref.index,
+                                                            StorageOf(place.ref.dtype), place.data()));
+    } else {
+      MUOND_RETURN_IF_ERROR(PutDeviceParameter(*backend_, outcome.parameters->values[place.ref.index], place.ref.dtype,
+                                               place.data(), host_bytes_));
+    }
+    bytes_sent_ += static_cast<int64_t>(place.ref.bytes);
+  }
+  return backend_->Synchronize();
 }
 
 }  // namespace muond::transport

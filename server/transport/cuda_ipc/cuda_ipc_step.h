@@ -11,8 +11,10 @@
 // writes the parameters into the regions — device to device when the step left them on the device
 // (StepRequest::device_answer), else from their host copy — after the client's event (so that a
 // replay's answer is not overwritten by gradient copies the client still had in flight), and waits
-// until they are there, so the client may read them
-// as soon as the answer arrives. Both hold their regions until destroyed. One step, one thread.
+// until they are there, so the client may read them as soon as the answer arrives; it writes through
+// the claims the call made on its regions (ClaimCudaRegions, answer_gate.h), so that a call its
+// caller gave up (EventWait::caller_gone) writes nothing. Both hold their regions until destroyed.
+// One step, one thread.
 #pragma once
 
 #include <functional>
@@ -56,6 +58,10 @@ absl::StatusOr<std::vector<CudaTensorPlace>> ResolveCudaTensors(
     const BoundSession& session, const google::protobuf::RepeatedPtrField<v1::SharedTensor>& refs,
     absl::string_view field, bool require_all, int rank);
 
+// The call's claims on every region `gradients` and `parameters` name, for `session_id`'s `rank`.
+AnswerClaims ClaimCudaRegions(const std::vector<CudaTensorPlace>& gradients,
+                              const std::vector<CudaTensorPlace>& parameters, const std::string& session_id, int rank);
+
 class CudaIpcGradientSource final : public GradientSource {
  public:
   CudaIpcGradientSource(kernels::Backend* backend, std::vector<CudaTensorPlace> places, EventWait wait)
@@ -73,16 +79,24 @@ class CudaIpcGradientSource final : public GradientSource {
 class CudaIpcParameterSink final : public ParameterSink {
  public:
   CudaIpcParameterSink(const session::Session* session, kernels::Backend* backend, std::vector<CudaTensorPlace> places,
-                       EventWait wait)
-      : session_(session), backend_(backend), places_(std::move(places)), wait_(std::move(wait)) {}
+                       EventWait wait, AnswerClaims claims = {})
+      : session_(session),
+        backend_(backend),
+        places_(std::move(places)),
+        wait_(std::move(wait)),
+        claims_(std::move(claims)) {}
   absl::Status Send(const session::StepOutcome& outcome) override;
   const v1::StepResult& result() const { return result_; }
 
  private:
+  // Writes the parameters into the places and waits until they are there.
+  absl::Status WriteParameters(const session::StepOutcome& outcome);
+
   const session::Session* const session_;
   kernels::Backend* const backend_;
   const std::vector<CudaTensorPlace> places_;
   const EventWait wait_;
+  const AnswerClaims claims_;  // after places_: released before the regions are
   std::string host_bytes_;
   v1::StepResult result_;
 };

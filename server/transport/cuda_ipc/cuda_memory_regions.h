@@ -22,6 +22,7 @@
 #include "absl/synchronization/mutex.h"
 #include "kernels/backend.h"
 #include "muond/v1/muond.pb.h"
+#include "server/transport/answer_gate.h"
 #include "server/transport/liveness_tickets.h"
 #include "server/transport/region_table.h"
 
@@ -32,6 +33,7 @@ struct CudaRegion {
   uint64_t connection = 0;  // the liveness connection; 0: none
   std::unique_ptr<kernels::PeerMemory> memory;
   std::unique_ptr<kernels::PeerEvent> event;
+  AnswerGate answers;  // which step call may still write its answer here (answer_gate.h)
 };
 
 class CudaMemoryRegions {

@@ -10,9 +10,10 @@
 // daemon a descriptor, never address space. SharedMapping owns the mapping alone (the descriptor is
 // closed once mapped; the mapping keeps the memory), so a registered region costs no descriptor.
 // Regions are held by shared_ptr, so a step in flight keeps its regions mapped after they are
-// unregistered. Thread-safety: both are immutable after construction; the bytes themselves are
-// shared with the client, which may write them at any time — readers copy what they need once and
-// check the copy.
+// unregistered. A mapping carries the gate its steps' answers pass (answer_gate.h: a call the client
+// gave up writes nothing). Thread-safety: both are immutable after construction but for that gate,
+// which is thread-safe; the bytes themselves are shared with the client, which may write them at any
+// time — readers copy what they need once and check the copy.
 #pragma once
 
 #include <cstddef>
@@ -20,6 +21,7 @@
 #include <memory>
 
 #include "absl/status/statusor.h"
+#include "server/transport/answer_gate.h"
 
 namespace muond::transport {
 
@@ -58,6 +60,7 @@ class SharedMapping {
 
   char* data() const { return data_; }
   uint64_t size() const { return size_; }
+  AnswerGate& answers() const { return answers_; }
 
  private:
   friend class SealedMemfd;
@@ -65,6 +68,7 @@ class SharedMapping {
 
   char* const data_;
   const uint64_t size_;
+  mutable AnswerGate answers_;
 };
 
 // Whether [offset, offset + bytes) lies within `size` bytes, without overflow.

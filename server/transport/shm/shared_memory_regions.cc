@@ -190,8 +190,7 @@ absl::StatusOr<std::vector<RegionStatus>> SharedMemoryRegions::Status(const std:
   std::vector<RegionStatus> out;
   regions_.ForEachOf(caller, [&](const std::string& region, const std::shared_ptr<SharedMapping>& mapping) {
     if (!name.empty() && region != name) return;
-    // The table holds one reference; every other is a step using the region.
-    out.push_back({region, mapping->size(), static_cast<int>(mapping.use_count() - 1)});
+    out.push_back({region, mapping->size(), mapping->answers().calls_in_flight()});
   });
   if (!name.empty() && out.empty()) {
     return absl::NotFoundError(absl::StrCat("name: no region '", Echo(name), "' is registered"));

@@ -64,7 +64,7 @@ struct SharedMemoryLimits {
 struct RegionStatus {
   std::string name;
   uint64_t byte_size = 0;
-  int steps_in_flight = 0;
+  int steps_in_flight = 0;  // step calls that named it and have not ended
 };
 
 class SharedMemoryRegions : public LivenessTickets {

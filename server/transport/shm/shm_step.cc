@@ -32,6 +32,16 @@ absl::StatusOr<std::vector<SharedTensorPlace>> ResolveSharedTensors(
   return places;
 }
 
+AnswerClaims ClaimSharedRegions(const std::vector<SharedTensorPlace>& gradients,
+                                const std::vector<SharedTensorPlace>& parameters, const std::string& session_id,
+                                int rank) {
+  std::vector<AnswerGate*> gates;
+  for (const auto* places : {&gradients, &parameters}) {
+    for (const SharedTensorPlace& place : *places) gates.push_back(&place.region->answers());
+  }
+  return AnswerClaims(std::move(gates), session_id, rank);
+}
+
 namespace {
 
 // A step staged into device buffers (a backend whose memory is not the host's) takes its gradients
@@ -104,9 +114,14 @@ absl::Status ShmParameterSink::Send(const session::StepOutcome& outcome) {
     items.reserve(places_.size());
     for (const SharedTensorPlace& place : places_) {
       items.push_back({place.dtype, outcome.parameters->values[place.index], place.region->data() + place.offset});
-      bytes_sent_ += static_cast<int64_t>(place.bytes);
     }
-    EncodeAll(items, pool_);
+    MUOND_RETURN_IF_ERROR(claims_.Write([&] { return given_up_ && given_up_(); },
+                                        [&] {
+                                          EncodeAll(items, pool_);
+                                          return absl::OkStatus();
+                                        },
+                                        "shared-memory region"));
+    for (const SharedTensorPlace& place : places_) bytes_sent_ += static_cast<int64_t>(place.bytes);
   }
   result_ = ToProto(outcome.result);
   return absl::OkStatus();

@@ -11,11 +11,13 @@
 // while its sum of squares is taken; everything after (finiteness, clipping, the optimizer) reads
 // that copy, so a client writing its region during the step can change nothing but its own data.
 // ShmParameterSink encodes the parameters into the regions (one copy) and keeps the result for the
-// RPC's response. Both split their copies over `pool`'s threads (bulk_codec.h: the sums of squares
-// have the same bits whatever its thread count; null: the step's thread alone), and hold their
-// regions (shared_ptr) until destroyed. One step, one calling thread.
+// RPC's response; it writes through the claims the call made on its regions (ClaimSharedRegions,
+// answer_gate.h), so that a call its caller gave up (`given_up`) writes nothing. Both split their copies over `pool`'s
+// threads (bulk_codec.h: the sums of squares have the same bits whatever its thread count; null: the step's thread
+// alone), and hold their regions (shared_ptr) until destroyed. One step, one calling thread.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -24,6 +26,7 @@
 #include "google/protobuf/repeated_ptr_field.h"
 #include "muond/v1/muond.pb.h"
 #include "server/session/session_config.h"
+#include "server/transport/answer_gate.h"
 #include "server/transport/shm/shared_memory_regions.h"
 #include "server/transport/step_transport.h"
 
@@ -46,6 +49,11 @@ absl::StatusOr<std::vector<SharedTensorPlace>> ResolveSharedTensors(
     const google::protobuf::RepeatedPtrField<v1::SharedTensor>& refs, absl::string_view field, bool require_all,
     int rank);
 
+// The call's claims on every region `gradients` and `parameters` name, for `session_id`'s `rank`.
+AnswerClaims ClaimSharedRegions(const std::vector<SharedTensorPlace>& gradients,
+                                const std::vector<SharedTensorPlace>& parameters, const std::string& session_id,
+                                int rank);
+
 class ShmGradientSource final : public GradientSource {
  public:
   ShmGradientSource(std::vector<SharedTensorPlace> places, ComputePool* pool)
@@ -60,14 +68,19 @@ class ShmGradientSource final : public GradientSource {
 
 class ShmParameterSink final : public ParameterSink {
  public:
-  ShmParameterSink(std::vector<SharedTensorPlace> places, ComputePool* pool)
-      : places_(std::move(places)), pool_(pool) {}
+  // `claims` on the regions of `places` (none: the answer is written unless `given_up`); `given_up`
+  // (may be empty) says whether the caller gave the call up.
+  ShmParameterSink(std::vector<SharedTensorPlace> places, ComputePool* pool, AnswerClaims claims = {},
+                   std::function<bool()> given_up = {})
+      : places_(std::move(places)), pool_(pool), claims_(std::move(claims)), given_up_(std::move(given_up)) {}
   absl::Status Send(const session::StepOutcome& outcome) override;
   const v1::StepResult& result() const { return result_; }
 
  private:
   const std::vector<SharedTensorPlace> places_;
   ComputePool* const pool_;
+  const AnswerClaims claims_;  // after places_: released before the regions are
+  const std::function<bool()> given_up_;
   v1::StepResult result_;
 };
 

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -54,9 +55,12 @@ TEST(SharedMemoryRegionsTest, UnregisteringARegionAStepHoldsUnmapsItOnlyAfterThe
   absl::StatusOr<std::shared_ptr<SharedMapping>> held = regions.Find("alice", "grads", "gradients[0].region");
   ASSERT_TRUE(held.ok());
   std::weak_ptr<SharedMapping> watch = *held;
+  std::optional<AnswerClaims> claims(std::in_place, std::vector<AnswerGate*>{&(*held)->answers()}, "s", 0);
   absl::StatusOr<std::vector<RegionStatus>> status = regions.Status("alice", "grads");
   ASSERT_TRUE(status.ok());
   EXPECT_EQ((*status)[0].steps_in_flight, 1);
+  claims.reset();
+  EXPECT_EQ((*held)->answers().calls_in_flight(), 0);
 
   // ... and the client unregisters it meanwhile: the name is gone at once, the memory is not.
   ASSERT_TRUE(regions.Unregister("alice", "grads").ok());

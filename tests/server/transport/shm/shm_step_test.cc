@@ -1,7 +1,9 @@
 // ShmGradientSource and ShmParameterSink: a step read from and answered into a region gives the
 // same norm, to the bit, and the same parameters whatever the number of copy threads, and on a
 // backend whose memory is not the host's, where the gradients are staged in batches of 16 MiB
-// (a tensor larger than a batch is cut at a whole segment, its sum carried on).
+// (a tensor larger than a batch is cut at a whole segment, its sum carried on). An answer is
+// written only by the latest call of its session and rank that named the region, and only while its
+// caller has not given it up (answer_gate.h).
 #include "server/transport/shm/shm_step.h"
 
 #include <fcntl.h>
@@ -26,6 +28,8 @@
 
 namespace muond::transport {
 namespace {
+
+using ::muond::testing::StatusIs;
 
 constexpr size_t kBig = 5'000'003;  // 20 MB of fp32: more than one staging batch
 constexpr size_t kSmall = 7;
@@ -125,6 +129,64 @@ TEST_P(ShmStepTest, NormsAndParametersDoNotDependOnThreadsOrStaging) {
     EXPECT_TRUE(SameBits(other.norms, one.norms)) << threads << " threads, " << backend->HostAddressable();
     EXPECT_EQ(other.answered, one.answered) << threads << " threads, " << backend->HostAddressable();
   }
+}
+
+// One step of a one-parameter session into `region`, answered through `claims`; the step's status.
+absl::Status StepInto(session::Session& session, int64_t step, const std::shared_ptr<SharedMapping>& region,
+                      AnswerClaims claims, bool given_up) {
+  ComputePool pool(1);
+  wire::EncodeTo(v1::DTYPE_FP32, Values(kSmall, 0.3f * static_cast<float>(step), 9), region->data());
+  ShmGradientSource source({{1, region, 0, 4 * kSmall, v1::DTYPE_FP32}}, &pool);
+  ShmParameterSink sink({{1, region, 0, 4 * kSmall, v1::DTYPE_FP32}}, &pool, std::move(claims),
+                        [given_up] { return given_up; });
+  return RunStep(session, session::session_testing::Request(step), source, sink, *metrics::NoMetrics());
+}
+
+TEST(ShmAnswerTest, OnlyTheLatestCallOfASessionAndRankThatItsCallerStillWaitsForWritesTheRegion) {
+  auto backend = kernels::NewCpuBackend(1);
+  std::unique_ptr<session::Session> session = session::session_testing::NewSession(backend.get(), BigAndSmallSpec());
+  ASSERT_NE(session, nullptr);
+  ASSERT_OK(session->Upload({session::session_testing::Tensor(Values(kBig, 0.5f, 9)),
+                             session::session_testing::Tensor(Values(kSmall, 0.9f, 9))}));
+  const std::shared_ptr<SharedMapping> region = Region(4 * kSmall);
+  const std::vector<float> sentinel(kSmall, -7.25f);
+  const auto region_values = [&] {
+    std::vector<float> values(kSmall);
+    std::memcpy(values.data(), region->data(), 4 * kSmall);
+    return values;
+  };
+  const auto claim = [&](int rank) { return AnswerClaims({&region->answers()}, "s", rank); };
+
+  // A call of rank 0 that a later call of rank 0 superseded: the step is applied, nothing written.
+  AnswerClaims first = claim(0);
+  AnswerClaims later = claim(0);
+  std::memcpy(region->data(), sentinel.data(), 4 * kSmall);
+  ShmParameterSink superseded({{1, region, 0, 4 * kSmall, v1::DTYPE_FP32}}, nullptr, std::move(first));
+  int64_t last_step = 0;
+  session::StepOutcome outcome{{}, session->Parameters(&last_step)};
+  EXPECT_THAT(superseded.Send(outcome),
+              StatusIs(absl::StatusCode::kFailedPrecondition, "a later step call of session 's' rank 0"));
+  EXPECT_EQ(region_values(), sentinel);
+  EXPECT_EQ(superseded.bytes_sent(), 0);
+
+  // Another rank's call is not superseded by rank 0's: its answer is written.
+  ASSERT_OK(StepInto(*session, 1, region, claim(1), /*given_up=*/false));
+  EXPECT_EQ(region_values(), session::CopyValues(*session->Parameters(&last_step))[1]);
+  EXPECT_EQ(last_step, 1);
+
+  // A call its caller gave up: applied, CANCELLED, the region as the caller left it (the gradients
+  // StepInto wrote, which the answer would have gone over).
+  EXPECT_THAT(StepInto(*session, 2, region, claim(2), /*given_up=*/true),
+              StatusIs(absl::StatusCode::kCancelled, "gave this call up"));
+  EXPECT_EQ(session->last_step(), 2);
+  EXPECT_EQ(region_values(), Values(kSmall, 0.3f * 2, 9));
+
+  // The latest claim of rank 0 writes; once it is done, the earlier one is still refused.
+  EXPECT_OK(StepInto(*session, 3, region, std::move(later), /*given_up=*/false));
+  EXPECT_EQ(region_values(), session::CopyValues(*session->Parameters(&last_step))[1]);
+  std::memcpy(region->data(), sentinel.data(), 4 * kSmall);
+  EXPECT_THAT(superseded.Send(outcome), StatusIs(absl::StatusCode::kFailedPrecondition, "a later step call"));
+  EXPECT_EQ(region_values(), sentinel);
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, ShmStepTest, ::testing::Values(v1::DTYPE_FP32, v1::DTYPE_BF16),
