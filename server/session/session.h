@@ -267,8 +267,14 @@ class Session {
   absl::StatusOr<StepOutcome> CommitLocked(const StepPlan& commit, const std::vector<HostTensor>& gradients)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DropPreparedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The step `plan`: journaled (journal mode), then applied or skipped. A failure after the record or
+  // once the masters began to change breaks the session (BreakLocked).
   absl::StatusOr<StepOutcome> ApplyLocked(const StepPlan& plan, std::vector<HostTensor>& gradients,
                                           StagedGradients* staged) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // ApplyLocked after the record; sets `changing` once the masters begin to change.
+  absl::StatusOr<StepOutcome> ApplyRecordedLocked(const StepPlan& plan, std::vector<HostTensor>& gradients,
+                                                  StagedGradients* staged, double grad_scale, bool& changing)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Lends the gradient buffers (`staged`'s, a set filled here from the host values, or on a
   // host-memory backend the host values themselves) to the parameters for the optimizer step and
   // takes them back afterwards, whatever happens. Each group's gradients are first multiplied by
@@ -309,7 +315,11 @@ class Session {
   absl::Status SaveReplacedStateLocked(absl::string_view what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // FAILED_PRECONDITION while unsaved_ is set.
   absl::Status UnsavedLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  // What stops any step from being applied now: CheckOpen(), then UnsavedLocked().
+  // FAILED_PRECONDITION while broken_ is set.
+  absl::Status BrokenLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Marks the state as no step's: step `step` failed with `why` after it began changing it.
+  void BreakLocked(int64_t step, const absl::Status& why, bool journaled) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // What stops any step from being applied now: CheckOpen(), then UnsavedLocked(), then BrokenLocked().
   absl::Status RefusesStepsLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Ranks that loaded a state of this step and counts before `rank` in the load it would join, and
   // hold some of the same elements (the HSDP replicas of its shard; every rank, for a parameter held
@@ -355,6 +365,11 @@ class Session {
   // checkpoint succeeds. While set, no step is applied: its journal record would follow records of the
   // state replaced, which is what a restart would restore (UnsavedLocked).
   std::string unsaved_ ABSL_GUARDED_BY(mu_);
+  // Why the state is no step's: a step failed after it began changing it (its journal record written,
+  // or some groups' masters updated), and a resend would apply it again on top. While set, no step is
+  // applied and no state exported (GetState, checkpoints) until ImportState replaces it; a restart
+  // restores the state directory's (with the journal, through the failed step). Empty when sound.
+  std::string broken_ ABSL_GUARDED_BY(mu_);
   // Set under mu_ by Close; read without it by CheckOpen (a transport between pieces of a stream).
   std::atomic<bool> closed_ = false;
   RankGather gather_ ABSL_GUARDED_BY(mu_);

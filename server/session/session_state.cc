@@ -43,6 +43,7 @@ absl::StatusOr<SessionState> Session::ExportStateLocked() const {
   if (!initialized_) {
     return absl::FailedPreconditionError(absl::StrCat("session '", id_, "' has no parameters yet"));
   }
+  MUOND_RETURN_IF_ERROR(BrokenLocked());  // no checkpoint or state dict of a state that is no step's
   SessionState state;
   state.last_step = last_step_;
   state.loss_scaler = loss_scaler_;
@@ -257,6 +258,7 @@ absl::Status Session::ImportState(SessionState state, int rank) {
     for (PushRecord& p : pushes_) p.global_step = p.staleness = 0;
   }
   initialized_ = true;
+  broken_.clear();  // the state is the loaded one now
   // A loaded or restored state holds the values the ranks share, unless it was restored in the
   // middle of an upload: then the ranks that had uploaded theirs hold them.
   uploaded_by_rank_.assign(static_cast<size_t>(config_.world_size), true);
@@ -325,9 +327,26 @@ absl::Status Session::CheckOpen() const {
                     ErrorReason::kSessionNotFound);
 }
 
+absl::Status Session::BrokenLocked() const {
+  if (broken_.empty()) return absl::OkStatus();
+  return absl::FailedPreconditionError(broken_);
+}
+
+void Session::BreakLocked(int64_t step, const absl::Status& why, bool journaled) {
+  broken_ = absl::StrCat(
+      "session '", id_, "': step ", step, " failed after it began changing the state (", why.message(),
+      "), which is now neither step ", step - 1, "'s nor step ", step,
+      "'s: no step is applied and no state read until SetState (load_state_dict) puts a saved state in place, ",
+      journaled ? absl::StrCat("or a restart of the daemon restores it through step ", step, " from its journal, ")
+                : std::string(),
+      "or the session is closed");
+  MUOND_EVENT(error, "session_broken", id_, step, "{}", broken_);
+}
+
 absl::Status Session::RefusesStepsLocked() const {
   MUOND_RETURN_IF_ERROR(CheckOpen());
-  return UnsavedLocked();
+  MUOND_RETURN_IF_ERROR(UnsavedLocked());
+  return BrokenLocked();
 }
 
 absl::StatusOr<int64_t> Session::Checkpoint() {

@@ -146,7 +146,10 @@ absl::StatusOr<std::unique_ptr<IncomingStep>> Session::BeginStep(StepRequest req
     MUOND_RETURN_IF_ERROR(CheckOpen());  // a replay too: the session is gone
     if (!initialized_) return NotInitializedError();
     MUOND_ASSIGN_OR_RETURN(kind, ClassifyRequestLocked(request));
-    if (kind == StepKind::kNext) MUOND_RETURN_IF_ERROR(UnsavedLocked());
+    if (kind == StepKind::kNext) {
+      MUOND_RETURN_IF_ERROR(UnsavedLocked());
+      MUOND_RETURN_IF_ERROR(BrokenLocked());
+    }
     journaled = persistence_ != nullptr && persistence_->records_gradients();
   }
   MUOND_ASSIGN_OR_RETURN(StepPlan plan, PlanStep(config_, default_hyper_, std::move(request)));
@@ -345,7 +348,10 @@ void Session::RefuseGatheringLocked(absl::Status why) {
 absl::StatusOr<StepOutcome> Session::TakeGatheredLocked(bool prepare, uint64_t generation) {
   auto [applied_plan, mean] = gather_.TakeAverage(config_);
   if (prepare) return PrepareLocked(std::move(applied_plan), std::move(mean), generation);
-  return ApplyLocked(applied_plan, mean, nullptr);
+  absl::StatusOr<StepOutcome> outcome = ApplyLocked(applied_plan, mean, nullptr);
+  // The other ranks of the gathering are answered why, not that nothing was applied.
+  if (!outcome.ok() && !broken_.empty()) gather_refused_ = {generation, BrokenLocked()};
+  return outcome;
 }
 
 absl::StatusOr<StepOutcome> Session::GatherLocked(StepPlan plan, std::vector<HostTensor> gradients, double grad_scale) {
@@ -431,7 +437,17 @@ absl::StatusOr<StepOutcome> Session::ApplyLocked(const StepPlan& plan, std::vect
   // of a session still open.
   MUOND_RETURN_IF_ERROR(RefusesStepsLocked());
   if (persistence_) MUOND_RETURN_IF_ERROR(persistence_->RecordStep(plan.request, gradients));
+  // From here a failure leaves a state that is no step's when the step is journaled (a restart would
+  // apply it; a resend would be journaled twice) or when the masters began to change.
+  const bool journaled = persistence_ != nullptr && persistence_->records_gradients();
+  bool changing = false;
+  absl::StatusOr<StepOutcome> outcome = ApplyRecordedLocked(plan, gradients, staged, grad_scale, changing);
+  if (!outcome.ok() && (journaled || changing)) BreakLocked(GlobalStepOf(plan.request), outcome.status(), journaled);
+  return outcome;
+}
 
+absl::StatusOr<StepOutcome> Session::ApplyRecordedLocked(const StepPlan& plan, std::vector<HostTensor>& gradients,
+                                                         StagedGradients* staged, double grad_scale, bool& changing) {
   const auto start = std::chrono::steady_clock::now();
   StepResult result;
   result.step = GlobalStepOf(plan.request);
@@ -463,6 +479,7 @@ absl::StatusOr<StepOutcome> Session::ApplyLocked(const StepPlan& plan, std::vect
   if (result.applied) {
     absl::MutexLock masters(&masters_mu_);  // waits for answers still reading the masters
     ++masters_version_;
+    changing = true;
     std::vector<optim::StepTelemetry> telemetry;
     MUOND_RETURN_IF_ERROR(ApplyGradients(plan, gradients, clipping.coefficients, staged, telemetry));
     std::vector<bool> has_gradient(gradients.size());

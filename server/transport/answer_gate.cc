@@ -44,9 +44,10 @@ absl::Status AnswerClaims::Write(absl::FunctionRef<bool()> given_up, absl::Funct
   for (const Claim& claim : claims_) claim.gate->mu_.Lock();
   absl::Status status;
   if (given_up()) {
-    status = absl::CancelledError(absl::StrCat("the caller gave this call up (its deadline passed, it cancelled or its "
-                                               "connection closed): its answer was not written into its ",
-                                               what));
+    status =
+        absl::CancelledError(absl::StrCat("the caller gave this call up (its deadline passed, it cancelled or its "
+                                          "connection closed): its answer was not written into its ",
+                                          what));
   } else {
     for (const Claim& claim : claims_) {
       auto it = claim.gate->latest_.find({session_id_, rank_});

@@ -1,7 +1,9 @@
 // Sessions with --state-dir in journal mode, over a fault-injecting file Env: a short write, a full
 // disk or a failed fsync while a step is journaled refuses that step with a clear error and changes
 // nothing; the same faults while a checkpoint is written leave the previous checkpoint loadable; and
-// a restore (a new registry over the same folder, as after kill -9) finds every acknowledged step.
+// a restore (a new registry over the same folder, as after kill -9) finds every acknowledged step. A
+// step that fails after it began changing the state breaks the session until its state is replaced.
+#include <atomic>
 #include <cstdlib>
 #include <filesystem>
 
@@ -11,6 +13,7 @@
 #include "server/durability/fault_injecting_env.h"
 #include "server/rpc/session_spec_codec.h"
 #include "server/session/session_registry.h"
+#include "tests/kernels/forwarding_backend.h"
 #include "tests/server/session/session_test_util.h"
 #include "tests/testing/status_matchers.h"
 
@@ -21,6 +24,19 @@ using ::muond::testing::StatusIs;
 using ::testing::HasSubstr;
 using namespace ::muond::session::session_testing;
 
+// The CPU backend, whose AdamW fails while `fail_adamw` is set: in SmallSpec's session the Muon group
+// is stepped first, so a step then fails with its Muon group's masters already updated.
+class AdamWFailsWhenSet final : public ::muond::testing::ForwardingBackend {
+ public:
+  using ForwardingBackend::ForwardingBackend;
+  absl::Status AdamW(const kernels::AdamWArgs& args, kernels::StoredRef param, const float* grad,
+                     kernels::StoredRef exp_avg, kernels::StoredRef exp_avg_sq, size_t count) override {
+    if (fail_adamw) return absl::ResourceExhaustedError("out of device memory (injected)");
+    return ForwardingBackend::AdamW(args, param, grad, exp_avg, exp_avg_sq, count);
+  }
+  std::atomic<bool> fail_adamw{false};
+};
+
 class DurableSessionTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -28,6 +44,7 @@ class DurableSessionTest : public ::testing::Test {
     ASSERT_NE(mkdtemp(pattern), nullptr);
     dir_ = pattern;
     backend_ = kernels::NewCpuBackend(1);
+    failing_ = std::make_unique<AdamWFailsWhenSet>(*backend_);
     ASSERT_OK_AND_ASSIGN(std::shared_ptr<Session> session, Open(&env_));
     ASSERT_OK(session->Upload(InitialParameters()));  // the first checkpoint
     session_ = session;
@@ -44,7 +61,7 @@ class DurableSessionTest : public ::testing::Test {
     options.durability = durability::Durability::kJournal;
     options.backend_name = "cpu";
     options.env = env;
-    registry_ = std::make_unique<SessionRegistry>(backend_.get(), &codec_, SpecLimits{}, 4);
+    registry_ = std::make_unique<SessionRegistry>(failing_.get(), &codec_, SpecLimits{}, 4);
     absl::Status restored = registry_->EnablePersistence(options);
     if (!restored.ok()) return restored;
     absl::StatusOr<CreateResult> created = registry_->CreateOrAttach("s", rpc::SpecToJson(SmallSpec()));
@@ -92,6 +109,7 @@ class DurableSessionTest : public ::testing::Test {
   durability::FaultInjectingEnv env_{durability::Env::Default()};
   rpc::ProtoSpecCodec codec_;
   std::unique_ptr<kernels::Backend> backend_;
+  std::unique_ptr<AdamWFailsWhenSet> failing_;  // the sessions' backend
   std::unique_ptr<SessionRegistry> registry_;
   std::shared_ptr<Session> session_;
   std::unique_ptr<Session> reference_;
@@ -246,6 +264,43 @@ TEST_F(DurableSessionTest, ACheckpointAfterAFailedAppendStartsFromAnEmptyJournal
   ASSERT_OK_AND_ASSIGN(int64_t checkpointed, session_->Checkpoint());
   EXPECT_EQ(checkpointed, 1);
   ASSERT_OK(Step(2));
+  ExpectRestoreHoldsEveryAcknowledgedStep();
+}
+
+// Step 2 fails after its Muon group was updated (and after its journal record): a resend would apply
+// that group twice, and a checkpoint would save a state that is no step's. The session refuses both,
+// naming the step, until a restart restores the journaled step whole.
+TEST_F(DurableSessionTest, AStepThatFailsHalfwayBreaksTheSessionUntilARestartRestoresItWhole) {
+  ASSERT_OK(Step(1));
+  const auto after_one = ParametersOf(*session_);
+  failing_->fail_adamw = true;
+  EXPECT_THAT(Step(2), StatusIs(absl::StatusCode::kResourceExhausted, "injected"));
+  failing_->fail_adamw = false;
+  const auto half = ParametersOf(*session_);
+  EXPECT_NE(half[0], after_one[0]) << "the Muon group was not updated before the failure";
+  EXPECT_EQ(half[1], after_one[1]);
+
+  const std::string broken = "step 2 failed after it began changing the state";
+  EXPECT_THAT(Step(2), StatusIs(absl::StatusCode::kFailedPrecondition, broken));
+  EXPECT_EQ(session_->last_step(), 1);
+  EXPECT_EQ(ParametersOf(*session_), half) << "a refused resend changed the state";
+  EXPECT_THAT(session_->ExportState(), StatusIs(absl::StatusCode::kFailedPrecondition, broken));
+  EXPECT_THAT(session_->Checkpoint(), StatusIs(absl::StatusCode::kFailedPrecondition, "restores it through step 2"));
+
+  ASSERT_OK(RunStep(*reference_, Request(2), Gradients(2)).status());
+  ExpectRestoreHoldsEveryAcknowledgedStep();  // the journaled step 2, whole
+}
+
+// A SetState (load_state_dict of a saved state) mends a broken session: steps go on from it.
+TEST_F(DurableSessionTest, ABrokenSessionTakesStepsAgainOnceASetStateReplacesItsState) {
+  ASSERT_OK(Step(1));
+  ASSERT_OK_AND_ASSIGN(SessionState first, session_->ExportState());
+  failing_->fail_adamw = true;
+  EXPECT_THAT(Step(2), StatusIs(absl::StatusCode::kResourceExhausted, "injected"));
+  failing_->fail_adamw = false;
+  ASSERT_OK(session_->ImportState(first));
+  ASSERT_OK(Step(2));
+  ASSERT_OK(Step(3));
   ExpectRestoreHoldsEveryAcknowledgedStep();
 }
 
