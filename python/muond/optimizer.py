@@ -61,6 +61,7 @@ from ._stubs import pb
 from .client import Connection
 from .connection_options import ConnectionOptions
 from .delayed import DelayedUpdate
+from .dtensor_params import DTensorParams
 from .errors import CHUNK_TOO_LARGE, MuondError
 from .landing import ForwardLanding
 from .naming import named_groups
@@ -222,6 +223,7 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
         # What the last step ran with when this optimizer attached (resume_param_groups).
         self._last_step_record = resume.LastStepRecord(0, {})
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._dtensors = DTensorParams()  # FSDP2's parameters, held by their local shards
         groups, names = named_groups(params)
         super().__init__(groups, {})
         # Every option's resolved default, as torch's optimizers list them: schedulers read it
@@ -428,6 +430,8 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
         if getattr(self, "_sealed", False):
             raise RuntimeError("RemoteOptimizer: the daemon session is fixed at construction; "
                                "create a new RemoteOptimizer to add parameters")
+        param_group = dict(param_group)
+        self._dtensors.localize(param_group)
         resolved = opts.resolve_group(param_group, self._user_defaults)
         opts.check_tensors(resolved["params"])
         parts.check_partition_of(resolved)
@@ -575,10 +579,17 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
             header.qk_logits.add(query=query, max_logits=values)
         return header
 
+    def zero_grad(self, *args: Any, **kwargs: Any) -> None:
+        """torch's ``zero_grad`` (with ``overlap``, it also cancels a stream no step took:
+        StreamControls); the gradients of DTensor parameters (FSDP2's, which live on the DTensors)
+        are cleared too."""
+        super().zero_grad(*args, **kwargs)
+        self._dtensors.zero_grad(kwargs.get("set_to_none", args[0] if args else None))
+
     def _grads(self) -> List[Tuple[str, torch.Tensor]]:
         grads = []
         for name, p in zip(self._names, self._params):
-            g = p.grad
+            g = self._dtensors.grad(p)
             if g is None:
                 continue
             if g.is_sparse:

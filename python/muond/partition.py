@@ -260,8 +260,8 @@ def shard_parameters(named: Iterable[Tuple[str, torch.Tensor]], world_size: int,
 
 def from_dtensor(param: Any) -> Tuple[torch.Tensor, Shape]:
     """A DTensor sharded ``Shard(0)`` on a one-dimensional mesh (FSDP2's layout), or placed
-    ``(Replicate(), Shard(0))`` on a two-dimensional one (HSDP's): its local tensor and global
-    shape, for a ``rows`` partition — under HSDP ``rows(shapes, replicas=mesh.size(0))``, the
+    ``(Replicate(), Shard(0))`` on a two-dimensional one (HSDP's): its local tensor (its shard,
+    read under ``no_grad``) and global shape, for a ``rows`` partition — under HSDP ``rows(shapes, replicas=mesh.size(0))``, the
     session's world size the mesh's and each rank's muond rank its position in the mesh's row-major
     order (``mesh.mesh.flatten()``: replica · shards + shard). ValueError for another placement or
     mesh."""
@@ -277,7 +277,8 @@ def from_dtensor(param: Any) -> Tuple[torch.Tensor, Shape]:
     placement = placements[-1]
     if type(placement).__name__ != "Shard" or getattr(placement, "dim", None) != 0:
         raise ValueError(f"from_dtensor: only Shard(0) maps to a rows partition, got {placement}")
-    local = param.to_local()
+    with torch.no_grad():  # the shard itself (with grad enabled, DTensor answers an autograd view)
+        local = param.to_local()
     shape = tuple(int(d) for d in param.shape)
     world_size = int(mesh.size(ndim - 1)) if ndim == 2 else int(mesh.size())
     rank = int(mesh.get_local_rank(mesh_dim=ndim - 1)) if ndim == 2 else int(mesh.get_local_rank())

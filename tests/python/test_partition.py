@@ -24,6 +24,7 @@ from muond._stubs import pb
 from muond.transport import framing
 from muond import wire
 
+from fake_dtensor import FakeDTensor
 from helpers import no_gpu
 from processes import rank_context
 
@@ -70,7 +71,7 @@ def groups_for(world, rank, kinds, model="main"):
         shards = world // 2 if base != kind else world
         if base is None:
             partition = None
-        elif base == "rows":
+        elif base in ("rows", "dtensor"):  # dtensor: FSDP2's parameters themselves
             partition = part.rows(shapes)
         elif base == "flat":
             partition = part.flat(shapes, alignment=4)
@@ -83,7 +84,10 @@ def groups_for(world, rank, kinds, model="main"):
         params = []
         for k, n in enumerate(names):
             value = whole[n] if partition is None else part.cut(whole[n], partition, k, world, rank)
-            params.append((n, value.clone().requires_grad_()))
+            if base == "dtensor":
+                params.append((n, FakeDTensor(value.clone(), shapes_of[n], world, rank)))
+            else:
+                params.append((n, value.clone().requires_grad_()))
         group = {"params": params, **options}
         if partition is not None:
             group["partition"] = partition
@@ -120,8 +124,10 @@ def _run_rank(rank, world, endpoint, session, kinds, transport, options, steps, 
     torch.set_num_threads(1)
     try:
         groups, _ = groups_for(world, rank, kinds, model)
+        dtensors = {n: p for g in groups for n, p in g["params"] if isinstance(p, FakeDTensor)}
         for group in groups:
-            group["params"] = [(n, p.detach().to(device).requires_grad_()) for n, p in group["params"]]
+            group["params"] = [(n, p if n in dtensors else p.detach().to(device).requires_grad_())
+                               for n, p in group["params"]]
         chosen = {"transport": transport} if transport else {}  # unset: $MUOND_TRANSPORT, as ctest runs both
         opt = muond.RemoteOptimizer(groups, endpoint=endpoint, session=session, world_size=world,
                                     rank=rank, **chosen, **options)
@@ -133,11 +139,17 @@ def _run_rank(rank, world, endpoint, session, kinds, transport, options, steps, 
                 threading.Event().wait()
             replica = rank * 2 // world if hsdp and world > 1 else 0
             grads = hsdp_mean(step, model) if hsdp and world == 1 else whole_grads(step, model, replica)
+            opt.zero_grad(set_to_none=True)
+            assert all(d.grad is None for d in dtensors.values()), "zero_grad left a DTensor's gradient"
             for group in opt.param_groups:
                 partition = group.get("partition")
                 for k, (name, p) in enumerate(zip(group["param_names"], group["params"])):
                     g = grads[name] if partition is None else part.cut(grads[name], partition, k, world, rank)
-                    p.grad = g.view(p.shape).to(device)
+                    if name in dtensors:  # as FSDP2's reduce-scatter: on the DTensor, never the shard
+                        d = dtensors[name]
+                        d.grad = FakeDTensor(g.view(p.shape), d.shape, world, rank)
+                    else:
+                        p.grad = g.view(p.shape).to(device)
             opt.step(qk_logits=QK_LOGITS if model == "qk" else None,
                      weight=HSDP_WEIGHTS[replica] if hsdp and world > 1 else None)
             if reload_at is not None and opt.last_step == reload_at:
@@ -150,6 +162,8 @@ def _run_rank(rank, world, endpoint, session, kinds, transport, options, steps, 
                 assert opt.last_step == reload_at
                 saved = None
         params = {n: p.detach().cpu().clone() for n, p in zip(opt._names, opt._params)}
+        # A DTensor's own shard is what FSDP2 gathers for the next forward: the answers landed there.
+        params.update({n: d.to_local().detach().clone() for n, d in dtensors.items()})
         if rank == 0:  # rank 0 ends the session when it closes: the others may be done before
             params["digest"] = torch.tensor(list(bytes.fromhex(opt.state_digest().digest)), dtype=torch.uint8)
         opt.close(keep_session=keep)
@@ -228,6 +242,16 @@ def test_rows_flat_and_explicit_parts_step_bit_for_bit_like_one_rank(endpoint, t
     want = reference(endpoint)
     kinds = ["rows", "rows", "flat", "explicit"]
     expect_parts(run_ranks(endpoint, kinds, transport), want, kinds)
+
+
+@pytest.mark.slow
+def test_fsdp2_dtensor_parameters_step_bit_for_bit_like_one_rank(endpoint):
+    """A group of FSDP2's DTensor parameters themselves (their gradients on the DTensors, as
+    FSDP2's reduce-scatter puts them): each rank's DTensor shards end bit for bit as the same
+    parts of a one-rank session, and zero_grad clears the DTensors' gradients."""
+    want = reference(endpoint)
+    kinds = ["dtensor", "rows", "flat", "explicit"]
+    expect_parts(run_ranks(endpoint, kinds), want, kinds)
 
 
 @pytest.mark.skipif(no_gpu(), reason="needs a CUDA GPU and a daemon on the cuda backend")

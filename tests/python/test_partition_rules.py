@@ -10,6 +10,8 @@ import torch
 from muond import partition as part
 from muond._stubs import pb
 
+from fake_dtensor import FakeDTensor, Shard
+
 
 def test_rules_agree_with_the_daemon_layout():
     # rows: torch.chunk's rule, a rank may hold nothing
@@ -66,43 +68,14 @@ def test_zero_layouts_follow_deepspeeds_rules():
 
 # -- the adapters, on plain objects carrying a DTensor's and an FSDP1 FlatParameter's facts ------------
 
-class Shard:
-    def __init__(self, dim):
-        self.dim = dim
-
-
-class Mesh:
-    ndim = 1
-
-    def __init__(self, size, rank):
-        self._size, self._rank = size, rank
-
-    def size(self):
-        return self._size
-
-    def get_local_rank(self):
-        return self._rank
-
-
-class FakeDTensor:
-    def __init__(self, whole, world, rank, placement):
-        self.shape = whole.shape
-        self.placements = (placement,)
-        self.device_mesh = Mesh(world, rank)
-        self._local = whole.chunk(world)[rank] if rank < len(whole.chunk(world)) else whole[:0]
-
-    def to_local(self):
-        return self._local
-
-
 def test_from_dtensor_maps_shard0_to_rows_and_refuses_other_placements():
     whole = torch.arange(14.0).view(7, 2)
     for rank in range(3):
-        local, shape = part.from_dtensor(FakeDTensor(whole, 3, rank, Shard(0)))
+        local, shape = part.from_dtensor(FakeDTensor.of(whole, 3, rank, Shard(0)))
         assert shape == (7, 2)
         assert torch.equal(local, part.cut(whole, part.rows([shape]), 0, 3, rank))
     with pytest.raises(ValueError, match="only Shard\\(0\\)"):
-        part.from_dtensor(FakeDTensor(whole, 3, 0, Shard(1)))
+        part.from_dtensor(FakeDTensor.of(whole, 3, 0, Shard(1)))
 
 
 class Replicate:
@@ -125,7 +98,7 @@ class HsdpMesh:
 def test_from_dtensor_maps_hsdps_replicate_shard0_to_rows_with_replicas():
     # A (replicate, shard) mesh of 2 × 3: rank 4 is shard 1 of the second replica.
     whole = torch.arange(14.0).view(7, 2)
-    dtensor = FakeDTensor(whole, 3, 1, Shard(0))
+    dtensor = FakeDTensor.of(whole, 3, 1, Shard(0))
     dtensor.placements, dtensor.device_mesh = (Replicate(), Shard(0)), HsdpMesh(2, 3, 4)
     local, shape = part.from_dtensor(dtensor)
     assert shape == (7, 2)
