@@ -222,7 +222,8 @@ def check_local(partition: Partition, tensors: Sequence[torch.Tensor], names: Se
                              f"global shape {partition.shapes[k]} under a {partition.kind} partition "
                              f"({end - begin} elements); the local tensor has {tensor.numel()}")
         expected = tuple(partition.local_shape(k, world_size, rank))
-        if (partition.kind == "rows" and tensor.dim() == len(partition.shapes[k])
+        if (partition.kind == "rows" and len(partition.shapes[k]) > 0  # a scalar: its one element
+                and tensor.dim() == len(partition.shapes[k])
                 and tuple(tensor.shape) != expected and tensor.numel() > 0):
             raise ValueError(f"parameter '{name}': rank {rank}'s part under a {partition.kind} partition "
                              f"of global shape {partition.shapes[k]} has shape {expected}; the local "

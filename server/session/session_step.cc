@@ -192,6 +192,12 @@ absl::StatusOr<StepOutcome> Session::FinishStep(std::unique_ptr<IncomingStep> st
   // under the lock, where the answer holds until the step is applied.
   StepPlan& plan = step->mutable_plan();
   MUOND_ASSIGN_OR_RETURN(StepKind kind, ClassifyRequestLocked(plan.request));
+  if (step->replay() && kind != StepKind::kReplay) {
+    // Begun as a replay, so its gradients were not read; a SetState rewound the session since.
+    return absl::AbortedError(absl::StrCat("step ", plan.request.step,
+                                           ": the session's state was replaced while this step was read (SetState); "
+                                           "nothing was applied: send the step again"));
+  }
   const StepPhase phase = plan.request.phase;
   const bool async = config_.sync.mode == SyncMode::kAsync;
   if (async) {

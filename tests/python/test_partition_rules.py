@@ -157,3 +157,11 @@ def test_shard_parameters_cuts_a_model_for_each_rank():
     assert torch.equal(weight, model.weight.detach().reshape(-1))
     assert all(t.requires_grad and t.is_leaf for local, _ in pieces for _, t in local)
     assert pieces[0][1] == pieces[1][1] == part.flat([(5, 3), (5,)], alignment=4)
+
+
+def test_a_scalar_in_a_rows_group_is_rank_0s_whether_0_d_or_1_d():
+    for local in (torch.tensor(2.0, requires_grad=True), torch.ones(1, requires_grad=True)):
+        part.check_local(part.rows([()]), [local], ["scale"], 2, 0)
+    with pytest.raises(ValueError, match="rank 1 holds elements \\[1, 1\\)"):
+        part.check_local(part.rows([()]), [torch.tensor(2.0, requires_grad=True)], ["scale"], 2, 1)
+    part.check_local(part.rows([()]), [torch.zeros(0, requires_grad=True)], ["scale"], 2, 1)

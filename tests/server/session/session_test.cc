@@ -144,6 +144,24 @@ TEST_F(SessionTest, AStepUnderWayLearnsOfACloseBeforeItsGradientsEnd) {
   EXPECT_EQ(session_->last_step(), 0);
 }
 
+// A resend begun as a replay (its gradients not read) and finished after a SetState rewound the
+// session, where it would be the next step: refused, nothing applied, rather than applied with no
+// gradients.
+TEST_F(SessionTest, AReplayWhoseSessionWasRewoundMeanwhileIsRefusedNotAppliedEmpty) {
+  ASSERT_OK_AND_ASSIGN(SessionState at_zero, session_->ExportState());
+  ASSERT_OK(RunStep(*session_, Request(1), Gradients(1)).status());
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<IncomingStep> resend, session_->BeginStep(Request(1)));
+  ASSERT_TRUE(resend->replay());
+  ASSERT_OK(session_->ImportState(at_zero));
+  const auto rewound = Parameters();
+  EXPECT_THAT(session_->FinishStep(std::move(resend)).status(),
+              StatusIs(absl::StatusCode::kAborted, "was replaced while this step was read"));
+  EXPECT_EQ(session_->last_step(), 0);
+  EXPECT_EQ(Parameters(), rewound);
+  ASSERT_OK(RunStep(*session_, Request(1), Gradients(1)).status()) << "the step sent again is applied";
+  EXPECT_EQ(session_->last_step(), 1);
+}
+
 // On the CPU backend answers read the masters themselves (no per-step copy): a snapshot is readable
 // while the masters are as it saw them, and refused, naming the step, once they have changed.
 TEST_F(SessionTest, AnswersReadTheMastersWhileTheyLast) {
