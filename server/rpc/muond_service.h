@@ -119,7 +119,10 @@ class MuondService final : public v1::Muond::Service {
   // Replaces the generated Step and StepWhole handlers with ones over byte buffers (StepOverByteBuffers,
   // StepWholeOverByteBuffers).
   void ServeStepOverByteBuffers();
-  absl::Status DoStep(const std::string& caller, grpc::ServerContext* context, transport::StepStream* stream);
+  // `answer_limit` (0: none): the most bytes the answer's parameters may take (a StepWhole answers in
+  // one message); a step whose parameters alone are more is refused before anything is applied.
+  absl::Status DoStep(const std::string& caller, grpc::ServerContext* context, transport::StepStream* stream,
+                      size_t answer_limit = 0);
   absl::Status DoGetParameters(const std::string& caller, grpc::ServerContext* context,
                                const v1::GetParametersRequest& request,
                                grpc::ServerWriter<v1::GetParametersResponse>* writer);

@@ -105,14 +105,24 @@ grpc::Status MuondService::StepWholeOverByteBuffers(
     if (!stream->Read(&request)) return absl::CancelledError("the client went away");
     MUOND_ASSIGN_OR_RETURN(std::vector<grpc::ByteBuffer> messages, transport::ReadWholeStep(request));
     transport::WholeStepStream whole(std::move(messages));
-    MUOND_RETURN_IF_ERROR(DoStep(caller, context, &whole));
-    if (!stream->Write(whole.Answer())) return absl::CancelledError("the client went away");
+    MUOND_RETURN_IF_ERROR(DoStep(caller, context, &whole, options_.max_message_bytes));
+    const grpc::ByteBuffer answer = whole.Answer();
+    if (options_.max_message_bytes > 0 && answer.Length() > options_.max_message_bytes) {
+      // The parameters fit, their fields and the result did not: the step stands, its answer
+      // comes again from the record on the stream.
+      return absl::ResourceExhaustedError(
+          absl::StrCat("StepWhole: the answer takes ", answer.Length(), " bytes, over the daemon's message limit of ",
+                       options_.max_message_bytes,
+                       " (--max-chunk-bytes + 1 MiB); the step was applied: send it again on the "
+                       "Step stream, which answers it from the record"));
+    }
+    if (!stream->Write(answer)) return absl::CancelledError("the client went away");
     return absl::OkStatus();
   });
 }
 
 absl::Status MuondService::DoStep(const std::string& caller, grpc::ServerContext* context,
-                                  transport::StepStream* stream) {
+                                  transport::StepStream* stream, size_t answer_limit) {
   MUOND_ASSIGN_OR_RETURN(const v1::StepHeader header, transport::ReadStepHeader(stream));
   MUOND_RETURN_IF_ERROR(session::CheckSessionId(header.session_id(), "header.session_id"));
   MUOND_ASSIGN_OR_RETURN(std::shared_ptr<session::Session> session,
@@ -121,6 +131,20 @@ absl::Status MuondService::DoStep(const std::string& caller, grpc::ServerContext
                          AnswerDType(header.return_dtype(), session->config().return_dtype, "header.return_dtype"));
   MUOND_ASSIGN_OR_RETURN(std::vector<size_t> order,
                          transport::AnswerOrder(header, session->config().parameters.size()));
+  if (answer_limit > 0 && header.phase() != v1::STEP_PHASE_PREPARE) {  // a prepare answers no parameters
+    uint64_t payload = 0;
+    for (size_t i = 0; i < session->config().parameters.size(); ++i) {
+      payload +=
+          static_cast<uint64_t>(session::PartElements(session->config(), i, header.rank())) * wire::ElementSize(dtype);
+    }
+    if (payload > answer_limit) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "messages: the answer's parameters alone take ", payload, " bytes in ", wire::DTypeName(dtype),
+          ", over the daemon's message limit of ", answer_limit,
+          " (--max-chunk-bytes + 1 MiB) for one StepWhole answer: send this step on the Step stream; nothing was "
+          "applied"));
+    }
+  }
   transport::GrpcGradientSource source(context, stream, header, options_.max_chunk_bytes);
   transport::GrpcParameterSink sink(stream, session->config(), dtype, AnswerChunkBytes(header.max_chunk_bytes()),
                                     answer_slices_.get(), header.packed_answer(), std::move(order));

@@ -129,6 +129,30 @@ def test_a_request_that_is_not_step_messages_is_refused_naming_it(endpoint, requ
     conn.close_session("py-whole-bad")
 
 
+def test_a_whole_step_whose_answer_cannot_fit_one_message_is_refused_before_it_applies(start_daemon):
+    """A StepWhole whose parameters alone are more than the daemon's message limit (1 MiB + 4 KiB
+    here) could be applied and then never answered: it is refused naming the call's messages, with
+    nothing applied, and the step goes through on the stream."""
+    daemon = start_daemon("--max-chunk-bytes", "4096")
+    big = torch.nn.Parameter(torch.zeros(300_000))  # 1.2 MB of fp32 parameters
+    small = torch.nn.Parameter(torch.zeros(4))
+    with muond.RemoteOptimizer([{"params": [("big", big), ("small", small)], "optimizer": "sgd", "lr": 0.5}],
+                               endpoint=daemon.endpoint, transport="grpc", chunk_bytes=4096) as opt:
+        conn = opt._sessions[0].conn
+        # A few bytes of gradient (big has none this step); the answer carries every parameter.
+        header = pb.StepHeader(session_id=opt.session_id, step=1)
+        header.num_chunks, messages = framing.step_messages([("small", torch.ones(4))], "fp32", 4096, False)
+        with pytest.raises(muond.MuondError, match=r"messages: the answer's parameters alone take 1200016 "
+                                                   r"bytes in fp32, over the daemon's message limit of "
+                                                   r"1052672 .*nothing was applied") as info:
+            raw_whole(conn, framing.whole_step_request([pb.StepRequest(header=header), *messages]))
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        big.grad, small.grad = torch.ones(300_000), torch.ones(4)
+        opt.step()  # step 1 is still to come: the stream applies it
+        assert opt.last_info.step == 1 and opt.last_info.applied and not opt.last_info.replayed
+    assert torch.equal(big.detach(), torch.full((300_000,), -0.5))
+
+
 def test_a_whole_step_missing_a_chunk_applies_nothing(endpoint):
     conn = Connection(endpoint)
     opened(conn, "py-whole-short")
