@@ -44,6 +44,10 @@ struct StateDirOptions {
   std::string state_dir;
   Durability durability = Durability::kSnapshot;
   int64_t checkpoint_every = 0;  // steps; 0: only on upload, request and shutdown
+  // Journal mode: a checkpoint is also due once the gradients journaled since the last one take as
+  // many bytes as the session's state, and at least this many (a small session's records are mostly
+  // their fields: checkpointing it every few steps would cost more than the journal it empties).
+  int64_t journal_floor_bytes = int64_t{64} << 20;
   std::string backend_name;
   DamagedState on_damaged = DamagedState::kQuarantine;
   Env* env = Env::Default();  // not owned

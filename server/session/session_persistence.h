@@ -70,7 +70,11 @@ class SessionPersistence {
   // Writes a checkpoint of `state` (taken over: its values move into the file's buffers); steps
   // recorded before it are no longer needed.
   virtual absl::Status SaveCheckpoint(SessionState state) = 0;
-  virtual int64_t checkpoint_every() const = 0;  // 0: never by step count
+  // Whether a checkpoint is due after step `last_step` was applied: every --checkpoint-every steps,
+  // and in journal mode once the records since the last checkpoint hold about as many bytes as the
+  // session's state (a restore then reads at most about that much journal, and the journal's disk
+  // stays bounded, whatever --checkpoint-every says; StateDirOptions::journal_floor_bytes).
+  virtual bool CheckpointDue(int64_t last_step) const = 0;
   // Whether RecordStep writes the gradients (journal mode): they must then reach it on the host.
   virtual bool records_gradients() const = 0;
   virtual void Discard() = 0;  // the session was closed: remove its files

@@ -531,7 +531,7 @@ absl::StatusOr<StepOutcome> Session::ApplyRecordedLocked(const StepPlan& plan, s
     pushes_[plan.request.rank] = PushRecord{plan.request.step, plan.request.global_step, plan.request.staleness,
                                             result.applied, result.skip_reason};
   }
-  if (persistence_ && persistence_->checkpoint_every() > 0 && last_step_ % persistence_->checkpoint_every() == 0) {
+  if (persistence_ && persistence_->CheckpointDue(last_step_)) {
     // The step stands either way (the journal, if any, holds it); a failed periodic checkpoint is
     // reported and retried at the next period.
     if (absl::Status saved = CheckpointLocked(); !saved.ok()) {

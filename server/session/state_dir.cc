@@ -1,5 +1,6 @@
 #include "server/session/state_dir.h"
 
+#include <algorithm>
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
@@ -160,7 +161,17 @@ absl::Status FilePersistence::RecordStep(const StepRequest& request, const std::
                 "session {}: step {} refused, the journal failed: {}", session_.id(), request.step, appended.message());
     return absl::UnavailableError(absl::StrCat("the step could not be made durable: ", appended.message()));
   }
+  if (records_gradients()) {
+    for (const HostTensor& g : gradients) journaled_bytes_ += static_cast<int64_t>(g.values.size() * sizeof(float));
+  }
   return absl::OkStatus();
+}
+
+bool FilePersistence::CheckpointDue(int64_t last_step) const {
+  const int64_t every = files_->options().checkpoint_every;
+  if (every > 0 && last_step % every == 0) return true;
+  return records_gradients() &&
+         journaled_bytes_ >= std::max<int64_t>(session_.state_bytes(), files_->options().journal_floor_bytes);
 }
 
 durability::CheckpointData CheckpointOf(const Session& session, SessionState state, std::string backend) {
@@ -210,6 +221,7 @@ absl::Status FilePersistence::SaveCheckpoint(SessionState state) {
   const auto start = std::chrono::steady_clock::now();
   absl::Status saved = files_->SaveCheckpoint(std::move(data));
   metrics_->CheckpointWritten(absl::FromChrono(std::chrono::steady_clock::now() - start), saved.ok());
+  if (saved.ok()) journaled_bytes_ = 0;  // the journal starts anew
   return saved;
 }
 

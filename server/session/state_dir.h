@@ -33,7 +33,7 @@ class FilePersistence final : public SessionPersistence {
 
   absl::Status RecordStep(const StepRequest& request, const std::vector<HostTensor>& gradients) override;
   absl::Status SaveCheckpoint(SessionState state) override;
-  int64_t checkpoint_every() const override { return files_->options().checkpoint_every; }
+  bool CheckpointDue(int64_t last_step) const override;
   bool records_gradients() const override { return files_->options().durability == durability::Durability::kJournal; }
   void Discard() override { files_->Discard(); }
 
@@ -44,6 +44,7 @@ class FilePersistence final : public SessionPersistence {
   std::unique_ptr<durability::SessionFiles> files_;
   const Session& session_;
   metrics::Metrics* const metrics_;
+  int64_t journaled_bytes_ = 0;  // gradient bytes recorded since the last checkpoint (journal mode)
 };
 
 // What a checkpoint of `session` in `state` holds (FilePersistence::SaveCheckpoint writes it), its

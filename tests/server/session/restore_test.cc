@@ -528,5 +528,27 @@ TEST_F(RestoreTest, LoadSessionRefusesWhatTheRestoreRefuses) {
   EXPECT_EQ(loaded.session->last_step(), 3);
 }
 
+// In journal mode without --checkpoint-every the journal does not grow without end: a checkpoint
+// follows once the gradients journaled since the last one take the session's state bytes (here,
+// with the floor at 0; the daemon's is 64 MiB), so a restore reads at most about that much journal.
+TEST_F(RestoreTest, TheJournalIsFoldedIntoACheckpointOnceItHoldsTheStatesBytes) {
+  durability::StateDirOptions options = Options();
+  options.journal_floor_bytes = 0;
+  registry_ = std::make_unique<SessionRegistry>(backend_.get(), &codec_, SpecLimits{}, 4, MemoryLimits{}, &metrics_);
+  ASSERT_OK(registry_->EnablePersistence(options));
+  ASSERT_OK_AND_ASSIGN(CreateResult created, registry_->CreateOrAttach("folded", rpc::SpecToJson(SmallSpec())));
+  ASSERT_OK(created.session->Upload(InitialParameters()));
+  const int64_t gradient_bytes = 54 * sizeof(float);  // SmallSpec's 8×6 and 6 elements, each step
+  const int64_t per_checkpoint = (created.session->state_bytes() + gradient_bytes - 1) / gradient_bytes;
+  ASSERT_GT(per_checkpoint, 1);
+  const int64_t steps = 3 * per_checkpoint + 1;
+  for (int64_t step = 1; step <= steps; ++step) ASSERT_OK(RunStep(*created.session, Request(step), Gradients(step)));
+  registry_.reset();  // as after kill -9: no final checkpoint
+  ASSERT_OK_AND_ASSIGN(LoadedSession loaded, Load("folded"));
+  EXPECT_EQ(loaded.session->last_step(), steps);
+  EXPECT_EQ(loaded.checkpoint_step, 3 * per_checkpoint);
+  EXPECT_EQ(loaded.replayed, 1);
+}
+
 }  // namespace
 }  // namespace muond::session
