@@ -6,7 +6,6 @@
 #include "common/status_macros.h"
 #include "google/protobuf/descriptor.h"
 #include "grpcpp/support/method_handler.h"
-#include "proto/wire/chunk_frame.h"
 #include "proto/wire/dtype_codec.h"
 #include "server/rpc/muond_service.h"
 #include "server/session/partition.h"
@@ -191,11 +190,9 @@ absl::Status MuondService::DoGetParameters(const std::string& caller, grpc::Serv
     return absl::InvalidArgumentError(
         absl::StrCat("rank: must be in [0, ", config.world_size, ") for this session, got ", request.rank()));
   }
-  session::Session::LatestParameters latest;
-  MUOND_ASSIGN_OR_RETURN(latest, session->ReadLatestParameters());
-  const std::shared_ptr<const session::ParameterSnapshot> whole = latest.snapshot;
+  MUOND_ASSIGN_OR_RETURN(const session::Session::LatestParameters latest, session->ReadLatestParameters());
   const std::shared_ptr<const session::ParameterSnapshot> view =
-      request.has_rank() ? session::RankView(config, whole, request.rank()) : whole;
+      request.has_rank() ? session::RankView(config, latest.snapshot, request.rank()) : latest.snapshot;
   const session::ParameterSnapshot& snapshot = *view;
   const int64_t last_step = latest.last_step;
   if (snapshot.on_device) {
@@ -203,35 +200,17 @@ absl::Status MuondService::DoGetParameters(const std::string& caller, grpc::Serv
         "the parameters could not be read back from the backend (see the daemon's log); "
         "try again");
   }
-  // The masters are held readable only while a chunk is encoded, not while it is written: a reader
-  // that stops reading (a slow link, a stalled client) must not hold up the steps that change them.
-  // A step that changes them between two chunks ends the read (ABORTED): the rest would be another
-  // step's.
-  latest.lock = session::Session::ParameterReadLock();
   const size_t chunk_bytes = AnswerChunkBytes(request.max_chunk_bytes());
   bool first = true;
-  absl::Status readable;
   for (size_t index : wanted) {
-    v1::TensorChunk named;
-    named.set_name(config.parameters[index].name);
-    const bool sent = wire::ForEachChunk(std::move(named), snapshot.values[index], dtype, chunk_bytes,
-                                         [&](const v1::TensorChunk& meta, std::span<const float> values) {
-                                           v1::GetParametersResponse response;
-                                           {
-                                             absl::StatusOr<session::Session::ParameterReadLock> held =
-                                                 session->ReadParameters(*whole);
-                                             if (!held.ok()) {
-                                               readable = held.status();
-                                               return false;
-                                             }
-                                             *response.mutable_chunk() = meta;
-                                             wire::Encode(dtype, values, response.mutable_chunk()->mutable_data());
-                                           }
-                                           if (first) response.set_last_step(last_step);
-                                           first = false;
-                                           return writer->Write(response);
-                                         });
-    MUOND_RETURN_IF_ERROR(readable);
+    const bool sent = transport::EmitChunks(config.parameters[index].name, "", snapshot.values[index], dtype,
+                                            chunk_bytes, [&](v1::TensorChunk&& chunk) {
+                                              v1::GetParametersResponse response;
+                                              if (first) response.set_last_step(last_step);
+                                              first = false;
+                                              *response.mutable_chunk() = std::move(chunk);
+                                              return writer->Write(response);
+                                            });
     if (!sent || context->IsCancelled()) return absl::CancelledError("the client went away");
   }
   return absl::OkStatus();
