@@ -7,14 +7,18 @@ optimizer holds, in their place, a tensor sharing each one's local shard (``to_l
 ``no_grad``, detached): the parameters the daemon answers are written into it, and so into the
 DTensor. FSDP2 puts a parameter's gradient on the DTensor — its reduce-scatter assigns a DTensor
 ``.grad`` to the parameter and never sets the local tensor's — so the gradient a step sends is that
-gradient's local shard (``grad``), and ``zero_grad`` clears the DTensors' gradients as torch's
-clears the parameters'. Used from the optimizer's thread only.
+gradient's local shard (``grad``), ``zero_grad`` clears the DTensors' gradients as torch's clears
+the parameters', and each step first follows a DTensor given a new local tensor since (``follow``).
+The optimizer's ``param_groups`` hold the local tensors, not the model's parameters: a tool that
+matches an optimizer's parameters to the model's by identity (``torch.distributed.checkpoint``'s
+optimizer state dict) does not find them; ``state_dict()`` is muond's own. Used from the
+optimizer's thread only.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Any, Dict, List, MutableMapping, Optional
+from typing import Any, Dict, List, MutableMapping, Optional, Tuple
 
 import torch
 
@@ -36,6 +40,7 @@ class DTensorParams:
 
     def __init__(self) -> None:
         self._by_local: Dict[int, Any] = {}  # id(local tensor) → its DTensor
+        self._held: List[Tuple[torch.Tensor, Any]] = []  # (local tensor, its DTensor)
 
     def localize(self, group: MutableMapping[str, Any]) -> None:
         """Replaces the DTensors among ``group["params"]`` (tensors, or (name, tensor) pairs) by
@@ -62,9 +67,22 @@ class DTensorParams:
                                      f"{tuple(shape)}; the partition gives {tuple(partition.shapes[k])}")
                 value_held = local.detach().requires_grad_(bool(value.requires_grad))
                 self._by_local[id(value_held)] = value
+                self._held.append((value_held, value))
                 value = value_held
             localized.append((name, value) if name is not None else value)
         group["params"] = localized
+
+    def follow(self) -> None:
+        """Points each held tensor at its DTensor's shard as it is now: FSDP2 may give a parameter a
+        new local tensor after the optimizer was made (its lazy initialization of padded shards,
+        ``model.to()``, a load with ``assign=True``), and the answers must land where its next
+        forward reads them."""
+        with torch.no_grad():
+            for held, dtensor in self._held:
+                current = dtensor.to_local()
+                if (current.data_ptr() != held.data_ptr() or current.shape != held.shape
+                        or current.dtype != held.dtype):
+                    held.data = current
 
     def grad(self, param: torch.Tensor) -> Optional[torch.Tensor]:
         """``param``'s gradient: its own ``.grad``, or for a DTensor's local tensor the local shard

@@ -587,6 +587,7 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
         self._dtensors.zero_grad(kwargs.get("set_to_none", args[0] if args else None))
 
     def _grads(self) -> List[Tuple[str, torch.Tensor]]:
+        self._dtensors.follow()  # before the step reads their gradients and writes their shards
         grads = []
         for name, p in zip(self._names, self._params):
             g = self._dtensors.grad(p)

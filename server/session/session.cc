@@ -206,6 +206,7 @@ absl::Status Session::UploadParts(int rank, std::vector<HostTensor> tensors) {
   } else {
     uploaded_by_rank_[static_cast<size_t>(rank)] = true;
   }
+  if (!part_load_.under_way()) broken_.clear();  // a first step that broke: the upload replaced it
   return SaveReplacedStateLocked("the upload");
 }
 

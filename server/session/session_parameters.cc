@@ -66,6 +66,10 @@ absl::StatusOr<Session::LatestParameters> Session::ReadLatestParameters() const 
   // Views of the masters hold while no step changes them; a step that slips in between reading the
   // snapshot and locking it makes them stale, and the parameters after it are read instead.
   constexpr int kRetries = 8;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    MUOND_RETURN_IF_ERROR(BrokenLocked());  // the masters are no step's
+  }
   LatestParameters latest;
   latest.snapshot = Parameters(&latest.last_step);
   absl::StatusOr<ParameterReadLock> still = ReadParameters(*latest.snapshot);

@@ -258,7 +258,8 @@ absl::Status Session::ImportState(SessionState state, int rank) {
     for (PushRecord& p : pushes_) p.global_step = p.staleness = 0;
   }
   initialized_ = true;
-  broken_.clear();  // the state is the loaded one now
+  // The state is the loaded one now; loaded by parts, once every rank has loaded its own.
+  if (!part_load_.under_way()) broken_.clear();
   // A loaded or restored state holds the values the ranks share, unless it was restored in the
   // middle of an upload: then the ranks that had uploaded theirs hold them.
   uploaded_by_rank_.assign(static_cast<size_t>(config_.world_size), true);

@@ -146,10 +146,8 @@ absl::StatusOr<std::unique_ptr<IncomingStep>> Session::BeginStep(StepRequest req
     MUOND_RETURN_IF_ERROR(CheckOpen());  // a replay too: the session is gone
     if (!initialized_) return NotInitializedError();
     MUOND_ASSIGN_OR_RETURN(kind, ClassifyRequestLocked(request));
-    if (kind == StepKind::kNext) {
-      MUOND_RETURN_IF_ERROR(UnsavedLocked());
-      MUOND_RETURN_IF_ERROR(BrokenLocked());
-    }
+    if (kind == StepKind::kNext) MUOND_RETURN_IF_ERROR(UnsavedLocked());
+    MUOND_RETURN_IF_ERROR(BrokenLocked());  // a replay too: its answer would read half a step
     journaled = persistence_ != nullptr && persistence_->records_gradients();
   }
   MUOND_ASSIGN_OR_RETURN(StepPlan plan, PlanStep(config_, default_hyper_, std::move(request)));
@@ -188,6 +186,7 @@ absl::StatusOr<StepOutcome> Session::FinishStep(std::unique_ptr<IncomingStep> st
   MUOND_RETURN_IF_ERROR(step->FinishStaging(*backend_));
   absl::MutexLock lock(&mu_);
   MUOND_RETURN_IF_ERROR(CheckOpen());  // closed since BeginStep
+  MUOND_RETURN_IF_ERROR(BrokenLocked());
   // The state may have moved since BeginStep (another stream of the same step, say): classify again
   // under the lock, where the answer holds until the step is applied.
   StepPlan& plan = step->mutable_plan();

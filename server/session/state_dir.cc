@@ -167,11 +167,14 @@ absl::Status FilePersistence::RecordStep(const StepRequest& request, const std::
   return absl::OkStatus();
 }
 
+int64_t FilePersistence::JournalBudget() const {
+  return std::max<int64_t>(session_.state_bytes(), files_->options().journal_floor_bytes);
+}
+
 bool FilePersistence::CheckpointDue(int64_t last_step) const {
   const int64_t every = files_->options().checkpoint_every;
   if (every > 0 && last_step % every == 0) return true;
-  return records_gradients() &&
-         journaled_bytes_ >= std::max<int64_t>(session_.state_bytes(), files_->options().journal_floor_bytes);
+  return records_gradients() && journaled_bytes_ >= JournalBudget() + retry_after_bytes_;
 }
 
 durability::CheckpointData CheckpointOf(const Session& session, SessionState state, std::string backend) {
@@ -221,7 +224,11 @@ absl::Status FilePersistence::SaveCheckpoint(SessionState state) {
   const auto start = std::chrono::steady_clock::now();
   absl::Status saved = files_->SaveCheckpoint(std::move(data));
   metrics_->CheckpointWritten(absl::FromChrono(std::chrono::steady_clock::now() - start), saved.ok());
-  if (saved.ok()) journaled_bytes_ = 0;  // the journal starts anew
+  if (saved.ok()) {
+    journaled_bytes_ = retry_after_bytes_ = 0;  // the journal starts anew
+  } else if (records_gradients() && journaled_bytes_ >= JournalBudget()) {
+    retry_after_bytes_ = journaled_bytes_;  // tried again once another budget's worth is journaled
+  }
   return saved;
 }
 

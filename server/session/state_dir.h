@@ -44,7 +44,11 @@ class FilePersistence final : public SessionPersistence {
   std::unique_ptr<durability::SessionFiles> files_;
   const Session& session_;
   metrics::Metrics* const metrics_;
-  int64_t journaled_bytes_ = 0;  // gradient bytes recorded since the last checkpoint (journal mode)
+  // Journal mode: the gradient bytes recorded since the last checkpoint, and after a checkpoint that
+  // failed once they were due, what they were then (the next try waits for another budget's worth).
+  int64_t JournalBudget() const;
+  int64_t journaled_bytes_ = 0;
+  int64_t retry_after_bytes_ = 0;
 };
 
 // What a checkpoint of `session` in `state` holds (FilePersistence::SaveCheckpoint writes it), its

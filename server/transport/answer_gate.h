@@ -18,6 +18,7 @@
 // holds the regions, and the claims after them). Thread-safe; an AnswerClaims serves one call.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -36,11 +37,9 @@ class AnswerGate {
   AnswerGate(const AnswerGate&) = delete;
   AnswerGate& operator=(const AnswerGate&) = delete;
 
-  // How many step calls hold a claim on the memory now.
-  int calls_in_flight() const {
-    absl::MutexLock lock(&mu_);
-    return calls_in_flight_;
-  }
+  // How many step calls hold a claim on the memory now (read without the gate's lock, which a call
+  // holds while it writes).
+  int calls_in_flight() const { return calls_in_flight_.load(std::memory_order_relaxed); }
 
  private:
   friend class AnswerClaims;
@@ -48,7 +47,7 @@ class AnswerGate {
 
   mutable absl::Mutex mu_;
   uint64_t claims_ ABSL_GUARDED_BY(mu_) = 0;
-  int calls_in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  std::atomic<int> calls_in_flight_ = 0;
   // The latest claim of each (session, rank) with a call in flight.
   absl::flat_hash_map<Caller, uint64_t> latest_ ABSL_GUARDED_BY(mu_);
 };

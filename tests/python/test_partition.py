@@ -141,6 +141,9 @@ def _run_rank(rank, world, endpoint, session, kinds, transport, options, steps, 
             grads = hsdp_mean(step, model) if hsdp and world == 1 else whole_grads(step, model, replica)
             opt.zero_grad(set_to_none=True)
             assert all(d.grad is None for d in dtensors.values()), "zero_grad left a DTensor's gradient"
+            if step == 2:
+                for d in dtensors.values():  # as FSDP2 may: a new local tensor for the same values
+                    d._local_tensor = d._local_tensor.clone()
             for group in opt.param_groups:
                 partition = group.get("partition")
                 for k, (name, p) in enumerate(zip(group["param_names"], group["params"])):

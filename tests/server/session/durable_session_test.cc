@@ -285,6 +285,8 @@ TEST_F(DurableSessionTest, AStepThatFailsHalfwayBreaksTheSessionUntilARestartRes
   EXPECT_EQ(session_->last_step(), 1);
   EXPECT_EQ(ParametersOf(*session_), half) << "a refused resend changed the state";
   EXPECT_THAT(session_->ExportState(), StatusIs(absl::StatusCode::kFailedPrecondition, broken));
+  EXPECT_THAT(session_->ReadLatestParameters(), StatusIs(absl::StatusCode::kFailedPrecondition, broken));
+  EXPECT_THAT(Step(1), StatusIs(absl::StatusCode::kFailedPrecondition, broken)) << "a replay reads half a step";
   EXPECT_THAT(session_->Checkpoint(), StatusIs(absl::StatusCode::kFailedPrecondition, "restores it through step 2"));
 
   ASSERT_OK(RunStep(*reference_, Request(2), Gradients(2)).status());
