@@ -42,7 +42,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import math
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, TypeVar
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import grpc
 import torch
@@ -58,11 +58,12 @@ from . import session_spec
 from . import shard_step
 from . import wire
 from ._stubs import pb
+from .chunk_fitting import ChunkFitting
 from .client import Connection
 from .connection_options import ConnectionOptions
 from .delayed import DelayedUpdate
 from .dtensor_params import DTensorParams
-from .errors import CHUNK_TOO_LARGE, MuondError
+from .errors import MuondError
 from .landing import ForwardLanding
 from .naming import named_groups
 from .optimizer_options import (RankOptions, Setup, StepOptions, TimingOptions, WireOptions,
@@ -81,10 +82,9 @@ from .transport.streamed import IdentityChanged, Landing
 from .transport.zero_copy import check_zero_copy
 
 _log = logging.getLogger("muond")
-_T = TypeVar("_T")
 
 
-class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Optimizer):
+class RemoteOptimizer(StepTries, StateTransfer, StreamControls, ChunkFitting, torch.optim.Optimizer):
     """A torch optimizer backed by a muond session.
 
     Args:
@@ -386,40 +386,6 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, torch.optim.Opti
         if len(self._sessions) > 1:
             self._pool = concurrent.futures.ThreadPoolExecutor(
                 max_workers=len(self._sessions), thread_name_prefix="muond-shard")
-
-    def _fit_chunks_to(self, conns: List[Connection], infos: List[pb.ServerInfo]) -> bool:
-        """Lowers ``chunk_bytes`` to the smallest chunk limit of the daemons
-        (``--max-chunk-bytes``, ``ServerInfo.max_chunk_bytes``), which refuse larger chunks;
-        returns whether it was lowered."""
-        limits = [(info.max_chunk_bytes, conn.endpoint) for conn, info in zip(conns, infos)
-                  if 0 < info.max_chunk_bytes < self.chunk_bytes]
-        if not limits:
-            return False
-        limit, endpoint = min(limits)
-        _log.info("chunks of %d bytes, not %d: the daemon at %s takes no larger ones",
-                  limit, self.chunk_bytes, endpoint)
-        self.chunk_bytes = limit
-        return True
-
-    def _with_chunks_fitted(self, call: Callable[[], _T]) -> _T:
-        """``call()``, made again with smaller chunks whenever a daemon refuses them as larger
-        than it takes (CHUNK_TOO_LARGE, or gRPC's own message limit): a daemon restarted with a
-        smaller ``--max-chunk-bytes`` since this optimizer asked. The limits are asked again and
-        every session sends chunks no larger; the refused call changed nothing, so it is made
-        again whole. The chunk size only falls, so this ends; a refusal that asking again does not
-        explain is raised."""
-        while True:
-            try:
-                return call()
-            except MuondError as err:
-                # gRPC's own message limit carries no reason; another reason (CALLER_BUSY) is no size.
-                if err.reason != CHUNK_TOO_LARGE and (err.code != grpc.StatusCode.RESOURCE_EXHAUSTED or err.reason):
-                    raise
-                conns = [session.conn for session in self._sessions]
-                if not self._fit_chunks_to(conns, [conn.server_info() for conn in conns]):
-                    raise
-                for session in self._sessions:
-                    session.use_chunk_bytes(self.chunk_bytes)
 
     @property
     def _conn(self) -> Connection:
