@@ -43,34 +43,29 @@ class DTensorParams:
         self._held: List[Tuple[torch.Tensor, Any]] = []  # (local tensor, its DTensor)
 
     def localize(self, group: MutableMapping[str, Any]) -> None:
-        """Replaces the DTensors among ``group["params"]`` (tensors, or (name, tensor) pairs) by
-        their local tensors. ValueError unless the group has a ``rows`` partition and each
-        DTensor is its parameter's part under it (``partition.from_dtensor``'s checks, and its
-        global shape the partition's)."""
-        params = group.get("params")
-        if isinstance(params, torch.Tensor) or is_dtensor(params) or params is None:
-            params = [params] if params is not None else []
-        params = list(params)
-        if not any(is_dtensor(p[1] if isinstance(p, tuple) else p) for p in params):
+        """Replaces the DTensors among ``group["params"]`` (its tensors, as ``named_groups``
+        leaves them) by their local tensors. ValueError unless the group has a ``rows`` partition
+        and each DTensor is its parameter's part under it (``partition.from_dtensor``'s checks, and
+        its global shape the partition's)."""
+        params = list(group["params"])
+        if not any(is_dtensor(p) for p in params):
             return
         partition = group.get("partition")
         if getattr(partition, "kind", None) != "rows":
             raise ValueError("partition: a group of DTensor parameters (FSDP2's, sharded Shard(0)) needs "
                              "partition=muond.partition.rows(their global shapes)")
-        localized: List[Any] = []
-        for k, entry in enumerate(params):
-            name, value = entry if isinstance(entry, tuple) else (None, entry)
-            if is_dtensor(value):
-                local, shape = from_dtensor(value)
-                if k < len(partition.shapes) and tuple(shape) != tuple(partition.shapes[k]):
-                    raise ValueError(f"partition: parameter {name or k} is a DTensor of global shape "
-                                     f"{tuple(shape)}; the partition gives {tuple(partition.shapes[k])}")
-                value_held = local.detach().requires_grad_(bool(value.requires_grad))
-                self._by_local[id(value_held)] = value
-                self._held.append((value_held, value))
-                value = value_held
-            localized.append((name, value) if name is not None else value)
-        group["params"] = localized
+        for k, value in enumerate(params):
+            if not is_dtensor(value):
+                continue
+            local, shape = from_dtensor(value)
+            if k < len(partition.shapes) and tuple(shape) != tuple(partition.shapes[k]):
+                raise ValueError(f"partition: parameter {k} of the group is a DTensor of global shape "
+                                 f"{tuple(shape)}; the partition gives {tuple(partition.shapes[k])}")
+            held = local.detach().requires_grad_(bool(value.requires_grad))
+            self._by_local[id(held)] = value
+            self._held.append((held, value))
+            params[k] = held
+        group["params"] = params
 
     def follow(self) -> None:
         """Points each held tensor at its DTensor's shard as it is now: FSDP2 may give a parameter a

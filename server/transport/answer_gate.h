@@ -20,6 +20,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <utility>
 #include <vector>
@@ -81,5 +82,17 @@ class AnswerClaims {
   std::string session_id_;
   int rank_ = 0;
 };
+
+// The claims of a step call of `session_id`'s `rank` on the memory every place of `gradients` and
+// `parameters` names (`gate_of(place)`: the AnswerGate of the place's region).
+template <typename Place, typename GateOf>
+AnswerClaims ClaimPlaces(const std::vector<Place>& gradients, const std::vector<Place>& parameters, GateOf gate_of,
+                         std::string session_id, int rank) {
+  std::vector<AnswerGate*> gates;
+  for (const std::vector<Place>* places : {&gradients, &parameters}) {
+    for (const Place& place : *places) gates.push_back(gate_of(place));
+  }
+  return AnswerClaims(std::move(gates), std::move(session_id), rank);
+}
 
 }  // namespace muond::transport

@@ -23,15 +23,6 @@ absl::StatusOr<std::vector<CudaTensorPlace>> ResolveCudaTensors(
   return places;
 }
 
-AnswerClaims ClaimCudaRegions(const std::vector<CudaTensorPlace>& gradients,
-                              const std::vector<CudaTensorPlace>& parameters, const std::string& session_id, int rank) {
-  std::vector<AnswerGate*> gates;
-  for (const auto* places : {&gradients, &parameters}) {
-    for (const CudaTensorPlace& place : *places) gates.push_back(&place.region->answers);
-  }
-  return AnswerClaims(std::move(gates), session_id, rank);
-}
-
 absl::Status AwaitClientEvents(const std::vector<CudaTensorPlace>& places, const EventWait& wait) {
   std::set<const CudaRegion*> awaited;
   for (const CudaTensorPlace& place : places) {

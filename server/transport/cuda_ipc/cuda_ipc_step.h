@@ -59,8 +59,12 @@ absl::StatusOr<std::vector<CudaTensorPlace>> ResolveCudaTensors(
     absl::string_view field, bool require_all, int rank);
 
 // The call's claims on every region `gradients` and `parameters` name, for `session_id`'s `rank`.
-AnswerClaims ClaimCudaRegions(const std::vector<CudaTensorPlace>& gradients,
-                              const std::vector<CudaTensorPlace>& parameters, const std::string& session_id, int rank);
+inline AnswerClaims ClaimCudaRegions(const std::vector<CudaTensorPlace>& gradients,
+                                     const std::vector<CudaTensorPlace>& parameters, std::string session_id, int rank) {
+  return ClaimPlaces(
+      gradients, parameters, [](const CudaTensorPlace& place) { return &place.region->answers; }, std::move(session_id),
+      rank);
+}
 
 class CudaIpcGradientSource final : public GradientSource {
  public:

@@ -32,16 +32,6 @@ absl::StatusOr<std::vector<SharedTensorPlace>> ResolveSharedTensors(
   return places;
 }
 
-AnswerClaims ClaimSharedRegions(const std::vector<SharedTensorPlace>& gradients,
-                                const std::vector<SharedTensorPlace>& parameters, const std::string& session_id,
-                                int rank) {
-  std::vector<AnswerGate*> gates;
-  for (const auto* places : {&gradients, &parameters}) {
-    for (const SharedTensorPlace& place : *places) gates.push_back(&place.region->answers());
-  }
-  return AnswerClaims(std::move(gates), session_id, rank);
-}
-
 namespace {
 
 // A step staged into device buffers (a backend whose memory is not the host's) takes its gradients

@@ -50,9 +50,13 @@ absl::StatusOr<std::vector<SharedTensorPlace>> ResolveSharedTensors(
     int rank);
 
 // The call's claims on every region `gradients` and `parameters` name, for `session_id`'s `rank`.
-AnswerClaims ClaimSharedRegions(const std::vector<SharedTensorPlace>& gradients,
-                                const std::vector<SharedTensorPlace>& parameters, const std::string& session_id,
-                                int rank);
+inline AnswerClaims ClaimSharedRegions(const std::vector<SharedTensorPlace>& gradients,
+                                       const std::vector<SharedTensorPlace>& parameters, std::string session_id,
+                                       int rank) {
+  return ClaimPlaces(
+      gradients, parameters, [](const SharedTensorPlace& place) { return &place.region->answers(); },
+      std::move(session_id), rank);
+}
 
 class ShmGradientSource final : public GradientSource {
  public:
