@@ -1,5 +1,7 @@
 // MuondService's tensor streams: UploadParameters, Step (and StepWhole, a step in one call) and
 // GetParameters.
+#include <optional>
+
 #include "absl/strings/str_cat.h"
 #include "common/echo.h"
 #include "common/logging.h"
@@ -8,7 +10,6 @@
 #include "grpcpp/support/method_handler.h"
 #include "proto/wire/dtype_codec.h"
 #include "server/rpc/muond_service.h"
-#include "server/session/partition.h"
 #include "server/transport/api_codec/api_conversion.h"
 #include "server/transport/grpc/chunk_stream.h"
 #include "server/transport/grpc/grpc_step_stream.h"
@@ -190,12 +191,15 @@ absl::Status MuondService::DoGetParameters(const std::string& caller, grpc::Serv
     return absl::InvalidArgumentError(
         absl::StrCat("rank: must be in [0, ", config.world_size, ") for this session, got ", request.rank()));
   }
-  MUOND_ASSIGN_OR_RETURN(const session::Session::LatestParameters latest, session->ReadLatestParameters());
-  const std::shared_ptr<const session::ParameterSnapshot> view =
-      request.has_rank() ? session::RankView(config, latest.snapshot, request.rank()) : latest.snapshot;
-  const session::ParameterSnapshot& snapshot = *view;
-  const int64_t last_step = latest.last_step;
-  if (snapshot.on_device) {
+  std::optional<int> rank;
+  if (request.has_rank()) rank = request.rank();
+  MUOND_ASSIGN_OR_RETURN(session::Session::LatestParameters latest, session->ReadLatestParameters(rank));
+  session::ParameterReader& parameters = latest.reader;
+  for (size_t i = 0; i < config.parameters.size(); ++i) {
+    if (asked_at[i] < 0 && request.names_size() > 0) parameters.Finished(i);  // not read: never copied
+  }
+  parameters.Release();  // held by EmitParameterChunks while it encodes, not while the client reads
+  if (parameters.snapshot()->on_device) {
     return absl::UnavailableError(
         "the parameters could not be read back from the backend (see the daemon's log); "
         "try again");
@@ -203,15 +207,15 @@ absl::Status MuondService::DoGetParameters(const std::string& caller, grpc::Serv
   const size_t chunk_bytes = AnswerChunkBytes(request.max_chunk_bytes());
   bool first = true;
   for (size_t index : wanted) {
-    const bool sent = transport::EmitChunks(config.parameters[index].name, "", snapshot.values[index], dtype,
-                                            chunk_bytes, [&](v1::TensorChunk&& chunk) {
-                                              v1::GetParametersResponse response;
-                                              if (first) response.set_last_step(last_step);
-                                              first = false;
-                                              *response.mutable_chunk() = std::move(chunk);
-                                              return writer->Write(response);
-                                            });
-    if (!sent || context->IsCancelled()) return absl::CancelledError("the client went away");
+    MUOND_RETURN_IF_ERROR(transport::EmitParameterChunks(config.parameters[index].name, parameters, index, dtype,
+                                                         chunk_bytes, [&](v1::TensorChunk&& chunk) {
+                                                           v1::GetParametersResponse response;
+                                                           if (first) response.set_last_step(latest.last_step);
+                                                           first = false;
+                                                           *response.mutable_chunk() = std::move(chunk);
+                                                           return writer->Write(response);
+                                                         }));
+    if (context->IsCancelled()) return absl::CancelledError("the client went away");
   }
   return absl::OkStatus();
 }

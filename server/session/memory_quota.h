@@ -10,7 +10,8 @@
 // count too: N whole gradients of a replicated parameter, one (one per replica under HSDP) of a
 // partitioned one. Not counted: the gradients of a second step streaming into the same session at
 // once, and an asynchronous session's pushes being decoded at once (transient), the host tensors a
-// one-rank GPU session decodes into, and the Newton–Schulz
+// one-rank GPU session decodes into, the copies left to answers still being sent when the
+// masters change (at most the parameters' fp32 bytes at once; ParameterReader), and the Newton–Schulz
 // scratch, which is one per backend, shared by every session and sized by the largest matrix
 // (README, "CPU performance", states the daemon's fixed overhead). Pure functions; thread-safe.
 #pragma once

@@ -178,7 +178,7 @@ absl::Status Session::UploadParts(int rank, std::vector<HostTensor> tensors) {
   uploaded_by_rank_.resize(static_cast<size_t>(config_.world_size), false);
   {
     absl::MutexLock masters(&masters_mu_);
-    ++masters_version_;
+    ChangeMastersLocked();
     for (size_t i = 0; i < params_.size(); ++i) {
       if (KeepsUploadedValuesLocked(i, rank)) continue;
       const ElementRange part = PartOf(config_, i, rank);

@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -44,6 +45,7 @@
 #include "server/session/gradient_staging.h"
 #include "server/session/health_watch.h"
 #include "server/session/incoming_step.h"
+#include "server/session/parameter_reader.h"
 #include "server/session/part_load.h"
 #include "server/session/rank_gather.h"
 #include "server/session/session_config.h"
@@ -103,48 +105,24 @@ class Session {
   absl::StatusOr<StepOutcome> ApplyJournaledStep(StepRequest request, std::vector<HostTensor> gradients);
 
   // The current parameters and, through `last_step`, the step they belong to (read atomically).
-  // Read them under ReadParameters, or take both at once with ReadLatestParameters.
+  // Read them through OpenParameters, or take both at once with ReadLatestParameters.
   std::shared_ptr<const ParameterSnapshot> Parameters(int64_t* last_step) const;
 
-  // Keeps the masters as they are while an answer is encoded from `snapshot` (a reader lock, released
-  // by the returned guard), when its values are the masters themselves; ABORTED when the masters
-  // have changed since the snapshot was taken (a later step, an upload or SetState). A snapshot of
-  // copies needs no lock and is always readable. A writer of the masters waits for every guard; while
-  // holding one, call nothing else of the session (its own lock is taken before the masters').
-  class ParameterReadLock {
-   public:
-    ParameterReadLock() = default;
-    explicit ParameterReadLock(absl::Mutex* mu) : mu_(mu) {}
-    ParameterReadLock(ParameterReadLock&& other) noexcept : mu_(std::exchange(other.mu_, nullptr)) {}
-    ParameterReadLock& operator=(ParameterReadLock&& other) noexcept {
-      if (this != &other) {
-        Release();
-        mu_ = std::exchange(other.mu_, nullptr);
-      }
-      return *this;
-    }
-    ~ParameterReadLock() { Release(); }
+  // A reader of `snapshot` (or of `rank`'s view of it: its parts of partitioned parameters, the rest
+  // whole), held; ABORTED when its values are views of masters that have changed since it was taken
+  // (a later step, an upload or SetState). See ParameterReader.
+  absl::StatusOr<ParameterReader> OpenParameters(std::shared_ptr<const ParameterSnapshot> snapshot,
+                                                 std::optional<int> rank = std::nullopt) const;
 
-   private:
-    void Release() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-      if (mu_ != nullptr) mu_->ReaderUnlock();
-      mu_ = nullptr;
-    }
-    absl::Mutex* mu_ = nullptr;
-  };
-  absl::StatusOr<ParameterReadLock> ReadParameters(const ParameterSnapshot& snapshot) const;
-
-  // The current parameters held readable: the snapshot, the step it belongs to, and the lock that
-  // keeps views of the masters valid until this is destroyed (the rules of ParameterReadLock hold).
+  // The current parameters held readable: the step they belong to and their reader.
   struct LatestParameters {
-    std::shared_ptr<const ParameterSnapshot> snapshot;
     int64_t last_step = 0;
-    ParameterReadLock lock;
+    ParameterReader reader;
   };
-  // Parameters and ReadParameters together: a step that changes the masters between the two makes
+  // Parameters and OpenParameters together: a step that changes the masters between the two makes
   // the snapshot stale, and the parameters after it are read instead (a few times; then ABORTED).
   // The snapshot is still on the device (on_device) when it could not be read back.
-  absl::StatusOr<LatestParameters> ReadLatestParameters() const;
+  absl::StatusOr<LatestParameters> ReadLatestParameters(std::optional<int> rank = std::nullopt) const;
 
   // Writes parameter `index` of an on-device snapshot (ParameterSnapshot::on_device) to backend
   // memory `dst` — the backend's own or peer memory — as `numel` elements of `dtype`, enqueued on the
@@ -330,6 +308,11 @@ class Session {
   // The whole element count of a parameter's master (kMasterSlot) or of one of its optimizer slots.
   size_t StateNumelLocked(size_t parameter, const std::string& slot) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   absl::Status NotInitializedError() const;
+  // Before the masters change: leaves every reader of the current masters (none is held) a copy of
+  // what it has not finished (ParameterReader), those that need least first, while all the copies
+  // fit in the parameters' fp32 bytes; the others are replaced. Then counts the change.
+  void ChangeMastersLocked() ABSL_SHARED_LOCKS_REQUIRED(mu_) ABSL_EXCLUSIVE_LOCKS_REQUIRED(masters_mu_);
+  friend class ParameterReader;
 
   const std::string id_;
   const std::string owner_;
@@ -342,10 +325,16 @@ class Session {
   std::unique_ptr<HostGradients> host_gradients_;  // set by Create; thread-safe itself
 
   mutable absl::Mutex mu_;
-  // Held for writing (after mu_) whenever the masters change, and for reading by every answer being
-  // encoded from views of them (ReadParameters); masters_version_ counts the changes.
+  // Held for writing (after mu_) whenever the masters change (ChangeMastersLocked), and for reading
+  // by every answer while it encodes from views of them (a held ParameterReader); masters_version_
+  // counts the changes.
   mutable absl::Mutex masters_mu_ ABSL_ACQUIRED_AFTER(mu_);
   uint64_t masters_version_ ABSL_GUARDED_BY(masters_mu_) = 0;
+  // The readers alive, held or not: a writer leaves those of the current masters a copy first, all
+  // their copies together within the parameters' fp32 bytes (answer_copy_bytes_ counts them).
+  mutable absl::Mutex readers_mu_ ABSL_ACQUIRED_AFTER(masters_mu_);
+  mutable absl::flat_hash_set<ParameterReader::Registration*> readers_ ABSL_GUARDED_BY(readers_mu_);
+  mutable int64_t answer_copy_bytes_ ABSL_GUARDED_BY(readers_mu_) = 0;
   std::vector<std::unique_ptr<optim::Optimizer>> optimizers_ ABSL_GUARDED_BY(mu_);  // per group
   std::vector<optim::ParamState> params_ ABSL_GUARDED_BY(mu_);
   bool initialized_ ABSL_GUARDED_BY(mu_) = false;

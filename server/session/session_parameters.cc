@@ -1,6 +1,7 @@
 // Session: the parameters as answers read them — the snapshot a step leaves (host views or copies,
 // or nothing read back after a GPU transport's step), reading it back on demand, and the locks that
 // keep views valid while an answer is encoded. See session.h.
+#include <algorithm>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -9,6 +10,7 @@
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "kernels/optim/stored_tensor.h"
+#include "server/session/partition.h"
 #include "server/session/session.h"
 
 namespace muond::session {
@@ -49,37 +51,89 @@ absl::StatusOr<std::shared_ptr<const ParameterSnapshot>> Session::ReadBack(int64
   return snapshot;
 }
 
-absl::StatusOr<Session::ParameterReadLock> Session::ReadParameters(const ParameterSnapshot& snapshot) const
-    ABSL_NO_THREAD_SAFETY_ANALYSIS {
-  if (!snapshot.views) return ParameterReadLock();  // copies, or on the device (CopyParameterOnDevice checks)
-  masters_mu_.ReaderLock();
-  if (masters_version_ != snapshot.generation) {
-    masters_mu_.ReaderUnlock();
-    return absl::AbortedError(absl::StrCat("session '", id_, "': the parameters after step ", snapshot.step,
+// masters_version_ is read under the masters' reader lock that `reader` took.
+absl::StatusOr<ParameterReader> Session::OpenParameters(std::shared_ptr<const ParameterSnapshot> snapshot,
+                                                        std::optional<int> rank) const ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  if (rank.has_value()) snapshot = RankView(config_, std::move(snapshot), *rank);
+  auto registration = std::make_unique<ParameterReader::Registration>();
+  registration->session = this;
+  registration->snapshot = std::move(snapshot);
+  ParameterReader::Registration& r = *registration;
+  if (!r.snapshot->views) return ParameterReader(std::move(registration));  // copies, or on the device
+  r.copies.resize(r.snapshot->values.size());
+  r.finished.resize(r.snapshot->values.size(), false);
+  ParameterReader reader(std::move(registration));
+  MUOND_RETURN_IF_ERROR(reader.Hold());  // a new reader: neither copied nor replaced
+  bool current = false;
+  {
+    // Read under the reader lock just taken: no writer is between the check and the registration.
+    absl::MutexLock lock(&readers_mu_);
+    current = masters_version_ == r.snapshot->generation;
+    if (current) readers_.insert(&r);
+  }
+  if (!current) {
+    reader.Release();
+    return absl::AbortedError(absl::StrCat("session '", id_, "': the parameters after step ", r.snapshot->step,
                                            " were replaced (by a later step, an upload or SetState) before they "
                                            "could be sent; read the current ones with GetParameters"));
   }
-  return ParameterReadLock(&masters_mu_);
+  return reader;
 }
 
-absl::StatusOr<Session::LatestParameters> Session::ReadLatestParameters() const {
+absl::StatusOr<Session::LatestParameters> Session::ReadLatestParameters(std::optional<int> rank) const {
   // Views of the masters hold while no step changes them; a step that slips in between reading the
-  // snapshot and locking it makes them stale, and the parameters after it are read instead.
+  // snapshot and opening it makes them stale, and the parameters after it are read instead.
   constexpr int kRetries = 8;
   {
     absl::ReaderMutexLock lock(&mu_);
     MUOND_RETURN_IF_ERROR(BrokenLocked());  // the masters are no step's
   }
   LatestParameters latest;
-  latest.snapshot = Parameters(&latest.last_step);
-  absl::StatusOr<ParameterReadLock> still = ReadParameters(*latest.snapshot);
-  for (int attempt = 0; !still.ok() && absl::IsAborted(still.status()) && attempt < kRetries; ++attempt) {
-    latest.snapshot = Parameters(&latest.last_step);
-    still = ReadParameters(*latest.snapshot);
+  absl::StatusOr<ParameterReader> reader = OpenParameters(Parameters(&latest.last_step), rank);
+  for (int attempt = 0; !reader.ok() && absl::IsAborted(reader.status()) && attempt < kRetries; ++attempt) {
+    reader = OpenParameters(Parameters(&latest.last_step), rank);
   }
-  MUOND_RETURN_IF_ERROR(still.status());
-  latest.lock = *std::move(still);
+  MUOND_RETURN_IF_ERROR(reader.status());
+  latest.reader = *std::move(reader);
   return latest;
+}
+
+void Session::ChangeMastersLocked() {
+  absl::MutexLock lock(&readers_mu_);
+  // Only the masters' own values are copied: a 16-bit master's are widened copies already.
+  struct Pending {
+    ParameterReader::Registration* reader;
+    size_t bytes;
+  };
+  std::vector<Pending> pending;
+  for (ParameterReader::Registration* r : readers_) {
+    // Those of an earlier version were copied (or replaced) by its writer already.
+    if (r->copied || r->replaced || r->snapshot->generation != masters_version_) continue;
+    size_t bytes = 0;
+    for (size_t i = 0; i < r->snapshot->values.size(); ++i) {
+      if (!r->finished[i] && params_[i].master.is_fp32()) bytes += r->snapshot->values[i].size_bytes();
+    }
+    pending.push_back({r, bytes});
+  }
+  std::sort(pending.begin(), pending.end(), [](const Pending& a, const Pending& b) { return a.bytes < b.bytes; });
+  const int64_t budget = config_.total_elements * static_cast<int64_t>(sizeof(float));
+  for (const Pending& p : pending) {
+    ParameterReader::Registration& r = *p.reader;
+    if (answer_copy_bytes_ + static_cast<int64_t>(p.bytes) > budget) {
+      r.replaced = true;
+      MUOND_LOG(warn, "session {}: an answer of step {} still being sent was replaced: no copy of its {} bytes fits",
+                id_, r.snapshot->step, p.bytes);
+      continue;
+    }
+    for (size_t i = 0; i < r.snapshot->values.size(); ++i) {
+      if (r.finished[i] || !params_[i].master.is_fp32()) continue;
+      r.copies[i].emplace(r.snapshot->values[i].begin(), r.snapshot->values[i].end());
+    }
+    r.copy_bytes = p.bytes;
+    answer_copy_bytes_ += static_cast<int64_t>(p.bytes);
+    r.copied = true;
+  }
+  ++masters_version_;
 }
 
 std::shared_ptr<const ParameterSnapshot> Session::Parameters(int64_t* last_step) const {
@@ -94,7 +148,7 @@ std::shared_ptr<const ParameterSnapshot> Session::Parameters(int64_t* last_step)
   absl::MutexLock lock(&mu_);
   *last_step = last_step_;
   if (absl::Status read = HostSnapshotLocked(); !read.ok()) {
-    // The on-device snapshot stays; readers refuse it (ReadParameters) and the next call tries again.
+    // The on-device snapshot stays; readers refuse it and the next call tries again.
     MUOND_LOG(error, "session {}: cannot read the parameters back from the backend: {}", id_, read.message());
   }
   return snapshot_;

@@ -212,7 +212,7 @@ absl::Status Session::ImportState(SessionState state, int rank) {
     param.step_count = state.step_counts[i];
   }
   absl::MutexLock masters(&masters_mu_);
-  ++masters_version_;
+  ChangeMastersLocked();
   for (const StateTensor& t : state.tensors) {
     optim::ParamState& param = params_[t.parameter];
     optim::StoredTensor& target = t.slot == kMasterSlot ? param.master : *param.Slot(t.slot);

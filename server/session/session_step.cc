@@ -483,7 +483,7 @@ absl::StatusOr<StepOutcome> Session::ApplyRecordedLocked(const StepPlan& plan, s
   result.applied = result.skip_reason.empty();
   if (result.applied) {
     absl::MutexLock masters(&masters_mu_);  // waits for answers still reading the masters
-    ++masters_version_;
+    ChangeMastersLocked();
     changing = true;
     std::vector<optim::StepTelemetry> telemetry;
     MUOND_RETURN_IF_ERROR(ApplyGradients(plan, gradients, clipping.coefficients, staged, telemetry));

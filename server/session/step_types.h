@@ -143,7 +143,7 @@ struct PushRecord {
 // Every parameter after some step, as answers read it: one span per parameter. On a backend with
 // device memory the spans are host copies owned here, never modified once published. On a backend
 // whose memory is the host's they are the masters themselves, not copied, and hold only while the
-// session has not changed them since: read them under Session::ReadParameters.
+// session has not changed them since: read them through a ParameterReader (Session::OpenParameters).
 struct ParameterSnapshot {
   int64_t step = 0;
   std::vector<std::span<const float>> values;  // indexed like SessionConfig::parameters
@@ -156,7 +156,7 @@ struct ParameterSnapshot {
   bool on_device = false;
 };
 
-// The values of `snapshot` copied out (under Session::ReadParameters when they are views).
+// The values of `snapshot` copied out (through a held ParameterReader when they are views; tests).
 std::vector<std::vector<float>> CopyValues(const ParameterSnapshot& snapshot);
 
 struct StepOutcome {

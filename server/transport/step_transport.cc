@@ -6,7 +6,6 @@
 
 #include "common/logging.h"
 #include "common/status_macros.h"
-#include "server/session/partition.h"
 
 namespace muond::transport {
 
@@ -51,30 +50,33 @@ absl::Status RunStep(session::Session& session, session::StepRequest request, Gr
   }
   absl::Status sent;
   if (outcome.parameters == nullptr) {
-    sent = sink.Send(outcome);  // a prepare: the result alone
+    session::ParameterReader none;
+    sent = sink.Send(outcome, none);  // a prepare: the result alone
   } else {
-    // The parameters may be the masters themselves: they stay as they are until the answer is sent.
-    absl::StatusOr<session::Session::ParameterReadLock> still = session.ReadParameters(*outcome.parameters);
+    // A rank that holds parts of partitioned parameters gets those parts back, and the rest whole
+    // (the same snapshot, untouched, when nothing is partitioned).
+    absl::StatusOr<session::ParameterReader> reader = session.OpenParameters(outcome.parameters, rank);
     // Ranks that do not wait for each other (quorum, async) may replace the parameters with another
     // step before this answer goes out: it carries the latest ones instead, and its step names them
     // (the rank continues after it; the step it sent was applied, or answered, all the same).
-    std::optional<session::Session::LatestParameters> latest;
-    if (!still.ok() && absl::IsAborted(still.status()) && session.config().sync.mode != session::SyncMode::kLockstep) {
-      absl::StatusOr<session::Session::LatestParameters> read = session.ReadLatestParameters();
-      if (read.ok()) {
-        latest = *std::move(read);
-        outcome.parameters = latest->snapshot;
+    if (!reader.ok() && absl::IsAborted(reader.status()) &&
+        session.config().sync.mode != session::SyncMode::kLockstep) {
+      absl::StatusOr<session::Session::LatestParameters> latest = session.ReadLatestParameters(rank);
+      if (latest.ok()) {
         outcome.result.step = latest->last_step;
-        still = session::Session::ParameterReadLock();  // `latest` holds the lock
+        reader = std::move(latest->reader);
       }
     }
-    if (still.ok() && outcome.parameters->on_device && !device_answer) {
-      still = absl::InternalError("parameters left on the device for a transport that answers from the host");
+    if (reader.ok() && reader->snapshot()->on_device && !device_answer) {
+      reader = absl::InternalError("parameters left on the device for a transport that answers from the host");
     }
-    // A rank that holds parts of partitioned parameters gets those parts back, and the rest whole
-    // (the same snapshot, untouched, when nothing is partitioned).
-    if (still.ok()) outcome.parameters = session::RankView(session.config(), std::move(outcome.parameters), rank);
-    sent = still.ok() ? sink.Send(outcome) : still.status();
+    if (reader.ok()) {
+      outcome.parameters = reader->snapshot();
+      reader->Release();
+      sent = sink.Send(outcome, *reader);
+    } else {
+      sent = reader.status();
+    }
   }
   // Reported even when the answer could not be sent: the step was applied (or replayed) all the same.
   metrics::StepReport report;

@@ -38,8 +38,11 @@ class GradientSource {
 class ParameterSink {
  public:
   virtual ~ParameterSink() = default;
-  // Sends the result and the parameters after the step; CANCELLED when the peer went away.
-  virtual absl::Status Send(const session::StepOutcome& outcome) = 0;
+  // Sends the result and the parameters after the step; CANCELLED when the peer went away. The
+  // parameters are read through `parameters` (a reader of outcome.parameters, given released: an
+  // empty one for a prepare), held while they are read and released while the sink waits on its
+  // peer, so that a slow peer never holds up the session's next steps (session::ParameterReader).
+  virtual absl::Status Send(const session::StepOutcome& outcome, session::ParameterReader& parameters) = 0;
   // Bytes sent so far (payload and framing), for metrics.
   int64_t bytes_sent() const { return bytes_sent_; }
 

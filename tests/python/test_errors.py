@@ -416,3 +416,39 @@ def test_a_read_that_asks_for_a_parameter_twice_is_refused(endpoint):
         assert f"names[1]: '{name}' is asked for twice (also names[0])" in info.value.details
         assert conn.get_parameters(opt.session_id, into, names=[name]) == 0
         conn.close()
+
+
+def test_a_reader_that_stops_reading_holds_up_no_step(endpoint):
+    """A client that opens a GetParameters stream and stops reading it (a stalled monitor, a slow
+    link) must not hold the session's next step until its deadline: the step is taken at once, and
+    when the reader reads on it gets exactly the parameters of the step its answer named."""
+    torch.manual_seed(35)
+    # 64 MiB of fp32: far more than gRPC's flow control and the sockets buffer for a stream no one reads.
+    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048, bias=False) for _ in range(4)])
+    params = list(model.parameters())
+    with muond.RemoteOptimizer([{"params": params, "optimizer": "adamw", "lr": 0.01}],
+                               endpoint=endpoint) as opt:
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        after_1 = {name: p.detach().clone() for name, p in zip(opt._names, params)}
+        conn = Connection(endpoint)
+        request = pb.GetParametersRequest(session_id=opt.session_id, max_chunk_bytes=64 << 10)
+        responses = conn._stub.GetParameters(request, timeout=600, metadata=conn._metadata)
+        first = next(responses)  # the answer has begun; nothing more is read for now
+        assert first.last_step == 1
+        for p in params:
+            p.grad = torch.randn_like(p)
+        stepped = concurrent.futures.ThreadPoolExecutor(1).submit(opt.step)
+        # Before, the step waited for the reader: until its 600 s deadline. Taken, it takes a second.
+        stepped.result(timeout=120)
+        assert opt.last_info.step == 2 and opt.last_info.applied
+        assert not torch.equal(params[0].detach(), after_1[opt._names[0]])
+        into = wire.ChunkAssembler({name: opt._sizes[name] for name in opt._names})
+        into.add(first.chunk)
+        for response in responses:
+            into.add(response.chunk)
+        read = into.tensors()
+        for name in opt._names:
+            assert torch.equal(read[(name, "")].view_as(after_1[name]), after_1[name]), name
+        conn.close()

@@ -2,6 +2,7 @@
 
 #include <set>
 
+#include "absl/cleanup/cleanup.h"
 #include "common/status_macros.h"
 #include "server/transport/api_codec/api_conversion.h"
 #include "server/transport/device/device_tensors.h"
@@ -45,27 +46,31 @@ absl::Status CudaIpcGradientSource::ReadGradients(session::IncomingStep& step) {
   return absl::OkStatus();
 }
 
-absl::Status CudaIpcParameterSink::Send(const session::StepOutcome& outcome) {
+absl::Status CudaIpcParameterSink::Send(const session::StepOutcome& outcome, session::ParameterReader& parameters) {
   if (outcome.parameters != nullptr) {
     // Once more for a replay (whose gradients were not read): what the client wrote before its
     // event must land before the answer, not on top of it.
     MUOND_RETURN_IF_ERROR(AwaitClientEvents(places_, wait_));
-    // Held until the parameters are in the memory: a later call's answer cannot pass this one's.
+    // The gate is held until the parameters are in the memory: a later call's answer cannot pass
+    // this one's. The parameters are held from before the gate is taken.
+    MUOND_RETURN_IF_ERROR(parameters.Hold());
+    absl::Cleanup release = [&] { parameters.Release(); };
     const absl::Status written = claims_.Write([&] { return wait_.caller_gone && wait_.caller_gone(); },
-                                               [&] { return WriteParameters(outcome); }, "CUDA memory");
+                                               [&] { return WriteParameters(outcome, parameters); }, "CUDA memory");
     MUOND_RETURN_IF_ERROR(written);
   }
   result_ = ToProto(outcome.result);
   return absl::OkStatus();
 }
 
-absl::Status CudaIpcParameterSink::WriteParameters(const session::StepOutcome& outcome) {
+absl::Status CudaIpcParameterSink::WriteParameters(const session::StepOutcome& outcome,
+                                                   session::ParameterReader& parameters) {
   for (const CudaTensorPlace& place : places_) {
     if (outcome.parameters->on_device) {
       MUOND_RETURN_IF_ERROR(session_->CopyParameterOnDevice(*outcome.parameters, place.ref.index,
                                                             StorageOf(place.ref.dtype), place.data()));
     } else {
-      MUOND_RETURN_IF_ERROR(PutDeviceParameter(*backend_, outcome.parameters->values[place.ref.index], place.ref.dtype,
+      MUOND_RETURN_IF_ERROR(PutDeviceParameter(*backend_, parameters.Values(place.ref.index), place.ref.dtype,
                                                place.data(), host_bytes_));
     }
     bytes_sent_ += static_cast<int64_t>(place.ref.bytes);

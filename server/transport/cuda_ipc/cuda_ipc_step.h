@@ -89,12 +89,12 @@ class CudaIpcParameterSink final : public ParameterSink {
         places_(std::move(places)),
         wait_(std::move(wait)),
         claims_(std::move(claims)) {}
-  absl::Status Send(const session::StepOutcome& outcome) override;
+  absl::Status Send(const session::StepOutcome& outcome, session::ParameterReader& parameters) override;
   const v1::StepResult& result() const { return result_; }
 
  private:
   // Writes the parameters into the places and waits until they are there.
-  absl::Status WriteParameters(const session::StepOutcome& outcome);
+  absl::Status WriteParameters(const session::StepOutcome& outcome, session::ParameterReader& parameters);
 
   const session::Session* const session_;
   kernels::Backend* const backend_;

@@ -170,13 +170,15 @@ absl::Status GrpcGradientSource::ReadGradients(session::IncomingStep& step) {
   return assembler.Finish(/*require_all=*/false);
 }
 
-absl::Status GrpcParameterSink::Send(const session::StepOutcome& outcome) {
+absl::Status GrpcParameterSink::Send(const session::StepOutcome& outcome, session::ParameterReader& parameters) {
   v1::StepResponse response;
   *response.mutable_result() = ToProto(outcome.result);
   if (!WriteMessage(stream_, response, &bytes_sent_)) return absl::CancelledError("the client went away");
   if (outcome.parameters == nullptr) return absl::OkStatus();  // a prepare: the result alone
-  // With packing, whole small parameters (wire::kPackedTensorFraction) are gathered into PackedChunks messages
-  // of at most chunk_bytes_ of data; the others go in chunks of their own, in spec order either way.
+  // The parameters are held while a message is encoded, never while one is written (a client slow to
+  // read must not hold up the session's next steps). With packing, whole small parameters
+  // (wire::kPackedTensorFraction) are gathered into PackedChunks messages of at most chunk_bytes_ of
+  // data; the others go in chunks of their own, in spec order either way.
   v1::StepResponse packed;
   size_t packed_bytes = 0;
   const auto flush = [&] {
@@ -189,24 +191,38 @@ absl::Status GrpcParameterSink::Send(const session::StepOutcome& outcome) {
   const size_t element_bytes = wire::ElementSize(dtype_);
   for (size_t k = 0; k < config_.parameters.size(); ++k) {
     const size_t i = order_.empty() ? k : order_[k];
-    const std::span<const float> values = outcome.parameters->values[i];
-    const size_t bytes = values.size() * element_bytes;
-    if (pack_ && !values.empty() && bytes <= chunk_bytes_ / wire::kPackedTensorFraction) {
+    const size_t numel = outcome.parameters->values[i].size();  // the same in a copy
+    const size_t bytes = numel * element_bytes;
+    if (pack_ && numel > 0 && bytes <= chunk_bytes_ / wire::kPackedTensorFraction) {
       if (packed_bytes + bytes > chunk_bytes_ && !flush()) return absl::CancelledError("the client went away");
       v1::TensorChunk* chunk = packed.mutable_packed()->add_chunks();
       chunk->set_name(config_.parameters[i].name);
       chunk->set_dtype(dtype_);
-      wire::Encode(dtype_, values, chunk->mutable_data());
+      MUOND_RETURN_IF_ERROR(parameters.Hold());
+      wire::Encode(dtype_, parameters.Values(i), chunk->mutable_data());
+      parameters.Finished(i);
+      parameters.Release();
       packed_bytes += bytes;
       continue;
     }
     if (!flush()) return absl::CancelledError("the client went away");
     v1::TensorChunk first;
     first.set_name(config_.parameters[i].name);
-    const bool sent = wire::ForEachChunk(
-        first, values, dtype_, chunk_bytes_, [&](const v1::TensorChunk& meta, std::span<const float> piece) {
-          return WriteCounted(stream_, wire::EncodeChunk(wire::kChunkField, meta, piece, *pool_), &bytes_sent_);
-        });
+    absl::Status read;
+    const bool sent =
+        wire::ForEachChunk(first, outcome.parameters->values[i], dtype_, chunk_bytes_,
+                           [&](const v1::TensorChunk& meta, std::span<const float> piece) {
+                             // `piece` places the chunk; its values are read through the reader, held.
+                             const size_t offset = static_cast<size_t>(meta.offset());
+                             read = parameters.Hold();
+                             if (!read.ok()) return false;
+                             grpc::ByteBuffer encoded = wire::EncodeChunk(
+                                 wire::kChunkField, meta, parameters.Values(i).subspan(offset, piece.size()), *pool_);
+                             if (offset + piece.size() == numel) parameters.Finished(i);
+                             parameters.Release();
+                             return WriteCounted(stream_, encoded, &bytes_sent_);
+                           });
+    MUOND_RETURN_IF_ERROR(read);
     if (!sent) return absl::CancelledError("the client went away");
   }
   if (!flush()) return absl::CancelledError("the client went away");

@@ -71,7 +71,7 @@ class GrpcParameterSink final : public ParameterSink {
         pack_(pack),
         order_(std::move(order)) {}
 
-  absl::Status Send(const session::StepOutcome& outcome) override;
+  absl::Status Send(const session::StepOutcome& outcome, session::ParameterReader& parameters) override;
 
  private:
   StepStream* const stream_;

@@ -64,8 +64,10 @@ absl::Status NcclGradientSource::ReadGradients(session::IncomingStep& step) {
   return backend_->Synchronize();
 }
 
-absl::Status NcclParameterSink::Send(const session::StepOutcome& outcome) {
+absl::Status NcclParameterSink::Send(const session::StepOutcome& outcome, session::ParameterReader& parameters) {
   if (outcome.parameters != nullptr) {
+    // Held until the values are in the send buffers, not while the peer receives them.
+    MUOND_RETURN_IF_ERROR(parameters.Hold());
     std::vector<std::unique_ptr<kernels::DeviceBuffer>> buffers;
     std::vector<kernels::ByteRange> ranges;
     for (const TensorRef& ref : refs_) {
@@ -75,13 +77,14 @@ absl::Status NcclParameterSink::Send(const session::StepOutcome& outcome) {
         MUOND_RETURN_IF_ERROR(
             session_->CopyParameterOnDevice(*outcome.parameters, ref.index, StorageOf(ref.dtype), buffer->data()));
       } else {
-        MUOND_RETURN_IF_ERROR(PutDeviceParameter(*backend_, outcome.parameters->values[ref.index], ref.dtype,
-                                                 buffer->data(), host_bytes_));
+        MUOND_RETURN_IF_ERROR(
+            PutDeviceParameter(*backend_, parameters.Values(ref.index), ref.dtype, buffer->data(), host_bytes_));
       }
       ranges.push_back({buffer->data(), ref.bytes});
       buffers.push_back(std::move(buffer));
       bytes_sent_ += static_cast<int64_t>(ref.bytes);
     }
+    parameters.Release();
     MUOND_RETURN_IF_ERROR(channel_->peer->Send(ranges, TransferDeadline(call_deadline_, timeout_)));
   }
   result_ = ToProto(outcome.result);

@@ -72,7 +72,7 @@ class NcclParameterSink final : public ParameterSink {
         refs_(std::move(refs)),
         call_deadline_(call_deadline),
         timeout_(timeout) {}
-  absl::Status Send(const session::StepOutcome& outcome) override;
+  absl::Status Send(const session::StepOutcome& outcome, session::ParameterReader& parameters) override;
   const v1::StepResult& result() const { return result_; }
 
  private:

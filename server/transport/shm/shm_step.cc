@@ -5,6 +5,7 @@
 #include <span>
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "proto/wire/dtype_codec.h"
@@ -98,12 +99,15 @@ absl::Status ShmGradientSource::ReadGradients(session::IncomingStep& step) {
   return absl::OkStatus();
 }
 
-absl::Status ShmParameterSink::Send(const session::StepOutcome& outcome) {
+absl::Status ShmParameterSink::Send(const session::StepOutcome& outcome, session::ParameterReader& parameters) {
   if (outcome.parameters != nullptr) {  // else a prepare: the result alone
+    // Held from before the region's gate is taken until the answer is in the region.
+    MUOND_RETURN_IF_ERROR(parameters.Hold());
+    absl::Cleanup release = [&] { parameters.Release(); };
     std::vector<EncodeItem> items;
     items.reserve(places_.size());
     for (const SharedTensorPlace& place : places_) {
-      items.push_back({place.dtype, outcome.parameters->values[place.index], place.region->data() + place.offset});
+      items.push_back({place.dtype, parameters.Values(place.index), place.region->data() + place.offset});
     }
     MUOND_RETURN_IF_ERROR(claims_.Write([&] { return given_up_ && given_up_(); },
                                         [&] {

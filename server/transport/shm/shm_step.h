@@ -77,7 +77,7 @@ class ShmParameterSink final : public ParameterSink {
   ShmParameterSink(std::vector<SharedTensorPlace> places, ComputePool* pool, AnswerClaims claims = {},
                    std::function<bool()> given_up = {})
       : places_(std::move(places)), pool_(pool), claims_(std::move(claims)), given_up_(std::move(given_up)) {}
-  absl::Status Send(const session::StepOutcome& outcome) override;
+  absl::Status Send(const session::StepOutcome& outcome, session::ParameterReader& parameters) override;
   const v1::StepResult& result() const { return result_; }
 
  private:

@@ -162,40 +162,122 @@ TEST_F(SessionTest, AReplayWhoseSessionWasRewoundMeanwhileIsRefusedNotAppliedEmp
   EXPECT_EQ(session_->last_step(), 1);
 }
 
-// On the CPU backend answers read the masters themselves (no per-step copy): a snapshot is readable
-// while the masters are as it saw them, and refused, naming the step, once they have changed.
+// The values a reader shows, read while it is held.
+std::vector<std::vector<float>> ReadAll(ParameterReader& reader) {
+  EXPECT_OK(reader.Hold());
+  std::vector<std::vector<float>> out;
+  for (size_t i = 0; i < reader.snapshot()->values.size(); ++i) {
+    const std::span<const float> values = reader.Values(i);
+    out.emplace_back(values.begin(), values.end());
+  }
+  reader.Release();
+  return out;
+}
+
+// On the CPU backend answers read the masters themselves (no per-step copy): a snapshot can be
+// opened while the masters are as it saw them, and is refused, naming the step, once they changed.
 TEST_F(SessionTest, AnswersReadTheMastersWhileTheyLast) {
   ASSERT_OK_AND_ASSIGN(StepOutcome first, RunStep(*session_, Request(1), Gradients(1)));
   EXPECT_TRUE(first.parameters->views) << "the CPU backend's masters are host memory";
   EXPECT_TRUE(first.parameters->copies.empty());
   const auto after_1 = Parameters();
   {
-    ASSERT_OK_AND_ASSIGN(Session::ParameterReadLock still, session_->ReadParameters(*first.parameters));
-    EXPECT_EQ(CopyValues(*first.parameters), after_1);
+    ASSERT_OK_AND_ASSIGN(ParameterReader reader, session_->OpenParameters(first.parameters));
+    EXPECT_EQ(reader.Values(0).data(), first.parameters->values[0].data()) << "the masters, not a copy";
+    EXPECT_EQ(ReadAll(reader), after_1);
   }
   ASSERT_OK(RunStep(*session_, Request(2), Gradients(2)).status());
-  EXPECT_THAT(session_->ReadParameters(*first.parameters),
+  EXPECT_THAT(session_->OpenParameters(first.parameters),
               StatusIs(absl::StatusCode::kAborted, "the parameters after step 1 were replaced"));
   int64_t step = 0;
   std::shared_ptr<const ParameterSnapshot> now = session_->Parameters(&step);
   EXPECT_EQ(step, 2);
-  EXPECT_OK(session_->ReadParameters(*now).status());
+  EXPECT_OK(session_->OpenParameters(now).status());
 }
 
-// ReadLatestParameters takes the current snapshot with its lock at once: the step it names and the
-// values it holds agree, before and after a later step.
-TEST_F(SessionTest, LatestParametersComeWithTheirStepAndLock) {
+// A reader that is not held does not hold up a step (a slow client between two chunks): the step
+// changes the masters, and the reader reads on from a copy of them as they were, for every
+// parameter it had not finished; a later step leaves it as it is. A SetState leaves a copy as well.
+TEST_F(SessionTest, AReleasedReaderIsLeftTheValuesItShows) {
+  ASSERT_OK_AND_ASSIGN(StepOutcome first, RunStep(*session_, Request(1), Gradients(1)));
+  const auto after_1 = Parameters();
+  ASSERT_OK_AND_ASSIGN(const SessionState state_1, session_->ExportState());
+  ASSERT_OK_AND_ASSIGN(ParameterReader reader, session_->OpenParameters(first.parameters));
+  reader.Release();  // before anything else of the session is called
+  ASSERT_OK(RunStep(*session_, Request(2), Gradients(2)).status()) << "not held up by the reader";
+  ASSERT_NE(Parameters(), after_1);
+  EXPECT_EQ(ReadAll(reader), after_1);
+  ASSERT_OK(RunStep(*session_, Request(3), Gradients(3)).status());
+  EXPECT_EQ(ReadAll(reader), after_1) << "copied once, as of its own step";
+  reader = ParameterReader();  // closed: its copy no longer counts
+  const auto after_3 = Parameters();
+  ASSERT_OK_AND_ASSIGN(Session::LatestParameters at_3, session_->ReadLatestParameters());
+  at_3.reader.Release();
+  ASSERT_OK(session_->ImportState(state_1));
+  ASSERT_EQ(Parameters(), after_1);
+  EXPECT_EQ(ReadAll(at_3.reader), after_3);
+  EXPECT_EQ(at_3.last_step, 3);
+}
+
+// The copies left to a session's readers take at most its parameters' fp32 bytes at once: of two
+// readers that each need every parameter, one reads on from its copy and the other is replaced
+// (UNAVAILABLE: its client reads again). A parameter a reader finished is not copied: two readers
+// that finished the larger one both fit.
+TEST_F(SessionTest, ReadersAreLeftCopiesWithinTheParametersBytesAndTheOthersReplaced) {
+  ASSERT_OK_AND_ASSIGN(StepOutcome first, RunStep(*session_, Request(1), Gradients(1)));
+  const auto after_1 = Parameters();
+  {
+    ASSERT_OK_AND_ASSIGN(ParameterReader a, session_->OpenParameters(first.parameters));
+    a.Release();
+    ASSERT_OK_AND_ASSIGN(ParameterReader b, session_->OpenParameters(first.parameters));
+    b.Release();
+    ASSERT_OK(RunStep(*session_, Request(2), Gradients(2)).status());
+    int copied = 0, replaced = 0;
+    for (ParameterReader* reader : {&a, &b}) {
+      const absl::Status held = reader->Hold();
+      if (held.ok()) {
+        ++copied;
+        EXPECT_EQ(ReadAll(*reader), after_1);
+      } else {
+        ++replaced;
+        EXPECT_THAT(held, StatusIs(absl::StatusCode::kUnavailable, "the parameters after step 1 were replaced"));
+      }
+    }
+    EXPECT_EQ(copied, 1);
+    EXPECT_EQ(replaced, 1);
+  }
+  int64_t step = 0;
+  const std::shared_ptr<const ParameterSnapshot> second = session_->Parameters(&step);
+  const auto after_2 = Parameters();
+  ASSERT_OK_AND_ASSIGN(ParameterReader c, session_->OpenParameters(second));
+  c.Finished(0);  // the 8x6 weight sent, the bias of 6 not yet
+  c.Release();
+  ASSERT_OK_AND_ASSIGN(ParameterReader d, session_->OpenParameters(second));
+  d.Finished(0);
+  d.Release();
+  ASSERT_OK(RunStep(*session_, Request(3), Gradients(3)).status());
+  for (ParameterReader* reader : {&c, &d}) {
+    ASSERT_OK(reader->Hold());
+    const std::span<const float> bias = reader->Values(1);
+    EXPECT_EQ(std::vector<float>(bias.begin(), bias.end()), after_2[1]);
+    reader->Release();
+  }
+}
+
+// ReadLatestParameters opens the current snapshot at once: the step it names and the values it
+// holds agree, before and after a later step.
+TEST_F(SessionTest, LatestParametersComeWithTheirStep) {
   ASSERT_OK_AND_ASSIGN(StepOutcome first, RunStep(*session_, Request(1), Gradients(1)));
   {
     ASSERT_OK_AND_ASSIGN(Session::LatestParameters latest, session_->ReadLatestParameters());
     EXPECT_EQ(latest.last_step, 1);
-    EXPECT_EQ(latest.snapshot->step, 1);
-    EXPECT_EQ(CopyValues(*latest.snapshot), CopyValues(*first.parameters));
+    EXPECT_EQ(latest.reader.snapshot()->step, 1);
+    EXPECT_EQ(ReadAll(latest.reader), CopyValues(*first.parameters));
   }
   ASSERT_OK_AND_ASSIGN(StepOutcome second, RunStep(*session_, Request(2), Gradients(2)));
   ASSERT_OK_AND_ASSIGN(Session::LatestParameters latest, session_->ReadLatestParameters());
   EXPECT_EQ(latest.last_step, 2);
-  EXPECT_EQ(CopyValues(*latest.snapshot), CopyValues(*second.parameters));
+  EXPECT_EQ(ReadAll(latest.reader), CopyValues(*second.parameters));
 }
 
 TEST_F(SessionTest, JournaledStepsApplyOnlyInOrder) {

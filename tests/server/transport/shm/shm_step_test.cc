@@ -164,7 +164,9 @@ TEST(ShmAnswerTest, OnlyTheLatestCallOfASessionAndRankThatItsCallerStillWaitsFor
   ShmParameterSink superseded({{1, region, 0, 4 * kSmall, v1::DTYPE_FP32}}, nullptr, std::move(first));
   int64_t last_step = 0;
   session::StepOutcome outcome{{}, session->Parameters(&last_step)};
-  EXPECT_THAT(superseded.Send(outcome),
+  ASSERT_OK_AND_ASSIGN(session::ParameterReader parameters, session->OpenParameters(outcome.parameters));
+  parameters.Release();  // as RunStep gives it
+  EXPECT_THAT(superseded.Send(outcome, parameters),
               StatusIs(absl::StatusCode::kFailedPrecondition, "a later step call of session 's' rank 0"));
   EXPECT_EQ(region_values(), sentinel);
   EXPECT_EQ(superseded.bytes_sent(), 0);
@@ -185,7 +187,8 @@ TEST(ShmAnswerTest, OnlyTheLatestCallOfASessionAndRankThatItsCallerStillWaitsFor
   EXPECT_OK(StepInto(*session, 3, region, std::move(later), /*given_up=*/false));
   EXPECT_EQ(region_values(), session::CopyValues(*session->Parameters(&last_step))[1]);
   std::memcpy(region->data(), sentinel.data(), 4 * kSmall);
-  EXPECT_THAT(superseded.Send(outcome), StatusIs(absl::StatusCode::kFailedPrecondition, "a later step call"));
+  EXPECT_THAT(superseded.Send(outcome, parameters),
+              StatusIs(absl::StatusCode::kFailedPrecondition, "a later step call"));
   EXPECT_EQ(region_values(), sentinel);
 }
 
