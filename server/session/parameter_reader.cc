@@ -7,8 +7,7 @@
 
 namespace muond::session {
 
-ParameterReader::ParameterReader(std::unique_ptr<Registration> registration)
-    : registration_(std::move(registration)) {}
+ParameterReader::ParameterReader(std::unique_ptr<Registration> registration) : registration_(std::move(registration)) {}
 
 ParameterReader::ParameterReader(ParameterReader&& other) noexcept = default;
 
@@ -46,11 +45,11 @@ absl::Status ParameterReader::Hold() ABSL_NO_THREAD_SAFETY_ANALYSIS {
   session.masters_mu_.ReaderLock();
   if (r->replaced) {
     session.masters_mu_.ReaderUnlock();
-    return absl::UnavailableError(absl::StrCat(
-        "session '", session.id(), "': the parameters after step ", r->snapshot->step,
-        " were replaced (by a later step, an upload or SetState) while this answer was being sent, and "
-        "the answers then in flight held as many copies as the session keeps (its parameters' size); "
-        "read them again"));
+    return absl::UnavailableError(
+        absl::StrCat("session '", session.id(), "': the parameters after step ", r->snapshot->step,
+                     " were replaced (by a later step, an upload or SetState) while this answer was being sent, and "
+                     "the answers then in flight held as many copies as the session keeps (its parameters' size); "
+                     "read them again"));
   }
   if (r->copied) {
     // Written once, before `copied` was set: the copies stay as they are, and writers skip this reader.

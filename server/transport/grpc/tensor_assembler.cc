@@ -126,7 +126,17 @@ absl::Status TensorAssembler::Add(const v1::TensorChunk& chunk, std::span<const 
     return absl::InvalidArgumentError(
         absl::StrCat(field, ".data: ", what, "; this chunk would end at element ", tensor.received + count));
   }
-  if (tensor.values.empty()) tensor.values.resize(expected);
+  if (step_ != nullptr) {
+    if (tensor.values.empty()) tensor.values.resize(expected);
+  } else if (static_cast<int64_t>(tensor.values.size()) < tensor.received + count) {
+    // A tensor of its own grows with what arrived (as SetState's do): a stream that sent a chunk of
+    // each parameter and stopped holds those chunks, not the whole model, until it ends.
+    const size_t needed = static_cast<size_t>(tensor.received + count);
+    if (tensor.values.capacity() < needed) {
+      tensor.values.reserve(std::min(static_cast<size_t>(expected), std::max(needed, 2 * tensor.values.capacity())));
+    }
+    tensor.values.resize(needed);
+  }
   std::span<float> out(tensor.values.data() + tensor.received, count);
   tensor.sum_squares +=
       quantized ? DecodeQuantizedSumSquares(chunk.quantized(), pieces, out) : DecodeSumSquares(dtype, pieces, out);

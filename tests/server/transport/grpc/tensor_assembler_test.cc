@@ -1,6 +1,7 @@
 // TensorAssembler: chunks are checked against the session's parameters and assembled in order.
 #include "server/transport/grpc/tensor_assembler.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -58,6 +59,35 @@ TEST(TensorAssemblerTest, AssemblesChunksInOrderWithTheirWireDType) {
   EXPECT_EQ(assembler.tensors()[0].values, (std::vector<float>{1, 2, 3, 4, 5, 6}));
   EXPECT_EQ(assembler.tensors()[1].values, (std::vector<float>{0.5, -1, 2, 3}));
   EXPECT_DOUBLE_EQ(assembler.tensors()[0].sum_squares, 91.0);
+}
+
+// An upload's tensors grow with what arrived: a stream that sent the first element of a parameter
+// of a million and stopped holds that element, not the parameter (a few bytes sent must not pin the
+// whole model until the stream ends); whole, a tensor takes no more than its elements.
+TEST(TensorAssemblerTest, AnUploadsTensorsHoldWhatArrivedNotTheWholeParameter) {
+  v1::SessionSpec spec;
+  auto* g = spec.add_groups();
+  g->set_name("g");
+  g->mutable_options()->set_optimizer(v1::OPTIMIZER_ADAMW);
+  auto* big = spec.add_parameters();
+  big->set_name("big");
+  big->add_shape(1024);
+  big->add_shape(1024);
+  big->set_group("g");
+  const SessionConfig config = ParseSessionSpec(spec, SpecLimits{}).value();
+  TensorAssembler assembler(config, 1 << 20);
+  ASSERT_OK(assembler.Add(Chunk("big", {1.5f}, 0)));
+  EXPECT_LE(assembler.tensors()[0].values.capacity(), 2u);
+  std::vector<float> whole(1 << 20);
+  for (size_t i = 0; i < whole.size(); ++i) whole[i] = static_cast<float>(i % 251) - 125.0f;
+  whole[0] = 1.5f;
+  for (size_t offset = 1; offset < whole.size(); offset += 100000) {
+    const size_t end = std::min(whole.size(), offset + 100000);
+    ASSERT_OK(assembler.Add(Chunk("big", std::vector<float>(whole.begin() + offset, whole.begin() + end), offset)));
+  }
+  ASSERT_OK(assembler.Finish(/*require_all=*/true));
+  EXPECT_EQ(assembler.tensors()[0].values, whole);
+  EXPECT_EQ(assembler.tensors()[0].values.capacity(), whole.size());
 }
 
 TEST(TensorAssemblerTest, AChunkMayOverrideTheWireDType) {
