@@ -9,6 +9,7 @@
 #include "common/status_macros.h"
 #include "server/rpc/muond_service.h"
 #include "server/rpc/out_of_band_step.h"
+#include "server/rpc/rpc_deadline.h"
 #include "server/transport/cuda_ipc/cuda_ipc_step.h"
 #include "server/transport/nccl/nccl_step.h"
 
@@ -74,7 +75,7 @@ grpc::Status MuondService::StepCuda(grpc::ServerContext* context, const v1::Step
                                       "parameters", /*require_all=*/true, header.rank()));
     // The client's event must complete by the call's deadline; a client that went away (its call
     // cancelled: it died, or gave up) ends the wait at once.
-    const transport::EventWait wait(CallDeadline(*context), [context] { return context->IsCancelled(); });
+    const transport::EventWait wait(CallDeadline(*context), [context] { return CallerGaveUp(*context); });
     // A call its caller gave up before it began touches no memory: the caller may be using it for
     // its next try already. One given up later writes no answer (answer_gate.h).
     if (wait.caller_gone()) return absl::CancelledError("the caller gave this call up before it began");

@@ -1,6 +1,7 @@
 #include "server/rpc/rpc_deadline.h"
 
 #include <algorithm>
+#include <chrono>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -8,6 +9,10 @@
 #include "grpc/grpc.h"
 
 namespace muond::rpc {
+
+bool CallerGaveUp(const grpc::ServerContext& context) {
+  return context.IsCancelled() || context.deadline() <= std::chrono::system_clock::now();
+}
 
 RpcDeadlines::RpcDeadlines(absl::Duration timeout) : timeout_(timeout) {
   if (timeout_ > absl::ZeroDuration()) thread_ = std::thread([this] { Loop(); });

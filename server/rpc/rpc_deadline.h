@@ -74,4 +74,9 @@ class RpcDeadlines {
   std::thread thread_;
 };
 
+// Whether the caller gave up the call behind `context`: it is cancelled (the client cancelled, its
+// connection broke, a deadline fired), or the client's deadline has passed though gRPC's timer has
+// not fired yet (a call that queued in the daemon past it).
+bool CallerGaveUp(const grpc::ServerContext& context);
+
 }  // namespace muond::rpc

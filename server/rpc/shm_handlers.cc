@@ -4,6 +4,7 @@
 #include "common/status_macros.h"
 #include "server/rpc/muond_service.h"
 #include "server/rpc/out_of_band_step.h"
+#include "server/rpc/rpc_deadline.h"
 #include "server/transport/shm/shm_step.h"
 
 namespace muond::rpc {
@@ -80,7 +81,7 @@ grpc::Status MuondService::StepShared(grpc::ServerContext* context, const v1::St
     // A call its caller gave up before it began (its deadline passed while it queued) touches no
     // region: the caller may be using them for its next try already. One given up later writes no
     // answer (answer_gate.h).
-    const auto given_up = [context] { return context->IsCancelled(); };
+    const auto given_up = [context] { return CallerGaveUp(*context); };
     if (given_up()) return absl::CancelledError("the caller gave this call up before it began");
     transport::AnswerClaims claims =
         transport::ClaimSharedRegions(gradients, parameters, header.session_id(), header.rank());
