@@ -1,12 +1,13 @@
 // MuondService's GPU transport calls: RegisterCudaMemory, UnregisterCudaMemory, StepCuda (CUDA IPC),
 // OpenNcclChannel, CloseNcclChannel, StepNccl (docs/transports.md). On a backend without a GPU each
 // is refused with FAILED_PRECONDITION saying so (the backend's refusal).
-#include <chrono>
+#include <algorithm>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "common/echo.h"
 #include "common/status_macros.h"
+#include "grpc/support/time.h"
 #include "server/rpc/muond_service.h"
 #include "server/rpc/out_of_band_step.h"
 #include "server/rpc/rpc_deadline.h"
@@ -178,8 +179,12 @@ grpc::Status MuondService::StepNccl(grpc::ServerContext* context, const v1::Step
 absl::Time MuondService::CallDeadline(const grpc::ServerContext& context) const {
   absl::Time deadline =
       options_.rpc_timeout > absl::ZeroDuration() ? absl::Now() + options_.rpc_timeout : absl::InfiniteFuture();
-  if (context.deadline() != std::chrono::system_clock::time_point::max()) {
-    deadline = std::min(deadline, absl::FromChrono(context.deadline()));
+  // From the raw deadline: a far one (a client's "forever" of centuries) would overflow a
+  // std::chrono time point.
+  const gpr_timespec raw = context.raw_deadline();
+  if (gpr_time_cmp(raw, gpr_inf_future(raw.clock_type)) != 0) {
+    const gpr_timespec left = gpr_time_sub(raw, gpr_now(raw.clock_type));
+    deadline = std::min(deadline, absl::Now() + absl::Seconds(left.tv_sec) + absl::Nanoseconds(left.tv_nsec));
   }
   return deadline;
 }

@@ -1,17 +1,20 @@
 #include "server/rpc/rpc_deadline.h"
 
 #include <algorithm>
-#include <chrono>
 #include <string>
 
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "grpc/grpc.h"
+#include "grpc/support/time.h"
 
 namespace muond::rpc {
 
 bool CallerGaveUp(const grpc::ServerContext& context) {
-  return context.IsCancelled() || context.deadline() <= std::chrono::system_clock::now();
+  // The raw deadline, in its own clock: a far one (a client's "forever" of centuries) stays far,
+  // where its conversion to a std::chrono time point would overflow.
+  const gpr_timespec deadline = context.raw_deadline();
+  return context.IsCancelled() || gpr_time_cmp(deadline, gpr_now(deadline.clock_type)) <= 0;
 }
 
 RpcDeadlines::RpcDeadlines(absl::Duration timeout) : timeout_(timeout) {
