@@ -3,6 +3,7 @@
 // keep views valid while an answer is encoded. See session.h.
 #include <algorithm>
 #include <memory>
+#include <new>
 #include <utility>
 #include <vector>
 
@@ -125,9 +126,21 @@ void Session::ChangeMastersLocked() {
                 id_, r.snapshot->step, p.bytes);
       continue;
     }
-    for (size_t i = 0; i < r.snapshot->values.size(); ++i) {
-      if (r.finished[i] || !params_[i].master.is_fp32()) continue;
-      r.copies[i].emplace(r.snapshot->values[i].begin(), r.snapshot->values[i].end());
+    // Nothing here may fail the change: it comes after the step was journaled. A copy that cannot be
+    // allocated replaces its reader instead.
+    try {
+      for (size_t i = 0; i < r.snapshot->values.size(); ++i) {
+        if (r.finished[i] || !params_[i].master.is_fp32()) continue;
+        r.copies[i].emplace(r.snapshot->values[i].begin(), r.snapshot->values[i].end());
+      }
+    } catch (const std::bad_alloc&) {
+      for (std::optional<std::vector<float>>& copy : r.copies) copy.reset();
+      r.replaced = true;
+      MUOND_LOG(warn,
+                "session {}: an answer of step {} still being sent was replaced: its copy of {} bytes could "
+                "not be allocated",
+                id_, r.snapshot->step, p.bytes);
+      continue;
     }
     r.copy_bytes = p.bytes;
     answer_copy_bytes_ += static_cast<int64_t>(p.bytes);

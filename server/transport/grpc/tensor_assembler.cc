@@ -130,10 +130,12 @@ absl::Status TensorAssembler::Add(const v1::TensorChunk& chunk, std::span<const 
     if (tensor.values.empty()) tensor.values.resize(expected);
   } else if (static_cast<int64_t>(tensor.values.size()) < tensor.received + count) {
     // A tensor of its own grows with what arrived (as SetState's do): a stream that sent a chunk of
-    // each parameter and stopped holds those chunks, not the whole model, until it ends.
+    // each parameter and stopped holds those chunks, not the whole model, until it ends. It doubles
+    // while under half the parameter, then takes it whole: at most 1.5 times it while growing.
     const size_t needed = static_cast<size_t>(tensor.received + count);
     if (tensor.values.capacity() < needed) {
-      tensor.values.reserve(std::min(static_cast<size_t>(expected), std::max(needed, 2 * tensor.values.capacity())));
+      const size_t doubled = std::max(needed, 2 * tensor.values.capacity());
+      tensor.values.reserve(2 * doubled >= static_cast<size_t>(expected) ? static_cast<size_t>(expected) : doubled);
     }
     tensor.values.resize(needed);
   }
