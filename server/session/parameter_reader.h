@@ -42,6 +42,18 @@ class ParameterReader {
   std::span<const float> Values(size_t index) const;
   // Parameter `index` will not be read again: a writer need not copy it. Call while held.
   void Finished(size_t index);
+  // Calls read(values) with `count` values of parameter `index` from `offset`, held only meanwhile
+  // (given released, released after); the piece that ends the parameter marks it Finished. The
+  // reader's refusal (Hold) when it was replaced, and then read is not called.
+  template <typename Read>
+  absl::Status ReadPiece(size_t index, size_t offset, size_t count, Read&& read) {
+    if (absl::Status held = Hold(); !held.ok()) return held;
+    const std::span<const float> values = Values(index);
+    read(values.subspan(offset, count));
+    if (offset + count == values.size()) Finished(index);
+    Release();
+    return absl::OkStatus();
+  }
   // Takes the masters' reader lock again (a no-op for copies, when held, or once left a copy);
   // UNAVAILABLE when the reader was replaced. Release lets writers in.
   absl::Status Hold();

@@ -40,20 +40,16 @@ absl::Status EmitParameterChunks(const std::string& name, session::ParameterRead
                                  v1::DType dtype, size_t max_chunk_bytes, Emit&& emit) {
   v1::TensorChunk first;
   first.set_name(name);
-  const size_t numel = parameters.snapshot()->values[index].size();  // the same in a copy
   absl::Status read;
   const bool sent = wire::ForEachChunk(first, parameters.snapshot()->values[index], dtype, max_chunk_bytes,
                                        [&](const v1::TensorChunk& meta, std::span<const float> piece) {
                                          // `piece` places the chunk; its values are read through the reader.
-                                         const size_t offset = static_cast<size_t>(meta.offset());
                                          v1::TensorChunk chunk = meta;
-                                         read = parameters.Hold();
-                                         if (!read.ok()) return false;
-                                         wire::Encode(dtype, parameters.Values(index).subspan(offset, piece.size()),
-                                                      chunk.mutable_data());
-                                         if (offset + piece.size() == numel) parameters.Finished(index);
-                                         parameters.Release();
-                                         return emit(std::move(chunk));
+                                         read = parameters.ReadPiece(
+                                             index, meta.offset(), piece.size(), [&](std::span<const float> values) {
+                                               wire::Encode(dtype, values, chunk.mutable_data());
+                                             });
+                                         return read.ok() && emit(std::move(chunk));
                                        });
   if (!read.ok()) return read;
   return sent ? absl::OkStatus() : absl::CancelledError("the client went away");

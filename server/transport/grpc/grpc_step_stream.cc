@@ -198,10 +198,8 @@ absl::Status GrpcParameterSink::Send(const session::StepOutcome& outcome, sessio
       v1::TensorChunk* chunk = packed.mutable_packed()->add_chunks();
       chunk->set_name(config_.parameters[i].name);
       chunk->set_dtype(dtype_);
-      MUOND_RETURN_IF_ERROR(parameters.Hold());
-      wire::Encode(dtype_, parameters.Values(i), chunk->mutable_data());
-      parameters.Finished(i);
-      parameters.Release();
+      MUOND_RETURN_IF_ERROR(parameters.ReadPiece(
+          i, 0, numel, [&](std::span<const float> values) { wire::Encode(dtype_, values, chunk->mutable_data()); }));
       packed_bytes += bytes;
       continue;
     }
@@ -209,19 +207,17 @@ absl::Status GrpcParameterSink::Send(const session::StepOutcome& outcome, sessio
     v1::TensorChunk first;
     first.set_name(config_.parameters[i].name);
     absl::Status read;
-    const bool sent =
-        wire::ForEachChunk(first, outcome.parameters->values[i], dtype_, chunk_bytes_,
-                           [&](const v1::TensorChunk& meta, std::span<const float> piece) {
-                             // `piece` places the chunk; its values are read through the reader, held.
-                             const size_t offset = static_cast<size_t>(meta.offset());
-                             read = parameters.Hold();
-                             if (!read.ok()) return false;
-                             grpc::ByteBuffer encoded = wire::EncodeChunk(
-                                 wire::kChunkField, meta, parameters.Values(i).subspan(offset, piece.size()), *pool_);
-                             if (offset + piece.size() == numel) parameters.Finished(i);
-                             parameters.Release();
-                             return WriteCounted(stream_, encoded, &bytes_sent_);
-                           });
+    const bool sent = wire::ForEachChunk(first, outcome.parameters->values[i], dtype_, chunk_bytes_,
+                                         [&](const v1::TensorChunk& meta, std::span<const float> piece) {
+                                           // `piece` places the chunk; its values are read through the reader.
+                                           grpc::ByteBuffer encoded;
+                                           read = parameters.ReadPiece(
+                                               i, meta.offset(), piece.size(), [&](std::span<const float> values) {
+                                                 encoded = wire::EncodeChunk(wire::kChunkField, meta, values, *pool_);
+                                               });
+                                           if (!read.ok()) return false;
+                                           return WriteCounted(stream_, encoded, &bytes_sent_);
+                                         });
     MUOND_RETURN_IF_ERROR(read);
     if (!sent) return absl::CancelledError("the client went away");
   }
