@@ -115,7 +115,10 @@ absl::Status ShmParameterSink::Send(const session::StepOutcome& outcome, session
                                           return absl::OkStatus();
                                         },
                                         "shared-memory region"));
-    for (const SharedTensorPlace& place : places_) bytes_sent_ += static_cast<int64_t>(place.bytes);
+    for (const SharedTensorPlace& place : places_) {
+      parameters.Finished(place.index);  // in the client's region: a writer from here on copies none
+      bytes_sent_ += static_cast<int64_t>(place.bytes);
+    }
   }
   result_ = ToProto(outcome.result);
   return absl::OkStatus();

@@ -192,6 +192,40 @@ TEST(ShmAnswerTest, OnlyTheLatestCallOfASessionAndRankThatItsCallerStillWaitsFor
   EXPECT_EQ(region_values(), sentinel);
 }
 
+// Once an answer is in the client's region its reader has nothing left to read: a step that changes
+// the masters before the reader closes copies nothing for it, which leaves the copies' budget (the
+// parameters' fp32 bytes) to a reader that still needs every parameter.
+TEST(ShmAnswerTest, AnAnswerWrittenLeavesNoCopyToMakeForIt) {
+  auto backend = kernels::NewCpuBackend(1);
+  std::unique_ptr<session::Session> session = session::session_testing::NewSession(backend.get(), BigAndSmallSpec());
+  ASSERT_NE(session, nullptr);
+  ASSERT_OK(session->Upload({session::session_testing::Tensor(Values(kBig, 0.5f, 9)),
+                             session::session_testing::Tensor(Values(kSmall, 0.9f, 9))}));
+  const std::shared_ptr<SharedMapping> region = Region(4 * (kBig + kSmall));
+  ComputePool pool(1);
+  ShmParameterSink sink({{0, region, 0, 4 * kBig, v1::DTYPE_FP32}, {1, region, 4 * kBig, 4 * kSmall, v1::DTYPE_FP32}},
+                        &pool, AnswerClaims({&region->answers()}, "s", 0));
+  int64_t last_step = 0;
+  session::StepOutcome outcome{{}, session->Parameters(&last_step)};
+  const std::vector<std::vector<float>> uploaded = session::CopyValues(*outcome.parameters);
+  ASSERT_OK_AND_ASSIGN(session::ParameterReader written, session->OpenParameters(outcome.parameters));
+  written.Release();  // as RunStep gives it
+  ASSERT_OK(sink.Send(outcome, written));
+  ASSERT_OK_AND_ASSIGN(session::ParameterReader unread, session->OpenParameters(outcome.parameters));
+  unread.Release();
+
+  const std::shared_ptr<SharedMapping> other = Region(4 * kSmall);
+  ASSERT_OK(StepInto(*session, 1, other, AnswerClaims({&other->answers()}, "s", 1), /*given_up=*/false));
+  EXPECT_OK(written.Hold());
+  written.Release();
+  ASSERT_OK(unread.Hold());
+  for (size_t i = 0; i < uploaded.size(); ++i) {
+    const std::span<const float> values = unread.Values(i);
+    EXPECT_EQ(std::vector<float>(values.begin(), values.end()), uploaded[i]) << i;
+  }
+  unread.Release();
+}
+
 INSTANTIATE_TEST_SUITE_P(Dtypes, ShmStepTest, ::testing::Values(v1::DTYPE_FP32, v1::DTYPE_BF16),
                          [](const auto& param_info) { return std::string(wire::DTypeName(param_info.param)); });
 
