@@ -460,6 +460,12 @@ class LocalOptimizer(torch.optim.Optimizer):
         parameters' values, as ``RemoteOptimizer.load_state_dict`` copies them in."""
         state_dict = dict(state_dict)
         remote = state_dict.pop("muond", None) or {}  # a RemoteOptimizer's section
+        # A RemoteOptimizer's groups carry that section's shared entries too: not options.
+        groups = [dict(g) for g in state_dict.get("param_groups", ())]
+        for group in groups:
+            remote = remote or group.get("muond") or {}
+            group.pop("muond", None)
+        state_dict["param_groups"] = groups
         check_saved_names(remote.get("names"), self._names)
         scaler = state_dict.pop("loss_scaler", None) or remote.get("loss_scaler")
         last_step = state_dict.pop("last_step", None)

@@ -39,6 +39,7 @@ Thread-safety: like every torch optimizer, one instance is used from one thread 
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
 import math
@@ -231,6 +232,11 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, ChunkFitting, to
         self.defaults = opts.resolved_defaults(self.param_groups, setup.defaults)
         self._take_setup(setup, session)
         self._index_parameters(names, setup.step.qk_clip)
+        # torch's per-parameter state: the daemon holds it (state_dict() reads it). An empty entry
+        # per parameter says it exists, so that a tool that steps an optimizer without state once
+        # with zero gradients to create it (torch.distributed.checkpoint's state-dict helpers)
+        # never steps the session (a zero gradient still decays momentum and counts a step).
+        self.state = collections.defaultdict(dict, {p: {} for p in self._given_params()})
         self._check_layout(setup)
         self._closed = False
         try:
@@ -291,7 +297,8 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, ChunkFitting, to
         """The checks that need the parameters: parts held by ranks, and the zero-copy region."""
         timing = setup.timing
         self.partitioned = parts.check_groups(
-            self.param_groups, self.world_size, self.rank, endpoints=len(self.endpoints),
+            self._dtensors.local_groups(self.param_groups), self.world_size, self.rank,
+            endpoints=len(self.endpoints),
             sync_mode=self.sync.mode, delay=self.delay, overlap=timing.overlap,
             shm_zero_copy=setup.wire.shm_zero_copy, land_in_forward=timing.land_in_forward)
         self.shm_zero_copy = bool(setup.wire.shm_zero_copy)
@@ -334,7 +341,9 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, ChunkFitting, to
     def _index_parameters(self, names: List[str], qk_clip: Any) -> None:
         """Names, indices and sizes of the parameters, the QK-clip pairs and the placement; the
         groups are sealed from here on."""
-        self._params: List[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
+        # The tensors the optimizer reads and writes: a DTensor's local tensor in its place.
+        self._params: List[torch.Tensor] = [self._dtensors.local(p) for g in self.param_groups
+                                            for p in g["params"]]
         self._names: List[str] = names
         self._global_shapes: Dict[str, Tuple[int, ...]] = {
             name: shape for g in self.param_groups
@@ -348,7 +357,8 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, ChunkFitting, to
         self._by_name: Dict[str, torch.Tensor] = dict(zip(names, self._params))
         self._sizes: Dict[str, int] = {n: p.numel() for n, p in zip(names, self._params)}
         self._group_names = self._assign_group_names()
-        self.qk_clip = qk.pairs_of(qk_clip, self._params, self._names)
+        # The weights as the trainer holds them: a DTensor parameter itself, not its local tensor.
+        self.qk_clip = qk.pairs_of(qk_clip, self._given_params(), self._names)
         self._created = [dict(g) for g in self.param_groups]  # option values in the spec
         self._watch = ParamWatch(names, self._params, self.param_groups)
         self._sealed = True
@@ -356,6 +366,10 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, ChunkFitting, to
         self.placement = session_spec.place(self.param_groups, together, len(self.endpoints))
         # Per daemon, the indices of its parameters in the whole session, in order.
         self._indices_of = [self.placement.parameters_of(k) for k in range(len(self.endpoints))]
+
+    def _given_params(self) -> List[Any]:
+        """The parameters as the groups list them, in session order (FSDP2's DTensors themselves)."""
+        return [p for g in self.param_groups for p in g["params"]]
 
     def _connect(self, connection: ConnectionOptions) -> None:
         """One ``DaemonSession`` per daemon, connected (waiting up to ``connect_timeout``), with
@@ -396,14 +410,13 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, ChunkFitting, to
         if getattr(self, "_sealed", False):
             raise RuntimeError("RemoteOptimizer: the daemon session is fixed at construction; "
                                "create a new RemoteOptimizer to add parameters")
-        param_group = dict(param_group)
-        self._dtensors.localize(param_group)
-        resolved = opts.resolve_group(param_group, self._user_defaults)
+        resolved = opts.resolve_group(self._dtensors.localize(param_group), self._user_defaults)
         opts.check_tensors(resolved["params"])
         parts.check_partition_of(resolved)
         # A partitioned group's local tensors are parts: the rules read the global shapes.
         opts.check_shapes(resolved, parts.global_shapes(resolved))
         super().add_param_group(resolved)
+        self._dtensors.restore(self.param_groups[-1])  # the group lists the model's DTensors
 
     def _assign_group_names(self) -> List[str]:
         names = [g.get("name") or f"g{i}" for i, g in enumerate(self.param_groups)]
@@ -547,10 +560,9 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, ChunkFitting, to
 
     def zero_grad(self, *args: Any, **kwargs: Any) -> None:
         """torch's ``zero_grad`` (with ``overlap``, it also cancels a stream no step took:
-        StreamControls); the gradients of DTensor parameters (FSDP2's, which live on the DTensors)
-        are cleared too."""
+        StreamControls). The groups list DTensor parameters (FSDP2's) themselves, so their
+        gradients, which live on the DTensors, are cleared as torch clears any parameter's."""
         super().zero_grad(*args, **kwargs)
-        self._dtensors.zero_grad(kwargs.get("set_to_none", args[0] if args else None))
 
     def _grads(self) -> List[Tuple[str, torch.Tensor]]:
         self._dtensors.follow()  # before the step reads their gradients and writes their shards
@@ -661,7 +673,7 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, ChunkFitting, to
         if self._forward is not None:  # the last step's parameters are all in before anything runs
             self._forward.wait_all()
             self._forward.check_use()
-        logits = qk.logits_of(qk_logits, self.qk_clip, self._params, self._names)
+        logits = qk.logits_of(qk_logits, self.qk_clip, self._given_params(), self._names)
         grads = self._grads()
         if self._delayed is not None:  # the step before's, before this step goes out
             self._delayed.land()

@@ -26,6 +26,7 @@ import torch
 
 if TYPE_CHECKING:
     from .delayed import DelayedUpdate
+    from .dtensor_params import DTensorParams
     from .landing import ForwardLanding
     from .overlap import GradientStream
     from .placement import Placement
@@ -71,6 +72,7 @@ class OptimizerCore(Protocol):
     _index: Dict[str, int]
     _global_shapes: Dict[str, Tuple[int, ...]]
     _indices_of: List[List[int]]
+    _dtensors: "DTensorParams"  # FSDP2's DTensor parameters and the local tensors holding them
     placement: "Placement"      # which daemon holds which parameter
 
     # A step's bookkeeping: the step its answer named, until the answer is noted; the answer's

@@ -1,6 +1,7 @@
 """``StateTransfer``: ``RemoteOptimizer``'s ``state_dict``, ``load_state_dict`` and
 ``upload_parameters`` — the daemon's whole state (masters, optimizer slots, step counters, the loss
-scaler) in torch's layout, read with ``GetState`` and written back with ``SetState``.
+scaler) in torch's layout, read with ``GetState`` and written back with ``SetState``; a state dict
+also loads as ``torch.distributed.checkpoint``'s state-dict helpers hand it back (``_in_own_layout``).
 
 A mixin on the protocol ``OptimizerCore`` (optimizer_core.py): it uses the optimizer's sessions,
 names, groups and step counters, and has no state of its own. Used by one thread at a time, as the optimizer is.
@@ -17,11 +18,16 @@ import torch
 from . import options as opts
 from . import wire
 from ._stubs import pb
+from .dtensor_params import is_dtensor, local_value
 from .naming import check_saved_names
 from .transport.daemon_session import copy_in
 
 _log = logging.getLogger("muond")
 _STATE_FORMAT = 1
+# What a rank's "muond" section holds of its own (the others' state dicts hold theirs).
+# The parameters' names are in each group's "param_names" already.
+_RANKS_OWN = ("rank", "parts", "pushes")
+_NOT_IN_GROUPS = _RANKS_OWN + ("names",)
 
 
 if TYPE_CHECKING:  # the members of RemoteOptimizer this mixin uses (optimizer_core.py)
@@ -71,7 +77,9 @@ class StateTransfer(_Core):
         for (name, slot), tensor in ((key, t) for _, tensors in parts for key, t in tensors.items()):
             entry = state.setdefault(index[name], {})
             slot = slot or "master"
-            entry[slot] = tensor.view(self._tensor_shape(name, slot)).to(self._storage_dtype(name, slot))
+            value = tensor.view(self._tensor_shape(name, slot)).to(self._storage_dtype(name, slot))
+            # A DTensor parameter's part (its master and the slots cut like it) as a DTensor.
+            entry[slot] = self._dtensors.as_saved(self._by_name[name], value) if self._is_part(name, slot) else value
         for name, i in index.items():
             state.setdefault(i, {})["step"] = counts.get(name, 0)
         meta = {"format": _STATE_FORMAT, "last_step": last_step, "names": list(self._names),
@@ -85,13 +93,19 @@ class StateTransfer(_Core):
             meta["loss_scaler"] = {"scale": header.loss_scaler.scale,
                                    "growth_tracker": header.loss_scaler.growth_tracker,
                                    "hysteresis_tracker": header.loss_scaler.hysteresis_tracker}
-        return {"state": state, "param_groups": self._saved_groups(), "muond": meta}
+        # Each group carries what every rank's state dict holds alike, so that a state dict
+        # keeps it through torch.distributed.checkpoint, which keeps only "state" and
+        # "param_groups" (and one rank's copy of values not sharded).
+        common = {k: v for k, v in meta.items() if k not in _NOT_IN_GROUPS}
+        return {"state": state, "param_groups": self._saved_groups(common), "muond": meta}
 
-    def _saved_groups(self) -> List[Dict[str, Any]]:
-        """The groups' options as a state dict holds them, "params" as parameter indices."""
+    def _saved_groups(self, common: Dict[str, Any]) -> List[Dict[str, Any]]:
+        """The groups' options as a state dict holds them, "params" as parameter indices, and
+        ``common`` (the "muond" section without what is a rank's own) under "muond"."""
         groups, start = [], 0
         for group in self.param_groups:
             saved = {k: v for k, v in group.items() if k != "params"}
+            saved["muond"] = dict(common)
             saved["params"] = list(range(start, start + len(group["params"])))
             start += len(group["params"])
             groups.append(saved)
@@ -106,19 +120,29 @@ class StateTransfer(_Core):
 
     def _tensor_shape(self, name: str, slot: str) -> Tuple[int, ...]:
         """The shape of a parameter's master or optimizer slot (``options.slot_shape``)."""
+        return self._slot_layout(name, slot)[0]
+
+    def _is_part(self, name: str, slot: str) -> bool:
+        """Whether a parameter's master or slot is cut as the parameter is (of as many elements as
+        its local tensor)."""
+        return self._slot_layout(name, slot)[1]
+
+    def _slot_layout(self, name: str, slot: str) -> Tuple[Tuple[int, ...], bool]:
+        """The shape of a parameter's master or optimizer slot, and whether it is cut as the
+        parameter is."""
         local = tuple(self._by_name[name].shape)
         if slot == "master":
-            return local
+            return local, True
         whole = tuple(self._global_shapes.get(name, local))
         shape = tuple(opts.slot_shape(self._group_of(name), whole, slot))
         # A partitioned parameter's slot of its own size comes as this rank's part, like the master;
         # of its size means as many elements (the daemon's rule, StatePartOf), whatever the shape:
         # NAMO-D's per-column moment of a (1, n) matrix is cut too, and is this rank's part, flat.
         if shape == whole:
-            return local
+            return local, True
         if self._group_of(name).get("partition") is not None and math.prod(shape) == math.prod(whole):
-            return (math.prod(local),)
-        return shape
+            return (math.prod(local),), True
+        return shape, False
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Replaces the daemon's state (masters, slots, step counters) with ``state_dict`` from
@@ -157,17 +181,29 @@ class StateTransfer(_Core):
         self._last_step_record.forget()  # param_groups come from the state dict from here on
         if "muond" not in state_dict and "last_step" in state_dict:
             state_dict = self._from_local_state_dict(state_dict)
+        state_dict, resharded = self._in_own_layout(state_dict)
         meta = state_dict.get("muond")
         if not meta or meta.get("format") != _STATE_FORMAT:
             raise ValueError("not a RemoteOptimizer or LocalOptimizer state dict (no 'muond' section of "
-                             "format 1, no 'last_step')")
+                             "format 1, in it or in its groups, no 'last_step'); through "
+                             "torch.distributed.checkpoint, flatten_optimizer_state_dict=True keeps "
+                             "neither (it keeps the keys the optimizer's own state and groups have: "
+                             "the daemon holds the state)")
+        missing = [name for i, name in enumerate(self._names) if "master" not in state_dict["state"].get(i, {})]
+        if missing and "rank" not in meta:  # a state dict as a checkpoint hands it back
+            raise ValueError(f"the state dict holds no state of {missing[0]!r} ({len(missing)} parameters): "
+                             f"torch.distributed.checkpoint leaves out the state of parameters that do "
+                             f"not require grad; the session needs every parameter's")
         check_saved_names(meta.get("names"), self._names)
         saved_groups = state_dict["param_groups"]
         self._check_saved_groups(saved_groups)
-        if self.partitioned and (not meta.get("parts") or meta.get("rank") != self.rank):
-            held = f"rank {meta.get('rank')}'s parts" if meta.get("parts") else "whole tensors"
+        if self.partitioned and not resharded and (not meta.get("parts") or meta.get("rank") != self.rank):
+            held = (f"rank {meta.get('rank')}'s parts" if meta.get("parts") else
+                    "whole tensors" if "rank" in meta else "parts of no known rank")
             raise ValueError(f"the state dict holds {held}; this optimizer is rank {self.rank} of a "
-                             f"session with partitioned groups: each rank loads the state dict it saved")
+                             f"session with partitioned groups: each rank loads the state dict it "
+                             f"saved (through torch.distributed.checkpoint only DTensor parameters' "
+                             f"parts, which it reads for each rank)")
         if self._async:
             saved_rank = meta.get("rank", self.rank)
             if saved_rank != self.rank:
@@ -179,7 +215,9 @@ class StateTransfer(_Core):
                 self.last_step = session_step
                 # The saved count, even when the daemon's record (asked on attach) is further: the
                 # rank redoes the work after its save, and those pushes are answered as resends.
-                taken, self.pushes = self.pushes, int(meta.get("pushes", 0))
+                # (A state dict without this rank's section, as torch.distributed.checkpoint's
+                # helpers hand it back, keeps the count asked on attach.)
+                taken, self.pushes = self.pushes, int(meta.get("pushes", self.pushes))
                 if taken > self.pushes:
                     _log.warning("session %s: rank %d's pushes %d to %d were taken before its state "
                                  "dict was loaded: redone, they are answered as resends and apply "
@@ -203,6 +241,43 @@ class StateTransfer(_Core):
                                 if "master" in state.get(i, {})})
         self._note_parameters()
         self._restore_group_options(saved_groups)
+
+    def _in_own_layout(self, state_dict: Dict[str, Any]) -> Tuple[Dict[str, Any], bool]:
+        """``state_dict`` as ``state_dict()`` makes it, from it or from what
+        ``torch.distributed.checkpoint``'s helpers hand back of it: the "muond" section from the
+        groups' when the top-level one is gone (without a rank's own entries; the names from the
+        groups' "param_names"); the state by parameter index when keyed by what the groups'
+        "params" list (the parameters' fully qualified names), by position; DTensor values as their
+        local tensors (the parts the checkpoint read for this rank), a flat part in its shape. Also
+        whether, in a state dict that names no rank, every partitioned parameter's master came as
+        a DTensor (its part is then this rank's, whoever saved it)."""
+        groups = list(state_dict.get("param_groups") or ())
+        meta = state_dict.get("muond")
+        if not meta and groups and groups[0].get("muond"):
+            names = [name for group in groups for name in group.get("param_names", ())]
+            meta = dict(groups[0]["muond"], names=names or None)
+        keys = [key for group in groups for key in group.get("params", ())]
+        state = dict(state_dict.get("state") or {})
+        if keys != list(range(len(keys))):
+            state = {i: state[key] for i, key in enumerate(keys) if key in state}
+        parted = [i for i, name in enumerate(self._names)
+                  if self._group_of(name).get("partition") is not None]
+        # A rank's own state dict names the rank, which is then checked whatever its tensors.
+        resharded = (bool(parted) and "rank" not in (meta or {})
+                     and all(is_dtensor(state.get(i, {}).get("master")) for i in parted))
+        for i, entry in list(state.items()):
+            if not isinstance(i, int) or not 0 <= i < len(self._names):
+                continue
+            local = {}
+            for slot, value in entry.items():
+                if is_dtensor(value):
+                    value = local_value(value)
+                    shape = self._tensor_shape(self._names[i], slot)
+                    if value.numel() == math.prod(shape):
+                        value = value.reshape(shape)
+                local[slot] = value
+            state[i] = local
+        return dict(state_dict, state=state, muond=meta), resharded
 
     def _from_local_state_dict(self, local: Dict[str, Any]) -> Dict[str, Any]:
         """A ``LocalOptimizer``'s state dict as one of this optimizer's: its slots and step counts
@@ -266,7 +341,7 @@ class StateTransfer(_Core):
                 entry = saved["state"].get(i)
                 if entry is None or "master" not in entry:
                     continue
-                master = entry["master"]
+                master = local_value(entry["master"]).cpu()  # a DTensor parameter's: its local part
                 value = self._by_name[name].detach().cpu().reshape(master.shape)
                 # Only the elements the trainer changed: the others keep the master's bits, which
                 # a 16-bit model (or answer) holds rounded.

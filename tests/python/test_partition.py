@@ -85,7 +85,7 @@ def groups_for(world, rank, kinds, model="main"):
         for k, n in enumerate(names):
             value = whole[n] if partition is None else part.cut(whole[n], partition, k, world, rank)
             if base == "dtensor":
-                params.append((n, FakeDTensor(value.clone(), shapes_of[n], world, rank)))
+                params.append((n, FakeDTensor.make(value.clone(), shapes_of[n], world, rank)))
             else:
                 params.append((n, value.clone().requires_grad_()))
         group = {"params": params, **options}
@@ -114,13 +114,16 @@ def hsdp_mean(step, model="main"):
 
 
 def _run_rank(rank, world, endpoint, session, kinds, transport, options, steps, out, hold_after=None,
-              keep=False, held=None, reload_at=None, model="main", together=None, device="cpu", hsdp=False):
+              keep=False, held=None, reload_at=None, model="main", together=None, device="cpu", hsdp=False,
+              through_checkpoint=False):
     """A rank's process: steps the gradients of the session's next steps up to ``max(steps)``
     (a restarted rank continues after the session's last step), then answers its parameters and
     the session's digest. ``hold_after``: after that step, says so and waits to be killed.
     ``device``: where the rank's parameters and gradients live (a GPU transport's are on CUDA).
     ``hsdp``: the ranks are two replicas (the first and second half), each with its own gradients
-    and weight; one rank steps their mean."""
+    and weight; one rank steps their mean. ``through_checkpoint``: the state dict reloaded at
+    ``reload_at`` goes through what torch.distributed.checkpoint keeps of it
+    (``as_a_distributed_checkpoint_hands_back``)."""
     torch.set_num_threads(1)
     try:
         groups, _ = groups_for(world, rank, kinds, model)
@@ -149,14 +152,16 @@ def _run_rank(rank, world, endpoint, session, kinds, transport, options, steps, 
                 for k, (name, p) in enumerate(zip(group["param_names"], group["params"])):
                     g = grads[name] if partition is None else part.cut(grads[name], partition, k, world, rank)
                     if name in dtensors:  # as FSDP2's reduce-scatter: on the DTensor, never the shard
-                        d = dtensors[name]
-                        d.grad = FakeDTensor(g.view(p.shape), d.shape, world, rank)
+                        assert p is dtensors[name], "param_groups hold another tensor than the DTensor"
+                        p.grad = FakeDTensor.make(g, p.shape, world, rank)
                     else:
                         p.grad = g.view(p.shape).to(device)
             opt.step(qk_logits=QK_LOGITS if model == "qk" else None,
                      weight=HSDP_WEIGHTS[replica] if hsdp and world > 1 else None)
             if reload_at is not None and opt.last_step == reload_at:
                 saved = opt.state_dict()
+                if through_checkpoint:
+                    saved = as_a_distributed_checkpoint_hands_back(opt, saved, dtensors)
             if reload_at is not None and opt.last_step == reload_at + 1 and saved is not None:
                 # As a trainer loads a checkpoint: every rank has its answer first (a load replaces
                 # the parameters an answer still being sent would read), then each loads its parts.
@@ -177,8 +182,33 @@ def _run_rank(rank, world, endpoint, session, kinds, transport, options, steps, 
         out.put((rank, "error", traceback.format_exc()))
 
 
+def as_a_distributed_checkpoint_hands_back(opt, saved, dtensors):
+    """What torch.distributed.checkpoint (torch >= 2.2, which the suite's torch 1.13 lacks) hands a
+    rank's ``load_state_dict`` back of its ``state_dict()``: ``get_optimizer_state_dict`` keys the
+    state and the groups' "params" by the parameters' fully qualified names (the model's names,
+    the session's here), found by the identity of the groups' parameters with the model's, and
+    keeps "state" and "param_groups" alone; a save and a load keep each rank's part of a DTensor
+    (the rest is one rank's copy, the same on every rank here); ``set_optimizer_state_dict``
+    hands the optimizer the groups in its order. Before any of it, torch steps an optimizer whose
+    ``state`` is empty, or lacks a parameter, once with zero gradients: this one's may not be."""
+    model_params = {id(p): n for g in opt.param_groups for n, p in zip(g["param_names"], g["params"])}
+    for name, d in dtensors.items():
+        assert model_params.get(id(d)) == name, f"the optimizer's groups do not hold the DTensor '{name}'"
+    assert opt.state and all(p in opt.state for g in opt.param_groups for p in g["params"]), \
+        "torch would step the optimizer with zero gradients to fill its state"
+    fqn = [model_params[id(p)] for g in opt.param_groups for p in g["params"]]
+    for i, entry in saved["state"].items():
+        if fqn[i] in dtensors:
+            assert isinstance(entry["master"], FakeDTensor), f"'{fqn[i]}': its master is no DTensor"
+            assert entry["master"].shape == dtensors[fqn[i]].shape
+    state = {fqn[i]: dict(entry) for i, entry in saved["state"].items()}
+    groups = [dict(g, params=[fqn[i] for i in g["params"]]) for g in saved["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
 def run_ranks(endpoint, kinds, transport=None, world=WORLD, options=None, steps=range(1, STEPS + 1),
-              session=None, keep=False, hold=None, reload_at=None, model="main", device="cpu", hsdp=False):
+              session=None, keep=False, hold=None, reload_at=None, model="main", device="cpu", hsdp=False,
+              through_checkpoint=False):
     """Every rank in a process of its own, stepping up to ``max(steps)``; their final local
     parameters (and "digest"). ``hold``: (rank, step) — that rank stops after the step and is
     SIGKILLed while the others wait in the next one, then a new process of it attaches and
@@ -194,7 +224,7 @@ def run_ranks(endpoint, kinds, transport=None, world=WORLD, options=None, steps=
         process = context.Process(target=_run_rank, daemon=True,
                                   args=(r, world, endpoint, session, kinds, transport, options or {},
                                         list(steps), out, hold_after, keep, held, reload_at, model,
-                                        together, device, hsdp))
+                                        together, device, hsdp, through_checkpoint))
         process.start()
         return process
 
@@ -255,6 +285,16 @@ def test_fsdp2_dtensor_parameters_step_bit_for_bit_like_one_rank(endpoint):
     want = reference(endpoint)
     kinds = ["dtensor", "rows", "flat", "explicit"]
     expect_parts(run_ranks(endpoint, kinds), want, kinds)
+
+
+@pytest.mark.slow
+def test_fsdp2_dtensor_parameters_reload_through_a_distributed_checkpoint(endpoint):
+    """Each rank's state dict of step 2, as torch.distributed.checkpoint's state-dict helpers keep
+    it (keyed by the model's parameters, its DTensor parts as DTensors, no "muond" section),
+    loaded back at step 3: the session redoes step 3 and ends bit for bit as the one-rank one."""
+    want = reference(endpoint)
+    kinds = ["dtensor", None, None, None]
+    expect_parts(run_ranks(endpoint, kinds, reload_at=2, through_checkpoint=True), want, kinds)
 
 
 @pytest.mark.skipif(no_gpu(), reason="needs a CUDA GPU and a daemon on the cuda backend")
@@ -660,6 +700,37 @@ def test_a_state_dict_of_another_rank_is_refused(endpoint):
         saved = opt.state_dict()
         assert saved["muond"]["parts"] and saved["muond"]["rank"] == 0
         saved["muond"]["rank"] = 1
+        with pytest.raises(ValueError, match="holds rank 1's parts; this optimizer is rank 0"):
+            opt.load_state_dict(saved)
+
+
+def test_dtensor_parameters_state_dict_upload_and_a_checkpoint_of_plain_parts(endpoint):
+    """One rank's DTensor parameters: state_dict() holds their masters as DTensors of the global
+    shape (a plain group's parts stay tensors); upload_parameters() takes a shard changed in place;
+    a state dict as a distributed checkpoint hands it back (no top-level section) with plain parts
+    is refused, their rank unknown, and so is another rank's own state dict. zero_grad clears
+    the DTensor's gradient as torch clears any parameter's (zeroed or dropped)."""
+    groups, _ = groups_for(1, 0, ["dtensor", "rows", None, None])
+    dtensor = groups[0]["params"][0][1]
+    plain = len(groups[0]["params"])  # the index of the rows group's first parameter
+    with muond.RemoteOptimizer(groups, endpoint=endpoint, session=f"dt-{uuid.uuid4().hex[:6]}", world_size=1,
+                               rank=0) as opt, torch.no_grad():
+        saved = opt.state_dict()
+        master = saved["state"][0]["master"]
+        assert isinstance(master, FakeDTensor) and master.shape == dtensor.shape
+        assert torch.equal(master.to_local(), dtensor.to_local())
+        assert type(saved["state"][plain]["master"]) is torch.Tensor
+        dtensor.to_local().add_(1.0)  # the shard itself, changed in place
+        opt.upload_parameters()
+        assert torch.equal(opt.state_dict()["state"][0]["master"].to_local(), dtensor.to_local())
+        with pytest.raises(ValueError, match="parts of no known rank"):
+            opt.load_state_dict({"state": saved["state"], "param_groups": saved["param_groups"]})
+        saved["muond"]["rank"] = 1  # another rank's own state dict: refused, DTensors or not
+        dtensor.grad = FakeDTensor.make(torch.ones(dtensor.shape), dtensor.shape, 1, 0)
+        opt.zero_grad(set_to_none=False)  # torch's own, on the DTensor the group lists
+        assert dtensor.grad is not None and not dtensor.grad.to_local().any()
+        opt.zero_grad(set_to_none=True)
+        assert dtensor.grad is None
         with pytest.raises(ValueError, match="holds rank 1's parts; this optimizer is rank 0"):
             opt.load_state_dict(saved)
 

@@ -4,6 +4,8 @@ DeepSpeed ZeRO's), and the adapters from plain objects carrying a DTensor's, a 2
 an FSDP1 FlatParameter's facts. tests/python/test_partition.py steps them through the daemon.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -99,11 +101,11 @@ def test_from_dtensor_maps_hsdps_replicate_shard0_to_rows_with_replicas():
     # A (replicate, shard) mesh of 2 × 3: rank 4 is shard 1 of the second replica.
     whole = torch.arange(14.0).view(7, 2)
     dtensor = FakeDTensor.of(whole, 3, 1, Shard(0))
-    dtensor.placements, dtensor.device_mesh = (Replicate(), Shard(0)), HsdpMesh(2, 3, 4)
+    dtensor._spec = dataclasses.replace(dtensor._spec, mesh=HsdpMesh(2, 3, 4), placements=(Replicate(), Shard(0)))
     local, shape = part.from_dtensor(dtensor)
     assert shape == (7, 2)
     assert torch.equal(local, part.cut(whole, part.rows([shape], replicas=2), 0, 6, 4))
-    dtensor.placements = (Shard(0), Shard(0))
+    dtensor._spec = dataclasses.replace(dtensor._spec, placements=(Shard(0), Shard(0)))
     with pytest.raises(ValueError, match=r"only \(Replicate\(\), Shard\(0\)\) \(HSDP\)"):
         part.from_dtensor(dtensor)
 
