@@ -65,6 +65,7 @@ from .connection_options import ConnectionOptions
 from .delayed import DelayedUpdate
 from .dtensor_params import DTensorParams
 from .errors import MuondError
+from .held_slots import HeldSlots
 from .landing import ForwardLanding
 from .naming import named_groups
 from .optimizer_options import (RankOptions, Setup, StepOptions, TimingOptions, WireOptions,
@@ -72,7 +73,7 @@ from .optimizer_options import (RankOptions, Setup, StepOptions, TimingOptions, 
 from .overlap import GradientStream
 from .param_watch import ParamWatch
 from .state_digest import StateDigest
-from .state_transfer import StateTransfer
+from .state_transfer import STATE_FORMAT, StateTransfer
 from .stream_controls import StreamControls
 from .state_digest import combine as combine_digests
 from .step_info import StepInfo
@@ -232,11 +233,16 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, ChunkFitting, to
         self.defaults = opts.resolved_defaults(self.param_groups, setup.defaults)
         self._take_setup(setup, session)
         self._index_parameters(names, setup.step.qk_clip)
-        # torch's per-parameter state: the daemon holds it (state_dict() reads it). An empty entry
-        # per parameter says it exists, so that a tool that steps an optimizer without state once
-        # with zero gradients to create it (torch.distributed.checkpoint's state-dict helpers)
-        # never steps the session (a zero gradient still decays momentum and counts a step).
-        self.state = collections.defaultdict(dict, {p: {} for p in self._given_params()})
+        # torch's per-parameter state: the daemon holds it; an entry per parameter names what it
+        # holds (HeldSlots), so that a tool that steps an optimizer without state once with zero
+        # gradients to create it (torch.distributed.checkpoint's state-dict helpers) never steps
+        # the session (a zero gradient still decays momentum and counts a step). Each group's
+        # "muond" entry is the section a state dict's groups carry (StateTransfer), there for what
+        # keeps only the keys the optimizer's own groups have.
+        self.state = collections.defaultdict(dict, {
+            p: HeldSlots(name, i) for i, (name, p) in enumerate(zip(self._names, self._given_params()))})
+        for group in self.param_groups:
+            group["muond"] = {"format": STATE_FORMAT}
         self._check_layout(setup)
         self._closed = False
         try:

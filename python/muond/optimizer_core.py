@@ -44,6 +44,7 @@ class OptimizerCore(Protocol):
 
     # torch.optim.Optimizer's.
     param_groups: List[Dict[str, Any]]
+    state: Dict[Any, Any]
 
     # The session and this rank's place in it.
     session_id: str
@@ -120,6 +121,9 @@ class OptimizerCore(Protocol):
     def _with_chunks_fitted(self, call: Callable[[], _T]) -> _T:
         """``call()``, made again with smaller chunks when a daemon refuses them as larger than
         it takes (a daemon restarted with a smaller ``--max-chunk-bytes``)."""
+
+    def _given_params(self) -> List[Any]:
+        """The parameters as the groups list them, in session order (FSDP2's DTensors themselves)."""
 
     def _note_parameters(self) -> None:
         """Records the parameters' versions once this optimizer has written them (their

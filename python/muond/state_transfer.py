@@ -19,11 +19,12 @@ from . import options as opts
 from . import wire
 from ._stubs import pb
 from .dtensor_params import is_dtensor, local_value
+from .held_slots import HeldSlots
 from .naming import check_saved_names
 from .transport.daemon_session import copy_in
 
 _log = logging.getLogger("muond")
-_STATE_FORMAT = 1
+STATE_FORMAT = 1
 # What a rank's "muond" section holds of its own (the others' state dicts hold theirs).
 # The parameters' names are in each group's "param_names" already.
 _RANKS_OWN = ("rank", "parts", "pushes")
@@ -82,7 +83,8 @@ class StateTransfer(_Core):
             entry[slot] = self._dtensors.as_saved(self._by_name[name], value) if self._is_part(name, slot) else value
         for name, i in index.items():
             state.setdefault(i, {})["step"] = counts.get(name, 0)
-        meta = {"format": _STATE_FORMAT, "last_step": last_step, "names": list(self._names),
+        self._name_held(state)
+        meta = {"format": STATE_FORMAT, "last_step": last_step, "names": list(self._names),
                 "session": self.session_id, "rank": self.rank}
         if self.partitioned:
             meta["parts"] = True  # this rank's parts of the partitioned parameters' state
@@ -183,14 +185,17 @@ class StateTransfer(_Core):
             state_dict = self._from_local_state_dict(state_dict)
         state_dict, resharded = self._in_own_layout(state_dict)
         meta = state_dict.get("muond")
-        if not meta or meta.get("format") != _STATE_FORMAT:
+        if not meta or meta.get("format") != STATE_FORMAT or "last_step" not in meta:
             raise ValueError("not a RemoteOptimizer or LocalOptimizer state dict (no 'muond' section of "
-                             "format 1, in it or in its groups, no 'last_step'); through "
-                             "torch.distributed.checkpoint, flatten_optimizer_state_dict=True keeps "
-                             "neither (it keeps the keys the optimizer's own state and groups have: "
-                             "the daemon holds the state)")
+                             "format 1 with the last step, in it or in its groups; no 'last_step')")
         missing = [name for i, name in enumerate(self._names) if "master" not in state_dict["state"].get(i, {})]
         if missing and "rank" not in meta:  # a state dict as a checkpoint hands it back
+            if len(missing) == len(self._names):
+                raise ValueError("the state dict holds no parameter's state: through "
+                                 "torch.distributed.checkpoint with flatten_optimizer_state_dict=True, "
+                                 "the load asks the checkpoint for what opt.state names, which this "
+                                 "optimizer's state_dict() fills in: call get_optimizer_state_dict first "
+                                 "(as a checkpointer does to make what it loads into)")
             raise ValueError(f"the state dict holds no state of {missing[0]!r} ({len(missing)} parameters): "
                              f"torch.distributed.checkpoint leaves out the state of parameters that do "
                              f"not require grad; the session needs every parameter's")
@@ -234,6 +239,7 @@ class StateTransfer(_Core):
             lambda k, session: session.set_state(self._state_header(k, meta, state),
                                                  self._state_chunks(self._indices_of[k], state))))
         self.last_step = self._common_step(steps, "SetState")
+        self._name_held(state)
         self._cut_off = None  # a step cut off before the load is not the loaded state's
         if self.loss_scaler is not None and meta.get("loss_scaler") is not None:
             self.loss_scale = float(meta["loss_scaler"]["scale"])
@@ -241,6 +247,14 @@ class StateTransfer(_Core):
                                 if "master" in state.get(i, {})})
         self._note_parameters()
         self._restore_group_options(saved_groups)
+
+    def _name_held(self, state: Dict[int, Dict[str, Any]]) -> None:
+        """Names in torch's ``state`` what the daemon holds of each parameter (``HeldSlots``), as
+        ``state`` (by parameter index) has it."""
+        given = self._given_params()
+        for i, entry in state.items():
+            if isinstance(i, int) and 0 <= i < len(given):
+                self.state[given[i]] = HeldSlots(self._names[i], i, tuple(entry))
 
     def _in_own_layout(self, state_dict: Dict[str, Any]) -> Tuple[Dict[str, Any], bool]:
         """``state_dict`` as ``state_dict()`` makes it, from it or from what

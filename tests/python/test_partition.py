@@ -24,6 +24,7 @@ from muond._stubs import pb
 from muond.transport import framing
 from muond import wire
 
+from checkpoint_helpers import hand_back_as_set_optimizer_state_dict, keep_as_get_optimizer_state_dict
 from fake_dtensor import FakeDTensor
 from helpers import no_gpu
 from processes import rank_context
@@ -121,9 +122,9 @@ def _run_rank(rank, world, endpoint, session, kinds, transport, options, steps, 
     the session's digest. ``hold_after``: after that step, says so and waits to be killed.
     ``device``: where the rank's parameters and gradients live (a GPU transport's are on CUDA).
     ``hsdp``: the ranks are two replicas (the first and second half), each with its own gradients
-    and weight; one rank steps their mean. ``through_checkpoint``: the state dict reloaded at
-    ``reload_at`` goes through what torch.distributed.checkpoint keeps of it
-    (``as_a_distributed_checkpoint_hands_back``)."""
+    and weight; one rank steps their mean. ``through_checkpoint`` ("nested" or "flat", with
+    flatten_optimizer_state_dict): the state dict reloaded at ``reload_at`` goes through what
+    torch.distributed.checkpoint keeps of it (``through_a_distributed_checkpoint``)."""
     torch.set_num_threads(1)
     try:
         groups, _ = groups_for(world, rank, kinds, model)
@@ -159,14 +160,15 @@ def _run_rank(rank, world, endpoint, session, kinds, transport, options, steps, 
             opt.step(qk_logits=QK_LOGITS if model == "qk" else None,
                      weight=HSDP_WEIGHTS[replica] if hsdp and world > 1 else None)
             if reload_at is not None and opt.last_step == reload_at:
-                saved = opt.state_dict()
-                if through_checkpoint:
-                    saved = as_a_distributed_checkpoint_hands_back(opt, saved, dtensors)
+                if through_checkpoint:  # "nested" or "flat"
+                    saved = through_a_distributed_checkpoint(opt, reload_at, dtensors, through_checkpoint == "flat")
+                else:
+                    saved = opt.state_dict()
             if reload_at is not None and opt.last_step == reload_at + 1 and saved is not None:
                 # As a trainer loads a checkpoint: every rank has its answer first (a load replaces
                 # the parameters an answer still being sent would read), then each loads its parts.
                 together.wait(WAIT)
-                opt.load_state_dict(saved)  # back to step reload_at: the next step is redone
+                opt.load_state_dict(saved() if callable(saved) else saved)  # back to step reload_at: redone
                 assert opt.last_step == reload_at
                 saved = None
         params = {n: p.detach().cpu().clone() for n, p in zip(opt._names, opt._params)}
@@ -182,28 +184,20 @@ def _run_rank(rank, world, endpoint, session, kinds, transport, options, steps, 
         out.put((rank, "error", traceback.format_exc()))
 
 
-def as_a_distributed_checkpoint_hands_back(opt, saved, dtensors):
-    """What torch.distributed.checkpoint (torch >= 2.2, which the suite's torch 1.13 lacks) hands a
-    rank's ``load_state_dict`` back of its ``state_dict()``: ``get_optimizer_state_dict`` keys the
-    state and the groups' "params" by the parameters' fully qualified names (the model's names,
-    the session's here), found by the identity of the groups' parameters with the model's, and
-    keeps "state" and "param_groups" alone; a save and a load keep each rank's part of a DTensor
-    (the rest is one rank's copy, the same on every rank here); ``set_optimizer_state_dict``
-    hands the optimizer the groups in its order. Before any of it, torch steps an optimizer whose
-    ``state`` is empty, or lacks a parameter, once with zero gradients: this one's may not be."""
-    model_params = {id(p): n for g in opt.param_groups for n, p in zip(g["param_names"], g["params"])}
+def through_a_distributed_checkpoint(opt, saved_at, dtensors, flatten):
+    """``opt``'s state dict (of step ``saved_at``: it is read now) as torch.distributed.checkpoint's
+    helpers save it and hand it back to this rank (checkpoint_helpers.py): the groups hold the
+    DTensors themselves, their masters are DTensors of their global shape, and the rest is
+    one rank's copy (the same on every rank here)."""
+    assert opt.last_step == saved_at
+    names = {id(p): n for g in opt.param_groups for n, p in zip(g["param_names"], g["params"])}
     for name, d in dtensors.items():
-        assert model_params.get(id(d)) == name, f"the optimizer's groups do not hold the DTensor '{name}'"
-    assert opt.state and all(p in opt.state for g in opt.param_groups for p in g["params"]), \
-        "torch would step the optimizer with zero gradients to fill its state"
-    fqn = [model_params[id(p)] for g in opt.param_groups for p in g["params"]]
-    for i, entry in saved["state"].items():
-        if fqn[i] in dtensors:
-            assert isinstance(entry["master"], FakeDTensor), f"'{fqn[i]}': its master is no DTensor"
-            assert entry["master"].shape == dtensors[fqn[i]].shape
-    state = {fqn[i]: dict(entry) for i, entry in saved["state"].items()}
-    groups = [dict(g, params=[fqn[i] for i in g["params"]]) for g in saved["param_groups"]]
-    return {"state": state, "param_groups": groups}
+        assert names.get(id(d)) == name, f"the optimizer's groups do not hold the DTensor '{name}'"
+    kept = keep_as_get_optimizer_state_dict(opt, names, flatten)
+    for name in dtensors:
+        master = kept[f"state.{name}.master"] if flatten else kept["state"][name]["master"]
+        assert isinstance(master, FakeDTensor) and master.shape == dtensors[name].shape, name
+    return lambda: hand_back_as_set_optimizer_state_dict(opt, names, kept, flatten)
 
 
 def run_ranks(endpoint, kinds, transport=None, world=WORLD, options=None, steps=range(1, STEPS + 1),
@@ -288,13 +282,15 @@ def test_fsdp2_dtensor_parameters_step_bit_for_bit_like_one_rank(endpoint):
 
 
 @pytest.mark.slow
-def test_fsdp2_dtensor_parameters_reload_through_a_distributed_checkpoint(endpoint):
+@pytest.mark.parametrize("layout", ["nested", "flat"])
+def test_fsdp2_dtensor_parameters_reload_through_a_distributed_checkpoint(endpoint, layout):
     """Each rank's state dict of step 2, as torch.distributed.checkpoint's state-dict helpers keep
-    it (keyed by the model's parameters, its DTensor parts as DTensors, no "muond" section),
-    loaded back at step 3: the session redoes step 3 and ends bit for bit as the one-rank one."""
+    it (keyed by the model's parameters, its DTensor parts as DTensors, no top-level "muond"
+    section; flattened or not), loaded back at step 3: the session redoes step 3 and ends bit for
+    bit as the one-rank one."""
     want = reference(endpoint)
     kinds = ["dtensor", None, None, None]
-    expect_parts(run_ranks(endpoint, kinds, reload_at=2, through_checkpoint=True), want, kinds)
+    expect_parts(run_ranks(endpoint, kinds, reload_at=2, through_checkpoint=layout), want, kinds)
 
 
 @pytest.mark.skipif(no_gpu(), reason="needs a CUDA GPU and a daemon on the cuda backend")

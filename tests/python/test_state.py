@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import muond
+from checkpoint_helpers import hand_back_as_set_optimizer_state_dict, keep_as_get_optimizer_state_dict
 from helpers import TinyNet, loss_of, params_of
 
 
@@ -54,20 +55,16 @@ def test_state_dict_round_trip(endpoint):
     opt2.close()
 
 
-def test_a_state_dict_loads_as_torch_distributed_checkpoint_hands_it_back(endpoint):
-    # torch.distributed.checkpoint's get/set_optimizer_state_dict (torch >= 2.2; the suite's 1.13
-    # lacks them) step an optimizer whose state is empty once with zero gradients, then key the
-    # state and the groups' "params" by the model's names (by the parameters' identity) and keep
-    # only "state" and "param_groups". The daemon's session must not step, and the load must work.
+@pytest.mark.parametrize("flatten", [False, True])
+def test_a_state_dict_loads_as_torch_distributed_checkpoint_hands_it_back(endpoint, flatten):
+    # The session never steps for the helpers (checkpoint_helpers.py re-enacts them), and a load
+    # of what they keep (flattened or not) continues bit for bit.
     model = TinyNet(seed=22)
     opt = muond.RemoteOptimizer(groups(model), endpoint=endpoint)
-    assert opt.state and all(p in opt.state for g in opt.param_groups for p in g["params"])
     train(model, opt, range(1, 5))
-    fqn = {id(p): name for name, p in model.named_parameters()}
-    order = [fqn[id(p)] for g in opt.param_groups for p in g["params"]]
-    saved = opt.state_dict()
-    kept = {"state": {order[i]: entry for i, entry in saved["state"].items()},
-            "param_groups": [dict(g, params=[order[i] for i in g["params"]]) for g in saved["param_groups"]]}
+    names = {id(p): name for name, p in model.named_parameters()}
+    kept = keep_as_get_optimizer_state_dict(opt, names, flatten)
+    assert opt.last_step == 4, "the session stepped while its state was read"
     buffer = io.BytesIO()
     torch.save(kept, buffer)
     at_step_4 = params_of(model)
@@ -77,18 +74,22 @@ def test_a_state_dict_loads_as_torch_distributed_checkpoint_hands_it_back(endpoi
 
     other = TinyNet(seed=98)
     opt2 = muond.RemoteOptimizer(groups(other), endpoint=endpoint)
+    names2 = {id(p): name for name, p in other.named_parameters()}
     buffer.seek(0)
     loaded = torch.load(buffer)
-    # Refused before anything is sent: a parameter's state left out (the helpers leave out those
-    # that do not require grad), and what flatten_optimizer_state_dict=True hands back (the keys
-    # of the optimizer's own empty state entries and of its live groups: no state, no section).
-    frozen = dict(loaded, state={k: v for k, v in loaded["state"].items() if k != order[1]})
-    with pytest.raises(ValueError, match=f"no state of '{order[1]}'"):
-        opt2.load_state_dict(frozen)
-    flattened = {"state": {}, "param_groups": [{k: v for k, v in g.items() if k != "muond"}
-                                              for g in loaded["param_groups"]]}
-    with pytest.raises(ValueError, match="flatten_optimizer_state_dict=True keeps neither"):
-        opt2.load_state_dict(flattened)
+    if flatten:
+        # Loaded before this optimizer read its state once: opt.state names nothing to ask for.
+        with pytest.raises(ValueError, match="call get_optimizer_state_dict first"):
+            opt2.load_state_dict(hand_back_as_set_optimizer_state_dict(opt2, names2, loaded, flatten))
+        keep_as_get_optimizer_state_dict(opt2, names2, flatten)  # as a checkpointer makes what it loads into
+        loaded = hand_back_as_set_optimizer_state_dict(opt2, names2, loaded, flatten)
+    else:
+        # Refused before anything is sent: a parameter's state left out (the helpers leave out
+        # those that do not require grad).
+        first = next(iter(loaded["state"]))
+        frozen = dict(loaded, state={k: v for k, v in loaded["state"].items() if k != first})
+        with pytest.raises(ValueError, match=f"no state of '{first}'"):
+            opt2.load_state_dict(frozen)
     assert opt2.last_step == 0
     opt2.load_state_dict(loaded)
     assert opt2.last_step == 4
@@ -97,6 +98,8 @@ def test_a_state_dict_loads_as_torch_distributed_checkpoint_hands_it_back(endpoi
     train(other, opt2, range(5, 8))
     for name, p in other.named_parameters():
         assert torch.equal(p.detach(), expected[name]), name
+    with pytest.raises(KeyError, match=r"held by the daemon: opt.state_dict\(\)\['state'\]\[0\]"):
+        opt2.state[opt2.param_groups[0]["params"][0]]["master"]
     opt2.close()
 
 
