@@ -536,6 +536,8 @@ class DiLoCo:
                          "is at step %d); taking the session's parameters, local progress since "
                          "the last sync is dropped", self.remote.rank, sync.sent, info.step)
             sync.whole = True
+            if getattr(info, "included", False) and quantize.is_quantized(self.wire_dtype):
+                self._settle_feedback(sync, info)
             return
         if sync.resent and info is not None and info.replayed:
             # The failed try's Δ and weight, applied once whichever try it was; when it was the
@@ -557,6 +559,20 @@ class DiLoCo:
                          "goes back to" if self.merge_alpha == 0.0 else "is merged with")
         elif quantize.is_quantized(self.wire_dtype):
             self._keep_rounding(self._members[sync.fragment])
+
+    def _settle_feedback(self, sync: _Sync, info: Any) -> None:
+        """Error feedback after an answer for a later session step that says this worker's
+        ``sync.sent`` was included (the session moved on meanwhile; the parameters are taken
+        whole): the Δ sent, carrying the feedback, was applied — this one (the rounding of it is
+        kept), or, for a retry answered as a replay, the first try (whose rounding is not known
+        here: the feedback, applied with it, is dropped, as ``_retry_was_applied`` drops it).
+        Either way the old feedback is not sent again."""
+        members = self._members[sync.fragment]
+        if sync.retry_of is not None and not sync.resent and info.replayed:
+            for i in members:
+                self._feedback.pop(i, None)
+        else:
+            self._keep_rounding(members)
 
     def _retry_was_applied(self, sync: _Sync) -> None:
         """``sync`` was sent again after its first try failed, and the daemon answers it as a

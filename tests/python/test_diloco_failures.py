@@ -17,6 +17,24 @@ from diloco_helpers import INNER, SEED, SIZES, end_session, inner_step, session_
 from helpers import TinyNet, assert_bitwise
 
 
+def lose_every_answer_of(diloco, step):
+    """Makes every try of ``diloco``'s first sync of session step ``step`` lose its answer once the
+    daemon has applied it (UNAVAILABLE, as a broken connection would); the list of the tries lost."""
+    attempts = diloco.remote.max_step_attempts
+    lossy = diloco.remote._sessions[0]  # pylint: disable=protected-access
+    real_step, lost = lossy.step, []
+
+    def answer_lost(header, *args, **kwargs):
+        answer = real_step(header, *args, **kwargs)
+        if header.step == step and len(lost) < attempts:
+            lost.append(header.step)
+            raise muond.MuondError(grpc.StatusCode.UNAVAILABLE, "injected: answer lost", "Step")
+        return answer
+
+    lossy.step = answer_lost
+    return lost
+
+
 @pytest.mark.parametrize("overlap_steps,wire_dtype", [(0, "fp32"), (1, "fp32"), (0, "int8")])
 def test_a_sync_applied_before_its_answer_was_lost_is_not_sent_twice(start_daemon, overlap_steps,
                                                                      wire_dtype):
@@ -40,17 +58,7 @@ def test_a_sync_applied_before_its_answer_was_lost_is_not_sent_twice(start_daemo
             wire_dtype=wire_dtype, endpoint=daemon.endpoint, session=session, world_size=2,
             rank=rank, transport="grpc", retry_backoff=0.01)))
     attempts = workers[1][2].remote.max_step_attempts
-    lossy = workers[1][2].remote._sessions[0]  # pylint: disable=protected-access
-    real_step, lost = lossy.step, []
-
-    def answer_lost(header, *args, **kwargs):
-        answer = real_step(header, *args, **kwargs)
-        if header.step == 3 and len(lost) < attempts:  # every try of the first sync of step 3
-            lost.append(header.step)
-            raise muond.MuondError(grpc.StatusCode.UNAVAILABLE, "injected: answer lost", "Step")
-        return answer
-
-    lossy.step = answer_lost
+    lost = lose_every_answer_of(workers[1][2], 3)
     merges, errors = [[], []], [[], []]
 
     def train(rank):
@@ -88,6 +96,54 @@ def test_a_sync_applied_before_its_answer_was_lost_is_not_sent_twice(start_daemo
     for _, _, diloco in workers:
         diloco.close(keep_session=True)
     end_session(daemon.endpoint, session)
+
+
+def test_a_quantized_retry_answered_after_the_session_moved_on_sends_no_feedback_twice(endpoint):
+    """int8 syncs, quorum of 1 without grace, one fragment, sync_every 2, in one thread. Worker 1's
+    sync of session step 1 is applied alone and leaves error feedback e (its rounding). Its sync of
+    step 2 (Δ + e) is applied alone too, and every try's answer is lost. Worker 0 is answered late
+    for steps 1 and 2 and then applies step 3 alone. Worker 1's next sync sends step 2 again, which
+    the daemon answers after step 3: included (the first try was applied), replayed. Worker 1 takes
+    the session's parameters whole, and e, applied in step 2, is not sent again: it is dropped, as
+    after a replay in lock-step (the first try's rounding is not known to the worker)."""
+    session, runs = session_name(), []
+    for r in range(2):
+        model = TinyNet(seed=SEED)
+        inner = torch.optim.AdamW(model.parameters(), **INNER)
+        runs.append((model, inner, muond.DiLoCo(
+            model, inner, sync_every=2, wire_dtype="int8", endpoint=endpoint, session=session,
+            world_size=2, rank=r, sync_mode="quorum", min_ranks=1, grace_seconds=0,
+            transport="grpc", retry_backoff=0.01)))
+    worker = runs[1][2]
+    attempts = worker.remote.max_step_attempts
+    lost = lose_every_answer_of(worker, 2)
+
+    def sync(r, t):
+        model, inner, diloco = runs[r]
+        for k in (t - 1, t):
+            inner_step(model, inner, r, k)
+            diloco.step(tokens=SIZES[r])
+        return diloco.last_info
+
+    try:
+        assert sync(1, 2).included and worker._feedback  # pylint: disable=protected-access
+        assert not sync(0, 2).included
+        with pytest.raises(muond.MuondError):
+            sync(1, 4)
+        assert lost == [2] * attempts
+        late = sync(0, 4)
+        assert (late.step, late.included) == (2, False)
+        taken = sync(0, 6)
+        assert (taken.step, taken.contributors, taken.included) == (3, (0,), True)
+        replay = sync(1, 6)
+        assert (replay.step, replay.included, replay.replayed) == (3, True, True)
+        assert_bitwise({n: p.detach() for n, p in runs[1][0].named_parameters()},
+                       runs[0][2].global_parameters(), "the worker's parameters after the replay")
+        assert not worker._feedback, "the feedback applied in step 2 would be sent again"  # pylint: disable=protected-access
+    finally:
+        for _, _, diloco in runs:
+            diloco.close(keep_session=True)
+        end_session(endpoint, session)
 
 
 @pytest.mark.parametrize("overlap_steps", [0, 1])
