@@ -72,6 +72,10 @@ class DTensorParams:
         """Puts the DTensors back in place of their local tensors in ``group["params"]``."""
         group["params"] = [self._by_local.get(id(p), p) for p in group["params"]]
 
+    def dtensor_of(self, local: torch.Tensor) -> Optional[Any]:
+        """The DTensor ``local`` holds, or None when it holds none."""
+        return self._by_local.get(id(local))
+
     def local(self, param: Any) -> Any:
         """The local tensor that holds ``param`` when it is one of the DTensors; else ``param``."""
         return self._local_of.get(id(param), param)

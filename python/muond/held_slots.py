@@ -1,41 +1,45 @@
-"""``HeldSlots``: an entry of ``RemoteOptimizer.state`` — the names of the tensors the daemon holds
-for one parameter (its ``master``, its optimizer slots, its ``step`` count), as the last
-``state_dict()`` read them, and not their values: those live on the daemon, and
-``state_dict()["state"][i]`` reads them (a round trip of the whole state).
+"""The entries of ``RemoteOptimizer.state``: for each parameter, a plain dict from the name of each
+tensor the daemon holds of it (its ``master``, its optimizer slots, its ``step`` count), as the last
+``state_dict()`` or ``load_state_dict()`` saw them, to a ``HeldOnDaemon`` that stands for the
+value. The values live on the daemon, and ``state_dict()["state"][i]`` reads them (a round trip of
+the whole state).
 
-An entry exists for every parameter from the optimizer's creation, so that a tool that steps an
-optimizer whose state is empty (or lacks a parameter) once with zero gradients to create it —
-``torch.distributed.checkpoint``'s state-dict helpers — finds it there and never steps the
-session. Its names are what those helpers' ``flatten_optimizer_state_dict=True`` load asks the
-checkpoint for. Reading a value raises KeyError naming ``state_dict()``. Immutable.
+An entry exists for every parameter from the optimizer's creation (empty until the state is first
+read or loaded), so that a tool that steps an optimizer whose state is empty (or lacks a parameter)
+once with zero gradients to create it — ``torch.distributed.checkpoint``'s state-dict helpers —
+finds it there and never steps the session; its names are what those helpers'
+``flatten_optimizer_state_dict=True`` load asks the checkpoint for. The entries are plain dicts of
+non-tensors, so code that walks an optimizer's state to move or count its tensors passes them by.
+Used from the optimizer's thread; a ``HeldOnDaemon`` is immutable.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Dict, Sequence
 
 
-class HeldSlots(Mapping[str, Any]):
-    """The daemon's tensors of parameter ``name`` (number ``index``) by name (see the module's
-    docstring)."""
+class HeldOnDaemon:
+    """Stands in ``opt.state[p]`` for tensor ``slot`` of parameter ``name`` (number ``index``):
+    any use of it as a tensor raises AttributeError saying where the value is read."""
 
-    def __init__(self, name: str, index: int, slots: Sequence[str] = ()):
-        self._name, self._index, self._slots = name, index, tuple(slots)
+    __slots__ = ("name", "index", "slot")
 
-    def __contains__(self, slot: object) -> bool:
-        return slot in self._slots
+    def __init__(self, name: str, index: int, slot: str):
+        self.name, self.index, self.slot = name, index, slot
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._slots)
+    def where(self) -> str:
+        return f"opt.state_dict()['state'][{self.index}][{self.slot!r}]"
 
-    def __len__(self) -> int:
-        return len(self._slots)
-
-    def __getitem__(self, slot: str) -> Any:
-        if slot in self._slots:
-            raise KeyError(f"{slot!r} of parameter {self._name!r} is held by the daemon: "
-                           f"opt.state_dict()['state'][{self._index}][{slot!r}] reads it")
-        raise KeyError(slot)
+    def __getattr__(self, attribute: str) -> Any:
+        if attribute.startswith("__"):
+            raise AttributeError(attribute)
+        raise AttributeError(f"{self.slot!r} of parameter {self.name!r} is held by the daemon, not in "
+                             f"opt.state: {self.where()} reads it")
 
     def __repr__(self) -> str:
-        return f"HeldSlots({self._name!r}: {', '.join(self._slots) or 'none read yet'})"
+        return f"<{self.slot} of {self.name!r}: held by the daemon, read {self.where()}>"
+
+
+def held_entry(name: str, index: int, slots: Sequence[str] = ()) -> Dict[str, HeldOnDaemon]:
+    """The entry of ``opt.state`` for parameter ``name`` (number ``index``) holding ``slots``."""
+    return {slot: HeldOnDaemon(name, index, slot) for slot in slots}

@@ -65,7 +65,7 @@ from .connection_options import ConnectionOptions
 from .delayed import DelayedUpdate
 from .dtensor_params import DTensorParams
 from .errors import MuondError
-from .held_slots import HeldSlots
+from .held_slots import held_entry
 from .landing import ForwardLanding
 from .naming import named_groups
 from .optimizer_options import (RankOptions, Setup, StepOptions, TimingOptions, WireOptions,
@@ -234,13 +234,13 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, ChunkFitting, to
         self._take_setup(setup, session)
         self._index_parameters(names, setup.step.qk_clip)
         # torch's per-parameter state: the daemon holds it; an entry per parameter names what it
-        # holds (HeldSlots), so that a tool that steps an optimizer without state once with zero
+        # holds (held_slots.py), so that a tool that steps an optimizer without state once with zero
         # gradients to create it (torch.distributed.checkpoint's state-dict helpers) never steps
         # the session (a zero gradient still decays momentum and counts a step). Each group's
         # "muond" entry is the section a state dict's groups carry (StateTransfer), there for what
         # keeps only the keys the optimizer's own groups have.
         self.state = collections.defaultdict(dict, {
-            p: HeldSlots(name, i) for i, (name, p) in enumerate(zip(self._names, self._given_params()))})
+            p: held_entry(name, i) for i, (name, p) in enumerate(zip(self._names, self._given_params()))})
         for group in self.param_groups:
             group["muond"] = {"format": STATE_FORMAT}
         self._check_layout(setup)

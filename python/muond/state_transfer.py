@@ -9,9 +9,10 @@ names, groups and step counters, and has no state of its own. Used by one thread
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Tuple
 
 import torch
 
@@ -19,7 +20,7 @@ from . import options as opts
 from . import wire
 from ._stubs import pb
 from .dtensor_params import is_dtensor, local_value
-from .held_slots import HeldSlots
+from .held_slots import held_entry
 from .naming import check_saved_names
 from .transport.daemon_session import copy_in
 
@@ -108,6 +109,8 @@ class StateTransfer(_Core):
         for group in self.param_groups:
             saved = {k: v for k, v in group.items() if k != "params"}
             saved["muond"] = dict(common)
+            if saved.get("partition") is not None:  # plain data, as checkpoints' checks of values ask
+                saved["partition"] = dataclasses.asdict(saved["partition"])
             saved["params"] = list(range(start, start + len(group["params"])))
             start += len(group["params"])
             groups.append(saved)
@@ -180,7 +183,6 @@ class StateTransfer(_Core):
     def _load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """``load_state_dict`` without the hooks."""
         self.flush()
-        self._last_step_record.forget()  # param_groups come from the state dict from here on
         if "muond" not in state_dict and "last_step" in state_dict:
             state_dict = self._from_local_state_dict(state_dict)
         state_dict, resharded = self._in_own_layout(state_dict)
@@ -188,17 +190,6 @@ class StateTransfer(_Core):
         if not meta or meta.get("format") != STATE_FORMAT or "last_step" not in meta:
             raise ValueError("not a RemoteOptimizer or LocalOptimizer state dict (no 'muond' section of "
                              "format 1 with the last step, in it or in its groups; no 'last_step')")
-        missing = [name for i, name in enumerate(self._names) if "master" not in state_dict["state"].get(i, {})]
-        if missing and "rank" not in meta:  # a state dict as a checkpoint hands it back
-            if len(missing) == len(self._names):
-                raise ValueError("the state dict holds no parameter's state: through "
-                                 "torch.distributed.checkpoint with flatten_optimizer_state_dict=True, "
-                                 "the load asks the checkpoint for what opt.state names, which this "
-                                 "optimizer's state_dict() fills in: call get_optimizer_state_dict first "
-                                 "(as a checkpointer does to make what it loads into)")
-            raise ValueError(f"the state dict holds no state of {missing[0]!r} ({len(missing)} parameters): "
-                             f"torch.distributed.checkpoint leaves out the state of parameters that do "
-                             f"not require grad; the session needs every parameter's")
         check_saved_names(meta.get("names"), self._names)
         saved_groups = state_dict["param_groups"]
         self._check_saved_groups(saved_groups)
@@ -209,6 +200,7 @@ class StateTransfer(_Core):
                              f"session with partitioned groups: each rank loads the state dict it "
                              f"saved (through torch.distributed.checkpoint only DTensor parameters' "
                              f"parts, which it reads for each rank)")
+        self._last_step_record.forget()  # param_groups come from the state dict from here on
         if self._async:
             saved_rank = meta.get("rank", self.rank)
             if saved_rank != self.rank:
@@ -232,9 +224,11 @@ class StateTransfer(_Core):
                           "state dict was saved at global step %d; the session's state is kept)",
                           self.session_id, self.rank, self.pushes, session_step,
                           int(meta["last_step"]))
+                self._name_held(state_dict["state"])
                 self._note_parameters()
                 return
         state = state_dict["state"]
+        self._check_every_master(state, meta)
         steps = self._with_chunks_fitted(lambda: self._on_every_session(
             lambda k, session: session.set_state(self._state_header(k, meta, state),
                                                  self._state_chunks(self._indices_of[k], state))))
@@ -248,13 +242,35 @@ class StateTransfer(_Core):
         self._note_parameters()
         self._restore_group_options(saved_groups)
 
+    def _check_every_master(self, state: Dict[int, Dict[str, Any]], meta: Dict[str, Any]) -> None:
+        """ValueError, before anything is sent, when a state dict as torch.distributed.checkpoint's
+        helpers hand it back (it names no rank) lacks a parameter's master: none at all (a flattened
+        load asks for what opt.state names, filled in by this optimizer's state_dict()), or some (the
+        helpers leave out the state of parameters that do not require grad). A value that is no
+        tensor (what a checkpoint lacking the key hands back) counts as missing."""
+        if "rank" in meta:
+            return  # a rank's own state dict: SetState names what it lacks
+        missing = [name for i, name in enumerate(self._names)
+                   if not isinstance(state.get(i, {}).get("master"), torch.Tensor)]
+        if not missing:
+            return
+        if len(missing) == len(self._names):
+            raise ValueError("the state dict holds no parameter's state: through "
+                             "torch.distributed.checkpoint with flatten_optimizer_state_dict=True, "
+                             "the load asks the checkpoint for what opt.state names, which this "
+                             "optimizer's state_dict() fills in: call get_optimizer_state_dict first "
+                             "(as a checkpointer does to make what it loads into)")
+        raise ValueError(f"the state dict holds no state of {missing[0]!r} ({len(missing)} parameters): "
+                         f"torch.distributed.checkpoint leaves out the state of parameters that do "
+                         f"not require grad; the session needs every parameter's")
+
     def _name_held(self, state: Dict[int, Dict[str, Any]]) -> None:
-        """Names in torch's ``state`` what the daemon holds of each parameter (``HeldSlots``), as
+        """Names in torch's ``state`` what the daemon holds of each parameter (held_slots.py), as
         ``state`` (by parameter index) has it."""
         given = self._given_params()
         for i, entry in state.items():
             if isinstance(i, int) and 0 <= i < len(given):
-                self.state[given[i]] = HeldSlots(self._names[i], i, tuple(entry))
+                self.state[given[i]] = held_entry(self._names[i], i, tuple(entry))
 
     def _in_own_layout(self, state_dict: Dict[str, Any]) -> Tuple[Dict[str, Any], bool]:
         """``state_dict`` as ``state_dict()`` makes it, from it or from what
@@ -278,7 +294,7 @@ class StateTransfer(_Core):
                   if self._group_of(name).get("partition") is not None]
         # A rank's own state dict names the rank, which is then checked whatever its tensors.
         resharded = (bool(parted) and "rank" not in (meta or {})
-                     and all(is_dtensor(state.get(i, {}).get("master")) for i in parted))
+                     and all(self._came_as_dtensors(i, state.get(i, {})) for i in parted))
         for i, entry in list(state.items()):
             if not isinstance(i, int) or not 0 <= i < len(self._names):
                 continue
@@ -292,6 +308,18 @@ class StateTransfer(_Core):
                 local[slot] = value
             state[i] = local
         return dict(state_dict, state=state, muond=meta), resharded
+
+    def _came_as_dtensors(self, i: int, entry: Mapping[str, Any]) -> bool:
+        """Whether parameter ``i``'s saved master and every slot cut like it are DTensors placed as
+        the parameter's DTensor is, of its global shape (so each holds the part the checkpoint read
+        for this rank)."""
+        name = self._names[i]
+        dtensor = self._dtensors.dtensor_of(self._by_name[name])
+        if dtensor is None or "master" not in entry:
+            return False
+        return all(is_dtensor(value) and tuple(value.shape) == tuple(dtensor.shape)
+                   and tuple(value.placements) == tuple(dtensor.placements)
+                   for slot, value in entry.items() if slot != "step" and self._is_part(name, slot))
 
     def _from_local_state_dict(self, local: Dict[str, Any]) -> Dict[str, Any]:
         """A ``LocalOptimizer``'s state dict as one of this optimizer's: its slots and step counts

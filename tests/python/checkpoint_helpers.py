@@ -4,9 +4,11 @@ optimizer's ``state_dict()`` and hand back to its ``load_state_dict``, re-enacte
 ``get_optimizer_state_dict`` first steps an optimizer whose ``state`` is empty, or lacks one of its
 parameters, once with zero gradients (here asserted not to be needed), then keys the state and the
 groups' "params" by the model's names of the groups' parameters (matched by identity) and keeps
-only "state" and "param_groups"; with ``flatten_optimizer_state_dict=True`` one key per state value
-("state.<name>.<key>") and per parameter's group entry ("param_groups.<name>.<key>"), and its load
-asks the checkpoint for the keys ``opt.state[p]`` and the optimizer's own groups have.
+only "state" and "param_groups"; ``set_optimizer_state_dict`` checks the state again, then gives
+the optimizer its groups in its own order, each parameter's state (of those that require grad)
+and its saved group's entries. With ``flatten_optimizer_state_dict=True`` the get makes one key per
+state value ("state.<name>.<key>") and per parameter's group entry ("param_groups.<name>.<key>"),
+and the set asks the checkpoint for the keys ``opt.state[p]`` and the optimizer's own groups have.
 ``names_by_id``: ``id(parameter) → name`` of the model's parameters.
 """
 
@@ -28,15 +30,22 @@ def keep_as_get_optimizer_state_dict(opt, names_by_id, flatten=False):
 
 
 def hand_back_as_set_optimizer_state_dict(opt, names_by_id, kept, flatten=False):
-    if not flatten:
-        return kept
+    assert opt.state and all(p in opt.state for g in opt.param_groups for p in g["params"]), \
+        "the helpers would step the optimizer with zero gradients to fill its state"
     state, groups = {}, []
     for group in opt.param_groups:
         out = {"params": []}
         for p in group["params"]:
             name = names_by_id[id(p)]
             out["params"].append(name)
-            state[name] = {key: kept[f"state.{name}.{key}"] for key in opt.state[p]}
-            out.update({k: kept[f"param_groups.{name}.{k}"] for k in group if k != "params"})
+            if flatten:
+                state[name] = {key: kept[f"state.{name}.{key}"] for key in opt.state[p]}
+                out.update({k: kept[f"param_groups.{name}.{k}"] for k in group if k != "params"})
+                continue
+            if p.requires_grad:
+                state[name] = kept["state"][name]
+            for saved in kept["param_groups"]:
+                if name in saved["params"]:
+                    out.update({k: v for k, v in saved.items() if k != "params"})
         groups.append(out)
     return {"state": state, "param_groups": groups}

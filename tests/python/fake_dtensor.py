@@ -35,6 +35,12 @@ class Shard:
     def __repr__(self):
         return f"Shard(dim={self.dim})"
 
+    def __eq__(self, other):  # as DTensor's placements compare
+        return isinstance(other, Shard) and other.dim == self.dim
+
+    def __hash__(self):
+        return hash(("Shard", self.dim))
+
 
 class Mesh:
     ndim = 1

@@ -25,7 +25,7 @@ from muond.transport import framing
 from muond import wire
 
 from checkpoint_helpers import hand_back_as_set_optimizer_state_dict, keep_as_get_optimizer_state_dict
-from fake_dtensor import FakeDTensor
+from fake_dtensor import FakeDTensor, Shard
 from helpers import no_gpu
 from processes import rank_context
 
@@ -161,7 +161,7 @@ def _run_rank(rank, world, endpoint, session, kinds, transport, options, steps, 
                      weight=HSDP_WEIGHTS[replica] if hsdp and world > 1 else None)
             if reload_at is not None and opt.last_step == reload_at:
                 if through_checkpoint:  # "nested" or "flat"
-                    saved = through_a_distributed_checkpoint(opt, reload_at, dtensors, through_checkpoint == "flat")
+                    saved = through_a_distributed_checkpoint(opt, dtensors, through_checkpoint == "flat")
                 else:
                     saved = opt.state_dict()
             if reload_at is not None and opt.last_step == reload_at + 1 and saved is not None:
@@ -184,12 +184,11 @@ def _run_rank(rank, world, endpoint, session, kinds, transport, options, steps, 
         out.put((rank, "error", traceback.format_exc()))
 
 
-def through_a_distributed_checkpoint(opt, saved_at, dtensors, flatten):
-    """``opt``'s state dict (of step ``saved_at``: it is read now) as torch.distributed.checkpoint's
-    helpers save it and hand it back to this rank (checkpoint_helpers.py): the groups hold the
-    DTensors themselves, their masters are DTensors of their global shape, and the rest is
-    one rank's copy (the same on every rank here)."""
-    assert opt.last_step == saved_at
+def through_a_distributed_checkpoint(opt, dtensors, flatten):
+    """``opt``'s state dict (read now) as torch.distributed.checkpoint's helpers save it and hand
+    it back to this rank (checkpoint_helpers.py; a function of the load): the groups hold the
+    DTensors themselves, their masters are DTensors of their global shape, and the rest is one
+    rank's copy (the same on every rank here)."""
     names = {id(p): n for g in opt.param_groups for n, p in zip(g["param_names"], g["params"])}
     for name, d in dtensors.items():
         assert names.get(id(d)) == name, f"the optimizer's groups do not hold the DTensor '{name}'"
@@ -729,6 +728,23 @@ def test_dtensor_parameters_state_dict_upload_and_a_checkpoint_of_plain_parts(en
         assert dtensor.grad is None
         with pytest.raises(ValueError, match="holds rank 1's parts; this optimizer is rank 0"):
             opt.load_state_dict(saved)
+
+
+def test_dtensor_parts_of_no_named_rank_load_only_when_placed_as_their_parameters(endpoint):
+    """A state dict naming no rank (as a distributed checkpoint hands it back) whose partitioned
+    parameters' parts are all DTensors placed as the parameters loads as this rank's; one placed
+    otherwise (Shard(1)) is refused, before anything is sent."""
+    groups, _ = groups_for(1, 0, ["dtensor", None, None, None])
+    with muond.RemoteOptimizer(groups, endpoint=endpoint, session=f"dt-{uuid.uuid4().hex[:6]}", world_size=1,
+                               rank=0) as opt, torch.no_grad():
+        saved = opt.state_dict()
+        kept = {"state": saved["state"], "param_groups": saved["param_groups"]}
+        opt.load_state_dict(kept)
+        master = saved["state"][0]["master"]
+        askew = FakeDTensor.make(master.to_local(), master.shape, 1, 0, Shard(1))
+        kept["state"] = {**saved["state"], 0: dict(saved["state"][0], master=askew)}
+        with pytest.raises(ValueError, match="parts of no known rank"):
+            opt.load_state_dict(kept)
 
 
 def _set_part_grads(opt, world, rank, step):
