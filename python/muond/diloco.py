@@ -531,13 +531,19 @@ class DiLoCo:
         # on without it. An asynchronous answer names the latest global step, whoever pushed it.
         moved_on = not self.asynchronous and info is not None and info.step != sync.sent
         if info is not None and (moved_on or not getattr(info, "included", True)):
+            sync.whole = True
+            if getattr(info, "included", False):
+                # This worker's Δ went into step sync.sent, and the session moved on after it.
+                _log.warning("DiLoCo rank %d: sync step %d was answered after the session moved on "
+                             "to step %d; taking the session's parameters, local progress since "
+                             "the sync is dropped", self.remote.rank, sync.sent, info.step)
+                if quantize.is_quantized(self.wire_dtype):
+                    self._settle_feedback(sync, info)
+                return
             # A quorum step went on without this worker: take the session's parameters whole.
             _log.warning("DiLoCo rank %d: sync step %d went on without this worker (the session "
                          "is at step %d); taking the session's parameters, local progress since "
                          "the last sync is dropped", self.remote.rank, sync.sent, info.step)
-            sync.whole = True
-            if getattr(info, "included", False) and quantize.is_quantized(self.wire_dtype):
-                self._settle_feedback(sync, info)
             return
         if sync.resent and info is not None and info.replayed:
             # The failed try's Δ and weight, applied once whichever try it was; when it was the
@@ -566,7 +572,9 @@ class DiLoCo:
         whole): the Δ sent, carrying the feedback, was applied — this one (the rounding of it is
         kept), or, for a retry answered as a replay, the first try (whose rounding is not known
         here: the feedback, applied with it, is dropped, as ``_retry_was_applied`` drops it).
-        Either way the old feedback is not sent again."""
+        Either way the old feedback is not sent again. (Whether step ``sync.sent`` was skipped
+        is not in such an answer, whose ``applied`` is the later step's: a skipped one's rounding
+        is kept too.)"""
         members = self._members[sync.fragment]
         if sync.retry_of is not None and not sync.resent and info.replayed:
             for i in members:

@@ -10,7 +10,7 @@ once with zero gradients to create it — ``torch.distributed.checkpoint``'s sta
 finds it there and never steps the session; its names are what those helpers'
 ``flatten_optimizer_state_dict=True`` load asks the checkpoint for. The entries are plain dicts of
 non-tensors, so code that walks an optimizer's state to move or count its tensors passes them by.
-Used from the optimizer's thread; a ``HeldOnDaemon`` is immutable.
+Used from the optimizer's thread; a ``HeldOnDaemon`` is not changed once made.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from typing import Any, Dict, Sequence
 
 class HeldOnDaemon:
     """Stands in ``opt.state[p]`` for tensor ``slot`` of parameter ``name`` (number ``index``):
-    any use of it as a tensor raises AttributeError saying where the value is read."""
+    reading any attribute of it as of a tensor (``.norm()``, ``.to(...)``) raises AttributeError
+    saying where the value is read; torch's functions refuse it as no tensor (TypeError)."""
 
     __slots__ = ("name", "index", "slot")
 
@@ -31,7 +32,7 @@ class HeldOnDaemon:
         return f"opt.state_dict()['state'][{self.index}][{self.slot!r}]"
 
     def __getattr__(self, attribute: str) -> Any:
-        if attribute.startswith("__"):
+        if attribute.startswith("__") or attribute in HeldOnDaemon.__slots__:  # (unset: made by copy)
             raise AttributeError(attribute)
         raise AttributeError(f"{self.slot!r} of parameter {self.name!r} is held by the daemon, not in "
                              f"opt.state: {self.where()} reads it")

@@ -193,6 +193,15 @@ class StateTransfer(_Core):
         check_saved_names(meta.get("names"), self._names)
         saved_groups = state_dict["param_groups"]
         self._check_saved_groups(saved_groups)
+        state = state_dict["state"]
+        if self._async:
+            saved_rank = meta.get("rank", self.rank)
+            if saved_rank != self.rank:
+                raise ValueError(f"the state dict was saved by rank {saved_rank}, this optimizer is "
+                                 f"rank {self.rank}: in an asynchronous session a rank's push "
+                                 f"counter is its own")
+        else:  # (an asynchronous load may keep the daemon's state instead: checked below)
+            self._check_every_master(state, meta)
         if self.partitioned and not resharded and (not meta.get("parts") or meta.get("rank") != self.rank):
             held = (f"rank {meta.get('rank')}'s parts" if meta.get("parts") else
                     "whole tensors" if "rank" in meta else "parts of no known rank")
@@ -200,15 +209,10 @@ class StateTransfer(_Core):
                              f"session with partitioned groups: each rank loads the state dict it "
                              f"saved (through torch.distributed.checkpoint only DTensor parameters' "
                              f"parts, which it reads for each rank)")
-        self._last_step_record.forget()  # param_groups come from the state dict from here on
         if self._async:
-            saved_rank = meta.get("rank", self.rank)
-            if saved_rank != self.rank:
-                raise ValueError(f"the state dict was saved by rank {saved_rank}, this optimizer is "
-                                 f"rank {self.rank}: in an asynchronous session a rank's push "
-                                 f"counter is its own")
             session_step = self._sessions[0].refresh()  # never sharded
             if session_step > 0:
+                self._last_step_record.forget()  # param_groups come from the state dict from here on
                 self.last_step = session_step
                 # The saved count, even when the daemon's record (asked on attach) is further: the
                 # rank redoes the work after its save, and those pushes are answered as resends.
@@ -224,11 +228,11 @@ class StateTransfer(_Core):
                           "state dict was saved at global step %d; the session's state is kept)",
                           self.session_id, self.rank, self.pushes, session_step,
                           int(meta["last_step"]))
-                self._name_held(state_dict["state"])
+                self._name_held(state)
                 self._note_parameters()
                 return
-        state = state_dict["state"]
-        self._check_every_master(state, meta)
+            self._check_every_master(state, meta)
+        self._last_step_record.forget()  # param_groups come from the state dict from here on
         steps = self._with_chunks_fitted(lambda: self._on_every_session(
             lambda k, session: session.set_state(self._state_header(k, meta, state),
                                                  self._state_chunks(self._indices_of[k], state))))
@@ -279,8 +283,9 @@ class StateTransfer(_Core):
         groups' "param_names"); the state by parameter index when keyed by what the groups'
         "params" list (the parameters' fully qualified names), by position; DTensor values as their
         local tensors (the parts the checkpoint read for this rank), a flat part in its shape. Also
-        whether, in a state dict that names no rank, every partitioned parameter's master came as
-        a DTensor (its part is then this rank's, whoever saved it)."""
+        whether, in a state dict that names no rank, every partitioned parameter's master and cut
+        slots came as DTensors placed as it is (``_came_as_dtensors``: its parts are then this
+        rank's, whoever saved them)."""
         groups = list(state_dict.get("param_groups") or ())
         meta = state_dict.get("muond")
         if not meta and groups and groups[0].get("muond"):
@@ -311,14 +316,15 @@ class StateTransfer(_Core):
 
     def _came_as_dtensors(self, i: int, entry: Mapping[str, Any]) -> bool:
         """Whether parameter ``i``'s saved master and every slot cut like it are DTensors placed as
-        the parameter's DTensor is, of its global shape (so each holds the part the checkpoint read
-        for this rank)."""
+        the parameter's DTensor is, on its mesh, of its global shape (so each holds the part the
+        checkpoint read for this rank)."""
         name = self._names[i]
         dtensor = self._dtensors.dtensor_of(self._by_name[name])
         if dtensor is None or "master" not in entry:
             return False
         return all(is_dtensor(value) and tuple(value.shape) == tuple(dtensor.shape)
                    and tuple(value.placements) == tuple(dtensor.placements)
+                   and value.device_mesh == dtensor.device_mesh
                    for slot, value in entry.items() if slot != "step" and self._is_part(name, slot))
 
     def _from_local_state_dict(self, local: Dict[str, Any]) -> Dict[str, Any]:

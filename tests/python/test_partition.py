@@ -733,7 +733,8 @@ def test_dtensor_parameters_state_dict_upload_and_a_checkpoint_of_plain_parts(en
 def test_dtensor_parts_of_no_named_rank_load_only_when_placed_as_their_parameters(endpoint):
     """A state dict naming no rank (as a distributed checkpoint hands it back) whose partitioned
     parameters' parts are all DTensors placed as the parameters loads as this rank's; one placed
-    otherwise (Shard(1)) is refused, before anything is sent."""
+    otherwise (Shard(1)) is refused, and so is one without a DTensor parameter's state (the
+    helpers leave out a parameter that does not require grad), naming it."""
     groups, _ = groups_for(1, 0, ["dtensor", None, None, None])
     with muond.RemoteOptimizer(groups, endpoint=endpoint, session=f"dt-{uuid.uuid4().hex[:6]}", world_size=1,
                                rank=0) as opt, torch.no_grad():
@@ -744,6 +745,9 @@ def test_dtensor_parts_of_no_named_rank_load_only_when_placed_as_their_parameter
         askew = FakeDTensor.make(master.to_local(), master.shape, 1, 0, Shard(1))
         kept["state"] = {**saved["state"], 0: dict(saved["state"][0], master=askew)}
         with pytest.raises(ValueError, match="parts of no known rank"):
+            opt.load_state_dict(kept)
+        kept["state"] = {i: e for i, e in saved["state"].items() if i != 0}
+        with pytest.raises(ValueError, match=f"no state of '{opt._names[0]}'"):  # pylint: disable=protected-access
             opt.load_state_dict(kept)
 
 

@@ -89,6 +89,9 @@ def test_a_state_dict_loads_as_torch_distributed_checkpoint_hands_it_back(endpoi
         frozen = dict(loaded, state={k: v for k, v in loaded["state"].items() if k != first})
         with pytest.raises(ValueError, match=f"no state of '{first}'"):
             opt2.load_state_dict(frozen)
+        lacking = dict(loaded, state={**loaded["state"], first: dict(loaded["state"][first], master={})})
+        with pytest.raises(ValueError, match=f"no state of '{first}'"):  # what a checkpoint lacking it hands back
+            opt2.load_state_dict(lacking)
         loaded = hand_back_as_set_optimizer_state_dict(opt2, names2, loaded)
     assert opt2.last_step == 0
     opt2.load_state_dict(loaded)
