@@ -36,62 +36,19 @@ from . import quantize, wire
 from .optimizer import RemoteOptimizer
 from .diloco_arguments import (check_alpha, check_count, check_tokens, fold_own_arguments,
                                label_fragments, workers_of)
+from .diloco_layout import OUTER_SGD, muon_outer_groups, split_fragments
 from .errors import MuondError
-from .param_groups import default_param_groups
 
 __all__ = ["ASYNC_OUTER_MOMENTUM", "DiLoCo", "OUTER_SGD", "muon_outer_groups", "split_fragments"]
 
 _log = logging.getLogger("muond")
 _STATE_FORMAT = 1
 
-# DiLoCo's outer optimizer (arXiv 2311.08105, torchft's values): Nesterov SGD, lr 0.7, momentum 0.9.
-OUTER_SGD: Dict[str, Any] = {"optimizer": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True}
 # Asynchronous DiLoCo's default outer momentum in place of OUTER_SGD's 0.9: stale pushes act as
 # momentum of their own, which 0.9 adds to (docs/diloco.md, Asynchronous outer steps, Outer momentum).
 ASYNC_OUTER_MOMENTUM = 0.5
 
 OuterSpec = Union[None, str, Mapping[str, Any], Sequence[Mapping[str, Any]]]
-
-
-def muon_outer_groups(model: nn.Module, *, muon: Optional[Mapping[str, Any]] = None,
-                      sgd: Optional[Mapping[str, Any]] = None,
-                      head: Optional[Iterable[Any]] = None) -> List[Dict[str, Any]]:
-    """Outer groups with Muon for the hidden matrices and Nesterov SGD for the rest.
-
-    The split is ``muond.default_param_groups``' (embeddings, the output head and parameters with
-    fewer than 2 dimensions leave Muon). ``muon``: options of the Muon group (muond's Muon
-    defaults otherwise; no published outer-Muon setting exists, so tune its ``lr``). ``sgd``:
-    options of the SGD group over ``OUTER_SGD``. Give the result to ``DiLoCo(outer=...)``."""
-    groups = []
-    for group in default_param_groups(model, head=head):
-        if group["optimizer"] == "muon":
-            groups.append({**group, **dict(muon or {}), "optimizer": "muon"})
-        else:
-            groups.append({"params": group["params"], "param_names": group["param_names"],
-                           **OUTER_SGD, **dict(sgd or {})})
-    return groups
-
-
-def split_fragments(sizes: Sequence[int], fragments: int) -> List[int]:
-    """The fragment of each parameter, given the parameters' element counts in order:
-    ``fragments`` (F) contiguous runs of the list, each holding at least one parameter, of about
-    equal size. Walking the list in order, the current fragment f closes before parameter i when
-    the middle of parameter i lies at or past (f + 1)/F of all elements, or when the parameters
-    left are exactly as many as the fragments still to open."""
-    count = len(sizes)
-    total = sum(sizes)
-    owner: List[int] = []
-    current, before, filled = 0, 0, 0
-    for i, size in enumerate(sizes):
-        to_open = fragments - 1 - current
-        middle_past = (2 * before + size) * fragments >= 2 * total * (current + 1)
-        if filled and to_open > 0 and (count - i == to_open or middle_past):
-            current += 1
-            filled = 0
-        owner.append(current)
-        filled += 1
-        before += size
-    return owner
 
 
 class _Sync:

@@ -79,9 +79,10 @@ class StateTransfer(_Core):
         for (name, slot), tensor in ((key, t) for _, tensors in parts for key, t in tensors.items()):
             entry = state.setdefault(index[name], {})
             slot = slot or "master"
-            value = tensor.view(self._tensor_shape(name, slot)).to(self._storage_dtype(name, slot))
+            shape, is_part = self._slot_layout(name, slot)
+            value = tensor.view(shape).to(self._storage_dtype(name, slot))
             # A DTensor parameter's part (its master and the slots cut like it) as a DTensor.
-            entry[slot] = self._dtensors.as_saved(self._by_name[name], value) if self._is_part(name, slot) else value
+            entry[slot] = self._dtensors.as_saved(self._by_name[name], value) if is_part else value
         for name, i in index.items():
             state.setdefault(i, {})["step"] = counts.get(name, 0)
         self._name_held(state)
