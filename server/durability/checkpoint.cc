@@ -193,6 +193,48 @@ absl::StatusOr<CheckpointPartsWritten> ReadPartsWritten(const json& parts, const
   return written;
 }
 
+// checkpoint.json's "contributors": [[step, total_weight, [rank, ...]], ...], steps ascending and
+// none past `last_step`, weights finite and positive, ranks ascending. Whether the ranks fit the
+// session is for the session to judge (Session::ImportState).
+absl::StatusOr<std::vector<CheckpointContributors>> ReadContributors(const json& records, int64_t last_step,
+                                                                     const std::string& metadata_file) {
+  if (!records.is_array() || records.size() > kMaxCheckpointContributorSteps) {
+    return CheckpointCorrupt(metadata_file, absl::StrCat("contributors is not a list of at most ",
+                                                         kMaxCheckpointContributorSteps, " steps"));
+  }
+  auto is_rank = [](const json& r) {
+    return r.is_number_integer() && r.get<int64_t>() >= 0 && r.get<int64_t>() <= kMaxCheckpointRank;
+  };
+  std::vector<CheckpointContributors> out;
+  for (const json& record : records) {
+    const bool typed = record.is_array() && record.size() == 3 && record[0].is_number_integer() &&
+                       record[1].is_number() && record[2].is_array() && !record[2].empty() &&
+                       std::all_of(record[2].begin(), record[2].end(), is_rank);
+    if (!typed) {
+      return CheckpointCorrupt(metadata_file, "a contributors record is not [step, total_weight, [rank, ...]]");
+    }
+    const int64_t previous = out.empty() ? 0 : out.back().step;
+    CheckpointContributors& c = out.emplace_back();
+    c.step = record[0].get<int64_t>();
+    c.total_weight = record[1].get<double>();
+    for (const json& rank : record[2]) c.ranks.push_back(rank.get<int>());
+    if (c.step <= previous || c.step > last_step) {
+      return CheckpointCorrupt(metadata_file,
+                               absl::StrCat("contributors names step ", c.step,
+                                            "; its steps must ascend, from 1 to last_step (", last_step, ")"));
+    }
+    if (!(c.total_weight > 0 && std::isfinite(c.total_weight))) {
+      return CheckpointCorrupt(
+          metadata_file, absl::StrCat("the total_weight of step ", c.step, "'s contributors is not a positive number"));
+    }
+    if (std::adjacent_find(c.ranks.begin(), c.ranks.end(), std::greater_equal<int>()) != c.ranks.end()) {
+      return CheckpointCorrupt(metadata_file,
+                               absl::StrCat("step ", c.step, "'s contributors are not ranks in ascending order"));
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 absl::Status WriteCheckpoint(Env* env, const std::string& dir, const CheckpointData& data) {
@@ -263,6 +305,11 @@ absl::Status WriteCheckpoint(Env* env, const std::string& dir, const CheckpointD
     }
     metadata["last_overrides"] = std::move(overrides);
   }
+  if (!data.contributors.empty()) {
+    json records = json::array();
+    for (const CheckpointContributors& c : data.contributors) records.push_back({c.step, c.total_weight, c.ranks});
+    metadata["contributors"] = std::move(records);
+  }
   metadata["metadata_sha256"] = MetadataDigest(metadata);
   // Compact: an indented spec of many explicit ranges takes ten times the bytes.
   const std::string text = metadata.dump() + "\n";
@@ -302,6 +349,9 @@ absl::Status CheckCheckpointRoom(absl::string_view spec_json, const std::vector<
   bytes += static_cast<uint64_t>(std::max(world_size, 1)) * (3 * kNumber + 8 + kSkipReason + longest_name) +
            static_cast<uint64_t>(std::max(world_size, 1)) * kNumber;  // and its rank in parts_written
   bytes += 64 + kNumber + kSkipReason + longest_name;                 // the last step's decision
+  if (world_size > 1) {  // the contributors of the last steps: a step, a weight and every rank each
+    bytes += kMaxCheckpointContributorSteps * (8 + 2 * kNumber + static_cast<uint64_t>(world_size) * 8);
+  }
   // The last step's overrides: at most one entry per group, its name (as in the spec) and five numbers.
   constexpr uint64_t kOverrideEntry = 64 + 5 * (16 + 32);  // {"group":…, "weight_decay":<a double>, …}
   if (spec.is_object() && spec.contains("groups") && spec["groups"].is_array()) {
@@ -425,6 +475,10 @@ absl::StatusOr<CheckpointData> ReadCheckpoint(Env* env, const std::string& dir, 
     // The session's to read (session::DecodeOverrides), as a journal record's request is; what it
     // cannot use it drops as unknown, since the record only informs an attach's answer.
     data.last_overrides = overrides->dump();
+  }
+
+  if (auto contributors = metadata.find("contributors"); contributors != metadata.end()) {
+    MUOND_ASSIGN_OR_RETURN(data.contributors, ReadContributors(*contributors, data.last_step, metadata_file));
   }
 
   const std::string tensor_name = StringField(*tensors, "file");

@@ -72,6 +72,18 @@ struct CheckpointLastDecision {
   std::string skip_reason;  // at most kMaxCheckpointSkipReason bytes
 };
 
+// Who took part in one of a session's recent steps (session::StepContributors; checkpoint.json's
+// "contributors": [[step, total_weight, [rank, ...]], ...], steps ascending): a resend of the step
+// after a restore is told whether its gradients were used.
+struct CheckpointContributors {
+  int64_t step = 0;
+  double total_weight = 0;
+  std::vector<int> ranks;  // ascending, each in [0, kMaxCheckpointRank]
+};
+// The most steps a checkpoint names the contributors of, and the largest rank it can name.
+inline constexpr size_t kMaxCheckpointContributorSteps = 64;
+inline constexpr int kMaxCheckpointRank = (1 << 20) - 1;
+
 struct CheckpointData {
   std::string session_id;
   std::string owner;      // the identity that created the session; empty without authentication
@@ -98,6 +110,10 @@ struct CheckpointData {
   // JSON text whatever it holds: session::DecodeOverrides reads it, as it reads journal records);
   // absent in a checkpoint of an earlier version.
   std::optional<std::string> last_overrides;
+  // Sessions of several gathering ranks: the contributors of the last steps taken, oldest first
+  // (at most kMaxCheckpointContributorSteps, none after last_step); empty in a checkpoint of an
+  // earlier version and after a SetState.
+  std::vector<CheckpointContributors> contributors;
 };
 
 inline constexpr char kCheckpointMetadataFile[] = "checkpoint.json";

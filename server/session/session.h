@@ -57,6 +57,10 @@ namespace muond::session {
 
 class Session {
  public:
+  // How many of its last steps a session of several gathering ranks remembers the contributors of
+  // (answering a resend whether its gradients were used); checkpoints keep them.
+  static constexpr size_t kRememberedSteps = 64;
+
   // `owner` is the identity of the caller that created the session ("" without authentication).
   static absl::StatusOr<std::unique_ptr<Session>> Create(std::string id, SessionConfig config,
                                                          kernels::Backend* backend, std::string owner = "");
@@ -192,7 +196,11 @@ class Session {
   // for a quorum step no longer remembered).
   bool IncludedLocked(int64_t step, int rank) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // A gathered step's contributors, remembered for the last kRememberedSteps steps.
-  void RememberContributorsLocked(int64_t step, std::vector<int> contributors) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RememberContributorsLocked(StepContributors contributors) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // OK when a restored record of contributors fits the session and a state of `last_step`.
+  absl::Status CheckContributors(const std::vector<StepContributors>& contributors, int64_t last_step) const;
+  // What ExportState keeps of them: the remembered steps' of a session of several gathering ranks.
+  std::optional<std::vector<StepContributors>> RememberedContributorsLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Which step `request` is: ClassifyLocked on the global step, or for an asynchronous session the
   // rank's next push, a resend of its last one, or refused.
   absl::StatusOr<StepKind> ClassifyRequestLocked(const StepRequest& request) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
@@ -373,8 +381,7 @@ class Session {
   // Asynchronous sessions: each rank's last push (its number, the global step it became and its
   // staleness), by rank; checkpointed (SessionState::pushes).
   std::vector<PushRecord> pushes_ ABSL_GUARDED_BY(mu_);
-  static constexpr size_t kRememberedSteps = 64;
-  std::map<int64_t, std::vector<int>> contributors_ ABSL_GUARDED_BY(mu_);  // by step, the last kRememberedSteps
+  std::map<int64_t, StepContributors> contributors_ ABSL_GUARDED_BY(mu_);  // by step, the last kRememberedSteps
   // The dynamic loss scaler's state, for a session whose spec has one; advanced by every applied
   // or skipped step (optim::UpdateLossScale), exported with the state.
   std::optional<optim::LossScalerState> loss_scaler_ ABSL_GUARDED_BY(mu_);

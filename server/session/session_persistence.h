@@ -41,6 +41,14 @@ struct LastDecision {
   std::string skip_reason;
 };
 
+// Who took part in one of the session's steps: the ranks whose gradients it used (ascending) and
+// the sum of their weights.
+struct StepContributors {
+  int64_t step = 0;
+  std::vector<int> ranks;
+  double total_weight = 0;
+};
+
 struct SessionState {
   int64_t last_step = 0;
   std::vector<int64_t> step_counts;  // per parameter
@@ -59,6 +67,11 @@ struct SessionState {
   // step was taken or restored with them; empty at step 0. Kept by checkpoints, not carried by
   // GetState/SetState; on import, absent leaves them unknown.
   std::optional<std::vector<GroupOverride>> last_overrides;
+  // A session of several gathering ranks: the contributors of its last steps, oldest first (at most
+  // Session::kRememberedSteps). Kept by checkpoints, not carried by GetState/SetState; on import,
+  // absent leaves them unknown (a quorum session then answers a resend of those steps `included`
+  // false).
+  std::optional<std::vector<StepContributors>> contributors;
 };
 
 class SessionPersistence {

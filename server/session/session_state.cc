@@ -1,6 +1,7 @@
 // Session: state in and out — tensor shapes, ExportState and ImportState (checked in full before
 // anything is written), and the session's durability (persistence, checkpoints). See session.h.
 #include <algorithm>
+#include <cmath>
 #include <memory>
 #include <optional>
 #include <string>
@@ -53,6 +54,7 @@ absl::StatusOr<SessionState> Session::ExportStateLocked() const {
     state.last_decision = LastDecision{last_result_.applied, last_result_.grad_norm, last_result_.skip_reason};
   }
   state.last_overrides = last_overrides_;
+  state.contributors = RememberedContributorsLocked();
   for (size_t i = 0; i < params_.size(); ++i) {
     const optim::ParamState& param = params_[i];
     state.step_counts.push_back(param.step_count);
@@ -98,6 +100,31 @@ absl::StatusOr<std::string> Session::DifferenceFromLoadedLocked(int rank, const 
   return std::string();
 }
 
+absl::Status Session::CheckContributors(const std::vector<StepContributors>& contributors, int64_t last_step) const {
+  if (config_.world_size == 1 || config_.sync.mode == SyncMode::kAsync) {
+    return absl::InvalidArgumentError("contributors: the session's steps are not gathered from several ranks");
+  }
+  if (contributors.size() > kRememberedSteps) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("contributors: ", contributors.size(), " steps; at most ", kRememberedSteps, " are kept"));
+  }
+  int64_t previous = 0;
+  for (const StepContributors& c : contributors) {
+    const bool ranks_fit = !c.ranks.empty() && std::is_sorted(c.ranks.begin(), c.ranks.end()) &&
+                           std::adjacent_find(c.ranks.begin(), c.ranks.end()) == c.ranks.end() &&
+                           c.ranks.front() >= 0 && c.ranks.back() < config_.world_size;
+    if (c.step <= previous || c.step > last_step || !ranks_fit || !(c.total_weight > 0) ||
+        !std::isfinite(c.total_weight)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("contributors: the record of step ", c.step, " (", c.ranks.size(), " ranks, total weight ",
+                       c.total_weight, ") does not fit a session of ", config_.world_size, " ranks at step ", last_step,
+                       " (steps ascending, ranks ascending and below world_size, a ", "positive weight)"));
+    }
+    previous = c.step;
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Session::ImportState(SessionState state, int rank) {
   MUOND_RETURN_IF_ERROR(CheckStepNumber("header.last_step", state.last_step, 0));
   if (state.step_counts.size() != config_.parameters.size()) {
@@ -133,6 +160,7 @@ absl::Status Session::ImportState(SessionState state, int rank) {
     }
     MUOND_RETURN_IF_ERROR(optim::ValidateLossScalerState(*config_.loss_scaler, *state.loss_scaler));
   }
+  if (state.contributors.has_value()) MUOND_RETURN_IF_ERROR(CheckContributors(*state.contributors, state.last_step));
   if (state.last_overrides.has_value()) {
     // A checkpoint's record of the last step's overrides: values that step could have been sent
     // with, or dropped as unknown (only an attach's answer reads them; the session stands).
@@ -271,6 +299,16 @@ absl::Status Session::ImportState(SessionState state, int rank) {
   last_result_ = StepResult();
   last_result_.step = last_step_;
   last_result_.applied = true;
+  // Who took part in the steps before: a restored checkpoint's record, or unknown (a SetState's state
+  // is another history).
+  contributors_.clear();
+  for (StepContributors& c : state.contributors.value_or(std::vector<StepContributors>())) {
+    if (c.step == last_step_) {
+      last_result_.contributors = c.ranks;
+      last_result_.total_weight = c.total_weight;
+    }
+    RememberContributorsLocked(std::move(c));
+  }
   last_result_.loss_scale = loss_scaler_.has_value() ? loss_scaler_->scale : 0.0;
   // A restored checkpoint keeps how its last step went; a SetState's state does not say.
   last_decision_known_ = state.last_decision.has_value() || last_step_ == 0;

@@ -130,12 +130,22 @@ absl::StatusOr<StepOutcome> Session::ReplayOutcomeLocked(const StepRequest& requ
 bool Session::IncludedLocked(int64_t step, int rank) const {
   auto it = contributors_.find(step);
   if (it == contributors_.end()) return config_.sync.mode != SyncMode::kQuorum;
-  return std::binary_search(it->second.begin(), it->second.end(), rank);
+  return std::binary_search(it->second.ranks.begin(), it->second.ranks.end(), rank);
 }
 
-void Session::RememberContributorsLocked(int64_t step, std::vector<int> contributors) {
+void Session::RememberContributorsLocked(StepContributors contributors) {
+  const int64_t step = contributors.step;
   contributors_[step] = std::move(contributors);
   while (contributors_.size() > kRememberedSteps) contributors_.erase(contributors_.begin());
+}
+
+std::optional<std::vector<StepContributors>> Session::RememberedContributorsLocked() const {
+  if (config_.world_size == 1 || config_.sync.mode == SyncMode::kAsync) return std::nullopt;  // one rank a step
+  std::vector<StepContributors> out;
+  for (const auto& [step, contributors] : contributors_) {
+    if (step <= last_step_) out.push_back(contributors);
+  }
+  return out;
 }
 
 absl::StatusOr<std::unique_ptr<IncomingStep>> Session::BeginStep(StepRequest request) {
@@ -519,7 +529,7 @@ absl::StatusOr<StepOutcome> Session::ApplyRecordedLocked(const StepPlan& plan, s
     for (int r = 0; r < config_.world_size; ++r) result.contributors.push_back(r);
     result.total_weight = config_.world_size == 1 ? plan.request.weight : config_.world_size;
   }
-  RememberContributorsLocked(result.step, result.contributors);
+  RememberContributorsLocked(StepContributors{result.step, result.contributors, result.total_weight});
   last_step_ = result.step;
   last_result_ = result;
   last_decision_known_ = true;

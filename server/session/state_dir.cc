@@ -50,6 +50,9 @@ absl::Status CheckMastersHaveTheSpecsShapes(const SessionConfig& config, const d
   return absl::OkStatus();
 }
 
+static_assert(Session::kRememberedSteps <= durability::kMaxCheckpointContributorSteps,
+              "a checkpoint keeps every remembered step's contributors");
+
 // The checkpoint's tensors in the session's terms, each checked against the shapes the session's
 // spec gives them.
 absl::StatusOr<SessionState> StateFromCheckpoint(durability::CheckpointData& data, const Session& session,
@@ -69,6 +72,12 @@ absl::StatusOr<SessionState> StateFromCheckpoint(durability::CheckpointData& dat
   if (data.last_decision.has_value()) {
     state.last_decision =
         LastDecision{data.last_decision->applied, data.last_decision->grad_norm, data.last_decision->skip_reason};
+  }
+  if (!data.contributors.empty()) {  // a checkpoint of several gathering ranks (ImportState checks it)
+    std::vector<StepContributors>& contributors = state.contributors.emplace();
+    for (durability::CheckpointContributors& c : data.contributors) {
+      contributors.push_back(StepContributors{c.step, std::move(c.ranks), c.total_weight});
+    }
   }
   if (data.last_overrides.has_value()) {
     // Only an attach's answer reads it: a record that does not decode is dropped as unknown (the
@@ -200,6 +209,9 @@ durability::CheckpointData CheckpointOf(const Session& session, SessionState sta
         state.last_decision->applied, state.last_decision->grad_norm, state.last_decision->skip_reason};
   }
   if (state.last_overrides.has_value()) data.last_overrides = EncodeOverrides(*state.last_overrides);
+  for (const StepContributors& c : state.contributors.value_or(std::vector<StepContributors>())) {
+    data.contributors.push_back(durability::CheckpointContributors{c.step, c.total_weight, c.ranks});
+  }
   if (state.parts_written.has_value()) {
     const PartsWritten& written = *state.parts_written;
     durability::CheckpointPartsWritten& parts = data.parts_written.emplace();

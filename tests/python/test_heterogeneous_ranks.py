@@ -384,13 +384,12 @@ def test_quorum_through_daemon_restarts(start_daemon, endpoint, rank_processes, 
     restart(crash=False)
     after = one_rank(endpoint, applied)
     info, last_step, params = ranks[0].step(2)
-    assert not info["included"] and last_step == 2
+    assert not info["included"] and last_step == 2 and info["contributors"] == (1, 2)
     assert_params(params, after, "late rank 0 after the clean restart")
-    # Restored from a checkpoint, the daemon no longer knows who contributed to step 2: a retry
-    # of a rank that did is answered included = False too, with the same parameters.
+    # The checkpoint keeps who contributed to step 2: rank 1, which did, retries and is told so.
     info, last_step, params = ranks[1].resend(2)
-    assert info["replayed"] and not info["included"] and last_step == 2
-    assert info["contributors"] == () and info["total_weight"] == 0.0
+    assert info["replayed"] and info["included"] and last_step == 2
+    assert info["contributors"] == (1, 2) and info["total_weight"] == 2.0
     assert_params(params, after, "rank 1's retry after the clean restart")
 
     # Step 3 goes on as usual; nothing was lost or applied twice.

@@ -205,6 +205,42 @@ TEST_F(CheckpointTest, TheLastDecisionRoundTripsAndAnotherShapeIsRefused) {
   }
 }
 
+// The last steps' contributors round-trip, every bit of a weight kept; absent (a one-rank session,
+// an earlier version), they read as none; a record of another shape or out of order is refused.
+TEST_F(CheckpointTest, TheContributorsRoundTripAndAnotherShapeIsRefused) {
+  ASSERT_OK_AND_ASSIGN(CheckpointData read, ReadCheckpoint(Env::Default(), dir_));
+  EXPECT_TRUE(read.contributors.empty());
+  data_.contributors = {{.step = 5, .total_weight = 0.30000000000000004, .ranks = {0, 2}},
+                        {.step = 7, .total_weight = 3, .ranks = {0, 1, 2}}};
+  ASSERT_OK(WriteCheckpoint(Env::Default(), dir_, data_));
+  const json written =
+      json::parse(Env::Default()->ReadFile(dir_ + "/" + kCheckpointMetadataFile, kNoReadLimit).value());
+  EXPECT_EQ(written["contributors"], json::parse("[[5, 0.30000000000000004, [0, 2]], [7, 3.0, [0, 1, 2]]]"));
+  ASSERT_OK_AND_ASSIGN(read, ReadCheckpoint(Env::Default(), dir_));
+  ASSERT_EQ(read.contributors.size(), 2u);
+  EXPECT_EQ(read.contributors[0].step, 5);
+  EXPECT_EQ(read.contributors[0].total_weight, 0.30000000000000004);
+  EXPECT_EQ(read.contributors[0].ranks, (std::vector<int>{0, 2}));
+  EXPECT_EQ(read.contributors[1].step, 7);
+  EXPECT_EQ(read.contributors[1].ranks, (std::vector<int>{0, 1, 2}));
+
+  json too_many = json::array();
+  for (int step = 1; step <= static_cast<int>(kMaxCheckpointContributorSteps) + 1; ++step) {
+    too_many.push_back({step, 1.0, {0}});
+  }
+  for (const json& records :
+       {json(3), json::parse("[[5, 1.0]]"), json::parse("[[5, \"1\", [0]]]"), json::parse("[[5, 1.0, []]]"),
+        json::parse("[[5, 1.0, [-1]]]"), json::parse("[[5, 1.0, [1048576]]]"), json::parse("[[5.5, 1.0, [0]]]"),
+        json::parse("[[5, 1.0, [\"0\"]]]"), json::parse("[[6, 1.0, [0]], [5, 1.0, [0]]]"),
+        json::parse("[[5, 1.0, [0]], [5, 1.0, [1]]]"), json::parse("[[0, 1.0, [0]]]"), json::parse("[[8, 1.0, [0]]]"),
+        json::parse("[[5, 0.0, [0]]]"), json::parse("[[5, -2.0, [0]]]"), json::parse("[[5, 1.0, [1, 0]]]"),
+        json::parse("[[5, 1.0, [1, 1]]]"), too_many}) {
+    EditMetadata([&](json& m) { m["contributors"] = records; });
+    EXPECT_THAT(ReadCheckpoint(Env::Default(), dir_), StatusIs(absl::StatusCode::kDataLoss, "contributors"))
+        << records.dump();
+  }
+}
+
 TEST_F(CheckpointTest, AlteredOrTruncatedFilesAreRefusedNamingThem) {
   const std::string path = dir_ + "/" + kCheckpointMetadataFile;
   std::string text = Env::Default()->ReadFile(path, kNoReadLimit).value();
