@@ -29,7 +29,8 @@ class StepInfo:
     # The ranks whose gradients the step used (ascending) and the sum of their weights
     # (``step(weight=)``, 1 each by default); one rank: (0,) and its weight. Empty and 0 when the
     # daemon does not say: one older than weights and quorum steps, or the answer to a retry of a
-    # step from before the daemon was restored from a checkpoint.
+    # step whose contributors it does not know (restored from a checkpoint of an older daemon, or
+    # after a ``load_state_dict``; a one-rank session restored from a checkpoint).
     contributors: Tuple[int, ...] = (0,)
     total_weight: float = 1.0
     # Whether this rank's gradients were among them. False: a quorum step went on without this
@@ -105,9 +106,9 @@ def rank_report(result: Any, quorum: bool) -> Tuple[Tuple[int, ...], float, bool
     """(contributors, total_weight, included) of a daemon's ``StepResult`` for a session in quorum
     mode or not. Without contributors the daemon does not know them: it is older than weights and
     quorum steps (it applied the plain mean of every rank's gradients in lock-step: this rank was
-    included; its ``included`` field reads false as unset), or it answers a retry of a step from
-    before its restore from a checkpoint — included in a lock-step session, and in a quorum
-    session what the daemon says (false: it cannot tell)."""
+    included; its ``included`` field reads false as unset), or it answers a retry of a step whose
+    contributors it does not know (docs/ranks.md, Daemon restarts) — included in a lock-step
+    session, and in a quorum session what the daemon says (false when it cannot tell)."""
     if result.contributors:
         return tuple(int(r) for r in result.contributors), float(result.total_weight), bool(result.included)
     included = bool(result.included) if quorum and result.replayed else True

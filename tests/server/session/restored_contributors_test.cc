@@ -155,13 +155,29 @@ TEST_F(RestoredContributorsTest, ALockStepReplayAfterACheckpointRestoreNamesItsC
   EXPECT_EQ(resent.result.total_weight, 1.5);
 }
 
+TEST_F(RestoredContributorsTest, AOneRankQuorumReplayAfterACheckpointRestoreIsIncluded) {
+  v1::SessionSpec spec = QuorumSpec();
+  spec.set_world_size(1);
+  spec.mutable_sync()->set_min_ranks(1);
+  StepAndCheckpoint(spec, /*ranks=*/1);
+  EXPECT_FALSE(Metadata().contains("contributors")) << "one rank takes every step alone";
+  ASSERT_OK(Restore());
+  ASSERT_OK_AND_ASSIGN(std::shared_ptr<Session> restored, registry_->Find("q"));
+  ASSERT_OK_AND_ASSIGN(StepOutcome resent, RunStep(*restored, RankRequest(1, 0, 1.0), Gradients(1)));
+  EXPECT_TRUE(resent.result.replayed);
+  EXPECT_TRUE(resent.result.included);
+}
+
 TEST_F(RestoredContributorsTest, ARecordThatDoesNotFitTheSessionIsRefusedNamingIt) {
   StepAndCheckpoint(QuorumSpec(), /*ranks=*/2);
-  for (const char* record : {"[[1, 1.5, [0, 3]]]", "[[1, 1.5, [0, 1]], [2, 1.0, [1]]]"}) {
+  const std::pair<const char*, const char*> refused[] = {
+      {"[[1, 1.5, [0, 3]]]", "contributors: the record of step 1 (2 ranks, total weight 1.5) does not fit"},
+      {"[[1, 1.5, [0, 1]], [2, 1.0, [1]]]", "contributors names step 2; its steps must ascend"}};
+  for (const auto& [record, why] : refused) {
     SCOPED_TRACE(record);
     EditCheckpoint([&](nlohmann::json& m) { m["contributors"] = nlohmann::json::parse(record); });
     EXPECT_THAT(LoadSession(Options(), root_ + "/q", backend_.get(), codec_, SpecLimits{}),
-                StatusIs(absl::StatusCode::kDataLoss, "contributors"));
+                StatusIs(absl::StatusCode::kDataLoss, why));
   }
   // Nor does a one-rank session's checkpoint carry one.
   EditCheckpoint([](nlohmann::json& m) {
