@@ -2,9 +2,10 @@
 // CallScope (Serve: --rpc-timeout watch, authentication, metrics, the refusal's log line and the one
 // conversion to a gRPC status), converts its request into the session layer's types and hands the
 // work to the SessionRegistry / Session; a step goes through the transport seam
-// (transport::RunStep over the gRPC stream's source and sink). Step is served over raw byte buffers
-// (its handler is replaced at construction) so that tensor payloads are never copied into protobuf
-// strings; its messages keep their protobuf encoding on the wire.
+// (transport::RunStep over the gRPC stream's source and sink). Every call is served over raw byte
+// buffers (the generated handlers are replaced at construction, byte_buffer_calls.h): a request
+// protobuf refuses is answered naming its field, and Step's tensor payloads are never copied into
+// protobuf strings; the messages keep their protobuf encoding on the wire.
 //
 // Handlers: session_handlers.cc (server info, create, close, list, checkpoint), tensor_handlers.cc
 // (upload, step, get parameters), state_handlers.cc (get and set state, the state digest),
@@ -16,6 +17,7 @@
 #include <cstddef>
 #include <memory>
 #include <string>
+#include <string_view>
 
 #include "absl/time/time.h"
 #include "grpcpp/support/byte_buffer.h"
@@ -23,6 +25,7 @@
 #include "muond/v1/muond.grpc.pb.h"
 #include "proto/wire/chunk_frame.h"
 #include "server/metrics/metrics.h"
+#include "server/rpc/byte_buffer_calls.h"
 #include "server/rpc/call_scope.h"
 #include "server/security/token_table.h"
 #include "server/session/session_registry.h"
@@ -68,7 +71,7 @@ class MuondService final : public v1::Muond::Service {
         options_(options),
         calls_(options.rpc_timeout, options.tokens, options.metrics, options.max_calls_per_caller),
         answer_slices_(wire::SlicePool::Create(options.default_chunk_bytes)) {
-    ServeStepOverByteBuffers();
+    ServeOverByteBuffers();
   }
 
   // Waits until no call is in flight, or `limit` passes; true when idle. For shutdown.
@@ -79,18 +82,15 @@ class MuondService final : public v1::Muond::Service {
                              v1::CreateSessionResponse*) override;
   grpc::Status CloseSession(grpc::ServerContext*, const v1::CloseSessionRequest*, v1::CloseSessionResponse*) override;
   grpc::Status ListSessions(grpc::ServerContext*, const v1::ListSessionsRequest*, v1::ListSessionsResponse*) override;
-  grpc::Status UploadParameters(grpc::ServerContext*, grpc::ServerReader<v1::UploadParametersRequest>*,
-                                v1::UploadParametersResponse*) override;
-  // Step, over byte buffers (StepRequest in, StepResponse out).
-  grpc::Status StepOverByteBuffers(grpc::ServerContext*, grpc::ServerReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>*);
-  // StepWhole, over byte buffers (one StepMessages in, one StepAnswers out): the same step as Step's.
-  grpc::Status StepWholeOverByteBuffers(grpc::ServerContext*,
-                                        grpc::ServerReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>*);
-  grpc::Status GetParameters(grpc::ServerContext*, const v1::GetParametersRequest*,
-                             grpc::ServerWriter<v1::GetParametersResponse>*) override;
-  grpc::Status GetState(grpc::ServerContext*, const v1::GetStateRequest*,
-                        grpc::ServerWriter<v1::GetStateResponse>*) override;
-  grpc::Status SetState(grpc::ServerContext*, grpc::ServerReader<v1::SetStateRequest>*, v1::SetStateResponse*) override;
+  // The streaming calls, over byte buffers (UploadParameters and SetState: ServeClientStream over
+  // DoUpload and DoSetState). Step: StepRequest in, StepResponse out.
+  grpc::Status StepOverByteBuffers(grpc::ServerContext*, ByteBufferStream*);
+  // StepWhole: one StepMessages in, one StepAnswers out; the same step as Step's.
+  grpc::Status StepWholeOverByteBuffers(grpc::ServerContext*, ByteBufferStream*);
+  // GetParameters: one GetParametersRequest in, GetParametersResponse messages out.
+  grpc::Status GetParametersOverByteBuffers(grpc::ServerContext*, ByteBufferStream*);
+  // GetState: one GetStateRequest in, GetStateResponse messages out.
+  grpc::Status GetStateOverByteBuffers(grpc::ServerContext*, ByteBufferStream*);
   grpc::Status Checkpoint(grpc::ServerContext*, const v1::CheckpointRequest*, v1::CheckpointResponse*) override;
   grpc::Status GetStateDigest(grpc::ServerContext*, const v1::GetStateDigestRequest*, v1::StateDigest*) override;
   grpc::Status GrantSharedMemory(grpc::ServerContext*, const v1::GrantSharedMemoryRequest*,
@@ -114,21 +114,34 @@ class MuondService final : public v1::Muond::Service {
   grpc::Status StepNccl(grpc::ServerContext*, const v1::StepNcclRequest*, v1::StepSharedResponse*) override;
 
  private:
-  absl::Status DoUpload(const std::string& caller, grpc::ServerReader<v1::UploadParametersRequest>* reader,
+  absl::Status DoUpload(const std::string& caller, RequestReader<v1::UploadParametersRequest>* reader,
                         v1::UploadParametersResponse* response);
-  // Replaces the generated Step and StepWhole handlers with ones over byte buffers (StepOverByteBuffers,
-  // StepWholeOverByteBuffers).
-  void ServeStepOverByteBuffers();
+  // Replaces every generated handler with one over byte buffers: the unary methods above through
+  // ServeUnary, the streaming ones (the *OverByteBuffers methods) as they are.
+  void ServeOverByteBuffers();
+  // Serves unary method `name` by reading its request (ReadOneRequest), calling `method` and
+  // writing its response; a request that does not parse is refused within the call's scope.
+  template <class Request, class Response>
+  void ServeUnary(std::string_view name,
+                  grpc::Status (MuondService::*method)(grpc::ServerContext*, const Request*, Response*));
+  // Serves client-streaming method `name`: `read_all` reads the request messages (RequestReader) and
+  // fills the response, which is written once it returns OK; all within the call's scope.
+  template <class Request, class Response>
+  void ServeClientStream(std::string_view name,
+                         absl::Status (MuondService::*read_all)(const std::string& caller, RequestReader<Request>*,
+                                                                Response*));
+  void ServeStreamed(std::string_view name,
+                     grpc::Status (MuondService::*method)(grpc::ServerContext*, ByteBufferStream*));
   // `answer_limit` (0: none): the most bytes the answer's parameters may take (a StepWhole answers in
   // one message); a step whose parameters alone are more is refused before anything is applied.
   absl::Status DoStep(const std::string& caller, grpc::ServerContext* context, transport::StepStream* stream,
                       size_t answer_limit = 0);
   absl::Status DoGetParameters(const std::string& caller, grpc::ServerContext* context,
                                const v1::GetParametersRequest& request,
-                               grpc::ServerWriter<v1::GetParametersResponse>* writer);
+                               grpc::ServerWriterInterface<v1::GetParametersResponse>* writer);
   absl::Status DoGetState(const std::string& caller, const v1::GetStateRequest& request,
-                          grpc::ServerWriter<v1::GetStateResponse>* writer);
-  absl::Status DoSetState(const std::string& caller, grpc::ServerReader<v1::SetStateRequest>* reader,
+                          grpc::ServerWriterInterface<v1::GetStateResponse>* writer);
+  absl::Status DoSetState(const std::string& caller, RequestReader<v1::SetStateRequest>* reader,
                           v1::SetStateResponse* response);
 
   // The shared-memory regions, or FAILED_PRECONDITION when the daemon offers none.

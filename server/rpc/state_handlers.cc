@@ -25,10 +25,13 @@ using session::SessionConfig;
 using session::SessionState;
 using session::StateTensor;
 
-grpc::Status MuondService::GetState(grpc::ServerContext* context, const v1::GetStateRequest* request,
-                                    grpc::ServerWriter<v1::GetStateResponse>* writer) {
-  return Serve(calls_, context, "GetState",
-               [&](const std::string& caller) { return DoGetState(caller, *request, writer); });
+grpc::Status MuondService::GetStateOverByteBuffers(grpc::ServerContext* context, ByteBufferStream* stream) {
+  return Serve(calls_, context, "GetState", [&](const std::string& caller) -> absl::Status {
+    v1::GetStateRequest request;
+    MUOND_RETURN_IF_ERROR(ReadOneRequest(stream, &request));
+    ResponseWriter<v1::GetStateResponse> writer(stream);
+    return DoGetState(caller, request, &writer);
+  });
 }
 
 namespace {
@@ -49,7 +52,7 @@ v1::DType WireDtypeOf(kernels::StorageDtype dtype) {
 }  // namespace
 
 absl::Status MuondService::DoGetState(const std::string& caller, const v1::GetStateRequest& request,
-                                      grpc::ServerWriter<v1::GetStateResponse>* writer) {
+                                      grpc::ServerWriterInterface<v1::GetStateResponse>* writer) {
   MUOND_RETURN_IF_ERROR(session::CheckSessionId(request.session_id()));
   MUOND_ASSIGN_OR_RETURN(std::shared_ptr<session::Session> session, registry_->Find(request.session_id(), caller));
   MUOND_ASSIGN_OR_RETURN(SessionState state, session->ExportState());
@@ -98,16 +101,11 @@ absl::Status MuondService::DoGetState(const std::string& caller, const v1::GetSt
   return absl::OkStatus();
 }
 
-grpc::Status MuondService::SetState(grpc::ServerContext* context, grpc::ServerReader<v1::SetStateRequest>* reader,
-                                    v1::SetStateResponse* response) {
-  return Serve(calls_, context, "SetState",
-               [&](const std::string& caller) { return DoSetState(caller, reader, response); });
-}
-
-absl::Status MuondService::DoSetState(const std::string& caller, grpc::ServerReader<v1::SetStateRequest>* reader,
+absl::Status MuondService::DoSetState(const std::string& caller, RequestReader<v1::SetStateRequest>* reader,
                                       v1::SetStateResponse* response) {
   v1::SetStateRequest request;
   if (!reader->Read(&request) || request.kind_case() != v1::SetStateRequest::kSessionId) {
+    MUOND_RETURN_IF_ERROR(reader->refusal());
     return absl::InvalidArgumentError("session_id: the first message of a state upload must name the session");
   }
   MUOND_RETURN_IF_ERROR(session::CheckSessionId(request.session_id()));
@@ -119,6 +117,7 @@ absl::Status MuondService::DoSetState(const std::string& caller, grpc::ServerRea
   }
   const int rank = request.has_rank() ? request.rank() : -1;
   if (!reader->Read(&request) || request.kind_case() != v1::SetStateRequest::kHeader) {
+    MUOND_RETURN_IF_ERROR(reader->refusal());
     return absl::InvalidArgumentError("header: the second message of a state upload must be its header");
   }
   SessionState state;
@@ -205,6 +204,7 @@ absl::Status MuondService::DoSetState(const std::string& caller, grpc::ServerRea
     values.resize(values.size() + count);
     wire::Decode(dtype, chunk.data(), std::span<float>(values.data() + values.size() - count, count));
   }
+  MUOND_RETURN_IF_ERROR(reader->refusal());  // a message that did not parse: nothing is loaded
   MUOND_RETURN_IF_ERROR(session->ImportState(std::move(state), rank));
   response->set_last_step(session->last_step());
   MUOND_EVENT(info, "state_replaced", session->id(), response->last_step(), "session {} state replaced at step {}",

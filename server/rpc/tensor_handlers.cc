@@ -31,17 +31,11 @@ absl::StatusOr<v1::DType> AnswerDType(v1::DType requested, session::TensorDType 
 
 }  // namespace
 
-grpc::Status MuondService::UploadParameters(grpc::ServerContext* context,
-                                            grpc::ServerReader<v1::UploadParametersRequest>* reader,
-                                            v1::UploadParametersResponse* response) {
-  return Serve(calls_, context, "UploadParameters",
-               [&](const std::string& caller) { return DoUpload(caller, reader, response); });
-}
-
-absl::Status MuondService::DoUpload(const std::string& caller, grpc::ServerReader<v1::UploadParametersRequest>* reader,
+absl::Status MuondService::DoUpload(const std::string& caller, RequestReader<v1::UploadParametersRequest>* reader,
                                     v1::UploadParametersResponse* response) {
   v1::UploadParametersRequest request;
   if (!reader->Read(&request) || request.kind_case() != v1::UploadParametersRequest::kSessionId) {
+    MUOND_RETURN_IF_ERROR(reader->refusal());
     return absl::InvalidArgumentError("session_id: the first message of an upload must name the session");
   }
   MUOND_RETURN_IF_ERROR(session::CheckSessionId(request.session_id()));
@@ -59,6 +53,7 @@ absl::Status MuondService::DoUpload(const std::string& caller, grpc::ServerReade
     }
     MUOND_RETURN_IF_ERROR(assembler.Add(request.chunk()));
   }
+  MUOND_RETURN_IF_ERROR(reader->refusal());  // a message that did not parse: nothing is uploaded
   if (rank >= 0) {
     // A rank holding none of a partitioned parameter has nothing of it to send.
     MUOND_RETURN_IF_ERROR(assembler.Finish(/*require_all=*/false));
@@ -74,33 +69,11 @@ absl::Status MuondService::DoUpload(const std::string& caller, grpc::ServerReade
   return absl::OkStatus();
 }
 
-void MuondService::ServeStepOverByteBuffers() {
-  // The generated service registers its methods in the order of the proto's service definition. A
-  // unary method marked streamed is served as a stream of one read and one write (StepWhole).
-  const google::protobuf::ServiceDescriptor* descriptor =
-      google::protobuf::DescriptorPool::generated_pool()->FindServiceByName("muond.v1.Muond");
-  using ByteBufferStream = grpc::ServerReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>;
-  MarkMethodStreamed(descriptor->FindMethodByName("Step")->index(),
-                     new grpc::internal::BidiStreamingHandler<MuondService, grpc::ByteBuffer, grpc::ByteBuffer>(
-                         [](MuondService* service, grpc::ServerContext* context, ByteBufferStream* stream) {
-                           return service->StepOverByteBuffers(context, stream);
-                         },
-                         this));
-  MarkMethodStreamed(descriptor->FindMethodByName("StepWhole")->index(),
-                     new grpc::internal::BidiStreamingHandler<MuondService, grpc::ByteBuffer, grpc::ByteBuffer>(
-                         [](MuondService* service, grpc::ServerContext* context, ByteBufferStream* stream) {
-                           return service->StepWholeOverByteBuffers(context, stream);
-                         },
-                         this));
-}
-
-grpc::Status MuondService::StepOverByteBuffers(grpc::ServerContext* context,
-                                               grpc::ServerReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>* stream) {
+grpc::Status MuondService::StepOverByteBuffers(grpc::ServerContext* context, ByteBufferStream* stream) {
   return Serve(calls_, context, "Step", [&](const std::string& caller) { return DoStep(caller, context, stream); });
 }
 
-grpc::Status MuondService::StepWholeOverByteBuffers(
-    grpc::ServerContext* context, grpc::ServerReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>* stream) {
+grpc::Status MuondService::StepWholeOverByteBuffers(grpc::ServerContext* context, ByteBufferStream* stream) {
   return Serve(calls_, context, "StepWhole", [&](const std::string& caller) -> absl::Status {
     grpc::ByteBuffer request;
     if (!stream->Read(&request)) return absl::CancelledError("the client went away");
@@ -152,15 +125,18 @@ absl::Status MuondService::DoStep(const std::string& caller, grpc::ServerContext
   return transport::RunStep(*session, transport::ToStepRequest(header), source, sink, *options_.metrics);
 }
 
-grpc::Status MuondService::GetParameters(grpc::ServerContext* context, const v1::GetParametersRequest* request,
-                                         grpc::ServerWriter<v1::GetParametersResponse>* writer) {
-  return Serve(calls_, context, "GetParameters",
-               [&](const std::string& caller) { return DoGetParameters(caller, context, *request, writer); });
+grpc::Status MuondService::GetParametersOverByteBuffers(grpc::ServerContext* context, ByteBufferStream* stream) {
+  return Serve(calls_, context, "GetParameters", [&](const std::string& caller) -> absl::Status {
+    v1::GetParametersRequest request;
+    MUOND_RETURN_IF_ERROR(ReadOneRequest(stream, &request));
+    ResponseWriter<v1::GetParametersResponse> writer(stream);
+    return DoGetParameters(caller, context, request, &writer);
+  });
 }
 
 absl::Status MuondService::DoGetParameters(const std::string& caller, grpc::ServerContext* context,
                                            const v1::GetParametersRequest& request,
-                                           grpc::ServerWriter<v1::GetParametersResponse>* writer) {
+                                           grpc::ServerWriterInterface<v1::GetParametersResponse>* writer) {
   MUOND_RETURN_IF_ERROR(session::CheckSessionId(request.session_id()));
   MUOND_ASSIGN_OR_RETURN(std::shared_ptr<session::Session> session, registry_->Find(request.session_id(), caller));
   if (!session->initialized()) {

@@ -8,18 +8,11 @@
 #include "grpcpp/impl/codegen/proto_utils.h"
 #include "proto/wire/dtype_codec.h"
 #include "server/transport/api_codec/api_conversion.h"
+#include "server/transport/grpc/message_parse.h"
 #include "server/transport/grpc/tensor_assembler.h"
 
 namespace muond::transport {
 namespace {
-
-// Parses a whole message the ordinary protobuf way (control messages and unusual encodings).
-absl::Status ParseRequest(grpc::ByteBuffer* buffer, v1::StepRequest* request) {
-  if (!grpc::SerializationTraits<v1::StepRequest>::Deserialize(buffer, request).ok()) {
-    return absl::InvalidArgumentError("chunk: a message of the step stream is not a valid StepRequest");
-  }
-  return absl::OkStatus();
-}
 
 // Writes `buffer`, adding its size to `*bytes`; false when the client went away.
 bool WriteCounted(StepStream* stream, const grpc::ByteBuffer& buffer, int64_t* bytes) {
@@ -89,10 +82,11 @@ absl::Status TakeStepOptions(const v1::StepEnd& end, session::IncomingStep& step
 absl::StatusOr<v1::StepHeader> ReadStepHeader(StepStream* stream) {
   grpc::ByteBuffer buffer;
   v1::StepRequest request;
-  if (!stream->Read(&buffer) || !ParseRequest(&buffer, &request).ok() ||
-      request.kind_case() != v1::StepRequest::kHeader) {
-    return absl::InvalidArgumentError("header: the first message of a step must be its header");
-  }
+  const absl::Status not_a_header =
+      absl::InvalidArgumentError("header: the first message of a step must be its header");
+  if (!stream->Read(&buffer)) return not_a_header;
+  MUOND_RETURN_IF_ERROR(ParseMessage(&buffer, &request, "header"));  // a header protobuf refuses, named
+  if (request.kind_case() != v1::StepRequest::kHeader) return not_a_header;
   return std::move(*request.mutable_header());
 }
 
@@ -130,7 +124,7 @@ absl::Status GrpcGradientSource::ReadGradients(session::IncomingStep& step) {
       if (!step.replay()) MUOND_RETURN_IF_ERROR(assembler.Add(framed.meta, framed.data, framed.data_bytes));
       continue;
     }
-    MUOND_RETURN_IF_ERROR(ParseRequest(&buffer, &request));
+    MUOND_RETURN_IF_ERROR(ParseMessage(&buffer, &request, "chunk"));  // control messages, unusual encodings
     if (streamed && request.kind_case() == v1::StepRequest::kEnd) {
       ended = request.end().num_chunks();
       MUOND_RETURN_IF_ERROR(TakeStepOptions(request.end(), step));
