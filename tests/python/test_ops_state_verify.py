@@ -302,3 +302,37 @@ def test_export_refuses_every_folder_the_daemon_refuses(journaled_state, tmp_pat
     if "journal" in damage:  # the checkpoint alone still comes out, its journal unread
         doc = ctl_json("export", "run", "--state-dir", state_dir, "--checkpoint-only", "--to", out_file)
         assert (doc["step"], doc["source"]) == (0, "checkpoint")
+
+
+def test_a_session_under_raised_limits_is_restored_offline_under_the_same(tmp_path):
+    """A daemon started with --max-tensor-rank 10 holds a 9-D parameter; restoring its state
+    directory offline under the default limits refuses it, as a daemon started without the flag
+    would, and muondctl's flags of the same names restore it: verify, digest and export."""
+    from conftest import Daemon, _daemon_binary
+    import torch
+    import muond
+    state_dir = tmp_path / "state"
+    daemon = Daemon(_daemon_binary(), tmp_path / "daemon",
+                    ("--state-dir", state_dir, "--durability", "journal", "--max-tensor-rank", "10"),
+                    listen="127.0.0.1:0")
+    try:
+        p = torch.nn.Parameter(torch.arange(6, dtype=torch.float32).reshape(1, 1, 1, 1, 1, 1, 1, 2, 3))
+        opt = muond.RemoteOptimizer([{"params": [p], "optimizer": "adamw", "lr": 0.01}],
+                                    endpoint=daemon.endpoint, session="deep")
+        for _ in range(2):
+            p.grad = torch.ones_like(p)
+            opt.step()
+        digest = opt.state_digest()
+        opt.close(keep_session=True)
+    finally:
+        assert daemon.stop() == 0
+    code, out, err = ctl("state", "verify", state_dir)
+    assert code == 1 and "--max-tensor-rank" in out + err, f"exit {code}: {out}{err}"
+    raised = ("--max-tensor-rank", "10")
+    assert ctl("state", "verify", state_dir, *raised)[0] == 0
+    [session] = ctl_json("state", "digest", state_dir, "deep", *raised)["sessions"]
+    assert (session["step"], session["digest"]) == (2, digest.digest)
+    exported = ctl_json("export", "deep", "--state-dir", state_dir, "--to", tmp_path / "deep.safetensors", *raised)
+    assert exported["step"] == 2
+    assert ctl("export", "deep", "--state-dir", state_dir, "--to", tmp_path / "refused.safetensors")[0] == 1
+    assert not (tmp_path / "refused.safetensors").exists()

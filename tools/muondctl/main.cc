@@ -19,6 +19,21 @@
 namespace muond::ctl {
 namespace {
 
+// The daemon's flags that bound what a spec may ask for, on a command that restores a state directory
+// offline: a session the daemon created under raised limits is restored only under the same ones.
+void AddRestoreLimits(CLI::App* command, session::SpecLimits& limits) {
+  command
+      ->add_option("--max-tensor-rank", limits.max_rank,
+                   "The daemon's --max-tensor-rank: the most dimensions a restored parameter may have")
+      ->check(CLI::Range(1, 64))
+      ->capture_default_str();
+  command
+      ->add_option("--max-tensor-elements", limits.max_tensor_elements,
+                   "The daemon's --max-tensor-elements: the most elements a restored parameter may have")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+}
+
 int Run(int argc, char** argv) {
   CLI::App app{
       "muondctl — inspect and operate muond daemons, and read their state directories offline.\n"
@@ -97,6 +112,7 @@ int Run(int argc, char** argv) {
       ->capture_default_str();
   top->callback([&] { command = [&] { return Top(connect, top_flags); }; });
 
+  session::SpecLimits restore_limits;  // the daemon's defaults unless given
   std::string export_to;
   std::string export_state_dir;
   bool export_checkpoint_only = false;
@@ -113,11 +129,12 @@ int Run(int argc, char** argv) {
       ->add_flag("--checkpoint-only", export_checkpoint_only,
                  "With --state-dir: the last checkpoint alone, the journal neither read nor replayed")
       ->needs(from_state_dir);
+  AddRestoreLimits(exporter, restore_limits);
   exporter->callback([&] {
     command = [&] {
       return export_state_dir.empty()
                  ? ExportSession(connect, session_id, export_to)
-                 : ExportFromStateDir(export_state_dir, session_id, export_to, export_checkpoint_only);
+                 : ExportFromStateDir(export_state_dir, session_id, export_to, export_checkpoint_only, restore_limits);
     };
   });
 
@@ -126,17 +143,20 @@ int Run(int argc, char** argv) {
   state->require_subcommand(1);
   CLI::App* inspect = state->add_subcommand("inspect", "Sessions, checkpoint steps, digests and journal records");
   inspect->add_option("DIR", state_dir, "The state directory")->required();
-  inspect->callback([&] { command = [&] { return InspectState(state_dir); }; });
+  AddRestoreLimits(inspect, restore_limits);
+  inspect->callback([&] { command = [&] { return InspectState(state_dir, restore_limits); }; });
   CLI::App* verify = state->add_subcommand("verify", "Check every digest and journal record; exit 1 on any problem");
   verify->add_option("DIR", state_dir, "The state directory")->required();
-  verify->callback([&] { command = [&] { return VerifyState(state_dir); }; });
+  AddRestoreLimits(verify, restore_limits);
+  verify->callback([&] { command = [&] { return VerifyState(state_dir, restore_limits); }; });
 
   CLI::App* state_digest = state->add_subcommand(
       "digest", "Each session's state digest as a daemon restoring DIR would answer it (checkpoint + journal)");
   state_digest->add_option("DIR", state_dir, "The state directory")->required();
+  AddRestoreLimits(state_digest, restore_limits);
   std::string digest_session;
   state_digest->add_option("SESSION", digest_session, "Only this session");
-  state_digest->callback([&] { command = [&] { return DigestStateDir(state_dir, digest_session); }; });
+  state_digest->callback([&] { command = [&] { return DigestStateDir(state_dir, digest_session, restore_limits); }; });
 
   try {
     app.parse(argc, argv);

@@ -34,10 +34,6 @@ struct FolderReport {
   ordered_json json;
 };
 
-// The daemon's spec limits (its flags' defaults): what a restore parses the spec with, through the
-// daemon's codec (rpc::ProtoSpecCodec, stateless).
-constexpr session::SpecLimits kLimits{};
-
 durability::StateDirOptions OptionsFor(const std::string& state_dir) {
   durability::StateDirOptions options;
   options.state_dir = state_dir;
@@ -52,7 +48,7 @@ bool HasCheckpoint(const std::string& dir) {
   return env->FileExists(metadata_file) || env->IsLink(metadata_file);
 }
 
-FolderReport ReadFolder(const std::string& state_dir, const std::string& name) {
+FolderReport ReadFolder(const std::string& state_dir, const std::string& name, const session::SpecLimits& limits) {
   durability::Env* env = durability::Env::Default();
   FolderReport report;
   report.name = name;
@@ -67,7 +63,7 @@ FolderReport ReadFolder(const std::string& state_dir, const std::string& name) {
   }
   absl::StatusOr<durability::SessionFolder> folder =
       durability::LoadSessionFolder(OptionsFor(state_dir), report.dir, [&](const durability::CheckpointData& data) {
-        return session::CheckpointSpecSizes(data, metadata_file, rpc::ProtoSpecCodec(), kLimits);
+        return session::CheckpointSpecSizes(data, metadata_file, rpc::ProtoSpecCodec(), limits);
       });
   if (!folder.ok()) {
     report.error = folder.status();
@@ -146,11 +142,12 @@ absl::StatusOr<std::vector<std::string>> SessionFolderNames(const std::string& s
   return folders;
 }
 
-absl::StatusOr<std::vector<FolderReport>> ReadStateDir(const std::string& state_dir) {
+absl::StatusOr<std::vector<FolderReport>> ReadStateDir(const std::string& state_dir,
+                                                       const session::SpecLimits& limits) {
   absl::StatusOr<std::vector<std::string>> names = SessionFolderNames(state_dir);
   if (!names.ok()) return names.status();
   std::vector<FolderReport> reports;
-  for (const std::string& name : *names) reports.push_back(ReadFolder(state_dir, name));
+  for (const std::string& name : *names) reports.push_back(ReadFolder(state_dir, name, limits));
   return reports;
 }
 
@@ -186,8 +183,8 @@ Answer StateDirAnswer(const std::string& state_dir) {
 
 }  // namespace
 
-Answer InspectState(const std::string& state_dir) {
-  absl::StatusOr<std::vector<FolderReport>> reports = ReadStateDir(state_dir);
+Answer InspectState(const std::string& state_dir, const session::SpecLimits& limits) {
+  absl::StatusOr<std::vector<FolderReport>> reports = ReadStateDir(state_dir, limits);
   if (!reports.ok()) return ErrorAnswer(reports.status());
   Answer answer = StateDirAnswer(state_dir);
   for (const FolderReport& r : *reports) {
@@ -202,8 +199,8 @@ Answer InspectState(const std::string& state_dir) {
   return answer;
 }
 
-Answer VerifyState(const std::string& state_dir) {
-  absl::StatusOr<std::vector<FolderReport>> reports = ReadStateDir(state_dir);
+Answer VerifyState(const std::string& state_dir, const session::SpecLimits& limits) {
+  absl::StatusOr<std::vector<FolderReport>> reports = ReadStateDir(state_dir, limits);
   if (!reports.ok()) return ErrorAnswer(reports.status());
   // The daemon's own restore, folder by folder (session::LoadSession: every check, nothing written),
   // on a CPU backend of one thread; each restored session is dropped before the next.
@@ -213,7 +210,7 @@ Answer VerifyState(const std::string& state_dir) {
   for (FolderReport& r : *reports) {
     if (!r.has_checkpoint || !r.error.ok()) continue;
     absl::StatusOr<session::LoadedSession> loaded =
-        session::LoadSession(OptionsFor(state_dir), r.dir, backend->backend.get(), codec, kLimits);
+        session::LoadSession(OptionsFor(state_dir), r.dir, backend->backend.get(), codec, limits);
     if (!loaded.ok()) r.problems.push_back(std::string(loaded.status().message()));
   }
   Answer answer = StateDirAnswer(state_dir);
@@ -254,7 +251,7 @@ Answer VerifyState(const std::string& state_dir) {
   return answer;
 }
 
-Answer DigestStateDir(const std::string& state_dir, const std::string& session_id) {
+Answer DigestStateDir(const std::string& state_dir, const std::string& session_id, const session::SpecLimits& limits) {
   absl::StatusOr<std::vector<std::string>> names;
   if (session_id.empty()) {
     names = SessionFolderNames(state_dir);
@@ -281,7 +278,7 @@ Answer DigestStateDir(const std::string& state_dir, const std::string& session_i
       continue;
     }
     absl::StatusOr<session::LoadedSession> loaded =
-        session::LoadSession(OptionsFor(state_dir), dir, backend->backend.get(), codec, kLimits);
+        session::LoadSession(OptionsFor(state_dir), dir, backend->backend.get(), codec, limits);
     absl::StatusOr<session::StateDigest> digest =
         loaded.ok() ? session::DigestSession(*loaded->session) : absl::StatusOr<session::StateDigest>(loaded.status());
     if (!digest.ok()) {
@@ -311,7 +308,7 @@ Answer DigestStateDir(const std::string& state_dir, const std::string& session_i
 }
 
 Answer ExportFromStateDir(const std::string& state_dir, const std::string& session_id, const std::string& to,
-                          bool checkpoint_only) {
+                          bool checkpoint_only, const session::SpecLimits& limits) {
   // The daemon's rule for session ids, which is what keeps the folder inside DIR.
   if (absl::Status id = durability::CheckSessionId(session_id, "SESSION"); !id.ok()) return ErrorAnswer(id);
   const std::string dir = state_dir + "/" + session_id;
@@ -327,7 +324,7 @@ Answer ExportFromStateDir(const std::string& state_dir, const std::string& sessi
   durability::StateDirOptions options = OptionsFor(state_dir);
   options.read_journal = !checkpoint_only;
   absl::StatusOr<session::LoadedSession> loaded =
-      session::LoadSession(options, dir, backend->backend.get(), rpc::ProtoSpecCodec(), kLimits);
+      session::LoadSession(options, dir, backend->backend.get(), rpc::ProtoSpecCodec(), limits);
   if (!loaded.ok()) return ErrorAnswer(loaded.status());
   absl::StatusOr<session::SessionState> state = loaded->session->ExportState();
   if (!state.ok()) return ErrorAnswer(state.status());
