@@ -22,6 +22,7 @@
 #include "common/config.h"
 #include "common/host_id.h"
 #include "common/logging.h"
+#include "google/protobuf/stubs/logging.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "kernels/backend_factory.h"
@@ -48,6 +49,31 @@
 
 namespace muond::server {
 namespace {
+
+// Protobuf's own log lines, which it writes to stderr in its own format, go to the daemon's log. A
+// request whose string field is not UTF-8 makes protobuf complain at ERROR level as it parses: the
+// daemon refuses that request and logs the refusal itself, naming the field, so protobuf's line is
+// only a debug one (a client could otherwise fill the log with them).
+void LogProtobufLine(google::protobuf::LogLevel level, const char* /*file*/, int /*line*/, const std::string& message) {
+  switch (level) {
+    case google::protobuf::LOGLEVEL_INFO:
+      MUOND_LOG(debug, "protobuf: {}", message);
+      return;
+    case google::protobuf::LOGLEVEL_WARNING:
+      MUOND_LOG(warn, "protobuf: {}", message);
+      return;
+    case google::protobuf::LOGLEVEL_ERROR:
+      if (message.find("invalid UTF-8") != std::string::npos) {
+        MUOND_LOG(debug, "protobuf: {}", message);
+      } else {
+        MUOND_LOG(error, "protobuf: {}", message);
+      }
+      return;
+    case google::protobuf::LOGLEVEL_FATAL:
+      MUOND_LOG(critical, "protobuf: {}", message);
+      return;
+  }
+}
 
 // Writes the port next to the target and renames it into place, so a reader never sees half a file.
 bool WritePortFile(const std::string& path, int port) {
@@ -416,6 +442,7 @@ int Run(int argc, char** argv) {
     std::fprintf(stderr, "muond: %s\n", std::string(s.message()).c_str());
     return 2;
   }
+  google::protobuf::SetLogHandler(&LogProtobufLine);
   const std::optional<FdBudget> fd_budget = BudgetDescriptors(*flags);
   if (!fd_budget) return 1;
   const std::optional<kernels::BackendSelection> selection = StartBackend(*flags);

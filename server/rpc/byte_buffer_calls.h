@@ -1,21 +1,24 @@
-// The service's calls over raw byte buffers. Every handler of muond.v1.Muond is registered as a
-// stream of byte buffers (MuondService::ServeOverByteBuffers; a unary call is a stream of one read and
-// one write, as gRPC serves a "streamed unary" method), so that every request message is parsed by
-// transport::ParseMessage: a request protobuf refuses is answered INVALID_ARGUMENT naming its field,
-// not gRPC's bare INTERNAL. The messages keep their protobuf encoding on the wire; clients see the
-// same calls.
+// The service's calls over raw byte buffers. MuondService registers every method of muond.v1.Muond
+// itself (MuondService::RegisterMethods), each with gRPC's handler for its kind — unary, server
+// streaming, client streaming, bidirectional — typed on grpc::ByteBuffer, so that gRPC hands over
+// the bytes and every request message is parsed by transport::ParseMessage: a request protobuf
+// refuses is answered INVALID_ARGUMENT naming its field within the call's scope, not gRPC's bare
+// INTERNAL. Each method keeps its kind, so gRPC reads a unary or server-streaming call's request
+// whole before a handler thread takes it, as for a generated service; the messages keep their
+// protobuf encoding on the wire, and clients see the same calls.
 //
 // RequestReader and ResponseWriter give the typed reader and writer interfaces a handler of a
-// client- or server-streaming call works with, over the byte-buffer stream they borrow. One call, on
-// its handler thread.
+// client- or server-streaming call works with, over the byte-buffer reader or writer they borrow.
+// One call, on its handler thread.
 #pragma once
 
 #include <cstdint>
-#include <string_view>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "google/protobuf/message.h"
 #include "grpcpp/impl/codegen/proto_utils.h"
+#include "grpcpp/server_context.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "grpcpp/support/sync_stream.h"
 #include "server/transport/grpc/message_parse.h"
@@ -24,43 +27,42 @@ namespace muond::rpc {
 
 using ByteBufferStream = grpc::ServerReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>;
 
-// Reads the one request message of a unary or server-streaming call into `request`.
-inline absl::Status ReadOneRequest(ByteBufferStream* stream, google::protobuf::Message* request) {
-  grpc::ByteBuffer buffer;
-  if (!stream->Read(&buffer)) return absl::CancelledError("the client went away before its request came");
-  return transport::ParseMessage(&buffer, request);
-}
-
-// Writes `response`, the last message of the call (sent with its status); false when the client went
-// away.
-inline bool WriteLastResponse(ByteBufferStream* stream, const google::protobuf::Message& response) {
-  grpc::ByteBuffer buffer;
+// `message` encoded into `buffer`; INTERNAL when protobuf cannot encode it.
+inline absl::Status SerializeMessage(const google::protobuf::Message& message, grpc::ByteBuffer* buffer) {
   bool own = false;
-  return grpc::GenericSerialize<grpc::ProtoBufferWriter, google::protobuf::Message>(response, &buffer, &own).ok() &&
-         stream->Write(buffer, grpc::WriteOptions().set_last_message());
+  if (grpc::GenericSerialize<grpc::ProtoBufferWriter, google::protobuf::Message>(message, buffer, &own).ok()) {
+    return absl::OkStatus();
+  }
+  return absl::InternalError(absl::StrCat("the answer (", message.GetTypeName(), ") could not be encoded"));
 }
 
 // The request messages of a client-streaming call. A message protobuf refuses ends the reading
-// (Read false) and is kept as refusal(), which the call answers instead of what its handler made of
-// the short stream.
+// (Read false) and is kept as refusal(), which the handler checks before it uses what it read; so is
+// a call cancelled before the client closed its side (by the client, a broken connection or
+// --rpc-timeout), which gRPC's reader ends the same way as the last message.
 template <class Request>
 class RequestReader final : public grpc::ServerReaderInterface<Request> {
  public:
-  explicit RequestReader(ByteBufferStream* stream) : stream_(stream) {}
+  RequestReader(grpc::ServerReaderInterface<grpc::ByteBuffer>* reader, grpc::ServerContext* context)
+      : reader_(reader), context_(context) {}
 
-  void SendInitialMetadata() override { stream_->SendInitialMetadata(); }
-  bool NextMessageSize(uint32_t* size) override { return stream_->NextMessageSize(size); }
+  void SendInitialMetadata() override { reader_->SendInitialMetadata(); }
+  bool NextMessageSize(uint32_t* size) override { return reader_->NextMessageSize(size); }
   bool Read(Request* message) override {
     if (!refusal_.ok()) return false;
     grpc::ByteBuffer buffer;
-    if (!stream_->Read(&buffer)) return false;
+    if (!reader_->Read(&buffer)) {
+      if (context_->IsCancelled()) refusal_ = absl::CancelledError("the call ended before its last message came");
+      return false;
+    }
     refusal_ = transport::ParseMessage(&buffer, message);
     return refusal_.ok();
   }
   const absl::Status& refusal() const { return refusal_; }
 
  private:
-  ByteBufferStream* stream_;
+  grpc::ServerReaderInterface<grpc::ByteBuffer>* reader_;
+  grpc::ServerContext* context_;
   absl::Status refusal_;
 };
 
@@ -68,19 +70,17 @@ class RequestReader final : public grpc::ServerReaderInterface<Request> {
 template <class Response>
 class ResponseWriter final : public grpc::ServerWriterInterface<Response> {
  public:
-  explicit ResponseWriter(ByteBufferStream* stream) : stream_(stream) {}
+  explicit ResponseWriter(grpc::ServerWriterInterface<grpc::ByteBuffer>* writer) : writer_(writer) {}
 
-  void SendInitialMetadata() override { stream_->SendInitialMetadata(); }
+  void SendInitialMetadata() override { writer_->SendInitialMetadata(); }
   using grpc::internal::WriterInterface<Response>::Write;
   bool Write(const Response& message, grpc::WriteOptions options) override {
     grpc::ByteBuffer buffer;
-    bool own = false;
-    return grpc::GenericSerialize<grpc::ProtoBufferWriter, Response>(message, &buffer, &own).ok() &&
-           stream_->Write(buffer, options);
+    return SerializeMessage(message, &buffer).ok() && writer_->Write(buffer, options);
   }
 
  private:
-  ByteBufferStream* stream_;
+  grpc::ServerWriterInterface<grpc::ByteBuffer>* writer_;
 };
 
 }  // namespace muond::rpc

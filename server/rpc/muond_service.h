@@ -2,10 +2,11 @@
 // CallScope (Serve: --rpc-timeout watch, authentication, metrics, the refusal's log line and the one
 // conversion to a gRPC status), converts its request into the session layer's types and hands the
 // work to the SessionRegistry / Session; a step goes through the transport seam
-// (transport::RunStep over the gRPC stream's source and sink). Every call is served over raw byte
-// buffers (the generated handlers are replaced at construction, byte_buffer_calls.h): a request
-// protobuf refuses is answered naming its field, and Step's tensor payloads are never copied into
-// protobuf strings; the messages keep their protobuf encoding on the wire.
+// (transport::RunStep over the gRPC stream's source and sink). The service registers the methods of
+// muond.v1.Muond itself, each of the kind the API defines, over raw byte buffers
+// (service_registration.cc, byte_buffer_calls.h): a request protobuf refuses is answered naming its
+// field, and Step's tensor payloads are never copied into protobuf strings; the messages keep their
+// protobuf encoding on the wire.
 //
 // Handlers: session_handlers.cc (server info, create, close, list, checkpoint), tensor_handlers.cc
 // (upload, step, get parameters), state_handlers.cc (get and set state, the state digest),
@@ -15,11 +16,14 @@
 #pragma once
 
 #include <cstddef>
+#include <deque>
 #include <memory>
 #include <string>
 #include <string_view>
 
 #include "absl/time/time.h"
+#include "grpcpp/impl/rpc_method.h"
+#include "grpcpp/impl/service_type.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "kernels/backend.h"
 #include "muond/v1/muond.grpc.pb.h"
@@ -63,7 +67,7 @@ struct ServiceOptions {
   int max_calls_per_caller = 0;  // --max-calls-per-caller; 0: no cap
 };
 
-class MuondService final : public v1::Muond::Service {
+class MuondService final : public grpc::Service {
  public:
   MuondService(session::SessionRegistry* registry, kernels::Backend* backend, ServiceOptions options)
       : registry_(registry),
@@ -71,67 +75,77 @@ class MuondService final : public v1::Muond::Service {
         options_(options),
         calls_(options.rpc_timeout, options.tokens, options.metrics, options.max_calls_per_caller),
         answer_slices_(wire::SlicePool::Create(options.default_chunk_bytes)) {
-    ServeOverByteBuffers();
+    RegisterMethods();
   }
 
   // Waits until no call is in flight, or `limit` passes; true when idle. For shutdown.
   bool AwaitIdle(absl::Duration limit) { return calls_.deadlines.AwaitIdle(limit); }
 
-  grpc::Status GetServerInfo(grpc::ServerContext*, const v1::GetServerInfoRequest*, v1::ServerInfo*) override;
-  grpc::Status CreateSession(grpc::ServerContext*, const v1::CreateSessionRequest*,
-                             v1::CreateSessionResponse*) override;
-  grpc::Status CloseSession(grpc::ServerContext*, const v1::CloseSessionRequest*, v1::CloseSessionResponse*) override;
-  grpc::Status ListSessions(grpc::ServerContext*, const v1::ListSessionsRequest*, v1::ListSessionsResponse*) override;
+  grpc::Status GetServerInfo(grpc::ServerContext*, const v1::GetServerInfoRequest*, v1::ServerInfo*);
+  grpc::Status CreateSession(grpc::ServerContext*, const v1::CreateSessionRequest*, v1::CreateSessionResponse*);
+  grpc::Status CloseSession(grpc::ServerContext*, const v1::CloseSessionRequest*, v1::CloseSessionResponse*);
+  grpc::Status ListSessions(grpc::ServerContext*, const v1::ListSessionsRequest*, v1::ListSessionsResponse*);
   // The streaming calls, over byte buffers (UploadParameters and SetState: ServeClientStream over
   // DoUpload and DoSetState). Step: StepRequest in, StepResponse out.
   grpc::Status StepOverByteBuffers(grpc::ServerContext*, ByteBufferStream*);
   // StepWhole: one StepMessages in, one StepAnswers out; the same step as Step's.
   grpc::Status StepWholeOverByteBuffers(grpc::ServerContext*, ByteBufferStream*);
   // GetParameters: one GetParametersRequest in, GetParametersResponse messages out.
-  grpc::Status GetParametersOverByteBuffers(grpc::ServerContext*, ByteBufferStream*);
+  grpc::Status GetParametersOverByteBuffers(grpc::ServerContext*, const grpc::ByteBuffer* request,
+                                            grpc::ServerWriter<grpc::ByteBuffer>* writer);
   // GetState: one GetStateRequest in, GetStateResponse messages out.
-  grpc::Status GetStateOverByteBuffers(grpc::ServerContext*, ByteBufferStream*);
-  grpc::Status Checkpoint(grpc::ServerContext*, const v1::CheckpointRequest*, v1::CheckpointResponse*) override;
-  grpc::Status GetStateDigest(grpc::ServerContext*, const v1::GetStateDigestRequest*, v1::StateDigest*) override;
+  grpc::Status GetStateOverByteBuffers(grpc::ServerContext*, const grpc::ByteBuffer* request,
+                                       grpc::ServerWriter<grpc::ByteBuffer>* writer);
+  grpc::Status Checkpoint(grpc::ServerContext*, const v1::CheckpointRequest*, v1::CheckpointResponse*);
+  grpc::Status GetStateDigest(grpc::ServerContext*, const v1::GetStateDigestRequest*, v1::StateDigest*);
   grpc::Status GrantSharedMemory(grpc::ServerContext*, const v1::GrantSharedMemoryRequest*,
-                                 v1::GrantSharedMemoryResponse*) override;
+                                 v1::GrantSharedMemoryResponse*);
   grpc::Status RegisterSharedMemory(grpc::ServerContext*, const v1::RegisterSharedMemoryRequest*,
-                                    v1::RegisterSharedMemoryResponse*) override;
+                                    v1::RegisterSharedMemoryResponse*);
   grpc::Status UnregisterSharedMemory(grpc::ServerContext*, const v1::UnregisterSharedMemoryRequest*,
-                                      v1::UnregisterSharedMemoryResponse*) override;
+                                      v1::UnregisterSharedMemoryResponse*);
   grpc::Status SharedMemoryStatus(grpc::ServerContext*, const v1::SharedMemoryStatusRequest*,
-                                  v1::SharedMemoryStatusResponse*) override;
-  grpc::Status StepShared(grpc::ServerContext*, const v1::StepSharedRequest*, v1::StepSharedResponse*) override;
+                                  v1::SharedMemoryStatusResponse*);
+  grpc::Status StepShared(grpc::ServerContext*, const v1::StepSharedRequest*, v1::StepSharedResponse*);
   grpc::Status RegisterCudaMemory(grpc::ServerContext*, const v1::RegisterCudaMemoryRequest*,
-                                  v1::RegisterCudaMemoryResponse*) override;
+                                  v1::RegisterCudaMemoryResponse*);
   grpc::Status UnregisterCudaMemory(grpc::ServerContext*, const v1::UnregisterCudaMemoryRequest*,
-                                    v1::UnregisterCudaMemoryResponse*) override;
-  grpc::Status StepCuda(grpc::ServerContext*, const v1::StepSharedRequest*, v1::StepSharedResponse*) override;
-  grpc::Status OpenNcclChannel(grpc::ServerContext*, const v1::OpenNcclChannelRequest*,
-                               v1::OpenNcclChannelResponse*) override;
+                                    v1::UnregisterCudaMemoryResponse*);
+  grpc::Status StepCuda(grpc::ServerContext*, const v1::StepSharedRequest*, v1::StepSharedResponse*);
+  grpc::Status OpenNcclChannel(grpc::ServerContext*, const v1::OpenNcclChannelRequest*, v1::OpenNcclChannelResponse*);
   grpc::Status CloseNcclChannel(grpc::ServerContext*, const v1::CloseNcclChannelRequest*,
-                                v1::CloseNcclChannelResponse*) override;
-  grpc::Status StepNccl(grpc::ServerContext*, const v1::StepNcclRequest*, v1::StepSharedResponse*) override;
+                                v1::CloseNcclChannelResponse*);
+  grpc::Status StepNccl(grpc::ServerContext*, const v1::StepNcclRequest*, v1::StepSharedResponse*);
 
  private:
   absl::Status DoUpload(const std::string& caller, RequestReader<v1::UploadParametersRequest>* reader,
                         v1::UploadParametersResponse* response);
-  // Replaces every generated handler with one over byte buffers: the unary methods above through
-  // ServeUnary, the streaming ones (the *OverByteBuffers methods) as they are.
-  void ServeOverByteBuffers();
-  // Serves unary method `name` by reading its request (ReadOneRequest), calling `method` and
-  // writing its response; a request that does not parse is refused within the call's scope.
+  // Registers every method of muond.v1.Muond over byte buffers, each of the kind the API defines
+  // (service_registration.cc; a method missing or of another kind stops the daemon at its start).
+  void RegisterMethods();
+  // The method's path ("/muond.v1.Muond/<name>"), kept for as long as the service (gRPC keeps the
+  // pointer); `kind` is checked against the API's definition of it.
+  const char* MethodPath(std::string_view name, grpc::internal::RpcMethod::RpcType kind);
+  // Unary method `name`: its request parsed (ParseMessage; a refusal answered within the call's
+  // scope), `method` called, its response encoded.
   template <class Request, class Response>
   void ServeUnary(std::string_view name,
                   grpc::Status (MuondService::*method)(grpc::ServerContext*, const Request*, Response*));
-  // Serves client-streaming method `name`: `read_all` reads the request messages (RequestReader) and
-  // fills the response, which is written once it returns OK; all within the call's scope.
+  // Server-streaming method `name`, whose `method` parses its one request itself.
+  void ServeServerStream(std::string_view name,
+                         grpc::Status (MuondService::*method)(grpc::ServerContext*, const grpc::ByteBuffer*,
+                                                              grpc::ServerWriter<grpc::ByteBuffer>*));
+  // Client-streaming method `name`: `read_all` reads the request messages (RequestReader) and
+  // fills the response, which is encoded once it returns OK; all within the call's scope.
   template <class Request, class Response>
   void ServeClientStream(std::string_view name,
                          absl::Status (MuondService::*read_all)(const std::string& caller, RequestReader<Request>*,
                                                                 Response*));
-  void ServeStreamed(std::string_view name,
-                     grpc::Status (MuondService::*method)(grpc::ServerContext*, ByteBufferStream*));
+  // Method `name` served as a stream of byte buffers both ways; `kind` is the API's (StepWhole's is
+  // unary, served as a stream of one read and one write).
+  void ServeBidiStream(std::string_view name,
+                       grpc::Status (MuondService::*method)(grpc::ServerContext*, ByteBufferStream*),
+                       grpc::internal::RpcMethod::RpcType kind);
   // `answer_limit` (0: none): the most bytes the answer's parameters may take (a StepWhole answers in
   // one message); a step whose parameters alone are more is refused before anything is applied.
   absl::Status DoStep(const std::string& caller, grpc::ServerContext* context, transport::StepStream* stream,
@@ -161,6 +175,7 @@ class MuondService final : public v1::Muond::Service {
   kernels::Backend* const backend_;
   const ServiceOptions options_;
   CallServices calls_;
+  std::deque<std::string> method_paths_;            // RegisterMethods's paths, which gRPC points to
   std::shared_ptr<wire::SlicePool> answer_slices_;  // payload buffers of Step answers
 };
 

@@ -25,12 +25,14 @@ using session::SessionConfig;
 using session::SessionState;
 using session::StateTensor;
 
-grpc::Status MuondService::GetStateOverByteBuffers(grpc::ServerContext* context, ByteBufferStream* stream) {
+grpc::Status MuondService::GetStateOverByteBuffers(grpc::ServerContext* context, const grpc::ByteBuffer* bytes,
+                                                   grpc::ServerWriter<grpc::ByteBuffer>* writer) {
   return Serve(calls_, context, "GetState", [&](const std::string& caller) -> absl::Status {
+    grpc::ByteBuffer buffer(*bytes);
     v1::GetStateRequest request;
-    MUOND_RETURN_IF_ERROR(ReadOneRequest(stream, &request));
-    ResponseWriter<v1::GetStateResponse> writer(stream);
-    return DoGetState(caller, request, &writer);
+    MUOND_RETURN_IF_ERROR(transport::ParseMessage(&buffer, &request));
+    ResponseWriter<v1::GetStateResponse> responses(writer);
+    return DoGetState(caller, request, &responses);
   });
 }
 
@@ -204,7 +206,7 @@ absl::Status MuondService::DoSetState(const std::string& caller, RequestReader<v
     values.resize(values.size() + count);
     wire::Decode(dtype, chunk.data(), std::span<float>(values.data() + values.size() - count, count));
   }
-  MUOND_RETURN_IF_ERROR(reader->refusal());  // a message that did not parse: nothing is loaded
+  MUOND_RETURN_IF_ERROR(reader->refusal());  // a message that did not parse, a call cut off: nothing loaded
   MUOND_RETURN_IF_ERROR(session->ImportState(std::move(state), rank));
   response->set_last_step(session->last_step());
   MUOND_EVENT(info, "state_replaced", session->id(), response->last_step(), "session {} state replaced at step {}",

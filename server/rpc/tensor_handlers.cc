@@ -52,7 +52,7 @@ absl::Status MuondService::DoUpload(const std::string& caller, RequestReader<v1:
     }
     MUOND_RETURN_IF_ERROR(assembler.Add(request.chunk()));
   }
-  MUOND_RETURN_IF_ERROR(reader->refusal());  // a message that did not parse: nothing is uploaded
+  MUOND_RETURN_IF_ERROR(reader->refusal());  // a message that did not parse, a call cut off: nothing uploaded
   if (rank >= 0) {
     // A rank holding none of a partitioned parameter has nothing of it to send.
     MUOND_RETURN_IF_ERROR(assembler.Finish(/*require_all=*/false));
@@ -124,12 +124,14 @@ absl::Status MuondService::DoStep(const std::string& caller, grpc::ServerContext
   return transport::RunStep(*session, transport::ToStepRequest(header), source, sink, *options_.metrics);
 }
 
-grpc::Status MuondService::GetParametersOverByteBuffers(grpc::ServerContext* context, ByteBufferStream* stream) {
+grpc::Status MuondService::GetParametersOverByteBuffers(grpc::ServerContext* context, const grpc::ByteBuffer* bytes,
+                                                        grpc::ServerWriter<grpc::ByteBuffer>* writer) {
   return Serve(calls_, context, "GetParameters", [&](const std::string& caller) -> absl::Status {
+    grpc::ByteBuffer buffer(*bytes);
     v1::GetParametersRequest request;
-    MUOND_RETURN_IF_ERROR(ReadOneRequest(stream, &request));
-    ResponseWriter<v1::GetParametersResponse> writer(stream);
-    return DoGetParameters(caller, context, request, &writer);
+    MUOND_RETURN_IF_ERROR(transport::ParseMessage(&buffer, &request));
+    ResponseWriter<v1::GetParametersResponse> responses(writer);
+    return DoGetParameters(caller, context, request, &responses);
   });
 }
 

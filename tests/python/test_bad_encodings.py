@@ -92,13 +92,25 @@ def test_a_string_that_is_not_utf8_is_refused_naming_its_field(endpoint):
               spoiled(pb.UploadParametersRequest(chunk=chunk("Zq", [9] * 6)))]
     err = refusal(lambda: raw(channel, "UploadParameters", "stream_unary")(iter(upload)))
     assert err.details().startswith("chunk.name: is not UTF-8"), err.details()
+    # A whole state (the session's own, its masters zeroed), then one message that does not parse.
+    state = [pb.GetStateResponse.FromString(m) for m in raw(channel, "GetState", "unary_stream")(
+        pb.GetStateRequest(session_id="enc-b").SerializeToString())]
+    zeroed = []
+    for message in state[1:]:
+        zero = pb.SetStateRequest(chunk=message.chunk)
+        if zero.chunk.slot == "master":
+            zero.chunk.data = bytes(len(zero.chunk.data))
+        zeroed.append(zero.SerializeToString())
     set_state = [pb.SetStateRequest(session_id="enc-b").SerializeToString(),
-                 pb.SetStateRequest(header=pb.StateHeader(last_step=0, step_counts=[
-                     pb.ParameterStepCount(name="w", count=0),
-                     pb.ParameterStepCount(name="v", count=0)])).SerializeToString(),
-                 spoiled(pb.SetStateRequest(chunk=chunk("w", [7] * 6, slot="Zq")))]
-    err = refusal(lambda: raw(channel, "SetState", "stream_unary")(iter(set_state)))
+                 pb.SetStateRequest(header=state[0].header).SerializeToString(), *zeroed]
+    err = refusal(lambda: raw(channel, "SetState", "stream_unary")(
+        iter(set_state + [spoiled(pb.SetStateRequest(chunk=pb.TensorChunk(name="w", slot="Zq")))])))
     assert err.details().startswith("chunk.slot: is not UTF-8"), err.details()
+    assert digest(conn, "enc-b") == before
+    raw(channel, "SetState", "stream_unary")(iter(set_state))  # the same state alone loads
+    zeroed_digest = digest(conn, "enc-b")
+    assert zeroed_digest != before
+    conn.set_state("enc-b", state[0].header, [m.chunk for m in state[1:]])  # back as it was
     assert digest(conn, "enc-b") == before
 
     # The step stream: its header, and a gradient chunk after a good header.

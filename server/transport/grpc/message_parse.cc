@@ -3,7 +3,6 @@
 #include <string>
 #include <vector>
 
-#include "google/protobuf/stubs/logging.h"
 #include "grpcpp/support/proto_buffer_reader.h"
 #include "proto/wire/unparsable_message.h"
 
@@ -12,9 +11,6 @@ namespace muond::transport {
 absl::Status ParseMessage(grpc::ByteBuffer* buffer, google::protobuf::Message* message, absl::string_view what) {
   message->Clear();
   {
-    // The refusal is the caller's to log, once, in the daemon's format: not also protobuf's own line
-    // on stderr for every bad message a client sends.
-    google::protobuf::LogSilencer quiet;
     grpc::ProtoBufferReader reader(buffer);
     if (reader.status().ok() && message->ParseFromZeroCopyStream(&reader)) return absl::OkStatus();
   }
