@@ -8,6 +8,7 @@
 #include "common/status_macros.h"
 #include "google/protobuf/descriptor.h"
 #include "grpcpp/support/method_handler.h"
+#include "server/rpc/grpc_status.h"
 #include "server/rpc/muond_service.h"
 
 namespace muond::rpc {

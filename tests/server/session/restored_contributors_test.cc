@@ -173,7 +173,9 @@ TEST_F(RestoredContributorsTest, ARecordThatDoesNotFitTheSessionIsRefusedNamingI
   const std::pair<const char*, const char*> refused[] = {
       {"[[1, 1.5, [0, 3]]]", "contributors: the record of step 1 (2 ranks, total weight 1.5) does not fit"},
       {"[[1, 1.5, [0, 1]], [2, 1.0, [1]]]", "contributors names step 2; its steps must ascend"}};
-  for (const auto& [record, why] : refused) {
+  for (const auto& entry : refused) {
+    const char* record = entry.first;  // named: a lambda below uses it
+    const char* why = entry.second;
     SCOPED_TRACE(record);
     EditCheckpoint([&](nlohmann::json& m) { m["contributors"] = nlohmann::json::parse(record); });
     EXPECT_THAT(LoadSession(Options(), root_ + "/q", backend_.get(), codec_, SpecLimits{}),
