@@ -170,6 +170,14 @@ absl::Status CheckOptions(const ClientOptions& options) {
 
 }  // namespace
 
+void Warn(const ClientOptions& options, const std::string& line) {
+  if (options.warn) {
+    options.warn(line);
+  } else {
+    std::fprintf(stderr, "%s\n", line.c_str());
+  }
+}
+
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
   if (absl::Status checked = CheckOptions(options); !checked.ok()) return checked;
   grpc::ChannelArguments args;
@@ -524,11 +532,7 @@ bool Session::FellBackToGrpc() {
   if (refusal.ok() || client_->options().transport != "auto") return false;
   const std::string line = absl::StrCat("muond: session ", id_, ": transport ", std::string(transport_->name()),
                                         " refused by the daemon (", refusal.ToString(), "); its steps go over grpc");
-  if (client_->options().warn) {
-    client_->options().warn(line);
-  } else {
-    std::fprintf(stderr, "%s\n", line.c_str());
-  }
+  Warn(client_->options(), line);
   transport_ = GrpcTransportKind().open(*client_, *this);
   return true;
 }

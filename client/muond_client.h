@@ -79,6 +79,9 @@ struct ClientOptions {
   std::function<void(const std::string&)> warn;
 };
 
+// Writes `line` to options.warn, or to standard error when that is unset.
+void Warn(const ClientOptions& options, const std::string& line);
+
 // A named tensor owned by the caller.
 struct TensorView {
   std::string name;

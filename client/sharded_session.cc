@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <map>
+#include <new>
 #include <set>
 #include <thread>
 #include <utility>
@@ -173,6 +174,12 @@ absl::StatusOr<int64_t> ShardedSession::CommonStep(const std::vector<int64_t>& s
     if (steps[k] != ahead) behind.push_back(absl::StrCat("shard ", k, " (", endpoints_[k], ") at step ", steps[k]));
   }
   if (behind.empty()) return ahead;
+  if (cut_off_ != nullptr && cut_off_->step == ahead && *std::min_element(steps.begin(), steps.end()) == ahead - 1) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "session '", session_id_, "': step ", ahead, " was cut off in its commit: ", absl::StrJoin(behind, ", "),
+        ", the others at step ", ahead, "; the next Step(", ahead,
+        ") sends it again (with its own gradients) and brings every shard to step ", ahead));
+  }
   return absl::FailedPreconditionError(absl::StrCat(
       "the shards are at different steps: ", absl::StrJoin(behind, ", "), ", the others at step ", ahead,
       " (a daemon restarted from an older checkpoint, or a step was cut off mid-commit); restore every shard to one "
@@ -232,7 +239,7 @@ v1::ShardDecision ShardedSession::Decide(const std::vector<StepReply>& prepared)
 }
 
 absl::StatusOr<StepReply> ShardedSession::StepOnce(int64_t step, const std::vector<std::vector<TensorView>>& gradients,
-                                                   const StepOptions& options) {
+                                                   const StepOptions& options, bool& may_apply) {
   const size_t n = sessions_.size();
   // One daemon holds the whole session (ShardSpec gives it no placement): its steps are whole.
   if (n == 1) return sessions_[0]->Step(step, gradients[0], options);
@@ -261,12 +268,16 @@ absl::StatusOr<StepReply> ShardedSession::StepOnce(int64_t step, const std::vect
   for (size_t k = 0; k < n; ++k) {
     if (absl::Status fits = sessions_[k]->CheckParametersOut(commit[k]); !fits.ok()) return fits;
   }
+  // With several ranks a shard holds this rank's prepared part after its call ended, and another
+  // rank's commit applies it.
+  if (spec_.world_size() > 1) may_apply = true;
   absl::StatusOr<std::vector<StepReply>> prepared =
       OnEveryShard<StepReply>([&](int k) { return sessions_[k]->Step(step, gradients[k], prepare[k]); });
   if (!prepared.ok()) return NameShardsBehind(prepared.status());
   const v1::ShardDecision decision = Decide(*prepared);
   for (StepOptions& o : commit) o.decision = decision;
   static const std::vector<TensorView> kNone;
+  may_apply = true;
   absl::StatusOr<std::vector<StepReply>> committed =
       OnEveryShard<StepReply>([&](int k) { return sessions_[k]->Step(step, kNone, commit[k]); });
   if (!committed.ok()) return committed.status();
@@ -293,15 +304,39 @@ absl::StatusOr<StepReply> ShardedSession::Step(int64_t step, std::span<const Ten
     auto it = shard_of_.find(g.name);
     by_shard[it == shard_of_.end() ? 0 : it->second].push_back(g);  // an unknown name: refused by shard 0
   }
+  const std::vector<std::vector<TensorView>>* sent = &by_shard;
+  const StepOptions* sent_options = &options;
+  StepOptions resent_options;
+  if (cut_off_ != nullptr && cut_off_->step == step) {
+    // Some shards may have committed it: the others must commit their decision with the gradients
+    // it was computed from, not this call's, as one daemon answers a resend of a step it applied.
+    if (!cut_off_->gradients_kept) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "session '", session_id_, "': step ", step,
+          " failed once some shards may have applied it, and its gradients could not be kept to send it again; "
+          "restore every shard to one step before training on"));
+    }
+    Warn(options_, absl::StrCat("muond: session ", session_id_, ": step ", step,
+                                " failed once some shards may have applied it; it is sent again with its own "
+                                "gradients and options (this call's gradients are not used)"));
+    resent_options = cut_off_->options;
+    resent_options.parameters_out = options.parameters_out;
+    sent = &cut_off_->views;
+    sent_options = &resent_options;
+  }
   std::chrono::milliseconds backoff = options_.retry_backoff;
   absl::Status before;
+  bool may_be_applied = false;
   for (int attempt = 1;; ++attempt) {
-    absl::StatusOr<StepReply> reply = StepOnce(step, by_shard, options);
+    absl::StatusOr<StepReply> reply = StepOnce(step, *sent, *sent_options, may_be_applied);
     if (reply.ok()) {
       reply->attempts = attempt;
       last_step_ = step;
+      cut_off_.reset();
       return reply;
     }
+    const bool again = ResendStep(reply.status()) && attempt < options_.max_step_attempts;
+    if (!again && may_be_applied) KeepCutOffStep(step, *sent, *sent_options);
     if (!ResendStep(reply.status())) return OnLaterTry(reply.status(), attempt, before);
     before = reply.status();
     if (attempt >= options_.max_step_attempts) return AfterTries(reply.status(), attempt);
@@ -312,6 +347,39 @@ absl::StatusOr<StepReply> ShardedSession::Step(int64_t step, std::span<const Ten
     });
     backoff *= 2;
   }
+}
+
+std::optional<int64_t> ShardedSession::cut_off_step() const {
+  if (cut_off_ == nullptr) return std::nullopt;
+  return cut_off_->step;
+}
+
+void ShardedSession::KeepCutOffStep(int64_t step, const std::vector<std::vector<TensorView>>& gradients,
+                                    const StepOptions& options) {
+  if (cut_off_ != nullptr && &gradients == &cut_off_->views) return;  // a resend that failed too: kept already
+  auto kept = std::make_unique<CutOffStep>();
+  kept->step = step;
+  kept->options = options;
+  kept->options.parameters_out.clear();  // the caller's memory of that call
+  try {
+    for (const std::vector<TensorView>& shard : gradients) {
+      for (const TensorView& g : shard) kept->values.emplace_back(g.values.begin(), g.values.end());
+    }
+    size_t next = 0;
+    for (const std::vector<TensorView>& shard : gradients) {
+      std::vector<TensorView>& mine = kept->views.emplace_back();
+      for (const TensorView& g : shard) mine.push_back({g.name, g.shape, kept->values[next++]});
+    }
+    kept->gradients_kept = true;
+  } catch (const std::bad_alloc&) {
+    // Kept without them, so that its number is never sent with other gradients.
+    kept->values.clear();
+    kept->views.clear();
+    Warn(options_, absl::StrCat("muond: session ", session_id_, ": step ", step,
+                                " failed once some shards may have applied it, and its gradients cannot be kept "
+                                "(out of memory): the next step of its number is refused"));
+  }
+  cut_off_ = std::move(kept);
 }
 
 absl::StatusOr<ParameterMap> ShardedSession::GetParameters(int64_t* last_step) {

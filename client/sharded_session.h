@@ -5,6 +5,8 @@
 // on every daemon with that decision — the update one daemon would apply, bit for bit. A step that
 // failed anywhere is sent again as a whole, to every shard, with the same gradients: shards that
 // committed it answer with their decision, the others commit it, so every shard applies it once.
+// A step that failed after its tries once some shard may have applied it is kept (copies of its
+// gradients and its options) and the next Step() of its number sends it again as it was.
 //
 // Owns one Client and one Session per daemon; the shards are driven concurrently, one thread each
 // per phase. Thread-safety: as Session, one thread at a time.
@@ -49,10 +51,16 @@ class ShardedSession {
   // Uploads every parameter's initial value, each to its daemon.
   absl::Status UploadParameters(std::span<const TensorView> parameters);
   // One step over every shard (see the class comment); the reply carries every parameter (or writes
-  // those of options.parameters_out) as Session::Step does. An error after its tries may leave the
-  // step committed on some shards only: send it again with the same number, gradients and options
-  // (other gradients would be committed on the shards behind with the decision the others applied).
+  // those of options.parameters_out) as Session::Step does. An error after its tries once some shard
+  // may have applied the step (its commit went out; with several ranks, its prepare) leaves it kept:
+  // cut_off_step() names it, and the next Step() of its number sends it with the gradients and
+  // options it was first sent with (the shards that committed it answer with their decision, the
+  // others commit that decision with the gradients it was computed from), warning through
+  // ClientOptions::warn; that call's gradients and options are not used, its parameters_out is.
+  // Until then the shards may be at two steps, and calls that need one step name the kept one.
   absl::StatusOr<StepReply> Step(int64_t step, std::span<const TensorView> gradients, const StepOptions& options = {});
+  // The number of the step kept by a failed Step() (see Step), nullopt when there is none.
+  std::optional<int64_t> cut_off_step() const;
   absl::StatusOr<ParameterMap> GetParameters(int64_t* last_step = nullptr);
   // Checkpoints every shard; their common step.
   absl::StatusOr<int64_t> Checkpoint();
@@ -66,8 +74,12 @@ class ShardedSession {
   // Runs `call(k)` for every shard at once; the first failure (in shard order), naming its shard.
   template <typename T, typename Call>
   absl::StatusOr<std::vector<T>> OnEveryShard(Call call);
+  // One try of a step; sets `may_apply` once a message that may have a shard apply this rank's
+  // gradients went out (the first commit; with several ranks, the first prepare).
   absl::StatusOr<StepReply> StepOnce(int64_t step, const std::vector<std::vector<TensorView>>& gradients,
-                                     const StepOptions& options);
+                                     const StepOptions& options, bool& may_apply);
+  // Keeps a step that failed once some shard may have applied it, for the next Step() of its number.
+  void KeepCutOffStep(int64_t step, const std::vector<std::vector<TensorView>>& gradients, const StepOptions& options);
   v1::ShardDecision Decide(const std::vector<StepReply>& prepared) const;
   // Commits a step cut off mid-commit on the shards behind (see Open) and moves them to its number
   // in `steps`; leaves them as they are when that cannot be done (a shard further behind, one that
@@ -94,6 +106,17 @@ class ShardedSession {
   bool initialized_ = false;
   int64_t last_step_ = 0;
   std::optional<std::vector<v1::GroupOverride>> last_overrides_;
+  // A step kept by KeepCutOffStep: its options (without parameters_out, which a resend takes from
+  // its own call) and copies of its gradients by shard, `views` into `values` (both empty, and
+  // gradients_kept false, when they could not be copied: its number is then refused).
+  struct CutOffStep {
+    int64_t step = 0;
+    StepOptions options;
+    bool gradients_kept = false;
+    std::vector<std::vector<float>> values;
+    std::vector<std::vector<TensorView>> views;
+  };
+  std::unique_ptr<CutOffStep> cut_off_;
 };
 
 }  // namespace muond::client

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
+#include "tests/integration/call_cutting_proxy.h"
 #include "tests/integration/daemon_process.h"
 #include "tests/testing/status_matchers.h"
 
@@ -81,6 +82,18 @@ client::StepOptions OptionsOf(int step) {
   options.lr["muon"] = 0.05 / step;
   options.qk_logits["wq"] = {0.5 + step, 2.0};
   return options;
+}
+
+// Steps `from` to `to` on both sessions with the same gradients and options: they answer alike, bit
+// for bit.
+void StepBoth(const v1::SessionSpec& spec, client::ShardedSession& sharded, client::Session& single, int from, int to) {
+  for (int step = from; step <= to; ++step) {
+    Tensors grads(spec, 100 * step, 0.3f);
+    ASSERT_OK_AND_ASSIGN(client::StepReply got, sharded.Step(step, grads.views, OptionsOf(step)));
+    ASSERT_OK_AND_ASSIGN(client::StepReply want, single.Step(step, grads.views, OptionsOf(step)));
+    EXPECT_EQ(got.grad_norm, want.grad_norm) << "step " << step;
+    EXPECT_EQ(got.parameters, want.parameters) << "step " << step;
+  }
 }
 
 // The session's record of its last step: the muon group's lr override and nothing else.
@@ -189,13 +202,7 @@ TEST_F(ShardedSessionTest, OneDaemonStepsAsAPlainSession) {
   std::unique_ptr<client::Session> single;
   OpenBoth("one", spec, {endpoints_[0]}, &sharded, &single);
   ASSERT_NE(single, nullptr);
-  for (int step = 1; step <= 3; ++step) {
-    Tensors grads(spec, 100 * step, 0.3f);
-    ASSERT_OK_AND_ASSIGN(client::StepReply got, sharded->Step(step, grads.views, OptionsOf(step)));
-    ASSERT_OK_AND_ASSIGN(client::StepReply expected, single->Step(step, grads.views, OptionsOf(step)));
-    EXPECT_EQ(got.grad_norm, expected.grad_norm) << step;
-    EXPECT_EQ(got.parameters, expected.parameters) << step;
-  }
+  StepBoth(spec, *sharded, *single, 1, 3);
   ASSERT_OK(sharded->Close());
 }
 
@@ -227,11 +234,7 @@ TEST_F(ShardedSessionTest, AnOpenFinishesAStepItsTrainerLeftBetweenCommits) {
   std::unique_ptr<client::Session> single;
   OpenBoth("cut", spec, shards, &sharded, &single);
   ASSERT_NE(single, nullptr);
-  for (int step = 1; step <= 3; ++step) {
-    Tensors grads(spec, 100 * step, 0.3f);
-    ASSERT_OK(sharded->Step(step, grads.views, OptionsOf(step)).status());
-    ASSERT_OK(single->Step(step, grads.views, OptionsOf(step)).status());
-  }
+  StepBoth(spec, *sharded, *single, 1, 3);
   // Step 4 as the stopped trainer sent it: prepared on every shard, committed on shard 2 alone
   // with the decision the three prepares give (one daemon's norm of the same gradients).
   Tensors grads(spec, 400, 0.3f);
@@ -310,6 +313,72 @@ TEST_F(ShardedSessionTest, AStepAfterAShardWentBackNamesTheShardsBehind) {
   EXPECT_THAT(sharded->Step(6, grads.views, OptionsOf(6)),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        absl::StrCat("shard 1 (", endpoints[1], ") at step 3, the others at step 5")));
+}
+
+// Shard 0 commits step 6; the commits on shards 1 and 2 are cut before they reach their daemons and
+// every later try finds them unreachable, so Step() fails with step 6 applied on shard 0 only. The
+// session keeps the step, and the caller's next Step(6) (another batch, other options) sends it
+// with the gradients and options it was first sent with: shard 0 answers with the decision it
+// applied, the others commit that decision with the gradients it was computed from. Training goes
+// on as on one daemon, bit for bit; the new call's gradients were not used, its output was.
+TEST_F(ShardedSessionTest, AStepCutOffInItsCommitIsSentAgainWithItsOwnGradients) {
+  const v1::SessionSpec spec = ModelSpec();
+  options_.transport = "grpc";  // steps through the proxies (shared memory would go around them)
+  options_.retry_backoff = std::chrono::milliseconds(10);
+  std::vector<std::string> warnings;
+  options_.warn = [&](const std::string& line) { warnings.push_back(line); };
+  CallCuttingProxy proxy1(daemons_[1].port()), proxy2(daemons_[2].port());
+  const std::vector<std::string> shards = {endpoints_[0], proxy1.endpoint(), proxy2.endpoint()};
+  std::unique_ptr<client::ShardedSession> sharded;
+  std::unique_ptr<client::Session> single;
+  OpenBoth("cut-commit", spec, shards, &sharded, &single);
+  ASSERT_NE(single, nullptr);
+  StepBoth(spec, *sharded, *single, 1, 5);
+  EXPECT_EQ(sharded->cut_off_step(), std::nullopt);
+
+  Tensors grads(spec, 600, 0.3f);
+  proxy1.CutAfterCalls(1);  // the prepare goes through, the commit does not
+  proxy2.CutAfterCalls(1);
+  EXPECT_THAT(sharded->Step(6, grads.views, OptionsOf(6)), StatusIs(absl::StatusCode::kUnavailable, "shard 1 ("));
+  EXPECT_GE(proxy1.cut_calls(), 1);
+  EXPECT_GE(proxy2.cut_calls(), 1);
+  EXPECT_EQ(sharded->cut_off_step(), 6);
+  std::vector<int64_t> steps;
+  for (int k = 0; k < 3; ++k) {
+    client::ClientOptions direct = options_;
+    direct.endpoint = endpoints_[k];
+    ASSERT_OK_AND_ASSIGN(auto c, client::Client::Connect(direct));
+    ASSERT_OK_AND_ASSIGN(std::vector<v1::SessionSummary> sessions, c->ListSessions());
+    for (const v1::SessionSummary& s : sessions) {
+      if (s.session_id() == "cut-commit") steps.push_back(s.last_step());
+    }
+  }
+  EXPECT_EQ(steps, (std::vector<int64_t>{6, 5, 5}));
+  EXPECT_TRUE(warnings.empty());
+
+  proxy1.Heal();
+  proxy2.Heal();
+  // Every shard answers again, at two steps: what needs one step names the kept one.
+  const absl::StatusOr<client::ParameterMap> split = sharded->GetParameters();
+  EXPECT_THAT(split, StatusIs(absl::StatusCode::kFailedPrecondition, "step 6 was cut off in its commit: shard 1 ("));
+  EXPECT_THAT(split, StatusIs(absl::StatusCode::kFailedPrecondition, "the next Step(6) sends it"));
+  ASSERT_OK_AND_ASSIGN(client::StepReply expected, single->Step(6, grads.views, OptionsOf(6)));
+  Tensors next_batch(spec, 606, 0.3f);
+  client::StepOptions other = OptionsOf(7);
+  const v1::ParameterSpec& on_shard_1_spec = spec.parameters(sharded->placement().ParametersOf(1).front());
+  const std::string on_shard_1 = on_shard_1_spec.name();
+  std::vector<float> out(Numel(on_shard_1_spec));
+  other.parameters_out[on_shard_1] = out;
+  ASSERT_OK_AND_ASSIGN(client::StepReply resent, sharded->Step(6, next_batch.views, other));
+  EXPECT_EQ(sharded->cut_off_step(), std::nullopt);
+  EXPECT_EQ(resent.grad_norm, expected.grad_norm);
+  EXPECT_EQ(out, expected.parameters.at(on_shard_1));
+  expected.parameters.erase(on_shard_1);
+  EXPECT_EQ(resent.parameters, expected.parameters);
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_NE(warnings[0].find("step 6 failed once some shards may have applied it"), std::string::npos) << warnings[0];
+  StepBoth(spec, *sharded, *single, 7, 8);
+  ASSERT_OK(sharded->Close());
 }
 
 TEST(ShardPlacementTest, LongestFirstOntoTheLeastLoadedWithPairsTogether) {
