@@ -253,13 +253,25 @@ class Session {
   absl::StatusOr<StepOutcome> CommitLocked(const StepPlan& commit, const std::vector<HostTensor>& gradients)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DropPreparedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The step `plan`: journaled (journal mode), then applied or skipped. A failure after the record or
-  // once the masters began to change breaks the session (BreakLocked).
+  // The step `plan`: decided, journaled (journal mode), then applied or skipped. A failure after the
+  // record or once the masters began to change breaks the session (BreakLocked); every step that can
+  // fail without changing anything (the magnitude guard's reads among them) comes before the record.
   absl::StatusOr<StepOutcome> ApplyLocked(const StepPlan& plan, std::vector<HostTensor>& gradients,
                                           StagedGradients* staged) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // What a step will do, decided from its gradients and the state before anything changes: the
+  // answer's norms, clipping and skip reason, and the bounds the state will have after it.
+  struct DecidedStep {
+    StepResult result;
+    StepClipping clipping;
+    std::vector<optim::StepBounds> bounds;  // by parameter
+    double seconds = 0;                     // the time deciding took (part of compute_seconds)
+  };
+  absl::StatusOr<DecidedStep> DecideLocked(const StepPlan& plan, const std::vector<HostTensor>& gradients,
+                                           StagedGradients* staged, double grad_scale)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // ApplyLocked after the record; sets `changing` once the masters begin to change.
   absl::StatusOr<StepOutcome> ApplyRecordedLocked(const StepPlan& plan, std::vector<HostTensor>& gradients,
-                                                  StagedGradients* staged, double grad_scale, bool& changing)
+                                                  StagedGradients* staged, DecidedStep decided, bool& changing)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Lends the gradient buffers (`staged`'s, a set filled here from the host values, or on a
   // host-memory backend the host values themselves) to the parameters for the optimizer step and

@@ -452,20 +452,25 @@ absl::StatusOr<StepOutcome> Session::ApplyLocked(const StepPlan& plan, std::vect
   // The step is durable (journal mode) before it changes anything, and journaled only on a saved state
   // of a session still open.
   MUOND_RETURN_IF_ERROR(RefusesStepsLocked());
+  // Decided before the record: a failure here (reading the state's magnitudes) refuses this step
+  // alone, with nothing journaled and nothing changed.
+  MUOND_ASSIGN_OR_RETURN(DecidedStep decided, DecideLocked(plan, gradients, staged, grad_scale));
   if (persistence_) MUOND_RETURN_IF_ERROR(persistence_->RecordStep(plan.request, gradients));
   // From here a failure leaves a state that is no step's when the step is journaled (a restart would
   // apply it; a resend would be journaled twice) or when the masters began to change.
   const bool journaled = persistence_ != nullptr && persistence_->records_gradients();
   bool changing = false;
-  absl::StatusOr<StepOutcome> outcome = ApplyRecordedLocked(plan, gradients, staged, grad_scale, changing);
+  absl::StatusOr<StepOutcome> outcome = ApplyRecordedLocked(plan, gradients, staged, std::move(decided), changing);
   if (!outcome.ok() && (journaled || changing)) BreakLocked(GlobalStepOf(plan.request), outcome.status(), journaled);
   return outcome;
 }
 
-absl::StatusOr<StepOutcome> Session::ApplyRecordedLocked(const StepPlan& plan, std::vector<HostTensor>& gradients,
-                                                         StagedGradients* staged, double grad_scale, bool& changing) {
+absl::StatusOr<Session::DecidedStep> Session::DecideLocked(const StepPlan& plan,
+                                                           const std::vector<HostTensor>& gradients,
+                                                           StagedGradients* staged, double grad_scale) {
   const auto start = std::chrono::steady_clock::now();
-  StepResult result;
+  DecidedStep decided;
+  StepResult& result = decided.result;
   result.step = GlobalStepOf(plan.request);
   // Counted before the optimizer runs (on the CPU backend it reads, and may scale, these in place).
   if (plan.request.count_zeros) result.num_zeros_in_grad = CountZeros(gradients);
@@ -475,23 +480,33 @@ absl::StatusOr<StepOutcome> Session::ApplyRecordedLocked(const StepPlan& plan, s
   // coefficient over the loss scale.
   const std::optional<ShardDecision>& decision = plan.request.decision;
   const double unscale = 1.0 / grad_scale;
-  const StepClipping clipping =
-      PlanClipping(config_, plan, gradients, unscale,
-                   decision.has_value() ? std::optional<double>(decision->grad_norm) : std::nullopt);
+  decided.clipping = PlanClipping(config_, plan, gradients, unscale,
+                                  decision.has_value() ? std::optional<double>(decision->grad_norm) : std::nullopt);
+  const StepClipping& clipping = decided.clipping;
   result.grad_norm = clipping.global_norm;
   for (size_t g = 0; g < config_.groups.size(); ++g) {
     result.group_clips.push_back({config_.groups[g].name, clipping.group_norms[g], clipping.clipped[g]});
   }
-  std::vector<optim::StepBounds> bounds(params_.size());
+  decided.bounds.resize(params_.size());
   if (!totals.non_finite_reason.empty()) {
     result.skip_reason = totals.non_finite_reason;
   } else if (decision.has_value() && !decision->skip_reason.empty()) {
     result.skip_reason = decision->skip_reason;
   } else {
     MUOND_ASSIGN_OR_RETURN(result.skip_reason,
-                           GuardMagnitudesLocked(plan, gradients, staged, clipping.coefficients, bounds));
+                           GuardMagnitudesLocked(plan, gradients, staged, clipping.coefficients, decided.bounds));
   }
   result.applied = result.skip_reason.empty();
+  decided.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return decided;
+}
+
+absl::StatusOr<StepOutcome> Session::ApplyRecordedLocked(const StepPlan& plan, std::vector<HostTensor>& gradients,
+                                                         StagedGradients* staged, DecidedStep decided, bool& changing) {
+  const auto start = std::chrono::steady_clock::now();
+  StepResult& result = decided.result;
+  const StepClipping& clipping = decided.clipping;
+  const std::vector<optim::StepBounds>& bounds = decided.bounds;
   if (result.applied) {
     absl::MutexLock masters(&masters_mu_);  // waits for answers still reading the masters
     ChangeMastersLocked();
@@ -523,7 +538,8 @@ absl::StatusOr<StepOutcome> Session::ApplyRecordedLocked(const StepPlan& plan, s
     optim::UpdateLossScale(*config_.loss_scaler, !result.applied, *loss_scaler_);
     result.loss_scale = loss_scaler_->scale;
   }
-  result.compute_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  result.compute_seconds =
+      decided.seconds + std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   result.contributors = plan.request.contributors;
   result.total_weight = plan.request.total_weight;
   if (result.contributors.empty()) {  // one rank, or a record from before contributors were kept

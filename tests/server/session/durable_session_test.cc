@@ -24,9 +24,10 @@ using ::muond::testing::StatusIs;
 using ::testing::HasSubstr;
 using namespace ::muond::session::session_testing;
 
-// The CPU backend, whose AdamW fails while `fail_adamw` is set: in SmallSpec's session the Muon group
-// is stepped first, so a step then fails with its Muon group's masters already updated.
-class AdamWFailsWhenSet final : public ::muond::testing::ForwardingBackend {
+// The CPU backend, whose AdamW fails while `fail_adamw` is set (in SmallSpec's session the Muon group
+// is stepped first, so a step then fails with its Muon group's masters already updated), and whose
+// reads of device memory fail while `fail_reads` is set.
+class FailsWhenSet final : public ::muond::testing::ForwardingBackend {
  public:
   using ForwardingBackend::ForwardingBackend;
   absl::Status AdamW(const kernels::AdamWArgs& args, kernels::StoredRef param, const float* grad,
@@ -34,7 +35,12 @@ class AdamWFailsWhenSet final : public ::muond::testing::ForwardingBackend {
     if (fail_adamw) return absl::ResourceExhaustedError("out of device memory (injected)");
     return ForwardingBackend::AdamW(args, param, grad, exp_avg, exp_avg_sq, count);
   }
+  absl::Status CopyToHost(const float* device, float* host, size_t count) override {
+    if (fail_reads) return absl::InternalError("device read failed (injected)");
+    return ForwardingBackend::CopyToHost(device, host, count);
+  }
   std::atomic<bool> fail_adamw{false};
+  std::atomic<bool> fail_reads{false};
 };
 
 class DurableSessionTest : public ::testing::Test {
@@ -44,7 +50,7 @@ class DurableSessionTest : public ::testing::Test {
     ASSERT_NE(mkdtemp(pattern), nullptr);
     dir_ = pattern;
     backend_ = kernels::NewCpuBackend(1);
-    failing_ = std::make_unique<AdamWFailsWhenSet>(*backend_);
+    failing_ = std::make_unique<FailsWhenSet>(*backend_);
     ASSERT_OK_AND_ASSIGN(std::shared_ptr<Session> session, Open(&env_));
     ASSERT_OK(session->Upload(InitialParameters()));  // the first checkpoint
     session_ = session;
@@ -109,7 +115,7 @@ class DurableSessionTest : public ::testing::Test {
   durability::FaultInjectingEnv env_{durability::Env::Default()};
   rpc::ProtoSpecCodec codec_;
   std::unique_ptr<kernels::Backend> backend_;
-  std::unique_ptr<AdamWFailsWhenSet> failing_;  // the sessions' backend
+  std::unique_ptr<FailsWhenSet> failing_;  // the sessions' backend
   std::unique_ptr<SessionRegistry> registry_;
   std::shared_ptr<Session> session_;
   std::unique_ptr<Session> reference_;
@@ -265,6 +271,27 @@ TEST_F(DurableSessionTest, ACheckpointAfterAFailedAppendStartsFromAnEmptyJournal
   EXPECT_EQ(checkpointed, 1);
   ASSERT_OK(Step(2));
   ExpectRestoreHoldsEveryAcknowledgedStep();
+}
+
+// The magnitude guard reads the state when a gradient is large enough that its cheap bound does not
+// rule out an overflow (here AdamW's second moment, beyond fp32 for a gradient of 1e22). That read
+// fails: it comes before the step's journal record, so the step is refused alone: nothing journaled,
+// nothing changed, the session not broken, and the same step goes through once reads work again.
+TEST_F(DurableSessionTest, AStepThatFailsBeforeItsRecordIsRefusedAloneWithNothingJournaled) {
+  ASSERT_OK(Step(1));
+  const auto before = ParametersOf(*session_);
+  std::vector<HostTensor> huge = Gradients(2);
+  std::vector<float> values = huge[1].values;
+  values[0] = 1e22f;
+  huge[1] = Tensor(values);
+  failing_->fail_reads = true;
+  EXPECT_THAT(RunStep(*session_, Request(2), huge), StatusIs(absl::StatusCode::kInternal, "injected"));
+  failing_->fail_reads = false;
+  EXPECT_EQ(session_->last_step(), 1);
+  EXPECT_EQ(ParametersOf(*session_), before);
+  ASSERT_OK(Step(2)) << "the refused step broke the session";
+  ASSERT_OK(Step(3));
+  ExpectRestoreHoldsEveryAcknowledgedStep();  // the journal holds steps 2 and 3, not the refused one
 }
 
 // Step 2 fails after its Muon group was updated (and after its journal record): a resend would apply
