@@ -3,7 +3,8 @@
 # trainer builds against it with
 #   find_package(muond CONFIG REQUIRED)
 #   target_link_libraries(trainer PRIVATE muond::client)
-# The client is a static library together with the two it needs (the generated API, the wire codec);
+# The client is a static library together with the three it needs (the generated API, the wire codec
+# and its 16-bit conversions);
 # its dependencies (absl, Protobuf, gRPC) are found again by muondConfig.cmake.
 include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
@@ -23,7 +24,8 @@ if(MUOND_SANITIZE)
 endif()
 set_target_properties(muond_proto PROPERTIES EXPORT_NAME proto)
 set_target_properties(muond_wire PROPERTIES EXPORT_NAME wire)
-install(TARGETS muond_client muond_proto muond_wire
+set_target_properties(muond_half_ranges PROPERTIES EXPORT_NAME half_ranges)
+install(TARGETS muond_client muond_proto muond_wire muond_half_ranges
   EXPORT muondTargets
   ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR})
 if(TARGET muond_client_cuda)
@@ -40,6 +42,7 @@ install(FILES client/muond_client.h client/error_reason.h client/sharded_session
 install(FILES client/transport/step_transport.h DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/muond/client/transport)
 install(FILES proto/wire/chunk_frame.h proto/wire/dtype_codec.h
   DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/muond/proto/wire)
+install(FILES common/half_float.h DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/muond/common)  # dtype_codec.h's
 set(_api_headers ${PROJECT_BINARY_DIR}/proto/gen/muond/v1/muond.grpc.pb.h)
 set(_api_protos)
 foreach(_name ${MUOND_API_PROTOS})

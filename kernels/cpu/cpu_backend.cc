@@ -22,8 +22,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/compute_pool.h"
-#include "common/half_float.h"
+#include "common/half_ranges.h"
 #include "common/logging.h"
+#include "common/simd_clones.h"
 #include "kernels/cpu/onednn_bf16_gemm.h"
 
 namespace muond::kernels {
@@ -49,15 +50,6 @@ class CpuBuffer final : public BorrowedBuffer {
   const size_t bytes_;
   std::atomic<int64_t>* const allocated_;
 };
-
-// Each element-wise loop is compiled twice, for AVX2 and for the x86-64 baseline, and the loader
-// picks the one the CPU runs (GCC's target_clones). AVX2 alone enables no fused multiply-add, so both
-// round exactly alike and like the CUDA kernels.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define MUOND_ELEMENTWISE_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define MUOND_ELEMENTWISE_CLONES
-#endif
 
 // An update that measures itself (Backend::MeasuresUpdatesInPass): element(i) updates p[i] for i in
 // [begin, end), and Σ p_before² and Σ (p_before − p_after)² are added to sums[0] and sums[1] in the
@@ -134,14 +126,6 @@ MUOND_ELEMENTWISE_CLONES void CautiousUpdateRange(const CautiousArgs a, const fl
                                                   size_t begin, size_t end) {
   for (size_t i = begin; i < end; ++i) CautiousUpdateElement(a, u[i], p[i]);
 }
-template <uint16_t (*kNarrow)(float)>
-void NarrowRange(const float* __restrict in, uint16_t* __restrict out, size_t begin, size_t end) {
-  for (size_t i = begin; i < end; ++i) out[i] = kNarrow(in[i]);
-}
-template <float (*kWiden)(uint16_t)>
-void WidenRange(const uint16_t* __restrict in, float* __restrict out, size_t begin, size_t end) {
-  for (size_t i = begin; i < end; ++i) out[i] = kWiden(in[i]);
-}
 // Runs range(views, offset, n) over [begin, end) of `refs`: fp32 state in place, in one call; 16-bit
 // state in blocks of kBlock elements widened into stack buffers (L1-resident), with the refs in
 // `written` (a bit mask) rounded back after each block. The formulas thus read and write fp32
@@ -168,9 +152,9 @@ void Blockwise(const std::array<StoredRef, N>& refs, unsigned written, size_t be
       }
       views[k] = scratch[k];
       if (ref.dtype == StorageDtype::kBf16) {
-        WidenRange<Bf16ToFloat>(ref.bits16() + at, scratch[k], 0, n);
+        WidenBf16(ref.bits16() + at, scratch[k], n);
       } else {
-        WidenRange<Fp16ToFloat>(ref.bits16() + at, scratch[k], 0, n);
+        WidenFp16(ref.bits16() + at, scratch[k], n);
       }
     }
     range(views, at, n);
@@ -178,9 +162,9 @@ void Blockwise(const std::array<StoredRef, N>& refs, unsigned written, size_t be
       const StoredRef& ref = refs[k];
       if (ref.is_fp32() || !(written & (1u << k))) continue;
       if (ref.dtype == StorageDtype::kBf16) {
-        NarrowRange<FloatToBf16>(scratch[k], ref.bits16() + at, 0, n);
+        NarrowToBf16(scratch[k], ref.bits16() + at, n);
       } else {
-        NarrowRange<FloatToFp16>(scratch[k], ref.bits16() + at, 0, n);
+        NarrowToFp16(scratch[k], ref.bits16() + at, n);
       }
     }
   }
@@ -420,9 +404,9 @@ class CpuBackend final : public Backend {
     if (dtype == StorageDtype::kFp32) return CopyOnDevice(static_cast<const float*>(packed), out, count);
     const auto* in = static_cast<const uint16_t*>(packed);
     if (dtype == StorageDtype::kBf16) {
-      pool_.Run(count, [&](size_t begin, size_t end) { WidenRange<Bf16ToFloat>(in, out, begin, end); });
+      pool_.Run(count, [&](size_t begin, size_t end) { WidenBf16(in + begin, out + begin, end - begin); });
     } else {
-      pool_.Run(count, [&](size_t begin, size_t end) { WidenRange<Fp16ToFloat>(in, out, begin, end); });
+      pool_.Run(count, [&](size_t begin, size_t end) { WidenFp16(in + begin, out + begin, end - begin); });
     }
     return absl::OkStatus();
   }
@@ -431,9 +415,9 @@ class CpuBackend final : public Backend {
     if (dtype == StorageDtype::kFp32) return CopyOnDevice(in, static_cast<float*>(packed), count);
     auto* out = static_cast<uint16_t*>(packed);
     if (dtype == StorageDtype::kBf16) {
-      pool_.Run(count, [&](size_t begin, size_t end) { NarrowRange<FloatToBf16>(in, out, begin, end); });
+      pool_.Run(count, [&](size_t begin, size_t end) { NarrowToBf16(in + begin, out + begin, end - begin); });
     } else {
-      pool_.Run(count, [&](size_t begin, size_t end) { NarrowRange<FloatToFp16>(in, out, begin, end); });
+      pool_.Run(count, [&](size_t begin, size_t end) { NarrowToFp16(in + begin, out + begin, end - begin); });
     }
     return absl::OkStatus();
   }

@@ -1,11 +1,18 @@
 #include "proto/wire/dtype_codec.h"
 
+#include <algorithm>
 #include <bit>
 #include <cstring>
 
-#include "common/half_float.h"
+#include "common/half_ranges.h"
 
 namespace muond::wire {
+namespace {
+
+// 16-bit values convert in blocks of this many (4 KiB of them, on the stack).
+constexpr size_t kBlockElements = 2048;
+
+}  // namespace
 
 static_assert(std::endian::native == std::endian::little,
               "the wire format is little-endian; a big-endian host would need byte swaps");
@@ -47,11 +54,13 @@ void Decode(v1::DType dtype, absl::string_view bytes, std::span<float> out) {
       return;
     case v1::DTYPE_BF16:
     case v1::DTYPE_FP16: {
-      const bool bf16 = dtype == v1::DTYPE_BF16;
-      for (size_t i = 0; i < out.size(); ++i) {
-        uint16_t bits;
-        std::memcpy(&bits, bytes.data() + 2 * i, 2);
-        out[i] = bf16 ? Bf16ToFloat(bits) : Fp16ToFloat(bits);
+      // The bytes may sit at any address: each block is copied to an aligned one first.
+      const auto widen = dtype == v1::DTYPE_BF16 ? WidenBf16 : WidenFp16;
+      alignas(64) uint16_t block[kBlockElements];
+      for (size_t at = 0; at < out.size(); at += kBlockElements) {
+        const size_t n = std::min(kBlockElements, out.size() - at);
+        std::memcpy(block, bytes.data() + 2 * at, 2 * n);
+        widen(block, out.data() + at, n);
       }
       return;
     }
@@ -67,10 +76,12 @@ void EncodeTo(v1::DType dtype, std::span<const float> values, char* dst) {
       return;
     case v1::DTYPE_BF16:
     case v1::DTYPE_FP16: {
-      const bool bf16 = dtype == v1::DTYPE_BF16;
-      for (size_t i = 0; i < values.size(); ++i) {
-        const uint16_t bits = bf16 ? FloatToBf16(values[i]) : FloatToFp16(values[i]);
-        std::memcpy(dst + 2 * i, &bits, 2);
+      const auto narrow = dtype == v1::DTYPE_BF16 ? NarrowToBf16 : NarrowToFp16;
+      alignas(64) uint16_t block[kBlockElements];
+      for (size_t at = 0; at < values.size(); at += kBlockElements) {
+        const size_t n = std::min(kBlockElements, values.size() - at);
+        narrow(values.data() + at, block, n);
+        std::memcpy(dst + 2 * at, block, 2 * n);
       }
       return;
     }

@@ -3,6 +3,7 @@
 #include "proto/wire/dtype_codec.h"
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 #include "gtest/gtest.h"
@@ -81,6 +82,36 @@ TEST(DTypeCodecTest, EmptySpansEncodeAndDecodeToNothing) {
     EXPECT_TRUE(bytes.empty());
     EncodeTo(dtype, std::span<const float>(), nullptr);
     Decode(dtype, absl::string_view(), std::span<float>());
+  }
+}
+
+// Bytes at any address (a chunk's payload within a message) and lengths across the codec's blocks:
+// every element as the scalar conversion gives it, and nothing written past the end.
+TEST(DTypeCodecTest, UnalignedBytesAndLongRangesMatchTheScalarConversion) {
+  std::vector<float> values(5000);
+  for (size_t i = 0; i < values.size(); ++i) values[i] = 0.013f * static_cast<float>(i) - 31.0f;
+  values[7] = std::numeric_limits<float>::quiet_NaN();
+  values[4097] = 1e-7f;  // an fp16 subnormal
+  values[4098] = 1e6f;   // beyond fp16
+  for (v1::DType dtype : {v1::DTYPE_BF16, v1::DTYPE_FP16}) {
+    const bool bf16 = dtype == v1::DTYPE_BF16;
+    for (size_t count : {size_t{1}, size_t{2047}, size_t{2048}, size_t{2049}, values.size()}) {
+      const std::span<const float> part(values.data(), count);
+      std::string bytes(1 + 2 * count + 2, '\x5a');  // one byte ahead: an odd address
+      EncodeTo(dtype, part, bytes.data() + 1);
+      EXPECT_EQ(bytes[0], '\x5a');
+      EXPECT_EQ(bytes.substr(1 + 2 * count), std::string(2, '\x5a')) << count;
+      std::vector<float> decoded(count + 1, -7.0f);
+      Decode(dtype, absl::string_view(bytes).substr(1, 2 * count), std::span<float>(decoded.data(), count));
+      EXPECT_EQ(decoded[count], -7.0f) << count;
+      for (size_t i = 0; i < count; ++i) {
+        uint16_t bits;
+        std::memcpy(&bits, bytes.data() + 1 + 2 * i, 2);
+        ASSERT_EQ(bits, bf16 ? FloatToBf16(values[i]) : FloatToFp16(values[i])) << count << " " << i;
+        const float want = bf16 ? Bf16ToFloat(bits) : Fp16ToFloat(bits);
+        ASSERT_EQ(std::memcmp(&decoded[i], &want, sizeof want), 0) << count << " " << i;
+      }
+    }
   }
 }
 

@@ -1,0 +1,20 @@
+// Conversions of whole ranges between fp32 and the 16-bit formats (bf16, IEEE fp16) on the host: bit
+// for bit those of common/half_float.h, which the CUDA kernels use (the same rounding to nearest
+// even, quiet NaNs, fp16 overflow to ±inf and subnormals), written without branches so that the
+// compiler vectorizes them, for AVX2 where the CPU has it. The CPU backend widens and rounds its
+// 16-bit optimizer state through these, and the wire codec (proto/wire/dtype_codec.h) 16-bit
+// gradients and answers. Its own library (muond_half_ranges, no dependencies), which the C++ client
+// links through the codec. Stateless; thread-safe.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace muond {
+
+void WidenBf16(const uint16_t* in, float* out, size_t count);
+void WidenFp16(const uint16_t* in, float* out, size_t count);
+void NarrowToBf16(const float* in, uint16_t* out, size_t count);
+void NarrowToFp16(const float* in, uint16_t* out, size_t count);
+
+}  // namespace muond
