@@ -5,6 +5,15 @@
 #include "common/half_float.h"
 #include "common/simd_clones.h"
 
+// On x86-64 under GCC, narrowing to fp16 takes F16C's instruction where the CPU has it (chosen once,
+// at the first call).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define MUOND_HAVE_F16C_PATH 1
+#include <immintrin.h>
+#else
+#define MUOND_HAVE_F16C_PATH 0
+#endif
+
 namespace muond {
 namespace {
 
@@ -73,8 +82,41 @@ MUOND_ELEMENTWISE_CLONES void NarrowToBf16(const float* __restrict in, uint16_t*
   for (size_t i = 0; i < count; ++i) out[i] = static_cast<uint16_t>(Bf16Bits(FloatBits(in[i])));
 }
 
-MUOND_ELEMENTWISE_CLONES void NarrowToFp16(const float* __restrict in, uint16_t* __restrict out, size_t count) {
+namespace {
+
+MUOND_ELEMENTWISE_CLONES void NarrowToFp16Portable(const float* __restrict in, uint16_t* __restrict out, size_t count) {
   for (size_t i = 0; i < count; ++i) out[i] = static_cast<uint16_t>(Fp16Bits(FloatBits(in[i])));
+}
+
+#if MUOND_HAVE_F16C_PATH
+// The CPU's own conversion (F16C's vcvtps2ph, rounding to nearest even whatever MXCSR says) is IEEE's,
+// as Fp16Bits is, but for a NaN, where it keeps the payload's top bits: those are cleared, leaving
+// the sign and 0x7e00 as the scalar conversion does.
+__attribute__((target("avx2,f16c"))) void NarrowToFp16F16c(const float* __restrict in, uint16_t* __restrict out,
+                                                           size_t count) {
+  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
+  const __m256i infinity = _mm256_set1_epi32(0x7f800000);
+  const __m128i payload = _mm_set1_epi16(0x01ff);
+  size_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    const __m256 x = _mm256_loadu_ps(in + i);
+    const __m128i h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(x), abs_mask), infinity);
+    const __m128i nan16 = _mm_packs_epi32(_mm256_castsi256_si128(nan), _mm256_extracti128_si256(nan, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm_andnot_si128(_mm_and_si128(nan16, payload), h));
+  }
+  for (; i < count; ++i) out[i] = static_cast<uint16_t>(Fp16Bits(FloatBits(in[i])));
+}
+#endif
+
+}  // namespace
+
+void NarrowToFp16(const float* in, uint16_t* out, size_t count) {
+#if MUOND_HAVE_F16C_PATH
+  static const bool f16c = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  if (f16c) return NarrowToFp16F16c(in, out, count);
+#endif
+  NarrowToFp16Portable(in, out, count);
 }
 
 }  // namespace muond

@@ -1,7 +1,8 @@
 // Conversions of whole ranges between fp32 and the 16-bit formats (bf16, IEEE fp16) on the host: bit
 // for bit those of common/half_float.h, which the CUDA kernels use (the same rounding to nearest
 // even, quiet NaNs, fp16 overflow to ±inf and subnormals), written without branches so that the
-// compiler vectorizes them, for AVX2 where the CPU has it. The CPU backend widens and rounds its
+// compiler vectorizes them, for AVX2 where the CPU has it (rounding to fp16 takes F16C's instruction
+// there, with GCC on x86-64, its NaNs made the scalar ones). The CPU backend widens and rounds its
 // 16-bit optimizer state through these, and the wire codec (proto/wire/dtype_codec.h) 16-bit
 // gradients and answers. Its own library (muond_half_ranges, no dependencies), which the C++ client
 // links through the codec. Stateless; thread-safe.
