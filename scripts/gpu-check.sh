@@ -187,6 +187,12 @@ cpp_step() {
 cpp() {
   # MUOND_GPU_PARALLEL=1 runs the five programs at once (they share the GPU; none times anything):
   # a lease's minutes go further.
+  # The CUDA backend's bf16 accuracy test sums its fp64 reference through OpenBLAS on the host, and
+  # Debian's OpenBLAS picks its SSE3 kernels on the lent machines' CPUs (107 s there on 2026-12-04):
+  # the test programs run under the kernels the daemon would start itself again under.
+  local kernel
+  kernel=$("$GPU_DIR/bin/muond" --print-blas-kernel 2>/dev/null) || kernel=""
+  [[ -z ${OPENBLAS_CORETYPE:-} && -n $kernel ]] && export OPENBLAS_CORETYPE=$kernel
   cpp_step cuda-backend-tests 240 "$GPU_DIR/bin/cuda_backend_test" --gtest_brief=1
   cpp_step conformance 240 "$GPU_DIR/bin/backend_conformance_test" --gtest_brief=1
   cpp_step cuda-peer 120 "$GPU_DIR/bin/cuda_peer_test" --gtest_brief=1
