@@ -154,17 +154,21 @@ absl::Status ShardedSession::NameShardsBehind(absl::Status refused) {
   if (refused.code() != absl::StatusCode::kFailedPrecondition || !absl::StrContains(refused.message(), "header.step")) {
     return refused;
   }
-  std::vector<int64_t> steps;
-  for (const std::unique_ptr<Client>& client : clients_) {
-    absl::StatusOr<std::vector<v1::SessionSummary>> sessions = client->ListSessions();
-    if (!sessions.ok()) return refused;
-    auto mine = std::find_if(sessions->begin(), sessions->end(),
-                             [&](const v1::SessionSummary& s) { return s.session_id() == session_id_; });
-    if (mine == sessions->end()) return refused;
-    steps.push_back(mine->last_step());
-  }
-  absl::StatusOr<int64_t> common = CommonStep(steps);
+  absl::StatusOr<std::vector<int64_t>> steps = ShardSteps();
+  if (!steps.ok()) return refused;
+  absl::StatusOr<int64_t> common = CommonStep(*steps);
   return common.ok() ? refused : common.status();
+}
+
+absl::StatusOr<std::vector<int64_t>> ShardedSession::ShardSteps() {
+  return OnEveryShard<int64_t>([&](int k) -> absl::StatusOr<int64_t> {
+    absl::StatusOr<std::vector<v1::SessionSummary>> sessions = clients_[k]->ListSessions();
+    if (!sessions.ok()) return sessions.status();
+    for (const v1::SessionSummary& s : *sessions) {
+      if (s.session_id() == session_id_) return s.last_step();
+    }
+    return absl::NotFoundError(absl::StrCat("session '", session_id_, "' is not open"));
+  });
 }
 
 absl::StatusOr<int64_t> ShardedSession::CommonStep(const std::vector<int64_t>& steps) const {
@@ -174,7 +178,7 @@ absl::StatusOr<int64_t> ShardedSession::CommonStep(const std::vector<int64_t>& s
     if (steps[k] != ahead) behind.push_back(absl::StrCat("shard ", k, " (", endpoints_[k], ") at step ", steps[k]));
   }
   if (behind.empty()) return ahead;
-  if (cut_off_ != nullptr && cut_off_->step == ahead && *std::min_element(steps.begin(), steps.end()) == ahead - 1) {
+  if (cut_off_.has_value() && cut_off_->step == ahead && *std::min_element(steps.begin(), steps.end()) == ahead - 1) {
     return absl::FailedPreconditionError(absl::StrCat(
         "session '", session_id_, "': step ", ahead, " was cut off in its commit: ", absl::StrJoin(behind, ", "),
         ", the others at step ", ahead, "; the next Step(", ahead,
@@ -274,6 +278,9 @@ absl::StatusOr<StepReply> ShardedSession::StepOnce(int64_t step, const std::vect
   absl::StatusOr<std::vector<StepReply>> prepared =
       OnEveryShard<StepReply>([&](int k) { return sessions_[k]->Step(step, gradients[k], prepare[k]); });
   if (!prepared.ok()) return NameShardsBehind(prepared.status());
+  // Every shard took this step's prepare, so each is at the step before it or beyond: an earlier
+  // kept step is applied everywhere, and a failure from here keeps this one.
+  if (cut_off_.has_value() && cut_off_->step < step) cut_off_.reset();
   const v1::ShardDecision decision = Decide(*prepared);
   for (StepOptions& o : commit) o.decision = decision;
   static const std::vector<TensorView> kNone;
@@ -307,14 +314,15 @@ absl::StatusOr<StepReply> ShardedSession::Step(int64_t step, std::span<const Ten
   const std::vector<std::vector<TensorView>>* sent = &by_shard;
   const StepOptions* sent_options = &options;
   StepOptions resent_options;
-  if (cut_off_ != nullptr && cut_off_->step == step) {
+  if (cut_off_.has_value() && cut_off_->step == step) {
     // Some shards may have committed it: the others must commit their decision with the gradients
     // it was computed from, not this call's, as one daemon answers a resend of a step it applied.
     if (!cut_off_->gradients_kept) {
       return absl::FailedPreconditionError(absl::StrCat(
           "session '", session_id_, "': step ", step,
           " failed once some shards may have applied it, and its gradients could not be kept to send it again; "
-          "restore every shard to one step before training on"));
+          "restore every shard to one step, then DropCutOffStep() (or open the session again), before training "
+          "on"));
     }
     Warn(options_, absl::StrCat("muond: session ", session_id_, ": step ", step,
                                 " failed once some shards may have applied it; it is sent again with its own "
@@ -350,37 +358,41 @@ absl::StatusOr<StepReply> ShardedSession::Step(int64_t step, std::span<const Ten
 }
 
 std::optional<int64_t> ShardedSession::cut_off_step() const {
-  if (cut_off_ == nullptr) return std::nullopt;
+  if (!cut_off_.has_value()) return std::nullopt;
   return cut_off_->step;
 }
 
 void ShardedSession::KeepCutOffStep(int64_t step, const std::vector<std::vector<TensorView>>& gradients,
                                     const StepOptions& options) {
-  if (cut_off_ != nullptr && &gradients == &cut_off_->views) return;  // a resend that failed too: kept already
-  auto kept = std::make_unique<CutOffStep>();
-  kept->step = step;
-  kept->options = options;
-  kept->options.parameters_out.clear();  // the caller's memory of that call
+  // Kept already: this step's resend failed too, or this step failed while an earlier one is kept,
+  // which must still be sent with its own gradients (replacing it would send it with others').
+  if (cut_off_.has_value()) return;
+  CutOffStep& kept = cut_off_.emplace(CutOffStep{});
+  kept.step = step;
   try {
+    kept.options = options;
+    kept.options.parameters_out.clear();  // the caller's memory of that call
     for (const std::vector<TensorView>& shard : gradients) {
-      for (const TensorView& g : shard) kept->values.emplace_back(g.values.begin(), g.values.end());
+      for (const TensorView& g : shard) kept.values.emplace_back(g.values.begin(), g.values.end());
     }
     size_t next = 0;
     for (const std::vector<TensorView>& shard : gradients) {
-      std::vector<TensorView>& mine = kept->views.emplace_back();
-      for (const TensorView& g : shard) mine.push_back({g.name, g.shape, kept->values[next++]});
+      std::vector<TensorView>& mine = kept.views.emplace_back();
+      for (const TensorView& g : shard) mine.push_back({g.name, g.shape, kept.values[next++]});
     }
-    kept->gradients_kept = true;
+    kept.gradients_kept = true;
   } catch (const std::bad_alloc&) {
     // Kept without them, so that its number is never sent with other gradients.
-    kept->values.clear();
-    kept->views.clear();
+    kept.options = StepOptions{};
+    kept.values.clear();
+    kept.views.clear();
     Warn(options_, absl::StrCat("muond: session ", session_id_, ": step ", step,
                                 " failed once some shards may have applied it, and its gradients cannot be kept "
                                 "(out of memory): the next step of its number is refused"));
   }
-  cut_off_ = std::move(kept);
 }
+
+void ShardedSession::DropCutOffStep() { cut_off_.reset(); }
 
 absl::StatusOr<ParameterMap> ShardedSession::GetParameters(int64_t* last_step) {
   std::vector<int64_t> steps(sessions_.size());
@@ -396,6 +408,9 @@ absl::StatusOr<ParameterMap> ShardedSession::GetParameters(int64_t* last_step) {
 }
 
 absl::StatusOr<int64_t> ShardedSession::Checkpoint() {
+  absl::StatusOr<std::vector<int64_t>> before = ShardSteps();
+  if (!before.ok()) return before.status();
+  if (absl::StatusOr<int64_t> common = CommonStep(*before); !common.ok()) return common.status();
   absl::StatusOr<std::vector<int64_t>> steps = OnEveryShard<int64_t>([&](int k) { return sessions_[k]->Checkpoint(); });
   if (!steps.ok()) return steps.status();
   return CommonStep(*steps);
@@ -405,6 +420,9 @@ absl::StatusOr<StateDigest> ShardedSession::GetStateDigest() {
   absl::StatusOr<std::vector<StateDigest>> shards =
       OnEveryShard<StateDigest>([&](int k) { return sessions_[k]->GetStateDigest(); });
   if (!shards.ok()) return shards.status();
+  std::vector<int64_t> steps;
+  for (const StateDigest& shard : *shards) steps.push_back(shard.step);
+  if (absl::StatusOr<int64_t> common = CommonStep(steps); !common.ok()) return common.status();
   return CombineShardDigests(*shards);
 }
 

@@ -59,13 +59,21 @@ class ShardedSession {
   // ClientOptions::warn; that call's gradients and options are not used, its parameters_out is.
   // Until then the shards may be at two steps, and calls that need one step name the kept one.
   absl::StatusOr<StepReply> Step(int64_t step, std::span<const TensorView> gradients, const StepOptions& options = {});
-  // The number of the step kept by a failed Step() (see Step), nullopt when there is none.
+  // The number of the step kept by a failed Step() (see Step), nullopt when there is none. A later
+  // step that fails while one is kept keeps nothing of its own unless every shard took its prepare
+  // (then each is past the kept step, which is dropped): the kept one still goes out first.
   std::optional<int64_t> cut_off_step() const;
+  // Forgets the kept step without sending it: for a caller that brought every shard to one step
+  // another way (each restored from checkpoints of one step), after which resending it would apply
+  // it a second time on the shards that had committed it. Opening the session again also forgets it.
+  void DropCutOffStep();
   absl::StatusOr<ParameterMap> GetParameters(int64_t* last_step = nullptr);
-  // Checkpoints every shard; their common step.
+  // Checkpoints every shard; their common step. Refused (FAILED_PRECONDITION, naming a kept step)
+  // before any shard writes one when the shards are at different steps: checkpoints of two steps
+  // restore to no step of the session.
   absl::StatusOr<int64_t> Checkpoint();
   // Every shard's state digest combined in shard order (CombineShardDigests, client/state_digest.h);
-  // FAILED_PRECONDITION when the shards are at different steps.
+  // FAILED_PRECONDITION when the shards are at different steps (naming a kept step).
   absl::StatusOr<StateDigest> GetStateDigest();
   absl::Status Close();
 
@@ -78,7 +86,8 @@ class ShardedSession {
   // gradients went out (the first commit; with several ranks, the first prepare).
   absl::StatusOr<StepReply> StepOnce(int64_t step, const std::vector<std::vector<TensorView>>& gradients,
                                      const StepOptions& options, bool& may_apply);
-  // Keeps a step that failed once some shard may have applied it, for the next Step() of its number.
+  // Keeps a step that failed once some shard may have applied it, for the next Step() of its number;
+  // nothing when a step is kept already (this one's resend, or an earlier step still to go out).
   void KeepCutOffStep(int64_t step, const std::vector<std::vector<TensorView>>& gradients, const StepOptions& options);
   v1::ShardDecision Decide(const std::vector<StepReply>& prepared) const;
   // Commits a step cut off mid-commit on the shards behind (see Open) and moves them to its number
@@ -87,6 +96,8 @@ class ShardedSession {
   void FinishCutOffStep(std::vector<int64_t>& steps);
   // The common step of `steps` (one per shard), else FAILED_PRECONDITION naming the shards behind.
   absl::StatusOr<int64_t> CommonStep(const std::vector<int64_t>& steps) const;
+  // Each shard's last step, as its daemon lists the session.
+  absl::StatusOr<std::vector<int64_t>> ShardSteps();
   // A step refused for its number: CommonStep's refusal when the shards are at different steps (one
   // restored to an older checkpoint), else `refused` as it is.
   absl::Status NameShardsBehind(absl::Status refused);
@@ -116,7 +127,7 @@ class ShardedSession {
     std::vector<std::vector<float>> values;
     std::vector<std::vector<TensorView>> views;
   };
-  std::unique_ptr<CutOffStep> cut_off_;
+  std::optional<CutOffStep> cut_off_;  // held in place: keeping one allocates only its copies
 };
 
 }  // namespace muond::client

@@ -720,6 +720,10 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, ChunkFitting, to
         ``RemoteOptimizer`` with the same session id. ``MuondError(FAILED_PRECONDITION)`` when
         the daemon has no ``--state-dir``."""
         self.flush()
+        if len(self._sessions) > 1:
+            # Refused before any shard writes one when the shards are at different steps:
+            # checkpoints of two steps restore to no step of the session.
+            self._common_step(self._shard_steps(), "Checkpoint")
         steps = self._on_every_session(lambda k, session: session.checkpoint())
         return self._common_step(steps, "Checkpoint")
 
@@ -730,6 +734,7 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, ChunkFitting, to
         self.flush()  # the daemon's state after every step this optimizer has sent
         shards = self._on_every_session(
             lambda k, session: StateDigest.from_proto(session.conn.state_digest(session.session_id)))
+        self._common_step([shard.step for shard in shards], "GetStateDigest")  # names a kept step
         return combine_digests(shards, self.endpoints)
 
     # -- lifecycle -----------------------------------------------------------------------------

@@ -148,8 +148,10 @@ class StepTries(_Core):
                       weight: Optional[float]) -> None:
         """Keeps a sharded step that failed once some shard may have applied it, for the next step
         of its number: copies of its gradients, which the trainer's next backward overwrites."""
-        if self._cut_off is not None and self._cut_off.header is header:
-            return  # a resend that failed too: kept already
+        if self._cut_off is not None:
+            # Kept already: this step's resend failed too, or this step failed while an earlier
+            # one is kept, which must still be sent with its own gradients.
+            return
         try:
             with torch.no_grad():
                 kept: Optional[List[Tuple[str, torch.Tensor]]] = [
@@ -255,6 +257,10 @@ class StepTries(_Core):
             if err.code == grpc.StatusCode.FAILED_PRECONDITION and "header.step" in err.details:
                 self._name_shards_behind(err)
             raise
+        # Every shard took this step's prepare, so each is at the step before it or beyond: an
+        # earlier kept step is applied everywhere, and a failure from here keeps this one.
+        if self._cut_off is not None and self._cut_off.header.step < header.step:
+            self._cut_off = None
         commit = shard_step.commit_header(
             header, shard_step.decide(prepared, self._indices_of, self._names))
         may_apply()
@@ -269,17 +275,25 @@ class StepTries(_Core):
         daemon restored to an older checkpoint), raises the error naming the shards behind
         instead (docs/sharding.md); returns when they are not, or cannot be asked."""
         try:
-            steps = []
-            for session in self._sessions:
-                found = [s.last_step for s in session.conn.list_sessions()
-                         if s.session_id == self.session_id]
-                if not found:
-                    return
-                steps.append(int(found[0]))
+            steps = self._shard_steps()
         except MuondError:
             return
         if len(set(steps)) > 1:
             raise self._common_step_error(steps, "Step") from refused
+
+    def _shard_steps(self) -> List[int]:
+        """Each shard's last step, as its daemon lists the session; ``MuondError`` when a daemon
+        cannot be asked or no longer holds the session."""
+        steps = []
+        for session in self._sessions:
+            found = [s.last_step for s in session.conn.list_sessions()
+                     if s.session_id == self.session_id]
+            if not found:
+                raise MuondError(grpc.StatusCode.NOT_FOUND,
+                                 f"session '{self.session_id}' is not open on {session.conn.endpoint}",
+                                 "ListSessions")
+            steps.append(int(found[0]))
+        return steps
 
     def _finish_cut_off_step(self, steps: List[int]) -> List[int]:
         """The shards' steps ``steps`` (as an attach found them) after finishing a step cut off

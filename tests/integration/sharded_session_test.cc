@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <set>
 
 #include "absl/strings/str_cat.h"
@@ -325,8 +326,9 @@ TEST_F(ShardedSessionTest, AStepCutOffInItsCommitIsSentAgainWithItsOwnGradients)
   const v1::SessionSpec spec = ModelSpec();
   options_.transport = "grpc";  // steps through the proxies (shared memory would go around them)
   options_.retry_backoff = std::chrono::milliseconds(10);
-  std::vector<std::string> warnings;
-  options_.warn = [&](const std::string& line) { warnings.push_back(line); };
+  // Shared with the options (the fixture's, which outlive this body).
+  auto warnings = std::make_shared<std::vector<std::string>>();
+  options_.warn = [warnings](const std::string& line) { warnings->push_back(line); };
   CallCuttingProxy proxy1(daemons_[1].port()), proxy2(daemons_[2].port());
   const std::vector<std::string> shards = {endpoints_[0], proxy1.endpoint(), proxy2.endpoint()};
   std::unique_ptr<client::ShardedSession> sharded;
@@ -354,7 +356,7 @@ TEST_F(ShardedSessionTest, AStepCutOffInItsCommitIsSentAgainWithItsOwnGradients)
     }
   }
   EXPECT_EQ(steps, (std::vector<int64_t>{6, 5, 5}));
-  EXPECT_TRUE(warnings.empty());
+  EXPECT_TRUE(warnings->empty());
 
   proxy1.Heal();
   proxy2.Heal();
@@ -362,6 +364,12 @@ TEST_F(ShardedSessionTest, AStepCutOffInItsCommitIsSentAgainWithItsOwnGradients)
   const absl::StatusOr<client::ParameterMap> split = sharded->GetParameters();
   EXPECT_THAT(split, StatusIs(absl::StatusCode::kFailedPrecondition, "step 6 was cut off in its commit: shard 1 ("));
   EXPECT_THAT(split, StatusIs(absl::StatusCode::kFailedPrecondition, "the next Step(6) sends it"));
+  EXPECT_THAT(sharded->GetStateDigest(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, "step 6 was cut off in its commit: shard 1 ("));
+  // Refused before any shard is asked to write one (these daemons have no --state-dir, which they
+  // would have answered first).
+  EXPECT_THAT(sharded->Checkpoint(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, "step 6 was cut off in its commit: shard 1 ("));
   ASSERT_OK_AND_ASSIGN(client::StepReply expected, single->Step(6, grads.views, OptionsOf(6)));
   Tensors next_batch(spec, 606, 0.3f);
   client::StepOptions other = OptionsOf(7);
@@ -375,8 +383,9 @@ TEST_F(ShardedSessionTest, AStepCutOffInItsCommitIsSentAgainWithItsOwnGradients)
   EXPECT_EQ(out, expected.parameters.at(on_shard_1));
   expected.parameters.erase(on_shard_1);
   EXPECT_EQ(resent.parameters, expected.parameters);
-  ASSERT_EQ(warnings.size(), 1u);
-  EXPECT_NE(warnings[0].find("step 6 failed once some shards may have applied it"), std::string::npos) << warnings[0];
+  ASSERT_EQ(warnings->size(), 1u);
+  EXPECT_NE((*warnings)[0].find("step 6 failed once some shards may have applied it"), std::string::npos)
+      << (*warnings)[0];
   StepBoth(spec, *sharded, *single, 7, 8);
   ASSERT_OK(sharded->Close());
 }

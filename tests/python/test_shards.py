@@ -377,6 +377,11 @@ def test_a_step_cut_off_in_its_commit_is_sent_again_with_its_own_gradients(three
     assert split.value.code == grpc.StatusCode.FAILED_PRECONDITION
     assert "step 6 was cut off in its commit" in split.value.details
     assert "the next step() sends it again" in split.value.details
+    for needs_one_step in (opt.state_digest, opt.checkpoint):  # checkpoint: before any shard writes
+        with pytest.raises(muond.MuondError) as split:
+            needs_one_step()
+        assert split.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "step 6 was cut off in its commit" in split.value.details
 
     with caplog.at_level(logging.WARNING, logger="muond"):
         infos.append(one_step(model, opt, 106, 0))  # another batch: not what step 6 applies
