@@ -31,7 +31,8 @@ class CallCuttingProxy {
   void CutAfterCalls(int calls);
   // Forwards everything again, new connections included.
   void Heal();
-  // Calls cut so far (each a connection closed at a call's first frame).
+  // Calls cut so far (each a connection closed at a call's first frame; connections refused at
+  // their accept while cutting are not counted).
   int cut_calls() const { return cut_calls_.load(); }
 
  private:
