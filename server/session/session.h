@@ -254,8 +254,9 @@ class Session {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DropPreparedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The step `plan`: decided, journaled (journal mode), then applied or skipped. A failure after the
-  // record or once the masters began to change breaks the session (BreakLocked); every step that can
-  // fail without changing anything (the magnitude guard's reads among them) comes before the record.
+  // record or once the masters began to change breaks the session (BreakLocked). Deciding (the checks,
+  // clipping and the magnitude guard's reads) comes before the record; staging the gradients for the
+  // optimizer (scaled by the clip coefficient in place; on a device, copied there) comes after it.
   absl::StatusOr<StepOutcome> ApplyLocked(const StepPlan& plan, std::vector<HostTensor>& gradients,
                                           StagedGradients* staged) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // What a step will do, decided from its gradients and the state before anything changes: the

@@ -365,8 +365,9 @@ absl::StatusOr<StepOutcome> Session::TakeGatheredLocked(bool prepare, uint64_t g
   auto [applied_plan, mean] = gather_.TakeAverage(config_);
   if (prepare) return PrepareLocked(std::move(applied_plan), std::move(mean), generation);
   absl::StatusOr<StepOutcome> outcome = ApplyLocked(applied_plan, mean, nullptr);
-  // The other ranks of the gathering are answered why, not that nothing was applied.
-  if (!outcome.ok() && !broken_.empty()) gather_refused_ = {generation, BrokenLocked()};
+  // The other ranks of the gathering are answered why (the step refused, or the session broken by
+  // it), not only that nothing was applied.
+  if (!outcome.ok()) gather_refused_ = {generation, broken_.empty() ? outcome.status() : BrokenLocked()};
   return outcome;
 }
 
