@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <filesystem>
+#include <thread>
 
 #include "common/status_macros.h"
 #include "gmock/gmock.h"
@@ -292,6 +293,41 @@ TEST_F(DurableSessionTest, AStepThatFailsBeforeItsRecordIsRefusedAloneWithNothin
   ASSERT_OK(Step(2)) << "the refused step broke the session";
   ASSERT_OK(Step(3));
   ExpectRestoreHoldsEveryAcknowledgedStep();  // the journal holds steps 2 and 3, not the refused one
+}
+
+// Two ranks in lock-step: whichever arrives last applies their mean, and that apply fails before
+// its record (the magnitude guard's read). Both ranks are refused with that reason, not one of them
+// with only "aborted", nothing is journaled, and the step goes through when both send it again.
+TEST_F(DurableSessionTest, AGatheredStepRefusedBeforeItsRecordTellsEveryRankWhy) {
+  ASSERT_OK_AND_ASSIGN(CreateResult created, registry_->CreateOrAttach("two", rpc::SpecToJson(SmallSpec(2))));
+  std::shared_ptr<Session> two = created.session;
+  ASSERT_OK(two->Upload(InitialParameters()));
+  auto both_ranks = [&](int step, const std::vector<HostTensor>& gradients) {
+    std::vector<absl::Status> answers(2);
+    std::vector<std::thread> ranks;
+    for (int rank = 0; rank < 2; ++rank) {
+      ranks.emplace_back([&, rank] {
+        StepRequest request = Request(step, rank);
+        request.session_id = "two";
+        answers[rank] = RunStep(*two, request, gradients).status();
+      });
+    }
+    for (std::thread& t : ranks) t.join();
+    return answers;
+  };
+  for (const absl::Status& answer : both_ranks(1, Gradients(1))) ASSERT_OK(answer);
+  std::vector<HostTensor> huge = Gradients(2);
+  std::vector<float> values = huge[1].values;
+  values[0] = 1e22f;
+  huge[1] = Tensor(values);
+  failing_->fail_reads = true;
+  for (const absl::Status& answer : both_ranks(2, huge)) {
+    EXPECT_THAT(answer, StatusIs(absl::StatusCode::kInternal, "injected"));
+  }
+  failing_->fail_reads = false;
+  EXPECT_EQ(two->last_step(), 1);
+  for (const absl::Status& answer : both_ranks(2, Gradients(2))) ASSERT_OK(answer) << "the refused step broke it";
+  EXPECT_EQ(two->last_step(), 2);
 }
 
 // Step 2 fails after its Muon group was updated (and after its journal record): a resend would apply
