@@ -387,6 +387,42 @@ TEST_F(ShardedSessionTest, AStepCutOffInItsCommitIsSentAgainWithItsOwnGradients)
   EXPECT_NE((*warnings)[0].find("step 6 failed once some shards may have applied it"), std::string::npos)
       << (*warnings)[0];
   StepBoth(spec, *sharded, *single, 7, 8);
+
+  // Step 9 is cut off the same way, then another trainer's attach finishes it on shards 1 and 2:
+  // this one still keeps step 9, which every shard has applied. Step 10's prepares all go through,
+  // which shows every shard past 9: the kept step is dropped, and step 10, cut off in its commit in
+  // turn, is kept in its place and sent again with its own gradients.
+  Tensors grads9(spec, 900, 0.3f);
+  proxy1.CutAfterCalls(1);
+  proxy2.CutAfterCalls(1);
+  EXPECT_THAT(sharded->Step(9, grads9.views, OptionsOf(9)), StatusIs(absl::StatusCode::kUnavailable, "shard 1 ("));
+  EXPECT_EQ(sharded->cut_off_step(), 9);
+  proxy1.Heal();
+  proxy2.Heal();
+  {
+    ASSERT_OK_AND_ASSIGN(auto other_trainer, client::ShardedSession::Open(options_, shards, "cut-commit", spec));
+    EXPECT_EQ(other_trainer->last_step(), 9);
+  }
+  ASSERT_OK(single->Step(9, grads9.views, OptionsOf(9)).status());
+  // Every shard at step 9: one step to read (and this session's connections, cut by step 9's tries,
+  // made again before the proxies count calls).
+  int64_t at = 0;
+  ASSERT_OK(sharded->GetParameters(&at).status());
+  EXPECT_EQ(at, 9);
+  EXPECT_EQ(sharded->cut_off_step(), 9);
+  Tensors grads10(spec, 1000, 0.3f);
+  // Two calls through: the daemon's offer, which a session asks again after a step answered
+  // UNAVAILABLE (the daemon may have restarted), then the prepare; the commit is cut.
+  proxy1.CutAfterCalls(2);
+  proxy2.CutAfterCalls(2);
+  EXPECT_THAT(sharded->Step(10, grads10.views, OptionsOf(10)), StatusIs(absl::StatusCode::kUnavailable, "shard 1 ("));
+  EXPECT_EQ(sharded->cut_off_step(), 10);
+  proxy1.Heal();
+  proxy2.Heal();
+  ASSERT_OK_AND_ASSIGN(client::StepReply want, single->Step(10, grads10.views, OptionsOf(10)));
+  ASSERT_OK_AND_ASSIGN(client::StepReply got, sharded->Step(10, next_batch.views, OptionsOf(10)));
+  EXPECT_EQ(got.grad_norm, want.grad_norm);
+  EXPECT_EQ(got.parameters, want.parameters);
   ASSERT_OK(sharded->Close());
 }
 
