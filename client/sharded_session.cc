@@ -179,10 +179,16 @@ absl::StatusOr<int64_t> ShardedSession::CommonStep(const std::vector<int64_t>& s
   }
   if (behind.empty()) return ahead;
   if (cut_off_.has_value() && cut_off_->step == ahead && *std::min_element(steps.begin(), steps.end()) == ahead - 1) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "session '", session_id_, "': step ", ahead, " was cut off in its commit: ", absl::StrJoin(behind, ", "),
-        ", the others at step ", ahead, "; the next Step(", ahead,
-        ") sends it again (with its own gradients) and brings every shard to step ", ahead));
+    const std::string what =
+        cut_off_->gradients_kept
+            ? absl::StrCat("the next Step(", ahead,
+                           ") sends it again (with its own gradients) and brings every shard to step ", ahead)
+            : absl::StrCat("its gradients could not be kept, so Step(", ahead,
+                           ") is refused: restore every shard to one step, then DropCutOffStep() (or open the session "
+                           "again)");
+    return absl::FailedPreconditionError(absl::StrCat("session '", session_id_, "': step ", ahead,
+                                                      " was cut off in its commit: ", absl::StrJoin(behind, ", "),
+                                                      ", the others at step ", ahead, "; ", what));
   }
   return absl::FailedPreconditionError(absl::StrCat(
       "the shards are at different steps: ", absl::StrJoin(behind, ", "), ", the others at step ", ahead,
@@ -408,9 +414,11 @@ absl::StatusOr<ParameterMap> ShardedSession::GetParameters(int64_t* last_step) {
 }
 
 absl::StatusOr<int64_t> ShardedSession::Checkpoint() {
-  absl::StatusOr<std::vector<int64_t>> before = ShardSteps();
-  if (!before.ok()) return before.status();
-  if (absl::StatusOr<int64_t> common = CommonStep(*before); !common.ok()) return common.status();
+  if (sessions_.size() > 1) {
+    absl::StatusOr<std::vector<int64_t>> before = ShardSteps();
+    if (!before.ok()) return before.status();
+    if (absl::StatusOr<int64_t> common = CommonStep(*before); !common.ok()) return common.status();
+  }
   absl::StatusOr<std::vector<int64_t>> steps = OnEveryShard<int64_t>([&](int k) { return sessions_[k]->Checkpoint(); });
   if (!steps.ok()) return steps.status();
   return CommonStep(*steps);

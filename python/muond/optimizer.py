@@ -497,7 +497,8 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, ChunkFitting, to
         behind = ", ".join(f"shard {k} ({self.endpoints[k]}) at step {s}"
                            for k, s in enumerate(steps) if s != ahead)
         if self._cut_off is not None and self._cut_off.header.step == ahead == min(steps) + 1:
-            return shard_step.cut_off_refusal(self.session_id, ahead, behind, rpc)
+            return shard_step.cut_off_refusal(self.session_id, ahead, behind, rpc,
+                                              resendable=self._cut_off.grads is not None)
         return MuondError(grpc.StatusCode.FAILED_PRECONDITION,
                           f"session '{self.session_id}': the shards are at different steps: "
                           f"{behind}, the others at step {ahead} (a daemon restarted from an older "

@@ -94,10 +94,15 @@ class CutOffStep(NamedTuple):
     weight: Optional[float]
 
 
-def cut_off_refusal(session_id: str, step: int, behind: str, rpc: str) -> MuondError:
+def cut_off_refusal(session_id: str, step: int, behind: str, rpc: str,
+                    resendable: bool = True) -> MuondError:
     """The FAILED_PRECONDITION for shards at two steps while this optimizer keeps ``step``, cut
-    off in its commit on the shards ``behind`` (named with their steps)."""
+    off in its commit on the shards ``behind`` (named with their steps); ``resendable``: whether
+    its gradients were kept, to send it again."""
+    what = (f"the next step() sends it again (with its own gradients) and brings every shard to "
+            f"step {step}" if resendable else
+            "its gradients could not be kept, so the next step() is refused: restore every shard "
+            "to one step (load_state_dict of a saved state_dict)")
     return MuondError(grpc.StatusCode.FAILED_PRECONDITION,
                       f"session '{session_id}': step {step} was cut off in its commit: {behind}, "
-                      f"the others at step {step}; the next step() sends it again (with its own "
-                      f"gradients) and brings every shard to step {step}", rpc)
+                      f"the others at step {step}; {what}", rpc)
