@@ -363,10 +363,10 @@ void Session::RefuseGatheringLocked(absl::Status why) {
 
 absl::StatusOr<StepOutcome> Session::TakeGatheredLocked(bool prepare, uint64_t generation) {
   auto [applied_plan, mean] = gather_.TakeAverage(config_);
-  if (prepare) return PrepareLocked(std::move(applied_plan), std::move(mean), generation);
-  absl::StatusOr<StepOutcome> outcome = ApplyLocked(applied_plan, mean, nullptr);
-  // The other ranks of the gathering are answered why (the step refused, or the session broken by
-  // it), not only that nothing was applied.
+  absl::StatusOr<StepOutcome> outcome = prepare ? PrepareLocked(std::move(applied_plan), std::move(mean), generation)
+                                                : ApplyLocked(applied_plan, mean, nullptr);
+  // The other ranks of the gathering are answered why (the step or its prepare refused, or the
+  // session broken by it), not only that nothing was applied.
   if (!outcome.ok()) gather_refused_ = {generation, broken_.empty() ? outcome.status() : BrokenLocked()};
   return outcome;
 }

@@ -295,39 +295,57 @@ TEST_F(DurableSessionTest, AStepThatFailsBeforeItsRecordIsRefusedAloneWithNothin
   ExpectRestoreHoldsEveryAcknowledgedStep();  // the journal holds steps 2 and 3, not the refused one
 }
 
-// Two ranks in lock-step: whichever arrives last applies their mean, and that apply fails before
-// its record (the magnitude guard's read). Both ranks are refused with that reason, not one of them
-// with only "aborted", nothing is journaled, and the step goes through when both send it again.
+// Two ranks in lock-step: whichever arrives last applies their mean (or, for a sharded session's
+// prepare, prepares it), and that fails before anything changed (the magnitude guard's read). Both
+// ranks are refused with that reason, not one of them with only "aborted", nothing is journaled,
+// and the step goes through when both send it again.
 TEST_F(DurableSessionTest, AGatheredStepRefusedBeforeItsRecordTellsEveryRankWhy) {
-  ASSERT_OK_AND_ASSIGN(CreateResult created, registry_->CreateOrAttach("two", rpc::SpecToJson(SmallSpec(2))));
-  std::shared_ptr<Session> two = created.session;
-  ASSERT_OK(two->Upload(InitialParameters()));
-  auto both_ranks = [&](int step, const std::vector<HostTensor>& gradients) {
-    std::vector<absl::Status> answers(2);
-    std::vector<std::thread> ranks;
-    for (int rank = 0; rank < 2; ++rank) {
-      ranks.emplace_back([&, rank] {
-        StepRequest request = Request(step, rank);
-        request.session_id = "two";
-        answers[rank] = RunStep(*two, request, gradients).status();
-      });
+  for (const StepPhase phase : {StepPhase::kWhole, StepPhase::kPrepare}) {
+    const std::string id = phase == StepPhase::kWhole ? "whole" : "prepared";
+    SCOPED_TRACE(id);
+    failing_->fail_reads = false;
+    v1::SessionSpec spec = SmallSpec(2);
+    if (phase == StepPhase::kPrepare) {  // one of two shards, holding two of the session's three parameters
+      v1::ShardPlacement* shard = spec.mutable_shard();
+      shard->add_endpoints("a:1");
+      shard->add_endpoints("b:2");
+      shard->set_num_parameters(3);
+      shard->add_parameters(0);
+      shard->add_parameters(1);
     }
-    for (std::thread& t : ranks) t.join();
-    return answers;
-  };
-  for (const absl::Status& answer : both_ranks(1, Gradients(1))) ASSERT_OK(answer);
-  std::vector<HostTensor> huge = Gradients(2);
-  std::vector<float> values = huge[1].values;
-  values[0] = 1e22f;
-  huge[1] = Tensor(values);
-  failing_->fail_reads = true;
-  for (const absl::Status& answer : both_ranks(2, huge)) {
-    EXPECT_THAT(answer, StatusIs(absl::StatusCode::kInternal, "injected"));
+    ASSERT_OK_AND_ASSIGN(CreateResult created, registry_->CreateOrAttach(id, rpc::SpecToJson(spec)));
+    std::shared_ptr<Session> two = created.session;
+    ASSERT_OK(two->Upload(InitialParameters()));
+    auto both_ranks = [&](int step, const std::vector<HostTensor>& gradients) {
+      std::vector<absl::Status> answers(2);
+      std::vector<std::thread> ranks;
+      for (int rank = 0; rank < 2; ++rank) {
+        ranks.emplace_back([&, rank] {
+          StepRequest request = Request(step, rank);
+          request.session_id = id;
+          request.phase = phase;
+          answers[rank] = RunStep(*two, request, gradients).status();
+        });
+      }
+      for (std::thread& t : ranks) t.join();
+      return answers;
+    };
+    if (phase == StepPhase::kWhole) {
+      for (const absl::Status& answer : both_ranks(1, Gradients(1))) ASSERT_OK(answer);
+    }
+    const int step = phase == StepPhase::kWhole ? 2 : 1;
+    std::vector<HostTensor> huge = Gradients(step);
+    std::vector<float> values = huge[1].values;
+    values[0] = 1e22f;
+    huge[1] = Tensor(values);
+    failing_->fail_reads = true;
+    for (const absl::Status& answer : both_ranks(step, huge)) {
+      EXPECT_THAT(answer, StatusIs(absl::StatusCode::kInternal, "injected"));
+    }
+    failing_->fail_reads = false;
+    EXPECT_EQ(two->last_step(), step - 1);
+    for (const absl::Status& answer : both_ranks(step, Gradients(step))) ASSERT_OK(answer) << "the refusal broke it";
   }
-  failing_->fail_reads = false;
-  EXPECT_EQ(two->last_step(), 1);
-  for (const absl::Status& answer : both_ranks(2, Gradients(2))) ASSERT_OK(answer) << "the refused step broke it";
-  EXPECT_EQ(two->last_step(), 2);
 }
 
 // Step 2 fails after its Muon group was updated (and after its journal record): a resend would apply
