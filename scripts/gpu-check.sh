@@ -191,8 +191,16 @@ cpp() {
   # Debian's OpenBLAS picks its SSE3 kernels on the lent machines' CPUs (107 s there on 2026-12-04):
   # the test programs run under the kernels the daemon would start itself again under.
   local kernel
-  kernel=$("$GPU_DIR/bin/muond" --print-blas-kernel 2>/dev/null) || kernel=""
-  [[ -z ${OPENBLAS_CORETYPE:-} && -n $kernel ]] && export OPENBLAS_CORETYPE=$kernel
+  kernel=$(timeout 30 "$GPU_DIR/bin/muond" --print-blas-kernel 2>/dev/null) || kernel=""
+  if [[ -n ${OPENBLAS_CORETYPE:-} ]]; then
+    echo "cpp: OPENBLAS_CORETYPE=$OPENBLAS_CORETYPE (given)" | tee -a "$WORK_DIR/summary.txt"
+  elif [[ $kernel =~ ^[A-Za-z0-9_]+$ ]]; then
+    export OPENBLAS_CORETYPE=$kernel
+    echo "cpp: OPENBLAS_CORETYPE=$kernel (the daemon's choice)" | tee -a "$WORK_DIR/summary.txt"
+  else
+    echo "cpp: the daemon named no OpenBLAS kernel ('$kernel'): OpenBLAS picks its own" |
+      tee -a "$WORK_DIR/summary.txt"
+  fi
   cpp_step cuda-backend-tests 240 "$GPU_DIR/bin/cuda_backend_test" --gtest_brief=1
   cpp_step conformance 240 "$GPU_DIR/bin/backend_conformance_test" --gtest_brief=1
   cpp_step cuda-peer 120 "$GPU_DIR/bin/cuda_peer_test" --gtest_brief=1
