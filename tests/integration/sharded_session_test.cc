@@ -11,6 +11,7 @@
 #include <set>
 
 #include "absl/strings/str_cat.h"
+#include "client/error_reason.h"
 #include "gmock/gmock.h"
 #include "tests/integration/call_cutting_proxy.h"
 #include "tests/integration/daemon_process.h"
@@ -454,6 +455,23 @@ TEST(ShardPlacementTest, LongestFirstOntoTheLeastLoadedWithPairsTogether) {
   (*spec.mutable_labels())["run"] = "r42";
   const std::vector<std::string> three = {"a:1", "b:2", "c:3"};
   for (int k = 0; k < 3; ++k) EXPECT_EQ(client::ShardSpec(spec, placement, three, k).labels().at("run"), "r42") << k;
+}
+
+// Checkpoint() asks each shard's step before any shard writes one; a shard that no longer holds the
+// session leaves that to its own checkpoint call, which the daemon refuses with its reason.
+TEST_F(ShardedSessionTest, ACheckpointWithAShardThatLostTheSessionKeepsTheDaemonsReason) {
+  const v1::SessionSpec spec = ModelSpec();
+  const std::vector<std::string> shards(endpoints_.begin(), endpoints_.begin() + 3);
+  ASSERT_OK_AND_ASSIGN(auto sharded, client::ShardedSession::Open(options_, shards, "lost", spec));
+  const Tensors initial(spec, 0, 0.5f);
+  ASSERT_OK(sharded->UploadParameters(initial.views));
+  client::ClientOptions first = options_;
+  first.endpoint = shards[0];
+  ASSERT_OK_AND_ASSIGN(auto first_client, client::Client::Connect(first));
+  ASSERT_OK(first_client->CloseSession("lost"));
+  const absl::StatusOr<int64_t> checkpointed = sharded->Checkpoint();
+  EXPECT_THAT(checkpointed, StatusIs(absl::StatusCode::kNotFound, "shard 0 ("));
+  EXPECT_EQ(client::ReasonOf(checkpointed.status()), v1::SESSION_NOT_FOUND);
 }
 
 TEST_F(ShardedSessionTest, ARefusedOpenRollsBackTheSessionsItCreated) {

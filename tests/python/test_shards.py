@@ -620,3 +620,19 @@ def test_an_attach_that_finishes_a_cut_off_step_resumes_that_steps_values(three)
     assert opt.attached and opt.last_step == 3
     assert [g["lr"] for g in opt.param_groups] == lrs[3], "step 3's, not the step before"
     opt.close()
+
+
+def test_a_checkpoint_with_a_shard_that_lost_the_session_is_refused_with_its_reason(three):
+    """Before any shard writes a checkpoint, checkpoint() asks each shard's step; a shard that no
+    longer holds the session leaves that to its own checkpoint call, which the daemon refuses
+    with its machine-readable reason (SESSION_NOT_FOUND), as on one daemon."""
+    model = AttentionNet(seed=3)
+    opt = sharded(model, endpoints=[d.endpoint for d in three])
+    one_step(model, opt, 1, 0)
+    conn = muond.Connection(three[0].endpoint)
+    conn.close_session(opt.session_id)
+    conn.close()
+    with pytest.raises(muond.MuondError) as lost:
+        opt.checkpoint()
+    assert lost.value.code == grpc.StatusCode.NOT_FOUND
+    assert lost.value.reason == muond.errors.SESSION_NOT_FOUND
