@@ -218,6 +218,14 @@ python_tests() {
   local extra=(--deselect tests/python/test_package.py::test_generated_stubs_import_as_a_subpackage)
   if PYTHONPATH="$PY_PATH" "$PYTHON" -c 'import xdist, pytest_timeout' 2>/dev/null; then
     extra+=(-p xdist.plugin -n "${MUOND_PYTEST_WORKERS:-8}" -p pytest_timeout --timeout 320)
+    # Work stealing (pytest-xdist 3.2 and later): a worker left idle takes tests queued behind
+    # another's long one. On 2026-12-04 the default scheduler queued the slow tests (collected
+    # first) on four of 12 workers, which ran 7 to 14 tests each while the others ran 54 to 125 and
+    # went idle; 11 slow ones had not started when the limit fell.
+    if PYTHONPATH="$PY_PATH" "$PYTHON" -c 'import sys, xdist
+sys.exit(tuple(int(p) for p in xdist.__version__.split(".")[:2]) < (3, 2))' 2>/dev/null; then
+      extra+=(--dist worksteal)
+    fi
   fi
   # MUOND_PYTEST_ARGS replaces the selection (e.g. test ids to rerun, with options such as
   # --timeout before them); -v prints each test as it finishes,
