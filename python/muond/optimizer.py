@@ -721,17 +721,7 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, ChunkFitting, to
         ``RemoteOptimizer`` with the same session id. ``MuondError(FAILED_PRECONDITION)`` when
         the daemon has no ``--state-dir``."""
         self.flush()
-        if len(self._sessions) > 1:
-            # Refused before any shard writes one when the shards are at different steps:
-            # checkpoints of two steps restore to no step of the session. A shard without the
-            # session: its own checkpoint call refuses, with the daemon's reason.
-            try:
-                steps = self._shard_steps()
-            except MuondError as err:
-                if err.code != grpc.StatusCode.NOT_FOUND:
-                    raise
-            else:
-                self._common_step(steps, "Checkpoint")
+        self._refuse_shards_at_two_steps("Checkpoint")
         steps = self._on_every_session(lambda k, session: session.checkpoint())
         return self._common_step(steps, "Checkpoint")
 

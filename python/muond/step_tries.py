@@ -281,6 +281,21 @@ class StepTries(_Core):
         if len(set(steps)) > 1:
             raise self._common_step_error(steps, "Step") from refused
 
+    def _refuse_shards_at_two_steps(self, rpc: str) -> None:
+        """Over several daemons, raises the FAILED_PRECONDITION naming the shards behind (or the
+        kept step) when they are at different steps, before ``rpc`` writes anything: checkpoints
+        of two steps restore to no step of the session. A shard without the session is left to
+        ``rpc`` itself, which the daemon refuses with its reason."""
+        if len(self._sessions) <= 1:
+            return
+        try:
+            steps = self._shard_steps()
+        except MuondError as err:
+            if err.code != grpc.StatusCode.NOT_FOUND:
+                raise
+            return
+        self._common_step(steps, rpc)
+
     def _shard_steps(self) -> List[int]:
         """Each shard's last step, as its daemon lists the session; ``MuondError`` when a daemon
         cannot be asked or no longer holds the session."""

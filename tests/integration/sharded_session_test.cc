@@ -393,13 +393,19 @@ TEST_F(ShardedSessionTest, AStepCutOffInItsCommitIsSentAgainWithItsOwnGradients)
   // this one still keeps step 9, which every shard has applied. Step 10's prepares all go through,
   // which shows every shard past 9: the kept step is dropped, and step 10, cut off in its commit in
   // turn, is kept in its place and sent again with its own gradients.
+  // Step `step` with `calls` let through shards 1 and 2 before their commits are cut: it fails and
+  // is kept; the proxies forward again afterwards.
+  auto cut_in_its_commit = [&](int step, const Tensors& grads, int calls) {
+    proxy1.CutAfterCalls(calls);
+    proxy2.CutAfterCalls(calls);
+    EXPECT_THAT(sharded->Step(step, grads.views, OptionsOf(step)),
+                StatusIs(absl::StatusCode::kUnavailable, "shard 1 ("));
+    EXPECT_EQ(sharded->cut_off_step(), step);
+    proxy1.Heal();
+    proxy2.Heal();
+  };
   Tensors grads9(spec, 900, 0.3f);
-  proxy1.CutAfterCalls(1);
-  proxy2.CutAfterCalls(1);
-  EXPECT_THAT(sharded->Step(9, grads9.views, OptionsOf(9)), StatusIs(absl::StatusCode::kUnavailable, "shard 1 ("));
-  EXPECT_EQ(sharded->cut_off_step(), 9);
-  proxy1.Heal();
-  proxy2.Heal();
+  cut_in_its_commit(9, grads9, 1);
   {
     ASSERT_OK_AND_ASSIGN(auto other_trainer, client::ShardedSession::Open(options_, shards, "cut-commit", spec));
     EXPECT_EQ(other_trainer->last_step(), 9);
@@ -414,12 +420,7 @@ TEST_F(ShardedSessionTest, AStepCutOffInItsCommitIsSentAgainWithItsOwnGradients)
   Tensors grads10(spec, 1000, 0.3f);
   // Two calls through: the daemon's offer, which a session asks again after a step answered
   // UNAVAILABLE (the daemon may have restarted), then the prepare; the commit is cut.
-  proxy1.CutAfterCalls(2);
-  proxy2.CutAfterCalls(2);
-  EXPECT_THAT(sharded->Step(10, grads10.views, OptionsOf(10)), StatusIs(absl::StatusCode::kUnavailable, "shard 1 ("));
-  EXPECT_EQ(sharded->cut_off_step(), 10);
-  proxy1.Heal();
-  proxy2.Heal();
+  cut_in_its_commit(10, grads10, 2);
   ASSERT_OK_AND_ASSIGN(client::StepReply want, single->Step(10, grads10.views, OptionsOf(10)));
   ASSERT_OK_AND_ASSIGN(client::StepReply got, sharded->Step(10, next_batch.views, OptionsOf(10)));
   EXPECT_EQ(got.grad_norm, want.grad_norm);
