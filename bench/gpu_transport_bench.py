@@ -13,9 +13,11 @@ ratio copy / step (target: at least 0.8). Then, per size and transport, where a 
 the daemon's handler of the call that carried it and its phases (receive: the gradients, for CUDA
 IPC the wait for the client's event; compute; send: the answer, for CUDA IPC the final
 synchronize), as means from the daemon's metrics (daemon_metrics.py), and the rest (the client and
-the call).
+the call): the floor under that rest is one empty gRPC round trip to the same daemon (GetServerInfo),
+and --profile STEPS more cuda_ipc steps are profiled by function (client_profile.py) to show which
+parts of the client's own step it spends.
 
-    python3 bench/gpu_transport_bench.py [--binary build/muond] [--sizes-m 1 16 64] [--steps 20]
+    python3 bench/gpu_transport_bench.py [--binary build/muond] [--sizes-m 1 16 64] [--steps 20] [--profile 100]
 """
 
 import argparse
@@ -29,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+import client_profile
 import daemon_metrics
 from bench_daemon import free_port
 
@@ -105,10 +108,11 @@ def copy_figure(total: int, device: torch.device, peer: torch.device, warmup: in
 
 
 def step_time(muond, endpoint: str, transport: str, params, warmup: int, steps: int, device,
-              timed_start=lambda: None):
-    """(median step seconds, median daemon compute seconds, chosen transport) of an SGD session
-    over `transport`, or None with the reason when it cannot be used; `timed_start` is called
-    before the timed steps."""
+              timed_start=lambda: None, timed_end=lambda: None, profile_steps: int = 0):
+    """(median step seconds, median daemon compute seconds, chosen transport, the profile's lines)
+    of an SGD session over `transport`, or None with the reason when it cannot be used;
+    `timed_start` and `timed_end` are called around the timed steps, and `profile_steps` more steps
+    are then profiled by function (none: no lines)."""
     groups = [{"params": params, "optimizer": "sgd", "lr": 1e-12}]
     try:
         opt = muond.RemoteOptimizer(groups, endpoint=endpoint, transport=transport,
@@ -121,7 +125,14 @@ def step_time(muond, endpoint: str, transport: str, params, warmup: int, steps: 
             opt.step()
             computes.append(opt.last_info.compute_seconds)
         seconds = median_seconds(one, warmup, steps, device, timed_start)
-        return (seconds, statistics.median(computes[warmup:]), opt.transport), ""
+        timed_end()
+        compute = statistics.median(computes[warmup:])
+
+        def synchronized():
+            opt.step()
+            torch.cuda.synchronize(device)
+        profile = client_profile.profile_steps(synchronized, profile_steps) if profile_steps else []
+        return (seconds, compute, opt.transport, profile), ""
     finally:
         opt.close()
 
@@ -140,6 +151,8 @@ def main():
     parser.add_argument("--nccl-daemon-device", type=int, default=None,
                         help="the daemon's device for nccl (default: 1 with two or more GPUs; none with one)")
     parser.add_argument("--transports", nargs="+", default=["cuda_ipc", "nccl", "shm", "grpc"])
+    parser.add_argument("--profile", type=int, default=100, metavar="STEPS",
+                        help="cuda_ipc steps profiled by function after the timed ones, per size (0: none)")
     args = parser.parse_args()
     sys.path[:0] = [str(REPO / "python"), str(REPO / "build" / "python")]
     import muond  # noqa: E402 - after the path is set
@@ -165,7 +178,8 @@ def main():
             header += f" {t + ' ms':>12}"
         header += f" {'compute ms':>10} {'copy/ipc':>8} {'ipc GB/s':>8}"
         print(header, flush=True)
-        notes, spent = [], []
+        floor = client_profile.round_trip_floor(main_endpoint, args.warmup, max(args.steps, 100))
+        notes, spent, profiles = [], [], []
         for size_m in args.sizes_m:
             total = int(size_m * 1_000_000)
             params = make_params(total, args.tensors, device)
@@ -181,19 +195,23 @@ def main():
                     continue
                 metrics_port = nccl_metrics if transport == "nccl" else main_metrics
                 read = {}
-                timing, why = step_time(muond, endpoint, transport, params, args.warmup, args.steps, device,
-                                        lambda port=metrics_port: read.update(before=daemon_metrics.read(port)))
+                timing, why = step_time(
+                    muond, endpoint, transport, params, args.warmup, args.steps, device,
+                    lambda port=metrics_port: read.update(before=daemon_metrics.read(port)),
+                    lambda port=metrics_port: read.update(after=daemon_metrics.read(port)),
+                    args.profile if transport == "cuda_ipc" else 0)
 
                 if timing is None:
                     row += f" {'n/a':>12}"
                     notes.append(f"{total / 1e6:.0f}M {transport}: {why}")
                     continue
-                seconds, daemon_compute, chosen = timing
+                seconds, daemon_compute, chosen, profile = timing
                 row += f" {seconds * 1e3:>12.2f}"
-                # Means over the timed steps (and the session's close, which is no step).
-                where = daemon_metrics.breakdown(read["before"], daemon_metrics.read(metrics_port), chosen)
+                # Means over the timed steps.
+                where = daemon_metrics.breakdown(read["before"], read["after"], chosen)
                 spent.append(f"{total / 1e6:>8.0f}M {chosen:<9} step {seconds * 1e3:8.3f} ms: {where.describe()}, "
                              f"the rest {(seconds - where.handler) * 1e3:.3f} ms")
+                profiles += [f"{total / 1e6:.0f}M {chosen}: " + profile[0], *profile[1:]] if profile else []
                 if transport == "cuda_ipc":
                     ipc_s, compute = seconds, daemon_compute
                 elif compute is None:
@@ -210,6 +228,12 @@ def main():
               "from the daemon's metrics; the rest: the client and the call):")
         for line in spent:
             print(f"  {line}")
+        print(f"the floor under the rest: one empty gRPC round trip to the daemon (GetServerInfo), "
+              f"{floor * 1e3:.3f} ms (a median)")
+        if profiles:
+            print("the client's side of a cuda_ipc step by function (cProfile adds its own cost to each call):")
+            for line in profiles:
+                print(f"  {line}")
     print("copy/ipc: the copy figure over the cuda_ipc step (target >= 0.8); ipc GB/s: both ways' "
           "bytes over the cuda_ipc step")
 
