@@ -135,7 +135,7 @@ absl::StatusOr<StepReply> GrpcStepTransport::StepOnce(const v1::StepHeader& head
     std::vector<const TensorView*> tensors;
   };
   std::vector<Part> parts;
-  Part packing{.packed = true};
+  Part packing{.packed = true, .tensors = {}};
   size_t packed_bytes = 0;
   uint32_t num_chunks = 0;
   for (const TensorView& tensor : payload.gradients) {
@@ -148,7 +148,7 @@ absl::StatusOr<StepReply> GrpcStepTransport::StepOnce(const v1::StepHeader& head
     }
     if (packed_bytes + bytes > chunk_bytes) {
       parts.push_back(std::move(packing));
-      packing = Part{.packed = true};
+      packing = Part{.packed = true, .tensors = {}};
       packed_bytes = 0;
       ++num_chunks;
     }

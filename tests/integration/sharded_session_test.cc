@@ -1,11 +1,13 @@
 // A session spread over three real daemons through client::ShardedSession (docs/sharding.md): it
 // trains exactly as one daemon does — Muon and AdamW groups, global clipping, a non-finite step,
-// QK-clip — steps are exactly-once across shards, and a different endpoint list for an existing
+// QK-clip — steps are exactly-once across shards (a step cut off is kept and sent again with its own
+// gradients, with one rank or several), and a different endpoint list for an existing
 // session is refused, naming it. The placement rule is checked on the same example as the Python
 // client's (tests/python/test_shards.py), so both clients place alike.
 #include "client/sharded_session.h"
 
 #include <cmath>
+#include <future>
 #include <limits>
 #include <memory>
 #include <set>
@@ -113,7 +115,9 @@ class ShardedSessionTest : public ::testing::Test {
   void SetUp() override {
     for (DaemonProcess& daemon : daemons_) {
       std::string error;
-      ASSERT_TRUE(daemon.Start({"--backend", "cpu", "--log-level", "warn"}, &error)) << error;
+      std::vector<std::string> flags = {"--backend", "cpu", "--log-level", "warn"};
+      flags.insert(flags.end(), extra_flags_.begin(), extra_flags_.end());
+      ASSERT_TRUE(daemon.Start(flags, &error)) << error;
       endpoints_.push_back(daemon.endpoint());
     }
     options_ = TestClientOptions();
@@ -134,7 +138,8 @@ class ShardedSessionTest : public ::testing::Test {
     *single = std::move(made);
   }
 
-  DaemonProcess daemons_[4];  // three shards, and one daemon for the one-daemon run
+  std::vector<std::string> extra_flags_;  // every daemon's, beyond the backend and log level
+  DaemonProcess daemons_[4];              // three shards, and one daemon for the one-daemon run
   std::unique_ptr<client::Client> single_client_;
   std::vector<std::string> endpoints_;
   client::ClientOptions options_;
@@ -395,10 +400,10 @@ TEST_F(ShardedSessionTest, AStepCutOffInItsCommitIsSentAgainWithItsOwnGradients)
   // turn, is kept in its place and sent again with its own gradients.
   // Step `step` with `calls` let through shards 1 and 2 before their commits are cut: it fails and
   // is kept; the proxies forward again afterwards.
-  auto cut_in_its_commit = [&](int step, const Tensors& grads, int calls) {
+  auto cut_in_its_commit = [&](int step, const Tensors& sent, int calls) {
     proxy1.CutAfterCalls(calls);
     proxy2.CutAfterCalls(calls);
-    EXPECT_THAT(sharded->Step(step, grads.views, OptionsOf(step)),
+    EXPECT_THAT(sharded->Step(step, sent.views, OptionsOf(step)),
                 StatusIs(absl::StatusCode::kUnavailable, "shard 1 ("));
     EXPECT_EQ(sharded->cut_off_step(), step);
     proxy1.Heal();
@@ -565,6 +570,68 @@ TEST_F(ShardedSessionTest, AParametersOutThatDoesNotFitIsRefusedBeforeAnyShardAp
   ASSERT_OK_AND_ASSIGN(client::ParameterMap now, sharded->GetParameters(&last));
   EXPECT_EQ(last, 1);
   EXPECT_EQ(now.at(name), out);
+}
+
+// Sessions of two ranks whose missing rank each shard gives up on after a second.
+class ShardedRanksTest : public ShardedSessionTest {
+ protected:
+  ShardedRanksTest() { extra_flags_ = {"--straggler-timeout", "1"}; }
+};
+
+// With several ranks a step is kept as soon as its prepare went out (a shard holds the rank's part,
+// and another rank's commit could apply it). A later step that fails while one is kept keeps nothing
+// of its own: rank 0's step 2 is aborted on both shards (rank 1 never sent it), its caller then
+// tries step 3, which the shards (at step 1) refuse; step 2 stays kept, and rank 0's next Step(2),
+// with another batch, sends it with its own gradients. Both ranks then train on as on one daemon.
+TEST_F(ShardedRanksTest, ALaterStepThatFailsDoesNotReplaceTheStepKept) {
+  v1::SessionSpec spec = ModelSpec();
+  spec.set_world_size(2);
+  spec.clear_qk_clip();  // each rank's logits are not this test's subject
+  spec.mutable_groups(0)->mutable_options()->clear_qk_clip_threshold();
+  const std::vector<std::string> shards(endpoints_.begin(), endpoints_.begin() + 2);
+  std::unique_ptr<client::ShardedSession> rank0;
+  std::unique_ptr<client::Session> one0;
+  OpenBoth("kept-with-ranks", spec, shards, &rank0, &one0);
+  ASSERT_NE(one0, nullptr);
+  ASSERT_OK_AND_ASSIGN(auto rank1, client::ShardedSession::Open(options_, shards, "kept-with-ranks", spec));
+  ASSERT_OK_AND_ASSIGN(auto one1, single_client_->CreateSession("kept-with-ranks", spec));
+  auto options_of = [](int step, int rank) {
+    client::StepOptions options = OptionsOf(step);
+    options.qk_logits.clear();
+    options.rank = rank;
+    return options;
+  };
+  // Step `step` by both ranks at once, sharded with rank 0 sending `sent0`, and on the one daemon
+  // with `grads0`: they answer alike, bit for bit.
+  auto step_both = [&](int step, const Tensors& sent0, const Tensors& grads0, const Tensors& grads1) {
+    auto sharded1 =
+        std::async(std::launch::async, [&] { return rank1->Step(step, grads1.views, options_of(step, 1)); });
+    auto single1 = std::async(std::launch::async, [&] { return one1->Step(step, grads1.views, options_of(step, 1)); });
+    absl::StatusOr<client::StepReply> got = rank0->Step(step, sent0.views, options_of(step, 0));
+    absl::StatusOr<client::StepReply> want = one0->Step(step, grads0.views, options_of(step, 0));
+    ASSERT_OK(sharded1.get().status());
+    ASSERT_OK(single1.get().status());
+    ASSERT_OK(got.status());
+    ASSERT_OK(want.status());
+    EXPECT_EQ(got->grad_norm, want->grad_norm) << "step " << step;
+    EXPECT_EQ(got->parameters, want->parameters) << "step " << step;
+  };
+  const Tensors a1(spec, 100, 0.3f), b1(spec, 150, 0.3f);
+  step_both(1, a1, a1, b1);
+
+  const Tensors a2(spec, 200, 0.3f), b2(spec, 250, 0.3f);
+  EXPECT_THAT(rank0->Step(2, a2.views, options_of(2, 0)), StatusIs(absl::StatusCode::kAborted, "did not arrive"));
+  EXPECT_EQ(rank0->cut_off_step(), 2);
+  const Tensors a3(spec, 300, 0.3f);
+  EXPECT_THAT(rank0->Step(3, a3.views, options_of(3, 0)), StatusIs(absl::StatusCode::kFailedPrecondition, "step"));
+  EXPECT_EQ(rank0->cut_off_step(), 2);
+
+  const Tensors another_batch(spec, 700, 0.3f);
+  step_both(2, another_batch, a2, b2);
+  EXPECT_EQ(rank0->cut_off_step(), std::nullopt);
+  const Tensors b3(spec, 350, 0.3f);
+  step_both(3, a3, a3, b3);
+  ASSERT_OK(rank0->Close());
 }
 
 }  // namespace
