@@ -5,12 +5,13 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
-#include "common/half_float.h"
+#include "common/half_ranges.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 #include "server/durability/file_util.h"
@@ -28,6 +29,32 @@ size_t DtypeBytes(const json& dtype) {
   if (dtype == "F32") return 4;
   if (dtype == "BF16" || dtype == "F16") return 2;
   return 0;
+}
+
+// 16-bit elements go through a block of words at a time: a tensor's bytes in the file need not be
+// aligned for them.
+constexpr size_t kWordBlock = size_t{1} << 15;
+
+// Widens `count` little-endian 16-bit elements (bf16, else fp16) at `raw` into `out`.
+void WidenFileWords(bool bf16, const char* raw, float* out, size_t count) {
+  std::vector<uint16_t> words(std::min(kWordBlock, count));
+  for (size_t begin = 0; begin < count; begin += kWordBlock) {
+    const size_t n = std::min(kWordBlock, count - begin);
+    std::memcpy(words.data(), raw + 2 * begin, 2 * n);
+    (bf16 ? WidenBf16 : WidenFp16)(words.data(), out + begin, n);
+  }
+}
+
+// Appends `values` to `out` as little-endian 16-bit elements (bf16, else fp16).
+void AppendFileWords(bool bf16, const std::vector<float>& values, std::string& out) {
+  const size_t at = out.size();
+  out.resize(at + 2 * values.size());
+  std::vector<uint16_t> words(std::min(kWordBlock, values.size()));
+  for (size_t begin = 0; begin < values.size(); begin += kWordBlock) {
+    const size_t n = std::min(kWordBlock, values.size() - begin);
+    (bf16 ? NarrowToBf16 : NarrowToFp16)(values.data() + begin, words.data(), n);
+    std::memcpy(out.data() + at + 2 * begin, words.data(), 2 * n);
+  }
 }
 
 bool IsUnsigned(const json& value) { return value.is_number_unsigned() || (value.is_number_integer() && value >= 0); }
@@ -78,12 +105,7 @@ absl::Status DecodeSafetensors(const std::string& file, const std::string& bytes
     if (element == 4) {
       std::memcpy(t.values.data(), raw, end - begin);
     } else {
-      const bool bf16 = t.dtype == "BF16";
-      for (size_t i = 0; i < numel; ++i) {
-        uint16_t bits;
-        std::memcpy(&bits, raw + 2 * i, 2);
-        t.values[i] = bf16 ? Bf16ToFloat(bits) : Fp16ToFloat(bits);
-      }
+      WidenFileWords(t.dtype == "BF16", raw, t.values.data(), numel);
     }
     data->tensors.push_back(std::move(t));
   }
@@ -152,11 +174,7 @@ std::string EncodeSafetensors(const CheckpointData& data) {
       out.append(reinterpret_cast<const char*>(t.values.data()), t.values.size() * sizeof(float));
       continue;
     }
-    const bool bf16 = t.dtype == "BF16";
-    for (float x : t.values) {
-      const uint16_t bits = bf16 ? FloatToBf16(x) : FloatToFp16(x);
-      out.append(reinterpret_cast<const char*>(&bits), 2);
-    }
+    AppendFileWords(t.dtype == "BF16", t.values, out);
   }
   return out;
 }

@@ -5,7 +5,7 @@
 #include <span>
 #include <vector>
 
-#include "common/half_float.h"
+#include "common/half_ranges.h"
 #include "common/status_macros.h"
 #include "server/durability/sha256_stream.h"
 
@@ -45,9 +45,7 @@ uint64_t HashStored(Framer& framer, std::span<const float> values, kernels::Stor
   std::vector<uint16_t> bits(std::min(kBlock, values.size()));
   for (size_t begin = 0; begin < values.size(); begin += kBlock) {
     const size_t count = std::min(kBlock, values.size() - begin);
-    for (size_t i = 0; i < count; ++i) {
-      bits[i] = dtype == kernels::StorageDtype::kBf16 ? FloatToBf16(values[begin + i]) : FloatToFp16(values[begin + i]);
-    }
+    (dtype == kernels::StorageDtype::kBf16 ? NarrowToBf16 : NarrowToFp16)(values.data() + begin, bits.data(), count);
     framer.Raw(bits.data(), count * sizeof(uint16_t));
   }
   return values.size() * sizeof(uint16_t);

@@ -5,11 +5,15 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 
 #include "absl/strings/str_cat.h"
+#include "common/half_float.h"
 #include "gmock/gmock.h"
 #include "nlohmann/json.hpp"
 #include "server/durability/fault_injecting_env.h"
@@ -66,6 +70,56 @@ TEST_F(CheckpointTest, ARoundTripKeepsEverything) {
   EXPECT_EQ(read.tensors[1].slot, "momentum");
   EXPECT_EQ(read.tensors[1].shape, (std::vector<int64_t>{2, 3}));
   EXPECT_EQ(read.tensors[1].values, data_.tensors[1].values);
+}
+
+// Every bf16 and fp16 value is written as the 16-bit word it is stored as (the words a
+// value-by-value rounding gives) and read back as the same fp32 value, also where an odd count
+// before it leaves a tensor's bytes unaligned for 16-bit words.
+TEST_F(CheckpointTest, SixteenBitTensorsKeepEveryValueAtAnyAlignment) {
+  std::vector<float> every_bf16(1 << 16), every_fp16(1 << 16);
+  for (uint32_t bits = 0; bits < (1u << 16); ++bits) {
+    every_bf16[bits] = Bf16ToFloat(static_cast<uint16_t>(bits));
+    every_fp16[bits] = Fp16ToFloat(static_cast<uint16_t>(bits));
+  }
+  data_.tensors = {{"w", "master", {2, 3}, {1, 2, 3, 4, 5, 6}},
+                   {"w", "odd", {3}, {0.5f, -2.0f, 65504.0f}, "F16"},
+                   {"w", "exp_avg", {1 << 16}, every_bf16, "BF16"},
+                   {"w", "exp_avg_sq", {1 << 16}, every_fp16, "F16"}};
+  const std::string encoded = EncodeSafetensors(data_);
+  uint64_t header = 0;
+  std::memcpy(&header, encoded.data(), 8);
+  size_t at = 8 + header + 6 * sizeof(float);
+  for (size_t t = 1; t < data_.tensors.size(); ++t) {
+    const CheckpointTensor& tensor = data_.tensors[t];
+    for (size_t i = 0; i < tensor.values.size(); ++i, at += 2) {
+      uint16_t word = 0;
+      std::memcpy(&word, encoded.data() + at, 2);
+      const float x = tensor.values[i];
+      ASSERT_EQ(word, tensor.dtype == "BF16" ? FloatToBf16(x) : FloatToFp16(x)) << tensor.slot << "[" << i << "]";
+    }
+  }
+  ASSERT_EQ(at, encoded.size());
+
+  ASSERT_OK(WriteCheckpoint(Env::Default(), dir_, data_));
+  ASSERT_OK_AND_ASSIGN(CheckpointData read, ReadCheckpoint(Env::Default(), dir_));
+  ASSERT_EQ(read.tensors.size(), data_.tensors.size());
+  for (size_t t = 1; t < data_.tensors.size(); ++t) {
+    const std::vector<float>& want = data_.tensors[t].values;
+    auto found = std::find_if(read.tensors.begin(), read.tensors.end(),
+                              [&](const CheckpointTensor& r) { return r.slot == data_.tensors[t].slot; });
+    ASSERT_NE(found, read.tensors.end()) << data_.tensors[t].slot;
+    EXPECT_EQ(found->dtype, data_.tensors[t].dtype);
+    const std::vector<float>& got = found->values;
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) {
+      if (std::isnan(want[i])) {
+        EXPECT_TRUE(std::isnan(got[i])) << data_.tensors[t].slot << "[" << i << "]";
+      } else {
+        EXPECT_EQ(std::bit_cast<uint32_t>(got[i]), std::bit_cast<uint32_t>(want[i]))
+            << data_.tensors[t].slot << "[" << i << "]";
+      }
+    }
+  }
 }
 
 TEST_F(CheckpointTest, FieldsOfTheWrongTypeAreRefusedNotThrown) {
@@ -148,7 +202,7 @@ TEST_F(CheckpointTest, PartsWrittenRoundTripAndAnotherShapeIsRefused) {
   EXPECT_EQ(read.parts_written->last_step, 7);
   EXPECT_EQ(read.parts_written->step_counts, data_.parts_written->step_counts);
   EXPECT_EQ(read.parts_written->ranks, (std::vector<int64_t>{0, 2}));
-  data_.parts_written = CheckpointPartsWritten{.upload = true, .ranks = {1}};
+  data_.parts_written = CheckpointPartsWritten{.upload = true, .last_step = 0, .step_counts = {}, .ranks = {1}};
   ASSERT_OK(WriteCheckpoint(Env::Default(), dir_, data_));
   const json written =
       json::parse(Env::Default()->ReadFile(dir_ + "/" + kCheckpointMetadataFile, kNoReadLimit).value());

@@ -196,7 +196,10 @@ TEST(PrometheusMetricsTest, GroupSeriesFollowTheSessionsOpen) {
   StepReport report;
   report.session = "s";
   report.session_serial = 7;
-  report.groups = {GroupFigures{.group = "matrices", .grad_norm = 2.5}};
+  GroupFigures figures;
+  figures.group = "matrices";
+  figures.grad_norm = 2.5;
+  report.groups = {figures};
   const std::string series = R"(muond_group_grad_norm{session="s",group="matrices"})";
   metrics.StepAnswered(report);
   EXPECT_FALSE(Samples(metrics.Render()).contains(series)) << "a session never opened";
