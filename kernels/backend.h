@@ -154,6 +154,11 @@ class Backend : public PeerPrimitives {
   // Linear algebra.
   virtual absl::Status Gemm(const GemmShape& shape, float alpha, const float* a, const float* b, float beta, float* c,
                             MatmulPrecision precision) = 0;
+  // Whether Gemm at `precision` may be given a C that shares storage with A or B, for an update in
+  // place (X ← a·X + B·X, B ← c·A·A + b·A): true where the backend reads its operands from copies it
+  // makes before C is written (its bf16 GEMMs round them into scratch first). The default, false,
+  // asks callers for a C of its own, preloaded where beta ≠ 0.
+  virtual bool GemmMayWriteAnOperand(MatmulPrecision precision) const { return false; }
   // out_i = in_iᵀ for a batch of rows×cols matrices stored back to back.
   virtual absl::Status Transpose2D(const float* in, float* out, int64_t rows, int64_t cols, int64_t batch) = 0;
   // a_i[j][j] += value, j < m, for a batch of m×m matrices stored back to back (X·Xᵀ − I without

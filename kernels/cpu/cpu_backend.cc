@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -249,6 +250,20 @@ absl::Status CheckBlasBufferRoom(int threads) {
 
 namespace {
 
+// The floats a strided batch of rows×cols row-major matrices spans, [begin, end), gaps included.
+struct FloatRange {
+  const float* begin;
+  const float* end;
+};
+FloatRange RangeOf(const float* p, int64_t rows, int64_t cols, int64_t ld, int64_t stride, int64_t batch) {
+  if (rows <= 0 || cols <= 0 || batch <= 0) return {p, p};
+  return {p, p + (batch - 1) * stride + (rows - 1) * ld + cols};
+}
+bool Overlap(FloatRange x, FloatRange y) {
+  const auto at = [](const float* q) { return reinterpret_cast<uintptr_t>(q); };
+  return at(x.begin) < at(y.end) && at(y.begin) < at(x.end);
+}
+
 class CpuBackend final : public Backend {
  public:
   CpuBackend(int threads, bool host_addressable) : pool_(InitThreads(threads)), host_addressable_(host_addressable) {
@@ -261,6 +276,11 @@ class CpuBackend final : public Backend {
 
   std::string Name() const override { return "cpu"; }
   bool HostAddressable() const override { return host_addressable_; }
+  // oneDNN rounds bf16 operands into scratch before the product (and Gemm copies an operand C
+  // overlaps should oneDNN decline a shape); the fp32 path reads them where they are.
+  bool GemmMayWriteAnOperand(MatmulPrecision precision) const override {
+    return precision == MatmulPrecision::kBf16 && Bf16GemmSupport().available;
+  }
   bool MeasuresUpdatesInPass() const override { return true; }
   std::string Detail() const override {
     const Bf16Support& bf16 = Bf16GemmSupport();
@@ -314,6 +334,25 @@ class CpuBackend final : public Backend {
         bf16_->Run(s, alpha, a, b, beta, c)) {
       bf16_scratch_bytes_.store(bf16_->scratch_bytes(), std::memory_order_relaxed);
       return absl::OkStatus();
+    }
+    // A C in place of an operand (GemmMayWriteAnOperand said bf16 may have one, and oneDNN declined
+    // this shape): BLAS reads that operand from a copy.
+    std::vector<float> a_copy, b_copy;
+    if (s.k > 0) {
+      const bool ta = s.trans_a == Transpose::kYes, tb = s.trans_b == Transpose::kYes;
+      const FloatRange c_range = RangeOf(c, s.m, s.n, s.ldc, s.stride_c, s.batch);
+      const FloatRange a_range = RangeOf(a, ta ? s.k : s.m, ta ? s.m : s.k, s.lda, s.stride_a, s.batch);
+      const FloatRange b_range = RangeOf(b, tb ? s.n : s.k, tb ? s.k : s.n, s.ldb, s.stride_b, s.batch);
+      const bool same = a_range.begin == b_range.begin && a_range.end == b_range.end;
+      if (Overlap(c_range, a_range)) {
+        a_copy.assign(a_range.begin, a_range.end);
+        a = a_copy.data();
+        if (same) b = a;
+      }
+      if (!same && Overlap(c_range, b_range)) {
+        b_copy.assign(b_range.begin, b_range.end);
+        b = b_copy.data();
+      }
     }
     for (int64_t i = 0; i < s.batch; ++i) {
       float* ci = c + i * s.stride_c;

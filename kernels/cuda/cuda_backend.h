@@ -80,6 +80,8 @@ class CudaBackend final : public Backend {
 
   absl::Status Gemm(const GemmShape& shape, float alpha, const float* a, const float* b, float beta, float* c,
                     MatmulPrecision precision) override;
+  // bf16 GEMMs read operands rounded into scratch on the stream before the product (GemmLocked).
+  bool GemmMayWriteAnOperand(MatmulPrecision precision) const override { return precision == MatmulPrecision::kBf16; }
   absl::Status Transpose2D(const float* in, float* out, int64_t rows, int64_t cols, int64_t batch) override;
   absl::Status AddToDiagonal(float* a, int64_t m, int64_t batch, float value) override;
 

@@ -194,8 +194,10 @@ absl::Status NewtonSchulz(Backend& backend, const NsSchedule& schedule, int step
   MUOND_ASSIGN_OR_RETURN(float* x_next, ws.Get(backend, 1, total));
   MUOND_ASSIGN_OR_RETURN(float* a_mat, ws.Get(backend, 2, gram * batch));
   MUOND_ASSIGN_OR_RETURN(float* b_mat, ws.Get(backend, 3, gram * batch));
-  // A = X·Xᵀ; B = c·A·A + b·B with B preloaded with A; X' = B·X + a·X' with X' preloaded with X (the
-  // GEMM cannot read and write X in place).
+  // A = X·Xᵀ; B = c·A·A + b·B with B preloaded with A; X' = B·X + a·X' with X' preloaded with X, or,
+  // where the backend's GEMM reads its operands from copies (bf16), B and X' in place of A and X:
+  // the same products, without the two copies an iteration.
+  const bool in_place = backend.GemmMayWriteAnOperand(precision);
   const NsGemmShapes shapes = GemmShapesFor(m, n, batch);
   const GemmShape& gram_shape = shapes.gram;
   const GemmShape& square_shape = shapes.square;
@@ -226,20 +228,24 @@ absl::Status NewtonSchulz(Backend& backend, const NsSchedule& schedule, int step
   for (int t = 0; t < steps; ++t) {
     const NsCoefficient co = schedule.At(t);
     if (!(aol && t == 0)) MUOND_RETURN_IF_ERROR(backend.Gemm(gram_shape, 1.0f, x, x, 0.0f, a_mat, precision));
+    // X' = alpha·P·X + a·X, P the polynomial of A.
+    const auto update = [&](float alpha, const float* p) -> absl::Status {
+      if (in_place) return backend.Gemm(update_shape, alpha, p, x, static_cast<float>(co.a), x, precision);
+      MUOND_RETURN_IF_ERROR(backend.CopyOnDevice(x, x_next, total));
+      MUOND_RETURN_IF_ERROR(backend.Gemm(update_shape, alpha, p, x, static_cast<float>(co.a), x_next, precision));
+      std::swap(x, x_next);
+      return absl::OkStatus();
+    };
     if (co.c == 0) {
       // A cubic step (cubic5): X' = b·A·X + a·X, one GEMM fewer (Emerging-Optimizers' cubic path).
-      MUOND_RETURN_IF_ERROR(backend.CopyOnDevice(x, x_next, total));
-      MUOND_RETURN_IF_ERROR(
-          backend.Gemm(update_shape, static_cast<float>(co.b), a_mat, x, static_cast<float>(co.a), x_next, precision));
-      std::swap(x, x_next);
+      MUOND_RETURN_IF_ERROR(update(static_cast<float>(co.b), a_mat));
       continue;
     }
-    MUOND_RETURN_IF_ERROR(backend.CopyOnDevice(a_mat, b_mat, gram * batch));
+    float* poly = in_place ? a_mat : b_mat;
+    if (!in_place) MUOND_RETURN_IF_ERROR(backend.CopyOnDevice(a_mat, b_mat, gram * batch));
     MUOND_RETURN_IF_ERROR(
-        backend.Gemm(square_shape, static_cast<float>(co.c), a_mat, a_mat, static_cast<float>(co.b), b_mat, precision));
-    MUOND_RETURN_IF_ERROR(backend.CopyOnDevice(x, x_next, total));
-    MUOND_RETURN_IF_ERROR(backend.Gemm(update_shape, 1.0f, b_mat, x, static_cast<float>(co.a), x_next, precision));
-    std::swap(x, x_next);
+        backend.Gemm(square_shape, static_cast<float>(co.c), a_mat, a_mat, static_cast<float>(co.b), poly, precision));
+    MUOND_RETURN_IF_ERROR(update(1.0f, poly));
   }
 
   if (transposed) return backend.Transpose2D(x, out, m, n, batch);
@@ -294,6 +300,9 @@ absl::Status GramNewtonSchulz(Backend& backend, const NsSchedule& schedule, int 
                            .stride_c = m * m,
                            .batch = batch};
 
+  // Where the backend's GEMM reads its operands from copies (bf16), the products below that add to
+  // one of their operands (Q·Z + a·Q, R·Z + a·R, Z·RZ + a·RZ) write it in place, without the copy.
+  const bool in_place = backend.GemmMayWriteAnOperand(precision);
   const auto restarts_at = [&](int t) {
     return std::find(restart_iterations.begin(), restart_iterations.end(), t) != restart_iterations.end();
   };
@@ -328,6 +337,8 @@ absl::Status GramNewtonSchulz(Backend& backend, const NsSchedule& schedule, int 
       MUOND_RETURN_IF_ERROR(
           backend.Gemm(diagonal_shape, a, scratch, scratch, 1.0f, q, kernels::MatmulPrecision::kFp32));
       have_q = true;
+    } else if (in_place) {
+      MUOND_RETURN_IF_ERROR(backend.Gemm(square_shape, 1.0f, q, z, a, q, precision));  // Q ← a·Q + Q·Z
     } else {
       // Q ← a·Q + Q·Z, into the scratch preloaded with Q (the GEMM cannot read and write Q in
       // place); the old Q's buffer becomes the scratch.
@@ -339,7 +350,10 @@ absl::Status GramNewtonSchulz(Backend& backend, const NsSchedule& schedule, int 
     // Advance R to the Gram matrix of the iterate NewtonSchulz would now hold, X' = (a·I + Z)·X:
     // R' = (a·I + Z)·R·(a·I + Z) = a·RZ + Z·RZ with RZ = a·R + R·Z (Z is symmetric). Not needed
     // after the last step, nor before a restart, which recomputes R from the explicit iterate.
-    if (t + 1 < steps && !restarts_at(t + 1)) {
+    if (t + 1 < steps && !restarts_at(t + 1) && in_place) {
+      MUOND_RETURN_IF_ERROR(backend.Gemm(square_shape, 1.0f, r, z, a, r, precision));  // R ← RZ
+      MUOND_RETURN_IF_ERROR(backend.Gemm(square_shape, 1.0f, z, r, a, r, precision));  // R ← Z·RZ + a·RZ
+    } else if (t + 1 < steps && !restarts_at(t + 1)) {
       float* rz = scratch;
       MUOND_RETURN_IF_ERROR(backend.CopyOnDevice(r, rz, gram_total));
       MUOND_RETURN_IF_ERROR(backend.Gemm(square_shape, 1.0f, r, z, a, rz, precision));

@@ -21,11 +21,13 @@
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <random>
 #include <sstream>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "common/half_float.h"
@@ -33,8 +35,10 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/onednn_bf16_gemm.h"
 #include "kernels/optim/newton_schulz.h"
+#include "kernels/optim/options.h"
 #include "spdlog/sinks/ostream_sink.h"
 #include "spdlog/spdlog.h"
+#include "tests/kernels/forwarding_backend.h"
 #include "tests/kernels/fp64_ns.h"
 #include "tests/kernels/reference.h"
 #include "tests/testing/status_matchers.h"
@@ -279,6 +283,78 @@ TEST(CpuBf16Gemm, NewtonSchulzWithinBoundOfFp64) {
       EXPECT_GT(CompareNs(got16, ::muond::testing::ToDouble(got32)).relative, 100 * e32.relative + 1e-6);
     } else {
       EXPECT_EQ(got16, got32);
+    }
+  }
+}
+
+// The CPU backend with GemmMayWriteAnOperand set for every precision (`in_place`) or for none.
+class GemmInPlace final : public ::muond::testing::ForwardingBackend {
+ public:
+  GemmInPlace(Backend& inner, bool in_place) : ForwardingBackend(inner), in_place_(in_place) {}
+  bool GemmMayWriteAnOperand(MatmulPrecision) const override { return in_place_; }
+
+ private:
+  bool in_place_;
+};
+
+// Newton–Schulz and Gram Newton–Schulz (with a restart, a cubic tuple, AOL) updating their iterates
+// in place give the results of the copies, bit for bit: through oneDNN's bf16 GEMMs where this CPU
+// has them (which say in place is free), and through BLAS, which reads an operand its C overlaps
+// from a copy (fp32, and bf16 on the fallback).
+TEST(CpuBf16Gemm, NewtonSchulzInPlaceGivesTheCopiesResultsBitForBit) {
+  Announce();
+  std::unique_ptr<Backend> cpu = NewCpuBackend(2);
+  EXPECT_EQ(cpu->GemmMayWriteAnOperand(MatmulPrecision::kBf16), Bf16GemmSupport().available);
+  EXPECT_FALSE(cpu->GemmMayWriteAnOperand(MatmulPrecision::kFp32));
+  GemmInPlace in_place(*cpu, true), copies(*cpu, false);
+  std::mt19937 rng(5);
+  const optim::NsSchedule simple, cubic5 = *optim::NamedSchedule("cubic5");
+  const std::vector<int> restart_at_2 = {2};
+  struct Case {
+    const char* what;
+    int64_t rows, cols, batch;
+  };
+  for (const Case& c : {Case{"wide", 24, 80, 1}, Case{"tall, batched", 96, 40, 3}, Case{"square", 32, 32, 2}}) {
+    const std::vector<float> g = Random(rng, static_cast<size_t>(c.rows * c.cols * c.batch));
+    for (MatmulPrecision precision : {MatmulPrecision::kBf16, MatmulPrecision::kFp32}) {
+      SCOPED_TRACE(::testing::Message() << c.what << (precision == MatmulPrecision::kBf16 ? " bf16" : " fp32"));
+      // Each way of running it, on a backend: its output.
+      using Run = std::function<absl::Status(Backend&, const float* in, float* out, optim::NsWorkspace&)>;
+      const std::vector<std::pair<const char*, Run>> runs = {
+          {"simple",
+           [&](Backend& b, const float* in, float* out, optim::NsWorkspace& ws) {
+             return optim::NewtonSchulz(b, simple, 5, 1e-7, 1.0, precision, in, out, c.rows, c.cols, c.batch, ws);
+           }},
+          {"cubic5",
+           [&](Backend& b, const float* in, float* out, optim::NsWorkspace& ws) {
+             return optim::NewtonSchulz(b, cubic5, 5, 1e-7, 1.0, precision, in, out, c.rows, c.cols, c.batch, ws);
+           }},
+          {"aol",
+           [&](Backend& b, const float* in, float* out, optim::NsWorkspace& ws) {
+             return optim::NewtonSchulz(b, simple, 4, 1e-7, 1.0, precision, in, out, c.rows, c.cols, c.batch, ws,
+                                        nullptr, optim::NsPreconditioner::kAol);
+           }},
+          {"gram",
+           [&](Backend& b, const float* in, float* out, optim::NsWorkspace& ws) {
+             return optim::GramNewtonSchulz(b, simple, 5, restart_at_2, 1e-7, 1.0, precision, in, out, c.rows, c.cols,
+                                            c.batch, ws);
+           }},
+          {"gram cubic5",
+           [&](Backend& b, const float* in, float* out, optim::NsWorkspace& ws) {
+             return optim::GramNewtonSchulz(b, cubic5, 5, {}, 1e-7, 1.0, precision, in, out, c.rows, c.cols, c.batch,
+                                            ws);
+           }},
+      };
+      for (const auto& [name, run] : runs) {
+        SCOPED_TRACE(name);
+        auto in = Upload(*cpu, g), want = Upload(*cpu, g), got = Upload(*cpu, g);
+        optim::NsWorkspace ws_copies, ws_in_place;
+        ASSERT_OK(run(copies, in->data(), want->data(), ws_copies));
+        ASSERT_OK(run(in_place, in->data(), got->data(), ws_in_place));
+        const std::vector<float> expected = Download(*cpu, want->data(), g.size());
+        EXPECT_EQ(Download(*cpu, got->data(), g.size()), expected);
+        EXPECT_NE(expected, g);  // it ran
+      }
     }
   }
 }

@@ -47,6 +47,9 @@ class ForwardingBackend : public kernels::Backend {
                     kernels::MatmulPrecision precision) override {
     return inner_.Gemm(shape, alpha, a, b, beta, c, precision);
   }
+  bool GemmMayWriteAnOperand(kernels::MatmulPrecision precision) const override {
+    return inner_.GemmMayWriteAnOperand(precision);
+  }
   absl::Status Transpose2D(const float* in, float* out, int64_t rows, int64_t cols, int64_t batch) override {
     return inner_.Transpose2D(in, out, rows, cols, batch);
   }

@@ -267,7 +267,9 @@ TEST_F(NewtonSchulzTest, CansRunsAwayJustAboveItsRangeAsItsBoundSays) {
     EXPECT_LT(within, fp32_bound) << shape.rows << "x" << shape.cols;
     const Mat above = Run({g}, cans, 5, 0.0, 1.0 / (1.0 + 0x1p-10))[0];
     const bool finite = std::all_of(above.v.begin(), above.v.end(), [](double x) { return std::isfinite(x); });
-    if (finite) EXPECT_GT(ComputeSvd(above).s[0], kMaxNsGrowth) << shape.rows << "x" << shape.cols;
+    if (finite) {
+      EXPECT_GT(ComputeSvd(above).s[0], kMaxNsGrowth) << shape.rows << "x" << shape.cols;
+    }
   }
 }
 
