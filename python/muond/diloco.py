@@ -61,6 +61,9 @@ class _Sync:
         # Sent again after a try of the same session step failed: that try's weight (its tokens
         # were counted again into this one's), else None. See DiLoCo._retry_was_applied.
         self.retry_of: Optional[float] = None
+        # For a retry over a quantized wire, what its failed try rounded away (when that was the
+        # step's only failed try): the feedback, should the retry be answered as its replay.
+        self.failed_rounding: Optional[Dict[int, torch.Tensor]] = None
         # Answered as the replay of an applied first try: this worker is a sync behind the others,
         # who sent the next session step at the point this retry went out.
         self.realign = False
@@ -205,6 +208,9 @@ class DiLoCo:
         # The session step and weight of the last sync that failed, until a sync of that step is
         # answered: the next one is its retry.
         self._failed: Optional[Tuple[int, float]] = None
+        # With a quantized wire, what the failed sync's Δ rounded away, for its retry (_Sync's
+        # failed_rounding).
+        self._failed_rounding: Optional[Dict[int, torch.Tensor]] = None
         self._side_streams: Dict[torch.device, Any] = {}  # by CUDA device, for syncs in flight
         self._deltas: Dict[int, torch.Tensor] = {}  # Δ buffers, made at a parameter's first sync
         # Error feedback of quantized syncs: what the last sync of each parameter rounded away.
@@ -413,6 +419,8 @@ class DiLoCo:
                    "optimizer and its model from global_parameters()"))
         sync = _Sync(fragment, sent, weight, lands_at=self.inner_steps + self.overlap_steps)
         sync.retry_of = retry_of
+        sync.failed_rounding, self._failed_rounding = (
+            self._failed_rounding if retry_of is not None else None), None
         # The tokens from here on count toward the fragment's next sync.
         self._since_sync[fragment] = 0.0
         self._send(sync, at_once)
@@ -470,6 +478,10 @@ class DiLoCo:
             self._since_sync[sync.fragment] += sync.weight
             # A retry that failed too: the first try's weight is what a replay would have used.
             self._failed = (sync.sent, sync.weight if sync.retry_of is None else sync.retry_of)
+            # Two failed tries of one step: which was applied, if either, is not known.
+            self._failed_rounding = (self._rounding(self._members[sync.fragment])
+                                     if sync.retry_of is None and quantize.is_quantized(self.wire_dtype)
+                                     else None)
             raise sync.error
         self._failed = None
         self.last_sync_bytes = sum(wire.payload_bytes(self._params[i].numel(), self.wire_dtype)
@@ -527,15 +539,14 @@ class DiLoCo:
         """Error feedback after an answer for a later session step that says this worker's
         ``sync.sent`` was included (the session moved on meanwhile; the parameters are taken
         whole): the Δ sent, carrying the feedback, was applied — this one (the rounding of it is
-        kept), or, for a retry answered as a replay, the first try (whose rounding is not known
-        here: the feedback, applied with it, is dropped, as ``_retry_was_applied`` drops it).
+        kept), or, for a retry answered as a replay, the first try (its rounding, kept when it
+        failed, is the feedback, as ``_retry_was_applied`` takes it).
         Either way the old feedback is not sent again. (Whether step ``sync.sent`` was skipped
         is not in such an answer, whose ``applied`` is the later step's: a skipped one's rounding
         is kept too.)"""
         members = self._members[sync.fragment]
         if sync.retry_of is not None and not sync.resent and info.replayed:
-            for i in members:
-                self._feedback.pop(i, None)
+            self._take_failed_rounding(sync)
         else:
             self._keep_rounding(members)
 
@@ -544,11 +555,10 @@ class DiLoCo:
         replay: the first try had been applied (its answer was lost), with the first try's Δ and
         weight; this one's were not used. The tokens counted again go back to what came since the
         first try, toward the fragment's next sync; the merge takes the step's answer as usual,
-        as an overlapped sync landing this late would; the rounding of a quantized Δ that was
-        not applied is not kept (the first try's is not known here: none is carried)."""
+        as an overlapped sync landing this late would; the feedback of a quantized wire is what
+        the first try rounded away (kept when it failed), not this one's, which was not applied."""
         self._since_sync[sync.fragment] += sync.weight - sync.retry_of
-        for i in self._members[sync.fragment]:
-            self._feedback.pop(i, None)
+        self._take_failed_rounding(sync)
         sync.realign = not self.asynchronous
         _log.warning("DiLoCo rank %d: sync step %d of fragment %d had been applied before its "
                      "answer was lost (its retry was answered as a replay); the tokens since "
@@ -582,16 +592,34 @@ class DiLoCo:
             if self._since_sync[due] > 0:
                 self._sync(due, at_once=True)
 
+    def _decoded(self, i: int) -> torch.Tensor:
+        """What the daemon decodes of the Δ + e in parameter ``i``'s buffer on this worker's wire."""
+        sent = self._deltas[i]
+        return quantize.round_trip(sent, self.wire_dtype).view_as(sent).to(sent.device)
+
     @torch.no_grad()
     def _keep_rounding(self, members: Iterable[int]) -> None:
         """Error feedback: e ← (Δ + e) − what the daemon decoded of it, for the next sync."""
         for i in members:
-            sent = self._deltas[i]
-            received = quantize.round_trip(sent, self.wire_dtype).view_as(sent).to(sent.device)
             feedback = self._feedback.get(i)
             if feedback is None:
-                feedback = self._feedback[i] = torch.empty_like(sent)
-            torch.sub(sent, received, out=feedback)
+                feedback = self._feedback[i] = torch.empty_like(self._deltas[i])
+            torch.sub(self._deltas[i], self._decoded(i), out=feedback)
+
+    @torch.no_grad()
+    def _rounding(self, members: Iterable[int]) -> Dict[int, torch.Tensor]:
+        """What the Δ + e in the buffers of ``members`` rounds away: _keep_rounding's e, aside."""
+        return {i: self._deltas[i] - self._decoded(i) for i in members}
+
+    def _take_failed_rounding(self, sync: _Sync) -> None:
+        """The failed try before the retry ``sync`` was applied: its rounding (kept when it failed)
+        is the fragment's feedback; none when it is not known (two tries failed)."""
+        kept = sync.failed_rounding or {}
+        for i in self._members[sync.fragment]:
+            if i in kept:
+                self._feedback[i] = kept[i]
+            else:
+                self._feedback.pop(i, None)
 
     @torch.no_grad()
     def _take_globals(self, indices: Iterable[int]) -> None:
@@ -703,6 +731,7 @@ class DiLoCo:
         self.tokens = float(meta["tokens"])
         self._since_sync = [float(t) for t in meta["tokens_since_sync"]]
         self._failed = None  # a sync that failed before the load is not this state's
+        self._failed_rounding = None
         merge = saved.get("pending_merge")
         if merge is not None:  # answered before the save, merged after overlap_steps inner steps
             sync = _Sync(int(merge["fragment"]), int(merge["step"]), 0.0, int(merge["lands_at"]))

@@ -11,28 +11,42 @@ import pytest
 import torch
 
 import muond
+from muond import quantize
 from muond._stubs import pb
 
 from diloco_helpers import INNER, SEED, SIZES, end_session, inner_step, session_name
 from helpers import TinyNet, assert_bitwise
 
 
-def lose_every_answer_of(diloco, step):
+def lose_every_answer_of(diloco, step, sent=None):
     """Makes every try of ``diloco``'s first sync of session step ``step`` lose its answer once the
-    daemon has applied it (UNAVAILABLE, as a broken connection would); the list of the tries lost."""
+    daemon has applied it (UNAVAILABLE, as a broken connection would); the list of the tries lost.
+    ``sent``, a dict, gets copies of the gradients (Δ + e) the first try sent, by name."""
     attempts = diloco.remote.max_step_attempts
     lossy = diloco.remote._sessions[0]  # pylint: disable=protected-access
     real_step, lost = lossy.step, []
 
-    def answer_lost(header, *args, **kwargs):
-        answer = real_step(header, *args, **kwargs)
+    def answer_lost(header, grads, *args, **kwargs):
+        answer = real_step(header, grads, *args, **kwargs)
         if header.step == step and len(lost) < attempts:
+            if not lost and sent is not None:
+                sent.update((name, g.detach().clone()) for name, g in grads)
             lost.append(header.step)
             raise muond.MuondError(grpc.StatusCode.UNAVAILABLE, "injected: answer lost", "Step")
         return answer
 
     lossy.step = answer_lost
     return lost
+
+
+def assert_feedback_is_the_rounding_of(diloco, feedback, sent, wire_dtype):
+    """``feedback`` (a copy of ``diloco``'s error feedback, by parameter index) of the parameters in
+    ``sent`` is what ``wire_dtype`` rounds away of them, bit for bit (and there is one for each)."""
+    feedback = {diloco.names[i]: e for i, e in feedback.items()}
+    assert sent and set(sent) <= set(feedback)
+    assert_bitwise({name: feedback[name] for name in sent},
+                   {name: g - quantize.round_trip(g, wire_dtype).view_as(g) for name, g in sent.items()},
+                   "the error feedback after the replay")
 
 
 @pytest.mark.parametrize("overlap_steps,wire_dtype", [(0, "fp32"), (1, "fp32"), (0, "int8")])
@@ -45,8 +59,9 @@ def test_a_sync_applied_before_its_answer_was_lost_is_not_sent_twice(start_daemo
     as the other worker did there: both end at the same session step, every step's weight the
     tokens each worker trained on since it last sent that fragment. With τ = 1 the failure and the
     replay are seen at the merges, one inner step after the sends: worker 1 sends step 4 after inner
-    step 9, its Δ of fragment 1 five inner steps' worth (weight 5·s1) and its next one three. A
-    quantized Δ's rounding that was not applied is dropped (the daemon's parameters still agree)."""
+    step 9, its Δ of fragment 1 five inner steps' worth (weight 5·s1) and its next one three. With a
+    quantized wire the error feedback after the replay is what the applied first try rounded away,
+    not the retry's rounding, which was not applied."""
     daemon = start_daemon("--straggler-timeout", "60")
     session = session_name()
     workers = []
@@ -58,8 +73,9 @@ def test_a_sync_applied_before_its_answer_was_lost_is_not_sent_twice(start_daemo
             wire_dtype=wire_dtype, endpoint=daemon.endpoint, session=session, world_size=2,
             rank=rank, transport="grpc", retry_backoff=0.01)))
     attempts = workers[1][2].remote.max_step_attempts
-    lost = lose_every_answer_of(workers[1][2], 3)
-    merges, errors = [[], []], [[], []]
+    first_try = {}
+    lost = lose_every_answer_of(workers[1][2], 3, first_try)
+    merges, errors, after_replay = [[], []], [[], []], {}
 
     def train(rank):
         model, inner, diloco = workers[rank]
@@ -73,6 +89,8 @@ def test_a_sync_applied_before_its_answer_was_lost_is_not_sent_twice(start_daemo
             if diloco.last_merged is not None:
                 info = diloco.last_info
                 merges[rank].append((t, info.step, info.total_weight, info.replayed))
+            if rank == 1 and t == 8 and overlap_steps == 0:  # step 3 replayed, step 4 (fragment 1) sent
+                after_replay.update(feedback=copy.deepcopy(diloco._feedback))  # pylint: disable=protected-access
 
     threads = [threading.Thread(target=train, args=(rank,)) for rank in range(2)]
     for thread in threads:
@@ -93,6 +111,8 @@ def test_a_sync_applied_before_its_answer_was_lost_is_not_sent_twice(start_daemo
         assert diloco.remote.last_step == 6
     assert_bitwise(workers[0][2].global_parameters(), workers[1][2].global_parameters(),
                    "the workers' global parameters")
+    if wire_dtype != "fp32":
+        assert_feedback_is_the_rounding_of(workers[1][2], after_replay["feedback"], first_try, wire_dtype)
     for _, _, diloco in workers:
         diloco.close(keep_session=True)
     end_session(daemon.endpoint, session)
@@ -104,8 +124,8 @@ def test_a_quantized_retry_answered_after_the_session_moved_on_sends_no_feedback
     step 2 (Δ + e) is applied alone too, and every try's answer is lost. Worker 0 is answered late
     for steps 1 and 2 and then applies step 3 alone. Worker 1's next sync sends step 2 again, which
     the daemon answers after step 3: included (the first try was applied), replayed. Worker 1 takes
-    the session's parameters whole, and e, applied in step 2, is not sent again: it is dropped, as
-    after a replay in lock-step (the first try's rounding is not known to the worker)."""
+    the session's parameters whole, and e, applied in step 2, is not sent again: the feedback is
+    what step 2's first try rounded away, as after a replay in lock-step."""
     session, runs = session_name(), []
     for r in range(2):
         model = TinyNet(seed=SEED)
@@ -116,7 +136,8 @@ def test_a_quantized_retry_answered_after_the_session_moved_on_sends_no_feedback
             transport="grpc", retry_backoff=0.01)))
     worker = runs[1][2]
     attempts = worker.remote.max_step_attempts
-    lost = lose_every_answer_of(worker, 2)
+    first_try = {}
+    lost = lose_every_answer_of(worker, 2, first_try)
 
     def sync(r, t):
         model, inner, diloco = runs[r]
@@ -139,7 +160,7 @@ def test_a_quantized_retry_answered_after_the_session_moved_on_sends_no_feedback
         assert (replay.step, replay.included, replay.replayed) == (3, True, True)
         assert_bitwise({n: p.detach() for n, p in runs[1][0].named_parameters()},
                        runs[0][2].global_parameters(), "the worker's parameters after the replay")
-        assert not worker._feedback, "the feedback applied in step 2 would be sent again"  # pylint: disable=protected-access
+        assert_feedback_is_the_rounding_of(worker, worker._feedback, first_try, "int8")  # pylint: disable=protected-access
     finally:
         for _, _, diloco in runs:
             diloco.close(keep_session=True)
