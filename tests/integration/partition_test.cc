@@ -212,7 +212,9 @@ TEST_F(PartitionTest, TheFirstStepWaitsForEveryRanksUpload) {
   for (int r = 0; r < kWorld; ++r) {
     ASSERT_OK_AND_ASSIGN(auto session, client_->CreateSession("parts-upload", Spec(true)));
     ASSERT_OK(session->HoldParts(r));
-    if (r != 2) ASSERT_OK(UploadParts(*session, r, initial));
+    if (r != 2) {
+      ASSERT_OK(UploadParts(*session, r, initial));
+    }
     ranks.push_back(std::move(session));
   }
   auto step_every_rank = [&] {

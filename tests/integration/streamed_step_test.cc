@@ -287,7 +287,9 @@ TEST_F(StreamedStepTest, ADaemonKilledMidStreamIsRetriedAndAppliesTheStepOnce) {
   EXPECT_TRUE(reply->applied);
   EXPECT_FALSE(reply->replayed);
   EXPECT_EQ(reply->parameters, expected->parameters);
-  if (streaming) EXPECT_GE(reply->attempts, 2);  // the stream broke: the first try failed
+  if (streaming) {
+    EXPECT_GE(reply->attempts, 2);  // the stream broke: the first try failed
+  }
 }
 
 }  // namespace

@@ -518,7 +518,9 @@ TEST_P(BackendConformanceTest, NormuonScalesMatchCpu) {
       EXPECT_TRUE(BitwiseEqual(got.moment, want.moment));
       for (size_t j = 0; j < length; ++j) {
         ASSERT_NEAR(got.scales[j], want.scales[j], std::ldexp(std::abs(want.scales[j]), -23)) << j;
-        if (zero) ASSERT_EQ(Bits(got.scales[j]), 0u) << j;
+        if (zero) {
+          ASSERT_EQ(Bits(got.scales[j]), 0u) << j;
+        }
       }
       for (size_t i = 0; i < lines.size(); ++i) {
         ASSERT_NEAR(got.scaled[i], want.scaled[i], 2 * std::ldexp(std::abs(want.scaled[i]), -23) + 1e-30) << i;

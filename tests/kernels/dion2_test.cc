@@ -151,7 +151,7 @@ INSTANTIATE_TEST_SUITE_P(
                                   return o;
                                 }(),
                                 {{16, 24}, {24, 16}}}),
-    [](const ::testing::TestParamInfo<Dion2Case>& info) { return info.param.name; });
+    [](const ::testing::TestParamInfo<Dion2Case>& param_info) { return param_info.param.name; });
 
 TEST(Dion2Test, RefusesWhatItCannotRead) {
   GroupOptions o = DefaultOptions(OptimizerKind::kDion2);
