@@ -85,7 +85,7 @@ class Dion2 final : public Optimizer {
     std::vector<size_t> need(kLinesSlot + 1, 0);
     for (const ParamState* p : params) {
       if (!CheckParameter(*p).ok()) continue;
-      const std::vector<size_t> own = Need(*p);
+      const std::vector<size_t> own = Need(backend, *p);
       size_t total = 0;
       for (size_t s = 0; s < need.size(); ++s) {
         need[s] = std::max(need[s], own[s]);
@@ -107,7 +107,7 @@ class Dion2 final : public Optimizer {
       if (!p->has_grad) continue;
       MUOND_RETURN_IF_ERROR(CheckParameter(*p));
       MUOND_RETURN_IF_ERROR(CheckStepInputs(*p));
-      const std::vector<size_t> own = Need(*p);
+      const std::vector<size_t> own = Need(backend, *p);
       for (size_t s = 0; s < need.size(); ++s) need[s] = std::max(need[s], own[s]);
     }
     SharedNsWorkspace& shared = BackendNsWorkspace(backend);
@@ -146,12 +146,12 @@ class Dion2 final : public Optimizer {
 
   // Workspace floats per slot for one parameter: Newton–Schulz on its chosen lines, the chosen
   // lines, and the transposed copy when columns are chosen.
-  std::vector<size_t> Need(const ParamState& p) const {
+  std::vector<size_t> Need(const Backend& backend, const ParamState& p) const {
     std::vector<size_t> need(kLinesSlot + 1, 0);
     const Matrices mat = MatricesOf(p);
     if (p.numel == 0 || mat.cols == 0) return need;
     const Lines l = LinesOf(mat);
-    const auto ns = NsSlotFloats(l.chosen, l.length, mat.batch, /*gram=*/false);
+    const auto ns = NsSlotFloats(l.chosen, l.length, mat.batch, NsUseOf(backend, options_, /*gram=*/false));
     for (size_t s = 0; s < ns.size(); ++s) need[s] = ns[s];
     need[kChosenSlot] = static_cast<size_t>(l.chosen * l.length * mat.batch);
     if (l.columns) need[kLinesSlot] = static_cast<size_t>(p.numel);

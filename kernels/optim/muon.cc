@@ -318,7 +318,7 @@ std::vector<size_t> Muon::PlanBatches(const Backend& backend,
     for (size_t start = 0; start < jobs->size(); start += size) {
       const std::span<const MatrixJob> batch = std::span(*jobs).subspan(start, std::min(size, jobs->size() - start));
       batches.push_back(batch);
-      const auto ns = NsSlotFloats(rows, cols, static_cast<int64_t>(batch.size()), gram);
+      const auto ns = NsSlotFloats(rows, cols, static_cast<int64_t>(batch.size()), NsUseOf(backend, options_, gram));
       for (size_t slot = 0; slot < ns.size(); ++slot) need[slot] = std::max(need[slot], ns[slot]);
       if (!Contiguous(batch))
         need[NsWorkspace::kFirstFreeSlot] = std::max(need[NsWorkspace::kFirstFreeSlot], batch.size() * mat);
@@ -345,7 +345,7 @@ Optimizer::WorkspaceNeed Muon::LeastWorkspace(const Backend& backend, std::span<
         *p,
         [&](int64_t, int64_t rows, int64_t cols, bool transposed) {
           const int64_t r = transposed ? cols : rows, c = transposed ? rows : cols;  // as it lies in the buffer
-          const auto ns = NsSlotFloats(r, c, 1, UsesGram(backend, r, c));
+          const auto ns = NsSlotFloats(r, c, 1, NsUseOf(backend, options_, UsesGram(backend, r, c)));
           for (size_t slot = 0; slot < ns.size(); ++slot) own[slot] = std::max(own[slot], ns[slot]);
           const bool per_column = transposed ? rows >= cols : rows < cols;
           if ((options_.moment2_method == Moment2Method::kNormuon && per_column) || CopiesForLines(transposed) ||

@@ -33,20 +33,28 @@ absl::StatusOr<float*> NsWorkspace::Get(Backend& backend, int slot, size_t count
   return buf->data();
 }
 
-std::array<size_t, NsWorkspace::kFirstFreeSlot> NsSlotFloats(int64_t rows, int64_t cols, int64_t batch, bool gram) {
+NsUse NsUseOf(const Backend& backend, const GroupOptions& options, bool gram) {
+  return NsUse{.gram = gram,
+               .in_place = backend.GemmMayWriteAnOperand(options.matmul_precision),
+               .aol = options.ns_preconditioner == NsPreconditioner::kAol};
+}
+
+std::array<size_t, NsWorkspace::kFirstFreeSlot> NsSlotFloats(int64_t rows, int64_t cols, int64_t batch,
+                                                             const NsUse& use) {
   const size_t mat = static_cast<size_t>(rows * cols * batch);
   const size_t m = static_cast<size_t>(std::min(rows, cols));
   const size_t gram_size = m * m * static_cast<size_t>(batch);
-  const size_t gram_extra = gram && rows != cols ? gram_size : 0;
-  return {mat, mat, gram_size, gram_size, gram_extra, gram_extra};
+  if (use.gram && rows != cols) return {mat, mat, gram_size, gram_size, gram_size, use.in_place ? m : gram_size};
+  if (!use.in_place) return {mat, mat, gram_size, gram_size, 0, 0};
+  return {mat, use.aol ? m * static_cast<size_t>(batch) : 0, gram_size, use.aol ? gram_size : 0, 0, 0};
 }
 
 // Slots 0 and 1 hold the iterate X and the next one (batch·rows·cols each), 2 and 3 the Gram matrix
 // A and the polynomial B (batch·m² each, m = min(rows, cols)). GramNewtonSchulz uses 2 and 3 for
 // its R and Z, and 4 and 5 (batch·m² each) for Q and its scratch; square shapes go to NewtonSchulz
-// and need no more than it does.
-absl::Status NsWorkspace::ReserveFor(Backend& backend, int64_t rows, int64_t cols, int64_t batch, bool gram) {
-  const std::array<size_t, kFirstFreeSlot> need = NsSlotFloats(rows, cols, batch, gram);
+// and need no more than it does. In place (NsUse), less: see NsSlotFloats.
+absl::Status NsWorkspace::ReserveFor(Backend& backend, int64_t rows, int64_t cols, int64_t batch, const NsUse& use) {
+  const std::array<size_t, kFirstFreeSlot> need = NsSlotFloats(rows, cols, batch, use);
   for (int slot = 0; slot < kFirstFreeSlot; ++slot) {
     if (need[slot] > 0) MUOND_RETURN_IF_ERROR(Get(backend, slot, need[slot]).status());
   }
@@ -189,15 +197,21 @@ absl::Status NewtonSchulz(Backend& backend, const NsSchedule& schedule, int step
   const int64_t m = std::min(rows, cols), n = std::max(rows, cols);
   const size_t mat = static_cast<size_t>(m * n), gram = static_cast<size_t>(m * m);
   const size_t total = mat * static_cast<size_t>(batch);
-  MUOND_RETURN_IF_ERROR(ws.ReserveFor(backend, rows, cols, batch));
-  MUOND_ASSIGN_OR_RETURN(float* x, ws.Get(backend, 0, total));
-  MUOND_ASSIGN_OR_RETURN(float* x_next, ws.Get(backend, 1, total));
-  MUOND_ASSIGN_OR_RETURN(float* a_mat, ws.Get(backend, 2, gram * batch));
-  MUOND_ASSIGN_OR_RETURN(float* b_mat, ws.Get(backend, 3, gram * batch));
+  const size_t lines = static_cast<size_t>(m * batch);
   // A = X·Xᵀ; B = c·A·A + b·B with B preloaded with A; X' = B·X + a·X' with X' preloaded with X, or,
   // where the backend's GEMM reads its operands from copies (bf16), B and X' in place of A and X:
-  // the same products, without the two copies an iteration.
+  // the same products, without the two copies an iteration, and without X' and B (but for AOL's
+  // row scales in X' and transposed A in B).
   const bool in_place = backend.GemmMayWriteAnOperand(precision);
+  MUOND_RETURN_IF_ERROR(ws.ReserveFor(backend, rows, cols, batch, NsUse{.in_place = in_place, .aol = aol}));
+  MUOND_ASSIGN_OR_RETURN(float* x, ws.Get(backend, 0, total));
+  float* x_next = nullptr;
+  float* b_mat = nullptr;
+  if (!in_place || aol) {
+    MUOND_ASSIGN_OR_RETURN(x_next, ws.Get(backend, 1, in_place ? lines : total));
+    MUOND_ASSIGN_OR_RETURN(b_mat, ws.Get(backend, 3, gram * batch));
+  }
+  MUOND_ASSIGN_OR_RETURN(float* a_mat, ws.Get(backend, 2, gram * batch));
   const NsGemmShapes shapes = GemmShapesFor(m, n, batch);
   const GemmShape& gram_shape = shapes.gram;
   const GemmShape& square_shape = shapes.square;
@@ -216,7 +230,6 @@ absl::Status NewtonSchulz(Backend& backend, const NsSchedule& schedule, int step
     // The row scales go through X' (free until the first iteration); A becomes diag(s)·A·diag(s),
     // rows first (as the reference multiplies), the columns as rows of its transpose (A is symmetric).
     float* scales = x_next;
-    const size_t lines = static_cast<size_t>(m * batch);
     MUOND_RETURN_IF_ERROR(backend.Gemm(gram_shape, 1.0f, x, x, 0.0f, a_mat, precision));
     MUOND_RETURN_IF_ERROR(backend.AolScales(a_mat, m, batch, eps > 0 ? eps : 1e-30, scales));
     MUOND_RETURN_IF_ERROR(backend.ScaleBatchedBy(x, static_cast<size_t>(n), lines, scales));
@@ -268,15 +281,18 @@ absl::Status GramNewtonSchulz(Backend& backend, const NsSchedule& schedule, int 
   const int64_t m = std::min(rows, cols), n = std::max(rows, cols);
   const size_t total = static_cast<size_t>(m * n) * static_cast<size_t>(batch);
   const size_t gram_total = static_cast<size_t>(m * m) * static_cast<size_t>(batch);
-  MUOND_RETURN_IF_ERROR(ws.ReserveFor(backend, rows, cols, batch, /*gram=*/true));
+  // Where the backend's GEMM reads its operands from copies (bf16), the products below that add to
+  // one of their operands (Q·Z + a·Q, R·Z + a·R, Z·RZ + a·RZ) write it in place, without the copy.
+  const bool in_place = backend.GemmMayWriteAnOperand(precision);
+  MUOND_RETURN_IF_ERROR(ws.ReserveFor(backend, rows, cols, batch, NsUse{.gram = true, .in_place = in_place}));
   MUOND_ASSIGN_OR_RETURN(float* x, ws.Get(backend, 0, total));
   MUOND_ASSIGN_OR_RETURN(float* x_next, ws.Get(backend, 1, total));
   MUOND_ASSIGN_OR_RETURN(float* r, ws.Get(backend, 2, gram_total));
   MUOND_ASSIGN_OR_RETURN(float* z, ws.Get(backend, 3, gram_total));
   MUOND_ASSIGN_OR_RETURN(float* q, ws.Get(backend, 4, gram_total));
   // Scratch for the next Q, then (once Q has moved there and the old one is dead) RZ; also the
-  // column of ones that writes a·I.
-  MUOND_ASSIGN_OR_RETURN(float* scratch, ws.Get(backend, 5, gram_total));
+  // column of ones that writes a·I, all it holds in place.
+  MUOND_ASSIGN_OR_RETURN(float* scratch, ws.Get(backend, 5, in_place ? static_cast<size_t>(m) : gram_total));
   MUOND_RETURN_IF_ERROR(LoadNormalized(backend, in, x, rows, cols, batch, eps, norm_safety, input_sum_squares));
 
   // R = X·Xᵀ (m×m), as NewtonSchulz's A; products of two m×m polynomials (R·R, Q·Z, R·Z, Z·RZ);
@@ -300,9 +316,6 @@ absl::Status GramNewtonSchulz(Backend& backend, const NsSchedule& schedule, int 
                            .stride_c = m * m,
                            .batch = batch};
 
-  // Where the backend's GEMM reads its operands from copies (bf16), the products below that add to
-  // one of their operands (Q·Z + a·Q, R·Z + a·R, Z·RZ + a·RZ) write it in place, without the copy.
-  const bool in_place = backend.GemmMayWriteAnOperand(precision);
   const auto restarts_at = [&](int t) {
     return std::find(restart_iterations.begin(), restart_iterations.end(), t) != restart_iterations.end();
   };

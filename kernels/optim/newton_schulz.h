@@ -27,6 +27,13 @@
 
 namespace muond::optim {
 
+// What a Newton–Schulz call asks of its workspace beyond its shape (NsSlotFloats).
+struct NsUse {
+  bool gram = false;      // GramNewtonSchulz (a square shape runs NewtonSchulz)
+  bool in_place = false;  // its GEMMs may write an operand (Backend::GemmMayWriteAnOperand)
+  bool aol = false;       // NewtonSchulz with AOL preconditioning
+};
+
 // Backend scratch buffers addressed by slot number, grown on demand and kept between calls so a
 // training loop allocates only on its first step. Slots [0, kFirstFreeSlot) are NewtonSchulz's
 // (0..3) and GramNewtonSchulz's (0..5); callers (Muon's gather buffers) use the slots from
@@ -45,9 +52,9 @@ class NsWorkspace {
   // Buffers from another backend are dropped first, so one workspace never mixes devices.
   absl::StatusOr<float*> Get(kernels::Backend& backend, int slot, size_t count);
 
-  // Grows NewtonSchulz's slots (GramNewtonSchulz's with `gram`) to what a call with this shape and
-  // batch needs, so a caller can fail for lack of memory before it changes any state.
-  absl::Status ReserveFor(kernels::Backend& backend, int64_t rows, int64_t cols, int64_t batch, bool gram = false);
+  // Grows the slots a call with this shape, batch and use (NsSlotFloats) needs to what it needs, so
+  // a caller can fail for lack of memory before it changes any state.
+  absl::Status ReserveFor(kernels::Backend& backend, int64_t rows, int64_t cols, int64_t batch, const NsUse& use);
 
   // Makes slot s hold at least need[s] floats for every s < need.size(). When keeping every buffer
   // held now beside them would exceed the limit, the buffers larger than this call needs (and those
@@ -80,10 +87,16 @@ class NsWorkspace {
   std::atomic<bool> hard_{true};
 };
 
-// Floats each of NewtonSchulz's workspace slots (GramNewtonSchulz's with `gram`) needs for a call
-// on `batch` rows×cols matrices: slots 0 and 1 batch·rows·cols, 2 and 3 batch·m², and with `gram`
-// on a non-square shape 4 and 5 batch·m² (m = min(rows, cols)); the others 0.
-std::array<size_t, NsWorkspace::kFirstFreeSlot> NsSlotFloats(int64_t rows, int64_t cols, int64_t batch, bool gram);
+// What `use` says of a Newton–Schulz call of `options`' precision and preconditioner on `backend`.
+NsUse NsUseOf(const kernels::Backend& backend, const GroupOptions& options, bool gram);
+
+// Floats each of the workspace slots needs for a call on `batch` rows×cols matrices (m = min(rows,
+// cols)): slot 0 (X) batch·rows·cols and 2 (A, or R) batch·m²; NewtonSchulz's 1 (X') batch·rows·cols
+// and 3 (B) batch·m², which in place need nothing but AOL's row scales (batch·m) and transposed A
+// (batch·m²); GramNewtonSchulz's 1 batch·rows·cols and 3, 4 (Z, Q) batch·m², and 5 batch·m², or m
+// in place (a column of ones). The others 0.
+std::array<size_t, NsWorkspace::kFirstFreeSlot> NsSlotFloats(int64_t rows, int64_t cols, int64_t batch,
+                                                             const NsUse& use);
 
 // Newton–Schulz's workspace of one backend, shared by all its Muon groups and sessions (holding
 // one each would multiply the largest batch's scratch by the number of sessions). `mu` is held for

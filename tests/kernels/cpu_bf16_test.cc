@@ -359,5 +359,46 @@ TEST(CpuBf16Gemm, NewtonSchulzInPlaceGivesTheCopiesResultsBitForBit) {
   }
 }
 
+// In place, Newton–Schulz holds no second iterate and no B (AOL keeps its row scales and transposed
+// A), and Gram Newton–Schulz only a column of ones for its scratch: what NsSlotFloats says.
+TEST(CpuBf16Gemm, NewtonSchulzInPlaceHoldsNeitherXPrimeNorB) {
+  std::unique_ptr<Backend> cpu = NewCpuBackend(1);
+  GemmInPlace in_place(*cpu, true), copies(*cpu, false);
+  const int64_t rows = 24, cols = 80, batch = 2, m = 24;
+  const size_t mat = rows * cols * batch, gram = m * m * batch;
+  std::mt19937 rng(3);
+  const std::vector<float> g = Random(rng, mat);
+  const optim::NsSchedule simple;
+  struct Case {
+    const char* what;
+    optim::NsUse use;
+    size_t copies_hold, in_place_holds;
+  };
+  for (const Case& c : {Case{"standard", {}, 2 * mat + 2 * gram, mat + gram},
+                        Case{"aol", {.aol = true}, 2 * mat + 2 * gram, mat + m * batch + 2 * gram},
+                        Case{"gram", {.gram = true}, 2 * mat + 4 * gram, 2 * mat + 3 * gram + m}}) {
+    SCOPED_TRACE(c.what);
+    for (Backend* backend : {static_cast<Backend*>(&copies), static_cast<Backend*>(&in_place)}) {
+      const bool place = backend == &in_place;
+      optim::NsWorkspace ws;
+      auto data = Upload(*cpu, g);
+      if (c.use.gram) {
+        ASSERT_OK(optim::GramNewtonSchulz(*backend, simple, 5, {}, 1e-7, 1.0, MatmulPrecision::kFp32, data->data(),
+                                          data->data(), rows, cols, batch, ws));
+      } else {
+        ASSERT_OK(optim::NewtonSchulz(*backend, simple, 5, 1e-7, 1.0, MatmulPrecision::kFp32, data->data(),
+                                      data->data(), rows, cols, batch, ws, nullptr,
+                                      c.use.aol ? optim::NsPreconditioner::kAol : optim::NsPreconditioner::kFrobenius));
+      }
+      optim::NsUse use = c.use;
+      use.in_place = place;
+      size_t planned = 0;
+      for (size_t floats : optim::NsSlotFloats(rows, cols, batch, use)) planned += floats;
+      EXPECT_EQ(ws.held(), place ? c.in_place_holds : c.copies_hold) << (place ? "in place" : "copies");
+      EXPECT_EQ(ws.held(), planned) << (place ? "in place" : "copies");
+    }
+  }
+}
+
 }  // namespace
 }  // namespace muond::kernels

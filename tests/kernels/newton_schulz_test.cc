@@ -553,7 +553,7 @@ TEST_F(NewtonSchulzTest, NsWorkCountsTheGemmsIssued) {
 }
 
 TEST_F(NewtonSchulzTest, GramReserveCoversTheCallAndRejectsBadArguments) {
-  ASSERT_OK(ws_.ReserveFor(*backend_, 24, 64, 3, /*gram=*/true));
+  ASSERT_OK(ws_.ReserveFor(*backend_, 24, 64, 3, NsUse{.gram = true}));
   const size_t held = ws_.held();
   std::vector<Mat> in;
   for (int i = 0; i < 3; ++i) in.push_back(RoundedRandom(rng_, 24, 64));
