@@ -1,6 +1,7 @@
 #include "common/half_ranges.h"
 
 #include <algorithm>
+#include <cstring>
 
 #include "common/half_float.h"
 #include "common/simd_clones.h"
@@ -117,6 +118,30 @@ void NarrowToFp16(const float* in, uint16_t* out, size_t count) {
   if (f16c) return NarrowToFp16F16c(in, out, count);
 #endif
   NarrowToFp16Portable(in, out, count);
+}
+
+namespace {
+constexpr size_t kWordBlock = 4096;  // 8 KiB of words on the stack
+}  // namespace
+
+void WidenHalfBytes(HalfFormat format, const void* in, float* out, size_t count) {
+  uint16_t words[kWordBlock];
+  const char* bytes = static_cast<const char*>(in);
+  for (size_t begin = 0; begin < count; begin += kWordBlock) {
+    const size_t n = std::min(kWordBlock, count - begin);
+    std::memcpy(words, bytes + 2 * begin, 2 * n);
+    (format == HalfFormat::kBf16 ? WidenBf16 : WidenFp16)(words, out + begin, n);
+  }
+}
+
+void NarrowToHalfBytes(HalfFormat format, const float* in, void* out, size_t count) {
+  uint16_t words[kWordBlock];
+  char* bytes = static_cast<char*>(out);
+  for (size_t begin = 0; begin < count; begin += kWordBlock) {
+    const size_t n = std::min(kWordBlock, count - begin);
+    (format == HalfFormat::kBf16 ? NarrowToBf16 : NarrowToFp16)(in + begin, words, n);
+    std::memcpy(bytes + 2 * begin, words, 2 * n);
+  }
 }
 
 }  // namespace muond

@@ -1,11 +1,10 @@
 #include "kernels/optim/stored_tensor.h"
 
-#include <cstring>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "common/half_float.h"
+#include "common/half_ranges.h"
 #include "common/status_macros.h"
 
 namespace muond::optim {
@@ -54,15 +53,12 @@ struct WordSpan {
 
 WordSpan WordsOf(size_t offset, size_t count) { return WordSpan{offset / 2, (offset + count + 1) / 2, offset % 2}; }
 
-uint16_t HalfAt(const std::vector<float>& words, size_t index) {
-  uint16_t bits;
-  std::memcpy(&bits, reinterpret_cast<const char*>(words.data()) + 2 * index, 2);
-  return bits;
+HalfFormat HalfFormatOf(StorageDtype dtype) {
+  return dtype == StorageDtype::kBf16 ? HalfFormat::kBf16 : HalfFormat::kFp16;
 }
 
-void SetHalfAt(std::vector<float>& words, size_t index, uint16_t bits) {
-  std::memcpy(reinterpret_cast<char*>(words.data()) + 2 * index, &bits, 2);
-}
+// The bytes of element `index` among the 16-bit halves of `words`.
+char* HalfBytes(std::vector<float>& words, size_t index) { return reinterpret_cast<char*>(words.data()) + 2 * index; }
 
 }  // namespace
 
@@ -74,11 +70,7 @@ absl::Status ReadStored(Backend& backend, const StoredTensor& tensor, size_t off
   const WordSpan span = WordsOf(offset, count);
   std::vector<float> words(span.last - span.first);
   MUOND_RETURN_IF_ERROR(backend.CopyToHost(tensor.buffer->data() + span.first, words.data(), words.size()));
-  const bool bf16 = tensor.dtype == StorageDtype::kBf16;
-  for (size_t i = 0; i < count; ++i) {
-    const uint16_t bits = HalfAt(words, span.skip + i);
-    host[i] = bf16 ? Bf16ToFloat(bits) : Fp16ToFloat(bits);
-  }
+  WidenHalfBytes(HalfFormatOf(tensor.dtype), HalfBytes(words, span.skip), host, count);
   return absl::OkStatus();
 }
 
@@ -95,9 +87,7 @@ absl::Status WriteStored(Backend& backend, StoredTensor& tensor, size_t offset, 
   if ((offset + count) % 2 != 0 && (words.size() > 1 || span.skip == 0)) {
     MUOND_RETURN_IF_ERROR(backend.CopyToHost(device + words.size() - 1, words.data() + words.size() - 1, 1));
   }
-  const bool bf16 = tensor.dtype == StorageDtype::kBf16;
-  for (size_t i = 0; i < count; ++i)
-    SetHalfAt(words, span.skip + i, bf16 ? FloatToBf16(host[i]) : FloatToFp16(host[i]));
+  NarrowToHalfBytes(HalfFormatOf(tensor.dtype), host, HalfBytes(words, span.skip), count);
   return backend.CopyToDevice(words.data(), device, words.size());
 }
 

@@ -31,31 +31,8 @@ size_t DtypeBytes(const json& dtype) {
   return 0;
 }
 
-// 16-bit elements go through a block of words at a time: a tensor's bytes in the file need not be
-// aligned for them.
-constexpr size_t kWordBlock = size_t{1} << 15;
-
-// Widens `count` little-endian 16-bit elements (bf16, else fp16) at `raw` into `out`.
-void WidenFileWords(bool bf16, const char* raw, float* out, size_t count) {
-  std::vector<uint16_t> words(std::min(kWordBlock, count));
-  for (size_t begin = 0; begin < count; begin += kWordBlock) {
-    const size_t n = std::min(kWordBlock, count - begin);
-    std::memcpy(words.data(), raw + 2 * begin, 2 * n);
-    (bf16 ? WidenBf16 : WidenFp16)(words.data(), out + begin, n);
-  }
-}
-
-// Appends `values` to `out` as little-endian 16-bit elements (bf16, else fp16).
-void AppendFileWords(bool bf16, const std::vector<float>& values, std::string& out) {
-  const size_t at = out.size();
-  out.resize(at + 2 * values.size());
-  std::vector<uint16_t> words(std::min(kWordBlock, values.size()));
-  for (size_t begin = 0; begin < values.size(); begin += kWordBlock) {
-    const size_t n = std::min(kWordBlock, values.size() - begin);
-    (bf16 ? NarrowToBf16 : NarrowToFp16)(values.data() + begin, words.data(), n);
-    std::memcpy(out.data() + at + 2 * begin, words.data(), 2 * n);
-  }
-}
+// The 16-bit format of a safetensors dtype muond writes in 16 bits ("BF16" or "F16").
+HalfFormat HalfFormatOf(const std::string& dtype) { return dtype == "BF16" ? HalfFormat::kBf16 : HalfFormat::kFp16; }
 
 bool IsUnsigned(const json& value) { return value.is_number_unsigned() || (value.is_number_integer() && value >= 0); }
 
@@ -105,7 +82,7 @@ absl::Status DecodeSafetensors(const std::string& file, const std::string& bytes
     if (element == 4) {
       std::memcpy(t.values.data(), raw, end - begin);
     } else {
-      WidenFileWords(t.dtype == "BF16", raw, t.values.data(), numel);
+      WidenHalfBytes(HalfFormatOf(t.dtype), raw, t.values.data(), numel);
     }
     data->tensors.push_back(std::move(t));
   }
@@ -174,7 +151,9 @@ std::string EncodeSafetensors(const CheckpointData& data) {
       out.append(reinterpret_cast<const char*>(t.values.data()), t.values.size() * sizeof(float));
       continue;
     }
-    AppendFileWords(t.dtype == "BF16", t.values, out);
+    const size_t at = out.size();
+    out.resize(at + 2 * t.values.size());
+    NarrowToHalfBytes(HalfFormatOf(t.dtype), t.values.data(), out.data() + at, t.values.size());
   }
   return out;
 }

@@ -153,6 +153,12 @@ TEST_P(StoredTensorTest, WritesRoundAndReadsWidenAtAnyOffset) {
     std::vector<float> tail(3);
     ASSERT_OK(ReadStored(*backend, t, 10, 3, tail.data()));  // an odd-length read from an even offset
     EXPECT_EQ(Bits(tail[1]), Bits(eleven));
+    std::vector<float> odd(5);
+    ASSERT_OK(ReadStored(*backend, t, 7, 5, odd.data()));  // a read from an odd offset
+    for (size_t i = 0; i < 5; ++i) {
+      const float expect = i == 4 ? eleven : RoundTo(dtype, values[i]);
+      EXPECT_EQ(Bits(odd[i]), Bits(expect)) << kernels::StorageDtypeName(dtype) << " element " << 7 + i;
+    }
   }
 }
 

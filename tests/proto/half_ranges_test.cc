@@ -6,6 +6,7 @@
 #include "common/half_ranges.h"
 
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "common/half_float.h"
@@ -95,6 +96,31 @@ TEST(HalfRangesTest, EveryLengthAndOffsetConvertsItsRangeAndNothingElse) {
         ASSERT_EQ(back[i], Bf16ToFloat(out[i])) << offset << " " << count << " " << i;
       }
     }
+  }
+}
+
+// The byte-addressed forms convert elements at an odd byte address, across their blocks, exactly as
+// the word ones, and write no byte outside the range.
+TEST(HalfRangesTest, ElementsAtAnyByteAddressConvertAsTheWordOnes) {
+  const size_t count = 3 * 4096 + 5;  // more than two of the blocks they go through
+  std::vector<uint16_t> words(count);
+  for (size_t i = 0; i < count; ++i) words[i] = static_cast<uint16_t>(i * 40503u);
+  for (HalfFormat format : {HalfFormat::kBf16, HalfFormat::kFp16}) {
+    SCOPED_TRACE(format == HalfFormat::kBf16 ? "bf16" : "fp16");
+    std::vector<float> want(count), got(count);
+    (format == HalfFormat::kBf16 ? WidenBf16 : WidenFp16)(words.data(), want.data(), count);
+    std::vector<char> bytes(2 * count + 2, '\x5a');
+    std::memcpy(bytes.data() + 1, words.data(), 2 * count);
+    WidenHalfBytes(format, bytes.data() + 1, got.data(), count);
+    for (size_t i = 0; i < count; ++i) ASSERT_EQ(FloatBits(got[i]), FloatBits(want[i])) << i;
+
+    std::vector<uint16_t> narrowed(count);
+    (format == HalfFormat::kBf16 ? NarrowToBf16 : NarrowToFp16)(want.data(), narrowed.data(), count);
+    std::vector<char> out(2 * count + 2, '\x5a');
+    NarrowToHalfBytes(format, want.data(), out.data() + 1, count);
+    EXPECT_EQ(out.front(), '\x5a');
+    EXPECT_EQ(out.back(), '\x5a');
+    EXPECT_EQ(std::memcmp(out.data() + 1, narrowed.data(), 2 * count), 0);
   }
 }
 
