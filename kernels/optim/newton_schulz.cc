@@ -46,7 +46,9 @@ std::array<size_t, NsWorkspace::kFirstFreeSlot> NsSlotFloats(int64_t rows, int64
   const size_t gram_size = m * m * static_cast<size_t>(batch);
   if (use.gram && rows != cols) return {mat, mat, gram_size, gram_size, gram_size, use.in_place ? m : gram_size};
   if (!use.in_place) return {mat, mat, gram_size, gram_size, 0, 0};
-  return {mat, use.aol ? m * static_cast<size_t>(batch) : 0, gram_size, use.aol ? gram_size : 0, 0, 0};
+  // In place, slot 3 keeps one m×m matrix for OrthogonalitySumSquares, which runs in slots 2 and 3
+  // after the call when telemetry measures the residual.
+  return {mat, use.aol ? m * static_cast<size_t>(batch) : 0, gram_size, use.aol ? gram_size : m * m, 0, 0};
 }
 
 // Slots 0 and 1 hold the iterate X and the next one (batch·rows·cols each), 2 and 3 the Gram matrix

@@ -92,9 +92,9 @@ NsUse NsUseOf(const kernels::Backend& backend, const GroupOptions& options, bool
 
 // Floats each of the workspace slots needs for a call on `batch` rows×cols matrices (m = min(rows,
 // cols)): slot 0 (X) batch·rows·cols and 2 (A, or R) batch·m²; NewtonSchulz's 1 (X') batch·rows·cols
-// and 3 (B) batch·m², which in place need nothing but AOL's row scales (batch·m) and transposed A
-// (batch·m²); GramNewtonSchulz's 1 batch·rows·cols and 3, 4 (Z, Q) batch·m², and 5 batch·m², or m
-// in place (a column of ones). The others 0.
+// and 3 (B) batch·m², which in place need only AOL's row scales (batch·m) and transposed A
+// (batch·m²), and otherwise one m×m matrix in slot 3 (OrthogonalitySumSquares' second); GramNewtonSchulz's 1
+// batch·rows·cols and 3, 4 (Z, Q) batch·m², and 5 batch·m², or m in place (a column of ones). The others 0.
 std::array<size_t, NsWorkspace::kFirstFreeSlot> NsSlotFloats(int64_t rows, int64_t cols, int64_t batch,
                                                              const NsUse& use);
 

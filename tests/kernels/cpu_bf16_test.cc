@@ -360,7 +360,8 @@ TEST(CpuBf16Gemm, NewtonSchulzInPlaceGivesTheCopiesResultsBitForBit) {
 }
 
 // In place, Newton–Schulz holds no second iterate and no B (AOL keeps its row scales and transposed
-// A), and Gram Newton–Schulz only a column of ones for its scratch: what NsSlotFloats says.
+// A; otherwise one m×m matrix stays for the orthogonality residual), and Gram Newton–Schulz only a
+// column of ones for its scratch: what NsSlotFloats says.
 TEST(CpuBf16Gemm, NewtonSchulzInPlaceHoldsNeitherXPrimeNorB) {
   std::unique_ptr<Backend> cpu = NewCpuBackend(1);
   GemmInPlace in_place(*cpu, true), copies(*cpu, false);
@@ -374,7 +375,7 @@ TEST(CpuBf16Gemm, NewtonSchulzInPlaceHoldsNeitherXPrimeNorB) {
     optim::NsUse use;
     size_t copies_hold, in_place_holds;
   };
-  for (const Case& c : {Case{"standard", {}, 2 * mat + 2 * gram, mat + gram},
+  for (const Case& c : {Case{"standard", {}, 2 * mat + 2 * gram, mat + gram + m * m},
                         Case{"aol", {.aol = true}, 2 * mat + 2 * gram, mat + m * batch + 2 * gram},
                         Case{"gram", {.gram = true}, 2 * mat + 4 * gram, 2 * mat + 3 * gram + m}}) {
     SCOPED_TRACE(c.what);

@@ -74,7 +74,8 @@ TEST_F(CheckpointTest, ARoundTripKeepsEverything) {
 
 // Every bf16 and fp16 value is written as the 16-bit word it is stored as (the words a
 // value-by-value rounding gives) and read back as the same fp32 value, also where an odd count
-// before it leaves a tensor's bytes unaligned for 16-bit words.
+// before it leaves a tensor's bytes at an address no multiple of 4 (odd byte addresses:
+// HalfRangesTest.ElementsAtAnyByteAddressConvertAsTheWordOnes).
 TEST_F(CheckpointTest, SixteenBitTensorsKeepEveryValueAtAnyAlignment) {
   std::vector<float> every_bf16(1 << 16), every_fp16(1 << 16);
   for (uint32_t bits = 0; bits < (1u << 16); ++bits) {
