@@ -5,8 +5,8 @@
 // there, with GCC on x86-64, its NaNs made the scalar ones). The CPU backend widens and rounds its
 // 16-bit optimizer state through these, and the wire codec (proto/wire/dtype_codec.h) 16-bit
 // gradients and answers; checkpoints, state digests and a device's 16-bit state read to the host
-// (optim::ReadStored, WriteStored) theirs. Its own library (muond_half_ranges, no dependencies), which the C++ client
-// links through the codec. Stateless; thread-safe.
+// (optim::ReadStored, WriteStored) theirs. Its own library (muond_half_ranges, no dependencies),
+// which the C++ client links through the codec. Stateless; thread-safe.
 #pragma once
 
 #include <cstddef>

@@ -365,14 +365,12 @@ absl::Status GramNewtonSchulz(Backend& backend, const NsSchedule& schedule, int 
     // Advance R to the Gram matrix of the iterate NewtonSchulz would now hold, X' = (a·I + Z)·X:
     // R' = (a·I + Z)·R·(a·I + Z) = a·RZ + Z·RZ with RZ = a·R + R·Z (Z is symmetric). Not needed
     // after the last step, nor before a restart, which recomputes R from the explicit iterate.
-    if (t + 1 < steps && !restarts_at(t + 1) && in_place) {
-      MUOND_RETURN_IF_ERROR(backend.Gemm(square_shape, 1.0f, r, z, a, r, precision));  // R ← RZ
-      MUOND_RETURN_IF_ERROR(backend.Gemm(square_shape, 1.0f, z, r, a, r, precision));  // R ← Z·RZ + a·RZ
-    } else if (t + 1 < steps && !restarts_at(t + 1)) {
-      float* rz = scratch;
-      MUOND_RETURN_IF_ERROR(backend.CopyOnDevice(r, rz, gram_total));
+    if (t + 1 < steps && !restarts_at(t + 1)) {
+      // In place, RZ goes over R; otherwise it goes through the scratch and back.
+      float* rz = in_place ? r : scratch;
+      if (!in_place) MUOND_RETURN_IF_ERROR(backend.CopyOnDevice(r, rz, gram_total));
       MUOND_RETURN_IF_ERROR(backend.Gemm(square_shape, 1.0f, r, z, a, rz, precision));
-      MUOND_RETURN_IF_ERROR(backend.CopyOnDevice(rz, r, gram_total));
+      if (!in_place) MUOND_RETURN_IF_ERROR(backend.CopyOnDevice(rz, r, gram_total));
       MUOND_RETURN_IF_ERROR(backend.Gemm(square_shape, 1.0f, z, rz, a, r, precision));
     }
   }

@@ -436,6 +436,7 @@ class DiLoCo:
                 self._globals[i].grad = self._deltas[i]
         sync = _Sync(fragment, sent, weight, lands_at=self.inner_steps + self.overlap_steps)
         sync.retry_of, sync.resent = weight, True
+        self._failed_rounding = None  # the same Δ goes again: its own rounding is kept as usual
         self._since_sync[fragment] -= weight
         self._send(sync, at_once)
 
