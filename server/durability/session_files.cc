@@ -58,6 +58,11 @@ absl::Status SessionFiles::RecordStep(absl::string_view request, const std::vect
   return journal_.Append(checkpoint_generation_, request, gradients);
 }
 
+absl::Status SessionFiles::WithdrawStep() {
+  if (options_.durability != Durability::kJournal) return absl::OkStatus();
+  return journal_.WithdrawLast();
+}
+
 absl::Status SessionFiles::SaveCheckpoint(CheckpointData data) {
   data.generation = ++checkpoint_generation_;
   MUOND_RETURN_IF_ERROR(WriteCheckpoint(options_.env, dir_, data));

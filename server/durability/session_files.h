@@ -83,6 +83,9 @@ class SessionFiles {
   // Journal mode: appends the step durably, naming the generation of the last checkpoint tried.
   // Snapshot mode: nothing to do.
   absl::Status RecordStep(absl::string_view request, const std::vector<HostTensor>& gradients);
+  // Journal mode: removes the record RecordStep appended last, durably (StepJournal::WithdrawLast): its
+  // step failed before it changed any state. Snapshot mode: nothing to do.
+  absl::Status WithdrawStep();
   // Writes `data` as the folder's checkpoint, of the next generation, then empties the journal (it
   // holds nothing newer). A journal that cannot be emptied is logged, not an error: its records name
   // an older generation, which a restore skips. The generation counts tries, failed ones included:

@@ -98,6 +98,7 @@ uint64_t MaxPayloadBytes(const std::vector<int64_t>& numel) {
 absl::Status StepJournal::Open(const std::string& path) {
   path_ = path;
   committed_bytes_ = 0;
+  last_record_bytes_ = 0;
   if (env_->FileExists(path)) {
     MUOND_ASSIGN_OR_RETURN(committed_bytes_, env_->GetFileSize(path));
   }
@@ -125,6 +126,7 @@ absl::Status StepJournal::CutTornTail() {
 
 absl::Status StepJournal::Append(uint64_t checkpoint_generation, absl::string_view request,
                                  const std::vector<HostTensor>& gradients) {
+  last_record_bytes_ = 0;
   if (file_ == nullptr) MUOND_RETURN_IF_ERROR(CutTornTail());
   std::string payload;
   Put<uint64_t>(payload, checkpoint_generation);
@@ -156,7 +158,21 @@ absl::Status StepJournal::Append(uint64_t checkpoint_generation, absl::string_vi
     return written;
   }
   committed_bytes_ += record.size();
+  last_record_bytes_ = record.size();
   return absl::OkStatus();
+}
+
+absl::Status StepJournal::WithdrawLast() {
+  if (last_record_bytes_ == 0 || file_ == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("journal ", path_, ": no record to withdraw (the last append did not succeed, or was withdrawn)"));
+  }
+  committed_bytes_ -= last_record_bytes_;
+  last_record_bytes_ = 0;
+  // The file holds one record past committed_bytes_ now: cut off as a torn tail is.
+  file_->Close().IgnoreError();
+  file_.reset();
+  return CutTornTail();
 }
 
 absl::Status StepJournal::Clear() {
@@ -168,6 +184,7 @@ absl::Status StepJournal::Clear() {
   // file may be whole, empty, or empty but not durably so: the next Append rewrites it with no record
   // (CutTornTail) before it appends.
   committed_bytes_ = 0;
+  last_record_bytes_ = 0;
   if (!truncated.ok()) {
     file_->Close().IgnoreError();
     file_.reset();

@@ -2,7 +2,7 @@
 // request (opaque bytes from the session layer) and gradients (as the daemon assembled them, fp32,
 // with their sums of squares) are appended and synced before the step is applied and acknowledged;
 // replaying the records over the last checkpoint rebuilds the exact state after a crash. A
-// checkpoint empties the journal.
+// checkpoint empties the journal; a step that failed before it changed anything withdraws its record.
 //
 // Record (after leveldb's log format, with the header checked on its own): a 20-byte header — magic
 // "MJR4" | payload length (u64) | CRC-32 of the payload (u32) | CRC-32 of the 16 bytes before it (u32)
@@ -58,6 +58,12 @@ class StepJournal {
   // first cuts the file back to its last complete record, so no record ever follows a torn one.
   absl::Status Append(uint64_t checkpoint_generation, absl::string_view request,
                       const std::vector<HostTensor>& gradients);
+  // Removes, durably, the record the last Append wrote: its step failed before it changed any state,
+  // so a restore must not apply it (and a resend of the step is recorded anew). Only right after an
+  // Append that succeeded; FAILED_PRECONDITION otherwise. The journal is rewritten without it and
+  // renamed over the old one (memory for a piece, not for the journal). On an error the record may
+  // remain in the file; the next Append cuts it off first.
+  absl::Status WithdrawLast();
   // Empties the journal durably (every record is in a checkpoint). On an error the next Append
   // empties it first.
   absl::Status Clear();
@@ -78,6 +84,7 @@ class StepJournal {
   std::string path_;
   std::unique_ptr<WritableFile> file_;  // null after a failed append, until CutTornTail
   uint64_t committed_bytes_ = 0;        // the file's size up to its last complete record
+  uint64_t last_record_bytes_ = 0;      // the size of the record the last Append wrote; 0: none to withdraw
 };
 
 }  // namespace muond::durability

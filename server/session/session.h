@@ -253,10 +253,11 @@ class Session {
   absl::StatusOr<StepOutcome> CommitLocked(const StepPlan& commit, const std::vector<HostTensor>& gradients)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DropPreparedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The step `plan`: decided, journaled (journal mode), then applied or skipped. A failure after the
-  // record or once the masters began to change breaks the session (BreakLocked). Deciding (the checks,
-  // clipping and the magnitude guard's reads) comes before the record; staging the gradients for the
-  // optimizer (scaled by the clip coefficient in place; on a device, copied there) comes after it.
+  // The step `plan`: decided, journaled (journal mode), then applied or skipped. A failure once the
+  // masters began to change breaks the session (BreakLocked). Deciding (the checks, clipping and the
+  // magnitude guard's reads) comes before the record; staging the gradients for the optimizer (scaled
+  // by the clip coefficient in place; on a device, copied there) comes after it, and a failure there
+  // withdraws the record (SessionPersistence::WithdrawStep), breaking the session only when that fails.
   absl::StatusOr<StepOutcome> ApplyLocked(const StepPlan& plan, std::vector<HostTensor>& gradients,
                                           StagedGradients* staged) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // What a step will do, decided from its gradients and the state before anything changes: the
@@ -277,11 +278,13 @@ class Session {
   // Lends the gradient buffers (`staged`'s, a set filled here from the host values, or on a
   // host-memory backend the host values themselves) to the parameters for the optimizer step and
   // takes them back afterwards, whatever happens. Each group's gradients are first multiplied by
-  // its coefficient (clipping and unscaling; StepClipping). Each group's optimizer measures its
-  // step into `telemetry` (by group; health_watch.h).
+  // its coefficient (clipping and unscaling; StepClipping). Once every gradient is in place
+  // (ChangeMastersLocked) it sets `changing`: a failure before that changed no state. Each group's
+  // optimizer measures its step into `telemetry` (by group; health_watch.h).
   absl::Status ApplyGradients(const StepPlan& plan, std::vector<HostTensor>& gradients,
                               const std::vector<double>& group_coefficients, StagedGradients* staged,
-                              std::vector<optim::StepTelemetry>& telemetry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                              std::vector<optim::StepTelemetry>& telemetry, bool& changing)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, masters_mu_);
   absl::Status ApplyQkClip(const StepPlan& plan) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Reserves the fp32 scratch QK-clip needs for the 16-bit masters of `plan`'s pairs, before the
   // step changes anything (ApplyQkClip then allocates nothing).
@@ -316,8 +319,11 @@ class Session {
   absl::Status UnsavedLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // FAILED_PRECONDITION while broken_ is set.
   absl::Status BrokenLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  // Marks the state as no step's: step `step` failed with `why` after it began changing it.
-  void BreakLocked(int64_t step, const absl::Status& why, bool journaled) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Marks the state as no step's: step `step` failed with `why` after it began changing it; or, with
+  // `not_withdrawn` an error, before it changed anything, but its journal record could not be
+  // withdrawn (SessionPersistence::WithdrawStep) and a restart would apply it.
+  void BreakLocked(int64_t step, const absl::Status& why, bool journaled,
+                   const absl::Status& not_withdrawn = absl::OkStatus()) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // What stops any step from being applied now: CheckOpen(), then UnsavedLocked(), then BrokenLocked().
   absl::Status RefusesStepsLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Ranks that loaded a state of this step and counts before `rank` in the load it would join, and

@@ -80,6 +80,10 @@ class SessionPersistence {
   // Before step `request.step` changes any state: an error refuses the step (journal mode makes it
   // durable here). `gradients` are the ones the step will apply (averaged over ranks).
   virtual absl::Status RecordStep(const StepRequest& request, const std::vector<HostTensor>& gradients) = 0;
+  // The step RecordStep recorded last failed before it changed any state: journal mode removes its
+  // record durably, so that neither a restore nor the step's resend applies it twice. On an error the
+  // record may remain (a restore would apply the step).
+  virtual absl::Status WithdrawStep() = 0;
   // Writes a checkpoint of `state` (taken over: its values move into the file's buffers); steps
   // recorded before it are no longer needed.
   virtual absl::Status SaveCheckpoint(SessionState state) = 0;

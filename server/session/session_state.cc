@@ -371,11 +371,18 @@ absl::Status Session::BrokenLocked() const {
   return absl::FailedPreconditionError(broken_);
 }
 
-void Session::BreakLocked(int64_t step, const absl::Status& why, bool journaled) {
+void Session::BreakLocked(int64_t step, const absl::Status& why, bool journaled, const absl::Status& not_withdrawn) {
+  // Either the state is half a step, or it is step - 1's but the journal may hold step `step`, which a
+  // restart would apply (a resend would be recorded twice).
+  const std::string what = not_withdrawn.ok()
+                               ? absl::StrCat("failed after it began changing the state (", why.message(),
+                                              "), which is now neither step ", step - 1, "'s nor step ", step, "'s")
+                               : absl::StrCat("failed before it changed the state (", why.message(),
+                                              "), but its journal record could not be withdrawn (",
+                                              not_withdrawn.message(), "), so a restart of the daemon would apply it");
   broken_ = absl::StrCat(
-      "session '", id_, "': step ", step, " failed after it began changing the state (", why.message(),
-      "), which is now neither step ", step - 1, "'s nor step ", step,
-      "'s: no step is applied and no state read until SetState (load_state_dict) puts a saved state in place, ",
+      "session '", id_, "': step ", step, " ", what,
+      ": no step is applied and no state read until SetState (load_state_dict) puts a saved state in place, ",
       journaled ? absl::StrCat("or a restart of the daemon restores it through step ", step, " from its journal, ")
                 : std::string(),
       "or the session is closed");

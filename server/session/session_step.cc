@@ -457,12 +457,27 @@ absl::StatusOr<StepOutcome> Session::ApplyLocked(const StepPlan& plan, std::vect
   // alone, with nothing journaled and nothing changed.
   MUOND_ASSIGN_OR_RETURN(DecidedStep decided, DecideLocked(plan, gradients, staged, grad_scale));
   if (persistence_) MUOND_RETURN_IF_ERROR(persistence_->RecordStep(plan.request, gradients));
-  // From here a failure leaves a state that is no step's when the step is journaled (a restart would
-  // apply it; a resend would be journaled twice) or when the masters began to change.
+  // From here a failure leaves a state that is no step's once the masters began to change. One
+  // before that (putting the gradients where the optimizer reads them: a device copy, an allocation)
+  // changed nothing: in journal mode its record is withdrawn, since a restart would apply it and a
+  // resend would be recorded twice, and the step is refused alone; a record that cannot be withdrawn
+  // breaks the session.
   const bool journaled = persistence_ != nullptr && persistence_->records_gradients();
   bool changing = false;
   absl::StatusOr<StepOutcome> outcome = ApplyRecordedLocked(plan, gradients, staged, std::move(decided), changing);
-  if (!outcome.ok() && (journaled || changing)) BreakLocked(GlobalStepOf(plan.request), outcome.status(), journaled);
+  if (outcome.ok()) return outcome;
+  const int64_t step = GlobalStepOf(plan.request);
+  if (changing) {
+    BreakLocked(step, outcome.status(), journaled);
+  } else if (journaled) {
+    if (absl::Status withdrawn = persistence_->WithdrawStep(); !withdrawn.ok()) {
+      BreakLocked(step, outcome.status(), journaled, withdrawn);
+    } else {
+      MUOND_EVENT(warn, "step_withdrawn", id_, step,
+                  "session {}: step {} failed before it changed the state ({}); its journal record was withdrawn", id_,
+                  step, outcome.status().message());
+    }
+  }
   return outcome;
 }
 
@@ -510,10 +525,8 @@ absl::StatusOr<StepOutcome> Session::ApplyRecordedLocked(const StepPlan& plan, s
   const std::vector<optim::StepBounds>& bounds = decided.bounds;
   if (result.applied) {
     absl::MutexLock masters(&masters_mu_);  // waits for answers still reading the masters
-    ChangeMastersLocked();
-    changing = true;
     std::vector<optim::StepTelemetry> telemetry;
-    MUOND_RETURN_IF_ERROR(ApplyGradients(plan, gradients, clipping.coefficients, staged, telemetry));
+    MUOND_RETURN_IF_ERROR(ApplyGradients(plan, gradients, clipping.coefficients, staged, telemetry, changing));
     std::vector<bool> has_gradient(gradients.size());
     for (size_t i = 0; i < gradients.size(); ++i) has_gradient[i] = gradients[i].present();
     health_.Observe(config_, clipping, has_gradient, telemetry, result);

@@ -48,7 +48,7 @@ int64_t Session::CountZeros(const std::vector<HostTensor>& gradients) {
 
 absl::Status Session::ApplyGradients(const StepPlan& plan, std::vector<HostTensor>& gradients,
                                      const std::vector<double>& group_coefficients, StagedGradients* staged,
-                                     std::vector<optim::StepTelemetry>& telemetry) {
+                                     std::vector<optim::StepTelemetry>& telemetry, bool& changing) {
   // On a host-memory backend the optimizer reads the host values in place; otherwise they are in
   // the staged set or copied into a set here.
   const bool in_place = backend_->HostAddressable();
@@ -92,6 +92,9 @@ absl::Status Session::ApplyGradients(const StepPlan& plan, std::vector<HostTenso
     }
     by_group[config_.parameters[i].group].push_back(&state);
   }
+  // Every gradient is where the optimizer reads it: from here the masters change.
+  ChangeMastersLocked();
+  changing = true;
   telemetry.assign(optimizers_.size(), {});
   for (size_t g = 0; g < optimizers_.size(); ++g) {
     if (by_group[g].empty()) continue;

@@ -170,9 +170,21 @@ absl::Status FilePersistence::RecordStep(const StepRequest& request, const std::
                 "session {}: step {} refused, the journal failed: {}", session_.id(), request.step, appended.message());
     return absl::UnavailableError(absl::StrCat("the step could not be made durable: ", appended.message()));
   }
+  last_recorded_bytes_ = 0;
   if (records_gradients()) {
-    for (const HostTensor& g : gradients) journaled_bytes_ += static_cast<int64_t>(g.values.size() * sizeof(float));
+    for (const HostTensor& g : gradients) {
+      last_recorded_bytes_ += static_cast<int64_t>(g.values.size() * sizeof(float));
+    }
   }
+  journaled_bytes_ += last_recorded_bytes_;
+  return absl::OkStatus();
+}
+
+absl::Status FilePersistence::WithdrawStep() {
+  absl::Status withdrawn = files_->WithdrawStep();
+  if (!withdrawn.ok()) return withdrawn;
+  journaled_bytes_ -= last_recorded_bytes_;
+  last_recorded_bytes_ = 0;
   return absl::OkStatus();
 }
 

@@ -32,6 +32,7 @@ class FilePersistence final : public SessionPersistence {
                                                                uint64_t last_generation = 0);
 
   absl::Status RecordStep(const StepRequest& request, const std::vector<HostTensor>& gradients) override;
+  absl::Status WithdrawStep() override;
   absl::Status SaveCheckpoint(SessionState state) override;
   bool CheckpointDue(int64_t last_step) const override;
   bool records_gradients() const override { return files_->options().durability == durability::Durability::kJournal; }
@@ -48,6 +49,7 @@ class FilePersistence final : public SessionPersistence {
   // failed once they were due, what they were then (the next try waits for another budget's worth).
   int64_t JournalBudget() const;
   int64_t journaled_bytes_ = 0;
+  int64_t last_recorded_bytes_ = 0;  // the gradient bytes of the last step recorded, until withdrawn
   int64_t retry_after_bytes_ = 0;
 };
 

@@ -2,7 +2,8 @@
 // file is a torn tail; an inflated length, an altered header or payload, a length no step of the
 // session could have, or a gradient of the wrong size refuses the journal (DATA_LOSS naming the file
 // and the record's offset) and leaves its bytes as they were; journals of the previous format (MJR2)
-// and the one before the checkpoint generation (MJR3) are still read.
+// and the one before the checkpoint generation (MJR3) are still read. The last record can be
+// withdrawn, durably, and only it.
 #include "server/durability/step_journal.h"
 
 #include <zlib.h>
@@ -17,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "server/durability/fault_injecting_env.h"
 #include "tests/testing/status_matchers.h"
 
 namespace muond::durability {
@@ -82,6 +84,67 @@ TEST_F(StepJournalTest, RecordsRoundTrip) {
   EXPECT_EQ(contents.records[2].checkpoint_generation, 1u);
   EXPECT_EQ(contents.records[2].gradients[0].values, (std::vector<float>{1, 2, 3, 4, 5, 3}));
   EXPECT_EQ(contents.records[2].gradients[1].sum_squares, 113);  // 7² + 8², kept as written
+}
+
+// A step that failed before it changed anything takes its record back: the journal reads as if it
+// had never been appended, the next step's record follows the one before, and a second withdrawal,
+// or one after a failed append, is refused.
+TEST_F(StepJournalTest, TheLastRecordIsWithdrawnAndTheNextFollowsTheOneBefore) {
+  StepJournal journal(Env::Default());
+  ASSERT_OK(journal.Open(path_));
+  ASSERT_OK(journal.Append(1, "{\"step\":1}", {Gradient({1, 2, 3, 4, 5, 6}), Gradient({7, 8})}));
+  const std::string after_one = Bytes();
+  ASSERT_OK(journal.Append(1, "{\"step\":2}", {Gradient({9, 9, 9, 9, 9, 9}), HostTensor()}));
+  ASSERT_OK(journal.WithdrawLast());
+  EXPECT_EQ(Bytes(), after_one);
+  EXPECT_THAT(journal.WithdrawLast(), StatusIs(absl::StatusCode::kFailedPrecondition, "no record to withdraw"));
+  EXPECT_EQ(Bytes(), after_one);
+  ASSERT_OK(journal.Append(1, "{\"step\":2}", {Gradient({2, 2, 2, 2, 2, 2}), Gradient({3, 3})}));
+  journal.Close();
+  ASSERT_OK_AND_ASSIGN(JournalContents contents, Read());
+  ASSERT_EQ(contents.records.size(), 2u);
+  EXPECT_FALSE(contents.dropped_torn_tail);
+  EXPECT_EQ(contents.records[0].request, "{\"step\":1}");
+  EXPECT_EQ(contents.records[1].request, "{\"step\":2}");
+  EXPECT_EQ(contents.records[1].gradients[0].values, std::vector<float>(6, 2.0f));
+
+  // The only record withdrawn: an empty journal.
+  fs::remove(path_);
+  StepJournal again(Env::Default());
+  ASSERT_OK(again.Open(path_));
+  ASSERT_OK(again.Append(0, "{\"step\":1}", {Gradient({1, 2, 3, 4, 5, 6}), Gradient({7, 8})}));
+  ASSERT_OK(again.WithdrawLast());
+  again.Close();
+  EXPECT_EQ(fs::file_size(path_), 0u);
+}
+
+// A withdrawal that cannot rename the rewritten journal into place leaves the record (a restore would
+// apply its step) and says so; the next append cuts it off before it writes, so no record ever follows
+// a withdrawn one. An append that failed has nothing to withdraw.
+TEST_F(StepJournalTest, AWithdrawalThatFailsLeavesTheRecordUntilTheNextAppendCutsIt) {
+  FaultInjectingEnv env(Env::Default());
+  StepJournal journal(&env);
+  ASSERT_OK(journal.Open(path_));
+  ASSERT_OK(journal.Append(1, "{\"step\":1}", {Gradient({1, 2, 3, 4, 5, 6}), Gradient({7, 8})}));
+  ASSERT_OK(journal.Append(1, "{\"step\":2}", {Gradient({9, 9, 9, 9, 9, 9}), Gradient({7, 8})}));
+  const std::string both = Bytes();
+  env.FailRename("journal.log");
+  EXPECT_THAT(journal.WithdrawLast(), StatusIs(absl::StatusCode::kInternal, "cannot rename"));
+  EXPECT_EQ(Bytes(), both);
+  ASSERT_OK_AND_ASSIGN(JournalContents kept, Read());
+  EXPECT_EQ(kept.records.size(), 2u);
+  ASSERT_OK(journal.Append(1, "{\"step\":2}", {Gradient({2, 2, 2, 2, 2, 2}), Gradient({3, 3})}));
+  ASSERT_OK_AND_ASSIGN(JournalContents contents, Read());
+  ASSERT_EQ(contents.records.size(), 2u);
+  EXPECT_EQ(contents.records[1].gradients[0].values, std::vector<float>(6, 2.0f));
+
+  env.FailAppend("journal.log", AppendFault::kNoSpace);
+  EXPECT_THAT(journal.Append(1, "{\"step\":3}", {Gradient({1, 1, 1, 1, 1, 1}), Gradient({1, 1})}),
+              StatusIs(absl::StatusCode::kResourceExhausted, "No space"));
+  EXPECT_THAT(journal.WithdrawLast(), StatusIs(absl::StatusCode::kFailedPrecondition, "no record to withdraw"));
+  journal.Close();
+  ASSERT_OK_AND_ASSIGN(JournalContents after, Read());
+  EXPECT_EQ(after.records.size(), 2u);
 }
 
 TEST_F(StepJournalTest, OnlyARecordCutShortAtTheEndIsATornTail) {

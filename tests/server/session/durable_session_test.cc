@@ -2,7 +2,8 @@
 // disk or a failed fsync while a step is journaled refuses that step with a clear error and changes
 // nothing; the same faults while a checkpoint is written leave the previous checkpoint loadable; and
 // a restore (a new registry over the same folder, as after kill -9) finds every acknowledged step. A
-// step that fails after it began changing the state breaks the session until its state is replaced.
+// step that fails after it began changing the state breaks the session until its state is replaced;
+// one that fails after its record but before the masters change has its record withdrawn.
 #include <atomic>
 #include <cstdlib>
 #include <filesystem>
@@ -27,10 +28,14 @@ using namespace ::muond::session::session_testing;
 
 // The CPU backend, whose AdamW fails while `fail_adamw` is set (in SmallSpec's session the Muon group
 // is stepped first, so a step then fails with its Muon group's masters already updated), and whose
-// reads of device memory fail while `fail_reads` is set.
+// reads of device memory fail while `fail_reads` is set, and copies into it while `fail_copies_in` is.
 class FailsWhenSet final : public ::muond::testing::ForwardingBackend {
  public:
   using ForwardingBackend::ForwardingBackend;
+  absl::Status CopyToDevice(const float* host, float* device, size_t count) override {
+    if (fail_copies_in) return absl::ResourceExhaustedError("out of device memory (injected)");
+    return ForwardingBackend::CopyToDevice(host, device, count);
+  }
   absl::Status AdamW(const kernels::AdamWArgs& args, kernels::StoredRef param, const float* grad,
                      kernels::StoredRef exp_avg, kernels::StoredRef exp_avg_sq, size_t count) override {
     if (fail_adamw) return absl::ResourceExhaustedError("out of device memory (injected)");
@@ -42,6 +47,7 @@ class FailsWhenSet final : public ::muond::testing::ForwardingBackend {
   }
   std::atomic<bool> fail_adamw{false};
   std::atomic<bool> fail_reads{false};
+  std::atomic<bool> fail_copies_in{false};
 };
 
 class DurableSessionTest : public ::testing::Test {
@@ -50,7 +56,7 @@ class DurableSessionTest : public ::testing::Test {
     char pattern[] = "/tmp/muond-durable-XXXXXX";
     ASSERT_NE(mkdtemp(pattern), nullptr);
     dir_ = pattern;
-    backend_ = kernels::NewCpuBackend(1);
+    backend_ = kernels::NewCpuBackend(1, host_addressable_);
     failing_ = std::make_unique<FailsWhenSet>(*backend_);
     ASSERT_OK_AND_ASSIGN(std::shared_ptr<Session> session, Open(&env_));
     ASSERT_OK(session->Upload(InitialParameters()));  // the first checkpoint
@@ -112,6 +118,7 @@ class DurableSessionTest : public ::testing::Test {
     for (size_t i = 0; i < got.tensors.size(); ++i) EXPECT_EQ(got.tensors[i].values, want.tensors[i].values);
   }
 
+  bool host_addressable_ = true;  // false: the step paths of a device's memory (a GPU's)
   std::string dir_;
   durability::FaultInjectingEnv env_{durability::Env::Default()};
   rpc::ProtoSpecCodec codec_;
@@ -293,6 +300,48 @@ TEST_F(DurableSessionTest, AStepThatFailsBeforeItsRecordIsRefusedAloneWithNothin
   ASSERT_OK(Step(2)) << "the refused step broke the session";
   ASSERT_OK(Step(3));
   ExpectRestoreHoldsEveryAcknowledgedStep();  // the journal holds steps 2 and 3, not the refused one
+}
+
+// The same sessions over a backend whose memory is not the host's, as a GPU's: a step's gradients are
+// copied into device buffers after its journal record (the record holds them unclipped).
+class DurableDeviceSessionTest : public DurableSessionTest {
+ protected:
+  DurableDeviceSessionTest() { host_addressable_ = false; }
+};
+
+// The copy of step 2's gradients to the device fails (out of memory) after the step was journaled but
+// before any master changed: the record is withdrawn and the step refused alone. The session is not
+// broken, the resend is applied once, and a restart finds steps 1 to 3 each applied once.
+TEST_F(DurableDeviceSessionTest, AStepThatFailsBeforeTheMastersChangeIsWithdrawnAndRefusedAlone) {
+  ASSERT_OK(Step(1));
+  const auto before = ParametersOf(*session_);
+  failing_->fail_copies_in = true;
+  EXPECT_THAT(Step(2), StatusIs(absl::StatusCode::kResourceExhausted, "injected"));
+  failing_->fail_copies_in = false;
+  EXPECT_EQ(session_->last_step(), 1);
+  EXPECT_EQ(ParametersOf(*session_), before);
+  ASSERT_OK(Step(2)) << "the refused step broke the session";
+  ASSERT_OK(Step(3));
+  ExpectRestoreHoldsEveryAcknowledgedStep();  // the journal holds step 2 once
+}
+
+// The same failure, and the journal cannot be rewritten without the record (its rename fails): a
+// restart would apply step 2, and a resend would be journaled twice, so the session is broken, saying
+// so; the state is step 1's, and a restart restores it through step 2 from the record kept.
+TEST_F(DurableDeviceSessionTest, ARecordThatCannotBeWithdrawnBreaksTheSession) {
+  ASSERT_OK(Step(1));
+  const auto before = ParametersOf(*session_);
+  failing_->fail_copies_in = true;
+  env_.FailRename("journal.log");
+  EXPECT_THAT(Step(2), StatusIs(absl::StatusCode::kResourceExhausted, "injected"));
+  failing_->fail_copies_in = false;
+  EXPECT_THAT(Step(2), StatusIs(absl::StatusCode::kFailedPrecondition,
+                                "step 2 failed before it changed the state (out of device memory (injected)), "
+                                "but its journal record could not be withdrawn"));
+  EXPECT_EQ(session_->last_step(), 1);
+  EXPECT_EQ(ParametersOf(*session_), before);
+  ASSERT_OK(RunStep(*reference_, Request(2), Gradients(2)).status());
+  ExpectRestoreHoldsEveryAcknowledgedStep();  // step 2, from its record
 }
 
 // Two ranks in lock-step: whichever arrives last applies their mean (or, for a sharded session's
