@@ -373,19 +373,27 @@ absl::Status Session::BrokenLocked() const {
 
 void Session::BreakLocked(int64_t step, const absl::Status& why, bool journaled, const absl::Status& not_withdrawn) {
   // Either the state is half a step, or it is step - 1's but the journal may hold step `step`, which a
-  // restart would apply (a resend would be recorded twice).
-  const std::string what = not_withdrawn.ok()
-                               ? absl::StrCat("failed after it began changing the state (", why.message(),
-                                              "), which is now neither step ", step - 1, "'s nor step ", step, "'s")
-                               : absl::StrCat("failed before it changed the state (", why.message(),
+  // restart would apply (a resend would be recorded twice). A withdrawal that failed after its rename
+  // (syncing the folder, reopening the file) may have removed the record: a restart then restores
+  // step - 1.
+  const bool withdrawal_failed = !not_withdrawn.ok();
+  const std::string what = withdrawal_failed
+                               ? absl::StrCat("failed before it changed the state (", why.message(),
                                               "), but its journal record could not be withdrawn (",
-                                              not_withdrawn.message(), "), so a restart of the daemon would apply it");
-  broken_ = absl::StrCat(
-      "session '", id_, "': step ", step, " ", what,
-      ": no step is applied and no state read until SetState (load_state_dict) puts a saved state in place, ",
-      journaled ? absl::StrCat("or a restart of the daemon restores it through step ", step, " from its journal, ")
-                : std::string(),
-      "or the session is closed");
+                                              not_withdrawn.message(), "), so a restart of the daemon may apply it")
+                               : absl::StrCat("failed after it began changing the state (", why.message(),
+                                              "), which is now neither step ", step - 1, "'s nor step ", step, "'s");
+  std::string restart;
+  if (withdrawal_failed) {
+    restart = absl::StrCat("or a restart of the daemon restores it from its journal (through step ", step, ", or step ",
+                           step - 1, " should the record be gone), ");
+  } else if (journaled) {
+    restart = absl::StrCat("or a restart of the daemon restores it through step ", step, " from its journal, ");
+  }
+  broken_ = absl::StrCat("session '", id_, "': step ", step, " ", what,
+                         ": no step is applied and no state read until SetState (load_state_dict) puts a saved state "
+                         "in place, ",
+                         restart, "or the session is closed");
   MUOND_EVENT(error, "session_broken", id_, step, "{}", broken_);
 }
 

@@ -338,10 +338,54 @@ TEST_F(DurableDeviceSessionTest, ARecordThatCannotBeWithdrawnBreaksTheSession) {
   EXPECT_THAT(Step(2), StatusIs(absl::StatusCode::kFailedPrecondition,
                                 "step 2 failed before it changed the state (out of device memory (injected)), "
                                 "but its journal record could not be withdrawn"));
+  EXPECT_THAT(session_->Checkpoint(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, "(through step 2, or step 1 should the record be gone)"));
   EXPECT_EQ(session_->last_step(), 1);
   EXPECT_EQ(ParametersOf(*session_), before);
   ASSERT_OK(RunStep(*reference_, Request(2), Gradients(2)).status());
   ExpectRestoreHoldsEveryAcknowledgedStep();  // step 2, from its record
+}
+
+// Two ranks in lock-step: the last to arrive journals their mean, and its copy to the device fails.
+// Both ranks are refused with that reason (RESOURCE_EXHAUSTED, not "aborted" or broken), the record is
+// withdrawn, the step goes through when both send it again, and a restart finds steps 1 to 3 each
+// applied once: the state the session had before the restart.
+TEST_F(DurableDeviceSessionTest, AGatheredStepThatFailsBeforeTheMastersChangeIsWithdrawnForEveryRank) {
+  ASSERT_OK_AND_ASSIGN(CreateResult created, registry_->CreateOrAttach("g", rpc::SpecToJson(SmallSpec(2))));
+  std::shared_ptr<Session> two = created.session;
+  ASSERT_OK(two->Upload(InitialParameters()));
+  auto both_ranks = [&](int step) {
+    std::vector<absl::Status> answers(2);
+    std::vector<std::thread> ranks;
+    for (int rank = 0; rank < 2; ++rank) {
+      ranks.emplace_back([&, rank] {
+        StepRequest request = Request(step, rank);
+        request.session_id = "g";
+        answers[rank] = RunStep(*two, request, Gradients(step + rank)).status();
+      });
+    }
+    for (std::thread& t : ranks) t.join();
+    return answers;
+  };
+  for (const absl::Status& answer : both_ranks(1)) ASSERT_OK(answer);
+  const auto after_one = ParametersOf(*two);
+  failing_->fail_copies_in = true;
+  for (const absl::Status& answer : both_ranks(2)) {
+    EXPECT_THAT(answer, StatusIs(absl::StatusCode::kResourceExhausted, "injected"));
+  }
+  failing_->fail_copies_in = false;
+  EXPECT_EQ(two->last_step(), 1);
+  EXPECT_EQ(ParametersOf(*two), after_one);
+  for (const absl::Status& answer : both_ranks(2)) ASSERT_OK(answer) << "the refusal broke the session";
+  for (const absl::Status& answer : both_ranks(3)) ASSERT_OK(answer);
+  const auto after_three = ParametersOf(*two);
+  two.reset();
+  created.session.reset();
+  session_.reset();
+  ASSERT_OK(Open(durability::Env::Default()).status());  // a restart
+  ASSERT_OK_AND_ASSIGN(CreateResult restored, registry_->CreateOrAttach("g", rpc::SpecToJson(SmallSpec(2))));
+  EXPECT_EQ(restored.session->last_step(), 3);
+  EXPECT_EQ(ParametersOf(*restored.session), after_three);
 }
 
 // Two ranks in lock-step: whichever arrives last applies their mean (or, for a sharded session's
