@@ -69,6 +69,9 @@ class Metrics {
   virtual void JournalAppended(absl::Duration latency, bool ok) = 0;
   // A session's checkpoint was written (ok), or writing it failed.
   virtual void CheckpointWritten(absl::Duration latency, bool ok) = 0;
+  // A journaled step failed before it changed the state and its record was withdrawn (ok), or the
+  // withdrawal failed (the session is broken). Not pure: most implementations have nothing to do.
+  virtual void JournalRecordWithdrawn(bool ok) {}
   // At start-up, a session folder that could not be restored was moved into the state directory's
   // quarantine. Not pure: most implementations have nothing to do with it.
   virtual void SessionQuarantined() {}

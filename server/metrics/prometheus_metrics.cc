@@ -128,6 +128,11 @@ void PrometheusMetrics::JournalAppended(absl::Duration latency, bool ok) {
   recorded_.journal.Record(latency, ok);
 }
 
+void PrometheusMetrics::JournalRecordWithdrawn(bool ok) {
+  absl::MutexLock lock(&mu_);
+  ++(ok ? recorded_.journal_withdrawals : recorded_.journal_withdrawal_failures);
+}
+
 void PrometheusMetrics::CheckpointWritten(absl::Duration latency, bool ok) {
   absl::MutexLock lock(&mu_);
   recorded_.checkpoint.Record(latency, ok);
@@ -232,6 +237,12 @@ std::string PrometheusMetrics::Render() const {
   r.journal.latency.Render("muond_journal_append_duration_seconds", "", &out);
   Family(&out, "muond_journal_append_failures_total", "counter", "Journal appends that failed (the step was refused).");
   Sample(&out, "muond_journal_append_failures_total", "", static_cast<double>(r.journal.failures));
+  Family(&out, "muond_journal_withdrawals_total", "counter",
+         "Journal records withdrawn: their steps failed before they changed the state (the step was refused).");
+  Sample(&out, "muond_journal_withdrawals_total", "", static_cast<double>(r.journal_withdrawals));
+  Family(&out, "muond_journal_withdrawal_failures_total", "counter",
+         "Journal records that could not be withdrawn (the session was broken).");
+  Sample(&out, "muond_journal_withdrawal_failures_total", "", static_cast<double>(r.journal_withdrawal_failures));
   Family(&out, "muond_checkpoint_duration_seconds", "histogram",
          "Time to write a session's checkpoint (files written, fsynced and renamed into place).");
   r.checkpoint.latency.Render("muond_checkpoint_duration_seconds", "", &out);

@@ -65,6 +65,7 @@ class PrometheusMetrics final : public Metrics {
   void StepAnswered(const StepReport& report) override;
   void SessionsHeld(int sessions, int64_t bytes) override;
   void JournalAppended(absl::Duration latency, bool ok) override;
+  void JournalRecordWithdrawn(bool ok) override;
   void CheckpointWritten(absl::Duration latency, bool ok) override;
   void SessionQuarantined() override;
   void SessionOpened(std::string_view session, uint64_t serial) override;
@@ -118,6 +119,8 @@ class PrometheusMetrics final : public Metrics {
     int64_t state_bytes = 0;
     DiskWrites journal;
     DiskWrites checkpoint;
+    uint64_t journal_withdrawals = 0;          // records withdrawn
+    uint64_t journal_withdrawal_failures = 0;  // withdrawals that failed
     uint64_t quarantined_sessions = 0;
     GroupSeries groups;
   };

@@ -182,6 +182,7 @@ absl::Status FilePersistence::RecordStep(const StepRequest& request, const std::
 
 absl::Status FilePersistence::WithdrawStep() {
   absl::Status withdrawn = files_->WithdrawStep();
+  if (records_gradients()) metrics_->JournalRecordWithdrawn(withdrawn.ok());
   if (!withdrawn.ok()) return withdrawn;
   journaled_bytes_ -= last_recorded_bytes_;
   last_recorded_bytes_ = 0;

@@ -166,6 +166,9 @@ TEST(PrometheusMetricsTest, CallsSessionsAndDurableWrites) {
   metrics.SessionsHeld(3, 4096);
   metrics.JournalAppended(absl::Microseconds(700), true);
   metrics.JournalAppended(absl::Microseconds(700), false);
+  metrics.JournalRecordWithdrawn(true);
+  metrics.JournalRecordWithdrawn(true);
+  metrics.JournalRecordWithdrawn(false);
   metrics.CheckpointWritten(absl::Milliseconds(20), true);
   metrics.CheckpointWritten(absl::Milliseconds(20), false);
   metrics.SessionQuarantined();
@@ -183,6 +186,8 @@ TEST(PrometheusMetricsTest, CallsSessionsAndDurableWrites) {
   EXPECT_EQ(s.at(R"(muond_journal_append_duration_seconds_bucket{le="0.001"})"), 1);
   EXPECT_EQ(s.at(R"(muond_journal_append_duration_seconds_bucket{le="0.0005"})"), 0);
   EXPECT_EQ(s.at("muond_journal_append_failures_total"), 1);
+  EXPECT_EQ(s.at("muond_journal_withdrawals_total"), 2);
+  EXPECT_EQ(s.at("muond_journal_withdrawal_failures_total"), 1);
   EXPECT_EQ(s.at("muond_checkpoint_duration_seconds_count"), 1);
   EXPECT_EQ(s.at("muond_checkpoint_failures_total"), 1);
   EXPECT_EQ(s.at("muond_quarantined_sessions_total"), 2);

@@ -50,6 +50,20 @@ class FailsWhenSet final : public ::muond::testing::ForwardingBackend {
   std::atomic<bool> fail_copies_in{false};
 };
 
+// Counts journal withdrawals; every other report is dropped.
+class WithdrawalCounter final : public metrics::Metrics {
+ public:
+  void CallEnded(std::string_view, absl::StatusCode, absl::Duration) override {}
+  void CallStarted(std::string_view) override {}
+  void StepAnswered(const metrics::StepReport&) override {}
+  void SessionsHeld(int, int64_t) override {}
+  void JournalAppended(absl::Duration, bool) override {}
+  void CheckpointWritten(absl::Duration, bool) override {}
+  void JournalRecordWithdrawn(bool ok) override { ++(ok ? withdrawn : failed); }
+  std::atomic<int> withdrawn{0};
+  std::atomic<int> failed{0};
+};
+
 class DurableSessionTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -74,7 +88,7 @@ class DurableSessionTest : public ::testing::Test {
     options.durability = durability::Durability::kJournal;
     options.backend_name = "cpu";
     options.env = env;
-    registry_ = std::make_unique<SessionRegistry>(failing_.get(), &codec_, SpecLimits{}, 4);
+    registry_ = std::make_unique<SessionRegistry>(failing_.get(), &codec_, SpecLimits{}, 4, MemoryLimits{}, &metrics_);
     absl::Status restored = registry_->EnablePersistence(options);
     if (!restored.ok()) return restored;
     absl::StatusOr<CreateResult> created = registry_->CreateOrAttach("s", rpc::SpecToJson(SmallSpec()));
@@ -124,6 +138,7 @@ class DurableSessionTest : public ::testing::Test {
   rpc::ProtoSpecCodec codec_;
   std::unique_ptr<kernels::Backend> backend_;
   std::unique_ptr<FailsWhenSet> failing_;  // the sessions' backend
+  WithdrawalCounter metrics_;              // the registries' (outlives them: declared before)
   std::unique_ptr<SessionRegistry> registry_;
   std::shared_ptr<Session> session_;
   std::unique_ptr<Session> reference_;
@@ -322,6 +337,8 @@ TEST_F(DurableDeviceSessionTest, AStepThatFailsBeforeTheMastersChangeIsWithdrawn
   EXPECT_EQ(ParametersOf(*session_), before);
   ASSERT_OK(Step(2)) << "the refused step broke the session";
   ASSERT_OK(Step(3));
+  EXPECT_EQ(metrics_.withdrawn, 1);
+  EXPECT_EQ(metrics_.failed, 0);
   ExpectRestoreHoldsEveryAcknowledgedStep();  // the journal holds step 2 once
 }
 
@@ -342,6 +359,8 @@ TEST_F(DurableDeviceSessionTest, ARecordThatCannotBeWithdrawnBreaksTheSession) {
               StatusIs(absl::StatusCode::kFailedPrecondition, "(through step 2, or step 1 should the record be gone)"));
   EXPECT_EQ(session_->last_step(), 1);
   EXPECT_EQ(ParametersOf(*session_), before);
+  EXPECT_EQ(metrics_.withdrawn, 0);
+  EXPECT_EQ(metrics_.failed, 1);
   ASSERT_OK(RunStep(*reference_, Request(2), Gradients(2)).status());
   ExpectRestoreHoldsEveryAcknowledgedStep();  // step 2, from its record
 }
