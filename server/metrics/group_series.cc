@@ -8,8 +8,18 @@
 
 namespace muond::metrics {
 
-void GroupSeries::Open(std::string_view session, uint64_t serial) {
-  sessions_.insert_or_assign(std::string(session), OpenSession{serial, {}});
+void GroupSeries::Open(std::string_view session, uint64_t serial, const std::vector<GroupFigures>& last_groups) {
+  sessions_.insert_or_assign(std::string(session), OpenSession{serial, LatestOf(last_groups)});
+}
+
+std::vector<GroupSeries::Latest> GroupSeries::LatestOf(const std::vector<GroupFigures>& groups) {
+  std::vector<Latest> latest;
+  for (const GroupFigures& g : groups) {
+    if (latest.size() == kMaxGroupsPerSession) break;
+    latest.push_back({std::string(g.group), g.grad_norm, g.clip_coefficient, g.update_rms, g.update_ratio,
+                      g.momentum_norm, g.residual, g.stale_parameters, g.heloco});
+  }
+  return latest;
 }
 
 void GroupSeries::Record(const StepReport& report) {
@@ -20,13 +30,7 @@ void GroupSeries::Record(const StepReport& report) {
   if (report.groups.empty()) return;
   const auto it = sessions_.find(report.session);
   if (it == sessions_.end() || it->second.serial != report.session_serial) return;  // closed (or never opened)
-  std::vector<Latest> latest;
-  for (const GroupFigures& g : report.groups) {
-    if (latest.size() == kMaxGroupsPerSession) break;
-    latest.push_back({std::string(g.group), g.grad_norm, g.clip_coefficient, g.update_rms, g.update_ratio,
-                      g.momentum_norm, g.residual, g.stale_parameters, g.heloco});
-  }
-  it->second.groups = std::move(latest);
+  it->second.groups = LatestOf(report.groups);
 }
 
 void GroupSeries::Drop(std::string_view session) {

@@ -27,7 +27,8 @@ class GroupSeries {
   static constexpr std::array<std::string_view, 4> kWarningKinds = {"clip_stall", "momentum_below_eps",
                                                                     "parameter_stale", "residual_high"};
 
-  void Open(std::string_view session, uint64_t serial);
+  // A session opened, with its last step's figures where a restore has them (Metrics::SessionOpened).
+  void Open(std::string_view session, uint64_t serial, const std::vector<GroupFigures>& last_groups);
   void Record(const StepReport& report);
   void Drop(std::string_view session);
   void Render(std::string* out) const;
@@ -40,11 +41,13 @@ class GroupSeries {
     int64_t stale_parameters = 0;
     std::optional<std::array<int64_t, 3>> heloco;
   };
+  static std::vector<Latest> LatestOf(const std::vector<GroupFigures>& groups);
+
   struct OpenSession {
     uint64_t serial = 0;  // Session::serial: a step of a closed session of the same id is not its
     std::vector<Latest> groups;
   };
-  // By session id, every open session (no series until its first step).
+  // By session id, every open session (no series until its first step, or a restore's replayed one).
   std::map<std::string, OpenSession, std::less<>> sessions_;
   std::array<uint64_t, kWarningKinds.size()> warnings_ = {};
 };

@@ -76,8 +76,9 @@ class Metrics {
   // quarantine. Not pure: most implementations have nothing to do with it.
   virtual void SessionQuarantined() {}
   // A session was created or restored (`serial`: Session::serial): steps of it may report about it
-  // from now on. Not pure either.
-  virtual void SessionOpened(std::string_view session, uint64_t serial) {}
+  // from now on. `last_groups`: the figures of its last applied step where a restore replayed it from
+  // the journal (shown until its next step), empty otherwise. Not pure either.
+  virtual void SessionOpened(std::string_view session, uint64_t serial, const std::vector<GroupFigures>& last_groups) {}
   // A session was closed: what was reported about it alone goes, and a step answered after this (a
   // call that held the session) adds nothing about it. Not pure either.
   virtual void SessionClosed(std::string_view session) {}

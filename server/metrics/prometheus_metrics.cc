@@ -107,9 +107,10 @@ void PrometheusMetrics::StepAnswered(const StepReport& report) {
   recorded_.groups.Record(report);
 }
 
-void PrometheusMetrics::SessionOpened(std::string_view session, uint64_t serial) {
+void PrometheusMetrics::SessionOpened(std::string_view session, uint64_t serial,
+                                      const std::vector<GroupFigures>& last_groups) {
   absl::MutexLock lock(&mu_);
-  recorded_.groups.Open(session, serial);
+  recorded_.groups.Open(session, serial, last_groups);
 }
 
 void PrometheusMetrics::SessionClosed(std::string_view session) {

@@ -68,7 +68,7 @@ class PrometheusMetrics final : public Metrics {
   void JournalRecordWithdrawn(bool ok) override;
   void CheckpointWritten(absl::Duration latency, bool ok) override;
   void SessionQuarantined() override;
-  void SessionOpened(std::string_view session, uint64_t serial) override;
+  void SessionOpened(std::string_view session, uint64_t serial, const std::vector<GroupFigures>& last_groups) override;
   void SessionClosed(std::string_view session) override;
 
   // Every family in the text exposition format, ending with a newline.

@@ -9,6 +9,19 @@
 #include "kernels/optim/options.h"
 
 namespace muond::session {
+
+std::vector<metrics::GroupFigures> GroupFiguresOf(const std::vector<StepResult::GroupClip>& clips,
+                                                  const std::vector<StepResult::GroupTelemetry>& telemetry) {
+  std::vector<metrics::GroupFigures> figures;
+  for (size_t g = 0; g < telemetry.size() && g < clips.size(); ++g) {
+    const StepResult::GroupTelemetry& t = telemetry[g];
+    std::optional<std::array<int64_t, 3>> heloco;
+    if (t.heloco.has_value()) heloco = std::array<int64_t, 3>{t.heloco->kept, t.heloco->reoriented, t.heloco->shrunk};
+    figures.push_back({t.group, clips[g].grad_norm, clips[g].coefficient, t.update_rms, t.update_ratio, t.momentum_norm,
+                       t.residual, t.stale_parameters, heloco});
+  }
+  return figures;
+}
 namespace {
 
 void Raise(std::string_view kind, const std::string& group, std::string detail, StepResult::GroupTelemetry& out,

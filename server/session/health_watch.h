@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "kernels/optim/step_telemetry.h"
+#include "server/metrics/metrics.h"
 #include "server/session/session_config.h"
 #include "server/session/step_plan.h"
 #include "server/session/step_types.h"
@@ -31,6 +32,11 @@ namespace muond::session {
 // The kinds of health warning, as the step answer, the log events and the metric name them.
 inline constexpr std::array<std::string_view, 4> kHealthWarningKinds = {"clip_stall", "momentum_below_eps",
                                                                         "parameter_stale", "residual_high"};
+
+// A step's groups as the metrics report them (muond_group_*): each group's clipping and telemetry,
+// in spec order. Views into `clips` and `telemetry`, which must outlive the result.
+std::vector<metrics::GroupFigures> GroupFiguresOf(const std::vector<StepResult::GroupClip>& clips,
+                                                  const std::vector<StepResult::GroupTelemetry>& telemetry);
 
 class HealthWatch {
  public:

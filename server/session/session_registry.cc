@@ -101,7 +101,7 @@ absl::StatusOr<CreateResult> SessionRegistry::CreateOrAttach(const std::string& 
   sessions_.emplace(id, shared);
   if (!create_token.empty()) create_tokens_[id] = create_token;
   ReportLocked();
-  metrics_->SessionOpened(id, shared->serial());
+  metrics_->SessionOpened(id, shared->serial(), {});
   const SessionConfig& made = shared->config();
   MUOND_EVENT(info, "session_created", id, 0, "session {} created: {} tensors, {} parameters, {} groups", id,
               made.parameters.size(), made.total_elements, made.groups.size());
@@ -222,7 +222,10 @@ absl::Status SessionRegistry::EnablePersistence(const durability::StateDirOption
   absl::MutexLock lock(&mu_);
   persistence_ = options;
   for (std::shared_ptr<Session>& session : restored) {
-    metrics_->SessionOpened(session->id(), session->serial());
+    // A journal replay measured its last step: its figures show until the next one, as they do in
+    // the session's summary.
+    const HealthWatch::Latest health = session->LatestHealth();
+    metrics_->SessionOpened(session->id(), session->serial(), GroupFiguresOf(health.clips, health.telemetry));
     const std::string id = session->id();
     sessions_.emplace(id, std::move(session));
   }

@@ -1,8 +1,6 @@
 #include "server/transport/step_transport.h"
 
-#include <array>
 #include <chrono>
-#include <optional>
 
 #include "common/logging.h"
 #include "common/status_macros.h"
@@ -15,13 +13,7 @@ namespace {
 // of its kind (docs/operations.md, Warnings) and into `report`. Once a step: not for a replay, nor
 // for the answers to its other ranks.
 void ReportHealth(const std::string& session, const session::StepResult& result, metrics::StepReport& report) {
-  for (size_t g = 0; g < result.group_telemetry.size() && g < result.group_clips.size(); ++g) {
-    const session::StepResult::GroupTelemetry& t = result.group_telemetry[g];
-    std::optional<std::array<int64_t, 3>> heloco;
-    if (t.heloco.has_value()) heloco = std::array<int64_t, 3>{t.heloco->kept, t.heloco->reoriented, t.heloco->shrunk};
-    report.groups.push_back({t.group, result.group_clips[g].grad_norm, result.group_clips[g].coefficient, t.update_rms,
-                             t.update_ratio, t.momentum_norm, t.residual, t.stale_parameters, heloco});
-  }
+  report.groups = session::GroupFiguresOf(result.group_clips, result.group_telemetry);
   for (const session::StepResult::HealthWarning& warning : result.warnings) {
     MUOND_EVENT(warn, warning.kind, session, result.step, "session {} step {} group '{}': {}: {}", session, result.step,
                 warning.group, warning.kind, warning.detail);

@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "tests/integration/daemon_fixture.h"
+#include "tests/integration/metrics_scrape.h"
 #include "tests/testing/status_matchers.h"
 
 namespace muond::testing {
@@ -189,6 +190,41 @@ TEST(DurabilityTest, JournalModeKeepsEveryAcknowledgedStepAcrossKill9) {
   ASSERT_OK_AND_ASSIGN(client::StepReply retried, attached->Step(5, trainer.Gradients(5)));
   EXPECT_TRUE(retried.replayed);
   EXPECT_EQ(retried.parameters, after_5);
+}
+
+// A session restored by replaying its journal shows its last step's group figures on /metrics from
+// the start, as its summary does (the replay measured that step), not only after its next step.
+TEST(DurabilityTest, ARestoredSessionShowsItsLastStepsGroupFigures) {
+  DurableDaemon daemon({"--durability", "journal", "--metrics-listen", "127.0.0.1:0"});
+  std::string error;
+  ASSERT_TRUE(daemon.Start(&error)) << error;
+  auto client = daemon.Connect();
+  Trainer trainer;
+  auto session = UploadedSession(*client, "figures", &trainer);
+  ASSERT_NE(session, nullptr);
+  client::StepReply last;
+  for (int step = 1; step <= 3; ++step) {
+    ASSERT_OK_AND_ASSIGN(last, session->Step(step, trainer.Gradients(step)));
+    trainer.params = last.parameters;
+  }
+  daemon.process().Kill();
+  ASSERT_TRUE(daemon.Restart(&error)) << error;
+  client = daemon.Connect();
+  ASSERT_OK_AND_ASSIGN(v1::ServerInfo info, client->GetServerInfo());
+  const std::string text = ScrapeMetrics(info.metrics_address());
+  for (const std::string group : {"matrices", "vectors"}) {
+    SCOPED_TRACE(group);
+    const std::string labels = "session=\"figures\",group=\"" + group + "\"";
+    const v1::GroupTelemetry& telemetry = last.group_telemetry.at(group);
+    EXPECT_EQ(SumOfSamples(text, "muond_group_grad_norm", labels), last.group_clips.at(group).grad_norm);
+    EXPECT_EQ(SumOfSamples(text, "muond_group_clip_coefficient", labels), last.group_clips.at(group).coefficient);
+    EXPECT_EQ(SumOfSamples(text, "muond_group_update_rms", labels), telemetry.update_rms());
+    EXPECT_EQ(SumOfSamples(text, "muond_group_update_ratio", labels), telemetry.update_ratio());
+  }
+  EXPECT_LE(SumOfSamples(text, "muond_steps_total", ""), 0) << "the restore answered no step";
+  ASSERT_OK_AND_ASSIGN(std::vector<v1::SessionSummary> sessions, client->ListSessions());
+  ASSERT_EQ(sessions.size(), 1u);
+  EXPECT_EQ(sessions[0].telemetry_step(), 3);
 }
 
 // Starts the daemon over a damaged state directory and expects a refusal naming `file`.

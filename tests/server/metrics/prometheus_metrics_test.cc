@@ -208,7 +208,7 @@ TEST(PrometheusMetricsTest, GroupSeriesFollowTheSessionsOpen) {
   const std::string series = R"(muond_group_grad_norm{session="s",group="matrices"})";
   metrics.StepAnswered(report);
   EXPECT_FALSE(Samples(metrics.Render()).contains(series)) << "a session never opened";
-  metrics.SessionOpened("s", 7);
+  metrics.SessionOpened("s", 7, {});
   EXPECT_FALSE(Samples(metrics.Render()).contains(series)) << "no step yet";
   metrics.StepAnswered(report);
   EXPECT_EQ(Samples(metrics.Render()).at(series), 2.5);
@@ -216,7 +216,7 @@ TEST(PrometheusMetricsTest, GroupSeriesFollowTheSessionsOpen) {
   EXPECT_FALSE(Samples(metrics.Render()).contains(series));
   metrics.StepAnswered(report);
   EXPECT_FALSE(Samples(metrics.Render()).contains(series)) << "a step answered after the close";
-  metrics.SessionOpened("s", 8);  // a new session of the same id
+  metrics.SessionOpened("s", 8, {});  // a new session of the same id
   metrics.StepAnswered(report);
   EXPECT_FALSE(Samples(metrics.Render()).contains(series)) << "the closed one's step on the new one";
   report.session_serial = 8;
@@ -224,6 +224,37 @@ TEST(PrometheusMetricsTest, GroupSeriesFollowTheSessionsOpen) {
   EXPECT_EQ(Samples(metrics.Render()).at(series), 2.5);
   EXPECT_EQ(Samples(metrics.Render()).at(R"(muond_steps_total{outcome="applied",transport="grpc"})"), 5)
       << "the step itself still counts";
+}
+
+// A session restored with its last step's figures (a journal replay measured it) shows them from
+// the start, before any step of the restored daemon; the next step replaces them.
+TEST(PrometheusMetricsTest, ARestoredSessionShowsItsLastStepsFigures) {
+  PrometheusMetrics metrics(Options());
+  GroupFigures replayed;
+  replayed.group = "matrices";
+  replayed.grad_norm = 1.5;
+  replayed.update_rms = 0.25;
+  replayed.heloco = std::array<int64_t, 3>{3, 2, 1};
+  metrics.SessionOpened("s", 3, {replayed});
+  const std::map<std::string, double> restored = Samples(metrics.Render());
+  EXPECT_EQ(restored.at(R"(muond_group_grad_norm{session="s",group="matrices"})"), 1.5);
+  EXPECT_EQ(restored.at(R"(muond_group_update_rms{session="s",group="matrices"})"), 0.25);
+  EXPECT_EQ(restored.at(R"(muond_group_heloco_parameters{session="s",group="matrices",case="reoriented"})"), 2);
+  EXPECT_FALSE(restored.contains(R"(muond_group_orthogonality_residual{session="s",group="matrices"})"))
+      << "not measured";
+  const auto applied = restored.find(R"(muond_steps_total{outcome="applied",transport="grpc"})");
+  EXPECT_TRUE(applied == restored.end() || applied->second == 0) << "a restore answers no step";
+  StepReport next;
+  next.session = "s";
+  next.session_serial = 3;
+  GroupFigures figures;
+  figures.group = "matrices";
+  figures.grad_norm = 4;
+  next.groups = {figures};
+  metrics.StepAnswered(next);
+  const std::map<std::string, double> stepped = Samples(metrics.Render());
+  EXPECT_EQ(stepped.at(R"(muond_group_grad_norm{session="s",group="matrices"})"), 4);
+  EXPECT_FALSE(stepped.contains(R"(muond_group_update_rms{session="s",group="matrices"})"));
 }
 
 TEST(PrometheusMetricsTest, LabelValuesAreEscaped) {
