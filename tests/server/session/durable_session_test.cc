@@ -64,6 +64,17 @@ class WithdrawalCounter final : public metrics::Metrics {
   std::atomic<int> failed{0};
 };
 
+// `spec` as the first of two shards, holding two of the session's three parameters.
+v1::SessionSpec OneOfTwoShards(v1::SessionSpec spec) {
+  v1::ShardPlacement* shard = spec.mutable_shard();
+  shard->add_endpoints("a:1");
+  shard->add_endpoints("b:2");
+  shard->set_num_parameters(3);
+  shard->add_parameters(0);
+  shard->add_parameters(1);
+  return spec;
+}
+
 class DurableSessionTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -130,6 +141,17 @@ class DurableSessionTest : public ::testing::Test {
     ASSERT_OK_AND_ASSIGN(SessionState want, reference_->ExportState());
     ASSERT_EQ(got.tensors.size(), want.tensors.size());
     for (size_t i = 0; i < got.tensors.size(); ++i) EXPECT_EQ(got.tensors[i].values, want.tensors[i].values);
+  }
+
+  // Restarts on the real Env (the caller has let go of its sessions) and checks that session `id`
+  // of `spec` comes back at `step` with `parameters`.
+  void ExpectRestartRestores(const std::string& id, const v1::SessionSpec& spec, int64_t step,
+                             const std::vector<std::vector<float>>& parameters) {
+    session_.reset();
+    ASSERT_OK(Open(durability::Env::Default()).status());
+    ASSERT_OK_AND_ASSIGN(CreateResult restored, registry_->CreateOrAttach(id, rpc::SpecToJson(spec)));
+    EXPECT_EQ(restored.session->last_step(), step);
+    EXPECT_EQ(ParametersOf(*restored.session), parameters);
   }
 
   bool host_addressable_ = true;  // false: the step paths of a device's memory (a GPU's)
@@ -365,6 +387,32 @@ TEST_F(DurableDeviceSessionTest, ARecordThatCannotBeWithdrawnBreaksTheSession) {
   ExpectRestoreHoldsEveryAcknowledgedStep();  // step 2, from its record
 }
 
+// The same, and the withdrawal fails after its rename put the journal without the record in place
+// (the folder's fsync fails): whether the rename reached the disk is not known, so the session is
+// broken as above; here it did, and a restart restores step 1, the state the session held, so the
+// resend is applied then.
+TEST_F(DurableDeviceSessionTest, AWithdrawalThatFailsAfterItsRenameBreaksTheSessionAndARestartHoldsTheStepBefore) {
+  ASSERT_OK(Step(1));
+  const auto before = ParametersOf(*session_);
+  failing_->fail_copies_in = true;
+  // The folder's syncs and its files': the record's own fsync, the rewritten journal's, then the
+  // folder's after the rename.
+  env_.FailSync(dir_ + "/s", /*after_syncs=*/2);
+  EXPECT_THAT(Step(2), StatusIs(absl::StatusCode::kResourceExhausted, "injected"));
+  failing_->fail_copies_in = false;
+  EXPECT_EQ(env_.faults_triggered(), 1);
+  EXPECT_THAT(Step(2), StatusIs(absl::StatusCode::kFailedPrecondition, "its journal record could not be withdrawn"));
+  EXPECT_THAT(session_->Checkpoint(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, "(through step 2, or step 1 should the record be gone)"));
+  EXPECT_EQ(ParametersOf(*session_), before);
+  EXPECT_EQ(metrics_.failed, 1);
+  ExpectRestoreHoldsEveryAcknowledgedStep();  // step 1: the record is gone
+  ASSERT_OK_AND_ASSIGN(std::shared_ptr<Session> restored, registry_->Find("s"));
+  ASSERT_OK(RunStep(*restored, Request(2), Gradients(2)).status());
+  ASSERT_OK(RunStep(*reference_, Request(2), Gradients(2)).status());
+  EXPECT_EQ(ParametersOf(*restored), ParametersOf(*reference_));
+}
+
 // Two ranks in lock-step: the last to arrive journals their mean, and its copy to the device fails.
 // Both ranks are refused with that reason (RESOURCE_EXHAUSTED, not "aborted" or broken), the record is
 // withdrawn, the step goes through when both send it again, and a restart finds steps 1 to 3 each
@@ -400,11 +448,80 @@ TEST_F(DurableDeviceSessionTest, AGatheredStepThatFailsBeforeTheMastersChangeIsW
   const auto after_three = ParametersOf(*two);
   two.reset();
   created.session.reset();
-  session_.reset();
-  ASSERT_OK(Open(durability::Env::Default()).status());  // a restart
-  ASSERT_OK_AND_ASSIGN(CreateResult restored, registry_->CreateOrAttach("g", rpc::SpecToJson(SmallSpec(2))));
-  EXPECT_EQ(restored.session->last_step(), 3);
-  EXPECT_EQ(ParametersOf(*restored.session), after_three);
+  ExpectRestartRestores("g", SmallSpec(2), 3, after_three);
+}
+
+// An asynchronous session: rank 1's first push is journaled as global step 2 and its copy to the
+// device fails. The record is withdrawn and the push refused alone, so push 1 is still rank 1's next
+// one: sent again it is applied (not answered as a resend of a push taken), and a restart finds
+// global steps 1 to 3 each applied once.
+TEST_F(DurableDeviceSessionTest, AnAsyncPushThatFailsBeforeTheMastersChangeIsWithdrawnAndStillToBeTaken) {
+  v1::SessionSpec spec = SmallSpec(2);
+  spec.mutable_sync()->set_mode(v1::SYNC_MODE_ASYNC);
+  spec.mutable_sync()->set_max_staleness(4);
+  ASSERT_OK_AND_ASSIGN(CreateResult created, registry_->CreateOrAttach("a", rpc::SpecToJson(spec)));
+  std::shared_ptr<Session> async = created.session;
+  ASSERT_OK(async->Upload(InitialParameters()));
+  auto push = [&](int step, int rank, int64_t base_step) {
+    StepRequest request = Request(step, rank);
+    request.session_id = "a";
+    request.base_step = base_step;
+    return RunStep(*async, request, Gradients(10 * rank + step));
+  };
+  ASSERT_OK(push(1, 0, 0).status());
+  const auto after_one = ParametersOf(*async);
+  failing_->fail_copies_in = true;
+  EXPECT_THAT(push(1, 1, 0), StatusIs(absl::StatusCode::kResourceExhausted, "injected"));
+  failing_->fail_copies_in = false;
+  EXPECT_EQ(async->last_step(), 1);
+  EXPECT_EQ(ParametersOf(*async), after_one);
+  ASSERT_OK_AND_ASSIGN(StepOutcome resent, push(1, 1, 0));
+  EXPECT_FALSE(resent.result.replayed) << "the withdrawn push was taken as one already applied";
+  EXPECT_TRUE(resent.result.applied);
+  EXPECT_EQ(resent.result.global_step, 2);
+  ASSERT_OK(push(2, 0, 2).status());
+  EXPECT_EQ(async->last_step(), 3);
+  const auto after_three = ParametersOf(*async);
+  async.reset();
+  created.session.reset();
+  ExpectRestartRestores("a", spec, 3, after_three);
+  EXPECT_EQ(metrics_.withdrawn, 1);
+}
+
+// A shard's commit is journaled and its copy to the device fails: the record is withdrawn and the
+// commit refused alone; the prepared gradients are spent, so the step is prepared again (a commit
+// alone is refused, naming that), then committed, and a restart finds steps 1 and 2 each applied once.
+TEST_F(DurableDeviceSessionTest, AShardsCommitThatFailsBeforeTheMastersChangeIsWithdrawnAndPreparedAgain) {
+  const v1::SessionSpec spec = OneOfTwoShards(SmallSpec());
+  ASSERT_OK_AND_ASSIGN(CreateResult created, registry_->CreateOrAttach("c", rpc::SpecToJson(spec)));
+  std::shared_ptr<Session> sharded = created.session;
+  ASSERT_OK(sharded->Upload(InitialParameters()));
+  auto phase = [&](int step, StepPhase which) {
+    StepRequest request = Request(step);
+    request.session_id = "c";
+    request.phase = which;
+    if (which == StepPhase::kCommit) request.decision = ShardDecision{100.0, ""};  // the global norm, no clip
+    return RunStep(*sharded, request, which == StepPhase::kPrepare ? Gradients(step) : std::vector<HostTensor>());
+  };
+  ASSERT_OK(phase(1, StepPhase::kPrepare).status());
+  ASSERT_OK(phase(1, StepPhase::kCommit).status());
+  const auto after_one = ParametersOf(*sharded);
+  ASSERT_OK(phase(2, StepPhase::kPrepare).status());
+  failing_->fail_copies_in = true;
+  EXPECT_THAT(phase(2, StepPhase::kCommit), StatusIs(absl::StatusCode::kResourceExhausted, "injected"));
+  failing_->fail_copies_in = false;
+  EXPECT_EQ(sharded->last_step(), 1);
+  EXPECT_EQ(ParametersOf(*sharded), after_one);
+  EXPECT_THAT(phase(2, StepPhase::kCommit), StatusIs(absl::StatusCode::kFailedPrecondition, "prepare it again"));
+  ASSERT_OK(phase(2, StepPhase::kPrepare).status()) << "the refused commit broke the session";
+  ASSERT_OK_AND_ASSIGN(StepOutcome committed, phase(2, StepPhase::kCommit));
+  EXPECT_FALSE(committed.result.replayed);
+  EXPECT_EQ(sharded->last_step(), 2);
+  const auto after_two = ParametersOf(*sharded);
+  sharded.reset();
+  created.session.reset();
+  ExpectRestartRestores("c", spec, 2, after_two);
+  EXPECT_EQ(metrics_.withdrawn, 1);
 }
 
 // Two ranks in lock-step: whichever arrives last applies their mean (or, for a sharded session's
@@ -416,15 +533,7 @@ TEST_F(DurableSessionTest, AGatheredStepRefusedBeforeItsRecordTellsEveryRankWhy)
     const std::string id = phase == StepPhase::kWhole ? "whole" : "prepared";
     SCOPED_TRACE(id);
     failing_->fail_reads = false;
-    v1::SessionSpec spec = SmallSpec(2);
-    if (phase == StepPhase::kPrepare) {  // one of two shards, holding two of the session's three parameters
-      v1::ShardPlacement* shard = spec.mutable_shard();
-      shard->add_endpoints("a:1");
-      shard->add_endpoints("b:2");
-      shard->set_num_parameters(3);
-      shard->add_parameters(0);
-      shard->add_parameters(1);
-    }
+    const v1::SessionSpec spec = phase == StepPhase::kPrepare ? OneOfTwoShards(SmallSpec(2)) : SmallSpec(2);
     ASSERT_OK_AND_ASSIGN(CreateResult created, registry_->CreateOrAttach(id, rpc::SpecToJson(spec)));
     std::shared_ptr<Session> two = created.session;
     ASSERT_OK(two->Upload(InitialParameters()));
