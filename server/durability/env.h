@@ -50,8 +50,9 @@ class WritableFile {
   virtual absl::Status Append(absl::string_view data) = 0;
   // fdatasync-level durability: on OK the data appended so far and the file's size survive a crash.
   virtual absl::Status Sync() = 0;
-  // Empties the file, durably (ftruncate + fsync); later appends start at offset 0.
-  virtual absl::Status Truncate() = 0;
+  // Cuts the file to its first `size` bytes (at most what it holds), durably (ftruncate + fsync);
+  // later appends start at `size`. 0 empties it.
+  virtual absl::Status Truncate(uint64_t size) = 0;
   // Closes the file; later calls other than Close() and path() fail with FAILED_PRECONDITION. Closing
   // twice is OK. Close does not sync.
   virtual absl::Status Close() = 0;

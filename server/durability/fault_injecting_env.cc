@@ -25,7 +25,7 @@ class FaultInjectingEnv::FaultyWritableFile final : public WritableFile {
 
   absl::Status Append(absl::string_view data) override { return env_->Append(*base_, data); }
   absl::Status Sync() override { return env_->Sync(*base_); }
-  absl::Status Truncate() override { return env_->Truncate(*base_); }
+  absl::Status Truncate(uint64_t size) override { return env_->Truncate(*base_, size); }
   absl::Status Close() override { return base_->Close(); }
   const std::string& path() const override { return base_->path(); }
 
@@ -120,13 +120,13 @@ absl::Status FaultInjectingEnv::Sync(WritableFile& base_file) {
   return base_file.Sync();
 }
 
-absl::Status FaultInjectingEnv::Truncate(WritableFile& base_file) {
+absl::Status FaultInjectingEnv::Truncate(WritableFile& base_file, uint64_t size) {
   const std::optional<Fault> fault = Trigger(Operation::kTruncate, base_file.path());
-  if (!fault.has_value()) return base_file.Truncate();
+  if (!fault.has_value()) return base_file.Truncate(size);
   if (fault->truncate_fault == TruncateFault::kNothingTruncated) {
     return ErrnoStatus(absl::StrCat("cannot truncate ", base_file.path()), EIO);
   }
-  absl::Status truncated = base_file.Truncate();
+  absl::Status truncated = base_file.Truncate(size);
   if (!truncated.ok()) return truncated;
   return ErrnoStatus(absl::StrCat("cannot fsync ", base_file.path()), EIO);
 }

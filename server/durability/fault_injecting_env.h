@@ -38,7 +38,7 @@ enum class AppendFault {
 
 enum class TruncateFault {
   kNothingTruncated,    // the file is left as it was; INTERNAL "cannot truncate <path>: ..."
-  kTruncatedNotSynced,  // the file is emptied, then its fsync fails: INTERNAL "cannot fsync <path>: ..."
+  kTruncatedNotSynced,  // the file is cut, then its fsync fails: INTERNAL "cannot fsync <path>: ..."
 };
 
 class FaultInjectingEnv : public Env {
@@ -98,7 +98,7 @@ class FaultInjectingEnv : public Env {
 
   absl::Status Append(WritableFile& base_file, absl::string_view data);
   absl::Status Sync(WritableFile& base_file);
-  absl::Status Truncate(WritableFile& base_file);
+  absl::Status Truncate(WritableFile& base_file, uint64_t size);
 
   Env* const base_;
   mutable absl::Mutex mu_;

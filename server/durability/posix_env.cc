@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <exception>
 #include <filesystem>
+#include <limits>
 #include <memory>
 #include <string>
 #include <system_error>
@@ -128,15 +129,19 @@ class PosixWritableFile final : public WritableFile {
     return absl::OkStatus();
   }
 
-  absl::Status Truncate() override {
+  absl::Status Truncate(uint64_t size) override {
     if (fd_ < 0) return ClosedError();
+    if (size > static_cast<uint64_t>(std::numeric_limits<off_t>::max())) {
+      return PathError("cannot truncate", path_, EINVAL);
+    }
+    const auto length = static_cast<off_t>(size);
     int rc;
     do {
-      rc = ::ftruncate(fd_, 0);
+      rc = ::ftruncate(fd_, length);
     } while (rc != 0 && errno == EINTR);
     if (rc != 0) return PathError("cannot truncate", path_, errno);
     // Without O_APPEND the offset would stay at the old end and the next write would leave a hole.
-    if (::lseek(fd_, 0, SEEK_SET) < 0) return PathError("cannot seek", path_, errno);
+    if (::lseek(fd_, length, SEEK_SET) < 0) return PathError("cannot seek", path_, errno);
     do {
       rc = ::fsync(fd_);
     } while (rc != 0 && errno == EINTR);

@@ -169,17 +169,22 @@ absl::Status StepJournal::WithdrawLast() {
   }
   committed_bytes_ -= last_record_bytes_;
   last_record_bytes_ = 0;
-  // The file holds one record past committed_bytes_ now: cut off as a torn tail is.
-  file_->Close().IgnoreError();
-  file_.reset();
-  return CutTornTail();
+  // The file ends with that record: cut back in place, whatever the journal's size, and needing no
+  // room on the disk. On an error the record may still be there (or gone without the cut being
+  // durable): the next Append cuts the file back to committed_bytes_ first, as it does a torn tail.
+  absl::Status cut = file_->Truncate(committed_bytes_);
+  if (!cut.ok()) {
+    file_->Close().IgnoreError();
+    file_.reset();
+  }
+  return cut;
 }
 
 absl::Status StepJournal::Clear() {
   if (file_ == nullptr) {
     MUOND_ASSIGN_OR_RETURN(file_, env_->NewAppendableFile(path_));
   }
-  absl::Status truncated = file_->Truncate();
+  absl::Status truncated = file_->Truncate(0);
   // Called once a checkpoint holds every record, so none of them is kept either way. On an error the
   // file may be whole, empty, or empty but not durably so: the next Append rewrites it with no record
   // (CutTornTail) before it appends.

@@ -60,9 +60,9 @@ class StepJournal {
                       const std::vector<HostTensor>& gradients);
   // Removes, durably, the record the last Append wrote: its step failed before it changed any state,
   // so a restore must not apply it (and a resend of the step is recorded anew). Only right after an
-  // Append that succeeded; FAILED_PRECONDITION otherwise. The journal is rewritten without it and
-  // renamed over the old one (memory for a piece, not for the journal). On an error the record may
-  // remain in the file; the next Append cuts it off first.
+  // Append that succeeded; FAILED_PRECONDITION otherwise. The file is cut back to its records before
+  // it (ftruncate + fsync: no copy, no room on the disk). On an error the record may remain in the
+  // file; the next Append cuts it off first.
   absl::Status WithdrawLast();
   // Empties the journal durably (every record is in a checkpoint). On an error the next Append
   // empties it first.

@@ -138,7 +138,7 @@ TEST_F(EnvTest, TruncateEmptiesTheFileAndLaterAppendsStartAtZero) {
   for (WritableFile* file : {appendable.get(), writable.get()}) {
     SCOPED_TRACE(file->path());
     ASSERT_OK(file->Append("0123456789"));
-    ASSERT_OK(file->Truncate());
+    ASSERT_OK(file->Truncate(0));
     ASSERT_OK_AND_ASSIGN(std::string empty, env_->ReadFile(file->path(), kNoReadLimit));
     EXPECT_THAT(empty, IsEmpty());
     ASSERT_OK(file->Append("ab"));
@@ -148,13 +148,29 @@ TEST_F(EnvTest, TruncateEmptiesTheFileAndLaterAppendsStartAtZero) {
   }
 }
 
+TEST_F(EnvTest, TruncateToASizeKeepsTheFileUpToItAndLaterAppendsFollowIt) {
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<WritableFile> appendable, env_->NewAppendableFile(Path("appendable")));
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<WritableFile> writable, env_->NewWritableFile(Path("writable")));
+  for (WritableFile* file : {appendable.get(), writable.get()}) {
+    SCOPED_TRACE(file->path());
+    ASSERT_OK(file->Append("0123456789"));
+    ASSERT_OK(file->Truncate(4));
+    ASSERT_OK_AND_ASSIGN(std::string kept, env_->ReadFile(file->path(), kNoReadLimit));
+    EXPECT_EQ(kept, "0123");
+    ASSERT_OK(file->Append("ab"));
+    ASSERT_OK(file->Close());
+    ASSERT_OK_AND_ASSIGN(std::string after, env_->ReadFile(file->path(), kNoReadLimit));
+    EXPECT_EQ(after, "0123ab");
+  }
+}
+
 TEST_F(EnvTest, OperationsOnAClosedFileFail) {
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<WritableFile> file, env_->NewWritableFile(Path("a")));
   ASSERT_OK(file->Close());
   ASSERT_OK(file->Close());  // twice is fine
   EXPECT_THAT(file->Append("x"), StatusIs(absl::StatusCode::kFailedPrecondition, Path("a")));
   EXPECT_THAT(file->Sync(), StatusIs(absl::StatusCode::kFailedPrecondition, Path("a")));
-  EXPECT_THAT(file->Truncate(), StatusIs(absl::StatusCode::kFailedPrecondition, Path("a")));
+  EXPECT_THAT(file->Truncate(0), StatusIs(absl::StatusCode::kFailedPrecondition, Path("a")));
 }
 
 TEST_F(EnvTest, RenameReplacesTheTarget) {

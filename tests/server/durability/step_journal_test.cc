@@ -118,9 +118,10 @@ TEST_F(StepJournalTest, TheLastRecordIsWithdrawnAndTheNextFollowsTheOneBefore) {
   EXPECT_EQ(fs::file_size(path_), 0u);
 }
 
-// A withdrawal that cannot rename the rewritten journal into place leaves the record (a restore would
-// apply its step) and says so; the next append cuts it off before it writes, so no record ever follows
-// a withdrawn one. An append that failed has nothing to withdraw.
+// A withdrawal that cannot cut the journal leaves the record (a restore would apply its step) and says
+// so; the next append cuts it off before it writes, so no record ever follows a withdrawn one. One whose
+// cut is not known to be durable (its fsync failed) says so too, and the next append follows the record
+// before. An append that failed has nothing to withdraw.
 TEST_F(StepJournalTest, AWithdrawalThatFailsLeavesTheRecordUntilTheNextAppendCutsIt) {
   FaultInjectingEnv env(Env::Default());
   StepJournal journal(&env);
@@ -128,8 +129,8 @@ TEST_F(StepJournalTest, AWithdrawalThatFailsLeavesTheRecordUntilTheNextAppendCut
   ASSERT_OK(journal.Append(1, "{\"step\":1}", {Gradient({1, 2, 3, 4, 5, 6}), Gradient({7, 8})}));
   ASSERT_OK(journal.Append(1, "{\"step\":2}", {Gradient({9, 9, 9, 9, 9, 9}), Gradient({7, 8})}));
   const std::string both = Bytes();
-  env.FailRename("journal.log");
-  EXPECT_THAT(journal.WithdrawLast(), StatusIs(absl::StatusCode::kInternal, "cannot rename"));
+  env.FailTruncate("journal.log");
+  EXPECT_THAT(journal.WithdrawLast(), StatusIs(absl::StatusCode::kInternal, "cannot truncate"));
   EXPECT_EQ(Bytes(), both);
   ASSERT_OK_AND_ASSIGN(JournalContents kept, Read());
   EXPECT_EQ(kept.records.size(), 2u);
@@ -137,6 +138,12 @@ TEST_F(StepJournalTest, AWithdrawalThatFailsLeavesTheRecordUntilTheNextAppendCut
   ASSERT_OK_AND_ASSIGN(JournalContents contents, Read());
   ASSERT_EQ(contents.records.size(), 2u);
   EXPECT_EQ(contents.records[1].gradients[0].values, std::vector<float>(6, 2.0f));
+
+  const std::string two = Bytes();
+  ASSERT_OK(journal.Append(1, "{\"step\":3}", {Gradient({4, 4, 4, 4, 4, 4}), Gradient({4, 4})}));
+  env.FailTruncate("journal.log", TruncateFault::kTruncatedNotSynced);
+  EXPECT_THAT(journal.WithdrawLast(), StatusIs(absl::StatusCode::kInternal, "cannot fsync"));
+  EXPECT_EQ(Bytes(), two);
 
   env.FailAppend("journal.log", AppendFault::kNoSpace);
   EXPECT_THAT(journal.Append(1, "{\"step\":3}", {Gradient({1, 1, 1, 1, 1, 1}), Gradient({1, 1})}),

@@ -364,14 +364,14 @@ TEST_F(DurableDeviceSessionTest, AStepThatFailsBeforeTheMastersChangeIsWithdrawn
   ExpectRestoreHoldsEveryAcknowledgedStep();  // the journal holds step 2 once
 }
 
-// The same failure, and the journal cannot be rewritten without the record (its rename fails): a
+// The same failure, and the journal cannot be cut back without the record (its truncation fails): a
 // restart would apply step 2, and a resend would be journaled twice, so the session is broken, saying
 // so; the state is step 1's, and a restart restores it through step 2 from the record kept.
 TEST_F(DurableDeviceSessionTest, ARecordThatCannotBeWithdrawnBreaksTheSession) {
   ASSERT_OK(Step(1));
   const auto before = ParametersOf(*session_);
   failing_->fail_copies_in = true;
-  env_.FailRename("journal.log");
+  env_.FailTruncate("journal.log");
   EXPECT_THAT(Step(2), StatusIs(absl::StatusCode::kResourceExhausted, "injected"));
   failing_->fail_copies_in = false;
   EXPECT_THAT(Step(2), StatusIs(absl::StatusCode::kFailedPrecondition,
@@ -387,17 +387,15 @@ TEST_F(DurableDeviceSessionTest, ARecordThatCannotBeWithdrawnBreaksTheSession) {
   ExpectRestoreHoldsEveryAcknowledgedStep();  // step 2, from its record
 }
 
-// The same, and the withdrawal fails after its rename put the journal without the record in place
-// (the folder's fsync fails): whether the rename reached the disk is not known, so the session is
-// broken as above; here it did, and a restart restores step 1, the state the session held, so the
-// resend is applied then.
-TEST_F(DurableDeviceSessionTest, AWithdrawalThatFailsAfterItsRenameBreaksTheSessionAndARestartHoldsTheStepBefore) {
+// The same, and the withdrawal cuts the record off but cannot make the cut durable (its fsync fails):
+// whether a crash would keep the record is not known, so the session is broken as above; here the
+// daemon is restarted without a crash, the record is gone, and a restart restores step 1, the state
+// the session held, so the resend is applied then.
+TEST_F(DurableDeviceSessionTest, AWithdrawalNotKnownDurableBreaksTheSessionAndARestartHoldsTheStepBefore) {
   ASSERT_OK(Step(1));
   const auto before = ParametersOf(*session_);
   failing_->fail_copies_in = true;
-  // The folder's syncs and its files': the record's own fsync, the rewritten journal's, then the
-  // folder's after the rename.
-  env_.FailSync(dir_ + "/s", /*after_syncs=*/2);
+  env_.FailTruncate("journal.log", durability::TruncateFault::kTruncatedNotSynced);
   EXPECT_THAT(Step(2), StatusIs(absl::StatusCode::kResourceExhausted, "injected"));
   failing_->fail_copies_in = false;
   EXPECT_EQ(env_.faults_triggered(), 1);
