@@ -50,8 +50,8 @@ class WritableFile {
   virtual absl::Status Append(absl::string_view data) = 0;
   // fdatasync-level durability: on OK the data appended so far and the file's size survive a crash.
   virtual absl::Status Sync() = 0;
-  // Cuts the file to its first `size` bytes (at most what it holds), durably (ftruncate + fsync);
-  // later appends start at `size`. 0 empties it.
+  // Cuts the file to its first `size` bytes, durably (ftruncate + fsync); later appends start at
+  // `size`. 0 empties it. A `size` beyond what the file holds is DATA_LOSS, nothing changed.
   virtual absl::Status Truncate(uint64_t size) = 0;
   // Closes the file; later calls other than Close() and path() fail with FAILED_PRECONDITION. Closing
   // twice is OK. Close does not sync.

@@ -9,7 +9,6 @@
 #include <cerrno>
 #include <exception>
 #include <filesystem>
-#include <limits>
 #include <memory>
 #include <string>
 #include <system_error>
@@ -131,8 +130,12 @@ class PosixWritableFile final : public WritableFile {
 
   absl::Status Truncate(uint64_t size) override {
     if (fd_ < 0) return ClosedError();
-    if (size > static_cast<uint64_t>(std::numeric_limits<off_t>::max())) {
-      return PathError("cannot truncate", path_, EINVAL);
+    // Never grown with zeros: a file shorter than what its writer wrote was changed under it.
+    struct stat st {};
+    if (::fstat(fd_, &st) != 0) return PathError("cannot stat", path_, errno);
+    if (size > static_cast<uint64_t>(st.st_size)) {
+      return absl::DataLossError(absl::StrCat("cannot truncate ", path_, " to ", size, " bytes: it holds only ",
+                                              st.st_size, " (changed by something else)"));
     }
     const auto length = static_cast<off_t>(size);
     int rc;

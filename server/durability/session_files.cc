@@ -41,14 +41,15 @@ absl::Status CheckSessionId(const std::string& id, absl::string_view field) {
 
 absl::StatusOr<std::unique_ptr<SessionFiles>> SessionFiles::Open(const StateDirOptions& options,
                                                                  const std::string& session_id,
-                                                                 uint64_t last_generation) {
+                                                                 uint64_t last_generation,
+                                                                 std::optional<uint64_t> journal_complete_bytes) {
   MUOND_RETURN_IF_ERROR(CheckSessionId(session_id));
   const std::string dir = options.state_dir + "/" + session_id;
   if (options.env->IsLink(dir)) return LinkedFolder(dir);
   MUOND_RETURN_IF_ERROR(options.env->CreateDirs(dir));
   std::unique_ptr<SessionFiles> files(new SessionFiles(options, dir, last_generation));
   if (options.durability == Durability::kJournal) {
-    MUOND_RETURN_IF_ERROR(files->journal_.Open(dir + "/" + kJournalFile));
+    MUOND_RETURN_IF_ERROR(files->journal_.Open(dir + "/" + kJournalFile, journal_complete_bytes));
   }
   return files;
 }

@@ -73,9 +73,11 @@ class SessionFiles {
   // Creates the session's folder if needed and, in journal mode, opens its journal.
   // `last_generation`: the highest checkpoint generation the folder's files name
   // (SessionFolder::last_generation; 0 for a new session); the next checkpoint takes the one after.
-  static absl::StatusOr<std::unique_ptr<SessionFiles>> Open(const StateDirOptions& options,
-                                                            const std::string& session_id,
-                                                            uint64_t last_generation = 0);
+  // `journal_complete_bytes`: for a restored session, where its journal's last complete record ends
+  // (JournalContents::complete_bytes): a torn tail past it is cut off before the next record.
+  static absl::StatusOr<std::unique_ptr<SessionFiles>> Open(
+      const StateDirOptions& options, const std::string& session_id, uint64_t last_generation = 0,
+      std::optional<uint64_t> journal_complete_bytes = std::nullopt);
 
   const StateDirOptions& options() const { return options_; }
   const std::string& dir() const { return dir_; }

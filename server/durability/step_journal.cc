@@ -95,15 +95,24 @@ uint64_t MaxPayloadBytes(const std::vector<int64_t>& numel) {
 
 }  // namespace
 
-absl::Status StepJournal::Open(const std::string& path) {
+absl::Status StepJournal::Open(const std::string& path, std::optional<uint64_t> complete_bytes) {
   path_ = path;
   committed_bytes_ = 0;
   last_record_bytes_ = 0;
+  uint64_t size = 0;
   if (env_->FileExists(path)) {
-    MUOND_ASSIGN_OR_RETURN(committed_bytes_, env_->GetFileSize(path));
+    MUOND_ASSIGN_OR_RETURN(size, env_->GetFileSize(path));
   }
+  committed_bytes_ = std::min(size, complete_bytes.value_or(size));
   MUOND_ASSIGN_OR_RETURN(file_, env_->NewAppendableFile(path));
-  return env_->SyncDir(std::filesystem::path(path).parent_path().string());
+  MUOND_RETURN_IF_ERROR(env_->SyncDir(std::filesystem::path(path).parent_path().string()));
+  if (committed_bytes_ < size) {
+    // A torn tail: left as it is (a checkpoint may empty the journal first), and cut off before the
+    // next record, which must not follow it.
+    file_->Close().IgnoreError();
+    file_.reset();
+  }
+  return absl::OkStatus();
 }
 
 absl::Status StepJournal::CutTornTail() {
@@ -329,6 +338,7 @@ absl::StatusOr<JournalContents> StepJournal::Read(Env* env, const std::string& p
     }
     if (p != end) return corrupt(start, "has trailing bytes");
     contents.records.push_back(std::move(record));
+    contents.complete_bytes = pos;
   }
   return contents;
 }

@@ -27,6 +27,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -45,6 +46,8 @@ struct JournalRecord {
 struct JournalContents {
   std::vector<JournalRecord> records;
   bool dropped_torn_tail = false;
+  // The file's bytes up to the end of its last complete record (a torn tail is past them).
+  uint64_t complete_bytes = 0;
 };
 
 class StepJournal {
@@ -52,7 +55,9 @@ class StepJournal {
   explicit StepJournal(Env* env) : env_(env) {}
 
   // Opens (creating it if needed) for appending, and makes the file's creation durable.
-  absl::Status Open(const std::string& path);
+  // `complete_bytes`: where its last complete record ends, as Read found (JournalContents); a torn
+  // tail past it is cut off before the next record is appended. Unset: the whole file.
+  absl::Status Open(const std::string& path, std::optional<uint64_t> complete_bytes = std::nullopt);
   // Appends one step and syncs it: on OK the record survives a crash. On an error the file may end
   // in a partial record (which Read drops as a torn tail if the daemon stops now); the next Append
   // first cuts the file back to its last complete record, so no record ever follows a torn one.

@@ -219,13 +219,15 @@ absl::StatusOr<uint64_t> SessionRegistry::Close(const std::string& id, const std
 absl::Status SessionRegistry::EnablePersistence(const durability::StateDirOptions& options) {
   MUOND_ASSIGN_OR_RETURN(std::vector<std::shared_ptr<Session>> restored,
                          RestoreSessions(options, backend_, *codec_, limits_, metrics_));
+  // A journal replay measured its last step: its figures show until the next one, as they do in the
+  // session's summary. Read before the registry's lock, which is never held while taking a session's.
+  std::vector<HealthWatch::Latest> health;
+  for (const std::shared_ptr<Session>& session : restored) health.push_back(session->LatestHealth());
   absl::MutexLock lock(&mu_);
   persistence_ = options;
-  for (std::shared_ptr<Session>& session : restored) {
-    // A journal replay measured its last step: its figures show until the next one, as they do in
-    // the session's summary.
-    const HealthWatch::Latest health = session->LatestHealth();
-    metrics_->SessionOpened(session->id(), session->serial(), GroupFiguresOf(health.clips, health.telemetry));
+  for (size_t i = 0; i < restored.size(); ++i) {
+    std::shared_ptr<Session>& session = restored[i];
+    metrics_->SessionOpened(session->id(), session->serial(), GroupFiguresOf(health[i].clips, health[i].telemetry));
     const std::string id = session->id();
     sessions_.emplace(id, std::move(session));
   }

@@ -373,9 +373,8 @@ absl::Status Session::BrokenLocked() const {
 
 void Session::BreakLocked(int64_t step, const absl::Status& why, bool journaled, const absl::Status& not_withdrawn) {
   // Either the state is half a step, or it is step - 1's but the journal may hold step `step`, which a
-  // restart would apply (a resend would be recorded twice). A withdrawal that failed after its rename
-  // (syncing the folder, reopening the file) may have removed the record: a restart then restores
-  // step - 1.
+  // restart would apply (a resend would be recorded twice). A withdrawal that failed after its cut
+  // (the fsync) may have removed the record: a restart then restores step - 1.
   const bool withdrawal_failed = !not_withdrawn.ok();
   const std::string what = withdrawal_failed
                                ? absl::StrCat("failed before it changed the state (", why.message(),

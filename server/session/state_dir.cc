@@ -153,9 +153,11 @@ std::string_view SafetensorsDtype(kernels::StorageDtype dtype) {
 absl::StatusOr<std::unique_ptr<FilePersistence>> FilePersistence::Open(const durability::StateDirOptions& options,
                                                                        const Session& session,
                                                                        metrics::Metrics* metrics,
-                                                                       uint64_t last_generation) {
-  MUOND_ASSIGN_OR_RETURN(std::unique_ptr<durability::SessionFiles> files,
-                         durability::SessionFiles::Open(options, session.id(), last_generation));
+                                                                       uint64_t last_generation,
+                                                                       std::optional<uint64_t> journal_complete_bytes) {
+  MUOND_ASSIGN_OR_RETURN(
+      std::unique_ptr<durability::SessionFiles> files,
+      durability::SessionFiles::Open(options, session.id(), last_generation, journal_complete_bytes));
   return std::unique_ptr<FilePersistence>(new FilePersistence(std::move(files), session, metrics));
 }
 
@@ -319,6 +321,7 @@ absl::StatusOr<LoadedSession> LoadSession(const durability::StateDirOptions& opt
   loaded.session = std::move(unique);
   loaded.journal_path = folder.journal_path;
   loaded.dropped_torn_tail = folder.journal.dropped_torn_tail;
+  loaded.journal_complete_bytes = folder.journal.complete_bytes;
   loaded.last_generation = folder.last_generation;
   loaded.records_before_checkpoint = folder.records_before_checkpoint;
   Session& session = *loaded.session;
@@ -394,8 +397,9 @@ absl::StatusOr<std::vector<std::shared_ptr<Session>>> RestoreSessions(const dura
                 "journal {}: {} records written before the checkpoint in place (which replaced them) not replayed",
                 loaded->journal_path, loaded->records_before_checkpoint);
     }
-    MUOND_ASSIGN_OR_RETURN(std::unique_ptr<FilePersistence> persistence,
-                           FilePersistence::Open(options, *session, metrics, loaded->last_generation));
+    MUOND_ASSIGN_OR_RETURN(
+        std::unique_ptr<FilePersistence> persistence,
+        FilePersistence::Open(options, *session, metrics, loaded->last_generation, loaded->journal_complete_bytes));
     session->AttachPersistence(std::move(persistence));
     // Fold the replayed steps into a fresh checkpoint, which also empties the journal. Should it fail
     // for this session's own files (an entry in the way of them), the checkpoint and journal read stay

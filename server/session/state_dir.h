@@ -9,6 +9,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -26,10 +27,11 @@ class FilePersistence final : public SessionPersistence {
   // `session` must outlive the persistence (the session owns it); so must `metrics`, which hears of
   // every journal append and checkpoint. `last_generation`: the highest checkpoint generation a
   // restored session's files name (durability::SessionFolder); 0 for a new session.
-  static absl::StatusOr<std::unique_ptr<FilePersistence>> Open(const durability::StateDirOptions& options,
-                                                               const Session& session,
-                                                               metrics::Metrics* metrics = metrics::NoMetrics(),
-                                                               uint64_t last_generation = 0);
+  // `journal_complete_bytes`: a restored session's durability::JournalContents::complete_bytes.
+  static absl::StatusOr<std::unique_ptr<FilePersistence>> Open(
+      const durability::StateDirOptions& options, const Session& session,
+      metrics::Metrics* metrics = metrics::NoMetrics(), uint64_t last_generation = 0,
+      std::optional<uint64_t> journal_complete_bytes = std::nullopt);
 
   absl::Status RecordStep(const StepRequest& request, const std::vector<HostTensor>& gradients) override;
   absl::Status WithdrawStep() override;
@@ -66,6 +68,7 @@ struct LoadedSession {
   int64_t replayed = 0;                  // journaled steps applied after the checkpoint
   size_t records_before_checkpoint = 0;  // journal records written before it, not replayed
   bool dropped_torn_tail = false;        // the journal ended in a record cut short by a crash
+  uint64_t journal_complete_bytes = 0;   // where its last complete record ends (a torn tail after)
   std::string journal_path;
 };
 

@@ -157,6 +157,9 @@ TEST_F(EnvTest, TruncateToASizeKeepsTheFileUpToItAndLaterAppendsFollowIt) {
     ASSERT_OK(file->Truncate(4));
     ASSERT_OK_AND_ASSIGN(std::string kept, env_->ReadFile(file->path(), kNoReadLimit));
     EXPECT_EQ(kept, "0123");
+    EXPECT_THAT(file->Truncate(5), StatusIs(absl::StatusCode::kDataLoss, "holds only 4"));
+    ASSERT_OK_AND_ASSIGN(std::string unchanged, env_->ReadFile(file->path(), kNoReadLimit));
+    EXPECT_EQ(unchanged, "0123") << "grown with zeros";
     ASSERT_OK(file->Append("ab"));
     ASSERT_OK(file->Close());
     ASSERT_OK_AND_ASSIGN(std::string after, env_->ReadFile(file->path(), kNoReadLimit));

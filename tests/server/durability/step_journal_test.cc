@@ -144,14 +144,39 @@ TEST_F(StepJournalTest, AWithdrawalThatFailsLeavesTheRecordUntilTheNextAppendCut
   env.FailTruncate("journal.log", TruncateFault::kTruncatedNotSynced);
   EXPECT_THAT(journal.WithdrawLast(), StatusIs(absl::StatusCode::kInternal, "cannot fsync"));
   EXPECT_EQ(Bytes(), two);
+  ASSERT_OK(journal.Append(1, "{\"step\":3}", {Gradient({5, 5, 5, 5, 5, 5}), Gradient({5, 5})}));
+  ASSERT_OK_AND_ASSIGN(JournalContents three, Read());
+  ASSERT_EQ(three.records.size(), 3u);
+  EXPECT_EQ(three.records[2].gradients[0].values, std::vector<float>(6, 5.0f));
 
   env.FailAppend("journal.log", AppendFault::kNoSpace);
-  EXPECT_THAT(journal.Append(1, "{\"step\":3}", {Gradient({1, 1, 1, 1, 1, 1}), Gradient({1, 1})}),
+  EXPECT_THAT(journal.Append(1, "{\"step\":4}", {Gradient({1, 1, 1, 1, 1, 1}), Gradient({1, 1})}),
               StatusIs(absl::StatusCode::kResourceExhausted, "No space"));
   EXPECT_THAT(journal.WithdrawLast(), StatusIs(absl::StatusCode::kFailedPrecondition, "no record to withdraw"));
   journal.Close();
   ASSERT_OK_AND_ASSIGN(JournalContents after, Read());
-  EXPECT_EQ(after.records.size(), 2u);
+  EXPECT_EQ(after.records.size(), 3u);
+}
+
+// Read says where the last complete record ends; a journal opened with it (a restored session's)
+// cuts a torn tail off before its next record, which then follows the complete ones.
+TEST_F(StepJournalTest, AJournalOpenedAfterATornTailAppendsAfterItsLastCompleteRecord) {
+  Write(2);
+  const std::string complete = Bytes();
+  SetBytes(complete + "MJR4torn");  // a header cut short
+  ASSERT_OK_AND_ASSIGN(JournalContents read, Read());
+  EXPECT_TRUE(read.dropped_torn_tail);
+  EXPECT_EQ(read.complete_bytes, complete.size());
+  StepJournal journal(Env::Default());
+  ASSERT_OK(journal.Open(path_, read.complete_bytes));
+  EXPECT_EQ(Bytes().size(), complete.size() + 8) << "opening cut the tail (a checkpoint may empty it first)";
+  ASSERT_OK(journal.Append(1, "{\"step\":3}", {Gradient({3, 3, 3, 3, 3, 3}), Gradient({3, 3})}));
+  journal.Close();
+  ASSERT_OK_AND_ASSIGN(JournalContents contents, Read());
+  ASSERT_EQ(contents.records.size(), 3u);
+  EXPECT_FALSE(contents.dropped_torn_tail);
+  EXPECT_EQ(contents.records[2].request, "{\"step\":3}");
+  EXPECT_EQ(Bytes().substr(0, complete.size()), complete);
 }
 
 TEST_F(StepJournalTest, OnlyARecordCutShortAtTheEndIsATornTail) {

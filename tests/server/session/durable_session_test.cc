@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <thread>
 
 #include "common/status_macros.h"
@@ -246,6 +247,27 @@ TEST_F(DurableSessionTest, AJournalEmptiedButNotSyncedTakesItsNextStepsWhole) {
   ASSERT_OK(Step(3));
   ASSERT_OK(Step(4));
   EXPECT_EQ(env_.faults_triggered(), 2);
+  ExpectRestoreHoldsEveryAcknowledgedStep();
+}
+
+// A crash during an append left a torn tail, and the restart's own checkpoint (which would empty the
+// journal) fails: the session is served from its journal, and its next record must not follow the
+// torn bytes (a later restore would refuse the journal as altered, and lose every step in it). The
+// tail is cut off first, and a second restart finds every acknowledged step.
+TEST_F(DurableSessionTest, ATornTailIsCutOffBeforeTheNextRecordWhenTheRestartCannotCheckpoint) {
+  ASSERT_OK(Step(1));
+  ASSERT_OK(Step(2));
+  session_.reset();
+  registry_.reset();
+  {
+    std::ofstream journal(dir_ + "/s/journal.log", std::ios::binary | std::ios::app);
+    journal << "MJR4" << std::string(7, '\x01');  // a header cut short
+  }
+  env_.FailRename("checkpoint.json");
+  ASSERT_OK_AND_ASSIGN(session_, Open(&env_));
+  EXPECT_EQ(env_.faults_triggered(), 1) << "the restart's checkpoint did not fail";
+  EXPECT_EQ(session_->last_step(), 2);
+  ASSERT_OK(Step(3));
   ExpectRestoreHoldsEveryAcknowledgedStep();
 }
 
