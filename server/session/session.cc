@@ -7,6 +7,7 @@
 #include <atomic>
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "server/session/memory_quota.h"
@@ -176,6 +177,8 @@ absl::Status Session::UploadParts(int rank, std::vector<HostTensor> tensors) {
   // an HSDP part the first of its replicas' to upload it: another rank's values for them are then
   // checked and left out.
   uploaded_by_rank_.resize(static_cast<size_t>(config_.world_size), false);
+  // From here the masters are being replaced: a failure leaves part of them replaced.
+  absl::Cleanup half_replaced = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { BreakByReplacementLocked("the upload"); };
   {
     absl::MutexLock masters(&masters_mu_);
     ChangeMastersLocked();
@@ -207,6 +210,7 @@ absl::Status Session::UploadParts(int rank, std::vector<HostTensor> tensors) {
     uploaded_by_rank_[static_cast<size_t>(rank)] = true;
   }
   if (!part_load_.under_way()) broken_.clear();  // a first step that broke: the upload replaced it
+  std::move(half_replaced).Cancel();
   return SaveReplacedStateLocked("the upload");
 }
 

@@ -324,6 +324,10 @@ class Session {
   // withdrawn (SessionPersistence::WithdrawStep) and a restart would apply it.
   void BreakLocked(int64_t step, const absl::Status& why, bool journaled,
                    const absl::Status& not_withdrawn = absl::OkStatus()) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Marks the state as no step's: `what` ("SetState", "the upload") failed after it began replacing it
+  // (a device copy, an allocation, the read-back), leaving some tensors or counts replaced and others
+  // not. Steps wait for that load or upload to be sent again and succeed.
+  void BreakByReplacementLocked(absl::string_view what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // What stops any step from being applied now: CheckOpen(), then UnsavedLocked(), then BrokenLocked().
   absl::Status RefusesStepsLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Ranks that loaded a state of this step and counts before `rank` in the load it would join, and
@@ -382,8 +386,9 @@ class Session {
   // state replaced, which is what a restart would restore (UnsavedLocked).
   std::string unsaved_ ABSL_GUARDED_BY(mu_);
   // Why the state is no step's: a step failed after it began changing it (its journal record written,
-  // or some groups' masters updated), and a resend would apply it again on top. While set, no step is
-  // applied and no state exported (GetState, checkpoints) until ImportState replaces it; a restart
+  // or some groups' masters updated), and a resend would apply it again on top; or a SetState or an
+  // upload failed halfway. While set, no step is applied and no state exported (GetState,
+  // checkpoints) until ImportState (or an upload before the first step) replaces it; a restart
   // restores the state directory's (with the journal, through the failed step). Empty when sound.
   std::string broken_ ABSL_GUARDED_BY(mu_);
   // Set under mu_ by Close; read without it by CheckOpen (a transport between pieces of a stream).

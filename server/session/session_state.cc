@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -232,6 +233,8 @@ absl::Status Session::ImportState(SessionState state, int rank) {
     }
     another_state = !difference.empty();
   }
+  // From here the state is being replaced: a failure leaves part of it replaced, no step's state.
+  absl::Cleanup half_replaced = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { BreakByReplacementLocked("SetState"); };
   for (size_t i = 0; i < params_.size(); ++i) {
     optim::ParamState& param = params_[i];
     if (param.slots.empty()) {
@@ -320,6 +323,7 @@ absl::Status Session::ImportState(SessionState state, int rank) {
     last_result_.skip_reason = state.last_decision->skip_reason;
   }
   MUOND_ASSIGN_OR_RETURN(snapshot_, ReadBack(last_step_));
+  std::move(half_replaced).Cancel();
   return SaveReplacedStateLocked("SetState");
 }
 
@@ -394,6 +398,16 @@ void Session::BreakLocked(int64_t step, const absl::Status& why, bool journaled,
                          "in place, ",
                          restart, "or the session is closed");
   MUOND_EVENT(error, "session_broken", id_, step, "{}", broken_);
+}
+
+void Session::BreakByReplacementLocked(absl::string_view what) {
+  const bool upload = what == "the upload";
+  broken_ = absl::StrCat("session '", id_, "': ", upload ? "an upload" : "a SetState",
+                         " failed after it began replacing the state, which is now no step's: no step is applied "
+                         "and no state read until ",
+                         upload ? "an upload" : "SetState (load_state_dict)",
+                         " is sent again and succeeds, or the session is closed");
+  MUOND_EVENT(error, "session_broken", id_, last_step_, "{}", broken_);
 }
 
 absl::Status Session::RefusesStepsLocked() const {

@@ -471,6 +471,51 @@ TEST_F(DurableDeviceSessionTest, AGatheredStepThatFailsBeforeTheMastersChangeIsW
   ExpectRestartRestores("g", SmallSpec(2), 3, after_three);
 }
 
+// A SetState (load_state_dict of step 1's state) fails once it began writing the state (`fault`):
+// its state is no step's. No step is applied and no checkpoint written on it (before, the next step
+// was applied on it and journaled after the records of steps 1 to 3, which a restart would refuse or
+// replay onto the older state); a restart restores step 3, the state before it; sent again there, the
+// SetState succeeds and the steps go on.
+class HalfwaySetStateTest : public DurableDeviceSessionTest {
+ protected:
+  void Run(std::atomic<bool>& fault) {
+    ASSERT_OK_AND_ASSIGN(SessionState first, ThreeStepsKeepingTheFirstState());
+    fault = true;
+    EXPECT_FALSE(session_->ImportState(first).ok());
+    fault = false;
+    const std::string broken = "a SetState failed after it began replacing the state";
+    // The next step of the session as it stands (the read-back fails after the step was replaced).
+    EXPECT_THAT(Step(static_cast<int>(session_->last_step()) + 1),
+                StatusIs(absl::StatusCode::kFailedPrecondition, broken));
+    EXPECT_THAT(session_->Checkpoint(), StatusIs(absl::StatusCode::kFailedPrecondition, broken));
+    EXPECT_THAT(session_->ExportState(), StatusIs(absl::StatusCode::kFailedPrecondition, broken));
+    ExpectRestoreHoldsEveryAcknowledgedStep();  // step 3
+    ASSERT_OK_AND_ASSIGN(session_, Open(durability::Env::Default()));
+    ASSERT_OK(session_->ImportState(first));
+    ASSERT_OK(reference_->ImportState(first));
+    ASSERT_OK(Step(2));
+    ExpectRestoreHoldsEveryAcknowledgedStep();
+  }
+};
+
+// Its first copy to the device fails, after every step count was replaced.
+TEST_F(HalfwaySetStateTest, ACopyToTheDeviceFailing) { Run(failing_->fail_copies_in); }
+
+// Reading the parameters back fails, after every tensor was replaced.
+TEST_F(HalfwaySetStateTest, TheReadBackFailing) { Run(failing_->fail_reads); }
+
+// An upload sent again before the first step fails halfway: no step until it is sent again.
+TEST_F(DurableDeviceSessionTest, AnUploadThatFailsHalfwayTakesNoStepUntilItIsSentAgain) {
+  failing_->fail_copies_in = true;
+  EXPECT_THAT(session_->Upload(InitialParameters()), StatusIs(absl::StatusCode::kResourceExhausted, "injected"));
+  failing_->fail_copies_in = false;
+  EXPECT_THAT(Step(1),
+              StatusIs(absl::StatusCode::kFailedPrecondition, "an upload failed after it began replacing the state"));
+  ASSERT_OK(session_->Upload(InitialParameters()));
+  ASSERT_OK(Step(1));
+  ExpectRestoreHoldsEveryAcknowledgedStep();
+}
+
 // An asynchronous session: rank 1's first push is journaled as global step 2 and its copy to the
 // device fails. The record is withdrawn and the push refused alone, so push 1 is still rank 1's next
 // one: sent again it is applied (not answered as a resend of a push taken), and a restart finds
