@@ -97,7 +97,6 @@ uint64_t MaxPayloadBytes(const std::vector<int64_t>& numel) {
 
 absl::Status StepJournal::Open(const std::string& path, std::optional<uint64_t> complete_bytes) {
   path_ = path;
-  committed_bytes_ = 0;
   last_record_bytes_ = 0;
   uint64_t size = 0;
   if (env_->FileExists(path)) {
@@ -109,8 +108,7 @@ absl::Status StepJournal::Open(const std::string& path, std::optional<uint64_t> 
   if (committed_bytes_ < size) {
     // A torn tail: left as it is (a checkpoint may empty the journal first), and cut off before the
     // next record, which must not follow it.
-    file_->Close().IgnoreError();
-    file_.reset();
+    Close();  // the next Append cuts the file back first (CutTornTail)
   }
   return absl::OkStatus();
 }
@@ -162,8 +160,7 @@ absl::Status StepJournal::Append(uint64_t checkpoint_generation, absl::string_vi
   if (!written.ok()) {
     // What reached the file is a torn record at most, which a Read drops at the end of the file; a
     // later record must not follow it, so the next Append cuts it off first.
-    file_->Close().IgnoreError();
-    file_.reset();
+    Close();
     return written;
   }
   committed_bytes_ += record.size();
@@ -182,10 +179,7 @@ absl::Status StepJournal::WithdrawLast() {
   // room on the disk. On an error the record may still be there (or gone without the cut being
   // durable): the next Append cuts the file back to committed_bytes_ first, as it does a torn tail.
   absl::Status cut = file_->Truncate(committed_bytes_);
-  if (!cut.ok()) {
-    file_->Close().IgnoreError();
-    file_.reset();
-  }
+  if (!cut.ok()) Close();
   return cut;
 }
 
@@ -199,10 +193,7 @@ absl::Status StepJournal::Clear() {
   // (CutTornTail) before it appends.
   committed_bytes_ = 0;
   last_record_bytes_ = 0;
-  if (!truncated.ok()) {
-    file_->Close().IgnoreError();
-    file_.reset();
-  }
+  if (!truncated.ok()) Close();
   return truncated;
 }
 

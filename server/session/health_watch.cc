@@ -22,6 +22,7 @@ std::vector<metrics::GroupFigures> GroupFiguresOf(const std::vector<StepResult::
   }
   return figures;
 }
+
 namespace {
 
 void Raise(std::string_view kind, const std::string& group, std::string detail, StepResult::GroupTelemetry& out,

@@ -178,7 +178,7 @@ absl::Status Session::UploadParts(int rank, std::vector<HostTensor> tensors) {
   // checked and left out.
   uploaded_by_rank_.resize(static_cast<size_t>(config_.world_size), false);
   // From here the masters are being replaced: a failure leaves part of them replaced.
-  absl::Cleanup half_replaced = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { BreakByReplacementLocked("the upload"); };
+  absl::Cleanup half_replaced = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { BreakByReplacementLocked(/*upload=*/true); };
   {
     absl::MutexLock masters(&masters_mu_);
     ChangeMastersLocked();

@@ -324,10 +324,10 @@ class Session {
   // withdrawn (SessionPersistence::WithdrawStep) and a restart would apply it.
   void BreakLocked(int64_t step, const absl::Status& why, bool journaled,
                    const absl::Status& not_withdrawn = absl::OkStatus()) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Marks the state as no step's: `what` ("SetState", "the upload") failed after it began replacing it
-  // (a device copy, an allocation, the read-back), leaving some tensors or counts replaced and others
-  // not. Steps wait for that load or upload to be sent again and succeed.
-  void BreakByReplacementLocked(absl::string_view what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Marks the state as no step's: a SetState (or, with `upload`, an upload) failed after it began
+  // replacing it (a device copy, an allocation, the read-back), leaving some tensors or counts
+  // replaced and others not. Steps wait for that load or upload to be sent again and succeed.
+  void BreakByReplacementLocked(bool upload) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // What stops any step from being applied now: CheckOpen(), then UnsavedLocked(), then BrokenLocked().
   absl::Status RefusesStepsLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Ranks that loaded a state of this step and counts before `rank` in the load it would join, and

@@ -234,7 +234,7 @@ absl::Status Session::ImportState(SessionState state, int rank) {
     another_state = !difference.empty();
   }
   // From here the state is being replaced: a failure leaves part of it replaced, no step's state.
-  absl::Cleanup half_replaced = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { BreakByReplacementLocked("SetState"); };
+  absl::Cleanup half_replaced = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { BreakByReplacementLocked(/*upload=*/false); };
   for (size_t i = 0; i < params_.size(); ++i) {
     optim::ParamState& param = params_[i];
     if (param.slots.empty()) {
@@ -400,8 +400,7 @@ void Session::BreakLocked(int64_t step, const absl::Status& why, bool journaled,
   MUOND_EVENT(error, "session_broken", id_, step, "{}", broken_);
 }
 
-void Session::BreakByReplacementLocked(absl::string_view what) {
-  const bool upload = what == "the upload";
+void Session::BreakByReplacementLocked(bool upload) {
   broken_ = absl::StrCat("session '", id_, "': ", upload ? "an upload" : "a SetState",
                          " failed after it began replacing the state, which is now no step's: no step is applied "
                          "and no state read until ",
