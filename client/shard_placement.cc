@@ -1,11 +1,13 @@
 #include "client/shard_placement.h"
 
 #include <algorithm>
+#include <functional>
 #include <map>
 #include <numeric>
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
+#include "common/partition_rules.h"
 
 namespace muond::client {
 
@@ -33,6 +35,52 @@ bool IsMuon(const v1::SessionSpec& spec, const std::string& group) {
     }
   }
   return false;
+}
+
+// A group's partition as the shard holding the parameters `held` is given it (docs/ranks.md, Over
+// several daemons): a flat one as the explicit ranges its parameters have in the whole group, an
+// explicit one naming only its parameters; rows stay (each parameter's own rule).
+void HoldOnShard(const v1::SessionSpec& whole, const std::string& group, const std::vector<std::string>& held,
+                 v1::Partition& partition) {
+  auto is_held = [&](const std::string& name) { return std::find(held.begin(), held.end(), name) != held.end(); };
+  const int world_size = std::max(1, whole.world_size());
+  const int shards = ShardCount(world_size, partition.replicas());
+  if (partition.kind() == v1::PARTITION_KIND_EXPLICIT) {
+    for (v1::RankRanges& entry : *partition.mutable_ranks()) {
+      auto& ranges = *entry.mutable_ranges();
+      ranges.erase(std::remove_if(ranges.begin(), ranges.end(),
+                                  [&](const v1::ParameterRange& range) { return !is_held(range.parameter()); }),
+                   ranges.end());
+    }
+    return;
+  }
+  // Replicas that do not divide world_size stay as given: the daemon refuses them naming the field.
+  if (partition.kind() != v1::PARTITION_KIND_FLAT || shards < 1) return;
+  if (partition.replicas() > 1 && world_size % partition.replicas() != 0) return;
+  std::vector<std::string> names;
+  std::vector<int64_t> numels;
+  for (const v1::ParameterSpec& p : whole.parameters()) {
+    if (p.group() != group) continue;
+    names.push_back(p.name());
+    numels.push_back(std::accumulate(p.shape().begin(), p.shape().end(), int64_t{1}, std::multiplies<>()));
+  }
+  const std::vector<std::vector<ElementRange>> parts =
+      FlatParts(numels, std::max<int64_t>(1, partition.alignment()), shards);
+  v1::Partition given;
+  given.set_kind(v1::PARTITION_KIND_EXPLICIT);
+  given.set_replicas(partition.replicas());
+  for (int r = 0; r < shards; ++r) {
+    v1::RankRanges* entry = given.add_ranks();
+    for (size_t k = 0; k < names.size(); ++k) {
+      const ElementRange range = parts[k][static_cast<size_t>(r)];
+      if (!is_held(names[k]) || range.size() == 0) continue;
+      v1::ParameterRange* out = entry->add_ranges();
+      out->set_parameter(names[k]);
+      out->set_begin(range.begin);
+      out->set_end(range.end);
+    }
+  }
+  partition = std::move(given);
 }
 
 }  // namespace
@@ -117,6 +165,9 @@ v1::SessionSpec ShardSpec(const v1::SessionSpec& whole, const Placement& placeme
   for (int i : mine) {
     *spec.add_parameters() = whole.parameters(i);
     names.push_back(whole.parameters(i).name());
+  }
+  for (v1::ParameterGroup& group : *spec.mutable_groups()) {
+    if (group.has_partition()) HoldOnShard(whole, group.name(), names, *group.mutable_partition());
   }
   for (const v1::QkClipPair& pair : whole.qk_clip()) {
     if (std::find(names.begin(), names.end(), pair.query()) != names.end()) *spec.add_qk_clip() = pair;

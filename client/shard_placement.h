@@ -33,8 +33,9 @@ double PlacementCost(const v1::SessionSpec& spec, int index);
 // whose groups or QK-clip pairs name unknown parameters or groups, or fewer than one daemon.
 absl::StatusOr<Placement> PlaceSpec(const v1::SessionSpec& spec, int num_daemons);
 
-// The spec of daemon `shard`'s session: its parameters (in spec order), every group, its QK-clip
-// pairs, and the placement in spec.shard.
+// The spec of daemon `shard`'s session: its parameters (in spec order), every group (a flat or
+// explicit partition as the explicit ranges of its parameters), its QK-clip pairs, and the placement
+// in spec.shard.
 v1::SessionSpec ShardSpec(const v1::SessionSpec& whole, const Placement& placement,
                           const std::vector<std::string>& endpoints, int shard);
 

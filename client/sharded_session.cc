@@ -196,6 +196,15 @@ absl::StatusOr<int64_t> ShardedSession::CommonStep(const std::vector<int64_t>& s
       "step before training on"));
 }
 
+absl::Status ShardedSession::HoldParts(int rank) {
+  return OnEveryShard<bool>([&](int k) -> absl::StatusOr<bool> {
+           absl::Status held = sessions_[k]->HoldParts(rank);
+           if (!held.ok()) return held;
+           return true;
+         })
+      .status();
+}
+
 absl::Status ShardedSession::UploadParameters(std::span<const TensorView> parameters) {
   std::vector<std::vector<TensorView>> by_shard(sessions_.size());
   for (const TensorView& t : parameters) {

@@ -48,7 +48,12 @@ class ShardedSession {
   // nullopt when any of them does not know it.
   const std::optional<std::vector<v1::GroupOverride>>& last_overrides() const { return last_overrides_; }
 
-  // Uploads every parameter's initial value, each to its daemon.
+  // This handle is rank `rank` holding parts of the partitioned groups' parameters (docs/ranks.md,
+  // Over several daemons): Session::HoldParts on every shard, each of which holds whole parameters
+  // and takes this rank's parts of them. Uploads, steps and reads then carry its parts, and steps
+  // must name it (StepOptions::rank). INVALID_ARGUMENT, naming the shard, as Session::HoldParts.
+  absl::Status HoldParts(int rank);
+  // Uploads every parameter's initial value (a rank holding parts: its parts), each to its daemon.
   absl::Status UploadParameters(std::span<const TensorView> parameters);
   // One step over every shard (see the class comment); the reply carries every parameter (or writes
   // those of options.parameters_out) as Session::Step does. An error after its tries once some shard

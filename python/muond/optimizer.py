@@ -22,7 +22,8 @@ Shards: with ``endpoints=[...]`` the session spreads over several daemons, each 
 parameters (``muond.placement``); a step is prepared on every daemon (gradients in, sums of
 squares out), then committed on every daemon with one decision — the global gradient norm for
 clipping, or a skip when any shard saw a non-finite gradient — so the update is the one a single
-daemon would apply, bit for bit (docs/sharding.md).
+daemon would apply, bit for bit (docs/sharding.md). Groups partitioned over the ranks work there
+too: each rank sends each daemon its parts of the parameters placed on it.
 
 Retries: a step that failed with UNAVAILABLE or DEADLINE_EXCEEDED is resent with the same step
 number (the daemon applies each step once and answers a repeat with the same parameters), and the
@@ -304,7 +305,6 @@ class RemoteOptimizer(StepTries, StateTransfer, StreamControls, ChunkFitting, to
         timing = setup.timing
         self.partitioned = parts.check_groups(
             self._dtensors.local_groups(self.param_groups), self.world_size, self.rank,
-            endpoints=len(self.endpoints),
             sync_mode=self.sync.mode, delay=self.delay, overlap=timing.overlap,
             shm_zero_copy=setup.wire.shm_zero_copy, land_in_forward=timing.land_in_forward)
         self.shm_zero_copy = bool(setup.wire.shm_zero_copy)

@@ -205,6 +205,36 @@ def to_proto(partition: Partition, names: Sequence[str], pb: Any) -> Any:
     return message
 
 
+def from_proto(message: Any, shapes: Sequence[Shape], names: Sequence[str], pb: Any) -> Partition:
+    """The ``Partition`` of a ``muond.v1.Partition`` message of a group whose parameters are
+    ``names`` of global ``shapes`` (``to_proto``'s inverse); the message is the client's own,
+    checked when it was made."""
+    kinds = {pb.PARTITION_KIND_ROWS: "rows", pb.PARTITION_KIND_FLAT: "flat",
+             pb.PARTITION_KIND_EXPLICIT: "explicit"}
+    position = {name: k for k, name in enumerate(names)}
+    ranges = None
+    if message.kind == pb.PARTITION_KIND_EXPLICIT:
+        ranges = [{position[r.parameter]: (r.begin, r.end) for r in entry.ranges} for entry in message.ranks]
+        return explicit(shapes, ranges, replicas=message.replicas)
+    return Partition(kinds[message.kind], tuple(tuple(s) for s in shapes), message.alignment,
+                     replicas=message.replicas)
+
+
+def held_on_a_shard(partition: Partition, kept: Sequence[int], world_size: int) -> Partition:
+    """The partition of the group's parameters at positions ``kept`` (in order: those one daemon
+    of a sharded session holds) as that daemon is given it. A ``rows`` rule is the parameter's
+    own and stays; a ``flat`` one cuts through the group's parameters in order, which the daemon
+    holds only some of, so it (and an ``explicit`` one, whose other parameters the daemon does not
+    know) becomes the explicit ranges those parameters have in the whole group."""
+    shapes = tuple(partition.shapes[k] for k in kept)
+    if partition.kind == "rows":
+        return dataclasses.replace(partition, shapes=shapes)
+    parts = partition.parts(world_size)
+    ranges = [{new: parts[k][shard] for new, k in enumerate(kept) if parts[k][shard][0] < parts[k][shard][1]}
+              for shard in range(partition.shards(world_size))]
+    return explicit(shapes, ranges, replicas=partition.replicas)
+
+
 def check_local(partition: Partition, tensors: Sequence[torch.Tensor], names: Sequence[str],
                 world_size: int, rank: int) -> None:
     """ValueError naming the first local tensor whose element count is not its part's, whose
@@ -444,7 +474,7 @@ def global_shapes(group: Mapping[str, Any]) -> List[Shape]:
     return [tuple(p.shape) for p in group["params"]]
 
 
-def check_groups(groups: Sequence[Mapping[str, Any]], world_size: int, rank: int, *, endpoints: int,
+def check_groups(groups: Sequence[Mapping[str, Any]], world_size: int, rank: int, *,
                  sync_mode: str, **features: Any) -> bool:
     """Whether any group is partitioned; with one, ValueError unless every local tensor is its
     part and nothing that needs whole tensors on the client's side is asked for (``features``
@@ -454,9 +484,6 @@ def check_groups(groups: Sequence[Mapping[str, Any]], world_size: int, rank: int
     for group in groups:
         if group.get("partition") is not None:
             check_local(group["partition"], group["params"], group["param_names"], world_size, rank)
-    if endpoints > 1:
-        raise ValueError("partition: needs one daemon (a session sharded over daemons takes whole "
-                         "tensors); got several endpoints")
     replicated = all(g["partition"].replicas > 1 for g in groups if g.get("partition") is not None)
     if sync_mode != "lockstep" and not (sync_mode == "quorum" and replicated):
         raise ValueError(f"partition: lock-step only (a missing rank's part is a missing piece "

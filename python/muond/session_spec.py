@@ -4,14 +4,15 @@ The whole spec lists every group (its options, ``options.group_options_proto``),
 (shape, group, wire dtype, fused-QKV split, tensor-parallel blocks), the QK-clip pairs, the loss
 scaler and how several ranks synchronize (``ranks.Sync``: quorum or asynchronous; lock-step leaves
 ``sync`` unset, as every spec before it did, so that such sessions still attach). With several
-daemons each gets the parameters placed on it (``placement.py``), every group, the QK-clip pairs
-whose query it holds and the placement itself with the whole session's count of pairs, by which
-each daemon checks QK-clip's options (docs/sharding.md).
+daemons each gets the parameters placed on it (``placement.py``), every group (a partitioned one's
+``flat`` or ``explicit`` partition as the explicit ranges of the parameters it holds), the QK-clip
+pairs whose query it holds and the placement itself with the whole session's count of pairs, by
+which each daemon checks QK-clip's options (docs/sharding.md).
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Collection, Dict, List, Optional, Sequence
 
 from . import options as opts
 from . import partition
@@ -76,6 +77,10 @@ def shard_spec(whole: pb.SessionSpec, shard: int, mine: Sequence[int],
     spec = pb.SessionSpec(world_size=whole.world_size, return_dtype=whole.return_dtype)
     spec.groups.extend(whole.groups)
     spec.parameters.extend(whole.parameters[i] for i in mine)
+    for group in spec.groups:
+        if group.partition.kind in (pb.PARTITION_KIND_FLAT, pb.PARTITION_KIND_EXPLICIT):
+            _hold_on_shard(group.partition, [p for p in whole.parameters if p.group == group.name],
+                           names, whole.world_size or 1)
     spec.qk_clip.extend(p for p in whole.qk_clip if p.query in names)
     if whole.HasField("loss_scaler"):
         spec.loss_scaler.CopyFrom(whole.loss_scaler)
@@ -88,6 +93,18 @@ def shard_spec(whole: pb.SessionSpec, shard: int, mine: Sequence[int],
     spec.shard.parameters.extend(mine)
     spec.shard.qk_clip_pairs = len(whole.qk_clip)
     return spec
+
+
+def _hold_on_shard(message: pb.Partition, members: Sequence[pb.ParameterSpec], held: Collection[str],
+                   world_size: int) -> None:
+    """Rewrites a group's partition ``message`` (of the whole session's group of parameters
+    ``members``) as the shard holding the parameters ``held`` is given it
+    (``partition.held_on_a_shard``)."""
+    names = [p.name for p in members]
+    whole = partition.from_proto(message, [tuple(p.shape) for p in members], names, pb)
+    kept = [k for k, name in enumerate(names) if name in held]
+    message.CopyFrom(partition.to_proto(partition.held_on_a_shard(whole, kept, world_size),
+                                        [names[k] for k in kept], pb))
 
 
 def place(param_groups: Sequence[Dict[str, Any]], together: List[tuple],

@@ -414,10 +414,15 @@ absl::Status ParsePartitions(const v1::SessionSpec& spec, SessionConfig& config)
                      "): a missing rank's part is a missing piece of the gradient, not a smaller batch",
                      config.sync.mode == SyncMode::kQuorum ? " (quorum needs replicas of every partition, HSDP)" : ""));
   }
+  // A shard holds some of a group's parameters: rows and explicit ranges are per parameter, but a flat
+  // partition cuts through all of them in order, so a shard is given its ranges as explicit ones.
   if (config.shard.count > 0) {
-    return InvalidField(first_partitioned,
-                        "not available on a sharded session: spread the parameters over daemons, or partition them "
-                        "over ranks, not both");
+    for (const session::PartitionRule& rule : rules) {
+      if (rule.kind != session::PartitionKind::kFlat) continue;
+      return InvalidField(rule.field + ".kind",
+                          "flat cuts through the whole group's parameters, which a shard of a sharded session holds "
+                          "only some of: give each shard its ranges as an explicit partition (the clients do)");
+    }
   }
   return session::LayOutParts(rules, config);
 }

@@ -1,9 +1,9 @@
 // A session spread over three real daemons through client::ShardedSession (docs/sharding.md): it
 // trains exactly as one daemon does — Muon and AdamW groups, global clipping, a non-finite step,
 // QK-clip — steps are exactly-once across shards (a step cut off is kept and sent again with its own
-// gradients, with one rank or several), and a different endpoint list for an existing
-// session is refused, naming it. The placement rule is checked on the same example as the Python
-// client's (tests/python/test_shards.py), so both clients place alike.
+// gradients, with one rank or several), ranks that hold parts step on the shards as one rank on one
+// daemon, and a different endpoint list for an existing session is refused, naming it. The placement rule is checked on
+// the same example as the Python client's (tests/python/test_shards.py), so both clients place alike.
 #include "client/sharded_session.h"
 
 #include <cmath>
@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/error_reason.h"
+#include "common/partition_rules.h"
 #include "gmock/gmock.h"
 #include "tests/integration/call_cutting_proxy.h"
 #include "tests/integration/daemon_process.h"
@@ -634,6 +635,114 @@ TEST_F(ShardedRanksTest, ALaterStepThatFailsDoesNotReplaceTheStepKept) {
   const Tensors b3(spec, 350, 0.3f);
   step_both(3, a3, a3, b3);
   ASSERT_OK(rank0->Close());
+}
+
+// Ranks that hold parts of a session sharded over daemons (docs/ranks.md, Over several daemons):
+// three ranks, each its own ShardedSession over the three shards, holding rows of the Muon matrices
+// and a flat partition of the AdamW group (alignment 4) whose range for rank 2 cuts through emb and
+// b1, which the placement puts on two different daemons (each is given its explicit ranges). Every
+// rank's parts equal, bit for bit, the same parts of one rank stepping the whole gradients on one
+// daemon, with the same global clipping, and a rank that opens the session again reads its parts back.
+class ShardedPartsTest : public ShardedRanksTest {};
+
+TEST_F(ShardedPartsTest, RanksThatHoldPartsStepBitForBitLikeOneRankOnOneDaemon) {
+  constexpr int kRanks = 3;
+  constexpr int kSteps = 3;
+  v1::SessionSpec whole = ModelSpec();
+  whole.clear_qk_clip();  // QK-clip's logits are not this test's subject
+  whole.mutable_groups(0)->mutable_options()->clear_qk_clip_threshold();
+  v1::SessionSpec spec = whole;
+  spec.set_world_size(kRanks);
+  spec.mutable_groups(0)->mutable_partition()->set_kind(v1::PARTITION_KIND_ROWS);
+  spec.mutable_groups(1)->mutable_partition()->set_kind(v1::PARTITION_KIND_FLAT);
+  spec.mutable_groups(1)->mutable_partition()->set_alignment(4);
+  // Each parameter's range for each rank, by the rules of common/partition_rules.h.
+  std::map<std::string, std::vector<ElementRange>> parts;
+  std::vector<std::string> flat_names;
+  std::vector<int64_t> flat_numels;
+  for (const v1::ParameterSpec& p : spec.parameters()) {
+    if (p.group() == "muon") {
+      parts[p.name()] = RowParts({p.shape().begin(), p.shape().end()}, kRanks);
+    } else {
+      flat_names.push_back(p.name());
+      flat_numels.push_back(Numel(p));
+    }
+  }
+  const std::vector<std::vector<ElementRange>> flat = FlatParts(flat_numels, 4, kRanks);
+  for (size_t k = 0; k < flat_names.size(); ++k) parts[flat_names[k]] = flat[k];
+  ASSERT_OK_AND_ASSIGN(const client::Placement placement, client::PlaceSpec(spec, 3));
+  ASSERT_EQ(spec.parameters(0).name(), "emb");
+  ASSERT_EQ(spec.parameters(4).name(), "b1");
+  ASSERT_NE(placement.shard_of[0], placement.shard_of[4]);
+  ASSERT_GT(parts["emb"][2].size(), 0);
+  ASSERT_GT(parts["b1"][2].size(), 0);
+
+  client::ClientOptions one = options_;
+  one.endpoint = endpoints_[3];
+  ASSERT_OK_AND_ASSIGN(single_client_, client::Client::Connect(one));
+  ASSERT_OK_AND_ASSIGN(auto single, single_client_->CreateSession("parts", whole));
+  const Tensors initial(whole, 0, 0.5f);
+  ASSERT_OK(single->UploadParameters(initial.views));
+
+  // Rank r's parts of `tensors`, copied into `data`.
+  auto cut = [&](const Tensors& tensors, int r, std::vector<std::vector<float>>& data) {
+    std::vector<client::TensorView> views;
+    data.assign(tensors.views.size(), {});
+    for (size_t i = 0; i < tensors.views.size(); ++i) {
+      const client::TensorView& t = tensors.views[i];
+      const ElementRange range = parts.at(t.name)[static_cast<size_t>(r)];
+      data[i].assign(t.values.begin() + range.begin, t.values.begin() + range.end);
+      views.push_back({t.name, {range.size()}, data[i]});
+    }
+    return views;
+  };
+  const std::vector<std::string> shards(endpoints_.begin(), endpoints_.begin() + 3);
+  std::vector<std::unique_ptr<client::ShardedSession>> ranks;
+  for (int r = 0; r < kRanks; ++r) {
+    ASSERT_OK_AND_ASSIGN(auto rank, client::ShardedSession::Open(options_, shards, "parts", spec));
+    ASSERT_OK(rank->HoldParts(r));
+    std::vector<std::vector<float>> data;
+    ASSERT_OK(rank->UploadParameters(cut(initial, r, data)));
+    ranks.push_back(std::move(rank));
+  }
+  std::vector<client::ParameterMap> got(kRanks);
+  for (int step = 1; step <= kSteps; ++step) {
+    const Tensors grads(whole, 100 * step, 0.3f);
+    client::StepOptions options = OptionsOf(step);
+    options.qk_logits.clear();
+    std::vector<std::future<absl::StatusOr<client::StepReply>>> sent;
+    for (int r = 0; r < kRanks; ++r) {
+      sent.push_back(std::async(std::launch::async, [&, r] {
+        std::vector<std::vector<float>> data;
+        client::StepOptions mine = options;
+        mine.rank = r;
+        return ranks[static_cast<size_t>(r)]->Step(step, cut(grads, r, data), mine);
+      }));
+    }
+    ASSERT_OK_AND_ASSIGN(client::StepReply want, single->Step(step, grads.views, options));
+    for (int r = 0; r < kRanks; ++r) {
+      absl::StatusOr<client::StepReply> reply = sent[static_cast<size_t>(r)].get();
+      ASSERT_OK(reply.status()) << "rank " << r << " step " << step;
+      // The norm is a sum of squares in fp64 of at most 192 terms per parameter, taken in another
+      // order (the daemon sums an assembled gradient in one pass, a whole one chunk by chunk as it
+      // arrives): each sum within 192·2⁻⁵³ of itself, far below 1e-12 of the norm.
+      EXPECT_NEAR(reply->grad_norm, want.grad_norm, 1e-12 * want.grad_norm) << "rank " << r << " step " << step;
+      got[static_cast<size_t>(r)] = reply->parameters;
+      for (const auto& [name, value] : want.parameters) {
+        const ElementRange range = parts.at(name)[static_cast<size_t>(r)];
+        EXPECT_EQ(got[static_cast<size_t>(r)].at(name),
+                  std::vector<float>(value.begin() + range.begin, value.begin() + range.end))
+            << "rank " << r << " '" << name << "' step " << step;
+      }
+    }
+  }
+  for (int r = 0; r < kRanks; ++r) {
+    ASSERT_OK_AND_ASSIGN(auto reopened, client::ShardedSession::Open(options_, shards, "parts", spec));
+    ASSERT_OK(reopened->HoldParts(r));
+    ASSERT_OK_AND_ASSIGN(client::ParameterMap back, reopened->GetParameters());
+    EXPECT_EQ(back, got[static_cast<size_t>(r)]) << "rank " << r;
+  }
+  ASSERT_OK(ranks[0]->Close());
 }
 
 }  // namespace

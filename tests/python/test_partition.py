@@ -20,6 +20,7 @@ import torch
 
 import muond
 from muond import partition as part
+from muond import placement
 from muond._stubs import pb
 from muond.transport import framing
 from muond import wire
@@ -133,7 +134,8 @@ def _run_rank(rank, world, endpoint, session, kinds, transport, options, steps, 
             group["params"] = [(n, p if n in dtensors else p.detach().to(device).requires_grad_())
                                for n, p in group["params"]]
         chosen = {"transport": transport} if transport else {}  # unset: $MUOND_TRANSPORT, as ctest runs both
-        opt = muond.RemoteOptimizer(groups, endpoint=endpoint, session=session, world_size=world,
+        where = {"endpoints": endpoint} if isinstance(endpoint, list) else {"endpoint": endpoint}  # a list: sharded
+        opt = muond.RemoteOptimizer(groups, **where, session=session, world_size=world,
                                     rank=rank, **chosen, **options)
         saved = None
         while opt.last_step < max(steps):
@@ -343,6 +345,34 @@ def test_hsdp_replicas_average_their_parts_bit_for_bit_like_one_rank(endpoint):
     expect_parts(run_ranks(endpoint, kinds, world=6, hsdp=True), want, kinds, world=6)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("hsdp", [False, True], ids=["parts", "hsdp"])
+def test_parts_on_a_session_sharded_over_daemons_step_bit_for_bit_like_one_rank(start_daemon, hsdp):
+    # The session spread over 3 daemons: w1, tiny and experts of the first group on three different
+    # ones, the flat group's emb and scale on one and bias on another (a flat range cuts through
+    # them, so each daemon gets its ranges as explicit ones), ex1 and ex2 on a daemon that holds
+    # nothing of the flat group. Each rank's parts go to the daemons holding their parameters, and
+    # every part steps bit for bit as one rank with whole tensors on the same daemons, with the same
+    # state digest — through a reload of every rank's state dict, and under HSDP.
+    daemons = [start_daemon() for _ in range(3)]
+    endpoints = [daemon.endpoint for daemon in daemons]
+    names = list(SHAPES)
+    tensors = [placement.Tensor(SHAPES[n], n in ("w1", "tiny", "experts", "qkv"),
+                                (4, 2, 2) if n == "qkv" else None, 2 if n == "qkv" else 1) for n in names]
+    shard_of = dict(zip(names, placement.place(tensors, len(endpoints)).shard_of))
+    assert len({shard_of[n] for n in ("w1", "tiny", "experts")}) == 3
+    assert shard_of["emb"] == shard_of["scale"] != shard_of["bias"]
+    assert shard_of["ex1"] == shard_of["ex2"] not in (shard_of["emb"], shard_of["bias"])
+    world = 6 if hsdp else WORLD
+    # The first group FSDP2's DTensor parameters (rows), but under HSDP, where they are plain parts.
+    kinds = ["hsdp_rows", "hsdp_rows", "hsdp_flat", "hsdp_explicit"] if hsdp else ["dtensor", "rows", "flat", "explicit"]
+    want = reference(endpoints, hsdp=hsdp)
+    expect_parts(run_ranks(endpoints, kinds, world=world, hsdp=hsdp, reload_at=None if hsdp else 2),
+                 want, kinds, world=world)
+    for daemon in daemons:
+        assert daemon.alive(), f"a daemon died:\n{daemon.log_tail()}"
+
+
 @pytest.mark.parametrize("extra", [
     {"reload_at": 2},
     {"hold": (4, 1)},
@@ -486,6 +516,21 @@ def test_quorum_and_async_are_refused_with_a_partition(endpoint):
     with pytest.raises(ValueError, match="partition: lock-step only"):
         muond.RemoteOptimizer(groups, endpoint=endpoint, session="async-part", world_size=WORLD, rank=0,
                               sync_mode="async", max_staleness=2)
+
+
+def test_a_flat_partition_on_a_shard_is_refused_naming_its_kind(endpoint):
+    # A shard holds some of a group's parameters: flat ranges of a subset would be another layout.
+    spec = _spec(2, pb.Partition(kind=pb.PARTITION_KIND_FLAT))
+    spec.shard.endpoints.extend([endpoint, "127.0.0.1:1"])
+    spec.shard.index = 0
+    spec.shard.num_parameters = 3
+    spec.shard.parameters.extend([0, 2])
+    conn = muond.Connection(endpoint)
+    with pytest.raises(muond.MuondError, match=r"spec.groups\[0\].partition.kind: flat cuts through the whole "
+                                                r"group's parameters.*give each shard its ranges as an explicit"):
+        conn.create_session(f"bad-{uuid.uuid4().hex[:6]}", spec)
+    spec.groups[0].partition.CopyFrom(pb.Partition(kind=pb.PARTITION_KIND_ROWS))  # rows: the parameter's own
+    conn.create_session(f"rows-{uuid.uuid4().hex[:6]}", spec)
 
 
 @pytest.mark.slow
