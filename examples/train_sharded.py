@@ -17,6 +17,12 @@ HSDP's all-reduce over the replica group, is the daemon's (docs/ranks.md, HSDP).
     muond --listen 127.0.0.1:50051 --backend cpu &
     python3 examples/train_sharded.py --endpoint 127.0.0.1:50051 --ranks 2 --steps 50
     python3 examples/train_sharded.py --endpoint 127.0.0.1:50051 --ranks 4 --replicas 2
+
+With several daemons (``--endpoint a,b``) the session spreads over them too: each daemon holds whole
+parameters, assembled from the ranks' parts (docs/ranks.md, Over several daemons).
+
+    muond --listen 127.0.0.1:50052 --backend cpu &
+    python3 examples/train_sharded.py --endpoint 127.0.0.1:50051,127.0.0.1:50052 --ranks 2
 """
 
 from __future__ import annotations
@@ -85,14 +91,17 @@ def train(rank: int, args: argparse.Namespace, store: str) -> None:
         {"params": matrices, "partition": rows},
         {"params": biases, "optimizer": "adamw", "lr": 3e-3, "partition": flat},
     ]
-    opt = muond.RemoteOptimizer(groups, endpoint=args.endpoint, lr=0.02)
+    daemons = args.endpoint.split(",")
+    where = {"endpoints": daemons} if len(daemons) > 1 else {"endpoint": args.endpoint}
+    opt = muond.RemoteOptimizer(groups, **where, lr=0.02)
     x, y = make_data(seed=1)
     shard = slice(rank, None, args.ranks)  # this rank's share of the examples
     xs, ys = x[shard], y[shard]
     sent = sum(t.numel() for group in groups for _, t in group["params"])
     whole = sum(p.numel() for _, p in named)
     if rank == 0:
-        print(f"rank 0 holds {sent} of {whole} elements; steps travel over {opt.transport}", flush=True)
+        print(f"rank 0 holds {sent} of {whole} elements; steps travel over {opt.transport} to "
+              f"{len(daemons)} daemon(s)", flush=True)
     for step in range(1, args.steps + 1):
         gather_whole(model, groups, args.ranks, rank, replica)
         idx = torch.randint(0, xs.shape[0], (args.batch,), generator=torch.Generator().manual_seed(step * 97 + rank))
@@ -117,7 +126,8 @@ def train(rank: int, args: argparse.Namespace, store: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--endpoint", default=os.environ.get("MUOND_ENDPOINT", "127.0.0.1:50051"))
+    parser.add_argument("--endpoint", default=os.environ.get("MUOND_ENDPOINT", "127.0.0.1:50051"),
+                        help="the daemon, or several separated by commas (a session sharded over them)")
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--batch", type=int, default=64)

@@ -70,6 +70,7 @@ def run_sharded(endpoint, *args):
     first = float(lines[0].split("batch) ")[1].split()[0])
     final = float(proc.stdout.split("final loss on all data: ")[1].split()[0])
     held, whole = (int(n) for n in proc.stdout.split("rank 0 holds ")[1].split(" elements")[0].split(" of "))
+    assert f"to {len(endpoint.split(','))} daemon(s)" in proc.stdout, proc.stdout
     return proc.stdout, first, final, held, whole
 
 
@@ -88,4 +89,13 @@ def test_sharded_example_trains_as_hsdp_with_two_replicas(endpoint):
     out, first, final, held, whole = run_sharded(endpoint, "--ranks", "4", "--replicas", "2")
     assert held < 0.6 * whole, out  # about half of every parameter: one of two shards
     assert "4 ranks, 2 replicas of 2 shards" in out
+    assert final < 0.5 * first, out
+
+
+def test_sharded_example_trains_with_parts_over_two_daemons(start_daemon):
+    """examples/train_sharded.py --endpoint a,b: two ranks holding parts, the session spread over
+    two daemons; the loss comes down."""
+    endpoints = ",".join(start_daemon().endpoint for _ in range(2))
+    out, first, final, held, whole = run_sharded(endpoints, "--ranks", "2")
+    assert held < 0.6 * whole, out
     assert final < 0.5 * first, out
