@@ -39,6 +39,12 @@ absl::Status ErrnoStatus(absl::string_view context, int error_number) {
       return absl::PermissionDeniedError(message);
     case ENOSPC:
     case EDQUOT:  // a user's quota is a full disk as far as the caller can act on it
+    // The daemon's own shortage (open files, memory), not anything wrong with the file: a restore
+    // that meets it stops the start-up instead of quarantining an intact folder.
+    case EMFILE:
+    case ENFILE:
+    case ENOMEM:
+    case ENOBUFS:
       return absl::ResourceExhaustedError(message);
     default:
       return absl::InternalError(message);

@@ -12,7 +12,8 @@
 //
 // Errors are absl::Status values whose message names the file and the errno text, e.g.
 // "cannot write /x/journal.log: No space left on device". Codes: NOT_FOUND for a missing file or
-// folder, PERMISSION_DENIED for EACCES/EPERM, RESOURCE_EXHAUSTED for a full disk (ENOSPC, EDQUOT),
+// folder, PERMISSION_DENIED for EACCES/EPERM, RESOURCE_EXHAUSTED for a full disk (ENOSPC, EDQUOT)
+// or the process's own shortage (EMFILE, ENFILE, ENOMEM, ENOBUFS),
 // FAILED_PRECONDITION for an entry that is not what a state file may be (a symbolic link, a FIFO, a
 // device), OUT_OF_RANGE for a file larger than a read's limit, INTERNAL for every other I/O error.
 //

@@ -58,6 +58,16 @@ void FaultInjectingEnv::FailTruncate(absl::string_view path_substring, TruncateF
   Arm(Fault{Operation::kTruncate, std::string(path_substring), AppendFault::kShortWrite, fault, 0, sticky});
 }
 
+void FaultInjectingEnv::FailRead(absl::string_view path_substring, int error_number, bool sticky) {
+  Arm(Fault{Operation::kRead, std::string(path_substring), AppendFault::kShortWrite, TruncateFault::kNothingTruncated,
+            0, sticky, error_number});
+}
+
+std::vector<std::string> FaultInjectingEnv::synced_folders() const {
+  absl::MutexLock lock(&mu_);
+  return synced_folders_;
+}
+
 void FaultInjectingEnv::ClearFaults() {
   absl::MutexLock lock(&mu_);
   faults_.clear();
@@ -144,10 +154,16 @@ absl::StatusOr<std::unique_ptr<WritableFile>> FaultInjectingEnv::NewAppendableFi
 }
 
 absl::StatusOr<std::string> FaultInjectingEnv::ReadFile(const std::string& path, uint64_t max_bytes) {
+  if (std::optional<Fault> fault = Trigger(Operation::kRead, path); fault.has_value()) {
+    return ErrnoStatus(absl::StrCat("cannot read ", path), fault->error_number);
+  }
   return base_->ReadFile(path, max_bytes);
 }
 
 absl::StatusOr<std::unique_ptr<ReadableFile>> FaultInjectingEnv::NewReadableFile(const std::string& path) {
+  if (std::optional<Fault> fault = Trigger(Operation::kRead, path); fault.has_value()) {
+    return ErrnoStatus(absl::StrCat("cannot read ", path), fault->error_number);
+  }
   return base_->NewReadableFile(path);
 }
 
@@ -165,6 +181,10 @@ absl::Status FaultInjectingEnv::RemoveTree(const std::string& path) { return bas
 absl::Status FaultInjectingEnv::CreateDirs(const std::string& path) { return base_->CreateDirs(path); }
 
 absl::Status FaultInjectingEnv::SyncDir(const std::string& path) {
+  {
+    absl::MutexLock lock(&mu_);
+    synced_folders_.push_back(path);
+  }
   if (Trigger(Operation::kSync, path).has_value()) {
     return ErrnoStatus(absl::StrCat("cannot fsync folder ", path), EIO);
   }

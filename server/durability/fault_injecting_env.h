@@ -1,7 +1,8 @@
 // FaultInjectingEnv: an Env for tests that passes everything through to a base Env, except the
 // faults a test arms: an Append that writes only half its data or hits a full disk, a failed fsync
-// (of a file or a folder), a failed rename, a failed truncation. A fault targets the files whose path contains a given
-// substring (an empty substring matches every path).
+// (of a file or a folder), a failed rename, a failed truncation, a failed read. A fault targets the files whose path
+// contains a given substring (an empty substring matches every path). It also keeps the folders it was
+// asked to fsync, in order (synced_folders()).
 //
 // A fault fires once and is then disarmed, unless armed with sticky = true, in which case it keeps
 // failing every matching operation once it is due, until ClearFaults(). `after_appends` /
@@ -58,6 +59,11 @@ class FaultInjectingEnv : public Env {
   // The next Truncate of a matching file fails (with Input/output error), as `fault` says.
   void FailTruncate(absl::string_view path_substring, TruncateFault fault = TruncateFault::kNothingTruncated,
                     bool sticky = false);
+  // The next ReadFile or NewReadableFile of a matching file fails as the POSIX Env fails with
+  // `error_number` (ErrnoStatus: "cannot read <path>: <its text>") and reads nothing.
+  void FailRead(absl::string_view path_substring, int error_number, bool sticky = false);
+  // Every folder SyncDir was asked for since construction, in order (a failed one too).
+  std::vector<std::string> synced_folders() const;
   // Disarms every fault, sticky or not. faults_triggered() is kept.
   void ClearFaults();
   // How many times a fault has fired since construction (a sticky fault counts every failure).
@@ -81,7 +87,7 @@ class FaultInjectingEnv : public Env {
  private:
   class FaultyWritableFile;
 
-  enum class Operation { kAppend, kSync, kRename, kTruncate };
+  enum class Operation { kAppend, kSync, kRename, kTruncate, kRead };
 
   struct Fault {
     Operation operation;
@@ -90,6 +96,7 @@ class FaultInjectingEnv : public Env {
     TruncateFault truncate_fault;  // only for kTruncate
     int passes_left;               // matching operations that still succeed before it fires
     bool sticky;
+    int error_number = 0;  // only for kRead
   };
 
   void Arm(Fault fault) ABSL_LOCKS_EXCLUDED(mu_);
@@ -104,6 +111,7 @@ class FaultInjectingEnv : public Env {
   mutable absl::Mutex mu_;
   std::vector<Fault> faults_ ABSL_GUARDED_BY(mu_);  // in the order they were armed
   int faults_triggered_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<std::string> synced_folders_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace muond::durability

@@ -47,6 +47,9 @@ absl::StatusOr<std::unique_ptr<SessionFiles>> SessionFiles::Open(const StateDirO
   const std::string dir = options.state_dir + "/" + session_id;
   if (options.env->IsLink(dir)) return LinkedFolder(dir);
   MUOND_RETURN_IF_ERROR(options.env->CreateDirs(dir));
+  // The folder's entry in the state directory is durable before any step in it is acknowledged: a
+  // power loss must not take the folder, with its journal, away.
+  MUOND_RETURN_IF_ERROR(options.env->SyncDir(options.state_dir));
   std::unique_ptr<SessionFiles> files(new SessionFiles(options, dir, last_generation));
   if (options.durability == Durability::kJournal) {
     MUOND_RETURN_IF_ERROR(files->journal_.Open(dir + "/" + kJournalFile, journal_complete_bytes));

@@ -72,6 +72,11 @@ TEST(ErrnoStatusTest, MapsErrnoToCodesAndNamesTheContext) {
   EXPECT_THAT(ErrnoStatus("cannot create /x", EPERM), StatusIs(absl::StatusCode::kPermissionDenied, "/x"));
   EXPECT_THAT(ErrnoStatus("cannot fsync /x", EIO),
               StatusIs(absl::StatusCode::kInternal, "cannot fsync /x: Input/output error"));
+  // The process's own shortage, not the file's fault.
+  for (int shortage : {EMFILE, ENFILE, ENOMEM, ENOBUFS}) {
+    EXPECT_THAT(ErrnoStatus("cannot read /x", shortage), StatusIs(absl::StatusCode::kResourceExhausted, "/x"))
+        << shortage;
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -4,7 +4,9 @@
 // a restore (a new registry over the same folder, as after kill -9) finds every acknowledged step. A
 // step that fails after it began changing the state breaks the session until its state is replaced;
 // one that fails after its record but before the masters change has its record withdrawn.
+#include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -275,6 +277,38 @@ TEST_F(DurableSessionTest, ATornTailIsCutOffBeforeTheNextRecordWhenTheRestartCan
 // and the restored session goes on from the highest. Had it started again from its checkpoint's, a
 // later SetState back (whose journal could not be emptied) would take a generation that records of
 // the history it replaced already carry, and a restart would replay them onto it.
+// A restart that cannot read a session's files for want of its own (open files, memory) stops, moving
+// nothing: the folder is intact, and quarantining it would free its id for a new session. A read
+// error of the files themselves (EIO) still quarantines the folder (moved, never deleted).
+TEST_F(DurableSessionTest, ARestartShortOfFilesOrMemoryStopsAndLeavesTheFolderInPlace) {
+  ASSERT_OK(Step(1));
+  ASSERT_OK(Step(2));
+  session_.reset();
+  for (int shortage : {EMFILE, ENOMEM}) {
+    SCOPED_TRACE(shortage);
+    env_.FailRead("checkpoint.json", shortage);
+    EXPECT_THAT(Open(&env_), StatusIs(absl::StatusCode::kResourceExhausted, "checkpoint.json"));
+    EXPECT_TRUE(std::filesystem::exists(dir_ + "/s/checkpoint.json"));
+    EXPECT_FALSE(std::filesystem::exists(dir_ + "/+quarantine"));
+  }
+  ExpectRestoreHoldsEveryAcknowledgedStep();
+  session_.reset();
+  env_.FailRead("checkpoint.json", EIO);
+  ASSERT_OK_AND_ASSIGN(std::shared_ptr<Session> fresh, Open(&env_));  // "s" quarantined, then made anew
+  EXPECT_EQ(fresh->last_step(), 0);
+  EXPECT_TRUE(std::filesystem::exists(dir_ + "/+quarantine"));
+}
+
+// A new session's folder is made durable in the state directory (its entry fsynced) when it is made,
+// before any step of it is acknowledged.
+TEST_F(DurableSessionTest, ANewSessionsFolderIsSyncedIntoTheStateDirectory) {
+  const size_t before = env_.synced_folders().size();
+  ASSERT_OK(registry_->CreateOrAttach("t", rpc::SpecToJson(SmallSpec())).status());
+  ASSERT_TRUE(std::filesystem::is_directory(dir_ + "/t"));
+  const std::vector<std::string> synced = env_.synced_folders();
+  EXPECT_NE(std::find(synced.begin() + static_cast<std::ptrdiff_t>(before), synced.end(), dir_), synced.end());
+}
+
 TEST_F(DurableSessionTest, GenerationsTriedBeforeAStopAreNotGivenAgain) {
   ASSERT_OK(Step(1));
   ASSERT_OK(Step(2));
