@@ -29,7 +29,9 @@
 #include "kernels/cpu/blas_kernel.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/optim/newton_schulz.h"
+#include "server/durability/env.h"
 #include "server/durability/session_files.h"
+#include "server/durability/state_dir_lock.h"
 #include "server/metrics/metrics.h"
 #include "server/metrics/metrics_endpoint.h"
 #include "server/metrics/prometheus_metrics.h"
@@ -245,9 +247,21 @@ session::SpecLimits SpecLimitsOf(const DaemonFlags& flags) {
   return spec_limits;
 }
 
-// With --state-dir: makes the registry durable and restores the sessions found there.
-bool RestoreStateDir(const DaemonFlags& flags, const kernels::Backend& backend, session::SessionRegistry& registry) {
+// With --state-dir: takes the folder's lock (held in `lock` for the daemon's life: one daemon per
+// state directory), makes the registry durable and restores the sessions found there.
+bool RestoreStateDir(const DaemonFlags& flags, const kernels::Backend& backend, session::SessionRegistry& registry,
+                     std::unique_ptr<durability::StateDirLock>& lock) {
   if (flags.state_dir.empty()) return true;
+  if (absl::Status created = durability::Env::Default()->CreateDirs(flags.state_dir); !created.ok()) {
+    MUOND_LOG(error, "cannot create --state-dir {}: {}", flags.state_dir, created.message());
+    return false;
+  }
+  absl::StatusOr<std::unique_ptr<durability::StateDirLock>> locked = durability::StateDirLock::Acquire(flags.state_dir);
+  if (!locked.ok()) {
+    MUOND_LOG(error, "{}", locked.status().message());
+    return false;
+  }
+  lock = *std::move(locked);
   durability::StateDirOptions state;
   state.state_dir = flags.state_dir;
   state.durability =
@@ -458,9 +472,11 @@ int Run(int argc, char** argv) {
   const MetricsOutlet& metrics_outlet = std::get<MetricsOutlet>(started_metrics);
 
   const rpc::ProtoSpecCodec spec_codec;
+  // Declared before the registry, so held until every session's files are done with.
+  std::unique_ptr<durability::StateDirLock> state_dir_lock;
   session::SessionRegistry registry(backend, &spec_codec, SpecLimitsOf(*flags), flags->max_sessions,
                                     {flags->max_session_bytes, flags->max_total_bytes}, metrics_outlet.metrics);
-  if (!RestoreStateDir(*flags, *backend, registry)) return 1;
+  if (!RestoreStateDir(*flags, *backend, registry, state_dir_lock)) return 1;
   const std::optional<Transports> transports = StartTransports(*flags, backend, *fd_budget);
   if (!transports) return 1;
   const rpc::ServiceOptions service_options = ServiceOptionsOf(*flags, *access, metrics_outlet, *transports);

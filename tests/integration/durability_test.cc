@@ -227,6 +227,39 @@ TEST(DurabilityTest, ARestoredSessionShowsItsLastStepsGroupFigures) {
   EXPECT_EQ(sessions[0].telemetry_step(), 3);
 }
 
+// One daemon per state directory: a second started on the folder another is serving exits 1 naming
+// the folder and the holder, and touches nothing there; once the first is gone (stopped, or killed:
+// the kernel drops its lock) the next starts and restores the session.
+TEST(DurabilityTest, ASecondDaemonOnTheSameStateDirRefusesToStart) {
+  DurableDaemon first({"--durability", "journal"});
+  std::string error;
+  ASSERT_TRUE(first.Start(&error)) << error;
+  auto client = first.Connect();
+  Trainer trainer;
+  auto session = UploadedSession(*client, "locked", &trainer);
+  ASSERT_OK(session->Step(1, trainer.Gradients(1)).status());
+  const std::string journal = first.state_dir() + "/locked/journal.log";
+  const std::string saved_journal = ReadWholeFileForTest(journal);
+
+  DaemonProcess second;
+  EXPECT_FALSE(second.Start({"--backend", "cpu", "--durability", "journal", "--state-dir", first.state_dir()}, &error));
+  EXPECT_TRUE(WIFEXITED(second.exit_status()) && WEXITSTATUS(second.exit_status()) == 1) << second.exit_status();
+  EXPECT_THAT(second.ReadStderr(), HasSubstr("--state-dir " + first.state_dir() + " is in use by another muond (pid "));
+  EXPECT_EQ(ReadWholeFileForTest(journal), saved_journal);
+  ASSERT_OK(session->Step(2, trainer.Gradients(2)).status()) << "the first daemon serves on";
+
+  first.process().Kill();
+  ASSERT_TRUE(second.Start({"--backend", "cpu", "--durability", "journal", "--state-dir", first.state_dir()}, &error))
+      << error;
+  client::ClientOptions options = testing::TestClientOptions();
+  options.endpoint = second.endpoint();
+  ASSERT_OK_AND_ASSIGN(auto second_client, client::Client::Connect(options));
+  ASSERT_OK_AND_ASSIGN(std::vector<v1::SessionSummary> sessions, second_client->ListSessions());
+  ASSERT_EQ(sessions.size(), 1u);
+  EXPECT_EQ(sessions[0].last_step(), 2);
+  EXPECT_EQ(second.Stop(), 0);
+}
+
 // Starts the daemon over a damaged state directory and expects a refusal naming `file`.
 void ExpectRefusal(DurableDaemon& daemon, const std::string& file) {
   std::string error;
