@@ -518,6 +518,26 @@ def test_quorum_and_async_are_refused_with_a_partition(endpoint):
                               sync_mode="async", max_staleness=2)
 
 
+@pytest.mark.slow
+def test_parts_over_daemons_survive_a_rank_and_a_shard_killed(start_daemon, tmp_path):
+    # Three daemons under the journal. Rank 2 stops after step 1 and is SIGKILLed while the others
+    # wait in step 2's prepare on every shard; a new process of it attaches, reads its parts back from
+    # each daemon and sends step 2. Then shard 1 is SIGKILLed between steps and restarted at its
+    # address: the ranks attach again and go on. Every part stays bit for bit the whole session's.
+    def flags(k):
+        return ("--state-dir", tmp_path / f"state{k}", "--durability", "journal")
+
+    daemons = [start_daemon(*flags(k), workdir=tmp_path / f"d{k}") for k in range(3)]
+    endpoints = [daemon.endpoint for daemon in daemons]
+    want = reference([start_daemon().endpoint for _ in range(3)])
+    kinds = ["rows", "rows", "flat", "explicit"]
+    session = f"killed-{uuid.uuid4().hex[:8]}"
+    run_ranks(endpoints, kinds, steps=range(1, 3), session=session, keep=True, hold=(2, 1))
+    daemons[1].kill()
+    daemons[1] = start_daemon(*flags(1), listen=endpoints[1], workdir=tmp_path / "d1")
+    expect_parts(run_ranks(endpoints, kinds, session=session), want, kinds)
+
+
 def test_a_flat_partition_on_a_shard_is_refused_naming_its_kind(endpoint):
     # A shard holds some of a group's parameters: flat ranges of a subset would be another layout.
     spec = _spec(2, pb.Partition(kind=pb.PARTITION_KIND_FLAT))
