@@ -38,47 +38,63 @@ bool IsMuon(const v1::SessionSpec& spec, const std::string& group) {
 }
 
 // A group's partition as the shard holding the parameters `held` is given it (docs/ranks.md, Over
-// several daemons): a flat one as the explicit ranges its parameters have in the whole group, an
-// explicit one naming only its parameters; rows stay (each parameter's own rule).
+// several daemons), as the Python client gives it (the specs of ranks attaching must be identical):
+// a flat or explicit one as the explicit ranges of its parameters in the whole group, each shard's
+// in the group's order, empty ones left out; rows stay (each parameter's own rule). A range naming
+// a parameter outside the group stays, for the daemon to refuse naming it.
 void HoldOnShard(const v1::SessionSpec& whole, const std::string& group, const std::vector<std::string>& held,
                  v1::Partition& partition) {
   auto is_held = [&](const std::string& name) { return std::find(held.begin(), held.end(), name) != held.end(); };
   const int world_size = std::max(1, whole.world_size());
   const int shards = ShardCount(world_size, partition.replicas());
-  if (partition.kind() == v1::PARTITION_KIND_EXPLICIT) {
-    for (v1::RankRanges& entry : *partition.mutable_ranks()) {
-      auto& ranges = *entry.mutable_ranges();
-      ranges.erase(std::remove_if(ranges.begin(), ranges.end(),
-                                  [&](const v1::ParameterRange& range) { return !is_held(range.parameter()); }),
-                   ranges.end());
-    }
-    return;
-  }
   // Replicas that do not divide world_size stay as given: the daemon refuses them naming the field.
-  if (partition.kind() != v1::PARTITION_KIND_FLAT || shards < 1) return;
-  if (partition.replicas() > 1 && world_size % partition.replicas() != 0) return;
-  std::vector<std::string> names;
+  if (shards < 1 || (partition.replicas() > 1 && world_size % partition.replicas() != 0)) return;
+  std::map<std::string, size_t> position;  // in the group
+  std::vector<std::string> names;          // the group's, in order
   std::vector<int64_t> numels;
   for (const v1::ParameterSpec& p : whole.parameters()) {
     if (p.group() != group) continue;
+    position.emplace(p.name(), names.size());
     names.push_back(p.name());
     numels.push_back(std::accumulate(p.shape().begin(), p.shape().end(), int64_t{1}, std::multiplies<>()));
   }
-  const std::vector<std::vector<ElementRange>> parts =
-      FlatParts(numels, std::max<int64_t>(1, partition.alignment()), shards);
   v1::Partition given;
   given.set_kind(v1::PARTITION_KIND_EXPLICIT);
   given.set_replicas(partition.replicas());
-  for (int r = 0; r < shards; ++r) {
-    v1::RankRanges* entry = given.add_ranks();
-    for (size_t k = 0; k < names.size(); ++k) {
-      const ElementRange range = parts[k][static_cast<size_t>(r)];
-      if (!is_held(names[k]) || range.size() == 0) continue;
-      v1::ParameterRange* out = entry->add_ranges();
-      out->set_parameter(names[k]);
-      out->set_begin(range.begin);
-      out->set_end(range.end);
+  if (partition.kind() == v1::PARTITION_KIND_FLAT) {
+    const std::vector<std::vector<ElementRange>> parts =
+        FlatParts(numels, std::max<int64_t>(1, partition.alignment()), shards);
+    for (int r = 0; r < shards; ++r) {
+      v1::RankRanges* entry = given.add_ranks();
+      for (size_t k = 0; k < names.size(); ++k) {
+        const ElementRange range = parts[k][static_cast<size_t>(r)];
+        if (!is_held(names[k]) || range.size() == 0) continue;
+        v1::ParameterRange* out = entry->add_ranges();
+        out->set_parameter(names[k]);
+        out->set_begin(range.begin);
+        out->set_end(range.end);
+      }
     }
+  } else if (partition.kind() == v1::PARTITION_KIND_EXPLICIT) {
+    for (const v1::RankRanges& rank : partition.ranks()) {
+      v1::RankRanges* entry = given.add_ranks();
+      for (const v1::ParameterRange& range : rank.ranges()) {
+        const bool known = position.contains(range.parameter());
+        if ((known && !is_held(range.parameter())) || range.begin() == range.end()) continue;
+        *entry->add_ranges() = range;
+      }
+      // In the group's order, as the Python client lists them; unknown names last, as given.
+      std::stable_sort(entry->mutable_ranges()->begin(), entry->mutable_ranges()->end(),
+                       [&](const v1::ParameterRange& a, const v1::ParameterRange& b) {
+                         auto at = [&](const v1::ParameterRange& x) {
+                           auto it = position.find(x.parameter());
+                           return it == position.end() ? names.size() : it->second;
+                         };
+                         return at(a) < at(b);
+                       });
+    }
+  } else {
+    return;
   }
   partition = std::move(given);
 }
@@ -172,6 +188,8 @@ v1::SessionSpec ShardSpec(const v1::SessionSpec& whole, const Placement& placeme
   for (const v1::QkClipPair& pair : whole.qk_clip()) {
     if (std::find(names.begin(), names.end(), pair.query()) != names.end()) *spec.add_qk_clip() = pair;
   }
+  // Every shard is told how the ranks synchronize: a daemon refuses what a sharded session cannot do.
+  if (whole.has_sync()) *spec.mutable_sync() = whole.sync();
   // Every shard keeps the same scaler: each sees the same commit decisions, so their scales agree.
   if (whole.has_loss_scaler()) *spec.mutable_loss_scaler() = whole.loss_scaler();
   *spec.mutable_labels() = whole.labels();

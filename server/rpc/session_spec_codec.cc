@@ -414,6 +414,8 @@ absl::Status ParsePartitions(const v1::SessionSpec& spec, SessionConfig& config)
                      "): a missing rank's part is a missing piece of the gradient, not a smaller batch",
                      config.sync.mode == SyncMode::kQuorum ? " (quorum needs replicas of every partition, HSDP)" : ""));
   }
+  // The rules' own checks first (replicas that do not divide the ranks, bad explicit ranges).
+  MUOND_RETURN_IF_ERROR(session::LayOutParts(rules, config));
   // A shard holds some of a group's parameters: rows and explicit ranges are per parameter, but a flat
   // partition cuts through all of them in order, so a shard is given its ranges as explicit ones.
   if (config.shard.count > 0) {
@@ -424,7 +426,7 @@ absl::Status ParsePartitions(const v1::SessionSpec& spec, SessionConfig& config)
                           "only some of: give each shard its ranges as an explicit partition (the clients do)");
     }
   }
-  return session::LayOutParts(rules, config);
+  return absl::OkStatus();
 }
 
 }  // namespace

@@ -464,6 +464,84 @@ TEST(ShardPlacementTest, LongestFirstOntoTheLeastLoadedWithPairsTogether) {
   for (int k = 0; k < 3; ++k) EXPECT_EQ(client::ShardSpec(spec, placement, three, k).labels().at("run"), "r42") << k;
 }
 
+// What each shard's spec holds of a partition, as the Python client gives it
+// (tests/python/test_partition.py checks the same example), so that ranks of either client attach:
+// a flat group's ranges over the whole group, an explicit group's ranges of the shard's parameters,
+// each in the group's order and without empty ones. x (12 elements), y (5) and z (6) flat with
+// alignment 4 over 2 ranks: ranges of 14 over [x 0-12 | pad | y 12-17 | pad | z 20-26 | pad].
+TEST(ShardSpecTest, PartitionsReachEachShardAsThePythonClientGivesThem) {
+  v1::SessionSpec spec;
+  spec.set_world_size(2);
+  for (const char* group : {"flat", "explicit"}) {
+    v1::ParameterGroup* g = spec.add_groups();
+    g->set_name(group);
+    g->mutable_options()->set_optimizer(v1::OPTIMIZER_ADAMW);
+  }
+  spec.mutable_groups(0)->mutable_partition()->set_kind(v1::PARTITION_KIND_FLAT);
+  spec.mutable_groups(0)->mutable_partition()->set_alignment(4);
+  AddParameter(spec, "x", {4, 3}, "flat");
+  AddParameter(spec, "y", {5}, "flat");
+  AddParameter(spec, "z", {6}, "flat");
+  AddParameter(spec, "u", {4}, "explicit");
+  AddParameter(spec, "v", {4}, "explicit");
+  v1::Partition* given = spec.mutable_groups(1)->mutable_partition();
+  given->set_kind(v1::PARTITION_KIND_EXPLICIT);
+  auto add = [](v1::RankRanges* rank, const std::string& name, int64_t begin, int64_t end) {
+    v1::ParameterRange* range = rank->add_ranges();
+    range->set_parameter(name);
+    range->set_begin(begin);
+    range->set_end(end);
+  };
+  v1::RankRanges* rank0 = given->add_ranks();
+  add(rank0, "v", 0, 2);
+  add(rank0, "u", 0, 4);
+  v1::RankRanges* rank1 = given->add_ranks();
+  add(rank1, "v", 2, 4);
+  add(rank1, "u", 4, 4);
+  client::Placement placement;
+  placement.shard_of = {0, 1, 0, 0, 1};
+  placement.loads = {0, 0};
+  // Each shard's partitions as "group: rank r: name begin-end, …; rank r: …".
+  auto ranges_of = [&](int shard) {
+    std::vector<std::string> out;
+    const v1::SessionSpec mine = client::ShardSpec(spec, placement, {"a:1", "b:2"}, shard);
+    for (const v1::ParameterGroup& g : mine.groups()) {
+      std::string text = g.name() + (g.partition().kind() == v1::PARTITION_KIND_EXPLICIT ? ":" : ": not explicit");
+      for (int r = 0; r < g.partition().ranks_size(); ++r) {
+        text += absl::StrCat(" rank ", r, ":");
+        for (const v1::ParameterRange& range : g.partition().ranks(r).ranges())
+          text += absl::StrCat(" ", range.parameter(), " ", range.begin(), "-", range.end());
+      }
+      out.push_back(text);
+    }
+    return out;
+  };
+  EXPECT_THAT(ranges_of(0),
+              ::testing::ElementsAre("flat: rank 0: x 0-12 rank 1: z 0-6", "explicit: rank 0: u 0-4 rank 1:"));
+  EXPECT_THAT(ranges_of(1),
+              ::testing::ElementsAre("flat: rank 0: y 0-2 rank 1: y 2-5", "explicit: rank 0: v 0-2 rank 1: v 2-4"));
+  // A range naming no parameter of the group stays, for the daemon to refuse naming it.
+  add(rank1, "typo", 0, 1);
+  EXPECT_EQ(ranges_of(0)[1], "explicit: rank 0: u 0-4 rank 1: typo 0-1");
+}
+
+// A ShardedSession is told how its ranks synchronize like every shard: quorum and asynchronous steps
+// are refused as one daemon refuses them on a sharded spec, not run lock-step without a word.
+TEST_F(ShardedSessionTest, QuorumOrAsyncStepsAreRefusedOnShards) {
+  const std::vector<std::string> shards(endpoints_.begin(), endpoints_.begin() + 2);
+  v1::SessionSpec spec = ModelSpec();
+  spec.set_world_size(2);
+  spec.mutable_sync()->set_mode(v1::SYNC_MODE_QUORUM);
+  spec.mutable_sync()->set_min_ranks(1);
+  EXPECT_THAT(
+      client::ShardedSession::Open(options_, shards, "quorum", spec),
+      StatusIs(absl::StatusCode::kInvalidArgument, "spec.sync.mode: quorum steps are not available on a sharded"));
+  spec.mutable_sync()->set_mode(v1::SYNC_MODE_ASYNC);
+  spec.mutable_sync()->clear_min_ranks();
+  EXPECT_THAT(client::ShardedSession::Open(options_, shards, "async", spec),
+              StatusIs(absl::StatusCode::kInvalidArgument, "asynchronous steps are not available on a sharded"));
+}
+
 // Checkpoint() asks each shard's step before any shard writes one; a shard that no longer holds the
 // session leaves that to its own checkpoint call, which the daemon refuses with its reason.
 TEST_F(ShardedSessionTest, ACheckpointWithAShardThatLostTheSessionKeepsTheDaemonsReason) {

@@ -21,6 +21,7 @@ import torch
 import muond
 from muond import partition as part
 from muond import placement
+from muond import session_spec
 from muond._stubs import pb
 from muond.transport import framing
 from muond import wire
@@ -536,6 +537,36 @@ def test_parts_over_daemons_survive_a_rank_and_a_shard_killed(start_daemon, tmp_
     daemons[1].kill()
     daemons[1] = start_daemon(*flags(1), listen=endpoints[1], workdir=tmp_path / "d1")
     expect_parts(run_ranks(endpoints, kinds, session=session), want, kinds)
+
+
+def test_partitions_reach_each_shard_as_the_cpp_client_gives_them():
+    # The example of ShardSpecTest (tests/integration/sharded_session_test.cc): ranks of either
+    # client attach to a sharded session only with identical shard specs.
+    whole = pb.SessionSpec(world_size=2)
+    for name in ("flat", "explicit"):
+        whole.groups.add(name=name, options=pb.GroupOptions(optimizer=pb.OPTIMIZER_ADAMW))
+    whole.groups[0].partition.CopyFrom(pb.Partition(kind=pb.PARTITION_KIND_FLAT, alignment=4))
+    for name, shape, group in (("x", [4, 3], "flat"), ("y", [5], "flat"), ("z", [6], "flat"),
+                               ("u", [4], "explicit"), ("v", [4], "explicit")):
+        whole.parameters.add(name=name, shape=shape, group=group)
+    given = whole.groups[1].partition
+    given.kind = pb.PARTITION_KIND_EXPLICIT
+    given.ranks.add().ranges.extend([pb.ParameterRange(parameter="v", begin=0, end=2),
+                                     pb.ParameterRange(parameter="u", begin=0, end=4)])
+    given.ranks.add().ranges.extend([pb.ParameterRange(parameter="v", begin=2, end=4),
+                                     pb.ParameterRange(parameter="u", begin=4, end=4)])
+
+    def ranges_of(shard, mine):
+        out = []
+        for g in session_spec.shard_spec(whole, shard, mine, ["a:1", "b:2"]).groups:
+            text = g.name + (":" if g.partition.kind == pb.PARTITION_KIND_EXPLICIT else ": not explicit")
+            for r, rank in enumerate(g.partition.ranks):
+                text += f" rank {r}:" + "".join(f" {x.parameter} {x.begin}-{x.end}" for x in rank.ranges)
+            out.append(text)
+        return out
+
+    assert ranges_of(0, [0, 2, 3]) == ["flat: rank 0: x 0-12 rank 1: z 0-6", "explicit: rank 0: u 0-4 rank 1:"]
+    assert ranges_of(1, [1, 4]) == ["flat: rank 0: y 0-2 rank 1: y 2-5", "explicit: rank 0: v 0-2 rank 1: v 2-4"]
 
 
 def test_a_flat_partition_on_a_shard_is_refused_naming_its_kind(endpoint):
