@@ -58,6 +58,12 @@ absl::StatusOr<std::unique_ptr<StateDirLock>> StateDirLock::Acquire(const std::s
                                                         HolderOf(fd), ", which holds ", path,
                                                         ": one daemon per state directory"));
     }
+    if (errno == ENOLCK || errno == EOPNOTSUPP || errno == ENOSYS) {
+      const absl::Status why = ErrnoStatus("flock", errno);
+      return absl::FailedPreconditionError(absl::StrCat("cannot lock ", path, ": the file system of --state-dir ",
+                                                        state_dir, " does not support locks (", why.message(),
+                                                        "); give a folder on a local disk"));
+    }
     return ErrnoStatus(absl::StrCat("cannot lock ", path), errno);
   }
   const std::string pid = absl::StrCat(::getpid(), "\n");

@@ -38,8 +38,8 @@ TEST_F(StateDirLockTest, ASecondHolderIsRefusedNamingTheFirstUntilItLetsGo) {
   EXPECT_EQ(pid, ::getpid());
   EXPECT_THAT(StateDirLock::Acquire(dir_),
               StatusIs(absl::StatusCode::kFailedPrecondition,
-                       absl::StrCat("--state-dir ", dir_, " is in use by another muond (pid ", ::getpid(), "), which holds ",
-                                    dir_, "/+lock: one daemon per state directory")));
+                       absl::StrCat("--state-dir ", dir_, " is in use by another muond (pid ", ::getpid(),
+                                    "), which holds ", dir_, "/+lock: one daemon per state directory")));
   first.reset();
   EXPECT_OK(StateDirLock::Acquire(dir_).status());
 }
