@@ -9,6 +9,9 @@ group says how its parameters are cut with a ``Partition``, which also carries t
     groups = [{"params": local_matrices, "partition": muond.partition.rows(global_shapes)}, ...]
     opt = muond.RemoteOptimizer(groups, endpoint, world_size=N, rank=r)
 
+With ``endpoints=[...]`` the session spreads over several daemons, each holding whole parameters
+assembled from the ranks' parts (``held_on_a_shard``: what each is given of a partition).
+
 The rules, the same as the daemon's (it checks every size again):
 
 - ``rows`` (DTensor ``Shard(0)``, FSDP2): rank r holds rows [r·c, min(m, (r+1)·c)) of m rows,
