@@ -1,9 +1,10 @@
 // A session spread over three real daemons through client::ShardedSession (docs/sharding.md): it
 // trains exactly as one daemon does — Muon and AdamW groups, global clipping, a non-finite step,
 // QK-clip — steps are exactly-once across shards (a step cut off is kept and sent again with its own
-// gradients, with one rank or several), ranks that hold parts step on the shards as one rank on one
-// daemon, and a different endpoint list for an existing session is refused, naming it. The placement rule is checked on
-// the same example as the Python client's (tests/python/test_shards.py), so both clients place alike.
+// gradients, with one rank or several), and a different endpoint list for an existing session is
+// refused, naming it. The placement rule is checked on the same example as the Python client's
+// (tests/python/test_shards.py), so both clients place alike. Ranks that hold parts on shards:
+// sharded_parts_test.cc.
 #include "client/sharded_session.h"
 
 #include <cmath>
@@ -14,80 +15,16 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/error_reason.h"
-#include "common/partition_rules.h"
 #include "gmock/gmock.h"
 #include "tests/integration/call_cutting_proxy.h"
-#include "tests/integration/daemon_process.h"
-#include "tests/testing/status_matchers.h"
+#include "tests/integration/sharded_session_fixture.h"
 
 namespace muond::testing {
 namespace {
 
 using ::muond::testing::StatusIs;
 
-void AddParameter(v1::SessionSpec& spec, const std::string& name, std::vector<int64_t> shape,
-                  const std::string& group) {
-  v1::ParameterSpec* p = spec.add_parameters();
-  p->set_name(name);
-  for (int64_t d : shape) p->add_shape(d);
-  p->set_group(group);
-}
-
-// Four Muon matrices (wq/wk a QK-clip pair of 2 heads) and two AdamW tensors.
-v1::SessionSpec ModelSpec() {
-  v1::SessionSpec spec;
-  spec.add_groups()->set_name("muon");
-  spec.mutable_groups(0)->mutable_options()->set_qk_clip_threshold(1.0);
-  v1::ParameterGroup* adamw = spec.add_groups();
-  adamw->set_name("adamw");
-  adamw->mutable_options()->set_optimizer(v1::OPTIMIZER_ADAMW);
-  AddParameter(spec, "emb", {24, 8}, "adamw");
-  AddParameter(spec, "wq", {8, 8}, "muon");
-  AddParameter(spec, "wk", {8, 8}, "muon");
-  AddParameter(spec, "w1", {16, 8}, "muon");
-  AddParameter(spec, "b1", {16}, "adamw");
-  AddParameter(spec, "w2", {8, 16}, "muon");
-  v1::QkClipPair* pair = spec.add_qk_clip();
-  pair->set_query("wq");
-  pair->set_key("wk");
-  pair->set_num_heads(2);
-  return spec;
-}
-
-int64_t Numel(const v1::ParameterSpec& p) {
-  int64_t n = 1;
-  for (int64_t d : p.shape()) n *= d;
-  return n;
-}
-
-std::vector<float> Values(int64_t n, int seed, float scale) {
-  std::vector<float> v(n);
-  for (int64_t i = 0; i < n; ++i) v[i] = scale * std::sin(0.7f * seed + 0.31f * static_cast<float>(i));
-  return v;
-}
-
-// Every parameter's values for `seed`, and views of them.
-struct Tensors {
-  explicit Tensors(const v1::SessionSpec& spec, int seed, float scale) {
-    for (int i = 0; i < spec.parameters_size(); ++i) data.push_back(Values(Numel(spec.parameters(i)), seed + i, scale));
-    for (int i = 0; i < spec.parameters_size(); ++i) {
-      const v1::ParameterSpec& p = spec.parameters(i);
-      views.push_back({p.name(), {p.shape().begin(), p.shape().end()}, data[i]});
-    }
-  }
-  std::vector<std::vector<float>> data;
-  std::vector<client::TensorView> views;
-};
-
 constexpr int kNanStep = 4;
-
-client::StepOptions OptionsOf(int step) {
-  client::StepOptions options;
-  options.max_grad_norm = 0.8;
-  options.lr["muon"] = 0.05 / step;
-  options.qk_logits["wq"] = {0.5 + step, 2.0};
-  return options;
-}
 
 // Steps `from` to `to` on both sessions with the same gradients and options: they answer alike, bit
 // for bit.
@@ -110,41 +47,6 @@ void ExpectLastLr(const client::ShardedSession& session, double lr) {
   EXPECT_EQ(o.lr(), lr);
   EXPECT_FALSE(o.has_momentum() || o.has_weight_decay() || o.has_beta1() || o.has_beta2());
 }
-
-class ShardedSessionTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    for (DaemonProcess& daemon : daemons_) {
-      std::string error;
-      std::vector<std::string> flags = {"--backend", "cpu", "--log-level", "warn"};
-      flags.insert(flags.end(), extra_flags_.begin(), extra_flags_.end());
-      ASSERT_TRUE(daemon.Start(flags, &error)) << error;
-      endpoints_.push_back(daemon.endpoint());
-    }
-    options_ = TestClientOptions();
-  }
-
-  // `id` sharded over `shards` and, for comparison, on the fourth daemon alone, both uploaded with
-  // the same initial values (`single` stays null when anything fails).
-  void OpenBoth(const std::string& id, const v1::SessionSpec& spec, const std::vector<std::string>& shards,
-                std::unique_ptr<client::ShardedSession>* sharded, std::unique_ptr<client::Session>* single) {
-    ASSERT_OK_AND_ASSIGN(*sharded, client::ShardedSession::Open(options_, shards, id, spec));
-    client::ClientOptions one = options_;
-    one.endpoint = endpoints_[3];
-    ASSERT_OK_AND_ASSIGN(single_client_, client::Client::Connect(one));
-    ASSERT_OK_AND_ASSIGN(auto made, single_client_->CreateSession(id, spec));
-    const Tensors initial(spec, 0, 0.5f);
-    ASSERT_OK((*sharded)->UploadParameters(initial.views));
-    ASSERT_OK(made->UploadParameters(initial.views));
-    *single = std::move(made);
-  }
-
-  std::vector<std::string> extra_flags_;  // every daemon's, beyond the backend and log level
-  DaemonProcess daemons_[4];              // three shards, and one daemon for the one-daemon run
-  std::unique_ptr<client::Client> single_client_;
-  std::vector<std::string> endpoints_;
-  client::ClientOptions options_;
-};
 
 TEST_F(ShardedSessionTest, ThreeDaemonsTrainBitIdenticalToOne) {
   const v1::SessionSpec spec = ModelSpec();
@@ -464,67 +366,6 @@ TEST(ShardPlacementTest, LongestFirstOntoTheLeastLoadedWithPairsTogether) {
   for (int k = 0; k < 3; ++k) EXPECT_EQ(client::ShardSpec(spec, placement, three, k).labels().at("run"), "r42") << k;
 }
 
-// What each shard's spec holds of a partition, as the Python client gives it
-// (tests/python/test_partition.py checks the same example), so that ranks of either client attach:
-// a flat group's ranges over the whole group, an explicit group's ranges of the shard's parameters,
-// each in the group's order and without empty ones. x (12 elements), y (5) and z (6) flat with
-// alignment 4 over 2 ranks: ranges of 14 over [x 0-12 | pad | y 12-17 | pad | z 20-26 | pad].
-TEST(ShardSpecTest, PartitionsReachEachShardAsThePythonClientGivesThem) {
-  v1::SessionSpec spec;
-  spec.set_world_size(2);
-  for (const char* group : {"flat", "explicit"}) {
-    v1::ParameterGroup* g = spec.add_groups();
-    g->set_name(group);
-    g->mutable_options()->set_optimizer(v1::OPTIMIZER_ADAMW);
-  }
-  spec.mutable_groups(0)->mutable_partition()->set_kind(v1::PARTITION_KIND_FLAT);
-  spec.mutable_groups(0)->mutable_partition()->set_alignment(4);
-  AddParameter(spec, "x", {4, 3}, "flat");
-  AddParameter(spec, "y", {5}, "flat");
-  AddParameter(spec, "z", {6}, "flat");
-  AddParameter(spec, "u", {4}, "explicit");
-  AddParameter(spec, "v", {4}, "explicit");
-  v1::Partition* given = spec.mutable_groups(1)->mutable_partition();
-  given->set_kind(v1::PARTITION_KIND_EXPLICIT);
-  auto add = [](v1::RankRanges* rank, const std::string& name, int64_t begin, int64_t end) {
-    v1::ParameterRange* range = rank->add_ranges();
-    range->set_parameter(name);
-    range->set_begin(begin);
-    range->set_end(end);
-  };
-  v1::RankRanges* rank0 = given->add_ranks();
-  add(rank0, "v", 0, 2);
-  add(rank0, "u", 0, 4);
-  v1::RankRanges* rank1 = given->add_ranks();
-  add(rank1, "v", 2, 4);
-  add(rank1, "u", 4, 4);
-  client::Placement placement;
-  placement.shard_of = {0, 1, 0, 0, 1};
-  placement.loads = {0, 0};
-  // Each shard's partitions as "group: rank r: name begin-end, …; rank r: …".
-  auto ranges_of = [&](int shard) {
-    std::vector<std::string> out;
-    const v1::SessionSpec mine = client::ShardSpec(spec, placement, {"a:1", "b:2"}, shard);
-    for (const v1::ParameterGroup& g : mine.groups()) {
-      std::string text = g.name() + (g.partition().kind() == v1::PARTITION_KIND_EXPLICIT ? ":" : ": not explicit");
-      for (int r = 0; r < g.partition().ranks_size(); ++r) {
-        text += absl::StrCat(" rank ", r, ":");
-        for (const v1::ParameterRange& range : g.partition().ranks(r).ranges())
-          text += absl::StrCat(" ", range.parameter(), " ", range.begin(), "-", range.end());
-      }
-      out.push_back(text);
-    }
-    return out;
-  };
-  EXPECT_THAT(ranges_of(0),
-              ::testing::ElementsAre("flat: rank 0: x 0-12 rank 1: z 0-6", "explicit: rank 0: u 0-4 rank 1:"));
-  EXPECT_THAT(ranges_of(1),
-              ::testing::ElementsAre("flat: rank 0: y 0-2 rank 1: y 2-5", "explicit: rank 0: v 0-2 rank 1: v 2-4"));
-  // A range naming no parameter of the group stays, for the daemon to refuse naming it.
-  add(rank1, "typo", 0, 1);
-  EXPECT_EQ(ranges_of(0)[1], "explicit: rank 0: u 0-4 rank 1: typo 0-1");
-}
-
 // A ShardedSession is told how its ranks synchronize like every shard: quorum and asynchronous steps
 // are refused as one daemon refuses them on a sharded spec, not run lock-step without a word.
 TEST_F(ShardedSessionTest, QuorumOrAsyncStepsAreRefusedOnShards) {
@@ -653,10 +494,6 @@ TEST_F(ShardedSessionTest, AParametersOutThatDoesNotFitIsRefusedBeforeAnyShardAp
 
 // Sessions of two ranks whose missing rank each daemon gives up on after 5 s: far longer than two
 // ranks sent together take to meet, even on a loaded machine.
-class ShardedRanksTest : public ShardedSessionTest {
- protected:
-  ShardedRanksTest() { extra_flags_ = {"--straggler-timeout", "5"}; }
-};
 
 // With several ranks a step is kept as soon as its prepare went out (a shard holds the rank's part,
 // and another rank's commit could apply it). A later step that fails while one is kept keeps nothing
@@ -713,114 +550,6 @@ TEST_F(ShardedRanksTest, ALaterStepThatFailsDoesNotReplaceTheStepKept) {
   const Tensors b3(spec, 350, 0.3f);
   step_both(3, a3, a3, b3);
   ASSERT_OK(rank0->Close());
-}
-
-// Ranks that hold parts of a session sharded over daemons (docs/ranks.md, Over several daemons):
-// three ranks, each its own ShardedSession over the three shards, holding rows of the Muon matrices
-// and a flat partition of the AdamW group (alignment 4) whose range for rank 2 cuts through emb and
-// b1, which the placement puts on two different daemons (each is given its explicit ranges). Every
-// rank's parts equal, bit for bit, the same parts of one rank stepping the whole gradients on one
-// daemon, with the same global clipping, and a rank that opens the session again reads its parts back.
-class ShardedPartsTest : public ShardedRanksTest {};
-
-TEST_F(ShardedPartsTest, RanksThatHoldPartsStepBitForBitLikeOneRankOnOneDaemon) {
-  constexpr int kRanks = 3;
-  constexpr int kSteps = 3;
-  v1::SessionSpec whole = ModelSpec();
-  whole.clear_qk_clip();  // QK-clip's logits are not this test's subject
-  whole.mutable_groups(0)->mutable_options()->clear_qk_clip_threshold();
-  v1::SessionSpec spec = whole;
-  spec.set_world_size(kRanks);
-  spec.mutable_groups(0)->mutable_partition()->set_kind(v1::PARTITION_KIND_ROWS);
-  spec.mutable_groups(1)->mutable_partition()->set_kind(v1::PARTITION_KIND_FLAT);
-  spec.mutable_groups(1)->mutable_partition()->set_alignment(4);
-  // Each parameter's range for each rank, by the rules of common/partition_rules.h.
-  std::map<std::string, std::vector<ElementRange>> parts;
-  std::vector<std::string> flat_names;
-  std::vector<int64_t> flat_numels;
-  for (const v1::ParameterSpec& p : spec.parameters()) {
-    if (p.group() == "muon") {
-      parts[p.name()] = RowParts({p.shape().begin(), p.shape().end()}, kRanks);
-    } else {
-      flat_names.push_back(p.name());
-      flat_numels.push_back(Numel(p));
-    }
-  }
-  const std::vector<std::vector<ElementRange>> flat = FlatParts(flat_numels, 4, kRanks);
-  for (size_t k = 0; k < flat_names.size(); ++k) parts[flat_names[k]] = flat[k];
-  ASSERT_OK_AND_ASSIGN(const client::Placement placement, client::PlaceSpec(spec, 3));
-  ASSERT_EQ(spec.parameters(0).name(), "emb");
-  ASSERT_EQ(spec.parameters(4).name(), "b1");
-  ASSERT_NE(placement.shard_of[0], placement.shard_of[4]);
-  ASSERT_GT(parts["emb"][2].size(), 0);
-  ASSERT_GT(parts["b1"][2].size(), 0);
-
-  client::ClientOptions one = options_;
-  one.endpoint = endpoints_[3];
-  ASSERT_OK_AND_ASSIGN(single_client_, client::Client::Connect(one));
-  ASSERT_OK_AND_ASSIGN(auto single, single_client_->CreateSession("parts", whole));
-  const Tensors initial(whole, 0, 0.5f);
-  ASSERT_OK(single->UploadParameters(initial.views));
-
-  // Rank r's parts of `tensors`, copied into `data`.
-  auto cut = [&](const Tensors& tensors, int r, std::vector<std::vector<float>>& data) {
-    std::vector<client::TensorView> views;
-    data.assign(tensors.views.size(), {});
-    for (size_t i = 0; i < tensors.views.size(); ++i) {
-      const client::TensorView& t = tensors.views[i];
-      const ElementRange range = parts.at(t.name)[static_cast<size_t>(r)];
-      data[i].assign(t.values.begin() + range.begin, t.values.begin() + range.end);
-      views.push_back({t.name, {range.size()}, data[i]});
-    }
-    return views;
-  };
-  const std::vector<std::string> shards(endpoints_.begin(), endpoints_.begin() + 3);
-  std::vector<std::unique_ptr<client::ShardedSession>> ranks;
-  for (int r = 0; r < kRanks; ++r) {
-    ASSERT_OK_AND_ASSIGN(auto rank, client::ShardedSession::Open(options_, shards, "parts", spec));
-    ASSERT_OK(rank->HoldParts(r));
-    std::vector<std::vector<float>> data;
-    ASSERT_OK(rank->UploadParameters(cut(initial, r, data)));
-    ranks.push_back(std::move(rank));
-  }
-  std::vector<client::ParameterMap> got(kRanks);
-  for (int step = 1; step <= kSteps; ++step) {
-    const Tensors grads(whole, 100 * step, 0.3f);
-    client::StepOptions options = OptionsOf(step);
-    options.qk_logits.clear();
-    std::vector<std::future<absl::StatusOr<client::StepReply>>> sent;
-    for (int r = 0; r < kRanks; ++r) {
-      sent.push_back(std::async(std::launch::async, [&, r] {
-        std::vector<std::vector<float>> data;
-        client::StepOptions mine = options;
-        mine.rank = r;
-        return ranks[static_cast<size_t>(r)]->Step(step, cut(grads, r, data), mine);
-      }));
-    }
-    ASSERT_OK_AND_ASSIGN(client::StepReply want, single->Step(step, grads.views, options));
-    for (int r = 0; r < kRanks; ++r) {
-      absl::StatusOr<client::StepReply> reply = sent[static_cast<size_t>(r)].get();
-      ASSERT_OK(reply.status()) << "rank " << r << " step " << step;
-      // The norm is a sum of squares in fp64 of at most 192 terms per parameter, taken in another
-      // order (the daemon sums an assembled gradient in one pass, a whole one chunk by chunk as it
-      // arrives): each sum within 192·2⁻⁵³ of itself, far below 1e-12 of the norm.
-      EXPECT_NEAR(reply->grad_norm, want.grad_norm, 1e-12 * want.grad_norm) << "rank " << r << " step " << step;
-      got[static_cast<size_t>(r)] = reply->parameters;
-      for (const auto& [name, value] : want.parameters) {
-        const ElementRange range = parts.at(name)[static_cast<size_t>(r)];
-        EXPECT_EQ(got[static_cast<size_t>(r)].at(name),
-                  std::vector<float>(value.begin() + range.begin, value.begin() + range.end))
-            << "rank " << r << " '" << name << "' step " << step;
-      }
-    }
-  }
-  for (int r = 0; r < kRanks; ++r) {
-    ASSERT_OK_AND_ASSIGN(auto reopened, client::ShardedSession::Open(options_, shards, "parts", spec));
-    ASSERT_OK(reopened->HoldParts(r));
-    ASSERT_OK_AND_ASSIGN(client::ParameterMap back, reopened->GetParameters());
-    EXPECT_EQ(back, got[static_cast<size_t>(r)]) << "rank " << r;
-  }
-  ASSERT_OK(ranks[0]->Close());
 }
 
 }  // namespace

@@ -5,13 +5,12 @@ same part of a one-rank session stepping the whole gradient. Covers ``rows`` wit
 ranks (a rank holding nothing), ``flat`` with alignment padding and ranges cutting through
 parameters, ``explicit``, DeepSpeed ZeRO's layouts (``zero``, stages 2 and 3), HSDP (replicas of a
 partition, averaged by weight), mixed partitions per group, Muon on fused QKV and experts, clipping
-on the assembled gradient, a rank killed and restarted mid-step, and the refusals.
+on the assembled gradient, a rank killed and restarted mid-step, and the refusals. The model and the
+rank processes are partition_ranks.py's; parts over several daemons are test_partition_shards.py's.
 """
 
-import io
 import re
 import threading
-import traceback
 import uuid
 
 import grpc
@@ -20,249 +19,13 @@ import torch
 
 import muond
 from muond import partition as part
-from muond import placement
-from muond import session_spec
 from muond._stubs import pb
 from muond.transport import framing
 from muond import wire
 
-from checkpoint_helpers import hand_back_as_set_optimizer_state_dict, keep_as_get_optimizer_state_dict
-from fake_dtensor import FakeDTensor
 from helpers import no_gpu
-from processes import rank_context
-
-WORLD = 3
-WAIT = 300  # seconds: a bound on waiting for an event, never an expected duration
-STEPS = 3
-
-# The model: name → (global shape, group). "qkv" is a fused QKV weight (q, k, v = 4, 2, 2 rows per
-# query group, 2 groups); "experts" three 6×5 matrices; "tiny" has fewer rows (2) than ranks.
-SHAPES = {
-    "w1": (7, 6), "tiny": (2, 6), "qkv": (16, 6), "experts": (3, 6, 5),
-    "emb": (5, 4), "bias": (7,), "scale": (1,),
-    "ex1": (4, 3), "ex2": (5,),
-}
-# Explicit ranges of the last group: rank → {position: (begin, end)}; rank 1 holds nothing of ex2.
-EXPLICIT = [{0: (0, 5), 1: (3, 5)}, {0: (5, 12)}, {1: (0, 3)}]
-
-
-# The second model: a QK-clip pair (2 heads of 4 rows) and a tensor-parallel weight in column blocks.
-QK_SHAPES = {"q": (8, 6), "k": (8, 6), "tp": (6, 8)}
-QK_OPTIONS = {"qk_clip": [("q", "k", 2)], "qk_clip_threshold": 1.0}
-QK_LOGITS = {"q": [5.0, 0.5]}  # head 0 above the threshold: clipped every step
-
-
-def groups_for(world, rank, kinds, model="main"):
-    """The parameter groups of rank ``rank`` (its parts, or whole tensors for ``kinds`` None) and
-    the whole initial values. ``kinds``: the partition kind of each group of ``model``."""
-    gen = torch.Generator().manual_seed(7)
-    shapes_of = SHAPES if model == "main" else QK_SHAPES
-    whole = {n: torch.randn(s, generator=gen) * 0.1 for n, s in shapes_of.items()}
-    layout = [
-        (["w1", "tiny", "experts"], {"optimizer": "muon"}),
-        (["qkv"], {"optimizer": "muon", "qkv_split": (4, 2, 2), "num_query_groups": 2}),
-        (["emb", "bias", "scale"], {"optimizer": "adamw"}),
-        (["ex1", "ex2"], {"optimizer": "adamw", "lr": 3e-3}),
-    ] if model == "main" else [
-        (["q", "k"], {"optimizer": "muon"}),
-        (["tp"], {"optimizer": "muon", "tp_blocks": 2, "tp_block_dim": 1}),
-    ]
-    groups = []
-    for (names, options), kind in zip(layout, kinds or [None] * len(layout)):
-        shapes = [shapes_of[n] for n in names]
-        base = kind[len("hsdp_"):] if kind and kind.startswith("hsdp_") else kind  # HSDP: 2 replicas of it
-        shards = world // 2 if base != kind else world
-        if base is None:
-            partition = None
-        elif base in ("rows", "dtensor"):  # dtensor: FSDP2's parameters themselves
-            partition = part.rows(shapes)
-        elif base == "flat":
-            partition = part.flat(shapes, alignment=4)
-        elif base in ("zero2", "zero3"):
-            partition = part.zero(shapes, shards, stage=int(base[-1]))
-        else:
-            partition = part.explicit(shapes, EXPLICIT)
-        if base != kind:
-            partition = part.replicated(partition, 2)
-        params = []
-        for k, n in enumerate(names):
-            value = whole[n] if partition is None else part.cut(whole[n], partition, k, world, rank)
-            if base == "dtensor":
-                params.append((n, FakeDTensor.make(value.clone(), shapes_of[n], world, rank)))
-            else:
-                params.append((n, value.clone().requires_grad_()))
-        group = {"params": params, **options}
-        if partition is not None:
-            group["partition"] = partition
-        groups.append(group)
-    return groups, whole
-
-
-def whole_grads(step, model="main", replica=0):
-    gen = torch.Generator().manual_seed(100 + step + 1000 * replica)
-    return {n: torch.randn(s, generator=gen) for n, s in (SHAPES if model == "main" else QK_SHAPES).items()}
-
-
-# HSDP: each replica's ranks reduce their own batch, another one per replica, with its weight; a
-# part steps with the weighted mean of its replicas' parts, as one rank stepping that mean does.
-HSDP_WEIGHTS = (1.0, 3.0)
-
-
-def hsdp_mean(step, model="main"):
-    """The replicas' gradients averaged as the daemon averages them: in fp64, in replica order,
-    rounded once to fp32."""
-    grads = [whole_grads(step, model, replica) for replica in range(len(HSDP_WEIGHTS))]
-    total = sum(HSDP_WEIGHTS)
-    return {n: (sum(w * g[n].double() for w, g in zip(HSDP_WEIGHTS, grads)) / total).float() for n in grads[0]}
-
-
-def _run_rank(rank, world, endpoint, session, kinds, transport, options, steps, out, hold_after=None,
-              keep=False, held=None, reload_at=None, model="main", together=None, device="cpu", hsdp=False,
-              through_checkpoint=False):
-    """A rank's process: steps the gradients of the session's next steps up to ``max(steps)``
-    (a restarted rank continues after the session's last step), then answers its parameters and
-    the session's digest. ``hold_after``: after that step, says so and waits to be killed.
-    ``device``: where the rank's parameters and gradients live (a GPU transport's are on CUDA).
-    ``hsdp``: the ranks are two replicas (the first and second half), each with its own gradients
-    and weight; one rank steps their mean. ``through_checkpoint`` ("nested" or "flat", with
-    flatten_optimizer_state_dict): the state dict reloaded at ``reload_at`` goes through what
-    torch.distributed.checkpoint keeps of it (``through_a_distributed_checkpoint``)."""
-    torch.set_num_threads(1)
-    try:
-        groups, _ = groups_for(world, rank, kinds, model)
-        dtensors = {n: p for g in groups for n, p in g["params"] if isinstance(p, FakeDTensor)}
-        for group in groups:
-            group["params"] = [(n, p if n in dtensors else p.detach().to(device).requires_grad_())
-                               for n, p in group["params"]]
-        chosen = {"transport": transport} if transport else {}  # unset: $MUOND_TRANSPORT, as ctest runs both
-        where = {"endpoints": endpoint} if isinstance(endpoint, list) else {"endpoint": endpoint}  # a list: sharded
-        opt = muond.RemoteOptimizer(groups, **where, session=session, world_size=world,
-                                    rank=rank, **chosen, **options)
-        saved = None
-        while opt.last_step < max(steps):
-            step = opt.last_step + 1
-            if hold_after is not None and step > hold_after:
-                held.set()  # not through `out`: a process killed while it holds the queue's lock blocks it
-                threading.Event().wait()
-            replica = rank * 2 // world if hsdp and world > 1 else 0
-            grads = hsdp_mean(step, model) if hsdp and world == 1 else whole_grads(step, model, replica)
-            opt.zero_grad(set_to_none=True)
-            assert all(d.grad is None for d in dtensors.values()), "zero_grad left a DTensor's gradient"
-            if step == 2:
-                for d in dtensors.values():  # as FSDP2 may: a new local tensor for the same values
-                    d._local_tensor = d._local_tensor.clone()
-            for group in opt.param_groups:
-                partition = group.get("partition")
-                for k, (name, p) in enumerate(zip(group["param_names"], group["params"])):
-                    g = grads[name] if partition is None else part.cut(grads[name], partition, k, world, rank)
-                    if name in dtensors:  # as FSDP2's reduce-scatter: on the DTensor, never the shard
-                        assert p is dtensors[name], "param_groups hold another tensor than the DTensor"
-                        p.grad = FakeDTensor.make(g, p.shape, world, rank)
-                    else:
-                        p.grad = g.view(p.shape).to(device)
-            opt.step(qk_logits=QK_LOGITS if model == "qk" else None,
-                     weight=HSDP_WEIGHTS[replica] if hsdp and world > 1 else None)
-            if reload_at is not None and opt.last_step == reload_at:
-                if through_checkpoint:  # "nested" or "flat"
-                    saved = through_a_distributed_checkpoint(opt, dtensors, through_checkpoint == "flat")
-                else:
-                    saved = opt.state_dict()
-            if reload_at is not None and opt.last_step == reload_at + 1 and saved is not None:
-                # As a trainer loads a checkpoint: every rank has its answer first (a load replaces
-                # the parameters an answer still being sent would read), then each loads its parts.
-                together.wait(WAIT)
-                opt.load_state_dict(saved() if callable(saved) else saved)  # back to step reload_at: redone
-                assert opt.last_step == reload_at
-                saved = None
-        params = {n: p.detach().cpu().clone() for n, p in zip(opt._names, opt._params)}
-        # A DTensor's own shard is what FSDP2 gathers for the next forward: the answers landed there.
-        params.update({n: d.to_local().detach().clone() for n, d in dtensors.items()})
-        if rank == 0:  # rank 0 ends the session when it closes: the others may be done before
-            params["digest"] = torch.tensor(list(bytes.fromhex(opt.state_digest().digest)), dtype=torch.uint8)
-        opt.close(keep_session=keep)
-        buffer = io.BytesIO()
-        torch.save(params, buffer)
-        out.put((rank, "ok", buffer.getvalue()))
-    except BaseException:  # noqa: BLE001 - the parent reports it
-        out.put((rank, "error", traceback.format_exc()))
-
-
-def through_a_distributed_checkpoint(opt, dtensors, flatten):
-    """``opt``'s state dict (read now) as torch.distributed.checkpoint's helpers save it and hand
-    it back to this rank (checkpoint_helpers.py; a function of the load): the groups hold the
-    DTensors themselves, their masters are DTensors of their global shape, and the rest is one
-    rank's copy (the same on every rank here)."""
-    names = {id(p): n for g in opt.param_groups for n, p in zip(g["param_names"], g["params"])}
-    for name, d in dtensors.items():
-        assert names.get(id(d)) == name, f"the optimizer's groups do not hold the DTensor '{name}'"
-    kept = keep_as_get_optimizer_state_dict(opt, names, flatten)
-    for name in dtensors:
-        master = kept[f"state.{name}.master"] if flatten else kept["state"][name]["master"]
-        assert isinstance(master, FakeDTensor) and master.shape == dtensors[name].shape, name
-    return lambda: hand_back_as_set_optimizer_state_dict(opt, names, kept, flatten)
-
-
-def run_ranks(endpoint, kinds, transport=None, world=WORLD, options=None, steps=range(1, STEPS + 1),
-              session=None, keep=False, hold=None, reload_at=None, model="main", device="cpu", hsdp=False,
-              through_checkpoint=False):
-    """Every rank in a process of its own, stepping up to ``max(steps)``; their final local
-    parameters (and "digest"). ``hold``: (rank, step) — that rank stops after the step and is
-    SIGKILLed while the others wait in the next one, then a new process of it attaches and
-    continues."""
-    context = rank_context()
-    out = context.Queue()
-    session = session or f"part-{uuid.uuid4().hex[:8]}"
-
-    held = context.Event()
-    together = context.Barrier(world)
-
-    def start(r, hold_after=None):
-        process = context.Process(target=_run_rank, daemon=True,
-                                  args=(r, world, endpoint, session, kinds, transport, options or {},
-                                        list(steps), out, hold_after, keep, held, reload_at, model,
-                                        together, device, hsdp, through_checkpoint))
-        process.start()
-        return process
-
-    processes = {r: start(r, hold[1] if hold and hold[0] == r else None) for r in range(world)}
-    results = {}
-    try:
-        if hold:
-            assert held.wait(WAIT), f"rank {hold[0]} did not reach step {hold[1] + 1}"
-            processes[hold[0]].kill()
-            processes[hold[0]].join(WAIT)
-            processes[hold[0]] = start(hold[0])
-        while len(results) < world:
-            rank, status, body = out.get(timeout=WAIT)
-            assert status == "ok", f"rank {rank} failed:\n{body}"
-            results[rank] = torch.load(io.BytesIO(body))
-    finally:
-        for p in processes.values():
-            if len(results) < world:
-                p.kill()  # the others wait for the failed rank's part: no point waiting for them
-            p.join(WAIT)
-    return results
-
-
-def reference(endpoint, options=None, steps=range(1, STEPS + 1), model="main", hsdp=False):
-    """A one-rank session with whole tensors stepping the whole gradients (``hsdp``: the
-    replicas' weighted mean)."""
-    results = run_ranks(endpoint, None, world=1, options=options, steps=steps, model=model, hsdp=hsdp)
-    return results[0]
-
-
-def expect_parts(results, want, kinds, world=WORLD, model="main"):
-    assert bytes(results[0]["digest"].tolist()) == bytes(want["digest"].tolist()), \
-        "the state digest differs from the whole session's"
-    for rank, got in results.items():
-        rank_groups, _ = groups_for(world, rank, kinds, model)
-        for group in rank_groups:
-            partition = group.get("partition")
-            for k, (name, _) in enumerate(group["params"]):  # noqa: B007
-                expected = want[name] if partition is None else part.cut(want[name], partition, k, world, rank)
-                assert got[name].shape == expected.shape, (rank, name)
-                assert torch.equal(got[name], expected), f"rank {rank}: '{name}' differs from the whole session's"
-
+from partition_ranks import (QK_OPTIONS, WAIT, WORLD, expect_parts, groups_for, one_group_spec, reference,
+                             run_ranks, whole_grads)
 
 @pytest.mark.slow
 @pytest.mark.once  # both transports, named
@@ -346,34 +109,6 @@ def test_hsdp_replicas_average_their_parts_bit_for_bit_like_one_rank(endpoint):
     expect_parts(run_ranks(endpoint, kinds, world=6, hsdp=True), want, kinds, world=6)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("hsdp", [False, True], ids=["parts", "hsdp"])
-def test_parts_on_a_session_sharded_over_daemons_step_bit_for_bit_like_one_rank(start_daemon, hsdp):
-    # The session spread over 3 daemons: w1, tiny and experts of the first group on three different
-    # ones, the flat group's emb and scale on one and bias on another (a flat range cuts through
-    # them, so each daemon gets its ranges as explicit ones), ex1 and ex2 on a daemon that holds
-    # nothing of the flat group. Each rank's parts go to the daemons holding their parameters, and
-    # every part steps bit for bit as one rank with whole tensors on the same daemons, with the same
-    # state digest — through a reload of every rank's state dict, and under HSDP.
-    daemons = [start_daemon() for _ in range(3)]
-    endpoints = [daemon.endpoint for daemon in daemons]
-    names = list(SHAPES)
-    tensors = [placement.Tensor(SHAPES[n], n in ("w1", "tiny", "experts", "qkv"),
-                                (4, 2, 2) if n == "qkv" else None, 2 if n == "qkv" else 1) for n in names]
-    shard_of = dict(zip(names, placement.place(tensors, len(endpoints)).shard_of))
-    assert len({shard_of[n] for n in ("w1", "tiny", "experts")}) == 3
-    assert shard_of["emb"] == shard_of["scale"] != shard_of["bias"]
-    assert shard_of["ex1"] == shard_of["ex2"] not in (shard_of["emb"], shard_of["bias"])
-    world = 6 if hsdp else WORLD
-    # The first group FSDP2's DTensor parameters (rows), but under HSDP, where they are plain parts.
-    kinds = ["hsdp_rows", "hsdp_rows", "hsdp_flat", "hsdp_explicit"] if hsdp else ["dtensor", "rows", "flat", "explicit"]
-    want = reference(endpoints, hsdp=hsdp)
-    expect_parts(run_ranks(endpoints, kinds, world=world, hsdp=hsdp, reload_at=None if hsdp else 2),
-                 want, kinds, world=world)
-    for daemon in daemons:
-        assert daemon.alive(), f"a daemon died:\n{daemon.log_tail()}"
-
-
 @pytest.mark.parametrize("extra", [
     {"reload_at": 2},
     {"hold": (4, 1)},
@@ -431,7 +166,7 @@ def test_hsdp_replicas_start_from_the_first_replicas_parts(endpoint):
 def test_replicas_that_do_not_divide_the_ranks_are_refused(endpoint, replicas, message):
     conn = muond.Connection(endpoint)
     with pytest.raises(muond.MuondError, match=message) as err:
-        conn.create_session(f"bad-{uuid.uuid4().hex[:6]}", _spec(6, pb.Partition(kind=pb.PARTITION_KIND_ROWS,
+        conn.create_session(f"bad-{uuid.uuid4().hex[:6]}", one_group_spec(6, pb.Partition(kind=pb.PARTITION_KIND_ROWS,
                                                                                  replicas=replicas)))
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "spec.groups[0].partition.replicas" in err.value.details
@@ -475,15 +210,6 @@ def test_replicated_parameters_start_from_rank_0s_values(endpoint):
     close_in_reverse(opts)
 
 
-def _spec(world, partition):
-    spec = pb.SessionSpec(world_size=world)
-    group = spec.groups.add(name="g", options=pb.GroupOptions(optimizer=pb.OPTIMIZER_ADAMW))
-    group.partition.CopyFrom(partition)
-    spec.parameters.add(name="a", shape=[4, 3], group="g")
-    spec.parameters.add(name="b", shape=[5], group="g")
-    return spec
-
-
 @pytest.mark.parametrize("replicas", [0, 2])
 @pytest.mark.parametrize("ranges,message", [
     ([[("a", 0, 6)], [("a", 6, 13), ("b", 0, 5)]], r"range \[6, 13\) is outside 'a'"),
@@ -502,13 +228,13 @@ def test_bad_explicit_ranges_are_refused_at_creation(endpoint, ranges, message, 
             entry.ranges.add(parameter=name, begin=begin, end=end)
     conn = muond.Connection(endpoint)
     with pytest.raises(muond.MuondError, match=message) as err:
-        conn.create_session(f"bad-{uuid.uuid4().hex[:6]}", _spec(4 if replicas else 2, given))
+        conn.create_session(f"bad-{uuid.uuid4().hex[:6]}", one_group_spec(4 if replicas else 2, given))
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "spec.groups[0].partition" in err.value.details
 
 
 def test_quorum_and_async_are_refused_with_a_partition(endpoint):
-    spec = _spec(2, pb.Partition(kind=pb.PARTITION_KIND_ROWS))
+    spec = one_group_spec(2, pb.Partition(kind=pb.PARTITION_KIND_ROWS))
     spec.sync.mode = pb.SYNC_MODE_QUORUM
     conn = muond.Connection(endpoint)
     with pytest.raises(muond.MuondError, match=r"spec.sync.mode: lock-step only with partitioned groups"):
@@ -517,71 +243,6 @@ def test_quorum_and_async_are_refused_with_a_partition(endpoint):
     with pytest.raises(ValueError, match="partition: lock-step only"):
         muond.RemoteOptimizer(groups, endpoint=endpoint, session="async-part", world_size=WORLD, rank=0,
                               sync_mode="async", max_staleness=2)
-
-
-@pytest.mark.slow
-def test_parts_over_daemons_survive_a_rank_and_a_shard_killed(start_daemon, tmp_path):
-    # Three daemons under the journal. Rank 2 stops after step 1 and is SIGKILLed while the others
-    # wait in step 2's prepare on every shard; a new process of it attaches, reads its parts back from
-    # each daemon and sends step 2. Then shard 1 is SIGKILLed between steps and restarted at its
-    # address: the ranks attach again and go on. Every part stays bit for bit the whole session's.
-    def flags(k):
-        return ("--state-dir", tmp_path / f"state{k}", "--durability", "journal")
-
-    daemons = [start_daemon(*flags(k), workdir=tmp_path / f"d{k}") for k in range(3)]
-    endpoints = [daemon.endpoint for daemon in daemons]
-    want = reference([start_daemon().endpoint for _ in range(3)])
-    kinds = ["rows", "rows", "flat", "explicit"]
-    session = f"killed-{uuid.uuid4().hex[:8]}"
-    run_ranks(endpoints, kinds, steps=range(1, 3), session=session, keep=True, hold=(2, 1))
-    daemons[1].kill()
-    daemons[1] = start_daemon(*flags(1), listen=endpoints[1], workdir=tmp_path / "d1")
-    expect_parts(run_ranks(endpoints, kinds, session=session), want, kinds)
-
-
-def test_partitions_reach_each_shard_as_the_cpp_client_gives_them():
-    # The example of ShardSpecTest (tests/integration/sharded_session_test.cc): ranks of either
-    # client attach to a sharded session only with identical shard specs.
-    whole = pb.SessionSpec(world_size=2)
-    for name in ("flat", "explicit"):
-        whole.groups.add(name=name, options=pb.GroupOptions(optimizer=pb.OPTIMIZER_ADAMW))
-    whole.groups[0].partition.CopyFrom(pb.Partition(kind=pb.PARTITION_KIND_FLAT, alignment=4))
-    for name, shape, group in (("x", [4, 3], "flat"), ("y", [5], "flat"), ("z", [6], "flat"),
-                               ("u", [4], "explicit"), ("v", [4], "explicit")):
-        whole.parameters.add(name=name, shape=shape, group=group)
-    given = whole.groups[1].partition
-    given.kind = pb.PARTITION_KIND_EXPLICIT
-    given.ranks.add().ranges.extend([pb.ParameterRange(parameter="v", begin=0, end=2),
-                                     pb.ParameterRange(parameter="u", begin=0, end=4)])
-    given.ranks.add().ranges.extend([pb.ParameterRange(parameter="v", begin=2, end=4),
-                                     pb.ParameterRange(parameter="u", begin=4, end=4)])
-
-    def ranges_of(shard, mine):
-        out = []
-        for g in session_spec.shard_spec(whole, shard, mine, ["a:1", "b:2"]).groups:
-            text = g.name + (":" if g.partition.kind == pb.PARTITION_KIND_EXPLICIT else ": not explicit")
-            for r, rank in enumerate(g.partition.ranks):
-                text += f" rank {r}:" + "".join(f" {x.parameter} {x.begin}-{x.end}" for x in rank.ranges)
-            out.append(text)
-        return out
-
-    assert ranges_of(0, [0, 2, 3]) == ["flat: rank 0: x 0-12 rank 1: z 0-6", "explicit: rank 0: u 0-4 rank 1:"]
-    assert ranges_of(1, [1, 4]) == ["flat: rank 0: y 0-2 rank 1: y 2-5", "explicit: rank 0: v 0-2 rank 1: v 2-4"]
-
-
-def test_a_flat_partition_on_a_shard_is_refused_naming_its_kind(endpoint):
-    # A shard holds some of a group's parameters: flat ranges of a subset would be another layout.
-    spec = _spec(2, pb.Partition(kind=pb.PARTITION_KIND_FLAT))
-    spec.shard.endpoints.extend([endpoint, "127.0.0.1:1"])
-    spec.shard.index = 0
-    spec.shard.num_parameters = 3
-    spec.shard.parameters.extend([0, 2])
-    conn = muond.Connection(endpoint)
-    with pytest.raises(muond.MuondError, match=r"spec.groups\[0\].partition.kind: flat cuts through the whole "
-                                                r"group's parameters.*give each shard its ranges as an explicit"):
-        conn.create_session(f"bad-{uuid.uuid4().hex[:6]}", spec)
-    spec.groups[0].partition.CopyFrom(pb.Partition(kind=pb.PARTITION_KIND_ROWS))  # rows: the parameter's own
-    conn.create_session(f"rows-{uuid.uuid4().hex[:6]}", spec)
 
 
 @pytest.mark.slow
