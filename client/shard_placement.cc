@@ -4,6 +4,7 @@
 #include <functional>
 #include <map>
 #include <numeric>
+#include <set>
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
@@ -42,9 +43,9 @@ bool IsMuon(const v1::SessionSpec& spec, const std::string& group) {
 // a flat or explicit one as the explicit ranges of its parameters in the whole group, each shard's
 // in the group's order, empty ones left out; rows stay (each parameter's own rule). A range naming
 // a parameter outside the group stays, for the daemon to refuse naming it.
-void HoldOnShard(const v1::SessionSpec& whole, const std::string& group, const std::vector<std::string>& held,
+void HoldOnShard(const v1::SessionSpec& whole, const std::string& group, const std::set<std::string>& held,
                  v1::Partition& partition) {
-  auto is_held = [&](const std::string& name) { return std::find(held.begin(), held.end(), name) != held.end(); };
+  auto is_held = [&](const std::string& name) { return held.contains(name); };
   const int world_size = std::max(1, whole.world_size());
   const int shards = ShardCount(world_size, partition.replicas());
   // Replicas that do not divide world_size stay as given: the daemon refuses them naming the field.
@@ -182,8 +183,9 @@ v1::SessionSpec ShardSpec(const v1::SessionSpec& whole, const Placement& placeme
     *spec.add_parameters() = whole.parameters(i);
     names.push_back(whole.parameters(i).name());
   }
+  const std::set<std::string> held(names.begin(), names.end());
   for (v1::ParameterGroup& group : *spec.mutable_groups()) {
-    if (group.has_partition()) HoldOnShard(whole, group.name(), names, *group.mutable_partition());
+    if (group.has_partition()) HoldOnShard(whole, group.name(), held, *group.mutable_partition());
   }
   for (const v1::QkClipPair& pair : whole.qk_clip()) {
     if (std::find(names.begin(), names.end(), pair.query()) != names.end()) *spec.add_qk_clip() = pair;
