@@ -15,7 +15,7 @@ namespace muond::testing {
 namespace {
 
 // What each shard's spec holds of a partition, as the Python client gives it
-// (tests/python/test_partition.py checks the same example), so that ranks of either client attach:
+// (tests/python/test_partition_shards.py checks the same example), so that ranks of either client attach:
 // a flat group's ranges over the whole group, an explicit group's ranges of the shard's parameters,
 // each in the group's order and without empty ones. x (12 elements), y (5) and z (6) flat with
 // alignment 4 over 2 ranks: ranges of 14 over [x 0-12 | pad | y 12-17 | pad | z 20-26 | pad].

@@ -66,7 +66,7 @@ def test_parts_over_daemons_survive_a_rank_and_a_shard_killed(start_daemon, tmp_
 
 
 def test_partitions_reach_each_shard_as_the_cpp_client_gives_them():
-    # The example of ShardSpecTest (tests/integration/sharded_session_test.cc): ranks of either
+    # The example of ShardSpecTest (tests/integration/sharded_parts_test.cc): ranks of either
     # client attach to a sharded session only with identical shard specs.
     whole = pb.SessionSpec(world_size=2)
     for name in ("flat", "explicit"):
