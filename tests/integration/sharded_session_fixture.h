@@ -17,7 +17,7 @@
 namespace muond::testing {
 
 inline void AddParameter(v1::SessionSpec& spec, const std::string& name, std::vector<int64_t> shape,
-                  const std::string& group) {
+                         const std::string& group) {
   v1::ParameterSpec* p = spec.add_parameters();
   p->set_name(name);
   for (int64_t d : shape) p->add_shape(d);
